@@ -1,0 +1,1 @@
+"""atomlog id allocator."""

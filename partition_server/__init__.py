@@ -1,0 +1,1 @@
+"""atomlog partition server."""

@@ -1,0 +1,319 @@
+"""Configuration: defaults < TOML file < environment (ATOMLOG_<NAME>) < flags.
+
+Every setting is declared once, here, with its type, default, bounds and meaning;
+`atomlog serve ROLE --help-config` prints them. Loading validates each value and then
+the cross-setting rules (inconsistent limits refuse to start), and reports every
+problem at once. The result is an immutable `Config`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+ROLES = ("partition_server", "coordinator", "id_allocator")
+
+KIB = 1024
+MIB = 1024 * KIB
+
+_ADDRESS = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9\-]{0,61}[a-z0-9])?$")
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; `problems` lists every reason."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: type
+    default: Any
+    meaning: str
+    minimum: int | None = None
+    maximum: int | None = None
+    choices: tuple[str, ...] | None = None
+    check: Callable[[Any], str | None] | None = None  # returns a problem or None
+
+    @property
+    def env_name(self) -> str:
+        return "ATOMLOG_" + self.name.upper().replace(".", "_")
+
+    def parse(self, raw: Any, source: str) -> Any:
+        """Convert and check one value; raise ValueError with a full sentence."""
+        value = self._convert(raw, source)
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"{self.name}={value} from {source} is below the minimum {self.minimum}")
+        if self.maximum is not None and value > self.maximum:
+            raise ValueError(f"{self.name}={value} from {source} is above the maximum {self.maximum}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.name}={value!r} from {source} is not one of {list(self.choices)}")
+        problem = self.check(value) if self.check else None
+        if problem:
+            raise ValueError(f"{self.name}={value!r} from {source}: {problem}")
+        return value
+
+    def _convert(self, raw: Any, source: str) -> Any:
+        if self.kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"{self.name}={raw!r} from {source} is not a boolean")
+        if self.kind is int:
+            if isinstance(raw, bool):
+                raise ValueError(f"{self.name}={raw!r} from {source} is not an integer")
+            try:
+                return int(str(raw).replace("_", ""))
+            except ValueError:
+                raise ValueError(f"{self.name}={raw!r} from {source} is not an integer") from None
+        if not isinstance(raw, (str, int, float)):
+            raise ValueError(f"{self.name}={raw!r} from {source} is not a string")
+        return str(raw)
+
+
+def check_address(value: str) -> str | None:
+    match = _ADDRESS.match(value)
+    if not match:
+        return "expected host:port"
+    if int(match.group("port")) > 65535:
+        return "port above 65535"
+    return None
+
+
+def check_hosts(value: str) -> str | None:
+    hosts = [h for h in value.split(",") if h]
+    if not hosts:
+        return "expected host:port[,host:port...]"
+    for host in hosts:
+        problem = check_address(host)
+        if problem:
+            return f"{host!r}: {problem}"
+    return None
+
+
+def check_chroot(value: str) -> str | None:
+    if not re.match(r"^(/[A-Za-z0-9_.\-]+)+$", value):
+        return "expected an absolute znode path such as /atomlog"
+    return None
+
+
+def check_name(value: str) -> str | None:
+    if value and not _NAME.match(value):
+        return "expected 1-63 characters of [a-z0-9-], starting and ending with a letter or digit"
+    return None
+
+
+COMMON: tuple[Setting, ...] = (
+    Setting("server.name", str, "", "Stable server name (assignments refer to it); "
+            "default: <role>-<hostname>.", check=check_name),
+    Setting("server.listen", str, "127.0.0.1:0", "gRPC listen address (port 0 picks one).",
+            check=check_address),
+    Setting("server.advertised_host", str, "", "Host other processes use to reach this one; "
+            "default: the listen host."),
+    Setting("server.metrics_listen", str, "127.0.0.1:0", "Prometheus /metrics listen address.",
+            check=check_address),
+    Setting("server.data_dir", str, "", "Directory for this server's files (required for "
+            "servers that store data)."),
+    Setting("server.shutdown_grace_ms", int, 10_000, "On SIGTERM, how long in-flight calls may "
+            "drain before they are cancelled.", minimum=0, maximum=600_000),
+    Setting("grpc.max_message_bytes", int, 16 * MIB, "Largest gRPC message sent or received. "
+            "Default: room for a 1 MiB batch limit with many partitions per request.",
+            minimum=64 * KIB, maximum=512 * MIB),
+    Setting("grpc.max_concurrent_rpcs", int, 1_000, "Calls served at once; more are refused "
+            "with RESOURCE_EXHAUSTED.", minimum=1, maximum=100_000),
+    Setting("zookeeper.hosts", str, "127.0.0.1:2181", "ZooKeeper ensemble, host:port,...",
+            check=check_hosts),
+    Setting("zookeeper.chroot", str, "/atomlog", "Root znode of this cluster.",
+            check=check_chroot),
+    Setting("zookeeper.session_timeout_ms", int, 10_000, "ZooKeeper session timeout: how long "
+            "a dead server stays registered. The server may grant less (2-20 ticks).",
+            minimum=1_000, maximum=120_000),
+    Setting("zookeeper.connect_timeout_ms", int, 30_000, "How long start-up waits for "
+            "ZooKeeper before giving up.", minimum=1_000, maximum=600_000),
+    Setting("cluster.tc_partitions", int, 16, "Number of TC partitions; fixed when the cluster "
+            "is created (Pulsar's default, 16). A server configured differently refuses to start.",
+            minimum=1, maximum=1_024),
+    Setting("topics.max_partitions", int, 1_024, "Largest partition count a topic may have.",
+            minimum=1, maximum=100_000),
+    Setting("log.level", str, "INFO", "Log level.",
+            choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Setting("log.format", str, "json", "json: one JSON object per line; text: for people.",
+            choices=("json", "text")),
+)
+
+ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
+    "partition_server": (
+        Setting("partition.max_batch_bytes", int, 1 * MIB, "Largest record batch accepted "
+                "(Kafka's default message.max.bytes is about 1 MiB).",
+                minimum=1 * KIB, maximum=256 * MIB),
+    ),
+    "coordinator": (
+        Setting("transaction.default_timeout_ms", int, 60_000, "Timeout of a transaction "
+                "that asks for none (Kafka: 60 s).", minimum=100, maximum=86_400_000),
+        Setting("transaction.max_timeout_ms", int, 900_000, "Largest timeout a transaction may "
+                "ask for (Kafka: 15 min).", minimum=100, maximum=86_400_000),
+        Setting("transaction.prepared_timeout_ms", int, 1_800_000, "Timeout of a PREPARED "
+                "(two-phase) transaction; longer than max_timeout_ms so a driver can decide.",
+                minimum=100, maximum=604_800_000),
+    ),
+    "id_allocator": (),
+}
+
+
+def settings_for(role: str) -> tuple[Setting, ...]:
+    if role not in ROLE_SETTINGS:
+        raise ValueError(f"unknown role {role!r}; expected one of {list(ROLES)}")
+    return COMMON + ROLE_SETTINGS[role]
+
+
+# Cross-setting rules: (roles, rule). A rule returns a problem or None.
+Rule = Callable[["Config"], str | None]
+
+
+def _batch_fits_message(config: "Config") -> str | None:
+    batch, message = config["partition.max_batch_bytes"], config["grpc.max_message_bytes"]
+    if batch + 64 * KIB > message:
+        return (f"partition.max_batch_bytes ({batch}) plus 64 KiB of request overhead must fit "
+                f"in grpc.max_message_bytes ({message})")
+    return None
+
+
+def _timeouts_ordered(config: "Config") -> str | None:
+    default, maximum = config["transaction.default_timeout_ms"], config["transaction.max_timeout_ms"]
+    prepared = config["transaction.prepared_timeout_ms"]
+    if default > maximum:
+        return (f"transaction.default_timeout_ms ({default}) exceeds "
+                f"transaction.max_timeout_ms ({maximum})")
+    if prepared < maximum:
+        return (f"transaction.prepared_timeout_ms ({prepared}) must be at least "
+                f"transaction.max_timeout_ms ({maximum}), so a PREPARED participant outlives OPEN ones")
+    return None
+
+
+def _data_dir_required(config: "Config") -> str | None:
+    if config.role in ("partition_server",) and not config["server.data_dir"]:
+        return "server.data_dir is required for a partition server"
+    return None
+
+
+RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
+    (("partition_server",), _batch_fits_message),
+    (("coordinator",), _timeouts_ordered),
+    (("partition_server",), _data_dir_required),
+)
+
+
+class Config(Mapping[str, Any]):
+    """Validated, immutable settings of one server, with where each value came from."""
+
+    def __init__(self, role: str, values: dict[str, Any], sources: dict[str, str]):
+        self.role = role
+        self._values = dict(values)
+        self.sources = dict(sources)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def load_config(role: str, file: str | Path | None = None,
+                env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Merge defaults, file, environment and overrides; validate; raise ConfigError."""
+    settings = {s.name: s for s in settings_for(role)}
+    env = os.environ if env is None else env
+    problems: list[str] = []
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if file is not None:
+        try:
+            with open(file, "rb") as handle:
+                layers.append((f"file {file}", _flatten(tomllib.load(handle))))
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            problems.append(f"cannot read config file {file}: {error}")
+    layers.append(("environment", {s.name: env[s.env_name] for s in settings.values()
+                                   if s.env_name in env}))
+    layers.append(("flags", dict(overrides or {})))
+
+    values = {name: s.default for name, s in settings.items()}
+    sources = {name: "default" for name in settings}
+    for source, layer in layers:
+        for name, raw in layer.items():
+            setting = settings.get(name)
+            if setting is None:
+                problems.append(f"unknown setting {name!r} from {source}"
+                                f"{_did_you_mean(name, settings)}")
+                continue
+            try:
+                values[name] = setting.parse(raw, source)
+                sources[name] = source if source != "environment" else setting.env_name
+            except ValueError as error:
+                problems.append(str(error))
+    if problems:
+        raise ConfigError(problems)
+    config = Config(role, values, sources)
+    problems = [p for roles, rule in RULES if role in roles for p in [rule(config)] if p]
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _did_you_mean(name: str, settings: Iterable[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(settings), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def parse_assignments(pairs: Iterable[str]) -> dict[str, str]:
+    """Parse repeated `--set name=value` flags."""
+    result: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError([f"--set expects name=value, got {pair!r}"])
+        result[name.strip()] = value
+    return result
+
+
+def describe(role: str) -> str:
+    """A table of every setting of a role, for --help-config and docs."""
+    rows = []
+    for s in settings_for(role):
+        bounds = ""
+        if s.minimum is not None or s.maximum is not None:
+            bounds = f" [{s.minimum if s.minimum is not None else ''}..{s.maximum if s.maximum is not None else ''}]"
+        if s.choices:
+            bounds = f" {{{'|'.join(s.choices)}}}"
+        rows.append(f"{s.name} = {s.default!r}{bounds}\n    env {s.env_name}. {s.meaning}")
+    return "\n".join(rows)

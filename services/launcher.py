@@ -1,0 +1,298 @@
+"""The local cluster: ZooKeeper and every atomlog service as separate OS processes
+on loopback, described by DIR/cluster.json.
+
+`up` starts only what is not running (so it also restarts a killed process with the
+same name, ports and data directory), then waits until every health check answers
+SERVING. `status` probes each process. `down` stops services with SIGTERM (they drain
+and unregister), then ZooKeeper; stragglers get SIGKILL after the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services import localzk
+
+CLUSTER_FILE = "cluster.json"
+ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server": "ps"}
+START_ORDER = ("zookeeper", "id_allocator", "coordinator", "partition_server")
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class ProcessEntry:
+    name: str
+    role: str
+    grpc_address: str  # for zookeeper: its client address
+    metrics_address: str = ""
+    pid: int = 0
+    data_dir: str = ""
+    log_file: str = ""
+
+
+@dataclass
+class ClusterFile:
+    data_dir: str
+    zookeeper: str
+    chroot: str = "/atomlog"
+    settings: dict[str, str] = field(default_factory=dict)
+    processes: list[ProcessEntry] = field(default_factory=list)
+
+    @property
+    def bootstrap(self) -> str:
+        servers = [p for p in self.processes if p.role == "partition_server"]
+        return servers[0].grpc_address if servers else ""
+
+    def to_json(self) -> dict:
+        return {"version": 1, "bootstrap": self.bootstrap, "zookeeper": self.zookeeper,
+                "chroot": self.chroot, "data_dir": self.data_dir, "settings": self.settings,
+                "processes": [asdict(p) for p in self.processes]}
+
+    @classmethod
+    def load(cls, data_dir: Path) -> "ClusterFile | None":
+        path = data_dir / CLUSTER_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        return cls(data["data_dir"], data["zookeeper"], data.get("chroot", "/atomlog"),
+                   dict(data.get("settings", {})),
+                   [ProcessEntry(**p) for p in data["processes"]])
+
+    def save(self, data_dir: Path) -> None:
+        path = data_dir / CLUSTER_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def process_alive(pid: int, marker: str) -> bool:
+    """True if pid runs and its command line contains marker (guards against pid reuse)."""
+    if pid <= 0:
+        return False
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False  # our own child, just reaped
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            state = handle.read().rsplit(b")", 1)[1].split()[0]
+        if state in (b"Z", b"X"):
+            return False
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return marker in cmdline
+
+
+def marker_of(entry: ProcessEntry) -> str:
+    return f"QuorumPeerMain {entry.data_dir}" if entry.role == "zookeeper" else f"--name {entry.name} "
+
+
+def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str]) -> ClusterFile:
+    """The existing cluster file, extended with any processes the counts add."""
+    cluster = ClusterFile.load(data_dir)
+    if cluster is None:
+        zk_port = free_port()
+        cluster = ClusterFile(str(data_dir), f"127.0.0.1:{zk_port}")
+        cluster.processes.append(ProcessEntry(
+            "zookeeper", "zookeeper", f"127.0.0.1:{zk_port}",
+            data_dir=str(data_dir / "zookeeper"), log_file=str(data_dir / "logs" / "zookeeper.log")))
+    cluster.settings.update(settings)
+    for role in START_ORDER[1:]:
+        existing = [p for p in cluster.processes if p.role == role]
+        for index in range(len(existing), counts.get(role, 0)):
+            name = f"{ROLE_PREFIX[role]}-{index}"
+            cluster.processes.append(ProcessEntry(
+                name, role, f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}",
+                data_dir=str(data_dir / name), log_file=str(data_dir / "logs" / f"{name}.log")))
+    return cluster
+
+
+def service_command(cluster: ClusterFile, entry: ProcessEntry) -> list[str]:
+    command = [sys.executable, "-m", "services", "serve", entry.role.replace("_", "-"),
+               "--name", entry.name, "--listen", entry.grpc_address,
+               "--metrics-listen", entry.metrics_address, "--data-dir", entry.data_dir,
+               "--zookeeper", cluster.zookeeper]
+    for key, value in sorted(cluster.settings.items()):
+        command += ["--set", f"{key}={value}"]
+    return command
+
+
+def spawn(command: list[str], log_file: str, cwd: str | None = None) -> int:
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with open(log_file, "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   cwd=cwd, env=env)
+    return process.pid
+
+
+def health_status(address: str, timeout_s: float = 1.0) -> str:
+    """SERVING, NOT_SERVING, ... or UNREACHABLE."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError:
+        return "UNREACHABLE"
+
+
+def tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class UpReport:
+    cluster: ClusterFile
+    started: list[str]
+    already_running: list[str]
+    seconds: float
+
+
+def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None = None,
+       timeout_s: float = 90.0, progress: Callable[[str], None] = lambda _m: None) -> UpReport:
+    began = time.monotonic()
+    data_dir = data_dir.resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    cluster = plan(data_dir, counts, settings or {})
+    cluster.save(data_dir)
+    started, running = [], []
+
+    zk = next(p for p in cluster.processes if p.role == "zookeeper")
+    if process_alive(zk.pid, marker_of(zk)):
+        running.append(zk.name)
+    else:
+        port = int(zk.grpc_address.rsplit(":", 1)[1])
+        command = localzk.prepare(Path(zk.data_dir), port)
+        progress("starting zookeeper")
+        zk.pid = spawn(command, zk.log_file, cwd=zk.data_dir)
+        started.append(zk.name)
+        cluster.save(data_dir)
+    if not localzk.wait_serving(zk.grpc_address, timeout_s, lambda: process_alive(zk.pid, marker_of(zk))):
+        raise LaunchError(f"zookeeper at {zk.grpc_address} did not start; log {zk.log_file}:\n"
+                          + tail(zk.log_file))
+
+    services = [p for p in cluster.processes if p.role != "zookeeper"]
+    for entry in services:
+        if process_alive(entry.pid, marker_of(entry)):
+            running.append(entry.name)
+            continue
+        Path(entry.data_dir).mkdir(parents=True, exist_ok=True)
+        entry.pid = spawn(service_command(cluster, entry), entry.log_file)
+        started.append(entry.name)
+        progress(f"started {entry.name} (pid {entry.pid})")
+    cluster.save(data_dir)
+
+    deadline = began + timeout_s
+    pending = {e.name: e for e in services}
+    while pending:
+        with ThreadPoolExecutor(max_workers=len(pending)) as pool:
+            states = dict(zip(pending, pool.map(lambda e: health_status(e.grpc_address), pending.values())))
+        for name, state in states.items():
+            entry = pending[name]
+            if state == "SERVING":
+                del pending[name]
+                progress(f"{name} SERVING at {entry.grpc_address}")
+            elif not process_alive(entry.pid, marker_of(entry)):
+                raise LaunchError(f"{name} exited during start-up; log {entry.log_file}:\n"
+                                  + tail(entry.log_file))
+        if pending and time.monotonic() > deadline:
+            raise LaunchError(f"not SERVING after {timeout_s:.0f} s: {', '.join(sorted(pending))}")
+        if pending:
+            time.sleep(0.1)
+    return UpReport(cluster, started, running, time.monotonic() - began)
+
+
+@dataclass
+class ProcessStatus:
+    name: str
+    role: str
+    pid: int
+    running: bool
+    grpc_address: str
+    metrics_address: str
+    health: str
+    log_file: str
+
+
+def status(data_dir: Path) -> list[ProcessStatus]:
+    cluster = ClusterFile.load(data_dir.resolve())
+    if cluster is None:
+        raise LaunchError(f"no cluster in {data_dir} (no {CLUSTER_FILE}); run `atomlog up`")
+
+    def probe(entry: ProcessEntry) -> ProcessStatus:
+        alive = process_alive(entry.pid, marker_of(entry))
+        if entry.role == "zookeeper":
+            health = "SERVING" if alive and localzk.is_serving(entry.grpc_address) else (
+                "NOT_SERVING" if alive else "DOWN")
+        else:
+            health = health_status(entry.grpc_address) if alive else "DOWN"
+        return ProcessStatus(entry.name, entry.role, entry.pid if alive else 0, alive,
+                             entry.grpc_address, entry.metrics_address, health, entry.log_file)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(cluster.processes))) as pool:
+        return list(pool.map(probe, cluster.processes))
+
+
+def _stop(entries: list[ProcessEntry], timeout_s: float) -> tuple[list[str], list[str]]:
+    """SIGTERM, wait, SIGKILL. Returns (stopped cleanly, killed)."""
+    live = [e for e in entries if process_alive(e.pid, marker_of(e))]
+    for entry in live:
+        try:
+            os.kill(entry.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(process_alive(e.pid, marker_of(e)) for e in live):
+        time.sleep(0.05)
+    killed = []
+    for entry in live:
+        if process_alive(entry.pid, marker_of(entry)):
+            os.kill(entry.pid, signal.SIGKILL)
+            killed.append(entry.name)
+    return [e.name for e in live if e.name not in killed], killed
+
+
+def down(data_dir: Path, timeout_s: float = 20.0) -> tuple[list[str], list[str]]:
+    data_dir = data_dir.resolve()
+    cluster = ClusterFile.load(data_dir)
+    if cluster is None:
+        raise LaunchError(f"no cluster in {data_dir} (no {CLUSTER_FILE})")
+    services = [p for p in cluster.processes if p.role != "zookeeper"]
+    stopped, killed = _stop(services, timeout_s)
+    zk_stopped, zk_killed = _stop([p for p in cluster.processes if p.role == "zookeeper"], timeout_s)
+    for entry in cluster.processes:
+        entry.pid = 0
+    cluster.save(data_dir)
+    return stopped + zk_stopped, killed + zk_killed

@@ -1,0 +1,185 @@
+"""Cluster metadata in ZooKeeper, and the MetadataService every server answers.
+
+ZooKeeper layout under the chroot (default /atomlog):
+  /cluster            {"tc_partitions": 16, ...}        fixed at creation
+  /servers/<name>     ephemeral, {"role", "grpc_address", "metrics_address", "pid", ...}
+  /topics/<name>      {"version": 1, "assignment": [server names], "config": {...}}
+  /tc/<k>             the lease of TC partition k (coordinator name, address, epoch)
+A topic is created with a single znode create, so it appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from atomlog.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
+from services.errors import AtomlogError
+from services.logs import event
+from services.topics import (TopicRecord, assign_partitions, validate_partition_count,
+                             validate_topic_config, validate_topic_name)
+from services.zk import SERVERS_PATH, TC_PATH, TOPICS_PATH, ZkSession, aio
+
+log = logging.getLogger("atomlog.metadata")
+
+ROLE_ENUM = {
+    "partition_server": common_pb2.SERVER_ROLE_PARTITION_SERVER,
+    "coordinator": common_pb2.SERVER_ROLE_COORDINATOR,
+    "id_allocator": common_pb2.SERVER_ROLE_ID_ALLOCATOR,
+}
+
+
+@dataclass(frozen=True)
+class ServerEntry:
+    name: str
+    role: str
+    grpc_address: str
+    metrics_address: str
+    version: str
+    registered_unix_ms: int
+
+    @classmethod
+    def from_json(cls, name: str, data: dict[str, Any]) -> "ServerEntry":
+        return cls(name, data.get("role", ""), data.get("grpc_address", ""),
+                   data.get("metrics_address", ""), data.get("version", ""),
+                   int(data.get("registered_unix_ms", 0)))
+
+    def to_proto(self) -> metadata_pb2.ServerInfo:
+        return metadata_pb2.ServerInfo(
+            name=self.name, role=ROLE_ENUM.get(self.role, common_pb2.SERVER_ROLE_UNSPECIFIED),
+            grpc_address=self.grpc_address, metrics_address=self.metrics_address,
+            version=self.version, registered_unix_ms=self.registered_unix_ms)
+
+
+class MetadataStore:
+    """Reads and writes cluster metadata in ZooKeeper (async, via kazoo's async calls)."""
+
+    def __init__(self, zk: ZkSession, tc_partitions: int, max_partitions: int):
+        self.zk = zk
+        self.tc_partitions = tc_partitions
+        self.max_partitions = max_partitions
+
+    async def _children_with_data(self, path: str) -> dict[str, bytes]:
+        client = self.zk.client
+        names = await aio(client.get_children_async(path))
+        results = await asyncio.gather(*(aio(client.get_async(f"{path}/{n}")) for n in names),
+                                       return_exceptions=True)
+        found: dict[str, bytes] = {}
+        for name, result in zip(names, results):
+            if isinstance(result, NoNodeError):
+                continue  # removed between the two reads
+            if isinstance(result, BaseException):
+                raise result
+            found[name] = result[0]
+        return found
+
+    async def servers(self) -> list[ServerEntry]:
+        raw = await self._children_with_data(SERVERS_PATH)
+        return [ServerEntry.from_json(n, json.loads(d or b"{}")) for n, d in sorted(raw.items())]
+
+    async def topics(self, names: Iterable[str] | None = None) -> list[TopicRecord]:
+        client = self.zk.client
+        if names is None:
+            raw = await self._children_with_data(TOPICS_PATH)
+        else:
+            wanted = sorted(set(names))
+            results = await asyncio.gather(
+                *(aio(client.get_async(f"{TOPICS_PATH}/{n}")) for n in wanted),
+                return_exceptions=True)
+            missing = [n for n, r in zip(wanted, results) if isinstance(r, NoNodeError)]
+            if missing:
+                raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                                   f"unknown topic(s): {', '.join(missing)}",
+                                   {"topics": ",".join(missing)})
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            raw = {n: r[0] for n, r in zip(wanted, results)}
+        return [TopicRecord.from_json(n, json.loads(d)) for n, d in sorted(raw.items())]
+
+    async def tc_leases(self) -> dict[int, dict[str, Any]]:
+        raw = await self._children_with_data(TC_PATH)
+        leases = {}
+        for name, data in raw.items():
+            if name.isdigit() and data:
+                leases[int(name)] = json.loads(data)
+        return leases
+
+    async def create_topic(self, name: str, partitions: int, config: dict[str, str],
+                           *, internal: bool = False) -> TopicRecord:
+        """Validate everything, then write the topic in one create; nothing on failure."""
+        validate_topic_name(name, internal_allowed=internal)
+        validate_partition_count(partitions, self.max_partitions)
+        normalized = validate_topic_config(config)
+        servers = [s.name for s in await self.servers() if s.role == "partition_server"]
+        load: dict[str, int] = {}
+        for topic in await self.topics():
+            for owner in topic.assignment:
+                load[owner] = load.get(owner, 0) + 1
+        record = TopicRecord(name, assign_partitions(partitions, servers, load), normalized,
+                             int(time.time() * 1000))
+        try:
+            await aio(self.zk.client.create_async(f"{TOPICS_PATH}/{name}",
+                                                  json.dumps(record.to_json()).encode()))
+        except NodeExistsError:
+            raise AtomlogError("TOPIC_ALREADY_EXISTS", f"topic {name!r} already exists",
+                               {"topic": name}) from None
+        event(log, "topic created", topic=name, partitions=partitions,
+              assignment=record.assignment)
+        return record
+
+
+def topic_to_proto(topic: TopicRecord, servers: dict[str, ServerEntry]) -> metadata_pb2.TopicMetadata:
+    partitions = []
+    for index, owner in enumerate(topic.assignment):
+        entry = servers.get(owner)
+        partitions.append(metadata_pb2.PartitionMetadata(
+            partition=index, server_name=owner,
+            server_address=entry.grpc_address if entry else "", available=entry is not None))
+    return metadata_pb2.TopicMetadata(name=topic.name, partitions=partitions, config=topic.config,
+                                      internal=topic.internal,
+                                      created_unix_ms=topic.created_unix_ms)
+
+
+class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
+    def __init__(self, store: MetadataStore, server_name: str):
+        self.store = store
+        self.server_name = server_name
+
+    async def GetMetadata(self, request, context):
+        for name in request.topics:
+            validate_topic_name(name, internal_allowed=True)
+        servers = {s.name: s for s in await self.store.servers()}
+        topics = await self.store.topics(list(request.topics) or None)
+        leases = await self.store.tc_leases()
+        tc = []
+        for k in range(self.store.tc_partitions):
+            lease = leases.get(k, {})
+            holder = servers.get(lease.get("coordinator_name", ""))
+            tc.append(metadata_pb2.TcPartitionMetadata(
+                tc_partition=k, coordinator_name=holder.name if holder else "",
+                coordinator_address=holder.grpc_address if holder else "",
+                coordinator_epoch=int(lease.get("epoch", 0))))
+        return metadata_pb2.GetMetadataResponse(
+            servers=[s.to_proto() for s in servers.values()],
+            topics=[topic_to_proto(t, servers) for t in topics],
+            tc_partitions=tc, tc_partition_count=self.store.tc_partitions,
+            answered_by=self.server_name)
+
+    async def CreateTopic(self, request, context):
+        record = await self.store.create_topic(request.name, request.partitions,
+                                               dict(request.config))
+        servers = {s.name: s for s in await self.store.servers()}
+        return metadata_pb2.CreateTopicResponse(topic=topic_to_proto(record, servers))
+
+    async def ListTopics(self, request, context):
+        names = await aio(self.store.zk.client.get_children_async(TOPICS_PATH))
+        if not request.include_internal:
+            names = [n for n in names if not n.startswith("__")]
+        return metadata_pb2.ListTopicsResponse(names=sorted(names))

@@ -1,0 +1,52 @@
+"""Process-wide Prometheus metrics shared by every service, and the /metrics endpoint.
+
+Naming: prefix `atomlog_`, base units, counters end in `_total`, latencies are
+histograms, and no label takes unbounded values (methods and codes are bounded sets).
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (Counter, Gauge, Histogram, Info, disable_created_metrics,
+                               start_http_server)
+
+# `_created` series double the exposition size and Prometheus does not need them.
+disable_created_metrics()
+
+# Latency buckets from 100 µs to 10 s: unary calls on loopback take about 0.4 ms.
+LATENCY_BUCKETS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                           0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+BUILD_INFO = Info("atomlog_build", "Version, role and name of this server process.")
+RPC_STARTED = Counter("atomlog_rpc_started_total", "gRPC calls started.", ["method"])
+RPC_HANDLED = Counter("atomlog_rpc_handled_total", "gRPC calls finished, by status code.",
+                      ["method", "code"])
+RPC_LATENCY = Histogram("atomlog_rpc_duration_seconds", "gRPC call handling time.",
+                        ["method"], buckets=LATENCY_BUCKETS_SECONDS)
+RPC_IN_FLIGHT = Gauge("atomlog_rpc_in_flight", "gRPC calls being handled now.")
+ZOOKEEPER_CONNECTED = Gauge("atomlog_zookeeper_connected",
+                            "1 while the ZooKeeper session is connected, else 0.")
+ZOOKEEPER_SESSIONS = Counter("atomlog_zookeeper_sessions_total",
+                             "ZooKeeper sessions established (more than 1 means one expired).")
+SERVING = Gauge("atomlog_serving", "1 while the server's health status is SERVING.")
+
+
+class MetricsEndpoint:
+    """The /metrics HTTP server on its own thread (prometheus_client's)."""
+
+    def __init__(self, host: str, port: int):
+        server, thread = start_http_server(port, addr=host)
+        self._server: WSGIServer = server
+        self._thread: threading.Thread = thread
+        self.host = host
+        self.port = server.server_port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,166 @@
+"""The server bootstrap every atomlog service runs on.
+
+Start-up, in order: logging; the /metrics endpoint; the ZooKeeper session (and the
+fixed cluster settings check); the grpc.aio server with the error/metrics interceptor,
+the standard health service, the MetadataService, the role's own services and server
+reflection; the ephemeral registration; then health SERVING.
+
+Shutdown on SIGTERM or SIGINT, in order: health NOT_SERVING (load balancers and
+probes stop sending), the registration is deleted (clients stop routing here),
+in-flight calls drain for up to server.shutdown_grace_ms, the role's own stop hooks
+run, then the ZooKeeper session and the metrics endpoint close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
+from services import __version__, logs, metrics
+from services.config import Config
+from services.errors import AtomlogError
+from services.interceptors import ErrorsAndMetricsInterceptor
+from services.logs import event
+from services.metadata import MetadataServicer, MetadataStore
+from services.zk import Registration, ZkSession, ensure_cluster
+
+log = logging.getLogger("atomlog.runtime")
+
+# Where each role's `install(runtime) -> list[str]` lives (full service names returned).
+ROLE_MODULES = {
+    "partition_server": "partition_server.server",
+    "coordinator": "coordinator.server",
+    "id_allocator": "id_allocator.server",
+}
+
+StopHook = Callable[[], Awaitable[None]]
+
+
+def default_name(role: str) -> str:
+    host = socket.gethostname().split(".")[0].lower()
+    return f"{role.replace('_', '-')}-{host}"[:63].rstrip("-")
+
+
+class Runtime:
+    """One server process: what a role's install() may use and extend."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.role = config.role
+        self.name = config["server.name"] or default_name(self.role)
+        self.zk = ZkSession(config["zookeeper.hosts"], config["zookeeper.chroot"],
+                            config["zookeeper.session_timeout_ms"],
+                            config["zookeeper.connect_timeout_ms"])
+        max_message = config["grpc.max_message_bytes"]
+        self.server = grpc.aio.server(
+            interceptors=[ErrorsAndMetricsInterceptor()],
+            options=[("grpc.max_send_message_length", max_message),
+                     ("grpc.max_receive_message_length", max_message),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=config["grpc.max_concurrent_rpcs"])
+        self.health = health.aio.HealthServicer()
+        self.metadata = MetadataStore(self.zk, config["cluster.tc_partitions"],
+                                      config["topics.max_partitions"])
+        self.service_names: list[str] = []
+        self.stop_hooks: list[StopHook] = []
+        self.grpc_address = ""
+        self.metrics_endpoint: metrics.MetricsEndpoint | None = None
+        self.registration: Registration | None = None
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        config = self.config
+        host, port = config["server.metrics_listen"].rsplit(":", 1)
+        self.metrics_endpoint = metrics.MetricsEndpoint(host, int(port))
+        metrics.BUILD_INFO.info({"version": __version__, "role": self.role, "name": self.name})
+
+        await asyncio.to_thread(self.zk.start)
+        await asyncio.to_thread(ensure_cluster, self.zk, config["cluster.tc_partitions"])
+
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        metadata_pb2_grpc.add_MetadataServiceServicer_to_server(
+            MetadataServicer(self.metadata, self.name), self.server)
+        self.service_names.append(metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name)
+        module = importlib.import_module(ROLE_MODULES[self.role])
+        self.service_names += await module.install(self)
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], self.server)
+
+        listen = config["server.listen"]
+        try:
+            bound = self.server.add_insecure_port(listen)
+        except RuntimeError as error:
+            raise AtomlogError("INVALID_ARGUMENT", f"cannot listen on {listen}: {error}") from None
+        if bound == 0:
+            raise AtomlogError("INVALID_ARGUMENT", f"cannot listen on {listen}")
+        advertised = config["server.advertised_host"] or listen.rsplit(":", 1)[0]
+        self.grpc_address = f"{advertised}:{bound}"
+        await self.server.start()
+
+        self.registration = Registration(self.zk, self.name, {
+            "role": self.role, "grpc_address": self.grpc_address,
+            "metrics_address": self.metrics_endpoint.address, "pid": os.getpid(),
+            "version": __version__, "registered_unix_ms": int(time.time() * 1000),
+        }, wait_ms=int(config["zookeeper.session_timeout_ms"] * 1.5) + 2_000)
+        await asyncio.to_thread(self.registration.register)
+
+        for service in ["", *self.service_names]:
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        metrics.SERVING.set(1)
+        event(log, "serving", grpc_address=self.grpc_address,
+              metrics_address=self.metrics_endpoint.address, services=self.service_names)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    async def stop(self) -> None:
+        grace_s = self.config["server.shutdown_grace_ms"] / 1000
+        event(log, "stopping", grace_s=grace_s)
+        metrics.SERVING.set(0)
+        await self.health.enter_graceful_shutdown()
+        if self.registration is not None:
+            await asyncio.to_thread(self.registration.unregister)
+        await self.server.stop(grace_s)
+        for hook in reversed(self.stop_hooks):
+            try:
+                await hook()
+            except Exception:  # noqa: BLE001 — keep stopping the rest
+                log.exception("stop hook failed")
+        await asyncio.to_thread(self.zk.stop)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.stop()
+        event(log, "stopped")
+
+
+async def serve(config: Config) -> int:
+    """Run one server until SIGTERM/SIGINT; return the process exit code."""
+    logs.setup(config["log.level"], config["log.format"],
+               server=config["server.name"] or default_name(config.role), role=config.role)
+    runtime = Runtime(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, runtime.request_stop)
+    try:
+        await runtime.start()
+    except AtomlogError as error:
+        event(log, "cannot start", logging.ERROR, reason=error.reason, error=error.message)
+        await runtime.stop()
+        return 2
+    await runtime.wait_stopped()
+    await runtime.stop()
+    return 0

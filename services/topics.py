@@ -1,0 +1,137 @@
+"""Topic rules — pure functions, no I/O: name and config validation, and the even
+assignment of a topic's partitions to partition servers."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from services.errors import AtomlogError
+
+MAX_TOPIC_NAME_LENGTH = 249  # Kafka's limit: leaves room for "-<partition>" in file names
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._\-]+$")
+INTERNAL_PREFIX = "__"
+
+
+@dataclass(frozen=True)
+class TopicSetting:
+    minimum: int | None = None
+    maximum: int | None = None
+    choices: tuple[str, ...] | None = None
+    allow_minus_one: bool = False  # -1 means "no limit"
+
+
+DAY_MS = 86_400_000
+# Per-topic settings a creator may give; everything else is refused.
+TOPIC_SETTINGS: dict[str, TopicSetting] = {
+    "retention.ms": TopicSetting(minimum=1_000, maximum=3650 * DAY_MS, allow_minus_one=True),
+    "retention.bytes": TopicSetting(minimum=1 << 20, maximum=1 << 50, allow_minus_one=True),
+    "segment.bytes": TopicSetting(minimum=1 << 16, maximum=1 << 30),
+    "segment.ms": TopicSetting(minimum=1_000, maximum=365 * DAY_MS),
+    "cleanup.policy": TopicSetting(choices=("delete", "compact")),
+}
+
+
+def validate_topic_name(name: str, *, internal_allowed: bool = False) -> None:
+    if not name:
+        raise AtomlogError("INVALID_TOPIC_NAME", "topic name is empty")
+    if len(name) > MAX_TOPIC_NAME_LENGTH:
+        raise AtomlogError("INVALID_TOPIC_NAME",
+                           f"topic name has {len(name)} characters; at most {MAX_TOPIC_NAME_LENGTH}")
+    if name in (".", ".."):
+        raise AtomlogError("INVALID_TOPIC_NAME", f"topic name {name!r} is not allowed")
+    if not _TOPIC_NAME.match(name):
+        raise AtomlogError("INVALID_TOPIC_NAME",
+                           f"topic name {name!r} has characters outside [a-zA-Z0-9._-]")
+    if name.startswith(INTERNAL_PREFIX) and not internal_allowed:
+        raise AtomlogError("INVALID_TOPIC_NAME",
+                           f"topic name {name!r}: names starting with '__' are reserved for "
+                           "internal topics")
+
+
+def validate_partition_count(partitions: int, max_partitions: int) -> None:
+    if not 1 <= partitions <= max_partitions:
+        raise AtomlogError("INVALID_PARTITION_COUNT",
+                           f"partitions={partitions}; a topic needs between 1 and "
+                           f"{max_partitions} (topics.max_partitions)",
+                           {"max_partitions": str(max_partitions)})
+
+
+def validate_topic_config(config: Mapping[str, str]) -> dict[str, str]:
+    """Check every key and value; return the normalized config."""
+    normalized: dict[str, str] = {}
+    for key, raw in sorted(config.items()):
+        setting = TOPIC_SETTINGS.get(key)
+        if setting is None:
+            raise AtomlogError("INVALID_TOPIC_CONFIG",
+                               f"unknown topic setting {key!r}; known: {sorted(TOPIC_SETTINGS)}")
+        if setting.choices is not None:
+            if raw not in setting.choices:
+                raise AtomlogError("INVALID_TOPIC_CONFIG",
+                                   f"{key}={raw!r} is not one of {list(setting.choices)}")
+            normalized[key] = raw
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise AtomlogError("INVALID_TOPIC_CONFIG", f"{key}={raw!r} is not an integer") from None
+        if not (setting.allow_minus_one and value == -1):
+            if (setting.minimum is not None and value < setting.minimum) or (
+                    setting.maximum is not None and value > setting.maximum):
+                raise AtomlogError("INVALID_TOPIC_CONFIG",
+                                   f"{key}={value} is outside [{setting.minimum}, {setting.maximum}]"
+                                   + (" (or -1 for no limit)" if setting.allow_minus_one else ""))
+        normalized[key] = str(value)
+    return normalized
+
+
+def assign_partitions(partitions: int, servers: list[str],
+                      load: Mapping[str, int] | None = None) -> list[str]:
+    """Owner of each partition: every server gets partitions//len(servers) or one
+    more; the extra ones go to the least loaded servers (by partitions already owned),
+    and consecutive partitions land on different servers."""
+    if not servers:
+        raise AtomlogError("NO_PARTITION_SERVERS",
+                           "no partition server is registered; cannot assign partitions")
+    load = load or {}
+    ordered = sorted(set(servers), key=lambda s: (load.get(s, 0), s))
+    base, extra = divmod(partitions, len(ordered))
+    quota = {s: base + (1 if i < extra else 0) for i, s in enumerate(ordered)}
+    assignment: list[str] = []
+    while len(assignment) < partitions:
+        for server in ordered:
+            if quota[server] > 0:
+                quota[server] -= 1
+                assignment.append(server)
+    return assignment
+
+
+@dataclass
+class TopicRecord:
+    """What ZooKeeper stores at /topics/<name>."""
+
+    name: str
+    assignment: list[str]
+    config: dict[str, str] = field(default_factory=dict)
+    created_unix_ms: int = 0
+    version: int = 1
+
+    @property
+    def partitions(self) -> int:
+        return len(self.assignment)
+
+    @property
+    def internal(self) -> bool:
+        return self.name.startswith(INTERNAL_PREFIX)
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "assignment": self.assignment, "config": self.config,
+                "created_unix_ms": self.created_unix_ms}
+
+    @classmethod
+    def from_json(cls, name: str, data: dict) -> "TopicRecord":
+        if data.get("version") != 1 or not isinstance(data.get("assignment"), list):
+            raise ValueError(f"topic {name!r}: unreadable record {data!r}")
+        return cls(name, list(data["assignment"]), dict(data.get("config", {})),
+                   int(data.get("created_unix_ms", 0)), 1)

@@ -1,0 +1,69 @@
+"""Topic rules (pure): names, config, and the even assignment of partitions."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.errors import AtomlogError
+from services.topics import (assign_partitions, validate_partition_count, validate_topic_config,
+                             validate_topic_name)
+
+
+@pytest.mark.parametrize("name", ["orders", "a", "A.b-c_d", "x" * 249])
+def test_good_names(name):
+    validate_topic_name(name)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "x" * 250, "with space", "slash/y", "ü",
+                                  "__internal"])
+def test_bad_names(name):
+    with pytest.raises(AtomlogError) as raised:
+        validate_topic_name(name)
+    assert raised.value.reason == "INVALID_TOPIC_NAME"
+
+
+def test_internal_names_allowed_only_internally():
+    validate_topic_name("__txn_log-3", internal_allowed=True)
+
+
+def test_partition_count_bounds():
+    validate_partition_count(1, 10)
+    validate_partition_count(10, 10)
+    for bad in (0, -1, 11):
+        with pytest.raises(AtomlogError, match="between 1 and 10"):
+            validate_partition_count(bad, 10)
+
+
+def test_topic_config_validation():
+    assert validate_topic_config({"retention.ms": "-1", "cleanup.policy": "compact"}) == {
+        "retention.ms": "-1", "cleanup.policy": "compact"}
+    for bad in ({"retention.ms": "5"}, {"cleanup.policy": "keep"}, {"segment.bytes": "x"},
+                {"what": "1"}):
+        with pytest.raises(AtomlogError) as raised:
+            validate_topic_config(bad)
+        assert raised.value.reason == "INVALID_TOPIC_CONFIG"
+
+
+def test_no_servers_is_retriable():
+    with pytest.raises(AtomlogError) as raised:
+        assign_partitions(3, [])
+    assert raised.value.reason == "NO_PARTITION_SERVERS" and raised.value.retriable
+
+
+@given(partitions=st.integers(1, 300),
+       servers=st.lists(st.sampled_from([f"ps-{i}" for i in range(12)]), min_size=1, unique=True),
+       load=st.dictionaries(st.sampled_from([f"ps-{i}" for i in range(12)]), st.integers(0, 50)))
+def test_assignment_is_even_and_favours_the_least_loaded(partitions, servers, load):
+    owners = assign_partitions(partitions, servers, load)
+    assert len(owners) == partitions and set(owners) <= set(servers)
+    counts = [owners.count(s) for s in servers]
+    assert max(counts) - min(counts) <= 1
+    if len(servers) > 1 and partitions >= len(servers):
+        assert all(owners[i] != owners[i + 1] for i in range(len(owners) - 1))
+    # A server with more partitions than another here was not more loaded before.
+    for a in servers:
+        for b in servers:
+            if owners.count(a) > owners.count(b):
+                assert (load.get(a, 0), a) <= (load.get(b, 0), b)
