@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services import localzk
 
 CLUSTER_FILE = "cluster.json"
+PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
 ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server": "ps"}
 START_ORDER = ("zookeeper", "id_allocator", "coordinator", "partition_server")
 
@@ -75,10 +76,18 @@ class ClusterFile:
                    [ProcessEntry(**p) for p in data["processes"]])
 
     def save(self, data_dir: Path) -> None:
-        path = data_dir / CLUSTER_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
+        _write_atomically(data_dir / CLUSTER_FILE, json.dumps(self.to_json(), indent=2) + "\n")
+        # Prometheus file-based discovery (deploy/prometheus/prometheus.yml reads it).
+        targets = [{"targets": [p.metrics_address], "labels": {"job": "atomlog", "role": p.role,
+                                                                "instance_name": p.name}}
+                   for p in self.processes if p.metrics_address]
+        _write_atomically(data_dir / PROMETHEUS_TARGETS_FILE, json.dumps(targets, indent=2) + "\n")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def free_port() -> int:
