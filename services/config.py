@@ -158,6 +158,39 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("partition.max_batch_bytes", int, 1 * MIB, "Largest record batch accepted "
                 "(Kafka's default message.max.bytes is about 1 MiB).",
                 minimum=1 * KIB, maximum=256 * MIB),
+        Setting("partition.flush_policy", str, "fsync", "fsync: acknowledge a produce only "
+                "after its batches are fsynced (group commit); none: acknowledge after the "
+                "write, leaving durability to the OS (faster, loses data on power failure).",
+                choices=("fsync", "none")),
+        Setting("partition.max_group_bytes", int, 8 * MIB, "Most bytes one partition appends "
+                "per group commit (one write, one fsync).", minimum=64 * KIB, maximum=1024 * MIB),
+        Setting("partition.max_queued_requests", int, 1_000, "Produce requests waiting per "
+                "partition; more are refused with RESOURCE_EXHAUSTED.", minimum=1, maximum=1_000_000),
+        Setting("partition.max_producers", int, 10_000, "Idempotent producers tracked per "
+                "partition; a new one past it is refused with RESOURCE_EXHAUSTED.",
+                minimum=1, maximum=10_000_000),
+        Setting("partition.producer_idle_expiry_ms", int, 86_400_000, "A producer silent this "
+                "long is forgotten (Kafka's default: 1 day); must outlast client retries.",
+                minimum=60_000, maximum=365 * 86_400_000),
+        Setting("partition.snapshot_interval_batches", int, 1_000, "Producer-state snapshot "
+                "every N appended batches (Pulsar snapshots every 1000 changes).",
+                minimum=1, maximum=10_000_000),
+        Setting("partition.snapshot_interval_ms", int, 5_000, "... or every T ms if anything "
+                "changed (Pulsar: 5 s).", minimum=100, maximum=3_600_000),
+        Setting("partition.fetch_max_wait_ms", int, 30_000, "Longest long-poll a Fetch may ask "
+                "for.", minimum=0, maximum=600_000),
+        Setting("partition.fetch_default_max_bytes", int, 4 * MIB, "Bytes per partition a Fetch "
+                "returns when it names no limit.", minimum=1 * KIB, maximum=256 * MIB),
+        Setting("storage.segment_bytes", int, 256 * MIB, "Roll to a new segment past this size.",
+                minimum=64 * KIB, maximum=1024 * MIB),
+        Setting("storage.segment_ms", int, 7 * 86_400_000, "Roll to a new segment after this age.",
+                minimum=1_000, maximum=365 * 86_400_000),
+        Setting("storage.retention_bytes", int, -1, "Delete the oldest segments past this size per "
+                "partition; -1: no limit.", minimum=-1, maximum=1 << 50),
+        Setting("storage.retention_ms", int, 7 * 86_400_000, "Delete segments older than this; "
+                "-1: keep for ever.", minimum=-1, maximum=3650 * 86_400_000),
+        Setting("storage.index_interval_bytes", int, 4 * KIB, "One sparse index entry per this "
+                "many bytes of log.", minimum=64, maximum=16 * MIB),
     ),
     "coordinator": (
         Setting("transaction.default_timeout_ms", int, 60_000, "Timeout of a transaction "
@@ -168,7 +201,29 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "(two-phase) transaction; longer than max_timeout_ms so a driver can decide.",
                 minimum=100, maximum=604_800_000),
     ),
-    "id_allocator": (),
+    "id_allocator": (
+        Setting("id_allocator.default_block_size", int, 1_000, "Producer ids per block when a "
+                "request asks for 0 (Kafka's block size, 1000).", minimum=1, maximum=1_000_000),
+        Setting("id_allocator.max_block_size", int, 1_000_000, "Largest block a request may ask "
+                "for; larger counts fail with INVALID_ARGUMENT.", minimum=1, maximum=1_000_000_000),
+        Setting("id_allocator.cas_max_attempts", int, 16, "Compare-and-set attempts per "
+                "allocation before it fails with ID_ALLOCATION_CONFLICT (retriable). Two busy "
+                "allocators rarely lose more than 3 in a row.", minimum=1, maximum=1_000),
+        Setting("id_allocator.cas_backoff_initial_ms", int, 1, "Backoff bound before the first "
+                "retry after a lost compare-and-set; doubles per retry, full jitter.",
+                minimum=0, maximum=10_000),
+        Setting("id_allocator.cas_backoff_max_ms", int, 50, "Largest backoff bound between "
+                "compare-and-set retries.", minimum=0, maximum=60_000),
+        Setting("id_allocator.zookeeper_op_timeout_ms", int, 5_000, "Longest wait for one "
+                "ZooKeeper read or write; a write that times out is an uncertain outcome whose "
+                "block is issued only if a re-read proves it ours.", minimum=100, maximum=120_000),
+        Setting("id_allocator.max_pending_requests", int, 1_000, "Allocation requests queued in "
+                "one process; more are refused with RESOURCE_EXHAUSTED (grpc.max_concurrent_rpcs "
+                "is 1000 by default).", minimum=1, maximum=100_000),
+        Setting("id_allocator.max_requests_per_write", int, 64, "Queued requests served by one "
+                "compare-and-set (one ZooKeeper write issues a block to each).",
+                minimum=1, maximum=10_000),
+    ),
 }
 
 
@@ -202,6 +257,29 @@ def _timeouts_ordered(config: "Config") -> str | None:
     return None
 
 
+def _id_allocator_limits_ordered(config: "Config") -> str | None:
+    default, maximum = config["id_allocator.default_block_size"], config["id_allocator.max_block_size"]
+    if default > maximum:
+        return (f"id_allocator.default_block_size ({default}) exceeds "
+                f"id_allocator.max_block_size ({maximum})")
+    initial, most = config["id_allocator.cas_backoff_initial_ms"], config["id_allocator.cas_backoff_max_ms"]
+    if initial > most:
+        return (f"id_allocator.cas_backoff_initial_ms ({initial}) exceeds "
+                f"id_allocator.cas_backoff_max_ms ({most})")
+    return None
+
+
+def _group_fits_batches(config: "Config") -> str | None:
+    batch, group = config["partition.max_batch_bytes"], config["partition.max_group_bytes"]
+    if group < batch:
+        return (f"partition.max_group_bytes ({group}) must be at least "
+                f"partition.max_batch_bytes ({batch}), or a full batch could never be written")
+    if config["storage.segment_bytes"] < batch:
+        return (f"storage.segment_bytes ({config['storage.segment_bytes']}) must be at least "
+                f"partition.max_batch_bytes ({batch})")
+    return None
+
+
 def _data_dir_required(config: "Config") -> str | None:
     if config.role in ("partition_server",) and not config["server.data_dir"]:
         return "server.data_dir is required for a partition server"
@@ -212,6 +290,8 @@ RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
     (("partition_server",), _batch_fits_message),
     (("coordinator",), _timeouts_ordered),
     (("partition_server",), _data_dir_required),
+    (("partition_server",), _group_fits_batches),
+    (("id_allocator",), _id_allocator_limits_ordered),
 )
 
 

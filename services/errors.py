@@ -90,6 +90,12 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "The server has no ZooKeeper session right now; it recovers by itself when ZooKeeper returns."),
     _r("SHUTTING_DOWN", SC.UNAVAILABLE, RETRY, S,
        "The server is draining before it stops; retry elsewhere or later."),
+    _r("SERVER_UNAVAILABLE", SC.UNAVAILABLE, RETRY, S,
+       "The server could not be reached (connection refused or lost); set by clients for "
+       "transport failures that carry no ErrorInfo."),
+    _r("REQUEST_TIMED_OUT", SC.DEADLINE_EXCEEDED, RETRY, S,
+       "No answer within the call's deadline: the outcome is unknown. Idempotent calls "
+       "(produce with a producer id, markers, commits) are safe to retry."),
     _r("RESOURCE_EXHAUSTED", SC.RESOURCE_EXHAUSTED, RETRY, S,
        "A configured limit was hit (queue, table, in-flight requests); metadata names the limit."),
     _r("DATA_LOSS", SC.DATA_LOSS, FATAL, S,
@@ -112,6 +118,9 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "The 64-bit producer-id space is used up."),
     _r("ID_ALLOCATION_CONFLICT", SC.ABORTED, RETRY, S,
        "Concurrent allocators kept winning the compare-and-set; no block was issued."),
+    _r("PRODUCER_ID_BLOCK_CORRUPT", SC.DATA_LOSS, FATAL, S,
+       "The /producer_id_block znode does not hold a valid block record, or went backwards "
+       "(deleted or restored by hand); no producer ids are issued until an operator repairs it."),
     # Transactions.
     _r("COORDINATOR_LOADING", SC.UNAVAILABLE, RETRY, S,
        "The TC partition is loading its log after a lease change."),
@@ -220,7 +229,8 @@ _REASON_FOR_BARE_CODE = {
     SC.INVALID_ARGUMENT: "INVALID_ARGUMENT",
     SC.UNIMPLEMENTED: "UNIMPLEMENTED",
     SC.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
-    SC.UNAVAILABLE: "SHUTTING_DOWN",
+    SC.UNAVAILABLE: "SERVER_UNAVAILABLE",
+    SC.DEADLINE_EXCEEDED: "REQUEST_TIMED_OUT",
 }
 
 

@@ -1,0 +1,125 @@
+"""Connections and metadata for the SDK: one gRPC channel per server address, and a
+cache of topic → partition → owner that is refreshed when a server says it is stale
+(NOT_PARTITION_OWNER, UNKNOWN_TOPIC_OR_PARTITION, an unreachable owner)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
+from spark_client import errors
+
+# Channel options: messages up to 64 MiB (fetches of many partitions), keepalive so a
+# dead server is noticed, and no transparent retry of non-idempotent calls beyond gRPC's.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+METADATA_TIMEOUT_S = 10.0
+METADATA_MIN_REFRESH_INTERVAL_S = 0.05  # bound refresh storms after many routing errors
+
+
+@dataclass(frozen=True)
+class PartitionRoute:
+    topic: str
+    partition: int
+    server_name: str
+    address: str  # empty when the owner is down
+
+
+class Channels:
+    """One channel per address, shared by every producer and consumer of a Client."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = channel
+            return channel
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class MetadataCache:
+    def __init__(self, bootstrap: list[str], channels: Channels):
+        if not bootstrap:
+            raise ValueError("at least one bootstrap address is needed")
+        self.bootstrap = list(bootstrap)
+        self.channels = channels
+        self._lock = threading.Lock()
+        self._topics: dict[str, list[PartitionRoute]] = {}
+        self._servers: list[str] = []
+        self._refreshed_at = 0.0
+        self.tc_partition_count = 0
+        self.tc_routes: dict[int, str] = {}
+
+    def _stub(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:
+        return metadata_pb2_grpc.MetadataServiceStub(self.channels.get(address))
+
+    def call(self, method: str, request, timeout: float = METADATA_TIMEOUT_S):
+        """Call a MetadataService method on any reachable server (bootstrap first)."""
+        candidates = list(dict.fromkeys(self.bootstrap + self._servers))
+        random.shuffle(candidates[len(self.bootstrap):])
+        last: Exception | None = None
+        for address in candidates:
+            try:
+                return getattr(self._stub(address), method)(request, timeout=timeout)
+            except grpc.RpcError as rpc_error:
+                error = errors.from_grpc(rpc_error)
+                if error.reason not in ("SERVER_UNAVAILABLE", "SHUTTING_DOWN", "REQUEST_TIMED_OUT",
+                                        "ZOOKEEPER_UNAVAILABLE"):
+                    raise error from None
+                last = error
+        raise last or errors.error_for("SERVER_UNAVAILABLE", "no server reachable")
+
+    def refresh(self, topics: list[str] | None = None) -> None:
+        with self._lock:
+            wait = self._refreshed_at + METADATA_MIN_REFRESH_INTERVAL_S - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        reply = self.call("GetMetadata", metadata_pb2.GetMetadataRequest(topics=topics or []))
+        with self._lock:
+            for topic in reply.topics:
+                self._topics[topic.name] = [
+                    PartitionRoute(topic.name, p.partition, p.server_name, p.server_address)
+                    for p in sorted(topic.partitions, key=lambda p: p.partition)]
+            self._servers = [s.grpc_address for s in reply.servers]
+            self.tc_partition_count = reply.tc_partition_count
+            self.tc_routes = {t.tc_partition: t.coordinator_address for t in reply.tc_partitions}
+            self._refreshed_at = time.monotonic()
+
+    def partitions(self, topic: str) -> list[PartitionRoute]:
+        with self._lock:
+            routes = self._topics.get(topic)
+        if routes is None:
+            self.refresh([topic])
+            with self._lock:
+                routes = self._topics[topic]
+        return routes
+
+    def route(self, topic: str, partition: int) -> PartitionRoute:
+        routes = self.partitions(topic)
+        if not 0 <= partition < len(routes):
+            raise errors.UnknownTopicOrPartition(
+                f"topic {topic!r} has {len(routes)} partitions; no partition {partition}")
+        return routes[partition]
+
+    def invalidate(self, topic: str) -> None:
+        with self._lock:
+            self._topics.pop(topic, None)
