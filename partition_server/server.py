@@ -1,20 +1,46 @@
-"""Partition server process: what `atomlog serve partition-server` installs.
-
-Today it registers, serves health, metrics and metadata, and exposes the
-PartitionService contract; the storage engine (issue 3) and transaction buffer
-(issue 6) fill in the RPCs, which answer UNIMPLEMENTED until then.
-"""
+"""Partition server process: what `atomlog serve partition-server` installs — the
+partition manager (ownership from ZooKeeper, one owner task per partition) and the
+PartitionService. Subscriptions, acks and transaction markers answer UNIMPLEMENTED
+until the transaction buffer lands (issue 6)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
+from partition_server.log import LogConfig
+from partition_server.manager import PartitionManager
+from partition_server.owner import OwnerSettings
+from partition_server.service import PartitionServicer
 from services.grpcutil import service_name
 
 
-class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
-    """Every RPC answers UNIMPLEMENTED (with an ErrorInfo) until the storage engine lands."""
+def owner_settings(config) -> OwnerSettings:
+    return OwnerSettings(
+        log=LogConfig(segment_bytes=config["storage.segment_bytes"],
+                      segment_ms=config["storage.segment_ms"],
+                      retention_bytes=config["storage.retention_bytes"],
+                      retention_ms=config["storage.retention_ms"],
+                      index_interval_bytes=config["storage.index_interval_bytes"],
+                      max_batch_bytes=config["partition.max_batch_bytes"]),
+        fsync=config["partition.flush_policy"] == "fsync",
+        max_group_bytes=config["partition.max_group_bytes"],
+        max_queued_requests=config["partition.max_queued_requests"],
+        max_producers=config["partition.max_producers"],
+        producer_idle_expiry_ms=config["partition.producer_idle_expiry_ms"],
+        snapshot_interval_batches=config["partition.snapshot_interval_batches"],
+        snapshot_interval_ms=config["partition.snapshot_interval_ms"],
+    )
 
 
 async def install(runtime) -> list[str]:
-    partition_pb2_grpc.add_PartitionServiceServicer_to_server(PartitionServicer(), runtime.server)
+    config = runtime.config
+    manager = PartitionManager(Path(config["server.data_dir"]) / "partitions", runtime.name,
+                               runtime.zk, owner_settings(config))
+    await manager.start()
+    runtime.stop_hooks.append(manager.close)
+    servicer = PartitionServicer(manager, runtime.metadata, config["partition.max_batch_bytes"],
+                                 config["partition.fetch_max_wait_ms"],
+                                 config["partition.fetch_default_max_bytes"])
+    partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, runtime.server)
     return [service_name(partition_pb2, "PartitionService")]

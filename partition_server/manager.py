@@ -1,0 +1,106 @@
+"""All partitions of one server: which it owns (from ZooKeeper), their owners, and the
+periodic chores (producer expiry, retention)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from pathlib import Path
+
+from partition_server import metrics as m
+from partition_server.assignments import Assignments
+from partition_server.owner import OwnerSettings, PartitionOwner, State
+from services.errors import AtomlogError
+
+log = logging.getLogger("atomlog.partition.manager")
+
+OPEN_CONCURRENCY = 4  # partitions recovering at once at start-up
+CHORE_INTERVAL_S = 30.0
+_DIRECTORY = re.compile(r"^(?P<topic>.+)-(?P<partition>\d+)$")
+
+
+class NotOwner(Exception):
+    def __init__(self, owner: str | None):
+        self.owner = owner
+
+
+class PartitionManager:
+    def __init__(self, data_dir: Path, server_name: str, zk, settings: OwnerSettings):
+        self.data_dir = data_dir
+        self.server_name = server_name
+        self.zk = zk
+        self.settings = settings
+        self.owners: dict[tuple[str, int], PartitionOwner] = {}
+        self.assignments: Assignments | None = None
+        self._opening: set[tuple[str, int]] = set()
+        self._semaphore = asyncio.Semaphore(OPEN_CONCURRENCY)
+        self._tasks: set[asyncio.Task] = set()
+        self._chores: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        self.assignments = Assignments(self.zk, self.server_name, loop, self._reconcile)
+        await asyncio.to_thread(self.assignments.start)
+        await self.assignments.ready.wait()
+        await asyncio.gather(*list(self._tasks))
+        self._chores = asyncio.create_task(self._run_chores(), name="partition chores")
+
+    def _reconcile(self) -> None:
+        """Open every newly owned partition (in the background)."""
+        for key in self.assignments.owned():
+            if key in self.owners or key in self._opening:
+                continue
+            self._opening.add(key)
+            task = asyncio.create_task(self._open(*key), name=f"open {key[0]}-{key[1]}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _open(self, topic: str, partition: int) -> None:
+        owner = PartitionOwner(topic, partition, self.data_dir / f"{topic}-{partition}",
+                               self.settings)
+        self.owners[(topic, partition)] = owner  # visible as LOADING meanwhile
+        try:
+            async with self._semaphore:
+                await owner.start()
+            m.PARTITIONS_ONLINE.inc() if owner.state is State.ONLINE else None
+        except Exception:  # noqa: BLE001 — the partition stays LOADING-failed; logged
+            log.exception("cannot open partition %s-%s", topic, partition)
+        finally:
+            self._opening.discard((topic, partition))
+
+    def owner(self, topic: str, partition: int) -> PartitionOwner:
+        """The owner of a partition hosted here; raise NotOwner / UNKNOWN_TOPIC_OR_PARTITION."""
+        found = self.owners.get((topic, partition))
+        if found is not None:
+            return found
+        owner_name = self.assignments.owner_of(topic, partition) if self.assignments else None
+        if owner_name is None:
+            record = self.assignments.topic(topic) if self.assignments else None
+            detail = (f"topic {topic!r} has {record.partitions} partitions" if record
+                      else f"unknown topic {topic!r}")
+            raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                               f"no partition {topic}-{partition}: {detail}",
+                               {"topic": topic, "partition": str(partition)})
+        if owner_name == self.server_name:  # assigned here, still being opened
+            raise AtomlogError("PARTITION_LOADING", f"partition {topic}-{partition} is opening",
+                               {"retry_after_ms": "100"})
+        raise NotOwner(owner_name)
+
+    async def _run_chores(self) -> None:
+        while True:
+            await asyncio.sleep(CHORE_INTERVAL_S)
+            for owner in list(self.owners.values()):
+                try:
+                    owner.expire_producers()
+                    await owner.apply_retention()
+                except Exception:  # noqa: BLE001 — logged, retried next round
+                    log.exception("chores failed on %s", owner.name)
+
+    async def close(self) -> None:
+        if self._chores is not None:
+            self._chores.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*(o.close() for o in self.owners.values()), return_exceptions=True)

@@ -1,0 +1,559 @@
+"""The record batch: atomlog's one binary data format, shared by the server and the SDK.
+
+Pure: no I/O, no clock except `encode_batch`'s default timestamp. The byte-exact layout is
+documented in docs/record-format.md; the constants below are the single source of truth
+and a test checks the doc's header table against them.
+
+A batch is a fixed 77-byte big-endian header followed by its records (possibly compressed
+as one block). The server touches headers only (`parse_header`, `validate_batch`,
+`iter_batches`, `with_base_offset`); `decode_records` is for clients.
+
+    offset size type    field
+    0      8    int64   base_offset          set by the server; producers send 0
+    8      4    int32   batch_length         bytes after this field (= batch size - 12)
+    12     1    int8    magic                = 1
+    13     8    int64   log_append_time_ms   set by the server; producers send -1
+    21     4    uint32  crc                  CRC32C of bytes [25, end of batch)
+    25     2    int16   attributes           bits 0-2 compression, 4 transactional, 5 control
+    27     4    int32   last_offset_delta    = record_count - 1
+    31     4    int32   record_count         >= 1
+    35     8    int64   base_timestamp_ms    timestamp of the first record
+    43     8    int64   max_timestamp_ms     largest record timestamp (>= base)
+    51     8    int64   producer_id          0 = not idempotent; ids start at 1
+    59     2    uint16  producer_epoch       0 when producer_id is 0
+    61     4    int32   base_sequence        -1 = none (required when producer_id is 0)
+    65     4    uint32  txn_tc_partition     } transaction id; both 0 = not transactional
+    69     8    uint64  txn_sequence         } (TC sequences start at 1)
+    77          records
+
+The two server-written fields (base_offset, log_append_time_ms) sit before the CRC, so the
+server stamps a batch without recomputing its checksum; everything a producer decides is
+covered by the CRC.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import crc32c
+import lz4.frame
+import zstandard
+
+from services.errors import AtomlogError
+
+# --- Layout -------------------------------------------------------------------------------
+
+MAGIC = 1
+# (field, offset, size, type): the header table of docs/record-format.md (a test compares).
+HEADER_FIELDS = (
+    ("base_offset", 0, 8, "int64"),
+    ("batch_length", 8, 4, "int32"),
+    ("magic", 12, 1, "int8"),
+    ("log_append_time_ms", 13, 8, "int64"),
+    ("crc", 21, 4, "uint32"),
+    ("attributes", 25, 2, "int16"),
+    ("last_offset_delta", 27, 4, "int32"),
+    ("record_count", 31, 4, "int32"),
+    ("base_timestamp_ms", 35, 8, "int64"),
+    ("max_timestamp_ms", 43, 8, "int64"),
+    ("producer_id", 51, 8, "int64"),
+    ("producer_epoch", 59, 2, "uint16"),
+    ("base_sequence", 61, 4, "int32"),
+    ("txn_tc_partition", 65, 4, "uint32"),
+    ("txn_sequence", 69, 8, "uint64"),
+)
+HEADER = struct.Struct(">qibqIhiiqqqHiIQ")
+HEADER_SIZE = HEADER.size  # 77
+# The prefix the server rewrites: base_offset, batch_length, magic, log_append_time_ms.
+PREFIX = struct.Struct(">qibq")
+PREFIX_SIZE = PREFIX.size  # 21
+LENGTH_FIELD_END = 12  # batch_length counts the bytes after offset 12
+CRC_OFFSET = PREFIX_SIZE  # 21
+CRC_COVERED_FROM = CRC_OFFSET + 4  # 25: the CRC covers [25, end of batch)
+MIN_BATCH_LENGTH = HEADER_SIZE - LENGTH_FIELD_END  # 65: a header with an empty body
+
+ATTR_COMPRESSION_MASK = 0x0007
+ATTR_TRANSACTIONAL = 0x0010
+ATTR_CONTROL = 0x0020
+ATTR_KNOWN_BITS = ATTR_COMPRESSION_MASK | ATTR_TRANSACTIONAL | ATTR_CONTROL
+
+NO_PRODUCER_ID = 0
+NO_SEQUENCE = -1
+NO_TIMESTAMP = -1  # what producers put in log_append_time_ms
+PRODUCER_EPOCH_MAX = 0xFFFF  # stored as uint16; the coordinator rotates the id before this
+INT32_MAX = 2**31 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+# The default batch size limit (partition.max_batch_bytes): Kafka's max.message.bytes is 1 MiB.
+DEFAULT_MAX_BATCH_BYTES = 1 << 20
+# decode_records refuses to inflate a compressed block past this (decompression bombs).
+DEFAULT_MAX_UNCOMPRESSED_BYTES = 64 << 20
+
+
+class Compression(enum.IntEnum):
+    NONE = 0
+    ZSTD = 1
+    LZ4 = 2
+
+
+class ControlType(enum.IntEnum):
+    """The marker type a control record's key carries (same numbers as Kafka's)."""
+
+    ABORT = 0
+    COMMIT = 1
+
+
+class TxnId(NamedTuple):
+    """Transaction id: owning TC partition and its per-TC sequence (both 0 = none)."""
+
+    tc_partition: int
+    sequence: int
+
+
+class BatchHeader(NamedTuple):
+    """A parsed batch header. Immutable value object (a NamedTuple rather than a dataclass:
+    servers build one per batch on hot paths, and tuple construction is ~5x cheaper)."""
+
+    base_offset: int
+    batch_length: int
+    magic: int
+    log_append_time_ms: int
+    crc: int
+    attributes: int
+    last_offset_delta: int
+    record_count: int
+    base_timestamp_ms: int
+    max_timestamp_ms: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    txn_tc_partition: int
+    txn_sequence: int
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole batch, header included."""
+        return self.batch_length + LENGTH_FIELD_END
+
+    @property
+    def last_offset(self) -> int:
+        return self.base_offset + self.last_offset_delta
+
+    @property
+    def next_offset(self) -> int:
+        return self.base_offset + self.last_offset_delta + 1
+
+    @property
+    def compression(self) -> Compression:
+        return Compression(self.attributes & ATTR_COMPRESSION_MASK)
+
+    @property
+    def is_transactional(self) -> bool:
+        return bool(self.attributes & ATTR_TRANSACTIONAL)
+
+    @property
+    def is_control(self) -> bool:
+        return bool(self.attributes & ATTR_CONTROL)
+
+    @property
+    def txn(self) -> TxnId | None:
+        if self.txn_tc_partition == 0 and self.txn_sequence == 0:
+            return None
+        return TxnId(self.txn_tc_partition, self.txn_sequence)
+
+    @property
+    def last_sequence(self) -> int:
+        """Sequence of the last record, or -1 without one (no wrap-around: producers rotate)."""
+        if self.base_sequence == NO_SEQUENCE:
+            return NO_SEQUENCE
+        return self.base_sequence + self.last_offset_delta
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record. `offset` and `timestamp_ms` are filled in by decode_records; when
+    encoding, a None timestamp means the batch's `timestamp_ms`, and `offset` is ignored."""
+
+    key: bytes | None = None
+    value: bytes | None = None
+    headers: tuple[tuple[str, bytes], ...] = ()
+    timestamp_ms: int | None = None
+    offset: int | None = None
+
+
+@dataclass(frozen=True)
+class ControlMarker:
+    """What a control batch says: the decision and the sender's coordinator epoch."""
+
+    type: ControlType
+    coordinator_epoch: int
+
+
+# Control record key: int16 version (0), int16 type. Value: int16 version (0), uint64 epoch.
+CONTROL_KEY = struct.Struct(">hh")
+CONTROL_VALUE = struct.Struct(">hQ")
+CONTROL_VERSION = 0
+
+
+def _corrupt(message: str, position: int | None = None) -> AtomlogError:
+    metadata = {} if position is None else {"position": position}
+    return AtomlogError("CORRUPT_BATCH", message, metadata)
+
+
+# --- Header parsing (server hot path) -----------------------------------------------------
+
+_unpack_header = HEADER.unpack_from
+_make_header = BatchHeader._make
+
+
+def parse_header(buf: bytes | bytearray | memoryview, offset: int = 0, *,
+                 max_batch_bytes: int | None = None) -> BatchHeader:
+    """Parse and validate the header at `buf[offset:]`. Only the header must be present:
+    whether the body fits is the caller's business (`iter_batches`, `validate_batch`).
+
+    Raises AtomlogError CORRUPT_BATCH (truncated header, bad magic, length, attributes,
+    counts, timestamps, producer or transaction fields) or BATCH_TOO_LARGE (the header
+    declares more than `max_batch_bytes`)."""
+    if len(buf) - offset < HEADER_SIZE:
+        raise _corrupt(f"truncated batch header: {max(len(buf) - offset, 0)} bytes, "
+                       f"a header is {HEADER_SIZE}", offset)
+    header = _make_header(_unpack_header(buf, offset))
+    if header.magic != MAGIC:
+        raise _corrupt(f"bad magic {header.magic} (expected {MAGIC})", offset)
+    if header.batch_length < MIN_BATCH_LENGTH:
+        raise _corrupt(f"batch_length {header.batch_length} is below the minimum "
+                       f"{MIN_BATCH_LENGTH}", offset)
+    if max_batch_bytes is not None and header.batch_length + LENGTH_FIELD_END > max_batch_bytes:
+        raise AtomlogError("BATCH_TOO_LARGE",
+                           f"batch of {header.batch_length + LENGTH_FIELD_END} bytes exceeds "
+                           f"the limit of {max_batch_bytes} bytes",
+                           {"limit": max_batch_bytes, "position": offset})
+    problem = _header_problem(header)
+    if problem is not None:
+        raise _corrupt(problem, offset)
+    return header
+
+
+def _header_problem(h: BatchHeader) -> str | None:
+    """Cross-field rules; None when the header is consistent."""
+    if h.base_offset < 0:
+        return f"negative base_offset {h.base_offset}"
+    if h.attributes & ~ATTR_KNOWN_BITS & 0xFFFF:
+        return f"unknown attribute bits set in 0x{h.attributes & 0xFFFF:04x}"
+    if (h.attributes & ATTR_COMPRESSION_MASK) > max(Compression):
+        return f"unknown compression codec {h.attributes & ATTR_COMPRESSION_MASK}"
+    if h.record_count < 1:
+        return f"record_count {h.record_count} (a batch holds at least one record)"
+    if h.last_offset_delta != h.record_count - 1:
+        return (f"last_offset_delta {h.last_offset_delta} does not match record_count "
+                f"{h.record_count}")
+    if h.max_timestamp_ms < h.base_timestamp_ms:
+        return (f"max_timestamp_ms {h.max_timestamp_ms} is below base_timestamp_ms "
+                f"{h.base_timestamp_ms}")
+    if h.producer_id < 0:
+        return f"negative producer_id {h.producer_id}"
+    if h.base_sequence < NO_SEQUENCE:
+        return f"base_sequence {h.base_sequence} (must be -1 or >= 0)"
+    if h.producer_id == NO_PRODUCER_ID and (h.producer_epoch != 0 or h.base_sequence != NO_SEQUENCE):
+        return "producer_epoch and base_sequence must be 0 and -1 without a producer_id"
+    if h.producer_id != NO_PRODUCER_ID and h.base_sequence + h.last_offset_delta > INT32_MAX:
+        return f"base_sequence {h.base_sequence} + record count overflows int32"
+    has_txn = h.txn_tc_partition != 0 or h.txn_sequence != 0
+    if bool(h.attributes & ATTR_TRANSACTIONAL) != has_txn:
+        return "the transactional bit must be set exactly when a transaction id is present"
+    if h.attributes & ATTR_CONTROL:
+        if not has_txn:
+            return "a control batch must carry a transaction id"
+        if h.record_count != 1 or h.attributes & ATTR_COMPRESSION_MASK:
+            return "a control batch holds exactly one uncompressed record"
+    return None
+
+
+def verify_crc(batch: bytes | bytearray | memoryview, header: BatchHeader | None = None,
+               position: int = 0) -> None:
+    """Check the CRC32C of the batch at `batch[position:]` (whose body must be present).
+    Raises CRC_MISMATCH naming the stored and computed values."""
+    if header is None:
+        header = parse_header(batch, position)
+    end = position + header.size
+    if len(batch) < end:
+        raise _corrupt(f"truncated batch: header declares {header.size} bytes, "
+                       f"{len(batch) - position} present", position)
+    computed = crc32c.crc32c(memoryview(batch)[position + CRC_COVERED_FROM:end])
+    if computed != header.crc:
+        raise AtomlogError("CRC_MISMATCH",
+                           f"CRC32C mismatch: stored 0x{header.crc:08x}, computed 0x{computed:08x}",
+                           {"position": position, "stored_crc": f"0x{header.crc:08x}",
+                            "computed_crc": f"0x{computed:08x}"})
+
+
+def validate_batch(batch: bytes | bytearray | memoryview, *,
+                   max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> BatchHeader:
+    """Everything the server checks on one produced batch (one ProduceItem.record_batch):
+    size limit, header, exact length, CRC. Returns the header; raises BATCH_TOO_LARGE,
+    CORRUPT_BATCH or CRC_MISMATCH. Records are not read."""
+    if len(batch) > max_batch_bytes:
+        raise AtomlogError("BATCH_TOO_LARGE",
+                           f"batch of {len(batch)} bytes exceeds the limit of "
+                           f"{max_batch_bytes} bytes", {"limit": max_batch_bytes})
+    header = parse_header(batch, 0)
+    if header.size != len(batch):
+        raise _corrupt(f"batch_length says {header.size} bytes, but the batch has {len(batch)}"
+                       + (" (truncated)" if header.size > len(batch) else " (trailing bytes)"))
+    verify_crc(batch, header)
+    return header
+
+
+def iter_batches(buf: bytes | bytearray | memoryview, *, verify: bool = False,
+                 max_batch_bytes: int | None = None) -> Iterator[tuple[int, BatchHeader]]:
+    """Walk concatenated batches (a Fetch response, a segment slice), yielding
+    (position, header). Every batch must be whole; with `verify` its CRC is checked too.
+    Raises CORRUPT_BATCH / CRC_MISMATCH / BATCH_TOO_LARGE with the batch's position."""
+    position, end = 0, len(buf)
+    while position < end:
+        header = parse_header(buf, position, max_batch_bytes=max_batch_bytes)
+        if position + header.size > end:
+            raise _corrupt(f"truncated batch at position {position}: header declares "
+                           f"{header.size} bytes, {end - position} remain", position)
+        if verify:
+            verify_crc(buf, header, position)
+        yield position, header
+        position += header.size
+
+
+def with_base_offset(batch: bytes | bytearray | memoryview, base_offset: int,
+                     log_append_time_ms: int | None = None) -> bytes:
+    """A copy of the batch with base_offset (and, if given, log_append_time_ms) rewritten.
+    Both fields precede the CRC, so the CRC stays valid. The log itself avoids this copy
+    (it writes a new 21-byte prefix and the rest of the original buffer with writev)."""
+    view = memoryview(batch)
+    old = PREFIX.unpack_from(view, 0)
+    append_time = old[3] if log_append_time_ms is None else log_append_time_ms
+    return PREFIX.pack(base_offset, old[1], old[2], append_time) + bytes(view[PREFIX_SIZE:])
+
+
+# --- Varints ------------------------------------------------------------------------------
+
+def _put_uvarint(out: bytearray, n: int) -> None:
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+
+
+def _put_zvarint(out: bytearray, n: int) -> None:
+    _put_uvarint(out, (n << 1) ^ (n >> 63))
+
+
+def _get_uvarint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise _corrupt("truncated varint in records")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            if result >> 64:
+                raise _corrupt("varint overflows 64 bits")
+            return result, pos
+        shift += 7
+        if shift >= 70:
+            raise _corrupt("varint longer than 10 bytes")
+
+
+def _get_zvarint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    u, pos = _get_uvarint(buf, pos, end)
+    return (u >> 1) ^ -(u & 1), pos
+
+
+# --- Encoding (SDK side) ------------------------------------------------------------------
+
+def _encode_record(out: bytearray, record: Record, timestamp_delta: int, offset_delta: int) -> None:
+    body = bytearray(b"\x00")  # record attributes, reserved: 0
+    _put_zvarint(body, timestamp_delta)
+    _put_uvarint(body, offset_delta)
+    for field in (record.key, record.value):
+        if field is None:
+            _put_zvarint(body, -1)
+        else:
+            _put_zvarint(body, len(field))
+            body += field
+    _put_uvarint(body, len(record.headers))
+    for name, value in record.headers:
+        encoded = name.encode("utf-8")
+        _put_uvarint(body, len(encoded))
+        body += encoded
+        _put_uvarint(body, len(value))
+        body += value
+    _put_uvarint(out, len(body))
+    out += body
+
+
+def _compress(block: bytes, compression: Compression) -> bytes:
+    if compression is Compression.ZSTD:
+        return zstandard.ZstdCompressor().compress(block)
+    if compression is Compression.LZ4:
+        return lz4.frame.compress(block)
+    return block
+
+
+def encode_batch(records: Iterable[Record], *, producer_id: int = NO_PRODUCER_ID,
+                 producer_epoch: int = 0, base_sequence: int = NO_SEQUENCE,
+                 txn: TxnId | tuple[int, int] | None = None,
+                 compression: Compression = Compression.NONE,
+                 transactional: bool | None = None, timestamp_ms: int | None = None,
+                 control: bool = False) -> bytes:
+    """Build one batch (base_offset 0, log_append_time -1: the server sets both).
+    `transactional` defaults to whether `txn` is given; records without a timestamp get
+    `timestamp_ms` (default: now). Raises ValueError for caller mistakes."""
+    records = list(records)
+    if not records:
+        raise ValueError("a batch needs at least one record")
+    if transactional is None:
+        transactional = txn is not None
+    if transactional != (txn is not None) or (txn is not None and tuple(txn) == (0, 0)):
+        raise ValueError("transactional batches need a non-zero txn id, and only they may carry one")
+    tc_partition, txn_sequence = tuple(txn) if txn is not None else (0, 0)
+    if producer_id == NO_PRODUCER_ID and (producer_epoch != 0 or base_sequence != NO_SEQUENCE):
+        raise ValueError("producer_epoch/base_sequence need a producer_id")
+    if not 0 <= producer_epoch <= PRODUCER_EPOCH_MAX:
+        raise ValueError(f"producer_epoch {producer_epoch} outside 0..{PRODUCER_EPOCH_MAX}")
+    compression = Compression(compression)
+    default_ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+    timestamps = [default_ts if r.timestamp_ms is None else r.timestamp_ms for r in records]
+    base_ts = timestamps[0]
+    block = bytearray()
+    for delta, (record, ts) in enumerate(zip(records, timestamps)):
+        _encode_record(block, record, ts - base_ts, delta)
+    body = _compress(bytes(block), compression)
+    attributes = int(compression) | (ATTR_TRANSACTIONAL if transactional else 0) | (
+        ATTR_CONTROL if control else 0)
+    count = len(records)
+    header = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(body), MAGIC, NO_TIMESTAMP, 0,
+                                   attributes, count - 1, count, base_ts, max(timestamps),
+                                   producer_id, producer_epoch, base_sequence,
+                                   tc_partition, txn_sequence))
+    crc = crc32c.crc32c(body, crc32c.crc32c(memoryview(header)[CRC_COVERED_FROM:]))
+    struct.pack_into(">I", header, CRC_OFFSET, crc)
+    batch = bytes(header) + body
+    parse_header(batch)  # pair assertion: what we build must be what we accept
+    return batch
+
+
+def encode_control_batch(marker: ControlType, *, txn: TxnId | tuple[int, int],
+                         coordinator_epoch: int, timestamp_ms: int,
+                         producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0) -> bytes:
+    """A transaction marker: control + transactional bits, one record whose key is
+    (version 0, type) and whose value is (version 0, coordinator_epoch)."""
+    record = Record(key=CONTROL_KEY.pack(CONTROL_VERSION, int(ControlType(marker))),
+                    value=CONTROL_VALUE.pack(CONTROL_VERSION, coordinator_epoch))
+    return encode_batch([record], producer_id=producer_id, producer_epoch=producer_epoch,
+                        txn=txn, timestamp_ms=timestamp_ms, control=True)
+
+
+# --- Decoding (client side; per-record work belongs here, never on the server) ------------
+
+def _decompress(block: memoryview, compression: Compression, limit: int) -> bytes:
+    try:
+        if compression is Compression.ZSTD:
+            size = zstandard.frame_content_size(block)
+            if size > limit:
+                raise _corrupt(f"compressed block inflates to {size} bytes, limit {limit}")
+            return zstandard.ZstdDecompressor().decompress(block, max_output_size=limit)
+        decompressor = lz4.frame.LZ4FrameDecompressor()
+        data = decompressor.decompress(bytes(block), max_length=limit + 1)
+        if len(data) > limit:
+            raise _corrupt(f"compressed block inflates past the limit of {limit} bytes")
+        if not decompressor.eof or decompressor.unused_data:
+            raise _corrupt("lz4 block is truncated or has trailing bytes")
+        return data
+    except (zstandard.ZstdError, RuntimeError) as error:
+        raise _corrupt(f"cannot decompress {compression.name} block: {error}") from error
+
+
+def decode_records(batch: bytes | bytearray | memoryview, *, verify: bool = True,
+                   max_uncompressed_bytes: int = DEFAULT_MAX_UNCOMPRESSED_BYTES) -> list[Record]:
+    """Decode every record of one batch (client side). Checks the CRC unless told not to,
+    then that the records are exactly `record_count` well-formed records."""
+    header = parse_header(batch)
+    if len(batch) < header.size:
+        raise _corrupt(f"truncated batch: header declares {header.size} bytes, {len(batch)} present")
+    if verify:
+        verify_crc(batch, header)
+    block = memoryview(batch)[HEADER_SIZE:header.size]
+    data = bytes(block) if header.compression is Compression.NONE else _decompress(
+        block, header.compression, max_uncompressed_bytes)
+    records, pos, end = [], 0, len(data)
+    for index in range(header.record_count):
+        length, pos = _get_uvarint(data, pos, end)
+        if pos + length > end:
+            raise _corrupt(f"record {index} declares {length} bytes, {end - pos} remain")
+        record = _decode_record(data, pos, pos + length, header, index)
+        records.append(record)
+        pos += length
+    if pos != end:
+        raise _corrupt(f"{end - pos} bytes after the last of {header.record_count} records")
+    return records
+
+
+def _decode_record(data: bytes, pos: int, end: int, header: BatchHeader, index: int) -> Record:
+    if pos >= end or data[pos] != 0:
+        raise _corrupt(f"record {index}: missing or non-zero record attributes")
+    timestamp_delta, pos = _get_zvarint(data, pos + 1, end)
+    offset_delta, pos = _get_uvarint(data, pos, end)
+    if offset_delta != index:
+        raise _corrupt(f"record {index} has offset delta {offset_delta}")
+    fields = []
+    for _ in range(2):
+        length, pos = _get_zvarint(data, pos, end)
+        if length < -1 or pos + max(length, 0) > end:
+            raise _corrupt(f"record {index}: bad key/value length {length}")
+        fields.append(None if length == -1 else data[pos:pos + length])
+        pos += max(length, 0)
+    count, pos = _get_uvarint(data, pos, end)
+    headers = []
+    for _ in range(count):
+        name_length, pos = _get_uvarint(data, pos, end)
+        if pos + name_length > end:
+            raise _corrupt(f"record {index}: truncated header key")
+        try:
+            name = data[pos:pos + name_length].decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise _corrupt(f"record {index}: header key is not UTF-8") from error
+        pos += name_length
+        value_length, pos = _get_uvarint(data, pos, end)
+        if pos + value_length > end:
+            raise _corrupt(f"record {index}: truncated header value")
+        headers.append((name, data[pos:pos + value_length]))
+        pos += value_length
+    if pos != end:
+        raise _corrupt(f"record {index}: {end - pos} unread bytes")
+    return Record(key=fields[0], value=fields[1], headers=tuple(headers),
+                  timestamp_ms=header.base_timestamp_ms + timestamp_delta,
+                  offset=header.base_offset + offset_delta)
+
+
+def decode_control_batch(batch: bytes | bytearray | memoryview, *, verify: bool = True) -> ControlMarker:
+    """The marker of a control batch. Raises CORRUPT_BATCH if it is not a well-formed one."""
+    header = parse_header(batch)
+    if not header.is_control:
+        raise _corrupt("not a control batch")
+    (record,) = decode_records(batch, verify=verify)
+    if record.key is None or len(record.key) != CONTROL_KEY.size or record.value is None or \
+            len(record.value) != CONTROL_VALUE.size:
+        raise _corrupt("control record key/value have the wrong size")
+    key_version, marker = CONTROL_KEY.unpack(record.key)
+    value_version, epoch = CONTROL_VALUE.unpack_from(record.value)
+    if key_version != CONTROL_VERSION or value_version != CONTROL_VERSION:
+        raise _corrupt(f"unknown control record version {key_version}/{value_version}")
+    try:
+        return ControlMarker(ControlType(marker), epoch)
+    except ValueError as error:
+        raise _corrupt(f"unknown control type {marker}") from error

@@ -1,0 +1,264 @@
+"""PartitionService: a thin adapter from gRPC to the partition owners.
+
+Validation happens here, before anything is queued: each batch's size, header and
+CRC32C (the server never reads records). Batched requests answer per item: one bad
+item does not fail the others, and a failed item appended nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+from partition_server import metrics as m
+from partition_server.manager import NotOwner, PartitionManager
+from partition_server.owner import Appended, PartitionOwner, State
+from partition_server.record_batch import iter_batches, validate_batch
+from services.errors import AtomlogError
+
+STATE_ENUM = {
+    State.LOADING: partition_pb2.PARTITION_STATE_LOADING,
+    State.ONLINE: partition_pb2.PARTITION_STATE_ONLINE,
+    State.DATA_LOSS: partition_pb2.PARTITION_STATE_DATA_LOSS,
+    State.CLOSED: partition_pb2.PARTITION_STATE_UNSPECIFIED,
+}
+MAX_ITEMS_PER_REQUEST = 10_000
+
+
+def item_error(error: AtomlogError) -> partition_pb2.ItemError:
+    return partition_pb2.ItemError(reason=error.reason, message=error.message,
+                                   metadata=error.metadata)
+
+
+def _require_items(items, what: str) -> None:
+    if not items:
+        raise AtomlogError("INVALID_ARGUMENT", f"{what} has no items")
+    if len(items) > MAX_ITEMS_PER_REQUEST:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"{what} has {len(items)} items; at most {MAX_ITEMS_PER_REQUEST}")
+
+
+class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
+    def __init__(self, manager: PartitionManager, metadata_store, max_batch_bytes: int,
+                 fetch_max_wait_ms: int, fetch_default_max_bytes: int):
+        self.manager = manager
+        self.metadata_store = metadata_store
+        self.max_batch_bytes = max_batch_bytes
+        self.fetch_max_wait_ms = fetch_max_wait_ms
+        self.fetch_default_max_bytes = fetch_default_max_bytes
+
+    # ------------------------------------------------------------------ routing
+    async def _owner(self, tp: common_pb2.TopicPartition) -> PartitionOwner:
+        if not tp.topic:
+            raise AtomlogError("INVALID_ARGUMENT", "topic_partition.topic is empty")
+        try:
+            return self.manager.owner(tp.topic, tp.partition)
+        except NotOwner as not_owner:
+            servers = {s.name: s for s in await self.metadata_store.servers()}
+            entry = servers.get(not_owner.owner)
+            raise AtomlogError(
+                "NOT_PARTITION_OWNER",
+                f"{self.manager.server_name} does not own {tp.topic}-{tp.partition}; "
+                f"{not_owner.owner} does", {
+                    "owner_server_name": not_owner.owner or "",
+                    "owner_address": entry.grpc_address if entry else ""}) from None
+
+    # ------------------------------------------------------------------ produce
+    async def Produce(self, request, context):
+        _require_items(request.items, "ProduceRequest")
+        results: list[partition_pb2.ProduceResult | None] = [None] * len(request.items)
+        per_owner: dict[tuple[str, int], tuple[PartitionOwner, list[int], list]] = {}
+        for index, item in enumerate(request.items):
+            tp = item.topic_partition
+            try:
+                owner = await self._owner(tp)
+                header = validate_batch(item.record_batch, max_batch_bytes=self.max_batch_bytes)
+                if header.is_control:
+                    raise AtomlogError("INVALID_ARGUMENT", "control batches are written only by "
+                                       "transaction markers, not by producers")
+                if header.is_transactional or header.txn is not None:
+                    raise AtomlogError("UNIMPLEMENTED", "transactional batches are not accepted "
+                                       "by this server version")
+                owner.check_serving()
+            except AtomlogError as error:
+                m.BAD_BATCHES.labels(error.reason).inc()
+                results[index] = partition_pb2.ProduceResult(
+                    topic_partition=tp, error=item_error(error), base_offset=-1, last_offset=-1)
+                continue
+            entry = per_owner.setdefault((tp.topic, tp.partition), (owner, [], []))
+            entry[1].append(index)
+            entry[2].append((item.record_batch, header))
+
+        async def run(owner: PartitionOwner, indexes: list[int], batches: list) -> None:
+            try:
+                outcomes = await owner.produce(batches)
+            except AtomlogError as error:
+                outcomes = [error] * len(batches)
+            log_start = owner.log.log_start_offset if owner.log else -1
+            for index, outcome in zip(indexes, outcomes):
+                tp = request.items[index].topic_partition
+                if isinstance(outcome, Appended):
+                    results[index] = partition_pb2.ProduceResult(
+                        topic_partition=tp, base_offset=outcome.base_offset,
+                        last_offset=outcome.last_offset,
+                        log_append_time_unix_ms=outcome.log_append_time_ms,
+                        log_start_offset=log_start, duplicate=outcome.duplicate)
+                else:
+                    m.BAD_BATCHES.labels(outcome.reason).inc()
+                    results[index] = partition_pb2.ProduceResult(
+                        topic_partition=tp, error=item_error(outcome), base_offset=-1,
+                        last_offset=-1)
+
+        await asyncio.gather(*(run(*entry) for entry in per_owner.values()))
+        return partition_pb2.ProduceResponse(results=results)
+
+    # ------------------------------------------------------------------ fetch
+    async def Fetch(self, request, context):
+        _require_items(request.items, "FetchRequest")
+        if request.isolation_level not in (common_pb2.ISOLATION_LEVEL_UNSPECIFIED,
+                                           common_pb2.ISOLATION_LEVEL_READ_COMMITTED,
+                                           common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED):
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"unknown isolation_level {request.isolation_level}")
+        for item in request.items:
+            if item.fetch_offset < 0:
+                raise AtomlogError("INVALID_ARGUMENT",
+                                   f"fetch_offset {item.fetch_offset} is negative")
+        wait_s = min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000
+        deadline = time.monotonic() + wait_s
+        min_bytes = max(1, request.min_bytes)
+        while True:
+            results, total, owners = await self._fetch_once(request)
+            remaining = deadline - time.monotonic()
+            if total >= min_bytes or remaining <= 0 or not owners:
+                return partition_pb2.FetchResponse(results=results)
+            waits = [asyncio.create_task(owner.wait_for_data(offset, remaining))
+                     for owner, offset in owners]
+            done, pending = await asyncio.wait(waits, timeout=remaining,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            if context.cancelled() if hasattr(context, "cancelled") else False:
+                return partition_pb2.FetchResponse(results=results)
+
+    async def _fetch_once(self, request):
+        budget = request.max_bytes or self.fetch_default_max_bytes * len(request.items)
+        results, total, waiting = [], 0, []
+        for item in request.items:
+            tp = item.topic_partition
+            try:
+                owner = await self._owner(tp)
+                owner.check_serving()
+                limit = min(item.max_bytes or self.fetch_default_max_bytes,
+                            max(budget - total, 0)) or 1
+                if total and budget - total <= 0:
+                    data, next_offset = b"", item.fetch_offset
+                else:
+                    data, next_offset = owner.read(item.fetch_offset, limit)
+                if data:
+                    m.RECORDS_OUT.labels(tp.topic).inc(
+                        sum(h.record_count for _, h in iter_batches(data)))
+                else:
+                    waiting.append((owner, item.fetch_offset))
+                positions = owner.positions()
+                results.append(partition_pb2.FetchResult(
+                    topic_partition=tp, record_batches=data,
+                    next_fetch_offset=max(next_offset, item.fetch_offset), **positions))
+                total += len(data)
+            except AtomlogError as error:
+                results.append(partition_pb2.FetchResult(
+                    topic_partition=tp, error=item_error(error), next_fetch_offset=item.fetch_offset,
+                    log_start_offset=-1, high_watermark=-1, max_read_position=-1,
+                    last_data_offset=-1))
+        return results, total, waiting
+
+    # ------------------------------------------------------------------ offsets
+    async def ListOffsets(self, request, context):
+        _require_items(request.items, "ListOffsetsRequest")
+        results = []
+        for item in request.items:
+            tp = item.topic_partition
+            try:
+                owner = await self._owner(tp)
+                owner.check_serving()
+                positions = owner.positions()
+                offset, timestamp = self._look_up(owner, item, positions)
+                results.append(partition_pb2.ListOffsetsResult(
+                    topic_partition=tp, offset=offset, timestamp_unix_ms=timestamp, **positions))
+            except AtomlogError as error:
+                results.append(partition_pb2.ListOffsetsResult(
+                    topic_partition=tp, error=item_error(error), offset=-1, timestamp_unix_ms=-1,
+                    log_start_offset=-1, high_watermark=-1, max_read_position=-1,
+                    last_data_offset=-1))
+        return partition_pb2.ListOffsetsResponse(results=results)
+
+    @staticmethod
+    def _look_up(owner: PartitionOwner, item, positions) -> tuple[int, int]:
+        spec = item.spec
+        if spec == partition_pb2.OFFSET_SPEC_EARLIEST:
+            return positions["log_start_offset"], -1
+        if spec == partition_pb2.OFFSET_SPEC_LATEST:
+            return positions["high_watermark"], -1
+        if spec == partition_pb2.OFFSET_SPEC_MAX_READ_POSITION:
+            return positions["max_read_position"], -1
+        if spec == partition_pb2.OFFSET_SPEC_BY_TIMESTAMP:
+            found = owner.offset_for_timestamp(item.timestamp_unix_ms)
+            return found if found is not None else (-1, -1)
+        raise AtomlogError("INVALID_ARGUMENT", f"ListOffsets spec {spec} is not valid")
+
+    # ------------------------------------------------------------------ admin
+    def _summary(self, owner: PartitionOwner) -> dict:
+        summary = {"topic_partition": common_pb2.TopicPartition(topic=owner.topic,
+                                                                 partition=owner.partition),
+                   "state": STATE_ENUM[owner.state]}
+        if owner.state is State.DATA_LOSS and owner.log is not None and owner.log.data_loss:
+            loss = owner.log.data_loss
+            summary["data_loss"] = partition_pb2.DataLossInfo(
+                file=os.path.relpath(loss.path, self.manager.data_dir), offset=loss.offset,
+                file_position_bytes=loss.position,
+                detail=loss.error().message)
+        if owner.state is State.ONLINE:
+            positions = owner.positions()
+            summary.update(log_start_offset=positions["log_start_offset"],
+                           high_watermark=positions["high_watermark"],
+                           max_read_position=positions["max_read_position"],
+                           size_bytes=owner.log.size_bytes)
+        return summary
+
+    async def ListPartitions(self, request, context):
+        owners = sorted(self.manager.owners.values(), key=lambda o: (o.topic, o.partition))
+        return partition_pb2.ListPartitionsResponse(partitions=[
+            partition_pb2.PartitionSummary(**self._summary(o)) for o in owners
+            if request.include_internal or not o.topic.startswith("__")])
+
+    async def DescribePartition(self, request, context):
+        owner = await self._owner(request.topic_partition)
+        summary = self._summary(owner)
+        summary.pop("size_bytes", None)
+        response = partition_pb2.DescribePartitionResponse(**summary)
+        if owner.state is State.ONLINE:
+            response.last_data_offset = owner.positions()["last_data_offset"]
+            response.segment_count = owner.log.segment_count
+            response.size_bytes = owner.log.size_bytes
+            response.producer_count = owner.producers.producer_count
+            limit = request.max_producers or 100
+            for entry in owner.producers.live_entries(int(time.time() * 1000))[:limit]:
+                response.producers.add(
+                    producer_id=entry.producer_id, producer_epoch=entry.producer_epoch,
+                    last_sequence=entry.last_sequence, last_offset=entry.last_offset,
+                    last_append_unix_ms=entry.last_timestamp_ms,
+                    cached_batch_count=len(entry.batches))
+        return response
+
+    async def RecoverPartition(self, request, context):
+        if not request.accept_data_loss:
+            raise AtomlogError("INVALID_ARGUMENT", "RecoverPartition truncates the log; set "
+                               "accept_data_loss to confirm")
+        owner = await self._owner(request.topic_partition)
+        report = await owner.recover_data_loss(request.expected_file, request.expected_offset)
+        if owner.state is State.ONLINE:
+            m.PARTITIONS_ONLINE.inc()
+        return partition_pb2.RecoverPartitionResponse(
+            state=STATE_ENUM[owner.state], truncated_at_offset=report.truncated_at_offset,
+            removed_bytes=report.removed_bytes, high_watermark=owner.log.high_watermark)

@@ -1,0 +1,88 @@
+"""The entry point of the SDK: `Client("host:port")` — any server's address."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+
+from atomlog.v1 import coordinator_pb2, coordinator_pb2_grpc, metadata_pb2
+from spark_client import errors
+from spark_client.backoff import Backoff
+from spark_client.routing import Channels, MetadataCache
+
+ROLE_COORDINATOR = 2
+
+
+class Client:
+    """A connection to an atomlog cluster. Thread-safe; share one per process."""
+
+    def __init__(self, bootstrap: str | list[str], *, request_timeout_s: float = 30.0):
+        addresses = [bootstrap] if isinstance(bootstrap, str) else list(bootstrap)
+        addresses = [a.strip() for item in addresses for a in item.split(",") if a.strip()]
+        self.channels = Channels()
+        self.metadata = MetadataCache(addresses, self.channels)
+        self.request_timeout_s = request_timeout_s
+
+    # ------------------------------------------------------------------ topics
+    def create_topic(self, name: str, partitions: int, config: dict[str, str] | None = None):
+        """Create a topic; returns its TopicMetadata. Raises TopicAlreadyExists, ..."""
+        reply = self.metadata.call("CreateTopic", metadata_pb2.CreateTopicRequest(
+            name=name, partitions=partitions, config=config or {}))
+        self.metadata.invalidate(name)
+        return reply.topic
+
+    def list_topics(self) -> list[str]:
+        return list(self.metadata.call("ListTopics", metadata_pb2.ListTopicsRequest()).names)
+
+    def partitions_for(self, topic: str) -> int:
+        return len(self.metadata.partitions(topic))
+
+    # ------------------------------------------------------------------ clients
+    def producer(self, **options):
+        """An idempotent producer (see spark_client.producer.Producer for options)."""
+        from spark_client.producer import Producer
+
+        return Producer(self, **options)
+
+    def consumer(self, topics, **options):
+        """A consumer of every partition of `topics` (see spark_client.consumer.Consumer)."""
+        from spark_client.consumer import Consumer
+
+        return Consumer(self, topics, **options)
+
+    # ------------------------------------------------------------------ producer ids
+    def allocate_producer_id(self) -> tuple[int, int]:
+        """A fresh (producer id, epoch) for an idempotent producer, from any coordinator
+        (coordinators hold producer-id blocks, so this rarely touches ZooKeeper)."""
+        backoff = Backoff(maximum_s=2.0)
+        last: errors.AtomlogClientError | None = None
+        for attempt in range(1, 8):
+            coordinators = self._coordinators()
+            random.shuffle(coordinators)
+            for address in coordinators:
+                stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channels.get(address))
+                try:
+                    reply = stub.InitProducerId(coordinator_pb2.InitProducerIdRequest(),
+                                                timeout=self.request_timeout_s)
+                    return reply.producer_id, reply.producer_epoch
+                except grpc.RpcError as rpc_error:
+                    last = errors.from_grpc(rpc_error)
+                    if not last.retriable:
+                        raise last from None
+            time.sleep(backoff.delay(attempt))
+        raise last or errors.error_for("SERVER_UNAVAILABLE", "no coordinator is registered")
+
+    def _coordinators(self) -> list[str]:
+        reply = self.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest())
+        return [s.grpc_address for s in reply.servers if s.role == ROLE_COORDINATOR]
+
+    def close(self) -> None:
+        self.channels.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,186 @@
+"""A consumer that reads partitions directly by offset (no subscription): it assigns
+itself every partition of its topics, starts each at the earliest (or latest) offset,
+and long-polls the owning servers, one Fetch per server for all its partitions.
+`read_committed` (the default) gets only committed data — the servers filter it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+from partition_server.record_batch import decode_records, iter_batches
+from spark_client import errors
+from spark_client.backoff import Backoff
+
+ISOLATION = {"read_committed": common_pb2.ISOLATION_LEVEL_READ_COMMITTED,
+             "read_uncommitted": common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED}
+RETRIABLE = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "PARTITION_LOADING",
+             "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED"}
+
+
+@dataclass(frozen=True)
+class Message:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+    timestamp_ms: int
+
+
+class Consumer:
+    def __init__(self, client, topics: list[str] | str, *, isolation: str = "read_committed",
+                 start: str = "earliest", max_bytes_per_partition: int = 4 << 20,
+                 request_timeout_s: float = 30.0):
+        if isolation not in ISOLATION:
+            raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
+        if start not in ("earliest", "latest"):
+            raise ValueError("start must be 'earliest' or 'latest'")
+        self.client = client
+        self.topics = [topics] if isinstance(topics, str) else list(topics)
+        self.isolation = isolation
+        self.max_bytes_per_partition = max_bytes_per_partition
+        self.request_timeout_s = request_timeout_s
+        self.backoff = Backoff()
+        self._positions: dict[tuple[str, int], int] = {}
+        self._buffer: list[Message] = []
+        self._closed = False
+        for topic in self.topics:
+            for route in client.metadata.partitions(topic):
+                self._positions[(topic, route.partition)] = -1 if start == "latest" else 0
+        if start == "latest":
+            for key, offset in self._list_offsets(partition_pb2.OFFSET_SPEC_LATEST).items():
+                self._positions[key] = offset
+
+    def assignment(self) -> dict[tuple[str, int], int]:
+        """Each (topic, partition) and the next offset this consumer will read."""
+        return dict(self._positions)
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        if (topic, partition) not in self._positions:
+            raise ValueError(f"{topic}-{partition} is not assigned to this consumer")
+        if offset < 0:
+            raise ValueError("offset must be >= 0")
+        self._positions[(topic, partition)] = offset
+        self._buffer = [m for m in self._buffer if (m.topic, m.partition) != (topic, partition)]
+
+    def end_offsets(self) -> dict[tuple[str, int], int]:
+        """Per partition, the offset after the last readable record (the max read position
+        under read_committed, else the high watermark)."""
+        spec = (partition_pb2.OFFSET_SPEC_MAX_READ_POSITION if self.isolation == "read_committed"
+                else partition_pb2.OFFSET_SPEC_LATEST)
+        return self._list_offsets(spec)
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Message]:
+        """Up to max_records messages, waiting up to timeout_s for the first."""
+        if self._closed:
+            raise RuntimeError("consumer is closed")
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        while not self._buffer:
+            remaining = deadline - time.monotonic()
+            try:
+                self._fetch(max(0.0, remaining))
+                attempt = 0
+            except errors.AtomlogClientError as error:
+                if not error.retriable:
+                    raise
+                attempt += 1
+                time.sleep(min(self.backoff.delay(attempt), max(0.0, remaining)))
+            if time.monotonic() >= deadline:
+                break
+        out, self._buffer = self._buffer[:max_records], self._buffer[max_records:]
+        return out
+
+    def _by_server(self) -> dict[str, list[tuple[str, int]]]:
+        servers: dict[str, list[tuple[str, int]]] = {}
+        for topic, partition in self._positions:
+            address = self.client.metadata.route(topic, partition).address
+            if address:
+                servers.setdefault(address, []).append((topic, partition))
+        return servers
+
+    def _fetch(self, wait_s: float) -> None:
+        servers = self._by_server()
+        if not servers:
+            self._refresh()
+            raise errors.error_for("SERVER_UNAVAILABLE", "no owner of any partition is reachable")
+        calls = []
+        for address, partitions in servers.items():
+            request = partition_pb2.FetchRequest(
+                isolation_level=ISOLATION[self.isolation],
+                max_wait_ms=int(wait_s * 1000) if len(servers) == 1 else 0,
+                items=[partition_pb2.FetchItem(
+                    topic_partition=common_pb2.TopicPartition(topic=t, partition=p),
+                    fetch_offset=self._positions[(t, p)], max_bytes=self.max_bytes_per_partition)
+                    for t, p in partitions])
+            stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+            calls.append(stub.Fetch.future(request, timeout=self.request_timeout_s + wait_s))
+        failure: errors.AtomlogClientError | None = None
+        for call in calls:
+            try:
+                reply = call.result()
+            except grpc.RpcError as rpc_error:
+                failure = errors.from_grpc(rpc_error)
+                continue
+            for result in reply.results:
+                failure = self._take(result) or failure
+        if failure is not None and not self._buffer:
+            if failure.reason in ("NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
+                                  "SERVER_UNAVAILABLE"):
+                self._refresh()
+            raise failure
+        if len(servers) > 1 and not self._buffer and wait_s > 0:
+            time.sleep(min(wait_s, 0.05))  # several servers: short polls instead of long ones
+
+    def _take(self, result) -> errors.AtomlogClientError | None:
+        tp = result.topic_partition
+        key = (tp.topic, tp.partition)
+        if result.error.reason:
+            return errors.error_for(result.error.reason, result.error.message,
+                                    dict(result.error.metadata))
+        position = self._positions[key]
+        data = memoryview(result.record_batches)
+        for start, header in iter_batches(data):
+            if header.is_control or header.last_offset < position:
+                continue
+            for record in decode_records(data[start:start + header.size]):
+                if record.offset >= position:
+                    self._buffer.append(Message(tp.topic, tp.partition, record.offset, record.key,
+                                                record.value, record.headers, record.timestamp_ms))
+        self._positions[key] = max(position, result.next_fetch_offset)
+        return None
+
+    def _list_offsets(self, spec) -> dict[tuple[str, int], int]:
+        found: dict[tuple[str, int], int] = {}
+        for address, partitions in self._by_server().items():
+            stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+            try:
+                reply = stub.ListOffsets(partition_pb2.ListOffsetsRequest(items=[
+                    partition_pb2.ListOffsetsItem(
+                        topic_partition=common_pb2.TopicPartition(topic=t, partition=p), spec=spec)
+                    for t, p in partitions]), timeout=self.request_timeout_s)
+            except grpc.RpcError as rpc_error:
+                raise errors.from_grpc(rpc_error) from None
+            for result in reply.results:
+                if result.error.reason:
+                    raise errors.error_for(result.error.reason, result.error.message)
+                found[(result.topic_partition.topic, result.topic_partition.partition)] = result.offset
+        return found
+
+    def _refresh(self) -> None:
+        for topic in self.topics:
+            self.client.metadata.invalidate(topic)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

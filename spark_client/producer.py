@@ -1,0 +1,468 @@
+"""The idempotent producer.
+
+`send()` adds a record to its partition's open batch and returns a future. A sender
+thread seals batches when they are full or their linger time has passed, and sends each
+server one Produce request carrying the ready batches of its partitions, with at most
+`max_in_flight` batches per partition outstanding (5: what the servers remember per
+producer for deduplication). Every batch carries the producer id, epoch and a sequence
+number assigned when it is sealed, so a retry after a lost reply is recognised by the
+server and answered with the original offsets: each record is written once, in send
+order per partition.
+
+Retries: retriable errors (routing, loading, unreachable, timeouts) resend the same
+bytes after a backoff and a metadata refresh, in sequence order. A batch that fails for
+good fails its futures; the batches behind it on that partition are re-sequenced and
+sent again (they were refused as out of order, so nothing of them was written).
+Delivery gives up after `delivery_timeout_s` with `DeliveryTimeout`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import crc32c
+import grpc
+
+from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+from partition_server.record_batch import Compression, Record, encode_batch
+from spark_client import errors
+from spark_client.backoff import Backoff
+
+# Sequences are int32 and batches may not wrap inside themselves: a producer that gets
+# near the end rotates to a new producer id (see ProducerIdSource).
+SEQUENCE_LIMIT = 2**31 - 1
+RETRIABLE_ITEM_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "PARTITION_LOADING",
+                          "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN",
+                          "RESOURCE_EXHAUSTED", "ZOOKEEPER_UNAVAILABLE"}
+# Refusals that prove nothing of the batch was appended.
+DEFINITELY_NOT_WRITTEN = {"BATCH_TOO_LARGE", "CORRUPT_BATCH", "CRC_MISMATCH", "INVALID_ARGUMENT",
+                          "UNIMPLEMENTED", "DATA_LOSS", "OFFSET_OUT_OF_RANGE"}
+REFRESH_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
+
+
+@dataclass(frozen=True)
+class RecordMetadata:
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int = -1
+
+
+@dataclass
+class _Pending:
+    record: Record
+    future: Future
+    size: int
+
+
+@dataclass
+class _Batch:
+    topic: str
+    partition: int
+    records: list[_Pending]
+    created: float
+    size: int = 0
+    base_sequence: int = -1
+    payload: bytes = b""
+    attempts: int = 0
+    not_before: float = 0.0
+    deadline: float = 0.0
+    last_error: errors.AtomlogClientError | None = None
+    done: bool = False
+
+
+@dataclass
+class _PartitionState:
+    open: list[_Pending] = field(default_factory=list)
+    open_bytes: int = 0
+    opened_at: float = 0.0
+    ready: collections.deque = field(default_factory=collections.deque)  # sealed, unsent
+    in_flight: list[_Batch] = field(default_factory=list)  # sent, unanswered, seq order
+    next_sequence: int = 0
+    producer_id: int | None = None  # per partition: rotated when an outcome is unknown
+    epoch: int = 0
+
+
+class Producer:
+    """Thread-safe. Use as a context manager, or call close()."""
+
+    def __init__(self, client, *, idempotent: bool = True, linger_ms: float = 5.0,
+                 batch_max_bytes: int = 256 << 10, max_in_flight: int = 5,
+                 delivery_timeout_s: float = 120.0, request_timeout_s: float = 30.0,
+                 max_buffered_bytes: int = 64 << 20, max_block_s: float = 60.0,
+                 compression: str | None = None, partitioner: str = "sticky"):
+        if not 1 <= max_in_flight <= 5:
+            raise ValueError("max_in_flight must be 1..5 (servers deduplicate the last 5 batches)")
+        if batch_max_bytes < 1024:
+            raise ValueError("batch_max_bytes must be at least 1024")
+        if partitioner not in ("sticky", "round_robin"):
+            raise ValueError("partitioner must be 'sticky' or 'round_robin'")
+        self.client = client
+        self.idempotent = idempotent
+        self.linger_s = linger_ms / 1000
+        self.batch_max_bytes = batch_max_bytes
+        self.max_in_flight = max_in_flight
+        self.delivery_timeout_s = delivery_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.max_buffered_bytes = max_buffered_bytes
+        self.max_block_s = max_block_s
+        self.compression = {None: Compression.NONE, "none": Compression.NONE,
+                            "zstd": Compression.ZSTD, "lz4": Compression.LZ4}[compression]
+        self.partitioner = partitioner
+        self.backoff = Backoff()
+        self._producer_id, self._epoch = (client.allocate_producer_id() if idempotent else (0, 0))
+        self._lock = threading.Condition()
+        self._partitions: dict[tuple[str, int], _PartitionState] = {}
+        self._sticky: dict[str, int] = {}
+        self._round_robin = itertools.count()
+        self._buffered_bytes = 0
+        self._unfinished = 0
+        self._completions: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._sender = threading.Thread(target=self._run, name="atomlog-producer", daemon=True)
+        self._sender.start()
+
+    @property
+    def producer_id(self) -> int:
+        return self._producer_id
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    # ------------------------------------------------------------------ user API
+    def send(self, topic: str, value: bytes | str | None, key: bytes | str | None = None,
+             partition: int | None = None, headers: dict | list | None = None,
+             timestamp_ms: int | None = None) -> Future:
+        """Queue one record; the future's result is RecordMetadata(topic, partition, offset)."""
+        if self._closed:
+            raise RuntimeError("producer is closed")
+        record = Record(key=_bytes(key), value=_bytes(value), headers=_headers(headers),
+                        timestamp_ms=timestamp_ms if timestamp_ms is not None else _now_ms())
+        size = 32 + len(record.key or b"") + len(record.value or b"") + sum(
+            len(k) + len(v) + 4 for k, v in record.headers)
+        if size + 128 > self.batch_max_bytes:
+            raise errors.BatchTooLarge(f"record of about {size} bytes does not fit a batch of "
+                                       f"{self.batch_max_bytes} bytes (batch_max_bytes)")
+        routes = self.client.metadata.partitions(topic)
+        if partition is None:
+            partition = self._choose_partition(topic, record.key, len(routes))
+        elif not 0 <= partition < len(routes):
+            raise errors.UnknownTopicOrPartition(
+                f"topic {topic!r} has {len(routes)} partitions; no partition {partition}")
+        future: Future = Future()
+        deadline = time.monotonic() + self.max_block_s
+        with self._lock:
+            while self._buffered_bytes + size > self.max_buffered_bytes:
+                if self._closed:
+                    raise RuntimeError("producer is closed")
+                if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise errors.DeliveryTimeout(
+                        f"buffer of {self.max_buffered_bytes} bytes stayed full for "
+                        f"{self.max_block_s} s (max_buffered_bytes)")
+            state = self._partitions.setdefault((topic, partition), _PartitionState())
+            if state.open_bytes and state.open_bytes + size > self.batch_max_bytes:
+                self._seal(topic, partition, state)
+            if not state.open:
+                state.opened_at = time.monotonic()
+            state.open.append(_Pending(record, future, size))
+            state.open_bytes += size
+            self._buffered_bytes += size
+            self._unfinished += 1
+            if state.open_bytes >= self.batch_max_bytes or self.linger_s == 0:
+                self._seal(topic, partition, state)
+                self._lock.notify_all()
+        return future
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send everything now and wait until every record sent so far is acknowledged
+        (or failed: failures are in the futures)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            for (topic, partition), state in self._partitions.items():
+                if state.open:
+                    self._seal(topic, partition, state)
+            self._lock.notify_all()
+            while self._unfinished:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self._unfinished} records still unacknowledged")
+                self._lock.wait(timeout=remaining if remaining is not None else 1.0)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush(timeout)
+        finally:
+            with self._lock:
+                self._closed = True
+                self._lock.notify_all()
+            self._sender.join(timeout=5)
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ batching
+    def _choose_partition(self, topic: str, key: bytes | None, count: int) -> int:
+        if key is not None:
+            return crc32c.crc32c(key) % count  # documented: stable across languages
+        if self.partitioner == "round_robin":
+            return next(self._round_robin) % count
+        with self._lock:
+            current = self._sticky.get(topic)
+            if current is None or current >= count:
+                current = self._sticky[topic] = next(self._round_robin) % count
+            return current
+
+    def _seal(self, topic: str, partition: int, state: _PartitionState) -> None:
+        """Close the open batch of a partition (lock held)."""
+        if not state.open:
+            return
+        batch = _Batch(topic, partition, state.open, state.opened_at, state.open_bytes)
+        batch.deadline = state.opened_at + self.delivery_timeout_s
+        state.open, state.open_bytes = [], 0
+        state.ready.append(batch)
+        if self._sticky.get(topic) == partition:
+            self._sticky.pop(topic)  # the next keyless record moves on
+
+    def _encode(self, batch: _Batch, state: _PartitionState) -> None:
+        records = [p.record for p in batch.records]
+        if self.idempotent:
+            if state.producer_id is None or state.next_sequence + len(records) > SEQUENCE_LIMIT:
+                # A fresh identity for this partition: sequences start again at 0.
+                state.producer_id, state.epoch = (
+                    (self._producer_id, self._epoch) if state.producer_id is None
+                    else self.client.allocate_producer_id())
+                state.next_sequence = 0
+            batch.base_sequence = state.next_sequence
+            state.next_sequence += len(records)
+        batch.payload = encode_batch(records, producer_id=state.producer_id or 0,
+                                     producer_epoch=state.epoch,
+                                     base_sequence=batch.base_sequence if self.idempotent else -1,
+                                     compression=self.compression)
+
+    # ------------------------------------------------------------------ sender thread
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    self._drain_completions()
+                    now = time.monotonic()
+                    self._seal_lingering(now)
+                    sendable = self._sendable(now)
+                    if sendable or (self._closed and not self._unfinished):
+                        break
+                    self._lock.wait(timeout=self._next_wake(now))
+                if self._closed and not self._unfinished and not sendable:
+                    return
+            self._send(sendable)
+
+    def _seal_lingering(self, now: float) -> None:
+        for (topic, partition), state in self._partitions.items():
+            if state.open and now - state.opened_at >= self.linger_s:
+                self._seal(topic, partition, state)
+
+    def _next_wake(self, now: float) -> float:
+        wake = 1.0
+        for state in self._partitions.values():
+            if state.open:
+                wake = min(wake, state.opened_at + self.linger_s - now)
+            if state.ready and len(state.in_flight) < self.max_in_flight:
+                wake = min(wake, state.ready[0].not_before - now)
+        return max(wake, 0.0005)
+
+    def _sendable(self, now: float) -> list[_Batch]:
+        out = []
+        for state in self._partitions.values():
+            while state.ready and len(state.in_flight) < self.max_in_flight \
+                    and state.ready[0].not_before <= now:
+                batch = state.ready.popleft()
+                if not batch.payload:
+                    try:
+                        self._encode(batch, state)
+                    except errors.AtomlogClientError as error:
+                        self._fail(batch, error)
+                        continue
+                state.in_flight.append(batch)
+                out.append(batch)
+        return out
+
+    def _send(self, batches: list[_Batch]) -> None:
+        by_address: dict[str, list[_Batch]] = {}
+        for batch in batches:
+            batch.attempts += 1
+            try:
+                address = self.client.metadata.route(batch.topic, batch.partition).address
+            except errors.AtomlogClientError as error:
+                self._completions.put((batch, error, None))
+                continue
+            if not address:
+                self._completions.put((batch, errors.error_for(
+                    "SERVER_UNAVAILABLE", f"owner of {batch.topic}-{batch.partition} is down"),
+                    None))
+                continue
+            by_address.setdefault(address, []).append(batch)
+        for address, group in by_address.items():
+            request = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+                topic_partition=common_pb2.TopicPartition(topic=b.topic, partition=b.partition),
+                record_batch=b.payload) for b in group])
+            stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+            call = stub.Produce.future(request, timeout=self.request_timeout_s)
+            call.add_done_callback(lambda f, group=group: self._on_reply(group, f))
+        if not by_address:
+            with self._lock:
+                self._lock.notify_all()
+
+    def _on_reply(self, group: list[_Batch], call) -> None:
+        try:
+            reply = call.result()
+            for batch, result in zip(group, reply.results):
+                if result.error.reason:
+                    self._completions.put((batch, errors.error_for(
+                        result.error.reason, result.error.message, dict(result.error.metadata)), None))
+                else:
+                    self._completions.put((batch, None, result))
+        except grpc.RpcError as rpc_error:
+            error = errors.from_grpc(rpc_error)
+            for batch in group:
+                self._completions.put((batch, error, None))
+        with self._lock:
+            self._lock.notify_all()
+
+    def _drain_completions(self) -> None:
+        """Apply replies, in the sender thread, with the lock held."""
+        refresh: set[str] = set()
+        while True:
+            try:
+                batch, error, result = self._completions.get_nowait()
+            except queue.Empty:
+                break
+            if batch.done:
+                continue  # already failed for good; a late reply changes nothing
+            state = self._partitions[(batch.topic, batch.partition)]
+            if error is None:
+                _discard(state, batch)
+                self._succeed(batch, result)
+                continue
+            if error.reason in REFRESH_REASONS:
+                refresh.add(batch.topic)
+            self._handle_failure(batch, state, error)
+        for topic in refresh:
+            self.client.metadata.invalidate(topic)
+
+    def _handle_failure(self, batch: _Batch, state: _PartitionState,
+                        error: errors.AtomlogClientError) -> None:
+        if batch not in state.in_flight:
+            return  # rewound by an earlier failure: it is queued to be sent again
+        now = time.monotonic()
+        index = state.in_flight.index(batch)
+        retriable = error.reason in RETRIABLE_ITEM_REASONS or (
+            error.reason == "OUT_OF_ORDER_SEQUENCE" and index > 0)
+        if retriable and now < batch.deadline:
+            batch.last_error = error
+            # Resend this batch and every later in-flight one, in sequence order.
+            later = state.in_flight[index:]
+            del state.in_flight[index:]
+            for b in reversed(later):
+                b.not_before = now + self.backoff.delay(b.attempts)
+                state.ready.appendleft(b)
+            return
+        if retriable:  # out of time: the outcome of this batch is unknown
+            timeout = errors.DeliveryTimeout(
+                f"{len(batch.records)} records to {batch.topic}-{batch.partition} not "
+                f"acknowledged within {self.delivery_timeout_s} s; they may or may not have "
+                f"been written. Last error: {error}")
+            timeout.__cause__ = error
+            self._abandon_partition(state, batch, timeout)
+        elif error.reason in DEFINITELY_NOT_WRITTEN:
+            _discard(state, batch)
+            self._fail(batch, error)
+            self._resequence_after(batch, state)
+        else:  # the server lost or rejects this producer's state: start a fresh identity
+            self._abandon_partition(state, batch, error)
+
+    def _abandon_partition(self, state: _PartitionState, batch: _Batch,
+                           error: errors.AtomlogClientError) -> None:
+        """Fail `batch` and every encoded batch behind it, and give the partition a new
+        producer id, so nothing already sent can be confused with what is sent next."""
+        doomed = [b for b in [*state.in_flight, *state.ready]
+                  if b is batch or (b.payload and b.base_sequence > batch.base_sequence)]
+        for b in doomed:
+            _discard(state, b)
+            self._fail(b, error)
+        state.producer_id, state.epoch = self.client.allocate_producer_id()
+        state.next_sequence = 0
+        for b in state.ready:
+            b.payload = b""
+
+    def _resequence_after(self, failed: _Batch, state: _PartitionState) -> None:
+        """Nothing of `failed` was written: later batches of the partition take over its
+        sequence numbers (the server refuses them as out of order otherwise)."""
+        if not self.idempotent or failed.base_sequence < 0:
+            return
+        later = sorted([b for b in [*state.in_flight, *state.ready]
+                        if b.payload and b.base_sequence > failed.base_sequence],
+                       key=lambda b: b.base_sequence)
+        for b in later:
+            _discard(state, b)
+            b.payload = b""
+        state.next_sequence = failed.base_sequence
+        for b in reversed(later):
+            state.ready.appendleft(b)
+
+    def _succeed(self, batch: _Batch, result) -> None:
+        batch.done = True
+        for index, pending in enumerate(batch.records):
+            pending.future.set_result(RecordMetadata(batch.topic, batch.partition,
+                                                     result.base_offset + index,
+                                                     result.log_append_time_unix_ms))
+        self._finish(batch)
+
+    def _fail(self, batch: _Batch, error: Exception) -> None:
+        batch.done = True
+        for pending in batch.records:
+            pending.future.set_exception(error)
+        self._finish(batch)
+
+    def _finish(self, batch: _Batch) -> None:
+        self._buffered_bytes -= batch.size
+        self._unfinished -= len(batch.records)
+        self._lock.notify_all()
+
+
+def _discard(state: _PartitionState, batch: _Batch) -> None:
+    if batch in state.in_flight:
+        state.in_flight.remove(batch)
+    if batch in state.ready:
+        state.ready.remove(batch)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _bytes(value) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"expected bytes or str, got {type(value).__name__}")
+
+
+def _headers(headers) -> tuple[tuple[str, bytes], ...]:
+    if not headers:
+        return ()
+    items = headers.items() if isinstance(headers, dict) else headers
+    return tuple((str(k), _bytes(v) or b"") for k, v in items)
