@@ -82,17 +82,16 @@ def test_every_service_answers_health_per_service_and_reflection(cluster):
 
 def test_unimplemented_rpcs_answer_with_error_info(cluster):
     """Services that later issues fill in answer UNIMPLEMENTED with a reason, not a crash."""
-    from atomlog.v1 import id_allocator_pb2, id_allocator_pb2_grpc
+    from atomlog.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-    address = cluster.process("ida-0")["grpc_address"]
+    address = cluster.process("coord-0")["grpc_address"]
     with grpc.insecure_channel(address) as channel:
-        stub = id_allocator_pb2_grpc.IdAllocatorServiceStub(channel)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         with pytest.raises(grpc.RpcError) as raised:
-            stub.AllocateProducerIds(id_allocator_pb2.AllocateProducerIdsRequest(count=10),
-                                     timeout=5)
+            stub.NewTxn(coordinator_pb2.NewTxnRequest(timeout_ms=1000), timeout=5)
     assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
     error = from_rpc_error(raised.value)
-    assert error.reason == "UNIMPLEMENTED" and "AllocateProducerIds" in error.message
+    assert error.reason == "UNIMPLEMENTED" and "NewTxn" in error.message
 
 
 def test_metrics_endpoint_parses_as_prometheus_text(cluster):
