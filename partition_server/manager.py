@@ -4,8 +4,8 @@ periodic chores (producer expiry, retention)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import re
 from pathlib import Path
 
 from partition_server import metrics as m
@@ -17,7 +17,10 @@ log = logging.getLogger("atomlog.partition.manager")
 
 OPEN_CONCURRENCY = 4  # partitions recovering at once at start-up
 CHORE_INTERVAL_S = 30.0
-_DIRECTORY = re.compile(r"^(?P<topic>.+)-(?P<partition>\d+)$")
+# Topic settings (CreateTopic config) that override the server's storage defaults.
+# cleanup.policy=compact needs nothing here: see docs/record-format.md on compaction.
+TOPIC_LOG_SETTINGS = {"segment.bytes": "segment_bytes", "segment.ms": "segment_ms",
+                      "retention.bytes": "retention_bytes", "retention.ms": "retention_ms"}
 
 
 class NotOwner(Exception):
@@ -57,9 +60,19 @@ class PartitionManager:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _settings_for(self, topic: str) -> OwnerSettings:
+        """Server defaults, overridden by the topic's own settings (CreateTopic config)."""
+        record = self.assignments.topic(topic) if self.assignments else None
+        overrides = {field: int(record.config[key]) for key, field in TOPIC_LOG_SETTINGS.items()
+                     if record is not None and key in record.config}
+        if not overrides:
+            return self.settings
+        return dataclasses.replace(self.settings,
+                                   log=dataclasses.replace(self.settings.log, **overrides))
+
     async def _open(self, topic: str, partition: int) -> None:
         owner = PartitionOwner(topic, partition, self.data_dir / f"{topic}-{partition}",
-                               self.settings)
+                               self._settings_for(topic))
         self.owners[(topic, partition)] = owner  # visible as LOADING meanwhile
         try:
             async with self._semaphore:

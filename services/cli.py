@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def status(data_dir: Path, output: str) -> None:
         rows = launcher.status(data_dir)
     except launcher.LaunchError as error:
         fail(str(error))
-    healthy = all(r.health == "SERVING" for r in rows)
+    healthy = all(r.health == "SERVING" and not r.offline_partitions for r in rows)
     if output == "json":
         click.echo(json.dumps({"healthy": healthy, "processes": [asdict(r) for r in rows]},
                               indent=2))
@@ -129,10 +130,16 @@ def status(data_dir: Path, output: str) -> None:
         for column in ("name", "role", "pid", "grpc", "metrics", "health"):
             table.add_column(column)
         for r in rows:
-            color = "green" if r.health == "SERVING" else "red"
+            color = "green" if r.health == "SERVING" and not r.offline_partitions else "red"
+            health = r.health + (f", {len(r.offline_partitions)} partition(s) offline"
+                                 if r.offline_partitions else "")
             table.add_row(r.name, r.role, str(r.pid or "-"), r.grpc_address,
-                          r.metrics_address or "-", f"[{color}]{r.health}[/]")
+                          r.metrics_address or "-", f"[{color}]{health}[/]")
         console.print(table)
+        for r in rows:
+            for partition in r.offline_partitions:
+                console.print(f"[red]{r.name}: partition {partition} refuses to serve (DATA_LOSS); "
+                              "an operator must recover it[/]", highlight=False)
     sys.exit(0 if healthy else 1)
 
 
@@ -301,6 +308,187 @@ def _print_topics(topics, output: str) -> None:
             table.add_row(t.name, str(p.partition), p.server_name, p.server_address or "-",
                           "yes" if p.available else "[red]no[/]")
     console.print(table)
+
+
+# ---------------------------------------------------------------- partitions
+@cli.group()
+def partition() -> None:
+    """Inspect and repair partitions."""
+
+
+def _partition_stub(bootstrap: str, topic_name: str, number: int):
+    from atomlog.v1 import partition_pb2_grpc
+    from spark_client import Client
+
+    client = Client(bootstrap)
+    route = client.metadata.route(topic_name, number)
+    if not route.address:
+        fail(f"the owner of {topic_name}-{number} ({route.server_name}) is down")
+    return client, partition_pb2_grpc.PartitionServiceStub(client.channels.get(route.address))
+
+
+@partition.command("describe")
+@click.argument("topic_name", metavar="TOPIC")
+@click.argument("number", metavar="PARTITION", type=int)
+@bootstrap_option
+@data_dir_option
+@output_option
+def partition_describe(topic_name: str, number: int, bootstrap: str | None, data_dir: Path,
+                       output: str) -> None:
+    """State, positions and producers of one partition."""
+    from google.protobuf.json_format import MessageToDict
+
+    from atomlog.v1 import common_pb2, partition_pb2
+    from spark_client.errors import AtomlogClientError, from_grpc
+
+    try:
+        client, stub = _partition_stub(_bootstrap(bootstrap, data_dir), topic_name, number)
+        reply = stub.DescribePartition(partition_pb2.DescribePartitionRequest(
+            topic_partition=common_pb2.TopicPartition(topic=topic_name, partition=number)),
+            timeout=10)
+    except grpc.RpcError as rpc_error:
+        fail(str(from_grpc(rpc_error)))
+    except AtomlogClientError as error:
+        fail(str(error))
+    client.close()
+    click.echo(json.dumps(MessageToDict(reply, preserving_proto_field_name=True,
+                                        always_print_fields_with_no_presence=True), indent=2)
+               if output == "json" else _describe_text(reply))
+
+
+def _describe_text(reply) -> str:
+    from atomlog.v1 import partition_pb2
+
+    lines = [f"{reply.topic_partition.topic}-{reply.topic_partition.partition}: "
+             f"{partition_pb2.PartitionState.Name(reply.state).removeprefix('PARTITION_STATE_')}"]
+    if reply.data_loss.file:
+        lines.append(f"  DATA_LOSS in {reply.data_loss.file} at offset {reply.data_loss.offset}: "
+                     f"{reply.data_loss.detail}")
+    lines.append(f"  log start {reply.log_start_offset}, high watermark {reply.high_watermark}, "
+                 f"max read position {reply.max_read_position}, last data offset "
+                 f"{reply.last_data_offset}")
+    lines.append(f"  {reply.segment_count} segment(s), {reply.size_bytes} bytes, "
+                 f"{reply.producer_count} producer(s)")
+    for p in reply.producers:
+        lines.append(f"    producer {p.producer_id} epoch {p.producer_epoch}: last sequence "
+                     f"{p.last_sequence} at offset {p.last_offset}")
+    return "\n".join(lines)
+
+
+@partition.command("recover")
+@click.argument("topic_name", metavar="TOPIC")
+@click.argument("number", metavar="PARTITION", type=int)
+@click.option("--file", "file_name", required=True, help="The file DATA_LOSS reported.")
+@click.option("--offset", type=int, required=True, help="The offset DATA_LOSS reported.")
+@click.option("--accept-data-loss", is_flag=True, required=True,
+              help="Confirm: everything from that offset on is deleted.")
+@bootstrap_option
+@data_dir_option
+def partition_recover(topic_name: str, number: int, file_name: str, offset: int,
+                      accept_data_loss: bool, bootstrap: str | None, data_dir: Path) -> None:
+    """Bring a partition in DATA_LOSS back online by truncating at the corruption."""
+    from atomlog.v1 import common_pb2, partition_pb2
+    from spark_client.errors import AtomlogClientError, from_grpc
+
+    try:
+        client, stub = _partition_stub(_bootstrap(bootstrap, data_dir), topic_name, number)
+        reply = stub.RecoverPartition(partition_pb2.RecoverPartitionRequest(
+            topic_partition=common_pb2.TopicPartition(topic=topic_name, partition=number),
+            expected_file=file_name, expected_offset=offset, accept_data_loss=accept_data_loss),
+            timeout=60)
+    except grpc.RpcError as rpc_error:
+        fail(str(from_grpc(rpc_error)))
+    except AtomlogClientError as error:
+        fail(str(error))
+    client.close()
+    console.print(f"{topic_name}-{number} recovered: truncated at offset "
+                  f"{reply.truncated_at_offset} ({reply.removed_bytes} bytes removed); "
+                  f"high watermark {reply.high_watermark}")
+
+
+# ---------------------------------------------------------------- produce / consume
+@cli.command()
+@click.argument("topic")
+@click.option("--key-separator", default=None,
+              help="Split each line at the first SEPARATOR into key and value.")
+@click.option("--partition", "-p", type=int, default=None, help="Send every record here.")
+@bootstrap_option
+@data_dir_option
+def produce(topic: str, key_separator: str | None, partition: int | None, bootstrap: str | None,
+            data_dir: Path) -> None:
+    """Send each line of standard input as one record to TOPIC (idempotent producer).
+
+    Exits non-zero if any record could not be delivered.
+    """
+    from spark_client import Client
+    from spark_client.errors import AtomlogClientError
+
+    futures = []
+    try:
+        with Client(_bootstrap(bootstrap, data_dir)) as client, client.producer() as producer:
+            for line in sys.stdin:
+                line = line.rstrip("\n")
+                key = None
+                if key_separator is not None and key_separator in line:
+                    key, line = line.split(key_separator, 1)
+                futures.append(producer.send(topic, line, key=key, partition=partition))
+            producer.flush()
+        failures = [f.exception() for f in futures if f.exception() is not None]
+    except AtomlogClientError as error:
+        fail(str(error))
+    if failures:
+        fail(f"{len(failures)} of {len(futures)} records failed; first: {failures[0]}")
+    err_console.print(f"sent {len(futures)} records to {topic}")
+
+
+@cli.command()
+@click.argument("topics", nargs=-1, required=True)
+@click.option("--from", "start", type=click.Choice(["earliest", "latest"]), default="earliest",
+              show_default=True)
+@click.option("--isolation", type=click.Choice(["read_committed", "read_uncommitted"]),
+              default="read_committed", show_default=True)
+@click.option("--max-messages", "-n", type=int, default=None, help="Stop after N messages.")
+@click.option("--idle-timeout", type=float, default=None,
+              help="Stop when nothing arrives for this many seconds (default: run until ^C).")
+@bootstrap_option
+@data_dir_option
+@output_option
+def consume(topics: tuple[str, ...], start: str, isolation: str, max_messages: int | None,
+            idle_timeout: float | None, bootstrap: str | None, data_dir: Path, output: str) -> None:
+    """Print the records of TOPICS to standard output (values as text, one per line;
+    with -o json one JSON object per record)."""
+    from spark_client import Client
+    from spark_client.errors import AtomlogClientError
+
+    count = 0
+    try:
+        with Client(_bootstrap(bootstrap, data_dir)) as client, \
+                client.consumer(list(topics), isolation=isolation, start=start) as consumer:
+            idle_since = time.monotonic()
+            while max_messages is None or count < max_messages:
+                batch = consumer.poll(timeout_s=0.5, max_records=500)
+                if not batch:
+                    if idle_timeout is not None and time.monotonic() - idle_since > idle_timeout:
+                        break
+                    continue
+                idle_since = time.monotonic()
+                for message in batch[: None if max_messages is None else max_messages - count]:
+                    click.echo(_render(message, output))
+                    count += 1
+    except AtomlogClientError as error:
+        fail(str(error))
+    except KeyboardInterrupt:
+        pass
+
+
+def _render(message, output: str) -> str:
+    if output != "json":
+        return (message.value or b"").decode(errors="replace")
+    text = lambda b: None if b is None else b.decode(errors="replace")  # noqa: E731
+    return json.dumps({"topic": message.topic, "partition": message.partition,
+                       "offset": message.offset, "timestamp_ms": message.timestamp_ms,
+                       "key": text(message.key), "value": text(message.value),
+                       "headers": {k: text(v) for k, v in message.headers}})
 
 
 def main() -> None:

@@ -212,8 +212,9 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("id_allocator.cas_backoff_initial_ms", int, 1, "Backoff bound before the first "
                 "retry after a lost compare-and-set; doubles per retry, full jitter.",
                 minimum=0, maximum=10_000),
-        Setting("id_allocator.cas_backoff_max_ms", int, 50, "Largest backoff bound between "
-                "compare-and-set retries.", minimum=0, maximum=60_000),
+        Setting("id_allocator.cas_backoff_max_ms", int, 10, "Largest backoff bound between "
+                "compare-and-set retries (a round is about 1.5 ms, so 10 ms spreads several "
+                "contending allocators without starving the loser).", minimum=0, maximum=60_000),
         Setting("id_allocator.zookeeper_op_timeout_ms", int, 5_000, "Longest wait for one "
                 "ZooKeeper read or write; a write that times out is an uncertain outcome whose "
                 "block is issued only if a re-read proves it ours.", minimum=100, maximum=120_000),

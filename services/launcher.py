@@ -174,6 +174,21 @@ def health_status(address: str, timeout_s: float = 1.0) -> str:
         return "UNREACHABLE"
 
 
+def offline_partitions(address: str, timeout_s: float = 2.0) -> list[str]:
+    """Partitions of a partition server that refuse to serve (DATA_LOSS), with where."""
+    from atomlog.v1 import partition_pb2, partition_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = partition_pb2_grpc.PartitionServiceStub(channel).ListPartitions(
+                partition_pb2.ListPartitionsRequest(include_internal=True), timeout=timeout_s)
+    except grpc.RpcError as error:
+        return [f"(cannot list partitions: {error.code().name})"]
+    return [f"{p.topic_partition.topic}-{p.topic_partition.partition} "
+            f"({p.data_loss.file} at offset {p.data_loss.offset})"
+            for p in reply.partitions if p.state == partition_pb2.PARTITION_STATE_DATA_LOSS]
+
+
 def tail(path: str, lines: int = 15) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
@@ -253,6 +268,7 @@ class ProcessStatus:
     metrics_address: str
     health: str
     log_file: str
+    offline_partitions: list[str] = field(default_factory=list)  # DATA_LOSS: operator needed
 
 
 def status(data_dir: Path) -> list[ProcessStatus]:
@@ -267,8 +283,11 @@ def status(data_dir: Path) -> list[ProcessStatus]:
                 "NOT_SERVING" if alive else "DOWN")
         else:
             health = health_status(entry.grpc_address) if alive else "DOWN"
+        offline = (offline_partitions(entry.grpc_address)
+                   if entry.role == "partition_server" and health == "SERVING" else [])
         return ProcessStatus(entry.name, entry.role, entry.pid if alive else 0, alive,
-                             entry.grpc_address, entry.metrics_address, health, entry.log_file)
+                             entry.grpc_address, entry.metrics_address, health, entry.log_file,
+                             offline)
 
     with ThreadPoolExecutor(max_workers=max(1, len(cluster.processes))) as pool:
         return list(pool.map(probe, cluster.processes))
