@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from services import __version__
-from services.config import ROLES, ConfigError, describe, load_config, parse_assignments
+from services.config import (ROLES, ConfigError, check_cluster_settings, describe, load_config,
+                             parse_assignments)
 
 DEFAULT_DATA_DIR = ".atomlog"
 # Not a terminal (pipes, CI logs): wide enough that addresses are never cut.
@@ -69,8 +70,7 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
 
     try:
         settings = parse_assignments(assignments)
-        for role in ROLES:  # fail here, not in every child
-            load_config(role, env={}, overrides={**settings, "server.data_dir": "/tmp"})
+        check_cluster_settings(settings)  # fail here, not in every child
     except ConfigError as error:
         fail(str(error), 2)
     counts = {"partition_server": partition_servers, "coordinator": coordinators,

@@ -369,6 +369,25 @@ def load_config(role: str, file: str | Path | None = None,
     return config
 
 
+def role_settings(settings: Mapping[str, Any], role: str) -> dict[str, Any]:
+    """The subset of cluster-wide settings a role knows (`atomlog up --set` passes each
+    process only those)."""
+    known = {s.name for s in settings_for(role)}
+    return {k: v for k, v in settings.items() if k in known}
+
+
+def check_cluster_settings(settings: Mapping[str, Any]) -> None:
+    """Every setting must be known to some role, and valid for every role that knows it."""
+    every = {s.name for role in ROLES for s in settings_for(role)}
+    unknown = [f"unknown setting {k!r} from flags{_did_you_mean(k, every)}"
+               for k in settings if k not in every]
+    if unknown:
+        raise ConfigError(unknown)
+    for role in ROLES:
+        load_config(role, env={}, overrides={**role_settings(settings, role),
+                                             "server.data_dir": "/tmp"})
+
+
 def _did_you_mean(name: str, settings: Iterable[str]) -> str:
     import difflib
 

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import localzk
+from services.config import role_settings
 
 CLUSTER_FILE = "cluster.json"
 PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
@@ -146,7 +147,7 @@ def service_command(cluster: ClusterFile, entry: ProcessEntry) -> list[str]:
                "--name", entry.name, "--listen", entry.grpc_address,
                "--metrics-listen", entry.metrics_address, "--data-dir", entry.data_dir,
                "--zookeeper", cluster.zookeeper]
-    for key, value in sorted(cluster.settings.items()):
+    for key, value in sorted(role_settings(cluster.settings, entry.role).items()):
         command += ["--set", f"{key}={value}"]
     return command
 

@@ -25,6 +25,7 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from kazoo.exceptions import KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
 from services import __version__, logs, metrics
@@ -107,6 +108,9 @@ class Runtime:
             raise AtomlogError("INVALID_ARGUMENT", f"cannot listen on {listen}")
         advertised = config["server.advertised_host"] or listen.rsplit(":", 1)[0]
         self.grpc_address = f"{advertised}:{bound}"
+        # grpc_health answers SERVING for "" by default: not until we are registered.
+        for service in ["", *self.service_names]:
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
 
         self.registration = Registration(self.zk, self.name, {
@@ -134,7 +138,10 @@ class Runtime:
         metrics.SERVING.set(0)
         await self.health.enter_graceful_shutdown()
         if self.registration is not None:
-            await asyncio.to_thread(self.registration.unregister)
+            try:  # bounded: with ZooKeeper down the session's expiry removes it anyway
+                await asyncio.wait_for(asyncio.to_thread(self.registration.unregister), 2.0)
+            except asyncio.TimeoutError:
+                log.warning("could not unregister within 2 s; the session expiry will")
         await self.server.stop(grace_s)
         for hook in reversed(self.stop_hooks):
             try:
@@ -159,6 +166,11 @@ async def serve(config: Config) -> int:
         await runtime.start()
     except AtomlogError as error:
         event(log, "cannot start", logging.ERROR, reason=error.reason, error=error.message)
+        await runtime.stop()
+        return 2
+    except KazooException as error:
+        event(log, "cannot start: ZooKeeper failed during start-up", logging.ERROR,
+              error=repr(error))
         await runtime.stop()
         return 2
     await runtime.wait_stopped()
