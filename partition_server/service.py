@@ -243,7 +243,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             response.size_bytes = owner.log.size_bytes
             response.producer_count = owner.producers.producer_count
             limit = request.max_producers or 100
-            for entry in owner.producers.live_entries(int(time.time() * 1000))[:limit]:
+            live = owner.producers.live_entries(int(time.time() * 1000))
+            for entry in sorted(live.values(), key=lambda e: e.producer_id)[:limit]:
                 response.producers.add(
                     producer_id=entry.producer_id, producer_epoch=entry.producer_epoch,
                     last_sequence=entry.last_sequence, last_offset=entry.last_offset,

@@ -220,3 +220,19 @@ def test_cli_produce_and_consume(cluster):
     records = [json.loads(line) for line in consumed.stdout.splitlines()]
     assert sorted(r["value"] for r in records) == sorted(f"line {i}" for i in range(20))
     assert {r["key"] for r in records} == {f"k{i}" for i in range(20)}
+
+
+def test_200_producers_created_concurrently_get_distinct_producer_ids(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def make(_):
+        producer = client.producer()
+        try:
+            return producer.producer_id, producer.epoch
+        finally:
+            producer.close()
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        ids = list(pool.map(make, range(200)))
+    assert len({pid for pid, _ in ids}) == 200
+    assert all(pid >= 1 and epoch == 0 for pid, epoch in ids)
