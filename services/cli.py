@@ -316,15 +316,24 @@ def partition() -> None:
     """Inspect and repair partitions."""
 
 
-def _partition_stub(bootstrap: str, topic_name: str, number: int):
+def _call_owner(bootstrap: str, topic_name: str, number: int, method: str, request,
+                timeout: float = 10):
+    """Call a PartitionService method on the partition's owner; exit 1 on any error."""
     from atomlog.v1 import partition_pb2_grpc
     from spark_client import Client
+    from spark_client.errors import AtomlogClientError, from_grpc
 
-    client = Client(bootstrap)
-    route = client.metadata.route(topic_name, number)
-    if not route.address:
-        fail(f"the owner of {topic_name}-{number} ({route.server_name}) is down")
-    return client, partition_pb2_grpc.PartitionServiceStub(client.channels.get(route.address))
+    with Client(bootstrap) as client:
+        try:
+            route = client.metadata.route(topic_name, number)
+            if not route.address:
+                fail(f"the owner of {topic_name}-{number} ({route.server_name}) is down")
+            stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(route.address))
+            return getattr(stub, method)(request, timeout=timeout)
+        except grpc.RpcError as rpc_error:
+            fail(str(from_grpc(rpc_error)))
+        except AtomlogClientError as error:
+            fail(str(error))
 
 
 @partition.command("describe")
@@ -339,18 +348,10 @@ def partition_describe(topic_name: str, number: int, bootstrap: str | None, data
     from google.protobuf.json_format import MessageToDict
 
     from atomlog.v1 import common_pb2, partition_pb2
-    from spark_client.errors import AtomlogClientError, from_grpc
 
-    try:
-        client, stub = _partition_stub(_bootstrap(bootstrap, data_dir), topic_name, number)
-        reply = stub.DescribePartition(partition_pb2.DescribePartitionRequest(
-            topic_partition=common_pb2.TopicPartition(topic=topic_name, partition=number)),
-            timeout=10)
-    except grpc.RpcError as rpc_error:
-        fail(str(from_grpc(rpc_error)))
-    except AtomlogClientError as error:
-        fail(str(error))
-    client.close()
+    reply = _call_owner(_bootstrap(bootstrap, data_dir), topic_name, number, "DescribePartition",
+                        partition_pb2.DescribePartitionRequest(topic_partition=common_pb2.TopicPartition(
+                            topic=topic_name, partition=number)))
     click.echo(json.dumps(MessageToDict(reply, preserving_proto_field_name=True,
                                         always_print_fields_with_no_presence=True), indent=2)
                if output == "json" else _describe_text(reply))
@@ -388,19 +389,13 @@ def partition_recover(topic_name: str, number: int, file_name: str, offset: int,
                       accept_data_loss: bool, bootstrap: str | None, data_dir: Path) -> None:
     """Bring a partition in DATA_LOSS back online by truncating at the corruption."""
     from atomlog.v1 import common_pb2, partition_pb2
-    from spark_client.errors import AtomlogClientError, from_grpc
 
-    try:
-        client, stub = _partition_stub(_bootstrap(bootstrap, data_dir), topic_name, number)
-        reply = stub.RecoverPartition(partition_pb2.RecoverPartitionRequest(
-            topic_partition=common_pb2.TopicPartition(topic=topic_name, partition=number),
-            expected_file=file_name, expected_offset=offset, accept_data_loss=accept_data_loss),
-            timeout=60)
-    except grpc.RpcError as rpc_error:
-        fail(str(from_grpc(rpc_error)))
-    except AtomlogClientError as error:
-        fail(str(error))
-    client.close()
+    reply = _call_owner(_bootstrap(bootstrap, data_dir), topic_name, number, "RecoverPartition",
+                        partition_pb2.RecoverPartitionRequest(
+                            topic_partition=common_pb2.TopicPartition(topic=topic_name,
+                                                                      partition=number),
+                            expected_file=file_name, expected_offset=offset,
+                            accept_data_loss=accept_data_loss), timeout=60)
     console.print(f"{topic_name}-{number} recovered: truncated at offset "
                   f"{reply.truncated_at_offset} ({reply.removed_bytes} bytes removed); "
                   f"high watermark {reply.high_watermark}")

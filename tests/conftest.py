@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,16 @@ def atomlog(*args: str, check: bool = True, timeout: float = 120) -> subprocess.
         raise AssertionError(f"atomlog {' '.join(args)} exited {result.returncode}\n"
                              f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    """Poll predicate every 50 ms; return the seconds it took, or fail after timeout_s."""
+    began = time.monotonic()
+    while not predicate():
+        if time.monotonic() - began > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - began
 
 
 @dataclass

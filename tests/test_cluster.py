@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
 from services.errors import DOMAIN, from_rpc_error
-from tests.conftest import SESSION_TIMEOUT_MS
+from tests.conftest import SESSION_TIMEOUT_MS, wait_until
 
 ROLE_SERVICE = {
     "partition_server": "atomlog.v1.PartitionService",
@@ -31,14 +31,6 @@ pytestmark = pytest.mark.cluster
 def metadata_stub(address: str) -> metadata_pb2_grpc.MetadataServiceStub:
     return metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(address))
 
-
-def wait_until(predicate, timeout_s: float, what: str) -> float:
-    began = time.monotonic()
-    while not predicate():
-        if time.monotonic() - began > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - began
 
 
 def test_up_reaches_all_serving_and_writes_cluster_file(cluster):

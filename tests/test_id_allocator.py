@@ -32,6 +32,7 @@ from id_allocator.client import AsyncProducerIdPool, ProducerIdPool, RetryPolicy
 from id_allocator.core import Allocation, Block, Done, Read, Request, Snapshot, Write
 from id_allocator.store import WriteConflict, WriteOk, ZkBlockStore
 from services import launcher, localzk
+from tests.conftest import wait_until
 from services.errors import AtomlogError, from_rpc_error
 from services.zk import ZkSession
 
@@ -130,14 +131,6 @@ def assert_increasing(blocks: list[Block], who: str) -> None:
     for earlier, later in zip(blocks, blocks[1:]):
         assert earlier.last < later.first, f"{who}: {earlier} then {later}"
 
-
-def wait_until(predicate, timeout_s: float, what: str) -> float:
-    began = time.monotonic()
-    while not predicate():
-        if time.monotonic() - began > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - began
 
 
 class Client(threading.Thread):
