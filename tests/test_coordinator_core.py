@@ -1,0 +1,911 @@
+"""The TC partition core (coordinator/core.py) and its records (coordinator/records.py).
+
+- A Hypothesis state machine plays clients (NewTxn with parents, sessions and idempotency
+  keys; partitions; prepare; EndTxn keeping random children; InitProducerId; operator
+  aborts), the shell (appends made durable, refused, or written unacknowledged before a
+  crash; markers confirmed, duplicated, lost; ticks; snapshots) and crashes (a new owner
+  loads by full replay or snapshot + tail). A small model built from the log checks:
+  each transaction is decided at most once and never flips (acknowledged commits stay
+  commits, markers always carry the logged decision), refusals change nothing, replies
+  agree with the model, a full replay and every snapshot + tail equal the live table,
+  the bounds hold, and — at the end — every transaction finishes and every target of
+  every decided transaction got its marker. Failures print a reproduction blob.
+- The transition table walked whole: every allowed transition applies, every other one
+  raises IllegalTransition and leaves the table unchanged.
+- Record and snapshot encodings: round trips, truncations, bit flips, versions.
+- `-k load`: 100,000 finished transactions loaded from a snapshot (and by full replay).
+"""
+
+from __future__ import annotations
+
+import ast
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine, initialize, invariant, precondition, rule,
+)
+
+from coordinator import core as core_module
+from coordinator import records as records_module
+from coordinator.core import (
+    ALLOWED, DECIDING, FINISHED, INITIAL_STATE, NO_WORK, TRANSITION_RECORDS, UNDECIDED,
+    IllegalTransition, Limits, ProducerIdNeeded, ProtocolError, SnapshotCorrupt, State,
+    TcPartitionCore, generated_doc, next_producer_epoch, replay,
+)
+from coordinator.records import (
+    PRODUCER_EPOCH_LAST_ISSUED, Completed, DeadlineReset, Decided, Decision, EndCause,
+    Opened, Prepared, RecordCorrupt, Registered, Session, SessionStarted,
+    SubscriptionPartition, TopicPartition, TxnId, decode_record, encode_record,
+)
+from services.errors import AtomlogError
+
+TC = 7
+COMMIT, ABORT = Decision.COMMIT, Decision.ABORT
+
+# ---------------------------------------------------------------------------------------
+# The state machine
+# ---------------------------------------------------------------------------------------
+
+MACHINE_LIMITS = Limits(
+    max_open=6, max_partitions=3, max_children=2, default_timeout_ms=1_000,
+    max_timeout_ms=5_000, default_prepared_timeout_ms=3_000, max_prepared_timeout_ms=6_000,
+    max_finished=5, max_sessions=3, session_expiry_ms=20_000, marker_retry_ms=100,
+    max_decisions_per_tick=2, max_markers_per_tick=3)
+TARGETS = (TopicPartition("t", 0), TopicPartition("t", 1), TopicPartition("u", 0),
+           SubscriptionPartition("t", 0, "s"))
+TRANSACTIONAL_IDS = ("a", "b", "c", "d")  # one more than max_sessions
+KEYS = ("", "", "k1", "k2")
+TIMEOUTS_MS = st.sampled_from([0, 0, 500, 5_000, 5_001, -1])
+ADVANCES_MS = st.sampled_from([0, 1, 50, 99, 100, 300, 600, 1_000, 3_000, 7_000, 25_000])
+# Most client calls see their appends durable at once; the rest leave them in flight.
+SETTLE = st.sampled_from([True, True, True, False])
+# Whole-request refusals the core may answer with; each must leave everything unchanged.
+REFUSALS = {
+    "UNKNOWN_TRANSACTION", "TRANSACTION_NOT_OPEN", "TRANSACTION_ABORTED",
+    "TRANSACTION_TIMED_OUT", "TRANSACTION_ALREADY_COMMITTED", "TRANSACTION_PREPARED",
+    "PARENT_NOT_OPEN", "CHILD_NOT_PREPARED", "TRANSACTION_IS_CHILD",
+    "CONCURRENT_TRANSACTIONS", "INVALID_TRANSACTION_TIMEOUT", "PRODUCER_FENCED",
+    "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT",
+}
+
+
+class LogModel:
+    """What the durable log says, checked as each append becomes durable."""
+
+    def __init__(self) -> None:
+        self.opened: dict[TxnId, Opened] = {}
+        self.targets: dict[TxnId, set] = {}
+        self.children: dict[TxnId, list[TxnId]] = {}
+        self.decided: dict[TxnId, Decision] = {}
+        self.completed: set[TxnId] = set()
+        self.last_sequence = 0
+
+    def record(self, record) -> None:
+        if isinstance(record, Opened):
+            assert record.txn_id.sequence > self.last_sequence, "sequences grow"
+            self.last_sequence = record.txn_id.sequence
+            self.opened[record.txn_id] = record
+            self.targets[record.txn_id] = {*record.topic_partitions,
+                                           *record.subscription_partitions}
+            self.children[record.txn_id] = []
+            if record.parent is not None:
+                self.children[record.parent].append(record.txn_id)
+        elif isinstance(record, Registered):
+            assert record.txn_id not in self.decided
+            self.targets[record.txn_id] |= {*record.topic_partitions,
+                                            *record.subscription_partitions}
+        elif isinstance(record, Decided):
+            for txn_id, decision in ([(record.txn_id, record.decision)]
+                                     + [(c, COMMIT) for c in record.kept_children]
+                                     + [(c, ABORT) for c in record.aborted_children]):
+                assert txn_id not in self.decided, f"{txn_id} decided twice"
+                self.decided[txn_id] = decision
+            undecided = [c for c in self.children[record.txn_id] if c not in self.decided]
+            assert not undecided, f"{record.txn_id} decided, children {undecided} not"
+        elif isinstance(record, Completed):
+            assert self.decided.get(record.txn_id) is record.decision, "completes as decided"
+            assert record.txn_id not in self.completed
+            assert all(c in self.completed for c in self.children[record.txn_id])
+            self.completed.add(record.txn_id)
+        elif isinstance(record, (Prepared, DeadlineReset)):
+            assert record.txn_id not in self.decided
+
+
+class CoordinatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = 1
+        self.core = TcPartitionCore(TC, MACHINE_LIMITS, self.epoch)
+        self.now_ms = 1_000_000
+        self.log: list[bytes] = []
+        self.model = LogModel()
+        self.in_flight: deque = deque()  # (Append, caller, reply)
+        self.markers: list = []  # sent by this owner, not yet confirmed
+        self.confirmed: list = []  # confirmed to this owner (for duplicates)
+        self.markers_seen: dict[TxnId, set] = {}  # target -> delivered, per transaction
+        self.acknowledged: dict[TxnId, Decision] = {}  # decisions replied to clients
+        self.snapshots: list[tuple[bytes, int]] = []
+        self.next_producer_id = 1
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def known(self) -> list[TxnId]:
+        return sorted(self.model.opened) or [TxnId(TC, 1)]
+
+    def settle(self, settle: bool) -> None:
+        while settle and self.in_flight:
+            self.append_durable()
+
+    @initialize(count=st.integers(1, 3))
+    def open_some(self, count):
+        for _ in range(count):
+            self.new_txn(0, None, "", [TARGETS[0], TARGETS[3]], True)
+
+    def image(self, core: TcPartitionCore) -> bytes:
+        """The logical table at now: a copy without the live core's locks (which keep an
+        expired session in memory while a NewTxn in it is being logged), expired
+        sessions freed, encoded."""
+        copy, _ = TcPartitionCore.restore(core.snapshot(), TC, MACHINE_LIMITS, self.epoch)
+        copy.forget_expired_sessions(self.now_ms)
+        return copy.snapshot()
+
+    def attempt(self, caller: str, call, predicted: set[str] | None = None):
+        """Run an input. A refusal must change nothing (and be predicted, if given)."""
+        before = (self.image(self.core), self.core.pending_append_ids)
+        try:
+            ready = call()
+        except AtomlogError as error:
+            event(f"refused {caller}: {error.reason}")
+            assert error.reason in REFUSALS, error
+            if predicted is not None:
+                assert error.reason in predicted, (error, predicted)
+            assert (self.image(self.core), self.core.pending_append_ids) == before
+            return None
+        if predicted is not None:
+            assert "ok" in predicted, (caller, ready, predicted)
+        self.perform(ready, caller)
+        return ready
+
+    def perform(self, ready, caller: str) -> None:
+        for append in ready.appends:
+            self.in_flight.append((append, caller, ready.reply))
+        for marker in ready.markers:
+            assert marker.coordinator_epoch == self.epoch
+            assert self.model.decided.get(marker.txn_id) is marker.decision, \
+                "a marker carries the logged decision"
+            self.markers.append(marker)
+
+    def write(self, append) -> None:
+        for record in append.records:
+            event(f"logged {type(record).__name__}"
+                  + (f" {record.decision.name} {record.cause.name}"
+                     if isinstance(record, Decided) else "")
+                  + (" keeping children" if getattr(record, "kept_children", ()) else "")
+                  + (" aborting children" if getattr(record, "aborted_children", ()) else ""))
+            value = encode_record(record)
+            assert decode_record(value) == record
+            self.log.append(value)
+            self.model.record(record)
+
+    # -- clients ------------------------------------------------------------------------
+
+    @rule(timeout_ms=TIMEOUTS_MS, parent=st.one_of(st.none(), st.integers(1, 12)),
+          key=st.sampled_from(KEYS), chosen=st.lists(st.sampled_from(TARGETS), max_size=4),
+          settle=SETTLE)
+    def new_txn(self, timeout_ms, parent, key, chosen, settle):
+        parent_id = TxnId(TC, parent) if parent else None
+        self.attempt("new_txn", lambda: self.core.new_txn(
+            self.now_ms, timeout_ms, parent_id, None, key,
+            [t for t in chosen if isinstance(t, TopicPartition)],
+            [t for t in chosen if isinstance(t, SubscriptionPartition)]))
+        self.settle(settle)
+
+    @rule(data=st.data(), children=st.integers(1, 3), settle=SETTLE)
+    def spark_job(self, data, children, settle):
+        """A parent, children that write and (some) prepare, a commit keeping some."""
+        ready = self.attempt("new_txn", lambda: self.core.new_txn(self.now_ms, 5_000))
+        self.settle(True)
+        if ready is None:
+            return
+        parent = ready.reply.txn_id
+        for index in range(children):
+            self.attempt("new_txn", lambda: self.core.new_txn(
+                self.now_ms, 0, parent, topic_partitions=[TARGETS[index]]))
+        self.settle(True)
+        for child in self.model.children.get(parent, []):
+            if data.draw(st.booleans()):
+                self.attempt("prepare", lambda: self.core.prepare(self.now_ms, child))
+        self.settle(settle)
+        keep = data.draw(st.lists(st.sampled_from(self.model.children.get(parent) or [parent]),
+                                  unique=True))
+        self.attempt("end_txn", lambda: self.core.end_txn(self.now_ms, parent, COMMIT, keep))
+        self.settle(settle)
+
+    @rule(tid=st.sampled_from(TRANSACTIONAL_IDS), stale=st.booleans(),
+          timeout_ms=st.sampled_from([0, 500, 5_000]))
+    def new_session_txn(self, tid, stale, timeout_ms):
+        if self.core.session(tid, self.now_ms) is None:
+            self.init_producer_id(tid, "new")
+        info = self.core.session(tid, self.now_ms)
+        session = info.session if info else Session(tid, 99, 0)
+        if stale and session.producer_epoch > 0:
+            session = Session(tid, session.producer_id, session.producer_epoch - 1)
+        predicted = {"PRODUCER_FENCED"} if (info is None or stale and info.session != session) \
+            else None
+        self.attempt("new_txn", lambda: self.core.new_txn(
+            self.now_ms, timeout_ms, session=session, topic_partitions=[TARGETS[0]]),
+            predicted)
+        self.settle(True)
+
+    @rule(data=st.data(), chosen=st.lists(st.sampled_from(TARGETS), min_size=1, max_size=3))
+    def add_targets(self, data, chosen):
+        txn_id = data.draw(st.sampled_from(self.known()))
+        session = self.session_of(txn_id)
+        if all(isinstance(t, SubscriptionPartition) for t in chosen):
+            call = lambda: self.core.add_subscriptions(self.now_ms, txn_id, chosen, session)
+        else:
+            call = lambda: self.core.add_partitions(
+                self.now_ms, txn_id, [t for t in chosen if isinstance(t, TopicPartition)],
+                session)
+        self.attempt("add", call)
+        self.settle(True)
+
+    @rule(data=st.data(), timeout_ms=st.sampled_from([0, 50, 6_000, 6_001]), settle=SETTLE)
+    def prepare(self, data, timeout_ms, settle):
+        txn_id = data.draw(st.sampled_from(self.known()))
+        self.attempt("prepare", lambda: self.core.prepare(self.now_ms, txn_id, timeout_ms,
+                                                          self.session_of(txn_id)))
+        self.settle(settle)
+
+    @rule(data=st.data(), decision=st.sampled_from([COMMIT, COMMIT, ABORT]), settle=SETTLE)
+    def end_txn(self, data, decision, settle):
+        txn_id = data.draw(st.sampled_from(self.known()))
+        children = self.model.children.get(txn_id, [])
+        keep = data.draw(st.lists(st.sampled_from(children), unique=True)) if (
+            children and decision is COMMIT) else []
+        predicted = self.predict_end(txn_id, decision)
+        ready = self.attempt("end_txn", lambda: self.core.end_txn(
+            self.now_ms, txn_id, decision, keep, self.session_of(txn_id)), predicted)
+        if ready is not None and ready.appends:
+            (decided,) = [r for r in ready.appends[0].records if isinstance(r, Decided)]
+            assert decided.decision is decision and decided.kept_children == tuple(keep)
+        self.settle(settle)
+
+    def predict_end(self, txn_id: TxnId, decision: Decision) -> set[str] | None:
+        """What EndTxn must answer for a transaction the log has decided (None: no
+        prediction). Session-bound ones may also be fenced."""
+        logged = self.model.decided.get(txn_id)
+        opened = self.model.opened.get(txn_id)
+        if logged is None or opened is None:
+            return None
+        if self.core.is_finished(txn_id) and self.forgotten(txn_id):
+            return {"UNKNOWN_TRANSACTION"}
+        if opened.parent is not None and decision is COMMIT:
+            return {"TRANSACTION_IS_CHILD"}
+        fenced = {"PRODUCER_FENCED"} if opened.session is not None else set()
+        if logged is decision:
+            return {"ok"} | fenced
+        if logged is COMMIT:
+            return {"TRANSACTION_ALREADY_COMMITTED"} | fenced
+        return {"TRANSACTION_ABORTED", "TRANSACTION_TIMED_OUT"} | fenced
+
+    def forgotten(self, txn_id: TxnId) -> bool:
+        try:
+            self.core.status(txn_id, self.now_ms)
+        except AtomlogError as error:
+            assert error.reason == "UNKNOWN_TRANSACTION"
+            return True
+        return False
+
+    def session_of(self, txn_id: TxnId) -> Session | None:
+        opened = self.model.opened.get(txn_id)
+        return opened.session if opened is not None else None
+
+    @rule(data=st.data(), allow_prepared=st.booleans())
+    def operator_abort(self, data, allow_prepared):
+        txn_id = data.draw(st.sampled_from(self.known()))
+        logged = self.model.decided.get(txn_id)
+        predicted = None
+        if logged is not None and not self.forgotten(txn_id):
+            predicted = {"ok"} if logged is ABORT else {"TRANSACTION_ALREADY_COMMITTED"}
+        self.attempt("abort", lambda: self.core.abort(self.now_ms, txn_id, allow_prepared),
+                     predicted)
+
+    @rule(tid=st.sampled_from(TRANSACTIONAL_IDS),
+          given=st.sampled_from(["new", "current", "stale"]))
+    def init_producer_id(self, tid, given):
+        info = self.core.session(tid, self.now_ms)
+        producer_id, epoch = 0, 0
+        if info is not None and given == "current":
+            producer_id, epoch = info.session.producer_id, info.session.producer_epoch
+        elif info is not None and given == "stale":
+            producer_id, epoch = info.session.producer_id, info.session.producer_epoch + 1
+
+        def call():
+            try:
+                return self.core.init_producer_id(self.now_ms, tid, 0, producer_id, epoch)
+            except ProducerIdNeeded:
+                self.next_producer_id += 1
+                return self.core.init_producer_id(self.now_ms, tid, 0, producer_id, epoch,
+                                                  fresh_producer_id=self.next_producer_id)
+        predicted = ({"PRODUCER_FENCED", "CONCURRENT_TRANSACTIONS"}
+                     if info is not None and given == "stale" else None)
+        self.attempt("init", call, predicted)
+        self.settle(True)
+
+    # -- the shell ----------------------------------------------------------------------
+
+    @precondition(lambda self: self.in_flight)
+    @rule()
+    def append_durable(self):
+        append, caller, reply = self.in_flight.popleft()
+        self.write(append)
+        ready = self.core.append_done(append.append_id, self.now_ms)
+        if caller == "end_txn" and reply is not None:
+            self.acknowledged[next(r.txn_id for r in append.records
+                                   if isinstance(r, Decided))] = reply.state and (
+                COMMIT if reply.state in (State.COMMITTING, State.COMMITTED) else ABORT)
+        self.perform(ready, "append_done")
+
+    @precondition(lambda self: self.in_flight)
+    @rule()
+    def append_refused(self):
+        append, _, _ = self.in_flight.popleft()
+        assert self.core.append_failed(append.append_id) == NO_WORK
+
+    @precondition(lambda self: len(self.in_flight) >= 2)
+    @rule()
+    def appends_complete_in_order(self):
+        with pytest.raises(ProtocolError):
+            self.core.append_done(self.in_flight[1][0].append_id, self.now_ms)
+
+    @precondition(lambda self: self.markers)
+    @rule(data=st.data())
+    def confirm_marker(self, data):
+        marker = data.draw(st.sampled_from(self.markers))
+        self.markers = [m for m in self.markers
+                        if (m.txn_id, m.target) != (marker.txn_id, marker.target)]
+        self.markers_seen.setdefault(marker.txn_id, set()).add(marker.target)
+        self.confirmed = (self.confirmed + [marker])[-10:]
+        self.perform(self.core.marker_confirmed(self.now_ms, marker.txn_id, marker.target),
+                     "confirm")
+
+    @precondition(lambda self: self.confirmed)
+    @rule(data=st.data())
+    def duplicate_confirmation(self, data):
+        marker = data.draw(st.sampled_from(self.confirmed))
+        if marker in self.markers:  # re-sent since: that send is still unconfirmed
+            return
+        assert self.core.marker_confirmed(self.now_ms, marker.txn_id, marker.target) \
+            == NO_WORK
+
+    @rule()
+    def lose_markers(self):
+        self.markers.clear()
+
+    @rule(advance_ms=ADVANCES_MS)
+    def tick(self, advance_ms):
+        self.now_ms += advance_ms
+        self.perform(self.core.tick(self.now_ms), "tick")
+
+    @rule()
+    def take_snapshot(self):
+        self.snapshots = (self.snapshots + [(self.core.snapshot(len(self.log)),
+                                             len(self.log))])[-2:]
+
+    @rule(written=st.integers(0, 3), from_snapshot=st.booleans())
+    def crash(self, written, from_snapshot):
+        """The owner dies after `written` in-flight appends reached the log unseen."""
+        for _ in range(min(written, len(self.in_flight))):
+            self.write(self.in_flight.popleft()[0])
+        self.in_flight.clear()
+        self.markers.clear()
+        self.confirmed.clear()
+        self.epoch += 1
+        records = [decode_record(value) for value in self.log]
+        event("crash with a decision in progress" if any(
+            isinstance(r, Decided) and r.txn_id not in self.model.completed for r in records)
+            else "crash")
+        if from_snapshot and self.snapshots:
+            data, covered = self.snapshots[-1]
+            base, offset = TcPartitionCore.restore(data, TC, MACHINE_LIMITS, self.epoch)
+            assert offset == covered
+            self.core = replay(records[covered:], TC, base=base)
+        else:
+            self.core = replay(records, TC, MACHINE_LIMITS, self.epoch)
+        self.perform(self.core.tick(self.now_ms), "tick")
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def decisions_never_flip(self):
+        for txn_id, decision in {**self.model.decided, **self.acknowledged}.items():
+            assert self.model.decided[txn_id] is decision
+            try:
+                state = self.core.status(txn_id, self.now_ms).state
+            except AtomlogError:
+                continue  # forgotten after it finished
+            expected = ((State.COMMITTING, State.COMMITTED) if decision is COMMIT
+                        else (State.ABORTING, State.ABORTED))
+            assert state in expected, (txn_id, state, decision)
+
+    @invariant()
+    def live_table_equals_full_replay_and_snapshot_plus_tail(self):
+        records = [decode_record(value) for value in self.log]
+        live = self.image(self.core)
+        assert self.image(replay(records, TC, MACHINE_LIMITS, self.epoch)) == live
+        for data, covered in self.snapshots:
+            base, _ = TcPartitionCore.restore(data, TC, MACHINE_LIMITS, self.epoch)
+            assert self.image(replay(records[covered:], TC, base=base)) == live
+        restored, _ = TcPartitionCore.restore(live, TC, MACHINE_LIMITS, self.epoch)
+        assert self.image(restored) == live
+
+    @invariant()
+    def bounds_hold(self):
+        metrics = self.core.metrics
+        assert metrics.unfinished_transactions <= MACHINE_LIMITS.max_open
+        assert metrics.finished_transactions <= MACHINE_LIMITS.max_finished
+        assert metrics.pending_appends == len(self.in_flight)
+        for summary in self.core.list_transactions(self.now_ms).transactions:
+            assert summary.topic_partition_count + summary.subscription_partition_count \
+                <= MACHINE_LIMITS.max_partitions
+            assert summary.child_count <= MACHINE_LIMITS.max_children
+
+    def teardown(self):
+        """Liveness: with appends durable, markers delivered and time passing, every
+        transaction finishes, and every target of a decided one got its marker."""
+        for _ in range(40):
+            while self.in_flight:
+                self.append_durable()
+            while self.markers:
+                marker = self.markers[0]
+                self.markers = [m for m in self.markers
+                                if (m.txn_id, m.target) != (marker.txn_id, marker.target)]
+                self.markers_seen.setdefault(marker.txn_id, set()).add(marker.target)
+                self.perform(self.core.marker_confirmed(self.now_ms, marker.txn_id,
+                                                        marker.target), "confirm")
+            if not self.in_flight and not self.core.metrics.unfinished_transactions:
+                break
+            self.tick(MACHINE_LIMITS.max_prepared_timeout_ms)
+        assert self.core.metrics.unfinished_transactions == 0
+        for txn_id in self.model.decided:
+            assert self.model.targets[txn_id] <= self.markers_seen.get(txn_id, set()), txn_id
+
+
+CoordinatorMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestCoordinatorMachine = CoordinatorMachine.TestCase
+
+
+# ---------------------------------------------------------------------------------------
+# The transition table, walked whole
+# ---------------------------------------------------------------------------------------
+
+T1, CHILD = TxnId(TC, 1), TxnId(TC, 2)
+NOW = 10_000
+
+
+def opened(txn_id: TxnId = T1, **kwargs) -> Opened:
+    return Opened(txn_id, NOW, 1_000, NOW + 1_000, **kwargs)
+
+
+# Records that bring T1 (with targets, no children) to each state.
+PATHS: dict[State, list] = {
+    State.OPEN: [opened(topic_partitions=(TopicPartition("t", 0),))],
+    State.PREPARED: [opened(), Prepared(T1, NOW, 5_000)],
+    State.COMMITTING: [opened(), Decided(T1, COMMIT, EndCause.CLIENT, NOW)],
+    State.ABORTING: [opened(), Decided(T1, ABORT, EndCause.TIMEOUT, NOW)],
+    State.COMMITTED: [opened(), Decided(T1, COMMIT, EndCause.CLIENT, NOW),
+                      Completed(T1, COMMIT, NOW)],
+    State.ABORTED: [opened(), Decided(T1, ABORT, EndCause.CLIENT, NOW),
+                    Completed(T1, ABORT, NOW)],
+}
+# The record that would move T1 into each state.
+INTO: dict[State, object] = {
+    State.OPEN: opened(),
+    State.PREPARED: Prepared(T1, NOW, 5_000),
+    State.COMMITTING: Decided(T1, COMMIT, EndCause.CLIENT, NOW),
+    State.ABORTING: Decided(T1, ABORT, EndCause.OPERATOR, NOW),
+    State.COMMITTED: Completed(T1, COMMIT, NOW),
+    State.ABORTED: Completed(T1, ABORT, NOW),
+}
+
+
+@pytest.mark.parametrize("source", list(State), ids=lambda s: s.name)
+@pytest.mark.parametrize("target", list(State), ids=lambda s: s.name)
+def test_transition_table_walked_whole(source: State, target: State) -> None:
+    core = replay(PATHS[source], TC)
+    assert core.status(T1, NOW).state is source
+    before = core.snapshot()
+    if target in ALLOWED[source]:
+        core.apply(INTO[target])
+        assert core.status(T1, NOW).state is target
+        assert (source, target) in TRANSITION_RECORDS
+    else:
+        with pytest.raises(IllegalTransition):
+            core.apply(INTO[target])
+        assert core.snapshot() == before
+        assert core.status(T1, NOW).state is source
+
+
+def test_table_shape() -> None:
+    assert INITIAL_STATE is State.OPEN
+    assert UNDECIDED | DECIDING | FINISHED == set(State)
+    assert all(not ALLOWED[state] for state in FINISHED)
+    # Every state is reachable from OPEN and every path ends in a final state.
+    reachable, frontier = {State.OPEN}, [State.OPEN]
+    while frontier:
+        for following in ALLOWED[frontier.pop()]:
+            if following not in reachable:
+                reachable.add(following)
+                frontier.append(following)
+    assert reachable == set(State)
+    # The decision, once made, has exactly one way forward.
+    assert ALLOWED[State.COMMITTING] == {State.COMMITTED}
+    assert ALLOWED[State.ABORTING] == {State.ABORTED}
+    assert all(not ALLOWED[state] & FINISHED for state in UNDECIDED)  # no skipping the decision
+
+
+@pytest.mark.parametrize("state", [s for s in State if s is not State.OPEN],
+                         ids=lambda s: s.name)
+def test_in_place_records_need_open(state: State) -> None:
+    core = replay(PATHS[state], TC)
+    before = core.snapshot()
+    for record in (Registered(T1, (TopicPartition("t", 9),)), DeadlineReset(T1, NOW + 5)):
+        with pytest.raises(IllegalTransition):
+            core.apply(record)
+        assert core.snapshot() == before
+
+
+def _illegal_cases():
+    parent = [opened(), opened(CHILD, parent=T1, topic_partitions=(TopicPartition("t", 1),))]
+    session = SessionStarted("x", 5, 3, 1_000, NOW)
+    yield "kept child not prepared", parent, Decided(T1, COMMIT, EndCause.CLIENT, NOW,
+                                                      kept_children=(CHILD,))
+    yield "a child left undecided", parent, Decided(T1, ABORT, EndCause.CLIENT, NOW)
+    yield "not a child", [opened(), opened(CHILD)], Decided(
+        T1, ABORT, EndCause.CLIENT, NOW, aborted_children=(CHILD,))
+    yield "parent completes before its child", parent + [
+        Decided(T1, ABORT, EndCause.CLIENT, NOW, aborted_children=(CHILD,))], \
+        Completed(T1, ABORT, NOW)
+    yield "child of a child", parent, opened(TxnId(TC, 3), parent=CHILD)
+    yield "child of a decided parent", [opened(), Decided(T1, ABORT, EndCause.CLIENT, NOW)], \
+        opened(CHILD, parent=T1)
+    yield "sequence not growing", [opened(CHILD)], opened(T1)
+    yield "another TC partition", [], opened(TxnId(TC + 1, 1))
+    yield "unknown transaction", [], Prepared(T1, NOW, 1)
+    yield "session not current", [session], opened(session=Session("x", 5, 2))
+    yield "second open transaction of a session", [session, opened(session=session.session)], \
+        opened(CHILD, session=session.session)
+    yield "epoch not growing", [session], SessionStarted("x", 5, 3, 1_000, NOW)
+    yield "session bump with its transaction undecided", [session,
+                                                          opened(session=session.session)], \
+        SessionStarted("x", 5, 4, 1_000, NOW)
+
+
+@pytest.mark.parametrize("name,log,record", list(_illegal_cases()),
+                         ids=[case[0] for case in _illegal_cases()])
+def test_illegal_records_raise_and_change_nothing(name, log, record) -> None:
+    core = replay(log, TC)
+    before = core.snapshot()
+    with pytest.raises(IllegalTransition):
+        core.apply(record)
+    assert core.snapshot() == before
+
+
+# ---------------------------------------------------------------------------------------
+# Focused behaviour
+# ---------------------------------------------------------------------------------------
+
+def settle(core: TcPartitionCore, ready, now_ms: int = NOW) -> list:
+    """Make every append durable (and follow-ups); return the markers sent."""
+    markers, queue = list(ready.markers), deque(ready.appends)
+    while queue:
+        follow = core.append_done(queue.popleft().append_id, now_ms)
+        queue.extend(follow.appends)
+        markers.extend(follow.markers)
+    return markers
+
+
+def test_replies_wait_for_their_append_and_queries_see_durable_state_only() -> None:
+    core = TcPartitionCore(TC)
+    ready = core.new_txn(NOW, topic_partitions=[TopicPartition("t", 0)])
+    assert ready.reply is not None and len(ready.appends) == 1 and not ready.markers
+    txn_id = ready.reply.txn_id
+    with pytest.raises(AtomlogError) as caught:
+        core.status(txn_id, NOW)
+    assert caught.value.reason == "CONCURRENT_TRANSACTIONS"  # being opened: retriable
+    settle(core, ready)
+    decision = core.end_txn(NOW, txn_id, COMMIT)
+    assert decision.reply.state is State.COMMITTING and not decision.markers
+    assert core.status(txn_id, NOW).state is State.OPEN  # not durable yet
+    markers = settle(core, decision)
+    assert [(m.txn_id, m.decision, m.target) for m in markers] == [
+        (txn_id, COMMIT, TopicPartition("t", 0))]
+
+
+def test_init_producer_id_asks_for_a_producer_id_only_when_needed() -> None:
+    core = TcPartitionCore(TC)
+    with pytest.raises(ProducerIdNeeded):
+        core.init_producer_id(NOW, "t1")
+    assert core.pending_append_ids == ()
+    ready = core.init_producer_id(NOW, "t1", fresh_producer_id=42)
+    settle(core, ready)
+    assert (ready.reply.producer_id, ready.reply.producer_epoch) == (42, 0)
+    again = core.init_producer_id(NOW, "t1", fresh_producer_id=43)
+    assert (again.reply.producer_id, again.reply.producer_epoch,
+            again.reply.fresh_producer_id_used) == (42, 1, False)
+
+
+def test_next_producer_epoch_never_issues_65535() -> None:
+    assert next_producer_epoch(9, 0) == (9, 1)
+    assert next_producer_epoch(9, PRODUCER_EPOCH_LAST_ISSUED - 1) == (9, 65534)
+    assert next_producer_epoch(9, PRODUCER_EPOCH_LAST_ISSUED) is None
+    with pytest.raises(ValueError):
+        Session("x", 9, 65535)
+
+
+def test_markers_are_resent_until_confirmed_and_counted() -> None:
+    core = TcPartitionCore(TC, Limits(marker_retry_ms=100))
+    ready = core.new_txn(NOW, subscription_partitions=[SubscriptionPartition("t", 0, "s")])
+    settle(core, ready)
+    txn_id = ready.reply.txn_id
+    assert len(settle(core, core.end_txn(NOW, txn_id, ABORT))) == 1
+    assert core.tick(NOW + 99).markers == ()
+    for attempt in range(1, 4):
+        assert len(core.tick(NOW + 100 * attempt).markers) == 1
+    assert core.describe(txn_id, NOW).marker_retry_count == 3
+    assert core.metrics.marker_resends_total == 3
+    follow = core.marker_confirmed(NOW, txn_id, SubscriptionPartition("t", 0, "s"))
+    settle(core, follow)
+    assert core.status(txn_id, NOW).state is State.ABORTED
+    assert core.tick(NOW + 10_000) == NO_WORK
+
+
+def test_timeout_decisions_per_tick_are_bounded() -> None:
+    core = TcPartitionCore(TC, Limits(max_decisions_per_tick=3, default_timeout_ms=10))
+    for _ in range(7):
+        settle(core, core.new_txn(NOW))
+    batches = []
+    for _ in range(3):
+        ready = core.tick(NOW + 10)
+        batches.append(sum(len(a.records) for a in ready.appends if any(
+            isinstance(r, Decided) for r in a.records)))
+        settle(core, ready)
+    assert batches == [3, 3, 1]
+    assert core.metrics.timeouts_total == 7
+
+
+def test_sessions_expire_logically_and_their_slots_are_reused() -> None:
+    core = TcPartitionCore(TC, Limits(max_sessions=1, session_expiry_ms=1_000))
+    settle(core, core.init_producer_id(NOW, "a", fresh_producer_id=1))
+    with pytest.raises(AtomlogError) as caught:
+        core.init_producer_id(NOW + 1_000, "b", fresh_producer_id=2)
+    assert caught.value.reason == "RESOURCE_EXHAUSTED"
+    assert caught.value.metadata["limit"] == "transaction.max_sessions"
+    assert core.session("a", NOW + 1_000) is not None
+    assert core.session("a", NOW + 1_001) is None  # expired, still held in memory
+    settle(core, core.init_producer_id(NOW + 1_001, "b", fresh_producer_id=2))
+    assert core.metrics.sessions == 1
+
+
+def test_a_forgotten_transaction_takes_its_idempotency_key_along() -> None:
+    core = TcPartitionCore(TC, Limits(max_finished=1))
+    keyed = core.new_txn(NOW, idempotency_key="q/7")
+    settle(core, keyed)
+    settle(core, core.end_txn(NOW, keyed.reply.txn_id, COMMIT))
+    assert core.new_txn(NOW, idempotency_key="q/7").reply.existing
+    other = core.new_txn(NOW)
+    settle(core, other)
+    settle(core, core.end_txn(NOW, other.reply.txn_id, ABORT))  # forgets the keyed one
+    assert core.metrics.evicted_total == 1
+    restored, _ = TcPartitionCore.restore(core.snapshot(), TC, Limits(max_finished=1))
+    for table in (core, restored):
+        again = table.new_txn(NOW, idempotency_key="q/7")
+        assert not again.reply.existing and again.reply.txn_id.sequence == 3
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="transaction.max_open"):
+        Limits(max_open=0)
+    with pytest.raises(ValueError, match="exceeds"):
+        Limits(default_timeout_ms=10, max_timeout_ms=5)
+    with pytest.raises(ValueError, match="65535"):
+        Limits(max_partitions=70_000)
+
+
+def test_the_core_imports_no_io() -> None:
+    """Pure cores: no I/O, clock, randomness, threads or RPC in coordinator/core.py."""
+    forbidden = {"asyncio", "grpc", "kazoo", "time", "random", "socket", "threading", "os"}
+    for module in (core_module, records_module):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & forbidden, (module.__name__, imported & forbidden)
+
+
+def test_docs_diagram_is_generated_from_the_table() -> None:
+    doc = core_module.DOC_PATH.read_text()
+    assert generated_doc() in doc, "run `python -m coordinator.core --write`"
+    for (source, target), record in TRANSITION_RECORDS.items():
+        assert f"{source.name} --> {target.name}: {record}" in doc
+
+
+# ---------------------------------------------------------------------------------------
+# Encodings
+# ---------------------------------------------------------------------------------------
+
+txn_ids = st.builds(TxnId, st.just(TC), st.integers(1, 2**64 - 1))
+names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1,
+                max_size=20)
+topic_partitions = st.lists(st.builds(TopicPartition, names, st.integers(0, 2**31 - 1)),
+                            unique=True, max_size=3).map(tuple)
+subscription_partitions = st.lists(st.builds(SubscriptionPartition, names,
+                                             st.integers(0, 2**31 - 1), names),
+                                   unique=True, max_size=3).map(tuple)
+times = st.integers(-(2**63), 2**63 - 1)
+sessions = st.builds(Session, names, st.integers(1, 2**63 - 1),
+                     st.integers(0, PRODUCER_EPOCH_LAST_ISSUED))
+records = st.one_of(
+    st.builds(Opened, txn_ids, times, st.integers(1, 2**32 - 1), times,
+              st.none(), st.one_of(st.none(), sessions),
+              st.text(max_size=10), topic_partitions, subscription_partitions),
+    st.builds(Opened, txn_ids, times, st.integers(1, 2**32 - 1), times,
+              st.builds(TxnId, st.just(TC), st.integers(1, 100))),
+    st.builds(Registered, txn_ids, topic_partitions.filter(bool), subscription_partitions),
+    st.builds(DeadlineReset, txn_ids, times),
+    st.builds(Prepared, txn_ids, times, st.integers(1, 2**32 - 1)),
+    st.builds(Decided, txn_ids, st.just(ABORT), st.sampled_from(
+        [EndCause.CLIENT, EndCause.TIMEOUT, EndCause.OPERATOR]), times,
+              st.just(()), st.lists(st.builds(TxnId, st.just(TC), st.integers(10**6, 10**7)),
+                                    unique=True, max_size=3).map(tuple)),
+    st.builds(Decided, txn_ids, st.just(COMMIT), st.just(EndCause.CLIENT), times,
+              st.lists(st.builds(TxnId, st.just(TC), st.integers(10**6, 10**7)),
+                       unique=True, max_size=3).map(tuple)),
+    st.builds(Completed, txn_ids, st.sampled_from(Decision), times),
+    st.builds(SessionStarted, names, st.integers(1, 2**63 - 1),
+              st.integers(0, PRODUCER_EPOCH_LAST_ISSUED), st.integers(1, 2**32 - 1), times),
+)
+
+
+@given(records)
+@settings(max_examples=300, deadline=None)
+def test_record_round_trip_and_truncations(record) -> None:
+    data = encode_record(record)
+    assert decode_record(data) == record
+    for cut in range(len(data)):
+        with pytest.raises(RecordCorrupt):
+            decode_record(data[:cut])
+    with pytest.raises(RecordCorrupt):
+        decode_record(data + b"\0")
+
+
+@pytest.mark.parametrize("data,why", [
+    (b"\x02\x06" + b"\0" * 21, "version"),
+    (b"\x01\x09", "type"),
+    (b"\x01\x06" + b"\0" * 12 + b"\x01" + b"\0" * 8, "txn id (0, 0)"),
+    (b"\x01\x06" + b"\x07\0\0\0\x01" + b"\0" * 7 + b"\x03" + b"\0" * 8, "decision 3"),
+])
+def test_malformed_records_are_refused(data: bytes, why: str) -> None:
+    with pytest.raises(RecordCorrupt):
+        decode_record(data)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: Decided(T1, COMMIT, EndCause.TIMEOUT, NOW),
+    lambda: Decided(T1, ABORT, EndCause.CLIENT, NOW, kept_children=(CHILD,)),
+    lambda: Decided(T1, COMMIT, EndCause.CLIENT, NOW, (CHILD,), (CHILD,)),
+    lambda: Opened(T1, NOW, 0, NOW),
+    lambda: Opened(T1, NOW, 1, NOW, parent=TxnId(TC + 1, 1)),
+    lambda: Opened(T1, NOW, 1, NOW, parent=CHILD, session=Session("x", 1, 0)),
+    lambda: Opened(T1, NOW, 1, NOW, topic_partitions=(TopicPartition("t", 0),) * 2),
+    lambda: Registered(T1),
+    lambda: TxnId(TC, 0),
+    lambda: TopicPartition("", 0),
+    lambda: TopicPartition("t" * 250, 0),
+])
+def test_value_objects_validate_themselves(bad) -> None:
+    with pytest.raises(ValueError):
+        bad()
+
+
+def small_table() -> TcPartitionCore:
+    core = TcPartitionCore(TC, coordinator_epoch=4)
+    settle(core, core.init_producer_id(NOW, "tid", fresh_producer_id=5))
+    parent = core.new_txn(NOW, idempotency_key="q/1",
+                          topic_partitions=[TopicPartition("t", 0)])
+    settle(core, parent)
+    child = core.new_txn(NOW, parent=parent.reply.txn_id,
+                         subscription_partitions=[SubscriptionPartition("t", 1, "s")])
+    settle(core, child)
+    settle(core, core.prepare(NOW, child.reply.txn_id))
+    settle(core, core.new_txn(NOW, session=Session("tid", 5, 0)))
+    done = core.new_txn(NOW, idempotency_key="q/0")
+    settle(core, done)
+    settle(core, core.end_txn(NOW, done.reply.txn_id, COMMIT))
+    settle(core, core.end_txn(NOW, parent.reply.txn_id, COMMIT, [child.reply.txn_id]))
+    return core
+
+
+def test_snapshot_round_trip_keeps_everything_but_marker_progress() -> None:
+    core = small_table()
+    data = core.snapshot(covered_offset=123)
+    restored, covered = TcPartitionCore.restore(data, TC, coordinator_epoch=5)
+    again = restored.snapshot(123)
+    assert covered == 123 and again[:12] == data[:12]
+    assert again[20:-4] == data[20:-4]  # all but the writer's epoch (and so the CRC)
+    for txn_id in (TxnId(TC, s) for s in range(1, 5)):
+        assert restored.describe(txn_id, NOW).summary == core.describe(txn_id, NOW).summary
+    # The new owner re-sends every marker of the deciding transactions, with its epoch.
+    markers = restored.tick(NOW).markers
+    assert {(m.txn_id.sequence, m.coordinator_epoch) for m in markers} == {(1, 5), (2, 5)}
+
+
+def test_every_bit_flip_and_truncation_of_a_snapshot_is_detected() -> None:
+    data = small_table().snapshot()
+    for index in range(len(data)):
+        for bit in (0, 3, 7):
+            flipped = bytearray(data)
+            flipped[index] ^= 1 << bit
+            with pytest.raises(SnapshotCorrupt):
+                TcPartitionCore.restore(bytes(flipped), TC)
+    for cut in range(len(data)):
+        with pytest.raises(SnapshotCorrupt):
+            TcPartitionCore.restore(data[:cut], TC)
+
+
+def test_a_snapshot_of_another_tc_partition_is_refused() -> None:
+    with pytest.raises(SnapshotCorrupt, match="TC partition"):
+        TcPartitionCore.restore(small_table().snapshot(), TC + 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Load: 100,000 finished transactions
+# ---------------------------------------------------------------------------------------
+
+def finished_log(count: int) -> list:
+    log = []
+    for sequence in range(1, count + 1):
+        txn_id = TxnId(TC, sequence)
+        log.append(Opened(txn_id, NOW + sequence, 60_000, NOW + 60_000 + sequence,
+                          idempotency_key=f"query-{sequence % 997}/batch-{sequence}",
+                          topic_partitions=(TopicPartition("orders", sequence % 12),
+                                            TopicPartition("audit", 0))))
+        log.append(Decided(txn_id, COMMIT, EndCause.CLIENT, NOW + sequence + 1))
+        log.append(Completed(txn_id, COMMIT, NOW + sequence + 2))
+    return log
+
+
+def test_load_100000_finished_transactions(capsys) -> None:
+    count = 100_000
+    values = [encode_record(record) for record in finished_log(count)]
+    began = time.perf_counter()
+    core = replay((decode_record(value) for value in values), TC)
+    full_replay_s = time.perf_counter() - began
+    began = time.perf_counter()
+    data = core.snapshot()
+    snapshot_s = time.perf_counter() - began
+    # Load = snapshot + tail: the tail here is the records after it (a few hundred).
+    tail = [decode_record(encode_record(r)) for r in finished_log(count + 100)[3 * count:]]
+    began = time.perf_counter()
+    restored, _ = TcPartitionCore.restore(data, TC)
+    replay(tail, TC, base=restored)
+    load_s = time.perf_counter() - began
+    assert restored.metrics.finished_transactions == count  # the oldest 100 forgotten
+    assert restored.status(TxnId(TC, count), NOW).state is State.COMMITTED
+    with pytest.raises(AtomlogError, match="UNKNOWN_TRANSACTION"):
+        restored.status(TxnId(TC, 100), NOW)
+    with capsys.disabled():
+        print(f"\n[load] {count} finished transactions: snapshot+tail load {load_s:.3f} s "
+              f"(snapshot {len(data) / 1e6:.1f} MB, written in {snapshot_s:.3f} s); full "
+              f"replay of {len(values)} records {full_replay_s:.2f} s")
+    assert load_s < 2.0
+    assert full_replay_s < 30.0  # the fallback when a snapshot is unreadable
