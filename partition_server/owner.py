@@ -269,14 +269,14 @@ class PartitionOwner:
         if duplicates:
             m.DUPLICATES.labels(*self._labels).inc(duplicates)
         m.PRODUCERS.labels(*self._labels).inc(table.producer_count - producers_before)
-        await self._flush()
+        await self._flush(len(accepted))
         for work in group:
             if not work.future.done():
                 work.future.set_result(work.results)
         self._batches_since_snapshot += len(accepted)
         await self._maybe_snapshot()
 
-    async def _flush(self) -> None:
+    async def _flush(self, batches: int) -> None:
         """Make everything appended durable (or, with fsync off, visible), then wake readers."""
         target, fd = self.log.flush_begin()
         if fd is not None and self.settings.fsync:
@@ -284,6 +284,7 @@ class PartitionOwner:
             await asyncio.to_thread(os.fsync, fd)
             m.FSYNC_SECONDS.observe(time.perf_counter() - began)
             m.FSYNCS.inc()
+            m.PRODUCE_BATCHES_PER_FSYNC.observe(batches)
         moved = self.log.flush_end(target, durable=self.settings.fsync)
         if moved:
             async with self._data:

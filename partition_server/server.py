@@ -41,6 +41,7 @@ async def install(runtime) -> list[str]:
     runtime.stop_hooks.append(manager.close)
     servicer = PartitionServicer(manager, runtime.metadata, config["partition.max_batch_bytes"],
                                  config["partition.fetch_max_wait_ms"],
-                                 config["partition.fetch_default_max_bytes"])
+                                 config["partition.fetch_default_max_bytes"],
+                                 config["grpc.max_message_bytes"])
     partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, runtime.server)
     return [service_name(partition_pb2, "PartitionService")]

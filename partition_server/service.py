@@ -24,6 +24,7 @@ STATE_ENUM = {
     State.CLOSED: partition_pb2.PARTITION_STATE_UNSPECIFIED,
 }
 MAX_ITEMS_PER_REQUEST = 10_000
+RESPONSE_OVERHEAD_BYTES = 1 << 20
 
 
 def item_error(error: AtomlogError) -> partition_pb2.ItemError:
@@ -41,12 +42,14 @@ def _require_items(items, what: str) -> None:
 
 class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     def __init__(self, manager: PartitionManager, metadata_store, max_batch_bytes: int,
-                 fetch_max_wait_ms: int, fetch_default_max_bytes: int):
+                 fetch_max_wait_ms: int, fetch_default_max_bytes: int, max_message_bytes: int):
         self.manager = manager
         self.metadata_store = metadata_store
         self.max_batch_bytes = max_batch_bytes
         self.fetch_max_wait_ms = fetch_max_wait_ms
         self.fetch_default_max_bytes = fetch_default_max_bytes
+        # Room for headers and positions of many items beside the batches.
+        self.max_response_bytes = max_message_bytes - RESPONSE_OVERHEAD_BYTES
 
     # ------------------------------------------------------------------ routing
     async def _owner(self, tp: common_pb2.TopicPartition) -> PartitionOwner:
@@ -129,49 +132,50 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         deadline = time.monotonic() + wait_s
         min_bytes = max(1, request.min_bytes)
         while True:
-            results, total, owners = await self._fetch_once(request)
+            response, total, owners = await self._fetch_once(request)
             remaining = deadline - time.monotonic()
-            if total >= min_bytes or remaining <= 0 or not owners:
-                return partition_pb2.FetchResponse(results=results)
+            if total >= min_bytes or remaining <= 0 or not owners or context.cancelled():
+                return response
             waits = [asyncio.create_task(owner.wait_for_data(offset, remaining))
                      for owner, offset in owners]
-            done, pending = await asyncio.wait(waits, timeout=remaining,
-                                               return_when=asyncio.FIRST_COMPLETED)
+            _, pending = await asyncio.wait(waits, timeout=remaining,
+                                            return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
-            if context.cancelled() if hasattr(context, "cancelled") else False:
-                return partition_pb2.FetchResponse(results=results)
 
     async def _fetch_once(self, request):
-        budget = request.max_bytes or self.fetch_default_max_bytes * len(request.items)
-        results, total, waiting = [], 0, []
+        """One pass over the items. The response is built in place (no copy of the batch
+        bytes) and never exceeds the gRPC message limit, whatever the request asks."""
+        budget = min(request.max_bytes or self.fetch_default_max_bytes * len(request.items),
+                     self.max_response_bytes)
+        response = partition_pb2.FetchResponse()
+        total, waiting = 0, []
         for item in request.items:
             tp = item.topic_partition
             try:
                 owner = await self._owner(tp)
                 owner.check_serving()
-                limit = min(item.max_bytes or self.fetch_default_max_bytes,
-                            max(budget - total, 0)) or 1
-                if total and budget - total <= 0:
+                room = budget - total
+                if total and room <= 0:
                     data, next_offset = b"", item.fetch_offset
                 else:
+                    limit = max(min(item.max_bytes or self.fetch_default_max_bytes, room), 1)
                     data, next_offset = owner.read(item.fetch_offset, limit)
                 if data:
                     m.RECORDS_OUT.labels(tp.topic).inc(
                         sum(h.record_count for _, h in iter_batches(data)))
                 else:
                     waiting.append((owner, item.fetch_offset))
-                positions = owner.positions()
-                results.append(partition_pb2.FetchResult(
-                    topic_partition=tp, record_batches=data,
-                    next_fetch_offset=max(next_offset, item.fetch_offset), **positions))
+                response.results.add(topic_partition=tp, record_batches=data,
+                                     next_fetch_offset=max(next_offset, item.fetch_offset),
+                                     **owner.positions())
                 total += len(data)
             except AtomlogError as error:
-                results.append(partition_pb2.FetchResult(
+                response.results.add(
                     topic_partition=tp, error=item_error(error), next_fetch_offset=item.fetch_offset,
                     log_start_offset=-1, high_watermark=-1, max_read_position=-1,
-                    last_data_offset=-1))
-        return results, total, waiting
+                    last_data_offset=-1)
+        return response, total, waiting
 
     # ------------------------------------------------------------------ offsets
     async def ListOffsets(self, request, context):

@@ -270,6 +270,14 @@ def _id_allocator_limits_ordered(config: "Config") -> str | None:
     return None
 
 
+def _fetch_fits_message(config: "Config") -> str | None:
+    fetch, message = config["partition.fetch_default_max_bytes"], config["grpc.max_message_bytes"]
+    if fetch + MIB > message:
+        return (f"partition.fetch_default_max_bytes ({fetch}) plus 1 MiB of response overhead "
+                f"must fit in grpc.max_message_bytes ({message})")
+    return None
+
+
 def _group_fits_batches(config: "Config") -> str | None:
     batch, group = config["partition.max_batch_bytes"], config["partition.max_group_bytes"]
     if group < batch:
@@ -292,6 +300,7 @@ RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
     (("coordinator",), _timeouts_ordered),
     (("partition_server",), _data_dir_required),
     (("partition_server",), _group_fits_batches),
+    (("partition_server",), _fetch_fits_message),
     (("id_allocator",), _id_allocator_limits_ordered),
 )
 

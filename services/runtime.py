@@ -14,6 +14,7 @@ run, then the ZooKeeper session and the metrics endpoint close.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import importlib
 import logging
 import os
@@ -154,8 +155,22 @@ class Runtime:
         event(log, "stopped")
 
 
+def tune_allocator() -> None:
+    """Keep glibc from unmapping and re-mapping large buffers on every request: with its
+    dynamic mmap threshold a fresh server pays ~1M page faults per GB fetched (measured:
+    fetch 180-210 MB/s before, 380-505 MB/s after). Big blocks stay on the heap instead."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
+
+
 async def serve(config: Config) -> int:
     """Run one server until SIGTERM/SIGINT; return the process exit code."""
+    tune_allocator()
     logs.setup(config["log.level"], config["log.format"],
                server=config["server.name"] or default_name(config.role), role=config.role)
     runtime = Runtime(config)

@@ -35,6 +35,7 @@ class Message:
 class Consumer:
     def __init__(self, client, topics: list[str] | str, *, isolation: str = "read_committed",
                  start: str = "earliest", max_bytes_per_partition: int = 4 << 20,
+                 max_bytes_per_request: int = 8 << 20,
                  request_timeout_s: float = 30.0):
         if isolation not in ISOLATION:
             raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
@@ -44,6 +45,7 @@ class Consumer:
         self.topics = [topics] if isinstance(topics, str) else list(topics)
         self.isolation = isolation
         self.max_bytes_per_partition = max_bytes_per_partition
+        self.max_bytes_per_request = max_bytes_per_request
         self.request_timeout_s = request_timeout_s
         self.backoff = Backoff()
         self._positions: dict[tuple[str, int], int] = {}
@@ -114,6 +116,7 @@ class Consumer:
             request = partition_pb2.FetchRequest(
                 isolation_level=ISOLATION[self.isolation],
                 max_wait_ms=int(wait_s * 1000) if len(servers) == 1 else 0,
+                max_bytes=self.max_bytes_per_request,
                 items=[partition_pb2.FetchItem(
                     topic_partition=common_pb2.TopicPartition(topic=t, partition=p),
                     fetch_offset=self._positions[(t, p)], max_bytes=self.max_bytes_per_partition)
