@@ -1,0 +1,899 @@
+"""Benchmark (issue 3): durable produce and fetch throughput of one partition server,
+against plain Python appending and fsyncing the same bytes, measured in the same run.
+
+Starts its own local cluster in a temporary directory (`python -m services up` with one
+partition server, one coordinator, one id allocator; `down` at the end, also on failure),
+then measures 1 KiB records with durable acks (the server default, flush_policy=fsync):
+
+- "wire" producers: separate processes that pre-encode idempotent batches (256 KiB of
+  1 KiB records by default, real producer id/epoch from InitProducerId, consecutive
+  sequences) and send them with grpc.aio, up to 5 in flight per partition. This measures
+  the server. Ack latency is per Produce request (send to reply).
+- "SDK" producers: separate processes running `Client(...).producer()` and `send()` of
+  1 KiB values (defaults: 256 KiB batches, linger 5 ms, 5 in flight). This measures the
+  end-to-end client path. Ack latency is per record (send() to its future resolving).
+
+Producers 1 and 4 x partitions 1 and 8 for each kind. Then, with the cluster idle, the
+raw baseline: os.write of the same batch bytes plus os.fsync every G batches, where G is
+the batches per fsync the server achieved. Then reads of everything from offset 0: raw
+Fetch (one process, no record decoding) and the SDK consumer (decodes every record).
+
+Client and server share this machine's CPUs (2 on the reference machine): the figures
+are what one box does with both sides on it, not the server alone.
+
+Prints a table and writes its section of docs/benchmarks.md (replacing an earlier run's
+section, leaving the rest alone).
+
+    .venv/bin/python bench/produce.py [--seconds 8] [--quick] [--no-docs]
+        [--cells wire:1x1,sdk:4x8] [--batch-kib 256] [--profile /tmp/ps.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import collections
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import crc32c  # noqa: E402
+import grpc  # noqa: E402
+
+from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc  # noqa: E402
+from partition_server.record_batch import (CRC_COVERED_FROM, CRC_OFFSET, HEADER,  # noqa: E402
+                                           HEADER_SIZE, MAGIC, MIN_BATCH_LENGTH, NO_TIMESTAMP,
+                                           Record, encode_batch, parse_header)
+
+DOCS = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- bench/produce.py: begin -->", "<!-- bench/produce.py: end -->"
+# Markers of the same section under another spelling, replaced too if found.
+ALT_MARKERS = [("<!-- bench:produce:start -->", "<!-- bench:produce:end -->")]
+RECORD_BYTES = 1024
+MAX_IN_FLIGHT = 5
+FETCH_MAX_BYTES = 8 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.max_receive_message_length", 64 << 20)]
+# Reference figures from the issue / /work/shared/peers-bench (W2: transactions of
+# 1000 x 1 KiB, one client, fsync before commit, same machine).
+PEERS = "PostgreSQL 15 COPY 137 MB/s, Redis 7 MULTI/XADD/EXEC 99 MB/s"
+TARGET_PRODUCE_MB_S, TARGET_RAW_FRACTION, TARGET_FETCH_MB_S = 140.0, 0.40, 300.0
+
+
+# ------------------------------------------------------------------ helpers
+
+def percentile(values, fraction: float) -> float:
+    """Linear interpolation between closest ranks (as peers-bench)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * fraction
+    low = int(k)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def cpu_seconds_of(pid: int, thread: int | None = None) -> float:
+    """utime + stime of a process (all its threads), or of one of its threads, in seconds."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    with open(path, "rb") as handle:
+        fields = handle.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def machine_busy() -> tuple[int, int]:
+    with open("/proc/stat") as handle:
+        values = [int(v) for v in handle.readline().split()[1:]]
+    idle = values[3] + values[4]
+    return idle, sum(values)
+
+
+class ServerSampler:
+    """Samples the partition server's VmRSS while a measurement runs, and its CPU time
+    and the machine's busy fraction over the whole window."""
+
+    def __init__(self, pid: int, interval_s: float = 0.2):
+        self.pid, self.interval_s = pid, interval_s
+        self.peak_rss = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self.cpu0, self.t0, self.busy0 = cpu_seconds_of(self.pid), time.monotonic(), machine_busy()
+        self.main0 = cpu_seconds_of(self.pid, self.pid)  # the event-loop thread
+        self.peak_rss = rss_mib(self.pid)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.peak_rss = max(self.peak_rss, rss_mib(self.pid))
+            except OSError:
+                return
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        elapsed = time.monotonic() - self.t0
+        self.cpu_cores = (cpu_seconds_of(self.pid) - self.cpu0) / elapsed
+        self.main_cores = (cpu_seconds_of(self.pid, self.pid) - self.main0) / elapsed
+        idle1, total1 = machine_busy()
+        idle0, total0 = self.busy0
+        self.machine_busy_pct = 100 * (1 - (idle1 - idle0) / max(1, total1 - total0))
+        self.busy_cores = self.machine_busy_pct / 100 * (os.cpu_count() or 1)
+        self.peak_rss = max(self.peak_rss, rss_mib(self.pid))
+        return False
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Prometheus text → {metric name: value summed over label sets}."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = collections.defaultdict(float)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] += float(value)
+        except ValueError:
+            continue
+    return out
+
+
+# ------------------------------------------------------------------ cluster
+
+class Cluster:
+    """`python -m services up/down` in a temporary directory."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.env = dict(os.environ, PYTHONPATH=str(REPO) + (
+            os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+
+    def up(self) -> None:
+        command = [sys.executable, "-m", "services", "up", "--data-dir", str(self.data_dir),
+                   "--partition-servers", "1", "--coordinators", "1", "--id-allocators", "1",
+                   "--output", "json"]
+        done = subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=180)
+        if done.returncode != 0:
+            raise RuntimeError(f"`atomlog up` failed ({done.returncode}):\n{done.stdout}\n"
+                               f"{done.stderr}")
+        info = json.loads((self.data_dir / "cluster.json").read_text())
+        self.bootstrap = info["bootstrap"]
+        server = next(p for p in info["processes"] if p["role"] == "partition_server")
+        self.server_pid, self.metrics = server["pid"], server["metrics_address"]
+        self.server_data = Path(server["data_dir"])
+
+    def down(self) -> None:
+        if not (self.data_dir / "cluster.json").exists():
+            return
+        command = [sys.executable, "-m", "services", "down", "--data-dir", str(self.data_dir)]
+        done = subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:  # last resort: the launcher's own stop (SIGTERM, SIGKILL)
+            print(f"`atomlog down` failed: {done.stderr.strip()}; stopping directly",
+                  file=sys.stderr)
+            from services import launcher
+            launcher.down(self.data_dir, timeout_s=10)
+
+
+def wait_ready(address: str, topic: str, partitions: int, timeout_s: float = 30.0) -> None:
+    """Until every partition of the topic answers ListOffsets without error."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = partition_pb2_grpc.PartitionServiceStub(channel)
+        while True:
+            reply = stub.ListOffsets(partition_pb2.ListOffsetsRequest(items=[
+                partition_pb2.ListOffsetsItem(
+                    topic_partition=common_pb2.TopicPartition(topic=topic, partition=p),
+                    spec=partition_pb2.OFFSET_SPEC_LATEST) for p in range(partitions)]), timeout=5)
+            errors = [r.error.reason for r in reply.results if r.error.reason]
+            if not errors:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{topic} not ready after {timeout_s} s: {errors[:3]}")
+            time.sleep(0.05)
+
+
+def high_watermarks(address: str, topic: str, partitions: int) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        reply = partition_pb2_grpc.PartitionServiceStub(channel).ListOffsets(
+            partition_pb2.ListOffsetsRequest(items=[partition_pb2.ListOffsetsItem(
+                topic_partition=common_pb2.TopicPartition(topic=topic, partition=p),
+                spec=partition_pb2.OFFSET_SPEC_LATEST) for p in range(partitions)]), timeout=10)
+    return [r.offset for r in reply.results]
+
+
+# ------------------------------------------------------------------ batches
+
+def record_body(records: int) -> bytes:
+    """The records part of a batch of `records` 1 KiB values, all with the batch timestamp
+    (so the body does not depend on the timestamp or the sequence)."""
+    value = os.urandom(RECORD_BYTES)  # one random buffer per client, as peers-bench
+    return encode_batch([Record(None, value) for _ in range(records)], timestamp_ms=0)[HEADER_SIZE:]
+
+
+def make_batch(body: bytes, records: int, producer_id: int, epoch: int, sequence: int,
+               timestamp_ms: int) -> bytes:
+    """encode_batch's output for these records, without re-encoding the records."""
+    header = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(body), MAGIC, NO_TIMESTAMP, 0, 0,
+                                   records - 1, records, timestamp_ms, timestamp_ms,
+                                   producer_id, epoch, sequence, 0, 0))
+    crc = crc32c.crc32c(body, crc32c.crc32c(memoryview(header)[CRC_COVERED_FROM:]))
+    header[CRC_OFFSET:CRC_OFFSET + 4] = crc.to_bytes(4, "big")
+    return bytes(header) + body
+
+
+def records_per_batch(batch_kib: int) -> int:
+    return max(1, batch_kib * 1024 // RECORD_BYTES)
+
+
+# ------------------------------------------------------------------ producer processes
+
+def stop_children(children, finished: bool) -> None:
+    """After a measurement: let them exit. After a failure or a signal: kill them now (they
+    may be waiting for a start that will never come)."""
+    for child in children:
+        if not finished and child.is_alive():
+            child.kill()
+        child.join(timeout=30 if finished else 5)
+        if child.is_alive():
+            child.kill()
+
+
+def _child_setup() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+
+
+def wire_producer(bootstrap: str, topic: str, partitions: int, seconds: float, batch_kib: int,
+                  ready, go, start_at, results) -> None:
+    _child_setup()
+    try:
+        from spark_client import Client
+
+        with Client(bootstrap) as client:
+            producer_id, epoch = client.allocate_producer_id()
+            addresses = [client.metadata.route(topic, p).address for p in range(partitions)]
+        count = records_per_batch(batch_kib)
+        body = record_body(count)
+        check = make_batch(body, count, producer_id, epoch, 7, 1234)
+        parse_header(check)
+        assert check == encode_batch([Record(None, body[-RECORD_BYTES - 1:-1])] * count,
+                                     producer_id=producer_id, producer_epoch=epoch,
+                                     base_sequence=7, timestamp_ms=1234), "make_batch drifted"
+        ready.put(os.getpid())
+        go.wait()
+        cpu0 = sum(os.times()[:2])
+        outcome = asyncio.run(_wire_run(addresses, topic, body, count, producer_id, epoch,
+                                        start_at.value, start_at.value + seconds))
+        outcome["cpu_s"] = sum(os.times()[:2]) - cpu0
+        results.put(outcome)
+    except BaseException as error:  # noqa: BLE001 — reported by the parent
+        ready.put(os.getpid())
+        results.put({"error": f"{type(error).__name__}: {error}"})
+
+
+async def _wire_run(addresses, topic, body, count, producer_id, epoch, start, deadline) -> dict:
+    stats = {"records": 0, "batches": 0, "duplicates": 0, "errors": collections.Counter(),
+             "last_ack": start}
+    latencies = array.array("d")
+    channels = {a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in set(addresses)}
+    stubs = {a: partition_pb2_grpc.PartitionServiceStub(c) for a, c in channels.items()}
+    while time.monotonic() < start:
+        await asyncio.sleep(min(0.01, max(0.0, start - time.monotonic())))
+
+    async def partition_sender(partition: int) -> None:
+        stub = stubs[addresses[partition]]
+        tp = common_pb2.TopicPartition(topic=topic, partition=partition)
+        sequence, retries = 0, 0
+        in_flight: collections.deque = collections.deque()
+        while True:
+            while len(in_flight) < MAX_IN_FLIGHT and time.monotonic() < deadline:
+                payload = make_batch(body, count, producer_id, epoch, sequence,
+                                     time.time_ns() // 1_000_000)
+                request = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+                    topic_partition=tp, record_batch=payload)])
+                sent = time.perf_counter()
+                call = stub.Produce(request, timeout=60)
+                call.add_done_callback(lambda _c, sent=sent: latencies.append(
+                    time.perf_counter() - sent))
+                in_flight.append((sequence, call))
+                sequence += count
+            if not in_flight:
+                return
+            batch_sequence, call = in_flight.popleft()
+            try:
+                reply = await call
+                reason = reply.results[0].error.reason
+                duplicate = reply.results[0].duplicate
+            except grpc.RpcError as error:
+                reason, duplicate = f"rpc {error.code().name}", False
+            if not reason:
+                if duplicate:
+                    stats["duplicates"] += 1
+                else:
+                    stats["records"] += count
+                    stats["batches"] += 1
+                stats["last_ack"] = time.monotonic()
+                continue
+            # Go back N: let the rest land (refused as out of order, or duplicates on
+            # resend), then resend from the failed sequence, as an idempotent producer does.
+            stats["errors"][reason] += 1
+            retries += 1
+            if retries > 50:
+                raise RuntimeError(f"partition {partition}: too many errors "
+                                   f"{dict(stats['errors'])}")
+            for _later_sequence, later in in_flight:
+                try:
+                    await later  # out of order (not written) or, after a timeout, unknown
+                except grpc.RpcError:
+                    pass
+            in_flight.clear()
+            sequence = batch_sequence  # anything written already comes back as a duplicate
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.gather(*(partition_sender(p) for p in range(len(addresses))))
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return {"records": stats["records"], "batches": stats["batches"],
+            "duplicates": stats["duplicates"], "errors": dict(stats["errors"]),
+            "last_ack": stats["last_ack"], "latencies": latencies.tobytes()}
+
+
+def sdk_producer(bootstrap: str, topic: str, partitions: int, seconds: float, batch_kib: int,
+                 ready, go, start_at, results) -> None:
+    _child_setup()
+    try:
+        from spark_client import Client
+
+        value = os.urandom(RECORD_BYTES)
+        latencies = array.array("d")
+        failures = collections.Counter()
+        perf = time.perf_counter
+
+        def done(future, sent: float) -> None:
+            latencies.append(perf() - sent)
+            if future.exception() is not None:
+                failures[type(future.exception()).__name__] += 1
+
+        with Client(bootstrap) as client:
+            client.metadata.partitions(topic)
+            producer = client.producer(batch_max_bytes=batch_kib << 10)
+            ready.put(os.getpid())
+            go.wait()
+            start, deadline = start_at.value, start_at.value + seconds
+            while time.monotonic() < start:
+                time.sleep(0.001)
+            cpu0 = sum(os.times()[:2])
+            sent = 0
+            send = producer.send
+            while time.monotonic() < deadline:
+                for _ in range(64):
+                    t = perf()
+                    send(topic, value).add_done_callback(lambda f, t=t: done(f, t))
+                sent += 64
+            producer.flush()
+            last_ack = time.monotonic()
+            cpu = sum(os.times()[:2]) - cpu0
+            producer.close()
+        results.put({"records": sent - sum(failures.values()), "errors": dict(failures),
+                     "last_ack": last_ack, "latencies": latencies.tobytes(), "cpu_s": cpu,
+                     "batches": 0, "duplicates": 0})
+    except BaseException as error:  # noqa: BLE001
+        ready.put(os.getpid())
+        results.put({"error": f"{type(error).__name__}: {error}"})
+
+
+def run_producers(ctx, cluster: Cluster, kind: str, producers: int, partitions: int,
+                  seconds: float, batch_kib: int, profile: str | None) -> dict:
+    from spark_client import Client
+    from spark_client.errors import TopicAlreadyExists
+
+    with Client(cluster.bootstrap) as client:
+        for attempt in range(100):
+            topic = f"bench-{kind}-{producers}x{partitions}" + (f"-{attempt}" if attempt else "")
+            try:
+                client.create_topic(topic, partitions)
+                break
+            except TopicAlreadyExists:
+                continue
+    wait_ready(cluster.bootstrap, topic, partitions)
+    target = wire_producer if kind == "wire" else sdk_producer
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    start_at = ctx.Value("d", 0.0)
+    children = [ctx.Process(target=target, args=(cluster.bootstrap, topic, partitions, seconds,
+                                                 batch_kib, ready, go, start_at, results),
+                               daemon=True)
+                for _ in range(producers)]
+    for child in children:
+        child.start()
+    finished = False
+    try:
+        for _ in children:
+            ready.get(timeout=60)
+        before = scrape(cluster.metrics)
+        spy = None
+        with ServerSampler(cluster.server_pid) as sampler:
+            start_at.value = time.monotonic() + 0.2
+            go.set()
+            if profile:
+                # BENCH_PYSPY="--native --idle" for more detail (--native pauses the server
+                # at each sample, so it slows it down; the default does not).
+                extra = os.environ.get("BENCH_PYSPY", "--nonblocking").split()
+                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",
+                                        "--pid", str(cluster.server_pid), "--duration",
+                                        str(max(1, int(seconds - 1))), "--rate", "200",
+                                        "--threads", "--format", "raw", *extra,
+                                        "--output", profile], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True)
+            outcomes = [results.get(timeout=seconds + 120) for _ in children]
+        after = scrape(cluster.metrics)
+        if spy is not None:
+            _, spy_err = spy.communicate(timeout=60)
+            if spy.returncode:
+                print(f"py-spy failed: {spy_err.strip()}", file=sys.stderr)
+        finished = True
+    finally:
+        stop_children(children, finished)
+    failed = [o["error"] for o in outcomes if "error" in o]
+    if failed:
+        raise RuntimeError(f"{kind} {producers}x{partitions}: {failed[0]}")
+    start = start_at.value
+    elapsed = max(o["last_ack"] for o in outcomes) - start
+    records = sum(o["records"] for o in outcomes)
+    latencies = array.array("d")
+    for o in outcomes:
+        latencies.frombytes(o["latencies"])
+    errors: collections.Counter = collections.Counter()
+    for o in outcomes:
+        errors.update(o["errors"])
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    fsyncs = delta("atomlog_partition_fsyncs_total")
+    appended = delta("atomlog_partition_bytes_in_total")
+    server_batches = sum(o["batches"] for o in outcomes)
+    bpf_count = delta("atomlog_partition_batches_per_fsync_count")
+    if bpf_count:
+        batches_per_fsync = delta("atomlog_partition_batches_per_fsync_sum") / bpf_count
+        bpf_source = "metric"
+    elif server_batches and fsyncs:
+        batches_per_fsync, bpf_source = server_batches / fsyncs, "sent/fsyncs"
+    else:
+        batches_per_fsync, bpf_source = float("nan"), "-"
+    fsync_s = delta("atomlog_partition_fsync_duration_seconds_sum")
+    append_s = delta("atomlog_partition_append_duration_seconds_sum")
+    client_cpu = sum(o["cpu_s"] for o in outcomes) / elapsed
+    return {
+        "kind": kind, "producers": producers, "partitions": partitions, "topic": topic,
+        "records": records, "seconds": elapsed, "records_per_s": records / elapsed,
+        "mb_per_s": records * RECORD_BYTES / elapsed / 1e6,
+        "log_mb_per_s": appended / elapsed / 1e6,
+        "p50_ms": percentile(latencies, 0.50) * 1000, "p99_ms": percentile(latencies, 0.99) * 1000,
+        "latency_samples": len(latencies),
+        "rss_mib": sampler.peak_rss, "server_cpu": sampler.cpu_cores,
+        "server_main_cpu": sampler.main_cores, "client_cpu": client_cpu,
+        "machine_busy_pct": sampler.machine_busy_pct,
+        "other_cpu": max(0.0, sampler.busy_cores - sampler.cpu_cores - client_cpu),
+        "fsyncs_per_s": fsyncs / elapsed, "batches_per_fsync": batches_per_fsync,
+        "bpf_source": bpf_source, "fsync_busy": fsync_s / elapsed,
+        "append_busy": append_s / elapsed, "errors": dict(errors),
+    }
+
+
+# ------------------------------------------------------------------ reads
+
+def raw_fetcher(address: str, topic: str, ends: list[int], seconds: float, ready, go,
+                results) -> None:
+    _child_setup()
+    try:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub = partition_pb2_grpc.PartitionServiceStub(channel)
+        grpc.channel_ready_future(channel).result(timeout=30)
+        ready.put(os.getpid())
+        go.wait()
+        positions = [0] * len(ends)
+        total_bytes = fetches = 0
+        cpu0 = sum(os.times()[:2])
+        started = time.monotonic()
+        deadline = started + seconds
+        while time.monotonic() < deadline:
+            items = [partition_pb2.FetchItem(
+                topic_partition=common_pb2.TopicPartition(topic=topic, partition=p),
+                fetch_offset=positions[p], max_bytes=FETCH_MAX_BYTES)
+                for p in range(len(ends)) if positions[p] < ends[p]]
+            if not items:
+                break
+            reply = stub.Fetch(partition_pb2.FetchRequest(
+                items=items, max_wait_ms=0, max_bytes=FETCH_MAX_BYTES), timeout=30)
+            fetches += 1
+            for result in reply.results:
+                if result.error.reason:
+                    raise RuntimeError(f"Fetch: {result.error.reason} {result.error.message}")
+                total_bytes += len(result.record_batches)
+                positions[result.topic_partition.partition] = result.next_fetch_offset
+        elapsed = time.monotonic() - started
+        channel.close()
+        results.put({"records": sum(positions), "bytes": total_bytes, "seconds": elapsed,
+                     "fetches": fetches, "cpu_s": sum(os.times()[:2]) - cpu0,
+                     "complete": positions == ends})
+    except BaseException as error:  # noqa: BLE001 — reported by the parent
+        ready.put(os.getpid())
+        results.put({"error": f"{type(error).__name__}: {error}"})
+
+
+def sdk_fetcher(address: str, topic: str, ends: list[int], seconds: float, ready, go,
+                results) -> None:
+    _child_setup()
+    try:
+        from spark_client import Client
+
+        with Client(address) as client:
+            consumer = client.consumer(topic, max_bytes_per_request=FETCH_MAX_BYTES)
+            ready.put(os.getpid())
+            go.wait()
+            expected = sum(ends)
+            records = value_bytes = 0
+            cpu0 = sum(os.times()[:2])
+            started = time.monotonic()
+            deadline = started + seconds
+            while records < expected and time.monotonic() < deadline:
+                for message in consumer.poll(timeout_s=1.0, max_records=100_000):
+                    records += 1
+                    value_bytes += len(message.value)
+            elapsed = time.monotonic() - started
+            consumer.close()
+        results.put({"records": records, "bytes": value_bytes, "seconds": elapsed,
+                     "cpu_s": sum(os.times()[:2]) - cpu0, "complete": records >= expected})
+    except BaseException as error:  # noqa: BLE001
+        ready.put(os.getpid())
+        results.put({"error": f"{type(error).__name__}: {error}"})
+
+
+def run_reader(ctx, cluster: Cluster, kind: str, topic: str, partitions: int,
+               seconds: float) -> dict:
+    ends = high_watermarks(cluster.bootstrap, topic, partitions)
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    target = raw_fetcher if kind == "raw Fetch" else sdk_fetcher
+    child = ctx.Process(target=target, args=(cluster.bootstrap, topic, ends, seconds, ready, go,
+                                             results), daemon=True)
+    child.start()
+    finished = False
+    try:
+        ready.get(timeout=60)
+        with ServerSampler(cluster.server_pid) as sampler:
+            go.set()
+            outcome = results.get(timeout=seconds + 120)
+        finished = True
+    finally:
+        stop_children([child], finished)
+    if "error" in outcome:
+        raise RuntimeError(f"{kind} of {topic}: {outcome['error']}")
+    elapsed = outcome["seconds"]
+    client_cpu = outcome["cpu_s"] / elapsed
+    return {"kind": kind, "topic": topic, "partitions": partitions, "records": outcome["records"],
+            "of_records": sum(ends), "complete": outcome["complete"], "seconds": elapsed,
+            "records_per_s": outcome["records"] / elapsed,
+            "mb_per_s": outcome["records"] * RECORD_BYTES / elapsed / 1e6,
+            "client_cpu": client_cpu, "server_cpu": sampler.cpu_cores,
+            "server_main_cpu": sampler.main_cores,
+            "other_cpu": max(0.0, sampler.busy_cores - sampler.cpu_cores - client_cpu),
+            "rss_mib": sampler.peak_rss}
+
+
+# ------------------------------------------------------------------ raw baseline
+
+def raw_baseline(directory: Path, batch: bytes, per_fsync: int, total_bytes: int,
+                 rounds: int = 3) -> float:
+    """Median over rounds of raw_append (the first round after a short warm-up)."""
+    raw_append(directory, batch, per_fsync, 16 << 20)
+    return statistics.median(raw_append(directory, batch, per_fsync, total_bytes // rounds)
+                             for _ in range(rounds))
+
+
+def raw_append(directory: Path, batch: bytes, per_fsync: int, total_bytes: int) -> float:
+    """MB/s (payload, 1 KiB per record) of os.write per batch + os.fsync per group, into a
+    new file (as a fresh log segment is)."""
+    path = directory / f"raw-{per_fsync}.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+    batches = max(per_fsync, total_bytes // len(batch))
+    started = time.perf_counter()
+    try:
+        for i in range(batches):
+            os.write(fd, batch)
+            if (i + 1) % per_fsync == 0:
+                os.fsync(fd)
+        os.fsync(fd)
+        elapsed = time.perf_counter() - started
+    finally:
+        os.close(fd)
+        path.unlink()
+    records = batches * parse_header(batch).record_count
+    return records * RECORD_BYTES / elapsed / 1e6
+
+
+# ------------------------------------------------------------------ output
+
+def fmt_errors(errors: dict) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(errors.items())) or "-"
+
+
+def produce_table(rows: list[dict]) -> list[str]:
+    lines = ["| producer | procs | parts | records/s | MB/s | % of raw | ack p50 ms | ack p99 ms "
+             "| server RSS MiB | server CPU (loop) | client CPU | other CPU | fsyncs/s "
+             "| batches/fsync | errors |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: | --- |"]
+    for r in rows:
+        raw = f"{r['pct_of_raw']:.0f}% (G={r['raw_group']})" if r.get("pct_of_raw") else "-"
+        bpf = f"{r['batches_per_fsync']:.1f}" if r["kind"] == "wire" else "-"
+        lines.append(
+            f"| {r['kind']} | {r['producers']} | {r['partitions']} | {r['records_per_s']:,.0f} "
+            f"| {r['mb_per_s']:.1f} | {raw} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
+            f"| {r['rss_mib']:.0f} | {r['server_cpu']:.2f} ({r['server_main_cpu']:.2f}) "
+            f"| {r['client_cpu']:.2f} | {r['other_cpu']:.2f} | {r['fsyncs_per_s']:.0f} | {bpf} "
+            f"| {fmt_errors(r['errors'])} |")
+    return lines
+
+
+def read_table(rows: list[dict]) -> list[str]:
+    lines = ["| reader | parts | records read | records/s | MB/s | server CPU (loop) "
+             "| client CPU | other CPU | server RSS MiB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        done = "" if r["complete"] else f" of {r['of_records']:,} (time cap)"
+        lines.append(f"| {r['kind']} | {r['partitions']} | {r['records']:,}{done} "
+                     f"| {r['records_per_s']:,.0f} | {r['mb_per_s']:.1f} "
+                     f"| {r['server_cpu']:.2f} ({r['server_main_cpu']:.2f}) "
+                     f"| {r['client_cpu']:.2f} | {r['other_cpu']:.2f} | {r['rss_mib']:.0f} |")
+    return lines
+
+
+def machine(load: float) -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, "
+            f"grpcio {grpc.__version__}; load average {load:.1f} when it started")
+
+
+def verdicts(rows: list[dict], reads: list[dict]) -> list[str]:
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    out = []
+    wire = [r for r in rows if r["kind"] == "wire"]
+    if wire:
+        best = max(wire, key=lambda r: r["mb_per_s"])
+        low = min(r["mb_per_s"] for r in wire)
+        out.append(f"- Produce (wire): {low:.0f}-{best['mb_per_s']:.0f} MB/s over the cells, best "
+                   f"{best['producers']}x{best['partitions']}; target {TARGET_PRODUCE_MB_S:.0f} "
+                   f"MB/s: {met(best['mb_per_s'] >= TARGET_PRODUCE_MB_S)} by the best cell, "
+                   f"{met(low >= TARGET_PRODUCE_MB_S)} by every cell.")
+        fractions = [r["pct_of_raw"] for r in wire if r.get("pct_of_raw")]
+        if fractions:
+            out.append(f"- Share of raw append (wire): {min(fractions):.0f}-{max(fractions):.0f}%; "
+                       f"target {TARGET_RAW_FRACTION:.0%}: "
+                       f"{met(max(fractions) >= TARGET_RAW_FRACTION * 100)} by the best cell.")
+    raw_reads = [r for r in reads if r["kind"] == "raw Fetch"]
+    other = statistics.median(r["other_cpu"] for r in rows + reads) if rows or reads else 0.0
+    if other > 0.25:
+        out.append(f"- **Disturbed run**: other processes used {other:.2f} cores (median over the "
+                   "cells) of the machine's, so these figures understate what it can do.")
+    if raw_reads:
+        best = max(r["mb_per_s"] for r in raw_reads)
+        low = min(r["mb_per_s"] for r in raw_reads)
+        out.append(f"- Fetch (raw): {low:.0f}-{best:.0f} MB/s; target {TARGET_FETCH_MB_S:.0f} "
+                   f"MB/s: {met(best >= TARGET_FETCH_MB_S)} by the best, "
+                   f"{met(low >= TARGET_FETCH_MB_S)} by every reader.")
+    return out
+
+
+def section(rows, reads, baselines, args, command: str, load: float, batch_bytes: int) -> str:
+    cpus = os.cpu_count()
+    lines = [
+        BEGIN,
+        "## Produce and fetch (issue 3)",
+        "",
+        f"`{command}` — {time.strftime('%Y-%m-%d')}, {machine(load)}.",
+        "One partition server, one coordinator, one id allocator and ZooKeeper, started by the",
+        "benchmark in a temporary directory. Every producer and reader is a separate OS process",
+        f"on the same machine: **client and server share the {cpus} CPUs**. CPU columns are cores",
+        "used over the cell: the server process (its event-loop thread in brackets), the client",
+        "processes, and everything else on the machine (`other`: ZooKeeper, kernel threads, other",
+        "jobs; high values mean the run was disturbed). Records are 1 KiB values; MB/s = records",
+        "x 1024 / 1e6, as peers-bench. Durable acks: the server default",
+        "`partition.flush_policy=fsync` (one fsync per group commit, before any ack). Each cell",
+        f"runs {args.seconds:g} s on a new topic; throughput counts acknowledged records from the",
+        "common start to the last ack.",
+        "",
+        f"- **wire**: pre-encoded idempotent batches of {batch_bytes / 1024:.0f} KiB "
+        f"({records_per_batch(args.batch_kib)} records; real producer",
+        "  id/epoch; consecutive sequences) sent with grpc.aio, up to "
+        f"{MAX_IN_FLIGHT} in flight per partition: measures",
+        "  the server. Ack latency per Produce request. Errors are refusals the producer",
+        "  recovered from by resending (gRPC may deliver pipelined requests out of order).",
+        "- **sdk**: `Client(...).producer()` with its defaults (256 KiB batches, linger 5 ms, 5 in",
+        "  flight) and `send()` of 1 KiB values in a loop: the end-to-end client path. Ack latency",
+        "  per record, send() to its future: the loop sends as fast as it can, so this includes",
+        "  the wait in the producer's 64 MiB buffer.",
+        "- **% of raw**: our MB/s over plain Python writing the same batch bytes to a new file on",
+        "  the same disk (`os.write` per batch, `os.fsync` every G batches; median of 3, cluster",
+        "  idle, no client running), with G = the batches per fsync the server achieved in that",
+        "  cell (for sdk: the same bytes per fsync).",
+        "",
+    ]
+    lines += produce_table(rows)
+    lines += ["", "Raw baseline (same batch bytes, same disk):", "",
+              "| batches per fsync (G) | MB/s |", "| ---: | ---: |"]
+    lines += [f"| {g} | {mb:.0f} |" for g, mb in sorted(baselines.items())]
+    if reads:
+        lines += ["", "Reads of everything from offset 0 of the largest topic of each partition "
+                  "count (just",
+                  "written, so from the page cache), one reader process: **raw Fetch** (sync gRPC, "
+                  f"{FETCH_MAX_BYTES >> 20} MiB",
+                  "per request, counts bytes and offsets without decoding records) and **sdk "
+                  "consumer**",
+                  "(`Client(...).consumer()`, decodes every record in Python). Servers tune "
+                  "glibc's",
+                  "malloc at start (services/runtime.py `tune_allocator`): before that, a fresh "
+                  "server",
+                  "served 8 MiB fetches at 180-210 MB/s, re-faulting about a million pages per "
+                  "GB.", ""]
+        lines += read_table(reads)
+    lines += ["", "Peers on this machine with the same durability (peers-bench W2: transactions "
+              "of 1000 x", f"1 KiB, one client): {PEERS}.",
+              f"Targets (issue 3): produce >= {TARGET_PRODUCE_MB_S:.0f} MB/s from one partition "
+              f"server, >= {TARGET_RAW_FRACTION:.0%} of raw", f"append, fetch >= "
+              f"{TARGET_FETCH_MB_S:.0f} MB/s.", ""]
+    lines += verdicts(rows, reads)
+    lines += [END]
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(text: str) -> None:
+    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    for begin, end in [(BEGIN, END), *ALT_MARKERS]:
+        if begin in current and end in current:
+            head, rest = current.split(begin, 1)
+            tail = rest.split(end, 1)[1].lstrip("\n")
+            DOCS.write_text(head + text + ("\n" + tail if tail else ""))
+            return
+    DOCS.write_text(current.rstrip("\n") + "\n\n" + text)
+
+
+# ------------------------------------------------------------------ main
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=8.0, help="per produce cell")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 s per cell, no docs")
+    parser.add_argument("--batch-kib", type=int, default=256, help="wire producer batch size")
+    parser.add_argument("--cells", default="wire:1x1,wire:1x8,wire:4x1,wire:4x8,"
+                        "sdk:1x1,sdk:1x8,sdk:4x1,sdk:4x8",
+                        help="KIND:PRODUCERSxPARTITIONS, comma-separated")
+    parser.add_argument("--no-reads", action="store_true")
+    parser.add_argument("--no-docs", action="store_true", help="print only")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="py-spy (collapsed stacks) of the server during the first cell; "
+                             "implies --no-docs")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds = min(args.seconds, 2.0)
+    write = not (args.no_docs or args.quick or args.profile)
+    command = "python bench/produce.py" + "".join(
+        f" {a}" for a in sys.argv[1:] if a != "--no-docs")
+    cells = []
+    for spec in args.cells.split(","):
+        kind, shape = spec.strip().split(":")
+        producers, partitions = (int(x) for x in shape.split("x"))
+        if kind not in ("wire", "sdk"):
+            parser.error(f"unknown producer kind {kind!r}")
+        cells.append((kind, producers, partitions))
+
+    def terminate(signum, _frame):
+        print(f"signal {signum}: stopping the cluster", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    load = os.getloadavg()[0]
+    ctx = mp.get_context("spawn")
+    data_dir = Path(tempfile.mkdtemp(prefix="atomlog-bench-produce-"))
+    cluster = Cluster(data_dir)
+    rows, reads, baselines = [], [], {}
+    batch = make_batch(record_body(records_per_batch(args.batch_kib)),
+                       records_per_batch(args.batch_kib), 1, 0, 0, 0)
+    try:
+        began = time.monotonic()
+        cluster.up()
+        print(f"cluster up in {time.monotonic() - began:.1f} s in {data_dir} "
+              f"(partition server pid {cluster.server_pid})", flush=True)
+        for index, (kind, producers, partitions) in enumerate(cells):
+            row = run_producers(ctx, cluster, kind, producers, partitions, args.seconds,
+                                args.batch_kib, args.profile if index == 0 else None)
+            rows.append(row)
+            print(f"{kind:4s} {producers}x{partitions}: {row['records_per_s']:9,.0f} rec/s "
+                  f"{row['mb_per_s']:6.1f} MB/s  p50 {row['p50_ms']:6.1f} ms  p99 "
+                  f"{row['p99_ms']:6.1f} ms  RSS {row['rss_mib']:4.0f} MiB  CPU server "
+                  f"{row['server_cpu']:.2f} (loop {row['server_main_cpu']:.2f}) client "
+                  f"{row['client_cpu']:.2f} other {row['other_cpu']:.2f}  fsync/s "
+                  f"{row['fsyncs_per_s']:4.0f} batches/fsync {row['batches_per_fsync']:.1f} "
+                  f"({row['bpf_source']}) fsync busy {row['fsync_busy']:.0%}  errors "
+                  f"{fmt_errors(row['errors'])}", flush=True)
+        # Raw baseline at the group sizes the server achieved (idle cluster, same disk).
+        total = (64 if args.quick else 512) << 20
+        for row in rows:
+            group = max(1, round(row["batches_per_fsync"])) if row["batches_per_fsync"] == \
+                row["batches_per_fsync"] else 1
+            if row["kind"] == "sdk":
+                # SDK batches are smaller than the wire ones: scale G to the same bytes.
+                group = max(1, round(row["log_mb_per_s"] / max(row["fsyncs_per_s"], 1e-9)
+                                     * 1e6 / len(batch)))
+            if group not in baselines:
+                baselines[group] = raw_baseline(cluster.server_data, batch, group, total)
+                print(f"raw os.write+fsync, {group} batches of {len(batch)} B per fsync: "
+                      f"{baselines[group]:.0f} MB/s", flush=True)
+            row["raw_group"] = group
+            row["pct_of_raw"] = 100 * row["mb_per_s"] / baselines[group]
+        if not args.no_reads:
+            read_seconds = max(args.seconds, 4.0)
+            for partitions in sorted({r["partitions"] for r in rows}):
+                candidates = [r for r in rows if r["partitions"] == partitions]
+                source = max(candidates, key=lambda r: r["records"])
+                for kind in ("raw Fetch", "sdk consumer"):
+                    result = run_reader(ctx, cluster, kind, source["topic"], partitions,
+                                        read_seconds * (3 if kind == "raw Fetch" else 1))
+                    reads.append(result)
+                    print(f"{kind:12s} {partitions} partitions: {result['records_per_s']:9,.0f} "
+                          f"rec/s {result['mb_per_s']:6.1f} MB/s  CPU server "
+                          f"{result['server_cpu']:.2f} (loop {result['server_main_cpu']:.2f}) "
+                          f"client {result['client_cpu']:.2f} other {result['other_cpu']:.2f}  "
+                          f"{result['records']:,} of {result['of_records']:,}", flush=True)
+    finally:
+        cluster.down()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    text = section(rows, reads, baselines, args, command, load, len(batch))
+    print()
+    print(text)
+    if write:
+        write_docs(text)
+        print(f"wrote its section of {DOCS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
