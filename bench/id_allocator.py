@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import common  # noqa: E402
 
 import grpc  # noqa: E402
 from kazoo.client import KazooClient  # noqa: E402
@@ -118,18 +119,7 @@ def conflicts(addresses: list[str]) -> int:
 
 
 def machine(load: float) -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    java = subprocess.run(["java", "-version"], capture_output=True, text=True).stderr.splitlines()
-    return (f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, "
-            f"grpcio {grpc.__version__}, {java[0] if java else 'java ?'}; "
-            f"load average {load:.1f} when it started")
+    return common.machine(load, with_java=True)
 
 
 def section(raw: dict, rows: list[dict], seconds: float, count: int, command: str,

@@ -37,7 +37,6 @@ import collections
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -51,6 +50,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import common  # noqa: E402
 
 import crc32c  # noqa: E402
 import grpc  # noqa: E402
@@ -680,16 +682,7 @@ def read_table(rows: list[dict]) -> list[str]:
 
 
 def machine(load: float) -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, "
-            f"grpcio {grpc.__version__}; load average {load:.1f} when it started")
+    return common.machine(load)
 
 
 def verdicts(rows: list[dict], reads: list[dict]) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import urllib.request
 
 import grpc
