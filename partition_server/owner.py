@@ -233,6 +233,7 @@ class PartitionOwner:
     async def _commit(self, group: list[_Work]) -> None:
         self._stamp_ms = now = max(self._stamp_ms, _wall_ms())
         accepted: list[bytes] = []
+        expected_bases: list[int] = []
         next_offset = self.log.log_end_offset
         table = self.producers
         producers_before = table.producer_count
@@ -252,6 +253,7 @@ class PartitionOwner:
                                 control=header.is_control)
                     work.results.append(Appended(next_offset, last, now))
                     accepted.append(batch)
+                    expected_bases.append(next_offset)
                     next_offset = last + 1
                 elif isinstance(decision, Duplicate):
                     duplicates += 1
@@ -261,7 +263,8 @@ class PartitionOwner:
             began = time.perf_counter()
             offsets = self.log.append(accepted)
             m.APPEND_SECONDS.observe(time.perf_counter() - began)
-            assert offsets[-1] + (next_offset - offsets[-1]) == next_offset, (offsets, next_offset)
+            # Pair assertion: the log assigned exactly the offsets producer state recorded.
+            assert offsets == expected_bases, (offsets, expected_bases)
             m.BYTES_IN.labels(*self._labels).inc(sum(len(b) for b in accepted))
             m.RECORDS_IN.labels(*self._labels).inc(
                 sum(r.last_offset - r.base_offset + 1 for w in group for r in w.results
