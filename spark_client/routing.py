@@ -74,8 +74,9 @@ class MetadataCache:
 
     def call(self, method: str, request, timeout: float = METADATA_TIMEOUT_S):
         """Call a MetadataService method on any reachable server (bootstrap first)."""
-        candidates = list(dict.fromkeys(self.bootstrap + self._servers))
-        random.shuffle(candidates[len(self.bootstrap):])
+        others = [a for a in self._servers if a not in self.bootstrap]
+        random.shuffle(others)  # spread metadata load over the cluster after the bootstrap
+        candidates = list(dict.fromkeys(self.bootstrap)) + others
         last: Exception | None = None
         for address in candidates:
             try:
