@@ -10,7 +10,7 @@ from pathlib import Path
 
 from partition_server import metrics as m
 from partition_server.assignments import Assignments
-from partition_server.owner import OwnerSettings, PartitionOwner, State
+from partition_server.owner import OwnerSettings, PartitionOwner
 from services.errors import AtomlogError
 
 log = logging.getLogger("atomlog.partition.manager")
@@ -35,6 +35,7 @@ class PartitionManager:
         self.zk = zk
         self.settings = settings
         self.owners: dict[tuple[str, int], PartitionOwner] = {}
+        m.register_state_collector(lambda: self.owners.values())
         self.assignments: Assignments | None = None
         self._opening: set[tuple[str, int]] = set()
         self._semaphore = asyncio.Semaphore(OPEN_CONCURRENCY)
@@ -77,7 +78,6 @@ class PartitionManager:
         try:
             async with self._semaphore:
                 await owner.start()
-            m.PARTITIONS_ONLINE.inc() if owner.state is State.ONLINE else None
         except Exception:  # noqa: BLE001 — the partition stays LOADING-failed; logged
             log.exception("cannot open partition %s-%s", topic, partition)
         finally:

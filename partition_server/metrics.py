@@ -3,7 +3,11 @@ bound the number of topics) — never a partition, producer or transaction id.""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from typing import Callable, Iterable
+
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from services.metrics import LATENCY_BUCKETS_SECONDS
 
@@ -23,14 +27,45 @@ FSYNCS = Counter("atomlog_partition_fsyncs_total", "Group-commit fsyncs (rate() 
 PRODUCE_BATCHES_PER_FSYNC = Histogram(
     "atomlog_partition_batches_per_fsync", "Batches made durable by one fsync.",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
-PRODUCERS = Gauge("atomlog_partition_producers", "Idempotent producers tracked.", ["topic"])
 PRODUCERS_EXPIRED = Counter("atomlog_partition_producers_expired_total",
                             "Producers forgotten after their idle expiry.", ["topic"])
 DUPLICATES = Counter("atomlog_partition_duplicates_rejected_total",
                      "Retried batches answered with their original offsets, not appended.",
                      ["topic"])
-PARTITIONS_OFFLINE = Gauge("atomlog_partitions_offline",
-                           "Partitions refusing to serve (DATA_LOSS) until an operator acts.")
-PARTITIONS_ONLINE = Gauge("atomlog_partitions_online", "Partitions serving on this server.")
 BAD_BATCHES = Counter("atomlog_partition_rejected_batches_total",
                       "Produced batches refused, by reason.", ["reason"])
+
+
+class PartitionStateCollector(Collector):
+    """Gauges read from the owners at scrape time (never kept by hand, so they cannot
+    drift): partitions by state, and idempotent producers tracked per topic."""
+
+    def __init__(self, owners: Callable[[], Iterable]):
+        self._owners = owners
+
+    def collect(self):
+        states = GaugeMetricFamily("atomlog_partitions", "Partitions hosted here, by state "
+                                   "(DATA_LOSS: refusing to serve until an operator acts).",
+                                   labels=["state"])
+        producers = GaugeMetricFamily("atomlog_partition_producers",
+                                      "Idempotent producers tracked.", labels=["topic"])
+        by_state: dict[str, int] = {"LOADING": 0, "ONLINE": 0, "DATA_LOSS": 0}
+        by_topic: dict[str, int] = {}
+        for owner in list(self._owners()):
+            by_state[owner.state.value] = by_state.get(owner.state.value, 0) + 1
+            by_topic[owner.topic] = by_topic.get(owner.topic, 0) + owner.producers.producer_count
+        for state, count in sorted(by_state.items()):
+            states.add_metric([state], count)
+        for topic, count in sorted(by_topic.items()):
+            producers.add_metric([topic], count)
+        yield states
+        yield producers
+
+    def describe(self):
+        return []
+
+
+def register_state_collector(owners: Callable[[], Iterable]) -> PartitionStateCollector:
+    collector = PartitionStateCollector(owners)
+    REGISTRY.register(collector)
+    return collector

@@ -111,14 +111,12 @@ class PartitionOwner:
         self.log, self.producers, replayed = await asyncio.to_thread(self._load_blocking)
         if self.log.data_loss is not None:
             self.state = State.DATA_LOSS
-            m.PARTITIONS_OFFLINE.inc()
             event(log, "partition refuses to serve: corruption before the log tail",
                   logging.ERROR, partition=self.name, file=self.log.data_loss.path,
                   offset=self.log.data_loss.offset)
             return
         self.state = State.ONLINE
         self._stamp_ms = max(self._stamp_ms, _wall_ms())
-        m.PRODUCERS.labels(*self._labels).inc(self.producers.producer_count)
         event(log, "partition online", partition=self.name,
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,
               replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
@@ -174,9 +172,6 @@ class PartitionOwner:
             await self._snapshot(force=True)
         if self.log is not None:
             self.log.close()
-        if self.state is State.DATA_LOSS:
-            m.PARTITIONS_OFFLINE.dec()
-        m.PRODUCERS.labels(*self._labels).dec(self.producers.producer_count)
         self.state = State.CLOSED
 
     def _clock(self) -> int:
@@ -236,7 +231,6 @@ class PartitionOwner:
         expected_bases: list[int] = []
         next_offset = self.log.log_end_offset
         table = self.producers
-        producers_before = table.producer_count
         duplicates = 0
         for work in group:
             for batch, header in work.batches:
@@ -271,7 +265,6 @@ class PartitionOwner:
                     if isinstance(r, Appended) and not r.duplicate))
         if duplicates:
             m.DUPLICATES.labels(*self._labels).inc(duplicates)
-        m.PRODUCERS.labels(*self._labels).inc(table.producer_count - producers_before)
         await self._flush(len(accepted))
         for work in group:
             if not work.future.done():
@@ -299,7 +292,6 @@ class PartitionOwner:
             self.log.close()
         except Exception:  # noqa: BLE001
             pass
-        m.PRODUCERS.labels(*self._labels).dec(self.producers.producer_count)
         await self._load()
 
     def expire_producers(self) -> int:
@@ -307,7 +299,6 @@ class PartitionOwner:
         if self.state is not State.ONLINE:
             return 0
         removed = len(self.producers.expire(_wall_ms()))
-        m.PRODUCERS.labels(*self._labels).dec(removed)
         m.PRODUCERS_EXPIRED.labels(*self._labels).inc(removed)
         return removed
 
@@ -392,7 +383,6 @@ class PartitionOwner:
                                f"partition {self.name} is {self.state.value}, not in DATA_LOSS")
         report = await asyncio.to_thread(self.log.recover_data_loss, file, offset)
         self.log.close()
-        m.PARTITIONS_OFFLINE.dec()
         await self._load()
         return report
 

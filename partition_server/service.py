@@ -262,8 +262,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                                "accept_data_loss to confirm")
         owner = await self._owner(request.topic_partition)
         report = await owner.recover_data_loss(request.expected_file, request.expected_offset)
-        if owner.state is State.ONLINE:
-            m.PARTITIONS_ONLINE.inc()
         return partition_pb2.RecoverPartitionResponse(
             state=STATE_ENUM[owner.state], truncated_at_offset=report.truncated_at_offset,
             removed_bytes=report.removed_bytes, high_watermark=owner.log.high_watermark)

@@ -10,9 +10,11 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.producer_state import ProducerStateTable
@@ -28,6 +30,15 @@ def describe(client: Client, topic: str, partition: int):
     return stub.DescribePartition(partition_pb2.DescribePartitionRequest(
         topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition),
         max_producers=1000), timeout=10)
+
+
+def partitions_by_state(cluster, server_name: str) -> dict[str, float]:
+    """The server's atomlog_partitions gauge, by state, from its /metrics."""
+    address = cluster.process(server_name)["metrics_address"]
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return {sample.labels["state"]: sample.value
+            for family in text_string_to_metric_families(body) if family.name == "atomlog_partitions"
+            for sample in family.samples}
 
 
 def full_replay(directory: Path) -> dict[int, tuple[int, int, int]]:
@@ -148,6 +159,7 @@ def test_corruption_before_the_tail_takes_only_that_partition_offline(cluster):
     assert "fragile-0" in row["offline_partitions"][0] and first.name in row["offline_partitions"][0]
     assert not status["healthy"] and cluster.run("status", check=False).returncode == 1
 
+    assert partitions_by_state(cluster, route.server_name)["DATA_LOSS"] == 1
     info = describe(client, "fragile", 0)
     assert info.state == partition_pb2.PARTITION_STATE_DATA_LOSS
     assert info.data_loss.file.endswith(first.name) and info.data_loss.offset > 0
@@ -174,5 +186,6 @@ def test_corruption_before_the_tail_takes_only_that_partition_offline(cluster):
     recovered = describe(client, "fragile", 0)
     assert recovered.state == partition_pb2.PARTITION_STATE_ONLINE
     assert recovered.high_watermark == info.data_loss.offset
+    assert partitions_by_state(cluster, route.server_name)["DATA_LOSS"] == 0
     assert cluster.status()["healthy"]
     client.close()
