@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -27,3 +28,22 @@ def machine(load: float, *, with_java: bool = False) -> str:
         java = f", {lines[0] if lines else 'java ?'}"
     return (f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, "
             f"grpcio {grpc.__version__}{java}; load average {load:.1f} when it started")
+
+
+def raw_append_seconds(directory: Path, batch: bytes, batches: int, per_fsync: int) -> float:
+    """The baseline every storage figure is compared with: plain Python writing the same
+    batch bytes to a new file (as a fresh log segment is), os.write per batch and
+    os.fsync per `per_fsync` batches. Returns the elapsed seconds."""
+    path = directory / f"raw-{per_fsync}.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+    started = time.perf_counter()
+    try:
+        for i in range(batches):
+            os.write(fd, batch)
+            if (i + 1) % per_fsync == 0:
+                os.fsync(fd)
+        os.fsync(fd)
+        return time.perf_counter() - started
+    finally:
+        os.close(fd)
+        path.unlink()

@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 from partition_server.log import LogConfig, PartitionLog  # noqa: E402
 from partition_server.record_batch import Record, encode_batch  # noqa: E402
@@ -34,18 +37,7 @@ def make_batch(batch_kib: int, record_bytes: int) -> bytes:
 
 
 def raw_baseline(directory: Path, batch: bytes, batches: int, per_flush: int) -> float:
-    path = directory / "raw.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
-    started = time.perf_counter()
-    for i in range(batches):
-        os.write(fd, batch)
-        if (i + 1) % per_flush == 0:
-            os.fsync(fd)
-    os.fsync(fd)
-    elapsed = time.perf_counter() - started
-    os.close(fd)
-    path.unlink()
-    return elapsed
+    return common.raw_append_seconds(directory, batch, batches, per_flush)
 
 
 def log_append(directory: Path, batch: bytes, batches: int, per_flush: int,

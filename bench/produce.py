@@ -624,22 +624,9 @@ def raw_baseline(directory: Path, batch: bytes, per_fsync: int, total_bytes: int
 
 
 def raw_append(directory: Path, batch: bytes, per_fsync: int, total_bytes: int) -> float:
-    """MB/s (payload, 1 KiB per record) of os.write per batch + os.fsync per group, into a
-    new file (as a fresh log segment is)."""
-    path = directory / f"raw-{per_fsync}.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+    """MB/s (payload, 1 KiB per record) of the raw baseline (bench/common.py)."""
     batches = max(per_fsync, total_bytes // len(batch))
-    started = time.perf_counter()
-    try:
-        for i in range(batches):
-            os.write(fd, batch)
-            if (i + 1) % per_fsync == 0:
-                os.fsync(fd)
-        os.fsync(fd)
-        elapsed = time.perf_counter() - started
-    finally:
-        os.close(fd)
-        path.unlink()
+    elapsed = common.raw_append_seconds(directory, batch, batches, per_fsync)
     records = batches * parse_header(batch).record_count
     return records * RECORD_BYTES / elapsed / 1e6
 

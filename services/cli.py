@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
               "id_allocator": id_allocators}
     quiet = output == "json"
     try:
-        with console.status("starting atomlog", spinner="dots") if not quiet else _null():
+        with console.status("starting atomlog", spinner="dots") if not quiet else nullcontext():
             report = launcher.up(data_dir, counts, settings, timeout,
                                  progress=(lambda m: None) if quiet else (lambda m: console.log(m)))
     except (launcher.LaunchError, launcher.localzk.ZooKeeperMissing) as error:
@@ -97,14 +98,6 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
                   f"{report.cluster.zookeeper}{report.cluster.chroot}")
     console.print(f"all SERVING in [bold]{report.seconds:.1f} s[/] "
                   f"(started {len(report.started)}, already running {len(report.already_running)})")
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @cli.command()

@@ -12,9 +12,6 @@ from spark_client import errors
 from spark_client.backoff import Backoff
 from spark_client.routing import Channels, MetadataCache
 
-ROLE_COORDINATOR = 2
-
-
 class Client:
     """A connection to an atomlog cluster. Thread-safe; share one per process."""
 
@@ -59,7 +56,9 @@ class Client:
         backoff = Backoff(maximum_s=2.0)
         last: errors.AtomlogClientError | None = None
         for attempt in range(1, 8):
-            coordinators = self._coordinators()
+            if attempt > 1 or not self.metadata.coordinators:
+                self.metadata.refresh()  # servers and their roles come with it
+            coordinators = list(self.metadata.coordinators)
             random.shuffle(coordinators)
             for address in coordinators:
                 stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channels.get(address))
@@ -73,10 +72,6 @@ class Client:
                         raise last from None
             time.sleep(backoff.delay(attempt))
         raise last or errors.error_for("SERVER_UNAVAILABLE", "no coordinator is registered")
-
-    def _coordinators(self) -> list[str]:
-        reply = self.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest())
-        return [s.grpc_address for s in reply.servers if s.role == ROLE_COORDINATOR]
 
     def close(self) -> None:
         self.channels.close()

@@ -71,14 +71,10 @@ Internal: type[AtomlogClientError] = _BY_REASON["INTERNAL"]
 
 
 class DeliveryTimeout(AtomlogClientError):
-    """A record could not be delivered within the producer's delivery timeout; the last
-    error seen is in `__cause__`. Retriable from the caller's side."""
+    """A record was not acknowledged within the producer's delivery timeout: it may or
+    may not have been written. The last error seen is in `__cause__`. Retriable."""
 
-    reason = "RESOURCE_EXHAUSTED"
-
-    @property
-    def retriable(self) -> bool:
-        return True
+    reason = "REQUEST_TIMED_OUT"
 
 
 def error_for(reason: str, message: str, metadata: dict[str, str] | None = None) -> AtomlogClientError:

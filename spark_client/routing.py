@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
+from atomlog.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
 from spark_client import errors
 
 # Channel options: messages up to 64 MiB (fetches of many partitions), keepalive so a
@@ -68,6 +68,7 @@ class MetadataCache:
         self._refreshed_at = 0.0
         self.tc_partition_count = 0
         self.tc_routes: dict[int, str] = {}
+        self.coordinators: list[str] = []  # gRPC addresses, as of the last refresh
 
     def _stub(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:
         return metadata_pb2_grpc.MetadataServiceStub(self.channels.get(address))
@@ -101,6 +102,8 @@ class MetadataCache:
                     PartitionRoute(topic.name, p.partition, p.server_name, p.server_address)
                     for p in sorted(topic.partitions, key=lambda p: p.partition)]
             self._servers = [s.grpc_address for s in reply.servers]
+            self.coordinators = [s.grpc_address for s in reply.servers
+                                 if s.role == common_pb2.SERVER_ROLE_COORDINATOR]
             self.tc_partition_count = reply.tc_partition_count
             self.tc_routes = {t.tc_partition: t.coordinator_address for t in reply.tc_partitions}
             self._refreshed_at = time.monotonic()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 
 from services.errors import DOMAIN, REASONS, AtomlogError, Outcome, from_rpc_error, markdown_table
 
@@ -56,4 +57,5 @@ def test_status_round_trip_keeps_reason_message_and_metadata():
     assert (decoded.reason, decoded.message, decoded.metadata) == (
         "NOT_PARTITION_OWNER", "ps-2 owns orders-3", {"owner": "ps-2"})
     assert decoded.retriable
-    assert DOMAIN == "atomlog.v1"
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info) and info.domain == DOMAIN == "atomlog.v1"
