@@ -47,3 +47,31 @@ def raw_append_seconds(directory: Path, batch: bytes, batches: int, per_fsync: i
     finally:
         os.close(fd)
         path.unlink()
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def percentile(values, fraction: float) -> float:
+    """Linear interpolation between closest ranks (as peers-bench)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * fraction
+    low = int(k)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def write_docs_section(text: str, begin: str, end: str,
+                       alternatives: tuple[tuple[str, str], ...] = ()) -> None:
+    """Replace the section between `begin` and `end` (or an older pair of markers) in
+    docs/benchmarks.md with `text`, leaving the rest alone; append it when absent."""
+    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    for b, e in ((begin, end), *alternatives):
+        if b in current and e in current:
+            head, rest = current.split(b, 1)
+            tail = rest.split(e, 1)[1].lstrip("\n")
+            DOCS.write_text(head + text + ("\n" + tail if tail else ""))
+            return
+    DOCS.write_text(current.rstrip("\n") + "\n\n" + text)

@@ -38,9 +38,7 @@ DOCS = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench/id_allocator.py: begin -->", "<!-- bench/id_allocator.py: end -->"
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+percentile = common.percentile
 
 
 def raw_zookeeper(hosts: str, seconds: float) -> dict[str, float]:
@@ -165,14 +163,7 @@ def section(raw: dict, rows: list[dict], seconds: float, count: int, command: st
 
 
 def write_docs(text: str) -> None:
-    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    if BEGIN in current and END in current:
-        head, rest = current.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        updated = head + text + ("\n" + tail if tail else "")
-    else:
-        updated = current.rstrip("\n") + "\n\n" + text
-    DOCS.write_text(updated)
+    common.write_docs_section(text, BEGIN, END)
 
 
 def main() -> None:

@@ -79,15 +79,7 @@ TARGET_PRODUCE_MB_S, TARGET_RAW_FRACTION, TARGET_FETCH_MB_S = 140.0, 0.40, 300.0
 
 # ------------------------------------------------------------------ helpers
 
-def percentile(values, fraction: float) -> float:
-    """Linear interpolation between closest ranks (as peers-bench)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * fraction
-    low = int(k)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+percentile = common.percentile
 
 
 def cpu_seconds_of(pid: int, thread: int | None = None) -> float:
@@ -767,14 +759,7 @@ def section(rows, reads, baselines, args, command: str, load: float, batch_bytes
 
 
 def write_docs(text: str) -> None:
-    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    for begin, end in [(BEGIN, END), *ALT_MARKERS]:
-        if begin in current and end in current:
-            head, rest = current.split(begin, 1)
-            tail = rest.split(end, 1)[1].lstrip("\n")
-            DOCS.write_text(head + text + ("\n" + tail if tail else ""))
-            return
-    DOCS.write_text(current.rstrip("\n") + "\n\n" + text)
+    common.write_docs_section(text, BEGIN, END, tuple(ALT_MARKERS))
 
 
 # ------------------------------------------------------------------ main

@@ -1,37 +1,582 @@
 """Coordinator process: what `atomlog serve coordinator` installs.
 
-Today: InitProducerId for idempotent producers (a producer id from the coordinator's
-block, epoch 0). TC partition leases, the transaction state machine and the other
-CoordinatorService RPCs (issue 5) answer UNIMPLEMENTED until then.
+- TC partition leases (coordinator/leases.py): each leased TC partition is a TcPartition
+  (coordinator/tc_partition.py) around its pure core, logging to `__txn_log-<k>`;
+- the CoordinatorService RPCs, routed to the TC partition they name (NOT_COORDINATOR
+  names the owner when this process is not it; COORDINATOR_LOADING while loading);
+- InitProducerId for idempotent producers (a fresh producer id from the allocator block);
+- the marker channel to the partition servers (coordinator/markers.py).
+
+Every request is validated here before it reaches a core; the core validates the rest
+and refuses whole inputs with nothing changed.
 """
 
 from __future__ import annotations
 
-from atomlog.v1 import coordinator_pb2, coordinator_pb2_grpc
+import asyncio
+import logging
+import time
+
+import crc32c
+from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
+
+from coordinator import metrics
+from coordinator.core import Limits, ProducerIdNeeded, State, TxnSummary
+from coordinator.leases import Lease, LeaseManager
+from coordinator.markers import MarkerChannel
 from coordinator.producer_ids import ProducerIds
+from coordinator.records import (
+    Decision,
+    Session,
+    SubscriptionPartition,
+    TopicPartition,
+    TxnId,
+)
+from coordinator.routing import PartitionRoutes
+from coordinator.tc_partition import Settings, TcPartition
+from coordinator.txn_log import TOPIC as TXN_LOG_TOPIC
 from services.errors import AtomlogError
 from services.grpcutil import service_name
+from services.logs import event
+
+log = logging.getLogger("atomlog.coordinator")
+
+MAX_ITEMS = 10_000  # targets or verification items per call
+
+
+def tc_partition_for(key: str, count: int) -> int:
+    """coordinator.proto: CRC32C of the UTF-8 key, unsigned, modulo the TC count."""
+    return crc32c.crc32c(key.encode()) % count
+
+
+def _invalid(message: str, **metadata: object) -> AtomlogError:
+    return AtomlogError("INVALID_ARGUMENT", message, {k: str(v) for k, v in metadata.items()})
+
+
+def _item_error(error: AtomlogError | None) -> partition_pb2.ItemError | None:
+    if error is None:
+        return None
+    return partition_pb2.ItemError(reason=error.reason, message=error.message,
+                                   metadata={k: str(v) for k, v in error.metadata.items()})
+
+
+def _txn_id_proto(txn_id: TxnId | None) -> common_pb2.TxnId | None:
+    if txn_id is None:
+        return None
+    return common_pb2.TxnId(tc_partition=txn_id.tc_partition, sequence=txn_id.sequence)
+
+
+def _session_proto(session: Session | None) -> coordinator_pb2.TransactionalSession | None:
+    if session is None:
+        return None
+    return coordinator_pb2.TransactionalSession(
+        transactional_id=session.transactional_id, producer_id=session.producer_id,
+        producer_epoch=session.producer_epoch)
+
+
+def _summary_proto(summary: TxnSummary) -> coordinator_pb2.TransactionSummary:
+    session = summary.session
+    return coordinator_pb2.TransactionSummary(
+        txn_id=_txn_id_proto(summary.txn_id), state=summary.state.value,
+        end_cause=summary.end_cause.value, parent_txn_id=_txn_id_proto(summary.parent),
+        transactional_id=session.transactional_id if session else "",
+        producer_id=session.producer_id if session else 0,
+        producer_epoch=session.producer_epoch if session else 0,
+        start_unix_ms=summary.start_ms, age_ms=summary.age_ms, timeout_ms=summary.timeout_ms,
+        topic_partition_count=summary.topic_partition_count,
+        subscription_partition_count=summary.subscription_partition_count,
+        child_count=summary.child_count)
+
+
+def _tp_proto(tp: TopicPartition) -> common_pb2.TopicPartition:
+    return common_pb2.TopicPartition(topic=tp.topic, partition=tp.partition)
+
+
+def _sp_proto(sp: SubscriptionPartition) -> common_pb2.SubscriptionPartition:
+    return common_pb2.SubscriptionPartition(topic=sp.topic, partition=sp.partition,
+                                            subscription=sp.subscription)
+
+
+class Coordinator:
+    """The TC partitions this process owns, and what they share."""
+
+    def __init__(self, name: str, tc_partitions: int, routes: PartitionRoutes,
+                 markers: MarkerChannel, producer_ids: ProducerIds, limits: Limits,
+                 settings: Settings, metadata_store):
+        self.name = name
+        self.tc_partitions = tc_partitions
+        self.routes = routes
+        self.markers = markers
+        self.producer_ids = producer_ids
+        self.limits = limits
+        self.settings = settings
+        self.metadata_store = metadata_store
+        self.partitions: dict[int, TcPartition] = {}
+        self.leases: LeaseManager | None = None
+
+    # ------------------------------------------------------------ lease callbacks
+
+    async def on_acquired(self, lease: Lease) -> None:
+        previous = self.partitions.pop(lease.tc_partition, None)
+        if previous is not None:
+            await previous.stop("lease taken again")
+        partition = TcPartition(
+            lease.tc_partition, lease.epoch, lease.log_producer_id,
+            coordinator_name=self.name, routes=self.routes, markers=self.markers,
+            limits=self.limits, settings=self.settings, on_fenced=self.on_fenced)
+        self.partitions[lease.tc_partition] = partition
+        partition.start()
+
+    async def on_lost(self, k: int) -> None:
+        partition = self.partitions.pop(k, None)
+        if partition is not None:
+            await partition.stop("lease lost")
+
+    async def on_fenced(self, k: int) -> None:
+        if self.leases is not None:
+            await self.leases.release(k)
+
+    def cores(self):
+        return [p.core for p in list(self.partitions.values()) if p.core is not None]
+
+    # ------------------------------------------------------------ routing
+
+    def check_tc(self, k: int, field: str = "tc_partition") -> int:
+        if not 0 <= k < self.tc_partitions:
+            raise _invalid(f"{field} {k} is outside 0..{self.tc_partitions - 1}",
+                           field=field)
+        return k
+
+    async def partition(self, k: int) -> TcPartition:
+        self.check_tc(k)
+        partition = self.partitions.get(k)
+        if partition is not None:
+            return partition
+        metadata = {"tc_partition": str(k), "owner_server_name": "", "owner_address": ""}
+        try:
+            lease = (await self.metadata_store.tc_leases()).get(k, {})
+            owner = lease.get("coordinator_name", "")
+            servers = {s.name: s for s in await self.metadata_store.servers()}
+            if owner in servers:
+                metadata.update(owner_server_name=owner,
+                                owner_address=servers[owner].grpc_address)
+        except Exception:  # noqa: BLE001 — the owner hint is best effort
+            pass
+        raise AtomlogError("NOT_COORDINATOR",
+                           f"{self.name} does not own TC partition {k}"
+                           + (f"; {metadata['owner_server_name']} does"
+                              if metadata["owner_server_name"] else "; no coordinator holds "
+                              "it right now (it moves within seconds)"), metadata)
+
+    # ------------------------------------------------------------ conversions
+
+    def txn_id(self, message, field: str) -> TxnId:
+        if not message.HasField(field):
+            raise _invalid(f"{field} is required", field=field)
+        value = getattr(message, field)
+        self.check_tc(value.tc_partition, f"{field}.tc_partition")
+        if value.sequence == 0:
+            raise _invalid(f"{field}.sequence must be positive", field=field)
+        return TxnId(value.tc_partition, value.sequence)
+
+    @staticmethod
+    def session(message) -> Session | None:
+        if not message.HasField("session"):
+            return None
+        proto = message.session
+        try:
+            return Session(proto.transactional_id, proto.producer_id, proto.producer_epoch)
+        except ValueError as error:
+            raise _invalid(f"session: {error}", field="session") from None
+
+    async def targets(self, topic_partitions, subscription_partitions):
+        """Validated targets: (valid ones, per-item errors aligned with the request)."""
+        if len(topic_partitions) + len(subscription_partitions) > MAX_ITEMS:
+            raise _invalid(f"at most {MAX_ITEMS} partitions and subscription partitions "
+                           "per call")
+        topics: list[TopicPartition] = []
+        subscriptions: list[SubscriptionPartition] = []
+        tp_errors: list[AtomlogError | None] = []
+        sp_errors: list[AtomlogError | None] = []
+        for proto in topic_partitions:
+            target, error = await self._target(proto, None)
+            tp_errors.append(error)
+            if target is not None:
+                topics.append(target)
+        for proto in subscription_partitions:
+            target, error = await self._target(proto, proto.subscription)
+            sp_errors.append(error)
+            if target is not None:
+                subscriptions.append(target)
+        return topics, subscriptions, tp_errors, sp_errors
+
+    async def _target(self, proto, subscription: str | None):
+        try:
+            target = (TopicPartition(proto.topic, proto.partition) if subscription is None
+                      else SubscriptionPartition(proto.topic, proto.partition, subscription))
+        except ValueError as error:
+            return None, _invalid(str(error))
+        count = await self.routes.partition_count(proto.topic)
+        if count is None or proto.partition >= count:
+            return None, AtomlogError(
+                "UNKNOWN_TOPIC_OR_PARTITION",
+                f"{proto.topic}/{proto.partition} does not exist"
+                + ("" if count is None else f" (the topic has {count} partitions)"),
+                {"topic": proto.topic, "partition": str(proto.partition)})
+        return target, None
+
+
+def _merge(requested: list[AtomlogError | None], core_results) -> list:
+    """Per-item results in request order: the shell's refusals, else the core's answers
+    (for the items that reached it, in order)."""
+    answers = iter(core_results)
+    return [error if error is not None else next(answers) for error in requested]
+
+
+def _remaining_s(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else max(0.0, remaining - 0.05)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, producer_ids: ProducerIds):
-        self.producer_ids = producer_ids
+    def __init__(self, coordinator: Coordinator):
+        self.c = coordinator
+
+    async def NewTxn(self, request, context):
+        c = self.c
+        k = c.check_tc(request.tc_partition)
+        parent = c.txn_id(request, "parent_txn_id") if request.HasField("parent_txn_id") else None
+        session = c.session(request)
+        if parent is not None and parent.tc_partition != k:
+            raise _invalid(f"a child must be opened on its parent's TC partition "
+                           f"{parent.tc_partition}, not {k}", field="tc_partition")
+        if session is not None and session.transactional_id and tc_partition_for(
+                session.transactional_id, c.tc_partitions) != k:
+            raise _invalid(f"transactional id {session.transactional_id!r} lives on TC "
+                           f"partition {tc_partition_for(session.transactional_id, c.tc_partitions)}",
+                           field="tc_partition")
+        if request.idempotency_key and tc_partition_for(request.idempotency_key,
+                                                        c.tc_partitions) != k:
+            raise _invalid(f"idempotency key {request.idempotency_key!r} lives on TC "
+                           f"partition {tc_partition_for(request.idempotency_key, c.tc_partitions)}",
+                           field="tc_partition")
+        partition = await c.partition(k)
+        topics, subscriptions, tp_errors, sp_errors = await c.targets(
+            request.topic_partitions, request.subscription_partitions)
+        result = await partition.call(lambda core, now: core.new_txn(
+            now, request.timeout_ms, parent, session, request.idempotency_key, topics,
+            subscriptions))
+        return coordinator_pb2.NewTxnResponse(
+            txn_id=_txn_id_proto(result.txn_id), state=result.state.value,
+            existing=result.existing, timeout_ms=result.timeout_ms,
+            topic_partition_results=[
+                coordinator_pb2.TxnPartitionResult(topic_partition=proto, error=_item_error(e))
+                for proto, e in zip(request.topic_partitions,
+                                    _merge(tp_errors, result.topic_partition_results))],
+            subscription_partition_results=[
+                coordinator_pb2.TxnSubscriptionResult(subscription_partition=proto,
+                                                      error=_item_error(e))
+                for proto, e in zip(request.subscription_partitions,
+                                    _merge(sp_errors, result.subscription_partition_results))])
+
+    async def AddPartitionToTxn(self, request, context):
+        c = self.c
+        txn_id = c.txn_id(request, "txn_id")
+        if not request.topic_partitions:
+            raise _invalid("topic_partitions is empty", field="topic_partitions")
+        partition = await c.partition(txn_id.tc_partition)
+        topics, _, errors, _ = await c.targets(request.topic_partitions, [])
+        session = c.session(request)
+        result = await partition.call(
+            lambda core, now: core.add_partitions(now, txn_id, topics, session))
+        return coordinator_pb2.AddPartitionToTxnResponse(results=[
+            coordinator_pb2.TxnPartitionResult(topic_partition=proto, error=_item_error(e))
+            for proto, e in zip(request.topic_partitions,
+                                _merge(errors, result.topic_partition_results))])
+
+    async def AddSubscriptionToTxn(self, request, context):
+        c = self.c
+        txn_id = c.txn_id(request, "txn_id")
+        if not request.subscription_partitions:
+            raise _invalid("subscription_partitions is empty", field="subscription_partitions")
+        partition = await c.partition(txn_id.tc_partition)
+        _, subscriptions, _, errors = await c.targets([], request.subscription_partitions)
+        session = c.session(request)
+        result = await partition.call(
+            lambda core, now: core.add_subscriptions(now, txn_id, subscriptions, session))
+        return coordinator_pb2.AddSubscriptionToTxnResponse(results=[
+            coordinator_pb2.TxnSubscriptionResult(subscription_partition=proto,
+                                                  error=_item_error(e))
+            for proto, e in zip(request.subscription_partitions,
+                                _merge(errors, result.subscription_partition_results))])
+
+    async def PrepareTxn(self, request, context):
+        c = self.c
+        txn_id = c.txn_id(request, "txn_id")
+        partition = await c.partition(txn_id.tc_partition)
+        session = c.session(request)
+        result = await partition.call(lambda core, now: core.prepare(
+            now, txn_id, request.prepared_timeout_ms, session))
+        return coordinator_pb2.PrepareTxnResponse(state=result.state.value,
+                                                  prepared_timeout_ms=result.prepared_timeout_ms)
+
+    async def EndTxn(self, request, context):
+        started = time.perf_counter()
+        c = self.c
+        txn_id = c.txn_id(request, "txn_id")
+        if request.decision not in (Decision.COMMIT.value, Decision.ABORT.value):
+            raise _invalid("decision must be COMMIT or ABORT", field="decision")
+        decision = Decision(request.decision)
+        if len(request.children_to_keep) > c.limits.max_children:
+            raise _invalid(f"more than {c.limits.max_children} children_to_keep")
+        keep = []
+        for index, child in enumerate(request.children_to_keep):
+            if child.sequence == 0 or child.tc_partition != txn_id.tc_partition:
+                raise _invalid(f"children_to_keep[{index}] is not a transaction of TC "
+                               f"partition {txn_id.tc_partition}", field="children_to_keep")
+            keep.append(TxnId(child.tc_partition, child.sequence))
+        partition = await c.partition(txn_id.tc_partition)
+        session = c.session(request)
+        result = await partition.call(lambda core, now: core.end_txn(
+            now, txn_id, decision, keep, session))
+        state = result.state
+        if request.wait_for_markers and state in (State.COMMITTING, State.ABORTING):
+            if await partition.wait_completed(txn_id, _remaining_s(context)):
+                state = State.COMMITTED if decision is Decision.COMMIT else State.ABORTED
+        metrics.COMMIT_LATENCY.labels(str(request.wait_for_markers).lower()).observe(
+            time.perf_counter() - started)
+        return coordinator_pb2.EndTxnResponse(
+            state=state.value, already_ended=result.already_ended,
+            kept_child_txn_ids=[_txn_id_proto(t) for t in result.kept_child_txn_ids],
+            aborted_child_txn_ids=[_txn_id_proto(t) for t in result.aborted_child_txn_ids])
+
+    async def GetTxnStatus(self, request, context):
+        c = self.c
+        txn_id = c.txn_id(request, "txn_id")
+        partition = await c.partition(txn_id.tc_partition)
+        status = partition.query(lambda core, now: core.status(txn_id, now))
+        return coordinator_pb2.GetTxnStatusResponse(
+            state=status.state.value, end_cause=status.end_cause.value,
+            parent_txn_id=_txn_id_proto(status.parent), remaining_ms=status.remaining_ms)
 
     async def InitProducerId(self, request, context):
-        if request.transactional_id:
-            raise AtomlogError("UNIMPLEMENTED", "transactional ids are not supported by this "
-                               "coordinator version; omit transactional_id for an idempotent "
-                               "producer")
+        c = self.c
         if request.producer_id < 0:
-            raise AtomlogError("INVALID_ARGUMENT", f"producer_id {request.producer_id} is negative")
-        # An idempotent producer (re)starting gets a fresh id: sequences begin at 0 with it.
+            raise _invalid(f"producer_id {request.producer_id} is negative", field="producer_id")
+        if not request.transactional_id:
+            # An idempotent producer (re)starting gets a fresh id: sequences begin at 0.
+            return coordinator_pb2.InitProducerIdResponse(
+                producer_id=await c.producer_ids.next_id(), producer_epoch=0)
+        try:
+            k = tc_partition_for(request.transactional_id, c.tc_partitions)
+        except UnicodeEncodeError:
+            raise _invalid("transactional_id is not valid UTF-8") from None
+        partition = await c.partition(k)
+
+        def init(fresh: int | None):
+            return lambda core, now: core.init_producer_id(
+                now, request.transactional_id, request.transaction_timeout_ms,
+                request.producer_id, request.producer_epoch, fresh)
+        try:
+            result = await partition.call(init(None))
+        except ProducerIdNeeded:
+            result = await partition.call(init(await c.producer_ids.next_id()))
         return coordinator_pb2.InitProducerIdResponse(
-            producer_id=await self.producer_ids.next_id(), producer_epoch=0)
+            producer_id=result.producer_id, producer_epoch=result.producer_epoch,
+            tc_partition=k, aborted_txn_id=_txn_id_proto(result.aborted_txn_id),
+            transaction_timeout_ms=result.transaction_timeout_ms)
+
+    async def VerifyTxnPartitions(self, request, context):
+        c = self.c
+        if not request.items:
+            raise _invalid("items is empty", field="items")
+        if len(request.items) > MAX_ITEMS:
+            raise _invalid(f"at most {MAX_ITEMS} items per call", field="items")
+        results = []
+        for item in request.items:
+            result = coordinator_pb2.VerifyTxnPartitionsResult(txn_id=item.txn_id)
+            try:
+                txn_id = c.txn_id(item, "txn_id")
+                kind = item.WhichOneof("target")
+                if kind is None:
+                    raise _invalid("the item has no target", field="target")
+                proto = getattr(item, kind)
+                try:
+                    target = (TopicPartition(proto.topic, proto.partition)
+                              if kind == "topic_partition" else
+                              SubscriptionPartition(proto.topic, proto.partition,
+                                                    proto.subscription))
+                except ValueError as error:
+                    raise _invalid(str(error), field=kind) from None
+                partition = await c.partition(txn_id.tc_partition)
+                answer = partition.require_active().verify(txn_id, target)
+                result.state = answer.state.value
+                result.included = answer.included
+                result.coordinator_epoch = answer.coordinator_epoch
+                if answer.session is not None:
+                    result.session.CopyFrom(_session_proto(answer.session))
+            except AtomlogError as error:
+                result.error.CopyFrom(_item_error(error))
+            results.append(result)
+        return coordinator_pb2.VerifyTxnPartitionsResponse(results=results)
+
+    async def ListTransactions(self, request, context):
+        c = self.c
+        states = []
+        for value in request.states:
+            try:
+                states.append(State(value))
+            except ValueError:
+                raise _invalid(f"unknown state {value}", field="states") from None
+        if request.min_age_ms < 0:
+            raise _invalid("min_age_ms is negative", field="min_age_ms")
+        wanted = ([c.check_tc(k, "tc_partitions") for k in request.tc_partitions]
+                  or list(range(c.tc_partitions)))
+        limit = min(request.limit or c.limits.default_list_limit, c.limits.max_list_limit)
+        searched, not_owned, found, truncated = [], [], [], False
+        for k in sorted(set(wanted)):
+            partition = c.partitions.get(k)
+            core = partition.core if partition is not None else None
+            if core is None or partition.phase.value != "active":
+                if request.tc_partitions:
+                    not_owned.append(k)
+                continue
+            answer = core.list_transactions(int(time.time() * 1000), states,
+                                            request.min_age_ms, limit)
+            searched.append(k)
+            found.extend(answer.transactions)
+            truncated |= answer.truncated
+        found.sort(key=lambda s: (s.start_ms, s.txn_id))
+        truncated |= len(found) > limit
+        return coordinator_pb2.ListTransactionsResponse(
+            transactions=[_summary_proto(s) for s in found[:limit]], tc_partitions=searched,
+            not_owned_tc_partitions=not_owned, truncated=truncated)
+
+    async def DescribeTransaction(self, request, context):
+        c = self.c
+        txn_id = c.txn_id(request, "txn_id")
+        partition = await c.partition(txn_id.tc_partition)
+        d = partition.query(lambda core, now: core.describe(txn_id, now))
+        return coordinator_pb2.DescribeTransactionResponse(
+            summary=_summary_proto(d.summary),
+            topic_partitions=[_tp_proto(t) for t in d.topic_partitions],
+            subscription_partitions=[_sp_proto(s) for s in d.subscription_partitions],
+            children=[_summary_proto(s) for s in d.children],
+            marker_pending_topic_partitions=[_tp_proto(t)
+                                             for t in d.marker_pending_topic_partitions],
+            marker_pending_subscription_partitions=[
+                _sp_proto(s) for s in d.marker_pending_subscription_partitions],
+            marker_retry_count=d.marker_retry_count, prepared_timeout_ms=d.prepared_timeout_ms,
+            prepared_unix_ms=d.prepared_ms, decided_unix_ms=d.decided_ms,
+            completed_unix_ms=d.completed_ms, idempotency_key=d.idempotency_key,
+            coordinator_epoch=d.coordinator_epoch)
+
+    async def AbortTransaction(self, request, context):
+        c = self.c
+        txn_id = c.txn_id(request, "txn_id")
+        if len(request.reason.encode()) > 1024:
+            raise _invalid("reason is longer than 1024 bytes", field="reason")
+        partition = await c.partition(txn_id.tc_partition)
+        result = await partition.call(
+            lambda core, now: core.abort(now, txn_id, request.allow_prepared))
+        event(log, "operator abort", txn_id=str(txn_id), reason=request.reason,
+              already_ended=result.already_ended)
+        return coordinator_pb2.AbortTransactionResponse(
+            state=result.state.value, already_ended=result.already_ended,
+            aborted_child_txn_ids=[_txn_id_proto(t) for t in result.aborted_child_txn_ids])
+
+
+async def ensure_txn_log_topic(metadata_store, tc_partitions: int, segment_bytes: int) -> None:
+    """Create `__txn_log` (one partition per TC partition) if missing; wait for partition
+    servers when there are none yet."""
+    attempt = 0
+    while True:
+        try:
+            existing = await metadata_store.topics([TXN_LOG_TOPIC])
+            if existing[0].partitions != tc_partitions:
+                raise AtomlogError("INTERNAL", f"{TXN_LOG_TOPIC} has {existing[0].partitions} "
+                                   f"partitions, the cluster {tc_partitions} TC partitions")
+            return
+        except AtomlogError as error:
+            if error.reason != "UNKNOWN_TOPIC_OR_PARTITION":
+                raise
+        try:
+            await metadata_store.create_topic(
+                TXN_LOG_TOPIC, tc_partitions,
+                {"segment.bytes": str(segment_bytes), "retention.ms": "-1",
+                 "retention.bytes": "-1"}, internal=True)
+            return
+        except AtomlogError as error:
+            if error.reason == "TOPIC_ALREADY_EXISTS":
+                continue
+            if error.reason != "NO_PARTITION_SERVERS":
+                raise
+        attempt += 1
+        if attempt == 1 or attempt % 50 == 0:
+            event(log, f"waiting for partition servers to create {TXN_LOG_TOPIC}")
+        await asyncio.sleep(0.2)
 
 
 async def install(runtime) -> list[str]:
+    config = runtime.config
+    limits = Limits(**{name: config[f"transaction.{name}"]
+                       for name in Limits.__dataclass_fields__})
+    settings = Settings(
+        tick_interval_ms=config["coordinator.tick_interval_ms"],
+        snapshot_every_records=config["coordinator.snapshot_every_records"],
+        snapshot_interval_ms=config["coordinator.snapshot_interval_ms"],
+        log_request_timeout_ms=config["coordinator.log_request_timeout_ms"],
+        max_pending_calls=config["coordinator.max_pending_calls"])
+    tc_partitions = config["cluster.tc_partitions"]
     producer_ids = ProducerIds(runtime.metadata, requester=runtime.name)
-    runtime.stop_hooks.append(producer_ids.close)
+    routes = PartitionRoutes(runtime.metadata)
+    markers = MarkerChannel(routes, config["coordinator.marker_batch_max"],
+                            config["coordinator.log_request_timeout_ms"] / 1000)
+    coordinator = Coordinator(runtime.name, tc_partitions, routes, markers, producer_ids,
+                              limits, settings, runtime.metadata)
+    collector = metrics.register_core_collector(coordinator.cores)
+    runtime.coordinator = coordinator
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
-        CoordinatorServicer(producer_ids), runtime.server)
+        CoordinatorServicer(coordinator), runtime.server)
+
+    start_task: asyncio.Task | None = None
+
+    async def take_leases() -> None:
+        attempt = 0
+        while True:
+            try:
+                await ensure_txn_log_topic(runtime.metadata, tc_partitions,
+                                           config["coordinator.log_segment_bytes"])
+                await routes.refresh(force=True)
+                break
+            except Exception:
+                attempt += 1
+                log.exception("cannot prepare %s (attempt %d)", TXN_LOG_TOPIC, attempt)
+                await asyncio.sleep(min(5.0, 0.2 * attempt))
+        coordinator.leases = LeaseManager(
+            runtime.zk, runtime.name, tc_partitions, on_acquired=coordinator.on_acquired,
+            on_lost=coordinator.on_lost, new_log_producer_id=producer_ids.next_id,
+            rebalance_interval_ms=config["coordinator.rebalance_interval_ms"])
+        await coordinator.leases.start()
+
+    async def start() -> None:
+        nonlocal start_task
+        start_task = asyncio.create_task(take_leases(), name="take-leases")
+
+    async def stop() -> None:
+        if start_task is not None and not start_task.done():
+            start_task.cancel()
+            await asyncio.gather(start_task, return_exceptions=True)
+        if coordinator.leases is not None:
+            await coordinator.leases.stop()
+        for k in list(coordinator.partitions):
+            await coordinator.on_lost(k)
+        await markers.close()
+        await routes.close()
+        await producer_ids.close()
+        from prometheus_client import REGISTRY
+        REGISTRY.unregister(collector)
+
+    runtime.start_hooks.append(start)
+    runtime.stop_hooks.append(stop)
     return [service_name(coordinator_pb2, "CoordinatorService")]

@@ -535,22 +535,65 @@ class PartitionLog:
         self._check_serving()
         config, now = self.config, self._clock_ms()
         total = self.size_bytes
-        deleted = 0
         limit = self._high_watermark if keep_from_offset is None else min(
             keep_from_offset, self._high_watermark)
-        while len(self._segments) > 1:
-            oldest = self._segments[0]
-            if oldest.next_offset > limit:
-                break
+
+        def past_retention(oldest: Segment) -> bool:
+            nonlocal total
             by_size = config.retention_bytes >= 0 and total - oldest.size >= config.retention_bytes
             by_age = (config.retention_ms >= 0 and oldest.last_append_time_ms is not None
                       and now - oldest.last_append_time_ms > config.retention_ms)
-            if not (by_size or by_age):
+            if by_size or by_age:
+                total -= oldest.size
+                return True
+            return False
+
+        return self._delete_oldest_segments(limit, past_retention)
+
+    def delete_records(self, before_offset: int) -> int:
+        """DeleteRecords: delete every sealed segment that lies entirely below
+        `before_offset` (never the active one); returns the new log start offset, which is
+        `log_start_after_delete(before_offset)`. Idempotent. `before_offset` must be in
+        [0, high watermark] (INVALID_ARGUMENT / OFFSET_OUT_OF_RANGE), so only flushed
+        segments go. Same deletion path as retention: oldest first, then one directory
+        fsync, so a crash midway leaves a contiguous log whose start is some segment base,
+        and the recovery point (at or above the flushed data) stays valid."""
+        self._check_serving()
+        self._check_delete_records(before_offset)
+        self._delete_oldest_segments(before_offset)
+        return self.log_start_offset
+
+    def log_start_after_delete(self, before_offset: int) -> int:
+        """The log start offset `delete_records(before_offset)` would leave: the base offset
+        of the segment holding `before_offset` (the active segment's base at most; the
+        current start when before_offset is below it). Changes nothing."""
+        self._check_serving()
+        self._check_delete_records(before_offset)
+        return self._bases[max(bisect_right(self._bases, before_offset) - 1, 0)]
+
+    def _check_delete_records(self, before_offset: int) -> None:
+        if before_offset < 0:
+            raise AtomlogError("INVALID_ARGUMENT", f"before_offset {before_offset} is negative")
+        if before_offset > self._high_watermark:
+            raise AtomlogError(
+                "OFFSET_OUT_OF_RANGE",
+                f"before_offset {before_offset} is above the high watermark {self._high_watermark}",
+                {"log_start_offset": self.log_start_offset, "high_watermark": self._high_watermark})
+
+    def _delete_oldest_segments(self, limit: int,
+                                wanted: Callable[[Segment], bool] | None = None) -> int:
+        """Delete sealed segments from the oldest on while each ends at or below `limit`
+        (callers keep it at or below the high watermark) and `wanted(segment)` agrees;
+        never the active segment. One directory fsync at the end; returns how many went.
+        The shared path of retention and DeleteRecords."""
+        deleted = 0
+        while len(self._segments) > 1:
+            oldest = self._segments[0]
+            if oldest.next_offset > limit or (wanted is not None and not wanted(oldest)):
                 break
             self._delete_segment(oldest)
             self._segments.pop(0)
             self._bases.pop(0)
-            total -= oldest.size
             deleted += 1
         if deleted:
             os.fsync(self._dir_fd)

@@ -85,6 +85,7 @@ class PartitionOwner:
         self.partition = partition
         self.directory = directory
         self.settings = settings
+        self.replayed_batches = 0
         self.state = State.LOADING
         self.log: PartitionLog | None = None
         self.producers = ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms)
@@ -109,6 +110,7 @@ class PartitionOwner:
         self.state = State.LOADING
         began = time.perf_counter()
         self.log, self.producers, replayed = await asyncio.to_thread(self._load_blocking)
+        self.replayed_batches = replayed  # batches replayed on top of the snapshot
         if self.log.data_loss is not None:
             self.state = State.DATA_LOSS
             event(log, "partition refuses to serve: corruption before the log tail",
@@ -117,6 +119,7 @@ class PartitionOwner:
             return
         self.state = State.ONLINE
         self._stamp_ms = max(self._stamp_ms, _wall_ms())
+        self._last_snapshot_ms = _wall_ms()  # the interval counts from the load
         event(log, "partition online", partition=self.name,
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,
               replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
@@ -154,11 +157,10 @@ class PartitionOwner:
 
     def _snapshot_files(self) -> list[Path]:
         found = []
-        for path in self.directory.glob("*.snapshot"):
-            try:
-                found.append((parse_snapshot_file_name(path.name), path))
-            except ValueError:
-                continue
+        for path in self.directory.glob("*.producer_snapshot"):
+            covered = parse_snapshot_file_name(path.name)
+            if covered is not None:
+                found.append((covered, path))
         return [p for _, p in sorted(found, reverse=True)]
 
     async def close(self) -> None:
@@ -308,6 +310,44 @@ class PartitionOwner:
             return 0
         return self.log.apply_retention()
 
+    # ------------------------------------------------------------------ delete records
+    async def delete_records(self, before_offset: int) -> int:
+        """DeleteRecords: delete the whole segments below `before_offset` (the log's shared
+        deletion path, as retention); returns the log start offset after it. Refuses a
+        partition that is not serving, a negative offset (INVALID_ARGUMENT) and one above
+        the high watermark (OFFSET_OUT_OF_RANGE), so only flushed segments ever go.
+
+        Serialized with appends the way retention is: it runs to the end without yielding
+        to the event loop, and the owner task changes the log only in steps that do not
+        yield either. At the owner's await points (its group fsync, its snapshot write)
+        nothing deleted here is in use: the fsync is of the active segment, never deleted,
+        and a snapshot being written covers the high watermark, at or above the new start.
+
+        Producer-state snapshots that would describe deleted data (covering less than the
+        new log start) are removed first, durably: restoring one of them and replaying
+        from the new start would skip the deleted batches. Recovery then uses a newer
+        snapshot or replays what is left, as a full replay of the remaining log would."""
+        self.check_serving()
+        new_start = self.log.log_start_after_delete(before_offset)
+        if new_start > self.log.log_start_offset:
+            self._remove_snapshots_below(new_start)
+            self.log.delete_records(before_offset)
+        return self.log.log_start_offset
+
+    def _remove_snapshots_below(self, offset: int) -> None:
+        removed = False
+        for path in self.directory.iterdir():
+            covered = parse_snapshot_file_name(path.name)
+            if covered is not None and covered < offset:
+                path.unlink(missing_ok=True)
+                removed = True
+        if removed:
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
     # ------------------------------------------------------------------ snapshots
     async def _maybe_snapshot(self) -> None:
         settings = self.settings
@@ -331,7 +371,7 @@ class PartitionOwner:
 
     def _write_snapshot(self, covered: int, data: bytes) -> None:
         path = self.directory / snapshot_file_name(covered)
-        tmp = path.with_suffix(".snapshot.tmp")
+        tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as handle:
             handle.write(data)
             handle.flush()

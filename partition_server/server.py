@@ -1,13 +1,16 @@
 """Partition server process: what `atomlog serve partition-server` installs — the
 partition manager (ownership from ZooKeeper, one owner task per partition) and the
-PartitionService. Subscriptions, acks and transaction markers answer UNIMPLEMENTED
-until the transaction buffer lands (issue 6)."""
+PartitionService. Transaction markers are validated and fenced against the coordinator
+epochs in ZooKeeper (partition_server/coordinator_epochs.py) but have nothing to write
+yet; subscriptions and acks answer UNIMPLEMENTED until the transaction buffer lands."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
+from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.log import LogConfig
 from partition_server.manager import PartitionManager
 from partition_server.owner import OwnerSettings
@@ -39,9 +42,11 @@ async def install(runtime) -> list[str]:
                                runtime.zk, owner_settings(config))
     await manager.start()
     runtime.stop_hooks.append(manager.close)
+    epochs = CoordinatorEpochs(runtime.zk, config["cluster.tc_partitions"])
+    await asyncio.to_thread(epochs.start)
     servicer = PartitionServicer(manager, runtime.metadata, config["partition.max_batch_bytes"],
                                  config["partition.fetch_max_wait_ms"],
                                  config["partition.fetch_default_max_bytes"],
-                                 config["grpc.max_message_bytes"])
+                                 config["grpc.max_message_bytes"], coordinator_epochs=epochs)
     partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, runtime.server)
     return [service_name(partition_pb2, "PartitionService")]

@@ -12,10 +12,12 @@ import time
 
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
+from partition_server.coordinator_epochs import MARKERS, STALE_MARKERS, CoordinatorEpochs
 from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, PartitionOwner, State
 from partition_server.record_batch import iter_batches, validate_batch
 from services.errors import AtomlogError
+from services.topics import validate_topic_name
 
 STATE_ENUM = {
     State.LOADING: partition_pb2.PARTITION_STATE_LOADING,
@@ -42,8 +44,10 @@ def _require_items(items, what: str) -> None:
 
 class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     def __init__(self, manager: PartitionManager, metadata_store, max_batch_bytes: int,
-                 fetch_max_wait_ms: int, fetch_default_max_bytes: int, max_message_bytes: int):
+                 fetch_max_wait_ms: int, fetch_default_max_bytes: int, max_message_bytes: int,
+                 coordinator_epochs: CoordinatorEpochs | None = None):
         self.manager = manager
+        self.coordinator_epochs = coordinator_epochs  # None: markers answer UNIMPLEMENTED
         self.metadata_store = metadata_store
         self.max_batch_bytes = max_batch_bytes
         self.fetch_max_wait_ms = fetch_max_wait_ms
@@ -265,3 +269,178 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         return partition_pb2.RecoverPartitionResponse(
             state=STATE_ENUM[owner.state], truncated_at_offset=report.truncated_at_offset,
             removed_bytes=report.removed_bytes, high_watermark=owner.log.high_watermark)
+
+    # ------------------------------------------------------------------ delete records
+    async def DeleteRecords(self, request, context):
+        _require_items(request.items, "DeleteRecordsRequest")
+        response = partition_pb2.DeleteRecordsResponse()
+        for item in request.items:
+            try:
+                if item.before_offset < 0:
+                    raise AtomlogError("INVALID_ARGUMENT",
+                                       f"before_offset {item.before_offset} is negative")
+                owner = await self._owner(common_pb2.TopicPartition(topic=item.topic,
+                                                                    partition=item.partition))
+                log_start = await owner.delete_records(item.before_offset)
+                response.results.add(topic=item.topic, partition=item.partition,
+                                     log_start_offset=log_start)
+            except AtomlogError as error:
+                response.results.add(topic=item.topic, partition=item.partition,
+                                     error=item_error(error), log_start_offset=-1)
+        return response
+
+    # ------------------------------------------------------------------ markers
+    async def EndTxnOnPartition(self, request, context):
+        """Transaction markers from the coordinators: validate, fence, route, answer in
+        request order.
+
+        Scope of this version: there is no transaction buffer yet and Produce refuses
+        transactional batches, so no partition here can hold data or pending acks of any
+        transaction. An accepted marker therefore has nothing to write: every target it
+        reaches succeeds with marker_offset -1 and already_ended false. The transaction
+        buffer (next issue) takes over at `_apply_marker_target`: through each partition's
+        owner task it writes the COMMIT/ABORT control batch when the transaction has data
+        there (marker_offset = its offset), records the transaction as ended (so a repeated
+        marker answers already_ended), applies or releases pending acks on subscriptions,
+        and persists the highest coordinator epoch per TC partition with its snapshot (and
+        re-checks the epoch there, since routing below awaits)."""
+        epochs = self.coordinator_epochs
+        if epochs is None:
+            raise AtomlogError("UNIMPLEMENTED", "this server does not take transaction markers")
+        markers = request.markers
+        _require_items(markers, "EndTxnOnPartitionRequest")
+        _check_marker_request(markers)
+        # Fence in request order, in one step without awaiting: a marker raising an epoch
+        # makes every later one of a lower epoch stale, in this request and in others.
+        refusals: list[AtomlogError | None] = []
+        for index, marker in enumerate(markers):
+            refusal = _invalid_marker(index, marker, epochs.tc_partitions)
+            if refusal is None:
+                refusal = _fence(marker, epochs)
+            refusals.append(refusal)
+        routes: dict[tuple[str, int], PartitionOwner | AtomlogError] = {}
+        for marker, refusal in zip(markers, refusals):
+            if refusal is not None:
+                continue
+            for target in (*marker.topic_partitions, *marker.subscription_partitions):
+                key = (target.topic, target.partition)
+                if key not in routes:
+                    try:
+                        routes[key] = await self._owner(common_pb2.TopicPartition(
+                            topic=target.topic, partition=target.partition))
+                    except AtomlogError as error:
+                        routes[key] = error
+        counts: dict[tuple[str, str], int] = {}
+        response = partition_pb2.EndTxnOnPartitionResponse()
+        for marker, refusal in zip(markers, refusals):
+            decision = _DECISION_LABELS.get(marker.decision, "invalid")
+            result = response.results.add(txn_id=marker.txn_id)
+            for tp in marker.topic_partitions:
+                error = refusal if refusal is not None else _apply_marker_target(
+                    routes[(tp.topic, tp.partition)])
+                entry = result.topic_partition_results.add(topic_partition=tp, marker_offset=-1,
+                                                           already_ended=False)
+                _count_marker_item(counts, decision, entry, error)
+            for sp in marker.subscription_partitions:
+                error = refusal if refusal is not None else _apply_marker_target(
+                    routes[(sp.topic, sp.partition)])
+                entry = result.subscription_partition_results.add(subscription_partition=sp,
+                                                                  already_ended=False)
+                _count_marker_item(counts, decision, entry, error)
+            if refusal is not None and refusal.reason == "STALE_COORDINATOR_EPOCH":
+                STALE_MARKERS.inc()
+        for labels, count in counts.items():
+            MARKERS.labels(*labels).inc(count)
+        return response
+
+
+# ---------------------------------------------------------------------- markers (helpers)
+MAX_MARKER_TARGETS_PER_REQUEST = 100_000  # topic + subscription partitions over all markers
+_DECISION_LABELS = {partition_pb2.TXN_DECISION_COMMIT: "commit",
+                    partition_pb2.TXN_DECISION_ABORT: "abort"}
+
+
+def _check_marker_request(markers) -> None:
+    """Whole-request checks: the target bound, and no marker without targets (it would
+    have no item to carry its error)."""
+    total = 0
+    for index, marker in enumerate(markers):
+        count = len(marker.topic_partitions) + len(marker.subscription_partitions)
+        if not count:
+            raise AtomlogError("INVALID_ARGUMENT", f"markers[{index}] has no topic_partitions "
+                               "and no subscription_partitions", {"marker_index": index})
+        total += count
+    if total > MAX_MARKER_TARGETS_PER_REQUEST:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"EndTxnOnPartitionRequest has {total} topic and subscription "
+                           f"partitions; at most {MAX_MARKER_TARGETS_PER_REQUEST}",
+                           {"limit": str(MAX_MARKER_TARGETS_PER_REQUEST)})
+
+
+def _invalid_marker(index: int, marker, tc_partitions: int) -> AtomlogError | None:
+    """INVALID_ARGUMENT naming the first bad field of the marker, or None."""
+    def bad(detail: str) -> AtomlogError:
+        return AtomlogError("INVALID_ARGUMENT", f"markers[{index}]: {detail}",
+                            {"marker_index": index})
+
+    if not marker.HasField("txn_id"):
+        return bad("txn_id is not set")
+    if marker.txn_id.sequence <= 0:
+        return bad("txn_id.sequence must be > 0")
+    if marker.txn_id.tc_partition >= tc_partitions:
+        return bad(f"txn_id.tc_partition {marker.txn_id.tc_partition} is not below the "
+                   f"cluster's {tc_partitions} TC partitions")
+    if marker.decision not in _DECISION_LABELS:
+        return bad(f"decision {marker.decision} is not COMMIT or ABORT")
+    if marker.coordinator_epoch <= 0:
+        return bad("coordinator_epoch must be > 0")
+    names: set[str] = set()  # names already checked in this marker
+    for what, targets in (("topic_partitions", marker.topic_partitions),
+                          ("subscription_partitions", marker.subscription_partitions)):
+        for position, target in enumerate(targets):
+            for field, name in (("topic", target.topic),
+                                ("subscription", getattr(target, "subscription", None))):
+                if name is None or name in names:
+                    continue
+                try:
+                    validate_topic_name(name, internal_allowed=True)
+                except AtomlogError as error:
+                    return bad(f"{what}[{position}].{field}: {error.message}")
+                names.add(name)
+    return None
+
+
+def _fence(marker, epochs: CoordinatorEpochs) -> AtomlogError | None:
+    """STALE_COORDINATOR_EPOCH below the TC partition's current epoch; else accept the
+    marker's epoch (raising the current one when it is higher)."""
+    tc, epoch = marker.txn_id.tc_partition, marker.coordinator_epoch
+    current = epochs.current(tc)
+    if epoch < current:
+        return AtomlogError(
+            "STALE_COORDINATOR_EPOCH",
+            f"marker of TC partition {tc} has coordinator epoch {epoch}; the current one is "
+            f"{current}", {"tc_partition": tc, "coordinator_epoch": epoch,
+                           "current_coordinator_epoch": current})
+    epochs.observe(tc, epoch)
+    return None
+
+
+def _apply_marker_target(route: PartitionOwner | AtomlogError) -> AtomlogError | None:
+    """One accepted marker on one partition (or subscription) hosted here. Nothing to write
+    yet (see EndTxnOnPartition): only the partition's routing and state are checked."""
+    if isinstance(route, AtomlogError):
+        return route
+    try:
+        route.check_serving()
+    except AtomlogError as error:
+        return error
+    return None
+
+
+def _count_marker_item(counts: dict, decision: str, entry, error: AtomlogError | None) -> None:
+    if error is None:
+        result = "applied"
+    else:
+        entry.error.CopyFrom(item_error(error))
+        result = "stale" if error.reason == "STALE_COORDINATOR_EPOCH" else "error"
+    counts[(decision, result)] = counts.get((decision, result), 0) + 1

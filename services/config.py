@@ -193,13 +193,64 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "many bytes of log.", minimum=64, maximum=16 * MIB),
     ),
     "coordinator": (
-        Setting("transaction.default_timeout_ms", int, 60_000, "Timeout of a transaction "
+        Setting("transaction.default_timeout_ms", int, 60_000, "OPEN timeout of a transaction "
                 "that asks for none (Kafka: 60 s).", minimum=100, maximum=86_400_000),
-        Setting("transaction.max_timeout_ms", int, 900_000, "Largest timeout a transaction may "
-                "ask for (Kafka: 15 min).", minimum=100, maximum=86_400_000),
-        Setting("transaction.prepared_timeout_ms", int, 1_800_000, "Timeout of a PREPARED "
-                "(two-phase) transaction; longer than max_timeout_ms so a driver can decide.",
+        Setting("transaction.max_timeout_ms", int, 900_000, "Largest OPEN timeout a transaction "
+                "may ask for (Kafka: 15 min); more fails with INVALID_TRANSACTION_TIMEOUT.",
+                minimum=100, maximum=86_400_000),
+        Setting("transaction.default_prepared_timeout_ms", int, 900_000, "How long a PREPARED "
+                "(two-phase) transaction waits for its decision when it asks for no timeout; "
+                "at least the OPEN default, so a driver has time to decide.",
                 minimum=100, maximum=604_800_000),
+        Setting("transaction.max_prepared_timeout_ms", int, 3_600_000, "Largest prepared timeout "
+                "a transaction may ask for.", minimum=100, maximum=604_800_000),
+        Setting("transaction.max_open", int, 10_000, "Unfinished transactions (children "
+                "included) per TC partition; more fail with RESOURCE_EXHAUSTED.",
+                minimum=1, maximum=10_000_000),
+        Setting("transaction.max_partitions", int, 1_000, "Partitions plus subscription "
+                "partitions per transaction.", minimum=1, maximum=65_535),
+        Setting("transaction.max_children", int, 5_000, "Child transactions per parent (Spark "
+                "task attempts of one write, speculative ones included).",
+                minimum=1, maximum=1_000_000),
+        Setting("transaction.max_finished", int, 100_000, "Finished transactions remembered per "
+                "TC partition (re-commit answers, idempotency keys); older ones are forgotten.",
+                minimum=1, maximum=10_000_000),
+        Setting("transaction.max_sessions", int, 10_000, "Transactional-id sessions per TC "
+                "partition.", minimum=1, maximum=10_000_000),
+        Setting("transaction.session_expiry_ms", int, 604_800_000, "A session with no "
+                "unfinished transaction is forgotten after this much inactivity (Kafka: 7 days).",
+                minimum=1_000, maximum=365 * 86_400_000),
+        Setting("transaction.marker_retry_ms", int, 1_000, "Unconfirmed markers are re-sent this "
+                "often.", minimum=10, maximum=600_000),
+        Setting("transaction.max_decisions_per_tick", int, 1_000, "Timeout aborts logged per "
+                "tick (one batch).", minimum=1, maximum=1_000_000),
+        Setting("transaction.max_markers_per_tick", int, 10_000, "Markers (re-)sent per tick.",
+                minimum=1, maximum=1_000_000),
+        Setting("transaction.default_list_limit", int, 1_000, "Transactions answered by "
+                "ListTransactions when the call sets no limit.", minimum=1, maximum=1_000_000),
+        Setting("transaction.max_list_limit", int, 10_000, "Most transactions ListTransactions "
+                "answers.", minimum=1, maximum=1_000_000),
+        Setting("coordinator.tick_interval_ms", int, 100, "How often each TC partition checks "
+                "timeouts, due completions and marker re-sends.", minimum=5, maximum=10_000),
+        Setting("coordinator.rebalance_interval_ms", int, 1_000, "How often a coordinator "
+                "re-checks the TC partition leases (besides ZooKeeper watches).",
+                minimum=50, maximum=60_000),
+        Setting("coordinator.snapshot_every_records", int, 20_000, "Snapshot a TC partition into "
+                "its log after this many records, then delete the segments below it.",
+                minimum=10, maximum=10_000_000),
+        Setting("coordinator.snapshot_interval_ms", int, 300_000, "Also snapshot a changed TC "
+                "partition at least this often.", minimum=1_000, maximum=86_400_000),
+        Setting("coordinator.log_segment_bytes", int, 8 * MIB, "Segment size of the internal "
+                "topic __txn_log (set when the coordinator creates it): the log is trimmed a "
+                "whole segment at a time.", minimum=1 * MIB, maximum=1024 * MIB),
+        Setting("coordinator.log_request_timeout_ms", int, 5_000, "Deadline of one append or "
+                "read of a TC log; an append whose outcome is unknown is retried (idempotently) "
+                "while the lease lasts.", minimum=100, maximum=120_000),
+        Setting("coordinator.marker_batch_max", int, 10_000, "Most markers in one "
+                "EndTxnOnPartition call.", minimum=1, maximum=10_000),
+        Setting("coordinator.max_pending_calls", int, 10_000, "Calls waiting for a TC log append "
+                "per TC partition; more fail with RESOURCE_EXHAUSTED.",
+                minimum=1, maximum=1_000_000),
     ),
     "id_allocator": (
         Setting("id_allocator.default_block_size", int, 1_000, "Producer ids per block when a "
@@ -247,14 +298,18 @@ def _batch_fits_message(config: "Config") -> str | None:
 
 
 def _timeouts_ordered(config: "Config") -> str | None:
-    default, maximum = config["transaction.default_timeout_ms"], config["transaction.max_timeout_ms"]
-    prepared = config["transaction.prepared_timeout_ms"]
-    if default > maximum:
-        return (f"transaction.default_timeout_ms ({default}) exceeds "
-                f"transaction.max_timeout_ms ({maximum})")
-    if prepared < maximum:
-        return (f"transaction.prepared_timeout_ms ({prepared}) must be at least "
-                f"transaction.max_timeout_ms ({maximum}), so a PREPARED participant outlives OPEN ones")
+    for default, maximum in (("default_timeout_ms", "max_timeout_ms"),
+                             ("default_prepared_timeout_ms", "max_prepared_timeout_ms"),
+                             ("default_list_limit", "max_list_limit")):
+        low, high = config[f"transaction.{default}"], config[f"transaction.{maximum}"]
+        if low > high:
+            return f"transaction.{default} ({low}) exceeds transaction.{maximum} ({high})"
+    prepared, default = (config["transaction.default_prepared_timeout_ms"],
+                         config["transaction.default_timeout_ms"])
+    if prepared < default:
+        return (f"transaction.default_prepared_timeout_ms ({prepared}) must be at least "
+                f"transaction.default_timeout_ms ({default}), so a PREPARED participant "
+                "outlives OPEN ones")
     return None
 
 

@@ -4,7 +4,10 @@ ZooKeeper layout under the chroot (default /atomlog):
   /cluster            {"tc_partitions": 16, ...}        fixed at creation
   /servers/<name>     ephemeral, {"role", "grpc_address", "metrics_address", "pid", ...}
   /topics/<name>      {"version": 1, "assignment": [server names], "config": {...}}
-  /tc/<k>             the lease of TC partition k (coordinator name, address, epoch)
+  /tc/<k>             {"epoch": E, "log_producer_id": P}: the last coordinator epoch
+                      issued for TC partition k, and the producer id of its log
+  /tc/<k>/owner       ephemeral, {"coordinator_name", "epoch", "acquired_unix_ms"}:
+                      the current lease of k (coordinator/leases.py)
 A topic is created with a single znode create, so it appears whole or not at all.
 """
 
@@ -104,11 +107,24 @@ class MetadataStore:
         return [TopicRecord.from_json(n, json.loads(d)) for n, d in sorted(raw.items())]
 
     async def tc_leases(self) -> dict[int, dict[str, Any]]:
-        raw = await self._children_with_data(TC_PATH)
-        leases = {}
-        for name, data in raw.items():
-            if name.isdigit() and data:
-                leases[int(name)] = json.loads(data)
+        """{k: {"coordinator_name", "epoch"}} for every TC partition whose /tc/<k>/owner
+        exists (the owner nodes are read concurrently); a partition without one is omitted."""
+        client = self.zk.client
+        paths = [f"{TC_PATH}/{k}/owner" for k in range(self.tc_partitions)]
+        results = await asyncio.gather(*(aio(client.get_async(p)) for p in paths),
+                                       return_exceptions=True)
+        leases: dict[int, dict[str, Any]] = {}
+        for k, (path, result) in enumerate(zip(paths, results)):
+            if isinstance(result, NoNodeError):
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            try:
+                owner = json.loads(result[0])
+                leases[k] = {"coordinator_name": str(owner["coordinator_name"]),
+                             "epoch": int(owner["epoch"])}
+            except (ValueError, KeyError, TypeError) as error:
+                raise AtomlogError("INTERNAL", f"unreadable TC lease {path}: {error}") from None
         return leases
 
     async def create_topic(self, name: str, partitions: int, config: dict[str, str],

@@ -76,6 +76,8 @@ class Runtime:
                                       config["topics.max_partitions"])
         self.service_names: list[str] = []
         self.stop_hooks: list[StopHook] = []
+        # Run once the server is registered and SERVING (e.g. taking TC partition leases).
+        self.start_hooks: list[StopHook] = []
         self.grpc_address = ""
         self.metrics_endpoint: metrics.MetricsEndpoint | None = None
         self.registration: Registration | None = None
@@ -124,6 +126,8 @@ class Runtime:
         for service in ["", *self.service_names]:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         metrics.SERVING.set(1)
+        for hook in self.start_hooks:
+            await hook()
         event(log, "serving", grpc_address=self.grpc_address,
               metrics_address=self.metrics_endpoint.address, services=self.service_names)
 

@@ -73,16 +73,16 @@ def test_every_service_answers_health_per_service_and_reflection(cluster):
 
 def test_unimplemented_rpcs_answer_with_error_info(cluster):
     """Services that later issues fill in answer UNIMPLEMENTED with a reason, not a crash."""
-    from atomlog.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from atomlog.v1 import partition_pb2, partition_pb2_grpc
 
-    address = cluster.process("coord-0")["grpc_address"]
+    address = cluster.process("ps-0")["grpc_address"]
     with grpc.insecure_channel(address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        stub = partition_pb2_grpc.PartitionServiceStub(channel)
         with pytest.raises(grpc.RpcError) as raised:
-            stub.NewTxn(coordinator_pb2.NewTxnRequest(timeout_ms=1000), timeout=5)
+            stub.Receive(partition_pb2.ReceiveRequest(), timeout=5)
     assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
     error = from_rpc_error(raised.value)
-    assert error.reason == "UNIMPLEMENTED" and "NewTxn" in error.message
+    assert error.reason == "UNIMPLEMENTED" and "Receive" in error.message
 
 
 def test_metrics_endpoint_parses_as_prometheus_text(cluster):

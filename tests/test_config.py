@@ -47,7 +47,7 @@ def test_every_problem_is_reported_at_once():
                           "grpc.max_message_bytes": 8 << 20}, "must fit in grpc.max_message_bytes"),
     ("coordinator", {"transaction.default_timeout_ms": 120_000,
                      "transaction.max_timeout_ms": 60_000}, "exceeds transaction.max_timeout_ms"),
-    ("coordinator", {"transaction.prepared_timeout_ms": 1_000}, "must be at least"),
+    ("coordinator", {"transaction.default_prepared_timeout_ms": 1_000}, "must be at least"),
     ("partition_server", {}, "server.data_dir is required"),
 ])
 def test_inconsistent_limits_refuse(role, overrides, message):

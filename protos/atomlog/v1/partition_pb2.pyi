@@ -221,6 +221,40 @@ class ListOffsetsResult(_message.Message):
     last_data_offset: int
     def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., offset: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., max_read_position: _Optional[int] = ..., last_data_offset: _Optional[int] = ...) -> None: ...
 
+class DeleteRecordsRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DeleteRecordsItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[DeleteRecordsItem, _Mapping]]] = ...) -> None: ...
+
+class DeleteRecordsItem(_message.Message):
+    __slots__ = ("topic", "partition", "before_offset")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    before_offset: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., before_offset: _Optional[int] = ...) -> None: ...
+
+class DeleteRecordsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DeleteRecordsResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[DeleteRecordsResult, _Mapping]]] = ...) -> None: ...
+
+class DeleteRecordsResult(_message.Message):
+    __slots__ = ("topic", "partition", "error", "log_start_offset")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    error: ItemError
+    log_start_offset: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., log_start_offset: _Optional[int] = ...) -> None: ...
+
 class CreateSubscriptionRequest(_message.Message):
     __slots__ = ("subscription_partitions", "initial_position", "start_offset")
     SUBSCRIPTION_PARTITIONS_FIELD_NUMBER: _ClassVar[int]

@@ -68,6 +68,11 @@ class PartitionServiceStub:
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.ListOffsetsRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_partition__pb2.ListOffsetsResponse.FromString,
                 _registered_method=True)
+        self.DeleteRecords = channel.unary_unary(
+                '/atomlog.v1.PartitionService/DeleteRecords',
+                request_serializer=atomlog_dot_v1_dot_partition__pb2.DeleteRecordsRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_partition__pb2.DeleteRecordsResponse.FromString,
+                _registered_method=True)
         self.CreateSubscription = channel.unary_unary(
                 '/atomlog.v1.PartitionService/CreateSubscription',
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.CreateSubscriptionRequest.SerializeToString,
@@ -164,6 +169,16 @@ class PartitionServiceServicer:
     def ListOffsets(self, request, context):
         """Looks up offsets of partitions: earliest, latest (high watermark), max read position,
         or the first batch at or after a timestamp. Every answer also carries all positions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteRecords(self, request, context):
+        """Deletes whole segments that lie entirely below before_offset (never the active
+        segment), advancing the log start offset; Kafka's DeleteRecords with segment
+        granularity. Idempotent. What bounds internal logs: the coordinator calls it on its
+        `__txn_log` partition once a snapshot at offset S is durable (before_offset = S).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -273,6 +288,11 @@ def add_PartitionServiceServicer_to_server(servicer, server):
                     servicer.ListOffsets,
                     request_deserializer=atomlog_dot_v1_dot_partition__pb2.ListOffsetsRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_partition__pb2.ListOffsetsResponse.SerializeToString,
+            ),
+            'DeleteRecords': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRecords,
+                    request_deserializer=atomlog_dot_v1_dot_partition__pb2.DeleteRecordsRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_partition__pb2.DeleteRecordsResponse.SerializeToString,
             ),
             'CreateSubscription': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSubscription,
@@ -425,6 +445,33 @@ class PartitionService:
             '/atomlog.v1.PartitionService/ListOffsets',
             atomlog_dot_v1_dot_partition__pb2.ListOffsetsRequest.SerializeToString,
             atomlog_dot_v1_dot_partition__pb2.ListOffsetsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.PartitionService/DeleteRecords',
+            atomlog_dot_v1_dot_partition__pb2.DeleteRecordsRequest.SerializeToString,
+            atomlog_dot_v1_dot_partition__pb2.DeleteRecordsResponse.FromString,
             options,
             channel_credentials,
             insecure,

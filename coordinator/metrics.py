@@ -1,0 +1,98 @@
+"""Metrics of the transaction coordinator (prefix `atomlog_coordinator_`). Labels take
+bounded values only (decisions, causes, reasons) — never a transaction or TC partition id
+(16 TC partitions would be bounded, but per-process totals are what alerts need; the
+per-partition view is `atomlog txn list` / DescribeTransaction). Lease metrics live in
+coordinator/leases.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.metrics import LATENCY_BUCKETS_SECONDS
+
+STARTED = Counter("atomlog_coordinator_transactions_started_total",
+                  "Transactions opened (Opened records made durable).")
+ENDED = Counter("atomlog_coordinator_transactions_ended_total",
+                "Transactions finished (COMMITTED/ABORTED made durable), by decision.",
+                ["decision"])
+DECIDED = Counter("atomlog_coordinator_decisions_total",
+                  "Decisions made durable, by decision and cause (timeout = timed out).",
+                  ["decision", "cause"])
+COMMIT_LATENCY = Histogram("atomlog_coordinator_end_txn_duration_seconds",
+                           "EndTxn from the call to its answer (decision durable, or every "
+                           "marker confirmed with wait_for_markers).", ["wait_for_markers"],
+                           buckets=LATENCY_BUCKETS_SECONDS)
+LOG_APPEND_SECONDS = Histogram("atomlog_coordinator_log_append_duration_seconds",
+                               "One append to a TC log (durable on the partition server).",
+                               buckets=LATENCY_BUCKETS_SECONDS)
+LOG_RECORDS_PER_APPEND = Histogram("atomlog_coordinator_log_records_per_append",
+                                   "Records written by one TC log append (batching).",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096))
+LOAD_SECONDS = Histogram("atomlog_coordinator_tc_partition_load_seconds",
+                         "Time to load a TC partition (fence, read its log, restore, replay).",
+                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+LOAD_FAILURES = Counter("atomlog_coordinator_tc_partition_load_failures_total",
+                        "Loads of a TC partition that failed (retried).")
+SNAPSHOTS = Counter("atomlog_coordinator_snapshots_total",
+                    "Snapshots of TC partitions written into their logs.")
+SNAPSHOT_BYTES = Gauge("atomlog_coordinator_last_snapshot_bytes",
+                       "Size of the last snapshot written by this process.")
+MARKER_QUEUE = Gauge("atomlog_coordinator_marker_queue_depth",
+                     "Markers queued for delivery to partition servers.")
+MARKER_CALLS = Counter("atomlog_coordinator_marker_calls_total",
+                       "EndTxnOnPartition calls made (each carries many markers).")
+MARKERS_CONFIRMED = Counter("atomlog_coordinator_markers_confirmed_total",
+                            "Markers confirmed by partition servers.")
+MARKER_FAILURES = Counter("atomlog_coordinator_marker_failures_total",
+                          "Markers not confirmed, by reason (the tick re-sends them).",
+                          ["reason"])
+
+
+class CoreCollector(Collector):
+    """Gauges and counters read from the TC partition cores at scrape time."""
+
+    def __init__(self, cores: Callable[[], Iterable]):
+        self._cores = cores
+
+    def collect(self):
+        totals: dict[str, int] = {}
+        for core in self._cores():
+            for name, value in vars_of(core.metrics).items():
+                totals[name] = totals.get(name, 0) + value
+        gauges = {
+            "unfinished_transactions": "Unfinished transactions (OPEN, PREPARED, COMMITTING, "
+                                       "ABORTING) in the TC partitions this process owns.",
+            "finished_transactions": "Finished transactions remembered.",
+            "sessions": "Transactional-id sessions.",
+            "pending_appends": "Appends to TC logs proposed and not yet durable.",
+            "unconfirmed_markers": "Markers of decided transactions not yet confirmed.",
+        }
+        for name, text in gauges.items():
+            family = GaugeMetricFamily(f"atomlog_coordinator_{name}", text)
+            family.add_metric([], totals.get(name, 0))
+            yield family
+        counters = {
+            "timeouts_total": "Transactions aborted by their OPEN or PREPARED timeout.",
+            "marker_resends_total": "Markers re-sent because they were not confirmed in time.",
+            "exhausted_total": "Calls refused by a bound (RESOURCE_EXHAUSTED).",
+            "fenced_total": "Calls refused with PRODUCER_FENCED.",
+            "concurrent_total": "Calls refused with CONCURRENT_TRANSACTIONS.",
+        }
+        for name, text in counters.items():
+            family = CounterMetricFamily(f"atomlog_coordinator_core_{name[:-6]}", text)
+            family.add_metric([], totals.get(name, 0))
+            yield family
+
+
+def vars_of(metrics) -> dict[str, int]:
+    return {name: getattr(metrics, name) for name in metrics.__dataclass_fields__}
+
+
+def register_core_collector(cores: Callable[[], Iterable]) -> CoreCollector:
+    collector = CoreCollector(cores)
+    REGISTRY.register(collector)
+    return collector

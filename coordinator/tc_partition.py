@@ -1,0 +1,433 @@
+"""One leased TC partition: the shell around its pure core (coordinator/core.py).
+
+Everything runs on the process's event loop; the core is only ever called from it, so no
+lock is needed (one owner per TC partition). Life of a lease:
+
+    LOADING   fence the log with the new epoch (a deposed owner can no longer append),
+              read it from its start to the fence, restore the newest complete snapshot,
+              replay the records after it, tick once (markers of every decided
+              transaction go out again, with the new epoch)
+    ACTIVE    calls run against the core; the Ready each returns is carried out in the
+              core's effect order: its appends go to the writer, which batches everything
+              queued into one TC log append and, once durable, feeds append_done back in
+              order; the caller hears back after its appends are durable; markers go to
+              the marker channel; confirmations come back as marker_confirmed; a ticker
+              drives timeouts, completions and re-sends
+    STOPPED   the lease is gone (released, ZooKeeper session lost, or fenced by a newer
+              owner: PRODUCER_FENCED on an append, STALE_COORDINATOR_EPOCH on a marker):
+              every waiting call fails with NOT_COORDINATOR and the core is dropped
+
+A load that fails (the log unreadable, a partition server down) is retried with backoff
+while the lease lasts; calls meanwhile answer the retriable COORDINATOR_LOADING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from coordinator import metrics
+from coordinator.core import (
+    Append,
+    Limits,
+    Ready,
+    SnapshotCorrupt,
+    TcPartitionCore,
+    replay,
+)
+from coordinator.markers import MarkerChannel
+from coordinator.records import (
+    Completed,
+    Decided,
+    EndCause,
+    Opened,
+    RecordCorrupt,
+    TxnId,
+    decode_record,
+    encode_record,
+)
+from coordinator.routing import PartitionRoutes
+from coordinator.txn_log import (
+    KEY_SNAPSHOT,
+    AppendRejected,
+    Fenced,
+    SnapshotAssembler,
+    TxnLog,
+    snapshot_chunks,
+)
+from services.errors import AtomlogError
+from services.logs import event
+
+log = logging.getLogger("atomlog.coordinator.tc_partition")
+
+MAX_APPEND_BYTES = 768 << 10  # one TC log batch: inside the 1 MiB default batch limit
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"
+    ACTIVE = "active"
+    STOPPED = "stopped"
+
+
+class Settings:
+    """The coordinator.* settings a TC partition uses."""
+
+    def __init__(self, *, tick_interval_ms: int = 100, snapshot_every_records: int = 20_000,
+                 snapshot_interval_ms: int = 300_000, log_request_timeout_ms: int = 5_000,
+                 max_pending_calls: int = 10_000):
+        self.tick_interval_ms = tick_interval_ms
+        self.snapshot_every_records = snapshot_every_records
+        self.snapshot_interval_ms = snapshot_interval_ms
+        self.log_request_timeout_ms = log_request_timeout_ms
+        self.max_pending_calls = max_pending_calls
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class TcPartition:
+    def __init__(self, tc_partition: int, epoch: int, log_producer_id: int, *,
+                 coordinator_name: str, routes: PartitionRoutes, markers: MarkerChannel,
+                 limits: Limits, settings: Settings,
+                 on_fenced: Callable[[int], Awaitable[None]]):
+        self.tc_partition = tc_partition
+        self.epoch = epoch
+        self.coordinator_name = coordinator_name
+        self.markers = markers
+        self.limits = limits
+        self.settings = settings
+        self.on_fenced = on_fenced
+        self.log = TxnLog(routes, tc_partition, log_producer_id, epoch,
+                          settings.log_request_timeout_ms / 1000)
+        self.phase = Phase.LOADING
+        self.core: TcPartitionCore | None = None
+        self.load_seconds: float | None = None
+        self.load_error = ""
+        self._queue: deque[Append] = deque()
+        self._append_futures: dict[int, asyncio.Future] = {}
+        self._completion_waiters: dict[TxnId, list[asyncio.Future]] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._log_end = 0
+        self._records_since_snapshot = 0
+        self._last_snapshot_at = time.monotonic()
+        self._snapshot_id = 0
+        self._trim: asyncio.Task | None = None
+
+    # ================================================================ life cycle
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._run(), name=f"tc-{self.tc_partition}"))
+
+    async def stop(self, reason: str) -> None:
+        """The lease is gone: stop acting, fail every waiting call, drop the core."""
+        if self.phase is Phase.STOPPED:
+            return
+        self.phase = Phase.STOPPED
+        current = asyncio.current_task()
+        tasks = [t for t in [*self._tasks, self._trim] if t is not None and t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        error = AtomlogError("NOT_COORDINATOR", f"TC partition {self.tc_partition} moved "
+                             f"away from {self.coordinator_name} ({reason}); look up its "
+                             "owner again", {"tc_partition": str(self.tc_partition)})
+        for future in [*self._append_futures.values(),
+                       *(f for fs in self._completion_waiters.values() for f in fs)]:
+            if not future.done():
+                future.set_exception(error)
+        self._append_futures.clear()
+        self._completion_waiters.clear()
+        self._queue.clear()
+        self.core = None
+        event(log, "TC partition stopped", tc_partition=self.tc_partition, epoch=self.epoch,
+              reason=reason)
+
+    async def _fenced(self, why: str) -> None:
+        event(log, "TC partition fenced by a newer owner", tc_partition=self.tc_partition,
+              epoch=self.epoch, why=why)
+        await self.stop("fenced")
+        await self.on_fenced(self.tc_partition)
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                await self._load()
+                break
+            except Fenced as error:
+                await self._fenced(str(error))
+                return
+            except Exception as error:
+                attempt += 1
+                self.load_error = f"{type(error).__name__}: {error}"
+                metrics.LOAD_FAILURES.inc()
+                log.exception("loading TC partition %d failed (attempt %d)",
+                              self.tc_partition, attempt)
+                await asyncio.sleep(min(5.0, 0.1 * 2 ** attempt))
+        self._tasks.append(asyncio.create_task(self._ticker(),
+                                               name=f"tc-{self.tc_partition}-tick"))
+        await self._writer()
+
+    async def _load(self) -> None:
+        started = time.perf_counter()
+        fence_offset = await self.log.fence(self.coordinator_name)
+        start, _ = await self.log.offsets()
+        assembler = SnapshotAssembler()
+        base: TcPartitionCore | None = None
+        covered = start
+        tail: list[tuple[int, bytes]] = []
+        async for entry in self.log.read(start, fence_offset):
+            if entry.key is None:
+                tail.append((entry.offset, entry.value))
+            elif entry.key == KEY_SNAPSHOT:
+                data = assembler.add(entry)
+                if data is None:
+                    continue
+                try:
+                    base, covered = TcPartitionCore.restore(data, self.tc_partition,
+                                                            self.limits, self.epoch)
+                except SnapshotCorrupt as error:
+                    # Keep the previous base and the records after it: a full replay
+                    # from there gives the same table.
+                    event(log, "snapshot unusable; replaying past it",
+                          tc_partition=self.tc_partition, offset=assembler.first_offset,
+                          error=str(error))
+                    continue
+                tail = [(offset, value) for offset, value in tail if offset >= covered]
+        try:
+            records = [decode_record(value) for offset, value in tail if offset >= covered]
+        except RecordCorrupt as error:
+            raise AtomlogError("INTERNAL", f"__txn_log-{self.tc_partition}: {error}") from None
+        core = replay(records, self.tc_partition, self.limits, self.epoch, base=base)
+        self.core = core
+        self._log_end = fence_offset + 1
+        self._records_since_snapshot = len(records)
+        self.phase = Phase.ACTIVE
+        self.load_seconds = time.perf_counter() - started
+        self.load_error = ""
+        metrics.LOAD_SECONDS.observe(self.load_seconds)
+        event(log, "TC partition loaded", tc_partition=self.tc_partition, epoch=self.epoch,
+              seconds=round(self.load_seconds, 3), log_start=start, fence_offset=fence_offset,
+              snapshot=base is not None, replayed=len(records),
+              unfinished=core.metrics.unfinished_transactions,
+              finished=core.metrics.finished_transactions)
+        self._carry_out(core.tick(now_ms()))
+
+    # ================================================================ calls
+
+    def require_active(self) -> TcPartitionCore:
+        if self.phase is Phase.ACTIVE and self.core is not None:
+            return self.core
+        if self.phase is Phase.LOADING:
+            raise AtomlogError("COORDINATOR_LOADING",
+                               f"TC partition {self.tc_partition} is loading its log"
+                               + (f" (last attempt failed: {self.load_error})"
+                                  if self.load_error else ""),
+                               {"tc_partition": str(self.tc_partition), "retry_after_ms": "200"})
+        raise AtomlogError("NOT_COORDINATOR", f"TC partition {self.tc_partition} is no longer "
+                           f"owned by {self.coordinator_name}",
+                           {"tc_partition": str(self.tc_partition)})
+
+    async def call(self, action: Callable[[TcPartitionCore, int], Ready]):
+        """Run one input against the core and carry out its Ready; the reply once every
+        append of it is durable. A refused input raises and changes nothing."""
+        core = self.require_active()
+        if len(self._queue) >= self.settings.max_pending_calls:
+            raise AtomlogError("RESOURCE_EXHAUSTED", f"TC partition {self.tc_partition} has "
+                               f"{len(self._queue)} appends waiting (limit "
+                               "coordinator.max_pending_calls); retry later",
+                               {"limit": "coordinator.max_pending_calls",
+                                "retry_after_ms": "100"})
+        ready = action(core, now_ms())
+        futures = self._carry_out(ready)
+        if futures:
+            # asyncio.wait: a cancelled caller must not cancel the append itself.
+            await asyncio.wait(futures)
+            for future in futures:
+                future.result()  # raises the append's failure
+        return ready.reply
+
+    def query(self, action: Callable[[TcPartitionCore, int], object]):
+        return action(self.require_active(), now_ms())
+
+    async def wait_completed(self, txn_id: TxnId, timeout_s: float | None) -> bool:
+        """Wait until the transaction is COMMITTED/ABORTED (True), or the timeout."""
+        core = self.require_active()
+        if core.is_finished(txn_id):
+            return True
+        future = asyncio.get_running_loop().create_future()
+        self._completion_waiters.setdefault(txn_id, []).append(future)
+        done, _ = await asyncio.wait([future], timeout=timeout_s)
+        if future in done:
+            future.result()
+            return True
+        waiters = self._completion_waiters.get(txn_id, [])
+        if future in waiters:
+            waiters.remove(future)
+        return False
+
+    # ================================================================ effects
+
+    def _carry_out(self, ready: Ready) -> list[asyncio.Future]:
+        """Queue the appends (returning their futures), send the markers, wake the
+        waiters of completed transactions."""
+        futures = []
+        loop = asyncio.get_running_loop()
+        for append in ready.appends:
+            future = loop.create_future()
+            self._append_futures[append.append_id] = future
+            self._queue.append(append)
+            futures.append(future)
+        if ready.appends:
+            self._wake.set()
+        if ready.markers:
+            self.markers.send(self, ready.markers)
+        for txn_id in ready.completed:
+            for future in self._completion_waiters.pop(txn_id, []):
+                if not future.done():
+                    future.set_result(True)
+        return futures
+
+    async def _writer(self) -> None:
+        while self.phase is Phase.ACTIVE:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue and self.phase is Phase.ACTIVE:
+                group = self._take_group()
+                entries = [(None, encode_record(record))
+                           for append in group for record in append.records]
+                started = time.perf_counter()
+                try:
+                    _, last = await self.log.append(entries)
+                except Fenced as error:
+                    await self._fenced(str(error))
+                    return
+                except AppendRejected as rejected:
+                    event(log, "TC log append refused; rolling back its transitions",
+                          tc_partition=self.tc_partition, reason=rejected.error.reason,
+                          message=rejected.error.message)
+                    for append in group:
+                        self.core.append_failed(append.append_id)
+                        self._settle(append.append_id, rejected.error)
+                    continue
+                metrics.LOG_APPEND_SECONDS.observe(time.perf_counter() - started)
+                metrics.LOG_RECORDS_PER_APPEND.observe(len(entries))
+                self._log_end = last + 1
+                self._records_since_snapshot += len(entries)
+                now = now_ms()
+                for append in group:
+                    _count(append)
+                    ready = self.core.append_done(append.append_id, now)
+                    self._settle(append.append_id, None)
+                    self._carry_out(ready)
+                if not self._queue:
+                    await self._maybe_snapshot()
+
+    def _take_group(self) -> list[Append]:
+        group, size = [], 0
+        while self._queue:
+            append = self._queue[0]
+            append_size = sum(64 + len(encode_record(r)) for r in append.records)
+            if group and size + append_size > MAX_APPEND_BYTES:
+                break
+            group.append(self._queue.popleft())
+            size += append_size
+        return group
+
+    def _settle(self, append_id: int, error: AtomlogError | None) -> None:
+        future = self._append_futures.pop(append_id, None)
+        if future is None or future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    async def _ticker(self) -> None:
+        interval = self.settings.tick_interval_ms / 1000
+        while self.phase is Phase.ACTIVE:
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+            if self.phase is Phase.ACTIVE and self.core is not None:
+                self._carry_out(self.core.tick(now_ms()))
+                if (not self._queue and self._records_since_snapshot and time.monotonic()
+                        - self._last_snapshot_at >= self.settings.snapshot_interval_ms / 1000):
+                    self._wake.set()  # the writer snapshots when its queue is empty
+
+    # ================================================================ markers
+
+    def marker_confirmed(self, txn_id: TxnId, target, epoch: int) -> None:
+        if self.phase is not Phase.ACTIVE or epoch != self.epoch or self.core is None:
+            return
+        self._carry_out(self.core.marker_confirmed(now_ms(), txn_id, target))
+
+    def marker_epoch_stale(self, epoch: int) -> None:
+        if self.phase is Phase.ACTIVE and epoch == self.epoch:
+            self._tasks.append(asyncio.create_task(
+                self._fenced("a partition server refused a marker as stale")))
+
+    # ================================================================ snapshots
+
+    async def _maybe_snapshot(self) -> None:
+        due = (self._records_since_snapshot >= self.settings.snapshot_every_records
+               or (self._records_since_snapshot and time.monotonic() - self._last_snapshot_at
+                   >= self.settings.snapshot_interval_ms / 1000))
+        if not due:
+            return
+        # Nothing is in flight here, so the durable table is exactly the log up to
+        # _log_end: the snapshot covers it, and replay resumes after the chunks.
+        data = self.core.snapshot(self._log_end)
+        self._snapshot_id += 1
+        snapshot_id = (self.epoch << 32) | self._snapshot_id
+        first = -1
+        for chunk in snapshot_chunks(snapshot_id, data):
+            try:
+                base, last = await self.log.append([(KEY_SNAPSHOT, chunk)])
+            except Fenced as error:
+                await self._fenced(str(error))
+                return
+            except AppendRejected as rejected:
+                event(log, "snapshot append refused", tc_partition=self.tc_partition,
+                      reason=rejected.error.reason, message=rejected.error.message)
+                self._last_snapshot_at = time.monotonic()
+                return
+            first = base if first < 0 else first
+            self._log_end = last + 1
+        self._records_since_snapshot = 0
+        self._last_snapshot_at = time.monotonic()
+        metrics.SNAPSHOTS.inc()
+        metrics.SNAPSHOT_BYTES.set(len(data))
+        if self._trim is None or self._trim.done():
+            self._trim = asyncio.create_task(self._delete_before(first))
+
+    async def _delete_before(self, offset: int) -> None:
+        try:
+            log_start = await self.log.delete_before(offset)
+            event(log, "TC log trimmed below its snapshot", tc_partition=self.tc_partition,
+                  before_offset=offset, log_start=log_start)
+        except AtomlogError as error:  # best effort: the next snapshot tries again
+            event(log, "TC log trim failed", tc_partition=self.tc_partition,
+                  reason=error.reason, message=error.message)
+
+
+def _count(append: Append) -> None:
+    for record in append.records:
+        if isinstance(record, Opened):
+            metrics.STARTED.inc()
+        elif isinstance(record, Decided):
+            cause = ("timeout" if record.cause in (EndCause.TIMEOUT, EndCause.PREPARED_TIMEOUT)
+                     else record.cause.name.lower())
+            decision = record.decision.name.lower()
+            metrics.DECIDED.labels(decision, cause).inc()
+            for _ in record.kept_children:
+                metrics.DECIDED.labels("commit", "parent").inc()
+            for _ in record.aborted_children:
+                metrics.DECIDED.labels("abort", "parent").inc()
+        elif isinstance(record, Completed):
+            metrics.ENDED.labels(record.decision.name.lower()).inc()

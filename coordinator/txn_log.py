@@ -1,0 +1,275 @@
+"""The durable log of one TC partition: partition k of the internal topic `__txn_log`,
+on the partition servers, written by the TC partition's current owner only.
+
+Fencing. The owner writes as an idempotent producer whose producer id is fixed per TC
+partition (`/tc/<k>` in ZooKeeper) and whose producer epoch IS its coordinator epoch.
+Taking a lease bumps the epoch, and the new owner's first append (a fence record) makes
+the partition server reject every later append of an older epoch with PRODUCER_FENCED: a
+deposed or paused owner can no longer change the log. An append whose outcome is unknown
+is retried as the same batch (same sequence), so the server answers it from its
+de-duplication window instead of appending it twice.
+
+Record values in the log (record keys tell them apart):
+
+    key None        a transaction record (coordinator/records.py)
+    key "fence"     written first by each new owner: JSON {"coordinator", "epoch"}
+    key "snapshot"  one chunk of a snapshot of the TC partition: chunk header
+                    (snapshot_id u64, index u32, count u32, little-endian) then bytes of
+                    TcPartitionCore.snapshot(); a snapshot is all `count` chunks of one
+                    id in consecutive batches, and it is used only when complete
+
+Everything below the first chunk of a durable, complete snapshot can be deleted
+(DeleteRecords, whole segments): the log stays bounded by the snapshot interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from atomlog.v1 import common_pb2, partition_pb2
+
+from coordinator.routing import PartitionRoutes
+from partition_server.record_batch import (
+    Record,
+    decode_records,
+    encode_batch,
+    iter_batches,
+)
+from services.errors import AtomlogError, from_rpc_error
+from services.logs import event
+
+log = logging.getLogger("atomlog.coordinator.txn_log")
+
+TOPIC = "__txn_log"
+KEY_FENCE = b"fence"
+KEY_SNAPSHOT = b"snapshot"
+SNAPSHOT_CHUNK = struct.Struct("<QII")  # snapshot_id, index, count
+SNAPSHOT_CHUNK_BYTES = 512 << 10  # well inside the default 1 MiB batch limit
+READ_MAX_BYTES = 8 << 20
+SEQUENCE_MAX = (1 << 31) - 1  # batch header base_sequence is int32
+# Item reasons after which the same batch may be sent again (nothing was appended, or
+# the outcome is unknown and the retry is de-duplicated).
+RETRY_REASONS = frozenset({
+    "NOT_PARTITION_OWNER", "PARTITION_LOADING", "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT",
+    "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", "DATA_LOSS", "UNKNOWN_TOPIC_OR_PARTITION",
+    "INTERNAL",
+})
+ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
+                             "SERVER_UNAVAILABLE"})
+
+
+class Fenced(Exception):
+    """A newer owner has written to the log: this owner's lease is gone."""
+
+
+class AppendRejected(Exception):
+    """The partition server refused the batch for good: it was not appended."""
+
+    def __init__(self, error: AtomlogError):
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    offset: int
+    key: bytes | None
+    value: bytes
+
+
+def _topic_partition(k: int) -> common_pb2.TopicPartition:
+    return common_pb2.TopicPartition(topic=TOPIC, partition=k)
+
+
+class TxnLog:
+    """Appends and reads of `__txn_log-<k>` for the owner holding coordinator epoch `epoch`.
+    One append at a time (the TC partition's writer batches everything queued into it)."""
+
+    def __init__(self, routes: PartitionRoutes, tc_partition: int, producer_id: int,
+                 epoch: int, request_timeout_s: float = 5.0):
+        if not 0 < epoch <= 0xFFFE:
+            raise ValueError(f"coordinator epoch {epoch} does not fit a producer epoch")
+        self.routes = routes
+        self.tc_partition = tc_partition
+        self.producer_id = producer_id
+        self.epoch = epoch
+        self.request_timeout_s = request_timeout_s
+        self._next_sequence = 0
+        self.appends_retried = 0
+
+    # ------------------------------------------------------------------ writing
+
+    async def fence(self, coordinator: str) -> int:
+        """The new owner's first append; returns its offset (the log's end before it)."""
+        value = json.dumps({"coordinator": coordinator, "epoch": self.epoch}).encode()
+        base, _ = await self.append([(KEY_FENCE, value)])
+        return base
+
+    async def append(self, entries: list[tuple[bytes | None, bytes]]) -> tuple[int, int]:
+        """Append (key, value) records as one batch, durably; (base, last) offsets.
+        Retries (the same batch) until it is appended or refused for good; raises
+        Fenced or AppendRejected. Cancel the task to stop retrying."""
+        if self._next_sequence + len(entries) > SEQUENCE_MAX:
+            # 2^31 records under one epoch: fail closed; a reload takes a new epoch.
+            raise Fenced("sequence space of this coordinator epoch is used up; reload")
+        batch = encode_batch([Record(key=k, value=v) for k, v in entries],
+                             producer_id=self.producer_id, producer_epoch=self.epoch,
+                             base_sequence=self._next_sequence)
+        request = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+            topic_partition=_topic_partition(self.tc_partition), record_batch=batch)])
+        attempt = 0
+        while True:
+            try:
+                result = await self._call("Produce", request)
+                error = (AtomlogError(result.results[0].error.reason,
+                                      result.results[0].error.message,
+                                      dict(result.results[0].error.metadata))
+                         if result.results[0].error.reason else None)
+            except AtomlogError as raised:
+                error, result = raised, None
+            if error is None:
+                self._next_sequence += len(entries)
+                item = result.results[0]
+                return item.base_offset, item.last_offset
+            if error.reason == "PRODUCER_FENCED":
+                raise Fenced(error.message)
+            if error.reason not in RETRY_REASONS:
+                raise AppendRejected(error)
+            attempt += 1
+            self.appends_retried += 1
+            if attempt in (1, 10) or attempt % 100 == 0:
+                event(log, "TC log append failed; retrying the same batch",
+                      tc_partition=self.tc_partition, attempt=attempt, reason=error.reason,
+                      message=error.message)
+            await self._backoff(attempt, error)
+
+    # ------------------------------------------------------------------ reading
+
+    async def offsets(self) -> tuple[int, int]:
+        """(log start offset, high watermark)."""
+        request = partition_pb2.ListOffsetsRequest(items=[partition_pb2.ListOffsetsItem(
+            topic_partition=_topic_partition(self.tc_partition),
+            spec=partition_pb2.OFFSET_SPEC_EARLIEST)])
+        attempt = 0
+        while True:
+            response = await self._retrying("ListOffsets", request)
+            item = response.results[0]
+            if not item.error.reason:
+                return item.log_start_offset, item.high_watermark
+            attempt += 1
+            await self._backoff(attempt, AtomlogError(item.error.reason, item.error.message))
+
+    async def read(self, start: int, end: int) -> AsyncIterator[LogEntry]:
+        """Every record in [start, end), in order, CRC-checked."""
+        offset = start
+        attempt = 0
+        while offset < end:
+            request = partition_pb2.FetchRequest(
+                items=[partition_pb2.FetchItem(topic_partition=_topic_partition(self.tc_partition),
+                                               fetch_offset=offset, max_bytes=READ_MAX_BYTES)],
+                isolation_level=common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED,
+                max_bytes=READ_MAX_BYTES, max_wait_ms=0)
+            response = await self._retrying("Fetch", request)
+            item = response.results[0]
+            if item.error.reason:
+                error = AtomlogError(item.error.reason, item.error.message,
+                                     dict(item.error.metadata))
+                if error.reason not in RETRY_REASONS:
+                    raise error
+                attempt += 1
+                await self._backoff(attempt, error)
+                continue
+            attempt = 0
+            if not item.record_batches:
+                raise AtomlogError("INTERNAL", f"{TOPIC}-{self.tc_partition}: no batch at "
+                                   f"offset {offset} below the end {end}")
+            view = memoryview(item.record_batches)
+            for position, header in iter_batches(view):
+                for record in decode_records(view[position:position + header.size]):
+                    if record.offset >= end:
+                        return
+                    if record.offset >= offset:
+                        yield LogEntry(record.offset, record.key, record.value or b"")
+            offset = max(offset, item.next_fetch_offset)
+
+    async def delete_before(self, offset: int) -> int:
+        """Delete whole segments below `offset`; returns the new log start offset."""
+        request = partition_pb2.DeleteRecordsRequest(items=[partition_pb2.DeleteRecordsItem(
+            topic=TOPIC, partition=self.tc_partition, before_offset=offset)])
+        response = await self._retrying("DeleteRecords", request, attempts=5)
+        item = response.results[0]
+        if item.error.reason:
+            raise AtomlogError(item.error.reason, item.error.message, dict(item.error.metadata))
+        return item.log_start_offset
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _call(self, method: str, request):
+        address = await self.routes.owner(TOPIC, self.tc_partition)
+        try:
+            return await getattr(self.routes.stub(address), method)(
+                request, timeout=self.request_timeout_s)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    async def _retrying(self, method: str, request, attempts: int = 0):
+        """A read-only call, retried on retriable failures (`attempts` 0: for ever)."""
+        attempt = 0
+        while True:
+            try:
+                return await self._call(method, request)
+            except AtomlogError as error:
+                attempt += 1
+                if not error.retriable and error.reason not in RETRY_REASONS:
+                    raise
+                if attempts and attempt >= attempts:
+                    raise
+                await self._backoff(attempt, error)
+
+    async def _backoff(self, attempt: int, error: AtomlogError) -> None:
+        if error.reason in ROUTING_REASONS:
+            await self.routes.refresh(force=attempt > 1)
+        delay = min(1.0, 0.01 * 2 ** min(attempt, 10))
+        await asyncio.sleep(random.uniform(delay / 2, delay))
+
+
+def snapshot_chunks(snapshot_id: int, data: bytes) -> list[bytes]:
+    count = max(1, -(-len(data) // SNAPSHOT_CHUNK_BYTES))
+    return [SNAPSHOT_CHUNK.pack(snapshot_id, index, count)
+            + data[index * SNAPSHOT_CHUNK_BYTES:(index + 1) * SNAPSHOT_CHUNK_BYTES]
+            for index in range(count)]
+
+
+class SnapshotAssembler:
+    """Collects snapshot chunks while a log is read; `add` returns the snapshot's bytes
+    once its last chunk arrives in order, None otherwise (an interrupted snapshot — a
+    gap, or another id starting — is dropped)."""
+
+    def __init__(self) -> None:
+        self._id: int | None = None
+        self._parts: list[bytes] = []
+        self.first_offset = -1
+
+    def add(self, entry: LogEntry) -> bytes | None:
+        if len(entry.value) < SNAPSHOT_CHUNK.size:
+            raise AtomlogError("INTERNAL", f"{TOPIC}: snapshot chunk at offset {entry.offset} "
+                               "is too short")
+        snapshot_id, index, count = SNAPSHOT_CHUNK.unpack_from(entry.value)
+        if index == 0:
+            self._id, self._parts, self.first_offset = snapshot_id, [], entry.offset
+        elif snapshot_id != self._id or index != len(self._parts):
+            self._id, self._parts = None, []
+            return None
+        self._parts.append(entry.value[SNAPSHOT_CHUNK.size:])
+        if len(self._parts) == count:
+            data = b"".join(self._parts)
+            self._id, self._parts = None, []
+            return data
+        return None

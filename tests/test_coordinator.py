@@ -1,0 +1,408 @@
+"""The transaction coordinator with real processes: leases of the TC partitions, the
+RPCs against the durable TC log, timeouts, fencing of a paused owner, and kill -9 of the
+owner at each point of a commit (the new owner finishes as decided, never flipping)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from atomlog.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    metadata_pb2,
+    metadata_pb2_grpc,
+    partition_pb2,
+)
+
+from coordinator.server import tc_partition_for
+from services.errors import from_rpc_error
+from spark_client import Client
+from tests.conftest import SESSION_TIMEOUT_MS, wait_until
+
+S = coordinator_pb2
+COMMIT, ABORT = partition_pb2.TXN_DECISION_COMMIT, partition_pb2.TXN_DECISION_ABORT
+COORDINATORS = ("coord-0", "coord-1")
+
+
+def metadata(cluster) -> metadata_pb2.GetMetadataResponse:
+    # From the id allocator: the tests pause and kill partition servers and coordinators.
+    allocator = next(p for p in cluster.services() if p["role"] == "id_allocator")
+    with grpc.insecure_channel(allocator["grpc_address"]) as channel:
+        return metadata_pb2_grpc.MetadataServiceStub(channel).GetMetadata(
+            metadata_pb2.GetMetadataRequest(), timeout=10)
+
+
+def owners(cluster) -> dict[int, tuple[str, int]]:
+    """TC partition -> (coordinator name, epoch), for the owned ones."""
+    return {tc.tc_partition: (tc.coordinator_name, tc.coordinator_epoch)
+            for tc in metadata(cluster).tc_partitions if tc.coordinator_name}
+
+
+def all_owned(cluster) -> bool:
+    return len(owners(cluster)) == metadata(cluster).tc_partition_count
+
+
+_channels: dict[str, grpc.Channel] = {}
+
+
+def stub(cluster, name: str) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+    address = cluster.process(name)["grpc_address"]
+    if address not in _channels:
+        _channels[address] = grpc.insecure_channel(address)
+    return coordinator_pb2_grpc.CoordinatorServiceStub(_channels[address])
+
+
+def call(cluster, k: int, method: str, request, timeout: float = 10.0):
+    """Call the owner of TC partition k, following NOT_COORDINATOR / COORDINATOR_LOADING."""
+    deadline = time.monotonic() + 30
+    while True:
+        owner = owners(cluster).get(k, ("", 0))[0]
+        try:
+            if owner:
+                return getattr(stub(cluster, owner), method)(request, timeout=timeout)
+        except grpc.RpcError as raised:
+            error = from_rpc_error(raised)
+            if not error.retriable or time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise AssertionError(f"TC partition {k} has no owner")
+        time.sleep(0.1)
+
+
+def reason_of(fn) -> str:
+    with pytest.raises(grpc.RpcError) as raised:
+        fn()
+    return from_rpc_error(raised.value).reason
+
+
+def tp(topic: str, partition: int) -> common_pb2.TopicPartition:
+    return common_pb2.TopicPartition(topic=topic, partition=partition)
+
+
+def state(cluster, txn_id) -> int:
+    return call(cluster, txn_id.tc_partition, "GetTxnStatus",
+                S.GetTxnStatusRequest(txn_id=txn_id)).state
+
+
+@pytest.fixture(scope="module")
+def topics(cluster):
+    client = Client(cluster.info["bootstrap"])
+    for name in ("txa", "txb"):
+        try:
+            client.create_topic(name, partitions=3)
+        except Exception as error:  # noqa: BLE001 — created by an earlier module
+            assert "exists" in str(error).lower()
+    client.close()
+    wait_until(lambda: all_owned(cluster), 30, "every TC partition to be leased")
+    return ("txa", "txb")
+
+
+def counts(cluster) -> list[int]:
+    held = owners(cluster)
+    return sorted(sum(1 for owner, _ in held.values() if owner == name)
+                  for name in COORDINATORS)
+
+
+def test_leases_spread_evenly_with_fresh_epochs(cluster, topics):
+    took = wait_until(lambda: counts(cluster) == [8, 8], 30, "an even spread")
+    print(f"\nleases even (8/8) after a further {took:.1f} s")
+    held = owners(cluster)
+    assert len(held) == 16
+    assert all(epoch >= 1 for _, epoch in held.values())
+
+
+def test_commit_across_partitions_is_durable_and_idempotent(cluster, topics):
+    k = 3
+    opened = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, timeout_ms=30_000,
+        topic_partitions=[tp("txa", 0), tp("txb", 2), tp("nope", 0), tp("txa", 7)]))
+    assert opened.state == S.TXN_STATE_OPEN and opened.txn_id.tc_partition == k
+    reasons = [r.error.reason for r in opened.topic_partition_results]
+    assert reasons == ["", "", "UNKNOWN_TOPIC_OR_PARTITION", "UNKNOWN_TOPIC_OR_PARTITION"]
+    txn = opened.txn_id
+    added = call(cluster, k, "AddPartitionToTxn", S.AddPartitionToTxnRequest(
+        txn_id=txn, topic_partitions=[tp("txa", 1), tp("txa", 0)]))
+    assert [r.error.reason for r in added.results] == ["", ""]
+    described = call(cluster, k, "DescribeTransaction", S.DescribeTransactionRequest(txn_id=txn))
+    assert {(t.topic, t.partition) for t in described.topic_partitions} == {
+        ("txa", 0), ("txa", 1), ("txb", 2)}
+    ended = call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=COMMIT,
+                                                        wait_for_markers=True))
+    assert ended.state == S.TXN_STATE_COMMITTED and not ended.already_ended
+    again = call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=COMMIT))
+    assert again.already_ended and again.state == S.TXN_STATE_COMMITTED
+    assert reason_of(lambda: call(cluster, k, "EndTxn", S.EndTxnRequest(
+        txn_id=txn, decision=ABORT))) == "TRANSACTION_ALREADY_COMMITTED"
+    described = call(cluster, k, "DescribeTransaction", S.DescribeTransactionRequest(txn_id=txn))
+    assert described.summary.topic_partition_count == 3  # finished: counts, not the list
+    assert not described.marker_pending_topic_partitions
+    assert described.completed_unix_ms >= described.decided_unix_ms > 0
+
+
+def test_wrong_coordinator_and_bad_input(cluster, topics):
+    held = owners(cluster)
+    k = 5
+    other = next(name for name in COORDINATORS if name != held[k][0])
+    with pytest.raises(grpc.RpcError) as raised:
+        stub(cluster, other).NewTxn(S.NewTxnRequest(tc_partition=k), timeout=5)
+    error = from_rpc_error(raised.value)
+    assert error.reason == "NOT_COORDINATOR" and error.metadata["owner_server_name"] == held[k][0]
+    owner = stub(cluster, held[k][0])
+    for request, method in (
+            (S.NewTxnRequest(tc_partition=99), "NewTxn"),
+            (S.EndTxnRequest(txn_id=common_pb2.TxnId(tc_partition=k, sequence=1)), "EndTxn"),
+            (S.EndTxnRequest(decision=COMMIT), "EndTxn"),
+            (S.GetTxnStatusRequest(txn_id=common_pb2.TxnId(tc_partition=k)), "GetTxnStatus"),
+            (S.VerifyTxnPartitionsRequest(), "VerifyTxnPartitions")):
+        rpc = getattr(owner, method)
+        assert reason_of(lambda: rpc(request, timeout=5)) == "INVALID_ARGUMENT"  # noqa: B023
+    assert reason_of(lambda: owner.NewTxn(S.NewTxnRequest(tc_partition=k, timeout_ms=3_600_000),
+                                          timeout=5)) == "INVALID_TRANSACTION_TIMEOUT"
+    assert reason_of(lambda: owner.GetTxnStatus(S.GetTxnStatusRequest(
+        txn_id=common_pb2.TxnId(tc_partition=k, sequence=10**12)), timeout=5)) == \
+        "UNKNOWN_TRANSACTION"
+
+
+def test_parent_commit_keeps_named_children_and_aborts_the_rest(cluster, topics):
+    k = 7
+    parent = call(cluster, k, "NewTxn", S.NewTxnRequest(tc_partition=k, timeout_ms=30_000)).txn_id
+    children = []
+    for partition in range(3):
+        child = call(cluster, k, "NewTxn", S.NewTxnRequest(
+            tc_partition=k, parent_txn_id=parent,
+            topic_partitions=[tp("txa", partition)])).txn_id
+        children.append(child)
+    for child in children[:2]:
+        prepared = call(cluster, k, "PrepareTxn", S.PrepareTxnRequest(txn_id=child))
+        assert prepared.state == S.TXN_STATE_PREPARED
+    assert reason_of(lambda: call(cluster, k, "EndTxn", S.EndTxnRequest(
+        txn_id=parent, decision=COMMIT, children_to_keep=[children[2]]))) == "CHILD_NOT_PREPARED"
+    ended = call(cluster, k, "EndTxn", S.EndTxnRequest(
+        txn_id=parent, decision=COMMIT, children_to_keep=[children[0]], wait_for_markers=True))
+    assert ended.state == S.TXN_STATE_COMMITTED
+    assert [c.sequence for c in ended.kept_child_txn_ids] == [children[0].sequence]
+    assert {c.sequence for c in ended.aborted_child_txn_ids} == {children[1].sequence,
+                                                                 children[2].sequence}
+    assert state(cluster, children[0]) == S.TXN_STATE_COMMITTED
+    assert state(cluster, children[1]) == S.TXN_STATE_ABORTED
+    status = call(cluster, k, "GetTxnStatus", S.GetTxnStatusRequest(txn_id=children[2]))
+    assert status.end_cause == S.TXN_END_CAUSE_PARENT
+
+
+def test_open_timeout_aborts_and_commit_then_fails_distinctly(cluster, topics):
+    k = 9
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, timeout_ms=300, topic_partitions=[tp("txa", 2)])).txn_id
+    wait_until(lambda: state(cluster, txn) == S.TXN_STATE_ABORTED, 10, "the timeout abort")
+    status = call(cluster, k, "GetTxnStatus", S.GetTxnStatusRequest(txn_id=txn))
+    assert status.end_cause == S.TXN_END_CAUSE_TIMEOUT
+    assert reason_of(lambda: call(cluster, k, "EndTxn", S.EndTxnRequest(
+        txn_id=txn, decision=COMMIT))) == "TRANSACTION_TIMED_OUT"
+    # PREPARED has its own, longer timeout: not aborted by the OPEN one.
+    txn2 = call(cluster, k, "NewTxn", S.NewTxnRequest(tc_partition=k, timeout_ms=300)).txn_id
+    call(cluster, k, "PrepareTxn", S.PrepareTxnRequest(txn_id=txn2, prepared_timeout_ms=60_000))
+    time.sleep(1.0)
+    assert state(cluster, txn2) == S.TXN_STATE_PREPARED
+    call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn2, decision=COMMIT))
+
+
+def test_transactional_id_session_fences_the_previous_one(cluster, topics):
+    tid = "copier-1"
+    k = tc_partition_for(tid, 16)
+    first = call(cluster, k, "InitProducerId", S.InitProducerIdRequest(transactional_id=tid))
+    assert first.tc_partition == k
+    session = S.TransactionalSession(transactional_id=tid, producer_id=first.producer_id,
+                                     producer_epoch=first.producer_epoch)
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(tc_partition=k, session=session)).txn_id
+    second = call(cluster, k, "InitProducerId", S.InitProducerIdRequest(transactional_id=tid))
+    assert (second.producer_id, second.producer_epoch) == (first.producer_id,
+                                                          first.producer_epoch + 1)
+    assert second.aborted_txn_id.sequence == txn.sequence
+    assert reason_of(lambda: call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, session=session))) == "PRODUCER_FENCED"
+    wait_until(lambda: state(cluster, txn) == S.TXN_STATE_ABORTED, 10, "the fenced abort")
+
+
+def test_list_describe_and_operator_abort(cluster, topics):
+    k = 11
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, timeout_ms=60_000, topic_partitions=[tp("txb", 0)])).txn_id
+    owner = owners(cluster)[k][0]
+    listed = stub(cluster, owner).ListTransactions(S.ListTransactionsRequest(
+        states=[S.TXN_STATE_OPEN], tc_partitions=[k]), timeout=5)
+    assert txn.sequence in [t.txn_id.sequence for t in listed.transactions]
+    assert list(listed.tc_partitions) == [k]
+    prepared = call(cluster, k, "PrepareTxn", S.PrepareTxnRequest(txn_id=txn))
+    assert prepared.state == S.TXN_STATE_PREPARED
+    assert reason_of(lambda: call(cluster, k, "AbortTransaction", S.AbortTransactionRequest(
+        txn_id=txn, reason="test"))) == "TRANSACTION_PREPARED"
+    aborted = call(cluster, k, "AbortTransaction", S.AbortTransactionRequest(
+        txn_id=txn, reason="test", allow_prepared=True))
+    assert aborted.state == S.TXN_STATE_ABORTING
+    wait_until(lambda: state(cluster, txn) == S.TXN_STATE_ABORTED, 10, "the operator abort")
+    assert call(cluster, k, "GetTxnStatus", S.GetTxnStatusRequest(
+        txn_id=txn)).end_cause == S.TXN_END_CAUSE_OPERATOR
+
+
+def test_verify_answers_state_and_inclusion(cluster, topics):
+    k = 13
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, topic_partitions=[tp("txa", 1)])).txn_id
+    answer = call(cluster, k, "VerifyTxnPartitions", S.VerifyTxnPartitionsRequest(items=[
+        S.VerifyTxnPartitionsItem(txn_id=txn, topic_partition=tp("txa", 1)),
+        S.VerifyTxnPartitionsItem(txn_id=txn, topic_partition=tp("txa", 2)),
+        S.VerifyTxnPartitionsItem(txn_id=common_pb2.TxnId(tc_partition=k, sequence=10**12),
+                                  topic_partition=tp("txa", 1))]))
+    first, second, third = answer.results
+    assert (first.state, first.included) == (S.TXN_STATE_OPEN, True)
+    assert first.coordinator_epoch == owners(cluster)[k][1]
+    assert (second.state, second.included) == (S.TXN_STATE_OPEN, False)
+    assert third.error.reason == "UNKNOWN_TRANSACTION"
+    call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=ABORT))
+
+
+# ------------------------------------------------------------------ failover
+
+def kill(cluster, name: str) -> None:
+    os.kill(cluster.process(name)["pid"], signal.SIGKILL)
+
+
+def server_of(cluster, topic: str, partition: int) -> str:
+    for t in metadata(cluster).topics:
+        if t.name == topic:
+            return t.partitions[partition].server_name
+    raise AssertionError(topic)
+
+
+def targets_away_from_log(cluster, k: int) -> tuple[str, list[tuple[str, int]]]:
+    """The partition server holding __txn_log-k, and partitions of txa on the others."""
+    log_server = server_of(cluster, "__txn_log", k)
+    return log_server, [("txa", p) for p in range(3) if server_of(cluster, "txa", p) != log_server]
+
+
+def wait_for_new_owner(cluster, k: int, old: tuple[str, int], timeout_s: float) -> float:
+    return wait_until(lambda: owners(cluster).get(k, old)[1] > old[1], timeout_s,
+                      f"TC partition {k} to move")
+
+
+@pytest.mark.parametrize("confirmed_before_kill", [0, 1])
+def test_kill_9_after_the_decision_finishes_it_as_decided(cluster, topics,
+                                                         confirmed_before_kill):
+    """Decision logged, markers to none (or one) of two partitions confirmed, COMMITTED not
+    logged: kill -9 the owner; the new owner completes the COMMIT."""
+    k = 1 + confirmed_before_kill * 2
+    _, targets = targets_away_from_log(cluster, k)
+    assert len(targets) == 2
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, timeout_ms=60_000,
+        topic_partitions=[tp(t, p) for t, p in targets])).txn_id
+    stopped = [server_of(cluster, t, p) for t, p in targets][confirmed_before_kill:]
+    for name in stopped:
+        os.kill(cluster.process(name)["pid"], signal.SIGSTOP)
+    try:
+        ended = call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=COMMIT))
+        assert ended.state == S.TXN_STATE_COMMITTING
+        if confirmed_before_kill:
+            wait_until(lambda: len(call(cluster, k, "DescribeTransaction",
+                                        S.DescribeTransactionRequest(txn_id=txn))
+                                   .marker_pending_topic_partitions) == 1, 10,
+                       "the reachable partition to confirm")
+        old = owners(cluster)[k]
+        kill(cluster, old[0])
+        wait_for_new_owner(cluster, k, old, SESSION_TIMEOUT_MS / 1000 + 15)
+        assert state(cluster, txn) == S.TXN_STATE_COMMITTING  # decided, never flipped
+    finally:
+        for name in stopped:
+            os.kill(cluster.process(name)["pid"], signal.SIGCONT)
+    wait_until(lambda: state(cluster, txn) == S.TXN_STATE_COMMITTED, 20, "the commit to finish")
+    cluster.up()
+    wait_until(lambda: all_owned(cluster), 30, "every TC partition to be leased again")
+
+
+def test_kill_9_before_the_decision_is_durable_never_flips(cluster, topics):
+    """EndTxn's append is in flight (the TC log's server is stopped) when the owner dies:
+    the commit is either in the log or not; a retried EndTxn(COMMIT) at the new owner
+    succeeds either way and the transaction ends COMMITTED."""
+    k = 4
+    log_server, targets = targets_away_from_log(cluster, k)
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, timeout_ms=60_000,
+        topic_partitions=[tp(t, p) for t, p in targets])).txn_id
+    old = owners(cluster)[k]
+    os.kill(cluster.process(log_server)["pid"], signal.SIGSTOP)
+    outcome: list[object] = []
+
+    def end() -> None:
+        try:
+            outcome.append(stub(cluster, old[0]).EndTxn(
+                S.EndTxnRequest(txn_id=txn, decision=COMMIT), timeout=30))
+        except grpc.RpcError as error:
+            outcome.append(from_rpc_error(error))
+
+    thread = threading.Thread(target=end)
+    thread.start()
+    time.sleep(0.5)
+    kill(cluster, old[0])
+    thread.join(timeout=30)
+    assert outcome and not hasattr(outcome[0], "state")  # the caller never heard "done"
+    os.kill(cluster.process(log_server)["pid"], signal.SIGCONT)
+    wait_for_new_owner(cluster, k, old, SESSION_TIMEOUT_MS / 1000 + 20)
+    ended = call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=COMMIT,
+                                                        wait_for_markers=True), timeout=20)
+    assert ended.state == S.TXN_STATE_COMMITTED
+    cluster.up()
+    wait_until(lambda: all_owned(cluster), 30, "every TC partition to be leased again")
+
+
+def test_paused_owner_cannot_log_or_send_markers_after_losing_its_lease(cluster, topics):
+    """SIGSTOP the owner past its ZooKeeper session: the other coordinator takes the TC
+    partition (new epoch, log fenced). Resumed, the old owner's buffered calls and its
+    re-sent markers take no effect; the new owner's view stands."""
+    k = 6
+    _, targets = targets_away_from_log(cluster, k)
+    victim_target = server_of(cluster, *targets[0])
+    # A COMMITTING transaction whose marker the old owner keeps re-sending.
+    committing = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, timeout_ms=60_000, topic_partitions=[tp(*targets[0])])).txn_id
+    os.kill(cluster.process(victim_target)["pid"], signal.SIGSTOP)
+    try:
+        assert call(cluster, k, "EndTxn", S.EndTxnRequest(
+            txn_id=committing, decision=COMMIT)).state == S.TXN_STATE_COMMITTING
+        open_txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+            tc_partition=k, timeout_ms=60_000)).txn_id
+        old = owners(cluster)[k]
+        os.kill(cluster.process(old[0])["pid"], signal.SIGSTOP)
+        outcome: list[object] = []
+
+        def late_abort() -> None:  # reaches the paused owner, handled when it resumes
+            try:
+                outcome.append(stub(cluster, old[0]).EndTxn(
+                    S.EndTxnRequest(txn_id=open_txn, decision=ABORT), timeout=60))
+            except grpc.RpcError as error:
+                outcome.append(from_rpc_error(error))
+
+        thread = threading.Thread(target=late_abort)
+        thread.start()
+        took = wait_for_new_owner(cluster, k, old, SESSION_TIMEOUT_MS / 1000 + 20)
+        print(f"\nTC partition {k} moved {took:.1f} s after its owner was paused "
+              f"(session timeout {SESSION_TIMEOUT_MS / 1000:.0f} s)")
+        # The new owner holds the transaction OPEN and commits it.
+        assert state(cluster, open_txn) == S.TXN_STATE_OPEN
+    finally:
+        os.kill(cluster.process(victim_target)["pid"], signal.SIGCONT)
+    os.kill(cluster.process(old[0])["pid"], signal.SIGCONT)
+    thread.join(timeout=60)
+    assert outcome and isinstance(outcome[0], Exception), outcome
+    assert outcome[0].reason in ("NOT_COORDINATOR", "COORDINATOR_LOADING"), outcome[0]
+    ended = call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=open_txn, decision=COMMIT,
+                                                        wait_for_markers=True))
+    assert ended.state == S.TXN_STATE_COMMITTED and not ended.already_ended
+    wait_until(lambda: state(cluster, committing) == S.TXN_STATE_COMMITTED, 20,
+               "the new owner to finish the old owner's decision")
+    wait_until(lambda: all_owned(cluster), 30, "every TC partition to be leased again")

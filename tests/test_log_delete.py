@@ -1,0 +1,112 @@
+"""DeleteRecords on the partition log and its owner, on real files: whole segments below
+before_offset go (never the active one), the start offset survives a reopen, bad inputs
+change nothing, and producer-state snapshots never describe deleted data."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from partition_server.log import LogConfig, PartitionLog
+from partition_server.owner import OwnerSettings, PartitionOwner
+from partition_server.producer_state import ProducerStateTable, snapshot_file_name
+from partition_server.record_batch import parse_header
+from services.errors import AtomlogError
+from tests.test_log import make_batch, open_log, segment_file, stored_batches
+
+
+def filled_log(path, batches: int = 9) -> PartitionLog:
+    log = open_log(path, segment_bytes=1_000)
+    log.append([make_batch(2, 200)] * batches)  # 2 batches a segment: [0,4) [4,8) ... [16,18)
+    log.flush()
+    return log
+
+
+def test_delete_records_deletes_whole_segments_below_and_survives_a_reopen(tmp_path):
+    log = filled_log(tmp_path / "p")
+    assert [s.base_offset for s in log.segments()] == [0, 4, 8, 12, 16]
+    assert log.log_start_after_delete(10) == 8
+    assert log.delete_records(10) == 8  # offset 10 is in [8,12): that segment stays
+    assert [s.base_offset for s in log.segments()] == [8, 12, 16]
+    assert not segment_file(log.directory, 4).exists()
+    assert not segment_file(log.directory, 4).with_suffix(".index").exists()
+    assert log.delete_records(10) == 8 and log.delete_records(3) == 8  # idempotent, no-op
+    assert log.delete_records(12) == 12  # a segment boundary: [8,12) goes
+    with pytest.raises(AtomlogError) as below:
+        log.read(11, 100)
+    assert below.value.reason == "OFFSET_OUT_OF_RANGE"
+    assert stored_batches(log)[0][0] == 12
+    log.close()
+    reopened = open_log(tmp_path / "p", segment_bytes=1_000)
+    assert reopened.log_start_offset == 12 and reopened.high_watermark == 18
+    assert [h.base_offset for h in reopened.iter_headers()] == [12, 14, 16]
+    reopened.append([make_batch(2, 200)])
+    assert reopened.flush() == 20
+    reopened.close()
+
+
+def test_delete_records_never_deletes_the_active_segment_or_unflushed_data(tmp_path):
+    log = filled_log(tmp_path / "p")
+    assert log.delete_records(18) == 16  # == the high watermark: every sealed segment goes
+    assert log.segment_count == 1
+    log.append([make_batch(2, 200)] * 3)  # rolls: [16,20) sealed, [20,22) active, unflushed
+    for bad, reason in ((19, "OFFSET_OUT_OF_RANGE"), (24, "OFFSET_OUT_OF_RANGE"),
+                        (-1, "INVALID_ARGUMENT")):
+        with pytest.raises(AtomlogError) as refused:
+            log.delete_records(bad)
+        assert refused.value.reason == reason
+    assert log.log_start_offset == 16 and log.segment_count == 2
+    assert refused_metadata(log, 30) == {"log_start_offset": "16", "high_watermark": "18"}
+    log.flush()
+    assert log.delete_records(22) == 20 and log.segment_count == 1
+    log.close()
+    assert open_log(tmp_path / "p", segment_bytes=1_000).log_start_offset == 20
+
+
+def refused_metadata(log: PartitionLog, before_offset: int) -> dict:
+    with pytest.raises(AtomlogError) as refused:
+        log.delete_records(before_offset)
+    return refused.value.metadata
+
+
+def test_retention_still_shares_the_deletion_path(tmp_path):
+    log = filled_log(tmp_path / "p")
+    log.delete_records(4)
+    log.config = LogConfig(segment_bytes=1_000, retention_bytes=1_500)
+    # Sizes count down as segments go: [4,8) goes, then the rest would drop below 1,500 bytes.
+    assert log.apply_retention() == 1 and log.log_start_offset == 8
+
+
+def test_owner_removes_producer_snapshots_of_deleted_data_first(tmp_path):
+    async def scenario():
+        settings = OwnerSettings(log=LogConfig(segment_bytes=1_000), fsync=False)
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        try:
+            batches = [make_batch(2, 200)] * 9
+            results = await owner.produce([(b, parse_header(b)) for b in batches])
+            assert [r.base_offset for r in results] == list(range(0, 18, 2))
+            # Snapshots as the owner writes them, one describing deleted data, one not.
+            for covered in (2, 10):
+                (owner.directory / snapshot_file_name(covered)).write_bytes(
+                    ProducerStateTable(10, 1_000).snapshot(covered))
+            assert await owner.delete_records(10) == 8
+            assert not (owner.directory / snapshot_file_name(2)).exists()
+            assert (owner.directory / snapshot_file_name(10)).exists()
+            with pytest.raises(AtomlogError) as too_far:
+                await owner.delete_records(19)
+            assert too_far.value.reason == "OFFSET_OUT_OF_RANGE"
+            assert owner.positions()["log_start_offset"] == 8
+        finally:
+            await owner.close()
+        reopened = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await reopened.start()
+        try:
+            assert reopened.positions()["log_start_offset"] == 8
+            assert reopened.positions()["high_watermark"] == 18
+        finally:
+            await reopened.close()
+
+    asyncio.run(scenario())
+
