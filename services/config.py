@@ -242,7 +242,7 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "partition at least this often.", minimum=1_000, maximum=86_400_000),
         Setting("coordinator.log_segment_bytes", int, 8 * MIB, "Segment size of the internal "
                 "topic __txn_log (set when the coordinator creates it): the log is trimmed a "
-                "whole segment at a time.", minimum=1 * MIB, maximum=1024 * MIB),
+                "whole segment at a time.", minimum=64 * KIB, maximum=1024 * MIB),
         Setting("coordinator.log_request_timeout_ms", int, 5_000, "Deadline of one append or "
                 "read of a TC log; an append whose outcome is unknown is retried (idempotently) "
                 "while the lease lasts.", minimum=100, maximum=120_000),

@@ -17,6 +17,12 @@ from kazoo.client import KazooClient
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Short sessions so a killed server disappears quickly; ZooKeeper here allows >= 1 s.
 SESSION_TIMEOUT_MS = 3_000
+# Small TC log segments and frequent snapshots, so the tests exercise snapshot loads and
+# log trimming with a few hundred transactions.
+TC_SNAPSHOT_EVERY_RECORDS = 200
+CLUSTER_SETTINGS = ("--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}",
+                    "--set", "coordinator.log_segment_bytes=65536",
+                    "--set", f"coordinator.snapshot_every_records={TC_SNAPSHOT_EVERY_RECORDS}")
 
 
 def atomlog(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -60,8 +66,7 @@ class Cluster:
         return json.loads(self.run("status", "--output", "json", check=False).stdout)
 
     def up(self) -> dict:
-        return json.loads(self.run("up", "--output", "json",
-                                   "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}").stdout)
+        return json.loads(self.run("up", "--output", "json", *CLUSTER_SETTINGS).stdout)
 
     def zookeeper(self) -> KazooClient:
         info = self.info

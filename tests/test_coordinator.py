@@ -4,6 +4,7 @@ owner at each point of a commit (the new owner finishes as decided, never flippi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -18,12 +19,13 @@ from atomlog.v1 import (
     metadata_pb2,
     metadata_pb2_grpc,
     partition_pb2,
+    partition_pb2_grpc,
 )
 
 from coordinator.server import tc_partition_for
 from services.errors import from_rpc_error
 from spark_client import Client
-from tests.conftest import SESSION_TIMEOUT_MS, wait_until
+from tests.conftest import SESSION_TIMEOUT_MS, TC_SNAPSHOT_EVERY_RECORDS, wait_until
 
 S = coordinator_pb2
 COMMIT, ABORT = partition_pb2.TXN_DECISION_COMMIT, partition_pb2.TXN_DECISION_ABORT
@@ -405,4 +407,67 @@ def test_paused_owner_cannot_log_or_send_markers_after_losing_its_lease(cluster,
     assert ended.state == S.TXN_STATE_COMMITTED and not ended.already_ended
     wait_until(lambda: state(cluster, committing) == S.TXN_STATE_COMMITTED, 20,
                "the new owner to finish the old owner's decision")
+    wait_until(lambda: all_owned(cluster), 30, "every TC partition to be leased again")
+
+
+def loaded_event(cluster, name: str, k: int, epoch: int) -> dict | None:
+    with open(cluster.process(name)["log_file"]) as handle:
+        for line in handle:
+            if '"TC partition loaded"' in line:
+                entry = json.loads(line)
+                if entry.get("tc_partition") == k and entry.get("epoch") == epoch:
+                    return entry
+    return None
+
+
+def txn_log_start(cluster, k: int) -> int:
+    server = server_of(cluster, "__txn_log", k)
+    with grpc.insecure_channel(cluster.process(server)["grpc_address"]) as channel:
+        answer = partition_pb2_grpc.PartitionServiceStub(channel).ListOffsets(
+            partition_pb2.ListOffsetsRequest(items=[partition_pb2.ListOffsetsItem(
+                topic_partition=tp("__txn_log", k), spec=partition_pb2.OFFSET_SPEC_EARLIEST)]),
+            timeout=10)
+    return answer.results[0].offset
+
+
+def test_snapshots_bound_the_log_and_the_next_owner_loads_from_one(cluster, topics):
+    """Snapshots go into the TC log every TC_SNAPSHOT_EVERY_RECORDS records and the
+    segments below them are deleted; a new owner restores the newest snapshot plus the
+    tail, and every transaction is still there, as decided."""
+    k = 12
+    keys = iter(key for key in (f"snap-{j}" for j in range(10**6))
+                if tc_partition_for(key, 16) == k)
+    keyed = {i: next(keys) for i in range(0, 400, 50)}
+    committed, aborted = [], []
+    for i in range(400):
+        txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+            tc_partition=k, idempotency_key=keyed.get(i, ""))).txn_id
+        decision = ABORT if i % 7 == 0 else COMMIT
+        call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=decision))
+        (aborted if decision == ABORT else committed).append(txn)
+    wait_until(lambda: state(cluster, committed[-1]) == S.TXN_STATE_COMMITTED, 10, "the last")
+    wait_until(lambda: txn_log_start(cluster, k) > 0, 20, "the TC log to be trimmed")
+    old = owners(cluster)[k]
+    kill(cluster, old[0])
+    wait_for_new_owner(cluster, k, old, SESSION_TIMEOUT_MS / 1000 + 15)
+    new = owners(cluster)[k]
+    loaded = None
+
+    def found() -> bool:
+        nonlocal loaded
+        loaded = loaded_event(cluster, new[0], k, new[1])
+        return loaded is not None
+    wait_until(found, 10, "the new owner's load")
+    assert loaded["snapshot"] is True
+    assert loaded["replayed"] < TC_SNAPSHOT_EVERY_RECORDS * 2, loaded
+    assert loaded["finished"] >= 400
+    for txn in committed[:5] + committed[-5:]:
+        assert state(cluster, txn) == S.TXN_STATE_COMMITTED
+    for txn in aborted[:3] + aborted[-3:]:
+        assert state(cluster, txn) == S.TXN_STATE_ABORTED
+    # An idempotency key still maps to its transaction (it survived the snapshot).
+    again = call(cluster, k, "NewTxn", S.NewTxnRequest(tc_partition=k,
+                                                       idempotency_key=keyed[50]))
+    assert again.existing and again.state == S.TXN_STATE_COMMITTED
+    cluster.up()
     wait_until(lambda: all_owned(cluster), 30, "every TC partition to be leased again")
