@@ -33,7 +33,7 @@ from coordinator.records import (
     TxnId,
 )
 from coordinator.routing import PartitionRoutes
-from coordinator.tc_partition import Settings, TcPartition
+from coordinator.tc_partition import Phase, Settings, TcPartition
 from coordinator.txn_log import TOPIC as TXN_LOG_TOPIC
 from services.errors import AtomlogError
 from services.grpcutil import service_name
@@ -437,7 +437,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         for k in sorted(set(wanted)):
             partition = c.partitions.get(k)
             core = partition.core if partition is not None else None
-            if core is None or partition.phase.value != "active":
+            if core is None or partition.phase is not Phase.ACTIVE:
                 if request.tc_partitions:
                     not_owned.append(k)
                 continue

@@ -120,15 +120,21 @@ def status(data_dir: Path, output: str) -> None:
                               indent=2))
     else:
         table = Table(title=f"atomlog cluster in {data_dir.resolve()}")
-        for column in ("name", "role", "pid", "grpc", "metrics", "health"):
+        for column in ("name", "role", "pid", "grpc", "metrics", "health", "TC partitions"):
             table.add_column(column)
         for r in rows:
             color = "green" if r.health == "SERVING" and not r.offline_partitions else "red"
             health = r.health + (f", {len(r.offline_partitions)} partition(s) offline"
                                  if r.offline_partitions else "")
             table.add_row(r.name, r.role, str(r.pid or "-"), r.grpc_address,
-                          r.metrics_address or "-", f"[{color}]{health}[/]")
+                          r.metrics_address or "-", f"[{color}]{health}[/]",
+                          str(len(r.tc_partitions)) if r.role == "coordinator" else "")
         console.print(table)
+        owned = sum(len(r.tc_partitions) for r in rows)
+        total = launcher.tc_partition_count(data_dir)
+        if owned < total:
+            console.print(f"[yellow]{owned} of {total} TC partitions leased; the others are "
+                          "moving between coordinators (seconds) or no coordinator is up[/]")
         for r in rows:
             for partition in r.offline_partitions:
                 console.print(f"[red]{r.name}: partition {partition} refuses to serve (DATA_LOSS); "

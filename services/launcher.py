@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import localzk
-from services.config import role_settings
+from services.config import COMMON, role_settings
 
 CLUSTER_FILE = "cluster.json"
 PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
@@ -270,6 +270,7 @@ class ProcessStatus:
     health: str
     log_file: str
     offline_partitions: list[str] = field(default_factory=list)  # DATA_LOSS: operator needed
+    tc_partitions: list[int] = field(default_factory=list)  # leased (coordinators)
 
 
 def status(data_dir: Path) -> list[ProcessStatus]:
@@ -291,7 +292,34 @@ def status(data_dir: Path) -> list[ProcessStatus]:
                              offline)
 
     with ThreadPoolExecutor(max_workers=max(1, len(cluster.processes))) as pool:
-        return list(pool.map(probe, cluster.processes))
+        rows = list(pool.map(probe, cluster.processes))
+    serving = [r for r in rows if r.role != "zookeeper" and r.health == "SERVING"]
+    leases = tc_leases(serving[0].grpc_address) if serving else {}
+    for row in rows:
+        row.tc_partitions = sorted(k for k, owner in leases.items() if owner == row.name)
+    return rows
+
+
+def tc_partition_count(data_dir: Path) -> int:
+    cluster = ClusterFile.load(data_dir.resolve())
+    configured = cluster.settings.get("cluster.tc_partitions") if cluster else None
+    if configured:
+        return int(configured)
+    return next(s.default for s in COMMON if s.name == "cluster.tc_partitions")
+
+
+def tc_leases(address: str, timeout_s: float = 2.0) -> dict[int, str]:
+    """TC partition -> the coordinator holding its lease (unowned ones left out)."""
+    from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = metadata_pb2_grpc.MetadataServiceStub(channel).GetMetadata(
+                metadata_pb2.GetMetadataRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return {}
+    return {tc.tc_partition: tc.coordinator_name for tc in reply.tc_partitions
+            if tc.coordinator_name}
 
 
 def _stop(entries: list[ProcessEntry], timeout_s: float) -> tuple[list[str], list[str]]:

@@ -117,6 +117,10 @@ def test_leases_spread_evenly_with_fresh_epochs(cluster, topics):
     held = owners(cluster)
     assert len(held) == 16
     assert all(epoch >= 1 for _, epoch in held.values())
+    # `atomlog status` shows who holds what.
+    rows = {r["name"]: r for r in cluster.status()["processes"]}
+    for name in COORDINATORS:
+        assert rows[name]["tc_partitions"] == sorted(k for k, (o, _) in held.items() if o == name)
 
 
 def test_commit_across_partitions_is_durable_and_idempotent(cluster, topics):
