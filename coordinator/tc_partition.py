@@ -66,6 +66,11 @@ from services.logs import event
 log = logging.getLogger("atomlog.coordinator.tc_partition")
 
 MAX_APPEND_BYTES = 768 << 10  # one TC log batch: inside the 1 MiB default batch limit
+# An idle TC partition still appends (a fence record) this often, so the partition server
+# never expires the log's producer state (partition.producer_idle_expiry_ms, 1 day by
+# default): expired, it would forget the newest epoch and could no longer fence an older
+# owner, and it would refuse the owner's next sequence as UNKNOWN_PRODUCER_ID.
+KEEPALIVE_S = 3_600.0
 
 
 class Phase(enum.Enum):
@@ -119,6 +124,7 @@ class TcPartition:
         self._last_snapshot_at = time.monotonic()
         self._snapshot_id = 0
         self._trim: asyncio.Task | None = None
+        self._last_append_at = time.monotonic()
 
     # ================================================================ life cycle
 
@@ -317,6 +323,7 @@ class TcPartition:
                         self.core.append_failed(append.append_id)
                         self._settle(append.append_id, rejected.error)
                     continue
+                self._last_append_at = time.monotonic()
                 metrics.LOG_APPEND_SECONDS.observe(time.perf_counter() - started)
                 metrics.LOG_RECORDS_PER_APPEND.observe(len(entries))
                 self._log_end = last + 1
@@ -329,6 +336,14 @@ class TcPartition:
                     self._carry_out(ready)
                 if not self._queue:
                     await self._maybe_snapshot()
+            if (self.phase is Phase.ACTIVE and not self._queue
+                    and time.monotonic() - self._last_append_at >= KEEPALIVE_S):
+                try:
+                    self._log_end = await self.log.fence(self.coordinator_name) + 1
+                except Fenced as error:
+                    await self._fenced(str(error))
+                    return
+                self._last_append_at = time.monotonic()
 
     def _take_group(self) -> list[Append]:
         group, size = [], 0
@@ -356,9 +371,11 @@ class TcPartition:
             await asyncio.sleep(interval * random.uniform(0.9, 1.1))
             if self.phase is Phase.ACTIVE and self.core is not None:
                 self._carry_out(self.core.tick(now_ms()))
-                if (not self._queue and self._records_since_snapshot and time.monotonic()
-                        - self._last_snapshot_at >= self.settings.snapshot_interval_ms / 1000):
-                    self._wake.set()  # the writer snapshots when its queue is empty
+                idle = time.monotonic() - self._last_append_at
+                if not self._queue and (idle >= KEEPALIVE_S or (
+                        self._records_since_snapshot and time.monotonic()
+                        - self._last_snapshot_at >= self.settings.snapshot_interval_ms / 1000)):
+                    self._wake.set()  # the writer snapshots / keeps alive when idle
 
     # ================================================================ markers
 
