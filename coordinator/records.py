@@ -55,6 +55,8 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import crc32c
+
 # Transaction sequences start at 1: (0, 0) means "no transaction" in batch headers.
 TXN_SEQUENCE_MAX = (1 << 64) - 1
 TC_PARTITION_MAX = (1 << 32) - 1
@@ -76,6 +78,12 @@ MAX_IDEMPOTENCY_KEY_BYTES = 256  # coordinator.proto
 MAX_TARGETS_ENCODED = (1 << 16) - 1
 
 RECORD_FORMAT_VERSION = 1
+
+
+def tc_partition_for(key: str, count: int) -> int:
+    """The TC partition of a transactional id or idempotency key (coordinator.proto):
+    CRC32C (Castagnoli) of its UTF-8 bytes, unsigned, modulo the TC partition count."""
+    return crc32c.crc32c(key.encode()) % count
 
 
 class RecordCorrupt(Exception):

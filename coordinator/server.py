@@ -17,7 +17,6 @@ import asyncio
 import logging
 import time
 
-import crc32c
 from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
 
 from coordinator import metrics
@@ -31,6 +30,7 @@ from coordinator.records import (
     SubscriptionPartition,
     TopicPartition,
     TxnId,
+    tc_partition_for,
 )
 from coordinator.routing import PartitionRoutes
 from coordinator.tc_partition import Phase, Settings, TcPartition
@@ -42,11 +42,6 @@ from services.logs import event
 log = logging.getLogger("atomlog.coordinator")
 
 MAX_ITEMS = 10_000  # targets or verification items per call
-
-
-def tc_partition_for(key: str, count: int) -> int:
-    """coordinator.proto: CRC32C of the UTF-8 key, unsigned, modulo the TC count."""
-    return crc32c.crc32c(key.encode()) % count
 
 
 def _invalid(message: str, **metadata: object) -> AtomlogError:

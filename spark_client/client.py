@@ -49,6 +49,18 @@ class Client:
 
         return Consumer(self, topics, **options)
 
+    # ------------------------------------------------------------------ transactions
+    def begin_transaction(self, timeout_s: float = 60.0):
+        """Open a transaction (see spark_client.transactions.Transaction): commit() or
+        abort() it; the coordinator aborts it after timeout_s if neither comes."""
+        from spark_client.transactions import Transaction
+
+        return Transaction(self, timeout_s)
+
+    def transaction(self, timeout_s: float = 60.0):
+        """`with client.transaction() as txn:` commits on success, aborts on an exception."""
+        return self.begin_transaction(timeout_s)
+
     # ------------------------------------------------------------------ producer ids
     def allocate_producer_id(self) -> tuple[int, int]:
         """A fresh (producer id, epoch) for an idempotent producer, from any coordinator

@@ -22,7 +22,7 @@ from atomlog.v1 import (
     partition_pb2_grpc,
 )
 
-from coordinator.server import tc_partition_for
+from coordinator.records import tc_partition_for
 from services.errors import from_rpc_error
 from spark_client import Client
 from tests.conftest import SESSION_TIMEOUT_MS, TC_SNAPSHOT_EVERY_RECORDS, wait_until

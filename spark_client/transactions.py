@@ -1,0 +1,232 @@
+"""Transactions in the SDK: `client.begin_transaction()` / `with client.transaction():`.
+
+A transaction lives on one TC partition, chosen by hashing a random idempotency key
+(coordinator.proto's tc_partition_for), so a NewTxn retried after a lost reply finds the
+same transaction instead of opening a second one. Every coordinator call goes to the
+current owner of that TC partition (from the metadata cache) and is retried on the
+retriable answers — the lease moving (NOT_COORDINATOR), a TC partition loading
+(COORDINATOR_LOADING), CONCURRENT_TRANSACTIONS, a server unreachable — until the
+transaction's own deadline. `commit()` therefore ends in a definite outcome: committed
+(committing twice is safe: the coordinator answers "already committed"), or a typed
+error that says what happened (TransactionAborted, TransactionTimedOut, ...).
+
+Writes (`producer.send(..., txn=txn)`) and transactional acks join a transaction through
+`register_partitions` / `register_subscriptions` (which producers and consumers call
+before their first write or ack) and `track` (commit waits until each tracked future is
+acknowledged). Until partition servers accept transactional batches (issue 6), a
+transaction can register partitions and be committed or aborted, but carries no data.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+
+import grpc
+
+from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
+from coordinator.records import tc_partition_for
+from spark_client import errors
+from spark_client.backoff import Backoff
+
+S = coordinator_pb2
+# Answers after which the same call is retried (after a metadata refresh for routing).
+_ROUTING = frozenset({"NOT_COORDINATOR", "SERVER_UNAVAILABLE", "SHUTTING_DOWN",
+                      "REQUEST_TIMED_OUT"})
+_RETRY = _ROUTING | {"COORDINATOR_LOADING", "CONCURRENT_TRANSACTIONS", "ZOOKEEPER_UNAVAILABLE"}
+_STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
+                for name, value in S.TxnState.items()}
+
+
+class Coordinators:
+    """Calls to whichever coordinator owns a TC partition now."""
+
+    def __init__(self, client):
+        self.client = client
+        self._backoff = Backoff(initial_s=0.02, maximum_s=1.0)
+
+    def tc_partition_count(self) -> int:
+        metadata = self.client.metadata
+        if not metadata.tc_partition_count:
+            metadata.refresh()
+        return metadata.tc_partition_count
+
+    def call(self, k: int, method: str, request, deadline: float):
+        """`method` on the owner of TC partition k, retried until `deadline`
+        (time.monotonic()); raises the typed error of a definite failure."""
+        metadata = self.client.metadata
+        attempt = 0
+        while True:
+            attempt += 1
+            address = metadata.tc_routes.get(k, "")
+            if not address:
+                metadata.refresh()
+                address = metadata.tc_routes.get(k, "")
+            remaining = deadline - time.monotonic()
+            if address:
+                stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.client.channels.get(address))
+                try:
+                    return getattr(stub, method)(
+                        request, timeout=max(0.05, min(remaining, self.client.request_timeout_s)))
+                except grpc.RpcError as rpc_error:
+                    error = errors.from_grpc(rpc_error)
+                    if error.reason not in _RETRY:
+                        raise error from None
+                    if error.reason in _ROUTING:
+                        metadata.refresh()
+                    last = error
+            else:
+                last = errors.error_for("NOT_COORDINATOR", f"TC partition {k} has no owner now")
+            delay = self._backoff.delay(attempt)
+            if time.monotonic() + delay >= deadline:
+                raise last
+            time.sleep(delay)
+
+
+class Transaction:
+    """One transaction; see the module docstring. Thread-safe."""
+
+    def __init__(self, client, timeout_s: float, *, parent: Transaction | None = None):
+        if not 0 < timeout_s <= 4_294_967:
+            raise ValueError("timeout_s must be positive (at most the coordinator's maximum)")
+        self._coordinators = Coordinators(client)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._registered: set[tuple[str, int]] = set()
+        self._subscriptions: set[tuple[str, int, str]] = set()
+        self._pending: list[Future] = []
+        self._ended: str | None = None  # "committed" | "aborted"
+        count = self._coordinators.tc_partition_count()
+        if parent is not None:
+            self.tc_partition, key = parent.tc_partition, ""
+        else:
+            key = f"sdk-{uuid.uuid4()}"
+            self.tc_partition = tc_partition_for(key, count)
+        request = S.NewTxnRequest(tc_partition=self.tc_partition,
+                                  timeout_ms=int(timeout_s * 1000), idempotency_key=key,
+                                  parent_txn_id=parent.txn_id if parent else None)
+        reply = self._call("NewTxn", request)
+        self.txn_id: common_pb2.TxnId = reply.txn_id
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def id(self) -> str:
+        """"<tc partition>:<sequence>", as `atomlog txn describe` takes it."""
+        return f"{self.txn_id.tc_partition}:{self.txn_id.sequence}"
+
+    def __repr__(self) -> str:
+        return f"Transaction({self.id}, {self._ended or 'open'})"
+
+    # ------------------------------------------------------------------ membership
+    def register_partitions(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Add partitions (before the first write to each); idempotent and cached."""
+        with self._lock:
+            self._check_open()
+            new = [p for p in dict.fromkeys(partitions) if p not in self._registered]
+        if not new:
+            return
+        reply = self._call("AddPartitionToTxn", S.AddPartitionToTxnRequest(
+            txn_id=self.txn_id, topic_partitions=[common_pb2.TopicPartition(
+                topic=t, partition=p) for t, p in new]))
+        self._raise_item_errors(r.error for r in reply.results)
+        with self._lock:
+            self._registered.update(new)
+
+    def register_subscriptions(self, targets: Iterable[tuple[str, int, str]]) -> None:
+        """Add subscription partitions (before the first transactional ack to each)."""
+        with self._lock:
+            self._check_open()
+            new = [t for t in dict.fromkeys(targets) if t not in self._subscriptions]
+        if not new:
+            return
+        reply = self._call("AddSubscriptionToTxn", S.AddSubscriptionToTxnRequest(
+            txn_id=self.txn_id, subscription_partitions=[common_pb2.SubscriptionPartition(
+                topic=t, partition=p, subscription=s) for t, p, s in new]))
+        self._raise_item_errors(r.error for r in reply.results)
+        with self._lock:
+            self._subscriptions.update(new)
+
+    def track(self, future: Future) -> None:
+        """commit() waits for this send or ack to be acknowledged first."""
+        with self._lock:
+            self._check_open()
+            self._pending.append(future)
+
+    # ------------------------------------------------------------------ ending
+    def prepare(self, prepared_timeout_s: float = 0) -> None:
+        """Two-phase commit, phase one (children of a parent)."""
+        self._wait_pending()
+        self._call("PrepareTxn", S.PrepareTxnRequest(
+            txn_id=self.txn_id, prepared_timeout_ms=int(prepared_timeout_s * 1000)))
+
+    def commit(self, *, wait_for_markers: bool = False) -> None:
+        """Wait for every tracked send/ack, then commit. Returns once the decision is
+        durable (or, with wait_for_markers, delivered to every partition). Safe to call
+        again. Raises TransactionAborted / TransactionTimedOut when it cannot commit."""
+        if self._ended == "committed":
+            return
+        try:
+            self._wait_pending()
+        except errors.AtomlogClientError:
+            self.abort()
+            raise
+        self._end(partition_pb2.TXN_DECISION_COMMIT, wait_for_markers)
+        self._ended = "committed"
+
+    def abort(self) -> None:
+        """Abort (safe to call again, and after the coordinator aborted it itself)."""
+        if self._ended == "aborted":
+            return
+        try:
+            self._end(partition_pb2.TXN_DECISION_ABORT, False)
+        except (errors.TransactionAborted, errors.TransactionTimedOut):
+            pass  # already aborted: what we wanted
+        self._ended = "aborted"
+
+    def state(self) -> str:
+        """The coordinator's view: OPEN, PREPARED, COMMITTING, COMMITTED, ABORTING, ABORTED."""
+        reply = self._call("GetTxnStatus", S.GetTxnStatusRequest(txn_id=self.txn_id))
+        return _STATE_NAMES.get(reply.state, "UNSPECIFIED")
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    # ------------------------------------------------------------------ plumbing
+    def _end(self, decision: int, wait_for_markers: bool) -> None:
+        self._call("EndTxn", S.EndTxnRequest(txn_id=self.txn_id, decision=decision,
+                                             wait_for_markers=wait_for_markers))
+
+    def _wait_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        done, not_done = wait_futures(pending, timeout=self.timeout_s)
+        if not_done:
+            raise errors.error_for("REQUEST_TIMED_OUT", f"{len(not_done)} sends of transaction "
+                                   f"{self.id} were not acknowledged in {self.timeout_s} s")
+        for future in done:
+            future.result()  # raises the send's error
+
+    def _call(self, method: str, request):
+        deadline = time.monotonic() + max(self.timeout_s, self._coordinators.client.request_timeout_s)
+        return self._coordinators.call(self.tc_partition, method, request, deadline)
+
+    def _check_open(self) -> None:
+        if self._ended is not None:
+            raise errors.error_for("TRANSACTION_NOT_OPEN", f"transaction {self.id} is "
+                                   f"{self._ended}")
+
+    @staticmethod
+    def _raise_item_errors(item_errors) -> None:
+        for item in item_errors:
+            if item.reason:
+                raise errors.error_for(item.reason, item.message, dict(item.metadata))

@@ -1,0 +1,59 @@
+"""The SDK's transaction API against the real cluster (coordinator side: the partition
+servers accept transactional data from issue 6 on)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from spark_client import Client, errors
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    client = Client(cluster.info["bootstrap"])
+    try:
+        client.create_topic("sdk-txn", partitions=4)
+    except errors.TopicAlreadyExists:
+        pass
+    yield client
+    client.close()
+
+
+def test_commit_is_definite_and_repeatable(client):
+    txn = client.begin_transaction(timeout_s=30)
+    txn.register_partitions([("sdk-txn", 0), ("sdk-txn", 3), ("sdk-txn", 0)])
+    txn.commit(wait_for_markers=True)
+    assert txn.state() == "COMMITTED"
+    txn.commit()  # again: fine
+    with pytest.raises(errors.TransactionNotOpen):
+        txn.register_partitions([("sdk-txn", 1)])
+
+
+def test_context_manager_commits_or_aborts(client):
+    with client.transaction(timeout_s=30) as txn:
+        txn.register_partitions([("sdk-txn", 1)])
+    assert txn.state() in ("COMMITTING", "COMMITTED")
+    with pytest.raises(RuntimeError), client.transaction(timeout_s=30) as failed:
+        raise RuntimeError("the job failed")
+    assert failed.state() in ("ABORTING", "ABORTED")
+    failed.abort()  # repeat: fine
+
+
+def test_unknown_partition_and_timed_out_transaction(client):
+    txn = client.begin_transaction(timeout_s=30)
+    with pytest.raises(errors.UnknownTopicOrPartition):
+        txn.register_partitions([("sdk-txn", 9)])
+    txn.abort()
+    late = client.begin_transaction(timeout_s=0.3)
+    time.sleep(1.2)
+    with pytest.raises(errors.TransactionTimedOut) as raised:
+        late.commit()
+    assert raised.value.abortable or not raised.value.retriable
+    late.abort()  # aborting what the timeout aborted is not an error
+
+
+def test_transactions_spread_over_tc_partitions(client):
+    seen = {client.begin_transaction(timeout_s=5).tc_partition for _ in range(40)}
+    assert len(seen) >= 8
