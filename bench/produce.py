@@ -7,7 +7,8 @@ then measures 1 KiB records with durable acks (the server default, flush_policy=
 
 - "wire" producers: separate processes that pre-encode idempotent batches (256 KiB of
   1 KiB records by default, real producer id/epoch from InitProducerId, consecutive
-  sequences) and send them with grpc.aio, up to 5 in flight per partition. This measures
+  sequences) and send them with grpc.aio, up to 5 in flight per partition (one until its
+  first ack: the server knows a producer only after its first batch). This measures
   the server. Ack latency is per Produce request (send to reply).
 - "SDK" producers: separate processes running `Client(...).producer()` and `send()` of
   1 KiB values (defaults: 256 KiB batches, linger 5 ms, 5 in flight). This measures the
@@ -308,8 +309,12 @@ async def _wire_run(addresses, topic, body, count, producer_id, epoch, start, de
         tp = common_pb2.TopicPartition(topic=topic, partition=partition)
         sequence, retries = 0, 0
         in_flight: collections.deque = collections.deque()
+        # One request until the first ack: the server knows the producer only after its
+        # first batch, and gRPC may deliver pipelined requests out of order (a later one
+        # arriving first is refused UNKNOWN_PRODUCER_ID / OUT_OF_ORDER_SEQUENCE).
+        window = 1
         while True:
-            while len(in_flight) < MAX_IN_FLIGHT and time.monotonic() < deadline:
+            while len(in_flight) < window and time.monotonic() < deadline:
                 payload = make_batch(body, count, producer_id, epoch, sequence,
                                      time.time_ns() // 1_000_000)
                 request = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
@@ -330,6 +335,7 @@ async def _wire_run(addresses, topic, body, count, producer_id, epoch, start, de
             except grpc.RpcError as error:
                 reason, duplicate = f"rpc {error.code().name}", False
             if not reason:
+                window = MAX_IN_FLIGHT
                 if duplicate:
                     stats["duplicates"] += 1
                 else:
@@ -351,6 +357,7 @@ async def _wire_run(addresses, topic, body, count, producer_id, epoch, start, de
                     pass
             in_flight.clear()
             sequence = batch_sequence  # anything written already comes back as a duplicate
+            window = 1  # resend one, then pipeline again
             await asyncio.sleep(0.01)
 
     try:
@@ -717,7 +724,7 @@ def section(rows, reads, baselines, args, command: str, load: float, batch_bytes
         f"- **wire**: pre-encoded idempotent batches of {batch_bytes / 1024:.0f} KiB "
         f"({records_per_batch(args.batch_kib)} records; real producer",
         "  id/epoch; consecutive sequences) sent with grpc.aio, up to "
-        f"{MAX_IN_FLIGHT} in flight per partition: measures",
+        f"{MAX_IN_FLIGHT} in flight per partition (one until the first ack): measures",
         "  the server. Ack latency per Produce request. Errors are refusals the producer",
         "  recovered from by resending (gRPC may deliver pipelined requests out of order).",
         "- **sdk**: `Client(...).producer()` with its defaults (256 KiB batches, linger 5 ms, 5 in",

@@ -78,9 +78,11 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         per_owner: dict[tuple[str, int], tuple[PartitionOwner, list[int], list]] = {}
         for index, item in enumerate(request.items):
             tp = item.topic_partition
+            # Read the bytes field once: each access copies it out of the parsed message.
+            batch = item.record_batch
             try:
                 owner = await self._owner(tp)
-                header = validate_batch(item.record_batch, max_batch_bytes=self.max_batch_bytes)
+                header = validate_batch(batch, max_batch_bytes=self.max_batch_bytes)
                 if header.is_control:
                     raise AtomlogError("INVALID_ARGUMENT", "control batches are written only by "
                                        "transaction markers, not by producers")
@@ -95,7 +97,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 continue
             entry = per_owner.setdefault((tp.topic, tp.partition), (owner, [], []))
             entry[1].append(index)
-            entry[2].append((item.record_batch, header))
+            entry[2].append((batch, header))
 
         async def run(owner: PartitionOwner, indexes: list[int], batches: list) -> None:
             try:
@@ -117,7 +119,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                         topic_partition=tp, error=item_error(outcome), base_offset=-1,
                         last_offset=-1)
 
-        await asyncio.gather(*(run(*entry) for entry in per_owner.values()))
+        if len(per_owner) == 1:  # the usual case: no task per partition
+            await run(*next(iter(per_owner.values())))
+        elif per_owner:
+            await asyncio.gather(*(run(*entry) for entry in per_owner.values()))
         return partition_pb2.ProduceResponse(results=results)
 
     # ------------------------------------------------------------------ fetch
