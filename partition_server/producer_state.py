@@ -58,14 +58,13 @@ covered_offset is above the recovered log end.
 from __future__ import annotations
 
 import enum
-import re
 import struct
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-import crc32c
-
+from partition_server.snapshot_files import (SnapshotCorrupt, SnapshotFileNames, seal,
+                                              unseal)
 from services.errors import AtomlogError
 
 # Kafka's sequence numbers are int32 and wrap to 0 after the maximum.
@@ -512,24 +511,9 @@ SNAPSHOT_VERSION = 1
 _HEADER = struct.Struct("<4sHHqI")
 _ENTRY = struct.Struct("<qIqB")
 _BATCH = struct.Struct("<iiqqq")
-_TRAILER = struct.Struct("<I")
-_FILE_NAME = re.compile(r"^(\d{20})\.producer_snapshot$")
-
-
-class SnapshotCorrupt(Exception):
-    """A snapshot cannot be trusted; the owner must rebuild by full replay."""
-
-
-def snapshot_file_name(covered_offset: int) -> str:
-    """File name of a snapshot covering the log below covered_offset (sorts by offset)."""
-    assert 0 <= covered_offset <= (1 << 63) - 1, covered_offset
-    return f"{covered_offset:020d}.producer_snapshot"
-
-
-def parse_snapshot_file_name(name: str) -> int | None:
-    """covered_offset of a snapshot file name; None for any other name."""
-    match = _FILE_NAME.match(name)
-    return int(match.group(1)) if match else None
+_FILES = SnapshotFileNames("producer_snapshot")
+snapshot_file_name = _FILES.name
+parse_snapshot_file_name = _FILES.parse
 
 
 def encode_snapshot(covered_offset: int, entries: Iterable[ProducerEntry]) -> bytes:
@@ -542,25 +526,13 @@ def encode_snapshot(covered_offset: int, entries: Iterable[ProducerEntry]) -> by
         parts.extend(_BATCH.pack(batch.base_sequence, batch.last_sequence, batch.base_offset,
                                  batch.last_offset, batch.timestamp_ms)
                      for batch in entry.batches)
-    body = b"".join(parts)
-    return body + _TRAILER.pack(crc32c.crc32c(body))
+    return seal(b"".join(parts))
 
 
 def decode_snapshot(data: bytes) -> tuple[int, list[ProducerEntry]]:
     """(covered_offset, entries) of an encoded snapshot; SnapshotCorrupt if not valid."""
-    if len(data) < _HEADER.size + _TRAILER.size:
-        raise SnapshotCorrupt(f"snapshot is {len(data)} bytes, shorter than its header")
-    magic, version, _, covered_offset, count = _HEADER.unpack_from(data, 0)
-    if magic != SNAPSHOT_MAGIC:
-        raise SnapshotCorrupt(f"not a producer-state snapshot (magic {magic!r})")
-    body = memoryview(data)[:-_TRAILER.size]
-    (stored_crc,) = _TRAILER.unpack_from(data, len(body))
-    if crc32c.crc32c(body) != stored_crc:
-        raise SnapshotCorrupt(f"CRC32C mismatch: stored {stored_crc:#010x}, "
-                              f"computed {crc32c.crc32c(body):#010x}")
-    if version != SNAPSHOT_VERSION:
-        raise SnapshotCorrupt(f"unsupported snapshot version {version} "
-                              f"(this build reads {SNAPSHOT_VERSION})")
+    (_, _, _, covered_offset, count), body = unseal(data, _HEADER, SNAPSHOT_MAGIC,
+                                                    SNAPSHOT_VERSION, "producer-state")
     return covered_offset, _decode_entries(body, _HEADER.size, count, covered_offset)
 
 

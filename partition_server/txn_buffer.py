@@ -89,7 +89,6 @@ from __future__ import annotations
 
 import bisect
 import enum
-import re
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -97,9 +96,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
-import crc32c
-
 from partition_server.record_batch import BatchHeader, ControlMarker, ControlType, TxnId
+from partition_server.snapshot_files import (SnapshotCorrupt, SnapshotFileNames, seal,
+                                              unseal)
 from services.errors import AtomlogError
 
 PRODUCER_ID_MAX = (1 << 63) - 1
@@ -648,23 +647,10 @@ _EPOCH = struct.Struct("<IQ")
 _OPEN = struct.Struct("<IQqIqqq")
 _ABORTED = struct.Struct("<IQqIqqqB")
 _COMMITTED = struct.Struct("<IQq")
-_TRAILER = struct.Struct("<I")
-_FILE_NAME = re.compile(r"^(\d{20})\.txn_snapshot$")
+_FILES = SnapshotFileNames("txn_snapshot")
+snapshot_file_name = _FILES.name
+parse_snapshot_file_name = _FILES.parse
 
-
-class SnapshotCorrupt(Exception):
-    """A snapshot cannot be trusted; the owner must rebuild by full replay."""
-
-
-def snapshot_file_name(covered_offset: int) -> str:
-    """File name of a snapshot covering the log below covered_offset (sorts by offset)."""
-    assert 0 <= covered_offset <= OFFSET_MAX, covered_offset
-    return f"{covered_offset:020d}.txn_snapshot"
-
-
-def parse_snapshot_file_name(name: str) -> int | None:
-    match = _FILE_NAME.match(name)
-    return int(match.group(1)) if match else None
 
 
 def encode_snapshot(covered_offset: int, state: TxnBufferState) -> bytes:
@@ -677,31 +663,17 @@ def encode_snapshot(covered_offset: int, state: TxnBufferState) -> bytes:
     parts.extend(_ABORTED.pack(*entry.txn, *entry[1:], indexed)
                  for entry, indexed in state.aborted)
     parts.extend(_COMMITTED.pack(*txn, marker_offset) for txn, marker_offset in state.committed)
-    body = b"".join(parts)
-    data = body + _TRAILER.pack(crc32c.crc32c(body))
+    data = seal(b"".join(parts))
     assert decode_snapshot(data) == (covered_offset, state)  # pair assertion
     return data
 
 
 def decode_snapshot(data: bytes) -> tuple[int, TxnBufferState]:
     """(covered_offset, state) of an encoded snapshot; SnapshotCorrupt if not valid."""
-    if len(data) < _HEADER.size + _TRAILER.size:
-        raise SnapshotCorrupt(f"snapshot is {len(data)} bytes, shorter than its header")
-    (magic, version, reserved, covered_offset, log_start, evicted_below, epoch_count,
-     open_count, aborted_count, committed_count) = _HEADER.unpack_from(data, 0)
-    if magic != SNAPSHOT_MAGIC:
-        raise SnapshotCorrupt(f"not a transaction-buffer snapshot (magic {magic!r})")
-    body = memoryview(data)[:-_TRAILER.size]
-    (stored_crc,) = _TRAILER.unpack_from(data, len(body))
-    computed_crc = crc32c.crc32c(body)
-    if computed_crc != stored_crc:
-        raise SnapshotCorrupt(f"CRC32C mismatch: stored {stored_crc:#010x}, "
-                              f"computed {computed_crc:#010x}")
-    if version != SNAPSHOT_VERSION:
-        raise SnapshotCorrupt(f"unsupported snapshot version {version} "
-                              f"(this build reads {SNAPSHOT_VERSION})")
-    if reserved != 0:
-        raise SnapshotCorrupt(f"reserved header field is {reserved}, not 0")
+    fields, body = unseal(data, _HEADER, SNAPSHOT_MAGIC, SNAPSHOT_VERSION,
+                          "transaction-buffer")
+    (_, _, _, covered_offset, log_start, evicted_below, epoch_count, open_count,
+     aborted_count, committed_count) = fields
     sections = ((_EPOCH, epoch_count), (_OPEN, open_count), (_ABORTED, aborted_count),
                 (_COMMITTED, committed_count))
     expected = _HEADER.size + sum(layout.size * count for layout, count in sections)
