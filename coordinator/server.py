@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import fields
 
 from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
 
@@ -516,12 +517,8 @@ async def install(runtime) -> list[str]:
     config = runtime.config
     limits = Limits(**{name: config[f"transaction.{name}"]
                        for name in Limits.__dataclass_fields__})
-    settings = Settings(
-        tick_interval_ms=config["coordinator.tick_interval_ms"],
-        snapshot_every_records=config["coordinator.snapshot_every_records"],
-        snapshot_interval_ms=config["coordinator.snapshot_interval_ms"],
-        log_request_timeout_ms=config["coordinator.log_request_timeout_ms"],
-        max_pending_calls=config["coordinator.max_pending_calls"])
+    settings = Settings(**{f.name: config[f"coordinator.{f.name}"]
+                           for f in fields(Settings)})
     tc_partitions = config["cluster.tc_partitions"]
     producer_ids = ProducerIds(runtime.metadata, requester=runtime.name)
     routes = PartitionRoutes(runtime.metadata)

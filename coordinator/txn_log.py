@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from partition_server.record_batch import (
     iter_batches,
 )
 from services.errors import AtomlogError, from_rpc_error
+from services.backoff import Backoff
 from services.logs import event
 
 log = logging.getLogger("atomlog.coordinator.txn_log")
@@ -61,6 +61,7 @@ RETRY_REASONS = frozenset({
     "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", "DATA_LOSS", "UNKNOWN_TOPIC_OR_PARTITION",
     "INTERNAL",
 })
+_BACKOFF = Backoff(initial_s=0.02, maximum_s=1.0)
 ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                              "SERVER_UNAVAILABLE"})
 
@@ -236,8 +237,7 @@ class TxnLog:
     async def _backoff(self, attempt: int, error: AtomlogError) -> None:
         if error.reason in ROUTING_REASONS:
             await self.routes.refresh(force=attempt > 1)
-        delay = min(1.0, 0.01 * 2 ** min(attempt, 10))
-        await asyncio.sleep(random.uniform(delay / 2, delay))
+        await asyncio.sleep(_BACKOFF.delay(attempt))
 
 
 def snapshot_chunks(snapshot_id: int, data: bytes) -> list[bytes]:

@@ -9,7 +9,7 @@ import grpc
 
 from atomlog.v1 import coordinator_pb2, coordinator_pb2_grpc, metadata_pb2
 from spark_client import errors
-from spark_client.backoff import Backoff
+from services.backoff import Backoff
 from spark_client.routing import Channels, MetadataCache
 
 class Client:

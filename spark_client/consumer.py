@@ -13,7 +13,7 @@ import grpc
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.record_batch import decode_records, iter_batches
 from spark_client import errors
-from spark_client.backoff import Backoff
+from services.backoff import Backoff
 
 ISOLATION = {"read_committed": common_pb2.ISOLATION_LEVEL_READ_COMMITTED,
              "read_uncommitted": common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED}

@@ -31,7 +31,7 @@ import grpc
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.record_batch import Compression, Record, encode_batch
 from spark_client import errors
-from spark_client.backoff import Backoff
+from services.backoff import Backoff
 
 # Sequences are int32 and batches may not wrap inside themselves: a producer that gets
 # near the end rotates to a new producer id (see ProducerIdSource).

@@ -31,7 +31,7 @@ import grpc
 from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
 from coordinator.records import tc_partition_for
 from spark_client import errors
-from spark_client.backoff import Backoff
+from services.backoff import Backoff
 
 S = coordinator_pb2
 # Answers after which the same call is retried (after a metadata refresh for routing).

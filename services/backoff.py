@@ -1,4 +1,4 @@
-"""Retry timing shared by the SDK: exponential backoff with full jitter, bounded."""
+"""Retry timing shared by servers and the SDK: exponential backoff with full jitter, bounded."""
 
 from __future__ import annotations
 
