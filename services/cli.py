@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import grpc
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from services import __version__
@@ -33,9 +38,13 @@ data_dir_option = click.option("--data-dir", type=click.Path(file_okay=False, pa
                                help="Local cluster directory (holds cluster.json).")
 
 
-def fail(message: str, code: int = 1) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+def fail(message: str, code: int = 1) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
+
+
+def warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -343,7 +352,19 @@ def _call_owner(bootstrap: str, topic_name: str, number: int, method: str, reque
 @output_option
 def partition_describe(topic_name: str, number: int, bootstrap: str | None, data_dir: Path,
                        output: str) -> None:
-    """State, positions and producers of one partition."""
+    """State, positions, producers, open transactions and subscriptions of one partition.
+
+    Asks the partition's owner (DescribePartition). Text output shows the state, the
+    positions (max read position = where read_committed readers stop), whether the
+    transaction buffer is ready, each open transaction (id, first offset, age), the
+    size of the aborted index, the coordinator epochs seen per TC partition and each
+    subscription's cursor and backlog. `-o json` prints the whole response.
+
+    \b
+    Example:
+      atomlog partition describe orders 0
+      atomlog partition describe orders 0 -o json | jq .open_transactions
+    """
     from google.protobuf.json_format import MessageToDict
 
     from atomlog.v1 import common_pb2, partition_pb2
@@ -359,8 +380,8 @@ def partition_describe(topic_name: str, number: int, bootstrap: str | None, data
 def _describe_text(reply) -> str:
     from atomlog.v1 import partition_pb2
 
-    lines = [f"{reply.topic_partition.topic}-{reply.topic_partition.partition}: "
-             f"{partition_pb2.PartitionState.Name(reply.state).removeprefix('PARTITION_STATE_')}"]
+    state = partition_pb2.PartitionState.Name(reply.state).removeprefix("PARTITION_STATE_")
+    lines = [f"{reply.topic_partition.topic}-{reply.topic_partition.partition}: {state}"]
     if reply.data_loss.file:
         lines.append(f"  DATA_LOSS in {reply.data_loss.file} at offset {reply.data_loss.offset}: "
                      f"{reply.data_loss.detail}")
@@ -370,9 +391,46 @@ def _describe_text(reply) -> str:
     lines.append(f"  {reply.segment_count} segment(s), {reply.size_bytes} bytes, "
                  f"{reply.producer_count} producer(s)")
     for p in reply.producers:
+        current = (f", in transaction {format_txn_id(p.current_txn_id)}"
+                   if p.HasField("current_txn_id") else "")
         lines.append(f"    producer {p.producer_id} epoch {p.producer_epoch}: last sequence "
-                     f"{p.last_sequence} at offset {p.last_offset}")
+                     f"{p.last_sequence} at offset {p.last_offset}{current}")
+    if reply.state == partition_pb2.PARTITION_STATE_ONLINE:
+        lines.extend(_transaction_lines(reply))
     return "\n".join(lines)
+
+
+def _transaction_lines(reply) -> list[str]:
+    """The transaction buffer and subscriptions part of `partition describe`."""
+    lines = ["  transaction buffer: " + (
+        "ready" if reply.transaction_buffer_ready else
+        "not ready (read_committed fetches wait with PARTITION_LOADING)")]
+    lines.append(f"  {len(reply.open_transactions)} open transaction(s), "
+                 f"{reply.aborted_transaction_count} aborted transaction(s) in the aborted index")
+    for t in reply.open_transactions:
+        lines.append(f"    {format_txn_id(t.txn_id)}: offsets {t.first_offset}..{t.last_offset}, "
+                     f"producer {t.producer_id} epoch {t.producer_epoch}, "
+                     f"age {_duration(t.age_ms)}")
+    epochs = ", ".join(f"TC {k}: {v}" for k, v in sorted(reply.coordinator_epochs.items()))
+    lines.append(f"  coordinator epochs seen: {epochs or 'none'}")
+    # A snapshot covering offset 0 holds nothing, and 0 is also what a server that does
+    # not report snapshots sends: both read as "none".
+    snapshots = [f"{what} up to offset {offset}" for what, offset in (
+        ("producer state", reply.producer_snapshot_offset),
+        ("transaction buffer", reply.transaction_buffer_snapshot_offset)) if offset > 0]
+    lines.append(f"  snapshots: {', '.join(snapshots) or 'none'}")
+    lines.append(f"  {len(reply.subscriptions)} subscription(s)")
+    for cursor in reply.subscriptions:
+        name = cursor.subscription_partition.subscription
+        if cursor.error.reason:
+            lines.append(f"    {name}: {cursor.error.reason}: {cursor.error.message}")
+            continue
+        lines.append(f"    {name}: cursor {cursor.cumulative_end_offset}, backlog "
+                     f"{cursor.backlog_records}, {len(cursor.individual_ranges)} individual "
+                     f"ack range(s), {len(cursor.pending_acks)} transaction(s) with pending "
+                     f"acks, {cursor.delivered_unacknowledged_count} delivered unacknowledged, "
+                     f"{cursor.redelivery_backlog_count} awaiting redelivery")
+    return lines
 
 
 @partition.command("recover")
@@ -398,6 +456,824 @@ def partition_recover(topic_name: str, number: int, file_name: str, offset: int,
     console.print(f"{topic_name}-{number} recovered: truncated at offset "
                   f"{reply.truncated_at_offset} ({reply.removed_bytes} bytes removed); "
                   f"high watermark {reply.high_watermark}")
+
+
+# ---------------------------------------------------------------- transactions
+# The string form of a transaction id is "<tc partition>:<sequence>", e.g. "3:17": what
+# coordinator.records.TxnId.__str__ and the SDK's Transaction.id print. These two functions
+# are its one parser and formatter for protos (common_pb2.TxnId).
+_TXN_ID_FORM = re.compile(r"([0-9]+):([0-9]+)")
+_TC_PARTITION_MAX = (1 << 32) - 1  # TxnId.tc_partition is a uint32
+_TXN_SEQUENCE_MAX = (1 << 64) - 1  # TxnId.sequence is a uint64; 0 is never issued
+TXN_STATES = ("OPEN", "PREPARED", "COMMITTING", "ABORTING", "COMMITTED", "ABORTED")
+# How long a call about one transaction follows NOT_COORDINATOR and COORDINATOR_LOADING:
+# a TC partition moves to another coordinator within a few seconds (leases in ZooKeeper).
+COORDINATOR_CALL_TIMEOUT_S = 15.0
+# Calls to one server (ListTransactions, ListPartitions, DescribePartition).
+SERVER_CALL_TIMEOUT_S = 10.0
+# Threads asking servers at once (coordinators, partition servers, transactions).
+MAX_PARALLEL_CALLS = 8
+# The coordinator's default transaction.max_timeout_ms: no OPEN transaction's timeout is
+# longer, so one open on a partition for longer is late (find-hanging's default) — unless
+# it is PREPARED (prepared timeouts are longer) or NewTxn with its idempotency key
+# restarted its timeout (a long Spark streaming parent); hence LATE, not HANGING.
+DEFAULT_LATE_AFTER_S = 900.0
+# find-hanging asks the coordinators about at most this many transactions (oldest first).
+MAX_HANGING_CHECKS = 10_000
+
+
+def format_txn_id(txn_id) -> str:
+    """"<tc partition>:<sequence>" of a common_pb2.TxnId."""
+    return f"{txn_id.tc_partition}:{txn_id.sequence}"
+
+
+def parse_txn_id(text: str):
+    """The common_pb2.TxnId written as "<tc partition>:<sequence>"; ValueError says why not."""
+    from atomlog.v1 import common_pb2
+
+    match = _TXN_ID_FORM.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a transaction id: expected <tc partition>:<sequence>, "
+                         "e.g. 3:17 (as `atomlog txn list` prints them)")
+    tc_partition, sequence = int(match[1]), int(match[2])
+    if tc_partition > _TC_PARTITION_MAX:
+        raise ValueError(f"{text!r}: TC partition {tc_partition} is out of range")
+    if not 1 <= sequence <= _TXN_SEQUENCE_MAX:
+        raise ValueError(f"{text!r}: the sequence must be between 1 and {_TXN_SEQUENCE_MAX}")
+    return common_pb2.TxnId(tc_partition=tc_partition, sequence=sequence)
+
+
+class TxnIdParameter(click.ParamType):
+    name = "ID"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_txn_id(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+def _enum_name(enum, value: int, prefix: str) -> str:
+    """OPEN for TXN_STATE_OPEN; a value newer than this CLI reads as e.g. "UNKNOWN(9)"."""
+    try:
+        return enum.Name(value).removeprefix(prefix)
+    except ValueError:
+        return f"UNKNOWN({value})"
+
+
+def _state_name(value: int) -> str:
+    from atomlog.v1 import coordinator_pb2
+
+    return _enum_name(coordinator_pb2.TxnState, value, "TXN_STATE_")
+
+
+def _end_cause_name(value: int) -> str:
+    from atomlog.v1 import coordinator_pb2
+
+    return _enum_name(coordinator_pb2.TxnEndCause, value, "TXN_END_CAUSE_")
+
+
+def _duration(ms: int) -> str:
+    seconds = max(0, ms) / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, whole = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{whole:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def _when(unix_ms: int) -> str:
+    moment = datetime.fromtimestamp(unix_ms / 1000, UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _summary_json(s) -> dict:
+    return {"txn_id": format_txn_id(s.txn_id), "state": _state_name(s.state),
+            "end_cause": _end_cause_name(s.end_cause) if s.end_cause else None,
+            "parent_txn_id": format_txn_id(s.parent_txn_id) if s.HasField("parent_txn_id")
+            else None,
+            "transactional_id": s.transactional_id, "producer_id": s.producer_id,
+            "producer_epoch": s.producer_epoch, "start_unix_ms": s.start_unix_ms,
+            "age_ms": s.age_ms, "timeout_ms": s.timeout_ms,
+            "topic_partition_count": s.topic_partition_count,
+            "subscription_partition_count": s.subscription_partition_count,
+            "child_count": s.child_count}
+
+
+def _tp_text(tp) -> str:
+    return f"{tp.topic}/{tp.partition}"
+
+
+def _sp_text(sp) -> str:
+    return f"{sp.topic}/{sp.partition}@{sp.subscription}"
+
+
+# Reason -> what the operator should know, for the errors of txn describe/abort.
+_TXN_HINTS = {
+    "TRANSACTION_PREPARED": "it is PREPARED: a two-phase participant waiting for its parent's "
+                            "(or Spark driver's) decision. Aborting it breaks that promise; "
+                            "re-run with --allow-prepared to abort it anyway",
+    "TRANSACTION_ALREADY_COMMITTED": "it is committed or committing: a commit decision is final "
+                                     "and cannot be aborted",
+    "NOT_COORDINATOR": "no coordinator took over its TC partition in time; see `atomlog status`",
+    "COORDINATOR_LOADING": "its TC partition is still loading its log; try again in a few "
+                           "seconds",
+    "SERVER_UNAVAILABLE": "the coordinator could not be reached; see `atomlog status`",
+}
+
+
+def _txn_fail(txn_id, error) -> NoReturn:
+    hint = _TXN_HINTS.get(error.reason)
+    fail(f"transaction {format_txn_id(txn_id)}: {error.reason}: {error.message}"
+         + (f"\n  {hint}" if hint else ""))
+
+
+@contextmanager
+def _sdk_client(bootstrap: str):
+    """An SDK client whose connection errors end the command (exit 1)."""
+    from spark_client import Client
+    from spark_client.errors import AtomlogClientError
+
+    try:
+        with Client(bootstrap, request_timeout_s=SERVER_CALL_TIMEOUT_S) as client:
+            client.metadata.refresh()
+            yield client
+    except AtomlogClientError as error:
+        fail(f"{bootstrap}: {error}")
+
+
+def _ask_txn_owner(client, txn_id, method: str, request,
+                   timeout_s: float = COORDINATOR_CALL_TIMEOUT_S):
+    """`method` at the coordinator owning txn_id's TC partition (the SDK's routing: follows
+    NOT_COORDINATOR and waits out COORDINATOR_LOADING); raises AtomlogClientError."""
+    from spark_client.transactions import Coordinators
+
+    return Coordinators(client).call(txn_id.tc_partition, method, request,
+                                     time.monotonic() + timeout_s)
+
+
+def _check_tc_partition(client, txn_id) -> None:
+    count = client.metadata.tc_partition_count
+    if txn_id.tc_partition >= count:
+        fail(f"transaction {format_txn_id(txn_id)} names TC partition {txn_id.tc_partition}, "
+             f"but this cluster has TC partitions 0..{count - 1}", 2)
+
+
+TXN_ID = TxnIdParameter()
+
+
+@cli.group()
+def txn() -> None:
+    """List, inspect and abort transactions; find hanging ones.
+
+    A transaction id is written <tc partition>:<sequence>, e.g. 3:17 (the TC partition
+    that owns it and its sequence there), as `atomlog txn list` prints it and as the
+    SDK's `Transaction.id` returns it.
+    """
+
+
+@txn.command("list")
+@click.option("--state", "states", multiple=True, metavar="STATE",
+              type=click.Choice(TXN_STATES, case_sensitive=False),
+              help="Only transactions in STATE: OPEN, PREPARED, COMMITTING, ABORTING, "
+                   "COMMITTED or ABORTED; repeatable (default: every state).")
+@click.option("--older-than", type=click.FloatRange(min=0), default=0, show_default=True,
+              metavar="SECONDS", help="Only transactions started at least this long ago.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=1_000, show_default=True,
+              help="At most this many transactions, oldest first.")
+@bootstrap_option
+@data_dir_option
+@output_option
+def txn_list(states: tuple[str, ...], older_than: float, limit: int, bootstrap: str | None,
+             data_dir: Path, output: str) -> None:
+    """Transactions of every TC partition, oldest first.
+
+    Asks every coordinator (ListTransactions) for the TC partitions it owns, according
+    to the cluster metadata. Coordinators remember finished transactions for a while,
+    so COMMITTED and ABORTED ones are listed too unless --state says otherwise. TC
+    partitions that no coordinator owns or that could not be asked are named in a
+    warning on stderr; the exit status is 1 only when no TC partition could be asked.
+
+    \b
+    Example:
+      atomlog txn list --state OPEN --state PREPARED --older-than 300
+      atomlog txn list -o json | jq -r '.transactions[].txn_id'
+    """
+    from atomlog.v1 import coordinator_pb2
+
+    request = coordinator_pb2.ListTransactionsRequest(
+        states=[coordinator_pb2.TxnState.Value(f"TXN_STATE_{s.upper()}") for s in states],
+        min_age_ms=int(older_than * 1000), limit=limit)
+    with _sdk_client(_bootstrap(bootstrap, data_dir)) as client:
+        listing = _list_transactions(client, request)
+    if not listing.searched:
+        fail(f"no TC partition could be asked; {_reasons_text(listing.missing)}")
+    if listing.missing:
+        warn(f"{len(listing.missing)} of {listing.count} TC partitions not searched; "
+             f"{_reasons_text(listing.missing)}")
+    found = listing.transactions[:limit]
+    truncated = listing.truncated or len(listing.transactions) > limit
+    if output == "json":
+        click.echo(json.dumps({
+            "transactions": [_summary_json(s) for s in found], "truncated": truncated,
+            "tc_partitions_searched": sorted(listing.searched),
+            "tc_partitions_not_searched": [{"tc_partition": k, "reason": why}
+                                           for k, why in sorted(listing.missing.items())]},
+            indent=2))
+        return
+    table = Table()
+    for column in ("transaction", "state", "age", "timeout", "partitions", "subscriptions",
+                   "children", "parent", "transactional id", "ended by"):
+        table.add_column(column)
+    for s in found:
+        table.add_row(format_txn_id(s.txn_id), _state_name(s.state), _duration(s.age_ms),
+                      _duration(s.timeout_ms), str(s.topic_partition_count),
+                      str(s.subscription_partition_count), str(s.child_count),
+                      format_txn_id(s.parent_txn_id) if s.HasField("parent_txn_id") else "-",
+                      escape(s.transactional_id) or "-",
+                      _end_cause_name(s.end_cause) if s.end_cause else "-")
+    console.print(table)
+    console.print(f"{len(found)} transaction(s) from {len(listing.searched)} of {listing.count} "
+                  "TC partitions" + (f"; more matched: raise --limit (now {limit})"
+                                     if truncated else ""), highlight=False)
+
+
+def _reasons_text(missing: dict[int, str]) -> str:
+    """"TC partitions 0, 1: why; TC partition 5: why" — grouped by reason."""
+    by_reason: dict[str, list[int]] = {}
+    for k, why in sorted(missing.items()):
+        by_reason.setdefault(why, []).append(k)
+    return "; ".join(f"TC partition{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}: {why}"
+                     for why, ks in by_reason.items())
+
+
+@dataclass
+class _Listing:
+    count: int  # TC partitions of the cluster
+    searched: set[int] = field(default_factory=set)
+    missing: dict[int, str] = field(default_factory=dict)  # TC partition -> why not searched
+    transactions: list = field(default_factory=list)
+    truncated: bool = False
+
+
+def _list_transactions(client, request, rounds: int = 3) -> _Listing:
+    """ListTransactions at the owner of every TC partition; a partition whose owner moved,
+    was loading or did not answer is asked again after a metadata refresh (`rounds` times
+    in all)."""
+    from atomlog.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from spark_client.errors import from_grpc
+
+    def ask(address: str, tc_partitions: list[int]):
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(client.channels.get(address))
+        partial = coordinator_pb2.ListTransactionsRequest()
+        partial.CopyFrom(request)
+        partial.tc_partitions.extend(tc_partitions)
+        try:
+            return stub.ListTransactions(partial, timeout=SERVER_CALL_TIMEOUT_S)
+        except grpc.RpcError as rpc_error:
+            return from_grpc(rpc_error)
+
+    metadata = client.metadata
+    listing = _Listing(metadata.tc_partition_count)
+    for attempt in range(rounds):
+        if attempt:
+            time.sleep(0.5)
+            metadata.refresh()
+        by_owner: dict[str, list[int]] = {}
+        for k in range(listing.count):
+            if k in listing.searched:
+                continue
+            address = metadata.tc_routes.get(k, "")
+            if address:
+                by_owner.setdefault(address, []).append(k)
+            else:
+                listing.missing[k] = "no coordinator owns it"
+        with ThreadPoolExecutor(max_workers=MAX_PARALLEL_CALLS) as pool:
+            answers = list(pool.map(lambda item: (item, ask(*item)), by_owner.items()))
+        for (address, ks), reply in answers:
+            if isinstance(reply, Exception):
+                for k in ks:
+                    listing.missing[k] = f"{address}: {reply}"
+                continue
+            for k in reply.tc_partitions:
+                listing.searched.add(k)
+                listing.missing.pop(k, None)
+            for k in reply.not_owned_tc_partitions:
+                listing.missing[k] = f"{address} does not own it (moved or loading)"
+            listing.transactions.extend(reply.transactions)
+            listing.truncated |= reply.truncated
+        if not listing.missing:
+            break
+    listing.transactions.sort(key=lambda s: (s.start_unix_ms, s.txn_id.tc_partition,
+                                             s.txn_id.sequence))
+    return listing
+
+
+@txn.command("describe")
+@click.argument("txn_id", metavar="ID", type=TXN_ID)
+@bootstrap_option
+@data_dir_option
+@output_option
+def txn_describe(txn_id, bootstrap: str | None, data_dir: Path, output: str) -> None:
+    """Everything the coordinator knows about transaction ID.
+
+    Asks the coordinator owning ID's TC partition (DescribeTransaction): state, end
+    cause, parent, session, times and timeouts, registered partitions and
+    subscriptions, children, and — while COMMITTING or ABORTING — the partitions whose
+    marker is not confirmed yet.
+
+    \b
+    Example:
+      atomlog txn describe 3:17
+      atomlog txn describe 3:17 -o json | jq .marker_pending_topic_partitions
+    """
+    from atomlog.v1 import coordinator_pb2
+    from spark_client.errors import AtomlogClientError
+
+    with _sdk_client(_bootstrap(bootstrap, data_dir)) as client:
+        _check_tc_partition(client, txn_id)
+        try:
+            reply = _ask_txn_owner(client, txn_id, "DescribeTransaction",
+                                   coordinator_pb2.DescribeTransactionRequest(txn_id=txn_id))
+        except AtomlogClientError as error:
+            _txn_fail(txn_id, error)
+    if output == "json":
+        click.echo(json.dumps(_description_json(reply), indent=2))
+    else:
+        click.echo(_description_text(reply))
+
+
+def _description_json(reply) -> dict:
+    def tps(items) -> list[dict]:
+        return [{"topic": t.topic, "partition": t.partition} for t in items]
+
+    def sps(items) -> list[dict]:
+        return [{"topic": s.topic, "partition": s.partition, "subscription": s.subscription}
+                for s in items]
+
+    return {"summary": _summary_json(reply.summary),
+            "topic_partitions": tps(reply.topic_partitions),
+            "subscription_partitions": sps(reply.subscription_partitions),
+            "children": [_summary_json(c) for c in reply.children],
+            "marker_pending_topic_partitions": tps(reply.marker_pending_topic_partitions),
+            "marker_pending_subscription_partitions":
+                sps(reply.marker_pending_subscription_partitions),
+            "marker_retry_count": reply.marker_retry_count,
+            "prepared_timeout_ms": reply.prepared_timeout_ms,
+            "prepared_unix_ms": reply.prepared_unix_ms,
+            "decided_unix_ms": reply.decided_unix_ms,
+            "completed_unix_ms": reply.completed_unix_ms,
+            "idempotency_key": reply.idempotency_key,
+            "coordinator_epoch": reply.coordinator_epoch}
+
+
+def _description_text(reply) -> str:
+    s = reply.summary
+    state = _state_name(s.state)
+    lines = [f"transaction {format_txn_id(s.txn_id)}: {state}"
+             + (f" (ended by {_end_cause_name(s.end_cause)})" if s.end_cause else "")]
+    lines.append(f"  started    {_when(s.start_unix_ms)} ({_duration(s.age_ms)} ago), "
+                 f"timeout {_duration(s.timeout_ms)}")
+    if reply.prepared_unix_ms:
+        lines.append(f"  prepared   {_when(reply.prepared_unix_ms)}, prepared timeout "
+                     f"{_duration(reply.prepared_timeout_ms)}")
+    if reply.decided_unix_ms:
+        lines.append(f"  decided    {_when(reply.decided_unix_ms)}")
+    if reply.completed_unix_ms:
+        lines.append(f"  completed  {_when(reply.completed_unix_ms)}")
+    if s.HasField("parent_txn_id"):
+        lines.append(f"  parent     {format_txn_id(s.parent_txn_id)}")
+    if s.transactional_id:
+        lines.append(f"  session    transactional id {s.transactional_id!r}, producer "
+                     f"{s.producer_id} epoch {s.producer_epoch}")
+    if reply.idempotency_key:
+        lines.append(f"  key        {reply.idempotency_key}")
+    lines.append(f"  coordinator epoch {reply.coordinator_epoch} of TC partition "
+                 f"{s.txn_id.tc_partition}")
+    lines.append(f"  partitions ({s.topic_partition_count}): "
+                 + (", ".join(_tp_text(t) for t in reply.topic_partitions) or "-"))
+    if s.topic_partition_count and not reply.topic_partitions:
+        lines.append("    (a finished transaction keeps only the counts)")
+    lines.append(f"  subscriptions ({s.subscription_partition_count}): "
+                 + (", ".join(_sp_text(t) for t in reply.subscription_partitions) or "-"))
+    pending = ([_tp_text(t) for t in reply.marker_pending_topic_partitions]
+               + [_sp_text(t) for t in reply.marker_pending_subscription_partitions])
+    if state in ("COMMITTING", "ABORTING") or pending:
+        lines.append(f"  markers pending ({len(pending)}): {', '.join(pending) or '-'}; "
+                     f"{reply.marker_retry_count} re-send(s) so far")
+    lines.append(f"  children ({s.child_count})" + (":" if reply.children else ""))
+    for c in reply.children:
+        lines.append(f"    {format_txn_id(c.txn_id)}: {_state_name(c.state)}"
+                     + (f" (ended by {_end_cause_name(c.end_cause)})" if c.end_cause else "")
+                     + f", {c.topic_partition_count} partition(s), age {_duration(c.age_ms)}")
+    return "\n".join(lines)
+
+
+@txn.command("abort")
+@click.argument("txn_id", metavar="ID", type=TXN_ID)
+@click.option("--reason", default="", help="Why; written to the coordinator's log "
+                                           "(at most 1024 bytes).")
+@click.option("--allow-prepared", is_flag=True,
+              help="Also abort a PREPARED transaction (breaks its two-phase promise to its "
+                   "parent or Spark driver).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@bootstrap_option
+@data_dir_option
+@output_option
+def txn_abort(txn_id, reason: str, allow_prepared: bool, yes: bool, bootstrap: str | None,
+              data_dir: Path, output: str) -> None:
+    """Abort transaction ID through its coordinator.
+
+    The coordinator logs the abort decision (end cause OPERATOR), then delivers ABORT
+    markers to every registered partition and subscription; children of a parent are
+    aborted with it. The command returns once the decision is durable (state ABORTING,
+    or ABORTED when every marker is confirmed). Aborting an aborted transaction changes
+    nothing and exits 0; a committed one cannot be aborted (exit 1). Asks for
+    confirmation before aborting an OPEN or PREPARED transaction unless --yes is given
+    (required when standard input is not a terminal).
+
+    \b
+    Example:
+      atomlog txn abort 3:17 --reason "stuck Spark job 42" --yes
+    """
+    from atomlog.v1 import coordinator_pb2
+    from spark_client.errors import AtomlogClientError
+
+    if len(reason.encode()) > 1024:
+        fail("--reason is longer than 1024 bytes", 2)
+    text = format_txn_id(txn_id)
+    with _sdk_client(_bootstrap(bootstrap, data_dir)) as client:
+        _check_tc_partition(client, txn_id)
+        try:
+            described = _ask_txn_owner(client, txn_id, "DescribeTransaction",
+                                       coordinator_pb2.DescribeTransactionRequest(txn_id=txn_id))
+            state = _state_name(described.summary.state)
+            if not yes and (state == "OPEN" or (state == "PREPARED" and allow_prepared)):
+                _confirm_abort(text, described.summary)
+            reply = _ask_txn_owner(client, txn_id, "AbortTransaction",
+                                   coordinator_pb2.AbortTransactionRequest(
+                                       txn_id=txn_id, reason=reason or "atomlog txn abort",
+                                       allow_prepared=allow_prepared))
+        except AtomlogClientError as error:
+            _txn_fail(txn_id, error)
+    state = _state_name(reply.state)
+    children = [format_txn_id(c) for c in reply.aborted_child_txn_ids]
+    if output == "json":
+        click.echo(json.dumps({"txn_id": text, "state": state,
+                               "already_ended": reply.already_ended,
+                               "aborted_child_txn_ids": children}, indent=2))
+        return
+    if reply.already_ended:
+        click.echo(f"transaction {text} was already aborted ({state}); nothing changed")
+        return
+    click.echo(f"transaction {text}: {state}" + (
+        " (every marker confirmed)" if state == "ABORTED" else
+        f" (the abort is decided and durable; markers are being delivered: "
+        f"`atomlog txn describe {text}` shows progress)"))
+    if children:
+        click.echo(f"  children aborted with it: {', '.join(children)}")
+
+
+def _confirm_abort(text: str, summary) -> None:
+    if not sys.stdin.isatty():
+        fail(f"not aborting transaction {text} without confirmation: standard input is not a "
+             "terminal; pass --yes", 2)
+    question = (f"Abort transaction {text} ({_state_name(summary.state)}, age "
+                f"{_duration(summary.age_ms)}, {summary.topic_partition_count} partition(s), "
+                f"{summary.child_count} child(ren))?")
+    if not click.confirm(question, default=False, err=True):
+        fail("not aborted", 1)
+
+
+# ---------------------------------------------------------------- hanging transactions
+@dataclass(frozen=True)
+class CoordinatorView:
+    """What the coordinator said about a transaction that a partition holds open.
+
+    state: OPEN, PREPARED, COMMITTING, ABORTING, COMMITTED, ABORTED, or UNKNOWN (it
+    answered UNKNOWN_TRANSACTION). registered: the partition is one of the transaction's
+    partitions (the coordinator lists them while the transaction is unfinished).
+    marker_pending: COMMITTING/ABORTING and this partition's marker is not confirmed yet.
+    """
+
+    state: str
+    registered: bool = False
+    marker_pending: bool = False
+
+
+@dataclass(frozen=True)
+class Finding:
+    verdict: str  # "OK" | "LATE" | "HANGING"
+    explanation: str
+    remedy: str
+
+
+_NO_MARKER_REMEDY = (
+    "no marker will come: read_committed readers of the partition stop at its first offset "
+    "and retention cannot pass it. atomlog cannot write a marker to a partition by hand yet; "
+    "keep the partition server's log and report it (a lost marker is a bug or a lost disk)")
+
+
+def classify_open_transaction(age_ms: int, view: CoordinatorView, late_after_ms: int,
+                              txn_text: str = "ID") -> Finding:
+    """Judge a transaction that a partition holds open (has data of and no marker for),
+    given its coordinator's view. Pure: no I/O, no clock.
+
+    HANGING — the coordinator will never send this partition a marker: it does not know
+    the transaction, finished it, decided it without this partition's marker outstanding,
+    or does not list this partition in it.
+    LATE — the coordinator still considers it OPEN or PREPARED (or is still re-sending its
+    marker here) but it has been open on the partition for at least late_after_ms.
+    OK — anything else: a young transaction, or a marker on its way.
+    """
+    state = view.state
+    if state == "UNKNOWN":
+        return Finding("HANGING", "its coordinator does not know it (never existed there, or "
+                       "finished and forgotten)", _NO_MARKER_REMEDY)
+    if state in ("COMMITTED", "ABORTED"):
+        return Finding("HANGING", f"its coordinator says {state}: every marker was confirmed, "
+                       "but this partition never applied one", _NO_MARKER_REMEDY)
+    if state in ("COMMITTING", "ABORTING"):
+        if not view.marker_pending:
+            return Finding("HANGING", f"its coordinator says {state} and does not wait for this "
+                           "partition's marker", _NO_MARKER_REMEDY)
+        if age_ms >= late_after_ms:
+            return Finding("LATE", f"its coordinator says {state} and keeps re-sending this "
+                           "partition's marker", f"`atomlog txn describe {txn_text}` shows the "
+                           "re-sends; the partition server's log says why it refuses the marker")
+        return Finding("OK", f"{state}: the marker is on its way", "")
+    if state in ("OPEN", "PREPARED"):
+        if not view.registered:
+            return Finding("HANGING", f"its coordinator says {state} but does not list this "
+                           "partition, so its decision will send no marker here",
+                           "aborting it will not reach this partition either; "
+                           + _NO_MARKER_REMEDY)
+        if age_ms >= late_after_ms:
+            remedy = f"`atomlog txn abort {txn_text}`, once you know its writer is gone"
+            if state == "PREPARED":
+                remedy = (f"`atomlog txn abort {txn_text} --allow-prepared`, once you know its "
+                          "parent or Spark driver is gone (a PREPARED transaction waits for "
+                          "their decision)")
+            return Finding("LATE", f"open here for longer than {_duration(late_after_ms)}; its "
+                           f"coordinator still says {state}", remedy)
+        return Finding("OK", f"{state} and young", "")
+    raise ValueError(f"unknown coordinator state {state!r}")
+
+
+@dataclass(frozen=True)
+class _OpenHere:
+    """One open transaction on one partition, as its partition server reported it."""
+
+    address: str
+    topic: str
+    partition: int
+    txn: object  # partition_pb2.OpenTransaction
+
+
+@txn.command("find-hanging")
+@click.option("--older-than", type=click.FloatRange(min=0), default=0, show_default=True,
+              metavar="SECONDS", help="Only check transactions open on a partition for at "
+                                      "least this long (0: all).")
+@click.option("--late-after", type=click.FloatRange(min=0), default=DEFAULT_LATE_AFTER_S,
+              show_default="900, the coordinator's default transaction.max_timeout_ms",
+              metavar="SECONDS",
+              help="Report a transaction open on a partition for this long as LATE even if "
+                   "its coordinator still has it OPEN or PREPARED.")
+@bootstrap_option
+@data_dir_option
+@output_option
+def txn_find_hanging(older_than: float, late_after: float, bootstrap: str | None, data_dir: Path,
+                     output: str) -> None:
+    """Open transactions on partitions that their coordinator will not end.
+
+    Asks every partition server for its partitions (internal topics included), describes
+    those with open transactions, and asks each transaction's coordinator about it
+    (DescribeTransaction). Reports:
+
+    \b
+      HANGING  the coordinator ended it, does not know it, or does not list the
+               partition: no marker will ever come (read_committed readers of the
+               partition are stuck at its first offset).
+      LATE     the coordinator still has it OPEN or PREPARED (or keeps re-sending
+               its marker), but it has been open on the partition for --late-after
+               seconds or more: `atomlog txn abort` it once you know its writer is gone.
+
+    A HANGING candidate is confirmed by describing its partition again, so a marker that
+    arrived meanwhile is not reported. Exit status: 3 when a HANGING or LATE transaction
+    was found; else 1 when some partition server, partition or coordinator could not be
+    checked (warnings on stderr say which); else 0.
+
+    \b
+    Example:
+      atomlog txn find-hanging
+      atomlog txn find-hanging --older-than 60 --late-after 600 -o json
+    """
+    with _sdk_client(_bootstrap(bootstrap, data_dir)) as client:
+        problems: list[str] = []
+        opened, partitions = _open_transactions(client, problems)
+        candidates = sorted((o for o in opened if o.txn.age_ms >= older_than * 1000),
+                            key=lambda o: -o.txn.age_ms)
+        if len(candidates) > MAX_HANGING_CHECKS:
+            problems.append(f"{len(candidates)} open transactions; checked the oldest "
+                            f"{MAX_HANGING_CHECKS}")
+            candidates = candidates[:MAX_HANGING_CHECKS]
+        answers = _coordinator_answers(client, candidates, problems)
+        findings = []
+        for o in candidates:
+            answer = answers.get(_txn_key(o.txn.txn_id))
+            if answer is None:
+                continue  # its coordinator could not be asked (a problem says so)
+            view = _view_for(answer, o)
+            try:
+                finding = classify_open_transaction(o.txn.age_ms, view, int(late_after * 1000),
+                                                    format_txn_id(o.txn.txn_id))
+            except ValueError as error:  # a state newer than this CLI
+                problems.append(f"transaction {format_txn_id(o.txn.txn_id)}: {error}")
+                continue
+            if finding.verdict != "OK":
+                findings.append((o, view, finding))
+        findings = _still_open(client, findings, problems)
+    for problem in problems:
+        warn(problem)
+    _print_findings(findings, len(candidates), partitions, output, complete=not problems)
+    sys.exit(3 if findings else 1 if problems else 0)
+
+
+def _txn_key(txn_id) -> tuple[int, int]:
+    return txn_id.tc_partition, txn_id.sequence
+
+
+def _partition_servers(client) -> list[tuple[str, str]]:
+    from atomlog.v1 import common_pb2, metadata_pb2
+
+    reply = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest())
+    return [(s.name, s.grpc_address) for s in reply.servers
+            if s.role == common_pb2.SERVER_ROLE_PARTITION_SERVER]
+
+
+def _open_transactions(client, problems: list[str]) -> tuple[list[_OpenHere], int]:
+    """Every open transaction on every partition of every partition server, and the number
+    of partitions listed."""
+    servers = _partition_servers(client)
+    if not servers:
+        problems.append("no partition server is registered")
+    with ThreadPoolExecutor(max_workers=MAX_PARALLEL_CALLS) as pool:
+        results = list(pool.map(lambda server: _open_on_server(client, *server), servers))
+    opened: list[_OpenHere] = []
+    partitions = 0
+    for found, listed, server_problems in results:
+        opened.extend(found)
+        partitions += listed
+        problems.extend(server_problems)
+    return opened, partitions
+
+
+def _open_on_server(client, name: str, address: str) -> tuple[list[_OpenHere], int, list[str]]:
+    from atomlog.v1 import partition_pb2, partition_pb2_grpc
+    from spark_client.errors import from_grpc
+
+    stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+    problems: list[str] = []
+    try:
+        # Internal topics too: __txn_log never holds transactions, and a partition without
+        # open transactions costs nothing more than its line in this answer.
+        listed = stub.ListPartitions(partition_pb2.ListPartitionsRequest(include_internal=True),
+                                     timeout=SERVER_CALL_TIMEOUT_S).partitions
+    except grpc.RpcError as rpc_error:
+        return [], 0, [f"partition server {name} ({address}): {from_grpc(rpc_error)}"]
+    found: list[_OpenHere] = []
+    for summary in listed:
+        tp = summary.topic_partition
+        if summary.state != partition_pb2.PARTITION_STATE_ONLINE:
+            state = _enum_name(partition_pb2.PartitionState, summary.state, "PARTITION_STATE_")
+            problems.append(f"{tp.topic}-{tp.partition} on {name} is {state}: its open "
+                            "transactions are not known")
+            continue
+        if summary.open_transaction_count == 0:
+            continue
+        try:
+            described = stub.DescribePartition(partition_pb2.DescribePartitionRequest(
+                topic_partition=tp, max_producers=1), timeout=SERVER_CALL_TIMEOUT_S)
+        except grpc.RpcError as rpc_error:
+            problems.append(f"{tp.topic}-{tp.partition} on {name}: {from_grpc(rpc_error)}")
+            continue
+        if not described.transaction_buffer_ready:
+            problems.append(f"{tp.topic}-{tp.partition} on {name}: transaction buffer still "
+                            "loading; its open transactions are not known yet")
+            continue
+        found.extend(_OpenHere(address, tp.topic, tp.partition, t)
+                     for t in described.open_transactions)
+    return found, len(listed), problems
+
+
+def _coordinator_answers(client, opened: list[_OpenHere], problems: list[str]) -> dict:
+    """{txn key: DescribeTransactionResponse, or "UNKNOWN" for UNKNOWN_TRANSACTION}, one
+    call per transaction; a transaction whose coordinator could not be asked is left out
+    (and named in problems)."""
+    from atomlog.v1 import coordinator_pb2
+    from spark_client.errors import AtomlogClientError
+
+    unique = {_txn_key(o.txn.txn_id): o.txn.txn_id for o in opened}
+    count = client.metadata.tc_partition_count
+
+    def ask(txn_id):
+        if txn_id.tc_partition >= count:
+            return ValueError(f"it names TC partition {txn_id.tc_partition}; the cluster has "
+                              f"{count}")
+        try:
+            return _ask_txn_owner(client, txn_id, "DescribeTransaction",
+                                  coordinator_pb2.DescribeTransactionRequest(txn_id=txn_id),
+                                  timeout_s=5.0)
+        except AtomlogClientError as error:
+            return "UNKNOWN" if error.reason == "UNKNOWN_TRANSACTION" else error
+
+    with ThreadPoolExecutor(max_workers=MAX_PARALLEL_CALLS) as pool:
+        answers = dict(zip(unique, pool.map(ask, unique.values())))
+    for key, answer in list(answers.items()):
+        if isinstance(answer, Exception):
+            problems.append(f"transaction {key[0]}:{key[1]}: its coordinator could not be "
+                            f"asked: {answer}")
+            del answers[key]
+    return answers
+
+
+def _view_for(answer, o: _OpenHere) -> CoordinatorView:
+    if isinstance(answer, str):  # "UNKNOWN"
+        return CoordinatorView("UNKNOWN")
+    here = (o.topic, o.partition)
+    return CoordinatorView(
+        _state_name(answer.summary.state),
+        registered=here in {(t.topic, t.partition) for t in answer.topic_partitions},
+        marker_pending=here in {(t.topic, t.partition)
+                                for t in answer.marker_pending_topic_partitions})
+
+
+def _still_open(client, findings: list, problems: list[str]) -> list:
+    """Keep the HANGING findings whose transaction the partition still holds open when
+    described again (after the coordinator answered): a marker may have landed meanwhile."""
+    from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+    from spark_client.errors import from_grpc
+
+    kept, open_now = [], {}
+    for o, view, finding in findings:
+        if finding.verdict != "HANGING":
+            kept.append((o, view, finding))
+            continue
+        where = (o.address, o.topic, o.partition)
+        if where not in open_now:
+            stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(o.address))
+            try:
+                described = stub.DescribePartition(partition_pb2.DescribePartitionRequest(
+                    topic_partition=common_pb2.TopicPartition(topic=o.topic, partition=o.partition),
+                    max_producers=1), timeout=SERVER_CALL_TIMEOUT_S)
+                open_now[where] = {_txn_key(t.txn_id) for t in described.open_transactions}
+            except grpc.RpcError as rpc_error:
+                problems.append(f"{o.topic}-{o.partition}: not described again to confirm "
+                                f"a hanging transaction: {from_grpc(rpc_error)}")
+                open_now[where] = None
+        still = open_now[where]
+        if still is None or _txn_key(o.txn.txn_id) in still:
+            kept.append((o, view, finding))
+    return kept
+
+
+def _print_findings(findings: list, checked: int, partitions: int, output: str,
+                    complete: bool = True) -> None:
+    if output == "json":
+        click.echo(json.dumps({"findings": [{
+            "verdict": finding.verdict, "txn_id": format_txn_id(o.txn.txn_id),
+            "topic": o.topic, "partition": o.partition, "first_offset": o.txn.first_offset,
+            "last_offset": o.txn.last_offset, "producer_id": o.txn.producer_id,
+            "age_ms": o.txn.age_ms, "coordinator_state": view.state,
+            "explanation": finding.explanation, "remedy": finding.remedy}
+            for o, view, finding in findings],
+            "checked_transactions": checked, "listed_partitions": partitions,
+            "complete": complete}, indent=2))
+        return
+    summary = (f"checked {checked} open transaction(s) on {partitions} partition(s)"
+               + ("" if complete else "; not everything could be checked: see the warnings"))
+    if not findings:
+        console.print(f"no hanging or late transactions ({summary})", highlight=False)
+        return
+    table = Table()
+    for column in ("verdict", "transaction", "partition", "first offset", "age here",
+                   "coordinator says"):
+        table.add_column(column)
+    for o, view, finding in findings:
+        color = "red" if finding.verdict == "HANGING" else "yellow"
+        table.add_row(f"[{color}]{finding.verdict}[/]", format_txn_id(o.txn.txn_id),
+                      f"{o.topic}/{o.partition}", str(o.txn.first_offset),
+                      _duration(o.txn.age_ms), view.state)
+    console.print(table)
+    for o, view, finding in findings:
+        console.print(f"{format_txn_id(o.txn.txn_id)} on {o.topic}/{o.partition}: "
+                      f"{escape(finding.explanation)}. What to do: {escape(finding.remedy)}.",
+                      highlight=False)
+    hanging = sum(1 for _, _, f in findings if f.verdict == "HANGING")
+    console.print(f"{hanging} hanging, {len(findings) - hanging} late ({summary})",
+                  highlight=False)
 
 
 # ---------------------------------------------------------------- produce / consume
