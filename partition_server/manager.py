@@ -29,8 +29,10 @@ class NotOwner(Exception):
 
 
 class PartitionManager:
-    def __init__(self, data_dir: Path, server_name: str, zk, settings: OwnerSettings):
+    def __init__(self, data_dir: Path, server_name: str, zk, settings: OwnerSettings,
+                 coordinator_epochs=None):
         self.data_dir = data_dir
+        self.coordinator_epochs = coordinator_epochs
         self.server_name = server_name
         self.zk = zk
         self.settings = settings
@@ -78,6 +80,11 @@ class PartitionManager:
         try:
             async with self._semaphore:
                 await owner.start()
+            if self.coordinator_epochs is not None:
+                # Markers this partition wrote are durable in its log: their epochs fence
+                # deposed coordinators even if ZooKeeper's /tc/<k> lags.
+                for tc, epoch in owner.txns.coordinator_epochs().items():
+                    self.coordinator_epochs.observe(tc, epoch)
         except Exception:  # noqa: BLE001 — the partition stays LOADING-failed; logged
             log.exception("cannot open partition %s-%s", topic, partition)
         finally:

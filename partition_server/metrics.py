@@ -3,6 +3,7 @@ bound the number of topics) — never a partition, producer or transaction id.""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable
 
 from prometheus_client import REGISTRY, Counter, Histogram
@@ -32,13 +33,17 @@ PRODUCERS_EXPIRED = Counter("atomlog_partition_producers_expired_total",
 DUPLICATES = Counter("atomlog_partition_duplicates_rejected_total",
                      "Retried batches answered with their original offsets, not appended.",
                      ["topic"])
+MARKERS_WRITTEN = Counter("atomlog_partition_markers_written_total",
+                          "COMMIT/ABORT control batches written (markers for transactions "
+                          "with data on the partition).", ["topic", "decision"])
 BAD_BATCHES = Counter("atomlog_partition_rejected_batches_total",
                       "Produced batches refused, by reason.", ["reason"])
 
 
 class PartitionStateCollector(Collector):
     """Gauges read from the owners at scrape time (never kept by hand, so they cannot
-    drift): partitions by state, and idempotent producers tracked per topic."""
+    drift): partitions by state; per topic, idempotent producers tracked, open, late and
+    aborted transactions, and how far the max read position lags."""
 
     def __init__(self, owners: Callable[[], Iterable]):
         self._owners = owners
@@ -49,17 +54,48 @@ class PartitionStateCollector(Collector):
                                    labels=["state"])
         producers = GaugeMetricFamily("atomlog_partition_producers",
                                       "Idempotent producers tracked.", labels=["topic"])
+        open_txns = GaugeMetricFamily(
+            "atomlog_partition_open_transactions", "Transactions with data and no marker yet, "
+            "summed over the topic's partitions hosted here.", labels=["topic"])
+        lag_records = GaugeMetricFamily(
+            "atomlog_partition_max_read_position_lag_records", "Largest high watermark minus "
+            "max read position over the topic's partitions: offsets read_committed readers "
+            "cannot see yet.", labels=["topic"])
+        lag_seconds = GaugeMetricFamily(
+            "atomlog_partition_max_read_position_lag_seconds", "Age of the oldest open "
+            "transaction over the topic's partitions (how long the max read position has "
+            "been held).", labels=["topic"])
+        late = GaugeMetricFamily(
+            "atomlog_partition_late_transactions", "Open transactions older than "
+            "partition.late_transaction_ms (possibly hanging: see `atomlog txn "
+            "find-hanging`).", labels=["topic"])
+        aborted = GaugeMetricFamily(
+            "atomlog_partition_aborted_transactions", "Entries in the aborted-transaction "
+            "indexes of the topic's partitions.", labels=["topic"])
         by_state: dict[str, int] = {"LOADING": 0, "ONLINE": 0, "DATA_LOSS": 0}
-        by_topic: dict[str, int] = {}
+        by_topic: dict[str, list[float]] = {}
+        now_ms = time.time() * 1000
         for owner in list(self._owners()):
             by_state[owner.state.value] = by_state.get(owner.state.value, 0) + 1
-            by_topic[owner.topic] = by_topic.get(owner.topic, 0) + owner.producers.producer_count
+            row = by_topic.setdefault(owner.topic, [0, 0, 0, 0.0, 0, 0])
+            row[0] += owner.producers.producer_count
+            if owner.log is None or owner.state.value != "ONLINE":
+                continue
+            txns = owner.txns
+            row[1] += txns.open_count
+            row[2] = max(row[2], owner.log.high_watermark - owner.max_read_position())
+            oldest = txns.oldest_open()
+            if oldest is not None:
+                row[3] = max(row[3], (now_ms - oldest.first_timestamp_ms) / 1000)
+                row[4] += txns.count_older_than(int(now_ms), owner.settings.late_transaction_ms)
+            row[5] += txns.aborted_count
         for state, count in sorted(by_state.items()):
             states.add_metric([state], count)
-        for topic, count in sorted(by_topic.items()):
-            producers.add_metric([topic], count)
-        yield states
-        yield producers
+        for topic, row in sorted(by_topic.items()):
+            for family, value in zip((producers, open_txns, lag_records, lag_seconds, late,
+                                      aborted), row):
+                family.add_metric([topic], value)
+        yield from (states, producers, open_txns, lag_records, lag_seconds, late, aborted)
 
     def describe(self):
         return []

@@ -1,4 +1,5 @@
-"""The owner of one partition: the only code that mutates its log and producer state.
+"""The owner of one partition: the only code that mutates its log, producer state and
+transaction buffer.
 
 One asyncio task per partition takes queued produce requests in groups: for each batch,
 in order, the producer-state core decides (append, duplicate, or refuse); accepted
@@ -7,8 +8,16 @@ batches are appended with one writev; then one fsync makes the whole group durab
 The fsync runs on a worker thread and touches no Python state, so reads (on the event
 loop) go on meanwhile and see the high watermark move only after it.
 
-Start-up: the log recovers itself (torn tail truncated, or DATA_LOSS); producer state
-comes from the newest readable snapshot plus the log tail, or from a full replay.
+Transactions (docs/transaction-buffer.md): a transactional data batch passes the
+producer-state check, then the late-write guard (txn_guard.py: verified with the
+coordinator, and no marker for it since) and the buffer's check_write; a marker
+(EndTxnOnPartition) goes through the same queue, so writes and markers of a partition are
+ordered, and writes a COMMIT/ABORT control batch when the transaction has data here.
+After each fsync the buffer learns the high watermark; max_read_position comes from it.
+
+Start-up: the log recovers itself (torn tail truncated, or DATA_LOSS); producer state and
+the transaction buffer each come from their newest readable snapshot plus the log tail
+(one pass over the tail for both), or from a full replay.
 A failed write or fsync leaves the in-memory state ahead of the disk: the owner then
 reloads everything from disk (the durable log is the truth) before serving again.
 """
@@ -24,11 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partition_server import metrics as m
+from partition_server import producer_state, txn_buffer
 from partition_server.log import LogConfig, PartitionLog
-from partition_server.producer_state import (APPEND, Duplicate, ProducerStateTable,
-                                             SnapshotCorrupt, parse_snapshot_file_name,
-                                             snapshot_file_name)
-from partition_server.record_batch import BatchHeader
+from partition_server.producer_state import APPEND, Duplicate, ProducerStateTable
+from partition_server.record_batch import (BatchHeader, ControlType, TxnId, decode_control_batch,
+                                           encode_control_batch, iter_batches)
+from partition_server.snapshot_files import SnapshotCorrupt
+from partition_server.txn_buffer import AbortedTxn, MarkerAction, TxnBuffer, TxnBufferLimits
+from partition_server.txn_guard import TxnGuard
 from services.errors import AtomlogError
 from services.logs import event
 
@@ -52,8 +64,10 @@ class OwnerSettings:
     max_queued_requests: int = 1_000
     max_producers: int = 10_000
     producer_idle_expiry_ms: int = 86_400_000
-    snapshot_interval_batches: int = 1_000
+    snapshot_interval_batches: int = 1_000  # batches and markers, for both snapshots
     snapshot_interval_ms: int = 5_000
+    txn_limits: TxnBufferLimits = field(default_factory=TxnBufferLimits)
+    late_transaction_ms: int = 900_000  # metrics: open longer than this is "late"
 
 
 @dataclass
@@ -64,15 +78,37 @@ class Appended:
     duplicate: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class MarkerResult:
+    marker_offset: int  # -1: nothing written
+    already_ended: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    txn: TxnId
+    decision: ControlType
+    coordinator_epoch: int
+
+
 @dataclass
 class _Work:
     batches: list[tuple[bytes, BatchHeader]]
+    tokens: list[int | None] | None  # verification token per batch (transactional ones)
     future: asyncio.Future
     results: list = field(default_factory=list)
 
     @property
     def size(self) -> int:
         return sum(h.size for _, h in self.batches)
+
+
+@dataclass
+class _MarkerWork:
+    markers: list[Marker]
+    future: asyncio.Future
+    results: list = field(default_factory=list)
+    size: int = 0
 
 
 def _wall_ms() -> int:
@@ -89,7 +125,13 @@ class PartitionOwner:
         self.state = State.LOADING
         self.log: PartitionLog | None = None
         self.producers = ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms)
-        self._queue: asyncio.Queue[_Work] = asyncio.Queue(settings.max_queued_requests)
+        self.txns = TxnBuffer(settings.txn_limits)
+        self.guard = TxnGuard()  # volatile; survives reloads (see txn_guard.py)
+        self.last_control_offset = -1  # highest control batch in the log (fetch fast path)
+        self.producer_snapshot_offset = -1
+        self.txn_snapshot_offset = -1
+        self._queue: asyncio.Queue[_Work | _MarkerWork] = asyncio.Queue(
+            settings.max_queued_requests)
         self._data = asyncio.Condition()
         self._task: asyncio.Task | None = None
         self._stamp_ms = 0  # the log's clock: the owner decides append times
@@ -113,8 +155,9 @@ class PartitionOwner:
     async def _load(self) -> None:
         self.state = State.LOADING
         began = time.perf_counter()
-        self.log, self.producers, replayed = await asyncio.to_thread(self._load_blocking)
-        self.replayed_batches = replayed  # batches replayed on top of the snapshot
+        (self.log, self.producers, self.txns, self.last_control_offset,
+         replayed) = await asyncio.to_thread(self._load_blocking)
+        self.replayed_batches = replayed  # batches replayed on top of the snapshots
         if self.log.data_loss is not None:
             self.state = State.DATA_LOSS
             event(log, "partition refuses to serve: corruption before the log tail",
@@ -126,46 +169,77 @@ class PartitionOwner:
         self._last_snapshot_ms = _wall_ms()  # the interval counts from the load
         event(log, "partition online", partition=self.name,
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,
-              replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
+              open_transactions=self.txns.open_count, replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
 
-    def _load_blocking(self) -> tuple[PartitionLog, ProducerStateTable, int]:
+    def _load_blocking(self) -> tuple[PartitionLog, ProducerStateTable, TxnBuffer, int, int]:
         partition_log = PartitionLog(self.directory, self.settings.log, clock_ms=self._clock)
         if partition_log.data_loss is not None:
-            return partition_log, self.producers, 0
-        table, covered = self._restore_snapshot(partition_log)
-        replayed = 0
-        start = max(covered, partition_log.log_start_offset)
-        for header in partition_log.iter_headers(start):
-            _apply(table, header)
-            replayed += 1
-        table.expire(_wall_ms())
-        return partition_log, table, replayed
-
-    def _restore_snapshot(self, partition_log: PartitionLog) -> tuple[ProducerStateTable, int]:
-        """Newest snapshot that is readable and not beyond the recovered log end; else an
-        empty table covering nothing (full replay). Never guesses."""
+            return partition_log, self.producers, self.txns, -1, 0
         settings = self.settings
-        for path in self._snapshot_files():
-            covered = parse_snapshot_file_name(path.name)
+        table, table_covered = self._restore(
+            partition_log, producer_state, "producer",
+            lambda data: ProducerStateTable.restore(data, settings.max_producers,
+                                                    settings.producer_idle_expiry_ms),
+            lambda: ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms))
+        txns, txns_covered = self._restore(
+            partition_log, txn_buffer, "transaction buffer",
+            lambda data: TxnBuffer.restore(data, settings.txn_limits),
+            lambda: TxnBuffer(settings.txn_limits))
+        log_start = partition_log.log_start_offset
+        table_from, txns_from = max(table_covered, log_start), max(txns_covered, log_start)
+        replayed, last_control = 0, -1
+        for header in partition_log.iter_headers(min(table_from, txns_from)):
+            if header.is_control:
+                last_control = header.base_offset
+            if header.base_offset >= table_from:
+                _apply(table, header)
+            if header.base_offset >= txns_from:
+                marker = None
+                if header.is_control:
+                    data, _ = partition_log.read(header.base_offset, header.size,
+                                                 partition_log.log_end_offset)
+                    marker = decode_control_batch(data[:header.size])
+                txns.apply_batch(header, marker)
+            replayed += 1
+        txns.forget_below(log_start)
+        txns.on_durable(partition_log.log_end_offset)
+        table.expire(_wall_ms())
+        if last_control < 0 and txns.coordinator_epochs():
+            # Markers were written below the replayed tail: filter reads from the start.
+            last_control = log_start
+        return partition_log, table, txns, last_control, replayed
+
+    def _restore(self, partition_log: PartitionLog, module, what: str, restore, empty):
+        """(state, covered offset) from the newest snapshot of `module`'s kind that is
+        readable and not beyond the recovered log end; else an empty state covering
+        nothing (full replay). Never guesses."""
+        for covered, path in self._snapshot_files(module):
             if covered > partition_log.log_end_offset:
                 path.unlink(missing_ok=True)  # describes data lost with a torn tail
                 continue
             try:
-                table, covered = ProducerStateTable.restore(
-                    path.read_bytes(), settings.max_producers, settings.producer_idle_expiry_ms)
-                return table, covered
+                state, covered = restore(path.read_bytes())
+                self._note_snapshot(module, covered)
+                return state, covered
             except (SnapshotCorrupt, OSError) as error:
-                event(log, "unreadable producer snapshot; trying an older one", logging.WARNING,
+                event(log, f"unreadable {what} snapshot; trying an older one", logging.WARNING,
                       partition=self.name, file=str(path), error=str(error))
-        return ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms), 0
+        return empty(), 0
 
-    def _snapshot_files(self) -> list[Path]:
+    def _note_snapshot(self, module, covered: int) -> None:
+        if module is producer_state:
+            self.producer_snapshot_offset = covered
+        else:
+            self.txn_snapshot_offset = covered
+
+    def _snapshot_files(self, module) -> list[tuple[int, Path]]:
+        """(covered offset, path) of `module`'s snapshots, newest first."""
         found = []
-        for path in self.directory.glob("*.producer_snapshot"):
-            covered = parse_snapshot_file_name(path.name)
+        for path in self.directory.iterdir():
+            covered = module.parse_snapshot_file_name(path.name)
             if covered is not None:
                 found.append((covered, path))
-        return [p for _, p in sorted(found, reverse=True)]
+        return sorted(found, reverse=True)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -195,18 +269,30 @@ class PartitionOwner:
         raise AtomlogError("SHUTTING_DOWN", f"partition {self.name} is closed")
 
     # ------------------------------------------------------------------ produce
-    async def produce(self, batches: list[tuple[bytes, BatchHeader]]) -> list:
-        """Queue validated batches; the result per batch is Appended or an AtomlogError."""
+    async def produce(self, batches: list[tuple[bytes, BatchHeader]],
+                      tokens: list[int | None] | None = None) -> list:
+        """Queue validated batches, with the verification token of each transactional
+        one (None: not verified); the result per batch is Appended or an AtomlogError."""
         self.check_serving()
-        work = _Work(batches, asyncio.get_running_loop().create_future())
+        return await self._enqueue(_Work(batches, tokens,
+                                         asyncio.get_running_loop().create_future()))
+
+    async def end_transactions(self, markers: list[Marker]) -> list:
+        """Apply markers in order; the result per marker is MarkerResult (durable) or an
+        AtomlogError (STALE_COORDINATOR_EPOCH, conflicting decision, ...)."""
+        self.check_serving()
+        return await self._enqueue(_MarkerWork(markers,
+                                               asyncio.get_running_loop().create_future()))
+
+    async def _enqueue(self, work: _Work | _MarkerWork) -> list:
         try:
             self._queue.put_nowait(work)
         except asyncio.QueueFull:
             raise AtomlogError("RESOURCE_EXHAUSTED",
-                               f"partition {self.name} has {self._queue.maxsize} produce requests "
+                               f"partition {self.name} has {self._queue.maxsize} requests "
                                "queued", {"limit": "partition.max_queued_requests"}) from None
         # No shield needed: if this call is cancelled the future is cancelled too, and the
-        # owner (which checks done() before answering) appends the batches all the same.
+        # owner (which checks done() before answering) applies the work all the same.
         return await work.future
 
     async def _run(self) -> None:
@@ -233,18 +319,33 @@ class PartitionOwner:
                                               f"write failed on {self.name}: {error}; reloading"))
                 await self._reload_after_failure()
 
-    async def _commit(self, group: list[_Work]) -> None:
+    async def _commit(self, group: list[_Work | _MarkerWork]) -> None:
         self._stamp_ms = now = max(self._stamp_ms, _wall_ms())
         accepted: list[bytes] = []
         expected_bases: list[int] = []
         next_offset = self.log.log_end_offset
-        table = self.producers
+        table, txns = self.producers, self.txns
         duplicates = records = appended_bytes = 0
         for work in group:
-            for batch, header in work.batches:
+            if isinstance(work, _MarkerWork):
+                for marker in work.markers:
+                    try:
+                        batch = self._marker(marker, next_offset, now, work.results)
+                    except AtomlogError as error:
+                        work.results.append(error)
+                        continue
+                    if batch is not None:
+                        accepted.append(batch)
+                        expected_bases.append(next_offset)
+                        next_offset += 1
+                continue
+            for index, (batch, header) in enumerate(work.batches):
                 try:
                     decision = table.check(header.producer_id, header.producer_epoch,
                                            header.base_sequence, header.record_count, now)
+                    if decision is APPEND and header.is_transactional:
+                        self._check_transactional(
+                            header, work.tokens[index] if work.tokens else None)
                 except AtomlogError as error:
                     work.results.append(error)
                     continue
@@ -253,6 +354,9 @@ class PartitionOwner:
                     table.apply(header.producer_id, header.producer_epoch, header.base_sequence,
                                 header.last_sequence, next_offset, last, now,
                                 control=header.is_control)
+                    if header.is_transactional:
+                        txns.on_data(header.txn, header.producer_id, header.producer_epoch,
+                                     next_offset, last, now)
                     work.results.append(Appended(next_offset, last, now))
                     accepted.append(batch)
                     expected_bases.append(next_offset)
@@ -280,6 +384,41 @@ class PartitionOwner:
         self._batches_since_snapshot += len(accepted)
         await self._maybe_snapshot()
 
+    def _check_transactional(self, header: BatchHeader, token: int | None) -> None:
+        """A transactional data batch about to be appended: its transaction is open here
+        already, or was verified with the coordinator with no marker for it since
+        (txn_guard.py); then the buffer's own checks. Raises; changes nothing."""
+        txn = header.txn
+        if self.txns.open_transaction(txn) is None and (
+                token is None or not self.guard.allows(txn, token)):
+            raise AtomlogError(
+                "CONCURRENT_TRANSACTIONS",
+                f"transaction {txn.tc_partition}:{txn.sequence} changed on {self.name} while "
+                "this write was being verified; retry it (it will be verified again)",
+                {"retry_after_ms": "50"})
+        self.txns.check_write(txn, header.producer_id, header.producer_epoch)
+
+    def _marker(self, marker: Marker, offset: int, now: int, results: list) -> bytes | None:
+        """Decide one marker; append its result; return the control batch to write at
+        `offset`, or None."""
+        txns = self.txns
+        plan = txns.check_marker(marker.txn, marker.decision, marker.coordinator_epoch)
+        self.guard.on_marker(marker.txn)
+        if plan.action is not MarkerAction.WRITE:
+            results.append(MarkerResult(-1, plan.already_ended))
+            return None
+        batch = encode_control_batch(marker.decision, txn=marker.txn,
+                                     coordinator_epoch=marker.coordinator_epoch, timestamp_ms=now,
+                                     producer_id=plan.producer_id,
+                                     producer_epoch=plan.producer_epoch)
+        self.producers.apply(plan.producer_id, plan.producer_epoch, -1, -1, offset, offset, now,
+                             control=True)
+        txns.on_marker(marker.txn, marker.decision, marker.coordinator_epoch, offset)
+        self.last_control_offset = offset
+        m.MARKERS_WRITTEN.labels(self.topic, marker.decision.name.lower()).inc()
+        results.append(MarkerResult(offset, False))
+        return batch
+
     async def _flush(self, batches: int) -> None:
         """Make everything appended durable (or, with fsync off, visible), then wake readers."""
         target, fd = self.log.flush_begin()
@@ -290,6 +429,7 @@ class PartitionOwner:
             m.FSYNCS.inc()
             m.PRODUCE_BATCHES_PER_FSYNC.observe(batches)
         moved = self.log.flush_end(target, durable=self.settings.fsync)
+        self.txns.on_durable(self.log.high_watermark)
         if moved:
             async with self._data:
                 self._data.notify_all()
@@ -311,10 +451,13 @@ class PartitionOwner:
         return removed
 
     async def apply_retention(self) -> int:
-        """Delete whole old segments past the retention limits; returns segments removed."""
+        """Delete whole old segments past the retention limits, never at or above the max
+        read position (an open transaction keeps its data); returns segments removed."""
         if self.state is not State.ONLINE:
             return 0
-        return self.log.apply_retention()
+        removed = self.log.apply_retention(keep_from_offset=self.max_read_position())
+        self.txns.forget_below(self.log.log_start_offset)
+        return removed
 
     # ------------------------------------------------------------------ delete records
     async def delete_records(self, before_offset: int) -> int:
@@ -322,6 +465,8 @@ class PartitionOwner:
         deletion path, as retention); returns the log start offset after it. Refuses a
         partition that is not serving, a negative offset (INVALID_ARGUMENT) and one above
         the high watermark (OFFSET_OUT_OF_RANGE), so only flushed segments ever go.
+        Segments at or above the max read position stay (an open transaction keeps its
+        data: the deletion stops below the oldest open transaction's first offset).
 
         Serialized with appends the way retention is: it runs to the end without yielding
         to the event loop, and the owner task changes the log only in steps that do not
@@ -334,16 +479,22 @@ class PartitionOwner:
         from the new start would skip the deleted batches. Recovery then uses a newer
         snapshot or replays what is left, as a full replay of the remaining log would."""
         self.check_serving()
+        if before_offset > self.log.high_watermark:
+            self.log.delete_records(before_offset)  # raises OFFSET_OUT_OF_RANGE
+        before_offset = min(before_offset, self.max_read_position())
         new_start = self.log.log_start_after_delete(before_offset)
         if new_start > self.log.log_start_offset:
             self._remove_snapshots_below(new_start)
             self.log.delete_records(before_offset)
+            self.txns.forget_below(self.log.log_start_offset)
         return self.log.log_start_offset
 
     def _remove_snapshots_below(self, offset: int) -> None:
         removed = False
         for path in self.directory.iterdir():
-            covered = parse_snapshot_file_name(path.name)
+            covered = producer_state.parse_snapshot_file_name(path.name)
+            if covered is None:
+                covered = txn_buffer.parse_snapshot_file_name(path.name)
             if covered is not None and covered < offset:
                 path.unlink(missing_ok=True)
                 removed = True
@@ -364,19 +515,22 @@ class PartitionOwner:
             await self._snapshot()
 
     async def _snapshot(self, force: bool = False) -> None:
-        """Write producer state covering everything durable (applied end == high watermark)."""
+        """Write producer state and the transaction buffer, both covering everything
+        durable (applied end == high watermark)."""
         if self.log is None or (not force and not self._batches_since_snapshot):
             return
         covered = self.log.high_watermark
         if covered != self.log.log_end_offset:
             return
-        data = self.producers.snapshot(covered)
-        await asyncio.to_thread(self._write_snapshot, covered, data)
+        producers = self.producers.snapshot(covered)
+        txns = self.txns.snapshot(covered)
+        await asyncio.to_thread(self._write_snapshot, producer_state, covered, producers)
+        await asyncio.to_thread(self._write_snapshot, txn_buffer, covered, txns)
         self._batches_since_snapshot = 0
         self._last_snapshot_ms = _wall_ms()
 
-    def _write_snapshot(self, covered: int, data: bytes) -> None:
-        path = self.directory / snapshot_file_name(covered)
+    def _write_snapshot(self, module, covered: int, data: bytes) -> None:
+        path = self.directory / module.snapshot_file_name(covered)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as handle:
             handle.write(data)
@@ -388,33 +542,66 @@ class PartitionOwner:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        for old in self._snapshot_files()[SNAPSHOTS_KEPT:]:
+        self._note_snapshot(module, covered)
+        for _, old in self._snapshot_files(module)[SNAPSHOTS_KEPT:]:
             old.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ reads
+    def max_read_position(self) -> int:
+        return self.txns.max_read_position(self.log.high_watermark)
+
     def positions(self) -> dict[str, int]:
         partition_log = self.log
         hw = partition_log.high_watermark
         return {"log_start_offset": partition_log.log_start_offset, "high_watermark": hw,
-                # No transactions yet (issue 6): the max read position is the high watermark.
-                "max_read_position": hw,
+                "max_read_position": self.txns.max_read_position(hw),
                 "last_data_offset": partition_log.last_data_offset}
 
-    def read(self, offset: int, max_bytes: int) -> tuple[bytes, int]:
+    def read(self, offset: int, max_bytes: int, *, committed: bool = False,
+             include_control: bool = False) -> tuple[bytes, int, list[AbortedTxn]]:
+        """Whole batches from `offset`: (bytes, next offset, aborted transactions).
+        committed (read_committed): nothing at or above the max read position, and the
+        batches of aborted transactions removed here; else everything below the high
+        watermark, with the aborted transactions overlapping the range listed. Control
+        batches only with include_control. next offset is past everything read or
+        filtered out, so a reader never reads the same batches twice."""
         self.check_serving()
-        data, next_offset = self.log.read(offset, max_bytes, self.log.high_watermark)
+        partition_log = self.log
+        hw = partition_log.high_watermark
+        bound = self.txns.max_read_position(hw) if committed else hw
+        if offset >= bound:
+            if offset > hw:  # past the log end: the same refusal as a plain read
+                partition_log.read(offset, max_bytes, hw)
+            return b"", offset, []
+        data, next_offset = partition_log.read(offset, max_bytes, bound)
+        aborted: list[AbortedTxn] = []
+        if self.last_control_offset >= 0 and data:
+            first = _first_offset(data)
+            try:
+                aborted = self.txns.aborted_in(first, next_offset)
+            except AtomlogError:
+                if committed:
+                    raise  # fail closed: the abort set of this range is unknown
+                aborted = []
+            if aborted or (not include_control and self.last_control_offset >= first):
+                data = _filter(data, aborted if committed else (), include_control)
         m.BYTES_OUT.labels(*self._labels).inc(len(data))
-        return data, next_offset
+        return data, next_offset, ([] if committed else aborted)
 
-    async def wait_for_data(self, offset: int, timeout_s: float) -> None:
-        """Return when the high watermark passes offset, or after timeout_s."""
-        if self.log.high_watermark > offset or timeout_s <= 0:
+    async def wait_for_data(self, offset: int, timeout_s: float, committed: bool = False) -> None:
+        """Return when the readable end (max read position, or high watermark) passes
+        offset, or after timeout_s."""
+        def ready() -> bool:
+            if self.state is not State.ONLINE:
+                return True
+            hw = self.log.high_watermark
+            return (self.txns.max_read_position(hw) if committed else hw) > offset
+
+        if ready() or timeout_s <= 0:
             return
         async with self._data:
             try:
-                await asyncio.wait_for(
-                    self._data.wait_for(lambda: self.state is not State.ONLINE
-                                        or self.log.high_watermark > offset), timeout_s)
+                await asyncio.wait_for(self._data.wait_for(ready), timeout_s)
             except asyncio.TimeoutError:
                 pass
 
@@ -439,7 +626,41 @@ def _apply(table: ProducerStateTable, header: BatchHeader) -> None:
                 header.log_append_time_ms, control=header.is_control)
 
 
-def _fail_all(group: list[_Work], error: AtomlogError) -> None:
+def _first_offset(data: bytes) -> int:
+    return next(iter_batches(data))[1].base_offset
+
+
+def _filter(data: bytes, aborted, include_control: bool) -> bytes:
+    """The batches of `data` minus aborted transactions' data batches (and control
+    batches unless include_control). Headers only; kept runs are sliced, not copied."""
+    ranges: dict[TxnId, list[tuple[int, int]]] = {}
+    for entry in aborted:
+        ranges.setdefault(entry.txn, []).append((entry.first_offset, entry.marker_offset))
+    view = memoryview(data)
+    kept: list[memoryview] = []
+    run_start = run_end = 0
+    for position, header in iter_batches(view):
+        if header.is_control:
+            keep = include_control
+        elif header.is_transactional and header.txn in ranges:
+            base = header.base_offset
+            keep = not any(first <= base < marker for first, marker in ranges[header.txn])
+        else:
+            keep = True
+        if keep:
+            if position != run_end:
+                if run_end > run_start:
+                    kept.append(view[run_start:run_end])
+                run_start = position
+            run_end = position + header.size
+    if run_end > run_start:
+        kept.append(view[run_start:run_end])
+    if len(kept) == 1 and len(kept[0]) == len(data):
+        return data
+    return b"".join(kept)
+
+
+def _fail_all(group: list[_Work | _MarkerWork], error: AtomlogError) -> None:
     for work in group:
         if not work.future.done():
             work.future.set_exception(error)

@@ -1,8 +1,8 @@
 """Partition server process: what `atomlog serve partition-server` installs — the
-partition manager (ownership from ZooKeeper, one owner task per partition) and the
-PartitionService. Transaction markers are validated and fenced against the coordinator
-epochs in ZooKeeper (partition_server/coordinator_epochs.py) but have nothing to write
-yet; subscriptions and acks answer UNIMPLEMENTED until the transaction buffer lands."""
+partition manager (ownership from ZooKeeper, one owner task per partition), the
+PartitionService, the coordinator epochs that fence markers
+(partition_server/coordinator_epochs.py) and the verifier that asks coordinators about
+transactional writes (partition_server/verifier.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from partition_server.log import LogConfig
 from partition_server.manager import PartitionManager
 from partition_server.owner import OwnerSettings
 from partition_server.service import PartitionServicer
+from partition_server.txn_buffer import TxnBufferLimits
+from partition_server.verifier import TxnVerifier
 from services.grpcutil import service_name
 
 
@@ -33,20 +35,29 @@ def owner_settings(config) -> OwnerSettings:
         producer_idle_expiry_ms=config["partition.producer_idle_expiry_ms"],
         snapshot_interval_batches=config["partition.snapshot_interval_batches"],
         snapshot_interval_ms=config["partition.snapshot_interval_ms"],
+        txn_limits=TxnBufferLimits(
+            max_open_transactions=config["partition.max_open_transactions"],
+            max_aborted_transactions=config["partition.max_aborted_transactions"],
+            max_remembered_commits=config["partition.max_remembered_commits"]),
+        late_transaction_ms=config["partition.late_transaction_ms"],
     )
 
 
 async def install(runtime) -> list[str]:
     config = runtime.config
-    manager = PartitionManager(Path(config["server.data_dir"]) / "partitions", runtime.name,
-                               runtime.zk, owner_settings(config))
-    await manager.start()
-    runtime.stop_hooks.append(manager.close)
     epochs = CoordinatorEpochs(runtime.zk, config["cluster.tc_partitions"])
     await asyncio.to_thread(epochs.start)
+    manager = PartitionManager(Path(config["server.data_dir"]) / "partitions", runtime.name,
+                               runtime.zk, owner_settings(config), coordinator_epochs=epochs)
+    await manager.start()
+    runtime.stop_hooks.append(manager.close)
+    verifier = TxnVerifier(runtime.metadata, epochs,
+                           timeout_s=config["partition.txn_verify_timeout_ms"] / 1000)
+    runtime.stop_hooks.append(verifier.close)
     servicer = PartitionServicer(manager, runtime.metadata, config["partition.max_batch_bytes"],
                                  config["partition.fetch_max_wait_ms"],
                                  config["partition.fetch_default_max_bytes"],
-                                 config["grpc.max_message_bytes"], coordinator_epochs=epochs)
+                                 config["grpc.max_message_bytes"], coordinator_epochs=epochs,
+                                 verifier=verifier)
     partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, runtime.server)
     return [service_name(partition_pb2, "PartitionService")]

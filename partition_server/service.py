@@ -14,8 +14,10 @@ from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
 from partition_server.coordinator_epochs import MARKERS, STALE_MARKERS, CoordinatorEpochs
 from partition_server.manager import NotOwner, PartitionManager
-from partition_server.owner import Appended, PartitionOwner, State
-from partition_server.record_batch import iter_batches, validate_batch
+from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
+from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
+                                           ControlType, TxnId, iter_batches, validate_batch)
+from partition_server.verifier import TxnVerifier
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
 
@@ -26,6 +28,7 @@ STATE_ENUM = {
     State.CLOSED: partition_pb2.PARTITION_STATE_UNSPECIFIED,
 }
 MAX_ITEMS_PER_REQUEST = 10_000
+MAX_DESCRIBED_TRANSACTIONS = 1_000  # open transactions listed by DescribePartition, oldest first
 RESPONSE_OVERHEAD_BYTES = 1 << 20
 
 
@@ -45,9 +48,11 @@ def _require_items(items, what: str) -> None:
 class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     def __init__(self, manager: PartitionManager, metadata_store, max_batch_bytes: int,
                  fetch_max_wait_ms: int, fetch_default_max_bytes: int, max_message_bytes: int,
-                 coordinator_epochs: CoordinatorEpochs | None = None):
+                 coordinator_epochs: CoordinatorEpochs | None = None,
+                 verifier: TxnVerifier | None = None):
         self.manager = manager
         self.coordinator_epochs = coordinator_epochs  # None: markers answer UNIMPLEMENTED
+        self.verifier = verifier  # None: transactional batches answer UNIMPLEMENTED
         self.metadata_store = metadata_store
         self.max_batch_bytes = max_batch_bytes
         self.fetch_max_wait_ms = fetch_max_wait_ms
@@ -75,6 +80,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     async def Produce(self, request, context):
         _require_items(request.items, "ProduceRequest")
         results: list[partition_pb2.ProduceResult | None] = [None] * len(request.items)
+        verifying: list[int] = []  # indexes of transactional batches
         per_owner: dict[tuple[str, int], tuple[PartitionOwner, list[int], list]] = {}
         for index, item in enumerate(request.items):
             tp = item.topic_partition
@@ -86,10 +92,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 if header.is_control:
                     raise AtomlogError("INVALID_ARGUMENT", "control batches are written only by "
                                        "transaction markers, not by producers")
-                if header.is_transactional or header.txn is not None:
-                    raise AtomlogError("UNIMPLEMENTED", "transactional batches are not accepted "
-                                       "by this server version")
                 owner.check_serving()
+                if header.is_transactional:
+                    self._check_transactional_header(header, tp)
+                    verifying.append(index)
             except AtomlogError as error:
                 m.BAD_BATCHES.labels(error.reason).inc()
                 results[index] = partition_pb2.ProduceResult(
@@ -100,8 +106,14 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             entry[2].append((batch, header))
 
         async def run(owner: PartitionOwner, indexes: list[int], batches: list) -> None:
+            tokens = None
+            if verifying:
+                indexes, batches, tokens = await self._verify_all(owner, indexes, batches,
+                                                                  results, request)
+                if not batches:
+                    return
             try:
-                outcomes = await owner.produce(batches)
+                outcomes = await owner.produce(batches, tokens)
             except AtomlogError as error:
                 outcomes = [error] * len(batches)
             log_start = owner.log.log_start_offset if owner.log else -1
@@ -125,6 +137,82 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             await asyncio.gather(*(run(*entry) for entry in per_owner.values()))
         return partition_pb2.ProduceResponse(results=results)
 
+    def _check_transactional_header(self, header: BatchHeader, tp) -> None:
+        if self.verifier is None:
+            raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
+        if header.txn is None:
+            raise AtomlogError("INVALID_ARGUMENT", "a transactional batch needs a transaction "
+                               "id in its header")
+        if header.producer_id == NO_PRODUCER_ID or header.base_sequence == NO_SEQUENCE:
+            raise AtomlogError("INVALID_ARGUMENT", "a transactional batch needs a producer id "
+                               "and a base sequence (transactional writes are idempotent)")
+        if header.txn.tc_partition >= self.coordinator_epochs.tc_partitions:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"txn tc_partition {header.txn.tc_partition} is not below the "
+                               f"cluster's {self.coordinator_epochs.tc_partitions} TC partitions")
+
+    async def _verify_all(self, owner: PartitionOwner, indexes: list[int], batches: list,
+                          results: list, request) -> tuple[list[int], list, list]:
+        """Give every transactional batch of one partition its verification token: none
+        needed while its transaction is open here, a cached one, or a fresh answer from
+        the coordinator (one question per transaction, asked concurrently). Batches that
+        fail verification get their error and are left out."""
+        asked: dict[TxnId, asyncio.Task] = {}
+        for _, header in batches:
+            txn = header.txn
+            if (header.is_transactional and txn not in asked
+                    and owner.txns.open_transaction(txn) is None
+                    and owner.guard.cached(txn) is None):
+                asked[txn] = asyncio.ensure_future(self._verify(owner, txn))
+        if asked:
+            await asyncio.wait(asked.values())
+        kept_indexes, kept, tokens = [], [], []
+        for index, (batch, header) in zip(indexes, batches):
+            token = None
+            try:
+                if header.is_transactional:
+                    token = self._token_for(owner, header, asked)
+            except AtomlogError as error:
+                m.BAD_BATCHES.labels(error.reason).inc()
+                results[index] = partition_pb2.ProduceResult(
+                    topic_partition=request.items[index].topic_partition,
+                    error=item_error(error), base_offset=-1, last_offset=-1)
+                continue
+            kept_indexes.append(index)
+            kept.append((batch, header))
+            tokens.append(token)
+        return kept_indexes, kept, tokens
+
+    async def _verify(self, owner: PartitionOwner, txn: TxnId) -> None:
+        token = owner.guard.token()
+        answer = await self.verifier.verify(txn, owner.topic, owner.partition)
+        owner.guard.remember(txn, token, answer.session)
+
+    @staticmethod
+    def _token_for(owner: PartitionOwner, header: BatchHeader, asked: dict) -> int | None:
+        txn = header.txn
+        task = asked.get(txn)
+        if task is not None and task.exception() is not None:
+            raise task.exception()
+        if owner.txns.open_transaction(txn) is not None and task is None:
+            return None  # open here: verified at its first write
+        verified = owner.guard.cached(txn)
+        if verified is None:
+            raise AtomlogError("CONCURRENT_TRANSACTIONS",
+                               f"transaction {txn.tc_partition}:{txn.sequence} changed on "
+                               f"{owner.name} while this write was being verified; retry it",
+                               {"retry_after_ms": "50"})
+        if verified.session is not None and verified.session != (header.producer_id,
+                                                                  header.producer_epoch):
+            raise AtomlogError(
+                "PRODUCER_FENCED",
+                f"transaction {txn.tc_partition}:{txn.sequence} belongs to producer "
+                f"{verified.session[0]} epoch {verified.session[1]}; this batch comes from "
+                f"producer {header.producer_id} epoch {header.producer_epoch}",
+                {"producer_id": str(verified.session[0]),
+                 "producer_epoch": str(verified.session[1])})
+        return verified.token
+
     # ------------------------------------------------------------------ fetch
     async def Fetch(self, request, context):
         _require_items(request.items, "FetchRequest")
@@ -137,54 +225,67 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             if item.fetch_offset < 0:
                 raise AtomlogError("INVALID_ARGUMENT",
                                    f"fetch_offset {item.fetch_offset} is negative")
+        committed = request.isolation_level != common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED
         wait_s = min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000
         deadline = time.monotonic() + wait_s
         min_bytes = max(1, request.min_bytes)
         while True:
-            response, total, owners = await self._fetch_once(request)
+            response, total, owners, moved = await self._fetch_once(request, committed)
             remaining = deadline - time.monotonic()
-            if total >= min_bytes or remaining <= 0 or not owners or context.cancelled():
+            if (total >= min_bytes or moved or remaining <= 0 or not owners
+                    or context.cancelled()):
                 return response
-            waits = [asyncio.create_task(owner.wait_for_data(offset, remaining))
+            waits = [asyncio.create_task(owner.wait_for_data(offset, remaining, committed))
                      for owner, offset in owners]
             _, pending = await asyncio.wait(waits, timeout=remaining,
                                             return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
 
-    async def _fetch_once(self, request):
-        """One pass over the items. The response is built in place (no copy of the batch
-        bytes) and never exceeds the gRPC message limit, whatever the request asks."""
+    async def _fetch_once(self, request, committed: bool):
+        """One pass over the items: (response, bytes, owners to wait on, whether any
+        item moved past filtered-out batches). The response is built in place (no copy
+        of the batch bytes) and never exceeds the gRPC message limit."""
         budget = min(request.max_bytes or self.fetch_default_max_bytes * len(request.items),
                      self.max_response_bytes)
         response = partition_pb2.FetchResponse()
-        total, waiting = 0, []
+        total, waiting, moved = 0, [], False
         for item in request.items:
             tp = item.topic_partition
             try:
                 owner = await self._owner(tp)
                 owner.check_serving()
                 room = budget - total
+                aborted = []
                 if total and room <= 0:
                     data, next_offset = b"", item.fetch_offset
                 else:
                     limit = max(min(item.max_bytes or self.fetch_default_max_bytes, room), 1)
-                    data, next_offset = owner.read(item.fetch_offset, limit)
+                    data, next_offset, aborted = owner.read(
+                        item.fetch_offset, limit, committed=committed,
+                        include_control=request.include_control_batches)
                 if data:
                     m.RECORDS_OUT.labels(tp.topic).inc(
                         sum(h.record_count for _, h in iter_batches(data)))
+                elif next_offset > item.fetch_offset:
+                    moved = True  # only filtered-out batches: answer, the reader moves on
                 else:
                     waiting.append((owner, item.fetch_offset))
-                response.results.add(topic_partition=tp, record_batches=data,
-                                     next_fetch_offset=max(next_offset, item.fetch_offset),
-                                     **owner.positions())
+                result = response.results.add(
+                    topic_partition=tp, record_batches=data,
+                    next_fetch_offset=max(next_offset, item.fetch_offset), **owner.positions())
+                for entry in aborted:
+                    result.aborted_transactions.add(
+                        txn_id=common_pb2.TxnId(tc_partition=entry.txn.tc_partition,
+                                                sequence=entry.txn.sequence),
+                        first_offset=entry.first_offset, marker_offset=entry.marker_offset)
                 total += len(data)
             except AtomlogError as error:
                 response.results.add(
                     topic_partition=tp, error=item_error(error), next_fetch_offset=item.fetch_offset,
                     log_start_offset=-1, high_watermark=-1, max_read_position=-1,
                     last_data_offset=-1)
-        return response, total, waiting
+        return response, total, waiting, moved
 
     # ------------------------------------------------------------------ offsets
     async def ListOffsets(self, request, context):
@@ -236,7 +337,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             summary.update(log_start_offset=positions["log_start_offset"],
                            high_watermark=positions["high_watermark"],
                            max_read_position=positions["max_read_position"],
-                           size_bytes=owner.log.size_bytes)
+                           size_bytes=owner.log.size_bytes,
+                           open_transaction_count=owner.txns.open_count)
         return summary
 
     async def ListPartitions(self, request, context):
@@ -249,14 +351,30 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         owner = await self._owner(request.topic_partition)
         summary = self._summary(owner)
         summary.pop("size_bytes", None)
+        summary.pop("open_transaction_count", None)
         response = partition_pb2.DescribePartitionResponse(**summary)
+        response.producer_snapshot_offset = owner.producer_snapshot_offset
+        response.transaction_buffer_snapshot_offset = owner.txn_snapshot_offset
         if owner.state is State.ONLINE:
+            now_ms = int(time.time() * 1000)
             response.last_data_offset = owner.positions()["last_data_offset"]
             response.segment_count = owner.log.segment_count
             response.size_bytes = owner.log.size_bytes
+            response.transaction_buffer_ready = True
+            response.aborted_transaction_count = owner.txns.aborted_count
+            for tc, epoch in owner.txns.coordinator_epochs().items():
+                response.coordinator_epochs[tc] = epoch
+            for entry in owner.txns.describe()[:MAX_DESCRIBED_TRANSACTIONS]:
+                response.open_transactions.add(
+                    txn_id=common_pb2.TxnId(tc_partition=entry.txn.tc_partition,
+                                            sequence=entry.txn.sequence),
+                    first_offset=entry.first_offset, last_offset=entry.last_offset,
+                    producer_id=entry.producer_id, producer_epoch=entry.producer_epoch,
+                    first_append_unix_ms=entry.first_timestamp_ms,
+                    age_ms=max(0, now_ms - entry.first_timestamp_ms))
             response.producer_count = owner.producers.producer_count
             limit = request.max_producers or 100
-            live = owner.producers.live_entries(int(time.time() * 1000))
+            live = owner.producers.live_entries(now_ms)
             for entry in sorted(live.values(), key=lambda e: e.producer_id)[:limit]:
                 response.producers.add(
                     producer_id=entry.producer_id, producer_epoch=entry.producer_epoch,
@@ -296,19 +414,18 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
     # ------------------------------------------------------------------ markers
     async def EndTxnOnPartition(self, request, context):
-        """Transaction markers from the coordinators: validate, fence, route, answer in
-        request order.
+        """Transaction markers from the coordinators: validate, fence, route, apply,
+        answer in request order.
 
-        Scope of this version: there is no transaction buffer yet and Produce refuses
-        transactional batches, so no partition here can hold data or pending acks of any
-        transaction. An accepted marker therefore has nothing to write: every target it
-        reaches succeeds with marker_offset -1 and already_ended false. The transaction
-        buffer (next issue) takes over at `_apply_marker_target`: through each partition's
-        owner task it writes the COMMIT/ABORT control batch when the transaction has data
-        there (marker_offset = its offset), records the transaction as ended (so a repeated
-        marker answers already_ended), applies or releases pending acks on subscriptions,
-        and persists the highest coordinator epoch per TC partition with its snapshot (and
-        re-checks the epoch there, since routing below awaits)."""
+        Every accepted marker goes to the owner task of each of its partitions, all
+        markers of one partition in one queued item (so one fsync covers them), in
+        request order. There the transaction buffer decides: a transaction with data on
+        the partition gets a COMMIT/ABORT control batch (marker_offset = its offset, once
+        durable); one already ended there answers already_ended; one never seen there
+        needs nothing. The buffer re-checks the coordinator epoch against the markers it
+        wrote (durable in the log and its snapshots), since routing here awaits.
+        Subscription targets have no pending acks until subscriptions exist: they are
+        checked for routing and state only."""
         epochs = self.coordinator_epochs
         if epochs is None:
             raise AtomlogError("UNIMPLEMENTED", "this server does not take transaction markers")
@@ -335,16 +452,22 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                             topic=target.topic, partition=target.partition))
                     except AtomlogError as error:
                         routes[key] = error
+        outcomes = await self._apply_markers(markers, refusals, routes)
         counts: dict[tuple[str, str], int] = {}
         response = partition_pb2.EndTxnOnPartitionResponse()
-        for marker, refusal in zip(markers, refusals):
+        for index, (marker, refusal) in enumerate(zip(markers, refusals)):
             decision = _DECISION_LABELS.get(marker.decision, "invalid")
             result = response.results.add(txn_id=marker.txn_id)
-            for tp in marker.topic_partitions:
-                error = refusal if refusal is not None else _apply_marker_target(
-                    routes[(tp.topic, tp.partition)])
+            for position, tp in enumerate(marker.topic_partitions):
+                outcome = refusal if refusal is not None else outcomes[(index, position)]
                 entry = result.topic_partition_results.add(topic_partition=tp, marker_offset=-1,
                                                            already_ended=False)
+                error = None
+                if isinstance(outcome, MarkerResult):
+                    entry.marker_offset = outcome.marker_offset
+                    entry.already_ended = outcome.already_ended
+                else:
+                    error = outcome
                 _count_marker_item(counts, decision, entry, error)
             for sp in marker.subscription_partitions:
                 error = refusal if refusal is not None else _apply_marker_target(
@@ -357,6 +480,38 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         for labels, count in counts.items():
             MARKERS.labels(*labels).inc(count)
         return response
+
+    @staticmethod
+    async def _apply_markers(markers, refusals, routes) -> dict:
+        """{(marker index, target position): MarkerResult | AtomlogError} for every topic
+        partition target of an accepted marker; one owner call per partition."""
+        per_owner: dict[tuple[str, int], list[tuple[tuple[int, int], Marker]]] = {}
+        outcomes: dict[tuple[int, int], MarkerResult | AtomlogError] = {}
+        for index, (marker, refusal) in enumerate(zip(markers, refusals)):
+            if refusal is not None:
+                continue
+            txn = TxnId(marker.txn_id.tc_partition, marker.txn_id.sequence)
+            decision = (ControlType.COMMIT if marker.decision == partition_pb2.TXN_DECISION_COMMIT
+                        else ControlType.ABORT)
+            for position, tp in enumerate(marker.topic_partitions):
+                key = (tp.topic, tp.partition)
+                if isinstance(routes[key], AtomlogError):
+                    outcomes[(index, position)] = routes[key]
+                    continue
+                per_owner.setdefault(key, []).append(
+                    ((index, position), Marker(txn, decision, marker.coordinator_epoch)))
+
+        async def apply(key, items) -> None:
+            owner: PartitionOwner = routes[key]
+            try:
+                results = await owner.end_transactions([marker for _, marker in items])
+            except AtomlogError as error:
+                results = [error] * len(items)
+            for (where, _), result in zip(items, results):
+                outcomes[where] = result
+
+        await asyncio.gather(*(apply(key, items) for key, items in per_owner.items()))
+        return outcomes
 
 
 # ---------------------------------------------------------------------- markers (helpers)

@@ -172,11 +172,29 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("partition.producer_idle_expiry_ms", int, 86_400_000, "A producer silent this "
                 "long is forgotten (Kafka's default: 1 day); must outlast client retries.",
                 minimum=60_000, maximum=365 * 86_400_000),
-        Setting("partition.snapshot_interval_batches", int, 1_000, "Producer-state snapshot "
-                "every N appended batches (Pulsar snapshots every 1000 changes).",
+        Setting("partition.snapshot_interval_batches", int, 1_000, "Producer-state and "
+                "transaction-buffer snapshots every N appended batches and markers (Pulsar "
+                "snapshots its transaction buffer every 1000 changes).",
                 minimum=1, maximum=10_000_000),
         Setting("partition.snapshot_interval_ms", int, 5_000, "... or every T ms if anything "
                 "changed (Pulsar: 5 s).", minimum=100, maximum=3_600_000),
+        Setting("partition.max_open_transactions", int, 10_000, "Open transactions per "
+                "partition; a new one past it is refused with RESOURCE_EXHAUSTED.",
+                minimum=1, maximum=10_000_000),
+        Setting("partition.max_aborted_transactions", int, 100_000, "Aborted transactions kept "
+                "per partition for read_committed filtering; past it the oldest is dropped and "
+                "read_committed reads below it fail with OFFSET_OUT_OF_RANGE.",
+                minimum=1, maximum=100_000_000),
+        Setting("partition.max_remembered_commits", int, 10_000, "Committed transactions "
+                "remembered per partition (late writes and repeated markers recognised).",
+                minimum=0, maximum=100_000_000),
+        Setting("partition.late_transaction_ms", int, 900_000, "An open transaction older "
+                "than this counts as late in metrics (set it to the coordinators' "
+                "transaction.max_timeout_ms).", minimum=1_000, maximum=604_800_000),
+        Setting("partition.txn_verify_timeout_ms", int, 10_000, "How long the first write of a "
+                "transaction to a partition may wait for its coordinator's answer (retries "
+                "included) before it is refused with a retriable reason.",
+                minimum=100, maximum=600_000),
         Setting("partition.fetch_max_wait_ms", int, 30_000, "Longest long-poll a Fetch may ask "
                 "for.", minimum=0, maximum=600_000),
         Setting("partition.fetch_default_max_bytes", int, 4 * MIB, "Bytes per partition a Fetch "

@@ -14,6 +14,15 @@ bytes after a backoff and a metadata refresh, in sequence order. A batch that fa
 good fails its futures; the batches behind it on that partition are re-sequenced and
 sent again (they were refused as out of order, so nothing of them was written).
 Delivery gives up after `delivery_timeout_s` with `DeliveryTimeout`.
+
+Transactions: `send(..., txn=txn)` puts the record in a batch of that transaction only
+(a partition's open batch is sealed when the transaction changes). Before the first
+batch of a transaction goes to a partition, the sender registers the partition with the
+coordinator (one AddPartitionToTxn per transaction for everything ready), and the
+transaction tracks each batch so `commit()` waits for them. `transactional_id=` gives a
+Kafka-style session: the producer id and epoch come from the session (InitProducerId
+on the session's TC partition, which fences any older session with the same id), and
+`begin_transaction()` opens transactions bound to it.
 """
 
 from __future__ import annotations
@@ -38,10 +47,14 @@ from services.backoff import Backoff
 SEQUENCE_LIMIT = 2**31 - 1
 RETRIABLE_ITEM_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "PARTITION_LOADING",
                           "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN",
-                          "RESOURCE_EXHAUSTED", "ZOOKEEPER_UNAVAILABLE"}
+                          "RESOURCE_EXHAUSTED", "ZOOKEEPER_UNAVAILABLE",
+                          # transactional writes being verified with their coordinator
+                          "CONCURRENT_TRANSACTIONS", "COORDINATOR_LOADING", "NOT_COORDINATOR"}
 # Refusals that prove nothing of the batch was appended.
 DEFINITELY_NOT_WRITTEN = {"BATCH_TOO_LARGE", "CORRUPT_BATCH", "CRC_MISMATCH", "INVALID_ARGUMENT",
-                          "UNIMPLEMENTED", "DATA_LOSS", "OFFSET_OUT_OF_RANGE"}
+                          "UNIMPLEMENTED", "DATA_LOSS", "OFFSET_OUT_OF_RANGE",
+                          "TRANSACTION_NOT_OPEN", "TRANSACTION_ABORTED", "TRANSACTION_TIMED_OUT",
+                          "PARTITION_NOT_IN_TRANSACTION", "UNKNOWN_TRANSACTION"}
 REFRESH_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
 
 
@@ -133,12 +146,14 @@ class _Batch:
     deadline: float = 0.0
     last_error: errors.AtomlogClientError | None = None
     done: bool = False
+    txn: object = None  # spark_client.transactions.Transaction
 
 
 @dataclass(eq=False)
 class _PartitionState:
     open: list[_Pending] = field(default_factory=list)
     open_outcome: _Outcome | None = None
+    open_txn: object = None  # the transaction of the open batch (None: plain records)
     open_bytes: int = 0
     opened_at: float = 0.0
     ready: collections.deque = field(default_factory=collections.deque)  # sealed, unsent
@@ -155,7 +170,8 @@ class Producer:
                  batch_max_bytes: int = 256 << 10, max_in_flight: int = 5,
                  delivery_timeout_s: float = 120.0, request_timeout_s: float = 30.0,
                  max_buffered_bytes: int = 64 << 20, max_block_s: float = 60.0,
-                 compression: str | None = None, partitioner: str = "sticky"):
+                 compression: str | None = None, partitioner: str = "sticky",
+                 transactional_id: str | None = None, transaction_timeout_s: float = 60.0):
         if not 1 <= max_in_flight <= 5:
             raise ValueError("max_in_flight must be 1..5 (servers deduplicate the last 5 batches)")
         if batch_max_bytes < 1024:
@@ -175,7 +191,18 @@ class Producer:
                             "zstd": Compression.ZSTD, "lz4": Compression.LZ4}[compression]
         self.partitioner = partitioner
         self.backoff = Backoff()
-        self._producer_id, self._epoch = (client.allocate_producer_id() if idempotent else (0, 0))
+        self.transactional_id = transactional_id
+        self.transaction_timeout_s = transaction_timeout_s
+        self._needs_reinit = False
+        self._session = None  # coordinator_pb2.TransactionalSession
+        self._session_tc = 0
+        if transactional_id is not None:
+            if not idempotent:
+                raise ValueError("a transactional producer is idempotent")
+            self._init_session()
+        else:
+            self._producer_id, self._epoch = (client.allocate_producer_id() if idempotent
+                                              else (0, 0))
         self._lock = threading.Condition()
         self._partitions: dict[tuple[str, int], _PartitionState] = {}
         self._sticky: dict[str, int] = {}
@@ -186,6 +213,47 @@ class Producer:
         self._closed = False
         self._sender = threading.Thread(target=self._run, name="atomlog-producer", daemon=True)
         self._sender.start()
+
+    # ------------------------------------------------------------------ sessions
+    def _init_session(self) -> None:
+        """InitProducerId for the transactional id, on its TC partition: a fresh epoch
+        that fences any older session (aborting its open transaction)."""
+        from coordinator.records import tc_partition_for
+        from spark_client.transactions import Coordinators, S
+
+        coordinators = Coordinators(self.client)
+        self._session_tc = tc_partition_for(self.transactional_id,
+                                            coordinators.tc_partition_count())
+        current = self._session
+        reply = coordinators.call(self._session_tc, "InitProducerId", S.InitProducerIdRequest(
+            transactional_id=self.transactional_id,
+            transaction_timeout_ms=int(self.transaction_timeout_s * 1000),
+            producer_id=current.producer_id if current else 0,
+            producer_epoch=current.producer_epoch if current else 0),
+            time.monotonic() + self.client.request_timeout_s)
+        self._producer_id, self._epoch = reply.producer_id, reply.producer_epoch
+        self._session = S.TransactionalSession(transactional_id=self.transactional_id,
+                                               producer_id=reply.producer_id,
+                                               producer_epoch=reply.producer_epoch)
+
+    def begin_transaction(self, timeout_s: float | None = None):
+        """A transaction of this producer's session (transactional_id producers only)."""
+        from spark_client.transactions import Transaction
+
+        if self._session is None:
+            raise ValueError("begin_transaction() needs a producer made with transactional_id=; "
+                             "otherwise use client.begin_transaction()")
+        if self._needs_reinit:
+            # An earlier write's outcome is unknown: a new epoch of the same session makes
+            # every partition start its sequences afresh (KIP-360's epoch bump).
+            self.flush()
+            self._init_session()
+            with self._lock:
+                for state in self._partitions.values():
+                    state.producer_id, state.epoch, state.next_sequence = None, 0, 0
+                self._needs_reinit = False
+        return Transaction(self.client, timeout_s or self.transaction_timeout_s,
+                           session=self._session, tc_partition=self._session_tc)
 
     @property
     def producer_id(self) -> int:
@@ -198,10 +266,20 @@ class Producer:
     # ------------------------------------------------------------------ user API
     def send(self, topic: str, value: bytes | str | None, key: bytes | str | None = None,
              partition: int | None = None, headers: dict | list | None = None,
-             timestamp_ms: int | None = None) -> RecordFuture:
-        """Queue one record; the future's result is RecordMetadata(topic, partition, offset)."""
+             timestamp_ms: int | None = None, txn=None) -> RecordFuture:
+        """Queue one record; the future's result is RecordMetadata(topic, partition, offset).
+        With txn, the record is part of that transaction (visible to read_committed
+        readers only once it commits; commit() waits for it)."""
         if self._closed:
             raise RuntimeError("producer is closed")
+        if txn is not None:
+            if not self.idempotent:
+                raise ValueError("transactional sends need an idempotent producer")
+            if txn.session is not None and self._session is not None and \
+                    txn.session.producer_epoch != self._session.producer_epoch:
+                raise errors.ProducerFenced("the transaction belongs to an older session of "
+                                            "this producer")
+            txn._check_open()
         record = Record(key=_bytes(key), value=_bytes(value), headers=_headers(headers),
                         timestamp_ms=timestamp_ms if timestamp_ms is not None else _now_ms())
         size = 32 + len(record.key or b"") + len(record.value or b"") + sum(
@@ -225,11 +303,16 @@ class Producer:
                         f"buffer of {self.max_buffered_bytes} bytes stayed full for "
                         f"{self.max_block_s} s (max_buffered_bytes)")
             state = self._partitions.setdefault((topic, partition), _PartitionState())
-            if state.open_bytes and state.open_bytes + size > self.batch_max_bytes:
+            if state.open and (state.open_txn is not txn
+                               or state.open_bytes + size > self.batch_max_bytes):
                 self._seal(topic, partition, state)
             if not state.open:
                 state.opened_at = time.monotonic()
                 state.open_outcome = _Outcome(topic, partition)
+                state.open_txn = txn
+                if txn is not None:
+                    txn.track(RecordFuture(state.open_outcome, 0))
+                    txn.add_flusher(self._flush_txn)
             future = RecordFuture(state.open_outcome, len(state.open))
             state.open.append(_Pending(record, size))
             state.open_bytes += size
@@ -254,6 +337,14 @@ class Producer:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"{self._unfinished} records still unacknowledged")
                 self._lock.wait(timeout=remaining if remaining is not None else 1.0)
+
+    def _flush_txn(self, txn) -> None:
+        """Seal the open batches of a transaction now (commit() is about to wait)."""
+        with self._lock:
+            for (topic, partition), state in self._partitions.items():
+                if state.open and state.open_txn is txn:
+                    self._seal(topic, partition, state)
+            self._lock.notify_all()
 
     def close(self, timeout: float | None = None) -> None:
         if self._closed:
@@ -289,8 +380,8 @@ class Producer:
         if not state.open:
             return
         batch = _Batch(topic, partition, state.open, state.open_outcome, state.opened_at,
-                       state.open_bytes)
-        state.open_outcome = None
+                       state.open_bytes, txn=state.open_txn)
+        state.open_outcome = state.open_txn = None
         batch.deadline = state.opened_at + self.delivery_timeout_s
         state.open, state.open_bytes = [], 0
         state.ready.append(batch)
@@ -311,7 +402,8 @@ class Producer:
         batch.payload = encode_batch(records, producer_id=state.producer_id or 0,
                                      producer_epoch=state.epoch,
                                      base_sequence=batch.base_sequence if self.idempotent else -1,
-                                     compression=self.compression)
+                                     compression=self.compression,
+                                     txn=batch.txn.key if batch.txn is not None else None)
 
     # ------------------------------------------------------------------ sender thread
     def _run(self) -> None:
@@ -359,7 +451,32 @@ class Producer:
                 out.append(batch)
         return out
 
+    def _register(self, batches: list[_Batch]) -> list[_Batch]:
+        """Register with their transactions the partitions that transactional batches
+        are about to reach for the first time (one call per transaction); the batches
+        whose registration failed get the error and are left out."""
+        wanted: dict[object, set[tuple[str, int]]] = {}
+        for batch in batches:
+            if batch.txn is not None and not batch.txn.registered((batch.topic, batch.partition)):
+                wanted.setdefault(batch.txn, set()).add((batch.topic, batch.partition))
+        failed: dict[object, Exception] = {}
+        for txn, partitions in wanted.items():
+            try:
+                txn.register_partitions(sorted(partitions))
+            except errors.AtomlogClientError as error:
+                failed[txn] = error
+        if not failed:
+            return batches
+        kept = []
+        for batch in batches:
+            if batch.txn in failed:
+                self._completions.put((batch, failed[batch.txn], None))
+            else:
+                kept.append(batch)
+        return kept
+
     def _send(self, batches: list[_Batch]) -> None:
+        batches = self._register(batches)
         by_address: dict[str, list[_Batch]] = {}
         for batch in batches:
             batch.attempts += 1
@@ -462,6 +579,13 @@ class Producer:
         for b in doomed:
             _discard(state, b)
             self._fail(b, error)
+        if self._session is not None:
+            # A session keeps its producer id: the next begin_transaction() bumps the epoch.
+            self._needs_reinit = True
+            state.next_sequence = 0 if state.producer_id is None else state.next_sequence
+            for b in state.ready:
+                b.payload = b""
+            return
         state.producer_id, state.epoch = self.client.allocate_producer_id()
         state.next_sequence = 0
         for b in state.ready:

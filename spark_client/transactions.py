@@ -13,18 +13,22 @@ error that says what happened (TransactionAborted, TransactionTimedOut, ...).
 Writes (`producer.send(..., txn=txn)`) and transactional acks join a transaction through
 `register_partitions` / `register_subscriptions` (which producers and consumers call
 before their first write or ack) and `track` (commit waits until each tracked future is
-acknowledged). Until partition servers accept transactional batches (issue 6), a
-transaction can register partitions and be committed or aborted, but carries no data.
+acknowledged). The producer registers partitions itself, batched, before the first
+batch of the transaction goes to each partition; partition servers verify that with the
+coordinator (no hanging transactions).
+
+Sessions (Kafka's transactional.id): `client.producer(transactional_id=...)` holds a
+session; its transactions carry it, and a newer session with the same id fences the
+older one (its calls fail with ProducerFenced; its open transaction is aborted).
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 
 import grpc
 
@@ -90,27 +94,36 @@ class Coordinators:
 class Transaction:
     """One transaction; see the module docstring. Thread-safe."""
 
-    def __init__(self, client, timeout_s: float, *, parent: Transaction | None = None):
+    def __init__(self, client, timeout_s: float, *, parent: Transaction | None = None,
+                 session: S.TransactionalSession | None = None, tc_partition: int | None = None):
         if not 0 < timeout_s <= 4_294_967:
             raise ValueError("timeout_s must be positive (at most the coordinator's maximum)")
         self._coordinators = Coordinators(client)
         self.timeout_s = timeout_s
+        self.session = session
         self._lock = threading.Lock()
         self._registered: set[tuple[str, int]] = set()
         self._subscriptions: set[tuple[str, int, str]] = set()
-        self._pending: list[Future] = []
+        self._pending: list = []  # anything with .result(timeout)
+        self._flushers: list = []  # called before commit waits (producers' lingering batches)
         self._ended: str | None = None  # "committed" | "aborted"
         count = self._coordinators.tc_partition_count()
         if parent is not None:
-            self.tc_partition, key = parent.tc_partition, ""
+            self.tc_partition = parent.tc_partition
+        elif tc_partition is not None:  # a session's TC partition
+            self.tc_partition = tc_partition
         else:
-            key = f"sdk-{uuid.uuid4()}"
-            self.tc_partition = tc_partition_for(key, count)
+            self.tc_partition = random.randrange(count)
+        # A random key on the same TC partition makes NewTxn retry-safe (children are
+        # found through their parent instead).
+        key = "" if parent is not None else _key_for(self.tc_partition, count)
         request = S.NewTxnRequest(tc_partition=self.tc_partition,
                                   timeout_ms=int(timeout_s * 1000), idempotency_key=key,
-                                  parent_txn_id=parent.txn_id if parent else None)
+                                  parent_txn_id=parent.txn_id if parent else None,
+                                  session=session)
         reply = self._call("NewTxn", request)
         self.txn_id: common_pb2.TxnId = reply.txn_id
+        self.key = (self.txn_id.tc_partition, self.txn_id.sequence)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -150,11 +163,21 @@ class Transaction:
         with self._lock:
             self._subscriptions.update(new)
 
-    def track(self, future: Future) -> None:
-        """commit() waits for this send or ack to be acknowledged first."""
+    def registered(self, partition: tuple[str, int]) -> bool:
+        return partition in self._registered
+
+    def track(self, future) -> None:
+        """commit() waits for this send or ack (anything with .result(timeout)) to be
+        acknowledged first."""
         with self._lock:
             self._check_open()
             self._pending.append(future)
+
+    def add_flusher(self, flush) -> None:
+        """flush() is called before commit() waits (sends what a producer still lingers on)."""
+        with self._lock:
+            if flush not in self._flushers:
+                self._flushers.append(flush)
 
     # ------------------------------------------------------------------ ending
     def prepare(self, prepared_timeout_s: float = 0) -> None:
@@ -204,19 +227,33 @@ class Transaction:
     # ------------------------------------------------------------------ plumbing
     def _end(self, decision: int, wait_for_markers: bool) -> None:
         self._call("EndTxn", S.EndTxnRequest(txn_id=self.txn_id, decision=decision,
-                                             wait_for_markers=wait_for_markers))
+                                             wait_for_markers=wait_for_markers,
+                                             session=self.session))
 
     def _wait_pending(self) -> None:
         with self._lock:
+            flushers = list(self._flushers)
+        for flush in flushers:
+            flush(self)
+        with self._lock:
             pending, self._pending = self._pending, []
-        done, not_done = wait_futures(pending, timeout=self.timeout_s)
-        if not_done:
-            raise errors.error_for("REQUEST_TIMED_OUT", f"{len(not_done)} sends of transaction "
-                                   f"{self.id} were not acknowledged in {self.timeout_s} s")
-        for future in done:
-            future.result()  # raises the send's error
+        deadline = time.monotonic() + self.timeout_s
+        first_error = None
+        for future in pending:
+            try:
+                future.result(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise errors.error_for("REQUEST_TIMED_OUT", f"sends of transaction {self.id} "
+                                       f"were not acknowledged in {self.timeout_s} s") from None
+            except Exception as error:  # noqa: BLE001 — the first failure is raised
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def _call(self, method: str, request):
+        if self.session is not None and hasattr(request, "session") and \
+                not request.HasField("session"):
+            request.session.CopyFrom(self.session)
         deadline = time.monotonic() + max(self.timeout_s, self._coordinators.client.request_timeout_s)
         return self._coordinators.call(self.tc_partition, method, request, deadline)
 
@@ -230,3 +267,11 @@ class Transaction:
         for item in item_errors:
             if item.reason:
                 raise errors.error_for(item.reason, item.message, dict(item.metadata))
+
+
+def _key_for(tc_partition: int, count: int) -> str:
+    """A random idempotency key that hashes to tc_partition (about `count` tries)."""
+    while True:
+        key = f"sdk-{uuid.uuid4()}"
+        if tc_partition_for(key, count) == tc_partition:
+            return key

@@ -1,0 +1,223 @@
+"""Verification of transactional writes with their coordinator (no hanging transactions).
+
+Before the first write of a transaction to a partition, the partition server asks the
+transaction's coordinator whether it is OPEN and includes the partition
+(VerifyTxnPartitions). Questions for the same coordinator are coalesced: one task per
+coordinator address sends everything queued in one call, so a burst of first writes
+costs one round trip. Routing: TC partition k's owner is read from ZooKeeper
+(/tc/<k>/owner → the coordinator's registration), cached, and refreshed on
+NOT_COORDINATOR, COORDINATOR_LOADING or an unreachable server; those are retried with a
+backoff until `timeout_s`, then the write is refused with a retriable reason (the
+client's producer retries).
+
+An answer counts only if its coordinator epoch is not below the epoch this server knows
+for TC partition k (CoordinatorEpochs): a deposed coordinator's "OPEN" is not trusted.
+The answer cache and the race with markers are the partition's business
+(partition_server/txn_guard.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from prometheus_client import Counter, Histogram
+
+from coordinator.routing import CHANNEL_OPTIONS
+from partition_server.coordinator_epochs import CoordinatorEpochs
+from partition_server.record_batch import TxnId
+from services.backoff import Backoff
+from services.errors import AtomlogError, from_rpc_error
+from services.metrics import LATENCY_BUCKETS_SECONDS
+
+log = logging.getLogger("atomlog.partition.verifier")
+
+VERIFY_SECONDS = Histogram("atomlog_partition_txn_verification_duration_seconds",
+                           "Time to verify a transaction's first write to a partition with "
+                           "its coordinator (queueing and retries included).",
+                           buckets=LATENCY_BUCKETS_SECONDS)
+VERIFICATIONS = Counter("atomlog_partition_txn_verifications_total",
+                        "Verifications with coordinators, by result (ok, or the reason the "
+                        "write was refused).", ["result"])
+VERIFY_CALLS = Counter("atomlog_partition_txn_verify_calls_total",
+                       "VerifyTxnPartitions calls sent (each carries many questions).")
+
+RETRY_REASONS = frozenset({"NOT_COORDINATOR", "COORDINATOR_LOADING", "SERVER_UNAVAILABLE",
+                           "REQUEST_TIMED_OUT", "SHUTTING_DOWN", "ZOOKEEPER_UNAVAILABLE"})
+OPEN = coordinator_pb2.TXN_STATE_OPEN
+_STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
+                for name, value in coordinator_pb2.TxnState.items()}
+_ENDED_REASONS = {coordinator_pb2.TXN_STATE_ABORTING: "TRANSACTION_ABORTED",
+                  coordinator_pb2.TXN_STATE_ABORTED: "TRANSACTION_ABORTED"}
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A positive verification: the session the batches must carry (or None)."""
+
+    session: tuple[int, int] | None
+
+
+@dataclass(eq=False)
+class _Question:
+    txn: TxnId
+    topic: str
+    partition: int
+    future: asyncio.Future
+
+
+class TxnVerifier:
+    def __init__(self, metadata_store, epochs: CoordinatorEpochs, *, timeout_s: float = 10.0,
+                 batch_max: int = 1_000, request_timeout_s: float = 5.0):
+        self.store = metadata_store
+        self.epochs = epochs
+        self.timeout_s = timeout_s
+        self.batch_max = batch_max
+        self.request_timeout_s = request_timeout_s
+        self._routes: dict[int, str] = {}  # TC partition -> coordinator address
+        self._routes_lock = asyncio.Lock()
+        self._queues: dict[str, list[_Question]] = {}
+        self._senders: dict[str, asyncio.Task] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def verify(self, txn: TxnId, topic: str, partition: int) -> Answer:
+        """OPEN and includes topic-partition, or AtomlogError saying why not."""
+        began = time.perf_counter()
+        backoff = Backoff(initial_s=0.02, maximum_s=0.5)
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        try:
+            while True:
+                attempt += 1
+                try:
+                    address = await self._route(txn.tc_partition, refresh=attempt > 1)
+                    future = asyncio.get_running_loop().create_future()
+                    self._queue(address, _Question(txn, topic, partition, future))
+                    answer = await future
+                    VERIFICATIONS.labels("ok").inc()
+                    return answer
+                except AtomlogError as error:
+                    if error.reason not in RETRY_REASONS:
+                        VERIFICATIONS.labels(error.reason).inc()
+                        raise
+                    delay = backoff.delay(attempt)
+                    if time.monotonic() + delay >= deadline:
+                        VERIFICATIONS.labels(error.reason).inc()
+                        raise AtomlogError(
+                            error.reason, f"cannot verify transaction {_name(txn)} with its "
+                            f"coordinator within {self.timeout_s} s: {error.message}",
+                            {"retry_after_ms": "200", **error.metadata}) from None
+                    await asyncio.sleep(delay)
+        finally:
+            VERIFY_SECONDS.observe(time.perf_counter() - began)
+
+    # ------------------------------------------------------------------ routing
+    async def _route(self, k: int, refresh: bool) -> str:
+        address = None if refresh else self._routes.get(k)
+        if address:
+            return address
+        async with self._routes_lock:
+            if not refresh and self._routes.get(k):
+                return self._routes[k]
+            leases = await self.store.tc_leases()
+            servers = {s.name: s.grpc_address for s in await self.store.servers()}
+            self._routes = {tc: servers.get(lease["coordinator_name"], "")
+                            for tc, lease in leases.items()}
+        address = self._routes.get(k)
+        if not address:
+            raise AtomlogError("NOT_COORDINATOR", f"TC partition {k} has no live owner now",
+                               {"tc_partition": k})
+        return address
+
+    # ------------------------------------------------------------------ batching
+    def _queue(self, address: str, question: _Question) -> None:
+        self._queues.setdefault(address, []).append(question)
+        task = self._senders.get(address)
+        if task is None or task.done():
+            self._senders[address] = asyncio.create_task(self._send_all(address),
+                                                          name=f"verify->{address}")
+
+    async def _send_all(self, address: str) -> None:
+        queue = self._queues.setdefault(address, [])
+        while queue:
+            group = queue[:self.batch_max]
+            del queue[:self.batch_max]
+            try:
+                await self._send(address, group)
+            except Exception as error:  # noqa: BLE001 — every question gets an answer
+                failure = error if isinstance(error, AtomlogError) else AtomlogError(
+                    "INTERNAL", f"verification failed: {error}")
+                for question in group:
+                    if not question.future.done():
+                        question.future.set_exception(failure)
+
+    async def _send(self, address: str, group: list[_Question]) -> None:
+        request = coordinator_pb2.VerifyTxnPartitionsRequest(items=[
+            coordinator_pb2.VerifyTxnPartitionsItem(
+                txn_id=common_pb2.TxnId(tc_partition=q.txn.tc_partition,
+                                        sequence=q.txn.sequence),
+                topic_partition=common_pb2.TopicPartition(topic=q.topic, partition=q.partition))
+            for q in group])
+        VERIFY_CALLS.inc()
+        try:
+            reply = await self._stub(address).VerifyTxnPartitions(
+                request, timeout=self.request_timeout_s)
+        except grpc.RpcError as rpc_error:
+            raise from_rpc_error(rpc_error) from None
+        for question, result in zip(group, reply.results):
+            if question.future.done():
+                continue
+            try:
+                question.future.set_result(self._judge(question, result))
+            except AtomlogError as error:
+                question.future.set_exception(error)
+
+    def _judge(self, question: _Question, result) -> Answer:
+        txn = question.txn
+        if result.error.reason:
+            raise AtomlogError(result.error.reason, result.error.message,
+                               dict(result.error.metadata))
+        current = self.epochs.current(txn.tc_partition)
+        if result.coordinator_epoch < current:
+            raise AtomlogError("NOT_COORDINATOR", f"the answer about {_name(txn)} came from "
+                               f"coordinator epoch {result.coordinator_epoch}; the current one "
+                               f"is {current}", {"tc_partition": txn.tc_partition})
+        self.epochs.observe(txn.tc_partition, result.coordinator_epoch)
+        target = f"{question.topic}-{question.partition}"
+        if result.state != OPEN:
+            state = _STATE_NAMES.get(result.state, str(result.state))
+            raise AtomlogError(_ENDED_REASONS.get(result.state, "TRANSACTION_NOT_OPEN"),
+                               f"transaction {_name(txn)} is {state}; it takes no more writes "
+                               f"(to {target})", {"txn_id": _name(txn), "state": state})
+        if not result.included:
+            raise AtomlogError("PARTITION_NOT_IN_TRANSACTION",
+                               f"{target} was not added to transaction {_name(txn)} "
+                               "(AddPartitionToTxn) before this write",
+                               {"txn_id": _name(txn), "topic": question.topic,
+                                "partition": str(question.partition)})
+        session = None
+        if result.HasField("session") and result.session.producer_id:
+            session = (result.session.producer_id, result.session.producer_epoch)
+        return Answer(session)
+
+    def _stub(self, address: str) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS)
+        return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+
+    async def close(self) -> None:
+        for task in self._senders.values():
+            task.cancel()
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+def _name(txn: TxnId) -> str:
+    return f"{txn.tc_partition}:{txn.sequence}"
