@@ -75,3 +75,18 @@ def write_docs_section(text: str, begin: str, end: str,
             DOCS.write_text(head + text + ("\n" + tail if tail else ""))
             return
     DOCS.write_text(current.rstrip("\n") + "\n\n" + text)
+
+
+def fsync_baseline(directory: Path, samples: int = 300) -> dict:
+    fd = os.open(directory / "fsync.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    latencies = []
+    try:
+        for _ in range(samples):
+            started = time.perf_counter()
+            os.write(fd, b"x" * 200)
+            os.fsync(fd)
+            latencies.append(time.perf_counter() - started)
+    finally:
+        os.close(fd)
+    return {"p50": percentile(latencies, 0.5) * 1e3,
+            "p99": percentile(latencies, 0.99) * 1e3}

@@ -225,21 +225,6 @@ def section(command: str, load: float, baseline_ms: dict, rows: list[dict],
     return "\n".join(lines) + "\n"
 
 
-def fsync_baseline(directory: Path, samples: int = 300) -> dict:
-    fd = os.open(directory / "fsync.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    latencies = []
-    try:
-        for _ in range(samples):
-            started = time.perf_counter()
-            os.write(fd, b"x" * 200)
-            os.fsync(fd)
-            latencies.append(time.perf_counter() - started)
-    finally:
-        os.close(fd)
-    return {"p50": common.percentile(latencies, 0.5) * 1e3,
-            "p99": common.percentile(latencies, 0.99) * 1e3}
-
-
 async def run(args, data_dir: Path) -> tuple[dict, list[dict], dict]:
     report = launcher.up(data_dir, {"id_allocator": 1, "coordinator": 2, "partition_server": 3},
                          {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS)},
@@ -251,7 +236,7 @@ async def run(args, data_dir: Path) -> tuple[dict, list[dict], dict]:
                                timeout=10)
         await wait_all_owned(cluster)
         await asyncio.sleep(3)  # let the leases settle 8/8
-        baseline = fsync_baseline(data_dir)
+        baseline = common.fsync_baseline(data_dir)
         rows = []
         for partitions in (1, 4, 16):
             for wait in (False, True):

@@ -29,6 +29,7 @@ import enum
 import logging
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,9 @@ from partition_server.log import LogConfig, PartitionLog
 from partition_server.producer_state import APPEND, Duplicate, ProducerStateTable
 from partition_server.record_batch import (BatchHeader, ControlType, TxnId, decode_control_batch,
                                            encode_control_batch, iter_batches)
+from partition_server.cursor_store import CursorStoreLimits
 from partition_server.snapshot_files import SnapshotCorrupt
+from partition_server.subscriptions import PartitionSubscriptions
 from partition_server.txn_buffer import AbortedTxn, MarkerAction, TxnBuffer, TxnBufferLimits
 from partition_server.txn_guard import TxnGuard
 from services.errors import AtomlogError
@@ -68,6 +71,7 @@ class OwnerSettings:
     snapshot_interval_ms: int = 5_000
     txn_limits: TxnBufferLimits = field(default_factory=TxnBufferLimits)
     late_transaction_ms: int = 900_000  # metrics: open longer than this is "late"
+    cursor_limits: CursorStoreLimits = field(default_factory=CursorStoreLimits)
 
 
 @dataclass
@@ -127,6 +131,10 @@ class PartitionOwner:
         self.producers = ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms)
         self.txns = TxnBuffer(settings.txn_limits)
         self.guard = TxnGuard()  # volatile; survives reloads (see txn_guard.py)
+        self.verified_acks: OrderedDict = OrderedDict()  # (txn, subscription) -> True
+        self.subscriptions = PartitionSubscriptions(
+            self.name, directory / "cursors", settings.cursor_limits,
+            lambda: self.log.log_start_offset if self.log is not None else 0)
         self.last_control_offset = -1  # highest control batch in the log (fetch fast path)
         self.producer_snapshot_offset = -1
         self.txn_snapshot_offset = -1
@@ -158,6 +166,9 @@ class PartitionOwner:
         (self.log, self.producers, self.txns, self.last_control_offset,
          replayed) = await asyncio.to_thread(self._load_blocking)
         self.replayed_batches = replayed  # batches replayed on top of the snapshots
+        if self.log.data_loss is None:
+            self.subscriptions.close()
+            await asyncio.to_thread(self.subscriptions.open, self.log.log_start_offset)
         if self.log.data_loss is not None:
             self.state = State.DATA_LOSS
             event(log, "partition refuses to serve: corruption before the log tail",
@@ -250,6 +261,7 @@ class PartitionOwner:
                 pass
         if self.state is State.ONLINE:
             await self._snapshot(force=True)
+        self.subscriptions.close()
         if self.log is not None:
             self.log.close()
         self.state = State.CLOSED
@@ -457,6 +469,7 @@ class PartitionOwner:
             return 0
         removed = self.log.apply_retention(keep_from_offset=self.max_read_position())
         self.txns.forget_below(self.log.log_start_offset)
+        self.subscriptions.forget_below(self.log.log_start_offset)
         return removed
 
     # ------------------------------------------------------------------ delete records
@@ -487,6 +500,7 @@ class PartitionOwner:
             self._remove_snapshots_below(new_start)
             self.log.delete_records(before_offset)
             self.txns.forget_below(self.log.log_start_offset)
+            self.subscriptions.forget_below(self.log.log_start_offset)
         return self.log.log_start_offset
 
     def _remove_snapshots_below(self, offset: int) -> None:

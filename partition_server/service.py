@@ -29,6 +29,26 @@ STATE_ENUM = {
 }
 MAX_ITEMS_PER_REQUEST = 10_000
 MAX_DESCRIBED_TRANSACTIONS = 1_000  # open transactions listed by DescribePartition, oldest first
+MAX_VERIFIED_ACKS = 100_000  # cached (transaction, subscription) verifications per partition
+DEFAULT_ACK_TIMEOUT_MS = 30_000
+MAX_ACK_TIMEOUT_MS = 3_600_000
+MAX_OFFSETS_PER_RECEIVE = 10_000
+
+
+def _cursor_fields(sp, d) -> dict:
+    return {"subscription_partition": sp, "cumulative_end_offset": d.cumulative_end,
+            "individual_ranges": [partition_pb2.OffsetRange(start_offset=r.start,
+                                                            end_offset=r.end)
+                                  for r in d.individual_ranges],
+            "pending_acks": [partition_pb2.PendingAck(
+                txn_id=common_pb2.TxnId(tc_partition=p.txn.tc_partition, sequence=p.txn.sequence),
+                cumulative_end_offset=p.cumulative_end,
+                individual_ranges=[partition_pb2.OffsetRange(start_offset=r.start,
+                                                             end_offset=r.end)
+                                   for r in p.ranges]) for p in d.pending_acks],
+            "delivered_unacknowledged_count": d.delivered_unacknowledged_count,
+            "redelivery_backlog_count": d.redelivery_backlog_count,
+            "backlog_records": d.backlog_records}
 RESPONSE_OVERHEAD_BYTES = 1 << 20
 
 
@@ -412,6 +432,201 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                                      error=item_error(error), log_start_offset=-1)
         return response
 
+    # ------------------------------------------------------------------ subscriptions
+    async def _subscription_owner(self, sp) -> PartitionOwner:
+        if not sp.subscription:
+            raise AtomlogError("INVALID_ARGUMENT", "subscription_partition.subscription is empty")
+        owner = await self._owner(common_pb2.TopicPartition(topic=sp.topic,
+                                                             partition=sp.partition))
+        owner.check_serving()
+        return owner
+
+    async def _each(self, items, what: str, handle):
+        """Run handle(item) per item concurrently; (item, result | AtomlogError) in order."""
+        _require_items(items, what)
+
+        async def one(item):
+            try:
+                return await handle(item)
+            except AtomlogError as error:
+                return error
+
+        return list(zip(items, await asyncio.gather(*(one(i) for i in items))))
+
+    async def CreateSubscription(self, request, context):
+        if request.initial_position not in (0, 1, 2, 3):
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"unknown initial_position {request.initial_position}")
+
+        async def create(sp):
+            owner = await self._subscription_owner(sp)
+            positions = owner.positions()
+            return await owner.subscriptions.create(
+                sp.subscription, request.initial_position, request.start_offset,
+                positions["log_start_offset"], positions["high_watermark"])
+
+        response = partition_pb2.CreateSubscriptionResponse()
+        for sp, outcome in await self._each(request.subscription_partitions,
+                                            "CreateSubscriptionRequest", create):
+            if isinstance(outcome, AtomlogError):
+                response.results.add(subscription_partition=sp, error=item_error(outcome),
+                                     cumulative_end_offset=-1)
+            else:
+                response.results.add(subscription_partition=sp, created=outcome[0],
+                                     cumulative_end_offset=outcome[1])
+        return response
+
+    async def DeleteSubscription(self, request, context):
+        async def delete(sp):
+            owner = await self._subscription_owner(sp)
+            await owner.subscriptions.delete(sp.subscription)
+
+        response = partition_pb2.DeleteSubscriptionResponse()
+        for sp, outcome in await self._each(request.subscription_partitions,
+                                            "DeleteSubscriptionRequest", delete):
+            result = response.results.add(subscription_partition=sp)
+            if isinstance(outcome, AtomlogError):
+                result.error.CopyFrom(item_error(outcome))
+        return response
+
+    async def Ack(self, request, context):
+        async def ack(item):
+            sp = item.subscription_partition
+            owner = await self._subscription_owner(sp)
+            txn = None
+            if item.HasField("txn_id"):
+                txn = TxnId(item.txn_id.tc_partition, item.txn_id.sequence)
+                if txn.sequence <= 0 or txn.tc_partition >= self.coordinator_epochs.tc_partitions:
+                    raise AtomlogError("INVALID_ARGUMENT", f"txn_id {txn.tc_partition}:"
+                                       f"{txn.sequence} is not a valid transaction id")
+                await self._verify_ack(owner, txn, sp.subscription)
+            ranges = [(r.start_offset, r.end_offset) for r in item.individual_ranges]
+            return await owner.subscriptions.ack(sp.subscription, item.cumulative_end_offset,
+                                                 ranges, txn, owner.max_read_position())
+
+        response = partition_pb2.AckResponse()
+        for item, outcome in await self._each(request.items, "AckRequest", ack):
+            sp = item.subscription_partition
+            if isinstance(outcome, AtomlogError):
+                response.results.add(subscription_partition=sp, error=item_error(outcome),
+                                     cumulative_end_offset=-1)
+            else:
+                response.results.add(subscription_partition=sp, cumulative_end_offset=outcome)
+        return response
+
+    async def _verify_ack(self, owner: PartitionOwner, txn: TxnId, subscription: str) -> None:
+        """A transactional ack: its transaction is OPEN and lists this subscription
+        partition (asked once per pair, cached until the pair's marker). A marker racing
+        the answer leaves a tombstone on the cursor, which refuses the ack."""
+        if self.verifier is None:
+            raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional acks")
+        key = (txn, subscription)
+        if key in owner.verified_acks:
+            owner.verified_acks.move_to_end(key)
+            return
+        await self.verifier.verify(txn, owner.topic, owner.partition, subscription=subscription)
+        owner.verified_acks[key] = True
+        while len(owner.verified_acks) > MAX_VERIFIED_ACKS:
+            owner.verified_acks.popitem(last=False)
+
+    async def Nack(self, request, context):
+        if not request.consumer_id:
+            raise AtomlogError("INVALID_ARGUMENT", "consumer_id is empty")
+        now_ms = int(time.time() * 1000)
+
+        async def nack(item):
+            sp = item.subscription_partition
+            owner = await self._subscription_owner(sp)
+            owner.subscriptions.nack(sp.subscription, request.consumer_id,
+                                     [(r.start_offset, r.end_offset) for r in item.ranges],
+                                     now_ms, request.redelivery_delay_ms)
+
+        response = partition_pb2.NackResponse()
+        for item, outcome in await self._each(request.items, "NackRequest", nack):
+            result = response.results.add(subscription_partition=item.subscription_partition)
+            if isinstance(outcome, AtomlogError):
+                result.error.CopyFrom(item_error(outcome))
+        return response
+
+    async def DescribeSubscription(self, request, context):
+        _require_items(request.subscription_partitions, "DescribeSubscriptionRequest")
+        response = partition_pb2.DescribeSubscriptionResponse()
+        now_ms = int(time.time() * 1000)
+        for sp in request.subscription_partitions:
+            try:
+                owner = await self._subscription_owner(sp)
+                d = owner.subscriptions.describe(sp.subscription, owner.max_read_position(),
+                                                 now_ms)
+                response.cursors.add(**_cursor_fields(sp, d))
+            except AtomlogError as error:
+                response.cursors.add(subscription_partition=sp, error=item_error(error))
+        return response
+
+    async def Receive(self, request, context):
+        if not request.consumer_id or len(request.consumer_id) > 256:
+            raise AtomlogError("INVALID_ARGUMENT", "consumer_id must be 1-256 characters")
+        _require_items(request.subscription_partitions, "ReceiveRequest")
+        if request.isolation_level not in (common_pb2.ISOLATION_LEVEL_UNSPECIFIED,
+                                           common_pb2.ISOLATION_LEVEL_READ_COMMITTED,
+                                           common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED):
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"unknown isolation_level {request.isolation_level}")
+        committed = request.isolation_level != common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED
+        ack_timeout_ms = min(request.ack_timeout_ms or DEFAULT_ACK_TIMEOUT_MS, MAX_ACK_TIMEOUT_MS)
+        deadline = time.monotonic() + min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000
+        while True:
+            response, delivered, waits = await self._receive_once(request, committed,
+                                                                  ack_timeout_ms)
+            remaining = deadline - time.monotonic()
+            if delivered or remaining <= 0 or not waits or context.cancelled():
+                return response
+            # Wake for new data, or for the next redelivery deadline (ack timeouts).
+            tasks = [asyncio.create_task(owner.wait_for_data(offset, remaining, committed))
+                     for owner, offset in waits]
+            _, pending = await asyncio.wait(tasks, timeout=min(remaining, 0.5),
+                                            return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+
+    async def _receive_once(self, request, committed: bool, ack_timeout_ms: int):
+        response = partition_pb2.ReceiveResponse()
+        budget = min(request.max_bytes or self.fetch_default_max_bytes, self.max_response_bytes)
+        delivered_any, waits = False, []
+        now_ms = int(time.time() * 1000)
+        for sp in request.subscription_partitions:
+            try:
+                owner = await self._subscription_owner(sp)
+                positions = owner.positions()
+                limit = positions["max_read_position"] if committed else positions["high_watermark"]
+
+                def read(offset: int, max_bytes: int, owner=owner):
+                    data, next_offset, _ = owner.read(offset, max_bytes, committed=committed)
+                    return data, next_offset
+
+                data, delivery = owner.subscriptions.receive(
+                    sp.subscription, request.consumer_id, read, limit, now_ms, ack_timeout_ms,
+                    max(budget, 1), MAX_OFFSETS_PER_RECEIVE)
+                result = response.results.add(
+                    subscription_partition=sp, record_batches=data,
+                    cumulative_end_offset=owner.subscriptions.describe(
+                        sp.subscription, limit, now_ms).cumulative_end,
+                    high_watermark=positions["high_watermark"],
+                    max_read_position=positions["max_read_position"])
+                for r in delivery.delivered:
+                    result.delivered_ranges.add(start_offset=r.start, end_offset=r.end)
+                for r in delivery.redelivered:
+                    result.redelivered_ranges.add(start_offset=r.start, end_offset=r.end)
+                if delivery.delivered:
+                    delivered_any = True
+                    budget -= len(data)
+                else:
+                    waits.append((owner, delivery.read_position))
+            except AtomlogError as error:
+                response.results.add(subscription_partition=sp, error=item_error(error),
+                                     cumulative_end_offset=-1, high_watermark=-1,
+                                     max_read_position=-1)
+        return response, delivered_any, waits
+
     # ------------------------------------------------------------------ markers
     async def EndTxnOnPartition(self, request, context):
         """Transaction markers from the coordinators: validate, fence, route, apply,
@@ -453,6 +668,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     except AtomlogError as error:
                         routes[key] = error
         outcomes = await self._apply_markers(markers, refusals, routes)
+        sub_outcomes = await self._apply_subscription_markers(markers, refusals, routes)
         counts: dict[tuple[str, str], int] = {}
         response = partition_pb2.EndTxnOnPartitionResponse()
         for index, (marker, refusal) in enumerate(zip(markers, refusals)):
@@ -469,17 +685,48 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 else:
                     error = outcome
                 _count_marker_item(counts, decision, entry, error)
-            for sp in marker.subscription_partitions:
-                error = refusal if refusal is not None else _apply_marker_target(
-                    routes[(sp.topic, sp.partition)])
+            for position, sp in enumerate(marker.subscription_partitions):
+                outcome = refusal if refusal is not None else sub_outcomes[(index, position)]
                 entry = result.subscription_partition_results.add(subscription_partition=sp,
                                                                   already_ended=False)
+                error = outcome if isinstance(outcome, AtomlogError) else None
+                if error is None:
+                    entry.already_ended = bool(outcome)
                 _count_marker_item(counts, decision, entry, error)
             if refusal is not None and refusal.reason == "STALE_COORDINATOR_EPOCH":
                 STALE_MARKERS.inc()
         for labels, count in counts.items():
             MARKERS.labels(*labels).inc(count)
         return response
+
+    @staticmethod
+    async def _apply_subscription_markers(markers, refusals, routes) -> dict:
+        """{(marker index, position): already_ended | AtomlogError} per subscription target
+        of an accepted marker: pending acks applied (COMMIT) or released (ABORT)."""
+        outcomes: dict[tuple[int, int], bool | AtomlogError] = {}
+
+        async def one(where, owner, sp, txn, committed):
+            try:
+                if isinstance(owner, AtomlogError):
+                    raise owner
+                owner.check_serving()
+                owner.verified_acks.pop((txn, sp.subscription), None)
+                outcomes[where] = await owner.subscriptions.end_txn(sp.subscription, txn,
+                                                                   committed)
+            except AtomlogError as error:
+                outcomes[where] = error
+
+        work = []
+        for index, (marker, refusal) in enumerate(zip(markers, refusals)):
+            if refusal is not None:
+                continue
+            txn = TxnId(marker.txn_id.tc_partition, marker.txn_id.sequence)
+            committed = marker.decision == partition_pb2.TXN_DECISION_COMMIT
+            for position, sp in enumerate(marker.subscription_partitions):
+                work.append(one((index, position), routes[(sp.topic, sp.partition)], sp, txn,
+                                committed))
+        await asyncio.gather(*work)
+        return outcomes
 
     @staticmethod
     async def _apply_markers(markers, refusals, routes) -> dict:
@@ -582,18 +829,6 @@ def _fence(marker, epochs: CoordinatorEpochs) -> AtomlogError | None:
             f"{current}", {"tc_partition": tc, "coordinator_epoch": epoch,
                            "current_coordinator_epoch": current})
     epochs.observe(tc, epoch)
-    return None
-
-
-def _apply_marker_target(route: PartitionOwner | AtomlogError) -> AtomlogError | None:
-    """One accepted marker on one partition (or subscription) hosted here. Nothing to write
-    yet (see EndTxnOnPartition): only the partition's routing and state are checked."""
-    if isinstance(route, AtomlogError):
-        return route
-    try:
-        route.check_serving()
-    except AtomlogError as error:
-        return error
     return None
 
 

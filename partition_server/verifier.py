@@ -68,6 +68,7 @@ class _Question:
     topic: str
     partition: int
     future: asyncio.Future
+    subscription: str | None = None
 
 
 class TxnVerifier:
@@ -84,8 +85,10 @@ class TxnVerifier:
         self._senders: dict[str, asyncio.Task] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    async def verify(self, txn: TxnId, topic: str, partition: int) -> Answer:
-        """OPEN and includes topic-partition, or AtomlogError saying why not."""
+    async def verify(self, txn: TxnId, topic: str, partition: int, *,
+                     subscription: str | None = None) -> Answer:
+        """OPEN and includes topic-partition (or that subscription of it, for a
+        transactional ack), or AtomlogError saying why not."""
         began = time.perf_counter()
         backoff = Backoff(initial_s=0.02, maximum_s=0.5)
         deadline = time.monotonic() + self.timeout_s
@@ -96,7 +99,7 @@ class TxnVerifier:
                 try:
                     address = await self._route(txn.tc_partition, refresh=attempt > 1)
                     future = asyncio.get_running_loop().create_future()
-                    self._queue(address, _Question(txn, topic, partition, future))
+                    self._queue(address, _Question(txn, topic, partition, future, subscription))
                     answer = await future
                     VERIFICATIONS.labels("ok").inc()
                     return answer
@@ -156,12 +159,7 @@ class TxnVerifier:
                         question.future.set_exception(failure)
 
     async def _send(self, address: str, group: list[_Question]) -> None:
-        request = coordinator_pb2.VerifyTxnPartitionsRequest(items=[
-            coordinator_pb2.VerifyTxnPartitionsItem(
-                txn_id=common_pb2.TxnId(tc_partition=q.txn.tc_partition,
-                                        sequence=q.txn.sequence),
-                topic_partition=common_pb2.TopicPartition(topic=q.topic, partition=q.partition))
-            for q in group])
+        request = coordinator_pb2.VerifyTxnPartitionsRequest(items=[_item(q) for q in group])
         VERIFY_CALLS.inc()
         try:
             reply = await self._stub(address).VerifyTxnPartitions(
@@ -187,7 +185,8 @@ class TxnVerifier:
                                f"coordinator epoch {result.coordinator_epoch}; the current one "
                                f"is {current}", {"tc_partition": txn.tc_partition})
         self.epochs.observe(txn.tc_partition, result.coordinator_epoch)
-        target = f"{question.topic}-{question.partition}"
+        target = f"{question.topic}-{question.partition}" + (
+            f" (subscription {question.subscription})" if question.subscription else "")
         if result.state != OPEN:
             state = _STATE_NAMES.get(result.state, str(result.state))
             raise AtomlogError(_ENDED_REASONS.get(result.state, "TRANSACTION_NOT_OPEN"),
@@ -217,6 +216,17 @@ class TxnVerifier:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+
+
+def _item(q: _Question) -> coordinator_pb2.VerifyTxnPartitionsItem:
+    txn_id = common_pb2.TxnId(tc_partition=q.txn.tc_partition, sequence=q.txn.sequence)
+    if q.subscription is not None:
+        return coordinator_pb2.VerifyTxnPartitionsItem(
+            txn_id=txn_id, subscription_partition=common_pb2.SubscriptionPartition(
+                topic=q.topic, partition=q.partition, subscription=q.subscription))
+    return coordinator_pb2.VerifyTxnPartitionsItem(
+        txn_id=txn_id, topic_partition=common_pb2.TopicPartition(topic=q.topic,
+                                                                 partition=q.partition))
 
 
 def _name(txn: TxnId) -> str:

@@ -43,8 +43,14 @@ class Client:
 
         return Producer(self, **options)
 
-    def consumer(self, topics, **options):
-        """A consumer of every partition of `topics` (see spark_client.consumer.Consumer)."""
+    def consumer(self, topics, *, subscription: str | None = None, **options):
+        """A consumer of every partition of `topics`: with `subscription`, of that named
+        durable subscription (acks, nacks, redelivery, transactional acks: see
+        spark_client.subscriber); without, reading by offset (spark_client.consumer)."""
+        if subscription is not None:
+            from spark_client.subscriber import SubscriptionConsumer
+
+            return SubscriptionConsumer(self, topics, subscription=subscription, **options)
         from spark_client.consumer import Consumer
 
         return Consumer(self, topics, **options)

@@ -71,8 +71,8 @@ def test_every_service_answers_health_per_service_and_reflection(cluster):
         channel.close()
 
 
-def test_unimplemented_rpcs_answer_with_error_info(cluster):
-    """Services that later issues fill in answer UNIMPLEMENTED with a reason, not a crash."""
+def test_bad_subscription_requests_answer_with_error_info(cluster):
+    """Subscription RPCs validate their fields and answer with a reason, not a crash."""
     from atomlog.v1 import partition_pb2, partition_pb2_grpc
 
     address = cluster.process("ps-0")["grpc_address"]
@@ -80,9 +80,12 @@ def test_unimplemented_rpcs_answer_with_error_info(cluster):
         stub = partition_pb2_grpc.PartitionServiceStub(channel)
         with pytest.raises(grpc.RpcError) as raised:
             stub.Receive(partition_pb2.ReceiveRequest(), timeout=5)
-    assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as empty_ack:
+            stub.Ack(partition_pb2.AckRequest(), timeout=5)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     error = from_rpc_error(raised.value)
-    assert error.reason == "UNIMPLEMENTED" and "Receive" in error.message
+    assert error.reason == "INVALID_ARGUMENT" and "consumer_id" in error.message
+    assert from_rpc_error(empty_ack.value).reason == "INVALID_ARGUMENT"
 
 
 def test_metrics_endpoint_parses_as_prometheus_text(cluster):

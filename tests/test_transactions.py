@@ -238,3 +238,65 @@ def test_bad_transactional_input_is_refused_with_a_reason(client):
     except grpc.RpcError as error:
         stub_error = from_rpc_error(error)
     assert stub_error is not None and stub_error.reason == "INVALID_ARGUMENT"
+
+
+# ------------------------------------------------------------------ subscriptions
+
+def test_subscription_acks_are_durable_and_redelivery_follows_nacks(client):
+    client.create_topic("tx-sub", partitions=2)
+    with client.producer() as producer:
+        for i in range(20):
+            producer.send("tx-sub", f"m{i}", partition=i % 2)
+    with client.consumer("tx-sub", subscription="s1", ack_timeout_s=60) as consumer:
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 20 and time.monotonic() < deadline:
+            got.extend(consumer.poll(timeout_s=0.2))
+        assert sorted(values(got)) == sorted(f"m{i}".encode() for i in range(20))
+        first = [m for m in got if m.partition == 0]
+        consumer.ack(first[:5])
+        consumer.nack(first[5:])
+        again = []
+        deadline = time.monotonic() + 10
+        while len(again) < 5 and time.monotonic() < deadline:
+            again.extend(m for m in consumer.poll(timeout_s=0.2) if m.partition == 0)
+        assert sorted(m.offset for m in again) == sorted(m.offset for m in first[5:])
+        consumer.ack(again)
+        cursors = {c.subscription_partition.partition: c for c in consumer.describe()}
+        assert cursors[0].cumulative_end_offset == first[-1].offset + 1
+    # A new consumer of the subscription gets only what was never acknowledged.
+    with client.consumer("tx-sub", subscription="s1") as consumer:
+        rest = []
+        deadline = time.monotonic() + 10
+        while len(rest) < 10 and time.monotonic() < deadline:
+            rest.extend(consumer.poll(timeout_s=0.2))
+        assert sorted(m.partition for m in rest) == [1] * 10
+
+
+def test_transactional_acks_apply_on_commit_and_come_back_on_abort(client):
+    client.create_topic("tx-in", partitions=1)
+    with client.producer() as producer:
+        for i in range(10):
+            producer.send("tx-in", f"in{i}", partition=0)
+    with client.consumer("tx-in", subscription="copy", ack_timeout_s=60) as consumer, \
+            client.producer() as producer:
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 10 and time.monotonic() < deadline:
+            got.extend(consumer.poll(timeout_s=0.2))
+        aborted = client.begin_transaction(timeout_s=60)
+        consumer.ack(got[:4], txn=aborted)
+        other = client.begin_transaction(timeout_s=60)
+        with pytest.raises(errors.TransactionConflict):
+            consumer.ack(got[:1], txn=other)  # pending in the first transaction
+        other.abort()
+        aborted.abort()
+        committed = client.begin_transaction(timeout_s=60)
+        for m in got:
+            producer.send("tx-solo", b"out-" + m.value, partition=3, txn=committed)
+        consumer.ack_cumulative(got[-1], txn=committed)
+        pending = consumer.describe()[0]
+        assert pending.pending_acks and pending.cumulative_end_offset == 0
+        committed.commit(wait_for_markers=True)
+        cursor = consumer.describe()[0]
+        assert cursor.cumulative_end_offset == got[-1].offset + 1 and not cursor.pending_acks

@@ -1,0 +1,224 @@
+"""Subscriptions of one partition: the shell around partition_server/cursor_store.py
+(docs/subscriptions.md, "What the shell does").
+
+Every change is decided and staged in one step on the event loop (no await between a
+check and its stage, so the next check sees it), then made durable by a group commit:
+one journal write + fsync (on a worker thread) for everything staged meanwhile, at most
+one in flight. A request is answered only once the journal is durable past everything
+staged when it was decided (no-ops included). A failed write or fsync breaks the store:
+it is reopened from disk (what is durable) and the waiting requests fail retriably.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Callable
+
+from partition_server.cursor_store import CursorStore, CursorStoreLimits, StoreEntry
+from partition_server.record_batch import TxnId, iter_batches
+from partition_server.subscription_cursor import (CursorDescription, Delivery, InitialPosition,
+                                                  OffsetRange, resolve_initial_position)
+from services.errors import AtomlogError
+from services.logs import event
+
+log = logging.getLogger("atomlog.partition.subscriptions")
+
+
+class PartitionSubscriptions:
+    def __init__(self, name: str, directory: Path, limits: CursorStoreLimits,
+                 log_start: Callable[[], int]):
+        self.name = name
+        self._log_start = log_start
+        self.directory = directory
+        self.limits = limits
+        self.store: CursorStore | None = None
+        self.error: AtomlogError | None = None  # DATA_LOSS of the journal: refuse
+        self._syncing: asyncio.Future | None = None
+
+    def open(self, log_start_offset: int) -> None:
+        """Blocking (recovery reads files): call on a worker thread."""
+        try:
+            self.store = CursorStore.open(self.directory, self.limits)
+            self.store.forget_below(log_start_offset)
+            self.error = None
+        except AtomlogError as error:
+            self.store, self.error = None, error
+            event(log, "subscriptions refuse to serve", logging.ERROR, partition=self.name,
+                  error=error.message)
+
+    def close(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:  # noqa: BLE001 — closing after a failure
+                pass
+
+    def _usable(self) -> CursorStore:
+        if self.store is None:
+            raise self.error or AtomlogError("PARTITION_LOADING",
+                                             f"subscriptions of {self.name} are loading")
+        return self.store
+
+    # ------------------------------------------------------------------ durability
+    async def _durable(self) -> None:
+        """Wait until everything staged so far is durable (group commit)."""
+        store = self._usable()
+        target = store.appended_end
+        while store.durable_end < target:
+            if self._syncing is None:
+                self._syncing = asyncio.ensure_future(self._sync_once(store))
+            await asyncio.shield(self._syncing)
+            store = self._usable()
+
+    async def _sync_once(self, store: CursorStore) -> None:
+        try:
+            ticket = store.sync_begin()
+            if ticket is not None:
+                try:
+                    await asyncio.to_thread(store.fsync, ticket)
+                finally:
+                    store.sync_end(ticket)
+            store.maybe_snapshot()  # synchronous; bounded by the store's limits
+        except Exception as error:  # noqa: BLE001 — reopen from what is durable
+            log.exception("subscription journal of %s failed; reopening", self.name)
+            try:
+                store.close(sync=False)
+            except Exception:  # noqa: BLE001 — already broken
+                pass
+            self.store = None
+            self.error = AtomlogError("PARTITION_LOADING", f"subscriptions of {self.name} "
+                                      f"are recovering after a write failure: {error}",
+                                      {"retry_after_ms": "200"})
+            failure = self.error
+            await asyncio.to_thread(self.open, self._log_start())  # what is durable
+            raise failure from None
+        finally:
+            self._syncing = None
+
+    async def change(self, decide: Callable[[CursorStore], object]) -> object:
+        """Run `decide(store)` (checks, then stages; raises to change nothing) and answer
+        its result once durable."""
+        result = decide(self._usable())
+        await self._durable()
+        return result
+
+    # ------------------------------------------------------------------ operations
+    async def create(self, name: str, initial: int, start_offset: int, log_start: int,
+                     high_watermark: int) -> tuple[bool, int]:
+        def decide(store: CursorStore) -> tuple[bool, str]:
+            position = resolve_initial_position(
+                InitialPosition(initial or InitialPosition.LATEST), start_offset, log_start,
+                high_watermark)
+            entry = store.plan_create(name, position)
+            if entry is not None:
+                store.stage(entry)
+            return entry is not None
+
+        created = await self.change(decide)
+        return created, self._usable().cursor(name).cumulative_end
+
+    async def delete(self, name: str) -> None:
+        await self.change(lambda store: store.stage(store.plan_delete(name)))
+
+    async def ack(self, name: str, cumulative_end: int, ranges, txn: TxnId | None,
+                  limit: int) -> int:
+        def decide(store: CursorStore) -> None:
+            entry = store.cursor(name).check_ack(cumulative_end, ranges, txn, limit=limit)
+            if entry is not None:
+                store.stage(StoreEntry(name, entry))
+
+        await self.change(decide)
+        return self._usable().cursor(name).cumulative_end
+
+    async def end_txn(self, name: str, txn: TxnId, committed: bool) -> bool:
+        """A marker for one subscription: already_ended. A subscription that does not
+        exist has nothing pending: success (the coordinator retries item errors)."""
+        def decide(store: CursorStore) -> bool:
+            if name not in store.cursors():
+                return False
+            plan = store.cursor(name).plan_end_txn(txn, committed)
+            if plan.entry is not None:
+                store.stage(StoreEntry(name, plan.entry))
+            return plan.already_ended
+
+        return await self.change(decide)
+
+    def describe(self, name: str, max_read_position: int, now_ms: int) -> CursorDescription:
+        return self._usable().cursor(name).describe(max_read_position, now_ms)
+
+    def names(self) -> list[str]:
+        return sorted(self._usable().cursors()) if self.store is not None else []
+
+    def nack(self, name: str, consumer_id: str, ranges, now_ms: int, delay_ms: int) -> int:
+        return self._usable().cursor(name).nack(consumer_id, ranges or None, now_ms, delay_ms)
+
+    def receive(self, name: str, consumer_id: str, read, limit: int, now_ms: int,
+                ack_timeout_ms: int, max_bytes: int, max_offsets: int
+                ) -> tuple[bytes, Delivery]:
+        """One Receive pass (synchronous: reads are synchronous). `read(offset,
+        max_bytes)` returns (filtered batches, next offset) under the reader's isolation,
+        below `limit`. Returns the batches overlapping what was delivered."""
+        store = self._usable()
+        cursor = store.cursor(name)
+        plan = cursor.read_plan(now_ms, max_offsets)
+        scanned: list[tuple[int, int]] = []
+        readable: list[tuple[int, int]] = []
+        chunks: list[tuple[int, int, memoryview]] = []  # (first, next, batch)
+        budget = max_bytes
+
+        def scan(start: int, end: int) -> None:
+            nonlocal budget
+            position = start
+            while position < min(end, limit) and budget > 0:
+                data, next_offset = read(position, budget)
+                if next_offset <= position:
+                    break
+                scanned.append((position, next_offset))
+                view = memoryview(data)
+                for at, header in iter_batches(view):
+                    first = max(header.base_offset, position)
+                    if header.last_offset >= first:
+                        readable.append((first, header.last_offset + 1))
+                        chunks.append((header.base_offset, header.last_offset + 1,
+                                       view[at:at + header.size]))
+                budget -= max(len(data), 1)
+                position = next_offset
+
+        for hole in plan.redeliver:
+            scan(hole.start, hole.end)
+        if plan.new_allowed and plan.new_from < limit and budget > 0:
+            scan(plan.new_from, limit)
+        delivery = cursor.next_delivery(consumer_id, _merge(readable), _merge(scanned),
+                                        now_ms, ack_timeout_ms, max_offsets)
+        if delivery.skip is not None:
+            store.stage(StoreEntry(name, delivery.skip))  # durable with the next commit
+        wanted = delivery.delivered
+        out, seen = [], set()
+        for first, end, batch in chunks:
+            if first in seen:
+                continue
+            if any(r.start < end and first < r.end for r in wanted):
+                seen.add(first)
+                out.append(batch)
+        out.sort(key=lambda b: _base(b))
+        return b"".join(out), delivery
+
+    def forget_below(self, log_start_offset: int) -> None:
+        if self.store is not None:
+            self.store.forget_below(log_start_offset)
+
+
+def _base(batch: memoryview) -> int:
+    return next(iter_batches(batch))[1].base_offset
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[OffsetRange]:
+    merged: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [OffsetRange(s, e) for s, e in merged]

@@ -1,0 +1,226 @@
+"""A consumer of a named subscription: the server keeps a durable cursor per partition,
+delivers each message to one consumer at a time, and redelivers what is not acknowledged
+within the ack timeout or is negatively acknowledged.
+
+    with client.consumer("orders", subscription="billing") as consumer:
+        for message in consumer.poll(timeout_s=1.0):
+            handle(message)
+            consumer.ack(message)              # or ack_cumulative(last), nack(message)
+
+Transactional acks (`ack(messages, txn=txn)`, `ack_cumulative(message, txn=txn)`) stay
+pending until the transaction ends: a commit applies them, an abort makes the messages
+redeliverable. The subscription partition is registered with the transaction first; the
+server verifies that with the coordinator. An ack of a message pending in another open
+transaction raises TransactionConflict.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+
+from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+from partition_server.record_batch import decode_records, iter_batches
+from services.backoff import Backoff
+from spark_client import errors
+from spark_client.consumer import ISOLATION, Message
+
+_ROUTING = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
+_INITIAL = {"earliest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
+            "latest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_LATEST}
+
+
+class SubscriptionConsumer:
+    def __init__(self, client, topics: list[str] | str, *, subscription: str,
+                 isolation: str = "read_committed", start: str = "earliest",
+                 ack_timeout_s: float = 30.0, max_bytes_per_request: int = 8 << 20,
+                 request_timeout_s: float = 30.0):
+        if isolation not in ISOLATION:
+            raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
+        if start not in _INITIAL:
+            raise ValueError("start must be 'earliest' or 'latest'")
+        self.client = client
+        self.topics = [topics] if isinstance(topics, str) else list(topics)
+        self.subscription = subscription
+        self.isolation = isolation
+        self.ack_timeout_ms = int(ack_timeout_s * 1000)
+        self.max_bytes_per_request = max_bytes_per_request
+        self.request_timeout_s = request_timeout_s
+        self.consumer_id = f"{subscription}-{uuid.uuid4()}"
+        self.backoff = Backoff()
+        self._closed = False
+        self.partitions = [(t, r.partition) for t in self.topics
+                           for r in client.metadata.partitions(t)]
+        self._call_all("CreateSubscription", lambda group: partition_pb2.CreateSubscriptionRequest(
+            subscription_partitions=[self._sp(t, p) for t, p in group],
+            initial_position=_INITIAL[start]))
+
+    # ------------------------------------------------------------------ plumbing
+    def _sp(self, topic: str, partition: int) -> common_pb2.SubscriptionPartition:
+        return common_pb2.SubscriptionPartition(topic=topic, partition=partition,
+                                                subscription=self.subscription)
+
+    def _by_server(self, partitions) -> dict[str, list[tuple[str, int]]]:
+        servers: dict[str, list[tuple[str, int]]] = {}
+        for topic, partition in partitions:
+            address = self.client.metadata.route(topic, partition).address
+            servers.setdefault(address, []).append((topic, partition))
+        return servers
+
+    def _call_all(self, method: str, build, partitions=None, *, timeout_s: float | None = None,
+                  attempts: int = 8) -> list:
+        """`method` on every server owning some of `partitions` (default: all), each
+        request built by build(group); retried on routing and retriable item errors.
+        Returns the results (each with an error field) of the last attempt."""
+        pending = list(partitions if partitions is not None else self.partitions)
+        results = []
+        for attempt in range(1, attempts + 1):
+            retry: list[tuple[str, int]] = []
+            last: errors.AtomlogClientError | None = None
+            for address, group in self._by_server(pending).items():
+                if not address:
+                    retry.extend(group)
+                    continue
+                stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+                try:
+                    reply = getattr(stub, method)(build(group),
+                                                  timeout=timeout_s or self.request_timeout_s)
+                except grpc.RpcError as rpc_error:
+                    last = errors.from_grpc(rpc_error)
+                    if not last.retriable:
+                        raise last from None
+                    retry.extend(group)
+                    continue
+                items = list(getattr(reply, "results", None) or getattr(reply, "cursors"))
+                for (topic, partition), result in zip(group, items):
+                    reason = result.error.reason
+                    if reason and (reason in _ROUTING or errors.error_for(reason, "").retriable):
+                        retry.append((topic, partition))
+                        last = errors.error_for(reason, result.error.message,
+                                                dict(result.error.metadata))
+                    else:
+                        results.append(result)
+            if not retry:
+                return results
+            for topic in {t for t, _ in retry}:
+                self.client.metadata.invalidate(topic)
+            pending = retry
+            if attempt == attempts:
+                raise last or errors.error_for("SERVER_UNAVAILABLE", "owners unreachable")
+            time.sleep(self.backoff.delay(attempt))
+        return results
+
+    @staticmethod
+    def _raise(results) -> None:
+        for result in results:
+            if result.error.reason:
+                raise errors.error_for(result.error.reason, result.error.message,
+                                       dict(result.error.metadata))
+
+    # ------------------------------------------------------------------ receiving
+    def poll(self, timeout_s: float = 1.0, max_records: int = 10_000) -> list[Message]:
+        """Messages delivered to this consumer (at most one long poll of timeout_s)."""
+        if self._closed:
+            raise RuntimeError("consumer is closed")
+        servers = self._by_server(self.partitions)
+        wait_ms = int(timeout_s * 1000) if len(servers) == 1 else 0
+        results = self._call_all("Receive", lambda group: partition_pb2.ReceiveRequest(
+            consumer_id=self.consumer_id,
+            subscription_partitions=[self._sp(t, p) for t, p in group],
+            isolation_level=ISOLATION[self.isolation], max_wait_ms=wait_ms,
+            max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms),
+            timeout_s=self.request_timeout_s + timeout_s)
+        self._raise(results)
+        messages: list[Message] = []
+        for result in results:
+            sp = result.subscription_partition
+            wanted = [(r.start_offset, r.end_offset) for r in result.delivered_ranges]
+            data = memoryview(result.record_batches)
+            for start, header in iter_batches(data):
+                if header.is_control:
+                    continue
+                for record in decode_records(data[start:start + header.size]):
+                    if any(s <= record.offset < e for s, e in wanted):
+                        messages.append(Message(sp.topic, sp.partition, record.offset,
+                                                record.key, record.value, record.headers,
+                                                record.timestamp_ms))
+        if not messages and len(servers) > 1 and timeout_s > 0:
+            time.sleep(min(timeout_s, 0.05))
+        return messages[:max_records] if len(messages) > max_records else messages
+
+    # ------------------------------------------------------------------ acks
+    def ack(self, messages, txn=None) -> None:
+        """Acknowledge one message or a list (one call per server), durably; with txn,
+        pending until the transaction ends."""
+        items = [messages] if isinstance(messages, Message) else list(messages)
+        ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for m in sorted(items, key=lambda m: (m.topic, m.partition, m.offset)):
+            spans = ranges.setdefault((m.topic, m.partition), [])
+            if spans and spans[-1][1] == m.offset:
+                spans[-1] = (spans[-1][0], m.offset + 1)
+            else:
+                spans.append((m.offset, m.offset + 1))
+        self._ack({key: (0, spans) for key, spans in ranges.items()}, txn)
+
+    def ack_cumulative(self, message: Message, txn=None) -> None:
+        """Acknowledge every message of the partition up to and including `message`."""
+        self._ack({(message.topic, message.partition): (message.offset + 1, [])}, txn)
+
+    def _ack(self, acks: dict, txn) -> None:
+        if not acks:
+            return
+        txn_id = None
+        if txn is not None:
+            txn.register_subscriptions([(t, p, self.subscription) for t, p in acks])
+            txn_id = txn.txn_id
+        results = self._call_all("Ack", lambda group: partition_pb2.AckRequest(items=[
+            partition_pb2.AckItem(
+                subscription_partition=self._sp(t, p), cumulative_end_offset=acks[(t, p)][0],
+                individual_ranges=[partition_pb2.OffsetRange(start_offset=s, end_offset=e)
+                                   for s, e in acks[(t, p)][1]],
+                txn_id=txn_id) for t, p in group]), list(acks))
+        self._raise(results)
+
+    def nack(self, messages, delay_s: float = 0.0) -> None:
+        """Redeliver these messages (to any consumer of the subscription) after delay_s."""
+        items = [messages] if isinstance(messages, Message) else list(messages)
+        by_partition: dict[tuple[str, int], list[int]] = {}
+        for m in items:
+            by_partition.setdefault((m.topic, m.partition), []).append(m.offset)
+        self._nack({key: [(o, o + 1) for o in offsets] for key, offsets in by_partition.items()},
+                   delay_s)
+
+    def _nack(self, ranges: dict, delay_s: float) -> None:
+        results = self._call_all("Nack", lambda group: partition_pb2.NackRequest(
+            consumer_id=self.consumer_id, redelivery_delay_ms=int(delay_s * 1000),
+            items=[partition_pb2.NackItem(
+                subscription_partition=self._sp(t, p),
+                ranges=[partition_pb2.OffsetRange(start_offset=s, end_offset=e)
+                        for s, e in ranges[(t, p)]]) for t, p in group]), list(ranges))
+        self._raise(results)
+
+    def describe(self) -> list:
+        """The server's SubscriptionCursor of every partition."""
+        results = self._call_all("DescribeSubscription",
+                                 lambda group: partition_pb2.DescribeSubscriptionRequest(
+                                     subscription_partitions=[self._sp(t, p) for t, p in group]))
+        self._raise(results)
+        return results
+
+    def close(self) -> None:
+        """Release what is out to this consumer (redelivered to others at once)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._nack({key: [] for key in self.partitions}, 0.0)
+        except errors.AtomlogClientError:
+            pass  # the ack timeout redelivers them anyway
+
+    def __enter__(self) -> SubscriptionConsumer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
