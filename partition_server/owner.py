@@ -403,12 +403,16 @@ class PartitionOwner:
         txn = header.txn
         if self.txns.open_transaction(txn) is None and (
                 token is None or not self.guard.allows(txn, token)):
-            raise AtomlogError(
-                "CONCURRENT_TRANSACTIONS",
-                f"transaction {txn.tc_partition}:{txn.sequence} changed on {self.name} while "
-                "this write was being verified; retry it (it will be verified again)",
-                {"retry_after_ms": "50"})
+            raise self.verify_again(txn)
         self.txns.check_write(txn, header.producer_id, header.producer_epoch)
+
+    def verify_again(self, txn: TxnId) -> AtomlogError:
+        """The retriable refusal of a write whose verification a marker overtook."""
+        return AtomlogError(
+            "CONCURRENT_TRANSACTIONS",
+            f"transaction {txn.tc_partition}:{txn.sequence} changed on {self.name} while "
+            "this write was being verified; retry it (it will be verified again)",
+            {"retry_after_ms": "50"})
 
     def _marker(self, marker: Marker, offset: int, now: int, results: list) -> bytes | None:
         """Decide one marker; append its result; return the control batch to write at

@@ -218,10 +218,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             return None  # open here: verified at its first write
         verified = owner.guard.cached(txn)
         if verified is None:
-            raise AtomlogError("CONCURRENT_TRANSACTIONS",
-                               f"transaction {txn.tc_partition}:{txn.sequence} changed on "
-                               f"{owner.name} while this write was being verified; retry it",
-                               {"retry_after_ms": "50"})
+            raise owner.verify_again(txn)
         if verified.session is not None and verified.session != (header.producer_id,
                                                                   header.producer_epoch):
             raise AtomlogError(
@@ -608,8 +605,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     max(budget, 1), MAX_OFFSETS_PER_RECEIVE)
                 result = response.results.add(
                     subscription_partition=sp, record_batches=data,
-                    cumulative_end_offset=owner.subscriptions.describe(
-                        sp.subscription, limit, now_ms).cumulative_end,
+                    cumulative_end_offset=owner.subscriptions.cumulative_end(sp.subscription),
                     high_watermark=positions["high_watermark"],
                     max_read_position=positions["max_read_position"])
                 for r in delivery.delivered:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from partition_server.cursor_store import CursorStore, CursorStoreLimits, StoreEntry
 from partition_server.record_batch import TxnId, iter_batches
@@ -107,7 +107,7 @@ class PartitionSubscriptions:
     # ------------------------------------------------------------------ operations
     async def create(self, name: str, initial: int, start_offset: int, log_start: int,
                      high_watermark: int) -> tuple[bool, int]:
-        def decide(store: CursorStore) -> tuple[bool, str]:
+        def decide(store: CursorStore) -> bool:
             position = resolve_initial_position(
                 InitialPosition(initial or InitialPosition.LATEST), start_offset, log_start,
                 high_watermark)
@@ -117,7 +117,7 @@ class PartitionSubscriptions:
             return entry is not None
 
         created = await self.change(decide)
-        return created, self._usable().cursor(name).cumulative_end
+        return created, self.cumulative_end(name)
 
     async def delete(self, name: str) -> None:
         await self.change(lambda store: store.stage(store.plan_delete(name)))
@@ -130,7 +130,7 @@ class PartitionSubscriptions:
                 store.stage(StoreEntry(name, entry))
 
         await self.change(decide)
-        return self._usable().cursor(name).cumulative_end
+        return self.cumulative_end(name)
 
     async def end_txn(self, name: str, txn: TxnId, committed: bool) -> bool:
         """A marker for one subscription: already_ended. A subscription that does not
@@ -144,6 +144,9 @@ class PartitionSubscriptions:
             return plan.already_ended
 
         return await self.change(decide)
+
+    def cumulative_end(self, name: str) -> int:
+        return self._usable().cursor(name).cumulative_end
 
     def describe(self, name: str, max_read_position: int, now_ms: int) -> CursorDescription:
         return self._usable().cursor(name).describe(max_read_position, now_ms)
@@ -195,23 +198,14 @@ class PartitionSubscriptions:
         if delivery.skip is not None:
             store.stage(StoreEntry(name, delivery.skip))  # durable with the next commit
         wanted = delivery.delivered
-        out, seen = [], set()
-        for first, end, batch in chunks:
-            if first in seen:
-                continue
-            if any(r.start < end and first < r.end for r in wanted):
-                seen.add(first)
-                out.append(batch)
-        out.sort(key=lambda b: _base(b))
-        return b"".join(out), delivery
+        # Holes and the new region may read the same batch twice: keep one, by base offset.
+        overlapping = {first: batch for first, end, batch in chunks
+                       if any(r.start < end and first < r.end for r in wanted)}
+        return b"".join(overlapping[first] for first in sorted(overlapping)), delivery
 
     def forget_below(self, log_start_offset: int) -> None:
         if self.store is not None:
             self.store.forget_below(log_start_offset)
-
-
-def _base(batch: memoryview) -> int:
-    return next(iter_batches(batch))[1].base_offset
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[OffsetRange]:

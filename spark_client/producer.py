@@ -327,11 +327,8 @@ class Producer:
         """Send everything now and wait until every record sent so far is acknowledged
         (or failed: failures are in the futures)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._seal_open(lambda state: True)
         with self._lock:
-            for (topic, partition), state in self._partitions.items():
-                if state.open:
-                    self._seal(topic, partition, state)
-            self._lock.notify_all()
             while self._unfinished:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -340,9 +337,13 @@ class Producer:
 
     def _flush_txn(self, txn) -> None:
         """Seal the open batches of a transaction now (commit() is about to wait)."""
+        self._seal_open(lambda state: state.open_txn is txn)
+
+    def _seal_open(self, which) -> None:
+        """Seal the open batches of the partitions `which(state)` picks, and wake the sender."""
         with self._lock:
             for (topic, partition), state in self._partitions.items():
-                if state.open and state.open_txn is txn:
+                if state.open and which(state):
                     self._seal(topic, partition, state)
             self._lock.notify_all()
 

@@ -93,7 +93,7 @@ class SubscriptionConsumer:
                         raise last from None
                     retry.extend(group)
                     continue
-                items = list(getattr(reply, "results", None) or getattr(reply, "cursors"))
+                items = list(reply.cursors if method == "DescribeSubscription" else reply.results)
                 for (topic, partition), result in zip(group, items):
                     reason = result.error.reason
                     if reason and (reason in _ROUTING or errors.error_for(reason, "").retriable):

@@ -49,6 +49,26 @@ def zk(cluster):
         client.close()
 
 
+def create_online(client, name: str, partitions: int, **options) -> None:
+    """Create a topic and wait until every partition serves (its owner opens it after
+    CreateTopic answers; until then requests get the retriable PARTITION_LOADING)."""
+    client.create_topic(name, partitions=partitions, **options)
+
+    def online(p: int) -> bool:
+        stub = stub_at(client, client.metadata.route(name, p).address)
+        try:
+            return stub.DescribePartition(partition_pb2.DescribePartitionRequest(
+                topic_partition=tp(name, p)), timeout=10).state == \
+                partition_pb2.PARTITION_STATE_ONLINE
+        except grpc.RpcError:  # the server has not seen the assignment yet
+            return False
+
+    deadline = time.monotonic() + 30
+    while not all(online(p) for p in range(partitions)):
+        assert time.monotonic() < deadline, f"{name} did not come online"
+        time.sleep(0.05)
+
+
 def tp(topic: str, partition: int) -> common_pb2.TopicPartition:
     return common_pb2.TopicPartition(topic=topic, partition=partition)
 
@@ -98,7 +118,7 @@ def whole_request_error(call) -> str:
 @pytest.fixture(scope="module")
 def layout(client, cluster):
     """A 4-partition topic; the server owning partition 0, what it owns and what not."""
-    client.create_topic("markers", partitions=4)
+    create_online(client, "markers", 4)
     routes = [client.metadata.route("markers", p) for p in range(4)]
     home = routes[0]
     owned = [p for p, r in enumerate(routes) if r.server_name == home.server_name]
@@ -347,7 +367,7 @@ def describe(stub, topic: str, partition: int):
 
 
 def test_delete_records_moves_the_log_start_to_a_segment_boundary(client, cluster):
-    client.create_topic("trimmed", partitions=1, config={"segment.bytes": str(1 << 16)})
+    create_online(client, "trimmed", 1, config={"segment.bytes": str(1 << 16)})
     route = client.metadata.route("trimmed", 0)
     stub = stub_at(client, route.address)
     produce(stub, "trimmed", 0, batches=40)  # ~10 KiB batches of 10 records: 7 segments
@@ -386,7 +406,7 @@ def test_delete_records_moves_the_log_start_to_a_segment_boundary(client, cluste
 
 
 def test_delete_records_bad_inputs(client, cluster):
-    client.create_topic("trim-errors", partitions=2)
+    create_online(client, "trim-errors", 2)
     route = client.metadata.route("trim-errors", 0)
     stub = stub_at(client, route.address)
     produce(stub, "trim-errors", 0, batches=2)

@@ -228,16 +228,13 @@ def test_bad_transactional_input_is_refused_with_a_reason(client):
     unknown = encode_batch([Record(value=b"x")], producer_id=producer_id, producer_epoch=epoch,
                            base_sequence=0, txn=(0, 987_654_321))
     assert produce_raw(client, "tx-solo", 0, unknown).error.reason == "UNKNOWN_TRANSACTION"
-    try:
-        stub_error = None
-        address = client.metadata.route("tx-solo", 0).address
-        stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+    address = client.metadata.route("tx-solo", 0).address
+    stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+    with pytest.raises(grpc.RpcError) as raised:
         stub.Fetch(partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
             topic_partition=common_pb2.TopicPartition(topic="tx-solo", partition=0),
             fetch_offset=-1)]), timeout=10)
-    except grpc.RpcError as error:
-        stub_error = from_rpc_error(error)
-    assert stub_error is not None and stub_error.reason == "INVALID_ARGUMENT"
+    assert from_rpc_error(raised.value).reason == "INVALID_ARGUMENT"
 
 
 # ------------------------------------------------------------------ subscriptions
