@@ -55,6 +55,20 @@ class Client:
 
         return Consumer(self, topics, **options)
 
+    def describe_partition(self, topic: str, partition: int):
+        """The partition server's DescribePartition answer (high watermark, max read
+        position, open transactions, producers, subscriptions)."""
+        from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+
+        address = self.metadata.route(topic, partition).address
+        stub = partition_pb2_grpc.PartitionServiceStub(self.channels.get(address))
+        try:
+            return stub.DescribePartition(partition_pb2.DescribePartitionRequest(
+                topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition)),
+                timeout=self.request_timeout_s)
+        except grpc.RpcError as rpc_error:
+            raise errors.from_grpc(rpc_error) from None
+
     # ------------------------------------------------------------------ transactions
     def begin_transaction(self, timeout_s: float = 60.0):
         """Open a transaction (see spark_client.transactions.Transaction): commit() or

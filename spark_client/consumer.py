@@ -36,7 +36,8 @@ class Consumer:
     def __init__(self, client, topics: list[str] | str, *, isolation: str = "read_committed",
                  start: str = "earliest", max_bytes_per_partition: int = 4 << 20,
                  max_bytes_per_request: int = 8 << 20,
-                 request_timeout_s: float = 30.0):
+                 request_timeout_s: float = 30.0,
+                 partitions: list[int] | None = None):
         if isolation not in ISOLATION:
             raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
         if start not in ("earliest", "latest"):
@@ -53,7 +54,11 @@ class Consumer:
         self._closed = False
         for topic in self.topics:
             for route in client.metadata.partitions(topic):
-                self._positions[(topic, route.partition)] = -1 if start == "latest" else 0
+                if partitions is None or route.partition in partitions:
+                    self._positions[(topic, route.partition)] = -1 if start == "latest" else 0
+        if partitions is not None and len(self._positions) != len(self.topics) * len(set(partitions)):
+            raise ValueError(f"partitions {sorted(set(partitions))} do not all exist in "
+                             f"{self.topics}")
         if start == "latest":
             for key, offset in self._list_offsets(partition_pb2.OFFSET_SPEC_LATEST).items():
                 self._positions[key] = offset
@@ -61,6 +66,14 @@ class Consumer:
     def assignment(self) -> dict[tuple[str, int], int]:
         """Each (topic, partition) and the next offset this consumer will read."""
         return dict(self._positions)
+
+    def position(self, topic: str, partition: int) -> int:
+        """The offset poll() goes on from in this partition: that of the first message
+        fetched but not yet returned, else the next offset to fetch."""
+        for message in self._buffer:
+            if message.topic == topic and message.partition == partition:
+                return message.offset
+        return self._positions[(topic, partition)]
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         if (topic, partition) not in self._positions:

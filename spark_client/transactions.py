@@ -95,7 +95,9 @@ class Transaction:
     """One transaction; see the module docstring. Thread-safe."""
 
     def __init__(self, client, timeout_s: float, *, parent: Transaction | None = None,
-                 session: S.TransactionalSession | None = None, tc_partition: int | None = None):
+                 session: S.TransactionalSession | None = None, tc_partition: int | None = None,
+                 key: str | None = None,
+                 _resume: common_pb2.TxnId | None = None):
         if not 0 < timeout_s <= 4_294_967:
             raise ValueError("timeout_s must be positive (at most the coordinator's maximum)")
         self._coordinators = Coordinators(client)
@@ -107,23 +109,45 @@ class Transaction:
         self._pending: list = []  # anything with .result(timeout)
         self._flushers: list = []  # called before commit waits (producers' lingering batches)
         self._ended: str | None = None  # "committed" | "aborted"
+        self.kept_children: list[common_pb2.TxnId] = []
+        self.existing = False  # NewTxn found this transaction by its idempotency key
+        self.state_at_open = "OPEN"  # for an existing one: its state then (e.g. COMMITTED)
+        if parent is not None and key is not None:
+            raise ValueError("a child transaction has no idempotency key of its own")
         count = self._coordinators.tc_partition_count()
         if parent is not None:
             self.tc_partition = parent.tc_partition
+        elif key is not None:  # the caller's key decides the TC partition
+            self.tc_partition = tc_partition_for(key, count)
         elif tc_partition is not None:  # a session's TC partition
             self.tc_partition = tc_partition
         else:
             self.tc_partition = random.randrange(count)
-        # A random key on the same TC partition makes NewTxn retry-safe (children are
-        # found through their parent instead).
-        key = "" if parent is not None else _key_for(self.tc_partition, count)
-        request = S.NewTxnRequest(tc_partition=self.tc_partition,
-                                  timeout_ms=int(timeout_s * 1000), idempotency_key=key,
-                                  parent_txn_id=parent.txn_id if parent else None,
-                                  session=session)
-        reply = self._call("NewTxn", request)
-        self.txn_id: common_pb2.TxnId = reply.txn_id
+        if _resume is not None:
+            self.txn_id = _resume
+        else:
+            # A random key on the same TC partition makes NewTxn retry-safe (children are
+            # found through their parent instead).
+            if key is None:
+                key = "" if parent is not None else _key_for(self.tc_partition, count)
+            request = S.NewTxnRequest(tc_partition=self.tc_partition,
+                                      timeout_ms=int(timeout_s * 1000), idempotency_key=key,
+                                      parent_txn_id=parent.txn_id if parent else None,
+                                      session=session)
+            reply = self._call("NewTxn", request)
+            self.txn_id: common_pb2.TxnId = reply.txn_id
+            self.existing = reply.existing
+            self.state_at_open = _STATE_NAMES.get(reply.state, "UNSPECIFIED")
         self.key = (self.txn_id.tc_partition, self.txn_id.sequence)
+
+    @classmethod
+    def resume(cls, client, txn_id: tuple[int, int], timeout_s: float = 60.0) -> Transaction:
+        """A handle on a transaction another process opened, from its (tc partition,
+        sequence): to commit or abort it, or to open children under it. `timeout_s`
+        bounds this handle's calls, not the transaction."""
+        tc_partition, sequence = txn_id
+        return cls(client, timeout_s, tc_partition=tc_partition,
+                   _resume=common_pb2.TxnId(tc_partition=tc_partition, sequence=sequence))
 
     # ------------------------------------------------------------------ identity
     @property
@@ -186,10 +210,16 @@ class Transaction:
         self._call("PrepareTxn", S.PrepareTxnRequest(
             txn_id=self.txn_id, prepared_timeout_ms=int(prepared_timeout_s * 1000)))
 
-    def commit(self, *, wait_for_markers: bool = False) -> None:
+    def commit(self, *, wait_for_markers: bool = False,
+               keep_children: Iterable[tuple[int, int]] = ()) -> None:
         """Wait for every tracked send/ack, then commit. Returns once the decision is
         durable (or, with wait_for_markers, delivered to every partition). Safe to call
-        again. Raises TransactionAborted / TransactionTimedOut when it cannot commit."""
+        again. Raises TransactionAborted / TransactionTimedOut when it cannot commit.
+
+        A parent commits the PREPARED children named in `keep_children` ((tc partition,
+        sequence) pairs) with it, and every other child is aborted in the same decision;
+        `kept_children` then holds what the coordinator kept (also when this commit is a
+        retry of one that already happened)."""
         if self._ended == "committed":
             return
         try:
@@ -197,7 +227,9 @@ class Transaction:
         except errors.AtomlogClientError:
             self.abort()
             raise
-        self._end(partition_pb2.TXN_DECISION_COMMIT, wait_for_markers)
+        reply = self._end(partition_pb2.TXN_DECISION_COMMIT, wait_for_markers,
+                          [common_pb2.TxnId(tc_partition=t, sequence=q) for t, q in keep_children])
+        self.kept_children = list(reply.kept_child_txn_ids)
         self._ended = "committed"
 
     def abort(self) -> None:
@@ -225,10 +257,11 @@ class Transaction:
             self.abort()
 
     # ------------------------------------------------------------------ plumbing
-    def _end(self, decision: int, wait_for_markers: bool) -> None:
-        self._call("EndTxn", S.EndTxnRequest(txn_id=self.txn_id, decision=decision,
-                                             wait_for_markers=wait_for_markers,
-                                             session=self.session))
+    def _end(self, decision: int, wait_for_markers: bool, children=()):
+        return self._call("EndTxn", S.EndTxnRequest(txn_id=self.txn_id, decision=decision,
+                                                    wait_for_markers=wait_for_markers,
+                                                    children_to_keep=children,
+                                                    session=self.session))
 
     def _wait_pending(self) -> None:
         with self._lock:

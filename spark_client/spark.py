@@ -1,0 +1,706 @@
+"""The `atomlog` Spark data source (pyspark >= 4.3 Python data source API).
+
+    from spark_client.spark import register
+    register(spark)                      # spark.dataSource.register(AtomlogDataSource)
+    df.write.format("atomlog").option("bootstrap", "host:port").option("topic", "t") \\
+        .mode("append").save()           # exactly once
+    spark.read.format("atomlog").option("bootstrap", ...).option("topic", "t").load()
+    spark.readStream.format("atomlog")...; df.writeStream.format("atomlog")...
+
+Exactly-once writes use parent and child transactions (docs/spark.md):
+
+- Batch: the writer, built on the driver, opens a *parent* transaction. Each task attempt
+  opens a *child* of it on the same coordinator, writes its rows with an idempotent
+  producer, PREPAREs the child and returns the child's id. Spark hands the driver's
+  `commit(messages)` only the messages of successful attempts; committing the parent
+  names exactly those children, and every other child — failed, killed and losing
+  speculative attempts — is aborted in the same coordinator log record. `abort()` aborts
+  the parent. A driver that dies leaves the parent OPEN until its timeout, which aborts
+  it and every child: nothing becomes visible. Task attempts restart the parent's timeout
+  as they start (its idempotency key), so the timeout bounds the silence of a dead
+  driver, not the length of a job.
+- Streaming: the parent is keyed by (query id, batch id). Tasks open it by that key
+  (the first creates it) and their children under it; the driver's commit is idempotent,
+  so a micro-batch replayed after a restart commits at most once: if the batch was
+  already committed, its tasks find the parent decided and write nothing.
+
+Reads are read_committed by default: the end offset of each partition is pinned at
+planning (its max read position, below which everything is decided), so a batch read
+is repeatable and never sees open or aborted data.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourceReader,
+                                    DataSourceStreamArrowWriter, DataSourceStreamReader,
+                                    InputPartition, WriterCommitMessage)
+from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadLimit, ReadMaxRows,
+                                              SupportsTriggerAvailableNow)
+from pyspark.sql.types import (ArrayType, BinaryType, IntegerType, LongType, MapType,
+                               StringType, StructField, StructType, TimestampType)
+
+from spark_client import errors
+
+NAME = "atomlog"
+SCHEMA = StructType([
+    StructField("topic", StringType(), False), StructField("partition", IntegerType(), False),
+    StructField("offset", LongType(), False), StructField("key", BinaryType()),
+    StructField("value", BinaryType()),
+    StructField("headers", ArrayType(StructType([StructField("key", StringType(), False),
+                                                 StructField("value", BinaryType())]), False)),
+    StructField("timestamp", TimestampType(), False)])
+# Every option, its default and meaning: docs/spark.md lists the same table.
+OPTIONS = {
+    "bootstrap": (None, "address(es) of any atomlog server, comma-separated (required)"),
+    "topic": (None, "the topic to write; or the topic(s) to read, comma-separated"),
+    "topics": (None, "the topics to read, comma-separated (alias of topic for reads)"),
+    "isolation": ("read_committed", "reads: read_committed or read_uncommitted"),
+    "startingOffsets": ("earliest", "reads: earliest, latest, or JSON "
+                        '{"topic": {"0": offset}} (missing partitions: earliest)'),
+    "endingOffsets": ("latest", "batch reads: latest (the max read position under "
+                      "read_committed) or JSON like startingOffsets"),
+    "maxOffsetsPerSplit": ("1000000", "batch and stream reads: a partition range longer "
+                           "than this is split over several Spark partitions"),
+    "maxRecordsPerTrigger": ("", "streams: at most about this many offsets per "
+                             "micro-batch, spread over the partitions (default: all)"),
+    "transactionTimeoutMs": ("120000", "writes: the parent's OPEN timeout; a dead driver's "
+                             "write is aborted this long after its last task started"),
+    "childTimeoutMs": ("", "writes: a task attempt's OPEN timeout (default: "
+                       "transactionTimeoutMs)"),
+    "preparedTimeoutMs": ("0", "writes: how long a prepared child waits for its parent's "
+                          "decision (0: the coordinator's default)"),
+    "batchMaxBytes": ("262144", "writes: producer batch size in bytes"),
+    "lingerMs": ("5", "writes: producer linger in milliseconds"),
+    "compression": ("none", "writes: none, zstd or lz4"),
+    "requestTimeoutMs": ("30000", "every call's timeout"),
+}
+# Options Spark itself passes along with ours.
+_SPARK_OPTIONS = {"path", "checkpointlocation", "queryname"}
+_WRITE_COLUMNS = {"value", "key", "headers", "partition", "topic"}
+
+
+def register(spark) -> None:
+    """Make `format("atomlog")` available in this SparkSession."""
+    spark.dataSource.register(AtomlogDataSource)
+
+
+def local_session(app: str = "atomlog", master: str = "local[2,4]", **conf):
+    """A local SparkSession whose Python workers run this interpreter (so they import
+    atomlog and grpc), with the atomlog source registered. `local[N,F]` lets a failed
+    task be retried up to F-1 times, as on a cluster."""
+    import os
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = (SparkSession.builder.master(master).appName(app)
+               .config("spark.ui.enabled", "false")
+               .config("spark.sql.shuffle.partitions", "4")
+               .config("spark.driver.memory", "1g"))
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    return spark
+
+
+class OptionError(ValueError):
+    """A data source option is missing or wrong (raised on the driver, before any write)."""
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class Options:
+    bootstrap: list[str]
+    topics: list[str]
+    isolation: str
+    starting: str
+    ending: str
+    max_offsets_per_split: int
+    max_records_per_trigger: int | None
+    transaction_timeout_s: float
+    child_timeout_s: float
+    prepared_timeout_s: float
+    batch_max_bytes: int
+    linger_ms: float
+    compression: str | None
+    request_timeout_s: float
+
+    @classmethod
+    def parse(cls, options) -> Options:
+        given = {k.lower(): v for k, v in dict(options).items()}
+        known = {k.lower() for k in OPTIONS} | _SPARK_OPTIONS
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise OptionError(f"unknown atomlog option(s) {unknown}; known: {sorted(OPTIONS)}")
+
+        def get(name: str) -> str:
+            return given.get(name.lower(), OPTIONS[name][0]) or ""
+
+        def number(name: str, low: float, high: float, kind=int):
+            text = get(name)
+            try:
+                value = kind(text)
+            except ValueError:
+                raise OptionError(f"option {name}={text!r} is not a number") from None
+            if not low <= value <= high:
+                raise OptionError(f"option {name}={value} must be between {low} and {high}")
+            return value
+
+        bootstrap = [a.strip() for a in get("bootstrap").split(",") if a.strip()]
+        if not bootstrap:
+            raise OptionError("option bootstrap (an atomlog server address) is required")
+        topics = [t.strip() for t in (get("topics") or get("topic") or given.get("path", ""))
+                  .split(",") if t.strip()]
+        isolation = get("isolation")
+        if isolation not in ("read_committed", "read_uncommitted"):
+            raise OptionError(f"option isolation={isolation!r}: read_committed or "
+                              "read_uncommitted")
+        compression = get("compression").lower()
+        if compression not in ("none", "zstd", "lz4"):
+            raise OptionError(f"option compression={compression!r}: none, zstd or lz4")
+        txn_ms = number("transactionTimeoutMs", 1000, 900_000)
+        child_ms = number("childTimeoutMs", 1000, 900_000) if get("childTimeoutMs") else txn_ms
+        trigger = (number("maxRecordsPerTrigger", 1, 2**62) if get("maxRecordsPerTrigger")
+                   else None)
+        parsed = cls(bootstrap=bootstrap, topics=topics, isolation=isolation,
+                     starting=get("startingOffsets"), ending=get("endingOffsets"),
+                     max_offsets_per_split=number("maxOffsetsPerSplit", 1, 2**62),
+                     max_records_per_trigger=trigger,
+                     transaction_timeout_s=txn_ms / 1000, child_timeout_s=child_ms / 1000,
+                     prepared_timeout_s=number("preparedTimeoutMs", 0, 3_600_000) / 1000,
+                     batch_max_bytes=number("batchMaxBytes", 1024, 16 << 20),
+                     linger_ms=number("lingerMs", 0, 60_000, float),
+                     compression=None if compression == "none" else compression,
+                     request_timeout_s=number("requestTimeoutMs", 100, 600_000) / 1000)
+        for which in ("starting", "ending"):
+            _parse_offsets_spec(getattr(parsed, which), f"{which}Offsets")
+        return parsed
+
+    def client(self):
+        from spark_client import Client
+
+        return Client(self.bootstrap, request_timeout_s=self.request_timeout_s)
+
+    def write_topic(self) -> str:
+        if len(self.topics) != 1:
+            raise OptionError("writes need exactly one topic (option topic), or a topic column")
+        return self.topics[0]
+
+
+def _parse_offsets_spec(spec: str, name: str) -> dict | str:
+    if spec in ("earliest", "latest"):
+        return spec
+    try:
+        parsed = json.loads(spec)
+        if not isinstance(parsed, dict) or not all(
+                isinstance(v, dict) and all(int(p) >= 0 and isinstance(o, int) and o >= -2
+                                            for p, o in v.items()) for v in parsed.values()):
+            raise ValueError
+    except (ValueError, TypeError):
+        raise OptionError(f"option {name}={spec!r}: earliest, latest or JSON "
+                          '{"topic": {"partition": offset}}') from None
+    return parsed
+
+
+# ---------------------------------------------------------------------------- source
+class AtomlogDataSource(DataSource):
+    """format("atomlog"): see the module docstring and docs/spark.md."""
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def schema(self):
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return BatchReader(Options.parse(self.options), schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceArrowWriter:
+        if overwrite:
+            raise OptionError("atomlog topics are append-only: use mode('append')")
+        return BatchWriter(Options.parse(self.options), schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return StreamReader(Options.parse(self.options), schema)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamArrowWriter:
+        if overwrite:
+            raise OptionError("atomlog topics are append-only: use outputMode('append')")
+        return StreamWriter(Options.parse(self.options), schema)
+
+
+# ---------------------------------------------------------------------------- reads
+@dataclass(frozen=True)
+class OffsetRange(InputPartition):
+    """One Spark partition of a read: offsets [start, end) of one topic partition."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+
+def _check_read_schema(schema: StructType) -> None:
+    if [f.name for f in schema.fields] != SCHEMA.names:
+        raise OptionError(f"an atomlog read has the fixed schema {SCHEMA.simpleString()}; "
+                          f"select columns after load() instead of passing a schema")
+
+
+def _topics_or_fail(options: Options, client) -> list[str]:
+    if not options.topics:
+        raise OptionError("reads need option topic (or topics)")
+    known = set(client.list_topics())
+    missing = [t for t in options.topics if t not in known]
+    if missing:
+        raise OptionError(f"unknown topic(s) {missing}")
+    return options.topics
+
+
+def _offsets(options: Options, client, spec: str, default_latest: bool) -> dict[str, dict[str, int]]:
+    """{topic: {"partition": offset}} for every partition of the topics, for a spec of
+    earliest / latest / JSON (JSON entries -2 = earliest, -1 = latest, like Kafka)."""
+    from spark_client.consumer import Consumer
+
+    parsed = _parse_offsets_spec(spec, "offsets")
+    consumer = Consumer(client, options.topics, isolation=options.isolation)
+    try:
+        latest = {(t, p): o for (t, p), o in consumer.end_offsets().items()}
+        earliest = _earliest(consumer)
+    finally:
+        consumer.close()
+    out: dict[str, dict[str, int]] = {}
+    for (topic, partition), end in sorted(latest.items()):
+        if parsed == "latest":
+            offset = end
+        elif parsed == "earliest":
+            offset = earliest[(topic, partition)]
+        else:
+            given = parsed.get(topic, {}).get(str(partition))
+            if given is None:
+                given = -1 if default_latest else -2
+            offset = {-1: end, -2: earliest[(topic, partition)]}.get(given, given)
+        out.setdefault(topic, {})[str(partition)] = offset
+    return out
+
+
+def _earliest(consumer) -> dict[tuple[str, int], int]:
+    from atomlog.v1 import partition_pb2
+
+    return consumer._list_offsets(partition_pb2.OFFSET_SPEC_EARLIEST)
+
+
+def _ranges(start: dict, end: dict, max_per_split: int) -> list[OffsetRange]:
+    ranges = []
+    for topic in sorted(end):
+        for partition_text in sorted(end[topic], key=int):
+            first = start.get(topic, {}).get(partition_text, 0)
+            last = end[topic][partition_text]
+            while first < last:
+                upto = min(last, first + max_per_split)
+                ranges.append(OffsetRange(topic, int(partition_text), first, upto))
+                first = upto
+    return ranges
+
+
+def _read_range(options: Options, part: OffsetRange) -> Iterator[tuple]:
+    """The records of one range, in offset order, as rows of SCHEMA."""
+    from spark_client.consumer import Consumer
+
+    client = options.client()
+    try:
+        consumer = Consumer(client, part.topic, isolation=options.isolation,
+                            partitions=[part.partition],
+                            request_timeout_s=options.request_timeout_s)
+        consumer.seek(part.topic, part.partition, part.start)
+        deadline = time.monotonic() + max(60.0, 4 * options.request_timeout_s)
+        while consumer.position(part.topic, part.partition) < part.end:
+            messages = consumer.poll(timeout_s=1.0, max_records=10_000)
+            if messages:
+                deadline = time.monotonic() + max(60.0, 4 * options.request_timeout_s)
+            elif time.monotonic() > deadline:
+                raise errors.error_for(
+                    "REQUEST_TIMED_OUT", f"{part.topic}-{part.partition}: offsets "
+                    f"{consumer.position(part.topic, part.partition)}..{part.end} "
+                    "were not readable for a minute (are they committed?)")
+            for m in messages:
+                if m.offset >= part.end:
+                    return
+                yield (m.topic, m.partition, m.offset, m.key, m.value,
+                       [(k, v) for k, v in m.headers],
+                       datetime.fromtimestamp(m.timestamp_ms / 1000, tz=timezone.utc))
+    finally:
+        client.close()
+
+
+class BatchReader(DataSourceReader):
+    """Ranges pinned at planning: [startingOffsets, endingOffsets) per partition, where
+    latest is the max read position (read_committed) or the high watermark."""
+
+    def __init__(self, options: Options, schema: StructType):
+        _check_read_schema(schema)
+        self.options = options
+        client = options.client()
+        try:
+            _topics_or_fail(options, client)
+            self.start = _offsets(options, client, options.starting, default_latest=False)
+            self.end = _offsets(options, client, options.ending, default_latest=True)
+        finally:
+            client.close()
+
+    def partitions(self) -> list[OffsetRange]:
+        return _ranges(self.start, self.end, self.options.max_offsets_per_split)
+
+    def read(self, partition: OffsetRange) -> Iterator[tuple]:
+        return _read_range(self.options, partition)
+
+
+class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Offsets {topic: {"partition": next offset}}; admission control through
+    maxRecordsPerTrigger (ReadMaxRows), and Trigger.AvailableNow."""
+
+    def __init__(self, options: Options, schema: StructType):
+        _check_read_schema(schema)
+        self.options = options
+        self._client = None
+        _topics_or_fail(options, self.client)
+        self._target: dict | None = None  # AvailableNow: the end fixed at its start
+
+    @property
+    def client(self):
+        """The driver's client, made on first use (never pickled to the tasks)."""
+        if self._client is None:
+            self._client = self.options.client()
+        return self._client
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_client": None}
+
+    def initialOffset(self) -> dict:
+        return _offsets(self.options, self.client, self.options.starting, default_latest=False)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.options.max_records_per_trigger:
+            return ReadMaxRows(self.options.max_records_per_trigger)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._latest()
+
+    def _latest(self) -> dict:
+        return _offsets(self.options, self.client, "latest", default_latest=True)
+
+    def reportLatestOffset(self) -> dict:
+        return self._latest()
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        end = self._target if self._target is not None else self._latest()
+        budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        return cap_offsets(start, end, budget)
+
+    def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
+        return _ranges(start, end, self.options.max_offsets_per_split)
+
+    def read(self, partition: OffsetRange) -> Iterator[tuple]:
+        return _read_range(self.options, partition)
+
+    def commit(self, end: dict) -> None:
+        pass  # positions live in Spark's checkpoint
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def cap_offsets(start: dict, end: dict, budget: int | None) -> dict:
+    """`end`, but at most `budget` offsets past `start` in all, shared fairly: every
+    partition with data gets an equal share, and what a small partition does not use goes
+    to the others. Never moves a partition backwards. Pure."""
+    lag = {}
+    for topic, partitions in end.items():
+        for p, offset in partitions.items():
+            first = start.get(topic, {}).get(p, 0)
+            lag[(topic, p)] = (first, max(first, offset))
+    if budget is None or sum(e - s for s, e in lag.values()) <= budget:
+        grant = {k: e - s for k, (s, e) in lag.items()}
+    else:
+        grant = {k: 0 for k in lag}
+        wanting = {k for k, (s, e) in lag.items() if e > s}
+        left = budget
+        while left > 0 and wanting:
+            share = max(1, left // len(wanting))
+            for k in sorted(wanting):
+                s, e = lag[k]
+                take = min(share, e - s - grant[k], left)
+                grant[k] += take
+                left -= take
+                if s + grant[k] >= e:
+                    wanting.discard(k)
+                if left == 0:
+                    break
+    out: dict[str, dict[str, int]] = {}
+    for (topic, p), (s, _) in lag.items():
+        out.setdefault(topic, {})[p] = s + grant[(topic, p)]
+    return out
+
+
+# ---------------------------------------------------------------------------- writes
+@dataclass
+class ChildCommit(WriterCommitMessage):
+    """What a task attempt hands the driver: its prepared child (or why it has none)."""
+
+    parent: tuple[int, int] | None
+    child: tuple[int, int] | None
+    rows: int = 0
+    skipped: str = ""  # why nothing was written (e.g. "parent COMMITTED": a replay)
+
+
+def _check_write_schema(schema: StructType, options: Options) -> None:
+    names = [f.name for f in schema.fields]
+    unknown = [n for n in names if n not in _WRITE_COLUMNS]
+    problems = []
+    if "value" not in names:
+        problems.append("a column `value` (binary or string) is required")
+    if unknown:
+        problems.append(f"unknown column(s) {unknown}; allowed: {sorted(_WRITE_COLUMNS)}")
+    types = {f.name: f.dataType for f in schema.fields}
+    for name in ("value", "key"):
+        if name in types and not isinstance(types[name], (BinaryType, StringType)):
+            problems.append(f"column `{name}` must be binary or string, not "
+                            f"{types[name].simpleString()}")
+    if "partition" in types and not isinstance(types["partition"], (IntegerType, LongType)):
+        problems.append("column `partition` must be an integer")
+    if "topic" in types and not isinstance(types["topic"], StringType):
+        problems.append("column `topic` must be a string")
+    if "headers" in types:
+        h = types["headers"]
+        ok = (isinstance(h, MapType) and isinstance(h.keyType, StringType)
+              and isinstance(h.valueType, (BinaryType, StringType))) or (
+            isinstance(h, ArrayType) and isinstance(h.elementType, StructType)
+            and [f.name for f in h.elementType.fields] == ["key", "value"])
+        if not ok:
+            problems.append("column `headers` must be map<string,binary|string> or "
+                            "array<struct<key:string,value:binary|string>>")
+    if "topic" not in types and len(options.topics) != 1:
+        problems.append("give exactly one topic (option topic) or a `topic` column")
+    if problems:
+        raise OptionError("cannot write this DataFrame to atomlog: " + "; ".join(problems))
+
+
+def _headers_of(value):
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return list(value.items())
+    if value and isinstance(value[0], dict):
+        return [(h["key"], h["value"]) for h in value]
+    return list(value)  # a map column arrives as a list of (key, value) tuples
+
+
+def _write_rows(options: Options, client, txn, batches) -> int:
+    """Send every row of the Arrow batches in `txn`; returns how many."""
+    producer = client.producer(batch_max_bytes=options.batch_max_bytes,
+                               linger_ms=options.linger_ms, compression=options.compression)
+    default_topic = options.topics[0] if len(options.topics) == 1 else None
+    rows = 0
+    try:
+        for batch in batches:
+            columns = {name: batch.column(name).to_pylist() for name in batch.schema.names}
+            values = columns["value"]
+            n = len(values)
+            keys = columns.get("key", [None] * n)
+            parts = columns.get("partition", [None] * n)
+            topics = columns.get("topic", [default_topic] * n)
+            headers = columns.get("headers", [None] * n)
+            for i in range(n):
+                topic = topics[i] or default_topic
+                if topic is None:
+                    raise OptionError(f"row {rows + i} has no topic")
+                producer.send(topic, values[i], key=keys[i], partition=parts[i],
+                              headers=_headers_of(headers[i]), txn=txn)
+            rows += n
+        producer.flush()
+    finally:
+        producer.close(timeout=options.request_timeout_s)
+    return rows
+
+
+def _peek(batches) -> tuple[bool, Iterator]:
+    """Whether there is at least one row, and the batches unchanged."""
+    iterator = iter(batches)
+    for batch in iterator:
+        if batch.num_rows:
+            def chained(first=batch):
+                yield first
+                yield from iterator
+            return True, chained()
+    return False, iter(())
+
+
+def _write_child(options: Options, parent_key: str, batches,
+                 expected_parent: tuple[int, int] | None = None) -> ChildCommit:
+    """One task attempt: open the parent by its key (for a batch write this finds the
+    driver's parent and restarts its timeout; for a stream the first task creates it),
+    open a child under it, write, prepare. A parent already decided (a replayed
+    micro-batch) means: write nothing. An exception aborts the child (best effort) and
+    fails the attempt."""
+    from spark_client.transactions import Transaction
+
+    has_rows, batches = _peek(batches)
+    if not has_rows:
+        return ChildCommit(parent=None, child=None, skipped="no rows")
+    client = options.client()
+    child = None
+    try:
+        parent = Transaction(client, options.transaction_timeout_s, key=parent_key)
+        if expected_parent is not None and parent.key != expected_parent:
+            # The driver's parent ended (its timeout aborted it) and the key opened a new
+            # one: abort that and fail; the driver's commit fails too.
+            parent.abort()
+            raise errors.error_for(
+                "TRANSACTION_TIMED_OUT", f"parent transaction {expected_parent[0]}:"
+                f"{expected_parent[1]} is no longer open (raise transactionTimeoutMs?)")
+        if parent.state_at_open != "OPEN":
+            return ChildCommit(parent=parent.key, child=None,
+                               skipped=f"parent {parent.state_at_open}")
+        try:
+            child = Transaction(client, options.child_timeout_s, parent=parent)
+        except errors.AtomlogClientError as error:
+            if error.reason != "PARENT_NOT_OPEN":
+                raise
+            return ChildCommit(parent=parent.key, child=None,
+                               skipped=f"parent {error.metadata.get('parent_state', 'decided')}")
+        rows = _write_rows(options, client, child, batches)
+        child.prepare(options.prepared_timeout_s)
+        return ChildCommit(parent=parent.key, child=child.key, rows=rows)
+    except BaseException:
+        if child is not None:
+            try:
+                child.abort()
+            except Exception:  # noqa: BLE001 — the parent's decision aborts it anyway
+                pass
+        raise
+    finally:
+        client.close()
+
+
+class BatchWriter(DataSourceArrowWriter):
+    """Built on the driver: opens the parent. Pickled to the tasks and to commit/abort."""
+
+    def __init__(self, options: Options, schema: StructType):
+        from spark_client.transactions import Transaction
+
+        _check_write_schema(schema, options)
+        self.options = options
+        client = options.client()
+        try:
+            known = set(client.list_topics())
+            missing = [t for t in options.topics if t not in known]
+            if missing:
+                raise OptionError(f"unknown topic(s) {missing}: create them first")
+            self.parent_key = f"spark-write:{uuid.uuid4()}"
+            parent = Transaction(client, options.transaction_timeout_s, key=self.parent_key)
+            self.parent_id = parent.key
+        finally:
+            client.close()
+
+    def write(self, iterator) -> ChildCommit:
+        return _write_child(self.options, self.parent_key, iterator, self.parent_id)
+
+    def commit(self, messages: list[ChildCommit | None]) -> None:
+        _commit_parent(self.options, self.parent_id, messages)
+
+    def abort(self, messages: list[ChildCommit | None]) -> None:
+        _abort_parent(self.options, self.parent_id)
+
+
+def _commit_parent(options: Options, parent_id: tuple[int, int],
+                   messages: list[ChildCommit | None]) -> list:
+    """Commit the parent keeping the children of these (successful) attempts; waits for
+    the markers, so the rows are readable when Spark's write returns."""
+    from spark_client.transactions import Transaction
+
+    children = [m.child for m in messages if m is not None and m.child is not None]
+    client = options.client()
+    try:
+        parent = Transaction.resume(client, parent_id, options.transaction_timeout_s)
+        parent.commit(wait_for_markers=True, keep_children=children)
+        kept = {(c.tc_partition, c.sequence) for c in parent.kept_children}
+        if not set(children) <= kept:
+            # A retried commit of a parent decided earlier with other children: the
+            # rows of this attempt are not what was committed.
+            raise errors.error_for("INTERNAL", f"parent {parent_id[0]}:{parent_id[1]} was "
+                                   f"committed with children {sorted(kept)}, not {children}")
+        return sorted(kept)
+    finally:
+        client.close()
+
+
+def _abort_parent(options: Options, parent_id: tuple[int, int]) -> None:
+    from spark_client.transactions import Transaction
+
+    client = options.client()
+    try:
+        Transaction.resume(client, parent_id, options.transaction_timeout_s).abort()
+    finally:
+        client.close()
+
+
+def stream_parent_key(query_id: str, batch_id: int | str) -> str:
+    return f"spark-stream:{query_id}:{batch_id}"
+
+
+class StreamWriter(DataSourceStreamArrowWriter):
+    """A parent per (query id, batch id), opened by the tasks through its key; the
+    driver's commit(messages, batchId) commits it keeping the messages' children."""
+
+    def __init__(self, options: Options, schema: StructType):
+        _check_write_schema(schema, options)
+        self.options = options
+        client = options.client()
+        try:
+            known = set(client.list_topics())
+            missing = [t for t in options.topics if t not in known]
+            if missing:
+                raise OptionError(f"unknown topic(s) {missing}: create them first")
+        finally:
+            client.close()
+
+    def write(self, iterator) -> ChildCommit:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        query_id = context.getLocalProperty("sql.streaming.queryId")
+        batch_id = context.getLocalProperty("streaming.sql.batchId")
+        if not query_id or batch_id is None:
+            raise OptionError("the atomlog stream writer runs only inside a streaming query")
+        return _write_child(self.options, stream_parent_key(query_id, batch_id), iterator)
+
+    def commit(self, messages: list[ChildCommit | None], batchId: int) -> None:
+        parents = {m.parent for m in messages if m is not None and m.parent is not None}
+        if len(parents) > 1:
+            # The batch's parent timed out while it ran, and later tasks opened a new
+            # one by the same key: commit neither; the query fails and replays the batch.
+            for parent in parents:
+                _abort_parent(self.options, parent)
+            raise errors.error_for("TRANSACTION_TIMED_OUT", f"micro-batch {batchId} ran "
+                                   f"longer than its parent's timeout (transactionTimeoutMs)")
+        if parents:
+            _commit_parent(self.options, parents.pop(), messages)
+
+    def abort(self, messages: list[ChildCommit | None], batchId: int) -> None:
+        for parent in {m.parent for m in messages if m is not None and m.parent is not None}:
+            _abort_parent(self.options, parent)

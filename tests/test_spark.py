@@ -1,0 +1,321 @@
+"""The Spark data source against the real local cluster and a real SparkSession
+(`local[2,4]`, so a failed task is retried; one session for the whole test run).
+Tests that kill a Spark driver run Spark in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+
+import pytest
+
+from atomlog.v1.partition_pb2 import PARTITION_STATE_ONLINE
+from spark_client import Client, errors
+from spark_client.transactions import Transaction
+from tests.conftest import REPO_ROOT, wait_until
+
+pyspark = pytest.importorskip("pyspark")
+
+from spark_client.spark import OptionError, cap_offsets, local_session, stream_parent_key  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def spark():
+    session = local_session("atomlog-tests", **{
+        # Small Arrow batches, so a task sends records before a later row fails it.
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "50"})
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.info["bootstrap"]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def bootstrap(cluster) -> str:
+    return cluster.info["bootstrap"]
+
+
+def new_topic(client, name: str, partitions: int = 4) -> str:
+    client.create_topic(name, partitions=partitions)
+    def online() -> bool:
+        try:
+            return all(client.describe_partition(name, p).state == PARTITION_STATE_ONLINE
+                       for p in range(partitions))
+        except errors.AtomlogClientError:
+            return False
+
+    wait_until(online, 30, f"{name} online")
+    return name
+
+
+def values(client, topic: str, isolation: str = "read_committed") -> Counter:
+    consumer = client.consumer(topic, isolation=isolation)
+    ends = consumer.end_offsets()
+    got: Counter = Counter()
+    while any(consumer.position(t, p) < e for (t, p), e in ends.items()):
+        for m in consumer.poll(timeout_s=1.0, max_records=100_000):
+            if m.offset < ends[(m.topic, m.partition)]:
+                got[m.value] += 1
+    consumer.close()
+    return got
+
+
+def aborted_count(client, topic: str) -> int:
+    return sum(client.describe_partition(topic, p).aborted_transaction_count
+               for p in range(client.partitions_for(topic)))
+
+
+def open_count(client, topic: str) -> int:
+    return sum(len(client.describe_partition(topic, p).open_transactions)
+               for p in range(client.partitions_for(topic)))
+
+
+def writer(df, bootstrap: str, topic: str, **options):
+    w = df.write.format("atomlog").option("bootstrap", bootstrap).option("topic", topic)
+    for key, value in options.items():
+        w = w.option(key, str(value))
+    return w.mode("append")
+
+
+# ---------------------------------------------------------------------------- batch write
+def test_a_task_failing_on_its_first_attempt_still_writes_exactly_once(spark, client, bootstrap):
+    from pyspark.sql.functions import udf
+
+    topic = new_topic(client, "spark-retry")
+
+    # Spark hands a writer a partition's rows only after upstream Python UDFs have run
+    # over all of them, so the failure is a row the writer itself refuses (a partition
+    # that does not exist) — after it has sent the rows before it.
+    @udf("int")
+    def partition_failing_first_attempt(i):
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if context.partitionId() == 1 and context.attemptNumber() == 0 and i % 1000 == 900:
+            return 99
+        return i % 4
+
+    df = spark.range(0, 4000, numPartitions=4).selectExpr(
+        "id", "concat('row-', cast(id as string)) as value").select(
+        "value", partition_failing_first_attempt("id").alias("partition"))
+    writer(df, bootstrap, topic, lingerMs=0).save()
+    assert values(client, topic) == Counter(f"row-{i}".encode() for i in range(4000))
+    # The first attempt of task 1 sent 900 rows before failing; they show only to
+    # read_uncommitted, as an aborted transaction.
+    uncommitted = values(client, topic, "read_uncommitted")
+    assert sum(uncommitted.values()) > 4000
+    assert max(uncommitted.values()) == 2
+    assert aborted_count(client, topic) >= 1
+    assert open_count(client, topic) == 0
+
+
+def test_a_failed_job_leaves_nothing_visible(spark, client, bootstrap):
+    from pyspark.sql.functions import udf
+
+    topic = new_topic(client, "spark-fail")
+
+    @udf("string")
+    def always_fail_in_partition_2(i):
+        from pyspark import TaskContext
+
+        if TaskContext.get().partitionId() == 2 and i % 1000 == 500:
+            raise RuntimeError("injected failure of every attempt")
+        return f"row-{i}"
+
+    df = spark.range(0, 4000, numPartitions=4).select(
+        always_fail_in_partition_2("id").alias("value"))
+    with pytest.raises(Exception, match="injected failure of every attempt"):
+        writer(df, bootstrap, topic).save()
+    wait_until(lambda: open_count(client, topic) == 0, 30, "every child to be aborted")
+    assert values(client, topic) == Counter()
+    assert sum(values(client, topic, "read_uncommitted").values()) > 0  # written, aborted
+
+
+DRIVER = textwrap.dedent("""
+    import sys, time
+    from pyspark.sql.functions import udf
+    from spark_client.spark import local_session
+    bootstrap, topic = sys.argv[1], sys.argv[2]
+    spark = local_session("doomed-driver")
+
+    @udf("string")
+    def slow(i):
+        time.sleep(0.01)
+        return f"row-{i}"
+
+    spark.range(0, 10_000, numPartitions=40).select(slow("id").alias("value")) \\
+        .write.format("atomlog").option("bootstrap", bootstrap).option("topic", topic) \\
+        .option("transactionTimeoutMs", "15000").mode("append").save()
+    print("the write finished: the test should have killed it", flush=True)
+""")
+
+
+def test_a_driver_killed_mid_write_leaves_nothing_visible_and_its_parent_times_out(client,
+                                                                                   bootstrap):
+    topic = new_topic(client, "spark-dead-driver")
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, bootstrap, topic], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        wait_until(lambda: sum(values(client, topic, "read_uncommitted").values()) > 0
+                   or driver.poll() is not None, 120, "the tasks to write")
+        assert driver.poll() is None, driver.stdout.read().decode()[-3000:]
+        os.killpg(driver.pid, signal.SIGKILL)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    written = sum(values(client, topic, "read_uncommitted").values())
+    assert written > 0 and open_count(client, topic) > 0
+    assert values(client, topic) == Counter()
+    # The parent's timeout (15 s) aborts it and every child: markers end the open ones.
+    waited = wait_until(lambda: open_count(client, topic) == 0, 60,
+                        "the parent's timeout to abort the children")
+    assert values(client, topic) == Counter()
+    assert aborted_count(client, topic) >= 1
+    print(f"children aborted {waited:.1f} s after the kill")
+
+
+# ---------------------------------------------------------------------------- reads
+def test_reads_are_read_committed_pinned_and_repeatable(spark, client, bootstrap):
+    topic = new_topic(client, "spark-read", partitions=3)
+    with client.producer() as producer:
+        for i in range(30):
+            producer.send(topic, f"plain-{i}", partition=i % 3)
+        aborted = client.begin_transaction()
+        for p in range(3):
+            producer.send(topic, f"aborted-{p}", partition=p, txn=aborted)
+        producer.flush()
+        aborted.abort()
+        committed = client.begin_transaction()
+        producer.send(topic, "committed-0", partition=0, txn=committed)
+        committed.commit(wait_for_markers=True)
+        still_open = client.begin_transaction(timeout_s=120)
+        producer.send(topic, "open-1", partition=1, txn=still_open)
+        producer.flush()
+        producer.send(topic, "after-open-1", partition=1).result(10)
+        producer.send(topic, "plain-late-2", partition=2).result(10)
+
+    wait_until(lambda: aborted_count(client, topic) == 3, 20, "the abort markers")
+    df = (spark.read.format("atomlog").option("bootstrap", bootstrap).option("topic", topic)
+          .option("maxOffsetsPerSplit", "7").load())
+    rows = df.collect()
+    got = Counter(r.value for r in rows)
+    # Partition 1 stops at the open transaction (its max read position): the plain
+    # write after it is held back too; the others read to the end; nothing aborted.
+    expected = Counter([f"plain-{i}".encode() for i in range(30)]
+                       + [b"committed-0", b"plain-late-2"])
+    assert got == expected
+    assert {r.topic for r in rows} == {topic}
+    assert all(r.timestamp is not None and r.headers == [] for r in rows)
+    assert df.rdd.getNumPartitions() > 3  # ranges longer than 7 offsets were split
+    # More writes, even the open transaction committing: the same DataFrame reads the
+    # same rows (end offsets pinned at planning).
+    with client.producer() as producer:
+        producer.send(topic, "later", partition=0).result(10)
+    still_open.commit(wait_for_markers=True)
+    assert Counter(r.value for r in df.collect()) == expected
+    fresh = spark.read.format("atomlog").option("bootstrap", bootstrap).option("topic", topic).load()
+    assert Counter(r.value for r in fresh.collect()) == expected + Counter(
+        [b"later", b"open-1", b"after-open-1"])
+    uncommitted = (spark.read.format("atomlog").option("bootstrap", bootstrap)
+                   .option("topic", topic).option("isolation", "read_uncommitted").load())
+    assert Counter(r.value for r in uncommitted.collect())[b"aborted-0"] == 1
+
+
+# ---------------------------------------------------------------------------- streaming
+def test_a_streaming_query_killed_and_restarted_writes_exactly_once(cluster, tmp_path):
+    """The main job's pipeline, small: SIGKILL of the whole Spark driver mid-run, then a
+    restart from the checkpoint; the demo verifies the output itself."""
+    result = subprocess.run(
+        [sys.executable, "-m", "spark_client.pipeline", "demo",
+         "--bootstrap", cluster.info["bootstrap"], "--records", "6000", "--max-per-trigger",
+         "1000", "--kill-at", "0.3", "--workdir", str(tmp_path), "--timeout-s", "240"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "killed the Spark job with SIGKILL" in result.stdout
+    assert "duplicates 0; missing 0; unexpected 0" in result.stdout.replace("\n", " ")
+
+
+def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path):
+    source = new_topic(client, "spark-replay-in", partitions=2)
+    sink = new_topic(client, "spark-replay-out", partitions=2)
+    with client.producer() as producer:
+        for i in range(300):
+            producer.send(source, f"in-{i}", partition=i % 2)
+    checkpoint = str(tmp_path / "checkpoint")
+
+    def run_query():
+        stream = (spark.readStream.format("atomlog").option("bootstrap", bootstrap)
+                  .option("topic", source).option("maxRecordsPerTrigger", "100").load())
+        query = (stream.selectExpr("value").writeStream.format("atomlog")
+                 .option("bootstrap", bootstrap).option("topic", sink)
+                 .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
+        query.awaitTermination(120)
+        return query
+
+    query = run_query()
+    expected = Counter(f"in-{i}".encode() for i in range(300))
+    assert values(client, sink) == expected
+    batches = sorted(int(p) for p in os.listdir(os.path.join(checkpoint, "commits"))
+                     if p.isdigit())
+    assert len(batches) >= 3  # admission control: at most ~100 offsets per micro-batch
+    # Forget that the last micro-batch was committed: Spark runs it again, and its
+    # tasks find its parent (keyed by query id and batch id) committed.
+    last = batches[-1]
+    os.remove(os.path.join(checkpoint, "commits", str(last)))
+    os.remove(os.path.join(checkpoint, "commits", f".{last}.crc"))
+    rerun = run_query()
+    assert rerun.id == query.id
+    assert values(client, sink) == expected
+    assert sum(values(client, sink, "read_uncommitted").values()) == 300  # nothing rewritten
+    # The parent is found by its key, (query id, batch id), and stays committed.
+    found = Transaction(client, 10, key=stream_parent_key(query.id, last))
+    assert found.existing and found.state_at_open in ("COMMITTING", "COMMITTED")
+
+
+def test_admission_control_shares_the_budget_fairly():
+    start = {"t": {"0": 0, "1": 10, "2": 5}}
+    end = {"t": {"0": 100, "1": 12, "2": 5, "3": 50}}
+    capped = cap_offsets(start, end, 30)
+    assert capped == {"t": {"0": 14, "1": 12, "2": 5, "3": 14}}
+    assert sum(capped["t"][p] - start["t"].get(p, 0) for p in capped["t"]) == 30
+    assert cap_offsets(start, end, None) == {"t": {"0": 100, "1": 12, "2": 5, "3": 50}}
+    assert cap_offsets(start, {"t": {"0": 0}}, 10) == {"t": {"0": 0}}  # never backwards
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_options_and_frames_are_refused_before_anything_is_written(spark, client,
+                                                                         bootstrap):
+    topic = new_topic(client, "spark-bad", partitions=1)
+    df = spark.range(0, 10).selectExpr("cast(id as string) as value")
+    cases = {
+        "unknown atomlog option": lambda: writer(df, bootstrap, topic, colour="red").save(),
+        "append-only": lambda: writer(df, bootstrap, topic).mode("overwrite").save(),
+        "a column `value`": lambda: writer(spark.range(3), bootstrap, topic).save(),
+        "unknown topic": lambda: writer(df, bootstrap, "no-such-topic").save(),
+        "transactionTimeoutMs": lambda: writer(df, bootstrap, topic,
+                                               transactionTimeoutMs=5).save(),
+        "option bootstrap": lambda: df.write.format("atomlog").option("topic", topic)
+        .mode("append").save(),
+        "isolation": lambda: spark.read.format("atomlog").option("bootstrap", bootstrap)
+        .option("topic", topic).option("isolation", "dirty").load().collect(),
+    }
+    for message, call in cases.items():
+        with pytest.raises(Exception, match=message):
+            call()
+    assert values(client, topic, "read_uncommitted") == Counter()
+    with pytest.raises(OptionError):
+        from spark_client.spark import Options
+
+        Options.parse({"bootstrap": "x", "startingOffsets": "{not json"})
+    assert isinstance(errors.error_for("PARENT_NOT_OPEN", "x"), errors.AtomlogClientError)
