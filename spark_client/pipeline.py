@@ -1,7 +1,7 @@
 """The exactly-once pipeline: a Spark Structured Streaming consume-transform-produce job
 over atomlog, killed with SIGKILL in the middle and restarted from its checkpoint.
 
-    python -m spark_client.pipeline demo --bootstrap HOST:PORT      # what scripts/main.sh runs
+    python -m spark_client.pipeline demo [--bootstrap HOST:PORT]    # what scripts/main.sh runs
     python -m spark_client.pipeline run --bootstrap ... --input T --output U --checkpoint DIR
 
 `demo` creates an input and an output topic (fresh names per run), seeds the input,
@@ -20,6 +20,7 @@ in many micro-batches, then it exits.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -198,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("demo", "run"):
         p = sub.add_parser(name)
-        p.add_argument("--bootstrap", required=True, help="an atomlog server address")
+        p.add_argument("--bootstrap", help="an atomlog server address (default: the local "
+                       "cluster's, from DATA_DIR/cluster.json)")
+        p.add_argument("--data-dir", default=".atomlog", help="the local cluster's directory")
         p.add_argument("--max-per-trigger", type=int, default=2_000,
                        help="maxRecordsPerTrigger (offsets per micro-batch)")
         p.add_argument("--transaction-timeout-ms", type=int, default=20_000,
@@ -214,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--output", required=True)
     run_p.add_argument("--checkpoint", required=True)
     args = parser.parse_args(argv)
+    if not args.bootstrap:
+        cluster_file = Path(args.data_dir) / "cluster.json"
+        if not cluster_file.exists():
+            parser.error(f"no --bootstrap and no local cluster ({cluster_file}): "
+                         "run `atomlog up` first")
+        args.bootstrap = json.loads(cluster_file.read_text())["bootstrap"]
     if args.command == "run":
         run(args)
         return 0

@@ -36,7 +36,9 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from pathlib import Path
+
+import grpc
 
 from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourceReader,
                                     DataSourceStreamArrowWriter, DataSourceStreamReader,
@@ -80,6 +82,9 @@ OPTIONS = {
     "lingerMs": ("5", "writes: producer linger in milliseconds"),
     "compression": ("none", "writes: none, zstd or lz4"),
     "requestTimeoutMs": ("30000", "every call's timeout"),
+    "sourceSubscription": ("", "stream writes: record each micro-batch's end offsets of its "
+                           "atomlog source(s) as cumulative acks of this subscription, in "
+                           "the micro-batch's transaction"),
 }
 # Options Spark itself passes along with ours.
 _SPARK_OPTIONS = {"path", "checkpointlocation", "queryname"}
@@ -136,6 +141,8 @@ class Options:
     linger_ms: float
     compression: str | None
     request_timeout_s: float
+    source_subscription: str = ""
+    checkpoint: str = ""
 
     @classmethod
     def parse(cls, options) -> Options:
@@ -183,7 +190,9 @@ class Options:
                      batch_max_bytes=number("batchMaxBytes", 1024, 16 << 20),
                      linger_ms=number("lingerMs", 0, 60_000, float),
                      compression=None if compression == "none" else compression,
-                     request_timeout_s=number("requestTimeoutMs", 100, 600_000) / 1000)
+                     request_timeout_s=number("requestTimeoutMs", 100, 600_000) / 1000,
+                     source_subscription=get("sourceSubscription"),
+                     checkpoint=given.get("checkpointlocation", ""))
         for which in ("starting", "ending"):
             _parse_offsets_spec(getattr(parsed, which), f"{which}Offsets")
         return parsed
@@ -315,10 +324,36 @@ def _ranges(start: dict, end: dict, max_per_split: int) -> list[OffsetRange]:
     return ranges
 
 
-def _read_range(options: Options, part: OffsetRange) -> Iterator[tuple]:
-    """The records of one range, in offset order, as rows of SCHEMA."""
+def _arrow_schema():
+    """SCHEMA in Arrow, nullability included (Spark checks it exactly)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(SCHEMA, timezone="UTC")
+
+
+def _to_arrow(messages, schema):
+    """One Arrow record batch of SCHEMA: Spark takes it without converting row by row."""
+    import pyarrow as pa
+
+    n = len(messages)
+    first = messages[0]
+    return pa.RecordBatch.from_arrays([
+        pa.array([first.topic] * n, pa.string()),
+        pa.array([first.partition] * n, pa.int32()),
+        pa.array([m.offset for m in messages], pa.int64()),
+        pa.array([m.key for m in messages], pa.binary()),
+        pa.array([m.value for m in messages], pa.binary()),
+        pa.array([[{"key": k, "value": v} for k, v in m.headers] for m in messages],
+                 schema.field("headers").type),
+        pa.array([m.timestamp_ms * 1000 for m in messages], pa.int64()).cast(
+            schema.field("timestamp").type)], schema=schema)
+
+
+def _read_range(options: Options, part: OffsetRange):
+    """The records of one range, in offset order, as Arrow record batches of SCHEMA."""
     from spark_client.consumer import Consumer
 
+    schema = _arrow_schema()
     client = options.client()
     try:
         consumer = Consumer(client, part.topic, isolation=options.isolation,
@@ -335,12 +370,11 @@ def _read_range(options: Options, part: OffsetRange) -> Iterator[tuple]:
                     "REQUEST_TIMED_OUT", f"{part.topic}-{part.partition}: offsets "
                     f"{consumer.position(part.topic, part.partition)}..{part.end} "
                     "were not readable for a minute (are they committed?)")
-            for m in messages:
-                if m.offset >= part.end:
-                    return
-                yield (m.topic, m.partition, m.offset, m.key, m.value,
-                       [(k, v) for k, v in m.headers],
-                       datetime.fromtimestamp(m.timestamp_ms / 1000, tz=timezone.utc))
+            inside = [m for m in messages if m.offset < part.end]
+            if inside:
+                yield _to_arrow(inside, schema)
+            if len(inside) < len(messages):
+                return
     finally:
         client.close()
 
@@ -669,6 +703,9 @@ class StreamWriter(DataSourceStreamArrowWriter):
 
     def __init__(self, options: Options, schema: StructType):
         _check_write_schema(schema, options)
+        if options.source_subscription and not options.checkpoint:
+            raise OptionError("sourceSubscription needs the query's checkpointLocation option "
+                              "(the batch's source offsets are read from it)")
         self.options = options
         client = options.client()
         try:
@@ -690,6 +727,10 @@ class StreamWriter(DataSourceStreamArrowWriter):
         return _write_child(self.options, stream_parent_key(query_id, batch_id), iterator)
 
     def commit(self, messages: list[ChildCommit | None], batchId: int) -> None:
+        if self.options.source_subscription:
+            # The acks need the batch's parent even when no task wrote a row.
+            parent = _ack_source_positions(self.options, batchId)
+            messages = [*messages, ChildCommit(parent=parent, child=None, skipped="acks")]
         parents = {m.parent for m in messages if m is not None and m.parent is not None}
         if len(parents) > 1:
             # The batch's parent timed out while it ran, and later tasks opened a new
@@ -704,3 +745,95 @@ class StreamWriter(DataSourceStreamArrowWriter):
     def abort(self, messages: list[ChildCommit | None], batchId: int) -> None:
         for parent in {m.parent for m in messages if m is not None and m.parent is not None}:
             _abort_parent(self.options, parent)
+
+
+# ---------------------------------------------------------------------------- source acks
+def _checkpoint_dir(location: str) -> Path:
+    if location.startswith("file:"):
+        location = location[len("file:"):]
+        while location.startswith("//"):
+            location = location[1:]
+    elif "://" in location:
+        raise OptionError(f"sourceSubscription reads the checkpoint's offset log from the "
+                          f"local file system; {location!r} is not local")
+    return Path(location)
+
+
+def source_positions(checkpoint: str, batch_id: int) -> tuple[str, dict[tuple[str, int], int]]:
+    """The query id and the end offsets of micro-batch `batch_id`, per (topic, partition),
+    from the checkpoint's offset log (written by Spark before the batch runs): line 1 is
+    the log version, line 2 the batch metadata, then one line per source with its offset
+    JSON. Sources whose offsets have the atomlog shape {topic: {partition: offset}} count."""
+    directory = _checkpoint_dir(checkpoint)
+    query_id = json.loads((directory / "metadata").read_text())["id"]
+    lines = (directory / "offsets" / str(batch_id)).read_text().splitlines()
+    positions: dict[tuple[str, int], int] = {}
+    for line in lines[2:]:
+        try:
+            offsets = json.loads(line)
+        except ValueError:
+            continue  # "-": a source without data in this batch
+        if isinstance(offsets, dict) and all(
+                isinstance(parts, dict) and all(isinstance(o, int) for o in parts.values())
+                for parts in offsets.values()):
+            for topic, parts in offsets.items():
+                for partition, offset in parts.items():
+                    positions[(topic, int(partition))] = offset
+    return query_id, positions
+
+
+def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
+    """Cumulatively ack the micro-batch's source end offsets on `sourceSubscription`, in
+    the micro-batch's parent transaction (opened here by its key when no task did).
+    Returns the parent; when it is already decided (a replay), acks nothing."""
+    from atomlog.v1 import common_pb2, partition_pb2_grpc
+
+    from spark_client.transactions import Transaction
+
+    query_id, positions = source_positions(options.checkpoint, batch_id)
+    client = options.client()
+    try:
+        known = set(client.list_topics())
+        positions = {k: v for k, v in positions.items() if k[0] in known and v > 0}
+        parent = Transaction(client, options.transaction_timeout_s,
+                             key=stream_parent_key(query_id, batch_id))
+        if parent.state_at_open != "OPEN":
+            return parent.key
+        name = options.source_subscription
+        targets = sorted(positions)
+        by_server: dict[str, list[tuple[str, int]]] = {}
+        for topic, partition in targets:
+            by_server.setdefault(client.metadata.route(topic, partition).address, []).append(
+                (topic, partition))
+        parent.register_subscriptions((t, p, name) for t, p in targets)
+        for address, group in by_server.items():
+            stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+            cursors = [common_pb2.SubscriptionPartition(topic=t, partition=p, subscription=name)
+                       for t, p in group]
+            try:
+                created, acked = _create_and_ack(stub, options, cursors, group, positions,
+                                                 parent.txn_id)
+            except grpc.RpcError as rpc_error:
+                raise errors.from_grpc(rpc_error) from None
+            for result in list(created.results) + list(acked.results):
+                if result.error.reason:
+                    raise errors.error_for(result.error.reason, result.error.message,
+                                           dict(result.error.metadata))
+        return parent.key
+    finally:
+        client.close()
+
+
+def _create_and_ack(stub, options: Options, cursors, group, positions, txn_id):
+    """Create the cursors if missing (from the earliest offset), then ack in txn_id."""
+    from atomlog.v1 import partition_pb2
+
+    created = stub.CreateSubscription(partition_pb2.CreateSubscriptionRequest(
+        subscription_partitions=cursors,
+        initial_position=partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST),
+        timeout=options.request_timeout_s)
+    acked = stub.Ack(partition_pb2.AckRequest(items=[partition_pb2.AckItem(
+        subscription_partition=cursor, cumulative_end_offset=positions[(t, p)],
+        txn_id=txn_id) for cursor, (t, p) in zip(cursors, group, strict=True)]),
+        timeout=options.request_timeout_s)
+    return created, acked

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 
 import pytest
@@ -77,6 +76,16 @@ def aborted_count(client, topic: str) -> int:
 def open_count(client, topic: str) -> int:
     return sum(len(client.describe_partition(topic, p).open_transactions)
                for p in range(client.partitions_for(topic)))
+
+
+def cursors(client, topic: str, subscription: str) -> list[int]:
+    """Each partition's cumulative acknowledged end of the subscription."""
+    ends = []
+    for p in range(client.partitions_for(topic)):
+        found = [c.cumulative_end_offset for c in client.describe_partition(topic, p).subscriptions
+                 if c.subscription_partition.subscription == subscription]
+        ends.append(found[0] if found else None)
+    return ends
 
 
 def writer(df, bootstrap: str, topic: str, **options):
@@ -259,6 +268,7 @@ def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path)
                   .option("topic", source).option("maxRecordsPerTrigger", "100").load())
         query = (stream.selectExpr("value").writeStream.format("atomlog")
                  .option("bootstrap", bootstrap).option("topic", sink)
+                 .option("sourceSubscription", "spark-replay")
                  .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
         query.awaitTermination(120)
         return query
@@ -266,6 +276,7 @@ def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path)
     query = run_query()
     expected = Counter(f"in-{i}".encode() for i in range(300))
     assert values(client, sink) == expected
+    assert cursors(client, source, "spark-replay") == [150, 150]  # acked with each batch
     batches = sorted(int(p) for p in os.listdir(os.path.join(checkpoint, "commits"))
                      if p.isdigit())
     assert len(batches) >= 3  # admission control: at most ~100 offsets per micro-batch
@@ -278,6 +289,7 @@ def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path)
     assert rerun.id == query.id
     assert values(client, sink) == expected
     assert sum(values(client, sink, "read_uncommitted").values()) == 300  # nothing rewritten
+    assert cursors(client, source, "spark-replay") == [150, 150]
     # The parent is found by its key, (query id, batch id), and stays committed.
     found = Transaction(client, 10, key=stream_parent_key(query.id, last))
     assert found.existing and found.state_at_open in ("COMMITTING", "COMMITTED")
