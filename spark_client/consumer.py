@@ -1,6 +1,7 @@
 """A consumer that reads partitions directly by offset (no subscription): it assigns
-itself every partition of its topics, starts each at the earliest (or latest) offset,
-and long-polls the owning servers, one Fetch per server for all its partitions.
+itself every partition of its topics (or the partition numbers given), starts each at
+the earliest (or latest) offset, and long-polls the owning servers, one Fetch per server
+for all its partitions.
 `read_committed` (the default) gets only committed data — the servers filter it."""
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ class Consumer:
         spec = (partition_pb2.OFFSET_SPEC_MAX_READ_POSITION if self.isolation == "read_committed"
                 else partition_pb2.OFFSET_SPEC_LATEST)
         return self._list_offsets(spec)
+
+    def beginning_offsets(self) -> dict[tuple[str, int], int]:
+        """Per partition, the first offset still in the log (the log start offset)."""
+        return self._list_offsets(partition_pb2.OFFSET_SPEC_EARLIEST)
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Message]:
         """Up to max_records messages, waiting up to timeout_s for the first."""

@@ -287,7 +287,7 @@ def _offsets(options: Options, client, spec: str, default_latest: bool) -> dict[
     consumer = Consumer(client, options.topics, isolation=options.isolation)
     try:
         latest = {(t, p): o for (t, p), o in consumer.end_offsets().items()}
-        earliest = _earliest(consumer)
+        earliest = consumer.beginning_offsets()
     finally:
         consumer.close()
     out: dict[str, dict[str, int]] = {}
@@ -303,12 +303,6 @@ def _offsets(options: Options, client, spec: str, default_latest: bool) -> dict[
             offset = {-1: end, -2: earliest[(topic, partition)]}.get(given, given)
         out.setdefault(topic, {})[str(partition)] = offset
     return out
-
-
-def _earliest(consumer) -> dict[tuple[str, int], int]:
-    from atomlog.v1 import partition_pb2
-
-    return consumer._list_offsets(partition_pb2.OFFSET_SPEC_EARLIEST)
 
 
 def _ranges(start: dict, end: dict, max_per_split: int) -> list[OffsetRange]:
