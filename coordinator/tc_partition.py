@@ -176,9 +176,23 @@ class TcPartition:
                 log.exception("loading TC partition %d failed (attempt %d)",
                               self.tc_partition, attempt)
                 await asyncio.sleep(min(5.0, 0.1 * 2 ** attempt))
-        self._tasks.append(asyncio.create_task(self._ticker(),
+        self._tasks.append(asyncio.create_task(self._guarded(self._ticker, "ticker"),
                                                name=f"tc-{self.tc_partition}-tick"))
-        await self._writer()
+        await self._guarded(self._writer, "log writer")
+
+    async def _guarded(self, body: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run the writer or the ticker. Either dying of an unexpected exception (a bug)
+        would leave the TC partition leased but deaf — every call waiting for an append
+        that never comes, no timeouts, no marker re-sends — and silent, as nobody awaits
+        these tasks. So it is logged, the waiting calls fail, and the lease is given up
+        so that a fresh owner reloads the TC partition from its log."""
+        try:
+            await body()
+        except Exception:  # noqa: BLE001 — see above
+            log.exception("TC partition %d: its %s failed; giving up the lease",
+                          self.tc_partition, what)
+            await self.stop(f"{what} failed")
+            await self.on_fenced(self.tc_partition)
 
     async def _load(self) -> None:
         started = time.perf_counter()
@@ -315,7 +329,7 @@ class TcPartition:
                 except AppendRejected as rejected:
                     event(log, "TC log append refused; rolling back its transitions",
                           tc_partition=self.tc_partition, reason=rejected.error.reason,
-                          message=rejected.error.message)
+                          detail=rejected.error.message)
                     for append in group:
                         self.core.append_failed(append.append_id)
                         self._settle(append.append_id, rejected.error)
@@ -412,7 +426,7 @@ class TcPartition:
                 return
             except AppendRejected as rejected:
                 event(log, "snapshot append refused", tc_partition=self.tc_partition,
-                      reason=rejected.error.reason, message=rejected.error.message)
+                      reason=rejected.error.reason, detail=rejected.error.message)
                 self._last_snapshot_at = time.monotonic()
                 return
             first = base if first < 0 else first
@@ -431,7 +445,7 @@ class TcPartition:
                   before_offset=offset, log_start=log_start)
         except AtomlogError as error:  # best effort: the next snapshot tries again
             event(log, "TC log trim failed", tc_partition=self.tc_partition,
-                  reason=error.reason, message=error.message)
+                  reason=error.reason, detail=error.message)
 
 
 def _count(append: Append) -> None:

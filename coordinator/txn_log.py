@@ -148,7 +148,7 @@ class TxnLog:
             if attempt in (1, 10) or attempt % 100 == 0:
                 event(log, "TC log append failed; retrying the same batch",
                       tc_partition=self.tc_partition, attempt=attempt, reason=error.reason,
-                      message=error.message)
+                      detail=error.message)
             await self._backoff(attempt, error)
 
     # ------------------------------------------------------------------ reading

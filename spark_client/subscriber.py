@@ -51,6 +51,8 @@ class SubscriptionConsumer:
         self.consumer_id = f"{subscription}-{uuid.uuid4()}"
         self.backoff = Backoff()
         self._closed = False
+        self._buffer: list[Message] = []  # delivered, not yet returned by poll
+        self._buffer_expires = 0.0
         self.partitions = [(t, r.partition) for t in self.topics
                            for r in client.metadata.partitions(t)]
         self._call_all("CreateSubscription", lambda group: partition_pb2.CreateSubscriptionRequest(
@@ -72,45 +74,66 @@ class SubscriptionConsumer:
     def _call_all(self, method: str, build, partitions=None, *, timeout_s: float | None = None,
                   attempts: int = 8) -> list:
         """`method` on every server owning some of `partitions` (default: all), each
-        request built by build(group); retried on routing and retriable item errors.
-        Returns the results (each with an error field) of the last attempt."""
+        request built by build(group), the servers called at once; retried on routing
+        and retriable item errors. Returns the results (each with an error field) of the
+        last attempt."""
         pending = list(partitions if partitions is not None else self.partitions)
         results = []
         for attempt in range(1, attempts + 1):
-            retry: list[tuple[str, int]] = []
-            last: errors.AtomlogClientError | None = None
-            for address, group in self._by_server(pending).items():
-                if not address:
-                    retry.extend(group)
-                    continue
-                stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
-                try:
-                    reply = getattr(stub, method)(build(group),
-                                                  timeout=timeout_s or self.request_timeout_s)
-                except grpc.RpcError as rpc_error:
-                    last = errors.from_grpc(rpc_error)
-                    if not last.retriable:
-                        raise last from None
-                    retry.extend(group)
-                    continue
-                items = list(reply.cursors if method == "DescribeSubscription" else reply.results)
-                for (topic, partition), result in zip(group, items):
-                    reason = result.error.reason
-                    if reason and (reason in _ROUTING or errors.error_for(reason, "").retriable):
-                        retry.append((topic, partition))
-                        last = errors.error_for(reason, result.error.message,
-                                                dict(result.error.metadata))
-                    else:
-                        results.append(result)
+            retry, last, answered = self._call_once(method, build, pending,
+                                                    timeout_s or self.request_timeout_s)
+            results.extend(answered)
             if not retry:
                 return results
-            for topic in {t for t, _ in retry}:
-                self.client.metadata.invalidate(topic)
             pending = retry
             if attempt == attempts:
                 raise last or errors.error_for("SERVER_UNAVAILABLE", "owners unreachable")
             time.sleep(self.backoff.delay(attempt))
         return results
+
+    def _call_once(self, method: str, build, partitions, timeout_s: float):
+        """One round of `method`: the servers owning `partitions` are called at once.
+        Returns (partitions to retry, the last error, the other results). A call failing
+        for good raises once every call of the round has answered — except for Receive,
+        whose caller gets it as the last error (so what the other servers delivered is
+        not lost). Routing errors invalidate the metadata of their topics."""
+        retry: list[tuple[str, int]] = []
+        last: errors.AtomlogClientError | None = None
+        fatal: errors.AtomlogClientError | None = None
+        results = []
+        calls = []
+        for address, group in self._by_server(partitions).items():
+            if not address:
+                retry.extend(group)
+                last = errors.error_for("SERVER_UNAVAILABLE", "no owner of "
+                                        + ", ".join(f"{t}-{p}" for t, p in group) + " is up")
+                continue
+            stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+            calls.append((group, getattr(stub, method).future(build(group), timeout=timeout_s)))
+        for group, call in calls:
+            try:
+                reply = call.result()
+            except grpc.RpcError as rpc_error:
+                error = errors.from_grpc(rpc_error)
+                if not error.retriable:
+                    fatal = fatal or error
+                retry.extend(group)
+                last = error
+                continue
+            items = list(reply.cursors if method == "DescribeSubscription" else reply.results)
+            for (topic, partition), result in zip(group, items):
+                reason = result.error.reason
+                if reason and (reason in _ROUTING or errors.error_for(reason, "").retriable):
+                    retry.append((topic, partition))
+                    last = errors.error_for(reason, result.error.message,
+                                            dict(result.error.metadata))
+                else:
+                    results.append(result)
+        if fatal is not None and method != "Receive":
+            raise fatal
+        for topic in {t for t, _ in retry}:
+            self.client.metadata.invalidate(topic)
+        return retry, last if fatal is None else fatal, results
 
     @staticmethod
     def _raise(results) -> None:
@@ -121,20 +144,67 @@ class SubscriptionConsumer:
 
     # ------------------------------------------------------------------ receiving
     def poll(self, timeout_s: float = 1.0, max_records: int = 10_000) -> list[Message]:
-        """Messages delivered to this consumer (at most one long poll of timeout_s)."""
+        """Up to max_records messages delivered to this consumer, waiting up to timeout_s
+        for the first. A Receive delivers every message it returns at once (the ack
+        timeout starts then), so what does not fit in max_records waits in this
+        consumer for the next poll — unless its ack timeout passed meanwhile, when it is
+        dropped (the server redelivers it). Partitions whose owner does not answer are
+        retried within timeout_s; if nothing was delivered and some partition still
+        failed, its (retriable) error is raised."""
         if self._closed:
             raise RuntimeError("consumer is closed")
-        servers = self._by_server(self.partitions)
-        wait_ms = int(timeout_s * 1000) if len(servers) == 1 else 0
-        results = self._call_all("Receive", lambda group: partition_pb2.ReceiveRequest(
-            consumer_id=self.consumer_id,
-            subscription_partitions=[self._sp(t, p) for t, p in group],
-            isolation_level=ISOLATION[self.isolation], max_wait_ms=wait_ms,
-            max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms),
-            timeout_s=self.request_timeout_s + timeout_s)
-        self._raise(results)
+        if self._buffer and time.monotonic() >= self._buffer_expires:
+            self._buffer = []
+        if not self._buffer:
+            self._receive(timeout_s)
+        out, self._buffer = self._buffer[:max_records], self._buffer[max_records:]
+        return out
+
+    def _receive(self, timeout_s: float) -> None:
+        """Receive into the buffer (see poll)."""
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            servers = self._by_server(self.partitions)
+            began = time.monotonic()
+            remaining = max(0.0, deadline - began)
+            wait_ms = int(remaining * 1000) if len(servers) == 1 else 0
+            retry, last, results = self._call_once(
+                "Receive", lambda group: partition_pb2.ReceiveRequest(
+                    consumer_id=self.consumer_id,
+                    subscription_partitions=[self._sp(t, p) for t, p in group],
+                    isolation_level=ISOLATION[self.isolation], max_wait_ms=wait_ms,
+                    max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms),
+                self.partitions, self.request_timeout_s + remaining)
+            messages = self._messages(results)
+            failure = next((errors.error_for(r.error.reason, r.error.message,
+                                             dict(r.error.metadata))
+                            for r in results if r.error.reason), None)
+            if failure is None and last is not None and not last.retriable:
+                failure = last
+            if messages:  # their ack timeout started at the server after `began`
+                self._buffer = messages
+                self._buffer_expires = began + self.ack_timeout_ms / 1000
+            if failure is not None:
+                raise failure  # the messages stay for the next poll
+            if messages:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if retry and last is not None:
+                    raise last
+                return
+            attempt = attempt + 1 if retry else 0
+            pause = self.backoff.delay(attempt) if retry else 0.05
+            if retry or len(servers) > 1:
+                time.sleep(min(remaining, pause))
+
+    @staticmethod
+    def _messages(results) -> list[Message]:
         messages: list[Message] = []
         for result in results:
+            if result.error.reason:
+                continue
             sp = result.subscription_partition
             wanted = [(r.start_offset, r.end_offset) for r in result.delivered_ranges]
             data = memoryview(result.record_batches)
@@ -146,14 +216,12 @@ class SubscriptionConsumer:
                         messages.append(Message(sp.topic, sp.partition, record.offset,
                                                 record.key, record.value, record.headers,
                                                 record.timestamp_ms))
-        if not messages and len(servers) > 1 and timeout_s > 0:
-            time.sleep(min(timeout_s, 0.05))
-        return messages[:max_records] if len(messages) > max_records else messages
+        return messages
 
     # ------------------------------------------------------------------ acks
     def ack(self, messages, txn=None) -> None:
-        """Acknowledge one message or a list (one call per server), durably; with txn,
-        pending until the transaction ends."""
+        """Acknowledge one message or a list (one call per server, the servers at once),
+        durably; with txn, pending until the transaction ends."""
         items = [messages] if isinstance(messages, Message) else list(messages)
         ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
         for m in sorted(items, key=lambda m: (m.topic, m.partition, m.offset)):
@@ -214,6 +282,7 @@ class SubscriptionConsumer:
         if self._closed:
             return
         self._closed = True
+        self._buffer = []
         try:
             self._nack({key: [] for key in self.partitions}, 0.0)
         except errors.AtomlogClientError:
