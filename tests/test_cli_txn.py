@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,7 +16,7 @@ from coordinator.records import TxnId
 from services.cli import (CoordinatorView, _OpenHere, _print_findings, classify_open_transaction,
                           format_txn_id, parse_txn_id)
 from spark_client import Client, errors
-from tests.conftest import REPO_ROOT, atomlog
+from tests.conftest import REPO_ROOT, atomlog, wait_until
 
 TOPIC = "cli-txn"
 LATE_MS = 900_000
@@ -71,8 +72,9 @@ def test_late_remedies_name_the_abort_command():
 
 
 def test_find_hanging_report_of_findings(capsys):
-    """The positive output path, fed by hand (partition servers do not report open
-    transactions yet, so the real cluster cannot produce a finding)."""
+    """The report of a HANGING finding, fed by hand: on a healthy cluster verification and
+    durable markers leave no transaction that its coordinator will not end, so the real
+    cluster produces LATE findings only (see the end-to-end test below)."""
     open_here = _OpenHere("127.0.0.1:1", "orders", 2, partition_pb2.OpenTransaction(
         txn_id={"tc_partition": 3, "sequence": 17}, first_offset=40, last_offset=44,
         producer_id=9, age_ms=1_000_000))
@@ -188,6 +190,65 @@ def test_find_hanging_on_a_cluster_without_open_transactions(cluster, client):
     assert report["listed_partitions"] >= 16 + 2  # __txn_log included
     text = cluster.run("txn", "find-hanging", "--older-than", "0", "--late-after", "1").stdout
     assert "no hanging or late transactions" in text
+
+
+def test_find_hanging_lists_a_late_transaction_and_abort_keeps_its_data_invisible(
+        cluster, client):
+    """End to end: transactional data sits on a partition while its writer is gone (it
+    neither commits nor aborts). Once it has been open there for longer than
+    --late-after, find-hanging lists it as LATE — its coordinator still says OPEN — and
+    names the remedy; `atomlog txn abort` it, and read_committed never shows its data
+    (while a write after it becomes readable: the partition is not stuck behind it)."""
+    partition = 1
+    txn = client.begin_transaction(timeout_s=120)  # the writer "goes away" after the sends
+    with client.producer() as producer:
+        for i in range(5):
+            producer.send(TOPIC, f"late-{txn.id}-{i}", partition=partition, txn=txn)
+        producer.flush()
+    time.sleep(1.2)  # open on the partition for longer than --late-after 1
+
+    found = cluster.run("txn", "find-hanging", "--late-after", "1", "--output", "json",
+                        check=False)
+    assert found.returncode == 3, found  # 3: a HANGING or LATE transaction was found
+    mine = [f for f in json.loads(found.stdout)["findings"] if f["txn_id"] == txn.id]
+    assert len(mine) == 1, found.stdout
+    finding = mine[0]
+    assert (finding["verdict"], finding["topic"], finding["partition"],
+            finding["coordinator_state"]) == ("LATE", TOPIC, partition, "OPEN")
+    assert finding["age_ms"] >= 1000 and finding["last_offset"] >= finding["first_offset"]
+    assert f"atomlog txn abort {txn.id}" in finding["remedy"]
+    table = cluster.run("txn", "find-hanging", "--late-after", "1", check=False)
+    assert table.returncode == 3 and "LATE" in table.stdout
+    assert f"{txn.id} on {TOPIC}/{partition}" in table.stdout
+    # Younger than the default --late-after (15 minutes): nothing to report about it.
+    quiet = cluster.run("txn", "find-hanging", "--output", "json", check=False)
+    assert txn.id not in {f["txn_id"] for f in json.loads(quiet.stdout)["findings"]}
+
+    aborted = run_json(cluster, "txn", "abort", txn.id, "--yes", "--reason", "late in a test")
+    assert aborted["state"] in ("ABORTING", "ABORTED")
+
+    def marker_applied() -> bool:
+        described = run_json(cluster, "partition", "describe", TOPIC, str(partition))
+        return txn.key not in {(t["txn_id"]["tc_partition"], int(t["txn_id"]["sequence"]))
+                               for t in described["open_transactions"]}
+
+    wait_until(marker_applied, 20, "the ABORT marker on the partition")
+    after = run_json(cluster, "txn", "find-hanging", "--late-after", "1")["findings"]
+    assert txn.id not in {f["txn_id"] for f in after}
+    with client.producer() as producer:
+        producer.send(TOPIC, f"after-{txn.id}", partition=partition).result(10)
+    prefix = f"late-{txn.id}-".encode()
+    with client.consumer(TOPIC, isolation="read_committed") as reader:
+        seen, deadline = [], time.monotonic() + 20
+        while f"after-{txn.id}".encode() not in seen and time.monotonic() < deadline:
+            seen.extend(m.value for m in reader.poll(timeout_s=0.2, max_records=10_000))
+    assert f"after-{txn.id}".encode() in seen
+    assert not [v for v in seen if v.startswith(prefix)]
+    with client.consumer(TOPIC, isolation="read_uncommitted") as reader:
+        raw, deadline = [], time.monotonic() + 20
+        while f"after-{txn.id}".encode() not in raw and time.monotonic() < deadline:
+            raw.extend(m.value for m in reader.poll(timeout_s=0.2, max_records=10_000))
+    assert len([v for v in raw if v.startswith(prefix)]) == 5  # written, then aborted
 
 
 def test_partition_describe_shows_transaction_state(cluster, client):
