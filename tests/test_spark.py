@@ -101,9 +101,10 @@ def test_a_task_failing_on_its_first_attempt_still_writes_exactly_once(spark, cl
 
     topic = new_topic(client, "spark-retry")
 
-    # Spark hands a writer a partition's rows only after upstream Python UDFs have run
-    # over all of them, so the failure is a row the writer itself refuses (a partition
-    # that does not exist) — after it has sent the rows before it.
+    # A partition this small sits in Spark's pipe buffers until an upstream Python UDF
+    # has run over all of it, so a failing UDF would fail the attempt before the writer
+    # sends anything: the failure is a row the writer itself refuses (a partition that
+    # does not exist), after it has sent the rows before it.
     @udf("int")
     def partition_failing_first_attempt(i):
         from pyspark import TaskContext
