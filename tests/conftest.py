@@ -45,6 +45,26 @@ def wait_until(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - began
 
 
+def create_online(client, name: str, partitions: int, **options) -> str:
+    """Create a topic through the SDK and wait until every partition serves: its owner
+    opens it after CreateTopic answers, and until then requests get the retriable
+    PARTITION_LOADING, which raw-RPC tests would otherwise see."""
+    from atomlog.v1.partition_pb2 import PARTITION_STATE_ONLINE
+    from spark_client import errors
+
+    client.create_topic(name, partitions=partitions, **options)
+
+    def online() -> bool:
+        try:
+            return all(client.describe_partition(name, p).state == PARTITION_STATE_ONLINE
+                       for p in range(partitions))
+        except errors.AtomlogClientError:  # the owner has not seen the assignment yet
+            return False
+
+    wait_until(online, 30, f"topic {name} to come online")
+    return name
+
+
 @dataclass
 class Cluster:
     data_dir: Path

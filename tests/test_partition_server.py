@@ -15,7 +15,7 @@ import pytest
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.record_batch import Compression, Record, encode_batch, iter_batches
 from spark_client import Client
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, create_online
 
 pytestmark = pytest.mark.cluster
 
@@ -54,7 +54,7 @@ def batch(n: int = 3, **kwargs) -> bytes:
 
 
 def test_produce_fetch_round_trip_with_compression_and_headers(client):
-    client.create_topic("round-trip", partitions=2)
+    create_online(client, "round-trip", partitions=2)
     with client.producer(linger_ms=1) as producer:
         futures = [producer.send("round-trip", f"value-{i}", key=f"key-{i % 7}",
                                  headers={"n": str(i)}) for i in range(500)]
@@ -81,7 +81,7 @@ def test_produce_fetch_round_trip_with_compression_and_headers(client):
 
 
 def test_list_offsets_earliest_latest_and_by_timestamp(client):
-    client.create_topic("offsets", partitions=1)
+    create_online(client, "offsets", partitions=1)
     before = int(time.time() * 1000)
     first = produce_raw(client, "offsets", 0, batch(5, timestamp_ms=before - 10_000))
     second = produce_raw(client, "offsets", 0, batch(5, timestamp_ms=before + 10_000))
@@ -98,7 +98,7 @@ def test_list_offsets_earliest_latest_and_by_timestamp(client):
 
 
 def test_fetch_long_polls_until_data_arrives(client):
-    client.create_topic("long-poll", partitions=1)
+    create_online(client, "long-poll", partitions=1)
     stub = stub_for(client, "long-poll", 0)
     request = partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
         topic_partition=tp("long-poll", 0), fetch_offset=0)], max_wait_ms=3_000)
@@ -120,7 +120,7 @@ def test_fetch_long_polls_until_data_arrives(client):
 
 
 def test_idempotent_retries_gaps_and_fencing_at_the_rpc(client):
-    client.create_topic("idempotence", partitions=1)
+    create_online(client, "idempotence", partitions=1)
     pid, epoch = client.allocate_producer_id()
     first = batch(3, producer_id=pid, producer_epoch=epoch, base_sequence=0)
     original = produce_raw(client, "idempotence", 0, first)
@@ -163,7 +163,7 @@ BAD_BATCHES = {
 @pytest.mark.parametrize("name", sorted(BAD_BATCHES))
 def test_bad_batches_are_refused_and_append_nothing(client, name):
     if "bad-input" not in client.list_topics():
-        client.create_topic("bad-input", partitions=1)
+        create_online(client, "bad-input", partitions=1)
     payload, reason = BAD_BATCHES[name]
     before = high_watermark(client, "bad-input", 0)
     result = produce_raw(client, "bad-input", 0, payload)
@@ -174,7 +174,7 @@ def test_bad_batches_are_refused_and_append_nothing(client, name):
 
 
 def test_unknown_topic_partition_and_non_owner_are_refused(client, cluster):
-    client.create_topic("routing", partitions=3)
+    create_online(client, "routing", partitions=3)
     route = client.metadata.route("routing", 0)
     other = next(p for p in cluster.services()
                  if p["role"] == "partition_server" and p["name"] != route.server_name)
@@ -197,7 +197,7 @@ def test_unknown_topic_partition_and_non_owner_are_refused(client, cluster):
 
 
 def test_fetch_out_of_range_and_bad_arguments(client):
-    client.create_topic("fetch-errors", partitions=1)
+    create_online(client, "fetch-errors", partitions=1)
     produce_raw(client, "fetch-errors", 0, batch(3))
     stub = stub_for(client, "fetch-errors", 0)
     reply = stub.Fetch(partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(

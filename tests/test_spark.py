@@ -13,10 +13,9 @@ from collections import Counter
 
 import pytest
 
-from atomlog.v1.partition_pb2 import PARTITION_STATE_ONLINE
 from spark_client import Client, errors
 from spark_client.transactions import Transaction
-from tests.conftest import REPO_ROOT, wait_until
+from tests.conftest import REPO_ROOT, create_online, wait_until
 
 pyspark = pytest.importorskip("pyspark")
 
@@ -44,16 +43,7 @@ def bootstrap(cluster) -> str:
 
 
 def new_topic(client, name: str, partitions: int = 4) -> str:
-    client.create_topic(name, partitions=partitions)
-    def online() -> bool:
-        try:
-            return all(client.describe_partition(name, p).state == PARTITION_STATE_ONLINE
-                       for p in range(partitions))
-        except errors.AtomlogClientError:
-            return False
-
-    wait_until(online, 30, f"{name} online")
-    return name
+    return create_online(client, name, partitions)
 
 
 def values(client, topic: str, isolation: str = "read_committed") -> Counter:
