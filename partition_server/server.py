@@ -11,10 +11,12 @@ from pathlib import Path
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server.coordinator_epochs import CoordinatorEpochs
+from partition_server.cursor_store import CursorStoreLimits
 from partition_server.log import LogConfig
 from partition_server.manager import PartitionManager
 from partition_server.owner import OwnerSettings
-from partition_server.service import PartitionServicer
+from partition_server.service import PartitionServicer, SubscriptionSettings
+from partition_server.subscription_cursor import CursorLimits
 from partition_server.txn_buffer import TxnBufferLimits
 from partition_server.verifier import TxnVerifier
 from services.grpcutil import service_name
@@ -40,7 +42,24 @@ def owner_settings(config) -> OwnerSettings:
             max_aborted_transactions=config["partition.max_aborted_transactions"],
             max_remembered_commits=config["partition.max_remembered_commits"]),
         late_transaction_ms=config["partition.late_transaction_ms"],
+        cursor_limits=CursorStoreLimits(
+            max_subscriptions=config["partition.max_subscriptions"],
+            snapshot_interval_entries=config["subscription.snapshot_interval_entries"],
+            max_journal_bytes=config["subscription.max_journal_bytes"],
+            cursor=CursorLimits(
+                max_ranges=config["subscription.max_ranges"],
+                max_pending_transactions=config["subscription.max_pending_transactions"],
+                max_unacked_offsets=config["subscription.max_unacked_offsets"],
+                max_remembered_transactions=config["subscription.max_remembered_transactions"])),
     )
+
+
+def subscription_settings(config) -> SubscriptionSettings:
+    return SubscriptionSettings(
+        default_ack_timeout_ms=config["subscription.default_ack_timeout_ms"],
+        max_ack_timeout_ms=config["subscription.max_ack_timeout_ms"],
+        max_offsets_per_receive=config["subscription.max_offsets_per_receive"],
+        max_verified_acks=config["subscription.max_verified_acks"])
 
 
 async def install(runtime) -> list[str]:
@@ -58,6 +77,6 @@ async def install(runtime) -> list[str]:
                                  config["partition.fetch_max_wait_ms"],
                                  config["partition.fetch_default_max_bytes"],
                                  config["grpc.max_message_bytes"], coordinator_epochs=epochs,
-                                 verifier=verifier)
+                                 verifier=verifier, subscriptions=subscription_settings(config))
     partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, runtime.server)
     return [service_name(partition_pb2, "PartitionService")]

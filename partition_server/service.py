@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass
 
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
@@ -29,10 +30,22 @@ STATE_ENUM = {
 }
 MAX_ITEMS_PER_REQUEST = 10_000
 MAX_DESCRIBED_TRANSACTIONS = 1_000  # open transactions listed by DescribePartition, oldest first
-MAX_VERIFIED_ACKS = 100_000  # cached (transaction, subscription) verifications per partition
-DEFAULT_ACK_TIMEOUT_MS = 30_000
-MAX_ACK_TIMEOUT_MS = 3_600_000
-MAX_OFFSETS_PER_RECEIVE = 10_000
+MAX_DESCRIBED_SUBSCRIPTIONS = 1_000  # cursors listed by DescribePartition (DescribeSubscription: any)
+
+
+@dataclass(frozen=True)
+class SubscriptionSettings:
+    """Bounds of the subscription RPCs: the subscription.* settings (services/config.py
+    has their meaning; the defaults are theirs)."""
+
+    default_ack_timeout_ms: int = 30_000
+    max_ack_timeout_ms: int = 3_600_000
+    max_offsets_per_receive: int = 10_000
+    max_verified_acks: int = 100_000  # cached (transaction, subscription) verifications
+
+    def __post_init__(self) -> None:
+        assert 0 < self.default_ack_timeout_ms <= self.max_ack_timeout_ms, self
+        assert self.max_offsets_per_receive >= 1 and self.max_verified_acks >= 1, self
 
 
 def _cursor_fields(sp, d) -> dict:
@@ -69,8 +82,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     def __init__(self, manager: PartitionManager, metadata_store, max_batch_bytes: int,
                  fetch_max_wait_ms: int, fetch_default_max_bytes: int, max_message_bytes: int,
                  coordinator_epochs: CoordinatorEpochs | None = None,
-                 verifier: TxnVerifier | None = None):
+                 verifier: TxnVerifier | None = None,
+                 subscriptions: SubscriptionSettings = SubscriptionSettings()):
         self.manager = manager
+        self.subscription_settings = subscriptions
         self.coordinator_epochs = coordinator_epochs  # None: markers answer UNIMPLEMENTED
         self.verifier = verifier  # None: transactional batches answer UNIMPLEMENTED
         self.metadata_store = metadata_store
@@ -398,6 +413,12 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     last_sequence=entry.last_sequence, last_offset=entry.last_offset,
                     last_append_unix_ms=entry.last_timestamp_ms,
                     cached_batch_count=len(entry.batches))
+            tp = request.topic_partition
+            for name in sorted(owner.subscriptions.names())[:MAX_DESCRIBED_SUBSCRIPTIONS]:
+                sp = common_pb2.SubscriptionPartition(topic=tp.topic, partition=tp.partition,
+                                                      subscription=name)
+                d = owner.subscriptions.describe(name, owner.max_read_position(), now_ms)
+                response.subscriptions.add(**_cursor_fields(sp, d))
         return response
 
     async def RecoverPartition(self, request, context):
@@ -523,7 +544,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             return
         await self.verifier.verify(txn, owner.topic, owner.partition, subscription=subscription)
         owner.verified_acks[key] = True
-        while len(owner.verified_acks) > MAX_VERIFIED_ACKS:
+        while len(owner.verified_acks) > self.subscription_settings.max_verified_acks:
             owner.verified_acks.popitem(last=False)
 
     async def Nack(self, request, context):
@@ -569,7 +590,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             raise AtomlogError("INVALID_ARGUMENT",
                                f"unknown isolation_level {request.isolation_level}")
         committed = request.isolation_level != common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED
-        ack_timeout_ms = min(request.ack_timeout_ms or DEFAULT_ACK_TIMEOUT_MS, MAX_ACK_TIMEOUT_MS)
+        limits = self.subscription_settings
+        ack_timeout_ms = min(request.ack_timeout_ms or limits.default_ack_timeout_ms,
+                             limits.max_ack_timeout_ms)
         deadline = time.monotonic() + min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000
         while True:
             response, delivered, waits = await self._receive_once(request, committed,
@@ -602,7 +625,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
                 data, delivery = owner.subscriptions.receive(
                     sp.subscription, request.consumer_id, read, limit, now_ms, ack_timeout_ms,
-                    max(budget, 1), MAX_OFFSETS_PER_RECEIVE)
+                    max(budget, 1), self.subscription_settings.max_offsets_per_receive)
                 result = response.results.add(
                     subscription_partition=sp, record_batches=data,
                     cumulative_end_offset=owner.subscriptions.cumulative_end(sp.subscription),

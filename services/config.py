@@ -199,6 +199,45 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "for.", minimum=0, maximum=600_000),
         Setting("partition.fetch_default_max_bytes", int, 4 * MIB, "Bytes per partition a Fetch "
                 "returns when it names no limit.", minimum=1 * KIB, maximum=256 * MIB),
+        Setting("partition.max_subscriptions", int, 1_000, "Subscriptions per partition; "
+                "CreateSubscription past it is refused with RESOURCE_EXHAUSTED. Keeps a "
+                "partition's cursor snapshot bounded (Pulsar and Kafka set no bound).",
+                minimum=1, maximum=100_000),
+        Setting("subscription.max_ranges", int, 10_000, "Individual acknowledgement ranges "
+                "per subscription partition, pending transactional ones included (Pulsar's "
+                "managedLedgerMaxUnackedRangesToPersist); an ack growing the table past it is "
+                "refused with RESOURCE_EXHAUSTED and new deliveries stop. At most 60,000: one "
+                "journal frame (1 MiB) holds an ack of that many ranges.",
+                minimum=1, maximum=60_000),
+        Setting("subscription.max_pending_transactions", int, 1_000, "Open transactions with "
+                "pending acks per subscription partition; a transactional ack of one more is "
+                "refused with RESOURCE_EXHAUSTED.", minimum=1, maximum=1_000_000),
+        Setting("subscription.max_unacked_offsets", int, 50_000, "Offsets out to consumers or "
+                "waiting for redelivery per subscription partition; past it new deliveries "
+                "stop (Pulsar's maxUnackedMessagesPerConsumer; bounds volatile memory).",
+                minimum=1, maximum=100_000_000),
+        Setting("subscription.max_remembered_transactions", int, 1_000, "Ended transactions "
+                "remembered per subscription partition (a late transactional ack of one is "
+                "refused); the oldest is forgotten.", minimum=0, maximum=1_000_000),
+        Setting("subscription.snapshot_interval_entries", int, 1_000, "Snapshot a partition's "
+                "subscription cursors after this many journal entries (Pulsar snapshots its "
+                "transaction buffer every 1000 changes).", minimum=1, maximum=10_000_000),
+        Setting("subscription.max_journal_bytes", int, 64 * MIB, "Snapshot a partition's "
+                "subscription cursors once their journal is this long, however few entries; at "
+                "twice it changes are refused with RESOURCE_EXHAUSTED.",
+                minimum=1 * MIB, maximum=4096 * MIB),
+        Setting("subscription.default_ack_timeout_ms", int, 30_000, "Ack timeout of a Receive "
+                "that names none: a delivered message not acknowledged within it is "
+                "redelivered.", minimum=100, maximum=604_800_000),
+        Setting("subscription.max_ack_timeout_ms", int, 3_600_000, "Longest ack timeout a "
+                "Receive may ask for; a longer one is cut to it.",
+                minimum=100, maximum=604_800_000),
+        Setting("subscription.max_offsets_per_receive", int, 10_000, "Most offsets one Receive "
+                "delivers per subscription partition.", minimum=1, maximum=1_000_000),
+        Setting("subscription.max_verified_acks", int, 100_000, "Transactional-ack "
+                "verifications (transaction, subscription) cached per partition; past it the "
+                "oldest is forgotten and asked again on its next ack.",
+                minimum=1, maximum=10_000_000),
         Setting("storage.segment_bytes", int, 256 * MIB, "Roll to a new segment past this size.",
                 minimum=64 * KIB, maximum=1024 * MIB),
         Setting("storage.segment_ms", int, 7 * 86_400_000, "Roll to a new segment after this age.",
@@ -362,6 +401,15 @@ def _group_fits_batches(config: "Config") -> str | None:
     return None
 
 
+def _ack_timeouts_ordered(config: "Config") -> str | None:
+    default, maximum = (config["subscription.default_ack_timeout_ms"],
+                        config["subscription.max_ack_timeout_ms"])
+    if default > maximum:
+        return (f"subscription.default_ack_timeout_ms ({default}) exceeds "
+                f"subscription.max_ack_timeout_ms ({maximum})")
+    return None
+
+
 def _data_dir_required(config: "Config") -> str | None:
     if config.role in ("partition_server",) and not config["server.data_dir"]:
         return "server.data_dir is required for a partition server"
@@ -374,6 +422,7 @@ RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
     (("partition_server",), _data_dir_required),
     (("partition_server",), _group_fits_batches),
     (("partition_server",), _fetch_fits_message),
+    (("partition_server",), _ack_timeouts_ordered),
     (("id_allocator",), _id_allocator_limits_ordered),
 )
 
