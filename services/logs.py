@@ -57,5 +57,8 @@ def setup(level: str = "INFO", fmt: str = "json", **static: Any) -> None:
     logging.getLogger("kazoo").setLevel(max(logging.WARNING, root.level))
 
 
-def event(logger: logging.Logger, message: str, level: int = logging.INFO, **fields: Any) -> None:
+def event(logger: logging.Logger, message: str, level: int = logging.INFO, /,
+          **fields: Any) -> None:
+    """Log `message` with structured `fields` (positional-only parameters, so a field may
+    be called message, level or logger)."""
     logger.log(level, message, extra={"fields": fields})
