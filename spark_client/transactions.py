@@ -17,6 +17,13 @@ acknowledged). The producer registers partitions itself, batched, before the fir
 batch of the transaction goes to each partition; partition servers verify that with the
 coordinator (no hanging transactions).
 
+Two-phase commit (the Spark data source): `Transaction(client, t, key=K)` opens — or, for a
+key already known and not aborted, finds — the transaction keyed K (`existing`,
+`state_at_open`); `Transaction(client, t, parent=p)` opens a child, `prepare()` ends its
+phase one, and the parent's `commit(keep_children=...)` commits those children and aborts
+every other. `Transaction.resume(client, (tc, seq))` is a handle on a transaction another
+process opened.
+
 Sessions (Kafka's transactional.id): `client.producer(transactional_id=...)` holds a
 session; its transactions carry it, and a newer session with the same id fences the
 older one (its calls fail with ProducerFenced; its open transaction is aborted).
