@@ -30,17 +30,26 @@ def machine(load: float, *, with_java: bool = False) -> str:
             f"grpcio {grpc.__version__}{java}; load average {load:.1f} when it started")
 
 
-def raw_append_seconds(directory: Path, batch: bytes, batches: int, per_fsync: int) -> float:
+def raw_append_seconds(directory: Path, batch: bytes, batches: int,
+                       per_fsync: float) -> float:
     """The baseline every storage figure is compared with: plain Python writing the same
     batch bytes to a new file (as a fresh log segment is), os.write per batch and
-    os.fsync per `per_fsync` batches. Returns the elapsed seconds."""
-    path = directory / f"raw-{per_fsync}.bin"
+    os.fsync per `per_fsync` batches. Returns the elapsed seconds.
+
+    `per_fsync` may be fractional (a server's measured mean, say 1.6): then the fsyncs are
+    spread evenly, one after batch i whenever floor((i + 1) / per_fsync) grows, so the
+    file gets exactly batches / per_fsync fsyncs, as the server did for those bytes."""
+    assert per_fsync >= 1, per_fsync
+    path = directory / f"raw-{per_fsync:g}.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
     started = time.perf_counter()
     try:
+        synced = 0
         for i in range(batches):
             os.write(fd, batch)
-            if (i + 1) % per_fsync == 0:
+            due = int((i + 1) / per_fsync)
+            if due > synced:
+                synced = due
                 os.fsync(fd)
         os.fsync(fd)
         return time.perf_counter() - started

@@ -23,14 +23,15 @@ import json
 import os
 import time
 from bisect import bisect_right
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from partition_server import segment as seg_mod
-from partition_server.record_batch import (DEFAULT_MAX_BATCH_BYTES, INT64_MIN, PREFIX,
-                                           PREFIX_SIZE, BatchHeader, parse_header)
+from partition_server.record_batch import (ATTR_CONTROL, DEFAULT_MAX_BATCH_BYTES, INT64_MIN,
+                                           LENGTH_FIELD_END, PREFIX, PREFIX_SIZE, BatchHeader,
+                                           parse_header)
 from partition_server.segment import (INDEX_SUFFIX, POSITION_MAX, RELATIVE_OFFSET_MAX,
                                       ScanFailure, Segment, SparseIndex, check_batches,
                                       parse_segment_name, scan, walk_headers)
@@ -164,7 +165,10 @@ class PartitionLog:
         self._hw_position = 0
         self._last_data_offset = -1  # last non-control offset below the high watermark
         self._last_data_offset_written = -1  # ... below the log end
-        self._flush_pending: tuple[int, Segment, int, int] | None = None
+        # Flushes begun and not ended, oldest first: (target, segment, position,
+        # last data offset) as of flush_begin. The owner pipelines group commits, so
+        # several may be pending (their fsyncs overlap); they end in order.
+        self._flush_pending: deque[tuple[int, Segment, int, int]] = deque()
         self._durable_offset = 0  # everything below was fsynced
         self._recovery_point_written = 0
         self._recovery_point_written_ms = INT64_MIN
@@ -243,22 +247,32 @@ class PartitionLog:
         log_append_time_ms (the server's clock, never decreasing) in the written copy.
         Writes with writev, no fsync: call `flush` before acknowledging. On a header
         problem nothing is written; an OSError leaves the log failed until reopened."""
+        max_batch_bytes = self.config.max_batch_bytes
+        return self.append_parsed([(batch, parse_header(batch, max_batch_bytes=max_batch_bytes))
+                                   for batch in batches])
+
+    def append_parsed(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]]
+                      ) -> list[int]:
+        """`append` for batches whose headers the caller parsed and validated already
+        (the owner's produce path: the service ran validate_batch on each). Checks that
+        each header's size is its batch's length and its size is within the limit."""
         self._check_serving()
         config = self.config
-        headers = []
-        for batch in batches:
-            header = parse_header(batch, max_batch_bytes=config.max_batch_bytes)
+        for batch, header in items:
             if header.size != len(batch):
                 raise AtomlogError("CORRUPT_BATCH", f"batch_length says {header.size} bytes, "
                                    f"the batch has {len(batch)}")
-            headers.append(header)
+            if header.size > config.max_batch_bytes:
+                raise AtomlogError("BATCH_TOO_LARGE", f"batch of {header.size} bytes exceeds "
+                                   f"the limit of {config.max_batch_bytes} bytes",
+                                   {"limit": config.max_batch_bytes})
         now = max(self._clock_ms(), self._last_append_time_ms)
         base_offsets: list[int] = []
         group: list[tuple[memoryview | bytes, BatchHeader]] = []
         size, next_offset = self._active.size, self._log_end_offset
         first_time = self._active.first_append_time_ms
         try:
-            for batch, header in zip(batches, headers):
+            for batch, header in items:
                 if size and (size + header.size > config.segment_bytes
                              or now - (first_time if first_time is not None else now) >= config.segment_ms
                              or next_offset - self._active.base_offset > RELATIVE_OFFSET_MAX):
@@ -286,20 +300,20 @@ class PartitionLog:
         buffers: list[bytes | memoryview] = []
         stamped: list[BatchHeader] = []
         next_offset = self._log_end_offset
+        pack = PREFIX.pack
         for batch, header in group:
-            header = header._replace(base_offset=next_offset, log_append_time_ms=now)
-            buffers.append(PREFIX.pack(next_offset, header.batch_length, header.magic, now))
+            buffers.append(pack(next_offset, header.batch_length, header.magic, now))
             buffers.append(memoryview(batch)[PREFIX_SIZE:])
-            stamped.append(header)
-            next_offset = header.next_offset
+            stamped.append(header._replace(base_offset=next_offset, log_append_time_ms=now))
+            next_offset += header.last_offset_delta + 1
         _writev_all(active.fd, buffers)
         interval = self.config.index_interval_bytes
         position = active.size
         for header in stamped:
             active.observe(position, header, interval)
-            position += header.size
-            if not header.is_control:
-                self._last_data_offset_written = header.last_offset
+            position += header.batch_length + LENGTH_FIELD_END
+            if not header.attributes & ATTR_CONTROL:
+                self._last_data_offset_written = header.base_offset + header.last_offset_delta
         self._log_end_offset = next_offset
 
     def flush(self) -> int:
@@ -318,16 +332,31 @@ class PartitionLog:
     def flush_begin(self) -> tuple[int, int | None]:
         """First half of a flush whose fsync runs elsewhere (a worker thread): returns the
         target offset (the log end now) and the file descriptor to fsync, or None when
-        everything is flushed already. Appends may go on meanwhile; `flush_end(target)`
-        moves the high watermark only to `target`. If the fsync fails, do not call
-        flush_end: reopen the log (the page cache is unknown)."""
+        everything is flushed already. Appends may go on meanwhile, and so may further
+        flush_begin calls (pipelined group commits: their fsyncs may overlap);
+        `flush_end(target)` moves the high watermark only to `target`, and flushes end
+        in the order they began. Everything below `target` is in the active segment or
+        in sealed segments, which rolling fsynced already, so an fsync of the returned
+        descriptor that starts after this call makes it all durable. Once the segment
+        rolls, its descriptor may be closed (at most max_open_segment_files stay open):
+        fsync a duplicate (os.dup) when appends may go on during the fsync. If the
+        fsync fails, do not call flush_end: call `fail` and reopen the log (the page
+        cache is unknown)."""
         self._check_serving()
         target = self._log_end_offset
         if target == self._high_watermark:
             return target, None
         active = self._active
-        self._flush_pending = (target, active, active.size, self._last_data_offset_written)
+        self._flush_pending.append((target, active, active.size,
+                                    self._last_data_offset_written))
         return target, active.fd
+
+    def fail(self, reason: str) -> None:
+        """Record that an fsync of this log failed elsewhere (the owner's worker thread):
+        the log refuses everything from now on, and `close` neither fsyncs nor moves
+        the recovery point. Reopen it: recovery decides what is on disk."""
+        if self._broken is None:
+            self._broken = reason
 
     def flush_end(self, target: int, *, durable: bool = True) -> bool:
         """Second half: the fsync of `flush_begin`'s descriptor succeeded, so move the high
@@ -336,10 +365,13 @@ class PartitionLog:
         power cut could turn a torn tail into a false DATA_LOSS). Returns whether the high
         watermark moved."""
         self._check_serving()
-        pending, self._flush_pending = self._flush_pending, None
+        pending = self._flush_pending
+        ended = None
+        while pending and pending[0][0] <= target:  # flushes end in the order they began
+            ended = pending.popleft()
         moved = False
-        if pending is not None and pending[0] == target and target > self._high_watermark:
-            _, segment, position, last_data_offset = pending
+        if ended is not None and ended[0] == target and target > self._high_watermark:
+            _, segment, position, last_data_offset = ended
             self._high_watermark = target
             self._hw_segment, self._hw_position = segment, position
             self._last_data_offset = last_data_offset
@@ -731,7 +763,7 @@ class PartitionLog:
             if self._data_loss is None:
                 raise
             return  # a sealed segment turned out damaged inside: DATA_LOSS, already recorded
-        self._flush_pending = None
+        self._flush_pending.clear()
         self._last_append_time_ms = max((s.last_append_time_ms for s in self._segments
                                          if s.last_append_time_ms is not None), default=INT64_MIN)
         if recovery_point != self._durable_offset or not (self.directory / RECOVERY_POINT_FILE).exists():

@@ -3,10 +3,21 @@ transaction buffer.
 
 One asyncio task per partition takes queued produce requests in groups: for each batch,
 in order, the producer-state core decides (append, duplicate, or refuse); accepted
-batches are appended with one writev; then one fsync makes the whole group durable
-(group commit: concurrent producers share it) and only then is anyone acknowledged.
-The fsync runs on a worker thread and touches no Python state, so reads (on the event
-loop) go on meanwhile and see the high watermark move only after it.
+batches are appended with one writev; then an fsync makes the group durable (group
+commit: concurrent producers share it) and only then is anyone acknowledged.
+
+The flush is pipelined. The fsync runs on a worker thread (on a duplicate of the
+segment's descriptor; it touches no Python state), and while it runs the owner task
+may go on deciding and writing the next groups (once `write_ahead_bytes` are queued:
+smaller amounts wait and go as one group when the fsync ends) and beginning the next
+fsyncs, up to `max_fsyncs_in_flight` at once (they overlap in the kernel). Completions are taken
+strictly in the order the fsyncs began: a flush that ends moves the high watermark to
+the log end as of its start and answers the groups it covers (and any earlier ones),
+never a group written after it began. So: durable before acknowledged, the high
+watermark moves only with durability, and acks keep log order. A duplicate (a retried
+batch) or a refusal is answered with the first flush that covers the log end as of its
+decision, as the batches it may depend on are durable then. Reads (on the event loop)
+see the high watermark move only at completions.
 
 Transactions (docs/transaction-buffer.md): a transactional data batch passes the
 producer-state check, then the late-write guard (txn_guard.py: verified with the
@@ -18,8 +29,12 @@ After each fsync the buffer learns the high watermark; max_read_position comes f
 Start-up: the log recovers itself (torn tail truncated, or DATA_LOSS); producer state and
 the transaction buffer each come from their newest readable snapshot plus the log tail
 (one pass over the tail for both), or from a full replay.
-A failed write or fsync leaves the in-memory state ahead of the disk: the owner then
-reloads everything from disk (the durable log is the truth) before serving again.
+A failed write or fsync fails closed: every request written and not yet acknowledged
+(the group that failed, those whose fsyncs were in flight, those written after) gets
+PARTITION_LOADING and none of them is acknowledged later; the log refuses further use
+(after a failed fsync the page cache is unknown, so nothing above the high watermark is
+trusted: the owner cuts the log back to it when it reopens); then the owner reloads
+producer state and the transaction buffer from the durable log before serving again.
 """
 
 from __future__ import annotations
@@ -29,16 +44,18 @@ import enum
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from partition_server import metrics as m
 from partition_server import producer_state, txn_buffer
 from partition_server.log import LogConfig, PartitionLog
-from partition_server.producer_state import APPEND, Duplicate, ProducerStateTable
-from partition_server.record_batch import (BatchHeader, ControlType, TxnId, decode_control_batch,
-                                           encode_control_batch, iter_batches)
+from partition_server.producer_state import APPEND, ProducerStateTable
+from partition_server.record_batch import (ATTR_TRANSACTIONAL, LENGTH_FIELD_END, BatchHeader,
+                                           ControlType, TxnId, decode_control_batch,
+                                           encode_control_batch, iter_batches, parse_header)
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.snapshot_files import SnapshotCorrupt
 from partition_server.subscriptions import PartitionSubscriptions
@@ -65,6 +82,18 @@ class OwnerSettings:
     fsync: bool = True
     max_group_bytes: int = 8 << 20
     max_queued_requests: int = 1_000
+    # Group-commit fsyncs running at once. 1: groups are decided and written while an
+    # fsync runs, and the next fsync (covering all of them) begins when it ends. 2 lets
+    # fsyncs overlap (this virtio disk runs them concurrently): lower latency for a
+    # lone pipelined producer, but smaller groups, so more fsyncs and CPU per MB; in
+    # interleaved A/B runs of bench/produce.py (2026-11-21) 2 was no faster than 1.
+    max_fsyncs_in_flight: int = 1
+    # While every fsync slot is busy, queued requests are written ahead (to be covered by
+    # the next fsync) once this many bytes wait; below it they wait for the fsync to end
+    # and go as one group. Each group written costs the owner a wake-up, a writev and its
+    # bookkeeping, which measured ~10% more server CPU per MB when every 258 KiB request
+    # was written on arrival (0 does that: lowest latency).
+    write_ahead_bytes: int = 1 << 20
     max_producers: int = 10_000
     producer_idle_expiry_ms: int = 86_400_000
     snapshot_interval_batches: int = 1_000  # batches and markers, for both snapshots
@@ -101,10 +130,7 @@ class _Work:
     tokens: list[int | None] | None  # verification token per batch (transactional ones)
     future: asyncio.Future
     results: list = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return sum(h.size for _, h in self.batches)
+    size: int = 0  # bytes of its batches
 
 
 @dataclass
@@ -115,12 +141,28 @@ class _MarkerWork:
     size: int = 0
 
 
+@dataclass
+class _Flush:
+    """One group commit in flight: the fsync begun when the log ended at `target`, and
+    the requests it answers once it (and every flush begun before it) succeeded."""
+
+    target: int
+    works: list[_Work | _MarkerWork]
+    batches: int  # batches it makes durable (metric)
+    future: asyncio.Future | None  # the fsync on a worker thread; None: nothing to sync
+    began: float
+
+
 def _wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
 class PartitionOwner:
-    def __init__(self, topic: str, partition: int, directory: Path, settings: OwnerSettings):
+    def __init__(self, topic: str, partition: int, directory: Path, settings: OwnerSettings,
+                 *, fsync: Callable[[int], None] = os.fsync):
+        """`fsync` makes a file descriptor durable (os.fsync; tests pass one that blocks
+        or fails). It runs on a worker thread."""
+        assert settings.max_fsyncs_in_flight >= 1, settings.max_fsyncs_in_flight
         self.topic = topic
         self.partition = partition
         self.directory = directory
@@ -138,9 +180,15 @@ class PartitionOwner:
         self.last_control_offset = -1  # highest control batch in the log (fetch fast path)
         self.producer_snapshot_offset = -1
         self.txn_snapshot_offset = -1
-        self._queue: asyncio.Queue[_Work | _MarkerWork] = asyncio.Queue(
-            settings.max_queued_requests)
-        self._data = asyncio.Condition()
+        self._fsync = fsync
+        self._queue: deque[_Work | _MarkerWork] = deque()  # bounded by max_queued_requests
+        self._queued_bytes = 0
+        self._unflushed: list[_Work | _MarkerWork] = []  # written, no fsync begun since
+        self._unflushed_batches = 0
+        self._flushes: deque[_Flush] = deque()  # in flight, oldest first
+        self._wake: asyncio.Future | None = None  # the owner task waits on it when idle
+        self._data_moved: asyncio.Future | None = None  # readers wait on it (long poll)
+        self._snapshot_write: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self._stamp_ms = 0  # the log's clock: the owner decides append times
         self._batches_since_snapshot = 0
@@ -160,11 +208,11 @@ class PartitionOwner:
         await self._load()
         self._task = asyncio.create_task(self._run(), name=f"owner {self.name}")
 
-    async def _load(self) -> None:
+    async def _load(self, truncate_to: int | None = None) -> None:
         self.state = State.LOADING
         began = time.perf_counter()
         (self.log, self.producers, self.txns, self.last_control_offset,
-         replayed) = await asyncio.to_thread(self._load_blocking)
+         replayed) = await asyncio.to_thread(self._load_blocking, truncate_to)
         self.replayed_batches = replayed  # batches replayed on top of the snapshots
         if self.log.data_loss is None:
             self.subscriptions.close()
@@ -182,10 +230,17 @@ class PartitionOwner:
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,
               open_transactions=self.txns.open_count, replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
 
-    def _load_blocking(self) -> tuple[PartitionLog, ProducerStateTable, TxnBuffer, int, int]:
+    def _load_blocking(self, truncate_to: int | None = None
+                       ) -> tuple[PartitionLog, ProducerStateTable, TxnBuffer, int, int]:
+        """Open the log (after a failed write or fsync: cut back to `truncate_to`, the
+        last durable offset) and rebuild producer state and the transaction buffer."""
         partition_log = PartitionLog(self.directory, self.settings.log, clock_ms=self._clock)
         if partition_log.data_loss is not None:
             return partition_log, self.producers, self.txns, -1, 0
+        if truncate_to is not None and partition_log.log_end_offset > truncate_to:
+            partition_log.truncate_to(truncate_to)
+            if partition_log.data_loss is not None:
+                return partition_log, self.producers, self.txns, -1, 0
         settings = self.settings
         table, table_covered = self._restore(
             partition_log, producer_state, "producer",
@@ -259,8 +314,19 @@ class PartitionOwner:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._snapshot_write is not None:  # a cancelled owner may have left one running
+            await asyncio.wait([self._snapshot_write])
+            if self._snapshot_write.exception() is not None:  # the next start falls back
+                log.warning("snapshot write failed on %s: %s", self.name,
+                            self._snapshot_write.exception())
         if self.state is State.ONLINE:
-            await self._snapshot(force=True)
+            try:
+                await self._flush_everything()  # what was written but never acknowledged
+            except Exception as error:  # noqa: BLE001 — recovery decides what is on disk
+                log.exception("final flush failed on %s", self.name)
+                self.log.fail(f"final flush failed: {error}")
+            else:
+                await self._snapshot(force=True)
         self.subscriptions.close()
         if self.log is not None:
             self.log.close()
@@ -287,7 +353,8 @@ class PartitionOwner:
         one (None: not verified); the result per batch is Appended or an AtomlogError."""
         self.check_serving()
         return await self._enqueue(_Work(batches, tokens,
-                                         asyncio.get_running_loop().create_future()))
+                                         asyncio.get_running_loop().create_future(),
+                                         size=sum(header.size for _, header in batches)))
 
     async def end_transactions(self, markers: list[Marker]) -> list:
         """Apply markers in order; the result per marker is MarkerResult (durable) or an
@@ -297,104 +364,235 @@ class PartitionOwner:
                                                asyncio.get_running_loop().create_future()))
 
     async def _enqueue(self, work: _Work | _MarkerWork) -> list:
-        try:
-            self._queue.put_nowait(work)
-        except asyncio.QueueFull:
+        if len(self._queue) >= self.settings.max_queued_requests:
             raise AtomlogError("RESOURCE_EXHAUSTED",
-                               f"partition {self.name} has {self._queue.maxsize} requests "
-                               "queued", {"limit": "partition.max_queued_requests"}) from None
+                               f"partition {self.name} has {len(self._queue)} requests "
+                               "queued", {"limit": "partition.max_queued_requests"})
+        self._queue.append(work)
+        self._queued_bytes += work.size
+        if self._may_write():
+            self._poke()
         # No shield needed: if this call is cancelled the future is cancelled too, and the
         # owner (which checks done() before answering) applies the work all the same.
         return await work.future
 
-    async def _run(self) -> None:
-        while True:
-            group = [await self._queue.get()]
-            size = group[0].size
-            while size < self.settings.max_group_bytes and not self._queue.empty():
-                work = self._queue.get_nowait()
-                group.append(work)
-                size += work.size
-            try:
-                self.check_serving()
-            except AtomlogError as error:
-                _fail_all(group, error)
-                continue
-            try:
-                await self._commit(group)
-            except asyncio.CancelledError:
-                _fail_all(group, AtomlogError("SHUTTING_DOWN", f"partition {self.name} closed"))
-                raise
-            except Exception as error:  # noqa: BLE001 — disk trouble: reload from disk
-                log.exception("append failed on %s; reloading from disk", self.name)
-                _fail_all(group, AtomlogError("PARTITION_LOADING",
-                                              f"write failed on {self.name}: {error}; reloading"))
-                await self._reload_after_failure()
+    def _may_write(self) -> bool:
+        """Whether the owner writes queued requests now (else once an fsync ends)."""
+        return (len(self._flushes) < self.settings.max_fsyncs_in_flight
+                or self._queued_bytes >= self.settings.write_ahead_bytes)
 
-    async def _commit(self, group: list[_Work | _MarkerWork]) -> None:
+    def _poke(self, _future: object = None) -> None:
+        """Wake the owner task (new work, or an fsync ended)."""
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _run(self) -> None:
+        """The owner task: answer ended flushes, write queued groups, begin fsyncs; sleep
+        when none of that can progress. Only the awaits below yield to the event loop."""
+        while True:
+            try:
+                self._complete_flushes()
+                if self._queue and self._may_write() and not self._snapshot_due():
+                    self._write(self._take_group())
+                    self._begin_flushes()
+                    continue
+                self._begin_flushes()
+                if self._snapshot_due() and not self._flushes and not self._unflushed:
+                    await self._snapshot()  # drained: everything applied is durable
+                    continue
+                if self._flushes and self._flushes[0].future is None:
+                    continue
+                self._wake = asyncio.get_running_loop().create_future()
+                await self._wake
+            except asyncio.CancelledError:
+                error = AtomlogError("SHUTTING_DOWN", f"partition {self.name} closed")
+                self._fail_unanswered(error)
+                _fail_all(self._queue, error)
+                self._queue.clear()
+                self._queued_bytes = 0
+                raise
+            except _FsyncFailed as failure:
+                await self._fail_closed(failure.error, failure.flush.works)
+            except Exception as error:  # noqa: BLE001 — disk trouble: reload from disk
+                await self._fail_closed(error, [])
+
+    def _take_group(self) -> list[_Work | _MarkerWork]:
+        queue = self._queue
+        group = [queue.popleft()]
+        size = group[0].size
+        while queue and size < self.settings.max_group_bytes:
+            work = queue.popleft()
+            group.append(work)
+            size += work.size
+        self._queued_bytes -= size
+        return group
+
+    def _write(self, group: list[_Work | _MarkerWork]) -> None:
+        """Decide and append one group (no await). Its requests are answered when a flush
+        begun after this covers them; on an exception the group is failed with the rest."""
+        try:
+            self.check_serving()
+        except AtomlogError as error:
+            _fail_all(group, error)
+            return
+        self._unflushed.extend(group)  # first: a failure below fails the group too
         self._stamp_ms = now = max(self._stamp_ms, _wall_ms())
-        accepted: list[bytes] = []
+        accepted: list[tuple[bytes, BatchHeader]] = []
         expected_bases: list[int] = []
         next_offset = self.log.log_end_offset
         table, txns = self.producers, self.txns
+        check, apply = table.check, table.apply
         duplicates = records = appended_bytes = 0
         for work in group:
+            results = work.results
             if isinstance(work, _MarkerWork):
                 for marker in work.markers:
                     try:
-                        batch = self._marker(marker, next_offset, now, work.results)
+                        batch = self._marker(marker, next_offset, now, results)
                     except AtomlogError as error:
-                        work.results.append(error)
+                        results.append(error)
                         continue
                     if batch is not None:
-                        accepted.append(batch)
+                        accepted.append((batch, parse_header(batch)))
                         expected_bases.append(next_offset)
                         next_offset += 1
                 continue
-            for index, (batch, header) in enumerate(work.batches):
+            tokens = work.tokens
+            for index, item in enumerate(work.batches):
+                header = item[1]
                 try:
-                    decision = table.check(header.producer_id, header.producer_epoch,
-                                           header.base_sequence, header.record_count, now)
-                    if decision is APPEND and header.is_transactional:
-                        self._check_transactional(
-                            header, work.tokens[index] if work.tokens else None)
+                    decision = check(header.producer_id, header.producer_epoch,
+                                     header.base_sequence, header.record_count, now)
+                    if decision is APPEND and header.attributes & ATTR_TRANSACTIONAL:
+                        self._check_transactional(header, tokens[index] if tokens else None)
                 except AtomlogError as error:
-                    work.results.append(error)
+                    results.append(error)
                     continue
                 if decision is APPEND:
                     last = next_offset + header.last_offset_delta
-                    table.apply(header.producer_id, header.producer_epoch, header.base_sequence,
-                                header.last_sequence, next_offset, last, now,
-                                control=header.is_control)
-                    if header.is_transactional:
+                    apply(header.producer_id, header.producer_epoch, header.base_sequence,
+                          header.last_sequence, next_offset, last, now,
+                          control=header.is_control)
+                    if header.attributes & ATTR_TRANSACTIONAL:
                         txns.on_data(header.txn, header.producer_id, header.producer_epoch,
                                      next_offset, last, now)
-                    work.results.append(Appended(next_offset, last, now))
-                    accepted.append(batch)
+                    results.append(Appended(next_offset, last, now))
+                    accepted.append(item)
                     expected_bases.append(next_offset)
                     records += header.record_count
-                    appended_bytes += len(batch)
+                    appended_bytes += header.batch_length + LENGTH_FIELD_END
                     next_offset = last + 1
-                elif isinstance(decision, Duplicate):
+                else:
                     duplicates += 1
-                    work.results.append(Appended(decision.base_offset, decision.last_offset,
-                                                 decision.timestamp_ms, duplicate=True))
+                    results.append(Appended(decision.base_offset, decision.last_offset,
+                                            decision.timestamp_ms, duplicate=True))
         if accepted:
             began = time.perf_counter()
-            offsets = self.log.append(accepted)
+            offsets = self.log.append_parsed(accepted)
             m.APPEND_SECONDS.observe(time.perf_counter() - began)
             # Pair assertion: the log assigned exactly the offsets producer state recorded.
             assert offsets == expected_bases, (offsets, expected_bases)
             self._bytes_in.inc(appended_bytes)
             self._records_in.inc(records)
+            self._unflushed_batches += len(accepted)
+            self._batches_since_snapshot += len(accepted)
         if duplicates:
             self._duplicates.inc(duplicates)
-        await self._flush(len(accepted))
-        for work in group:
-            if not work.future.done():
-                work.future.set_result(work.results)
-        self._batches_since_snapshot += len(accepted)
-        await self._maybe_snapshot()
+
+    def _begin_flushes(self) -> None:
+        """Begin a flush for the requests written since the last one began, while fewer
+        than max_fsyncs_in_flight run (else they wait for the next free one)."""
+        settings = self.settings
+        while self._unflushed:
+            if not self._unflushed_batches and self._flushes and \
+                    self._flushes[-1].target == self.log.log_end_offset:
+                # Nothing appended since the last flush began (duplicates, refusals):
+                # answer with it, as everything they may depend on is below its target.
+                self._flushes[-1].works.extend(self._unflushed)
+                self._unflushed = []
+                return
+            if len(self._flushes) >= settings.max_fsyncs_in_flight:
+                return
+            works, batches = self._unflushed, self._unflushed_batches
+            self._unflushed, self._unflushed_batches = [], 0
+            target, fd = self.log.flush_begin()
+            future = None
+            if fd is not None and settings.fsync:
+                future = asyncio.get_running_loop().run_in_executor(
+                    None, _fsync_duplicate, self._fsync, os.dup(fd))
+                future.add_done_callback(self._poke)
+            self._flushes.append(_Flush(target, works, batches, future, time.perf_counter()))
+
+    def _complete_flushes(self) -> None:
+        """Take ended flushes in the order they began: move the high watermark, wake
+        readers, answer the requests. Raises _FsyncFailed for a failed fsync."""
+        flushes = self._flushes
+        moved = False
+        try:
+            while flushes and (flushes[0].future is None or flushes[0].future.done()):
+                flush = flushes.popleft()
+                if flush.future is not None:
+                    error = flush.future.exception()
+                    if error is not None:
+                        raise _FsyncFailed(flush, error)
+                    m.FSYNC_SECONDS.observe(time.perf_counter() - flush.began)
+                    m.FSYNCS.inc()
+                    m.PRODUCE_BATCHES_PER_FSYNC.observe(flush.batches)
+                moved |= self.log.flush_end(
+                    flush.target, durable=self.settings.fsync and flush.future is not None)
+                for work in flush.works:
+                    if not work.future.done():
+                        work.future.set_result(work.results)
+        finally:
+            if moved:
+                self.txns.on_durable(self.log.high_watermark)
+                self._notify_readers()
+
+    def _snapshot_due(self) -> bool:
+        since = self._batches_since_snapshot
+        return bool(since) and self.state is State.ONLINE and (
+            since >= self.settings.snapshot_interval_batches
+            or _wall_ms() - self._last_snapshot_ms >= self.settings.snapshot_interval_ms)
+
+    def _fail_unanswered(self, error: AtomlogError, first: list | None = None) -> None:
+        """Fail every request written and not answered (in flight or waiting for an fsync)."""
+        for works in ([first or []] + [f.works for f in self._flushes] + [self._unflushed]):
+            _fail_all(works, error)
+        self._flushes.clear()
+        self._unflushed, self._unflushed_batches = [], 0
+
+    async def _fail_closed(self, error: BaseException, failed: list) -> None:
+        """A write or fsync failed: fail everything unanswered, stop using the log, and
+        reload from what is durable (the high watermark: nothing above it was acknowledged,
+        and after a failed fsync the page cache above it is not to be trusted)."""
+        log.error("append or fsync failed on %s; failing unacknowledged requests and "
+                  "reloading from disk", self.name, exc_info=error)
+        self._fail_unanswered(AtomlogError(
+            "PARTITION_LOADING", f"write failed on {self.name}: {error}; reloading"), failed)
+        durable = None
+        if self.log is not None:
+            self.log.fail(f"{type(error).__name__}: {error}")
+            durable = self.log.high_watermark
+        try:
+            await self._reload_after_failure(durable)
+        except BaseException as reload_error:
+            # The partition stays LOADING (refusing produce); answer what is queued.
+            _fail_all(self._queue, AtomlogError(
+                "PARTITION_LOADING", f"partition {self.name} failed to reload: {reload_error}"))
+            self._queue.clear()
+            self._queued_bytes = 0
+            raise
+
+    async def _flush_everything(self) -> None:
+        """Make everything appended durable now (close): no request is answered."""
+        target, fd = self.log.flush_begin()
+        if fd is not None and self.settings.fsync:
+            await asyncio.get_running_loop().run_in_executor(
+                None, _fsync_duplicate, self._fsync, os.dup(fd))
+        if self.log.flush_end(target, durable=self.settings.fsync):
+            self.txns.on_durable(self.log.high_watermark)
+            self._notify_readers()
 
     def _check_transactional(self, header: BatchHeader, token: int | None) -> None:
         """A transactional data batch about to be appended: its transaction is open here
@@ -435,28 +633,19 @@ class PartitionOwner:
         results.append(MarkerResult(offset, False))
         return batch
 
-    async def _flush(self, batches: int) -> None:
-        """Make everything appended durable (or, with fsync off, visible), then wake readers."""
-        target, fd = self.log.flush_begin()
-        if fd is not None and self.settings.fsync:
-            began = time.perf_counter()
-            await asyncio.to_thread(os.fsync, fd)
-            m.FSYNC_SECONDS.observe(time.perf_counter() - began)
-            m.FSYNCS.inc()
-            m.PRODUCE_BATCHES_PER_FSYNC.observe(batches)
-        moved = self.log.flush_end(target, durable=self.settings.fsync)
-        self.txns.on_durable(self.log.high_watermark)
-        if moved:
-            async with self._data:
-                self._data.notify_all()
+    def _notify_readers(self) -> None:
+        moved, self._data_moved = self._data_moved, None
+        if moved is not None and not moved.done():
+            moved.set_result(None)
 
-    async def _reload_after_failure(self) -> None:
+    async def _reload_after_failure(self, truncate_to: int | None = None) -> None:
         self.state = State.LOADING
+        self._notify_readers()
         try:
             self.log.close()
         except Exception:  # noqa: BLE001
             pass
-        await self._load()
+        await self._load(truncate_to)
 
     def expire_producers(self) -> int:
         """Forget producers idle past the expiry (bounded scan of the table)."""
@@ -487,9 +676,10 @@ class PartitionOwner:
 
         Serialized with appends the way retention is: it runs to the end without yielding
         to the event loop, and the owner task changes the log only in steps that do not
-        yield either. At the owner's await points (its group fsync, its snapshot write)
-        nothing deleted here is in use: the fsync is of the active segment, never deleted,
-        and a snapshot being written covers the high watermark, at or above the new start.
+        yield either. While the owner waits (for its group fsyncs, or a snapshot write)
+        nothing deleted here is in use: an fsync in flight is of a segment holding data
+        above the high watermark, never deleted (and on a duplicate descriptor), and a
+        snapshot being written covers the high watermark, at or above the new start.
 
         Producer-state snapshots that would describe deleted data (covering less than the
         new log start) are removed first, durably: restoring one of them and replaying
@@ -524,14 +714,6 @@ class PartitionOwner:
                 os.close(dir_fd)
 
     # ------------------------------------------------------------------ snapshots
-    async def _maybe_snapshot(self) -> None:
-        settings = self.settings
-        if not self._batches_since_snapshot:
-            return
-        if self._batches_since_snapshot >= settings.snapshot_interval_batches or \
-                _wall_ms() - self._last_snapshot_ms >= settings.snapshot_interval_ms:
-            await self._snapshot()
-
     async def _snapshot(self, force: bool = False) -> None:
         """Write producer state and the transaction buffer, both covering everything
         durable (applied end == high watermark)."""
@@ -539,13 +721,24 @@ class PartitionOwner:
             return
         covered = self.log.high_watermark
         if covered != self.log.log_end_offset:
+            # Not everything applied is durable (close after a failed final flush):
+            # skip; the owner takes snapshots only when drained, so it never is here.
+            self._batches_since_snapshot = 0
+            self._last_snapshot_ms = _wall_ms()
             return
         producers = self.producers.snapshot(covered)
         txns = self.txns.snapshot(covered)
-        await asyncio.to_thread(self._write_snapshot, producer_state, covered, producers)
-        await asyncio.to_thread(self._write_snapshot, txn_buffer, covered, txns)
         self._batches_since_snapshot = 0
         self._last_snapshot_ms = _wall_ms()
+        # Shielded: if the owner task is cancelled meanwhile, close() waits for the write
+        # (two writers of the same file would race on its .tmp).
+        self._snapshot_write = asyncio.ensure_future(asyncio.to_thread(
+            self._write_snapshots, covered, producers, txns))
+        await asyncio.shield(self._snapshot_write)
+
+    def _write_snapshots(self, covered: int, producers: bytes, txns: bytes) -> None:
+        self._write_snapshot(producer_state, covered, producers)
+        self._write_snapshot(txn_buffer, covered, txns)
 
     def _write_snapshot(self, module, covered: int, data: bytes) -> None:
         path = self.directory / module.snapshot_file_name(covered)
@@ -617,11 +810,18 @@ class PartitionOwner:
 
         if ready() or timeout_s <= 0:
             return
-        async with self._data:
-            try:
-                await asyncio.wait_for(self._data.wait_for(ready), timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not ready():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            if self._data_moved is None:
+                self._data_moved = loop.create_future()
+            try:  # shielded: a waiter that times out leaves the shared future alone
+                await asyncio.wait_for(asyncio.shield(self._data_moved), remaining)
             except asyncio.TimeoutError:
-                pass
+                return
 
     def offset_for_timestamp(self, timestamp_ms: int) -> tuple[int, int] | None:
         self.check_serving()
@@ -678,7 +878,22 @@ def _filter(data: bytes, aborted, include_control: bool) -> bytes:
     return b"".join(kept)
 
 
-def _fail_all(group: list[_Work | _MarkerWork], error: AtomlogError) -> None:
+def _fail_all(group, error: AtomlogError) -> None:
     for work in group:
         if not work.future.done():
             work.future.set_exception(error)
+
+
+class _FsyncFailed(Exception):
+    def __init__(self, flush: _Flush, error: BaseException):
+        super().__init__(str(error))
+        self.flush, self.error = flush, error
+
+
+def _fsync_duplicate(fsync: Callable[[int], None], fd: int) -> None:
+    """On a worker thread: fsync a duplicate descriptor of the segment, then close it (the
+    duplicate keeps the file open even if the log closes its own descriptor meanwhile)."""
+    try:
+        fsync(fd)
+    finally:
+        os.close(fd)

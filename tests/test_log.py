@@ -8,6 +8,7 @@ made by cutting the copy's last segment above what was flushed."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import shutil
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partition_server.log import DATA_LOSS_FILE, LogConfig, PartitionLog
+from partition_server.log import DATA_LOSS_FILE, RECOVERY_POINT_FILE, LogConfig, PartitionLog
 from partition_server.record_batch import (PREFIX_SIZE, ControlType, Record, encode_batch,
                                            encode_control_batch, iter_batches, parse_header,
                                            with_base_offset)
@@ -745,3 +746,42 @@ def test_split_flush_and_undurable_flush(tmp_path):
     copy = crash_copy(log, tmp_path / "crash-2")
     os.truncate(segment_file(copy, 0), segment_file(copy, 0).stat().st_size - 5)
     assert open_log(copy).data_loss is not None
+
+
+def test_pipelined_flushes_end_in_order_across_a_roll(tmp_path):
+    """The owner begins a flush, goes on appending (here across a roll) and begins the
+    next: each flush_end moves the high watermark to its own target only, in order."""
+    log = open_log(tmp_path / "p", segment_bytes=1_000, recovery_point_interval_ms=0)
+    log.append([make_batch(2)])
+    first, first_fd = log.flush_begin()
+    duplicate = os.dup(first_fd)  # as the owner fsyncs: the roll may close the original
+    for _ in range(4):
+        log.append([make_batch(2)])  # rolls: the sealed segment is fsynced then
+    assert log.segment_count >= 2
+    second, second_fd = log.flush_begin()
+    assert (first, second) == (2, 10) and second_fd != first_fd
+    os.fsync(second_fd)
+    os.fsync(duplicate)
+    os.close(duplicate)
+    assert log.flush_end(first) and log.high_watermark == 2
+    assert log.read(0, 1 << 20)[1] == 2  # reads stop at the high watermark
+    assert log.flush_end(second) and log.high_watermark == 10
+    assert log.read(0, 1 << 20)[1] == 10
+    assert not log.flush_end(second)
+    log.close()
+    assert open_log(tmp_path / "p").log_end_offset == 10
+
+
+def test_a_failed_fsync_elsewhere_breaks_the_log_and_close_does_not_flush(tmp_path):
+    log = open_log(tmp_path / "p", recovery_point_interval_ms=0)
+    log.append([make_batch(2)])
+    log.flush()
+    log.append([make_batch(2)])
+    target, _ = log.flush_begin()
+    log.fail("fsync failed: [Errno 5] Input/output error")
+    reason, _ = reason_and_metadata(lambda: log.flush_end(target))
+    assert reason == "INTERNAL" and log.high_watermark == 2
+    reason, _ = reason_and_metadata(lambda: log.append([make_batch(1)]))
+    assert reason == "INTERNAL"
+    log.close()  # no fsync, and the recovery point stays at 2
+    assert json.loads((tmp_path / "p" / RECOVERY_POINT_FILE).read_text()) == {"offset": 2}

@@ -1,13 +1,22 @@
 """The partition owner restarts from its producer-state snapshot plus the log tail (not a
-full replay), and the result equals a full replay."""
+full replay), and the result equals a full replay. Its pipelined group commit never
+acknowledges before the fsync covering a batch, keeps acks in log order, and fails
+closed when an fsync fails."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
+import threading
+import time
+
+import pytest
 
 from partition_server.log import LogConfig
-from partition_server.owner import OwnerSettings, PartitionOwner
+from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.record_batch import Record, encode_batch, parse_header
+from services.errors import AtomlogError
 
 
 def batch(producer_id: int, sequence: int) -> bytes:
@@ -52,5 +61,202 @@ def test_restart_uses_the_snapshot_and_replays_only_the_tail(tmp_path):
         assert full.replayed_batches == 27
         assert full.producers.snapshot(full.log.high_watermark) == before_crash
         await full.close()
+
+    asyncio.run(scenario())
+
+
+class GatedFsync:
+    """An fsync for the owner that waits until the test releases it (or fails it), and
+    records the file size when it was called: what it can make durable."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self._outcomes: list[threading.Event] = []
+        self._errors: dict[int, OSError] = {}
+        self._lock = threading.Lock()
+        self.open = False  # release every later call at once
+
+    def __call__(self, fd: int) -> None:
+        release = threading.Event()
+        with self._lock:
+            index = len(self.sizes)
+            self.sizes.append(os.fstat(fd).st_size)
+            self._outcomes.append(release)
+            if self.open:
+                release.set()
+        assert release.wait(10), "the test never released this fsync"
+        if index in self._errors:
+            raise self._errors[index]
+        os.fsync(fd)
+
+    @property
+    def calls(self) -> int:
+        with self._lock:
+            return len(self.sizes)
+
+    def release(self, index: int, error: OSError | None = None) -> None:
+        if error is not None:
+            self._errors[index] = error
+        self._outcomes[index].set()
+
+    def release_all(self) -> None:
+        with self._lock:
+            self.open = True
+            for event in self._outcomes:
+                event.set()
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.002)
+
+
+def start(owner: PartitionOwner, b: bytes) -> asyncio.Future:
+    return asyncio.ensure_future(owner.produce([(b, parse_header(b))]))
+
+
+def test_acks_never_precede_the_fsync_covering_them_and_keep_log_order(tmp_path):
+    """Pipelined group commit: a group written while an fsync runs gets an fsync of its
+    own (up to max_fsyncs_in_flight), but flushes end in the order they began, and the
+    high watermark moves only when one ends."""
+    gate = GatedFsync()
+    settings = OwnerSettings(log=LogConfig(), max_fsyncs_in_flight=2, write_ahead_bytes=0)
+    size = len(batch(7, 0))
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings, fsync=gate)
+        await owner.start()
+        first = start(owner, batch(7, 0))
+        await until(lambda: gate.calls == 1)
+        second = start(owner, batch(7, 2))  # written while the first fsync runs
+        await until(lambda: gate.calls == 2)
+        third = start(owner, batch(7, 4))  # written; no fsync free: it waits for one
+        await until(lambda: owner.log.log_end_offset == 6)
+        await asyncio.sleep(0.05)
+        assert gate.calls == 2 and gate.sizes == [size, 2 * size]
+        assert not (first.done() or second.done() or third.done())
+        assert owner.log.high_watermark == 0 and owner.read(0, 1 << 20)[0] == b""
+
+        gate.release(1)  # the later fsync ends first: nobody is acknowledged yet
+        await asyncio.sleep(0.05)
+        assert not (first.done() or second.done()) and owner.log.high_watermark == 0
+
+        gate.release(0)  # now both flushes end, in order
+        assert [r.base_offset for r in await first] == [0]
+        assert [r.base_offset for r in await second] == [2]
+        assert owner.log.high_watermark == 4 and not third.done()
+        await until(lambda: gate.calls == 3)  # began once a flush ended
+        assert gate.sizes[2] == 3 * size
+        gate.release(2)
+        assert [r.base_offset for r in await third] == [4]
+        assert owner.log.high_watermark == 6
+        gate.release_all()
+        await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_write_during_the_only_fsync_waits_for_the_next_one(tmp_path):
+    gate = GatedFsync()
+    settings = OwnerSettings(log=LogConfig(), max_fsyncs_in_flight=1, write_ahead_bytes=0)
+    size = len(batch(7, 0))
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings, fsync=gate)
+        await owner.start()
+        first = start(owner, batch(7, 0))
+        await until(lambda: gate.calls == 1)
+        retry = start(owner, batch(7, 0))  # a duplicate of a batch not durable yet
+        await asyncio.sleep(0.02)  # decided on its own (in a group with new batches, it
+        # would be answered with the flush covering them)
+        later = [start(owner, batch(7, s)) for s in (2, 4)]
+        await until(lambda: owner.log.log_end_offset == 6)  # written during the fsync
+        await asyncio.sleep(0.02)
+        assert gate.calls == 1 and not any(f.done() for f in [first, retry, *later])
+        gate.release(0)
+        await first
+        duplicate = (await retry)[0]  # answered only once the original is durable
+        assert (duplicate.base_offset, duplicate.duplicate) == (0, True)
+        assert owner.log.high_watermark == 2 and not any(f.done() for f in later)
+        await until(lambda: gate.calls == 2)
+        assert gate.sizes[1] == 3 * size  # one fsync for both later groups
+        gate.release(1)
+        assert [(await f)[0].base_offset for f in later] == [2, 4]
+        gate.release_all()
+        await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_below_write_ahead_bytes_requests_wait_for_the_fsync_and_go_as_one_group(tmp_path):
+    gate = GatedFsync()
+    size = len(batch(7, 0))
+    settings = OwnerSettings(log=LogConfig(), max_fsyncs_in_flight=1,
+                             write_ahead_bytes=3 * size)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings, fsync=gate)
+        await owner.start()
+        first = start(owner, batch(7, 0))
+        await until(lambda: gate.calls == 1)
+        waiting = [start(owner, batch(7, s)) for s in (2, 4)]
+        await asyncio.sleep(0.05)
+        assert owner.log.log_end_offset == 2  # 2 batches queued: below the threshold
+        ahead = [start(owner, batch(7, s)) for s in (6, 8)]
+        await until(lambda: owner.log.log_end_offset == 10)  # 4 queued: written ahead
+        gate.release(0)
+        await first
+        await until(lambda: gate.calls == 2)
+        assert gate.sizes[1] == 5 * size
+        gate.release(1)
+        assert [(await f)[0].base_offset for f in waiting + ahead] == [2, 4, 6, 8]
+        gate.release_all()
+        await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_fsync_fails_every_batch_it_covered_and_the_partition_fails_closed(tmp_path):
+    """The fsync of the second batch fails while the third's (begun after it) succeeds:
+    neither is acknowledged, the log is cut back to what was durable, producer state is
+    rebuilt from it, and a retry appends again at the same offsets."""
+    gate = GatedFsync()
+    settings = OwnerSettings(log=LogConfig(), max_fsyncs_in_flight=2)  # a free slot each
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings, fsync=gate)
+        await owner.start()
+        first = start(owner, batch(7, 0))
+        await until(lambda: gate.calls == 1)
+        gate.release(0)
+        assert [r.base_offset for r in await first] == [0]
+
+        second = start(owner, batch(7, 2))
+        await until(lambda: gate.calls == 2)
+        third = start(owner, batch(7, 4))
+        await until(lambda: gate.calls == 3)
+        gate.release(2)
+        await asyncio.sleep(0.05)
+        assert not (second.done() or third.done())
+        gate.release(1, OSError(errno.EIO, "Input/output error"))
+        for failed in (second, third):
+            with pytest.raises(AtomlogError) as refused:
+                await failed
+            assert refused.value.reason == "PARTITION_LOADING"
+
+        await until(lambda: owner.state is State.ONLINE)
+        assert owner.log.log_end_offset == owner.log.high_watermark == 2  # cut back
+        assert [h.base_offset for h in owner.log.iter_headers()] == [0]
+        gate.release_all()
+        retried = await owner.produce([(batch(7, 2), parse_header(batch(7, 2)))])
+        assert (retried[0].base_offset, retried[0].duplicate) == (2, False)
+        await owner.close()
+
+        again = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await again.start()
+        assert [h.base_offset for h in again.log.iter_headers()] == [0, 2]
+        await again.close()
 
     asyncio.run(scenario())
