@@ -161,10 +161,10 @@ def fetch_all(address: str, partition: int, isolation: str) -> dict:
         end = ends[(STREAM_TOPIC, partition)]
         records = size = 0
         began = time.perf_counter()
-        while consumer.assignment()[(STREAM_TOPIC, partition)] < end:
-            for message in consumer.poll(timeout_s=1.0, max_records=100_000):
-                records += 1
-                size += len(message.value or b"")
+        for messages in consumer.read_until({(STREAM_TOPIC, partition): end},
+                                            max_records=100_000):
+            records += len(messages)
+            size += sum(len(message.value or b"") for message in messages)
         elapsed = time.perf_counter() - began
     client.close()
     return {"isolation": isolation, "records": records, "mb_s": size / elapsed / 1e6}
@@ -273,11 +273,7 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
 
 def _count_messages(consumer) -> int:
     """Committed messages readable from the start (the warm-up record included)."""
-    ends = consumer.end_offsets()
-    count = 0
-    while any(consumer.assignment()[key] < end for key, end in ends.items()):
-        count += len(consumer.poll(timeout_s=1.0, max_records=100_000))
-    return count
+    return sum(len(messages) for messages in consumer.read_until(max_records=100_000))
 
 
 # ------------------------------------------------------------------ report

@@ -413,11 +413,11 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     last_sequence=entry.last_sequence, last_offset=entry.last_offset,
                     last_append_unix_ms=entry.last_timestamp_ms,
                     cached_batch_count=len(entry.batches))
-            tp = request.topic_partition
+            tp, readable = request.topic_partition, owner.max_read_position()
             for name in sorted(owner.subscriptions.names())[:MAX_DESCRIBED_SUBSCRIPTIONS]:
                 sp = common_pb2.SubscriptionPartition(topic=tp.topic, partition=tp.partition,
                                                       subscription=name)
-                d = owner.subscriptions.describe(name, owner.max_read_position(), now_ms)
+                d = owner.subscriptions.describe(name, readable, now_ms)
                 response.subscriptions.add(**_cursor_fields(sp, d))
         return response
 

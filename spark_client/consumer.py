@@ -95,6 +95,31 @@ class Consumer:
         """Per partition, the first offset still in the log (the log start offset)."""
         return self._list_offsets(partition_pb2.OFFSET_SPEC_EARLIEST)
 
+    def read_until(self, ends: dict[tuple[str, int], int] | None = None, *,
+                   idle_timeout_s: float = 60.0, max_records: int = 10_000):
+        """Lists of messages from the current positions up to `ends` (offset per assigned
+        partition, exclusive; default: end_offsets() now — the max read position under
+        read_committed), then stop. A partition that makes no progress for idle_timeout_s
+        raises REQUEST_TIMED_OUT (its range is not readable: open, or beyond the end)."""
+        if ends is None:
+            ends = self.end_offsets()
+        deadline = time.monotonic() + idle_timeout_s
+        while True:
+            behind = [key for key, end in ends.items() if self.position(*key) < end]
+            if not behind:
+                return
+            messages = [m for m in self.poll(timeout_s=1.0, max_records=max_records)
+                        if m.offset < ends.get((m.topic, m.partition), 0)]
+            if messages:
+                deadline = time.monotonic() + idle_timeout_s
+                yield messages
+            elif time.monotonic() > deadline:
+                key = behind[0]
+                raise errors.error_for(
+                    "REQUEST_TIMED_OUT", f"{key[0]}-{key[1]}: offsets {self.position(*key)}.."
+                    f"{ends[key]} were not readable for {idle_timeout_s:.0f} s "
+                    "(an open transaction, or past the end of the log?)")
+
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Message]:
         """Up to max_records messages, waiting up to timeout_s for the first."""
         if self._closed:

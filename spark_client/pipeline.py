@@ -71,22 +71,11 @@ def run(args) -> None:
 
 
 # ---------------------------------------------------------------------------- demo
-def _count_committed(client, topic: str) -> int:
-    """Records readable under read_committed now (offsets up to the max read position,
-    minus control batches and aborted data, counted by reading them)."""
-    return sum(1 for _ in _read(client, topic, "read_committed"))
-
-
 def _read(client, topic: str, isolation: str):
-    consumer = client.consumer(topic, isolation=isolation)
-    try:
-        ends = consumer.end_offsets()
-        while any(consumer.position(t, p) < end for (t, p), end in ends.items()):
-            for message in consumer.poll(timeout_s=1.0, max_records=100_000):
-                if message.offset < ends[(message.topic, message.partition)]:
-                    yield message
-    finally:
-        consumer.close()
+    """Every message readable now under `isolation`."""
+    with client.consumer(topic, isolation=isolation) as consumer:
+        for messages in consumer.read_until():
+            yield from messages
 
 
 def _in_flight(client, topic: str) -> bool:
@@ -138,8 +127,15 @@ def demo(args) -> int:
 
     log_path = workdir / "job.log"
     kill_at = int(args.records * args.kill_at)
-    kills = 0
-    with open(log_path, "ab") as log, Progress(
+    kills = done = 0
+    # Committed output is counted as it grows: each tick reads only what was committed
+    # since the last one.
+    watcher = client.consumer(output_topic)
+
+    def committed() -> int:
+        return done + sum(len(messages) for messages in watcher.read_until())
+
+    with watcher, open(log_path, "ab") as log, Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task("committed output", total=args.records)
@@ -148,7 +144,7 @@ def demo(args) -> int:
         deadline = time.monotonic() + args.timeout_s
         while True:
             time.sleep(1.0)
-            done = _count_committed(client, output_topic)
+            done = committed()
             progress.update(task, completed=min(done, args.records))
             finished = job.poll() is not None
             if finished:
@@ -173,7 +169,7 @@ def demo(args) -> int:
             console.print(f"[bold red]the Spark job failed (exit {job.returncode})[/]; "
                           f"see {log_path}")
             return 1
-        progress.update(task, completed=_count_committed(client, output_topic))
+        progress.update(task, completed=committed())
 
     got = Counter(m.value for m in _read(client, output_topic, "read_committed"))
     uncommitted = sum(1 for _ in _read(client, output_topic, "read_uncommitted"))

@@ -32,7 +32,6 @@ is repeatable and never sees open or aborted data.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -268,13 +267,16 @@ def _check_read_schema(schema: StructType) -> None:
                           f"select columns after load() instead of passing a schema")
 
 
+def _check_topics_exist(options: Options, client) -> None:
+    missing = sorted(set(options.topics) - set(client.list_topics()))
+    if missing:
+        raise OptionError(f"unknown topic(s) {missing}: create them first")
+
+
 def _topics_or_fail(options: Options, client) -> list[str]:
     if not options.topics:
         raise OptionError("reads need option topic (or topics)")
-    known = set(client.list_topics())
-    missing = [t for t in options.topics if t not in known]
-    if missing:
-        raise OptionError(f"unknown topic(s) {missing}")
+    _check_topics_exist(options, client)
     return options.topics
 
 
@@ -354,21 +356,10 @@ def _read_range(options: Options, part: OffsetRange):
                             partitions=[part.partition],
                             request_timeout_s=options.request_timeout_s)
         consumer.seek(part.topic, part.partition, part.start)
-        deadline = time.monotonic() + max(60.0, 4 * options.request_timeout_s)
-        while consumer.position(part.topic, part.partition) < part.end:
-            messages = consumer.poll(timeout_s=1.0, max_records=10_000)
-            if messages:
-                deadline = time.monotonic() + max(60.0, 4 * options.request_timeout_s)
-            elif time.monotonic() > deadline:
-                raise errors.error_for(
-                    "REQUEST_TIMED_OUT", f"{part.topic}-{part.partition}: offsets "
-                    f"{consumer.position(part.topic, part.partition)}..{part.end} "
-                    "were not readable for a minute (are they committed?)")
-            inside = [m for m in messages if m.offset < part.end]
-            if inside:
-                yield _to_arrow(inside, schema)
-            if len(inside) < len(messages):
-                return
+        ends = {(part.topic, part.partition): part.end}
+        idle_s = max(60.0, 4 * options.request_timeout_s)
+        for messages in consumer.read_until(ends, idle_timeout_s=idle_s):
+            yield _to_arrow(messages, schema)
     finally:
         client.close()
 
@@ -391,7 +382,7 @@ class BatchReader(DataSourceReader):
     def partitions(self) -> list[OffsetRange]:
         return _ranges(self.start, self.end, self.options.max_offsets_per_split)
 
-    def read(self, partition: OffsetRange) -> Iterator[tuple]:
+    def read(self, partition: OffsetRange):
         return _read_range(self.options, partition)
 
 
@@ -441,7 +432,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
         return _ranges(start, end, self.options.max_offsets_per_split)
 
-    def read(self, partition: OffsetRange) -> Iterator[tuple]:
+    def read(self, partition: OffsetRange):
         return _read_range(self.options, partition)
 
     def commit(self, end: dict) -> None:
@@ -635,10 +626,7 @@ class BatchWriter(DataSourceArrowWriter):
         self.options = options
         client = options.client()
         try:
-            known = set(client.list_topics())
-            missing = [t for t in options.topics if t not in known]
-            if missing:
-                raise OptionError(f"unknown topic(s) {missing}: create them first")
+            _check_topics_exist(options, client)
             self.parent_key = f"spark-write:{uuid.uuid4()}"
             parent = Transaction(client, options.transaction_timeout_s, key=self.parent_key)
             self.parent_id = parent.key
@@ -703,10 +691,7 @@ class StreamWriter(DataSourceStreamArrowWriter):
         self.options = options
         client = options.client()
         try:
-            known = set(client.list_topics())
-            missing = [t for t in options.topics if t not in known]
-            if missing:
-                raise OptionError(f"unknown topic(s) {missing}: create them first")
+            _check_topics_exist(options, client)
         finally:
             client.close()
 

@@ -25,7 +25,7 @@ from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.record_batch import Record, encode_batch, iter_batches
 from services.errors import from_rpc_error
 from spark_client import Client
-from tests.conftest import wait_until
+from tests.conftest import create_online, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -47,26 +47,6 @@ def zk(cluster):
     finally:
         client.stop()
         client.close()
-
-
-def create_online(client, name: str, partitions: int, **options) -> None:
-    """Create a topic and wait until every partition serves (its owner opens it after
-    CreateTopic answers; until then requests get the retriable PARTITION_LOADING)."""
-    client.create_topic(name, partitions=partitions, **options)
-
-    def online(p: int) -> bool:
-        stub = stub_at(client, client.metadata.route(name, p).address)
-        try:
-            return stub.DescribePartition(partition_pb2.DescribePartitionRequest(
-                topic_partition=tp(name, p)), timeout=10).state == \
-                partition_pb2.PARTITION_STATE_ONLINE
-        except grpc.RpcError:  # the server has not seen the assignment yet
-            return False
-
-    deadline = time.monotonic() + 30
-    while not all(online(p) for p in range(partitions)):
-        assert time.monotonic() < deadline, f"{name} did not come online"
-        time.sleep(0.05)
 
 
 def tp(topic: str, partition: int) -> common_pb2.TopicPartition:

@@ -47,15 +47,9 @@ def new_topic(client, name: str, partitions: int = 4) -> str:
 
 
 def values(client, topic: str, isolation: str = "read_committed") -> Counter:
-    consumer = client.consumer(topic, isolation=isolation)
-    ends = consumer.end_offsets()
-    got: Counter = Counter()
-    while any(consumer.position(t, p) < e for (t, p), e in ends.items()):
-        for m in consumer.poll(timeout_s=1.0, max_records=100_000):
-            if m.offset < ends[(m.topic, m.partition)]:
-                got[m.value] += 1
-    consumer.close()
-    return got
+    """Values readable now under `isolation`, with how often each occurs."""
+    with client.consumer(topic, isolation=isolation) as consumer:
+        return Counter(m.value for messages in consumer.read_until() for m in messages)
 
 
 def aborted_count(client, topic: str) -> int:

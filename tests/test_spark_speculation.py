@@ -30,11 +30,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from atomlog.v1.partition_pb2 import PARTITION_STATE_ONLINE
 
-from spark_client import Client, errors
+from spark_client import Client
 from tests import spark_speculation_job as job
-from tests.conftest import REPO_ROOT, wait_until
+from tests.conftest import REPO_ROOT, create_online
 
 pyspark = pytest.importorskip("pyspark")
 
@@ -202,30 +201,10 @@ def standalone(tmp_path):
             assert cluster.marked() == [], "processes of the Spark cluster survived"
 
 
-def new_topic(client, name: str, partitions: int) -> str:
-    client.create_topic(name, partitions=partitions)
-
-    def online() -> bool:
-        try:
-            return all(client.describe_partition(name, p).state == PARTITION_STATE_ONLINE
-                       for p in range(partitions))
-        except errors.AtomlogClientError:
-            return False
-
-    wait_until(online, 30, f"{name} online")
-    return name
-
-
 def values(client, topic: str, isolation: str) -> Counter:
-    consumer = client.consumer(topic, isolation=isolation)
-    ends = consumer.end_offsets()
-    got: Counter = Counter()
-    while any(consumer.position(t, p) < e for (t, p), e in ends.items()):
-        for m in consumer.poll(timeout_s=1.0, max_records=100_000):
-            if m.offset < ends[(m.topic, m.partition)]:
-                got[m.value.decode()] += 1
-    consumer.close()
-    return got
+    """Values readable now under `isolation`, with how often each occurs."""
+    with client.consumer(topic, isolation=isolation) as consumer:
+        return Counter(m.value.decode() for messages in consumer.read_until() for m in messages)
 
 
 def txn_json(cluster, *args: str) -> dict:
@@ -276,7 +255,7 @@ def test_a_losing_speculative_attempt_is_aborted_with_its_rows(cluster, standalo
     bootstrap = cluster.info["bootstrap"]
     slow = job.SLOW_TASK
     with Client(bootstrap) as client:
-        topic = new_topic(client, f"spark-speculation-{uuid.uuid4().hex[:8]}", job.TASKS)
+        topic = create_online(client, f"spark-speculation-{uuid.uuid4().hex[:8]}", job.TASKS)
         result, seen_open = run_driver(standalone, client, bootstrap, topic)
 
         # Spark: two attempts of the slow task, on different hosts; the speculative copy
