@@ -28,13 +28,25 @@ class PartitionRoutes:
         self.store = metadata_store
         self._owners: dict[str, list[str]] = {}  # topic -> owner address per partition
         self._refreshed_at = 0.0
+        self._read_began = 0.0
         self._lock = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, partition_pb2_grpc.PartitionServiceStub] = {}
 
-    async def refresh(self, *, force: bool = False) -> None:
+    async def refresh(self, *, force: bool = False, fresh: bool = False) -> None:
+        """Re-read owners from ZooKeeper — at most every MIN_REFRESH_INTERVAL_S unless
+        `force`; `fresh` waits out that interval instead of skipping the read, so the
+        answer is newer than the call (a topic created just before is seen)."""
+        called = time.monotonic()
         async with self._lock:
-            if not force and time.monotonic() - self._refreshed_at < MIN_REFRESH_INTERVAL_S:
-                return
+            if self._read_began > called:
+                return  # a read that began after this call has finished meanwhile
+            wait = MIN_REFRESH_INTERVAL_S - (time.monotonic() - self._refreshed_at)
+            if not force and wait > 0:
+                if not fresh:
+                    return
+                await asyncio.sleep(wait)
+            self._read_began = time.monotonic()
             servers = {s.name: s.grpc_address for s in await self.store.servers()}
             self._owners = {t.name: [servers.get(owner, "") for owner in t.assignment]
                             for t in await self.store.topics()}
@@ -43,7 +55,7 @@ class PartitionRoutes:
     async def partition_count(self, topic: str) -> int | None:
         """Partitions of a topic (None: unknown), refreshing once when it is not cached."""
         if topic not in self._owners:
-            await self.refresh()
+            await self.refresh(fresh=True)
         owners = self._owners.get(topic)
         return None if owners is None else len(owners)
 
@@ -66,13 +78,18 @@ class PartitionRoutes:
         return address
 
     def stub(self, address: str) -> partition_pb2_grpc.PartitionServiceStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._channels[address] = channel
-        return partition_pb2_grpc.PartitionServiceStub(channel)
+        """One channel and one stub per address (a stub built per call costs CPU)."""
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = channel
+            stub = self._stubs[address] = partition_pb2_grpc.PartitionServiceStub(channel)
+        return stub
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
+        self._stubs = {}
         for channel in channels:
             await channel.close()

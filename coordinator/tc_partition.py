@@ -89,6 +89,7 @@ class Settings:
     snapshot_interval_ms: int = 300_000
     log_request_timeout_ms: int = 5_000
     max_pending_calls: int = 10_000
+    completion_linger_ms: int = 200
 
 
 def now_ms() -> int:
@@ -283,6 +284,7 @@ class TcPartition:
             return True
         future = asyncio.get_running_loop().create_future()
         self._completion_waiters.setdefault(txn_id, []).append(future)
+        self._wake.set()  # a lingering completion goes out now (_linger_for_company)
         done, _ = await asyncio.wait([future], timeout=timeout_s)
         if future in done:
             future.result()
@@ -318,6 +320,7 @@ class TcPartition:
         while self.phase is Phase.ACTIVE:
             await self._wake.wait()
             self._wake.clear()
+            await self._linger_for_company()
             while self._queue and self.phase is Phase.ACTIVE:
                 group, entries = self._take_group()
                 started = time.perf_counter()
@@ -355,6 +358,27 @@ class TcPartition:
                     await self._fenced(str(error))
                     return
                 self._last_append_at = time.monotonic()
+
+    async def _linger_for_company(self) -> None:
+        """When everything queued is Completed records, wait (up to completion_linger_ms)
+        for another append to share the TC log call: a completion needs no reply and
+        loses nothing by waiting (its markers are confirmed, and a load re-sends markers of
+        an uncompleted transaction anyway), so under load it costs no call of its own.
+        Not while a caller waits for a completion (EndTxn wait_for_markers)."""
+        linger_s = self.settings.completion_linger_ms / 1000
+        if not linger_s:
+            return
+        deadline = time.monotonic() + linger_s
+        while (self.phase is Phase.ACTIVE and self._queue and not self._completion_waiters
+               and all(isinstance(r, Completed) for a in self._queue for r in a.records)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except TimeoutError:
+                return
+            self._wake.clear()
 
     def _take_group(self) -> tuple[list[Append], list[tuple[None, bytes]]]:
         """The queued appends that fit one TC log batch, and their encoded records."""

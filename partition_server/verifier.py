@@ -84,6 +84,7 @@ class TxnVerifier:
         self._queues: dict[str, list[_Question]] = {}
         self._senders: dict[str, asyncio.Task] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, coordinator_pb2_grpc.CoordinatorServiceStub] = {}
 
     async def verify(self, txn: TxnId, topic: str, partition: int, *,
                      subscription: str | None = None) -> Answer:
@@ -204,16 +205,20 @@ class TxnVerifier:
         return Answer(session)
 
     def _stub(self, address: str) -> coordinator_pb2_grpc.CoordinatorServiceStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS)
-        return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.aio.insecure_channel(
+                    address, options=CHANNEL_OPTIONS)
+            stub = self._stubs[address] = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        return stub
 
     async def close(self) -> None:
         for task in self._senders.values():
             task.cancel()
         channels, self._channels = list(self._channels.values()), {}
+        self._stubs = {}
         for channel in channels:
             await channel.close()
 

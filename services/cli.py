@@ -327,7 +327,6 @@ def partition() -> None:
 def _call_owner(bootstrap: str, topic_name: str, number: int, method: str, request,
                 timeout: float = 10):
     """Call a PartitionService method on the partition's owner; exit 1 on any error."""
-    from atomlog.v1 import partition_pb2_grpc
     from spark_client import Client
     from spark_client.errors import AtomlogClientError, from_grpc
 
@@ -336,7 +335,7 @@ def _call_owner(bootstrap: str, topic_name: str, number: int, method: str, reque
             route = client.metadata.route(topic_name, number)
             if not route.address:
                 fail(f"the owner of {topic_name}-{number} ({route.server_name}) is down")
-            stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(route.address))
+            stub = client.channels.partition(route.address)
             return getattr(stub, method)(request, timeout=timeout)
         except grpc.RpcError as rpc_error:
             fail(str(from_grpc(rpc_error)))
@@ -722,11 +721,11 @@ def _list_transactions(client, request, rounds: int = 3) -> _Listing:
     """ListTransactions at the owner of every TC partition; a partition whose owner moved,
     was loading or did not answer is asked again after a metadata refresh (`rounds` times
     in all)."""
-    from atomlog.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from atomlog.v1 import coordinator_pb2
     from spark_client.errors import from_grpc
 
     def ask(address: str, tc_partitions: list[int]):
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(client.channels.get(address))
+        stub = client.channels.coordinator(address)
         partial = coordinator_pb2.ListTransactionsRequest()
         partial.CopyFrom(request)
         partial.tc_partitions.extend(tc_partitions)
@@ -1131,10 +1130,10 @@ def _open_transactions(client, problems: list[str]) -> tuple[list[_OpenHere], in
 
 
 def _open_on_server(client, name: str, address: str) -> tuple[list[_OpenHere], int, list[str]]:
-    from atomlog.v1 import partition_pb2, partition_pb2_grpc
+    from atomlog.v1 import partition_pb2
     from spark_client.errors import from_grpc
 
-    stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+    stub = client.channels.partition(address)
     problems: list[str] = []
     try:
         # Internal topics too: __txn_log never holds transactions, and a partition without
@@ -1213,7 +1212,7 @@ def _view_for(answer, o: _OpenHere) -> CoordinatorView:
 def _still_open(client, findings: list, problems: list[str]) -> list:
     """Keep the HANGING findings whose transaction the partition still holds open when
     described again (after the coordinator answered): a marker may have landed meanwhile."""
-    from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+    from atomlog.v1 import common_pb2, partition_pb2
     from spark_client.errors import from_grpc
 
     kept, open_now = [], {}
@@ -1223,7 +1222,7 @@ def _still_open(client, findings: list, problems: list[str]) -> list:
             continue
         where = (o.address, o.topic, o.partition)
         if where not in open_now:
-            stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(o.address))
+            stub = client.channels.partition(o.address)
             try:
                 described = stub.DescribePartition(partition_pb2.DescribePartitionRequest(
                     topic_partition=common_pb2.TopicPartition(topic=o.topic, partition=o.partition),

@@ -305,6 +305,11 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "while the lease lasts.", minimum=100, maximum=120_000),
         Setting("coordinator.marker_batch_max", int, 10_000, "Most markers in one "
                 "EndTxnOnPartition call.", minimum=1, maximum=10_000),
+        Setting("coordinator.completion_linger_ms", int, 200, "A TC log append holding only "
+                "Completed records (every marker of a transaction confirmed) waits up to this "
+                "long to ride along with the next append of the TC partition, unless a caller "
+                "waits for a completion (EndTxn wait_for_markers). 0 appends them at once.",
+                minimum=0, maximum=10_000),
         Setting("coordinator.max_pending_calls", int, 10_000, "Calls waiting for a TC log append "
                 "per TC partition; more fail with RESOURCE_EXHAUSTED.",
                 minimum=1, maximum=1_000_000),

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from atomlog.v1 import coordinator_pb2, coordinator_pb2_grpc, metadata_pb2
+from atomlog.v1 import coordinator_pb2, metadata_pb2
 from spark_client import errors
 from services.backoff import Backoff
 from spark_client.routing import Channels, MetadataCache
@@ -58,10 +58,10 @@ class Client:
     def describe_partition(self, topic: str, partition: int):
         """The partition server's DescribePartition answer (high watermark, max read
         position, open transactions, producers, subscriptions)."""
-        from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+        from atomlog.v1 import common_pb2, partition_pb2
 
         address = self.metadata.route(topic, partition).address
-        stub = partition_pb2_grpc.PartitionServiceStub(self.channels.get(address))
+        stub = self.channels.partition(address)
         try:
             return stub.DescribePartition(partition_pb2.DescribePartitionRequest(
                 topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition)),
@@ -71,11 +71,15 @@ class Client:
 
     # ------------------------------------------------------------------ transactions
     def begin_transaction(self, timeout_s: float = 60.0):
-        """Open a transaction (see spark_client.transactions.Transaction): commit() or
-        abort() it; the coordinator aborts it after timeout_s if neither comes."""
+        """Begin a transaction (see spark_client.transactions.Transaction): commit() or
+        abort() it; it is aborted timeout_s after this call if neither comes.
+
+        Nothing is sent yet: the coordinator hears of the transaction with its first
+        partitions or subscriptions, in one NewTxn call (or when `id` is asked for). A
+        transaction that never wrote or acked anything commits without a call."""
         from spark_client.transactions import Transaction
 
-        return Transaction(self, timeout_s)
+        return Transaction(self, timeout_s, lazy=True)
 
     def transaction(self, timeout_s: float = 60.0):
         """`with client.transaction() as txn:` commits on success, aborts on an exception."""
@@ -93,7 +97,7 @@ class Client:
             coordinators = list(self.metadata.coordinators)
             random.shuffle(coordinators)
             for address in coordinators:
-                stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channels.get(address))
+                stub = self.channels.coordinator(address)
                 try:
                     reply = stub.InitProducerId(coordinator_pb2.InitProducerIdRequest(),
                                                 timeout=self.request_timeout_s)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.record_batch import decode_records, iter_batches
 from spark_client import errors
 from services.backoff import Backoff
@@ -164,7 +164,7 @@ class Consumer:
                     topic_partition=common_pb2.TopicPartition(topic=t, partition=p),
                     fetch_offset=self._positions[(t, p)], max_bytes=self.max_bytes_per_partition)
                     for t, p in partitions])
-            stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+            stub = self.client.channels.partition(address)
             calls.append(stub.Fetch.future(request, timeout=self.request_timeout_s + wait_s))
         failure: errors.AtomlogClientError | None = None
         for call in calls:
@@ -204,7 +204,7 @@ class Consumer:
     def _list_offsets(self, spec) -> dict[tuple[str, int], int]:
         found: dict[tuple[str, int], int] = {}
         for address, partitions in self._by_server().items():
-            stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+            stub = self.client.channels.partition(address)
             try:
                 reply = stub.ListOffsets(partition_pb2.ListOffsetsRequest(items=[
                     partition_pb2.ListOffsetsItem(

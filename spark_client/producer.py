@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import crc32c
 import grpc
 
-from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.record_batch import Compression, Record, encode_batch
 from spark_client import errors
 from services.backoff import Backoff
@@ -437,20 +437,47 @@ class Producer:
         return max(wake, 0.0005)
 
     def _sendable(self, now: float) -> list[_Batch]:
+        """The batches to send now, encoded — except a transactional batch whose partition
+        is not registered with its transaction yet, and every later batch of that
+        partition: the transaction may not be open yet (its id goes into the batch), so
+        they are encoded after _register, in the same order (_encode_deferred)."""
         out = []
-        for state in self._partitions.values():
+        for key, state in self._partitions.items():
+            deferred = False
             while state.ready and len(state.in_flight) < self.max_in_flight \
                     and state.ready[0].not_before <= now:
                 batch = state.ready.popleft()
                 if not batch.payload:
-                    try:
-                        self._encode(batch, state)
-                    except errors.AtomlogClientError as error:
-                        self._fail(batch, error)
-                        continue
+                    deferred = deferred or (batch.txn is not None
+                                            and not batch.txn.registered(key))
+                    if not deferred:
+                        try:
+                            self._encode(batch, state)
+                        except errors.AtomlogClientError as error:
+                            self._fail(batch, error)
+                            continue
                 state.in_flight.append(batch)
                 out.append(batch)
         return out
+
+    def _encode_deferred(self, batches: list[_Batch]) -> list[_Batch]:
+        """Encode the batches _sendable left for after registration; the ones that cannot
+        be encoded fail and are left out."""
+        if all(batch.payload for batch in batches):
+            return batches
+        kept = []
+        with self._lock:
+            for batch in batches:
+                if not batch.payload:
+                    state = self._partitions[(batch.topic, batch.partition)]
+                    try:
+                        self._encode(batch, state)
+                    except errors.AtomlogClientError as error:
+                        _discard(state, batch)
+                        self._fail(batch, error)
+                        continue
+                kept.append(batch)
+        return kept
 
     def _register(self, batches: list[_Batch]) -> list[_Batch]:
         """Register with their transactions the partitions that transactional batches
@@ -477,7 +504,7 @@ class Producer:
         return kept
 
     def _send(self, batches: list[_Batch]) -> None:
-        batches = self._register(batches)
+        batches = self._encode_deferred(self._register(batches))
         by_address: dict[str, list[_Batch]] = {}
         for batch in batches:
             batch.attempts += 1
@@ -496,7 +523,7 @@ class Producer:
             request = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
                 topic_partition=common_pb2.TopicPartition(topic=b.topic, partition=b.partition),
                 record_batch=b.payload) for b in group])
-            stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+            stub = self.client.channels.partition(address)
             call = stub.Produce.future(request, timeout=self.request_timeout_s)
             call.add_done_callback(lambda f, group=group: self._on_reply(group, f))
         if not by_address:
@@ -556,6 +583,10 @@ class Producer:
             for b in reversed(later):
                 b.not_before = now + self.backoff.delay(b.attempts)
                 state.ready.appendleft(b)
+            return
+        if not batch.payload:  # its registration failed: never encoded, never sent
+            _discard(state, batch)
+            self._fail(batch, error)
             return
         if retriable:  # out of time: the outcome of this batch is unknown
             timeout = errors.DeliveryTimeout(

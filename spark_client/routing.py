@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from atomlog.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
+from atomlog.v1 import (
+    common_pb2,
+    coordinator_pb2_grpc,
+    metadata_pb2,
+    metadata_pb2_grpc,
+    partition_pb2_grpc,
+)
 from spark_client import errors
 
 # Channel options: messages up to 64 MiB (fetches of many partitions), keepalive so a
@@ -35,11 +41,29 @@ class PartitionRoute:
 
 
 class Channels:
-    """One channel per address, shared by every producer and consumer of a Client."""
+    """One channel per address, shared by every producer and consumer of a Client, and
+    one stub per (address, service): building a stub registers each of its methods with
+    the channel, which cost about a sixth of a small call's client CPU when done per call."""
 
     def __init__(self):
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[tuple[str, type], object] = {}
         self._lock = threading.Lock()
+
+    def partition(self, address: str) -> partition_pb2_grpc.PartitionServiceStub:
+        return self._stub(address, partition_pb2_grpc.PartitionServiceStub)
+
+    def coordinator(self, address: str) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+        return self._stub(address, coordinator_pb2_grpc.CoordinatorServiceStub)
+
+    def metadata(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:
+        return self._stub(address, metadata_pb2_grpc.MetadataServiceStub)
+
+    def _stub(self, address: str, kind: type):
+        stub = self._stubs.get((address, kind))
+        if stub is None:
+            stub = self._stubs[(address, kind)] = kind(self.get(address))
+        return stub
 
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -54,6 +78,7 @@ class Channels:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+            self._stubs.clear()
 
 
 class MetadataCache:
@@ -71,7 +96,7 @@ class MetadataCache:
         self.coordinators: list[str] = []  # gRPC addresses, as of the last refresh
 
     def _stub(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:
-        return metadata_pb2_grpc.MetadataServiceStub(self.channels.get(address))
+        return self.channels.metadata(address)
 
     def call(self, method: str, request, timeout: float = METADATA_TIMEOUT_S):
         """Call a MetadataService method on any reachable server (bootstrap first)."""

@@ -21,7 +21,7 @@ import uuid
 
 import grpc
 
-from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.record_batch import decode_records, iter_batches
 from services.backoff import Backoff
 from spark_client import errors
@@ -108,7 +108,7 @@ class SubscriptionConsumer:
                 last = errors.error_for("SERVER_UNAVAILABLE", "no owner of "
                                         + ", ".join(f"{t}-{p}" for t, p in group) + " is up")
                 continue
-            stub = partition_pb2_grpc.PartitionServiceStub(self.client.channels.get(address))
+            stub = self.client.channels.partition(address)
             calls.append((group, getattr(stub, method).future(build(group), timeout=timeout_s)))
         for group, call in calls:
             try:

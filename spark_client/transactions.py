@@ -10,6 +10,10 @@ transaction's own deadline. `commit()` therefore ends in a definite outcome: com
 (committing twice is safe: the coordinator answers "already committed"), or a typed
 error that says what happened (TransactionAborted, TransactionTimedOut, ...).
 
+`client.begin_transaction()` is lazy (as Kafka's beginTransaction): the NewTxn call waits
+for the first registration and carries it, so a transaction costs one call fewer, and one
+that wrote nothing commits without any.
+
 Writes (`producer.send(..., txn=txn)`) and transactional acks join a transaction through
 `register_partitions` / `register_subscriptions` (which producers and consumers call
 before their first write or ack) and `track` (commit waits until each tracked future is
@@ -31,7 +35,6 @@ older one (its calls fail with ProducerFenced; its open transaction is aborted).
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
@@ -39,7 +42,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
+from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
 from coordinator.records import tc_partition_for
 from spark_client import errors
 from services.backoff import Backoff
@@ -79,7 +82,7 @@ class Coordinators:
                 address = metadata.tc_routes.get(k, "")
             remaining = deadline - time.monotonic()
             if address:
-                stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.client.channels.get(address))
+                stub = self.client.channels.coordinator(address)
                 try:
                     return getattr(stub, method)(
                         request, timeout=max(0.05, min(remaining, self.client.request_timeout_s)))
@@ -103,7 +106,7 @@ class Transaction:
 
     def __init__(self, client, timeout_s: float, *, parent: Transaction | None = None,
                  session: S.TransactionalSession | None = None, tc_partition: int | None = None,
-                 key: str | None = None,
+                 key: str | None = None, lazy: bool = False,
                  _resume: common_pb2.TxnId | None = None):
         if not 0 < timeout_s <= 4_294_967:
             raise ValueError("timeout_s must be positive (at most the coordinator's maximum)")
@@ -121,6 +124,8 @@ class Transaction:
         self.state_at_open = "OPEN"  # for an existing one: its state then (e.g. COMMITTED)
         if parent is not None and key is not None:
             raise ValueError("a child transaction has no idempotency key of its own")
+        if lazy and (parent is not None or key is not None or _resume is not None):
+            raise ValueError("only a plain transaction can be opened lazily")
         count = self._coordinators.tc_partition_count()
         if parent is not None:
             self.tc_partition = parent.tc_partition
@@ -128,24 +133,80 @@ class Transaction:
             self.tc_partition = tc_partition_for(key, count)
         elif tc_partition is not None:  # a session's TC partition
             self.tc_partition = tc_partition
-        else:
-            self.tc_partition = random.randrange(count)
-        if _resume is not None:
-            self.txn_id = _resume
-        else:
-            # A random key on the same TC partition makes NewTxn retry-safe (children are
-            # found through their parent instead).
-            if key is None:
-                key = "" if parent is not None else _key_for(self.tc_partition, count)
-            request = S.NewTxnRequest(tc_partition=self.tc_partition,
-                                      timeout_ms=int(timeout_s * 1000), idempotency_key=key,
-                                      parent_txn_id=parent.txn_id if parent else None,
-                                      session=session)
+        else:  # a random key, and the TC partition it hashes to
+            key = f"sdk-{uuid.uuid4()}"
+            self.tc_partition = tc_partition_for(key, count)
+        # A random key on the transaction's TC partition makes NewTxn retry-safe (children
+        # are found through their parent instead).
+        self._new_txn_key = key if key is not None else (
+            "" if parent is not None else _key_for(self.tc_partition, count))
+        self._parent = parent
+        self._began = time.monotonic()
+        self._open_lock = threading.Lock()
+        self._txn_id: common_pb2.TxnId | None = _resume
+        if _resume is None and not lazy:
+            self._open([], [])
+
+    @property
+    def txn_id(self) -> common_pb2.TxnId:
+        """The coordinator's id (a lazy transaction is opened by asking for it)."""
+        if self._txn_id is None:
+            self._open([], [])
+        return self._txn_id
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(tc partition, sequence), as record batches carry it."""
+        txn_id = self.txn_id
+        return (txn_id.tc_partition, txn_id.sequence)
+
+    @property
+    def opened(self) -> bool:
+        """Whether the coordinator knows this transaction yet (a lazy one is opened by its
+        first write, ack or `id`)."""
+        return self._txn_id is not None
+
+    def _open(self, partitions: list[tuple[str, int]],
+              subscriptions: list[tuple[str, int, str]]) -> bool:
+        """NewTxn, registering `partitions` and `subscriptions` in the same call; False
+        (and nothing registered) when the transaction was open already. The timeout of a
+        lazy transaction counts from begin_transaction(): what is left of it is asked for,
+        and a transaction whose time ran out before its first write is timed out."""
+        with self._open_lock:
+            if self._txn_id is not None:
+                return False
+            self._check_open()
+            remaining_ms = int((self.timeout_s - (time.monotonic() - self._began)) * 1000)
+            if remaining_ms <= 0:
+                self._ended = "aborted"
+                raise errors.error_for("TRANSACTION_TIMED_OUT", "the transaction's timeout of "
+                                       f"{self.timeout_s} s ran out before its first write")
+            request = S.NewTxnRequest(
+                tc_partition=self.tc_partition, timeout_ms=remaining_ms,
+                idempotency_key=self._new_txn_key,
+                parent_txn_id=self._parent.txn_id if self._parent else None,
+                session=self.session,
+                topic_partitions=[common_pb2.TopicPartition(topic=t, partition=p)
+                                  for t, p in partitions],
+                subscription_partitions=[common_pb2.SubscriptionPartition(
+                    topic=t, partition=p, subscription=n) for t, p, n in subscriptions])
             reply = self._call("NewTxn", request)
-            self.txn_id: common_pb2.TxnId = reply.txn_id
+            self._txn_id = reply.txn_id
             self.existing = reply.existing
             self.state_at_open = _STATE_NAMES.get(reply.state, "UNSPECIFIED")
-        self.key = (self.txn_id.tc_partition, self.txn_id.sequence)
+        self._settle_registration(
+            partitions, [r.error for r in reply.topic_partition_results], self._registered)
+        self._settle_registration(
+            subscriptions, [r.error for r in reply.subscription_partition_results],
+            self._subscriptions)
+        return True
+
+    def _settle_registration(self, targets: list, item_errors: list, registered: set) -> None:
+        """Remember the targets registered; raise the first item's refusal."""
+        with self._lock:
+            registered.update(t for t, e in zip(targets, item_errors, strict=True)
+                              if not e.reason)
+        self._raise_item_errors(item_errors)
 
     @classmethod
     def resume(cls, client, txn_id: tuple[int, int], timeout_s: float = 60.0) -> Transaction:
@@ -163,7 +224,12 @@ class Transaction:
         return f"{self.txn_id.tc_partition}:{self.txn_id.sequence}"
 
     def __repr__(self) -> str:
-        return f"Transaction({self.id}, {self._ended or 'open'})"
+        return f"Transaction({self._name}, {self._ended or 'open'})"
+
+    @property
+    def _name(self) -> str:
+        """The id for messages, without opening a lazy transaction."""
+        return self.id if self._txn_id is not None else "(not opened yet)"
 
     # ------------------------------------------------------------------ membership
     def register_partitions(self, partitions: Iterable[tuple[str, int]]) -> None:
@@ -171,28 +237,24 @@ class Transaction:
         with self._lock:
             self._check_open()
             new = [p for p in dict.fromkeys(partitions) if p not in self._registered]
-        if not new:
+        if not new or self._open(new, []):
             return
         reply = self._call("AddPartitionToTxn", S.AddPartitionToTxnRequest(
             txn_id=self.txn_id, topic_partitions=[common_pb2.TopicPartition(
                 topic=t, partition=p) for t, p in new]))
-        self._raise_item_errors(r.error for r in reply.results)
-        with self._lock:
-            self._registered.update(new)
+        self._settle_registration(new, [r.error for r in reply.results], self._registered)
 
     def register_subscriptions(self, targets: Iterable[tuple[str, int, str]]) -> None:
         """Add subscription partitions (before the first transactional ack to each)."""
         with self._lock:
             self._check_open()
             new = [t for t in dict.fromkeys(targets) if t not in self._subscriptions]
-        if not new:
+        if not new or self._open([], new):
             return
         reply = self._call("AddSubscriptionToTxn", S.AddSubscriptionToTxnRequest(
             txn_id=self.txn_id, subscription_partitions=[common_pb2.SubscriptionPartition(
                 topic=t, partition=p, subscription=s) for t, p, s in new]))
-        self._raise_item_errors(r.error for r in reply.results)
-        with self._lock:
-            self._subscriptions.update(new)
+        self._settle_registration(new, [r.error for r in reply.results], self._subscriptions)
 
     def registered(self, partition: tuple[str, int]) -> bool:
         return partition in self._registered
@@ -234,6 +296,8 @@ class Transaction:
         except errors.AtomlogClientError:
             self.abort()
             raise
+        if self._commit_unopened():
+            return
         reply = self._end(partition_pb2.TXN_DECISION_COMMIT, wait_for_markers,
                           [common_pb2.TxnId(tc_partition=t, sequence=q) for t, q in keep_children])
         self.kept_children = list(reply.kept_child_txn_ids)
@@ -243,6 +307,10 @@ class Transaction:
         """Abort (safe to call again, and after the coordinator aborted it itself)."""
         if self._ended == "aborted":
             return
+        with self._open_lock:
+            if self._txn_id is None:  # never opened: nothing to abort anywhere
+                self._ended = "aborted"
+                return
         try:
             self._end(partition_pb2.TXN_DECISION_ABORT, False)
         except (errors.TransactionAborted, errors.TransactionTimedOut):
@@ -250,7 +318,11 @@ class Transaction:
         self._ended = "aborted"
 
     def state(self) -> str:
-        """The coordinator's view: OPEN, PREPARED, COMMITTING, COMMITTED, ABORTING, ABORTED."""
+        """The coordinator's view: OPEN, PREPARED, COMMITTING, COMMITTED, ABORTING, ABORTED.
+        A lazy transaction the coordinator has not heard of answers from here: OPEN, or
+        how it ended (COMMITTED/ABORTED) if it ended before its first write."""
+        if self._txn_id is None:
+            return {"committed": "COMMITTED", "aborted": "ABORTED"}.get(self._ended, "OPEN")
         reply = self._call("GetTxnStatus", S.GetTxnStatusRequest(txn_id=self.txn_id))
         return _STATE_NAMES.get(reply.state, "UNSPECIFIED")
 
@@ -264,6 +336,20 @@ class Transaction:
             self.abort()
 
     # ------------------------------------------------------------------ plumbing
+    def _commit_unopened(self) -> bool:
+        """Commit a lazy transaction that nothing was written or acked in: there is nothing
+        to commit, so no call is made (True); past its timeout it is timed out instead,
+        as the coordinator would have done. False once it is open."""
+        with self._open_lock:
+            if self._txn_id is not None:
+                return False
+            if time.monotonic() - self._began > self.timeout_s:
+                self._ended = "aborted"
+                raise errors.error_for("TRANSACTION_TIMED_OUT", "the transaction's timeout of "
+                                       f"{self.timeout_s} s ran out before it was committed")
+            self._ended = "committed"
+            return True
+
     def _end(self, decision: int, wait_for_markers: bool, children=()):
         return self._call("EndTxn", S.EndTxnRequest(txn_id=self.txn_id, decision=decision,
                                                     wait_for_markers=wait_for_markers,
@@ -283,7 +369,7 @@ class Transaction:
             try:
                 future.result(max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise errors.error_for("REQUEST_TIMED_OUT", f"sends of transaction {self.id} "
+                raise errors.error_for("REQUEST_TIMED_OUT", f"sends of transaction {self._name} "
                                        f"were not acknowledged in {self.timeout_s} s") from None
             except Exception as error:  # noqa: BLE001 — the first failure is raised
                 first_error = first_error or error
@@ -299,7 +385,7 @@ class Transaction:
 
     def _check_open(self) -> None:
         if self._ended is not None:
-            raise errors.error_for("TRANSACTION_NOT_OPEN", f"transaction {self.id} is "
+            raise errors.error_for("TRANSACTION_NOT_OPEN", f"transaction {self._name} is "
                                    f"{self._ended}")
 
     @staticmethod

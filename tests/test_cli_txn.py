@@ -167,6 +167,7 @@ def test_abort_refusals_say_why(cluster, client):
     assert prepared.state() in ("ABORTING", "ABORTED")
 
     committed = client.begin_transaction(timeout_s=120)
+    committed.register_partitions([(TOPIC, 0)])
     committed.commit()
     refused = cluster.run("txn", "abort", committed.id, "--yes", check=False)
     assert refused.returncode == 1 and "TRANSACTION_ALREADY_COMMITTED" in refused.stderr
