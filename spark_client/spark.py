@@ -688,6 +688,8 @@ class StreamWriter(DataSourceStreamArrowWriter):
         if options.source_subscription and not options.checkpoint:
             raise OptionError("sourceSubscription needs the query's checkpointLocation option "
                               "(the batch's source offsets are read from it)")
+        if options.source_subscription:
+            _checkpoint_files(options.checkpoint)  # a location pyarrow cannot open fails now
         self.options = options
         client = options.client()
         try:
@@ -727,15 +729,25 @@ class StreamWriter(DataSourceStreamArrowWriter):
 
 
 # ---------------------------------------------------------------------------- source acks
-def _checkpoint_dir(location: str) -> Path:
-    if location.startswith("file:"):
-        location = location[len("file:"):]
-        while location.startswith("//"):
-            location = location[1:]
-    elif "://" in location:
-        raise OptionError(f"sourceSubscription reads the checkpoint's offset log from the "
-                          f"local file system; {location!r} is not local")
-    return Path(location)
+def _checkpoint_files(location: str):
+    """(file system, base path) of a checkpoint location: a local path, or a URI of any
+    file system pyarrow reaches (file://, hdfs://, s3://, gs://, abfs://, ...)."""
+    from pyarrow import fs
+
+    if "://" not in location and not location.startswith("file:"):
+        return fs.LocalFileSystem(), str(Path(location).absolute())
+    if location.startswith("file:") and not location.startswith("file://"):
+        location = "file://" + location[len("file:"):]  # Hadoop's file:/path form
+    try:
+        return fs.FileSystem.from_uri(location)
+    except Exception as error:  # noqa: BLE001 — pyarrow raises several types here
+        raise OptionError(f"sourceSubscription reads the checkpoint's offset log, and "
+                          f"pyarrow cannot open {location!r}: {error}") from None
+
+
+def _read_checkpoint_file(files, base: str, *parts: str) -> str:
+    with files.open_input_stream("/".join([base.rstrip("/"), *parts])) as stream:
+        return stream.read().decode()
 
 
 def source_positions(checkpoint: str, batch_id: int) -> tuple[str, dict[tuple[str, int], int]]:
@@ -743,9 +755,9 @@ def source_positions(checkpoint: str, batch_id: int) -> tuple[str, dict[tuple[st
     from the checkpoint's offset log (written by Spark before the batch runs): line 1 is
     the log version, line 2 the batch metadata, then one line per source with its offset
     JSON. Sources whose offsets have the atomlog shape {topic: {partition: offset}} count."""
-    directory = _checkpoint_dir(checkpoint)
-    query_id = json.loads((directory / "metadata").read_text())["id"]
-    lines = (directory / "offsets" / str(batch_id)).read_text().splitlines()
+    files, base = _checkpoint_files(checkpoint)
+    query_id = json.loads(_read_checkpoint_file(files, base, "metadata"))["id"]
+    lines = _read_checkpoint_file(files, base, "offsets", str(batch_id)).splitlines()
     positions: dict[tuple[str, int], int] = {}
     for line in lines[2:]:
         try:
@@ -765,7 +777,7 @@ def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
     """Cumulatively ack the micro-batch's source end offsets on `sourceSubscription`, in
     the micro-batch's parent transaction (opened here by its key when no task did).
     Returns the parent; when it is already decided (a replay), acks nothing."""
-    from atomlog.v1 import common_pb2, partition_pb2_grpc
+    from atomlog.v1 import common_pb2
 
     from spark_client.transactions import Transaction
 
@@ -786,7 +798,7 @@ def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
                 (topic, partition))
         parent.register_subscriptions((t, p, name) for t, p in targets)
         for address, group in by_server.items():
-            stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+            stub = client.channels.partition(address)
             cursors = [common_pb2.SubscriptionPartition(topic=t, partition=p, subscription=name)
                        for t, p in group]
             try:

@@ -19,7 +19,13 @@ from tests.conftest import REPO_ROOT, create_online, wait_until
 
 pyspark = pytest.importorskip("pyspark")
 
-from spark_client.spark import OptionError, cap_offsets, local_session, stream_parent_key  # noqa: E402
+from spark_client.spark import (  # noqa: E402
+    OptionError,
+    cap_offsets,
+    local_session,
+    source_positions,
+    stream_parent_key,
+)
 
 
 @pytest.fixture(scope="session")
@@ -316,3 +322,20 @@ def test_bad_options_and_frames_are_refused_before_anything_is_written(spark, cl
 
         Options.parse({"bootstrap": "x", "startingOffsets": "{not json"})
     assert isinstance(errors.error_for("PARENT_NOT_OPEN", "x"), errors.AtomlogClientError)
+
+
+def test_source_positions_read_from_paths_and_uris(tmp_path):
+    """The offset log is read through pyarrow's file systems: a plain path, Hadoop's
+    file:/path form and a file:// URI give the same positions; a location pyarrow cannot
+    open is an OptionError naming it."""
+    (tmp_path / "offsets").mkdir()
+    (tmp_path / "metadata").write_text('{"id":"q-1"}')
+    (tmp_path / "offsets" / "3").write_text(
+        'v1\n{"batchWatermarkMs":0}\n{"in":{"0":150,"1":7}}\n-\n{"logOffset":4}\n')
+    expected = ("q-1", {("in", 0): 150, ("in", 1): 7})
+    for location in (str(tmp_path), f"file:{tmp_path}", f"file://{tmp_path}"):
+        assert source_positions(location, 3) == expected, location
+    with pytest.raises(OptionError, match="nosuchfs://bucket/cp"):
+        source_positions("nosuchfs://bucket/cp", 3)
+    with pytest.raises(FileNotFoundError):
+        source_positions(str(tmp_path), 4)  # Spark has not written batch 4
