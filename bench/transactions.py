@@ -222,7 +222,11 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
         messages = consumer.poll(timeout_s=0, max_records=CTP_BATCH)
         if not messages:
             break
-        txn = client.begin_transaction(timeout_s=60)
+        # Output partitions and input cursors named up front: one NewTxn registers them all.
+        inputs_at = {message.partition for message in messages}
+        txn = client.begin_transaction(
+            timeout_s=60, partitions=[(CTP_OUT, p) for p in inputs_at],
+            subscriptions=[(CTP_IN, p, CTP_SUBSCRIPTION) for p in inputs_at])
         for message in messages:
             producer.send(CTP_OUT, message.value[::-1], partition=message.partition, txn=txn)
         consumer.ack(messages, txn=txn)
@@ -313,23 +317,26 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, small: d
         f"(**{ratio * 100:.0f}%** of read_uncommitted) | target: within 10% |",
         "",
         "Reading: the small-transaction target is far out of reach, and CPU is why. One",
-        "transaction here is about 17 gRPC calls between Python processes: from the client",
-        "NewTxn, AddPartitionToTxn (4 partitions in one), one Produce per partition server",
-        "(3) and EndTxn; between servers one VerifyTxnPartitions and one EndTxnOnPartition",
-        "per partition server (3 + 3) and 4-5 appends to the TC log, each a Produce to the",
-        "partition server holding `__txn_log-<k>`. Measured with one client, that costs",
-        "about 23 ms of CPU per transaction over all processes (client 3.4 ms, the",
-        "partition server holding the TC logs 6 ms, each coordinator 3.3 ms), so 2 CPUs",
-        "top out near 80 transactions/s whatever the concurrency. 2,600/s needs under",
-        "0.8 ms of CPU per transaction: many transactions per call (client batching), the",
-        "TC log written in-process next to the coordinator (as Pulsar's TC writes its",
-        "managed ledger) rather than by RPC, and registration folded into verification",
-        "(Kafka's KIP-890) — not done yet.",
+        "transaction here is about 12-13 gRPC calls between Python processes: from the",
+        "client NewTxn (begin_transaction() is lazy: the first partitions ride in it), one",
+        "Produce per partition server (3) and EndTxn; between servers one",
+        "VerifyTxnPartitions and one EndTxnOnPartition per partition server (about 3 + 3)",
+        "and 2-3 appends to the TC log (OPEN with the partitions, COMMITTING; COMMITTED",
+        "lingers to share the next append), each a Produce to the partition server holding",
+        "`__txn_log-<k>`. The machine is saturated (vmstat: 1-3% idle) at about 20 ms of",
+        "CPU per transaction over all processes; profiles put most of each server's event",
+        "loop in grpc's own code (a do-nothing grpc.aio handler costs 0.3-0.5 ms of server",
+        "CPU per call here), so the figure follows the number of calls. 2,600/s needs under",
+        "0.8 ms of CPU per transaction: many transactions per call, the TC log written",
+        "in-process next to the coordinator rather than by RPC, verification without a",
+        "call per partition server — not done.",
         f"The stream overhead ({overhead:.1f}%) is "
         + ("within the 3% target" if overhead <= 3 else "above the 3% target")
         + " in this run; it compares two runs one after the other on two partitions, and",
-        "moves by several points between runs here. Every 100 ms a transaction adds",
-        "NewTxn, AddPartitionToTxn, a verification and EndTxn, and the producer waits for",
+        "moves by several points between runs here (back-to-back pairs of 8 s cells gave",
+        "-0.1% and -1.2% with lazy begin, 9.6% and 2.1% without). Every 100 ms a",
+        "transaction adds NewTxn (with its partition), a verification and EndTxn, and the",
+        "producer waits for",
         "its in-flight batches before each commit (the pipeline drains 10 times a second).",
         f"read_committed reads at {ratio * 100:.0f}% of read_uncommitted: "
         + ("within" if ratio >= 0.9 else "outside") + " the 10% target.",
@@ -406,23 +413,21 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, ctp:
         f"({2000 / cpu_ms * 100:,.0f} inputs/s) however the work overlapped. This run",
         f"got {cpu_s / ctp['seconds']:.2f} cores (the machine is shared; see the load average); "
         "the rest of each batch is waiting",
-        "along a serial chain: NewTxn (a TC log append), then the output's AddPartitionToTxn",
-        "and Produce beside the input's AddSubscriptionToTxn and Ack (an append and an fsync",
-        "each, and a verification call from the partition server to the coordinator), then",
-        "EndTxn (an append): four fsynced TC log appends and two data fsyncs. The calls, from",
-        "the worker:",
-        "NewTxn, AddPartitionToTxn, AddSubscriptionToTxn, Produce (the outputs of a partition",
+        "along a serial chain: NewTxn registering the output partition and the input's",
+        "subscription (a TC log append), then Produce beside Ack (an fsync each, and a",
+        "verification call from each partition server to the coordinator), then EndTxn (an",
+        "append). The calls, from the worker (which names its targets up front:",
+        "`begin_transaction(partitions=..., subscriptions=...)`):",
+        "NewTxn, Produce (the outputs of a partition",
         "are one batch), Ack (the 100 offsets of a partition are one item) and EndTxn; Receive",
         "is amortized (one delivers thousands of inputs, which the SDK keeps for the next",
         "polls). Between servers: VerifyTxnPartitions for each new output partition and",
         "subscription partition, EndTxnOnPartition to each server holding a marker target,",
-        "and the TC log appends (OPEN, the registrations, COMMITTING, COMMITTED; concurrent",
-        "ones share an append), each a Produce to the partition server holding",
-        "`__txn_log-<k>`, with an fsync. PostgreSQL and Redis do the whole step in one round",
-        "trip and one fsync. What would close the gap, none of it done here: registering the",
-        "output partitions and the subscription in NewTxn (its request has the fields; the",
-        "SDK has no API for it yet: 2 calls and up to 2 TC log appends fewer); folding",
-        "verification into registration (Kafka's KIP-890); the TC log written by the",
+        "and the TC log appends (OPEN with the registrations, COMMITTING, COMMITTED, which",
+        "waits up to 200 ms to share the next append), each a Produce to the partition",
+        "server holding `__txn_log-<k>`, with an fsync. PostgreSQL and Redis do the whole",
+        "step in one round trip and one fsync. What would close the gap, none of it done",
+        "here: verification without a call per partition server; the TC log written by the",
         "coordinator's process rather than by RPC; several transactions per TC log append.",
         "Client side, two fixes in the SDK's subscription consumer: poll() keeps what a",
         "Receive delivered beyond max_records for the next polls (it used to drop it until the",

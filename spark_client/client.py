@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterable
 
 import grpc
 
@@ -70,20 +71,29 @@ class Client:
             raise errors.from_grpc(rpc_error) from None
 
     # ------------------------------------------------------------------ transactions
-    def begin_transaction(self, timeout_s: float = 60.0):
+    def begin_transaction(self, timeout_s: float = 60.0, *,
+                          partitions: Iterable[tuple[str, int]] = (),
+                          subscriptions: Iterable[tuple[str, int, str]] = ()):
         """Begin a transaction (see spark_client.transactions.Transaction): commit() or
         abort() it; it is aborted timeout_s after this call if neither comes.
 
         Nothing is sent yet: the coordinator hears of the transaction with its first
         partitions or subscriptions, in one NewTxn call (or when `id` is asked for). A
-        transaction that never wrote or acked anything commits without a call."""
+        transaction that never wrote or acked anything commits without a call.
+        `partitions` ((topic, partition)) and `subscriptions` ((topic, partition,
+        subscription)) that the transaction will write or ack are registered in that same
+        NewTxn, so writes and acks to them need no call of their own."""
         from spark_client.transactions import Transaction
 
-        return Transaction(self, timeout_s, lazy=True)
+        return Transaction(self, timeout_s, lazy=True, partitions=partitions,
+                           subscriptions=subscriptions)
 
-    def transaction(self, timeout_s: float = 60.0):
+    def transaction(self, timeout_s: float = 60.0, *,
+                    partitions: Iterable[tuple[str, int]] = (),
+                    subscriptions: Iterable[tuple[str, int, str]] = ()):
         """`with client.transaction() as txn:` commits on success, aborts on an exception."""
-        return self.begin_transaction(timeout_s)
+        return self.begin_transaction(timeout_s, partitions=partitions,
+                                      subscriptions=subscriptions)
 
     # ------------------------------------------------------------------ producer ids
     def allocate_producer_id(self) -> tuple[int, int]:

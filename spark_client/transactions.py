@@ -107,6 +107,8 @@ class Transaction:
     def __init__(self, client, timeout_s: float, *, parent: Transaction | None = None,
                  session: S.TransactionalSession | None = None, tc_partition: int | None = None,
                  key: str | None = None, lazy: bool = False,
+                 partitions: Iterable[tuple[str, int]] = (),
+                 subscriptions: Iterable[tuple[str, int, str]] = (),
                  _resume: common_pb2.TxnId | None = None):
         if not 0 < timeout_s <= 4_294_967:
             raise ValueError("timeout_s must be positive (at most the coordinator's maximum)")
@@ -144,6 +146,12 @@ class Transaction:
         self._began = time.monotonic()
         self._open_lock = threading.Lock()
         self._txn_id: common_pb2.TxnId | None = _resume
+        # Registered by the NewTxn call, whenever it is made.
+        self._upfront = (list(dict.fromkeys((t, int(p)) for t, p in partitions)),
+                         list(dict.fromkeys((t, int(p), n) for t, p, n in subscriptions)))
+        if _resume is not None and (self._upfront[0] or self._upfront[1]):
+            raise ValueError("a resumed transaction is open already: register partitions "
+                             "with register_partitions()")
         if _resume is None and not lazy:
             self._open([], [])
 
@@ -176,6 +184,9 @@ class Transaction:
             if self._txn_id is not None:
                 return False
             self._check_open()
+            asked = {*partitions, *subscriptions}
+            partitions = list(dict.fromkeys([*self._upfront[0], *partitions]))
+            subscriptions = list(dict.fromkeys([*self._upfront[1], *subscriptions]))
             remaining_ms = int((self.timeout_s - (time.monotonic() - self._began)) * 1000)
             if remaining_ms <= 0:
                 self._ended = "aborted"
@@ -194,19 +205,25 @@ class Transaction:
             self._txn_id = reply.txn_id
             self.existing = reply.existing
             self.state_at_open = _STATE_NAMES.get(reply.state, "UNSPECIFIED")
+        # A refused target given to begin_transaction() is not this caller's failure: it
+        # stays unregistered, and a write to it is refused when it registers itself.
         self._settle_registration(
-            partitions, [r.error for r in reply.topic_partition_results], self._registered)
+            partitions, [r.error for r in reply.topic_partition_results], self._registered,
+            asked)
         self._settle_registration(
             subscriptions, [r.error for r in reply.subscription_partition_results],
-            self._subscriptions)
+            self._subscriptions, asked)
         return True
 
-    def _settle_registration(self, targets: list, item_errors: list, registered: set) -> None:
-        """Remember the targets registered; raise the first item's refusal."""
+    def _settle_registration(self, targets: list, item_errors: list, registered: set,
+                             asked: set | None = None) -> None:
+        """Remember the targets registered; raise the first refusal of a target in
+        `asked` (None: any target)."""
         with self._lock:
             registered.update(t for t, e in zip(targets, item_errors, strict=True)
                               if not e.reason)
-        self._raise_item_errors(item_errors)
+        self._raise_item_errors(e for t, e in zip(targets, item_errors, strict=True)
+                                if asked is None or t in asked)
 
     @classmethod
     def resume(cls, client, txn_id: tuple[int, int], timeout_s: float = 60.0) -> Transaction:

@@ -57,3 +57,44 @@ def test_unknown_partition_and_timed_out_transaction(client):
 def test_transactions_spread_over_tc_partitions(client):
     seen = {client.begin_transaction(timeout_s=5).tc_partition for _ in range(40)}
     assert len(seen) >= 8
+
+
+def _describe(txn):
+    from atomlog.v1 import coordinator_pb2
+
+    return txn._coordinators.call(
+        txn.tc_partition, "DescribeTransaction",
+        coordinator_pb2.DescribeTransactionRequest(txn_id=txn.txn_id), time.monotonic() + 10)
+
+
+def test_begin_is_lazy_and_registers_upfront_targets_in_new_txn(client):
+    empty = client.begin_transaction(timeout_s=30)
+    assert not empty.opened and empty.state() == "OPEN"
+    empty.commit()  # nothing written: nothing to tell the coordinator
+    assert not empty.opened and empty.state() == "COMMITTED"
+    with pytest.raises(errors.TransactionNotOpen):
+        empty.register_partitions([("sdk-txn", 0)])
+
+    # The first registration opens it, with the targets named up front in the same call;
+    # a refused up-front target is not the first write's failure.
+    txn = client.begin_transaction(timeout_s=30, partitions=[("sdk-txn", 2), ("sdk-txn", 9)],
+                                   subscriptions=[("sdk-txn", 3, "sdk-upfront")])
+    txn.register_partitions([("sdk-txn", 1)])
+    assert txn.opened
+    assert txn.registered(("sdk-txn", 2)) and not txn.registered(("sdk-txn", 9))
+    described = _describe(txn)
+    assert sorted((t.topic, t.partition) for t in described.topic_partitions) == [
+        ("sdk-txn", 1), ("sdk-txn", 2)]
+    assert [(s.topic, s.partition, s.subscription)
+            for s in described.subscription_partitions] == [("sdk-txn", 3, "sdk-upfront")]
+    with pytest.raises(errors.UnknownTopicOrPartition):
+        txn.register_partitions([("sdk-txn", 9)])
+    txn.commit(wait_for_markers=True)
+    assert txn.state() == "COMMITTED"
+
+    # The timeout counts from begin_transaction(), also when the first write comes later.
+    late = client.begin_transaction(timeout_s=0.3)
+    time.sleep(0.5)
+    with pytest.raises(errors.TransactionTimedOut):
+        late.register_partitions([("sdk-txn", 0)])
+    assert late.state() == "ABORTED"
