@@ -141,7 +141,8 @@ class Transaction:
         # A random key on the transaction's TC partition makes NewTxn retry-safe (children
         # are found through their parent instead).
         self._new_txn_key = key if key is not None else (
-            "" if parent is not None else _key_for(self.tc_partition, count))
+            "" if parent is not None or _resume is not None
+            else _key_for(self.tc_partition, count))
         self._parent = parent
         self._began = time.monotonic()
         self._open_lock = threading.Lock()
