@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -99,3 +101,29 @@ def fsync_baseline(directory: Path, samples: int = 300) -> dict:
         os.close(fd)
     return {"p50": percentile(latencies, 0.5) * 1e3,
             "p99": percentile(latencies, 0.99) * 1e3}
+
+
+@contextlib.contextmanager
+def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s: float = 90,
+                  down_timeout_s: float = 10):
+    """A local cluster in a temporary directory for one benchmark run, stopped afterwards:
+    yields (data directory, launcher report, a server's gRPC address to bootstrap from).
+    By default 1 id allocator, 2 coordinators and 3 partition servers."""
+    from services import launcher
+
+    roles = roles or {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
+    with tempfile.TemporaryDirectory(prefix=prefix) as directory:
+        data_dir = Path(directory)
+        try:
+            report = launcher.up(data_dir, roles, {}, timeout_s=timeout_s)
+            address = next(p.grpc_address for p in report.cluster.processes
+                           if p.role != "zookeeper")
+            yield data_dir, report, address
+        finally:
+            if (data_dir / launcher.CLUSTER_FILE).exists():
+                launcher.down(data_dir, timeout_s=down_timeout_s)
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """How a benchmark was run, as docs show it (print-only flags left out)."""
+    return f"python {script}" + "".join(f" {a}" for a in argv if a != "--no-docs")

@@ -258,8 +258,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=300, help="EndTxn calls per row")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
-    command = "python bench/coordinator.py" + "".join(
-        f" {a}" for a in sys.argv[1:] if a != "--no-docs")
+    command = common.command_line("bench/coordinator.py", sys.argv[1:])
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="atomlog-bench-tc-") as directory:
         data_dir = Path(directory)

@@ -174,8 +174,7 @@ def main() -> None:
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     client_counts = [int(c) for c in args.clients.split(",")]
-    command = "python bench/id_allocator.py" + "".join(
-        f" {a}" for a in sys.argv[1:] if a != "--no-docs")
+    command = common.command_line("bench/id_allocator.py", sys.argv[1:])
 
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="atomlog-bench-ida-") as directory:

@@ -863,8 +863,7 @@ def main() -> None:
     if args.quick:
         args.seconds = min(args.seconds, 2.0)
     write = not (args.no_docs or args.quick or args.profile)
-    command = "python bench/produce.py" + "".join(
-        f" {a}" for a in sys.argv[1:] if a != "--no-docs")
+    command = common.command_line("bench/produce.py", sys.argv[1:])
     cells = []
     for spec in args.cells.split(","):
         kind, shape = spec.strip().split(":")

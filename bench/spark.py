@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,15 +40,11 @@ sys.path.append(str(REPO / "bench"))  # after the packages: bench/coordinator.py
 
 import common  # noqa: E402
 
-from services import launcher  # noqa: E402
 
 BEGIN, END = "<!-- bench/spark.py: begin -->", "<!-- bench/spark.py: end -->"
 PARTITIONS = 8
 VALUE_BYTES = 100
 
-
-def bootstrap(report) -> str:
-    return next(p for p in report.cluster.processes if p.role == "partition_server").grpc_address
 
 
 def frame(spark, rows: int):
@@ -117,8 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
-    command = "python bench/spark.py" + "".join(f" {a}" for a in sys.argv[1:]
-                                                if a != "--no-docs")
+    command = common.command_line("bench/spark.py", sys.argv[1:])
     load = os.getloadavg()[0]
     from pyspark.sql.functions import length
     from pyspark.sql.functions import sum as sum_
@@ -126,49 +120,43 @@ def main() -> None:
     from spark_client import Client
     from spark_client.spark import local_session
 
-    with tempfile.TemporaryDirectory(prefix="atomlog-bench-spark-") as directory:
-        data_dir = Path(directory)
-        try:
-            report = launcher.up(data_dir, {"id_allocator": 1, "coordinator": 2,
-                                            "partition_server": 3}, {}, timeout_s=90)
-            address = bootstrap(report)
-            client = Client(address)
-            topics = {name: f"bench-spark-{name}" for name in ("exactly-once", "foreach",
-                                                               "warmup")}
-            for topic in topics.values():
-                client.create_topic(topic, partitions=PARTITIONS)
-            time.sleep(3)  # leases settle
-            batch = (b"x" * VALUE_BYTES) * (256 * 1024 // VALUE_BYTES)
-            batches = max(1, args.rows * VALUE_BYTES // len(batch))
-            raw_s = common.raw_append_seconds(data_dir, batch, batches, 1)
-            raw_mb_s = batches * len(batch) / raw_s / 1e6
+    with common.local_cluster("atomlog-bench-spark-",
+                              down_timeout_s=30) as (data_dir, _, address):
+        client = Client(address)
+        topics = {name: f"bench-spark-{name}" for name in ("exactly-once", "foreach",
+                                                           "warmup")}
+        for topic in topics.values():
+            client.create_topic(topic, partitions=PARTITIONS)
+        time.sleep(3)  # leases settle
+        batch = (b"x" * VALUE_BYTES) * (256 * 1024 // VALUE_BYTES)
+        batches = max(1, args.rows * VALUE_BYTES // len(batch))
+        raw_s = common.raw_append_seconds(data_dir, batch, batches, 1)
+        raw_mb_s = batches * len(batch) / raw_s / 1e6
 
-            spark = local_session("atomlog-bench", master="local[2]")
-            register_noop(spark)
-            df = frame(spark, args.rows)
-            warm = frame(spark, 20_000)
-            cells = {"exactly once (data source)": (write_atomlog, topics["exactly-once"]),
-                     "idempotent foreachPartition": (write_foreach, topics["foreach"]),
-                     "no-op sink (Spark's floor)": (write_noop, "")}
-            for fn, _ in cells.values():
-                fn(warm, address, topics["warmup"])
-            rounds: dict[str, list[float]] = {name: [] for name in cells}
-            for _ in range(args.rounds):
-                for name, (fn, topic) in cells.items():
-                    seconds = timed(fn, df, address, topic)
-                    rounds[name].append(seconds)
-                    print(f"{name}: {args.rows / seconds:,.0f} rows/s ({seconds:.1f} s)",
-                          flush=True)
-            written = {name: count_records(client, topic) for name, (_, topic) in cells.items()
-                       if topic}
-            reader = (spark.read.format("atomlog").option("bootstrap", address)
-                      .option("topic", topics["exactly-once"]).load())
-            read_rows = reader.count()
-            read_s = timed(lambda: reader.select(sum_(length("value"))).collect())
-            spark.stop()
-            client.close()
-        finally:
-            launcher.down(data_dir, timeout_s=30)
+        spark = local_session("atomlog-bench", master="local[2]")
+        register_noop(spark)
+        df = frame(spark, args.rows)
+        warm = frame(spark, 20_000)
+        cells = {"exactly once (data source)": (write_atomlog, topics["exactly-once"]),
+                 "idempotent foreachPartition": (write_foreach, topics["foreach"]),
+                 "no-op sink (Spark's floor)": (write_noop, "")}
+        for fn, _ in cells.values():
+            fn(warm, address, topics["warmup"])
+        rounds: dict[str, list[float]] = {name: [] for name in cells}
+        for _ in range(args.rounds):
+            for name, (fn, topic) in cells.items():
+                seconds = timed(fn, df, address, topic)
+                rounds[name].append(seconds)
+                print(f"{name}: {args.rows / seconds:,.0f} rows/s ({seconds:.1f} s)",
+                      flush=True)
+        written = {name: count_records(client, topic) for name, (_, topic) in cells.items()
+                   if topic}
+        reader = (spark.read.format("atomlog").option("bootstrap", address)
+                  .option("topic", topics["exactly-once"]).load())
+        read_rows = reader.count()
+        read_s = timed(lambda: reader.select(sum_(length("value"))).collect())
+        spark.stop()
+        client.close()
 
     best = {name: min(times) for name, times in rounds.items()}
     ours, plain = best["exactly once (data source)"], best["idempotent foreachPartition"]

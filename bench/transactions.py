@@ -37,7 +37,6 @@ import multiprocessing
 import os
 import re
 import sys
-import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -49,7 +48,6 @@ sys.path.append(str(REPO / "bench"))  # after the packages: bench/coordinator.py
 
 import common  # noqa: E402
 
-from services import launcher  # noqa: E402
 
 BEGIN, END = "<!-- bench/transactions.py: begin -->", "<!-- bench/transactions.py: end -->"
 CTP_BEGIN = "<!-- bench/transactions.py consume-transform-produce: begin -->"
@@ -60,9 +58,6 @@ CTP_BATCH = 100
 PARTITIONS = 16
 RECORD = b"x" * 1024
 
-
-def bootstrap(report) -> str:
-    return next(p for p in report.cluster.processes if p.role == "id_allocator").grpc_address
 
 
 # ------------------------------------------------------------------ small transactions
@@ -457,41 +452,32 @@ def main() -> None:
     args = parser.parse_args()
     peers = ([json.loads(line) for line in args.peers_w3.read_text().splitlines() if line.strip()]
              if args.peers_w3 else [])
-    command = "python bench/transactions.py" + "".join(
-        f" {a}" for a in sys.argv[1:] if a != "--no-docs")
+    command = common.command_line("bench/transactions.py", sys.argv[1:])
     command = re.sub(r" --peers-w3 \S+", " --peers-w3 FILE", command)
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="atomlog-bench-txn-") as directory:
-        data_dir = Path(directory)
-        try:
-            report = launcher.up(data_dir, {"id_allocator": 1, "coordinator": 2,
-                                            "partition_server": 3}, {}, timeout_s=90)
-            address = bootstrap(report)
-            from spark_client import Client
+    with common.local_cluster("atomlog-bench-txn-") as (data_dir, report, address):
+        from spark_client import Client
 
-            with Client(address) as client:
-                client.create_topic(SMALL_TOPIC, partitions=PARTITIONS)
-                client.create_topic(STREAM_TOPIC, partitions=PARTITIONS)
-            time.sleep(3)  # leases settle
-            baseline = common.fsync_baseline(data_dir)
-            raw_s = common.raw_append_seconds(data_dir, RECORD * 256, 4_000, 1)
-            raw_mb_s = 4_000 * 256 * len(RECORD) / raw_s / 1e6
-            if not args.only_ctp:
-                small = small_transactions(address, args.clients, args.seconds)
-                print(f"small transactions: {small}", flush=True)
-                plain = stream(address, args.seconds, False, 0)
-                print(f"idempotent: {plain}", flush=True)
-                txn = stream(address, args.seconds, True, 1)
-                print(f"transactional: {txn}", flush=True)
-                reads = [fetch_all(address, 1, isolation)
-                         for isolation in ("read_uncommitted", "read_committed")]
-                print(f"reads: {reads}", flush=True)
-            ctp = consume_transform_produce(report, address, args.ctp_inputs,
-                                            args.ctp_partitions)
-            print(f"consume-transform-produce: {ctp}", flush=True)
-        finally:
-            if (data_dir / launcher.CLUSTER_FILE).exists():
-                launcher.down(data_dir, timeout_s=10)
+        with Client(address) as client:
+            client.create_topic(SMALL_TOPIC, partitions=PARTITIONS)
+            client.create_topic(STREAM_TOPIC, partitions=PARTITIONS)
+        time.sleep(3)  # leases settle
+        baseline = common.fsync_baseline(data_dir)
+        raw_s = common.raw_append_seconds(data_dir, RECORD * 256, 4_000, 1)
+        raw_mb_s = 4_000 * 256 * len(RECORD) / raw_s / 1e6
+        if not args.only_ctp:
+            small = small_transactions(address, args.clients, args.seconds)
+            print(f"small transactions: {small}", flush=True)
+            plain = stream(address, args.seconds, False, 0)
+            print(f"idempotent: {plain}", flush=True)
+            txn = stream(address, args.seconds, True, 1)
+            print(f"transactional: {txn}", flush=True)
+            reads = [fetch_all(address, 1, isolation)
+                     for isolation in ("read_uncommitted", "read_committed")]
+            print(f"reads: {reads}", flush=True)
+        ctp = consume_transform_produce(report, address, args.ctp_inputs,
+                                        args.ctp_partitions)
+        print(f"consume-transform-produce: {ctp}", flush=True)
     ctp_text = ctp_section(command, load, baseline, raw_mb_s, ctp, peers)
     if args.only_ctp:
         text, begin, end = ctp_text, CTP_BEGIN, CTP_END
