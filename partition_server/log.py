@@ -126,6 +126,18 @@ class SegmentInfo:
     last_append_time_ms: int | None
 
 
+@dataclass(frozen=True)
+class SegmentSpan:
+    """Where a run of batches lies in one segment file: [position, end_position) of
+    `path`, the first batch at `first_offset`. For a reader on another thread, which
+    opens the file itself and walks it with segment.walk_headers."""
+    segment_base_offset: int
+    path: Path
+    position: int
+    first_offset: int
+    end_position: int
+
+
 @dataclass
 class RecoveryReport:
     """What opening (or recovering) the log did, for the owner to log and count."""
@@ -556,6 +568,36 @@ class PartitionLog:
                 if header.base_offset >= bound:
                     return
                 yield header
+
+    def segment_spans(self, from_offset: int, to_offset: int) -> list[SegmentSpan]:
+        """The batches from the one containing `from_offset` up to `to_offset` (a batch
+        boundary at or below the log end, e.g. the log end now), as one span per segment:
+        what a replay on another thread reads through its own file descriptors, while
+        the owner goes on appending above `to_offset` (the spans never change: data below
+        the log end is not rewritten; do not delete or truncate segments meanwhile)."""
+        self._check_serving()
+        if to_offset > self._log_end_offset:
+            raise ValueError(f"to_offset {to_offset} is past the log end {self._log_end_offset}")
+        self._check_range(from_offset, self._log_end_offset)
+        spans = []
+        for segment in self._segments[max(bisect_right(self._bases, from_offset) - 1, 0):]:
+            if segment.base_offset >= to_offset:
+                break
+            position, first = self._position_of(segment, max(from_offset, segment.base_offset))
+            end = (segment.size if segment.next_offset <= to_offset
+                   else self._position_of(segment, to_offset)[0])
+            if position < end:
+                spans.append(SegmentSpan(segment.base_offset, segment.log_path, position, first,
+                                         end))
+        return spans
+
+    def report_corruption(self, segment_base_offset: int, position: int, offset: int,
+                          detail: str) -> None:
+        """A reader of segment_spans found a damaged batch: the partition enters DATA_LOSS
+        (recorded durably) as if this log's own read had found it."""
+        segment = self._segments[max(bisect_right(self._bases, segment_base_offset) - 1, 0)]
+        if self._data_loss is None:
+            self._enter_data_loss(segment, ScanFailure(position, offset, detail))
 
     # --- Retention and truncation -----------------------------------------------------------
 

@@ -77,14 +77,20 @@ class PartitionManager:
         owner = PartitionOwner(topic, partition, self.data_dir / f"{topic}-{partition}",
                                self._settings_for(topic))
         self.owners[(topic, partition)] = owner  # visible as LOADING meanwhile
+        if self.coordinator_epochs is not None:
+            # Markers this partition wrote are durable in its log: their epochs fence
+            # deposed coordinators even if ZooKeeper's /tc/<k> lags. Learned whenever its
+            # transaction buffer is ready (at start, or after a background replay).
+            epochs = self.coordinator_epochs
+
+            def observe(txns) -> None:
+                for tc, epoch in txns.coordinator_epochs().items():
+                    epochs.observe(tc, epoch)
+
+            owner.on_txns_ready = observe
         try:
             async with self._semaphore:
                 await owner.start()
-            if self.coordinator_epochs is not None:
-                # Markers this partition wrote are durable in its log: their epochs fence
-                # deposed coordinators even if ZooKeeper's /tc/<k> lags.
-                for tc, epoch in owner.txns.coordinator_epochs().items():
-                    self.coordinator_epochs.observe(tc, epoch)
         except Exception:  # noqa: BLE001 — the partition stays LOADING-failed; logged
             log.exception("cannot open partition %s-%s", topic, partition)
         finally:

@@ -72,6 +72,12 @@ class PartitionStateCollector(Collector):
         aborted = GaugeMetricFamily(
             "atomlog_partition_aborted_transactions", "Entries in the aborted-transaction "
             "indexes of the topic's partitions.", labels=["topic"])
+        buffers = GaugeMetricFamily(
+            "atomlog_partition_txn_buffers_recovering", "Partitions of the topic serving plain "
+            "writes while their transaction buffer replays the log (transactional writes, "
+            "markers and read_committed reads get PARTITION_LOADING meanwhile).",
+            labels=["topic"])
+        recovering: dict[str, int] = {}
         by_state: dict[str, int] = {"LOADING": 0, "ONLINE": 0, "DATA_LOSS": 0}
         by_topic: dict[str, list[float]] = {}
         now_ms = time.time() * 1000
@@ -80,6 +86,9 @@ class PartitionStateCollector(Collector):
             row = by_topic.setdefault(owner.topic, [0, 0, 0, 0.0, 0, 0])
             row[0] += owner.producers.producer_count
             if owner.log is None or owner.state.value != "ONLINE":
+                continue
+            if owner.txns_recovering:
+                recovering[owner.topic] = recovering.get(owner.topic, 0) + 1
                 continue
             txns = owner.txns
             row[1] += txns.open_count
@@ -95,7 +104,10 @@ class PartitionStateCollector(Collector):
             for family, value in zip((producers, open_txns, lag_records, lag_seconds, late,
                                       aborted), row):
                 family.add_metric([topic], value)
-        yield from (states, producers, open_txns, lag_records, lag_seconds, late, aborted)
+        for topic in sorted(by_topic):
+            buffers.add_metric([topic], recovering.get(topic, 0))
+        yield from (states, producers, open_txns, lag_records, lag_seconds, late, aborted,
+                    buffers)
 
     def describe(self):
         return []

@@ -27,8 +27,18 @@ ordered, and writes a COMMIT/ABORT control batch when the transaction has data h
 After each fsync the buffer learns the high watermark; max_read_position comes from it.
 
 Start-up: the log recovers itself (torn tail truncated, or DATA_LOSS); producer state and
-the transaction buffer each come from their newest readable snapshot plus the log tail
-(one pass over the tail for both), or from a full replay.
+the transaction buffer each come from their newest readable snapshot plus the log tail,
+or from a full replay. Plain writes need producer state, so the partition goes ONLINE
+once producer state is rebuilt. When the buffer's snapshot covers at least as much as
+producer state's (the usual case: both are written together) its replay rides along in
+the same pass over the tail. When it covers less (an older or unreadable snapshot: up to
+a full replay) the buffer replays in the background instead, on a worker thread reading
+the segment files through its own descriptors up to the log end at start-up, then
+catches up on the loop with what was appended meanwhile. Until then `txns` is a
+stand-in that refuses every use with the retriable PARTITION_LOADING: transactional
+batches, markers, read_committed reads, subscription receives and acks, retention and
+transaction-buffer snapshots wait; non-transactional writes and read_uncommitted reads
+are served (DescribePartition says transaction_buffer_ready=false).
 A failed write or fsync fails closed: every request written and not yet acknowledged
 (the group that failed, those whose fsyncs were in flight, those written after) gets
 PARTITION_LOADING and none of them is acknowledged later; the log refuses further use
@@ -43,6 +53,7 @@ import asyncio
 import enum
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -51,12 +62,14 @@ from pathlib import Path
 
 from partition_server import metrics as m
 from partition_server import producer_state, txn_buffer
-from partition_server.log import LogConfig, PartitionLog
+from partition_server.log import LogConfig, PartitionLog, SegmentSpan
 from partition_server.producer_state import APPEND, ProducerStateTable
 from partition_server.record_batch import (ATTR_TRANSACTIONAL, LENGTH_FIELD_END, BatchHeader,
-                                           ControlType, TxnId, decode_control_batch,
-                                           encode_control_batch, iter_batches, parse_header)
+                                           ControlMarker, ControlType, TxnId,
+                                           decode_control_batch, encode_control_batch,
+                                           iter_batches, parse_header)
 from partition_server.cursor_store import CursorStoreLimits
+from partition_server.segment import walk_headers
 from partition_server.snapshot_files import SnapshotCorrupt
 from partition_server.subscriptions import PartitionSubscriptions
 from partition_server.txn_buffer import AbortedTxn, MarkerAction, TxnBuffer, TxnBufferLimits
@@ -153,15 +166,57 @@ class _Flush:
     began: float
 
 
+class RecoveringTxns:
+    """Stands in for the transaction buffer while it replays in the background. Every use
+    of it (any attribute) raises the retriable PARTITION_LOADING, so no code path can act
+    on a buffer that is not known yet: fail closed by construction."""
+
+    __slots__ = ("_detail",)
+
+    def __init__(self, partition: str, from_offset: int, to_offset: int):
+        self._detail = (f"the transaction buffer of {partition} is recovering (replaying "
+                        f"offsets {from_offset}..{to_offset}); transactional writes, markers, "
+                        "read_committed reads and subscription deliveries wait for it")
+
+    def refusal(self) -> AtomlogError:
+        return AtomlogError("PARTITION_LOADING", self._detail, {"retry_after_ms": "200"})
+
+    def __getattr__(self, name: str):
+        raise self.refusal()
+
+
+@dataclass
+class _Loaded:
+    log: PartitionLog
+    producers: ProducerStateTable
+    txns: TxnBuffer | None  # None: replayed in the background from txns_from
+    txns_from: int
+    last_control: int
+    replayed: int
+
+
+class _SpanCorrupt(Exception):
+    def __init__(self, span: SegmentSpan, position: int, offset: int, detail: str):
+        super().__init__(detail)
+        self.span, self.position, self.offset, self.detail = span, position, offset, detail
+
+
+class _ReplayCancelled(Exception):
+    pass
+
+
 def _wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
 class PartitionOwner:
     def __init__(self, topic: str, partition: int, directory: Path, settings: OwnerSettings,
-                 *, fsync: Callable[[int], None] = os.fsync):
+                 *, fsync: Callable[[int], None] = os.fsync,
+                 txn_replay_gate: Callable[[], None] | None = None):
         """`fsync` makes a file descriptor durable (os.fsync; tests pass one that blocks
-        or fails). It runs on a worker thread."""
+        or fails). It runs on a worker thread. `txn_replay_gate`, when given, is called on
+        the worker thread before a background replay of the transaction buffer (tests
+        hold the replay there to look at the partition meanwhile)."""
         assert settings.max_fsyncs_in_flight >= 1, settings.max_fsyncs_in_flight
         self.topic = topic
         self.partition = partition
@@ -171,7 +226,13 @@ class PartitionOwner:
         self.state = State.LOADING
         self.log: PartitionLog | None = None
         self.producers = ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms)
-        self.txns = TxnBuffer(settings.txn_limits)
+        self.txns: TxnBuffer | RecoveringTxns = TxnBuffer(settings.txn_limits)
+        # Called with the buffer each time one is ready (after a load, or after its
+        # background replay): the server learns the coordinator epochs of its markers.
+        self.on_txns_ready: Callable[[TxnBuffer], None] | None = None
+        self._txn_replay_gate = txn_replay_gate
+        self._txn_recovery: asyncio.Task | None = None
+        self._txn_recovery_cancel: threading.Event | None = None
         self.guard = TxnGuard()  # volatile; survives reloads (see txn_guard.py)
         self.verified_acks: OrderedDict = OrderedDict()  # (txn, subscription) -> True
         self.subscriptions = PartitionSubscriptions(
@@ -209,11 +270,13 @@ class PartitionOwner:
         self._task = asyncio.create_task(self._run(), name=f"owner {self.name}")
 
     async def _load(self, truncate_to: int | None = None) -> None:
+        await self._stop_txn_recovery()
         self.state = State.LOADING
         began = time.perf_counter()
-        (self.log, self.producers, self.txns, self.last_control_offset,
-         replayed) = await asyncio.to_thread(self._load_blocking, truncate_to)
-        self.replayed_batches = replayed  # batches replayed on top of the snapshots
+        loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
+        self.log, self.producers = loaded.log, loaded.producers
+        self.last_control_offset = loaded.last_control
+        self.replayed_batches = replayed = loaded.replayed  # on top of the snapshots
         if self.log.data_loss is None:
             self.subscriptions.close()
             await asyncio.to_thread(self.subscriptions.open, self.log.log_start_offset)
@@ -223,57 +286,189 @@ class PartitionOwner:
                   logging.ERROR, partition=self.name, file=self.log.data_loss.path,
                   offset=self.log.data_loss.offset)
             return
+        if loaded.txns is not None:
+            self.txns = loaded.txns
+        else:
+            end = self.log.log_end_offset
+            self.txns = RecoveringTxns(self.name, loaded.txns_from, end)
+            # Until the replay says otherwise, reads filter control batches everywhere.
+            self.last_control_offset = self.log.log_start_offset
+            self._txn_recovery_cancel = threading.Event()
+            self._txn_recovery = asyncio.create_task(
+                self._recover_txns(end, loaded.last_control, self._txn_recovery_cancel),
+                name=f"transaction buffer recovery {self.name}")
         self.state = State.ONLINE
         self._stamp_ms = max(self._stamp_ms, _wall_ms())
         self._last_snapshot_ms = _wall_ms()  # the interval counts from the load
         event(log, "partition online", partition=self.name,
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,
-              open_transactions=self.txns.open_count, replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
+              open_transactions=("recovering" if loaded.txns is None
+                                 else loaded.txns.open_count),
+              replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
+        if loaded.txns is not None:
+            self._txns_ready(loaded.txns)
 
-    def _load_blocking(self, truncate_to: int | None = None
-                       ) -> tuple[PartitionLog, ProducerStateTable, TxnBuffer, int, int]:
+    def _load_blocking(self, truncate_to: int | None = None) -> _Loaded:
         """Open the log (after a failed write or fsync: cut back to `truncate_to`, the
-        last durable offset) and rebuild producer state and the transaction buffer."""
+        last durable offset) and rebuild producer state, and the transaction buffer too
+        when its replay needs no more of the log than producer state's."""
         partition_log = PartitionLog(self.directory, self.settings.log, clock_ms=self._clock)
         if partition_log.data_loss is not None:
-            return partition_log, self.producers, self.txns, -1, 0
+            return _Loaded(partition_log, self.producers, None, 0, -1, 0)
         if truncate_to is not None and partition_log.log_end_offset > truncate_to:
             partition_log.truncate_to(truncate_to)
             if partition_log.data_loss is not None:
-                return partition_log, self.producers, self.txns, -1, 0
+                return _Loaded(partition_log, self.producers, None, 0, -1, 0)
         settings = self.settings
         table, table_covered = self._restore(
             partition_log, producer_state, "producer",
             lambda data: ProducerStateTable.restore(data, settings.max_producers,
                                                     settings.producer_idle_expiry_ms),
             lambda: ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms))
-        txns, txns_covered = self._restore(
-            partition_log, txn_buffer, "transaction buffer",
-            lambda data: TxnBuffer.restore(data, settings.txn_limits),
-            lambda: TxnBuffer(settings.txn_limits))
+        txns, txns_from = self._restore_txns(partition_log)
         log_start = partition_log.log_start_offset
-        table_from, txns_from = max(table_covered, log_start), max(txns_covered, log_start)
+        table_from = max(table_covered, log_start)
+        if txns_from < table_from:
+            txns = None  # it needs an older part of the log: replayed in the background
         replayed, last_control = 0, -1
-        for header in partition_log.iter_headers(min(table_from, txns_from)):
+        for header in partition_log.iter_headers(table_from):
             if header.is_control:
                 last_control = header.base_offset
-            if header.base_offset >= table_from:
-                _apply(table, header)
-            if header.base_offset >= txns_from:
-                marker = None
-                if header.is_control:
-                    data, _ = partition_log.read(header.base_offset, header.size,
-                                                 partition_log.log_end_offset)
-                    marker = decode_control_batch(data[:header.size])
-                txns.apply_batch(header, marker)
+            _apply(table, header)
+            if txns is not None and header.base_offset >= txns_from:
+                txns.apply_batch(header, _marker_of(partition_log, header))
             replayed += 1
-        txns.forget_below(log_start)
-        txns.on_durable(partition_log.log_end_offset)
         table.expire(_wall_ms())
+        if txns is not None:
+            last_control = self._finish_txns(txns, partition_log, last_control)
+        return _Loaded(partition_log, table, txns, txns_from, last_control, replayed)
+
+    def _restore_txns(self, partition_log: PartitionLog) -> tuple[TxnBuffer, int]:
+        """The transaction buffer of the newest readable snapshot (else empty) and the
+        offset its replay starts from."""
+        limits = self.settings.txn_limits
+        txns, covered = self._restore(partition_log, txn_buffer, "transaction buffer",
+                                      lambda data: TxnBuffer.restore(data, limits),
+                                      lambda: TxnBuffer(limits))
+        return txns, max(covered, partition_log.log_start_offset)
+
+    @staticmethod
+    def _finish_txns(txns: TxnBuffer, partition_log: PartitionLog, last_control: int) -> int:
+        """A replayed buffer catches up with the log's start and durable end; returns the
+        highest control batch offset reads must filter from."""
+        txns.forget_below(partition_log.log_start_offset)
+        txns.on_durable(partition_log.high_watermark)
         if last_control < 0 and txns.coordinator_epochs():
             # Markers were written below the replayed tail: filter reads from the start.
-            last_control = log_start
-        return partition_log, table, txns, last_control, replayed
+            last_control = partition_log.log_start_offset
+        return last_control
+
+    # ------------------------------------------------------------------ background replay
+    @property
+    def txns_recovering(self) -> bool:
+        return isinstance(self.txns, RecoveringTxns)
+
+    def check_txns_ready(self) -> None:
+        """Raise the retriable PARTITION_LOADING while the buffer replays."""
+        if isinstance(self.txns, RecoveringTxns):
+            raise self.txns.refusal()
+
+    def _txns_ready(self, txns: TxnBuffer) -> None:
+        if self.on_txns_ready is not None:
+            self.on_txns_ready(txns)
+
+    async def _recover_txns(self, end: int, tail_last_control: int,
+                            cancel: threading.Event) -> None:
+        """Replay the transaction buffer from its snapshot up to `end` (the log end when
+        the partition went online) on a worker thread, then, on the loop, what was
+        appended since; then swap it in. Retries (with backoff) on errors; a damaged
+        batch puts the partition in DATA_LOSS, as any read of it would."""
+        began, delay = time.perf_counter(), 0.5
+        while True:
+            try:
+                txns, txns_from = await asyncio.to_thread(self._restore_txns, self.log)
+                spans = self.log.segment_spans(txns_from, end)
+                replayed, last_control = await asyncio.to_thread(
+                    self._replay_spans, txns, spans, cancel)
+                # On the loop, without awaiting: nothing is appended meanwhile. While the
+                # buffer was replaying, transactional batches and markers were refused, so
+                # what was appended since `end` is plain batches; replay it all the same.
+                for header in self.log.iter_headers(end):
+                    if header.is_control:
+                        last_control = header.base_offset
+                    txns.apply_batch(header, _marker_of(self.log, header))
+                    replayed += 1
+                break
+            except (asyncio.CancelledError, _ReplayCancelled):
+                return
+            except _SpanCorrupt as corrupt:
+                self.log.report_corruption(corrupt.span.segment_base_offset, corrupt.position,
+                                           corrupt.offset, corrupt.detail)
+                event(log, "transaction buffer replay found a damaged batch; the partition "
+                      "refuses to serve", logging.ERROR, partition=self.name,
+                      file=str(corrupt.span.path), offset=corrupt.offset)
+                self._poke()
+                return
+            except Exception as error:  # noqa: BLE001 — I/O trouble: try again
+                event(log, "transaction buffer replay failed; retrying", logging.WARNING,
+                      partition=self.name, error=f"{type(error).__name__}: {error}",
+                      retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        self.last_control_offset = self._finish_txns(
+            txns, self.log, max(last_control, tail_last_control))
+        self.txns = txns
+        self._txn_recovery = self._txn_recovery_cancel = None
+        # Snapshot it soon, so the next start does not replay all of this again.
+        self._batches_since_snapshot += 1
+        self._last_snapshot_ms = 0
+        self._poke()
+        self._notify_readers()
+        event(log, "transaction buffer recovered", partition=self.name,
+              open_transactions=txns.open_count, replayed_batches=replayed,
+              seconds=round(time.perf_counter() - began, 3))
+        self._txns_ready(txns)
+
+    def _replay_spans(self, txns: TxnBuffer, spans: list[SegmentSpan],
+                      cancel: threading.Event) -> tuple[int, int]:
+        """(batches replayed, last control batch offset or -1): on a worker thread, with
+        descriptors of its own; touches nothing of the owner's."""
+        if self._txn_replay_gate is not None:
+            self._txn_replay_gate()
+        replayed, last_control = 0, -1
+        for span in spans:
+            fd = os.open(span.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            position, offset = span.position, span.first_offset
+            try:
+                for position, header in walk_headers(fd, span.position, span.end_position,
+                                                     span.first_offset):
+                    if cancel.is_set():
+                        raise _ReplayCancelled()
+                    offset, marker = header.base_offset, None
+                    if header.is_control:
+                        last_control = header.base_offset
+                        marker = decode_control_batch(os.pread(fd, header.size, position))
+                    txns.apply_batch(header, marker)
+                    replayed += 1
+            except AtomlogError as error:  # CORRUPT_BATCH
+                raise _SpanCorrupt(span, int(error.metadata.get("position", position)),
+                                   int(error.metadata.get("offset", offset)),
+                                   error.message) from error
+            finally:
+                os.close(fd)
+        return replayed, last_control
+
+    async def _stop_txn_recovery(self) -> None:
+        task, cancel = self._txn_recovery, self._txn_recovery_cancel
+        self._txn_recovery = self._txn_recovery_cancel = None
+        if task is None:
+            return
+        cancel.set()  # the worker thread stops at its next batch
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 — a new load replays anew
+            pass
 
     def _restore(self, partition_log: PartitionLog, module, what: str, restore, empty):
         """(state, covered offset) from the newest snapshot of `module`'s kind that is
@@ -308,6 +503,7 @@ class PartitionOwner:
         return sorted(found, reverse=True)
 
     async def close(self) -> None:
+        await self._stop_txn_recovery()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -546,7 +742,8 @@ class PartitionOwner:
                         work.future.set_result(work.results)
         finally:
             if moved:
-                self.txns.on_durable(self.log.high_watermark)
+                if not self.txns_recovering:
+                    self.txns.on_durable(self.log.high_watermark)
                 self._notify_readers()
 
     def _snapshot_due(self) -> bool:
@@ -591,7 +788,8 @@ class PartitionOwner:
             await asyncio.get_running_loop().run_in_executor(
                 None, _fsync_duplicate, self._fsync, os.dup(fd))
         if self.log.flush_end(target, durable=self.settings.fsync):
-            self.txns.on_durable(self.log.high_watermark)
+            if not self.txns_recovering:
+                self.txns.on_durable(self.log.high_watermark)
             self._notify_readers()
 
     def _check_transactional(self, header: BatchHeader, token: int | None) -> None:
@@ -658,8 +856,8 @@ class PartitionOwner:
     async def apply_retention(self) -> int:
         """Delete whole old segments past the retention limits, never at or above the max
         read position (an open transaction keeps its data); returns segments removed."""
-        if self.state is not State.ONLINE:
-            return 0
+        if self.state is not State.ONLINE or self.txns_recovering:
+            return 0  # (a recovering buffer still reads the old segments)
         removed = self.log.apply_retention(keep_from_offset=self.max_read_position())
         self.txns.forget_below(self.log.log_start_offset)
         self.subscriptions.forget_below(self.log.log_start_offset)
@@ -727,7 +925,8 @@ class PartitionOwner:
             self._last_snapshot_ms = _wall_ms()
             return
         producers = self.producers.snapshot(covered)
-        txns = self.txns.snapshot(covered)
+        # A recovering buffer keeps its old snapshot (the one it replays from).
+        txns = None if self.txns_recovering else self.txns.snapshot(covered)
         self._batches_since_snapshot = 0
         self._last_snapshot_ms = _wall_ms()
         # Shielded: if the owner task is cancelled meanwhile, close() waits for the write
@@ -736,9 +935,10 @@ class PartitionOwner:
             self._write_snapshots, covered, producers, txns))
         await asyncio.shield(self._snapshot_write)
 
-    def _write_snapshots(self, covered: int, producers: bytes, txns: bytes) -> None:
+    def _write_snapshots(self, covered: int, producers: bytes, txns: bytes | None) -> None:
         self._write_snapshot(producer_state, covered, producers)
-        self._write_snapshot(txn_buffer, covered, txns)
+        if txns is not None:
+            self._write_snapshot(txn_buffer, covered, txns)
 
     def _write_snapshot(self, module, covered: int, data: bytes) -> None:
         path = self.directory / module.snapshot_file_name(covered)
@@ -765,7 +965,8 @@ class PartitionOwner:
         partition_log = self.log
         hw = partition_log.high_watermark
         return {"log_start_offset": partition_log.log_start_offset, "high_watermark": hw,
-                "max_read_position": self.txns.max_read_position(hw),
+                "max_read_position": (-1 if self.txns_recovering
+                                      else self.txns.max_read_position(hw)),
                 "last_data_offset": partition_log.last_data_offset}
 
     def read(self, offset: int, max_bytes: int, *, committed: bool = False,
@@ -803,8 +1004,8 @@ class PartitionOwner:
         """Return when the readable end (max read position, or high watermark) passes
         offset, or after timeout_s."""
         def ready() -> bool:
-            if self.state is not State.ONLINE:
-                return True
+            if self.state is not State.ONLINE or (committed and self.txns_recovering):
+                return True  # the caller's next read answers
             hw = self.log.high_watermark
             return (self.txns.max_read_position(hw) if committed else hw) > offset
 
@@ -842,6 +1043,14 @@ def _apply(table: ProducerStateTable, header: BatchHeader) -> None:
     table.apply(header.producer_id, header.producer_epoch, header.base_sequence,
                 header.last_sequence, header.base_offset, header.last_offset,
                 header.log_append_time_ms, control=header.is_control)
+
+
+def _marker_of(partition_log: PartitionLog, header: BatchHeader) -> ControlMarker | None:
+    """The decoded marker of a control batch (read from the log); None for data."""
+    if not header.is_control:
+        return None
+    data, _ = partition_log.read(header.base_offset, header.size, partition_log.log_end_offset)
+    return decode_control_batch(data[:header.size])
 
 
 def _first_offset(data: bytes) -> int:

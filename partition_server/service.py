@@ -193,9 +193,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         the coordinator (one question per transaction, asked concurrently). Batches that
         fail verification get their error and are left out."""
         asked: dict[TxnId, asyncio.Task] = {}
+        recovering = owner.txns_recovering  # then transactional batches wait (retriable)
         for _, header in batches:
             txn = header.txn
-            if (header.is_transactional and txn not in asked
+            if (header.is_transactional and not recovering and txn not in asked
                     and owner.txns.open_transaction(txn) is None
                     and owner.guard.cached(txn) is None):
                 asked[txn] = asyncio.ensure_future(self._verify(owner, txn))
@@ -206,6 +207,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             token = None
             try:
                 if header.is_transactional:
+                    owner.check_txns_ready()
                     token = self._token_for(owner, header, asked)
             except AtomlogError as error:
                 m.BAD_BATCHES.labels(error.reason).inc()
@@ -347,7 +349,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         if spec == partition_pb2.OFFSET_SPEC_LATEST:
             return positions["high_watermark"], -1
         if spec == partition_pb2.OFFSET_SPEC_MAX_READ_POSITION:
-            return positions["max_read_position"], -1
+            return owner.max_read_position(), -1  # PARTITION_LOADING while it recovers
         if spec == partition_pb2.OFFSET_SPEC_BY_TIMESTAMP:
             found = owner.offset_for_timestamp(item.timestamp_unix_ms)
             return found if found is not None else (-1, -1)
@@ -370,7 +372,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                            high_watermark=positions["high_watermark"],
                            max_read_position=positions["max_read_position"],
                            size_bytes=owner.log.size_bytes,
-                           open_transaction_count=owner.txns.open_count)
+                           open_transaction_count=(0 if owner.txns_recovering
+                                                   else owner.txns.open_count))
         return summary
 
     async def ListPartitions(self, request, context):
@@ -392,11 +395,12 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             response.last_data_offset = owner.positions()["last_data_offset"]
             response.segment_count = owner.log.segment_count
             response.size_bytes = owner.log.size_bytes
-            response.transaction_buffer_ready = True
-            response.aborted_transaction_count = owner.txns.aborted_count
-            for tc, epoch in owner.txns.coordinator_epochs().items():
+            ready = response.transaction_buffer_ready = not owner.txns_recovering
+            txns = owner.txns
+            response.aborted_transaction_count = txns.aborted_count if ready else 0
+            for tc, epoch in (txns.coordinator_epochs().items() if ready else ()):
                 response.coordinator_epochs[tc] = epoch
-            for entry in owner.txns.describe()[:MAX_DESCRIBED_TRANSACTIONS]:
+            for entry in (txns.describe() if ready else [])[:MAX_DESCRIBED_TRANSACTIONS]:
                 response.open_transactions.add(
                     txn_id=common_pb2.TxnId(tc_partition=entry.txn.tc_partition,
                                             sequence=entry.txn.sequence),
@@ -413,8 +417,11 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     last_sequence=entry.last_sequence, last_offset=entry.last_offset,
                     last_append_unix_ms=entry.last_timestamp_ms,
                     cached_batch_count=len(entry.batches))
-            tp, readable = request.topic_partition, owner.max_read_position()
-            for name in sorted(owner.subscriptions.names())[:MAX_DESCRIBED_SUBSCRIPTIONS]:
+            tp = request.topic_partition
+            # The backlog counts up to the max read position: unknown while recovering.
+            readable = owner.max_read_position() if ready else -1
+            for name in sorted(owner.subscriptions.names() if ready else ()
+                               )[:MAX_DESCRIBED_SUBSCRIPTIONS]:
                 sp = common_pb2.SubscriptionPartition(topic=tp.topic, partition=tp.partition,
                                                       subscription=name)
                 d = owner.subscriptions.describe(name, readable, now_ms)
@@ -616,6 +623,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         for sp in request.subscription_partitions:
             try:
                 owner = await self._subscription_owner(sp)
+                if committed:
+                    owner.check_txns_ready()
                 positions = owner.positions()
                 limit = positions["max_read_position"] if committed else positions["high_watermark"]
 

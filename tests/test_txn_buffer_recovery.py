@@ -1,0 +1,199 @@
+"""A partition whose transaction buffer must replay more of the log than producer state
+(its snapshot is unreadable) goes online for plain writes at once and replays the buffer
+in the background. Meanwhile everything that needs the buffer is refused with the
+retriable PARTITION_LOADING and nothing changes; afterwards the buffer equals a full
+replay of the log, including the plain batches appended during the replay.
+
+Real segment files and snapshots; the only test hook holds the replay's worker thread
+at its start so the partition can be looked at meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from partition_server import txn_buffer
+from partition_server.log import LogConfig
+from partition_server.owner import (Appended, Marker, MarkerResult, OwnerSettings,
+                                    PartitionOwner, State, _marker_of)
+from partition_server.record_batch import (ControlType, Record, TxnId, decode_records,
+                                           encode_batch, iter_batches, parse_header)
+from partition_server.txn_buffer import TxnBuffer
+from services.errors import AtomlogError
+
+SETTINGS = OwnerSettings(log=LogConfig(segment_bytes=3_000), fsync=False,
+                         snapshot_interval_batches=1_000_000, snapshot_interval_ms=3_600_000)
+EPOCH = 1
+
+
+def plain(producer_id: int, sequence: int) -> bytes:
+    return encode_batch([Record(b"k", b"plain %d" % sequence)] * 2, producer_id=producer_id,
+                        producer_epoch=0, base_sequence=sequence, timestamp_ms=1_000)
+
+
+def transactional(producer_id: int, sequence: int, txn: TxnId) -> bytes:
+    return encode_batch([Record(b"k", b"txn %d:%d" % txn)] * 2, producer_id=producer_id,
+                        producer_epoch=0, base_sequence=sequence, txn=txn, timestamp_ms=1_000)
+
+
+async def write(owner: PartitionOwner, data: bytes, txn: TxnId | None = None):
+    """Produce one batch as the servicer would: a transactional one with a verification
+    token (the coordinator's answer is not what is tested here)."""
+    tokens = None
+    if txn is not None:
+        token = owner.guard.token()
+        owner.guard.remember(txn, token, None)
+        tokens = [token]
+    (result,) = await owner.produce([(data, parse_header(data))], tokens)
+    return result
+
+
+async def end(owner: PartitionOwner, txn: TxnId, decision: ControlType):
+    (result,) = await owner.end_transactions([Marker(txn, decision, EPOCH)])
+    return result
+
+
+def full_replay(owner: PartitionOwner) -> TxnBuffer:
+    """The oracle: the buffer rebuilt from every batch of the log."""
+    buffer = TxnBuffer(SETTINGS.txn_limits)
+    for header in owner.log.iter_headers(owner.log.log_start_offset):
+        buffer.apply_batch(header, _marker_of(owner.log, header))
+    buffer.forget_below(owner.log.log_start_offset)
+    buffer.on_durable(owner.log.high_watermark)
+    return buffer
+
+
+def loading(outcome) -> bool:
+    return isinstance(outcome, AtomlogError) and outcome.reason == "PARTITION_LOADING"
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def break_txn_snapshots(directory) -> int:
+    broken = 0
+    for path in directory.iterdir():
+        if txn_buffer.parse_snapshot_file_name(path.name) is not None:
+            path.write_bytes(b"not a snapshot")
+            broken += 1
+    return broken
+
+
+def test_plain_writes_are_served_while_the_buffer_replays_in_the_background(tmp_path):
+    directory = tmp_path / "t-0"
+    open_txn, aborted_txn, committed_txn, late_txn = (TxnId(3, s) for s in (1, 2, 3, 4))
+
+    async def scenario():
+        first = PartitionOwner("t", 0, directory, SETTINGS)
+        await first.start()
+        assert isinstance(await write(first, plain(7, 0)), Appended)
+        held = await write(first, transactional(8, 0, open_txn), open_txn)
+        await write(first, transactional(9, 0, aborted_txn), aborted_txn)
+        await write(first, transactional(10, 0, committed_txn), committed_txn)
+        for sequence in range(2, 40, 2):  # several segments
+            await write(first, plain(7, sequence))
+        assert isinstance(await end(first, aborted_txn, ControlType.ABORT), MarkerResult)
+        assert isinstance(await end(first, committed_txn, ControlType.COMMIT), MarkerResult)
+        before = first.txns.state()
+        assert first.max_read_position() == held.base_offset
+        await first.close()  # snapshots producer state and the buffer at the log end
+        assert break_txn_snapshots(directory) >= 1
+
+        gate = threading.Event()
+        second = PartitionOwner("t", 0, directory, SETTINGS, txn_replay_gate=gate.wait)
+        ready = []
+        second.on_txns_ready = ready.append
+        await second.start()
+        try:
+            assert second.state is State.ONLINE
+            assert second.replayed_batches == 0  # producer state came from its snapshot
+            assert second.txns_recovering and not ready
+            end_before = second.log.log_end_offset
+
+            # Served: plain writes, with producer state (a retry is a duplicate).
+            appended = await write(second, plain(7, 40))
+            assert isinstance(appended, Appended) and not appended.duplicate
+            assert (await write(second, plain(7, 40))).duplicate
+            data, _, _ = second.read(0, 1 << 20)
+            assert sum(1 for _ in iter_batches(data)) >= 20
+            assert second.positions()["max_read_position"] == -1
+
+            # Refused, changing nothing: transactional writes, markers, committed reads,
+            # retention.
+            assert loading(await write(second, transactional(11, 0, late_txn), late_txn))
+            assert loading(await end(second, open_txn, ControlType.COMMIT))
+            for refused in (lambda: second.read(0, 1 << 20, committed=True),
+                            second.max_read_position, second.check_txns_ready):
+                with pytest.raises(AtomlogError) as raised:
+                    refused()
+                assert raised.value.reason == "PARTITION_LOADING"
+            assert await second.apply_retention() == 0
+            assert second.log.log_end_offset == end_before + 2  # only the plain batch
+
+            gate.set()
+            await until(lambda: not second.txns_recovering)
+            assert ready == [second.txns]
+            # The buffer equals a full replay, including what was appended meanwhile,
+            # and the state from before the restart.
+            assert second.txns.state() == full_replay(second).state()
+            assert second.txns.state().open == before.open
+            assert second.max_read_position() == held.base_offset
+
+            # Now everything is served again.
+            assert isinstance(await end(second, open_txn, ControlType.COMMIT), MarkerResult)
+            assert second.max_read_position() == second.log.high_watermark
+            assert isinstance(await write(second, transactional(11, 0, late_txn), late_txn),
+                              Appended)
+            committed, _, _ = second.read(0, 1 << 20, committed=True)
+            values = [r.value for position, h in iter_batches(committed)
+                      for r in decode_records(committed[position:position + h.size])]
+            assert b"txn 3:1" in values and b"txn 3:3" in values
+            assert b"txn 3:2" not in values  # aborted, filtered on the server
+            await until(lambda: second.txn_snapshot_offset >= end_before)  # snapshotted soon
+        finally:
+            gate.set()
+            await second.close()
+
+        third = PartitionOwner("t", 0, directory, SETTINGS)  # from the new snapshot
+        await third.start()
+        assert not third.txns_recovering
+        assert third.txns.state() == full_replay(third).state()
+        await third.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_reload_or_close_during_the_replay_abandons_it(tmp_path):
+    directory = tmp_path / "t-0"
+    txn = TxnId(5, 1)
+
+    async def scenario():
+        first = PartitionOwner("t", 0, directory, SETTINGS)
+        await first.start()
+        await write(first, transactional(8, 0, txn), txn)
+        await write(first, plain(7, 0))
+        await first.close()
+        break_txn_snapshots(directory)
+
+        gate = threading.Event()
+        second = PartitionOwner("t", 0, directory, SETTINGS, txn_replay_gate=gate.wait)
+        await second.start()
+        assert second.txns_recovering
+        await asyncio.wait_for(second.close(), 5)  # does not wait for the held replay
+        assert second.state is State.CLOSED
+        gate.set()
+
+        third = PartitionOwner("t", 0, directory, SETTINGS)
+        await third.start()
+        await until(lambda: not third.txns_recovering)  # no snapshot was written over it
+        assert [t.txn for t in third.txns.state().open] == [txn]
+        await third.close()
+
+    asyncio.run(scenario())
