@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import platform
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -127,3 +129,67 @@ def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s
 def command_line(script: str, argv: list[str]) -> str:
     """How a benchmark was run, as docs show it (print-only flags left out)."""
     return f"python {script}" + "".join(f" {a}" for a in argv if a != "--no-docs")
+
+
+# ------------------------------------------------------------------ gRPC call floor
+def _echo_server(port_out) -> None:
+    """A grpc.aio server whose one method does nothing but answer (child process)."""
+    import asyncio
+
+    async def echo(request, context):
+        return request
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "floor.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)})])
+        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def grpc_call_floor(clients: int = 8, seconds: float = 3.0, payload: int = 200) -> dict:
+    """The price of one gRPC call on this machine, measured now: a do-nothing grpc.aio
+    server in its own process (as every atomlog server is) and `clients` threads of one
+    client process making blocking unary calls of `payload` bytes. Returns calls/s and
+    the server process's CPU per call (ms). No atomlog code runs: this is the ceiling any
+    design pays per call, the baseline for figures that follow the number of calls."""
+    context = multiprocessing.get_context("spawn")
+    port_out = context.Queue()
+    server = context.Process(target=_echo_server, args=(port_out,), daemon=True)
+    server.start()
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port_out.get(timeout=30)}")
+        call = channel.unary_unary("/floor.Echo/Call")
+        body = b"x" * payload
+        for _ in range(100):  # warm up
+            call(body, timeout=10)
+        counts = [0] * clients
+        stop = time.monotonic() + seconds
+
+        def run(index: int) -> None:
+            while time.monotonic() < stop:
+                call(body, timeout=10)
+                counts[index] += 1
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+        cpu_before, began = _cpu_s(server.pid), time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed, cpu = time.monotonic() - began, _cpu_s(server.pid) - cpu_before
+        channel.close()
+    finally:
+        server.terminate()
+        server.join(10)
+    calls = sum(counts)
+    return {"clients": clients, "calls_per_s": calls / elapsed,
+            "server_cpu_ms_per_call": cpu / max(calls, 1) * 1e3}

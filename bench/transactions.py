@@ -19,8 +19,10 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
    batch and commit() p50/p99, the RPCs per batch over every process (from their
    /metrics) and the CPU of each process over the window.
 
-Baselines in the same run: one small os.write + os.fsync (latency), and plain Python
-appending the same bytes to a file with an fsync per 256 KiB (MB/s).
+Baselines in the same run: one small os.write + os.fsync (latency), plain Python
+appending the same bytes to a file with an fsync per 256 KiB (MB/s), and the rate of
+do-nothing gRPC calls between two Python processes (the ceiling per call any design
+pays here; small transactions report their calls per transaction next to it).
 
 Prints a table and writes its section of docs/benchmarks.md (with --only-ctp, only the
 consume-transform-produce part of it).
@@ -91,7 +93,7 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out)
     out.put((count, commits, totals))
 
 
-def small_transactions(address: str, clients: int, seconds: float) -> dict:
+def small_transactions(report, address: str, clients: int, seconds: float) -> dict:
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 8 + clients * 0.5
@@ -99,13 +101,19 @@ def small_transactions(address: str, clients: int, seconds: float) -> dict:
                for i in range(clients)]
     for worker in workers:
         worker.start()
+    metrics = [p.metrics_address for p in report.cluster.processes if p.role != "zookeeper"]
+    time.sleep(max(0.0, start_at - time.time()))
+    before = rpc_counts(metrics)  # the timed window: warm-up calls are behind us
     results = [out.get(timeout=seconds + 300) for _ in workers]
+    after = rpc_counts(metrics)
     for worker in workers:
         worker.join()
     count = sum(r[0] for r in results)
+    calls = sum(after[m] - before[m] for m in after if not m.startswith("TC log"))
     commits = [c for r in results for c in r[1]]
     totals = [t for r in results for t in r[2]]
     return {"clients": clients, "transactions": count, "per_s": count / seconds,
+            "calls_per_txn": calls / max(count, 1),
             "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
             "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
             "txn_p50_ms": common.percentile(totals, 0.5) * 1e3,
@@ -276,9 +284,10 @@ def _count_messages(consumer) -> int:
 
 
 # ------------------------------------------------------------------ report
-def section(command: str, load: float, baseline: dict, raw_mb_s: float, small: dict,
-            plain: dict, txn: dict, reads: list[dict], ctp_text: str) -> str:
+def section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: dict,
+            small: dict, plain: dict, txn: dict, reads: list[dict], ctp_text: str) -> str:
     overhead = (1 - txn["per_s"] / plain["per_s"]) * 100
+    ceiling = floor["calls_per_s"] / small["calls_per_txn"]
     lines = [
         BEGIN,
         "## Transactions on the partition servers (issue 6)",
@@ -289,7 +298,10 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, small: d
         "",
         f"Baselines in the same run: one small os.write + os.fsync {baseline['p50']:.2f} ms "
         f"(p50), {baseline['p99']:.2f} ms (p99); plain Python appending 1 KiB records with an "
-        f"fsync per 256 KiB: {raw_mb_s:.0f} MB/s.",
+        f"fsync per 256 KiB: {raw_mb_s:.0f} MB/s; a do-nothing gRPC call (grpc.aio server "
+        f"process answering {floor['clients']} threads of one client process, no atomlog "
+        f"code): {floor['calls_per_s']:,.0f} calls/s, "
+        f"{floor['server_cpu_ms_per_call']:.2f} ms of server CPU per call.",
         "",
         "| workload | figure | target / peers |",
         "| --- | --- | --- |",
@@ -299,6 +311,9 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, small: d
         f"transaction p50 {small['txn_p50_ms']:.1f} ms, p99 {small['txn_p99_ms']:.1f} ms | "
         "target ≥ 2,600/s, p99 < 10 ms; PostgreSQL 2,576/s (p99 6.9 ms), Redis MULTI/EXEC "
         "5,503/s (p99 4.9 ms) |",
+        f"| gRPC calls per small transaction, all processes (timed window) | "
+        f"{small['calls_per_txn']:.1f}, so at most {ceiling:,.0f} transactions/s at the "
+        "do-nothing call rate above | |",
         f"| one producer, 1 KiB records, idempotent | {plain['per_s']:,.0f} records/s "
         f"({plain['mb_s']:.0f} MB/s) | |",
         f"| the same, a transaction committed every 100 ms | {txn['per_s']:,.0f} records/s "
@@ -311,8 +326,13 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, small: d
         f"| fetch of that data, read_committed | {by['read_committed']['mb_s']:.0f} MB/s "
         f"(**{ratio * 100:.0f}%** of read_uncommitted) | target: within 10% |",
         "",
-        "Reading: the small-transaction target is far out of reach, and CPU is why. One",
-        "transaction here is about 12-13 gRPC calls between Python processes: from the",
+        "Reading: the small-transaction target is far out of reach, and CPU is why: this",
+        f"machine makes about {floor['calls_per_s']:,.0f} do-nothing gRPC calls/s between two "
+        f"Python processes, so {small['calls_per_txn']:.1f} calls per transaction cap it near "
+        f"{ceiling:,.0f}/s before",
+        "atomlog does any work, and 2,600/s would need about "
+        f"{floor['calls_per_s'] / 2600:.1f} calls per transaction in all. One",
+        "transaction here is these gRPC calls between Python processes: from the",
         "client NewTxn (begin_transaction() is lazy: the first partitions ride in it), one",
         "Produce per partition server (3) and EndTxn; between servers one",
         "VerifyTxnPartitions and one EndTxnOnPartition per partition server (about 3 + 3)",
@@ -342,8 +362,8 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, small: d
     return "\n".join(lines) + "\n"
 
 
-def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, ctp: dict,
-                peers: list[dict]) -> str:
+def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: dict,
+                ctp: dict, peers: list[dict]) -> str:
     """The consume-transform-produce part, between its own markers inside the section (so
     `--only-ctp` rewrites just this part)."""
     servers = ctp["server_cpu_s"]
@@ -362,7 +382,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, ctp:
         f"`{command}` — {time.strftime('%Y-%m-%d')}, {common.machine(load)}.",
         f"Baselines in the same run: small os.write + os.fsync {baseline['p50']:.2f} ms (p50), "
         f"{baseline['p99']:.2f} ms (p99); plain Python appending 1 KiB records with an fsync "
-        f"per 256 KiB: {raw_mb_s:.0f} MB/s.",
+        f"per 256 KiB: {raw_mb_s:.0f} MB/s; do-nothing gRPC calls between two Python "
+        f"processes: {floor['calls_per_s']:,.0f}/s.",
         "",
         f"{ctp['inputs']:,} preloaded 1 KiB inputs on {ctp['partitions']} partition(s) (the "
         "outputs too), one worker process: poll 100 from a subscription, send 100 outputs "
@@ -382,7 +403,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, ctp:
         f"| gRPC calls per transaction, all processes | {total_rpcs:.1f}: "
         + ", ".join(f"{method} {n:.1f}" for method, n in rpcs)
         + f"; of the Produce calls, {tc_appends:.1f} are TC log appends ({tc_records:.1f} "
-        "records) | |",
+        f"records): at the do-nothing call rate, at most "
+        f"{floor['calls_per_s'] / total_rpcs * CTP_BATCH:,.0f} inputs/s | |",
         f"| CPU over the window (cores) | client {ctp['client_cpu_s'] / ctp['seconds']:.2f}; "
         + ", ".join(f"{name} {c:.2f}" for name, c in cores.items())
         + f"; total {cpu_s / ctp['seconds']:.2f} | PostgreSQL server 0.75 + client 0.60; "
@@ -463,10 +485,12 @@ def main() -> None:
             client.create_topic(STREAM_TOPIC, partitions=PARTITIONS)
         time.sleep(3)  # leases settle
         baseline = common.fsync_baseline(data_dir)
+        floor = common.grpc_call_floor()
+        print(f"gRPC call floor: {floor}", flush=True)
         raw_s = common.raw_append_seconds(data_dir, RECORD * 256, 4_000, 1)
         raw_mb_s = 4_000 * 256 * len(RECORD) / raw_s / 1e6
         if not args.only_ctp:
-            small = small_transactions(address, args.clients, args.seconds)
+            small = small_transactions(report, address, args.clients, args.seconds)
             print(f"small transactions: {small}", flush=True)
             plain = stream(address, args.seconds, False, 0)
             print(f"idempotent: {plain}", flush=True)
@@ -478,11 +502,12 @@ def main() -> None:
         ctp = consume_transform_produce(report, address, args.ctp_inputs,
                                         args.ctp_partitions)
         print(f"consume-transform-produce: {ctp}", flush=True)
-    ctp_text = ctp_section(command, load, baseline, raw_mb_s, ctp, peers)
+    ctp_text = ctp_section(command, load, baseline, raw_mb_s, floor, ctp, peers)
     if args.only_ctp:
         text, begin, end = ctp_text, CTP_BEGIN, CTP_END
     else:
-        text = section(command, load, baseline, raw_mb_s, small, plain, txn, reads, ctp_text)
+        text = section(command, load, baseline, raw_mb_s, floor, small, plain, txn, reads,
+                       ctp_text)
         begin, end = BEGIN, END
     print()
     print(text)
