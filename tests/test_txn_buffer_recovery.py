@@ -197,3 +197,107 @@ def test_a_reload_or_close_during_the_replay_abandons_it(tmp_path):
         await third.close()
 
     asyncio.run(scenario())
+
+
+class _Context:
+    def cancelled(self) -> bool:
+        return False
+
+
+def test_the_servicer_serves_plain_work_and_refuses_the_rest_per_item(tmp_path):
+    """The gRPC handlers over a recovering partition (called in-process): one Produce with
+    a plain and a transactional batch appends the plain one and refuses the other without
+    asking the coordinator; read_committed fetches, MAX_READ_POSITION look-ups and markers
+    get PARTITION_LOADING per item; read_uncommitted is served; DescribePartition and the
+    metrics say the buffer is recovering; once it is ready, all of it is served."""
+    from atomlog.v1 import common_pb2, partition_pb2
+    from partition_server.coordinator_epochs import CoordinatorEpochs
+    from partition_server.manager import PartitionManager
+    from partition_server.metrics import PartitionStateCollector
+    from partition_server.service import PartitionServicer
+    from partition_server.verifier import TxnVerifier
+
+    directory = tmp_path / "t-0"
+    txn = TxnId(2, 7)
+    tp = common_pb2.TopicPartition(topic="t", partition=0)
+
+    async def scenario():
+        first = PartitionOwner("t", 0, directory, SETTINGS)
+        await first.start()
+        await write(first, transactional(8, 0, txn), txn)
+        await write(first, plain(7, 0))
+        await first.close()
+        break_txn_snapshots(directory)
+
+        gate = threading.Event()
+        owner = PartitionOwner("t", 0, directory, SETTINGS, txn_replay_gate=gate.wait)
+        epochs = CoordinatorEpochs(None, tc_partitions=16)
+        manager = PartitionManager(tmp_path, "server-1", None, SETTINGS, epochs)
+        manager.owners[("t", 0)] = owner
+        # No metadata store: a verification call would fail the test.
+        servicer = PartitionServicer(manager, None, 1 << 20, 0, 1 << 20, 8 << 20, epochs,
+                                     TxnVerifier(None, epochs))
+        await owner.start()
+        try:
+            assert owner.txns_recovering
+            produced = await servicer.Produce(partition_pb2.ProduceRequest(items=[
+                partition_pb2.ProduceItem(topic_partition=tp, record_batch=plain(7, 2)),
+                partition_pb2.ProduceItem(topic_partition=tp,
+                                          record_batch=transactional(9, 0, TxnId(2, 8)))]),
+                _Context())
+            assert not produced.results[0].error.reason and produced.results[0].base_offset > 0
+            assert produced.results[1].error.reason == "PARTITION_LOADING"
+
+            def fetch(isolation):
+                return servicer.Fetch(partition_pb2.FetchRequest(
+                    items=[partition_pb2.FetchItem(topic_partition=tp, fetch_offset=0)],
+                    isolation_level=isolation), _Context())
+
+            committed = (await fetch(common_pb2.ISOLATION_LEVEL_READ_COMMITTED)).results[0]
+            assert committed.error.reason == "PARTITION_LOADING" and not committed.record_batches
+            uncommitted = (await fetch(common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED)).results[0]
+            assert not uncommitted.error.reason and uncommitted.record_batches
+            assert uncommitted.max_read_position == -1
+            looked_up = await servicer.ListOffsets(partition_pb2.ListOffsetsRequest(items=[
+                partition_pb2.ListOffsetsItem(topic_partition=tp,
+                                              spec=partition_pb2.OFFSET_SPEC_MAX_READ_POSITION),
+                partition_pb2.ListOffsetsItem(topic_partition=tp,
+                                              spec=partition_pb2.OFFSET_SPEC_LATEST)]), _Context())
+            assert looked_up.results[0].error.reason == "PARTITION_LOADING"
+            assert looked_up.results[1].offset == owner.log.high_watermark
+            marked = await servicer.EndTxnOnPartition(partition_pb2.EndTxnOnPartitionRequest(
+                markers=[partition_pb2.TxnMarker(
+                    txn_id=common_pb2.TxnId(tc_partition=txn.tc_partition,
+                                            sequence=txn.sequence),
+                    decision=partition_pb2.TXN_DECISION_ABORT, coordinator_epoch=1,
+                    topic_partitions=[tp])]), _Context())
+            assert marked.results[0].topic_partition_results[0].error.reason == \
+                "PARTITION_LOADING"
+            described = await servicer.DescribePartition(
+                partition_pb2.DescribePartitionRequest(topic_partition=tp), _Context())
+            assert described.state == partition_pb2.PARTITION_STATE_ONLINE
+            assert not described.transaction_buffer_ready and described.max_read_position == -1
+            gauges = {(m.name, s.labels.get("topic")): s.value
+                      for m in PartitionStateCollector(lambda: [owner]).collect()
+                      for s in m.samples}
+            assert gauges[("atomlog_partition_txn_buffers_recovering", "t")] == 1
+
+            gate.set()
+            await until(lambda: not owner.txns_recovering)
+            described = await servicer.DescribePartition(
+                partition_pb2.DescribePartitionRequest(topic_partition=tp), _Context())
+            assert described.transaction_buffer_ready
+            assert [t.txn_id.sequence for t in described.open_transactions] == [7]
+            marked = await servicer.EndTxnOnPartition(partition_pb2.EndTxnOnPartitionRequest(
+                markers=[partition_pb2.TxnMarker(
+                    txn_id=common_pb2.TxnId(tc_partition=2, sequence=7),
+                    decision=partition_pb2.TXN_DECISION_ABORT, coordinator_epoch=1,
+                    topic_partitions=[tp])]), _Context())
+            assert not marked.results[0].topic_partition_results[0].error.reason
+            committed = (await fetch(common_pb2.ISOLATION_LEVEL_READ_COMMITTED)).results[0]
+            assert not committed.error.reason and committed.record_batches
+        finally:
+            gate.set()
+            await owner.close()
+
+    asyncio.run(scenario())
