@@ -11,7 +11,8 @@ The directory (one per partition, owned by the store alone) holds:
   are kept, and the journals the older of them needs; older files are deleted.
 
 Contract with the partition owner (the only caller; one thread at a time, except
-`fsync(ticket)`, which may run on a worker thread):
+`fsync(ticket)`, `rotate(job)` and `write_snapshot(job)`, which may run on worker threads
+meanwhile: they touch no cursor):
 
     entry = store.cursor(name).check_ack(...) / ...plan_*(...) or store.plan_create/
             plan_delete(...)                          # may raise; changes nothing
@@ -30,9 +31,31 @@ Contract with the partition owner (the only caller; one thread at a time, except
   (`CursorStore.open`), which recovers what is durable.
 - `forget_below(log_start_offset)` after retention and once after opening (it is not
   journaled; see subscription_cursor.py).
-- `maybe_snapshot()` after a group commit (due every `snapshot_interval_entries` entries,
-  or at once past `max_journal_bytes`); it fsyncs first, writes the snapshot and starts a
-  new journal. Run it while nothing else uses the store (the owner awaits it).
+- Snapshots (due every `snapshot_interval_entries` entries, or at once past
+  `max_journal_bytes`: `snapshot_due()`), in five steps so the file I/O runs off the
+  owner's thread while entries go on being staged and group-committed:
+
+      job = store.snapshot_begin()      # after sync_end, no fsync in flight: writes the
+                                        # staged frames, encodes every cursor at covered =
+                                        # appended_end (the consistent point)
+      store.rotate(job)                 # worker thread: fsync the journal up to covered,
+                                        # then create + fsync the journal starting there
+      store.rotate_end(job)             # durable_end = covered; later frames go to the new
+                                        # journal (until then: staged only, no sync_begin)
+      ... group commits go on ...
+      store.write_snapshot(job)         # worker thread: the snapshot file (atomic) and the
+                                        # deletion of obsolete files; at most one job
+      store.snapshot_end(job)
+
+  A crash at any moment leaves a valid directory: the new journal exists only once the
+  old one is durable up to covered, and the snapshot file only once the new journal is
+  durable, so recovery replays the new journal on top of whichever snapshot is newest
+  readable. A failed step breaks the store like a failed fsync. `close()` while a job is
+  in flight abandons its remaining file work (the job still owns the descriptors it uses
+  until `rotate_end`). `snapshot()` / `maybe_snapshot()` run the five steps in the
+  caller's thread. Whoever may reopen the directory while a step runs on a worker thread
+  must serialize `CursorStore.open` with `rotate` and `write_snapshot` (the shell holds a
+  lock around all three).
 
 Recovery (`open`): the newest snapshot that decodes (SnapshotCorrupt → the older one),
 then every journal frame from its covered sequence on, in order. A torn tail of the
@@ -46,6 +69,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -116,6 +140,19 @@ class StoreEntry(NamedTuple):
 class SyncTicket(NamedTuple):
     fd: int
     target: int  # durable_end once this fsync returned
+
+
+@dataclass(eq=False)
+class SnapshotJob:
+    """One snapshot from snapshot_begin to snapshot_end. Built on the owner's thread;
+    rotate and write_snapshot read it on a worker thread (they touch no cursor)."""
+
+    covered: int  # the snapshot holds every entry below this sequence number
+    data: bytes  # the encoded snapshot (encode_store_snapshot), taken at covered
+    old_fd: int | None  # the journal to make durable up to covered; None: no rotation
+    new_fd: int | None = None  # the journal starting at covered, once rotate made it
+    abandoned: threading.Event = field(default_factory=threading.Event)  # close() ran
+    written: bool = False  # the snapshot file is in place
 
 
 @dataclass
@@ -252,6 +289,8 @@ class CursorStore:
         self._written_end = 0
         self._durable_end = 0
         self._sync_in_flight = False
+        self._rotating: SnapshotJob | None = None  # between snapshot_begin and rotate_end
+        self._snapshot_job: SnapshotJob | None = None  # until snapshot_end
         self._entries_since_snapshot = 0
         self._last_snapshot_bytes = 0
         self._broken: str | None = None
@@ -383,6 +422,15 @@ class CursorStore:
     def entries_since_snapshot(self) -> int:
         return self._entries_since_snapshot
 
+    @property
+    def snapshot_in_flight(self) -> bool:
+        """A snapshot job has begun and not ended (no other one may begin)."""
+        return self._snapshot_job is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # -- decisions --------------------------------------------------------------------------
 
     def plan_create(self, name: str, cumulative_end: int) -> StoreEntry | None:
@@ -439,6 +487,8 @@ class CursorStore:
         self._check_usable()
         if not self._staged:
             return
+        # Frames at or past the covered sequence belong in the journal rotate() creates.
+        assert self._rotating is None, "journal write while it is being rotated"
         data = b"".join(self._staged)
         self._staged.clear()
         self._staged_bytes = 0
@@ -495,6 +545,8 @@ class CursorStore:
     # -- snapshots --------------------------------------------------------------------------
 
     def snapshot_due(self) -> bool:
+        if self._snapshot_job is not None or self._closed:
+            return False  # one at a time; stage() bounds the journal meanwhile
         if self.journal_bytes >= self.limits.max_journal_bytes:
             return True
         # Amortized: never rewrite a big snapshot for a few small entries.
@@ -508,28 +560,102 @@ class CursorStore:
         return True
 
     def snapshot(self) -> int:
-        """Make everything durable, write a snapshot covering it, start a new journal and
-        delete what is no longer needed. Returns the covered sequence."""
-        assert not self._sync_in_flight, "snapshot while an fsync is in flight"
-        self.sync()
-        covered = self._appended_end
-        path = self.directory / snapshot_file_name(covered)
-        if self._journal_first == covered and path.exists():
-            return covered  # nothing was journaled since it
-        data = encode_store_snapshot(covered, self._cursors)
+        """Every step of a snapshot in the caller's thread (see snapshot_begin). Returns
+        the covered sequence."""
+        job = self.snapshot_begin()
+        if job is None:
+            return self._appended_end
         try:
-            _write_atomically(path, data)
-            if self._journal_first != covered:
-                old_fd = self._fd
-                self._start_journal(covered)
-                os.close(old_fd)
+            try:
+                self.rotate(job)
+            finally:
+                self.rotate_end(job)
+            self.write_snapshot(job)
+        finally:
+            self.snapshot_end(job)
+        return job.covered
+
+    def snapshot_begin(self) -> SnapshotJob | None:
+        """Owner's thread, no fsync in flight, no snapshot job: write the staged frames and
+        encode every cursor as of covered = appended_end. None: nothing was journaled since
+        the snapshot at covered. Until rotate_end, entries are only staged."""
+        self._check_usable()
+        assert not self._sync_in_flight, "snapshot while an fsync is in flight"
+        assert self._snapshot_job is None, "one snapshot job at a time"
+        self.write()
+        covered = self._appended_end
+        rotate = self._journal_first != covered
+        if not rotate and (self.directory / snapshot_file_name(covered)).exists():
+            return None  # nothing was journaled since it
+        data = encode_store_snapshot(covered, self._cursors)
+        job = SnapshotJob(covered, data, self._fd if rotate else None)
+        self._snapshot_job = job
+        self._rotating = job if rotate else None
+        self._entries_since_snapshot = 0
+        self._last_snapshot_bytes = len(data)
+        return job
+
+    def rotate(self, job: SnapshotJob) -> None:
+        """Any thread: fsync the journal (every entry below job.covered is then durable),
+        then create the journal starting at job.covered (file and directory fsynced).
+        Never the other way round: a crash must not leave a gap before the new journal."""
+        if job.old_fd is None or job.abandoned.is_set():
+            return
+        try:
+            os.fsync(job.old_fd)
+            job.new_fd = _create_journal(self.directory, job.covered)
+        except OSError as error:
+            self._broken = f"I/O error while starting a new journal: {error}"
+            raise
+
+    def rotate_end(self, job: SnapshotJob) -> None:
+        """Owner's thread, after rotate(job) returned (also after it raised): frames go to
+        the new journal, durable_end reaches job.covered. A closed or broken store only
+        drops the descriptors the job owns."""
+        assert self._rotating is job or job.old_fd is None, "rotate_end of another job"
+        self._rotating = None
+        if job.old_fd is None:
+            return
+        if job.new_fd is None and not self._closed and self._broken is None:
+            # rotate() did not finish (its caller stopped waiting): the journal may yet be
+            # rotated behind our back, so nothing more may be written to either file.
+            self._broken = "a journal rotation did not finish"
+            job.abandoned.set()
+        if self._closed or self._broken is not None or job.new_fd is None:
+            if job.new_fd is not None:
+                os.close(job.new_fd)
+            if self._closed:
+                os.close(job.old_fd)  # close() left it to the job
+            job.old_fd = job.new_fd = None
+            return
+        os.close(job.old_fd)
+        self._fd, job.old_fd, job.new_fd = job.new_fd, None, None
+        self._journal_first = job.covered
+        self._journal_bytes = JOURNAL_HEADER_SIZE
+        self._durable_end = max(self._durable_end, job.covered)
+
+    def write_snapshot(self, job: SnapshotJob) -> None:
+        """Any thread, after rotate_end(job): write the snapshot atomically (tmp, fsync,
+        rename, directory fsync), then delete what no snapshot kept needs. Nothing after
+        close() or a failure (the directory stays valid without it)."""
+        assert self._rotating is not job, "write_snapshot before rotate_end"
+        if job.abandoned.is_set() or self._broken is not None:
+            return
+        try:
+            _write_atomically(self.directory / snapshot_file_name(job.covered), job.data)
+            job.written = True
             self._delete_obsolete()
         except OSError as error:
             self._broken = f"I/O error while snapshotting: {error}"
             raise
-        self._entries_since_snapshot = 0
-        self._last_snapshot_bytes = len(data)
-        return covered
+
+    def snapshot_end(self, job: SnapshotJob) -> None:
+        """Owner's thread, after write_snapshot(job) returned (also after it raised, or
+        was never called because an earlier step failed): the next job may begin."""
+        assert self._snapshot_job is job, "snapshot_end of another job"
+        self._snapshot_job = None
+        job.abandoned.set()  # a step its caller stopped waiting for and that has not
+        # started yet does nothing
 
     def close(self, sync: bool = True) -> None:
         """Write and sync what is staged, then close (idempotent). sync=False (and a
@@ -537,13 +663,16 @@ class CursorStore:
         if self._closed:
             return
         try:
-            if sync and self._broken is None and self._fd is not None:
+            if sync and self._broken is None and self._fd is not None and \
+                    self._rotating is None:  # mid-rotation staged frames are dropped
                 self.sync()
         finally:
             self._closed = True
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if self._snapshot_job is not None:
+                self._snapshot_job.abandoned.set()
+            if self._fd is not None and self._rotating is None:
+                os.close(self._fd)  # while rotating, the job owns it (rotate_end)
+            self._fd = None
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -558,19 +687,9 @@ class CursorStore:
             del self._cursors[name]
 
     def _start_journal(self, first: int) -> None:
-        path = self.directory / journal_file_name(first)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        try:
-            header = encode_journal_header(first)
-            os.write(fd, header)
-            os.fsync(fd)
-            _fsync_directory(self.directory)
-        except OSError:
-            os.close(fd)
-            raise
-        self._fd = fd
+        self._fd = _create_journal(self.directory, first)
         self._journal_first = first
-        self._journal_bytes = len(header)
+        self._journal_bytes = JOURNAL_HEADER_SIZE
         self._appended_end = self._written_end = self._durable_end = max(first,
                                                                          self._appended_end)
 
@@ -678,6 +797,22 @@ def _data_loss(path: Path, position: int, detail: str) -> AtomlogError:
         {"file": str(path), "position": position})
 
 
+def _create_journal(directory: Path, first: int) -> int:
+    """A new journal starting at entry `first`, its header and name durable; its fd."""
+    path = directory / journal_file_name(first)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+    try:
+        header = encode_journal_header(first)
+        assert len(header) == JOURNAL_HEADER_SIZE
+        os.write(fd, header)
+        os.fsync(fd)
+        _fsync_directory(directory)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + TMP_SUFFIX)
     with open(tmp, "wb") as handle:
@@ -697,7 +832,8 @@ def _fsync_directory(directory: Path) -> None:
 
 
 __all__ = [
-    "CursorStore", "CursorStoreLimits", "RecoveryReport", "StoreEntry", "SyncTicket",
+    "CursorStore", "CursorStoreLimits", "RecoveryReport", "SnapshotJob", "StoreEntry",
+    "SyncTicket",
     "decode_payload", "decode_store_snapshot", "encode_frame", "encode_journal_header",
     "encode_store_snapshot", "journal_file_name", "parse_journal_file_name",
     "parse_snapshot_file_name", "snapshot_file_name", "validate_subscription_name",

@@ -7,16 +7,25 @@ one journal write + fsync (on a worker thread) for everything staged meanwhile, 
 one in flight. A request is answered only once the journal is durable past everything
 staged when it was decided (no-ops included). A failed write or fsync breaks the store:
 it is reopened from disk (what is durable) and the waiting requests fail retriably.
+
+Snapshots never block the loop: when one is due after a group commit, the cursors are
+encoded on the loop (`snapshot_begin`), the journal is rotated on a worker thread as part
+of the same group commit (fsync up to the covered entry, new journal created and
+fsynced), and the snapshot file is then written and obsolete files deleted by a
+background task on a worker thread while group commits go on in the new journal. At most
+one snapshot at a time. A failed step is a failed write: the store is reopened. File
+work on worker threads and `open` hold one lock, so a reopen never races a snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
+import threading
 from collections.abc import Callable
+from pathlib import Path
 
-from partition_server.cursor_store import CursorStore, CursorStoreLimits, StoreEntry
+from partition_server.cursor_store import CursorStore, CursorStoreLimits, SnapshotJob, StoreEntry
 from partition_server.record_batch import TxnId, iter_batches
 from partition_server.subscription_cursor import (CursorDescription, Delivery, InitialPosition,
                                                   OffsetRange, resolve_initial_position)
@@ -35,20 +44,26 @@ class PartitionSubscriptions:
         self.limits = limits
         self.store: CursorStore | None = None
         self.error: AtomlogError | None = None  # DATA_LOSS of the journal: refuse
-        self._syncing: asyncio.Future | None = None
+        self._syncing: asyncio.Future | None = None  # the group commit in flight
+        self._snapshotting: asyncio.Future | None = None  # the snapshot file being written
+        self._files = threading.Lock()  # open() and snapshot steps on worker threads
 
     def open(self, log_start_offset: int) -> None:
-        """Blocking (recovery reads files): call on a worker thread."""
-        try:
-            self.store = CursorStore.open(self.directory, self.limits)
-            self.store.forget_below(log_start_offset)
-            self.error = None
-        except AtomlogError as error:
-            self.store, self.error = None, error
-            event(log, "subscriptions refuse to serve", logging.ERROR, partition=self.name,
-                  error=error.message)
+        """Blocking (recovery reads files): call on a worker thread. Waits for a snapshot
+        step still running on a worker thread (the directory is then consistent)."""
+        with self._files:
+            try:
+                self.store = CursorStore.open(self.directory, self.limits)
+                self.store.forget_below(log_start_offset)
+                self.error = None
+            except AtomlogError as error:
+                self.store, self.error = None, error
+                event(log, "subscriptions refuse to serve", logging.ERROR,
+                      partition=self.name, error=error.message)
 
     def close(self) -> None:
+        """On the loop. A snapshot step still running finishes on its own (the store
+        abandons what is left of it); open() waits for it."""
         if self.store is not None:
             try:
                 self.store.close()
@@ -70,9 +85,14 @@ class PartitionSubscriptions:
             if self._syncing is None:
                 self._syncing = asyncio.ensure_future(self._sync_once(store))
             await asyncio.shield(self._syncing)
-            store = self._usable()
+            if self.store is not store:  # reopened meanwhile: what was staged may be lost
+                raise AtomlogError("PARTITION_LOADING", f"subscriptions of {self.name} were "
+                                   "reopened after a failure; retry", {"retry_after_ms": "200"})
 
     async def _sync_once(self, store: CursorStore) -> None:
+        """One group commit, then, when one is due, the start of a snapshot: the cursors
+        encoded here, the journal rotated on a worker thread (so durable_end reaches the
+        covered entry), the snapshot file left to a background task."""
         try:
             ticket = store.sync_begin()
             if ticket is not None:
@@ -80,22 +100,62 @@ class PartitionSubscriptions:
                     await asyncio.to_thread(store.fsync, ticket)
                 finally:
                     store.sync_end(ticket)
-            store.maybe_snapshot()  # synchronous; bounded by the store's limits
+            if self._snapshotting is None and store.snapshot_due():
+                job = store.snapshot_begin()
+                if job is not None:
+                    await self._rotate(store, job)
+                    self._snapshotting = asyncio.ensure_future(
+                        self._write_snapshot(store, job))
         except Exception as error:  # noqa: BLE001 — reopen from what is durable
             log.exception("subscription journal of %s failed; reopening", self.name)
-            try:
-                store.close(sync=False)
-            except Exception:  # noqa: BLE001 — already broken
-                pass
-            self.store = None
-            self.error = AtomlogError("PARTITION_LOADING", f"subscriptions of {self.name} "
-                                      f"are recovering after a write failure: {error}",
-                                      {"retry_after_ms": "200"})
-            failure = self.error
-            await asyncio.to_thread(self.open, self._log_start())  # what is durable
-            raise failure from None
+            raise await self._recover(store, error) from None
         finally:
             self._syncing = None
+
+    async def _rotate(self, store: CursorStore, job: SnapshotJob) -> None:
+        try:
+            await asyncio.to_thread(self._locked, store.rotate, job)
+        except BaseException:
+            store.rotate_end(job)
+            store.snapshot_end(job)
+            raise
+        store.rotate_end(job)
+
+    async def _write_snapshot(self, store: CursorStore, job: SnapshotJob) -> None:
+        """Background: the snapshot file and the deletion of obsolete files, on a worker
+        thread; group commits go on meanwhile. A failure reopens the store."""
+        try:
+            try:
+                await asyncio.to_thread(self._locked, store.write_snapshot, job)
+            finally:
+                store.snapshot_end(job)
+        except Exception as error:  # noqa: BLE001 — reopen from what is durable
+            log.exception("subscription snapshot of %s failed; reopening", self.name)
+            if self._syncing is not None:  # let its fsync return (it fails: store broken)
+                await asyncio.wait([self._syncing])
+            await self._recover(store, error)
+        finally:
+            self._snapshotting = None
+
+    def _locked(self, step: Callable[[SnapshotJob], None], job: SnapshotJob) -> None:
+        with self._files:
+            step(job)
+
+    async def _recover(self, store: CursorStore, error: Exception) -> AtomlogError:
+        """The store failed: close it and reopen it from what is durable (once per store:
+        the first caller does it). Returns the error for the requests that waited."""
+        failure = AtomlogError("PARTITION_LOADING", f"subscriptions of {self.name} are "
+                               f"recovering after a write failure: {error}",
+                               {"retry_after_ms": "200"})
+        if self.store is not store or store.closed:
+            return failure  # reopened (or being reopened) already, or closed by the owner
+        try:
+            store.close(sync=False)
+        except Exception:  # noqa: BLE001 — already broken
+            pass
+        self.store, self.error = None, failure
+        await asyncio.to_thread(self.open, self._log_start())  # what is durable
+        return failure
 
     async def change(self, decide: Callable[[CursorStore], object]) -> object:
         """Run `decide(store)` (checks, then stages; raises to change nothing) and answer

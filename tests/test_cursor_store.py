@@ -1,13 +1,18 @@
 """The durable cursor store of a partition (partition_server/cursor_store.py), on real
 files in tmp_path: recovery after writes, group commit, torn tails truncated, corruption
 before the tail refused as DATA_LOSS, snapshot rotation and fallback, journal deletion,
-bounds, and a seeded random run of writes, snapshots and crashes checked against the
-state at the last sync."""
+bounds, snapshots in steps (a crash after each step, a failed step, close in between),
+the shell (partition_server/subscriptions.py) writing a snapshot off the event loop while
+acks go on, and a seeded random run of writes, snapshot steps and crashes checked against
+the state at the last write."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
+import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -32,10 +37,12 @@ from partition_server.subscription_cursor import (
     Acked,
     Created,
     CursorLimits,
+    InitialPosition,
     OffsetRange,
     PendingAck,
     TxnEnded,
 )
+from partition_server.subscriptions import PartitionSubscriptions
 from services.errors import AtomlogError
 
 T1, T2 = TxnId(3, 1), TxnId(3, 2)
@@ -374,6 +381,258 @@ def test_snapshot_decoding_refuses_damage(store):
 
 
 # ---------------------------------------------------------------------------------------
+# Snapshots in steps (the shell runs rotate and write_snapshot on worker threads)
+# ---------------------------------------------------------------------------------------
+
+def crash_copy(store: CursorStore, to: Path) -> Path:
+    """The directory as kill -9 would leave it now (what was written is in the page
+    cache); the store goes on."""
+    shutil.copytree(store.directory, to)
+    return to
+
+
+def recovered_states(directory: Path) -> tuple[dict, int | None]:
+    recovered = CursorStore.open(directory, SMALL)
+    result = states(recovered), recovered.recovery.snapshot_covered
+    recovered.close()
+    return result
+
+
+def spoil_newest_snapshot(directory: Path) -> None:
+    newest = files(directory, "_snapshot")[-1]
+    (directory / newest).write_bytes(b"ALCS spoilt")
+
+
+def test_a_crash_after_any_snapshot_step_recovers_what_was_written(tmp_path):
+    store = CursorStore.open(tmp_path / "p", SMALL)
+    busy(store)
+    assert store.snapshot() == 7  # the older snapshot a fallback uses
+    ack(store, "billing", ranges=[(40, 41)])  # staged: snapshot_begin writes it
+    seen = {}
+
+    def crash(step: str, written: dict) -> None:
+        copy = crash_copy(store, tmp_path / step)
+        state, covered = recovered_states(copy)
+        assert state == written, step
+        seen[step] = covered
+        spoil_newest_snapshot(copy)  # whichever snapshot is newest readable
+        assert recovered_states(copy)[0] == written, step
+
+    job = store.snapshot_begin()
+    assert (job.covered, store.snapshot_in_flight, store.snapshot_due()) == (8, True, False)
+    written = states(store)
+    crash("begin", written)
+    store.rotate(job)  # a worker thread in the shell
+    crash("rotate", written)
+    torn = crash_copy(store, tmp_path / "torn")  # the new journal's creation torn
+    (torn / journal_file_name(8)).write_bytes(encode_journal_header(8)[:5])
+    assert recovered_states(torn)[0] == written
+    store.rotate_end(job)
+    assert (store.durable_end, store.journal_bytes) == (8, JOURNAL_HEADER_SIZE)
+    # Group commits go on in the new journal while the snapshot is being written.
+    ack(store, "audit", ranges=[(60, 61)])
+    end(store, "billing", T1, committed=False)
+    store.sync()
+    written = states(store)
+    ack(store, "audit", ranges=[(70, 71)])  # staged only: a crash loses it
+    crash("journaled", written)
+    half = crash_copy(store, tmp_path / "half")  # a crash inside write_snapshot
+    (half / (snapshot_file_name(8) + ".tmp")).write_bytes(b"ALCS half a snap")
+    assert recovered_states(half) == (written, 7)
+    store.sync()
+    written = states(store)
+    store.write_snapshot(job)  # a worker thread in the shell
+    assert job.written
+    crash("write_snapshot", written)
+    store.snapshot_end(job)
+    crash("snapshot_end", written)
+    assert seen == {"begin": 7, "rotate": 7, "journaled": 7, "write_snapshot": 8,
+                    "snapshot_end": 8}
+    assert files(store.directory, "_journal") == [journal_file_name(7), journal_file_name(8)]
+    recovered = reopen(store)
+    assert states(recovered) == written
+    assert (recovered.recovery.snapshot_covered, recovered.recovery.entries_replayed) == (8, 3)
+    recovered.close()
+
+
+def test_no_journal_write_while_rotating_and_one_snapshot_at_a_time(store):
+    busy(store)
+    job = store.snapshot_begin()
+    ack(store, "billing", ranges=[(40, 41)])  # staging goes on
+    with pytest.raises(AssertionError, match="rotated"):
+        store.sync_begin()
+    with pytest.raises(AssertionError, match="one snapshot job"):
+        store.snapshot_begin()
+    store.rotate(job)
+    store.rotate_end(job)
+    assert store.sync() == 8 and not store.snapshot_due()
+    store.write_snapshot(job)
+    store.snapshot_end(job)
+    assert store.snapshot() == 8 and store.snapshot() == 8  # nothing new: no job
+
+
+def test_a_failed_rotation_breaks_the_store_and_reopening_recovers(store):
+    busy(store)
+    ack(store, "billing", ranges=[(40, 41)])
+    # The disk refuses the new journal: its name is taken.
+    (store.directory / journal_file_name(8)).write_bytes(b"")
+    job = store.snapshot_begin()
+    written = states(store)
+    with pytest.raises(FileExistsError):
+        store.rotate(job)
+    store.rotate_end(job)
+    store.snapshot_end(job)
+    error = _refused(store.stage, StoreEntry("billing", Acked(None, 0, (OffsetRange(50, 51),))))
+    assert error.reason == "INTERNAL" and "new journal" in error.message
+    recovered = reopen(store)  # the empty file counts as a journal torn while created
+    assert states(recovered) == written
+    assert recovered.snapshot() == 8
+    recovered.close()
+
+
+def test_a_failed_snapshot_write_breaks_the_store_and_reopening_recovers(store):
+    busy(store)
+    job = store.snapshot_begin()
+    store.rotate(job)
+    store.rotate_end(job)
+    ack(store, "audit", ranges=[(60, 61)])
+    store.sync()
+    written = states(store)
+    # The disk refuses the snapshot: the name of its temporary file is taken.
+    blocker = store.directory / (snapshot_file_name(7) + ".tmp")
+    blocker.mkdir()
+    with pytest.raises(IsADirectoryError):
+        store.write_snapshot(job)
+    store.snapshot_end(job)
+    blocker.rmdir()
+    assert not job.written
+    assert _refused(store.sync).reason == "INTERNAL"
+    recovered = reopen(store)
+    assert states(recovered) == written
+    assert recovered.recovery.snapshot_covered is None  # a full replay: journals 0 and 7
+    recovered.close()
+
+
+@pytest.mark.parametrize("closed_after", ["begin", "rotate_end"])
+def test_closing_during_a_snapshot_abandons_its_file_work(tmp_path, closed_after):
+    store = CursorStore.open(tmp_path / "p", SMALL)
+    busy(store)
+    ack(store, "billing", ranges=[(40, 41)])
+    job = store.snapshot_begin()
+    written = states(store)
+    if closed_after == "rotate_end":
+        store.rotate(job)
+        store.rotate_end(job)
+    store.close()  # the owner stops: rotate / write_snapshot then do nothing
+    if closed_after == "begin":
+        store.rotate(job)
+        store.rotate_end(job)  # releases the descriptors the job owned
+    store.write_snapshot(job)
+    store.snapshot_end(job)
+    assert not job.written and not files(store.directory, "_snapshot")
+    journals = [journal_file_name(0)] + ([journal_file_name(8)]
+                                         if closed_after == "rotate_end" else [])
+    assert files(store.directory, "_journal") == journals
+    assert recovered_states(store.directory) == (written, None)
+
+
+# ---------------------------------------------------------------------------------------
+# The shell: snapshots off the event loop
+# ---------------------------------------------------------------------------------------
+
+SHELL = CursorStoreLimits(snapshot_interval_entries=4, max_journal_bytes=8 * 1024)
+
+
+def gate(store: CursorStore, fail: bool = False):
+    """Hold the store's snapshot file write (a worker thread in the shell) until released;
+    fail=True: then the disk refuses it (a real OSError: its temporary name is taken)."""
+    entered, release = threading.Event(), threading.Event()
+    write_snapshot = store.write_snapshot
+
+    def gated(job):
+        entered.set()
+        assert release.wait(60)
+        if not fail:
+            return write_snapshot(job)
+        blocker = store.directory / (snapshot_file_name(job.covered) + ".tmp")
+        blocker.mkdir()
+        try:
+            return write_snapshot(job)
+        finally:
+            blocker.rmdir()
+
+    store.write_snapshot = gated
+    return entered, release
+
+
+async def acks(subscriptions: PartitionSubscriptions, offsets) -> None:
+    for offset in offsets:
+        await subscriptions.ack("s", 0, [(offset, offset + 1)], None, 1_000)
+
+
+async def shell(directory: Path) -> PartitionSubscriptions:
+    subscriptions = PartitionSubscriptions("t-0", directory, SHELL, lambda: 0)
+    await asyncio.to_thread(subscriptions.open, 0)
+    await subscriptions.create("s", InitialPosition.EARLIEST, 0, 0, 1_000)
+    return subscriptions
+
+
+async def settled(subscriptions: PartitionSubscriptions, store: CursorStore,
+                  reopened: bool = False) -> None:
+    """Until the snapshot job ended (and the shell reopened its store, if asked)."""
+    for _ in range(3_000):
+        if not store.snapshot_in_flight and (
+                subscriptions.store not in (None, store) if reopened else True):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the snapshot never ended")
+
+
+def test_the_shell_writes_a_snapshot_off_the_loop_while_acks_go_on(tmp_path):
+    async def scenario():
+        subscriptions = await shell(tmp_path / "cursors")
+        store = subscriptions.store
+        entered, release = gate(store)
+        await acks(subscriptions, [1, 3, 5])  # the fourth entry: a snapshot is due
+        assert await asyncio.to_thread(entered.wait, 60)  # its file write is held
+        assert store.snapshot_in_flight and store.durable_end == 4
+        await acks(subscriptions, range(7, 40, 2))  # answered meanwhile: the loop is free
+        written = states(store)
+        copy = crash_copy(store, tmp_path / "crash")  # kill -9 during the write
+        assert recovered_states(copy) == (written, None)
+        release.set()
+        await settled(subscriptions, store)
+        assert files(store.directory, "_snapshot")[0] == snapshot_file_name(4)
+        subscriptions.close()
+        recovered = CursorStore.open(store.directory, SHELL)
+        assert states(recovered) == written and recovered.recovery.snapshot_covered >= 4
+        recovered.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_snapshot_write_in_the_shell_reopens_the_store(tmp_path):
+    async def scenario():
+        subscriptions = await shell(tmp_path / "cursors")
+        store = subscriptions.store
+        entered, release = gate(store, fail=True)
+        await acks(subscriptions, [1, 3, 5])
+        assert await asyncio.to_thread(entered.wait, 60)
+        await acks(subscriptions, [7, 9])
+        written = states(store)
+        release.set()
+        await settled(subscriptions, store, reopened=True)  # from what is durable
+        assert subscriptions.store is not store and subscriptions.error is None
+        assert states(subscriptions.store) == written
+        assert not files(store.directory, ".tmp")
+        await acks(subscriptions, [11])  # and it goes on
+        assert subscriptions.store.cursor("s").individual_ranges()[-1] == OffsetRange(11, 12)
+        subscriptions.close()
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------------------
 # Bounds and errors
 # ---------------------------------------------------------------------------------------
 
@@ -458,6 +717,10 @@ def _refused(call, *args, **kwargs) -> AtomlogError:
 # ---------------------------------------------------------------------------------------
 
 def test_random_writes_snapshots_and_crashes_recover_the_synced_state(tmp_path):
+    """Snapshots go step by step (snapshot_begin, rotate, rotate_end, write_snapshot,
+    snapshot_end: one step per action), with writes, group commits and crashes between
+    any two steps. `synced` is what a kill -9 keeps: every entry written to the journal
+    (by a sync, or by snapshot_begin)."""
     seed = random.randrange(1 << 32)
     print(f"seed {seed}")  # replay: set seed to this value
     rng = random.Random(seed)
@@ -467,9 +730,39 @@ def test_random_writes_snapshots_and_crashes_recover_the_synced_state(tmp_path):
     store = CursorStore.open(tmp_path / "p", limits)
     synced = states(store)
     txns = [TxnId(1, n) for n in range(1, 6)]
-    for _ in range(300):
+    job, steps_done = None, 0  # steps after snapshot_begin: rotate, rotate_end, write, end
+    snapshots = crashes_mid_snapshot = 0
+
+    def snapshot_step() -> None:
+        nonlocal job, steps_done, synced, snapshots
+        if job is None:
+            if store.snapshot_due():
+                job, steps_done = store.snapshot_begin(), 0
+                synced = states(store)  # it wrote the staged frames
+                snapshots += job is not None
+            return
+        step = (store.rotate, store.rotate_end, store.write_snapshot, store.snapshot_end)
+        step[steps_done](job)
+        steps_done += 1
+        if steps_done == len(step):
+            job = None
+
+    def crash() -> None:
+        """close without a sync; the job's remaining steps find it abandoned (the shell's
+        worker threads would finish them so)."""
+        nonlocal job, crashes_mid_snapshot
+        store.close(sync=False)
+        if job is not None:
+            crashes_mid_snapshot += 1
+            if steps_done < 2:
+                store.rotate_end(job)
+            store.snapshot_end(job)
+            job = None
+
+    for _ in range(400):
         action = rng.random()
         names = sorted(store.cursors())
+        rotating = job is not None and steps_done < 2  # no journal write until rotate_end
         try:
             if action < 0.08 or not names:
                 entry = store.plan_create(rng.choice("abcde"), rng.randrange(5))
@@ -477,7 +770,7 @@ def test_random_writes_snapshots_and_crashes_recover_the_synced_state(tmp_path):
                     store.stage(entry)
             elif action < 0.11:
                 store.stage(store.plan_delete(rng.choice(names)))
-            elif action < 0.65:
+            elif action < 0.55:
                 name, start = rng.choice(names), rng.randrange(60)
                 txn = rng.choice(txns) if rng.random() < 0.4 else None
                 cumulative_end = rng.randrange(60) if rng.random() < 0.2 else 0
@@ -485,22 +778,25 @@ def test_random_writes_snapshots_and_crashes_recover_the_synced_state(tmp_path):
                                                      limit=LIMIT)
                 if entry is not None:
                     store.stage(StoreEntry(name, entry))
-            elif action < 0.8:
+            elif action < 0.67:
                 name = rng.choice(names)
                 plan = store.cursor(name).plan_end_txn(rng.choice(txns), rng.random() < 0.5)
                 if plan.entry is not None:
                     store.stage(StoreEntry(name, plan.entry))
-            elif action < 0.9:
-                store.sync()
-                synced = states(store)
-                store.maybe_snapshot()
+            elif action < 0.77:
+                if not rotating:
+                    store.sync()
+                    synced = states(store)
             elif action < 0.95:
-                store = reopen(store)
+                snapshot_step()
+            elif action < 0.98 or rotating:
+                crash()
+                store = CursorStore.open(store.directory, limits)
                 assert states(store) == synced
             else:
                 store.sync()
                 synced = states(store)
-                store.close()
+                crash()
                 path = journal(store.directory)
                 with open(path, "ab") as handle:  # a torn write of the next frames
                     handle.write(os.urandom(rng.randrange(1, 40)))
@@ -510,8 +806,22 @@ def test_random_writes_snapshots_and_crashes_recover_the_synced_state(tmp_path):
             assert error.reason in ("TRANSACTION_CONFLICT", "RESOURCE_EXHAUSTED",
                                     "TRANSACTION_NOT_OPEN", "TRANSACTION_ABORTED",
                                     "TRANSACTION_ALREADY_COMMITTED"), error
+    while job is not None:
+        snapshot_step()
     store.sync()
     synced = states(store)
+    store = reopen(store)
+    assert states(store) == synced
+    # A crash after a rotation leaves one more journal until snapshots are written; two
+    # in a row leave the journals of the two snapshots kept, nothing else.
+    covered = []
+    for sequence in (1, 2):
+        name = min(store.cursors(), default=None)
+        store.stage(store.plan_create("z", 0) if name is None else StoreEntry(
+            name, store.cursor(name).plan_end_txn(TxnId(9, sequence), True).entry))
+        covered.append(store.snapshot())
+    assert files(store.directory, "_snapshot") == [snapshot_file_name(c) for c in covered]
+    assert files(store.directory, "_journal") == [journal_file_name(c) for c in covered]
+    synced = states(store)
     assert states(reopen(store)) == synced
-    assert len(files(store.directory, "_snapshot")) <= 2
-    assert len(files(store.directory, "_journal")) <= 3
+    print(f"{snapshots} snapshots, {crashes_mid_snapshot} crashes during one")
