@@ -602,23 +602,34 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                              limits.max_ack_timeout_ms)
         deadline = time.monotonic() + min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000
         while True:
-            response, delivered, waits = await self._receive_once(request, committed,
-                                                                  ack_timeout_ms)
+            response, delivered, waits, failed = await self._receive_once(
+                request, committed, ack_timeout_ms)
             remaining = deadline - time.monotonic()
             if delivered or remaining <= 0 or not waits or context.cancelled():
                 return response
-            # Wake for new data, or for the next redelivery deadline (ack timeouts).
-            tasks = [asyncio.create_task(owner.wait_for_data(offset, remaining, committed))
-                     for owner, offset in waits]
-            _, pending = await asyncio.wait(tasks, timeout=min(remaining, 0.5),
-                                            return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
+            # Wake for new data, at the earliest redelivery deadline (ack timeouts, Nack
+            # delays), or when a cursor says something became deliverable sooner.
+            wait_s = min(remaining, self._redelivery_wait_s(waits),
+                         self.RECEIVE_ERROR_RECHECK_S if failed else remaining)
+            tasks = [asyncio.create_task(owner.wait_for_data(offset, wait_s, committed))
+                     for owner, _, offset, _ in waits if offset is not None]
+            tasks += [asyncio.create_task(owner.subscriptions.wait_for_wakeup(name, mark,
+                                                                              wait_s))
+                      for owner, name, _, mark in waits]
+            try:
+                await asyncio.wait(tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()
 
     async def _receive_once(self, request, committed: bool, ack_timeout_ms: int):
+        """One pass: (response, whether anything was delivered, the items to wait on as
+        (owner, subscription, read position or None, wake-up mark), whether an item
+        failed). None: the cursor's new deliveries stopped at a limit, so new data would
+        not wake it (an ack does: wait_for_wakeup)."""
         response = partition_pb2.ReceiveResponse()
         budget = min(request.max_bytes or self.fetch_default_max_bytes, self.max_response_bytes)
-        delivered_any, waits = False, []
+        delivered_any, waits, failed = False, [], False
         now_ms = int(time.time() * 1000)
         for sp in request.subscription_partitions:
             try:
@@ -648,12 +659,33 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     delivered_any = True
                     budget -= len(data)
                 else:
-                    waits.append((owner, delivery.read_position))
+                    stopped = owner.subscriptions.new_deliveries_stopped(sp.subscription)
+                    waits.append((owner, sp.subscription,
+                                  None if stopped else delivery.read_position,
+                                  owner.subscriptions.wakeup_mark()))
             except AtomlogError as error:
+                failed = True
                 response.results.add(subscription_partition=sp, error=item_error(error),
                                      cumulative_end_offset=-1, high_watermark=-1,
                                      max_read_position=-1)
-        return response, delivered_any, waits
+        return response, delivered_any, waits, failed
+
+    # A Receive long poll with a failed item (a subscription loading or recovering, say)
+    # looks again this often: the old fixed poll interval, kept only for failures.
+    RECEIVE_ERROR_RECHECK_S = 0.5
+    # Deadlines are wall-clock ms, found due when `deadline <= now_ms` (now_ms truncated):
+    # wake just after one, so the next pass sees it due.
+    REDELIVERY_SLACK_MS = 2
+
+    @classmethod
+    def _redelivery_wait_s(cls, waits) -> float:
+        """Seconds until the earliest delivery deadline or Nack delay end of the cursors
+        waited on (inf: none); at least a millisecond, so a due one costs one more pass."""
+        due = [d for owner, name, _, _ in waits
+               if (d := owner.subscriptions.next_deadline_ms(name)) is not None]
+        if not due:
+            return float("inf")
+        return max(min(due) + cls.REDELIVERY_SLACK_MS - time.time() * 1000, 1) / 1000
 
     # ------------------------------------------------------------------ markers
     async def EndTxnOnPartition(self, request, context):

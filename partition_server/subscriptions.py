@@ -15,6 +15,12 @@ fsynced), and the snapshot file is then written and obsolete files deleted by a
 background task on a worker thread while group commits go on in the new journal. At most
 one snapshot at a time. A failed step is a failed write: the store is reopened. File
 work on worker threads and `open` hold one lock, so a reopen never races a snapshot.
+
+Long polls (Receive) wait for new data, for the earliest delivery deadline of the
+cursors they read (`next_deadline_ms`), or for a wake-up: something became deliverable
+before that deadline — an abort released pending acks, a Nack, a delivery with an
+earlier deadline, an ack or commit on a cursor whose new deliveries had stopped at a
+limit, retention on such a cursor, a reopened store.
 """
 
 from __future__ import annotations
@@ -35,6 +41,58 @@ from services.logs import event
 log = logging.getLogger("atomlog.partition.subscriptions")
 
 
+class _Wakeups:
+    """Long polls waiting on this partition's subscriptions, woken per subscription name.
+    A waiter remembers `serial` after its pass and waits only if its name was not woken
+    since. Bounded: one future per name with a waiter, one integer per name woken (names
+    of live subscriptions; a deleted name and a reopen forget theirs)."""
+
+    def __init__(self) -> None:
+        self.serial = 0  # wake-ups so far
+        self._woken_at: dict[str, int] = {}  # name -> serial of its last wake-up
+        self._floor = 0  # a name not in _woken_at was last woken at most here
+        self._futures: dict[str, asyncio.Future] = {}
+
+    def wake(self, name: str) -> None:
+        self.serial += 1
+        self._woken_at[name] = self.serial
+        _resolve(self._futures.pop(name, None))
+
+    def forget(self, name: str) -> None:
+        """The subscription is gone: wake its waiters and drop its entries."""
+        self.wake(name)
+        del self._woken_at[name]
+        self._floor = self.serial
+
+    def wake_all(self) -> None:
+        self.serial += 1
+        self._woken_at.clear()
+        self._floor = self.serial
+        futures, self._futures = self._futures, {}
+        for future in futures.values():
+            _resolve(future)
+
+    def woken_since(self, name: str, serial: int) -> bool:
+        return self._woken_at.get(name, self._floor) > serial
+
+    async def wait(self, name: str, serial: int, timeout_s: float) -> None:
+        """Return once name is woken after serial, or after timeout_s."""
+        if self.woken_since(name, serial) or timeout_s <= 0:
+            return
+        future = self._futures.get(name)
+        if future is None:
+            future = self._futures[name] = asyncio.get_running_loop().create_future()
+        try:  # shielded: a waiter that times out leaves the shared future alone
+            await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except asyncio.TimeoutError:
+            return
+
+
+def _resolve(future: asyncio.Future | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
 class PartitionSubscriptions:
     def __init__(self, name: str, directory: Path, limits: CursorStoreLimits,
                  log_start: Callable[[], int]):
@@ -47,6 +105,8 @@ class PartitionSubscriptions:
         self._syncing: asyncio.Future | None = None  # the group commit in flight
         self._snapshotting: asyncio.Future | None = None  # the snapshot file being written
         self._files = threading.Lock()  # open() and snapshot steps on worker threads
+        self._wakeups = _Wakeups()
+        self._blocked: set[str] = set()  # the last Receive found new deliveries stopped
 
     def open(self, log_start_offset: int) -> None:
         """Blocking (recovery reads files): call on a worker thread. Waits for a snapshot
@@ -64,6 +124,8 @@ class PartitionSubscriptions:
     def close(self) -> None:
         """On the loop. A snapshot step still running finishes on its own (the store
         abandons what is left of it); open() waits for it."""
+        self._wakeups.wake_all()
+        self._blocked.clear()
         if self.store is not None:
             try:
                 self.store.close()
@@ -154,7 +216,10 @@ class PartitionSubscriptions:
         except Exception:  # noqa: BLE001 — already broken
             pass
         self.store, self.error = None, failure
+        self._blocked.clear()
+        self._wakeups.wake_all()
         await asyncio.to_thread(self.open, self._log_start())  # what is durable
+        self._wakeups.wake_all()  # deliveries were volatile: everything is deliverable
         return failure
 
     async def change(self, decide: Callable[[CursorStore], object]) -> object:
@@ -180,7 +245,12 @@ class PartitionSubscriptions:
         return created, self.cumulative_end(name)
 
     async def delete(self, name: str) -> None:
-        await self.change(lambda store: store.stage(store.plan_delete(name)))
+        def decide(store: CursorStore) -> None:
+            store.stage(store.plan_delete(name))
+            self._blocked.discard(name)
+            self._wakeups.forget(name)  # a waiting Receive answers UNKNOWN_SUBSCRIPTION
+
+        await self.change(decide)
 
     async def ack(self, name: str, cumulative_end: int, ranges, txn: TxnId | None,
                   limit: int) -> int:
@@ -188,6 +258,7 @@ class PartitionSubscriptions:
             entry = store.cursor(name).check_ack(cumulative_end, ranges, txn, limit=limit)
             if entry is not None:
                 store.stage(StoreEntry(name, entry))
+                self._wake_if_blocked(name)  # an ack may make room for new deliveries
 
         await self.change(decide)
         return self.cumulative_end(name)
@@ -201,6 +272,10 @@ class PartitionSubscriptions:
             plan = store.cursor(name).plan_end_txn(txn, committed)
             if plan.entry is not None:
                 store.stage(StoreEntry(name, plan.entry))
+                if committed:
+                    self._wake_if_blocked(name)
+                else:
+                    self._wakeups.wake(name)  # released pending acks: redeliverable now
             return plan.already_ended
 
         return await self.change(decide)
@@ -215,7 +290,37 @@ class PartitionSubscriptions:
         return sorted(self._usable().cursors()) if self.store is not None else []
 
     def nack(self, name: str, consumer_id: str, ranges, now_ms: int, delay_ms: int) -> int:
-        return self._usable().cursor(name).nack(consumer_id, ranges or None, now_ms, delay_ms)
+        count = self._usable().cursor(name).nack(consumer_id, ranges or None, now_ms, delay_ms)
+        if count:
+            self._wakeups.wake(name)  # redeliverable now, or at a new (maybe earlier) time
+        return count
+
+    def next_deadline_ms(self, name: str) -> int | None:
+        """When the cursor's earliest delivery expires or Nack delay ends (wall-clock ms);
+        None: nothing out, or no such cursor."""
+        store = self.store
+        if store is None or name not in store.cursors():
+            return None
+        return store.cursor(name).next_deadline_ms()
+
+    def new_deliveries_stopped(self, name: str) -> bool:
+        """The last Receive pass on `name` found new deliveries stopped at a limit
+        (max_unacked_offsets, max_ranges): new data will not be delivered before an ack."""
+        return name in self._blocked
+
+    def wakeup_mark(self) -> int:
+        """Remember it right after a Receive pass; pass it to wait_for_wakeup."""
+        return self._wakeups.serial
+
+    async def wait_for_wakeup(self, name: str, mark: int, timeout_s: float) -> None:
+        """Return when something on cursor `name` may be deliverable before its next
+        deadline (see the module doc) since `mark`, or after timeout_s."""
+        await self._wakeups.wait(name, mark, timeout_s)
+
+    def _wake_if_blocked(self, name: str) -> None:
+        if name in self._blocked:
+            self._blocked.discard(name)  # the next pass records it again if still so
+            self._wakeups.wake(name)
 
     def receive(self, name: str, consumer_id: str, read, limit: int, now_ms: int,
                 ack_timeout_ms: int, max_bytes: int, max_offsets: int
@@ -226,6 +331,11 @@ class PartitionSubscriptions:
         store = self._usable()
         cursor = store.cursor(name)
         plan = cursor.read_plan(now_ms, max_offsets)
+        if plan.new_allowed:
+            self._blocked.discard(name)
+        else:
+            self._blocked.add(name)  # bounded by the subscriptions
+        earliest_ms = cursor.next_deadline_ms()
         scanned: list[tuple[int, int]] = []
         readable: list[tuple[int, int]] = []
         chunks: list[tuple[int, int, memoryview]] = []  # (first, next, batch)
@@ -257,6 +367,9 @@ class PartitionSubscriptions:
                                         now_ms, ack_timeout_ms, max_offsets)
         if delivery.skip is not None:
             store.stage(StoreEntry(name, delivery.skip))  # durable with the next commit
+        if delivery.delivered and (earliest_ms is None or
+                                   now_ms + ack_timeout_ms < earliest_ms):
+            self._wakeups.wake(name)  # other long polls planned for a later deadline
         wanted = delivery.delivered
         # Holes and the new region may read the same batch twice: keep one, by base offset.
         overlapping = {first: batch for first, end, batch in chunks
@@ -266,6 +379,8 @@ class PartitionSubscriptions:
     def forget_below(self, log_start_offset: int) -> None:
         if self.store is not None:
             self.store.forget_below(log_start_offset)
+            for name in list(self._blocked):  # retention acknowledges: room again
+                self._wake_if_blocked(name)
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[OffsetRange]:

@@ -6,8 +6,8 @@ cursor with random plain and transactional acks, markers, deliveries to several
 consumers, Nacks, time, retention, resets, snapshots, syncs and crashes (losing the
 journal tail that was not synced), against a model made of plain sets: the acknowledged
 offsets, the offsets each open transaction claims, the offsets out to each consumer.
-After every step: the cursor equals the model, and snapshot + journal replay +
-forget_below(log start) equals the live durable state.
+After every step: the cursor equals the model (its next delivery deadline included), and
+snapshot + journal replay + forget_below(log start) equals the live durable state.
 """
 
 from __future__ import annotations
@@ -878,6 +878,9 @@ class CursorMachine(RuleBasedStateMachine):
             1 for owner, _ in live.values() if owner is None)
         assert description.backlog_records == len(
             set(range(model.cumulative_end, self.log_end)) - model.acked - claims)
+        # What a long poll waits for (describe expired what was due).
+        assert cursor.next_deadline_ms() == min(
+            (deadline for _, deadline in live.values()), default=None)
 
     @invariant()
     def snapshot_plus_journal_equals_live(self):

@@ -1,0 +1,235 @@
+"""When a waiting Receive (long poll) wakes up: in-process, a real partition owner behind
+the real PartitionServicer, whose passes over the subscription partitions
+(`_receive_once`) are counted.
+
+- A message whose ack timeout expires is redelivered at that deadline, not at the next
+  tick of a poll interval; a long poll with nothing due makes one pass when it starts and
+  one when it ends, also when the cursor's new deliveries are stopped at a limit (it
+  used to spin on the data that was there but could not be delivered).
+- New data, an abort releasing pending acks, a Nack (at once or after its delay), an ack
+  freeing a cursor stopped at max_unacked_offsets, and a delivery with an earlier
+  deadline wake it.
+
+Bounds are generous (other jobs share the 2 cores): a redelivery must come after its
+deadline and long before the long poll would have ended on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from atomlog.v1 import common_pb2, partition_pb2
+from partition_server.cursor_store import CursorStoreLimits
+from partition_server.log import LogConfig
+from partition_server.owner import OwnerSettings, PartitionOwner
+from partition_server.record_batch import Record, TxnId, encode_batch, parse_header
+from partition_server.service import PartitionServicer
+from partition_server.subscription_cursor import CursorLimits
+
+SP = common_pb2.SubscriptionPartition(topic="t", partition=0, subscription="s")
+LONG_MS = 60_000  # an ack timeout / long poll that never ends within a test
+
+
+class _Manager:
+    server_name = "in-process"
+
+    def __init__(self, owner: PartitionOwner) -> None:
+        self._owner = owner
+
+    def owner(self, topic: str, partition: int) -> PartitionOwner:
+        assert (topic, partition) == (self._owner.topic, self._owner.partition)
+        return self._owner
+
+
+class _Context:
+    def cancelled(self) -> bool:
+        return False
+
+
+class Harness:
+    """One partition t-0 with subscription s (earliest), served in-process."""
+
+    def __init__(self, owner: PartitionOwner) -> None:
+        self.owner = owner
+        self.servicer = PartitionServicer(_Manager(owner), None, max_batch_bytes=1 << 20,
+                                          fetch_max_wait_ms=LONG_MS,
+                                          fetch_default_max_bytes=1 << 20,
+                                          max_message_bytes=8 << 20)
+        self.passes = 0
+        passes_of = self.servicer._receive_once
+
+        async def counted(*args):
+            self.passes += 1
+            return await passes_of(*args)
+
+        self.servicer._receive_once = counted
+
+    async def produce(self, count: int) -> None:
+        data = encode_batch([Record(b"k", b"v")] * count, timestamp_ms=1_000)
+        [appended] = await self.owner.produce([(data, parse_header(data))])
+        assert not isinstance(appended, Exception), appended
+
+    async def receive(self, consumer: str, max_wait_ms: int = 0,
+                      ack_timeout_ms: int = LONG_MS) -> tuple[list, list]:
+        """(delivered ranges, redelivered ranges) as (start, end) pairs."""
+        response = await self.servicer.Receive(partition_pb2.ReceiveRequest(
+            consumer_id=consumer, subscription_partitions=[SP], max_wait_ms=max_wait_ms,
+            ack_timeout_ms=ack_timeout_ms,
+            isolation_level=common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED), _Context())
+        [result] = response.results
+        assert not result.error.reason, result.error
+        return ([(r.start_offset, r.end_offset) for r in result.delivered_ranges],
+                [(r.start_offset, r.end_offset) for r in result.redelivered_ranges])
+
+    async def ack(self, start: int, end: int) -> None:
+        response = await self.servicer.Ack(partition_pb2.AckRequest(items=[
+            partition_pb2.AckItem(subscription_partition=SP, individual_ranges=[
+                partition_pb2.OffsetRange(start_offset=start, end_offset=end)])]), _Context())
+        assert not response.results[0].error.reason, response.results[0].error
+
+    async def nack(self, consumer: str, delay_ms: int) -> None:
+        response = await self.servicer.Nack(partition_pb2.NackRequest(
+            consumer_id=consumer, redelivery_delay_ms=delay_ms,
+            items=[partition_pb2.NackItem(subscription_partition=SP)]), _Context())
+        assert not response.results[0].error.reason, response.results[0].error
+
+
+def run(tmp_path, scenario, cursor_limits: CursorLimits | None = None) -> None:
+    settings = OwnerSettings(log=LogConfig(), fsync=False, cursor_limits=CursorStoreLimits(
+        cursor=cursor_limits or CursorLimits()))
+
+    async def main():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        try:
+            harness = Harness(owner)
+            response = await harness.servicer.CreateSubscription(
+                partition_pb2.CreateSubscriptionRequest(
+                    subscription_partitions=[SP],
+                    initial_position=partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST),
+                _Context())
+            assert response.results[0].created
+            await scenario(harness)
+        finally:
+            await owner.close()
+
+    asyncio.run(main())
+
+
+def test_a_message_is_redelivered_at_its_ack_timeout(tmp_path):
+    ack_timeout_s = 1.5
+
+    async def scenario(h: Harness) -> None:
+        await h.produce(3)
+        delivered_at = time.monotonic()
+        assert await h.receive("a", ack_timeout_ms=int(ack_timeout_s * 1000)) == ([(0, 3)], [])
+        h.passes = 0
+        began = time.monotonic()
+        delivered, redelivered = await h.receive("b", max_wait_ms=LONG_MS)
+        returned = time.monotonic()
+        assert delivered == redelivered == [(0, 3)]
+        assert returned - delivered_at >= ack_timeout_s - 0.05  # not before the deadline
+        assert returned - began < ack_timeout_s + 10  # noticed, not the long poll's end
+        # One pass at the start, one at the deadline (a timer firing a hair early may
+        # cost one more); a 0.5 s poll would have made four.
+        assert h.passes <= 3, h.passes
+
+    run(tmp_path, scenario)
+
+
+def test_a_long_poll_with_nothing_due_does_not_spin(tmp_path):
+    wait_ms = 2_500
+
+    async def scenario(h: Harness) -> None:
+        await h.produce(3)
+        assert await h.receive("a") == ([(0, 3)], [])  # out to a for a minute
+        h.passes = 0
+        began = time.monotonic()
+        assert await h.receive("b", max_wait_ms=wait_ms) == ([], [])
+        assert time.monotonic() - began >= wait_ms / 1000 - 0.05
+        assert h.passes <= 3, h.passes  # start and end; a 0.5 s poll made six
+
+    run(tmp_path, scenario)
+
+
+def test_a_cursor_stopped_at_a_limit_waits_for_an_ack_without_spinning(tmp_path):
+    async def scenario(h: Harness) -> None:
+        await h.produce(5)
+        assert await h.receive("a") == ([(0, 2)], [])  # max_unacked_offsets: 2
+        # Offsets 2..4 are there but may not be delivered: waiting on the data would spin.
+        h.passes = 0
+        assert await h.receive("b", max_wait_ms=2_000) == ([], [])
+        assert h.passes <= 3, h.passes
+        waiting = asyncio.create_task(h.receive("b", max_wait_ms=LONG_MS))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        began = time.monotonic()
+        await h.ack(0, 2)  # room again: the waiting Receive takes the next two at once
+        assert await asyncio.wait_for(waiting, 20) == ([(2, 4)], [])
+        assert time.monotonic() - began < 10
+
+    run(tmp_path, scenario, CursorLimits(max_unacked_offsets=2))
+
+
+def test_new_data_an_abort_and_a_nack_wake_a_waiting_receive(tmp_path):
+    async def waits_then(h: Harness, change) -> tuple[list, list, float]:
+        waiting = asyncio.create_task(h.receive("b", max_wait_ms=LONG_MS))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        began = time.monotonic()
+        await change()
+        delivered, redelivered = await asyncio.wait_for(waiting, 20)
+        return delivered, redelivered, time.monotonic() - began
+
+    async def scenario(h: Harness) -> None:
+        subscriptions = h.owner.subscriptions
+        # New data.
+        delivered, _, elapsed = await waits_then(h, lambda: h.produce(3))
+        assert delivered == [(0, 3)] and elapsed < 10
+        await h.ack(0, 3)
+        # An abort releases a pending ack: redeliverable at once.
+        await h.produce(3)
+        assert await h.receive("a") == ([(3, 6)], [])
+        txn = TxnId(1, 7)
+        await subscriptions.ack("s", 0, [(3, 6)], txn, h.owner.max_read_position())
+        delivered, redelivered, elapsed = await waits_then(
+            h, lambda: subscriptions.end_txn("s", txn, committed=False))
+        assert delivered == redelivered == [(3, 6)] and elapsed < 10
+        # A Nack, at once.
+        await h.nack("b", delay_ms=0)
+        assert (await h.receive("a"))[0] == [(3, 6)]
+        delivered, redelivered, elapsed = await waits_then(h, lambda: h.nack("a", 0))
+        assert delivered == redelivered == [(3, 6)] and elapsed < 10
+        # A Nack with a delay moves the earliest deadline from a minute to half a second:
+        # one pass at the start, one on the Nack, one at the end of the delay.
+        h.passes = 0
+        delivered, redelivered, elapsed = await waits_then(h, lambda: h.nack("b", 500))
+        assert delivered == redelivered == [(3, 6)]
+        assert 0.45 <= elapsed < 10 and h.passes <= 4, (elapsed, h.passes)
+
+    run(tmp_path, scenario)
+
+
+def test_a_delivery_with_an_earlier_deadline_wakes_long_polls(tmp_path):
+    async def scenario(h: Harness) -> None:
+        subscriptions = h.owner.subscriptions
+
+        async def woken(mark: int) -> bool:
+            waiter = subscriptions.wait_for_wakeup("s", mark, LONG_MS / 1000)
+            try:
+                await asyncio.wait_for(waiter, 10)
+            except asyncio.TimeoutError:
+                return False
+            return True
+
+        await h.produce(2)
+        mark = subscriptions.wakeup_mark()
+        await h.receive("a")  # nothing was out: a first deadline
+        assert await woken(mark)
+        await h.produce(2)
+        mark = subscriptions.wakeup_mark()
+        await h.receive("c", ack_timeout_ms=1_000)  # earlier than a's
+        assert await woken(mark)
+
+    run(tmp_path, scenario)
