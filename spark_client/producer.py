@@ -50,6 +50,7 @@ RETRIABLE_ITEM_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "
                           "RESOURCE_EXHAUSTED", "ZOOKEEPER_UNAVAILABLE",
                           # transactional writes being verified with their coordinator
                           "CONCURRENT_TRANSACTIONS", "COORDINATOR_LOADING", "NOT_COORDINATOR"}
+SEQUENCE_REFUSALS = {"OUT_OF_ORDER_SEQUENCE", "UNKNOWN_PRODUCER_ID"}
 # Refusals that prove nothing of the batch was appended.
 DEFINITELY_NOT_WRITTEN = {"BATCH_TOO_LARGE", "CORRUPT_BATCH", "CRC_MISMATCH", "INVALID_ARGUMENT",
                           "UNIMPLEMENTED", "DATA_LOSS", "OFFSET_OUT_OF_RANGE",
@@ -147,6 +148,10 @@ class _Batch:
     last_error: errors.AtomlogClientError | None = None
     done: bool = False
     txn: object = None  # spark_client.transactions.Transaction
+    # Sent while an earlier batch of the partition was unanswered: the server may have
+    # taken it first (requests can overtake each other), so a sequence refusal of it
+    # may only mean "too early".
+    sent_behind: bool = False
 
 
 @dataclass(eq=False)
@@ -456,6 +461,7 @@ class Producer:
                         except errors.AtomlogClientError as error:
                             self._fail(batch, error)
                             continue
+                batch.sent_behind = bool(state.in_flight)
                 state.in_flight.append(batch)
                 out.append(batch)
         return out
@@ -573,8 +579,12 @@ class Producer:
             return  # rewound by an earlier failure: it is queued to be sent again
         now = time.monotonic()
         index = state.in_flight.index(batch)
+        # A sequence refusal of a batch sent behind an unanswered one: that one may have
+        # reached the server after it (it sets the sequence, or for a producer new to the
+        # partition creates the state, that this batch needs), so resend it. Resent with
+        # nothing ahead, a refusal is final.
         retriable = error.reason in RETRIABLE_ITEM_REASONS or (
-            error.reason == "OUT_OF_ORDER_SEQUENCE" and index > 0)
+            error.reason in SEQUENCE_REFUSALS and (index > 0 or batch.sent_behind))
         if retriable and now < batch.deadline:
             batch.last_error = error
             # Resend this batch and every later in-flight one, in sequence order.
