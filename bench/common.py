@@ -150,7 +150,8 @@ def _echo_server(port_out) -> None:
     asyncio.run(serve())
 
 
-def _cpu_s(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (every thread), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -180,12 +181,12 @@ def grpc_call_floor(clients: int = 8, seconds: float = 3.0, payload: int = 200) 
                 counts[index] += 1
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-        cpu_before, began = _cpu_s(server.pid), time.monotonic()
+        cpu_before, began = cpu_seconds(server.pid), time.monotonic()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        elapsed, cpu = time.monotonic() - began, _cpu_s(server.pid) - cpu_before
+        elapsed, cpu = time.monotonic() - began, cpu_seconds(server.pid) - cpu_before
         channel.close()
     finally:
         server.terminate()

@@ -174,12 +174,6 @@ def fetch_all(address: str, partition: int, isolation: str) -> dict:
 
 
 # ------------------------------------------------------------------ consume-transform-produce
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (every thread), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def rpc_counts(metrics_addresses: list[str]) -> Counter:
     """atomlog_rpc_started_total by method, summed over every process, plus the
     coordinators' TC log appends of transaction records ("TC log appends") and the
@@ -216,7 +210,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     producer = client.producer(linger_ms=5)
     producer.send(CTP_OUT, b"warm-up", partition=0).result(30)  # connection, producer id
     batches, commits, done = [], [], 0
-    servers_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+    servers_before = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
     rpcs_before = rpc_counts(metrics_addresses)
     client_before = time.process_time()
     began = time.perf_counter()
@@ -241,7 +235,8 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
         done += len(messages)
     seconds = time.perf_counter() - began
     client_cpu = time.process_time() - client_before
-    servers = {name: cpu_seconds(pid) - servers_before[name] for name, pid in processes.items()}
+    servers = {name: common.cpu_seconds(pid) - servers_before[name]
+               for name, pid in processes.items()}
     rpcs = rpc_counts(metrics_addresses) - rpcs_before
     left = sum(c.backlog_records + len(c.pending_acks) for c in consumer.describe())
     producer.close()
