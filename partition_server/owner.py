@@ -189,10 +189,11 @@ class RecoveringTxns:
 class _Loaded:
     log: PartitionLog
     producers: ProducerStateTable
-    txns: TxnBuffer | None  # None: replayed in the background from txns_from
-    txns_from: int
+    txns: TxnBuffer | None  # None only with DATA_LOSS
+    txns_from: int  # background: the restored `txns` still replays from here
     last_control: int
     replayed: int
+    background: bool = False
 
 
 class _SpanCorrupt(Exception):
@@ -286,7 +287,7 @@ class PartitionOwner:
                   logging.ERROR, partition=self.name, file=self.log.data_loss.path,
                   offset=self.log.data_loss.offset)
             return
-        if loaded.txns is not None:
+        if not loaded.background:
             self.txns = loaded.txns
         else:
             end = self.log.log_end_offset
@@ -295,17 +296,18 @@ class PartitionOwner:
             self.last_control_offset = self.log.log_start_offset
             self._txn_recovery_cancel = threading.Event()
             self._txn_recovery = asyncio.create_task(
-                self._recover_txns(end, loaded.last_control, self._txn_recovery_cancel),
+                self._recover_txns((loaded.txns, loaded.txns_from), end, loaded.last_control,
+                                   self._txn_recovery_cancel),
                 name=f"transaction buffer recovery {self.name}")
         self.state = State.ONLINE
         self._stamp_ms = max(self._stamp_ms, _wall_ms())
         self._last_snapshot_ms = _wall_ms()  # the interval counts from the load
         event(log, "partition online", partition=self.name,
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,
-              open_transactions=("recovering" if loaded.txns is None
+              open_transactions=("recovering" if loaded.background
                                  else loaded.txns.open_count),
               replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
-        if loaded.txns is not None:
+        if not loaded.background:
             self._txns_ready(loaded.txns)
 
     def _load_blocking(self, truncate_to: int | None = None) -> _Loaded:
@@ -328,20 +330,22 @@ class PartitionOwner:
         txns, txns_from = self._restore_txns(partition_log)
         log_start = partition_log.log_start_offset
         table_from = max(table_covered, log_start)
-        if txns_from < table_from:
-            txns = None  # it needs an older part of the log: replayed in the background
+        # A buffer needing an older part of the log than producer state replays in the
+        # background; else it rides along in this pass.
+        background = txns_from < table_from
         replayed, last_control = 0, -1
         for header in partition_log.iter_headers(table_from):
             if header.is_control:
                 last_control = header.base_offset
             _apply(table, header)
-            if txns is not None and header.base_offset >= txns_from:
+            if not background and header.base_offset >= txns_from:
                 txns.apply_batch(header, _marker_of(partition_log, header))
             replayed += 1
         table.expire(_wall_ms())
-        if txns is not None:
+        if not background:
             last_control = self._finish_txns(txns, partition_log, last_control)
-        return _Loaded(partition_log, table, txns, txns_from, last_control, replayed)
+        return _Loaded(partition_log, table, txns, txns_from, last_control, replayed,
+                       background)
 
     def _restore_txns(self, partition_log: PartitionLog) -> tuple[TxnBuffer, int]:
         """The transaction buffer of the newest readable snapshot (else empty) and the
@@ -377,16 +381,19 @@ class PartitionOwner:
         if self.on_txns_ready is not None:
             self.on_txns_ready(txns)
 
-    async def _recover_txns(self, end: int, tail_last_control: int,
-                            cancel: threading.Event) -> None:
-        """Replay the transaction buffer from its snapshot up to `end` (the log end when
-        the partition went online) on a worker thread, then, on the loop, what was
-        appended since; then swap it in. Retries (with backoff) on errors; a damaged
-        batch puts the partition in DATA_LOSS, as any read of it would."""
+    async def _recover_txns(self, restored: tuple[TxnBuffer, int] | None, end: int,
+                            tail_last_control: int, cancel: threading.Event) -> None:
+        """Replay the transaction buffer `restored` at load (its snapshot and the offset
+        to replay from) up to `end` (the log end when the partition went online) on a
+        worker thread, then, on the loop, what was appended since; then swap it in.
+        Retries (with backoff, from the snapshot again) on errors; a damaged batch puts
+        the partition in DATA_LOSS, as any read of it would."""
         began, delay = time.perf_counter(), 0.5
         while True:
             try:
-                txns, txns_from = await asyncio.to_thread(self._restore_txns, self.log)
+                if restored is None:  # a retry: the failed attempt changed the buffer
+                    restored = await asyncio.to_thread(self._restore_txns, self.log)
+                (txns, txns_from), restored = restored, None
                 spans = self.log.segment_spans(txns_from, end)
                 replayed, last_control = await asyncio.to_thread(
                     self._replay_spans, txns, spans, cancel)
