@@ -22,6 +22,7 @@ from partition_server.record_batch import (ControlType, Record, TxnId, decode_re
                                            encode_batch, iter_batches, parse_header)
 from partition_server.txn_buffer import TxnBuffer
 from services.errors import AtomlogError
+from tests.test_partition_owner import until
 
 SETTINGS = OwnerSettings(log=LogConfig(segment_bytes=3_000), fsync=False,
                          snapshot_interval_batches=1_000_000, snapshot_interval_ms=3_600_000)
@@ -69,14 +70,6 @@ def loading(outcome) -> bool:
     return isinstance(outcome, AtomlogError) and outcome.reason == "PARTITION_LOADING"
 
 
-async def until(condition, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 def break_txn_snapshots(directory) -> int:
     broken = 0
     for path in directory.iterdir():
@@ -84,6 +77,17 @@ def break_txn_snapshots(directory) -> int:
             path.write_bytes(b"not a snapshot")
             broken += 1
     return broken
+
+
+async def open_txn_then_unreadable_snapshot(directory, txn: TxnId) -> None:
+    """A partition holding an open transaction and a plain batch, stopped cleanly, whose
+    transaction-buffer snapshots are then unreadable (producer state's are fine)."""
+    first = PartitionOwner("t", 0, directory, SETTINGS)
+    await first.start()
+    await write(first, transactional(8, 0, txn), txn)
+    await write(first, plain(7, 0))
+    await first.close()
+    assert break_txn_snapshots(directory) >= 1
 
 
 def test_plain_writes_are_served_while_the_buffer_replays_in_the_background(tmp_path):
@@ -175,12 +179,7 @@ def test_a_reload_or_close_during_the_replay_abandons_it(tmp_path):
     txn = TxnId(5, 1)
 
     async def scenario():
-        first = PartitionOwner("t", 0, directory, SETTINGS)
-        await first.start()
-        await write(first, transactional(8, 0, txn), txn)
-        await write(first, plain(7, 0))
-        await first.close()
-        break_txn_snapshots(directory)
+        await open_txn_then_unreadable_snapshot(directory, txn)
 
         gate = threading.Event()
         second = PartitionOwner("t", 0, directory, SETTINGS, txn_replay_gate=gate.wait)
@@ -222,12 +221,7 @@ def test_the_servicer_serves_plain_work_and_refuses_the_rest_per_item(tmp_path):
     tp = common_pb2.TopicPartition(topic="t", partition=0)
 
     async def scenario():
-        first = PartitionOwner("t", 0, directory, SETTINGS)
-        await first.start()
-        await write(first, transactional(8, 0, txn), txn)
-        await write(first, plain(7, 0))
-        await first.close()
-        break_txn_snapshots(directory)
+        await open_txn_then_unreadable_snapshot(directory, txn)
 
         gate = threading.Event()
         owner = PartitionOwner("t", 0, directory, SETTINGS, txn_replay_gate=gate.wait)
@@ -253,6 +247,16 @@ def test_the_servicer_serves_plain_work_and_refuses_the_rest_per_item(tmp_path):
                     items=[partition_pb2.FetchItem(topic_partition=tp, fetch_offset=0)],
                     isolation_level=isolation), _Context())
 
+            async def abort():
+                """An ABORT marker for `txn` on the partition: its one item's result."""
+                marked = await servicer.EndTxnOnPartition(
+                    partition_pb2.EndTxnOnPartitionRequest(markers=[partition_pb2.TxnMarker(
+                        txn_id=common_pb2.TxnId(tc_partition=txn.tc_partition,
+                                                sequence=txn.sequence),
+                        decision=partition_pb2.TXN_DECISION_ABORT, coordinator_epoch=1,
+                        topic_partitions=[tp])]), _Context())
+                return marked.results[0].topic_partition_results[0]
+
             committed = (await fetch(common_pb2.ISOLATION_LEVEL_READ_COMMITTED)).results[0]
             assert committed.error.reason == "PARTITION_LOADING" and not committed.record_batches
             uncommitted = (await fetch(common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED)).results[0]
@@ -265,14 +269,7 @@ def test_the_servicer_serves_plain_work_and_refuses_the_rest_per_item(tmp_path):
                                               spec=partition_pb2.OFFSET_SPEC_LATEST)]), _Context())
             assert looked_up.results[0].error.reason == "PARTITION_LOADING"
             assert looked_up.results[1].offset == owner.log.high_watermark
-            marked = await servicer.EndTxnOnPartition(partition_pb2.EndTxnOnPartitionRequest(
-                markers=[partition_pb2.TxnMarker(
-                    txn_id=common_pb2.TxnId(tc_partition=txn.tc_partition,
-                                            sequence=txn.sequence),
-                    decision=partition_pb2.TXN_DECISION_ABORT, coordinator_epoch=1,
-                    topic_partitions=[tp])]), _Context())
-            assert marked.results[0].topic_partition_results[0].error.reason == \
-                "PARTITION_LOADING"
+            assert (await abort()).error.reason == "PARTITION_LOADING"
             described = await servicer.DescribePartition(
                 partition_pb2.DescribePartitionRequest(topic_partition=tp), _Context())
             assert described.state == partition_pb2.PARTITION_STATE_ONLINE
@@ -288,12 +285,7 @@ def test_the_servicer_serves_plain_work_and_refuses_the_rest_per_item(tmp_path):
                 partition_pb2.DescribePartitionRequest(topic_partition=tp), _Context())
             assert described.transaction_buffer_ready
             assert [t.txn_id.sequence for t in described.open_transactions] == [7]
-            marked = await servicer.EndTxnOnPartition(partition_pb2.EndTxnOnPartitionRequest(
-                markers=[partition_pb2.TxnMarker(
-                    txn_id=common_pb2.TxnId(tc_partition=2, sequence=7),
-                    decision=partition_pb2.TXN_DECISION_ABORT, coordinator_epoch=1,
-                    topic_partitions=[tp])]), _Context())
-            assert not marked.results[0].topic_partition_results[0].error.reason
+            assert not (await abort()).error.reason
             committed = (await fetch(common_pb2.ISOLATION_LEVEL_READ_COMMITTED)).results[0]
             assert not committed.error.reason and committed.record_batches
         finally:
