@@ -175,10 +175,11 @@ class BatchHeader(NamedTuple):
         return self.base_sequence + self.last_offset_delta
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):
     """One record. `offset` and `timestamp_ms` are filled in by decode_records; when
-    encoding, a None timestamp means the batch's `timestamp_ms`, and `offset` is ignored."""
+    encoding, a None timestamp means the batch's `timestamp_ms`, and `offset` is ignored.
+    A NamedTuple, not a frozen dataclass: producers and readers make one per record, and
+    a frozen dataclass took 1.5 us to construct against about 0.3 us for this."""
 
     key: bytes | None = None
     value: bytes | None = None
@@ -347,8 +348,23 @@ def _put_uvarint(out: bytearray, n: int) -> None:
     out.append(n)
 
 
-def _put_zvarint(out: bytearray, n: int) -> None:
-    _put_uvarint(out, (n << 1) ^ (n >> 63))
+_ONE_BYTE = tuple(bytes((n,)) for n in range(0x80))
+
+
+def _uvarint(n: int) -> bytes:
+    """n (>= 0) as a varint; the one- and two-byte forms (every length of a record under
+    16 KiB) without a loop."""
+    if n < 0x80:
+        return _ONE_BYTE[n]
+    if n < 0x4000:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
+    out = bytearray()
+    _put_uvarint(out, n)
+    return bytes(out)
+
+
+def _zvarint(n: int) -> bytes:
+    return _uvarint((n << 1) ^ (n >> 63))
 
 
 def _get_uvarint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -375,25 +391,38 @@ def _get_zvarint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
 
 # --- Encoding (SDK side) ------------------------------------------------------------------
 
-def _encode_record(out: bytearray, record: Record, timestamp_delta: int, offset_delta: int) -> None:
-    body = bytearray(b"\x00")  # record attributes, reserved: 0
-    _put_zvarint(body, timestamp_delta)
-    _put_uvarint(body, offset_delta)
-    for field in (record.key, record.value):
-        if field is None:
-            _put_zvarint(body, -1)
-        else:
-            _put_zvarint(body, len(field))
-            body += field
-    _put_uvarint(body, len(record.headers))
-    for name, value in record.headers:
-        encoded = name.encode("utf-8")
-        _put_uvarint(body, len(encoded))
-        body += encoded
-        _put_uvarint(body, len(value))
-        body += value
-    _put_uvarint(out, len(body))
-    out += body
+_NULL = _zvarint(-1)
+_NO_HEADERS = _uvarint(0)
+
+
+def _encode_record(pieces: list, record: Record, timestamp_delta: int, offset_delta: int) -> None:
+    """Append the pieces of one record (length first) to `pieces`; the batch joins them
+    once, so a value is copied once, not once per layer."""
+    key, value, headers = record.key, record.value, record.headers
+    # attributes (reserved: 0), timestamp delta, offset delta, key length
+    head = b"\x00" + _zvarint(timestamp_delta) + _uvarint(offset_delta) + (
+        _NULL if key is None else _zvarint(len(key)))
+    value_length = _NULL if value is None else _zvarint(len(value))
+    if headers:
+        tail = bytearray(_uvarint(len(headers)))
+        for name, header_value in headers:
+            encoded = name.encode("utf-8")
+            tail += _uvarint(len(encoded))
+            tail += encoded
+            tail += _uvarint(len(header_value))
+            tail += header_value
+    else:
+        tail = _NO_HEADERS
+    size = len(head) + len(value_length) + len(tail) + (0 if key is None else len(key)) + (
+        0 if value is None else len(value))
+    pieces.append(_uvarint(size))
+    pieces.append(head)
+    if key is not None:
+        pieces.append(key)
+    pieces.append(value_length)
+    if value is not None:
+        pieces.append(value)
+    pieces.append(tail)
 
 
 def _compress(block: bytes, compression: Compression) -> bytes:
@@ -429,10 +458,10 @@ def encode_batch(records: Iterable[Record], *, producer_id: int = NO_PRODUCER_ID
     default_ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
     timestamps = [default_ts if r.timestamp_ms is None else r.timestamp_ms for r in records]
     base_ts = timestamps[0]
-    block = bytearray()
+    pieces: list = []
     for delta, (record, ts) in enumerate(zip(records, timestamps)):
-        _encode_record(block, record, ts - base_ts, delta)
-    body = _compress(bytes(block), compression)
+        _encode_record(pieces, record, ts - base_ts, delta)
+    body = _compress(b"".join(pieces), compression)
     attributes = int(compression) | (ATTR_TRANSACTIONAL if transactional else 0) | (
         ATTR_CONTROL if control else 0)
     count = len(records)
@@ -490,33 +519,82 @@ def decode_records(batch: bytes | bytearray | memoryview, *, verify: bool = True
     block = memoryview(batch)[HEADER_SIZE:header.size]
     data = bytes(block) if header.compression is Compression.NONE else _decompress(
         block, header.compression, max_uncompressed_bytes)
-    records, pos, end = [], 0, len(data)
-    for index in range(header.record_count):
-        length, pos = _get_uvarint(data, pos, end)
-        if pos + length > end:
-            raise _corrupt(f"record {index} declares {length} bytes, {end - pos} remain")
-        record = _decode_record(data, pos, pos + length, header, index)
-        records.append(record)
-        pos += length
-    if pos != end:
-        raise _corrupt(f"{end - pos} bytes after the last of {header.record_count} records")
+    try:
+        records, pos = _decode_block(data, header)
+    except IndexError:  # a varint read ran off the end of the block
+        raise _corrupt("records end inside a field (truncated block)") from None
+    if pos != len(data):
+        raise _corrupt(f"{len(data) - pos} bytes after the last of {header.record_count} records")
     return records
 
 
-def _decode_record(data: bytes, pos: int, end: int, header: BatchHeader, index: int) -> Record:
-    if pos >= end or data[pos] != 0:
-        raise _corrupt(f"record {index}: missing or non-zero record attributes")
-    timestamp_delta, pos = _get_zvarint(data, pos + 1, end)
-    offset_delta, pos = _get_uvarint(data, pos, end)
-    if offset_delta != index:
-        raise _corrupt(f"record {index} has offset delta {offset_delta}")
-    fields = []
-    for _ in range(2):
-        length, pos = _get_zvarint(data, pos, end)
-        if length < -1 or pos + max(length, 0) > end:
+def _decode_block(data: bytes, header: BatchHeader) -> tuple[list[Record], int]:
+    """The records of an uncompressed block and where they end. One-byte varints (all but
+    the lengths of records and values over 63 bytes) are read inline: this loop is the
+    readers' CPU cost per record. A varint that runs past its record is caught by the
+    record's end check; one past the block raises IndexError (the caller's CORRUPT_BATCH)."""
+    records: list[Record] = []
+    append = records.append
+    base_timestamp, base_offset = header.base_timestamp_ms, header.base_offset
+    pos, end = 0, len(data)
+    for index in range(header.record_count):
+        byte = data[pos]
+        if byte < 0x80:
+            length, pos = byte, pos + 1
+        else:
+            length, pos = _get_uvarint(data, pos, end)
+        record_end = pos + length
+        if record_end > end:
+            raise _corrupt(f"record {index} declares {length} bytes, {end - pos} remain")
+        if length == 0 or data[pos] != 0:
+            raise _corrupt(f"record {index}: missing or non-zero record attributes")
+        byte = data[pos + 1]
+        if byte < 0x80:
+            timestamp_delta, pos = (byte >> 1) ^ -(byte & 1), pos + 2
+        else:
+            timestamp_delta, pos = _get_zvarint(data, pos + 1, record_end)
+        byte = data[pos]
+        if byte < 0x80:
+            offset_delta, pos = byte, pos + 1
+        else:
+            offset_delta, pos = _get_uvarint(data, pos, record_end)
+        if offset_delta != index:
+            raise _corrupt(f"record {index} has offset delta {offset_delta}")
+        byte = data[pos]
+        if byte < 0x80:
+            length, pos = (byte >> 1) ^ -(byte & 1), pos + 1
+        else:
+            length, pos = _get_zvarint(data, pos, record_end)
+        if length == -1:
+            key = None
+        elif 0 <= length <= record_end - pos:
+            key, pos = data[pos:pos + length], pos + length
+        else:
             raise _corrupt(f"record {index}: bad key/value length {length}")
-        fields.append(None if length == -1 else data[pos:pos + length])
-        pos += max(length, 0)
+        byte = data[pos]
+        if byte < 0x80:
+            length, pos = (byte >> 1) ^ -(byte & 1), pos + 1
+        else:
+            length, pos = _get_zvarint(data, pos, record_end)
+        if length == -1:
+            value = None
+        elif 0 <= length <= record_end - pos:
+            value, pos = data[pos:pos + length], pos + length
+        else:
+            raise _corrupt(f"record {index}: bad key/value length {length}")
+        if pos < record_end and data[pos] == 0:
+            headers, pos = (), pos + 1
+        else:
+            headers, pos = _decode_headers(data, pos, record_end, index)
+        if pos != record_end:
+            raise _corrupt(f"record {index}: {record_end - pos} unread bytes"
+                           if pos < record_end else f"record {index}: fields run past its end")
+        append(Record(key, value, headers, base_timestamp + timestamp_delta,
+                      base_offset + offset_delta))
+    return records, pos
+
+
+def _decode_headers(data: bytes, pos: int, end: int, index: int) -> tuple[tuple, int]:
     count, pos = _get_uvarint(data, pos, end)
     headers = []
     for _ in range(count):
@@ -533,11 +611,7 @@ def _decode_record(data: bytes, pos: int, end: int, header: BatchHeader, index: 
             raise _corrupt(f"record {index}: truncated header value")
         headers.append((name, data[pos:pos + value_length]))
         pos += value_length
-    if pos != end:
-        raise _corrupt(f"record {index}: {end - pos} unread bytes")
-    return Record(key=fields[0], value=fields[1], headers=tuple(headers),
-                  timestamp_ms=header.base_timestamp_ms + timestamp_delta,
-                  offset=header.base_offset + offset_delta)
+    return tuple(headers), pos
 
 
 def decode_control_batch(batch: bytes | bytearray | memoryview, *, verify: bool = True) -> ControlMarker:

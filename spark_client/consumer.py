@@ -7,7 +7,7 @@ for all its partitions.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 
@@ -22,8 +22,9 @@ RETRIABLE = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "PARTITION_LOA
              "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED"}
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
+    """One record as read (a NamedTuple: readers make one per record)."""
+
     topic: str
     partition: int
     offset: int

@@ -127,16 +127,10 @@ class RecordFuture:
 
 
 @dataclass(eq=False)
-class _Pending:
-    record: Record
-    size: int
-
-
-@dataclass(eq=False)
 class _Batch:
     topic: str
     partition: int
-    records: list[_Pending]
+    records: list[Record]
     outcome: _Outcome
     created: float
     size: int = 0
@@ -156,7 +150,7 @@ class _Batch:
 
 @dataclass(eq=False)
 class _PartitionState:
-    open: list[_Pending] = field(default_factory=list)
+    open: list[Record] = field(default_factory=list)
     open_outcome: _Outcome | None = None
     open_txn: object = None  # the transaction of the open batch (None: plain records)
     open_bytes: int = 0
@@ -285,19 +279,27 @@ class Producer:
                 raise errors.ProducerFenced("the transaction belongs to an older session of "
                                             "this producer")
             txn._check_open()
-        record = Record(key=_bytes(key), value=_bytes(value), headers=_headers(headers),
-                        timestamp_ms=timestamp_ms if timestamp_ms is not None else _now_ms())
-        size = 32 + len(record.key or b"") + len(record.value or b"") + sum(
-            len(k) + len(v) + 4 for k, v in record.headers)
+        if type(key) is not bytes:
+            key = _bytes(key)
+        if type(value) is not bytes:
+            value = _bytes(value)
+        record = Record(key, value, _headers(headers) if headers else (),
+                        timestamp_ms if timestamp_ms is not None else time.time_ns() // 1_000_000)
+        size = 32 + (len(key) if key else 0) + (len(value) if value else 0)
+        if record.headers:
+            size += sum(len(k) + len(v) + 4 for k, v in record.headers)
         if size + 128 > self.batch_max_bytes:
             raise errors.BatchTooLarge(f"record of about {size} bytes does not fit a batch of "
                                        f"{self.batch_max_bytes} bytes (batch_max_bytes)")
-        routes = self.client.metadata.partitions(topic)
+        count = len(self.client.metadata.partitions(topic))
         if partition is None:
-            partition = self._choose_partition(topic, record.key, len(routes))
-        elif not 0 <= partition < len(routes):
+            if key is not None:
+                partition = crc32c.crc32c(key) % count  # documented: stable across languages
+            elif self.partitioner == "round_robin":
+                partition = next(self._round_robin) % count
+        elif not 0 <= partition < count:
             raise errors.UnknownTopicOrPartition(
-                f"topic {topic!r} has {len(routes)} partitions; no partition {partition}")
+                f"topic {topic!r} has {count} partitions; no partition {partition}")
         deadline = time.monotonic() + self.max_block_s
         with self._lock:
             while self._buffered_bytes + size > self.max_buffered_bytes:
@@ -307,7 +309,13 @@ class Producer:
                     raise errors.DeliveryTimeout(
                         f"buffer of {self.max_buffered_bytes} bytes stayed full for "
                         f"{self.max_block_s} s (max_buffered_bytes)")
-            state = self._partitions.setdefault((topic, partition), _PartitionState())
+            if partition is None:  # sticky: keyless records fill one partition's batch
+                partition = self._sticky.get(topic)
+                if partition is None or partition >= count:
+                    partition = self._sticky[topic] = next(self._round_robin) % count
+            state = self._partitions.get((topic, partition))
+            if state is None:
+                state = self._partitions[(topic, partition)] = _PartitionState()
             if state.open and (state.open_txn is not txn
                                or state.open_bytes + size > self.batch_max_bytes):
                 self._seal(topic, partition, state)
@@ -319,7 +327,7 @@ class Producer:
                     txn.track(RecordFuture(state.open_outcome, 0))
                     txn.add_flusher(self._flush_txn)
             future = RecordFuture(state.open_outcome, len(state.open))
-            state.open.append(_Pending(record, size))
+            state.open.append(record)
             state.open_bytes += size
             self._buffered_bytes += size
             self._unfinished += 1
@@ -370,17 +378,6 @@ class Producer:
         self.close()
 
     # ------------------------------------------------------------------ batching
-    def _choose_partition(self, topic: str, key: bytes | None, count: int) -> int:
-        if key is not None:
-            return crc32c.crc32c(key) % count  # documented: stable across languages
-        if self.partitioner == "round_robin":
-            return next(self._round_robin) % count
-        with self._lock:
-            current = self._sticky.get(topic)
-            if current is None or current >= count:
-                current = self._sticky[topic] = next(self._round_robin) % count
-            return current
-
     def _seal(self, topic: str, partition: int, state: _PartitionState) -> None:
         """Close the open batch of a partition (lock held)."""
         if not state.open:
@@ -395,7 +392,7 @@ class Producer:
             self._sticky.pop(topic)  # the next keyless record moves on
 
     def _encode(self, batch: _Batch, state: _PartitionState) -> None:
-        records = [p.record for p in batch.records]
+        records = batch.records
         if self.idempotent:
             if state.producer_id is None or state.next_sequence + len(records) > SEQUENCE_LIMIT:
                 # A fresh identity for this partition: sequences start again at 0.
@@ -539,14 +536,18 @@ class Producer:
     def _on_reply(self, group: list[_Batch], call) -> None:
         try:
             reply = call.result()
-            for batch, result in zip(group, reply.results):
+            if len(reply.results) != len(group):
+                raise errors.error_for(
+                    "INTERNAL", f"the server answered {len(reply.results)} results for "
+                    f"{len(group)} batches")
+            for batch, result in zip(group, reply.results, strict=True):
                 if result.error.reason:
                     self._completions.put((batch, errors.error_for(
                         result.error.reason, result.error.message, dict(result.error.metadata)), None))
                 else:
                     self._completions.put((batch, None, result))
-        except grpc.RpcError as rpc_error:
-            error = errors.from_grpc(rpc_error)
+        except (grpc.RpcError, errors.AtomlogClientError) as failure:
+            error = errors.from_grpc(failure) if isinstance(failure, grpc.RpcError) else failure
             for batch in group:
                 self._completions.put((batch, error, None))
         with self._lock:
@@ -669,10 +670,6 @@ def _discard(state: _PartitionState, batch: _Batch) -> None:
         state.in_flight.remove(batch)
     if batch in state.ready:
         state.ready.remove(batch)
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def _bytes(value) -> bytes | None:
