@@ -10,13 +10,22 @@ import grpc
 
 from atomlog.v1 import coordinator_pb2, metadata_pb2
 from spark_client import errors
+from services import allocator
 from services.backoff import Backoff
 from spark_client.routing import Channels, MetadataCache
 
 class Client:
     """A connection to an atomlog cluster. Thread-safe; share one per process."""
 
-    def __init__(self, bootstrap: str | list[str], *, request_timeout_s: float = 30.0):
+    def __init__(self, bootstrap: str | list[str], *, request_timeout_s: float = 30.0,
+                 tune_allocator: bool = True):
+        """`tune_allocator`: keep buffers under 4 MiB on glibc's heap and return freed
+        heap memory to the kernel only past 32 MiB (process-wide, services/allocator.py).
+        Encoding and sending batches then costs about a quarter less CPU: by default glibc
+        unmaps such buffers when freed and faults them in again for the next batch. Pass
+        False to leave the process's allocator as it is."""
+        if tune_allocator:
+            allocator.tune(4 << 20, 32 << 20)
         addresses = [bootstrap] if isinstance(bootstrap, str) else list(bootstrap)
         addresses = [a.strip() for item in addresses for a in item.split(",") if a.strip()]
         self.channels = Channels()

@@ -134,8 +134,9 @@ class MetadataCache:
             self._refreshed_at = time.monotonic()
 
     def partitions(self, topic: str) -> list[PartitionRoute]:
-        with self._lock:
-            routes = self._topics.get(topic)
+        # No lock to read: a dict lookup is atomic, and writers replace whole lists
+        # (send() asks once per record).
+        routes = self._topics.get(topic)
         if routes is None:
             self.refresh([topic])
             with self._lock:
