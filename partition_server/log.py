@@ -40,6 +40,7 @@ from services.errors import AtomlogError
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 DAY_MS = 24 * 3600 * 1000
 RECOVERY_POINT_FILE = "recovery-point.json"
+CLEAN_SHUTDOWN_KEY = "clean_shutdown"  # in RECOVERY_POINT_FILE, written by close() only
 DATA_LOSS_FILE = "data-loss.json"
 TMP_SUFFIX = ".tmp"
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -146,6 +147,9 @@ class RecoveryReport:
     truncated_at_offset: int | None = None
     rebuilt_index_files: list[str] = field(default_factory=list)
     duration_ms: float = 0.0
+    # The last segment was trusted as closed cleanly (its index file and the tail after
+    # the index's last entry checked) instead of being read batch by batch.
+    clean_shutdown: bool = False
 
 
 @dataclass(frozen=True)
@@ -779,7 +783,7 @@ class PartitionLog:
             self._data_loss = marker
             self._fill_sizes()
             return
-        recovery_point = self._read_recovery_point()
+        recovery_point, clean = self._read_recovery_point()
         if not self._segments:
             if recovery_point > 0:
                 self._fail_open(DataLoss(str(self.directory / (seg_mod.segment_name(0) + ".log")),
@@ -792,10 +796,12 @@ class PartitionLog:
             if failure is not None:
                 self._fail_open(self._data_loss_at(segment, failure))
                 return
-        failure = self._recover_last(self._active, recovery_point)
-        if failure is not None:
-            self._fail_open(self._data_loss_at(self._active, failure))
-            return
+        if clean is None or self.config.verify_all_segments_on_open or \
+                not self._open_cleanly_closed(self._active, clean):
+            failure = self._recover_last(self._active, recovery_point)
+            if failure is not None:
+                self._fail_open(self._data_loss_at(self._active, failure))
+                return
         self._log_end_offset = self._active.next_offset
         self._high_watermark = self._durable_offset = self._log_end_offset
         self._hw_segment, self._hw_position = self._active, self._active.size
@@ -808,7 +814,10 @@ class PartitionLog:
         self._flush_pending.clear()
         self._last_append_time_ms = max((s.last_append_time_ms for s in self._segments
                                          if s.last_append_time_ms is not None), default=INT64_MIN)
-        if recovery_point != self._durable_offset or not (self.directory / RECOVERY_POINT_FILE).exists():
+        if clean is not None or recovery_point != self._durable_offset or \
+                not (self.directory / RECOVERY_POINT_FILE).exists():
+            # Also withdraws a clean-shutdown record before anything is appended: from now
+            # on the last segment's index file may lag behind it.
             self._write_recovery_point(sync=True)
         self.recovery.duration_ms = (time.perf_counter() - started) * 1000
 
@@ -863,6 +872,46 @@ class PartitionLog:
             self._write_index_file(segment)
             self.recovery.rebuilt_index_files.append(segment.index_path.name)
         return None
+
+    def _open_cleanly_closed(self, segment: Segment, clean: dict) -> bool:
+        """Open the last segment as close() left it, without reading it whole: trust it the
+        way sealed segments are trusted, if its size is what close() recorded, its index
+        file checks out and the batches after the index's last entry are whole, correctly
+        chained and pass their CRC, ending at the recorded next offset. False (nothing
+        learned) sends the caller to the batch-by-batch recovery."""
+        try:
+            base, size, next_offset = (int(clean["segment"]), int(clean["size"]),
+                                       int(clean["next_offset"]))
+            last_data_offset = int(clean["last_data_offset"])
+            first_append = clean["first_append_time_ms"]
+            first_append = None if first_append is None else int(first_append)
+        except (KeyError, TypeError, ValueError):
+            return False
+        fd = segment.open(writable=True)
+        if base != segment.base_offset or size <= 0 or os.fstat(fd).st_size != size:
+            return False
+        segment.size = size
+        tail = segment.read_index_tail()
+        if tail is None:
+            return False
+        tail_offset, tail_position, tail_max_timestamp = tail
+        result = scan(fd, tail_position, size, tail_offset)
+        if result.failure is not None or result.next_offset != next_offset or \
+                result.last_header is None:
+            return False
+        index = SparseIndex.from_bytes(segment.read_index_file() or b"", base, size, next_offset)
+        if index is None:
+            return False
+        index.running_max_timestamp_ms = max(tail_max_timestamp, result.max_timestamp_ms)
+        segment.index, segment.next_offset = index, next_offset
+        segment.max_timestamp_ms = index.running_max_timestamp_ms
+        segment.first_append_time_ms = first_append
+        segment.last_append_time_ms = result.last_header.log_append_time_ms
+        segment.last_data_offset = last_data_offset
+        # While open, the last segment's index lives in memory only (as after a full scan).
+        segment.index_path.unlink(missing_ok=True)
+        self.recovery.clean_shutdown = True
+        return True
 
     def _recover_last(self, segment: Segment, recovery_point: int) -> ScanFailure | None:
         """Check the last segment batch by batch; cut a torn tail above the recovery point."""
@@ -925,15 +974,22 @@ class PartitionLog:
             return DataLoss(str(path), 0, 0, f"unreadable {DATA_LOSS_FILE}: {error}",
                             self._clock_ms())
 
-    def _read_recovery_point(self) -> int:
+    def _read_recovery_point(self) -> tuple[int, dict | None]:
+        """(recovery point, close()'s record of the last segment if the log was closed
+        cleanly and not opened since)."""
         try:
-            return max(int(json.loads((self.directory / RECOVERY_POINT_FILE).read_bytes())["offset"]), 0)
+            record = json.loads((self.directory / RECOVERY_POINT_FILE).read_bytes())
+            offset = max(int(record["offset"]), 0)
         except (FileNotFoundError, ValueError, KeyError, TypeError):
-            return 0  # absent or torn by a crash: the whole last segment counts as tail
+            return 0, None  # absent or torn by a crash: the whole last segment counts as tail
+        clean = record.get(CLEAN_SHUTDOWN_KEY)
+        return offset, clean if isinstance(clean, dict) else None
 
-    def _write_recovery_point(self, *, sync: bool, offset: int | None = None) -> None:
+    def _write_recovery_point(self, *, sync: bool, offset: int | None = None,
+                              clean: dict | None = None) -> None:
         value = self._durable_offset if offset is None else offset
-        _atomic_write(self.directory / RECOVERY_POINT_FILE, json.dumps({"offset": value}).encode(),
+        record = {"offset": value} if clean is None else {"offset": value, CLEAN_SHUTDOWN_KEY: clean}
+        _atomic_write(self.directory / RECOVERY_POINT_FILE, json.dumps(record).encode(),
                       sync=sync, dir_fd=self._dir_fd if sync else None)
         self._recovery_point_written = value
 
@@ -999,9 +1055,22 @@ class PartitionLog:
                 self.flush()
                 os.fsync(self._active.fd)  # also what flush_end(durable=False) left unsynced
                 self._durable_offset = self._log_end_offset
-                self._write_recovery_point(sync=True)
+                self._write_recovery_point(sync=True, clean=self._record_clean_shutdown())
         finally:
             self._close_files()
+
+    def _record_clean_shutdown(self) -> dict | None:
+        """Write the last segment's index file, as for a sealed segment, and describe the
+        segment, so the next open can trust it without reading it whole (a 1 GiB segment
+        of small batches takes seconds to check batch by batch). None for an empty one."""
+        active = self._active
+        if active.size == 0:
+            return None
+        self._write_index_file(active)
+        return {"segment": active.base_offset, "size": active.size,
+                "next_offset": active.next_offset,
+                "last_data_offset": -1 if active.last_data_offset is None else active.last_data_offset,
+                "first_append_time_ms": active.first_append_time_ms}
 
     def _close_files(self) -> None:
         for segment in self._segments:

@@ -306,7 +306,10 @@ class PartitionOwner:
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,
               open_transactions=("recovering" if loaded.background
                                  else loaded.txns.open_count),
-              replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3))
+              replayed_batches=replayed, seconds=round(time.perf_counter() - began, 3),
+              log_open_seconds=round(self.log.recovery.duration_ms / 1000, 3),
+              clean_shutdown=self.log.recovery.clean_shutdown,
+              torn_bytes_truncated=self.log.recovery.truncated_bytes)
         if not loaded.background:
             self._txns_ready(loaded.txns)
 

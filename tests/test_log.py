@@ -539,6 +539,77 @@ def test_sealed_index_is_rebuilt_when_missing_or_damaged(tmp_path, damage):
         assert index_path.name in reopened.recovery.rebuilt_index_files
 
 
+# --- Clean shutdown ------------------------------------------------------------------------
+
+def build_cleanly_closed_log(directory: Path) -> tuple[dict, list[tuple[int, bytes]]]:
+    """A log whose last segment holds data batches then markers, closed cleanly."""
+    log = open_log(directory, segment_bytes=20_000, index_interval_bytes=500)
+    for i in range(40):
+        log.append([make_batch(3, 200, timestamp_ms=1_000 + i)])
+    log.append([encode_control_batch(ControlType.COMMIT, txn=(1, 1), coordinator_epoch=1,
+                                     timestamp_ms=5)])
+    log.flush()
+    live, batches = state_of(log), stored_batches(log)
+    log.close()
+    return live, batches
+
+
+def test_a_cleanly_closed_log_opens_without_reading_its_last_segment_and_then_forgets_that(
+        tmp_path):
+    live, batches = build_cleanly_closed_log(tmp_path / "p")
+    assert len(live["segments"]) > 1 and len(live["indexes"][-1]) > 1
+    log = open_log(tmp_path / "p", segment_bytes=20_000, index_interval_bytes=500)
+    assert log.recovery.clean_shutdown
+    assert state_of(log) == live and stored_batches(log) == batches
+    assert log.last_data_offset == live["positions"][3] < log.log_end_offset - 1  # marker last
+    assert not log.segments()[-1].path.endswith(".index")
+    assert not Path(log.segments()[-1].path).with_suffix(".index").exists()
+    # Appends after a clean open, then kill -9: the record is gone, so the next open reads
+    # the last segment batch by batch and finds everything, including the new batch.
+    log.append([make_batch(2, 100, timestamp_ms=9_999)])
+    log.flush()
+    expected = stored_batches(log)
+    copy = crash_copy(log, tmp_path / "crash")
+    log.close()
+    crashed = open_log(copy, segment_bytes=20_000, index_interval_bytes=500)
+    assert not crashed.recovery.clean_shutdown
+    assert stored_batches(crashed) == expected
+    assert crashed.offset_for_timestamp(9_999)[0] == expected[-1][0]
+    crashed.close()
+
+
+@pytest.mark.parametrize("change", ["appended", "truncated", "index damaged", "index missing",
+                                    "record torn", "verify all"])
+def test_a_clean_shutdown_record_that_does_not_match_the_files_is_not_trusted(tmp_path, change):
+    live, batches = build_cleanly_closed_log(tmp_path / "p")
+    last = Path(live["segments"][-1].path)
+    config = dict(segment_bytes=20_000, index_interval_bytes=500)
+    if change == "appended":  # e.g. a torn write by something that did not update the record
+        with open(last, "ab") as file:
+            file.write(make_batch(2, 100)[:50])
+    elif change == "truncated":
+        os.truncate(last, last.stat().st_size - 10)
+    elif change == "index damaged":
+        index = bytearray(last.with_suffix(".index").read_bytes())
+        index[-1] ^= 0xFF
+        last.with_suffix(".index").write_bytes(bytes(index))
+    elif change == "index missing":
+        last.with_suffix(".index").unlink()
+    elif change == "record torn":
+        (tmp_path / "p" / "recovery-point.json").write_text('{"offset": 1, "clean_shutdown": {"se')
+    else:
+        config["verify_all_segments_on_open"] = True
+    log = open_log(tmp_path / "p", **config)
+    assert not log.recovery.clean_shutdown
+    if change == "truncated":  # flushed data is missing: refused, as after any open
+        assert log.data_loss is not None and "recovery point" in log.data_loss.detail
+    else:
+        assert log.data_loss is None
+        assert stored_batches(log) == batches
+        assert state_of(log) == live
+    log.close()
+
+
 # --- Recovery equals a full replay ---------------------------------------------------------
 
 def replay(source: PartitionLog, destination: Path) -> PartitionLog:
@@ -582,6 +653,7 @@ operation = st.one_of(
     st.tuples(st.just("roll")),
     st.tuples(st.just("crash"), st.floats(0, 1)),
     st.tuples(st.just("truncate"), st.floats(0, 1)),
+    st.tuples(st.just("restart")),  # a clean close and open: the last segment is not re-read
 )
 
 
@@ -622,6 +694,13 @@ def test_recovery_equals_a_full_replay(operations, recovery_point_interval_ms,
                 offset = log.log_start_offset + int(op[1] * (log.log_end_offset - log.log_start_offset))
                 end = log.truncate_to(offset)
                 model = [(o, b) for o, b in model if o < end]
+            elif op[0] == "restart":
+                log.flush()
+                live = state_of(log)
+                log.close()
+                log = PartitionLog(directory, LogConfig(**config), clock_ms=clock)
+                assert log.recovery.clean_shutdown == (live["segments"][-1].size_bytes > 0)
+                assert state_of(log) == live
             else:  # crash, and maybe tear what was not flushed
                 active = log.segments()[-1]
                 flushed_below = max(log.high_watermark, active.base_offset)
@@ -632,7 +711,9 @@ def test_recovery_equals_a_full_replay(operations, recovery_point_interval_ms,
                 log.close()
                 os.truncate(segment_file(copy, active.base_offset), cut)
                 log = PartitionLog(copy, LogConfig(**config), clock_ms=clock)
+                directory = copy
                 assert log.data_loss is None
+                assert not log.recovery.clean_shutdown
                 survivors = [(o, b) for o, b in model if o < active.base_offset]
                 position = 0
                 for o, b in [(o, b) for o, b in model if o >= active.base_offset]:
