@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
+import threading
 import time
 from collections.abc import Iterable
 
@@ -31,6 +33,8 @@ class Client:
         self.channels = Channels()
         self.metadata = MetadataCache(addresses, self.channels)
         self.request_timeout_s = request_timeout_s
+        self._commit_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
 
     # ------------------------------------------------------------------ topics
     def create_topic(self, name: str, partitions: int, config: dict[str, str] | None = None):
@@ -128,7 +132,21 @@ class Client:
             time.sleep(backoff.delay(attempt))
         raise last or errors.error_for("SERVER_UNAVAILABLE", "no coordinator is registered")
 
+    def commit_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads Transaction.commit_async() runs commits on (made on first use; at
+        most 4 commits at a time, the rest queue)."""
+        with self._executor_lock:
+            if self._commit_executor is None:
+                self._commit_executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=4, thread_name_prefix="atomlog-commit")
+            return self._commit_executor
+
     def close(self) -> None:
+        """Wait for commits begun with commit_async(), then close the channels."""
+        with self._executor_lock:
+            executor, self._commit_executor = self._commit_executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
         self.channels.close()
 
     def __enter__(self) -> "Client":

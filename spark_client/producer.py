@@ -278,7 +278,7 @@ class Producer:
                     txn.session.producer_epoch != self._session.producer_epoch:
                 raise errors.ProducerFenced("the transaction belongs to an older session of "
                                             "this producer")
-            txn._check_open()
+            txn._check_accepting()
         if type(key) is not bytes:
             key = _bytes(key)
         if type(value) is not bytes:

@@ -35,6 +35,7 @@ older one (its calls fail with ProducerFenced; its open transaction is aborted).
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import uuid
@@ -121,6 +122,7 @@ class Transaction:
         self._pending: list = []  # anything with .result(timeout)
         self._flushers: list = []  # called before commit waits (producers' lingering batches)
         self._ended: str | None = None  # "committed" | "aborted"
+        self._committing = False  # commit() or commit_async() began: no new sends or acks
         self.kept_children: list[common_pb2.TxnId] = []
         self.existing = False  # NewTxn found this transaction by its idempotency key
         self.state_at_open = "OPEN"  # for an existing one: its state then (e.g. COMMITTED)
@@ -281,7 +283,7 @@ class Transaction:
         """commit() waits for this send or ack (anything with .result(timeout)) to be
         acknowledged first."""
         with self._lock:
-            self._check_open()
+            self._check_accepting()
             self._pending.append(future)
 
     def add_flusher(self, flush) -> None:
@@ -309,6 +311,8 @@ class Transaction:
         retry of one that already happened)."""
         if self._ended == "committed":
             return
+        with self._lock:
+            self._committing = True
         try:
             self._wait_pending()
         except errors.AtomlogClientError:
@@ -320,6 +324,19 @@ class Transaction:
                           [common_pb2.TxnId(tc_partition=t, sequence=q) for t, q in keep_children])
         self.kept_children = list(reply.kept_child_txn_ids)
         self._ended = "committed"
+
+    def commit_async(self, *, wait_for_markers: bool = False) -> concurrent.futures.Future:
+        """Begin commit() on one of the client's commit threads and return at once: the
+        future's result() is None once the transaction committed, or raises what commit()
+        would have raised. From this call on the transaction takes no new sends or acks.
+        The caller can go on producing in its next transaction meanwhile, so a stream of
+        transactions does not stall its producer while each commit waits for the last
+        acks and the coordinator (one producer may have many transactions open)."""
+        with self._lock:
+            if self._ended is None:
+                self._committing = True
+        return self._coordinators.client.commit_executor().submit(
+            self.commit, wait_for_markers=wait_for_markers)
 
     def abort(self) -> None:
         """Abort (safe to call again, and after the coordinator aborted it itself)."""
@@ -405,6 +422,14 @@ class Transaction:
         if self._ended is not None:
             raise errors.error_for("TRANSACTION_NOT_OPEN", f"transaction {self._name} is "
                                    f"{self._ended}")
+
+    def _check_accepting(self) -> None:
+        """New sends and acks: not once a commit began (registering the partitions of
+        what was sent before stays allowed while commit() flushes it)."""
+        self._check_open()
+        if self._committing:
+            raise errors.error_for("TRANSACTION_NOT_OPEN", f"transaction {self._name} is "
+                                   "committing: it takes no new sends or acks")
 
     @staticmethod
     def _raise_item_errors(item_errors) -> None:

@@ -119,6 +119,43 @@ def test_aborted_data_is_never_visible_and_is_listed_for_uncommitted_readers(cli
     assert (aborted[-1].txn_id.tc_partition, aborted[-1].txn_id.sequence) == txn.key
 
 
+def test_commit_async_lets_the_next_transaction_produce_while_the_last_commits(client):
+    """A stream of transactions on one producer: each commit runs in the background while
+    the next transaction's sends go on; every transaction ends committed, in full, and a
+    send into a transaction whose commit began is refused (nothing of it written)."""
+    topic, partition = "tx-crash", 2  # not killed by anything before this test
+    before = len(read_all(client, [topic], "read_committed"))
+    with client.producer() as producer:
+        commits, sent = [], []
+        for round_ in range(6):
+            txn = client.begin_transaction(timeout_s=60)
+            for i in range(50):
+                value = f"stream-{round_}-{i}".encode()
+                producer.send(topic, value, partition=partition, txn=txn)
+                sent.append(value)
+            commits.append((txn, txn.commit_async()))
+            with pytest.raises(errors.TransactionNotOpen, match="committing"):
+                producer.send(topic, b"too-late", partition=partition, txn=txn)
+        for txn, future in commits:
+            assert future.result(timeout=60) is None
+            assert txn.state() in ("COMMITTING", "COMMITTED")
+        aborted = client.begin_transaction(timeout_s=60)
+        producer.send(topic, b"aborted-in-stream", partition=partition, txn=aborted).result(10)
+        aborted.abort()  # a commit after that fails in the future, as commit() would
+        with pytest.raises(errors.TransactionAborted):
+            aborted.commit_async().result(timeout=30)
+        failing = client.begin_transaction(timeout_s=1.0)
+        producer.send(topic, b"timed-out-in-stream", partition=partition, txn=failing).result(10)
+        time.sleep(3.0)
+        with pytest.raises(errors.TransactionTimedOut):
+            failing.commit_async().result(timeout=30)
+    committed = values(read_all(client, [topic], "read_committed"))
+    assert len(committed) == before + len(sent)
+    assert [v for v in committed if v.startswith(b"stream-")] == sent  # in send order
+    assert b"too-late" not in committed and b"aborted-in-stream" not in committed
+    assert b"timed-out-in-stream" not in committed
+
+
 def test_an_open_transaction_holds_back_later_plain_writes(client):
     with client.producer() as producer:
         txn = client.begin_transaction(timeout_s=60)
