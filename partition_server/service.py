@@ -18,6 +18,7 @@ from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
                                            ControlType, TxnId, iter_batches, validate_batch)
+from partition_server.subscription_cursor import resolve_initial_position
 from partition_server.verifier import TxnVerifier
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
@@ -478,17 +479,40 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
         return list(zip(items, await asyncio.gather(*(one(i) for i in items))))
 
+    @staticmethod
+    def _check_position(position: int, offset: int, timestamp_ms: int, field: str) -> None:
+        if position not in (0, 1, 2, 3, 4):
+            raise AtomlogError("INVALID_ARGUMENT", f"unknown {field} {position}",
+                               {"field": field})
+        if position == partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET and offset < 0:
+            raise AtomlogError("INVALID_ARGUMENT", f"offset {offset} is negative",
+                               {"field": "offset"})
+        if position == partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP and timestamp_ms < 0:
+            raise AtomlogError("INVALID_ARGUMENT", f"timestamp_unix_ms {timestamp_ms} is "
+                               "negative", {"field": "timestamp_unix_ms"})
+
+    @staticmethod
+    def _resolve_position(owner: PartitionOwner, position: int, offset: int,
+                          timestamp_ms: int) -> tuple[int, int, int, int]:
+        """(InitialPosition, offset, log start, high watermark) for the cursor core: a
+        TIMESTAMP becomes the OFFSET of the first batch at or after it (or the high
+        watermark)."""
+        positions = owner.positions()
+        if position == partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP:
+            found = owner.offset_for_timestamp(timestamp_ms)
+            position = partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET
+            offset = positions["high_watermark"] if found is None else found[0]
+        return position, offset, positions["log_start_offset"], positions["high_watermark"]
+
     async def CreateSubscription(self, request, context):
-        if request.initial_position not in (0, 1, 2, 3):
-            raise AtomlogError("INVALID_ARGUMENT",
-                               f"unknown initial_position {request.initial_position}")
+        self._check_position(request.initial_position, request.start_offset,
+                             request.timestamp_unix_ms, "initial_position")
 
         async def create(sp):
             owner = await self._subscription_owner(sp)
-            positions = owner.positions()
-            return await owner.subscriptions.create(
-                sp.subscription, request.initial_position, request.start_offset,
-                positions["log_start_offset"], positions["high_watermark"])
+            return await owner.subscriptions.create(sp.subscription, *self._resolve_position(
+                owner, request.initial_position, request.start_offset,
+                request.timestamp_unix_ms))
 
         response = partition_pb2.CreateSubscriptionResponse()
         for sp, outcome in await self._each(request.subscription_partitions,
@@ -512,6 +536,29 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             result = response.results.add(subscription_partition=sp)
             if isinstance(outcome, AtomlogError):
                 result.error.CopyFrom(item_error(outcome))
+        return response
+
+    async def ResetSubscription(self, request, context):
+        if request.position == partition_pb2.SUBSCRIPTION_INITIAL_POSITION_UNSPECIFIED:
+            raise AtomlogError("INVALID_ARGUMENT", "position is required: EARLIEST, LATEST, "
+                               "OFFSET or TIMESTAMP", {"field": "position"})
+        self._check_position(request.position, request.offset, request.timestamp_unix_ms,
+                             "position")
+
+        async def reset(sp):
+            owner = await self._subscription_owner(sp)
+            target = resolve_initial_position(*self._resolve_position(
+                owner, request.position, request.offset, request.timestamp_unix_ms))
+            return await owner.subscriptions.reset(sp.subscription, target)
+
+        response = partition_pb2.ResetSubscriptionResponse()
+        for sp, outcome in await self._each(request.subscription_partitions,
+                                            "ResetSubscriptionRequest", reset):
+            if isinstance(outcome, AtomlogError):
+                response.results.add(subscription_partition=sp, error=item_error(outcome),
+                                     cumulative_end_offset=-1)
+            else:
+                response.results.add(subscription_partition=sp, cumulative_end_offset=outcome)
         return response
 
     async def Ack(self, request, context):

@@ -252,6 +252,17 @@ class PartitionSubscriptions:
 
         await self.change(decide)
 
+    async def reset(self, name: str, position: int) -> int:
+        """ResetSubscription to `position` (resolved and clamped by the caller): the new
+        cumulative end once durable."""
+        def decide(store: CursorStore) -> None:
+            store.stage(StoreEntry(name, store.cursor(name).plan_reset(position)))
+            self._blocked.discard(name)
+            self._wakeups.wake(name)  # waiting Receives deliver from the new position
+
+        await self.change(decide)
+        return self.cumulative_end(name)
+
     async def ack(self, name: str, cumulative_end: int, ranges, txn: TxnId | None,
                   limit: int) -> int:
         def decide(store: CursorStore) -> None:

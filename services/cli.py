@@ -457,6 +457,78 @@ def partition_recover(topic_name: str, number: int, file_name: str, offset: int,
                   f"high watermark {reply.high_watermark}")
 
 
+# ---------------------------------------------------------------- subscriptions
+@cli.group()
+def subscription() -> None:
+    """Move subscription cursors."""
+
+
+@subscription.command("reset")
+@click.argument("topic_name", metavar="TOPIC")
+@click.argument("name", metavar="SUBSCRIPTION")
+@click.option("--to", "to", type=click.Choice(["earliest", "latest", "offset", "timestamp"]),
+              required=True, help="earliest: all that is stored; latest: only new messages; "
+              "offset: --offset (clamped to what is stored); timestamp: the first message at "
+              "or after --timestamp-ms.")
+@click.option("--offset", type=int, default=None, help="With --to offset.")
+@click.option("--timestamp-ms", type=int, default=None, help="With --to timestamp (Unix ms).")
+@click.option("--partition", "-p", "partitions", type=int, multiple=True,
+              help="Only this partition (repeatable; default: every partition).")
+@bootstrap_option
+@data_dir_option
+@output_option
+def subscription_reset(topic_name: str, name: str, to: str, offset: int | None,
+                       timestamp_ms: int | None, partitions: tuple[int, ...],
+                       bootstrap: str | None, data_dir: Path, output: str) -> None:
+    """Move SUBSCRIPTION of TOPIC (a seek, e.g. to replay after a bug fix): everything
+    below the new position counts as acknowledged, everything from it on as not, and
+    messages out to consumers are forgotten. Refused (TRANSACTION_CONFLICT) on partitions
+    where the subscription has acks pending in an open transaction; the subscription must
+    exist (UNKNOWN_SUBSCRIPTION). Exits 1 if any partition was not moved."""
+    from atomlog.v1 import common_pb2, partition_pb2
+    from spark_client import Client
+    from spark_client.errors import AtomlogClientError
+
+    if (to == "offset") != (offset is not None) or \
+            (to == "timestamp") != (timestamp_ms is not None):
+        fail("--offset goes with --to offset, --timestamp-ms with --to timestamp", 2)
+    address = _bootstrap(bootstrap, data_dir)
+    try:
+        with Client(address) as client:
+            count = client.partitions_for(topic_name)
+    except AtomlogClientError as error:
+        fail(str(error))
+    numbers = sorted(set(partitions)) if partitions else list(range(count))
+    if any(not 0 <= n < count for n in numbers):
+        fail(f"topic {topic_name} has partitions 0-{count - 1}", 2)
+    position = getattr(partition_pb2, f"SUBSCRIPTION_INITIAL_POSITION_{to.upper()}")
+    rows, failed = [], 0
+    for number in numbers:
+        sp = common_pb2.SubscriptionPartition(topic=topic_name, partition=number,
+                                              subscription=name)
+        reply = _call_owner(address, topic_name, number, "ResetSubscription",
+                            partition_pb2.ResetSubscriptionRequest(
+                                subscription_partitions=[sp], position=position,
+                                offset=offset or 0, timestamp_unix_ms=timestamp_ms or 0))
+        result = reply.results[0]
+        error = f"{result.error.reason}: {result.error.message}" if result.error.reason else None
+        failed += error is not None
+        rows.append({"partition": number, "error": error,
+                     "position": None if error else result.cumulative_end_offset})
+    if output == "json":
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        table = Table()
+        for column in ("partition", "new position", "error"):
+            table.add_column(column)
+        for row in rows:
+            table.add_row(str(row["partition"]), "-" if row["position"] is None
+                          else str(row["position"]), row["error"] or "")
+        console.print(table)
+    if failed:
+        fail(f"{failed} of {len(rows)} partitions not moved")
+
+
 # ---------------------------------------------------------------- transactions
 # The string form of a transaction id is "<tc partition>:<sequence>", e.g. "3:17": what
 # coordinator.records.TxnId.__str__ and the SDK's Transaction.id print. These two functions

@@ -269,6 +269,38 @@ class SubscriptionConsumer:
                         for s, e in ranges[(t, p)]]) for t, p in group]), list(ranges))
         self._raise(results)
 
+    def reset(self, to: str = "earliest", *, offset: int | None = None,
+              timestamp_ms: int | None = None, partitions=None) -> dict[tuple[str, int], int]:
+        """Move the subscription's cursors (a seek, for every consumer of it): `to` is
+        "earliest", "latest", "offset" (with `offset`, clamped to what the partition
+        holds) or "timestamp" (with `timestamp_ms`: the first message at or after it).
+        Everything below the new position counts as acknowledged, everything from it on
+        as not. `partitions` ((topic, partition) pairs) limits it; default: all of this
+        consumer's. Returns each partition's new position. Raises TransactionConflict
+        while acks of the subscription are pending in an open transaction."""
+        positions = {"earliest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
+                     "latest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_LATEST,
+                     "offset": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET,
+                     "timestamp": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP}
+        if to not in positions:
+            raise ValueError(f"to must be one of {sorted(positions)}")
+        if (to == "offset") != (offset is not None) or \
+                (to == "timestamp") != (timestamp_ms is not None):
+            raise ValueError("offset goes with to='offset', timestamp_ms with to='timestamp'")
+        targets = list(self.partitions if partitions is None else partitions)
+        unknown = [tp for tp in targets if tp not in self.partitions]
+        if unknown:
+            raise ValueError(f"not partitions of this consumer: {unknown}")
+        self._buffer = []  # delivered before the move: the server forgot them
+        results = self._call_all(
+            "ResetSubscription", lambda group: partition_pb2.ResetSubscriptionRequest(
+                subscription_partitions=[self._sp(t, p) for t, p in group],
+                position=positions[to], offset=offset or 0,
+                timestamp_unix_ms=timestamp_ms or 0), targets)
+        self._raise(results)
+        sp = [r.subscription_partition for r in results]
+        return {(s.topic, s.partition): r.cumulative_end_offset for s, r in zip(sp, results)}
+
     def describe(self) -> list:
         """The server's SubscriptionCursor of every partition."""
         results = self._call_all("DescribeSubscription",

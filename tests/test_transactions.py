@@ -4,6 +4,7 @@ read_committed filtering) driven through the SDK, and survival of kill -9."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -123,7 +124,8 @@ def test_commit_async_lets_the_next_transaction_produce_while_the_last_commits(c
     """A stream of transactions on one producer: each commit runs in the background while
     the next transaction's sends go on; every transaction ends committed, in full, and a
     send into a transaction whose commit began is refused (nothing of it written)."""
-    topic, partition = "tx-crash", 2  # not killed by anything before this test
+    topic, partition = "tx-stream", 2
+    client.create_topic(topic, partitions=PARTITIONS)
     before = len(read_all(client, [topic], "read_committed"))
     with client.producer() as producer:
         commits, sent = [], []
@@ -305,6 +307,84 @@ def test_subscription_acks_are_durable_and_redelivery_follows_nacks(client):
         while len(rest) < 10 and time.monotonic() < deadline:
             rest.extend(consumer.poll(timeout_s=0.2))
         assert sorted(m.partition for m in rest) == [1] * 10
+
+
+def poll_all(consumer, count: int, timeout_s: float = 10) -> list:
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got.extend(consumer.poll(timeout_s=0.2))
+    return got
+
+
+def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(cluster,
+                                                                                client):
+    topic = "tx-reset"
+    client.create_topic(topic, partitions=2)
+    with client.producer() as producer:
+        for i in range(10):
+            producer.send(topic, f"early{i}", partition=0, timestamp_ms=1_000 + i)
+        producer.flush()
+        for i in range(10):
+            producer.send(topic, f"late{i}", partition=0, timestamp_ms=5_000 + i)
+        producer.flush()
+    p0 = (topic, 0)
+    with client.consumer(topic, subscription="r", ack_timeout_s=60) as consumer:
+        got = poll_all(consumer, 20)
+        assert [m.offset for m in got] == list(range(20))
+        consumer.ack_cumulative(got[-1])
+        assert consumer.reset("earliest", partitions=[p0]) == {p0: 0}
+        assert values(poll_all(consumer, 20)) == values(got)  # replayed in order
+        moved = consumer.reset("timestamp", timestamp_ms=3_000)  # the first batch at/after
+        assert moved == {p0: 10, (topic, 1): 0}
+        assert values(poll_all(consumer, 10)) == [f"late{i}".encode() for i in range(10)]
+        assert consumer.reset("offset", offset=15, partitions=[p0]) == {p0: 15}
+        assert [m.offset for m in poll_all(consumer, 5)] == list(range(15, 20))
+        assert consumer.reset("offset", offset=10**9, partitions=[p0]) == {p0: 20}  # clamped
+        assert consumer.poll(timeout_s=0.3) == []
+        with pytest.raises(ValueError):
+            consumer.reset("offset")  # no offset: refused before any call
+
+        # Acks pending in an open transaction: the cursor cannot move under them.
+        with client.producer() as producer:
+            producer.send(topic, b"pending", partition=0).result(10)
+        (pending,) = poll_all(consumer, 1)
+        txn = client.begin_transaction(timeout_s=60)
+        consumer.ack(pending, txn=txn)
+        with pytest.raises(errors.TransactionConflict):
+            consumer.reset("earliest", partitions=[p0])
+        cursor = next(c for c in consumer.describe() if c.subscription_partition.partition == 0)
+        assert cursor.cumulative_end_offset == 20 and cursor.pending_acks  # unchanged
+        txn.commit(wait_for_markers=True)
+        assert consumer.reset("earliest", partitions=[p0]) == {p0: 0}
+
+    # The operator's command: every partition by default, JSON on request, and a missing
+    # subscription is an error that moves nothing.
+    rows = json.loads(cluster.run("subscription", "reset", topic, "r", "--to", "latest",
+                                  "-o", "json").stdout)
+    end = describe(client, topic, 0).high_watermark
+    assert rows == [{"partition": 0, "error": None, "position": end},
+                    {"partition": 1, "error": None, "position": 0}]
+    missing = cluster.run("subscription", "reset", topic, "nobody", "--to", "earliest",
+                          check=False)
+    assert missing.returncode == 1 and "UNKNOWN_SUBSCRIPTION" in missing.stdout
+    address = client.metadata.route(topic, 0).address
+    stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+    sp = common_pb2.SubscriptionPartition(topic=topic, partition=0, subscription="r")
+    for bad in (dict(), dict(position=9), dict(position=3, offset=-1),
+                dict(position=4, timestamp_unix_ms=-5)):
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ResetSubscription(partition_pb2.ResetSubscriptionRequest(
+                subscription_partitions=[sp], **bad), timeout=10)
+        assert from_rpc_error(raised.value).reason == "INVALID_ARGUMENT", bad
+    with client.consumer(topic, subscription="r") as consumer:
+        cursor = next(c for c in consumer.describe() if c.subscription_partition.partition == 0)
+        assert cursor.cumulative_end_offset == end  # the refusals moved nothing
+    created = stub.CreateSubscription(partition_pb2.CreateSubscriptionRequest(
+        subscription_partitions=[common_pb2.SubscriptionPartition(
+            topic=topic, partition=0, subscription="from-5s")],
+        initial_position=partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP,
+        timestamp_unix_ms=3_000), timeout=10)
+    assert created.results[0].created and created.results[0].cumulative_end_offset == 10
 
 
 def test_transactional_acks_apply_on_commit_and_come_back_on_abort(client):

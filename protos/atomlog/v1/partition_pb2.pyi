@@ -28,6 +28,7 @@ class SubscriptionInitialPosition(int, metaclass=_enum_type_wrapper.EnumTypeWrap
     SUBSCRIPTION_INITIAL_POSITION_EARLIEST: _ClassVar[SubscriptionInitialPosition]
     SUBSCRIPTION_INITIAL_POSITION_LATEST: _ClassVar[SubscriptionInitialPosition]
     SUBSCRIPTION_INITIAL_POSITION_OFFSET: _ClassVar[SubscriptionInitialPosition]
+    SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP: _ClassVar[SubscriptionInitialPosition]
 
 class PartitionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +48,7 @@ SUBSCRIPTION_INITIAL_POSITION_UNSPECIFIED: SubscriptionInitialPosition
 SUBSCRIPTION_INITIAL_POSITION_EARLIEST: SubscriptionInitialPosition
 SUBSCRIPTION_INITIAL_POSITION_LATEST: SubscriptionInitialPosition
 SUBSCRIPTION_INITIAL_POSITION_OFFSET: SubscriptionInitialPosition
+SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP: SubscriptionInitialPosition
 PARTITION_STATE_UNSPECIFIED: PartitionState
 PARTITION_STATE_LOADING: PartitionState
 PARTITION_STATE_ONLINE: PartitionState
@@ -256,14 +258,16 @@ class DeleteRecordsResult(_message.Message):
     def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., log_start_offset: _Optional[int] = ...) -> None: ...
 
 class CreateSubscriptionRequest(_message.Message):
-    __slots__ = ("subscription_partitions", "initial_position", "start_offset")
+    __slots__ = ("subscription_partitions", "initial_position", "start_offset", "timestamp_unix_ms")
     SUBSCRIPTION_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     INITIAL_POSITION_FIELD_NUMBER: _ClassVar[int]
     START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     subscription_partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SubscriptionPartition]
     initial_position: SubscriptionInitialPosition
     start_offset: int
-    def __init__(self, subscription_partitions: _Optional[_Iterable[_Union[_common_pb2.SubscriptionPartition, _Mapping]]] = ..., initial_position: _Optional[_Union[SubscriptionInitialPosition, str]] = ..., start_offset: _Optional[int] = ...) -> None: ...
+    timestamp_unix_ms: int
+    def __init__(self, subscription_partitions: _Optional[_Iterable[_Union[_common_pb2.SubscriptionPartition, _Mapping]]] = ..., initial_position: _Optional[_Union[SubscriptionInitialPosition, str]] = ..., start_offset: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ...) -> None: ...
 
 class CreateSubscriptionResponse(_message.Message):
     __slots__ = ("results",)
@@ -302,6 +306,34 @@ class DeleteSubscriptionResult(_message.Message):
     subscription_partition: _common_pb2.SubscriptionPartition
     error: ItemError
     def __init__(self, subscription_partition: _Optional[_Union[_common_pb2.SubscriptionPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class ResetSubscriptionRequest(_message.Message):
+    __slots__ = ("subscription_partitions", "position", "offset", "timestamp_unix_ms")
+    SUBSCRIPTION_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    subscription_partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SubscriptionPartition]
+    position: SubscriptionInitialPosition
+    offset: int
+    timestamp_unix_ms: int
+    def __init__(self, subscription_partitions: _Optional[_Iterable[_Union[_common_pb2.SubscriptionPartition, _Mapping]]] = ..., position: _Optional[_Union[SubscriptionInitialPosition, str]] = ..., offset: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ResetSubscriptionResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ResetSubscriptionResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ResetSubscriptionResult, _Mapping]]] = ...) -> None: ...
+
+class ResetSubscriptionResult(_message.Message):
+    __slots__ = ("subscription_partition", "error", "cumulative_end_offset")
+    SUBSCRIPTION_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    subscription_partition: _common_pb2.SubscriptionPartition
+    error: ItemError
+    cumulative_end_offset: int
+    def __init__(self, subscription_partition: _Optional[_Union[_common_pb2.SubscriptionPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., cumulative_end_offset: _Optional[int] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
     __slots__ = ("consumer_id", "subscription_partitions", "isolation_level", "max_wait_ms", "max_bytes", "ack_timeout_ms")

@@ -83,6 +83,11 @@ class PartitionServiceStub:
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.DeleteSubscriptionRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_partition__pb2.DeleteSubscriptionResponse.FromString,
                 _registered_method=True)
+        self.ResetSubscription = channel.unary_unary(
+                '/atomlog.v1.PartitionService/ResetSubscription',
+                request_serializer=atomlog_dot_v1_dot_partition__pb2.ResetSubscriptionRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_partition__pb2.ResetSubscriptionResponse.FromString,
+                _registered_method=True)
         self.Receive = channel.unary_unary(
                 '/atomlog.v1.PartitionService/Receive',
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.ReceiveRequest.SerializeToString,
@@ -200,6 +205,18 @@ class PartitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetSubscription(self, request, context):
+        """Moves subscription cursors (a seek, e.g. to replay after a bug fix): every offset
+        below the new position counts as acknowledged and every offset from it on as not,
+        and messages out to consumers are forgotten (their late acks below the position are
+        no-ops; waiting Receives deliver from the new position). Refused per item with
+        "TRANSACTION_CONFLICT" while the cursor has acknowledgements pending in an open
+        transaction, "UNKNOWN_SUBSCRIPTION" for a cursor that does not exist.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Receive(self, request, context):
         """Delivers messages of subscriptions to a consumer: new messages from the cursor, plus
         messages whose previous delivery timed out (ack timeout) or was negatively
@@ -303,6 +320,11 @@ def add_PartitionServiceServicer_to_server(servicer, server):
                     servicer.DeleteSubscription,
                     request_deserializer=atomlog_dot_v1_dot_partition__pb2.DeleteSubscriptionRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_partition__pb2.DeleteSubscriptionResponse.SerializeToString,
+            ),
+            'ResetSubscription': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetSubscription,
+                    request_deserializer=atomlog_dot_v1_dot_partition__pb2.ResetSubscriptionRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_partition__pb2.ResetSubscriptionResponse.SerializeToString,
             ),
             'Receive': grpc.unary_unary_rpc_method_handler(
                     servicer.Receive,
@@ -526,6 +548,33 @@ class PartitionService:
             '/atomlog.v1.PartitionService/DeleteSubscription',
             atomlog_dot_v1_dot_partition__pb2.DeleteSubscriptionRequest.SerializeToString,
             atomlog_dot_v1_dot_partition__pb2.DeleteSubscriptionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetSubscription(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.PartitionService/ResetSubscription',
+            atomlog_dot_v1_dot_partition__pb2.ResetSubscriptionRequest.SerializeToString,
+            atomlog_dot_v1_dot_partition__pb2.ResetSubscriptionResponse.FromString,
             options,
             channel_credentials,
             insecure,
