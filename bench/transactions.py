@@ -357,16 +357,18 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: d
         "in-process next to the coordinator rather than by RPC, verification without a",
         "call per partition server — not done.",
         f"The stream overhead is {overhead:.1f}% with a waiting commit() and "
-        f"{overhead_async:.1f}% with commit_async() ("
-        + ("within" if overhead_async <= 3 else "above") + " the 3% target)"
-        + " in this run; each compares runs one after the other on separate partitions, and",
-        "moves by several points between runs here (back-to-back pairs of 8 s cells gave",
-        "-0.1% and -1.2% with lazy begin, and 8.5% and 8.0% in a later session, 9.6% and 2.1% without). Every 100 ms a",
-        "transaction adds NewTxn (with its partition), a verification and EndTxn, and the",
-        "producer waits for",
-        "its in-flight batches before each commit() (the pipeline drains 10 times a second);",
-        "commit_async() leaves that wait, and EndTxn, to a commit thread while the next",
-        "transaction's records flow, so what remains is the calls' CPU.",
+        f"{overhead_async:.1f}% with commit_async() in this run. The three 10 s cells run",
+        "one after another on separate partitions and each swings by about 10% between runs",
+        "here (the idempotent cell gave 112k, 115k and 94k records/s in three runs on",
+        "2026-11-21), so a difference of a few points is noise. Every 100 ms a transaction",
+        "adds NewTxn (with its partition), a verification and EndTxn, and commit() first",
+        "waits for the transaction's in-flight batches (the pipeline drains 10 times a",
+        "second); commit_async() leaves that wait and EndTxn to a commit thread while the",
+        "next transaction's records flow. Over those three runs it was not consistently",
+        "better (commit() vs commit_async(): 1.7% vs 3.0%, 10.5% vs 17.5%, -6.1% vs",
+        "-12.3%): the producer is CPU-bound, the commit thread competes with its two threads",
+        "for the one GIL, and each transaction still makes the sender thread call NewTxn and",
+        "its first write wait for a verification.",
         f"read_committed reads at {ratio * 100:.0f}% of read_uncommitted: "
         + ("within" if ratio >= 0.9 else "outside") + " the 10% target.",
         "",
