@@ -107,23 +107,31 @@ class PartitionSubscriptions:
         self._files = threading.Lock()  # open() and snapshot steps on worker threads
         self._wakeups = _Wakeups()
         self._blocked: set[str] = set()  # the last Receive found new deliveries stopped
+        # Bumped by close(): a reopen after a failure that finishes after a close (and
+        # maybe the owner's own open) closes what it opened instead of installing it.
+        self._generation = 0
 
     def open(self, log_start_offset: int) -> None:
         """Blocking (recovery reads files): call on a worker thread. Waits for a snapshot
         step still running on a worker thread (the directory is then consistent)."""
+        self.store, self.error = self._open_store(log_start_offset)
+
+    def _open_store(self, log_start_offset: int) -> tuple[CursorStore | None,
+                                                          AtomlogError | None]:
         with self._files:
             try:
-                self.store = CursorStore.open(self.directory, self.limits)
-                self.store.forget_below(log_start_offset)
-                self.error = None
+                store = CursorStore.open(self.directory, self.limits)
+                store.forget_below(log_start_offset)
+                return store, None
             except AtomlogError as error:
-                self.store, self.error = None, error
                 event(log, "subscriptions refuse to serve", logging.ERROR,
                       partition=self.name, error=error.message)
+                return None, error
 
     def close(self) -> None:
         """On the loop. A snapshot step still running finishes on its own (the store
         abandons what is left of it); open() waits for it."""
+        self._generation += 1
         self._wakeups.wake_all()
         self._blocked.clear()
         if self.store is not None:
@@ -218,7 +226,13 @@ class PartitionSubscriptions:
         self.store, self.error = None, failure
         self._blocked.clear()
         self._wakeups.wake_all()
-        await asyncio.to_thread(self.open, self._log_start())  # what is durable
+        generation = self._generation
+        reopened, error = await asyncio.to_thread(self._open_store, self._log_start())
+        if generation != self._generation:  # the owner closed (maybe reopened) meanwhile
+            if reopened is not None:
+                reopened.close()  # not installed: its files must not stay open
+            return failure
+        self.store, self.error = reopened, error  # what is durable
         self._wakeups.wake_all()  # deliveries were volatile: everything is deliverable
         return failure
 

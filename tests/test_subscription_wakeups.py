@@ -17,6 +17,7 @@ deadline and long before the long poll would have ended on its own.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from atomlog.v1 import common_pb2, partition_pb2
@@ -26,6 +27,7 @@ from partition_server.owner import OwnerSettings, PartitionOwner
 from partition_server.record_batch import Record, TxnId, encode_batch, parse_header
 from partition_server.service import PartitionServicer
 from partition_server.subscription_cursor import CursorLimits
+from partition_server.subscriptions import PartitionSubscriptions
 
 SP = common_pb2.SubscriptionPartition(topic="t", partition=0, subscription="s")
 LONG_MS = 60_000  # an ack timeout / long poll that never ends within a test
@@ -233,3 +235,42 @@ def test_a_delivery_with_an_earlier_deadline_wakes_long_polls(tmp_path):
         assert await woken(mark)
 
     run(tmp_path, scenario)
+
+
+def test_a_reopen_after_a_failure_that_ends_after_a_close_does_not_leak_its_store(tmp_path):
+    """The store fails and is being reopened on a worker thread when the owner closes the
+    subscriptions and opens them again: the late reopen closes what it opened instead of
+    replacing (and leaking) the owner's store."""
+    async def scenario():
+        subscriptions = PartitionSubscriptions("t-0", tmp_path / "cursors", CursorStoreLimits(),
+                                               lambda: 0)
+        await asyncio.to_thread(subscriptions.open, 0)
+        await subscriptions.create("s", 1, 0, 0, 0)
+        failed = subscriptions.store
+        release, late = threading.Event(), []
+        open_store = subscriptions._open_store
+
+        def slow_open(log_start: int):
+            release.wait(10)
+            late.append(open_store(log_start))
+            return late[-1]
+
+        subscriptions._open_store = slow_open
+        recovering = asyncio.ensure_future(subscriptions._recover(failed, OSError("disk gone")))
+        await asyncio.sleep(0.05)
+        assert subscriptions.store is None  # closed, reopening
+        subscriptions.close()  # the owner reloads the partition meanwhile
+        subscriptions._open_store = open_store
+        await asyncio.to_thread(subscriptions.open, 0)
+        owners = subscriptions.store
+        release.set()
+        failure = await recovering
+        assert failure.reason == "PARTITION_LOADING"
+        assert subscriptions.store is owners and not owners.closed
+        (reopened, error), = late
+        assert error is None and reopened is not owners and reopened.closed
+        assert "s" in owners.cursors()
+        subscriptions.close()
+        assert owners.closed
+
+    asyncio.run(scenario())
