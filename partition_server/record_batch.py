@@ -560,28 +560,8 @@ def _decode_block(data: bytes, header: BatchHeader) -> tuple[list[Record], int]:
             offset_delta, pos = _get_uvarint(data, pos, record_end)
         if offset_delta != index:
             raise _corrupt(f"record {index} has offset delta {offset_delta}")
-        byte = data[pos]
-        if byte < 0x80:
-            length, pos = (byte >> 1) ^ -(byte & 1), pos + 1
-        else:
-            length, pos = _get_zvarint(data, pos, record_end)
-        if length == -1:
-            key = None
-        elif 0 <= length <= record_end - pos:
-            key, pos = data[pos:pos + length], pos + length
-        else:
-            raise _corrupt(f"record {index}: bad key/value length {length}")
-        byte = data[pos]
-        if byte < 0x80:
-            length, pos = (byte >> 1) ^ -(byte & 1), pos + 1
-        else:
-            length, pos = _get_zvarint(data, pos, record_end)
-        if length == -1:
-            value = None
-        elif 0 <= length <= record_end - pos:
-            value, pos = data[pos:pos + length], pos + length
-        else:
-            raise _corrupt(f"record {index}: bad key/value length {length}")
+        key, pos = _get_nullable_bytes(data, pos, record_end, index)
+        value, pos = _get_nullable_bytes(data, pos, record_end, index)
         if pos < record_end and data[pos] == 0:
             headers, pos = (), pos + 1
         else:
@@ -592,6 +572,20 @@ def _decode_block(data: bytes, header: BatchHeader) -> tuple[list[Record], int]:
         append(Record(key, value, headers, base_timestamp + timestamp_delta,
                       base_offset + offset_delta))
     return records, pos
+
+
+def _get_nullable_bytes(data: bytes, pos: int, end: int, index: int) -> tuple[bytes | None, int]:
+    """A key or value: zigzag length (-1: null), then that many bytes."""
+    byte = data[pos]
+    if byte < 0x80:
+        length, pos = (byte >> 1) ^ -(byte & 1), pos + 1
+    else:
+        length, pos = _get_zvarint(data, pos, end)
+    if length == -1:
+        return None, pos
+    if 0 <= length <= end - pos:
+        return data[pos:pos + length], pos + length
+    raise _corrupt(f"record {index}: bad key/value length {length}")
 
 
 def _decode_headers(data: bytes, pos: int, end: int, index: int) -> tuple[tuple, int]:

@@ -18,7 +18,7 @@ from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
                                            ControlType, TxnId, iter_batches, validate_batch)
-from partition_server.subscription_cursor import resolve_initial_position
+from partition_server.subscription_cursor import InitialPosition, resolve_initial_position
 from partition_server.verifier import TxnVerifier
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
@@ -481,7 +481,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
     @staticmethod
     def _check_position(position: int, offset: int, timestamp_ms: int, field: str) -> None:
-        if position not in (0, 1, 2, 3, 4):
+        if position not in partition_pb2.SubscriptionInitialPosition.values():
             raise AtomlogError("INVALID_ARGUMENT", f"unknown {field} {position}",
                                {"field": field})
         if position == partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET and offset < 0:
@@ -493,16 +493,29 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
     @staticmethod
     def _resolve_position(owner: PartitionOwner, position: int, offset: int,
-                          timestamp_ms: int) -> tuple[int, int, int, int]:
-        """(InitialPosition, offset, log start, high watermark) for the cursor core: a
-        TIMESTAMP becomes the OFFSET of the first batch at or after it (or the high
-        watermark)."""
+                          timestamp_ms: int) -> int:
+        """The cursor position a SubscriptionInitialPosition names on this partition
+        (UNSPECIFIED: LATEST; TIMESTAMP: the OFFSET of the first batch at or after it, or
+        the high watermark), clamped to [log start, high watermark]."""
         positions = owner.positions()
         if position == partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP:
             found = owner.offset_for_timestamp(timestamp_ms)
             position = partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET
             offset = positions["high_watermark"] if found is None else found[0]
-        return position, offset, positions["log_start_offset"], positions["high_watermark"]
+        return resolve_initial_position(
+            InitialPosition(position or InitialPosition.LATEST), offset,
+            positions["log_start_offset"], positions["high_watermark"])
+
+    @staticmethod
+    def _cursor_results(response, outcomes) -> None:
+        """One result per (subscription partition, outcome): its cumulative end, or its
+        error and -1."""
+        for sp, outcome in outcomes:
+            if isinstance(outcome, AtomlogError):
+                response.results.add(subscription_partition=sp, error=item_error(outcome),
+                                     cumulative_end_offset=-1)
+            else:
+                response.results.add(subscription_partition=sp, cumulative_end_offset=outcome)
 
     async def CreateSubscription(self, request, context):
         self._check_position(request.initial_position, request.start_offset,
@@ -510,7 +523,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
         async def create(sp):
             owner = await self._subscription_owner(sp)
-            return await owner.subscriptions.create(sp.subscription, *self._resolve_position(
+            return await owner.subscriptions.create(sp.subscription, self._resolve_position(
                 owner, request.initial_position, request.start_offset,
                 request.timestamp_unix_ms))
 
@@ -547,18 +560,12 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
         async def reset(sp):
             owner = await self._subscription_owner(sp)
-            target = resolve_initial_position(*self._resolve_position(
+            return await owner.subscriptions.reset(sp.subscription, self._resolve_position(
                 owner, request.position, request.offset, request.timestamp_unix_ms))
-            return await owner.subscriptions.reset(sp.subscription, target)
 
         response = partition_pb2.ResetSubscriptionResponse()
-        for sp, outcome in await self._each(request.subscription_partitions,
-                                            "ResetSubscriptionRequest", reset):
-            if isinstance(outcome, AtomlogError):
-                response.results.add(subscription_partition=sp, error=item_error(outcome),
-                                     cumulative_end_offset=-1)
-            else:
-                response.results.add(subscription_partition=sp, cumulative_end_offset=outcome)
+        self._cursor_results(response, await self._each(
+            request.subscription_partitions, "ResetSubscriptionRequest", reset))
         return response
 
     async def Ack(self, request, context):
@@ -577,13 +584,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                                                  ranges, txn, owner.max_read_position())
 
         response = partition_pb2.AckResponse()
-        for item, outcome in await self._each(request.items, "AckRequest", ack):
-            sp = item.subscription_partition
-            if isinstance(outcome, AtomlogError):
-                response.results.add(subscription_partition=sp, error=item_error(outcome),
-                                     cumulative_end_offset=-1)
-            else:
-                response.results.add(subscription_partition=sp, cumulative_end_offset=outcome)
+        self._cursor_results(response, ((item.subscription_partition, outcome) for item, outcome
+                                        in await self._each(request.items, "AckRequest", ack)))
         return response
 
     async def _verify_ack(self, owner: PartitionOwner, txn: TxnId, subscription: str) -> None:

@@ -33,8 +33,7 @@ from pathlib import Path
 
 from partition_server.cursor_store import CursorStore, CursorStoreLimits, SnapshotJob, StoreEntry
 from partition_server.record_batch import TxnId, iter_batches
-from partition_server.subscription_cursor import (CursorDescription, Delivery, InitialPosition,
-                                                  OffsetRange, resolve_initial_position)
+from partition_server.subscription_cursor import CursorDescription, Delivery, OffsetRange
 from services.errors import AtomlogError
 from services.logs import event
 
@@ -244,12 +243,10 @@ class PartitionSubscriptions:
         return result
 
     # ------------------------------------------------------------------ operations
-    async def create(self, name: str, initial: int, start_offset: int, log_start: int,
-                     high_watermark: int) -> tuple[bool, int]:
+    async def create(self, name: str, position: int) -> tuple[bool, int]:
+        """CreateSubscription at `position` (resolved and clamped by the caller): whether
+        this call created it, and its cumulative end, once durable."""
         def decide(store: CursorStore) -> bool:
-            position = resolve_initial_position(
-                InitialPosition(initial or InitialPosition.LATEST), start_offset, log_start,
-                high_watermark)
             entry = store.plan_create(name, position)
             if entry is not None:
                 store.stage(entry)

@@ -32,7 +32,8 @@ def tune(mmap_threshold: int, trim_threshold: int) -> bool:
             libc = ctypes.CDLL("libc.so.6")
         except OSError:
             return False  # not glibc: nothing to tune
-        libc.mallopt(_M_MMAP_THRESHOLD, wanted[0])
-        libc.mallopt(_M_TRIM_THRESHOLD, wanted[1])
+        if not (libc.mallopt(_M_MMAP_THRESHOLD, wanted[0])
+                and libc.mallopt(_M_TRIM_THRESHOLD, wanted[1])):
+            return False  # refused (mallopt returns 0): the process keeps glibc's defaults
         _applied = wanted
         return True

@@ -487,34 +487,47 @@ def subscription_reset(topic_name: str, name: str, to: str, offset: int | None,
     exist (UNKNOWN_SUBSCRIPTION). Exits 1 if any partition was not moved."""
     from atomlog.v1 import common_pb2, partition_pb2
     from spark_client import Client
-    from spark_client.errors import AtomlogClientError
+    from spark_client.errors import AtomlogClientError, from_grpc
 
     if (to == "offset") != (offset is not None) or \
             (to == "timestamp") != (timestamp_ms is not None):
         fail("--offset goes with --to offset, --timestamp-ms with --to timestamp", 2)
-    address = _bootstrap(bootstrap, data_dir)
+    position = getattr(partition_pb2, f"SUBSCRIPTION_INITIAL_POSITION_{to.upper()}")
+    outcomes: dict[int, tuple[int | None, str | None]] = {}  # partition -> (position, error)
     try:
-        with Client(address) as client:
+        with Client(_bootstrap(bootstrap, data_dir)) as client:
             count = client.partitions_for(topic_name)
+            numbers = sorted(set(partitions)) if partitions else list(range(count))
+            if any(not 0 <= n < count for n in numbers):
+                fail(f"topic {topic_name} has partitions 0-{count - 1}", 2)
+            by_owner: dict[str, list[int]] = {}
+            for number in numbers:
+                owner = client.metadata.route(topic_name, number).address
+                if owner:
+                    by_owner.setdefault(owner, []).append(number)
+                else:
+                    outcomes[number] = (None, "SERVER_UNAVAILABLE: the partition's owner is down")
+            for owner, group in by_owner.items():  # one call per partition server
+                try:
+                    reply = client.channels.partition(owner).ResetSubscription(
+                        partition_pb2.ResetSubscriptionRequest(
+                            subscription_partitions=[common_pb2.SubscriptionPartition(
+                                topic=topic_name, partition=n, subscription=name)
+                                for n in group],
+                            position=position, offset=offset or 0,
+                            timestamp_unix_ms=timestamp_ms or 0), timeout=10)
+                except grpc.RpcError as rpc_error:
+                    error = str(from_grpc(rpc_error))
+                    outcomes.update((n, (None, error)) for n in group)
+                    continue
+                for n, result in zip(group, reply.results, strict=True):
+                    outcomes[n] = ((None, f"{result.error.reason}: {result.error.message}")
+                                   if result.error.reason else (result.cumulative_end_offset, None))
     except AtomlogClientError as error:
         fail(str(error))
-    numbers = sorted(set(partitions)) if partitions else list(range(count))
-    if any(not 0 <= n < count for n in numbers):
-        fail(f"topic {topic_name} has partitions 0-{count - 1}", 2)
-    position = getattr(partition_pb2, f"SUBSCRIPTION_INITIAL_POSITION_{to.upper()}")
-    rows, failed = [], 0
-    for number in numbers:
-        sp = common_pb2.SubscriptionPartition(topic=topic_name, partition=number,
-                                              subscription=name)
-        reply = _call_owner(address, topic_name, number, "ResetSubscription",
-                            partition_pb2.ResetSubscriptionRequest(
-                                subscription_partitions=[sp], position=position,
-                                offset=offset or 0, timestamp_unix_ms=timestamp_ms or 0))
-        result = reply.results[0]
-        error = f"{result.error.reason}: {result.error.message}" if result.error.reason else None
-        failed += error is not None
-        rows.append({"partition": number, "error": error,
-                     "position": None if error else result.cumulative_end_offset})
+    rows = [{"partition": n, "error": outcomes[n][1], "position": outcomes[n][0]}
+            for n in numbers]
+    failed = sum(row["error"] is not None for row in rows)
     if output == "json":
         click.echo(json.dumps(rows, indent=2))
     else:

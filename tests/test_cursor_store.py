@@ -37,7 +37,6 @@ from partition_server.subscription_cursor import (
     Acked,
     Created,
     CursorLimits,
-    InitialPosition,
     OffsetRange,
     PendingAck,
     TxnEnded,
@@ -573,7 +572,7 @@ async def acks(subscriptions: PartitionSubscriptions, offsets) -> None:
 async def shell(directory: Path) -> PartitionSubscriptions:
     subscriptions = PartitionSubscriptions("t-0", directory, SHELL, lambda: 0)
     await asyncio.to_thread(subscriptions.open, 0)
-    await subscriptions.create("s", InitialPosition.EARLIEST, 0, 0, 1_000)
+    await subscriptions.create("s", 0)  # EARLIEST of [0, 1,000)
     return subscriptions
 
 

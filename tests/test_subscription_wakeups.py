@@ -245,7 +245,7 @@ def test_a_reopen_after_a_failure_that_ends_after_a_close_does_not_leak_its_stor
         subscriptions = PartitionSubscriptions("t-0", tmp_path / "cursors", CursorStoreLimits(),
                                                lambda: 0)
         await asyncio.to_thread(subscriptions.open, 0)
-        await subscriptions.create("s", 1, 0, 0, 0)
+        await subscriptions.create("s", 0)
         failed = subscriptions.store
         release, late = threading.Event(), []
         open_store = subscriptions._open_store
