@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -91,10 +92,51 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+_HANDED_OUT: set[int] = set()  # ports this process gave out (not yet bound, maybe)
+LOWEST_PORT = 10_000
+BIND_CONFLICT = ("Address already in use", "Failed to bind")  # in a start-up log: retry
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999  # Linux's default
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, for a server to bind a little later.
+
+    Taken below the kernel's ephemeral range when there is room, so that the outgoing
+    connections made meanwhile (which get ephemeral ports) cannot take it first (a port
+    from bind(0) is ephemeral: a ZooKeeper or gRPC client connecting before the server
+    starts could be given it, and the server then fails with "Address already in use").
+    Never the same port twice in one process."""
+    low, _high = _ephemeral_range()
+    if low - LOWEST_PORT >= 1_000:
+        rng = random.Random()
+        for _ in range(500):
+            port = rng.randrange(LOWEST_PORT, low)
+            if port not in _HANDED_OUT and _bindable(port):
+                _HANDED_OUT.add(port)
+                return port
+    while True:  # no room below the ephemeral range: what the kernel offers
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def process_alive(pid: int, marker: str) -> bool:
@@ -190,6 +232,29 @@ def offline_partitions(address: str, timeout_s: float = 2.0) -> list[str]:
             for p in reply.partitions if p.state == partition_pb2.PARTITION_STATE_DATA_LOSS]
 
 
+MAX_REBINDS = 3  # per up(): restarts of a process whose port was taken meanwhile
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _bind_conflict(log_file: str, since: int | None) -> bool:
+    """Did the process whose log this is fail to bind its port (log written since `since`)?"""
+    if since is None:
+        return False
+    try:
+        with open(log_file, "rb") as handle:
+            handle.seek(since)
+            text = handle.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return False
+    return any(marker in text for marker in BIND_CONFLICT)
+
+
 def tail(path: str, lines: int = 15) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
@@ -229,14 +294,21 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
                           + tail(zk.log_file))
 
     services = [p for p in cluster.processes if p.role != "zookeeper"]
+    log_marks: dict[str, int] = {}  # where each started process's log began
+    rebinds = 0
+
+    def start(entry: ProcessEntry) -> None:
+        Path(entry.data_dir).mkdir(parents=True, exist_ok=True)
+        log_marks[entry.name] = _file_size(entry.log_file)
+        entry.pid = spawn(service_command(cluster, entry), entry.log_file)
+        progress(f"started {entry.name} (pid {entry.pid})")
+
     for entry in services:
         if process_alive(entry.pid, marker_of(entry)):
             running.append(entry.name)
             continue
-        Path(entry.data_dir).mkdir(parents=True, exist_ok=True)
-        entry.pid = spawn(service_command(cluster, entry), entry.log_file)
+        start(entry)
         started.append(entry.name)
-        progress(f"started {entry.name} (pid {entry.pid})")
     cluster.save(data_dir)
 
     deadline = began + timeout_s
@@ -250,6 +322,18 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
                 del pending[name]
                 progress(f"{name} SERVING at {entry.grpc_address}")
             elif not process_alive(entry.pid, marker_of(entry)):
+                if rebinds < MAX_REBINDS and _bind_conflict(entry.log_file, log_marks.get(name)):
+                    # Its port was taken between planning and binding (by another program):
+                    # new ports, saved before the restart so status and clients see them.
+                    rebinds += 1
+                    old_address = entry.grpc_address
+                    entry.grpc_address = f"127.0.0.1:{free_port()}"
+                    entry.metrics_address = f"127.0.0.1:{free_port()}"
+                    progress(f"{name} could not bind {old_address}: restarting it on "
+                             f"{entry.grpc_address}")
+                    start(entry)
+                    cluster.save(data_dir)
+                    continue
                 raise LaunchError(f"{name} exited during start-up; log {entry.log_file}:\n"
                                   + tail(entry.log_file))
         if pending and time.monotonic() > deadline:

@@ -1,0 +1,59 @@
+"""The local-cluster launcher's ports: planned outside the kernel's ephemeral range, and a
+process whose port was taken before it could bind is restarted on a new one."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from services import launcher, localzk
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    low, _high = launcher._ephemeral_range()
+    ports = [launcher.free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if low - launcher.LOWEST_PORT >= 1_000:
+        assert all(launcher.LOWEST_PORT <= port < low for port in ports), ports
+    for port in ports[:20]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.cluster
+def test_a_process_whose_port_is_taken_restarts_on_a_new_one(tmp_path):
+    localzk.check_installed()
+    planned = launcher.plan(tmp_path, {"id_allocator": 1}, {})
+    planned.save(tmp_path)
+    entry = next(p for p in planned.processes if p.name == "ida-0")
+    host, port = entry.grpc_address.rsplit(":", 1)
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind((host, int(port)))
+    squatter.listen()
+    messages: list[str] = []
+    try:
+        report = launcher.up(tmp_path, {"id_allocator": 1}, timeout_s=60,
+                             progress=messages.append)
+        moved = next(p for p in report.cluster.processes if p.name == "ida-0")
+        assert moved.grpc_address != entry.grpc_address
+        assert moved.metrics_address != entry.metrics_address
+        assert launcher.health_status(moved.grpc_address) == "SERVING"
+        saved = next(p for p in launcher.ClusterFile.load(tmp_path).processes
+                     if p.name == "ida-0")
+        assert (saved.grpc_address, saved.pid) == (moved.grpc_address, moved.pid)
+        assert any(f"could not bind {entry.grpc_address}" in m for m in messages), messages
+    finally:
+        squatter.close()
+        launcher.down(tmp_path, timeout_s=10)
+
+
+@pytest.mark.cluster
+def test_a_process_that_fails_for_another_reason_is_not_restarted(tmp_path):
+    localzk.check_installed()
+    with pytest.raises(launcher.LaunchError, match="exited during start-up"):
+        try:
+            launcher.up(tmp_path, {"id_allocator": 1},
+                        {"zookeeper.session_timeout_ms": "5"}, timeout_s=60)
+        finally:
+            launcher.down(tmp_path, timeout_s=10)
