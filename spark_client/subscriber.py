@@ -28,19 +28,42 @@ from spark_client import errors
 from spark_client.consumer import ISOLATION, Message
 
 _ROUTING = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
-_INITIAL = {"earliest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
-            "latest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_LATEST}
+_POSITIONS = {"earliest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
+              "latest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_LATEST,
+              "offset": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET,
+              "timestamp": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP}
+
+
+def _position(name: str, what: str, offset: int | None, offset_name: str,
+              timestamp_ms: int | None, timestamp_name: str) -> int:
+    """The proto position for `name` ("earliest", "latest", "offset" or "timestamp"),
+    after checking that the offset or timestamp comes with (and only with) its kind."""
+    if name not in _POSITIONS:
+        raise ValueError(f"{what} must be one of {sorted(_POSITIONS)}")
+    if (name == "offset") != (offset is not None) or \
+            (name == "timestamp") != (timestamp_ms is not None):
+        raise ValueError(f"{offset_name} goes with {what}='offset', {timestamp_name} with "
+                         f"{what}='timestamp'")
+    for value, field in ((offset, offset_name), (timestamp_ms, timestamp_name)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{field} must be a non-negative integer")
+    return _POSITIONS[name]
 
 
 class SubscriptionConsumer:
     def __init__(self, client, topics: list[str] | str, *, subscription: str,
                  isolation: str = "read_committed", start: str = "earliest",
+                 start_offset: int | None = None, start_timestamp_ms: int | None = None,
                  ack_timeout_s: float = 30.0, max_bytes_per_request: int = 8 << 20,
                  request_timeout_s: float = 30.0):
+        """`start` places the cursors this consumer creates (existing ones stay where
+        they are): "earliest" (everything stored), "latest" (only new messages),
+        "offset" (`start_offset`, clamped to what each partition holds) or "timestamp"
+        (`start_timestamp_ms`: each partition's first message at or after it)."""
         if isolation not in ISOLATION:
             raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
-        if start not in _INITIAL:
-            raise ValueError("start must be 'earliest' or 'latest'")
+        initial = _position(start, "start", start_offset, "start_offset",
+                            start_timestamp_ms, "start_timestamp_ms")
         self.client = client
         self.topics = [topics] if isinstance(topics, str) else list(topics)
         self.subscription = subscription
@@ -57,7 +80,8 @@ class SubscriptionConsumer:
                            for r in client.metadata.partitions(t)]
         self._call_all("CreateSubscription", lambda group: partition_pb2.CreateSubscriptionRequest(
             subscription_partitions=[self._sp(t, p) for t, p in group],
-            initial_position=_INITIAL[start]))
+            initial_position=initial, start_offset=start_offset or 0,
+            timestamp_unix_ms=start_timestamp_ms or 0))
 
     # ------------------------------------------------------------------ plumbing
     def _sp(self, topic: str, partition: int) -> common_pb2.SubscriptionPartition:
@@ -278,15 +302,7 @@ class SubscriptionConsumer:
         as not. `partitions` ((topic, partition) pairs) limits it; default: all of this
         consumer's. Returns each partition's new position. Raises TransactionConflict
         while acks of the subscription are pending in an open transaction."""
-        positions = {"earliest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
-                     "latest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_LATEST,
-                     "offset": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET,
-                     "timestamp": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP}
-        if to not in positions:
-            raise ValueError(f"to must be one of {sorted(positions)}")
-        if (to == "offset") != (offset is not None) or \
-                (to == "timestamp") != (timestamp_ms is not None):
-            raise ValueError("offset goes with to='offset', timestamp_ms with to='timestamp'")
+        position = _position(to, "to", offset, "offset", timestamp_ms, "timestamp_ms")
         targets = list(self.partitions if partitions is None else partitions)
         unknown = [tp for tp in targets if tp not in self.partitions]
         if unknown:
@@ -295,7 +311,7 @@ class SubscriptionConsumer:
         results = self._call_all(
             "ResetSubscription", lambda group: partition_pb2.ResetSubscriptionRequest(
                 subscription_partitions=[self._sp(t, p) for t, p in group],
-                position=positions[to], offset=offset or 0,
+                position=position, offset=offset or 0,
                 timestamp_unix_ms=timestamp_ms or 0), targets)
         self._raise(results)
         sp = [r.subscription_partition for r in results]

@@ -386,6 +386,30 @@ def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(
         timestamp_unix_ms=3_000), timeout=10)
     assert created.results[0].created and created.results[0].cumulative_end_offset == 10
 
+    # The SDK places new cursors the same ways; an existing cursor stays where it is.
+    def positions(consumer) -> dict[int, int]:
+        return {c.subscription_partition.partition: c.cumulative_end_offset
+                for c in consumer.describe()}
+
+    with client.consumer(topic, subscription="sdk-offset", start="offset",
+                         start_offset=12) as consumer:
+        got = poll_all(consumer, 9)
+        assert [(m.partition, m.offset) for m in got] == [(0, o) for o in range(12, 21)]
+    with client.consumer(topic, subscription="sdk-offset", start="earliest") as consumer:
+        assert positions(consumer) == {0: 12, 1: 0}  # nothing acked: still where it began
+    with client.consumer(topic, subscription="sdk-time", start="timestamp",
+                         start_timestamp_ms=3_000) as consumer:
+        assert positions(consumer) == {0: 10, 1: 0}
+    for bad in (dict(start="offset"), dict(start="latest", start_offset=3),
+                dict(start="offset", start_offset=-1), dict(start="timestamp"),
+                dict(start="middle")):
+        with pytest.raises(ValueError):
+            client.consumer(topic, subscription="never", **bad)
+    stub_cursors = stub.DescribePartition(partition_pb2.DescribePartitionRequest(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=0)), timeout=10)
+    assert "never" not in {c.subscription_partition.subscription
+                           for c in stub_cursors.subscriptions}  # refused before any call
+
 
 def test_transactional_acks_apply_on_commit_and_come_back_on_abort(client):
     client.create_topic("tx-in", partitions=1)
