@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from services import launcher
 from spark_client import Client
 from tests import spark_speculation_job as job
 from tests.conftest import REPO_ROOT, create_online
@@ -50,9 +51,9 @@ JVM_OPTIONS = job.JVM_OPTIONS
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((MASTER_HOST, 0))
-        return s.getsockname()[1]
+    """Below the ephemeral range, as the local cluster's (services/launcher.py): a bind(0)
+    port could be taken by an outgoing connection before the JVM binds it."""
+    return launcher.free_port()
 
 
 def can_bind(host: str) -> bool:
