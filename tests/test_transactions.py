@@ -146,9 +146,11 @@ def test_commit_async_lets_the_next_transaction_produce_while_the_last_commits(c
         aborted.abort()  # a commit after that fails in the future, as commit() would
         with pytest.raises(errors.TransactionAborted):
             aborted.commit_async().result(timeout=30)
-        failing = client.begin_transaction(timeout_s=1.0)
+        # 4 s, not less: on a loaded CI machine the first write alone took over 1 s.
+        began = time.monotonic()
+        failing = client.begin_transaction(timeout_s=4.0)
         producer.send(topic, b"timed-out-in-stream", partition=partition, txn=failing).result(10)
-        time.sleep(3.0)
+        time.sleep(max(0.0, began + 4.0 + 2.0 - time.monotonic()))  # past it, with a margin
         with pytest.raises(errors.TransactionTimedOut):
             failing.commit_async().result(timeout=30)
     committed = values(read_all(client, [topic], "read_committed"))
