@@ -964,7 +964,7 @@ def main() -> None:
             row = run_producers(ctx, cluster, kind, producers, partitions, args.seconds,
                                 args.batch_kib, args.profile if index == 0 else None)
             # The same bytes, written raw right after the cell: the machine as the cell left
-            # it (see raw_after below).
+            # it ("% of raw after" in the section text).
             row["raw_group"] = raw_group(row, len(batch))
             cell_bytes = min(int(row["log_mb_per_s"] * row["seconds"] * 1e6), RAW_AFTER_CAP)
             row["raw_after_mb_s"] = raw_append(cluster.server_data, batch, row["raw_group"],
