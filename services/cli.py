@@ -488,11 +488,14 @@ def subscription_reset(topic_name: str, name: str, to: str, offset: int | None,
     from atomlog.v1 import common_pb2, partition_pb2
     from spark_client import Client
     from spark_client.errors import AtomlogClientError, from_grpc
+    from spark_client.subscriber import subscription_position
 
-    if (to == "offset") != (offset is not None) or \
-            (to == "timestamp") != (timestamp_ms is not None):
-        fail("--offset goes with --to offset, --timestamp-ms with --to timestamp", 2)
-    position = getattr(partition_pb2, f"SUBSCRIPTION_INITIAL_POSITION_{to.upper()}")
+    try:
+        position = subscription_position(to, offset, timestamp_ms, what="--to",
+                                         offset_name="--offset",
+                                         timestamp_name="--timestamp-ms")
+    except ValueError as error:
+        fail(str(error), 2)
     outcomes: dict[int, tuple[int | None, str | None]] = {}  # partition -> (position, error)
     try:
         with Client(_bootstrap(bootstrap, data_dir)) as client:

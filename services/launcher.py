@@ -115,9 +115,8 @@ def free_port() -> int:
     Never the same port twice in one process."""
     low, _high = _ephemeral_range()
     if low - LOWEST_PORT >= 1_000:
-        rng = random.Random()
         for _ in range(500):
-            port = rng.randrange(LOWEST_PORT, low)
+            port = random.randrange(LOWEST_PORT, low)
             if port not in _HANDED_OUT and _bindable(port):
                 _HANDED_OUT.add(port)
                 return port

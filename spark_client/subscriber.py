@@ -34,10 +34,13 @@ _POSITIONS = {"earliest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
               "timestamp": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP}
 
 
-def _position(name: str, what: str, offset: int | None, offset_name: str,
-              timestamp_ms: int | None, timestamp_name: str) -> int:
+def subscription_position(name: str, offset: int | None = None, timestamp_ms: int | None = None,
+                          *, what: str = "to", offset_name: str = "offset",
+                          timestamp_name: str = "timestamp_ms") -> int:
     """The proto position for `name` ("earliest", "latest", "offset" or "timestamp"),
-    after checking that the offset or timestamp comes with (and only with) its kind."""
+    after checking that the offset or timestamp comes with (and only with) its kind and
+    is not negative; ValueError names the arguments as `what`, `offset_name` and
+    `timestamp_name` (the CLI passes its flags)."""
     if name not in _POSITIONS:
         raise ValueError(f"{what} must be one of {sorted(_POSITIONS)}")
     if (name == "offset") != (offset is not None) or \
@@ -62,8 +65,9 @@ class SubscriptionConsumer:
         (`start_timestamp_ms`: each partition's first message at or after it)."""
         if isolation not in ISOLATION:
             raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
-        initial = _position(start, "start", start_offset, "start_offset",
-                            start_timestamp_ms, "start_timestamp_ms")
+        initial = subscription_position(start, start_offset, start_timestamp_ms, what="start",
+                                        offset_name="start_offset",
+                                        timestamp_name="start_timestamp_ms")
         self.client = client
         self.topics = [topics] if isinstance(topics, str) else list(topics)
         self.subscription = subscription
@@ -302,7 +306,7 @@ class SubscriptionConsumer:
         as not. `partitions` ((topic, partition) pairs) limits it; default: all of this
         consumer's. Returns each partition's new position. Raises TransactionConflict
         while acks of the subscription are pending in an open transaction."""
-        position = _position(to, "to", offset, "offset", timestamp_ms, "timestamp_ms")
+        position = subscription_position(to, offset, timestamp_ms)
         targets = list(self.partitions if partitions is None else partitions)
         unknown = [tp for tp in targets if tp not in self.partitions]
         if unknown:

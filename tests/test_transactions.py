@@ -369,6 +369,9 @@ def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(
     missing = cluster.run("subscription", "reset", topic, "nobody", "--to", "earliest",
                           check=False)
     assert missing.returncode == 1 and "UNKNOWN_SUBSCRIPTION" in missing.stdout
+    for flags in (["--to", "offset"], ["--to", "offset", "--offset", "-3"]):
+        bad = cluster.run("subscription", "reset", topic, "r", *flags, check=False)
+        assert bad.returncode == 2 and "--offset" in bad.stdout + bad.stderr, flags
     address = client.metadata.route(topic, 0).address
     stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
     sp = common_pb2.SubscriptionPartition(topic=topic, partition=0, subscription="r")
