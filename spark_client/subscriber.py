@@ -12,10 +12,24 @@ pending until the transaction ends: a commit applies them, an abort makes the me
 redeliverable. The subscription partition is registered with the transaction first; the
 server verifies that with the coordinator. An ack of a message pending in another open
 transaction raises TransactionConflict.
+
+`ack_async()` and `ack_cumulative_async()` return a future at once and send the ack from
+one thread of the consumer, in call order. With a transaction, the transaction waits for
+the future before it commits (and aborts, raising its error, if the ack failed), so a
+consume-transform-produce loop can go on producing while the ack — and the NewTxn it may
+open — travel:
+
+    txn = client.begin_transaction()
+    consumer.ack_async(messages, txn=txn)          # NewTxn + Ack on the consumer's thread
+    for m in messages:
+        producer.send("out", transform(m), txn=txn)
+    txn.commit_async()                             # or commit(): waits for the ack first
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 import uuid
 
@@ -58,13 +72,17 @@ class SubscriptionConsumer:
                  isolation: str = "read_committed", start: str = "earliest",
                  start_offset: int | None = None, start_timestamp_ms: int | None = None,
                  ack_timeout_s: float = 30.0, max_bytes_per_request: int = 8 << 20,
-                 request_timeout_s: float = 30.0):
+                 request_timeout_s: float = 30.0, max_async_acks: int = 64):
         """`start` places the cursors this consumer creates (existing ones stay where
         they are): "earliest" (everything stored), "latest" (only new messages),
         "offset" (`start_offset`, clamped to what each partition holds) or "timestamp"
-        (`start_timestamp_ms`: each partition's first message at or after it)."""
+        (`start_timestamp_ms`: each partition's first message at or after it).
+        `max_async_acks` bounds the acks begun with ack_async() and not yet answered: a
+        further call waits for one of them."""
         if isolation not in ISOLATION:
             raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
+        if max_async_acks < 1:
+            raise ValueError("max_async_acks must be at least 1")
         initial = subscription_position(start, start_offset, start_timestamp_ms, what="start",
                                         offset_name="start_offset",
                                         timestamp_name="start_timestamp_ms")
@@ -80,6 +98,9 @@ class SubscriptionConsumer:
         self._closed = False
         self._buffer: list[Message] = []  # delivered, not yet returned by poll
         self._buffer_expires = 0.0
+        self._async_slots = threading.BoundedSemaphore(max_async_acks)
+        self._async_lock = threading.Lock()
+        self._async_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.partitions = [(t, r.partition) for t in self.topics
                            for r in client.metadata.partitions(t)]
         self._call_all("CreateSubscription", lambda group: partition_pb2.CreateSubscriptionRequest(
@@ -250,19 +271,59 @@ class SubscriptionConsumer:
     def ack(self, messages, txn=None) -> None:
         """Acknowledge one message or a list (one call per server, the servers at once),
         durably; with txn, pending until the transaction ends."""
-        items = [messages] if isinstance(messages, Message) else list(messages)
-        ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        for m in sorted(items, key=lambda m: (m.topic, m.partition, m.offset)):
-            spans = ranges.setdefault((m.topic, m.partition), [])
-            if spans and spans[-1][1] == m.offset:
-                spans[-1] = (spans[-1][0], m.offset + 1)
-            else:
-                spans.append((m.offset, m.offset + 1))
-        self._ack({key: (0, spans) for key, spans in ranges.items()}, txn)
+        self._ack(_individual(messages), txn)
 
     def ack_cumulative(self, message: Message, txn=None) -> None:
         """Acknowledge every message of the partition up to and including `message`."""
-        self._ack({(message.topic, message.partition): (message.offset + 1, [])}, txn)
+        self._ack(_cumulative(message), txn)
+
+    def ack_async(self, messages, txn=None) -> concurrent.futures.Future:
+        """ack() on the consumer's ack thread: returns a future at once, whose result()
+        is None once the ack is durable (pending in `txn`) or raises what ack() would
+        have raised. A transaction tracks the future: its commit() waits for it, and
+        aborts and raises the ack's error if it failed. Raises at once (and sends
+        nothing) if `txn` is committing or ended."""
+        return self._ack_later(_individual(messages), txn)
+
+    def ack_cumulative_async(self, message: Message, txn=None) -> concurrent.futures.Future:
+        """ack_cumulative() on the consumer's ack thread; see ack_async()."""
+        return self._ack_later(_cumulative(message), txn)
+
+    def _ack_later(self, acks: dict, txn) -> concurrent.futures.Future:
+        if self._closed:
+            raise RuntimeError("consumer is closed")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not acks:
+            future.set_result(None)
+            return future
+        self._async_slots.acquire()  # at most max_async_acks unanswered
+        try:
+            if txn is not None:
+                txn.track(future)  # raises if the transaction takes no more acks
+            with self._async_lock:
+                if self._async_executor is None:
+                    self._async_executor = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="atomlog-ack")
+                self._async_executor.submit(self._run_ack, future, acks, txn)
+        except BaseException as error:
+            self._async_slots.release()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)  # a transaction tracking it must not wait
+            raise
+        return future
+
+    def _run_ack(self, future: concurrent.futures.Future, acks: dict, txn) -> None:
+        try:
+            if not future.set_running_or_notify_cancel():
+                return  # cancelled by the caller before it ran: nothing sent
+            try:
+                self._ack(acks, txn)
+            except BaseException as error:  # noqa: BLE001 — handed to the future
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+        finally:
+            self._async_slots.release()
 
     def _ack(self, acks: dict, txn) -> None:
         if not acks:
@@ -335,6 +396,10 @@ class SubscriptionConsumer:
             return
         self._closed = True
         self._buffer = []
+        with self._async_lock:
+            executor, self._async_executor = self._async_executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)  # acks begun with ack_async() are sent first
         try:
             self._nack({key: [] for key in self.partitions}, 0.0)
         except errors.AtomlogClientError:
@@ -345,3 +410,21 @@ class SubscriptionConsumer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _individual(messages) -> dict:
+    """Individual acks of one message or a list: per partition, (0, contiguous ranges)."""
+    items = [messages] if isinstance(messages, Message) else list(messages)
+    ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for m in sorted(items, key=lambda m: (m.topic, m.partition, m.offset)):
+        spans = ranges.setdefault((m.topic, m.partition), [])
+        if spans and spans[-1][1] == m.offset:
+            spans[-1] = (spans[-1][0], m.offset + 1)
+        else:
+            spans.append((m.offset, m.offset + 1))
+    return {key: (0, spans) for key, spans in ranges.items()}
+
+
+def _cumulative(message: Message) -> dict:
+    """A cumulative ack up to and including `message`."""
+    return {(message.topic, message.partition): (message.offset + 1, [])}

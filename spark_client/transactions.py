@@ -205,28 +205,36 @@ class Transaction:
                 subscription_partitions=[common_pb2.SubscriptionPartition(
                     topic=t, partition=p, subscription=n) for t, p, n in subscriptions])
             reply = self._call("NewTxn", request)
+            partition_errors = [r.error for r in reply.topic_partition_results]
+            subscription_errors = [r.error for r in reply.subscription_partition_results]
+            # Recorded before the lock is released: a thread that waited for this NewTxn
+            # then sees what it registered and makes no AddPartition call of its own.
+            self._record_registered(partitions, partition_errors, self._registered)
+            self._record_registered(subscriptions, subscription_errors, self._subscriptions)
             self._txn_id = reply.txn_id
             self.existing = reply.existing
             self.state_at_open = _STATE_NAMES.get(reply.state, "UNSPECIFIED")
         # A refused target given to begin_transaction() is not this caller's failure: it
         # stays unregistered, and a write to it is refused when it registers itself.
-        self._settle_registration(
-            partitions, [r.error for r in reply.topic_partition_results], self._registered,
-            asked)
-        self._settle_registration(
-            subscriptions, [r.error for r in reply.subscription_partition_results],
-            self._subscriptions, asked)
+        self._raise_item_errors(e for t, e in zip(partitions, partition_errors, strict=True)
+                                if t in asked)
+        self._raise_item_errors(e for t, e in zip(subscriptions, subscription_errors,
+                                                  strict=True) if t in asked)
         return True
 
-    def _settle_registration(self, targets: list, item_errors: list, registered: set,
-                             asked: set | None = None) -> None:
-        """Remember the targets registered; raise the first refusal of a target in
-        `asked` (None: any target)."""
+    def _record_registered(self, targets: list, item_errors: list, registered: set) -> None:
         with self._lock:
             registered.update(t for t, e in zip(targets, item_errors, strict=True)
                               if not e.reason)
-        self._raise_item_errors(e for t, e in zip(targets, item_errors, strict=True)
-                                if asked is None or t in asked)
+
+    def _settle_registration(self, targets: list, item_errors: list, registered: set) -> None:
+        """Remember the targets registered; raise the first refusal."""
+        self._record_registered(targets, item_errors, registered)
+        self._raise_item_errors(item_errors)
+
+    def _unregistered(self, targets: list, registered: set) -> list:
+        with self._lock:
+            return [t for t in targets if t not in registered]
 
     @classmethod
     def resume(cls, client, txn_id: tuple[int, int], timeout_s: float = 60.0) -> Transaction:
@@ -259,6 +267,10 @@ class Transaction:
             new = [p for p in dict.fromkeys(partitions) if p not in self._registered]
         if not new or self._open(new, []):
             return
+        # Another thread's NewTxn may have registered them meanwhile.
+        new = self._unregistered(new, self._registered)
+        if not new:
+            return
         reply = self._call("AddPartitionToTxn", S.AddPartitionToTxnRequest(
             txn_id=self.txn_id, topic_partitions=[common_pb2.TopicPartition(
                 topic=t, partition=p) for t, p in new]))
@@ -270,6 +282,9 @@ class Transaction:
             self._check_open()
             new = [t for t in dict.fromkeys(targets) if t not in self._subscriptions]
         if not new or self._open([], new):
+            return
+        new = self._unregistered(new, self._subscriptions)
+        if not new:
             return
         reply = self._call("AddSubscriptionToTxn", S.AddSubscriptionToTxnRequest(
             txn_id=self.txn_id, subscription_partitions=[common_pb2.SubscriptionPartition(

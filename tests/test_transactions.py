@@ -443,3 +443,60 @@ def test_transactional_acks_apply_on_commit_and_come_back_on_abort(client):
         committed.commit(wait_for_markers=True)
         cursor = consumer.describe()[0]
         assert cursor.cumulative_end_offset == got[-1].offset + 1 and not cursor.pending_acks
+
+
+def test_async_acks_join_their_transaction_and_a_failed_one_aborts_the_commit(client):
+    client.create_topic("tx-async-in", partitions=1)
+    with client.producer() as producer:
+        for i in range(8):
+            producer.send("tx-async-in", f"in{i}", partition=0)
+    with client.consumer("tx-async-in", subscription="async", ack_timeout_s=60) as consumer, \
+            client.producer() as producer:
+        got = poll_all(consumer, 8)
+        assert [m.offset for m in got] == list(range(8))
+
+        # Without a transaction: durable once the future is done.
+        assert consumer.ack_async(got[0]).result(10) is None
+        assert consumer.describe()[0].cumulative_end_offset == 1
+
+        # With one: commit() waits for the ack, which opens the transaction on the ack
+        # thread; the ack applies with the outputs.
+        txn = client.begin_transaction(timeout_s=60)
+        acked = consumer.ack_async(got[1:3], txn=txn)
+        producer.send("tx-solo", b"async-out", partition=2, txn=txn)
+        txn.commit(wait_for_markers=True)
+        assert acked.done() and acked.exception() is None
+        cursor = consumer.describe()[0]
+        assert cursor.cumulative_end_offset == 3 and not cursor.pending_acks
+
+        # A conflicting async ack fails its future; commit() then aborts and raises it, and
+        # the transaction's output is never visible.
+        holder = client.begin_transaction(timeout_s=60)
+        consumer.ack(got[3:4], txn=holder)
+        loser = client.begin_transaction(timeout_s=60)
+        producer.send("tx-solo", b"never-visible", partition=2, txn=loser)
+        conflicting = consumer.ack_async(got[3:5], txn=loser)
+        with pytest.raises(errors.TransactionConflict):
+            loser.commit()
+        assert isinstance(conflicting.exception(10), errors.TransactionConflict)
+        assert loser.state() in ("ABORTING", "ABORTED")
+        holder.abort()
+        wait_until(lambda: not consumer.describe()[0].pending_acks, 10, "the aborts' markers")
+        cursor = consumer.describe()[0]
+        assert cursor.cumulative_end_offset == 3 and not cursor.individual_ranges
+        assert not cursor.pending_acks
+        assert b"never-visible" not in values(read_all(client, ["tx-solo"], "read_committed"))
+
+        # Once a commit began, the transaction takes no more: refused at once, nothing sent.
+        late = client.begin_transaction(timeout_s=60)
+        consumer.ack_async(got[5], txn=late).result(10)
+        committing = late.commit_async()
+        with pytest.raises(errors.TransactionNotOpen):
+            consumer.ack_async(got[6], txn=late)
+        committing.result(30)
+        wait_until(lambda: not consumer.describe()[0].pending_acks, 10, "the commit's marker")
+        cursor = consumer.describe()[0]
+        assert cursor.cumulative_end_offset == 3
+        assert [(r.start_offset, r.end_offset) for r in cursor.individual_ranges] == [(5, 6)]
+        with pytest.raises(ValueError):
+            client.consumer("tx-async-in", subscription="async", max_async_acks=0)
