@@ -16,9 +16,12 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
 4. Consume-transform-produce (peers-bench W3): 20,000 preloaded 1 KiB inputs (untimed);
    one worker process repeats poll 100 inputs from a subscription, send 100 outputs (the
    input's bytes reversed) and ack the 100 inputs, all in one transaction, commit; it
-   stops at the first empty poll. Inputs/s (timed from the first poll to the empty one),
-   batch and commit() p50/p99, the RPCs per batch over every process (from their
-   /metrics) and the CPU of each process over the window.
+   stops at the first empty poll. Twice, on topics of their own: sequentially (ack(),
+   commit(), as the peers) and pipelined (ack_async() before the sends, commit_async(),
+   up to 4 transactions committing while the worker polls on). Inputs/s (timed from the
+   first poll to the empty one, and to the last commit), batch and commit p50/p99, the
+   RPCs per batch over every process (from their /metrics) and the CPU of each process
+   over the window.
 
 Baselines in the same run: one small os.write + os.fsync (latency), plain Python
 appending the same bytes to a file with an fsync per 256 KiB (MB/s), and the rate of
