@@ -229,7 +229,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     consumer = client.consumer(topic_in, subscription=subscription, ack_timeout_s=120)
     producer = client.producer(linger_ms=5)
     producer.send(topic_out, b"warm-up", partition=0).result(30)  # connection, producer id
-    batches, commits, done = [], [], 0
+    batches, commits, done, transactions = [], [], 0, 0
     in_flight: collections.deque = collections.deque()
     servers_before = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
     rpcs_before = rpc_counts(metrics_addresses)
@@ -265,9 +265,13 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
             batches.append(ended - started)
             commits.append(ended - committing)
         done += len(messages)
+        transactions += 1
     for future in in_flight:
         future.result()
     seconds = time.perf_counter() - began
+    settle = time.monotonic() + 5  # done callbacks may run just after result() returns
+    while len(batches) < transactions and time.monotonic() < settle:
+        time.sleep(0.001)
     client_cpu = time.process_time() - client_before
     servers = {name: common.cpu_seconds(pid) - servers_before[name]
                for name, pid in processes.items()}
@@ -277,13 +281,13 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     consumer.close()
     client.close()
     out.put({"inputs": done, "seconds": seconds, "per_s": done / seconds,
-             "batches": len(batches), "partitions": partitions, "pipelined": pipelined,
+             "batches": transactions, "partitions": partitions, "pipelined": pipelined,
              "batch_p50_ms": common.percentile(batches, 0.5) * 1e3,
              "batch_p99_ms": common.percentile(batches, 0.99) * 1e3,
              "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
              "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
              "client_cpu_s": client_cpu, "server_cpu_s": servers, "input_left": left,
-             "rpcs_per_batch": {m: n / max(1, len(batches)) for m, n in rpcs.items() if n}})
+             "rpcs_per_batch": {m: n / max(1, transactions) for m, n in rpcs.items() if n}})
 
 
 def consume_transform_produce(report, address: str, inputs: int, partitions: int,
