@@ -281,11 +281,26 @@ class LeaseManager:
         for k, _ in held:
             self._count_lost("released")
         await asyncio.gather(*(self._lost_callback(k) for k, _ in held))
-        await asyncio.gather(*(self._delete_owner(k, h) for k, h in held),
-                             return_exceptions=True)
+        # ZooKeeper steps are bounded: with ZooKeeper unreachable the client retries for
+        # ever and its calls never answer; our owner nodes are ephemeral, so the session's
+        # expiry removes whatever is left.
+        cleanup = [asyncio.ensure_future(self._delete_owner(k, h)) for k, h in held]
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=STOP_WAIT_S)
-        await self._sweep_orphans()
+            cleanup += list(self._tasks)
+        if cleanup:
+            done, pending = await asyncio.wait(cleanup, timeout=STOP_WAIT_S)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    log.warning("could not delete an owner node at stop: %r", task.exception())
+            if pending:
+                log.warning("%d ZooKeeper cleanups did not finish within %.0f s (ZooKeeper "
+                            "unreachable?); the session's expiry removes our owner nodes",
+                            len(pending), STOP_WAIT_S)
+        try:
+            await asyncio.wait_for(self._sweep_orphans(), STOP_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("could not sweep owner nodes within %.0f s (ZooKeeper unreachable?); "
+                        "the session's expiry removes them", STOP_WAIT_S)
         if self._chains:
             await asyncio.wait(list(self._chains.values()), timeout=STOP_WAIT_S)
         event(log, "tc lease manager stopped", coordinator=self.name, released=len(held))

@@ -13,6 +13,7 @@ is allocated once and never changes. `Balancer` (the pure rule) is also simulate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -32,6 +33,7 @@ from prometheus_client import REGISTRY
 
 from coordinator.leases import (
     MAX_EPOCH,
+    STOP_WAIT_S,
     Balancer,
     Lease,
     LeaseManager,
@@ -123,10 +125,10 @@ def test_balancer_with_an_inert_peer_keeps_every_partition_owned():
 
 # ---- a real ZooKeeper ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def zookeeper(tmp_path_factory):
+@contextlib.contextmanager
+def own_zookeeper(directory: Path):
+    """A ZooKeeper server of its own in `directory`: (address, process)."""
     localzk.check_installed()
-    directory = tmp_path_factory.mktemp("leases-zookeeper")
     port = launcher.free_port()
     command = localzk.prepare(directory, port)
     with open(directory / "zookeeper.log", "wb") as out:
@@ -137,14 +139,21 @@ def zookeeper(tmp_path_factory):
         if not localzk.wait_serving(address, 30, lambda: process.poll() is None):
             raise AssertionError("ZooKeeper did not start:\n"
                                  + (directory / "zookeeper.log").read_text()[-3000:])
-        yield address
+        yield address, process
     finally:
-        process.terminate()
+        if process.poll() is None:
+            process.terminate()
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def zookeeper(tmp_path_factory):
+    with own_zookeeper(tmp_path_factory.mktemp("leases-zookeeper")) as (address, _):
+        yield address
 
 
 @pytest.fixture
@@ -633,3 +642,27 @@ def test_paused_coordinator_fails_over_after_its_session_timeout(zookeeper, chro
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
     child_main(*sys.argv[2:5])
+
+
+def test_stop_is_bounded_when_zookeeper_is_gone(tmp_path):
+    """A coordinator told to stop while ZooKeeper is unreachable gives its partitions up
+    and returns: the client retries the connection for ever, so a ZooKeeper call made
+    while stopping would never answer (a SIGTERMed coordinator once hung like this)."""
+    with own_zookeeper(tmp_path) as (address, process):
+        async def scenario():
+            journal, allocator = Journal(), Allocator()
+            a = Coordinator(address, "/gone", "coord-a", journal, allocator)
+            await a.start()
+            await eventually(lambda: settled(a, expected=[N]), 10, "coord-a to hold all 16")
+            process.kill()
+            process.wait()
+            await eventually(lambda: not a.zk.connected, 10, "the client to notice")
+            began = time.monotonic()
+            await asyncio.wait_for(a.manager.stop(), 4 * STOP_WAIT_S)
+            took = time.monotonic() - began
+            assert not a.holding and not a.manager.owned()  # every on_lost ran
+            assert took <= 3 * STOP_WAIT_S + 2
+            a.stopped = True
+            await asyncio.to_thread(a.zk.stop)
+
+        asyncio.run(scenario())
