@@ -291,7 +291,7 @@ class LeaseManager:
             done, pending = await asyncio.wait(cleanup, timeout=STOP_WAIT_S)
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
-                    log.warning("could not delete an owner node at stop: %r", task.exception())
+                    log.warning("a ZooKeeper cleanup failed at stop: %r", task.exception())
             if pending:
                 log.warning("%d ZooKeeper cleanups did not finish within %.0f s (ZooKeeper "
                             "unreachable?); the session's expiry removes our owner nodes",
