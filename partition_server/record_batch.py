@@ -393,11 +393,6 @@ def _get_zvarint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
 
 _NULL = _zvarint(-1)
 _NO_HEADERS = _uvarint(0)
-# attributes 0, timestamp delta 0, offset delta d, key length -1 (null): the start of a
-# keyless record, for the first records of a batch (1 MiB holds 1024 records of 1 KiB).
-_KEYLESS_HEADS_COUNT = 4096
-_KEYLESS_HEADS = tuple(b"\x00" + _zvarint(0) + _uvarint(d) + _NULL
-                       for d in range(_KEYLESS_HEADS_COUNT))
 
 
 def _encode_record(pieces: list, record: Record, timestamp_delta: int, offset_delta: int) -> None:
@@ -464,25 +459,8 @@ def encode_batch(records: Iterable[Record], *, producer_id: int = NO_PRODUCER_ID
     timestamps = [default_ts if r.timestamp_ms is None else r.timestamp_ms for r in records]
     base_ts = timestamps[0]
     pieces: list = []
-    append = pieces.append
     for delta, (record, ts) in enumerate(zip(records, timestamps)):
-        value = record.value
-        if (record.key is None and not record.headers and ts == base_ts
-                and delta < _KEYLESS_HEADS_COUNT and value is not None and len(value) < 0x1FF0):
-            # The common record (no key, no headers, the batch's timestamp): its prefix
-            # without a call per varint. Same bytes as _encode_record (tested).
-            length = len(value)
-            zigzag = length << 1
-            value_length = _ONE_BYTE[zigzag] if zigzag < 0x80 else bytes(
-                ((zigzag & 0x7F) | 0x80, zigzag >> 7))
-            head = _KEYLESS_HEADS[delta]
-            size = len(head) + len(value_length) + length + 1  # + the 0 headers count
-            append((_ONE_BYTE[size] if size < 0x80 else bytes(((size & 0x7F) | 0x80, size >> 7)))
-                   + head + value_length)
-            append(value)
-            append(_NO_HEADERS)
-        else:
-            _encode_record(pieces, record, ts - base_ts, delta)
+        _encode_record(pieces, record, ts - base_ts, delta)
     body = _compress(b"".join(pieces), compression)
     attributes = int(compression) | (ATTR_TRANSACTIONAL if transactional else 0) | (
         ATTR_CONTROL if control else 0)

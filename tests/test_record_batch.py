@@ -307,24 +307,3 @@ def test_encode_refuses_inconsistent_arguments(kwargs):
         encode_batch([Record(value=b"x")], timestamp_ms=0, **kwargs)
     with pytest.raises(ValueError):
         encode_batch([], timestamp_ms=0)
-
-
-@settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.sampled_from([0, 1, 62, 63, 64, 65, 1024, 8175, 8176, 9000]),
-                        min_size=1, max_size=40),
-       keyed=st.lists(st.booleans(), max_size=40), start=st.sampled_from([0, 100, 4090]))
-def test_keyless_records_take_the_short_path_to_the_same_bytes(lengths, keyed, start):
-    """encode_batch writes the common record (no key, no headers, the batch's timestamp)
-    without a call per varint; its bytes must be _encode_record's, around every varint
-    width and past the precomputed offset deltas."""
-    padding = [Record(None, b"", timestamp_ms=7)] * start  # offset deltas up to 4130
-    records = padding + [Record(b"k" if i < len(keyed) and keyed[i] else None, bytes(n),
-                                timestamp_ms=7 if i % 3 else 8)
-                         for i, n in enumerate(lengths)]
-    batch = encode_batch(records, timestamp_ms=7)
-    pieces: list = []
-    base = records[0].timestamp_ms  # a batch's timestamps are deltas from its first
-    for delta, record in enumerate(records):
-        rb._encode_record(pieces, record, record.timestamp_ms - base, delta)
-    assert batch[HEADER_SIZE:] == b"".join(pieces)
-    assert [r.value for r in decode_records(batch)] == [r.value for r in records]
