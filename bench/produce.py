@@ -599,7 +599,6 @@ def run_floor(ctx, producers: int, partitions: int, seconds: float, batch_kib: i
     children = [ctx.Process(target=floor_producer, args=(
         f"127.0.0.1:{port}", "floor", partitions, seconds, batch_kib, ready, go, start_at,
         results), daemon=True) for _ in range(producers)]
-    finished = False
     try:
         ready.get(timeout=60)  # the server
         for child in children:
@@ -610,10 +609,9 @@ def run_floor(ctx, producers: int, partitions: int, seconds: float, batch_kib: i
             start_at.value = time.monotonic() + 0.2
             go.set()
             outcomes = [results.get(timeout=seconds + 120) for _ in children]
-        finished = True
     finally:
-        stop_children(children + [server], finished=False)
-    failed = [o["error"] for o in outcomes if "error" in o] if finished else []
+        stop_children(children + [server], finished=False)  # the server never ends by itself
+    failed = [o["error"] for o in outcomes if "error" in o]
     if failed:
         raise RuntimeError(f"gRPC floor {producers}x{partitions}: {failed[0]}")
     elapsed = max(o["last_ack"] for o in outcomes) - start_at.value

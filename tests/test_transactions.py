@@ -423,10 +423,7 @@ def test_transactional_acks_apply_on_commit_and_come_back_on_abort(client):
             producer.send("tx-in", f"in{i}", partition=0)
     with client.consumer("tx-in", subscription="copy", ack_timeout_s=60) as consumer, \
             client.producer() as producer:
-        got = []
-        deadline = time.monotonic() + 10
-        while len(got) < 10 and time.monotonic() < deadline:
-            got.extend(consumer.poll(timeout_s=0.2))
+        got = poll_all(consumer, 10)
         aborted = client.begin_transaction(timeout_s=60)
         consumer.ack(got[:4], txn=aborted)
         other = client.begin_transaction(timeout_s=60)
