@@ -334,6 +334,10 @@ class Producer:
             if state.open_bytes >= self.batch_max_bytes or self.linger_s == 0:
                 self._seal(topic, partition, state)
                 self._lock.notify_all()
+            elif len(state.open) == 1:
+                # A new lingering batch: the sender thread may be asleep for up to a
+                # second with nothing to wait for; it must wake at this batch's linger end.
+                self._lock.notify_all()
         return future
 
     def flush(self, timeout: float | None = None) -> None:

@@ -80,6 +80,22 @@ def test_produce_fetch_round_trip_with_compression_and_headers(client):
     assert first.key == b"key-0" and first.headers == (("n", b"0"),)
 
 
+def test_a_lone_send_leaves_after_its_linger_not_after_the_sender_thread_naps(client):
+    """A send that opens a batch while the producer's sender thread sleeps (nothing else
+    pending) is sent at its linger's end: it used to wait for the thread's one-second nap
+    (found by the chaos harness: about one idempotent send per second per producer)."""
+    create_online(client, "lone-send", partitions=2)
+    with client.producer(linger_ms=5) as producer:
+        producer.send("lone-send", b"warm-up", partition=0).result(timeout=10)
+        waits = []
+        for round_ in range(5):
+            time.sleep(0.05)  # the sender thread goes back to sleep with nothing open
+            began = time.monotonic()
+            producer.send("lone-send", b"%d" % round_, partition=round_ % 2).result(timeout=10)
+            waits.append(time.monotonic() - began)
+    assert sorted(waits)[2] < 0.5, waits  # was about 1.0 s each
+
+
 def test_list_offsets_earliest_latest_and_by_timestamp(client):
     create_online(client, "offsets", partitions=1)
     before = int(time.time() * 1000)
