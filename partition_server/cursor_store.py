@@ -96,6 +96,7 @@ from partition_server.subscription_cursor import (
     encode_entry,
     plan_create,
 )
+from services import failpoints
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
 
@@ -514,7 +515,7 @@ class CursorStore:
     def fsync(self, ticket: SyncTicket) -> None:
         """The fsync itself; may run on a worker thread (touches no cursor)."""
         try:
-            os.fsync(ticket.fd)
+            failpoints.fsync(ticket.fd)
         except OSError as error:
             self._broken = f"fsync of the journal failed: {error}"
             raise

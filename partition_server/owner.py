@@ -74,6 +74,7 @@ from partition_server.snapshot_files import SnapshotCorrupt
 from partition_server.subscriptions import PartitionSubscriptions
 from partition_server.txn_buffer import AbortedTxn, MarkerAction, TxnBuffer, TxnBufferLimits
 from partition_server.txn_guard import TxnGuard
+from services import failpoints
 from services.errors import AtomlogError
 from services.logs import event
 
@@ -212,10 +213,10 @@ def _wall_ms() -> int:
 
 class PartitionOwner:
     def __init__(self, topic: str, partition: int, directory: Path, settings: OwnerSettings,
-                 *, fsync: Callable[[int], None] = os.fsync,
+                 *, fsync: Callable[[int], None] = failpoints.fsync,
                  txn_replay_gate: Callable[[], None] | None = None):
-        """`fsync` makes a file descriptor durable (os.fsync; tests pass one that blocks
-        or fails). It runs on a worker thread. `txn_replay_gate`, when given, is called on
+        """`fsync` makes a file descriptor durable (os.fsync behind a failpoint that
+        the fault harness can arm; tests pass one that blocks or fails). It runs on a worker thread. `txn_replay_gate`, when given, is called on
         the worker thread before a background replay of the transaction buffer (tests
         hold the replay there to look at the partition meanwhile)."""
         assert settings.max_fsyncs_in_flight >= 1, settings.max_fsyncs_in_flight

@@ -122,6 +122,8 @@ COMMON: tuple[Setting, ...] = (
             check=check_address),
     Setting("server.advertised_host", str, "", "Host other processes use to reach this one; "
             "default: the listen host."),
+    Setting("server.advertised_port", int, 0, "Port other processes use to reach this one "
+            "(a proxy or a NAT in front of it); 0: the bound port.", minimum=0, maximum=65_535),
     Setting("server.metrics_listen", str, "127.0.0.1:0", "Prometheus /metrics listen address.",
             check=check_address),
     Setting("server.data_dir", str, "", "Directory for this server's files (required for "

@@ -47,6 +47,12 @@ class ProcessEntry:
     pid: int = 0
     data_dir: str = ""
     log_file: str = ""
+    # Optional, for fault-injection runs (tests/chaos): the address this process
+    # advertises (a proxy in front of grpc_address), the ZooKeeper connect string it
+    # uses instead of the cluster's, and extra environment variables.
+    advertised_address: str = ""
+    zookeeper: str = ""
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -187,15 +193,19 @@ def service_command(cluster: ClusterFile, entry: ProcessEntry) -> list[str]:
     command = [sys.executable, "-m", "services", "serve", entry.role.replace("_", "-"),
                "--name", entry.name, "--listen", entry.grpc_address,
                "--metrics-listen", entry.metrics_address, "--data-dir", entry.data_dir,
-               "--zookeeper", cluster.zookeeper]
+               "--zookeeper", entry.zookeeper or cluster.zookeeper]
+    if entry.advertised_address:
+        host, port = entry.advertised_address.rsplit(":", 1)
+        command += ["--set", f"server.advertised_host={host}", "--set", f"server.advertised_port={port}"]
     for key, value in sorted(role_settings(cluster.settings, entry.role).items()):
         command += ["--set", f"{key}={value}"]
     return command
 
 
-def spawn(command: list[str], log_file: str, cwd: str | None = None) -> int:
+def spawn(command: list[str], log_file: str, cwd: str | None = None,
+          extra_env: dict[str, str] | None = None) -> int:
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with open(log_file, "ab") as log:
@@ -203,6 +213,20 @@ def spawn(command: list[str], log_file: str, cwd: str | None = None) -> int:
                                    stdin=subprocess.DEVNULL, start_new_session=True,
                                    cwd=cwd, env=env)
     return process.pid
+
+
+def start_service(cluster: ClusterFile, entry: ProcessEntry) -> int:
+    """Spawn one service process as `up` does (its data directory made); returns its pid.
+    The caller saves the cluster file."""
+    Path(entry.data_dir).mkdir(parents=True, exist_ok=True)
+    return spawn(service_command(cluster, entry), entry.log_file, extra_env=entry.env)
+
+
+def start_zookeeper(entry: ProcessEntry) -> int:
+    """Spawn the local ZooKeeper server of a cluster (its configuration prepared)."""
+    port = int(entry.grpc_address.rsplit(":", 1)[1])
+    command = localzk.prepare(Path(entry.data_dir), port)
+    return spawn(command, entry.log_file, cwd=entry.data_dir)
 
 
 def health_status(address: str, timeout_s: float = 1.0) -> str:
@@ -282,10 +306,8 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
     if process_alive(zk.pid, marker_of(zk)):
         running.append(zk.name)
     else:
-        port = int(zk.grpc_address.rsplit(":", 1)[1])
-        command = localzk.prepare(Path(zk.data_dir), port)
         progress("starting zookeeper")
-        zk.pid = spawn(command, zk.log_file, cwd=zk.data_dir)
+        zk.pid = start_zookeeper(zk)
         started.append(zk.name)
         cluster.save(data_dir)
     if not localzk.wait_serving(zk.grpc_address, timeout_s, lambda: process_alive(zk.pid, marker_of(zk))):
@@ -297,9 +319,8 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
     rebinds = 0
 
     def start(entry: ProcessEntry) -> None:
-        Path(entry.data_dir).mkdir(parents=True, exist_ok=True)
         log_marks[entry.name] = _file_size(entry.log_file)
-        entry.pid = spawn(service_command(cluster, entry), entry.log_file)
+        entry.pid = start_service(cluster, entry)
         progress(f"started {entry.name} (pid {entry.pid})")
 
     for entry in services:

@@ -109,7 +109,7 @@ class Runtime:
         if bound == 0:
             raise AtomlogError("INVALID_ARGUMENT", f"cannot listen on {listen}")
         advertised = config["server.advertised_host"] or listen.rsplit(":", 1)[0]
-        self.grpc_address = f"{advertised}:{bound}"
+        self.grpc_address = f"{advertised}:{config['server.advertised_port'] or bound}"
         # grpc_health answers SERVING for "" by default: not until we are registered.
         for service in ["", *self.service_names]:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -1,0 +1,35 @@
+"""Failpoints: operations that fail on demand inside a real server process, for the
+fault-injection harness (tests/chaos).
+
+Off unless the environment variable ATOMLOG_FAILPOINTS names a directory when the
+process starts (the harness sets it for each process it launches; nothing else does).
+Then each failpoint is armed while a file of its name exists in that directory, so the
+harness arms and disarms it from outside without talking to the process:
+
+    fsync    every fsync of a partition log or cursor journal raises EIO, as a failing
+             disk does. The server's own handling is what is under test: the partition
+             fails closed, answers PARTITION_LOADING, and reloads from its durable log.
+
+Off, a failpoint costs one comparison with None.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+ENVIRONMENT_VARIABLE = "ATOMLOG_FAILPOINTS"
+FSYNC = "fsync"
+
+_DIRECTORY: str | None = os.environ.get(ENVIRONMENT_VARIABLE) or None
+
+
+def armed(name: str) -> bool:
+    return _DIRECTORY is not None and os.path.exists(os.path.join(_DIRECTORY, name))
+
+
+def fsync(fd: int) -> None:
+    """os.fsync, unless the fsync failpoint is armed: then OSError(EIO), nothing synced."""
+    if _DIRECTORY is not None and armed(FSYNC):
+        raise OSError(errno.EIO, "fsync failed (failpoint armed by the fault harness)")
+    os.fsync(fd)

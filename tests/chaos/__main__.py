@@ -1,0 +1,57 @@
+"""python -m tests.chaos --workload log|ctp --minutes M --seed S [--nemesis kill,pause,net,disk]
+
+Runs one seeded chaos run (tests/chaos/runner.py) and checks its history
+(tests/chaos/checker.py). Prints the seed first; exit 0 when the checker found nothing,
+1 when it found anomalies or could not check, 2 on bad arguments.
+See docs/verification.md."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from tests.chaos.nemesis import NEMESES
+from tests.chaos.runner import WORKLOADS, Options, Run
+
+
+def parse(argv: list[str] | None) -> Options:
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--minutes", type=float, default=1.0,
+                        help="length of the fault phase (default 1)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="replays a run's faults and operations (default: random)")
+    parser.add_argument("--nemesis", default="kill,pause,net,disk",
+                        help=f"comma-separated, from {','.join(NEMESES)}, or 'none' "
+                             "(default: all)")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="where the history and report go (default: "
+                             ".atomlog/chaos/<workload>-<seed>-<time>)")
+    parser.add_argument("--keep-cluster", action="store_true",
+                        help="keep the cluster's data directories after the run")
+    args = parser.parse_args(argv)
+    nemeses = [] if args.nemesis == "none" else [n for n in args.nemesis.split(",") if n]
+    unknown = [n for n in nemeses if n not in NEMESES]
+    if unknown:
+        parser.error(f"unknown nemesis {', '.join(unknown)}; choose from {', '.join(NEMESES)}")
+    if not 0 < args.minutes <= 24 * 60:
+        parser.error("--minutes must be in (0, 1440]")
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    run_dir = args.run_dir or Path(".atomlog") / "chaos" / \
+        f"{args.workload}-{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Options(args.workload, args.minutes, seed, nemeses, run_dir, args.keep_cluster)
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parse(argv)
+    report = Run(options).execute()
+    print(f"run directory: {options.run_dir}")
+    return 0 if report["valid"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""Workload client processes of a chaos run. Each is its own OS process (the nemesis may
+kill it), writes its half of the history through `EventLog`, and stops at SIGTERM or at
+its deadline, finishing the operation in hand.
+
+    python -m tests.chaos.client ROLE --run-dir D --name NAME --seed S
+
+Roles (see docs/verification.md):
+  producer     idempotent sends of unique values, up to 8 in flight
+  txn          transactions of 1-4 partitions over 1-2 topics, 80% commit, 20% abort
+  session      Kafka-style transactional-id sessions; every few transactions a second
+               session takes the id (fence) while the first has a transaction open, and
+               the first then tries to commit it (it must fail)
+  reader       an assigned-partition reader (--isolation) of every topic, restarting from
+               the offsets it reached, or from earlier ones, every few polls
+  feeder       ctp: idempotent sends of the input values
+  ctp          ctp: consume-transform-produce through the subscription with
+               transactional acks, the way tests/ctp_loop.py does it
+  cursors      ctp: observes the subscription's cursors every 0.5 s
+
+The run directory's workload.json says which topics exist and the settings of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+from spark_client import Client, errors
+from tests.chaos.history import EventLog
+
+SEND_TIMEOUT_S = 15.0
+TRANSFORM_PREFIX = "out:"
+
+
+class Stop:
+    """Set by SIGTERM or the deadline: the loop finishes what it does and leaves."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, *_args) -> None:
+        self.requested = True
+
+    def __bool__(self) -> bool:
+        return self.requested or time.time() >= self.deadline
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self and time.monotonic() < end:
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+
+def _reason(error: BaseException) -> str:
+    return getattr(error, "reason", type(error).__name__)
+
+
+def _records(messages) -> list:
+    return [[m.topic, m.partition, m.offset, (m.value or b"").decode(errors="replace")]
+            for m in messages]
+
+
+class Workload:
+    def __init__(self, args):
+        self.args = args
+        self.spec = json.loads((Path(args.run_dir) / "workload.json").read_text())
+        self.rng = random.Random(f"{args.seed}/{args.name}")
+        self.log = EventLog(Path(args.run_dir), args.name)
+        self.stop = Stop(self.spec["deadline"])
+        self.client = Client(self.spec["bootstrap"], request_timeout_s=10.0)
+        self.topics: dict[str, int] = self.spec["topics"]
+        self.txn_timeout_s = self.spec["txn_timeout_s"]
+        self.counter = 0
+
+    def value(self, prefix: str = "") -> str:
+        self.counter += 1
+        return f"{prefix}{self.args.name}-{self.spec['incarnations'].get(self.args.name, 0)}" \
+               f"-{self.counter}-{self.rng.randrange(1 << 30):x}"
+
+    def data_topics(self) -> list[str]:
+        return [t for t in self.topics if t in self.spec["data_topics"]]
+
+    # ------------------------------------------------------------------ sends
+    def run_producer(self, topics: list[str] | None = None, prefix: str = "") -> None:
+        topics = topics or self.data_topics()
+        with self.client.producer(linger_ms=2, delivery_timeout_s=SEND_TIMEOUT_S) as producer:
+            while not self.stop:
+                pending = []
+                for _ in range(self.rng.randint(1, 8)):
+                    topic = self.rng.choice(topics)
+                    partition = self.rng.randrange(self.topics[topic])
+                    value = self.value(prefix)
+                    op = self.log.invoke("send", topic=topic, partition=partition, value=value)
+                    try:
+                        future = producer.send(topic, value.encode(), partition=partition)
+                    except errors.AtomlogClientError as error:
+                        self.log.complete(op, "unknown", error=_reason(error))
+                        continue
+                    pending.append((op, future))
+                for op, future in pending:
+                    try:
+                        metadata = future.result(timeout=SEND_TIMEOUT_S + 5)
+                        self.log.complete(op, "ok", offset=metadata.offset)
+                    except Exception as error:  # noqa: BLE001 — may or may not be written
+                        self.log.complete(op, "unknown", error=_reason(error))
+                self.stop.sleep(self.rng.uniform(0, 0.05))
+
+    # ------------------------------------------------------------------ transactions
+    def pick_writes(self) -> list:
+        topics = self.rng.sample(self.data_topics(), self.rng.randint(1, min(2, len(self.data_topics()))))
+        slots = [(t, p) for t in topics for p in range(self.topics[t])]
+        chosen = self.rng.sample(slots, self.rng.randint(1, min(4, len(slots))))
+        return [[t, p, self.value()] for t, p in chosen for _ in range(self.rng.randint(1, 3))]
+
+    def run_txn(self) -> None:
+        with self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S) as producer:
+            while not self.stop:
+                txn = self.client.begin_transaction(timeout_s=self.txn_timeout_s)
+                self.one_transaction(producer, txn, self.pick_writes(), [])
+                self.stop.sleep(self.rng.uniform(0, 0.05))
+
+    def one_transaction(self, producer, txn, writes: list, acks: list, consumer=None,
+                        messages=(), **fields) -> str:
+        """Send `writes`, ack `messages` (ctp), then commit (80%) or abort; log it as one
+        txn op and return its result: committed, aborted or unknown."""
+        decision = "commit" if acks or self.rng.random() < 0.8 else "abort"
+        op = self.log.invoke("txn", writes=writes, acks=acks, decision=decision, **fields)
+        txn_id = None
+        try:
+            for topic, partition, value in writes:
+                producer.send(topic, value.encode(), partition=partition, txn=txn)
+            if consumer is not None:
+                consumer.ack(messages, txn=txn)
+            if decision == "commit":
+                fields_at_commit = {"commit_invoke": time.time()}  # for the fencing check
+                txn.commit()
+                txn_id = txn.id if txn.opened else None
+                self.log.complete(op, "ok", result="committed", txn_id=txn_id, **fields_at_commit)
+                return "committed"
+            txn.abort()
+            self.log.complete(op, "ok", result="aborted", txn_id=txn.id if txn.opened else None)
+            return "aborted"
+        except errors.AtomlogClientError as error:
+            result = self.settle(txn)
+            self.log.complete(op, "fail" if result == "aborted" else "unknown", result=result,
+                              error=_reason(error),
+                              txn_id=txn.id if txn.opened else None)
+            return result
+
+    def settle(self, txn) -> str:
+        """After a failed step: abort, and learn from that what became of the transaction."""
+        for _ in range(3):
+            try:
+                txn.abort()
+                return "aborted"
+            except errors.TransactionAlreadyCommitted:
+                return "committed"
+            except errors.AtomlogClientError:
+                if self.stop:
+                    break
+                time.sleep(0.5)
+        return "unknown"
+
+    def run_session(self) -> None:
+        transactional_id = f"{self.args.name}-{self.spec['incarnations'].get(self.args.name, 0)}"
+        producer = self.new_session(transactional_id)
+        while not self.stop and producer is not None:
+            txn = producer.begin_transaction(timeout_s=self.txn_timeout_s)
+            fields = {"transactional_id": transactional_id, "epoch": producer.epoch}
+            if self.rng.random() < 0.15:  # fence while this transaction is open
+                writes = self.pick_writes()
+                op = self.log.invoke("txn", writes=writes, acks=[], decision="commit", **fields)
+                try:
+                    for topic, partition, value in writes:
+                        producer.send(topic, value.encode(), partition=partition, txn=txn)
+                    producer.flush(timeout=SEND_TIMEOUT_S)
+                except errors.AtomlogClientError:
+                    pass
+                successor = self.new_session(transactional_id)
+                commit_invoke = time.time()
+                try:
+                    txn.commit()
+                    self.log.complete(op, "ok", result="committed", commit_invoke=commit_invoke,
+                                      txn_id=txn.id if txn.opened else None)
+                except errors.AtomlogClientError as error:
+                    # Fenced: the successor's InitProducerId aborted this transaction
+                    # (documented); the checker holds us to that.
+                    result = "aborted" if isinstance(error, errors.ProducerFenced) \
+                        else self.settle(txn)
+                    self.log.complete(op, "fail" if result == "aborted" else "unknown",
+                                      result=result, error=_reason(error),
+                                      commit_invoke=commit_invoke)
+                producer.close(timeout=5)
+                producer = successor
+                continue
+            self.one_transaction(producer, txn, self.pick_writes(), [], **fields)
+            self.stop.sleep(self.rng.uniform(0, 0.05))
+        if producer is not None:
+            producer.close(timeout=5)
+
+    def new_session(self, transactional_id: str):
+        while not self.stop:
+            op = self.log.invoke("fence", transactional_id=transactional_id)
+            try:
+                producer = self.client.producer(transactional_id=transactional_id, linger_ms=1,
+                                                transaction_timeout_s=self.txn_timeout_s,
+                                                delivery_timeout_s=SEND_TIMEOUT_S)
+            except errors.AtomlogClientError as error:
+                self.log.complete(op, "unknown", error=_reason(error))
+                self.stop.sleep(0.5)
+                continue
+            self.log.complete(op, "ok", epoch=producer.epoch)
+            return producer
+        return None
+
+    # ------------------------------------------------------------------ readers
+    def run_reader(self) -> None:
+        isolation = self.args.isolation
+        topics = list(self.topics) if not self.spec.get("input_topic") else [self.spec["output_topic"]]
+        session = 0
+        positions: dict = {}
+        while not self.stop:
+            session += 1
+            session_id = f"{self.args.name}/{self.spec['incarnations'].get(self.args.name, 0)}/{session}"
+            try:
+                consumer = self.client.consumer(topics, isolation=isolation)
+            except errors.AtomlogClientError:
+                self.stop.sleep(0.5)
+                continue
+            with consumer:
+                start = []
+                for (topic, partition), _offset in consumer.assignment().items():
+                    offset = positions.get((topic, partition), 0)
+                    if offset and self.rng.random() < 0.3:  # go back: re-read some
+                        offset = self.rng.randrange(offset)
+                    consumer.seek(topic, partition, offset)
+                    start.append([topic, partition, offset])
+                self.log.record("seek", session=session_id, isolation=isolation, positions=start)
+                for _ in range(self.rng.randint(5, 40)):
+                    if self.stop:
+                        break
+                    op = self.log.invoke("poll", session=session_id, isolation=isolation,
+                                         subscription=None)
+                    try:
+                        messages = consumer.poll(timeout_s=0.5, max_records=2000)
+                    except errors.AtomlogClientError as error:
+                        self.log.complete(op, "fail", records=[], error=_reason(error))
+                        self.stop.sleep(0.2)
+                        continue
+                    self.log.complete(op, "ok", records=_records(messages))
+                for key in consumer.assignment():
+                    positions[key] = consumer.position(*key)
+
+    # ------------------------------------------------------------------ ctp
+    def run_feeder(self) -> None:
+        self.run_producer([self.spec["input_topic"]], prefix="in-")
+
+    def run_ctp(self) -> None:
+        spec = self.spec
+        subscription = spec["subscription"]
+        session_id = f"{self.args.name}/{spec['incarnations'].get(self.args.name, 0)}"
+        outputs = self.topics[spec["output_topic"]]
+        consumer = self.client.consumer(spec["input_topic"], subscription=subscription,
+                                        ack_timeout_s=spec["ack_timeout_s"])
+        with self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S) as producer, consumer:
+            while not self.stop:
+                op = self.log.invoke("poll", session=session_id, isolation="read_committed",
+                                     subscription=subscription)
+                try:
+                    messages = consumer.poll(timeout_s=0.3, max_records=self.rng.randint(1, 50))
+                except errors.AtomlogClientError as error:
+                    self.log.complete(op, "fail", records=[], error=_reason(error))
+                    self.stop.sleep(0.2)
+                    continue
+                self.log.complete(op, "ok", records=_records(messages))
+                if not messages:
+                    continue
+                writes = [[spec["output_topic"], m.partition % outputs,
+                           TRANSFORM_PREFIX + m.value.decode()] for m in messages]
+                acks = [[subscription, m.topic, m.partition, m.offset] for m in messages]
+                try:
+                    txn = self.client.begin_transaction(timeout_s=self.txn_timeout_s)
+                except errors.AtomlogClientError:
+                    self.give_back(consumer, messages)
+                    continue
+                result = self.one_transaction(producer, txn, writes, acks, consumer, messages)
+                if result == "aborted":
+                    self.give_back(consumer, messages)
+
+    def give_back(self, consumer, messages) -> None:
+        try:
+            consumer.nack(messages)
+        except errors.AtomlogClientError:
+            pass  # the ack timeout redelivers them
+
+    def run_cursors(self) -> None:
+        spec = self.spec
+        consumer = self.client.consumer(spec["input_topic"], subscription=spec["subscription"],
+                                        ack_timeout_s=spec["ack_timeout_s"])
+        with consumer:
+            while not self.stop:
+                op = self.log.invoke("cursor", subscription=spec["subscription"],
+                                     topic=spec["input_topic"])
+                try:
+                    results = consumer.describe()
+                    positions = [[r.subscription_partition.partition, r.cumulative_end_offset,
+                                  [[i.start_offset, i.end_offset] for i in r.individual_ranges]]
+                                 for r in results]
+                    self.log.complete(op, "ok", positions=positions)
+                except errors.AtomlogClientError as error:
+                    self.log.complete(op, "fail", positions=[], error=_reason(error))
+                self.stop.sleep(0.5)
+
+
+ROLES = {"producer": Workload.run_producer, "txn": Workload.run_txn,
+         "session": Workload.run_session, "reader": Workload.run_reader,
+         "feeder": Workload.run_feeder, "ctp": Workload.run_ctp, "cursors": Workload.run_cursors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", choices=sorted(ROLES))
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--isolation", default="read_committed",
+                        choices=["read_committed", "read_uncommitted"])
+    args = parser.parse_args(argv)
+    workload = Workload(args)
+    try:
+        ROLES[args.role](workload)
+    finally:
+        workload.log.close()
+        workload.client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

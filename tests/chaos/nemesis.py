@@ -1,0 +1,93 @@
+"""Faults: a seeded schedule (pure: seed in, list of faults out, so a seed replays the
+same faults at the same moments of the run) and the actions that inject and heal them
+on a running local cluster.
+
+Nemeses and their faults:
+  kill   kill -9 of one process (partition server, coordinator, id allocator, ZooKeeper,
+         and for ctp a worker), restarted after 0-4 s with the same ports and data
+  pause  SIGSTOP of one server for longer than the ZooKeeper session timeout (its
+         session expires: others take over while it still believes it owns things),
+         then SIGCONT
+  net    through the fault proxy on every link: a process cut off from everything
+         (drop), one link dropped both ways or one way, delayed links, and resets
+  disk   the fsync failpoint of one partition server armed (EIO from every fsync), and
+         its small filesystem filled up (ENOSPC)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+NEMESES = ("kill", "pause", "net", "disk")
+QUIET_S = (1.0, 4.0)  # between two faults
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float          # seconds after the fault phase began
+    fault: str           # kill, pause, net-drop, net-oneway, net-delay, net-reset, net-isolate,
+                         # disk-fsync, disk-full, client-kill
+    target: str          # a process name, or "a->b" for a link
+    duration_s: float    # how long until healed (kill: until restarted)
+    delay_s: float = 0.0  # net-delay
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What faults can hit: process names by role."""
+
+    partition_servers: tuple[str, ...]
+    coordinators: tuple[str, ...]
+    id_allocators: tuple[str, ...]
+    clients: tuple[str, ...] = ()           # killable workload clients (ctp workers)
+    disk_server: str = ""                   # the partition server on a small filesystem
+    session_timeout_s: float = 3.0
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return self.partition_servers + self.coordinators + self.id_allocators
+
+
+def schedule(seed: int, nemeses: list[str], duration_s: float, topology: Topology) -> list[Fault]:
+    """The faults of a run, one at a time with quiet gaps, none past duration_s."""
+    for name in nemeses:
+        if name not in NEMESES:
+            raise ValueError(f"unknown nemesis {name!r}; choose from {', '.join(NEMESES)}")
+    rng = random.Random(f"nemesis/{seed}")
+    faults: list[Fault] = []
+    now = rng.uniform(*QUIET_S)
+    while nemeses:
+        fault = _one(rng, rng.choice(nemeses), now, topology)
+        if fault.at_s + fault.duration_s > duration_s:
+            break
+        faults.append(fault)
+        now = fault.at_s + fault.duration_s + rng.uniform(*QUIET_S)
+    return faults
+
+
+def _one(rng: random.Random, nemesis: str, at_s: float, topology: Topology) -> Fault:
+    if nemesis == "kill":
+        targets = (*topology.servers, "zookeeper", *topology.clients)
+        target = rng.choice(targets)
+        fault = "client-kill" if target in topology.clients else "kill"
+        return Fault(at_s, fault, target, rng.uniform(0.0, 4.0))
+    if nemesis == "pause":
+        target = rng.choice(topology.servers)
+        return Fault(at_s, "pause", target, topology.session_timeout_s + rng.uniform(1.0, 4.0))
+    if nemesis == "net":
+        kind = rng.choice(("net-isolate", "net-drop", "net-oneway", "net-delay", "net-reset"))
+        duration = rng.uniform(2.0, 8.0)
+        if kind == "net-isolate":
+            return Fault(at_s, kind, rng.choice((*topology.servers, "zookeeper")), duration)
+        source, destination = rng.sample((*topology.servers, "zookeeper"), 2)
+        if kind == "net-delay":
+            return Fault(at_s, kind, f"*->{destination}", duration, rng.uniform(0.05, 0.5))
+        return Fault(at_s, kind, f"{source}->{destination}", duration)
+    assert nemesis == "disk", nemesis
+    kind = rng.choice(("disk-fsync", "disk-full")) if topology.disk_server else "disk-fsync"
+    target = topology.disk_server if kind == "disk-full" else rng.choice(topology.partition_servers)
+    return Fault(at_s, kind, target, rng.uniform(2.0, 6.0))

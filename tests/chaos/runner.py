@@ -1,0 +1,526 @@
+"""One chaos run: a real local cluster behind fault proxies, workload clients as their
+own processes, a seeded fault schedule, healing, quiescence, final reads, and the
+checker's verdict. Everything lands in the run directory:
+
+    seed.txt  schedule.json  workload.json  events-*.jsonl  history.jsonl
+    report.json  report.txt  logs/<client>.log  cluster/ (removed unless --keep-cluster)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services import launcher
+from services.failpoints import ENVIRONMENT_VARIABLE as FAILPOINTS_VARIABLE, FSYNC
+from tests.chaos import checker, history, nemesis
+from tests.chaos.history import EventLog
+from tests.chaos.proxy import FaultProxy
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+COUNTS = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
+SESSION_TIMEOUT_MS = 3_000
+SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
+            "coordinator.log_segment_bytes": "65536",
+            "coordinator.snapshot_every_records": "200"}
+TXN_TIMEOUT_S = 5.0
+ACK_TIMEOUT_S = 5.0
+DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's server
+CLIENT_STOP_S = 30.0            # SIGTERM to SIGKILL for a workload client
+DRAIN_S = 90.0                  # ctp: how long the workers may take to finish the input
+QUIESCENCE_S = 60.0             # after healing: until no transaction is open anywhere
+LOG_TOPICS = {"chaos-a": 4, "chaos-b": 2}
+CTP_TOPICS = {"ctp-in": 4, "ctp-out": 3}
+WORKLOADS = {
+    "log": ["producer-0", "producer-1", "txn-0", "txn-1", "session-0",
+            "reader-0:read_committed", "reader-1:read_uncommitted"],
+    "ctp": ["feeder-0", "ctp-0", "ctp-1", "ctp-2", "cursors-0", "reader-0:read_committed"],
+}
+
+
+@dataclass
+class Options:
+    workload: str
+    minutes: float
+    seed: int
+    nemeses: list[str]
+    run_dir: Path
+    keep_cluster: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class ClientProcess:
+    name: str
+    role: str
+    isolation: str
+    incarnation: int = 0
+    process: subprocess.Popen | None = None
+    crashes: list[str] = field(default_factory=list)
+
+
+class Run:
+    def __init__(self, options: Options):
+        if options.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {options.workload!r}: {', '.join(WORKLOADS)}")
+        self.options = options
+        self.run_dir = options.run_dir.resolve()
+        self.data_dir = self.run_dir / "cluster"
+        self.log = None
+        self.names: dict[int, str] = {os.getpid(): "runner"}
+        self.proxy = FaultProxy(self.names.get)
+        self.clients: dict[str, ClientProcess] = {}
+        self.cluster: launcher.ClusterFile | None = None
+        self.mounted: str | None = None
+        self.notes: list[str] = []
+        self.topics = LOG_TOPICS if options.workload == "log" else CTP_TOPICS
+        self.duration_s = options.minutes * 60
+
+    def say(self, text: str) -> None:
+        if not self.options.quiet:
+            print(f"[chaos {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    # ------------------------------------------------------------------ the run
+    def execute(self) -> dict:
+        options = self.options
+        print(f"seed {options.seed}", flush=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "seed.txt").write_text(
+            f"{options.seed}\npython -m tests.chaos --workload {options.workload} "
+            f"--minutes {options.minutes:g} --seed {options.seed} "
+            f"--nemesis {','.join(options.nemeses) or 'none'}\n")
+        self.log = EventLog(self.run_dir, "nemesis")
+        final_log = EventLog(self.run_dir, "final")
+        self.proxy.start()
+        try:
+            self.start_cluster()
+            topology = self.topology()
+            faults = nemesis.schedule(options.seed, options.nemeses, self.duration_s, topology)
+            (self.run_dir / "schedule.json").write_text(
+                json.dumps([f.to_json() for f in faults], indent=1) + "\n")
+            self.say(f"{len(faults)} faults scheduled over {self.duration_s:.0f} s "
+                     f"({', '.join(options.nemeses) or 'no nemesis'})")
+            self.prepare_workload(final_log)
+            for client in self.clients.values():
+                self.spawn(client)
+            began = time.monotonic()
+            for fault in faults:
+                self.wait_until(began + fault.at_s)
+                self.inject(fault)
+            self.wait_until(began + self.duration_s)
+            self.heal_all()
+            self.finish_workload()
+            self.quiesce_and_read(final_log)
+        finally:
+            self.stop_clients(list(self.clients.values()))
+            self.log.close()
+            final_log.close()
+            self.teardown()
+        operations = history.merge(self.run_dir)
+        history.write_history(self.run_dir, operations)
+        report = checker.check(operations)
+        report["run"] = {"workload": options.workload, "seed": options.seed,
+                         "minutes": options.minutes, "nemeses": options.nemeses,
+                         "notes": self.notes,
+                         "client_crashes": {c.name: c.crashes for c in self.clients.values()
+                                            if c.crashes}}
+        if any(c.crashes for c in self.clients.values()):
+            report["valid"] = False
+            report.setdefault("problems", []).append("a workload client crashed (see logs/)")
+        (self.run_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        text = checker.format_report(report)
+        (self.run_dir / "report.txt").write_text(text + "\n")
+        print(text, flush=True)
+        return report
+
+    def wait_until(self, moment: float) -> None:
+        while True:
+            self.watch_clients()
+            left = moment - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.2, left))
+
+    # ------------------------------------------------------------------ cluster
+    def start_cluster(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cluster = launcher.plan(self.data_dir, COUNTS, SETTINGS)
+        zookeeper = self.entry(cluster, "zookeeper")
+        zookeeper_proxy = self.proxy.add_route("zookeeper", zookeeper.grpc_address,
+                                               int(launcher.free_port()))
+        for entry in cluster.processes:
+            if entry.role == "zookeeper":
+                continue
+            entry.advertised_address = self.proxy.add_route(entry.name, entry.grpc_address,
+                                                            int(launcher.free_port()))
+            entry.zookeeper = zookeeper_proxy
+            if entry.role == "partition_server":
+                failpoints = self.run_dir / "failpoints" / entry.name
+                failpoints.mkdir(parents=True, exist_ok=True)
+                entry.env = {FAILPOINTS_VARIABLE: str(failpoints)}
+        if "disk" in self.options.nemeses:
+            self.mount_small_disk(self.entry(cluster, "ps-2"))
+        cluster.save(self.data_dir)
+        self.say(f"starting a cluster in {self.data_dir}")
+        report = launcher.up(self.data_dir, COUNTS, SETTINGS, timeout_s=120)
+        self.cluster = report.cluster
+        self.refresh_names()
+        self.say(f"cluster up in {report.seconds:.1f} s")
+
+    @staticmethod
+    def entry(cluster: launcher.ClusterFile, name: str) -> launcher.ProcessEntry:
+        return next(p for p in cluster.processes if p.name == name)
+
+    def mount_small_disk(self, entry: launcher.ProcessEntry) -> None:
+        """A small filesystem of its own for one partition server, to fill up."""
+        path = Path(entry.data_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            self.notes.append("disk-full skipped: mounting a small filesystem needs root")
+            return
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}",
+                                 "atomlog-chaos", str(path)], capture_output=True, text=True)
+        if result.returncode != 0:
+            self.notes.append(f"disk-full skipped: mount failed: {result.stderr.strip()}")
+            return
+        self.mounted = str(path)
+
+    def refresh_names(self) -> None:
+        for entry in self.cluster.processes:
+            if entry.pid:
+                self.names[entry.pid] = entry.name
+
+    def topology(self) -> nemesis.Topology:
+        names = {role: tuple(p.name for p in self.cluster.processes if p.role == role)
+                 for role in launcher.START_ORDER}
+        clients = tuple(n for n in WORKLOADS[self.options.workload] if n.startswith("ctp-"))
+        return nemesis.Topology(names["partition_server"], names["coordinator"],
+                                names["id_allocator"], clients,
+                                "ps-2" if self.mounted else "", SESSION_TIMEOUT_MS / 1000)
+
+    def restart(self, name: str) -> None:
+        entry = self.entry(self.cluster, name)
+        if launcher.process_alive(entry.pid, launcher.marker_of(entry)):
+            return
+        entry.pid = (launcher.start_zookeeper(entry) if entry.role == "zookeeper"
+                     else launcher.start_service(self.cluster, entry))
+        self.names[entry.pid] = name
+        self.cluster.save(self.data_dir)
+
+    def teardown(self) -> None:
+        self.proxy.heal_all()
+        if self.cluster is not None:
+            for entry in self.cluster.processes:
+                if entry.pid:
+                    try:
+                        os.kill(entry.pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+            try:
+                launcher.down(self.data_dir, timeout_s=15)
+            except launcher.LaunchError as error:
+                self.notes.append(f"down: {error}")
+        self.proxy.stop()
+        if self.mounted:
+            subprocess.run(["umount", "-l", self.mounted], capture_output=True)
+        if not self.options.keep_cluster:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ faults
+    def inject(self, fault: nemesis.Fault) -> None:
+        op = self.log.invoke("nemesis", fault=fault.fault, target=fault.target,
+                             detail=fault.to_json())
+        self.say(f"fault {fault.fault} {fault.target} for {fault.duration_s:.1f} s")
+        heal = self.apply(fault)
+        self.wait_until(time.monotonic() + fault.duration_s)
+        try:
+            heal()
+            self.log.complete(op, "ok")
+        except Exception as error:  # noqa: BLE001 — recorded; the final heal retries
+            self.log.complete(op, "fail", error=repr(error))
+            self.notes.append(f"healing {fault.fault} {fault.target} failed: {error!r}")
+
+    def apply(self, fault: nemesis.Fault):
+        kind, target = fault.fault, fault.target
+        if kind == "kill":
+            entry = self.entry(self.cluster, target)
+            self.signal(entry.pid, signal.SIGKILL)
+            return lambda: self.restart(target)
+        if kind == "client-kill":
+            client = self.clients[target]
+            if client.process is not None:
+                client.process.kill()
+                client.process.wait()
+            return lambda: self.spawn(client, again=True)
+        if kind == "pause":
+            pid = self.entry(self.cluster, target).pid
+            self.signal(pid, signal.SIGSTOP)
+            return lambda: self.signal(pid, signal.SIGCONT)
+        if kind == "net-isolate":
+            self.proxy.set_fault(target, "*", "drop")
+            self.proxy.set_fault("*", target, "drop")
+            return lambda: (self.proxy.heal(target, "*"), self.proxy.heal("*", target))
+        if kind.startswith("net-"):
+            source, destination = target.split("->")
+            mode = {"net-drop": "drop", "net-oneway": "oneway", "net-delay": "delay",
+                    "net-reset": "reset"}[kind]
+            self.proxy.set_fault(source, destination, mode, fault.delay_s)
+            return lambda: self.proxy.heal(source, destination)
+        if kind == "disk-fsync":
+            armed = self.run_dir / "failpoints" / target / FSYNC
+            armed.touch()
+            return lambda: armed.unlink(missing_ok=True)
+        if kind == "disk-full":
+            filler = Path(self.mounted) / "filler"
+            fill(filler)
+            return lambda: filler.unlink(missing_ok=True)
+        raise AssertionError(kind)
+
+    @staticmethod
+    def signal(pid: int, which: int) -> None:
+        try:
+            os.kill(pid, which)
+        except ProcessLookupError:
+            pass
+
+    def heal_all(self) -> None:
+        """Every fault undone, every process running and SERVING."""
+        self.say("healing everything")
+        self.proxy.heal_all()
+        for armed in (self.run_dir / "failpoints").glob(f"*/{FSYNC}"):
+            armed.unlink()
+        if self.mounted:
+            (Path(self.mounted) / "filler").unlink(missing_ok=True)
+        for entry in self.cluster.processes:
+            self.signal(entry.pid, signal.SIGCONT)
+        report = launcher.up(self.data_dir, COUNTS, SETTINGS, timeout_s=120)
+        self.cluster = report.cluster
+        self.refresh_names()
+        if report.started:
+            self.notes.append(f"restarted while healing: {', '.join(report.started)}")
+
+    # ------------------------------------------------------------------ workload
+    def prepare_workload(self, final_log: EventLog) -> None:
+        from spark_client import Client
+
+        bootstrap = [p.advertised_address for p in self.cluster.processes
+                     if p.role == "partition_server"]
+        spec = {"bootstrap": bootstrap, "topics": self.topics, "txn_timeout_s": TXN_TIMEOUT_S,
+                "ack_timeout_s": ACK_TIMEOUT_S, "incarnations": {},
+                "deadline": time.time() + self.duration_s + DRAIN_S + 600,
+                "data_topics": list(LOG_TOPICS)}
+        if self.options.workload == "ctp":
+            spec.update(input_topic="ctp-in", output_topic="ctp-out", subscription="chaos",
+                        data_topics=[])
+        self.spec = spec
+        self.write_spec()
+        final_log.record("workload", workload=self.options.workload, seed=self.options.seed,
+                         topics=self.topics, txn_timeout_s=TXN_TIMEOUT_S,
+                         nemeses=self.options.nemeses,
+                         **{k: spec[k] for k in ("input_topic", "output_topic", "subscription")
+                            if k in spec},
+                         **({"transform": "out:"} if self.options.workload == "ctp" else {}))
+        with Client(bootstrap) as client:
+            for topic, partitions in self.topics.items():
+                create_online(client, topic, partitions)
+        for spec_name in WORKLOADS[self.options.workload]:
+            name, _, isolation = spec_name.partition(":")
+            self.clients[name] = ClientProcess(name, name.split("-")[0],
+                                               isolation or "read_committed")
+
+    def write_spec(self) -> None:
+        path = self.run_dir / "workload.json"
+        path.with_suffix(".tmp").write_text(json.dumps(self.spec, indent=1))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def spawn(self, client: ClientProcess, again: bool = False) -> None:
+        if again:
+            client.incarnation += 1
+            self.spec["incarnations"][client.name] = client.incarnation
+            self.write_spec()
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        command = [sys.executable, "-m", "tests.chaos.client", client.role,
+                   "--run-dir", str(self.run_dir), "--name", client.name,
+                   "--seed", str(self.options.seed + client.incarnation),
+                   "--isolation", client.isolation]
+        with open(logs / f"{client.name}.log", "ab") as output:
+            client.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=output,
+                                              stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL)
+        self.names[client.process.pid] = client.name
+
+    def watch_clients(self) -> None:
+        """A client that exits by itself before it is told to has crashed: noted, restarted."""
+        for client in self.clients.values():
+            process = client.process
+            if process is not None and process.poll() is not None:
+                client.crashes.append(f"incarnation {client.incarnation} exited "
+                                      f"{process.returncode}")
+                self.say(f"client {client.name} exited {process.returncode}: restarting it")
+                self.spawn(client, again=True)
+
+    def stop_clients(self, clients: list[ClientProcess]) -> None:
+        live = [c for c in clients if c.process is not None and c.process.poll() is None]
+        for client in live:
+            client.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + CLIENT_STOP_S
+        for client in live:
+            try:
+                client.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                client.process.kill()
+                client.process.wait()
+                self.notes.append(f"client {client.name} did not stop in {CLIENT_STOP_S:.0f} s")
+        for client in clients:
+            client.process = None
+
+    def finish_workload(self) -> None:
+        """Writers stop; ctp workers first drain the input (bounded)."""
+        writers = [c for c in self.clients.values() if c.role in ("producer", "txn", "session",
+                                                                   "feeder")]
+        self.stop_clients(writers)
+        if self.options.workload == "ctp":
+            self.say("ctp: waiting for the workers to finish the input")
+            if not self.wait_for(self.input_consumed, DRAIN_S):
+                self.notes.append(f"ctp: the input was not consumed within {DRAIN_S:.0f} s")
+        self.stop_clients(list(self.clients.values()))
+
+    def wait_for(self, predicate, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.watch_clients()
+            try:
+                if predicate():
+                    return True
+            except Exception:  # noqa: BLE001 — not yet answerable (a server recovering)
+                pass
+            time.sleep(0.5)
+        return False
+
+    def input_consumed(self) -> bool:
+        from spark_client import Client
+
+        with Client(self.spec["bootstrap"], request_timeout_s=5) as client:
+            with client.consumer(self.spec["input_topic"], isolation="read_uncommitted") as reader:
+                ends = reader.end_offsets()
+            with client.consumer(self.spec["input_topic"], subscription=self.spec["subscription"]) \
+                    as consumer:
+                cursors = consumer.describe()
+        for cursor in cursors:
+            end = ends[(self.spec["input_topic"], cursor.subscription_partition.partition)]
+            # The input is written without transactions: no markers, so a partition is
+            # consumed when its cursor reached the high watermark.
+            if cursor.pending_acks or cursor.cumulative_end_offset < end:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ the end
+    def quiesce_and_read(self, final_log: EventLog) -> None:
+        from spark_client import Client
+
+        self.say("waiting for quiescence (no open transaction anywhere)")
+        with Client(self.spec["bootstrap"], request_timeout_s=10) as client:
+            deadline = time.monotonic() + QUIESCENCE_S
+            while True:
+                positions = self.positions(client)
+                settled = positions is not None and all(
+                    p["max_read_position"] == p["high_watermark"] and not p["open_txns"]
+                    for p in positions)
+                if settled or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            if positions is not None:
+                final_log.record("final-positions", partitions=positions)
+            for isolation in ("read_committed", "read_uncommitted"):
+                self.final_read(client, isolation, final_log)
+            if self.options.workload == "ctp":
+                self.final_cursors(client, final_log)
+
+    def positions(self, client) -> list[dict] | None:
+        rows = []
+        try:
+            for topic, count in self.topics.items():
+                for partition in range(count):
+                    reply = client.describe_partition(topic, partition)
+                    rows.append({"topic": topic, "partition": partition,
+                                 "high_watermark": reply.high_watermark,
+                                 "max_read_position": reply.max_read_position,
+                                 "open_txns": [f"{t.txn_id.tc_partition}:{t.txn_id.sequence}"
+                                               for t in reply.open_transactions]})
+        except Exception as error:  # noqa: BLE001 — retried until the deadline
+            self.say(f"positions not readable yet: {error}")
+            return None
+        return rows
+
+    def final_read(self, client, isolation: str, final_log: EventLog) -> None:
+        op = final_log.invoke("final-read", isolation=isolation)
+        for attempt in range(10):
+            try:
+                with client.consumer(list(self.topics), isolation=isolation) as reader:
+                    ends = reader.end_offsets()
+                    records = [[m.topic, m.partition, m.offset,
+                                (m.value or b"").decode(errors="replace")]
+                               for messages in reader.read_until(ends, idle_timeout_s=20)
+                               for m in messages]
+                final_log.complete(op, "ok", records=records,
+                                   ends=[[t, p, e] for (t, p), e in sorted(ends.items())])
+                return
+            except Exception as error:  # noqa: BLE001 — retried; the checker says if absent
+                self.say(f"final read ({isolation}) attempt {attempt + 1} failed: {error}")
+                time.sleep(1)
+        final_log.complete(op, "fail", records=[], ends=[])
+
+    def final_cursors(self, client, final_log: EventLog) -> None:
+        op = final_log.invoke("cursor", subscription=self.spec["subscription"],
+                              topic=self.spec["input_topic"])
+        try:
+            with client.consumer(self.spec["input_topic"],
+                                 subscription=self.spec["subscription"]) as consumer:
+                results = consumer.describe()
+            final_log.complete(op, "ok", positions=[
+                [r.subscription_partition.partition, r.cumulative_end_offset,
+                 [[i.start_offset, i.end_offset] for i in r.individual_ranges]] for r in results])
+        except Exception as error:  # noqa: BLE001
+            final_log.complete(op, "fail", positions=[], error=repr(error))
+
+
+def create_online(client, name: str, partitions: int) -> None:
+    from atomlog.v1.partition_pb2 import PARTITION_STATE_ONLINE
+    from spark_client import errors
+
+    client.create_topic(name, partitions=partitions)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if all(client.describe_partition(name, p).state == PARTITION_STATE_ONLINE
+                   for p in range(partitions)):
+                return
+        except errors.AtomlogClientError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"topic {name} did not come online in 60 s")
+
+
+def fill(path: Path) -> None:
+    """Write zeros to path until the filesystem is full (ENOSPC)."""
+    block = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(block)
+        except OSError:
+            pass
+    try:  # the last partial block
+        with open(path, "ab", buffering=0) as handle:
+            while True:
+                handle.write(b"\0" * 4096)
+    except OSError:
+        pass

@@ -1,0 +1,793 @@
+"""The chaos checker (tests/chaos/checker.py) on hand-made histories: a clean history is
+valid, and each anomaly is found on a minimal history that holds only it."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.chaos.checker import ANOMALIES, DESCRIPTIONS, check, check_file, format_report
+from tests.chaos.history import write_history
+
+RC, RU = "read_committed", "read_uncommitted"
+
+
+class History:
+    """Builds a history and, beside it, the log it implies: every write lands in its
+    partition at the next offset (visible or not to read_committed readers), and
+    finish() derives the final reads and final positions from that log."""
+
+    def __init__(self):
+        self.ops: list[dict] = []
+        self.clock = 1000.0
+        self.log: dict[tuple, list[tuple]] = defaultdict(list)  # (t, p) -> [(value, vis)]
+        self.positions: dict[str, list] = {}  # value -> [topic, partition, offset]
+        self.txn_count = 0
+
+    def op(self, f: str, process: str, invoke: float | None = None, duration: float = 0.5,
+           outcome: str = "ok", **fields) -> dict:
+        if invoke is None:
+            self.clock += 1
+            invoke = self.clock
+        operation = {"process": process, "f": f, "invoke": invoke,
+                     "complete": None if duration is None else invoke + duration,
+                     "outcome": outcome, **fields}
+        self.ops.append(operation)
+        return operation
+
+    def append(self, topic: str, partition: int, value: str, visible: bool = True) -> int:
+        """Put a record in the log directly (no op wrote it)."""
+        entries = self.log[(topic, partition)]
+        entries.append((value, visible))
+        self.positions.setdefault(value, [topic, partition, len(entries) - 1])
+        return len(entries) - 1
+
+    def record(self, value: str) -> list:
+        return [*self.positions[value], value]
+
+    def workload(self, **fields) -> dict:
+        return self.op("workload", "runner", duration=0, workload="test", seed=1, **fields)
+
+    def send(self, value: str, topic: str = "t", partition: int = 0, outcome: str = "ok",
+             lands: bool | None = None, offset: int | None = None, **fields) -> dict:
+        lands = outcome == "ok" if lands is None else lands
+        if lands:
+            landed = self.append(topic, partition, value)
+            offset = landed if offset is None else offset
+        if outcome == "ok" and offset is not None:
+            fields["offset"] = offset
+        return self.op("send", "producer-0", outcome=outcome, topic=topic,
+                       partition=partition, value=value, **fields)
+
+    def txn(self, writes: list, result: str = "committed", visible=None,
+            decision: str = "commit", acks: tuple = (), process: str = "producer-1",
+            **fields) -> dict:
+        """writes: values (topic "t", partition 0) or (topic, partition, value). Every
+        write lands in the log; visible: None (= committed), a bool, or one per write."""
+        writes = [list(w) if isinstance(w, (list, tuple)) else ["t", 0, w] for w in writes]
+        if visible is None:
+            visible = result == "committed"
+        if isinstance(visible, bool):
+            visible = [visible] * len(writes)
+        for (topic, partition, value), shown in zip(writes, visible):
+            self.append(topic, partition, value, shown)
+        self.txn_count += 1
+        return self.op("txn", process, writes=writes, acks=[list(a) for a in acks],
+                       decision=decision, result=result, txn_id=f"tc:{self.txn_count}",
+                       **fields)
+
+    def poll(self, values: list[str] = (), records: list | None = None, session: str = "s1",
+             isolation: str = RC, subscription: str | None = None,
+             process: str = "reader-0", **fields) -> dict:
+        records = [self.record(v) for v in values] if records is None else records
+        return self.op("poll", process, session=session, isolation=isolation,
+                       subscription=subscription, records=records, **fields)
+
+    def seek(self, positions: list, session: str = "s1", isolation: str = RC) -> dict:
+        return self.op("seek", "reader-0", session=session, isolation=isolation,
+                       positions=[list(p) for p in positions])
+
+    def fence(self, transactional_id: str, epoch: int, **fields) -> dict:
+        return self.op("fence", "producer-1", transactional_id=transactional_id, epoch=epoch,
+                       **fields)
+
+    def cursor(self, subscription: str, topic: str, positions: list,
+               process: str = "ctp-0", **fields) -> dict:
+        return self.op("cursor", process, subscription=subscription, topic=topic,
+                       positions=[list(p) for p in positions], **fields)
+
+    def nemesis(self, fault: str = "kill", target: str = "partition-0",
+                duration: float | None = 2.0) -> dict:
+        return self.op("nemesis", "nemesis", duration=duration, fault=fault, target=target,
+                       detail="")
+
+    def final_read(self, isolation: str = RC) -> dict:
+        records, ends = [], []
+        for (topic, partition), entries in sorted(self.log.items()):
+            records += [[topic, partition, offset, value]
+                        for offset, (value, shown) in enumerate(entries)
+                        if shown or isolation == RU]
+            ends.append([topic, partition, len(entries)])
+        return self.op("final-read", "final", isolation=isolation, records=records,
+                       ends=ends)
+
+    def final_positions(self, **overrides) -> dict:
+        partitions = [{"topic": topic, "partition": partition,
+                       "high_watermark": len(entries), "max_read_position": len(entries),
+                       "open_txns": []}
+                      for (topic, partition), entries in sorted(self.log.items())]
+        for entry in partitions:
+            entry.update(overrides)
+        return self.op("final-positions", "final", partitions=partitions)
+
+    def finish(self, committed: bool = True, uncommitted: bool = True,
+               positions: bool = True) -> list[dict]:
+        if committed:
+            self.final_read(RC)
+        if uncommitted:
+            self.final_read(RU)
+        if positions:
+            self.final_positions()
+        return self.ops
+
+
+def nonzero(report: dict) -> dict:
+    return {name: count for name, count in report["anomalies"].items() if count}
+
+
+def assert_only(report: dict, name: str, count: int | None = None) -> None:
+    """The report holds the anomaly `name` (count times, if given) and nothing else."""
+    found = nonzero(report)
+    assert set(found) == {name}, (found, report["examples"])
+    if count is not None:
+        assert found[name] == count, report["examples"][name]
+    assert report["examples"][name], "an anomaly comes with examples"
+    assert report["valid"] is False
+    assert report["problems"] == []
+
+
+def assert_valid(report: dict) -> None:
+    assert report["problems"] == [], report["problems"]
+    assert nonzero(report) == {}, report["examples"]
+    assert report["valid"] is True
+
+
+def ctp_history() -> History:
+    history = History()
+    history.workload(input_topic="in", output_topic="out", subscription="sub",
+                     transform="out:")
+    return history
+
+
+# ---------------------------------------------------------------- clean histories
+
+
+def clean_history() -> History:
+    history = History()
+    history.workload(topics={"t": 2})
+    history.seek([("t", 0, 0)], session="s1")
+    history.send("a")
+    history.send("b", partition=1)
+    history.txn(["c", ("t", 1, "d")])
+    history.txn(["e", "f"], result="aborted")                   # in the log, never shown
+    history.txn(["g"], decision="abort", result="aborted")
+    history.nemesis("kill", "partition-0")
+    history.txn(["h"])
+    history.send("i", outcome="unknown", lands=True)
+    history.send("j", outcome="unknown", lands=False)
+    history.send("k", outcome="fail", lands=False)
+    history.txn(["l", "m"], result="unknown", visible=True)
+    history.txn(["n", "o"], result="unknown", visible=False)
+    history.fence("tx", 1)
+    history.txn(["p"], transactional_id="tx", epoch=1)
+    history.fence("tx", 2)
+    history.txn(["q"], transactional_id="tx", epoch=2)
+    # t/0 holds a c e f g h i l m n o p q (offsets 0-12); e f g n o are not committed,
+    # so an assigned read_committed session goes 1 -> 5 and 8 -> 11 skipping nothing
+    history.poll(["a", "c"], session="s1")
+    history.poll(["h", "i"], session="s1")
+    history.poll(["l", "m", "p", "q"], session="s1")
+    history.poll(["b", "d"], session="s1")
+    # read_uncommitted sessions see everything, aborted records included
+    history.seek([("t", 0, 2)], session="s2", isolation=RU)
+    history.poll(["e", "f", "g", "h"], session="s2", isolation=RU)
+    # a subscription reader, with a redelivery
+    history.poll(["a", "c"], session="s3", subscription="sub")
+    history.poll(["c", "h"], session="s3", subscription="sub")
+    history.cursor("sub", "t", [(0, 1), (1, 0)])
+    history.cursor("sub", "t", [(0, 2), (1, 1)])
+    history.nemesis("pause", "coordinator", duration=None)
+    return history
+
+
+def test_a_clean_history_is_valid():
+    report = check(clean_history().finish())
+    assert_valid(report)
+    assert set(report["anomalies"]) == set(ANOMALIES)
+    assert set(report["examples"]) == set(ANOMALIES)
+    stats = report["stats"]
+    assert stats["committed_txns"] == 4 and stats["aborted_txns"] == 2
+    assert stats["unknown_txns"] == 2 and stats["sends_ok"] == 2
+    assert stats["polls"] == 7 and stats["records_read"] == 18
+    assert stats["faults"] == 2 and stats["fault_seconds"] > 2.0
+    json.dumps(report)
+
+
+def test_the_names_are_described_in_order():
+    assert ANOMALIES == ("lost-write", "duplicate", "aborted-read", "torn-transaction",
+                         "inconsistent-offsets", "non-monotonic-poll", "skipped-poll",
+                         "cursor-regression", "fenced-write-visible", "lost-ack",
+                         "hanging-transaction", "vanished-read")
+    assert set(DESCRIPTIONS) == set(ANOMALIES)
+
+
+def test_unknown_ops_and_malformed_fields_are_ignored():
+    history = History()
+    history.send("a")
+    history.op("bogus", "x")
+    history.ops.append("not an op")
+    history.poll(records=[["t", 0], None, ["t", 0, None, "z"]])
+    history.op("txn", "producer-1", writes=None, acks=[["sub"]])
+    report = check(history.finish())
+    assert_valid(report)
+    assert report["stats"]["ignored_ops"] == 2
+
+
+# ---------------------------------------------------------------- unknown outcomes
+
+
+@pytest.mark.parametrize("lands", [True, False])
+def test_an_unknown_send_may_or_may_not_be_visible(lands):
+    history = History()
+    history.send("a")
+    history.send("b", outcome="unknown", lands=lands)
+    assert_valid(check(history.finish()))
+
+
+@pytest.mark.parametrize("visible", [True, False])
+def test_an_unknown_txn_may_be_wholly_visible_or_wholly_invisible(visible):
+    history = History()
+    history.txn(["a", "b", ("t", 1, "c")], result="unknown", visible=visible)
+    assert_valid(check(history.finish()))
+
+
+def test_an_unknown_txn_partly_visible_is_torn():
+    history = History()
+    history.txn(["a", "b", "c"], result="unknown", visible=[True, False, True])
+    report = check(history.finish())
+    assert_only(report, "torn-transaction", 1)
+    example = report["examples"]["torn-transaction"][0]
+    assert example["kind"] == "writes"
+    assert example["visible"] == ["a", "c"] and example["invisible"] == ["b"]
+
+
+# ---------------------------------------------------------------- each anomaly
+
+
+def test_lost_write_of_a_send():
+    history = History()
+    history.send("a")
+    history.send("b", lands=False, offset=1)
+    report = check(history.finish())
+    assert_only(report, "lost-write", 1)
+    assert report["examples"]["lost-write"][0]["value"] == "b"
+
+
+def test_lost_write_of_a_committed_txn():
+    history = History()
+    history.txn(["a"], visible=False)
+    report = check(history.finish())
+    assert_only(report, "lost-write", 1)
+    assert report["examples"]["lost-write"][0]["kind"] == "txn"
+
+
+def test_a_committed_txn_partly_visible_is_torn_and_lost():
+    history = History()
+    history.txn(["a", "b"], visible=[True, False])
+    report = check(history.finish())
+    assert nonzero(report) == {"torn-transaction": 1, "lost-write": 1}
+
+
+def test_duplicate_in_the_final_read():
+    history = History()
+    history.send("a")
+    history.append("t", 0, "a")
+    report = check(history.finish())
+    assert_only(report, "duplicate", 1)
+    assert report["examples"]["duplicate"][0]["positions"] == [["t", 0, 0], ["t", 0, 1]]
+
+
+def test_duplicate_against_a_send_offset_is_reported_once():
+    history = History()
+    history.send("a", offset=5)
+    history.poll(["a"], session="s1")
+    history.poll(["a"], session="s2", isolation=RU)
+    report = check(history.finish())
+    assert_only(report, "duplicate", 1)
+
+
+def test_aborted_read_in_a_poll():
+    history = History()
+    history.txn(["a"], result="aborted")
+    history.poll(records=[["t", 0, 0, "a"]])
+    report = check(history.finish())
+    assert_only(report, "aborted-read", 1)
+    assert report["examples"]["aborted-read"][0]["kind"] == "aborted"
+
+
+def test_aborted_read_in_the_final_read():
+    history = History()
+    history.txn(["a"], result="aborted", visible=True)
+    report = check(history.finish())
+    assert_only(report, "aborted-read", 1)
+
+
+def test_an_abort_decision_that_shows_is_an_aborted_read_whatever_its_result():
+    history = History()
+    history.txn(["a"], result="committed", decision="abort", visible=True)
+    assert_only(check(history.finish()), "aborted-read", 1)
+
+
+def test_a_read_uncommitted_reader_may_see_aborted_values():
+    history = History()
+    history.txn(["a"], result="aborted")
+    history.poll(["a"], isolation=RU)
+    assert_valid(check(history.finish()))
+
+
+def test_a_phantom_is_an_aborted_read_of_an_unknown_write():
+    history = History()
+    history.send("a")
+    history.append("t", 0, "ghost")
+    report = check(history.finish())
+    assert_only(report, "aborted-read", 1)
+    example = report["examples"]["aborted-read"][0]
+    assert example["kind"] == "unknown-write" and example["value"] == "ghost"
+
+
+def test_inconsistent_offsets():
+    history = History()
+    history.send("a")
+    history.send("b", outcome="unknown", lands=False)
+    history.poll(records=[["t", 0, 0, "b"]], isolation=RU)
+    report = check(history.finish())
+    assert_only(report, "inconsistent-offsets", 1)
+    assert report["examples"]["inconsistent-offsets"][0] == {"position": ["t", 0, 0],
+                                                             "values": ["a", "b"]}
+
+
+def test_non_monotonic_poll():
+    history = History()
+    history.send("a")
+    history.send("b")
+    history.poll(["a", "b"])
+    history.poll(["a"])
+    report = check(history.finish())
+    assert_only(report, "non-monotonic-poll", 1)
+    example = report["examples"]["non-monotonic-poll"][0]
+    assert example["previous"]["offset"] == 1 and example["offset"] == 0
+
+
+def test_a_seek_restarts_a_session():
+    history = History()
+    history.send("a")
+    history.send("b")
+    history.poll(["a", "b"])
+    history.seek([("t", 0, 0)])
+    history.poll(["a", "b"])
+    assert_valid(check(history.finish()))
+
+
+def test_a_redelivery_on_a_subscription_session_is_not_non_monotonic():
+    history = History()
+    history.send("a")
+    history.send("b")
+    history.poll(["a", "b"], subscription="sub")
+    history.poll(["a"], subscription="sub")
+    history.poll(["a", "a"], subscription="sub")
+    assert_valid(check(history.finish()))
+
+
+def test_skipped_poll_between_reads():
+    history = History()
+    for value in "abc":
+        history.send(value)
+    history.poll(["a"])
+    history.poll(["c"])
+    report = check(history.finish())
+    assert_only(report, "skipped-poll", 1)
+    assert report["examples"]["skipped-poll"][0]["skipped"] == [1]
+
+
+def test_skipped_poll_after_a_seek():
+    history = History()
+    for value in "abc":
+        history.send(value)
+    history.seek([("t", 0, 0)])
+    history.poll(["b", "c"])
+    report = check(history.finish())
+    assert_only(report, "skipped-poll", 1)
+    assert report["examples"]["skipped-poll"][0]["after"] == "seek"
+
+
+def test_a_read_uncommitted_session_is_compared_with_the_read_uncommitted_final_read():
+    history = History()
+    history.send("a")
+    history.txn(["b"], result="aborted")
+    history.send("c")
+    history.poll(["a", "c"], isolation=RU)
+    assert_only(check(history.finish()), "skipped-poll", 1)
+    history.poll(["a", "c"], session="s2")          # read_committed: b is not readable
+    assert nonzero(check(history.ops)) == {"skipped-poll": 1}
+
+
+def test_cursor_regression():
+    history = History()
+    history.cursor("sub", "t", [(0, 5)])
+    history.cursor("sub", "t", [(0, 3)])
+    report = check(history.finish())
+    assert_only(report, "cursor-regression", 1)
+    example = report["examples"]["cursor-regression"][0]
+    assert (example["earlier"], example["later"]) == ([5, ()], [3, ()])
+
+
+def test_cursor_regression_of_an_individually_acknowledged_range():
+    """Offsets acknowledged one by one above the cursor (the third element) must stay
+    acknowledged: a later observation that lost them is a regression, one that moved the
+    cursor over them is not."""
+    history = History()
+    history.cursor("sub", "t", [(0, 5, [[7, 9]])])
+    history.cursor("sub", "t", [(0, 9, [])])
+    history.cursor("sub", "t", [(0, 9, [[12, 14]])])
+    assert nonzero(check(history.finish())) == {}
+    history.cursor("sub", "t", [(0, 9, [[13, 14]])])
+    report = check(history.ops)
+    assert nonzero(report) == {"cursor-regression": 1}
+
+
+def test_concurrent_cursor_observations_may_disagree():
+    history = History()
+    history.cursor("sub", "t", [(0, 5)], invoke=1.0, duration=10)
+    history.cursor("sub", "t", [(0, 3)], invoke=2.0, duration=1)
+    history.cursor("sub", "t", [(1, 7)], invoke=20.0)
+    history.cursor("sub", "t", [(0, 6), (1, 7)], invoke=21.0)
+    history.cursor("other", "t", [(0, 0)], invoke=22.0)
+    assert_valid(check(history.finish()))
+
+
+def test_fenced_write_visible():
+    history = History()
+    history.fence("tx", 1)
+    history.fence("tx", 2)
+    history.txn(["a"], transactional_id="tx", epoch=1)
+    report = check(history.finish())
+    assert_only(report, "fenced-write-visible", 1)
+    assert report["examples"]["fenced-write-visible"][0]["fence_epoch"] == 2
+
+
+def fenced_history(commit_after_fence: bool) -> list[dict]:
+    history = History()
+    history.fence("tx", 1)
+    began = history.clock + 1
+    commit = began + (10 if commit_after_fence else 1)
+    history.txn(["a"], transactional_id="tx", epoch=1, invoke=began, duration=20,
+                commit_invoke=commit)
+    history.fence("tx", 2, invoke=began + 0.5, duration=1)  # completes at began + 1.5
+    history.txn(["b"], transactional_id="tx", epoch=1, result="aborted")
+    history.txn(["c"], transactional_id="tx", epoch=2)
+    return history.finish()
+
+
+def test_a_fence_only_counts_once_complete_before_the_commit():
+    assert_valid(check(fenced_history(commit_after_fence=False)))
+    report = check(fenced_history(commit_after_fence=True))
+    assert_only(report, "fenced-write-visible", 1)
+    assert report["examples"]["fenced-write-visible"][0]["visible"] == ["a"]
+
+
+def test_lost_ack():
+    history = History()
+    history.send("a", topic="in")
+    history.poll(["a"], subscription="sub", session="c1")
+    history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)])
+    history.poll(["a"], subscription="sub", session="c2")
+    report = check(history.finish())
+    assert_only(report, "lost-ack", 1)
+    assert report["examples"]["lost-ack"][0]["ack"] == ["sub", "in", 0, 0]
+
+
+def test_a_redelivery_before_the_ack_committed_is_not_a_lost_ack():
+    history = History()
+    history.send("a", topic="in")
+    txn = history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)], duration=10)
+    history.poll(["a"], subscription="sub", invoke=txn["invoke"] + 1)   # before complete
+    history.poll(["a"], subscription="other")                           # another subscription
+    assert_valid(check(history.finish()))
+
+
+def test_an_aborted_ack_may_be_redelivered():
+    history = History()
+    history.send("a", topic="in")
+    history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)], result="aborted")
+    history.poll(["a"], subscription="sub")
+    assert_valid(check(history.finish()))
+
+
+@pytest.mark.parametrize("overrides", [{"max_read_position": 0}, {"open_txns": ["tc:9"]}])
+def test_hanging_transaction(overrides):
+    history = History()
+    history.send("a")
+    history.finish(positions=False)
+    history.final_positions(**overrides)
+    report = check(history.ops)
+    assert_only(report, "hanging-transaction", 1)
+    assert report["examples"]["hanging-transaction"][0]["topic"] == "t"
+
+
+def test_the_last_final_positions_op_counts():
+    history = History()
+    history.send("a")
+    history.finish(positions=False)
+    history.final_positions(open_txns=["tc:1"])
+    history.final_positions()
+    assert_valid(check(history.ops))
+
+
+def test_vanished_read():
+    history = History()
+    history.send("a", outcome="unknown", lands=False)
+    history.poll(records=[["t", 0, 0, "a"]])
+    report = check(history.finish())
+    assert_only(report, "vanished-read", 1)
+    assert report["examples"]["vanished-read"][0]["value"] == "a"
+
+
+def test_a_committed_value_seen_then_gone_is_lost_and_vanished():
+    history = History()
+    history.send("a", lands=False, offset=0)
+    history.poll(records=[["t", 0, 0, "a"]])
+    assert nonzero(check(history.finish())) == {"lost-write": 1, "vanished-read": 1}
+
+
+# ---------------------------------------------------------------- torn acks
+
+
+def acking_history(result: str, visible: bool, cursor: int) -> History:
+    history = History()
+    history.send("a", topic="in")
+    history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)], result=result,
+                visible=visible)
+    history.cursor("sub", "in", [(0, cursor)], process="final")
+    return history
+
+
+@pytest.mark.parametrize("result,visible,cursor", [
+    ("committed", True, 1), ("unknown", True, 1), ("unknown", False, 0),
+    ("aborted", False, 0)])
+def test_acks_agreeing_with_the_writes(result, visible, cursor):
+    assert_valid(check(acking_history(result, visible, cursor).finish()))
+
+
+@pytest.mark.parametrize("result", ["committed", "unknown"])
+def test_visible_writes_with_acks_not_applied_are_torn(result):
+    report = check(acking_history(result, True, 0).finish())
+    assert_only(report, "torn-transaction", 1)
+    assert report["examples"]["torn-transaction"][0]["kind"] == "acks-not-applied"
+
+
+def test_invisible_unknown_writes_with_applied_acks_are_torn():
+    report = check(acking_history("unknown", False, 1).finish())
+    assert_only(report, "torn-transaction", 1)
+    assert report["examples"]["torn-transaction"][0]["kind"] == "acks-applied-without-writes"
+
+
+def test_an_ack_applied_by_another_txn_is_not_torn():
+    history = History()
+    history.send("a", topic="in")
+    history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)], result="unknown",
+                visible=False)
+    history.txn([("out", 0, "out:a2")], acks=[("sub", "in", 0, 0)])
+    history.cursor("sub", "in", [(0, 1)], process="final")
+    assert_valid(check(history.finish()))
+
+
+def test_the_cursor_may_stop_at_an_input_nobody_acknowledged():
+    history = History()
+    history.send("a", topic="in")
+    history.send("b", topic="in")
+    history.txn([("out", 0, "out:b")], acks=[("sub", "in", 0, 1)])
+    history.cursor("sub", "in", [(0, 0)], process="final")
+    assert_valid(check(history.finish()))
+
+
+# ---------------------------------------------------------------- ctp
+
+
+def test_a_clean_ctp_run_with_a_retried_output_is_valid():
+    history = ctp_history()
+    history.send("a", topic="in")
+    history.send("b", topic="in")
+    history.poll(["a", "b"], subscription="sub", session="c1")
+    history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)])
+    history.txn([("out", 0, "out:b")], acks=[("sub", "in", 0, 1)], result="aborted")
+    history.poll(["b"], subscription="sub", session="c1")          # redelivered
+    history.txn([("out", 0, "out:b")], acks=[("sub", "in", 0, 1)])  # same output value
+    history.cursor("sub", "in", [(0, 2)], process="final")
+    report = check(history.finish())
+    assert_valid(report)
+
+
+def test_ctp_duplicate_output():
+    history = ctp_history()
+    history.send("a", topic="in")
+    history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)])
+    history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)])
+    history.cursor("sub", "in", [(0, 1)], process="final")
+    report = check(history.finish())
+    assert_only(report, "duplicate", 1)
+    example = report["examples"]["duplicate"][0]
+    assert example["kind"] == "ctp-output" and example["value"] == "out:a"
+    assert example["input"] == {"value": "a", "position": ["in", 0, 0]}
+    assert example["positions"] == [["out", 0, 0], ["out", 0, 1]]
+
+
+def test_ctp_acked_input_without_output():
+    history = ctp_history()
+    history.send("a", topic="in")
+    history.send("b", topic="in")
+    history.txn([("out", 0, "out:b")], acks=[("sub", "in", 0, 1)])
+    history.cursor("sub", "in", [(0, 2)], process="final")
+    report = check(history.finish())
+    assert_only(report, "lost-write", 1)
+    example = report["examples"]["lost-write"][0]
+    assert example["kind"] == "ctp-acked-without-output" and example["value"] == "out:a"
+
+
+def test_ctp_unacknowledged_input_without_output_is_fine():
+    history = ctp_history()
+    history.send("a", topic="in")
+    history.cursor("sub", "in", [(0, 0)], process="final")
+    assert_valid(check(history.finish()))
+
+
+def test_ctp_without_a_final_cursor_is_a_problem():
+    history = ctp_history()
+    history.send("a", topic="in")
+    report = check(history.finish())
+    assert report["valid"] is False and any("cursor" in p for p in report["problems"])
+
+
+# ---------------------------------------------------------------- problems and report
+
+
+def test_a_missing_final_read_is_a_problem():
+    history = History()
+    history.send("a", lands=False, offset=0)
+    history.poll(records=[["t", 0, 0, "a"]])
+    report = check(history.finish(committed=False))
+    assert report["valid"] is False
+    assert any("read_committed final-read" in p for p in report["problems"])
+    assert report["anomalies"]["lost-write"] == 0  # not decided
+    assert report["anomalies"]["vanished-read"] == 0
+
+
+def test_a_failed_final_read_does_not_count():
+    history = History()
+    history.send("a")
+    history.finish()
+    for op in history.ops:
+        if op["f"] == "final-read" and op["isolation"] == RC:
+            op["outcome"] = "unknown"
+    assert check(history.ops)["problems"]
+
+
+def test_missing_final_positions_is_a_problem():
+    history = History()
+    history.send("a")
+    report = check(history.finish(positions=False))
+    assert report["valid"] is False and len(report["problems"]) == 1
+    assert "final-positions" in report["problems"][0]
+
+
+def test_read_uncommitted_sessions_without_their_final_read_are_a_problem():
+    history = History()
+    history.send("a")
+    history.poll(["a"], isolation=RU)
+    assert check(history.finish(uncommitted=False))["problems"]
+
+
+def test_format_report_names_every_nonzero_anomaly():
+    history = History()
+    history.send("a")
+    history.send("b", lands=False, offset=5)                      # lost-write
+    history.txn(["c"], result="aborted", visible=True)            # aborted-read
+    history.cursor("sub", "t", [(0, 5)])
+    history.cursor("sub", "t", [(0, 3)])                          # cursor-regression
+    report = check(history.finish())
+    text = format_report(report)
+    assert set(nonzero(report)) == {"lost-write", "aborted-read", "cursor-regression"}
+    for name in nonzero(report):
+        assert f"{name} examples:" in text
+    for name in ANOMALIES:
+        assert name in text
+    assert text.startswith("valid: False")
+    assert "valid: True" in format_report(check(clean_history().finish()))
+
+
+def test_check_file_reads_a_history(tmp_path):
+    path = write_history(tmp_path, clean_history().finish())
+    assert_valid(check_file(path))
+
+
+def test_examples_are_capped_at_ten():
+    history = History()
+    for number in range(15):
+        history.send(f"v{number}", lands=False, offset=number)
+    report = check(history.finish())
+    assert report["anomalies"]["lost-write"] == 15
+    assert len(report["examples"]["lost-write"]) == 10
+
+
+# ---------------------------------------------------------------- property
+
+
+SENDS = st.tuples(st.just("send"), st.integers(0, 2), st.sampled_from(["ok", "unknown", "fail"]),
+                  st.booleans())
+TXNS = st.tuples(st.just("txn"), st.lists(st.integers(0, 2), min_size=1, max_size=3),
+                 st.sampled_from(["committed", "aborted", "unknown", "abort-decision"]),
+                 st.booleans())
+
+
+def model_history(actions: list, chunk: int) -> tuple[History, list[tuple[str, int]]]:
+    """A history of the actions as a correct system would run them, read back by one
+    assigned read_committed session per partition; and the definitely committed values
+    with how many writes their op had."""
+    history = History()
+    committed: list[tuple[str, int]] = []
+    for number, (kind, where, outcome, lands) in enumerate(actions):
+        if kind == "send":
+            value = f"s{number}"
+            history.send(value, partition=where, outcome=outcome,
+                         lands=outcome == "ok" or (outcome == "unknown" and lands))
+            if outcome == "ok":
+                committed.append((value, 1))
+        else:
+            writes = [("t", partition, f"x{number}.{i}") for i, partition in enumerate(where)]
+            decision = "abort" if outcome == "abort-decision" else "commit"
+            result = "aborted" if decision == "abort" else outcome
+            history.txn(writes, result=result, decision=decision,
+                        visible=result == "committed" or (result == "unknown" and lands))
+            if result == "committed":
+                committed += [(value, len(writes)) for _, _, value in writes]
+    for partition in range(3):
+        session = f"reader-{partition}"
+        history.seek([("t", partition, 0)], session=session)
+        shown = [value for value, visible in history.log[("t", partition)] if visible]
+        for start in range(0, len(shown), chunk):
+            history.poll(shown[start:start + chunk], session=session)
+    history.finish()
+    return history, committed
+
+
+@settings(max_examples=150, deadline=None)
+@given(actions=st.lists(st.one_of(SENDS, TXNS), min_size=1, max_size=25),
+       chunk=st.integers(1, 4), data=st.data())
+def test_model_histories_are_valid_and_a_removed_committed_value_is_caught(actions, chunk,
+                                                                          data):
+    history, committed = model_history(actions, chunk)
+    report = check(history.ops)
+    assert_valid(report)
+    if not committed:
+        return
+    value, writes = data.draw(st.sampled_from(committed))
+    final = next(op for op in history.ops if op["f"] == "final-read" and op["isolation"] == RC)
+    final["records"] = [record for record in final["records"] if record[3] != value]
+    report = check(history.ops)
+    assert report["valid"] is False
+    assert report["anomalies"]["lost-write"] >= 1
+    if writes > 1:
+        assert report["anomalies"]["torn-transaction"] >= 1
