@@ -207,6 +207,13 @@ class _ReplayCancelled(Exception):
     pass
 
 
+# A reload after a failed write or fsync that fails too (the disk is still full or
+# failing) is retried with backoff from 0.1 s up to 5 s, for as long as the partition is
+# owned here: about the pace at which an operator frees space, without spinning.
+RELOAD_RETRY_FIRST_S = 0.1
+RELOAD_RETRY_MAX_S = 5.0
+
+
 def _wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -319,6 +326,17 @@ class PartitionOwner:
         last durable offset) and rebuild producer state, and the transaction buffer too
         when its replay needs no more of the log than producer state's."""
         partition_log = PartitionLog(self.directory, self.settings.log, clock_ms=self._clock)
+        try:
+            return self._load_from(partition_log, truncate_to)
+        except BaseException:
+            partition_log.fail("the load failed")  # its descriptors go; nothing is synced
+            try:
+                partition_log.close()
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+
+    def _load_from(self, partition_log: PartitionLog, truncate_to: int | None) -> _Loaded:
         if partition_log.data_loss is not None:
             return _Loaded(partition_log, self.producers, None, 0, -1, 0)
         if truncate_to is not None and partition_log.log_end_offset > truncate_to:
@@ -782,15 +800,25 @@ class PartitionOwner:
         if self.log is not None:
             self.log.fail(f"{type(error).__name__}: {error}")
             durable = self.log.high_watermark
-        try:
-            await self._reload_after_failure(durable)
-        except BaseException as reload_error:
-            # The partition stays LOADING (refusing produce); answer what is queued.
-            _fail_all(self._queue, AtomlogError(
-                "PARTITION_LOADING", f"partition {self.name} failed to reload: {reload_error}"))
-            self._queue.clear()
-            self._queued_bytes = 0
-            raise
+        delay_s = RELOAD_RETRY_FIRST_S
+        while True:
+            try:
+                await self._reload_after_failure(durable)
+                return
+            except Exception as reload_error:  # noqa: BLE001 — the disk may come back
+                # The partition stays LOADING (refusing produce and reads with the
+                # retriable PARTITION_LOADING) and tries again: a full disk or a failing
+                # device that recovers must not leave it offline until a restart.
+                _fail_all(self._queue, AtomlogError(
+                    "PARTITION_LOADING", f"partition {self.name} failed to reload: "
+                    f"{reload_error}; retrying"))
+                self._queue.clear()
+                self._queued_bytes = 0
+                event(log, "partition reload failed; retrying", logging.ERROR,
+                      partition=self.name, error=f"{type(reload_error).__name__}: "
+                      f"{reload_error}", retry_in_seconds=round(delay_s, 2))
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, RELOAD_RETRY_MAX_S)
 
     async def _flush_everything(self) -> None:
         """Make everything appended durable now (close): no request is answered."""

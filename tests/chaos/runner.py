@@ -3,7 +3,8 @@ own processes, a seeded fault schedule, healing, quiescence, final reads, and th
 checker's verdict. Everything lands in the run directory:
 
     seed.txt  schedule.json  workload.json  events-*.jsonl  history.jsonl
-    report.json  report.txt  logs/<client>.log  cluster/ (removed unless --keep-cluster)
+    report.json  report.txt  logs/<client>.log  cluster-logs/<server>.log
+    cluster/ (the servers' data: removed unless --keep-cluster)
 """
 
 from __future__ import annotations
@@ -230,7 +231,9 @@ class Run:
         self.proxy.stop()
         if self.mounted:
             subprocess.run(["umount", "-l", self.mounted], capture_output=True)
-        if not self.options.keep_cluster:
+        if not self.options.keep_cluster:  # the servers' logs stay, in cluster-logs/
+            if (self.data_dir / "logs").is_dir():
+                shutil.move(self.data_dir / "logs", self.run_dir / "cluster-logs")
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ faults
