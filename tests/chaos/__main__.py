@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -46,8 +47,13 @@ def parse(argv: list[str] | None) -> Options:
     return Options(args.workload, args.minutes, seed, nemeses, run_dir, args.keep_cluster)
 
 
+def _stop(signum, _frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # the run's cleanup still happens
+
+
 def main(argv: list[str] | None = None) -> int:
     options = parse(argv)
+    signal.signal(signal.SIGTERM, _stop)
     report = Run(options).execute()
     print(f"run directory: {options.run_dir}")
     return 0 if report["valid"] else 1

@@ -34,6 +34,7 @@ from spark_client import Client, errors
 from tests.chaos.history import EventLog
 
 SEND_TIMEOUT_S = 15.0
+CTP_MAX_RECORDS = 1_000_000  # more than one Receive returns (8 MiB of small values)
 TRANSFORM_PREFIX = "out:"
 
 
@@ -146,7 +147,7 @@ class Workload:
             txn.abort()
             self.log.complete(op, "ok", result="aborted", txn_id=txn.id if txn.opened else None)
             return "aborted"
-        except errors.AtomlogClientError as error:
+        except (errors.AtomlogClientError, TimeoutError) as error:
             result = self.settle(txn)
             self.log.complete(op, "fail" if result == "aborted" else "unknown", result=result,
                               error=_reason(error),
@@ -171,7 +172,11 @@ class Workload:
         transactional_id = f"{self.args.name}-{self.spec['incarnations'].get(self.args.name, 0)}"
         producer = self.new_session(transactional_id)
         while not self.stop and producer is not None:
-            txn = producer.begin_transaction(timeout_s=self.txn_timeout_s)
+            try:  # may start a new epoch of the session (after an unknown outcome)
+                txn = producer.begin_transaction(timeout_s=self.txn_timeout_s)
+            except (errors.AtomlogClientError, TimeoutError):
+                self.stop.sleep(0.5)
+                continue
             fields = {"transactional_id": transactional_id, "epoch": producer.epoch}
             if self.rng.random() < 0.15:  # fence while this transaction is open
                 writes = self.pick_writes()
@@ -180,15 +185,15 @@ class Workload:
                     for topic, partition, value in writes:
                         producer.send(topic, value.encode(), partition=partition, txn=txn)
                     producer.flush(timeout=SEND_TIMEOUT_S)
-                except errors.AtomlogClientError:
-                    pass
+                except (errors.AtomlogClientError, TimeoutError):
+                    pass  # the commit below says what became of it
                 successor = self.new_session(transactional_id)
                 commit_invoke = time.time()
                 try:
                     txn.commit()
                     self.log.complete(op, "ok", result="committed", commit_invoke=commit_invoke,
                                       txn_id=txn.id if txn.opened else None)
-                except errors.AtomlogClientError as error:
+                except (errors.AtomlogClientError, TimeoutError) as error:
                     # Fenced: the successor's InitProducerId aborted this transaction
                     # (documented); the checker holds us to that.
                     result = "aborted" if isinstance(error, errors.ProducerFenced) \
@@ -211,7 +216,7 @@ class Workload:
                 producer = self.client.producer(transactional_id=transactional_id, linger_ms=1,
                                                 transaction_timeout_s=self.txn_timeout_s,
                                                 delivery_timeout_s=SEND_TIMEOUT_S)
-            except errors.AtomlogClientError as error:
+            except (errors.AtomlogClientError, TimeoutError) as error:
                 self.log.complete(op, "unknown", error=_reason(error))
                 self.stop.sleep(0.5)
                 continue
@@ -249,7 +254,7 @@ class Workload:
                                          subscription=None)
                     try:
                         messages = consumer.poll(timeout_s=0.5, max_records=2000)
-                    except errors.AtomlogClientError as error:
+                    except Exception as error:  # noqa: BLE001 — a failed poll returned nothing
                         self.log.complete(op, "fail", records=[], error=_reason(error))
                         self.stop.sleep(0.2)
                         continue
@@ -266,15 +271,21 @@ class Workload:
         subscription = spec["subscription"]
         session_id = f"{self.args.name}/{spec['incarnations'].get(self.args.name, 0)}"
         outputs = self.topics[spec["output_topic"]]
-        consumer = self.client.consumer(spec["input_topic"], subscription=subscription,
-                                        ack_timeout_s=spec["ack_timeout_s"])
+        consumer = self.subscribe()
+        if consumer is None:
+            return
         with self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S) as producer, consumer:
             while not self.stop:
                 op = self.log.invoke("poll", session=session_id, isolation="read_committed",
                                      subscription=subscription)
                 try:
-                    messages = consumer.poll(timeout_s=0.3, max_records=self.rng.randint(1, 50))
-                except errors.AtomlogClientError as error:
+                    # Everything one Receive delivered, so that a poll is one delivery
+                    # by the server: the SDK hands out what does not fit in max_records
+                    # from its buffer later, and after a server restart (deliveries are
+                    # volatile) that can be a message another worker has acknowledged
+                    # since (see docs/verification.md, "Known weaknesses").
+                    messages = consumer.poll(timeout_s=0.3, max_records=CTP_MAX_RECORDS)
+                except Exception as error:  # noqa: BLE001 — a failed poll returned nothing
                     self.log.complete(op, "fail", records=[], error=_reason(error))
                     self.stop.sleep(0.2)
                     continue
@@ -293,6 +304,18 @@ class Workload:
                 if result == "aborted":
                     self.give_back(consumer, messages)
 
+    def subscribe(self):
+        """A consumer of the input subscription (created at the earliest offset by the
+        first one); retried while the servers it needs are down. None once stopped."""
+        while not self.stop:
+            try:
+                return self.client.consumer(self.spec["input_topic"],
+                                            subscription=self.spec["subscription"],
+                                            ack_timeout_s=self.spec["ack_timeout_s"])
+            except errors.AtomlogClientError:
+                self.stop.sleep(0.5)
+        return None
+
     def give_back(self, consumer, messages) -> None:
         try:
             consumer.nack(messages)
@@ -301,8 +324,9 @@ class Workload:
 
     def run_cursors(self) -> None:
         spec = self.spec
-        consumer = self.client.consumer(spec["input_topic"], subscription=spec["subscription"],
-                                        ack_timeout_s=spec["ack_timeout_s"])
+        consumer = self.subscribe()
+        if consumer is None:
+            return
         with consumer:
             while not self.stop:
                 op = self.log.invoke("cursor", subscription=spec["subscription"],
@@ -313,7 +337,7 @@ class Workload:
                                   [[i.start_offset, i.end_offset] for i in r.individual_ranges]]
                                  for r in results]
                     self.log.complete(op, "ok", positions=positions)
-                except errors.AtomlogClientError as error:
+                except Exception as error:  # noqa: BLE001 — an observation that failed
                     self.log.complete(op, "fail", positions=[], error=_reason(error))
                 self.stop.sleep(0.5)
 

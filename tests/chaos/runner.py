@@ -261,6 +261,7 @@ class Run:
             if client.process is not None:
                 client.process.kill()
                 client.process.wait()
+                client.process = None  # not a crash: restarted when healed
             return lambda: self.spawn(client, again=True)
         if kind == "pause":
             pid = self.entry(self.cluster, target).pid
