@@ -57,3 +57,37 @@ def test_a_process_that_fails_for_another_reason_is_not_restarted(tmp_path):
                         {"zookeeper.session_timeout_ms": "5"}, timeout_s=60)
         finally:
             launcher.down(tmp_path, timeout_s=10)
+
+
+@pytest.mark.cluster
+def test_a_process_advertises_its_own_address_and_gets_its_own_environment(tmp_path):
+    """What the chaos harness relies on: a service started with an advertised address
+    registers that address (others reach it there, e.g. through a proxy) while the launcher
+    still checks its health on the address it listens on; and it gets the extra
+    environment its entry names."""
+    import json
+
+    from kazoo.client import KazooClient
+
+    localzk.check_installed()
+    planned = launcher.plan(tmp_path, {"id_allocator": 1}, {})
+    entry = next(p for p in planned.processes if p.name == "ida-0")
+    entry.advertised_address = f"127.0.0.1:{launcher.free_port()}"
+    entry.env = {"ATOMLOG_TEST_MARK": "advertised"}
+    planned.save(tmp_path)
+    try:
+        report = launcher.up(tmp_path, {"id_allocator": 1}, timeout_s=60)
+        started = next(p for p in report.cluster.processes if p.name == "ida-0")
+        assert started.advertised_address == entry.advertised_address
+        assert launcher.health_status(started.grpc_address) == "SERVING"
+        with open(f"/proc/{started.pid}/environ", "rb") as handle:
+            assert b"ATOMLOG_TEST_MARK=advertised" in handle.read().split(b"\0")
+        zookeeper = KazooClient(hosts=report.cluster.zookeeper + report.cluster.chroot)
+        zookeeper.start(timeout=10)
+        try:
+            data, _ = zookeeper.get("/servers/ida-0")
+        finally:
+            zookeeper.stop()
+        assert json.loads(data)["grpc_address"] == entry.advertised_address
+    finally:
+        launcher.down(tmp_path, timeout_s=10)
