@@ -21,7 +21,10 @@ REGRESSIONS = [
     # there hung on another partition (hanging-transaction).
     ("log", "pause,disk", 3, 0.6),
 ]
-CASES = [(w, n, SEEDS[(w, n)], FAULT_PHASE_MINUTES) for w, n in sorted(SEEDS)] + REGRESSIONS
+# The Spark writer's parent/child protocol, with drivers killed and links cut.
+SPARK_LITE = [("spark-lite", "kill,net", 31, FAULT_PHASE_MINUTES)]
+CASES = [(w, n, SEEDS[(w, n)], FAULT_PHASE_MINUTES) for w, n in sorted(SEEDS)] + \
+    SPARK_LITE + REGRESSIONS
 
 
 @pytest.mark.cluster

@@ -1,4 +1,4 @@
-"""python -m tests.chaos --workload log|ctp --minutes M --seed S [--nemesis kill,pause,net,disk]
+"""python -m tests.chaos --workload log|ctp|spark-lite --minutes M --seed S [--nemesis kill,pause,net,disk]
 
 Runs one seeded chaos run (tests/chaos/runner.py) and checks its history
 (tests/chaos/checker.py). Prints the seed first; exit 0 when the checker found nothing,

@@ -16,6 +16,9 @@ Roles (see docs/verification.md):
   ctp          ctp: consume-transform-produce through the subscription with
                transactional acks, the way tests/ctp_loop.py does it
   cursors      ctp: observes the subscription's cursors every 0.5 s
+  driver       spark-lite: jobs of parent and prepared child transactions, as the Spark
+               writer runs them, some with failed or speculative attempts, and one in ten
+               abandoned by a "dead" driver
 
 The run directory's workload.json says which topics exist and the settings of the run.
 """
@@ -224,6 +227,77 @@ class Workload:
             return producer
         return None
 
+    # ------------------------------------------------------------------ spark-lite
+    def run_driver(self) -> None:
+        """Jobs the way the Spark writer runs them (spark_client/spark.py): a parent
+        transaction per job, a prepared child per task attempt, and the parent's commit
+        naming the children to keep; every other child must be aborted with it. A task
+        attempt may fail (its child is left out), a speculative second attempt may also
+        prepare (one of the two is kept), and in one job in ten the driver "dies": it
+        abandons the parent, which must then time out and take every child with it."""
+        with self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S) as producer:
+            while not self.stop:
+                self.one_job(producer)
+                self.stop.sleep(self.rng.uniform(0, 0.1))
+
+    def one_job(self, producer) -> None:
+        from spark_client.transactions import Transaction
+
+        try:
+            parent = Transaction(self.client, self.spec["parent_timeout_s"],
+                                 key=self.value("job-"))
+        except (errors.AtomlogClientError, TimeoutError):
+            self.stop.sleep(0.5)
+            return
+        attempts = []  # (op, child or None, prepared)
+        for _task in range(self.rng.randint(1, 3)):
+            for _attempt in range(2 if self.rng.random() < 0.2 else 1):
+                attempts.append(self.task_attempt(producer, parent, Transaction))
+        kept, parent_error = [], None
+        for op, child, prepared in attempts:
+            if prepared and self.rng.random() < 0.85:
+                kept.append((op, child))
+        if self.rng.random() < 0.1:  # the driver dies: nobody ends the parent
+            for op, _child, _prepared in attempts:
+                self.log.complete(op, "ok", decision="abort", result="aborted",
+                                  parent="abandoned")
+            return
+        keep_ids = [child.key for _op, child in kept]
+        try:
+            parent.commit(keep_children=keep_ids)
+            outcome = "committed"
+        except (errors.AtomlogClientError, TimeoutError) as error:
+            outcome = self.settle(parent)
+            parent_error = _reason(error)
+        for op, child, _prepared in attempts:
+            is_kept = any(child is k for _op, k in kept)
+            if is_kept:
+                self.log.complete(op, "ok" if outcome != "unknown" else "unknown",
+                                  result=outcome, parent_error=parent_error)
+            else:
+                self.log.complete(op, "ok", decision="abort", result="aborted")
+
+    def task_attempt(self, producer, parent, transaction_class):
+        """One task attempt: a child of the parent, its writes, prepare. Returns (op, child
+        or None, prepared); the op is completed by the job once the parent is decided."""
+        writes = self.pick_writes()
+        op = self.log.invoke("txn", writes=writes, acks=[], decision="commit", child=True)
+        try:
+            child = transaction_class(self.client, self.spec["child_timeout_s"], parent=parent)
+        except (errors.AtomlogClientError, TimeoutError):
+            return op, None, False  # no child: nothing written
+        try:
+            for topic, partition, value in writes:
+                producer.send(topic, value.encode(), partition=partition, txn=child)
+            child.prepare(self.spec["prepared_timeout_s"])
+            return op, child, True
+        except (errors.AtomlogClientError, TimeoutError):
+            try:  # a failed attempt: Spark calls abort() on its writer
+                child.abort()
+            except (errors.AtomlogClientError, TimeoutError):
+                pass  # the parent's decision aborts it anyway (it is not kept)
+            return op, child, False
+
     # ------------------------------------------------------------------ readers
     def run_reader(self) -> None:
         isolation = self.args.isolation
@@ -344,7 +418,8 @@ class Workload:
 
 ROLES = {"producer": Workload.run_producer, "txn": Workload.run_txn,
          "session": Workload.run_session, "reader": Workload.run_reader,
-         "feeder": Workload.run_feeder, "ctp": Workload.run_ctp, "cursors": Workload.run_cursors}
+         "feeder": Workload.run_feeder, "ctp": Workload.run_ctp, "cursors": Workload.run_cursors,
+         "driver": Workload.run_driver}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,13 +37,22 @@ DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's ser
 CLIENT_STOP_S = 30.0            # SIGTERM to SIGKILL for a workload client
 DRAIN_S = 90.0                  # ctp: how long the workers may take to finish the input
 QUIESCENCE_S = 60.0             # after healing: until no transaction is open anywhere
+                                # (longer than every timeout below)
 LOG_TOPICS = {"chaos-a": 4, "chaos-b": 2}
 CTP_TOPICS = {"ctp-in": 4, "ctp-out": 3}
 WORKLOADS = {
     "log": ["producer-0", "producer-1", "txn-0", "txn-1", "session-0",
             "reader-0:read_committed", "reader-1:read_uncommitted"],
     "ctp": ["feeder-0", "ctp-0", "ctp-1", "ctp-2", "cursors-0", "reader-0:read_committed"],
+    "spark-lite": ["driver-0", "driver-1", "reader-0:read_committed",
+                   "reader-1:read_uncommitted"],
 }
+# spark-lite: a job's parent, its children, and how long a prepared child waits for its
+# parent's decision (the Spark writer's three timeouts, scaled down).
+PARENT_TIMEOUT_S = 8.0
+CHILD_TIMEOUT_S = 8.0
+PREPARED_TIMEOUT_S = 12.0
+KILLABLE_CLIENTS = ("ctp-", "driver-")
 
 
 @dataclass
@@ -81,7 +90,7 @@ class Run:
         self.cluster: launcher.ClusterFile | None = None
         self.mounted: str | None = None
         self.notes: list[str] = []
-        self.topics = LOG_TOPICS if options.workload == "log" else CTP_TOPICS
+        self.topics = CTP_TOPICS if options.workload == "ctp" else LOG_TOPICS
         self.duration_s = options.minutes * 60
 
     def say(self, text: str) -> None:
@@ -201,7 +210,8 @@ class Run:
     def topology(self) -> nemesis.Topology:
         names = {role: tuple(p.name for p in self.cluster.processes if p.role == role)
                  for role in launcher.START_ORDER}
-        clients = tuple(n for n in WORKLOADS[self.options.workload] if n.startswith("ctp-"))
+        clients = tuple(n for n in WORKLOADS[self.options.workload]
+                        if n.startswith(KILLABLE_CLIENTS))
         return nemesis.Topology(names["partition_server"], names["coordinator"],
                                 names["id_allocator"], clients,
                                 "ps-2" if self.mounted else "", SESSION_TIMEOUT_MS / 1000)
@@ -318,6 +328,8 @@ class Run:
                      if p.role == "partition_server"]
         spec = {"bootstrap": bootstrap, "topics": self.topics, "txn_timeout_s": TXN_TIMEOUT_S,
                 "ack_timeout_s": ACK_TIMEOUT_S, "incarnations": {},
+                "parent_timeout_s": PARENT_TIMEOUT_S, "child_timeout_s": CHILD_TIMEOUT_S,
+                "prepared_timeout_s": PREPARED_TIMEOUT_S,
                 "deadline": time.time() + self.duration_s + DRAIN_S + 600,
                 "data_topics": list(LOG_TOPICS)}
         if self.options.workload == "ctp":
