@@ -8,9 +8,12 @@ import asyncio
 import time
 
 import grpc
-from atomlog.v1 import partition_pb2_grpc
+from atomlog.v1 import partition_pb2, partition_pb2_grpc
 
+from services import local
 from services.errors import AtomlogError
+
+PARTITION_SERVICE = partition_pb2.DESCRIPTOR.services_by_name["PartitionService"].full_name
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -81,12 +84,17 @@ class PartitionRoutes:
         """One channel and one stub per address (a stub built per call costs CPU)."""
         stub = self._stubs.get(address)
         if stub is None:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-                self._channels[address] = channel
-            stub = self._stubs[address] = partition_pb2_grpc.PartitionServiceStub(channel)
+            stub = self._stubs[address] = local.stub(
+                address, PARTITION_SERVICE, partition_pb2_grpc.PartitionServiceStub,
+                self._channel)
         return stub
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS)
+        return channel
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

@@ -528,8 +528,9 @@ async def install(runtime) -> list[str]:
                               limits, settings, runtime.metadata)
     collector = metrics.register_core_collector(coordinator.cores)
     runtime.coordinator = coordinator
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
-        CoordinatorServicer(coordinator), runtime.server)
+    servicer = CoordinatorServicer(coordinator)
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, runtime.server)
+    runtime.local_services[service_name(coordinator_pb2, "CoordinatorService")] = servicer
 
     start_task: asyncio.Task | None = None
 

@@ -30,7 +30,10 @@ import grpc
 
 from atomlog.v1 import id_allocator_pb2, id_allocator_pb2_grpc
 from id_allocator.core import Block
+from services import local
 from services.errors import AtomlogError, from_rpc_error
+
+ID_ALLOCATOR_SERVICE = id_allocator_pb2.DESCRIPTOR.services_by_name["IdAllocatorService"].full_name
 
 log = logging.getLogger("atomlog.id_allocator.client")
 
@@ -267,8 +270,16 @@ class AsyncProducerIdPool:
                  rng: random.Random | None = None):
         if not addresses:
             raise ValueError("no allocator address given")
-        self._channels = [grpc.aio.insecure_channel(a) for a in addresses]
-        self._stubs = [id_allocator_pb2_grpc.IdAllocatorServiceStub(c) for c in self._channels]
+        self._channels: list[grpc.aio.Channel] = []
+
+        def channel_for(address: str) -> grpc.aio.Channel:
+            self._channels.append(grpc.aio.insecure_channel(address))
+            return self._channels[-1]
+
+        # An allocator in this same process (the combined server) is called directly.
+        self._stubs = [local.stub(a, ID_ALLOCATOR_SERVICE,
+                                  id_allocator_pb2_grpc.IdAllocatorServiceStub, channel_for)
+                       for a in addresses]
         self.block_size = block_size
         self.requester = requester
         self.policy = policy

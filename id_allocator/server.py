@@ -47,6 +47,8 @@ async def install(runtime) -> list[str]:
     allocator = Allocator(store, runtime.name, settings)
     allocator.start()
     runtime.stop_hooks.append(allocator.stop)
-    id_allocator_pb2_grpc.add_IdAllocatorServiceServicer_to_server(
-        IdAllocatorServicer(allocator, lambda: runtime.zk.connected), runtime.server)
-    return [service_name(id_allocator_pb2, "IdAllocatorService")]
+    servicer = IdAllocatorServicer(allocator, lambda: runtime.zk.connected)
+    id_allocator_pb2_grpc.add_IdAllocatorServiceServicer_to_server(servicer, runtime.server)
+    name = service_name(id_allocator_pb2, "IdAllocatorService")
+    runtime.local_services[name] = servicer  # services/local.py: same-process calls
+    return [name]

@@ -79,4 +79,6 @@ async def install(runtime) -> list[str]:
                                  config["grpc.max_message_bytes"], coordinator_epochs=epochs,
                                  verifier=verifier, subscriptions=subscription_settings(config))
     partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, runtime.server)
-    return [service_name(partition_pb2, "PartitionService")]
+    name = service_name(partition_pb2, "PartitionService")
+    runtime.local_services[name] = servicer  # services/local.py: same-process calls
+    return [name]

@@ -30,9 +30,12 @@ from prometheus_client import Counter, Histogram
 from coordinator.routing import CHANNEL_OPTIONS
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.record_batch import TxnId
+from services import local
 from services.backoff import Backoff
 from services.errors import AtomlogError, from_rpc_error
 from services.metrics import LATENCY_BUCKETS_SECONDS
+
+COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
 
 log = logging.getLogger("atomlog.partition.verifier")
 
@@ -207,12 +210,17 @@ class TxnVerifier:
     def _stub(self, address: str) -> coordinator_pb2_grpc.CoordinatorServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = grpc.aio.insecure_channel(
-                    address, options=CHANNEL_OPTIONS)
-            stub = self._stubs[address] = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            stub = self._stubs[address] = local.stub(
+                address, COORDINATOR_SERVICE, coordinator_pb2_grpc.CoordinatorServiceStub,
+                self._channel)
         return stub
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS)
+        return channel
 
     async def close(self) -> None:
         for task in self._senders.values():

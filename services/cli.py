@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from services import __version__
-from services.config import (ROLES, ConfigError, check_cluster_settings, describe, load_config,
+from services.config import (ROLES, SERVE_ROLES, ConfigError, check_cluster_settings, describe, load_config,
                              parse_assignments)
 
 DEFAULT_DATA_DIR = ".atomlog"
@@ -63,12 +63,15 @@ def cli() -> None:
 @click.option("--partition-servers", default=3, show_default=True, type=click.IntRange(1, 64))
 @click.option("--coordinators", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option("--id-allocators", default=1, show_default=True, type=click.IntRange(1, 16))
+@click.option("--combined", is_flag=True,
+              help="One process hosting every role (the single-node server) instead of "
+                   "one process per role; the counts above are then ignored.")
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
               help="A server setting for every process (kept in cluster.json); repeatable.")
 @click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for SERVING.")
 @output_option
 def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators: int,
-       assignments: tuple[str, ...], timeout: float, output: str) -> None:
+       combined: bool, assignments: tuple[str, ...], timeout: float, output: str) -> None:
     """Start the local cluster, or the processes of it that are not running.
 
     ZooKeeper, id allocators, coordinators and partition servers run as separate
@@ -83,8 +86,9 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
         check_cluster_settings(settings)  # fail here, not in every child
     except ConfigError as error:
         fail(str(error), 2)
-    counts = {"partition_server": partition_servers, "coordinator": coordinators,
-              "id_allocator": id_allocators}
+    counts = ({"combined": 1} if combined else
+              {"partition_server": partition_servers, "coordinator": coordinators,
+               "id_allocator": id_allocators})
     quiet = output == "json"
     try:
         with console.status("starting atomlog", spinner="dots") if not quiet else nullcontext():
@@ -137,7 +141,7 @@ def status(data_dir: Path, output: str) -> None:
                                  if r.offline_partitions else "")
             table.add_row(r.name, r.role, str(r.pid or "-"), r.grpc_address,
                           r.metrics_address or "-", f"[{color}]{health}[/]",
-                          str(len(r.tc_partitions)) if r.role == "coordinator" else "")
+                          str(len(r.tc_partitions)) if r.role in ("coordinator", "combined") else "")
         console.print(table)
         owned = sum(len(r.tc_partitions) for r in rows)
         total = launcher.tc_partition_count(data_dir)
@@ -169,7 +173,7 @@ def down(data_dir: Path, timeout: float) -> None:
 
 # ---------------------------------------------------------------- one server
 @cli.command()
-@click.argument("role", type=click.Choice([r.replace("_", "-") for r in ROLES]))
+@click.argument("role", type=click.Choice([r.replace("_", "-") for r in SERVE_ROLES]))
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
               help="TOML file of settings ([section] key = value).")
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
@@ -183,7 +187,9 @@ def down(data_dir: Path, timeout: float) -> None:
 def serve(role: str, config_file: str | None, assignments: tuple[str, ...], name: str | None,
           listen: str | None, metrics_listen: str | None, zookeeper: str | None,
           server_data_dir: str | None, help_config: bool) -> None:
-    """Run one server of ROLE until SIGTERM.
+    """Run one server of ROLE until SIGTERM. `combined` hosts every role in one process
+    (partition server, coordinator and id allocator; calls between them are function
+    calls): the single-node server.
 
     Settings come from defaults, then --config, then ATOMLOG_<NAME> environment
     variables (e.g. ATOMLOG_ZOOKEEPER_HOSTS), then flags. Invalid or inconsistent

@@ -16,6 +16,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 ROLES = ("partition_server", "coordinator", "id_allocator")
+# One process hosting every role (`atomlog serve combined`): the single-node server.
+COMBINED = "combined"
+SERVE_ROLES = (*ROLES, COMBINED)
+
+
+def hosted_roles(role: str) -> tuple[str, ...]:
+    """The roles a server of `role` runs: itself, or every role for the combined server
+    (in start order: the coordinator last, once the partitions it logs to are open)."""
+    return ("id_allocator", "partition_server", "coordinator") if role == COMBINED else (role,)
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -344,8 +353,10 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
 
 
 def settings_for(role: str) -> tuple[Setting, ...]:
+    if role == COMBINED:
+        return COMMON + tuple(s for hosted in hosted_roles(role) for s in ROLE_SETTINGS[hosted])
     if role not in ROLE_SETTINGS:
-        raise ValueError(f"unknown role {role!r}; expected one of {list(ROLES)}")
+        raise ValueError(f"unknown role {role!r}; expected one of {list(SERVE_ROLES)}")
     return COMMON + ROLE_SETTINGS[role]
 
 
@@ -418,12 +429,25 @@ def _ack_timeouts_ordered(config: "Config") -> str | None:
 
 
 def _data_dir_required(config: "Config") -> str | None:
-    if config.role in ("partition_server",) and not config["server.data_dir"]:
+    if "partition_server" in hosted_roles(config.role) and not config["server.data_dir"]:
         return "server.data_dir is required for a partition server"
     return None
 
 
+COMBINED_SUFFIX_MAX = len("-id-allocator")
+
+
+def _combined_name_fits(config: "Config") -> str | None:
+    name = config["server.name"]
+    if config.role == COMBINED and len(name) > 63 - COMBINED_SUFFIX_MAX:
+        return (f"server.name {name!r} is too long for a combined server: its coordinator "
+                f"and id allocator register as <name>-coordinator and <name>-id-allocator, "
+                f"so at most {63 - COMBINED_SUFFIX_MAX} characters")
+    return None
+
+
 RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
+    ((COMBINED,), _combined_name_fits),
     (("partition_server",), _batch_fits_message),
     (("coordinator",), _timeouts_ordered),
     (("partition_server",), _data_dir_required),
@@ -501,7 +525,9 @@ def load_config(role: str, file: str | Path | None = None,
     if problems:
         raise ConfigError(problems)
     config = Config(role, values, sources)
-    problems = [p for roles, rule in RULES if role in roles for p in [rule(config)] if p]
+    hosted = {role, *hosted_roles(role)}
+    problems = list(dict.fromkeys(p for roles, rule in RULES if set(roles) & hosted
+                                  for p in [rule(config)] if p))
     if problems:
         raise ConfigError(problems)
     return config

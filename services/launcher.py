@@ -30,8 +30,10 @@ from services.config import COMMON, role_settings
 
 CLUSTER_FILE = "cluster.json"
 PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
-ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server": "ps"}
-START_ORDER = ("zookeeper", "id_allocator", "coordinator", "partition_server")
+ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server": "ps",
+               "combined": "node"}
+START_ORDER = ("zookeeper", "id_allocator", "coordinator", "partition_server", "combined")
+SERVES_PARTITIONS = ("partition_server", "combined")
 
 
 class LaunchError(RuntimeError):
@@ -65,7 +67,7 @@ class ClusterFile:
 
     @property
     def bootstrap(self) -> str:
-        servers = [p for p in self.processes if p.role == "partition_server"]
+        servers = [p for p in self.processes if p.role in SERVES_PARTITIONS]
         return servers[0].grpc_address if servers else ""
 
     def to_json(self) -> dict:
@@ -390,7 +392,7 @@ def status(data_dir: Path) -> list[ProcessStatus]:
         else:
             health = health_status(entry.grpc_address) if alive else "DOWN"
         offline = (offline_partitions(entry.grpc_address)
-                   if entry.role == "partition_server" and health == "SERVING" else [])
+                   if entry.role in SERVES_PARTITIONS and health == "SERVING" else [])
         return ProcessStatus(entry.name, entry.role, entry.pid if alive else 0, alive,
                              entry.grpc_address, entry.metrics_address, health, entry.log_file,
                              offline)
@@ -399,8 +401,9 @@ def status(data_dir: Path) -> list[ProcessStatus]:
         rows = list(pool.map(probe, cluster.processes))
     serving = [r for r in rows if r.role != "zookeeper" and r.health == "SERVING"]
     leases = tc_leases(serving[0].grpc_address) if serving else {}
-    for row in rows:
-        row.tc_partitions = sorted(k for k, owner in leases.items() if owner == row.name)
+    for row in rows:  # a combined server's coordinator is <name>-coordinator
+        row.tc_partitions = sorted(k for k, owner in leases.items() if owner == row.name or (
+            row.role == "combined" and owner == f"{row.name}-coordinator"))
     return rows
 
 

@@ -26,6 +26,8 @@ RPC_HANDLED = Counter("atomlog_rpc_handled_total", "gRPC calls finished, by stat
 RPC_LATENCY = Histogram("atomlog_rpc_duration_seconds", "gRPC call handling time.",
                         ["method"], buckets=LATENCY_BUCKETS_SECONDS)
 RPC_IN_FLIGHT = Gauge("atomlog_rpc_in_flight", "gRPC calls being handled now.")
+LOCAL_CALLS = Counter("atomlog_local_calls_total", "Calls to a service of this same process, "
+                      "made as function calls instead of gRPC (services/local.py).", ["method"])
 ZOOKEEPER_CONNECTED = Gauge("atomlog_zookeeper_connected",
                             "1 while the ZooKeeper session is connected, else 0.")
 ZOOKEEPER_SESSIONS = Counter("atomlog_zookeeper_sessions_total",

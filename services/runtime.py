@@ -28,8 +28,8 @@ from grpc_reflection.v1alpha import reflection
 from kazoo.exceptions import KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
-from services import __version__, allocator, logs, metrics
-from services.config import Config
+from services import __version__, allocator, local, logs, metrics
+from services.config import COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles
 from services.errors import AtomlogError
 from services.interceptors import ErrorsAndMetricsInterceptor
 from services.logs import event
@@ -50,7 +50,8 @@ StopHook = Callable[[], Awaitable[None]]
 
 def default_name(role: str) -> str:
     host = socket.gethostname().split(".")[0].lower()
-    return f"{role.replace('_', '-')}-{host}"[:63].rstrip("-")
+    longest = 63 - COMBINED_SUFFIX_MAX if role == COMBINED else 63  # room for its roles' names
+    return f"{role.replace('_', '-')}-{host}"[:longest].rstrip("-")
 
 
 class Runtime:
@@ -79,8 +80,21 @@ class Runtime:
         self.start_hooks: list[StopHook] = []
         self.grpc_address = ""
         self.metrics_endpoint: metrics.MetricsEndpoint | None = None
-        self.registration: Registration | None = None
+        self.registrations: list[Registration] = []
+        # Servicers by full service name, for calls from this same process (services/local.py).
+        self.local_services: dict[str, object] = {}
         self._stopping = asyncio.Event()
+
+    def role_name(self, role: str) -> str:
+        """The name a hosted role registers and acts under: the server's own name, or in a
+        combined server `<name>` for the partition server (its partition assignments
+        follow it) and `<name>-coordinator`, `<name>-id-allocator` for the others."""
+        if self.role != COMBINED or role == "partition_server":
+            return self.name
+        return f"{self.name}-{role.replace('_', '-')}"
+
+    def view(self, role: str) -> "Runtime | RoleView":
+        return self if self.role != COMBINED else RoleView(self, role, self.role_name(role))
 
     async def start(self) -> None:
         config = self.config
@@ -95,8 +109,9 @@ class Runtime:
         metadata_pb2_grpc.add_MetadataServiceServicer_to_server(
             MetadataServicer(self.metadata, self.name), self.server)
         self.service_names.append(metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name)
-        module = importlib.import_module(ROLE_MODULES[self.role])
-        self.service_names += await module.install(self)
+        for role in hosted_roles(self.role):
+            module = importlib.import_module(ROLE_MODULES[role])
+            self.service_names += await module.install(self.view(role))
         reflection.enable_server_reflection(
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
@@ -115,12 +130,18 @@ class Runtime:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
 
-        self.registration = Registration(self.zk, self.name, {
-            "role": self.role, "grpc_address": self.grpc_address,
+        for service, servicer in self.local_services.items():
+            local.register(self.grpc_address, service, servicer)
+        # One registration per hosted role, under the name that role goes by (a combined
+        # server is, to everyone else, a partition server, a coordinator and an id
+        # allocator that share an address).
+        self.registrations = [Registration(self.zk, self.role_name(role), {
+            "role": role, "grpc_address": self.grpc_address,
             "metrics_address": self.metrics_endpoint.address, "pid": os.getpid(),
             "version": __version__, "registered_unix_ms": int(time.time() * 1000),
         }, wait_ms=int(config["zookeeper.session_timeout_ms"] * 1.5) + 2_000)
-        await asyncio.to_thread(self.registration.register)
+            for role in hosted_roles(self.role)]
+        await asyncio.gather(*(asyncio.to_thread(r.register) for r in self.registrations))
 
         for service in ["", *self.service_names]:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -141,12 +162,15 @@ class Runtime:
         event(log, "stopping", grace_s=grace_s)
         metrics.SERVING.set(0)
         await self.health.enter_graceful_shutdown()
-        if self.registration is not None:
+        if self.registrations:
             try:  # bounded: with ZooKeeper down the session's expiry removes it anyway
-                await asyncio.wait_for(asyncio.to_thread(self.registration.unregister), 2.0)
+                await asyncio.wait_for(asyncio.gather(
+                    *(asyncio.to_thread(r.unregister) for r in self.registrations)), 2.0)
             except asyncio.TimeoutError:
                 log.warning("could not unregister within 2 s; the session expiry will")
         await self.server.stop(grace_s)
+        if self.grpc_address:
+            local.unregister(self.grpc_address)
         for hook in reversed(self.stop_hooks):
             try:
                 await hook()
@@ -156,6 +180,19 @@ class Runtime:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()
         event(log, "stopped")
+
+
+class RoleView:
+    """What one role's install() sees in a combined server: the whole runtime, but under
+    that role's own name (its leases, registration and requests carry it)."""
+
+    def __init__(self, runtime: Runtime, role: str, name: str):
+        self._runtime = runtime
+        self.role = role
+        self.name = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(self._runtime, attribute)
 
 
 def tune_allocator() -> None:

@@ -68,6 +68,7 @@ def create_online(client, name: str, partitions: int, **options) -> str:
 @dataclass
 class Cluster:
     data_dir: Path
+    combined: bool = False  # one process hosting every role (`atomlog up --combined`)
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return atomlog(*args, "--data-dir", str(self.data_dir), check=check)
@@ -86,7 +87,8 @@ class Cluster:
         return json.loads(self.run("status", "--output", "json", check=False).stdout)
 
     def up(self) -> dict:
-        return json.loads(self.run("up", "--output", "json", *CLUSTER_SETTINGS).stdout)
+        shape = ("--combined",) if self.combined else ()
+        return json.loads(self.run("up", "--output", "json", *shape, *CLUSTER_SETTINGS).stdout)
 
     def zookeeper(self) -> KazooClient:
         info = self.info
@@ -95,9 +97,7 @@ class Cluster:
         return client
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory) -> Cluster:
-    cluster = Cluster(tmp_path_factory.mktemp("atomlog-cluster"))
+def _running(cluster: Cluster):
     try:
         report = cluster.up()
         assert set(report["started"]) == {p["name"] for p in report["processes"]}
@@ -105,3 +105,17 @@ def cluster(tmp_path_factory) -> Cluster:
     finally:
         if (cluster.data_dir / "cluster.json").exists():
             cluster.run("down", check=False)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> Cluster:
+    yield from _running(Cluster(tmp_path_factory.mktemp("atomlog-cluster")))
+
+
+@pytest.fixture(scope="session")
+def combined(tmp_path_factory) -> Cluster:
+    """The combined server (every role in one process, node-0) with its own ZooKeeper."""
+    yield from _running(Cluster(tmp_path_factory.mktemp("atomlog-combined"), combined=True))
+
+
+SERVER_SHAPES = ("cluster", "combined")  # parametrize a module's servers over both

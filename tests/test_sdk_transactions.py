@@ -8,11 +8,13 @@ import time
 import pytest
 
 from spark_client import Client, errors
+from tests.conftest import SERVER_SHAPES
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    client = Client(cluster.info["bootstrap"])
+@pytest.fixture(scope="module", params=SERVER_SHAPES)
+def client(request):
+    """A client of the multi-process cluster, then of the combined server."""
+    client = Client(request.getfixturevalue(request.param).info["bootstrap"])
     try:
         client.create_topic("sdk-txn", partitions=4)
     except errors.TopicAlreadyExists:

@@ -16,15 +16,21 @@ from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.record_batch import Record, encode_batch
 from services.errors import from_rpc_error
 from spark_client import Client, errors
-from tests.conftest import wait_until
+from tests.conftest import SERVER_SHAPES, wait_until
 
 TOPICS = ("tx-a", "tx-b", "tx-c")
 PARTITIONS = 4
 
 
+@pytest.fixture(scope="module", params=SERVER_SHAPES)
+def servers(request):
+    """The multi-process cluster, then the combined server (every role in one process)."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="module")
-def client(cluster):
-    client = Client(cluster.info["bootstrap"])
+def client(servers):
+    client = Client(servers.info["bootstrap"])
     for topic in (*TOPICS, "tx-solo", "tx-crash"):
         try:
             client.create_topic(topic, partitions=PARTITIONS)
@@ -220,7 +226,7 @@ def test_a_zombie_session_cannot_write_or_commit(client):
     second.close()
 
 
-def test_transaction_state_survives_kill_9_of_every_partition_server(cluster, client):
+def test_transaction_state_survives_kill_9_of_every_partition_server(servers, client):
     """Committed data stays visible, aborted data invisible, and an open transaction
     keeps holding the max read position, after every partition server is killed -9 and
     restarted (recovery from transaction-buffer snapshots plus the log tail)."""
@@ -240,10 +246,10 @@ def test_transaction_state_survives_kill_9_of_every_partition_server(cluster, cl
                            for p in range(PARTITIONS)), 10, "the ABORT markers")
     expected = {b"c0", b"c1", b"c2", b"c3"}
     assert set(values(read_all(client, ["tx-crash"], "read_committed"))) == expected
-    servers = [p for p in cluster.services() if p["role"] == "partition_server"]
-    for server in servers:
-        os.kill(server["pid"], signal.SIGKILL)
-    cluster.up()
+    for server in servers.services():  # the combined server's coordinator goes with it
+        if server["role"] in ("partition_server", "combined"):
+            os.kill(server["pid"], signal.SIGKILL)
+    servers.up()
 
     def readable() -> bool:
         try:
@@ -318,7 +324,7 @@ def poll_all(consumer, count: int, timeout_s: float = 10) -> list:
     return got
 
 
-def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(cluster,
+def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(servers,
                                                                                 client):
     topic = "tx-reset"
     client.create_topic(topic, partitions=2)
@@ -361,16 +367,16 @@ def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(
 
     # The operator's command: every partition by default, JSON on request, and a missing
     # subscription is an error that moves nothing.
-    rows = json.loads(cluster.run("subscription", "reset", topic, "r", "--to", "latest",
+    rows = json.loads(servers.run("subscription", "reset", topic, "r", "--to", "latest",
                                   "-o", "json").stdout)
     end = describe(client, topic, 0).high_watermark
     assert rows == [{"partition": 0, "error": None, "position": end},
                     {"partition": 1, "error": None, "position": 0}]
-    missing = cluster.run("subscription", "reset", topic, "nobody", "--to", "earliest",
+    missing = servers.run("subscription", "reset", topic, "nobody", "--to", "earliest",
                           check=False)
     assert missing.returncode == 1 and "UNKNOWN_SUBSCRIPTION" in missing.stdout
     for flags in (["--to", "offset"], ["--to", "offset", "--offset", "-3"]):
-        bad = cluster.run("subscription", "reset", topic, "r", *flags, check=False)
+        bad = servers.run("subscription", "reset", topic, "r", *flags, check=False)
         assert bad.returncode == 2 and "--offset" in bad.stdout + bad.stderr, flags
     address = client.metadata.route(topic, 0).address
     stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))

@@ -34,6 +34,9 @@ def parse(argv: list[str] | None) -> Options:
                              ".atomlog/chaos/<workload>-<seed>-<time>)")
     parser.add_argument("--keep-cluster", action="store_true",
                         help="keep the cluster's data directories after the run")
+    parser.add_argument("--combined", action="store_true",
+                        help="run the combined server (every role in one process) instead "
+                             "of a process per role")
     args = parser.parse_args(argv)
     nemeses = [] if args.nemesis == "none" else [n for n in args.nemesis.split(",") if n]
     unknown = [n for n in nemeses if n not in NEMESES]
@@ -43,8 +46,10 @@ def parse(argv: list[str] | None) -> Options:
         parser.error("--minutes must be in (0, 1440]")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     run_dir = args.run_dir or Path(".atomlog") / "chaos" / \
-        f"{args.workload}-{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return Options(args.workload, args.minutes, seed, nemeses, run_dir, args.keep_cluster)
+        f"{args.workload}{'-combined' if args.combined else ''}-{seed}-" \
+        f"{time.strftime('%Y%m%d-%H%M%S')}"
+    return Options(args.workload, args.minutes, seed, nemeses, run_dir, args.keep_cluster,
+                   combined=args.combined)
 
 
 def _stop(signum, _frame) -> None:

@@ -434,7 +434,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     workload = Workload(args)
     try:
-        ROLES[args.role](workload)
+        while not workload.stop:
+            try:
+                ROLES[args.role](workload)
+            except (errors.AtomlogClientError, TimeoutError) as error:
+                # Making a producer or consumer needs the servers (a producer id, the
+                # metadata): with every server down it fails. Start the role again; an
+                # operation in flight stays without a completion (unknown).
+                print(f"{args.name}: {error!r}; starting the role again", flush=True)
+                workload.stop.sleep(0.5)
     finally:
         workload.log.close()
         workload.client.close()

@@ -27,6 +27,7 @@ from tests.chaos.proxy import FaultProxy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 COUNTS = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
+COMBINED_COUNTS = {"combined": 1}  # --combined: every role in one process (node-0)
 SESSION_TIMEOUT_MS = 3_000
 SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
             "coordinator.log_segment_bytes": "65536",
@@ -64,6 +65,7 @@ class Options:
     run_dir: Path
     keep_cluster: bool = False
     quiet: bool = False
+    combined: bool = False
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Run:
         self.mounted: str | None = None
         self.notes: list[str] = []
         self.topics = CTP_TOPICS if options.workload == "ctp" else LOG_TOPICS
+        self.counts = COMBINED_COUNTS if options.combined else COUNTS
         self.duration_s = options.minutes * 60
 
     def say(self, text: str) -> None:
@@ -105,7 +108,8 @@ class Run:
         (self.run_dir / "seed.txt").write_text(
             f"{options.seed}\npython -m tests.chaos --workload {options.workload} "
             f"--minutes {options.minutes:g} --seed {options.seed} "
-            f"--nemesis {','.join(options.nemeses) or 'none'}\n")
+            f"--nemesis {','.join(options.nemeses) or 'none'}"
+            f"{' --combined' if options.combined else ''}\n")
         self.log = EventLog(self.run_dir, "nemesis")
         final_log = EventLog(self.run_dir, "final")
         self.proxy.start()
@@ -137,6 +141,7 @@ class Run:
         history.write_history(self.run_dir, operations)
         report = checker.check(operations)
         report["run"] = {"workload": options.workload, "seed": options.seed,
+                         "combined": options.combined,
                          "minutes": options.minutes, "nemeses": options.nemeses,
                          "notes": self.notes,
                          "client_crashes": {c.name: c.crashes for c in self.clients.values()
@@ -161,7 +166,7 @@ class Run:
     # ------------------------------------------------------------------ cluster
     def start_cluster(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cluster = launcher.plan(self.data_dir, COUNTS, SETTINGS)
+        cluster = launcher.plan(self.data_dir, self.counts, SETTINGS)
         zookeeper = self.entry(cluster, "zookeeper")
         zookeeper_proxy = self.proxy.add_route("zookeeper", zookeeper.grpc_address,
                                                int(launcher.free_port()))
@@ -171,18 +176,23 @@ class Run:
             entry.advertised_address = self.proxy.add_route(entry.name, entry.grpc_address,
                                                             int(launcher.free_port()))
             entry.zookeeper = zookeeper_proxy
-            if entry.role == "partition_server":
+            if entry.role in launcher.SERVES_PARTITIONS:
                 failpoints = self.run_dir / "failpoints" / entry.name
                 failpoints.mkdir(parents=True, exist_ok=True)
                 entry.env = {FAILPOINTS_VARIABLE: str(failpoints)}
         if "disk" in self.options.nemeses:
-            self.mount_small_disk(self.entry(cluster, "ps-2"))
+            self.mount_small_disk(self.disk_server(cluster))
         cluster.save(self.data_dir)
         self.say(f"starting a cluster in {self.data_dir}")
-        report = launcher.up(self.data_dir, COUNTS, SETTINGS, timeout_s=120)
+        report = launcher.up(self.data_dir, self.counts, SETTINGS, timeout_s=120)
         self.cluster = report.cluster
         self.refresh_names()
         self.say(f"cluster up in {report.seconds:.1f} s")
+
+    @staticmethod
+    def disk_server(cluster: launcher.ClusterFile) -> launcher.ProcessEntry:
+        """The partition server whose data lives on the small filesystem (the last one)."""
+        return [p for p in cluster.processes if p.role in launcher.SERVES_PARTITIONS][-1]
 
     @staticmethod
     def entry(cluster: launcher.ClusterFile, name: str) -> launcher.ProcessEntry:
@@ -212,9 +222,10 @@ class Run:
                  for role in launcher.START_ORDER}
         clients = tuple(n for n in WORKLOADS[self.options.workload]
                         if n.startswith(KILLABLE_CLIENTS))
-        return nemesis.Topology(names["partition_server"], names["coordinator"],
+        return nemesis.Topology(names["partition_server"] + names["combined"], names["coordinator"],
                                 names["id_allocator"], clients,
-                                "ps-2" if self.mounted else "", SESSION_TIMEOUT_MS / 1000)
+                                self.disk_server(self.cluster).name if self.mounted else "",
+                                SESSION_TIMEOUT_MS / 1000)
 
     def restart(self, name: str) -> None:
         entry = self.entry(self.cluster, name)
@@ -314,7 +325,7 @@ class Run:
             (Path(self.mounted) / "filler").unlink(missing_ok=True)
         for entry in self.cluster.processes:
             self.signal(entry.pid, signal.SIGCONT)
-        report = launcher.up(self.data_dir, COUNTS, SETTINGS, timeout_s=120)
+        report = launcher.up(self.data_dir, self.counts, SETTINGS, timeout_s=120)
         self.cluster = report.cluster
         self.refresh_names()
         if report.started:
@@ -325,7 +336,7 @@ class Run:
         from spark_client import Client
 
         bootstrap = [p.advertised_address for p in self.cluster.processes
-                     if p.role == "partition_server"]
+                     if p.role in launcher.SERVES_PARTITIONS]
         spec = {"bootstrap": bootstrap, "topics": self.topics, "txn_timeout_s": TXN_TIMEOUT_S,
                 "ack_timeout_s": ACK_TIMEOUT_S, "incarnations": {},
                 "parent_timeout_s": PARENT_TIMEOUT_S, "child_timeout_s": CHILD_TIMEOUT_S,
