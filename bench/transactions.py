@@ -31,7 +31,7 @@ pays here; small transactions report their calls per transaction next to it).
 Prints a table and writes its section of docs/benchmarks.md (with --only-ctp, only the
 consume-transform-produce part of it).
 
-    .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--no-docs]
+    .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--combined] [--no-docs]
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000]
 """
 
@@ -59,6 +59,22 @@ import common  # noqa: E402
 BEGIN, END = "<!-- bench/transactions.py: begin -->", "<!-- bench/transactions.py: end -->"
 CTP_BEGIN = "<!-- bench/transactions.py consume-transform-produce: begin -->"
 CTP_END = "<!-- bench/transactions.py consume-transform-produce: end -->"
+TITLE = "## Transactions on the partition servers (issue 6)"
+SHAPE = "A local cluster (1 id allocator, 2 coordinators, 3 partition servers, ZooKeeper)"
+ROLES = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
+
+
+def use_combined_server() -> None:
+    """--combined: the same cells on the combined server (every role in one process, its
+    server-to-server calls in-process), in a section of their own."""
+    global BEGIN, END, CTP_BEGIN, CTP_END, TITLE, SHAPE, ROLES
+    BEGIN, END, CTP_BEGIN, CTP_END = (marker.replace("bench/transactions.py",
+                                                     "bench/transactions.py --combined")
+                                      for marker in (BEGIN, END, CTP_BEGIN, CTP_END))
+    TITLE = "## Transactions on the combined server (issue 19)"
+    SHAPE = ("The combined server (one process hosting the partition server, coordinator and "
+             "id allocator; calls between them are function calls) and ZooKeeper")
+    ROLES = {"combined": 1}
 SMALL_TOPIC, STREAM_TOPIC = "bench-small-txn", "bench-txn-stream"
 CTP_IN, CTP_OUT, CTP_SUBSCRIPTION = "bench-ctp-in", "bench-ctp-out", "bench-ctp"
 CTP_BATCH = 100
@@ -115,11 +131,13 @@ def small_transactions(report, address: str, clients: int, seconds: float) -> di
     for worker in workers:
         worker.join()
     count = sum(r[0] for r in results)
-    calls = sum(after[m] - before[m] for m in after if not m.startswith("TC log"))
+    calls = sum(after[m] - before[m] for m in after if not m.startswith(("TC log", "in-process")))
+    local = sum(after[m] - before[m] for m in after if m.startswith("in-process"))
     commits = [c for r in results for c in r[1]]
     totals = [t for r in results for t in r[2]]
     return {"clients": clients, "transactions": count, "per_s": count / seconds,
             "calls_per_txn": calls / max(count, 1),
+            "local_calls_per_txn": local / max(count, 1),
             "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
             "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
             "txn_p50_ms": common.percentile(totals, 0.5) * 1e3,
@@ -199,12 +217,16 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
     appends = re.compile(r"^atomlog_coordinator_log_append_duration_seconds_count(?:\{\})? (\S+)$",
                          re.M)
     records = re.compile(r"^atomlog_coordinator_log_records_per_append_sum(?:\{\})? (\S+)$", re.M)
+    local = re.compile(r'^atomlog_local_calls_total\{method="/atomlog\.v1\.([^"]+)"\} (\S+)$',
+                       re.M)
     for address in metrics_addresses:
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
         for method, value in rpc.findall(text):
             counts[method] += float(value)
         counts["TC log appends"] += sum(float(v) for v in appends.findall(text))
         counts["TC log records"] += sum(float(v) for v in records.findall(text))
+        for method, value in local.findall(text):  # the combined server's function calls
+            counts[f"in-process {method}"] += float(value)
     return counts
 
 
@@ -328,10 +350,10 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: d
     ceiling = floor["calls_per_s"] / small["calls_per_txn"]
     lines = [
         BEGIN,
-        "## Transactions on the partition servers (issue 6)",
+        TITLE,
         "",
         f"`{command}` — {time.strftime('%Y-%m-%d')}, {common.machine(load)}.",
-        "A local cluster (1 id allocator, 2 coordinators, 3 partition servers, ZooKeeper)",
+        SHAPE,
         "on this machine with the clients, all through the Python SDK.",
         "",
         f"Baselines in the same run: one small os.write + os.fsync {baseline['p50']:.2f} ms "
@@ -368,6 +390,11 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: d
         f"| fetch of that data, read_committed | {by['read_committed']['mb_s']:.0f} MB/s "
         f"(**{ratio * 100:.0f}%** of read_uncommitted) | target: within 10% |",
         "",
+    ]
+    if ROLES.get("combined"):
+        lines += [*combined_reading(floor, small), "", ctp_text.rstrip("\n"), END]
+        return "\n".join(lines) + "\n"
+    lines += [
         "Reading: the small-transaction target is far out of reach, and CPU is why: this",
         f"machine makes about {floor['calls_per_s']:,.0f} do-nothing gRPC calls/s between two "
         f"Python processes, so {small['calls_per_txn']:.1f} calls per transaction cap it near "
@@ -419,15 +446,35 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: d
     return "\n".join(lines) + "\n"
 
 
+def combined_reading(floor: dict, small: dict) -> list[str]:
+    """What the combined server's figures say (its section only)."""
+    share = small["per_s"] / floor["calls_per_s"] * 100
+    return [
+        f"Reading: {small['per_s']:.0f} small transactions/s is {share:.0f}% of the "
+        f"do-nothing call rate (targets of issue 19: ≥ 50% here, with commit p99 < 25 ms).",
+        f"A transaction costs {small['calls_per_txn']:.1f} gRPC calls, all from the client "
+        "(NewTxn with its partitions, Produce, EndTxn), and "
+        f"{small['local_calls_per_txn']:.1f} in-process calls that were gRPC calls between "
+        "processes in the cluster (verification, TC-log appends, markers).",
+        "What is left is one process doing on one core the work six processes share over",
+        "two cores in the cluster: the one-call transaction of issue 19 (staging, decision",
+        "and markers in one client call) is what removes the next two calls.",
+    ]
+
+
 def _ctp_figures(ctp: dict) -> dict:
     """Derived figures of one consume-transform-produce run."""
     servers = ctp["server_cpu_s"]
     per_batch = dict(ctp["rpcs_per_batch"])
     tc_appends = per_batch.pop("TC log appends", 0.0)
     tc_records = per_batch.pop("TC log records", 0.0)
-    rpcs = sorted(per_batch.items(), key=lambda item: -item[1])
+    local = sorted(((m.removeprefix("in-process "), n) for m, n in per_batch.items()
+                    if m.startswith("in-process ")), key=lambda item: -item[1])
+    rpcs = sorted(((m, n) for m, n in per_batch.items() if not m.startswith("in-process ")),
+                  key=lambda item: -item[1])
     cpu_s = ctp["client_cpu_s"] + sum(servers.values())
-    return {"rpcs": rpcs, "total_rpcs": sum(n for _, n in rpcs), "tc_appends": tc_appends,
+    return {"rpcs": rpcs, "total_rpcs": sum(n for _, n in rpcs), "local": local,
+            "tc_appends": tc_appends,
             "tc_records": tc_records, "cpu_s": cpu_s,
             "cpu_ms": cpu_s / max(1, ctp["batches"]) * 1e3,
             "cores": {name: cpu / ctp["seconds"] for name, cpu in sorted(servers.items())}}
@@ -446,7 +493,9 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
 
     def calls(ctp: dict, f: dict) -> str:
         return (f"{f['total_rpcs']:.1f}: " + ", ".join(f"{m} {n:.1f}" for m, n in f["rpcs"])
-                + f"; of the Produce calls, {f['tc_appends']:.1f} are TC log appends "
+                + (("; in-process (function calls, not counted above): "
+                    + ", ".join(f"{m} {n:.1f}" for m, n in f["local"])) if f["local"] else "")
+                + f"; {f['tc_appends']:.1f} TC log appends "
                 f"({f['tc_records']:.1f} records): at the do-nothing call rate, at most "
                 f"{floor['calls_per_s'] / f['total_rpcs'] * CTP_BATCH:,.0f} inputs/s")
 
@@ -560,14 +609,19 @@ def main() -> None:
                         help="JSON lines of peers-bench `bench.py --workload w3` runs made "
                              "beside this one, shown next to the consume-transform-produce "
                              "figures")
+    parser.add_argument("--combined", action="store_true",
+                        help="run on the combined server (every role in one process) and "
+                             "write its own section")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
+    if args.combined:
+        use_combined_server()
     peers = ([json.loads(line) for line in args.peers_w3.read_text().splitlines() if line.strip()]
              if args.peers_w3 else [])
     command = common.command_line("bench/transactions.py", sys.argv[1:])
     command = re.sub(r" --peers-w3 \S+", " --peers-w3 FILE", command)
     load = os.getloadavg()[0]
-    with common.local_cluster("atomlog-bench-txn-") as (data_dir, report, address):
+    with common.local_cluster("atomlog-bench-txn-", ROLES) as (data_dir, report, address):
         from spark_client import Client
 
         with Client(address) as client:
