@@ -222,10 +222,11 @@ class PartitionOwner:
     def __init__(self, topic: str, partition: int, directory: Path, settings: OwnerSettings,
                  *, fsync: Callable[[int], None] = failpoints.fsync,
                  txn_replay_gate: Callable[[], None] | None = None):
-        """`fsync` makes a file descriptor durable (os.fsync behind a failpoint that
-        the fault harness can arm; tests pass one that blocks or fails). It runs on a worker thread. `txn_replay_gate`, when given, is called on
-        the worker thread before a background replay of the transaction buffer (tests
-        hold the replay there to look at the partition meanwhile)."""
+        """`fsync` makes a file descriptor durable (os.fsync behind a failpoint the
+        fault harness can arm; tests pass one that blocks or fails). It runs on a worker
+        thread. `txn_replay_gate`, when given, is called on the worker thread before a
+        background replay of the transaction buffer (tests hold the replay there to look
+        at the partition meanwhile)."""
         assert settings.max_fsyncs_in_flight >= 1, settings.max_fsyncs_in_flight
         self.topic = topic
         self.partition = partition

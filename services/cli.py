@@ -22,8 +22,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from services import __version__
-from services.config import (ROLES, SERVE_ROLES, ConfigError, check_cluster_settings, describe, load_config,
-                             parse_assignments)
+from services.config import (SERVE_ROLES, ConfigError, check_cluster_settings, describe,
+                             load_config, parse_assignments)
 
 DEFAULT_DATA_DIR = ".atomlog"
 # Not a terminal (pipes, CI logs): wide enough that addresses are never cut.
