@@ -23,17 +23,19 @@ REGRESSIONS = [
 ]
 # The Spark writer's parent/child protocol, with drivers killed and links cut.
 SPARK_LITE = [("spark-lite", "kill,net", 31, FAULT_PHASE_MINUTES)]
-CASES = [(w, n, SEEDS[(w, n)], FAULT_PHASE_MINUTES) for w, n in sorted(SEEDS)] + \
-    SPARK_LITE + REGRESSIONS
+# The combined server (every role in one process): the same checks.
+COMBINED = [("ctp", "kill,net,disk", 41, FAULT_PHASE_MINUTES, True)]
+CASES = [(w, n, SEEDS[(w, n)], FAULT_PHASE_MINUTES, False) for w, n in sorted(SEEDS)] + \
+    [(*case, False) for case in SPARK_LITE + REGRESSIONS] + COMBINED
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("workload,nemesis,seed,minutes", CASES)
-def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes):
+@pytest.mark.parametrize("workload,nemesis,seed,minutes,combined", CASES)
+def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes, combined):
     run_dir = tmp_path / f"{workload}-{nemesis}-{seed}"
     report = Run(Options(workload, minutes, seed, nemesis.split(","), run_dir,
-                         quiet=True)).execute()
+                         quiet=True, combined=combined)).execute()
     schedule = json.loads((run_dir / "schedule.json").read_text())
     assert schedule, "the seed scheduled no fault"
     stats = report["stats"]
@@ -42,5 +44,6 @@ def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes):
     assert stats["faults"] == len(schedule), (stats, schedule)
     assert report["valid"], (f"seed {seed}: replay with python -m tests.chaos --workload "
                              f"{workload} --minutes {minutes} --seed {seed} "
-                             f"--nemesis {nemesis}; history in {run_dir}\n"
+                             f"--nemesis {nemesis}{' --combined' if combined else ''}; "
+                             f"history in {run_dir}\n"
                              + json.dumps({k: report[k] for k in ("anomalies", "problems")}))
