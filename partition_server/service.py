@@ -678,6 +678,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         not wake it (an ack does: wait_for_wakeup)."""
         response = partition_pb2.ReceiveResponse()
         budget = min(request.max_bytes or self.fetch_default_max_bytes, self.max_response_bytes)
+        per_partition = self.subscription_settings.max_offsets_per_receive
+        offsets_left = request.max_messages or None  # None: only the per-partition limit
         delivered_any, waits, failed = False, [], False
         now_ms = int(time.time() * 1000)
         for sp in request.subscription_partitions:
@@ -688,13 +690,22 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 positions = owner.positions()
                 limit = positions["max_read_position"] if committed else positions["high_watermark"]
 
+                if offsets_left == 0:  # the consumer asked for no more: the rest stay here
+                    response.results.add(
+                        subscription_partition=sp,
+                        cumulative_end_offset=owner.subscriptions.cumulative_end(sp.subscription),
+                        high_watermark=positions["high_watermark"],
+                        max_read_position=positions["max_read_position"])
+                    continue
+
                 def read(offset: int, max_bytes: int, owner=owner):
                     data, next_offset, _ = owner.read(offset, max_bytes, committed=committed)
                     return data, next_offset
 
                 data, delivery = owner.subscriptions.receive(
                     sp.subscription, request.consumer_id, read, limit, now_ms, ack_timeout_ms,
-                    max(budget, 1), self.subscription_settings.max_offsets_per_receive)
+                    max(budget, 1), per_partition if offsets_left is None
+                    else min(per_partition, offsets_left))
                 result = response.results.add(
                     subscription_partition=sp, record_batches=data,
                     cumulative_end_offset=owner.subscriptions.cumulative_end(sp.subscription),
@@ -707,6 +718,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 if delivery.delivered:
                     delivered_any = True
                     budget -= len(data)
+                    if offsets_left is not None:
+                        offsets_left -= min(offsets_left, sum(r.end - r.start
+                                                              for r in delivery.delivered))
                 else:
                     stopped = owner.subscriptions.new_deliveries_stopped(sp.subscription)
                     waits.append((owner, sp.subscription,

@@ -42,6 +42,7 @@ from spark_client import errors
 from spark_client.consumer import ISOLATION, Message
 
 _ROUTING = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
+MAX_MESSAGES_PER_RECEIVE = (1 << 32) - 1  # ReceiveRequest.max_messages is a uint32
 _POSITIONS = {"earliest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
               "latest": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_LATEST,
               "offset": partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET,
@@ -194,23 +195,27 @@ class SubscriptionConsumer:
     # ------------------------------------------------------------------ receiving
     def poll(self, timeout_s: float = 1.0, max_records: int = 10_000) -> list[Message]:
         """Up to max_records messages delivered to this consumer, waiting up to timeout_s
-        for the first. A Receive delivers every message it returns at once (the ack
-        timeout starts then), so what does not fit in max_records waits in this
-        consumer for the next poll — unless its ack timeout passed meanwhile, when it is
-        dropped (the server redelivers it). Partitions whose owner does not answer are
-        retried within timeout_s; if nothing was delivered and some partition still
+        for the first. The Receive asks each server for its share of max_records
+        (max_messages), so what this consumer did not ask for stays on the servers for
+        other consumers. (What comes back beyond max_records — one message per server
+        when max_records is smaller than the number of servers, or anything from a server
+        that ignores the bound — waits in this consumer for the next poll, unless its ack
+        timeout passed meanwhile, when it is dropped and the server redelivers it.) Partitions whose owner does not answer
+        are retried within timeout_s; if nothing was delivered and some partition still
         failed, its (retriable) error is raised."""
         if self._closed:
             raise RuntimeError("consumer is closed")
+        if max_records < 1:
+            raise ValueError("max_records must be at least 1")
         if self._buffer and time.monotonic() >= self._buffer_expires:
             self._buffer = []
         if not self._buffer:
-            self._receive(timeout_s)
+            self._receive(timeout_s, max_records)
         out, self._buffer = self._buffer[:max_records], self._buffer[max_records:]
         return out
 
-    def _receive(self, timeout_s: float) -> None:
-        """Receive into the buffer (see poll)."""
+    def _receive(self, timeout_s: float, max_records: int) -> None:
+        """Receive at most max_records messages into the buffer (see poll)."""
         deadline = time.monotonic() + timeout_s
         attempt = 0
         while True:
@@ -218,12 +223,16 @@ class SubscriptionConsumer:
             began = time.monotonic()
             remaining = max(0.0, deadline - began)
             wait_ms = int(remaining * 1000) if len(servers) == 1 else 0
+            # The servers are called at once, so each gets a share of max_records: at
+            # most max(max_records, servers) messages come back in all.
+            share = min(max(1, max_records // max(1, len(servers))), MAX_MESSAGES_PER_RECEIVE)
             retry, last, results = self._call_once(
                 "Receive", lambda group: partition_pb2.ReceiveRequest(
                     consumer_id=self.consumer_id,
                     subscription_partitions=[self._sp(t, p) for t, p in group],
                     isolation_level=ISOLATION[self.isolation], max_wait_ms=wait_ms,
-                    max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms),
+                    max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms,
+                    max_messages=share),
                 self.partitions, self.request_timeout_s + remaining)
             messages = self._messages(results)
             failure = next((errors.error_for(r.error.reason, r.error.message,

@@ -336,20 +336,22 @@ class ResetSubscriptionResult(_message.Message):
     def __init__(self, subscription_partition: _Optional[_Union[_common_pb2.SubscriptionPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., cumulative_end_offset: _Optional[int] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
-    __slots__ = ("consumer_id", "subscription_partitions", "isolation_level", "max_wait_ms", "max_bytes", "ack_timeout_ms")
+    __slots__ = ("consumer_id", "subscription_partitions", "isolation_level", "max_wait_ms", "max_bytes", "ack_timeout_ms", "max_messages")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIPTION_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     ISOLATION_LEVEL_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACK_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     consumer_id: str
     subscription_partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SubscriptionPartition]
     isolation_level: _common_pb2.IsolationLevel
     max_wait_ms: int
     max_bytes: int
     ack_timeout_ms: int
-    def __init__(self, consumer_id: _Optional[str] = ..., subscription_partitions: _Optional[_Iterable[_Union[_common_pb2.SubscriptionPartition, _Mapping]]] = ..., isolation_level: _Optional[_Union[_common_pb2.IsolationLevel, str]] = ..., max_wait_ms: _Optional[int] = ..., max_bytes: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ...) -> None: ...
+    max_messages: int
+    def __init__(self, consumer_id: _Optional[str] = ..., subscription_partitions: _Optional[_Iterable[_Union[_common_pb2.SubscriptionPartition, _Mapping]]] = ..., isolation_level: _Optional[_Union[_common_pb2.IsolationLevel, str]] = ..., max_wait_ms: _Optional[int] = ..., max_bytes: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ..., max_messages: _Optional[int] = ...) -> None: ...
 
 class ReceiveResponse(_message.Message):
     __slots__ = ("results",)
