@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 
 from services import local
@@ -33,8 +32,8 @@ class PartitionRoutes:
         self._refreshed_at = 0.0
         self._read_began = 0.0
         self._lock = asyncio.Lock()
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, partition_pb2_grpc.PartitionServiceStub] = {}
+        self._stubs = local.StubCache(PARTITION_SERVICE,
+                                      partition_pb2_grpc.PartitionServiceStub, CHANNEL_OPTIONS)
 
     async def refresh(self, *, force: bool = False, fresh: bool = False) -> None:
         """Re-read owners from ZooKeeper — at most every MIN_REFRESH_INTERVAL_S unless
@@ -81,23 +80,8 @@ class PartitionRoutes:
         return address
 
     def stub(self, address: str) -> partition_pb2_grpc.PartitionServiceStub:
-        """One channel and one stub per address (a stub built per call costs CPU)."""
-        stub = self._stubs.get(address)
-        if stub is None:
-            stub = self._stubs[address] = local.stub(
-                address, PARTITION_SERVICE, partition_pb2_grpc.PartitionServiceStub,
-                self._channel)
-        return stub
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS)
-        return channel
+        """One channel and one stub per address; in-process where this process owns it."""
+        return self._stubs.get(address)
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        self._stubs = {}
-        for channel in channels:
-            await channel.close()
+        await self._stubs.close()

@@ -86,8 +86,8 @@ class TxnVerifier:
         self._routes_lock = asyncio.Lock()
         self._queues: dict[str, list[_Question]] = {}
         self._senders: dict[str, asyncio.Task] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, coordinator_pb2_grpc.CoordinatorServiceStub] = {}
+        self._stubs = local.StubCache(COORDINATOR_SERVICE,
+                                      coordinator_pb2_grpc.CoordinatorServiceStub, CHANNEL_OPTIONS)
 
     async def verify(self, txn: TxnId, topic: str, partition: int, *,
                      subscription: str | None = None) -> Answer:
@@ -208,27 +208,12 @@ class TxnVerifier:
         return Answer(session)
 
     def _stub(self, address: str) -> coordinator_pb2_grpc.CoordinatorServiceStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            stub = self._stubs[address] = local.stub(
-                address, COORDINATOR_SERVICE, coordinator_pb2_grpc.CoordinatorServiceStub,
-                self._channel)
-        return stub
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS)
-        return channel
+        return self._stubs.get(address)
 
     async def close(self) -> None:
         for task in self._senders.values():
             task.cancel()
-        channels, self._channels = list(self._channels.values()), {}
-        self._stubs = {}
-        for channel in channels:
-            await channel.close()
+        await self._stubs.close()
 
 
 def _item(q: _Question) -> coordinator_pb2.VerifyTxnPartitionsItem:

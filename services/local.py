@@ -56,6 +56,38 @@ def stub(address: str, service: str, stub_class, channel_for):
     return stub_class(channel_for(address))
 
 
+class StubCache:
+    """One channel and one stub per address for one service (a stub built per call costs
+    CPU), a LocalStub where this process hosts the service. Not thread-safe: one event
+    loop."""
+
+    def __init__(self, service: str, stub_class, channel_options: list | None = None):
+        self.service = service
+        self._stub_class = stub_class
+        self._options = channel_options or []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, Any] = {}
+
+    def get(self, address: str):
+        found = self._stubs.get(address)
+        if found is None:
+            found = self._stubs[address] = stub(address, self.service, self._stub_class,
+                                                self._channel)
+        return found
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=self._options)
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in channels:
+            await channel.close()
+
+
 class _LocalContext:
     """The part of grpc.aio.ServicerContext our servicers use."""
 
