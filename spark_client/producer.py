@@ -640,16 +640,37 @@ class Producer:
 
     def _resequence_after(self, failed: _Batch, state: _PartitionState) -> None:
         """Nothing of `failed` was written: later batches of the partition take over its
-        sequence numbers (the server refuses them as out of order otherwise)."""
+        sequence numbers (the server refuses them as out of order otherwise).
+
+        Unless one of them was sent already: an attempt of it may still be on its way
+        (queued at the server behind a verification, say). Renumbered under the same
+        identity, that stale attempt would be in order again right after its renumbered
+        copy, and its records written twice (found by the chaos harness: log workload,
+        seed 101, duplicates inside committed transactions after a batch of an aborted
+        one was refused). Then the partition takes a new producer id instead, under which
+        nothing stale can ever be in order; a session, which keeps its producer id, fails
+        them (their transaction aborts) and bumps its epoch at the next begin."""
         if not self.idempotent or failed.base_sequence < 0:
             return
         later = sorted([b for b in [*state.in_flight, *state.ready]
                         if b.payload and b.base_sequence > failed.base_sequence],
                        key=lambda b: b.base_sequence)
-        for b in later:
-            _discard(state, b)
-            b.payload = b""
-        state.next_sequence = failed.base_sequence
+        if any(b.attempts for b in later):
+            if self._session is not None:
+                self._abandon_partition(state, later[0], errors.OutOfOrderSequence(
+                    f"a batch to {failed.topic}-{failed.partition} sent before this one was "
+                    "refused; what was sent after it cannot be renumbered safely"))
+                return
+            for b in later:
+                _discard(state, b)
+                b.payload = b""
+            state.producer_id, state.epoch = self.client.allocate_producer_id()
+            state.next_sequence = 0
+        else:
+            for b in later:
+                _discard(state, b)
+                b.payload = b""
+            state.next_sequence = failed.base_sequence
         for b in reversed(later):
             state.ready.appendleft(b)
 
