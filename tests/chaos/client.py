@@ -126,7 +126,8 @@ class Workload:
 
     # ------------------------------------------------------------------ transactions
     def pick_writes(self) -> list:
-        topics = self.rng.sample(self.data_topics(), self.rng.randint(1, min(2, len(self.data_topics()))))
+        names = self.data_topics()
+        topics = self.rng.sample(names, self.rng.randint(1, min(2, len(names))))
         slots = [(t, p) for t in topics for p in range(self.topics[t])]
         chosen = self.rng.sample(slots, self.rng.randint(1, min(4, len(slots))))
         return [[t, p, self.value()] for t, p in chosen for _ in range(self.rng.randint(1, 3))]
@@ -144,7 +145,6 @@ class Workload:
         txn op and return its result: committed, aborted or unknown."""
         decision = "commit" if acks or self.rng.random() < 0.8 else "abort"
         op = self.log.invoke("txn", writes=writes, acks=acks, decision=decision, **fields)
-        txn_id = None
         try:
             for topic, partition, value in writes:
                 producer.send(topic, value.encode(), partition=partition, txn=txn)
@@ -153,8 +153,8 @@ class Workload:
             if decision == "commit":
                 fields_at_commit = {"commit_invoke": time.time()}  # for the fencing check
                 txn.commit()
-                txn_id = txn.id if txn.opened else None
-                self.log.complete(op, "ok", result="committed", txn_id=txn_id, **fields_at_commit)
+                self.log.complete(op, "ok", result="committed",
+                                  txn_id=txn.id if txn.opened else None, **fields_at_commit)
                 return "committed"
             txn.abort()
             self.log.complete(op, "ok", result="aborted", txn_id=txn.id if txn.opened else None)
@@ -310,12 +310,13 @@ class Workload:
     # ------------------------------------------------------------------ readers
     def run_reader(self) -> None:
         isolation = self.args.isolation
-        topics = list(self.topics) if not self.spec.get("input_topic") else [self.spec["output_topic"]]
+        topics = [self.spec["output_topic"]] if self.spec.get("input_topic") else list(self.topics)
         session = 0
         positions: dict = {}
         while not self.stop:
             session += 1
-            session_id = f"{self.args.name}/{self.spec['incarnations'].get(self.args.name, 0)}/{session}"
+            incarnation = self.spec["incarnations"].get(self.args.name, 0)
+            session_id = f"{self.args.name}/{incarnation}/{session}"
             try:
                 consumer = self.client.consumer(topics, isolation=isolation)
             except errors.AtomlogClientError:
@@ -357,7 +358,8 @@ class Workload:
         consumer = self.subscribe()
         if consumer is None:
             return
-        with self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S) as producer, consumer:
+        producer = self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S)
+        with producer, consumer:
             while not self.stop:
                 op = self.log.invoke("poll", session=session_id, isolation="read_committed",
                                      subscription=subscription)
