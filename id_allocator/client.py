@@ -270,16 +270,10 @@ class AsyncProducerIdPool:
                  rng: random.Random | None = None):
         if not addresses:
             raise ValueError("no allocator address given")
-        self._channels: list[grpc.aio.Channel] = []
-
-        def channel_for(address: str) -> grpc.aio.Channel:
-            self._channels.append(grpc.aio.insecure_channel(address))
-            return self._channels[-1]
-
         # An allocator in this same process (the combined server) is called directly.
-        self._stubs = [local.stub(a, ID_ALLOCATOR_SERVICE,
-                                  id_allocator_pb2_grpc.IdAllocatorServiceStub, channel_for)
-                       for a in addresses]
+        self._stub_cache = local.StubCache(ID_ALLOCATOR_SERVICE,
+                                           id_allocator_pb2_grpc.IdAllocatorServiceStub)
+        self._stubs = [self._stub_cache.get(a) for a in addresses]
         self.block_size = block_size
         self.requester = requester
         self.policy = policy
@@ -320,8 +314,7 @@ class AsyncProducerIdPool:
     async def close(self) -> None:
         if self._fetch is not None:
             self._fetch.cancel()
-        for channel in self._channels:
-            await channel.close()
+        await self._stub_cache.close()
 
 
 def allocator_addresses(bootstrap: str, timeout_s: float = 5.0) -> list[str]:

@@ -437,6 +437,16 @@ def _data_dir_required(config: "Config") -> str | None:
 COMBINED_SUFFIX_MAX = len("-id-allocator")
 
 
+def role_name(name: str, server_role: str, role: str) -> str:
+    """The name `role` registers and acts under in server `name` of `server_role`: the
+    server's own name, or in a combined server `<name>` for the partition server (its
+    partition assignments follow it) and `<name>-coordinator`, `<name>-id-allocator` for
+    the others."""
+    if server_role != COMBINED or role == "partition_server":
+        return name
+    return f"{name}-{role.replace('_', '-')}"
+
+
 def _combined_name_fits(config: "Config") -> str | None:
     name = config["server.name"]
     if config.role == COMBINED and len(name) > 63 - COMBINED_SUFFIX_MAX:
@@ -526,8 +536,7 @@ def load_config(role: str, file: str | Path | None = None,
         raise ConfigError(problems)
     config = Config(role, values, sources)
     hosted = {role, *hosted_roles(role)}
-    problems = list(dict.fromkeys(p for roles, rule in RULES if set(roles) & hosted
-                                  for p in [rule(config)] if p))
+    problems = [p for roles, rule in RULES if hosted & set(roles) for p in [rule(config)] if p]
     if problems:
         raise ConfigError(problems)
     return config

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import localzk
-from services.config import COMMON, role_settings
+from services.config import COMMON, role_name, role_settings
 
 CLUSTER_FILE = "cluster.json"
 PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
@@ -401,9 +401,9 @@ def status(data_dir: Path) -> list[ProcessStatus]:
         rows = list(pool.map(probe, cluster.processes))
     serving = [r for r in rows if r.role != "zookeeper" and r.health == "SERVING"]
     leases = tc_leases(serving[0].grpc_address) if serving else {}
-    for row in rows:  # a combined server's coordinator is <name>-coordinator
-        row.tc_partitions = sorted(k for k, owner in leases.items() if owner == row.name or (
-            row.role == "combined" and owner == f"{row.name}-coordinator"))
+    for row in rows:  # a combined server's coordinator has a name of its own
+        coordinator = role_name(row.name, row.role, "coordinator")
+        row.tc_partitions = sorted(k for k, owner in leases.items() if owner == coordinator)
     return rows
 
 

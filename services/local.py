@@ -115,6 +115,7 @@ class LocalStub:
         self._service = service
 
     def __getattr__(self, method: str):
+        """The call function of `method`, made once (then found as an attribute)."""
         behavior = getattr(self._servicer, method)
         name = f"/{self._service}/{method}"
 
@@ -138,4 +139,5 @@ class LocalStub:
                     "INTERNAL", f"internal error in {name}; see the server log")) from None
 
         call.__name__ = method
+        setattr(self, method, call)
         return call

@@ -29,7 +29,7 @@ from kazoo.exceptions import KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
 from services import __version__, allocator, local, logs, metrics
-from services.config import COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles
+from services.config import COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles, role_name
 from services.errors import AtomlogError
 from services.interceptors import ErrorsAndMetricsInterceptor
 from services.logs import event
@@ -86,12 +86,7 @@ class Runtime:
         self._stopping = asyncio.Event()
 
     def role_name(self, role: str) -> str:
-        """The name a hosted role registers and acts under: the server's own name, or in a
-        combined server `<name>` for the partition server (its partition assignments
-        follow it) and `<name>-coordinator`, `<name>-id-allocator` for the others."""
-        if self.role != COMBINED or role == "partition_server":
-            return self.name
-        return f"{self.name}-{role.replace('_', '-')}"
+        return role_name(self.name, self.role, role)
 
     def view(self, role: str) -> "Runtime | RoleView":
         return self if self.role != COMBINED else RoleView(self, role, self.role_name(role))

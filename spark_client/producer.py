@@ -655,21 +655,19 @@ class Producer:
         later = sorted([b for b in [*state.in_flight, *state.ready]
                         if b.payload and b.base_sequence > failed.base_sequence],
                        key=lambda b: b.base_sequence)
-        if any(b.attempts for b in later):
-            if self._session is not None:
-                self._abandon_partition(state, later[0], errors.OutOfOrderSequence(
-                    f"a batch to {failed.topic}-{failed.partition} sent before this one was "
-                    "refused; what was sent after it cannot be renumbered safely"))
-                return
-            for b in later:
-                _discard(state, b)
-                b.payload = b""
+        sent = any(b.attempts for b in later)
+        if sent and self._session is not None:
+            self._abandon_partition(state, later[0], errors.OutOfOrderSequence(
+                f"a batch to {failed.topic}-{failed.partition} sent before this one was "
+                "refused; what was sent after it cannot be renumbered safely"))
+            return
+        for b in later:
+            _discard(state, b)
+            b.payload = b""
+        if sent:
             state.producer_id, state.epoch = self.client.allocate_producer_id()
             state.next_sequence = 0
         else:
-            for b in later:
-                _discard(state, b)
-                b.payload = b""
             state.next_sequence = failed.base_sequence
         for b in reversed(later):
             state.ready.appendleft(b)

@@ -24,6 +24,7 @@ from services.failpoints import ENVIRONMENT_VARIABLE as FAILPOINTS_VARIABLE, FSY
 from tests.chaos import checker, history, nemesis
 from tests.chaos.history import EventLog
 from tests.chaos.proxy import FaultProxy
+from tests.conftest import create_online
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 COUNTS = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
@@ -517,23 +518,6 @@ class Run:
                  [[i.start_offset, i.end_offset] for i in r.individual_ranges]] for r in results])
         except Exception as error:  # noqa: BLE001
             final_log.complete(op, "fail", positions=[], error=repr(error))
-
-
-def create_online(client, name: str, partitions: int) -> None:
-    from atomlog.v1.partition_pb2 import PARTITION_STATE_ONLINE
-    from spark_client import errors
-
-    client.create_topic(name, partitions=partitions)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if all(client.describe_partition(name, p).state == PARTITION_STATE_ONLINE
-                   for p in range(partitions)):
-                return
-        except errors.AtomlogClientError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"topic {name} did not come online in 60 s")
 
 
 def fill(path: Path) -> None:
