@@ -91,8 +91,8 @@ import crc32c
 from coordinator.records import (
     MAX_IDEMPOTENCY_KEY_BYTES, MAX_TRANSACTIONAL_ID_BYTES, PRODUCER_EPOCH_LAST_ISSUED,
     TIMEOUT_MS_MAX, Completed, DeadlineReset, Decided, Decision, EndCause, Opened, Prepared,
-    Reader, Record, RecordCorrupt, Registered, Session, SessionStarted, SubscriptionPartition,
-    Target, TopicPartition, TxnId, Writer,
+    Reader, Record, RecordCorrupt, Registered, SequencesReserved, Session, SessionStarted,
+    SubscriptionPartition, Target, TopicPartition, TxnId, Writer,
 )
 from services.errors import AtomlogError
 
@@ -254,6 +254,30 @@ class Ready:
 
 NO_WORK = Ready()
 ItemResult = AtomlogError | None  # None: the item succeeded
+# One-call transactions reserve sequences in blocks of this many (one SequencesReserved
+# record per block): a coordinator that loads the TC partition starts above the block.
+SEQUENCE_RESERVATION = 10_000
+# A one-call transaction still staging this long past its deadline is forgotten by tick
+# (the shell normally ends it well before): presumed aborted.
+ONE_CALL_GRACE_MS = 5_000
+
+
+@dataclass(frozen=True, slots=True)
+class OneCallStart:
+    """begin_one_call's reply: the transaction to stage, or (existing) the state of the
+    committed transaction an earlier call with the same idempotency key made."""
+
+    txn_id: TxnId
+    timeout_ms: int
+    existing: State | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OneCallAborted:
+    """end_one_call's reply when the transaction will not commit: the reason to answer
+    with (the Ready carries ABORT markers for whatever may have been staged)."""
+
+    error: AtomlogError
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +461,29 @@ class Txn:
 
 
 @dataclass(slots=True, eq=False)
+class OneCall:
+    """A one-call transaction between begin_one_call and end_one_call: volatile (nothing
+    of it is logged before its decision: presumed abort)."""
+
+    txn_id: TxnId
+    created_ms: int
+    timeout_ms: int
+    session: Session | None
+    idempotency_key: str
+    topic_partitions: tuple[TopicPartition, ...]
+    subscription_partitions: tuple[SubscriptionPartition, ...]
+    fenced: bool = False  # InitProducerId started a newer session meanwhile
+
+    @property
+    def deadline_ms(self) -> int:
+        return self.created_ms + self.timeout_ms
+
+    def includes(self, target: Target) -> bool:
+        return target in (self.topic_partitions if isinstance(target, TopicPartition)
+                          else self.subscription_partitions)
+
+
+@dataclass(slots=True, eq=False)
 class SessionEntry:
     session: Session
     timeout_ms: int
@@ -553,8 +600,11 @@ class TcPartitionCore:
         self._sessions: dict[str, SessionEntry] = {}
         self._keys: dict[str, TxnId] = {}
         self._last_sequence = 0
+        self._reserved = 0  # highest sequence one-call transactions may use (logged)
         # Volatile state.
         self._next_sequence = 1
+        self._one_calls: dict[TxnId, OneCall] = {}  # being staged, by id and by key
+        self._one_call_keys: dict[str, TxnId] = {}
         self._next_append_id = 1
         self._pending: deque[_Pending] = deque()
         # Pending transitions hold locks: exclusive on a TxnId | ("session", id) |
@@ -710,6 +760,9 @@ class TcPartitionCore:
                              f"id {producer_id} epoch {producer_epoch} is not the current "
                              "session", producer_id=current.producer_id,
                              producer_epoch=current.producer_epoch)
+            for one_call in self._one_calls.values():
+                if one_call.session == current:
+                    one_call.fenced = True  # end_one_call refuses it: presumed abort
             txn = self._unfinished.get(entry.current_txn)
             if txn is not None and txn.state in UNDECIDED:
                 record, decision_locks = self._decision(txn, Decision.ABORT,
@@ -730,6 +783,119 @@ class TcPartitionCore:
         records.append(SessionStarted(transactional_id, *bumped, timeout_ms, now_ms))
         reply = InitProducerIdResult(*bumped, aborted, timeout_ms, fresh_producer_id_used=fresh)
         return self._propose(records, locks, reply, new_sessions=int(entry is None))
+
+    # ============================================================ one-call transactions
+
+    def begin_one_call(self, now_ms: int, timeout_ms: int, session: Session | None,
+                       idempotency_key: str, topic_partitions: Sequence[TopicPartition],
+                       subscription_partitions: Sequence[SubscriptionPartition]) -> Ready:
+        """CommitTxn, step one: a transaction id for a one-call transaction, which the
+        shell then stages on the partition servers. Nothing is logged but, once per
+        SEQUENCE_RESERVATION transactions, a SequencesReserved record (the reply waits for
+        it). While staging, the transaction answers verify() as OPEN, counts against
+        max_open and holds its session and key. A committed transaction with the same key
+        answers `existing` instead. Reply: OneCallStart."""
+        _validate_name("idempotency_key", idempotency_key, MAX_IDEMPOTENCY_KEY_BYTES,
+                       empty_ok=False)
+        self._check_unlocked([("key", idempotency_key)])
+        existing = self._lookup(self._keys.get(idempotency_key))
+        if existing is not None and existing.state in (State.COMMITTING, State.COMMITTED):
+            self._check_same_request(existing, None, session)
+            return Ready(reply=OneCallStart(existing.txn_id, existing.timeout_ms,
+                                            existing.state))
+        if existing is not None and existing.state not in (State.ABORTING, State.ABORTED):
+            raise _error("INVALID_ARGUMENT", f"idempotency key {idempotency_key!r} names "
+                         f"transaction {existing.txn_id}, which is {existing.state.name}: "
+                         "a one-call transaction needs a key of its own",
+                         field="idempotency_key", txn_id=existing.txn_id)
+        if idempotency_key in self._one_call_keys:
+            self._counters["concurrent_total"] += 1
+            raise _error("CONCURRENT_TRANSACTIONS", f"a transaction with idempotency key "
+                         f"{idempotency_key!r} is being committed; retry shortly",
+                         retry_after_ms=10)
+        timeout_ms = self._resolve_timeout(timeout_ms, session, now_ms)
+        if session is not None:
+            self._check_unlocked(self._check_session_free(session, now_ms))
+        unfinished = len(self._unfinished) + self._pending_new_txns + len(self._one_calls)
+        if unfinished >= self.limits.max_open:
+            self._counters["exhausted_total"] += 1
+            raise _limit_error("max_open", self.limits.max_open,
+                               f"TC partition {self.tc_partition} has {unfinished} unfinished "
+                               "transactions")
+        tps = tuple(dict.fromkeys(topic_partitions))
+        subs = tuple(dict.fromkeys(subscription_partitions))
+        if not tps and not subs:
+            raise _error("INVALID_ARGUMENT", "a one-call transaction needs at least one "
+                         "partition or subscription partition")
+        if len(tps) + len(subs) > self.limits.max_partitions:
+            self._counters["exhausted_total"] += 1
+            raise _limit_error("max_partitions", self.limits.max_partitions,
+                               f"the transaction has {len(tps) + len(subs)} partitions and "
+                               "subscription partitions")
+        txn_id = TxnId(self.tc_partition, max(self._next_sequence, self._last_sequence + 1))
+        self._next_sequence = txn_id.sequence + 1
+        self._one_calls[txn_id] = OneCall(txn_id, now_ms, timeout_ms, session,
+                                          idempotency_key, tps, subs)
+        self._one_call_keys[idempotency_key] = txn_id
+        reply = OneCallStart(txn_id, timeout_ms)
+        if txn_id.sequence <= self._reserved:
+            return Ready(reply=reply)
+        # Logged before anything is staged; the reply waits for it (and every earlier
+        # append, so for any reservation still in flight).
+        return self._propose([SequencesReserved(txn_id.sequence + SEQUENCE_RESERVATION - 1)],
+                             set(), reply)
+
+    def end_one_call(self, now_ms: int, txn_id: TxnId,
+                     failure: AtomlogError | None = None) -> Ready:
+        """CommitTxn, step two, once staging ended; `failure` None means every part is
+        durable on its partition server. Then, unless the session was fenced or the
+        timeout passed meanwhile, the decision is logged — Opened (with the partitions)
+        and Decided(COMMIT) in one append — and markers follow as for EndTxn; reply:
+        EndTxnResult. Else the transaction is forgotten (presumed abort: nothing of it
+        was logged), ABORT markers go to whatever may have been staged, and the reply is
+        OneCallAborted with the reason."""
+        one_call = self._one_calls.get(txn_id)
+        if one_call is None:
+            raise _error("TRANSACTION_ABORTED", f"one-call transaction {txn_id} was aborted "
+                         "(it outlived its timeout, or the coordinator moved)",
+                         txn_id=txn_id)
+        if failure is None and one_call.fenced:
+            self._counters["fenced_total"] += 1
+            failure = _error("PRODUCER_FENCED", "transactional id "
+                             f"{one_call.session.transactional_id!r} started a newer session "
+                             f"while transaction {txn_id} was being staged", txn_id=txn_id)
+        if failure is None and now_ms >= one_call.deadline_ms:
+            failure = _error("TRANSACTION_TIMED_OUT", f"one-call transaction {txn_id} was "
+                             f"not staged within its timeout of {one_call.timeout_ms} ms",
+                             txn_id=txn_id)
+        if failure is not None:
+            return Ready(reply=OneCallAborted(failure), markers=self._forget_one_call(one_call))
+        locks: set[object] = {txn_id, ("key", one_call.idempotency_key)}
+        if one_call.session is not None:
+            locks.add(("session", one_call.session.transactional_id))
+        self._check_unlocked(locks)
+        records = [Opened(txn_id, one_call.created_ms, one_call.timeout_ms,
+                          one_call.deadline_ms, None, one_call.session,
+                          one_call.idempotency_key, one_call.topic_partitions,
+                          one_call.subscription_partitions),
+                   Decided(txn_id, Decision.COMMIT, EndCause.CLIENT, now_ms, (), ())]
+        return self._propose(records, locks, EndTxnResult(State.COMMITTING, False),
+                             new_txns=1)
+
+    def one_call(self, txn_id: TxnId) -> OneCall | None:
+        """The one-call transaction being staged under this id (None: none)."""
+        return self._one_calls.get(txn_id)
+
+    def _forget_one_call(self, one_call: OneCall) -> tuple[Marker, ...]:
+        """Drop a one-call transaction that will not commit: the ABORT markers for
+        everything it may have staged (best effort: a partition server that misses one
+        asks, and hears that the transaction is unknown, so aborted)."""
+        del self._one_calls[one_call.txn_id]
+        if self._one_call_keys.get(one_call.idempotency_key) == one_call.txn_id:
+            del self._one_call_keys[one_call.idempotency_key]
+        return tuple(Marker(one_call.txn_id, Decision.ABORT, self.coordinator_epoch, target)
+                     for target in (*one_call.topic_partitions,
+                                    *one_call.subscription_partitions))
 
     # ================================================================= operator inputs
 
@@ -762,6 +928,8 @@ class TcPartitionCore:
                 if isinstance(record, Completed):
                     parents.append(self._unfinished[record.txn_id].parent)
                 self.apply(record)
+                if isinstance(record, Opened) and record.txn_id in self._one_calls:
+                    self._forget_one_call(self._one_calls[record.txn_id])
                 if isinstance(record, Decided):
                     decided.append(self._unfinished[record.txn_id])
                     decided.extend(self._unfinished[child] for child in
@@ -793,6 +961,12 @@ class TcPartitionCore:
     def tick(self, now_ms: int) -> Ready:
         """Timeouts (OPEN and PREPARED), due completions, marker re-sends, session expiry."""
         self.forget_expired_sessions(now_ms)
+        abandoned: list[Marker] = []
+        for one_call in list(self._one_calls.values()):
+            if (now_ms >= one_call.deadline_ms + ONE_CALL_GRACE_MS
+                    and one_call.txn_id not in self._locks):
+                abandoned.extend(self._forget_one_call(one_call))
+                self._counters["timeouts_total"] += 1
         records: list[Record] = []
         locks: set[object] = set()
         for txn in list(self._unfinished.values()):
@@ -814,7 +988,8 @@ class TcPartitionCore:
             appends = self._propose(records, locks, None).appends
         deciding = [txn for txn in self._unfinished.values() if txn.state in DECIDING]
         appends += self._completions(deciding, now_ms)
-        return Ready(appends=appends, markers=self._send_markers(deciding, now_ms, resend=True))
+        return Ready(appends=appends, markers=tuple(abandoned)
+                     + self._send_markers(deciding, now_ms, resend=True))
 
     # ========================================================================= queries
 
@@ -832,7 +1007,18 @@ class TcPartitionCore:
         """VerifyTxnPartitions, one item: accept a write/ack only if state is OPEN and
         included. An OPEN transaction past its deadline answers OPEN until the tick's abort
         is durable (its writes are then aborted with it); a finished transaction keeps no
-        partition list, so included is False."""
+        partition list, so included is False. A one-call transaction being staged is
+        OPEN. Presumed abort: a transaction never known here whose sequence was handed out
+        (at most the highest used or reserved) is ABORTED — a one-call transaction that
+        never committed, as its decision would be in the log."""
+        one_call = self._one_calls.get(txn_id)
+        if one_call is not None:
+            return Verification(State.OPEN, one_call.includes(target), one_call.session,
+                                self.coordinator_epoch)
+        if (txn_id.tc_partition == self.tc_partition and self._lookup(txn_id) is None
+                and txn_id not in self._locks
+                and txn_id.sequence <= max(self._last_sequence, self._reserved)):
+            return Verification(State.ABORTED, False, None, self.coordinator_epoch)
         txn = self._get(txn_id)
         included = target in (txn.topic_partitions if isinstance(target, TopicPartition)
                               else txn.subscription_partitions)
@@ -1084,6 +1270,14 @@ class TcPartitionCore:
     def _check_session_free(self, session: Session, now_ms: int) -> set[object]:
         """NewTxn in a session: the session is current and has no undecided transaction."""
         entry = self._check_current_session(session, now_ms)
+        staging = next((c for c in self._one_calls.values() if c.session is not None
+                        and c.session.transactional_id == session.transactional_id), None)
+        if staging is not None:
+            self._counters["concurrent_total"] += 1
+            raise _error("CONCURRENT_TRANSACTIONS",
+                         f"session {session.transactional_id!r} is committing transaction "
+                         f"{staging.txn_id}; retry shortly", txn_id=staging.txn_id,
+                         retry_after_ms=10)
         txn = self._unfinished.get(entry.current_txn)
         if txn is not None and txn.state in UNDECIDED:
             self._counters["concurrent_total"] += 1
@@ -1293,8 +1487,13 @@ class TcPartitionCore:
         txn_id = record.txn_id
         if txn_id.tc_partition != self.tc_partition:
             raise self._illegal(record, "transaction of another TC partition")
-        if txn_id.sequence <= self._last_sequence:
-            raise self._illegal(record, f"sequence not above {self._last_sequence}")
+        if txn_id in self._unfinished or txn_id in self._finished:
+            raise self._illegal(record, "the transaction exists already")
+        if self._reserved < txn_id.sequence <= self._last_sequence:
+            # Only one-call transactions (within a logged reservation) are logged out of
+            # sequence order.
+            raise self._illegal(record, f"sequence not above {self._last_sequence} and not "
+                                f"reserved (up to {self._reserved})")
         parent = None
         if record.parent is not None:
             parent = self._unfinished.get(record.parent)
@@ -1313,7 +1512,7 @@ class TcPartitionCore:
                   dict.fromkeys(record.topic_partitions),
                   dict.fromkeys(record.subscription_partitions))
         self._unfinished[txn_id] = txn
-        self._last_sequence = txn_id.sequence
+        self._last_sequence = max(self._last_sequence, txn_id.sequence)
         if parent is not None:
             parent.children.append(txn_id)
         if entry is not None:
@@ -1431,7 +1630,12 @@ class TcPartitionCore:
 _NO_TARGETS = MappingProxyType({})
 
 
+def _apply_sequences_reserved(core: TcPartitionCore, record: SequencesReserved) -> None:
+    core._reserved = max(core._reserved, record.up_to)
+
+
 _APPLY = {
+    SequencesReserved: _apply_sequences_reserved,
     Opened: TcPartitionCore._apply_opened,
     Registered: TcPartitionCore._apply_registered,
     DeadlineReset: TcPartitionCore._apply_deadline_reset,
@@ -1451,6 +1655,9 @@ def replay(records: Iterable[Record], tc_partition: int, limits: Limits | None =
     assert core.tc_partition == tc_partition and not core._pending
     for record in records:
         core.apply(record)
+    # A load never hands out a sequence a deposed owner may have used (reserved).
+    core._next_sequence = max(core._next_sequence, core._last_sequence + 1,
+                              core._reserved + 1)
     return core
 
 
@@ -1588,7 +1795,8 @@ def _decode_entry(data: bytes, offset: int, tc: int) -> Txn:
 
 def _encode_snapshot(core: TcPartitionCore, covered_offset: int) -> bytes:
     parts = [_SNAP_HEADER.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, 0, core.tc_partition,
-                               core.coordinator_epoch, covered_offset, core._last_sequence,
+                               core.coordinator_epoch, covered_offset,
+                               max(core._last_sequence, core._reserved),
                                len(core._unfinished) + len(core._finished),
                                len(core._sessions), len(core._keys))]
     parts.extend(_encode_entry(txn) for txn in core._unfinished.values())
@@ -1628,6 +1836,9 @@ def _decode_snapshot(core: TcPartitionCore, data: bytes) -> int:
     reader = Reader(body, _SNAP_HEADER.size)
     try:
         core._last_sequence = last_sequence
+        # The snapshot stores reservations folded into last_sequence: one-call
+        # transactions logged after it may still use sequences up to it.
+        core._reserved = last_sequence
         core._next_sequence = last_sequence + 1
         _decode_txns(core, reader, last_sequence, txn_count)
         _decode_sessions_and_keys(core, reader, session_count, key_count)

@@ -26,6 +26,14 @@ COMMIT_LATENCY = Histogram("atomlog_coordinator_end_txn_duration_seconds",
                            "EndTxn from the call to its answer (decision durable, or every "
                            "marker confirmed with wait_for_markers).", ["wait_for_markers"],
                            buckets=LATENCY_BUCKETS_SECONDS)
+ONE_CALL_LATENCY = Histogram("atomlog_coordinator_commit_txn_duration_seconds",
+                             "CommitTxn (a one-call transaction) from the call to its answer: "
+                             "staging, then the decision durable (or every marker confirmed "
+                             "with wait_for_markers).", ["wait_for_markers"],
+                             buckets=LATENCY_BUCKETS_SECONDS)
+ONE_CALL = Counter("atomlog_coordinator_one_call_transactions_total",
+                   "One-call transactions (CommitTxn) by outcome: committed, or the reason "
+                   "it was not (presumed abort: nothing logged).", ["result"])
 LOG_APPEND_SECONDS = Histogram("atomlog_coordinator_log_append_duration_seconds",
                                "One append to a TC log (durable on the partition server).",
                                buckets=LATENCY_BUCKETS_SECONDS)

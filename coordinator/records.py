@@ -18,6 +18,9 @@ Records (each one the durable form of one state change of one transaction or ses
     Completed       COMMITTING -> COMMITTED | ABORTING -> ABORTED, once every marker is
                     confirmed (and every child of a parent is finished)
     SessionStarted  InitProducerId for a transactional id: its producer id and epoch now
+    SequencesReserved  one-call transactions (CommitTxn) may use sequences up to `up_to`
+                    before anything else of them is logged (presumed abort); a coordinator
+                    loading the partition starts above it, so no sequence is ever reused
 
 Encoding, version 1, little-endian; every record value starts with
 `format_version u8 = 1, record_type u8`, then the fields in the order below:
@@ -41,6 +44,7 @@ Encoding, version 1, little-endian; every record value starts with
     6 Completed      txn_id, decision u8, completed_ms i64
     7 SessionStarted transactional_id string, producer_id i64, producer_epoch u16,
                      timeout_ms u32, started_ms i64
+    8 SequencesReserved  up_to u64
 
 A record value carries no checksum of its own: the batch that holds it has a CRC32C
 (docs/record-format.md). `decode_record` still refuses anything malformed with
@@ -361,13 +365,23 @@ class SessionStarted:
         return Session(self.transactional_id, self.producer_id, self.producer_epoch)
 
 
-Record = Opened | Registered | DeadlineReset | Prepared | Decided | Completed | SessionStarted
+@dataclass(frozen=True, slots=True)
+class SequencesReserved:
+    up_to: int
+
+    def __post_init__(self) -> None:
+        _check_int("up_to", self.up_to, 1, TXN_SEQUENCE_MAX)
+
+
+Record = (Opened | Registered | DeadlineReset | Prepared | Decided | Completed | SessionStarted
+          | SequencesReserved)
 RECORD_TYPES: dict[type, int] = {Opened: 1, Registered: 2, DeadlineReset: 3, Prepared: 4,
-                                 Decided: 5, Completed: 6, SessionStarted: 7}
+                                 Decided: 5, Completed: 6, SessionStarted: 7,
+                                 SequencesReserved: 8}
 
 
 def txn_of(record: Record) -> TxnId | None:
-    """The transaction a record is about (None for SessionStarted)."""
+    """The transaction a record is about (None for SessionStarted, SequencesReserved)."""
     return getattr(record, "txn_id", None)
 
 
@@ -379,6 +393,7 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
+_U64 = struct.Struct("<Q")
 _TXN_ID = struct.Struct("<IQ")
 _HEAD = struct.Struct("<BB")
 _OPENED_TIMES = struct.Struct("<qIq")
@@ -521,6 +536,9 @@ def encode_record(record: Record) -> bytes:
     """The record value to append to `__txn_log-<k>`."""
     out = Writer()
     out.pack(_HEAD, RECORD_FORMAT_VERSION, RECORD_TYPES[type(record)])
+    if isinstance(record, SequencesReserved):
+        out.pack(_U64, record.up_to)
+        return out.getvalue()
     if isinstance(record, SessionStarted):
         out.string(record.transactional_id)
         out.pack(_SESSION_STARTED, record.producer_id, record.producer_epoch,
@@ -612,7 +630,11 @@ def _decode_session_started(reader: Reader) -> SessionStarted:
     return SessionStarted(transactional_id, *reader.unpack(_SESSION_STARTED))
 
 
+def _decode_sequences_reserved(reader: Reader) -> SequencesReserved:
+    return SequencesReserved(*reader.unpack(_U64))
+
+
 _DECODERS = {1: _decode_opened, 2: _decode_registered, 3: _decode_deadline_reset,
              4: _decode_prepared, 5: _decode_decided, 6: _decode_completed,
-             7: _decode_session_started}
+             7: _decode_session_started, 8: _decode_sequences_reserved}
 assert set(_DECODERS) == set(RECORD_TYPES.values())

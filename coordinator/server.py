@@ -5,7 +5,9 @@
 - the CoordinatorService RPCs, routed to the TC partition they name (NOT_COORDINATOR
   names the owner when this process is not it; COORDINATOR_LOADING while loading);
 - InitProducerId for idempotent producers (a fresh producer id from the allocator block);
-- the marker channel to the partition servers (coordinator/markers.py).
+- the marker channel to the partition servers (coordinator/markers.py);
+- one-call transactions (CommitTxn): staged through the staging channel
+  (coordinator/staging.py), decided in one TC log append.
 
 Every request is validated here before it reaches a core; the core validates the rest
 and refuses whole inputs with nothing changed.
@@ -21,7 +23,7 @@ from dataclasses import fields
 from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
 
 from coordinator import metrics
-from coordinator.core import Limits, ProducerIdNeeded, State, TxnSummary
+from coordinator.core import Limits, OneCallAborted, ProducerIdNeeded, State, TxnSummary
 from coordinator.leases import Lease, LeaseManager
 from coordinator.markers import MarkerChannel
 from coordinator.producer_ids import ProducerIds
@@ -34,8 +36,10 @@ from coordinator.records import (
     tc_partition_for,
 )
 from coordinator.routing import PartitionRoutes
+from coordinator.staging import StageChannel
 from coordinator.tc_partition import Phase, Settings, TcPartition
 from coordinator.txn_log import TOPIC as TXN_LOG_TOPIC
+from partition_server.record_batch import LENGTH_FIELD_END, check_stageable, parse_header
 from services.errors import AtomlogError
 from services.grpcutil import service_name
 from services.logs import event
@@ -98,8 +102,11 @@ class Coordinator:
 
     def __init__(self, name: str, tc_partitions: int, routes: PartitionRoutes,
                  markers: MarkerChannel, producer_ids: ProducerIds, limits: Limits,
-                 settings: Settings, metadata_store):
+                 settings: Settings, metadata_store, stager: StageChannel | None = None,
+                 one_call_max_bytes: int = 1 << 20):
         self.name = name
+        self.stager = stager or StageChannel(routes)
+        self.one_call_max_bytes = one_call_max_bytes
         self.tc_partitions = tc_partitions
         self.routes = routes
         self.markers = markers
@@ -346,6 +353,100 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             kept_child_txn_ids=[_txn_id_proto(t) for t in result.kept_child_txn_ids],
             aborted_child_txn_ids=[_txn_id_proto(t) for t in result.aborted_child_txn_ids])
 
+    async def CommitTxn(self, request, context):
+        started = time.perf_counter()
+        c = self.c
+        k = c.check_tc(request.tc_partition)
+        session = c.session(request)
+        key = request.idempotency_key
+        if not key:
+            raise _invalid("idempotency_key is required (it makes the call retry-safe)",
+                           field="idempotency_key")
+        routed_by = session.transactional_id if session is not None and \
+            session.transactional_id else key
+        if tc_partition_for(routed_by, c.tc_partitions) != k:
+            raise _invalid(f"{'transactional id' if routed_by != key else 'idempotency key'} "
+                           f"{routed_by!r} lives on TC partition "
+                           f"{tc_partition_for(routed_by, c.tc_partitions)}",
+                           field="tc_partition")
+        tps, subs = await self._one_call_targets(request)
+        partition = await c.partition(k)
+        start = await partition.call(lambda core, now: core.begin_one_call(
+            now, request.timeout_ms, session, key, tps, subs))
+        txn_id = _txn_id_proto(start.txn_id)
+        if start.existing is not None:
+            return coordinator_pb2.CommitTxnResponse(txn_id=txn_id, state=start.existing.value,
+                                                     already_ended=True)
+        deadline = time.monotonic() + start.timeout_ms / 1000
+        remaining = _remaining_s(context)
+        if remaining is not None:
+            deadline = min(deadline, time.monotonic() + remaining)
+        failure, staged = None, None
+        try:
+            staged = await c.stager.stage(start.txn_id, partition.epoch, request.batches,
+                                          request.acks, deadline)
+        except AtomlogError as error:
+            failure = error
+        result = await partition.call(
+            lambda core, now: core.end_one_call(now, start.txn_id, failure))
+        if isinstance(result, OneCallAborted):
+            metrics.ONE_CALL.labels(result.error.reason).inc()
+            raise result.error
+        metrics.ONE_CALL.labels("committed").inc()
+        state = result.state
+        if request.wait_for_markers and state is State.COMMITTING:
+            if await partition.wait_completed(start.txn_id, _remaining_s(context)):
+                state = State.COMMITTED
+        metrics.ONE_CALL_LATENCY.labels(str(request.wait_for_markers).lower()).observe(
+            time.perf_counter() - started)
+        return coordinator_pb2.CommitTxnResponse(txn_id=txn_id, state=state.value,
+                                                 batch_results=staged.batch_results)
+
+    async def _one_call_targets(self, request):
+        """The partitions and subscription partitions of a CommitTxn, validated: every
+        batch well formed and stageable (the partition server checks its CRC), at most one
+        per partition and one ack per subscription partition, within the size bound."""
+        c = self.c
+        if not request.batches and not request.acks:
+            raise _invalid("a one-call transaction needs batches or acks", field="batches")
+        if len(request.batches) + len(request.acks) > MAX_ITEMS:
+            raise _invalid(f"at most {MAX_ITEMS} batches and acks per call")
+        size = 0
+        for index, item in enumerate(request.batches):
+            batch = item.record_batch
+            size += len(batch)
+            try:
+                header = parse_header(batch)
+                if header.batch_length + LENGTH_FIELD_END != len(batch):
+                    raise AtomlogError("CORRUPT_BATCH", f"batch_length says "
+                                       f"{header.batch_length + LENGTH_FIELD_END} bytes, the "
+                                       f"batch has {len(batch)}")
+                check_stageable(header)
+            except AtomlogError as error:
+                raise AtomlogError(error.reason, f"batches[{index}]: {error.message}",
+                                   {**error.metadata, "field": "batches"}) from None
+        for index, ack in enumerate(request.acks):
+            size += ack.ByteSize()
+            if not ack.subscription_partition.subscription:
+                raise _invalid(f"acks[{index}]: the subscription is empty", field="acks")
+            if ack.cumulative_end_offset <= 0 and not ack.individual_ranges:
+                raise _invalid(f"acks[{index}] acknowledges nothing", field="acks")
+        if size > c.one_call_max_bytes:
+            raise _invalid(f"the transaction carries {size} bytes; one-call transactions "
+                           f"hold at most {c.one_call_max_bytes} (coordinator."
+                           "one_call_max_bytes): use NewTxn, Produce and EndTxn",
+                           field="batches", limit="coordinator.one_call_max_bytes")
+        topics, subscriptions, tp_errors, sp_errors = await c.targets(
+            [item.topic_partition for item in request.batches],
+            [ack.subscription_partition for ack in request.acks])
+        for error in (*tp_errors, *sp_errors):
+            if error is not None:
+                raise error
+        if len(set(topics)) != len(topics) or len(set(subscriptions)) != len(subscriptions):
+            raise _invalid("at most one batch per partition and one ack per subscription "
+                           "partition", field="batches")
+        return topics, subscriptions
+
     async def GetTxnStatus(self, request, context):
         c = self.c
         txn_id = c.txn_id(request, "txn_id")
@@ -524,8 +625,11 @@ async def install(runtime) -> list[str]:
     routes = PartitionRoutes(runtime.metadata)
     markers = MarkerChannel(routes, config["coordinator.marker_batch_max"],
                             config["coordinator.log_request_timeout_ms"] / 1000)
+    stager = StageChannel(routes, config["coordinator.stage_batch_max"],
+                          config["coordinator.log_request_timeout_ms"] / 1000)
     coordinator = Coordinator(runtime.name, tc_partitions, routes, markers, producer_ids,
-                              limits, settings, runtime.metadata)
+                              limits, settings, runtime.metadata, stager,
+                              config["coordinator.one_call_max_bytes"])
     collector = metrics.register_core_collector(coordinator.cores)
     runtime.coordinator = coordinator
     servicer = CoordinatorServicer(coordinator)
@@ -565,6 +669,7 @@ async def install(runtime) -> list[str]:
         for k in list(coordinator.partitions):
             await coordinator.on_lost(k)
         await markers.close()
+        await stager.close()
         await routes.close()
         await producer_ids.close()
         from prometheus_client import REGISTRY

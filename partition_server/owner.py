@@ -145,6 +145,9 @@ class _Work:
     future: asyncio.Future
     results: list = field(default_factory=list)
     size: int = 0  # bytes of its batches
+    # A one-call transaction's staged batch (its coordinator vouches: no verification;
+    # deduplicated by transaction: a repeated stage answers the open one's offsets).
+    staged: TxnId | None = None
 
 
 @dataclass
@@ -582,6 +585,18 @@ class PartitionOwner:
                                          asyncio.get_running_loop().create_future(),
                                          size=sum(header.size for _, header in batches)))
 
+    async def stage(self, txn: TxnId, batch: bytes, header: BatchHeader) -> Appended:
+        """Append the batch (stamped with `txn`) a coordinator stages for a one-call
+        transaction, unless `txn` is open here already (a repeated stage: its offsets,
+        duplicate). Returns Appended once durable, or raises."""
+        self.check_serving()
+        [outcome] = await self._enqueue(_Work([(batch, header)], None,
+                                              asyncio.get_running_loop().create_future(),
+                                              size=header.size, staged=txn))
+        if isinstance(outcome, AtomlogError):
+            raise outcome
+        return outcome
+
     async def end_transactions(self, markers: list[Marker]) -> list:
         """Apply markers in order; the result per marker is MarkerResult (durable) or an
         AtomlogError (STALE_COORDINATOR_EPOCH, conflicting decision, ...)."""
@@ -684,13 +699,25 @@ class PartitionOwner:
                         expected_bases.append(next_offset)
                         next_offset += 1
                 continue
+            if work.staged is not None:
+                existing = txns.open_transaction(work.staged)
+                if existing is not None:
+                    results.append(Appended(existing.first_offset, existing.last_offset,
+                                            existing.first_timestamp_ms, duplicate=True))
+                    continue
+                try:
+                    txns.check_write(work.staged, 0, 0)
+                except AtomlogError as error:
+                    results.append(error)
+                    continue
             tokens = work.tokens
             for index, item in enumerate(work.batches):
                 header = item[1]
                 try:
                     decision = check(header.producer_id, header.producer_epoch,
                                      header.base_sequence, header.record_count, now)
-                    if decision is APPEND and header.attributes & ATTR_TRANSACTIONAL:
+                    if (decision is APPEND and header.attributes & ATTR_TRANSACTIONAL
+                            and work.staged is None):
                         self._check_transactional(header, tokens[index] if tokens else None)
                 except AtomlogError as error:
                     results.append(error)

@@ -311,6 +311,36 @@ def validate_batch(batch: bytes | bytearray | memoryview, *,
     return header
 
 
+_ATTRIBUTES = struct.Struct(">h")
+_TXN_FIELDS = struct.Struct(">IQ")
+_CRC = struct.Struct(">I")
+
+
+def check_stageable(header: BatchHeader) -> None:
+    """A batch a one-call transaction may carry (CommitTxn, StageTxn): not transactional,
+    not control, no producer id. INVALID_ARGUMENT otherwise."""
+    if header.attributes & (ATTR_TRANSACTIONAL | ATTR_CONTROL):
+        raise AtomlogError("INVALID_ARGUMENT", "a one-call transaction's batch must not be "
+                           "transactional or a control batch: the coordinator assigns it its "
+                           "transaction")
+    if header.producer_id != NO_PRODUCER_ID:
+        raise AtomlogError("INVALID_ARGUMENT", "a one-call transaction's batch has no producer "
+                           "id (0) and no sequence (-1): it is deduplicated by its transaction")
+
+
+def stamp_transaction(batch: bytes, header: BatchHeader, txn: TxnId) -> tuple[bytes, BatchHeader]:
+    """The validated, stageable `batch` made part of `txn`: transactional bit and
+    transaction id set, CRC32C recomputed (the CRC was checked before: the new one covers
+    the same bytes). Returns the new bytes and header."""
+    check_stageable(header)
+    out = bytearray(batch)
+    _ATTRIBUTES.pack_into(out, 25, header.attributes | ATTR_TRANSACTIONAL)
+    _TXN_FIELDS.pack_into(out, 65, txn.tc_partition, txn.sequence)
+    _CRC.pack_into(out, CRC_OFFSET, crc32c.crc32c(memoryview(out)[CRC_COVERED_FROM:]))
+    data = bytes(out)
+    return data, parse_header(data)
+
+
 def iter_batches(buf: bytes | bytearray | memoryview, *, verify: bool = False,
                  max_batch_bytes: int | None = None) -> Iterator[tuple[int, BatchHeader]]:
     """Walk concatenated batches (a Fetch response, a segment slice), yielding

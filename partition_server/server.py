@@ -1,8 +1,9 @@
 """Partition server process: what `atomlog serve partition-server` installs — the
 partition manager (ownership from ZooKeeper, one owner task per partition), the
 PartitionService, the coordinator epochs that fence markers
-(partition_server/coordinator_epochs.py) and the verifier that asks coordinators about
-transactional writes (partition_server/verifier.py)."""
+(partition_server/coordinator_epochs.py), the verifier that asks coordinators about
+transactional writes (partition_server/verifier.py) and the presumed-abort checker of
+old open transactions (partition_server/txn_checker.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from partition_server.owner import OwnerSettings
 from partition_server.service import PartitionServicer, SubscriptionSettings
 from partition_server.subscription_cursor import CursorLimits
 from partition_server.txn_buffer import TxnBufferLimits
+from partition_server.txn_checker import TxnChecker
 from partition_server.verifier import TxnVerifier
 from services.grpcutil import service_name
 
@@ -73,6 +75,11 @@ async def install(runtime) -> list[str]:
     verifier = TxnVerifier(runtime.metadata, epochs,
                            timeout_s=config["partition.txn_verify_timeout_ms"] / 1000)
     runtime.stop_hooks.append(verifier.close)
+    checker = TxnChecker(manager, verifier,
+                         check_after_ms=config["partition.txn_check_after_ms"],
+                         interval_ms=config["partition.txn_check_interval_ms"])
+    checker.start()
+    runtime.stop_hooks.append(checker.close)
     servicer = PartitionServicer(manager, runtime.metadata, config["partition.max_batch_bytes"],
                                  config["partition.fetch_max_wait_ms"],
                                  config["partition.fetch_default_max_bytes"],

@@ -17,7 +17,8 @@ from partition_server.coordinator_epochs import MARKERS, STALE_MARKERS, Coordina
 from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
-                                           ControlType, TxnId, iter_batches, validate_batch)
+                                           ControlType, TxnId, iter_batches, stamp_transaction,
+                                           validate_batch)
 from partition_server.subscription_cursor import InitialPosition, resolve_initial_position
 from partition_server.verifier import TxnVerifier
 from services.errors import AtomlogError
@@ -750,6 +751,73 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             return float("inf")
         return max(min(due) + cls.REDELIVERY_SLACK_MS - time.time() * 1000, 1) / 1000
 
+    # ------------------------------------------------------------------ staging
+    async def StageTxn(self, request, context):
+        """One-call transactions' parts from their coordinators (partition.proto): per
+        item, fence the coordinator epoch, then append each batch stamped with the
+        transaction (deduplicated by transaction per partition) and make each ack
+        pending. Items and their parts run concurrently; each part answers on its own."""
+        epochs = self.coordinator_epochs
+        if epochs is None or self.verifier is None:
+            raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
+        _require_items(request.items, "StageTxnRequest")
+        response = partition_pb2.StageTxnResponse()
+        work = []
+        for item in request.items:
+            result = response.results.add(txn_id=item.txn_id)
+            refusal = _invalid_stage(item, epochs.tc_partitions)
+            if refusal is None:
+                refusal = _fence(item, epochs)
+            txn = TxnId(item.txn_id.tc_partition, item.txn_id.sequence)
+            for batch_item in item.batches:
+                entry = result.batch_results.add(topic_partition=batch_item.topic_partition,
+                                                 base_offset=-1, last_offset=-1)
+                if refusal is not None:
+                    entry.error.CopyFrom(item_error(refusal))
+                else:
+                    work.append(self._stage_batch(txn, batch_item, entry))
+            for ack in item.acks:
+                entry = result.ack_results.add(subscription_partition=ack.subscription_partition,
+                                               cumulative_end_offset=-1)
+                if refusal is not None:
+                    entry.error.CopyFrom(item_error(refusal))
+                else:
+                    work.append(self._stage_ack(txn, ack, entry))
+        if work:
+            await asyncio.gather(*work)
+        return response
+
+    async def _stage_batch(self, txn: TxnId, item, entry) -> None:
+        try:
+            owner = await self._owner(item.topic_partition)
+            batch = item.record_batch
+            header = validate_batch(batch, max_batch_bytes=self.max_batch_bytes)
+            data, header = stamp_transaction(batch, header, txn)
+            owner.check_serving()
+            owner.check_txns_ready()
+            appended = await owner.stage(txn, data, header)
+        except AtomlogError as error:
+            m.BAD_BATCHES.labels(error.reason).inc()
+            entry.error.CopyFrom(item_error(error))
+            return
+        entry.base_offset = appended.base_offset
+        entry.last_offset = appended.last_offset
+        entry.log_append_time_unix_ms = appended.log_append_time_ms
+        entry.duplicate = appended.duplicate
+        entry.log_start_offset = owner.log.log_start_offset if owner.log else -1
+
+    async def _stage_ack(self, txn: TxnId, ack, entry) -> None:
+        sp = ack.subscription_partition
+        try:
+            owner = await self._subscription_owner(sp)
+            ranges = [(r.start_offset, r.end_offset) for r in ack.individual_ranges]
+            entry.cumulative_end_offset = await owner.subscriptions.ack(
+                sp.subscription, ack.cumulative_end_offset, ranges, txn,
+                owner.max_read_position())
+        except AtomlogError as error:
+            entry.error.CopyFrom(item_error(error))
+            entry.cumulative_end_offset = -1
+
     # ------------------------------------------------------------------ markers
     async def EndTxnOnPartition(self, request, context):
         """Transaction markers from the coordinators: validate, fence, route, apply,
@@ -940,9 +1008,28 @@ def _invalid_marker(index: int, marker, tc_partitions: int) -> AtomlogError | No
     return None
 
 
+def _invalid_stage(item, tc_partitions: int) -> AtomlogError | None:
+    """INVALID_ARGUMENT naming the first bad field of a StageTxnItem, or None."""
+    if not item.HasField("txn_id") or item.txn_id.sequence <= 0 \
+            or item.txn_id.tc_partition >= tc_partitions:
+        return AtomlogError("INVALID_ARGUMENT", "txn_id is not a valid transaction id of "
+                            f"this cluster's {tc_partitions} TC partitions")
+    if item.coordinator_epoch <= 0:
+        return AtomlogError("INVALID_ARGUMENT", "coordinator_epoch must be > 0")
+    if not item.batches and not item.acks:
+        return AtomlogError("INVALID_ARGUMENT", "the item has no batches and no acks")
+    partitions = [(b.topic_partition.topic, b.topic_partition.partition) for b in item.batches]
+    subscriptions = [(a.subscription_partition.topic, a.subscription_partition.partition,
+                      a.subscription_partition.subscription) for a in item.acks]
+    if len(set(partitions)) != len(partitions) or len(set(subscriptions)) != len(subscriptions):
+        return AtomlogError("INVALID_ARGUMENT", "at most one batch per partition and one ack "
+                            "per subscription partition in a transaction's stage")
+    return None
+
+
 def _fence(marker, epochs: CoordinatorEpochs) -> AtomlogError | None:
     """STALE_COORDINATOR_EPOCH below the TC partition's current epoch; else accept the
-    marker's epoch (raising the current one when it is higher)."""
+    marker's (or staged item's) epoch (raising the current one when it is higher)."""
     tc, epoch = marker.txn_id.tc_partition, marker.coordinator_epoch
     current = epochs.current(tc)
     if epoch < current:

@@ -72,6 +72,7 @@ class _Question:
     partition: int
     future: asyncio.Future
     subscription: str | None = None
+    raw: bool = False  # answer (state, coordinator epoch) instead of judging a write
 
 
 class TxnVerifier:
@@ -89,8 +90,15 @@ class TxnVerifier:
         self._stubs = local.StubCache(COORDINATOR_SERVICE,
                                       coordinator_pb2_grpc.CoordinatorServiceStub, CHANNEL_OPTIONS)
 
+    async def state(self, txn: TxnId, topic: str, partition: int, *,
+                    subscription: str | None = None) -> tuple[int, int]:
+        """(TxnState value, coordinator epoch) of the transaction as its coordinator
+        sees it now (presumed abort: ABORTED for one it never committed), or
+        AtomlogError. The epoch is not below the one this server knows."""
+        return await self.verify(txn, topic, partition, subscription=subscription, raw=True)
+
     async def verify(self, txn: TxnId, topic: str, partition: int, *,
-                     subscription: str | None = None) -> Answer:
+                     subscription: str | None = None, raw: bool = False) -> Answer:
         """OPEN and includes topic-partition (or that subscription of it, for a
         transactional ack), or AtomlogError saying why not."""
         began = time.perf_counter()
@@ -103,7 +111,8 @@ class TxnVerifier:
                 try:
                     address = await self._route(txn.tc_partition, refresh=attempt > 1)
                     future = asyncio.get_running_loop().create_future()
-                    self._queue(address, _Question(txn, topic, partition, future, subscription))
+                    self._queue(address, _Question(txn, topic, partition, future, subscription,
+                                                   raw))
                     answer = await future
                     VERIFICATIONS.labels("ok").inc()
                     return answer
@@ -189,6 +198,8 @@ class TxnVerifier:
                                f"coordinator epoch {result.coordinator_epoch}; the current one "
                                f"is {current}", {"tc_partition": txn.tc_partition})
         self.epochs.observe(txn.tc_partition, result.coordinator_epoch)
+        if question.raw:
+            return result.state, result.coordinator_epoch
         target = f"{question.topic}-{question.partition}" + (
             f" (subscription {question.subscription})" if question.subscription else "")
         if result.state != OPEN:

@@ -202,6 +202,14 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("partition.late_transaction_ms", int, 900_000, "An open transaction older "
                 "than this counts as late in metrics (set it to the coordinators' "
                 "transaction.max_timeout_ms).", minimum=1_000, maximum=604_800_000),
+        Setting("partition.txn_check_after_ms", int, 10_000, "Presumed abort: a transaction "
+                "open on a partition (data or pending acks) for this long is looked up at its "
+                "coordinator; one the coordinator does not know (a one-call transaction that "
+                "never committed) is aborted here. Keep it above a one-call transaction's "
+                "staging time.", minimum=100, maximum=3_600_000),
+        Setting("partition.txn_check_interval_ms", int, 1_000, "How often open transactions "
+                "are looked over for partition.txn_check_after_ms.",
+                minimum=10, maximum=600_000),
         Setting("partition.txn_verify_timeout_ms", int, 10_000, "How long the first write of a "
                 "transaction to a partition may wait for its coordinator's answer (retries "
                 "included) before it is refused with a retriable reason.",
@@ -314,6 +322,13 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("coordinator.log_request_timeout_ms", int, 5_000, "Deadline of one append or "
                 "read of a TC log; an append whose outcome is unknown is retried (idempotently) "
                 "while the lease lasts.", minimum=100, maximum=120_000),
+        Setting("coordinator.one_call_max_bytes", int, 1 << 20, "Largest one-call "
+                "transaction (CommitTxn: its batches and acks together); the SDK switches a "
+                "transaction that outgrows its own bound to NewTxn/Produce/EndTxn.",
+                minimum=1_024, maximum=64 << 20),
+        Setting("coordinator.stage_batch_max", int, 1_000, "Most transactions in one StageTxn "
+                "call to a partition server (what queues while one call is in flight leaves "
+                "in the next).", minimum=1, maximum=10_000),
         Setting("coordinator.marker_batch_max", int, 10_000, "Most markers in one "
                 "EndTxnOnPartition call.", minimum=1, maximum=10_000),
         Setting("coordinator.completion_linger_ms", int, 200, "A TC log append holding only "

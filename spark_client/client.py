@@ -20,8 +20,14 @@ class Client:
     """A connection to an atomlog cluster. Thread-safe; share one per process."""
 
     def __init__(self, bootstrap: str | list[str], *, request_timeout_s: float = 30.0,
-                 tune_allocator: bool = True):
-        """`tune_allocator`: keep buffers under 4 MiB on glibc's heap and return freed
+                 tune_allocator: bool = True, one_call_max_bytes: int = 1 << 20):
+        """`one_call_max_bytes`: a transaction from begin_transaction() keeps its records
+        and acks here while they are at most this many bytes (and each partition's at
+        most its producer's batch_max_bytes), and commit() sends them in one CommitTxn
+        call; a bigger one switches to NewTxn, Produce and EndTxn transparently. 0 turns
+        one-call transactions off (spark_client/transactions.py).
+
+        `tune_allocator`: keep buffers under 4 MiB on glibc's heap and return freed
         heap memory to the kernel only past 32 MiB (process-wide, services/allocator.py).
         Encoding and sending batches then costs about a quarter less CPU: by default glibc
         unmaps such buffers when freed and faults them in again for the next batch. Pass
@@ -33,6 +39,9 @@ class Client:
         self.channels = Channels()
         self.metadata = MetadataCache(addresses, self.channels)
         self.request_timeout_s = request_timeout_s
+        if one_call_max_bytes < 0:
+            raise ValueError("one_call_max_bytes must be >= 0 (0: no one-call transactions)")
+        self.one_call_max_bytes = one_call_max_bytes
         self._commit_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
 

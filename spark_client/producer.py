@@ -32,6 +32,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import crc32c
@@ -72,14 +73,17 @@ class _Outcome:
     batch, not per record: a Future per record cost a third of the producer's CPU)."""
 
     __slots__ = ("topic", "partition", "base_offset", "timestamp_ms", "error", "_event",
-                 "_callbacks")
+                 "_callbacks", "on_wait")
 
-    def __init__(self, topic: str, partition: int):
+    def __init__(self, topic: str, partition: int, on_wait=None):
         self.topic, self.partition = topic, partition
         self.base_offset = self.timestamp_ms = -1
         self.error: BaseException | None = None
         self._event = threading.Event()
         self._callbacks: list = []
+        # Records kept by a one-call transaction: waiting for them switches it to
+        # ordinary sends (else they would be written only by its commit).
+        self.on_wait = on_wait
 
     def settle(self, base_offset: int, timestamp_ms: int, error: BaseException | None) -> None:
         self.base_offset, self.timestamp_ms, self.error = base_offset, timestamp_ms, error
@@ -89,6 +93,8 @@ class _Outcome:
             callback()
 
     def wait(self, timeout: float | None) -> None:
+        if self.on_wait is not None and not self._event.is_set():
+            self.on_wait()
         if not self._event.wait(timeout):
             raise TimeoutError(f"record to {self.topic}-{self.partition} not acknowledged "
                                f"within {timeout} s")
@@ -193,6 +199,7 @@ class Producer:
         self.transactional_id = transactional_id
         self.transaction_timeout_s = transaction_timeout_s
         self._needs_reinit = False
+        self._fenced = False  # a newer session of the transactional id fenced this one
         self._session = None  # coordinator_pb2.TransactionalSession
         self._session_tc = 0
         if transactional_id is not None:
@@ -209,6 +216,9 @@ class Producer:
         self._buffered_bytes = 0
         self._unfinished = 0
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
+        # One-call transactions holding records of this producer, in the order of their
+        # first record (flush switches them in that order: send order per partition).
+        self._kept_by: dict[int, weakref.ref] = {}
         self._closed = False
         self._sender = threading.Thread(target=self._run, name="atomlog-producer", daemon=True)
         self._sender.start()
@@ -242,6 +252,11 @@ class Producer:
         if self._session is None:
             raise ValueError("begin_transaction() needs a producer made with transactional_id=; "
                              "otherwise use client.begin_transaction()")
+        if self._fenced:
+            raise errors.ProducerFenced(
+                f"transactional id {self.transactional_id!r} was taken over by a newer session "
+                f"(producer id {self._producer_id} epoch {self._epoch} is fenced); make a new "
+                "producer")
         if self._needs_reinit:
             # An earlier write's outcome is unknown: a new epoch of the same session makes
             # every partition start its sequences afresh (KIP-360's epoch bump).
@@ -252,7 +267,11 @@ class Producer:
                     state.producer_id, state.epoch, state.next_sequence = None, 0, 0
                 self._needs_reinit = False
         return Transaction(self.client, timeout_s or self.transaction_timeout_s,
-                           session=self._session, tc_partition=self._session_tc)
+                           session=self._session, tc_partition=self._session_tc, lazy=True,
+                           on_fenced=self._note_fenced)
+
+    def _note_fenced(self) -> None:
+        self._fenced = True
 
     @property
     def producer_id(self) -> int:
@@ -300,6 +319,18 @@ class Producer:
         elif not 0 <= partition < count:
             raise errors.UnknownTopicOrPartition(
                 f"topic {topic!r} has {count} partitions; no partition {partition}")
+        if txn is not None and txn.one_call:
+            # Kept by the transaction for its one-call commit (not under this producer's
+            # lock: a transaction that switches hands records back through _adopt).
+            if partition is None:
+                partition = self._sticky.get(topic)
+                if partition is None or partition >= count:
+                    partition = self._sticky[topic] = next(self._round_robin) % count
+            future = txn.keep_record(self, topic, partition, record, size)
+            if future is not None:
+                if id(txn) not in self._kept_by:
+                    self._kept_by[id(txn)] = weakref.ref(txn)
+                return future
         deadline = time.monotonic() + self.max_block_s
         with self._lock:
             while self._buffered_bytes + size > self.max_buffered_bytes:
@@ -340,10 +371,37 @@ class Producer:
                 self._lock.notify_all()
         return future
 
+    def _adopt(self, topic: str, partition: int, records: list[Record], size: int,
+               outcome: _Outcome, txn) -> None:
+        """A one-call transaction switched to ordinary sends: queue what it kept for this
+        partition as one sealed batch of `txn`, behind the partition's sealed batches and
+        ahead of anything sent to it from now on."""
+        with self._lock:
+            state = self._partitions.get((topic, partition))
+            if state is None:
+                state = self._partitions[(topic, partition)] = _PartitionState()
+            self._seal(topic, partition, state)
+            now = time.monotonic()
+            batch = _Batch(topic, partition, records, outcome, now, size, txn=txn)
+            batch.deadline = now + self.delivery_timeout_s
+            state.ready.append(batch)
+            self._buffered_bytes += size
+            self._unfinished += len(records)
+            txn.track(RecordFuture(outcome, 0))
+            txn.add_flusher(self._flush_txn)
+            self._lock.notify_all()
+
     def flush(self, timeout: float | None = None) -> None:
         """Send everything now and wait until every record sent so far is acknowledged
-        (or failed: failures are in the futures)."""
+        (or failed: failures are in the futures). A one-call transaction holding records
+        of this producer switches to ordinary sends for it (its records are written now,
+        as flush promises; commit() then ends it with EndTxn)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        kept, self._kept_by = self._kept_by, {}
+        for ref in kept.values():
+            txn = ref()
+            if txn is not None and txn.one_call:
+                txn._switch()
         self._seal_open(lambda state: True)
         with self._lock:
             while self._unfinished:

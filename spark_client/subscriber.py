@@ -32,6 +32,7 @@ import concurrent.futures
 import threading
 import time
 import uuid
+import weakref
 
 import grpc
 
@@ -97,6 +98,8 @@ class SubscriptionConsumer:
         self.consumer_id = f"{subscription}-{uuid.uuid4()}"
         self.backoff = Backoff()
         self._closed = False
+        # One-call transactions holding acks of this consumer (reset() sends them first).
+        self._kept_by: dict[int, weakref.ref] = {}
         self._buffer: list[Message] = []  # delivered, not yet returned by poll
         self._buffer_expires = 0.0
         self._async_slots = threading.BoundedSemaphore(max_async_acks)
@@ -338,6 +341,11 @@ class SubscriptionConsumer:
         if not acks:
             return
         txn_id = None
+        if txn is not None and txn.one_call:
+            self._check_kept_conflicts(acks, txn)
+            if txn.keep_acks(self, acks):
+                self._kept_by.setdefault(id(txn), weakref.ref(txn))
+                return  # kept for the transaction's one-call commit
         if txn is not None:
             txn.register_subscriptions([(t, p, self.subscription) for t, p in acks])
             txn_id = txn.txn_id
@@ -378,6 +386,7 @@ class SubscriptionConsumer:
         while acks of the subscription are pending in an open transaction."""
         position = subscription_position(to, offset, timestamp_ms)
         targets = list(self.partitions if partitions is None else partitions)
+        self._switch_kept()  # acks kept by one-call transactions are pending too
         unknown = [tp for tp in targets if tp not in self.partitions]
         if unknown:
             raise ValueError(f"not partitions of this consumer: {unknown}")
@@ -391,8 +400,35 @@ class SubscriptionConsumer:
         sp = [r.subscription_partition for r in results]
         return {(s.topic, s.partition): r.cumulative_end_offset for s, r in zip(sp, results)}
 
+    def _switch_kept(self) -> None:
+        """Send the acks one-call transactions keep for this consumer (they switch to
+        ordinary acks): what the server says next includes them."""
+        kept, self._kept_by = self._kept_by, {}
+        for ref in kept.values():
+            txn = ref()
+            if txn is not None and txn.one_call:
+                txn._switch()
+
+    def _check_kept_conflicts(self, acks: dict, txn) -> None:
+        """TransactionConflict for acks that claim offsets another one-call transaction
+        of this consumer keeps acks for (the server's rule, applied before anything is
+        sent; conflicts with other consumers' transactions surface at commit())."""
+        for ref in list(self._kept_by.values()):
+            other = ref()
+            if other is None or other is txn or not other.one_call:
+                continue
+            for (topic, partition), (cumulative, ranges) in acks.items():
+                claimed = other.kept_claims(topic, partition, self.subscription)
+                wanted = ([(0, cumulative)] if cumulative else []) + list(ranges)
+                if any(s < e2 and s2 < e for s, e in wanted for s2, e2 in claimed):
+                    raise errors.error_for(
+                        "TRANSACTION_CONFLICT", f"offsets of {topic}-{partition} are pending "
+                        f"in another open transaction of subscription {self.subscription!r}")
+
     def describe(self) -> list:
-        """The server's SubscriptionCursor of every partition."""
+        """The server's SubscriptionCursor of every partition (acks kept by one-call
+        transactions are sent first: they show as pending)."""
+        self._switch_kept()
         results = self._call_all("DescribeSubscription",
                                  lambda group: partition_pb2.DescribeSubscriptionRequest(
                                      subscription_partitions=[self._sp(t, p) for t, p in group]))

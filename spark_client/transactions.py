@@ -31,6 +31,21 @@ process opened.
 Sessions (Kafka's transactional.id): `client.producer(transactional_id=...)` holds a
 session; its transactions carry it, and a newer session with the same id fences the
 older one (its calls fail with ProducerFenced; its open transaction is aborted).
+
+One-call transactions. A transaction from `client.begin_transaction()` or a session's
+`producer.begin_transaction()` starts by keeping its records and transactional acks
+here, while they are small (at most `client.one_call_max_bytes` together, each
+partition's records at most its producer's batch_max_bytes): no call is made until
+`commit()`, which sends everything in ONE CommitTxn call to the transaction's
+coordinator — it stages the parts on the partition servers, logs the decision and
+answers. Retried after an unknown outcome it is safe (the idempotency key names the
+transaction). A transaction that outgrows the bound, or whose id is asked for, switches
+to NewTxn/Produce/EndTxn on the spot: what it kept is registered in the NewTxn and handed
+to its producers (and its acks sent), in order, so the caller sees no difference except
+when errors surface: a conflicting ack or a refused batch of a one-call transaction is
+raised by `commit()` (which then reports the transaction aborted), not by `ack()`/the
+send's future before it. The futures of kept sends complete when commit() does.
+`abort()` of a one-call transaction sends nothing: nothing reached any server.
 """
 
 from __future__ import annotations
@@ -45,6 +60,7 @@ import grpc
 
 from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
 from coordinator.records import tc_partition_for
+from partition_server.record_batch import encode_batch
 from spark_client import errors
 from services.backoff import Backoff
 
@@ -55,6 +71,8 @@ _ROUTING = frozenset({"NOT_COORDINATOR", "SERVER_UNAVAILABLE", "SHUTTING_DOWN",
 _RETRY = _ROUTING | {"COORDINATOR_LOADING", "CONCURRENT_TRANSACTIONS", "ZOOKEEPER_UNAVAILABLE"}
 _STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
                 for name, value in S.TxnState.items()}
+# Orders one-call commits of the same producers (see _in_turn).
+_TURNS = threading.Lock()
 
 
 class Coordinators:
@@ -102,6 +120,33 @@ class Coordinators:
             time.sleep(delay)
 
 
+class _KeptPartition:
+    """The records a one-call transaction keeps for one partition: one batch."""
+
+    __slots__ = ("producer", "records", "size", "outcome")
+
+    def __init__(self, producer, outcome):
+        self.producer = producer
+        self.records: list = []
+        self.size = 0
+        self.outcome = outcome
+
+
+class _Kept:
+    """Everything a one-call transaction keeps until commit (or until it switches)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.size = 0
+        self.partitions: dict[tuple[str, int], _KeptPartition] = {}
+        # (topic, partition, subscription) -> [consumer, cumulative end, ranges]
+        self.acks: dict[tuple[str, int, str], list] = {}
+
+    def fail(self, error: Exception) -> None:
+        for part in self.partitions.values():
+            part.outcome.settle(-1, -1, error)
+
+
 class Transaction:
     """One transaction; see the module docstring. Thread-safe."""
 
@@ -110,7 +155,7 @@ class Transaction:
                  key: str | None = None, lazy: bool = False,
                  partitions: Iterable[tuple[str, int]] = (),
                  subscriptions: Iterable[tuple[str, int, str]] = (),
-                 _resume: common_pb2.TxnId | None = None):
+                 _resume: common_pb2.TxnId | None = None, on_fenced=None):
         if not 0 < timeout_s <= 4_294_967:
             raise ValueError("timeout_s must be positive (at most the coordinator's maximum)")
         self._coordinators = Coordinators(client)
@@ -148,6 +193,11 @@ class Transaction:
         self._parent = parent
         self._began = time.monotonic()
         self._open_lock = threading.Lock()
+        # One-call: what it keeps (None once it switched, or when it cannot be one-call).
+        limit = getattr(client, "one_call_max_bytes", 0)
+        self._kept: _Kept | None = _Kept(limit) if lazy and limit > 0 else None
+        self._switch_lock = threading.RLock()
+        self._on_fenced = on_fenced  # a session's producer learns it was fenced
         self._txn_id: common_pb2.TxnId | None = _resume
         # Registered by the NewTxn call, whenever it is made.
         self._upfront = (list(dict.fromkeys((t, int(p)) for t, p in partitions)),
@@ -160,10 +210,159 @@ class Transaction:
 
     @property
     def txn_id(self) -> common_pb2.TxnId:
-        """The coordinator's id (a lazy transaction is opened by asking for it)."""
+        """The coordinator's id (a lazy transaction is opened by asking for it; a one-call
+        one switches to NewTxn/Produce/EndTxn for it, unless it committed already)."""
         if self._txn_id is None:
-            self._open([], [])
+            if self._kept is not None:
+                self._switch()
+            if self._txn_id is None:
+                self._open([], [])
         return self._txn_id
+
+    # ------------------------------------------------------------------ one-call
+    @property
+    def one_call(self) -> bool:
+        """Whether the transaction still keeps its records and acks for one CommitTxn."""
+        return self._kept is not None
+
+    def keep_record(self, producer, topic: str, partition: int, record, size: int):
+        """Keep a record of producer.send(..., txn=self) for the one-call commit: its
+        future (a RecordFuture), or None when the transaction is not (or no longer)
+        one-call — then the producer sends it as usual. A record that would pass the
+        bound switches the transaction first."""
+        from spark_client.producer import RecordFuture, _Outcome
+
+        with self._switch_lock:
+            kept = self._kept
+            if kept is None:
+                return None
+            with self._lock:
+                self._check_accepting()
+                part = kept.partitions.get((topic, partition))
+                fits = (kept.size + size <= kept.limit
+                        and (part.size if part else 0) + size + 128 <= producer.batch_max_bytes)
+                if fits:
+                    if part is None:
+                        part = kept.partitions[(topic, partition)] = _KeptPartition(
+                            producer, _Outcome(topic, partition, on_wait=self._switch))
+                    part.records.append(record)
+                    part.size += size
+                    kept.size += size
+                    return RecordFuture(part.outcome, len(part.records) - 1)
+            self._switch()
+            return None
+
+    def keep_acks(self, consumer, acks: dict) -> bool:
+        """Keep transactional acks ({(topic, partition): (cumulative end, ranges)}) of one
+        subscription consumer for the one-call commit; False when the transaction is not
+        one-call (the consumer sends them as usual)."""
+        with self._switch_lock:
+            kept = self._kept
+            if kept is None:
+                return False
+            with self._lock:
+                self._check_open()
+                size = sum(64 + 16 * len(ranges) for _, ranges in acks.values())
+                if kept.size + size <= kept.limit:
+                    for (topic, partition), (cumulative, ranges) in acks.items():
+                        entry = kept.acks.setdefault((topic, partition, consumer.subscription),
+                                                     [consumer, 0, []])
+                        entry[1] = max(entry[1], cumulative)
+                        entry[2].extend(ranges)
+                    kept.size += size
+                    return True
+            self._switch()
+            return False
+
+    def kept_claims(self, topic: str, partition: int, subscription: str) -> list:
+        """The offsets ([start, end) ranges) this one-call transaction keeps acks for on
+        one subscription partition (a kept cumulative ack claims everything below it)."""
+        with self._lock:
+            kept = self._kept
+            entry = kept.acks.get((topic, partition, subscription)) if kept else None
+            if entry is None:
+                return []
+            return ([(0, entry[1])] if entry[1] else []) + list(entry[2])
+
+    def _switch(self) -> None:
+        """Turn a one-call transaction into an ordinary one: NewTxn registering what it
+        kept, its records handed to their producers (ahead of anything sent after), its
+        acks sent. A failure there fails the transaction (commit() raises it)."""
+        with self._switch_lock:
+            kept, self._kept = self._kept, None
+            if kept is None or not (kept.partitions or kept.acks):
+                return  # nothing kept: the caller opens it as usual, if it needs to
+            try:
+                self._open(list(kept.partitions), list(kept.acks))
+            except errors.AtomlogClientError as error:
+                kept.fail(error)  # nothing of it was sent
+                raise
+            try:
+                for (topic, partition), part in kept.partitions.items():
+                    part.producer._adopt(topic, partition, part.records, part.size,
+                                         part.outcome, self)
+                by_consumer: dict[int, tuple] = {}
+                for (topic, partition, _), (consumer, cumulative, ranges) in kept.acks.items():
+                    by_consumer.setdefault(id(consumer), (consumer, {}))[1][
+                        (topic, partition)] = (cumulative, _merge_ranges(ranges))
+                for consumer, acks in by_consumer.values():
+                    consumer._ack(acks, self)
+            except errors.AtomlogClientError as error:
+                kept.fail(error)
+                failed: concurrent.futures.Future = concurrent.futures.Future()
+                failed.set_exception(error)
+                with self._lock:
+                    self._pending.append(failed)  # commit() raises it (and aborts)
+
+    def _commit_one_call(self, kept: _Kept, wait_for_markers: bool) -> None:
+        """The one CommitTxn call (retried on retriable answers until the timeout: the
+        idempotency key makes a retry find a transaction that committed)."""
+        parts = list(kept.partitions.items())
+        remaining_ms = int((self.timeout_s - (time.monotonic() - self._began)) * 1000)
+        if remaining_ms <= 0:
+            error = errors.error_for("TRANSACTION_TIMED_OUT", "the transaction's timeout of "
+                                     f"{self.timeout_s} s ran out before it was committed")
+            self._end_kept(kept, error)
+            raise error
+        acks = [partition_pb2.AckItem(
+            subscription_partition=common_pb2.SubscriptionPartition(
+                topic=topic, partition=partition, subscription=subscription),
+            cumulative_end_offset=cumulative,
+            individual_ranges=[partition_pb2.OffsetRange(start_offset=s, end_offset=e)
+                               for s, e in _merge_ranges(ranges)])
+            for (topic, partition, subscription), (_, cumulative, ranges) in kept.acks.items()]
+        request = S.CommitTxnRequest(
+            tc_partition=self.tc_partition, idempotency_key=self._new_txn_key,
+            timeout_ms=remaining_ms, session=self.session, wait_for_markers=wait_for_markers,
+            batches=[partition_pb2.ProduceItem(
+                topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition),
+                record_batch=encode_batch(part.records,
+                                          compression=part.producer.compression))
+                for (topic, partition), part in parts],
+            acks=acks)
+        try:
+            with _in_turn({id(part.producer): part.producer for _, part in parts}.values()):
+                reply = self._call("CommitTxn", request)
+        except errors.AtomlogClientError as error:
+            if not error.retriable:  # definite: it did not commit, and never will
+                self._end_kept(kept, error)
+            else:  # unknown: commit() again retries with the same key
+                with self._lock:
+                    self._kept = kept
+            raise
+        self._txn_id = reply.txn_id
+        results = list(reply.batch_results) or [None] * len(parts)
+        for (_, part), result in zip(parts, results, strict=True):
+            if result is None:  # answered by a retry: where it was written is not known
+                part.outcome.settle(-1, -1, None)
+            else:
+                part.outcome.settle(result.base_offset, result.log_append_time_unix_ms, None)
+        self._ended = "committed"
+
+    def _end_kept(self, kept: _Kept, error: errors.AtomlogClientError) -> None:
+        kept.fail(error)
+        self._ended = "aborted"
+
 
     @property
     def key(self) -> tuple[int, int]:
@@ -261,7 +460,10 @@ class Transaction:
 
     # ------------------------------------------------------------------ membership
     def register_partitions(self, partitions: Iterable[tuple[str, int]]) -> None:
-        """Add partitions (before the first write to each); idempotent and cached."""
+        """Add partitions (before the first write to each); idempotent and cached. A
+        one-call transaction switches to ordinary sends first."""
+        if self._kept is not None:
+            self._switch()
         with self._lock:
             self._check_open()
             new = [p for p in dict.fromkeys(partitions) if p not in self._registered]
@@ -278,6 +480,8 @@ class Transaction:
 
     def register_subscriptions(self, targets: Iterable[tuple[str, int, str]]) -> None:
         """Add subscription partitions (before the first transactional ack to each)."""
+        if self._kept is not None:
+            self._switch()
         with self._lock:
             self._check_open()
             new = [t for t in dict.fromkeys(targets) if t not in self._subscriptions]
@@ -333,6 +537,11 @@ class Transaction:
         except errors.AtomlogClientError:
             self.abort()
             raise
+        with self._switch_lock:
+            kept, self._kept = self._kept, None
+        if kept is not None and (kept.partitions or kept.acks):
+            self._commit_one_call(kept, wait_for_markers)
+            return
         if self._commit_unopened():
             return
         reply = self._end(partition_pb2.TXN_DECISION_COMMIT, wait_for_markers,
@@ -358,6 +567,11 @@ class Transaction:
         """Abort (safe to call again, and after the coordinator aborted it itself)."""
         if self._ended == "aborted":
             return
+        with self._switch_lock:
+            kept, self._kept = self._kept, None
+        if kept is not None:  # one-call: nothing reached any server
+            kept.fail(errors.error_for("TRANSACTION_ABORTED", f"transaction {self._name} "
+                                       "was aborted"))
         with self._open_lock:
             if self._txn_id is None:  # never opened: nothing to abort anywhere
                 self._ended = "aborted"
@@ -432,7 +646,12 @@ class Transaction:
                 not request.HasField("session"):
             request.session.CopyFrom(self.session)
         deadline = time.monotonic() + max(self.timeout_s, self._coordinators.client.request_timeout_s)
-        return self._coordinators.call(self.tc_partition, method, request, deadline)
+        try:
+            return self._coordinators.call(self.tc_partition, method, request, deadline)
+        except errors.ProducerFenced:
+            if self._on_fenced is not None:
+                self._on_fenced()
+            raise
 
     def _check_open(self) -> None:
         if self._ended is not None:
@@ -452,6 +671,43 @@ class Transaction:
         for item in item_errors:
             if item.reason:
                 raise errors.error_for(item.reason, item.message, dict(item.metadata))
+
+
+class _in_turn:
+    """One-call commits holding records of the same producer go out one after the
+    other, in the order their commit() began: the producer's records then reach each
+    partition in send order also when commit_async() runs several at once (as ordinary
+    sends would). Every turn is taken under one lock, so the order is total (no cycle
+    between transactions of several producers)."""
+
+    def __init__(self, producers):
+        self.producers = list(producers)
+        self.done: concurrent.futures.Future = concurrent.futures.Future()
+        self.before: list[concurrent.futures.Future] = []
+
+    def __enter__(self):
+        with _TURNS:
+            for producer in self.producers:
+                previous = getattr(producer, "_one_call_turn", None)
+                if previous is not None:
+                    self.before.append(previous)
+                producer._one_call_turn = self.done
+        concurrent.futures.wait(self.before)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set_result(None)
+
+
+def _merge_ranges(ranges) -> list[tuple[int, int]]:
+    """Sorted, overlapping and touching [start, end) ranges joined."""
+    merged: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
 
 def _key_for(tc_partition: int, count: int) -> str:

@@ -119,3 +119,7 @@ def combined(tmp_path_factory) -> Cluster:
 
 
 SERVER_SHAPES = ("cluster", "combined")  # parametrize a module's servers over both
+# Transaction paths of the SDK: one-call (the default: kept by the client, one CommitTxn)
+# and streaming (NewTxn, Produce, EndTxn; Client(one_call_max_bytes=0)).
+TXN_PATHS = {"one-call": 1 << 20, "streaming": 0}
+SHAPES_AND_PATHS = [(shape, path) for shape in SERVER_SHAPES for path in TXN_PATHS]

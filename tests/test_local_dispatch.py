@@ -108,20 +108,22 @@ def test_the_combined_server_is_every_role_and_calls_itself_in_process(combined)
     assert {entry["grpc_address"] for entry in registered.values()} == {node["grpc_address"]}
     status = next(p for p in combined.status()["processes"] if p["role"] == "combined")
     assert len(status["tc_partitions"]) == 16
-    with Client(combined.info["bootstrap"]) as client:
-        try:
-            client.create_topic("combined-local", partitions=2)
-        except Exception:  # noqa: BLE001 — a rerun in the same session
-            pass
-        with client.producer() as producer:
-            for round_ in range(3):
-                with client.transaction(timeout_s=30) as txn:
-                    for partition in range(2):
-                        producer.send("combined-local", b"%d" % round_, partition=partition,
-                                      txn=txn)
+    # One-call transactions (StageTxn), then streaming ones (VerifyTxnPartitions).
+    for one_call_max_bytes in (1 << 20, 0):
+        with Client(combined.info["bootstrap"], one_call_max_bytes=one_call_max_bytes) as client:
+            try:
+                client.create_topic("combined-local", partitions=2)
+            except Exception:  # noqa: BLE001 — made already
+                pass
+            with client.producer() as producer:
+                for round_ in range(3):
+                    with client.transaction(timeout_s=30) as txn:
+                        for partition in range(2):
+                            producer.send("combined-local", b"%d" % round_, partition=partition,
+                                          txn=txn)
     local_calls = metric_samples(node["metrics_address"], "atomlog_local_calls_total")
     over_grpc = metric_samples(node["metrics_address"], "atomlog_rpc_handled_total")
-    for method in ("VerifyTxnPartitions", "EndTxnOnPartition"):
+    for method in ("StageTxn", "VerifyTxnPartitions", "EndTxnOnPartition"):
         assert any(method in labels and value > 0 for labels, value in local_calls.items()), \
             (method, local_calls)
         assert not any(method in labels for labels in over_grpc), (method, over_grpc)

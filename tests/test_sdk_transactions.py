@@ -8,13 +8,16 @@ import time
 import pytest
 
 from spark_client import Client, errors
-from tests.conftest import SERVER_SHAPES
+from tests.conftest import SHAPES_AND_PATHS, TXN_PATHS
 
 
-@pytest.fixture(scope="module", params=SERVER_SHAPES)
+@pytest.fixture(scope="module", params=SHAPES_AND_PATHS, ids="-".join)
 def client(request):
-    """A client of the multi-process cluster, then of the combined server."""
-    client = Client(request.getfixturevalue(request.param).info["bootstrap"])
+    """A client of the multi-process cluster, then of the combined server; each with
+    one-call transactions and with the streaming path."""
+    shape, path = request.param
+    client = Client(request.getfixturevalue(shape).info["bootstrap"],
+                    one_call_max_bytes=TXN_PATHS[path])
     try:
         client.create_topic("sdk-txn", partitions=4)
     except errors.TopicAlreadyExists:

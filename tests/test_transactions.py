@@ -16,22 +16,41 @@ from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.record_batch import Record, encode_batch
 from services.errors import from_rpc_error
 from spark_client import Client, errors
-from tests.conftest import SERVER_SHAPES, wait_until
+from tests.conftest import SHAPES_AND_PATHS, TXN_PATHS, wait_until
 
-TOPICS = ("tx-a", "tx-b", "tx-c")
+_TOPICS = ("tx-a", "tx-b", "tx-c")
+_SUFFIX = [""]  # the current transaction path's: each path writes topics of its own
+
+
+def T(name: str) -> str:  # noqa: N802 — reads as a topic name in the tests
+    """The topic `name` of the current transaction path (set by the client fixture)."""
+    return name + _SUFFIX[0]
+
+
+def topics() -> tuple[str, ...]:
+    return tuple(T(name) for name in _TOPICS)
+
+
 PARTITIONS = 4
 
 
-@pytest.fixture(scope="module", params=SERVER_SHAPES)
-def servers(request):
-    """The multi-process cluster, then the combined server (every role in one process)."""
-    return request.getfixturevalue(request.param)
+@pytest.fixture(scope="module", params=SHAPES_AND_PATHS, ids="-".join)
+def shape_and_path(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def client(servers):
-    client = Client(servers.info["bootstrap"])
-    for topic in (*TOPICS, "tx-solo", "tx-crash"):
+def servers(request, shape_and_path):
+    """The multi-process cluster, then the combined server (every role in one process)."""
+    return request.getfixturevalue(shape_and_path[0])
+
+
+@pytest.fixture(scope="module")
+def client(servers, shape_and_path):
+    """With one-call transactions, then with the streaming path."""
+    client = Client(servers.info["bootstrap"], one_call_max_bytes=TXN_PATHS[shape_and_path[1]])
+    _SUFFIX[0] = "" if shape_and_path[1] == "one-call" else "-s"
+    for topic in (*topics(), T("tx-solo"), T("tx-crash")):
         try:
             client.create_topic(topic, partitions=PARTITIONS)
         except errors.TopicAlreadyExists:
@@ -73,11 +92,11 @@ def produce_raw(client, topic: str, partition: int, batch: bytes):
 
 
 def test_a_transaction_over_three_topics_is_invisible_until_commit(client):
-    before = len(read_all(client, TOPICS, "read_committed"))
+    before = len(read_all(client, topics(), "read_committed"))
     with client.producer() as producer:
         txn = client.begin_transaction(timeout_s=60)
         sent = []
-        for topic in TOPICS:
+        for topic in topics():
             for partition in range(PARTITIONS):
                 for i in range(5):
                     value = f"{topic}/{partition}/{i}".encode()
@@ -85,18 +104,18 @@ def test_a_transaction_over_three_topics_is_invisible_until_commit(client):
                     producer.send(topic, value, partition=partition, txn=txn)
         producer.flush()
         # Written, durable, but not committed: read_uncommitted sees it, read_committed not.
-        assert len(read_all(client, TOPICS, "read_committed")) == before
-        uncommitted = values(read_all(client, TOPICS, "read_uncommitted"))
+        assert len(read_all(client, topics(), "read_committed")) == before
+        uncommitted = values(read_all(client, topics(), "read_uncommitted"))
         assert set(sent) <= set(uncommitted)
-        d = describe(client, "tx-a", 0)
+        d = describe(client, T("tx-a"), 0)
         assert [(t.txn_id.tc_partition, t.txn_id.sequence) for t in d.open_transactions] == \
             [txn.key]
         assert d.max_read_position <= d.open_transactions[0].first_offset < d.high_watermark
         txn.commit(wait_for_markers=True)
-    committed = values(read_all(client, TOPICS, "read_committed"))
+    committed = values(read_all(client, topics(), "read_committed"))
     assert sorted(v for v in committed if v in set(sent)) == sorted(sent)
     assert len(committed) == before + len(sent)  # exactly once, markers not delivered
-    d = describe(client, "tx-a", 0)
+    d = describe(client, T("tx-a"), 0)
     assert not d.open_transactions and d.max_read_position == d.high_watermark
     assert d.coordinator_epochs[txn.key[0]] >= 1
 
@@ -105,22 +124,22 @@ def test_aborted_data_is_never_visible_and_is_listed_for_uncommitted_readers(cli
     with client.producer() as producer:
         txn = client.begin_transaction(timeout_s=60)
         for i in range(20):
-            producer.send("tx-solo", f"aborted-{i}", partition=1, txn=txn)
+            producer.send(T("tx-solo"), f"aborted-{i}", partition=1, txn=txn)
         producer.flush()
         txn.abort()
-        plain = producer.send("tx-solo", "plain-after-abort", partition=1)
+        plain = producer.send(T("tx-solo"), "plain-after-abort", partition=1)
         plain.result(10)
-    wait_until(lambda: describe(client, "tx-solo", 1).aborted_transaction_count >= 1, 10,
+    wait_until(lambda: describe(client, T("tx-solo"), 1).aborted_transaction_count >= 1, 10,
                "the ABORT marker")
-    committed = values(read_all(client, ["tx-solo"], "read_committed"))
+    committed = values(read_all(client, [T("tx-solo")], "read_committed"))
     assert b"plain-after-abort" in committed
     assert not [v for v in committed if v.startswith(b"aborted-")]
     # read_uncommitted gets the aborted batches and the list to hide them itself.
-    address = client.metadata.route("tx-solo", 1).address
+    address = client.metadata.route(T("tx-solo"), 1).address
     stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
     reply = stub.Fetch(partition_pb2.FetchRequest(
         items=[partition_pb2.FetchItem(topic_partition=common_pb2.TopicPartition(
-            topic="tx-solo", partition=1), fetch_offset=0)],
+            topic=T("tx-solo"), partition=1), fetch_offset=0)],
         isolation_level=common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED), timeout=10)
     aborted = reply.results[0].aborted_transactions
     assert (aborted[-1].txn_id.tc_partition, aborted[-1].txn_id.sequence) == txn.key
@@ -130,7 +149,7 @@ def test_commit_async_lets_the_next_transaction_produce_while_the_last_commits(c
     """A stream of transactions on one producer: each commit runs in the background while
     the next transaction's sends go on; every transaction ends committed, in full, and a
     send into a transaction whose commit began is refused (nothing of it written)."""
-    topic, partition = "tx-stream", 2
+    topic, partition = T("tx-stream"), 2
     client.create_topic(topic, partitions=PARTITIONS)
     before = len(read_all(client, [topic], "read_committed"))
     with client.producer() as producer:
@@ -169,12 +188,12 @@ def test_commit_async_lets_the_next_transaction_produce_while_the_last_commits(c
 def test_an_open_transaction_holds_back_later_plain_writes(client):
     with client.producer() as producer:
         txn = client.begin_transaction(timeout_s=60)
-        producer.send("tx-solo", "open-txn", partition=2, txn=txn).result(10)
-        producer.send("tx-solo", "plain-behind", partition=2).result(10)
-        assert b"plain-behind" not in values(read_all(client, ["tx-solo"], "read_committed"))
-        assert b"plain-behind" in values(read_all(client, ["tx-solo"], "read_uncommitted"))
+        producer.send(T("tx-solo"), "open-txn", partition=2, txn=txn).result(10)
+        producer.send(T("tx-solo"), "plain-behind", partition=2).result(10)
+        assert b"plain-behind" not in values(read_all(client, [T("tx-solo")], "read_committed"))
+        assert b"plain-behind" in values(read_all(client, [T("tx-solo")], "read_uncommitted"))
         txn.commit(wait_for_markers=True)
-    committed = values(read_all(client, ["tx-solo"], "read_committed"))
+    committed = values(read_all(client, [T("tx-solo")], "read_committed"))
     assert committed.index(b"open-txn") < committed.index(b"plain-behind")
 
 
@@ -183,34 +202,34 @@ def test_writes_need_verification_and_late_writes_are_refused(client):
     the abort, and a non-idempotent transactional batch are refused, appending nothing."""
     producer_id, epoch = client.allocate_producer_id()
     txn = client.begin_transaction(timeout_s=60)
-    txn.register_partitions([("tx-solo", 3)])
+    txn.register_partitions([(T("tx-solo"), 3)])
 
     def batch(seq: int) -> bytes:
         return encode_batch([Record(value=b"raw")], producer_id=producer_id,
                             producer_epoch=epoch, base_sequence=seq, txn=txn.key)
 
-    hw = describe(client, "tx-solo", 0).high_watermark
-    result = produce_raw(client, "tx-solo", 0, batch(0))
+    hw = describe(client, T("tx-solo"), 0).high_watermark
+    result = produce_raw(client, T("tx-solo"), 0, batch(0))
     assert result.error.reason == "PARTITION_NOT_IN_TRANSACTION"
-    assert describe(client, "tx-solo", 0).high_watermark == hw
-    assert not produce_raw(client, "tx-solo", 3, batch(0)).error.reason
+    assert describe(client, T("tx-solo"), 0).high_watermark == hw
+    assert not produce_raw(client, T("tx-solo"), 3, batch(0)).error.reason
     txn.abort()
-    wait_until(lambda: not describe(client, "tx-solo", 3).open_transactions, 10, "the marker")
-    late = produce_raw(client, "tx-solo", 3, batch(1))
+    wait_until(lambda: not describe(client, T("tx-solo"), 3).open_transactions, 10, "the marker")
+    late = produce_raw(client, T("tx-solo"), 3, batch(1))
     assert late.error.reason in ("TRANSACTION_NOT_OPEN", "TRANSACTION_ABORTED")
-    assert not describe(client, "tx-solo", 3).open_transactions  # nothing hangs
+    assert not describe(client, T("tx-solo"), 3).open_transactions  # nothing hangs
     plain = encode_batch([Record(value=b"raw")], txn=txn.key)
-    assert produce_raw(client, "tx-solo", 3, plain).error.reason == "INVALID_ARGUMENT"
+    assert produce_raw(client, T("tx-solo"), 3, plain).error.reason == "INVALID_ARGUMENT"
 
 
 def test_a_zombie_session_cannot_write_or_commit(client):
     first = client.producer(transactional_id="copier-1")
     zombie_txn = first.begin_transaction(timeout_s=60)
-    first.send("tx-solo", "zombie-1", partition=0, txn=zombie_txn).result(10)
+    first.send(T("tx-solo"), "zombie-1", partition=0, txn=zombie_txn).result(10)
     second = client.producer(transactional_id="copier-1")  # fences the first session
     assert second.epoch > first.epoch or second.producer_id != first.producer_id
     with pytest.raises(errors.AtomlogClientError) as late_send:
-        first.send("tx-solo", "zombie-2", partition=0, txn=zombie_txn).result(10)
+        first.send(T("tx-solo"), "zombie-2", partition=0, txn=zombie_txn).result(10)
     assert late_send.value.reason in ("TRANSACTION_ABORTED", "TRANSACTION_NOT_OPEN",
                                       "PRODUCER_FENCED")
     with pytest.raises(errors.ProducerFenced):
@@ -218,9 +237,9 @@ def test_a_zombie_session_cannot_write_or_commit(client):
     with pytest.raises(errors.ProducerFenced):
         first.begin_transaction()
     txn = second.begin_transaction()
-    second.send("tx-solo", "live-1", partition=0, txn=txn)
+    second.send(T("tx-solo"), "live-1", partition=0, txn=txn)
     txn.commit(wait_for_markers=True)
-    committed = values(read_all(client, ["tx-solo"], "read_committed"))
+    committed = values(read_all(client, [T("tx-solo")], "read_committed"))
     assert b"live-1" in committed and not {b"zombie-1", b"zombie-2"} & set(committed)
     first.close()
     second.close()
@@ -235,17 +254,17 @@ def test_transaction_state_survives_kill_9_of_every_partition_server(servers, cl
         aborted_txn = client.begin_transaction(timeout_s=120)
         open_txn = client.begin_transaction(timeout_s=120)
         for partition in range(PARTITIONS):
-            producer.send("tx-crash", f"c{partition}", partition=partition, txn=committed_txn)
-            producer.send("tx-crash", f"a{partition}", partition=partition, txn=aborted_txn)
-        producer.send("tx-crash", "o0", partition=0, txn=open_txn)
+            producer.send(T("tx-crash"), f"c{partition}", partition=partition, txn=committed_txn)
+            producer.send(T("tx-crash"), f"a{partition}", partition=partition, txn=aborted_txn)
+        producer.send(T("tx-crash"), "o0", partition=0, txn=open_txn)
         producer.flush()
         committed_txn.commit(wait_for_markers=True)
         aborted_txn.abort()
-        producer.send("tx-crash", "plain", partition=0).result(10)
-    wait_until(lambda: all(describe(client, "tx-crash", p).aborted_transaction_count
+        producer.send(T("tx-crash"), "plain", partition=0).result(10)
+    wait_until(lambda: all(describe(client, T("tx-crash"), p).aborted_transaction_count
                            for p in range(PARTITIONS)), 10, "the ABORT markers")
     expected = {b"c0", b"c1", b"c2", b"c3"}
-    assert set(values(read_all(client, ["tx-crash"], "read_committed"))) == expected
+    assert set(values(read_all(client, [T("tx-crash")], "read_committed"))) == expected
     for server in servers.services():  # the combined server's coordinator goes with it
         if server["role"] in ("partition_server", "combined"):
             os.kill(server["pid"], signal.SIGKILL)
@@ -253,16 +272,16 @@ def test_transaction_state_survives_kill_9_of_every_partition_server(servers, cl
 
     def readable() -> bool:
         try:
-            return set(values(read_all(client, ["tx-crash"], "read_committed"))) == expected
+            return set(values(read_all(client, [T("tx-crash")], "read_committed"))) == expected
         except errors.AtomlogClientError:
             return False
 
     wait_until(readable, 60, "the partitions to recover")
-    d = describe(client, "tx-crash", 0)
+    d = describe(client, T("tx-crash"), 0)
     assert [(t.txn_id.tc_partition, t.txn_id.sequence) for t in d.open_transactions] == \
         [open_txn.key]
     open_txn.commit(wait_for_markers=True)
-    assert set(values(read_all(client, ["tx-crash"], "read_committed"))) == \
+    assert set(values(read_all(client, [T("tx-crash")], "read_committed"))) == \
         expected | {b"o0", b"plain"}
 
 
@@ -270,16 +289,16 @@ def test_bad_transactional_input_is_refused_with_a_reason(client):
     producer_id, epoch = client.allocate_producer_id()
     bad = encode_batch([Record(value=b"x")], producer_id=producer_id, producer_epoch=epoch,
                        base_sequence=0, txn=(99, 1))
-    result = produce_raw(client, "tx-solo", 0, bad)
+    result = produce_raw(client, T("tx-solo"), 0, bad)
     assert result.error.reason == "INVALID_ARGUMENT"
     unknown = encode_batch([Record(value=b"x")], producer_id=producer_id, producer_epoch=epoch,
                            base_sequence=0, txn=(0, 987_654_321))
-    assert produce_raw(client, "tx-solo", 0, unknown).error.reason == "UNKNOWN_TRANSACTION"
-    address = client.metadata.route("tx-solo", 0).address
+    assert produce_raw(client, T("tx-solo"), 0, unknown).error.reason == "UNKNOWN_TRANSACTION"
+    address = client.metadata.route(T("tx-solo"), 0).address
     stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
     with pytest.raises(grpc.RpcError) as raised:
         stub.Fetch(partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
-            topic_partition=common_pb2.TopicPartition(topic="tx-solo", partition=0),
+            topic_partition=common_pb2.TopicPartition(topic=T("tx-solo"), partition=0),
             fetch_offset=-1)]), timeout=10)
     assert from_rpc_error(raised.value).reason == "INVALID_ARGUMENT"
 
@@ -292,12 +311,12 @@ def test_a_consumer_receives_only_what_it_polls_for_and_the_rest_goes_to_others(
     delivered to the first consumer whole and wait in its memory for up to the ack
     timeout (and, after a server restart, be handed out by it although another consumer
     had acknowledged it since: found by the chaos harness)."""
-    client.create_topic("tx-share", partitions=2)
+    client.create_topic(T("tx-share"), partitions=2)
     with client.producer() as producer:
         for i in range(10):
-            producer.send("tx-share", f"m{i}", partition=i % 2)
-    with client.consumer("tx-share", subscription="share", ack_timeout_s=60) as first, \
-            client.consumer("tx-share", subscription="share", ack_timeout_s=60) as second:
+            producer.send(T("tx-share"), f"m{i}", partition=i % 2)
+    with client.consumer(T("tx-share"), subscription="share", ack_timeout_s=60) as first, \
+            client.consumer(T("tx-share"), subscription="share", ack_timeout_s=60) as second:
         taken = first.poll(timeout_s=5, max_records=4)  # 2 from each server, or 4 from one
         assert 1 <= len(taken) <= 4
         rest, deadline = [], time.monotonic() + 10
@@ -308,11 +327,11 @@ def test_a_consumer_receives_only_what_it_polls_for_and_the_rest_goes_to_others(
 
 
 def test_subscription_acks_are_durable_and_redelivery_follows_nacks(client):
-    client.create_topic("tx-sub", partitions=2)
+    client.create_topic(T("tx-sub"), partitions=2)
     with client.producer() as producer:
         for i in range(20):
-            producer.send("tx-sub", f"m{i}", partition=i % 2)
-    with client.consumer("tx-sub", subscription="s1", ack_timeout_s=60) as consumer:
+            producer.send(T("tx-sub"), f"m{i}", partition=i % 2)
+    with client.consumer(T("tx-sub"), subscription="s1", ack_timeout_s=60) as consumer:
         got = []
         deadline = time.monotonic() + 10
         while len(got) < 20 and time.monotonic() < deadline:
@@ -330,7 +349,7 @@ def test_subscription_acks_are_durable_and_redelivery_follows_nacks(client):
         cursors = {c.subscription_partition.partition: c for c in consumer.describe()}
         assert cursors[0].cumulative_end_offset == first[-1].offset + 1
     # A new consumer of the subscription gets only what was never acknowledged.
-    with client.consumer("tx-sub", subscription="s1") as consumer:
+    with client.consumer(T("tx-sub"), subscription="s1") as consumer:
         rest = []
         deadline = time.monotonic() + 10
         while len(rest) < 10 and time.monotonic() < deadline:
@@ -347,7 +366,7 @@ def poll_all(consumer, count: int, timeout_s: float = 10) -> list:
 
 def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(servers,
                                                                                 client):
-    topic = "tx-reset"
+    topic = T("tx-reset")
     client.create_topic(topic, partitions=2)
     with client.producer() as producer:
         for i in range(10):
@@ -444,11 +463,11 @@ def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(
 
 
 def test_transactional_acks_apply_on_commit_and_come_back_on_abort(client):
-    client.create_topic("tx-in", partitions=1)
+    client.create_topic(T("tx-in"), partitions=1)
     with client.producer() as producer:
         for i in range(10):
-            producer.send("tx-in", f"in{i}", partition=0)
-    with client.consumer("tx-in", subscription="copy", ack_timeout_s=60) as consumer, \
+            producer.send(T("tx-in"), f"in{i}", partition=0)
+    with client.consumer(T("tx-in"), subscription="copy", ack_timeout_s=60) as consumer, \
             client.producer() as producer:
         got = poll_all(consumer, 10)
         aborted = client.begin_transaction(timeout_s=60)
@@ -460,7 +479,7 @@ def test_transactional_acks_apply_on_commit_and_come_back_on_abort(client):
         aborted.abort()
         committed = client.begin_transaction(timeout_s=60)
         for m in got:
-            producer.send("tx-solo", b"out-" + m.value, partition=3, txn=committed)
+            producer.send(T("tx-solo"), b"out-" + m.value, partition=3, txn=committed)
         consumer.ack_cumulative(got[-1], txn=committed)
         pending = consumer.describe()[0]
         assert pending.pending_acks and pending.cumulative_end_offset == 0
@@ -470,11 +489,11 @@ def test_transactional_acks_apply_on_commit_and_come_back_on_abort(client):
 
 
 def test_async_acks_join_their_transaction_and_a_failed_one_aborts_the_commit(client):
-    client.create_topic("tx-async-in", partitions=1)
+    client.create_topic(T("tx-async-in"), partitions=1)
     with client.producer() as producer:
         for i in range(8):
-            producer.send("tx-async-in", f"in{i}", partition=0)
-    with client.consumer("tx-async-in", subscription="async", ack_timeout_s=60) as consumer, \
+            producer.send(T("tx-async-in"), f"in{i}", partition=0)
+    with client.consumer(T("tx-async-in"), subscription="async", ack_timeout_s=60) as consumer, \
             client.producer() as producer:
         got = poll_all(consumer, 8)
         assert [m.offset for m in got] == list(range(8))
@@ -487,7 +506,7 @@ def test_async_acks_join_their_transaction_and_a_failed_one_aborts_the_commit(cl
         # thread; the ack applies with the outputs.
         txn = client.begin_transaction(timeout_s=60)
         acked = consumer.ack_async(got[1:3], txn=txn)
-        producer.send("tx-solo", b"async-out", partition=2, txn=txn)
+        producer.send(T("tx-solo"), b"async-out", partition=2, txn=txn)
         txn.commit(wait_for_markers=True)
         assert acked.done() and acked.exception() is None
         cursor = consumer.describe()[0]
@@ -498,7 +517,7 @@ def test_async_acks_join_their_transaction_and_a_failed_one_aborts_the_commit(cl
         holder = client.begin_transaction(timeout_s=60)
         consumer.ack(got[3:4], txn=holder)
         loser = client.begin_transaction(timeout_s=60)
-        producer.send("tx-solo", b"never-visible", partition=2, txn=loser)
+        producer.send(T("tx-solo"), b"never-visible", partition=2, txn=loser)
         conflicting = consumer.ack_async(got[3:5], txn=loser)
         with pytest.raises(errors.TransactionConflict):
             loser.commit()
@@ -509,7 +528,7 @@ def test_async_acks_join_their_transaction_and_a_failed_one_aborts_the_commit(cl
         cursor = consumer.describe()[0]
         assert cursor.cumulative_end_offset == 3 and not cursor.individual_ranges
         assert not cursor.pending_acks
-        assert b"never-visible" not in values(read_all(client, ["tx-solo"], "read_committed"))
+        assert b"never-visible" not in values(read_all(client, [T("tx-solo")], "read_committed"))
 
         # Once a commit began, the transaction takes no more: refused at once, nothing sent.
         late = client.begin_transaction(timeout_s=60)
@@ -523,4 +542,4 @@ def test_async_acks_join_their_transaction_and_a_failed_one_aborts_the_commit(cl
         assert cursor.cumulative_end_offset == 3
         assert [(r.start_offset, r.end_offset) for r in cursor.individual_ranges] == [(5, 6)]
         with pytest.raises(ValueError):
-            client.consumer("tx-async-in", subscription="async", max_async_acks=0)
+            client.consumer(T("tx-async-in"), subscription="async", max_async_acks=0)

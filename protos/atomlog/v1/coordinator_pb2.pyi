@@ -179,6 +179,36 @@ class EndTxnResponse(_message.Message):
     aborted_child_txn_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.TxnId]
     def __init__(self, state: _Optional[_Union[TxnState, str]] = ..., already_ended: _Optional[bool] = ..., kept_child_txn_ids: _Optional[_Iterable[_Union[_common_pb2.TxnId, _Mapping]]] = ..., aborted_child_txn_ids: _Optional[_Iterable[_Union[_common_pb2.TxnId, _Mapping]]] = ...) -> None: ...
 
+class CommitTxnRequest(_message.Message):
+    __slots__ = ("tc_partition", "idempotency_key", "timeout_ms", "session", "batches", "acks", "wait_for_markers")
+    TC_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_MARKERS_FIELD_NUMBER: _ClassVar[int]
+    tc_partition: int
+    idempotency_key: str
+    timeout_ms: int
+    session: TransactionalSession
+    batches: _containers.RepeatedCompositeFieldContainer[_partition_pb2.ProduceItem]
+    acks: _containers.RepeatedCompositeFieldContainer[_partition_pb2.AckItem]
+    wait_for_markers: bool
+    def __init__(self, tc_partition: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[_partition_pb2.ProduceItem, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[_partition_pb2.AckItem, _Mapping]]] = ..., wait_for_markers: _Optional[bool] = ...) -> None: ...
+
+class CommitTxnResponse(_message.Message):
+    __slots__ = ("txn_id", "state", "already_ended", "batch_results")
+    TXN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_ENDED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    txn_id: _common_pb2.TxnId
+    state: TxnState
+    already_ended: bool
+    batch_results: _containers.RepeatedCompositeFieldContainer[_partition_pb2.ProduceResult]
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., state: _Optional[_Union[TxnState, str]] = ..., already_ended: _Optional[bool] = ..., batch_results: _Optional[_Iterable[_Union[_partition_pb2.ProduceResult, _Mapping]]] = ...) -> None: ...
+
 class GetTxnStatusRequest(_message.Message):
     __slots__ = ("txn_id",)
     TXN_ID_FIELD_NUMBER: _ClassVar[int]

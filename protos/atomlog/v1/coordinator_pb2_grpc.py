@@ -87,6 +87,11 @@ class CoordinatorServiceStub:
                 request_serializer=atomlog_dot_v1_dot_coordinator__pb2.EndTxnRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_coordinator__pb2.EndTxnResponse.FromString,
                 _registered_method=True)
+        self.CommitTxn = channel.unary_unary(
+                '/atomlog.v1.CoordinatorService/CommitTxn',
+                request_serializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnResponse.FromString,
+                _registered_method=True)
         self.GetTxnStatus = channel.unary_unary(
                 '/atomlog.v1.CoordinatorService/GetTxnStatus',
                 request_serializer=atomlog_dot_v1_dot_coordinator__pb2.GetTxnStatusRequest.SerializeToString,
@@ -198,6 +203,21 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitTxn(self, request, context):
+        """A whole small transaction in one call (a one-call transaction): its record batches
+        and transactional acks. The coordinator stages them on the partition servers
+        (PartitionService.StageTxn), logs the COMMIT decision once every part is durable,
+        answers, then writes the markers. Presumed abort: nothing is logged before the
+        decision, so a transaction that fails (a refused batch, a conflicting ack, a fenced
+        session, its timeout, the coordinator dying) simply never commits, and whatever was
+        staged is aborted (by markers, or by the partition servers asking the coordinator).
+        Retry-safe by idempotency_key: a retried call for a committed transaction answers
+        already_ended with its txn_id; one for a transaction that did not commit runs anew.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetTxnStatus(self, request, context):
         """The state of one transaction (cheap; for clients).
         """
@@ -278,6 +298,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.EndTxn,
                     request_deserializer=atomlog_dot_v1_dot_coordinator__pb2.EndTxnRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_coordinator__pb2.EndTxnResponse.SerializeToString,
+            ),
+            'CommitTxn': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitTxn,
+                    request_deserializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnResponse.SerializeToString,
             ),
             'GetTxnStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTxnStatus,
@@ -473,6 +498,33 @@ class CoordinatorService:
             '/atomlog.v1.CoordinatorService/EndTxn',
             atomlog_dot_v1_dot_coordinator__pb2.EndTxnRequest.SerializeToString,
             atomlog_dot_v1_dot_coordinator__pb2.EndTxnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitTxn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.CoordinatorService/CommitTxn',
+            atomlog_dot_v1_dot_coordinator__pb2.CommitTxnRequest.SerializeToString,
+            atomlog_dot_v1_dot_coordinator__pb2.CommitTxnResponse.FromString,
             options,
             channel_credentials,
             insecure,

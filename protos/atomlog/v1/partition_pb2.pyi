@@ -705,3 +705,37 @@ class RecoverPartitionResponse(_message.Message):
     removed_bytes: int
     high_watermark: int
     def __init__(self, state: _Optional[_Union[PartitionState, str]] = ..., truncated_at_offset: _Optional[int] = ..., removed_bytes: _Optional[int] = ..., high_watermark: _Optional[int] = ...) -> None: ...
+
+class StageTxnRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StageTxnItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[StageTxnItem, _Mapping]]] = ...) -> None: ...
+
+class StageTxnItem(_message.Message):
+    __slots__ = ("txn_id", "coordinator_epoch", "batches", "acks")
+    TXN_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    txn_id: _common_pb2.TxnId
+    coordinator_epoch: int
+    batches: _containers.RepeatedCompositeFieldContainer[ProduceItem]
+    acks: _containers.RepeatedCompositeFieldContainer[AckItem]
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., coordinator_epoch: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ProduceItem, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[AckItem, _Mapping]]] = ...) -> None: ...
+
+class StageTxnResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StageTxnResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StageTxnResult, _Mapping]]] = ...) -> None: ...
+
+class StageTxnResult(_message.Message):
+    __slots__ = ("txn_id", "batch_results", "ack_results")
+    TXN_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ACK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    txn_id: _common_pb2.TxnId
+    batch_results: _containers.RepeatedCompositeFieldContainer[ProduceResult]
+    ack_results: _containers.RepeatedCompositeFieldContainer[AckResult]
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., batch_results: _Optional[_Iterable[_Union[ProduceResult, _Mapping]]] = ..., ack_results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ...) -> None: ...

@@ -113,6 +113,11 @@ class PartitionServiceStub:
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.EndTxnOnPartitionRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_partition__pb2.EndTxnOnPartitionResponse.FromString,
                 _registered_method=True)
+        self.StageTxn = channel.unary_unary(
+                '/atomlog.v1.PartitionService/StageTxn',
+                request_serializer=atomlog_dot_v1_dot_partition__pb2.StageTxnRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_partition__pb2.StageTxnResponse.FromString,
+                _registered_method=True)
         self.DescribePartition = channel.unary_unary(
                 '/atomlog.v1.PartitionService/DescribePartition',
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.DescribePartitionRequest.SerializeToString,
@@ -263,6 +268,22 @@ class PartitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageTxn(self, request, context):
+        """Staging of one-call transactions, from a coordinator (its only caller): the data and
+        acknowledgements of many transactions (CoordinatorService.CommitTxn) for partitions
+        and subscriptions on this server, in one call. The server stamps each batch with its
+        transaction id and appends it as an open transaction (read_committed readers do not
+        see it; max_read_position stays below it) and makes each ack pending, exactly as a
+        verified Produce and transactional Ack would: the coordinator vouches for the
+        transaction, so nothing is verified. Idempotent per transaction and partition: a
+        repeated stage of a transaction already open here answers the first one's offsets.
+        Presumed abort: a transaction staged here that its coordinator does not know
+        (partition.txn_check_after_ms) is aborted here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DescribePartition(self, request, context):
         """Admin: one partition in detail — positions, state (ONLINE, LOADING, DATA_LOSS), open
         transactions, producers, subscriptions and snapshot positions.
@@ -350,6 +371,11 @@ def add_PartitionServiceServicer_to_server(servicer, server):
                     servicer.EndTxnOnPartition,
                     request_deserializer=atomlog_dot_v1_dot_partition__pb2.EndTxnOnPartitionRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_partition__pb2.EndTxnOnPartitionResponse.SerializeToString,
+            ),
+            'StageTxn': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageTxn,
+                    request_deserializer=atomlog_dot_v1_dot_partition__pb2.StageTxnRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_partition__pb2.StageTxnResponse.SerializeToString,
             ),
             'DescribePartition': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribePartition,
@@ -710,6 +736,33 @@ class PartitionService:
             '/atomlog.v1.PartitionService/EndTxnOnPartition',
             atomlog_dot_v1_dot_partition__pb2.EndTxnOnPartitionRequest.SerializeToString,
             atomlog_dot_v1_dot_partition__pb2.EndTxnOnPartitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageTxn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.PartitionService/StageTxn',
+            atomlog_dot_v1_dot_partition__pb2.StageTxnRequest.SerializeToString,
+            atomlog_dot_v1_dot_partition__pb2.StageTxnResponse.FromString,
             options,
             channel_credentials,
             insecure,

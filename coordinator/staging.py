@@ -1,0 +1,222 @@
+"""The staging channel: StageTxn calls from a coordinator to partition servers.
+
+A one-call transaction (CoordinatorService.CommitTxn) is staged on the partition servers
+before its decision is logged. `stage()` splits its batches and acks by the server that
+owns each partition and queues one part per server. One sender task per server sends
+everything queued in one call (up to `batch_max` transactions), so while a call is in
+flight the next transactions queue and leave together in the next one: under load the
+calls per transaction fall below one per server, with no linger of its own.
+
+A part that fails with a retriable reason (the owner moved, loading, unreachable,
+timeouts) is routed again and resent — staging is idempotent per transaction and
+partition at the server — until the transaction's deadline; any other refusal (a bad
+batch, a conflicting ack, a stale coordinator epoch) fails the transaction at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from atomlog.v1 import common_pb2, partition_pb2
+from prometheus_client import Counter, Histogram
+
+from coordinator.records import TxnId
+from coordinator.routing import PartitionRoutes
+from services.backoff import Backoff
+from services.errors import AtomlogError, from_rpc_error
+from services.logs import event
+from services.metrics import LATENCY_BUCKETS_SECONDS
+
+log = logging.getLogger("atomlog.coordinator.staging")
+
+STAGE_CALLS = Counter("atomlog_coordinator_stage_calls_total",
+                      "StageTxn calls sent to partition servers (each carries the parts of "
+                      "many one-call transactions).")
+STAGED_PARTS = Counter("atomlog_coordinator_staged_parts_total",
+                       "Parts (one transaction on one partition server) staged, by result.",
+                       ["result"])
+STAGE_SECONDS = Histogram("atomlog_coordinator_stage_duration_seconds",
+                          "Time to stage a one-call transaction on every partition server "
+                          "(queueing and retries included).", buckets=LATENCY_BUCKETS_SECONDS)
+
+RETRY_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
+                           "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN",
+                           "PARTITION_LOADING", "RESOURCE_EXHAUSTED", "CONCURRENT_TRANSACTIONS",
+                           "ZOOKEEPER_UNAVAILABLE"})
+ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
+                             "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT"})
+
+
+@dataclass(eq=False)
+class _Part:
+    """What one transaction stages on one server, and its outcome."""
+
+    txn_id: TxnId
+    epoch: int
+    batches: list[tuple[int, partition_pb2.ProduceItem]]  # (index in the request, item)
+    acks: list[partition_pb2.AckItem]
+    future: asyncio.Future = field(default=None)
+
+
+@dataclass
+class Staged:
+    """Where each batch of the transaction was written, in request order."""
+
+    batch_results: list[partition_pb2.ProduceResult]
+
+
+class StageChannel:
+    def __init__(self, routes: PartitionRoutes, batch_max: int = 1_000,
+                 request_timeout_s: float = 5.0):
+        self.routes = routes
+        self.batch_max = batch_max
+        self.request_timeout_s = request_timeout_s
+        self._queues: dict[str, list[_Part]] = {}
+        self._senders: dict[str, asyncio.Task] = {}
+        self._closed = False
+
+    async def stage(self, txn_id: TxnId, epoch: int, batches, acks, deadline: float) -> Staged:
+        """Stage every batch (ProduceItem) and ack (AckItem) of a transaction, each
+        durable on its partition server, by `deadline` (time.monotonic()); raises the
+        first definite refusal, or the last retriable one when time runs out."""
+        began = time.perf_counter()
+        results: list[partition_pb2.ProduceResult | None] = [None] * len(batches)
+        todo_batches = list(enumerate(batches))
+        todo_acks = list(acks)
+        backoff = Backoff(initial_s=0.02, maximum_s=0.5)
+        attempt = 0
+        try:
+            while todo_batches or todo_acks:
+                attempt += 1
+                parts = await self._split(txn_id, epoch, todo_batches, todo_acks)
+                outcomes = await asyncio.gather(*(self._send_part(a, p, deadline)
+                                                  for a, p in parts.items()),
+                                                return_exceptions=True)
+                todo_batches, todo_acks, last = [], [], None
+                refresh = False
+                for part, outcome in zip(parts.values(), outcomes):
+                    if isinstance(outcome, BaseException):
+                        error = outcome if isinstance(outcome, AtomlogError) else AtomlogError(
+                            "INTERNAL", f"staging failed: {outcome}")
+                        if error.reason not in RETRY_REASONS:
+                            raise error
+                        refresh |= error.reason in ROUTING_REASONS
+                        todo_batches.extend(part.batches)
+                        todo_acks.extend(part.acks)
+                        last = error
+                        continue
+                    for (index, item), result in zip(part.batches, outcome.batch_results):
+                        reason = result.error.reason
+                        if not reason:
+                            results[index] = result
+                        elif reason in RETRY_REASONS:
+                            refresh |= reason in ROUTING_REASONS
+                            todo_batches.append((index, item))
+                            last = _error_of(result.error)
+                        else:
+                            STAGED_PARTS.labels(reason).inc()
+                            raise _error_of(result.error, f"{item.topic_partition.topic}-"
+                                                          f"{item.topic_partition.partition}")
+                    for ack, result in zip(part.acks, outcome.ack_results):
+                        reason = result.error.reason
+                        if not reason:
+                            continue
+                        if reason in RETRY_REASONS:
+                            refresh |= reason in ROUTING_REASONS
+                            todo_acks.append(ack)
+                            last = _error_of(result.error)
+                        else:
+                            STAGED_PARTS.labels(reason).inc()
+                            sp = ack.subscription_partition
+                            raise _error_of(result.error, f"{sp.topic}-{sp.partition} "
+                                                          f"(subscription {sp.subscription})")
+                if not todo_batches and not todo_acks:
+                    break
+                if refresh:
+                    await self.routes.refresh(force=True)
+                delay = backoff.delay(attempt)
+                if time.monotonic() + delay >= deadline:
+                    raise last or AtomlogError("REQUEST_TIMED_OUT", "staging ran out of time")
+                await asyncio.sleep(delay)
+            STAGED_PARTS.labels("ok").inc()
+            return Staged(results)
+        finally:
+            STAGE_SECONDS.observe(time.perf_counter() - began)
+
+    async def _split(self, txn_id: TxnId, epoch: int, batches, acks) -> dict[str, _Part]:
+        parts: dict[str, _Part] = {}
+        for index, item in batches:
+            tp = item.topic_partition
+            address = await self.routes.owner(tp.topic, tp.partition)
+            parts.setdefault(address, _Part(txn_id, epoch, [], [])).batches.append((index, item))
+        for ack in acks:
+            sp = ack.subscription_partition
+            address = await self.routes.owner(sp.topic, sp.partition)
+            parts.setdefault(address, _Part(txn_id, epoch, [], [])).acks.append(ack)
+        return parts
+
+    async def _send_part(self, address: str, part: _Part, deadline: float):
+        if self._closed:
+            raise AtomlogError("SHUTTING_DOWN", "the coordinator is stopping")
+        part.future = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(address, []).append(part)
+        task = self._senders.get(address)
+        if task is None or task.done():
+            self._senders[address] = asyncio.create_task(self._send_all(address),
+                                                          name=f"stage->{address}")
+        remaining = max(0.01, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(asyncio.shield(part.future), remaining)
+        except TimeoutError:
+            raise AtomlogError("REQUEST_TIMED_OUT", f"staging on {address} did not answer "
+                               "within the transaction's time") from None
+
+    async def _send_all(self, address: str) -> None:
+        queue = self._queues.setdefault(address, [])
+        while queue:
+            group = queue[:self.batch_max]
+            del queue[:self.batch_max]
+            try:
+                await self._send(address, group)
+            except Exception as error:  # noqa: BLE001 — every part gets an answer
+                failure = error if isinstance(error, AtomlogError) else AtomlogError(
+                    "INTERNAL", f"staging failed: {error}")
+                for part in group:
+                    if not part.future.done():
+                        part.future.set_exception(failure)
+
+    async def _send(self, address: str, group: list[_Part]) -> None:
+        request = partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
+            txn_id=common_pb2.TxnId(tc_partition=p.txn_id.tc_partition,
+                                    sequence=p.txn_id.sequence),
+            coordinator_epoch=p.epoch, batches=[item for _, item in p.batches],
+            acks=p.acks) for p in group])
+        STAGE_CALLS.inc()
+        try:
+            response = await self.routes.stub(address).StageTxn(
+                request, timeout=self.request_timeout_s)
+        except grpc.RpcError as rpc_error:
+            raise from_rpc_error(rpc_error) from None
+        if len(response.results) != len(group):
+            raise AtomlogError("INTERNAL", f"{address} answered {len(response.results)} "
+                               f"results for {len(group)} staged transactions")
+        for part, result in zip(group, response.results):
+            if not part.future.done():
+                part.future.set_result(result)
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = list(self._senders.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        event(log, "staging channel closed", servers=len(self._senders))
+
+
+def _error_of(item_error, where: str = "") -> AtomlogError:
+    message = item_error.message + (f" ({where})" if where else "")
+    return AtomlogError(item_error.reason, message, dict(item_error.metadata))

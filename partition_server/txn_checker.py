@@ -1,0 +1,135 @@
+"""Presumed abort on the partition server: look up old open transactions.
+
+A one-call transaction (CoordinatorService.CommitTxn) is staged here before anything of
+it is logged at its coordinator. If the coordinator fails before it logs the decision,
+or its ABORT markers are lost, the staged data (or pending acks) would stay open here
+forever, holding max_read_position back. So every `interval` this task looks over the
+open transactions of every partition it owns — data in the transaction buffer and acks
+pending on subscription cursors — and asks the coordinator about each one it has seen
+open for `check_after` (VerifyTxnPartitions, batched per coordinator by the verifier).
+The coordinator answers ABORTED for a transaction it does not know whose sequence it
+has handed out (the decision would be in its log: presumed abort); then this server
+writes the ABORT marker itself, with the answering coordinator's epoch, exactly as if
+the coordinator had sent it. Any other answer (OPEN, COMMITTING, ABORTING: the
+coordinator is on it) or a failure leaves the transaction alone until the next round.
+
+Transactions opened through NewTxn are looked up too (their coordinator aborts them at
+their timeout; a lost marker is re-sent): the lookup is cheap and it catches every way
+a transaction could be left behind. At most `max_per_round` questions per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from atomlog.v1 import coordinator_pb2
+from prometheus_client import Counter
+
+from partition_server.owner import Marker, State
+from partition_server.record_batch import ControlType, TxnId
+from services.errors import AtomlogError
+from services.logs import event
+
+log = logging.getLogger("atomlog.partition.txn_checker")
+
+PRESUMED_ABORTS = Counter("atomlog_partition_presumed_aborts_total",
+                          "Transactions this server aborted itself because their coordinator "
+                          "did not know them (one-call transactions that never committed), "
+                          "by kind (data, acks).", ["kind"])
+CHECKS = Counter("atomlog_partition_txn_checks_total",
+                 "Old open transactions looked up at their coordinator, by answer.", ["answer"])
+
+ABORTED = coordinator_pb2.TXN_STATE_ABORTED
+
+
+class TxnChecker:
+    def __init__(self, manager, verifier, *, check_after_ms: int, interval_ms: int,
+                 max_per_round: int = 1_000):
+        self.manager = manager
+        self.verifier = verifier
+        self.check_after_s = check_after_ms / 1000
+        self.interval_s = interval_ms / 1000
+        self.max_per_round = max_per_round
+        # (topic, partition, subscription or None, txn) -> when first seen open (monotonic)
+        self._first_seen: dict[tuple, float] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="txn checker")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check_once()
+            except Exception:  # noqa: BLE001 — logged; the next round tries again
+                log.exception("looking over open transactions failed")
+
+    def _open_now(self) -> dict[tuple, object]:
+        """Every open transaction and pending-ack transaction of the ONLINE partitions."""
+        found: dict[tuple, object] = {}
+        now_ms = int(time.time() * 1000)
+        for owner in list(self.manager.owners.values()):
+            if owner.state is not State.ONLINE or owner.txns_recovering:
+                continue
+            for open_txn in owner.txns.describe():
+                found[(owner.topic, owner.partition, None, open_txn.txn)] = owner
+            for name in owner.subscriptions.names():
+                try:
+                    pending = owner.subscriptions.describe(
+                        name, owner.max_read_position(), now_ms).pending_acks
+                except AtomlogError:
+                    continue  # deleted meanwhile, or the store is reloading
+                for entry in pending:
+                    found[(owner.topic, owner.partition, name, entry.txn)] = owner
+        return found
+
+    async def check_once(self) -> int:
+        """One round; returns how many transactions it aborted."""
+        now = time.monotonic()
+        found = self._open_now()
+        self._first_seen = {key: self._first_seen.get(key, now) for key in found}
+        due = [key for key, first in self._first_seen.items()
+               if now - first >= self.check_after_s][:self.max_per_round]
+        if not due:
+            return 0
+        outcomes = await asyncio.gather(*(self._check(key, found[key]) for key in due))
+        return sum(outcomes)
+
+    async def _check(self, key: tuple, owner) -> bool:
+        topic, partition, subscription, txn = key
+        try:
+            state, epoch = await self.verifier.state(TxnId(*txn), topic, partition,
+                                                     subscription=subscription)
+        except AtomlogError as error:
+            CHECKS.labels(error.reason).inc()
+            return False
+        CHECKS.labels(coordinator_pb2.TxnState.Name(state).removeprefix("TXN_STATE_")).inc()
+        if state != ABORTED:
+            return False
+        try:
+            if subscription is None:
+                [result] = await owner.end_transactions([Marker(txn, ControlType.ABORT, epoch)])
+                if isinstance(result, AtomlogError):
+                    raise result
+            else:
+                owner.verified_acks.pop((txn, subscription), None)
+                await owner.subscriptions.end_txn(subscription, txn, False)
+        except AtomlogError as error:
+            event(log, "presumed abort failed; trying again next round", partition=owner.name,
+                  subscription=subscription or "", txn=f"{txn[0]}:{txn[1]}",
+                  reason=error.reason)
+            return False
+        self._first_seen.pop(key, None)
+        PRESUMED_ABORTS.labels("data" if subscription is None else "acks").inc()
+        event(log, "transaction unknown to its coordinator aborted here (presumed abort)",
+              partition=owner.name, subscription=subscription or "",
+              txn=f"{txn[0]}:{txn[1]}", coordinator_epoch=epoch)
+        return True
