@@ -653,12 +653,12 @@ class TcPartitionCore:
             self._check_parent(parent, now_ms)
         if session is not None:
             locks |= self._check_session_free(session, now_ms)
-        if len(self._unfinished) + self._pending_new_txns >= self.limits.max_open:
+        unfinished = len(self._unfinished) + self._pending_new_txns + len(self._one_calls)
+        if unfinished >= self.limits.max_open:
             self._counters["exhausted_total"] += 1
             raise _limit_error("max_open", self.limits.max_open,
-                               f"TC partition {self.tc_partition} has "
-                               f"{len(self._unfinished) + self._pending_new_txns} unfinished "
-                               "transactions")
+                               f"TC partition {self.tc_partition} has {unfinished} unfinished "
+                               "transactions (one-call ones being staged included)")
         new_tps, new_subs, tp_results, sub_results = self._admit_targets(
             None, topic_partitions, subscription_partitions)
         self._check_unlocked(locks)

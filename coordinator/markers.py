@@ -22,6 +22,7 @@ from coordinator import metrics
 from coordinator.core import Marker
 from coordinator.records import SubscriptionPartition, TopicPartition, TxnId
 from coordinator.routing import PartitionRoutes
+from services import failpoints
 from services.errors import from_rpc_error
 from services.logs import event
 
@@ -107,6 +108,7 @@ class MarkerChannel:
         keys = list(grouped)
         request = partition_pb2.EndTxnOnPartitionRequest(markers=[
             _to_proto(grouped[key]) for key in keys])
+        await failpoints.hold(failpoints.MARKERS_SEND)
         metrics.MARKER_CALLS.inc()
         try:
             response = await self.routes.stub(address).EndTxnOnPartition(

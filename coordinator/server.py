@@ -40,6 +40,7 @@ from coordinator.staging import StageChannel
 from coordinator.tc_partition import Phase, Settings, TcPartition
 from coordinator.txn_log import TOPIC as TXN_LOG_TOPIC
 from partition_server.record_batch import LENGTH_FIELD_END, check_stageable, parse_header
+from services import failpoints
 from services.errors import AtomlogError
 from services.grpcutil import service_name
 from services.logs import event
@@ -387,6 +388,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                           request.acks, deadline)
         except AtomlogError as error:
             failure = error
+        await failpoints.hold(failpoints.ONE_CALL_DECIDE)
         result = await partition.call(
             lambda core, now: core.end_one_call(now, start.txn_id, failure))
         if isinstance(result, OneCallAborted):

@@ -9,17 +9,26 @@ harness arms and disarms it from outside without talking to the process:
     fsync    every fsync of a partition log or cursor journal raises EIO, as a failing
              disk does. The server's own handling is what is under test: the partition
              fails closed, answers PARTITION_LOADING, and reloads from its durable log.
+    one_call_decide
+             a coordinator holds every one-call transaction between its staging and its
+             decision (CommitTxn), so a test can kill it exactly there.
+    markers_send
+             a coordinator holds every marker call (EndTxnOnPartition) before sending it,
+             so a test can kill a partition server between a decision and its markers.
 
 Off, a failpoint costs a function call and one comparison with None.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 
 ENVIRONMENT_VARIABLE = "ATOMLOG_FAILPOINTS"
 FSYNC = "fsync"
+ONE_CALL_DECIDE = "one_call_decide"
+MARKERS_SEND = "markers_send"
 
 _DIRECTORY: str | None = os.environ.get(ENVIRONMENT_VARIABLE) or None
 
@@ -33,3 +42,9 @@ def fsync(fd: int) -> None:
     if armed(FSYNC):
         raise OSError(errno.EIO, "fsync failed (failpoint armed by the fault harness)")
     os.fsync(fd)
+
+
+async def hold(name: str) -> None:
+    """Wait while the failpoint `name` is armed (at once when failpoints are off)."""
+    while armed(name):
+        await asyncio.sleep(0.02)

@@ -34,12 +34,13 @@ from coordinator import core as core_module
 from coordinator import records as records_module
 from coordinator.core import (
     ALLOWED, DECIDING, FINISHED, INITIAL_STATE, NO_WORK, TRANSITION_RECORDS, UNDECIDED,
-    IllegalTransition, Limits, ProducerIdNeeded, ProtocolError, SnapshotCorrupt, State,
-    TcPartitionCore, generated_doc, next_producer_epoch, replay,
+    SEQUENCE_RESERVATION, IllegalTransition, Limits, OneCallAborted, OneCallStart,
+    ProducerIdNeeded, ProtocolError, SnapshotCorrupt, State, TcPartitionCore, generated_doc,
+    next_producer_epoch, replay,
 )
 from coordinator.records import (
     PRODUCER_EPOCH_LAST_ISSUED, Completed, DeadlineReset, Decided, Decision, EndCause,
-    Opened, Prepared, RecordCorrupt, Registered, Session, SessionStarted,
+    Opened, Prepared, RecordCorrupt, Registered, SequencesReserved, Session, SessionStarted,
     SubscriptionPartition, TopicPartition, TxnId, decode_record, encode_record,
 )
 from services.errors import AtomlogError
@@ -87,8 +88,10 @@ class LogModel:
 
     def record(self, record) -> None:
         if isinstance(record, Opened):
-            assert record.txn_id.sequence > self.last_sequence, "sequences grow"
-            self.last_sequence = record.txn_id.sequence
+            # Sequences grow, except one-call transactions' (decided in their Opened's
+            # append, within a reservation): never twice.
+            assert record.txn_id not in self.opened, "opened twice"
+            self.last_sequence = max(self.last_sequence, record.txn_id.sequence)
             self.opened[record.txn_id] = record
             self.targets[record.txn_id] = {*record.topic_partitions,
                                            *record.subscription_partitions}
@@ -131,6 +134,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.acknowledged: dict[TxnId, Decision] = {}  # decisions replied to clients
         self.snapshots: list[tuple[bytes, int]] = []
         self.next_producer_id = 1
+        self.handed_out: set[TxnId] = set()  # one-call transactions begun
+        self.staging: list[TxnId] = []  # begun, not ended (volatile: a crash drops them)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -176,8 +181,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.in_flight.append((append, caller, ready.reply))
         for marker in ready.markers:
             assert marker.coordinator_epoch == self.epoch
-            assert self.model.decided.get(marker.txn_id) is marker.decision, \
-                "a marker carries the logged decision"
+            if marker.txn_id in self.handed_out and marker.txn_id not in self.model.decided:
+                assert marker.decision is ABORT, "presumed abort: only ABORT, undecided"
+            else:
+                assert self.model.decided.get(marker.txn_id) is marker.decision, \
+                    "a marker carries the logged decision"
             self.markers.append(marker)
 
     def write(self, append) -> None:
@@ -241,6 +249,56 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.now_ms, timeout_ms, session=session, topic_partitions=[TARGETS[0]]),
             predicted)
         self.settle(True)
+
+    @rule(chosen=st.lists(st.sampled_from(TARGETS), min_size=1, max_size=3),
+          key=st.sampled_from(["oc1", "oc2", "oc3", "k1"]),
+          tid=st.sampled_from(["", "", "a", "b"]), timeout_ms=st.sampled_from([0, 500, 5_000]))
+    def begin_one_call(self, chosen, key, tid, timeout_ms):
+        session = None
+        if tid:
+            info = self.core.session(tid, self.now_ms)
+            session = info.session if info is not None else Session(tid, 99, 0)
+        ready = self.attempt("begin_one_call", lambda: self.core.begin_one_call(
+            self.now_ms, timeout_ms, session, key,
+            [t for t in chosen if isinstance(t, TopicPartition)],
+            [t for t in chosen if isinstance(t, SubscriptionPartition)]))
+        self.settle(True)  # a reservation is durable before anything is staged
+        if ready is None:
+            return
+        start = ready.reply
+        assert isinstance(start, OneCallStart)
+        if start.existing is not None:
+            assert self.model.decided.get(start.txn_id) is COMMIT
+            return
+        txn_id = start.txn_id
+        assert txn_id not in self.handed_out and txn_id not in self.model.opened, \
+            "a sequence is handed out once, also across crashes (reservations)"
+        self.handed_out.add(txn_id)
+        self.staging.append(txn_id)
+        for target in TARGETS:
+            answer = self.core.verify(txn_id, target)
+            assert answer.state is State.OPEN and answer.included is (target in chosen)
+
+    @precondition(lambda self: self.staging)
+    @rule(data=st.data(), ok=st.sampled_from([True, True, False]), settle=SETTLE)
+    def end_one_call(self, data, ok, settle):
+        txn_id = data.draw(st.sampled_from(self.staging))
+        self.staging.remove(txn_id)
+        failure = None if ok else AtomlogError("TRANSACTION_CONFLICT", "staging failed")
+        ready = self.attempt("end_one_call",
+                             lambda: self.core.end_one_call(self.now_ms, txn_id, failure))
+        if ready is not None and isinstance(ready.reply, OneCallAborted):
+            assert not ready.appends and all(m.decision is ABORT and m.txn_id == txn_id
+                                              for m in ready.markers)
+            assert ok or ready.reply.error is failure
+            assert self.core.verify(txn_id, TARGETS[0]).state is State.ABORTED
+        elif ready is not None:
+            records = ready.appends[0].records
+            assert isinstance(records[0], Opened) and records[0].txn_id == txn_id
+            assert records[1] == Decided(txn_id, COMMIT, EndCause.CLIENT, self.now_ms)
+        elif self.core.one_call(txn_id) is not None:
+            self.staging.append(txn_id)  # refused for now (CONCURRENT): still staging
+        self.settle(settle)
 
     @rule(data=st.data(), chosen=st.lists(st.sampled_from(TARGETS), min_size=1, max_size=3))
     def add_targets(self, data, chosen):
@@ -344,6 +402,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule()
     def append_durable(self):
         append, caller, reply = self.in_flight.popleft()
+        if caller != "end_one_call":
+            assert not any(isinstance(r, Opened) and r.txn_id in self.handed_out
+                           for r in append.records), "a NewTxn reused a one-call sequence"
         self.write(append)
         ready = self.core.append_done(append.append_id, self.now_ms)
         if caller == "end_txn" and reply is not None:
@@ -357,6 +418,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def append_refused(self):
         append, _, _ = self.in_flight.popleft()
         assert self.core.append_failed(append.append_id) == NO_WORK
+        for record in append.records:  # a one-call decision not logged: still staging
+            if isinstance(record, Opened) and self.core.one_call(record.txn_id) is not None:
+                self.staging.append(record.txn_id)
 
     @precondition(lambda self: len(self.in_flight) >= 2)
     @rule()
@@ -406,6 +470,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.in_flight.clear()
         self.markers.clear()
         self.confirmed.clear()
+        self.staging.clear()  # volatile: presumed aborted from now on
         self.epoch += 1
         records = [decode_record(value) for value in self.log]
         event("crash with a decision in progress" if any(
@@ -444,6 +509,19 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert self.image(replay(records[covered:], TC, base=base)) == live
         restored, _ = TcPartitionCore.restore(live, TC, MACHINE_LIMITS, self.epoch)
         assert self.image(restored) == live
+
+    @invariant()
+    def one_calls_are_open_while_staging_and_presumed_aborted_after(self):
+        in_flight = {r.txn_id for append, _, _ in self.in_flight for r in append.records
+                     if isinstance(r, Opened)}
+        for txn_id in self.handed_out:
+            if txn_id in self.model.opened or txn_id in in_flight:
+                continue
+            answer = self.core.verify(txn_id, TARGETS[0])
+            # Staging until ended, or forgotten by a tick past its deadline (or a crash).
+            staging = self.core.one_call(txn_id) is not None
+            assert not staging or txn_id in self.staging, txn_id
+            assert answer.state is (State.OPEN if staging else State.ABORTED), (txn_id, answer)
 
     @invariant()
     def bounds_hold(self):
@@ -909,3 +987,115 @@ def test_load_100000_finished_transactions(capsys) -> None:
               f"replay of {len(values)} records {full_replay_s:.2f} s")
     assert load_s < 2.0
     assert full_replay_s < 30.0  # the fallback when a snapshot is unreadable
+
+
+# ---------------------------------------------------------------------------------------
+# One-call transactions (CommitTxn): presumed abort, reservations, keys, fencing
+# ---------------------------------------------------------------------------------------
+
+def _durable(core: TcPartitionCore, ready, log: list) -> None:
+    for append in ready.appends:
+        log.extend(append.records)
+        _durable(core, core.append_done(append.append_id, NOW), log)
+
+
+def test_one_call_reserves_sequences_and_a_load_never_hands_them_out_again():
+    core, log = TcPartitionCore(TC, coordinator_epoch=1), []
+    ready = core.begin_one_call(NOW, 0, None, "k-1", [TopicPartition("t", 0)], [])
+    assert ready.appends[0].records == (SequencesReserved(SEQUENCE_RESERVATION),)
+    _durable(core, ready, log)
+    first = ready.reply.txn_id
+    second = core.begin_one_call(NOW, 0, None, "k-2", [TopicPartition("t", 1)], [])
+    assert not second.appends  # inside the reservation: nothing to log
+    assert core.verify(first, TopicPartition("t", 0)).state is State.OPEN
+    assert not core.verify(first, TopicPartition("t", 1)).included
+    # The owner dies before deciding either: a new owner presumes both aborted and starts
+    # above the reservation (a deposed owner may have staged anything below it).
+    loaded = replay(log, TC, coordinator_epoch=2)
+    for txn_id in (first, second.reply.txn_id):
+        answer = loaded.verify(txn_id, TopicPartition("t", 0))
+        assert answer.state is State.ABORTED and answer.coordinator_epoch == 2
+    fresh = loaded.new_txn(NOW, topic_partitions=[TopicPartition("t", 0)])
+    assert fresh.reply.txn_id.sequence == SEQUENCE_RESERVATION + 1
+    with pytest.raises(AtomlogError) as unknown:  # never handed out: not presumed anything
+        loaded.verify(TxnId(TC, 3 * SEQUENCE_RESERVATION), TopicPartition("t", 0))
+    assert unknown.value.reason == "UNKNOWN_TRANSACTION"
+
+
+def test_one_call_commits_in_one_append_and_a_retry_with_its_key_finds_it():
+    core, log = TcPartitionCore(TC, coordinator_epoch=1), []
+    targets = [TopicPartition("t", 0), TopicPartition("u", 1)]
+    start = core.begin_one_call(NOW, 0, None, "key", targets, [SubscriptionPartition("t", 0, "s")])
+    _durable(core, start, log)
+    txn_id = start.reply.txn_id
+    with pytest.raises(AtomlogError) as busy:  # the same key while it is being staged
+        core.begin_one_call(NOW, 0, None, "key", targets, [])
+    assert busy.value.reason == "CONCURRENT_TRANSACTIONS"
+    ready = core.end_one_call(NOW + 5, txn_id)
+    (append,) = ready.appends
+    assert [type(r) for r in append.records] == [Opened, Decided]
+    assert ready.reply.state is State.COMMITTING
+    done = core.append_done(append.append_id, NOW + 6)
+    assert {m.target for m in done.markers} == {*targets, SubscriptionPartition("t", 0, "s")}
+    assert core.one_call(txn_id) is None and core.status(txn_id, NOW).state is State.COMMITTING
+    again = core.begin_one_call(NOW + 7, 0, None, "key", targets, [])
+    assert again.reply == OneCallStart(txn_id, again.reply.timeout_ms, State.COMMITTING)
+    # Replaying the log gives the same table (Opened out of sequence order is allowed
+    # inside a reservation).
+    log.extend(append.records)
+    assert replay(log, TC, coordinator_epoch=1).snapshot() == core.snapshot()
+
+
+def test_one_call_failures_log_nothing_and_abort_what_was_staged():
+    core, log = TcPartitionCore(TC, coordinator_epoch=3), []
+    start = core.begin_one_call(NOW, 1_000, None, "k", [TopicPartition("t", 0)], [])
+    _durable(core, start, log)
+    txn_id = start.reply.txn_id
+    failure = AtomlogError("TRANSACTION_CONFLICT", "an ack is pending elsewhere")
+    ready = core.end_one_call(NOW, txn_id, failure)
+    assert isinstance(ready.reply, OneCallAborted) and ready.reply.error is failure
+    assert not ready.appends
+    assert [(m.decision, m.target, m.coordinator_epoch) for m in ready.markers] == [
+        (ABORT, TopicPartition("t", 0), 3)]
+    assert core.verify(txn_id, TopicPartition("t", 0)).state is State.ABORTED
+    with pytest.raises(AtomlogError) as gone:
+        core.end_one_call(NOW, txn_id)
+    assert gone.value.reason == "TRANSACTION_ABORTED"
+    # Staged past its timeout: refused as timed out; a forgotten one is dropped by tick.
+    late = core.begin_one_call(NOW, 1_000, None, "k2", [TopicPartition("t", 0)], []).reply
+    assert core.end_one_call(NOW + 1_000, late.txn_id).reply.error.reason == \
+        "TRANSACTION_TIMED_OUT"
+    lost = core.begin_one_call(NOW, 1_000, None, "k3", [TopicPartition("t", 1)], []).reply
+    assert not core.tick(NOW + 1_000 + 4_999).markers
+    swept = core.tick(NOW + 1_000 + 5_000)
+    assert [m.txn_id for m in swept.markers] == [lost.txn_id]
+    assert core.one_call(lost.txn_id) is None
+
+
+def test_one_call_of_a_session_is_fenced_by_a_newer_session():
+    core, log = TcPartitionCore(TC, coordinator_epoch=1), []
+    with pytest.raises(ProducerIdNeeded):
+        core.init_producer_id(NOW, "app")
+    ready = core.init_producer_id(NOW, "app", fresh_producer_id=50)
+    _durable(core, ready, log)
+    session = Session("app", 50, 0)
+    start = core.begin_one_call(NOW, 0, session, "k", [TopicPartition("t", 0)], [])
+    _durable(core, start, log)
+    with pytest.raises(AtomlogError) as busy:  # one transaction per session at a time
+        core.begin_one_call(NOW, 0, session, "k2", [TopicPartition("t", 0)], [])
+    assert busy.value.reason == "CONCURRENT_TRANSACTIONS"
+    _durable(core, core.init_producer_id(NOW, "app", 0, 50, 0), log)  # a newer session
+    ended = core.end_one_call(NOW, start.reply.txn_id)
+    assert ended.reply.error.reason == "PRODUCER_FENCED" and not ended.appends
+    with pytest.raises(AtomlogError) as stale:
+        core.begin_one_call(NOW, 0, session, "k3", [TopicPartition("t", 0)], [])
+    assert stale.value.reason == "PRODUCER_FENCED"
+
+
+def test_sequences_reserved_records_round_trip_and_bad_ones_are_refused():
+    record = SequencesReserved(12_345)
+    assert decode_record(encode_record(record)) == record
+    with pytest.raises(ValueError):
+        SequencesReserved(0)
+    with pytest.raises(RecordCorrupt):
+        decode_record(encode_record(record) + b"\x00")

@@ -1,0 +1,401 @@
+"""One-call transactions (CommitTxn) against real processes: presumed abort when the
+coordinator dies between staging and decision, markers that land after a partition
+server's restart, an ack conflict that changes nothing, a transaction that outgrows the
+bound mid-way, the partition servers' lookup of transactions their coordinator never
+committed, and bad input refused with a reason.
+
+The module runs its own cluster, started with failpoints enabled (services/failpoints.py)
+so a test can hold a coordinator exactly between two steps and kill it there, and with a
+short partition.txn_check_after_ms so presumed aborts happen within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
+from coordinator.records import tc_partition_for
+from partition_server.record_batch import Record, encode_batch
+from services import failpoints
+from services.errors import from_rpc_error
+from spark_client import Client, errors
+from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, wait_until
+
+pytestmark = pytest.mark.cluster
+
+CHECK_AFTER_MS = 1_500
+
+
+@pytest.fixture(scope="module")
+def failpoint_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("failpoints")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, failpoint_dir):
+    cluster = Cluster(tmp_path_factory.mktemp("atomlog-one-call"))
+    previous = os.environ.get(failpoints.ENVIRONMENT_VARIABLE)
+    os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
+    try:
+        cluster.run("up", "--output", "json", *CLUSTER_SETTINGS,
+                    "--set", f"partition.txn_check_after_ms={CHECK_AFTER_MS}",
+                    "--set", "partition.txn_check_interval_ms=200")
+        yield cluster
+    finally:
+        cluster.run("down", check=False)
+        if previous is None:
+            os.environ.pop(failpoints.ENVIRONMENT_VARIABLE, None)
+        else:
+            os.environ[failpoints.ENVIRONMENT_VARIABLE] = previous
+
+
+def restart(cluster: Cluster) -> list[str]:
+    """Start what is not running, with the module's environment (failpoints on)."""
+    import json
+    return json.loads(cluster.run("up", "--output", "json").stdout)["started"]
+
+
+@pytest.fixture(scope="module")
+def client(servers):
+    with Client(servers.info["bootstrap"], request_timeout_s=10) as client:
+        yield client
+
+
+class Armed:
+    """A failpoint armed for the duration of a with block."""
+
+    def __init__(self, directory: Path, name: str):
+        self.path = directory / name
+
+    def __enter__(self):
+        self.path.touch()
+        return self
+
+    def disarm(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def __exit__(self, *exc) -> None:
+        self.disarm()
+
+
+def committed_values(client, topic: str) -> list[bytes]:
+    with client.consumer([topic], isolation="read_committed", start="earliest") as consumer:
+        found, quiet_since = [], time.monotonic()
+        while time.monotonic() - quiet_since < 0.5:
+            batch = consumer.poll(timeout_s=0.1, max_records=10_000)
+            if batch:
+                found.extend(m.value for m in batch)
+                quiet_since = time.monotonic()
+        return found
+
+
+def settled(client, topic: str, partitions: int) -> bool:
+    """No open transaction, and the max read position at the high watermark, everywhere."""
+    for partition in range(partitions):
+        d = client.describe_partition(topic, partition)
+        if d.open_transactions or d.max_read_position != d.high_watermark:
+            return False
+    return True
+
+
+def process_serving(cluster: Cluster, client: Client, topic: str, partition: int) -> str:
+    address = client.metadata.route(topic, partition).address
+    return next(p["name"] for p in cluster.services() if p["grpc_address"] == address)
+
+
+def coordinator_of(cluster: Cluster, tc_partition: int) -> str:
+    for process in cluster.status()["processes"]:
+        if tc_partition in process.get("tc_partitions", []):
+            return process["name"]
+    raise AssertionError(f"no coordinator owns TC partition {tc_partition}")
+
+
+def open_txns(client, topic: str, partitions: int) -> set[tuple[int, int]]:
+    return {(t.txn_id.tc_partition, t.txn_id.sequence)
+            for p in range(partitions)
+            for t in client.describe_partition(topic, p).open_transactions}
+
+
+def test_coordinator_killed_between_staging_and_decision_presumes_abort(servers, client,
+                                                                        failpoint_dir):
+    topic = create_online(client, "oc-presumed", 2)
+    outcome: dict = {}
+    with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=60)
+        for i in range(6):
+            producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
+        assert txn.one_call
+
+        def commit() -> None:
+            try:
+                txn.commit()
+                outcome["committed"] = txn.id
+            except errors.AtomlogClientError as error:
+                outcome["error"] = error
+
+        thread = threading.Thread(target=commit)
+        thread.start()
+        wait_until(lambda: len(open_txns(client, topic, 2)) == 1
+                   and all(client.describe_partition(topic, p).open_transactions
+                           for p in range(2)), 20, "the transaction staged on both partitions")
+        (staged,) = open_txns(client, topic, 2)
+        victim = coordinator_of(servers, staged[0])
+        os.kill(servers.process(victim)["pid"], signal.SIGKILL)
+        held.disarm()
+        assert victim in restart(servers)
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    # The staged attempt never commits: its partitions abort it (presumed abort) once its
+    # coordinator's successor does not know it; the SDK's retry with the same idempotency
+    # key ran the transaction anew, so it committed exactly once.
+    wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
+    assert outcome.get("committed"), outcome
+    assert outcome["committed"] != f"{staged[0]}:{staged[1]}"
+    assert sorted(committed_values(client, topic)) == sorted(f"p{i}".encode() for i in range(6))
+    for partition in range(2):
+        assert client.describe_partition(topic, partition).aborted_transaction_count == 1
+
+
+def test_a_failed_commit_of_a_dead_coordinator_leaves_nothing_hanging(servers, client,
+                                                                      failpoint_dir):
+    """Same kill, but the client gives up before the coordinator is back: nothing of the
+    transaction is ever visible and no partition keeps it open."""
+    topic = create_online(client, "oc-gave-up", 2)
+    short = Client(servers.info["bootstrap"], request_timeout_s=2)
+    try:
+        with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
+                short.producer() as producer:
+            txn = short.begin_transaction(timeout_s=3)
+            for i in range(4):
+                producer.send(topic, f"g{i}".encode(), partition=i % 2, txn=txn)
+            result: dict = {}
+
+            def commit() -> None:
+                try:
+                    txn.commit()
+                    result["committed"] = True
+                except errors.AtomlogClientError as error:
+                    result["error"] = error
+
+            thread = threading.Thread(target=commit)
+            thread.start()
+            wait_until(lambda: all(client.describe_partition(topic, p).open_transactions
+                                   for p in range(2)), 20, "the transaction staged")
+            (staged,) = open_txns(client, topic, 2)
+            victim = coordinator_of(servers, staged[0])
+            os.kill(servers.process(victim)["pid"], signal.SIGKILL)
+            thread.join(timeout=60)  # the client runs out of time while it is down
+            held.disarm()
+        assert not thread.is_alive()
+        assert "error" in result, result
+        assert victim in restart(servers)
+        wait_until(lambda: settled(client, topic, 2), 30, "the presumed abort")
+        assert committed_values(client, topic) == []
+    finally:
+        short.close()
+
+
+def test_a_partition_server_killed_before_the_marker_gets_it_after_restart(servers, client,
+                                                                           failpoint_dir):
+    topic = create_online(client, "oc-marker", 2)
+    victim = process_serving(servers, client, topic, 0)
+    with Armed(failpoint_dir, failpoints.MARKERS_SEND) as held, client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=60)
+        futures = [producer.send(topic, f"m{i}".encode(), partition=i % 2, txn=txn)
+                   for i in range(6)]
+        txn.commit()  # durable decision; the markers are held
+        assert txn.state() == "COMMITTING"
+        assert committed_values(client, topic) == []
+        os.kill(servers.process(victim)["pid"], signal.SIGKILL)
+        held.disarm()
+        assert victim in restart(servers)
+    wait_until(lambda: settled(client, topic, 2), 30, "the markers after the restart")
+    wait_until(lambda: txn.state() == "COMMITTED", 30, "the transaction to complete")
+    assert sorted(committed_values(client, topic)) == sorted(f"m{i}".encode() for i in range(6))
+    offsets = [f.result(1).offset for f in futures]
+    assert sorted(offsets[0::2]) == [0, 1, 2] and sorted(offsets[1::2]) == [0, 1, 2]
+
+
+def test_a_one_call_transaction_with_a_conflicting_ack_changes_nothing(servers, client):
+    source = create_online(client, "oc-in", 1)
+    sink = create_online(client, "oc-out", 1)
+    with client.producer() as producer:
+        for i in range(4):
+            producer.send(source, f"in{i}".encode(), partition=0)
+        producer.flush()
+    streaming = Client(servers.info["bootstrap"], one_call_max_bytes=0)
+    try:
+        with client.consumer(source, subscription="oc", ack_timeout_s=60) as consumer, \
+                client.producer() as producer:
+            got = []
+            while len(got) < 4:
+                got += consumer.poll(timeout_s=1.0)
+            holder = streaming.begin_transaction(timeout_s=60)  # acks pending at the server
+            consumer.ack(got[:2], txn=holder)
+            before = consumer.describe()[0]
+            txn = client.begin_transaction(timeout_s=60)
+            out = producer.send(sink, b"never", partition=0, txn=txn)
+            consumer.ack(got[1:3], txn=txn)  # got[1] is pending in `holder`
+            assert txn.one_call
+            with pytest.raises(errors.TransactionConflict):
+                txn.commit()
+            assert txn.state() == "ABORTED"
+            with pytest.raises(errors.TransactionConflict):
+                out.result(1)
+            wait_until(lambda: settled(client, sink, 1), 10, "the staged data aborted")
+            assert committed_values(client, sink) == []
+            after = consumer.describe()[0]
+            assert after.cumulative_end_offset == before.cumulative_end_offset
+            assert [(p.txn_id.tc_partition, p.txn_id.sequence) for p in after.pending_acks] == \
+                [(p.txn_id.tc_partition, p.txn_id.sequence) for p in before.pending_acks]
+            holder.commit(wait_for_markers=True)
+    finally:
+        streaming.close()
+
+
+def test_a_transaction_that_outgrows_the_bound_switches_paths_mid_way(servers):
+    topic = "oc-switch"
+    with Client(servers.info["bootstrap"], one_call_max_bytes=4_096) as small:
+        create_online(small, topic, 2)
+        with small.producer() as producer:
+            txn = small.begin_transaction(timeout_s=60)
+            futures = []
+            for i in range(20):
+                futures.append(producer.send(topic, b"%02d" % i + b"." * 500,
+                                             partition=i % 2, txn=txn))
+                if i == 3:
+                    assert txn.one_call  # 4 records of ~530 bytes: still kept
+            assert not txn.one_call  # switched at about 4 KiB
+            txn.commit(wait_for_markers=True)
+        got = committed_values(small, topic)
+        assert len(got) == 20 and len(set(got)) == 20
+        for partition in (0, 1):  # send order kept per partition
+            mine = [v[:2] for v in got if int(v[:2]) % 2 == partition]
+            assert mine == sorted(mine)
+        offsets = [(f.result(1).partition, f.result(1).offset) for f in futures]
+        assert len(set(offsets)) == 20
+
+
+def test_a_staged_transaction_its_coordinator_never_committed_is_aborted_by_the_partition(
+        servers, client):
+    """Stage straight through StageTxn a transaction the coordinator handed out no
+    decision for (a sequence inside its reservation): the partition server asks, hears
+    ABORTED (presumed abort), and writes the ABORT marker itself."""
+    topic = create_online(client, "oc-orphan", 1)
+    with client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=30)
+        producer.send(topic, b"kept", partition=0, txn=txn)
+        txn.commit(wait_for_markers=True)
+    tc, sequence = txn.key
+    coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(
+        client.channels.get(client.metadata.tc_routes[tc]))
+    epoch = coordinator.DescribeTransaction(coordinator_pb2.DescribeTransactionRequest(
+        txn_id=txn.txn_id), timeout=10).coordinator_epoch
+    orphan = common_pb2.TxnId(tc_partition=tc, sequence=sequence + 1_000)
+    stub = client.channels.partition(client.metadata.route(topic, 0).address)
+    reply = stub.StageTxn(partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
+        txn_id=orphan, coordinator_epoch=epoch, batches=[partition_pb2.ProduceItem(
+            topic_partition=common_pb2.TopicPartition(topic=topic, partition=0),
+            record_batch=encode_batch([Record(None, b"orphan", (), 0)]))])]), timeout=10)
+    (result,) = reply.results
+    assert not result.batch_results[0].error.reason
+    d = client.describe_partition(topic, 0)
+    assert [(t.txn_id.tc_partition, t.txn_id.sequence) for t in d.open_transactions] == \
+        [(tc, sequence + 1_000)]
+    assert d.max_read_position < d.high_watermark
+    # Staged again (a coordinator's retry): the first stage's offsets, nothing appended.
+    again = stub.StageTxn(partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
+        txn_id=orphan, coordinator_epoch=epoch, batches=[partition_pb2.ProduceItem(
+            topic_partition=common_pb2.TopicPartition(topic=topic, partition=0),
+            record_batch=encode_batch([Record(None, b"orphan", (), 0)]))])]), timeout=10)
+    assert again.results[0].batch_results[0].duplicate
+    assert again.results[0].batch_results[0].base_offset == result.batch_results[0].base_offset
+    began = time.monotonic()
+    wait_until(lambda: settled(client, topic, 1), 20, "the presumed abort")
+    assert time.monotonic() - began < 10
+    assert client.describe_partition(topic, 0).aborted_transaction_count == 1
+    assert committed_values(client, topic) == [b"kept"]
+    # A deposed coordinator's stage (an older epoch) is refused.
+    stale = stub.StageTxn(partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
+        txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + 1_001),
+        coordinator_epoch=epoch + 1, batches=[partition_pb2.ProduceItem(
+            topic_partition=common_pb2.TopicPartition(topic="oc-no-such", partition=0),
+            record_batch=b"")])]), timeout=10)  # raises the epoch; the item itself fails
+    assert stale.results[0].batch_results[0].error.reason
+    refused = stub.StageTxn(partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
+        txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + 1_002),
+        coordinator_epoch=epoch, batches=[partition_pb2.ProduceItem(
+            topic_partition=common_pb2.TopicPartition(topic=topic, partition=0),
+            record_batch=encode_batch([Record(None, b"stale", (), 0)]))])]), timeout=10)
+    assert refused.results[0].batch_results[0].error.reason == "STALE_COORDINATOR_EPOCH"
+
+
+def _commit_txn(client, **fields):
+    k = fields.setdefault("tc_partition", 0)
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(
+        client.channels.get(client.metadata.tc_routes[k]))
+    try:
+        stub.CommitTxn(coordinator_pb2.CommitTxnRequest(**fields), timeout=10)
+    except grpc.RpcError as error:
+        return from_rpc_error(error)
+    raise AssertionError("CommitTxn was accepted")
+
+
+def _key_on(k: int, count: int) -> str:
+    while True:
+        key = f"test-{uuid.uuid4()}"
+        if tc_partition_for(key, count) == k:
+            return key
+
+
+def test_bad_commit_txn_input_is_refused_with_a_reason_and_changes_nothing(servers, client):
+    topic = create_online(client, "oc-bad", 2)
+    count = client.metadata.tc_partition_count
+    key = _key_on(0, count)
+    item = partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=0),
+        record_batch=encode_batch([Record(None, b"x", (), 0)]))
+    cases = {
+        "no key": dict(batches=[item]),
+        "key of another TC partition": dict(idempotency_key=_key_on(1, count), batches=[item]),
+        "nothing to commit": dict(idempotency_key=key),
+        "transactional batch": dict(idempotency_key=key, batches=[partition_pb2.ProduceItem(
+            topic_partition=item.topic_partition,
+            record_batch=encode_batch([Record(None, b"x", (), 0)], txn=(0, 1)))]),
+        "producer id": dict(idempotency_key=key, batches=[partition_pb2.ProduceItem(
+            topic_partition=item.topic_partition, record_batch=encode_batch(
+                [Record(None, b"x", (), 0)], producer_id=7, base_sequence=0))]),
+        "truncated batch": dict(idempotency_key=key, batches=[partition_pb2.ProduceItem(
+            topic_partition=item.topic_partition, record_batch=item.record_batch[:-1])]),
+        "two batches for one partition": dict(idempotency_key=key, batches=[item, item]),
+        "too large": dict(idempotency_key=key, batches=[partition_pb2.ProduceItem(
+            topic_partition=item.topic_partition,
+            record_batch=encode_batch([Record(None, b"x" * (1 << 20), (), 0)]))]),
+        "an ack of nothing": dict(idempotency_key=key, acks=[partition_pb2.AckItem(
+            subscription_partition=common_pb2.SubscriptionPartition(
+                topic=topic, partition=0, subscription="s"))]),
+    }
+    for name, fields in cases.items():
+        error = _commit_txn(client, **fields)
+        expected = "CORRUPT_BATCH" if name == "truncated batch" else "INVALID_ARGUMENT"
+        assert error.reason == expected, (name, error)
+    unknown = _commit_txn(client, idempotency_key=key, batches=[partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic="oc-no-such-topic", partition=0),
+        record_batch=item.record_batch)])
+    assert unknown.reason == "UNKNOWN_TOPIC_OR_PARTITION"
+    corrupt = bytearray(item.record_batch)
+    corrupt[-1] ^= 0xFF  # the CRC no longer matches: the partition server refuses it
+    crc = _commit_txn(client, idempotency_key=key, batches=[partition_pb2.ProduceItem(
+        topic_partition=item.topic_partition, record_batch=bytes(corrupt))])
+    assert crc.reason == "CRC_MISMATCH"
+    wait_until(lambda: settled(client, topic, 2), 10, "nothing left open")
+    assert committed_values(client, topic) == []
+    for partition in range(2):  # nothing was appended
+        assert client.describe_partition(topic, partition).high_watermark == 0
