@@ -803,7 +803,10 @@ class TcPartitionCore:
             self._check_same_request(existing, None, session)
             return Ready(reply=OneCallStart(existing.txn_id, existing.timeout_ms,
                                             existing.state))
-        if existing is not None and existing.state not in (State.ABORTING, State.ABORTED):
+        if existing is not None and existing.state in (State.ABORTING, State.ABORTED):
+            # abort_one_call's tombstone: a late or retried call must not commit it.
+            raise _ended_error(existing, "commit")
+        if existing is not None:
             raise _error("INVALID_ARGUMENT", f"idempotency key {idempotency_key!r} names "
                          f"transaction {existing.txn_id}, which is {existing.state.name}: "
                          "a one-call transaction needs a key of its own",
@@ -881,6 +884,46 @@ class TcPartitionCore:
                    Decided(txn_id, Decision.COMMIT, EndCause.CLIENT, now_ms, (), ())]
         return self._propose(records, locks, EndTxnResult(State.COMMITTING, False),
                              new_txns=1)
+
+    def abort_one_call(self, now_ms: int, idempotency_key: str) -> Ready:
+        """CommitTxn with abort: make sure no one-call transaction with this key ever
+        commits — for a client whose CommitTxn ended with an unknown outcome and that
+        gives up. One that committed: TRANSACTION_ALREADY_COMMITTED. One being staged:
+        CONCURRENT_TRANSACTIONS (retry; it ends soon). Else a tombstone is logged — an
+        aborted transaction with no targets holding the key — so that a retried or late
+        CommitTxn with the key is refused (TRANSACTION_ABORTED). Reply: the State."""
+        _validate_name("idempotency_key", idempotency_key, MAX_IDEMPOTENCY_KEY_BYTES,
+                       empty_ok=False)
+        key_lock = ("key", idempotency_key)
+        self._check_unlocked([key_lock])
+        if idempotency_key in self._one_call_keys:
+            self._counters["concurrent_total"] += 1
+            raise _error("CONCURRENT_TRANSACTIONS", f"a transaction with idempotency key "
+                         f"{idempotency_key!r} is being committed; retry shortly",
+                         retry_after_ms=10)
+        existing = self._lookup(self._keys.get(idempotency_key))
+        if existing is not None and existing.state in (State.ABORTING, State.ABORTED):
+            return Ready(reply=existing.state)
+        if existing is not None and existing.state in (State.COMMITTING, State.COMMITTED):
+            raise _ended_error(existing, "abort")
+        if existing is not None:
+            raise _error("INVALID_ARGUMENT", f"idempotency key {idempotency_key!r} names "
+                         f"transaction {existing.txn_id}, which is {existing.state.name}: "
+                         "end it with EndTxn", field="idempotency_key",
+                         txn_id=existing.txn_id)
+        unfinished = len(self._unfinished) + self._pending_new_txns + len(self._one_calls)
+        if unfinished >= self.limits.max_open:
+            self._counters["exhausted_total"] += 1
+            raise _limit_error("max_open", self.limits.max_open,
+                               f"TC partition {self.tc_partition} has {unfinished} unfinished "
+                               "transactions")
+        txn_id = TxnId(self.tc_partition, max(self._next_sequence, self._last_sequence + 1))
+        self._next_sequence = txn_id.sequence + 1
+        timeout_ms = self.limits.default_timeout_ms
+        records = [Opened(txn_id, now_ms, timeout_ms, now_ms + timeout_ms, None, None,
+                          idempotency_key, (), ()),
+                   Decided(txn_id, Decision.ABORT, EndCause.CLIENT, now_ms, (), ())]
+        return self._propose(records, {txn_id, key_lock}, State.ABORTING, new_txns=1)
 
     def one_call(self, txn_id: TxnId) -> OneCall | None:
         """The one-call transaction being staged under this id (None: none)."""

@@ -370,6 +370,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                            f"{routed_by!r} lives on TC partition "
                            f"{tc_partition_for(routed_by, c.tc_partitions)}",
                            field="tc_partition")
+        if request.abort:
+            if request.batches or request.acks:
+                raise _invalid("an abort carries no batches and no acks", field="abort")
+            partition = await c.partition(k)
+            state = await partition.call(lambda core, now: core.abort_one_call(now, key))
+            metrics.ONE_CALL.labels("aborted_by_client").inc()
+            return coordinator_pb2.CommitTxnResponse(state=state.value)
         tps, subs = await self._one_call_targets(request)
         partition = await c.partition(k)
         start = await partition.call(lambda core, now: core.begin_one_call(

@@ -198,6 +198,9 @@ class Transaction:
         self._kept: _Kept | None = _Kept(limit) if lazy and limit > 0 else None
         self._switch_lock = threading.RLock()
         self._on_fenced = on_fenced  # a session's producer learns it was fenced
+        # A CommitTxn of the kept transaction ended with an unknown outcome: commit()
+        # retries it, abort() makes sure it never commits (CommitTxn with abort).
+        self._commit_unknown = False
         self._txn_id: common_pb2.TxnId | None = _resume
         # Registered by the NewTxn call, whenever it is made.
         self._upfront = (list(dict.fromkeys((t, int(p)) for t, p in partitions)),
@@ -346,9 +349,10 @@ class Transaction:
         except errors.AtomlogClientError as error:
             if not error.retriable:  # definite: it did not commit, and never will
                 self._end_kept(kept, error)
-            else:  # unknown: commit() again retries with the same key
+            else:  # unknown: commit() retries with the same key; abort() makes sure
                 with self._lock:
                     self._kept = kept
+                self._commit_unknown = True
             raise
         self._txn_id = reply.txn_id
         results = list(reply.batch_results) or [None] * len(parts)
@@ -358,6 +362,26 @@ class Transaction:
             else:
                 part.outcome.settle(result.base_offset, result.log_append_time_unix_ms, None)
         self._ended = "committed"
+
+    def _abort_one_call(self, kept: _Kept) -> None:
+        """abort() after a CommitTxn with an unknown outcome: the coordinator makes sure
+        no call with this key commits later; raises TransactionAlreadyCommitted when one
+        did (as abort() of a committed transaction does)."""
+        try:
+            self._call("CommitTxn", S.CommitTxnRequest(
+                tc_partition=self.tc_partition, idempotency_key=self._new_txn_key,
+                session=self.session, abort=True))
+        except errors.TransactionAlreadyCommitted:
+            for part in kept.partitions.values():  # written, where is not known here
+                part.outcome.settle(-1, -1, None)
+            self._ended = "committed"
+            raise
+        except errors.AtomlogClientError:
+            with self._lock:
+                self._kept = kept  # still unknown: abort() or commit() may be tried again
+            raise
+        self._end_kept(kept, errors.error_for("TRANSACTION_ABORTED",
+                                              f"transaction {self._name} was aborted"))
 
     def _end_kept(self, kept: _Kept, error: errors.AtomlogClientError) -> None:
         kept.fail(error)
@@ -569,6 +593,9 @@ class Transaction:
             return
         with self._switch_lock:
             kept, self._kept = self._kept, None
+        if kept is not None and self._commit_unknown:
+            self._abort_one_call(kept)
+            return
         if kept is not None:  # one-call: nothing reached any server
             kept.fail(errors.error_for("TRANSACTION_ABORTED", f"transaction {self._name} "
                                        "was aborted"))

@@ -300,6 +300,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.staging.append(txn_id)  # refused for now (CONCURRENT): still staging
         self.settle(settle)
 
+    @rule(key=st.sampled_from(["oc1", "oc2", "oc3", "k1"]), settle=SETTLE)
+    def abort_one_call(self, key, settle):
+        ready = self.attempt("abort_one_call",
+                             lambda: self.core.abort_one_call(self.now_ms, key))
+        if ready is not None:
+            assert ready.reply in (State.ABORTING, State.ABORTED)
+        self.settle(settle)
+
     @rule(data=st.data(), chosen=st.lists(st.sampled_from(TARGETS), min_size=1, max_size=3))
     def add_targets(self, data, chosen):
         txn_id = data.draw(st.sampled_from(self.known()))
@@ -1099,3 +1107,24 @@ def test_sequences_reserved_records_round_trip_and_bad_ones_are_refused():
         SequencesReserved(0)
     with pytest.raises(RecordCorrupt):
         decode_record(encode_record(record) + b"\x00")
+
+
+def test_abort_one_call_leaves_a_tombstone_that_no_late_call_commits_past():
+    core, log = TcPartitionCore(TC, coordinator_epoch=1), []
+    ready = core.abort_one_call(NOW, "gave-up")
+    assert ready.reply is State.ABORTING
+    _durable(core, ready, log)  # Opened + Decided(ABORT); no targets, so Completed at once
+    assert [type(r) for r in log] == [Opened, Decided, Completed]
+    with pytest.raises(AtomlogError) as late:
+        core.begin_one_call(NOW, 0, None, "gave-up", [TopicPartition("t", 0)], [])
+    assert late.value.reason == "TRANSACTION_ABORTED"
+    assert core.abort_one_call(NOW, "gave-up").reply is State.ABORTED  # again: fine
+    start = core.begin_one_call(NOW, 0, None, "done", [TopicPartition("t", 0)], [])
+    _durable(core, start, log)
+    with pytest.raises(AtomlogError) as busy:
+        core.abort_one_call(NOW, "done")
+    assert busy.value.reason == "CONCURRENT_TRANSACTIONS"
+    _durable(core, core.end_one_call(NOW, start.reply.txn_id), log)
+    with pytest.raises(AtomlogError) as committed:
+        core.abort_one_call(NOW, "done")
+    assert committed.value.reason == "TRANSACTION_ALREADY_COMMITTED"

@@ -399,3 +399,29 @@ def test_bad_commit_txn_input_is_refused_with_a_reason_and_changes_nothing(serve
     assert committed_values(client, topic) == []
     for partition in range(2):  # nothing was appended
         assert client.describe_partition(topic, partition).high_watermark == 0
+
+
+def test_an_abort_by_key_stops_any_later_commit_and_reports_a_committed_one(servers, client):
+    """CommitTxn with abort (what the SDK's abort() sends after a commit with an unknown
+    outcome): a committed key answers TRANSACTION_ALREADY_COMMITTED; any other key gets a
+    tombstone, and a later CommitTxn with it is refused."""
+    topic = create_online(client, "oc-abort-key", 1)
+    with client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=30)
+        producer.send(topic, b"done", partition=0, txn=txn)
+        txn.commit()
+    k = txn.tc_partition
+    committed = _commit_txn(client, tc_partition=k, idempotency_key=txn._new_txn_key,
+                            abort=True)
+    assert committed.reason == "TRANSACTION_ALREADY_COMMITTED"
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(
+        client.channels.get(client.metadata.tc_routes[k]))
+    gave_up = _key_on(k, client.metadata.tc_partition_count)
+    reply = stub.CommitTxn(coordinator_pb2.CommitTxnRequest(
+        tc_partition=k, idempotency_key=gave_up, abort=True), timeout=10)
+    assert reply.state in (coordinator_pb2.TXN_STATE_ABORTING, coordinator_pb2.TXN_STATE_ABORTED)
+    late = _commit_txn(client, tc_partition=k, idempotency_key=gave_up, batches=[
+        partition_pb2.ProduceItem(topic_partition=common_pb2.TopicPartition(
+            topic=topic, partition=0), record_batch=encode_batch([Record(None, b"late", (), 0)]))])
+    assert late.reason == "TRANSACTION_ABORTED"
+    assert committed_values(client, topic) == [b"done"]

@@ -180,7 +180,7 @@ class EndTxnResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[TxnState, str]] = ..., already_ended: _Optional[bool] = ..., kept_child_txn_ids: _Optional[_Iterable[_Union[_common_pb2.TxnId, _Mapping]]] = ..., aborted_child_txn_ids: _Optional[_Iterable[_Union[_common_pb2.TxnId, _Mapping]]] = ...) -> None: ...
 
 class CommitTxnRequest(_message.Message):
-    __slots__ = ("tc_partition", "idempotency_key", "timeout_ms", "session", "batches", "acks", "wait_for_markers")
+    __slots__ = ("tc_partition", "idempotency_key", "timeout_ms", "session", "batches", "acks", "wait_for_markers", "abort")
     TC_PARTITION_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class CommitTxnRequest(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_MARKERS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     tc_partition: int
     idempotency_key: str
     timeout_ms: int
@@ -195,7 +196,8 @@ class CommitTxnRequest(_message.Message):
     batches: _containers.RepeatedCompositeFieldContainer[_partition_pb2.ProduceItem]
     acks: _containers.RepeatedCompositeFieldContainer[_partition_pb2.AckItem]
     wait_for_markers: bool
-    def __init__(self, tc_partition: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[_partition_pb2.ProduceItem, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[_partition_pb2.AckItem, _Mapping]]] = ..., wait_for_markers: _Optional[bool] = ...) -> None: ...
+    abort: bool
+    def __init__(self, tc_partition: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[_partition_pb2.ProduceItem, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[_partition_pb2.AckItem, _Mapping]]] = ..., wait_for_markers: _Optional[bool] = ..., abort: _Optional[bool] = ...) -> None: ...
 
 class CommitTxnResponse(_message.Message):
     __slots__ = ("txn_id", "state", "already_ended", "batch_results")
