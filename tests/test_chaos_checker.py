@@ -310,6 +310,25 @@ def test_duplicate_against_a_send_offset_is_reported_once():
     assert_only(report, "duplicate", 1)
 
 
+def test_an_aborted_one_call_attempt_beside_its_committed_retry_is_no_duplicate():
+    """A one-call transaction staged, presumed aborted when its coordinator lost the TC
+    partition, and run anew by the SDK's retry: one op, two copies in the log, the first
+    aborted. Read_uncommitted readers see both; that is not a duplicate — but a second
+    copy that read_committed readers see is."""
+    history = History()
+    history.append("t", 0, "v", visible=False)  # the aborted attempt
+    first = history.positions["v"]
+    history.txn(["v"])  # its committed retry, at the next offset
+    del history.positions["v"]
+    history.positions["v"] = [first[0], first[1], first[2] + 1]
+    history.poll(records=[["t", 0, 0, "v"], ["t", 0, 1, "v"]], isolation=RU, session="u1")
+    history.poll(records=[["t", 0, 1, "v"]])
+    assert nonzero(check(history.finish())) == {}
+    history.append("t", 0, "v")  # a visible second copy
+    report = check(history.finish())
+    assert_only(report, "duplicate", 1)
+
+
 def test_aborted_read_in_a_poll():
     history = History()
     history.txn(["a"], result="aborted")

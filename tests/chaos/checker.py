@@ -24,7 +24,10 @@ duplicate
     One value at two or more distinct positions across poll records, both final-reads
     and send ok offsets. Each value once. Read_uncommitted observations of a value with
     several writers are left out (an aborted ctp attempt and its committed retry are
-    both in the log, and read_uncommitted readers see both). ctp adds: more than one
+    both in the log, and read_uncommitted readers see both), and so are read_uncommitted
+    observations of positions the final read_committed read does not hold: aborted data
+    (a one-call transaction staged, then presumed aborted when its coordinator lost the
+    TC partition, and run anew under a new transaction id by the SDK's retry). ctp adds: more than one
     visible output for one input (example kind "ctp-output"; merged with the plain
     duplicate of the same value).
 aborted-read
@@ -467,10 +470,14 @@ def find_lost_writes(index: Index) -> list[dict]:
 
 
 def find_duplicates(index: Index) -> list[dict]:
+    final = index.final_reads.get(READ_COMMITTED)
+    held = ({(topic, partition, offset) for topic, partition, offset, _ in records_of(final)}
+            if final is not None else None)
     first: dict[str, Position] = {}
     more: dict[str, set] = {}
     for position, value, committed in observations(index):
-        if not committed and value in index.other_writers:
+        if not committed and (value in index.other_writers
+                              or (held is not None and position not in held)):
             continue
         seen = first.setdefault(value, position)
         if seen != position:
