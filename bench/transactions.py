@@ -85,10 +85,11 @@ RECORD = b"x" * 1024
 
 
 # ------------------------------------------------------------------ small transactions
-def small_client(address: str, index: int, seconds: float, start_at: float, out) -> None:
+def small_client(address: str, index: int, seconds: float, start_at: float, out,
+                 one_call_max_bytes: int = 1 << 20) -> None:
     from spark_client import Client
 
-    client = Client(address)
+    client = Client(address, one_call_max_bytes=one_call_max_bytes)
     partitions = [(index * 4 + i) % PARTITIONS for i in range(4)]
     commits, totals, count = [], [], 0
     with client.producer(linger_ms=0) as producer:
@@ -100,6 +101,7 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out)
         while time.time() < start_at:
             time.sleep(0.001)
         deadline = start_at + seconds
+        cpu_before = time.process_time()
         while time.time() < deadline:
             began = time.perf_counter()
             txn = client.begin_transaction(timeout_s=30)
@@ -111,22 +113,30 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out)
             commits.append(ended - committing)
             totals.append(ended - began)
             count += 1
+        cpu = time.process_time() - cpu_before
     client.close()
-    out.put((count, commits, totals))
+    out.put((count, commits, totals, cpu))
 
 
-def small_transactions(report, address: str, clients: int, seconds: float) -> dict:
+def small_transactions(report, address: str, clients: int, seconds: float,
+                       one_call: bool = True) -> dict:
+    """`clients` processes in a loop of small transactions (one-call ones, or with
+    one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 8 + clients * 0.5
-    workers = [context.Process(target=small_client, args=(address, i, seconds, start_at, out))
-               for i in range(clients)]
+    workers = [context.Process(target=small_client, args=(
+        address, i, seconds, start_at, out, (1 << 20) if one_call else 0))
+        for i in range(clients)]
     for worker in workers:
         worker.start()
-    metrics = [p.metrics_address for p in report.cluster.processes if p.role != "zookeeper"]
+    services = [p for p in report.cluster.processes if p.role != "zookeeper"]
+    metrics = [p.metrics_address for p in services]
     time.sleep(max(0.0, start_at - time.time()))
     before = rpc_counts(metrics)  # the timed window: warm-up calls are behind us
+    cpu_before = {p.name: common.cpu_seconds(p.pid) for p in services}
     results = [out.get(timeout=seconds + 300) for _ in workers]
+    server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
     after = rpc_counts(metrics)
     for worker in workers:
         worker.join()
@@ -135,9 +145,15 @@ def small_transactions(report, address: str, clients: int, seconds: float) -> di
     local = sum(after[m] - before[m] for m in after if m.startswith("in-process"))
     commits = [c for r in results for c in r[1]]
     totals = [t for r in results for t in r[2]]
+    client_cpu = sum(r[3] for r in results)
     return {"clients": clients, "transactions": count, "per_s": count / seconds,
+            "one_call": one_call,
             "calls_per_txn": calls / max(count, 1),
             "local_calls_per_txn": local / max(count, 1),
+            "calls_by_method": {m: (after[m] - before[m]) / max(count, 1) for m in after
+                                if after[m] - before[m] > 0},
+            "server_cpu_ms_per_txn": server_cpu / max(count, 1) * 1e3,
+            "client_cpu_ms_per_txn": client_cpu / max(count, 1) * 1e3,
             "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
             "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
             "txn_p50_ms": common.percentile(totals, 0.5) * 1e3,
@@ -231,7 +247,8 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
 
 
 def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, int],
-               metrics_addresses: list[str], out, pipelined: bool, suffix: str) -> None:
+               metrics_addresses: list[str], out, pipelined: bool, suffix: str,
+               one_call_max_bytes: int = 1 << 20) -> None:
     """One worker: preload (untimed), then the loop of peers-bench W3. Sequential (as the
     peers): each transaction commits before the next poll. Pipelined: the ack goes out
     with ack_async() (it opens the transaction on the consumer's ack thread while the
@@ -240,7 +257,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     from spark_client import Client
 
     topic_in, topic_out, subscription = CTP_IN + suffix, CTP_OUT + suffix, CTP_SUBSCRIPTION
-    client = Client(address)
+    client = Client(address, one_call_max_bytes=one_call_max_bytes)
     payload = os.urandom(1024)  # as peers-bench: one random 1 KiB buffer per client
     with client.producer(linger_ms=5) as producer:
         futures = [producer.send(topic_in, payload, partition=i % partitions)
@@ -313,10 +330,10 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
 
 
 def consume_transform_produce(report, address: str, inputs: int, partitions: int,
-                              pipelined: bool = False) -> dict:
+                              pipelined: bool = False, one_call: bool = True) -> dict:
     from spark_client import Client
 
-    suffix = "-pipelined" if pipelined else ""
+    suffix = ("-pipelined" if pipelined else "") + ("" if one_call else "-streaming")
     with Client(address) as client:
         client.create_topic(CTP_IN + suffix, partitions=partitions)
         client.create_topic(CTP_OUT + suffix, partitions=partitions)
@@ -326,7 +343,8 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
     out = context.Queue()
     worker = context.Process(target=ctp_worker, args=(
         address, inputs, partitions, {p.name: p.pid for p in services},
-        [p.metrics_address for p in services], out, pipelined, suffix))
+        [p.metrics_address for p in services], out, pipelined, suffix,
+        (1 << 20) if one_call else 0))
     worker.start()
     result = out.get(timeout=600)
     worker.join()

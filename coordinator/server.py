@@ -39,6 +39,7 @@ from coordinator.routing import PartitionRoutes
 from coordinator.staging import StageChannel
 from coordinator.tc_partition import Phase, Settings, TcPartition
 from coordinator.txn_log import TOPIC as TXN_LOG_TOPIC
+from coordinator.txn_log import AppendChannel
 from partition_server.record_batch import LENGTH_FIELD_END, check_stageable, parse_header
 from services import failpoints
 from services.errors import AtomlogError
@@ -108,6 +109,7 @@ class Coordinator:
         self.name = name
         self.stager = stager or StageChannel(routes)
         self.one_call_max_bytes = one_call_max_bytes
+        self.log_channel = AppendChannel(routes, settings.log_request_timeout_ms / 1000)
         self.tc_partitions = tc_partitions
         self.routes = routes
         self.markers = markers
@@ -127,7 +129,8 @@ class Coordinator:
         partition = TcPartition(
             lease.tc_partition, lease.epoch, lease.log_producer_id,
             coordinator_name=self.name, routes=self.routes, markers=self.markers,
-            limits=self.limits, settings=self.settings, on_fenced=self.on_fenced)
+            limits=self.limits, settings=self.settings, on_fenced=self.on_fenced,
+            log_channel=self.log_channel)
         self.partitions[lease.tc_partition] = partition
         partition.start()
 
@@ -679,6 +682,7 @@ async def install(runtime) -> list[str]:
             await coordinator.on_lost(k)
         await markers.close()
         await stager.close()
+        await coordinator.log_channel.close()
         await routes.close()
         await producer_ids.close()
         from prometheus_client import REGISTRY

@@ -55,6 +55,7 @@ from coordinator.records import (
 from coordinator.routing import PartitionRoutes
 from coordinator.txn_log import (
     KEY_SNAPSHOT,
+    AppendChannel,
     AppendRejected,
     Fenced,
     SnapshotAssembler,
@@ -100,7 +101,8 @@ class TcPartition:
     def __init__(self, tc_partition: int, epoch: int, log_producer_id: int, *,
                  coordinator_name: str, routes: PartitionRoutes, markers: MarkerChannel,
                  limits: Limits, settings: Settings,
-                 on_fenced: Callable[[int], Awaitable[None]]):
+                 on_fenced: Callable[[int], Awaitable[None]],
+                 log_channel: AppendChannel | None = None):
         self.tc_partition = tc_partition
         self.epoch = epoch
         self.coordinator_name = coordinator_name
@@ -109,7 +111,7 @@ class TcPartition:
         self.settings = settings
         self.on_fenced = on_fenced
         self.log = TxnLog(routes, tc_partition, log_producer_id, epoch,
-                          settings.log_request_timeout_ms / 1000)
+                          settings.log_request_timeout_ms / 1000, log_channel)
         self.phase = Phase.LOADING
         self.core: TcPartitionCore | None = None
         self.load_seconds: float | None = None

@@ -20,6 +20,11 @@ Record values in the log (record keys tell them apart):
 
 Everything below the first chunk of a durable, complete snapshot can be deleted
 (DeleteRecords, whole segments): the log stays bounded by the snapshot interval.
+
+Appends of every TC partition of a process that go to the same partition server share
+Produce calls (AppendChannel): one call in flight per server, and whatever TC partitions
+queue meanwhile leaves together in the next one — 16 TC partitions whose logs live on 3
+servers cost at most 3 calls at a time, however many transactions they decide.
 """
 
 from __future__ import annotations
@@ -89,12 +94,74 @@ def _topic_partition(k: int) -> common_pb2.TopicPartition:
     return common_pb2.TopicPartition(topic=TOPIC, partition=k)
 
 
+class AppendChannel:
+    """Produce calls shared by the TC logs of a process, per partition server: items
+    queued while a call to that server is in flight leave together in the next one."""
+
+    MAX_ITEMS = 1_000
+    MAX_BYTES = 8 << 20
+
+    def __init__(self, routes: PartitionRoutes, request_timeout_s: float = 5.0):
+        self.routes = routes
+        self.request_timeout_s = request_timeout_s
+        self._queues: dict[str, list[tuple[partition_pb2.ProduceItem, asyncio.Future]]] = {}
+        self._senders: dict[str, asyncio.Task] = {}
+        self.calls = 0
+
+    async def produce(self, address: str, item: partition_pb2.ProduceItem):
+        """The ProduceResult of `item`, sent to `address` with whatever else is queued;
+        raises AtomlogError when the call itself failed."""
+        future = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(address, []).append((item, future))
+        task = self._senders.get(address)
+        if task is None or task.done():
+            self._senders[address] = asyncio.create_task(self._send_all(address),
+                                                          name=f"txn-log->{address}")
+        return await asyncio.shield(future)
+
+    async def _send_all(self, address: str) -> None:
+        queue = self._queues.setdefault(address, [])
+        while queue:
+            group, size = [], 0
+            while queue and len(group) < self.MAX_ITEMS and (
+                    not group or size + len(queue[0][0].record_batch) <= self.MAX_BYTES):
+                entry = queue.pop(0)
+                size += len(entry[0].record_batch)
+                group.append(entry)
+            self.calls += 1
+            try:
+                response = await self.routes.stub(address).Produce(
+                    partition_pb2.ProduceRequest(items=[item for item, _ in group]),
+                    timeout=self.request_timeout_s)
+                results = list(response.results)
+                if len(results) != len(group):
+                    raise AtomlogError("INTERNAL", f"{address} answered {len(results)} "
+                                       f"results for {len(group)} items")
+            except Exception as error:  # noqa: BLE001 — every waiter gets an answer
+                failure = (from_rpc_error(error) if isinstance(error, grpc.RpcError)
+                           else error if isinstance(error, AtomlogError)
+                           else AtomlogError("INTERNAL", f"TC log append failed: {error}"))
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(failure)
+                continue
+            for (_, future), result in zip(group, results):
+                if not future.done():
+                    future.set_result(result)
+
+    async def close(self) -> None:
+        for task in self._senders.values():
+            task.cancel()
+        await asyncio.gather(*self._senders.values(), return_exceptions=True)
+
+
 class TxnLog:
     """Appends and reads of `__txn_log-<k>` for the owner holding coordinator epoch `epoch`.
     One append at a time (the TC partition's writer batches everything queued into it)."""
 
     def __init__(self, routes: PartitionRoutes, tc_partition: int, producer_id: int,
-                 epoch: int, request_timeout_s: float = 5.0):
+                 epoch: int, request_timeout_s: float = 5.0,
+                 channel: AppendChannel | None = None):
         if not 0 < epoch <= 0xFFFE:
             raise ValueError(f"coordinator epoch {epoch} does not fit a producer epoch")
         self.routes = routes
@@ -104,6 +171,7 @@ class TxnLog:
         self.request_timeout_s = request_timeout_s
         self._next_sequence = 0
         self.appends_retried = 0
+        self.channel = channel
 
     # ------------------------------------------------------------------ writing
 
@@ -123,22 +191,25 @@ class TxnLog:
         batch = encode_batch([Record(key=k, value=v) for k, v in entries],
                              producer_id=self.producer_id, producer_epoch=self.epoch,
                              base_sequence=self._next_sequence)
-        request = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
-            topic_partition=_topic_partition(self.tc_partition), record_batch=batch)])
+        item = partition_pb2.ProduceItem(topic_partition=_topic_partition(self.tc_partition),
+                                         record_batch=batch)
+        request = partition_pb2.ProduceRequest(items=[item])
         attempt = 0
         while True:
             try:
-                result = await self._call("Produce", request)
-                error = (AtomlogError(result.results[0].error.reason,
-                                      result.results[0].error.message,
-                                      dict(result.results[0].error.metadata))
-                         if result.results[0].error.reason else None)
+                if self.channel is not None:
+                    address = await self.routes.owner(TOPIC, self.tc_partition)
+                    result = await self.channel.produce(address, item)
+                else:
+                    result = (await self._call("Produce", request)).results[0]
+                error = (AtomlogError(result.error.reason, result.error.message,
+                                      dict(result.error.metadata))
+                         if result.error.reason else None)
             except AtomlogError as raised:
                 error, result = raised, None
             if error is None:
                 self._next_sequence += len(entries)
-                item = result.results[0]
-                return item.base_offset, item.last_offset
+                return result.base_offset, result.last_offset
             if error.reason == "PRODUCER_FENCED":
                 raise Fenced(error.message)
             if error.reason not in RETRY_REASONS:

@@ -1,0 +1,252 @@
+"""Benchmark (issue 19): the transaction paths, both server shapes and the peers, in ONE run.
+
+Cells, each on a fresh local cluster of its shape (the multi-process cluster: 1 id
+allocator, 2 coordinators, 3 partition servers; the combined server: every role in one
+process), through the Python SDK exactly as bench/transactions.py runs them:
+
+- small transactions: 8 client processes in a loop of begin, 10 × 1 KiB over 4
+  partitions, commit() — with one-call transactions (the SDK's default: one CommitTxn)
+  and with the streaming path (Client(one_call_max_bytes=0): NewTxn, Produce, EndTxn).
+  Transactions/s, commit() p50/p99, gRPC calls per transaction by method, and CPU per
+  transaction of the servers and of the clients;
+- consume-transform-produce (peers-bench W3: 20,000 preloaded inputs, batches of 100):
+  sequential (ack(), commit()) and pipelined (ack_async(), commit_async(), 4 committing),
+  one-call and streaming.
+
+Baselines and peers measured in the same run: the do-nothing gRPC call rate between two
+Python processes (the ceiling per call), fsync latency; PostgreSQL from
+../shared/peers-bench (W1 with 8 clients, W3), when its servers run (`bash setup.sh`
+there); Apache Kafka 4.x (bench/kafka_peer.py: one KRaft broker, fsync per message,
+confluent-kafka transactions), when Java and its jars can be had. A peer that cannot run
+is skipped and the table says so.
+
+Prints a table and writes its section of docs/benchmarks.md.
+
+    .venv/bin/python bench/transaction_paths.py [--clients 8] [--seconds 10] [--no-peers] [--no-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO / "bench"))
+
+import common  # noqa: E402
+import transactions as tb  # noqa: E402  (bench/transactions.py: the cells themselves)
+
+BEGIN = "<!-- bench/transaction_paths.py: begin -->"
+END = "<!-- bench/transaction_paths.py: end -->"
+PEERS_BENCH = REPO.parent / "shared" / "peers-bench"
+SHAPES = {"cluster": {"id_allocator": 1, "coordinator": 2, "partition_server": 3},
+          "combined": {"combined": 1}}
+
+
+def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int) -> dict:
+    """Every atomlog cell on one fresh cluster of `shape`."""
+    from spark_client import Client
+
+    cells: dict = {}
+    with common.local_cluster(f"atomlog-bench-paths-{shape}-", SHAPES[shape]) as (
+            _, report, address):
+        with Client(address) as client:
+            client.create_topic(tb.SMALL_TOPIC, partitions=tb.PARTITIONS)
+        time.sleep(3)  # leases settle
+        for one_call in (True, False):
+            path = "one-call" if one_call else "streaming"
+            cells[f"small {path}"] = tb.small_transactions(report, address, clients, seconds,
+                                                           one_call)
+            print(f"{shape} small {path}: {cells[f'small {path}']}", flush=True)
+            for pipelined in (False, True):
+                name = f"ctp {'pipelined' if pipelined else 'sequential'} {path}"
+                cells[name] = tb.consume_transform_produce(report, address, ctp_inputs, 1,
+                                                           pipelined, one_call)
+                print(f"{shape} {name}: {cells[name]}", flush=True)
+    return cells
+
+
+def run_postgres(clients: int, seconds: float) -> dict:
+    """peers-bench W1 (8 clients) and W3 on PostgreSQL, or {"skipped": why}."""
+    python = PEERS_BENCH / ".venv" / "bin" / "python"
+    if not python.exists():
+        return {"skipped": f"no {python} (run `bash setup.sh` in {PEERS_BENCH})"}
+    figures = {}
+    for workload, extra in (("w1", ["--clients", str(clients), "--duration", str(seconds)]),
+                            ("w3", [])):
+        try:
+            done = subprocess.run([str(python), "bench.py", "--peer", "pg", "--workload",
+                                   workload, *extra], cwd=PEERS_BENCH, capture_output=True,
+                                  text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return {"skipped": f"peers-bench {workload} did not finish in 300 s"}
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"skipped": f"peers-bench {workload} failed: {tail[0][:200]}"}
+        figures[workload] = json.loads(lines[-1])
+        print(f"postgres {workload}: {figures[workload]}", flush=True)
+    return figures
+
+
+def run_kafka(clients: int, seconds: float, ctp_inputs: int) -> dict:
+    """The same workloads on one Kafka 4.x broker, or {"skipped": why}."""
+    try:
+        import kafka_peer
+    except ImportError as error:
+        return {"skipped": f"bench/kafka_peer.py cannot be imported: {error}"}
+    try:
+        with kafka_peer.KafkaBroker() as broker:
+            small = kafka_peer.small_transactions(broker.bootstrap, clients=clients,
+                                                  seconds=seconds)
+            print(f"kafka small: {small}", flush=True)
+            ctp = kafka_peer.consume_transform_produce(broker.bootstrap, inputs=ctp_inputs)
+            print(f"kafka ctp: {ctp}", flush=True)
+            return {"small": small, "ctp": ctp, "version": getattr(broker, "version", "")}
+    except kafka_peer.PeerUnavailable as unavailable:
+        return {"skipped": str(unavailable)}
+
+
+# ------------------------------------------------------------------ report
+def _ratio(value: float | None, base: float | None) -> str:
+    if not value or not base:
+        return "–"
+    return f"{value / base:.0%}"
+
+
+def _calls(cell: dict) -> str:
+    methods = {m: n for m, n in cell["calls_by_method"].items()
+               if not m.startswith(("TC log", "in-process")) and n >= 0.05}
+    text = ", ".join(f"{m} {n:.2f}" for m, n in sorted(methods.items(), key=lambda i: -i[1]))
+    local = cell.get("local_calls_per_txn", 0)
+    return text + (f"; in-process {local:.1f}" if local >= 0.05 else "")
+
+
+def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict,
+            postgres: dict, kafka: dict) -> str:
+    rate = floor["calls_per_s"]
+    pg_w1 = postgres.get("w1", {}).get("txn_per_s")
+    pg_w3 = postgres.get("w3", {}).get("inputs_per_s")
+    kafka_small = kafka.get("small", {}).get("txn_per_s")
+    kafka_ctp = kafka.get("ctp", {}).get("inputs_per_s")
+
+    def peers_small(value: float) -> str:
+        return (f"{_ratio(value, rate)} of the call rate; {_ratio(value, pg_w1)} of PostgreSQL; "
+                f"{_ratio(value, kafka_small)} of Kafka")
+
+    def peers_ctp(value: float) -> str:
+        return f"{_ratio(value, pg_w3)} of PostgreSQL; {_ratio(value, kafka_ctp)} of Kafka"
+
+    lines = [
+        BEGIN,
+        "## The transaction paths: one-call and streaming, cluster and combined server, "
+        "beside PostgreSQL and Kafka (issue 19)",
+        "",
+        f"`{command}`, {time.strftime('%Y-%m-%d %H:%M')}, {common.machine(load, with_java=True)}",
+        "",
+        "Everything below comes from one run, minutes apart. Baselines: a do-nothing gRPC call "
+        f"between two Python processes ran at **{rate:,.0f} calls/s** "
+        f"({floor['server_cpu_ms_per_call']:.2f} ms of server CPU per call); fsync of a small "
+        f"write p50 {baseline['p50']:.2f} ms. Small transactions: 8 client processes, each "
+        "a loop of begin, 10 × 1 KiB over 4 partitions, commit(). *One-call* is the SDK's "
+        "default (the transaction is kept by the client and committed by one CommitTxn); "
+        "*streaming* is `Client(one_call_max_bytes=0)` (NewTxn, Produce, EndTxn). Calls are "
+        "gRPC calls per transaction counted by every server (client and server-to-server, "
+        "TC-log appends included); *in-process* are the combined server's function calls "
+        "instead. CPU is per transaction, servers and clients separately.",
+        "",
+        "| cell | cluster | combined server | ratios (cluster / combined) |",
+        "| --- | --- | --- | --- |",
+    ]
+    cluster, combined = shapes.get("cluster", {}), shapes.get("combined", {})
+    for path in ("one-call", "streaming"):
+        a, b = cluster.get(f"small {path}"), combined.get(f"small {path}")
+        if not a or not b:
+            continue
+        lines += [
+            f"| small transactions/s, {path} | **{a['per_s']:,.0f}** | **{b['per_s']:,.0f}** "
+            f"| {peers_small(a['per_s'])} / {peers_small(b['per_s'])} |",
+            f"| commit() p50 / p99 ms, {path} | {a['commit_p50_ms']:.1f} / "
+            f"{a['commit_p99_ms']:.1f} | {b['commit_p50_ms']:.1f} / {b['commit_p99_ms']:.1f} "
+            "| |",
+            f"| gRPC calls per transaction, {path} | {a['calls_per_txn']:.2f} "
+            f"({_calls(a)}) | {b['calls_per_txn']:.2f} ({_calls(b)}) | |",
+            f"| CPU ms per transaction (servers + clients), {path} | "
+            f"{a['server_cpu_ms_per_txn']:.1f} + {a['client_cpu_ms_per_txn']:.1f} | "
+            f"{b['server_cpu_ms_per_txn']:.1f} + {b['client_cpu_ms_per_txn']:.1f} | |",
+        ]
+    for path in ("one-call", "streaming"):
+        for mode in ("sequential", "pipelined"):
+            a = cluster.get(f"ctp {mode} {path}")
+            b = combined.get(f"ctp {mode} {path}")
+            if not a or not b:
+                continue
+            lines.append(
+                f"| consume-transform-produce inputs/s, {mode}, {path} | **{a['per_s']:,.0f}** "
+                f"(commit p99 {a['commit_p99_ms']:.0f} ms) | **{b['per_s']:,.0f}** (commit p99 "
+                f"{b['commit_p99_ms']:.0f} ms) | {peers_ctp(a['per_s'])} / "
+                f"{peers_ctp(b['per_s'])} |")
+    lines += ["", "Peers in the same run:", ""]
+    if "skipped" in postgres:
+        lines.append(f"- PostgreSQL: skipped ({postgres['skipped']}).")
+    else:
+        w1, w3 = postgres["w1"], postgres["w3"]
+        lines.append(f"- PostgreSQL (peers-bench, fsync on, synchronous_commit on): W1 with "
+                     f"{w1['clients']} clients **{w1['txn_per_s']:,.0f} txn/s** (latency p50 "
+                     f"{w1['p50_ms']:.1f} ms, p99 {w1['p99_ms']:.1f} ms); W3 "
+                     f"**{w3['inputs_per_s']:,.0f} inputs/s**.")
+    if "skipped" in kafka:
+        lines.append(f"- Kafka: skipped ({kafka['skipped']}).")
+    else:
+        small, ctp = kafka["small"], kafka["ctp"]
+        lines.append(f"- Apache Kafka {kafka.get('version') or '4.x'} (one KRaft broker, "
+                     "`log.flush.interval.messages=1`, confluent-kafka): small transactions "
+                     f"**{small['txn_per_s']:,.0f} txn/s** (commit p50 "
+                     f"{small['commit_p50_ms']:.1f} ms, p99 {small['commit_p99_ms']:.1f} ms); "
+                     "consume-transform-produce with send_offsets_to_transaction "
+                     f"**{ctp['inputs_per_s']:,.0f} inputs/s**.")
+    lines += ["",
+              "Targets of issue 19 (ratios in this run): small transactions ≥ 25% of the call "
+              "rate on the cluster and ≥ 50% on the combined server, commit p99 < 25 ms on "
+              "the combined server; consume-transform-produce ≥ 60% of PostgreSQL on the "
+              "cluster and ≥ 100% on the combined server.", END]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--ctp-inputs", type=int, default=20_000)
+    parser.add_argument("--shapes", default="cluster,combined")
+    parser.add_argument("--no-peers", action="store_true", help="skip PostgreSQL and Kafka")
+    parser.add_argument("--no-docs", action="store_true", help="print only")
+    args = parser.parse_args()
+    command = common.command_line("bench/transaction_paths.py", sys.argv[1:])
+    load = os.getloadavg()[0]
+    floor = common.grpc_call_floor()
+    print(f"gRPC call floor: {floor}", flush=True)
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="atomlog-bench-fsync-") as directory:
+        baseline = common.fsync_baseline(Path(directory))
+    shapes = {shape: run_shape(shape, args.clients, args.seconds, args.ctp_inputs)
+              for shape in args.shapes.split(",")}
+    skipped = {"skipped": "--no-peers"}
+    postgres = skipped if args.no_peers else run_postgres(args.clients, args.seconds)
+    kafka = skipped if args.no_peers else run_kafka(args.clients, args.seconds, args.ctp_inputs)
+    text = section(command, load, baseline, floor, shapes, postgres, kafka)
+    print()
+    print(text)
+    if not args.no_docs:
+        common.write_docs_section(text, BEGIN, END)
+        print(f"wrote its section of {common.DOCS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
