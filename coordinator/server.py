@@ -403,6 +403,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             lambda core, now: core.end_one_call(now, start.txn_id, failure))
         if isinstance(result, OneCallAborted):
             metrics.ONE_CALL.labels(result.error.reason).inc()
+            if result.error.reason == "STALE_COORDINATOR_EPOCH":
+                # A partition server knows a newer owner of this TC partition: the client
+                # retries there (the key is free: nothing was decided here).
+                raise AtomlogError("NOT_COORDINATOR", f"TC partition {k} has a newer owner "
+                                   f"than {c.name}: {result.error.message}",
+                                   {"tc_partition": str(k)})
             raise result.error
         metrics.ONE_CALL.labels("committed").inc()
         state = result.state

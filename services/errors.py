@@ -207,6 +207,18 @@ class AtomlogError(Exception):
         return ((STATUS_DETAILS_KEY, self.to_status_proto().SerializeToString()),)
 
 
+def unexpected(error: Exception, where: str) -> AtomlogError:
+    """The AtomlogError an RPC answers for an exception no handler expected: a lost or
+    expired ZooKeeper connection is ZOOKEEPER_UNAVAILABLE (retriable: the session comes
+    back or the server is replaced), anything else INTERNAL (a bug; the caller logs it)."""
+    from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, SessionExpiredError
+
+    if isinstance(error, (ConnectionLoss, SessionExpiredError, ConnectionClosedError)):
+        return AtomlogError("ZOOKEEPER_UNAVAILABLE", f"{where}: ZooKeeper is unreachable "
+                            f"({type(error).__name__}); retry", {"retry_after_ms": "500"})
+    return AtomlogError("INTERNAL", f"internal error in {where}; see the server log")
+
+
 def from_rpc_error(error: grpc.RpcError) -> AtomlogError:
     """Decode a client-side RpcError into an AtomlogError (best effort for foreign errors)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN

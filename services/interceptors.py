@@ -10,7 +10,7 @@ import time
 import grpc
 
 from services import metrics
-from services.errors import AtomlogError
+from services.errors import AtomlogError, unexpected
 from services.logs import event
 
 log = logging.getLogger("atomlog.rpc")
@@ -49,10 +49,11 @@ def _wrap(method: str, behavior):
         except grpc.aio.AbortError:
             code = context.code() or grpc.StatusCode.UNKNOWN
             raise
-        except Exception:  # a bug: log it whole, answer INTERNAL with a reason
-            code = grpc.StatusCode.INTERNAL
-            log.exception("unhandled error in %s", method)
-            error = AtomlogError("INTERNAL", f"internal error in {method}; see the server log")
+        except Exception as unhandled:  # a bug (logged whole), or ZooKeeper gone
+            error = unexpected(unhandled, method)
+            code = error.code
+            if error.reason == "INTERNAL":
+                log.exception("unhandled error in %s", method)
             await context.abort(error.code, error.message, error.trailing_metadata())
         finally:
             metrics.RPC_IN_FLIGHT.dec()

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from services import metrics
-from services.errors import AtomlogError
+from services.errors import AtomlogError, unexpected
 
 log = logging.getLogger("atomlog.local")
 
@@ -133,10 +133,11 @@ class LocalStub:
             except NotImplementedError:
                 raise _rpc_error(AtomlogError("UNIMPLEMENTED", f"{name} is not implemented")) \
                     from None
-            except Exception:  # a bug: logged whole, INTERNAL as the interceptor answers it
-                log.exception("unhandled error in %s (in-process)", name)
-                raise _rpc_error(AtomlogError(
-                    "INTERNAL", f"internal error in {name}; see the server log")) from None
+            except Exception as unhandled:  # answered as the interceptor answers it
+                error = unexpected(unhandled, name)
+                if error.reason == "INTERNAL":
+                    log.exception("unhandled error in %s (in-process)", name)
+                raise _rpc_error(error) from None
 
         call.__name__ = method
         setattr(self, method, call)

@@ -328,8 +328,7 @@ class Producer:
                     partition = self._sticky[topic] = next(self._round_robin) % count
             future = txn.keep_record(self, topic, partition, record, size)
             if future is not None:
-                if id(txn) not in self._kept_by:
-                    self._kept_by[id(txn)] = weakref.ref(txn)
+                remember_kept(self._kept_by, txn)
                 return future
         deadline = time.monotonic() + self.max_block_s
         with self._lock:
@@ -744,6 +743,22 @@ class Producer:
         self._buffered_bytes -= batch.size
         self._unfinished -= len(batch.records)
         self._lock.notify_all()
+
+
+def remember_kept(kept_by: dict, txn) -> None:
+    """Note in `kept_by` ({id: weakref}, in order of first use) a one-call transaction
+    holding something of a producer or consumer; entries of transactions that are gone or
+    no longer one-call are dropped as it grows, so it stays small."""
+    ref = kept_by.get(id(txn))
+    if ref is not None and ref() is txn:
+        return
+    kept_by.pop(id(txn), None)  # an id reused by a new object
+    if len(kept_by) >= 64:
+        for key, old in list(kept_by.items()):
+            held = old()
+            if held is None or not held.one_call:
+                del kept_by[key]
+    kept_by[id(txn)] = weakref.ref(txn)
 
 
 def _discard(state: _PartitionState, batch: _Batch) -> None:

@@ -40,6 +40,7 @@ from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.record_batch import decode_records, iter_batches
 from services.backoff import Backoff
 from spark_client import errors
+from spark_client.producer import remember_kept
 from spark_client.consumer import ISOLATION, Message
 
 _ROUTING = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
@@ -344,7 +345,7 @@ class SubscriptionConsumer:
         if txn is not None and txn.one_call:
             self._check_kept_conflicts(acks, txn)
             if txn.keep_acks(self, acks):
-                self._kept_by.setdefault(id(txn), weakref.ref(txn))
+                remember_kept(self._kept_by, txn)
                 return  # kept for the transaction's one-call commit
         if txn is not None:
             txn.register_subscriptions([(t, p, self.subscription) for t, p in acks])

@@ -69,6 +69,14 @@ S = coordinator_pb2
 _ROUTING = frozenset({"NOT_COORDINATOR", "SERVER_UNAVAILABLE", "SHUTTING_DOWN",
                       "REQUEST_TIMED_OUT"})
 _RETRY = _ROUTING | {"COORDINATOR_LOADING", "CONCURRENT_TRANSACTIONS", "ZOOKEEPER_UNAVAILABLE"}
+# CommitTxn answers these only when the transaction did not commit and never will (it was
+# refused before its decision was logged). Any other failure leaves the outcome unknown:
+# commit() may be retried (same key), and abort() asks the coordinator to make sure.
+_NOT_COMMITTED = frozenset({
+    "INVALID_ARGUMENT", "CORRUPT_BATCH", "BATCH_TOO_LARGE", "CRC_MISMATCH",
+    "UNKNOWN_TOPIC_OR_PARTITION", "PRODUCER_FENCED", "INVALID_TRANSACTION_TIMEOUT",
+    "TRANSACTION_ABORTED", "TRANSACTION_TIMED_OUT", "TRANSACTION_CONFLICT",
+    "TRANSACTION_NOT_OPEN", "DATA_LOSS", "OFFSET_OUT_OF_RANGE", "UNIMPLEMENTED"})
 _STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
                 for name, value in S.TxnState.items()}
 # Orders one-call commits of the same producers (see _in_turn).
@@ -96,8 +104,9 @@ class Coordinators:
         while True:
             attempt += 1
             address = metadata.tc_routes.get(k, "")
+            last = None
             if not address:
-                metadata.refresh()
+                last = self._refresh()
                 address = metadata.tc_routes.get(k, "")
             remaining = deadline - time.monotonic()
             if address:
@@ -110,14 +119,24 @@ class Coordinators:
                     if error.reason not in _RETRY:
                         raise error from None
                     if error.reason in _ROUTING:
-                        metadata.refresh()
+                        self._refresh()
                     last = error
             else:
-                last = errors.error_for("NOT_COORDINATOR", f"TC partition {k} has no owner now")
+                last = last or errors.error_for("NOT_COORDINATOR",
+                                                f"TC partition {k} has no owner now")
             delay = self._backoff.delay(attempt)
             if time.monotonic() + delay >= deadline:
                 raise last
             time.sleep(delay)
+
+    def _refresh(self) -> errors.AtomlogClientError | None:
+        """Refresh the metadata; a failure (the server asked has no ZooKeeper session,
+        say) is returned, not raised: the call it serves is retried all the same."""
+        try:
+            self.client.metadata.refresh()
+        except errors.AtomlogClientError as error:
+            return error
+        return None
 
 
 class _KeptPartition:
@@ -347,7 +366,7 @@ class Transaction:
             with _in_turn({id(part.producer): part.producer for _, part in parts}.values()):
                 reply = self._call("CommitTxn", request)
         except errors.AtomlogClientError as error:
-            if not error.retriable:  # definite: it did not commit, and never will
+            if error.reason in _NOT_COMMITTED:  # definite: it did not commit, and never will
                 self._end_kept(kept, error)
             else:  # unknown: commit() retries with the same key; abort() makes sure
                 with self._lock:
