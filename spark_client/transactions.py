@@ -316,8 +316,11 @@ class Transaction:
                 return  # nothing kept: the caller opens it as usual, if it needs to
             try:
                 self._open(list(kept.partitions), list(kept.acks))
-            except errors.AtomlogClientError as error:
-                kept.fail(error)  # nothing of it was sent
+            except errors.AtomlogClientError:
+                # Nothing of it was sent: it stays kept (commit() sends it in one call, or
+                # a later switch tries again), and the caller hears why.
+                with self._lock:
+                    self._kept = kept
                 raise
             try:
                 for (topic, partition), part in kept.partitions.items():
@@ -573,6 +576,9 @@ class Transaction:
         retry of one that already happened)."""
         if self._ended == "committed":
             return
+        if self._ended == "aborted":
+            raise errors.error_for("TRANSACTION_ABORTED", f"transaction {self._name} was "
+                                   "aborted; it cannot commit")
         with self._lock:
             self._committing = True
         try:

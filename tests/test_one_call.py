@@ -247,6 +247,8 @@ def test_a_one_call_transaction_with_a_conflicting_ack_changes_nothing(servers, 
             with pytest.raises(errors.TransactionConflict):
                 txn.commit()
             assert txn.state() == "ABORTED"
+            with pytest.raises(errors.TransactionAborted):  # and stays so
+                txn.commit()
             with pytest.raises(errors.TransactionConflict):
                 out.result(1)
             wait_until(lambda: settled(client, sink, 1), 10, "the staged data aborted")
