@@ -653,12 +653,7 @@ class TcPartitionCore:
             self._check_parent(parent, now_ms)
         if session is not None:
             locks |= self._check_session_free(session, now_ms)
-        unfinished = len(self._unfinished) + self._pending_new_txns + len(self._one_calls)
-        if unfinished >= self.limits.max_open:
-            self._counters["exhausted_total"] += 1
-            raise _limit_error("max_open", self.limits.max_open,
-                               f"TC partition {self.tc_partition} has {unfinished} unfinished "
-                               "transactions (one-call ones being staged included)")
+        self._check_room()
         new_tps, new_subs, tp_results, sub_results = self._admit_targets(
             None, topic_partitions, subscription_partitions)
         self._check_unlocked(locks)
@@ -819,12 +814,7 @@ class TcPartitionCore:
         timeout_ms = self._resolve_timeout(timeout_ms, session, now_ms)
         if session is not None:
             self._check_unlocked(self._check_session_free(session, now_ms))
-        unfinished = len(self._unfinished) + self._pending_new_txns + len(self._one_calls)
-        if unfinished >= self.limits.max_open:
-            self._counters["exhausted_total"] += 1
-            raise _limit_error("max_open", self.limits.max_open,
-                               f"TC partition {self.tc_partition} has {unfinished} unfinished "
-                               "transactions")
+        self._check_room()
         tps = tuple(dict.fromkeys(topic_partitions))
         subs = tuple(dict.fromkeys(subscription_partitions))
         if not tps and not subs:
@@ -911,12 +901,7 @@ class TcPartitionCore:
                          f"transaction {existing.txn_id}, which is {existing.state.name}: "
                          "end it with EndTxn", field="idempotency_key",
                          txn_id=existing.txn_id)
-        unfinished = len(self._unfinished) + self._pending_new_txns + len(self._one_calls)
-        if unfinished >= self.limits.max_open:
-            self._counters["exhausted_total"] += 1
-            raise _limit_error("max_open", self.limits.max_open,
-                               f"TC partition {self.tc_partition} has {unfinished} unfinished "
-                               "transactions")
+        self._check_room()
         txn_id = TxnId(self.tc_partition, max(self._next_sequence, self._last_sequence + 1))
         self._next_sequence = txn_id.sequence + 1
         timeout_ms = self.limits.default_timeout_ms
@@ -1162,6 +1147,16 @@ class TcPartitionCore:
         self._pending_new_txns += new_txns
         self._pending_new_sessions += new_sessions
         return Ready(appends=(Append(append_id, tuple(records)),), reply=reply)
+
+    def _check_room(self) -> None:
+        """RESOURCE_EXHAUSTED when max_open transactions are unfinished (those being
+        opened and one-call ones being staged included)."""
+        unfinished = len(self._unfinished) + self._pending_new_txns + len(self._one_calls)
+        if unfinished >= self.limits.max_open:
+            self._counters["exhausted_total"] += 1
+            raise _limit_error("max_open", self.limits.max_open,
+                               f"TC partition {self.tc_partition} has {unfinished} unfinished "
+                               "transactions")
 
     def _pop_pending(self, append_id: int) -> _Pending:
         if not self._pending or self._pending[0].append_id != append_id:

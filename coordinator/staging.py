@@ -2,10 +2,10 @@
 
 A one-call transaction (CoordinatorService.CommitTxn) is staged on the partition servers
 before its decision is logged. `stage()` splits its batches and acks by the server that
-owns each partition and queues one part per server. One sender task per server sends
-everything queued in one call (up to `batch_max` transactions), so while a call is in
-flight the next transactions queue and leave together in the next one: under load the
-calls per transaction fall below one per server, with no linger of its own.
+owns each partition and queues one part per server (services/batching.py): everything
+queued for a server goes in one call (up to `batch_max` transactions), so while a call
+is in flight the next transactions queue and leave together in the next one: under load
+the calls per transaction fall below one per server, with no linger of its own.
 
 A part that fails with a retriable reason (the owner moved, loading, unreachable,
 timeouts) is routed again and resent — staging is idempotent per transaction and
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from atomlog.v1 import common_pb2, partition_pb2
@@ -27,6 +27,7 @@ from prometheus_client import Counter, Histogram
 from coordinator.records import TxnId
 from coordinator.routing import PartitionRoutes
 from services.backoff import Backoff
+from services.batching import PerDestination
 from services.errors import AtomlogError, from_rpc_error
 from services.logs import event
 from services.metrics import LATENCY_BUCKETS_SECONDS
@@ -36,9 +37,9 @@ log = logging.getLogger("atomlog.coordinator.staging")
 STAGE_CALLS = Counter("atomlog_coordinator_stage_calls_total",
                       "StageTxn calls sent to partition servers (each carries the parts of "
                       "many one-call transactions).")
-STAGED_PARTS = Counter("atomlog_coordinator_staged_parts_total",
-                       "Parts (one transaction on one partition server) staged, by result.",
-                       ["result"])
+STAGED = Counter("atomlog_coordinator_staged_transactions_total",
+                 "One-call transactions staged on every partition server (ok), or refused "
+                 "by one of them, by the refusal's reason.", ["result"])
 STAGE_SECONDS = Histogram("atomlog_coordinator_stage_duration_seconds",
                           "Time to stage a one-call transaction on every partition server "
                           "(queueing and retries included).", buckets=LATENCY_BUCKETS_SECONDS)
@@ -59,7 +60,6 @@ class _Part:
     epoch: int
     batches: list[tuple[int, partition_pb2.ProduceItem]]  # (index in the request, item)
     acks: list[partition_pb2.AckItem]
-    future: asyncio.Future = field(default=None)
 
 
 @dataclass
@@ -73,10 +73,8 @@ class StageChannel:
     def __init__(self, routes: PartitionRoutes, batch_max: int = 1_000,
                  request_timeout_s: float = 5.0):
         self.routes = routes
-        self.batch_max = batch_max
         self.request_timeout_s = request_timeout_s
-        self._queues: dict[str, list[_Part]] = {}
-        self._senders: dict[str, asyncio.Task] = {}
+        self._calls = PerDestination(self._send, what="staging", max_items=batch_max)
         self._closed = False
 
     async def stage(self, txn_id: TxnId, epoch: int, batches, acks, deadline: float) -> Staged:
@@ -118,7 +116,7 @@ class StageChannel:
                             todo_batches.append((index, item))
                             last = _error_of(result.error)
                         else:
-                            STAGED_PARTS.labels(reason).inc()
+                            STAGED.labels(reason).inc()
                             raise _error_of(result.error, f"{item.topic_partition.topic}-"
                                                           f"{item.topic_partition.partition}")
                     for ack, result in zip(part.acks, outcome.ack_results):
@@ -130,7 +128,7 @@ class StageChannel:
                             todo_acks.append(ack)
                             last = _error_of(result.error)
                         else:
-                            STAGED_PARTS.labels(reason).inc()
+                            STAGED.labels(reason).inc()
                             sp = ack.subscription_partition
                             raise _error_of(result.error, f"{sp.topic}-{sp.partition} "
                                                           f"(subscription {sp.subscription})")
@@ -142,7 +140,7 @@ class StageChannel:
                 if time.monotonic() + delay >= deadline:
                     raise last or AtomlogError("REQUEST_TIMED_OUT", "staging ran out of time")
                 await asyncio.sleep(delay)
-            STAGED_PARTS.labels("ok").inc()
+            STAGED.labels("ok").inc()
             return Staged(results)
         finally:
             STAGE_SECONDS.observe(time.perf_counter() - began)
@@ -162,34 +160,16 @@ class StageChannel:
     async def _send_part(self, address: str, part: _Part, deadline: float):
         if self._closed:
             raise AtomlogError("SHUTTING_DOWN", "the coordinator is stopping")
-        part.future = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(address, []).append(part)
-        task = self._senders.get(address)
-        if task is None or task.done():
-            self._senders[address] = asyncio.create_task(self._send_all(address),
-                                                          name=f"stage->{address}")
+        future = self._calls.submit(address, part)
         remaining = max(0.01, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(asyncio.shield(part.future), remaining)
+            return await asyncio.wait_for(asyncio.shield(future), remaining)
         except TimeoutError:
             raise AtomlogError("REQUEST_TIMED_OUT", f"staging on {address} did not answer "
                                "within the transaction's time") from None
 
-    async def _send_all(self, address: str) -> None:
-        queue = self._queues.setdefault(address, [])
-        while queue:
-            group = queue[:self.batch_max]
-            del queue[:self.batch_max]
-            try:
-                await self._send(address, group)
-            except Exception as error:  # noqa: BLE001 — every part gets an answer
-                failure = error if isinstance(error, AtomlogError) else AtomlogError(
-                    "INTERNAL", f"staging failed: {error}")
-                for part in group:
-                    if not part.future.done():
-                        part.future.set_exception(failure)
-
-    async def _send(self, address: str, group: list[_Part]) -> None:
+    async def _send(self, address: str, group: list[_Part]) -> list:
+        """One StageTxn call for the parts queued for `address`: a result per part."""
         request = partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
             txn_id=common_pb2.TxnId(tc_partition=p.txn_id.tc_partition,
                                     sequence=p.txn_id.sequence),
@@ -201,20 +181,12 @@ class StageChannel:
                 request, timeout=self.request_timeout_s)
         except grpc.RpcError as rpc_error:
             raise from_rpc_error(rpc_error) from None
-        if len(response.results) != len(group):
-            raise AtomlogError("INTERNAL", f"{address} answered {len(response.results)} "
-                               f"results for {len(group)} staged transactions")
-        for part, result in zip(group, response.results):
-            if not part.future.done():
-                part.future.set_result(result)
+        return list(response.results)
 
     async def close(self) -> None:
         self._closed = True
-        tasks = list(self._senders.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        event(log, "staging channel closed", servers=len(self._senders))
+        await self._calls.close()
+        event(log, "staging channel closed", calls=self._calls.calls)
 
 
 def _error_of(item_error, where: str = "") -> AtomlogError:

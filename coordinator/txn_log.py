@@ -46,8 +46,9 @@ from partition_server.record_batch import (
     encode_batch,
     iter_batches,
 )
-from services.errors import AtomlogError, from_rpc_error
 from services.backoff import Backoff
+from services.batching import PerDestination
+from services.errors import AtomlogError, from_rpc_error
 from services.logs import event
 
 log = logging.getLogger("atomlog.coordinator.txn_log")
@@ -95,64 +96,31 @@ def _topic_partition(k: int) -> common_pb2.TopicPartition:
 
 
 class AppendChannel:
-    """Produce calls shared by the TC logs of a process, per partition server: items
-    queued while a call to that server is in flight leave together in the next one."""
-
-    MAX_ITEMS = 1_000
-    MAX_BYTES = 8 << 20
+    """Produce calls shared by the TC logs of a process, per partition server
+    (services/batching.py): appends queued while a call to that server is in flight
+    leave together in the next one."""
 
     def __init__(self, routes: PartitionRoutes, request_timeout_s: float = 5.0):
         self.routes = routes
         self.request_timeout_s = request_timeout_s
-        self._queues: dict[str, list[tuple[partition_pb2.ProduceItem, asyncio.Future]]] = {}
-        self._senders: dict[str, asyncio.Task] = {}
-        self.calls = 0
+        self._calls = PerDestination(self._produce, what="TC-log append", max_items=1_000,
+                                     max_bytes=8 << 20, size=lambda i: len(i.record_batch))
 
     async def produce(self, address: str, item: partition_pb2.ProduceItem):
         """The ProduceResult of `item`, sent to `address` with whatever else is queued;
         raises AtomlogError when the call itself failed."""
-        future = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(address, []).append((item, future))
-        task = self._senders.get(address)
-        if task is None or task.done():
-            self._senders[address] = asyncio.create_task(self._send_all(address),
-                                                          name=f"txn-log->{address}")
-        return await asyncio.shield(future)
+        return await asyncio.shield(self._calls.submit(address, item))
 
-    async def _send_all(self, address: str) -> None:
-        queue = self._queues.setdefault(address, [])
-        while queue:
-            group, size = [], 0
-            while queue and len(group) < self.MAX_ITEMS and (
-                    not group or size + len(queue[0][0].record_batch) <= self.MAX_BYTES):
-                entry = queue.pop(0)
-                size += len(entry[0].record_batch)
-                group.append(entry)
-            self.calls += 1
-            try:
-                response = await self.routes.stub(address).Produce(
-                    partition_pb2.ProduceRequest(items=[item for item, _ in group]),
-                    timeout=self.request_timeout_s)
-                results = list(response.results)
-                if len(results) != len(group):
-                    raise AtomlogError("INTERNAL", f"{address} answered {len(results)} "
-                                       f"results for {len(group)} items")
-            except Exception as error:  # noqa: BLE001 — every waiter gets an answer
-                failure = (from_rpc_error(error) if isinstance(error, grpc.RpcError)
-                           else error if isinstance(error, AtomlogError)
-                           else AtomlogError("INTERNAL", f"TC log append failed: {error}"))
-                for _, future in group:
-                    if not future.done():
-                        future.set_exception(failure)
-                continue
-            for (_, future), result in zip(group, results):
-                if not future.done():
-                    future.set_result(result)
+    async def _produce(self, address: str, items: list) -> list:
+        try:
+            response = await self.routes.stub(address).Produce(
+                partition_pb2.ProduceRequest(items=items), timeout=self.request_timeout_s)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return list(response.results)
 
     async def close(self) -> None:
-        for task in self._senders.values():
-            task.cancel()
-        await asyncio.gather(*self._senders.values(), return_exceptions=True)
+        await self._calls.close()
 
 
 class TxnLog:

@@ -143,6 +143,17 @@ class InitialPosition(enum.IntEnum):
     OFFSET = 3
 
 
+def merge_ranges(ranges) -> list[OffsetRange]:
+    """[start, end) ranges, sorted, with overlapping and touching ones joined."""
+    merged: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [OffsetRange(start, end) for start, end in merged]
+
+
 def resolve_initial_position(initial: InitialPosition, start_offset: int,
                              log_start_offset: int, high_watermark: int) -> int:
     """The cumulative end of a new cursor: the log start, the high watermark, or

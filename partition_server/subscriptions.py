@@ -33,7 +33,7 @@ from pathlib import Path
 
 from partition_server.cursor_store import CursorStore, CursorStoreLimits, SnapshotJob, StoreEntry
 from partition_server.record_batch import TxnId, iter_batches
-from partition_server.subscription_cursor import CursorDescription, Delivery, OffsetRange
+from partition_server.subscription_cursor import CursorDescription, Delivery, merge_ranges
 from services.errors import AtomlogError
 from services.logs import event
 
@@ -385,7 +385,7 @@ class PartitionSubscriptions:
             scan(hole.start, hole.end)
         if plan.new_allowed and plan.new_from < limit and budget > 0:
             scan(plan.new_from, limit)
-        delivery = cursor.next_delivery(consumer_id, _merge(readable), _merge(scanned),
+        delivery = cursor.next_delivery(consumer_id, merge_ranges(readable), merge_ranges(scanned),
                                         now_ms, ack_timeout_ms, max_offsets)
         if delivery.skip is not None:
             store.stage(StoreEntry(name, delivery.skip))  # durable with the next commit
@@ -404,12 +404,3 @@ class PartitionSubscriptions:
             for name in list(self._blocked):  # retention acknowledges: room again
                 self._wake_if_blocked(name)
 
-
-def _merge(ranges: list[tuple[int, int]]) -> list[OffsetRange]:
-    merged: list[list[int]] = []
-    for start, end in sorted(ranges):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [OffsetRange(s, e) for s, e in merged]

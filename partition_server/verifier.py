@@ -32,6 +32,7 @@ from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.record_batch import TxnId
 from services import local
 from services.backoff import Backoff
+from services.batching import PerDestination
 from services.errors import AtomlogError, from_rpc_error
 from services.metrics import LATENCY_BUCKETS_SECONDS
 
@@ -70,7 +71,6 @@ class _Question:
     txn: TxnId
     topic: str
     partition: int
-    future: asyncio.Future
     subscription: str | None = None
     raw: bool = False  # answer (state, coordinator epoch) instead of judging a write
 
@@ -85,8 +85,7 @@ class TxnVerifier:
         self.request_timeout_s = request_timeout_s
         self._routes: dict[int, str] = {}  # TC partition -> coordinator address
         self._routes_lock = asyncio.Lock()
-        self._queues: dict[str, list[_Question]] = {}
-        self._senders: dict[str, asyncio.Task] = {}
+        self._calls = PerDestination(self._send, what="verification", max_items=batch_max)
         self._stubs = local.StubCache(COORDINATOR_SERVICE,
                                       coordinator_pb2_grpc.CoordinatorServiceStub, CHANNEL_OPTIONS)
 
@@ -110,10 +109,8 @@ class TxnVerifier:
                 attempt += 1
                 try:
                     address = await self._route(txn.tc_partition, refresh=attempt > 1)
-                    future = asyncio.get_running_loop().create_future()
-                    self._queue(address, _Question(txn, topic, partition, future, subscription,
-                                                   raw))
-                    answer = await future
+                    question = _Question(txn, topic, partition, subscription, raw)
+                    answer = self._judge(question, await self._calls.submit(address, question))
                     VERIFICATIONS.labels("ok").inc()
                     return answer
                 except AtomlogError as error:
@@ -150,28 +147,8 @@ class TxnVerifier:
         return address
 
     # ------------------------------------------------------------------ batching
-    def _queue(self, address: str, question: _Question) -> None:
-        self._queues.setdefault(address, []).append(question)
-        task = self._senders.get(address)
-        if task is None or task.done():
-            self._senders[address] = asyncio.create_task(self._send_all(address),
-                                                          name=f"verify->{address}")
-
-    async def _send_all(self, address: str) -> None:
-        queue = self._queues.setdefault(address, [])
-        while queue:
-            group = queue[:self.batch_max]
-            del queue[:self.batch_max]
-            try:
-                await self._send(address, group)
-            except Exception as error:  # noqa: BLE001 — every question gets an answer
-                failure = error if isinstance(error, AtomlogError) else AtomlogError(
-                    "INTERNAL", f"verification failed: {error}")
-                for question in group:
-                    if not question.future.done():
-                        question.future.set_exception(failure)
-
-    async def _send(self, address: str, group: list[_Question]) -> None:
+    async def _send(self, address: str, group: list[_Question]) -> list:
+        """One VerifyTxnPartitions call for the questions queued for `address`."""
         request = coordinator_pb2.VerifyTxnPartitionsRequest(items=[_item(q) for q in group])
         VERIFY_CALLS.inc()
         try:
@@ -179,13 +156,7 @@ class TxnVerifier:
                 request, timeout=self.request_timeout_s)
         except grpc.RpcError as rpc_error:
             raise from_rpc_error(rpc_error) from None
-        for question, result in zip(group, reply.results):
-            if question.future.done():
-                continue
-            try:
-                question.future.set_result(self._judge(question, result))
-            except AtomlogError as error:
-                question.future.set_exception(error)
+        return list(reply.results)
 
     def _judge(self, question: _Question, result) -> Answer:
         txn = question.txn
@@ -222,8 +193,7 @@ class TxnVerifier:
         return self._stubs.get(address)
 
     async def close(self) -> None:
-        for task in self._senders.values():
-            task.cancel()
+        await self._calls.close()
         await self._stubs.close()
 
 

@@ -61,6 +61,7 @@ import grpc
 from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
 from coordinator.records import tc_partition_for
 from partition_server.record_batch import encode_batch
+from partition_server.subscription_cursor import merge_ranges
 from spark_client import errors
 from services.backoff import Backoff
 
@@ -329,7 +330,7 @@ class Transaction:
                 by_consumer: dict[int, tuple] = {}
                 for (topic, partition, _), (consumer, cumulative, ranges) in kept.acks.items():
                     by_consumer.setdefault(id(consumer), (consumer, {}))[1][
-                        (topic, partition)] = (cumulative, _merge_ranges(ranges))
+                        (topic, partition)] = (cumulative, merge_ranges(ranges))
                 for consumer, acks in by_consumer.values():
                     consumer._ack(acks, self)
             except errors.AtomlogClientError as error:
@@ -354,7 +355,7 @@ class Transaction:
                 topic=topic, partition=partition, subscription=subscription),
             cumulative_end_offset=cumulative,
             individual_ranges=[partition_pb2.OffsetRange(start_offset=s, end_offset=e)
-                               for s, e in _merge_ranges(ranges)])
+                               for s, e in merge_ranges(ranges)])
             for (topic, partition, subscription), (_, cumulative, ranges) in kept.acks.items()]
         request = S.CommitTxnRequest(
             tc_partition=self.tc_partition, idempotency_key=self._new_txn_key,
@@ -749,17 +750,6 @@ class _in_turn:
 
     def __exit__(self, *exc) -> None:
         self.done.set_result(None)
-
-
-def _merge_ranges(ranges) -> list[tuple[int, int]]:
-    """Sorted, overlapping and touching [start, end) ranges joined."""
-    merged: list[list[int]] = []
-    for start, end in sorted(ranges):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
 
 
 def _key_for(tc_partition: int, count: int) -> str:

@@ -1,0 +1,97 @@
+"""Calls to other servers, batched per destination (what server-to-server traffic shares).
+
+`PerDestination(send)` keeps a queue per destination address and one sender task per
+address with something queued. The task sends everything queued, up to a bound of items
+(and bytes), in ONE call — `await send(address, items)`, which returns one result per
+item, in order — and answers each item's future with its result. While that call is in
+flight the next items queue, and they leave together in the next call: the call in
+flight is the linger, so under load the calls per item fall, and with nothing else
+queued an item leaves at once. A call that fails answers every item of it with the
+failure (an AtomlogError; anything else becomes INTERNAL).
+
+Used by the coordinator's staging of one-call transactions (coordinator/staging.py) and
+its TC-log appends (coordinator/txn_log.py), and by the partition server's
+verifications (partition_server/verifier.py). Markers (coordinator/markers.py) batch the
+same way but confirm each target back to its TC partition instead of answering a caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from services.errors import AtomlogError
+
+T = TypeVar("T")
+
+
+class PerDestination(Generic[T]):
+    def __init__(self, send: Callable[[str, list[T]], Awaitable[list]], *, what: str,
+                 max_items: int = 1_000, max_bytes: int = 0,
+                 size: Callable[[T], int] | None = None):
+        """`max_bytes` (with `size`) also bounds a call: 0 means items only."""
+        self._send = send
+        self.what = what
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self._size = size
+        self._queues: dict[str, list[tuple[T, asyncio.Future]]] = {}
+        self._senders: dict[str, asyncio.Task] = {}
+        self.calls = 0  # made so far (the calls-per-item figure divides by it)
+
+    def submit(self, address: str, item: T) -> asyncio.Future:
+        """Queue `item` for `address`; its future gets the item's result."""
+        future = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(address, []).append((item, future))
+        task = self._senders.get(address)
+        if task is None or task.done():
+            self._senders[address] = asyncio.create_task(self._send_all(address),
+                                                          name=f"{self.what}->{address}")
+        return future
+
+    def _take(self, queue: list) -> list:
+        """The oldest queued entries that fit one call (at least one)."""
+        count, size = 0, 0
+        for item, _ in queue:
+            if count >= self.max_items:
+                break
+            if self.max_bytes:
+                size += self._size(item)
+                if count and size > self.max_bytes:
+                    break
+            count += 1
+        group = queue[:count]
+        del queue[:count]
+        return group
+
+    async def _send_all(self, address: str) -> None:
+        queue = self._queues.setdefault(address, [])
+        while queue:
+            group = self._take(queue)
+            self.calls += 1
+            try:
+                results = await self._send(address, [item for item, _ in group])
+                if len(results) != len(group):
+                    raise AtomlogError("INTERNAL", f"{address} answered {len(results)} "
+                                       f"results for {len(group)} {self.what} items")
+            except Exception as error:  # noqa: BLE001 — every item gets an answer
+                failure = error if isinstance(error, AtomlogError) else AtomlogError(
+                    "INTERNAL", f"{self.what} to {address} failed: {error}")
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(failure)
+                continue
+            for (_, future), result in zip(group, results):
+                if not future.done():
+                    future.set_result(result)
+
+    async def close(self) -> None:
+        tasks = list(self._senders.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for queue in self._queues.values():
+            for _, future in queue:
+                if not future.done():
+                    future.cancel()
