@@ -104,9 +104,10 @@ def run_kafka(clients: int, seconds: float, ctp_inputs: int) -> dict:
     try:
         with kafka_peer.KafkaBroker() as broker:
             small = kafka_peer.small_transactions(broker.bootstrap, clients=clients,
-                                                  seconds=seconds)
+                                                  seconds=seconds, server_pid=broker.pid)
             print(f"kafka small: {small}", flush=True)
-            ctp = kafka_peer.consume_transform_produce(broker.bootstrap, inputs=ctp_inputs)
+            ctp = kafka_peer.consume_transform_produce(broker.bootstrap, inputs=ctp_inputs,
+                                                       server_pid=broker.pid)
             print(f"kafka ctp: {ctp}", flush=True)
             return {"small": small, "ctp": ctp, "version": getattr(broker, "version", "")}
     except kafka_peer.PeerUnavailable as unavailable:
@@ -133,8 +134,8 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
     rate = floor["calls_per_s"]
     pg_w1 = postgres.get("w1", {}).get("txn_per_s")
     pg_w3 = postgres.get("w3", {}).get("inputs_per_s")
-    kafka_small = kafka.get("small", {}).get("txn_per_s")
-    kafka_ctp = kafka.get("ctp", {}).get("inputs_per_s")
+    kafka_small = kafka.get("small", {}).get("per_s")
+    kafka_ctp = kafka.get("ctp", {}).get("per_s")
 
     def peers_small(value: float) -> str:
         return (f"{_ratio(value, rate)} of the call rate; {_ratio(value, pg_w1)} of PostgreSQL; "
@@ -207,10 +208,11 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         small, ctp = kafka["small"], kafka["ctp"]
         lines.append(f"- Apache Kafka {kafka.get('version') or '4.x'} (one KRaft broker, "
                      "`log.flush.interval.messages=1`, confluent-kafka): small transactions "
-                     f"**{small['txn_per_s']:,.0f} txn/s** (commit p50 "
+                     f"**{small['per_s']:,.0f} txn/s** (commit p50 "
                      f"{small['commit_p50_ms']:.1f} ms, p99 {small['commit_p99_ms']:.1f} ms); "
                      "consume-transform-produce with send_offsets_to_transaction "
-                     f"**{ctp['inputs_per_s']:,.0f} inputs/s**.")
+                     f"**{ctp['per_s']:,.0f} inputs/s** (commit p99 "
+                     f"{ctp['commit_p99_ms']:.1f} ms).")
     lines += ["",
               "Targets of issue 19 (ratios in this run): small transactions ≥ 25% of the call "
               "rate on the cluster and ≥ 50% on the combined server, commit p99 < 25 ms on "
