@@ -26,6 +26,7 @@ from partition_server.record_batch import Record, encode_batch
 from services import failpoints
 from services.errors import from_rpc_error
 from spark_client import Client, errors
+from spark_client.transactions import Coordinators
 from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, wait_until
 
 pytestmark = pytest.mark.cluster
@@ -296,10 +297,10 @@ def test_a_staged_transaction_its_coordinator_never_committed_is_aborted_by_the_
         producer.send(topic, b"kept", partition=0, txn=txn)
         txn.commit(wait_for_markers=True)
     tc, sequence = txn.key
-    coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(
-        client.channels.get(client.metadata.tc_routes[tc]))
-    epoch = coordinator.DescribeTransaction(coordinator_pb2.DescribeTransactionRequest(
-        txn_id=txn.txn_id), timeout=10).coordinator_epoch
+    epoch = Coordinators(client).call(tc, "DescribeTransaction",
+                                      coordinator_pb2.DescribeTransactionRequest(
+                                          txn_id=txn.txn_id),
+                                      time.monotonic() + 30).coordinator_epoch
     orphan = common_pb2.TxnId(tc_partition=tc, sequence=sequence + 1_000)
     stub = client.channels.partition(client.metadata.route(topic, 0).address)
     reply = stub.StageTxn(partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
@@ -340,14 +341,23 @@ def test_a_staged_transaction_its_coordinator_never_committed_is_aborted_by_the_
 
 
 def _commit_txn(client, **fields):
+    """A raw CommitTxn that must be refused: its error. Sent again (to the new owner)
+    while the TC partition is moving: the module's kills make leases rebalance."""
     k = fields.setdefault("tc_partition", 0)
-    stub = coordinator_pb2_grpc.CoordinatorServiceStub(
-        client.channels.get(client.metadata.tc_routes[k]))
-    try:
-        stub.CommitTxn(coordinator_pb2.CommitTxnRequest(**fields), timeout=10)
-    except grpc.RpcError as error:
-        return from_rpc_error(error)
-    raise AssertionError("CommitTxn was accepted")
+    for _ in range(50):
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(
+            client.channels.get(client.metadata.tc_routes[k]))
+        try:
+            stub.CommitTxn(coordinator_pb2.CommitTxnRequest(**fields), timeout=10)
+        except grpc.RpcError as rpc_error:
+            error = from_rpc_error(rpc_error)
+            if error.reason not in ("NOT_COORDINATOR", "COORDINATOR_LOADING"):
+                return error
+            time.sleep(0.2)
+            client.metadata.refresh()
+            continue
+        raise AssertionError("CommitTxn was accepted")
+    raise AssertionError(f"TC partition {k} found no owner")
 
 
 def _key_on(k: int, count: int) -> str:
@@ -416,11 +426,9 @@ def test_an_abort_by_key_stops_any_later_commit_and_reports_a_committed_one(serv
     committed = _commit_txn(client, tc_partition=k, idempotency_key=txn._new_txn_key,
                             abort=True)
     assert committed.reason == "TRANSACTION_ALREADY_COMMITTED"
-    stub = coordinator_pb2_grpc.CoordinatorServiceStub(
-        client.channels.get(client.metadata.tc_routes[k]))
     gave_up = _key_on(k, client.metadata.tc_partition_count)
-    reply = stub.CommitTxn(coordinator_pb2.CommitTxnRequest(
-        tc_partition=k, idempotency_key=gave_up, abort=True), timeout=10)
+    reply = Coordinators(client).call(k, "CommitTxn", coordinator_pb2.CommitTxnRequest(
+        tc_partition=k, idempotency_key=gave_up, abort=True), time.monotonic() + 30)
     assert reply.state in (coordinator_pb2.TXN_STATE_ABORTING, coordinator_pb2.TXN_STATE_ABORTED)
     late = _commit_txn(client, tc_partition=k, idempotency_key=gave_up, batches=[
         partition_pb2.ProduceItem(topic_partition=common_pb2.TopicPartition(
