@@ -36,7 +36,7 @@ want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing atomlog and its dependencies into $VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,spark]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,spark,bench]"
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
