@@ -973,8 +973,17 @@ class TcPartitionCore:
 
     def append_failed(self, append_id: int) -> Ready:
         """The append is known not to be in the log: roll back its prepared transitions.
-        (Timeouts and completions it carried are proposed again by tick.)"""
-        self._release(self._pop_pending(append_id))
+        (Timeouts and completions it carried are proposed again by tick.) One-call
+        transactions whose sequence no durable or pending reservation covers any more
+        are forgotten: their caller got the failure, and nothing of them was staged."""
+        pending = self._pop_pending(append_id)
+        self._release(pending)
+        if any(isinstance(r, SequencesReserved) for r in pending.records):
+            covered = max([self._reserved] + [r.up_to for p in self._pending for r in p.records
+                                              if isinstance(r, SequencesReserved)])
+            for one_call in [c for c in self._one_calls.values()
+                             if c.txn_id.sequence > covered]:
+                self._forget_one_call(one_call)
         return NO_WORK
 
     def marker_confirmed(self, now_ms: int, txn_id: TxnId, target: Target) -> Ready:

@@ -429,6 +429,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for record in append.records:  # a one-call decision not logged: still staging
             if isinstance(record, Opened) and self.core.one_call(record.txn_id) is not None:
                 self.staging.append(record.txn_id)
+        # A reservation not logged: the one-calls it was for are forgotten (their caller
+        # hears the failure before staging anything).
+        self.staging = [t for t in self.staging if self.core.one_call(t) is not None]
 
     @precondition(lambda self: len(self.in_flight) >= 2)
     @rule()
@@ -1128,3 +1131,13 @@ def test_abort_one_call_leaves_a_tombstone_that_no_late_call_commits_past():
     with pytest.raises(AtomlogError) as committed:
         core.abort_one_call(NOW, "done")
     assert committed.value.reason == "TRANSACTION_ALREADY_COMMITTED"
+
+
+def test_a_reservation_that_is_not_logged_forgets_its_one_call():
+    core = TcPartitionCore(TC, coordinator_epoch=1)
+    ready = core.begin_one_call(NOW, 0, None, "k", [TopicPartition("t", 0)], [])
+    (append,) = ready.appends
+    assert core.append_failed(append.append_id) == NO_WORK
+    assert core.one_call(ready.reply.txn_id) is None  # its caller heard the failure
+    again = core.begin_one_call(NOW, 0, None, "k", [TopicPartition("t", 0)], [])
+    assert again.appends  # the key is free, and the reservation is asked for again
