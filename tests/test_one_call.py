@@ -435,3 +435,41 @@ def test_an_abort_by_key_stops_any_later_commit_and_reports_a_committed_one(serv
             topic=topic, partition=0), record_batch=encode_batch([Record(None, b"late", (), 0)]))])
     assert late.reason == "TRANSACTION_ABORTED"
     assert committed_values(client, topic) == [b"done"]
+
+
+def test_acks_staged_for_a_transaction_its_coordinator_never_committed_are_released(
+        servers, client):
+    """Presumed abort of pending acks: an ack staged straight through StageTxn for a
+    transaction the coordinator handed out no decision for is released by the partition
+    server (the message can be acknowledged again), and nothing stays pending."""
+    topic = create_online(client, "oc-orphan-ack", 1)
+    with client.producer() as producer:
+        producer.send(topic, b"m0", partition=0).result(10)
+        txn = client.begin_transaction(timeout_s=30)
+        producer.send(topic, b"kept", partition=0, txn=txn)
+        txn.commit(wait_for_markers=True)
+    tc, sequence = txn.key
+    epoch = Coordinators(client).call(tc, "DescribeTransaction",
+                                      coordinator_pb2.DescribeTransactionRequest(
+                                          txn_id=txn.txn_id),
+                                      time.monotonic() + 30).coordinator_epoch
+    with client.consumer(topic, subscription="orphan", ack_timeout_s=60) as consumer:
+        got = []
+        while not got:
+            got = consumer.poll(timeout_s=1.0, max_records=1)
+        stub = client.channels.partition(client.metadata.route(topic, 0).address)
+        reply = stub.StageTxn(partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
+            txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + 2_000),
+            coordinator_epoch=epoch, acks=[partition_pb2.AckItem(
+                subscription_partition=common_pb2.SubscriptionPartition(
+                    topic=topic, partition=0, subscription="orphan"),
+                cumulative_end_offset=got[0].offset + 1)])]), timeout=10)
+        assert not reply.results[0].ack_results[0].error.reason
+        assert consumer.describe()[0].pending_acks
+        began = time.monotonic()
+        wait_until(lambda: not consumer.describe()[0].pending_acks, 20, "the presumed abort")
+        assert time.monotonic() - began < 10
+        cursor = consumer.describe()[0]
+        assert cursor.cumulative_end_offset == 0  # released, not applied
+        consumer.ack(got)  # free to acknowledge again
+        assert consumer.describe()[0].cumulative_end_offset == got[0].offset + 1
