@@ -236,6 +236,10 @@ class Transaction:
         """The coordinator's id (a lazy transaction is opened by asking for it; a one-call
         one switches to NewTxn/Produce/EndTxn for it, unless it committed already)."""
         if self._txn_id is None:
+            if self._kept is not None and self._committing:
+                raise errors.error_for(
+                    "TRANSACTION_NOT_OPEN", "the transaction's one-call commit is under way: "
+                    "its id is known once commit() returns")
             if self._kept is not None:
                 self._switch()
             if self._txn_id is None:
@@ -312,6 +316,8 @@ class Transaction:
         kept, its records handed to their producers (ahead of anything sent after), its
         acks sent. A failure there fails the transaction (commit() raises it)."""
         with self._switch_lock:
+            if self._committing:
+                return  # commit() sends what is kept (a waiter hears from it)
             kept, self._kept = self._kept, None
             if kept is None or not (kept.partitions or kept.acks):
                 return  # nothing kept: the caller opens it as usual, if it needs to

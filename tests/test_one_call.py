@@ -473,3 +473,19 @@ def test_acks_staged_for_a_transaction_its_coordinator_never_committed_are_relea
         assert cursor.cumulative_end_offset == 0  # released, not applied
         consumer.ack(got)  # free to acknowledge again
         assert consumer.describe()[0].cumulative_end_offset == got[0].offset + 1
+
+
+def test_waiting_for_a_send_while_its_one_call_commit_runs_waits_for_the_commit(servers,
+                                                                               client):
+    """commit_async() then send.result(): the wait does not switch the transaction (its
+    commit has taken what it kept); it ends when the commit does, with the offset."""
+    topic = create_online(client, "oc-wait", 1)
+    with client.producer() as producer:
+        for _ in range(20):
+            txn = client.begin_transaction(timeout_s=30)
+            future = producer.send(topic, b"v", partition=0, txn=txn)
+            committing = txn.commit_async()
+            assert future.result(30).offset >= 0
+            assert committing.result(30) is None
+            assert txn.state() in ("COMMITTING", "COMMITTED")
+    assert committed_values(client, topic) == [b"v"] * 20
