@@ -657,8 +657,7 @@ class TcPartitionCore:
         new_tps, new_subs, tp_results, sub_results = self._admit_targets(
             None, topic_partitions, subscription_partitions)
         self._check_unlocked(locks)
-        txn_id = TxnId(self.tc_partition, max(self._next_sequence, self._last_sequence + 1))
-        self._next_sequence = txn_id.sequence + 1
+        txn_id = self._next_txn_id()
         records.append(Opened(txn_id, now_ms, timeout_ms, now_ms + timeout_ms, parent, session,
                               idempotency_key, new_tps, new_subs))
         locks.add(txn_id)
@@ -806,11 +805,7 @@ class TcPartitionCore:
                          f"transaction {existing.txn_id}, which is {existing.state.name}: "
                          "a one-call transaction needs a key of its own",
                          field="idempotency_key", txn_id=existing.txn_id)
-        if idempotency_key in self._one_call_keys:
-            self._counters["concurrent_total"] += 1
-            raise _error("CONCURRENT_TRANSACTIONS", f"a transaction with idempotency key "
-                         f"{idempotency_key!r} is being committed; retry shortly",
-                         retry_after_ms=10)
+        self._check_key_not_staging(idempotency_key)
         timeout_ms = self._resolve_timeout(timeout_ms, session, now_ms)
         if session is not None:
             self._check_unlocked(self._check_session_free(session, now_ms))
@@ -825,8 +820,7 @@ class TcPartitionCore:
             raise _limit_error("max_partitions", self.limits.max_partitions,
                                f"the transaction has {len(tps) + len(subs)} partitions and "
                                "subscription partitions")
-        txn_id = TxnId(self.tc_partition, max(self._next_sequence, self._last_sequence + 1))
-        self._next_sequence = txn_id.sequence + 1
+        txn_id = self._next_txn_id()
         self._one_calls[txn_id] = OneCall(txn_id, now_ms, timeout_ms, session,
                                           idempotency_key, tps, subs)
         self._one_call_keys[idempotency_key] = txn_id
@@ -886,11 +880,7 @@ class TcPartitionCore:
                        empty_ok=False)
         key_lock = ("key", idempotency_key)
         self._check_unlocked([key_lock])
-        if idempotency_key in self._one_call_keys:
-            self._counters["concurrent_total"] += 1
-            raise _error("CONCURRENT_TRANSACTIONS", f"a transaction with idempotency key "
-                         f"{idempotency_key!r} is being committed; retry shortly",
-                         retry_after_ms=10)
+        self._check_key_not_staging(idempotency_key)
         existing = self._lookup(self._keys.get(idempotency_key))
         if existing is not None and existing.state in (State.ABORTING, State.ABORTED):
             return Ready(reply=existing.state)
@@ -902,8 +892,7 @@ class TcPartitionCore:
                          "end it with EndTxn", field="idempotency_key",
                          txn_id=existing.txn_id)
         self._check_room()
-        txn_id = TxnId(self.tc_partition, max(self._next_sequence, self._last_sequence + 1))
-        self._next_sequence = txn_id.sequence + 1
+        txn_id = self._next_txn_id()
         timeout_ms = self.limits.default_timeout_ms
         records = [Opened(txn_id, now_ms, timeout_ms, now_ms + timeout_ms, None, None,
                           idempotency_key, (), ()),
@@ -1156,6 +1145,20 @@ class TcPartitionCore:
         self._pending_new_txns += new_txns
         self._pending_new_sessions += new_sessions
         return Ready(appends=(Append(append_id, tuple(records)),), reply=reply)
+
+    def _next_txn_id(self) -> TxnId:
+        """A sequence never handed out (after a load: above every reservation)."""
+        txn_id = TxnId(self.tc_partition, max(self._next_sequence, self._last_sequence + 1))
+        self._next_sequence = txn_id.sequence + 1
+        return txn_id
+
+    def _check_key_not_staging(self, idempotency_key: str) -> None:
+        """CONCURRENT_TRANSACTIONS while a one-call transaction with the key is staged."""
+        if idempotency_key in self._one_call_keys:
+            self._counters["concurrent_total"] += 1
+            raise _error("CONCURRENT_TRANSACTIONS", f"a transaction with idempotency key "
+                         f"{idempotency_key!r} is being committed; retry shortly",
+                         retry_after_ms=10)
 
     def _check_room(self) -> None:
         """RESOURCE_EXHAUSTED when max_open transactions are unfinished (those being
@@ -1650,6 +1653,9 @@ class TcPartitionCore:
             del self._keys[txn.idempotency_key]
         self._counters["evicted_total"] += 1
 
+    def _apply_sequences_reserved(self, record: SequencesReserved) -> None:
+        self._reserved = max(self._reserved, record.up_to)
+
     def _apply_session_started(self, record: SessionStarted) -> None:
         entry = self._sessions.get(record.transactional_id)
         if entry is not None:
@@ -1677,12 +1683,8 @@ class TcPartitionCore:
 _NO_TARGETS = MappingProxyType({})
 
 
-def _apply_sequences_reserved(core: TcPartitionCore, record: SequencesReserved) -> None:
-    core._reserved = max(core._reserved, record.up_to)
-
-
 _APPLY = {
-    SequencesReserved: _apply_sequences_reserved,
+    SequencesReserved: TcPartitionCore._apply_sequences_reserved,
     Opened: TcPartitionCore._apply_opened,
     Registered: TcPartitionCore._apply_registered,
     DeadlineReset: TcPartitionCore._apply_deadline_reset,

@@ -128,9 +128,9 @@ class Coordinator:
             await previous.stop("lease taken again")
         partition = TcPartition(
             lease.tc_partition, lease.epoch, lease.log_producer_id,
-            coordinator_name=self.name, routes=self.routes, markers=self.markers,
-            limits=self.limits, settings=self.settings, on_fenced=self.on_fenced,
-            log_channel=self.log_channel)
+            coordinator_name=self.name, routes=self.routes, log_channel=self.log_channel,
+            markers=self.markers, limits=self.limits, settings=self.settings,
+            on_fenced=self.on_fenced)
         self.partitions[lease.tc_partition] = partition
         partition.start()
 
@@ -418,7 +418,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         metrics.ONE_CALL_LATENCY.labels(str(request.wait_for_markers).lower()).observe(
             time.perf_counter() - started)
         return coordinator_pb2.CommitTxnResponse(txn_id=txn_id, state=state.value,
-                                                 batch_results=staged.batch_results)
+                                                 batch_results=staged)
 
     async def _one_call_targets(self, request):
         """The partitions and subscription partitions of a CommitTxn, validated: every

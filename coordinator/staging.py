@@ -62,13 +62,6 @@ class _Part:
     acks: list[partition_pb2.AckItem]
 
 
-@dataclass
-class Staged:
-    """Where each batch of the transaction was written, in request order."""
-
-    batch_results: list[partition_pb2.ProduceResult]
-
-
 class StageChannel:
     def __init__(self, routes: PartitionRoutes, batch_max: int = 1_000,
                  request_timeout_s: float = 5.0):
@@ -77,71 +70,71 @@ class StageChannel:
         self._calls = PerDestination(self._send, what="staging", max_items=batch_max)
         self._closed = False
 
-    async def stage(self, txn_id: TxnId, epoch: int, batches, acks, deadline: float) -> Staged:
+    async def stage(self, txn_id: TxnId, epoch: int, batches, acks,
+                    deadline: float) -> list[partition_pb2.ProduceResult]:
         """Stage every batch (ProduceItem) and ack (AckItem) of a transaction, each
-        durable on its partition server, by `deadline` (time.monotonic()); raises the
-        first definite refusal, or the last retriable one when time runs out."""
+        durable on its partition server, by `deadline` (time.monotonic()); returns where
+        each batch was written, in request order. Raises the first definite refusal, or
+        the last retriable one when time runs out."""
         began = time.perf_counter()
         results: list[partition_pb2.ProduceResult | None] = [None] * len(batches)
-        todo_batches = list(enumerate(batches))
-        todo_acks = list(acks)
+        todo_batches, todo_acks = list(enumerate(batches)), list(acks)
         backoff = Backoff(initial_s=0.02, maximum_s=0.5)
         attempt = 0
         try:
-            while todo_batches or todo_acks:
+            while True:
                 attempt += 1
-                parts = await self._split(txn_id, epoch, todo_batches, todo_acks)
+                failed = []  # (ItemError or AtomlogError, list to retry it in, item, where)
+                try:
+                    parts = await self._split(txn_id, epoch, todo_batches, todo_acks)
+                except AtomlogError as error:  # no live owner known: route again
+                    parts = {}
+                    failed.append((error, [], None, ""))
+                retry_batches, retry_acks = [], []
                 outcomes = await asyncio.gather(*(self._send_part(a, p, deadline)
                                                   for a, p in parts.items()),
                                                 return_exceptions=True)
-                todo_batches, todo_acks, last = [], [], None
-                refresh = False
                 for part, outcome in zip(parts.values(), outcomes):
                     if isinstance(outcome, BaseException):
                         error = outcome if isinstance(outcome, AtomlogError) else AtomlogError(
                             "INTERNAL", f"staging failed: {outcome}")
-                        if error.reason not in RETRY_REASONS:
-                            raise error
-                        refresh |= error.reason in ROUTING_REASONS
-                        todo_batches.extend(part.batches)
-                        todo_acks.extend(part.acks)
-                        last = error
+                        failed.append((error, retry_batches, None, ""))
+                        retry_batches.extend(part.batches)
+                        retry_acks.extend(part.acks)
                         continue
                     for (index, item), result in zip(part.batches, outcome.batch_results):
-                        reason = result.error.reason
-                        if not reason:
+                        if result.error.reason:
+                            tp = item.topic_partition
+                            failed.append((result.error, retry_batches, (index, item),
+                                           f"{tp.topic}-{tp.partition}"))
+                        else:
                             results[index] = result
-                        elif reason in RETRY_REASONS:
-                            refresh |= reason in ROUTING_REASONS
-                            todo_batches.append((index, item))
-                            last = _error_of(result.error)
-                        else:
-                            STAGED.labels(reason).inc()
-                            raise _error_of(result.error, f"{item.topic_partition.topic}-"
-                                                          f"{item.topic_partition.partition}")
                     for ack, result in zip(part.acks, outcome.ack_results):
-                        reason = result.error.reason
-                        if not reason:
-                            continue
-                        if reason in RETRY_REASONS:
-                            refresh |= reason in ROUTING_REASONS
-                            todo_acks.append(ack)
-                            last = _error_of(result.error)
-                        else:
-                            STAGED.labels(reason).inc()
+                        if result.error.reason:
                             sp = ack.subscription_partition
-                            raise _error_of(result.error, f"{sp.topic}-{sp.partition} "
-                                                          f"(subscription {sp.subscription})")
-                if not todo_batches and not todo_acks:
-                    break
+                            failed.append((result.error, retry_acks, ack,
+                                           f"{sp.topic}-{sp.partition} (subscription "
+                                           f"{sp.subscription})"))
+                if not failed:
+                    STAGED.labels("ok").inc()
+                    return results
+                refresh, last = False, None
+                for error, retry, item, where in failed:
+                    if error.reason not in RETRY_REASONS:
+                        STAGED.labels(error.reason).inc()
+                        raise _error_of(error, where)
+                    refresh |= error.reason in ROUTING_REASONS
+                    if item is not None:
+                        retry.append(item)
+                    last = _error_of(error)
+                if parts:
+                    todo_batches, todo_acks = retry_batches, retry_acks
                 if refresh:
                     await self.routes.refresh(force=True)
                 delay = backoff.delay(attempt)
                 if time.monotonic() + delay >= deadline:
-                    raise last or AtomlogError("REQUEST_TIMED_OUT", "staging ran out of time")
+                    raise last
                 await asyncio.sleep(delay)
-            STAGED.labels("ok").inc()
-            return Staged(results)
         finally:
             STAGE_SECONDS.observe(time.perf_counter() - began)
 
@@ -189,6 +182,7 @@ class StageChannel:
         event(log, "staging channel closed", calls=self._calls.calls)
 
 
-def _error_of(item_error, where: str = "") -> AtomlogError:
-    message = item_error.message + (f" ({where})" if where else "")
-    return AtomlogError(item_error.reason, message, dict(item_error.metadata))
+def _error_of(error, where: str = "") -> AtomlogError:
+    """An AtomlogError from an ItemError (or an AtomlogError), naming where it happened."""
+    message = error.message + (f" ({where})" if where else "")
+    return AtomlogError(error.reason, message, dict(error.metadata))

@@ -99,10 +99,9 @@ def now_ms() -> int:
 
 class TcPartition:
     def __init__(self, tc_partition: int, epoch: int, log_producer_id: int, *,
-                 coordinator_name: str, routes: PartitionRoutes, markers: MarkerChannel,
-                 limits: Limits, settings: Settings,
-                 on_fenced: Callable[[int], Awaitable[None]],
-                 log_channel: AppendChannel | None = None):
+                 coordinator_name: str, routes: PartitionRoutes, log_channel: AppendChannel,
+                 markers: MarkerChannel, limits: Limits, settings: Settings,
+                 on_fenced: Callable[[int], Awaitable[None]]):
         self.tc_partition = tc_partition
         self.epoch = epoch
         self.coordinator_name = coordinator_name
@@ -110,8 +109,8 @@ class TcPartition:
         self.limits = limits
         self.settings = settings
         self.on_fenced = on_fenced
-        self.log = TxnLog(routes, tc_partition, log_producer_id, epoch,
-                          settings.log_request_timeout_ms / 1000, log_channel)
+        self.log = TxnLog(routes, log_channel, tc_partition, log_producer_id, epoch,
+                          settings.log_request_timeout_ms / 1000)
         self.phase = Phase.LOADING
         self.core: TcPartitionCore | None = None
         self.load_seconds: float | None = None

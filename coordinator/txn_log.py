@@ -127,9 +127,8 @@ class TxnLog:
     """Appends and reads of `__txn_log-<k>` for the owner holding coordinator epoch `epoch`.
     One append at a time (the TC partition's writer batches everything queued into it)."""
 
-    def __init__(self, routes: PartitionRoutes, tc_partition: int, producer_id: int,
-                 epoch: int, request_timeout_s: float = 5.0,
-                 channel: AppendChannel | None = None):
+    def __init__(self, routes: PartitionRoutes, channel: AppendChannel, tc_partition: int,
+                 producer_id: int, epoch: int, request_timeout_s: float = 5.0):
         if not 0 < epoch <= 0xFFFE:
             raise ValueError(f"coordinator epoch {epoch} does not fit a producer epoch")
         self.routes = routes
@@ -161,15 +160,11 @@ class TxnLog:
                              base_sequence=self._next_sequence)
         item = partition_pb2.ProduceItem(topic_partition=_topic_partition(self.tc_partition),
                                          record_batch=batch)
-        request = partition_pb2.ProduceRequest(items=[item])
         attempt = 0
         while True:
             try:
-                if self.channel is not None:
-                    address = await self.routes.owner(TOPIC, self.tc_partition)
-                    result = await self.channel.produce(address, item)
-                else:
-                    result = (await self._call("Produce", request)).results[0]
+                address = await self.routes.owner(TOPIC, self.tc_partition)
+                result = await self.channel.produce(address, item)
                 error = (AtomlogError(result.error.reason, result.error.message,
                                       dict(result.error.metadata))
                          if result.error.reason else None)

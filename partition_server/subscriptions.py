@@ -308,6 +308,10 @@ class PartitionSubscriptions:
     def describe(self, name: str, max_read_position: int, now_ms: int) -> CursorDescription:
         return self._usable().cursor(name).describe(max_read_position, now_ms)
 
+    def pending_transactions(self, name: str) -> list[TxnId]:
+        """The transactions with acks pending on cursor `name`."""
+        return self._usable().cursor(name).pending_transactions()
+
     def names(self) -> list[str]:
         return sorted(self._usable().cursors()) if self.store is not None else []
 

@@ -75,7 +75,6 @@ class TxnChecker:
     def _open_now(self) -> dict[tuple, object]:
         """Every open transaction and pending-ack transaction of the ONLINE partitions."""
         found: dict[tuple, object] = {}
-        now_ms = int(time.time() * 1000)
         for owner in list(self.manager.owners.values()):
             if owner.state is not State.ONLINE or owner.txns_recovering:
                 continue
@@ -83,12 +82,11 @@ class TxnChecker:
                 found[(owner.topic, owner.partition, None, open_txn.txn)] = owner
             for name in owner.subscriptions.names():
                 try:
-                    pending = owner.subscriptions.describe(
-                        name, owner.max_read_position(), now_ms).pending_acks
+                    pending = owner.subscriptions.pending_transactions(name)
                 except AtomlogError:
                     continue  # deleted meanwhile, or the store is reloading
-                for entry in pending:
-                    found[(owner.topic, owner.partition, name, entry.txn)] = owner
+                for txn in pending:
+                    found[(owner.topic, owner.partition, name, txn)] = owner
         return found
 
     async def check_once(self) -> int:

@@ -97,9 +97,11 @@ class TxnVerifier:
         return await self.verify(txn, topic, partition, subscription=subscription, raw=True)
 
     async def verify(self, txn: TxnId, topic: str, partition: int, *,
-                     subscription: str | None = None, raw: bool = False) -> Answer:
+                     subscription: str | None = None,
+                     raw: bool = False) -> Answer | tuple[int, int]:
         """OPEN and includes topic-partition (or that subscription of it, for a
-        transactional ack), or AtomlogError saying why not."""
+        transactional ack), or AtomlogError saying why not. With `raw`: what state()
+        answers instead."""
         began = time.perf_counter()
         backoff = Backoff(initial_s=0.02, maximum_s=0.5)
         deadline = time.monotonic() + self.timeout_s

@@ -32,7 +32,6 @@ import itertools
 import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import crc32c
@@ -41,6 +40,7 @@ import grpc
 from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.record_batch import Compression, Record, encode_batch
 from spark_client import errors
+from spark_client.transactions import KeptBy
 from services.backoff import Backoff
 
 # Sequences are int32 and batches may not wrap inside themselves: a producer that gets
@@ -218,7 +218,7 @@ class Producer:
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
         # One-call transactions holding records of this producer, in the order of their
         # first record (flush switches them in that order: send order per partition).
-        self._kept_by: dict[int, weakref.ref] = {}
+        self._kept_by = KeptBy()
         self._closed = False
         self._sender = threading.Thread(target=self._run, name="atomlog-producer", daemon=True)
         self._sender.start()
@@ -328,7 +328,7 @@ class Producer:
                     partition = self._sticky[topic] = next(self._round_robin) % count
             future = txn.keep_record(self, topic, partition, record, size)
             if future is not None:
-                remember_kept(self._kept_by, txn)
+                self._kept_by.remember(txn)
                 return future
         deadline = time.monotonic() + self.max_block_s
         with self._lock:
@@ -396,11 +396,7 @@ class Producer:
         of this producer switches to ordinary sends for it (its records are written now,
         as flush promises; commit() then ends it with EndTxn)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        kept, self._kept_by = self._kept_by, {}
-        for ref in kept.values():
-            txn = ref()
-            if txn is not None and txn.one_call:
-                txn._switch()
+        self._kept_by.switch_all()
         self._seal_open(lambda state: True)
         with self._lock:
             while self._unfinished:
@@ -743,22 +739,6 @@ class Producer:
         self._buffered_bytes -= batch.size
         self._unfinished -= len(batch.records)
         self._lock.notify_all()
-
-
-def remember_kept(kept_by: dict, txn) -> None:
-    """Note in `kept_by` ({id: weakref}, in order of first use) a one-call transaction
-    holding something of a producer or consumer; entries of transactions that are gone or
-    no longer one-call are dropped as it grows, so it stays small."""
-    ref = kept_by.get(id(txn))
-    if ref is not None and ref() is txn:
-        return
-    kept_by.pop(id(txn), None)  # an id reused by a new object
-    if len(kept_by) >= 64:
-        for key, old in list(kept_by.items()):
-            held = old()
-            if held is None or not held.one_call:
-                del kept_by[key]
-    kept_by[id(txn)] = weakref.ref(txn)
 
 
 def _discard(state: _PartitionState, batch: _Batch) -> None:

@@ -32,7 +32,6 @@ import concurrent.futures
 import threading
 import time
 import uuid
-import weakref
 
 import grpc
 
@@ -40,7 +39,7 @@ from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.record_batch import decode_records, iter_batches
 from services.backoff import Backoff
 from spark_client import errors
-from spark_client.producer import remember_kept
+from spark_client.transactions import KeptBy
 from spark_client.consumer import ISOLATION, Message
 
 _ROUTING = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
@@ -100,7 +99,7 @@ class SubscriptionConsumer:
         self.backoff = Backoff()
         self._closed = False
         # One-call transactions holding acks of this consumer (reset() sends them first).
-        self._kept_by: dict[int, weakref.ref] = {}
+        self._kept_by = KeptBy()
         self._buffer: list[Message] = []  # delivered, not yet returned by poll
         self._buffer_expires = 0.0
         self._async_slots = threading.BoundedSemaphore(max_async_acks)
@@ -345,7 +344,7 @@ class SubscriptionConsumer:
         if txn is not None and txn.one_call:
             self._check_kept_conflicts(acks, txn)
             if txn.keep_acks(self, acks):
-                remember_kept(self._kept_by, txn)
+                self._kept_by.remember(txn)
                 return  # kept for the transaction's one-call commit
         if txn is not None:
             txn.register_subscriptions([(t, p, self.subscription) for t, p in acks])
@@ -387,7 +386,7 @@ class SubscriptionConsumer:
         while acks of the subscription are pending in an open transaction."""
         position = subscription_position(to, offset, timestamp_ms)
         targets = list(self.partitions if partitions is None else partitions)
-        self._switch_kept()  # acks kept by one-call transactions are pending too
+        self._kept_by.switch_all()  # acks kept by one-call transactions are pending too
         unknown = [tp for tp in targets if tp not in self.partitions]
         if unknown:
             raise ValueError(f"not partitions of this consumer: {unknown}")
@@ -401,22 +400,12 @@ class SubscriptionConsumer:
         sp = [r.subscription_partition for r in results]
         return {(s.topic, s.partition): r.cumulative_end_offset for s, r in zip(sp, results)}
 
-    def _switch_kept(self) -> None:
-        """Send the acks one-call transactions keep for this consumer (they switch to
-        ordinary acks): what the server says next includes them."""
-        kept, self._kept_by = self._kept_by, {}
-        for ref in kept.values():
-            txn = ref()
-            if txn is not None and txn.one_call:
-                txn._switch()
-
     def _check_kept_conflicts(self, acks: dict, txn) -> None:
         """TransactionConflict for acks that claim offsets another one-call transaction
         of this consumer keeps acks for (the server's rule, applied before anything is
         sent; conflicts with other consumers' transactions surface at commit())."""
-        for ref in list(self._kept_by.values()):
-            other = ref()
-            if other is None or other is txn or not other.one_call:
+        for other in self._kept_by.live():
+            if other is txn:
                 continue
             for (topic, partition), (cumulative, ranges) in acks.items():
                 claimed = other.kept_claims(topic, partition, self.subscription)
@@ -429,7 +418,7 @@ class SubscriptionConsumer:
     def describe(self) -> list:
         """The server's SubscriptionCursor of every partition (acks kept by one-call
         transactions are sent first: they show as pending)."""
-        self._switch_kept()
+        self._kept_by.switch_all()
         results = self._call_all("DescribeSubscription",
                                  lambda group: partition_pb2.DescribeSubscriptionRequest(
                                      subscription_partitions=[self._sp(t, p) for t, p in group]))

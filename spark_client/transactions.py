@@ -54,6 +54,7 @@ import concurrent.futures
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable
 
 import grpc
@@ -214,7 +215,7 @@ class Transaction:
         self._began = time.monotonic()
         self._open_lock = threading.Lock()
         # One-call: what it keeps (None once it switched, or when it cannot be one-call).
-        limit = getattr(client, "one_call_max_bytes", 0)
+        limit = client.one_call_max_bytes
         self._kept: _Kept | None = _Kept(limit) if lazy and limit > 0 else None
         self._switch_lock = threading.RLock()
         self._on_fenced = on_fenced  # a session's producer learns it was fenced
@@ -730,6 +731,37 @@ class Transaction:
         for item in item_errors:
             if item.reason:
                 raise errors.error_for(item.reason, item.message, dict(item.metadata))
+
+
+class KeptBy:
+    """The one-call transactions keeping something of one producer or consumer, in the
+    order they first did (weak references: a transaction that is gone drops out).
+    `switch_all()` sends what they keep — producer.flush(), consumer.describe()/reset(),
+    which promise server state that includes it."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def remember(self, txn: Transaction) -> None:
+        ref = self._refs.get(id(txn))
+        if ref is not None and ref() is txn:
+            return
+        self._refs.pop(id(txn), None)  # an id reused by a new object
+        if len(self._refs) >= 64:  # drop the ones that ended or switched: it stays small
+            self._refs = {key: old for key, old in self._refs.items()
+                          if (held := old()) is not None and held.one_call}
+        self._refs[id(txn)] = weakref.ref(txn)
+
+    def live(self) -> list[Transaction]:
+        """Those still keeping something."""
+        return [txn for ref in list(self._refs.values())
+                if (txn := ref()) is not None and txn.one_call]
+
+    def switch_all(self) -> None:
+        txns = self.live()
+        self._refs = {}
+        for txn in txns:
+            txn._switch()
 
 
 class _in_turn:

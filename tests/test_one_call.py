@@ -286,21 +286,28 @@ def test_a_transaction_that_outgrows_the_bound_switches_paths_mid_way(servers):
         assert len(set(offsets)) == 20
 
 
+def committed_one(client, topic: str) -> tuple[int, int, int]:
+    """Commit a transaction of one record ("kept") to partition 0 of `topic`: its TC
+    partition, its sequence (those above it, inside the reservation, are handed out to
+    nobody yet) and the coordinator epoch of that TC partition."""
+    with client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=30)
+        producer.send(topic, b"kept", partition=0, txn=txn)
+        txn.commit(wait_for_markers=True)
+    tc, sequence = txn.key
+    described = Coordinators(client).call(tc, "DescribeTransaction",
+                                          coordinator_pb2.DescribeTransactionRequest(
+                                              txn_id=txn.txn_id), time.monotonic() + 30)
+    return tc, sequence, described.coordinator_epoch
+
+
 def test_a_staged_transaction_its_coordinator_never_committed_is_aborted_by_the_partition(
         servers, client):
     """Stage straight through StageTxn a transaction the coordinator handed out no
     decision for (a sequence inside its reservation): the partition server asks, hears
     ABORTED (presumed abort), and writes the ABORT marker itself."""
     topic = create_online(client, "oc-orphan", 1)
-    with client.producer() as producer:
-        txn = client.begin_transaction(timeout_s=30)
-        producer.send(topic, b"kept", partition=0, txn=txn)
-        txn.commit(wait_for_markers=True)
-    tc, sequence = txn.key
-    epoch = Coordinators(client).call(tc, "DescribeTransaction",
-                                      coordinator_pb2.DescribeTransactionRequest(
-                                          txn_id=txn.txn_id),
-                                      time.monotonic() + 30).coordinator_epoch
+    tc, sequence, epoch = committed_one(client, topic)
     orphan = common_pb2.TxnId(tc_partition=tc, sequence=sequence + 1_000)
     stub = client.channels.partition(client.metadata.route(topic, 0).address)
     reply = stub.StageTxn(partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
@@ -445,14 +452,7 @@ def test_acks_staged_for_a_transaction_its_coordinator_never_committed_are_relea
     topic = create_online(client, "oc-orphan-ack", 1)
     with client.producer() as producer:
         producer.send(topic, b"m0", partition=0).result(10)
-        txn = client.begin_transaction(timeout_s=30)
-        producer.send(topic, b"kept", partition=0, txn=txn)
-        txn.commit(wait_for_markers=True)
-    tc, sequence = txn.key
-    epoch = Coordinators(client).call(tc, "DescribeTransaction",
-                                      coordinator_pb2.DescribeTransactionRequest(
-                                          txn_id=txn.txn_id),
-                                      time.monotonic() + 30).coordinator_epoch
+    tc, sequence, epoch = committed_one(client, topic)
     with client.consumer(topic, subscription="orphan", ack_timeout_s=60) as consumer:
         got = []
         while not got:
