@@ -48,7 +48,9 @@ from services.errors import AtomlogError
 
 # --- Layout -------------------------------------------------------------------------------
 
-MAGIC = 1
+MAGIC = 1  # the row format; servers write it (markers, TC log) and read only headers
+MAGIC_COLUMNAR = 2  # records block = an Arrow IPC record batch (record_columns.py)
+MAGICS = (MAGIC, MAGIC_COLUMNAR)
 # (field, offset, size, type): the header table of docs/record-format.md (a test compares).
 HEADER_FIELDS = (
     ("base_offset", 0, 8, "int64"),
@@ -225,8 +227,8 @@ def parse_header(buf: bytes | bytearray | memoryview, offset: int = 0, *,
         raise _corrupt(f"truncated batch header: {max(len(buf) - offset, 0)} bytes, "
                        f"a header is {HEADER_SIZE}", offset)
     header = _make_header(_unpack_header(buf, offset))
-    if header.magic != MAGIC:
-        raise _corrupt(f"bad magic {header.magic} (expected {MAGIC})", offset)
+    if header.magic not in MAGICS:
+        raise _corrupt(f"bad magic {header.magic} (expected one of {MAGICS})", offset)
     if header.batch_length < MIN_BATCH_LENGTH:
         raise _corrupt(f"batch_length {header.batch_length} is below the minimum "
                        f"{MIN_BATCH_LENGTH}", offset)
@@ -271,8 +273,8 @@ def _header_problem(h: BatchHeader) -> str | None:
     if h.attributes & ATTR_CONTROL:
         if not has_txn:
             return "a control batch must carry a transaction id"
-        if h.record_count != 1 or h.attributes & ATTR_COMPRESSION_MASK:
-            return "a control batch holds exactly one uncompressed record"
+        if h.record_count != 1 or h.attributes & ATTR_COMPRESSION_MASK or h.magic != MAGIC:
+            return "a control batch holds exactly one uncompressed record in the row format"
     return None
 
 
@@ -539,11 +541,18 @@ def _decompress(block: memoryview, compression: Compression, limit: int) -> byte
 
 def decode_records(batch: bytes | bytearray | memoryview, *, verify: bool = True,
                    max_uncompressed_bytes: int = DEFAULT_MAX_UNCOMPRESSED_BYTES) -> list[Record]:
-    """Decode every record of one batch (client side). Checks the CRC unless told not to,
-    then that the records are exactly `record_count` well-formed records."""
+    """Decode every record of one batch (client side), in either format. Checks the CRC
+    unless told not to, then that the records are exactly `record_count` well-formed
+    records."""
     header = parse_header(batch)
     if len(batch) < header.size:
         raise _corrupt(f"truncated batch: header declares {header.size} bytes, {len(batch)} present")
+    if header.magic == MAGIC_COLUMNAR:
+        from partition_server import record_columns  # pyarrow: clients only
+
+        return record_columns.records_of(record_columns.decode_columns(
+            batch, header, verify=verify, max_uncompressed_bytes=max_uncompressed_bytes),
+            header)
     if verify:
         verify_crc(batch, header)
     block = memoryview(batch)[HEADER_SIZE:header.size]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import crc32c
 
-from partition_server.record_batch import (CRC_COVERED_FROM, HEADER_SIZE, INT64_MIN, MAGIC,
+from partition_server.record_batch import (CRC_COVERED_FROM, HEADER_SIZE, INT64_MIN, MAGICS,
                                            MIN_BATCH_LENGTH, BatchHeader, parse_header, verify_crc)
 from services.errors import AtomlogError
 
@@ -243,7 +243,7 @@ def check_batches(data: bytes, start_position: int, expected_offset: int) -> Sca
             return ScanFailure(start_position + position, expected_offset, "truncated batch header")
         base_offset, length, magic, _, stored_crc, _, last_offset_delta = unpack(data, position)
         size = length + 12
-        if magic != MAGIC or length < MIN_BATCH_LENGTH or position + size > end:
+        if magic not in MAGICS or length < MIN_BATCH_LENGTH or position + size > end:
             return ScanFailure(start_position + position, expected_offset,
                                f"bad batch header (magic {magic}, batch_length {length})")
         if base_offset != expected_offset:

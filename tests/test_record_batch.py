@@ -212,7 +212,7 @@ def test_crc_mismatch_names_both_values():
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"magic": 2}, "magic"),
+    ({"magic": 3}, "magic"),
     ({"magic": 0}, "magic"),
     ({"record_count": 0, "last_offset_delta": -1}, "record_count"),
     ({"last_offset_delta": 5}, "last_offset_delta"),

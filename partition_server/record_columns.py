@@ -1,0 +1,351 @@
+"""The columnar records block (batch magic 2): one Arrow IPC record batch message of a
+fixed schema, after the same 77-byte header as every batch (docs/record-format.md §1.3).
+
+Pure, client side: servers never import this module (they parse headers only, and the
+batches they write themselves — transaction markers, the TC log — keep the row format of
+magic 1). Producers encode columns here without a loop over records; readers get a
+`pyarrow.RecordBatch` whose buffers are slices of the fetched bytes (no copy when the
+block is not compressed).
+
+The block holds only the record batch message, not the schema: the schema is fixed by the
+format (`BLOCK_SCHEMA`). To read a block with any Arrow library, put `schema_message()`
+before it and read the two as an IPC stream.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+
+import crc32c
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from partition_server.record_batch import (ATTR_TRANSACTIONAL, CRC_COVERED_FROM, CRC_OFFSET,
+                                           DEFAULT_MAX_UNCOMPRESSED_BYTES, HEADER, HEADER_SIZE,
+                                           MAGIC_COLUMNAR, MIN_BATCH_LENGTH, NO_PRODUCER_ID,
+                                           NO_SEQUENCE, NO_TIMESTAMP, PRODUCER_EPOCH_MAX,
+                                           BatchHeader, Compression, Record, TxnId, _corrupt,
+                                           parse_header, verify_crc)
+
+# --- The schema (fixed by the format; a change is a new magic) ----------------------------
+HEADER_STRUCT = pa.struct([pa.field("key", pa.string(), nullable=False),
+                           pa.field("value", pa.binary(), nullable=False)])
+HEADERS_TYPE = pa.list_(pa.field("header", HEADER_STRUCT, nullable=False))
+BLOCK_SCHEMA = pa.schema([
+    pa.field("key", pa.binary()),                            # null: no key
+    pa.field("value", pa.binary()),                          # null: a null value (tombstone)
+    pa.field("timestamp_delta", pa.int64(), nullable=False),  # ms after base_timestamp_ms
+    pa.field("headers", HEADERS_TYPE, nullable=False),       # empty list: no headers
+])
+_CODEC = {Compression.NONE: None, Compression.ZSTD: "zstd", Compression.LZ4: "lz4"}
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+_PREFIX = struct.Struct("<Ii")  # IPC continuation marker, metadata length (little-endian)
+_CONTINUATION = 0xFFFFFFFF
+
+
+def schema_message() -> bytes:
+    """The Arrow IPC stream's schema message of BLOCK_SCHEMA: put it before a block to read
+    the block as an IPC stream with any Arrow library (docs/record-format.md)."""
+    return _stream_bytes(None, Compression.NONE)[:-len(_EOS)]
+
+
+def _stream_bytes(batch: pa.RecordBatch | None, compression: Compression) -> bytes:
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression=_CODEC[compression])
+    with pa.ipc.new_stream(sink, BLOCK_SCHEMA, options=options) as writer:
+        if batch is not None:
+            writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+_SCHEMA_LENGTHS: dict[Compression, int] = {}
+
+
+def _message(batch: pa.RecordBatch, compression: Compression) -> bytes:
+    """The encapsulated IPC message of `batch` alone (buffers compressed with the codec)."""
+    if compression is Compression.NONE:
+        return batch.serialize().to_pybytes()
+    skip = _SCHEMA_LENGTHS.get(compression)
+    if skip is None:
+        skip = _SCHEMA_LENGTHS[compression] = len(_stream_bytes(None, compression)) - len(_EOS)
+    return _stream_bytes(batch, compression)[skip:-len(_EOS)]
+
+
+# --- Building columns ------------------------------------------------------------------------
+def binary_column(values, n: int | None = None, name: str = "value") -> pa.Array:
+    """`values` as an Arrow binary array: Python bytes/str/None sequences, NumPy arrays of
+    bytes or str, Arrow binary/string arrays (large or not, chunked or not). Strings are
+    encoded as UTF-8. Raises ValueError (naming `name`) for anything else."""
+    if values is None:
+        if n is None:
+            raise ValueError(f"{name}: give values or a length")
+        return pa.nulls(n, pa.binary())
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
+    if isinstance(values, pa.Array):
+        kind = values.type
+        if pa.types.is_binary(kind):
+            return values
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind) or \
+                pa.types.is_large_binary(kind) or pa.types.is_null(kind) or \
+                pa.types.is_fixed_size_binary(kind) or pa.types.is_binary_view(kind) or \
+                pa.types.is_string_view(kind):
+            return values.cast(pa.binary())
+        raise ValueError(f"{name}: an Arrow array of {kind} is not binary or string")
+    try:
+        array = pa.array(values, pa.binary()) if not _is_str_sequence(values) else \
+            pa.array(values, pa.string()).cast(pa.binary())
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
+        raise ValueError(f"{name}: not bytes, str or None values ({error})") from None
+    return array
+
+
+def _is_str_sequence(values) -> bool:
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None:
+        return getattr(dtype, "kind", "") == "U"
+    for value in values:
+        if value is not None:
+            return isinstance(value, str)
+    return False
+
+
+def headers_column(headers, n: int) -> pa.Array:
+    """Per-record headers as HEADERS_TYPE: None (no headers anywhere), or one entry per
+    record, each None, a dict {str: bytes|str} or a sequence of (str, bytes|str) pairs;
+    or an Arrow list/map array of (key, value) structs."""
+    if headers is None:
+        return _no_headers(n)
+    if isinstance(headers, pa.ChunkedArray):
+        headers = headers.combine_chunks()
+    if isinstance(headers, pa.Array):
+        return _arrow_headers(headers)
+    rows = []
+    for entry in headers:
+        if not entry:
+            rows.append([])
+            continue
+        items = entry.items() if isinstance(entry, dict) else entry
+        rows.append([{"key": k, "value": v.encode() if isinstance(v, str) else v}
+                     for k, v in items])
+    try:
+        return pa.array(rows, HEADERS_TYPE)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
+        raise ValueError(f"headers: each must be (str, bytes) pairs ({error})") from None
+
+
+_CACHED_ROWS = 1 << 16
+_EMPTY: dict[str, pa.Array] = {}
+
+
+def _no_headers(n: int) -> pa.Array:
+    """n empty header lists (a slice of a cached array: building one costs ~15 us)."""
+    if n > _CACHED_ROWS:
+        return pa.ListArray.from_arrays(pa.array([0] * (n + 1), pa.int32()),
+                                        pa.array([], HEADER_STRUCT), type=HEADERS_TYPE)
+    cached = _EMPTY.get("headers")
+    if cached is None:
+        cached = _EMPTY["headers"] = pa.ListArray.from_arrays(
+            pa.array([0] * (_CACHED_ROWS + 1), pa.int32()), pa.array([], HEADER_STRUCT),
+            type=HEADERS_TYPE)
+    return cached.slice(0, n)
+
+
+def _zero_deltas(n: int) -> pa.Array:
+    if n > _CACHED_ROWS:
+        return pa.repeat(pa.scalar(0, pa.int64()), n)
+    cached = _EMPTY.get("deltas")
+    if cached is None:
+        cached = _EMPTY["deltas"] = pa.repeat(pa.scalar(0, pa.int64()), _CACHED_ROWS)
+    return cached.slice(0, n)
+
+
+def _arrow_headers(headers: pa.Array) -> pa.Array:
+    kind = headers.type
+    if pa.types.is_map(kind):
+        headers = pa.ListArray.from_arrays(headers.offsets, pa.StructArray.from_arrays(
+            [headers.keys, headers.items], ["key", "value"]), mask=headers.is_null())
+        kind = headers.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or \
+            not pa.types.is_struct(kind.value_type) or \
+            [f.name for f in kind.value_type] != ["key", "value"]:
+        raise ValueError(f"headers: an Arrow array of {kind} is not a list of "
+                         "struct<key: string, value: binary> (or a map)")
+    values = headers.flatten()
+    keys, items = values.field("key"), values.field("value")
+    if keys.null_count or items.null_count:
+        raise ValueError("headers: header keys and values must not be null")
+    if headers.null_count:  # a null list means no headers (rare: take the slow road)
+        return headers_column([row and [(h["key"], h["value"]) for h in row]
+                               for row in headers.to_pylist()], len(headers))
+    offsets = headers.offsets
+    if headers.offset:  # a slice: offsets relative to its values
+        offsets = pc.subtract(offsets, offsets[0])
+    structs = pa.StructArray.from_arrays(
+        [keys.cast(pa.string()), items.cast(pa.binary())], fields=list(HEADER_STRUCT))
+    return pa.ListArray.from_arrays(offsets.cast(pa.int32()), structs, type=HEADERS_TYPE)
+
+
+def timestamp_column(timestamps, n: int, default_ms: int) -> tuple[pa.Array, int, int]:
+    """(timestamp_delta column, base, max) for per-record timestamps in Unix ms (None: all
+    `default_ms`; else a sequence, NumPy or Arrow integer array, or an Arrow timestamp
+    array)."""
+    if timestamps is None:
+        return _zero_deltas(n), default_ms, default_ms
+    if isinstance(timestamps, pa.ChunkedArray):
+        timestamps = timestamps.combine_chunks()
+    if isinstance(timestamps, pa.Array) and pa.types.is_timestamp(timestamps.type):
+        timestamps = timestamps.cast(pa.timestamp("ms")).cast(pa.int64())
+    try:
+        array = timestamps if isinstance(timestamps, pa.Array) else pa.array(timestamps)
+        array = array.cast(pa.int64())
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
+        raise ValueError(f"timestamps: not integers in Unix ms ({error})") from None
+    if len(array) != n:
+        raise ValueError(f"timestamps: {len(array)} values for {n} records")
+    if array.null_count:
+        array = pc.fill_null(array, default_ms)
+    base = array[0].as_py()
+    largest = pc.max(array).as_py()
+    if pc.min(array).as_py() < 0:
+        raise ValueError("timestamps: negative Unix ms")
+    return pc.subtract(array, base), base, largest
+
+
+# --- Encoding --------------------------------------------------------------------------------
+def encode_columns(keys: pa.Array, values: pa.Array, headers: pa.Array,
+                   timestamp_deltas: pa.Array, base_timestamp_ms: int, max_timestamp_ms: int,
+                   *, producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0,
+                   base_sequence: int = NO_SEQUENCE, txn: TxnId | tuple[int, int] | None = None,
+                   compression: Compression = Compression.NONE) -> bytes:
+    """One magic-2 batch of the columns (built by binary_column, headers_column and
+    timestamp_column): base_offset 0 and log_append_time -1, as the server sets both."""
+    count = len(values)
+    if count < 1:
+        raise ValueError("a batch needs at least one record")
+    if not len(keys) == len(headers) == len(timestamp_deltas) == count:
+        raise ValueError("columns of different lengths")
+    if (txn is not None and tuple(txn) == (0, 0)):
+        raise ValueError("a transaction id is never (0, 0)")
+    if producer_id == NO_PRODUCER_ID and (producer_epoch != 0 or base_sequence != NO_SEQUENCE):
+        raise ValueError("producer_epoch/base_sequence need a producer_id")
+    if not 0 <= producer_epoch <= PRODUCER_EPOCH_MAX:
+        raise ValueError(f"producer_epoch {producer_epoch} outside 0..{PRODUCER_EPOCH_MAX}")
+    compression = Compression(compression)
+    batch = pa.RecordBatch.from_arrays([keys, values, timestamp_deltas, headers],
+                                       schema=BLOCK_SCHEMA)
+    body = _message(batch, compression)
+    tc_partition, txn_sequence = tuple(txn) if txn is not None else (0, 0)
+    attributes = int(compression) | (ATTR_TRANSACTIONAL if txn is not None else 0)
+    header = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(body), MAGIC_COLUMNAR,
+                                   NO_TIMESTAMP, 0, attributes, count - 1, count,
+                                   base_timestamp_ms, max_timestamp_ms, producer_id,
+                                   producer_epoch, base_sequence, tc_partition, txn_sequence))
+    crc = crc32c.crc32c(body, crc32c.crc32c(memoryview(header)[CRC_COVERED_FROM:]))
+    struct.pack_into(">I", header, CRC_OFFSET, crc)
+    out = bytes(header) + body
+    parse_header(out)  # pair assertion: what we build must be what we accept
+    return out
+
+
+def encode_records(records: Sequence[Record], *, timestamp_ms: int | None = None,
+                   **fields) -> bytes:
+    """encode_columns for Record tuples (what producer.send() collects): records without
+    a timestamp get `timestamp_ms` (default: now)."""
+    if not records:
+        raise ValueError("a batch needs at least one record")
+    default_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+    n = len(records)
+    keys = [r.key for r in records]
+    stamps = [default_ms if r.timestamp_ms is None else r.timestamp_ms for r in records]
+    base = stamps[0]
+    if any(r.headers for r in records):
+        headers = pa.array([[{"key": k, "value": v} for k, v in r.headers] for r in records],
+                           HEADERS_TYPE)
+    else:
+        headers = headers_column(None, n)
+    largest = max(stamps)
+    return encode_columns(
+        pa.array(keys, pa.binary()) if any(k is not None for k in keys) else pa.nulls(
+            n, pa.binary()),
+        pa.array([r.value for r in records], pa.binary()), headers,
+        _zero_deltas(n) if largest == base and min(stamps) == base else
+        pa.array([s - base for s in stamps], pa.int64()), base, largest, **fields)
+
+
+# --- Decoding --------------------------------------------------------------------------------
+def decode_columns(batch: bytes | bytearray | memoryview, header: BatchHeader | None = None, *,
+                   verify: bool = True,
+                   max_uncompressed_bytes: int = DEFAULT_MAX_UNCOMPRESSED_BYTES
+                   ) -> pa.RecordBatch:
+    """The block of one magic-2 batch as a RecordBatch of BLOCK_SCHEMA, its buffers slices
+    of `batch` when uncompressed. Checks the CRC (unless told not to), that the block is
+    exactly one well-formed record batch message of the schema, with `record_count` rows.
+    Raises CORRUPT_BATCH / CRC_MISMATCH."""
+    if header is None:
+        header = parse_header(batch)
+    if header.magic != MAGIC_COLUMNAR:
+        raise _corrupt(f"magic {header.magic} is not the columnar format")
+    if len(batch) < header.size:
+        raise _corrupt(f"truncated batch: header declares {header.size} bytes, {len(batch)} present")
+    if verify:
+        verify_crc(batch, header)
+    block = pa.py_buffer(batch).slice(HEADER_SIZE, header.size - HEADER_SIZE)
+    if block.size < _PREFIX.size:
+        raise _corrupt("the columnar block is shorter than an IPC message prefix")
+    continuation, metadata_length = _PREFIX.unpack_from(block, 0)
+    if continuation != _CONTINUATION or metadata_length <= 0 or \
+            metadata_length % 8 or _PREFIX.size + metadata_length > block.size:
+        raise _corrupt("the columnar block does not start with an Arrow IPC message")
+    try:
+        message = pa.ipc.read_message(block)
+        if message.type != "record batch":
+            raise _corrupt(f"the columnar block is an Arrow {message.type} message, "
+                           "not a record batch")
+        if _PREFIX.size + metadata_length + message.body.size != block.size:
+            raise _corrupt(f"{block.size - _PREFIX.size - metadata_length - message.body.size}"
+                           " bytes after the Arrow message of the columnar block")
+        columns = pa.ipc.read_record_batch(message, BLOCK_SCHEMA)
+        if header.compression is not Compression.NONE and \
+                columns.nbytes > max_uncompressed_bytes:
+            raise _corrupt(f"the columnar block holds {columns.nbytes} bytes, limit "
+                           f"{max_uncompressed_bytes}")
+        columns.validate(full=True)
+    except (pa.ArrowException, OSError, MemoryError, ValueError) as error:
+        if hasattr(error, "reason"):
+            raise
+        raise _corrupt(f"the columnar block is not a record batch of the format's schema: "
+                       f"{error}") from None
+    if columns.num_rows != header.record_count:
+        raise _corrupt(f"the columnar block holds {columns.num_rows} rows, the header "
+                       f"says {header.record_count}")
+    return columns
+
+
+def python_columns(keys: pa.Array, values: pa.Array, timestamp_deltas: pa.Array,
+                   headers: pa.Array, base_timestamp_ms: int) -> tuple[list, list, list, list]:
+    """Block columns as Python lists (keys, values, header tuples, absolute timestamps):
+    one C-level conversion per column, for callers that want a Python object per record."""
+    n = len(values)
+    key_list = [None] * n if keys.null_count == n else keys.to_pylist()
+    if n > 256:
+        bounds = pc.min_max(timestamp_deltas)
+        constant = bounds["min"].as_py() == bounds["max"].as_py() == 0
+    else:
+        constant = False
+    stamps = [base_timestamp_ms] * n if constant else [
+        base_timestamp_ms + d for d in timestamp_deltas.to_pylist()]
+    header_rows = ([tuple((h["key"], h["value"]) for h in row) for row in headers.to_pylist()]
+                   if len(headers.values) else [()] * n)
+    return key_list, values.to_pylist(), header_rows, stamps
+
+
+def records_of(columns: pa.RecordBatch, header: BatchHeader) -> list[Record]:
+    """Record tuples of a decoded block (offsets and absolute timestamps filled in)."""
+    keys, values, headers, stamps = python_columns(
+        columns.column(0), columns.column(1), columns.column(2), columns.column(3),
+        header.base_timestamp_ms)
+    first = header.base_offset
+    return list(map(Record, keys, values, headers, stamps, range(first, first + len(values))))
