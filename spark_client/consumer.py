@@ -7,31 +7,19 @@ for all its partitions.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
-
 import grpc
+import pyarrow as pa
 
 from atomlog.v1 import common_pb2, partition_pb2
-from partition_server.record_batch import decode_records, iter_batches
+from partition_server.record_batch import iter_batches
 from spark_client import errors
+from spark_client.fetched import Fetched, Message, block_of
 from services.backoff import Backoff
 
 ISOLATION = {"read_committed": common_pb2.ISOLATION_LEVEL_READ_COMMITTED,
              "read_uncommitted": common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED}
 RETRIABLE = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "PARTITION_LOADING",
              "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED"}
-
-
-class Message(NamedTuple):
-    """One record as read (a NamedTuple: readers make one per record)."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes], ...]
-    timestamp_ms: int
 
 
 class Consumer:
@@ -52,7 +40,7 @@ class Consumer:
         self.request_timeout_s = request_timeout_s
         self.backoff = Backoff()
         self._positions: dict[tuple[str, int], int] = {}
-        self._buffer: list[Message] = []
+        self._fetched = Fetched()  # fetched, not yet returned by poll
         self._closed = False
         for topic in self.topics:
             for route in client.metadata.partitions(topic):
@@ -72,10 +60,8 @@ class Consumer:
     def position(self, topic: str, partition: int) -> int:
         """The offset poll() goes on from in this partition: that of the first message
         fetched but not yet returned, else the next offset to fetch."""
-        for message in self._buffer:
-            if message.topic == topic and message.partition == partition:
-                return message.offset
-        return self._positions[(topic, partition)]
+        held = self._fetched.position(topic, partition)
+        return self._positions[(topic, partition)] if held is None else held
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         if (topic, partition) not in self._positions:
@@ -83,7 +69,7 @@ class Consumer:
         if offset < 0:
             raise ValueError("offset must be >= 0")
         self._positions[(topic, partition)] = offset
-        self._buffer = [m for m in self._buffer if (m.topic, m.partition) != (topic, partition)]
+        self._fetched.drop(topic, partition)
 
     def end_offsets(self) -> dict[tuple[str, int], int]:
         """Per partition, the offset after the last readable record (the max read position
@@ -97,11 +83,13 @@ class Consumer:
         return self._list_offsets(partition_pb2.OFFSET_SPEC_EARLIEST)
 
     def read_until(self, ends: dict[tuple[str, int], int] | None = None, *,
-                   idle_timeout_s: float = 60.0, max_records: int = 10_000):
-        """Lists of messages from the current positions up to `ends` (offset per assigned
-        partition, exclusive; default: end_offsets() now — the max read position under
-        read_committed), then stop. A partition that makes no progress for idle_timeout_s
-        raises REQUEST_TIMED_OUT (its range is not readable: open, or beyond the end)."""
+                   idle_timeout_s: float = 60.0, max_records: int = 10_000,
+                   arrow: bool = False):
+        """Lists of messages (with arrow, pyarrow Tables as poll_arrow() returns) from the
+        current positions up to `ends` (offset per assigned partition, exclusive; default:
+        end_offsets() now — the max read position under read_committed), then stop. A
+        partition that makes no progress for idle_timeout_s raises REQUEST_TIMED_OUT (its
+        range is not readable: open, or beyond the end)."""
         if ends is None:
             ends = self.end_offsets()
         deadline = time.monotonic() + idle_timeout_s
@@ -109,9 +97,10 @@ class Consumer:
             behind = [key for key, end in ends.items() if self.position(*key) < end]
             if not behind:
                 return
-            messages = [m for m in self.poll(timeout_s=1.0, max_records=max_records)
-                        if m.offset < ends.get((m.topic, m.partition), 0)]
-            if messages:
+            self._wait_for_data(1.0)
+            messages = (self._fetched.take_table(max_records, ends) if arrow
+                        else self._fetched.take_messages(max_records, ends))
+            if len(messages):
                 deadline = time.monotonic() + idle_timeout_s
                 yield messages
             elif time.monotonic() > deadline:
@@ -123,11 +112,23 @@ class Consumer:
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Message]:
         """Up to max_records messages, waiting up to timeout_s for the first."""
+        self._wait_for_data(timeout_s)
+        return self._fetched.take_messages(max_records)
+
+    def poll_arrow(self, timeout_s: float = 1.0, max_records: int = 100_000) -> pa.Table:
+        """poll() as a pyarrow Table (fetched.TABLE_SCHEMA: topic, partition, offset, key,
+        value, headers, timestamp), empty when nothing came within timeout_s. Key, value
+        and headers are the fetched buffers, not copies (columnar batches, uncompressed);
+        no Python object is made per record."""
+        self._wait_for_data(timeout_s)
+        return self._fetched.take_table(max_records)
+
+    def _wait_for_data(self, timeout_s: float) -> None:
         if self._closed:
             raise RuntimeError("consumer is closed")
         deadline = time.monotonic() + timeout_s
         attempt = 0
-        while not self._buffer:
+        while not self._fetched:
             remaining = deadline - time.monotonic()
             try:
                 self._fetch(max(0.0, remaining))
@@ -139,8 +140,6 @@ class Consumer:
                 time.sleep(min(self.backoff.delay(attempt), max(0.0, remaining)))
             if time.monotonic() >= deadline:
                 break
-        out, self._buffer = self._buffer[:max_records], self._buffer[max_records:]
-        return out
 
     def _by_server(self) -> dict[str, list[tuple[str, int]]]:
         servers: dict[str, list[tuple[str, int]]] = {}
@@ -176,12 +175,12 @@ class Consumer:
                 continue
             for result in reply.results:
                 failure = self._take(result) or failure
-        if failure is not None and not self._buffer:
+        if failure is not None and not self._fetched:
             if failure.reason in ("NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                                   "SERVER_UNAVAILABLE"):
                 self._refresh()
             raise failure
-        if len(servers) > 1 and not self._buffer and wait_s > 0:
+        if len(servers) > 1 and not self._fetched and wait_s > 0:
             time.sleep(min(wait_s, 0.05))  # several servers: short polls instead of long ones
 
     def _take(self, result) -> errors.AtomlogClientError | None:
@@ -195,10 +194,8 @@ class Consumer:
         for start, header in iter_batches(data):
             if header.is_control or header.last_offset < position:
                 continue
-            for record in decode_records(data[start:start + header.size]):
-                if record.offset >= position:
-                    self._buffer.append(Message(tp.topic, tp.partition, record.offset, record.key,
-                                                record.value, record.headers, record.timestamp_ms))
+            self._fetched.add(block_of(tp.topic, tp.partition, data[start:start + header.size],
+                                       header, position))
         self._positions[key] = max(position, result.next_fetch_offset)
         return None
 

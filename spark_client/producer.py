@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,8 +39,11 @@ import crc32c
 import grpc
 
 from atomlog.v1 import common_pb2, partition_pb2
-from partition_server.record_batch import Compression, Record, encode_batch
+from partition_server.record_batch import Compression, Record
+from partition_server.record_columns import encode_columns, encode_records
 from spark_client import errors
+from spark_client.columns import (HEADER_OVERHEAD, ROW_OVERHEAD, Chunk, prepare,
+                                  records_of_chunk)
 from spark_client.transactions import KeptBy
 from services.backoff import Backoff
 
@@ -132,6 +136,73 @@ class RecordFuture:
             outcome._callbacks.append(lambda: fn(self))
 
 
+@dataclass(frozen=True)
+class BatchMetadata:
+    """Where the records of one send_batch() went: (partition, first offset, count) per
+    batch, in the order the batches were made (input order within a partition)."""
+
+    topic: str
+    ranges: tuple[tuple[int, int, int], ...]
+
+    @property
+    def count(self) -> int:
+        return sum(count for _, _, count in self.ranges)
+
+
+class BatchFuture:
+    """The outcome of one `send_batch()`: `result(timeout)` is BatchMetadata once every
+    batch is acknowledged, or raises the first failure."""
+
+    __slots__ = ("_topic", "_parts")
+
+    def __init__(self, topic: str, parts: list[tuple[RecordFuture, int]]):
+        self._topic, self._parts = topic, parts
+
+    def done(self) -> bool:
+        return all(future.done() for future, _ in self._parts)
+
+    def result(self, timeout: float | None = None) -> BatchMetadata:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ranges: list[list[int]] = []
+        for future, count in self._parts:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            meta = future.result(remaining)
+            last = ranges[-1] if ranges else None
+            if last and last[0] == meta.partition and last[1] + last[2] == meta.offset:
+                last[2] += count  # kept records of a one-call transaction, one by one
+            else:
+                ranges.append([meta.partition, meta.offset, count])
+        return BatchMetadata(self._topic, tuple(tuple(r) for r in ranges))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The first batch's failure, or None once every batch is acknowledged."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for future, _ in self._parts:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            error = future.exception(remaining)
+            if error is not None:
+                return error
+        return None
+
+    def add_done_callback(self, fn) -> None:
+        """fn(future) runs once every batch's outcome is known (on the producer's thread,
+        or at once if they are)."""
+        remaining = [len(self._parts)]
+        lock = threading.Lock()
+        if not self._parts:
+            fn(self)
+            return
+
+        def one_done(_future) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                fn(self)
+        for future, _ in self._parts:
+            future.add_done_callback(one_done)
+
+
 @dataclass(eq=False)
 class _Batch:
     topic: str
@@ -212,7 +283,9 @@ class Producer:
         self._lock = threading.Condition()
         self._partitions: dict[tuple[str, int], _PartitionState] = {}
         self._sticky: dict[str, int] = {}
-        self._round_robin = itertools.count()
+        # Each producer starts at a random partition: many short-lived producers (Spark
+        # tasks) would otherwise all put their first keyless batch in partition 0.
+        self._round_robin = itertools.count(random.randrange(1 << 16))
         self._buffered_bytes = 0
         self._unfinished = 0
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
@@ -304,9 +377,7 @@ class Producer:
             value = _bytes(value)
         record = Record(key, value, _headers(headers) if headers else (),
                         timestamp_ms if timestamp_ms is not None else time.time_ns() // 1_000_000)
-        size = 32 + (len(key) if key else 0) + (len(value) if value else 0)
-        if record.headers:
-            size += sum(len(k) + len(v) + 4 for k, v in record.headers)
+        size = _record_size(key, value, record.headers)
         if size + 128 > self.batch_max_bytes:
             raise errors.BatchTooLarge(f"record of about {size} bytes does not fit a batch of "
                                        f"{self.batch_max_bytes} bytes (batch_max_bytes)")
@@ -368,6 +439,110 @@ class Producer:
                 # A new lingering batch: the sender thread may be asleep for up to a
                 # second with nothing to wait for; it must wake at this batch's linger end.
                 self._lock.notify_all()
+        return future
+
+    def send_batch(self, topic: str, values, keys=None, headers=None, partition=None,
+                   txn=None, timestamps_ms=None) -> BatchFuture:
+        """Queue many records at once, as columns: no Python loop over them (except the
+        partitioner's CRC32C of keys). `values` (and `keys`) are Python sequences of
+        bytes/str/None, NumPy arrays or Arrow binary/string arrays; or `values` is an
+        Arrow RecordBatch/Table with a `value` column and optional `key`, `headers`,
+        `timestamp` and `partition` columns. `headers`: one entry per record (None, a
+        dict or (str, bytes) pairs) or an Arrow list/map array; `timestamps_ms`: Unix ms
+        per record (default now). `partition`: None (by key as send() does; keyless
+        records of one call go to one partition), one int, or one per record.
+
+        Records are split by partition (in input order within each), then into batches
+        of at most batch_max_bytes; the one future's result() is a BatchMetadata with the
+        offsets each partition got, once every batch is acknowledged. With `txn`, all of
+        them belong to that transaction. Raises ValueError/IndexError for bad input,
+        before anything is queued."""
+        if self._closed:
+            raise RuntimeError("producer is closed")
+        if txn is not None:
+            if not self.idempotent:
+                raise ValueError("transactional sends need an idempotent producer")
+            if txn.session is not None and self._session is not None and \
+                    txn.session.producer_epoch != self._session.producer_epoch:
+                raise errors.ProducerFenced("the transaction belongs to an older session of "
+                                            "this producer")
+            txn._check_accepting()
+        count = len(self.client.metadata.partitions(topic))
+        with self._lock:
+            sticky = self._sticky.get(topic)
+            if sticky is None or sticky >= count:
+                sticky = next(self._round_robin) % count
+        try:
+            chunks = prepare(values, keys=keys, headers=headers, timestamps_ms=timestamps_ms,
+                             partition=partition, partition_count=count, sticky=sticky,
+                             now_ms=time.time_ns() // 1_000_000,
+                             batch_max_bytes=self.batch_max_bytes)
+        except IndexError as error:
+            raise errors.UnknownTopicOrPartition(
+                f"topic {topic!r} has {count} partitions: {error}") from None
+        parts: list = []
+        if txn is not None and txn.one_call:
+            chunks = self._keep_in(txn, topic, chunks, parts)
+        for chunk in chunks:
+            parts.append((self._queue_chunk(topic, chunk, txn), len(chunk)))
+        with self._lock:
+            if self._sticky.get(topic) == sticky:
+                self._sticky.pop(topic)  # the next keyless records move on
+        return BatchFuture(topic, parts)
+
+    def _keep_in(self, txn, topic: str, chunks: list[Chunk], parts: list) -> list[Chunk]:
+        """Hand the records of a send_batch() to a one-call transaction while it keeps
+        them (records, futures into `parts`); what it no longer keeps (it switched to
+        ordinary sends) comes back as chunks to queue, in order. A batch larger than the
+        one-call bound switches the transaction before it is converted to records."""
+        if sum(chunk.size for chunk in chunks) > txn.one_call_room():
+            txn._switch()
+            return chunks
+        rest: list[Chunk] = []
+        for chunk in chunks:
+            if rest or not txn.one_call:
+                rest.append(chunk)
+                continue
+            for index, record in enumerate(records_of_chunk(chunk)):
+                future = txn.keep_record(self, topic, chunk.partition, record,
+                                         _record_size(record.key, record.value, record.headers))
+                if future is None:  # it switched: the rest goes out as usual, in order
+                    rest.append(chunk.slice(index))
+                    break
+                parts.append((future, 1))
+        if parts:
+            self._kept_by.remember(txn)
+        return rest
+
+    def _queue_chunk(self, topic: str, chunk: Chunk, txn) -> RecordFuture:
+        """One chunk of send_batch() as a sealed batch of its partition, behind what the
+        partition already holds."""
+        deadline = time.monotonic() + self.max_block_s
+        with self._lock:
+            while self._buffered_bytes and self._buffered_bytes + chunk.size > \
+                    self.max_buffered_bytes:
+                if self._closed:
+                    raise RuntimeError("producer is closed")
+                if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise errors.DeliveryTimeout(
+                        f"buffer of {self.max_buffered_bytes} bytes stayed full for "
+                        f"{self.max_block_s} s (max_buffered_bytes)")
+            state = self._partitions.get((topic, chunk.partition))
+            if state is None:
+                state = self._partitions[(topic, chunk.partition)] = _PartitionState()
+            self._seal(topic, chunk.partition, state)
+            now = time.monotonic()
+            outcome = _Outcome(topic, chunk.partition)
+            batch = _Batch(topic, chunk.partition, chunk, outcome, now, chunk.size, txn=txn)
+            batch.deadline = now + self.delivery_timeout_s
+            state.ready.append(batch)
+            self._buffered_bytes += chunk.size
+            self._unfinished += len(chunk)
+            future = RecordFuture(outcome, 0)
+            if txn is not None:
+                txn.track(future)
+                txn.add_flusher(self._flush_txn)
+            self._lock.notify_all()
         return future
 
     def _adopt(self, topic: str, partition: int, records: list[Record], size: int,
@@ -459,11 +634,16 @@ class Producer:
                 state.next_sequence = 0
             batch.base_sequence = state.next_sequence
             state.next_sequence += len(records)
-        batch.payload = encode_batch(records, producer_id=state.producer_id or 0,
-                                     producer_epoch=state.epoch,
-                                     base_sequence=batch.base_sequence if self.idempotent else -1,
-                                     compression=self.compression,
-                                     txn=batch.txn.key if batch.txn is not None else None)
+        fields = dict(producer_id=state.producer_id or 0, producer_epoch=state.epoch,
+                      base_sequence=batch.base_sequence if self.idempotent else -1,
+                      compression=self.compression,
+                      txn=batch.txn.key if batch.txn is not None else None)
+        if isinstance(records, Chunk):  # send_batch(): the columns as they came
+            batch.payload = encode_columns(records.keys, records.values, records.headers,
+                                           records.timestamp_deltas, records.base_timestamp_ms,
+                                           records.max_timestamp_ms, **fields)
+        else:
+            batch.payload = encode_records(records, **fields)
 
     # ------------------------------------------------------------------ sender thread
     def _run(self) -> None:
@@ -739,6 +919,15 @@ class Producer:
         self._buffered_bytes -= batch.size
         self._unfinished -= len(batch.records)
         self._lock.notify_all()
+
+
+def _record_size(key: bytes | None, value: bytes | None, headers) -> int:
+    """What a record counts against batch_max_bytes and the buffer (send_batch's columns
+    count the same way: spark_client.columns)."""
+    size = ROW_OVERHEAD + (len(key) if key else 0) + (len(value) if value else 0)
+    if headers:
+        size += sum(len(k) + len(v) + HEADER_OVERHEAD for k, v in headers)
+    return size
 
 
 def _discard(state: _PartitionState, batch: _Batch) -> None:

@@ -34,13 +34,15 @@ import time
 import uuid
 
 import grpc
+import pyarrow as pa
 
 from atomlog.v1 import common_pb2, partition_pb2
-from partition_server.record_batch import decode_records, iter_batches
+from partition_server.record_batch import iter_batches
 from services.backoff import Backoff
 from spark_client import errors
 from spark_client.transactions import KeptBy
-from spark_client.consumer import ISOLATION, Message
+from spark_client.consumer import ISOLATION
+from spark_client.fetched import Fetched, Message, block_of
 
 _ROUTING = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
 MAX_MESSAGES_PER_RECEIVE = (1 << 32) - 1  # ReceiveRequest.max_messages is a uint32
@@ -100,7 +102,7 @@ class SubscriptionConsumer:
         self._closed = False
         # One-call transactions holding acks of this consumer (reset() sends them first).
         self._kept_by = KeptBy()
-        self._buffer: list[Message] = []  # delivered, not yet returned by poll
+        self._fetched = Fetched()  # delivered, not yet returned by poll
         self._buffer_expires = 0.0
         self._async_slots = threading.BoundedSemaphore(max_async_acks)
         self._async_lock = threading.Lock()
@@ -206,16 +208,25 @@ class SubscriptionConsumer:
         timeout passed meanwhile, when it is dropped and the server redelivers it.) Partitions whose owner does not answer
         are retried within timeout_s; if nothing was delivered and some partition still
         failed, its (retriable) error is raised."""
+        self._wait_for_data(timeout_s, max_records)
+        return self._fetched.take_messages(max_records)
+
+    def poll_arrow(self, timeout_s: float = 1.0, max_records: int = 10_000) -> pa.Table:
+        """poll() as a pyarrow Table (topic, partition, offset, key, value, headers,
+        timestamp: spark_client.fetched.TABLE_SCHEMA), empty when nothing was delivered
+        within timeout_s; no Python object per record. ack(table) acknowledges its rows."""
+        self._wait_for_data(timeout_s, max_records)
+        return self._fetched.take_table(max_records)
+
+    def _wait_for_data(self, timeout_s: float, max_records: int) -> None:
         if self._closed:
             raise RuntimeError("consumer is closed")
         if max_records < 1:
             raise ValueError("max_records must be at least 1")
-        if self._buffer and time.monotonic() >= self._buffer_expires:
-            self._buffer = []
-        if not self._buffer:
+        if self._fetched and time.monotonic() >= self._buffer_expires:
+            self._fetched.clear()
+        if not self._fetched:
             self._receive(timeout_s, max_records)
-        out, self._buffer = self._buffer[:max_records], self._buffer[max_records:]
-        return out
 
     def _receive(self, timeout_s: float, max_records: int) -> None:
         """Receive at most max_records messages into the buffer (see poll)."""
@@ -237,18 +248,18 @@ class SubscriptionConsumer:
                     max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms,
                     max_messages=share),
                 self.partitions, self.request_timeout_s + remaining)
-            messages = self._messages(results)
+            delivered = self._delivered(results)
             failure = next((errors.error_for(r.error.reason, r.error.message,
                                              dict(r.error.metadata))
                             for r in results if r.error.reason), None)
             if failure is None and last is not None and not last.retriable:
                 failure = last
-            if messages:  # their ack timeout started at the server after `began`
-                self._buffer = messages
+            if delivered:  # their ack timeout started at the server after `began`
+                self._fetched = delivered
                 self._buffer_expires = began + self.ack_timeout_ms / 1000
             if failure is not None:
                 raise failure  # the messages stay for the next poll
-            if messages:
+            if delivered:
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -261,28 +272,29 @@ class SubscriptionConsumer:
                 time.sleep(min(remaining, pause))
 
     @staticmethod
-    def _messages(results) -> list[Message]:
-        messages: list[Message] = []
+    def _delivered(results) -> Fetched:
+        """The delivered ranges of each result's batches, as blocks."""
+        fetched = Fetched()
         for result in results:
             if result.error.reason:
                 continue
             sp = result.subscription_partition
-            wanted = [(r.start_offset, r.end_offset) for r in result.delivered_ranges]
+            wanted = sorted((r.start_offset, r.end_offset) for r in result.delivered_ranges)
             data = memoryview(result.record_batches)
             for start, header in iter_batches(data):
                 if header.is_control:
                     continue
-                for record in decode_records(data[start:start + header.size]):
-                    if any(s <= record.offset < e for s, e in wanted):
-                        messages.append(Message(sp.topic, sp.partition, record.offset,
-                                                record.key, record.value, record.headers,
-                                                record.timestamp_ms))
-        return messages
+                batch = data[start:start + header.size]
+                for first, end in wanted:
+                    if first < header.next_offset and end > header.base_offset:
+                        fetched.add(block_of(sp.topic, sp.partition, batch, header, first, end))
+        return fetched
 
     # ------------------------------------------------------------------ acks
     def ack(self, messages, txn=None) -> None:
-        """Acknowledge one message or a list (one call per server, the servers at once),
-        durably; with txn, pending until the transaction ends."""
+        """Acknowledge one message, a list, or the rows of a poll_arrow() table (one call
+        per server, the servers at once), durably; with txn, pending until the
+        transaction ends."""
         self._ack(_individual(messages), txn)
 
     def ack_cumulative(self, message: Message, txn=None) -> None:
@@ -390,7 +402,7 @@ class SubscriptionConsumer:
         unknown = [tp for tp in targets if tp not in self.partitions]
         if unknown:
             raise ValueError(f"not partitions of this consumer: {unknown}")
-        self._buffer = []  # delivered before the move: the server forgot them
+        self._fetched.clear()  # delivered before the move: the server forgot them
         results = self._call_all(
             "ResetSubscription", lambda group: partition_pb2.ResetSubscriptionRequest(
                 subscription_partitions=[self._sp(t, p) for t, p in group],
@@ -430,7 +442,7 @@ class SubscriptionConsumer:
         if self._closed:
             return
         self._closed = True
-        self._buffer = []
+        self._fetched.clear()
         with self._async_lock:
             executor, self._async_executor = self._async_executor, None
         if executor is not None:
@@ -448,7 +460,10 @@ class SubscriptionConsumer:
 
 
 def _individual(messages) -> dict:
-    """Individual acks of one message or a list: per partition, (0, contiguous ranges)."""
+    """Individual acks of one message, a list or a poll_arrow() table: per partition,
+    (0, contiguous ranges)."""
+    if isinstance(messages, pa.Table):
+        return {key: (0, spans) for key, spans in _table_ranges(messages).items()}
     items = [messages] if isinstance(messages, Message) else list(messages)
     ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for m in sorted(items, key=lambda m: (m.topic, m.partition, m.offset)):
@@ -458,6 +473,29 @@ def _individual(messages) -> dict:
         else:
             spans.append((m.offset, m.offset + 1))
     return {key: (0, spans) for key, spans in ranges.items()}
+
+
+def _table_ranges(table: pa.Table) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """The contiguous offset ranges of a poll_arrow() table's rows, per partition: Arrow
+    kernels find where a run breaks, so Python sees one row per range, not per record."""
+    import pyarrow.compute as pc
+
+    if not table.num_rows:
+        return {}
+    rows = table.select(["topic", "partition", "offset"]).sort_by(
+        [("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
+    topic, partition, offset = (rows.column(i).combine_chunks() for i in range(3))
+    n = rows.num_rows
+    same = pc.and_(pc.and_(pc.equal(topic.slice(1), topic.slice(0, n - 1)),
+                           pc.equal(partition.slice(1), partition.slice(0, n - 1))),
+                   pc.equal(offset.slice(1), pc.add(offset.slice(0, n - 1), 1)))
+    starts = [0] + [i + 1 for i in pc.indices_nonzero(pc.invert(same)).to_pylist()]
+    ends = starts[1:] + [n]
+    out: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for begin, end in zip(starts, ends):
+        out.setdefault((topic[begin].as_py(), partition[begin].as_py()), []).append(
+            (offset[begin].as_py(), offset[end - 1].as_py() + 1))
+    return out
 
 
 def _cumulative(message: Message) -> dict:

@@ -61,7 +61,7 @@ import grpc
 
 from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
 from coordinator.records import tc_partition_for
-from partition_server.record_batch import encode_batch
+from partition_server.record_columns import encode_records
 from partition_server.subscription_cursor import merge_ranges
 from spark_client import errors
 from services.backoff import Backoff
@@ -253,6 +253,12 @@ class Transaction:
         """Whether the transaction still keeps its records and acks for one CommitTxn."""
         return self._kept is not None
 
+    def one_call_room(self) -> int:
+        """Bytes this one-call transaction may still keep (0 when it is not one-call)."""
+        with self._lock:
+            kept = self._kept
+            return 0 if kept is None else max(0, kept.limit - kept.size)
+
     def keep_record(self, producer, topic: str, partition: int, record, size: int):
         """Keep a record of producer.send(..., txn=self) for the one-call commit: its
         future (a RecordFuture), or None when the transaction is not (or no longer)
@@ -369,8 +375,8 @@ class Transaction:
             timeout_ms=remaining_ms, session=self.session, wait_for_markers=wait_for_markers,
             batches=[partition_pb2.ProduceItem(
                 topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition),
-                record_batch=encode_batch(part.records,
-                                          compression=part.producer.compression))
+                record_batch=encode_records(part.records,
+                                            compression=part.producer.compression))
                 for (topic, partition), part in parts],
             acks=acks)
         try:

@@ -1,0 +1,216 @@
+"""Columns for `producer.send_batch()`: user input (Python sequences, NumPy arrays, Arrow
+arrays, record batches or tables) turned into per-partition chunks of Arrow columns that
+fit a batch, with Arrow kernels: the one loop over records in Python is the partitioner's
+CRC32C of keyed records (one C call per key, see crc32c_column).
+
+Pure: no I/O. The partitioner is the one `send()` uses —
+CRC32C (Castagnoli) of the key modulo the partition count; keyless records go to one
+partition per call (the producer's sticky partition).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import crc32c
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from partition_server.record_batch import Record
+from partition_server.record_columns import (binary_column, headers_column, python_columns,
+                                             timestamp_column)
+
+# Bytes a record costs in a batch beyond its key and value (the columns' offsets and
+# timestamp, the batch's share of metadata): what the producer counts against
+# batch_max_bytes, like send()'s 32 per record.
+ROW_OVERHEAD = 32
+HEADER_OVERHEAD = 4
+BATCH_OVERHEAD = 1024  # header and Arrow message metadata
+
+
+def crc32c_column(keys: pa.Array) -> pa.Array:
+    """CRC32C of every non-null value of a binary array (null stays null). One C call per
+    key: measured on 1,000,000 12-byte keys, 0.18 s, the same as a table-driven NumPy pass
+    per byte position (0.17 s) and 4.5x faster than the same with Arrow kernels (0.82 s)."""
+    crc = crc32c.crc32c
+    return pa.array([None if key is None else crc(key) for key in keys.to_pylist()],
+                    pa.uint32())
+
+
+@dataclass
+class Chunk:
+    """Records for one partition, as the columns of one batch."""
+
+    partition: int
+    keys: pa.Array
+    values: pa.Array
+    headers: pa.Array
+    timestamp_deltas: pa.Array
+    base_timestamp_ms: int
+    max_timestamp_ms: int
+    size: int  # what it counts against batch_max_bytes and the producer's buffer
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def slice(self, start: int) -> Chunk:
+        """The records from `start` on (size prorated; timestamps keep their base)."""
+        n = len(self)
+        return Chunk(self.partition, self.keys.slice(start), self.values.slice(start),
+                     self.headers.slice(start), self.timestamp_deltas.slice(start),
+                     self.base_timestamp_ms, self.max_timestamp_ms,
+                     BATCH_OVERHEAD + (self.size - BATCH_OVERHEAD) * (n - start) // n)
+
+
+def records_of_chunk(chunk: Chunk) -> list[Record]:
+    """The chunk's records as Record tuples (for a one-call transaction that keeps them)."""
+    return list(map(Record, *python_columns(chunk.keys, chunk.values, chunk.timestamp_deltas,
+                                            chunk.headers, chunk.base_timestamp_ms)))
+
+
+def _column(table, name: str):
+    if table is None or name not in table.schema.names:
+        return None
+    return table.column(name)
+
+
+def prepare(values, *, keys=None, headers=None, timestamps_ms=None, partition=None,
+            partition_count: int, sticky: int, now_ms: int, batch_max_bytes: int
+            ) -> list[Chunk]:
+    """Split one send_batch() call into chunks: by partition (in the order partitions
+    first appear, rows in input order within each), then by batch_max_bytes. `values`
+    may be a RecordBatch or Table with a `value` column (and optional `key`, `headers`,
+    `timestamp`, `partition` columns; explicit arguments win). `partition`: None (by key,
+    keyless rows to `sticky`), an int for every row, or one per row. Raises ValueError
+    for malformed input and IndexError-free checks of partition numbers."""
+    table = None
+    if isinstance(values, (pa.RecordBatch, pa.Table)):
+        table = values
+        if "value" not in table.schema.names:
+            raise ValueError("a record batch or table needs a `value` column")
+        unknown = set(table.schema.names) - {"value", "key", "headers", "timestamp", "partition"}
+        if unknown:
+            raise ValueError(f"unknown column(s) {sorted(unknown)}; allowed: value, key, "
+                             "headers, timestamp, partition")
+        values = table.column("value")
+        keys = keys if keys is not None else _column(table, "key")
+        headers = headers if headers is not None else _column(table, "headers")
+        timestamps_ms = timestamps_ms if timestamps_ms is not None else _column(table, "timestamp")
+        partition = partition if partition is not None else _column(table, "partition")
+    values = binary_column(values, name="values")
+    n = len(values)
+    if n == 0:
+        return []
+    keys = binary_column(keys, n, name="keys")
+    if len(keys) != n:
+        raise ValueError(f"keys: {len(keys)} for {n} values")
+    headers = headers_column(headers, n)
+    if len(headers) != n:
+        raise ValueError(f"headers: {len(headers)} for {n} values")
+    deltas, base, _ = timestamp_column(timestamps_ms, n, now_ms)
+    absolute = pc.add(deltas, base)
+
+    parts = _partitions(partition, keys, n, partition_count, sticky)
+    sizes = pc.add(pc.add(pc.fill_null(pc.binary_length(values), 0),
+                          pc.fill_null(pc.binary_length(keys), 0)), ROW_OVERHEAD)
+    if headers.null_count == 0 and len(headers.values):
+        flat = headers.flatten()
+        per_header = pc.add(pc.add(pc.binary_length(flat.field("key").cast(pa.binary())),
+                                   pc.binary_length(flat.field("value"))), HEADER_OVERHEAD)
+        sizes = pc.add(sizes, _sum_per_list(headers, per_header))
+    largest = pc.max(sizes).as_py()
+    if largest + BATCH_OVERHEAD > batch_max_bytes:
+        raise ValueError(f"a record of about {largest} bytes does not fit a batch of "
+                         f"{batch_max_bytes} bytes (batch_max_bytes)")
+    columns = pa.RecordBatch.from_arrays([keys, values, headers, absolute, sizes],
+                                         ["key", "value", "headers", "ts", "size"])
+    chunks: list[Chunk] = []
+    if isinstance(parts, int):
+        _cut(chunks, parts, columns, batch_max_bytes)
+        return chunks
+    order = pc.sort_indices(parts)  # stable: rows keep their order within a partition
+    ordered = columns.take(order)
+    ordered_parts = parts.take(order)
+    counts = pc.value_counts(ordered_parts)
+    first_seen = {p: i for i, p in enumerate(pc.unique(parts).to_pylist())}
+    start = 0
+    spans = []
+    for entry in counts.to_pylist():  # value_counts of sorted input: in sorted order
+        spans.append((entry["values"], start, entry["counts"]))
+        start += entry["counts"]
+    for p, begin, count in sorted(spans, key=lambda s: first_seen[s[0]]):
+        _cut(chunks, p, ordered.slice(begin, count), batch_max_bytes)
+    return chunks
+
+
+def _sum_per_list(lists: pa.Array, per_item: pa.Array) -> pa.Array:
+    """Sum of per_item over each list (offsets from the list array), 0 for empty ones."""
+    cumulative = pc.cumulative_sum(per_item).to_pylist()
+    offsets = lists.offsets.to_pylist()
+    base = offsets[0]
+    totals = [(cumulative[e - base - 1] if e > base else 0) -
+              (cumulative[s - base - 1] if s > base else 0)
+              for s, e in zip(offsets, offsets[1:])]
+    return pa.array(totals, pa.int64())
+
+
+def _by_key(keys: pa.Array, n: int, count: int, sticky: int):
+    """send()'s partitioner: CRC32C of the key modulo the count; keyless rows to `sticky`."""
+    if keys.null_count == n:
+        return sticky
+    hashes = crc32c_column(keys).cast(pa.int64())
+    by_key = pc.cast(pc.subtract(hashes, pc.multiply(pc.divide(hashes, count), count)),
+                     pa.int32())
+    return pc.fill_null(by_key, sticky) if keys.null_count else by_key
+
+
+def _partitions(partition, keys: pa.Array, n: int, count: int, sticky: int):
+    """An int (every row to it) or an int32 array of partitions: `partition` where given,
+    else by key (a null in a partition column means "by key", as send()'s None does)."""
+    if partition is None:
+        return _by_key(keys, n, count, sticky)
+    if isinstance(partition, int) and not isinstance(partition, bool):
+        _check_partition_range(partition, partition, count)
+        return partition
+    if isinstance(partition, pa.ChunkedArray):
+        partition = partition.combine_chunks()
+    try:
+        array = partition if isinstance(partition, pa.Array) else pa.array(partition)
+        array = array.cast(pa.int32())
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
+        raise ValueError(f"partition: not integers ({error})") from None
+    if len(array) != n:
+        raise ValueError(f"partition: {len(array)} values for {n} records")
+    if array.null_count:
+        by_key = _by_key(keys, n, count, sticky)
+        array = pc.if_else(array.is_valid(), array, by_key if isinstance(by_key, pa.Array)
+                           else pa.scalar(by_key, pa.int32()))
+    bounds = pc.min_max(array)
+    _check_partition_range(bounds["min"].as_py(), bounds["max"].as_py(), count)
+    return array
+
+
+def _check_partition_range(low: int, high: int, count: int) -> None:
+    if low < 0 or high >= count:
+        raise IndexError(f"partition {low if low < 0 else high} outside 0..{count - 1}")
+
+
+def _cut(chunks: list[Chunk], partition: int, rows: pa.RecordBatch, limit: int) -> None:
+    """Rows of one partition as chunks of at most `limit` bytes (by the size column)."""
+    cumulative = pc.cumulative_sum(rows.column(4)).to_pylist()
+    begin, done = 0, 0
+    room = limit - BATCH_OVERHEAD
+    n = len(cumulative)
+    while begin < n:
+        end = bisect.bisect_right(cumulative, done + room, lo=begin + 1)
+        end = max(end, begin + 1)
+        piece = rows.slice(begin, end - begin)
+        stamps = piece.column(3)
+        bounds = pc.min_max(stamps)
+        base = stamps[0].as_py()
+        chunks.append(Chunk(partition, piece.column(0), piece.column(1), piece.column(2),
+                            pc.subtract(stamps, base), base, bounds["max"].as_py(),
+                            cumulative[end - 1] - done + BATCH_OVERHEAD))
+        done = cumulative[end - 1]
+        begin = end

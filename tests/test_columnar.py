@@ -1,0 +1,385 @@
+"""The columnar records block (batch magic 2) and the SDK's Arrow paths: encoding and
+decoding (pure), send_batch() splitting and partitioning (pure), and against the real
+cluster send_batch(), poll_arrow() on both consumers, acks of a table, transactions,
+row-format data written before the columnar format, and the pandas/polars recipes of
+docs/dataframes.md."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from pathlib import Path
+
+import crc32c
+import pyarrow as pa
+import pytest
+
+from atomlog.v1 import common_pb2, partition_pb2
+from partition_server import record_batch as rb
+from partition_server import record_columns as rc
+from services.errors import AtomlogError
+from spark_client import Client, columns, errors
+from tests.conftest import create_online
+
+EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def records(n: int = 5) -> list[rb.Record]:
+    return [rb.Record(key=None if i % 2 else f"k{i}".encode(), value=b"v" * (i * 7),
+                      headers=(("h", b"x"), ("n", str(i).encode())) if i == 3 else (),
+                      timestamp_ms=1_700_000_000_000 + (i * 13) % 5)
+            for i in range(n)]
+
+
+# ------------------------------------------------------------------ the format (pure)
+@pytest.mark.parametrize("codec", list(rb.Compression))
+def test_columnar_batch_round_trips_with_every_codec(codec):
+    want = records(40)
+    batch = rc.encode_records(want, producer_id=7, producer_epoch=2, base_sequence=10,
+                              txn=(3, 99), compression=codec)
+    header = rb.validate_batch(batch)
+    assert header.magic == rb.MAGIC_COLUMNAR and header.compression is codec
+    assert (header.record_count, header.base_sequence, header.txn) == (40, 10, (3, 99))
+    assert header.base_timestamp_ms == want[0].timestamp_ms
+    assert header.max_timestamp_ms == max(r.timestamp_ms for r in want)
+    got = rb.decode_records(rb.with_base_offset(batch, 1000))
+    assert [r[:4] for r in got] == [r[:4] for r in want]
+    assert [r.offset for r in got] == list(range(1000, 1040))
+
+
+def test_a_block_is_an_arrow_stream_behind_the_published_schema_message():
+    batch = rc.encode_records(records())
+    table = pa.ipc.open_stream(rc.schema_message() + batch[rb.HEADER_SIZE:] + EOS).read_all()
+    assert table.schema == rc.BLOCK_SCHEMA
+    assert table.column("value").to_pylist() == [r.value for r in records()]
+
+
+def test_the_schema_message_in_the_docs_is_the_one_the_code_uses():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "record-format.md").read_text()
+    section = doc[doc.index("### 1.6"):doc.index("## 2.")]
+    published = section.split("```")[1]
+    assert bytes.fromhex("".join(published.split())) == rc.schema_message() + EOS
+
+
+def test_uncompressed_blocks_are_read_without_copying():
+    batch = rc.encode_records([rb.Record(value=b"x" * 4096)])
+    columns = rc.decode_columns(batch)
+    value_buffer = columns.column("value").buffers()[2]
+    fetched = pa.py_buffer(batch)
+    assert fetched.address <= value_buffer.address < fetched.address + fetched.size
+
+
+def reseal(batch: bytes, block: bytes) -> bytes:
+    """`batch`'s header over another block: length and CRC made right again."""
+    header = bytearray(batch[:rb.HEADER_SIZE])
+    struct.pack_into(">i", header, 8, rb.HEADER_SIZE - 12 + len(block))
+    crc = crc32c.crc32c(block, crc32c.crc32c(bytes(header[rb.CRC_COVERED_FROM:])))
+    struct.pack_into(">I", header, rb.CRC_OFFSET, crc)
+    return bytes(header) + block
+
+
+@pytest.mark.parametrize("damage", ["trailing", "truncated", "rows", "schema", "not-arrow",
+                                    "offsets"])
+def test_malformed_blocks_are_refused_not_misread(damage):
+    batch = rc.encode_records(records(4))
+    block = batch[rb.HEADER_SIZE:]
+    if damage == "trailing":
+        bad = reseal(batch, block + b"\0" * 8)
+    elif damage == "truncated":
+        bad = reseal(batch, block[:-16])
+    elif damage == "rows":  # a block of 3 rows under a header that says 4
+        bad = reseal(batch, rc.encode_records(records(3))[rb.HEADER_SIZE:])
+    elif damage == "schema":  # a record batch of another schema
+        other = pa.record_batch([pa.array([1, 2, 3, 4], pa.int64())], names=["x"])
+        bad = reseal(batch, other.serialize().to_pybytes())
+    elif damage == "not-arrow":
+        bad = reseal(batch, b"\x01" * len(block))
+    else:  # value offsets that run backwards (a value "ending" before it starts)
+        columns = rc.decode_columns(batch)
+        values = columns.column("value")
+        offsets = bytearray(values.buffers()[1].to_pybytes())
+        last = struct.unpack_from("<i", offsets, 4 * len(values))[0]
+        struct.pack_into("<i", offsets, 4, last)
+        forged = pa.Array.from_buffers(pa.binary(), len(values),
+                                       [None, pa.py_buffer(bytes(offsets)), values.buffers()[2]])
+        bad = reseal(batch, pa.RecordBatch.from_arrays(
+            [columns.column(0), forged, columns.column(2), columns.column(3)],
+            schema=rc.BLOCK_SCHEMA).serialize().to_pybytes())
+    with pytest.raises(AtomlogError) as info:
+        rb.decode_records(bad)
+    assert info.value.reason == "CORRUPT_BATCH"
+
+
+def test_a_flipped_bit_is_a_crc_mismatch():
+    batch = bytearray(rc.encode_records(records()))
+    batch[-3] ^= 0x10
+    with pytest.raises(AtomlogError) as info:
+        rb.decode_records(bytes(batch))
+    assert info.value.reason == "CRC_MISMATCH"
+
+
+def test_control_batches_stay_in_the_row_format():
+    marker = rb.encode_control_batch(rb.ControlType.COMMIT, txn=(1, 2), coordinator_epoch=3,
+                                     timestamp_ms=5)
+    assert rb.parse_header(marker).magic == rb.MAGIC
+    forged = bytearray(marker)
+    forged[12] = rb.MAGIC_COLUMNAR
+    with pytest.raises(AtomlogError, match="row format"):
+        rb.parse_header(bytes(forged))
+
+
+def test_row_format_batches_stay_readable():
+    old = rb.encode_batch(records())
+    assert rb.parse_header(old).magic == rb.MAGIC
+    assert [r[:4] for r in rb.decode_records(old)] == [r[:4] for r in records()]
+
+
+def test_poll_arrow_tables_hold_exactly_what_poll_returns():
+    """Fetched blocks of two topics and partitions, one in the row format, skipped
+    offsets, rows split across polls: the table and the Message tuples agree."""
+    from spark_client.fetched import Fetched, block_of
+
+    fetched_arrow, fetched_rows = Fetched(), Fetched()
+    base = 1000
+    for k in range(6):
+        encode = rb.encode_batch if k == 2 else rc.encode_records
+        batch = rb.with_base_offset(encode(records(7)), base)
+        header = rb.parse_header(batch)
+        for fetched in (fetched_arrow, fetched_rows):
+            fetched.add(block_of(f"t{k % 2}", k % 3, batch, header, base + (k % 2), base + 6))
+        base += 7
+    tables = []
+    while len(fetched_arrow):
+        tables.append(fetched_arrow.take_table(4))
+    table = pa.concat_tables(tables)
+    messages = fetched_rows.take_messages(1000)
+    assert table.num_rows == len(messages) == 6 * 5 + 3
+    columns = ("topic", "partition", "offset", "key", "value", "headers", "timestamp")
+    rows = list(zip(*(table.column(c).to_pylist() for c in columns)))
+    assert [(t, p, o, k, v, tuple((h["key"], h["value"]) for h in hs),
+             int(ts.timestamp() * 1000)) for t, p, o, k, v, hs, ts in rows] == \
+        [tuple(m) for m in messages]
+
+
+# ------------------------------------------------------------------ send_batch's columns
+def test_partitioner_is_send_s_crc32c_of_the_key():
+    keys = [uuid.uuid4().bytes[: i % 17] for i in range(300)] + [None]
+    assert columns.crc32c_column(pa.array(keys, pa.binary())).to_pylist() == [
+        None if k is None else crc32c.crc32c(k) for k in keys]
+    chunks = columns.prepare([b"v"] * len(keys), keys=keys, partition_count=7, sticky=4,
+                             now_ms=1, batch_max_bytes=1 << 20)
+    placed = {k: c.partition for c in chunks for k in c.keys.to_pylist()}
+    for key in keys:
+        assert placed[key] == (4 if key is None else crc32c.crc32c(key) % 7)
+    # a null in a partition column means "by key", as send(partition=None) does
+    chunks = columns.prepare([b"a", b"b", b"c"], keys=[b"k1", None, b"k2"],
+                             partition=[None, None, 1], partition_count=7, sticky=4,
+                             now_ms=1, batch_max_bytes=1 << 20)
+    placed = {v: c.partition for c in chunks for v in c.values.to_pylist()}
+    assert placed == {b"a": crc32c.crc32c(b"k1") % 7, b"b": 4, b"c": 1}
+
+
+def test_chunks_keep_input_order_per_partition_and_fit_the_batch_bound():
+    values = [f"{i:06d}".encode() * 100 for i in range(2000)]  # 600 B each
+    parts = [i % 3 for i in range(2000)]
+    chunks = columns.prepare(values, partition=parts, partition_count=3, sticky=0, now_ms=1,
+                             batch_max_bytes=64 << 10)
+    assert [c.partition for c in chunks[:1]] == [0]
+    for p in range(3):
+        mine = [v for c in chunks if c.partition == p for v in c.values.to_pylist()]
+        assert mine == values[p::3]
+    for chunk in chunks:
+        batch = rc.encode_columns(chunk.keys, chunk.values, chunk.headers,
+                                  chunk.timestamp_deltas, chunk.base_timestamp_ms,
+                                  chunk.max_timestamp_ms)
+        assert len(batch) <= 64 << 10 and chunk.size <= 64 << 10
+
+
+def test_tables_numpy_and_headers_are_accepted_and_bad_input_is_refused():
+    table = pa.table({"value": ["a", "b", "c"], "key": [b"x", None, b"y"],
+                      "partition": [2, 0, 2], "timestamp": [10, 11, 12],
+                      "headers": pa.array([[("h", b"1")], [], None],
+                                          pa.map_(pa.string(), pa.binary()))})
+    chunks = columns.prepare(table, partition_count=3, sticky=0, now_ms=1,
+                             batch_max_bytes=1 << 20)
+    assert [(c.partition, c.values.to_pylist()) for c in chunks] == [(2, [b"a", b"c"]),
+                                                                    (0, [b"b"])]
+    assert chunks[0].headers.to_pylist() == [[{"key": "h", "value": b"1"}], []]
+    assert (chunks[0].base_timestamp_ms, chunks[0].max_timestamp_ms) == (10, 12)
+    numpy = pytest.importorskip("numpy")
+    (chunk,) = columns.prepare(numpy.array(["é", "b"]), partition=1, partition_count=2,
+                               sticky=0, now_ms=1, batch_max_bytes=1 << 20)
+    assert chunk.values.to_pylist() == ["é".encode(), b"b"]
+    with pytest.raises(ValueError, match="values"):
+        columns.prepare([1, 2], partition_count=1, sticky=0, now_ms=1, batch_max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="keys"):
+        columns.prepare([b"a"], keys=[b"a", b"b"], partition_count=1, sticky=0, now_ms=1,
+                        batch_max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="batch_max_bytes"):
+        columns.prepare([b"x" * 5000], partition_count=1, sticky=0, now_ms=1,
+                        batch_max_bytes=4096)
+    with pytest.raises(IndexError):
+        columns.prepare([b"a"], partition=[3], partition_count=3, sticky=0, now_ms=1,
+                        batch_max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="unknown column"):
+        columns.prepare(pa.table({"value": [b"a"], "colour": [1]}), partition_count=1,
+                        sticky=0, now_ms=1, batch_max_bytes=1 << 20)
+
+
+# ------------------------------------------------------------------ against the cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.info["bootstrap"]) as c:
+        yield c
+
+
+def new_topic(client, partitions: int = 3) -> str:
+    return create_online(client, f"columnar-{uuid.uuid4().hex[:10]}", partitions)
+
+
+def read_all(client, topic: str, want: int, **options) -> pa.Table:
+    with client.consumer(topic, **options) as consumer:
+        tables = []
+        for table in consumer.read_until(arrow=True, idle_timeout_s=30):
+            tables.append(table)
+        got = pa.concat_tables(tables) if tables else pa.table({})
+    assert got.num_rows == want
+    return got
+
+
+@pytest.mark.cluster
+def test_send_batch_lands_where_send_would_and_reads_back_as_arrow(client):
+    topic = new_topic(client)
+    keys = [f"user-{i % 11}".encode() for i in range(1000)]
+    values = [f"event-{i}".encode() for i in range(1000)]
+    with client.producer() as producer:
+        meta = producer.send_batch(topic, values, keys=keys,
+                                   headers=[{"i": str(i)} if i % 100 == 0 else None
+                                            for i in range(1000)]).result(30)
+        single = producer.send(topic, b"one", key=b"user-3").result(30)
+    assert meta.count == 1000
+    got = read_all(client, topic, 1001)
+    assert got.schema.names == ["topic", "partition", "offset", "key", "value", "headers",
+                                "timestamp"]
+    by_key = {}
+    for row in got.select(["partition", "key"]).to_pylist():
+        by_key.setdefault(row["key"], set()).add(row["partition"])
+    assert all(len(p) == 1 for p in by_key.values())
+    assert by_key[b"user-3"] == {single.partition}
+    # each partition's rows are in send order, and the offsets are those the future gave
+    for partition, first, count in meta.ranges:
+        rows = got.filter(pa.compute.equal(got.column("partition"), partition))
+        sent = [v for k, v in zip(keys, values) if crc32c.crc32c(k) % 3 == partition]
+        assert rows.column("value").to_pylist()[:len(sent)] == sent
+        assert first in rows.column("offset").to_pylist()
+    headed = got.filter(pa.compute.equal(got.column("value"), b"event-100"))
+    assert headed.column("headers").to_pylist() == [[{"key": "i", "value": b"100"}]]
+    # poll() gives the same records as Message tuples
+    with client.consumer(topic) as consumer:
+        messages = [m for batch in consumer.read_until(idle_timeout_s=30) for m in batch]
+    assert sorted((m.partition, m.offset, m.value) for m in messages) == sorted(
+        zip(*(got.column(c).to_pylist() for c in ("partition", "offset", "value"))))
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("size", ["one-call", "streaming"])
+def test_send_batch_in_transactions_commits_or_aborts_whole(client, size):
+    topic = new_topic(client, 2)
+    rows = 50 if size == "one-call" else 20_000  # 20,000 × 100 B outgrows the 1 MiB bound
+    with client.producer() as producer:
+        txn = client.begin_transaction()
+        future = producer.send_batch(topic, [b"c" * 100] * rows, txn=txn)
+        assert txn.one_call == (size == "one-call")
+        txn.commit(wait_for_markers=True)
+        assert future.result(30).count == rows
+        txn = client.begin_transaction()
+        producer.send_batch(topic, [b"a" * 100] * rows, txn=txn)
+        txn.abort()
+        # read_committed sees the committed rows only
+        got = read_all(client, topic, rows)
+        assert set(got.column("value").to_pylist()) == {b"c" * 100}
+        committed_and_open = client.begin_transaction()
+        producer.send_batch(topic, [b"o"] * 3, partition=0, txn=committed_and_open)
+        committed_and_open.txn_id  # switches a one-call transaction: its records go out now
+        producer.flush()
+        read_all(client, topic, rows)  # the open transaction's rows are not readable
+        committed_and_open.abort()
+
+
+@pytest.mark.cluster
+def test_poll_arrow_on_a_subscription_and_ack_of_the_table(client):
+    topic = new_topic(client, 2)
+    with client.producer() as producer:
+        producer.send_batch(topic, [f"{i}".encode() for i in range(500)],
+                            partition=[i % 2 for i in range(500)]).result(30)
+    subscription = f"s-{uuid.uuid4().hex[:8]}"
+    with client.consumer(topic, subscription=subscription) as consumer:
+        seen = []
+        while len(seen) < 500:
+            table = consumer.poll_arrow(timeout_s=5, max_records=120)
+            assert table.num_rows, "nothing delivered"
+            assert table.num_rows <= 120
+            seen.extend(table.column("value").to_pylist())
+            consumer.ack(table)
+        assert sorted(seen, key=int) == [f"{i}".encode() for i in range(500)]
+        assert consumer.poll_arrow(timeout_s=1).num_rows == 0
+        cursors = consumer.describe()
+        assert all(c.cumulative_end_offset == 250 for c in cursors)
+
+
+@pytest.mark.cluster
+def test_row_format_data_written_before_stays_readable(client, cluster):
+    """A batch of the row format (magic 1), produced by a raw call as an older SDK would,
+    is read by poll() and poll_arrow() next to columnar ones."""
+    topic = new_topic(client, 1)
+    route = client.metadata.route(topic, 0)
+    stub = client.channels.partition(route.address)
+    old = rb.encode_batch([rb.Record(key=b"k", value=b"old", headers=(("h", b"1"),))])
+    reply = stub.Produce(partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=0),
+        record_batch=old)]), timeout=30)
+    assert not reply.results[0].error.reason
+    with client.producer() as producer:
+        producer.send(topic, b"new", partition=0).result(30)
+    got = read_all(client, topic, 2)
+    assert got.column("value").to_pylist() == [b"old", b"new"]
+    assert got.column("headers").to_pylist()[0] == [{"key": "h", "value": b"1"}]
+
+
+@pytest.mark.cluster
+def test_send_batch_refuses_bad_input_and_sends_nothing(client):
+    topic = new_topic(client, 1)
+    with client.producer() as producer:
+        with pytest.raises(errors.UnknownTopicOrPartition):
+            producer.send_batch(topic, [b"a"], partition=5)
+        with pytest.raises(ValueError):
+            producer.send_batch(topic, [1, 2, 3])
+        producer.flush()
+    with client.consumer(topic) as consumer:
+        assert consumer.end_offsets() == {(topic, 0): 0}
+
+
+@pytest.mark.cluster
+def test_pandas_and_polars_recipes(client):
+    """docs/dataframes.md, as written there."""
+    pandas = pytest.importorskip("pandas")
+    polars = pytest.importorskip("polars")
+    topic = new_topic(client, 1)
+    frame = pandas.DataFrame({"key": [b"a", b"b"], "value": [b"1", b"2"]})
+    with client.producer() as producer:
+        producer.send_batch(topic, pa.Table.from_pandas(frame, preserve_index=False)).result(30)
+    with client.consumer(topic) as consumer:
+        table = consumer.poll_arrow(timeout_s=10)
+    df = table.to_pandas()
+    assert list(df["value"]) == [b"1", b"2"] and list(df["offset"]) == [0, 1]
+    frame = polars.from_arrow(table)
+    assert frame["key"].to_list() == [b"a", b"b"]
+    latest = frame.filter(polars.col("offset") == frame["offset"].max())
+    assert latest["value"].to_list() == [b"2"]
+    with client.producer() as producer:  # polars' Arrow form (binary views) goes back in
+        producer.send_batch(topic, frame.select("key", "value").to_arrow()).result(30)
+    with client.consumer(topic) as consumer:
+        again = pa.concat_tables(consumer.read_until(arrow=True, idle_timeout_s=30))
+    assert again.column("value").to_pylist() == [b"1", b"2", b"1", b"2"]
