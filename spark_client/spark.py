@@ -327,22 +327,15 @@ def _arrow_schema():
     return to_arrow_schema(SCHEMA, timezone="UTC")
 
 
-def _to_arrow(messages, schema):
-    """One Arrow record batch of SCHEMA: Spark takes it without converting row by row."""
+def _to_spark(table, schema):
+    """A poll_arrow() table as record batches of SCHEMA: the same key, value and headers
+    buffers, the timestamp in Spark's microseconds (Spark checks the schema exactly)."""
     import pyarrow as pa
 
-    n = len(messages)
-    first = messages[0]
-    return pa.RecordBatch.from_arrays([
-        pa.array([first.topic] * n, pa.string()),
-        pa.array([first.partition] * n, pa.int32()),
-        pa.array([m.offset for m in messages], pa.int64()),
-        pa.array([m.key for m in messages], pa.binary()),
-        pa.array([m.value for m in messages], pa.binary()),
-        pa.array([[{"key": k, "value": v} for k, v in m.headers] for m in messages],
-                 schema.field("headers").type),
-        pa.array([m.timestamp_ms * 1000 for m in messages], pa.int64()).cast(
-            schema.field("timestamp").type)], schema=schema)
+    columns = [table.column(name) for name in ("topic", "partition", "offset", "key", "value")]
+    columns.append(table.column("headers").cast(schema.field("headers").type))
+    columns.append(table.column("timestamp").cast(schema.field("timestamp").type))
+    return pa.Table.from_arrays(columns, schema=schema).to_batches()
 
 
 def _read_range(options: Options, part: OffsetRange):
@@ -358,8 +351,9 @@ def _read_range(options: Options, part: OffsetRange):
         consumer.seek(part.topic, part.partition, part.start)
         ends = {(part.topic, part.partition): part.end}
         idle_s = max(60.0, 4 * options.request_timeout_s)
-        for messages in consumer.read_until(ends, idle_timeout_s=idle_s):
-            yield _to_arrow(messages, schema)
+        for table in consumer.read_until(ends, idle_timeout_s=idle_s, arrow=True,
+                                         max_records=100_000):
+            yield from _to_spark(table, schema)
     finally:
         client.close()
 
@@ -519,38 +513,39 @@ def _check_write_schema(schema: StructType, options: Options) -> None:
         raise OptionError("cannot write this DataFrame to atomlog: " + "; ".join(problems))
 
 
-def _headers_of(value):
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return list(value.items())
-    if value and isinstance(value[0], dict):
-        return [(h["key"], h["value"]) for h in value]
-    return list(value)  # a map column arrives as a list of (key, value) tuples
-
-
 def _write_rows(options: Options, client, txn, batches) -> int:
-    """Send every row of the Arrow batches in `txn`; returns how many."""
+    """Send every row of the Arrow batches in `txn`, a batch at a time through
+    send_batch() (no Python per row); returns how many."""
+    import pyarrow.compute as pc
+
     producer = client.producer(batch_max_bytes=options.batch_max_bytes,
                                linger_ms=options.linger_ms, compression=options.compression)
     default_topic = options.topics[0] if len(options.topics) == 1 else None
     rows = 0
     try:
         for batch in batches:
-            columns = {name: batch.column(name).to_pylist() for name in batch.schema.names}
-            values = columns["value"]
-            n = len(values)
-            keys = columns.get("key", [None] * n)
-            parts = columns.get("partition", [None] * n)
-            topics = columns.get("topic", [default_topic] * n)
-            headers = columns.get("headers", [None] * n)
-            for i in range(n):
-                topic = topics[i] or default_topic
-                if topic is None:
-                    raise OptionError(f"row {rows + i} has no topic")
-                producer.send(topic, values[i], key=keys[i], partition=parts[i],
-                              headers=_headers_of(headers[i]), txn=txn)
-            rows += n
+            if not batch.num_rows:
+                continue
+            names = batch.schema.names
+            columns = {name: batch.column(name) for name in names if name != "topic"}
+            if "topic" not in names:
+                groups = [(default_topic, columns)]
+            else:
+                topics = batch.column("topic")
+                if default_topic is not None:
+                    topics = pc.fill_null(topics, default_topic)
+                if topics.null_count:
+                    first = pc.indices_nonzero(topics.is_null())[0].as_py()
+                    raise OptionError(f"row {rows + first} has no topic")
+                groups = []
+                for topic in pc.unique(topics).to_pylist():
+                    mask = pc.equal(topics, topic)
+                    groups.append((topic, {n: pc.filter(c, mask) for n, c in columns.items()}))
+            for topic, group in groups:
+                producer.send_batch(topic, group["value"], keys=group.get("key"),
+                                    headers=group.get("headers"),
+                                    partition=group.get("partition"), txn=txn)
+            rows += batch.num_rows
         producer.flush()
     finally:
         producer.close(timeout=options.request_timeout_s)
