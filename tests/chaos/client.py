@@ -66,8 +66,27 @@ def _reason(error: BaseException) -> str:
 
 
 def _records(messages) -> list:
+    """[topic, partition, offset, value] of poll()'s messages or a poll_arrow() table."""
+    if hasattr(messages, "column_names"):
+        messages = zip(*(messages.column(name).to_pylist()
+                         for name in ("topic", "partition", "offset", "value")))
+        return [[t, p, o, (v or b"").decode(errors="replace")] for t, p, o, v in messages]
     return [[m.topic, m.partition, m.offset, (m.value or b"").decode(errors="replace")]
             for m in messages]
+
+
+def send_writes(rng, producer, writes: list, txn) -> None:
+    """Send a transaction's [topic, partition, value] writes: one send() each, or (half
+    the transactions) one send_batch() per partition, in the same order per partition."""
+    if rng.random() < 0.5:
+        for topic, partition, value in writes:
+            producer.send(topic, value.encode(), partition=partition, txn=txn)
+        return
+    by_partition: dict = {}
+    for topic, partition, value in writes:
+        by_partition.setdefault((topic, partition), []).append(value.encode())
+    for (topic, partition), values in by_partition.items():
+        producer.send_batch(topic, values, partition=partition, txn=txn)
 
 
 def close_quietly(producer) -> None:
@@ -146,8 +165,7 @@ class Workload:
         decision = "commit" if acks or self.rng.random() < 0.8 else "abort"
         op = self.log.invoke("txn", writes=writes, acks=acks, decision=decision, **fields)
         try:
-            for topic, partition, value in writes:
-                producer.send(topic, value.encode(), partition=partition, txn=txn)
+            send_writes(self.rng, producer, writes, txn)
             if consumer is not None:
                 consumer.ack(messages, txn=txn)
             if decision == "commit":
@@ -337,7 +355,8 @@ class Workload:
                     op = self.log.invoke("poll", session=session_id, isolation=isolation,
                                          subscription=None)
                     try:
-                        messages = consumer.poll(timeout_s=0.5, max_records=2000)
+                        messages = (consumer.poll if self.rng.random() < 0.5
+                                    else consumer.poll_arrow)(timeout_s=0.5, max_records=2000)
                     except Exception as error:  # noqa: BLE001 — a failed poll returned nothing
                         self.log.complete(op, "fail", records=[], error=_reason(error))
                         self.stop.sleep(0.2)
