@@ -198,13 +198,7 @@ def timestamp_column(timestamps, n: int, default_ms: int) -> tuple[pa.Array, int
         timestamps = timestamps.combine_chunks()
     if isinstance(timestamps, pa.Array) and pa.types.is_timestamp(timestamps.type):
         timestamps = timestamps.cast(pa.timestamp("ms")).cast(pa.int64())
-    try:
-        array = timestamps if isinstance(timestamps, pa.Array) else pa.array(timestamps)
-        array = array.cast(pa.int64())
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
-        raise ValueError(f"timestamps: not integers in Unix ms ({error})") from None
-    if len(array) != n:
-        raise ValueError(f"timestamps: {len(array)} values for {n} records")
+    array = integer_column(timestamps, pa.int64(), n, "timestamps")
     if array.null_count:
         array = pc.fill_null(array, default_ms)
     base = array[0].as_py()
@@ -212,6 +206,20 @@ def timestamp_column(timestamps, n: int, default_ms: int) -> tuple[pa.Array, int
     if pc.min(array).as_py() < 0:
         raise ValueError("timestamps: negative Unix ms")
     return pc.subtract(array, base), base, largest
+
+
+def integer_column(values, type_: pa.DataType, n: int, name: str) -> pa.Array:
+    """`values` (a sequence, NumPy or Arrow array, chunked or not) as an Arrow array of
+    the integer type_, n long; ValueError naming `name` otherwise."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    try:
+        array = (values if isinstance(values, pa.Array) else pa.array(values)).cast(type_)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
+        raise ValueError(f"{name}: not integers ({error})") from None
+    if len(array) != n:
+        raise ValueError(f"{name}: {len(array)} values for {n} records")
+    return array
 
 
 # --- Encoding --------------------------------------------------------------------------------

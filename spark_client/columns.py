@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from partition_server.record_batch import Record
-from partition_server.record_columns import (binary_column, headers_column, python_columns,
-                                             timestamp_column)
+from partition_server.record_columns import (binary_column, headers_column, integer_column,
+                                             python_columns, timestamp_column)
 
 # Bytes a record costs in a batch beyond its key and value (the columns' offsets and
 # timestamp, the batch's share of metadata): what the producer counts against
@@ -173,15 +173,7 @@ def _partitions(partition, keys: pa.Array, n: int, count: int, sticky: int):
     if isinstance(partition, int) and not isinstance(partition, bool):
         _check_partition_range(partition, partition, count)
         return partition
-    if isinstance(partition, pa.ChunkedArray):
-        partition = partition.combine_chunks()
-    try:
-        array = partition if isinstance(partition, pa.Array) else pa.array(partition)
-        array = array.cast(pa.int32())
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
-        raise ValueError(f"partition: not integers ({error})") from None
-    if len(array) != n:
-        raise ValueError(f"partition: {len(array)} values for {n} records")
+    array = integer_column(partition, pa.int32(), n, "partition")
     if array.null_count:
         by_key = _by_key(keys, n, count, sticky)
         array = pc.if_else(array.is_valid(), array, by_key if isinstance(by_key, pa.Array)

@@ -41,6 +41,10 @@ class Consumer:
         self.backoff = Backoff()
         self._positions: dict[tuple[str, int], int] = {}
         self._fetched = Fetched()  # fetched, not yet returned by poll
+        # The Fetch sent ahead (see _fetch): (generation, calls, servers), or None; a
+        # seek starts a new generation, and a call of an older one is dropped.
+        self._prefetched: tuple | None = None
+        self._generation = 0
         self._closed = False
         for topic in self.topics:
             for route in client.metadata.partitions(topic):
@@ -70,6 +74,7 @@ class Consumer:
             raise ValueError("offset must be >= 0")
         self._positions[(topic, partition)] = offset
         self._fetched.drop(topic, partition)
+        self._generation += 1  # a Fetch sent before the seek is of no use
 
     def end_offsets(self) -> dict[tuple[str, int], int]:
         """Per partition, the offset after the last readable record (the max read position
@@ -150,23 +155,23 @@ class Consumer:
         return servers
 
     def _fetch(self, wait_s: float) -> None:
-        servers = self._by_server()
-        if not servers:
-            self._refresh()
-            raise errors.error_for("SERVER_UNAVAILABLE", "no owner of any partition is reachable")
-        calls = []
-        for address, partitions in servers.items():
-            request = partition_pb2.FetchRequest(
-                isolation_level=ISOLATION[self.isolation],
-                max_wait_ms=int(wait_s * 1000) if len(servers) == 1 else 0,
-                max_bytes=self.max_bytes_per_request,
-                items=[partition_pb2.FetchItem(
-                    topic_partition=common_pb2.TopicPartition(topic=t, partition=p),
-                    fetch_offset=self._positions[(t, p)], max_bytes=self.max_bytes_per_partition)
-                    for t, p in partitions])
-            stub = self.client.channels.partition(address)
-            calls.append(stub.Fetch.future(request, timeout=self.request_timeout_s + wait_s))
+        """One Fetch per server (or the one prefetched after the last, if no seek came
+        between): take what they return into the buffer. As soon as the replies are in
+        and their data reached past the old positions, the next Fetch is sent (without
+        waiting at the servers), so it travels while this one's batches are decoded."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == self._generation:
+            calls, servers = prefetched[1], prefetched[2]
+        else:
+            _cancel(prefetched)
+            servers = self._by_server()
+            if not servers:
+                self._refresh()
+                raise errors.error_for("SERVER_UNAVAILABLE",
+                                       "no owner of any partition is reachable")
+            calls = self._send_fetches(servers, wait_s)
         failure: errors.AtomlogClientError | None = None
+        taken = []
         for call in calls:
             try:
                 reply = call.result()
@@ -174,7 +179,31 @@ class Consumer:
                 failure = errors.from_grpc(rpc_error)
                 continue
             for result in reply.results:
-                failure = self._take(result) or failure
+                if result.error.reason:
+                    failure = errors.error_for(result.error.reason, result.error.message,
+                                               dict(result.error.metadata))
+                    continue
+                taken.append(result)
+        after = dict(self._positions)
+        for result in taken:
+            key = (result.topic_partition.topic, result.topic_partition.partition)
+            after[key] = max(after[key], result.next_fetch_offset)
+        if any(result.record_batches for result in taken) and not self._closed:
+            moved = self._by_server()
+            if moved:
+                self._prefetched = (self._generation,
+                                    self._send_fetches(moved, 0.0, after), moved)
+        for result in taken:
+            key = (result.topic_partition.topic, result.topic_partition.partition)
+            try:
+                self._take(result)
+            except errors.AtomlogClientError:
+                # A batch that cannot be read (CORRUPT_BATCH, CRC_MISMATCH): its partition
+                # stays before it, so every poll fails on it again; nothing is skipped.
+                prefetched, self._prefetched = self._prefetched, None
+                _cancel(prefetched)
+                raise
+            self._positions[key] = after[key]
         if failure is not None and not self._fetched:
             if failure.reason in ("NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                                   "SERVER_UNAVAILABLE"):
@@ -183,21 +212,35 @@ class Consumer:
         if len(servers) > 1 and not self._fetched and wait_s > 0:
             time.sleep(min(wait_s, 0.05))  # several servers: short polls instead of long ones
 
-    def _take(self, result) -> errors.AtomlogClientError | None:
+    def _send_fetches(self, servers: dict[str, list[tuple[str, int]]], wait_s: float,
+                      positions: dict | None = None) -> list:
+        """A Fetch to each server for its partitions at `positions` (default: the current
+        ones), long-polling up to wait_s when there is one server; returns the calls."""
+        positions = self._positions if positions is None else positions
+        calls = []
+        for address, partitions in servers.items():
+            request = partition_pb2.FetchRequest(
+                isolation_level=ISOLATION[self.isolation],
+                max_wait_ms=int(wait_s * 1000) if len(servers) == 1 else 0,
+                max_bytes=self.max_bytes_per_request,
+                items=[partition_pb2.FetchItem(
+                    topic_partition=common_pb2.TopicPartition(topic=t, partition=p),
+                    fetch_offset=positions[(t, p)], max_bytes=self.max_bytes_per_partition)
+                    for t, p in partitions])
+            stub = self.client.channels.partition(address)
+            calls.append(stub.Fetch.future(request, timeout=self.request_timeout_s + wait_s))
+        return calls
+
+    def _take(self, result) -> None:
+        """The batches of one partition's result from its position on, into the buffer."""
         tp = result.topic_partition
-        key = (tp.topic, tp.partition)
-        if result.error.reason:
-            return errors.error_for(result.error.reason, result.error.message,
-                                    dict(result.error.metadata))
-        position = self._positions[key]
+        position = self._positions[(tp.topic, tp.partition)]
         data = memoryview(result.record_batches)
         for start, header in iter_batches(data):
             if header.is_control or header.last_offset < position:
                 continue
             self._fetched.add(block_of(tp.topic, tp.partition, data[start:start + header.size],
                                        header, position))
-        self._positions[key] = max(position, result.next_fetch_offset)
-        return None
 
     def _list_offsets(self, spec) -> dict[tuple[str, int], int]:
         found: dict[tuple[str, int], int] = {}
@@ -222,9 +265,17 @@ class Consumer:
 
     def close(self) -> None:
         self._closed = True
+        prefetched, self._prefetched = self._prefetched, None
+        _cancel(prefetched)
 
     def __enter__(self) -> "Consumer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cancel(prefetched: tuple | None) -> None:
+    if prefetched is not None:
+        for call in prefetched[1]:
+            call.cancel()

@@ -355,12 +355,8 @@ class Producer:
         return self._epoch
 
     # ------------------------------------------------------------------ user API
-    def send(self, topic: str, value: bytes | str | None, key: bytes | str | None = None,
-             partition: int | None = None, headers: dict | list | None = None,
-             timestamp_ms: int | None = None, txn=None) -> RecordFuture:
-        """Queue one record; the future's result is RecordMetadata(topic, partition, offset).
-        With txn, the record is part of that transaction (visible to read_committed
-        readers only once it commits; commit() waits for it)."""
+    def _check_sendable(self, txn) -> None:
+        """Refuse a send to a closed producer, or in a transaction it may not write to."""
         if self._closed:
             raise RuntimeError("producer is closed")
         if txn is not None:
@@ -371,6 +367,14 @@ class Producer:
                 raise errors.ProducerFenced("the transaction belongs to an older session of "
                                             "this producer")
             txn._check_accepting()
+
+    def send(self, topic: str, value: bytes | str | None, key: bytes | str | None = None,
+             partition: int | None = None, headers: dict | list | None = None,
+             timestamp_ms: int | None = None, txn=None) -> RecordFuture:
+        """Queue one record; the future's result is RecordMetadata(topic, partition, offset).
+        With txn, the record is part of that transaction (visible to read_committed
+        readers only once it commits; commit() waits for it)."""
+        self._check_sendable(txn)
         if type(key) is not bytes:
             key = _bytes(key)
         if type(value) is not bytes:
@@ -401,15 +405,8 @@ class Producer:
             if future is not None:
                 self._kept_by.remember(txn)
                 return future
-        deadline = time.monotonic() + self.max_block_s
         with self._lock:
-            while self._buffered_bytes + size > self.max_buffered_bytes:
-                if self._closed:
-                    raise RuntimeError("producer is closed")
-                if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise errors.DeliveryTimeout(
-                        f"buffer of {self.max_buffered_bytes} bytes stayed full for "
-                        f"{self.max_block_s} s (max_buffered_bytes)")
+            self._wait_for_room(size)
             if partition is None:  # sticky: keyless records fill one partition's batch
                 partition = self._sticky.get(topic)
                 if partition is None or partition >= count:
@@ -457,16 +454,7 @@ class Producer:
         offsets each partition got, once every batch is acknowledged. With `txn`, all of
         them belong to that transaction. Raises ValueError/IndexError for bad input,
         before anything is queued."""
-        if self._closed:
-            raise RuntimeError("producer is closed")
-        if txn is not None:
-            if not self.idempotent:
-                raise ValueError("transactional sends need an idempotent producer")
-            if txn.session is not None and self._session is not None and \
-                    txn.session.producer_epoch != self._session.producer_epoch:
-                raise errors.ProducerFenced("the transaction belongs to an older session of "
-                                            "this producer")
-            txn._check_accepting()
+        self._check_sendable(txn)
         count = len(self.client.metadata.partitions(topic))
         with self._lock:
             sticky = self._sticky.get(topic)
@@ -517,16 +505,8 @@ class Producer:
     def _queue_chunk(self, topic: str, chunk: Chunk, txn) -> RecordFuture:
         """One chunk of send_batch() as a sealed batch of its partition, behind what the
         partition already holds."""
-        deadline = time.monotonic() + self.max_block_s
         with self._lock:
-            while self._buffered_bytes and self._buffered_bytes + chunk.size > \
-                    self.max_buffered_bytes:
-                if self._closed:
-                    raise RuntimeError("producer is closed")
-                if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise errors.DeliveryTimeout(
-                        f"buffer of {self.max_buffered_bytes} bytes stayed full for "
-                        f"{self.max_block_s} s (max_buffered_bytes)")
+            self._wait_for_room(chunk.size)
             state = self._partitions.get((topic, chunk.partition))
             if state is None:
                 state = self._partitions[(topic, chunk.partition)] = _PartitionState()
@@ -544,6 +524,18 @@ class Producer:
                 txn.add_flusher(self._flush_txn)
             self._lock.notify_all()
         return future
+
+    def _wait_for_room(self, size: int) -> None:
+        """Block (lock held) until `size` more bytes fit the buffer, or max_block_s passes
+        (DeliveryTimeout). An empty buffer takes anything (a batch never waits forever)."""
+        deadline = time.monotonic() + self.max_block_s
+        while self._buffered_bytes and self._buffered_bytes + size > self.max_buffered_bytes:
+            if self._closed:
+                raise RuntimeError("producer is closed")
+            if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
+                raise errors.DeliveryTimeout(
+                    f"buffer of {self.max_buffered_bytes} bytes stayed full for "
+                    f"{self.max_block_s} s (max_buffered_bytes)")
 
     def _adopt(self, topic: str, partition: int, records: list[Record], size: int,
                outcome: _Outcome, txn) -> None:
