@@ -55,6 +55,9 @@ RETRIABLE_ITEM_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "
                           "RESOURCE_EXHAUSTED", "ZOOKEEPER_UNAVAILABLE",
                           # transactional writes being verified with their coordinator
                           "CONCURRENT_TRANSACTIONS", "COORDINATOR_LOADING", "NOT_COORDINATOR"}
+# Bytes of batches in one Produce request: the servers take messages up to
+# grpc.max_message_bytes (16 MiB by default); more batches go in further requests.
+MAX_REQUEST_BYTES = 8 << 20
 SEQUENCE_REFUSALS = {"OUT_OF_ORDER_SEQUENCE", "UNKNOWN_PRODUCER_ID"}
 # Refusals that prove nothing of the batch was appended.
 DEFINITELY_NOT_WRITTEN = {"BATCH_TOO_LARGE", "CORRUPT_BATCH", "CRC_MISMATCH", "INVALID_ARGUMENT",
@@ -751,13 +754,15 @@ class Producer:
                     None))
                 continue
             by_address.setdefault(address, []).append(batch)
-        for address, group in by_address.items():
-            request = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
-                topic_partition=common_pb2.TopicPartition(topic=b.topic, partition=b.partition),
-                record_batch=b.payload) for b in group])
+        for address, batches in by_address.items():
             stub = self.client.channels.partition(address)
-            call = stub.Produce.future(request, timeout=self.request_timeout_s)
-            call.add_done_callback(lambda f, group=group: self._on_reply(group, f))
+            for group in _requests(batches, MAX_REQUEST_BYTES):
+                request = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+                    topic_partition=common_pb2.TopicPartition(topic=b.topic,
+                                                              partition=b.partition),
+                    record_batch=b.payload) for b in group])
+                call = stub.Produce.future(request, timeout=self.request_timeout_s)
+                call.add_done_callback(lambda f, group=group: self._on_reply(group, f))
         if not by_address:
             with self._lock:
                 self._lock.notify_all()
@@ -911,6 +916,21 @@ class Producer:
         self._buffered_bytes -= batch.size
         self._unfinished -= len(batch.records)
         self._lock.notify_all()
+
+
+def _requests(batches: list[_Batch], limit: int) -> list[list[_Batch]]:
+    """The batches bound for one server as Produce requests of at most `limit` bytes
+    each (a batch larger than that alone), in order: a partition's batches stay in
+    sequence order across the requests."""
+    groups: list[list[_Batch]] = [[]]
+    size = 0
+    for batch in batches:
+        if groups[-1] and size + len(batch.payload) > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(batch)
+        size += len(batch.payload)
+    return groups
 
 
 def _record_size(key: bytes | None, value: bytes | None, headers) -> int:

@@ -77,7 +77,8 @@ OPTIONS = {
                        "transactionTimeoutMs)"),
     "preparedTimeoutMs": ("0", "writes: how long a prepared child waits for its parent's "
                           "decision (0: the coordinator's default)"),
-    "batchMaxBytes": ("262144", "writes: producer batch size in bytes"),
+    "batchMaxBytes": ("1048576", "writes: producer batch size in bytes (at most the "
+                      "servers' partition.max_batch_bytes, 1 MiB by default)"),
     "lingerMs": ("5", "writes: producer linger in milliseconds"),
     "compression": ("none", "writes: none, zstd or lz4"),
     "requestTimeoutMs": ("30000", "every call's timeout"),
@@ -328,14 +329,18 @@ def _arrow_schema():
 
 
 def _to_spark(table, schema):
-    """A poll_arrow() table as record batches of SCHEMA: the same key, value and headers
-    buffers, the timestamp in Spark's microseconds (Spark checks the schema exactly)."""
+    """A poll_arrow() table as record batches of SCHEMA (Spark checks the schema exactly;
+    the timestamp in its microseconds). The table's key, value and headers are slices of
+    the fetched buffers, a chunk per stored batch (about 2,500 rows of 100 B); they are
+    copied once into one batch per table (up to 100,000 rows): Spark's per-batch cost is
+    higher than the copy (a 2,000,000-row read took 1.7-2.0 s this way against 2.0-2.4 s
+    handing Spark each chunk as a batch, 2026-11-24)."""
     import pyarrow as pa
 
     columns = [table.column(name) for name in ("topic", "partition", "offset", "key", "value")]
     columns.append(table.column("headers").cast(schema.field("headers").type))
     columns.append(table.column("timestamp").cast(schema.field("timestamp").type))
-    return pa.Table.from_arrays(columns, schema=schema).to_batches()
+    return pa.Table.from_arrays(columns, schema=schema).combine_chunks().to_batches()
 
 
 def _read_range(options: Options, part: OffsetRange):

@@ -226,6 +226,18 @@ def test_tables_numpy_and_headers_are_accepted_and_bad_input_is_refused():
                         sticky=0, now_ms=1, batch_max_bytes=1 << 20)
 
 
+def test_produce_requests_stay_under_the_message_limit():
+    """Big batches for one server go out in several Produce requests, in order."""
+    from spark_client.producer import _Batch, _requests
+
+    batches = [_Batch("t", i % 3, [], None, 0.0, payload=b"x" * (3 << 20)) for i in range(7)]
+    groups = _requests(batches, 8 << 20)
+    assert [len(g) for g in groups] == [2, 2, 2, 1]
+    assert [b for g in groups for b in g] == batches
+    big = _Batch("t", 0, [], None, 0.0, payload=b"x" * (9 << 20))
+    assert _requests([big, batches[0]], 8 << 20) == [[big], [batches[0]]]
+
+
 # ------------------------------------------------------------------ against the cluster
 
 
