@@ -94,6 +94,8 @@ def binary_column(values, n: int | None = None, name: str = "value") -> pa.Array
                 pa.types.is_string_view(kind):
             return values.cast(pa.binary())
         raise ValueError(f"{name}: an Arrow array of {kind} is not binary or string")
+    if not hasattr(values, "__len__"):
+        values = list(values)  # a generator: _is_str_sequence would consume it
     try:
         array = pa.array(values, pa.binary()) if not _is_str_sequence(values) else \
             pa.array(values, pa.string()).cast(pa.binary())
@@ -164,6 +166,9 @@ def _zero_deltas(n: int) -> pa.Array:
 
 def _arrow_headers(headers: pa.Array) -> pa.Array:
     kind = headers.type
+    if pa.types.is_map(kind) and headers.offset:  # a slice of a map: take the slow road
+        return headers_column([row and list(row) for row in headers.to_pylist()],
+                              len(headers))
     if pa.types.is_map(kind):
         headers = pa.ListArray.from_arrays(headers.offsets, pa.StructArray.from_arrays(
             [headers.keys, headers.items], ["key", "value"]), mask=headers.is_null())

@@ -82,8 +82,9 @@ def prepare(values, *, keys=None, headers=None, timestamps_ms=None, partition=No
     first appear, rows in input order within each), then by batch_max_bytes. `values`
     may be a RecordBatch or Table with a `value` column (and optional `key`, `headers`,
     `timestamp`, `partition` columns; explicit arguments win). `partition`: None (by key,
-    keyless rows to `sticky`), an int for every row, or one per row. Raises ValueError
-    for malformed input and IndexError-free checks of partition numbers."""
+    keyless rows to `sticky`), an int for every row, or one per row (a null: by key).
+    Raises ValueError for malformed input, IndexError for a partition outside
+    0..partition_count-1."""
     table = None
     if isinstance(values, (pa.RecordBatch, pa.Table)):
         table = values

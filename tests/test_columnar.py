@@ -206,6 +206,16 @@ def test_tables_numpy_and_headers_are_accepted_and_bad_input_is_refused():
                                                                     (0, [b"b"])]
     assert chunks[0].headers.to_pylist() == [[{"key": "h", "value": b"1"}], []]
     assert (chunks[0].base_timestamp_ms, chunks[0].max_timestamp_ms) == (10, 12)
+    # slices of Arrow header columns, and generators of values
+    maps = pa.array([[("a", b"1")], None, [("b", b"2"), ("c", b"3")], []],
+                    pa.map_(pa.string(), pa.binary()))
+    lists = pa.array([[{"key": "a", "value": b"1"}], [], [{"key": "b", "value": b"2"}]],
+                     pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())])))
+    assert rc.headers_column(maps.slice(2), 2).to_pylist() == [
+        [{"key": "b", "value": b"2"}, {"key": "c", "value": b"3"}], []]
+    assert rc.headers_column(lists.slice(1), 2).to_pylist() == [[], [{"key": "b",
+                                                                     "value": b"2"}]]
+    assert rc.binary_column(v for v in ["a", None]).to_pylist() == [b"a", None]
     numpy = pytest.importorskip("numpy")
     (chunk,) = columns.prepare(numpy.array(["é", "b"]), partition=1, partition_count=2,
                                sticky=0, now_ms=1, batch_max_bytes=1 << 20)
