@@ -308,6 +308,12 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "answers.", minimum=1, maximum=1_000_000),
         Setting("coordinator.tick_interval_ms", int, 100, "How often each TC partition checks "
                 "timeouts, due completions and marker re-sends.", minimum=5, maximum=10_000),
+        Setting("coordinator.zookeeper_session_timeout_ms", int, 3_000, "ZooKeeper session "
+                "timeout of a coordinator process (instead of zookeeper.session_timeout_ms): "
+                "how long after it dies its TC partitions move to the other coordinators, "
+                "and how long a paused one keeps them (its coordinator epoch fences it after "
+                "that). 0: zookeeper.session_timeout_ms. A combined server uses "
+                "zookeeper.session_timeout_ms.", minimum=0, maximum=120_000),
         Setting("coordinator.rebalance_interval_ms", int, 1_000, "How often a coordinator "
                 "re-checks the TC partition leases (besides ZooKeeper watches).",
                 minimum=50, maximum=60_000),

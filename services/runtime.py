@@ -54,6 +54,14 @@ def default_name(role: str) -> str:
     return f"{role.replace('_', '-')}-{host}"[:longest].rstrip("-")
 
 
+def session_timeout_ms(config: Config) -> int:
+    """The ZooKeeper session timeout of this process: a coordinator's own (its TC
+    partitions move that long after it dies), else zookeeper.session_timeout_ms."""
+    if config.role == "coordinator" and config["coordinator.zookeeper_session_timeout_ms"]:
+        return config["coordinator.zookeeper_session_timeout_ms"]
+    return config["zookeeper.session_timeout_ms"]
+
+
 class Runtime:
     """One server process: what a role's install() may use and extend."""
 
@@ -62,8 +70,7 @@ class Runtime:
         self.role = config.role
         self.name = config["server.name"] or default_name(self.role)
         self.zk = ZkSession(config["zookeeper.hosts"], config["zookeeper.chroot"],
-                            config["zookeeper.session_timeout_ms"],
-                            config["zookeeper.connect_timeout_ms"])
+                            session_timeout_ms(config), config["zookeeper.connect_timeout_ms"])
         max_message = config["grpc.max_message_bytes"]
         self.server = grpc.aio.server(
             interceptors=[ErrorsAndMetricsInterceptor()],
@@ -134,7 +141,7 @@ class Runtime:
             "role": role, "grpc_address": self.grpc_address,
             "metrics_address": self.metrics_endpoint.address, "pid": os.getpid(),
             "version": __version__, "registered_unix_ms": int(time.time() * 1000),
-        }, wait_ms=int(config["zookeeper.session_timeout_ms"] * 1.5) + 2_000)
+        }, wait_ms=int(session_timeout_ms(config) * 1.5) + 2_000)
             for role in hosted_roles(self.role)]
         await asyncio.gather(*(asyncio.to_thread(r.register) for r in self.registrations))
 
