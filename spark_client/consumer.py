@@ -1,7 +1,9 @@
 """A consumer that reads partitions directly by offset (no subscription): it assigns
 itself every partition of its topics (or the partition numbers given), starts each at
 the earliest (or latest) offset, and long-polls the owning servers, one Fetch per server
-for all its partitions.
+for all its partitions; while it decodes what came, the next Fetch is already on its way.
+Fetched batches are kept as Arrow columns: poll() makes Message tuples of what it
+returns, poll_arrow() a pyarrow Table.
 `read_committed` (the default) gets only committed data — the servers filter it."""
 
 from __future__ import annotations

@@ -113,12 +113,11 @@ def table_of(blocks: list[Block]) -> pa.Table:
     all rows at once, so the cost per block is a few list entries, not kernel calls."""
     if not blocks:
         return TABLE_SCHEMA.empty_table()
-    rows, run_ends = 0, []
+    rows, ends = 0, []
     for block in blocks:
         rows += block.columns.num_rows
-        run_ends.append(rows)
-    ends = run_ends
-    starts = [0] + run_ends[:-1]
+        ends.append(rows)
+    starts = [0] + ends[:-1]
     counting = pa.array(range(rows), pa.int64()) if rows > len(_COUNTING) else \
         _COUNTING.slice(0, rows)
     offsets = pc.add(counting, _per_row([b.first_offset - start
