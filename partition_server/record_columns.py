@@ -228,39 +228,56 @@ def integer_column(values, type_: pa.DataType, n: int, name: str) -> pa.Array:
 
 
 # --- Encoding --------------------------------------------------------------------------------
-def encode_columns(keys: pa.Array, values: pa.Array, headers: pa.Array,
-                   timestamp_deltas: pa.Array, base_timestamp_ms: int, max_timestamp_ms: int,
-                   *, producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0,
-                   base_sequence: int = NO_SEQUENCE, txn: TxnId | tuple[int, int] | None = None,
-                   compression: Compression = Compression.NONE) -> bytes:
-    """One magic-2 batch of the columns (built by binary_column, headers_column and
-    timestamp_column): base_offset 0 and log_append_time -1, as the server sets both."""
+def columns_block(keys: pa.Array, values: pa.Array, headers: pa.Array,
+                  timestamp_deltas: pa.Array,
+                  compression: Compression = Compression.NONE) -> bytes:
+    """The records block of a magic-2 batch: the columns (built by binary_column,
+    headers_column and timestamp_column) as one Arrow IPC record batch message. The
+    costly part of encoding; frame() then adds the header (a producer can build the
+    block before it knows the batch's sequence numbers)."""
     count = len(values)
     if count < 1:
         raise ValueError("a batch needs at least one record")
     if not len(keys) == len(headers) == len(timestamp_deltas) == count:
         raise ValueError("columns of different lengths")
-    if (txn is not None and tuple(txn) == (0, 0)):
+    batch = pa.RecordBatch.from_arrays([keys, values, timestamp_deltas, headers],
+                                       schema=BLOCK_SCHEMA)
+    return _message(batch, Compression(compression))
+
+
+def frame(block: bytes, count: int, base_timestamp_ms: int, max_timestamp_ms: int, *,
+          producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0,
+          base_sequence: int = NO_SEQUENCE, txn: TxnId | tuple[int, int] | None = None,
+          compression: Compression = Compression.NONE) -> bytes:
+    """A magic-2 batch of `count` records around a block from columns_block() (made with
+    the same compression): base_offset 0 and log_append_time -1, as the server sets
+    both."""
+    if txn is not None and tuple(txn) == (0, 0):
         raise ValueError("a transaction id is never (0, 0)")
     if producer_id == NO_PRODUCER_ID and (producer_epoch != 0 or base_sequence != NO_SEQUENCE):
         raise ValueError("producer_epoch/base_sequence need a producer_id")
     if not 0 <= producer_epoch <= PRODUCER_EPOCH_MAX:
         raise ValueError(f"producer_epoch {producer_epoch} outside 0..{PRODUCER_EPOCH_MAX}")
-    compression = Compression(compression)
-    batch = pa.RecordBatch.from_arrays([keys, values, timestamp_deltas, headers],
-                                       schema=BLOCK_SCHEMA)
-    body = _message(batch, compression)
     tc_partition, txn_sequence = tuple(txn) if txn is not None else (0, 0)
-    attributes = int(compression) | (ATTR_TRANSACTIONAL if txn is not None else 0)
-    header = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(body), MAGIC_COLUMNAR,
+    attributes = int(Compression(compression)) | (ATTR_TRANSACTIONAL if txn is not None else 0)
+    header = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(block), MAGIC_COLUMNAR,
                                    NO_TIMESTAMP, 0, attributes, count - 1, count,
                                    base_timestamp_ms, max_timestamp_ms, producer_id,
                                    producer_epoch, base_sequence, tc_partition, txn_sequence))
-    crc = crc32c.crc32c(body, crc32c.crc32c(memoryview(header)[CRC_COVERED_FROM:]))
+    crc = crc32c.crc32c(block, crc32c.crc32c(memoryview(header)[CRC_COVERED_FROM:]))
     struct.pack_into(">I", header, CRC_OFFSET, crc)
-    out = bytes(header) + body
+    out = bytes(header) + block
     parse_header(out)  # pair assertion: what we build must be what we accept
     return out
+
+
+def encode_columns(keys: pa.Array, values: pa.Array, headers: pa.Array,
+                   timestamp_deltas: pa.Array, base_timestamp_ms: int, max_timestamp_ms: int,
+                   *, compression: Compression = Compression.NONE, **fields) -> bytes:
+    """One magic-2 batch of the columns: columns_block() framed by frame()."""
+    return frame(columns_block(keys, values, headers, timestamp_deltas, compression),
+                 len(values), base_timestamp_ms, max_timestamp_ms, compression=compression,
+                 **fields)
 
 
 def encode_records(records: Sequence[Record], *, timestamp_ms: int | None = None,

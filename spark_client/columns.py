@@ -50,6 +50,9 @@ class Chunk:
     base_timestamp_ms: int
     max_timestamp_ms: int
     size: int  # what it counts against batch_max_bytes and the producer's buffer
+    # The records block (record_columns.columns_block), once built: by send_batch()'s
+    # caller, so the producer's sender thread only frames it.
+    block: bytes | None = None
 
     def __len__(self) -> int:
         return len(self.values)

@@ -40,7 +40,7 @@ import grpc
 
 from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.record_batch import Compression, Record
-from partition_server.record_columns import encode_columns, encode_records
+from partition_server.record_columns import columns_block, encode_records, frame
 from spark_client import errors
 from spark_client.columns import (HEADER_OVERHEAD, ROW_OVERHEAD, Chunk, prepare,
                                   records_of_chunk)
@@ -507,7 +507,11 @@ class Producer:
 
     def _queue_chunk(self, topic: str, chunk: Chunk, txn) -> RecordFuture:
         """One chunk of send_batch() as a sealed batch of its partition, behind what the
-        partition already holds."""
+        partition already holds. Its records block is built here, on the caller's thread
+        (the costly part of encoding, outside the producer's lock): the sender thread
+        only adds the header with the sequence numbers."""
+        chunk.block = columns_block(chunk.keys, chunk.values, chunk.headers,
+                                    chunk.timestamp_deltas, self.compression)
         with self._lock:
             self._wait_for_room(chunk.size)
             state = self._partitions.get((topic, chunk.partition))
@@ -633,10 +637,9 @@ class Producer:
                       base_sequence=batch.base_sequence if self.idempotent else -1,
                       compression=self.compression,
                       txn=batch.txn.key if batch.txn is not None else None)
-        if isinstance(records, Chunk):  # send_batch(): the columns as they came
-            batch.payload = encode_columns(records.keys, records.values, records.headers,
-                                           records.timestamp_deltas, records.base_timestamp_ms,
-                                           records.max_timestamp_ms, **fields)
+        if isinstance(records, Chunk):  # send_batch(): the block its caller built
+            batch.payload = frame(records.block, len(records), records.base_timestamp_ms,
+                                  records.max_timestamp_ms, **fields)
         else:
             batch.payload = encode_records(records, **fields)
 
