@@ -83,6 +83,7 @@ _STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
                 for name, value in S.TxnState.items()}
 # Orders one-call commits of the same producers (see _in_turn).
 _TURNS = threading.Lock()
+_SUBMITS = threading.Lock()  # commit_async(): a turn and its place in the executor at once
 
 
 class Coordinators:
@@ -225,6 +226,7 @@ class Transaction:
         # A CommitTxn of the kept transaction ended with an unknown outcome: commit()
         # retries it, abort() makes sure it never commits (CommitTxn with abort).
         self._commit_unknown = False
+        self._turn: _in_turn | None = None  # a one-call commit's place among its producers'
         self._txn_id: common_pb2.TxnId | None = _resume
         # Registered by the NewTxn call, whenever it is made.
         self._upfront = (list(dict.fromkeys((t, int(p)) for t, p in partitions)),
@@ -383,7 +385,7 @@ class Transaction:
                 for (topic, partition), part in parts],
             acks=acks)
         try:
-            with _in_turn({id(part.producer): part.producer for _, part in parts}.values()):
+            with self._take_turn(kept):
                 reply = self._call("CommitTxn", request)
         except errors.AtomlogClientError as error:
             if error.reason in _NOT_COMMITTED:  # definite: it did not commit, and never will
@@ -598,16 +600,20 @@ class Transaction:
                                    "aborted; it cannot commit")
         with self._lock:
             self._committing = True
+        turn = self._take_turn()
         try:
-            self._wait_pending()
-        except errors.AtomlogClientError:
-            self.abort()
-            raise
-        with self._switch_lock:
-            kept, self._kept = self._kept, None
-        if kept is not None and (kept.partitions or kept.acks):
-            self._commit_one_call(kept, wait_for_markers)
-            return
+            try:
+                self._wait_pending()
+            except errors.AtomlogClientError:
+                self.abort()
+                raise
+            with self._switch_lock:
+                kept, self._kept = self._kept, None
+            if kept is not None and (kept.partitions or kept.acks):
+                self._commit_one_call(kept, wait_for_markers)
+                return
+        finally:
+            turn.release()  # done, failed, or not a one-call commit: the next may go
         if self._commit_unopened():
             return
         reply = self._end(partition_pb2.TXN_DECISION_COMMIT, wait_for_markers,
@@ -626,8 +632,26 @@ class Transaction:
         with self._lock:
             if self._ended is None:
                 self._committing = True
-        return self._coordinators.client.commit_executor().submit(
-            self.commit, wait_for_markers=wait_for_markers)
+        # The turn is taken here, not on a commit thread (they start in any order), and
+        # with the submit under one lock: the executor runs commits in the order of their
+        # turns, so a commit thread never waits for a turn queued behind it.
+        with _SUBMITS:
+            self._take_turn()
+            return self._coordinators.client.commit_executor().submit(
+                self.commit, wait_for_markers=wait_for_markers)
+
+    def _take_turn(self, kept: _Kept | None = None) -> _in_turn:
+        """This one-call commit's turn among the commits of its records' producers: taken
+        once, at the first commit() or commit_async() (kept records no longer change
+        then); a transaction that keeps no records takes an empty one."""
+        with self._switch_lock:
+            if self._turn is None:
+                kept = kept or self._kept
+                producers = ({id(part.producer): part.producer
+                              for part in kept.partitions.values()}.values()
+                             if kept is not None else ())
+                self._turn = _in_turn(producers)
+            return self._turn
 
     def abort(self) -> None:
         """Abort (safe to call again, and after the coordinator aborted it itself)."""
@@ -635,6 +659,9 @@ class Transaction:
             return
         with self._switch_lock:
             kept, self._kept = self._kept, None
+            turn = self._turn
+        if turn is not None:
+            turn.release()  # a commit that will not run lets the next one go
         if kept is not None and self._commit_unknown:
             self._abort_one_call(kept)
             return
@@ -775,28 +802,34 @@ class KeptBy:
 
 class _in_turn:
     """One-call commits holding records of the same producer go out one after the
-    other, in the order their commit() began: the producer's records then reach each
-    partition in send order also when commit_async() runs several at once (as ordinary
-    sends would). Every turn is taken under one lock, so the order is total (no cycle
-    between transactions of several producers)."""
+    other, in the order commit() or commit_async() was called: the producer's records
+    then reach each partition in send order also when commit_async() runs several at
+    once (as ordinary sends would). The turn is taken when the object is made, in the
+    caller's thread (the commit threads may start in any order), under one lock, so the
+    order is total (no cycle between transactions of several producers); `with` waits
+    for the turns before it, and release() (or leaving the `with`) lets the next go."""
 
     def __init__(self, producers):
-        self.producers = list(producers)
         self.done: concurrent.futures.Future = concurrent.futures.Future()
         self.before: list[concurrent.futures.Future] = []
-
-    def __enter__(self):
         with _TURNS:
-            for producer in self.producers:
+            for producer in producers:
                 previous = getattr(producer, "_one_call_turn", None)
                 if previous is not None:
                     self.before.append(previous)
                 producer._one_call_turn = self.done
+
+    def __enter__(self):
         concurrent.futures.wait(self.before)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.done.set_result(None)
+        self.release()
+
+    def release(self) -> None:
+        with _TURNS:
+            if not self.done.done():
+                self.done.set_result(None)
 
 
 def _key_for(tc_partition: int, count: int) -> str:
