@@ -16,9 +16,14 @@ is when the surviving coordinator acquired them (the owner znodes' acquired time
 failover = lease taken (the killed process's ZooKeeper session has to expire first) +
 loading the TC partition + the client's next retry.
 
+Baseline in the same run: first, on a cluster of its own, `--baseline-kills` (2) kills
+with coordinators on the other servers' 10 s ZooKeeper sessions
+(coordinator.zookeeper_session_timeout_ms=0), as every server had before.
+
 Prints a table and writes its section of docs/benchmarks.md.
 
-    .venv/bin/python bench/failover.py [--kills 6] [--clients 4] [--set name=value ...] [--no-docs]
+    .venv/bin/python bench/failover.py [--kills 6] [--baseline-kills 2] [--clients 4]
+        [--set name=value ...] [--no-docs]
 """
 
 from __future__ import annotations
@@ -145,7 +150,33 @@ def fmt(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def section(rows: list[dict], args, settings: dict, load: float) -> str:
+BASELINE = {"coordinator.zookeeper_session_timeout_ms": "0"}  # coordinators on 10 s sessions
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| kill | coordinator | its TC partitions | lease taken (first / last) | "
+             "failover: first commit on one of them | all back | failed commits |",
+             "| ---: | --- | ---: | --- | ---: | ---: | ---: |"]
+    for i, row in enumerate(rows, 1):
+        lines.append(f"| {i} | {row['coordinator']} | {row['tc_partitions']} | "
+                     f"{fmt(row['lease_taken_s'])} / {fmt(row['lease_all_s'])} | "
+                     f"{fmt(row['failover_s'])} | {fmt(row['all_back_s'])} | "
+                     f"{row['failed_commits']} |")
+    return lines
+
+
+def summary(rows: list[dict]) -> str:
+    failovers = [r["failover_s"] for r in rows if r["failover_s"] is not None]
+    backs = [r["all_back_s"] for r in rows if r["all_back_s"] is not None]
+    if not failovers or not backs:
+        return "Some TC partitions never came back within 120 s."
+    return (f"Failover: median {statistics.median(failovers):.1f} s, worst "
+            f"{max(failovers):.1f} s; all of its TC partitions back: median "
+            f"{statistics.median(backs):.1f} s, worst {max(backs):.1f} s.")
+
+
+def section(rows: list[dict], baseline: list[dict], args, settings: dict,
+            load: float) -> str:
     lines = [BEGIN, "## Coordinator failover as a client sees it (issue 21, item 4)", "",
              f"`{common.command_line('bench/failover.py', sys.argv[1:])}` — "
              f"{time.strftime('%Y-%m-%d %H:%M')}, {common.machine(load)}", "",
@@ -154,36 +185,17 @@ def section(rows: list[dict], args, settings: dict, load: float) -> str:
              "loop of small transactions (10 x 1 KiB over 4 partitions, one-call commits, "
              "a random TC partition each); kill -9 of a coordinator, the two in turn, "
              "restarted and rebalanced between kills. Seconds after the kill:", "",
-             "| kill | coordinator | its TC partitions | lease taken (first / last) | "
-             "failover: first commit on one of them | all back | failed commits |",
-             "| ---: | --- | ---: | --- | ---: | ---: | ---: |"]
-    for i, row in enumerate(rows, 1):
-        lines.append(f"| {i} | {row['coordinator']} | {row['tc_partitions']} | "
-                     f"{fmt(row['lease_taken_s'])} / {fmt(row['lease_all_s'])} | "
-                     f"{fmt(row['failover_s'])} | {fmt(row['all_back_s'])} | "
-                     f"{row['failed_commits']} |")
-    failovers = [r["failover_s"] for r in rows if r["failover_s"] is not None]
-    backs = [r["all_back_s"] for r in rows if r["all_back_s"] is not None]
-    if failovers:
-        lines += ["", f"Failover: median {statistics.median(failovers):.1f} s, worst "
-                  f"{max(failovers):.1f} s; all of its TC partitions back: median "
-                  f"{statistics.median(backs):.1f} s, worst {max(backs):.1f} s "
-                  "(target of issue 21: at most 5 s)." if backs else ""]
+             *table(rows), "", summary(rows) + " Target of issue 21: at most 5 s."]
+    if baseline:
+        lines += ["", "Baseline in the same run, on a cluster of its own: the same, with "
+                  f"{BASELINE} (coordinators on the 10 s sessions of the other servers):", "",
+                  *table(baseline), "", summary(baseline)]
     lines.append(END)
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kills", type=int, default=6)
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a setting for every process (atomlog up --set)")
-    parser.add_argument("--no-docs", action="store_true")
-    args = parser.parse_args()
-    settings = dict(item.split("=", 1) for item in args.set)
-    load = os.getloadavg()[0]
-
+def measure(settings: dict, kills: int, clients: int) -> list[dict]:
+    """`kills` kill -9s of a coordinator on a fresh cluster with `settings`."""
     from kazoo.client import KazooClient
 
     from services import launcher
@@ -205,9 +217,9 @@ def main() -> None:
                 count = client.metadata.tc_partition_count
             names = [p.name for p in report.cluster.processes if p.role == "coordinator"]
             wait_balanced(zk, names, count)
-            loop = Loop(address, args.clients)
+            loop = Loop(address, clients)
             try:
-                for i in range(args.kills):
+                for i in range(kills):
                     cluster = launcher.ClusterFile.load(data_dir)
                     victim = next(p for p in cluster.processes if p.name == names[i % 2])
                     row = one_kill(loop, zk, victim, count)
@@ -221,7 +233,25 @@ def main() -> None:
         finally:
             if (data_dir / launcher.CLUSTER_FILE).exists():
                 launcher.down(data_dir, timeout_s=10)
-    text = section(rows, args, settings, load)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=6)
+    parser.add_argument("--baseline-kills", type=int, default=2,
+                        help=f"kills on a baseline cluster with {BASELINE} (0: none)")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for every process (atomlog up --set)")
+    parser.add_argument("--no-docs", action="store_true")
+    args = parser.parse_args()
+    settings = dict(item.split("=", 1) for item in args.set)
+    load = os.getloadavg()[0]
+    baseline = (measure({**settings, **BASELINE}, args.baseline_kills, args.clients)
+                if args.baseline_kills else [])
+    rows = measure(settings, args.kills, args.clients)
+    text = section(rows, baseline, args, settings, load)
     print(text)
     if not args.no_docs:
         common.write_docs_section(text, BEGIN, END)

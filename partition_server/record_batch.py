@@ -471,12 +471,36 @@ def encode_batch(records: Iterable[Record], *, producer_id: int = NO_PRODUCER_ID
                  compression: Compression = Compression.NONE,
                  transactional: bool | None = None, timestamp_ms: int | None = None,
                  control: bool = False) -> bytes:
-    """Build one batch (base_offset 0, log_append_time -1: the server sets both).
-    `transactional` defaults to whether `txn` is given; records without a timestamp get
-    `timestamp_ms` (default: now). Raises ValueError for caller mistakes."""
+    """Build one row-format batch (base_offset 0, log_append_time -1: the server sets
+    both). `transactional` defaults to whether `txn` is given; records without a
+    timestamp get `timestamp_ms` (default: now). Raises ValueError for caller mistakes."""
     records = list(records)
     if not records:
         raise ValueError("a batch needs at least one record")
+    compression = Compression(compression)
+    default_ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+    timestamps = [default_ts if r.timestamp_ms is None else r.timestamp_ms for r in records]
+    base_ts = timestamps[0]
+    pieces: list = []
+    for delta, (record, ts) in enumerate(zip(records, timestamps)):
+        _encode_record(pieces, record, ts - base_ts, delta)
+    return frame_batch(_compress(b"".join(pieces), compression), magic=MAGIC,
+                       count=len(records), base_timestamp_ms=base_ts,
+                       max_timestamp_ms=max(timestamps), compression=compression,
+                       producer_id=producer_id, producer_epoch=producer_epoch,
+                       base_sequence=base_sequence, txn=txn, transactional=transactional,
+                       control=control)
+
+
+def frame_batch(body: bytes, *, magic: int, count: int, base_timestamp_ms: int,
+                max_timestamp_ms: int, compression: Compression = Compression.NONE,
+                producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0,
+                base_sequence: int = NO_SEQUENCE, txn: TxnId | tuple[int, int] | None = None,
+                transactional: bool | None = None, control: bool = False) -> bytes:
+    """A batch of `count` records around a records block already built in the format
+    `magic` names (rows: encode_batch; columns: record_columns): the header, its CRC32C,
+    base_offset 0 and log_append_time -1 (the server sets both). Raises ValueError for
+    caller mistakes."""
     if transactional is None:
         transactional = txn is not None
     if transactional != (txn is not None) or (txn is not None and tuple(txn) == (0, 0)):
@@ -486,20 +510,11 @@ def encode_batch(records: Iterable[Record], *, producer_id: int = NO_PRODUCER_ID
         raise ValueError("producer_epoch/base_sequence need a producer_id")
     if not 0 <= producer_epoch <= PRODUCER_EPOCH_MAX:
         raise ValueError(f"producer_epoch {producer_epoch} outside 0..{PRODUCER_EPOCH_MAX}")
-    compression = Compression(compression)
-    default_ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-    timestamps = [default_ts if r.timestamp_ms is None else r.timestamp_ms for r in records]
-    base_ts = timestamps[0]
-    pieces: list = []
-    for delta, (record, ts) in enumerate(zip(records, timestamps)):
-        _encode_record(pieces, record, ts - base_ts, delta)
-    body = _compress(b"".join(pieces), compression)
-    attributes = int(compression) | (ATTR_TRANSACTIONAL if transactional else 0) | (
+    attributes = int(Compression(compression)) | (ATTR_TRANSACTIONAL if transactional else 0) | (
         ATTR_CONTROL if control else 0)
-    count = len(records)
-    header = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(body), MAGIC, NO_TIMESTAMP, 0,
-                                   attributes, count - 1, count, base_ts, max(timestamps),
-                                   producer_id, producer_epoch, base_sequence,
+    header = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(body), magic, NO_TIMESTAMP, 0,
+                                   attributes, count - 1, count, base_timestamp_ms,
+                                   max_timestamp_ms, producer_id, producer_epoch, base_sequence,
                                    tc_partition, txn_sequence))
     crc = crc32c.crc32c(body, crc32c.crc32c(memoryview(header)[CRC_COVERED_FROM:]))
     struct.pack_into(">I", header, CRC_OFFSET, crc)

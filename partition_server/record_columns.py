@@ -1,5 +1,5 @@
 """The columnar records block (batch magic 2): one Arrow IPC record batch message of a
-fixed schema, after the same 77-byte header as every batch (docs/record-format.md §1.3).
+fixed schema, after the same 77-byte header as every batch (docs/record-format.md §1.6).
 
 Pure, client side: servers never import this module (they parse headers only, and the
 batches they write themselves — transaction markers, the TC log — keep the row format of
@@ -18,16 +18,12 @@ import struct
 import time
 from collections.abc import Sequence
 
-import crc32c
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from partition_server.record_batch import (ATTR_TRANSACTIONAL, CRC_COVERED_FROM, CRC_OFFSET,
-                                           DEFAULT_MAX_UNCOMPRESSED_BYTES, HEADER, HEADER_SIZE,
-                                           MAGIC_COLUMNAR, MIN_BATCH_LENGTH, NO_PRODUCER_ID,
-                                           NO_SEQUENCE, NO_TIMESTAMP, PRODUCER_EPOCH_MAX,
-                                           BatchHeader, Compression, Record, TxnId, _corrupt,
-                                           parse_header, verify_crc)
+from partition_server.record_batch import (DEFAULT_MAX_UNCOMPRESSED_BYTES, HEADER_SIZE,
+                                           MAGIC_COLUMNAR, BatchHeader, Compression, Record,
+                                           _corrupt, frame_batch, parse_header, verify_crc)
 
 # --- The schema (fixed by the format; a change is a new magic) ----------------------------
 HEADER_STRUCT = pa.struct([pa.field("key", pa.string(), nullable=False),
@@ -233,8 +229,8 @@ def columns_block(keys: pa.Array, values: pa.Array, headers: pa.Array,
                   compression: Compression = Compression.NONE) -> bytes:
     """The records block of a magic-2 batch: the columns (built by binary_column,
     headers_column and timestamp_column) as one Arrow IPC record batch message. The
-    costly part of encoding; frame() then adds the header (a producer can build the
-    block before it knows the batch's sequence numbers)."""
+    costly part of encoding; record_batch.frame_batch() then adds the header (a producer
+    can build the block before it knows the batch's sequence numbers)."""
     count = len(values)
     if count < 1:
         raise ValueError("a batch needs at least one record")
@@ -245,39 +241,29 @@ def columns_block(keys: pa.Array, values: pa.Array, headers: pa.Array,
     return _message(batch, Compression(compression))
 
 
-def frame(block: bytes, count: int, base_timestamp_ms: int, max_timestamp_ms: int, *,
-          producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0,
-          base_sequence: int = NO_SEQUENCE, txn: TxnId | tuple[int, int] | None = None,
-          compression: Compression = Compression.NONE) -> bytes:
-    """A magic-2 batch of `count` records around a block from columns_block() (made with
-    the same compression): base_offset 0 and log_append_time -1, as the server sets
-    both."""
-    if txn is not None and tuple(txn) == (0, 0):
-        raise ValueError("a transaction id is never (0, 0)")
-    if producer_id == NO_PRODUCER_ID and (producer_epoch != 0 or base_sequence != NO_SEQUENCE):
-        raise ValueError("producer_epoch/base_sequence need a producer_id")
-    if not 0 <= producer_epoch <= PRODUCER_EPOCH_MAX:
-        raise ValueError(f"producer_epoch {producer_epoch} outside 0..{PRODUCER_EPOCH_MAX}")
-    tc_partition, txn_sequence = tuple(txn) if txn is not None else (0, 0)
-    attributes = int(Compression(compression)) | (ATTR_TRANSACTIONAL if txn is not None else 0)
-    header = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(block), MAGIC_COLUMNAR,
-                                   NO_TIMESTAMP, 0, attributes, count - 1, count,
-                                   base_timestamp_ms, max_timestamp_ms, producer_id,
-                                   producer_epoch, base_sequence, tc_partition, txn_sequence))
-    crc = crc32c.crc32c(block, crc32c.crc32c(memoryview(header)[CRC_COVERED_FROM:]))
-    struct.pack_into(">I", header, CRC_OFFSET, crc)
-    out = bytes(header) + block
-    parse_header(out)  # pair assertion: what we build must be what we accept
-    return out
-
-
 def encode_columns(keys: pa.Array, values: pa.Array, headers: pa.Array,
                    timestamp_deltas: pa.Array, base_timestamp_ms: int, max_timestamp_ms: int,
                    *, compression: Compression = Compression.NONE, **fields) -> bytes:
-    """One magic-2 batch of the columns: columns_block() framed by frame()."""
-    return frame(columns_block(keys, values, headers, timestamp_deltas, compression),
-                 len(values), base_timestamp_ms, max_timestamp_ms, compression=compression,
-                 **fields)
+    """One magic-2 batch of the columns: columns_block() framed by frame_batch()
+    (fields: producer id, epoch, base sequence, txn)."""
+    return frame_batch(columns_block(keys, values, headers, timestamp_deltas, compression),
+                       magic=MAGIC_COLUMNAR, count=len(values),
+                       base_timestamp_ms=base_timestamp_ms, max_timestamp_ms=max_timestamp_ms,
+                       compression=compression, **fields)
+
+
+def record_arrays(records: Sequence[Record], stamps: Sequence[int],
+                  base_timestamp_ms: int) -> list[pa.Array]:
+    """Record tuples (with their timestamps in Unix ms) as the BLOCK_SCHEMA columns, in
+    order: key, value, timestamp_delta, headers."""
+    n = len(records)
+    headers = (pa.array([[{"key": k, "value": v} for k, v in r.headers] for r in records],
+                        HEADERS_TYPE)
+               if any(r.headers for r in records) else _no_headers(n))
+    deltas = (_zero_deltas(n) if all(s == base_timestamp_ms for s in stamps)
+              else pa.array([s - base_timestamp_ms for s in stamps], pa.int64()))
+    return [pa.array([r.key for r in records], pa.binary()),
+            pa.array([r.value for r in records], pa.binary()), deltas, headers]
 
 
 def encode_records(records: Sequence[Record], *, timestamp_ms: int | None = None,
@@ -287,22 +273,9 @@ def encode_records(records: Sequence[Record], *, timestamp_ms: int | None = None
     if not records:
         raise ValueError("a batch needs at least one record")
     default_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-    n = len(records)
-    keys = [r.key for r in records]
     stamps = [default_ms if r.timestamp_ms is None else r.timestamp_ms for r in records]
-    base = stamps[0]
-    if any(r.headers for r in records):
-        headers = pa.array([[{"key": k, "value": v} for k, v in r.headers] for r in records],
-                           HEADERS_TYPE)
-    else:
-        headers = headers_column(None, n)
-    largest = max(stamps)
-    return encode_columns(
-        pa.array(keys, pa.binary()) if any(k is not None for k in keys) else pa.nulls(
-            n, pa.binary()),
-        pa.array([r.value for r in records], pa.binary()), headers,
-        _zero_deltas(n) if largest == base and min(stamps) == base else
-        pa.array([s - base for s in stamps], pa.int64()), base, largest, **fields)
+    keys, values, deltas, headers = record_arrays(records, stamps, stamps[0])
+    return encode_columns(keys, values, headers, deltas, stamps[0], max(stamps), **fields)
 
 
 # --- Decoding --------------------------------------------------------------------------------

@@ -149,14 +149,14 @@ def prepare(values, *, keys=None, headers=None, timestamps_ms=None, partition=No
 
 
 def _sum_per_list(lists: pa.Array, per_item: pa.Array) -> pa.Array:
-    """Sum of per_item over each list (offsets from the list array), 0 for empty ones."""
-    cumulative = pc.cumulative_sum(per_item).to_pylist()
-    offsets = lists.offsets.to_pylist()
-    base = offsets[0]
-    totals = [(cumulative[e - base - 1] if e > base else 0) -
-              (cumulative[s - base - 1] if s > base else 0)
-              for s, e in zip(offsets, offsets[1:])]
-    return pa.array(totals, pa.int64())
+    """Sum of per_item (one value per list item) over each list, 0 for empty ones: the
+    difference of the running sum at each list's end and start (Arrow kernels)."""
+    offsets = lists.offsets
+    offsets = pc.subtract(offsets, offsets[0])  # a slice: relative to its items
+    running = pa.concat_arrays([pa.array([0], pa.int64()),
+                                pc.cumulative_sum(per_item).cast(pa.int64())])
+    n = len(lists)
+    return pc.subtract(pc.take(running, offsets.slice(1, n)), pc.take(running, offsets.slice(0, n)))
 
 
 def _by_key(keys: pa.Array, n: int, count: int, sticky: int):

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from partition_server.record_batch import MAGIC_COLUMNAR, BatchHeader, decode_records
 from partition_server.record_columns import (BLOCK_SCHEMA, HEADERS_TYPE, decode_columns,
-                                             python_columns)
+                                             python_columns, record_arrays)
 
 
 class Message(NamedTuple):
@@ -76,13 +76,9 @@ def block_of(topic: str, partition: int, batch, header: BatchHeader,
 
 def _row_columns(records, header: BatchHeader) -> pa.RecordBatch:
     """Row-format records as BLOCK_SCHEMA columns."""
-    base = header.base_timestamp_ms
-    return pa.RecordBatch.from_arrays([
-        pa.array([r.key for r in records], pa.binary()),
-        pa.array([r.value for r in records], pa.binary()),
-        pa.array([r.timestamp_ms - base for r in records], pa.int64()),
-        pa.array([[{"key": k, "value": v} for k, v in r.headers] for r in records],
-                 HEADERS_TYPE)], schema=BLOCK_SCHEMA)
+    return pa.RecordBatch.from_arrays(record_arrays(
+        records, [r.timestamp_ms for r in records], header.base_timestamp_ms),
+        schema=BLOCK_SCHEMA)
 
 
 def messages_of(block: Block) -> list[Message]:

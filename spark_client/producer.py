@@ -39,8 +39,8 @@ import crc32c
 import grpc
 
 from atomlog.v1 import common_pb2, partition_pb2
-from partition_server.record_batch import Compression, Record
-from partition_server.record_columns import columns_block, encode_records, frame
+from partition_server.record_batch import MAGIC_COLUMNAR, Compression, Record, frame_batch
+from partition_server.record_columns import columns_block, encode_records
 from spark_client import errors
 from spark_client.columns import (HEADER_OVERHEAD, ROW_OVERHEAD, Chunk, prepare,
                                   records_of_chunk)
@@ -638,8 +638,10 @@ class Producer:
                       compression=self.compression,
                       txn=batch.txn.key if batch.txn is not None else None)
         if isinstance(records, Chunk):  # send_batch(): the block its caller built
-            batch.payload = frame(records.block, len(records), records.base_timestamp_ms,
-                                  records.max_timestamp_ms, **fields)
+            batch.payload = frame_batch(records.block, magic=MAGIC_COLUMNAR,
+                                        count=len(records),
+                                        base_timestamp_ms=records.base_timestamp_ms,
+                                        max_timestamp_ms=records.max_timestamp_ms, **fields)
         else:
             batch.payload = encode_records(records, **fields)
 
