@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up shared by scripts/main.sh and scripts/test.sh: installs what is
-# missing (Java and ZooKeeper from Debian packages, a virtualenv with atomlog and its
+# missing (Java, ZooKeeper and Prometheus with promtool from Debian packages; kustomize
+# built from the Go module proxy into a per-user cache; a virtualenv with atomlog and its
 # dependencies) and does nothing when everything is already there.
 set -euo pipefail
 
@@ -16,6 +17,9 @@ say() { printf '\033[1m[atomlog setup]\033[0m %s\n' "$*" >&2; }
 missing=()
 command -v java >/dev/null 2>&1 || missing+=(default-jre-headless)
 [ -f /usr/share/java/zookeeper.jar ] || missing+=(zookeeper)
+# Prometheus and promtool: deploy/prometheus rules and the dashboards are checked against
+# them (tests/test_deploy_*.py), and `atomlog up --prometheus` runs it.
+{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing+=(prometheus)
 "$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
 if [ "${#missing[@]}" -gt 0 ]; then
   SUDO=""
@@ -25,6 +29,32 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
     "${missing[@]}" >/dev/null
 fi
+
+# kustomize renders deploy/kubernetes (tests/test_deploy_kubernetes.py). Built once per
+# machine from the Go module proxy (about 2 minutes on 2 cores), kept under the user's
+# cache so fresh clones reuse it; needs Go >= 1.24 (kustomize's go.mod), which this kind
+# of machine ships in /usr/local/go. GOTOOLCHAIN=local: never fetch another Go.
+KUSTOMIZE_VERSION="v5.8.1"
+TOOLS="${ATOMLOG_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/atomlog/tools}"
+kustomize_bin="$TOOLS/kustomize-$KUSTOMIZE_VERSION/kustomize"
+if [ ! -x "$kustomize_bin" ]; then
+  GO="$(command -v go || true)"
+  [ -n "$GO" ] || [ ! -x /usr/local/go/bin/go ] || GO=/usr/local/go/bin/go
+  if [ -z "$GO" ]; then
+    say "kustomize $KUSTOMIZE_VERSION is built with Go >= 1.24, and no go command was found"
+    exit 1
+  fi
+  say "building kustomize $KUSTOMIZE_VERSION into $TOOLS (once per machine)"
+  mkdir -p "$TOOLS"
+  staging="$(mktemp -d "$TOOLS/.kustomize.XXXXXX")"
+  GOBIN="$staging" GOTOOLCHAIN=local GOFLAGS=-buildvcs=false \
+    "$GO" install "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION"
+  mkdir -p "$TOOLS/kustomize-$KUSTOMIZE_VERSION"
+  mv "$staging/kustomize" "$kustomize_bin"
+  rmdir "$staging"
+fi
+mkdir -p "$TOOLS/bin"
+[ "$(readlink "$TOOLS/bin/kustomize" 2>/dev/null)" = "$kustomize_bin" ] || ln -sfn "$kustomize_bin" "$TOOLS/bin/kustomize"
 
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating virtualenv $VENV"
@@ -39,4 +69,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,spark,bench]"
   echo "$want" > "$stamp"
 fi
-export PATH="$VENV/bin:$PATH"
+export PATH="$VENV/bin:$TOOLS/bin:$PATH"
