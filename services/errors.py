@@ -69,6 +69,8 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "A topic needs between 1 and topics.max_partitions partitions."),
     _r("INVALID_TOPIC_CONFIG", SC.INVALID_ARGUMENT, FATAL, C,
        "An unknown topic setting, or a value out of its range."),
+    _r("INVALID_REPLICATION_FACTOR", SC.INVALID_ARGUMENT, FATAL, C,
+       "A replication factor must be 1-7 and at most the number of partition servers."),
     _r("TOPIC_ALREADY_EXISTS", SC.ALREADY_EXISTS, FATAL, C,
        "A topic with this name exists; nothing was changed."),
     _r("UNKNOWN_TOPIC_OR_PARTITION", SC.NOT_FOUND, RETRY, C,
@@ -84,6 +86,8 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
     # Routing and availability.
     _r("NOT_PARTITION_OWNER", SC.FAILED_PRECONDITION, RETRY, C,
        "This server does not own the partition; metadata names the owner. Refresh and retry."),
+    _r("NOT_A_REPLICA", SC.FAILED_PRECONDITION, FATAL, C,
+       "A replica fetch from a server that holds no replica of the partition."),
     _r("NO_PARTITION_SERVERS", SC.UNAVAILABLE, RETRY, S,
        "No partition server is registered, so partitions cannot be assigned."),
     _r("ZOOKEEPER_UNAVAILABLE", SC.UNAVAILABLE, RETRY, S,

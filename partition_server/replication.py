@@ -1,0 +1,421 @@
+"""Replication of partitions: the rules, as pure functions and small state objects (no I/O,
+no asyncio, no ZooKeeper, no clock of their own). docs/replication.md has the protocol the
+shells follow; this module decides, they act.
+
+- `assign_replicas` places a topic's replicas (rack aware), `default_replication_factor`
+  picks the factor a topic gets when its creator gives none.
+- `PartitionState` is what ZooKeeper holds per partition (leader, leader epoch, in-sync
+  replicas); it changes only by compare-and-set, through `elect`, `LeaderProgress`'s ISR
+  proposals and `with_isr`.
+- `LeaderProgress` is the leader's view of its followers: their durable offsets, the high
+  watermark (the end of what every in-sync replica holds durably: nothing above it is
+  acknowledged or readable), whether writes may be acknowledged (min in-sync replicas),
+  and which followers leave or join the ISR.
+- `LeaderEpochCache` maps leader epochs to the offset each began at, on every replica, and
+  `truncation_step` uses it to cut a follower's log back to the new leader's history
+  (leader-epoch truncation, as Kafka's KIP-101/KIP-279 do, not by high watermark alone).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from services.errors import AtomlogError
+
+MAX_REPLICATION_FACTOR = 7
+STATE_VERSION = 1
+EPOCH_CACHE_VERSION = 1
+NO_EPOCH = -1
+
+
+# ------------------------------------------------------------------ placement
+
+def default_replication_factor(server_count: int) -> int:
+    """3 when the cluster has at least 3 partition servers, else every server."""
+    return max(1, min(3, server_count))
+
+
+def validate_replication(factor: int, min_insync: int, server_count: int) -> None:
+    if not 1 <= factor <= MAX_REPLICATION_FACTOR:
+        raise AtomlogError("INVALID_REPLICATION_FACTOR",
+                           f"replication factor {factor}; it must be 1..{MAX_REPLICATION_FACTOR}",
+                           {"max": str(MAX_REPLICATION_FACTOR)})
+    if factor > server_count:
+        raise AtomlogError("INVALID_REPLICATION_FACTOR",
+                           f"replication factor {factor} needs {factor} partition servers; "
+                           f"{server_count} are registered", {"servers": str(server_count)})
+    if not 1 <= min_insync <= factor:
+        raise AtomlogError("INVALID_TOPIC_CONFIG",
+                           f"min.insync.replicas={min_insync} must be 1..{factor} "
+                           "(the replication factor)")
+
+
+def _rack_interleaved(servers: list[str], racks: Mapping[str, str]) -> list[str]:
+    """Servers ordered so that consecutive ones sit on different racks where possible:
+    one from each rack in turn (racks by name, servers by name within a rack)."""
+    by_rack: dict[str, list[str]] = {}
+    for server in sorted(servers):
+        by_rack.setdefault(racks.get(server, ""), []).append(server)
+    ordered: list[str] = []
+    queues = [by_rack[rack] for rack in sorted(by_rack)]
+    while any(queues):
+        for queue in queues:
+            if queue:
+                ordered.append(queue.pop(0))
+    return ordered
+
+
+def assign_replicas(partitions: int, servers: Iterable[str], factor: int,
+                    racks: Mapping[str, str] | None = None,
+                    load: Mapping[str, int] | None = None) -> list[list[str]]:
+    """The replicas of each partition, preferred leader first.
+
+    Leaders go round the servers (least loaded first, by `load`: leaderships already held),
+    so each server leads partitions//n or one more. Follower i of a partition is the
+    (i + shift)-th server after its leader in a rack-interleaved order, where shift grows
+    with each full round of leaders: followers of one leader spread over the others
+    instead of always landing on its neighbour, and with racks given, a partition's
+    replicas take distinct racks while there are racks left (a rack failure takes at most
+    one replica of it when there are at least `factor` racks)."""
+    servers = sorted(set(servers))
+    validate_replication(factor, 1, len(servers))
+    racks = racks or {}
+    load = load or {}
+    ring = _rack_interleaved(servers, racks)
+    position = {server: i for i, server in enumerate(ring)}
+    leaders_order = sorted(servers, key=lambda s: (load.get(s, 0), position[s]))
+    n = len(ring)
+    out: list[list[str]] = []
+    for p in range(partitions):
+        leader = leaders_order[p % n]
+        shift = (p // n) % max(1, n - 1)
+        replicas = [leader]
+        used_racks = {racks.get(leader, "")}
+        candidates = [ring[(position[leader] + 1 + (shift + j) % (n - 1)) % n]
+                      for j in range(n - 1)] if n > 1 else []
+        # Distinct racks first, then anything left (fewer racks than replicas).
+        for candidate in candidates:
+            if len(replicas) == factor:
+                break
+            if racks.get(candidate, "") not in used_racks:
+                replicas.append(candidate)
+                used_racks.add(racks.get(candidate, ""))
+        for candidate in candidates:
+            if len(replicas) == factor:
+                break
+            if candidate not in replicas:
+                replicas.append(candidate)
+        out.append(replicas)
+    return out
+
+
+# ------------------------------------------------------------------ partition state
+
+@dataclass(frozen=True)
+class PartitionState:
+    """What ZooKeeper stores for one partition. `leader` None: offline (no in-sync replica
+    is alive). Every change bumps nothing but what it changes; a new leader always comes
+    with a new `leader_epoch`. The znode's version is the compare-and-set token."""
+
+    leader: str | None
+    leader_epoch: int
+    isr: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.leader_epoch < 0:
+            raise ValueError(f"leader epoch {self.leader_epoch} < 0")
+        if len(set(self.isr)) != len(self.isr):
+            raise ValueError(f"in-sync replicas repeat: {self.isr}")
+        if self.leader is not None and self.leader not in self.isr:
+            raise ValueError(f"leader {self.leader} is not in the ISR {self.isr}")
+
+    def to_json(self) -> bytes:
+        return json.dumps({"version": STATE_VERSION, "leader": self.leader,
+                           "leader_epoch": self.leader_epoch, "isr": list(self.isr)},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, replicas: Iterable[str] | None = None) -> "PartitionState":
+        try:
+            raw = json.loads(data)
+            if raw.get("version") != STATE_VERSION:
+                raise ValueError(f"version {raw.get('version')!r}")
+            state = cls(raw["leader"], int(raw["leader_epoch"]),
+                        tuple(str(r) for r in raw["isr"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"unreadable partition state {data[:200]!r}: {error}") from None
+        if replicas is not None and not set(state.isr) <= set(replicas):
+            raise ValueError(f"ISR {state.isr} names servers outside the replicas "
+                             f"{list(replicas)}")
+        return state
+
+    def with_isr(self, isr: Iterable[str]) -> "PartitionState":
+        return PartitionState(self.leader, self.leader_epoch, tuple(isr))
+
+
+def initial_state(replicas: list[str], live: Iterable[str]) -> PartitionState:
+    """A new partition: every replica is in sync (all logs are empty); the first live
+    replica leads in epoch 0 (offline if none is live)."""
+    live = set(live)
+    leader = next((r for r in replicas if r in live), None)
+    return PartitionState(leader, 0, tuple(replicas))
+
+
+@dataclass(frozen=True)
+class Election:
+    state: PartitionState
+    unclean: bool  # the leader came from outside the ISR: acknowledged writes may be lost
+
+
+def elect(state: PartitionState, replicas: list[str], live: Iterable[str], *,
+          unclean_allowed: bool = False) -> Election | None:
+    """A new leader for a partition whose leader is gone (not in `live`), or None when the
+    current leader is alive or no replica may lead.
+
+    Clean: the first live in-sync replica in replica order (the preferred leader when it
+    is in sync); the ISR keeps its live members (a dead one rejoins by catching up). With
+    no live in-sync replica the partition goes offline (leader None, same epoch bumped, so
+    a returning old leader cannot take over without an election) — unless unclean election
+    is allowed for the topic: then the first live replica leads alone, and everything
+    acknowledged that it lacks is lost (the caller must say so)."""
+    live = set(live)
+    if state.leader is not None and state.leader in live:
+        return None
+    in_sync_live = [r for r in replicas if r in state.isr and r in live]
+    if in_sync_live:
+        leader = in_sync_live[0]
+        return Election(PartitionState(leader, state.leader_epoch + 1, tuple(in_sync_live)),
+                        False)
+    if unclean_allowed:
+        leader = next((r for r in replicas if r in live), None)
+        if leader is not None:
+            return Election(PartitionState(leader, state.leader_epoch + 1, (leader,)), True)
+    if state.leader is None:
+        return None  # offline already
+    # Keep the ISR (the replicas that hold everything acknowledged): the first of them to
+    # come back leads. An empty ISR would forget which replicas may lead cleanly.
+    remaining = tuple(r for r in state.isr if r != state.leader) or (state.leader,)
+    return Election(PartitionState(None, state.leader_epoch + 1, remaining), False)
+
+
+def elect_offline(state: PartitionState, replicas: list[str], live: Iterable[str]) -> Election | None:
+    """An offline partition (leader None) whose in-sync replica came back: it leads."""
+    if state.leader is not None:
+        return None
+    live = set(live)
+    back = [r for r in replicas if r in state.isr and r in live]
+    if not back:
+        return None
+    return Election(PartitionState(back[0], state.leader_epoch + 1, tuple(back)), False)
+
+
+# ------------------------------------------------------------------ the leader's view
+
+@dataclass
+class _Follower:
+    durable_end: int = 0  # every offset below is durable on the follower
+    caught_up_ms: int = 0  # last time it had everything the leader had when it asked
+
+
+@dataclass
+class LeaderProgress:
+    """The leader's view of its followers, for one leadership (one leader epoch).
+
+    A follower's fetch from offset F says: everything below F is durable on it (a follower
+    fsyncs what it appended before it asks for more). The high watermark is the smallest
+    durable end over the ISR, the leader's own included; writes below it are acknowledged
+    and readable. Writes are acknowledged only while the ISR has `min_insync` members;
+    below that, produce requests fail with NOT_ENOUGH_REPLICAS (nothing is written)."""
+
+    leader: str
+    replicas: list[str]
+    isr: set[str]
+    min_insync: int
+    max_lag_ms: int
+    now_ms: int
+    leader_durable_end: int = 0
+    followers: dict[str, _Follower] = field(default_factory=dict)
+    _high_watermark: int = 0
+
+    def __post_init__(self):
+        if self.leader not in self.isr:
+            raise ValueError(f"leader {self.leader} not in ISR {sorted(self.isr)}")
+        for replica in self.replicas:
+            if replica != self.leader:
+                # A follower counts as caught up when the leadership begins: it gets
+                # max_lag_ms to show it can keep up.
+                self.followers.setdefault(replica, _Follower(0, self.now_ms))
+
+    def start(self, leader_end: int, high_watermark: int) -> None:
+        """The leadership begins with the leader's log ending at `leader_end` (all durable)
+        and the high watermark it knew (at most leader_end)."""
+        self.leader_durable_end = leader_end
+        self._high_watermark = min(high_watermark, leader_end)
+
+    def fetched(self, replica: str, fetch_offset: int, leader_end: int, now_ms: int) -> None:
+        """A fetch of `replica` from `fetch_offset`, while the leader's log ended at
+        `leader_end`. A fetch offset never goes back within one leadership, except after
+        the follower truncates (its log end moved back: it is simply lower)."""
+        if replica not in self.followers:
+            raise AtomlogError("NOT_A_REPLICA", f"{replica} is not a replica of this partition")
+        if fetch_offset > leader_end:
+            raise AtomlogError("OFFSET_OUT_OF_RANGE",
+                               f"follower {replica} fetches from {fetch_offset}, past the "
+                               f"leader's end {leader_end}")
+        follower = self.followers[replica]
+        follower.durable_end = fetch_offset
+        if fetch_offset >= leader_end:
+            follower.caught_up_ms = now_ms
+        self.now_ms = max(self.now_ms, now_ms)
+
+    def leader_durable(self, end: int) -> None:
+        self.leader_durable_end = max(self.leader_durable_end, end)
+
+    @property
+    def high_watermark(self) -> int:
+        """Moves forward only: the smallest durable end over the ISR (a follower that joins
+        the ISR is at least at the high watermark, so this never goes back)."""
+        ends = [self.leader_durable_end] + [self.followers[r].durable_end
+                                            for r in self.isr if r != self.leader]
+        self._high_watermark = max(self._high_watermark, min(ends))
+        return self._high_watermark
+
+    def may_acknowledge(self) -> bool:
+        return len(self.isr) >= self.min_insync
+
+    def shrink(self, now_ms: int) -> set[str] | None:
+        """The ISR without the followers that have not been caught up for max_lag_ms, or
+        None when nothing changes. The leader writes it (compare-and-set) and calls
+        `isr_changed` once it is stored; until then the old ISR holds the high watermark."""
+        lagging = {r for r in self.isr if r != self.leader
+                   and now_ms - self.followers[r].caught_up_ms > self.max_lag_ms}
+        return self.isr - lagging if lagging else None
+
+    def expand(self, leader_epoch_start: int) -> set[str] | None:
+        """The ISR with the followers that hold everything up to the high watermark and
+        everything of this leadership's first offset (so they truncated to this leader's
+        history), or None when nothing changes."""
+        hw = self.high_watermark
+        joining = {r for r, f in self.followers.items() if r not in self.isr
+                   and f.durable_end >= hw and f.durable_end >= leader_epoch_start}
+        return self.isr | joining if joining else None
+
+    def isr_changed(self, isr: Iterable[str]) -> None:
+        isr = set(isr)
+        if self.leader not in isr:
+            raise ValueError("the leader cannot leave its own ISR")
+        self.isr = isr
+
+    def lag(self) -> dict[str, int]:
+        """Offsets each follower is behind the leader's durable end."""
+        return {r: max(0, self.leader_durable_end - f.durable_end)
+                for r, f in self.followers.items()}
+
+
+# ------------------------------------------------------------------ leader epochs
+
+class LeaderEpochCache:
+    """(leader epoch, first offset written in it), in increasing order of both, on every
+    replica. A leader adds its epoch when it begins leading (at its log end); a follower
+    adds the epochs the leader reports for the offsets it copies. After a truncation the
+    entries past the new end go; after retention the first entry starts at the new log
+    start."""
+
+    def __init__(self, entries: Iterable[tuple[int, int]] = ()):
+        self.entries: list[tuple[int, int]] = []
+        for epoch, start in entries:
+            self.assign(epoch, start)
+
+    def latest_epoch(self) -> int:
+        return self.entries[-1][0] if self.entries else NO_EPOCH
+
+    def assign(self, epoch: int, start: int) -> None:
+        if epoch < 0 or start < 0:
+            raise ValueError(f"epoch {epoch} at {start}")
+        if self.entries:
+            last_epoch, last_start = self.entries[-1]
+            if epoch == last_epoch:
+                return  # already known (its first offset does not move)
+            if epoch < last_epoch:
+                raise ValueError(f"epoch {epoch} after epoch {last_epoch}: epochs only grow")
+            if start < last_start:
+                raise ValueError(f"epoch {epoch} starts at {start}, before epoch {last_epoch} "
+                                 f"at {last_start}: truncate first")
+            if start == last_start:
+                self.entries.pop()  # the last epoch wrote nothing: the new one replaces it
+        self.entries.append((epoch, start))
+
+    def end_offset_for(self, epoch: int, log_end: int) -> tuple[int, int]:
+        """What a leader answers a follower whose latest epoch is `epoch`: the largest epoch
+        it knows that is at most `epoch`, and the offset where that epoch ended on this
+        replica (the next epoch's first offset, or `log_end` for the latest). (NO_EPOCH,
+        log start) when it knows no such epoch."""
+        chosen = None
+        for i, (known, _start) in enumerate(self.entries):
+            if known > epoch:
+                break
+            chosen = i
+        if chosen is None:
+            return NO_EPOCH, self.entries[0][1] if self.entries else 0
+        end = self.entries[chosen + 1][1] if chosen + 1 < len(self.entries) else log_end
+        return self.entries[chosen][0], end
+
+    def truncate_from_end(self, end: int) -> None:
+        """The log was cut back to `end`: epochs that began at or past it never happened."""
+        self.entries = [(e, s) for e, s in self.entries if s < end]
+
+    def truncate_from_start(self, log_start: int) -> None:
+        """Offsets below `log_start` are gone: the epoch covering it now begins there."""
+        kept = [(e, s) for e, s in self.entries if s >= log_start]
+        covering = [(e, s) for e, s in self.entries if s < log_start]
+        if covering and (not kept or kept[0][1] > log_start):
+            kept.insert(0, (covering[-1][0], log_start))
+        self.entries = kept
+
+    def encode(self) -> bytes:
+        lines = [str(EPOCH_CACHE_VERSION), str(len(self.entries))]
+        lines += [f"{epoch} {start}" for epoch, start in self.entries]
+        return ("\n".join(lines) + "\n").encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "LeaderEpochCache":
+        try:
+            lines = data.decode().splitlines()
+            if int(lines[0]) != EPOCH_CACHE_VERSION:
+                raise ValueError(f"version {lines[0]}")
+            count = int(lines[1])
+            if len(lines) != count + 2:
+                raise ValueError(f"{len(lines) - 2} entries, header says {count}")
+            entries = []
+            for line in lines[2:]:
+                epoch, start = line.split(" ")
+                entries.append((int(epoch), int(start)))
+            return cls(entries)
+        except (ValueError, IndexError, UnicodeDecodeError) as error:
+            raise ValueError(f"unreadable leader-epoch file: {error}") from None
+
+
+def truncation_step(cache: LeaderEpochCache, log_end: int, leader_epoch: int,
+                    leader_end: int) -> tuple[int, int | None]:
+    """One round of a follower finding where its log leaves the leader's history. It asked
+    the leader about an epoch (first its latest); the leader answered `leader_epoch`, the
+    largest epoch it knows at most that one, and `leader_end`, where that epoch ended on
+    the leader. Returns (the offset to cut the log to, the epoch to ask about next, or None
+    when that cut is the last).
+
+    - Both replicas know `leader_epoch`: one leader wrote both copies of it, so they agree
+      up to the smaller of its two ends; the follower's records past that are not in the
+      leader's history.
+    - The follower does not know `leader_epoch`: nothing it has past `leader_end` can be
+      the leader's, and its own largest epoch below (where the two histories may part)
+      is asked about next.
+    - NO_EPOCH (the leader knows no epoch that old): the follower keeps nothing past
+      `leader_end`, the leader's log start."""
+    if leader_epoch == NO_EPOCH:
+        return min(log_end, leader_end), None
+    own_epoch, own_end = cache.end_offset_for(leader_epoch, log_end)
+    if own_epoch == leader_epoch or own_epoch == NO_EPOCH:
+        return min(log_end, leader_end, own_end), None
+    return min(log_end, leader_end), own_epoch

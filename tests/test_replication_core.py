@@ -1,0 +1,299 @@
+"""The replication rules (partition_server/replication.py): placement, partition state,
+elections, the leader's high watermark and ISR, leader epochs and truncation. Pure: no
+servers, no ZooKeeper."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from partition_server.replication import (NO_EPOCH, LeaderEpochCache, LeaderProgress,
+                                          PartitionState, assign_replicas,
+                                          default_replication_factor, elect, elect_offline,
+                                          initial_state, truncation_step, validate_replication)
+from services.errors import AtomlogError
+
+SERVERS = ["ps-0", "ps-1", "ps-2", "ps-3", "ps-4"]
+
+
+# ------------------------------------------------------------------ placement
+
+def test_default_factor_is_three_or_every_server():
+    assert [default_replication_factor(n) for n in (1, 2, 3, 4, 9)] == [1, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("factor,min_insync,servers,reason", [
+    (0, 1, 3, "INVALID_REPLICATION_FACTOR"), (8, 1, 9, "INVALID_REPLICATION_FACTOR"),
+    (4, 1, 3, "INVALID_REPLICATION_FACTOR"), (3, 0, 3, "INVALID_TOPIC_CONFIG"),
+    (3, 4, 3, "INVALID_TOPIC_CONFIG")])
+def test_impossible_replication_is_refused(factor, min_insync, servers, reason):
+    with pytest.raises(AtomlogError) as refused:
+        validate_replication(factor, min_insync, servers)
+    assert refused.value.reason == reason
+
+
+@pytest.mark.parametrize("partitions,servers,factor", [
+    (1, 1, 1), (16, 3, 3), (12, 5, 3), (7, 4, 2), (30, 5, 5), (3, 7, 3)])
+def test_replicas_are_distinct_leaders_even_and_followers_spread(partitions, servers, factor):
+    names = SERVERS[:servers] if servers <= 5 else [f"s{i}" for i in range(servers)]
+    placed = assign_replicas(partitions, names, factor)
+    assert len(placed) == partitions
+    for replicas in placed:
+        assert len(replicas) == factor == len(set(replicas))
+        assert set(replicas) <= set(names)
+    leaders = Counter(r[0] for r in placed)
+    assert max(leaders.values()) - min(leaders.get(n, 0) for n in names) <= 1
+    everyone = Counter(r for replicas in placed for r in replicas)
+    # Every server holds about its share of replicas (within one leader's round).
+    assert max(everyone.values()) - min(everyone.get(n, 0) for n in names) <= factor
+
+
+def test_followers_of_one_leader_do_not_always_land_on_its_neighbour():
+    placed = assign_replicas(12, SERVERS[:4], 2)
+    followers_of_ps0 = {r[1] for r in placed if r[0] == "ps-0"}
+    assert len(followers_of_ps0) == 3
+
+
+def test_replicas_take_distinct_racks_while_there_are_racks():
+    racks = {"a1": "a", "a2": "a", "b1": "b", "b2": "b", "c1": "c", "c2": "c"}
+    for replicas in assign_replicas(24, racks, 3, racks):
+        assert len({racks[r] for r in replicas}) == 3
+    # Two racks, three replicas: both racks used, then the rest.
+    two = {"a1": "a", "a2": "a", "a3": "a", "b1": "b"}
+    for replicas in assign_replicas(8, two, 3, two):
+        assert {two[r] for r in replicas} == {"a", "b"}
+
+
+def test_placement_leads_with_the_least_loaded_server():
+    placed = assign_replicas(2, SERVERS[:3], 2, load={"ps-0": 5, "ps-1": 0, "ps-2": 1})
+    assert [r[0] for r in placed] == ["ps-1", "ps-2"]
+
+
+# ------------------------------------------------------------------ state and elections
+
+def test_state_round_trips_and_refuses_what_cannot_be():
+    state = PartitionState("ps-1", 4, ("ps-1", "ps-2"))
+    assert PartitionState.from_json(state.to_json(), ["ps-1", "ps-2", "ps-3"]) == state
+    with pytest.raises(ValueError):
+        PartitionState("ps-1", 0, ("ps-2",))  # leader outside the ISR
+    with pytest.raises(ValueError):
+        PartitionState("ps-1", -1, ("ps-1",))
+    with pytest.raises(ValueError):
+        PartitionState("ps-1", 0, ("ps-1", "ps-1"))
+    for bad in (b"", b"[]", b'{"version":2,"leader":null,"leader_epoch":0,"isr":[]}',
+                b'{"version":1,"leader":"x","leader_epoch":0,"isr":["y"]}',
+                b'{"version":1,"leader":null,"leader_epoch":"z","isr":[]}'):
+        with pytest.raises(ValueError):
+            PartitionState.from_json(bad)
+    with pytest.raises(ValueError, match="outside the replicas"):
+        PartitionState.from_json(state.to_json(), ["ps-1", "ps-3"])
+
+
+def test_a_new_partition_is_led_by_its_first_live_replica_with_everyone_in_sync():
+    assert initial_state(["b", "a", "c"], {"a", "c"}) == PartitionState("a", 0, ("b", "a", "c"))
+    assert initial_state(["b"], set()).leader is None
+
+
+def test_a_dead_leader_is_replaced_by_the_first_live_in_sync_replica():
+    state = PartitionState("a", 3, ("a", "b", "c"))
+    assert elect(state, ["a", "b", "c"], {"a", "b", "c"}) is None  # the leader lives
+    won = elect(state, ["a", "b", "c"], {"b", "c"})
+    assert won.state == PartitionState("b", 4, ("b", "c")) and not won.unclean
+    # c is alive but out of sync: it never leads cleanly.
+    state = PartitionState("a", 3, ("a", "b"))
+    assert elect(state, ["a", "b", "c"], {"b", "c"}).state.leader == "b"
+    offline = elect(state, ["a", "b", "c"], {"c"})
+    assert offline.state == PartitionState(None, 4, ("b",)) and not offline.unclean
+    assert elect(offline.state, ["a", "b", "c"], {"c"}) is None  # stays offline
+    # The in-sync replica comes back: it leads, in a new epoch.
+    back = elect_offline(offline.state, ["a", "b", "c"], {"b", "c"})
+    assert back.state == PartitionState("b", 5, ("b",))
+    # The last in-sync replica dies: the ISR remembers it, so only it may lead again.
+    alone = PartitionState("a", 7, ("a",))
+    assert elect(alone, ["a", "b"], {"b"}).state == PartitionState(None, 8, ("a",))
+
+
+def test_unclean_election_only_when_allowed_and_it_says_so():
+    state = PartitionState("a", 3, ("a",))
+    assert elect(state, ["a", "b", "c"], {"c"}).state.leader is None
+    won = elect(state, ["a", "b", "c"], {"c"}, unclean_allowed=True)
+    assert won.state == PartitionState("c", 4, ("c",)) and won.unclean
+    # Clean candidates win over unclean ones even when unclean election is allowed.
+    state = PartitionState("a", 3, ("a", "b"))
+    assert not elect(state, ["a", "b", "c"], {"b", "c"}, unclean_allowed=True).unclean
+
+
+# ------------------------------------------------------------------ leader progress
+
+def progress(isr=("a", "b", "c"), min_insync=2, max_lag_ms=10_000, now=0) -> LeaderProgress:
+    p = LeaderProgress("a", ["a", "b", "c"], set(isr), min_insync, max_lag_ms, now)
+    p.start(leader_end=100, high_watermark=90)
+    return p
+
+
+def test_high_watermark_is_the_smallest_durable_end_over_the_isr():
+    p = progress()
+    assert p.high_watermark == 90  # what the last leader knew, until followers report
+    p.leader_durable(150)
+    p.fetched("b", 120, 150, now_ms=1)
+    assert p.high_watermark == 90  # c has not reported past it
+    p.fetched("c", 110, 150, now_ms=1)
+    assert p.high_watermark == 110
+    p.fetched("c", 150, 150, now_ms=2)
+    assert p.high_watermark == 120
+    p.fetched("b", 150, 150, now_ms=2)
+    assert p.high_watermark == 150
+    # A follower that truncates and fetches lower never moves it back.
+    p.fetched("b", 140, 150, now_ms=3)
+    assert p.high_watermark == 150
+
+
+def test_followers_outside_the_isr_do_not_hold_the_high_watermark():
+    p = progress(isr=("a", "b"))
+    p.leader_durable(200)
+    p.fetched("b", 200, 200, now_ms=1)
+    assert p.high_watermark == 200
+
+
+def test_fetches_are_checked():
+    p = progress()
+    with pytest.raises(AtomlogError) as refused:
+        p.fetched("z", 10, 100, now_ms=1)
+    assert refused.value.reason == "NOT_A_REPLICA"
+    with pytest.raises(AtomlogError) as refused:
+        p.fetched("b", 101, 100, now_ms=1)
+    assert refused.value.reason == "OFFSET_OUT_OF_RANGE"
+
+
+def test_a_follower_that_stops_catching_up_leaves_the_isr_and_acks_stop_below_min_insync():
+    p = progress(max_lag_ms=1_000)
+    p.leader_durable(100)
+    p.fetched("b", 100, 100, now_ms=500)
+    p.fetched("c", 80, 100, now_ms=500)  # behind, but within its time
+    assert p.shrink(now_ms=900) is None
+    assert p.shrink(now_ms=1_400) == {"a", "b"}  # c: last caught up at start (0)
+    p.isr_changed({"a", "b"})
+    assert p.may_acknowledge()
+    assert p.shrink(now_ms=1_600) == {"a"}
+    p.isr_changed({"a"})
+    assert not p.may_acknowledge()
+    with pytest.raises(ValueError):
+        p.isr_changed({"b"})
+
+
+def test_a_follower_rejoins_once_it_holds_the_high_watermark_and_this_leadership():
+    p = progress(isr=("a",), min_insync=1)
+    p.leader_durable(300)
+    assert p.high_watermark == 300
+    p.fetched("b", 250, 300, now_ms=1)
+    assert p.expand(leader_epoch_start=100) is None
+    p.fetched("b", 300, 300, now_ms=2)
+    assert p.expand(leader_epoch_start=100) == {"a", "b"}
+    assert p.expand(leader_epoch_start=301) is None  # still before this leader's first write
+    p.isr_changed({"a", "b"})
+    assert p.lag() == {"b": 0, "c": 300}
+
+
+# ------------------------------------------------------------------ leader epochs
+
+def test_epoch_cache_answers_where_each_epoch_ended():
+    cache = LeaderEpochCache([(1, 0), (2, 8), (4, 12)])
+    assert cache.end_offset_for(0, 20) == (NO_EPOCH, 0)
+    assert cache.end_offset_for(1, 20) == (1, 8)
+    assert cache.end_offset_for(3, 20) == (2, 12)
+    assert cache.end_offset_for(4, 20) == (4, 20)
+    assert cache.end_offset_for(9, 20) == (4, 20)
+    assert LeaderEpochCache().end_offset_for(3, 0) == (NO_EPOCH, 0)
+
+
+def test_epoch_cache_keeps_order_and_forgets_empty_epochs():
+    cache = LeaderEpochCache([(1, 0)])
+    cache.assign(1, 5)  # known: no change
+    cache.assign(2, 10)
+    cache.assign(3, 10)  # epoch 2 wrote nothing
+    assert cache.entries == [(1, 0), (3, 10)]
+    with pytest.raises(ValueError):
+        cache.assign(2, 20)
+    with pytest.raises(ValueError):
+        cache.assign(4, 9)
+    cache.truncate_from_end(10)
+    assert cache.entries == [(1, 0)]
+    cache.assign(5, 12)
+    cache.truncate_from_start(7)
+    assert cache.entries == [(1, 7), (5, 12)]
+    cache.truncate_from_start(12)
+    assert cache.entries == [(5, 12)]
+    assert LeaderEpochCache.decode(cache.encode()).entries == cache.entries
+    for bad in (b"", b"2\n0\n", b"1\n2\n1 0\n", b"1\n1\nx y\n", b"1\n2\n3 5\n2 6\n", b"\xff"):
+        with pytest.raises(ValueError):
+            LeaderEpochCache.decode(bad)
+
+
+def converge(follower: LeaderEpochCache, follower_end: int, leader: LeaderEpochCache,
+             leader_end: int) -> int:
+    """The follower's side of the truncation exchange, to its end."""
+    ask = follower.latest_epoch()
+    end = follower_end
+    for _ in range(100):
+        if ask == NO_EPOCH:
+            end = min(end, leader.entries[0][1] if leader.entries else 0)
+            break
+        epoch, epoch_end = leader.end_offset_for(ask, leader_end)
+        end, ask = truncation_step(follower, end, epoch, epoch_end)
+        follower.truncate_from_end(end)
+        if ask is None:
+            break
+    return end
+
+
+def test_truncation_finds_where_the_histories_part():
+    # The follower wrote 8..9 in epoch 1 under the old leader; the new leader's epoch 2
+    # began at 8. One round would keep 8..9 (its epoch 1 ends at 10); the second cuts them.
+    leader = LeaderEpochCache([(1, 0), (2, 8), (4, 12)])
+    follower = LeaderEpochCache([(1, 0), (3, 10)])
+    assert converge(follower, 20, leader, 30) == 8
+    # Same epochs, the follower ahead of the leader in the last common one: cut to the leader.
+    assert converge(LeaderEpochCache([(1, 0), (2, 5)]), 20,
+                    LeaderEpochCache([(1, 0), (2, 5), (3, 15)]), 40) == 15
+    # Same epochs, the follower behind: nothing to cut.
+    assert converge(LeaderEpochCache([(1, 0), (2, 5)]), 12,
+                    LeaderEpochCache([(1, 0), (2, 5), (3, 15)]), 40) == 12
+    # The follower's only epoch is newer than anything the leader knows below it.
+    assert converge(LeaderEpochCache([(6, 0)]), 9, LeaderEpochCache([(5, 0), (7, 4)]), 10) == 0
+
+
+def test_truncation_agrees_with_the_logs_themselves_over_random_histories():
+    """Simulated leaders and followers: each record is (epoch that wrote it). After the
+    exchange, the follower's log is a prefix of the leader's."""
+    rng = random.Random(7)
+    for _ in range(400):
+        shared = [rng.randint(1, 3) for _ in range(rng.randint(0, 6))]
+        shared.sort()
+        top = shared[-1] if shared else 0
+        follower_extra = sorted(rng.randint(top, top + 3) or 1 for _ in range(rng.randint(0, 5)))
+        leader_epoch = max([top, *follower_extra]) + rng.randint(0, 2) + 1
+        leader_extra = sorted(rng.randint(max(top, 1), leader_epoch)
+                              for _ in range(rng.randint(0, 5)))
+        # Epochs in the leader's own extra records that the follower also used would mean
+        # the same leader wrote different records at one offset: impossible, so skip.
+        if set(follower_extra) & set(leader_extra) - ({top} if shared else set()):
+            continue
+        if shared and follower_extra and leader_extra and follower_extra[0] == top \
+                and leader_extra[0] == top:
+            continue
+        follower_log = shared + follower_extra
+        leader_log = shared + leader_extra + [leader_epoch]
+
+        def cache_of(log):
+            cache = LeaderEpochCache()
+            for offset, epoch in enumerate(log):
+                cache.assign(epoch, offset)
+            return cache
+
+        end = converge(cache_of(follower_log), len(follower_log), cache_of(leader_log),
+                       len(leader_log))
+        assert follower_log[:end] == leader_log[:end], (follower_log, leader_log, end)
+        # Nothing the two share is cut.
+        assert end >= len(shared) or follower_log[:end + 1] != leader_log[:end + 1]
