@@ -924,17 +924,31 @@ class Producer:
 
 
 def _requests(batches: list[_Batch], limit: int) -> list[list[_Batch]]:
-    """The batches bound for one server as Produce requests of at most `limit` bytes
-    each (a batch larger than that alone), in order: a partition's batches stay in
-    sequence order across the requests."""
-    groups: list[list[_Batch]] = [[]]
-    size = 0
+    """The batches bound for one server as Produce requests: at most one batch of a
+    partition in each request (the k-th request carries the k-th batch of every
+    partition), and at most `limit` bytes (a batch larger than that alone). A partition's
+    batches go out in sequence order, each in its own call, so the server writes the next
+    one while the last one's fsync runs, as it would for batches sent one at a time; a
+    sequence refusal of one that overtook another is retried (_handle_failure)."""
+    rounds: list[list[_Batch]] = []
+    seen: dict[tuple[str, int], int] = {}
     for batch in batches:
-        if groups[-1] and size + len(batch.payload) > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(batch)
-        size += len(batch.payload)
+        key = (batch.topic, batch.partition)
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(batch)
+    groups: list[list[_Batch]] = []
+    for batches_of_round in rounds:
+        groups.append([])
+        size = 0
+        for batch in batches_of_round:
+            if groups[-1] and size + len(batch.payload) > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(batch)
+            size += len(batch.payload)
     return groups
 
 
