@@ -69,15 +69,23 @@ def cli() -> None:
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
               help="A server setting for every process (kept in cluster.json); repeatable.")
 @click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for SERVING.")
+@click.option("--prometheus", is_flag=True,
+              help="Also run Prometheus (Debian package `prometheus`) on loopback: it scrapes "
+                   "every process every 2 s, evaluates deploy/prometheus/rules, and its URL "
+                   "is printed. Later `up`s keep it running; `down` stops it.")
 @output_option
 def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators: int,
-       combined: bool, assignments: tuple[str, ...], timeout: float, output: str) -> None:
+       combined: bool, assignments: tuple[str, ...], timeout: float, prometheus: bool,
+       output: str) -> None:
     """Start the local cluster, or the processes of it that are not running.
 
     ZooKeeper, id allocators, coordinators and partition servers run as separate
     processes on loopback; `up` waits until every health check is SERVING and
     writes DIR/cluster.json. Counts apply when a cluster is created (larger counts
     later add processes).
+
+    Example: `atomlog up --prometheus`, then open the printed URL and query
+    `role:atomlog_rpc_handled:rate5m`, or point Grafana at it (deploy/grafana).
     """
     from services import launcher
 
@@ -93,11 +101,16 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
     try:
         with console.status("starting atomlog", spinner="dots") if not quiet else nullcontext():
             report = launcher.up(data_dir, counts, settings, timeout,
-                                 progress=(lambda m: None) if quiet else (lambda m: console.log(m)))
+                                 progress=(lambda m: None) if quiet else (lambda m: console.log(m)),
+                                 prometheus=prometheus)
     except (launcher.LaunchError, launcher.localzk.ZooKeeperMissing) as error:
         fail(str(error))
     summary = {"seconds": round(report.seconds, 2), "started": report.started,
                "already_running": report.already_running, **report.cluster.to_json()}
+    prometheus_url = (f"http://{report.cluster.prometheus.grpc_address}"
+                      if report.cluster.prometheus else None)
+    if prometheus_url:
+        summary["prometheus_url"] = prometheus_url
     if quiet:
         click.echo(json.dumps(summary, indent=2))
         return
@@ -109,6 +122,8 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
     console.print(table)
     console.print(f"bootstrap: [bold]{report.cluster.bootstrap}[/]   zookeeper: "
                   f"{report.cluster.zookeeper}{report.cluster.chroot}")
+    if prometheus_url:
+        console.print(f"prometheus: [bold]{prometheus_url}[/]")
     console.print(f"all SERVING in [bold]{report.seconds:.1f} s[/] "
                   f"(started {len(report.started)}, already running {len(report.already_running)})")
 
@@ -119,7 +134,8 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
 def status(data_dir: Path, output: str) -> None:
     """Each process of the local cluster: pid, addresses and health.
 
-    Exits 0 when everything is SERVING, 1 otherwise.
+    Exits 0 when everything is SERVING, 1 otherwise (the Prometheus of `up
+    --prometheus` is shown but does not count).
     """
     from services import launcher
 
@@ -128,9 +144,10 @@ def status(data_dir: Path, output: str) -> None:
     except launcher.LaunchError as error:
         fail(str(error))
     healthy = all(r.health == "SERVING" and not r.offline_partitions for r in rows)
+    prometheus = launcher.prometheus_status(data_dir)  # shown, not part of `healthy`
     if output == "json":
-        click.echo(json.dumps({"healthy": healthy, "processes": [asdict(r) for r in rows]},
-                              indent=2))
+        click.echo(json.dumps({"healthy": healthy, "processes": [asdict(r) for r in rows],
+                               **({"prometheus": prometheus} if prometheus else {})}, indent=2))
     else:
         table = Table(title=f"atomlog cluster in {data_dir.resolve()}")
         for column in ("name", "role", "pid", "grpc", "metrics", "health", "TC partitions"):
@@ -148,6 +165,9 @@ def status(data_dir: Path, output: str) -> None:
         if owned < total:
             console.print(f"[yellow]{owned} of {total} TC partitions leased; the others are "
                           "moving between coordinators (seconds) or no coordinator is up[/]")
+        if prometheus:
+            color = "green" if prometheus["health"] == "SERVING" else "yellow"
+            console.print(f"prometheus: {prometheus['url']} [{color}]{prometheus['health']}[/]")
         for r in rows:
             for partition in r.offline_partitions:
                 console.print(f"[red]{r.name}: partition {partition} refuses to serve (DATA_LOSS); "
@@ -160,7 +180,8 @@ def status(data_dir: Path, output: str) -> None:
 @click.option("--timeout", default=20.0, show_default=True,
               help="Seconds each process may take to stop before SIGKILL.")
 def down(data_dir: Path, timeout: float) -> None:
-    """Stop the local cluster cleanly (SIGTERM, drain, then ZooKeeper)."""
+    """Stop the local cluster cleanly (SIGTERM, drain, then ZooKeeper), and its
+    Prometheus if `up --prometheus` started one."""
     from services import launcher
 
     try:

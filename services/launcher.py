@@ -5,6 +5,11 @@ on loopback, described by DIR/cluster.json.
 same name, ports and data directory), then waits until every health check answers
 SERVING. `status` probes each process. `down` stops services with SIGTERM (they drain
 and unregister), then ZooKeeper; stragglers get SIGKILL after the timeout.
+
+`up(prometheus=True)` also runs a Prometheus server (the `prometheus` binary of the
+Debian package) that scrapes every process through DIR/prometheus-targets.json and
+evaluates deploy/prometheus/rules; it is recorded in cluster.json beside the processes
+(key "prometheus", not in "processes"), restarted by later `up`s and stopped by `down`.
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +42,10 @@ ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server"
                "combined": "node"}
 START_ORDER = ("zookeeper", "id_allocator", "coordinator", "partition_server", "combined")
 SERVES_PARTITIONS = ("partition_server", "combined")
+# The local Prometheus: short intervals, so a rate() has points seconds after `up`.
+PROMETHEUS_INTERVAL = "2s"
+PROMETHEUS_RETENTION = "2d"
+RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules"
 
 
 class LaunchError(RuntimeError):
@@ -64,6 +76,8 @@ class ClusterFile:
     chroot: str = "/atomlog"
     settings: dict[str, str] = field(default_factory=dict)
     processes: list[ProcessEntry] = field(default_factory=list)
+    # `atomlog up --prometheus`: grpc_address holds its HTTP address.
+    prometheus: ProcessEntry | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -71,9 +85,12 @@ class ClusterFile:
         return servers[0].grpc_address if servers else ""
 
     def to_json(self) -> dict:
-        return {"version": 1, "bootstrap": self.bootstrap, "zookeeper": self.zookeeper,
+        data = {"version": 1, "bootstrap": self.bootstrap, "zookeeper": self.zookeeper,
                 "chroot": self.chroot, "data_dir": self.data_dir, "settings": self.settings,
                 "processes": [asdict(p) for p in self.processes]}
+        if self.prometheus is not None:
+            data["prometheus"] = asdict(self.prometheus)
+        return data
 
     @classmethod
     def load(cls, data_dir: Path) -> "ClusterFile | None":
@@ -81,9 +98,11 @@ class ClusterFile:
         if not path.exists():
             return None
         data = json.loads(path.read_text())
+        prometheus = data.get("prometheus")
         return cls(data["data_dir"], data["zookeeper"], data.get("chroot", "/atomlog"),
                    dict(data.get("settings", {})),
-                   [ProcessEntry(**p) for p in data["processes"]])
+                   [ProcessEntry(**p) for p in data["processes"]],
+                   ProcessEntry(**prometheus) if prometheus else None)
 
     def save(self, data_dir: Path) -> None:
         _write_atomically(data_dir / CLUSTER_FILE, json.dumps(self.to_json(), indent=2) + "\n")
@@ -168,6 +187,8 @@ def process_alive(pid: int, marker: str) -> bool:
 
 
 def marker_of(entry: ProcessEntry) -> str:
+    if entry.role == "prometheus":
+        return f"--storage.tsdb.path={entry.data_dir} "
     return f"QuorumPeerMain {entry.data_dir}" if entry.role == "zookeeper" else f"--name {entry.name} "
 
 
@@ -296,7 +317,8 @@ class UpReport:
 
 
 def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None = None,
-       timeout_s: float = 90.0, progress: Callable[[str], None] = lambda _m: None) -> UpReport:
+       timeout_s: float = 90.0, progress: Callable[[str], None] = lambda _m: None,
+       prometheus: bool = False) -> UpReport:
     began = time.monotonic()
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -362,7 +384,64 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
             raise LaunchError(f"not SERVING after {timeout_s:.0f} s: {', '.join(sorted(pending))}")
         if pending:
             time.sleep(0.1)
+    if prometheus or cluster.prometheus is not None:
+        (started if ensure_prometheus(cluster, data_dir, deadline, progress) else running).append(
+            "prometheus")
     return UpReport(cluster, started, running, time.monotonic() - began)
+
+
+def prometheus_config(data_dir: Path) -> dict:
+    """The local Prometheus's configuration (JSON is YAML): the targets file `save`
+    writes, and the rules of deploy/prometheus when this is a checkout that has them."""
+    return {"global": {"scrape_interval": PROMETHEUS_INTERVAL,
+                       "evaluation_interval": PROMETHEUS_INTERVAL},
+            "rule_files": [str(p) for p in sorted(RULES_DIR.glob("*.yml"))],
+            "scrape_configs": [{"job_name": "atomlog", "file_sd_configs": [{
+                "files": [str(data_dir / PROMETHEUS_TARGETS_FILE)], "refresh_interval": "5s"}]}]}
+
+
+def prometheus_ready(address: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/-/ready", timeout=timeout_s) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def ensure_prometheus(cluster: ClusterFile, data_dir: Path, deadline: float,
+                      progress: Callable[[str], None] = lambda _m: None) -> bool:
+    """Start the local Prometheus unless it runs; wait until it is ready. True if started."""
+    entry = cluster.prometheus
+    if entry is None:
+        entry = cluster.prometheus = ProcessEntry(
+            "prometheus", "prometheus", f"127.0.0.1:{free_port()}",
+            data_dir=str(data_dir / "prometheus" / "data"),
+            log_file=str(data_dir / "logs" / "prometheus.log"))
+    started = False
+    if not process_alive(entry.pid, marker_of(entry)):
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise LaunchError("prometheus not found: install the Debian package `prometheus` "
+                              "(scripts/bootstrap.sh does)")
+        config = data_dir / "prometheus" / "prometheus.yml"
+        Path(entry.data_dir).mkdir(parents=True, exist_ok=True)
+        _write_atomically(config, json.dumps(prometheus_config(data_dir), indent=2) + "\n")
+        entry.pid = spawn([binary, f"--config.file={config}",
+                           f"--storage.tsdb.path={entry.data_dir}",
+                           f"--storage.tsdb.retention.time={PROMETHEUS_RETENTION}",
+                           f"--web.listen-address={entry.grpc_address}"], entry.log_file)
+        cluster.save(data_dir)
+        progress(f"started prometheus (pid {entry.pid})")
+        started = True
+    while not prometheus_ready(entry.grpc_address):
+        if not process_alive(entry.pid, marker_of(entry)):
+            raise LaunchError(f"prometheus exited during start-up; log {entry.log_file}:\n"
+                              + tail(entry.log_file))
+        if time.monotonic() > deadline:
+            raise LaunchError(f"prometheus not ready at {entry.grpc_address}")
+        time.sleep(0.1)
+    progress(f"prometheus ready at http://{entry.grpc_address}")
+    return started
 
 
 @dataclass
@@ -405,6 +484,19 @@ def status(data_dir: Path) -> list[ProcessStatus]:
         coordinator = role_name(row.name, row.role, "coordinator")
         row.tc_partitions = sorted(k for k, owner in leases.items() if owner == coordinator)
     return rows
+
+
+def prometheus_status(data_dir: Path) -> dict | None:
+    """The local Prometheus of `up --prometheus`: its URL, pid and health (None if the
+    cluster has none)."""
+    cluster = ClusterFile.load(data_dir.resolve())
+    entry = cluster.prometheus if cluster else None
+    if entry is None:
+        return None
+    alive = process_alive(entry.pid, marker_of(entry))
+    health = ("SERVING" if prometheus_ready(entry.grpc_address) else "NOT_SERVING") if alive else "DOWN"
+    return {"url": f"http://{entry.grpc_address}", "pid": entry.pid if alive else 0,
+            "health": health, "log_file": entry.log_file}
 
 
 def tc_partition_count(data_dir: Path) -> int:
@@ -454,9 +546,11 @@ def down(data_dir: Path, timeout_s: float = 20.0) -> tuple[list[str], list[str]]
     if cluster is None:
         raise LaunchError(f"no cluster in {data_dir} (no {CLUSTER_FILE})")
     services = [p for p in cluster.processes if p.role != "zookeeper"]
+    if cluster.prometheus is not None:
+        services.append(cluster.prometheus)
     stopped, killed = _stop(services, timeout_s)
     zk_stopped, zk_killed = _stop([p for p in cluster.processes if p.role == "zookeeper"], timeout_s)
-    for entry in cluster.processes:
+    for entry in cluster.processes + ([cluster.prometheus] if cluster.prometheus else []):
         entry.pid = 0
     cluster.save(data_dir)
     return stopped + zk_stopped, killed + zk_killed
