@@ -221,7 +221,7 @@ def test_the_names_are_described_in_order():
     assert ANOMALIES == ("lost-write", "duplicate", "aborted-read", "torn-transaction",
                          "inconsistent-offsets", "non-monotonic-poll", "skipped-poll",
                          "cursor-regression", "fenced-write-visible", "lost-ack",
-                         "hanging-transaction", "vanished-read")
+                         "reordered-writes", "hanging-transaction", "vanished-read")
     assert set(DESCRIPTIONS) == set(ANOMALIES)
 
 
@@ -545,6 +545,36 @@ def test_hanging_transaction(overrides):
     report = check(history.ops)
     assert_only(report, "hanging-transaction", 1)
     assert report["examples"]["hanging-transaction"][0]["topic"] == "t"
+
+
+def test_reordered_writes_of_one_producer():
+    history = History()
+    # The later transaction's write landed first (offset 0), the earlier's after it.
+    history.txn([("t", 0, "b"), ("t", 1, "y")], producer="txn-0-0", invoke=2000.0,
+                commit="async")
+    history.txn([("t", 0, "a"), ("t", 1, "x")], producer="txn-0-0", invoke=1990.0,
+                commit="async")
+    report = check(history.finish())
+    assert_only(report, "reordered-writes", 2)
+    example = report["examples"]["reordered-writes"][0]
+    assert (example["value"], example["earlier_value"]) == ("b", "a")
+
+
+@pytest.mark.parametrize("case", ["other-producer", "no-producer", "aborted", "one-txn",
+                                  "in-order"])
+def test_what_is_not_a_reordering(case):
+    history = History()
+    second = {"other-producer": "txn-1-0", "no-producer": None}.get(case, "txn-0-0")
+    if case == "one-txn":
+        history.txn([("t", 0, "a"), ("t", 0, "b")], producer="txn-0-0")
+    elif case == "in-order":
+        history.txn(["a"], producer="txn-0-0", invoke=1990.0)
+        history.txn(["b"], producer="txn-0-0", invoke=2000.0)
+    else:
+        history.txn(["b"], producer=second, invoke=2000.0)
+        history.txn(["a"], producer="txn-0-0", invoke=1990.0,
+                    **({"result": "aborted", "visible": False} if case == "aborted" else {}))
+    assert nonzero(check(history.finish())) == {}
 
 
 def test_the_last_final_positions_op_counts():

@@ -70,6 +70,12 @@ fenced-write-visible
 lost-ack
     A committed txn acked (subscription, topic, partition, offset), and a poll of that
     subscription invoked after the txn completed returned that position again.
+reordered-writes
+    Two committed txns of one producer (txn ops with the same "producer" field), the
+    earlier invoked first (one producer's transactions send one after another, whether
+    they then commit with commit() or commit_async()), and a visible exclusive write of
+    the later one at a lower offset of a partition than one of the earlier's: the
+    producer's send order did not hold.
 hanging-transaction
     In the last ok final-positions op, a partition with max_read_position <
     high_watermark, or with open transactions.
@@ -77,8 +83,8 @@ vanished-read
     A value a read_committed poll returned that the read_committed final-read does not
     hold (committed, then gone). Values that are aborted-reads are not counted again.
 
-Without a read_committed final-read, lost-write, torn-transaction, vanished-read and the
-ctp checks are not decided and `problems` says so; without a final-positions op,
+Without a read_committed final-read, lost-write, torn-transaction, vanished-read,
+reordered-writes and the ctp checks are not decided and `problems` says so; without a final-positions op,
 hanging-transaction is not decided. A report with problems is not valid.
 
 Readings of the history contract where it is silent: an op whose "f" is unknown, or that
@@ -112,6 +118,7 @@ ANOMALIES = (
     "cursor-regression",
     "fenced-write-visible",
     "lost-ack",
+    "reordered-writes",
     "hanging-transaction",
     "vanished-read",
 )
@@ -134,6 +141,8 @@ DESCRIPTIONS = {
     "fenced-write-visible": "a transaction of a fenced producer epoch is visible",
     "lost-ack": "a subscription redelivered a message after a committed transaction "
                 "acknowledged it",
+    "reordered-writes": "two committed transactions of one producer landed in a partition "
+                        "in the opposite order of their sends",
     "hanging-transaction": "after healing, a partition still has open transactions or a last "
                            "stable offset below its high watermark",
     "vanished-read": "a value a read_committed poll returned that the final read_committed "
@@ -143,7 +152,7 @@ DESCRIPTIONS = {
 KNOWN_KINDS = frozenset({"send", "txn", "poll", "seek", "fence", "cursor", "nemesis",
                          "final-read", "final-positions", "workload"})
 DESCRIBED_FIELDS = ("process", "f", "invoke", "complete", "outcome", "error", "txn_id",
-                    "result", "decision", "transactional_id", "epoch", "commit_invoke",
+                    "result", "decision", "transactional_id", "epoch", "commit_invoke", "producer",
                     "session", "isolation", "subscription", "offset")
 
 Position = tuple  # (topic, partition, offset)
@@ -785,6 +794,30 @@ def find_lost_acks(index: Index) -> list[dict]:
     return list(found.values())
 
 
+def find_reordered_writes(index: Index) -> list[dict]:
+    last: dict[tuple, tuple] = {}  # (producer, topic, partition) -> (offset, value, op)
+    found = []
+    for op in sorted(index.txns, key=invoke_time):
+        producer = op.get("producer")
+        if producer is None or txn_status(op) != "committed":
+            continue
+        for topic, partition, value in txn_writes(op):
+            position = index.visible.get(value)
+            if position is None or not index.exclusive(value) or not is_number(position[2]):
+                continue
+            key = (producer, topic, partition)
+            before = last.get(key)
+            if before is not None and before[2] is not op and position[2] < before[0]:
+                found.append({"kind": "partition-order", "producer": producer,
+                              "value": value, "position": listed(position),
+                              "earlier_value": before[1],
+                              "earlier_position": [topic, partition, before[0]],
+                              "op": describe(op), "earlier_op": describe(before[2])})
+            if before is None or position[2] > before[0]:
+                last[key] = (position[2], value, op)
+    return found
+
+
 def find_hanging_transactions(index: Index) -> list[dict]:
     found = []
     for entry in (index.final_positions or {}).get("partitions") or ():
@@ -870,7 +903,8 @@ def find_problems(index: Index) -> list[str]:
     problems = []
     if not index.has_committed_final_read:
         problems.append("no ok read_committed final-read: lost-write, torn-transaction, "
-                        "vanished-read and the ctp checks were not decided")
+                        "vanished-read, reordered-writes and the ctp checks were not "
+                        "decided")
     if index.final_positions is None:
         problems.append("no ok final-positions op: hanging-transaction was not decided")
     if READ_UNCOMMITTED not in index.final_reads and any(
@@ -939,6 +973,7 @@ def check(history: list[dict]) -> dict:
         found["lost-write"] = find_lost_writes(index)
         found["torn-transaction"] = find_torn_transactions(index)
         found["vanished-read"] = find_vanished_reads(index)
+        found["reordered-writes"] = find_reordered_writes(index)
     for name, instances in check_consume_transform_produce(index).items():
         found[name] = merge_by_value(found[name], instances)
     problems = find_problems(index)

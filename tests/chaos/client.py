@@ -6,7 +6,8 @@ its deadline, finishing the operation in hand.
 
 Roles (see docs/verification.md):
   producer     idempotent sends of unique values, up to 8 in flight
-  txn          transactions of 1-4 partitions over 1-2 topics, 80% commit, 20% abort
+  txn          transactions of 1-4 partitions over 1-2 topics, 80% commit, 20% abort;
+               half commit with commit_async(), up to 3 committing while the next send
   session      Kafka-style transactional-id sessions; every few transactions a second
                session takes the id (fence) while the first has a transaction open, and
                the first then tries to commit it (it must fail)
@@ -39,6 +40,8 @@ from tests.chaos.history import EventLog
 SEND_TIMEOUT_S = 15.0
 CTP_BATCH_RECORDS = (3, 50)  # inputs per ctp transaction (3: one per partition server)
 TRANSFORM_PREFIX = "out:"
+MAX_ASYNC_COMMITS = 3  # txn: commit_async() commits in flight at once
+ASYNC_COMMIT_WAIT_S = 90.0  # longer than any commit retries (then: unknown)
 
 
 class Stop:
@@ -152,18 +155,75 @@ class Workload:
         return [[t, p, self.value()] for t, p in chosen for _ in range(self.rng.randint(1, 3))]
 
     def run_txn(self) -> None:
+        """Transactions of one producer, committed with commit() or, half of them, with
+        commit_async(): up to MAX_ASYNC_COMMITS commit while the next ones send. Every
+        txn op names its producer, so the checker can hold the producer's send order
+        (reordered-writes)."""
+        producer_name = f"{self.args.name}-{self.spec['incarnations'].get(self.args.name, 0)}"
+        pending: list = []  # commit_async() commits, in commit order
         with self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S) as producer:
             while not self.stop:
                 txn = self.client.begin_transaction(timeout_s=self.txn_timeout_s)
-                self.one_transaction(producer, txn, self.pick_writes(), [])
+                if self.rng.random() < 0.5:
+                    self.one_transaction(producer, txn, self.pick_writes(), [],
+                                         op_fields={"producer": producer_name})
+                else:
+                    self.async_transaction(producer, txn, self.pick_writes(), pending,
+                                           producer_name)
+                self.finish_commits(pending, wait=len(pending) >= MAX_ASYNC_COMMITS)
                 self.stop.sleep(self.rng.uniform(0, 0.05))
+            self.finish_commits(pending, wait=True)
+
+    def async_transaction(self, producer, txn, writes: list, pending: list,
+                          producer_name: str) -> None:
+        """Send `writes`, then commit_async() (80%) or abort; a commit's op completes in
+        finish_commits."""
+        decision = "commit" if self.rng.random() < 0.8 else "abort"
+        op = self.log.invoke("txn", writes=writes, acks=[], decision=decision,
+                             producer=producer_name, commit="async")
+        try:
+            send_writes(self.rng, producer, writes, txn)
+            if decision == "abort":
+                txn.abort()
+                self.log.complete(op, "ok", result="aborted",
+                                  txn_id=txn.id if txn.opened else None)
+                return
+            commit_invoke = time.time()
+            pending.append((op, txn, txn.commit_async(), commit_invoke))
+        except (errors.AtomlogClientError, TimeoutError) as error:
+            result = self.settle(txn)
+            self.log.complete(op, "fail" if result == "aborted" else "unknown", result=result,
+                              error=_reason(error), txn_id=txn.id if txn.opened else None)
+
+    def finish_commits(self, pending: list, wait: bool) -> None:
+        """Complete the ops of finished commit_async() commits, oldest first; with `wait`,
+        wait for every one (a commit that never answers stays unknown)."""
+        while pending and (wait or pending[0][2].done()):
+            op, txn, future, commit_invoke = pending.pop(0)
+            try:
+                future.result(timeout=ASYNC_COMMIT_WAIT_S)
+            except TimeoutError as error:
+                self.log.complete(op, "unknown", result="unknown", error=_reason(error),
+                                  commit_invoke=commit_invoke)
+                continue
+            except errors.AtomlogClientError as error:
+                result = self.settle(txn)
+                self.log.complete(op, "fail" if result == "aborted" else "unknown",
+                                  result=result, error=_reason(error),
+                                  txn_id=txn.id if txn.opened else None,
+                                  commit_invoke=commit_invoke)
+                continue
+            self.log.complete(op, "ok", result="committed", commit_invoke=commit_invoke,
+                              txn_id=txn.id if txn.opened else None)
 
     def one_transaction(self, producer, txn, writes: list, acks: list, consumer=None,
-                        messages=(), **fields) -> str:
+                        messages=(), op_fields: dict | None = None, **fields) -> str:
         """Send `writes`, ack `messages` (ctp), then commit (80%) or abort; log it as one
-        txn op and return its result: committed, aborted or unknown."""
+        txn op (with `op_fields` and `fields`) and return its result: committed, aborted
+        or unknown."""
         decision = "commit" if acks or self.rng.random() < 0.8 else "abort"
-        op = self.log.invoke("txn", writes=writes, acks=acks, decision=decision, **fields)
+        op = self.log.invoke("txn", writes=writes, acks=acks, decision=decision,
+                             **(op_fields or {}), **fields)
         try:
             send_writes(self.rng, producer, writes, txn)
             if consumer is not None:

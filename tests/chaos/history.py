@@ -27,7 +27,10 @@ Kinds ("f") and their own fields:
               "unknown" (its definite fate as far as the client knows: a failed commit
               that the client then aborted is "aborted"; a commit whose answer was lost
               is "unknown"), "txn_id": "tc:seq" or None, and for Kafka-style sessions
-              "transactional_id" and "epoch" (the producer epoch that wrote it).
+              "transactional_id" and "epoch" (the producer epoch that wrote it);
+              optional "producer" (one producer object of one client incarnation:
+              its transactions send in invocation order) and "commit" ("async" for
+              commit_async()).
   poll        records a reader got. "session" (a reader session id: one per consumer
               object; a restarted reader is a new session), "isolation"
               ("read_committed" or "read_uncommitted"), "subscription" (None for an
