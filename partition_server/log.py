@@ -272,6 +272,27 @@ class PartitionLog:
         """`append` for batches whose headers the caller parsed and validated already
         (the owner's produce path: the service ran validate_batch on each). Checks that
         each header's size is its batch's length and its size is within the limit."""
+        return self._append(items, copied=False)
+
+    def append_copied(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]]
+                      ) -> list[int]:
+        """A follower's append (docs/replication.md): batches copied from the leader's log
+        (validated by the caller, CRC included), written byte for byte, so they keep the
+        leader's base offsets and append times. The first must start at this log's end
+        and each next where the last ended (else OFFSET_OUT_OF_RANGE, nothing written).
+        No fsync, as `append`."""
+        expected = self._log_end_offset
+        for _batch, header in items:
+            if header.base_offset != expected:
+                raise AtomlogError("OFFSET_OUT_OF_RANGE",
+                                   f"a copied batch starts at {header.base_offset}; the log "
+                                   f"continues at {expected}",
+                                   {"log_end_offset": str(self._log_end_offset)})
+            expected += header.last_offset_delta + 1
+        return self._append(items, copied=True)
+
+    def _append(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]], *,
+                copied: bool) -> list[int]:
         self._check_serving()
         config = self.config
         for batch, header in items:
@@ -283,6 +304,8 @@ class PartitionLog:
                                    f"the limit of {config.max_batch_bytes} bytes",
                                    {"limit": config.max_batch_bytes})
         now = max(self._clock_ms(), self._last_append_time_ms)
+        if copied and items:
+            now = max(now, max(header.log_append_time_ms for _, header in items))
         base_offsets: list[int] = []
         group: list[tuple[memoryview | bytes, BatchHeader]] = []
         size, next_offset = self._active.size, self._log_end_offset
@@ -292,7 +315,7 @@ class PartitionLog:
                 if size and (size + header.size > config.segment_bytes
                              or now - (first_time if first_time is not None else now) >= config.segment_ms
                              or next_offset - self._active.base_offset > RELATIVE_OFFSET_MAX):
-                    self._write_group(group, now)
+                    self._write_group(group, now, copied)
                     group = []
                     self._roll()
                     size, first_time = 0, None
@@ -301,15 +324,18 @@ class PartitionLog:
                 size += header.size
                 next_offset += header.record_count
                 first_time = now if first_time is None else first_time
-            self._write_group(group, now)
+            self._write_group(group, now, copied)
         except OSError as error:
             self._broken = f"I/O error while appending: {error}"
             raise
         self._last_append_time_ms = now
         return base_offsets
 
-    def _write_group(self, group: list[tuple[bytes | memoryview, BatchHeader]], now: int) -> None:
-        """Write batches to the active segment with writev, then account for them."""
+    def _write_group(self, group: list[tuple[bytes | memoryview, BatchHeader]], now: int,
+                     copied: bool = False) -> None:
+        """Write batches to the active segment with writev, then account for them.
+        Copied batches (a follower's) are written as they are: their prefix already holds
+        the offset and append time the leader gave them."""
         if not group:
             return
         active = self._active
@@ -318,9 +344,13 @@ class PartitionLog:
         next_offset = self._log_end_offset
         pack = PREFIX.pack
         for batch, header in group:
-            buffers.append(pack(next_offset, header.batch_length, header.magic, now))
-            buffers.append(memoryview(batch)[PREFIX_SIZE:])
-            stamped.append(header._replace(base_offset=next_offset, log_append_time_ms=now))
+            if copied:
+                buffers.append(batch)
+                stamped.append(header)
+            else:
+                buffers.append(pack(next_offset, header.batch_length, header.magic, now))
+                buffers.append(memoryview(batch)[PREFIX_SIZE:])
+                stamped.append(header._replace(base_offset=next_offset, log_append_time_ms=now))
             next_offset += header.last_offset_delta + 1
         _writev_all(active.fd, buffers)
         interval = self.config.index_interval_bytes
@@ -691,6 +721,29 @@ class PartitionLog:
         self._truncate_files(self._segments[i].base_offset, position, batch_offset)
         self._reload()
         return self._log_end_offset
+
+    def restart_at(self, offset: int) -> None:
+        """A follower whose log has nothing in common with its leader's any more (it ends
+        below the leader's log start, or holds offsets the leader's history does not):
+        delete every segment and continue, empty, at `offset` (docs/replication.md).
+        Durable when it returns. A crash midway leaves the oldest segments (deleted newest
+        first, after the recovery point went down to the log start) or an empty log at 0:
+        either is a valid log the follower truncates or restarts again."""
+        self._check_serving()
+        if offset < 0:
+            raise AtomlogError("INVALID_ARGUMENT", f"offset {offset} is negative")
+        self._durable_offset = 0
+        self._write_recovery_point(sync=True, offset=self.log_start_offset)
+        for segment in self._segments:
+            segment.close()
+        self._open_sealed.clear()
+        for base in sorted(_list_segments(self.directory), reverse=True):
+            self._delete_segment(Segment(self.directory, base))
+        first = Segment(self.directory, offset)
+        os.close(os.open(first.log_path, os.O_RDWR | os.O_CREAT, 0o644))
+        os.fsync(self._dir_fd)
+        self._write_recovery_point(sync=True, offset=offset)
+        self._reload()
 
     def recover_data_loss(self, file: str | os.PathLike, offset: int) -> DataLossRecovery:
         """Operator action (RecoverPartition): accept losing everything from the reported
