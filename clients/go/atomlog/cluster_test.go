@@ -1,0 +1,539 @@
+package atomlog
+
+// Tests against a real cluster: ATOMLOG_BOOTSTRAP names any server of it
+// (tests/test_go_client.py runs them against the suite's cluster). Without it they skip.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sort"
+	"testing"
+	"time"
+
+	pb "github.com/atomlog/atomlog/clients/go/gen/atomlog/v1"
+)
+
+func cluster(t *testing.T) (*Client, context.Context) {
+	t.Helper()
+	bootstrap := os.Getenv("ATOMLOG_BOOTSTRAP")
+	if bootstrap == "" {
+		t.Skip("ATOMLOG_BOOTSTRAP is not set (no cluster to test against)")
+	}
+	c, err := Dial(bootstrap, WithRequestTimeout(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	t.Cleanup(func() {
+		cancel()
+		c.Close()
+	})
+	return c, ctx
+}
+
+// topic creates a fresh topic and waits until every partition serves.
+func topic(t *testing.T, ctx context.Context, c *Client, prefix string, partitions int) string {
+	t.Helper()
+	name := fmt.Sprintf("go-%s-%s", prefix, randomKey()[3:11])
+	if _, err := c.CreateTopic(ctx, name, partitions, nil); err != nil {
+		t.Fatal(err)
+	}
+	consumer, err := c.NewConsumer(ctx, []string{name}, ConsumerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := consumer.EndOffsets(ctx); err != nil { // retried while PARTITION_LOADING
+		t.Fatal(err)
+	}
+	return name
+}
+
+// readAll reads a topic from the start until `expected` messages came and then for a
+// quiet half second more (so a duplicate would show).
+func readAll(t *testing.T, ctx context.Context, c *Client, topic string, isolation Isolation, expected int) []Message {
+	t.Helper()
+	consumer, err := c.NewConsumer(ctx, []string{topic}, ConsumerOptions{Isolation: isolation})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []Message
+	quietSince := time.Now()
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		messages, err := consumer.Poll(ctx, 200*time.Millisecond)
+		if err != nil && !IsRetriable(err) {
+			t.Fatal(err)
+		}
+		if len(messages) > 0 {
+			out = append(out, messages...)
+			quietSince = time.Now()
+		} else if len(out) >= expected && time.Since(quietSince) > 500*time.Millisecond {
+			break
+		}
+	}
+	return out
+}
+
+func values(messages []Message) []string {
+	out := make([]string, len(messages))
+	for i, m := range messages {
+		out[i] = string(m.Value)
+	}
+	return out
+}
+
+func TestClusterIdempotentProducerKeepsOrder(t *testing.T) {
+	c, ctx := cluster(t)
+	name := topic(t, ctx, c, "order", 3)
+	producer, err := c.NewProducer(ctx, ProducerOptions{Linger: time.Millisecond, BatchMaxBytes: 4096,
+		Compression: CompressionLZ4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Close(ctx)
+	const n = 3000
+	futures := make([]*Future, n)
+	for i := range futures {
+		futures[i], err = producer.Send(ctx, name, Record{Key: []byte(fmt.Sprint(i % 7)),
+			Value: []byte(fmt.Sprintf("r%05d", i)), Headers: []RecordHeader{{Key: "i", Value: []byte(fmt.Sprint(i))}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := producer.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	where := map[string]RecordMetadata{}
+	for i, f := range futures {
+		meta, err := f.Wait(ctx)
+		if err != nil {
+			t.Fatalf("record %d: %v", i, err)
+		}
+		if want := int32(CRC32C([]byte(fmt.Sprint(i%7))) % 3); meta.Partition != want {
+			t.Fatalf("record %d went to partition %d, its key says %d", i, meta.Partition, want)
+		}
+		where[fmt.Sprintf("r%05d", i)] = meta
+	}
+	messages := readAll(t, ctx, c, name, ReadCommitted, n)
+	if len(messages) != n {
+		t.Fatalf("read %d messages, sent %d", len(messages), n)
+	}
+	last := map[int32]int{}
+	for _, m := range messages {
+		meta := where[string(m.Value)]
+		if meta.Partition != m.Partition || meta.Offset != m.Offset {
+			t.Fatalf("%s read at %d/%d, acknowledged at %d/%d", m.Value, m.Partition, m.Offset, meta.Partition, meta.Offset)
+		}
+		var i int
+		fmt.Sscanf(string(m.Value), "r%05d", &i)
+		if prev, ok := last[m.Partition]; ok && i <= prev {
+			t.Fatalf("partition %d: r%05d after r%05d (send order lost)", m.Partition, i, prev)
+		}
+		last[m.Partition] = i
+		if len(m.Headers) != 1 || string(m.Headers[0].Value) != fmt.Sprint(i) {
+			t.Fatalf("headers %+v", m.Headers)
+		}
+	}
+}
+
+// A stale route (as after a partition moved) meets NOT_PARTITION_OWNER, which the
+// client answers by refreshing its metadata and sending again.
+func TestClusterRoutingRefreshOnNotPartitionOwner(t *testing.T) {
+	c, ctx := cluster(t)
+	name := topic(t, ctx, c, "routing", 3)
+	routes, err := c.routes(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wrong := routes[1].address
+	if wrong == routes[0].address {
+		wrong = routes[2].address
+	}
+	if wrong == routes[0].address {
+		t.Skip("all partitions on one server")
+	}
+	// What the raw API answers at the wrong server.
+	stub, _ := c.partitionStub(wrong)
+	batch, _ := EncodeColumnBatch([]Record{{Value: []byte("x")}}, BatchFields{BaseSequence: NoSequence})
+	reply, err := stub.Produce(ctx, &pb.ProduceRequest{Items: []*pb.ProduceItem{{
+		TopicPartition: TopicPartition{Topic: name, Partition: 0}.proto(), RecordBatch: batch}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := itemError(reply.GetResults()[0].GetError())
+	if e == nil || e.Reason != ReasonNotPartitionOwner || !e.Retriable() || e.Metadata["owner_address"] != routes[0].address {
+		t.Fatalf("the wrong server answered %v (metadata %v)", e, e.Metadata)
+	}
+	// Poison the cache: partition 0 "belongs" to the wrong server.
+	c.metaMu.Lock()
+	poisoned := append([]route{}, routes...)
+	poisoned[0] = route{serverName: "stale", address: wrong}
+	c.topics[name] = poisoned
+	before := c.refreshes
+	c.metaMu.Unlock()
+	producer, err := c.NewProducer(ctx, ProducerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Close(ctx)
+	future, err := producer.Send(ctx, name, Record{Value: []byte("routed")}, ToPartition(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	meta, err := future.Wait(ctx)
+	if err != nil || meta.Partition != 0 {
+		t.Fatalf("%+v %v", meta, err)
+	}
+	c.metaMu.Lock()
+	refreshed := c.refreshes > before && c.topics[name][0].address == routes[0].address
+	c.topics[name] = poisoned // and once more for a consumer
+	c.metaMu.Unlock()
+	if !refreshed {
+		t.Fatal("the producer did not refresh the stale route")
+	}
+	messages := readAll(t, ctx, c, name, ReadCommitted, 1)
+	if len(messages) != 1 || string(messages[0].Value) != "routed" {
+		t.Fatalf("read %v", values(messages))
+	}
+}
+
+func TestClusterTypedErrors(t *testing.T) {
+	c, ctx := cluster(t)
+	name := topic(t, ctx, c, "errors", 1)
+	_, err := c.CreateTopic(ctx, name, 1, nil)
+	if !errors.Is(err, ErrTopicAlreadyExists) || IsRetriable(err) {
+		t.Fatalf("creating it again: %v", err)
+	}
+	var e *Error
+	if !errors.As(err, &e) || e.Code.String() != "AlreadyExists" || e.Outcome() != Fatal {
+		t.Fatalf("%#v", err)
+	}
+	_, err = c.CreateTopic(ctx, "bad name!", 1, nil)
+	if Reason(err) != "INVALID_TOPIC_NAME" {
+		t.Fatalf("a bad name: %v", err)
+	}
+	consumer, _ := c.NewConsumer(ctx, []string{name}, ConsumerOptions{})
+	consumer.Seek(TopicPartition{Topic: name, Partition: 0}, 1_000_000)
+	_, err = consumer.Poll(ctx, 100*time.Millisecond)
+	if Reason(err) != ReasonOffsetOutOfRange || IsRetriable(err) {
+		t.Fatalf("past the end: %v", err)
+	}
+	count, _ := c.tcPartitionCount(ctx)
+	err = c.coordinatorCall(ctx, 0, func(actx context.Context, stub pb.CoordinatorServiceClient) error {
+		_, err := stub.GetTxnStatus(actx, &pb.GetTxnStatusRequest{TxnId: &pb.TxnId{TcPartition: 0, Sequence: 1 << 60}})
+		return err
+	})
+	if Reason(err) != ReasonUnknownTransaction || count != 16 {
+		t.Fatalf("an unknown transaction: %v (%d TC partitions)", err, count)
+	}
+}
+
+func TestClusterTransactions(t *testing.T) {
+	c, ctx := cluster(t)
+	a := topic(t, ctx, c, "txn-a", 2)
+	b := topic(t, ctx, c, "txn-b", 2)
+	producer, err := c.NewProducer(ctx, ProducerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Close(ctx)
+	send := func(txn *Txn, prefix string) []*Future {
+		var out []*Future
+		for i := 0; i < 10; i++ {
+			for _, name := range []string{a, b} {
+				f, err := producer.Send(ctx, name, Record{Value: []byte(fmt.Sprintf("%s-%d", prefix, i))},
+					ToPartition(int32(i%2)), InTxn(txn))
+				if err != nil {
+					t.Fatal(err)
+				}
+				out = append(out, f)
+			}
+		}
+		return out
+	}
+	aborted, _ := c.BeginTxn(ctx, TxnOptions{Timeout: 20 * time.Second})
+	for _, f := range send(aborted, "aborted") {
+		if _, err := f.Wait(ctx); err != nil { // written, open
+			t.Fatal(err)
+		}
+	}
+	id, _ := aborted.ID(ctx)
+	if state, _ := aborted.State(ctx); state != "OPEN" {
+		t.Fatalf("state %s", state)
+	}
+	if err := aborted.Abort(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := aborted.Commit(ctx); !errors.Is(err, ErrTransactionAborted) {
+		t.Fatalf("commit after abort: %v", err)
+	}
+	committed, _ := c.BeginTxn(ctx, TxnOptions{})
+	send(committed, "committed")
+	if err := committed.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := committed.Commit(ctx); err != nil { // again: a no-op
+		t.Fatal(err)
+	}
+	for _, name := range []string{a, b} {
+		got := values(readAll(t, ctx, c, name, ReadCommitted, 10))
+		sort.Strings(got)
+		if len(got) != 10 || got[0] != "committed-0" || got[9] != "committed-9" {
+			t.Fatalf("%s read_committed: %v (aborted was %s)", name, got, id)
+		}
+		if n := len(readAll(t, ctx, c, name, ReadUncommitted, 20)); n != 20 {
+			t.Fatalf("%s read_uncommitted: %d messages, want both transactions' 20", name, n)
+		}
+	}
+	// A transaction that wrote nothing commits without a call; one past its timeout does not.
+	empty, _ := c.BeginTxn(ctx, TxnOptions{})
+	if err := empty.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	late, _ := c.BeginTxn(ctx, TxnOptions{Timeout: 300 * time.Millisecond})
+	f, _ := producer.Send(ctx, a, Record{Value: []byte("late")}, InTxn(late))
+	if _, err := f.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1200 * time.Millisecond) // the coordinator aborts it at its timeout
+	if err := late.Commit(ctx); !errors.Is(err, ErrTransactionTimedOut) || !IsAbortable(err) {
+		t.Fatalf("a transaction past its timeout: %v", err)
+	}
+	if n := len(readAll(t, ctx, c, a, ReadCommitted, 10)); n != 10 {
+		t.Fatalf("%d committed messages after the timed-out transaction", n)
+	}
+}
+
+func TestClusterSubscription(t *testing.T) {
+	c, ctx := cluster(t)
+	in := topic(t, ctx, c, "sub-in", 2)
+	out := topic(t, ctx, c, "sub-out", 1)
+	producer, _ := c.NewProducer(ctx, ProducerOptions{})
+	defer producer.Close(ctx)
+	for i := 0; i < 20; i++ {
+		producer.Send(ctx, in, Record{Value: []byte(fmt.Sprintf("m%02d", i))}, ToPartition(int32(i%2)))
+	}
+	if err := producer.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sub, err := c.Subscribe(ctx, []string{in}, "billing", SubscribeOptions{AckTimeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	receiveAll := func(n int) []Message {
+		var got []Message
+		deadline := time.Now().Add(20 * time.Second)
+		for len(got) < n && time.Now().Before(deadline) {
+			messages, err := sub.Receive(ctx, 500*time.Millisecond, n-len(got))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got = append(got, messages...)
+		}
+		if len(got) != n {
+			t.Fatalf("received %d messages, want %d", len(got), n)
+		}
+		return got
+	}
+	first := receiveAll(20)
+	// Nack five: they come back; ack the rest.
+	if err := sub.Nack(ctx, first[:5], 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := sub.Ack(ctx, first[5:], nil); err != nil {
+		t.Fatal(err)
+	}
+	again := receiveAll(5)
+	if fmt.Sprint(values(again)) != fmt.Sprint(values(first[:5])) {
+		t.Fatalf("redelivered %v, nacked %v", values(again), values(first[:5]))
+	}
+	// A transactional ack with a write: abort releases the messages, commit applies them.
+	txn, _ := c.BeginTxn(ctx, TxnOptions{})
+	if err := sub.Ack(ctx, again, txn); err != nil {
+		t.Fatal(err)
+	}
+	if err := sub.Ack(ctx, again[:1], nil); !errors.Is(err, ErrTransactionConflict) {
+		t.Fatalf("a plain ack of a message pending in a transaction: %v", err)
+	}
+	producer.Send(ctx, out, Record{Value: []byte("aborted output")}, InTxn(txn))
+	if err := txn.Abort(ctx); err != nil {
+		t.Fatal(err)
+	}
+	redelivered := receiveAll(5)
+	txn, _ = c.BeginTxn(ctx, TxnOptions{})
+	producer.Send(ctx, out, Record{Value: []byte("committed output")}, InTxn(txn))
+	if err := sub.Ack(ctx, redelivered, txn); err != nil {
+		t.Fatal(err)
+	}
+	if err := txn.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Commit answered once the decision was durable; the markers (which apply the acks)
+	// follow within moments.
+	var cursors []Cursor
+	settled := func() bool {
+		cursors, err = sub.Describe(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, cursor := range cursors {
+			if cursor.CumulativeEndOffset != 10 || len(cursor.PendingTransactions) > 0 || len(cursor.IndividualAcks) > 0 {
+				return false
+			}
+		}
+		return len(cursors) == 2
+	}
+	for deadline := time.Now().Add(10 * time.Second); !settled(); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("cursors %s", describeCursors(cursors))
+		}
+	}
+	if got := values(readAll(t, ctx, c, out, ReadCommitted, 1)); fmt.Sprint(got) != "[committed output]" {
+		t.Fatalf("output %v", got)
+	}
+	if messages, _ := sub.Receive(ctx, 300*time.Millisecond, 10); len(messages) != 0 {
+		t.Fatalf("after everything was acked: %v", values(messages))
+	}
+	if err := sub.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestClusterOneCallTransactions(t *testing.T) {
+	c, ctx := cluster(t)
+	in := topic(t, ctx, c, "onecall-in", 1)
+	out := topic(t, ctx, c, "onecall-out", 2)
+	producer, _ := c.NewProducer(ctx, ProducerOptions{})
+	defer producer.Close(ctx)
+	for i := 0; i < 4; i++ {
+		producer.Send(ctx, in, Record{Value: []byte(fmt.Sprint(i))})
+	}
+	producer.Flush(ctx)
+	sub, _ := c.Subscribe(ctx, []string{in}, "onecall", SubscribeOptions{})
+	messages, err := sub.Receive(ctx, 2*time.Second, 4)
+	if err != nil || len(messages) != 4 {
+		t.Fatalf("%d messages, %v", len(messages), err)
+	}
+	// Aborted (nothing sent), then committed with the acks.
+	txn, _ := c.NewOneCallTxn(ctx, OneCallOptions{})
+	txn.Send(ctx, out, Record{Value: []byte("never")}, ToPartition(0))
+	if err := txn.Abort(ctx); err != nil {
+		t.Fatal(err)
+	}
+	txn, _ = c.NewOneCallTxn(ctx, OneCallOptions{Compression: CompressionZstd, WaitForMarkers: true})
+	for _, m := range messages {
+		if err := txn.Send(ctx, out, Record{Key: m.Value, Value: append([]byte("out-"), m.Value...)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := txn.AckCumulative(sub, messages[3]); err != nil {
+		t.Fatal(err)
+	}
+	result, err := txn.Commit(ctx)
+	if err != nil || result.ID.IsZero() || len(result.BaseOffsets) == 0 {
+		t.Fatalf("%+v %v", result, err)
+	}
+	// The same key again (a retry after a lost answer): already ended, nothing twice.
+	again, err := c.coordinatorStub(c.tcRoutes[txn.tc])
+	if err != nil {
+		t.Fatal(err)
+	}
+	reply, err := again.CommitTxn(ctx, &pb.CommitTxnRequest{TcPartition: txn.tc, IdempotencyKey: txn.Key(),
+		Batches: []*pb.ProduceItem{{TopicPartition: TopicPartition{Topic: out, Partition: 0}.proto(),
+			RecordBatch: mustBatch(t, "duplicate")}}})
+	if err != nil || !reply.GetAlreadyEnded() || txnIDOf(reply.GetTxnId()) != result.ID {
+		t.Fatalf("retried CommitTxn: %v %v", reply, err)
+	}
+	got := values(readAll(t, ctx, c, out, ReadCommitted, 4))
+	sort.Strings(got)
+	if fmt.Sprint(got) != "[out-0 out-1 out-2 out-3]" {
+		t.Fatalf("output %v", got)
+	}
+	// WaitForMarkers: the ack is applied when Commit returns.
+	if cursors, err := sub.Describe(ctx); err != nil || len(cursors) != 1 || cursors[0].CumulativeEndOffset != 4 {
+		t.Fatalf("cursors %s %v", describeCursors(cursors), err)
+	}
+}
+
+func describeCursors(cursors []Cursor) string {
+	out := ""
+	for _, c := range cursors {
+		out += fmt.Sprintf("[%s: cumulative %d, individual %v, pending %v] ", c.TopicPartition,
+			c.CumulativeEndOffset, c.IndividualAcks, c.PendingTransactions)
+	}
+	return out
+}
+
+func mustBatch(t *testing.T, value string) []byte {
+	batch, err := EncodeColumnBatch([]Record{{Value: []byte(value)}}, BatchFields{BaseSequence: NoSequence})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return batch
+}
+
+func TestClusterSessionFencing(t *testing.T) {
+	c, ctx := cluster(t)
+	name := topic(t, ctx, c, "fence", 2)
+	id := "go-fence-" + randomKey()[3:11]
+	old, err := c.NewProducer(ctx, ProducerOptions{TransactionalID: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close(ctx)
+	txn, err := old.BeginTxn(ctx, TxnOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, _ := old.Send(ctx, name, Record{Value: []byte("fenced")}, ToPartition(0), InTxn(txn))
+	if _, err := f.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	newer, err := c.NewProducer(ctx, ProducerOptions{TransactionalID: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer newer.Close(ctx)
+	oldID, oldEpoch := old.ProducerID()
+	newID, newEpoch := newer.ProducerID()
+	if oldID != newID || newEpoch != oldEpoch+1 {
+		t.Fatalf("session ids %d/%d then %d/%d", oldID, oldEpoch, newID, newEpoch)
+	}
+	if err := txn.Commit(ctx); !errors.Is(err, ErrProducerFenced) || IsRetriable(err) {
+		t.Fatalf("the fenced producer's commit: %v", err)
+	}
+	if _, err := old.BeginTxn(ctx, TxnOptions{}); !errors.Is(err, ErrProducerFenced) {
+		t.Fatalf("the fenced producer began again: %v", err)
+	}
+	ok, _ := newer.BeginTxn(ctx, TxnOptions{})
+	f, _ = newer.Send(ctx, name, Record{Value: []byte("newer")}, ToPartition(1), InTxn(ok))
+	if err := ok.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := values(readAll(t, ctx, c, name, ReadCommitted, 1)); fmt.Sprint(got) != "[newer]" {
+		t.Fatalf("read %v", got)
+	}
+	// One-call transactions of the session are fenced the same way.
+	oc, _ := newer.BeginOneCallTxn(ctx, OneCallOptions{})
+	oc.Send(ctx, name, Record{Value: []byte("one-call newer")}, ToPartition(0))
+	if _, err := oc.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	newest, err := c.NewProducer(ctx, ProducerOptions{TransactionalID: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer newest.Close(ctx)
+	oc, _ = newer.BeginOneCallTxn(ctx, OneCallOptions{})
+	oc.Send(ctx, name, Record{Value: []byte("one-call fenced")}, ToPartition(0))
+	if _, err := oc.Commit(ctx); !errors.Is(err, ErrProducerFenced) {
+		t.Fatalf("a fenced one-call commit: %v", err)
+	}
+	got := values(readAll(t, ctx, c, name, ReadCommitted, 2))
+	sort.Strings(got)
+	if fmt.Sprint(got) != "[newer one-call newer]" {
+		t.Fatalf("read %v", got)
+	}
+}
