@@ -1,0 +1,119 @@
+"""Partition states in ZooKeeper (docs/replication.md): `/partitions/<topic>/<partition>`
+holds a `replication.PartitionState` (leader, leader epoch, ISR) and changes only by
+compare-and-set on the znode's version. This module is the only writer; the rules of what
+to write are replication.py's. Calls are synchronous kazoo calls: callers on an event loop
+run them on a thread.
+
+- `create_all` writes the first state of every partition of a new topic in one ZooKeeper
+  transaction (all or nothing).
+- `read` returns a state with its version.
+- `try_elect` is what every live replica runs when its partition's leader is gone (or the
+  partition is offline and one of its in-sync replicas is back): each computes the same
+  election from what it read and writes it against the version it read, so exactly one
+  write succeeds however many race; the others learn the winner from the znode.
+- `change_isr` is the leader's ISR shrink or expand, against the version it last read; a
+  newer state (another leader, another epoch) makes it fail with StaleState, and the
+  leader must stop acknowledging and reread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+
+from partition_server.replication import Election, PartitionState, elect, elect_offline, initial_state
+from services.errors import AtomlogError
+
+PARTITIONS_PATH = "/partitions"
+
+
+class StaleState(Exception):
+    """The partition's state changed since it was read: reread it."""
+
+
+@dataclass(frozen=True)
+class Versioned:
+    state: PartitionState
+    version: int  # the znode's version: the compare-and-set token
+
+
+def path_of(topic: str, partition: int) -> str:
+    return f"{PARTITIONS_PATH}/{topic}/{partition}"
+
+
+def create_all(client, topic: str, replicas: list[list[str]], live: Iterable[str]) -> None:
+    """The first state of every partition of `topic` (its replica lists, preferred leader
+    first), written at once: the topic's node and all of its partitions, or nothing
+    (TOPIC_ALREADY_EXISTS when the topic's node exists)."""
+    live = set(live)
+    client.ensure_path(PARTITIONS_PATH)
+    transaction = client.transaction()
+    transaction.create(f"{PARTITIONS_PATH}/{topic}", b"")
+    for partition, partition_replicas in enumerate(replicas):
+        transaction.create(path_of(topic, partition),
+                           initial_state(partition_replicas, live).to_json())
+    results = transaction.commit()
+    failures = [r for r in results if isinstance(r, Exception)]
+    if any(isinstance(r, NodeExistsError) for r in failures):
+        raise AtomlogError("TOPIC_ALREADY_EXISTS",
+                           f"partition states of topic {topic!r} exist already")
+    if failures:
+        raise failures[0]
+
+
+def read(client, topic: str, partition: int,
+         replicas: Iterable[str] | None = None) -> Versioned:
+    """The state and its version; UNKNOWN_TOPIC_OR_PARTITION when there is none, INTERNAL
+    when the znode cannot be read as a state (never guessed at)."""
+    try:
+        data, stat = client.get(path_of(topic, partition))
+    except NoNodeError:
+        raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                           f"no partition state for {topic}-{partition}") from None
+    try:
+        return Versioned(PartitionState.from_json(data, replicas), stat.version)
+    except ValueError as error:
+        raise AtomlogError("INTERNAL", f"partition state of {topic}-{partition}: {error}") from None
+
+
+def _write(client, topic: str, partition: int, state: PartitionState, version: int) -> Versioned:
+    try:
+        stat = client.set(path_of(topic, partition), state.to_json(), version=version)
+    except BadVersionError:
+        raise StaleState(f"{topic}-{partition} changed since version {version}") from None
+    except NoNodeError:
+        raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                           f"no partition state for {topic}-{partition}") from None
+    return Versioned(state, stat.version)
+
+
+def try_elect(client, topic: str, partition: int, replicas: list[str], live: Iterable[str], *,
+              unclean_allowed: bool = False) -> tuple[Election | None, Versioned]:
+    """Elect a leader if one is needed (the leader is not live, or the partition is
+    offline and an in-sync replica is live). Returns (the election this call wrote, or None
+    when none was needed or another candidate's write came first; the state now)."""
+    live = set(live)
+    current = read(client, topic, partition, replicas)
+    if current.state.leader is None:
+        election = elect_offline(current.state, replicas, live)
+    else:
+        election = elect(current.state, replicas, live, unclean_allowed=unclean_allowed)
+    if election is None:
+        return None, current
+    try:
+        return election, _write(client, topic, partition, election.state, current.version)
+    except StaleState:
+        return None, read(client, topic, partition, replicas)
+
+
+def change_isr(client, topic: str, partition: int, known: Versioned,
+               isr: Iterable[str]) -> Versioned:
+    """The leader of `known` (the state and version it last read) changes the ISR; the
+    leader and epoch stay. StaleState when anything changed the znode since."""
+    state = known.state
+    if state.leader is None:
+        raise ValueError("an offline partition has no leader to change its ISR")
+    new = PartitionState(state.leader, state.leader_epoch, tuple(isr))  # checks leader in ISR
+    return _write(client, topic, partition, new, known.version)

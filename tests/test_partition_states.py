@@ -1,0 +1,124 @@
+"""Partition states in a real ZooKeeper (partition_server/partition_states.py): created all
+or nothing, elections by compare-and-set that exactly one of many racing candidates wins,
+ISR changes that fail once anything else changed the state."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from kazoo.client import KazooClient
+
+from partition_server import partition_states as ps
+from partition_server.replication import PartitionState
+from services.errors import AtomlogError
+
+REPLICAS = [["a", "b", "c"], ["b", "c", "a"]]
+
+
+@pytest.fixture
+def zk(cluster):
+    """A kazoo client under a chroot of its own on the test cluster's ZooKeeper."""
+    root = KazooClient(hosts=cluster.info["zookeeper"])
+    root.start(timeout=10)
+    chroot = f"/test-partition-states-{uuid.uuid4().hex[:8]}"
+    root.ensure_path(chroot)
+    client = KazooClient(hosts=cluster.info["zookeeper"] + chroot)
+    client.start(timeout=10)
+    try:
+        yield client
+    finally:
+        client.stop()
+        client.close()
+        root.delete(chroot, recursive=True)
+        root.stop()
+        root.close()
+
+
+@pytest.mark.cluster
+def test_states_are_created_all_or_nothing(zk):
+    ps.create_all(zk, "orders", REPLICAS, live={"b", "c"})
+    assert ps.read(zk, "orders", 0).state == PartitionState("b", 0, ("a", "b", "c"))
+    assert ps.read(zk, "orders", 1).state == PartitionState("b", 0, ("b", "c", "a"))
+    with pytest.raises(AtomlogError) as refused:
+        ps.create_all(zk, "orders", REPLICAS, live={"a"})
+    assert refused.value.reason == "TOPIC_ALREADY_EXISTS"
+    assert ps.read(zk, "orders", 0).state.leader == "b"  # unchanged
+    # Leftovers of a topic in the way: nothing of the new one is written.
+    zk.create(f"{ps.PARTITIONS_PATH}/other", b"")
+    zk.create(f"{ps.PARTITIONS_PATH}/other/0", b"")
+    with pytest.raises(AtomlogError):
+        ps.create_all(zk, "other", REPLICAS, live={"a"})
+    assert zk.get(ps.path_of("other", 0))[0] == b""
+    assert not zk.exists(ps.path_of("other", 1))
+
+
+@pytest.mark.cluster
+def test_unreadable_or_missing_states_are_refused_not_guessed(zk):
+    with pytest.raises(AtomlogError) as refused:
+        ps.read(zk, "nothing", 0)
+    assert refused.value.reason == "UNKNOWN_TOPIC_OR_PARTITION"
+    zk.create(ps.path_of("bad", 0), b'{"version":1,"leader":"x"}', makepath=True)
+    with pytest.raises(AtomlogError) as refused:
+        ps.read(zk, "bad", 0)
+    assert refused.value.reason == "INTERNAL"
+    ps.create_all(zk, "t", REPLICAS, live={"a", "b", "c"})
+    with pytest.raises(AtomlogError) as refused:
+        ps.read(zk, "t", 0, replicas=["a", "b"])  # the ISR names c
+    assert refused.value.reason == "INTERNAL"
+
+
+@pytest.mark.cluster
+def test_exactly_one_of_many_racing_candidates_wins_the_election(zk):
+    ps.create_all(zk, "race", REPLICAS, live={"a", "b", "c"})
+    live = {"b", "c"}  # a, the leader of partition 0, is gone
+    results, start = [], threading.Barrier(8)
+
+    def candidate() -> None:
+        start.wait()
+        results.append(ps.try_elect(zk, "race", 0, REPLICAS[0], live))
+
+    threads = [threading.Thread(target=candidate) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    won = [election for election, _ in results if election is not None]
+    assert len(won) == 1
+    now = ps.read(zk, "race", 0)
+    assert now.state == PartitionState("b", 1, ("b", "c")) == won[0].state
+    assert all(state.state == now.state for _, state in results)
+    # Nothing more to elect while the new leader lives.
+    assert ps.try_elect(zk, "race", 0, REPLICAS[0], live)[0] is None
+    assert ps.read(zk, "race", 0).version == now.version
+
+
+@pytest.mark.cluster
+def test_offline_and_back_and_unclean(zk):
+    ps.create_all(zk, "t", REPLICAS, live={"a", "b", "c"})
+    first = ps.read(zk, "t", 0)
+    shrunk = ps.change_isr(zk, "t", 0, first, ["a"])
+    assert shrunk.state.isr == ("a",)
+    election, offline = ps.try_elect(zk, "t", 0, REPLICAS[0], live={"b", "c"})
+    assert offline.state == PartitionState(None, 1, ("a",)) and not election.unclean
+    # Only a, the last in-sync replica, may lead again ...
+    assert ps.try_elect(zk, "t", 0, REPLICAS[0], live={"b", "c"})[0] is None
+    election, back = ps.try_elect(zk, "t", 0, REPLICAS[0], live={"a", "c"})
+    assert back.state == PartitionState("a", 2, ("a",))
+    # ... unless unclean election is allowed, and then it says so.
+    ps.change_isr(zk, "t", 1, ps.read(zk, "t", 1), ["b"])
+    election, state = ps.try_elect(zk, "t", 1, REPLICAS[1], live={"c"}, unclean_allowed=True)
+    assert election.unclean and state.state == PartitionState("c", 1, ("c",))
+
+
+@pytest.mark.cluster
+def test_a_deposed_leaders_isr_change_fails(zk):
+    ps.create_all(zk, "t", REPLICAS, live={"a", "b", "c"})
+    seen_by_a = ps.read(zk, "t", 0)
+    ps.try_elect(zk, "t", 0, REPLICAS[0], live={"b", "c"})  # a paused; b took over
+    with pytest.raises(ps.StaleState):
+        ps.change_isr(zk, "t", 0, seen_by_a, ["a"])  # a wakes and shrinks the ISR to itself
+    assert ps.read(zk, "t", 0).state == PartitionState("b", 1, ("b", "c"))
+    with pytest.raises(ValueError):
+        ps.change_isr(zk, "t", 0, ps.read(zk, "t", 0), ["c"])  # the leader cannot leave
