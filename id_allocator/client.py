@@ -32,6 +32,7 @@ from atomlog.v1 import id_allocator_pb2, id_allocator_pb2_grpc
 from id_allocator.core import Block
 from services import local
 from services.errors import AtomlogError, from_rpc_error
+from services.tls import ChannelTls, channel
 
 ID_ALLOCATOR_SERVICE = id_allocator_pb2.DESCRIPTOR.services_by_name["IdAllocatorService"].full_name
 
@@ -188,10 +189,11 @@ class ProducerIdPool:
 
     def __init__(self, addresses: Sequence[str], *, block_size: int = 0, requester: str = "",
                  policy: RetryPolicy = RetryPolicy(), prefetch_ratio: float = PREFETCH_RATIO,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, tls: ChannelTls | None = None):
+        """`tls`: the CA (and client certificate) of a cluster serving TLS."""
         if not addresses:
             raise ValueError("no allocator address given")
-        self._channels = [grpc.insecure_channel(a) for a in addresses]
+        self._channels = [channel(a, tls) for a in addresses]
         self._stubs = [id_allocator_pb2_grpc.IdAllocatorServiceStub(c) for c in self._channels]
         self.block_size = block_size
         self.requester = requester
@@ -317,13 +319,14 @@ class AsyncProducerIdPool:
         await self._stub_cache.close()
 
 
-def allocator_addresses(bootstrap: str, timeout_s: float = 5.0) -> list[str]:
+def allocator_addresses(bootstrap: str, timeout_s: float = 5.0,
+                        tls: ChannelTls | None = None) -> list[str]:
     """gRPC addresses of the registered id allocators, from any server's metadata."""
     from atomlog.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
 
-    with grpc.insecure_channel(bootstrap) as channel:
+    with channel(bootstrap, tls) as opened:
         try:
-            reply = metadata_pb2_grpc.MetadataServiceStub(channel).GetMetadata(
+            reply = metadata_pb2_grpc.MetadataServiceStub(opened).GetMetadata(
                 metadata_pb2.GetMetadataRequest(), timeout=timeout_s)
         except grpc.RpcError as rpc_error:
             raise from_rpc_error(rpc_error) from None

@@ -158,6 +158,22 @@ COMMON: tuple[Setting, ...] = (
             minimum=1, maximum=1_024),
     Setting("topics.max_partitions", int, 1_024, "Largest partition count a topic may have.",
             minimum=1, maximum=100_000),
+    Setting("tls.enabled", bool, False, "Serve TLS on the gRPC port and use TLS for calls to "
+            "other servers (services/tls.py). Needs tls.cert_file, tls.key_file and "
+            "tls.ca_file."),
+    Setting("tls.cert_file", str, "", "PEM certificate of this server (its SANs: every host "
+            "name and IP address it is reached by); also its client certificate towards the "
+            "other servers. Re-read when it changes on disk."),
+    Setting("tls.key_file", str, "", "PEM private key (unencrypted) of tls.cert_file. "
+            "Re-read when it changes on disk."),
+    Setting("tls.ca_file", str, "", "PEM CA certificate(s) that sign the other servers' "
+            "certificates and, with tls.client_auth=require, the clients' ones. Re-read when "
+            "it changes on disk."),
+    Setting("tls.client_auth", str, "none", "require: mutual TLS, every client must present "
+            "a certificate signed by tls.ca_file; none: clients are not asked for one.",
+            choices=("none", "require")),
+    Setting("tls.metrics", bool, False, "Serve /metrics over HTTPS with the same certificate "
+            "(and, with tls.client_auth=require, the same client certificate check)."),
     Setting("log.level", str, "INFO", "Log level.",
             choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     Setting("log.format", str, "json", "json: one JSON object per line; text: for people.",
@@ -477,7 +493,33 @@ def _combined_name_fits(config: "Config") -> str | None:
     return None
 
 
+def _tls_usable(config: "Config") -> str | None:
+    """With tls.enabled, the three files must be given, readable and parse (the key the
+    certificate's); without it, no TLS-only setting may ask for TLS."""
+    from services import tls
+
+    if not config["tls.enabled"]:
+        asked = [f"{name}={config[name]!r}" for name, off in
+                 (("tls.client_auth", "none"), ("tls.metrics", False)) if config[name] != off]
+        if asked:
+            return f"{', '.join(asked)} needs tls.enabled=true"
+        return None
+    missing = [n for n in ("tls.cert_file", "tls.key_file", "tls.ca_file") if not config[n]]
+    if missing:
+        return f"tls.enabled=true needs {', '.join(missing)}"
+    for name, check in (("tls.ca_file", lambda: tls.check_files(ca_file=config["tls.ca_file"])),
+                        ("tls.cert_file", lambda: tls.check_files(
+                            cert_file=config["tls.cert_file"], key_file=config["tls.key_file"]))):
+        try:
+            check()
+        except tls.TlsFileError as error:
+            which = name if "key file" not in str(error) else "tls.key_file"
+            return f"{which}: {error}"
+    return None
+
+
 RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
+    ((*ROLES, COMBINED), _tls_usable),
     ((COMBINED,), _combined_name_fits),
     (("partition_server",), _batch_fits_message),
     (("coordinator",), _timeouts_ordered),
@@ -570,13 +612,27 @@ def role_settings(settings: Mapping[str, Any], role: str) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k in known}
 
 
-def check_cluster_settings(settings: Mapping[str, Any]) -> None:
-    """Every setting must be known to some role, and valid for every role that knows it."""
+def check_cluster_settings(settings: Mapping[str, Any], tls: bool = False) -> None:
+    """Every setting must be known to some role, and valid for every role that knows it.
+    `tls`: the cluster's processes also get tls.* settings of their own (`up --tls`):
+    checked as if with a certificate of a throwaway CA."""
     every = {s.name for role in ROLES for s in settings_for(role)}
     unknown = [f"unknown setting {k!r} from flags{_did_you_mean(k, every)}"
                for k in settings if k not in every]
     if unknown:
         raise ConfigError(unknown)
+    if tls:
+        import tempfile
+
+        from services.tls import LocalCa
+
+        with tempfile.TemporaryDirectory(prefix="atomlog-tls-check") as scratch:
+            ca = LocalCa(Path(scratch))
+            ca.issue(Path(scratch) / "s.crt", Path(scratch) / "s.key", "check", ["127.0.0.1"])
+            base = {"tls.enabled": "true", "tls.ca_file": str(ca.ca_file),
+                    "tls.cert_file": f"{scratch}/s.crt", "tls.key_file": f"{scratch}/s.key",
+                    "tls.client_auth": "require"}
+            return check_cluster_settings({**base, **settings})
     for role in ROLES:
         load_config(role, env={}, overrides={**role_settings(settings, role),
                                              "server.data_dir": "/tmp"})

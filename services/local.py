@@ -26,12 +26,34 @@ from typing import Any
 
 import grpc
 
-from services import metrics
+from services import metrics, tls
 from services.errors import AtomlogError, unexpected
 
 log = logging.getLogger("atomlog.local")
 
 _SERVICERS: dict[tuple[str, str], Any] = {}  # (address, full service name) -> servicer
+
+
+# TLS for calls to other servers (tls.enabled): set once by the runtime at start-up, used
+# by every StubCache of the process (the coordinator's partition routes, the partition
+# server's verifier, the producer-id pool). None: plaintext.
+_CHANNEL_TLS: "tls.ChannelTls | None" = None
+
+
+def set_channel_tls(channel_tls: "tls.ChannelTls | None") -> None:
+    global _CHANNEL_TLS
+    _CHANNEL_TLS = channel_tls
+
+
+def channel_tls() -> "tls.ChannelTls | None":
+    return _CHANNEL_TLS
+
+
+def aio_channel(address: str, options: list | None = None) -> grpc.aio.Channel:
+    """A channel from this server to another: TLS when the process has it."""
+    if _CHANNEL_TLS is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return _CHANNEL_TLS.aio_channel(address, options)
 
 
 def register(address: str, service: str, servicer: Any) -> None:
@@ -67,25 +89,41 @@ class StubCache:
         self._options = channel_options or []
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, Any] = {}
+        self._tls_generation = _CHANNEL_TLS.current()[0] if _CHANNEL_TLS is not None else 0
+        self._retired: set[asyncio.Future] = set()
 
     def get(self, address: str):
+        if _CHANNEL_TLS is not None and _CHANNEL_TLS.current()[0] != self._tls_generation:
+            self._renew()
         found = self._stubs.get(address)
         if found is None:
             found = self._stubs[address] = stub(address, self.service, self._stub_class,
                                                 self._channel)
         return found
 
+    def _renew(self) -> None:
+        """The TLS files were reloaded: new channels from now on; the old ones close once
+        their calls have had a minute to finish."""
+        self._tls_generation = _CHANNEL_TLS.current()[0]
+        old, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in old:
+            self._retired.add(asyncio.ensure_future(channel.close(grace=60.0)))
+            for task in [t for t in self._retired if t.done()]:
+                self._retired.discard(task)
+
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=self._options)
+            channel = self._channels[address] = aio_channel(address, self._options)
         return channel
 
     async def close(self) -> None:
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         for channel in channels:
             await channel.close()
+        for task in list(self._retired):
+            task.cancel()
+        self._retired.clear()
 
 
 class _LocalContext:

@@ -6,11 +6,13 @@ histograms, and no label takes unbounded values (methods and codes are bounded s
 
 from __future__ import annotations
 
+import ssl
 import threading
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (Counter, Gauge, Histogram, Info, disable_created_metrics,
-                               start_http_server)
+                               make_wsgi_app, start_http_server)
 
 # `_created` series double the exposition size and Prometheus does not need them.
 disable_created_metrics()
@@ -35,15 +37,49 @@ ZOOKEEPER_SESSIONS = Counter("atomlog_zookeeper_sessions_total",
 SERVING = Gauge("atomlog_serving", "1 while the server's health status is SERVING.")
 
 
-class MetricsEndpoint:
-    """The /metrics HTTP server on its own thread (prometheus_client's)."""
+class _HttpsServer(ThreadingMixIn, WSGIServer):
+    """The /metrics server over TLS: each connection's handshake runs on that
+    connection's own thread, with a deadline, so a silent client cannot hold up the
+    accept loop."""
 
-    def __init__(self, host: str, port: int):
-        server, thread = start_http_server(port, addr=host)
+    daemon_threads = True
+    handshake_timeout_s = 10.0
+
+    def finish_request(self, request, client_address) -> None:
+        request.settimeout(self.handshake_timeout_s)
+        try:
+            request.do_handshake()
+        except (OSError, ssl.SSLError):
+            return  # a plaintext client, no or a wrong client certificate, a timeout
+        request.settimeout(None)
+        super().finish_request(request, client_address)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 — no access log on stderr
+        pass
+
+
+class MetricsEndpoint:
+    """The /metrics HTTP server on its own thread (prometheus_client's); over HTTPS when
+    given the server's TLS files (services/tls.ServerTls: reloaded like the gRPC port's)."""
+
+    def __init__(self, host: str, port: int, server_tls=None):
+        if server_tls is None:
+            server, thread = start_http_server(port, addr=host)
+        else:
+            server = make_server(host, port, make_wsgi_app(), _HttpsServer,
+                                 handler_class=_QuietHandler)
+            server.socket = server_tls.ssl_context().wrap_socket(
+                server.socket, server_side=True, do_handshake_on_connect=False)
+            thread = threading.Thread(target=server.serve_forever, name="metrics-https",
+                                      daemon=True)
+            thread.start()
         self._server: WSGIServer = server
         self._thread: threading.Thread = thread
         self.host = host
         self.port = server.server_port
+        self.scheme = "https" if server_tls is not None else "http"
 
     @property
     def address(self) -> str:

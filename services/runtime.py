@@ -1,6 +1,7 @@
 """The server bootstrap every atomlog service runs on.
 
-Start-up, in order: logging; the /metrics endpoint; the ZooKeeper session (and the
+Start-up, in order: logging; the TLS files (tls.enabled: services/tls.py); the /metrics
+endpoint; the ZooKeeper session (and the
 fixed cluster settings check); the grpc.aio server with the error/metrics interceptor,
 the standard health service, the MetadataService, the role's own services and server
 reflection; the ephemeral registration; then health SERVING.
@@ -28,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from kazoo.exceptions import KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
-from services import __version__, allocator, local, logs, metrics
+from services import __version__, allocator, local, logs, metrics, tls
 from services.config import COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles, role_name
 from services.errors import AtomlogError
 from services.interceptors import ErrorsAndMetricsInterceptor
@@ -86,6 +87,7 @@ class Runtime:
         # Run once the server is registered and SERVING (e.g. taking TC partition leases).
         self.start_hooks: list[StopHook] = []
         self.grpc_address = ""
+        self.server_tls: tls.ServerTls | None = None
         self.metrics_endpoint: metrics.MetricsEndpoint | None = None
         self.registrations: list[Registration] = []
         # Servicers by full service name, for calls from this same process (services/local.py).
@@ -100,8 +102,20 @@ class Runtime:
 
     async def start(self) -> None:
         config = self.config
+        if config["tls.enabled"]:
+            try:
+                self.server_tls = tls.ServerTls(
+                    config["tls.cert_file"], config["tls.key_file"], config["tls.ca_file"],
+                    require_client_cert=config["tls.client_auth"] == "require")
+                # Calls to other servers: the same CA, this server's certificate as client
+                # certificate (so they pass the others' tls.client_auth=require).
+                local.set_channel_tls(tls.ChannelTls(tls.TlsConfig(
+                    config["tls.ca_file"], config["tls.cert_file"], config["tls.key_file"])))
+            except tls.TlsFileError as error:
+                raise AtomlogError("INVALID_ARGUMENT", f"TLS: {error}") from None
         host, port = config["server.metrics_listen"].rsplit(":", 1)
-        self.metrics_endpoint = metrics.MetricsEndpoint(host, int(port))
+        self.metrics_endpoint = metrics.MetricsEndpoint(
+            host, int(port), self.server_tls if config["tls.metrics"] else None)
         metrics.BUILD_INFO.info({"version": __version__, "role": self.role, "name": self.name})
 
         await asyncio.to_thread(self.zk.start)
@@ -120,7 +134,10 @@ class Runtime:
 
         listen = config["server.listen"]
         try:
-            bound = self.server.add_insecure_port(listen)
+            if self.server_tls is not None:
+                bound = self.server.add_secure_port(listen, self.server_tls.credentials())
+            else:
+                bound = self.server.add_insecure_port(listen)
         except RuntimeError as error:
             raise AtomlogError("INVALID_ARGUMENT", f"cannot listen on {listen}: {error}") from None
         if bound == 0:
@@ -151,7 +168,9 @@ class Runtime:
         for hook in self.start_hooks:
             await hook()
         event(log, "serving", grpc_address=self.grpc_address,
-              metrics_address=self.metrics_endpoint.address, services=self.service_names)
+              metrics_address=self.metrics_endpoint.address, services=self.service_names,
+              tls=("mtls" if self.server_tls.require_client_cert else "tls")
+              if self.server_tls else "off")
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -173,6 +192,8 @@ class Runtime:
         await self.server.stop(grace_s)
         if self.grpc_address:
             local.unregister(self.grpc_address)
+        if self.server_tls is not None:
+            local.set_channel_tls(None)
         for hook in reversed(self.stop_hooks):
             try:
                 await hook()
