@@ -8,8 +8,12 @@
     with client.consumer("orders") as consumer:
         for message in consumer.poll(timeout_s=1.0):
             ...
+
+A cluster serving mutual TLS: `Client("host:port", tls=TlsConfig(ca_file="ca.crt",
+cert_file="client.crt", key_file="client.key"))`.
 """
 
+from services.tls import TlsConfig
 from spark_client.client import Client
 
-__all__ = ["Client"]
+__all__ = ["Client", "TlsConfig"]

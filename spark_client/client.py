@@ -14,14 +14,24 @@ from atomlog.v1 import coordinator_pb2, metadata_pb2
 from spark_client import errors
 from services import allocator
 from services.backoff import Backoff
+from services.tls import ChannelTls, TlsConfig
 from spark_client.routing import Channels, MetadataCache
 
 class Client:
     """A connection to an atomlog cluster. Thread-safe; share one per process."""
 
     def __init__(self, bootstrap: str | list[str], *, request_timeout_s: float = 30.0,
-                 tune_allocator: bool = True, one_call_max_bytes: int = 1 << 20):
-        """`one_call_max_bytes`: a transaction from begin_transaction() keeps its records
+                 tune_allocator: bool = True, one_call_max_bytes: int = 1 << 20,
+                 tls: TlsConfig | None = None):
+        """`tls`: reach a cluster that serves TLS (tls.enabled on the servers) —
+        `TlsConfig(ca_file=...)` with the CA that signed the servers' certificates, plus
+        `cert_file` and `key_file` when the servers require client certificates
+        (tls.client_auth=require). Every channel of this client uses it; files replaced
+        on disk are picked up (checked once a second) for the channels opened after. The
+        files are read and checked here: a missing or unusable one raises ValueError
+        (TlsFileError) naming it.
+
+        `one_call_max_bytes`: a transaction from begin_transaction() keeps its records
         and acks here while they are at most this many bytes (and each partition's at
         most its producer's batch_max_bytes), and commit() sends them in one CommitTxn
         call; a bigger one switches to NewTxn, Produce and EndTxn transparently. 0 turns
@@ -36,7 +46,8 @@ class Client:
             allocator.tune(4 << 20, 32 << 20)
         addresses = [bootstrap] if isinstance(bootstrap, str) else list(bootstrap)
         addresses = [a.strip() for item in addresses for a in item.split(",") if a.strip()]
-        self.channels = Channels()
+        self.tls = tls
+        self.channels = Channels(ChannelTls(tls) if tls is not None else None)
         self.metadata = MetadataCache(addresses, self.channels)
         self.request_timeout_s = request_timeout_s
         if one_call_max_bytes < 0:

@@ -18,6 +18,7 @@ from atomlog.v1 import (
     metadata_pb2_grpc,
     partition_pb2_grpc,
 )
+from services.tls import ChannelTls
 from spark_client import errors
 
 # Channel options: messages up to 64 MiB (fetches of many partitions), keepalive so a
@@ -45,10 +46,15 @@ class Channels:
     one stub per (address, service): building a stub registers each of its methods with
     the channel, which cost about a sixth of a small call's client CPU when done per call."""
 
-    def __init__(self):
+    def __init__(self, tls: ChannelTls | None = None):
+        """`tls`: channel credentials for a cluster serving TLS (None: plaintext). When
+        its files change on disk, channels opened from then on use the new ones."""
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[tuple[str, type], object] = {}
         self._lock = threading.Lock()
+        self.tls = tls
+        self._tls_generation = tls.current()[0] if tls is not None else 0
+        self._retired: list[grpc.Channel] = []  # from before a reload; closed by close()
 
     def partition(self, address: str) -> partition_pb2_grpc.PartitionServiceStub:
         return self._stub(address, partition_pb2_grpc.PartitionServiceStub)
@@ -60,25 +66,40 @@ class Channels:
         return self._stub(address, metadata_pb2_grpc.MetadataServiceStub)
 
     def _stub(self, address: str, kind: type):
+        if self.tls is not None and self.tls.current()[0] != self._tls_generation:
+            self._renew()
         stub = self._stubs.get((address, kind))
         if stub is None:
             stub = self._stubs[(address, kind)] = kind(self.get(address))
         return stub
 
+    def _renew(self) -> None:
+        """The TLS files were reloaded: new channels (and stubs) from now on; calls on the
+        old channels finish, and close() closes them."""
+        with self._lock:
+            generation = self.tls.current()[0]
+            if generation == self._tls_generation:
+                return
+            self._tls_generation = generation
+            self._retired += self._channels.values()
+            self._channels, self._stubs = {}, {}
+
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                           if self.tls is None else self.tls.channel(address, CHANNEL_OPTIONS))
                 self._channels[address] = channel
             return channel
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
+            for channel in [*self._channels.values(), *self._retired]:
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
+            self._retired.clear()
 
 
 class MetadataCache:
