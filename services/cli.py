@@ -69,14 +69,19 @@ def cli() -> None:
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
               help="A server setting for every process (kept in cluster.json); repeatable.")
 @click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for SERVING.")
+@click.option("--tls", "use_tls", is_flag=True,
+              help="Create the cluster with mutual TLS on every gRPC port: a local CA and one "
+                   "certificate per process (and a client certificate) under DIR/tls, made "
+                   "with the `cryptography` package; cluster.json records the client's files "
+                   "and the CLI uses them. Chosen when the cluster is created.")
 @click.option("--prometheus", is_flag=True,
               help="Also run Prometheus (Debian package `prometheus`) on loopback: it scrapes "
                    "every process every 2 s, evaluates deploy/prometheus/rules, and its URL "
                    "is printed. Later `up`s keep it running; `down` stops it.")
 @output_option
 def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators: int,
-       combined: bool, assignments: tuple[str, ...], timeout: float, prometheus: bool,
-       output: str) -> None:
+       combined: bool, assignments: tuple[str, ...], timeout: float, use_tls: bool,
+       prometheus: bool, output: str) -> None:
     """Start the local cluster, or the processes of it that are not running.
 
     ZooKeeper, id allocators, coordinators and partition servers run as separate
@@ -91,7 +96,9 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
 
     try:
         settings = parse_assignments(assignments)
-        check_cluster_settings(settings)  # fail here, not in every child
+        existing = launcher.ClusterFile.load(data_dir.resolve()) if data_dir.exists() else None
+        # fail here, not in every child
+        check_cluster_settings(settings, tls=use_tls or bool(existing and existing.tls))
     except ConfigError as error:
         fail(str(error), 2)
     counts = ({"combined": 1} if combined else
@@ -102,7 +109,7 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
         with console.status("starting atomlog", spinner="dots") if not quiet else nullcontext():
             report = launcher.up(data_dir, counts, settings, timeout,
                                  progress=(lambda m: None) if quiet else (lambda m: console.log(m)),
-                                 prometheus=prometheus)
+                                 prometheus=prometheus, tls=use_tls)
     except (launcher.LaunchError, launcher.localzk.ZooKeeperMissing) as error:
         fail(str(error))
     summary = {"seconds": round(report.seconds, 2), "started": report.started,
@@ -122,6 +129,11 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
     console.print(table)
     console.print(f"bootstrap: [bold]{report.cluster.bootstrap}[/]   zookeeper: "
                   f"{report.cluster.zookeeper}{report.cluster.chroot}")
+    if report.cluster.tls:
+        tls = report.cluster.tls
+        console.print(f"TLS ({tls.get('client_auth', 'require')} client certificates): "
+                      f"CA {tls['ca_file']}, client certificate {tls['cert_file']}, "
+                      f"key {tls['key_file']}", highlight=False)
     if prometheus_url:
         console.print(f"prometheus: [bold]{prometheus_url}[/]")
     console.print(f"all SERVING in [bold]{report.seconds:.1f} s[/] "
@@ -145,9 +157,12 @@ def status(data_dir: Path, output: str) -> None:
         fail(str(error))
     healthy = all(r.health == "SERVING" and not r.offline_partitions for r in rows)
     prometheus = launcher.prometheus_status(data_dir)  # shown, not part of `healthy`
+    cluster = launcher.ClusterFile.load(data_dir.resolve())
+    tls = {k: v for k, v in cluster.tls.items() if k != "dir"} if cluster and cluster.tls else {}
     if output == "json":
         click.echo(json.dumps({"healthy": healthy, "processes": [asdict(r) for r in rows],
-                               **({"prometheus": prometheus} if prometheus else {})}, indent=2))
+                               **({"prometheus": prometheus} if prometheus else {}),
+                               **({"tls": tls} if tls else {})}, indent=2))
     else:
         table = Table(title=f"atomlog cluster in {data_dir.resolve()}")
         for column in ("name", "role", "pid", "grpc", "metrics", "health", "TC partitions"):
@@ -165,6 +180,10 @@ def status(data_dir: Path, output: str) -> None:
         if owned < total:
             console.print(f"[yellow]{owned} of {total} TC partitions leased; the others are "
                           "moving between coordinators (seconds) or no coordinator is up[/]")
+        if tls:
+            console.print(f"TLS ({tls.get('client_auth', 'require')} client certificates): "
+                          f"CA {tls['ca_file']}, client certificate {tls.get('cert_file')}, "
+                          f"key {tls.get('key_file')}", highlight=False)
         if prometheus:
             color = "green" if prometheus["health"] == "SERVING" else "yellow"
             console.print(f"prometheus: {prometheus['url']} [{color}]{prometheus['health']}[/]")
@@ -236,27 +255,80 @@ def serve(role: str, config_file: str | None, assignments: tuple[str, ...], name
 
 
 # ---------------------------------------------------------------- topics
+# TLS of the cluster a command calls: --tls-ca/--tls-cert/--tls-key (or ATOMLOG_TLS_CA,
+# ATOMLOG_TLS_CERT, ATOMLOG_TLS_KEY), else the local cluster's (cluster.json of --data-dir,
+# `atomlog up --tls`) when the command calls it. Set by _bootstrap(); None: plaintext.
+_TLS_FLAGS: dict[str, str | None] = {}
+_TLS = None
+
+
 def _bootstrap(bootstrap: str | None, data_dir: Path) -> str:
-    if bootstrap:
-        return bootstrap
+    """The address to call, and (in _TLS) the TLS it needs."""
+    global _TLS
     from services.launcher import ClusterFile
+    from services.tls import TlsConfig, TlsFileError
 
-    cluster = ClusterFile.load(data_dir.resolve())
-    if cluster is None or not cluster.bootstrap:
-        fail(f"no --bootstrap given and no local cluster in {data_dir}")
-    return cluster.bootstrap
+    ca, cert, key = (_TLS_FLAGS.get(n) for n in ("tls_ca", "tls_cert", "tls_key"))
+    cluster = ClusterFile.load(data_dir.resolve()) if data_dir.exists() else None
+    if not bootstrap:
+        if cluster is None or not cluster.bootstrap:
+            fail(f"no --bootstrap given and no local cluster in {data_dir}")
+        bootstrap = cluster.bootstrap
+    if ca or cert or key:
+        if not ca:
+            fail("--tls-cert and --tls-key need --tls-ca (the CA that signed the servers)", 2)
+        _TLS = TlsConfig(ca, cert or "", key or "")
+        try:
+            _TLS.check()
+        except TlsFileError as error:
+            fail(f"TLS: {error}", 2)
+    elif cluster is not None and (bootstrap == cluster.bootstrap or bootstrap in {
+            p.grpc_address for p in cluster.processes}):
+        _TLS = cluster.client_tls()
+    return bootstrap
 
 
-bootstrap_option = click.option("--bootstrap", "-b", envvar="ATOMLOG_BOOTSTRAP",
-                                help="Any server's host:port (default: the local cluster's).")
+def _client(bootstrap: str, **options):
+    """An SDK Client of `bootstrap`, over TLS when the cluster needs it (_bootstrap)."""
+    from spark_client import Client
+
+    return Client(bootstrap, tls=_TLS, **options)
+
+
+def _remember_tls(_ctx, param, value):
+    _TLS_FLAGS[param.name] = value
+    return value
+
+
+_CLUSTER_OPTIONS = (
+    click.option("--bootstrap", "-b", envvar="ATOMLOG_BOOTSTRAP",
+                 help="Any server's host:port (default: the local cluster's)."),
+    click.option("--tls-ca", envvar="ATOMLOG_TLS_CA", expose_value=False,
+                 callback=_remember_tls, metavar="FILE",
+                 help="CA certificate (PEM) of a cluster serving TLS (default: the local "
+                      "cluster's, for a cluster started with `up --tls`)."),
+    click.option("--tls-cert", envvar="ATOMLOG_TLS_CERT", expose_value=False,
+                 callback=_remember_tls, metavar="FILE",
+                 help="Client certificate (PEM), for a cluster requiring one (mTLS)."),
+    click.option("--tls-key", envvar="ATOMLOG_TLS_KEY", expose_value=False,
+                 callback=_remember_tls, metavar="FILE", help="Key of --tls-cert (PEM)."),
+)
+
+
+def bootstrap_option(command):
+    """--bootstrap and the TLS options of every command that calls the cluster."""
+    for option in reversed(_CLUSTER_OPTIONS):
+        command = option(command)
+    return command
 
 
 def _call(bootstrap: str, method: str, request):
     from atomlog.v1 import metadata_pb2_grpc
     from services.errors import from_rpc_error
+    from services.tls import ChannelTls, channel
 
-    with grpc.insecure_channel(bootstrap) as channel:
-        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+    with channel(bootstrap, ChannelTls(_TLS) if _TLS else None) as opened:
+        stub = metadata_pb2_grpc.MetadataServiceStub(opened)
         try:
             return getattr(stub, method)(request, timeout=10)
         except grpc.RpcError as rpc_error:
@@ -354,10 +426,9 @@ def partition() -> None:
 def _call_owner(bootstrap: str, topic_name: str, number: int, method: str, request,
                 timeout: float = 10):
     """Call a PartitionService method on the partition's owner; exit 1 on any error."""
-    from spark_client import Client
     from spark_client.errors import AtomlogClientError, from_grpc
 
-    with Client(bootstrap) as client:
+    with _client(bootstrap) as client:
         try:
             route = client.metadata.route(topic_name, number)
             if not route.address:
@@ -513,7 +584,6 @@ def subscription_reset(topic_name: str, name: str, to: str, offset: int | None,
     where the subscription has acks pending in an open transaction; the subscription must
     exist (UNKNOWN_SUBSCRIPTION). Exits 1 if any partition was not moved."""
     from atomlog.v1 import common_pb2, partition_pb2
-    from spark_client import Client
     from spark_client.errors import AtomlogClientError, from_grpc
     from spark_client.subscriber import subscription_position
 
@@ -525,7 +595,7 @@ def subscription_reset(topic_name: str, name: str, to: str, offset: int | None,
         fail(str(error), 2)
     outcomes: dict[int, tuple[int | None, str | None]] = {}  # partition -> (position, error)
     try:
-        with Client(_bootstrap(bootstrap, data_dir)) as client:
+        with _client(_bootstrap(bootstrap, data_dir)) as client:
             count = client.partitions_for(topic_name)
             numbers = sorted(set(partitions)) if partitions else list(range(count))
             if any(not 0 <= n < count for n in numbers):
@@ -707,11 +777,10 @@ def _txn_fail(txn_id, error) -> NoReturn:
 @contextmanager
 def _sdk_client(bootstrap: str):
     """An SDK client whose connection errors end the command (exit 1)."""
-    from spark_client import Client
     from spark_client.errors import AtomlogClientError
 
     try:
-        with Client(bootstrap, request_timeout_s=SERVER_CALL_TIMEOUT_S) as client:
+        with _client(bootstrap, request_timeout_s=SERVER_CALL_TIMEOUT_S) as client:
             client.metadata.refresh()
             yield client
     except AtomlogClientError as error:
@@ -1404,12 +1473,11 @@ def produce(topic: str, key_separator: str | None, partition: int | None, bootst
 
     Exits non-zero if any record could not be delivered.
     """
-    from spark_client import Client
     from spark_client.errors import AtomlogClientError
 
     futures = []
     try:
-        with Client(_bootstrap(bootstrap, data_dir)) as client, client.producer() as producer:
+        with _client(_bootstrap(bootstrap, data_dir)) as client, client.producer() as producer:
             for line in sys.stdin:
                 line = line.rstrip("\n")
                 key = None
@@ -1441,12 +1509,11 @@ def consume(topics: tuple[str, ...], start: str, isolation: str, max_messages: i
             idle_timeout: float | None, bootstrap: str | None, data_dir: Path, output: str) -> None:
     """Print the records of TOPICS to standard output (values as text, one per line;
     with -o json one JSON object per record)."""
-    from spark_client import Client
     from spark_client.errors import AtomlogClientError
 
     count = 0
     try:
-        with Client(_bootstrap(bootstrap, data_dir)) as client, \
+        with _client(_bootstrap(bootstrap, data_dir)) as client, \
                 client.consumer(list(topics), isolation=isolation, start=start) as consumer:
             idle_since = time.monotonic()
             while max_messages is None or count < max_messages:

@@ -35,8 +35,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import localzk
 from services.config import COMMON, role_name, role_settings
+from services.tls import channel
 
 CLUSTER_FILE = "cluster.json"
+TLS_DIR = "tls"  # `up --tls`: the local CA, each process's certificate, the client's
 PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
 ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server": "ps",
                "combined": "node"}
@@ -78,6 +80,25 @@ class ClusterFile:
     processes: list[ProcessEntry] = field(default_factory=list)
     # `atomlog up --prometheus`: grpc_address holds its HTTP address.
     prometheus: ProcessEntry | None = None
+    # `atomlog up --tls`: what clients need (ca_file, and cert_file/key_file of the
+    # cluster's client certificate), client_auth, and the directory of every process's
+    # certificate (DIR/tls/<name>.crt, .key). Empty: plaintext.
+    tls: dict[str, str] = field(default_factory=dict)
+
+    def client_tls(self):
+        """The SDK's TlsConfig for this cluster, or None when it is plaintext."""
+        if not self.tls:
+            return None
+        from services.tls import TlsConfig
+
+        return TlsConfig(self.tls["ca_file"], self.tls.get("cert_file", ""),
+                         self.tls.get("key_file", ""))
+
+    def channel_tls(self):
+        from services.tls import ChannelTls
+
+        config = self.client_tls()
+        return ChannelTls(config) if config is not None else None
 
     @property
     def bootstrap(self) -> str:
@@ -90,6 +111,8 @@ class ClusterFile:
                 "processes": [asdict(p) for p in self.processes]}
         if self.prometheus is not None:
             data["prometheus"] = asdict(self.prometheus)
+        if self.tls:
+            data["tls"] = dict(self.tls)
         return data
 
     @classmethod
@@ -102,7 +125,8 @@ class ClusterFile:
         return cls(data["data_dir"], data["zookeeper"], data.get("chroot", "/atomlog"),
                    dict(data.get("settings", {})),
                    [ProcessEntry(**p) for p in data["processes"]],
-                   ProcessEntry(**prometheus) if prometheus else None)
+                   ProcessEntry(**prometheus) if prometheus else None,
+                   dict(data.get("tls", {})))
 
     def save(self, data_dir: Path) -> None:
         _write_atomically(data_dir / CLUSTER_FILE, json.dumps(self.to_json(), indent=2) + "\n")
@@ -192,12 +216,24 @@ def marker_of(entry: ProcessEntry) -> str:
     return f"QuorumPeerMain {entry.data_dir}" if entry.role == "zookeeper" else f"--name {entry.name} "
 
 
-def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str]) -> ClusterFile:
-    """The existing cluster file, extended with any processes the counts add."""
+def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str],
+         tls: bool = False) -> ClusterFile:
+    """The existing cluster file, extended with any processes the counts add (and, for a
+    TLS cluster, their certificates)."""
     cluster = ClusterFile.load(data_dir)
+    if cluster is not None and tls and not cluster.tls:
+        raise LaunchError(f"the cluster in {data_dir} was created without --tls; TLS is "
+                          "chosen when a cluster is created (`atomlog down`, then `up --tls` "
+                          "in a new --data-dir)")
     if cluster is None:
         zk_port = free_port()
         cluster = ClusterFile(str(data_dir), f"127.0.0.1:{zk_port}")
+        if tls:
+            tls_dir = data_dir / TLS_DIR
+            cluster.tls = {"ca_file": str(tls_dir / "ca.crt"),
+                           "cert_file": str(tls_dir / "client.crt"),
+                           "key_file": str(tls_dir / "client.key"),
+                           "client_auth": "require", "dir": str(tls_dir)}
         cluster.processes.append(ProcessEntry(
             "zookeeper", "zookeeper", f"127.0.0.1:{zk_port}",
             data_dir=str(data_dir / "zookeeper"), log_file=str(data_dir / "logs" / "zookeeper.log")))
@@ -209,7 +245,43 @@ def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str]) -> Cl
             cluster.processes.append(ProcessEntry(
                 name, role, f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}",
                 data_dir=str(data_dir / name), log_file=str(data_dir / "logs" / f"{name}.log")))
+    if cluster.tls:
+        issue_certificates(cluster)
     return cluster
+
+
+def issue_certificates(cluster: ClusterFile) -> list[str]:
+    """Make the local CA of a TLS cluster and the certificates it lacks: one per process
+    (SANs 127.0.0.1, localhost and its name; for servers and, as servers call each other,
+    clients) and the client certificate of the CLI and tests. Returns the names issued."""
+    from services.tls import LocalCa
+
+    tls_dir = Path(cluster.tls["dir"])
+    ca = LocalCa(tls_dir, f"atomlog local CA ({cluster.data_dir})")
+    issued = []
+    for entry in cluster.processes:
+        if entry.role == "zookeeper":
+            continue
+        cert, key = tls_dir / f"{entry.name}.crt", tls_dir / f"{entry.name}.key"
+        if not (cert.exists() and key.exists()):
+            ca.issue(cert, key, entry.name, ["127.0.0.1", "localhost", entry.name])
+            issued.append(entry.name)
+    if not (Path(cluster.tls["cert_file"]).exists() and Path(cluster.tls["key_file"]).exists()):
+        ca.issue(Path(cluster.tls["cert_file"]), Path(cluster.tls["key_file"]), "atomlog-client",
+                 server=False)
+        issued.append("client")
+    return issued
+
+
+def tls_settings(cluster: ClusterFile, entry: ProcessEntry) -> dict[str, str]:
+    """The tls.* settings of one process of a TLS cluster (none for a plaintext one)."""
+    if not cluster.tls:
+        return {}
+    tls_dir = Path(cluster.tls["dir"])
+    return {"tls.enabled": "true", "tls.cert_file": str(tls_dir / f"{entry.name}.crt"),
+            "tls.key_file": str(tls_dir / f"{entry.name}.key"),
+            "tls.ca_file": cluster.tls["ca_file"],
+            "tls.client_auth": cluster.tls.get("client_auth", "require")}
 
 
 def service_command(cluster: ClusterFile, entry: ProcessEntry) -> list[str]:
@@ -220,7 +292,9 @@ def service_command(cluster: ClusterFile, entry: ProcessEntry) -> list[str]:
     if entry.advertised_address:
         host, port = entry.advertised_address.rsplit(":", 1)
         command += ["--set", f"server.advertised_host={host}", "--set", f"server.advertised_port={port}"]
-    for key, value in sorted(role_settings(cluster.settings, entry.role).items()):
+    # --set settings come last: they may change a TLS default (e.g. tls.metrics=true).
+    settings = {**tls_settings(cluster, entry), **role_settings(cluster.settings, entry.role)}
+    for key, value in sorted(settings.items()):
         command += ["--set", f"{key}={value}"]
     return command
 
@@ -252,24 +326,24 @@ def start_zookeeper(entry: ProcessEntry) -> int:
     return spawn(command, entry.log_file, cwd=entry.data_dir)
 
 
-def health_status(address: str, timeout_s: float = 1.0) -> str:
-    """SERVING, NOT_SERVING, ... or UNREACHABLE."""
+def health_status(address: str, timeout_s: float = 1.0, tls=None) -> str:
+    """SERVING, NOT_SERVING, ... or UNREACHABLE. `tls`: a services.tls.ChannelTls."""
     try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+        with channel(address, tls) as channel_:
+            reply = health_pb2_grpc.HealthStub(channel_).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError:
         return "UNREACHABLE"
 
 
-def offline_partitions(address: str, timeout_s: float = 2.0) -> list[str]:
+def offline_partitions(address: str, timeout_s: float = 2.0, tls=None) -> list[str]:
     """Partitions of a partition server that refuse to serve (DATA_LOSS), with where."""
     from atomlog.v1 import partition_pb2, partition_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
-            reply = partition_pb2_grpc.PartitionServiceStub(channel).ListPartitions(
+        with channel(address, tls) as channel_:
+            reply = partition_pb2_grpc.PartitionServiceStub(channel_).ListPartitions(
                 partition_pb2.ListPartitionsRequest(include_internal=True), timeout=timeout_s)
     except grpc.RpcError as error:
         return [f"(cannot list partitions: {error.code().name})"]
@@ -318,12 +392,15 @@ class UpReport:
 
 def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None = None,
        timeout_s: float = 90.0, progress: Callable[[str], None] = lambda _m: None,
-       prometheus: bool = False) -> UpReport:
+       prometheus: bool = False, tls: bool = False) -> UpReport:
+    """`tls`: a new cluster serves mutual TLS on every gRPC port, with a local CA and
+    certificates under DIR/tls (an existing cluster keeps what it was created with)."""
     began = time.monotonic()
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    cluster = plan(data_dir, counts, settings or {})
+    cluster = plan(data_dir, counts, settings or {}, tls)
     cluster.save(data_dir)
+    client_tls = cluster.channel_tls()
     started, running = [], []
 
     zk = next(p for p in cluster.processes if p.role == "zookeeper")
@@ -359,7 +436,8 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
     pending = {e.name: e for e in services}
     while pending:
         with ThreadPoolExecutor(max_workers=len(pending)) as pool:
-            states = dict(zip(pending, pool.map(lambda e: health_status(e.grpc_address), pending.values())))
+            states = dict(zip(pending, pool.map(
+                lambda e: health_status(e.grpc_address, tls=client_tls), pending.values())))
         for name, state in states.items():
             entry = pending[name]
             if state == "SERVING":
@@ -463,14 +541,16 @@ def status(data_dir: Path) -> list[ProcessStatus]:
     if cluster is None:
         raise LaunchError(f"no cluster in {data_dir} (no {CLUSTER_FILE}); run `atomlog up`")
 
+    client_tls = cluster.channel_tls()
+
     def probe(entry: ProcessEntry) -> ProcessStatus:
         alive = process_alive(entry.pid, marker_of(entry))
         if entry.role == "zookeeper":
             health = "SERVING" if alive and localzk.is_serving(entry.grpc_address) else (
                 "NOT_SERVING" if alive else "DOWN")
         else:
-            health = health_status(entry.grpc_address) if alive else "DOWN"
-        offline = (offline_partitions(entry.grpc_address)
+            health = health_status(entry.grpc_address, tls=client_tls) if alive else "DOWN"
+        offline = (offline_partitions(entry.grpc_address, tls=client_tls)
                    if entry.role in SERVES_PARTITIONS and health == "SERVING" else [])
         return ProcessStatus(entry.name, entry.role, entry.pid if alive else 0, alive,
                              entry.grpc_address, entry.metrics_address, health, entry.log_file,
@@ -479,7 +559,7 @@ def status(data_dir: Path) -> list[ProcessStatus]:
     with ThreadPoolExecutor(max_workers=max(1, len(cluster.processes))) as pool:
         rows = list(pool.map(probe, cluster.processes))
     serving = [r for r in rows if r.role != "zookeeper" and r.health == "SERVING"]
-    leases = tc_leases(serving[0].grpc_address) if serving else {}
+    leases = tc_leases(serving[0].grpc_address, tls=client_tls) if serving else {}
     for row in rows:  # a combined server's coordinator has a name of its own
         coordinator = role_name(row.name, row.role, "coordinator")
         row.tc_partitions = sorted(k for k, owner in leases.items() if owner == coordinator)
@@ -507,13 +587,13 @@ def tc_partition_count(data_dir: Path) -> int:
     return next(s.default for s in COMMON if s.name == "cluster.tc_partitions")
 
 
-def tc_leases(address: str, timeout_s: float = 2.0) -> dict[int, str]:
+def tc_leases(address: str, timeout_s: float = 2.0, tls=None) -> dict[int, str]:
     """TC partition -> the coordinator holding its lease (unowned ones left out)."""
     from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
-            reply = metadata_pb2_grpc.MetadataServiceStub(channel).GetMetadata(
+        with channel(address, tls) as channel_:
+            reply = metadata_pb2_grpc.MetadataServiceStub(channel_).GetMetadata(
                 metadata_pb2.GetMetadataRequest(), timeout=timeout_s)
     except grpc.RpcError:
         return {}
