@@ -30,9 +30,11 @@ say() { printf '\033[1m[go tools]\033[0m %s\n' "$*" >&2; }
 mkdir -p "$CACHE/go-tools"
 
 find_go() {
-  local candidate
-  for candidate in "${GO:-}" "$(command -v go 2>/dev/null || true)" /usr/local/go/bin/go \
-                   "$CACHE/go-$GO_VERSION/bin/go"; do
+  local candidate candidates=("${GO:-}" "$(command -v go 2>/dev/null || true)" /usr/local/go/bin/go
+                              "$CACHE/go-$GO_VERSION/bin/go")
+  # ATOMLOG_GO_DOWNLOAD=1 ignores installed Go (to try the download on a machine that has Go).
+  [ "${ATOMLOG_GO_DOWNLOAD:-}" = 1 ] && candidates=("$CACHE/go-$GO_VERSION/bin/go")
+  for candidate in "${candidates[@]}"; do
     if [ -n "$candidate" ] && [ -x "$candidate" ] && go_is_new_enough "$candidate"; then
       echo "$candidate"
       return 0
@@ -83,7 +85,8 @@ prefix = None
 with zipfile.ZipFile(part) as archive:
     for info in archive.infolist():
         name = info.filename
-        prefix = prefix or name.split("/", 1)[0] + "/"   # golang.org/toolchain@v.../
+        if prefix is None:  # golang.org/toolchain@v0.0.1-go<version>.<platform>/
+            prefix = name[:name.index("/", name.index("@")) + 1]
         if not name.startswith(prefix) or ".." in name.split("/"):
             sys.exit(f"unexpected path in the toolchain zip: {name}")
         path = os.path.join(staging, name[len(prefix):])
