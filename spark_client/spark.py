@@ -31,6 +31,7 @@ is repeatable and never sees open or aborted data.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadLimit, ReadM
 from pyspark.sql.types import (ArrayType, BinaryType, IntegerType, LongType, MapType,
                                StringType, StructField, StructType, TimestampType)
 
+from services.tls import TlsConfig, TlsFileError
 from spark_client import errors
 
 NAME = "atomlog"
@@ -85,6 +87,10 @@ OPTIONS = {
     "sourceSubscription": ("", "stream writes: record each micro-batch's end offsets of its "
                            "atomlog source(s) as cumulative acks of this subscription, in "
                            "the micro-batch's transaction"),
+    "tls.ca": ("", "a cluster serving TLS: the CA certificate file (PEM) that signed the "
+               "servers; the same path must exist on the driver and every executor"),
+    "tls.cert": ("", "mTLS (tls.client_auth=require): the client certificate file (PEM)"),
+    "tls.key": ("", "mTLS: the key file (PEM) of tls.cert"),
 }
 # Options Spark itself passes along with ours.
 _SPARK_OPTIONS = {"path", "checkpointlocation", "queryname"}
@@ -143,6 +149,7 @@ class Options:
     request_timeout_s: float
     source_subscription: str = ""
     checkpoint: str = ""
+    tls: TlsConfig | None = None
 
     @classmethod
     def parse(cls, options) -> Options:
@@ -195,12 +202,23 @@ class Options:
                      checkpoint=given.get("checkpointlocation", ""))
         for which in ("starting", "ending"):
             _parse_offsets_spec(getattr(parsed, which), f"{which}Offsets")
+        ca, cert, key = get("tls.ca"), get("tls.cert"), get("tls.key")
+        if cert or key or ca:
+            if not ca:
+                raise OptionError("options tls.cert and tls.key need tls.ca (the CA that "
+                                  "signed the servers' certificates)")
+            tls = TlsConfig(ca, cert, key)
+            try:
+                tls.check()
+            except TlsFileError as error:
+                raise OptionError(f"options tls.*: {error}") from None
+            parsed = dataclasses.replace(parsed, tls=tls)
         return parsed
 
     def client(self):
         from spark_client import Client
 
-        return Client(self.bootstrap, request_timeout_s=self.request_timeout_s)
+        return Client(self.bootstrap, request_timeout_s=self.request_timeout_s, tls=self.tls)
 
     def write_topic(self) -> str:
         if len(self.topics) != 1:
