@@ -6,6 +6,10 @@ same name, ports and data directory), then waits until every health check answer
 SERVING. `status` probes each process. `down` stops services with SIGTERM (they drain
 and unregister), then ZooKeeper; stragglers get SIGKILL after the timeout.
 
+`up(tls=True)`, when it creates the cluster, makes a local CA and a certificate per
+process under DIR/tls (services/tls.py LocalCa) and runs every process with mutual TLS;
+cluster.json's "tls" names the client's files, which status and the CLI use.
+
 `up(prometheus=True)` also runs a Prometheus server (the `prometheus` binary of the
 Debian package) that scrapes every process through DIR/prometheus-targets.json and
 evaluates deploy/prometheus/rules; it is recorded in cluster.json beside the processes
