@@ -320,6 +320,49 @@ def test_a_fenced_go_producer_cannot_commit(go, cluster):
         client.close()
 
 
+# ------------------------------------------------------------------- kill -9
+
+def test_a_go_producer_loses_and_duplicates_nothing_across_kill_9(go, cluster):
+    """Retries that keep order: a Go producer sends keyed records while the owner of a
+    partition is killed and restarted; every acknowledged record is there exactly once,
+    at its offset, in send order per partition."""
+    bootstrap = cluster.info["bootstrap"]
+    client = Client(bootstrap)
+    producer = None
+    try:
+        topic = new_topic(client, "go-crash", 3)
+        victim = client.metadata.route(topic, 0).server_name
+        producer = subprocess.Popen([str(go.cli), "-bootstrap", bootstrap, "produce", "-topic", topic,
+                                     "-count", "4000", "-rate", "1000"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        os.kill(cluster.process(victim)["pid"], signal.SIGKILL)
+        time.sleep(0.3)
+        assert victim in cluster.up()["started"]
+        out, err = producer.communicate(timeout=180)
+        assert producer.returncode == 0, err[-3000:]
+        report = json.loads(out)
+        assert not report["failed"] and len(report["acked"]) == 4000, report["failed"]
+        # The kill was felt: batches to the dead owner failed and were sent again.
+        assert set(report["retries"]) - {"OUT_OF_ORDER_SEQUENCE", "UNKNOWN_PRODUCER_ID"}, report["retries"]
+        messages = python_read(client, topic, 4000)
+        at = {(m.partition, m.offset): m.value.decode() for m in messages}
+        assert len(messages) == len(at) == 4000, "a record was read twice or is missing"
+        assert len(set(at.values())) == 4000, "a record was written twice"
+        for value, partition, offset in report["acked"]:
+            assert at[(partition, offset)] == value
+        for partition in range(3):
+            in_offset_order = [v for (p, _), v in sorted(at.items()) if p == partition]
+            assert in_offset_order == sorted(in_offset_order), f"send order lost in {partition}"
+        print(f"Go producer across kill -9 of {victim}: {report['seconds']:.1f} s, "
+              f"retries {report['retries']}")
+    finally:
+        if producer is not None and producer.poll() is None:
+            producer.kill()
+        cluster.up()
+        client.close()
+
+
 # ------------------------------------------------------------------- exactly once across kill -9
 
 CTP_INPUTS = 3000

@@ -297,7 +297,18 @@ func TestClusterTransactions(t *testing.T) {
 	if _, err := f.Wait(ctx); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(1200 * time.Millisecond) // the coordinator aborts it at its timeout
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		state, err := late.State(ctx) // the coordinator aborts it at its timeout
+		if err != nil {
+			t.Fatal(err)
+		}
+		if state == "ABORTED" || state == "ABORTING" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a transaction past its 300 ms timeout is still %s", state)
+		}
+	}
 	if err := late.Commit(ctx); !errors.Is(err, ErrTransactionTimedOut) || !IsAbortable(err) {
 		t.Fatalf("a transaction past its timeout: %v", err)
 	}

@@ -196,6 +196,33 @@ type Producer struct {
 	sessionTC   uint32
 	fenced      bool
 	needsReinit bool
+
+	stats ProducerStats
+}
+
+// ProducerStats counts what the producer did, for monitoring and tests.
+type ProducerStats struct {
+	// Batches acknowledged, and records in them.
+	Batches, Records int
+	// Retries: batches sent again, by the reason of the failure that made them resend.
+	Retries map[string]int
+	// Failed batches, by reason.
+	Failed map[string]int
+}
+
+// Stats is a copy of the producer's counters.
+func (p *Producer) Stats() ProducerStats {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := ProducerStats{Batches: p.stats.Batches, Records: p.stats.Records,
+		Retries: map[string]int{}, Failed: map[string]int{}}
+	for k, v := range p.stats.Retries {
+		out.Retries[k] = v
+	}
+	for k, v := range p.stats.Failed {
+		out.Failed[k] = v
+	}
+	return out
 }
 
 // NewProducer makes a producer: a fresh producer id from a coordinator, or with
@@ -579,6 +606,15 @@ func (p *Producer) finish(b *batch, baseOffset, appendMs int64, err error) {
 		return
 	}
 	b.finished = true
+	if err == nil {
+		p.stats.Batches++
+		p.stats.Records += len(b.records)
+	} else {
+		if p.stats.Failed == nil {
+			p.stats.Failed = map[string]int{}
+		}
+		p.stats.Failed[reasonOrOther(err)]++
+	}
 	b.o.baseOffset, b.o.appendMs, b.o.err = baseOffset, appendMs, err
 	close(b.o.done)
 	p.buffered -= b.size
@@ -619,6 +655,9 @@ func (p *Producer) sendable(now time.Time) (out []*batch, regs map[*Txn][]TopicP
 		}
 		for len(st.ready) > 0 && len(st.inFlight) < p.opts.MaxInFlight && !st.ready[0].notBefore.After(now) {
 			b := st.ready[0]
+			if b.attempts > 0 && len(st.inFlight) > 0 {
+				break // a retry goes out alone, after everything before it is answered
+			}
 			if b.txn != nil && !b.txn.registered(tp) {
 				regs[b.txn] = append(regs[b.txn], tp)
 				break
@@ -700,9 +739,7 @@ func (p *Producer) run() {
 		timer.Reset(wait)
 		select {
 		case <-p.wake:
-			if !timer.Stop() {
-				<-timer.C
-			}
+			timer.Stop()
 		case <-timer.C:
 		}
 	}
@@ -893,6 +930,13 @@ func (p *Producer) drainCompletions() {
 	}
 }
 
+func reasonOrOther(err error) string {
+	if reason := Reason(err); reason != "" {
+		return reason
+	}
+	return "OTHER"
+}
+
 func indexOf(list []*batch, b *batch) int {
 	for i, x := range list {
 		if x == b {
@@ -912,14 +956,23 @@ func (p *Producer) handleFailure(b *batch, st *partState, err error) {
 	retriable := retriableItemReasons[reason] ||
 		(sequenceRefusals[reason] && (index > 0 || b.sentBehind))
 	if retriable && now.Before(b.deadline) {
-		// Send this batch and every later one of the partition again, in order.
+		if p.stats.Retries == nil {
+			p.stats.Retries = map[string]int{}
+		}
+		p.stats.Retries[reason]++
+		// Send this batch and every later one of the partition again, in order: at once
+		// when it only overtook an earlier batch (it goes out when that one is answered),
+		// else after a backoff.
 		later := append([]*batch{}, st.inFlight[index:]...)
 		st.inFlight = st.inFlight[:index]
-		backoff := newBackoff(100*time.Millisecond, time.Second)
-		for range b.attempts - 1 {
-			backoff.next()
+		delay := time.Duration(0)
+		if !sequenceRefusals[reason] {
+			backoff := newBackoff(20*time.Millisecond, time.Second)
+			for range b.attempts - 1 {
+				backoff.next()
+			}
+			delay = backoff.next()
 		}
-		delay := backoff.next()
 		for _, l := range later {
 			l.notBefore = now.Add(delay)
 		}

@@ -5,6 +5,7 @@
 //
 //	atomlog-go [-bootstrap HOST:PORT] COMMAND [flags]   (default bootstrap: $ATOMLOG_BOOTSTRAP)
 //
+//	produce -topic T -count N [-rate R]       (idempotent, keyed; prints where each record went)
 //	txn     -topic T -count N [-partitions P] [-prefix X] [-abort] [-one-call]
 //	read    -topic T -expect N [-isolation read_committed|read_uncommitted]
 //	fenced  -topic T -id TRANSACTIONAL_ID     (interactive: commits after a line on stdin)
@@ -30,7 +31,7 @@ import (
 func main() {
 	bootstrap := flag.String("bootstrap", os.Getenv("ATOMLOG_BOOTSTRAP"), "any server's address")
 	flag.Usage = func() {
-		fmt.Fprintln(os.Stderr, "usage: atomlog-go [-bootstrap HOST:PORT] txn|read|fenced|ctp|decode|encode [flags]")
+		fmt.Fprintln(os.Stderr, "usage: atomlog-go [-bootstrap HOST:PORT] produce|txn|read|fenced|ctp|decode|encode [flags]")
 	}
 	flag.Parse()
 	if flag.NArg() < 1 {
@@ -44,12 +45,14 @@ func main() {
 		err = decode(args)
 	case "encode":
 		err = encode(args)
-	case "txn", "read", "fenced", "ctp":
+	case "produce", "txn", "read", "fenced", "ctp":
 		var client *atomlog.Client
 		client, err = atomlog.Dial(*bootstrap, atomlog.WithRequestTimeout(10*time.Second))
 		if err == nil {
 			defer client.Close()
 			switch command {
+			case "produce":
+				err = produce(client, args)
 			case "txn":
 				err = txn(client, args)
 			case "read":
@@ -73,6 +76,54 @@ func main() {
 func emit(v any) {
 	line, _ := json.Marshal(v)
 	fmt.Println(string(line))
+}
+
+// ------------------------------------------------------------------- produce
+
+// produce sends values p-000000 ... keyed by value, at about `rate` records per second,
+// with small batches, then waits for every future: each record's partition and offset,
+// or its error.
+func produce(client *atomlog.Client, args []string) error {
+	flags := flag.NewFlagSet("produce", flag.ExitOnError)
+	topic := flags.String("topic", "", "topic to write")
+	count := flags.Int("count", 1000, "records")
+	rate := flags.Int("rate", 0, "records per second (0: as fast as possible)")
+	flags.Parse(args)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	producer, err := client.NewProducer(ctx, atomlog.ProducerOptions{Linger: time.Millisecond,
+		BatchMaxBytes: 16 << 10})
+	if err != nil {
+		return err
+	}
+	defer producer.Close(ctx)
+	began := time.Now()
+	futures := make([]*atomlog.Future, *count)
+	for i := range futures {
+		if *rate > 0 {
+			if wait := time.Until(began.Add(time.Duration(i) * time.Second / time.Duration(*rate))); wait > 0 {
+				time.Sleep(wait)
+			}
+		}
+		value := fmt.Sprintf("p-%06d", i)
+		futures[i], err = producer.Send(ctx, *topic, atomlog.Record{Key: []byte(value), Value: []byte(value)})
+		if err != nil {
+			return err
+		}
+	}
+	acked := [][3]any{}
+	failed := map[string]int{}
+	for i, f := range futures {
+		meta, err := f.Wait(ctx)
+		if err != nil {
+			failed[reasonOf(err)]++
+			continue
+		}
+		acked = append(acked, [3]any{fmt.Sprintf("p-%06d", i), meta.Partition, meta.Offset})
+	}
+	emit(map[string]any{"acked": acked, "failed": failed, "seconds": time.Since(began).Seconds(),
+		"retries": producer.Stats().Retries})
+	return nil
 }
 
 // ------------------------------------------------------------------- txn
