@@ -105,3 +105,41 @@ def test_restart_at_the_leaders_log_start(tmp_path):
     with pytest.raises(AtomlogError) as refused:
         leader.restart_at(-1)
     assert refused.value.reason == "INVALID_ARGUMENT"
+
+
+# ------------------------------------------------------------------ leader-epoch file
+
+def test_leader_epochs_persist_and_follow_the_log(tmp_path):
+    from partition_server.leader_epochs import FILE_NAME, LeaderEpochFile
+
+    epochs = LeaderEpochFile(tmp_path, log_start=0, log_end=0)
+    assert epochs.cache.entries == []
+    epochs.assign(1, 0)
+    epochs.assign(3, 10)
+    epochs.assign(3, 12)  # already known: no rewrite
+    assert LeaderEpochFile(tmp_path, 0, 20).cache.entries == [(1, 0), (3, 10)]
+    epochs.truncate_from_end(10)
+    assert LeaderEpochFile(tmp_path, 0, 10).cache.entries == [(1, 0)]
+    epochs.assign(4, 10)
+    epochs.truncate_from_start(5)
+    assert LeaderEpochFile(tmp_path, 5, 10).cache.entries == [(1, 5), (4, 10)]
+    # A crash between cutting the log and the file: opening drops what lies past the end,
+    # and an epoch begun exactly at the end (a leader that wrote nothing yet) stays.
+    assert LeaderEpochFile(tmp_path, 5, 8).cache.entries == [(1, 5)]
+    assert (tmp_path / FILE_NAME).read_bytes() == b"1\n1\n1 5\n"
+    # Retention moved the log start past the first epoch while the file was not updated.
+    epochs = LeaderEpochFile(tmp_path, 5, 8)
+    epochs.assign(6, 8)
+    assert LeaderEpochFile(tmp_path, 9, 9).cache.entries == [(6, 9)]
+
+
+def test_an_unreadable_epoch_file_is_set_aside_and_forgotten(tmp_path):
+    from partition_server.leader_epochs import FILE_NAME, LeaderEpochFile
+
+    (tmp_path / FILE_NAME).write_bytes(b"1\n2\n1 0\n")  # says 2 entries, holds 1
+    epochs = LeaderEpochFile(tmp_path, 0, 10)
+    assert epochs.cache.entries == [] and epochs.set_aside is not None
+    assert epochs.set_aside.read_bytes() == b"1\n2\n1 0\n"
+    assert not (tmp_path / FILE_NAME).exists()
+    epochs.assign(2, 10)
+    assert LeaderEpochFile(tmp_path, 0, 10).cache.entries == [(2, 10)]

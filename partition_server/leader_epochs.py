@@ -1,0 +1,88 @@
+"""A replica's leader-epoch file (docs/replication.md, "Truncation by leader epoch"): the
+`replication.LeaderEpochCache` of one partition directory, kept in `leader-epochs` and
+rewritten atomically (temporary file, fsync, rename, directory fsync) at every change.
+
+The log and this file change in separate steps, so after a crash the file may name epochs
+that began past the log's end (the log was cut back, the file not yet) or before its start
+(retention deleted segments): opening drops the first and moves the second to the log
+start. An unreadable file is set aside (`leader-epochs.corrupt-<ms>`) and the replica
+starts with no epochs: it then asks its leader about no epoch and refetches from the
+leader's log start, which is slow but never keeps records outside the leader's history.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from partition_server.replication import LeaderEpochCache
+from services.logs import event
+
+log = logging.getLogger("atomlog.partition.epochs")
+
+FILE_NAME = "leader-epochs"
+
+
+class LeaderEpochFile:
+    def __init__(self, directory: str | os.PathLike, log_start: int, log_end: int):
+        self.path = Path(directory) / FILE_NAME
+        self.set_aside: Path | None = None  # where an unreadable file went
+        self.cache = self._read()
+        before = list(self.cache.entries)
+        self.cache.entries = [(e, s) for e, s in self.cache.entries if s <= log_end]
+        self.cache.truncate_from_start(log_start)
+        if self.cache.entries != before:
+            self._save()
+
+    def _read(self) -> LeaderEpochCache:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return LeaderEpochCache()
+        try:
+            return LeaderEpochCache.decode(data)
+        except ValueError as error:
+            self.set_aside = self.path.with_name(f"{FILE_NAME}.corrupt-{int(time.time() * 1000)}")
+            os.replace(self.path, self.set_aside)
+            event(log, "unreadable leader-epoch file set aside", logging.WARNING,
+                  path=str(self.path), moved_to=str(self.set_aside), error=str(error))
+            return LeaderEpochCache()
+
+    def assign(self, epoch: int, start: int) -> None:
+        """A leader begins `epoch` at `start` (its log end), or a follower copies records
+        of it from `start`. Durable when it returns."""
+        before = list(self.cache.entries)
+        self.cache.assign(epoch, start)
+        if self.cache.entries != before:
+            self._save()
+
+    def truncate_from_end(self, end: int) -> None:
+        """The log was cut back to `end`."""
+        before = len(self.cache.entries)
+        self.cache.truncate_from_end(end)
+        if len(self.cache.entries) != before:
+            self._save()
+
+    def truncate_from_start(self, log_start: int) -> None:
+        """Offsets below `log_start` are gone (retention, DeleteRecords, restart_at)."""
+        before = list(self.cache.entries)
+        self.cache.truncate_from_start(log_start)
+        if self.cache.entries != before:
+            self._save()
+
+    def _save(self) -> None:
+        tmp = self.path.with_name(FILE_NAME + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, self.cache.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
