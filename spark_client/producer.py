@@ -226,6 +226,9 @@ class _Batch:
     # taken it first (requests can overtake each other), so a sequence refusal of it
     # may only mean "too early".
     sent_behind: bool = False
+    # Refused as overtaking an earlier batch: resent at once, but only once every batch
+    # ahead of it is answered (no backoff: nothing is wrong but the order of arrival).
+    after_ahead: bool = False
 
 
 @dataclass(eq=False)
@@ -671,7 +674,8 @@ class Producer:
         for state in self._partitions.values():
             if state.open:
                 wake = min(wake, state.opened_at + self.linger_s - now)
-            if state.ready and len(state.in_flight) < self.max_in_flight:
+            if state.ready and len(state.in_flight) < self.max_in_flight \
+                    and not (state.ready[0].after_ahead and state.in_flight):
                 wake = min(wake, state.ready[0].not_before - now)
         return max(wake, 0.0005)
 
@@ -684,8 +688,10 @@ class Producer:
         for key, state in self._partitions.items():
             deferred = False
             while state.ready and len(state.in_flight) < self.max_in_flight \
-                    and state.ready[0].not_before <= now:
+                    and state.ready[0].not_before <= now \
+                    and not (state.ready[0].after_ahead and state.in_flight):
                 batch = state.ready.popleft()
+                batch.after_ahead = False
                 if not batch.payload:
                     deferred = deferred or (batch.txn is not None
                                             and not batch.txn.registered(key))
@@ -827,11 +833,14 @@ class Producer:
             error.reason in SEQUENCE_REFUSALS and (index > 0 or batch.sent_behind))
         if retriable and now < batch.deadline:
             batch.last_error = error
-            # Resend this batch and every later in-flight one, in sequence order.
+            overtook = error.reason in SEQUENCE_REFUSALS and (index > 0 or batch.sent_behind)
+            # Resend this batch and every later in-flight one, in sequence order: after a
+            # backoff, or (it overtook an earlier batch) once the batches ahead are answered.
             later = state.in_flight[index:]
             del state.in_flight[index:]
             for b in reversed(later):
-                b.not_before = now + self.backoff.delay(b.attempts)
+                b.not_before = now if overtook else now + self.backoff.delay(b.attempts)
+                b.after_ahead = overtook
                 state.ready.appendleft(b)
             return
         if not batch.payload:  # its registration failed: never encoded, never sent
