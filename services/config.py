@@ -174,6 +174,34 @@ COMMON: tuple[Setting, ...] = (
             choices=("none", "require")),
     Setting("tls.metrics", bool, False, "Serve /metrics over HTTPS with the same certificate "
             "(and, with tls.client_auth=require, the same client certificate check)."),
+    Setting("auth.mode", str, "none", "Who may call (services/auth.py): none: anyone "
+            "(principal 'anonymous'); mtls: the client certificate's principal (needs "
+            "tls.client_auth=require); token: a bearer token (a JWT or a static token); "
+            "mtls_or_token: a bearer token when the call has one, else the certificate. "
+            "Health and reflection calls are always allowed.",
+            choices=("none", "mtls", "token", "mtls_or_token")),
+    Setting("auth.mtls_principal", str, "cn", "Where a client certificate's principal "
+            "comes from: cn: the subject common name; san_dns / san_uri: its first DNS / "
+            "URI subject alternative name.", choices=("cn", "san_dns", "san_uri")),
+    Setting("auth.jwt_issuer", str, "", "The `iss` every JWT must carry (needed with a JWT "
+            "key or secret)."),
+    Setting("auth.jwt_audience", str, "", "The audience (`aud`) every JWT must include "
+            "(needed with a JWT key or secret)."),
+    Setting("auth.jwt_key_file", str, "", "PEM public key (or certificate) that verifies "
+            "JWTs: RSA (RS256/384/512), EC P-256/P-384 (ES256/ES384) or Ed25519 (EdDSA). "
+            "Re-read when it changes on disk."),
+    Setting("auth.jwt_secret_file", str, "", "File holding an HS256/384/512 secret (at "
+            "least 32 bytes) that verifies JWTs. Re-read when it changes on disk."),
+    Setting("auth.jwt_leeway_ms", int, 30_000, "Clock skew allowed on a JWT's exp and nbf.",
+            minimum=0, maximum=600_000),
+    Setting("auth.static_tokens_file", str, "", "Static bearer tokens: lines `principal "
+            "token` (# comments); re-read when it changes on disk, so removing a line "
+            "revokes its token within a second or so."),
+    Setting("auth.service_principals", str, "", "Comma-separated principals that are "
+            "servers (exact names, or prefixes ending in *)."),
+    Setting("auth.service_token_file", str, "", "File holding the bearer token this server "
+            "sends to other servers (auth.mode=token needs it; its principal should be in "
+            "auth.service_principals). Re-read when it changes on disk."),
     Setting("log.level", str, "INFO", "Log level.",
             choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     Setting("log.format", str, "json", "json: one JSON object per line; text: for people.",
@@ -518,8 +546,62 @@ def _tls_usable(config: "Config") -> str | None:
     return None
 
 
+_AUTH_FILES = (("auth.jwt_key_file", "parse_public_key"), ("auth.jwt_secret_file", "parse_secret"),
+               ("auth.static_tokens_file", "parse_static_tokens"),
+               ("auth.service_token_file", "parse_token"))
+_TOKEN_SETTINGS = ("auth.jwt_issuer", "auth.jwt_audience", "auth.jwt_key_file",
+                   "auth.jwt_secret_file", "auth.static_tokens_file", "auth.service_token_file")
+
+
+def _auth_usable(config: "Config") -> str | None:
+    """auth.mode's needs: mTLS needs client certificates; tokens need a way to check them
+    (and a server's own token); token settings are refused where no token is read; every
+    file is read and parsed."""
+    from services import auth
+
+    mode = config["auth.mode"]
+    problems = []
+    if mode in ("mtls", "mtls_or_token") and not (
+            config["tls.enabled"] and config["tls.client_auth"] == "require"):
+        problems.append(f"auth.mode={mode} needs tls.enabled=true and tls.client_auth=require "
+                        "(client certificates)")
+    if mode in ("none", "mtls"):
+        given = [name for name in _TOKEN_SETTINGS if config[name]]
+        if given:
+            problems.append(f"{', '.join(given)} set, but auth.mode={mode} reads no tokens "
+                            "(auth.mode=token or mtls_or_token)")
+    if mode == "none" and config["auth.service_principals"]:
+        problems.append("auth.service_principals set, but auth.mode=none")
+    if mode in ("token", "mtls_or_token"):
+        if not (config["auth.jwt_key_file"] or config["auth.jwt_secret_file"]
+                or config["auth.static_tokens_file"]):
+            problems.append(f"auth.mode={mode} needs auth.jwt_key_file, auth.jwt_secret_file "
+                            "or auth.static_tokens_file (how tokens are checked)")
+        jwt_keys = config["auth.jwt_key_file"] or config["auth.jwt_secret_file"]
+        for name in ("auth.jwt_issuer", "auth.jwt_audience"):
+            if jwt_keys and not config[name]:
+                problems.append(f"{name} is needed with a JWT key or secret (every JWT's "
+                                f"{'iss' if name.endswith('issuer') else 'aud'} is checked)")
+            if config[name] and not jwt_keys:
+                problems.append(f"{name} set, but no auth.jwt_key_file or auth.jwt_secret_file")
+        if mode == "token" and not config["auth.service_token_file"]:
+            problems.append("auth.mode=token needs auth.service_token_file (the token this "
+                            "server sends to the other servers)")
+    for name, parser in _AUTH_FILES:
+        if config[name] and not problems:
+            try:
+                data = Path(config[name]).read_bytes()
+                getattr(auth, parser)(data, config[name])
+            except OSError as error:
+                problems.append(f"{name}: cannot read {config[name]}: {error.strerror or error}")
+            except auth.AuthFileError as error:
+                problems.append(f"{name}: {error}")
+    return "; ".join(problems) or None
+
+
 RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
     ((*ROLES, COMBINED), _tls_usable),
+    ((*ROLES, COMBINED), _auth_usable),
     ((COMBINED,), _combined_name_fits),
     (("partition_server",), _batch_fits_message),
     (("coordinator",), _timeouts_ordered),
@@ -631,7 +713,7 @@ def check_cluster_settings(settings: Mapping[str, Any], tls: bool = False) -> No
             ca.issue(Path(scratch) / "s.crt", Path(scratch) / "s.key", "check", ["127.0.0.1"])
             base = {"tls.enabled": "true", "tls.ca_file": str(ca.ca_file),
                     "tls.cert_file": f"{scratch}/s.crt", "tls.key_file": f"{scratch}/s.key",
-                    "tls.client_auth": "require"}
+                    "tls.client_auth": "require", "auth.mode": "mtls"}
             return check_cluster_settings({**base, **settings})
     for role in ROLES:
         load_config(role, env={}, overrides={**role_settings(settings, role),

@@ -163,6 +163,11 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "transaction (or the transaction is not open)."),
     _r("UNKNOWN_SUBSCRIPTION", SC.NOT_FOUND, FATAL, C,
        "No such subscription on this topic."),
+    # Security.
+    _r("UNAUTHENTICATED", SC.UNAUTHENTICATED, FATAL, C,
+       "The call carries no usable credentials (auth.mode): no client certificate, no bearer "
+       "token, or a token that is unknown, expired, for another issuer or audience, or badly "
+       "signed; metadata `failure` says which. Fix the credentials, then retry."),
     # Everything else.
     _r("UNIMPLEMENTED", SC.UNIMPLEMENTED, FATAL, S,
        "This server does not implement the method (yet)."),
@@ -247,6 +252,7 @@ _REASON_FOR_BARE_CODE = {
     SC.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
     SC.UNAVAILABLE: "SERVER_UNAVAILABLE",
     SC.DEADLINE_EXCEEDED: "REQUEST_TIMED_OUT",
+    SC.UNAUTHENTICATED: "UNAUTHENTICATED",
 }
 
 

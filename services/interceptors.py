@@ -1,5 +1,7 @@
-"""Server interceptor: the one place where errors become gRPC statuses, and where
-every call is counted and timed. Servicers raise `AtomlogError` and stay thin."""
+"""Server interceptor: the one place where every call is authenticated (services/auth.py:
+its principal, or UNAUTHENTICATED), where errors become gRPC statuses, and where every
+call is counted and timed. Servicers raise `AtomlogError` and stay thin; they find the
+caller in `services.auth.current()`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import time
 
 import grpc
 
-from services import metrics
+from services import auth, metrics
 from services.errors import AtomlogError, unexpected
 from services.logs import event
 
@@ -17,19 +19,76 @@ log = logging.getLogger("atomlog.rpc")
 
 
 class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, authenticator: auth.Authenticator | None = None):
+        self.authenticator = authenticator if authenticator is not None else auth.Authenticator()
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler  # unknown method (gRPC answers UNIMPLEMENTED) or a stream
+        if handler is None:
+            return handler  # unknown method: gRPC answers UNIMPLEMENTED
+        method = handler_call_details.method
+        if method.startswith(auth.EXEMPT_PREFIXES):
+            return handler  # health probes and reflection need no credentials
+        if handler.unary_unary is None:
+            # A stream (atomlog's own RPCs are all unary): authenticated, not wrapped.
+            return handler if not self.authenticator.enabled else _authenticated_stream(
+                self.authenticator, method, handler)
         return grpc.unary_unary_rpc_method_handler(
-            _wrap(handler_call_details.method, handler.unary_unary),
+            _wrap(method, handler.unary_unary, self.authenticator),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
 
 
-def _wrap(method: str, behavior):
+async def authenticate(authenticator: auth.Authenticator, method: str,
+                       context: grpc.aio.ServicerContext) -> auth.Principal:
+    """The call's principal (also set as services.auth.current()); on bad credentials the
+    call is aborted UNAUTHENTICATED (logged and counted)."""
+    if not authenticator.enabled:
+        principal = auth.NOBODY
+    else:
+        try:
+            principal = authenticator.authenticate(context.invocation_metadata(),
+                                                   context.auth_context())
+        except auth.AuthFailure as failure:
+            auth.record_failure(failure, method, context.peer())
+            error = AtomlogError("UNAUTHENTICATED", f"{method}: {failure.message}",
+                                 {"failure": failure.failure, "auth_mode": authenticator.mode})
+            await context.abort(error.code, error.message, error.trailing_metadata())
+        metrics.AUTHENTICATED_CALLS.labels(principal.mechanism).inc()
+        authenticator.note(principal, context.peer())
+    auth.set_current(principal)
+    return principal
+
+
+def _authenticated_stream(authenticator: auth.Authenticator, method: str, handler):
+    kinds = (("unary_stream", grpc.unary_stream_rpc_method_handler),
+             ("stream_unary", grpc.stream_unary_rpc_method_handler),
+             ("stream_stream", grpc.stream_stream_rpc_method_handler))
+    for kind, make in kinds:
+        behavior = getattr(handler, kind)
+        if behavior is None:
+            continue
+        if kind.endswith("_stream"):
+            async def wrapped(request, context, behavior=behavior):
+                await authenticate(authenticator, method, context)
+                async for reply in behavior(request, context):
+                    yield reply
+        else:
+            async def wrapped(request, context, behavior=behavior):
+                await authenticate(authenticator, method, context)
+                return await behavior(request, context)
+        return make(wrapped, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+    return handler
+
+
+def _wrap(method: str, behavior, authenticator: auth.Authenticator):
     async def wrapped(request, context: grpc.aio.ServicerContext):
+        if authenticator.enabled:
+            await authenticate(authenticator, method, context)
+        else:
+            auth.set_current(auth.NOBODY)
         metrics.RPC_STARTED.labels(method).inc()
         metrics.RPC_IN_FLIGHT.inc()
         started = time.perf_counter()

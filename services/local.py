@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from services import metrics, tls
+from services import auth, metrics, tls
 from services.errors import AtomlogError, unexpected
 
 log = logging.getLogger("atomlog.local")
@@ -49,11 +49,23 @@ def channel_tls() -> "tls.ChannelTls | None":
     return _CHANNEL_TLS
 
 
+# The bearer token this server sends to the others (auth.service_token_file): set once by
+# the runtime at start-up. None: no token (mTLS identifies the server, or no auth).
+_CHANNEL_TOKEN: "auth.TokenSource | None" = None
+
+
+def set_channel_token(source: "auth.TokenSource | None") -> None:
+    global _CHANNEL_TOKEN
+    _CHANNEL_TOKEN = source
+
+
 def aio_channel(address: str, options: list | None = None) -> grpc.aio.Channel:
-    """A channel from this server to another: TLS when the process has it."""
+    """A channel from this server to another: TLS when the process has it, and its
+    service token on every call when it has one."""
+    interceptors = auth.aio_interceptors(_CHANNEL_TOKEN)
     if _CHANNEL_TLS is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return _CHANNEL_TLS.aio_channel(address, options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return _CHANNEL_TLS.aio_channel(address, options, interceptors)
 
 
 def register(address: str, service: str, servicer: Any) -> None:

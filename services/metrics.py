@@ -30,6 +30,10 @@ RPC_LATENCY = Histogram("atomlog_rpc_duration_seconds", "gRPC call handling time
 RPC_IN_FLIGHT = Gauge("atomlog_rpc_in_flight", "gRPC calls being handled now.")
 LOCAL_CALLS = Counter("atomlog_local_calls_total", "Calls to a service of this same process, "
                       "made as function calls instead of gRPC (services/local.py).", ["method"])
+AUTH_FAILURES = Counter("atomlog_authentication_failures_total", "Calls refused "
+                        "UNAUTHENTICATED (services/auth.py), by why.", ["reason"])
+AUTHENTICATED_CALLS = Counter("atomlog_authenticated_calls_total", "Calls whose principal "
+                              "was established, by mechanism (mtls, jwt, static).", ["mechanism"])
 ZOOKEEPER_CONNECTED = Gauge("atomlog_zookeeper_connected",
                             "1 while the ZooKeeper session is connected, else 0.")
 ZOOKEEPER_SESSIONS = Counter("atomlog_zookeeper_sessions_total",

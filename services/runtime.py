@@ -1,6 +1,7 @@
 """The server bootstrap every atomlog service runs on.
 
-Start-up, in order: logging; the TLS files (tls.enabled: services/tls.py); the /metrics
+Start-up, in order: logging; the authenticator (auth.*: services/auth.py); the TLS files
+(tls.enabled: services/tls.py) and the service token; the /metrics
 endpoint; the ZooKeeper session (and the
 fixed cluster settings check); the grpc.aio server with the error/metrics interceptor,
 the standard health service, the MetadataService, the role's own services and server
@@ -29,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from kazoo.exceptions import KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
-from services import __version__, allocator, local, logs, metrics, tls
+from services import __version__, allocator, auth, local, logs, metrics, tls
 from services.config import COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles, role_name
 from services.errors import AtomlogError
 from services.interceptors import ErrorsAndMetricsInterceptor
@@ -73,8 +74,10 @@ class Runtime:
         self.zk = ZkSession(config["zookeeper.hosts"], config["zookeeper.chroot"],
                             session_timeout_ms(config), config["zookeeper.connect_timeout_ms"])
         max_message = config["grpc.max_message_bytes"]
+        # Its authenticator is made by start() (reading auth.* files can fail).
+        self.interceptor = ErrorsAndMetricsInterceptor()
         self.server = grpc.aio.server(
-            interceptors=[ErrorsAndMetricsInterceptor()],
+            interceptors=[self.interceptor],
             options=[("grpc.max_send_message_length", max_message),
                      ("grpc.max_receive_message_length", max_message),
                      ("grpc.so_reuseport", 0)],
@@ -102,6 +105,10 @@ class Runtime:
 
     async def start(self) -> None:
         config = self.config
+        try:
+            self.interceptor.authenticator = auth.Authenticator.from_config(config)
+        except auth.AuthFileError as error:  # changed since the configuration was checked
+            raise AtomlogError("INVALID_ARGUMENT", f"authentication: {error}") from None
         if config["tls.enabled"]:
             try:
                 self.server_tls = tls.ServerTls(
@@ -113,6 +120,12 @@ class Runtime:
                     config["tls.ca_file"], config["tls.cert_file"], config["tls.key_file"])))
             except tls.TlsFileError as error:
                 raise AtomlogError("INVALID_ARGUMENT", f"TLS: {error}") from None
+        if config["auth.service_token_file"]:
+            try:
+                local.set_channel_token(auth.TokenSource(
+                    token_file=config["auth.service_token_file"]))
+            except auth.AuthFileError as error:
+                raise AtomlogError("INVALID_ARGUMENT", f"authentication: {error}") from None
         host, port = config["server.metrics_listen"].rsplit(":", 1)
         self.metrics_endpoint = metrics.MetricsEndpoint(
             host, int(port), self.server_tls if config["tls.metrics"] else None)
@@ -170,7 +183,7 @@ class Runtime:
         event(log, "serving", grpc_address=self.grpc_address,
               metrics_address=self.metrics_endpoint.address, services=self.service_names,
               tls=("mtls" if self.server_tls.require_client_cert else "tls")
-              if self.server_tls else "off")
+              if self.server_tls else "off", auth=config["auth.mode"])
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -194,6 +207,7 @@ class Runtime:
             local.unregister(self.grpc_address)
         if self.server_tls is not None:
             local.set_channel_tls(None)
+        local.set_channel_token(None)
         for hook in reversed(self.stop_hooks):
             try:
                 await hook()

@@ -312,9 +312,11 @@ class ChannelTls:
         return grpc.secure_channel(address, self.current()[1],
                                    options=[*(options or []), *self.options])
 
-    def aio_channel(self, address: str, options: list | None = None) -> grpc.aio.Channel:
+    def aio_channel(self, address: str, options: list | None = None,
+                    interceptors: list | None = None) -> grpc.aio.Channel:
         return grpc.aio.secure_channel(address, self.current()[1],
-                                       options=[*(options or []), *self.options])
+                                       options=[*(options or []), *self.options],
+                                       interceptors=interceptors or None)
 
 
 def channel(address: str, tls: "ChannelTls | None", options: list | None = None) -> grpc.Channel:

@@ -68,6 +68,7 @@ NotPartitionOwner: type[AtomlogClientError] = _BY_REASON["NOT_PARTITION_OWNER"]
 DataLoss: type[AtomlogClientError] = _BY_REASON["DATA_LOSS"]
 BatchTooLarge: type[AtomlogClientError] = _BY_REASON["BATCH_TOO_LARGE"]
 Internal: type[AtomlogClientError] = _BY_REASON["INTERNAL"]
+Unauthenticated: type[AtomlogClientError] = _BY_REASON["UNAUTHENTICATED"]
 
 
 class DeliveryTimeout(AtomlogClientError):

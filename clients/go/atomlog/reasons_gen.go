@@ -52,6 +52,7 @@ var reasons = map[string]reasonInfo{
 	"TRANSACTION_CONFLICT":          {codes.Aborted, Abortable},
 	"PARTITION_NOT_IN_TRANSACTION":  {codes.FailedPrecondition, Abortable},
 	"UNKNOWN_SUBSCRIPTION":          {codes.NotFound, Fatal},
+	"UNAUTHENTICATED":               {codes.Unauthenticated, Fatal},
 	"UNIMPLEMENTED":                 {codes.Unimplemented, Fatal},
 	"INTERNAL":                      {codes.Internal, Fatal},
 }
