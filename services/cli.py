@@ -288,11 +288,26 @@ def _bootstrap(bootstrap: str | None, data_dir: Path) -> str:
     return bootstrap
 
 
+def _token():
+    """The bearer token of --token-file (ATOMLOG_TOKEN_FILE), or None."""
+    from services.auth import AuthFileError, TokenSource
+
+    token_file = _TLS_FLAGS.get("token_file")
+    if not token_file:
+        return None
+    try:
+        return TokenSource(token_file=token_file)
+    except AuthFileError as error:
+        fail(f"--token-file: {error}", 2)
+
+
 def _client(bootstrap: str, **options):
-    """An SDK Client of `bootstrap`, over TLS when the cluster needs it (_bootstrap)."""
+    """An SDK Client of `bootstrap`, over TLS when the cluster needs it (_bootstrap), with
+    the bearer token of --token-file."""
     from spark_client import Client
 
-    return Client(bootstrap, tls=_TLS, **options)
+    token = _token()
+    return Client(bootstrap, tls=_TLS, token_file=token and _TLS_FLAGS["token_file"], **options)
 
 
 def _remember_tls(_ctx, param, value):
@@ -312,6 +327,10 @@ _CLUSTER_OPTIONS = (
                  help="Client certificate (PEM), for a cluster requiring one (mTLS)."),
     click.option("--tls-key", envvar="ATOMLOG_TLS_KEY", expose_value=False,
                  callback=_remember_tls, metavar="FILE", help="Key of --tls-cert (PEM)."),
+    click.option("--token-file", envvar="ATOMLOG_TOKEN_FILE", expose_value=False,
+                 callback=_remember_tls, metavar="FILE",
+                 help="File holding a bearer token (a JWT or a static token) for a cluster "
+                      "with auth.mode=token or mtls_or_token; sent on every call."),
 )
 
 
@@ -327,8 +346,10 @@ def _call(bootstrap: str, method: str, request):
     from services.errors import from_rpc_error
     from services.tls import ChannelTls, channel
 
+    from services.auth import bearer_channel
+
     with channel(bootstrap, ChannelTls(_TLS) if _TLS else None) as opened:
-        stub = metadata_pb2_grpc.MetadataServiceStub(opened)
+        stub = metadata_pb2_grpc.MetadataServiceStub(bearer_channel(opened, _token()))
         try:
             return getattr(stub, method)(request, timeout=10)
         except grpc.RpcError as rpc_error:

@@ -13,6 +13,7 @@ import grpc
 from atomlog.v1 import coordinator_pb2, metadata_pb2
 from spark_client import errors
 from services import allocator
+from services.auth import TokenSource
 from services.backoff import Backoff
 from services.tls import ChannelTls, TlsConfig
 from spark_client.routing import Channels, MetadataCache
@@ -22,7 +23,8 @@ class Client:
 
     def __init__(self, bootstrap: str | list[str], *, request_timeout_s: float = 30.0,
                  tune_allocator: bool = True, one_call_max_bytes: int = 1 << 20,
-                 tls: TlsConfig | None = None):
+                 tls: TlsConfig | None = None, token: str | None = None,
+                 token_file: str | None = None):
         """`tls`: reach a cluster that serves TLS (tls.enabled on the servers) —
         `TlsConfig(ca_file=...)` with the CA that signed the servers' certificates, plus
         `cert_file` and `key_file` when the servers require client certificates
@@ -30,6 +32,13 @@ class Client:
         on disk are picked up (checked once a second) for the channels opened after. The
         files are read and checked here: a missing or unusable one raises ValueError
         (TlsFileError) naming it.
+
+        `token` or `token_file`: reach a cluster that authenticates with bearer tokens
+        (auth.mode=token or mtls_or_token on the servers): the token (a JWT or a static
+        token) is sent on every call as `authorization: Bearer <token>`. `token_file` is
+        re-read when it changes on disk (looked at once a second at most), so a renewed
+        token is used from then on. A missing or empty file raises ValueError
+        (AuthFileError) here.
 
         `one_call_max_bytes`: a transaction from begin_transaction() keeps its records
         and acks here while they are at most this many bytes (and each partition's at
@@ -47,7 +56,12 @@ class Client:
         addresses = [bootstrap] if isinstance(bootstrap, str) else list(bootstrap)
         addresses = [a.strip() for item in addresses for a in item.split(",") if a.strip()]
         self.tls = tls
-        self.channels = Channels(ChannelTls(tls) if tls is not None else None)
+        if token is not None and token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        self.token_file = token_file
+        self.token_source = (TokenSource(token, token_file)
+                             if token is not None or token_file is not None else None)
+        self.channels = Channels(ChannelTls(tls) if tls is not None else None, self.token_source)
         self.metadata = MetadataCache(addresses, self.channels)
         self.request_timeout_s = request_timeout_s
         if one_call_max_bytes < 0:

@@ -18,6 +18,7 @@ from atomlog.v1 import (
     metadata_pb2_grpc,
     partition_pb2_grpc,
 )
+from services.auth import TokenSource, bearer_channel
 from services.tls import ChannelTls
 from spark_client import errors
 
@@ -46,9 +47,11 @@ class Channels:
     one stub per (address, service): building a stub registers each of its methods with
     the channel, which cost about a sixth of a small call's client CPU when done per call."""
 
-    def __init__(self, tls: ChannelTls | None = None):
+    def __init__(self, tls: ChannelTls | None = None, token: TokenSource | None = None):
         """`tls`: channel credentials for a cluster serving TLS (None: plaintext). When
-        its files change on disk, channels opened from then on use the new ones."""
+        its files change on disk, channels opened from then on use the new ones.
+        `token`: a bearer token sent on every call (`authorization` metadata)."""
+        self.token = token
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[tuple[str, type], object] = {}
         self._lock = threading.Lock()
@@ -88,8 +91,10 @@ class Channels:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-                           if self.tls is None else self.tls.channel(address, CHANNEL_OPTIONS))
+                channel = bearer_channel(
+                    grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                    if self.tls is None else self.tls.channel(address, CHANNEL_OPTIONS),
+                    self.token)
                 self._channels[address] = channel
             return channel
 

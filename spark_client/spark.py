@@ -48,6 +48,7 @@ from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadLimit, ReadM
 from pyspark.sql.types import (ArrayType, BinaryType, IntegerType, LongType, MapType,
                                StringType, StructField, StructType, TimestampType)
 
+from services.auth import AuthFileError, TokenSource
 from services.tls import TlsConfig, TlsFileError
 from spark_client import errors
 
@@ -91,6 +92,10 @@ OPTIONS = {
                "servers; the same path must exist on the driver and every executor"),
     "tls.cert": ("", "mTLS (tls.client_auth=require): the client certificate file (PEM)"),
     "tls.key": ("", "mTLS: the key file (PEM) of tls.cert"),
+    "auth.tokenFile": ("", "a cluster authenticating bearer tokens (auth.mode=token or "
+                       "mtls_or_token): a file holding the token (a JWT or a static token), "
+                       "sent on every call and re-read when it changes; the same path must "
+                       "exist on the driver and every executor"),
 }
 # Options Spark itself passes along with ours.
 _SPARK_OPTIONS = {"path", "checkpointlocation", "queryname"}
@@ -150,6 +155,7 @@ class Options:
     source_subscription: str = ""
     checkpoint: str = ""
     tls: TlsConfig | None = None
+    token_file: str = ""
 
     @classmethod
     def parse(cls, options) -> Options:
@@ -213,12 +219,20 @@ class Options:
             except TlsFileError as error:
                 raise OptionError(f"options tls.*: {error}") from None
             parsed = dataclasses.replace(parsed, tls=tls)
+        token_file = get("auth.tokenFile")
+        if token_file:
+            try:
+                TokenSource(token_file=token_file)
+            except AuthFileError as error:
+                raise OptionError(f"option auth.tokenFile: {error}") from None
+            parsed = dataclasses.replace(parsed, token_file=token_file)
         return parsed
 
     def client(self):
         from spark_client import Client
 
-        return Client(self.bootstrap, request_timeout_s=self.request_timeout_s, tls=self.tls)
+        return Client(self.bootstrap, request_timeout_s=self.request_timeout_s, tls=self.tls,
+                      token_file=self.token_file or None)
 
     def write_topic(self) -> str:
         if len(self.topics) != 1:
