@@ -7,8 +7,10 @@ SERVING. `status` probes each process. `down` stops services with SIGTERM (they 
 and unregister), then ZooKeeper; stragglers get SIGKILL after the timeout.
 
 `up(tls=True)`, when it creates the cluster, makes a local CA and a certificate per
-process under DIR/tls (services/tls.py LocalCa) and runs every process with mutual TLS;
-cluster.json's "tls" names the client's files, which status and the CLI use.
+process under DIR/tls (services/tls.py LocalCa) and runs every process with mutual TLS
+and auth.mode=mtls (each process's certificate has its name as CN, and every process
+is a service principal; the client certificate's CN is "atomlog-admin"); cluster.json's
+"tls" names the client's files, which status and the CLI use.
 
 `up(prometheus=True)` also runs a Prometheus server (the `prometheus` binary of the
 Debian package) that scrapes every process through DIR/prometheus-targets.json and
@@ -42,7 +44,8 @@ from services.config import COMMON, role_name, role_settings
 from services.tls import channel
 
 CLUSTER_FILE = "cluster.json"
-TLS_DIR = "tls"  # `up --tls`: the local CA, each process's certificate, the client's
+TLS_DIR = "tls"
+CLIENT_PRINCIPAL = "atomlog-admin"  # `up --tls`: the CN of the client certificate  # `up --tls`: the local CA, each process's certificate, the client's
 PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
 ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server": "ps",
                "combined": "node"}
@@ -237,7 +240,7 @@ def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str],
             cluster.tls = {"ca_file": str(tls_dir / "ca.crt"),
                            "cert_file": str(tls_dir / "client.crt"),
                            "key_file": str(tls_dir / "client.key"),
-                           "client_auth": "require", "dir": str(tls_dir)}
+                           "client_auth": "require", "auth": "mtls", "dir": str(tls_dir)}
         cluster.processes.append(ProcessEntry(
             "zookeeper", "zookeeper", f"127.0.0.1:{zk_port}",
             data_dir=str(data_dir / "zookeeper"), log_file=str(data_dir / "logs" / "zookeeper.log")))
@@ -271,21 +274,30 @@ def issue_certificates(cluster: ClusterFile) -> list[str]:
             ca.issue(cert, key, entry.name, ["127.0.0.1", "localhost", entry.name])
             issued.append(entry.name)
     if not (Path(cluster.tls["cert_file"]).exists() and Path(cluster.tls["key_file"]).exists()):
-        ca.issue(Path(cluster.tls["cert_file"]), Path(cluster.tls["key_file"]), "atomlog-client",
-                 server=False)
+        # The principal of the CLI and tests under auth.mode=mtls (clusters made before
+        # authentication have an "atomlog-client" certificate and no "auth").
+        ca.issue(Path(cluster.tls["cert_file"]), Path(cluster.tls["key_file"]),
+                 CLIENT_PRINCIPAL if cluster.tls.get("auth") else "atomlog-client", server=False)
         issued.append("client")
     return issued
 
 
 def tls_settings(cluster: ClusterFile, entry: ProcessEntry) -> dict[str, str]:
-    """The tls.* settings of one process of a TLS cluster (none for a plaintext one)."""
+    """The tls.* settings of one process of a TLS cluster (none for a plaintext one), and
+    its auth.* ones: auth.mode=mtls, every process of the cluster a service principal (the
+    CN of its certificate is its name)."""
     if not cluster.tls:
         return {}
     tls_dir = Path(cluster.tls["dir"])
-    return {"tls.enabled": "true", "tls.cert_file": str(tls_dir / f"{entry.name}.crt"),
-            "tls.key_file": str(tls_dir / f"{entry.name}.key"),
-            "tls.ca_file": cluster.tls["ca_file"],
-            "tls.client_auth": cluster.tls.get("client_auth", "require")}
+    settings = {"tls.enabled": "true", "tls.cert_file": str(tls_dir / f"{entry.name}.crt"),
+                "tls.key_file": str(tls_dir / f"{entry.name}.key"),
+                "tls.ca_file": cluster.tls["ca_file"],
+                "tls.client_auth": cluster.tls.get("client_auth", "require")}
+    if cluster.tls.get("auth"):
+        settings["auth.mode"] = cluster.tls["auth"]
+        settings["auth.service_principals"] = ",".join(
+            p.name for p in cluster.processes if p.role != "zookeeper")
+    return settings
 
 
 def service_command(cluster: ClusterFile, entry: ProcessEntry) -> list[str]:

@@ -114,6 +114,27 @@ def test_produce_consume_and_transactions_over_mtls(tls_cluster, orders):
         assert sorted(seen) == [b"committed-0", b"committed-1", b"one-call", b"plain"]
 
 
+def test_mtls_principals(tls_cluster, orders):
+    """`up --tls` runs auth.mode=mtls: the client certificate's CN is the caller's principal
+    (atomlog-admin), and the servers' own certificates make them service principals."""
+    assert tls_cluster.info["tls"]["auth"] == "mtls"
+    with Client(tls_cluster.info["bootstrap"], tls=client_tls(tls_cluster),
+                one_call_max_bytes=0) as client:
+        with client.producer() as producer, client.transaction(timeout_s=30) as txn:
+            producer.send(orders, b"principals-0", partition=0, txn=txn)
+            producer.send(orders, b"principals-1", partition=1, txn=txn)
+
+    def principals(name: str) -> dict[str, dict]:
+        lines = Path(tls_cluster.process(name)["log_file"]).read_text(errors="replace")
+        return {e["principal"]: e for e in map(json.loads, [
+            line for line in lines.splitlines() if '"principal authenticated"' in line])}
+
+    seen = principals("ps-0")
+    assert seen["atomlog-admin"]["mechanism"] == "mtls" and not seen["atomlog-admin"]["service"]
+    assert seen["coord-0"]["service"] is True  # markers and staging from the coordinator
+    assert principals("coord-0")["ps-0"]["service"] is True  # verification from ps-0
+
+
 def test_plaintext_client_is_refused(tls_cluster):
     for process in tls_cluster.services():
         assert refused(process["grpc_address"], None) == grpc.StatusCode.UNAVAILABLE
