@@ -144,7 +144,8 @@ type batch struct {
 	fields     BatchFields
 	sequenced  bool // fields hold the batch's producer id, epoch and sequence
 	payload    []byte
-	attempts   int
+	attempts   int // sends under its current sequence numbers
+	sends      int // every send, never reset: tells a stale answer from the last one
 	notBefore  time.Time
 	deadline   time.Time
 	sentBehind bool // sent while an earlier batch of the partition was unanswered
@@ -152,13 +153,20 @@ type batch struct {
 }
 
 type partState struct {
-	open       []Record
-	openTxn    *Txn
-	openBytes  int
-	openOut    *outcome
-	openedAt   time.Time
-	ready      []*batch // sealed, waiting to be sent (in sequence order once sequenced)
-	inFlight   []*batch // sent, unanswered, in sequence order
+	open      []Record
+	openTxn   *Txn
+	openBytes int
+	openOut   *outcome
+	openedAt  time.Time
+	ready     []*batch // sealed, waiting to be sent (in sequence order once sequenced)
+	inFlight  []*batch // sent, unanswered, in sequence order
+	// window: every batch sent since the oldest one not yet acknowledged, in sequence
+	// order, acknowledged ones included. The server recognises a retry only among a
+	// producer's last 5 batches on the partition, so a new batch goes out only while
+	// this holds fewer than MaxInFlight: else a batch whose answer was lost could fall
+	// out of the server's memory before its retry arrives (and be refused as out of
+	// order although it was written).
+	window     []*batch
 	hasID      bool
 	producerID int64
 	epoch      uint16
@@ -167,9 +175,10 @@ type partState struct {
 }
 
 type completion struct {
-	b      *batch
-	err    error
-	result *pb.ProduceResult
+	b       *batch
+	attempt int // which send of the batch this answers
+	err     error
+	result  *pb.ProduceResult
 }
 
 // Producer is an idempotent (and, with a TransactionalID, transactional) producer.
@@ -634,6 +643,24 @@ func remove(list []*batch, b *batch) []*batch {
 func (st *partState) discard(b *batch) {
 	st.inFlight = remove(st.inFlight, b)
 	st.ready = remove(st.ready, b)
+	st.trimWindow()
+}
+
+// trimWindow drops the window's acknowledged (or failed) batches up to the first that
+// is not.
+func (st *partState) trimWindow() {
+	for len(st.window) > 0 && st.window[0].finished {
+		st.window = st.window[1:]
+	}
+}
+
+// forget takes batches whose sequence numbers are given up (renumbered, or failed with
+// the partition's producer id) out of the window.
+func (st *partState) forget(batches []*batch) {
+	for _, b := range batches {
+		st.window = remove(st.window, b)
+	}
+	st.trimWindow()
 }
 
 // registrations: transactional batches at the head of a partition whose partition is
@@ -649,26 +676,33 @@ type registration struct {
 func (p *Producer) sendable(now time.Time) (out []*batch, regs map[*Txn][]TopicPartition, ids []*partState) {
 	regs = map[*Txn][]TopicPartition{}
 	for tp, st := range p.parts {
-		if st.needNewID {
-			ids = append(ids, st)
-			continue
-		}
 		for len(st.ready) > 0 && len(st.inFlight) < p.opts.MaxInFlight && !st.ready[0].notBefore.After(now) {
 			b := st.ready[0]
 			if b.attempts > 0 && len(st.inFlight) > 0 {
 				break // a retry goes out alone, after everything before it is answered
+			}
+			if b.attempts == 0 && len(st.window) >= p.opts.MaxInFlight {
+				break
 			}
 			if b.txn != nil && !b.txn.registered(tp) {
 				regs[b.txn] = append(regs[b.txn], tp)
 				break
 			}
 			if !b.sequenced {
+				if st.needNewID {
+					// A fresh producer id only once everything sent under the old one is
+					// answered: the server would otherwise take the new id's batches
+					// ahead of the old one's still on their way (send order lost).
+					if len(st.inFlight) == 0 && len(st.window) == 0 {
+						ids = append(ids, st)
+					}
+					break
+				}
 				if !st.hasID {
 					st.hasID, st.producerID, st.epoch, st.nextSeq = true, p.producerID, p.epoch, 0
 				}
 				if int64(st.nextSeq)+int64(len(b.records)) > math.MaxInt32 {
 					st.needNewID = true // sequences may not wrap: rotate to a fresh id
-					ids = append(ids, st)
 					break
 				}
 				b.fields = BatchFields{ProducerID: st.producerID, ProducerEpoch: st.epoch,
@@ -681,7 +715,11 @@ func (p *Producer) sendable(now time.Time) (out []*batch, regs map[*Txn][]TopicP
 				st.nextSeq += int32(len(b.records))
 			}
 			st.ready = st.ready[1:]
+			if b.attempts == 0 {
+				st.window = append(st.window, b)
+			}
 			b.sentBehind = len(st.inFlight) > 0
+
 			st.inFlight = append(st.inFlight, b)
 			out = append(out, b)
 		}
@@ -803,20 +841,21 @@ func (p *Producer) send(batches []*batch) {
 	var failed []completion
 	for _, b := range batches {
 		b.attempts++
+		b.sends++
 		if b.payload == nil {
 			if b.txn != nil && b.fields.Txn.IsZero() {
 				b.fields.Txn = b.txn.idIfOpen()
 			}
 			payload, err := EncodeColumnBatch(b.records, b.fields)
 			if err != nil {
-				failed = append(failed, completion{b: b, err: err})
+				failed = append(failed, completion{b: b, attempt: b.sends, err: err})
 				continue
 			}
 			b.payload = payload
 		}
 		address, err := p.c.owner(ctx, b.tp)
 		if err != nil {
-			failed = append(failed, completion{b: b, err: err})
+			failed = append(failed, completion{b: b, attempt: b.sends, err: err})
 			continue
 		}
 		byAddress[address] = append(byAddress[address], b)
@@ -825,12 +864,20 @@ func (p *Producer) send(batches []*batch) {
 		stub, err := p.c.partitionStub(address)
 		if err != nil {
 			for _, b := range group {
-				failed = append(failed, completion{b: b, err: err})
+				failed = append(failed, completion{b: b, attempt: b.sends, err: err})
 			}
 			continue
 		}
 		for _, request := range requests(group) {
-			go p.produce(stub, request)
+			// What the call needs is taken here, in the sender: the batches' fields may
+			// change under the producer's lock while the call is on its way.
+			attempts := make([]int, len(request))
+			items := make([]*pb.ProduceItem, len(request))
+			for i, b := range request {
+				attempts[i] = b.sends
+				items[i] = &pb.ProduceItem{TopicPartition: b.tp.proto(), RecordBatch: b.payload}
+			}
+			go p.produce(stub, request, items, attempts)
 		}
 	}
 	if len(failed) > 0 {
@@ -869,18 +916,14 @@ func requests(batches []*batch) [][]*batch {
 	return out
 }
 
-func (p *Producer) produce(stub pb.PartitionServiceClient, group []*batch) {
-	items := make([]*pb.ProduceItem, len(group))
-	for i, b := range group {
-		items[i] = &pb.ProduceItem{TopicPartition: b.tp.proto(), RecordBatch: b.payload}
-	}
+func (p *Producer) produce(stub pb.PartitionServiceClient, group []*batch, items []*pb.ProduceItem, attempts []int) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.c.opts.RequestTimeout)
 	reply, err := stub.Produce(ctx, &pb.ProduceRequest{Items: items})
 	err = fromRPC(context.Background(), err)
 	cancel()
 	results := make([]completion, len(group))
 	for i, b := range group {
-		results[i] = completion{b: b, err: err}
+		results[i] = completion{b: b, attempt: attempts[i], err: err}
 	}
 	if err == nil {
 		if len(reply.GetResults()) != len(group) {
@@ -914,10 +957,15 @@ func (p *Producer) drainCompletions() {
 		if b.finished {
 			continue // failed for good already; a late answer changes nothing
 		}
+		if c.err != nil && c.attempt != b.sends {
+			// The failure of an earlier send of a batch sent again since: the last
+			// send's answer decides (a success of any send stands: it was written).
+			continue
+		}
 		st := p.parts[b.tp]
 		if c.err == nil {
-			st.discard(b)
 			p.finish(b, c.result.GetBaseOffset(), c.result.GetLogAppendTimeUnixMs(), nil)
+			st.discard(b)
 			continue
 		}
 		if isRoutingError(c.err) {
@@ -955,6 +1003,7 @@ func (p *Producer) handleFailure(b *batch, st *partState, err error) {
 	now := time.Now()
 	retriable := retriableItemReasons[reason] ||
 		(sequenceRefusals[reason] && (index > 0 || b.sentBehind))
+
 	if retriable && now.Before(b.deadline) {
 		if p.stats.Retries == nil {
 			p.stats.Retries = map[string]int{}
@@ -985,8 +1034,8 @@ func (p *Producer) handleFailure(b *batch, st *partState, err error) {
 			Message: fmt.Sprintf("%d records to %s not acknowledged within %s; they may or may not "+
 				"have been written. Last error: %v", len(b.records), b.tp, p.opts.DeliveryTimeout, err)})
 	case definitelyNotWritten[reason]:
-		st.discard(b)
 		p.finish(b, 0, 0, err)
+		st.discard(b)
 		p.resequenceAfter(b, st)
 	default: // the server lost or refuses this producer's state (fenced, out of order)
 		if reason == ReasonProducerFenced && p.session != nil {
@@ -1007,9 +1056,10 @@ func (p *Producer) abandonPartition(st *partState, b *batch, err error) {
 		}
 	}
 	for _, x := range doomed {
-		st.discard(x)
 		p.finish(x, 0, 0, err)
+		st.discard(x)
 	}
+	st.forget(doomed)
 	for _, x := range st.ready {
 		x.sequenced, x.payload = false, nil
 	}
@@ -1049,7 +1099,9 @@ func (p *Producer) resequenceAfter(failed *batch, st *partState) {
 	for _, x := range later {
 		st.discard(x)
 		x.sequenced, x.payload, x.notBefore = false, nil, time.Time{}
+		x.attempts = 0 // renumbered: a new batch to the server
 	}
+	st.forget(later)
 	if sent {
 		st.needNewID = true
 	} else {
