@@ -94,14 +94,19 @@ class AuthFileError(ValueError):
 
 
 # ------------------------------------------------------------------ files re-read on change
+_KEEP = object()
+
+
 class WatchedFile:
     """A file parsed by `parse`, re-parsed when its mtime, size or inode changes (looked at
     at most once a second). A changed file that does not parse is logged and the previous
     contents stay in use. Thread-safe."""
 
     def __init__(self, path: str, parse, what: str,
-                 check_interval_s: float = RELOAD_CHECK_INTERVAL_S):
+                 check_interval_s: float = RELOAD_CHECK_INTERVAL_S, when_deleted=_KEEP):
+        """`when_deleted`: the value while the file is gone (default: keep the last)."""
         self.path, self._parse, self.what = path, parse, what
+        self._when_deleted = when_deleted
         self._interval = check_interval_s
         self._lock = threading.Lock()
         self._signature = self._stat()
@@ -130,7 +135,12 @@ class WatchedFile:
             if now - self._checked_at >= self._interval:
                 self._checked_at = now
                 signature = self._stat()
-                if signature is not None and signature != self._signature:
+                if (signature is None and self._signature is not None
+                        and self._when_deleted is not _KEEP):
+                    self.value, self._signature = self._when_deleted, None
+                    event(log, "deleted: none of its entries is valid any more",
+                          logging.WARNING, what=self.what, path=self.path)
+                elif signature is not None and signature != self._signature:
                     try:
                         self.value = self._parse(self._read())
                         self._signature = signature
@@ -232,9 +242,11 @@ class Authenticator:
                                         "auth.jwt_key_file") if jwt_key_file else None)
         self._secret = (WatchedFile(jwt_secret_file, lambda d: parse_secret(d, jwt_secret_file),
                                     "auth.jwt_secret_file") if jwt_secret_file else None)
+        # Deleting the tokens file revokes every token in it (fails closed).
         self._static = (WatchedFile(static_tokens_file,
                                     lambda d: parse_static_tokens(d, static_tokens_file),
-                                    "auth.static_tokens_file") if static_tokens_file else None)
+                                    "auth.static_tokens_file", when_deleted=[])
+                        if static_tokens_file else None)
         # Principals logged once each (bounded), so the log says who called without a
         # line per call.
         self._seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()

@@ -143,7 +143,10 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
 @cli.command()
 @data_dir_option
 @output_option
-def status(data_dir: Path, output: str) -> None:
+@click.option("--token-file", envvar="ATOMLOG_TOKEN_FILE", metavar="FILE",
+              help="Bearer token file, for a cluster with auth.mode=token (listing each "
+                   "partition server's offline partitions needs it).")
+def status(data_dir: Path, output: str, token_file: str | None) -> None:
     """Each process of the local cluster: pid, addresses and health.
 
     Exits 0 when everything is SERVING, 1 otherwise (the Prometheus of `up
@@ -151,8 +154,9 @@ def status(data_dir: Path, output: str) -> None:
     """
     from services import launcher
 
+    _TLS_FLAGS["token_file"] = token_file
     try:
-        rows = launcher.status(data_dir)
+        rows = launcher.status(data_dir, token=_token())
     except launcher.LaunchError as error:
         fail(str(error))
     healthy = all(r.health == "SERVING" and not r.offline_partitions for r in rows)

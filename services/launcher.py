@@ -353,16 +353,22 @@ def health_status(address: str, timeout_s: float = 1.0, tls=None) -> str:
         return "UNREACHABLE"
 
 
-def offline_partitions(address: str, timeout_s: float = 2.0, tls=None) -> list[str]:
-    """Partitions of a partition server that refuse to serve (DATA_LOSS), with where."""
+def offline_partitions(address: str, timeout_s: float = 2.0, tls=None,
+                       token=None) -> list[str]:
+    """Partitions of a partition server that refuse to serve (DATA_LOSS), with where.
+    `token`: a services.auth.TokenSource (clusters with auth.mode=token)."""
     from atomlog.v1 import partition_pb2, partition_pb2_grpc
+    from services.auth import bearer_channel
 
     try:
         with channel(address, tls) as channel_:
-            reply = partition_pb2_grpc.PartitionServiceStub(channel_).ListPartitions(
+            reply = partition_pb2_grpc.PartitionServiceStub(
+                bearer_channel(channel_, token)).ListPartitions(
                 partition_pb2.ListPartitionsRequest(include_internal=True), timeout=timeout_s)
     except grpc.RpcError as error:
-        return [f"(cannot list partitions: {error.code().name})"]
+        hint = ("; give a token (--token-file, ATOMLOG_TOKEN_FILE)"
+                if error.code() == grpc.StatusCode.UNAUTHENTICATED else "")
+        return [f"(cannot list partitions: {error.code().name}{hint})"]
     return [f"{p.topic_partition.topic}-{p.topic_partition.partition} "
             f"({p.data_loss.file} at offset {p.data_loss.offset})"
             for p in reply.partitions if p.state == partition_pb2.PARTITION_STATE_DATA_LOSS]
@@ -552,7 +558,9 @@ class ProcessStatus:
     tc_partitions: list[int] = field(default_factory=list)  # leased (coordinators)
 
 
-def status(data_dir: Path) -> list[ProcessStatus]:
+def status(data_dir: Path, token=None) -> list[ProcessStatus]:
+    """`token`: a services.auth.TokenSource for a cluster with auth.mode=token (health
+    checks need none; listing partitions and TC leases do)."""
     cluster = ClusterFile.load(data_dir.resolve())
     if cluster is None:
         raise LaunchError(f"no cluster in {data_dir} (no {CLUSTER_FILE}); run `atomlog up`")
@@ -566,7 +574,7 @@ def status(data_dir: Path) -> list[ProcessStatus]:
                 "NOT_SERVING" if alive else "DOWN")
         else:
             health = health_status(entry.grpc_address, tls=client_tls) if alive else "DOWN"
-        offline = (offline_partitions(entry.grpc_address, tls=client_tls)
+        offline = (offline_partitions(entry.grpc_address, tls=client_tls, token=token)
                    if entry.role in SERVES_PARTITIONS and health == "SERVING" else [])
         return ProcessStatus(entry.name, entry.role, entry.pid if alive else 0, alive,
                              entry.grpc_address, entry.metrics_address, health, entry.log_file,
@@ -575,7 +583,8 @@ def status(data_dir: Path) -> list[ProcessStatus]:
     with ThreadPoolExecutor(max_workers=max(1, len(cluster.processes))) as pool:
         rows = list(pool.map(probe, cluster.processes))
     serving = [r for r in rows if r.role != "zookeeper" and r.health == "SERVING"]
-    leases = tc_leases(serving[0].grpc_address, tls=client_tls) if serving else {}
+    leases = (tc_leases(serving[0].grpc_address, tls=client_tls, token=token)
+              if serving else {})
     for row in rows:  # a combined server's coordinator has a name of its own
         coordinator = role_name(row.name, row.role, "coordinator")
         row.tc_partitions = sorted(k for k, owner in leases.items() if owner == coordinator)
@@ -603,13 +612,15 @@ def tc_partition_count(data_dir: Path) -> int:
     return next(s.default for s in COMMON if s.name == "cluster.tc_partitions")
 
 
-def tc_leases(address: str, timeout_s: float = 2.0, tls=None) -> dict[int, str]:
+def tc_leases(address: str, timeout_s: float = 2.0, tls=None, token=None) -> dict[int, str]:
     """TC partition -> the coordinator holding its lease (unowned ones left out)."""
     from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
+    from services.auth import bearer_channel
 
     try:
         with channel(address, tls) as channel_:
-            reply = metadata_pb2_grpc.MetadataServiceStub(channel_).GetMetadata(
+            reply = metadata_pb2_grpc.MetadataServiceStub(
+                bearer_channel(channel_, token)).GetMetadata(
                 metadata_pb2.GetMetadataRequest(), timeout=timeout_s)
     except grpc.RpcError:
         return {}

@@ -217,6 +217,22 @@ def test_static_token_revoked_by_editing_the_file(token_cluster, keys):
         assert isinstance(list_topics(address, BOB_TOKEN), metadata_pb2.ListTopicsResponse)
     finally:
         tokens.write_text(original)
+    wait_until(lambda: isinstance(list_topics(address, ALICE_TOKEN),
+                                  metadata_pb2.ListTopicsResponse), 10, "alice's token back")
+
+
+def test_deleting_the_tokens_file_revokes_them(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {ALICE_TOKEN}\n")
+    authenticator = auth.Authenticator("token", static_tokens_file=str(tokens))
+    authenticator._static._interval = 0
+    header = [("authorization", f"Bearer {ALICE_TOKEN}")]
+    assert authenticator.authenticate(header, {}).name == "alice"
+    tokens.unlink()
+    with pytest.raises(auth.AuthFailure):
+        authenticator.authenticate(header, {})
+    tokens.write_text(f"alice {ALICE_TOKEN}\n")
+    assert authenticator.authenticate(header, {}).name == "alice"
 
 
 def test_cli_with_a_token_file(token_cluster, keys, tmp_path):
@@ -235,6 +251,18 @@ def test_cli_with_a_token_file(token_cluster, keys, tmp_path):
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
                             env={**env, "ATOMLOG_TOKEN_FILE": str(token)})
     assert by_env.returncode == 0 and "auth-cli" in by_env.stdout, by_env.stderr
+
+
+def test_status_with_a_token(token_cluster, tmp_path):
+    without = json.loads(token_cluster.run("status", "--output", "json", check=False).stdout)
+    assert not without["healthy"]
+    assert any("UNAUTHENTICATED" in p for r in without["processes"]
+               for p in r.get("offline_partitions", []))
+    token = tmp_path / "token"
+    token.write_text(BOB_TOKEN)
+    with_token = json.loads(token_cluster.run("status", "--output", "json", "--token-file",
+                                              str(token)).stdout)
+    assert with_token["healthy"], with_token
 
 
 def test_spark_option_auth_token_file(tmp_path, keys):
