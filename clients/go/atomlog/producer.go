@@ -733,11 +733,21 @@ func (p *Producer) nextWake(now time.Time) time.Duration {
 		if len(st.open) > 0 {
 			wake = min(wake, st.openedAt.Add(p.opts.Linger).Sub(now))
 		}
-		if len(st.ready) > 0 && len(st.inFlight) < p.opts.MaxInFlight {
+		if len(st.ready) > 0 && !p.waitsForAnswers(st) {
 			wake = min(wake, st.ready[0].notBefore.Sub(now))
 		}
 	}
 	return max(wake, 500*time.Microsecond)
+}
+
+// waitsForAnswers: the partition's next batch may go out only after answers to what
+// is in flight (an answer wakes the sender; no timer is needed).
+func (p *Producer) waitsForAnswers(st *partState) bool {
+	b := st.ready[0]
+	return len(st.inFlight) >= p.opts.MaxInFlight ||
+		(b.attempts > 0 && len(st.inFlight) > 0) ||
+		(b.attempts == 0 && len(st.window) >= p.opts.MaxInFlight) ||
+		(!b.sequenced && st.needNewID && (len(st.inFlight) > 0 || len(st.window) > 0))
 }
 
 func (p *Producer) sealLingering(now time.Time) {
