@@ -66,6 +66,8 @@ class Principal:
 
 
 NOBODY = Principal(ANONYMOUS, "none")  # every call's principal with auth.mode=none
+# The caller of a call between two roles of one process (services/local.py LocalStub).
+IN_PROCESS = Principal("in-process", "local", service=True)
 
 _CURRENT: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
     "atomlog_principal", default=None)
@@ -78,6 +80,10 @@ def current() -> Principal | None:
 
 def set_current(principal: Principal | None) -> contextvars.Token:
     return _CURRENT.set(principal)
+
+
+def reset_current(token: contextvars.Token) -> None:
+    _CURRENT.reset(token)
 
 
 class AuthFailure(Exception):

@@ -171,6 +171,8 @@ class LocalStub:
 
         async def call(request, timeout: float | None = None, **_options):
             metrics.LOCAL_CALLS.labels(name).inc()
+            # The caller is this server, not the client whose call led here.
+            principal = auth.set_current(auth.IN_PROCESS)
             try:
                 work = behavior(request, _LocalContext(timeout))
                 return await (work if timeout is None else asyncio.wait_for(work, timeout))
@@ -188,6 +190,8 @@ class LocalStub:
                 if error.reason == "INTERNAL":
                     log.exception("unhandled error in %s (in-process)", name)
                 raise _rpc_error(error) from None
+            finally:
+                auth.reset_current(principal)
 
         call.__name__ = method
         setattr(self, method, call)

@@ -373,3 +373,24 @@ def test_mtls_or_token_prefers_the_token(tmp_path):
     with pytest.raises(auth.AuthFailure) as caught:
         either.authenticate([("authorization", "Basic YWxpY2U6cHc=")], context)
     assert caught.value.failure == "malformed_authorization"
+
+
+def test_in_process_calls_are_the_server_s_own():
+    """A call between two roles of one process (the combined server) is the server's own,
+    not the client's whose call led to it; the client's principal is back afterwards."""
+    import asyncio
+
+    from services.local import LocalStub
+
+    class Servicer:
+        async def Verify(self, request, context):
+            return auth.current()
+
+    async def scenario():
+        auth.set_current(auth.Principal("alice", "static"))
+        seen = await LocalStub(Servicer(), "atomlog.v1.Test").Verify(None, timeout=5)
+        return seen, auth.current()
+
+    seen, after = asyncio.run(scenario())
+    assert seen == auth.IN_PROCESS and seen.service
+    assert after == auth.Principal("alice", "static")
