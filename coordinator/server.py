@@ -262,8 +262,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise _invalid(f"transactional id {session.transactional_id!r} lives on TC "
                            f"partition {tc_partition_for(session.transactional_id, c.tc_partitions)}",
                            field="tc_partition")
-        if request.idempotency_key and tc_partition_for(request.idempotency_key,
-                                                        c.tc_partitions) != k:
+        # A child's or a session's key lives on its TC partition; any other key decides it.
+        keyed_by_itself = parent is None and not (session is not None
+                                                  and session.transactional_id)
+        if request.idempotency_key and keyed_by_itself and tc_partition_for(
+                request.idempotency_key, c.tc_partitions) != k:
             raise _invalid(f"idempotency key {request.idempotency_key!r} lives on TC "
                            f"partition {tc_partition_for(request.idempotency_key, c.tc_partitions)}",
                            field="tc_partition")

@@ -235,6 +235,27 @@ def test_transactional_id_session_fences_the_previous_one(cluster, topics):
     wait_until(lambda: state(cluster, txn) == S.TXN_STATE_ABORTED, 10, "the fenced abort")
 
 
+def test_a_sessions_key_lives_on_its_tc_partition_whatever_it_hashes_to(cluster, topics):
+    """NewTxn of a session goes where its transactional id hashes; its idempotency key
+    need not hash there too (a retry with it finds the same transaction). A key without a
+    session or parent still decides the TC partition."""
+    tid = "copier-keys"
+    k = tc_partition_for(tid, 16)
+    key = next(f"key-{i}" for i in range(1000) if tc_partition_for(f"key-{i}", 16) != k)
+    init = call(cluster, k, "InitProducerId", S.InitProducerIdRequest(transactional_id=tid))
+    session = S.TransactionalSession(transactional_id=tid, producer_id=init.producer_id,
+                                     producer_epoch=init.producer_epoch)
+    first = call(cluster, k, "NewTxn", S.NewTxnRequest(tc_partition=k, session=session,
+                                                        idempotency_key=key))
+    again = call(cluster, k, "NewTxn", S.NewTxnRequest(tc_partition=k, session=session,
+                                                        idempotency_key=key))
+    assert not first.existing and again.existing and again.txn_id == first.txn_id
+    assert reason_of(lambda: call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, idempotency_key=key))) == "INVALID_ARGUMENT"
+    call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=first.txn_id, decision=ABORT,
+                                               session=session))
+
+
 def test_list_describe_and_operator_abort(cluster, topics):
     k = 11
     txn = call(cluster, k, "NewTxn", S.NewTxnRequest(

@@ -98,8 +98,10 @@ func (c *Client) newOneCall(ctx context.Context, opts OneCallOptions, session *p
 		records: map[TopicPartition][]Record{}, acks: map[subscriptionPartition]*ackItem{},
 		sticky: map[string]int32{}}
 	if session != nil {
+		// A session's transaction lives on tc_partition_for(transactional id); its key
+		// is any fresh one.
 		t.tc = p.sessionTC
-		t.key = keyFor(t.tc, count)
+		t.key = randomKey()
 	} else {
 		t.key = randomKey()
 		t.tc = TCPartitionFor(t.key, count)

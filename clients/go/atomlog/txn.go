@@ -87,10 +87,10 @@ func (c *Client) newTxn(ctx context.Context, opts TxnOptions, session *pb.Transa
 		partitions: map[TopicPartition]bool{}, subs: map[subscriptionPartition]bool{},
 		producers: map[*Producer]bool{}}
 	if session != nil {
-		// NewTxn of a session goes to tc_partition_for(transactional id); a key, if any,
-		// must hash there too.
+		// NewTxn of a session goes to tc_partition_for(transactional id); its key lives
+		// there, whatever it hashes to.
 		t.tc = producer.sessionTC
-		t.key = keyFor(t.tc, count)
+		t.key = randomKey()
 	} else {
 		t.key = randomKey()
 		t.tc = TCPartitionFor(t.key, count)
@@ -102,15 +102,6 @@ func randomKey() string {
 	var b [16]byte
 	rand.Read(b[:]) //nolint:errcheck // never fails
 	return "go-" + hex.EncodeToString(b[:])
-}
-
-// keyFor is a random idempotency key that hashes to tc (about `count` tries).
-func keyFor(tc, count uint32) string {
-	for {
-		if key := randomKey(); TCPartitionFor(key, count) == tc {
-			return key
-		}
-	}
 }
 
 // ID opens the transaction if needed and returns its id.

@@ -350,8 +350,9 @@ type NewTxnRequest struct {
 	// The TC partition to open the transaction on; the receiving coordinator must own it.
 	// Clients choose round-robin over 0 .. tc_partition_count-1, except that it must be
 	// parent_txn_id.tc_partition for a child, tc_partition_for(transactional_id) for a
-	// session and tc_partition_for(idempotency_key) for a keyed transaction (checked:
-	// "INVALID_ARGUMENT" otherwise).
+	// session, and tc_partition_for(idempotency_key) for any other keyed transaction
+	// (checked: "INVALID_ARGUMENT" otherwise). A child's or a session's key lives on its
+	// TC partition, whatever it hashes to.
 	TcPartition uint32 `protobuf:"varint,1,opt,name=tc_partition,json=tcPartition,proto3" json:"tc_partition,omitempty"`
 	// OPEN timeout; 0 means the session's default (InitProducerId) for a session
 	// transaction, else the coordinator's default (60 s). Above the maximum (15 min; both

@@ -259,8 +259,8 @@ func (PartitionState) EnumDescriptor() ([]byte, []int) {
 	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{3}
 }
 
-// The outcome of one item of a batched request. An empty `reason` means the item
-// succeeded. Otherwise `reason` is the same UPPER_SNAKE_CASE reason string a whole-request
+// The outcome of one item of a batched request. An ItemError that is unset, or whose
+// `reason` is empty, means the item succeeded (servers leave it unset). Otherwise `reason` is the same UPPER_SNAKE_CASE reason string a whole-request
 // failure would carry in google.rpc.ErrorInfo (domain "atomlog.v1"); docs/errors.md maps
 // each reason to a gRPC code and says whether it is retriable, abortable or fatal.
 // Examples: "NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "OUT_OF_ORDER_SEQUENCE",
