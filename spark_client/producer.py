@@ -226,9 +226,10 @@ class _Batch:
     # taken it first (requests can overtake each other), so a sequence refusal of it
     # may only mean "too early".
     sent_behind: bool = False
-    # Refused as overtaking an earlier batch: resent at once, but only once every batch
-    # ahead of it is answered (no backoff: nothing is wrong but the order of arrival).
-    after_ahead: bool = False
+    # A resend in flight: nothing later of its partition is sent until it is answered
+    # (_may_send).
+    alone: bool = False
+    producer_id: int | None = None  # the identity it was encoded under
 
 
 @dataclass(eq=False)
@@ -240,6 +241,9 @@ class _PartitionState:
     opened_at: float = 0.0
     ready: collections.deque = field(default_factory=collections.deque)  # sealed, unsent
     in_flight: list[_Batch] = field(default_factory=list)  # sent, unanswered, seq order
+    # Batches sent, in order, from the oldest one not finished: the servers' 5-batch
+    # window of a producer counts from it (acknowledged batches behind it count).
+    window: collections.deque = field(default_factory=collections.deque)
     next_sequence: int = 0
     producer_id: int | None = None  # per partition: rotated when an outcome is unknown
     epoch: int = 0
@@ -635,6 +639,7 @@ class Producer:
                     else self.client.allocate_producer_id())
                 state.next_sequence = 0
             batch.base_sequence = state.next_sequence
+            batch.producer_id = state.producer_id
             state.next_sequence += len(records)
         fields = dict(producer_id=state.producer_id or 0, producer_epoch=state.epoch,
                       base_sequence=batch.base_sequence if self.idempotent else -1,
@@ -674,8 +679,7 @@ class Producer:
         for state in self._partitions.values():
             if state.open:
                 wake = min(wake, state.opened_at + self.linger_s - now)
-            if state.ready and len(state.in_flight) < self.max_in_flight \
-                    and not (state.ready[0].after_ahead and state.in_flight):
+            if state.ready and _may_send(state, self.max_in_flight):
                 wake = min(wake, state.ready[0].not_before - now)
         return max(wake, 0.0005)
 
@@ -687,11 +691,10 @@ class Producer:
         out = []
         for key, state in self._partitions.items():
             deferred = False
-            while state.ready and len(state.in_flight) < self.max_in_flight \
-                    and state.ready[0].not_before <= now \
-                    and not (state.ready[0].after_ahead and state.in_flight):
+            while state.ready and state.ready[0].not_before <= now \
+                    and _may_send(state, self.max_in_flight):
                 batch = state.ready.popleft()
-                batch.after_ahead = False
+                batch.alone = batch.attempts > 0
                 if not batch.payload:
                     deferred = deferred or (batch.txn is not None
                                             and not batch.txn.registered(key))
@@ -701,6 +704,8 @@ class Producer:
                         except errors.AtomlogClientError as error:
                             self._fail(batch, error)
                             continue
+                if not batch.attempts:
+                    state.window.append(batch)
                 batch.sent_behind = bool(state.in_flight)
                 state.in_flight.append(batch)
                 out.append(batch)
@@ -744,7 +749,7 @@ class Producer:
         kept = []
         for batch in batches:
             if batch.txn in failed:
-                self._completions.put((batch, failed[batch.txn], None))
+                self._completions.put((batch, failed[batch.txn], None, batch.attempts))
             else:
                 kept.append(batch)
         return kept
@@ -757,12 +762,12 @@ class Producer:
             try:
                 address = self.client.metadata.route(batch.topic, batch.partition).address
             except errors.AtomlogClientError as error:
-                self._completions.put((batch, error, None))
+                self._completions.put((batch, error, None, batch.attempts))
                 continue
             if not address:
                 self._completions.put((batch, errors.error_for(
                     "SERVER_UNAVAILABLE", f"owner of {batch.topic}-{batch.partition} is down"),
-                    None))
+                    None, batch.attempts))
                 continue
             by_address.setdefault(address, []).append(batch)
         for address, batches in by_address.items():
@@ -773,28 +778,32 @@ class Producer:
                                                               partition=b.partition),
                     record_batch=b.payload) for b in group])
                 call = stub.Produce.future(request, timeout=self.request_timeout_s)
-                call.add_done_callback(lambda f, group=group: self._on_reply(group, f))
+                attempts = [b.attempts for b in group]
+                call.add_done_callback(
+                    lambda f, group=group, attempts=attempts: self._on_reply(group, attempts, f))
         if not by_address:
             with self._lock:
                 self._lock.notify_all()
 
-    def _on_reply(self, group: list[_Batch], call) -> None:
+    def _on_reply(self, group: list[_Batch], attempts: list[int], call) -> None:
+        """Queue the answer of each batch of a Produce call, with the attempt it answers."""
         try:
             reply = call.result()
             if len(reply.results) != len(group):
                 raise errors.error_for(
                     "INTERNAL", f"the server answered {len(reply.results)} results for "
                     f"{len(group)} batches")
-            for batch, result in zip(group, reply.results, strict=True):
+            for batch, attempt, result in zip(group, attempts, reply.results, strict=True):
                 if result.error.reason:
                     self._completions.put((batch, errors.error_for(
-                        result.error.reason, result.error.message, dict(result.error.metadata)), None))
+                        result.error.reason, result.error.message, dict(result.error.metadata)),
+                        None, attempt))
                 else:
-                    self._completions.put((batch, None, result))
+                    self._completions.put((batch, None, result, attempt))
         except (grpc.RpcError, errors.AtomlogClientError) as failure:
             error = errors.from_grpc(failure) if isinstance(failure, grpc.RpcError) else failure
-            for batch in group:
-                self._completions.put((batch, error, None))
+            for batch, attempt in zip(group, attempts, strict=True):
+                self._completions.put((batch, error, None, attempt))
         with self._lock:
             self._lock.notify_all()
 
@@ -803,11 +812,16 @@ class Producer:
         refresh: set[str] = set()
         while True:
             try:
-                batch, error, result = self._completions.get_nowait()
+                batch, error, result, attempt = self._completions.get_nowait()
             except queue.Empty:
                 break
             if batch.done:
                 continue  # already failed for good; a late reply changes nothing
+            if error is not None and attempt != batch.attempts:
+                # The failure of an earlier attempt of a batch sent again since: the
+                # latest attempt answers for it (taken as this one's, it could fail a
+                # batch whose resend was written). A late success is news: kept.
+                continue
             state = self._partitions[(batch.topic, batch.partition)]
             if error is None:
                 _discard(state, batch)
@@ -834,13 +848,13 @@ class Producer:
         if retriable and now < batch.deadline:
             batch.last_error = error
             overtook = error.reason in SEQUENCE_REFUSALS and (index > 0 or batch.sent_behind)
-            # Resend this batch and every later in-flight one, in sequence order: after a
-            # backoff, or (it overtook an earlier batch) once the batches ahead are answered.
+            # Resend this batch and every later in-flight one, in sequence order, each
+            # alone (_may_send): after a backoff, or at once when it only overtook an
+            # earlier batch.
             later = state.in_flight[index:]
             del state.in_flight[index:]
             for b in reversed(later):
                 b.not_before = now if overtook else now + self.backoff.delay(b.attempts)
-                b.after_ahead = overtook
                 state.ready.appendleft(b)
             return
         if not batch.payload:  # its registration failed: never encoded, never sent
@@ -927,6 +941,10 @@ class Producer:
         self._finish(batch)
 
     def _finish(self, batch: _Batch) -> None:
+        state = self._partitions.get((batch.topic, batch.partition))
+        if state is not None:
+            while state.window and state.window[0].done:
+                state.window.popleft()
         self._buffered_bytes -= batch.size
         self._unfinished -= len(batch.records)
         self._lock.notify_all()
@@ -968,6 +986,27 @@ def _record_size(key: bytes | None, value: bytes | None, headers) -> int:
     if headers:
         size += sum(len(k) + len(v) + HEADER_OVERHEAD for k, v in headers)
     return size
+
+
+def _may_send(state: _PartitionState, max_in_flight: int) -> bool:
+    """Whether the partition's next ready batch may go now (docs/clients.md, idempotence).
+
+    The servers recognise a retry only among a producer's last 5 batches, so a retry
+    must still be among them when it arrives:
+    - a new batch goes only while fewer than `max_in_flight` were sent since the oldest
+      unfinished one (state.window: acknowledged batches behind it count);
+    - a resend (a batch sent before) goes alone: once every batch ahead of it is
+      answered, and nothing follows it until it is answered (later batches overtaking it
+      could push it out of the window, and a resend that had been written would be
+      refused as out of order instead of recognised);
+    - after the partition took a new producer id, nothing goes under it while batches of
+      the old one are unanswered (they could be overtaken)."""
+    if state.ready[0].attempts:
+        return not state.in_flight
+    if len(state.window) >= max_in_flight:
+        return False
+    return not any(b.alone or (b.producer_id is not None and b.producer_id != state.producer_id)
+                   for b in state.in_flight)  # (None: a transactional batch encoded later)
 
 
 def _discard(state: _PartitionState, batch: _Batch) -> None:

@@ -411,3 +411,65 @@ def test_pandas_and_polars_recipes(client):
     with client.consumer(topic) as consumer:
         again = pa.concat_tables(consumer.read_until(arrow=True, idle_timeout_s=30))
     assert again.column("value").to_pylist() == [b"1", b"2", b"1", b"2"]
+
+
+def test_a_resend_goes_alone_and_a_new_identity_waits_for_the_old():
+    """The sending rules of docs/clients.md (idempotence): a new batch goes only while
+    fewer than 5 were sent since the oldest unfinished one (acknowledged batches behind
+    it count: the servers' 5-batch window counts from it); a batch sent before goes
+    again only once the batches ahead of it are answered, and nothing follows it until
+    it is answered; after a new producer id, nothing goes under it until the old id's
+    batches are answered."""
+    from spark_client.producer import _Batch, _may_send, _PartitionState
+
+    def batch(attempts: int = 0, done: bool = False) -> _Batch:
+        return _Batch("t", 0, [], None, 0.0, attempts=attempts, done=done)
+
+    def sent(count: int) -> list[_Batch]:
+        out = [batch(attempts=1) for _ in range(count)]
+        state.window.extend(out)
+        state.in_flight.extend(out)
+        return out
+
+    state = _PartitionState()
+    state.ready.extend([batch(), batch()])
+    assert _may_send(state, 5)
+    first = sent(4)
+    assert _may_send(state, 5)
+    sent(1)
+    assert not _may_send(state, 5)  # five in flight
+    # Four answered, the first one not: they still count (the server wrote them after it).
+    del state.in_flight[1:]
+    for b in list(state.window)[1:]:
+        b.done = True
+    assert not _may_send(state, 5)
+    first[0].done = True  # answered: the window starts after it
+    state.in_flight.clear()
+    state.window.clear()
+    assert _may_send(state, 5)
+    # A resend waits for the batches ahead of it, then goes alone.
+    ahead = sent(1)[0]
+    state.ready.appendleft(batch(attempts=1))
+    state.window.append(state.ready[0])
+    assert not _may_send(state, 5)
+    ahead.done = True
+    state.in_flight.clear()
+    state.window.popleft()
+    assert _may_send(state, 5)
+    resend = state.ready.popleft()
+    resend.alone = True  # as _sendable marks a resend
+    state.in_flight.append(resend)
+    assert state.ready[0].attempts == 0 and not _may_send(state, 5)  # nothing follows it
+    state.in_flight.clear()
+    state.window.clear()
+    assert _may_send(state, 5)
+    # A new producer id: nothing goes under it while the old one's batches are unanswered.
+    state.producer_id = 7
+    old = sent(1)[0]
+    old.producer_id = 7
+    assert _may_send(state, 5)
+    state.producer_id = 8
+    assert not _may_send(state, 5)
+    state.in_flight.clear()
+    state.window.clear()
+    assert _may_send(state, 5)
