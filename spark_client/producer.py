@@ -951,23 +951,23 @@ class Producer:
 
 
 def _requests(batches: list[_Batch], limit: int) -> list[list[_Batch]]:
-    """The batches bound for one server as Produce requests: at most one batch of a
-    partition in each request (the k-th request carries the k-th batch of every
-    partition), and at most `limit` bytes (a batch larger than that alone). A partition's
-    batches go out in sequence order, each in its own call, so the server writes the next
-    one while the last one's fsync runs, as it would for batches sent one at a time; a
-    sequence refusal of one that overtook another is retried (_handle_failure)."""
-    rounds: list[list[_Batch]] = []
-    seen: dict[tuple[str, int], int] = {}
+    """The batches bound for one server as Produce requests of at most `limit` bytes (a
+    batch larger than that alone): the first ready batch of each partition in one, the
+    rest in the next. So a lone partition's batches travel as two calls and the server
+    writes the second while the first one's fsync runs; more calls would cost the server
+    more than they gain once several producers share it (measured: bench/produce.py, one
+    request per batch took the 4x1 cell from 117% of the wire producer to 62%). Each
+    partition's batches stay in sequence order; a sequence refusal of one that overtook
+    another is retried (_handle_failure)."""
+    first: list[_Batch] = []
+    rest: list[_Batch] = []
+    seen: set[tuple[str, int]] = set()
     for batch in batches:
         key = (batch.topic, batch.partition)
-        k = seen.get(key, 0)
-        seen[key] = k + 1
-        if k == len(rounds):
-            rounds.append([])
-        rounds[k].append(batch)
+        (rest if key in seen else first).append(batch)
+        seen.add(key)
     groups: list[list[_Batch]] = []
-    for batches_of_round in rounds:
+    for batches_of_round in (first, rest) if rest else (first,):
         groups.append([])
         size = 0
         for batch in batches_of_round:
