@@ -97,15 +97,7 @@ func (c *Client) newOneCall(ctx context.Context, opts OneCallOptions, session *p
 	t := &OneCallTxn{c: c, session: session, prod: p, opts: opts, began: time.Now(),
 		records: map[TopicPartition][]Record{}, acks: map[subscriptionPartition]*ackItem{},
 		sticky: map[string]int32{}}
-	if session != nil {
-		// A session's transaction lives on tc_partition_for(transactional id); its key
-		// is any fresh one.
-		t.tc = p.sessionTC
-		t.key = randomKey()
-	} else {
-		t.key = randomKey()
-		t.tc = TCPartitionFor(t.key, count)
-	}
+	t.tc, t.key = placeTxn(session != nil, p, count)
 	return t, nil
 }
 

@@ -86,16 +86,19 @@ func (c *Client) newTxn(ctx context.Context, opts TxnOptions, session *pb.Transa
 		began:      time.Now(),
 		partitions: map[TopicPartition]bool{}, subs: map[subscriptionPartition]bool{},
 		producers: map[*Producer]bool{}}
-	if session != nil {
-		// NewTxn of a session goes to tc_partition_for(transactional id); its key lives
-		// there, whatever it hashes to.
-		t.tc = producer.sessionTC
-		t.key = randomKey()
-	} else {
-		t.key = randomKey()
-		t.tc = TCPartitionFor(t.key, count)
-	}
+	t.tc, t.key = placeTxn(session != nil, producer, count)
 	return t, nil
+}
+
+// placeTxn is a new transaction's TC partition and idempotency key: a session's lives on
+// tc_partition_for(transactional id), its key whatever it hashes to; any other goes where
+// its fresh key hashes.
+func placeTxn(inSession bool, producer *Producer, count uint32) (uint32, string) {
+	key := randomKey()
+	if inSession {
+		return producer.sessionTC, key
+	}
+	return TCPartitionFor(key, count), key
 }
 
 func randomKey() string {
