@@ -704,8 +704,8 @@ class Producer:
                         except errors.AtomlogClientError as error:
                             self._fail(batch, error)
                             continue
-                if not batch.attempts:
-                    state.window.append(batch)
+                if not batch.attempts and batch not in state.window:
+                    state.window.append(batch)  # (a batch whose registration failed: in)
                 batch.sent_behind = bool(state.in_flight)
                 state.in_flight.append(batch)
                 out.append(batch)
