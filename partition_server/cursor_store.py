@@ -80,10 +80,13 @@ from typing import NamedTuple
 import crc32c
 
 from partition_server.snapshot_files import (
+    TMP_SUFFIX,
     SnapshotCorrupt,
     SnapshotFileNames,
+    fsync_directory,
     seal,
     unseal,
+    write_atomically,
 )
 from partition_server.subscription_cursor import (
     Created,
@@ -112,7 +115,6 @@ DEFAULT_MAX_JOURNAL_BYTES = 64 * MIB
 # An entry is at most ~1 MiB: an Acked of subscription_cursor.MAX_RANGES_BOUND ranges.
 MAX_FRAME_BYTES = 1 * MIB
 SNAPSHOTS_KEPT = 2
-TMP_SUFFIX = ".tmp"
 
 LIMIT_SUBSCRIPTIONS = "partition.max_subscriptions"
 LIMIT_JOURNAL = "subscription.max_journal_bytes"
@@ -643,7 +645,7 @@ class CursorStore:
         if job.abandoned.is_set() or self._broken is not None:
             return
         try:
-            _write_atomically(self.directory / snapshot_file_name(job.covered), job.data)
+            write_atomically(self.directory / snapshot_file_name(job.covered), job.data)
             job.written = True
             self._delete_obsolete()
         except OSError as error:
@@ -711,7 +713,7 @@ class CursorStore:
         for path in doomed:
             path.unlink(missing_ok=True)
         if doomed:
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -807,29 +809,11 @@ def _create_journal(directory: Path, first: int) -> int:
         assert len(header) == JOURNAL_HEADER_SIZE
         os.write(fd, header)
         os.fsync(fd)
-        _fsync_directory(directory)
+        fsync_directory(directory)
     except OSError:
         os.close(fd)
         raise
     return fd
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """A replica's leader-epoch file (docs/replication.md, "Truncation by leader epoch"): the
 `replication.LeaderEpochCache` of one partition directory, kept in `leader-epochs` and
-rewritten atomically (temporary file, fsync, rename, directory fsync) at every change.
+rewritten durably (snapshot_files.write_atomically) at every change.
 
 The log and this file change in separate steps, so after a crash the file may name epochs
 that began past the log's end (the log was cut back, the file not yet) or before its start
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from partition_server.replication import LeaderEpochCache
+from partition_server.snapshot_files import write_atomically
 from services.logs import event
 
 log = logging.getLogger("atomlog.partition.epochs")
@@ -73,16 +74,4 @@ class LeaderEpochFile:
             self._save()
 
     def _save(self) -> None:
-        tmp = self.path.with_name(FILE_NAME + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, self.cache.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(self.path, self.cache.encode())

@@ -70,7 +70,7 @@ from partition_server.record_batch import (ATTR_TRANSACTIONAL, LENGTH_FIELD_END,
                                            iter_batches, parse_header)
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.segment import walk_headers
-from partition_server.snapshot_files import SnapshotCorrupt
+from partition_server.snapshot_files import SnapshotCorrupt, write_atomically
 from partition_server.subscriptions import PartitionSubscriptions
 from partition_server.txn_buffer import AbortedTxn, MarkerAction, TxnBuffer, TxnBufferLimits
 from partition_server.txn_guard import TxnGuard
@@ -1008,18 +1008,7 @@ class PartitionOwner:
             self._write_snapshot(txn_buffer, covered, txns)
 
     def _write_snapshot(self, module, covered: int, data: bytes) -> None:
-        path = self.directory / module.snapshot_file_name(covered)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(self.directory / module.snapshot_file_name(covered), data)
         self._note_snapshot(module, covered)
         for _, old in self._snapshot_files(module)[SNAPSHOTS_KEPT:]:
             old.unlink(missing_ok=True)

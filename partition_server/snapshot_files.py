@@ -4,12 +4,15 @@ reserved u16 = 0), and file names that sort by the log offset a snapshot covers.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
+from pathlib import Path
 
 import crc32c
 
 _TRAILER = struct.Struct("<I")
+TMP_SUFFIX = ".tmp"
 OFFSET_MAX = (1 << 63) - 1
 
 
@@ -61,3 +64,23 @@ class SnapshotFileNames:
         """covered_offset of a snapshot file name; None for any other name."""
         match = self._pattern.match(name)
         return int(match.group(1)) if match else None
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` durably: a temporary file, fsync, rename, directory fsync
+    (a crash leaves the old contents or the new, never a mix)."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
