@@ -118,10 +118,9 @@ class StubCache:
         their calls have had a minute to finish."""
         self._tls_generation = _CHANNEL_TLS.current()[0]
         old, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        self._retired = {task for task in self._retired if not task.done()}
         for channel in old:
             self._retired.add(asyncio.ensure_future(channel.close(grace=60.0)))
-            for task in [t for t in self._retired if t.done()]:
-                self._retired.discard(task)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
