@@ -32,7 +32,6 @@ import contextvars
 import hashlib
 import hmac
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import grpc
 
 from services import metrics
 from services.logs import event
+from services.tls import file_signature
 
 log = logging.getLogger("atomlog.auth")
 
@@ -120,11 +120,7 @@ class WatchedFile:
         self._checked_at = time.monotonic()
 
     def _stat(self) -> tuple | None:
-        try:
-            stat = os.stat(self.path)
-        except OSError:
-            return None
-        return stat.st_mtime_ns, stat.st_size, stat.st_ino
+        return file_signature(self.path)
 
     def _read(self) -> bytes:
         try:

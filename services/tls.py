@@ -93,6 +93,16 @@ def check_files(cert_file: str = "", key_file: str = "", ca_file: str = "") -> N
                    cert_file, key_file)
 
 
+def file_signature(path: str) -> tuple | None:
+    """What tells a changed file (mtime, size, inode: a rename over it too); None when it
+    is missing."""
+    try:
+        s = os.stat(path)
+    except OSError:
+        return None
+    return s.st_mtime_ns, s.st_size, s.st_ino
+
+
 class _Files:
     """The contents of some files, re-read when their stat signature changes."""
 
@@ -102,14 +112,7 @@ class _Files:
         self.contents: list[bytes] = []
 
     def _stat(self) -> tuple:
-        signature = []
-        for path in self.paths:
-            try:
-                s = os.stat(path)
-                signature.append((s.st_mtime_ns, s.st_size, s.st_ino))
-            except OSError:
-                signature.append(None)
-        return tuple(signature)
+        return tuple(file_signature(path) for path in self.paths)
 
     def changed(self) -> tuple | None:
         """The new signature when the files differ from the last accepted read, else None."""
