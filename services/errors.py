@@ -88,6 +88,12 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "This server does not own the partition; metadata names the owner. Refresh and retry."),
     _r("NOT_A_REPLICA", SC.FAILED_PRECONDITION, FATAL, C,
        "A replica fetch from a server that holds no replica of the partition."),
+    _r("NOT_ENOUGH_REPLICAS", SC.UNAVAILABLE, RETRY, S,
+       "Fewer in-sync replicas than min.insync.replicas hold the partition; nothing was "
+       "written. Retry once a replica catches up or returns."),
+    _r("FENCED_LEADER_EPOCH", SC.FAILED_PRECONDITION, RETRY, S,
+       "A replica call carried another leader epoch than this leader's; the caller rereads "
+       "the partition's state (internal: between partition servers)."),
     _r("NO_PARTITION_SERVERS", SC.UNAVAILABLE, RETRY, S,
        "No partition server is registered, so partitions cannot be assigned."),
     _r("ZOOKEEPER_UNAVAILABLE", SC.UNAVAILABLE, RETRY, S,

@@ -19,6 +19,8 @@ var reasons = map[string]reasonInfo{
 	"OFFSET_OUT_OF_RANGE":           {codes.OutOfRange, Fatal},
 	"NOT_PARTITION_OWNER":           {codes.FailedPrecondition, Retriable},
 	"NOT_A_REPLICA":                 {codes.FailedPrecondition, Fatal},
+	"NOT_ENOUGH_REPLICAS":           {codes.Unavailable, Retriable},
+	"FENCED_LEADER_EPOCH":           {codes.FailedPrecondition, Retriable},
 	"NO_PARTITION_SERVERS":          {codes.Unavailable, Retriable},
 	"ZOOKEEPER_UNAVAILABLE":         {codes.Unavailable, Retriable},
 	"SHUTTING_DOWN":                 {codes.Unavailable, Retriable},

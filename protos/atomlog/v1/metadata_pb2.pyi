@@ -24,16 +24,22 @@ class ServerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.ServerRole, str]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., version: _Optional[str] = ..., registered_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PartitionMetadata(_message.Message):
-    __slots__ = ("partition", "server_name", "server_address", "available")
+    __slots__ = ("partition", "server_name", "server_address", "available", "replicas", "isr", "leader_epoch")
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     SERVER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ISR_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     partition: int
     server_name: str
     server_address: str
     available: bool
-    def __init__(self, partition: _Optional[int] = ..., server_name: _Optional[str] = ..., server_address: _Optional[str] = ..., available: _Optional[bool] = ...) -> None: ...
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    isr: _containers.RepeatedScalarFieldContainer[str]
+    leader_epoch: int
+    def __init__(self, partition: _Optional[int] = ..., server_name: _Optional[str] = ..., server_address: _Optional[str] = ..., available: _Optional[bool] = ..., replicas: _Optional[_Iterable[str]] = ..., isr: _Optional[_Iterable[str]] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class TopicMetadata(_message.Message):
     __slots__ = ("name", "partitions", "config", "internal", "created_unix_ms")
@@ -89,7 +95,7 @@ class GetMetadataResponse(_message.Message):
     def __init__(self, servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., topics: _Optional[_Iterable[_Union[TopicMetadata, _Mapping]]] = ..., tc_partitions: _Optional[_Iterable[_Union[TcPartitionMetadata, _Mapping]]] = ..., tc_partition_count: _Optional[int] = ..., answered_by: _Optional[str] = ...) -> None: ...
 
 class CreateTopicRequest(_message.Message):
-    __slots__ = ("name", "partitions", "config")
+    __slots__ = ("name", "partitions", "config", "replication_factor")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,10 +106,12 @@ class CreateTopicRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FACTOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     partitions: int
     config: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., partitions: _Optional[int] = ..., config: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    replication_factor: int
+    def __init__(self, name: _Optional[str] = ..., partitions: _Optional[int] = ..., config: _Optional[_Mapping[str, str]] = ..., replication_factor: _Optional[int] = ...) -> None: ...
 
 class CreateTopicResponse(_message.Message):
     __slots__ = ("topic",)

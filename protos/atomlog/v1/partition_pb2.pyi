@@ -739,3 +739,49 @@ class StageTxnResult(_message.Message):
     batch_results: _containers.RepeatedCompositeFieldContainer[ProduceResult]
     ack_results: _containers.RepeatedCompositeFieldContainer[AckResult]
     def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., batch_results: _Optional[_Iterable[_Union[ProduceResult, _Mapping]]] = ..., ack_results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms")
+    TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FETCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAST_FETCHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    topic_partition: _common_pb2.TopicPartition
+    replica: str
+    leader_epoch: int
+    fetch_offset: int
+    last_fetched_epoch: int
+    max_bytes: int
+    max_wait_ms: int
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
+
+class LeaderEpochEntry(_message.Message):
+    __slots__ = ("epoch", "start_offset")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    start_offset: int
+    def __init__(self, epoch: _Optional[int] = ..., start_offset: _Optional[int] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("records", "high_watermark", "log_start_offset", "log_end_offset", "epochs", "diverging", "diverging_epoch", "diverging_end_offset")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    DIVERGING_FIELD_NUMBER: _ClassVar[int]
+    DIVERGING_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DIVERGING_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    records: bytes
+    high_watermark: int
+    log_start_offset: int
+    log_end_offset: int
+    epochs: _containers.RepeatedCompositeFieldContainer[LeaderEpochEntry]
+    diverging: bool
+    diverging_epoch: int
+    diverging_end_offset: int
+    def __init__(self, records: _Optional[bytes] = ..., high_watermark: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[LeaderEpochEntry, _Mapping]]] = ..., diverging: _Optional[bool] = ..., diverging_epoch: _Optional[int] = ..., diverging_end_offset: _Optional[int] = ...) -> None: ...

@@ -133,6 +133,11 @@ class PartitionServiceStub:
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.RecoverPartitionRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_partition__pb2.RecoverPartitionResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/atomlog.v1.PartitionService/Replicate',
+                request_serializer=atomlog_dot_v1_dot_partition__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_partition__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
 
 
 class PartitionServiceServicer:
@@ -309,6 +314,17 @@ class PartitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Internal (docs/replication.md): a follower copies its leader's log. A long poll from
+        `fetch_offset`, which also tells the leader that everything below it is durable on
+        the follower. Answers raw batches, the leader's high watermark and log start, and the
+        leader epochs that begin in the answered range; or, when the follower's log has left
+        the leader's history, where to cut it (`diverging`). Called by partition servers only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PartitionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -391,6 +407,11 @@ def add_PartitionServiceServicer_to_server(servicer, server):
                     servicer.RecoverPartition,
                     request_deserializer=atomlog_dot_v1_dot_partition__pb2.RecoverPartitionRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_partition__pb2.RecoverPartitionResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=atomlog_dot_v1_dot_partition__pb2.ReplicateRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_partition__pb2.ReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -844,6 +865,33 @@ class PartitionService:
             '/atomlog.v1.PartitionService/RecoverPartition',
             atomlog_dot_v1_dot_partition__pb2.RecoverPartitionRequest.SerializeToString,
             atomlog_dot_v1_dot_partition__pb2.RecoverPartitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.PartitionService/Replicate',
+            atomlog_dot_v1_dot_partition__pb2.ReplicateRequest.SerializeToString,
+            atomlog_dot_v1_dot_partition__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -119,7 +119,13 @@ type PartitionMetadata struct {
 	// Its gRPC address, empty when the owner is not registered (down).
 	ServerAddress string `protobuf:"bytes,3,opt,name=server_address,json=serverAddress,proto3" json:"server_address,omitempty"`
 	// True when the owner is registered.
-	Available     bool `protobuf:"varint,4,opt,name=available,proto3" json:"available,omitempty"`
+	Available bool `protobuf:"varint,4,opt,name=available,proto3" json:"available,omitempty"`
+	// Replicated topics: the servers holding a copy (preferred leader first), the in-sync
+	// ones and the leader epoch. server_name above is the current leader, empty when the
+	// partition is offline. Unreplicated topics: replicas = isr = [server_name], epoch 0.
+	Replicas      []string `protobuf:"bytes,5,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	Isr           []string `protobuf:"bytes,6,rep,name=isr,proto3" json:"isr,omitempty"`
+	LeaderEpoch   uint32   `protobuf:"varint,7,opt,name=leader_epoch,json=leaderEpoch,proto3" json:"leader_epoch,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -180,6 +186,27 @@ func (x *PartitionMetadata) GetAvailable() bool {
 		return x.Available
 	}
 	return false
+}
+
+func (x *PartitionMetadata) GetReplicas() []string {
+	if x != nil {
+		return x.Replicas
+	}
+	return nil
+}
+
+func (x *PartitionMetadata) GetIsr() []string {
+	if x != nil {
+		return x.Isr
+	}
+	return nil
+}
+
+func (x *PartitionMetadata) GetLeaderEpoch() uint32 {
+	if x != nil {
+		return x.LeaderEpoch
+	}
+	return 0
 }
 
 type TopicMetadata struct {
@@ -461,9 +488,12 @@ type CreateTopicRequest struct {
 	// 1 .. topics.max_partitions (server configuration).
 	Partitions uint32 `protobuf:"varint,2,opt,name=partitions,proto3" json:"partitions,omitempty"`
 	// Per-topic settings; unknown keys are refused.
-	Config        map[string]string `protobuf:"bytes,3,rep,name=config,proto3" json:"config,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Config map[string]string `protobuf:"bytes,3,rep,name=config,proto3" json:"config,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// Copies of each partition, 1 .. the number of partition servers; 0 means the cluster's
+	// default (topics.default_replication_factor).
+	ReplicationFactor uint32 `protobuf:"varint,4,opt,name=replication_factor,json=replicationFactor,proto3" json:"replication_factor,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *CreateTopicRequest) Reset() {
@@ -515,6 +545,13 @@ func (x *CreateTopicRequest) GetConfig() map[string]string {
 		return x.Config
 	}
 	return nil
+}
+
+func (x *CreateTopicRequest) GetReplicationFactor() uint32 {
+	if x != nil {
+		return x.ReplicationFactor
+	}
+	return 0
 }
 
 type CreateTopicResponse struct {
@@ -663,13 +700,16 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\fgrpc_address\x18\x03 \x01(\tR\vgrpcAddress\x12'\n" +
 	"\x0fmetrics_address\x18\x04 \x01(\tR\x0emetricsAddress\x12\x18\n" +
 	"\aversion\x18\x05 \x01(\tR\aversion\x12,\n" +
-	"\x12registered_unix_ms\x18\x06 \x01(\x03R\x10registeredUnixMs\"\x97\x01\n" +
+	"\x12registered_unix_ms\x18\x06 \x01(\x03R\x10registeredUnixMs\"\xe8\x01\n" +
 	"\x11PartitionMetadata\x12\x1c\n" +
 	"\tpartition\x18\x01 \x01(\rR\tpartition\x12\x1f\n" +
 	"\vserver_name\x18\x02 \x01(\tR\n" +
 	"serverName\x12%\n" +
 	"\x0eserver_address\x18\x03 \x01(\tR\rserverAddress\x12\x1c\n" +
-	"\tavailable\x18\x04 \x01(\bR\tavailable\"\xa0\x02\n" +
+	"\tavailable\x18\x04 \x01(\bR\tavailable\x12\x1a\n" +
+	"\breplicas\x18\x05 \x03(\tR\breplicas\x12\x10\n" +
+	"\x03isr\x18\x06 \x03(\tR\x03isr\x12!\n" +
+	"\fleader_epoch\x18\a \x01(\rR\vleaderEpoch\"\xa0\x02\n" +
 	"\rTopicMetadata\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12=\n" +
 	"\n" +
@@ -694,13 +734,14 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\rtc_partitions\x18\x03 \x03(\v2\x1f.atomlog.v1.TcPartitionMetadataR\ftcPartitions\x12,\n" +
 	"\x12tc_partition_count\x18\x04 \x01(\rR\x10tcPartitionCount\x12\x1f\n" +
 	"\vanswered_by\x18\x05 \x01(\tR\n" +
-	"answeredBy\"\xc7\x01\n" +
+	"answeredBy\"\xf6\x01\n" +
 	"\x12CreateTopicRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1e\n" +
 	"\n" +
 	"partitions\x18\x02 \x01(\rR\n" +
 	"partitions\x12B\n" +
-	"\x06config\x18\x03 \x03(\v2*.atomlog.v1.CreateTopicRequest.ConfigEntryR\x06config\x1a9\n" +
+	"\x06config\x18\x03 \x03(\v2*.atomlog.v1.CreateTopicRequest.ConfigEntryR\x06config\x12-\n" +
+	"\x12replication_factor\x18\x04 \x01(\rR\x11replicationFactor\x1a9\n" +
 	"\vConfigEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"F\n" +

@@ -4576,6 +4576,266 @@ func (x *StageTxnResult) GetAckResults() []*AckResult {
 	return nil
 }
 
+type ReplicateRequest struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	TopicPartition *TopicPartition        `protobuf:"bytes,1,opt,name=topic_partition,json=topicPartition,proto3" json:"topic_partition,omitempty"`
+	// The follower's server name; must be one of the partition's replicas.
+	Replica string `protobuf:"bytes,2,opt,name=replica,proto3" json:"replica,omitempty"`
+	// The leader epoch the follower follows; the leader refuses any other with
+	// FENCED_LEADER_EPOCH (an older one) or NOT_PARTITION_OWNER (it is not that leader).
+	LeaderEpoch uint32 `protobuf:"varint,3,opt,name=leader_epoch,json=leaderEpoch,proto3" json:"leader_epoch,omitempty"`
+	// The follower's log end: everything below is durable on the follower.
+	FetchOffset int64 `protobuf:"varint,4,opt,name=fetch_offset,json=fetchOffset,proto3" json:"fetch_offset,omitempty"`
+	// The epoch of the follower's last batch (its leader-epoch file's latest entry), or -1
+	// when its log is empty; the leader checks it against its own history.
+	LastFetchedEpoch int64 `protobuf:"varint,5,opt,name=last_fetched_epoch,json=lastFetchedEpoch,proto3" json:"last_fetched_epoch,omitempty"`
+	// 1 .. grpc.max_message_bytes; the first batch is returned whole even when larger.
+	MaxBytes uint32 `protobuf:"varint,6,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	// 0 .. partition.fetch_max_wait_ms: how long to wait for data past fetch_offset.
+	MaxWaitMs     uint32 `protobuf:"varint,7,opt,name=max_wait_ms,json=maxWaitMs,proto3" json:"max_wait_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplicateRequest) Reset() {
+	*x = ReplicateRequest{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicateRequest) ProtoMessage() {}
+
+func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicateRequest.ProtoReflect.Descriptor instead.
+func (*ReplicateRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{63}
+}
+
+func (x *ReplicateRequest) GetTopicPartition() *TopicPartition {
+	if x != nil {
+		return x.TopicPartition
+	}
+	return nil
+}
+
+func (x *ReplicateRequest) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *ReplicateRequest) GetLeaderEpoch() uint32 {
+	if x != nil {
+		return x.LeaderEpoch
+	}
+	return 0
+}
+
+func (x *ReplicateRequest) GetFetchOffset() int64 {
+	if x != nil {
+		return x.FetchOffset
+	}
+	return 0
+}
+
+func (x *ReplicateRequest) GetLastFetchedEpoch() int64 {
+	if x != nil {
+		return x.LastFetchedEpoch
+	}
+	return 0
+}
+
+func (x *ReplicateRequest) GetMaxBytes() uint32 {
+	if x != nil {
+		return x.MaxBytes
+	}
+	return 0
+}
+
+func (x *ReplicateRequest) GetMaxWaitMs() uint32 {
+	if x != nil {
+		return x.MaxWaitMs
+	}
+	return 0
+}
+
+type LeaderEpochEntry struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Epoch         uint32                 `protobuf:"varint,1,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	StartOffset   int64                  `protobuf:"varint,2,opt,name=start_offset,json=startOffset,proto3" json:"start_offset,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LeaderEpochEntry) Reset() {
+	*x = LeaderEpochEntry{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LeaderEpochEntry) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LeaderEpochEntry) ProtoMessage() {}
+
+func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LeaderEpochEntry.ProtoReflect.Descriptor instead.
+func (*LeaderEpochEntry) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{64}
+}
+
+func (x *LeaderEpochEntry) GetEpoch() uint32 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *LeaderEpochEntry) GetStartOffset() int64 {
+	if x != nil {
+		return x.StartOffset
+	}
+	return 0
+}
+
+type ReplicateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Whole batches from fetch_offset, byte for byte as in the leader's log (base offsets
+	// and append times included). Empty when nothing new arrived or on divergence.
+	Records        []byte `protobuf:"bytes,1,opt,name=records,proto3" json:"records,omitempty"`
+	HighWatermark  int64  `protobuf:"varint,2,opt,name=high_watermark,json=highWatermark,proto3" json:"high_watermark,omitempty"`
+	LogStartOffset int64  `protobuf:"varint,3,opt,name=log_start_offset,json=logStartOffset,proto3" json:"log_start_offset,omitempty"`
+	LogEndOffset   int64  `protobuf:"varint,4,opt,name=log_end_offset,json=logEndOffset,proto3" json:"log_end_offset,omitempty"`
+	// Epochs of the leader's history that begin at or after fetch_offset and below the end
+	// of `records`, plus the epoch covering fetch_offset.
+	Epochs []*LeaderEpochEntry `protobuf:"bytes,5,rep,name=epochs,proto3" json:"epochs,omitempty"`
+	// Set when the follower's log is not a prefix of the leader's: cut it with the
+	// truncation rule of docs/replication.md and ask again.
+	Diverging bool `protobuf:"varint,6,opt,name=diverging,proto3" json:"diverging,omitempty"`
+	// With `diverging`: the largest epoch the leader knows at most last_fetched_epoch
+	// (-1: none) and where that epoch ends in the leader's log.
+	DivergingEpoch     int64 `protobuf:"varint,7,opt,name=diverging_epoch,json=divergingEpoch,proto3" json:"diverging_epoch,omitempty"`
+	DivergingEndOffset int64 `protobuf:"varint,8,opt,name=diverging_end_offset,json=divergingEndOffset,proto3" json:"diverging_end_offset,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *ReplicateResponse) Reset() {
+	*x = ReplicateResponse{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicateResponse) ProtoMessage() {}
+
+func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicateResponse.ProtoReflect.Descriptor instead.
+func (*ReplicateResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
+}
+
+func (x *ReplicateResponse) GetRecords() []byte {
+	if x != nil {
+		return x.Records
+	}
+	return nil
+}
+
+func (x *ReplicateResponse) GetHighWatermark() int64 {
+	if x != nil {
+		return x.HighWatermark
+	}
+	return 0
+}
+
+func (x *ReplicateResponse) GetLogStartOffset() int64 {
+	if x != nil {
+		return x.LogStartOffset
+	}
+	return 0
+}
+
+func (x *ReplicateResponse) GetLogEndOffset() int64 {
+	if x != nil {
+		return x.LogEndOffset
+	}
+	return 0
+}
+
+func (x *ReplicateResponse) GetEpochs() []*LeaderEpochEntry {
+	if x != nil {
+		return x.Epochs
+	}
+	return nil
+}
+
+func (x *ReplicateResponse) GetDiverging() bool {
+	if x != nil {
+		return x.Diverging
+	}
+	return false
+}
+
+func (x *ReplicateResponse) GetDivergingEpoch() int64 {
+	if x != nil {
+		return x.DivergingEpoch
+	}
+	return 0
+}
+
+func (x *ReplicateResponse) GetDivergingEndOffset() int64 {
+	if x != nil {
+		return x.DivergingEndOffset
+	}
+	return 0
+}
+
 var File_atomlog_v1_partition_proto protoreflect.FileDescriptor
 
 const file_atomlog_v1_partition_proto_rawDesc = "" +
@@ -4878,7 +5138,27 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12>\n" +
 	"\rbatch_results\x18\x02 \x03(\v2\x19.atomlog.v1.ProduceResultR\fbatchResults\x126\n" +
 	"\vack_results\x18\x03 \x03(\v2\x15.atomlog.v1.AckResultR\n" +
-	"ackResults*\\\n" +
+	"ackResults\"\xa2\x02\n" +
+	"\x10ReplicateRequest\x12C\n" +
+	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12\x18\n" +
+	"\areplica\x18\x02 \x01(\tR\areplica\x12!\n" +
+	"\fleader_epoch\x18\x03 \x01(\rR\vleaderEpoch\x12!\n" +
+	"\ffetch_offset\x18\x04 \x01(\x03R\vfetchOffset\x12,\n" +
+	"\x12last_fetched_epoch\x18\x05 \x01(\x03R\x10lastFetchedEpoch\x12\x1b\n" +
+	"\tmax_bytes\x18\x06 \x01(\rR\bmaxBytes\x12\x1e\n" +
+	"\vmax_wait_ms\x18\a \x01(\rR\tmaxWaitMs\"K\n" +
+	"\x10LeaderEpochEntry\x12\x14\n" +
+	"\x05epoch\x18\x01 \x01(\rR\x05epoch\x12!\n" +
+	"\fstart_offset\x18\x02 \x01(\x03R\vstartOffset\"\xd3\x02\n" +
+	"\x11ReplicateResponse\x12\x18\n" +
+	"\arecords\x18\x01 \x01(\fR\arecords\x12%\n" +
+	"\x0ehigh_watermark\x18\x02 \x01(\x03R\rhighWatermark\x12(\n" +
+	"\x10log_start_offset\x18\x03 \x01(\x03R\x0elogStartOffset\x12$\n" +
+	"\x0elog_end_offset\x18\x04 \x01(\x03R\flogEndOffset\x124\n" +
+	"\x06epochs\x18\x05 \x03(\v2\x1c.atomlog.v1.LeaderEpochEntryR\x06epochs\x12\x1c\n" +
+	"\tdiverging\x18\x06 \x01(\bR\tdiverging\x12'\n" +
+	"\x0fdiverging_epoch\x18\a \x01(\x03R\x0edivergingEpoch\x120\n" +
+	"\x14diverging_end_offset\x18\b \x01(\x03R\x12divergingEndOffset*\\\n" +
 	"\vTxnDecision\x12\x1c\n" +
 	"\x18TXN_DECISION_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13TXN_DECISION_COMMIT\x10\x01\x12\x16\n" +
@@ -4900,8 +5180,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x1bPARTITION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17PARTITION_STATE_LOADING\x10\x01\x12\x1a\n" +
 	"\x16PARTITION_STATE_ONLINE\x10\x02\x12\x1d\n" +
-	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\xcb\n" +
-	"\n" +
+	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\x95\v\n" +
 	"\x10PartitionService\x12B\n" +
 	"\aProduce\x12\x1a.atomlog.v1.ProduceRequest\x1a\x1b.atomlog.v1.ProduceResponse\x12<\n" +
 	"\x05Fetch\x12\x18.atomlog.v1.FetchRequest\x1a\x19.atomlog.v1.FetchResponse\x12N\n" +
@@ -4918,7 +5197,8 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\bStageTxn\x12\x1b.atomlog.v1.StageTxnRequest\x1a\x1c.atomlog.v1.StageTxnResponse\x12`\n" +
 	"\x11DescribePartition\x12$.atomlog.v1.DescribePartitionRequest\x1a%.atomlog.v1.DescribePartitionResponse\x12W\n" +
 	"\x0eListPartitions\x12!.atomlog.v1.ListPartitionsRequest\x1a\".atomlog.v1.ListPartitionsResponse\x12]\n" +
-	"\x10RecoverPartition\x12#.atomlog.v1.RecoverPartitionRequest\x1a$.atomlog.v1.RecoverPartitionResponseB\xa9\x01\n" +
+	"\x10RecoverPartition\x12#.atomlog.v1.RecoverPartitionRequest\x1a$.atomlog.v1.RecoverPartitionResponse\x12H\n" +
+	"\tReplicate\x12\x1c.atomlog.v1.ReplicateRequest\x1a\x1d.atomlog.v1.ReplicateResponseB\xa9\x01\n" +
 	"\x0ecom.atomlog.v1B\x0ePartitionProtoP\x01Z>github.com/atomlog/atomlog/clients/go/gen/atomlog/v1;atomlogv1\xa2\x02\x03AXX\xaa\x02\n" +
 	"Atomlog.V1\xca\x02\n" +
 	"Atomlog\\V1\xe2\x02\x16Atomlog\\V1\\GPBMetadata\xea\x02\vAtomlog::V1b\x06proto3"
@@ -4936,7 +5216,7 @@ func file_atomlog_v1_partition_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_partition_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 65)
+var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 68)
 var file_atomlog_v1_partition_proto_goTypes = []any{
 	(TxnDecision)(0),                     // 0: atomlog.v1.TxnDecision
 	(OffsetSpec)(0),                      // 1: atomlog.v1.OffsetSpec
@@ -5005,153 +5285,160 @@ var file_atomlog_v1_partition_proto_goTypes = []any{
 	(*StageTxnItem)(nil),                 // 64: atomlog.v1.StageTxnItem
 	(*StageTxnResponse)(nil),             // 65: atomlog.v1.StageTxnResponse
 	(*StageTxnResult)(nil),               // 66: atomlog.v1.StageTxnResult
-	nil,                                  // 67: atomlog.v1.ItemError.MetadataEntry
-	nil,                                  // 68: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	(*TopicPartition)(nil),               // 69: atomlog.v1.TopicPartition
-	(IsolationLevel)(0),                  // 70: atomlog.v1.IsolationLevel
-	(*TxnId)(nil),                        // 71: atomlog.v1.TxnId
-	(*SubscriptionPartition)(nil),        // 72: atomlog.v1.SubscriptionPartition
+	(*ReplicateRequest)(nil),             // 67: atomlog.v1.ReplicateRequest
+	(*LeaderEpochEntry)(nil),             // 68: atomlog.v1.LeaderEpochEntry
+	(*ReplicateResponse)(nil),            // 69: atomlog.v1.ReplicateResponse
+	nil,                                  // 70: atomlog.v1.ItemError.MetadataEntry
+	nil,                                  // 71: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	(*TopicPartition)(nil),               // 72: atomlog.v1.TopicPartition
+	(IsolationLevel)(0),                  // 73: atomlog.v1.IsolationLevel
+	(*TxnId)(nil),                        // 74: atomlog.v1.TxnId
+	(*SubscriptionPartition)(nil),        // 75: atomlog.v1.SubscriptionPartition
 }
 var file_atomlog_v1_partition_proto_depIdxs = []int32{
-	67,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
+	70,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
 	7,   // 1: atomlog.v1.ProduceRequest.items:type_name -> atomlog.v1.ProduceItem
-	69,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	9,   // 3: atomlog.v1.ProduceResponse.results:type_name -> atomlog.v1.ProduceResult
-	69,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 5: atomlog.v1.ProduceResult.error:type_name -> atomlog.v1.ItemError
 	11,  // 6: atomlog.v1.FetchRequest.items:type_name -> atomlog.v1.FetchItem
-	70,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
-	69,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	73,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	72,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	13,  // 9: atomlog.v1.FetchResponse.results:type_name -> atomlog.v1.FetchResult
-	69,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 11: atomlog.v1.FetchResult.error:type_name -> atomlog.v1.ItemError
 	14,  // 12: atomlog.v1.FetchResult.aborted_transactions:type_name -> atomlog.v1.AbortedTransaction
-	71,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	74,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
 	16,  // 14: atomlog.v1.ListOffsetsRequest.items:type_name -> atomlog.v1.ListOffsetsItem
-	69,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	1,   // 16: atomlog.v1.ListOffsetsItem.spec:type_name -> atomlog.v1.OffsetSpec
 	18,  // 17: atomlog.v1.ListOffsetsResponse.results:type_name -> atomlog.v1.ListOffsetsResult
-	69,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 19: atomlog.v1.ListOffsetsResult.error:type_name -> atomlog.v1.ItemError
 	20,  // 20: atomlog.v1.DeleteRecordsRequest.items:type_name -> atomlog.v1.DeleteRecordsItem
 	22,  // 21: atomlog.v1.DeleteRecordsResponse.results:type_name -> atomlog.v1.DeleteRecordsResult
 	4,   // 22: atomlog.v1.DeleteRecordsResult.error:type_name -> atomlog.v1.ItemError
-	72,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 24: atomlog.v1.CreateSubscriptionRequest.initial_position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	25,  // 25: atomlog.v1.CreateSubscriptionResponse.results:type_name -> atomlog.v1.CreateSubscriptionResult
-	72,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 27: atomlog.v1.CreateSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	72,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	28,  // 29: atomlog.v1.DeleteSubscriptionResponse.results:type_name -> atomlog.v1.DeleteSubscriptionResult
-	72,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 31: atomlog.v1.DeleteSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	72,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 33: atomlog.v1.ResetSubscriptionRequest.position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	31,  // 34: atomlog.v1.ResetSubscriptionResponse.results:type_name -> atomlog.v1.ResetSubscriptionResult
-	72,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 36: atomlog.v1.ResetSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	72,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	70,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	75,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	73,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
 	34,  // 39: atomlog.v1.ReceiveResponse.results:type_name -> atomlog.v1.ReceiveResult
-	72,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 41: atomlog.v1.ReceiveResult.error:type_name -> atomlog.v1.ItemError
 	5,   // 42: atomlog.v1.ReceiveResult.delivered_ranges:type_name -> atomlog.v1.OffsetRange
 	5,   // 43: atomlog.v1.ReceiveResult.redelivered_ranges:type_name -> atomlog.v1.OffsetRange
 	36,  // 44: atomlog.v1.AckRequest.items:type_name -> atomlog.v1.AckItem
-	72,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 46: atomlog.v1.AckItem.individual_ranges:type_name -> atomlog.v1.OffsetRange
-	71,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
+	74,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
 	38,  // 48: atomlog.v1.AckResponse.results:type_name -> atomlog.v1.AckResult
-	72,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 50: atomlog.v1.AckResult.error:type_name -> atomlog.v1.ItemError
 	40,  // 51: atomlog.v1.NackRequest.items:type_name -> atomlog.v1.NackItem
-	72,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 53: atomlog.v1.NackItem.ranges:type_name -> atomlog.v1.OffsetRange
 	42,  // 54: atomlog.v1.NackResponse.results:type_name -> atomlog.v1.NackResult
-	72,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 56: atomlog.v1.NackResult.error:type_name -> atomlog.v1.ItemError
-	72,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	45,  // 58: atomlog.v1.DescribeSubscriptionResponse.cursors:type_name -> atomlog.v1.SubscriptionCursor
-	72,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 60: atomlog.v1.SubscriptionCursor.error:type_name -> atomlog.v1.ItemError
 	5,   // 61: atomlog.v1.SubscriptionCursor.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	46,  // 62: atomlog.v1.SubscriptionCursor.pending_acks:type_name -> atomlog.v1.PendingAck
-	71,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
+	74,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
 	5,   // 64: atomlog.v1.PendingAck.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	48,  // 65: atomlog.v1.EndTxnOnPartitionRequest.markers:type_name -> atomlog.v1.TxnMarker
-	71,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
+	74,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
 	0,   // 67: atomlog.v1.TxnMarker.decision:type_name -> atomlog.v1.TxnDecision
-	69,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	72,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	72,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	75,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	50,  // 70: atomlog.v1.EndTxnOnPartitionResponse.results:type_name -> atomlog.v1.TxnMarkerResult
-	71,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
+	74,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
 	51,  // 72: atomlog.v1.TxnMarkerResult.topic_partition_results:type_name -> atomlog.v1.TxnMarkerPartitionResult
 	52,  // 73: atomlog.v1.TxnMarkerResult.subscription_partition_results:type_name -> atomlog.v1.TxnMarkerSubscriptionResult
-	69,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 75: atomlog.v1.TxnMarkerPartitionResult.error:type_name -> atomlog.v1.ItemError
-	72,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 77: atomlog.v1.TxnMarkerSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	69,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	69,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 80: atomlog.v1.DescribePartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	53,  // 81: atomlog.v1.DescribePartitionResponse.data_loss:type_name -> atomlog.v1.DataLossInfo
 	56,  // 82: atomlog.v1.DescribePartitionResponse.open_transactions:type_name -> atomlog.v1.OpenTransaction
 	57,  // 83: atomlog.v1.DescribePartitionResponse.producers:type_name -> atomlog.v1.ProducerState
 	45,  // 84: atomlog.v1.DescribePartitionResponse.subscriptions:type_name -> atomlog.v1.SubscriptionCursor
-	68,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	71,  // 86: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
-	71,  // 87: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
+	71,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	74,  // 86: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	74,  // 87: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
 	60,  // 88: atomlog.v1.ListPartitionsResponse.partitions:type_name -> atomlog.v1.PartitionSummary
-	69,  // 89: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 89: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 90: atomlog.v1.PartitionSummary.state:type_name -> atomlog.v1.PartitionState
 	53,  // 91: atomlog.v1.PartitionSummary.data_loss:type_name -> atomlog.v1.DataLossInfo
-	69,  // 92: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	72,  // 92: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 93: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	64,  // 94: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
-	71,  // 95: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	74,  // 95: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
 	7,   // 96: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
 	36,  // 97: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
 	66,  // 98: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
-	71,  // 99: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	74,  // 99: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
 	9,   // 100: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
 	38,  // 101: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
-	6,   // 102: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 103: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 104: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 105: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 106: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 107: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 108: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 109: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 110: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 111: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 112: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 113: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	63,  // 114: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	54,  // 115: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	58,  // 116: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	61,  // 117: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	8,   // 118: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 119: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 120: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 121: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 122: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 123: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 124: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 125: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 126: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 127: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 128: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 129: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	65,  // 130: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	55,  // 131: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	59,  // 132: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	62,  // 133: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	118, // [118:134] is the sub-list for method output_type
-	102, // [102:118] is the sub-list for method input_type
-	102, // [102:102] is the sub-list for extension type_name
-	102, // [102:102] is the sub-list for extension extendee
-	0,   // [0:102] is the sub-list for field type_name
+	72,  // 102: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	68,  // 103: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 104: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 105: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 106: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 107: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 108: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 109: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 110: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 111: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 112: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 113: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 114: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 115: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	63,  // 116: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	54,  // 117: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	58,  // 118: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	61,  // 119: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	67,  // 120: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	8,   // 121: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 122: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 123: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 124: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 125: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 126: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 127: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 128: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 129: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 130: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 131: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 132: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	65,  // 133: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	55,  // 134: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	59,  // 135: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	62,  // 136: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	69,  // 137: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	121, // [121:138] is the sub-list for method output_type
+	104, // [104:121] is the sub-list for method input_type
+	104, // [104:104] is the sub-list for extension type_name
+	104, // [104:104] is the sub-list for extension extendee
+	0,   // [0:104] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
@@ -5166,7 +5453,7 @@ func file_atomlog_v1_partition_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_partition_proto_rawDesc), len(file_atomlog_v1_partition_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   65,
+			NumMessages:   68,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -35,6 +35,7 @@ const (
 	PartitionService_DescribePartition_FullMethodName    = "/atomlog.v1.PartitionService/DescribePartition"
 	PartitionService_ListPartitions_FullMethodName       = "/atomlog.v1.PartitionService/ListPartitions"
 	PartitionService_RecoverPartition_FullMethodName     = "/atomlog.v1.PartitionService/RecoverPartition"
+	PartitionService_Replicate_FullMethodName            = "/atomlog.v1.PartitionService/Replicate"
 )
 
 // PartitionServiceClient is the client API for PartitionService service.
@@ -133,6 +134,12 @@ type PartitionServiceClient interface {
 	// corrupt batch — everything from that offset on is lost. The operator must repeat the
 	// corruption the server reported, so a call can never truncate at a place nobody saw.
 	RecoverPartition(ctx context.Context, in *RecoverPartitionRequest, opts ...grpc.CallOption) (*RecoverPartitionResponse, error)
+	// Internal (docs/replication.md): a follower copies its leader's log. A long poll from
+	// `fetch_offset`, which also tells the leader that everything below it is durable on
+	// the follower. Answers raw batches, the leader's high watermark and log start, and the
+	// leader epochs that begin in the answered range; or, when the follower's log has left
+	// the leader's history, where to cut it (`diverging`). Called by partition servers only.
+	Replicate(ctx context.Context, in *ReplicateRequest, opts ...grpc.CallOption) (*ReplicateResponse, error)
 }
 
 type partitionServiceClient struct {
@@ -303,6 +310,16 @@ func (c *partitionServiceClient) RecoverPartition(ctx context.Context, in *Recov
 	return out, nil
 }
 
+func (c *partitionServiceClient) Replicate(ctx context.Context, in *ReplicateRequest, opts ...grpc.CallOption) (*ReplicateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReplicateResponse)
+	err := c.cc.Invoke(ctx, PartitionService_Replicate_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // PartitionServiceServer is the server API for PartitionService service.
 // All implementations must embed UnimplementedPartitionServiceServer
 // for forward compatibility.
@@ -399,6 +416,12 @@ type PartitionServiceServer interface {
 	// corrupt batch — everything from that offset on is lost. The operator must repeat the
 	// corruption the server reported, so a call can never truncate at a place nobody saw.
 	RecoverPartition(context.Context, *RecoverPartitionRequest) (*RecoverPartitionResponse, error)
+	// Internal (docs/replication.md): a follower copies its leader's log. A long poll from
+	// `fetch_offset`, which also tells the leader that everything below it is durable on
+	// the follower. Answers raw batches, the leader's high watermark and log start, and the
+	// leader epochs that begin in the answered range; or, when the follower's log has left
+	// the leader's history, where to cut it (`diverging`). Called by partition servers only.
+	Replicate(context.Context, *ReplicateRequest) (*ReplicateResponse, error)
 	mustEmbedUnimplementedPartitionServiceServer()
 }
 
@@ -456,6 +479,9 @@ func (UnimplementedPartitionServiceServer) ListPartitions(context.Context, *List
 }
 func (UnimplementedPartitionServiceServer) RecoverPartition(context.Context, *RecoverPartitionRequest) (*RecoverPartitionResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RecoverPartition not implemented")
+}
+func (UnimplementedPartitionServiceServer) Replicate(context.Context, *ReplicateRequest) (*ReplicateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Replicate not implemented")
 }
 func (UnimplementedPartitionServiceServer) mustEmbedUnimplementedPartitionServiceServer() {}
 func (UnimplementedPartitionServiceServer) testEmbeddedByValue()                          {}
@@ -766,6 +792,24 @@ func _PartitionService_RecoverPartition_Handler(srv interface{}, ctx context.Con
 	return interceptor(ctx, in, info, handler)
 }
 
+func _PartitionService_Replicate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReplicateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PartitionServiceServer).Replicate(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: PartitionService_Replicate_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PartitionServiceServer).Replicate(ctx, req.(*ReplicateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // PartitionService_ServiceDesc is the grpc.ServiceDesc for PartitionService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -836,6 +880,10 @@ var PartitionService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "RecoverPartition",
 			Handler:    _PartitionService_RecoverPartition_Handler,
+		},
+		{
+			MethodName: "Replicate",
+			Handler:    _PartitionService_Replicate_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
