@@ -50,7 +50,7 @@ class PartitionRoutes:
                 await asyncio.sleep(wait)
             self._read_began = time.monotonic()
             servers = {s.name: s.grpc_address for s in await self.store.servers()}
-            self._owners = {t.name: [servers.get(owner, "") for owner in t.assignment]
+            self._owners = {t.name: [servers.get(owner, "") for owner in t.owners]
                             for t in await self.store.topics()}
             self._refreshed_at = time.monotonic()
 

@@ -158,6 +158,10 @@ COMMON: tuple[Setting, ...] = (
             minimum=1, maximum=1_024),
     Setting("topics.max_partitions", int, 1_024, "Largest partition count a topic may have.",
             minimum=1, maximum=100_000),
+    Setting("topics.default_replication_factor", int, 1, "Copies of each partition a topic "
+            "gets when its creator names no factor (docs/replication.md); 0: 3 when the "
+            "cluster has at least 3 partition servers, else their number. Also the factor of "
+            "the internal __txn_log topic.", minimum=0, maximum=7),
     Setting("tls.enabled", bool, False, "Serve TLS on the gRPC port and use TLS for calls to "
             "other servers (services/tls.py). Needs tls.cert_file, tls.key_file and "
             "tls.ca_file."),
@@ -202,6 +206,19 @@ COMMON: tuple[Setting, ...] = (
     Setting("auth.service_token_file", str, "", "File holding the bearer token this server "
             "sends to other servers (auth.mode=token needs it; its principal should be in "
             "auth.service_principals). Re-read when it changes on disk."),
+    Setting("auth.authorizer", str, "none", "Who may do what (services/acl.py, "
+            "docs/security.md): none: every authenticated principal may call everything; "
+            "acl: the ACLs stored in ZooKeeper (`atomlog acl add`) decide, deny wins, nothing "
+            "allowed is denied (PERMISSION_DENIED). Needs auth.mode other than none.",
+            choices=("none", "acl")),
+    Setting("auth.super_users", str, "", "Comma-separated principals that ACLs do not "
+            "restrict (operators; auth.authorizer=acl). They still cannot call the servers' "
+            "internal RPCs (markers, staging), which need a service principal."),
+    Setting("zookeeper.digest_file", str, "", "File holding `user:password`, the ZooKeeper "
+            "digest credential of this cluster's servers: with it every znode under "
+            "zookeeper.chroot is created (and at start-up re-set) with an ACL that lets only "
+            "that credential change it; everyone may read (docs/security.md). Empty: znodes "
+            "are open to everyone (ZooKeeper's default)."),
     Setting("log.level", str, "INFO", "Log level.",
             choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     Setting("log.format", str, "json", "json: one JSON object per line; text: for people.",
@@ -251,6 +268,13 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "coordinator; one the coordinator does not know (a one-call transaction that "
                 "never committed) is aborted here. Keep it above a one-call transaction's "
                 "staging time.", minimum=100, maximum=3_600_000),
+        Setting("replication.max_lag_ms", int, 10_000, "A follower that has not caught up "
+                "with its leader for this long leaves the in-sync replicas (a follower whose "
+                "server is gone from ZooKeeper leaves at once).", minimum=100, maximum=600_000),
+        Setting("replication.fetch_wait_ms", int, 500, "How long a follower's Replicate call "
+                "waits at the leader for new data.", minimum=10, maximum=30_000),
+        Setting("server.rack", str, "", "Rack or zone of this partition server: a topic's "
+                "replicas go to distinct racks while there are racks."),
         Setting("partition.txn_check_interval_ms", int, 1_000, "How often open transactions "
                 "are looked over for partition.txn_check_after_ms.",
                 minimum=10, maximum=600_000),
@@ -599,8 +623,28 @@ def _auth_usable(config: "Config") -> str | None:
     return "; ".join(problems) or None
 
 
+def _authorizer_usable(config: "Config") -> str | None:
+    """auth.authorizer=acl needs authenticated principals; auth.super_users needs it; the
+    ZooKeeper digest file must hold `user:password`."""
+    problems = []
+    if config["auth.authorizer"] == "acl" and config["auth.mode"] == "none":
+        problems.append("auth.authorizer=acl needs auth.mode mtls, token or mtls_or_token "
+                        "(ACLs name authenticated principals)")
+    if config["auth.super_users"] and config["auth.authorizer"] != "acl":
+        problems.append("auth.super_users set, but auth.authorizer is not acl")
+    if config["zookeeper.digest_file"]:
+        from services.zk import DigestFileError, read_digest
+
+        try:
+            read_digest(config["zookeeper.digest_file"])
+        except DigestFileError as error:
+            problems.append(f"zookeeper.digest_file: {error}")
+    return "; ".join(problems) or None
+
+
 RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
     ((*ROLES, COMBINED), _tls_usable),
+    ((*ROLES, COMBINED), _authorizer_usable),
     ((*ROLES, COMBINED), _auth_usable),
     ((COMBINED,), _combined_name_fits),
     (("partition_server",), _batch_fits_message),

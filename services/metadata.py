@@ -23,6 +23,10 @@ from typing import Any, Iterable
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from atomlog.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
+from partition_server import partition_states
+from partition_server.replication import (PartitionState, assign_replicas,
+                                          default_replication_factor, initial_state,
+                                          validate_replication)
 from services.errors import AtomlogError
 from services.logs import event
 from services.topics import (TopicRecord, assign_partitions, validate_partition_count,
@@ -46,12 +50,13 @@ class ServerEntry:
     metrics_address: str
     version: str
     registered_unix_ms: int
+    rack: str = ""
 
     @classmethod
     def from_json(cls, name: str, data: dict[str, Any]) -> "ServerEntry":
         return cls(name, data.get("role", ""), data.get("grpc_address", ""),
                    data.get("metrics_address", ""), data.get("version", ""),
-                   int(data.get("registered_unix_ms", 0)))
+                   int(data.get("registered_unix_ms", 0)), str(data.get("rack", "")))
 
     def to_proto(self) -> metadata_pb2.ServerInfo:
         return metadata_pb2.ServerInfo(
@@ -63,10 +68,12 @@ class ServerEntry:
 class MetadataStore:
     """Reads and writes cluster metadata in ZooKeeper (async, via kazoo's async calls)."""
 
-    def __init__(self, zk: ZkSession, tc_partitions: int, max_partitions: int):
+    def __init__(self, zk: ZkSession, tc_partitions: int, max_partitions: int,
+                 default_replication_factor: int = 1):
         self.zk = zk
         self.tc_partitions = tc_partitions
         self.max_partitions = max_partitions
+        self.default_replication_factor = default_replication_factor  # 0: by server count
 
     async def _children_with_data(self, path: str) -> dict[str, bytes]:
         client = self.zk.client
@@ -104,7 +111,34 @@ class MetadataStore:
                 if isinstance(result, BaseException):
                     raise result
             raw = {n: r[0] for n, r in zip(wanted, results)}
-        return [TopicRecord.from_json(n, json.loads(d)) for n, d in sorted(raw.items())]
+        records = [TopicRecord.from_json(n, json.loads(d)) for n, d in sorted(raw.items())]
+        await self.read_leaders([r for r in records if r.replicated])
+        return records
+
+    async def read_leaders(self, records: list[TopicRecord]) -> None:
+        """Fill `leaders` (and `states`) of replicated topics from their partition states
+        (docs/replication.md), read concurrently; a partition without a readable state
+        counts as offline ("")."""
+        client = self.zk.client
+        paths = [(r, p, partition_states.path_of(r.name, p))
+                 for r in records for p in range(r.partitions)]
+        results = await asyncio.gather(*(aio(client.get_async(path)) for _, _, path in paths),
+                                       return_exceptions=True)
+        for record in records:
+            record.leaders = [""] * record.partitions
+            record.states = [None] * record.partitions
+        for (record, p, path), result in zip(paths, results):
+            if isinstance(result, NoNodeError):
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            try:
+                state = PartitionState.from_json(result[0])
+            except ValueError as error:
+                log.error("unreadable partition state %s: %s", path, error)
+                continue
+            record.states[p] = state
+            record.leaders[p] = state.leader or ""
 
     async def tc_leases(self) -> dict[int, dict[str, Any]]:
         """{k: {"coordinator_name", "epoch"}} for every TC partition whose /tc/<k>/owner
@@ -128,36 +162,82 @@ class MetadataStore:
         return leases
 
     async def create_topic(self, name: str, partitions: int, config: dict[str, str],
-                           *, internal: bool = False) -> TopicRecord:
-        """Validate everything, then write the topic in one create; nothing on failure."""
+                           *, internal: bool = False, replication_factor: int = 0) -> TopicRecord:
+        """Validate everything, then write the topic in one create (a replicated topic: its
+        record and every partition's first state in one ZooKeeper transaction); nothing on
+        failure. `replication_factor` 0: the cluster default."""
         validate_topic_name(name, internal_allowed=internal)
         validate_partition_count(partitions, self.max_partitions)
         normalized = validate_topic_config(config)
-        servers = [s.name for s in await self.servers() if s.role == "partition_server"]
+        entries = [s for s in await self.servers() if s.role == "partition_server"]
+        servers = [s.name for s in entries]
+        if not servers:
+            raise AtomlogError("NO_PARTITION_SERVERS",
+                               "no partition server is registered; cannot assign partitions")
+        factor = replication_factor or self.default_replication_factor or \
+            default_replication_factor(len(servers))
+        min_insync = int(normalized.get("min.insync.replicas", min(2, factor)))
+        validate_replication(factor, min_insync, len(servers))
         load: dict[str, int] = {}
         for topic in await self.topics():
-            for owner in topic.assignment:
+            for owner in topic.assignment:  # preferred leaders
                 load[owner] = load.get(owner, 0) + 1
-        record = TopicRecord(name, assign_partitions(partitions, servers, load), normalized,
-                             int(time.time() * 1000))
-        try:
-            await aio(self.zk.client.create_async(f"{TOPICS_PATH}/{name}",
-                                                  json.dumps(record.to_json()).encode()))
-        except NodeExistsError:
-            raise AtomlogError("TOPIC_ALREADY_EXISTS", f"topic {name!r} already exists",
-                               {"topic": name}) from None
+        now = int(time.time() * 1000)
+        if factor == 1 and "min.insync.replicas" not in normalized:
+            record = TopicRecord(name, assign_partitions(partitions, servers, load), normalized,
+                                 now)
+        else:
+            replicas = assign_replicas(partitions, servers, factor,
+                                       {s.name: s.rack for s in entries}, load)
+            record = TopicRecord(name, [r[0] for r in replicas], normalized, now, 2, replicas)
+        payload = json.dumps(record.to_json()).encode()
+        if record.replicated:
+            await asyncio.to_thread(self._create_replicated, record, payload, set(servers))
+        else:
+            try:
+                await aio(self.zk.client.create_async(f"{TOPICS_PATH}/{name}", payload))
+            except NodeExistsError:
+                raise _topic_exists(name) from None
         event(log, "topic created", topic=name, partitions=partitions,
-              assignment=record.assignment)
+              assignment=record.assignment, replication_factor=factor)
         return record
+
+    def _create_replicated(self, record: TopicRecord, payload: bytes, live: set[str]) -> None:
+        """The topic record, /partitions/<name> and every partition's first state, in one
+        ZooKeeper transaction (kazoo, synchronous: on a thread)."""
+        client = self.zk.client
+        client.ensure_path(partition_states.PARTITIONS_PATH)
+        transaction = client.transaction()
+        transaction.create(f"{TOPICS_PATH}/{record.name}", payload)
+        transaction.create(f"{partition_states.PARTITIONS_PATH}/{record.name}", b"")
+        for p, replicas in enumerate(record.replicas):
+            transaction.create(partition_states.path_of(record.name, p),
+                               initial_state(replicas, live).to_json())
+        results = transaction.commit()
+        failures = [r for r in results if isinstance(r, Exception)]
+        if any(isinstance(r, NodeExistsError) for r in failures):
+            raise _topic_exists(record.name)
+        if failures:
+            raise failures[0]
+
+
+def _topic_exists(name: str) -> AtomlogError:
+    return AtomlogError("TOPIC_ALREADY_EXISTS", f"topic {name!r} already exists", {"topic": name})
 
 
 def topic_to_proto(topic: TopicRecord, servers: dict[str, ServerEntry]) -> metadata_pb2.TopicMetadata:
     partitions = []
-    for index, owner in enumerate(topic.assignment):
-        entry = servers.get(owner)
+    states = topic.states
+    for index, owner in enumerate(topic.owners):
+        entry = servers.get(owner) if owner else None
+        state = states[index] if states else None
+        replicas = topic.replicas_of(index)
         partitions.append(metadata_pb2.PartitionMetadata(
             partition=index, server_name=owner,
-            server_address=entry.grpc_address if entry else "", available=entry is not None))
+            server_address=entry.grpc_address if entry else "", available=entry is not None,
+            replicas=replicas, isr=list(state.isr) if state else ([] if topic.replicated
+                                                                    else replicas),
+            leader_epoch=state.leader_epoch if state else 0))
     return metadata_pb2.TopicMetadata(name=topic.name, partitions=partitions, config=topic.config,
                                       internal=topic.internal,
                                       created_unix_ms=topic.created_unix_ms)
@@ -190,7 +270,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     async def CreateTopic(self, request, context):
         record = await self.store.create_topic(request.name, request.partitions,
-                                               dict(request.config))
+                                               dict(request.config),
+                                               replication_factor=request.replication_factor)
+        if record.replicated:
+            await self.store.read_leaders([record])
         servers = {s.name: s for s in await self.store.servers()}
         return metadata_pb2.CreateTopicResponse(topic=topic_to_proto(record, servers))
 

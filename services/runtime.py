@@ -84,7 +84,8 @@ class Runtime:
             maximum_concurrent_rpcs=config["grpc.max_concurrent_rpcs"])
         self.health = health.aio.HealthServicer()
         self.metadata = MetadataStore(self.zk, config["cluster.tc_partitions"],
-                                      config["topics.max_partitions"])
+                                      config["topics.max_partitions"],
+                                      config["topics.default_replication_factor"])
         self.service_names: list[str] = []
         self.stop_hooks: list[StopHook] = []
         # Run once the server is registered and SERVING (e.g. taking TC partition leases).
@@ -171,6 +172,7 @@ class Runtime:
             "role": role, "grpc_address": self.grpc_address,
             "metrics_address": self.metrics_endpoint.address, "pid": os.getpid(),
             "version": __version__, "registered_unix_ms": int(time.time() * 1000),
+            **({"rack": config["server.rack"]} if role == "partition_server" else {}),
         }, wait_ms=int(session_timeout_ms(config) * 1.5) + 2_000)
             for role in hosted_roles(self.role)]
         await asyncio.gather(*(asyncio.to_thread(r.register) for r in self.registrations))

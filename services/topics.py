@@ -30,6 +30,9 @@ TOPIC_SETTINGS: dict[str, TopicSetting] = {
     "segment.bytes": TopicSetting(minimum=1 << 16, maximum=1 << 30),
     "segment.ms": TopicSetting(minimum=1_000, maximum=365 * DAY_MS),
     "cleanup.policy": TopicSetting(choices=("delete", "compact")),
+    # Replicated topics (docs/replication.md); checked against the factor at creation.
+    "min.insync.replicas": TopicSetting(minimum=1, maximum=7),
+    "unclean.leader.election.enable": TopicSetting(choices=("false", "true")),
 }
 
 
@@ -109,13 +112,22 @@ def assign_partitions(partitions: int, servers: list[str],
 
 @dataclass
 class TopicRecord:
-    """What ZooKeeper stores at /topics/<name>."""
+    """What ZooKeeper stores at /topics/<name>.
+
+    Version 1: `assignment`, one owner per partition (one copy). Version 2 (replicated,
+    docs/replication.md): `replicas`, the servers holding each partition, the preferred
+    leader first; `assignment` is then the preferred leaders, and the current leader of a
+    partition is in its state at /partitions/<name>/<p> (`leaders`, filled by readers that
+    looked there: None when not read, "" for an offline partition)."""
 
     name: str
     assignment: list[str]
     config: dict[str, str] = field(default_factory=dict)
     created_unix_ms: int = 0
     version: int = 1
+    replicas: list[list[str]] | None = None
+    leaders: list[str] | None = field(default=None, compare=False)
+    states: list | None = field(default=None, compare=False)  # PartitionState per partition
 
     @property
     def partitions(self) -> int:
@@ -125,13 +137,50 @@ class TopicRecord:
     def internal(self) -> bool:
         return self.name.startswith(INTERNAL_PREFIX)
 
+    @property
+    def replicated(self) -> bool:
+        return self.replicas is not None
+
+    @property
+    def replication_factor(self) -> int:
+        return len(self.replicas[0]) if self.replicas else 1
+
+    @property
+    def min_insync_replicas(self) -> int:
+        return int(self.config.get("min.insync.replicas", min(2, self.replication_factor)))
+
+    @property
+    def unclean_election(self) -> bool:
+        return self.config.get("unclean.leader.election.enable") == "true"
+
+    def replicas_of(self, partition: int) -> list[str]:
+        return list(self.replicas[partition]) if self.replicas else [self.assignment[partition]]
+
+    @property
+    def owners(self) -> list[str]:
+        """Who serves each partition now: the leaders when they were read, else the
+        assignment ("" for an offline partition)."""
+        return self.leaders if self.leaders is not None else self.assignment
+
     def to_json(self) -> dict:
-        return {"version": self.version, "assignment": self.assignment, "config": self.config,
+        data = {"version": self.version, "assignment": self.assignment, "config": self.config,
                 "created_unix_ms": self.created_unix_ms}
+        if self.replicas is not None:
+            data["replicas"] = self.replicas
+        return data
 
     @classmethod
     def from_json(cls, name: str, data: dict) -> "TopicRecord":
-        if data.get("version") != 1 or not isinstance(data.get("assignment"), list):
+        version = data.get("version")
+        if version not in (1, 2) or not isinstance(data.get("assignment"), list):
             raise ValueError(f"topic {name!r}: unreadable record {data!r}")
+        replicas = None
+        if version == 2:
+            replicas = data.get("replicas")
+            if (not isinstance(replicas, list) or len(replicas) != len(data["assignment"])
+                    or not all(isinstance(r, list) and r and all(isinstance(n, str) for n in r)
+                               for r in replicas)):
+                raise ValueError(f"topic {name!r}: unreadable replicas {replicas!r}")
+            replicas = [list(r) for r in replicas]
         return cls(name, list(data["assignment"]), dict(data.get("config", {})),
-                   int(data.get("created_unix_ms", 0)), 1)
+                   int(data.get("created_unix_ms", 0)), version, replicas)
