@@ -174,6 +174,11 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "The call carries no usable credentials (auth.mode): no client certificate, no bearer "
        "token, or a token that is unknown, expired, for another issuer or audience, or badly "
        "signed; metadata `failure` says which. Fix the credentials, then retry."),
+    _r("PERMISSION_DENIED", SC.PERMISSION_DENIED, FATAL, C,
+       "The caller's principal lacks a permission the call needs (auth.authorizer=acl, "
+       "docs/security.md); metadata `operation`, `resource_type` and `resource_name` name "
+       "it, `principal` the caller. Nothing was changed. Ask an operator for the ACL "
+       "(`atomlog acl add`), then retry."),
     # Everything else.
     _r("UNIMPLEMENTED", SC.UNIMPLEMENTED, FATAL, S,
        "This server does not implement the method (yet)."),
@@ -259,6 +264,7 @@ _REASON_FOR_BARE_CODE = {
     SC.UNAVAILABLE: "SERVER_UNAVAILABLE",
     SC.DEADLINE_EXCEEDED: "REQUEST_TIMED_OUT",
     SC.UNAUTHENTICATED: "UNAUTHENTICATED",
+    SC.PERMISSION_DENIED: "PERMISSION_DENIED",
 }
 
 

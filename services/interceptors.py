@@ -1,6 +1,7 @@
 """Server interceptor: the one place where every call is authenticated (services/auth.py:
-its principal, or UNAUTHENTICATED), where errors become gRPC statuses, and where every
-call is counted and timed. Servicers raise `AtomlogError` and stay thin; they find the
+its principal, or UNAUTHENTICATED) and authorized (services/acl.py, with
+auth.authorizer=acl: PERMISSION_DENIED before the servicer runs, so a refused call changes
+nothing), where errors become gRPC statuses, and where every call is counted and timed. Servicers raise `AtomlogError` and stay thin; they find the
 caller in `services.auth.current()`."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ log = logging.getLogger("atomlog.rpc")
 class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, authenticator: auth.Authenticator | None = None):
         self.authenticator = authenticator if authenticator is not None else auth.Authenticator()
+        # services.acl.Authorizer when auth.authorizer=acl (set by the runtime at start).
+        self.authorizer = None
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -30,11 +33,14 @@ class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
         if method.startswith(auth.EXEMPT_PREFIXES):
             return handler  # health probes and reflection need no credentials
         if handler.unary_unary is None:
-            # A stream (atomlog's own RPCs are all unary): authenticated, not wrapped.
+            # A stream (atomlog's own RPCs are all unary): authenticated, not wrapped; with
+            # an authorizer refused (no ACL rule covers it: fail closed).
+            if self.authorizer is not None:
+                return _refused_stream(method, handler)
             return handler if not self.authenticator.enabled else _authenticated_stream(
                 self.authenticator, method, handler)
         return grpc.unary_unary_rpc_method_handler(
-            _wrap(method, handler.unary_unary, self.authenticator),
+            _wrap(method, handler.unary_unary, self.authenticator, self.authorizer),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
@@ -83,7 +89,24 @@ def _authenticated_stream(authenticator: auth.Authenticator, method: str, handle
     return handler
 
 
-def _wrap(method: str, behavior, authenticator: auth.Authenticator):
+def _refused_stream(method: str, handler):
+    error = AtomlogError("PERMISSION_DENIED", f"{method}: a streaming method, which no ACL "
+                         "covers", {"operation": "alter", "resource_type": "cluster",
+                                    "resource_name": "atomlog"})
+
+    async def refuse(request, context):
+        await context.abort(error.code, error.message, error.trailing_metadata())
+
+    for kind, make in (("unary_stream", grpc.unary_stream_rpc_method_handler),
+                       ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                       ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+        if getattr(handler, kind) is not None:
+            return make(refuse, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    return handler
+
+
+def _wrap(method: str, behavior, authenticator: auth.Authenticator, authorizer=None):
     async def wrapped(request, context: grpc.aio.ServicerContext):
         if authenticator.enabled:
             await authenticate(authenticator, method, context)
@@ -94,7 +117,13 @@ def _wrap(method: str, behavior, authenticator: auth.Authenticator):
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            return await behavior(request, context)
+            if authorizer is None:
+                return await behavior(request, context)
+            principal = auth.current()
+            authorizer.check(method, request, principal)  # PERMISSION_DENIED: nothing ran
+            reply = await behavior(request, context)
+            authorizer.answered(method, reply, principal)
+            return reply
         except AtomlogError as error:
             code = error.code
             await context.abort(error.code, error.message, error.trailing_metadata())

@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from kazoo.exceptions import KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
-from services import __version__, allocator, auth, local, logs, metrics, tls
+from services import __version__, acl, allocator, auth, local, logs, metrics, tls
 from services.config import COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles, role_name
 from services.errors import AtomlogError
 from services.interceptors import ErrorsAndMetricsInterceptor
@@ -72,7 +72,8 @@ class Runtime:
         self.role = config.role
         self.name = config["server.name"] or default_name(self.role)
         self.zk = ZkSession(config["zookeeper.hosts"], config["zookeeper.chroot"],
-                            session_timeout_ms(config), config["zookeeper.connect_timeout_ms"])
+                            session_timeout_ms(config), config["zookeeper.connect_timeout_ms"],
+                            config["zookeeper.digest_file"])
         max_message = config["grpc.max_message_bytes"]
         # Its authenticator is made by start() (reading auth.* files can fail).
         self.interceptor = ErrorsAndMetricsInterceptor()
@@ -134,6 +135,9 @@ class Runtime:
 
         await asyncio.to_thread(self.zk.start)
         await asyncio.to_thread(ensure_cluster, self.zk, config["cluster.tc_partitions"])
+        # auth.authorizer=acl: the ACL znode, watched, before any call is served.
+        self.interceptor.authorizer = await asyncio.to_thread(
+            acl.Authorizer.from_config, config, self.zk.client)
 
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         metadata_pb2_grpc.add_MetadataServiceServicer_to_server(
@@ -185,7 +189,8 @@ class Runtime:
         event(log, "serving", grpc_address=self.grpc_address,
               metrics_address=self.metrics_endpoint.address, services=self.service_names,
               tls=("mtls" if self.server_tls.require_client_cert else "tls")
-              if self.server_tls else "off", auth=config["auth.mode"])
+              if self.server_tls else "off", auth=config["auth.mode"],
+              authorizer=config["auth.authorizer"])
 
     def request_stop(self) -> None:
         self._stopping.set()

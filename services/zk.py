@@ -1,5 +1,11 @@
 """The ZooKeeper session every server holds, and membership (registration).
 
+With zookeeper.digest_file (`user:password`) the session authenticates with that digest
+credential and every znode it creates under the chroot gets `ZNODE ACL`: all permissions
+for that credential, read for everyone (docs/security.md). At start-up a chroot whose own
+ACL is not that yet (made before the setting was on) is walked once and every znode's
+ACL set, so a client without the credential can change nothing (NoAuth).
+
 Kazoo runs its own thread; `await aio(client.get_async(path))` bridges its async
 results into asyncio without blocking the event loop. A session that expires is
 replaced automatically by kazoo; `on_new_session` callbacks (for example to re-create
@@ -16,7 +22,8 @@ import time
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NodeExistsError, NoAuthError, NoNodeError
+from kazoo.security import ACL, Id, Permissions, make_digest_acl
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
@@ -30,6 +37,56 @@ SERVERS_PATH = "/servers"
 TOPICS_PATH = "/topics"
 TC_PATH = "/tc"
 CLUSTER_PATH = "/cluster"
+
+
+class DigestFileError(ValueError):
+    """The ZooKeeper digest file is missing or malformed (a full sentence)."""
+
+
+def read_digest(path: str) -> tuple[str, str]:
+    """(user, password) of a digest file: one line `user:password`."""
+    try:
+        text = open(path, encoding="utf-8").read().strip()
+    except OSError as error:
+        raise DigestFileError(f"cannot read {path}: {error.strerror or error}") from None
+    user, sep, password = text.partition(":")
+    if not sep or not user or len(password) < 16 or any(c.isspace() for c in text):
+        raise DigestFileError(f"{path} must hold one line `user:password` (a password of at "
+                              "least 16 characters, no spaces)")
+    return user, password
+
+
+def znode_acl(user: str, password: str) -> list[ACL]:
+    """Every permission for the cluster's credential; read for everyone."""
+    return [make_digest_acl(user, password, all=True),
+            ACL(Permissions.READ, Id("world", "anyone"))]
+
+
+def kazoo_client(hosts: str, digest_file: str = "", **options) -> KazooClient:
+    """A KazooClient (`hosts` may end in a chroot) that, with a digest file, authenticates
+    with it and creates znodes with `znode_acl`."""
+    if digest_file:
+        user, password = read_digest(digest_file)
+        options.update(auth_data=[("digest", f"{user}:{password}")],
+                       default_acl=znode_acl(user, password))
+    return KazooClient(hosts=hosts, **options)
+
+
+def secure_tree(client: KazooClient, acl: list[ACL], root: str = "/") -> int:
+    """Set `acl` on `root` and every znode below it that has another one; the number of
+    znodes changed. Raises NoAuthError when a znode is not ours to change."""
+    changed, pending = 0, [root]
+    while pending:
+        path = pending.pop()
+        try:
+            current, stat = client.get_acls(path)
+            if list(current) != list(acl):
+                client.set_acls(path, acl, version=stat.aversion)
+                changed += 1
+            pending.extend(f"{path.rstrip('/')}/{child}" for child in client.get_children(path))
+        except NoNodeError:
+            continue  # deleted meanwhile (an ephemeral registration)
+    return changed
 
 
 def aio(async_result) -> "asyncio.Future[Any]":
@@ -56,13 +113,14 @@ class ZkSession:
     """One kazoo client under the cluster's chroot, reconnecting for ever."""
 
     def __init__(self, hosts: str, chroot: str, session_timeout_ms: int,
-                 connect_timeout_ms: int):
+                 connect_timeout_ms: int, digest_file: str = ""):
         self.hosts = hosts
         self.chroot = chroot
         self.session_timeout_ms = session_timeout_ms
         self.connect_timeout_ms = connect_timeout_ms
-        self.client = KazooClient(
-            hosts=hosts + chroot,
+        self.digest_file = digest_file
+        self.client = kazoo_client(
+            hosts + chroot, digest_file,
             timeout=session_timeout_ms / 1000,
             connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=2.0),
             command_retry=KazooRetry(max_tries=3, delay=0.1, max_delay=1.0),
@@ -75,10 +133,12 @@ class ZkSession:
     def start(self) -> None:
         """Connect (creating the chroot if needed); raise ZOOKEEPER_UNAVAILABLE on timeout."""
         timeout_s = self.connect_timeout_ms / 1000
-        root = KazooClient(hosts=self.hosts, timeout=self.session_timeout_ms / 1000)
+        root = kazoo_client(self.hosts, self.digest_file, timeout=self.session_timeout_ms / 1000)
         try:
             root.start(timeout=timeout_s)
             root.ensure_path(self.chroot)
+            if self.digest_file:
+                self._secure(root)
         except KazooTimeoutError:
             raise AtomlogError("ZOOKEEPER_UNAVAILABLE",
                                f"no ZooKeeper at {self.hosts} within {timeout_s:.0f} s") from None
@@ -92,6 +152,21 @@ class ZkSession:
                                f"no ZooKeeper at {self.hosts} within {timeout_s:.0f} s") from None
         for path in (SERVERS_PATH, TOPICS_PATH, TC_PATH):
             self.client.ensure_path(path)
+
+    def _secure(self, root: KazooClient) -> None:
+        """A chroot made before zookeeper.digest_file was set: give it and everything
+        under it the cluster's znode ACL (once; later znodes are created with it)."""
+        acl = znode_acl(*read_digest(self.digest_file))
+        if list(root.get_acls(self.chroot)[0]) == acl:
+            return
+        try:
+            changed = secure_tree(root, acl, self.chroot)
+        except NoAuthError:
+            raise AtomlogError(
+                "INVALID_ARGUMENT", f"the znodes under {self.chroot} are protected by another "
+                "ZooKeeper credential than zookeeper.digest_file's") from None
+        event(log, "znode ACLs set: only this cluster's credential may change them",
+              chroot=self.chroot, znodes=changed)
 
     def stop(self) -> None:
         self.client.stop()

@@ -55,6 +55,7 @@ var reasons = map[string]reasonInfo{
 	"PARTITION_NOT_IN_TRANSACTION":  {codes.FailedPrecondition, Abortable},
 	"UNKNOWN_SUBSCRIPTION":          {codes.NotFound, Fatal},
 	"UNAUTHENTICATED":               {codes.Unauthenticated, Fatal},
+	"PERMISSION_DENIED":             {codes.PermissionDenied, Fatal},
 	"UNIMPLEMENTED":                 {codes.Unimplemented, Fatal},
 	"INTERNAL":                      {codes.Internal, Fatal},
 }

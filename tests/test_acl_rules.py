@@ -1,0 +1,215 @@
+"""The pure core of authorization (services/acl.py), without servers: rule evaluation
+(deny wins, default deny, prefix and `*`, describe implied), the per-RPC table (every RPC
+of every service, unknown methods refused), service-only RPCs, super users, internal
+topics, transaction openers, and the ACL znode's encoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from atomlog.v1 import (common_pb2, coordinator_pb2, id_allocator_pb2, metadata_pb2,
+                        partition_pb2)
+from services.acl import (TABLE, Acl, AclError, AclSet, Caller, Permission, TxnOwners, decide,
+                          requirement)
+
+ALICE, BOB, SERVICE = Caller("alice"), Caller("bob"), Caller("ps-0", service=True)
+NOBODY_SUPER = frozenset()
+
+
+def tp(topic: str, partition: int = 0):
+    return common_pb2.TopicPartition(topic=topic, partition=partition)
+
+
+def sp(topic: str, subscription: str):
+    return common_pb2.SubscriptionPartition(topic=topic, partition=0, subscription=subscription)
+
+
+def produce(*topics: str):
+    return partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(topic_partition=tp(t))
+                                               for t in topics])
+
+
+def verdict(method, request, caller=ALICE, acls=(), super_users=NOBODY_SUPER, owners=None):
+    return decide(f"/atomlog.v1.{method}", request, caller, AclSet(acls), super_users,
+                  owners or TxnOwners())
+
+
+def test_every_rpc_of_every_service_is_in_the_table():
+    methods = {f"/{service.full_name}/{method.name}"
+               for module in (coordinator_pb2, partition_pb2, metadata_pb2, id_allocator_pb2)
+               for service in module.DESCRIPTOR.services_by_name.values()
+               for method in service.methods}
+    assert methods - set(TABLE) == set()
+
+
+def test_an_unknown_method_is_refused_even_for_super_users():
+    denial = decide("/atomlog.v1.PartitionService/Teleport", partition_pb2.ProduceRequest(),
+                    ALICE, AclSet(), frozenset({"alice"}), TxnOwners())
+    assert denial is not None and "not in the authorization table" in denial.why
+    assert requirement("/atomlog.v1.PartitionService/Teleport", None) is None
+
+
+def test_default_deny_then_allow_by_name_prefix_and_everyone():
+    denial = verdict("PartitionService/Produce", produce("orders"))
+    assert denial.metadata() == {"operation": "write", "resource_type": "topic",
+                                 "resource_name": "orders"}
+    for acl in (Acl("alice", "topic", "orders", "write"),
+                Acl("alice", "topic", "ord", "write", pattern="prefix"),
+                Acl("*", "topic", "orders", "write"),
+                Acl("alice", "topic", "*", "write")):
+        assert verdict("PartitionService/Produce", produce("orders"), acls=[acl]) is None, acl
+    # A prefix does not match a shorter or different name; a literal is not a prefix.
+    assert verdict("PartitionService/Produce", produce("ord"),
+                   acls=[Acl("alice", "topic", "orders", "write", pattern="prefix")])
+    assert verdict("PartitionService/Produce", produce("orders-eu"),
+                   acls=[Acl("alice", "topic", "orders", "write")])
+    # Another principal's allow, or another operation, allows nothing.
+    assert verdict("PartitionService/Produce", produce("orders"),
+                   acls=[Acl("bob", "topic", "orders", "write"),
+                         Acl("alice", "topic", "orders", "read")])
+
+
+def test_deny_beats_allow_whatever_the_order_and_the_match():
+    allow = Acl("*", "topic", "*", "write")
+    for deny in (Acl("alice", "topic", "orders", "write", "deny"),
+                 Acl("*", "topic", "or", "write", "deny", pattern="prefix")):
+        for acls in ([allow, deny], [deny, allow]):
+            denial = verdict("PartitionService/Produce", produce("orders"), acls=acls)
+            assert denial is not None and denial.why == "an ACL denies it"
+    # Bob is not denied by alice's deny.
+    assert verdict("PartitionService/Produce", produce("orders"), caller=BOB,
+                   acls=[allow, Acl("alice", "topic", "orders", "write", "deny")]) is None
+
+
+def test_every_item_needs_its_permission():
+    acls = [Acl("alice", "topic", "orders", "write")]
+    denial = verdict("PartitionService/Produce", produce("orders", "payments"), acls=acls)
+    assert denial.permission == Permission("write", "topic", "payments")
+
+
+def test_describe_is_implied_by_other_operations_but_not_the_reverse():
+    request = partition_pb2.ListOffsetsRequest(items=[partition_pb2.ListOffsetsItem(
+        topic_partition=tp("orders"))])
+    assert verdict("PartitionService/ListOffsets", request,
+                   acls=[Acl("alice", "topic", "orders", "read")]) is None
+    assert verdict("PartitionService/Fetch", partition_pb2.FetchRequest(
+        items=[partition_pb2.FetchItem(topic_partition=tp("orders"))]),
+        acls=[Acl("alice", "topic", "orders", "describe")])
+
+
+def test_super_users_bypass_acls_but_not_the_internal_rpcs():
+    supers = frozenset({"alice"})
+    assert verdict("PartitionService/Produce", produce("orders"), super_users=supers,
+                   acls=[Acl("alice", "topic", "orders", "write", "deny")]) is None
+    markers = partition_pb2.EndTxnOnPartitionRequest()
+    denial = verdict("PartitionService/EndTxnOnPartition", markers, super_users=supers,
+                     acls=[Acl("alice", "cluster", "*", "write")])
+    assert denial.permission == Permission("write", "cluster", "atomlog")
+    assert "only atomlog servers" in denial.why
+    assert verdict("PartitionService/EndTxnOnPartition", markers, caller=SERVICE) is None
+    # A deny entry can take even a server's cluster permission away.
+    assert verdict("PartitionService/EndTxnOnPartition", markers, caller=SERVICE,
+                   acls=[Acl("ps-0", "cluster", "atomlog", "write", "deny")])
+
+
+def test_service_principals_hold_the_cluster_only():
+    assert verdict("PartitionService/Produce", produce("orders"), caller=SERVICE)
+    # The TC log is an internal topic: the cluster's.
+    assert verdict("PartitionService/Produce", produce("__txn_log"), caller=SERVICE) is None
+    denial = verdict("PartitionService/Produce", produce("__txn_log"))
+    assert denial.permission == Permission("write", "cluster", "atomlog")
+    for method, request in (("CoordinatorService/VerifyTxnPartitions",
+                             coordinator_pb2.VerifyTxnPartitionsRequest()),
+                            ("PartitionService/StageTxn", partition_pb2.StageTxnRequest()),
+                            ("IdAllocatorService/AllocateProducerIds",
+                             id_allocator_pb2.AllocateProducerIdsRequest())):
+        assert verdict(method, request, acls=[Acl("*", "cluster", "*", "write")]), method
+        assert verdict(method, request, caller=SERVICE) is None, method
+
+
+def test_transactions_need_write_on_every_topic_and_their_transactional_id():
+    session = coordinator_pb2.TransactionalSession(transactional_id="etl-1", producer_id=7)
+    commit = coordinator_pb2.CommitTxnRequest(
+        idempotency_key="k", session=session,
+        batches=[partition_pb2.ProduceItem(topic_partition=tp("orders"))],
+        acks=[partition_pb2.AckItem(subscription_partition=sp("in", "etl"))])
+    acls = [Acl("alice", "topic", "orders", "write"), Acl("alice", "subscription", "etl", "read")]
+    denial = verdict("CoordinatorService/CommitTxn", commit, acls=acls)
+    assert denial.permission == Permission("write", "transactional_id", "etl-1")
+    acls.append(Acl("alice", "transactional_id", "etl-", "write", pattern="prefix"))
+    assert verdict("CoordinatorService/CommitTxn", commit, acls=acls) is None
+    assert verdict("CoordinatorService/InitProducerId", coordinator_pb2.InitProducerIdRequest(
+        transactional_id="etl-1"), acls=acls) is None
+    assert verdict("CoordinatorService/InitProducerId", coordinator_pb2.InitProducerIdRequest(
+        transactional_id="other"), acls=acls).permission.name == "other"
+    add = coordinator_pb2.AddPartitionToTxnRequest(
+        txn_id=common_pb2.TxnId(tc_partition=1, sequence=2), topic_partitions=[tp("payments")])
+    assert verdict("CoordinatorService/AddPartitionToTxn", add, acls=acls).permission == \
+        Permission("write", "topic", "payments")
+
+
+def test_another_principals_transaction_needs_transaction_admin():
+    owners = TxnOwners()
+    txn = common_pb2.TxnId(tc_partition=3, sequence=9)
+    owners.record((3, 9), "alice")
+    abort = coordinator_pb2.AbortTransactionRequest(txn_id=txn)
+    end = coordinator_pb2.EndTxnRequest(txn_id=txn, decision=partition_pb2.TXN_DECISION_ABORT)
+    assert verdict("CoordinatorService/AbortTransaction", abort, owners=owners) is None
+    assert verdict("CoordinatorService/EndTxn", end, owners=owners) is None
+    denial = verdict("CoordinatorService/AbortTransaction", abort, caller=BOB, owners=owners)
+    assert denial.permission == Permission("abort", "transaction_admin", "atomlog")
+    assert verdict("CoordinatorService/EndTxn", end, caller=BOB, owners=owners).permission == \
+        Permission("alter", "transaction_admin", "atomlog")
+    admin = [Acl("bob", "transaction_admin", "*", "abort")]
+    assert verdict("CoordinatorService/AbortTransaction", abort, caller=BOB, owners=owners,
+                   acls=admin) is None
+    # An opener not known here: aborting needs the admin permission, continuing does not.
+    unknown = coordinator_pb2.AbortTransactionRequest(
+        txn_id=common_pb2.TxnId(tc_partition=3, sequence=10))
+    assert verdict("CoordinatorService/AbortTransaction", unknown, owners=owners)
+    assert verdict("CoordinatorService/EndTxn", coordinator_pb2.EndTxnRequest(
+        txn_id=unknown.txn_id), owners=owners) is None
+    # The first opener stays; the table is bounded.
+    owners.record((3, 9), "bob")
+    assert owners.owner((3, 9)) == "alice"
+    small = TxnOwners(limit=2)
+    for sequence in range(3):
+        small.record((0, sequence), "alice")
+    assert len(small) == 2 and small.owner((0, 0)) is None
+
+
+def test_subscriptions_need_read_to_receive_ack_nack_and_reset():
+    acls = [Acl("alice", "topic", "in", "read")]
+    receive = partition_pb2.ReceiveRequest(subscription_partitions=[sp("in", "etl")])
+    ack = partition_pb2.AckRequest(items=[partition_pb2.AckItem(subscription_partition=sp("in", "etl"))])
+    nack = partition_pb2.NackRequest(items=[partition_pb2.NackItem(subscription_partition=sp("in", "etl"))])
+    reset = partition_pb2.ResetSubscriptionRequest(subscription_partitions=[sp("in", "etl")])
+    for method, request in (("Receive", receive), ("Ack", ack), ("Nack", nack),
+                            ("ResetSubscription", reset)):
+        denial = verdict(f"PartitionService/{method}", request, acls=acls)
+        assert denial.permission == Permission("read", "subscription", "etl"), method
+        assert verdict(f"PartitionService/{method}", request,
+                       acls=[*acls, Acl("alice", "subscription", "etl", "read")]) is None
+    # Receiving also reads the topic.
+    assert verdict("PartitionService/Receive", receive,
+                   acls=[Acl("alice", "subscription", "etl", "read")]).permission == \
+        Permission("read", "topic", "in")
+
+
+def test_entries_validate_and_the_znode_round_trips():
+    for bad in (dict(resource_type="queue"), dict(operation="delete"), dict(permission="maybe"),
+                dict(pattern="regex"), dict(principal=""), dict(name="a b"),
+                dict(name="*", pattern="prefix")):
+        fields = {"principal": "alice", "resource_type": "topic", "name": "orders",
+                  "operation": "write", **bad}
+        with pytest.raises(AclError):
+            Acl(**fields)
+    acls = AclSet([Acl("alice", "topic", "orders", "write"),
+                   Acl("*", "subscription", "etl-", "read", "deny", "prefix")])
+    assert AclSet.decode(acls.encode()).acls == acls.acls
+    assert len(AclSet.decode(None)) == 0
+    assert len(acls.added([Acl("alice", "topic", "orders", "write")])) == 2  # no duplicates
+    assert acls.removed([Acl("alice", "topic", "orders", "write")]).acls == acls.acls[1:]
+    for junk in (b"not json", b'{"version": 9, "acls": []}', b'{"version": 1, "acls": [{}]}'):
+        with pytest.raises(AclError):
+            AclSet.decode(junk)
