@@ -10,7 +10,10 @@ and unregister), then ZooKeeper; stragglers get SIGKILL after the timeout.
 process under DIR/tls (services/tls.py LocalCa) and runs every process with mutual TLS
 and auth.mode=mtls (each process's certificate has its name as CN, and every process
 is a service principal; the client certificate's CN is "atomlog-admin"); cluster.json's
-"tls" names the client's files, which status and the CLI use.
+"tls" names the client's files, which status and the CLI use. Such a cluster also runs
+auth.authorizer=acl with "atomlog-admin" its super user, and its servers hold the
+ZooKeeper digest credential of DIR/tls/zookeeper.digest (zookeeper.digest_file), so only
+they (and the CLI, which reads the file) can change its znodes.
 
 `up(prometheus=True)` also runs a Prometheus server (the `prometheus` binary of the
 Debian package) that scrapes every process through DIR/prometheus-targets.json and
@@ -240,7 +243,11 @@ def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str],
             cluster.tls = {"ca_file": str(tls_dir / "ca.crt"),
                            "cert_file": str(tls_dir / "client.crt"),
                            "key_file": str(tls_dir / "client.key"),
-                           "client_auth": "require", "auth": "mtls", "dir": str(tls_dir)}
+                           "client_auth": "require", "auth": "mtls", "dir": str(tls_dir),
+                           # ACLs on (the client certificate's principal a super user) and
+                           # ZooKeeper's znodes writable only with the servers' digest.
+                           "authorizer": "acl",
+                           "zookeeper_digest_file": str(tls_dir / "zookeeper.digest")}
         cluster.processes.append(ProcessEntry(
             "zookeeper", "zookeeper", f"127.0.0.1:{zk_port}",
             data_dir=str(data_dir / "zookeeper"), log_file=str(data_dir / "logs" / "zookeeper.log")))
@@ -279,6 +286,13 @@ def issue_certificates(cluster: ClusterFile) -> list[str]:
         ca.issue(Path(cluster.tls["cert_file"]), Path(cluster.tls["key_file"]),
                  CLIENT_PRINCIPAL if cluster.tls.get("auth") else "atomlog-client", server=False)
         issued.append("client")
+    digest = cluster.tls.get("zookeeper_digest_file")
+    if digest and not Path(digest).exists():
+        import secrets
+
+        Path(digest).touch(mode=0o600)
+        Path(digest).write_text(f"atomlog:{secrets.token_urlsafe(24)}\n")
+        issued.append("zookeeper digest")
     return issued
 
 
@@ -297,6 +311,11 @@ def tls_settings(cluster: ClusterFile, entry: ProcessEntry) -> dict[str, str]:
         settings["auth.mode"] = cluster.tls["auth"]
         settings["auth.service_principals"] = ",".join(
             p.name for p in cluster.processes if p.role != "zookeeper")
+    if cluster.tls.get("authorizer"):
+        settings["auth.authorizer"] = cluster.tls["authorizer"]
+        settings["auth.super_users"] = CLIENT_PRINCIPAL
+    if cluster.tls.get("zookeeper_digest_file"):
+        settings["zookeeper.digest_file"] = cluster.tls["zookeeper_digest_file"]
     return settings
 
 
