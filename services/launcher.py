@@ -271,7 +271,8 @@ def issue_certificates(cluster: ClusterFile) -> list[str]:
     from services.tls import LocalCa
 
     tls_dir = Path(cluster.tls["dir"])
-    ca = LocalCa(tls_dir, f"atomlog local CA ({cluster.data_dir})")
+    # A certificate's CN holds at most 64 characters: long data directories are cut.
+    ca = LocalCa(tls_dir, f"atomlog local CA ({cluster.data_dir})"[:64])
     issued = []
     for entry in cluster.processes:
         if entry.role == "zookeeper":
