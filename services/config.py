@@ -135,6 +135,10 @@ COMMON: tuple[Setting, ...] = (
             "(a proxy or a NAT in front of it); 0: the bound port.", minimum=0, maximum=65_535),
     Setting("server.metrics_listen", str, "127.0.0.1:0", "Prometheus /metrics listen address.",
             check=check_address),
+    Setting("server.health_listen", str, "", "A second listen address serving only the gRPC "
+            "health service, always in plaintext, for probes that speak no TLS (Kubernetes' "
+            "native gRPC probes) when tls.enabled; empty: none (health is on server.listen).",
+            check=lambda value: check_address(value) if value else None),
     Setting("server.data_dir", str, "", "Directory for this server's files (required for "
             "servers that store data)."),
     Setting("server.shutdown_grace_ms", int, 10_000, "On SIGTERM, how long in-flight calls may "
@@ -176,6 +180,9 @@ COMMON: tuple[Setting, ...] = (
     Setting("tls.client_auth", str, "none", "require: mutual TLS, every client must present "
             "a certificate signed by tls.ca_file; none: clients are not asked for one.",
             choices=("none", "require")),
+    Setting("tls.server_name", str, "", "The name this server checks the other servers' "
+            "certificates against, instead of the host it dials (servers that advertise pod "
+            "IPs and share one certificate, e.g. on Kubernetes); empty: the dialed host."),
     Setting("tls.metrics", bool, False, "Serve /metrics over HTTPS with the same certificate "
             "(and, with tls.client_auth=require, the same client certificate check)."),
     Setting("auth.mode", str, "none", "Who may call (services/auth.py): none: anyone "
@@ -552,7 +559,8 @@ def _tls_usable(config: "Config") -> str | None:
 
     if not config["tls.enabled"]:
         asked = [f"{name}={config[name]!r}" for name, off in
-                 (("tls.client_auth", "none"), ("tls.metrics", False)) if config[name] != off]
+                 (("tls.client_auth", "none"), ("tls.metrics", False), ("tls.server_name", ""))
+                 if config[name] != off]
         if asked:
             return f"{', '.join(asked)} needs tls.enabled=true"
         return None

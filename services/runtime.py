@@ -93,6 +93,7 @@ class Runtime:
         self.start_hooks: list[StopHook] = []
         self.grpc_address = ""
         self.server_tls: tls.ServerTls | None = None
+        self.health_server: grpc.aio.Server | None = None  # server.health_listen
         self.metrics_endpoint: metrics.MetricsEndpoint | None = None
         self.registrations: list[Registration] = []
         # Servicers by full service name, for calls from this same process (services/local.py).
@@ -119,7 +120,8 @@ class Runtime:
                 # Calls to other servers: the same CA, this server's certificate as client
                 # certificate (so they pass the others' tls.client_auth=require).
                 local.set_channel_tls(tls.ChannelTls(tls.TlsConfig(
-                    config["tls.ca_file"], config["tls.cert_file"], config["tls.key_file"])))
+                    config["tls.ca_file"], config["tls.cert_file"], config["tls.key_file"],
+                    server_name=config["tls.server_name"])))
             except tls.TlsFileError as error:
                 raise AtomlogError("INVALID_ARGUMENT", f"TLS: {error}") from None
         if config["auth.service_token_file"]:
@@ -166,6 +168,8 @@ class Runtime:
         for service in ["", *self.service_names]:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if config["server.health_listen"]:
+            await self._start_health_port(config["server.health_listen"])
 
         for service, servicer in self.local_services.items():
             local.register(self.grpc_address, service, servicer)
@@ -192,6 +196,19 @@ class Runtime:
               if self.server_tls else "off", auth=config["auth.mode"],
               authorizer=config["auth.authorizer"])
 
+    async def _start_health_port(self, listen: str) -> None:
+        """server.health_listen: the health service alone, in plaintext (Kubernetes' gRPC
+        probes speak no TLS); the same statuses as the main port's health service."""
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        try:
+            bound = self.health_server.add_insecure_port(listen)
+        except RuntimeError as error:
+            raise AtomlogError("INVALID_ARGUMENT", f"cannot listen on {listen}: {error}") from None
+        if bound == 0:
+            raise AtomlogError("INVALID_ARGUMENT", f"cannot listen on {listen}")
+        await self.health_server.start()
+
     def request_stop(self) -> None:
         self._stopping.set()
 
@@ -210,6 +227,8 @@ class Runtime:
             except asyncio.TimeoutError:
                 log.warning("could not unregister within 2 s; the session expiry will")
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self.grpc_address:
             local.unregister(self.grpc_address)
         if self.server_tls is not None:

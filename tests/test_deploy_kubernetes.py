@@ -134,11 +134,45 @@ def pod_env(overlay: str, workload: dict, ordinal: int = 0) -> dict[str, str]:
                                        item["value"])
         elif "fieldRef" in item["valueFrom"]:
             env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in item["valueFrom"]:
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = SECRET_KEYS[(ref["name"], ref["key"])]
         else:
             ref = item["valueFrom"]["configMapKeyRef"]
             assert ref["name"] in maps, f"{item['name']} refers to a missing ConfigMap {ref['name']}"
             env[item["name"]] = maps[ref["name"]][ref["key"]]
     return env
+
+
+# Stand-ins for the Secrets an operator creates (docs/security.md#kubernetes): the keys
+# the manifests read through the environment, and files of every mounted Secret.
+SECRET_KEYS = {("atomlog-auth", "super-users"): "ops-admin"}
+
+
+def secret_files(secret: str, directory: Path) -> Path:
+    """Files standing in for Secret `secret`'s keys, written under directory/secret."""
+    from services.tls import LocalCa
+
+    where = directory / "secrets" / secret
+    if where.exists():
+        return where
+    where.mkdir(parents=True)
+    if secret == "atomlog-tls":
+        ca = LocalCa(where / "ca")
+        (where / "ca.crt").write_bytes(ca.ca_file.read_bytes())
+        ca.issue(where / "tls.crt", where / "tls.key", "atomlog-server", ["atomlog-server"])
+    elif secret == "atomlog-zookeeper-digest":
+        (where / "digest").write_text("atomlog:0123456789abcdef0123\n")
+    else:
+        raise AssertionError(f"no stand-in for Secret {secret}")
+    return where
+
+
+def secret_mounts(workload: dict) -> dict[str, str]:
+    """mountPath -> Secret name, for every Secret volume the container mounts."""
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    return {m["mountPath"]: volumes[m["name"]]["secret"]["secretName"]
+            for m in container(workload)["volumeMounts"] if "secret" in volumes.get(m["name"], {})}
 
 
 def mounted_file(overlay: str, workload: dict, path: str) -> str:
@@ -162,7 +196,13 @@ def server_config(overlay: str, role: str, tmp_path: Path, ordinal: int = 0):
     assert args[0] == role and args[1] == "--config", args
     config_file = tmp_path / f"{overlay}-{role}.toml"
     config_file.write_text(mounted_file(overlay, workload, args[2]))
-    return load_config(ROLES[role], config_file, pod_env(overlay, workload, ordinal))
+    env = pod_env(overlay, workload, ordinal)
+    # Paths into mounted Secrets point at stand-in files (the servers read and check them).
+    for mount, secret in secret_mounts(workload).items():
+        stand_in = str(secret_files(secret, tmp_path))
+        env = {name: stand_in + value[len(mount):] if value.startswith(mount + "/") else value
+               for name, value in env.items()}
+    return load_config(ROLES[role], config_file, env)
 
 
 # ---------------------------------------------------------------- rendering and schemas
@@ -273,10 +313,14 @@ def test_atomlog_pods_probe_the_grpc_health_service_and_drain_on_sigterm(overlay
         assert ports["grpc"] == grpc_port
         assert ports["metrics"] == int(config["server.metrics_listen"].rsplit(":", 1)[1])
         assert config["server.listen"].startswith("0.0.0.0:"), "probes and peers reach the pod IP"
+        # With TLS the probes ask the plaintext health-only port (kubelet speaks no TLS).
+        probe_port = (int(config["server.health_listen"].rsplit(":", 1)[1])
+                      if config["tls.enabled"] else grpc_port)
+        assert not config["tls.enabled"] or ports["health"] == probe_port
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c[kind]
             # Native gRPC probe of the standard health service, overall status ("").
-            assert probe["grpc"]["port"] == grpc_port and probe["grpc"].get("service", "") == ""
+            assert probe["grpc"]["port"] == probe_port and probe["grpc"].get("service", "") == ""
             assert set(probe) & {"exec", "httpGet", "tcpSocket"} == set()
         ready = c["readinessProbe"]
         # NOT_SERVING (from SIGTERM on) takes the pod out of Services within 15 s.
@@ -526,3 +570,27 @@ def test_a_real_zookeeper_runs_the_dev_zoo_cfg_and_answers_the_probes(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_production_runs_mtls_acls_and_zookeeper_acls_from_secrets(tmp_path):
+    """docs/security.md#kubernetes: every server serves mutual TLS, authenticates by
+    certificate, authorizes with ACLs and holds the ZooKeeper digest, all from Secrets
+    mounted read-only (no Secret is in the repository); dev stays plaintext."""
+    assert not objects("production", "Secret") and not objects("dev", "Secret")
+    for role, workload in atomlog_workloads("production").items():
+        config = server_config("production", role, tmp_path)
+        assert config["tls.enabled"] and config["tls.client_auth"] == "require"
+        assert config["auth.mode"] == "mtls" and config["auth.authorizer"] == "acl"
+        assert config["auth.super_users"] == "ops-admin"
+        assert config["auth.service_principals"] == config["tls.server_name"] == "atomlog-server"
+        assert config["zookeeper.digest_file"].endswith("/atomlog-zookeeper-digest/digest")
+        mounts = secret_mounts(workload)
+        assert sorted(mounts.values()) == ["atomlog-tls", "atomlog-zookeeper-digest"]
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        for mount in container(workload)["volumeMounts"]:
+            if mount["mountPath"] in mounts:
+                assert mount["readOnly"]
+                assert volumes[mount["name"]]["secret"]["defaultMode"] == 0o400
+    for role in atomlog_workloads("dev"):
+        config = server_config("dev", role, tmp_path)
+        assert not config["tls.enabled"] and config["auth.authorizer"] == "none"

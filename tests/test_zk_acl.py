@@ -4,20 +4,24 @@ every znode under its chroot allows changes to that credential only; anyone may 
 An unauthenticated (or wrongly authenticated) kazoo client's writes are refused with
 NoAuth and change nothing; the CLI cannot change ACLs without the credential; a chroot
 made before the setting was on is secured at start-up, and one secured by another
-credential is refused. Plus the settings' validation."""
+credential is refused. Plus the settings' validation, and the plaintext health-only port
+(server.health_listen) that Kubernetes probes use on a TLS cluster."""
 
 from __future__ import annotations
 
 import json
 import uuid
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 from kazoo.security import OPEN_ACL_UNSAFE
 
 from services.config import ConfigError, load_config
 from services.errors import AtomlogError
+from services.launcher import free_port
 from services.zk import ZkSession, kazoo_client, read_digest, znode_acl
 from tests.conftest import SESSION_TIMEOUT_MS, Cluster
 
@@ -27,9 +31,11 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("atomlog-zk-acl"), combined=True)
+    cluster.health_port = free_port()
     try:
         report = json.loads(cluster.run(
             "up", "--tls", "--combined", "--output", "json",
+            "--set", f"server.health_listen=127.0.0.1:{cluster.health_port}",
             "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}").stdout)
         assert report["tls"]["zookeeper_digest_file"]
         cluster.run("topic", "create", "zk-orders", "--partitions", "1")
@@ -128,6 +134,23 @@ def test_an_open_chroot_is_secured_at_start_and_another_credential_refused(secur
         plain.stop()
 
 
+def test_the_health_port_answers_in_plaintext_and_only_health(secured):
+    with grpc.insecure_channel(f"127.0.0.1:{secured.health_port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
+
+        with pytest.raises(grpc.RpcError) as caught:  # nothing else is served there
+            metadata_pb2_grpc.MetadataServiceStub(channel).ListTopics(
+                metadata_pb2.ListTopicsRequest(), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with grpc.insecure_channel(secured.info["bootstrap"]) as channel:  # the main port: TLS
+        with pytest.raises(grpc.RpcError) as caught:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 def test_settings_validation(tmp_path):
     good = tmp_path / "good.digest"
     good.write_text("atomlog:0123456789abcdef0123\n")
@@ -144,5 +167,7 @@ def test_settings_validation(tmp_path):
         with pytest.raises(ConfigError) as caught:
             load_config("coordinator", env={}, overrides={**base, name: value})
         assert message in str(caught.value), name
-    with pytest.raises(ConfigError):
-        load_config("coordinator", env={}, overrides={**base, "auth.authorizer": "opa"})
+    for name, value in (("auth.authorizer", "opa"), ("server.health_listen", "nowhere"),
+                        ("tls.server_name", "atomlog-server")):  # the last needs tls.enabled
+        with pytest.raises(ConfigError):
+            load_config("coordinator", env={}, overrides={**base, name: value})
