@@ -3,6 +3,11 @@
 A kazoo ChildrenWatch on /topics reads every new topic's record (topic records are
 written once, whole, at creation). The callback runs on kazoo's thread and hands the
 new table to the event loop, where `on_change` opens newly owned partitions.
+
+Replicated topics (docs/replication.md): for every partition this server holds a replica
+of, a DataWatch keeps its state (leader, epoch, ISR) with the znode version, and a
+ChildrenWatch on /servers keeps the set of live servers; any change calls `on_change`,
+where the manager steers each replica to leader, follower or an election.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from typing import Callable
 
 from kazoo.exceptions import NoNodeError
 
+from partition_server.partition_states import Versioned, path_of
+from partition_server.replication import PartitionState
 from services.logs import event
 from services.topics import TopicRecord
-from services.zk import TOPICS_PATH, ZkSession
+from services.zk import SERVERS_PATH, TOPICS_PATH, ZkSession
 
 log = logging.getLogger("atomlog.partition.assignments")
 
@@ -31,10 +38,47 @@ class Assignments:
         self.on_change = on_change
         self._lock = threading.Lock()
         self._topics: dict[str, TopicRecord] = {}
+        self._states: dict[tuple[str, int], Versioned] = {}
+        self._watched: set[tuple[str, int]] = set()
+        self._live: set[str] = set()
         self.ready = asyncio.Event()
 
     def start(self) -> None:
+        self.zk.client.ChildrenWatch(SERVERS_PATH, self._on_servers)
         self.zk.client.ChildrenWatch(TOPICS_PATH, self._on_children)
+
+    def _on_servers(self, names: list[str]) -> None:
+        with self._lock:
+            self._live = set(names)
+        if self.ready.is_set() or self._topics:
+            self.loop.call_soon_threadsafe(self._notify)
+
+    def _watch_states(self, record: TopicRecord) -> None:
+        """DataWatch the state of each partition of `record` with a replica here."""
+        for partition in range(record.partitions):
+            key = (record.name, partition)
+            replicas = record.replicas_of(partition)
+            if self.server_name not in replicas or key in self._watched:
+                continue
+            self._watched.add(key)
+            self.zk.client.DataWatch(path_of(*key), self._state_watcher(key, replicas))
+
+    def _state_watcher(self, key: tuple[str, int], replicas: list[str]):
+        # Exactly (data, stat): kazoo passes a third argument to functions that take one.
+        def on_data(data, stat) -> None:
+            if data is None:
+                with self._lock:
+                    self._states.pop(key, None)
+            else:
+                try:
+                    state = PartitionState.from_json(data, replicas)
+                except ValueError:
+                    log.exception("unreadable partition state %s", path_of(*key))
+                    return
+                with self._lock:
+                    self._states[key] = Versioned(state, stat.version)
+            self.loop.call_soon_threadsafe(self._notify)
+        return on_data
 
     def _on_children(self, names: list[str]) -> None:
         known = dict(self._topics)
@@ -52,6 +96,9 @@ class Assignments:
                 log.exception("unreadable topic record %s", name)
         with self._lock:
             self._topics = fresh
+        for record in fresh.values():
+            if record.replicated:
+                self._watch_states(record)
         event(log, "assignments updated", topics=len(fresh), owned=len(self.owned()))
         self.loop.call_soon_threadsafe(self._notify)
 
@@ -60,16 +107,37 @@ class Assignments:
         self.on_change()
 
     def owned(self) -> list[tuple[str, int]]:
+        """Partitions of unreplicated topics assigned here."""
         with self._lock:
             return [(topic.name, index) for topic in self._topics.values()
+                    if not topic.replicated
                     for index, owner in enumerate(topic.assignment) if owner == self.server_name]
 
+    def replicated_here(self) -> list[tuple[str, int]]:
+        """Partitions of replicated topics with a replica here."""
+        with self._lock:
+            return [(topic.name, index) for topic in self._topics.values() if topic.replicated
+                    for index in range(topic.partitions)
+                    if self.server_name in topic.replicas[index]]
+
+    def state(self, key: tuple[str, int]) -> Versioned | None:
+        with self._lock:
+            return self._states.get(key)
+
+    def live(self) -> set[str]:
+        with self._lock:
+            return set(self._live)
+
     def owner_of(self, topic: str, partition: int) -> str | None:
-        """Name of the owning server, or None when the topic or partition is unknown."""
+        """Name of the owning server (a replicated partition: its leader, "" when offline or
+        its state is not known yet), or None when the topic or partition is unknown."""
         with self._lock:
             record = self._topics.get(topic)
+            state = self._states.get((topic, partition))
         if record is None or not 0 <= partition < record.partitions:
             return None
+        if record.replicated:
+            return (state.state.leader or "") if state is not None else ""
         return record.assignment[partition]
 
     def topic(self, name: str) -> TopicRecord | None:

@@ -1,17 +1,30 @@
 """All partitions of one server: which it owns (from ZooKeeper), their owners, and the
-periodic chores (producer expiry, retention)."""
+periodic chores (producer expiry, retention).
+
+Replicated partitions (docs/replication.md) are steered one task per partition at a time:
+from the partition's state and the live servers, the replica here becomes the leader (a
+PartitionOwner with a LeaderReplication), a follower of the current leader (a Follower),
+or runs an election when the leader is gone. Every change of state or membership steers
+again; a leadership or a follower whose epoch is past is closed before the next opens."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
+from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
+from partition_server import partition_states
 from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
+from partition_server.replica import Follower, LeaderReplication
+from services import local
 from services.errors import AtomlogError
+from services.logs import event
+from services.zk import SERVERS_PATH, aio
 
 log = logging.getLogger("atomlog.partition.manager")
 
@@ -23,6 +36,22 @@ TOPIC_LOG_SETTINGS = {"segment.bytes": "segment_bytes", "segment.ms": "segment_m
                       "retention.bytes": "retention_bytes", "retention.ms": "retention_ms"}
 
 
+PARTITION_SERVICE = partition_pb2.DESCRIPTOR.services_by_name["PartitionService"].full_name
+REPLICA_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+STEER_RETRY_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicationSettings:
+    max_lag_ms: int = 10_000
+    fetch_wait_ms: int = 500
+
+
 class NotOwner(Exception):
     def __init__(self, owner: str | None):
         self.owner = owner
@@ -30,7 +59,7 @@ class NotOwner(Exception):
 
 class PartitionManager:
     def __init__(self, data_dir: Path, server_name: str, zk, settings: OwnerSettings,
-                 coordinator_epochs=None):
+                 coordinator_epochs=None, replication: ReplicationSettings | None = None):
         self.data_dir = data_dir
         self.coordinator_epochs = coordinator_epochs
         self.server_name = server_name
@@ -43,6 +72,14 @@ class PartitionManager:
         self._semaphore = asyncio.Semaphore(OPEN_CONCURRENCY)
         self._tasks: set[asyncio.Task] = set()
         self._chores: asyncio.Task | None = None
+        self.replication = replication or ReplicationSettings()
+        self.followers: dict[tuple[str, int], Follower] = {}
+        self._steering: dict[tuple[str, int], asyncio.Task] = {}
+        self._dirty: set[tuple[str, int]] = set()
+        self._closing = False
+        self._stubs = local.StubCache(PARTITION_SERVICE, partition_pb2_grpc.PartitionServiceStub,
+                                      REPLICA_CHANNEL_OPTIONS)
+        m.register_replication_collector(self)
 
     async def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -62,6 +99,8 @@ class PartitionManager:
             task = asyncio.create_task(self._open(*key), name=f"open {key[0]}-{key[1]}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        for key in self.assignments.replicated_here():
+            self._steer(key)
 
     def _settings_for(self, topic: str) -> OwnerSettings:
         """Server defaults, overridden by the topic's own settings (CreateTopic config)."""
@@ -73,9 +112,13 @@ class PartitionManager:
         return dataclasses.replace(self.settings,
                                    log=dataclasses.replace(self.settings.log, **overrides))
 
-    async def _open(self, topic: str, partition: int) -> None:
+    async def _open(self, topic: str, partition: int,
+                    replication: LeaderReplication | None = None) -> PartitionOwner:
         owner = PartitionOwner(topic, partition, self.data_dir / f"{topic}-{partition}",
                                self._settings_for(topic))
+        if replication is not None:
+            owner.replication = replication
+            replication.owner = owner
         self.owners[(topic, partition)] = owner  # visible as LOADING meanwhile
         if self.coordinator_epochs is not None:
             # Markers this partition wrote are durable in its log: their epochs fence
@@ -95,6 +138,152 @@ class PartitionManager:
             log.exception("cannot open partition %s-%s", topic, partition)
         finally:
             self._opening.discard((topic, partition))
+        return owner
+
+    # ------------------------------------------------------------------ replicated partitions
+    def _steer(self, key: tuple[str, int]) -> None:
+        if self._closing:
+            return
+        if key in self._steering:
+            self._dirty.add(key)  # the running task steers once more
+            return
+        task = asyncio.create_task(self._steer_loop(key), name=f"steer {key[0]}-{key[1]}")
+        self._steering[key] = task
+
+    async def _steer_loop(self, key: tuple[str, int]) -> None:
+        try:
+            while not self._closing:
+                self._dirty.discard(key)
+                try:
+                    await self._steer_once(key)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 — ZooKeeper or disk trouble: again soon
+                    log.exception("steering %s-%s failed; retrying", *key)
+                    self._dirty.add(key)
+                    await asyncio.sleep(STEER_RETRY_S)
+                if key not in self._dirty:
+                    return
+        finally:
+            self._steering.pop(key, None)
+
+    async def _steer_once(self, key: tuple[str, int]) -> None:
+        topic, partition = key
+        record = self.assignments.topic(topic)
+        known = self.assignments.state(key)
+        if record is None or known is None:
+            return
+        replicas = record.replicas_of(partition)
+        state = known.state
+        live = self.assignments.live()
+        me = self.server_name
+        if state.leader is None or state.leader not in live:
+            await self._step_down(key)  # a leadership here is over (or never began)
+            if me in live:
+                election, _now = await asyncio.to_thread(
+                    partition_states.try_elect, self.zk.client, topic, partition, replicas,
+                    live, unclean_allowed=record.unclean_election)
+                if election is not None:
+                    m.LEADER_ELECTIONS.labels(str(election.unclean).lower()).inc()
+                    event(log, "leader elected", logging.WARNING if election.unclean
+                          else logging.INFO, partition=f"{topic}-{partition}",
+                          leader=election.state.leader, epoch=election.state.leader_epoch,
+                          isr=list(election.state.isr), unclean=election.unclean,
+                          previous_leader=state.leader)
+            return  # the state's watch steers again
+        if state.leader == me:
+            owner = self.owners.get(key)
+            leading = owner.replication if owner is not None else None
+            if leading is not None and leading.epoch == state.leader_epoch \
+                    and leading.fenced is None:
+                return
+            known_hw = 0
+            follower = self.followers.pop(key, None)
+            if follower is not None:
+                known_hw = follower.known_hw
+                await follower.close()
+            await self._step_down(key)
+            replication = LeaderReplication(
+                topic, partition, me, known, replicas, record.min_insync_replicas,
+                self.replication.max_lag_ms, known_hw,
+                self.data_dir / f"{topic}-{partition}", self._write_isr(topic, partition),
+                self.assignments.live)
+            event(log, "leading", partition=f"{topic}-{partition}",
+                  epoch=state.leader_epoch, isr=list(state.isr))
+            owner = await self._open(topic, partition, replication)
+            replication.start()
+            return
+        await self._step_down(key)
+        follower = self.followers.get(key)
+        if follower is not None and follower.leader == state.leader \
+                and follower.epoch == state.leader_epoch:
+            return
+        if follower is not None:
+            del self.followers[key]
+            await follower.close()
+        address = await self._address_of(state.leader)
+        if not address:
+            return  # gone meanwhile: the servers' watch steers again
+        settings = self._settings_for(topic)
+        follower = Follower(topic, partition, self.data_dir / f"{topic}-{partition}",
+                            settings.log, me, state.leader, address, state.leader_epoch,
+                            self._stubs, self.replication.fetch_wait_ms, fsync=settings.fsync)
+        self.followers[key] = follower
+        await follower.start()
+
+    async def _step_down(self, key: tuple[str, int]) -> None:
+        owner = self.owners.get(key)
+        if owner is None or owner.replication is None:
+            return
+        del self.owners[key]
+        await owner.replication.close()
+        await owner.close()
+
+    def _write_isr(self, topic: str, partition: int):
+        async def write(known, isr: list[str]):
+            return await asyncio.to_thread(partition_states.change_isr, self.zk.client, topic,
+                                           partition, known, isr)
+        return write
+
+    async def _address_of(self, server: str) -> str:
+        try:
+            data, _ = await aio(self.zk.client.get_async(f"{SERVERS_PATH}/{server}"))
+        except Exception:  # noqa: BLE001 — not registered (any more)
+            return ""
+        try:
+            return str(json.loads(data or b"{}").get("grpc_address", ""))
+        except ValueError:
+            return ""
+
+    def replication_summary(self) -> dict[str, tuple[int, int, int]]:
+        """Per topic: (partitions led here that are under-replicated, partitions with a
+        replica here and no leader, largest follower lag in offsets over those led here)."""
+        rows: dict[str, list[int]] = {}
+        if self.assignments is None:
+            return {}
+        for key in self.assignments.replicated_here():
+            row = rows.setdefault(key[0], [0, 0, 0])
+            known = self.assignments.state(key)
+            if known is not None and known.state.leader is None:
+                row[1] += 1
+            owner = self.owners.get(key)
+            leading = owner.replication if owner is not None else None
+            if leading is not None and leading.fenced is None:
+                if len(leading.progress.isr) < len(leading.replicas):
+                    row[0] += 1
+                row[2] = max([row[2], *leading.progress.lag().values()])
+        return {topic: tuple(row) for topic, row in rows.items()}
+
+    def describe_replica(self, topic: str, partition: int) -> dict:
+        """The replica here: its role and what it knows (CLI `partition describe`)."""
+        key = (topic, partition)
+        owner = self.owners.get(key)
+        if owner is not None and owner.replication is not None:
+            return {"role": "leader", **owner.replication.describe()}
+        follower = self.followers.get(key)
+        if follower is not None:
+            return {"role": "follower", **follower.describe()}
+        return {"role": "none"}
 
     def owner(self, topic: str, partition: int) -> PartitionOwner:
         """The owner of a partition hosted here; raise NotOwner / UNKNOWN_TOPIC_OR_PARTITION."""
@@ -102,6 +291,11 @@ class PartitionManager:
         if found is not None:
             return found
         owner_name = self.assignments.owner_of(topic, partition) if self.assignments else None
+        if owner_name == "":
+            raise AtomlogError("NOT_PARTITION_OWNER",
+                               f"partition {topic}-{partition} has no leader here; it may be "
+                               "offline (no in-sync replica alive) or led elsewhere",
+                               {"owner": "", "retry_after_ms": "200"})
         if owner_name is None:
             record = self.assignments.topic(topic) if self.assignments else None
             detail = (f"topic {topic!r} has {record.partitions} partitions" if record
@@ -125,8 +319,15 @@ class PartitionManager:
                     log.exception("chores failed on %s", owner.name)
 
     async def close(self) -> None:
+        self._closing = True
         if self._chores is not None:
             self._chores.cancel()
-        for task in list(self._tasks):
+        for task in [*self._tasks, *self._steering.values()]:
             task.cancel()
+        await asyncio.gather(*self._steering.values(), return_exceptions=True)
+        await asyncio.gather(*(o.replication.close() for o in self.owners.values()
+                               if o.replication is not None), return_exceptions=True)
+        await asyncio.gather(*(f.close() for f in self.followers.values()),
+                             return_exceptions=True)
         await asyncio.gather(*(o.close() for o in self.owners.values()), return_exceptions=True)
+        await self._stubs.close()

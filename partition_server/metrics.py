@@ -39,6 +39,47 @@ MARKERS_WRITTEN = Counter("atomlog_partition_markers_written_total",
 BAD_BATCHES = Counter("atomlog_partition_rejected_batches_total",
                       "Produced batches refused, by reason.", ["reason"])
 
+# Replication (docs/replication.md).
+LEADER_ELECTIONS = Counter("atomlog_leader_elections_total", "Partition leader elections this "
+                           "server wrote (unclean=true: a replica outside the ISR took over and "
+                           "acknowledged writes it lacked are lost).", ["unclean"])
+ISR_SHRINKS = Counter("atomlog_isr_shrinks_total", "Followers removed from an in-sync replica "
+                      "set by this server as leader (lagging, or their server gone).")
+ISR_EXPANDS = Counter("atomlog_isr_expands_total", "Followers added back to an in-sync replica "
+                      "set by this server as leader once caught up.")
+REPLICA_FETCHED_BYTES = Counter("atomlog_replica_fetched_bytes_total",
+                                "Bytes of batches this server copied from leaders as a follower.")
+
+
+class ReplicationCollector(Collector):
+    """Gauges read from the manager at scrape time: per topic, the partitions this server
+    leads with fewer in-sync replicas than replicas, the offline partitions it holds a
+    replica of (no leader: take max() over servers), and the largest follower lag (in
+    offsets) of the partitions it leads."""
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    def collect(self):
+        under = GaugeMetricFamily("atomlog_partitions_under_replicated", "Partitions led here "
+                                  "whose in-sync replicas are fewer than their replicas.",
+                                  labels=["topic"])
+        offline = GaugeMetricFamily("atomlog_partitions_offline", "Partitions with a replica "
+                                    "here and no leader (no in-sync replica alive).",
+                                    labels=["topic"])
+        lag = GaugeMetricFamily("atomlog_replica_max_lag_offsets", "Largest number of offsets a "
+                                "follower is behind, over the partitions led here.",
+                                labels=["topic"])
+        rows = self._manager.replication_summary()
+        for topic, (under_count, offline_count, max_lag) in sorted(rows.items()):
+            under.add_metric([topic], under_count)
+            offline.add_metric([topic], offline_count)
+            lag.add_metric([topic], max_lag)
+        yield from (under, offline, lag)
+
+    def describe(self):
+        return []
+
 
 class PartitionStateCollector(Collector):
     """Gauges read from the owners at scrape time (never kept by hand, so they cannot
@@ -115,5 +156,11 @@ class PartitionStateCollector(Collector):
 
 def register_state_collector(owners: Callable[[], Iterable]) -> PartitionStateCollector:
     collector = PartitionStateCollector(owners)
+    REGISTRY.register(collector)
+    return collector
+
+
+def register_replication_collector(manager) -> ReplicationCollector:
+    collector = ReplicationCollector(manager)
     REGISTRY.register(collector)
     return collector

@@ -260,6 +260,10 @@ class PartitionOwner:
         self._unflushed: list[_Work | _MarkerWork] = []  # written, no fsync begun since
         self._unflushed_batches = 0
         self._flushes: deque[_Flush] = deque()  # in flight, oldest first
+        # Replicated partitions led here (partition_server/replica.py): the leadership, and
+        # the flushes durable here that wait for the in-sync replicas, oldest first.
+        self.replication = None
+        self._replicating: deque[_Flush] = deque()
         self._wake: asyncio.Future | None = None  # the owner task waits on it when idle
         self._data_moved: asyncio.Future | None = None  # readers wait on it (long poll)
         self._snapshot_write: asyncio.Future | None = None
@@ -299,6 +303,8 @@ class PartitionOwner:
                   logging.ERROR, partition=self.name, file=self.log.data_loss.path,
                   offset=self.log.data_loss.offset)
             return
+        if self.replication is not None:
+            self.replication.loaded(self.log.log_start_offset, self.log.log_end_offset)
         if not loaded.background:
             self.txns = loaded.txns
         else:
@@ -566,6 +572,12 @@ class PartitionOwner:
 
     # ------------------------------------------------------------------ checks
     def check_serving(self) -> None:
+        self.check_loaded()
+        if self.replication is not None:
+            self.replication.check_serving()
+
+    def check_loaded(self) -> None:
+        """ONLINE (the log and producer state are loaded), whatever replication says."""
         if self.state is State.ONLINE:
             return
         if self.state is State.DATA_LOSS and self.log is not None and self.log.data_loss:
@@ -605,6 +617,8 @@ class PartitionOwner:
                                                asyncio.get_running_loop().create_future()))
 
     async def _enqueue(self, work: _Work | _MarkerWork) -> list:
+        if self.replication is not None:
+            self.replication.check_writable()  # NOT_ENOUGH_REPLICAS: nothing written
         if len(self._queue) >= self.settings.max_queued_requests:
             raise AtomlogError("RESOURCE_EXHAUSTED",
                                f"partition {self.name} has {len(self._queue)} requests "
@@ -639,7 +653,8 @@ class PartitionOwner:
                     self._begin_flushes()
                     continue
                 self._begin_flushes()
-                if self._snapshot_due() and not self._flushes and not self._unflushed:
+                if self._snapshot_due() and not self._flushes and not self._unflushed \
+                        and not self._replicating:
                     await self._snapshot()  # drained: everything applied is durable
                     continue
                 if self._flushes and self._flushes[0].future is None:
@@ -792,16 +807,49 @@ class PartitionOwner:
                     m.FSYNC_SECONDS.observe(time.perf_counter() - flush.began)
                     m.FSYNCS.inc()
                     m.PRODUCE_BATCHES_PER_FSYNC.observe(flush.batches)
+                if self.replication is not None:
+                    # Durable here; answered once the in-sync replicas hold it too.
+                    self.replication.durable(flush.target)
+                    self._replicating.append(flush)
+                    continue
                 moved |= self.log.flush_end(
                     flush.target, durable=self.settings.fsync and flush.future is not None)
                 for work in flush.works:
                     if not work.future.done():
                         work.future.set_result(work.results)
         finally:
+            if self._replicating:
+                moved |= self._release_replicated()
             if moved:
                 if not self.txns_recovering:
                     self.txns.on_durable(self.log.high_watermark)
                 self._notify_readers()
+
+    def _release_replicated(self) -> bool:
+        """Answer the flushes the high watermark of the in-sync replicas covers, in order:
+        only now does the log's high watermark (what is readable) move past them."""
+        hw = self.replication.high_watermark
+        replicating = self._replicating
+        moved = False
+        while replicating and replicating[0].target <= hw:
+            flush = replicating.popleft()
+            moved |= self.log.flush_end(
+                flush.target, durable=self.settings.fsync and flush.future is not None)
+            for work in flush.works:
+                if not work.future.done():
+                    work.future.set_result(work.results)
+        return moved
+
+    def replicated(self) -> None:
+        """The in-sync replicas' high watermark may have moved (a follower fetched, the ISR
+        changed): answer what it covers."""
+        if not self._replicating or self.log is None or self.state is not State.ONLINE:
+            return
+        if self._release_replicated():
+            if not self.txns_recovering:
+                self.txns.on_durable(self.log.high_watermark)
+            self._notify_readers()
+            self._poke()
 
     def _snapshot_due(self) -> bool:
         since = self._batches_since_snapshot
@@ -811,8 +859,10 @@ class PartitionOwner:
 
     def _fail_unanswered(self, error: AtomlogError, first: list | None = None) -> None:
         """Fail every request written and not answered (in flight or waiting for an fsync)."""
-        for works in ([first or []] + [f.works for f in self._flushes] + [self._unflushed]):
+        for works in ([first or []] + [f.works for f in self._replicating]
+                      + [f.works for f in self._flushes] + [self._unflushed]):
             _fail_all(works, error)
+        self._replicating.clear()
         self._flushes.clear()
         self._unflushed, self._unflushed_batches = [], 0
 
@@ -828,6 +878,10 @@ class PartitionOwner:
         if self.log is not None:
             self.log.fail(f"{type(error).__name__}: {error}")
             durable = self.log.high_watermark
+            if self.replication is not None:
+                # Followers may hold what is durable here and not yet replicated: keep
+                # it (cutting it would let other records take its offsets in this epoch).
+                durable = max(durable, self.replication.local_durable_end)
         delay_s = RELOAD_RETRY_FIRST_S
         while True:
             try:

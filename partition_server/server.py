@@ -14,7 +14,7 @@ from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.log import LogConfig
-from partition_server.manager import PartitionManager
+from partition_server.manager import PartitionManager, ReplicationSettings
 from partition_server.owner import OwnerSettings
 from partition_server.service import PartitionServicer, SubscriptionSettings
 from partition_server.subscription_cursor import CursorLimits
@@ -69,7 +69,10 @@ async def install(runtime) -> list[str]:
     epochs = CoordinatorEpochs(runtime.zk, config["cluster.tc_partitions"])
     await asyncio.to_thread(epochs.start)
     manager = PartitionManager(Path(config["server.data_dir"]) / "partitions", runtime.name,
-                               runtime.zk, owner_settings(config), coordinator_epochs=epochs)
+                               runtime.zk, owner_settings(config), coordinator_epochs=epochs,
+                               replication=ReplicationSettings(
+                                   max_lag_ms=config["replication.max_lag_ms"],
+                                   fetch_wait_ms=config["replication.fetch_wait_ms"]))
     await manager.start()
     runtime.stop_hooks.append(manager.close)
     verifier = TxnVerifier(runtime.metadata, epochs,

@@ -113,6 +113,27 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     "owner_server_name": not_owner.owner or "",
                     "owner_address": entry.grpc_address if entry else ""}) from None
 
+    # ------------------------------------------------------------------ replication
+    async def Replicate(self, request, context):
+        """A follower's copy request (docs/replication.md); this server must lead the
+        partition (else NOT_PARTITION_OWNER, FENCED_LEADER_EPOCH for an old epoch)."""
+        tp = request.topic_partition
+        if not request.replica:
+            raise AtomlogError("INVALID_ARGUMENT", "replica is empty")
+        if request.fetch_offset < 0:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"fetch_offset {request.fetch_offset} is negative")
+        if request.last_fetched_epoch < -1:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"last_fetched_epoch {request.last_fetched_epoch} < -1")
+        owner = await self._owner(tp)
+        if owner.replication is None:
+            raise AtomlogError("NOT_A_REPLICA",
+                               f"{tp.topic}-{tp.partition} is not replicated; nothing to copy")
+        owner.check_loaded()
+        wait_s = min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000
+        return await owner.replication.replicate(request, wait_s)
+
     # ------------------------------------------------------------------ produce
     async def Produce(self, request, context):
         _require_items(request.items, "ProduceRequest")

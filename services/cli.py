@@ -371,13 +371,18 @@ def topic() -> None:
 @click.option("--partitions", "-p", type=int, required=True)
 @click.option("--config", "-c", "settings", multiple=True, metavar="KEY=VALUE",
               help="Topic setting (retention.ms, retention.bytes, segment.bytes, segment.ms, "
-                   "cleanup.policy); repeatable.")
+                   "cleanup.policy, min.insync.replicas, unclean.leader.election.enable); "
+                   "repeatable.")
+@click.option("--replication-factor", "-r", type=click.IntRange(0, 7), default=0,
+              help="Copies of each partition (docs/replication.md); 0: the cluster's "
+                   "topics.default_replication_factor.")
 @bootstrap_option
 @data_dir_option
 @output_option
-def topic_create(name: str, partitions: int, settings: tuple[str, ...], bootstrap: str | None,
-                 data_dir: Path, output: str) -> None:
-    """Create topic NAME with its partitions spread evenly over the partition servers."""
+def topic_create(name: str, partitions: int, settings: tuple[str, ...], replication_factor: int,
+                 bootstrap: str | None, data_dir: Path, output: str) -> None:
+    """Create topic NAME with its partitions (and their replicas) spread evenly over the
+    partition servers."""
     from atomlog.v1 import metadata_pb2
 
     try:
@@ -387,7 +392,8 @@ def topic_create(name: str, partitions: int, settings: tuple[str, ...], bootstra
     if partitions < 0:
         fail("--partitions must be positive", 2)
     reply = _call(_bootstrap(bootstrap, data_dir), "CreateTopic",
-                  metadata_pb2.CreateTopicRequest(name=name, partitions=partitions, config=config))
+                  metadata_pb2.CreateTopicRequest(name=name, partitions=partitions, config=config,
+                                                  replication_factor=replication_factor))
     _print_topics([reply.topic], output)
 
 
@@ -433,12 +439,17 @@ def _print_topics(topics, output: str) -> None:
                                for t in topics], indent=2))
         return
     table = Table()
-    for column in ("topic", "partition", "server", "address", "available"):
+    for column in ("topic", "partition", "leader", "address", "available", "replicas", "isr",
+                   "epoch"):
         table.add_column(column)
     for t in topics:
         for p in t.partitions:
-            table.add_row(t.name, str(p.partition), p.server_name, p.server_address or "-",
-                          "yes" if p.available else "[red]no[/]")
+            under = len(p.isr) < len(p.replicas)
+            table.add_row(t.name, str(p.partition), p.server_name or "[red]offline[/]",
+                          p.server_address or "-", "yes" if p.available else "[red]no[/]",
+                          ",".join(p.replicas),
+                          ("[yellow]" if under else "") + ",".join(p.isr) + ("[/]" if under else ""),
+                          str(p.leader_epoch))
     console.print(table)
 
 

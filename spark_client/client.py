@@ -71,10 +71,13 @@ class Client:
         self._executor_lock = threading.Lock()
 
     # ------------------------------------------------------------------ topics
-    def create_topic(self, name: str, partitions: int, config: dict[str, str] | None = None):
-        """Create a topic; returns its TopicMetadata. Raises TopicAlreadyExists, ..."""
+    def create_topic(self, name: str, partitions: int, config: dict[str, str] | None = None,
+                     replication_factor: int = 0):
+        """Create a topic; returns its TopicMetadata. Raises TopicAlreadyExists, ...
+        `replication_factor` 0: the cluster's default (docs/replication.md)."""
         reply = self.metadata.call("CreateTopic", metadata_pb2.CreateTopicRequest(
-            name=name, partitions=partitions, config=config or {}))
+            name=name, partitions=partitions, config=config or {},
+            replication_factor=replication_factor))
         self.metadata.invalidate(name)
         return reply.topic
 

@@ -1,0 +1,464 @@
+"""Replication shells (docs/replication.md): what a partition server does for a replicated
+partition, acting on the rules of replication.py.
+
+- `LeaderReplication` rides on the leader's PartitionOwner for one leadership (one leader
+  epoch). The owner fsyncs groups as always, then hands each durable flush here and
+  answers its requests only once the high watermark (the smallest durable end over the
+  in-sync replicas, `LeaderProgress`) passes it. It serves followers' `Replicate` calls
+  (long polls that also report what each follower holds durably), keeps the ISR current
+  in ZooKeeper by compare-and-set (shrinking followers that lag or whose server is gone,
+  expanding caught-up ones), and fences itself when a compare-and-set finds a newer state.
+  A leader that begins a leadership serves clients only once the ISR holds its whole log
+  (the gate), so nothing only it holds is ever read.
+- `Follower` copies its leader's log into its own PartitionLog (byte for byte at the
+  leader's offsets), fsyncs, records the leader epochs it copied, and asks again from its
+  new end; on divergence it cuts its log back by leader epoch (`truncation_step`).
+
+Neither decides who leads: the partition manager steers each replica to leader or follower
+from the partition's state in ZooKeeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import grpc
+
+from atomlog.v1 import partition_pb2
+from partition_server import metrics as m
+from partition_server.leader_epochs import LeaderEpochFile
+from partition_server.log import LogConfig, PartitionLog
+from partition_server.partition_states import StaleState, Versioned
+from partition_server.record_batch import iter_batches
+from partition_server.replication import NO_EPOCH, LeaderProgress, truncation_step
+from services import errors
+from services.errors import AtomlogError
+from services.logs import event
+
+log = logging.getLogger("atomlog.partition.replica")
+
+ISR_CHECK_INTERVAL_S = 0.25
+FOLLOWER_RETRY_FIRST_S = 0.05
+FOLLOWER_RETRY_MAX_S = 1.0
+REPLICATE_MAX_BYTES = 4 << 20
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class LeaderReplication:
+    """The leader's side of one leadership. Lives on the event loop; `owner` is the
+    partition's PartitionOwner (set by it when attached)."""
+
+    def __init__(self, topic: str, partition: int, me: str, known: Versioned,
+                 replicas: list[str], min_insync: int, max_lag_ms: int, known_hw: int,
+                 directory,
+                 write_isr: Callable[[Versioned, list[str]], Awaitable[Versioned]],
+                 live: Callable[[], set[str]]):
+        state = known.state
+        assert state.leader == me, (state, me)
+        self.topic, self.partition, self.me = topic, partition, me
+        self.name = f"{topic}-{partition}"
+        self.known = known
+        self.epoch = state.leader_epoch
+        self.replicas = list(replicas)
+        self.directory = directory
+        self.epochs: LeaderEpochFile | None = None  # opened with the log (`loaded`)
+        self.known_hw = known_hw
+        self.progress = LeaderProgress(me, self.replicas, set(state.isr), min_insync,
+                                       max_lag_ms, _now_ms())
+        self.local_durable_end = 0
+        self.gate = 0  # clients are served once the high watermark reaches it
+        self.epoch_start = 0
+        self.fenced: str | None = None  # why this leadership ended (a newer state exists)
+        self.owner = None
+        self._write_isr = write_isr
+        self._live = live
+        self._data: asyncio.Future | None = None
+        self._isr_task: asyncio.Task | None = None
+        self._isr_writing = False
+
+    # ---------------------------------------------------------------- lifecycle
+    def loaded(self, log_start: int, log_end: int) -> None:
+        """The owner (re)loaded its log, from `log_start` to `log_end`, all of it on disk.
+        On the first load the leadership begins there (its epoch starts at the log end);
+        clients wait until the ISR holds everything up to it."""
+        if self.epochs is None:
+            self.epochs = LeaderEpochFile(self.directory, log_start, log_end)
+        if not self.epochs.cache.entries or self.epochs.cache.latest_epoch() < self.epoch:
+            self.epochs.assign(self.epoch, log_end)
+            self.epoch_start = log_end
+            self.progress.start(log_end, self.known_hw)
+        else:
+            self.epoch_start = min(self.epoch_start or log_end, log_end)
+        self.local_durable_end = log_end
+        self.progress.leader_durable(log_end)
+        self.gate = log_end
+        self._wake_followers()
+
+    def start(self) -> None:
+        self._isr_task = asyncio.create_task(self._maintain_isr(), name=f"isr {self.name}")
+
+    async def close(self) -> None:
+        if self._isr_task is not None:
+            self._isr_task.cancel()
+            try:
+                await self._isr_task
+            except asyncio.CancelledError:
+                pass
+        self.fence("the leadership ended")
+
+    def fence(self, why: str) -> None:
+        if self.fenced is None:
+            self.fenced = why
+            event(log, "leadership ended", partition=self.name, epoch=self.epoch, why=why)
+        self._wake_followers()
+
+    # ---------------------------------------------------------------- checks
+    def check_serving(self) -> None:
+        if self.fenced is not None:
+            raise AtomlogError("NOT_PARTITION_OWNER",
+                               f"{self.me} no longer leads {self.name} ({self.fenced})",
+                               {"owner": ""})
+        if self.progress.high_watermark < self.gate:
+            raise AtomlogError("PARTITION_LOADING",
+                               f"new leader of {self.name} waits for its in-sync replicas to "
+                               f"hold its log (high watermark {self.progress.high_watermark}, "
+                               f"log end {self.gate})", {"retry_after_ms": "50"})
+
+    def check_writable(self) -> None:
+        self.check_serving()
+        if not self.progress.may_acknowledge():
+            isr = sorted(self.progress.isr)
+            raise AtomlogError("NOT_ENOUGH_REPLICAS",
+                               f"{self.name} has {len(isr)} in-sync replicas {isr}; "
+                               f"min.insync.replicas is {self.progress.min_insync}",
+                               {"isr": ",".join(isr),
+                                "min_insync_replicas": str(self.progress.min_insync)})
+
+    # ---------------------------------------------------------------- the leader's writes
+    def durable(self, end: int) -> None:
+        """An fsync made the leader's log durable up to `end`."""
+        if end > self.local_durable_end:
+            self.local_durable_end = end
+            self.progress.leader_durable(end)
+            self._wake_followers()
+
+    @property
+    def high_watermark(self) -> int:
+        return self.progress.high_watermark
+
+    def _wake_followers(self) -> None:
+        if self._data is not None and not self._data.done():
+            self._data.set_result(None)
+        self._data = None
+
+    async def _wait_for_data(self, offset: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.local_durable_end <= offset and self.fenced is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self._data is None:
+                self._data = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._data), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    # ---------------------------------------------------------------- followers
+    async def replicate(self, request, max_wait_s: float) -> partition_pb2.ReplicateResponse:
+        """A follower's Replicate call (already validated: known partition, sane fields)."""
+        owner = self.owner
+        self._check_epoch(request.leader_epoch)
+        if request.replica == self.me or request.replica not in self.replicas:
+            raise AtomlogError("NOT_A_REPLICA",
+                               f"{request.replica!r} is not a follower of {self.name} "
+                               f"(replicas {self.replicas})")
+        partition_log = owner.log
+        fetch = request.fetch_offset
+        log_start = partition_log.log_start_offset
+        if fetch < log_start:
+            raise AtomlogError("OFFSET_OUT_OF_RANGE",
+                               f"{request.replica} fetches {self.name} from {fetch}, below the "
+                               f"leader's log start {log_start}",
+                               {"log_start_offset": str(log_start),
+                                "high_watermark": str(self.high_watermark)})
+        diverging = self._divergence(fetch, request.last_fetched_epoch)
+        if diverging is not None:
+            epoch, end = diverging
+            return partition_pb2.ReplicateResponse(
+                high_watermark=self.high_watermark, log_start_offset=log_start,
+                log_end_offset=self.local_durable_end, diverging=True,
+                diverging_epoch=epoch, diverging_end_offset=end)
+        if fetch > self.local_durable_end:
+            raise AtomlogError("OFFSET_OUT_OF_RANGE",
+                               f"{request.replica} fetches {self.name} from {fetch}, past the "
+                               f"leader's durable end {self.local_durable_end}")
+        self.progress.fetched(request.replica, fetch, self.local_durable_end, _now_ms())
+        owner.replicated()  # the high watermark may have moved: answer what it covers
+        if self.progress.expand(self.epoch_start) is not None:
+            self._poke_isr()
+        if fetch >= self.local_durable_end:
+            await self._wait_for_data(fetch, max_wait_s)
+            self._check_epoch(request.leader_epoch)
+        records, next_offset = b"", fetch
+        if fetch < self.local_durable_end:
+            records, next_offset = partition_log.read(
+                fetch, min(request.max_bytes or REPLICATE_MAX_BYTES, REPLICATE_MAX_BYTES),
+                upper_bound_offset=self.local_durable_end)
+        entries = self.epochs.cache.entries
+        epochs = [partition_pb2.LeaderEpochEntry(epoch=e, start_offset=s)
+                  for i, (e, s) in enumerate(entries)
+                  if s < max(next_offset, fetch + 1)
+                  and (i + 1 == len(entries) or entries[i + 1][1] > fetch)]
+        return partition_pb2.ReplicateResponse(
+            records=records, high_watermark=self.high_watermark,
+            log_start_offset=partition_log.log_start_offset,
+            log_end_offset=self.local_durable_end, epochs=epochs)
+
+    def _check_epoch(self, epoch: int) -> None:
+        if self.fenced is not None:
+            raise AtomlogError("NOT_PARTITION_OWNER", f"{self.me} no longer leads {self.name}",
+                               {"owner": ""})
+        if epoch > self.epoch:
+            # A follower knows a newer leadership: this one is over.
+            self.fence(f"a follower follows epoch {epoch}")
+            raise AtomlogError("NOT_PARTITION_OWNER", f"{self.me} no longer leads {self.name}",
+                               {"owner": ""})
+        if epoch < self.epoch:
+            raise AtomlogError("FENCED_LEADER_EPOCH",
+                               f"{self.name} is in leader epoch {self.epoch}, not {epoch}",
+                               {"leader_epoch": str(self.epoch)})
+
+    def _divergence(self, fetch: int, last_epoch: int) -> tuple[int, int] | None:
+        """None when a follower whose log ends at `fetch` with records of `last_epoch` last
+        holds a prefix of this log; else (the epoch to report, where it ends here)."""
+        epoch, end = self.epochs.cache.end_offset_for(last_epoch, self.local_durable_end)
+        if epoch == last_epoch and fetch <= end:
+            return None
+        return epoch, end
+
+    # ---------------------------------------------------------------- the ISR
+    def _poke_isr(self) -> None:
+        if self._isr_task is not None and not self._isr_writing:
+            self._isr_event.set()
+
+    async def _maintain_isr(self) -> None:
+        self._isr_event = asyncio.Event()
+        while self.fenced is None:
+            try:
+                await asyncio.wait_for(self._isr_event.wait(), ISR_CHECK_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+            self._isr_event.clear()
+            wanted = self._wanted_isr()
+            if wanted is None:
+                continue
+            self._isr_writing = True
+            try:
+                stored = await self._write_isr(self.known, sorted(wanted))
+            except StaleState:
+                self.fence("its partition state changed in ZooKeeper")
+                return
+            except Exception as error:  # noqa: BLE001 — ZooKeeper away: try again
+                event(log, "ISR change not written; retrying", logging.WARNING,
+                      partition=self.name, error=f"{type(error).__name__}: {error}")
+                await asyncio.sleep(ISR_CHECK_INTERVAL_S)
+                continue
+            finally:
+                self._isr_writing = False
+            before = set(self.progress.isr)
+            self.known = stored
+            self.progress.isr_changed(stored.state.isr)
+            after = set(stored.state.isr)
+            if after < before:
+                m.ISR_SHRINKS.inc()
+            elif after > before:
+                m.ISR_EXPANDS.inc()
+            event(log, "ISR changed", partition=self.name, epoch=self.epoch,
+                  isr=sorted(after), left=sorted(before - after), joined=sorted(after - before))
+            if self.owner is not None:
+                self.owner.replicated()
+
+    def _wanted_isr(self) -> set[str] | None:
+        """The ISR this leader should store: without followers that lag or whose server
+        is gone from ZooKeeper, with live ones that caught up; None when unchanged."""
+        progress = self.progress
+        live = self._live()
+        isr = set(progress.isr)
+        keep = {r for r in (progress.shrink(_now_ms()) or isr) if r == self.me or r in live}
+        joining = {r for r in (progress.expand(self.epoch_start) or isr) - isr if r in live}
+        wanted = keep | joining
+        return wanted if wanted != isr else None
+
+    def describe(self) -> dict:
+        return {"leader_epoch": self.epoch, "isr": sorted(self.progress.isr),
+                "high_watermark": self.high_watermark, "lag": self.progress.lag(),
+                "gate": self.gate, "fenced": self.fenced or ""}
+
+
+class Follower:
+    """One replica copying its leader's log (one leader, one epoch: the manager replaces it
+    when the partition's state changes)."""
+
+    def __init__(self, topic: str, partition: int, directory, log_config: LogConfig, me: str,
+                 leader: str, leader_address: str, epoch: int, stubs, fetch_wait_ms: int,
+                 fsync: bool = True):
+        self.topic, self.partition = topic, partition
+        self.name = f"{topic}-{partition}"
+        self.directory = directory
+        self.log_config = log_config
+        self.me = me
+        self.leader = leader
+        self.leader_address = leader_address
+        self.epoch = epoch
+        self.stubs = stubs
+        self.fetch_wait_ms = fetch_wait_ms
+        self.fsync = fsync
+        self.log: PartitionLog | None = None
+        self.epochs: LeaderEpochFile | None = None
+        self.known_hw = 0
+        self.last_error = ""
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.log, self.epochs = await asyncio.to_thread(self._open)
+        self.known_hw = min(self.known_hw, self.log.log_end_offset)
+        self._task = asyncio.create_task(self._run(), name=f"follower {self.name}")
+        event(log, "following", partition=self.name, leader=self.leader, epoch=self.epoch,
+              log_end=self.log.log_end_offset)
+
+    def _open(self) -> tuple[PartitionLog, LeaderEpochFile]:
+        partition_log = PartitionLog(self.directory, self.log_config)
+        if partition_log.data_loss is not None:
+            # A corrupt copy is worth nothing: start over from the leader.
+            event(log, "follower log corrupt; refetching from the leader", logging.WARNING,
+                  partition=self.name, offset=partition_log.data_loss.offset)
+            partition_log.close()
+            _wipe_log(self.directory)
+            partition_log = PartitionLog(self.directory, self.log_config)
+        epochs = LeaderEpochFile(self.directory, partition_log.log_start_offset,
+                                 partition_log.log_end_offset)
+        return partition_log, epochs
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self.log is not None:
+            await asyncio.to_thread(self.log.close)
+            self.log = None
+
+    @property
+    def log_end(self) -> int:
+        return self.log.log_end_offset if self.log is not None else 0
+
+    async def _run(self) -> None:
+        delay = FOLLOWER_RETRY_FIRST_S
+        while True:
+            try:
+                await self._fetch_once()
+                delay = FOLLOWER_RETRY_FIRST_S
+                self.last_error = ""
+            except asyncio.CancelledError:
+                raise
+            except AtomlogError as error:
+                self.last_error = f"{error.reason}: {error}"
+                if error.reason == "OFFSET_OUT_OF_RANGE" and \
+                        "log_start_offset" in error.metadata:
+                    start = int(error.metadata["log_start_offset"])
+                    if self.log.log_end_offset < start:
+                        await self._restart_at(start)
+                        continue
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, FOLLOWER_RETRY_MAX_S)
+            except Exception as error:  # noqa: BLE001 — leader away, disk trouble: retry
+                self.last_error = f"{type(error).__name__}: {error}"
+                log.debug("follower %s: %s", self.name, self.last_error)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, FOLLOWER_RETRY_MAX_S)
+
+    async def _fetch_once(self) -> None:
+        partition_log = self.log
+        fetch = partition_log.log_end_offset
+        request = partition_pb2.ReplicateRequest(
+            replica=self.me, leader_epoch=self.epoch, fetch_offset=fetch,
+            last_fetched_epoch=self.epochs.cache.latest_epoch(),
+            max_bytes=REPLICATE_MAX_BYTES, max_wait_ms=self.fetch_wait_ms)
+        request.topic_partition.topic = self.topic
+        request.topic_partition.partition = self.partition
+        stub = self.stubs.get(self.leader_address)
+        try:
+            response = await stub.Replicate(request, timeout=self.fetch_wait_ms / 1000 + 10)
+        except grpc.aio.AioRpcError as error:
+            raise errors.from_rpc_error(error) from None
+        if response.diverging:
+            cut, _next = truncation_step(self.epochs.cache, fetch,
+                                         int(response.diverging_epoch),
+                                         int(response.diverging_end_offset))
+            await self._truncate(cut, response)
+            return
+        self.known_hw = response.high_watermark
+        if not response.records:
+            return
+        data = response.records
+        items = [(memoryview(data)[position:position + header.size], header)
+                 for position, header in iter_batches(data, verify=True)]
+        await asyncio.to_thread(self._append, items)
+        end = partition_log.log_end_offset
+        for entry in response.epochs:
+            start = max(entry.start_offset, fetch)
+            if start < end and entry.epoch > self.epochs.cache.latest_epoch():
+                await asyncio.to_thread(self.epochs.assign, entry.epoch, start)
+        m.REPLICA_FETCHED_BYTES.inc(len(data))
+
+    def _append(self, items) -> None:
+        self.log.append_copied(items)
+        if self.fsync:
+            self.log.flush()
+        else:
+            target, _fd = self.log.flush_begin()
+            self.log.flush_end(target, durable=False)
+
+    async def _truncate(self, cut: int, response) -> None:
+        partition_log = self.log
+        if cut < partition_log.log_start_offset:
+            await self._restart_at(max(response.log_start_offset, 0))
+            return
+        event(log, "follower truncates to its leader's history", partition=self.name,
+              leader=self.leader, epoch=self.epoch, log_end=partition_log.log_end_offset,
+              truncate_to=cut)
+        await asyncio.to_thread(partition_log.truncate_to, cut)
+        # The batch containing `cut` goes whole: the log may end below it.
+        await asyncio.to_thread(self.epochs.truncate_from_end, partition_log.log_end_offset)
+
+    async def _restart_at(self, offset: int) -> None:
+        event(log, "follower restarts its log at the leader's log start", partition=self.name,
+              leader=self.leader, offset=offset)
+        await asyncio.to_thread(self.log.restart_at, offset)
+        await asyncio.to_thread(self.epochs.truncate_from_end, offset)
+        await asyncio.to_thread(self.epochs.truncate_from_start, offset)
+
+    def describe(self) -> dict:
+        return {"leader": self.leader, "leader_epoch": self.epoch, "log_end": self.log_end,
+                "known_high_watermark": self.known_hw, "last_error": self.last_error}
+
+
+def _wipe_log(directory) -> None:
+    import shutil
+    from pathlib import Path
+    for path in Path(directory).iterdir():
+        if path.name in ("cursors",):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
