@@ -1,0 +1,312 @@
+"""Replicated partitions with real processes (issue 21, docs/replication.md): the suite's
+cluster has three partition servers and 3 s ZooKeeper sessions. A topic of factor 3 keeps
+a byte-for-byte copy of each partition on every replica; a leader killed with SIGKILL
+during a produce stream and transactions is replaced from the ISR and loses, duplicates
+and tears nothing; a wiped replica rebuilds from its leader and can then serve alone; a
+leader paused past its session can acknowledge nothing it accepts afterwards; too few
+in-sync replicas refuse writes; bad requests change nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2, partition_pb2_grpc
+from partition_server.record_batch import Record, encode_batch
+from spark_client import Client, errors
+from tests.conftest import SESSION_TIMEOUT_MS, wait_until
+
+pytestmark = pytest.mark.cluster
+
+SERVERS = ("ps-0", "ps-1", "ps-2")
+
+
+def metadata(client: Client, topic: str):
+    reply = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest(topics=[topic]))
+    return reply.topics[0]
+
+
+def leader_of(client: Client, topic: str, partition: int) -> str:
+    return metadata(client, topic).partitions[partition].server_name
+
+
+def fully_in_sync(client: Client, topic: str) -> bool:
+    return all(p.server_name and sorted(p.isr) == sorted(p.replicas)
+               for p in metadata(client, topic).partitions)
+
+
+def segment_digests(cluster, topic: str, partition: int) -> dict[str, str]:
+    digests = {}
+    for server in SERVERS:
+        directory = cluster.data_dir / server / "partitions" / f"{topic}-{partition}"
+        data = b"".join(path.read_bytes() for path in sorted(directory.glob("*.log")))
+        digests[server] = hashlib.sha256(data).hexdigest()
+    return digests
+
+
+def kill(cluster, server: str, sig=signal.SIGKILL) -> None:
+    os.kill(cluster.process(server)["pid"], sig)
+
+
+def restart_all(cluster) -> None:
+    cluster.up()  # starts whatever is not running
+
+
+def raw_produce(address: str, topic: str, partition: int, value: bytes, timeout: float = 5):
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(address))
+    batch = encode_batch([Record(key=None, value=value)])
+    return stub.Produce(partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition),
+        record_batch=batch)]), timeout=timeout)
+
+
+def read_all(client: Client, topic: str, expected: int, timeout_s: float = 60):
+    consumer = client.consumer(topic)
+    seen: dict[tuple[int, int], bytes] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < expected and time.monotonic() < deadline:
+        for message in consumer.poll(timeout_s=1.0, max_records=5_000):
+            assert (message.partition, message.offset) not in seen
+            seen[(message.partition, message.offset)] = message.value
+    consumer.close()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    client = Client(cluster.info["bootstrap"])
+    yield client
+    client.close()
+
+
+def test_factor_3_topic_keeps_identical_copies_and_describes_them(cluster, client):
+    client.create_topic("rep-copies", partitions=3, replication_factor=3)
+    described = metadata(client, "rep-copies")
+    for p in described.partitions:
+        assert sorted(p.replicas) == list(SERVERS) and p.server_name == p.replicas[0]
+    assert len({p.server_name for p in described.partitions}) == 3  # leaders spread
+    with client.producer(linger_ms=2) as producer:
+        futures = [producer.send("rep-copies", f"c{i}".encode() * 10, key=str(i))
+                   for i in range(3_000)]
+        producer.flush()
+        assert all(f.result(60).offset >= 0 for f in futures)
+    for partition in range(3):
+        wait_until(lambda: len(set(segment_digests(cluster, "rep-copies", partition).values())) == 1,
+                   15, f"replicas of rep-copies-{partition} to be identical")
+    assert len(read_all(client, "rep-copies", 3_000)) == 3_000
+    shown = cluster.run("topic", "describe", "rep-copies").stdout
+    assert "replicas" in shown and "ps-0,ps-1,ps-2" in shown.replace(" ", "") or "ps-" in shown
+
+
+def test_bad_replication_requests_change_nothing(cluster, client):
+    with pytest.raises(errors.AtomlogClientError) as raised:
+        client.create_topic("rep-bad", partitions=1, replication_factor=4)
+    assert raised.value.reason == "INVALID_REPLICATION_FACTOR"
+    with pytest.raises(errors.AtomlogClientError) as raised:
+        client.create_topic("rep-bad", partitions=1, replication_factor=2,
+                            config={"min.insync.replicas": "3"})
+    assert raised.value.reason == "INVALID_TOPIC_CONFIG"
+    assert "rep-bad" not in client.list_topics()
+    zk = cluster.zookeeper()
+    try:
+        assert not zk.exists("/partitions/rep-bad")
+    finally:
+        zk.stop()
+    # Replicate: only a replica may copy, with sane fields.
+    client.create_topic("rep-guard", partitions=1, replication_factor=2)
+    wait_until(lambda: fully_in_sync(client, "rep-guard"), 15, "rep-guard in sync")
+    part = metadata(client, "rep-guard").partitions[0]
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(part.server_address))
+    outsider = next(s for s in SERVERS if s not in part.replicas)
+    tp = common_pb2.TopicPartition(topic="rep-guard", partition=0)
+    for request, reason in [
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=outsider,
+                                        leader_epoch=part.leader_epoch), "NOT_A_REPLICA"),
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica="",
+                                        leader_epoch=part.leader_epoch), "INVALID_ARGUMENT"),
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=part.replicas[1],
+                                        leader_epoch=part.leader_epoch, fetch_offset=-1),
+         "INVALID_ARGUMENT"),
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=part.replicas[1],
+                                        leader_epoch=part.leader_epoch + 5),
+         "NOT_PARTITION_OWNER"),
+    ]:
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.Replicate(request, timeout=5)
+        assert errors.from_grpc(rpc.value).reason == reason, request
+        if reason == "NOT_PARTITION_OWNER":
+            break  # a newer epoch fences this leadership: it steps down and leads again
+    wait_until(lambda: fully_in_sync(client, "rep-guard"), 15, "rep-guard to serve again")
+
+
+def test_not_enough_in_sync_replicas_refuses_writes_and_writes_nothing(cluster, client):
+    client.create_topic("rep-min", partitions=1, replication_factor=3,
+                        config={"min.insync.replicas": "3"})
+    wait_until(lambda: fully_in_sync(client, "rep-min"), 15, "rep-min in sync")
+    part = metadata(client, "rep-min").partitions[0]
+    raw_produce(part.server_address, "rep-min", 0, b"before")
+    follower = next(r for r in part.replicas if r != part.server_name)
+    kill(cluster, follower)
+    try:
+        wait_until(lambda: follower not in metadata(client, "rep-min").partitions[0].isr,
+                   SESSION_TIMEOUT_MS / 1000 + 10, "the dead follower to leave the ISR")
+        reply = raw_produce(part.server_address, "rep-min", 0, b"refused")
+        assert reply.results[0].error.reason == "NOT_ENOUGH_REPLICAS"
+        assert client.describe_partition("rep-min", 0).high_watermark == 1
+    finally:
+        restart_all(cluster)
+    wait_until(lambda: fully_in_sync(client, "rep-min"), 30, "rep-min back in sync")
+    values = sorted(read_all(client, "rep-min", 1).values())
+    assert values == [b"before"]
+
+
+def test_kill_9_leader_during_produce_and_transactions_loses_and_tears_nothing(cluster, client):
+    client.create_topic("rep-kill", partitions=2, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, "rep-kill"), 15, "rep-kill in sync")
+    acked: list[tuple[int, object, float]] = []
+    failures: list[BaseException] = []
+    committed: list[int] = []
+    uncertain: list[int] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        with client.producer(linger_ms=2, delivery_timeout_s=90) as producer:
+            sequence, pending = 0, []
+            while not stop.is_set():
+                pending.append((sequence, producer.send("rep-kill", f"p{sequence}".encode(),
+                                                        partition=0)))
+                sequence += 1
+                if len(pending) >= 50 or stop.is_set():
+                    for seq, future in pending:
+                        try:
+                            acked.append((seq, future.result(120), time.monotonic()))
+                        except BaseException as error:  # noqa: BLE001 — asserted below
+                            failures.append(error)
+                    pending = []
+                time.sleep(0.001)
+
+    def transact() -> None:
+        txn_client = Client(cluster.info["bootstrap"])
+        with txn_client.producer(linger_ms=1, delivery_timeout_s=90) as producer:
+            number = 0
+            while not stop.is_set():
+                number += 1
+                try:
+                    with txn_client.transaction(timeout_s=60) as txn:
+                        producer.send("rep-kill", f"t{number}".encode(), partition=0, txn=txn)
+                        producer.send("rep-kill", f"t{number}".encode(), partition=1, txn=txn)
+                    committed.append(number)
+                except errors.AtomlogClientError:
+                    uncertain.append(number)  # may have committed or not: never torn
+                    time.sleep(0.2)
+        txn_client.close()
+
+    threads = [threading.Thread(target=produce), threading.Thread(target=transact)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(2.0)
+        victim = leader_of(client, "rep-kill", 0)
+        killed_at = time.monotonic()
+        kill(cluster, victim)
+        time.sleep(SESSION_TIMEOUT_MS / 1000 + 4)
+        restart_all(cluster)
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=240)
+    assert not any(t.is_alive() for t in threads)
+    assert not failures, failures[:3]
+    after = [at for _, _, at in acked if at > killed_at]
+    assert after, "nothing was acknowledged after the kill"
+    resumed_s = min(after) - killed_at
+    print(f"partition served again {resumed_s:.2f} s after the kill of {victim}")
+    assert resumed_s < SESSION_TIMEOUT_MS / 1000 + 5
+    assert leader_of(client, "rep-kill", 0) != "" and committed
+
+    seen = read_all(client, "rep-kill", len(acked) + 2 * len(committed))
+    produced = {value: key for key, value in seen.items() if value.startswith(b"p")}
+    assert len(produced) == sum(1 for v in seen.values() if v.startswith(b"p")), "a duplicate"
+    for sequence, meta, _ in acked:
+        assert seen.get((0, meta.offset)) == f"p{sequence}".encode()
+    txn_values: dict[bytes, list[int]] = {}
+    for (partition, _offset), value in seen.items():
+        if value.startswith(b"t"):
+            txn_values.setdefault(value, []).append(partition)
+    for number in committed:
+        assert sorted(txn_values.get(f"t{number}".encode(), [])) == [0, 1], number
+    for value, partitions in txn_values.items():
+        assert sorted(partitions) == [0, 1], f"transaction {value!r} is torn or doubled"
+    wait_until(lambda: fully_in_sync(client, "rep-kill"), 30, "the old leader to rejoin")
+
+
+def test_wiped_replica_rebuilds_and_then_serves_alone(cluster, client):
+    client.create_topic("rep-wipe", partitions=1, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, "rep-wipe"), 15, "rep-wipe in sync")
+    with client.producer(linger_ms=2) as producer:
+        for i in range(2_000):
+            producer.send("rep-wipe", f"w{i}".encode() * 20, partition=0)
+        producer.flush()
+    part = metadata(client, "rep-wipe").partitions[0]
+    wiped = next(r for r in part.replicas if r != part.server_name)
+    kill(cluster, wiped)
+    shutil.rmtree(cluster.data_dir / wiped / "partitions" / "rep-wipe-0")
+    with client.producer(linger_ms=2) as producer:  # the cluster keeps serving
+        for i in range(2_000, 3_000):
+            producer.send("rep-wipe", f"w{i}".encode() * 20, partition=0)
+        producer.flush()
+    restart_all(cluster)
+    wait_until(lambda: fully_in_sync(client, "rep-wipe"), 30, f"{wiped} to catch up")
+    # Now the others die one at a time: the rebuilt replica ends up the only one.
+    others = [r for r in SERVERS if r != wiped]
+    try:
+        for other in others:
+            kill(cluster, other)
+            wait_until(lambda: leader_of(client, "rep-wipe", 0) not in ("", other),
+                       SESSION_TIMEOUT_MS / 1000 + 10, f"a leader other than {other}")
+        assert leader_of(client, "rep-wipe", 0) == wiped
+        values = {v for v in read_all(client, "rep-wipe", 3_000).values()}
+        assert values == {f"w{i}".encode() * 20 for i in range(3_000)}
+    finally:
+        restart_all(cluster)
+    wait_until(lambda: fully_in_sync(client, "rep-wipe"), 30, "rep-wipe back in sync")
+
+
+def test_paused_leader_past_its_session_acknowledges_nothing(cluster, client):
+    client.create_topic("rep-pause", partitions=1, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, "rep-pause"), 15, "rep-pause in sync")
+    part = metadata(client, "rep-pause").partitions[0]
+    old_leader, old_address = part.server_name, part.server_address
+    raw_produce(old_address, "rep-pause", 0, b"before-pause")
+    kill(cluster, old_leader, signal.SIGSTOP)
+    try:
+        wait_until(lambda: leader_of(client, "rep-pause", 0) not in ("", old_leader),
+                   SESSION_TIMEOUT_MS / 1000 + 10, "a new leader")
+        new = metadata(client, "rep-pause").partitions[0]
+        assert new.leader_epoch > part.leader_epoch
+        raw_produce(new.server_address, "rep-pause", 0, b"to-new-leader")
+    finally:
+        kill(cluster, old_leader, signal.SIGCONT)
+    # Whatever the woken leader does with writes sent to it now, none is acknowledged.
+    outcomes = []
+    for i in range(5):
+        try:
+            reply = raw_produce(old_address, "rep-pause", 0, f"to-old-{i}".encode(), timeout=8)
+            outcomes.append(reply.results[0].error.reason)
+        except grpc.RpcError as rpc:
+            outcomes.append(errors.from_grpc(rpc).reason)
+    assert all(outcome for outcome in outcomes), outcomes  # every one refused
+    wait_until(lambda: fully_in_sync(client, "rep-pause"), 30, "the old leader to follow")
+    values = sorted(read_all(client, "rep-pause", 2).values())
+    assert values == [b"before-pause", b"to-new-leader"]
+    for server in SERVERS:  # the old leader cut what it accepted after waking
+        wait_until(lambda: len(set(segment_digests(cluster, "rep-pause", 0).values())) == 1,
+                   15, "identical replicas")
