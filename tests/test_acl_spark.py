@@ -1,0 +1,88 @@
+"""The Spark data source under ACLs (issue 24, item 3): on an `atomlog up --tls` cluster
+(auth.authorizer=acl; every role its own process), a principal with write and read on a
+topic prefix writes exactly once through the parent/child two-phase commit (driver and
+executors are the same principal: the driver's commit continues the executors'
+children) and reads back; one without write is refused PERMISSION_DENIED and nothing is
+written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.acl import Acl
+from spark_client import Client
+from tests.conftest import SESSION_TIMEOUT_MS, Cluster, create_online, wait_until
+from tests.test_acl import store as acl_store  # noqa: F401 — the module's ACL store
+from tests.test_acl import tls_of
+
+pyspark = pytest.importorskip("pyspark")
+pytestmark = pytest.mark.timeout(180)
+
+TOPIC = "acl-spark"
+
+
+@pytest.fixture(scope="module")
+def acl_cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("atomlog-acl-spark"))
+    try:
+        json.loads(cluster.run(
+            "up", "--tls", "--output", "json", "--partition-servers", "1", "--coordinators",
+            "1", "--id-allocators", "1",
+            "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}").stdout)
+        with Client(cluster.info["bootstrap"], tls=tls_of(cluster, "admin")) as admin:
+            create_online(admin, TOPIC, 2)
+        yield cluster
+    finally:
+        if (cluster.data_dir / "cluster.json").exists():
+            cluster.run("down", check=False)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from spark_client.spark import local_session
+
+    session = local_session("atomlog-acl-tests")
+    yield session
+    session.stop()
+
+
+def options(cluster: Cluster, principal: str) -> dict[str, str]:
+    tls = tls_of(cluster, principal)
+    return {"bootstrap": cluster.info["bootstrap"], "topic": TOPIC, "tls.ca": tls.ca_file,
+            "tls.cert": tls.cert_file, "tls.key": tls.key_file}
+
+
+def committed(cluster: Cluster) -> list[bytes]:
+    with Client(cluster.info["bootstrap"], tls=tls_of(cluster, "admin")) as admin:
+        with admin.consumer(TOPIC) as consumer:
+            return sorted(m.value for batch in consumer.read_until() for m in batch)
+
+
+def test_spark_writes_and_reads_under_acls_and_is_refused_without(acl_cluster, acl_store, spark):
+    acl_store.change(lambda acls: acls.added([
+        Acl("carol", "topic", "acl-", "write", pattern="prefix"),
+        Acl("carol", "topic", "acl-", "read", pattern="prefix")]))
+    rows = spark.range(0, 200, numPartitions=2).selectExpr(
+        "concat('row-', cast(id as string)) as value")
+    writer = rows.write.format("atomlog").mode("append")
+    for key, value in options(acl_cluster, "carol").items():
+        writer = writer.option(key, value)
+    writer.save()
+    assert len(committed(acl_cluster)) == 200
+    reader = spark.read.format("atomlog")
+    for key, value in options(acl_cluster, "carol").items():
+        reader = reader.option(key, value)
+    assert reader.load().count() == 200
+    # Dave may do nothing: the write fails with the reason, and nothing is written.
+    refused = rows.write.format("atomlog").mode("append")
+    for key, value in options(acl_cluster, "dave").items():
+        refused = refused.option(key, value)
+    with pytest.raises(Exception) as caught:
+        refused.save()
+    assert "PERMISSION_DENIED" in str(caught.value)
+    wait_until(lambda: len(committed(acl_cluster)) == 200, 5, "nothing more to be visible")
+    log = Path(acl_cluster.process("ps-0")["log_file"]).read_text()
+    assert '"principal":"dave"' in log.replace(" ", "")
