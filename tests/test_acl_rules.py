@@ -213,3 +213,12 @@ def test_entries_validate_and_the_znode_round_trips():
     for junk in (b"not json", b'{"version": 9, "acls": []}', b'{"version": 1, "acls": [{}]}'):
         with pytest.raises(AclError):
             AclSet.decode(junk)
+
+
+def test_docs_security_lists_every_rpc_of_the_table():
+    from tests.conftest import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "security.md").read_text()
+    rows = {line.split("`")[1] for line in text.splitlines()
+            if line.startswith("| `") and "Service/" in line}
+    assert rows == {method.removeprefix("/atomlog.v1.") for method in TABLE}
