@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
 
@@ -31,6 +32,12 @@ type Options struct {
 	RequestTimeout time.Duration
 	// DialOptions are added to every connection (default: plaintext).
 	DialOptions []grpc.DialOption
+	// TLS, when set, secures every connection (WithTLS).
+	TLS *TLSConfig
+	// Token or TokenFile, when set, is sent as a bearer token on every call
+	// (WithBearerToken, WithBearerTokenFile).
+	Token     string
+	TokenFile string
 }
 
 // Client is a connection to an atomlog cluster: one gRPC connection per server, a
@@ -39,6 +46,8 @@ type Options struct {
 type Client struct {
 	bootstrap []string
 	opts      Options
+	transport credentials.TransportCredentials // nil: plaintext
+	token     *bearer                          // nil: no bearer token
 
 	connMu sync.Mutex
 	conns  map[string]*grpc.ClientConn
@@ -80,8 +89,17 @@ func Dial(bootstrap string, options ...func(*Options)) (*Client, error) {
 	for _, option := range options {
 		option(&opts)
 	}
-	return &Client{bootstrap: addresses, opts: opts, conns: map[string]*grpc.ClientConn{},
-		topics: map[string][]route{}, tcRoutes: map[uint32]string{}}, nil
+	transport, err := transportCredentials(opts.TLS)
+	if err != nil {
+		return nil, err
+	}
+	token, err := newBearer(opts.Token, opts.TokenFile)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{bootstrap: addresses, opts: opts, transport: transport, token: token,
+		conns: map[string]*grpc.ClientConn{}, topics: map[string][]route{},
+		tcRoutes: map[uint32]string{}}, nil
 }
 
 // WithRequestTimeout sets Options.RequestTimeout.
@@ -111,12 +129,19 @@ func (c *Client) conn(address string) (*grpc.ClientConn, error) {
 	if conn, ok := c.conns[address]; ok {
 		return conn, nil
 	}
+	transport := c.transport
+	if transport == nil {
+		transport = insecure.NewCredentials()
+	}
 	dial := []grpc.DialOption{
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithTransportCredentials(transport),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMessageBytes),
 			grpc.MaxCallSendMsgSize(maxMessageBytes)),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second,
 			Timeout: 10 * time.Second}),
+	}
+	if c.token != nil {
+		dial = append(dial, grpc.WithPerRPCCredentials(c.token))
 	}
 	conn, err := grpc.NewClient(address, append(dial, c.opts.DialOptions...)...)
 	if err != nil {

@@ -141,6 +141,8 @@ const (
 	ReasonTransactionConflict         = "TRANSACTION_CONFLICT"
 	ReasonPartitionNotInTransaction   = "PARTITION_NOT_IN_TRANSACTION"
 	ReasonUnknownSubscription         = "UNKNOWN_SUBSCRIPTION"
+	ReasonUnauthenticated             = "UNAUTHENTICATED"
+	ReasonPermissionDenied            = "PERMISSION_DENIED"
 	ReasonUnimplemented               = "UNIMPLEMENTED"
 	ReasonInternal                    = "INTERNAL"
 )
@@ -164,6 +166,8 @@ var (
 	ErrRequestTimedOut             = &Error{Reason: ReasonRequestTimedOut}
 	ErrServerUnavailable           = &Error{Reason: ReasonServerUnavailable}
 	ErrDataLoss                    = &Error{Reason: ReasonDataLoss}
+	ErrUnauthenticated             = &Error{Reason: ReasonUnauthenticated}
+	ErrPermissionDenied            = &Error{Reason: ReasonPermissionDenied}
 )
 
 type reasonInfo struct {
