@@ -17,7 +17,8 @@ from pathlib import Path
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
-from partition_server import partition_states
+from partition_server import partition_states, producer_state, txn_buffer
+from partition_server.snapshot_files import fsync_directory
 from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
 from partition_server.replica import Follower, LeaderReplication
@@ -50,6 +51,24 @@ STEER_RETRY_S = 0.5
 class ReplicationSettings:
     max_lag_ms: int = 10_000
     fetch_wait_ms: int = 500
+
+
+def forget_owner_snapshots(directory: Path) -> int:
+    """A replica that starts following may cut its log back to the leader's history, so
+    producer-state and transaction-buffer snapshots it wrote as a leader may describe
+    records that will not be there: delete them all (a follower writes none; promoted, it
+    rebuilds both from its log). Returns how many went."""
+    removed = 0
+    if not directory.is_dir():
+        return 0
+    for path in directory.iterdir():
+        if producer_state.parse_snapshot_file_name(path.name) is not None or \
+                txn_buffer.parse_snapshot_file_name(path.name) is not None:
+            path.unlink()
+            removed += 1
+    if removed:
+        fsync_directory(directory)
+    return removed
 
 
 class NotOwner(Exception):
@@ -225,9 +244,11 @@ class PartitionManager:
         if not address:
             return  # gone meanwhile: the servers' watch steers again
         settings = self._settings_for(topic)
+        await asyncio.to_thread(forget_owner_snapshots, self.data_dir / f"{topic}-{partition}")
         follower = Follower(topic, partition, self.data_dir / f"{topic}-{partition}",
                             settings.log, me, state.leader, address, state.leader_epoch,
-                            self._stubs, self.replication.fetch_wait_ms, fsync=settings.fsync)
+                            self._stubs, self.replication.fetch_wait_ms, fsync=settings.fsync,
+                            cursor_limits=settings.cursor_limits)
         self.followers[key] = follower
         await follower.start()
 

@@ -827,7 +827,11 @@ class PartitionOwner:
 
     def _release_replicated(self) -> bool:
         """Answer the flushes the high watermark of the in-sync replicas covers, in order:
-        only now does the log's high watermark (what is readable) move past them."""
+        only now does the log's high watermark (what is readable) move past them. Nothing
+        while the ISR is below min.insync.replicas: what only the leader (or too few
+        replicas) holds waits until the ISR grows back, or fails when the leadership ends."""
+        if not self.replication.progress.may_acknowledge():
+            return False
         hw = self.replication.high_watermark
         replicating = self._replicating
         moved = False
