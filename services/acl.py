@@ -40,6 +40,7 @@ logged and counted in atomlog_authorization_denied_total{operation,resource_type
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import threading
@@ -63,6 +64,8 @@ MAX_NAME_BYTES = 512
 # Transactions whose opener is remembered per coordinator process: transaction.max_open
 # (10,000 by default) times a few TC partitions; the oldest is forgotten first.
 MAX_REMEMBERED_OWNERS = 100_000
+# Answers cached per ACL set (principal, permission): emptied when full.
+MAX_CACHED_ANSWERS = 100_000
 ACLS_PATH = "/acls"
 ZNODE_VERSION = 1
 
@@ -133,32 +136,66 @@ class Permission:
 
 
 class AclSet:
-    """An immutable set of ACL entries, indexed by (resource type, operation)."""
+    """An immutable set of ACL entries, indexed by (resource type, operation, permission):
+    literal names in a dict, prefixes in a list; answers are cached (bounded)."""
 
     def __init__(self, acls: Iterable[Acl] = ()):
         self.acls: tuple[Acl, ...] = tuple(dict.fromkeys(acls))  # unique, in order
         if len(self.acls) > MAX_ACLS:
             raise AclError(f"{len(self.acls)} ACL entries; at most {MAX_ACLS}")
-        self._index: dict[tuple[str, str], list[Acl]] = collections.defaultdict(list)
+        # (resource type, operation, permission) -> (literal name -> principals,
+        # [(prefix, principal)])
+        self._index: dict[tuple[str, str, str], tuple[dict[str, set[str]], list]] = {}
         for acl in self.acls:
-            self._index[(acl.resource_type, acl.operation)].append(acl)
+            literal, prefixes = self._index.setdefault(
+                (acl.resource_type, acl.operation, acl.permission), ({}, []))
+            if acl.pattern == "prefix":
+                prefixes.append((acl.name, acl.principal))
+            else:
+                literal.setdefault(acl.name, set()).add(acl.principal)
+        self._answers: dict[tuple[str, Permission], bool] = {}
 
     def __len__(self) -> int:
         return len(self.acls)
 
+    def matches(self, principal: str, resource_type: str, operation: str, name: str,
+                permission: str) -> bool:
+        """Does an entry of `permission` (allow or deny) cover this?"""
+        found = self._index.get((resource_type, operation, permission))
+        if found is None:
+            return False
+        literal, prefixes = found
+        for key in (name, WILDCARD):
+            principals = literal.get(key)
+            if principals and (principal in principals or WILDCARD in principals):
+                return True
+        return any(name.startswith(prefix) and who in (principal, WILDCARD)
+                   for prefix, who in prefixes)
+
     def allows(self, principal: str, permission: Permission) -> bool:
         """Deny wins; then an allow (of the operation, or of one implying describe)."""
-        def matching(operation: str, verdict: str) -> bool:
-            return any(acl.permission == verdict and acl.principal in (principal, WILDCARD)
-                       and acl.matches_name(permission.name)
-                       for acl in self._index.get((permission.resource_type, operation), ()))
+        key = (principal, permission)
+        answer = self._answers.get(key)
+        if answer is None:
+            answer = self._allows(principal, permission)
+            if len(self._answers) >= MAX_CACHED_ANSWERS:
+                self._answers.clear()
+            self._answers[key] = answer
+        return answer
 
-        if matching(permission.operation, "deny"):
+    def denies(self, principal: str, permission: Permission) -> bool:
+        return self.matches(principal, permission.resource_type, permission.operation,
+                            permission.name, "deny")
+
+    def _allows(self, principal: str, permission: Permission) -> bool:
+        kind, name = permission.resource_type, permission.name
+        if self.matches(principal, kind, permission.operation, name, "deny"):
             return False
-        if matching(permission.operation, "allow"):
+        if self.matches(principal, kind, permission.operation, name, "allow"):
             return True
         return permission.operation == "describe" and any(
-            matching(operation, "allow") for operation in _IMPLY_DESCRIBE)
+            self.matches(principal, kind, operation, name, "allow")
+            for operation in _IMPLY_DESCRIBE)
 
     def added(self, acls: Iterable[Acl]) -> "AclSet":
         return AclSet([*self.acls, *acls])
@@ -202,6 +239,7 @@ class Requirement:
     admin: Permission | None = None
 
 
+@functools.lru_cache(maxsize=10_000)
 def _topic(operation: str, topic: str) -> Permission:
     if topic.startswith(INTERNAL_TOPIC_PREFIX):
         return Permission(operation, "cluster", CLUSTER)
@@ -212,6 +250,7 @@ def _cluster(operation: str) -> Permission:
     return Permission(operation, "cluster", CLUSTER)
 
 
+@functools.lru_cache(maxsize=10_000)
 def _subscription(operation: str, subscription: str) -> Permission:
     return Permission(operation, "subscription", subscription)
 
@@ -244,17 +283,23 @@ def _any() -> Callable:
     return lambda request: Requirement()
 
 
+def _topics(operation: str, items) -> tuple[Permission, ...]:
+    """One permission per distinct topic of the items (requests name few topics, many
+    partitions: the names are deduplicated before anything is built)."""
+    return tuple(_topic(operation, topic)
+                 for topic in dict.fromkeys(i.topic_partition.topic for i in items))
+
+
 def _produce(request) -> Requirement:
-    return Requirement(_unique(_topic("write", i.topic_partition.topic) for i in request.items))
+    return Requirement(_topics("write", request.items))
 
 
 def _fetch(request) -> Requirement:
-    return Requirement(_unique(_topic("read", i.topic_partition.topic) for i in request.items))
+    return Requirement(_topics("read", request.items))
 
 
 def _list_offsets(request) -> Requirement:
-    return Requirement(_unique(_topic("describe", i.topic_partition.topic)
-                               for i in request.items))
+    return Requirement(_topics("describe", request.items))
 
 
 def _delete_records(request) -> Requirement:
@@ -434,15 +479,12 @@ def decide(method: str, request, caller: Caller, acls: AclSet, super_users: froz
 
 def _allowed(caller: Caller, permission: Permission, acls: AclSet) -> bool:
     if caller.service and permission.resource_type == "cluster":
-        return not _denied_by_entry(caller, permission, acls)
+        return not acls.denies(caller.name, permission)
     return acls.allows(caller.name, permission)
 
 
 def _denied_by_entry(caller: Caller, permission: Permission, acls: AclSet) -> bool:
-    return any(acl.permission == "deny" and acl.principal in (caller.name, WILDCARD)
-               and acl.resource_type == permission.resource_type
-               and acl.operation == permission.operation and acl.matches_name(permission.name)
-               for acl in acls.acls)
+    return acls.denies(caller.name, permission)
 
 
 class TxnOwners:
