@@ -57,6 +57,18 @@ meanwhile: they touch no cursor):
   must serialize `CursorStore.open` with `rotate` and `write_snapshot` (the shell holds a
   lock around all three).
 
+Replication (docs/replication.md, "Cursors"): the leader of a replicated partition opens
+its store with `retain_frames=True`: it then keeps in memory a base (every cursor
+encoded at a sequence number, `covered`) and every frame written from it on, and
+`replication_read(position)` hands a follower the durable frames from its position, or
+the base and the frames after it when the position is older than the base (a snapshot
+rotated it away) or not in this store's history. A follower replaces its store with the
+base (`install_snapshot`: built beside the directory, then swapped in by renames, so a
+crash leaves the old store or the new, never a mixture) and appends the frames byte for
+byte (`append_copied`: every frame checked before any is applied), at the leader's
+sequence numbers, then syncs. A follower promoted to leader opens the directory as a
+restart does.
+
 Recovery (`open`): the newest snapshot that decodes (SnapshotCorrupt → the older one),
 then every journal frame from its covered sequence on, in order. A torn tail of the
 newest journal — a frame cut short, a last frame failing its CRC, or zeros to the end of
@@ -68,11 +80,12 @@ bad frame, a sequence gap, a missing journal, or no usable snapshot where one is
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import islice, pairwise
 from pathlib import Path
 from types import MappingProxyType
 from typing import NamedTuple
@@ -112,6 +125,9 @@ DEFAULT_MAX_SUBSCRIPTIONS = 1_000
 DEFAULT_SNAPSHOT_INTERVAL_ENTRIES = 1_000
 # A snapshot is forced past this much journal, however few entries (huge acks).
 DEFAULT_MAX_JOURNAL_BYTES = 64 * MIB
+# A replicating leader keeps every frame since its last snapshot in memory for followers;
+# past this many bytes a snapshot is due (which starts the kept frames afresh).
+MAX_RETAINED_FRAME_BYTES = 16 * MIB
 # An entry is at most ~1 MiB: an Acked of subscription_cursor.MAX_RANGES_BOUND ranges.
 MAX_FRAME_BYTES = 1 * MIB
 SNAPSHOTS_KEPT = 2
@@ -298,14 +314,23 @@ class CursorStore:
         self._last_snapshot_bytes = 0
         self._broken: str | None = None
         self._closed = False
+        # Replication (retain_frames): the base (covered, encoded cursors) and every frame
+        # written since it, in sequence order (frame i has sequence covered + i).
+        self._retain = False
+        self._base: tuple[int, bytes] | None = None
+        self._retained: list[bytes] = []
+        self._retained_bytes = 0
 
     # -- opening ----------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: Path, limits: CursorStoreLimits | None = None) -> CursorStore:
-        """Recover the cursors of the partition from directory (created if missing)."""
+    def open(cls, directory: Path, limits: CursorStoreLimits | None = None,
+             retain_frames: bool = False) -> CursorStore:
+        """Recover the cursors of the partition from directory (created if missing).
+        retain_frames: keep what `replication_read` serves (a replicating leader)."""
         limits = limits or CursorStoreLimits()
         directory = Path(directory)
+        _finish_install(directory)
         directory.mkdir(parents=True, exist_ok=True)
         for leftover in directory.glob("*" + TMP_SUFFIX):
             leftover.unlink()
@@ -314,7 +339,13 @@ class CursorStore:
                           if (first := parse_journal_file_name(name)) is not None)
         covered, cursors = _load_snapshot(directory, limits, journals, report)
         store = cls(directory, limits, cursors, report)
+        store._retain = retain_frames
         store._replay(journals, covered)
+        if retain_frames and (store._base is None or
+                              store._base[0] + len(store._retained) != store._appended_end):
+            # A new journal was started (or nothing was replayed): the base is now.
+            store._set_base(store._appended_end, encode_store_snapshot(
+                store._appended_end, store._cursors))
         return store
 
     def _replay(self, journals: list[tuple[int, Path]], covered: int) -> None:
@@ -363,11 +394,16 @@ class CursorStore:
                 return first
             raise _data_loss(path, 0, header_problem)
         position, sequence = JOURNAL_HEADER_SIZE, first
+        base_at = max(first, covered) if last and self._retain else None
         while position < len(data):
             problem, end, torn = _frame_problem(data, position, sequence)
             if problem is None:
+                if sequence == base_at:
+                    self._set_base(sequence, encode_store_snapshot(sequence, self._cursors))
                 if sequence >= covered:
                     self._replay_entry(path, position, data[position + _FRAME.size:end])
+                if base_at is not None and sequence >= base_at:
+                    self._retain_frames([data[position:end]])
                 sequence, position = sequence + 1, end
                 continue
             if not (last and torn):
@@ -492,7 +528,8 @@ class CursorStore:
             return
         # Frames at or past the covered sequence belong in the journal rotate() creates.
         assert self._rotating is None, "journal write while it is being rotated"
-        data = b"".join(self._staged)
+        frames = list(self._staged)
+        data = b"".join(frames)
         self._staged.clear()
         self._staged_bytes = 0
         try:
@@ -504,6 +541,8 @@ class CursorStore:
             raise
         self._journal_bytes += len(data)
         self._written_end = self._appended_end
+        if self._retain:
+            self._retain_frames(frames)
 
     def sync_begin(self) -> SyncTicket | None:
         """Write what is staged; the ticket to fsync (None: everything is durable)."""
@@ -550,7 +589,8 @@ class CursorStore:
     def snapshot_due(self) -> bool:
         if self._snapshot_job is not None or self._closed:
             return False  # one at a time; stage() bounds the journal meanwhile
-        if self.journal_bytes >= self.limits.max_journal_bytes:
+        if self.journal_bytes >= self.limits.max_journal_bytes or \
+                self._retained_bytes >= MAX_RETAINED_FRAME_BYTES:
             return True
         # Amortized: never rewrite a big snapshot for a few small entries.
         return self._entries_since_snapshot >= self.limits.snapshot_interval_entries and \
@@ -636,6 +676,10 @@ class CursorStore:
         self._journal_first = job.covered
         self._journal_bytes = JOURNAL_HEADER_SIZE
         self._durable_end = max(self._durable_end, job.covered)
+        if self._retain:
+            # Nothing was written since snapshot_begin (write refuses while rotating).
+            assert self._written_end == job.covered, (self._written_end, job.covered)
+            self._set_base(job.covered, job.data)
 
     def write_snapshot(self, job: SnapshotJob) -> None:
         """Any thread, after rotate_end(job): write the snapshot atomically (tmp, fsync,
@@ -676,6 +720,82 @@ class CursorStore:
             if self._fd is not None and self._rotating is None:
                 os.close(self._fd)  # while rotating, the job owns it (rotate_end)
             self._fd = None
+
+    # -- replication --------------------------------------------------------------------------
+
+    @property
+    def retains_frames(self) -> bool:
+        return self._retain
+
+    def replication_read(self, position: int, max_bytes: int
+                         ) -> tuple[bytes | None, int, bytes]:
+        """A replicating leader's answer to a follower whose journal holds every frame
+        below `position` (-1: nothing of this store's history): (snapshot to start over
+        from or None, sequence of the first frame, frames). Only durable frames; at least
+        one frame when there is one, then at most max_bytes."""
+        self._check_usable()
+        assert self._retain and self._base is not None, "opened without retain_frames"
+        covered, data = self._base
+        end = self._durable_end
+        snapshot = None
+        if position < covered or position > end:
+            snapshot, position = data, covered
+        first = position - covered
+        frames: list[bytes] = []
+        size = 0
+        for frame in islice(self._retained, first, end - covered):
+            if frames and size + len(frame) > max_bytes:
+                break
+            frames.append(frame)
+            size += len(frame)
+        return snapshot, position, b"".join(frames)
+
+    def append_copied(self, data: bytes | memoryview) -> int:
+        """A follower: the leader's frames, byte for byte, continuing at appended_end.
+        Every frame is checked first (CRC, sequence, content, that it applies to the
+        cursors as they will be); a bad one refuses them all (CORRUPT_BATCH), changing
+        nothing. Then they are applied and staged; returns appended_end (sync next)."""
+        self._check_usable()
+        items: list[tuple[bytes, StoreEntry]] = []
+        names = set(self._cursors)
+        position, sequence = 0, self._appended_end
+        while position < len(data):
+            problem, end, _torn = _frame_problem(data, position, sequence)
+            item = None
+            if problem is None:
+                try:
+                    item = decode_payload(memoryview(data)[position + _FRAME.size:end])
+                except EntryCorrupt as error:
+                    problem = f"entry does not decode: {error}"
+            if item is not None and (item.name in names) == isinstance(item.entry, Created):
+                what = "creates an existing" if item.name in names else "changes an unknown"
+                problem = f"entry {what} subscription {item.name!r}"
+            if problem is not None:
+                raise AtomlogError("CORRUPT_BATCH", f"cursor frames from the leader refused "
+                                   f"at entry {sequence} (byte {position}): {problem}; nothing "
+                                   "applied", {"sequence": str(sequence)})
+            if isinstance(item.entry, Created):
+                names.add(item.name)
+            elif isinstance(item.entry, Deleted):
+                names.discard(item.name)
+            items.append((bytes(data[position:end]), item))
+            position, sequence = end, sequence + 1
+        for frame, item in items:
+            self._apply(item)
+            self._staged.append(frame)
+            self._staged_bytes += len(frame)
+            self._appended_end += 1
+            self._entries_since_snapshot += 1
+        return self._appended_end
+
+    def _set_base(self, covered: int, data: bytes) -> None:
+        self._base = (covered, data)
+        self._retained = []
+        self._retained_bytes = 0
+
+    def _retain_frames(self, frames: list[bytes]) -> None:
+        self._retained.extend(frames)
+        self._retained_bytes += sum(len(frame) for frame in frames)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -800,6 +920,61 @@ def _data_loss(path: Path, position: int, detail: str) -> AtomlogError:
         {"file": str(path), "position": position})
 
 
+INSTALL_SUFFIX = ".new"
+RETIRED_SUFFIX = ".old"
+
+
+def install_snapshot(directory: Path, data: bytes,
+                     limits: CursorStoreLimits | None = None) -> int:
+    """A follower starts over from its leader's snapshot (encode_store_snapshot bytes):
+    replace the store in `directory` (closed) by one holding exactly that snapshot and an
+    empty journal from its covered sequence. Built and fsynced in `<directory>.new`, then
+    swapped in by two renames and a parent fsync; `open` finishes a swap a crash cut
+    short. Returns the covered sequence. SnapshotCorrupt (nothing changed) if it does not
+    decode."""
+    limits = limits or CursorStoreLimits()
+    directory = Path(directory)
+    covered, _cursors = decode_store_snapshot(data, limits.cursor)  # check before use
+    building = directory.with_name(directory.name + INSTALL_SUFFIX)
+    retired = directory.with_name(directory.name + RETIRED_SUFFIX)
+    _finish_install(directory)
+    if not directory.exists():
+        # So that a `.new` without the store beside it always means "swap it in".
+        directory.mkdir(parents=True)
+        fsync_directory(directory.parent)
+    building.mkdir()
+    write_atomically(building / snapshot_file_name(covered), data)
+    os.close(_create_journal(building, covered))  # fsyncs the journal and `building`
+    directory.rename(retired)
+    building.rename(directory)
+    fsync_directory(directory.parent)
+    _remove_tree(retired)
+    return covered
+
+
+def _finish_install(directory: Path) -> None:
+    """After a crash during install_snapshot: a complete `.new` whose swap did not
+    finish goes in; a `.new` still being built (the store is still in place: it exists
+    before building begins) and a retired store go."""
+    building = directory.with_name(directory.name + INSTALL_SUFFIX)
+    retired = directory.with_name(directory.name + RETIRED_SUFFIX)
+    if building.exists():
+        if directory.exists():
+            _remove_tree(building)  # built only partly: the swap begins after it is whole
+        else:
+            building.rename(directory)
+            fsync_directory(directory.parent)
+    elif retired.exists() and not directory.exists():
+        retired.rename(directory)  # not reachable by install_snapshot's order; be safe
+        fsync_directory(directory.parent)
+    _remove_tree(retired)
+
+
+def _remove_tree(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+
+
 def _create_journal(directory: Path, first: int) -> int:
     """A new journal starting at entry `first`, its header and name durable; its fd."""
     path = directory / journal_file_name(first)
@@ -818,7 +993,7 @@ def _create_journal(directory: Path, first: int) -> int:
 
 __all__ = [
     "CursorStore", "CursorStoreLimits", "RecoveryReport", "SnapshotJob", "StoreEntry",
-    "SyncTicket",
+    "SyncTicket", "install_snapshot",
     "decode_payload", "decode_store_snapshot", "encode_frame", "encode_journal_header",
     "encode_store_snapshot", "journal_file_name", "parse_journal_file_name",
     "parse_snapshot_file_name", "snapshot_file_name", "validate_subscription_name",

@@ -314,6 +314,68 @@ class LeaderProgress:
                 for r, f in self.followers.items()}
 
 
+# ------------------------------------------------------------------ cursor journals
+
+NOT_SYNCED = -1  # a follower's cursor position before it took this leader's snapshot
+
+
+@dataclass
+class CursorProgress:
+    """The leader's view of its followers' copies of the partition's subscription-cursor
+    journal, for one leadership (docs/replication.md, "Cursors"). Positions are journal
+    sequence numbers: a follower's Replicate carries the sequence below which it holds
+    every frame durably (NOT_SYNCED until it installed this leader's snapshot), as a log
+    fetch carries its offset. The cursor high watermark is the smallest durable position
+    over the ISR (LeaderProgress's ISR), the leader's own included; a cursor change is
+    acknowledged once it passes the change's frame. It only moves forward: a follower that
+    restarts holds what it held (its store is on disk) until it installs the leader's
+    snapshot, which holds more."""
+
+    leader: str
+    replicas: list[str]
+    leader_durable_end: int = 0
+    positions: dict[str, int] = field(default_factory=dict)
+    _high_watermark: int = 0
+
+    def __post_init__(self):
+        for replica in self.replicas:
+            if replica != self.leader:
+                self.positions.setdefault(replica, NOT_SYNCED)
+
+    def fetched(self, replica: str, position: int) -> int:
+        """A follower's Replicate reports `position`; returns the position recorded:
+        NOT_SYNCED when it claims frames the leader does not hold durably (it copied
+        another history: it must start over from the snapshot)."""
+        if replica not in self.positions:
+            raise AtomlogError("NOT_A_REPLICA", f"{replica} is not a replica of this partition")
+        if position < NOT_SYNCED:
+            raise AtomlogError("INVALID_ARGUMENT", f"cursor_sequence {position} < -1")
+        if position > self.leader_durable_end:
+            position = NOT_SYNCED
+        self.positions[replica] = position
+        return position
+
+    def leader_durable(self, end: int) -> None:
+        self.leader_durable_end = max(self.leader_durable_end, end)
+
+    def high_watermark(self, isr: Iterable[str]) -> int:
+        ends = [self.leader_durable_end] + [self.positions[r] for r in isr
+                                            if r != self.leader and r in self.positions]
+        self._high_watermark = max(self._high_watermark, min(ends))
+        return self._high_watermark
+
+    def holds(self, replica: str, isr: Iterable[str]) -> bool:
+        """Whether `replica` may join the ISR as far as cursors go: it holds every frame
+        the in-sync replicas hold (an ISR member must never lack an acknowledged change)."""
+        position = self.positions.get(replica, NOT_SYNCED)
+        return position != NOT_SYNCED and position >= self.high_watermark(isr)
+
+    def lag(self) -> dict[str, int]:
+        """Frames each follower is behind the leader's durable end (-1: not synced)."""
+        return {r: (-1 if p == NOT_SYNCED else max(0, self.leader_durable_end - p))
+                for r, p in self.positions.items()}
+
+
 # ------------------------------------------------------------------ leader epochs
 
 class LeaderEpochCache:

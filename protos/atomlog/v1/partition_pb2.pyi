@@ -741,7 +741,7 @@ class StageTxnResult(_message.Message):
     def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., batch_results: _Optional[_Iterable[_Union[ProduceResult, _Mapping]]] = ..., ack_results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms")
+    __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms", "cursor_sequence")
     TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -749,6 +749,7 @@ class ReplicateRequest(_message.Message):
     LAST_FETCHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     topic_partition: _common_pb2.TopicPartition
     replica: str
     leader_epoch: int
@@ -756,7 +757,8 @@ class ReplicateRequest(_message.Message):
     last_fetched_epoch: int
     max_bytes: int
     max_wait_ms: int
-    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
+    cursor_sequence: int
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., cursor_sequence: _Optional[int] = ...) -> None: ...
 
 class LeaderEpochEntry(_message.Message):
     __slots__ = ("epoch", "start_offset")
@@ -767,7 +769,7 @@ class LeaderEpochEntry(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., start_offset: _Optional[int] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
-    __slots__ = ("records", "high_watermark", "log_start_offset", "log_end_offset", "epochs", "diverging", "diverging_epoch", "diverging_end_offset")
+    __slots__ = ("records", "high_watermark", "log_start_offset", "log_end_offset", "epochs", "diverging", "diverging_epoch", "diverging_end_offset", "cursors_available", "cursor_snapshot", "cursor_first_sequence", "cursor_frames", "cursor_durable_end")
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -776,6 +778,11 @@ class ReplicateResponse(_message.Message):
     DIVERGING_FIELD_NUMBER: _ClassVar[int]
     DIVERGING_EPOCH_FIELD_NUMBER: _ClassVar[int]
     DIVERGING_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CURSORS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_DURABLE_END_FIELD_NUMBER: _ClassVar[int]
     records: bytes
     high_watermark: int
     log_start_offset: int
@@ -784,4 +791,9 @@ class ReplicateResponse(_message.Message):
     diverging: bool
     diverging_epoch: int
     diverging_end_offset: int
-    def __init__(self, records: _Optional[bytes] = ..., high_watermark: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[LeaderEpochEntry, _Mapping]]] = ..., diverging: _Optional[bool] = ..., diverging_epoch: _Optional[int] = ..., diverging_end_offset: _Optional[int] = ...) -> None: ...
+    cursors_available: bool
+    cursor_snapshot: bytes
+    cursor_first_sequence: int
+    cursor_frames: bytes
+    cursor_durable_end: int
+    def __init__(self, records: _Optional[bytes] = ..., high_watermark: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[LeaderEpochEntry, _Mapping]]] = ..., diverging: _Optional[bool] = ..., diverging_epoch: _Optional[int] = ..., diverging_end_offset: _Optional[int] = ..., cursors_available: _Optional[bool] = ..., cursor_snapshot: _Optional[bytes] = ..., cursor_first_sequence: _Optional[int] = ..., cursor_frames: _Optional[bytes] = ..., cursor_durable_end: _Optional[int] = ...) -> None: ...

@@ -4592,9 +4592,14 @@ type ReplicateRequest struct {
 	// 1 .. grpc.max_message_bytes; the first batch is returned whole even when larger.
 	MaxBytes uint32 `protobuf:"varint,6,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
 	// 0 .. partition.fetch_max_wait_ms: how long to wait for data past fetch_offset.
-	MaxWaitMs     uint32 `protobuf:"varint,7,opt,name=max_wait_ms,json=maxWaitMs,proto3" json:"max_wait_ms,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	MaxWaitMs uint32 `protobuf:"varint,7,opt,name=max_wait_ms,json=maxWaitMs,proto3" json:"max_wait_ms,omitempty"`
+	// The follower's subscription-cursor journal (docs/replication.md, "Cursors"): every
+	// frame below this sequence number is durable on the follower, copied from this leader
+	// in this leader epoch. -1: the follower holds no cursor state of this leadership yet
+	// (it began following, or its cursor store failed): the leader answers with a snapshot.
+	CursorSequence int64 `protobuf:"varint,8,opt,name=cursor_sequence,json=cursorSequence,proto3" json:"cursor_sequence,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ReplicateRequest) Reset() {
@@ -4676,6 +4681,13 @@ func (x *ReplicateRequest) GetMaxWaitMs() uint32 {
 	return 0
 }
 
+func (x *ReplicateRequest) GetCursorSequence() int64 {
+	if x != nil {
+		return x.CursorSequence
+	}
+	return 0
+}
+
 type LeaderEpochEntry struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Epoch         uint32                 `protobuf:"varint,1,opt,name=epoch,proto3" json:"epoch,omitempty"`
@@ -4746,8 +4758,24 @@ type ReplicateResponse struct {
 	// (-1: none) and where that epoch ends in the leader's log.
 	DivergingEpoch     int64 `protobuf:"varint,7,opt,name=diverging_epoch,json=divergingEpoch,proto3" json:"diverging_epoch,omitempty"`
 	DivergingEndOffset int64 `protobuf:"varint,8,opt,name=diverging_end_offset,json=divergingEndOffset,proto3" json:"diverging_end_offset,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// False when the leader's cursors are not loaded (loading, or DATA_LOSS of its cursor
+	// journal): the follower keeps what it has and the cursor_* fields are unset.
+	CursorsAvailable bool `protobuf:"varint,9,opt,name=cursors_available,json=cursorsAvailable,proto3" json:"cursors_available,omitempty"`
+	// Set when the follower must start over (cursor_sequence -1, older than the leader's
+	// journal, or not the leader's history): every cursor of the partition in the cursor
+	// store's snapshot format (docs/subscriptions.md), covering every frame below
+	// cursor_first_sequence. The follower replaces its cursor store with it.
+	CursorSnapshot []byte `protobuf:"bytes,10,opt,name=cursor_snapshot,json=cursorSnapshot,proto3" json:"cursor_snapshot,omitempty"`
+	// The sequence number of the first frame of cursor_frames (the request's
+	// cursor_sequence, or the snapshot's covered sequence).
+	CursorFirstSequence int64 `protobuf:"varint,11,opt,name=cursor_first_sequence,json=cursorFirstSequence,proto3" json:"cursor_first_sequence,omitempty"`
+	// Frames of the leader's cursor journal from cursor_first_sequence, byte for byte, all
+	// durable on the leader. Empty when nothing new.
+	CursorFrames []byte `protobuf:"bytes,12,opt,name=cursor_frames,json=cursorFrames,proto3" json:"cursor_frames,omitempty"`
+	// The leader's durable end of its cursor journal.
+	CursorDurableEnd int64 `protobuf:"varint,13,opt,name=cursor_durable_end,json=cursorDurableEnd,proto3" json:"cursor_durable_end,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *ReplicateResponse) Reset() {
@@ -4832,6 +4860,41 @@ func (x *ReplicateResponse) GetDivergingEpoch() int64 {
 func (x *ReplicateResponse) GetDivergingEndOffset() int64 {
 	if x != nil {
 		return x.DivergingEndOffset
+	}
+	return 0
+}
+
+func (x *ReplicateResponse) GetCursorsAvailable() bool {
+	if x != nil {
+		return x.CursorsAvailable
+	}
+	return false
+}
+
+func (x *ReplicateResponse) GetCursorSnapshot() []byte {
+	if x != nil {
+		return x.CursorSnapshot
+	}
+	return nil
+}
+
+func (x *ReplicateResponse) GetCursorFirstSequence() int64 {
+	if x != nil {
+		return x.CursorFirstSequence
+	}
+	return 0
+}
+
+func (x *ReplicateResponse) GetCursorFrames() []byte {
+	if x != nil {
+		return x.CursorFrames
+	}
+	return nil
+}
+
+func (x *ReplicateResponse) GetCursorDurableEnd() int64 {
+	if x != nil {
+		return x.CursorDurableEnd
 	}
 	return 0
 }
@@ -5138,7 +5201,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12>\n" +
 	"\rbatch_results\x18\x02 \x03(\v2\x19.atomlog.v1.ProduceResultR\fbatchResults\x126\n" +
 	"\vack_results\x18\x03 \x03(\v2\x15.atomlog.v1.AckResultR\n" +
-	"ackResults\"\xa2\x02\n" +
+	"ackResults\"\xcb\x02\n" +
 	"\x10ReplicateRequest\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12\x18\n" +
 	"\areplica\x18\x02 \x01(\tR\areplica\x12!\n" +
@@ -5146,10 +5209,11 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\ffetch_offset\x18\x04 \x01(\x03R\vfetchOffset\x12,\n" +
 	"\x12last_fetched_epoch\x18\x05 \x01(\x03R\x10lastFetchedEpoch\x12\x1b\n" +
 	"\tmax_bytes\x18\x06 \x01(\rR\bmaxBytes\x12\x1e\n" +
-	"\vmax_wait_ms\x18\a \x01(\rR\tmaxWaitMs\"K\n" +
+	"\vmax_wait_ms\x18\a \x01(\rR\tmaxWaitMs\x12'\n" +
+	"\x0fcursor_sequence\x18\b \x01(\x03R\x0ecursorSequence\"K\n" +
 	"\x10LeaderEpochEntry\x12\x14\n" +
 	"\x05epoch\x18\x01 \x01(\rR\x05epoch\x12!\n" +
-	"\fstart_offset\x18\x02 \x01(\x03R\vstartOffset\"\xd3\x02\n" +
+	"\fstart_offset\x18\x02 \x01(\x03R\vstartOffset\"\xb0\x04\n" +
 	"\x11ReplicateResponse\x12\x18\n" +
 	"\arecords\x18\x01 \x01(\fR\arecords\x12%\n" +
 	"\x0ehigh_watermark\x18\x02 \x01(\x03R\rhighWatermark\x12(\n" +
@@ -5158,7 +5222,13 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x06epochs\x18\x05 \x03(\v2\x1c.atomlog.v1.LeaderEpochEntryR\x06epochs\x12\x1c\n" +
 	"\tdiverging\x18\x06 \x01(\bR\tdiverging\x12'\n" +
 	"\x0fdiverging_epoch\x18\a \x01(\x03R\x0edivergingEpoch\x120\n" +
-	"\x14diverging_end_offset\x18\b \x01(\x03R\x12divergingEndOffset*\\\n" +
+	"\x14diverging_end_offset\x18\b \x01(\x03R\x12divergingEndOffset\x12+\n" +
+	"\x11cursors_available\x18\t \x01(\bR\x10cursorsAvailable\x12'\n" +
+	"\x0fcursor_snapshot\x18\n" +
+	" \x01(\fR\x0ecursorSnapshot\x122\n" +
+	"\x15cursor_first_sequence\x18\v \x01(\x03R\x13cursorFirstSequence\x12#\n" +
+	"\rcursor_frames\x18\f \x01(\fR\fcursorFrames\x12,\n" +
+	"\x12cursor_durable_end\x18\r \x01(\x03R\x10cursorDurableEnd*\\\n" +
 	"\vTxnDecision\x12\x1c\n" +
 	"\x18TXN_DECISION_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13TXN_DECISION_COMMIT\x10\x01\x12\x16\n" +

@@ -1,0 +1,361 @@
+"""Replication of subscription cursors (docs/replication.md, "Cursors"), without processes:
+the leader's view of its followers' cursor journals (`replication.CursorProgress`, a
+pure core) and the store's side on real files — a replicating leader's `replication_read`
+(durable frames only; its base snapshot when a follower is too far behind, foreign or new),
+a follower's `append_copied` (byte for byte, all or nothing) and `install_snapshot`
+(swapped in whole; a crash mid-way leaves the old store or the new). A seeded random run
+copies a busy leader, with snapshots, crashes of either side and leader reopenings, and
+checks after every round that the follower — and the follower opened as a promoted leader
+would open it — holds exactly the leader's durable cursors."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from partition_server.cursor_store import (
+    CursorStore,
+    CursorStoreLimits,
+    StoreEntry,
+    decode_store_snapshot,
+    encode_frame,
+    install_snapshot,
+)
+from partition_server.record_batch import TxnId
+from partition_server.replication import NOT_SYNCED, CursorProgress
+from partition_server.snapshot_files import SnapshotCorrupt
+from partition_server.subscription_cursor import Acked, OffsetRange
+from services.errors import AtomlogError
+
+LIMIT = 10_000
+SMALL = CursorStoreLimits(snapshot_interval_entries=7, max_journal_bytes=4096)
+
+
+def states(store: CursorStore) -> dict:
+    return {name: cursor.state() for name, cursor in store.cursors().items()}
+
+
+def create(store: CursorStore, name: str, position: int = 0) -> None:
+    store.stage(store.plan_create(name, position))
+
+
+def ack(store: CursorStore, name: str, cumulative_end: int = 0, ranges=(), txn=None) -> None:
+    entry = store.cursor(name).check_ack(cumulative_end, ranges, txn, limit=LIMIT)
+    if entry is not None:
+        store.stage(StoreEntry(name, entry))
+
+
+def copy(leader: CursorStore, directory: Path, follower: CursorStore | None,
+         max_bytes: int = 1 << 20, limits: CursorStoreLimits = SMALL) -> CursorStore:
+    """One follower round: what the leader answers for the follower's position, applied
+    as partition_server/replica.py's Follower does."""
+    position = follower.durable_end if follower is not None else NOT_SYNCED
+    snapshot, first, frames = leader.replication_read(position, max_bytes)
+    if snapshot is not None:
+        if follower is not None:
+            follower.close()
+        install_snapshot(directory, snapshot, limits)
+        follower = CursorStore.open(directory, limits)
+    if frames:
+        assert first == follower.appended_end
+        follower.append_copied(frames)
+        follower.sync()
+        follower.maybe_snapshot()
+    return follower
+
+
+def catch_up(leader: CursorStore, directory: Path, follower: CursorStore | None,
+             max_bytes: int = 1 << 20) -> CursorStore:
+    for _ in range(1_000):
+        follower = copy(leader, directory, follower, max_bytes)
+        if follower.durable_end == leader.durable_end:
+            return follower
+    raise AssertionError("the follower never caught up")
+
+
+# ---------------------------------------------------------------------------------------
+# CursorProgress: the cursor high watermark over the ISR
+# ---------------------------------------------------------------------------------------
+
+def test_the_cursor_high_watermark_is_the_smallest_durable_position_over_the_isr():
+    progress = CursorProgress("a", ["a", "b", "c"])
+    progress.leader_durable(10)
+    isr = {"a", "b", "c"}
+    assert progress.high_watermark(isr) == 0  # nobody synced: nothing acknowledged
+    assert progress.fetched("b", 10) == 10
+    assert progress.high_watermark(isr) == 0  # c holds nothing of this leadership yet
+    assert progress.high_watermark({"a", "b"}) == 10  # c left the ISR
+    progress.leader_durable(15)
+    assert progress.fetched("c", 12) == 12
+    assert progress.high_watermark(isr) == 10
+    progress.fetched("b", 15)
+    assert progress.high_watermark(isr) == 12
+    assert progress.lag() == {"b": 0, "c": 3}
+
+
+def test_the_cursor_high_watermark_never_goes_back():
+    """A follower that restarts reports NOT_SYNCED until it installed the snapshot; what
+    it held is still on its disk, so what was acknowledged stays acknowledged."""
+    progress = CursorProgress("a", ["a", "b"])
+    progress.leader_durable(8)
+    progress.fetched("b", 8)
+    assert progress.high_watermark({"a", "b"}) == 8
+    progress.fetched("b", NOT_SYNCED)
+    progress.leader_durable(9)
+    assert progress.high_watermark({"a", "b"}) == 8
+    assert progress.lag() == {"b": -1}
+
+
+def test_a_follower_claiming_frames_the_leader_lacks_must_start_over():
+    progress = CursorProgress("a", ["a", "b"])
+    progress.leader_durable(5)
+    assert progress.fetched("b", 6) == NOT_SYNCED  # another leadership's history
+    assert progress.positions["b"] == NOT_SYNCED
+    with pytest.raises(AtomlogError) as outsider:
+        progress.fetched("z", 0)
+    assert outsider.value.reason == "NOT_A_REPLICA"
+    with pytest.raises(AtomlogError) as bad:
+        progress.fetched("b", -2)
+    assert bad.value.reason == "INVALID_ARGUMENT"
+
+
+def test_only_a_follower_holding_the_cursor_high_watermark_may_join_the_isr():
+    progress = CursorProgress("a", ["a", "b", "c"])
+    progress.leader_durable(20)
+    progress.fetched("b", 20)
+    isr = {"a", "b"}
+    assert progress.high_watermark(isr) == 20
+    assert not progress.holds("c", isr)  # not synced
+    progress.fetched("c", 19)
+    assert not progress.holds("c", isr)  # behind an acknowledged change
+    progress.fetched("c", 20)
+    assert progress.holds("c", isr)
+
+
+# ---------------------------------------------------------------------------------------
+# The store: what a replicating leader serves, what a follower applies
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def leader(tmp_path):
+    store = CursorStore.open(tmp_path / "leader" / "cursors", SMALL, retain_frames=True)
+    yield store
+    store.close(sync=False)
+
+
+def test_a_follower_gets_the_snapshot_then_only_durable_frames(tmp_path, leader):
+    create(leader, "billing")
+    ack(leader, "billing", ranges=[(2, 4)])
+    leader.sync()
+    directory = tmp_path / "follower" / "cursors"
+    follower = copy(leader, directory, None)
+    assert follower.durable_end == leader.durable_end == 2
+    assert states(follower) == states(leader)
+    ack(leader, "billing", ranges=[(6, 7)])  # staged, not durable on the leader
+    snapshot, first, frames = leader.replication_read(follower.durable_end, 1 << 20)
+    assert (snapshot, first, frames) == (None, 2, b"")
+    leader.sync()
+    snapshot, first, frames = leader.replication_read(2, 1 << 20)
+    assert snapshot is None and first == 2 and frames
+    follower.append_copied(frames)
+    follower.sync()
+    assert states(follower) == states(leader) and follower.durable_end == 3
+    follower.close()
+    reopened = CursorStore.open(directory, SMALL)  # a restart, or a promotion
+    assert states(reopened) == states(leader) and reopened.appended_end == 3
+    reopened.close()
+
+
+def test_frames_come_in_bounded_pieces_of_at_least_one_frame(tmp_path, leader):
+    create(leader, "billing")
+    for offset in range(0, 40, 2):
+        ack(leader, "billing", ranges=[(offset, offset + 1)])
+    leader.sync()
+    _, _, frames = leader.replication_read(1, 1)
+    assert len(frames) < 200  # one frame
+    follower = catch_up(leader, tmp_path / "f" / "cursors", None, max_bytes=64)
+    assert states(follower) == states(leader)
+    follower.close()
+
+
+def test_a_follower_behind_the_leaders_snapshot_or_ahead_of_it_starts_over(tmp_path, leader):
+    create(leader, "billing")
+    leader.sync()
+    directory = tmp_path / "f" / "cursors"
+    follower = copy(leader, directory, None)
+    for offset in range(0, 60, 2):  # past several snapshots (every 7 entries)
+        ack(leader, "billing", ranges=[(offset, offset + 1)])
+        leader.sync()
+        leader.maybe_snapshot()
+    snapshot, first, _ = leader.replication_read(follower.durable_end, 1 << 20)
+    assert snapshot is not None and first > follower.durable_end
+    assert decode_store_snapshot(snapshot)[0] == first
+    follower = catch_up(leader, directory, follower)
+    assert states(follower) == states(leader)
+    snapshot, _, _ = leader.replication_read(leader.durable_end + 5, 1 << 20)
+    assert snapshot is not None  # a position the leader never had: not its history
+    follower.close()
+
+
+def test_a_bad_frame_refuses_every_frame_and_changes_nothing(tmp_path, leader):
+    create(leader, "billing")
+    leader.sync()
+    directory = tmp_path / "f" / "cursors"
+    follower = copy(leader, directory, None)
+    before, end = states(follower), follower.appended_end
+    good = encode_frame(end, StoreEntry("billing", Acked(None, 0, (OffsetRange(1, 2),))))
+    for bad in [
+        good + encode_frame(end + 2, StoreEntry("billing", Acked(None, 0, (OffsetRange(3, 4),)))),
+        good + encode_frame(end + 1, StoreEntry("nobody", Acked(None, 0, (OffsetRange(3, 4),)))),
+        good + good[:-1] + bytes([good[-1] ^ 1]),
+        good[:-3],
+    ]:
+        with pytest.raises(AtomlogError) as refused:
+            follower.append_copied(bad)
+        assert refused.value.reason == "CORRUPT_BATCH"
+        assert states(follower) == before and follower.appended_end == end
+    follower.append_copied(good)
+    assert follower.appended_end == end + 1
+    follower.close()
+
+
+def test_install_replaces_the_store_whole_and_a_crash_leaves_old_or_new(tmp_path, leader):
+    create(leader, "billing")
+    ack(leader, "billing", ranges=[(3, 5)])
+    leader.sync()
+    leader.snapshot()  # the base a follower starts from is now everything
+    snapshot, first, frames = leader.replication_read(NOT_SYNCED, 1 << 20)
+    assert first == leader.durable_end and frames == b""
+    directory = tmp_path / "f" / "cursors"
+    old = CursorStore.open(directory, SMALL)
+    create(old, "stale")  # state the leader does not have
+    old.sync()
+    old.close()
+    with pytest.raises(SnapshotCorrupt):
+        install_snapshot(directory, snapshot[:-1] + bytes([snapshot[-1] ^ 1]))
+    unchanged = CursorStore.open(directory, SMALL)
+    assert list(unchanged.cursors()) == ["stale"]
+    unchanged.close()
+    # A crash while `.new` was being built: the old store stays, the partial build goes.
+    building = directory.with_name("cursors.new")
+    building.mkdir()
+    (building / "junk").write_bytes(b"x")
+    reopened = CursorStore.open(directory, SMALL)
+    assert list(reopened.cursors()) == ["stale"] and not building.exists()
+    reopened.close()
+    # A crash between the two renames: the complete `.new` goes in.
+    install_snapshot(tmp_path / "g" / "cursors", snapshot)
+    os.rename(directory, directory.with_name("cursors.old"))
+    os.rename(tmp_path / "g" / "cursors", building)
+    reopened = CursorStore.open(directory, SMALL)
+    assert states(reopened) == states(leader)
+    assert not building.exists() and not directory.with_name("cursors.old").exists()
+    reopened.close()
+    install_snapshot(directory, snapshot)  # and the plain way
+    reopened = CursorStore.open(directory, SMALL)
+    assert states(reopened) == states(leader) and reopened.appended_end == leader.durable_end
+    reopened.close()
+
+
+def test_a_reopened_leader_serves_followers_from_what_it_recovered(tmp_path, leader):
+    create(leader, "billing")
+    for offset in range(0, 30, 2):
+        ack(leader, "billing", ranges=[(offset, offset + 1)])
+        leader.sync()
+        leader.maybe_snapshot()
+    directory = tmp_path / "f" / "cursors"
+    follower = catch_up(leader, directory, None)
+    expected = states(leader)
+    leader.close(sync=False)
+    again = CursorStore.open(leader.directory, SMALL, retain_frames=True)
+    try:
+        assert states(again) == expected
+        snapshot, first, frames = again.replication_read(follower.durable_end, 1 << 20)
+        assert snapshot is None and first == follower.durable_end and frames == b""
+        ack(again, "billing", ranges=[(100, 101)])
+        again.sync()
+        follower = catch_up(again, directory, follower)
+        assert states(follower) == states(again)
+        follower.close()
+    finally:
+        again.close(sync=False)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_random_copying_with_crashes_matches_the_leader(tmp_path, seed):
+    """Seeded: a busy leader (creates, plain and transactional acks, markers, resets,
+    deletes, snapshots), a follower copying in random-sized pieces, and crashes of both
+    (staged entries lost). After every round the follower's durable cursors, and the
+    store a promotion would open from its directory, equal the leader's durable ones."""
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    leader_dir, directory = tmp_path / "l" / "cursors", tmp_path / "f" / "cursors"
+    leader = CursorStore.open(leader_dir, SMALL, retain_frames=True)
+    follower: CursorStore | None = None
+    txns = [TxnId(1, n) for n in range(1, 6)]
+    try:
+        for _round in range(60):
+            for _ in range(rng.randrange(1, 6)):
+                _random_change(leader, rng, txns)
+            if rng.random() < 0.8:
+                leader.sync()
+            if rng.random() < 0.3:
+                leader.maybe_snapshot()
+            if rng.random() < 0.1:  # the leader crashes (and is reopened, same epoch)
+                leader.close(sync=False)
+                leader = CursorStore.open(leader_dir, SMALL, retain_frames=True)
+            if rng.random() < 0.1 and follower is not None:  # the follower crashes
+                follower.close(sync=False)
+                follower = None  # a new follower session starts over from the snapshot
+            durable = _durable_states(leader)
+            follower = catch_up(leader, directory, follower,
+                                max_bytes=rng.choice([1, 200, 1 << 20]))
+            assert states(follower) == durable
+            follower.close()
+            promoted = CursorStore.open(directory, SMALL, retain_frames=True)
+            assert states(promoted) == durable
+            promoted.close()
+            follower = CursorStore.open(directory, SMALL)
+    finally:
+        leader.close(sync=False)
+        if follower is not None:
+            follower.close(sync=False)
+
+
+def _durable_states(leader: CursorStore) -> dict:
+    """The leader's cursors as far as durable: sync what is staged first (the follower
+    only ever copies durable frames; staged ones become durable with the next sync)."""
+    leader.sync()
+    return states(leader)
+
+
+def _random_change(store: CursorStore, rng: random.Random, txns: list[TxnId]) -> None:
+    names = sorted(store.cursors())
+    try:
+        roll = rng.random()
+        if roll < 0.1 or not names:
+            entry = store.plan_create(f"s{rng.randrange(4)}", rng.randrange(20))
+            if entry is not None:
+                store.stage(entry)
+            return
+        name = rng.choice(names)
+        cursor = store.cursor(name)
+        if roll < 0.15:
+            store.stage(store.plan_delete(name))
+        elif roll < 0.2:
+            store.stage(StoreEntry(name, cursor.plan_reset(rng.randrange(200))))
+        elif roll < 0.35:
+            plan = cursor.plan_end_txn(rng.choice(txns), rng.random() < 0.5)
+            if plan.entry is not None:
+                store.stage(StoreEntry(name, plan.entry))
+        else:
+            start = rng.randrange(200)
+            txn = rng.choice(txns) if rng.random() < 0.4 else None
+            cumulative = start if rng.random() < 0.2 else 0
+            ranges = [] if cumulative else [(start, start + rng.randrange(1, 4))]
+            ack(store, name, cumulative, ranges, txn)
+    except AtomlogError:
+        pass  # refused (conflict, pending acks, ...): nothing changed
