@@ -44,7 +44,7 @@ import functools
 import json
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 RESOURCE_TYPES = ("topic", "subscription", "transactional_id", "cluster", "transaction_admin")
