@@ -765,7 +765,7 @@ def check_cluster_settings(settings: Mapping[str, Any], tls: bool = False) -> No
             ca.issue(Path(scratch) / "s.crt", Path(scratch) / "s.key", "check", ["127.0.0.1"])
             base = {"tls.enabled": "true", "tls.ca_file": str(ca.ca_file),
                     "tls.cert_file": f"{scratch}/s.crt", "tls.key_file": f"{scratch}/s.key",
-                    "tls.client_auth": "require", "auth.mode": "mtls"}
+                    "tls.client_auth": "require", "auth.mode": "mtls", "auth.authorizer": "acl"}
             return check_cluster_settings({**base, **settings})
     for role in ROLES:
         load_config(role, env={}, overrides={**role_settings(settings, role),
