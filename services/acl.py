@@ -555,6 +555,11 @@ class Authorizer:
     def from_config(cls, config, zk_client) -> "Authorizer | None":
         if config["auth.authorizer"] != "acl":
             return None
+        if not config["zookeeper.digest_file"]:
+            from services.logs import event
+
+            event(log, "ACLs are on but ZooKeeper is open (no zookeeper.digest_file): anyone "
+                  "who reaches ZooKeeper can change them", logging.WARNING)
         return cls(zk_client, split_principals(config["auth.super_users"]))
 
     def _changed(self, data, stat):
