@@ -250,7 +250,8 @@ class PartitionOwner:
         self.verified_acks: OrderedDict = OrderedDict()  # (txn, subscription) -> True
         self.subscriptions = PartitionSubscriptions(
             self.name, directory / "cursors", settings.cursor_limits,
-            lambda: self.log.log_start_offset if self.log is not None else 0)
+            lambda: self.log.log_start_offset if self.log is not None else 0,
+            lambda: self.replication)  # cursor changes wait for the in-sync replicas too
         self.last_control_offset = -1  # highest control batch in the log (fetch fast path)
         self.producer_snapshot_offset = -1
         self.txn_snapshot_offset = -1

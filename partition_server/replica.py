@@ -10,9 +10,17 @@ partition, acting on the rules of replication.py.
   expanding caught-up ones), and fences itself when a compare-and-set finds a newer state.
   A leader that begins a leadership serves clients only once the ISR holds its whole log
   (the gate), so nothing only it holds is ever read.
+  Subscription cursors ride on the same calls (docs/replication.md, "Cursors"): each
+  Replicate also reports the follower's cursor-journal position and is answered with the
+  durable journal frames after it (or the leader's cursor snapshot and the frames after
+  that); a cursor change is answered once the cursor high watermark over the ISR
+  (`CursorProgress`) passes its frame, and a follower joins the ISR only holding it.
 - `Follower` copies its leader's log into its own PartitionLog (byte for byte at the
   leader's offsets), fsyncs, records the leader epochs it copied, and asks again from its
-  new end; on divergence it cuts its log back by leader epoch (`truncation_step`).
+  new end; on divergence it cuts its log back by leader epoch (`truncation_step`). It
+  copies the cursor journal into its own CursorStore in the partition directory the same
+  way; following a new leadership, it first replaces its cursors with the leader's
+  snapshot, so it never keeps cursor state the new leader does not have.
 
 Neither decides who leads: the partition manager steers each replica to leader or follower
 from the partition's state in ZooKeeper.
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Awaitable, Callable
 
@@ -29,11 +38,13 @@ import grpc
 
 from atomlog.v1 import partition_pb2
 from partition_server import metrics as m
+from partition_server.cursor_store import (CursorStore, CursorStoreLimits, install_snapshot)
 from partition_server.leader_epochs import LeaderEpochFile
 from partition_server.log import LogConfig, PartitionLog
 from partition_server.partition_states import StaleState, Versioned
 from partition_server.record_batch import iter_batches
-from partition_server.replication import NO_EPOCH, LeaderProgress, truncation_step
+from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CursorProgress, LeaderProgress,
+                                          truncation_step)
 from services import errors
 from services.errors import AtomlogError
 from services.logs import event
@@ -44,6 +55,8 @@ ISR_CHECK_INTERVAL_S = 0.25
 FOLLOWER_RETRY_FIRST_S = 0.05
 FOLLOWER_RETRY_MAX_S = 1.0
 REPLICATE_MAX_BYTES = 4 << 20
+# Cursor frames per Replicate answer (a snapshot comes whole on top of them).
+REPLICATE_CURSOR_MAX_BYTES = 1 << 20
 
 
 def _now_ms() -> int:
@@ -81,6 +94,8 @@ class LeaderReplication:
         self._data: asyncio.Future | None = None
         self._isr_task: asyncio.Task | None = None
         self._isr_writing = False
+        self.cursors = CursorProgress(me, self.replicas)
+        self._cursors_moved: asyncio.Future | None = None  # cursor changes wait on it
 
     # ---------------------------------------------------------------- lifecycle
     def loaded(self, log_start: int, log_end: int) -> None:
@@ -98,6 +113,9 @@ class LeaderReplication:
         self.local_durable_end = log_end
         self.progress.leader_durable(log_end)
         self.gate = log_end
+        store = self.owner.subscriptions.store if self.owner is not None else None
+        if store is not None:
+            self.cursors.leader_durable(store.durable_end)
         self._wake_followers()
 
     def start(self) -> None:
@@ -117,6 +135,7 @@ class LeaderReplication:
             self.fenced = why
             event(log, "leadership ended", partition=self.name, epoch=self.epoch, why=why)
         self._wake_followers()
+        self._wake_cursor_waiters()
 
     # ---------------------------------------------------------------- checks
     def check_serving(self) -> None:
@@ -152,14 +171,82 @@ class LeaderReplication:
     def high_watermark(self) -> int:
         return self.progress.high_watermark
 
+    # ---------------------------------------------------------------- the leader's cursors
+    def cursor_durable(self, end: int) -> None:
+        """The leader's cursor journal is durable up to sequence `end` (after a group
+        commit, a journal rotation, or a reopen of the store)."""
+        if end > self.cursors.leader_durable_end:
+            self.cursors.leader_durable(end)
+            self._wake_followers()
+            self._wake_cursor_waiters()
+
+    @property
+    def cursor_high_watermark(self) -> int:
+        return self.cursors.high_watermark(self.progress.isr)
+
+    async def cursors_replicated(self, target: int, writes: bool = True) -> None:
+        """Return once every in-sync replica holds the cursor frames below `target`
+        durably. NOT_PARTITION_OWNER when the leadership ends first (the change may or may
+        not survive: the caller retries); for a change that wrote (`writes`),
+        NOT_ENOUGH_REPLICAS when the ISR shrank below min.insync.replicas meanwhile
+        (applied here, not acknowledged)."""
+        while True:
+            if self.fenced is not None:
+                raise AtomlogError("NOT_PARTITION_OWNER",
+                                   f"{self.me} no longer leads {self.name} ({self.fenced})",
+                                   {"owner": ""})
+            if self.cursor_high_watermark >= target:
+                if writes:
+                    self.check_writable()
+                return
+            if self._cursors_moved is None:
+                self._cursors_moved = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._cursors_moved)
+
+    def _wake_cursor_waiters(self) -> None:
+        moved, self._cursors_moved = self._cursors_moved, None
+        if moved is not None and not moved.done():
+            moved.set_result(None)
+
+    def _cursor_store(self) -> CursorStore | None:
+        """The leader's cursor store when it can serve followers (loaded, retaining)."""
+        store = self.owner.subscriptions.store if self.owner is not None else None
+        if store is None or store.closed or not store.retains_frames:
+            return None
+        return store
+
+    def _cursor_news(self, position: int) -> bool:
+        """Whether a follower at cursor `position` has something to copy now."""
+        return self._cursor_store() is not None and (
+            position == NOT_SYNCED or position < self.cursors.leader_durable_end)
+
+    def _add_cursors(self, response, position: int) -> None:
+        """The cursor part of a Replicate answer for a follower at `position`."""
+        store = self._cursor_store()
+        if store is None:
+            return
+        try:
+            snapshot, first, frames = store.replication_read(position,
+                                                             REPLICATE_CURSOR_MAX_BYTES)
+        except AtomlogError:
+            return  # the store broke: it is being reopened; the follower asks again
+        response.cursors_available = True
+        if snapshot is not None:
+            response.cursor_snapshot = snapshot
+        response.cursor_first_sequence = first
+        response.cursor_frames = frames
+        response.cursor_durable_end = store.durable_end
+
     def _wake_followers(self) -> None:
         if self._data is not None and not self._data.done():
             self._data.set_result(None)
         self._data = None
 
-    async def _wait_for_data(self, offset: int, timeout_s: float) -> None:
+    async def _wait_for_data(self, offset: int, cursor_position: int,
+                             timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.local_durable_end <= offset and self.fenced is None:
+        while self.local_durable_end <= offset and self.fenced is None and \
+                not self._cursor_news(cursor_position):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -200,11 +287,13 @@ class LeaderReplication:
                                f"{request.replica} fetches {self.name} from {fetch}, past the "
                                f"leader's durable end {self.local_durable_end}")
         self.progress.fetched(request.replica, fetch, self.local_durable_end, _now_ms())
+        cursor_position = self.cursors.fetched(request.replica, request.cursor_sequence)
         owner.replicated()  # the high watermark may have moved: answer what it covers
+        self._wake_cursor_waiters()  # so may the cursors' one
         if self.progress.expand(self.epoch_start) is not None:
             self._poke_isr()
-        if fetch >= self.local_durable_end:
-            await self._wait_for_data(fetch, max_wait_s)
+        if fetch >= self.local_durable_end and not self._cursor_news(cursor_position):
+            await self._wait_for_data(fetch, cursor_position, max_wait_s)
             self._check_epoch(request.leader_epoch)
         records, next_offset = b"", fetch
         if fetch < self.local_durable_end:
@@ -216,10 +305,12 @@ class LeaderReplication:
                   for i, (e, s) in enumerate(entries)
                   if s < max(next_offset, fetch + 1)
                   and (i + 1 == len(entries) or entries[i + 1][1] > fetch)]
-        return partition_pb2.ReplicateResponse(
+        response = partition_pb2.ReplicateResponse(
             records=records, high_watermark=self.high_watermark,
             log_start_offset=partition_log.log_start_offset,
             log_end_offset=self.local_durable_end, epochs=epochs)
+        self._add_cursors(response, cursor_position)
+        return response
 
     def _check_epoch(self, epoch: int) -> None:
         if self.fenced is not None:
@@ -284,6 +375,7 @@ class LeaderReplication:
                   isr=sorted(after), left=sorted(before - after), joined=sorted(after - before))
             if self.owner is not None:
                 self.owner.replicated()
+            self._wake_cursor_waiters()
 
     def _wanted_isr(self) -> set[str] | None:
         """The ISR this leader should store: without followers that lag or whose server
@@ -293,13 +385,18 @@ class LeaderReplication:
         isr = set(progress.isr)
         keep = {r for r in (progress.shrink(_now_ms()) or isr) if r == self.me or r in live}
         joining = {r for r in (progress.expand(self.epoch_start) or isr) - isr if r in live}
+        if self._cursor_store() is not None:
+            # An in-sync replica must hold every acknowledged cursor change too.
+            joining = {r for r in joining if self.cursors.holds(r, isr)}
         wanted = keep | joining
         return wanted if wanted != isr else None
 
     def describe(self) -> dict:
         return {"leader_epoch": self.epoch, "isr": sorted(self.progress.isr),
                 "high_watermark": self.high_watermark, "lag": self.progress.lag(),
-                "gate": self.gate, "fenced": self.fenced or ""}
+                "gate": self.gate, "fenced": self.fenced or "",
+                "cursor_high_watermark": self.cursor_high_watermark,
+                "cursor_lag": self.cursors.lag()}
 
 
 class Follower:
@@ -308,7 +405,7 @@ class Follower:
 
     def __init__(self, topic: str, partition: int, directory, log_config: LogConfig, me: str,
                  leader: str, leader_address: str, epoch: int, stubs, fetch_wait_ms: int,
-                 fsync: bool = True):
+                 fsync: bool = True, cursor_limits: CursorStoreLimits | None = None):
         self.topic, self.partition = topic, partition
         self.name = f"{topic}-{partition}"
         self.directory = directory
@@ -325,6 +422,19 @@ class Follower:
         self.known_hw = 0
         self.last_error = ""
         self._task: asyncio.Task | None = None
+        # The cursor store, once this leader's snapshot is installed (None: not synced
+        # with this leadership; the store on disk is left as it is until then). Used on
+        # worker threads under the lock, so close() never races a copy in flight.
+        self.cursor_limits = cursor_limits or CursorStoreLimits()
+        self.cursors: CursorStore | None = None
+        self._cursor_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def cursor_position(self) -> int:
+        """What Replicate reports: every cursor frame below it is durable here."""
+        store = self.cursors
+        return store.durable_end if store is not None else NOT_SYNCED
 
     async def start(self) -> None:
         self.log, self.epochs = await asyncio.to_thread(self._open)
@@ -353,6 +463,7 @@ class Follower:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        await asyncio.to_thread(self._close_cursors)
         if self.log is not None:
             await asyncio.to_thread(self.log.close)
             self.log = None
@@ -392,7 +503,8 @@ class Follower:
         request = partition_pb2.ReplicateRequest(
             replica=self.me, leader_epoch=self.epoch, fetch_offset=fetch,
             last_fetched_epoch=self.epochs.cache.latest_epoch(),
-            max_bytes=REPLICATE_MAX_BYTES, max_wait_ms=self.fetch_wait_ms)
+            max_bytes=REPLICATE_MAX_BYTES, max_wait_ms=self.fetch_wait_ms,
+            cursor_sequence=self.cursor_position)
         request.topic_partition.topic = self.topic
         request.topic_partition.partition = self.partition
         stub = self.stubs.get(self.leader_address)
@@ -407,6 +519,8 @@ class Follower:
             await self._truncate(cut, response)
             return
         self.known_hw = response.high_watermark
+        if response.cursors_available:
+            await asyncio.to_thread(self._copy_cursors, response)
         if not response.records:
             return
         data = response.records
@@ -427,6 +541,55 @@ class Follower:
         else:
             target, _fd = self.log.flush_begin()
             self.log.flush_end(target, durable=False)
+
+    def _copy_cursors(self, response) -> None:
+        """On a worker thread: install the leader's cursor snapshot when it sent one, then
+        append its frames and fsync. Any failure drops the store: the next Replicate says
+        NOT_SYNCED and the leader sends its snapshot again."""
+        with self._cursor_lock:
+            if self._closed:
+                return
+            directory = self.directory / "cursors"
+            try:
+                if response.cursor_snapshot:
+                    self._drop_cursors()
+                    covered = install_snapshot(directory, response.cursor_snapshot,
+                                               self.cursor_limits)
+                    self.cursors = CursorStore.open(directory, self.cursor_limits)
+                    event(log, "follower took its leader's cursor snapshot",
+                          partition=self.name, leader=self.leader, epoch=self.epoch,
+                          covered=covered, subscriptions=len(self.cursors.cursors()))
+                store = self.cursors
+                if store is None or not response.cursor_frames:
+                    return
+                if response.cursor_first_sequence != store.appended_end:
+                    raise AtomlogError("INTERNAL", f"cursor frames of {self.name} from "
+                                       f"{response.cursor_first_sequence}, expected from "
+                                       f"{store.appended_end}")
+                store.append_copied(response.cursor_frames)
+                store.sync()
+                store.maybe_snapshot()
+            except BaseException:
+                self._drop_cursors()
+                raise
+
+    def _drop_cursors(self) -> None:
+        store, self.cursors = self.cursors, None
+        if store is not None:
+            try:
+                store.close(sync=False)
+            except Exception:  # noqa: BLE001 — already broken
+                pass
+
+    def _close_cursors(self) -> None:
+        with self._cursor_lock:
+            self._closed = True
+            store, self.cursors = self.cursors, None
+            if store is not None:
+                try:
+                    store.close()
+                except Exception:  # noqa: BLE001 — what is durable stays; logged
+                    log.exception("closing the cursor store of %s", self.name)
 
     async def _truncate(self, cut: int, response) -> None:
         partition_log = self.log
@@ -449,14 +612,15 @@ class Follower:
 
     def describe(self) -> dict:
         return {"leader": self.leader, "leader_epoch": self.epoch, "log_end": self.log_end,
-                "known_high_watermark": self.known_hw, "last_error": self.last_error}
+                "known_high_watermark": self.known_hw, "last_error": self.last_error,
+                "cursor_position": self.cursor_position}
 
 
 def _wipe_log(directory) -> None:
     import shutil
     from pathlib import Path
     for path in Path(directory).iterdir():
-        if path.name in ("cursors",):
+        if path.name.startswith("cursors"):  # the cursor store (and an install of it)
             continue
         if path.is_dir():
             shutil.rmtree(path)

@@ -16,6 +16,13 @@ background task on a worker thread while group commits go on in the new journal.
 one snapshot at a time. A failed step is a failed write: the store is reopened. File
 work on worker threads and `open` hold one lock, so a reopen never races a snapshot.
 
+On a replicated partition (the owner leads it: `replication()` returns its
+LeaderReplication, partition_server/replica.py) the store is opened retaining what
+followers copy, every change is first refused unless writes may be acknowledged
+(NOT_ENOUGH_REPLICAS, fenced, the new leader's gate), and after the local fsync it is
+answered only once the cursor high watermark over the in-sync replicas passes it
+(docs/replication.md, "Cursors"). Unreplicated partitions are as before.
+
 Long polls (Receive) wait for new data, for the earliest delivery deadline of the
 cursors they read (`next_deadline_ms`), or for a wake-up: something became deliverable
 before that deadline — an abort released pending acks, a Nack, a delivery with an
@@ -94,8 +101,9 @@ def _resolve(future: asyncio.Future | None) -> None:
 
 class PartitionSubscriptions:
     def __init__(self, name: str, directory: Path, limits: CursorStoreLimits,
-                 log_start: Callable[[], int]):
+                 log_start: Callable[[], int], replication: Callable[[], object] = lambda: None):
         self.name = name
+        self._replication = replication  # the leadership, or None (not replicated)
         self._log_start = log_start
         self.directory = directory
         self.limits = limits
@@ -119,7 +127,8 @@ class PartitionSubscriptions:
                                                           AtomlogError | None]:
         with self._files:
             try:
-                store = CursorStore.open(self.directory, self.limits)
+                store = CursorStore.open(self.directory, self.limits,
+                                         retain_frames=self._replication() is not None)
                 store.forget_below(log_start_offset)
                 return store, None
             except AtomlogError as error:
@@ -146,8 +155,9 @@ class PartitionSubscriptions:
         return self.store
 
     # ------------------------------------------------------------------ durability
-    async def _durable(self) -> None:
-        """Wait until everything staged so far is durable (group commit)."""
+    async def _durable(self) -> int:
+        """Wait until everything staged so far is durable (group commit); returns the
+        sequence it waited for."""
         store = self._usable()
         target = store.appended_end
         while store.durable_end < target:
@@ -157,6 +167,13 @@ class PartitionSubscriptions:
             if self.store is not store:  # reopened meanwhile: what was staged may be lost
                 raise AtomlogError("PARTITION_LOADING", f"subscriptions of {self.name} were "
                                    "reopened after a failure; retry", {"retry_after_ms": "200"})
+        return target
+
+    def _note_durable(self, store: CursorStore) -> None:
+        """Tell the leadership (if any) how far the journal is durable here."""
+        replication = self._replication()
+        if replication is not None and self.store is store:
+            replication.cursor_durable(store.durable_end)
 
     async def _sync_once(self, store: CursorStore) -> None:
         """One group commit, then, when one is due, the start of a snapshot: the cursors
@@ -169,10 +186,12 @@ class PartitionSubscriptions:
                     await asyncio.to_thread(store.fsync, ticket)
                 finally:
                     store.sync_end(ticket)
+                self._note_durable(store)
             if self._snapshotting is None and store.snapshot_due():
                 job = store.snapshot_begin()
                 if job is not None:
                     await self._rotate(store, job)
+                    self._note_durable(store)
                     self._snapshotting = asyncio.ensure_future(
                         self._write_snapshot(store, job))
         except Exception as error:  # noqa: BLE001 — reopen from what is durable
@@ -232,15 +251,27 @@ class PartitionSubscriptions:
                 reopened.close()  # not installed: its files must not stay open
             return failure
         self.store, self.error = reopened, error  # what is durable
+        if reopened is not None:
+            self._note_durable(reopened)
         self._wakeups.wake_all()  # deliveries were volatile: everything is deliverable
         return failure
 
-    async def change(self, decide: Callable[[CursorStore], object]) -> object:
+    async def change(self, decide: Callable[[CursorStore], object],
+                     writes: bool = True) -> object:
         """Run `decide(store)` (checks, then stages; raises to change nothing) and answer
-        its result once durable."""
-        result = decide(self._usable())
-        await self._durable()
+        its result once durable (replicated: once the in-sync replicas hold it too, and
+        refused with NOT_ENOUGH_REPLICAS below min.insync.replicas). writes=False: a
+        decision known to stage nothing (it still waits for what it saw to be held)."""
+        replication = self._replication()
+        store = self._usable()
+        if replication is not None and writes:
+            replication.check_writable()  # NOT_ENOUGH_REPLICAS etc.: nothing staged
+        result = decide(store)
+        target = await self._durable()
+        if replication is not None:
+            await replication.cursors_replicated(target, writes)
         return result
+
 
     # ------------------------------------------------------------------ operations
     async def create(self, name: str, position: int) -> tuple[bool, int]:
@@ -252,7 +283,8 @@ class PartitionSubscriptions:
                 store.stage(entry)
             return entry is not None
 
-        created = await self.change(decide)
+        # Joining an existing subscription writes nothing: served with too few replicas.
+        created = await self.change(decide, writes=name not in self._usable().cursors())
         return created, self.cumulative_end(name)
 
     async def delete(self, name: str) -> None:
