@@ -106,6 +106,7 @@ class PartitionManager:
         self.assignments = Assignments(self.zk, self.server_name, loop, self._reconcile)
         await asyncio.to_thread(self.assignments.start)
         await self.assignments.ready.wait()
+        await asyncio.to_thread(self._leave_isrs)  # before this server registers
         await asyncio.gather(*list(self._tasks))
         self._chores = asyncio.create_task(self._run_chores(), name="partition chores")
 
@@ -215,6 +216,10 @@ class PartitionManager:
             leading = owner.replication if owner is not None else None
             if leading is not None and leading.epoch == state.leader_epoch \
                     and leading.fenced is None:
+                if known.version > leading.known.version:  # e.g. a replica left the ISR
+                    leading.known = known
+                    leading.progress.isr_changed(known.state.isr)
+                    owner.replicated()
                 return
             known_hw = 0
             follower = self.followers.pop(key, None)
@@ -252,6 +257,23 @@ class PartitionManager:
         self.followers[key] = follower
         await follower.start()
 
+    def _leave_isrs(self) -> None:
+        """At start, before registering: out of the ISR of every replica here (see
+        partition_states.leave_isr); each rejoins once caught up with its leader."""
+        live = self.assignments.live()
+        for topic, partition in self.assignments.replicated_here():
+            known = self.assignments.state((topic, partition))
+            if known is None or self.server_name not in known.state.isr:
+                continue
+            record = self.assignments.topic(topic)
+            written = partition_states.leave_isr(self.zk.client, topic, partition,
+                                                 record.replicas_of(partition),
+                                                 self.server_name, live)
+            if written is not None:
+                event(log, "left the ISR at start", partition=f"{topic}-{partition}",
+                      leader=written.state.leader, epoch=written.state.leader_epoch,
+                      isr=list(written.state.isr))
+
     async def _step_down(self, key: tuple[str, int]) -> None:
         owner = self.owners.get(key)
         if owner is None or owner.replication is None:
@@ -261,9 +283,21 @@ class PartitionManager:
         await owner.close()
 
     def _write_isr(self, topic: str, partition: int):
+        def write_blocking(known, isr: list[str]):
+            try:
+                return partition_states.change_isr(self.zk.client, topic, partition, known, isr)
+            except partition_states.StaleState:
+                # A restarted replica may have taken itself out of the ISR meanwhile: the
+                # leadership goes on with that ISR (the leader recomputes from it); any
+                # other change (a new leader or epoch) ends it.
+                fresh = partition_states.read(self.zk.client, topic, partition)
+                if (fresh.state.leader, fresh.state.leader_epoch) == \
+                        (known.state.leader, known.state.leader_epoch):
+                    return fresh
+                raise
+
         async def write(known, isr: list[str]):
-            return await asyncio.to_thread(partition_states.change_isr, self.zk.client, topic,
-                                           partition, known, isr)
+            return await asyncio.to_thread(write_blocking, known, isr)
         return write
 
     async def _address_of(self, server: str) -> str:

@@ -14,6 +14,12 @@ run them on a thread.
 - `change_isr` is the leader's ISR shrink or expand, against the version it last read; a
   newer state (another leader, another epoch) makes it fail with StaleState, and the
   leader must stop acknowledging and reread.
+- `leave_isr` is what a partition server does for each of its replicas when it starts,
+  before it registers: it takes itself out of the ISR (and out of leadership, to another
+  live in-sync replica), because it cannot know that its log is still whole — its disk may
+  have been wiped or replaced while it was down, and an in-sync replica with an empty log
+  that won an election would erase what the others hold. It rejoins the ISR the normal way,
+  once its leader sees it caught up.
 """
 
 from __future__ import annotations
@@ -117,3 +123,42 @@ def change_isr(client, topic: str, partition: int, known: Versioned,
         raise ValueError("an offline partition has no leader to change its ISR")
     new = PartitionState(state.leader, state.leader_epoch, tuple(isr))  # checks leader in ISR
     return _write(client, topic, partition, new, known.version)
+
+
+def leaving(state: PartitionState, replicas: list[str], me: str,
+            live: Iterable[str]) -> PartitionState | None:
+    """The state with `me` out of the ISR (pure), or None when there is nothing to do: `me`
+    is not in it, or `me` leads and no other in-sync replica is live, or the partition is
+    offline with `me` its last in-sync replica (then `me` is the only copy with everything
+    acknowledged: it keeps it, and leads from the log it has)."""
+    if me not in state.isr:
+        return None
+    rest = tuple(r for r in state.isr if r != me)
+    if state.leader is None:
+        # Offline: the ISR lists who may lead when back. Leave it to the others when
+        # there are others; the last one stays (no other replica holds everything).
+        return PartitionState(None, state.leader_epoch, rest) if rest else None
+    if state.leader != me:
+        return PartitionState(state.leader, state.leader_epoch, rest)
+    live = set(live) - {me}
+    heirs = [r for r in replicas if r in rest and r in live]
+    if not heirs:
+        return None
+    return PartitionState(heirs[0], state.leader_epoch + 1, rest)
+
+
+def leave_isr(client, topic: str, partition: int, replicas: list[str], me: str,
+              live: Iterable[str], attempts: int = 20) -> Versioned | None:
+    """Take `me` out of the partition's ISR by compare-and-set (`leaving`), rereading on
+    conflicts; returns the state written, or None when nothing was to be done."""
+    live = set(live)
+    for _ in range(attempts):
+        current = read(client, topic, partition, replicas)
+        wanted = leaving(current.state, replicas, me, live)
+        if wanted is None:
+            return None
+        try:
+            return _write(client, topic, partition, wanted, current.version)
+        except StaleState:
+            continue
+    raise StaleState(f"{topic}-{partition} kept changing while {me} left its ISR")

@@ -174,7 +174,16 @@ class MetadataCache:
         if not 0 <= partition < len(routes):
             raise errors.UnknownTopicOrPartition(
                 f"topic {topic!r} has {len(routes)} partitions; no partition {partition}")
-        return routes[partition]
+        found = routes[partition]
+        if not found.address:
+            # The owner is down, or (replicated) the partition has no leader right now:
+            # retriable, and the next lookup asks the cluster again.
+            self.invalidate(topic)
+            raise errors.error_for("SERVER_UNAVAILABLE",
+                                   f"partition {topic}-{partition} has no live leader "
+                                   f"(last known: {found.server_name or 'none'})",
+                                   {"retry_after_ms": "200"})
+        return found
 
     def invalidate(self, topic: str) -> None:
         with self._lock:

@@ -122,3 +122,33 @@ def test_a_deposed_leaders_isr_change_fails(zk):
     assert ps.read(zk, "t", 0).state == PartitionState("b", 1, ("b", "c"))
     with pytest.raises(ValueError):
         ps.change_isr(zk, "t", 0, ps.read(zk, "t", 0), ["c"])  # the leader cannot leave
+
+
+def test_leaving_the_isr_at_start_is_pure_and_hands_leadership_on():
+    state = PartitionState("a", 4, ("a", "b", "c"))
+    assert ps.leaving(state, ["a", "b", "c"], "b", {"a", "b", "c"}) == \
+        PartitionState("a", 4, ("a", "c"))
+    # The leader hands over to the first live in-sync replica, in a new epoch.
+    assert ps.leaving(state, ["a", "b", "c"], "a", {"c"}) == PartitionState("c", 5, ("b", "c"))
+    # Nothing to do: not in the ISR, or the only live copy of everything acknowledged.
+    assert ps.leaving(PartitionState("a", 4, ("a", "c")), ["a", "b", "c"], "b", {"a"}) is None
+    assert ps.leaving(state, ["a", "b", "c"], "a", {"a"}) is None
+    # Offline: leave the others to lead when back; the last one stays.
+    assert ps.leaving(PartitionState(None, 6, ("a", "b")), ["a", "b", "c"], "a", set()) == \
+        PartitionState(None, 6, ("b",))
+    assert ps.leaving(PartitionState(None, 6, ("a",)), ["a", "b", "c"], "a", set()) is None
+
+
+@pytest.mark.cluster
+def test_a_restarted_replica_leaves_the_isr_by_compare_and_set(zk):
+    ps.create_all(zk, "t", REPLICAS, live=["a", "b", "c"])
+    written = ps.leave_isr(zk, "t", 0, REPLICAS[0], "b", ["a", "b", "c"])
+    assert written.state == PartitionState("a", 0, ("a", "c"))
+    assert ps.leave_isr(zk, "t", 0, REPLICAS[0], "b", ["a", "b", "c"]) is None  # done already
+    # A leader's ISR change based on the version before the replica left fails: it rereads.
+    with pytest.raises(ps.StaleState):
+        ps.change_isr(zk, "t", 0, ps.Versioned(PartitionState("a", 0, ("a", "b", "c")), 0),
+                      ["a", "b"])
+    moved = ps.leave_isr(zk, "t", 1, REPLICAS[1], "b", ["a", "b", "c"])
+    assert moved.state.leader == "c" and moved.state.leader_epoch == 1
+    assert "b" not in moved.state.isr
