@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.chaos.nemesis import NEMESES
+from tests.chaos.nemesis import NEMESES, REPLICATED_ONLY
 from tests.chaos.runner import WORKLOADS, Options, Run
 
 
@@ -26,22 +26,35 @@ def parse(argv: list[str] | None) -> Options:
                         help="length of the fault phase (default 1)")
     parser.add_argument("--seed", type=int, default=None,
                         help="replays a run's faults and operations (default: random)")
-    parser.add_argument("--nemesis", default="kill,pause,net,disk",
+    parser.add_argument("--nemesis", default=None,
                         help=f"comma-separated, from {','.join(NEMESES)}, or 'none' "
-                             "(default: all)")
+                             "(default: kill,pause,net,disk, and leader,wipe with "
+                             "--replication 2 or more)")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the history and report go (default: "
                              ".atomlog/chaos/<workload>-<seed>-<time>)")
     parser.add_argument("--keep-cluster", action="store_true",
                         help="keep the cluster's data directories after the run")
+    parser.add_argument("--replication", type=int, default=1,
+                        help="replication factor of every topic, __txn_log included "
+                             "(topics.default_replication_factor; default 1); the leader and "
+                             "wipe nemeses need 2 or more")
     parser.add_argument("--combined", action="store_true",
                         help="run the combined server (every role in one process) instead "
                              "of a process per role")
     args = parser.parse_args(argv)
-    nemeses = [] if args.nemesis == "none" else [n for n in args.nemesis.split(",") if n]
+    chosen = args.nemesis or ("kill,pause,net,disk" + (",leader,wipe" if args.replication > 1
+                                                       else ""))
+    nemeses = [] if chosen == "none" else [n for n in chosen.split(",") if n]
     unknown = [n for n in nemeses if n not in NEMESES]
     if unknown:
         parser.error(f"unknown nemesis {', '.join(unknown)}; choose from {', '.join(NEMESES)}")
+    if not 1 <= args.replication <= 3:
+        parser.error("--replication must be 1..3 (the run has 3 partition servers)")
+    if args.replication > 1 and args.combined:
+        parser.error("--replication needs separate partition servers (not --combined)")
+    if args.replication == 1 and any(n in REPLICATED_ONLY for n in nemeses):
+        parser.error(f"nemeses {', '.join(REPLICATED_ONLY)} need --replication 2 or more")
     if not 0 < args.minutes <= 24 * 60:
         parser.error("--minutes must be in (0, 1440]")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
@@ -49,7 +62,7 @@ def parse(argv: list[str] | None) -> Options:
         f"{args.workload}{'-combined' if args.combined else ''}-{seed}-" \
         f"{time.strftime('%Y%m%d-%H%M%S')}"
     return Options(args.workload, args.minutes, seed, nemeses, run_dir, args.keep_cluster,
-                   combined=args.combined)
+                   combined=args.combined, replication=args.replication)
 
 
 def _stop(signum, _frame) -> None:

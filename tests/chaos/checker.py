@@ -149,7 +149,7 @@ DESCRIPTIONS = {
                      "read does not hold (committed, then gone)",
 }
 
-KNOWN_KINDS = frozenset({"send", "txn", "poll", "seek", "fence", "cursor", "nemesis",
+KNOWN_KINDS = frozenset({"send", "txn", "poll", "seek", "fence", "cursor", "nemesis", "nemesis-target",
                          "final-read", "final-positions", "workload"})
 DESCRIBED_FIELDS = ("process", "f", "invoke", "complete", "outcome", "error", "txn_id",
                     "result", "decision", "transactional_id", "epoch", "commit_invoke", "producer",

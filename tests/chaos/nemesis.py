@@ -12,6 +12,12 @@ Nemeses and their faults:
          (drop), one link dropped both ways or one way, delayed links, and resets
   disk   the fsync failpoint of one partition server armed (EIO from every fsync), and
          its small filesystem filled up (ENOSPC)
+  leader (replicated runs, docs/replication.md) the current leader of a random workload
+         partition, looked up in ZooKeeper when the fault begins: killed with SIGKILL,
+         paused past its session, cut off from ZooKeeper past its session, or cut off
+         from its followers (links dropped both ways) longer than replication.max_lag_ms
+  wipe   (replicated runs) kill -9 of one partition server, its partition directories
+         deleted, restarted after 0-4 s: it must rebuild every replica from the leaders
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-NEMESES = ("kill", "pause", "net", "disk")
+NEMESES = ("kill", "pause", "net", "disk", "leader", "wipe")
+REPLICATED_ONLY = ("wipe",)  # would destroy acknowledged data with one copy
 QUIET_S = (1.0, 4.0)  # between two faults
 
 
@@ -46,6 +53,8 @@ class Topology:
     clients: tuple[str, ...] = ()           # killable workload clients (ctp workers)
     disk_server: str = ""                   # the partition server on a small filesystem
     session_timeout_s: float = 3.0
+    partitions: tuple[str, ...] = ()        # "topic/p" of the workload (leader nemesis)
+    max_lag_s: float = 3.0                  # replication.max_lag_ms of the cluster
 
     @property
     def servers(self) -> tuple[str, ...]:
@@ -87,6 +96,16 @@ def _one(rng: random.Random, nemesis: str, at_s: float, topology: Topology) -> F
         if kind == "net-delay":
             return Fault(at_s, kind, f"*->{destination}", duration, rng.uniform(0.05, 0.5))
         return Fault(at_s, kind, f"{source}->{destination}", duration)
+    if nemesis == "leader":
+        kind = rng.choice(("leader-kill", "leader-pause", "leader-zk-cut", "leader-cut"))
+        target = rng.choice(topology.partitions)
+        if kind == "leader-kill":
+            return Fault(at_s, kind, target, rng.uniform(0.0, 4.0))
+        if kind in ("leader-pause", "leader-zk-cut"):
+            return Fault(at_s, kind, target, topology.session_timeout_s + rng.uniform(1.0, 4.0))
+        return Fault(at_s, kind, target, topology.max_lag_s + rng.uniform(1.0, 5.0))
+    if nemesis == "wipe":
+        return Fault(at_s, "wipe", rng.choice(topology.partition_servers), rng.uniform(0.0, 4.0))
     assert nemesis == "disk", nemesis
     kind = rng.choice(("disk-fsync", "disk-full")) if topology.disk_server else "disk-fsync"
     target = topology.disk_server if kind == "disk-full" else rng.choice(topology.partition_servers)

@@ -30,9 +30,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 COUNTS = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
 COMBINED_COUNTS = {"combined": 1}  # --combined: every role in one process (node-0)
 SESSION_TIMEOUT_MS = 3_000
+REPLICA_MAX_LAG_MS = 3_000
 SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
             "coordinator.log_segment_bytes": "65536",
-            "coordinator.snapshot_every_records": "200"}
+            "coordinator.snapshot_every_records": "200",
+            "replication.max_lag_ms": str(REPLICA_MAX_LAG_MS)}
 TXN_TIMEOUT_S = 5.0
 ACK_TIMEOUT_S = 5.0
 DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's server
@@ -67,6 +69,7 @@ class Options:
     keep_cluster: bool = False
     quiet: bool = False
     combined: bool = False
+    replication: int = 1  # topics.default_replication_factor: every topic, __txn_log too
 
 
 @dataclass
@@ -96,6 +99,8 @@ class Run:
         self.topics = CTP_TOPICS if options.workload == "ctp" else LOG_TOPICS
         self.counts = COMBINED_COUNTS if options.combined else COUNTS
         self.duration_s = options.minutes * 60
+        self.settings = {**SETTINGS,
+                         "topics.default_replication_factor": str(options.replication)}
 
     def say(self, text: str) -> None:
         if not self.options.quiet:
@@ -110,7 +115,8 @@ class Run:
             f"{options.seed}\npython -m tests.chaos --workload {options.workload} "
             f"--minutes {options.minutes:g} --seed {options.seed} "
             f"--nemesis {','.join(options.nemeses) or 'none'}"
-            f"{' --combined' if options.combined else ''}\n")
+            f"{' --combined' if options.combined else ''}"
+            f"{f' --replication {options.replication}' if options.replication > 1 else ''}\n")
         self.log = EventLog(self.run_dir, "nemesis")
         final_log = EventLog(self.run_dir, "final")
         self.proxy.start()
@@ -142,7 +148,7 @@ class Run:
         history.write_history(self.run_dir, operations)
         report = checker.check(operations)
         report["run"] = {"workload": options.workload, "seed": options.seed,
-                         "combined": options.combined,
+                         "combined": options.combined, "replication": options.replication,
                          "minutes": options.minutes, "nemeses": options.nemeses,
                          "notes": self.notes,
                          "client_crashes": {c.name: c.crashes for c in self.clients.values()
@@ -167,7 +173,7 @@ class Run:
     # ------------------------------------------------------------------ cluster
     def start_cluster(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cluster = launcher.plan(self.data_dir, self.counts, SETTINGS)
+        cluster = launcher.plan(self.data_dir, self.counts, self.settings)
         zookeeper = self.entry(cluster, "zookeeper")
         zookeeper_proxy = self.proxy.add_route("zookeeper", zookeeper.grpc_address,
                                                int(launcher.free_port()))
@@ -185,7 +191,7 @@ class Run:
             self.mount_small_disk(self.disk_server(cluster))
         cluster.save(self.data_dir)
         self.say(f"starting a cluster in {self.data_dir}")
-        report = launcher.up(self.data_dir, self.counts, SETTINGS, timeout_s=120)
+        report = launcher.up(self.data_dir, self.counts, self.settings, timeout_s=120)
         self.cluster = report.cluster
         self.refresh_names()
         self.say(f"cluster up in {report.seconds:.1f} s")
@@ -226,7 +232,10 @@ class Run:
         return nemesis.Topology(names["partition_server"] + names["combined"], names["coordinator"],
                                 names["id_allocator"], clients,
                                 self.disk_server(self.cluster).name if self.mounted else "",
-                                SESSION_TIMEOUT_MS / 1000)
+                                SESSION_TIMEOUT_MS / 1000,
+                                tuple(f"{topic}/{p}" for topic, count in self.topics.items()
+                                      for p in range(count)),
+                                REPLICA_MAX_LAG_MS / 1000)
 
     def restart(self, name: str) -> None:
         entry = self.entry(self.cluster, name)
@@ -272,8 +281,102 @@ class Run:
             self.log.complete(op, "fail", error=repr(error))
             self.notes.append(f"healing {fault.fault} {fault.target} failed: {error!r}")
 
+    def leader_of(self, partition: str) -> str:
+        """The current leader of "topic/p", from its state in ZooKeeper (read directly,
+        not through the fault proxy); a partition server at random if it cannot be read."""
+        from kazoo.client import KazooClient
+
+        from partition_server.partition_states import path_of
+        from partition_server.replication import PartitionState
+
+        topic, number = partition.rsplit("/", 1)
+        zookeeper = self.entry(self.cluster, "zookeeper").grpc_address
+        client = KazooClient(hosts=zookeeper + self.cluster.chroot, timeout=5)
+        try:
+            client.start(timeout=5)
+            data, _ = client.get(path_of(topic, int(number)))
+            leader = PartitionState.from_json(data).leader
+        except Exception as error:  # noqa: BLE001 — an unreplicated topic, ZooKeeper away
+            leader = None
+            self.notes.append(f"leader of {partition} unknown ({error!r}): a random server")
+        finally:
+            client.stop()
+            client.close()
+        servers = [p.name for p in self.cluster.processes
+                   if p.role in launcher.SERVES_PARTITIONS]
+        return leader if leader in servers else servers[hash(partition) % len(servers)]
+
+    def wait_in_sync(self, timeout_s: float) -> bool:
+        """Until every replicated partition's ISR holds all its replicas (read from
+        ZooKeeper directly); False after timeout_s."""
+        from kazoo.client import KazooClient
+
+        from partition_server.partition_states import path_of
+        from partition_server.replication import PartitionState
+        from services.topics import TopicRecord
+
+        zookeeper = self.entry(self.cluster, "zookeeper").grpc_address
+        client = KazooClient(hosts=zookeeper + self.cluster.chroot, timeout=5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            client.start(timeout=5)
+            while time.monotonic() < deadline:
+                self.watch_clients()
+                lagging = 0
+                for name in client.get_children("/topics"):
+                    record = TopicRecord.from_json(name, json.loads(client.get(f"/topics/{name}")[0]))
+                    for p in range(record.partitions if record.replicated else 0):
+                        state = PartitionState.from_json(client.get(path_of(name, p))[0])
+                        lagging += state.leader is None or \
+                            sorted(state.isr) != sorted(record.replicas_of(p))
+                if not lagging:
+                    return True
+                time.sleep(0.2)
+        except Exception as error:  # noqa: BLE001 — ZooKeeper away: not in sync
+            self.notes.append(f"in-sync check failed: {error!r}")
+        finally:
+            client.stop()
+            client.close()
+        return False
+
     def apply(self, fault: nemesis.Fault):
         kind, target = fault.fault, fault.target
+        if kind.startswith("leader-"):
+            leader = self.leader_of(target)
+            self.log.record("nemesis-target", fault=kind, partition=target, leader=leader)
+            self.say(f"  leader of {target}: {leader}")
+            if kind == "leader-kill":
+                return self.apply(nemesis.Fault(fault.at_s, "kill", leader, fault.duration_s))
+            if kind == "leader-pause":
+                return self.apply(nemesis.Fault(fault.at_s, "pause", leader, fault.duration_s))
+            if kind == "leader-zk-cut":
+                self.proxy.set_fault(leader, "zookeeper", "drop")
+                self.proxy.set_fault("zookeeper", leader, "drop")
+                return lambda: (self.proxy.heal(leader, "zookeeper"),
+                                self.proxy.heal("zookeeper", leader))
+            followers = [p.name for p in self.cluster.processes
+                         if p.role in launcher.SERVES_PARTITIONS and p.name != leader]
+            for follower in followers:
+                self.proxy.set_fault(leader, follower, "drop")
+                self.proxy.set_fault(follower, leader, "drop")
+            return lambda: [(self.proxy.heal(leader, f), self.proxy.heal(f, leader))
+                            for f in followers]
+        if kind == "wipe":
+            # One lost disk at a time, repaired before the next: with every partition's
+            # replicas back in sync (else three quick wipes erase every copy).
+            if not self.wait_in_sync(60.0):
+                self.notes.append(f"wipe of {target} skipped: replicas not in sync for 60 s")
+                return lambda: None
+            entry = self.entry(self.cluster, target)
+            self.signal(entry.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while launcher.process_alive(entry.pid, launcher.marker_of(entry)) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            partitions = Path(entry.data_dir) / "partitions"
+            for child in (partitions.iterdir() if partitions.is_dir() else ()):
+                shutil.rmtree(child, ignore_errors=True)
+            return lambda: self.restart(target)
         if kind == "kill":
             entry = self.entry(self.cluster, target)
             self.signal(entry.pid, signal.SIGKILL)
@@ -326,7 +429,7 @@ class Run:
             (Path(self.mounted) / "filler").unlink(missing_ok=True)
         for entry in self.cluster.processes:
             self.signal(entry.pid, signal.SIGCONT)
-        report = launcher.up(self.data_dir, self.counts, SETTINGS, timeout_s=120)
+        report = launcher.up(self.data_dir, self.counts, self.settings, timeout_s=120)
         self.cluster = report.cluster
         self.refresh_names()
         if report.started:
