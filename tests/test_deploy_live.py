@@ -249,6 +249,9 @@ def _load(cluster, seconds: float) -> None:
     bootstrap = cluster.info["bootstrap"]
     one_call, streaming = Client(bootstrap), Client(bootstrap, one_call_max_bytes=0)
     topic = create_online(one_call, f"deploy-live-{int(time.time())}", 3)
+    # A replicated topic, so the replication gauges have series.
+    create_online(one_call, f"deploy-live-replicated-{int(time.time())}", 1,
+                  replication_factor=3)
     deadline, n = time.monotonic() + seconds, 0
     with one_call.producer() as producer, streaming.producer() as s_producer, \
             one_call.consumer(topic) as consumer:
