@@ -93,8 +93,9 @@ class LeaderReplication:
         self._live = live
         self._data: asyncio.Future | None = None
         self._isr_task: asyncio.Task | None = None
+        self._isr_event = asyncio.Event()  # before the task runs: Replicate may poke it
         self._isr_writing = False
-        self.cursors = CursorProgress(me, self.replicas)
+        self.cursors = CursorProgress(me, self.replicas, _now_ms())
         self._cursors_moved: asyncio.Future | None = None  # cursor changes wait on it
 
     # ---------------------------------------------------------------- lifecycle
@@ -201,7 +202,11 @@ class LeaderReplication:
                 return
             if self._cursors_moved is None:
                 self._cursors_moved = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._cursors_moved)
+            try:  # woken when it may have moved; looked at again at the ISR's pace anyway
+                await asyncio.wait_for(asyncio.shield(self._cursors_moved),
+                                       ISR_CHECK_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
 
     def _wake_cursor_waiters(self) -> None:
         moved, self._cursors_moved = self._cursors_moved, None
@@ -287,7 +292,8 @@ class LeaderReplication:
                                f"{request.replica} fetches {self.name} from {fetch}, past the "
                                f"leader's durable end {self.local_durable_end}")
         self.progress.fetched(request.replica, fetch, self.local_durable_end, _now_ms())
-        cursor_position = self.cursors.fetched(request.replica, request.cursor_sequence)
+        cursor_position = self.cursors.fetched(request.replica, request.cursor_sequence,
+                                               _now_ms())
         owner.replicated()  # the high watermark may have moved: answer what it covers
         self._wake_cursor_waiters()  # so may the cursors' one
         if self.progress.expand(self.epoch_start) is not None:
@@ -295,6 +301,9 @@ class LeaderReplication:
         if fetch >= self.local_durable_end and not self._cursor_news(cursor_position):
             await self._wait_for_data(fetch, cursor_position, max_wait_s)
             self._check_epoch(request.leader_epoch)
+            # The owner may have reloaded its log meanwhile (after a failed write).
+            owner.check_loaded()
+            partition_log = owner.log
         records, next_offset = b"", fetch
         if fetch < self.local_durable_end:
             records, next_offset = partition_log.read(
@@ -340,7 +349,6 @@ class LeaderReplication:
             self._isr_event.set()
 
     async def _maintain_isr(self) -> None:
-        self._isr_event = asyncio.Event()
         while self.fenced is None:
             try:
                 await asyncio.wait_for(self._isr_event.wait(), ISR_CHECK_INTERVAL_S)
@@ -383,10 +391,13 @@ class LeaderReplication:
         progress = self.progress
         live = self._live()
         isr = set(progress.isr)
-        keep = {r for r in (progress.shrink(_now_ms()) or isr) if r == self.me or r in live}
+        now = _now_ms()
+        keep = {r for r in (progress.shrink(now) or isr) if r == self.me or r in live}
         joining = {r for r in (progress.expand(self.epoch_start) or isr) - isr if r in live}
         if self._cursor_store() is not None:
-            # An in-sync replica must hold every acknowledged cursor change too.
+            # An in-sync replica must keep up with the cursor journal too, and hold every
+            # acknowledged cursor change when it joins.
+            keep -= self.cursors.lagging(isr, now, progress.max_lag_ms)
             joining = {r for r in joining if self.cursors.holds(r, isr)}
         wanted = keep | joining
         return wanted if wanted != isr else None
@@ -475,6 +486,12 @@ class Follower:
     async def _run(self) -> None:
         delay = FOLLOWER_RETRY_FIRST_S
         while True:
+            if self.log is None:  # a reopen failed: try again, at the loop's pace
+                await self._reopen()
+                if self.log is None:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, FOLLOWER_RETRY_MAX_S)
+                    continue
             try:
                 await self._fetch_once()
                 delay = FOLLOWER_RETRY_FIRST_S
@@ -491,11 +508,31 @@ class Follower:
                         continue
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, FOLLOWER_RETRY_MAX_S)
+                if error.reason in ("INTERNAL", "DATA_LOSS"):
+                    await self._reopen()  # a failed write or fsync left the log refusing
             except Exception as error:  # noqa: BLE001 — leader away, disk trouble: retry
                 self.last_error = f"{type(error).__name__}: {error}"
                 log.debug("follower %s: %s", self.name, self.last_error)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, FOLLOWER_RETRY_MAX_S)
+                if isinstance(error, OSError):
+                    await self._reopen()
+
+    async def _reopen(self) -> None:
+        """After a failed write or fsync the log refuses every use until reopened: reopen it
+        (recovery cuts a torn tail; a full disk keeps failing, and this keeps trying)."""
+        if self.log is not None:
+            closing, self.log = self.log, None
+            try:
+                await asyncio.to_thread(closing.close)
+            except Exception:  # noqa: BLE001 — recovery decides what is on disk
+                log.exception("closing the failed log of %s", self.name)
+        try:
+            self.log, self.epochs = await asyncio.to_thread(self._open)
+            event(log, "follower reopened its log after a failure", logging.WARNING,
+                  partition=self.name, log_end=self.log.log_end_offset)
+        except Exception as error:  # noqa: BLE001 — the disk may come back: the loop retries
+            self.last_error = f"reopen failed: {type(error).__name__}: {error}"
 
     async def _fetch_once(self) -> None:
         partition_log = self.log
@@ -519,8 +556,13 @@ class Follower:
             await self._truncate(cut, response)
             return
         self.known_hw = response.high_watermark
-        if response.cursors_available:
+        await self._copy_records(response, partition_log, fetch)
+        if response.cursors_available and (response.cursor_snapshot or response.cursor_frames):
+            # After the log: a cursor failure raises (the loop backs off) but never holds
+            # the log back.
             await asyncio.to_thread(self._copy_cursors, response)
+
+    async def _copy_records(self, response, partition_log: PartitionLog, fetch: int) -> None:
         if not response.records:
             return
         data = response.records

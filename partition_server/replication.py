@@ -333,19 +333,26 @@ class CursorProgress:
 
     leader: str
     replicas: list[str]
+    now_ms: int = 0  # when the leadership began: every follower gets max_lag_ms from it
     leader_durable_end: int = 0
     positions: dict[str, int] = field(default_factory=dict)
+    caught_up_ms: dict[str, int] = field(default_factory=dict)
+    _last_fetch: dict[str, tuple[int, int]] = field(default_factory=dict)  # (end, ms)
     _high_watermark: int = 0
 
     def __post_init__(self):
         for replica in self.replicas:
             if replica != self.leader:
                 self.positions.setdefault(replica, NOT_SYNCED)
+                self.caught_up_ms.setdefault(replica, self.now_ms)
 
-    def fetched(self, replica: str, position: int) -> int:
-        """A follower's Replicate reports `position`; returns the position recorded:
-        NOT_SYNCED when it claims frames the leader does not hold durably (it copied
-        another history: it must start over from the snapshot)."""
+    def fetched(self, replica: str, position: int, now_ms: int) -> int:
+        """A follower's Replicate reports `position` (at `now_ms`); returns the position
+        recorded: NOT_SYNCED when it claims frames the leader does not hold durably (it
+        copied another history: it must start over from the snapshot). A follower is
+        caught up now when it reports the leader's durable end, and was caught up at its
+        previous call when it reports at least the durable end as of that call (Kafka's
+        rule: under a steady stream of changes no call finds the leader's end unmoved)."""
         if replica not in self.positions:
             raise AtomlogError("NOT_A_REPLICA", f"{replica} is not a replica of this partition")
         if position < NOT_SYNCED:
@@ -353,7 +360,19 @@ class CursorProgress:
         if position > self.leader_durable_end:
             position = NOT_SYNCED
         self.positions[replica] = position
+        if position == self.leader_durable_end:
+            self.caught_up_ms[replica] = max(self.caught_up_ms[replica], now_ms)
+        elif replica in self._last_fetch and position >= self._last_fetch[replica][0]:
+            self.caught_up_ms[replica] = max(self.caught_up_ms[replica],
+                                             self._last_fetch[replica][1])
+        self._last_fetch[replica] = (self.leader_durable_end, now_ms)
         return position
+
+    def lagging(self, isr: Iterable[str], now_ms: int, max_lag_ms: int) -> set[str]:
+        """The in-sync followers whose cursors have not been caught up for max_lag_ms:
+        they leave the ISR as log laggards do (else cursor changes would wait on them)."""
+        return {r for r in isr if r != self.leader and r in self.caught_up_ms
+                and now_ms - self.caught_up_ms[r] > max_lag_ms}
 
     def leader_durable(self, end: int) -> None:
         self.leader_durable_end = max(self.leader_durable_end, end)

@@ -85,13 +85,13 @@ def test_the_cursor_high_watermark_is_the_smallest_durable_position_over_the_isr
     progress.leader_durable(10)
     isr = {"a", "b", "c"}
     assert progress.high_watermark(isr) == 0  # nobody synced: nothing acknowledged
-    assert progress.fetched("b", 10) == 10
+    assert progress.fetched("b", 10, 0) == 10
     assert progress.high_watermark(isr) == 0  # c holds nothing of this leadership yet
     assert progress.high_watermark({"a", "b"}) == 10  # c left the ISR
     progress.leader_durable(15)
-    assert progress.fetched("c", 12) == 12
+    assert progress.fetched("c", 12, 0) == 12
     assert progress.high_watermark(isr) == 10
-    progress.fetched("b", 15)
+    progress.fetched("b", 15, 0)
     assert progress.high_watermark(isr) == 12
     assert progress.lag() == {"b": 0, "c": 3}
 
@@ -101,9 +101,9 @@ def test_the_cursor_high_watermark_never_goes_back():
     it held is still on its disk, so what was acknowledged stays acknowledged."""
     progress = CursorProgress("a", ["a", "b"])
     progress.leader_durable(8)
-    progress.fetched("b", 8)
+    progress.fetched("b", 8, 0)
     assert progress.high_watermark({"a", "b"}) == 8
-    progress.fetched("b", NOT_SYNCED)
+    progress.fetched("b", NOT_SYNCED, 0)
     progress.leader_durable(9)
     assert progress.high_watermark({"a", "b"}) == 8
     assert progress.lag() == {"b": -1}
@@ -112,27 +112,50 @@ def test_the_cursor_high_watermark_never_goes_back():
 def test_a_follower_claiming_frames_the_leader_lacks_must_start_over():
     progress = CursorProgress("a", ["a", "b"])
     progress.leader_durable(5)
-    assert progress.fetched("b", 6) == NOT_SYNCED  # another leadership's history
+    assert progress.fetched("b", 6, 0) == NOT_SYNCED  # another leadership's history
     assert progress.positions["b"] == NOT_SYNCED
     with pytest.raises(AtomlogError) as outsider:
-        progress.fetched("z", 0)
+        progress.fetched("z", 0, 0)
     assert outsider.value.reason == "NOT_A_REPLICA"
     with pytest.raises(AtomlogError) as bad:
-        progress.fetched("b", -2)
+        progress.fetched("b", -2, 0)
     assert bad.value.reason == "INVALID_ARGUMENT"
 
 
 def test_only_a_follower_holding_the_cursor_high_watermark_may_join_the_isr():
     progress = CursorProgress("a", ["a", "b", "c"])
     progress.leader_durable(20)
-    progress.fetched("b", 20)
+    progress.fetched("b", 20, 0)
     isr = {"a", "b"}
     assert progress.high_watermark(isr) == 20
     assert not progress.holds("c", isr)  # not synced
-    progress.fetched("c", 19)
+    progress.fetched("c", 19, 0)
     assert not progress.holds("c", isr)  # behind an acknowledged change
-    progress.fetched("c", 20)
+    progress.fetched("c", 20, 0)
     assert progress.holds("c", isr)
+
+
+def test_a_follower_whose_cursors_lag_past_max_lag_leaves_the_isr():
+    progress = CursorProgress("a", ["a", "b", "c"], now_ms=1_000)
+    progress.leader_durable(4)
+    isr = {"a", "b", "c"}
+    assert progress.lagging(isr, 11_000, 10_000) == set()  # each gets max_lag_ms at first
+    progress.fetched("b", 4, 5_000)  # caught up
+    progress.fetched("c", 3, 5_000)  # behind: not caught up
+    assert progress.lagging(isr, 11_001, 10_000) == {"c"}
+    assert progress.lagging({"a", "b"}, 11_001, 10_000) == set()  # only ISR members
+    progress.leader_durable(6)
+    progress.fetched("c", 6, 12_000)
+    assert progress.lagging(isr, 15_001, 10_000) == {"b"}
+    # Under a steady stream no call finds the leader's end unmoved: a follower holding
+    # what there was at its previous call was caught up then.
+    progress.leader_durable(8)
+    progress.fetched("b", 4, 16_000)  # holds the end as of its call at 5 s
+    assert progress.caught_up_ms["b"] == 5_000
+    progress.leader_durable(10)
+    progress.fetched("b", 8, 17_000)  # holds the end as of its call at 16 s
+    assert progress.caught_up_ms["b"] == 16_000
+    assert progress.lagging(isr, 25_000, 10_000) == {"c"}  # silent since 12 s
 
 
 # ---------------------------------------------------------------------------------------
