@@ -410,6 +410,11 @@ class LeaderReplication:
                 "cursor_lag": self.cursors.lag()}
 
 
+class CursorCopyFailed(Exception):
+    """A follower could not copy its leader's cursors (it starts over from the leader's
+    snapshot); its log is not at fault."""
+
+
 class Follower:
     """One replica copying its leader's log (one leader, one epoch: the manager replaces it
     when the partition's state changes)."""
@@ -559,8 +564,11 @@ class Follower:
         await self._copy_records(response, partition_log, fetch)
         if response.cursors_available and (response.cursor_snapshot or response.cursor_frames):
             # After the log: a cursor failure raises (the loop backs off) but never holds
-            # the log back.
-            await asyncio.to_thread(self._copy_cursors, response)
+            # the log back, and is not the log's failure (no reopen of the log for it).
+            try:
+                await asyncio.to_thread(self._copy_cursors, response)
+            except Exception as error:  # noqa: BLE001 — the store is dropped: resync
+                raise CursorCopyFailed(f"{type(error).__name__}: {error}") from error
 
     async def _copy_records(self, response, partition_log: PartitionLog, fetch: int) -> None:
         if not response.records:
@@ -605,9 +613,9 @@ class Follower:
                 if store is None or not response.cursor_frames:
                     return
                 if response.cursor_first_sequence != store.appended_end:
-                    raise AtomlogError("INTERNAL", f"cursor frames of {self.name} from "
-                                       f"{response.cursor_first_sequence}, expected from "
-                                       f"{store.appended_end}")
+                    raise CursorCopyFailed(f"cursor frames of {self.name} from "
+                                           f"{response.cursor_first_sequence}, expected from "
+                                           f"{store.appended_end}")
                 store.append_copied(response.cursor_frames)
                 store.sync()
                 store.maybe_snapshot()
