@@ -197,7 +197,9 @@ class PartitionManager:
         state = known.state
         live = self.assignments.live()
         me = self.server_name
-        if state.leader is None or state.leader not in live:
+        if state.leader != me and (state.leader is None or state.leader not in live):
+            # (A leader here whose own registration is missing goes on: it is being
+            # re-created after a lost session, or others elect and its state changes.)
             await self._step_down(key)  # a leadership here is over (or never began)
             if me in live:
                 election, _now = await asyncio.to_thread(
