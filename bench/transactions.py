@@ -33,6 +33,12 @@ consume-transform-produce part of it).
 
     .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--combined] [--no-docs]
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000]
+    .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
+
+--only-small runs the small-transactions cell alone (one-call, after the gRPC call floor)
+and prints transactions/s, the server's CPU per transaction (utime + stime of every
+server process over the timed window, from /proc: the figure that holds on a noisy
+machine) and its fsyncs per transaction; --profile records the server with py-spy.
 """
 
 from __future__ import annotations
@@ -119,7 +125,7 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
 
 
 def small_transactions(report, address: str, clients: int, seconds: float,
-                       one_call: bool = True) -> dict:
+                       one_call: bool = True, profile: Path | None = None) -> dict:
     """`clients` processes in a loop of small transactions (one-call ones, or with
     one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`."""
     context = multiprocessing.get_context("spawn")
@@ -133,15 +139,30 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     services = [p for p in report.cluster.processes if p.role != "zookeeper"]
     metrics = [p.metrics_address for p in services]
     time.sleep(max(0.0, start_at - time.time()))
+    print(f"timed window starts: server pids {[p.pid for p in services]}", flush=True)
     before = rpc_counts(metrics)  # the timed window: warm-up calls are behind us
     cpu_before = {p.name: common.cpu_seconds(p.pid) for p in services}
+    spy = None
+    if profile is not None:
+        import subprocess
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(services[0].pid),
+                                "--duration", str(int(seconds)), "--rate", "200",
+                                "--format", "speedscope", "--output", str(profile)],
+                               stdout=subprocess.DEVNULL)
     results = [out.get(timeout=seconds + 300) for _ in workers]
     server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
     after = rpc_counts(metrics)
     for worker in workers:
         worker.join()
+    if spy is not None:
+        spy.wait(60)
+    if os.environ.get("ATOMLOG_BENCH_METRICS_OUT"):  # a diagnostic: the servers' /metrics
+        Path(os.environ["ATOMLOG_BENCH_METRICS_OUT"]).write_text("".join(
+            urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode()
+            for a in metrics))
     count = sum(r[0] for r in results)
-    calls = sum(after[m] - before[m] for m in after if not m.startswith(("TC log", "in-process")))
+    calls = sum(after[m] - before[m] for m in after
+                if not m.startswith(("TC log", "in-process", "fsyncs")))
     local = sum(after[m] - before[m] for m in after if m.startswith("in-process"))
     commits = [c for r in results for c in r[1]]
     totals = [t for r in results for t in r[2]]
@@ -151,7 +172,8 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "calls_per_txn": calls / max(count, 1),
             "local_calls_per_txn": local / max(count, 1),
             "calls_by_method": {m: (after[m] - before[m]) / max(count, 1) for m in after
-                                if after[m] - before[m] > 0},
+                                if after[m] - before[m] > 0 and m != "fsyncs"},
+            "fsyncs_per_txn": (after["fsyncs"] - before["fsyncs"]) / max(count, 1),
             "server_cpu_ms_per_txn": server_cpu / max(count, 1) * 1e3,
             "client_cpu_ms_per_txn": client_cpu / max(count, 1) * 1e3,
             "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
@@ -235,12 +257,14 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
     records = re.compile(r"^atomlog_coordinator_log_records_per_append_sum(?:\{\})? (\S+)$", re.M)
     local = re.compile(r'^atomlog_local_calls_total\{method="/atomlog\.v1\.([^"]+)"\} (\S+)$',
                        re.M)
+    fsyncs = re.compile(r"^atomlog_partition_fsyncs_total(?:\{\})? (\S+)$", re.M)
     for address in metrics_addresses:
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
         for method, value in rpc.findall(text):
             counts[method] += float(value)
         counts["TC log appends"] += sum(float(v) for v in appends.findall(text))
         counts["TC log records"] += sum(float(v) for v in records.findall(text))
+        counts["fsyncs"] += sum(float(v) for v in fsyncs.findall(text))
         for method, value in local.findall(text):  # the combined server's function calls
             counts[f"in-process {method}"] += float(value)
     return counts
@@ -486,6 +510,7 @@ def _ctp_figures(ctp: dict) -> dict:
     per_batch = dict(ctp["rpcs_per_batch"])
     tc_appends = per_batch.pop("TC log appends", 0.0)
     tc_records = per_batch.pop("TC log records", 0.0)
+    fsyncs = per_batch.pop("fsyncs", 0.0)
     local = sorted(((m.removeprefix("in-process "), n) for m, n in per_batch.items()
                     if m.startswith("in-process ")), key=lambda item: -item[1])
     rpcs = sorted(((m, n) for m, n in per_batch.items() if not m.startswith("in-process ")),
@@ -493,7 +518,7 @@ def _ctp_figures(ctp: dict) -> dict:
     cpu_s = ctp["client_cpu_s"] + sum(servers.values())
     return {"rpcs": rpcs, "total_rpcs": sum(n for _, n in rpcs), "local": local,
             "tc_appends": tc_appends,
-            "tc_records": tc_records, "cpu_s": cpu_s,
+            "tc_records": tc_records, "fsyncs": fsyncs, "cpu_s": cpu_s,
             "cpu_ms": cpu_s / max(1, ctp["batches"]) * 1e3,
             "cores": {name: cpu / ctp["seconds"] for name, cpu in sorted(servers.items())}}
 
@@ -630,6 +655,13 @@ def main() -> None:
     parser.add_argument("--combined", action="store_true",
                         help="run on the combined server (every role in one process) and "
                              "write its own section")
+    parser.add_argument("--only-small", action="store_true",
+                        help="run only the small one-call transactions cell (and the gRPC "
+                             "call floor) and print it: server CPU per transaction is its "
+                             "steady figure on a noisy machine; writes no docs")
+    parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                        help="with --only-small: py-spy records the first server process "
+                             "over the timed window into FILE (speedscope format)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     if args.combined:
@@ -649,6 +681,18 @@ def main() -> None:
         baseline = common.fsync_baseline(data_dir)
         floor = common.grpc_call_floor()
         print(f"gRPC call floor: {floor}", flush=True)
+        if args.only_small:
+            small = small_transactions(report, address, args.clients, args.seconds,
+                                       profile=args.profile)
+            print(f"small transactions: {json.dumps(small, indent=1)}", flush=True)
+            print(f"small transactions/s {small['per_s']:.0f} "
+                  f"({small['per_s'] / floor['calls_per_s'] * 100:.1f}% of the call floor "
+                  f"{floor['calls_per_s']:,.0f}/s); server CPU "
+                  f"{small['server_cpu_ms_per_txn']:.2f} ms per transaction (floor: "
+                  f"{floor['server_cpu_ms_per_call']:.2f} ms per call); "
+                  f"{small['fsyncs_per_txn']:.2f} fsyncs per transaction; commit p50/p99 "
+                  f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms", flush=True)
+            return
         raw_s = common.raw_append_seconds(data_dir, RECORD * 256, 4_000, 1)
         raw_mb_s = 4_000 * 256 * len(RECORD) / raw_s / 1e6
         if not args.only_ctp:
