@@ -441,6 +441,10 @@ class Txn:
     unconfirmed: dict[Target, None] = field(default_factory=dict)
     markers_sent_ms: int = -1
     marker_retry_count: int = 0
+    # A one-call transaction (decided in the append that opened it): nothing writes to
+    # it after its decision, so its markers may wait to share a write with the next
+    # staged data (coordinator/markers.py). Not compared: a replay does not know it.
+    one_call: bool = field(default=False, compare=False, repr=False)
 
     @property
     def prepared_deadline_ms(self) -> int:
@@ -947,6 +951,7 @@ class TcPartitionCore:
                 self.apply(record)
                 if isinstance(record, Opened) and record.txn_id in self._one_calls:
                     self._forget_one_call(self._one_calls[record.txn_id])
+                    self._unfinished[record.txn_id].one_call = True
                 if isinstance(record, Decided):
                     decided.append(self._unfinished[record.txn_id])
                     decided.extend(self._unfinished[child] for child in
@@ -1090,6 +1095,12 @@ class TcPartitionCore:
             return None
         return SessionInfo(entry.session, entry.timeout_ms, entry.last_active_ms,
                            entry.current_txn)
+
+    def is_one_call(self, txn_id: TxnId) -> bool:
+        """Whether an unfinished transaction was a one-call one decided here (volatile:
+        false after a load)."""
+        txn = self._unfinished.get(txn_id)
+        return txn is not None and txn.one_call
 
     def is_finished(self, txn_id: TxnId) -> bool:
         """COMMITTED or ABORTED (or forgotten after it finished, or never known)."""

@@ -647,7 +647,7 @@ async def install(runtime) -> list[str]:
     markers = MarkerChannel(routes, config["coordinator.marker_batch_max"],
                             config["coordinator.log_request_timeout_ms"] / 1000)
     stager = StageChannel(routes, config["coordinator.stage_batch_max"],
-                          config["coordinator.log_request_timeout_ms"] / 1000)
+                          config["coordinator.log_request_timeout_ms"] / 1000, markers)
     coordinator = Coordinator(runtime.name, tc_partitions, routes, markers, producer_ids,
                               limits, settings, runtime.metadata, stager,
                               config["coordinator.one_call_max_bytes"])

@@ -24,6 +24,7 @@ import grpc
 from atomlog.v1 import common_pb2, partition_pb2
 from prometheus_client import Counter, Histogram
 
+from coordinator.markers import MarkerChannel
 from coordinator.records import TxnId
 from coordinator.routing import PartitionRoutes
 from services.backoff import Backoff
@@ -64,9 +65,10 @@ class _Part:
 
 class StageChannel:
     def __init__(self, routes: PartitionRoutes, batch_max: int = 1_000,
-                 request_timeout_s: float = 5.0):
+                 request_timeout_s: float = 5.0, markers: "MarkerChannel | None" = None):
         self.routes = routes
         self.request_timeout_s = request_timeout_s
+        self.markers = markers  # lingering markers ride with the calls (markers.py)
         self._calls = PerDestination(self._send, what="staging", max_items=batch_max)
         self._closed = False
 
@@ -91,9 +93,7 @@ class StageChannel:
                     parts = {}
                     failed.append((error, [], None, ""))
                 retry_batches, retry_acks = [], []
-                outcomes = await asyncio.gather(*(self._send_part(a, p, deadline)
-                                                  for a, p in parts.items()),
-                                                return_exceptions=True)
+                outcomes = await self._send_parts(parts, deadline)
                 for part, outcome in zip(parts.values(), outcomes):
                     if isinstance(outcome, BaseException):
                         error = outcome if isinstance(outcome, AtomlogError) else AtomlogError(
@@ -150,6 +150,19 @@ class StageChannel:
             parts.setdefault(address, _Part(txn_id, epoch, [], [])).acks.append(ack)
         return parts
 
+    async def _send_parts(self, parts: dict[str, _Part], deadline: float) -> list:
+        """The outcome (StageTxnResult or the exception) of each part, in order. One part
+        (one server, as on the combined server) is awaited in this task: gather would
+        make a task for it."""
+        if len(parts) == 1:
+            [(address, part)] = parts.items()
+            try:
+                return [await self._send_part(address, part, deadline)]
+            except Exception as error:  # noqa: BLE001 — as gather(return_exceptions=True)
+                return [error]
+        return await asyncio.gather(*(self._send_part(a, p, deadline)
+                                      for a, p in parts.items()), return_exceptions=True)
+
     async def _send_part(self, address: str, part: _Part, deadline: float):
         if self._closed:
             raise AtomlogError("SHUTTING_DOWN", "the coordinator is stopping")
@@ -169,12 +182,33 @@ class StageChannel:
             coordinator_epoch=p.epoch, batches=[item for _, item in p.batches],
             acks=p.acks) for p in group])
         STAGE_CALLS.inc()
+        call = self.routes.stub(address).StageTxn(request, timeout=self.request_timeout_s)
+        riders = self._riders(address, group)
         try:
-            response = await self.routes.stub(address).StageTxn(
-                request, timeout=self.request_timeout_s)
+            if riders:
+                # Markers first, in the same turn: both reach the partitions' owners before
+                # they next write, so a marker and the next staged data share a group and
+                # an fsync (coordinator/markers.py).
+                _, response = await asyncio.gather(self.markers.deliver(address, riders),
+                                                   call)
+            else:
+                response = await call
         except grpc.RpcError as rpc_error:
             raise from_rpc_error(rpc_error) from None
         return list(response.results)
+
+    def _riders(self, address: str, group: list[_Part]) -> list:
+        """The lingering markers for the partitions this call stages on."""
+        if self.markers is None:
+            return []
+        partitions = set()
+        for part in group:
+            for _, item in part.batches:
+                partitions.add((item.topic_partition.topic, item.topic_partition.partition))
+            for ack in part.acks:
+                partitions.add((ack.subscription_partition.topic,
+                                ack.subscription_partition.partition))
+        return self.markers.take_riders(address, partitions)
 
     async def close(self) -> None:
         self._closed = True

@@ -286,6 +286,7 @@ class TcPartition:
         future = asyncio.get_running_loop().create_future()
         self._completion_waiters.setdefault(txn_id, []).append(future)
         self._wake.set()  # a lingering completion goes out now (_linger_for_company)
+        self.markers.hurry()  # and lingering markers (coordinator/markers.py)
         done, _ = await asyncio.wait([future], timeout=timeout_s)
         if future in done:
             future.result()
@@ -310,7 +311,9 @@ class TcPartition:
         if ready.appends:
             self._wake.set()
         if ready.markers:
-            self.markers.send(self, ready.markers)
+            core = self.core
+            self.markers.send(self, ready.markers,
+                              may_linger=core.is_one_call if core is not None else None)
         for txn_id in ready.completed:
             for future in self._completion_waiters.pop(txn_id, []):
                 if not future.done():

@@ -13,7 +13,8 @@ stub.Method(request, timeout=...)` returns the reply, and a failure raises a
 `grpc.aio.AioRpcError` carrying the same status code, message and `ErrorInfo` details
 the gRPC interceptor would have sent (services/interceptors.py), so error handling and
 retries are the same on both paths. A timeout cancels the servicer's work and raises
-DEADLINE_EXCEEDED. The request and reply objects are shared, not copied: neither side
+DEADLINE_EXCEEDED. The servicer runs in the caller's task, as a function call would.
+The request and reply objects are shared, not copied: neither side
 changes them after the call (none of ours does).
 """
 
@@ -168,13 +169,19 @@ class LocalStub:
         behavior = getattr(self._servicer, method)
         name = f"/{self._service}/{method}"
 
+        counted = metrics.LOCAL_CALLS.labels(name)
+
         async def call(request, timeout: float | None = None, **_options):
-            metrics.LOCAL_CALLS.labels(name).inc()
+            counted.inc()
             # The caller is this server, not the client whose call led here.
             principal = auth.set_current(auth.IN_PROCESS)
             try:
-                work = behavior(request, _LocalContext(timeout))
-                return await (work if timeout is None else asyncio.wait_for(work, timeout))
+                # The servicer runs in the caller's task (asyncio.wait_for would make a
+                # task per call); on timeout asyncio.timeout cancels it there.
+                if timeout is None:
+                    return await behavior(request, _LocalContext(None))
+                async with asyncio.timeout(timeout):
+                    return await behavior(request, _LocalContext(timeout))
             except AtomlogError as error:
                 raise _rpc_error(error) from None
             except asyncio.TimeoutError:
