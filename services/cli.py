@@ -159,12 +159,17 @@ def status(data_dir: Path, output: str, token_file: str | None) -> None:
         rows = launcher.status(data_dir, token=_token())
     except launcher.LaunchError as error:
         fail(str(error))
-    healthy = all(r.health == "SERVING" and not r.offline_partitions for r in rows)
+    replication = _replication_summary(data_dir, [r.grpc_address for r in rows
+                                                  if r.health == "SERVING"
+                                                  and r.role != "zookeeper"])
+    healthy = all(r.health == "SERVING" and not r.offline_partitions for r in rows) and \
+        not (replication and replication["offline"])
     prometheus = launcher.prometheus_status(data_dir)  # shown, not part of `healthy`
     cluster = launcher.ClusterFile.load(data_dir.resolve())
     tls = {k: v for k, v in cluster.tls.items() if k != "dir"} if cluster and cluster.tls else {}
     if output == "json":
         click.echo(json.dumps({"healthy": healthy, "processes": [asdict(r) for r in rows],
+                               **({"replication": replication} if replication else {}),
                                **({"prometheus": prometheus} if prometheus else {}),
                                **({"tls": tls} if tls else {})}, indent=2))
     else:
@@ -195,7 +200,41 @@ def status(data_dir: Path, output: str, token_file: str | None) -> None:
             for partition in r.offline_partitions:
                 console.print(f"[red]{r.name}: partition {partition} refuses to serve (DATA_LOSS); "
                               "an operator must recover it[/]", highlight=False)
+        if replication and replication["replicated_partitions"]:
+            under, offline = replication["under_replicated"], replication["offline"]
+            color = "red" if offline else "yellow" if under else "green"
+            console.print(f"[{color}]replicated partitions: "
+                          f"{replication['replicated_partitions']}, under-replicated: "
+                          f"{len(under)}, offline (no leader): {len(offline)}[/]"
+                          + "".join(f"\n  [red]{p}: offline[/]" for p in offline)
+                          + "".join(f"\n  [yellow]{p}: in sync {isr} of {replicas}[/]"
+                                    for p, isr, replicas in under), highlight=False)
     sys.exit(0 if healthy else 1)
+
+
+def _replication_summary(data_dir: Path, addresses: list[str]) -> dict | None:
+    """Replicated partitions, from the first serving server's metadata: how many, which are
+    short of in-sync replicas and which have no leader (None when no server answers)."""
+    from atomlog.v1 import metadata_pb2
+
+    if not addresses:
+        return None
+    _bootstrap(None, data_dir)  # the TLS the local cluster needs
+    for address in addresses:
+        try:
+            reply = _call(address, "GetMetadata", metadata_pb2.GetMetadataRequest())
+            break
+        except SystemExit:
+            continue
+    else:
+        return None
+    rows = [(f"{t.name}-{p.partition}", p) for t in reply.topics for p in t.partitions
+            if len(p.replicas) > 1]
+    return {"replicated_partitions": len(rows),
+            "under_replicated": [(name, ",".join(p.isr), ",".join(p.replicas))
+                                 for name, p in rows
+                                 if p.server_name and len(p.isr) < len(p.replicas)],
+            "offline": [name for name, p in rows if not p.server_name]}
 
 
 @cli.command()

@@ -167,6 +167,10 @@ def test_not_enough_in_sync_replicas_refuses_writes_and_writes_nothing(cluster, 
                    SESSION_TIMEOUT_MS / 1000 + 10, "the dead follower to leave the ISR")
         reply = raw_produce(part.server_address, "rep-min", 0, b"refused")
         assert reply.results[0].error.reason == "NOT_ENOUGH_REPLICAS"
+        under = cluster.status()["replication"]["under_replicated"]  # `atomlog status`
+        assert ["rep-min-0", ",".join(sorted(set(part.replicas) - {follower})),
+                ",".join(part.replicas)] in [[n, ",".join(sorted(i.split(","))), r]
+                                             for n, i, r in under]
         assert client.describe_partition("rep-min", 0).high_watermark == 1
     finally:
         restart_all(cluster)
