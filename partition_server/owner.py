@@ -847,13 +847,10 @@ class PartitionOwner:
 
     def replicated(self) -> None:
         """The in-sync replicas' high watermark may have moved (a follower fetched, the ISR
-        changed): answer what it covers."""
-        if not self._replicating or self.log is None or self.state is not State.ONLINE:
-            return
-        if self._release_replicated():
-            if not self.txns_recovering:
-                self.txns.on_durable(self.log.high_watermark)
-            self._notify_readers()
+        changed): wake the owner task, which answers what it covers. Not here: moving the
+        log's high watermark may write its recovery point, and a failure there must fail
+        the partition closed in the owner task, not escape into a follower's call."""
+        if self._replicating:
             self._poke()
 
     def _snapshot_due(self) -> bool:
