@@ -1727,21 +1727,9 @@ def acl() -> None:
 def acl_add(principal, resource_type, name, prefix, operations, deny, zookeeper, chroot,
             digest_file, data_dir: Path, output: str) -> None:
     """Add ACL entries (one per --operation); adding an existing entry changes nothing."""
-    from kazoo.exceptions import NoAuthError
-
-    from services.acl import AclError
-
     entries = _entries(principal, resource_type, name, prefix, operations, deny)
-    store = _acl_store(zookeeper, chroot, digest_file, data_dir)
-    try:
-        store.change(lambda acls: acls.added(entries))
-    except NoAuthError:
-        fail("ZooKeeper refused the change (NoAuth): give the servers' credential with "
-             "--zookeeper-digest-file")
-    except AclError as error:
-        fail(str(error))
-    finally:
-        store.client.stop()
+    _change_acls(_acl_store(zookeeper, chroot, digest_file, data_dir),
+                 lambda acls: acls.added(entries))
     _print_acls(entries, output)
 
 
@@ -1751,17 +1739,28 @@ def acl_add(principal, resource_type, name, prefix, operations, deny, zookeeper,
 def acl_remove(principal, resource_type, name, prefix, operations, deny, zookeeper, chroot,
                digest_file, data_dir: Path, output: str) -> None:
     """Remove the ACL entries that equal the ones described (exits 1 when none is there)."""
+    entries = _entries(principal, resource_type, name, prefix, operations, deny)
+    store = _acl_store(zookeeper, chroot, digest_file, data_dir)
+    present: list = []
+
+    def remove(acls):
+        present[:] = [e for e in entries if e in set(acls.acls)]
+        if not present:
+            fail("no such ACL entry (see `atomlog acl list`)")
+        return acls.removed(entries)
+
+    _change_acls(store, remove)
+    _print_acls(present, output)
+
+
+def _change_acls(store, change) -> None:
+    """Apply `change` to the stored ACLs (compare-and-set), with the CLI's refusals."""
     from kazoo.exceptions import NoAuthError
 
     from services.acl import AclError
 
-    entries = _entries(principal, resource_type, name, prefix, operations, deny)
-    store = _acl_store(zookeeper, chroot, digest_file, data_dir)
     try:
-        present = [e for e in entries if e in set(store.read()[0].acls)]
-        if not present:
-            fail("no such ACL entry (see `atomlog acl list`)")
-        store.change(lambda acls: acls.removed(entries))
+        store.change(change)
     except NoAuthError:
         fail("ZooKeeper refused the change (NoAuth): give the servers' credential with "
              "--zookeeper-digest-file")
@@ -1769,7 +1768,6 @@ def acl_remove(principal, resource_type, name, prefix, operations, deny, zookeep
         fail(str(error))
     finally:
         store.client.stop()
-    _print_acls(present, output)
 
 
 @acl.command("list")
