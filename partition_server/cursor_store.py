@@ -727,6 +727,13 @@ class CursorStore:
     def retains_frames(self) -> bool:
         return self._retain
 
+    @property
+    def replication_base(self) -> tuple[int, int]:
+        """(covered sequence, encoded bytes) of the snapshot replication_read starts a
+        follower from."""
+        assert self._retain and self._base is not None, "opened without retain_frames"
+        return self._base[0], len(self._base[1])
+
     def replication_read(self, position: int, max_bytes: int
                          ) -> tuple[bytes | None, int, bytes]:
         """A replicating leader's answer to a follower whose journal holds every frame

@@ -55,8 +55,12 @@ ISR_CHECK_INTERVAL_S = 0.25
 FOLLOWER_RETRY_FIRST_S = 0.05
 FOLLOWER_RETRY_MAX_S = 1.0
 REPLICATE_MAX_BYTES = 4 << 20
-# Cursor frames per Replicate answer (a snapshot comes whole on top of them).
+# Cursor frames per Replicate answer (a snapshot comes whole on top of them, and then
+# without log records).
 REPLICATE_CURSOR_MAX_BYTES = 1 << 20
+# A cursor snapshot is sent in one answer: it must fit grpc.max_message_bytes (16 MiB by
+# default) with room to spare. Typical snapshots are a few KiB (docs/subscriptions.md).
+REPLICATE_SNAPSHOT_MAX_BYTES = 12 << 20
 
 
 def _now_ms() -> int:
@@ -97,6 +101,7 @@ class LeaderReplication:
         self._isr_writing = False
         self.cursors = CursorProgress(me, self.replicas, _now_ms())
         self._cursors_moved: asyncio.Future | None = None  # cursor changes wait on it
+        self._unsent_snapshots: dict[str, int] = {}  # replica -> covered, reported
 
     # ---------------------------------------------------------------- lifecycle
     def loaded(self, log_start: int, log_end: int) -> None:
@@ -222,10 +227,15 @@ class LeaderReplication:
 
     def _cursor_news(self, position: int) -> bool:
         """Whether a follower at cursor `position` has something to copy now."""
-        return self._cursor_store() is not None and (
-            position == NOT_SYNCED or position < self.cursors.leader_durable_end)
+        store = self._cursor_store()
+        if store is None:
+            return False
+        covered, size = store.replication_base
+        if position < covered or position > store.durable_end:  # a snapshot to send
+            return size <= REPLICATE_SNAPSHOT_MAX_BYTES
+        return position < self.cursors.leader_durable_end
 
-    def _add_cursors(self, response, position: int) -> None:
+    def _add_cursors(self, response, position: int, replica: str) -> None:
         """The cursor part of a Replicate answer for a follower at `position`."""
         store = self._cursor_store()
         if store is None:
@@ -235,6 +245,16 @@ class LeaderReplication:
                                                              REPLICATE_CURSOR_MAX_BYTES)
         except AtomlogError:
             return  # the store broke: it is being reopened; the follower asks again
+        if snapshot is not None and len(snapshot) > REPLICATE_SNAPSHOT_MAX_BYTES:
+            # Fail closed: the follower cannot sync its cursors, so it leaves the ISR by
+            # cursor lag (or never joins); its log goes on being copied. (Reported once
+            # per follower and snapshot.)
+            if self._unsent_snapshots.get(replica) != first:
+                self._unsent_snapshots[replica] = first
+                event(log, "cursor snapshot too large to replicate", logging.ERROR,
+                      partition=self.name, replica=replica, snapshot_bytes=len(snapshot),
+                      limit_bytes=REPLICATE_SNAPSHOT_MAX_BYTES)
+            return
         response.cursors_available = True
         if snapshot is not None:
             response.cursor_snapshot = snapshot
@@ -304,8 +324,11 @@ class LeaderReplication:
             # The owner may have reloaded its log meanwhile (after a failed write).
             owner.check_loaded()
             partition_log = owner.log
+        cursors = partition_pb2.ReplicateResponse()
+        self._add_cursors(cursors, cursor_position, request.replica)
         records, next_offset = b"", fetch
-        if fetch < self.local_durable_end:
+        if fetch < self.local_durable_end and not cursors.cursor_snapshot:
+            # (A cursor snapshot travels alone: the message stays within its bound.)
             records, next_offset = partition_log.read(
                 fetch, min(request.max_bytes or REPLICATE_MAX_BYTES, REPLICATE_MAX_BYTES),
                 upper_bound_offset=self.local_durable_end)
@@ -318,7 +341,7 @@ class LeaderReplication:
             records=records, high_watermark=self.high_watermark,
             log_start_offset=partition_log.log_start_offset,
             log_end_offset=self.local_durable_end, epochs=epochs)
-        self._add_cursors(response, cursor_position)
+        response.MergeFrom(cursors)
         return response
 
     def _check_epoch(self, epoch: int) -> None:

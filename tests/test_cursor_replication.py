@@ -1,12 +1,15 @@
 """Replication of subscription cursors (docs/replication.md, "Cursors"), without processes:
 the leader's view of its followers' cursor journals (`replication.CursorProgress`, a
-pure core) and the store's side on real files — a replicating leader's `replication_read`
+pure core), the store's side on real files — a replicating leader's `replication_read`
 (durable frames only; its base snapshot when a follower is too far behind, foreign or new),
 a follower's `append_copied` (byte for byte, all or nothing) and `install_snapshot`
 (swapped in whole; a crash mid-way leaves the old store or the new). A seeded random run
 copies a busy leader, with snapshots, crashes of either side and leader reopenings, and
 checks after every round that the follower — and the follower opened as a promoted leader
-would open it — holds exactly the leader's durable cursors."""
+would open it — holds exactly the leader's durable cursors. And the leader's shell
+in-process (a real PartitionOwner with a LeaderReplication, the follower's calls made by
+hand): a change answered only once the follower reports its frame, the snapshot sent
+without records, NOT_ENOUGH_REPLICAS staging nothing, a too-large snapshot withheld."""
 
 from __future__ import annotations
 
@@ -382,3 +385,104 @@ def _random_change(store: CursorStore, rng: random.Random, txns: list[TxnId]) ->
             ack(store, name, cumulative, ranges, txn)
     except AtomlogError:
         pass  # refused (conflict, pending acks, ...): nothing changed
+
+
+# ---------------------------------------------------------------------------------------
+# The leader's shell in-process: a real PartitionOwner with a LeaderReplication, and the
+# follower's Replicate calls made by hand (who calls when is the test's choice)
+# ---------------------------------------------------------------------------------------
+
+def _replicate_request(fetch: int, cursor_sequence: int):
+    from atomlog.v1 import partition_pb2
+    request = partition_pb2.ReplicateRequest(replica="b", leader_epoch=1, fetch_offset=fetch,
+                                             last_fetched_epoch=-1 if fetch == 0 else 1,
+                                             cursor_sequence=cursor_sequence)
+    request.topic_partition.topic = "t"
+    return request
+
+
+async def _leading_owner(directory: Path, min_insync: int = 2):
+    from partition_server.log import LogConfig
+    from partition_server.owner import OwnerSettings, PartitionOwner
+    from partition_server.partition_states import Versioned
+    from partition_server.replica import LeaderReplication
+    from partition_server.replication import PartitionState
+
+    async def no_isr_writes(_known, isr):
+        raise AssertionError(f"unexpected ISR write {isr}")
+
+    known = Versioned(PartitionState("a", 1, ("a", "b")), 0)
+    replication = LeaderReplication("t", 0, "a", known, ["a", "b"], min_insync, 10_000, 0,
+                                    directory, no_isr_writes, lambda: {"a", "b"})
+    owner = PartitionOwner("t", 0, directory, OwnerSettings(log=LogConfig()))
+    owner.replication, replication.owner = replication, owner
+    await owner.start()
+    return owner, replication
+
+
+def test_the_leader_answers_cursor_changes_once_the_isr_holds_them(tmp_path):
+    import asyncio
+
+    from partition_server.record_batch import Record, encode_batch, parse_header
+
+    async def scenario():
+        owner, replication = await _leading_owner(tmp_path / "t-0")
+        try:
+            batch = encode_batch([Record(b"k", b"v")])
+            produced = asyncio.ensure_future(owner.produce([(batch, parse_header(batch))]))
+            created = asyncio.ensure_future(owner.subscriptions.create("s", 0))
+            await asyncio.sleep(0.2)
+            assert not created.done()  # durable here, not yet on the in-sync follower
+            # A follower that begins following gets the cursor snapshot, alone (no records).
+            answer = await replication.replicate(_replicate_request(0, NOT_SYNCED), 0)
+            assert answer.cursors_available and answer.cursor_snapshot and not answer.records
+            directory = tmp_path / "follower" / "cursors"
+            install_snapshot(directory, answer.cursor_snapshot)
+            follower = CursorStore.open(directory)
+            assert answer.cursor_first_sequence == follower.appended_end == 0
+            follower.append_copied(answer.cursor_frames)
+            follower.sync()
+            assert list(follower.cursors()) == ["s"] and not created.done()
+            # Its next call reports the frame: the change is answered; the records follow.
+            answer = await replication.replicate(_replicate_request(0, follower.durable_end), 0)
+            assert await asyncio.wait_for(created, 2) == (True, 0)
+            assert answer.records and not answer.cursor_snapshot and not answer.cursor_frames
+            await replication.replicate(_replicate_request(1, follower.durable_end), 0)
+            await asyncio.wait_for(produced, 2)
+            # Below min.insync.replicas a change is refused and nothing is staged.
+            replication.progress.isr_changed({"a"})
+            before = owner.subscriptions.store.appended_end
+            with pytest.raises(AtomlogError) as refused:
+                await owner.subscriptions.ack("s", 1, (), None, owner.max_read_position())
+            assert refused.value.reason == "NOT_ENOUGH_REPLICAS"
+            assert owner.subscriptions.store.appended_end == before
+            assert owner.subscriptions.cumulative_end("s") == 0
+            # Joining the existing subscription writes nothing: still served.
+            assert await asyncio.wait_for(owner.subscriptions.create("s", 0), 2) == (False, 0)
+            follower.close()
+        finally:
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_cursor_snapshot_too_large_to_send_is_withheld_and_the_log_still_flows(
+        tmp_path, monkeypatch):
+    import asyncio
+
+    from partition_server import replica
+
+    async def scenario():
+        owner, replication = await _leading_owner(tmp_path / "t-0", min_insync=1)
+        monkeypatch.setattr(replica, "REPLICATE_SNAPSHOT_MAX_BYTES", 1)  # any snapshot
+        try:
+            assert not replication._cursor_news(NOT_SYNCED)  # so the long poll waits
+            answer = await replication.replicate(_replicate_request(0, NOT_SYNCED), 0)
+            assert not answer.cursors_available and not answer.cursor_snapshot
+            assert replication.cursors.positions["b"] == NOT_SYNCED
+        finally:
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
