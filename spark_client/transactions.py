@@ -385,8 +385,8 @@ class Transaction:
                 for (topic, partition), part in parts],
             acks=acks)
         try:
-            with self._take_turn(kept):
-                reply = self._call("CommitTxn", request)
+            self._take_turn(kept).wait_before()  # commit() releases or holds it after
+            reply = self._call("CommitTxn", request)
         except errors.AtomlogClientError as error:
             if error.reason in _NOT_COMMITTED:  # definite: it did not commit, and never will
                 self._end_kept(kept, error)
@@ -613,7 +613,15 @@ class Transaction:
                 self._commit_one_call(kept, wait_for_markers)
                 return
         finally:
-            turn.release()  # done, failed, or not a one-call commit: the next may go
+            if self._commit_unknown and self._ended is None:
+                # The outcome is unknown and a retry (commit() again) may still stage
+                # this transaction's records: the producer's next commits wait for it,
+                # else they reach a partition before it (chaos seed 1903's
+                # reordered-writes). abort() releases the turn; past the transaction's
+                # timeout (and a margin) the coordinator can no longer commit it.
+                turn.hold(self._began + self.timeout_s + _TURN_HOLD_MARGIN_S)
+            else:
+                turn.release()  # done, failed, or not a one-call commit: the next may go
         if self._commit_unopened():
             return
         reply = self._end(partition_pb2.TXN_DECISION_COMMIT, wait_for_markers,
@@ -800,28 +808,58 @@ class KeptBy:
             txn._switch()
 
 
+# How long past a transaction's timeout a one-call commit with an unknown outcome keeps
+# its producers' next commits waiting (_in_turn.hold): the coordinator refuses to decide it
+# after its deadline, which it counts from when the call arrived; a call arrives at most
+# its gRPC deadline (at most the transaction's remaining time) after it was sent.
+_TURN_HOLD_MARGIN_S = 5.0
+
+
 class _in_turn:
     """One-call commits holding records of the same producer go out one after the
     other, in the order commit() or commit_async() was called: the producer's records
     then reach each partition in send order also when commit_async() runs several at
     once (as ordinary sends would). The turn is taken when the object is made, in the
     caller's thread (the commit threads may start in any order), under one lock, so the
-    order is total (no cycle between transactions of several producers); `with` waits
-    for the turns before it, and release() (or leaving the `with`) lets the next go."""
+    order is total (no cycle between transactions of several producers); wait_before()
+    (or `with`) waits for the turns before it, and release() (or leaving the `with`) lets
+    the next go; hold() keeps the turn of a commit with an unknown outcome, which a retry
+    may still stage, until released or its transaction's timeout is past."""
 
     def __init__(self, producers):
         self.done: concurrent.futures.Future = concurrent.futures.Future()
-        self.before: list[concurrent.futures.Future] = []
+        self.before: list[_in_turn] = []
+        self.held_until: float | None = None  # time.monotonic(); see hold()
         with _TURNS:
             for producer in producers:
                 previous = getattr(producer, "_one_call_turn", None)
                 if previous is not None:
                     self.before.append(previous)
-                producer._one_call_turn = self.done
+                producer._one_call_turn = self
+
+    def wait_before(self) -> None:
+        """Wait for the turns before this one (then forgets them: turns must not chain
+        up in memory)."""
+        for previous in self.before:
+            previous.wait()
+        self.before = []
 
     def __enter__(self):
-        concurrent.futures.wait(self.before)
+        self.wait_before()
         return self
+
+    def wait(self) -> None:
+        """Until released, or past the time a held turn is held to."""
+        while not self.done.done():
+            held_until = self.held_until
+            if held_until is not None and time.monotonic() >= held_until:
+                return
+            concurrent.futures.wait([self.done], timeout=0.5)
+
+    def hold(self, until: float) -> None:
+        """Keep the turn after a commit with an unknown outcome (commit() may retry it)
+        until it is released or `until` (time.monotonic()) passes."""
+        self.held_until = until
 
     def __exit__(self, *exc) -> None:
         self.release()

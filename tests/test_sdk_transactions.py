@@ -103,3 +103,31 @@ def test_begin_is_lazy_and_registers_upfront_targets_in_new_txn(client):
     with pytest.raises(errors.TransactionTimedOut):
         late.register_partitions([("sdk-txn", 0)])
     assert late.state() == "ABORTED"
+
+
+def test_a_held_one_call_turn_keeps_the_next_commit_waiting_until_released_or_due():
+    """A one-call commit whose outcome is unknown holds its producers' turn (a retry may
+    still stage its records): the producer's next commit waits for its release, or for
+    the held-until time, never longer. No cluster: the turns alone."""
+    import threading
+
+    from spark_client.transactions import _in_turn
+
+    producer = type("Producer", (), {})()
+    first = _in_turn([producer])
+    second = _in_turn([producer])
+    first.hold(time.monotonic() + 60)
+    went = threading.Event()
+    waiter = threading.Thread(target=lambda: (second.wait_before(), went.set()))
+    waiter.start()
+    assert not went.wait(0.7)  # held: the next commit waits
+    first.release()
+    assert went.wait(5)
+    waiter.join(5)
+    third = _in_turn([producer])
+    fourth = _in_turn([producer])
+    third.hold(time.monotonic() + 0.3)  # never released: waits only until then
+    began = time.monotonic()
+    fourth.wait_before()
+    assert 0.2 <= time.monotonic() - began < 5
+    assert fourth.before == []  # turns do not chain up in memory
