@@ -45,12 +45,18 @@ REPLICA_CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
 STEER_RETRY_S = 0.5
+OPEN_RETRY_FIRST_S = 0.5
+OPEN_RETRY_MAX_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
 class ReplicationSettings:
     max_lag_ms: int = 10_000
-    fetch_wait_ms: int = 500
+    fetch_wait_ms: int = 2_000
+
+    def __post_init__(self) -> None:
+        # An idle follower shows it is caught up once per call: several per max_lag_ms.
+        object.__setattr__(self, "fetch_wait_ms", min(self.fetch_wait_ms, self.max_lag_ms // 3))
 
 
 def forget_owner_snapshots(directory: Path) -> int:
@@ -90,6 +96,7 @@ class PartitionManager:
         self._opening: set[tuple[str, int]] = set()
         self._semaphore = asyncio.Semaphore(OPEN_CONCURRENCY)
         self._tasks: set[asyncio.Task] = set()
+        self._first_attempts: set[asyncio.Future] = set()
         self._chores: asyncio.Task | None = None
         self.replication = replication or ReplicationSettings()
         self.followers: dict[tuple[str, int], Follower] = {}
@@ -107,7 +114,8 @@ class PartitionManager:
         await asyncio.to_thread(self.assignments.start)
         await self.assignments.ready.wait()
         await asyncio.to_thread(self._leave_isrs)  # before this server registers
-        await asyncio.gather(*list(self._tasks))
+        # The first attempt of every open (a failing one goes on retrying in the background).
+        await asyncio.gather(*list(self._first_attempts))
         self._chores = asyncio.create_task(self._run_chores(), name="partition chores")
 
     def _reconcile(self) -> None:
@@ -116,9 +124,14 @@ class PartitionManager:
             if key in self.owners or key in self._opening:
                 continue
             self._opening.add(key)
-            task = asyncio.create_task(self._open(*key), name=f"open {key[0]}-{key[1]}")
+            attempted = asyncio.get_running_loop().create_future()
+            self._first_attempts.add(attempted)
+            attempted.add_done_callback(self._first_attempts.discard)
+            task = asyncio.create_task(self._open(*key, attempted),
+                                       name=f"open {key[0]}-{key[1]}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda _t, f=attempted: f.done() or f.set_result(None))
         for key in self.assignments.replicated_here():
             self._steer(key)
 
@@ -132,8 +145,38 @@ class PartitionManager:
         return dataclasses.replace(self.settings,
                                    log=dataclasses.replace(self.settings.log, **overrides))
 
-    async def _open(self, topic: str, partition: int,
-                    replication: LeaderReplication | None = None) -> PartitionOwner:
+    async def _open(self, topic: str, partition: int, attempted: asyncio.Future) -> None:
+        """Open an unreplicated partition assigned here; when that fails (a full disk, an
+        unreadable file) try again with backoff while it stays assigned here — a partition
+        left LOADING for good would hang every transaction touching it."""
+        key, delay = (topic, partition), OPEN_RETRY_FIRST_S
+        try:
+            while not self._closing:
+                try:
+                    await self._open_owner(topic, partition)
+                    return
+                except Exception as error:  # noqa: BLE001 — logged; tried again
+                    event(log, "cannot open partition; retrying", logging.ERROR,
+                          partition=f"{topic}-{partition}", retry_in_seconds=delay,
+                          error=f"{type(error).__name__}: {error}")
+                finally:
+                    if not attempted.done():
+                        attempted.set_result(None)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, OPEN_RETRY_MAX_S)
+                failed = self.owners.get(key)
+                if failed is None or failed.state.value != "LOADING" or \
+                        key not in self.assignments.owned():
+                    return
+                del self.owners[key]
+                await failed.close()
+        finally:
+            self._opening.discard(key)
+
+    async def _open_owner(self, topic: str, partition: int,
+                          replication: LeaderReplication | None = None) -> PartitionOwner:
+        """Open one partition's owner (visible as LOADING meanwhile); raises if it fails,
+        leaving it there LOADING (the caller retries or closes it)."""
         owner = PartitionOwner(topic, partition, self.data_dir / f"{topic}-{partition}",
                                self._settings_for(topic))
         if replication is not None:
@@ -151,13 +194,8 @@ class PartitionManager:
                     epochs.observe(tc, epoch)
 
             owner.on_txns_ready = observe
-        try:
-            async with self._semaphore:
-                await owner.start()
-        except Exception:  # noqa: BLE001 — the partition stays LOADING-failed; logged
-            log.exception("cannot open partition %s-%s", topic, partition)
-        finally:
-            self._opening.discard((topic, partition))
+        async with self._semaphore:
+            await owner.start()
         return owner
 
     # ------------------------------------------------------------------ replicated partitions
@@ -236,7 +274,14 @@ class PartitionManager:
                 self.assignments.live)
             event(log, "leading", partition=f"{topic}-{partition}",
                   epoch=state.leader_epoch, isr=list(state.isr))
-            owner = await self._open(topic, partition, replication)
+            try:
+                await self._open_owner(topic, partition, replication)
+            except Exception:
+                failed = self.owners.pop(key, None)  # steered again (the loop retries)
+                await replication.close()
+                if failed is not None:
+                    await failed.close()
+                raise
             replication.start()
             return
         await self._step_down(key)

@@ -278,8 +278,11 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("replication.max_lag_ms", int, 10_000, "A follower that has not caught up "
                 "with its leader for this long leaves the in-sync replicas (a follower whose "
                 "server is gone from ZooKeeper leaves at once).", minimum=100, maximum=600_000),
-        Setting("replication.fetch_wait_ms", int, 500, "How long a follower's Replicate call "
-                "waits at the leader for new data.", minimum=10, maximum=30_000),
+        Setting("replication.fetch_wait_ms", int, 2_000, "How long a follower's Replicate "
+                "call waits at the leader for new data (new data answers at once; this "
+                "bounds the calls of idle partitions). At most a third of "
+                "replication.max_lag_ms is used, so an idle follower still shows it is "
+                "caught up.", minimum=10, maximum=30_000),
         Setting("server.rack", str, "", "Rack or zone of this partition server: a topic's "
                 "replicas go to distinct racks while there are racks."),
         Setting("partition.txn_check_interval_ms", int, 1_000, "How often open transactions "
