@@ -1,0 +1,275 @@
+"""Benchmark (issue 21): what replication costs, factor 3 against factor 1 on the same
+machine in the same run (docs/replication.md).
+
+For each factor F in (1, 3) it starts a local cluster of three partition servers, one
+coordinator and one id allocator whose every topic (the coordinators' __txn_log too) gets
+factor F (`topics.default_replication_factor=F`), then measures:
+
+- produce: wire producers (bench/produce.py's: separate processes sending pre-encoded
+  idempotent batches of 256 KiB of 1 KiB records, 5 in flight per partition) to a topic of
+  3 partitions, one led by each server, for --seconds. Acks are durable: fsync on the
+  leader and, with F = 3, on min.insync.replicas = 2 of the 3 replicas (the ISR: all 3).
+- small transactions: one SDK client, one-call transactions of one 100-byte record each
+  to a rotating partition, back to back, for --seconds: transactions/s and commit p50/p99.
+
+The same run measures the disk floor: os.write of 256 KiB and os.fsync, in a loop, for 3 s
+(MB/s). Client and all servers share this machine's CPUs, so with F = 3 every byte is
+written and fsynced three times on the same two cores: the ratio is what one box does,
+not what three machines would.
+
+Prints a table and writes its section of docs/benchmarks.md.
+
+    .venv/bin/python bench/replication.py [--seconds 8] [--no-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO / "bench"))
+
+import common  # noqa: E402
+import produce  # noqa: E402
+
+DOCS = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- bench/replication.py: begin -->", "<!-- bench/replication.py: end -->"
+PARTITIONS = 3
+PRODUCERS = 2
+BATCH_KIB = 256
+TARGET_RF3_OF_RF1 = 0.50
+
+
+def start_cluster(data_dir: Path, factor: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "services", "up", "--data-dir", str(data_dir),
+               "--partition-servers", "3", "--coordinators", "1", "--id-allocators", "1",
+               "--set", f"topics.default_replication_factor={factor}", "--output", "json"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+    if done.returncode != 0:
+        raise RuntimeError(f"`atomlog up` failed:\n{done.stdout}\n{done.stderr}")
+    return json.loads((data_dir / "cluster.json").read_text())
+
+
+def stop_cluster(data_dir: Path) -> None:
+    from services import launcher
+
+    if (data_dir / "cluster.json").exists():
+        launcher.down(data_dir, timeout_s=30)
+
+
+def wait_in_sync(client, topic: str, timeout_s: float = 30.0) -> None:
+    from atomlog.v1 import metadata_pb2
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reply = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest(
+            topics=[topic]))
+        if all(p.server_name and sorted(p.isr) == sorted(p.replicas)
+               for p in reply.topics[0].partitions):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{topic} not in sync after {timeout_s} s")
+
+
+def measure_produce(bootstrap: list[str], topic: str, seconds: float) -> dict:
+    ctx = mp.get_context("spawn")
+    ready, results = ctx.Queue(), ctx.Queue()
+    go, start_at = ctx.Event(), ctx.Value("d", 0.0)
+    children = [ctx.Process(target=produce.wire_producer,
+                            args=(bootstrap, topic, PARTITIONS, seconds, BATCH_KIB, ready, go,
+                                  start_at, results)) for _ in range(PRODUCERS)]
+    finished = False
+    try:
+        for child in children:
+            child.start()
+        for _ in children:
+            ready.get(timeout=120)
+        start_at.value = time.monotonic() + 0.5
+        go.set()
+        outcomes = [results.get(timeout=seconds + 120) for _ in children]
+        finished = True
+    finally:
+        produce.stop_children(children, finished)
+    errors = [o["error"] for o in outcomes if "error" in o]
+    if errors:
+        raise RuntimeError(f"producer failed: {errors[0]}")
+    records = sum(o["records"] for o in outcomes)
+    latencies = sorted(x for o in outcomes for x in _floats(o["latencies"]))
+    return {"mb_s": records * produce.RECORD_BYTES / seconds / 1e6,
+            "ack_p50_ms": common.percentile(latencies, 0.5) * 1000,
+            "ack_p99_ms": common.percentile(latencies, 0.99) * 1000,
+            "errors": {k: v for o in outcomes for k, v in o["errors"].items()}}
+
+
+def _floats(raw: bytes) -> list[float]:
+    import array
+
+    values = array.array("d")
+    values.frombytes(raw)
+    return list(values)
+
+
+def measure_transactions(client, topic: str, seconds: float) -> dict:
+    latencies = []
+    with client.producer(linger_ms=0) as producer:
+        for i in range(20):  # warm up: producer ids, routes, TC partitions
+            with client.transaction(timeout_s=30) as txn:
+                producer.send(topic, b"w" * 100, partition=i % PARTITIONS, txn=txn)
+        deadline = time.monotonic() + seconds
+        count = 0
+        while time.monotonic() < deadline:
+            began = time.perf_counter()
+            with client.transaction(timeout_s=30) as txn:
+                producer.send(topic, b"t" * 100, partition=count % PARTITIONS, txn=txn)
+            latencies.append(time.perf_counter() - began)
+            count += 1
+    latencies.sort()
+    return {"txn_s": count / seconds, "p50_ms": common.percentile(latencies, 0.5) * 1000,
+            "p99_ms": common.percentile(latencies, 0.99) * 1000}
+
+
+def disk_floor(directory: Path, seconds: float = 3.0) -> float:
+    block = os.urandom(BATCH_KIB * 1024)
+    path = directory / "floor.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    written, deadline = 0, time.monotonic() + seconds
+    began = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            written += os.write(fd, block)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return written / (time.monotonic() - began) / 1e6
+
+
+def run(seconds: float) -> dict:
+    from spark_client import Client
+
+    results: dict = {"machine": common.machine(os.getloadavg()[0])}
+    with tempfile.TemporaryDirectory(prefix="atomlog-bench-replication-") as tmp:
+        results["disk_mb_s"] = disk_floor(Path(tmp))
+        for factor in (1, 3):
+            data_dir = Path(tmp) / f"rf{factor}"
+            try:
+                info = start_cluster(data_dir, factor)
+                with Client(info["bootstrap"]) as client:
+                    client.create_topic("bench-produce", partitions=PARTITIONS)
+                    client.create_topic("bench-txn", partitions=PARTITIONS)
+                    wait_in_sync(client, "bench-produce")
+                    wait_in_sync(client, "bench-txn")
+                    wait_in_sync(client, "__txn_log")
+                    produce.wait_ready(client.metadata.route("bench-produce", 0).address,
+                                       "bench-produce", 1)
+                    servers = [p["pid"] for p in info["processes"]
+                               if p["role"] == "partition_server"]
+                    cpu0 = sum(common.cpu_seconds(pid) for pid in servers)
+                    cell = measure_produce(info["bootstrap"], "bench-produce", seconds)
+                    cpu = sum(common.cpu_seconds(pid) for pid in servers) - cpu0
+                    # CPU of all partition servers over the produce window, per MB acked.
+                    cell["server_cpu_ms_per_mb"] = cpu * 1000 / max(cell["mb_s"] * seconds, 1e-9)
+                    cell["server_cores"] = cpu / seconds
+                    cpu0 = sum(common.cpu_seconds(pid) for pid in servers)
+                    cell.update(measure_transactions(client, "bench-txn", seconds))
+                    cell["server_cpu_ms_per_txn"] = (
+                        (sum(common.cpu_seconds(pid) for pid in servers) - cpu0) * 1000
+                        / max(cell["txn_s"] * seconds, 1e-9))
+                    results[factor] = cell
+                print(f"factor {factor}: {cell}", flush=True)
+            finally:
+                stop_cluster(data_dir)
+    return results
+
+
+def table(results: dict, seconds: float) -> str:
+    one, three = results[1], results[3]
+    rows = [
+        ("produce MB/s (2 wire producers, 3 partitions, 256 KiB batches)",
+         f"{one['mb_s']:.1f}", f"{three['mb_s']:.1f}", f"{three['mb_s'] / one['mb_s']:.0%}"),
+        ("produce ack p50 / p99 ms", f"{one['ack_p50_ms']:.1f} / {one['ack_p99_ms']:.1f}",
+         f"{three['ack_p50_ms']:.1f} / {three['ack_p99_ms']:.1f}", ""),
+        ("partition servers' CPU per MB acknowledged (ms), all three servers",
+         f"{one['server_cpu_ms_per_mb']:.1f}", f"{three['server_cpu_ms_per_mb']:.1f}",
+         f"{three['server_cpu_ms_per_mb'] / one['server_cpu_ms_per_mb']:.1f}x"),
+        ("partition servers' cores busy while producing", f"{one['server_cores']:.2f}",
+         f"{three['server_cores']:.2f}", ""),
+        ("small transactions/s (one client, one-call, back to back)",
+         f"{one['txn_s']:.0f}", f"{three['txn_s']:.0f}", f"{three['txn_s'] / one['txn_s']:.0%}"),
+        ("commit p50 / p99 ms", f"{one['p50_ms']:.1f} / {one['p99_ms']:.1f}",
+         f"{three['p50_ms']:.1f} / {three['p99_ms']:.1f}", ""),
+        ("partition servers' CPU per transaction (ms)", f"{one['server_cpu_ms_per_txn']:.1f}",
+         f"{three['server_cpu_ms_per_txn']:.1f}",
+         f"{three['server_cpu_ms_per_txn'] / one['server_cpu_ms_per_txn']:.1f}x"),
+    ]
+    lines = ["| measure | factor 1 | factor 3 | 3 / 1 |", "| --- | --- | --- | --- |"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    lines.append(f"| disk floor: os.write 256 KiB + fsync, same run | "
+                 f"{results['disk_mb_s']:.0f} MB/s | | |")
+    return "\n".join(lines)
+
+
+def write_docs(text: str, results: dict, seconds: float) -> None:
+    ratio = results[3]["mb_s"] / results[1]["mb_s"]
+    cpu_ratio = results[3]["server_cpu_ms_per_mb"] / results[1]["server_cpu_ms_per_mb"]
+    section = "\n".join([
+        BEGIN,
+        f"### Replication: factor 3 against factor 1 (issue 21), {time.strftime('%Y-%m-%d')}",
+        "",
+        f"`.venv/bin/python bench/replication.py --seconds {seconds:g}`: one cluster per "
+        "factor, three partition servers, one coordinator, one id allocator, every topic "
+        "(and __txn_log) at that factor, all on this 2-core machine. Errors seen by the "
+        f"wire producers: factor 1 {results[1]['errors'] or 'none'}, factor 3 "
+        f"{results[3]['errors'] or 'none'}. Machine: {results['machine']}.",
+        "",
+        text,
+        "",
+        f"Target: factor 3 produce at >= {TARGET_RF3_OF_RF1:.0%} of factor 1: "
+        f"{'met' if ratio >= TARGET_RF3_OF_RF1 else 'not met'} ({ratio:.0%}).",
+        "",
+        "What limits it: CPU. All three replicas and the producers share this machine's two "
+        f"cores, and with factor 3 the partition servers spend {cpu_ratio:.1f}x the CPU per "
+        "acknowledged MB (each follower costs about what the leader does: a `Replicate` "
+        "call per partition and round, the copy, the CRC check, a write and an fsync on "
+        "a worker thread), so where the servers are CPU-bound factor 3 cannot pass about "
+        f"1/{cpu_ratio:.1f} of factor 1 on one box; three machines would each carry one "
+        "replica. Acknowledgement also waits for a follower's round trip after the "
+        "leader's fsync (followers copy only what the leader made durable, so the two "
+        "fsyncs run one after the other), which is most of the commit latency added to a "
+        "small transaction (its TC-log append, staging and markers each wait for one). "
+        "The structural next steps, not built: one `Replicate` per follower and leader "
+        "carrying every partition they share (fewer calls per byte and per idle "
+        "partition), and letting followers copy before the leader's fsync (the fsyncs in "
+        "parallel; a leader whose fsync fails must then give up its epoch instead of "
+        "cutting its log back in it).",
+        END])
+    common.write_docs_section(section, BEGIN, END)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--no-docs", action="store_true")
+    args = parser.parse_args()
+    results = run(args.seconds)
+    text = table(results, args.seconds)
+    print(text)
+    if not args.no_docs:
+        write_docs(text, results, args.seconds)
+
+
+if __name__ == "__main__":
+    main()
