@@ -59,10 +59,11 @@ def _stream_bytes(batch: pa.RecordBatch | None, compression: Compression) -> byt
 _SCHEMA_LENGTHS: dict[Compression, int] = {}
 
 
-def _message(batch: pa.RecordBatch, compression: Compression) -> bytes:
-    """The encapsulated IPC message of `batch` alone (buffers compressed with the codec)."""
+def _message(batch: pa.RecordBatch, compression: Compression) -> bytes | pa.Buffer:
+    """The encapsulated IPC message of `batch` alone (buffers compressed with the codec).
+    Uncompressed, the Arrow buffer itself: frame_batch() copies it once, into the batch."""
     if compression is Compression.NONE:
-        return batch.serialize().to_pybytes()
+        return batch.serialize()
     skip = _SCHEMA_LENGTHS.get(compression)
     if skip is None:
         skip = _SCHEMA_LENGTHS[compression] = len(_stream_bytes(None, compression)) - len(_EOS)
@@ -226,8 +227,8 @@ def integer_column(values, type_: pa.DataType, n: int, name: str) -> pa.Array:
 # --- Encoding --------------------------------------------------------------------------------
 def columns_block(keys: pa.Array, values: pa.Array, headers: pa.Array,
                   timestamp_deltas: pa.Array,
-                  compression: Compression = Compression.NONE) -> bytes:
-    """The records block of a magic-2 batch: the columns (built by binary_column,
+                  compression: Compression = Compression.NONE) -> bytes | pa.Buffer:
+    """The records block of a magic-2 batch (bytes-like): the columns (built by binary_column,
     headers_column and timestamp_column) as one Arrow IPC record batch message. The
     costly part of encoding; record_batch.frame_batch() then adds the header (a producer
     can build the block before it knows the batch's sequence numbers)."""

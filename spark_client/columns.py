@@ -10,8 +10,9 @@ partition per call (the producer's sticky partition).
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
+
+import bisect
 
 import crc32c
 import pyarrow as pa
@@ -193,8 +194,10 @@ def _check_partition_range(low: int, high: int, count: int) -> None:
 
 
 def _cut(chunks: list[Chunk], partition: int, rows: pa.RecordBatch, limit: int) -> None:
-    """Rows of one partition as chunks of at most `limit` bytes (by the size column)."""
-    cumulative = pc.cumulative_sum(rows.column(4)).to_pylist()
+    """Rows of one partition as chunks of at most `limit` bytes (by the size column): the
+    cut points are found by a binary search over the running sum of sizes, read in place
+    from its Arrow buffer (no Python object per row)."""
+    cumulative = _int64_view(pc.cumulative_sum(rows.column(4).cast(pa.int64())))
     begin, done = 0, 0
     room = limit - BATCH_OVERHEAD
     n = len(cumulative)
@@ -205,8 +208,16 @@ def _cut(chunks: list[Chunk], partition: int, rows: pa.RecordBatch, limit: int) 
         stamps = piece.column(3)
         bounds = pc.min_max(stamps)
         base = stamps[0].as_py()
+        total = cumulative[end - 1]
         chunks.append(Chunk(partition, piece.column(0), piece.column(1), piece.column(2),
                             pc.subtract(stamps, base), base, bounds["max"].as_py(),
-                            cumulative[end - 1] - done + BATCH_OVERHEAD))
-        done = cumulative[end - 1]
+                            total - done + BATCH_OVERHEAD))
+        done = total
         begin = end
+
+
+def _int64_view(array: pa.Array) -> memoryview:
+    """The values of an int64 array without nulls as a memoryview of its buffer (indexing
+    it gives Python ints; bisect searches it without a list of them)."""
+    assert array.type == pa.int64() and not array.null_count
+    return memoryview(array.buffers()[1]).cast("q")[array.offset:array.offset + len(array)]

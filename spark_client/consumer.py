@@ -91,12 +91,16 @@ class Consumer:
 
     def read_until(self, ends: dict[tuple[str, int], int] | None = None, *,
                    idle_timeout_s: float = 60.0, max_records: int = 10_000,
-                   arrow: bool = False):
-        """Lists of messages (with arrow, pyarrow Tables as poll_arrow() returns) from the
-        current positions up to `ends` (offset per assigned partition, exclusive; default:
-        end_offsets() now — the max read position under read_committed), then stop. A
-        partition that makes no progress for idle_timeout_s raises REQUEST_TIMED_OUT (its
-        range is not readable: open, or beyond the end)."""
+                   arrow: bool | str = False):
+        """Lists of messages (with arrow, pyarrow Tables as poll_arrow() returns; with
+        arrow="blocks", lists of fetched.Block: each a run of one stored batch's rows as
+        slices of the fetched buffers) from the current positions up to `ends` (offset
+        per assigned partition, exclusive; default: end_offsets() now — the max read
+        position under read_committed), then stop. A partition that makes no progress
+        for idle_timeout_s raises REQUEST_TIMED_OUT (its range is not readable: open, or
+        beyond the end)."""
+        take = {True: self._fetched.take_table, False: self._fetched.take_messages,
+                "blocks": self._fetched.take_blocks}[arrow]
         if ends is None:
             ends = self.end_offsets()
         deadline = time.monotonic() + idle_timeout_s
@@ -105,8 +109,7 @@ class Consumer:
             if not behind:
                 return
             self._wait_for_data(1.0)
-            messages = (self._fetched.take_table(max_records, ends) if arrow
-                        else self._fetched.take_messages(max_records, ends))
+            messages = take(max_records, ends)
             if len(messages):
                 deadline = time.monotonic() + idle_timeout_s
                 yield messages
@@ -190,7 +193,9 @@ class Consumer:
         for result in taken:
             key = (result.topic_partition.topic, result.topic_partition.partition)
             after[key] = max(after[key], result.next_fetch_offset)
-        if any(result.record_batches for result in taken) and not self._closed:
+        # (Moved: data came, or only filtered-out batches. Not `result.record_batches`:
+        # each read of that field copies it.)
+        if any(after[key] > self._positions[key] for key in after) and not self._closed:
             moved = self._by_server()
             if moved:
                 self._prefetched = (self._generation,

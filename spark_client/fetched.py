@@ -193,6 +193,10 @@ class Fetched:
             taken.append(block)
         return taken
 
+    def take_blocks(self, max_records: int, ends: dict | None = None) -> list[Block]:
+        """The blocks themselves (see _take): for readers that build their own columns."""
+        return self._take(max_records, ends)
+
     def take_messages(self, max_records: int, ends: dict | None = None) -> list[Message]:
         out: list[Message] = []
         for block in self._take(max_records, ends):

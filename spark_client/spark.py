@@ -313,31 +313,51 @@ def _topics_or_fail(options: Options, client) -> list[str]:
     return options.topics
 
 
-def _offsets(options: Options, client, spec: str, default_latest: bool) -> dict[str, dict[str, int]]:
-    """{topic: {"partition": offset}} for every partition of the topics, for a spec of
-    earliest / latest / JSON (JSON entries -2 = earliest, -1 = latest, like Kafka)."""
-    from spark_client.consumer import Consumer
+class _Positions:
+    """The earliest and latest offsets of every partition of the topics, each asked of
+    the servers once, and only if a spec needs it (planning runs on the driver, in a
+    Python worker of its own: its calls are part of every query's fixed cost)."""
 
-    parsed = _parse_offsets_spec(spec, "offsets")
-    consumer = Consumer(client, options.topics, isolation=options.isolation)
-    try:
-        latest = {(t, p): o for (t, p), o in consumer.end_offsets().items()}
-        earliest = consumer.beginning_offsets()
-    finally:
-        consumer.close()
-    out: dict[str, dict[str, int]] = {}
-    for (topic, partition), end in sorted(latest.items()):
-        if parsed == "latest":
-            offset = end
-        elif parsed == "earliest":
-            offset = earliest[(topic, partition)]
-        else:
-            given = parsed.get(topic, {}).get(str(partition))
-            if given is None:
-                given = -1 if default_latest else -2
-            offset = {-1: end, -2: earliest[(topic, partition)]}.get(given, given)
-        out.setdefault(topic, {})[str(partition)] = offset
-    return out
+    def __init__(self, options: Options, client):
+        from spark_client.consumer import Consumer
+
+        self._consumer = Consumer(client, options.topics, isolation=options.isolation)
+        self._found: dict[str, dict] = {}
+
+    def __enter__(self) -> _Positions:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._consumer.close()
+
+    def _get(self, which: str) -> dict:
+        if which not in self._found:
+            self._found[which] = (self._consumer.end_offsets() if which == "latest"
+                                  else self._consumer.beginning_offsets())
+        return self._found[which]
+
+    def offsets(self, spec: str, default_latest: bool) -> dict[str, dict[str, int]]:
+        """{topic: {"partition": offset}} for every partition of the topics, for a spec of
+        earliest / latest / JSON (JSON entries -2 = earliest, -1 = latest, like Kafka)."""
+        parsed = _parse_offsets_spec(spec, "offsets")
+        out: dict[str, dict[str, int]] = {}
+        for topic, partition in sorted(self._consumer.assignment()):
+            if parsed in ("latest", "earliest"):
+                offset = self._get(parsed)[(topic, partition)]
+            else:
+                given = parsed.get(topic, {}).get(str(partition))
+                if given is None:
+                    given = -1 if default_latest else -2
+                offset = (self._get("latest")[(topic, partition)] if given == -1 else
+                          self._get("earliest")[(topic, partition)] if given == -2 else given)
+            out.setdefault(topic, {})[str(partition)] = offset
+        return out
+
+
+def _offsets(options: Options, client, spec: str, default_latest: bool) -> dict[str, dict[str, int]]:
+    """_Positions.offsets of one spec."""
+    with _Positions(options, client) as positions:
+        return positions.offsets(spec, default_latest)
 
 
 def _ranges(start: dict, end: dict, max_per_split: int) -> list[OffsetRange]:
@@ -360,26 +380,69 @@ def _arrow_schema():
     return to_arrow_schema(SCHEMA, timezone="UTC")
 
 
-def _to_spark(table, schema):
-    """A poll_arrow() table as record batches of SCHEMA (Spark checks the schema exactly;
-    the timestamp in its microseconds). The table's key, value and headers are slices of
-    the fetched buffers, a chunk per stored batch; they are copied once into one batch per
-    table (up to 100,000 rows): Spark's per-batch cost is higher than the copy (with 256
-    KiB batches of 100 B rows, a 2,000,000-row read took 1.7-2.0 s this way against
-    2.0-2.4 s handing Spark each chunk as a batch, 2026-11-24)."""
-    import pyarrow as pa
+class _SparkColumns:
+    """Builds the Spark batches of one read task: a RecordBatch of SCHEMA per fetched
+    block (the records of one stored batch). Key, value and headers are the block's own
+    Arrow arrays — slices of the fetched bytes, handed to Spark without a copy; offset and
+    timestamp are one kernel call each; topic, partition and empty headers are slices of
+    arrays built once. No Python per row, and no copy of keys and values before Spark's
+    own (its Arrow stream to the JVM)."""
 
-    columns = [table.column(name) for name in ("topic", "partition", "offset", "key", "value")]
-    columns.append(table.column("headers").cast(schema.field("headers").type))
-    columns.append(table.column("timestamp").cast(schema.field("timestamp").type))
-    return pa.Table.from_arrays(columns, schema=schema).combine_chunks().to_batches()
+    _shared: dict = {}  # per process: counting and empty-headers arrays, grown on demand
+
+    def __init__(self, topic: str, partition: int):
+        self.schema = _arrow_schema()
+        self.topic, self.partition = topic, partition
+        self._rows = 0
+        self._topics = self._partitions = None
+        self._headers_type = self.schema.field("headers").type
+        self._stamp_type = self.schema.field("timestamp").type
+
+    def _constants(self, rows: int) -> tuple:
+        """(topics, partitions, counting, no headers): arrays of at least `rows` rows."""
+        import pyarrow as pa
+
+        if rows > self._rows:
+            self._rows = max(rows, 2 * self._rows, 1 << 14)
+            self._topics = pa.repeat(pa.scalar(self.topic, pa.string()), self._rows)
+            self._partitions = pa.repeat(pa.scalar(self.partition, pa.int32()), self._rows)
+        shared = self._shared
+        if shared.get("rows", 0) < rows:
+            size = max(rows, 2 * shared.get("rows", 0), 1 << 16)
+            shared.update(rows=size, counting=pa.array(range(size), pa.int64()),
+                          no_headers=pa.ListArray.from_arrays(
+                              pa.repeat(pa.scalar(0, pa.int32()), size + 1),
+                              pa.array([], self._headers_type.value_type),
+                              type=self._headers_type))
+        return self._topics, self._partitions, shared["counting"], shared["no_headers"]
+
+    def batch(self, block):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        columns = block.columns
+        n = columns.num_rows
+        topics, partitions, counting, no_headers = self._constants(n)
+        headers = columns.column(3)
+        if not len(headers.values):  # no record of the stored batch has headers
+            headers = no_headers.slice(0, n)
+        else:
+            headers = headers.cast(self._headers_type)
+        offsets = pc.add(counting.slice(0, n), block.first_offset)
+        # Spark's timestamps are microseconds.
+        stamps = pc.multiply(pc.add(columns.column(2), block.base_timestamp_ms), 1000)
+        return pa.RecordBatch.from_arrays(
+            [topics.slice(0, n), partitions.slice(0, n), offsets, columns.column(0),
+             columns.column(1), headers, stamps.view(self._stamp_type)], schema=self.schema)
 
 
 def _read_range(options: Options, part: OffsetRange):
     """The records of one range, in offset order, as Arrow record batches of SCHEMA."""
     from spark_client.consumer import Consumer
 
-    schema = _arrow_schema()
+    if not isinstance(part, OffsetRange):
+        return  # Spark's stand-in partition when planning found no range: no rows
+    spark = _SparkColumns(part.topic, part.partition)
     client = options.client()
     try:
         consumer = Consumer(client, part.topic, isolation=options.isolation,
@@ -388,9 +451,10 @@ def _read_range(options: Options, part: OffsetRange):
         consumer.seek(part.topic, part.partition, part.start)
         ends = {(part.topic, part.partition): part.end}
         idle_s = max(60.0, 4 * options.request_timeout_s)
-        for table in consumer.read_until(ends, idle_timeout_s=idle_s, arrow=True,
-                                         max_records=100_000):
-            yield from _to_spark(table, schema)
+        for blocks in consumer.read_until(ends, idle_timeout_s=idle_s, arrow="blocks",
+                                          max_records=1 << 20):
+            for block in blocks:
+                yield spark.batch(block)
     finally:
         client.close()
 
@@ -405,8 +469,9 @@ class BatchReader(DataSourceReader):
         client = options.client()
         try:
             _topics_or_fail(options, client)
-            self.start = _offsets(options, client, options.starting, default_latest=False)
-            self.end = _offsets(options, client, options.ending, default_latest=True)
+            with _Positions(options, client) as positions:
+                self.start = positions.offsets(options.starting, default_latest=False)
+                self.end = positions.offsets(options.ending, default_latest=True)
         finally:
             client.close()
 
@@ -550,9 +615,42 @@ def _check_write_schema(schema: StructType, options: Options) -> None:
         raise OptionError("cannot write this DataFrame to atomlog: " + "; ".join(problems))
 
 
+# How many producer batches' worth of rows a task hands send_batch() at once: Spark's
+# Arrow batches (10,000 rows by default, about 1.3 MB of 100-byte values) are gathered
+# until they fill this many, so a call is cut into full batches of one partition
+# instead of one full and one partial batch per Spark batch. Keyless rows of one call
+# go to one partition, the next call to the next: a task spreads its rows over its
+# partitions about every 4 MiB (with the default batchMaxBytes).
+_BATCHES_PER_CALL = 4
+
+
+def _row_bytes(batch) -> int:
+    """About what a Spark Arrow batch's rows weigh in producer batches (values, keys
+    and a per-row overhead; headers' bytes counted by their buffers)."""
+    from spark_client.columns import ROW_OVERHEAD
+
+    return batch.nbytes + batch.num_rows * ROW_OVERHEAD
+
+
+def _gathered(batches, limit_bytes: int):
+    """Spark's Arrow batches, gathered into lists of about `limit_bytes` (in order)."""
+    pending, size = [], 0
+    for batch in batches:
+        if not batch.num_rows:
+            continue
+        pending.append(batch)
+        size += _row_bytes(batch)
+        if size >= limit_bytes:
+            yield pending
+            pending, size = [], 0
+    if pending:
+        yield pending
+
+
 def _write_rows(options: Options, client, txn, batches) -> int:
-    """Send every row of the Arrow batches in `txn`, a batch at a time through
-    send_batch() (no Python per row); returns how many."""
+    """Send every row of the Arrow batches in `txn`, several Spark batches at a time
+    through send_batch() (no Python per row); returns how many."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     producer = client.producer(batch_max_bytes=options.batch_max_bytes,
@@ -560,29 +658,24 @@ def _write_rows(options: Options, client, txn, batches) -> int:
     default_topic = options.topics[0] if len(options.topics) == 1 else None
     rows = 0
     try:
-        for batch in batches:
-            if not batch.num_rows:
-                continue
-            names = batch.schema.names
-            columns = {name: batch.column(name) for name in names if name != "topic"}
+        for group in _gathered(batches, _BATCHES_PER_CALL * options.batch_max_bytes):
+            table = pa.Table.from_batches(group)
+            names = table.schema.names
             if "topic" not in names:
-                groups = [(default_topic, columns)]
+                groups = [(default_topic, table)]
             else:
-                topics = batch.column("topic")
+                topics = table.column("topic")
                 if default_topic is not None:
                     topics = pc.fill_null(topics, default_topic)
                 if topics.null_count:
                     first = pc.indices_nonzero(topics.is_null())[0].as_py()
                     raise OptionError(f"row {rows + first} has no topic")
-                groups = []
-                for topic in pc.unique(topics).to_pylist():
-                    mask = pc.equal(topics, topic)
-                    groups.append((topic, {n: pc.filter(c, mask) for n, c in columns.items()}))
-            for topic, group in groups:
-                producer.send_batch(topic, group["value"], keys=group.get("key"),
-                                    headers=group.get("headers"),
-                                    partition=group.get("partition"), txn=txn)
-            rows += batch.num_rows
+                rest = table.drop_columns(["topic"])
+                groups = [(topic, rest.filter(pc.equal(topics, topic)))
+                          for topic in pc.unique(topics).to_pylist()]
+            for topic, columns in groups:
+                producer.send_batch(topic, columns, txn=txn)
+            rows += table.num_rows
         producer.flush()
     finally:
         producer.close(timeout=options.request_timeout_s)

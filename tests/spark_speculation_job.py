@@ -120,8 +120,10 @@ def main() -> None:
     df = spark.range(0, TASKS * rows_per_task, numPartitions=TASKS).select(
         values("id").alias("value"), (col("id") / rows_per_task).cast("int").alias("partition"))
     began = time.monotonic()
+    # Small producer batches: the writer gathers about 4 of them before a send_batch()
+    # call, so the original sends its rows as they come, not only at the end of its input.
     (df.write.format("atomlog").option("bootstrap", bootstrap).option("topic", topic)
-     .mode("append").save())
+     .option("batchMaxBytes", "16384").mode("append").save())
     took = time.monotonic() - began
 
     # The write is committed. Wait (briefly) until Spark has recorded the end of every

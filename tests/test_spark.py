@@ -94,7 +94,9 @@ def test_a_task_failing_on_its_first_attempt_still_writes_exactly_once(spark, cl
     # A partition this small sits in Spark's pipe buffers until an upstream Python UDF
     # has run over all of it, so a failing UDF would fail the attempt before the writer
     # sends anything: the failure is a row the writer itself refuses (a partition that
-    # does not exist), after it has sent the rows before it.
+    # does not exist), after it has sent the rows before it. (The writer hands
+    # send_batch() about 4 batches' worth of rows at a time: small batches make it send
+    # the first rows before it reaches the bad one.)
     @udf("int")
     def partition_failing_first_attempt(i):
         from pyspark import TaskContext
@@ -107,7 +109,7 @@ def test_a_task_failing_on_its_first_attempt_still_writes_exactly_once(spark, cl
     df = spark.range(0, 4000, numPartitions=4).selectExpr(
         "id", "concat('row-', cast(id as string)) as value").select(
         "value", partition_failing_first_attempt("id").alias("partition"))
-    writer(df, bootstrap, topic, lingerMs=0).save()
+    writer(df, bootstrap, topic, lingerMs=0, batchMaxBytes=2048).save()
     assert values(client, topic) == Counter(f"row-{i}".encode() for i in range(4000))
     # The first attempt of task 1 sent 900 rows before failing; they show only to
     # read_uncommitted, as an aborted transaction.
@@ -230,6 +232,14 @@ def test_reads_are_read_committed_pinned_and_repeatable(spark, client, bootstrap
     uncommitted = (spark.read.format("atomlog").option("bootstrap", bootstrap)
                    .option("topic", topic).option("isolation", "read_uncommitted").load())
     assert Counter(r.value for r in uncommitted.collect())[b"aborted-0"] == 1
+
+
+def test_a_read_with_no_offsets_to_read_is_empty(spark, client, bootstrap):
+    """No range to read (an empty topic): Spark runs one task with a stand-in partition
+    of its own, which reads nothing."""
+    topic = new_topic(client, "spark-empty", partitions=2)
+    df = spark.read.format("atomlog").option("bootstrap", bootstrap).option("topic", topic).load()
+    assert df.count() == 0
 
 
 def test_write_and_read_keys_headers_topics_and_partitions_as_columns(spark, client,
