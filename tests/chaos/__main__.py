@@ -1,4 +1,4 @@
-"""python -m tests.chaos --workload log|ctp|spark-lite --minutes M --seed S [--nemesis kill,pause,net,disk]
+"""python -m tests.chaos --workload log|ctp|spark-lite --minutes M --seed S [--nemesis kill,pause,net,disk] [--tls]
 
 Runs one seeded chaos run (tests/chaos/runner.py) and checks its history
 (tests/chaos/checker.py). Prints the seed first; exit 0 when the checker found nothing,
@@ -42,6 +42,10 @@ def parse(argv: list[str] | None) -> Options:
     parser.add_argument("--combined", action="store_true",
                         help="run the combined server (every role in one process) instead "
                              "of a process per role")
+    parser.add_argument("--tls", action="store_true",
+                        help="run the cluster secured as `atomlog up --tls` does (mTLS, "
+                             "auth.mode=mtls, ACLs, ZooKeeper digest); clients use the admin "
+                             "certificate")
     args = parser.parse_args(argv)
     chosen = args.nemesis or ("kill,pause,net,disk" + (",leader,wipe" if args.replication > 1
                                                        else ""))
@@ -62,7 +66,7 @@ def parse(argv: list[str] | None) -> Options:
         f"{args.workload}{'-combined' if args.combined else ''}-{seed}-" \
         f"{time.strftime('%Y%m%d-%H%M%S')}"
     return Options(args.workload, args.minutes, seed, nemeses, run_dir, args.keep_cluster,
-                   combined=args.combined, replication=args.replication)
+                   combined=args.combined, replication=args.replication, tls=args.tls)
 
 
 def _stop(signum, _frame) -> None:

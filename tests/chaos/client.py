@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from spark_client import Client, errors
+from spark_client import Client, TlsConfig, errors
 from tests.chaos.history import EventLog
 
 SEND_TIMEOUT_S = 15.0
@@ -108,7 +108,8 @@ class Workload:
         self.rng = random.Random(f"{args.seed}/{args.name}")
         self.log = EventLog(Path(args.run_dir), args.name)
         self.stop = Stop(self.spec["deadline"])
-        self.client = Client(self.spec["bootstrap"], request_timeout_s=10.0)
+        tls = TlsConfig(**self.spec["tls"]) if self.spec.get("tls") else None  # --tls runs
+        self.client = Client(self.spec["bootstrap"], request_timeout_s=10.0, tls=tls)
         self.topics: dict[str, int] = self.spec["topics"]
         self.txn_timeout_s = self.spec["txn_timeout_s"]
         self.counter = 0

@@ -70,6 +70,10 @@ class Options:
     quiet: bool = False
     combined: bool = False
     replication: int = 1  # topics.default_replication_factor: every topic, __txn_log too
+    # --tls: the cluster `atomlog up --tls` makes (local CA, mTLS on every port,
+    # auth.mode=mtls, auth.authorizer=acl, ZooKeeper digest); the workload clients and the
+    # final reads use its client certificate (atomlog-admin, a super user).
+    tls: bool = False
 
 
 @dataclass
@@ -116,7 +120,8 @@ class Run:
             f"--minutes {options.minutes:g} --seed {options.seed} "
             f"--nemesis {','.join(options.nemeses) or 'none'}"
             f"{' --combined' if options.combined else ''}"
-            f"{f' --replication {options.replication}' if options.replication > 1 else ''}\n")
+            f"{f' --replication {options.replication}' if options.replication > 1 else ''}"
+            f"{' --tls' if options.tls else ''}\n")
         self.log = EventLog(self.run_dir, "nemesis")
         final_log = EventLog(self.run_dir, "final")
         self.proxy.start()
@@ -149,6 +154,7 @@ class Run:
         report = checker.check(operations)
         report["run"] = {"workload": options.workload, "seed": options.seed,
                          "combined": options.combined, "replication": options.replication,
+                         "tls": options.tls,
                          "minutes": options.minutes, "nemeses": options.nemeses,
                          "notes": self.notes,
                          "client_crashes": {c.name: c.crashes for c in self.clients.values()
@@ -173,7 +179,9 @@ class Run:
     # ------------------------------------------------------------------ cluster
     def start_cluster(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cluster = launcher.plan(self.data_dir, self.counts, self.settings)
+        # Every certificate carries 127.0.0.1 (launcher.issue_certificates): the proxied
+        # addresses the servers advertise are 127.0.0.1:<proxy port>, so TLS passes through.
+        cluster = launcher.plan(self.data_dir, self.counts, self.settings, tls=self.options.tls)
         zookeeper = self.entry(cluster, "zookeeper")
         zookeeper_proxy = self.proxy.add_route("zookeeper", zookeeper.grpc_address,
                                                int(launcher.free_port()))
@@ -191,7 +199,8 @@ class Run:
             self.mount_small_disk(self.disk_server(cluster))
         cluster.save(self.data_dir)
         self.say(f"starting a cluster in {self.data_dir}")
-        report = launcher.up(self.data_dir, self.counts, self.settings, timeout_s=120)
+        report = launcher.up(self.data_dir, self.counts, self.settings, timeout_s=120,
+                             tls=self.options.tls)
         self.cluster = report.cluster
         self.refresh_names()
         self.say(f"cluster up in {report.seconds:.1f} s")
@@ -429,7 +438,8 @@ class Run:
             (Path(self.mounted) / "filler").unlink(missing_ok=True)
         for entry in self.cluster.processes:
             self.signal(entry.pid, signal.SIGCONT)
-        report = launcher.up(self.data_dir, self.counts, self.settings, timeout_s=120)
+        report = launcher.up(self.data_dir, self.counts, self.settings, timeout_s=120,
+                             tls=self.options.tls)
         self.cluster = report.cluster
         self.refresh_names()
         if report.started:
@@ -446,7 +456,9 @@ class Run:
                 "parent_timeout_s": PARENT_TIMEOUT_S, "child_timeout_s": CHILD_TIMEOUT_S,
                 "prepared_timeout_s": PREPARED_TIMEOUT_S,
                 "deadline": time.time() + self.duration_s + DRAIN_S + 600,
-                "data_topics": list(LOG_TOPICS)}
+                "data_topics": list(LOG_TOPICS),
+                # --tls: the client certificate's files (TlsConfig fields), else empty.
+                "tls": self.client_tls_files()}
         if self.options.workload == "ctp":
             spec.update(input_topic="ctp-in", output_topic="ctp-out", subscription="chaos",
                         data_topics=[])
@@ -458,13 +470,21 @@ class Run:
                          **{k: spec[k] for k in ("input_topic", "output_topic", "subscription")
                             if k in spec},
                          **({"transform": "out:"} if self.options.workload == "ctp" else {}))
-        with Client(bootstrap) as client:
+        with Client(bootstrap, tls=self.client_tls()) as client:
             for topic, partitions in self.topics.items():
                 create_online(client, topic, partitions)
         for spec_name in WORKLOADS[self.options.workload]:
             name, _, isolation = spec_name.partition(":")
             self.clients[name] = ClientProcess(name, name.split("-")[0],
                                                isolation or "read_committed")
+
+    def client_tls_files(self) -> dict[str, str]:
+        tls = self.cluster.tls if self.cluster is not None else {}
+        return {k: tls[k] for k in ("ca_file", "cert_file", "key_file")} if tls else {}
+
+    def client_tls(self):
+        """The admin client certificate of a --tls run (a TlsConfig), else None."""
+        return self.cluster.client_tls() if self.cluster is not None else None
 
     def write_spec(self) -> None:
         path = self.run_dir / "workload.json"
@@ -539,7 +559,8 @@ class Run:
     def input_consumed(self) -> bool:
         from spark_client import Client
 
-        with Client(self.spec["bootstrap"], request_timeout_s=5) as client:
+        with Client(self.spec["bootstrap"], request_timeout_s=5, tls=self.client_tls()) \
+                as client:
             with client.consumer(self.spec["input_topic"], isolation="read_uncommitted") as reader:
                 ends = reader.end_offsets()
             with client.consumer(self.spec["input_topic"], subscription=self.spec["subscription"]) \
@@ -558,7 +579,8 @@ class Run:
         from spark_client import Client
 
         self.say("waiting for quiescence (no open transaction anywhere)")
-        with Client(self.spec["bootstrap"], request_timeout_s=10) as client:
+        with Client(self.spec["bootstrap"], request_timeout_s=10, tls=self.client_tls()) \
+                as client:
             deadline = time.monotonic() + QUIESCENCE_S
             while True:
                 positions = self.positions(client)
