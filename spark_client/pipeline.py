@@ -15,6 +15,11 @@ nothing lost, nothing twice. It exits 0 only when that holds.
 transform, writeStream to the output topic (parent/child transactions, one parent per
 micro-batch), Trigger.AvailableNow with maxRecordsPerTrigger so the input is processed
 in many micro-batches, then it exits.
+
+A cluster serving TLS (`atomlog up --tls`; scripts/main.sh with ATOMLOG_TLS=1): the
+demo's client and the job's Spark options tls.ca/tls.cert/tls.key use the CA and the
+client certificate (atomlog-admin, a super user) named by DATA_DIR/cluster.json, unless
+--tls-ca/--tls-cert/--tls-key say otherwise.
 """
 
 from __future__ import annotations
@@ -47,13 +52,15 @@ def run(args) -> None:
     from spark_client.spark import local_session
 
     spark = local_session("atomlog-pipeline", master=args.master)
+    tls = {name: value for name, value in (("tls.ca", args.tls_ca), ("tls.cert", args.tls_cert),
+                                           ("tls.key", args.tls_key)) if value}
     source = (spark.readStream.format("atomlog").option("bootstrap", args.bootstrap)
-              .option("topic", args.input)
+              .options(**tls).option("topic", args.input)
               .option("maxRecordsPerTrigger", str(args.max_per_trigger)).load())
     transformed = source.selectExpr(
         "key", "concat(upper(cast(value as string)), '!') as value")
     query = (transformed.writeStream.format("atomlog").option("bootstrap", args.bootstrap)
-             .option("topic", args.output)
+             .options(**tls).option("topic", args.output)
              .option("transactionTimeoutMs", str(args.transaction_timeout_ms))
              .option("checkpointLocation", args.checkpoint)
              .trigger(availableNow=True).start())
@@ -91,6 +98,10 @@ def _start_job(args, input_topic: str, output_topic: str, checkpoint: Path, log)
                "--checkpoint", str(checkpoint), "--max-per-trigger", str(args.max_per_trigger),
                "--transaction-timeout-ms", str(args.transaction_timeout_ms),
                "--master", args.master]
+    for flag, value in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
+                        ("--tls-key", args.tls_key)):
+        if value:
+            command += [flag, value]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -101,6 +112,14 @@ def _kill_group(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait()
+
+
+def _client_tls(args):
+    """The SDK's TlsConfig from --tls-ca/--tls-cert/--tls-key, or None (plaintext)."""
+    from spark_client import TlsConfig
+
+    return TlsConfig(args.tls_ca, args.tls_cert or "", args.tls_key or "") \
+        if args.tls_ca else None
 
 
 def demo(args) -> int:
@@ -115,7 +134,7 @@ def demo(args) -> int:
     workdir = Path(args.workdir) / run_id
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = workdir / "checkpoint"
-    client = Client(args.bootstrap)
+    client = Client(args.bootstrap, tls=_client_tls(args))
     client.create_topic(input_topic, partitions=INPUT_PARTITIONS)
     client.create_topic(output_topic, partitions=OUTPUT_PARTITIONS)
     console.print(f"seeding [bold]{args.records:,}[/] records into {input_topic} ...")
@@ -197,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--bootstrap", help="an atomlog server address (default: the local "
                        "cluster's, from DATA_DIR/cluster.json)")
-        p.add_argument("--data-dir", default=".atomlog", help="the local cluster's directory")
+        p.add_argument("--data-dir", default=os.environ.get("ATOMLOG_DATA_DIR", ".atomlog"),
+                       help="the local cluster's directory (default: $ATOMLOG_DATA_DIR or "
+                            ".atomlog)")
+        p.add_argument("--tls-ca", help="a TLS cluster's CA file (default: the local "
+                       "cluster's, when it was made with `atomlog up --tls`)")
+        p.add_argument("--tls-cert", help="mTLS: the client certificate file (default: the "
+                       "local TLS cluster's client certificate)")
+        p.add_argument("--tls-key", help="mTLS: the key of --tls-cert")
         p.add_argument("--max-per-trigger", type=int, default=2_000,
                        help="maxRecordsPerTrigger (offsets per micro-batch)")
         p.add_argument("--transaction-timeout-ms", type=int, default=20_000,
@@ -213,12 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--output", required=True)
     run_p.add_argument("--checkpoint", required=True)
     args = parser.parse_args(argv)
+    cluster_file = Path(args.data_dir) / "cluster.json"
     if not args.bootstrap:
-        cluster_file = Path(args.data_dir) / "cluster.json"
         if not cluster_file.exists():
             parser.error(f"no --bootstrap and no local cluster ({cluster_file}): "
                          "run `atomlog up` first")
         args.bootstrap = json.loads(cluster_file.read_text())["bootstrap"]
+    if not args.tls_ca and cluster_file.exists():
+        local_tls = json.loads(cluster_file.read_text()).get("tls") or {}
+        args.tls_ca = local_tls.get("ca_file")
+        args.tls_cert = args.tls_cert or local_tls.get("cert_file")
+        args.tls_key = args.tls_key or local_tls.get("key_file")
     if args.command == "run":
         run(args)
         return 0
