@@ -28,7 +28,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,11 +49,13 @@ BATCH_KIB = 256
 TARGET_RF3_OF_RF1 = 0.50
 
 
-def start_cluster(data_dir: Path, factor: int) -> dict:
+def start_cluster(data_dir: Path, *flags: str) -> dict:
+    """`atomlog up` of three partition servers, one coordinator and one id allocator, with
+    `flags` added (settings, --tls); returns its cluster.json."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "services", "up", "--data-dir", str(data_dir),
                "--partition-servers", "3", "--coordinators", "1", "--id-allocators", "1",
-               "--set", f"topics.default_replication_factor={factor}", "--output", "json"]
+               "--output", "json", *flags]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=180)
     if done.returncode != 0:
@@ -83,11 +84,14 @@ def wait_in_sync(client, topic: str, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"{topic} not in sync after {timeout_s} s")
 
 
-def measure_produce(bootstrap: list[str], topic: str, seconds: float) -> dict:
+def measure_produce(bootstrap: list[str], topic: str, seconds: float,
+                    producer=produce.wire_producer) -> dict:
+    """PRODUCERS processes running `producer` (bench/produce.py's wire_producer, or one
+    wrapping it) against `topic` for `seconds`."""
     ctx = mp.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
     go, start_at = ctx.Event(), ctx.Value("d", 0.0)
-    children = [ctx.Process(target=produce.wire_producer,
+    children = [ctx.Process(target=producer,
                             args=(bootstrap, topic, PARTITIONS, seconds, BATCH_KIB, ready, go,
                                   start_at, results)) for _ in range(PRODUCERS)]
     finished = False
@@ -110,6 +114,7 @@ def measure_produce(bootstrap: list[str], topic: str, seconds: float) -> dict:
     return {"mb_s": records * produce.RECORD_BYTES / seconds / 1e6,
             "ack_p50_ms": common.percentile(latencies, 0.5) * 1000,
             "ack_p99_ms": common.percentile(latencies, 0.99) * 1000,
+            "client_cpu_s": sum(o["cpu_s"] for o in outcomes),
             "errors": {k: v for o in outcomes for k, v in o["errors"].items()}}
 
 
@@ -165,7 +170,8 @@ def run(seconds: float) -> dict:
         for factor in (1, 3):
             data_dir = Path(tmp) / f"rf{factor}"
             try:
-                info = start_cluster(data_dir, factor)
+                info = start_cluster(data_dir, "--set",
+                                     f"topics.default_replication_factor={factor}")
                 with Client(info["bootstrap"]) as client:
                     client.create_topic("bench-produce", partitions=PARTITIONS)
                     client.create_topic("bench-txn", partitions=PARTITIONS)

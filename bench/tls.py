@@ -24,10 +24,8 @@ principal with many ACLs). Prints a table and writes its section of docs/benchma
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
+import functools
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,15 +47,7 @@ BATCH_KIB = replication.BATCH_KIB
 
 
 def start_cluster(data_dir: Path, tls: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "services", "up", "--data-dir", str(data_dir),
-               "--partition-servers", "3", "--coordinators", "1", "--id-allocators", "1",
-               "--output", "json"] + (["--tls"] if tls else [])
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)
-    if done.returncode != 0:
-        raise RuntimeError(f"`atomlog up` failed:\n{done.stdout}\n{done.stderr}")
-    return json.loads((data_dir / "cluster.json").read_text())
+    return replication.start_cluster(data_dir, *(["--tls"] if tls else []))
 
 
 def client_tls(info: dict):
@@ -72,8 +62,6 @@ def secured_wire_producer(tls_files: dict, *args) -> None:
     """bench/produce.py's wire_producer with every channel it opens secured by the admin
     certificate (this is a process of its own: replacing its grpc.aio.insecure_channel
     and its SDK Client touches nothing else)."""
-    import functools
-
     import grpc
 
     import spark_client
@@ -103,37 +91,10 @@ def wait_ready(client, topic: str, partitions: int, timeout_s: float = 30.0) -> 
 
 
 def measure_produce(info: dict, topic: str, seconds: float) -> dict:
-    ctx = mp.get_context("spawn")
-    ready, results = ctx.Queue(), ctx.Queue()
-    go, start_at = ctx.Event(), ctx.Value("d", 0.0)
-    args = (info["bootstrap"], topic, PARTITIONS, seconds, BATCH_KIB, ready, go, start_at,
-            results)
     tls = info.get("tls")
-    children = [ctx.Process(target=secured_wire_producer, args=(tls, *args)) if tls else
-                ctx.Process(target=produce.wire_producer, args=args)
-                for _ in range(PRODUCERS)]
-    finished = False
-    try:
-        for child in children:
-            child.start()
-        for _ in children:
-            ready.get(timeout=120)
-        start_at.value = time.monotonic() + 0.5
-        go.set()
-        outcomes = [results.get(timeout=seconds + 120) for _ in children]
-        finished = True
-    finally:
-        produce.stop_children(children, finished)
-    errors = [o["error"] for o in outcomes if "error" in o]
-    if errors:
-        raise RuntimeError(f"producer failed: {errors[0]}")
-    records = sum(o["records"] for o in outcomes)
-    latencies = sorted(x for o in outcomes for x in replication._floats(o["latencies"]))
-    return {"mb_s": records * produce.RECORD_BYTES / seconds / 1e6,
-            "ack_p50_ms": common.percentile(latencies, 0.5) * 1000,
-            "ack_p99_ms": common.percentile(latencies, 0.99) * 1000,
-            "client_cpu_s": sum(o["cpu_s"] for o in outcomes),
-            "errors": {k: v for o in outcomes for k, v in o["errors"].items()}}
+    return replication.measure_produce(
+        info["bootstrap"], topic, seconds,
+        functools.partial(secured_wire_producer, tls) if tls else produce.wire_producer)
 
 
 def run(seconds: float) -> dict:
