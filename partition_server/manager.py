@@ -103,6 +103,9 @@ class PartitionManager:
         self._steering: dict[tuple[str, int], asyncio.Task] = {}
         self._dirty: set[tuple[str, int]] = set()
         self._closing = False
+        # Replicated partitions are steered only once this server has left their ISRs at
+        # start (else a leadership from its previous life would reopen meanwhile).
+        self._isrs_left = False
         self._stubs = local.StubCache(PARTITION_SERVICE, partition_pb2_grpc.PartitionServiceStub,
                                       REPLICA_CHANNEL_OPTIONS)
         m.register_replication_collector(self)
@@ -114,6 +117,8 @@ class PartitionManager:
         await asyncio.to_thread(self.assignments.start)
         await self.assignments.ready.wait()
         await asyncio.to_thread(self._leave_isrs)  # before this server registers
+        self._isrs_left = True
+        self._reconcile()  # now its replicated partitions may be steered
         # The first attempt of every open (a failing one goes on retrying in the background).
         await asyncio.gather(*list(self._first_attempts))
         self._chores = asyncio.create_task(self._run_chores(), name="partition chores")
@@ -132,6 +137,8 @@ class PartitionManager:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(lambda _t, f=attempted: f.done() or f.set_result(None))
+        if not self._isrs_left:
+            return
         for key in self.assignments.replicated_here():
             self._steer(key)
 

@@ -306,7 +306,15 @@ def test_paused_leader_past_its_session_acknowledges_nothing(cluster, client):
                    SESSION_TIMEOUT_MS / 1000 + 10, "a new leader")
         new = metadata(probe, "rep-pause").partitions[0]
         assert new.leader_epoch > part.leader_epoch
-        raw_produce(new.server_address, "rep-pause", 0, b"to-new-leader")
+
+        def produced_to_new_leader() -> bool:  # it serves once its ISR holds its log
+            try:
+                reply = raw_produce(new.server_address, "rep-pause", 0, b"to-new-leader")
+            except grpc.RpcError:
+                return False
+            return not reply.results[0].error.reason
+
+        wait_until(produced_to_new_leader, 15, "the new leader to take a write")
     finally:
         kill(cluster, old_leader, signal.SIGCONT)
     # Whatever the woken leader does with writes sent to it now, none is acknowledged.
