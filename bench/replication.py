@@ -145,6 +145,29 @@ def measure_transactions(client, topic: str, seconds: float) -> dict:
             "p99_ms": common.percentile(latencies, 0.99) * 1000}
 
 
+def measure_cell(client, info: dict, seconds: float, producer=produce.wire_producer) -> dict:
+    """Produce to "bench-produce" (measure_produce) and small transactions on "bench-txn"
+    (measure_transactions), each with the CPU all partition servers spent on it: per MB
+    acknowledged, per transaction, and the cores busy while producing."""
+    servers = [p["pid"] for p in info["processes"] if p["role"] == "partition_server"]
+
+    def server_cpu() -> float:
+        return sum(common.cpu_seconds(pid) for pid in servers)
+
+    cpu0 = server_cpu()
+    cell = measure_produce(info["bootstrap"], "bench-produce", seconds, producer)
+    cpu = server_cpu() - cpu0
+    megabytes = max(cell["mb_s"] * seconds, 1e-9)
+    cell["server_cpu_ms_per_mb"] = cpu * 1000 / megabytes
+    cell["client_cpu_ms_per_mb"] = cell["client_cpu_s"] * 1000 / megabytes
+    cell["server_cores"] = cpu / seconds
+    cpu0 = server_cpu()
+    cell.update(measure_transactions(client, "bench-txn", seconds))
+    cell["server_cpu_ms_per_txn"] = (server_cpu() - cpu0) * 1000 / max(cell["txn_s"] * seconds,
+                                                                      1e-9)
+    return cell
+
+
 def disk_floor(directory: Path, seconds: float = 3.0) -> float:
     block = os.urandom(BATCH_KIB * 1024)
     path = directory / "floor.bin"
@@ -180,19 +203,7 @@ def run(seconds: float) -> dict:
                     wait_in_sync(client, "__txn_log")
                     produce.wait_ready(client.metadata.route("bench-produce", 0).address,
                                        "bench-produce", 1)
-                    servers = [p["pid"] for p in info["processes"]
-                               if p["role"] == "partition_server"]
-                    cpu0 = sum(common.cpu_seconds(pid) for pid in servers)
-                    cell = measure_produce(info["bootstrap"], "bench-produce", seconds)
-                    cpu = sum(common.cpu_seconds(pid) for pid in servers) - cpu0
-                    # CPU of all partition servers over the produce window, per MB acked.
-                    cell["server_cpu_ms_per_mb"] = cpu * 1000 / max(cell["mb_s"] * seconds, 1e-9)
-                    cell["server_cores"] = cpu / seconds
-                    cpu0 = sum(common.cpu_seconds(pid) for pid in servers)
-                    cell.update(measure_transactions(client, "bench-txn", seconds))
-                    cell["server_cpu_ms_per_txn"] = (
-                        (sum(common.cpu_seconds(pid) for pid in servers) - cpu0) * 1000
-                        / max(cell["txn_s"] * seconds, 1e-9))
+                    cell = measure_cell(client, info, seconds)
                     results[factor] = cell
                 print(f"factor {factor}: {cell}", flush=True)
             finally:

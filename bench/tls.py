@@ -90,13 +90,6 @@ def wait_ready(client, topic: str, partitions: int, timeout_s: float = 30.0) -> 
         time.sleep(0.1)
 
 
-def measure_produce(info: dict, topic: str, seconds: float) -> dict:
-    tls = info.get("tls")
-    return replication.measure_produce(
-        info["bootstrap"], topic, seconds,
-        functools.partial(secured_wire_producer, tls) if tls else produce.wire_producer)
-
-
 def run(seconds: float) -> dict:
     from spark_client import Client
 
@@ -111,19 +104,10 @@ def run(seconds: float) -> dict:
                     client.create_topic("bench-txn", partitions=PARTITIONS)
                     wait_ready(client, "bench-produce", PARTITIONS)
                     wait_ready(client, "bench-txn", PARTITIONS)
-                    servers = [p["pid"] for p in info["processes"]
-                               if p["role"] == "partition_server"]
-                    cpu0 = sum(common.cpu_seconds(pid) for pid in servers)
-                    cell = measure_produce(info, "bench-produce", seconds)
-                    cpu = sum(common.cpu_seconds(pid) for pid in servers) - cpu0
-                    cell["server_cpu_ms_per_mb"] = cpu * 1000 / max(cell["mb_s"] * seconds, 1e-9)
-                    cell["client_cpu_ms_per_mb"] = (cell["client_cpu_s"] * 1000
-                                                    / max(cell["mb_s"] * seconds, 1e-9))
-                    cpu0 = sum(common.cpu_seconds(pid) for pid in servers)
-                    cell.update(replication.measure_transactions(client, "bench-txn", seconds))
-                    cell["server_cpu_ms_per_txn"] = (
-                        (sum(common.cpu_seconds(pid) for pid in servers) - cpu0) * 1000
-                        / max(cell["txn_s"] * seconds, 1e-9))
+                    cell = replication.measure_cell(
+                        client, info, seconds,
+                        functools.partial(secured_wire_producer, info["tls"]) if tls
+                        else produce.wire_producer)
                     results[name] = cell
                 print(f"{name}: {cell}", flush=True)
             finally:
