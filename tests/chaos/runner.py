@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -313,7 +314,9 @@ class Run:
             client.close()
         servers = [p.name for p in self.cluster.processes
                    if p.role in launcher.SERVES_PARTITIONS]
-        return leader if leader in servers else servers[hash(partition) % len(servers)]
+        # (crc32, not hash(): a seed must pick the same server in every run)
+        fallback = servers[zlib.crc32(partition.encode()) % len(servers)]
+        return leader if leader in servers else fallback
 
     def wait_in_sync(self, timeout_s: float) -> bool:
         """Until every replicated partition's ISR holds all its replicas (read from
