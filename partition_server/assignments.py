@@ -1,8 +1,9 @@
 """Which partitions this server owns, kept current from ZooKeeper.
 
-A kazoo ChildrenWatch on /topics reads every new topic's record (topic records are
-written once, whole, at creation). The callback runs on kazoo's thread and hands the
-new table to the event loop, where `on_change` opens newly owned partitions.
+A kazoo ChildrenWatch on /topics finds every new topic, and a DataWatch on its record
+keeps it current (a record is written whole at creation, and again when a partition's
+reassignment begins or ends). The callbacks run on kazoo's thread and hand the change
+to the event loop, where `on_change` opens newly owned partitions.
 
 Replicated topics (docs/replication.md): for every partition this server holds a replica
 of, a DataWatch keeps its state (leader, epoch, ISR) with the znode version, and a
@@ -40,6 +41,7 @@ class Assignments:
         self._topics: dict[str, TopicRecord] = {}
         self._states: dict[tuple[str, int], Versioned] = {}
         self._watched: set[tuple[str, int]] = set()
+        self._record_watches: set[str] = set()
         self._live: set[str] = set()
         self.ready = asyncio.Event()
 
@@ -57,21 +59,22 @@ class Assignments:
         """DataWatch the state of each partition of `record` with a replica here."""
         for partition in range(record.partitions):
             key = (record.name, partition)
-            replicas = record.replicas_of(partition)
-            if self.server_name not in replicas or key in self._watched:
+            if self.server_name not in record.replicas_of(partition) or key in self._watched:
                 continue
             self._watched.add(key)
-            self.zk.client.DataWatch(path_of(*key), self._state_watcher(key, replicas))
+            self.zk.client.DataWatch(path_of(*key), self._state_watcher(key))
 
-    def _state_watcher(self, key: tuple[str, int], replicas: list[str]):
+    def _state_watcher(self, key: tuple[str, int]):
         # Exactly (data, stat): kazoo passes a third argument to functions that take one.
+        # (Not checked against the replicas known here: a reassignment may add an in-sync
+        # replica that this server's copy of the topic record does not list yet.)
         def on_data(data, stat) -> None:
             if data is None:
                 with self._lock:
                     self._states.pop(key, None)
             else:
                 try:
-                    state = PartitionState.from_json(data, replicas)
+                    state = PartitionState.from_json(data)
                 except ValueError:
                     log.exception("unreadable partition state %s", path_of(*key))
                     return
@@ -81,26 +84,41 @@ class Assignments:
         return on_data
 
     def _on_children(self, names: list[str]) -> None:
-        known = dict(self._topics)
-        fresh: dict[str, TopicRecord] = {}
+        """Topics come and go: each new one gets a DataWatch on its record (a record
+        changes when a partition's reassignment begins or ends)."""
+        with self._lock:
+            gone = set(self._topics) - set(names)
+            for name in gone:
+                del self._topics[name]
         for name in names:
-            if name in known:
-                fresh[name] = known[name]
-                continue
+            if name not in self._record_watches:
+                self._record_watches.add(name)
+                # Calls back at once (on this thread) with the record as it is now.
+                self.zk.client.DataWatch(f"{TOPICS_PATH}/{name}", self._record_watcher(name))
+        event(log, "assignments updated", topics=len(self._topics), owned=len(self.owned()))
+        self.loop.call_soon_threadsafe(self._notify)
+
+    def _record_watcher(self, name: str):
+        def on_data(data, stat) -> None:
+            if data is None:
+                with self._lock:
+                    self._topics.pop(name, None)
+                return
             try:
-                data, _ = self.zk.client.get(f"{TOPICS_PATH}/{name}")
-                fresh[name] = TopicRecord.from_json(name, json.loads(data))
-            except NoNodeError:
-                continue
+                record = TopicRecord.from_json(name, json.loads(data))
             except ValueError:
                 log.exception("unreadable topic record %s", name)
-        with self._lock:
-            self._topics = fresh
-        for record in fresh.values():
+                return
+            with self._lock:
+                known = self._topics.get(name)
+                self._topics[name] = record
             if record.replicated:
                 self._watch_states(record)
-        event(log, "assignments updated", topics=len(fresh), owned=len(self.owned()))
-        self.loop.call_soon_threadsafe(self._notify)
+            if known is not None and known != record:
+                event(log, "topic record changed", topic=name,
+                      reassigning={str(p): t for p, t in record.reassigning.items()})
+                self.loop.call_soon_threadsafe(self._notify)
+        return on_data
 
     def _notify(self) -> None:
         self.ready.set()

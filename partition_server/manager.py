@@ -13,6 +13,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import shutil
+import time
 from pathlib import Path
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
@@ -77,6 +79,15 @@ def forget_owner_snapshots(directory: Path) -> int:
     return removed
 
 
+def _delete_copy(directory: Path) -> None:
+    """Delete a partition's directory: renamed first (one atomic step, so a crash leaves
+    either the whole copy or a `.deleted` directory nobody opens), then removed."""
+    doomed = directory.with_name(f"{directory.name}.deleted-{time.time_ns()}")
+    directory.rename(doomed)
+    fsync_directory(directory.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 class NotOwner(Exception):
     def __init__(self, owner: str | None):
         self.owner = owner
@@ -112,6 +123,8 @@ class PartitionManager:
 
     async def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.data_dir.glob("*.deleted-*"):  # a crash during _delete_copy
+            await asyncio.to_thread(shutil.rmtree, leftover, True)
         loop = asyncio.get_running_loop()
         self.assignments = Assignments(self.zk, self.server_name, loop, self._reconcile)
         await asyncio.to_thread(self.assignments.start)
@@ -139,8 +152,14 @@ class PartitionManager:
             task.add_done_callback(lambda _t, f=attempted: f.done() or f.set_result(None))
         if not self._isrs_left:
             return
-        for key in self.assignments.replicated_here():
+        here = set(self.assignments.replicated_here())
+        # ... and replicas a reassignment took away from this server (they go).
+        for key in here | self._replicas_held() - here:
             self._steer(key)
+
+    def _replicas_held(self) -> set[tuple[str, int]]:
+        return set(self.followers) | {k for k, o in self.owners.items()
+                                      if o.replication is not None}
 
     def _settings_for(self, topic: str) -> OwnerSettings:
         """Server defaults, overridden by the topic's own settings (CreateTopic config)."""
@@ -239,9 +258,13 @@ class PartitionManager:
         if record is None or known is None:
             return
         replicas = record.replicas_of(partition)
+        me = self.server_name
+        if me not in replicas:
+            await self._remove_replica(key)
+            return
         state = known.state
         live = self.assignments.live()
-        me = self.server_name
+        target = record.reassigning.get(partition)
         if state.leader != me and (state.leader is None or state.leader not in live):
             # (A leader here whose own registration is missing goes on: it is being
             # re-created after a lost session, or others elect and its state changes.)
@@ -267,6 +290,7 @@ class PartitionManager:
                     leading.known = known
                     leading.progress.isr_changed(known.state.isr)
                     owner.replicated()
+                leading.reassigned(replicas, target)
                 return
             known_hw = 0
             follower = self.followers.pop(key, None)
@@ -278,7 +302,8 @@ class PartitionManager:
                 topic, partition, me, known, replicas, record.min_insync_replicas,
                 self.replication.max_lag_ms, known_hw,
                 self.data_dir / f"{topic}-{partition}", self._write_isr(topic, partition),
-                self.assignments.live)
+                self.assignments.live, self._complete_reassignment(topic, partition))
+            replication.reassigned(replicas, target)
             event(log, "leading", partition=f"{topic}-{partition}",
                   epoch=state.leader_epoch, isr=list(state.isr))
             try:
@@ -327,6 +352,27 @@ class PartitionManager:
                 event(log, "left the ISR at start", partition=f"{topic}-{partition}",
                       leader=written.state.leader, epoch=written.state.leader_epoch,
                       isr=list(written.state.isr))
+
+    async def _remove_replica(self, key: tuple[str, int]) -> None:
+        """A finished reassignment left this server out of the partition's replicas: stop
+        following (or leading: the leader handed over in the same write) and delete the
+        copy. (Only for a topic record that exists and names other replicas: a record
+        being unreadable or missing removes nothing.)"""
+        follower = self.followers.pop(key, None)
+        if follower is not None:
+            await follower.close()
+        await self._step_down(key)
+        directory = self.data_dir / f"{key[0]}-{key[1]}"
+        if directory.exists():
+            await asyncio.to_thread(_delete_copy, directory)
+            event(log, "replica removed by a reassignment", partition=f"{key[0]}-{key[1]}")
+
+    def _complete_reassignment(self, topic: str, partition: int):
+        async def complete(known, target: list[str], state):
+            return await asyncio.to_thread(partition_states.complete_reassignment,
+                                           self.zk.client, topic, partition, known, target,
+                                           state)
+        return complete
 
     async def _step_down(self, key: tuple[str, int]) -> None:
         owner = self.owners.get(key)

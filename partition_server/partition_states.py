@@ -20,17 +20,23 @@ run them on a thread.
   have been wiped or replaced while it was down, and an in-sync replica with an empty log
   that won an election would erase what the others hold. It rejoins the ISR the normal way,
   once its leader sees it caught up.
+- `complete_reassignment` is what the leader of a partition being reassigned writes once
+  its target replicas are all in sync: the topic record's final replica list and the
+  partition's state, in one ZooKeeper transaction.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Iterable
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
 from partition_server.replication import Election, PartitionState, elect, elect_offline, initial_state
 from services.errors import AtomlogError
+from services.topics import TopicRecord
+from services.zk import TOPICS_PATH
 
 PARTITIONS_PATH = "/partitions"
 
@@ -162,3 +168,40 @@ def leave_isr(client, topic: str, partition: int, replicas: list[str], me: str,
         except StaleState:
             continue
     raise StaleState(f"{topic}-{partition} kept changing while {me} left its ISR")
+
+
+def complete_reassignment(client, topic: str, partition: int, known: Versioned,
+                          target: list[str], state: PartitionState,
+                          attempts: int = 20) -> Versioned | None:
+    """End `partition`'s reassignment to `target` (docs/replication.md, "Reassignment"):
+    the topic record's replicas become the target and the partition state becomes `state`
+    (replication.complete_reassignment), in one ZooKeeper transaction, each write against
+    the version it was read at. Returns the state written; None when the record no longer
+    reassigns the partition to `target` (another target replaced it: nothing written);
+    StaleState when the partition state changed since `known` (the leader rereads)."""
+    path = f"{TOPICS_PATH}/{topic}"
+    for _ in range(attempts):
+        data, stat = client.get(path)
+        record = TopicRecord.from_json(topic, json.loads(data))
+        if record.reassigning.get(partition) != list(target):
+            return None
+        done = record.reassignment_done(partition)
+        transaction = client.transaction()
+        transaction.set_data(path, json.dumps(done.to_json()).encode(), version=stat.version)
+        transaction.set_data(path_of(topic, partition), state.to_json(), version=known.version)
+        results = transaction.commit()
+        record_result, state_result = results
+        if not isinstance(record_result, Exception) and not isinstance(state_result, Exception):
+            return Versioned(state, state_result.version)
+        if isinstance(state_result, BadVersionError):
+            raise StaleState(f"{topic}-{partition} changed since version {known.version}")
+        if isinstance(state_result, NoNodeError) or isinstance(record_result, NoNodeError):
+            raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                               f"no topic record or partition state for {topic}-{partition}")
+        if isinstance(record_result, BadVersionError) and isinstance(state_result,
+                                                                     RolledBackError):
+            continue  # another partition's reassignment changed the record: reread
+        raise next(r for r in results if isinstance(r, Exception)
+                   and not isinstance(r, RolledBackError))
+    raise StaleState(f"topic {topic!r} kept changing while {topic}-{partition}'s "
+                     "reassignment completed")

@@ -44,7 +44,7 @@ from partition_server.log import LogConfig, PartitionLog
 from partition_server.partition_states import StaleState, Versioned
 from partition_server.record_batch import iter_batches
 from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CursorProgress, LeaderProgress,
-                                          truncation_step)
+                                          complete_reassignment, truncation_step)
 from services import errors
 from services.errors import AtomlogError
 from services.logs import event
@@ -75,7 +75,8 @@ class LeaderReplication:
                  replicas: list[str], min_insync: int, max_lag_ms: int, known_hw: int,
                  directory,
                  write_isr: Callable[[Versioned, list[str]], Awaitable[Versioned]],
-                 live: Callable[[], set[str]]):
+                 live: Callable[[], set[str]],
+                 complete_reassignment: Callable[..., Awaitable[Versioned | None]] | None = None):
         state = known.state
         assert state.leader == me, (state, me)
         self.topic, self.partition, self.me = topic, partition, me
@@ -95,6 +96,8 @@ class LeaderReplication:
         self.owner = None
         self._write_isr = write_isr
         self._live = live
+        self._complete_reassignment = complete_reassignment
+        self.target: list[str] | None = None  # a running reassignment's replica list
         self._data: asyncio.Future | None = None
         self._isr_task: asyncio.Task | None = None
         self._isr_event = asyncio.Event()  # before the task runs: Replicate may poke it
@@ -142,6 +145,19 @@ class LeaderReplication:
             event(log, "leadership ended", partition=self.name, epoch=self.epoch, why=why)
         self._wake_followers()
         self._wake_cursor_waiters()
+
+    def reassigned(self, replicas: list[str], target: list[str] | None) -> None:
+        """The topic record changed this partition's replicas (a reassignment began, was
+        replaced or ended): new replicas may fetch, and once every one of `target` is in
+        sync this leader ends the reassignment (`_maintain_isr`)."""
+        if list(replicas) == self.replicas and target == self.target:
+            return
+        now = _now_ms()
+        self.replicas = list(replicas)
+        self.target = list(target) if target else None
+        self.progress.replicas_changed(self.replicas, now)
+        self.cursors.replicas_changed(self.replicas, self.progress.isr, now)
+        self._poke_isr()
 
     # ---------------------------------------------------------------- checks
     def check_serving(self) -> None:
@@ -380,6 +396,8 @@ class LeaderReplication:
             self._isr_event.clear()
             wanted = self._wanted_isr()
             if wanted is None:
+                if self.target is not None and await self._end_reassignment():
+                    return
                 continue
             self._isr_writing = True
             try:
@@ -408,6 +426,44 @@ class LeaderReplication:
                 self.owner.replicated()
             self._wake_cursor_waiters()
 
+    async def _end_reassignment(self) -> bool:
+        """Once every target replica is in sync: the topic record's replicas become the
+        target and the state keeps only them in its ISR (a new leader among them, in a
+        new epoch, when this one is left out) — one ZooKeeper transaction. Returns True
+        when this leadership ended by it."""
+        if self._complete_reassignment is None:
+            return False
+        final = complete_reassignment(self.known.state, self.target, self._live())
+        if final is None:
+            return False
+        target = list(self.target)
+        self._isr_writing = True
+        try:
+            stored = await self._complete_reassignment(self.known, target, final)
+        except StaleState:
+            self.fence("its partition state changed in ZooKeeper")
+            return True
+        except Exception as error:  # noqa: BLE001 — ZooKeeper away: try again
+            event(log, "reassignment not completed; retrying", logging.WARNING,
+                  partition=self.name, error=f"{type(error).__name__}: {error}")
+            await asyncio.sleep(ISR_CHECK_INTERVAL_S)
+            return False
+        finally:
+            self._isr_writing = False
+        if stored is None:
+            return False  # another target replaced it: the record's watch tells us
+        event(log, "reassignment completed", partition=self.name, replicas=target,
+              leader=final.leader, epoch=final.leader_epoch, isr=list(final.isr))
+        if final.leader != self.me:
+            self.fence(f"handed leadership to {final.leader} (reassigned)")
+            return True
+        self.known = stored
+        self.progress.isr_changed(final.isr)
+        self.reassigned(target, None)
+        if self.owner is not None:
+            self.owner.replicated()
+        return False
+
     def _wanted_isr(self) -> set[str] | None:
         """The ISR this leader should store: without followers that lag or whose server
         is gone from ZooKeeper, with live ones that caught up; None when unchanged."""
@@ -424,6 +480,24 @@ class LeaderReplication:
             joining = {r for r in joining if self.cursors.holds(r, isr)}
         wanted = keep | joining
         return wanted if wanted != isr else None
+
+    def status(self, into: partition_pb2.ReplicationStatus) -> None:
+        """DescribePartition's view of the replicas (`atomlog partition describe`)."""
+        progress, now = self.progress, _now_ms()
+        into.leader_epoch = self.epoch
+        into.replicas.extend(self.replicas)
+        into.isr.extend(r for r in self.replicas if r in progress.isr)
+        into.replicated_high_watermark = self.high_watermark
+        lag = progress.lag()
+        for replica in self.replicas:
+            follower = progress.followers.get(replica)
+            if replica == self.me or follower is None:
+                continue
+            into.followers.add(replica=replica, in_sync=replica in progress.isr,
+                               durable_end_offset=follower.durable_end,
+                               lag_offsets=lag.get(replica, 0),
+                               caught_up_ms_ago=max(0, now - follower.caught_up_ms))
+        into.reassigning_to.extend(self.target or ())
 
     def describe(self) -> dict:
         return {"leader_epoch": self.epoch, "isr": sorted(self.progress.isr),

@@ -211,6 +211,58 @@ def elect_offline(state: PartitionState, replicas: list[str], live: Iterable[str
     return Election(PartitionState(back[0], state.leader_epoch + 1, tuple(back)), False)
 
 
+# ------------------------------------------------------------------ reassignment
+
+def validate_reassignment(target: list[str], partition_servers: Iterable[str],
+                          min_insync: int) -> list[str]:
+    """Check a partition's new replica list (docs/replication.md, "Reassignment"); return
+    it. Every target must be a registered partition server, named once; the list must be
+    able to hold min.insync.replicas in-sync copies."""
+    registered = set(partition_servers)
+    if not target:
+        raise AtomlogError("INVALID_REPLICA_ASSIGNMENT", "the new replica list is empty")
+    if len(set(target)) != len(target):
+        raise AtomlogError("INVALID_REPLICA_ASSIGNMENT",
+                           f"the new replica list {target} names a server twice")
+    if len(target) > MAX_REPLICATION_FACTOR:
+        raise AtomlogError("INVALID_REPLICA_ASSIGNMENT",
+                           f"{len(target)} replicas; at most {MAX_REPLICATION_FACTOR}")
+    unknown = [r for r in target if r not in registered]
+    if unknown:
+        raise AtomlogError("INVALID_REPLICA_ASSIGNMENT",
+                           f"{unknown} are not registered partition servers (registered: "
+                           f"{sorted(registered)})", {"unknown": ",".join(unknown)})
+    if len(target) < min_insync:
+        raise AtomlogError("INVALID_REPLICA_ASSIGNMENT",
+                           f"{len(target)} replicas cannot hold min.insync.replicas="
+                           f"{min_insync} in-sync copies")
+    return list(target)
+
+
+def reassigning_replicas(current: list[str], target: list[str]) -> list[str]:
+    """The replica list while a reassignment runs: the target (its first the preferred
+    leader) and then the current replicas that leave once it completes. Every one of them
+    follows the leader; elections consider them all."""
+    return list(target) + [r for r in current if r not in target]
+
+
+def complete_reassignment(state: PartitionState, target: list[str],
+                          live: Iterable[str]) -> PartitionState | None:
+    """The partition state that ends a reassignment, or None while it cannot end: every
+    target replica must be in the ISR (so each holds everything acknowledged). The ISR
+    keeps the targets only; a leader outside the target hands over, in a new epoch, to the
+    first live target (it is in sync, so the election is clean)."""
+    if state.leader is None or not set(target) <= set(state.isr):
+        return None
+    isr = tuple(r for r in target if r in state.isr)
+    if state.leader in target:
+        return PartitionState(state.leader, state.leader_epoch, isr)
+    heirs = [r for r in target if r in set(live)]
+    if not heirs:
+        return None
+    return PartitionState(heirs[0], state.leader_epoch + 1, isr)
+
+
 # ------------------------------------------------------------------ the leader's view
 
 @dataclass
@@ -308,6 +360,17 @@ class LeaderProgress:
             raise ValueError("the leader cannot leave its own ISR")
         self.isr = isr
 
+    def replicas_changed(self, replicas: Iterable[str], now_ms: int) -> None:
+        """A reassignment changed the replica list: a new replica is a follower that has
+        nothing yet (it joins the ISR once caught up); a replica that left is forgotten
+        (it left the ISR in the same write)."""
+        self.replicas = list(replicas)
+        for replica in self.replicas:
+            if replica != self.leader:
+                self.followers.setdefault(replica, _Follower(0, now_ms))
+        for gone in set(self.followers) - set(self.replicas) - self.isr:
+            del self.followers[gone]
+
     def lag(self) -> dict[str, int]:
         """Offsets each follower is behind the leader's durable end."""
         return {r: max(0, self.leader_durable_end - f.durable_end)
@@ -393,6 +456,18 @@ class CursorProgress:
         """Frames each follower is behind the leader's durable end (-1: not synced)."""
         return {r: (-1 if p == NOT_SYNCED else max(0, self.leader_durable_end - p))
                 for r, p in self.positions.items()}
+
+    def replicas_changed(self, replicas: Iterable[str], isr: Iterable[str], now_ms: int) -> None:
+        """As LeaderProgress.replicas_changed: a new replica starts not synced."""
+        self.replicas = list(replicas)
+        for replica in self.replicas:
+            if replica != self.leader:
+                self.positions.setdefault(replica, NOT_SYNCED)
+                self.caught_up_ms.setdefault(replica, now_ms)
+        for gone in set(self.positions) - set(self.replicas) - set(isr):
+            self.positions.pop(gone, None)
+            self.caught_up_ms.pop(gone, None)
+            self._last_fetch.pop(gone, None)
 
 
 # ------------------------------------------------------------------ leader epochs

@@ -449,6 +449,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                                                       subscription=name)
                 d = owner.subscriptions.describe(name, readable, now_ms)
                 response.subscriptions.add(**_cursor_fields(sp, d))
+        if owner.replication is not None:
+            owner.replication.status(response.replication)
         return response
 
     async def RecoverPartition(self, request, context):

@@ -388,6 +388,8 @@ TABLE: dict[str, Callable] = {
     _METADATA + "GetMetadata": _any(),
     _METADATA + "ListTopics": _any(),
     _METADATA + "CreateTopic": _create_topic,
+    # Moving replicas is an operator's act on the cluster's layout.
+    _METADATA + "ReassignPartition": _fixed(_cluster("alter")),
     _PARTITION + "Produce": _produce,
     _PARTITION + "Fetch": _fetch,
     _PARTITION + "ListOffsets": _list_offsets,

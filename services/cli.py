@@ -478,8 +478,9 @@ def _print_topics(topics, output: str) -> None:
                                for t in topics], indent=2))
         return
     table = Table()
+    moving = any(p.reassigning_to for t in topics for p in t.partitions)
     for column in ("topic", "partition", "leader", "address", "available", "replicas", "isr",
-                   "epoch"):
+                   "epoch", *(("reassigning to",) if moving else ())):
         table.add_column(column)
     for t in topics:
         for p in t.partitions:
@@ -488,7 +489,8 @@ def _print_topics(topics, output: str) -> None:
                           p.server_address or "-", "yes" if p.available else "[red]no[/]",
                           ",".join(p.replicas),
                           ("[yellow]" if under else "") + ",".join(p.isr) + ("[/]" if under else ""),
-                          str(p.leader_epoch))
+                          str(p.leader_epoch),
+                          *((",".join(p.reassigning_to) or "-",) if moving else ()))
     console.print(table)
 
 
@@ -567,9 +569,24 @@ def _describe_text(reply) -> str:
                    if p.HasField("current_txn_id") else "")
         lines.append(f"    producer {p.producer_id} epoch {p.producer_epoch}: last sequence "
                      f"{p.last_sequence} at offset {p.last_offset}{current}")
+    if reply.HasField("replication"):
+        lines.extend(_replication_lines(reply.replication))
     if reply.state == partition_pb2.PARTITION_STATE_ONLINE:
         lines.extend(_transaction_lines(reply))
     return "\n".join(lines)
+
+
+def _replication_lines(status) -> list[str]:
+    """The replicas part of `partition describe` (asked of the leader)."""
+    lines = [f"  replicas {','.join(status.replicas)}, in sync {','.join(status.isr)}, leader "
+             f"epoch {status.leader_epoch}, replicated up to {status.replicated_high_watermark}"]
+    if status.reassigning_to:
+        lines.append(f"  reassigning to {','.join(status.reassigning_to)}")
+    for f in status.followers:
+        lines.append(f"    follower {f.replica}: {'in sync' if f.in_sync else 'NOT in sync'}, "
+                     f"holds up to {f.durable_end_offset}, {f.lag_offsets} behind, caught up "
+                     f"{_duration(f.caught_up_ms_ago)} ago")
+    return lines
 
 
 def _transaction_lines(reply) -> list[str]:
@@ -603,6 +620,68 @@ def _transaction_lines(reply) -> list[str]:
                      f"acks, {cursor.delivered_unacknowledged_count} delivered unacknowledged, "
                      f"{cursor.redelivery_backlog_count} awaiting redelivery")
     return lines
+
+
+@partition.command("reassign")
+@click.argument("topic_name", metavar="TOPIC")
+@click.argument("number", metavar="PARTITION", type=int)
+@click.option("--replicas", required=True, metavar="SERVER,...",
+              help="The new replica list, preferred leader first (partition server names, "
+                   "as `atomlog status` lists them).")
+@click.option("--wait", "wait_s", type=click.FloatRange(0, 3600), default=0, show_default=True,
+              help="Seconds to wait for the reassignment to complete (0: return once it "
+                   "is recorded).")
+@bootstrap_option
+@data_dir_option
+@output_option
+def partition_reassign(topic_name: str, number: int, replicas: str, wait_s: float,
+                       bootstrap: str | None, data_dir: Path, output: str) -> None:
+    """Move partition PARTITION of TOPIC to a new list of replicas.
+
+    The new replicas copy the partition from its leader while it goes on serving; once
+    all of them are in sync, the leader makes the list final in one ZooKeeper write
+    (handing leadership to the first new replica when it is not in the list itself) and
+    the replicas left out delete their copy. Nothing acknowledged is lost: the old
+    replicas leave only after the new ones hold everything. A new target replaces a
+    running reassignment; `topic describe` shows progress ("reassigning to"), `partition
+    describe` each follower's lag. Exits 1 if --wait runs out first (the reassignment
+    goes on).
+
+    \b
+    Example:
+      atomlog partition reassign orders 0 --replicas ps-3,ps-1,ps-2 --wait 120
+    """
+    from atomlog.v1 import metadata_pb2
+
+    target = [r.strip() for r in replicas.split(",") if r.strip()]
+    address = _bootstrap(bootstrap, data_dir)
+    reply = _call(address, "ReassignPartition", metadata_pb2.ReassignPartitionRequest(
+        topic=topic_name, partition=number, replicas=target))
+    partition = reply.partition
+    deadline = time.monotonic() + wait_s
+    while partition.reassigning_to and time.monotonic() < deadline:
+        time.sleep(0.5)
+        topics = _call(address, "GetMetadata",
+                       metadata_pb2.GetMetadataRequest(topics=[topic_name])).topics
+        partition = topics[0].partitions[number]
+    done = not partition.reassigning_to
+    if output == "json":
+        click.echo(json.dumps({"topic": topic_name, "partition": number,
+                               "started": reply.started, "completed": done,
+                               "replicas": list(partition.replicas), "isr": list(partition.isr),
+                               "leader": partition.server_name,
+                               "reassigning_to": list(partition.reassigning_to)}))
+    elif not reply.started:
+        click.echo(f"{topic_name}-{number} has replicas {','.join(partition.replicas)} already")
+    elif done:
+        click.echo(f"{topic_name}-{number} reassigned: replicas {','.join(partition.replicas)}, "
+                   f"leader {partition.server_name or 'none'}")
+    else:
+        click.echo(f"{topic_name}-{number}: reassignment to {','.join(partition.reassigning_to)} "
+                   f"running (replicas {','.join(partition.replicas)}, in sync "
+                   f"{','.join(partition.isr)})")
+    if wait_s and not done:
+        sys.exit(1)
 
 
 @partition.command("recover")

@@ -71,6 +71,10 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "An unknown topic setting, or a value out of its range."),
     _r("INVALID_REPLICATION_FACTOR", SC.INVALID_ARGUMENT, FATAL, C,
        "A replication factor must be 1-7 and at most the number of partition servers."),
+    _r("INVALID_REPLICA_ASSIGNMENT", SC.INVALID_ARGUMENT, FATAL, C,
+       "A partition's new replica list names an unregistered server, a server twice, or "
+       "fewer servers than min.insync.replicas; or the topic keeps a single copy without "
+       "replication state. Nothing was changed."),
     _r("TOPIC_ALREADY_EXISTS", SC.ALREADY_EXISTS, FATAL, C,
        "A topic with this name exists; nothing was changed."),
     _r("UNKNOWN_TOPIC_OR_PARTITION", SC.NOT_FOUND, RETRY, C,

@@ -20,13 +20,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from atomlog.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
 from partition_server import partition_states
 from partition_server.replication import (PartitionState, assign_replicas,
                                           default_replication_factor, initial_state,
-                                          validate_replication)
+                                          validate_reassignment, validate_replication)
 from services.errors import AtomlogError
 from services.logs import event
 from services.topics import (TopicRecord, assign_partitions, validate_partition_count,
@@ -202,6 +202,48 @@ class MetadataStore:
               assignment=record.assignment, replication_factor=factor)
         return record
 
+    async def reassign_partition(self, topic: str, partition: int,
+                                 replicas: list[str]) -> tuple[TopicRecord, bool]:
+        """Record a reassignment of `topic`'s `partition` to `replicas` (docs/replication.md,
+        "Reassignment"), by compare-and-set on the topic record; returns (the record now,
+        whether it changed). The partition's leader completes it once the new replicas are
+        in sync. Nothing is written when the request is refused."""
+        validate_topic_name(topic, internal_allowed=True)
+        for _ in range(20):
+            path = f"{TOPICS_PATH}/{topic}"
+            try:
+                data, stat = await aio(self.zk.client.get_async(path))
+            except NoNodeError:
+                raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION", f"unknown topic {topic!r}",
+                                   {"topics": topic}) from None
+            record = TopicRecord.from_json(topic, json.loads(data))
+            if not 0 <= partition < record.partitions:
+                raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                                   f"no partition {topic}-{partition}: topic {topic!r} has "
+                                   f"{record.partitions} partitions",
+                                   {"topic": topic, "partition": str(partition)})
+            if not record.replicated:
+                raise AtomlogError(
+                    "INVALID_REPLICA_ASSIGNMENT",
+                    f"topic {topic!r} keeps one copy per partition without replication state "
+                    "(created with replication factor 1): its partitions cannot move; create "
+                    "a topic with -r 2 or more, or min.insync.replicas=1 for one movable copy")
+            servers = [s.name for s in await self.servers() if s.role == "partition_server"]
+            target = validate_reassignment(list(replicas), servers, record.min_insync_replicas)
+            changed = record.reassigned(partition, target)
+            if changed is None:
+                return record, False
+            try:
+                await aio(self.zk.client.set_async(path, json.dumps(changed.to_json()).encode(),
+                                                   version=stat.version))
+            except BadVersionError:
+                continue  # another partition's reassignment began or ended meanwhile
+            event(log, "partition reassignment recorded", partition=f"{topic}-{partition}",
+                  replicas=record.replicas_of(partition), target=target)
+            return changed, True
+        raise AtomlogError("SERVER_UNAVAILABLE", f"topic {topic!r} kept changing; try again",
+                           {"retry_after_ms": "500"})
+
     def _create_replicated(self, record: TopicRecord, payload: bytes, live: set[str]) -> None:
         """The topic record, /partitions/<name> and every partition's first state, in one
         ZooKeeper transaction (kazoo, synchronous: on a thread)."""
@@ -237,7 +279,8 @@ def topic_to_proto(topic: TopicRecord, servers: dict[str, ServerEntry]) -> metad
             server_address=entry.grpc_address if entry else "", available=entry is not None,
             replicas=replicas, isr=list(state.isr) if state else ([] if topic.replicated
                                                                     else replicas),
-            leader_epoch=state.leader_epoch if state else 0))
+            leader_epoch=state.leader_epoch if state else 0,
+            reassigning_to=topic.reassigning.get(index, [])))
     return metadata_pb2.TopicMetadata(name=topic.name, partitions=partitions, config=topic.config,
                                       internal=topic.internal,
                                       created_unix_ms=topic.created_unix_ms)
@@ -276,6 +319,14 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             await self.store.read_leaders([record])
         servers = {s.name: s for s in await self.store.servers()}
         return metadata_pb2.CreateTopicResponse(topic=topic_to_proto(record, servers))
+
+    async def ReassignPartition(self, request, context):
+        record, started = await self.store.reassign_partition(
+            request.topic, request.partition, list(request.replicas))
+        await self.store.read_leaders([record])
+        servers = {s.name: s for s in await self.store.servers()}
+        metadata = topic_to_proto(record, servers).partitions[request.partition]
+        return metadata_pb2.ReassignPartitionResponse(partition=metadata, started=started)
 
     async def ListTopics(self, request, context):
         names = await aio(self.store.zk.client.get_children_async(TOPICS_PATH))

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from partition_server.replication import reassigning_replicas
 from services.errors import AtomlogError
 
 MAX_TOPIC_NAME_LENGTH = 249  # Kafka's limit: leaves room for "-<partition>" in file names
@@ -126,6 +127,9 @@ class TopicRecord:
     created_unix_ms: int = 0
     version: int = 1
     replicas: list[list[str]] | None = None
+    # Running reassignments (docs/replication.md): partition -> its target replica list;
+    # meanwhile `replicas` holds the target and then the replicas that will leave.
+    reassigning: dict[int, list[str]] = field(default_factory=dict)
     leaders: list[str] | None = field(default=None, compare=False)
     states: list | None = field(default=None, compare=False)  # PartitionState per partition
 
@@ -143,7 +147,7 @@ class TopicRecord:
 
     @property
     def replication_factor(self) -> int:
-        return len(self.replicas[0]) if self.replicas else 1
+        return len(self.reassigning.get(0) or self.replicas[0]) if self.replicas else 1
 
     @property
     def min_insync_replicas(self) -> int:
@@ -167,7 +171,34 @@ class TopicRecord:
                 "created_unix_ms": self.created_unix_ms}
         if self.replicas is not None:
             data["replicas"] = self.replicas
+        if self.reassigning:
+            data["reassigning"] = {str(p): t for p, t in sorted(self.reassigning.items())}
         return data
+
+    def reassigned(self, partition: int, target: list[str]) -> "TopicRecord | None":
+        """The record with a reassignment of `partition` to `target` begun (replacing one
+        that runs), or None when the partition has exactly those replicas already."""
+        current = self.replicas_of(partition)
+        if target == current and partition not in self.reassigning:
+            return None
+        replicas = [list(r) for r in self.replicas]
+        replicas[partition] = reassigning_replicas(current, target)
+        return self._with(partition, replicas, {**self.reassigning, partition: list(target)})
+
+    def reassignment_done(self, partition: int) -> "TopicRecord":
+        """The record once `partition`'s reassignment completed: its replicas are the target."""
+        target = self.reassigning[partition]
+        replicas = [list(r) for r in self.replicas]
+        replicas[partition] = list(target)
+        rest = {p: t for p, t in self.reassigning.items() if p != partition}
+        return self._with(partition, replicas, rest)
+
+    def _with(self, partition: int, replicas: list[list[str]],
+              reassigning: dict[int, list[str]]) -> "TopicRecord":
+        assignment = list(self.assignment)
+        assignment[partition] = replicas[partition][0]  # the preferred leader
+        return TopicRecord(self.name, assignment, dict(self.config), self.created_unix_ms,
+                           self.version, replicas, reassigning)
 
     @classmethod
     def from_json(cls, name: str, data: dict) -> "TopicRecord":
@@ -182,5 +213,12 @@ class TopicRecord:
                                for r in replicas)):
                 raise ValueError(f"topic {name!r}: unreadable replicas {replicas!r}")
             replicas = [list(r) for r in replicas]
+        reassigning: dict[int, list[str]] = {}
+        for key, target in (data.get("reassigning") or {}).items():
+            if (replicas is None or not str(key).isdigit() or int(key) >= len(replicas)
+                    or not isinstance(target, list) or not target
+                    or not all(isinstance(n, str) and n in replicas[int(key)] for n in target)):
+                raise ValueError(f"topic {name!r}: unreadable reassignment {key!r}: {target!r}")
+            reassigning[int(key)] = list(target)
         return cls(name, list(data["assignment"]), dict(data.get("config", {})),
-                   int(data.get("created_unix_ms", 0)), version, replicas)
+                   int(data.get("created_unix_ms", 0)), version, replicas, reassigning)

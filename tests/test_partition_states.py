@@ -152,3 +152,37 @@ def test_a_restarted_replica_leaves_the_isr_by_compare_and_set(zk):
     moved = ps.leave_isr(zk, "t", 1, REPLICAS[1], "b", ["a", "b", "c"])
     assert moved.state.leader == "c" and moved.state.leader_epoch == 1
     assert "b" not in moved.state.isr
+
+
+@pytest.mark.cluster
+def test_a_reassignment_ends_with_the_record_and_the_state_in_one_transaction(zk):
+    import json
+
+    from services.topics import TopicRecord
+
+    ps.create_all(zk, "moving", REPLICAS, live={"a", "b", "c"})
+    record = TopicRecord("moving", ["a", "b"], {}, 1, 2, [list(r) for r in REPLICAS])
+    zk.create("/topics/moving", json.dumps(record.to_json()).encode(), makepath=True)
+    # Both partitions move: partition 1's write lands first and changes the topic record,
+    # so partition 0's first attempt must reread it rather than undo partition 1's.
+    moving = record.reassigned(0, ["c", "b"]).reassigned(1, ["b", "c"])
+    zk.set("/topics/moving", json.dumps(moving.to_json()).encode())
+    state1 = ps.read(zk, "moving", 1)
+    final1 = PartitionState("b", 0, ("b", "c"))
+    assert ps.complete_reassignment(zk, "moving", 1, state1, ["b", "c"], final1).state == final1
+    state0 = ps.read(zk, "moving", 0)
+    final0 = PartitionState("c", 1, ("c", "b"))
+    # A stale state (the version moved on) writes nothing at all.
+    with pytest.raises(ps.StaleState):
+        ps.complete_reassignment(zk, "moving", 0,
+                                 ps.Versioned(state0.state, state0.version - 1 + 100),
+                                 ["c", "b"], final0)
+    assert TopicRecord.from_json("moving", json.loads(zk.get("/topics/moving")[0])
+                                 ).reassigning == {0: ["c", "b"]}
+    # Another target replaced this one: nothing written either.
+    assert ps.complete_reassignment(zk, "moving", 0, state0, ["a", "b"], final0) is None
+    written = ps.complete_reassignment(zk, "moving", 0, state0, ["c", "b"], final0)
+    assert written.state == final0 and ps.read(zk, "moving", 0) == written
+    stored = TopicRecord.from_json("moving", json.loads(zk.get("/topics/moving")[0]))
+    assert stored.replicas == [["c", "b"], ["b", "c"]] and stored.reassigning == {}
+    assert stored.assignment == ["c", "b"]

@@ -9,11 +9,14 @@ from collections import Counter
 
 import pytest
 
-from partition_server.replication import (NO_EPOCH, LeaderEpochCache, LeaderProgress,
-                                          PartitionState, assign_replicas,
+from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CursorProgress,
+                                          LeaderEpochCache, LeaderProgress, PartitionState,
+                                          assign_replicas, complete_reassignment,
                                           default_replication_factor, elect, elect_offline,
-                                          initial_state, truncation_step, validate_replication)
+                                          initial_state, reassigning_replicas, truncation_step,
+                                          validate_reassignment, validate_replication)
 from services.errors import AtomlogError
+from services.topics import TopicRecord
 
 SERVERS = ["ps-0", "ps-1", "ps-2", "ps-3", "ps-4"]
 
@@ -297,3 +300,70 @@ def test_truncation_agrees_with_the_logs_themselves_over_random_histories():
         assert follower_log[:end] == leader_log[:end], (follower_log, leader_log, end)
         # Nothing the two share is cut.
         assert end >= len(shared) or follower_log[:end + 1] != leader_log[:end + 1]
+
+
+# ------------------------------------------------------------------ reassignment
+
+@pytest.mark.parametrize("target,reason_part", [
+    ([], "empty"), (["ps-0", "ps-0"], "twice"), (["ps-0", "ps-9"], "not registered"),
+    (["ps-0"], "min.insync.replicas"), ([f"ps-{i}" for i in range(8)], "at most"),
+])
+def test_bad_reassignment_targets_are_refused(target, reason_part):
+    with pytest.raises(AtomlogError) as raised:
+        validate_reassignment(target, [f"ps-{i}" for i in range(8)], min_insync=2)
+    assert raised.value.reason == "INVALID_REPLICA_ASSIGNMENT"
+    assert reason_part in raised.value.message
+
+
+def test_reassignment_keeps_every_copy_until_it_completes():
+    assert reassigning_replicas(["a", "b", "c"], ["d", "b"]) == ["d", "b", "a", "c"]
+    assert reassigning_replicas(["a", "b"], ["b", "a"]) == ["b", "a"]
+    state = PartitionState("a", 4, ("a", "b", "c"))
+    # Not every target is in sync yet: nothing ends.
+    assert complete_reassignment(state, ["d", "b"], {"a", "b", "c", "d"}) is None
+    # The leader stays in the target: same epoch, ISR cut to the target.
+    assert complete_reassignment(PartitionState("a", 4, ("a", "b", "d")), ["d", "a"],
+                                 {"a", "b", "d"}) == PartitionState("a", 4, ("d", "a"))
+    # The leader is left out: the first live target leads in a new epoch.
+    assert complete_reassignment(PartitionState("a", 4, ("a", "b", "d")), ["d", "b"],
+                                 {"a", "b"}) == PartitionState("b", 5, ("d", "b"))
+    assert complete_reassignment(PartitionState("a", 4, ("a", "b", "d")), ["d", "b"],
+                                 {"a"}) is None  # no live heir: wait
+    assert complete_reassignment(PartitionState(None, 4, ("b", "d")), ["d", "b"],
+                                 {"b", "d"}) is None  # offline: an election comes first
+
+
+def test_topic_record_reassignment_round_trips():
+    record = TopicRecord("t", ["a", "b"], {}, 1, 2, [["a", "b"], ["b", "c"]])
+    assert record.reassigned(0, ["a", "b"]) is None
+    moving = record.reassigned(0, ["c", "b"])
+    assert moving.replicas == [["c", "b", "a"], ["b", "c"]] and moving.assignment == ["c", "b"]
+    assert moving.reassigning == {0: ["c", "b"]} and moving.replication_factor == 2
+    assert TopicRecord.from_json("t", moving.to_json()) == moving
+    replaced = moving.reassigned(0, ["a", "c"])  # a new target keeps every current copy
+    assert replaced.replicas[0] == ["a", "c", "b"] and replaced.reassigning == {0: ["a", "c"]}
+    done = moving.reassignment_done(0)
+    assert done.replicas == [["c", "b"], ["b", "c"]] and done.reassigning == {}
+    assert "reassigning" not in done.to_json()
+    for bad in ({"0": ["z"]}, {"5": ["a"]}, {"x": ["a"]}, {"0": []}):
+        with pytest.raises(ValueError):
+            TopicRecord.from_json("t", {**moving.to_json(), "reassigning": bad})
+
+
+def test_leader_progress_takes_new_replicas_and_forgets_those_that_left():
+    progress = LeaderProgress("a", ["a", "b"], {"a", "b"}, 2, 10_000, 0)
+    progress.start(100, 100)
+    progress.fetched("b", 100, 100, 1)
+    progress.replicas_changed(["c", "b", "a"], 5)
+    assert progress.lag()["c"] == 100 and progress.high_watermark == 100
+    assert progress.expand(0) is None  # c holds nothing yet
+    progress.fetched("c", 100, 100, 6)
+    assert progress.expand(0) == {"a", "b", "c"}
+    progress.isr_changed({"a", "c"})
+    progress.replicas_changed(["a", "c"], 7)
+    assert set(progress.followers) == {"c"}
+    cursors = CursorProgress("a", ["a", "b"], 0)
+    cursors.replicas_changed(["a", "b", "c"], {"a", "b"}, 3)
+    assert cursors.positions["c"] == NOT_SYNCED
+    cursors.replicas_changed(["a", "c"], {"a", "c"}, 4)
+    assert set(cursors.positions) == {"c"}

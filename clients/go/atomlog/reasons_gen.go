@@ -11,6 +11,7 @@ var reasons = map[string]reasonInfo{
 	"INVALID_PARTITION_COUNT":       {codes.InvalidArgument, Fatal},
 	"INVALID_TOPIC_CONFIG":          {codes.InvalidArgument, Fatal},
 	"INVALID_REPLICATION_FACTOR":    {codes.InvalidArgument, Fatal},
+	"INVALID_REPLICA_ASSIGNMENT":    {codes.InvalidArgument, Fatal},
 	"TOPIC_ALREADY_EXISTS":          {codes.AlreadyExists, Fatal},
 	"UNKNOWN_TOPIC_OR_PARTITION":    {codes.NotFound, Retriable},
 	"CORRUPT_BATCH":                 {codes.InvalidArgument, Fatal},

@@ -24,7 +24,7 @@ class ServerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.ServerRole, str]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., version: _Optional[str] = ..., registered_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PartitionMetadata(_message.Message):
-    __slots__ = ("partition", "server_name", "server_address", "available", "replicas", "isr", "leader_epoch")
+    __slots__ = ("partition", "server_name", "server_address", "available", "replicas", "isr", "leader_epoch", "reassigning_to")
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     SERVER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class PartitionMetadata(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ISR_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASSIGNING_TO_FIELD_NUMBER: _ClassVar[int]
     partition: int
     server_name: str
     server_address: str
@@ -39,7 +40,8 @@ class PartitionMetadata(_message.Message):
     replicas: _containers.RepeatedScalarFieldContainer[str]
     isr: _containers.RepeatedScalarFieldContainer[str]
     leader_epoch: int
-    def __init__(self, partition: _Optional[int] = ..., server_name: _Optional[str] = ..., server_address: _Optional[str] = ..., available: _Optional[bool] = ..., replicas: _Optional[_Iterable[str]] = ..., isr: _Optional[_Iterable[str]] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
+    reassigning_to: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, partition: _Optional[int] = ..., server_name: _Optional[str] = ..., server_address: _Optional[str] = ..., available: _Optional[bool] = ..., replicas: _Optional[_Iterable[str]] = ..., isr: _Optional[_Iterable[str]] = ..., leader_epoch: _Optional[int] = ..., reassigning_to: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TopicMetadata(_message.Message):
     __slots__ = ("name", "partitions", "config", "internal", "created_unix_ms")
@@ -118,6 +120,24 @@ class CreateTopicResponse(_message.Message):
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     topic: TopicMetadata
     def __init__(self, topic: _Optional[_Union[TopicMetadata, _Mapping]] = ...) -> None: ...
+
+class ReassignPartitionRequest(_message.Message):
+    __slots__ = ("topic", "partition", "replicas")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReassignPartitionResponse(_message.Message):
+    __slots__ = ("partition", "started")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    partition: PartitionMetadata
+    started: bool
+    def __init__(self, partition: _Optional[_Union[PartitionMetadata, _Mapping]] = ..., started: _Optional[bool] = ...) -> None: ...
 
 class ListTopicsRequest(_message.Message):
     __slots__ = ("include_internal",)

@@ -51,6 +51,11 @@ class MetadataServiceStub:
                 request_serializer=atomlog_dot_v1_dot_metadata__pb2.ListTopicsRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_metadata__pb2.ListTopicsResponse.FromString,
                 _registered_method=True)
+        self.ReassignPartition = channel.unary_unary(
+                '/atomlog.v1.MetadataService/ReassignPartition',
+                request_serializer=atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionResponse.FromString,
+                _registered_method=True)
 
 
 class MetadataServiceServicer:
@@ -80,6 +85,17 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReassignPartition(self, request, context):
+        """Moves a replicated partition to a new replica list (docs/replication.md,
+        "Reassignment"): the new replicas copy the log, and once every one of them is in sync
+        the partition's leader makes the list final (handing leadership over when it is not
+        in it) and the replicas left out delete their copy. Answers when the reassignment is
+        recorded; a new target replaces a running one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +113,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.ListTopics,
                     request_deserializer=atomlog_dot_v1_dot_metadata__pb2.ListTopicsRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_metadata__pb2.ListTopicsResponse.SerializeToString,
+            ),
+            'ReassignPartition': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReassignPartition,
+                    request_deserializer=atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +203,33 @@ class MetadataService:
             '/atomlog.v1.MetadataService/ListTopics',
             atomlog_dot_v1_dot_metadata__pb2.ListTopicsRequest.SerializeToString,
             atomlog_dot_v1_dot_metadata__pb2.ListTopicsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReassignPartition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.MetadataService/ReassignPartition',
+            atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionRequest.SerializeToString,
+            atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -568,7 +568,7 @@ class DescribePartitionRequest(_message.Message):
     def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., max_producers: _Optional[int] = ...) -> None: ...
 
 class DescribePartitionResponse(_message.Message):
-    __slots__ = ("topic_partition", "state", "data_loss", "log_start_offset", "high_watermark", "max_read_position", "last_data_offset", "segment_count", "size_bytes", "transaction_buffer_ready", "open_transactions", "aborted_transaction_count", "producers", "producer_count", "subscriptions", "producer_snapshot_offset", "transaction_buffer_snapshot_offset", "coordinator_epochs")
+    __slots__ = ("topic_partition", "state", "data_loss", "log_start_offset", "high_watermark", "max_read_position", "last_data_offset", "segment_count", "size_bytes", "transaction_buffer_ready", "open_transactions", "aborted_transaction_count", "producers", "producer_count", "subscriptions", "producer_snapshot_offset", "transaction_buffer_snapshot_offset", "coordinator_epochs", "replication")
     class CoordinatorEpochsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -594,6 +594,7 @@ class DescribePartitionResponse(_message.Message):
     PRODUCER_SNAPSHOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TRANSACTION_BUFFER_SNAPSHOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     topic_partition: _common_pb2.TopicPartition
     state: PartitionState
     data_loss: DataLossInfo
@@ -612,7 +613,38 @@ class DescribePartitionResponse(_message.Message):
     producer_snapshot_offset: int
     transaction_buffer_snapshot_offset: int
     coordinator_epochs: _containers.ScalarMap[int, int]
-    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., state: _Optional[_Union[PartitionState, str]] = ..., data_loss: _Optional[_Union[DataLossInfo, _Mapping]] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., max_read_position: _Optional[int] = ..., last_data_offset: _Optional[int] = ..., segment_count: _Optional[int] = ..., size_bytes: _Optional[int] = ..., transaction_buffer_ready: _Optional[bool] = ..., open_transactions: _Optional[_Iterable[_Union[OpenTransaction, _Mapping]]] = ..., aborted_transaction_count: _Optional[int] = ..., producers: _Optional[_Iterable[_Union[ProducerState, _Mapping]]] = ..., producer_count: _Optional[int] = ..., subscriptions: _Optional[_Iterable[_Union[SubscriptionCursor, _Mapping]]] = ..., producer_snapshot_offset: _Optional[int] = ..., transaction_buffer_snapshot_offset: _Optional[int] = ..., coordinator_epochs: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    replication: ReplicationStatus
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., state: _Optional[_Union[PartitionState, str]] = ..., data_loss: _Optional[_Union[DataLossInfo, _Mapping]] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., max_read_position: _Optional[int] = ..., last_data_offset: _Optional[int] = ..., segment_count: _Optional[int] = ..., size_bytes: _Optional[int] = ..., transaction_buffer_ready: _Optional[bool] = ..., open_transactions: _Optional[_Iterable[_Union[OpenTransaction, _Mapping]]] = ..., aborted_transaction_count: _Optional[int] = ..., producers: _Optional[_Iterable[_Union[ProducerState, _Mapping]]] = ..., producer_count: _Optional[int] = ..., subscriptions: _Optional[_Iterable[_Union[SubscriptionCursor, _Mapping]]] = ..., producer_snapshot_offset: _Optional[int] = ..., transaction_buffer_snapshot_offset: _Optional[int] = ..., coordinator_epochs: _Optional[_Mapping[int, int]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ...) -> None: ...
+
+class ReplicationStatus(_message.Message):
+    __slots__ = ("leader_epoch", "replicas", "isr", "replicated_high_watermark", "followers", "reassigning_to")
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ISR_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    REASSIGNING_TO_FIELD_NUMBER: _ClassVar[int]
+    leader_epoch: int
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    isr: _containers.RepeatedScalarFieldContainer[str]
+    replicated_high_watermark: int
+    followers: _containers.RepeatedCompositeFieldContainer[FollowerStatus]
+    reassigning_to: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, leader_epoch: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ..., isr: _Optional[_Iterable[str]] = ..., replicated_high_watermark: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerStatus, _Mapping]]] = ..., reassigning_to: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FollowerStatus(_message.Message):
+    __slots__ = ("replica", "in_sync", "durable_end_offset", "lag_offsets", "caught_up_ms_ago")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    IN_SYNC_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAG_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CAUGHT_UP_MS_AGO_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    in_sync: bool
+    durable_end_offset: int
+    lag_offsets: int
+    caught_up_ms_ago: int
+    def __init__(self, replica: _Optional[str] = ..., in_sync: _Optional[bool] = ..., durable_end_offset: _Optional[int] = ..., lag_offsets: _Optional[int] = ..., caught_up_ms_ago: _Optional[int] = ...) -> None: ...
 
 class OpenTransaction(_message.Message):
     __slots__ = ("txn_id", "first_offset", "last_offset", "producer_id", "producer_epoch", "first_append_unix_ms", "age_ms")

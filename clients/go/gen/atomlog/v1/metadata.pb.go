@@ -123,9 +123,12 @@ type PartitionMetadata struct {
 	// Replicated topics: the servers holding a copy (preferred leader first), the in-sync
 	// ones and the leader epoch. server_name above is the current leader, empty when the
 	// partition is offline. Unreplicated topics: replicas = isr = [server_name], epoch 0.
-	Replicas      []string `protobuf:"bytes,5,rep,name=replicas,proto3" json:"replicas,omitempty"`
-	Isr           []string `protobuf:"bytes,6,rep,name=isr,proto3" json:"isr,omitempty"`
-	LeaderEpoch   uint32   `protobuf:"varint,7,opt,name=leader_epoch,json=leaderEpoch,proto3" json:"leader_epoch,omitempty"`
+	Replicas    []string `protobuf:"bytes,5,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	Isr         []string `protobuf:"bytes,6,rep,name=isr,proto3" json:"isr,omitempty"`
+	LeaderEpoch uint32   `protobuf:"varint,7,opt,name=leader_epoch,json=leaderEpoch,proto3" json:"leader_epoch,omitempty"`
+	// While a reassignment runs: the target replica list (replicas above then lists the
+	// target followed by the replicas that will leave).
+	ReassigningTo []string `protobuf:"bytes,8,rep,name=reassigning_to,json=reassigningTo,proto3" json:"reassigning_to,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -207,6 +210,13 @@ func (x *PartitionMetadata) GetLeaderEpoch() uint32 {
 		return x.LeaderEpoch
 	}
 	return 0
+}
+
+func (x *PartitionMetadata) GetReassigningTo() []string {
+	if x != nil {
+		return x.ReassigningTo
+	}
+	return nil
 }
 
 type TopicMetadata struct {
@@ -598,6 +608,122 @@ func (x *CreateTopicResponse) GetTopic() *TopicMetadata {
 	return nil
 }
 
+type ReassignPartitionRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Topic     string                 `protobuf:"bytes,1,opt,name=topic,proto3" json:"topic,omitempty"`
+	Partition uint32                 `protobuf:"varint,2,opt,name=partition,proto3" json:"partition,omitempty"`
+	// The new replicas, preferred leader first: registered partition servers, each once,
+	// at least the topic's min.insync.replicas of them.
+	Replicas      []string `protobuf:"bytes,3,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReassignPartitionRequest) Reset() {
+	*x = ReassignPartitionRequest{}
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReassignPartitionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReassignPartitionRequest) ProtoMessage() {}
+
+func (x *ReassignPartitionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReassignPartitionRequest.ProtoReflect.Descriptor instead.
+func (*ReassignPartitionRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ReassignPartitionRequest) GetTopic() string {
+	if x != nil {
+		return x.Topic
+	}
+	return ""
+}
+
+func (x *ReassignPartitionRequest) GetPartition() uint32 {
+	if x != nil {
+		return x.Partition
+	}
+	return 0
+}
+
+func (x *ReassignPartitionRequest) GetReplicas() []string {
+	if x != nil {
+		return x.Replicas
+	}
+	return nil
+}
+
+type ReassignPartitionResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The partition as recorded after the request.
+	Partition *PartitionMetadata `protobuf:"bytes,1,opt,name=partition,proto3" json:"partition,omitempty"`
+	// False when the partition already had exactly these replicas (nothing changed).
+	Started       bool `protobuf:"varint,2,opt,name=started,proto3" json:"started,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReassignPartitionResponse) Reset() {
+	*x = ReassignPartitionResponse{}
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReassignPartitionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReassignPartitionResponse) ProtoMessage() {}
+
+func (x *ReassignPartitionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReassignPartitionResponse.ProtoReflect.Descriptor instead.
+func (*ReassignPartitionResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ReassignPartitionResponse) GetPartition() *PartitionMetadata {
+	if x != nil {
+		return x.Partition
+	}
+	return nil
+}
+
+func (x *ReassignPartitionResponse) GetStarted() bool {
+	if x != nil {
+		return x.Started
+	}
+	return false
+}
+
 type ListTopicsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Include internal topics ("__txn_log-*", ...).
@@ -608,7 +734,7 @@ type ListTopicsRequest struct {
 
 func (x *ListTopicsRequest) Reset() {
 	*x = ListTopicsRequest{}
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[8]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -620,7 +746,7 @@ func (x *ListTopicsRequest) String() string {
 func (*ListTopicsRequest) ProtoMessage() {}
 
 func (x *ListTopicsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[8]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -633,7 +759,7 @@ func (x *ListTopicsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTopicsRequest.ProtoReflect.Descriptor instead.
 func (*ListTopicsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{8}
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ListTopicsRequest) GetIncludeInternal() bool {
@@ -652,7 +778,7 @@ type ListTopicsResponse struct {
 
 func (x *ListTopicsResponse) Reset() {
 	*x = ListTopicsResponse{}
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[9]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -664,7 +790,7 @@ func (x *ListTopicsResponse) String() string {
 func (*ListTopicsResponse) ProtoMessage() {}
 
 func (x *ListTopicsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[9]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -677,7 +803,7 @@ func (x *ListTopicsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTopicsResponse.ProtoReflect.Descriptor instead.
 func (*ListTopicsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{9}
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListTopicsResponse) GetNames() []string {
@@ -700,7 +826,7 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\fgrpc_address\x18\x03 \x01(\tR\vgrpcAddress\x12'\n" +
 	"\x0fmetrics_address\x18\x04 \x01(\tR\x0emetricsAddress\x12\x18\n" +
 	"\aversion\x18\x05 \x01(\tR\aversion\x12,\n" +
-	"\x12registered_unix_ms\x18\x06 \x01(\x03R\x10registeredUnixMs\"\xe8\x01\n" +
+	"\x12registered_unix_ms\x18\x06 \x01(\x03R\x10registeredUnixMs\"\x8f\x02\n" +
 	"\x11PartitionMetadata\x12\x1c\n" +
 	"\tpartition\x18\x01 \x01(\rR\tpartition\x12\x1f\n" +
 	"\vserver_name\x18\x02 \x01(\tR\n" +
@@ -709,7 +835,8 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\tavailable\x18\x04 \x01(\bR\tavailable\x12\x1a\n" +
 	"\breplicas\x18\x05 \x03(\tR\breplicas\x12\x10\n" +
 	"\x03isr\x18\x06 \x03(\tR\x03isr\x12!\n" +
-	"\fleader_epoch\x18\a \x01(\rR\vleaderEpoch\"\xa0\x02\n" +
+	"\fleader_epoch\x18\a \x01(\rR\vleaderEpoch\x12%\n" +
+	"\x0ereassigning_to\x18\b \x03(\tR\rreassigningTo\"\xa0\x02\n" +
 	"\rTopicMetadata\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12=\n" +
 	"\n" +
@@ -746,16 +873,24 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"F\n" +
 	"\x13CreateTopicResponse\x12/\n" +
-	"\x05topic\x18\x01 \x01(\v2\x19.atomlog.v1.TopicMetadataR\x05topic\">\n" +
+	"\x05topic\x18\x01 \x01(\v2\x19.atomlog.v1.TopicMetadataR\x05topic\"j\n" +
+	"\x18ReassignPartitionRequest\x12\x14\n" +
+	"\x05topic\x18\x01 \x01(\tR\x05topic\x12\x1c\n" +
+	"\tpartition\x18\x02 \x01(\rR\tpartition\x12\x1a\n" +
+	"\breplicas\x18\x03 \x03(\tR\breplicas\"r\n" +
+	"\x19ReassignPartitionResponse\x12;\n" +
+	"\tpartition\x18\x01 \x01(\v2\x1d.atomlog.v1.PartitionMetadataR\tpartition\x12\x18\n" +
+	"\astarted\x18\x02 \x01(\bR\astarted\">\n" +
 	"\x11ListTopicsRequest\x12)\n" +
 	"\x10include_internal\x18\x01 \x01(\bR\x0fincludeInternal\"*\n" +
 	"\x12ListTopicsResponse\x12\x14\n" +
-	"\x05names\x18\x01 \x03(\tR\x05names2\xfe\x01\n" +
+	"\x05names\x18\x01 \x03(\tR\x05names2\xe0\x02\n" +
 	"\x0fMetadataService\x12N\n" +
 	"\vGetMetadata\x12\x1e.atomlog.v1.GetMetadataRequest\x1a\x1f.atomlog.v1.GetMetadataResponse\x12N\n" +
 	"\vCreateTopic\x12\x1e.atomlog.v1.CreateTopicRequest\x1a\x1f.atomlog.v1.CreateTopicResponse\x12K\n" +
 	"\n" +
-	"ListTopics\x12\x1d.atomlog.v1.ListTopicsRequest\x1a\x1e.atomlog.v1.ListTopicsResponseB\xa8\x01\n" +
+	"ListTopics\x12\x1d.atomlog.v1.ListTopicsRequest\x1a\x1e.atomlog.v1.ListTopicsResponse\x12`\n" +
+	"\x11ReassignPartition\x12$.atomlog.v1.ReassignPartitionRequest\x1a%.atomlog.v1.ReassignPartitionResponseB\xa8\x01\n" +
 	"\x0ecom.atomlog.v1B\rMetadataProtoP\x01Z>github.com/atomlog/atomlog/clients/go/gen/atomlog/v1;atomlogv1\xa2\x02\x03AXX\xaa\x02\n" +
 	"Atomlog.V1\xca\x02\n" +
 	"Atomlog\\V1\xe2\x02\x16Atomlog\\V1\\GPBMetadata\xea\x02\vAtomlog::V1b\x06proto3"
@@ -772,42 +907,47 @@ func file_atomlog_v1_metadata_proto_rawDescGZIP() []byte {
 	return file_atomlog_v1_metadata_proto_rawDescData
 }
 
-var file_atomlog_v1_metadata_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_atomlog_v1_metadata_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_atomlog_v1_metadata_proto_goTypes = []any{
-	(*ServerInfo)(nil),          // 0: atomlog.v1.ServerInfo
-	(*PartitionMetadata)(nil),   // 1: atomlog.v1.PartitionMetadata
-	(*TopicMetadata)(nil),       // 2: atomlog.v1.TopicMetadata
-	(*TcPartitionMetadata)(nil), // 3: atomlog.v1.TcPartitionMetadata
-	(*GetMetadataRequest)(nil),  // 4: atomlog.v1.GetMetadataRequest
-	(*GetMetadataResponse)(nil), // 5: atomlog.v1.GetMetadataResponse
-	(*CreateTopicRequest)(nil),  // 6: atomlog.v1.CreateTopicRequest
-	(*CreateTopicResponse)(nil), // 7: atomlog.v1.CreateTopicResponse
-	(*ListTopicsRequest)(nil),   // 8: atomlog.v1.ListTopicsRequest
-	(*ListTopicsResponse)(nil),  // 9: atomlog.v1.ListTopicsResponse
-	nil,                         // 10: atomlog.v1.TopicMetadata.ConfigEntry
-	nil,                         // 11: atomlog.v1.CreateTopicRequest.ConfigEntry
-	(ServerRole)(0),             // 12: atomlog.v1.ServerRole
+	(*ServerInfo)(nil),                // 0: atomlog.v1.ServerInfo
+	(*PartitionMetadata)(nil),         // 1: atomlog.v1.PartitionMetadata
+	(*TopicMetadata)(nil),             // 2: atomlog.v1.TopicMetadata
+	(*TcPartitionMetadata)(nil),       // 3: atomlog.v1.TcPartitionMetadata
+	(*GetMetadataRequest)(nil),        // 4: atomlog.v1.GetMetadataRequest
+	(*GetMetadataResponse)(nil),       // 5: atomlog.v1.GetMetadataResponse
+	(*CreateTopicRequest)(nil),        // 6: atomlog.v1.CreateTopicRequest
+	(*CreateTopicResponse)(nil),       // 7: atomlog.v1.CreateTopicResponse
+	(*ReassignPartitionRequest)(nil),  // 8: atomlog.v1.ReassignPartitionRequest
+	(*ReassignPartitionResponse)(nil), // 9: atomlog.v1.ReassignPartitionResponse
+	(*ListTopicsRequest)(nil),         // 10: atomlog.v1.ListTopicsRequest
+	(*ListTopicsResponse)(nil),        // 11: atomlog.v1.ListTopicsResponse
+	nil,                               // 12: atomlog.v1.TopicMetadata.ConfigEntry
+	nil,                               // 13: atomlog.v1.CreateTopicRequest.ConfigEntry
+	(ServerRole)(0),                   // 14: atomlog.v1.ServerRole
 }
 var file_atomlog_v1_metadata_proto_depIdxs = []int32{
-	12, // 0: atomlog.v1.ServerInfo.role:type_name -> atomlog.v1.ServerRole
+	14, // 0: atomlog.v1.ServerInfo.role:type_name -> atomlog.v1.ServerRole
 	1,  // 1: atomlog.v1.TopicMetadata.partitions:type_name -> atomlog.v1.PartitionMetadata
-	10, // 2: atomlog.v1.TopicMetadata.config:type_name -> atomlog.v1.TopicMetadata.ConfigEntry
+	12, // 2: atomlog.v1.TopicMetadata.config:type_name -> atomlog.v1.TopicMetadata.ConfigEntry
 	0,  // 3: atomlog.v1.GetMetadataResponse.servers:type_name -> atomlog.v1.ServerInfo
 	2,  // 4: atomlog.v1.GetMetadataResponse.topics:type_name -> atomlog.v1.TopicMetadata
 	3,  // 5: atomlog.v1.GetMetadataResponse.tc_partitions:type_name -> atomlog.v1.TcPartitionMetadata
-	11, // 6: atomlog.v1.CreateTopicRequest.config:type_name -> atomlog.v1.CreateTopicRequest.ConfigEntry
+	13, // 6: atomlog.v1.CreateTopicRequest.config:type_name -> atomlog.v1.CreateTopicRequest.ConfigEntry
 	2,  // 7: atomlog.v1.CreateTopicResponse.topic:type_name -> atomlog.v1.TopicMetadata
-	4,  // 8: atomlog.v1.MetadataService.GetMetadata:input_type -> atomlog.v1.GetMetadataRequest
-	6,  // 9: atomlog.v1.MetadataService.CreateTopic:input_type -> atomlog.v1.CreateTopicRequest
-	8,  // 10: atomlog.v1.MetadataService.ListTopics:input_type -> atomlog.v1.ListTopicsRequest
-	5,  // 11: atomlog.v1.MetadataService.GetMetadata:output_type -> atomlog.v1.GetMetadataResponse
-	7,  // 12: atomlog.v1.MetadataService.CreateTopic:output_type -> atomlog.v1.CreateTopicResponse
-	9,  // 13: atomlog.v1.MetadataService.ListTopics:output_type -> atomlog.v1.ListTopicsResponse
-	11, // [11:14] is the sub-list for method output_type
-	8,  // [8:11] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	1,  // 8: atomlog.v1.ReassignPartitionResponse.partition:type_name -> atomlog.v1.PartitionMetadata
+	4,  // 9: atomlog.v1.MetadataService.GetMetadata:input_type -> atomlog.v1.GetMetadataRequest
+	6,  // 10: atomlog.v1.MetadataService.CreateTopic:input_type -> atomlog.v1.CreateTopicRequest
+	10, // 11: atomlog.v1.MetadataService.ListTopics:input_type -> atomlog.v1.ListTopicsRequest
+	8,  // 12: atomlog.v1.MetadataService.ReassignPartition:input_type -> atomlog.v1.ReassignPartitionRequest
+	5,  // 13: atomlog.v1.MetadataService.GetMetadata:output_type -> atomlog.v1.GetMetadataResponse
+	7,  // 14: atomlog.v1.MetadataService.CreateTopic:output_type -> atomlog.v1.CreateTopicResponse
+	11, // 15: atomlog.v1.MetadataService.ListTopics:output_type -> atomlog.v1.ListTopicsResponse
+	9,  // 16: atomlog.v1.MetadataService.ReassignPartition:output_type -> atomlog.v1.ReassignPartitionResponse
+	13, // [13:17] is the sub-list for method output_type
+	9,  // [9:13] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_metadata_proto_init() }
@@ -822,7 +962,7 @@ func file_atomlog_v1_metadata_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_metadata_proto_rawDesc), len(file_atomlog_v1_metadata_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   12,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -19,9 +19,10 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	MetadataService_GetMetadata_FullMethodName = "/atomlog.v1.MetadataService/GetMetadata"
-	MetadataService_CreateTopic_FullMethodName = "/atomlog.v1.MetadataService/CreateTopic"
-	MetadataService_ListTopics_FullMethodName  = "/atomlog.v1.MetadataService/ListTopics"
+	MetadataService_GetMetadata_FullMethodName       = "/atomlog.v1.MetadataService/GetMetadata"
+	MetadataService_CreateTopic_FullMethodName       = "/atomlog.v1.MetadataService/CreateTopic"
+	MetadataService_ListTopics_FullMethodName        = "/atomlog.v1.MetadataService/ListTopics"
+	MetadataService_ReassignPartition_FullMethodName = "/atomlog.v1.MetadataService/ReassignPartition"
 )
 
 // MetadataServiceClient is the client API for MetadataService service.
@@ -38,6 +39,12 @@ type MetadataServiceClient interface {
 	CreateTopic(ctx context.Context, in *CreateTopicRequest, opts ...grpc.CallOption) (*CreateTopicResponse, error)
 	// Names of all topics, without their assignments.
 	ListTopics(ctx context.Context, in *ListTopicsRequest, opts ...grpc.CallOption) (*ListTopicsResponse, error)
+	// Moves a replicated partition to a new replica list (docs/replication.md,
+	// "Reassignment"): the new replicas copy the log, and once every one of them is in sync
+	// the partition's leader makes the list final (handing leadership over when it is not
+	// in it) and the replicas left out delete their copy. Answers when the reassignment is
+	// recorded; a new target replaces a running one.
+	ReassignPartition(ctx context.Context, in *ReassignPartitionRequest, opts ...grpc.CallOption) (*ReassignPartitionResponse, error)
 }
 
 type metadataServiceClient struct {
@@ -78,6 +85,16 @@ func (c *metadataServiceClient) ListTopics(ctx context.Context, in *ListTopicsRe
 	return out, nil
 }
 
+func (c *metadataServiceClient) ReassignPartition(ctx context.Context, in *ReassignPartitionRequest, opts ...grpc.CallOption) (*ReassignPartitionResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReassignPartitionResponse)
+	err := c.cc.Invoke(ctx, MetadataService_ReassignPartition_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MetadataServiceServer is the server API for MetadataService service.
 // All implementations must embed UnimplementedMetadataServiceServer
 // for forward compatibility.
@@ -92,6 +109,12 @@ type MetadataServiceServer interface {
 	CreateTopic(context.Context, *CreateTopicRequest) (*CreateTopicResponse, error)
 	// Names of all topics, without their assignments.
 	ListTopics(context.Context, *ListTopicsRequest) (*ListTopicsResponse, error)
+	// Moves a replicated partition to a new replica list (docs/replication.md,
+	// "Reassignment"): the new replicas copy the log, and once every one of them is in sync
+	// the partition's leader makes the list final (handing leadership over when it is not
+	// in it) and the replicas left out delete their copy. Answers when the reassignment is
+	// recorded; a new target replaces a running one.
+	ReassignPartition(context.Context, *ReassignPartitionRequest) (*ReassignPartitionResponse, error)
 	mustEmbedUnimplementedMetadataServiceServer()
 }
 
@@ -110,6 +133,9 @@ func (UnimplementedMetadataServiceServer) CreateTopic(context.Context, *CreateTo
 }
 func (UnimplementedMetadataServiceServer) ListTopics(context.Context, *ListTopicsRequest) (*ListTopicsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListTopics not implemented")
+}
+func (UnimplementedMetadataServiceServer) ReassignPartition(context.Context, *ReassignPartitionRequest) (*ReassignPartitionResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReassignPartition not implemented")
 }
 func (UnimplementedMetadataServiceServer) mustEmbedUnimplementedMetadataServiceServer() {}
 func (UnimplementedMetadataServiceServer) testEmbeddedByValue()                         {}
@@ -186,6 +212,24 @@ func _MetadataService_ListTopics_Handler(srv interface{}, ctx context.Context, d
 	return interceptor(ctx, in, info, handler)
 }
 
+func _MetadataService_ReassignPartition_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReassignPartitionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MetadataServiceServer).ReassignPartition(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: MetadataService_ReassignPartition_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MetadataServiceServer).ReassignPartition(ctx, req.(*ReassignPartitionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // MetadataService_ServiceDesc is the grpc.ServiceDesc for MetadataService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -204,6 +248,10 @@ var MetadataService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListTopics",
 			Handler:    _MetadataService_ListTopics_Handler,
+		},
+		{
+			MethodName: "ReassignPartition",
+			Handler:    _MetadataService_ReassignPartition_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -3634,8 +3634,10 @@ type DescribePartitionResponse struct {
 	TransactionBufferSnapshotOffset int64 `protobuf:"varint,17,opt,name=transaction_buffer_snapshot_offset,json=transactionBufferSnapshotOffset,proto3" json:"transaction_buffer_snapshot_offset,omitempty"`
 	// Highest coordinator epoch seen per TC partition (markers with lower ones are refused).
 	CoordinatorEpochs map[uint32]uint64 `protobuf:"bytes,18,rep,name=coordinator_epochs,json=coordinatorEpochs,proto3" json:"coordinator_epochs,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Replicated partitions: the leader's view of its replicas (absent when unreplicated).
+	Replication   *ReplicationStatus `protobuf:"bytes,19,opt,name=replication,proto3" json:"replication,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DescribePartitionResponse) Reset() {
@@ -3794,6 +3796,182 @@ func (x *DescribePartitionResponse) GetCoordinatorEpochs() map[uint32]uint64 {
 	return nil
 }
 
+func (x *DescribePartitionResponse) GetReplication() *ReplicationStatus {
+	if x != nil {
+		return x.Replication
+	}
+	return nil
+}
+
+// The leader of a replicated partition describing its replicas (docs/replication.md).
+type ReplicationStatus struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Its leader epoch.
+	LeaderEpoch uint32 `protobuf:"varint,1,opt,name=leader_epoch,json=leaderEpoch,proto3" json:"leader_epoch,omitempty"`
+	// Replicas (preferred leader first) and the in-sync ones, as this leader knows them.
+	Replicas []string `protobuf:"bytes,2,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	Isr      []string `protobuf:"bytes,3,rep,name=isr,proto3" json:"isr,omitempty"`
+	// What every in-sync replica holds durably (exclusive): acknowledged and readable.
+	ReplicatedHighWatermark int64 `protobuf:"varint,4,opt,name=replicated_high_watermark,json=replicatedHighWatermark,proto3" json:"replicated_high_watermark,omitempty"`
+	// One entry per follower.
+	Followers []*FollowerStatus `protobuf:"bytes,5,rep,name=followers,proto3" json:"followers,omitempty"`
+	// The target replica list while a reassignment runs (`atomlog partition reassign`).
+	ReassigningTo []string `protobuf:"bytes,6,rep,name=reassigning_to,json=reassigningTo,proto3" json:"reassigning_to,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplicationStatus) Reset() {
+	*x = ReplicationStatus{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicationStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicationStatus) ProtoMessage() {}
+
+func (x *ReplicationStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicationStatus.ProtoReflect.Descriptor instead.
+func (*ReplicationStatus) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{52}
+}
+
+func (x *ReplicationStatus) GetLeaderEpoch() uint32 {
+	if x != nil {
+		return x.LeaderEpoch
+	}
+	return 0
+}
+
+func (x *ReplicationStatus) GetReplicas() []string {
+	if x != nil {
+		return x.Replicas
+	}
+	return nil
+}
+
+func (x *ReplicationStatus) GetIsr() []string {
+	if x != nil {
+		return x.Isr
+	}
+	return nil
+}
+
+func (x *ReplicationStatus) GetReplicatedHighWatermark() int64 {
+	if x != nil {
+		return x.ReplicatedHighWatermark
+	}
+	return 0
+}
+
+func (x *ReplicationStatus) GetFollowers() []*FollowerStatus {
+	if x != nil {
+		return x.Followers
+	}
+	return nil
+}
+
+func (x *ReplicationStatus) GetReassigningTo() []string {
+	if x != nil {
+		return x.ReassigningTo
+	}
+	return nil
+}
+
+type FollowerStatus struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Replica string                 `protobuf:"bytes,1,opt,name=replica,proto3" json:"replica,omitempty"`
+	InSync  bool                   `protobuf:"varint,2,opt,name=in_sync,json=inSync,proto3" json:"in_sync,omitempty"`
+	// Offsets below this are durable on the follower (its last fetch said so).
+	DurableEndOffset int64 `protobuf:"varint,3,opt,name=durable_end_offset,json=durableEndOffset,proto3" json:"durable_end_offset,omitempty"`
+	// The leader's durable end minus durable_end_offset.
+	LagOffsets int64 `protobuf:"varint,4,opt,name=lag_offsets,json=lagOffsets,proto3" json:"lag_offsets,omitempty"`
+	// Milliseconds since the follower last held everything the leader had.
+	CaughtUpMsAgo int64 `protobuf:"varint,5,opt,name=caught_up_ms_ago,json=caughtUpMsAgo,proto3" json:"caught_up_ms_ago,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FollowerStatus) Reset() {
+	*x = FollowerStatus{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FollowerStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FollowerStatus) ProtoMessage() {}
+
+func (x *FollowerStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FollowerStatus.ProtoReflect.Descriptor instead.
+func (*FollowerStatus) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *FollowerStatus) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *FollowerStatus) GetInSync() bool {
+	if x != nil {
+		return x.InSync
+	}
+	return false
+}
+
+func (x *FollowerStatus) GetDurableEndOffset() int64 {
+	if x != nil {
+		return x.DurableEndOffset
+	}
+	return 0
+}
+
+func (x *FollowerStatus) GetLagOffsets() int64 {
+	if x != nil {
+		return x.LagOffsets
+	}
+	return 0
+}
+
+func (x *FollowerStatus) GetCaughtUpMsAgo() int64 {
+	if x != nil {
+		return x.CaughtUpMsAgo
+	}
+	return 0
+}
+
 // A transaction with data on this partition and no marker yet.
 type OpenTransaction struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3818,7 +3996,7 @@ type OpenTransaction struct {
 
 func (x *OpenTransaction) Reset() {
 	*x = OpenTransaction{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[52]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3830,7 +4008,7 @@ func (x *OpenTransaction) String() string {
 func (*OpenTransaction) ProtoMessage() {}
 
 func (x *OpenTransaction) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[52]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3843,7 +4021,7 @@ func (x *OpenTransaction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenTransaction.ProtoReflect.Descriptor instead.
 func (*OpenTransaction) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{52}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *OpenTransaction) GetTxnId() *TxnId {
@@ -3918,7 +4096,7 @@ type ProducerState struct {
 
 func (x *ProducerState) Reset() {
 	*x = ProducerState{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[53]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3930,7 +4108,7 @@ func (x *ProducerState) String() string {
 func (*ProducerState) ProtoMessage() {}
 
 func (x *ProducerState) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[53]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3943,7 +4121,7 @@ func (x *ProducerState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProducerState.ProtoReflect.Descriptor instead.
 func (*ProducerState) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{53}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *ProducerState) GetProducerId() int64 {
@@ -4006,7 +4184,7 @@ type ListPartitionsRequest struct {
 
 func (x *ListPartitionsRequest) Reset() {
 	*x = ListPartitionsRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[54]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4018,7 +4196,7 @@ func (x *ListPartitionsRequest) String() string {
 func (*ListPartitionsRequest) ProtoMessage() {}
 
 func (x *ListPartitionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[54]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4031,7 +4209,7 @@ func (x *ListPartitionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPartitionsRequest.ProtoReflect.Descriptor instead.
 func (*ListPartitionsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{54}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *ListPartitionsRequest) GetIncludeInternal() bool {
@@ -4052,7 +4230,7 @@ type ListPartitionsResponse struct {
 
 func (x *ListPartitionsResponse) Reset() {
 	*x = ListPartitionsResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[55]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4064,7 +4242,7 @@ func (x *ListPartitionsResponse) String() string {
 func (*ListPartitionsResponse) ProtoMessage() {}
 
 func (x *ListPartitionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[55]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4077,7 +4255,7 @@ func (x *ListPartitionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPartitionsResponse.ProtoReflect.Descriptor instead.
 func (*ListPartitionsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{55}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *ListPartitionsResponse) GetPartitions() []*PartitionSummary {
@@ -4112,7 +4290,7 @@ type PartitionSummary struct {
 
 func (x *PartitionSummary) Reset() {
 	*x = PartitionSummary{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[56]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4124,7 +4302,7 @@ func (x *PartitionSummary) String() string {
 func (*PartitionSummary) ProtoMessage() {}
 
 func (x *PartitionSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[56]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4137,7 +4315,7 @@ func (x *PartitionSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PartitionSummary.ProtoReflect.Descriptor instead.
 func (*PartitionSummary) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{56}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *PartitionSummary) GetTopicPartition() *TopicPartition {
@@ -4215,7 +4393,7 @@ type RecoverPartitionRequest struct {
 
 func (x *RecoverPartitionRequest) Reset() {
 	*x = RecoverPartitionRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[57]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4227,7 +4405,7 @@ func (x *RecoverPartitionRequest) String() string {
 func (*RecoverPartitionRequest) ProtoMessage() {}
 
 func (x *RecoverPartitionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[57]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4240,7 +4418,7 @@ func (x *RecoverPartitionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecoverPartitionRequest.ProtoReflect.Descriptor instead.
 func (*RecoverPartitionRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{57}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *RecoverPartitionRequest) GetTopicPartition() *TopicPartition {
@@ -4288,7 +4466,7 @@ type RecoverPartitionResponse struct {
 
 func (x *RecoverPartitionResponse) Reset() {
 	*x = RecoverPartitionResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[58]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4300,7 +4478,7 @@ func (x *RecoverPartitionResponse) String() string {
 func (*RecoverPartitionResponse) ProtoMessage() {}
 
 func (x *RecoverPartitionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[58]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4313,7 +4491,7 @@ func (x *RecoverPartitionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecoverPartitionResponse.ProtoReflect.Descriptor instead.
 func (*RecoverPartitionResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{58}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *RecoverPartitionResponse) GetState() PartitionState {
@@ -4355,7 +4533,7 @@ type StageTxnRequest struct {
 
 func (x *StageTxnRequest) Reset() {
 	*x = StageTxnRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[59]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4367,7 +4545,7 @@ func (x *StageTxnRequest) String() string {
 func (*StageTxnRequest) ProtoMessage() {}
 
 func (x *StageTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[59]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4380,7 +4558,7 @@ func (x *StageTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnRequest.ProtoReflect.Descriptor instead.
 func (*StageTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{59}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *StageTxnRequest) GetItems() []*StageTxnItem {
@@ -4411,7 +4589,7 @@ type StageTxnItem struct {
 
 func (x *StageTxnItem) Reset() {
 	*x = StageTxnItem{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[60]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4423,7 +4601,7 @@ func (x *StageTxnItem) String() string {
 func (*StageTxnItem) ProtoMessage() {}
 
 func (x *StageTxnItem) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[60]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4436,7 +4614,7 @@ func (x *StageTxnItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnItem.ProtoReflect.Descriptor instead.
 func (*StageTxnItem) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{60}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *StageTxnItem) GetTxnId() *TxnId {
@@ -4477,7 +4655,7 @@ type StageTxnResponse struct {
 
 func (x *StageTxnResponse) Reset() {
 	*x = StageTxnResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4489,7 +4667,7 @@ func (x *StageTxnResponse) String() string {
 func (*StageTxnResponse) ProtoMessage() {}
 
 func (x *StageTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4502,7 +4680,7 @@ func (x *StageTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnResponse.ProtoReflect.Descriptor instead.
 func (*StageTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{61}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *StageTxnResponse) GetResults() []*StageTxnResult {
@@ -4527,7 +4705,7 @@ type StageTxnResult struct {
 
 func (x *StageTxnResult) Reset() {
 	*x = StageTxnResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4539,7 +4717,7 @@ func (x *StageTxnResult) String() string {
 func (*StageTxnResult) ProtoMessage() {}
 
 func (x *StageTxnResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4552,7 +4730,7 @@ func (x *StageTxnResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnResult.ProtoReflect.Descriptor instead.
 func (*StageTxnResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{62}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *StageTxnResult) GetTxnId() *TxnId {
@@ -4604,7 +4782,7 @@ type ReplicateRequest struct {
 
 func (x *ReplicateRequest) Reset() {
 	*x = ReplicateRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4616,7 +4794,7 @@ func (x *ReplicateRequest) String() string {
 func (*ReplicateRequest) ProtoMessage() {}
 
 func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4629,7 +4807,7 @@ func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{63}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *ReplicateRequest) GetTopicPartition() *TopicPartition {
@@ -4698,7 +4876,7 @@ type LeaderEpochEntry struct {
 
 func (x *LeaderEpochEntry) Reset() {
 	*x = LeaderEpochEntry{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4710,7 +4888,7 @@ func (x *LeaderEpochEntry) String() string {
 func (*LeaderEpochEntry) ProtoMessage() {}
 
 func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4723,7 +4901,7 @@ func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderEpochEntry.ProtoReflect.Descriptor instead.
 func (*LeaderEpochEntry) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{64}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *LeaderEpochEntry) GetEpoch() uint32 {
@@ -4780,7 +4958,7 @@ type ReplicateResponse struct {
 
 func (x *ReplicateResponse) Reset() {
 	*x = ReplicateResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4792,7 +4970,7 @@ func (x *ReplicateResponse) String() string {
 func (*ReplicateResponse) ProtoMessage() {}
 
 func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4805,7 +4983,7 @@ func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *ReplicateResponse) GetRecords() []byte {
@@ -5117,7 +5295,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x10detected_unix_ms\x18\x05 \x01(\x03R\x0edetectedUnixMs\"\x84\x01\n" +
 	"\x18DescribePartitionRequest\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12#\n" +
-	"\rmax_producers\x18\x02 \x01(\rR\fmaxProducers\"\xd4\b\n" +
+	"\rmax_producers\x18\x02 \x01(\rR\fmaxProducers\"\x95\t\n" +
 	"\x19DescribePartitionResponse\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x120\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x1a.atomlog.v1.PartitionStateR\x05state\x125\n" +
@@ -5138,10 +5316,25 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\rsubscriptions\x18\x0f \x03(\v2\x1e.atomlog.v1.SubscriptionCursorR\rsubscriptions\x128\n" +
 	"\x18producer_snapshot_offset\x18\x10 \x01(\x03R\x16producerSnapshotOffset\x12K\n" +
 	"\"transaction_buffer_snapshot_offset\x18\x11 \x01(\x03R\x1ftransactionBufferSnapshotOffset\x12k\n" +
-	"\x12coordinator_epochs\x18\x12 \x03(\v2<.atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntryR\x11coordinatorEpochs\x1aD\n" +
+	"\x12coordinator_epochs\x18\x12 \x03(\v2<.atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntryR\x11coordinatorEpochs\x12?\n" +
+	"\vreplication\x18\x13 \x01(\v2\x1d.atomlog.v1.ReplicationStatusR\vreplication\x1aD\n" +
 	"\x16CoordinatorEpochsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\x8f\x02\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\x81\x02\n" +
+	"\x11ReplicationStatus\x12!\n" +
+	"\fleader_epoch\x18\x01 \x01(\rR\vleaderEpoch\x12\x1a\n" +
+	"\breplicas\x18\x02 \x03(\tR\breplicas\x12\x10\n" +
+	"\x03isr\x18\x03 \x03(\tR\x03isr\x12:\n" +
+	"\x19replicated_high_watermark\x18\x04 \x01(\x03R\x17replicatedHighWatermark\x128\n" +
+	"\tfollowers\x18\x05 \x03(\v2\x1a.atomlog.v1.FollowerStatusR\tfollowers\x12%\n" +
+	"\x0ereassigning_to\x18\x06 \x03(\tR\rreassigningTo\"\xbb\x01\n" +
+	"\x0eFollowerStatus\x12\x18\n" +
+	"\areplica\x18\x01 \x01(\tR\areplica\x12\x17\n" +
+	"\ain_sync\x18\x02 \x01(\bR\x06inSync\x12,\n" +
+	"\x12durable_end_offset\x18\x03 \x01(\x03R\x10durableEndOffset\x12\x1f\n" +
+	"\vlag_offsets\x18\x04 \x01(\x03R\n" +
+	"lagOffsets\x12'\n" +
+	"\x10caught_up_ms_ago\x18\x05 \x01(\x03R\rcaughtUpMsAgo\"\x8f\x02\n" +
 	"\x0fOpenTransaction\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12!\n" +
 	"\ffirst_offset\x18\x02 \x01(\x03R\vfirstOffset\x12\x1f\n" +
@@ -5286,7 +5479,7 @@ func file_atomlog_v1_partition_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_partition_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 68)
+var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 70)
 var file_atomlog_v1_partition_proto_goTypes = []any{
 	(TxnDecision)(0),                     // 0: atomlog.v1.TxnDecision
 	(OffsetSpec)(0),                      // 1: atomlog.v1.OffsetSpec
@@ -5344,171 +5537,175 @@ var file_atomlog_v1_partition_proto_goTypes = []any{
 	(*DataLossInfo)(nil),                 // 53: atomlog.v1.DataLossInfo
 	(*DescribePartitionRequest)(nil),     // 54: atomlog.v1.DescribePartitionRequest
 	(*DescribePartitionResponse)(nil),    // 55: atomlog.v1.DescribePartitionResponse
-	(*OpenTransaction)(nil),              // 56: atomlog.v1.OpenTransaction
-	(*ProducerState)(nil),                // 57: atomlog.v1.ProducerState
-	(*ListPartitionsRequest)(nil),        // 58: atomlog.v1.ListPartitionsRequest
-	(*ListPartitionsResponse)(nil),       // 59: atomlog.v1.ListPartitionsResponse
-	(*PartitionSummary)(nil),             // 60: atomlog.v1.PartitionSummary
-	(*RecoverPartitionRequest)(nil),      // 61: atomlog.v1.RecoverPartitionRequest
-	(*RecoverPartitionResponse)(nil),     // 62: atomlog.v1.RecoverPartitionResponse
-	(*StageTxnRequest)(nil),              // 63: atomlog.v1.StageTxnRequest
-	(*StageTxnItem)(nil),                 // 64: atomlog.v1.StageTxnItem
-	(*StageTxnResponse)(nil),             // 65: atomlog.v1.StageTxnResponse
-	(*StageTxnResult)(nil),               // 66: atomlog.v1.StageTxnResult
-	(*ReplicateRequest)(nil),             // 67: atomlog.v1.ReplicateRequest
-	(*LeaderEpochEntry)(nil),             // 68: atomlog.v1.LeaderEpochEntry
-	(*ReplicateResponse)(nil),            // 69: atomlog.v1.ReplicateResponse
-	nil,                                  // 70: atomlog.v1.ItemError.MetadataEntry
-	nil,                                  // 71: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	(*TopicPartition)(nil),               // 72: atomlog.v1.TopicPartition
-	(IsolationLevel)(0),                  // 73: atomlog.v1.IsolationLevel
-	(*TxnId)(nil),                        // 74: atomlog.v1.TxnId
-	(*SubscriptionPartition)(nil),        // 75: atomlog.v1.SubscriptionPartition
+	(*ReplicationStatus)(nil),            // 56: atomlog.v1.ReplicationStatus
+	(*FollowerStatus)(nil),               // 57: atomlog.v1.FollowerStatus
+	(*OpenTransaction)(nil),              // 58: atomlog.v1.OpenTransaction
+	(*ProducerState)(nil),                // 59: atomlog.v1.ProducerState
+	(*ListPartitionsRequest)(nil),        // 60: atomlog.v1.ListPartitionsRequest
+	(*ListPartitionsResponse)(nil),       // 61: atomlog.v1.ListPartitionsResponse
+	(*PartitionSummary)(nil),             // 62: atomlog.v1.PartitionSummary
+	(*RecoverPartitionRequest)(nil),      // 63: atomlog.v1.RecoverPartitionRequest
+	(*RecoverPartitionResponse)(nil),     // 64: atomlog.v1.RecoverPartitionResponse
+	(*StageTxnRequest)(nil),              // 65: atomlog.v1.StageTxnRequest
+	(*StageTxnItem)(nil),                 // 66: atomlog.v1.StageTxnItem
+	(*StageTxnResponse)(nil),             // 67: atomlog.v1.StageTxnResponse
+	(*StageTxnResult)(nil),               // 68: atomlog.v1.StageTxnResult
+	(*ReplicateRequest)(nil),             // 69: atomlog.v1.ReplicateRequest
+	(*LeaderEpochEntry)(nil),             // 70: atomlog.v1.LeaderEpochEntry
+	(*ReplicateResponse)(nil),            // 71: atomlog.v1.ReplicateResponse
+	nil,                                  // 72: atomlog.v1.ItemError.MetadataEntry
+	nil,                                  // 73: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	(*TopicPartition)(nil),               // 74: atomlog.v1.TopicPartition
+	(IsolationLevel)(0),                  // 75: atomlog.v1.IsolationLevel
+	(*TxnId)(nil),                        // 76: atomlog.v1.TxnId
+	(*SubscriptionPartition)(nil),        // 77: atomlog.v1.SubscriptionPartition
 }
 var file_atomlog_v1_partition_proto_depIdxs = []int32{
-	70,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
+	72,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
 	7,   // 1: atomlog.v1.ProduceRequest.items:type_name -> atomlog.v1.ProduceItem
-	72,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	9,   // 3: atomlog.v1.ProduceResponse.results:type_name -> atomlog.v1.ProduceResult
-	72,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 5: atomlog.v1.ProduceResult.error:type_name -> atomlog.v1.ItemError
 	11,  // 6: atomlog.v1.FetchRequest.items:type_name -> atomlog.v1.FetchItem
-	73,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
-	72,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	75,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	74,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	13,  // 9: atomlog.v1.FetchResponse.results:type_name -> atomlog.v1.FetchResult
-	72,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 11: atomlog.v1.FetchResult.error:type_name -> atomlog.v1.ItemError
 	14,  // 12: atomlog.v1.FetchResult.aborted_transactions:type_name -> atomlog.v1.AbortedTransaction
-	74,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	76,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
 	16,  // 14: atomlog.v1.ListOffsetsRequest.items:type_name -> atomlog.v1.ListOffsetsItem
-	72,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	1,   // 16: atomlog.v1.ListOffsetsItem.spec:type_name -> atomlog.v1.OffsetSpec
 	18,  // 17: atomlog.v1.ListOffsetsResponse.results:type_name -> atomlog.v1.ListOffsetsResult
-	72,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 19: atomlog.v1.ListOffsetsResult.error:type_name -> atomlog.v1.ItemError
 	20,  // 20: atomlog.v1.DeleteRecordsRequest.items:type_name -> atomlog.v1.DeleteRecordsItem
 	22,  // 21: atomlog.v1.DeleteRecordsResponse.results:type_name -> atomlog.v1.DeleteRecordsResult
 	4,   // 22: atomlog.v1.DeleteRecordsResult.error:type_name -> atomlog.v1.ItemError
-	75,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 24: atomlog.v1.CreateSubscriptionRequest.initial_position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	25,  // 25: atomlog.v1.CreateSubscriptionResponse.results:type_name -> atomlog.v1.CreateSubscriptionResult
-	75,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 27: atomlog.v1.CreateSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	75,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	28,  // 29: atomlog.v1.DeleteSubscriptionResponse.results:type_name -> atomlog.v1.DeleteSubscriptionResult
-	75,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 31: atomlog.v1.DeleteSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	75,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 33: atomlog.v1.ResetSubscriptionRequest.position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	31,  // 34: atomlog.v1.ResetSubscriptionResponse.results:type_name -> atomlog.v1.ResetSubscriptionResult
-	75,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 36: atomlog.v1.ResetSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	75,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	73,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	77,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
 	34,  // 39: atomlog.v1.ReceiveResponse.results:type_name -> atomlog.v1.ReceiveResult
-	75,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 41: atomlog.v1.ReceiveResult.error:type_name -> atomlog.v1.ItemError
 	5,   // 42: atomlog.v1.ReceiveResult.delivered_ranges:type_name -> atomlog.v1.OffsetRange
 	5,   // 43: atomlog.v1.ReceiveResult.redelivered_ranges:type_name -> atomlog.v1.OffsetRange
 	36,  // 44: atomlog.v1.AckRequest.items:type_name -> atomlog.v1.AckItem
-	75,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 46: atomlog.v1.AckItem.individual_ranges:type_name -> atomlog.v1.OffsetRange
-	74,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
+	76,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
 	38,  // 48: atomlog.v1.AckResponse.results:type_name -> atomlog.v1.AckResult
-	75,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 50: atomlog.v1.AckResult.error:type_name -> atomlog.v1.ItemError
 	40,  // 51: atomlog.v1.NackRequest.items:type_name -> atomlog.v1.NackItem
-	75,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 53: atomlog.v1.NackItem.ranges:type_name -> atomlog.v1.OffsetRange
 	42,  // 54: atomlog.v1.NackResponse.results:type_name -> atomlog.v1.NackResult
-	75,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 56: atomlog.v1.NackResult.error:type_name -> atomlog.v1.ItemError
-	75,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	45,  // 58: atomlog.v1.DescribeSubscriptionResponse.cursors:type_name -> atomlog.v1.SubscriptionCursor
-	75,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 60: atomlog.v1.SubscriptionCursor.error:type_name -> atomlog.v1.ItemError
 	5,   // 61: atomlog.v1.SubscriptionCursor.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	46,  // 62: atomlog.v1.SubscriptionCursor.pending_acks:type_name -> atomlog.v1.PendingAck
-	74,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
+	76,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
 	5,   // 64: atomlog.v1.PendingAck.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	48,  // 65: atomlog.v1.EndTxnOnPartitionRequest.markers:type_name -> atomlog.v1.TxnMarker
-	74,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
+	76,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
 	0,   // 67: atomlog.v1.TxnMarker.decision:type_name -> atomlog.v1.TxnDecision
-	72,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	75,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	74,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	77,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	50,  // 70: atomlog.v1.EndTxnOnPartitionResponse.results:type_name -> atomlog.v1.TxnMarkerResult
-	74,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
+	76,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
 	51,  // 72: atomlog.v1.TxnMarkerResult.topic_partition_results:type_name -> atomlog.v1.TxnMarkerPartitionResult
 	52,  // 73: atomlog.v1.TxnMarkerResult.subscription_partition_results:type_name -> atomlog.v1.TxnMarkerSubscriptionResult
-	72,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 75: atomlog.v1.TxnMarkerPartitionResult.error:type_name -> atomlog.v1.ItemError
-	75,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 77: atomlog.v1.TxnMarkerSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	72,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	72,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 80: atomlog.v1.DescribePartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	53,  // 81: atomlog.v1.DescribePartitionResponse.data_loss:type_name -> atomlog.v1.DataLossInfo
-	56,  // 82: atomlog.v1.DescribePartitionResponse.open_transactions:type_name -> atomlog.v1.OpenTransaction
-	57,  // 83: atomlog.v1.DescribePartitionResponse.producers:type_name -> atomlog.v1.ProducerState
+	58,  // 82: atomlog.v1.DescribePartitionResponse.open_transactions:type_name -> atomlog.v1.OpenTransaction
+	59,  // 83: atomlog.v1.DescribePartitionResponse.producers:type_name -> atomlog.v1.ProducerState
 	45,  // 84: atomlog.v1.DescribePartitionResponse.subscriptions:type_name -> atomlog.v1.SubscriptionCursor
-	71,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	74,  // 86: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
-	74,  // 87: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
-	60,  // 88: atomlog.v1.ListPartitionsResponse.partitions:type_name -> atomlog.v1.PartitionSummary
-	72,  // 89: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
-	3,   // 90: atomlog.v1.PartitionSummary.state:type_name -> atomlog.v1.PartitionState
-	53,  // 91: atomlog.v1.PartitionSummary.data_loss:type_name -> atomlog.v1.DataLossInfo
-	72,  // 92: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	3,   // 93: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
-	64,  // 94: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
-	74,  // 95: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
-	7,   // 96: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
-	36,  // 97: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
-	66,  // 98: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
-	74,  // 99: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
-	9,   // 100: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
-	38,  // 101: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
-	72,  // 102: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	68,  // 103: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 104: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 105: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 106: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 107: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 108: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 109: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 110: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 111: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 112: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 113: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 114: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 115: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	63,  // 116: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	54,  // 117: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	58,  // 118: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	61,  // 119: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	67,  // 120: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	8,   // 121: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 122: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 123: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 124: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 125: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 126: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 127: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 128: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 129: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 130: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 131: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 132: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	65,  // 133: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	55,  // 134: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	59,  // 135: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	62,  // 136: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	69,  // 137: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	121, // [121:138] is the sub-list for method output_type
-	104, // [104:121] is the sub-list for method input_type
-	104, // [104:104] is the sub-list for extension type_name
-	104, // [104:104] is the sub-list for extension extendee
-	0,   // [0:104] is the sub-list for field type_name
+	73,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	56,  // 86: atomlog.v1.DescribePartitionResponse.replication:type_name -> atomlog.v1.ReplicationStatus
+	57,  // 87: atomlog.v1.ReplicationStatus.followers:type_name -> atomlog.v1.FollowerStatus
+	76,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	76,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
+	62,  // 90: atomlog.v1.ListPartitionsResponse.partitions:type_name -> atomlog.v1.PartitionSummary
+	74,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
+	3,   // 92: atomlog.v1.PartitionSummary.state:type_name -> atomlog.v1.PartitionState
+	53,  // 93: atomlog.v1.PartitionSummary.data_loss:type_name -> atomlog.v1.DataLossInfo
+	74,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	3,   // 95: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
+	66,  // 96: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
+	76,  // 97: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	7,   // 98: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
+	36,  // 99: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
+	68,  // 100: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
+	76,  // 101: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	9,   // 102: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
+	38,  // 103: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
+	74,  // 104: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	70,  // 105: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 106: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 107: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 108: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 109: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 110: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 111: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 112: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 113: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 114: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 115: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 116: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 117: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	65,  // 118: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	54,  // 119: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 120: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 121: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	69,  // 122: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	8,   // 123: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 124: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 125: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 126: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 127: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 128: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 129: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 130: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 131: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 132: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 133: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 134: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	67,  // 135: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	55,  // 136: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 137: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 138: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	71,  // 139: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	123, // [123:140] is the sub-list for method output_type
+	106, // [106:123] is the sub-list for method input_type
+	106, // [106:106] is the sub-list for extension type_name
+	106, // [106:106] is the sub-list for extension extendee
+	0,   // [0:106] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
@@ -5523,7 +5720,7 @@ func file_atomlog_v1_partition_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_partition_proto_rawDesc), len(file_atomlog_v1_partition_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   68,
+			NumMessages:   70,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
