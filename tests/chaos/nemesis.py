@@ -18,6 +18,11 @@ Nemeses and their faults:
          from its followers (links dropped both ways) longer than replication.max_lag_ms
   wipe   (replicated runs) kill -9 of one partition server, its partition directories
          deleted, restarted after 0-4 s: it must rebuild every replica from the leaders
+  reassign (replicated runs) `partition reassign` of a random workload partition to its
+         replicas less one — its current leader (a handover in a new epoch) or a follower
+         — whose copy is then deleted; healed by reassigning it back to every replica
+         (the dropped server rebuilds its copy from the leader, a reassignment that may
+         still be running when the next fault begins)
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-NEMESES = ("kill", "pause", "net", "disk", "leader", "wipe")
-REPLICATED_ONLY = ("wipe",)  # would destroy acknowledged data with one copy
+NEMESES = ("kill", "pause", "net", "disk", "leader", "wipe", "reassign")
+REPLICATED_ONLY = ("wipe", "reassign")  # wipe: would destroy acknowledged data with one copy
 QUIET_S = (1.0, 4.0)  # between two faults
 
 
@@ -106,6 +111,9 @@ def _one(rng: random.Random, nemesis: str, at_s: float, topology: Topology) -> F
         return Fault(at_s, kind, target, topology.max_lag_s + rng.uniform(1.0, 5.0))
     if nemesis == "wipe":
         return Fault(at_s, "wipe", rng.choice(topology.partition_servers), rng.uniform(0.0, 4.0))
+    if nemesis == "reassign":
+        kind = rng.choice(("reassign-leader", "reassign-follower"))
+        return Fault(at_s, kind, rng.choice(topology.partitions), rng.uniform(3.0, 10.0))
     assert nemesis == "disk", nemesis
     kind = rng.choice(("disk-fsync", "disk-full")) if topology.disk_server else "disk-fsync"
     target = topology.disk_server if kind == "disk-full" else rng.choice(topology.partition_servers)

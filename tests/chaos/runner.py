@@ -291,32 +291,60 @@ class Run:
             self.log.complete(op, "fail", error=repr(error))
             self.notes.append(f"healing {fault.fault} {fault.target} failed: {error!r}")
 
-    def leader_of(self, partition: str) -> str:
-        """The current leader of "topic/p", from its state in ZooKeeper (read directly,
-        not through the fault proxy); a partition server at random if it cannot be read."""
+    def replicas_of(self, partition: str) -> tuple[list[str], str | None]:
+        """The replicas and current leader of "topic/p", from its topic record and state in
+        ZooKeeper (read directly, not through the fault proxy); ([], None) if unreadable."""
         from kazoo.client import KazooClient
 
         from partition_server.partition_states import path_of
         from partition_server.replication import PartitionState
+        from services.topics import TopicRecord
 
         topic, number = partition.rsplit("/", 1)
         zookeeper = self.entry(self.cluster, "zookeeper").grpc_address
         client = KazooClient(hosts=zookeeper + self.cluster.chroot, timeout=5)
         try:
             client.start(timeout=5)
+            record = TopicRecord.from_json(topic, json.loads(client.get(f"/topics/{topic}")[0]))
             data, _ = client.get(path_of(topic, int(number)))
-            leader = PartitionState.from_json(data).leader
+            return record.replicas_of(int(number)), PartitionState.from_json(data).leader
         except Exception as error:  # noqa: BLE001 — an unreplicated topic, ZooKeeper away
-            leader = None
-            self.notes.append(f"leader of {partition} unknown ({error!r}): a random server")
+            self.notes.append(f"replicas of {partition} unknown ({error!r})")
+            return [], None
         finally:
             client.stop()
             client.close()
+
+    def leader_of(self, partition: str) -> str:
+        """The current leader of "topic/p" (replicas_of); a partition server chosen from
+        the name if it cannot be read."""
+        _replicas, leader = self.replicas_of(partition)
         servers = [p.name for p in self.cluster.processes
                    if p.role in launcher.SERVES_PARTITIONS]
         # (crc32, not hash(): a seed must pick the same server in every run)
         fallback = servers[zlib.crc32(partition.encode()) % len(servers)]
         return leader if leader in servers else fallback
+
+    def reassign(self, partition: str, replicas: list[str]) -> None:
+        """`partition reassign` of "topic/p" to `replicas` (the RPC, through the SDK with the
+        run's client certificate), retried for up to 30 s while servers are away."""
+        from atomlog.v1 import metadata_pb2
+        from spark_client import Client, errors
+
+        topic, number = partition.rsplit("/", 1)
+        request = metadata_pb2.ReassignPartitionRequest(topic=topic, partition=int(number),
+                                                        replicas=replicas)
+        deadline = time.monotonic() + 30
+        with Client(self.spec["bootstrap"], request_timeout_s=10.0,
+                    tls=self.client_tls()) as client:
+            while True:
+                try:
+                    client.metadata.call("ReassignPartition", request)
+                    return
+                except errors.AtomlogClientError as error:
+                    if not error.retriable or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
 
     def wait_in_sync(self, timeout_s: float) -> bool:
         """Until every replicated partition's ISR holds all its replicas (read from
@@ -373,6 +401,22 @@ class Run:
                 self.proxy.set_fault(follower, leader, "drop")
             return lambda: [(self.proxy.heal(leader, f), self.proxy.heal(f, leader))
                             for f in followers]
+        if kind.startswith("reassign-"):
+            replicas, leader = self.replicas_of(target)
+            if len(replicas) < 2:
+                self.notes.append(f"{kind} of {target} skipped: replicas {replicas}")
+                return lambda: None
+            if kind == "reassign-leader" and leader in replicas:
+                dropped = leader
+            else:
+                followers = [r for r in replicas if r != leader] or replicas
+                dropped = followers[zlib.crc32(target.encode()) % len(followers)]
+            smaller = [r for r in replicas if r != dropped]
+            self.log.record("nemesis-target", fault=kind, partition=target, leader=leader,
+                            replicas=replicas, target=smaller)
+            self.say(f"  {target}: replicas {','.join(replicas)} -> {','.join(smaller)}")
+            self.reassign(target, smaller)
+            return lambda: self.reassign(target, replicas)
         if kind == "wipe":
             # One lost disk at a time, repaired before the next: with every partition's
             # replicas back in sync (else three quick wipes erase every copy).
