@@ -130,6 +130,7 @@ class PartitionManager:
         await asyncio.to_thread(self.assignments.start)
         await self.assignments.ready.wait()
         await asyncio.to_thread(self._leave_isrs)  # before this server registers
+        await asyncio.to_thread(self._sweep_removed_copies)
         self._isrs_left = True
         self._reconcile()  # now its replicated partitions may be steered
         # The first attempt of every open (a failing one goes on retrying in the background).
@@ -373,6 +374,24 @@ class PartitionManager:
                                            self.zk.client, topic, partition, known, target,
                                            state)
         return complete
+
+    def _sweep_removed_copies(self) -> None:
+        """At start: delete the copies of replicated partitions whose topic record no
+        longer lists this server (a reassignment completed while it was down), as a
+        running server does when it sees the record change. A directory whose topic is
+        unknown or unreplicated is left alone."""
+        held = set(self.assignments.replicated_here()) | set(self.assignments.owned())
+        for directory in self.data_dir.iterdir():
+            topic, _, number = directory.name.rpartition("-")
+            if not directory.is_dir() or not number.isdigit():
+                continue
+            record = self.assignments.topic(topic)
+            if record is None or not record.replicated or int(number) >= record.partitions \
+                    or (topic, int(number)) in held:
+                continue
+            _delete_copy(directory)
+            event(log, "replica removed by a reassignment while this server was down",
+                  partition=directory.name)
 
     async def _step_down(self, key: tuple[str, int]) -> None:
         owner = self.owners.get(key)

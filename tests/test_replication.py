@@ -254,6 +254,31 @@ def test_reassign_moves_a_partition_under_load_and_the_left_out_copy_goes(cluste
     assert same.returncode == 0 and "already" in same.stdout
 
 
+def test_a_replica_reassigned_away_while_its_server_is_down_is_deleted_when_it_returns(
+        cluster, client):
+    client.create_topic("rep-away", partitions=1, replication_factor=2)
+    wait_until(lambda: fully_in_sync(client, "rep-away"), 15, "rep-away in sync")
+    with client.producer(linger_ms=2) as producer:
+        for i in range(500):
+            producer.send("rep-away", f"a{i}".encode(), partition=0)
+        producer.flush()
+    part = metadata(client, "rep-away").partitions[0]
+    down = next(r for r in part.replicas if r != part.server_name)
+    newcomer = next(s for s in SERVERS if s not in part.replicas)
+    copy = cluster.data_dir / down / "partitions" / "rep-away-0"
+    assert copy.is_dir()
+    kill(cluster, down)
+    try:
+        moved = reassign(cluster, "rep-away", 0, [part.server_name, newcomer], "--wait", "60")
+        assert moved.returncode == 0 and "reassigned" in moved.stdout, moved.stdout + moved.stderr
+        assert copy.is_dir()  # its server is down: nobody deleted it
+    finally:
+        restart_all(cluster)
+    wait_until(lambda: not copy.exists(), 15, f"{down} to delete its old copy at start")
+    values = set(read_all(client, "rep-away", 500).values())
+    assert values == {f"a{i}".encode() for i in range(500)}
+
+
 def test_bad_reassignments_change_nothing(cluster, client):
     client.create_topic("rep-nomove", partitions=1, replication_factor=2)
     client.create_topic("rep-single", partitions=1, replication_factor=1)
