@@ -21,9 +21,12 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from partition_server.record_batch import (DEFAULT_MAX_UNCOMPRESSED_BYTES, HEADER_SIZE,
-                                           MAGIC_COLUMNAR, BatchHeader, Compression, Record,
-                                           _corrupt, frame_batch, parse_header, verify_crc)
+import crc32c
+
+from partition_server.record_batch import (CRC_OFFSET, DEFAULT_MAX_UNCOMPRESSED_BYTES,
+                                           HEADER_SIZE, MAGIC_COLUMNAR, MIN_BATCH_LENGTH,
+                                           PREFIX, BatchHeader, Compression, Record, _corrupt,
+                                           frame_batch, parse_header, verify_crc)
 
 # --- The schema (fixed by the format; a change is a new magic) ----------------------------
 HEADER_STRUCT = pa.struct([pa.field("key", pa.string(), nullable=False),
@@ -39,6 +42,10 @@ _CODEC = {Compression.NONE: None, Compression.ZSTD: "zstd", Compression.LZ4: "lz
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _PREFIX = struct.Struct("<Ii")  # IPC continuation marker, metadata length (little-endian)
 _CONTINUATION = 0xFFFFFFFF
+# The header's batch_length (after the int64 base_offset) and CRC32C fields (big-endian).
+_LENGTH, _LENGTH_OFFSET = struct.Struct(">i"), 8
+_CRC = struct.Struct(">I")
+assert PREFIX.format in (">qibq", b">qibq") and CRC_OFFSET == PREFIX.size
 
 
 def schema_message() -> bytes:
@@ -240,6 +247,25 @@ def columns_block(keys: pa.Array, values: pa.Array, headers: pa.Array,
     batch = pa.RecordBatch.from_arrays([keys, values, timestamp_deltas, headers],
                                        schema=BLOCK_SCHEMA)
     return _message(batch, Compression(compression))
+
+
+def frame_header(block, *, count: int, base_timestamp_ms: int, max_timestamp_ms: int,
+                 compression: Compression = Compression.NONE, **fields) -> bytes:
+    """The 77-byte header of the magic-2 batch around `block` (bytes-like), so that
+    `frame_header(block, ...) + block == frame_batch(block, magic=MAGIC_COLUMNAR, ...)`
+    without copying the block into a new bytes object: a producer sends the two pieces
+    in one request (fields: producer id, epoch, base sequence, txn). frame_batch() checks
+    the fields and builds the header of an empty body; the body length and the CRC32C
+    are then completed with the block (the CRC covers the header from byte 25 on, then
+    the block: continuing the empty body's CRC over the block gives the whole one)."""
+    header = bytearray(frame_batch(b"", magic=MAGIC_COLUMNAR, count=count,
+                                   base_timestamp_ms=base_timestamp_ms,
+                                   max_timestamp_ms=max_timestamp_ms, compression=compression,
+                                   **fields))
+    _LENGTH.pack_into(header, _LENGTH_OFFSET, MIN_BATCH_LENGTH + len(block))
+    _CRC.pack_into(header, CRC_OFFSET, crc32c.crc32c(block, _CRC.unpack_from(header, CRC_OFFSET)[0]))
+    parse_header(header)  # pair assertion, as frame_batch
+    return bytes(header)
 
 
 def encode_columns(keys: pa.Array, values: pa.Array, headers: pa.Array,

@@ -113,8 +113,12 @@ def prepare(values, *, keys=None, headers=None, timestamps_ms=None, partition=No
     headers = headers_column(headers, n)
     if len(headers) != n:
         raise ValueError(f"headers: {len(headers)} for {n} values")
-    deltas, base, _ = timestamp_column(timestamps_ms, n, now_ms)
-    absolute = pc.add(deltas, base)
+    deltas, base, largest_ts = timestamp_column(timestamps_ms, n, now_ms)
+    # One timestamp for every row (none given, the common case): each chunk takes it as
+    # its base and zero deltas, with no kernel per chunk.
+    constant_ts = base if timestamps_ms is None or (
+        base == largest_ts and pc.min(deltas).as_py() == 0) else None
+    absolute = deltas if constant_ts is not None else pc.add(deltas, base)
 
     parts = _partitions(partition, keys, n, partition_count, sticky)
     sizes = pc.add(pc.add(pc.fill_null(pc.binary_length(values), 0),
@@ -132,7 +136,7 @@ def prepare(values, *, keys=None, headers=None, timestamps_ms=None, partition=No
                                          ["key", "value", "headers", "ts", "size"])
     chunks: list[Chunk] = []
     if isinstance(parts, int):
-        _cut(chunks, parts, columns, batch_max_bytes)
+        _cut(chunks, parts, columns, batch_max_bytes, constant_ts)
         return chunks
     order = pc.sort_indices(parts)  # stable: rows keep their order within a partition
     ordered = columns.take(order)
@@ -145,7 +149,7 @@ def prepare(values, *, keys=None, headers=None, timestamps_ms=None, partition=No
         spans.append((entry["values"], start, entry["counts"]))
         start += entry["counts"]
     for p, begin, count in sorted(spans, key=lambda s: first_seen[s[0]]):
-        _cut(chunks, p, ordered.slice(begin, count), batch_max_bytes)
+        _cut(chunks, p, ordered.slice(begin, count), batch_max_bytes, constant_ts)
     return chunks
 
 
@@ -193,24 +197,31 @@ def _check_partition_range(low: int, high: int, count: int) -> None:
         raise IndexError(f"partition {low if low < 0 else high} outside 0..{count - 1}")
 
 
-def _cut(chunks: list[Chunk], partition: int, rows: pa.RecordBatch, limit: int) -> None:
+def _cut(chunks: list[Chunk], partition: int, rows: pa.RecordBatch, limit: int,
+         constant_ts: int | None = None) -> None:
     """Rows of one partition as chunks of at most `limit` bytes (by the size column): the
     cut points are found by a binary search over the running sum of sizes, read in place
-    from its Arrow buffer (no Python object per row)."""
+    from its Arrow buffer (no Python object per row). `constant_ts`: every row's timestamp
+    when they share one (column 3 then holds zeros): no kernel per chunk."""
     cumulative = _int64_view(pc.cumulative_sum(rows.column(4).cast(pa.int64())))
     begin, done = 0, 0
     room = limit - BATCH_OVERHEAD
     n = len(cumulative)
+    keys, values, headers, stamps = (rows.column(i) for i in range(4))
     while begin < n:
         end = bisect.bisect_right(cumulative, done + room, lo=begin + 1)
         end = max(end, begin + 1)
-        piece = rows.slice(begin, end - begin)
-        stamps = piece.column(3)
-        bounds = pc.min_max(stamps)
-        base = stamps[0].as_py()
+        count = end - begin
         total = cumulative[end - 1]
-        chunks.append(Chunk(partition, piece.column(0), piece.column(1), piece.column(2),
-                            pc.subtract(stamps, base), base, bounds["max"].as_py(),
+        if constant_ts is not None:
+            deltas, base, largest = stamps.slice(begin, count), constant_ts, constant_ts
+        else:
+            piece = stamps.slice(begin, count)
+            bounds = pc.min_max(piece)
+            base, largest = piece[0].as_py(), bounds["max"].as_py()
+            deltas = pc.subtract(piece, pa.scalar(base, pa.int64()))
+        chunks.append(Chunk(partition, keys.slice(begin, count), values.slice(begin, count),
+                            headers.slice(begin, count), deltas, base, largest,
                             total - done + BATCH_OVERHEAD))
         done = total
         begin = end

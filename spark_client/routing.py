@@ -68,6 +68,11 @@ class Channels:
     def metadata(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:
         return self._stub(address, metadata_pb2_grpc.MetadataServiceStub)
 
+    def stub(self, address: str, kind: type):
+        """A `kind(channel)` for the address, made once and kept like the service stubs
+        (for callables of a caller's own, such as the producer's pre-serialized Produce)."""
+        return self._stub(address, kind)
+
     def _stub(self, address: str, kind: type):
         if self.tls is not None and self.tls.current()[0] != self._tls_generation:
             self._renew()

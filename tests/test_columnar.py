@@ -253,6 +253,66 @@ def test_produce_requests_stay_under_the_message_limit():
     assert _requests([big, batches[0]], 8 << 20) == [[big], [batches[0]]]
 
 
+def test_the_producer_s_request_bytes_are_the_protobuf_serialization():
+    """The producer serializes ProduceRequest itself, from each batch's pieces (header and
+    Arrow block, or send()'s bytes): the same bytes protobuf makes, and they parse back."""
+    from spark_client.producer import _Batch, _produce_request
+
+    block = rc.columns_block(pa.nulls(3, pa.binary()), pa.array([b"a", b"bc", b""]),
+                             rc.headers_column(None, 3), rc.timestamp_column(None, 3, 5)[0])
+    framed = (rc.frame_header(block, count=3, base_timestamp_ms=5, max_timestamp_ms=5,
+                              producer_id=9, producer_epoch=1, base_sequence=300), block)
+    group = [_Batch("tópico", 0, [], None, 0.0, payload=framed),
+             _Batch("t" * 200, 300, [], None, 0.0, payload=b"x" * 70_000),
+             _Batch("t", 7, [], None, 0.0, payload=b"")]
+    expected = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic=b.topic, partition=b.partition),
+        record_batch=b"".join(b.payload) if isinstance(b.payload, tuple) else b.payload)
+        for b in group]).SerializeToString()
+    assert _produce_request(group) == expected
+    parsed = partition_pb2.ProduceRequest.FromString(_produce_request(group))
+    assert parsed.items[0].record_batch == rc.encode_columns(
+        pa.nulls(3, pa.binary()), pa.array([b"a", b"bc", b""]), rc.headers_column(None, 3),
+        rc.timestamp_column(None, 3, 5)[0], 5, 5, producer_id=9, producer_epoch=1,
+        base_sequence=300)
+
+
+@pytest.mark.parametrize("codec", list(rb.Compression))
+def test_a_header_framed_apart_is_frame_batch_s(codec):
+    block = rc.columns_block(pa.array([b"k", None]), pa.array([b"v" * 500, None]),
+                             rc.headers_column([{"h": b"1"}, None], 2),
+                             pa.array([0, 7], pa.int64()), codec)
+    for fields in ({}, {"producer_id": 3, "producer_epoch": 4, "base_sequence": 5},
+                   {"producer_id": 3, "producer_epoch": 4, "base_sequence": 5, "txn": (2, 6)}):
+        header = rc.frame_header(block, count=2, base_timestamp_ms=10, max_timestamp_ms=17,
+                                 compression=codec, **fields)
+        assert header + bytes(block) == rb.frame_batch(
+            block, magic=rb.MAGIC_COLUMNAR, count=2, base_timestamp_ms=10,
+            max_timestamp_ms=17, compression=codec, **fields)
+
+
+def test_chunks_of_one_timestamp_and_of_many_carry_the_right_ones():
+    values = [b"v" * 1000] * 600
+    same = columns.prepare(values, partition=0, partition_count=1, sticky=0, now_ms=42,
+                           batch_max_bytes=64 << 10)
+    assert len(same) > 5
+    for chunk in same:
+        assert (chunk.base_timestamp_ms, chunk.max_timestamp_ms) == (42, 42)
+        assert set(chunk.timestamp_deltas.to_pylist()) == {0}
+    stamps = [1000 + (i * 7919) % 600 for i in range(600)]
+    many = columns.prepare(values, timestamps_ms=stamps, partition=0, partition_count=1,
+                           sticky=0, now_ms=42, batch_max_bytes=64 << 10)
+    got = [c.base_timestamp_ms + d for c in many for d in c.timestamp_deltas.to_pylist()]
+    assert got == stamps
+    for chunk in many:
+        mine = [chunk.base_timestamp_ms + d for d in chunk.timestamp_deltas.to_pylist()]
+        assert chunk.base_timestamp_ms == mine[0] and chunk.max_timestamp_ms == max(mine)
+    (given,) = columns.prepare([b"a", b"b"], timestamps_ms=[7, 7], partition=0,
+                               partition_count=1, sticky=0, now_ms=42, batch_max_bytes=1 << 20)
+    assert (given.base_timestamp_ms, given.max_timestamp_ms,
+            given.timestamp_deltas.to_pylist()) == (7, 7, [0, 0])
+
+
 # ------------------------------------------------------------------ against the cluster
 
 
