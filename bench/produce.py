@@ -945,6 +945,47 @@ def read_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def median_rounds(rows: list[dict]) -> list[dict]:
+    """One row per cell: its round of median MB/s (the lower of the middle two for an even
+    count), in the order cells first ran."""
+    by_cell: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_cell.setdefault((row["kind"], row["producers"], row["partitions"]), []).append(row)
+    out = []
+    for runs in by_cell.values():
+        ranked = sorted(runs, key=lambda r: r["mb_per_s"])
+        chosen = dict(ranked[(len(ranked) - 1) // 2])
+        chosen["rounds"] = len(runs)
+        out.append(chosen)
+    return out
+
+
+def round_shares(rows: list[dict]) -> list[str]:
+    """send_batch()'s share of the wire cell of the same shape in each round (the two ran
+    one after the other), and its median over the rounds, against the target."""
+    rounds = sorted({r.get("round", 0) for r in rows})
+    if len(rounds) < 2:
+        return []
+    out = []
+    for batch in [r for r in rows if r["kind"] == "batch" and r.get("round", 0) == rounds[0]]:
+        shares = []
+        for round_ in rounds:
+            pool = [r for r in rows if r.get("round", 0) == round_]
+            mine = same_shape(pool, "batch", batch)
+            share = share_of(mine, same_shape(pool, "wire", batch)) if mine else None
+            if share is not None:
+                shares.append(share)
+        if shares:
+            median = statistics.median(shares)
+            out.append(f"- send_batch() {shape(batch)}, share of the wire cell round by round: "
+                       + ", ".join(f"{s:.0f}%" for s in shares)
+                       + f"; median {median:.0f}% (target {TARGET_BATCH_OF_WIRE:.0%}: "
+                       + ("met" if median >= TARGET_BATCH_OF_WIRE * 100 else "NOT met")
+                       + f"; {sum(s >= TARGET_BATCH_OF_WIRE * 100 for s in shares)} of "
+                       + f"{len(shares)} rounds).")
+    return out
+
+
 def machine(load: float) -> str:
     return common.machine(load)
 
@@ -1145,7 +1186,8 @@ def columnar_reading(rows: list[dict], reads: list[dict]) -> list[str]:
     return out
 
 
-def section(rows, reads, baselines, args, command: str, load: float, batch_bytes: int) -> str:
+def section(rows, reads, baselines, args, command: str, load: float, batch_bytes: int,
+            every_round: list[dict] | None = None) -> str:
     cpus = os.cpu_count()
     lines = [
         BEGIN,
@@ -1166,7 +1208,11 @@ def section(rows, reads, baselines, args, command: str, load: float, batch_bytes
         "and acknowledges in log order, each batch only after an fsync begun after its write",
         "ended. Each cell",
         f"runs {args.seconds:g} s on a new topic; throughput counts acknowledged records from the",
-        "common start to the last ack. **server CPU ms/MB** is the server process's CPU seconds",
+        "common start to the last ack." + (
+            f" The cells ran {args.rounds} times in turn (in order, then in reverse, ...): "
+            "the tables show each cell's round of median MB/s, and send_batch()'s share of the "
+            "wire cell is also given round by round." if args.rounds > 1 else ""),
+        "**server CPU ms/MB** is the server process's CPU seconds",
         "(its event-loop thread in brackets) per MB appended: less disturbed by other jobs on",
         "the machine than MB/s.",
         "",
@@ -1256,6 +1302,7 @@ def section(rows, reads, baselines, args, command: str, load: float, batch_bytes
               f"{TARGET_BATCH_OF_WIRE:.0%} of the wire cell of", "the same shape, poll_arrow() >= "
               f"{TARGET_ARROW_OF_FETCH:.0%} of raw Fetch of the same topic.", ""]
     lines += verdicts(rows, reads, baselines)
+    lines += round_shares(every_round or rows)
     lines += reading(rows, batch_bytes)
     lines += columnar_reading(rows, reads)
     lines += [END]
@@ -1282,6 +1329,11 @@ def main() -> None:
                              f"record) or batch (producer.send_batch() of {BATCH_CALL_RECORDS:,} "
                              "records per call); default: each kind at 1x1, 1x8, 4x1, 4x8")
     parser.add_argument("--no-reads", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the cells this many times, in turn (forward, then backward, "
+                             "...): tables show each cell's median round, and the shares of "
+                             "the wire cell are given per round (on a shared machine one round "
+                             "moves by tens of percent)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     parser.add_argument("--profile", metavar="PATH",
                         help="py-spy (collapsed stacks) of the server during the first cell; "
@@ -1316,9 +1368,12 @@ def main() -> None:
         cluster.up()
         print(f"cluster up in {time.monotonic() - began:.1f} s in {data_dir} "
               f"(partition server pid {cluster.server_pid})", flush=True)
-        for index, (kind, producers, partitions) in enumerate(cells):
+        schedule = [(r, cell) for r in range(max(1, args.rounds))
+                    for cell in (cells if r % 2 == 0 else cells[::-1])]
+        for index, (round_, (kind, producers, partitions)) in enumerate(schedule):
             row = run_producers(ctx, cluster, kind, producers, partitions, args.seconds,
                                 args.batch_kib, args.profile if index == 0 else None)
+            row["round"] = round_
             # The same bytes, written raw right after the cell: the machine as the cell left
             # it ("% of raw after" in the section text).
             row["raw_group"] = raw_group(row, len(batch))
@@ -1334,7 +1389,8 @@ def main() -> None:
                       f"{row['floor']['mb_per_s']:.0f} MB/s, server CPU "
                       f"{row['floor']['server_cpu_ms_per_mb']:.2f} ms/MB", flush=True)
             rows.append(row)
-            print(f"{kind:5s} {producers}x{partitions}: {row['records_per_s']:9,.0f} rec/s "
+            print(f"{kind:5s} {producers}x{partitions}{f' r{round_}' if args.rounds > 1 else ''}"
+                  f": {row['records_per_s']:9,.0f} rec/s "
                   f"{row['mb_per_s']:6.1f} MB/s  p50 {row['p50_ms']:6.1f} ms  p99 "
                   f"{row['p99_ms']:6.1f} ms  RSS {row['rss_mib']:4.0f} MiB  CPU server "
                   f"{row['server_cpu']:.2f} (loop {row['server_main_cpu']:.2f}) client "
@@ -1346,6 +1402,8 @@ def main() -> None:
                   f"  raw after {row['raw_after_mb_s']:.0f} MB/s (G={row['raw_group']:g})"
                   f"  errors "
                   f"{fmt_errors(row['errors'])}", flush=True)
+        every_round = rows
+        rows = median_rounds(rows)
         # Raw baseline at the group sizes the server achieved (idle cluster, same disk).
         total = (64 if args.quick else 512) << 20
         for row in rows:
@@ -1374,7 +1432,7 @@ def main() -> None:
     finally:
         cluster.down()
         shutil.rmtree(data_dir, ignore_errors=True)
-    text = section(rows, reads, baselines, args, command, load, len(batch))
+    text = section(rows, reads, baselines, args, command, load, len(batch), every_round)
     print()
     print(text)
     if write:
