@@ -172,8 +172,13 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "calls_per_txn": calls / max(count, 1),
             "local_calls_per_txn": local / max(count, 1),
             "calls_by_method": {m: (after[m] - before[m]) / max(count, 1) for m in after
-                                if after[m] - before[m] > 0 and m != "fsyncs"},
+                                if after[m] - before[m] > 0 and not m.startswith("fsyncs")},
+            # Group commits of the partitions' owners per transaction, and the sync calls
+            # that made them durable (fewer with the durability barrier: one syncfs
+            # answers many; without it, one fsync each).
             "fsyncs_per_txn": (after["fsyncs"] - before["fsyncs"]) / max(count, 1),
+            "sync_calls_per_txn": ((after["fsyncs barrier"] - before["fsyncs barrier"])
+                                   or (after["fsyncs"] - before["fsyncs"])) / max(count, 1),
             "server_cpu_ms_per_txn": server_cpu / max(count, 1) * 1e3,
             "client_cpu_ms_per_txn": client_cpu / max(count, 1) * 1e3,
             "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
@@ -258,6 +263,9 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
     local = re.compile(r'^atomlog_local_calls_total\{method="/atomlog\.v1\.([^"]+)"\} (\S+)$',
                        re.M)
     fsyncs = re.compile(r"^atomlog_partition_fsyncs_total(?:\{\})? (\S+)$", re.M)
+    # The durability barrier's syncfs/fsync calls (partition_server/durability.py); the
+    # owners' group commits above are what asked for them.
+    syncs = re.compile(r'^atomlog_durability_syncs_total\{kind="[a-z]+"\} (\S+)$', re.M)
     for address in metrics_addresses:
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
         for method, value in rpc.findall(text):
@@ -265,6 +273,7 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
         counts["TC log appends"] += sum(float(v) for v in appends.findall(text))
         counts["TC log records"] += sum(float(v) for v in records.findall(text))
         counts["fsyncs"] += sum(float(v) for v in fsyncs.findall(text))
+        counts["fsyncs barrier"] += sum(float(v) for v in syncs.findall(text))
         for method, value in local.findall(text):  # the combined server's function calls
             counts[f"in-process {method}"] += float(value)
     return counts
@@ -511,6 +520,7 @@ def _ctp_figures(ctp: dict) -> dict:
     tc_appends = per_batch.pop("TC log appends", 0.0)
     tc_records = per_batch.pop("TC log records", 0.0)
     fsyncs = per_batch.pop("fsyncs", 0.0)
+    per_batch.pop("fsyncs barrier", None)
     local = sorted(((m.removeprefix("in-process "), n) for m, n in per_batch.items()
                     if m.startswith("in-process ")), key=lambda item: -item[1])
     rpcs = sorted(((m, n) for m, n in per_batch.items() if not m.startswith("in-process ")),
@@ -690,7 +700,10 @@ def main() -> None:
                   f"{floor['calls_per_s']:,.0f}/s); server CPU "
                   f"{small['server_cpu_ms_per_txn']:.2f} ms per transaction (floor: "
                   f"{floor['server_cpu_ms_per_call']:.2f} ms per call); "
-                  f"{small['fsyncs_per_txn']:.2f} fsyncs per transaction; commit p50/p99 "
+                  f"{small['fsyncs_per_txn']:.2f} group commits and "
+                  f"{small['sync_calls_per_txn']:.2f} sync calls per transaction; "
+                  f"durability {os.environ.get('ATOMLOG_PARTITION_DURABILITY', 'default')}; "
+                  "commit p50/p99 "
                   f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms", flush=True)
             return
         raw_s = common.raw_append_seconds(data_dir, RECORD * 256, 4_000, 1)

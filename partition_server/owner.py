@@ -6,9 +6,13 @@ in order, the producer-state core decides (append, duplicate, or refuse); accept
 batches are appended with one writev; then an fsync makes the group durable (group
 commit: concurrent producers share it) and only then is anyone acknowledged.
 
-The flush is pipelined. The fsync runs on a worker thread (on a duplicate of the
-segment's descriptor; it touches no Python state), and while it runs the owner task
-may go on deciding and writing the next groups (once `write_ahead_bytes` are queued:
+The flush is pipelined. The fsync runs on worker threads: by default the process's
+durability barrier (partition_server/durability.py) fsyncs the files of every owner that
+asked while its previous round ran, at once, and answers them with one wake-up of the
+event loop (settings.durability: "syncfs" makes its round one syncfs of the filesystem;
+"executor" runs each owner's own fsync, on a duplicate of the segment's descriptor, on
+an executor thread). It touches no Python state, and while it runs the owner task may
+go on deciding and writing the next groups (once `write_ahead_bytes` are queued:
 smaller amounts wait and go as one group when the fsync ends) and beginning the next
 fsyncs, up to `max_fsyncs_in_flight` at once (they overlap in the kernel). Completions are taken
 strictly in the order the fsyncs began: a flush that ends moves the high watermark to
@@ -60,6 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from partition_server import durability
 from partition_server import metrics as m
 from partition_server import producer_state, txn_buffer
 from partition_server.log import LogConfig, PartitionLog, SegmentSpan
@@ -102,6 +107,12 @@ class OwnerSettings:
     # lone pipelined producer, but smaller groups, so more fsyncs and CPU per MB; in
     # interleaved A/B runs of bench/produce.py (2026-11-21) 2 was no faster than 1.
     max_fsyncs_in_flight: int = 1
+    # How a group commit is made durable (partition_server/durability.py): "fsync":
+    # the process's durability barrier fsyncs the files of every owner that asked while
+    # its previous round ran, at once, and answers them together; "syncfs": its round is
+    # one syncfs per filesystem; "executor": each owner fsyncs its own file on an
+    # executor thread (before the barrier).
+    durability: str = durability.FSYNC
     # While every fsync slot is busy, queued requests are written ahead (to be covered by
     # the next fsync) once this many bytes wait; below it they wait for the fsync to end
     # and go as one group. Each group written costs the owner a wake-up, a writev and its
@@ -166,7 +177,9 @@ class _Flush:
     target: int
     works: list[_Work | _MarkerWork]
     batches: int  # batches it makes durable (metric)
-    future: asyncio.Future | None  # the fsync on a worker thread; None: nothing to sync
+    # The fsync on a worker thread (an asyncio.Future, or the barrier's SyncTicket: both
+    # answer done() and exception()); None: nothing to sync.
+    future: asyncio.Future | durability.SyncTicket | None
     began: float
 
 
@@ -224,10 +237,14 @@ def _wall_ms() -> int:
 class PartitionOwner:
     def __init__(self, topic: str, partition: int, directory: Path, settings: OwnerSettings,
                  *, fsync: Callable[[int], None] = failpoints.fsync,
-                 txn_replay_gate: Callable[[], None] | None = None):
+                 txn_replay_gate: Callable[[], None] | None = None,
+                 barrier: durability.DurabilityBarrier | None = None):
         """`fsync` makes a file descriptor durable (os.fsync behind a failpoint the
         fault harness can arm; tests pass one that blocks or fails). It runs on a worker
-        thread. `txn_replay_gate`, when given, is called on the worker thread before a
+        thread: an executor thread of its own per fsync when it is not the default (tests
+        gate fsyncs that overlap) and no `barrier` is given, else the barrier's thread
+        (settings.durability; `barrier` defaults to the process's, durability.barrier()).
+        `txn_replay_gate`, when given, is called on the worker thread before a
         background replay of the transaction buffer (tests hold the replay there to look
         at the partition meanwhile)."""
         assert settings.max_fsyncs_in_flight >= 1, settings.max_fsyncs_in_flight
@@ -256,6 +273,10 @@ class PartitionOwner:
         self.producer_snapshot_offset = -1
         self.txn_snapshot_offset = -1
         self._fsync = fsync
+        self._barrier = barrier
+        self._use_barrier = settings.durability != durability.EXECUTOR and (
+            barrier is not None or fsync is failpoints.fsync)
+        self._log_sync: durability.LogSync | None = None  # per opened log
         self._queue: deque[_Work | _MarkerWork] = deque()  # bounded by max_queued_requests
         self._queued_bytes = 0
         self._unflushed: list[_Work | _MarkerWork] = []  # written, no fsync begun since
@@ -293,6 +314,15 @@ class PartitionOwner:
         began = time.perf_counter()
         loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
         self.log, self.producers = loaded.log, loaded.producers
+        if self._use_barrier and self.settings.fsync:
+            # Taken anew with each opened log: a log opened before a failed syncfs of
+            # its filesystem is refused durability, so its owner reopens it (fail closed).
+            # (On a worker thread: the first open on a filesystem probes syncfs.)
+            self._log_sync = await asyncio.to_thread(
+                (self._barrier or durability.barrier()).open, self.directory,
+                self.settings.durability,
+                None if self._fsync is failpoints.fsync else self._fsync,
+                asyncio.get_running_loop())
         self.last_control_offset = loaded.last_control
         self.replayed_batches = replayed = loaded.replayed  # on top of the snapshots
         if self.log.data_loss is None:
@@ -788,9 +818,12 @@ class PartitionOwner:
             target, fd = self.log.flush_begin()
             future = None
             if fd is not None and settings.fsync:
-                future = asyncio.get_running_loop().run_in_executor(
-                    None, _fsync_duplicate, self._fsync, os.dup(fd))
-                future.add_done_callback(self._poke)
+                if self._log_sync is not None:  # the barrier answers with one wake-up
+                    future = self._log_sync.submit(fd, self._poke)
+                else:
+                    future = asyncio.get_running_loop().run_in_executor(
+                        None, _fsync_duplicate, self._fsync, os.dup(fd))
+                    future.add_done_callback(self._poke)
             self._flushes.append(_Flush(target, works, batches, future, time.perf_counter()))
 
     def _complete_flushes(self) -> None:
@@ -908,8 +941,11 @@ class PartitionOwner:
         """Make everything appended durable now (close): no request is answered."""
         target, fd = self.log.flush_begin()
         if fd is not None and self.settings.fsync:
-            await asyncio.get_running_loop().run_in_executor(
-                None, _fsync_duplicate, self._fsync, os.dup(fd))
+            if self._log_sync is not None:
+                await self._log_sync.sync(fd)
+            else:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, _fsync_duplicate, self._fsync, os.dup(fd))
         if self.log.flush_end(target, durable=self.settings.fsync):
             if not self.txns_recovering:
                 self.txns.on_durable(self.log.high_watermark)

@@ -33,6 +33,7 @@ def owner_settings(config) -> OwnerSettings:
                       index_interval_bytes=config["storage.index_interval_bytes"],
                       max_batch_bytes=config["partition.max_batch_bytes"]),
         fsync=config["partition.flush_policy"] == "fsync",
+        durability=config["partition.durability"],
         max_group_bytes=config["partition.max_group_bytes"],
         max_queued_requests=config["partition.max_queued_requests"],
         max_producers=config["partition.max_producers"],

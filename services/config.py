@@ -241,6 +241,14 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "after its batches are fsynced (group commit); none: acknowledge after the "
                 "write, leaving durability to the OS (faster, loses data on power failure).",
                 choices=("fsync", "none")),
+        Setting("partition.durability", str, "fsync", "How group commits are made "
+                "durable (partition_server/durability.py). fsync: one barrier per process "
+                "fsyncs every partition that asked while its previous round ran, at once, "
+                "and answers them together; syncfs: the barrier's round is one syncfs of "
+                "the filesystem (Linux 5.8+, else fsync; it writes back every dirty file "
+                "there, other processes' too: for a data disk of its own); executor: each "
+                "partition fsyncs its own file on a worker thread.",
+                choices=("fsync", "syncfs", "executor")),
         Setting("partition.max_group_bytes", int, 8 * MIB, "Most bytes one partition appends "
                 "per group commit (one write, one fsync).", minimum=64 * KIB, maximum=1024 * MIB),
         Setting("partition.max_queued_requests", int, 1_000, "Produce requests waiting per "

@@ -1,0 +1,398 @@
+"""One durability barrier per process: group commit across partitions.
+
+Each partition owner group-commits its own log (partition_server/owner.py). Without
+this module every owner's flush is its own fsync on an executor thread, so a small
+transaction over 4 partitions plus the TC log costs 5 or more fsyncs, each a thread
+hand-off, a `concurrent.futures.Future`, an `os.dup` and a wake-up of the event loop.
+The barrier makes all of them one step: owners that need durability submit "this log,
+as written now" and wait; one syncer thread takes everything submitted while its
+previous round ran and makes it durable in one round; the round's results go back to
+each event loop in one `call_soon_threadsafe`.
+
+A round is, per `partition.durability`:
+- `fsync` (the default): the round fsyncs each submitted log's file, all at once on up
+  to FSYNC_THREADS threads (ext4 commits concurrent fsyncs in one journal commit), each
+  on a duplicate of the log's descriptor that the barrier closes (the log may close its
+  own meanwhile: a roll, a reopen). The same fsyncs as each owner's own on an executor
+  thread, without a `concurrent.futures.Future`, a future callback and a wake-up of the
+  event loop per fsync; and owners that ask together are answered together.
+- `syncfs`: one syncfs(2) per filesystem holding a submitting log, on a descriptor the
+  barrier keeps open for that filesystem. syncfs writes back and waits for every dirty
+  file of the filesystem and flushes the device cache as fsync does (man 2 sync: it
+  gives "the same guarantees as fsync called on every file in ... the filesystem").
+  Since Linux 5.8 it also reports writeback errors of any file of the filesystem that
+  happened since the descriptor last looked (the superblock's errseq, commit
+  735e4ae5ba28 "vfs: track per-sb writeback errors and report them to syncfs").
+  Because the error is not tied to a file, a failed syncfs fails every log of that
+  filesystem, not only the logs of the round: each log carries the filesystem's error
+  count from when it was opened, and a round answers a log opened before the latest
+  error with that error, so its owner fails closed and reopens from disk before
+  acknowledging anything (a log that wrote before the error and asks for durability
+  only later would otherwise be told its data is durable by a syncfs that no longer
+  sees the error). Without syncfs (not Linux, a kernel before 5.8, or the call fails
+  with ENOSYS/EINVAL) the barrier falls back to `fsync`. It writes back every dirty
+  file of the filesystem, other processes' too, so its time follows everything written
+  there: measured on a shared disk it used the least CPU and had the longest commits
+  (docs/benchmarks.md); it is for a data filesystem of the server's own.
+
+The fault harness's fsync failpoint (services/failpoints.py) fails both kinds of round.
+The pure core (`BarrierCore`: no I/O, no threads, no clock) decides what a round does
+and whom it answers with what; `DurabilityBarrier` is the shell (the thread, the
+syscalls, the hand-back to event loops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter
+
+from services import failpoints
+
+log = logging.getLogger(__name__)
+
+ROUNDS = Counter("atomlog_durability_rounds_total",
+                 "Rounds of the durability barrier (each answers every log that asked "
+                 "while the previous one ran).")
+SYNCS = Counter("atomlog_durability_syncs_total",
+                "syncfs or fsync calls the durability barrier made.", ["kind"])
+REQUESTS = Counter("atomlog_durability_requests_total",
+                   "Group commits the durability barrier answered.")
+
+SYNCFS = "syncfs"
+FSYNC = "fsync"  # per file, batched on the barrier's thread
+EXECUTOR = "executor"  # per file, each owner's own fsync on the default executor
+MODES = (SYNCFS, FSYNC, EXECUTOR)
+FSYNC_THREADS = 8  # fsync mode: fsyncs of one round run at once on up to this many
+
+
+_SYNCFS_CALLS = SYNCS.labels("syncfs")
+_FSYNC_CALLS = SYNCS.labels("fsync")
+
+
+# ---------------------------------------------------------------------------- core
+class SyncTicket:
+    """One owner's request for durability: done() once its round ended; exception()
+    then says whether it failed (the asyncio.Future API the owner reads)."""
+
+    __slots__ = ("_done", "_error", "wake")
+
+    def __init__(self, wake: Callable[[], object] | None = None):
+        self._done = False
+        self._error: BaseException | None = None
+        self.wake = wake  # called on the owner's event loop once the ticket is done
+
+    def done(self) -> bool:
+        return self._done
+
+    def exception(self) -> BaseException | None:
+        assert self._done, "the ticket's round has not ended"
+        return self._error
+
+    def finish(self, error: BaseException | None) -> None:
+        self._done, self._error = True, error
+
+
+@dataclass(slots=True)
+class Request:
+    ticket: SyncTicket
+    loop: object  # the event loop to answer on (opaque to the core)
+    device: int | None = None  # syncfs: the filesystem (st_dev)
+    opened_epoch: int = 0  # syncfs: the filesystem's error count when the log opened
+    fd: int | None = None  # fsync: a duplicate descriptor, closed after the round
+    fsync: Callable[[int], None] | None = None
+
+
+@dataclass
+class Round:
+    requests: list[Request]
+    devices: list[int]  # syncfs once on each
+    files: list[Request] = field(default_factory=list)  # fsync each
+
+
+class BarrierCore:
+    """What the next round syncs and what each request is answered. Not thread-safe:
+    the shell holds its lock around every call."""
+
+    def __init__(self) -> None:
+        self._pending: list[Request] = []
+        self.running = False
+        self._errors: dict[int, int] = {}  # device -> failed syncfs rounds on it
+
+    def error_epoch(self, device: int) -> int:
+        return self._errors.get(device, 0)
+
+    def submit(self, request: Request) -> None:
+        self._pending.append(request)
+
+    def begin_round(self) -> Round | None:
+        """Everything submitted since the last round began, as one round (None when
+        nothing waits or a round runs: rounds never overlap)."""
+        if self.running or not self._pending:
+            return None
+        requests, self._pending = self._pending, []
+        self.running = True
+        devices: list[int] = []
+        files: list[Request] = []
+        for request in requests:
+            if request.fd is not None:
+                files.append(request)
+            elif request.device not in devices:
+                devices.append(request.device)
+        return Round(requests, devices, files)
+
+    def end_round(self, round_: Round, device_errors: dict[int, BaseException],
+                  file_errors: dict[int, BaseException]) -> list[tuple[Request, BaseException | None]]:
+        """The round's syncs ended with these errors (by device; by id() of the file
+        request). Returns each request with its outcome."""
+        self.running = False
+        for device in device_errors:
+            self._errors[device] = self._errors.get(device, 0) + 1
+        outcomes = []
+        for request in round_.requests:
+            if request.fd is not None:
+                error = file_errors.get(id(request))
+            else:
+                error = device_errors.get(request.device)
+                if error is None and self._errors.get(request.device, 0) > request.opened_epoch:
+                    error = OSError(errno.EIO, "a sync of this filesystem failed since the "
+                                    "log was opened (syncfs reports a writeback error once, "
+                                    "for every file): reopen the log from disk")
+            outcomes.append((request, error))
+        return outcomes
+
+
+# ---------------------------------------------------------------------------- shell
+def _load_syncfs() -> Callable[[int], None] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        function = libc.syncfs
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int]
+    function.restype = ctypes.c_int
+
+    def syncfs(fd: int) -> None:
+        if function(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"syncfs: {os.strerror(code)}")
+    return syncfs
+
+
+def _kernel_reports_syncfs_errors() -> bool:
+    """syncfs reports writeback errors from Linux 5.8 on; before, it only says EBADF."""
+    if not os.uname().sysname == "Linux":
+        return False
+    try:
+        major, minor = (int(part) for part in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 8)
+
+
+def failpoint_syncfs(syncfs: Callable[[int], None]) -> Callable[[int], None]:
+    def guarded(fd: int) -> None:
+        if failpoints.armed(failpoints.FSYNC):
+            raise OSError(errno.EIO, "syncfs failed (fsync failpoint armed by the fault harness)")
+        syncfs(fd)
+    return guarded
+
+
+class LogSync:
+    """A log's way to the barrier: submit(fd, wake) when it needs what it has written so
+    far (through descriptor `fd`) to be durable. Take a new one each time the log is
+    (re)opened: in syncfs mode it carries the filesystem's error count as of then."""
+
+    __slots__ = ("_barrier", "_loop", "_device", "_epoch", "_fsync")
+
+    def __init__(self, barrier: DurabilityBarrier, loop, device: int | None, epoch: int,
+                 fsync: Callable[[int], None] | None):
+        self._barrier, self._loop = barrier, loop
+        self._device, self._epoch, self._fsync = device, epoch, fsync
+
+    @property
+    def mode(self) -> str:
+        return SYNCFS if self._device is not None else FSYNC
+
+    def submit(self, fd: int, wake: Callable[[], object] | None = None) -> SyncTicket:
+        ticket = SyncTicket(wake)
+        if self._device is not None:  # the filesystem's descriptor is the barrier's
+            request = Request(ticket, self._loop, device=self._device, opened_epoch=self._epoch)
+        else:  # a duplicate: the log may close its descriptor (roll, reopen) meanwhile
+            request = Request(ticket, self._loop, fd=os.dup(fd), fsync=self._fsync)
+        self._barrier._submit(request)
+        return ticket
+
+    async def sync(self, fd: int) -> None:
+        """Submit and wait (rare paths: a final flush)."""
+        future = self._loop.create_future()
+        ticket = self.submit(fd, lambda: future.done() or future.set_result(None))
+        await future
+        error = ticket.exception()
+        if error is not None:
+            raise error
+
+
+class DurabilityBarrier:
+    """The shell: one syncer thread (started on first use), one descriptor per
+    filesystem for syncfs, and one hand-back per event loop per round."""
+
+    def __init__(self, *, syncfs: Callable[[int], None] | None = None,
+                 fsync: Callable[[int], None] = failpoints.fsync):
+        """`syncfs` and `fsync` sync a descriptor or raise OSError; by default the
+        kernel's syncfs (None where it does not report writeback errors) and os.fsync,
+        both behind the fault harness's fsync failpoint."""
+        probe = syncfs
+        if syncfs is None:
+            probe = _load_syncfs() if _kernel_reports_syncfs_errors() else None
+            syncfs = failpoint_syncfs(probe) if probe is not None else None
+        self._syncfs = syncfs
+        self._probe = probe  # not behind the failpoint: it asks whether syncfs works
+        self._fsync = fsync
+        self._core = BarrierCore()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None  # fsync mode: a round's fsyncs
+        self._device_fds: dict[int, int] = {}  # st_dev -> a descriptor on it, for syncfs
+        self._unusable: set[int] = set()  # devices where syncfs failed its probe
+        self.rounds = 0  # metrics and tests
+        self.syncs = 0
+
+    def open(self, directory: str | os.PathLike, mode: str,
+             fsync: Callable[[int], None] | None = None, loop=None) -> LogSync:
+        """The LogSync of a log in `directory`, answered on `loop` (default: the running
+        one). mode syncfs falls back to fsync where syncfs is not usable; `fsync` (tests)
+        replaces the per-file sync and implies per-file mode. The first open on a
+        filesystem probes syncfs there (one syncfs: may block; any thread may call)."""
+        assert mode in (SYNCFS, FSYNC), mode
+        loop = loop or asyncio.get_running_loop()
+        if mode == SYNCFS and fsync is None and self._syncfs is not None:
+            device = os.stat(directory).st_dev
+            with self._lock:
+                if device not in self._device_fds and device not in self._unusable:
+                    self._open_device(device, directory)
+                if device in self._device_fds:
+                    return LogSync(self, loop, device, self._core.error_epoch(device), None)
+        return LogSync(self, loop, None, 0, fsync or self._fsync)
+
+    def _open_device(self, device: int, directory) -> None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._probe(fd)  # a kernel or filesystem without syncfs says so here
+        except OSError as error:
+            if error.errno in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                os.close(fd)
+                self._unusable.add(device)
+                log.warning("syncfs unusable on %s (%s): fsync per file there", directory, error)
+                return
+            os.close(fd)
+            raise
+        self._device_fds[device] = fd
+
+    def _submit(self, request: Request) -> None:
+        with self._lock:
+            self._core.submit(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._syncer, name="durability",
+                                                daemon=True)
+                self._thread.start()
+            elif not self._core.running:
+                self._wake.notify()
+
+    def _syncer(self) -> None:
+        core = self._core
+        while True:
+            with self._lock:
+                round_ = core.begin_round()
+                while round_ is None:
+                    self._wake.wait()
+                    round_ = core.begin_round()
+                device_fds = [(device, self._device_fds[device]) for device in round_.devices]
+            device_errors: dict[int, BaseException] = {}
+            file_errors: dict[int, BaseException] = {}
+            for device, fd in device_fds:
+                try:
+                    self._syncfs(fd)
+                except BaseException as error:  # noqa: BLE001 — answered to every log on it
+                    device_errors[device] = error
+            files = round_.files
+            if len(files) > 1:  # at once: the kernel commits concurrent fsyncs together
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(FSYNC_THREADS, "durability-fsync")
+                for request, error in zip(files, self._pool.map(_fsync_closing, files)):
+                    if error is not None:
+                        file_errors[id(request)] = error
+            elif files:
+                error = _fsync_closing(files[0])
+                if error is not None:
+                    file_errors[id(files[0])] = error
+            with self._lock:
+                outcomes = core.end_round(round_, device_errors, file_errors)
+                self.rounds += 1
+                self.syncs += len(device_fds) + len(round_.files)
+            ROUNDS.inc()
+            if device_fds:
+                _SYNCFS_CALLS.inc(len(device_fds))
+            if round_.files:
+                _FSYNC_CALLS.inc(len(round_.files))
+            REQUESTS.inc(len(outcomes))
+            by_loop: dict[object, list] = {}
+            for request, error in outcomes:
+                by_loop.setdefault(request.loop, []).append((request.ticket, error))
+            for loop, answers in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_answer, answers)
+                except RuntimeError:  # that loop is closed: nobody waits there any more
+                    pass
+
+
+def _fsync_closing(request: Request) -> BaseException | None:
+    try:
+        request.fsync(request.fd)
+    except BaseException as error:  # noqa: BLE001 — answered to its owner
+        return error
+    finally:
+        os.close(request.fd)
+    return None
+
+
+def _answer(answers: list[tuple[SyncTicket, BaseException | None]]) -> None:
+    """On an event loop: finish the round's tickets, then wake their owners."""
+    for ticket, error in answers:
+        ticket.finish(error)
+    for ticket, _ in answers:
+        if ticket.wake is not None:
+            ticket.wake()
+
+
+_BARRIER: DurabilityBarrier | None = None
+_BARRIER_LOCK = threading.Lock()
+
+
+def barrier() -> DurabilityBarrier:
+    """This process's barrier."""
+    global _BARRIER
+    if _BARRIER is None:
+        with _BARRIER_LOCK:
+            if _BARRIER is None:
+                _BARRIER = DurabilityBarrier()
+    return _BARRIER
+
+
+def _forget_after_fork() -> None:  # a child has no syncer thread: it makes its own
+    global _BARRIER
+    _BARRIER = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

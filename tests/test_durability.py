@@ -1,0 +1,337 @@
+"""The durability barrier (partition_server/durability.py): one round makes every log that
+asked while the previous round ran durable with one syncfs per filesystem (or one fsync
+per file, back to back); nothing is answered before the sync that began after it asked;
+a failed syncfs fails every log of its filesystem, also one that asks only later; and
+partition owners on the barrier acknowledge only after it, and fail closed with it."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+import time
+
+import pytest
+
+from partition_server import durability
+from partition_server.durability import (BarrierCore, DurabilityBarrier, Request, SyncTicket)
+from partition_server.log import LogConfig
+from partition_server.owner import OwnerSettings, PartitionOwner, State
+from partition_server.record_batch import Record, encode_batch, parse_header
+from services import failpoints
+from services.errors import AtomlogError
+
+
+# ---------------------------------------------------------------------------- core
+def syncfs_request(device: int, epoch: int = 0) -> Request:
+    return Request(SyncTicket(), loop=None, device=device, opened_epoch=epoch)
+
+
+def test_a_round_takes_everything_that_waits_and_syncs_each_filesystem_once():
+    core = BarrierCore()
+    assert core.begin_round() is None
+    first = [syncfs_request(1), syncfs_request(1), syncfs_request(2)]
+    for request in first:
+        core.submit(request)
+    round_ = core.begin_round()
+    assert round_.requests == first and round_.devices == [1, 2] and not round_.files
+    late = syncfs_request(1)
+    core.submit(late)
+    assert core.begin_round() is None  # rounds never overlap: it waits for the next
+    outcomes = core.end_round(round_, {}, {})
+    assert [(request, error) for request, error in outcomes] == [(r, None) for r in first]
+    second = core.begin_round()
+    assert second.requests == [late] and second.devices == [1]
+
+
+def test_a_failed_syncfs_fails_its_round_and_every_log_opened_before_it():
+    core = BarrierCore()
+    before = syncfs_request(1, epoch=core.error_epoch(1))
+    other_fs = syncfs_request(2, epoch=core.error_epoch(2))
+    core.submit(before)
+    core.submit(other_fs)
+    round_ = core.begin_round()
+    failure = OSError(errno.EIO, "writeback failed")
+    outcomes = dict((id(r), e) for r, e in core.end_round(round_, {1: failure}, {}))
+    assert outcomes[id(before)] is failure and outcomes[id(other_fs)] is None
+    # A log of that filesystem opened before the error asks later: syncfs no longer
+    # reports the error, so the barrier must (its data may be what failed).
+    stale = syncfs_request(1, epoch=0)
+    fresh = syncfs_request(1, epoch=core.error_epoch(1))  # reopened after the error
+    core.submit(stale)
+    core.submit(fresh)
+    outcomes = dict((id(r), e) for r, e in core.end_round(core.begin_round(), {}, {}))
+    assert isinstance(outcomes[id(stale)], OSError) and outcomes[id(fresh)] is None
+
+
+def test_a_failed_fsync_fails_only_its_own_file():
+    core = BarrierCore()
+    one = Request(SyncTicket(), None, fd=10, fsync=os.fsync)
+    two = Request(SyncTicket(), None, fd=11, fsync=os.fsync)
+    core.submit(one)
+    core.submit(two)
+    round_ = core.begin_round()
+    assert round_.files == [one, two] and round_.devices == []
+    failure = OSError(errno.EIO, "fsync failed")
+    outcomes = dict((id(r), e) for r, e in core.end_round(round_, {}, {id(two): failure}))
+    assert outcomes[id(one)] is None and outcomes[id(two)] is failure
+
+
+# ---------------------------------------------------------------------------- shell
+class GatedSync:
+    """A syncfs (or fsync) that, while `hold` is set, waits until the test releases it;
+    records the descriptors it was called with."""
+
+    def __init__(self, real=None) -> None:
+        self.calls: list[int] = []
+        self.hold = False
+        self.failures: list[OSError] = []  # raised by the next calls, in order
+        self._released = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self._real = real
+
+    def __call__(self, fd: int) -> None:
+        with self._lock:
+            self.calls.append(fd)
+            hold = self.hold
+        if hold:
+            assert self._released.acquire(timeout=10), "the test never released this sync"
+        with self._lock:
+            failure = self.failures.pop(0) if self.failures else None
+        if failure is not None:
+            raise failure
+        if self._real is not None:
+            self._real(fd)
+
+    def release(self) -> None:
+        self._released.release()
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.002)
+
+
+def test_logs_that_ask_while_a_round_runs_share_the_next_syncfs(tmp_path):
+    gate = GatedSync()
+    barrier = DurabilityBarrier(syncfs=gate)
+    directories = [tmp_path / f"p{i}" for i in range(4)]
+    for directory in directories:
+        directory.mkdir()
+
+    async def scenario():
+        syncs = [barrier.open(d, durability.SYNCFS) for d in directories]
+        assert len(gate.calls) == 1  # the probe, once per filesystem
+        assert all(s.mode == durability.SYNCFS for s in syncs)
+        fd = os.open(directories[0] / "f", os.O_RDWR | os.O_CREAT)
+        woken: list[int] = []
+        gate.hold = True
+        first = syncs[0].submit(fd, lambda: woken.append(0))
+        await until(lambda: len(gate.calls) == 2)  # the first round runs
+        later = [s.submit(fd, lambda i=i: woken.append(i)) for i, s in enumerate(syncs)]
+        await asyncio.sleep(0.05)
+        assert not first.done() and not any(t.done() for t in later)
+        gate.release()
+        await until(first.done)
+        assert first.exception() is None and not any(t.done() for t in later)
+        await until(lambda: len(gate.calls) == 3)  # one syncfs for the four of them
+        gate.release()
+        await until(lambda: all(t.done() for t in later))
+        assert len(gate.calls) == 3 and barrier.rounds == 2 and barrier.syncs == 2
+        assert all(t.exception() is None for t in later) and woken == [0, 0, 1, 2, 3]
+        os.close(fd)
+
+    asyncio.run(scenario())
+
+
+def test_fsync_mode_fsyncs_the_files_of_a_round_at_once_on_duplicates(tmp_path):
+    """A round's fsyncs run at the same time (each waits here until all three began),
+    on duplicate descriptors the barrier closes; one that fails fails only its own log."""
+    fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(3)]
+    gate_fd = os.open(tmp_path / "gate", os.O_RDWR | os.O_CREAT)
+    gate_inode, failing = os.fstat(gate_fd).st_ino, os.fstat(fds[1]).st_ino
+    release_gate = threading.Event()
+    all_began = threading.Barrier(3, timeout=10)
+    seen: list[int] = []
+
+    def fsync(fd: int) -> None:
+        inode = os.fstat(fd).st_ino
+        if inode == gate_inode:  # a first round, held while the three are submitted
+            assert release_gate.wait(10)
+            return
+        seen.append(fd)
+        all_began.wait()  # breaks (and the test fails) unless the three run at once
+        if inode == failing:
+            raise OSError(errno.EIO, "bad")
+        os.fsync(fd)
+
+    barrier = DurabilityBarrier(syncfs=GatedSync(), fsync=fsync)
+
+    async def scenario():
+        sync = barrier.open(tmp_path, durability.FSYNC)
+        assert sync.mode == durability.FSYNC
+        first = sync.submit(gate_fd)
+        tickets = [sync.submit(fd) for fd in fds]
+        release_gate.set()
+        await until(lambda: first.done() and all(t.done() for t in tickets))
+        assert [t.exception() is None for t in tickets] == [True, False, True]
+        assert barrier.rounds == 2 and barrier.syncs == 4
+        assert len(seen) == 3 and not set(seen) & set(fds)  # duplicates
+        for duplicate in seen:  # closed after their round
+            with pytest.raises(OSError):
+                os.fstat(duplicate)
+
+    asyncio.run(scenario())
+    for fd in fds + [gate_fd]:
+        os.close(fd)
+
+
+def test_the_fsync_failpoint_fails_syncfs_too(tmp_path, monkeypatch):
+    real = durability._load_syncfs()
+    if real is None or not durability._kernel_reports_syncfs_errors():
+        pytest.skip("no syncfs with error reporting here")
+    barrier = DurabilityBarrier(syncfs=durability.failpoint_syncfs(real))
+
+    async def scenario():
+        sync = barrier.open(tmp_path, durability.SYNCFS)
+        assert sync.mode == durability.SYNCFS
+        fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+        os.write(fd, b"x")
+        await sync.sync(fd)  # a real syncfs
+        points = tmp_path / "failpoints"
+        points.mkdir()
+        monkeypatch.setattr(failpoints, "_DIRECTORY", str(points))
+        (points / failpoints.FSYNC).touch()
+        with pytest.raises(OSError) as failed:
+            await sync.sync(fd)
+        assert failed.value.errno == errno.EIO
+        os.close(fd)
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------- owners
+def batch(producer_id: int, sequence: int) -> bytes:
+    return encode_batch([Record(b"k", b"v" * 50)] * 2, producer_id=producer_id,
+                        producer_epoch=0, base_sequence=sequence, timestamp_ms=1_000)
+
+
+def start(owner: PartitionOwner, b: bytes) -> asyncio.Future:
+    return asyncio.ensure_future(owner.produce([(b, parse_header(b))]))
+
+
+SETTINGS = OwnerSettings(log=LogConfig(), durability=durability.SYNCFS)
+
+
+def test_owners_acknowledge_only_after_the_shared_syncfs_that_began_after_their_write(tmp_path):
+    gate = GatedSync()
+    barrier = DurabilityBarrier(syncfs=gate)
+
+    async def scenario():
+        owners = [PartitionOwner("t", i, tmp_path / f"t-{i}", SETTINGS, barrier=barrier)
+                  for i in range(3)]
+        for owner in owners:
+            await owner.start()
+        probes = len(gate.calls)
+        gate.hold = True
+        first = start(owners[0], batch(7, 0))
+        await until(lambda: len(gate.calls) == probes + 1)
+        others = [start(owner, batch(7, 0)) for owner in owners[1:]]  # during the round
+        await until(lambda: all(o.log.log_end_offset == 2 for o in owners))
+        await asyncio.sleep(0.05)
+        assert not first.done() and not any(f.done() for f in others)
+        assert [o.log.high_watermark for o in owners] == [0, 0, 0]
+        gate.release()
+        assert [r.base_offset for r in await first] == [0]
+        await asyncio.sleep(0.05)
+        assert not any(f.done() for f in others)
+        assert [o.log.high_watermark for o in owners] == [2, 0, 0]
+        await until(lambda: len(gate.calls) == probes + 2)  # one syncfs for both
+        gate.release()
+        results = [(await f)[0] for f in others]
+        assert [r.base_offset for r in results] == [0, 0]
+        assert [o.log.high_watermark for o in owners] == [2, 2, 2]
+        assert len(gate.calls) == probes + 2
+        gate.hold = False
+        for owner in owners:
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_syncfs_fails_closed_every_owner_of_the_filesystem(tmp_path):
+    """Owner 0's syncfs fails. Owner 1 wrote before the failure but asks only after it:
+    the next syncfs no longer reports the error, yet owner 1 is refused too, reloads
+    from its durable log and acknowledges nothing that was not durable."""
+    gate = GatedSync()
+    barrier = DurabilityBarrier(syncfs=gate)
+
+    async def scenario():
+        owners = [PartitionOwner("t", i, tmp_path / f"t-{i}", SETTINGS, barrier=barrier)
+                  for i in range(2)]
+        for owner in owners:
+            await owner.start()
+        for owner in owners:
+            assert [r.base_offset for r in await start(owner, batch(7, 0))] == [0]
+        gate.hold = True
+        probes = len(gate.calls)
+        first = start(owners[0], batch(7, 2))
+        await until(lambda: len(gate.calls) == probes + 1)
+        # Owner 1 writes now; its flush waits for the next round (as if its data's
+        # writeback were what failed in this one).
+        second = start(owners[1], batch(7, 2))
+        await until(lambda: owners[1].log.log_end_offset == 4)
+        gate.failures.append(OSError(errno.EIO, "writeback error"))
+        gate.release()
+        with pytest.raises(AtomlogError) as refused:
+            await first
+        assert refused.value.reason == "PARTITION_LOADING"
+        await until(lambda: len(gate.calls) == probes + 2)
+        gate.release()  # this syncfs succeeds: the error was reported once, above
+        with pytest.raises(AtomlogError) as refused:
+            await second
+        assert refused.value.reason == "PARTITION_LOADING"
+        gate.hold = False
+        for owner in owners:
+            await until(lambda: owner.state is State.ONLINE)
+            assert owner.log.log_end_offset == owner.log.high_watermark == 2  # cut back
+        for owner in owners:  # serving again, on a fresh view of the filesystem
+            retried = await start(owner, batch(7, 2))
+            assert (retried[0].base_offset, retried[0].duplicate) == (2, False)
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", [durability.FSYNC, durability.SYNCFS])
+def test_owners_on_the_process_barrier_end_to_end(tmp_path, mode):
+    """The default path (fsync) and syncfs with the process's barrier and the kernel's
+    calls: acknowledged, durable, and read back after a reopen."""
+    assert OwnerSettings(log=LogConfig()).durability == durability.FSYNC
+    settings = OwnerSettings(log=LogConfig(), durability=mode)
+
+    async def scenario():
+        owners = [PartitionOwner("t", i, tmp_path / f"t-{i}", settings) for i in range(4)]
+        for owner in owners:
+            await owner.start()
+        before = durability.barrier().syncs
+        results = await asyncio.gather(*[start(o, batch(7, 0)) for o in owners])
+        assert all(r[0].base_offset == 0 for r in results)
+        syncs = durability.barrier().syncs - before
+        assert 1 <= syncs <= 4
+        expected = mode
+        if mode == durability.SYNCFS and (durability._load_syncfs() is None or
+                                          not durability._kernel_reports_syncfs_errors()):
+            expected = durability.FSYNC  # the fallback
+        assert owners[0]._log_sync.mode == expected
+        for owner in owners:
+            await owner.close()
+        again = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await again.start()
+        assert again.log.high_watermark == 2
+        await again.close()
+
+    asyncio.run(scenario())
