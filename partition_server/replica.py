@@ -668,12 +668,10 @@ class Follower:
                 raise CursorCopyFailed(f"{type(error).__name__}: {error}") from error
 
     async def _copy_records(self, response, partition_log: PartitionLog, fetch: int) -> None:
-        if not response.records:
+        data = response.records  # once: each access copies the field out of the message
+        if not data:
             return
-        data = response.records
-        items = [(memoryview(data)[position:position + header.size], header)
-                 for position, header in iter_batches(data, verify=True)]
-        await asyncio.to_thread(self._append, items)
+        await asyncio.to_thread(self._append, data)
         end = partition_log.log_end_offset
         for entry in response.epochs:
             start = max(entry.start_offset, fetch)
@@ -681,8 +679,13 @@ class Follower:
                 await asyncio.to_thread(self.epochs.assign, entry.epoch, start)
         m.REPLICA_FETCHED_BYTES.inc(len(data))
 
-    def _append(self, items) -> None:
-        self.log.append_copied(items)
+    def _append(self, data: bytes) -> None:
+        """On a worker thread, off the event loop: check the copied batches (each whole,
+        its CRC: the leader checked them when it read them, this checks the copy that
+        arrived; 0.1 ms per MB), append them at the leader's offsets, fsync."""
+        view = memoryview(data)
+        self.log.append_copied([(view[position:position + header.size], header)
+                                for position, header in iter_batches(view, verify=True)])
         if self.fsync:
             self.log.flush()
         else:
