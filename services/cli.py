@@ -414,7 +414,8 @@ def topic() -> None:
                    "repeatable.")
 @click.option("--replication-factor", "-r", type=click.IntRange(0, 7), default=0,
               help="Copies of each partition (docs/replication.md); 0: the cluster's "
-                   "topics.default_replication_factor.")
+                   "topics.default_replication_factor (by default 3 with at least 3 "
+                   "partition servers, else their number).")
 @bootstrap_option
 @data_dir_option
 @output_option

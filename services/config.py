@@ -162,10 +162,12 @@ COMMON: tuple[Setting, ...] = (
             minimum=1, maximum=1_024),
     Setting("topics.max_partitions", int, 1_024, "Largest partition count a topic may have.",
             minimum=1, maximum=100_000),
-    Setting("topics.default_replication_factor", int, 1, "Copies of each partition a topic "
-            "gets when its creator names no factor (docs/replication.md); 0: 3 when the "
-            "cluster has at least 3 partition servers, else their number. Also the factor of "
-            "the internal __txn_log topic.", minimum=0, maximum=7),
+    Setting("topics.default_replication_factor", int, 0, "Copies of each partition a topic "
+            "gets when its creator names no factor (docs/replication.md); 0 (the default): 3 "
+            "when the cluster has at least 3 partition servers, else their number. Also the "
+            "factor of the internal __txn_log topic (0: counted when the first coordinator "
+            "creates it, often before every partition server has registered).",
+            minimum=0, maximum=7),
     Setting("tls.enabled", bool, False, "Serve TLS on the gRPC port and use TLS for calls to "
             "other servers (services/tls.py). Needs tls.cert_file, tls.key_file and "
             "tls.ca_file."),

@@ -21,6 +21,9 @@ SESSION_TIMEOUT_MS = 3_000
 # log trimming with a few hundred transactions.
 TC_SNAPSHOT_EVERY_RECORDS = 200
 CLUSTER_SETTINGS = ("--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}",
+                    # One copy (the product default replicates): the shared cluster stays fast;
+                    # replication has its own tests and the chaos harness's --replication.
+                    "--set", "topics.default_replication_factor=1",
                     "--set", "coordinator.log_segment_bytes=65536",
                     "--set", f"coordinator.snapshot_every_records={TC_SNAPSHOT_EVERY_RECORDS}")
 

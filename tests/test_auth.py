@@ -78,7 +78,8 @@ def token_cluster(tmp_path_factory, keys):
         report = json.loads(cluster.run(
             "up", "--output", "json", "--partition-servers", "2", "--coordinators", "1",
             "--id-allocators", "1", "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}",
-            *settings).stdout)
+            # One copy, as before the product default replicated: not what this tests.
+            "--set", "topics.default_replication_factor=1", *settings).stdout)
         assert set(report["started"]) == {p["name"] for p in report["processes"]}
         yield cluster
     finally:

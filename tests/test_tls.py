@@ -37,6 +37,8 @@ def tls_cluster(tmp_path_factory):
         report = json.loads(cluster.run(
             "up", "--tls", "--output", "json", "--partition-servers", "2", "--coordinators",
             "1", "--id-allocators", "1", "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}",
+            # One copy, as before the product default replicated: not what this tests.
+            "--set", "topics.default_replication_factor=1",
             "--set", "tls.metrics=true").stdout)
         assert set(report["started"]) == {p["name"] for p in report["processes"]}
         assert report["tls"]["client_auth"] == "require"
