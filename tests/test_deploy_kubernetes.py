@@ -126,6 +126,11 @@ def pod_env(overlay: str, workload: dict, ordinal: int = 0) -> dict[str, str]:
                 else f"{workload['metadata']['name']}-5d8f9c7b6-x2x9z")
     fields = {"metadata.name": pod_name, "metadata.namespace": namespace,
               "status.podIP": "10.1.2.3"}
+    # The pod's labels: the template's, and the node's zone as the PodTopologyLabels
+    # admission plugin adds it (a missing label reads as "").
+    labels = {**workload["spec"]["template"]["metadata"].get("labels", {}),
+              "topology.kubernetes.io/zone": f"zone-{ordinal % 3}"}
+    fields.update({f"metadata.labels['{k}']": v for k, v in labels.items()})
     maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects(overlay, "ConfigMap").values()}
     env: dict[str, str] = {}
     for item in container(workload).get("env", []):
@@ -368,6 +373,9 @@ def test_servers_accept_the_settings_and_environment_the_manifests_give(overlay,
                 f"atomlog-partition-server-1.{service}.{namespace}.svc.cluster.local")
             assert config["server.data_dir"] == next(
                 m["mountPath"] for m in container(workload)["volumeMounts"] if m["name"] == "data")
+            # Replicas spread over zones: the pod's zone label is the server's rack.
+            assert config["server.rack"] == "zone-1"
+            assert config.sources["server.rack"] == "ATOMLOG_SERVER_RACK"
         else:
             assert config["server.advertised_host"] == "10.1.2.3"
     # The coordinators' ZooKeeper session fits what zoo.cfg lets ZooKeeper grant.
