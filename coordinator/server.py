@@ -604,10 +604,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             aborted_child_txn_ids=[_txn_id_proto(t) for t in result.aborted_child_txn_ids])
 
 
-async def ensure_txn_log_topic(metadata_store, tc_partitions: int, segment_bytes: int) -> None:
+async def ensure_txn_log_topic(metadata_store, tc_partitions: int, segment_bytes: int,
+                               expected_servers: int = 0, expected_wait_s: float = 60.0) -> None:
     """Create `__txn_log` (one partition per TC partition) if missing; wait for partition
-    servers when there are none yet."""
+    servers when there are none yet, and for `expected_servers` of them (at most
+    `expected_wait_s` from the first look) so that its partitions and replicas spread over
+    every server of a cluster that is still starting."""
     attempt = 0
+    began = time.monotonic()
     while True:
         try:
             existing = await metadata_store.topics([TXN_LOG_TOPIC])
@@ -618,6 +622,21 @@ async def ensure_txn_log_topic(metadata_store, tc_partitions: int, segment_bytes
         except AtomlogError as error:
             if error.reason != "UNKNOWN_TOPIC_OR_PARTITION":
                 raise
+        registered = sum(1 for s in await metadata_store.servers()
+                         if s.role == "partition_server")
+        waited = time.monotonic() - began
+        if registered and registered < expected_servers and waited < expected_wait_s:
+            attempt += 1
+            if attempt == 1 or attempt % 50 == 0:
+                event(log, f"waiting for partition servers to create {TXN_LOG_TOPIC}",
+                      registered=registered, expected=expected_servers,
+                      wait_left_seconds=round(expected_wait_s - waited, 1))
+            await asyncio.sleep(0.2)
+            continue
+        if registered and registered < expected_servers:
+            event(log, f"creating {TXN_LOG_TOPIC} on fewer partition servers than expected",
+                  logging.WARNING, registered=registered, expected=expected_servers,
+                  hint="move its partitions later with `atomlog partition reassign`")
         try:
             await metadata_store.create_topic(
                 TXN_LOG_TOPIC, tc_partitions,
@@ -663,8 +682,10 @@ async def install(runtime) -> list[str]:
         attempt = 0
         while True:
             try:
-                await ensure_txn_log_topic(runtime.metadata, tc_partitions,
-                                           config["coordinator.log_segment_bytes"])
+                await ensure_txn_log_topic(
+                    runtime.metadata, tc_partitions, config["coordinator.log_segment_bytes"],
+                    config["coordinator.expected_partition_servers"],
+                    config["coordinator.expected_servers_wait_ms"] / 1000)
                 await routes.refresh(force=True)
                 break
             except Exception:

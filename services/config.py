@@ -413,6 +413,15 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("coordinator.log_segment_bytes", int, 8 * MIB, "Segment size of the internal "
                 "topic __txn_log (set when the coordinator creates it): the log is trimmed a "
                 "whole segment at a time.", minimum=64 * KIB, maximum=1024 * MIB),
+        Setting("coordinator.expected_partition_servers", int, 0, "Partition servers the "
+                "first coordinator waits for (at most coordinator.expected_servers_wait_ms) "
+                "before it creates __txn_log, so that the TC log's partitions and replicas "
+                "spread over all of them instead of the first to register; 0: create it as "
+                "soon as one is registered. `atomlog up` sets it to the servers it starts.",
+                minimum=0, maximum=10_000),
+        Setting("coordinator.expected_servers_wait_ms", int, 60_000, "Longest wait for "
+                "coordinator.expected_partition_servers; then __txn_log is created on the "
+                "servers registered (a warning says so).", minimum=0, maximum=3_600_000),
         Setting("coordinator.log_request_timeout_ms", int, 5_000, "Deadline of one append or "
                 "read of a TC log; an append whose outcome is unknown is retried (idempotently) "
                 "while the lease lasts.", minimum=100, maximum=120_000),

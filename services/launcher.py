@@ -330,6 +330,10 @@ def service_command(cluster: ClusterFile, entry: ProcessEntry) -> list[str]:
         command += ["--set", f"server.advertised_host={host}", "--set", f"server.advertised_port={port}"]
     # --set settings come last: they may change a TLS default (e.g. tls.metrics=true).
     settings = {**tls_settings(cluster, entry), **role_settings(cluster.settings, entry.role)}
+    if entry.role in ("coordinator", "combined"):
+        # __txn_log waits for every partition server started here (it spreads over them).
+        settings.setdefault("coordinator.expected_partition_servers", str(sum(
+            1 for p in cluster.processes if p.role in SERVES_PARTITIONS)))
     for key, value in sorted(settings.items()):
         command += ["--set", f"{key}={value}"]
     return command

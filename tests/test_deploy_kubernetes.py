@@ -378,6 +378,9 @@ def test_servers_accept_the_settings_and_environment_the_manifests_give(overlay,
             assert config.sources["server.rack"] == "ATOMLOG_SERVER_RACK"
         else:
             assert config["server.advertised_host"] == "10.1.2.3"
+        if role == "coordinator":  # __txn_log waits for every partition server
+            assert config["coordinator.expected_partition_servers"] == \
+                roles["partition-server"]["spec"]["replicas"]
     # The coordinators' ZooKeeper session fits what zoo.cfg lets ZooKeeper grant.
     tick = int(re.search(r"^tickTime=(\d+)$", zoo_cfg(overlay), re.M).group(1))
     coordinator = server_config(overlay, "coordinator", tmp_path)

@@ -130,6 +130,14 @@ def test_factor_3_topic_keeps_identical_copies_and_describes_them(cluster, clien
         assert sorted(p["replicas"]) == sorted(p["isr"]) == list(SERVERS)
 
 
+def test_the_txn_log_spreads_over_every_partition_server(client):
+    """`atomlog up` has the coordinators wait for all three partition servers before they
+    create __txn_log (coordinator.expected_partition_servers), instead of placing it on
+    whichever registered first."""
+    owners = [p.server_name for p in metadata(client, "__txn_log").partitions]
+    assert set(owners) == set(SERVERS) and max(map(owners.count, SERVERS)) <= 6, owners
+
+
 def test_bad_replication_requests_change_nothing(cluster, client):
     with pytest.raises(errors.AtomlogClientError) as raised:
         client.create_topic("rep-bad", partitions=1, replication_factor=4)
