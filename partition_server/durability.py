@@ -319,24 +319,14 @@ class DurabilityBarrier:
                     self._wake.wait()
                     round_ = core.begin_round()
                 device_fds = [(device, self._device_fds[device]) for device in round_.devices]
-            device_errors: dict[int, BaseException] = {}
-            file_errors: dict[int, BaseException] = {}
-            for device, fd in device_fds:
-                try:
-                    self._syncfs(fd)
-                except BaseException as error:  # noqa: BLE001 — answered to every log on it
-                    device_errors[device] = error
-            files = round_.files
-            if len(files) > 1:  # at once: the kernel commits concurrent fsyncs together
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(FSYNC_THREADS, "durability-fsync")
-                for request, error in zip(files, self._pool.map(_fsync_closing, files)):
-                    if error is not None:
-                        file_errors[id(request)] = error
-            elif files:
-                error = _fsync_closing(files[0])
-                if error is not None:
-                    file_errors[id(files[0])] = error
+            try:
+                device_errors, file_errors = self._sync_round(round_, device_fds)
+            except BaseException as error:  # noqa: BLE001 — the thread itself failed (no
+                # thread for the pool at interpreter exit, ...): fail the whole round
+                # closed rather than leave its owners waiting. (Duplicates it did not
+                # reach stay open: closing them blindly could close a reused number.)
+                device_errors = {device: error for device in round_.devices}
+                file_errors = {id(request): error for request in round_.files}
             with self._lock:
                 outcomes = core.end_round(round_, device_errors, file_errors)
                 self.rounds += 1
@@ -355,6 +345,29 @@ class DurabilityBarrier:
                     loop.call_soon_threadsafe(_answer, answers)
                 except RuntimeError:  # that loop is closed: nobody waits there any more
                     pass
+
+    def _sync_round(self, round_: Round, device_fds: list[tuple[int, int]]
+                    ) -> tuple[dict[int, BaseException], dict[int, BaseException]]:
+        """The syscalls of one round; the errors by device and by id() of the request."""
+        device_errors: dict[int, BaseException] = {}
+        file_errors: dict[int, BaseException] = {}
+        for device, fd in device_fds:
+            try:
+                self._syncfs(fd)
+            except BaseException as error:  # noqa: BLE001 — answered to every log on it
+                device_errors[device] = error
+        files = round_.files
+        if len(files) > 1:  # at once: the kernel commits concurrent fsyncs together
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(FSYNC_THREADS, "durability-fsync")
+            for request, error in zip(files, self._pool.map(_fsync_closing, files)):
+                if error is not None:
+                    file_errors[id(request)] = error
+        elif files:
+            error = _fsync_closing(files[0])
+            if error is not None:
+                file_errors[id(files[0])] = error
+        return device_errors, file_errors
 
 
 def _fsync_closing(request: Request) -> BaseException | None:

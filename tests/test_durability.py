@@ -159,7 +159,8 @@ def test_fsync_mode_fsyncs_the_files_of_a_round_at_once_on_duplicates(tmp_path):
 
     def fsync(fd: int) -> None:
         inode = os.fstat(fd).st_ino
-        if inode == gate_inode:  # a first round, held while the three are submitted
+        if inode == gate_inode:  # held while the three are submitted (its own round, or
+            # theirs: the syncer thread may start only after they are queued)
             assert release_gate.wait(10)
             return
         seen.append(fd)
@@ -178,7 +179,7 @@ def test_fsync_mode_fsyncs_the_files_of_a_round_at_once_on_duplicates(tmp_path):
         release_gate.set()
         await until(lambda: first.done() and all(t.done() for t in tickets))
         assert [t.exception() is None for t in tickets] == [True, False, True]
-        assert barrier.rounds == 2 and barrier.syncs == 4
+        assert barrier.rounds in (1, 2) and barrier.syncs == 4  # (the first may be alone)
         assert len(seen) == 3 and not set(seen) & set(fds)  # duplicates
         for duplicate in seen:  # closed after their round
             with pytest.raises(OSError):
