@@ -280,8 +280,10 @@ class DurabilityBarrier:
         if mode == SYNCFS and fsync is None and self._syncfs is not None:
             device = os.stat(directory).st_dev
             with self._lock:
-                if device not in self._device_fds and device not in self._unusable:
-                    self._open_device(device, directory)
+                known = device in self._device_fds or device in self._unusable
+            if not known:  # probed outside the lock: submits from event loops go on
+                self._open_device(device, directory)
+            with self._lock:
                 if device in self._device_fds:
                     return LogSync(self, loop, device, self._core.error_epoch(device), None)
         return LogSync(self, loop, None, 0, fsync or self._fsync)
@@ -291,14 +293,18 @@ class DurabilityBarrier:
         try:
             self._probe(fd)  # a kernel or filesystem without syncfs says so here
         except OSError as error:
+            os.close(fd)
             if error.errno in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                os.close(fd)
-                self._unusable.add(device)
+                with self._lock:
+                    self._unusable.add(device)
                 log.warning("syncfs unusable on %s (%s): fsync per file there", directory, error)
                 return
-            os.close(fd)
             raise
-        self._device_fds[device] = fd
+        with self._lock:
+            if device in self._device_fds:  # another log's open probed it meanwhile
+                os.close(fd)
+            else:
+                self._device_fds[device] = fd
 
     def _submit(self, request: Request) -> None:
         with self._lock:
