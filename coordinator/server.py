@@ -608,10 +608,10 @@ async def ensure_txn_log_topic(metadata_store, tc_partitions: int, segment_bytes
                                expected_servers: int = 0, expected_wait_s: float = 60.0) -> None:
     """Create `__txn_log` (one partition per TC partition) if missing; wait for partition
     servers when there are none yet, and for `expected_servers` of them (at most
-    `expected_wait_s` from the first look) so that its partitions and replicas spread over
-    every server of a cluster that is still starting."""
+    `expected_wait_s` after the first registered) so that its partitions and replicas
+    spread over every server of a cluster that is still starting."""
     attempt = 0
-    began = time.monotonic()
+    first_seen: float | None = None  # when a partition server was first registered
     while True:
         try:
             existing = await metadata_store.topics([TXN_LOG_TOPIC])
@@ -624,8 +624,12 @@ async def ensure_txn_log_topic(metadata_store, tc_partitions: int, segment_bytes
                 raise
         registered = sum(1 for s in await metadata_store.servers()
                          if s.role == "partition_server")
-        waited = time.monotonic() - began
-        if registered and registered < expected_servers and waited < expected_wait_s:
+        if registered and first_seen is None:
+            first_seen = time.monotonic()
+        waited = time.monotonic() - first_seen if first_seen is not None else 0.0
+        # (Not created below the count even with none registered: create_topic lists the
+        # servers again, and one registering meanwhile would get every partition.)
+        if registered < expected_servers and waited < expected_wait_s:
             attempt += 1
             if attempt == 1 or attempt % 50 == 0:
                 event(log, f"waiting for partition servers to create {TXN_LOG_TOPIC}",
@@ -636,7 +640,8 @@ async def ensure_txn_log_topic(metadata_store, tc_partitions: int, segment_bytes
         if registered and registered < expected_servers:
             event(log, f"creating {TXN_LOG_TOPIC} on fewer partition servers than expected",
                   logging.WARNING, registered=registered, expected=expected_servers,
-                  hint="move its partitions later with `atomlog partition reassign`")
+                  hint="its partitions stay where they are created; replicated ones can "
+                  "move with `atomlog partition reassign`")
         try:
             await metadata_store.create_topic(
                 TXN_LOG_TOPIC, tc_partitions,

@@ -322,7 +322,9 @@ class PartitionManager:
         if follower is not None and follower.leader == state.leader \
                 and follower.epoch == state.leader_epoch:
             return
+        known_hw = 0
         if follower is not None:
+            known_hw = follower.known_hw  # acknowledged under the previous leader
             del self.followers[key]
             await follower.close()
         address = await self._address_of(state.leader)
@@ -333,7 +335,7 @@ class PartitionManager:
         follower = Follower(topic, partition, self.data_dir / f"{topic}-{partition}",
                             settings.log, me, state.leader, address, state.leader_epoch,
                             self._stubs, self.replication.fetch_wait_ms, fsync=settings.fsync,
-                            cursor_limits=settings.cursor_limits)
+                            cursor_limits=settings.cursor_limits, known_hw=known_hw)
         self.followers[key] = follower
         await follower.start()
 

@@ -518,7 +518,11 @@ class Follower:
 
     def __init__(self, topic: str, partition: int, directory, log_config: LogConfig, me: str,
                  leader: str, leader_address: str, epoch: int, stubs, fetch_wait_ms: int,
-                 fsync: bool = True, cursor_limits: CursorStoreLimits | None = None):
+                 fsync: bool = True, cursor_limits: CursorStoreLimits | None = None,
+                 known_hw: int = 0):
+        """`known_hw`: the high watermark this replica learned from its previous leader
+        (everything below was acknowledged): a truncation below it means acknowledged
+        records are lost (an unclean election), and is reported as such."""
         self.topic, self.partition = topic, partition
         self.name = f"{topic}-{partition}"
         self.directory = directory
@@ -532,7 +536,7 @@ class Follower:
         self.fsync = fsync
         self.log: PartitionLog | None = None
         self.epochs: LeaderEpochFile | None = None
-        self.known_hw = 0
+        self.known_hw = known_hw
         self.last_error = ""
         self._task: asyncio.Task | None = None
         # The cursor store, once this leader's snapshot is installed (None: not synced
@@ -749,6 +753,13 @@ class Follower:
         event(log, "follower truncates to its leader's history", partition=self.name,
               leader=self.leader, epoch=self.epoch, log_end=partition_log.log_end_offset,
               truncate_to=cut)
+        lost = min(self.known_hw, partition_log.log_end_offset) - cut
+        if lost > 0:  # below the old high watermark: only after an unclean election
+            m.REPLICA_ACKNOWLEDGED_LOST.inc(lost)
+            event(log, "acknowledged records lost: a replica without them leads (unclean "
+                  "election)", logging.ERROR, partition=self.name, leader=self.leader,
+                  epoch=self.epoch, first_lost_offset=cut, offsets_lost=lost)
+        self.known_hw = min(self.known_hw, cut)
         await asyncio.to_thread(partition_log.truncate_to, cut)
         # The batch containing `cut` goes whole: the log may end below it.
         await asyncio.to_thread(self.epochs.truncate_from_end, partition_log.log_end_offset)

@@ -361,7 +361,14 @@ def test_kill_9_leader_during_produce_and_transactions_loses_and_tears_nothing(c
 
     def transact() -> None:
         txn_client = Client(cluster.info["bootstrap"])
-        with txn_client.producer(linger_ms=1, delivery_timeout_s=90) as producer:
+        while True:  # a producer needs an id: retried while a server is still coming back
+            try:
+                producer = txn_client.producer(linger_ms=1, delivery_timeout_s=90)
+                break
+            except errors.AtomlogClientError as error:
+                assert error.retriable, error
+                time.sleep(0.2)
+        with producer:
             number = 0
             while not stop.is_set():
                 number += 1
