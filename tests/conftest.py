@@ -121,6 +121,36 @@ def combined(tmp_path_factory) -> Cluster:
     yield from _running(Cluster(tmp_path_factory.mktemp("atomlog-combined"), combined=True))
 
 
+# Static bearer tokens of the secured cluster (auth.static_tokens_file), for test_acl_go.
+ACL_TOKENS = {"bob": "bob-go-0123456789abcdef", "dave": "dave-go-0123456789abcdef"}
+
+
+@pytest.fixture(scope="session")
+def acl_secured(tmp_path_factory) -> Cluster:
+    """One `atomlog up --tls` cluster shared by test_acl, test_acl_go and test_acl_spark
+    (started once, not once per module): mTLS, auth.authorizer=acl (atomlog-admin a super
+    user), ZooKeeper digest; one partition server, one coordinator, one id allocator as
+    separate processes, so every internal call crosses gRPC as a service principal.
+    auth.mode=mtls_or_token with ACL_TOKENS: a call without a token is authenticated by its
+    certificate exactly as with auth.mode=mtls. Each module creates its own topics and
+    removes the ACL entries it adds."""
+    where = tmp_path_factory.mktemp("atomlog-acl")
+    tokens = where / "tokens"
+    tokens.write_text("".join(f"{name} {token}\n" for name, token in ACL_TOKENS.items()))
+    cluster = Cluster(where / "cluster")
+    try:
+        report = json.loads(cluster.run(
+            "up", "--tls", "--output", "json", "--partition-servers", "1", "--coordinators",
+            "1", "--id-allocators", "1", "--set", "auth.mode=mtls_or_token",
+            "--set", f"auth.static_tokens_file={tokens}",
+            "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}").stdout)
+        assert report["tls"]["authorizer"] == "acl"
+        yield cluster
+    finally:
+        if (cluster.data_dir / "cluster.json").exists():
+            cluster.run("down", check=False)
+
+
 SERVER_SHAPES = ("cluster", "combined")  # parametrize a module's servers over both
 # Transaction paths of the SDK: one-call (the default: kept by the client, one CommitTxn)
 # and streaming (NewTxn, Produce, EndTxn; Client(one_call_max_bytes=0)).

@@ -1,7 +1,8 @@
 """Authorization (issue 24, item 3) against a real cluster made by `atomlog up --tls` (mTLS,
 auth.authorizer=acl, atomlog-admin a super user, ZooKeeper digest on; one partition
 server, one coordinator, one id allocator as separate processes, so every internal call
-crosses gRPC as a service principal). Principals are client certificates of the cluster's
+crosses gRPC as a service principal; conftest.acl_secured, shared with test_acl_go and
+test_acl_spark). Principals are client certificates of the cluster's
 CA (CN alice, bob, carol). Each negative test asserts the status, the reason and the
 missing permission, and that nothing changed; the positive ones: allow by name and by
 prefix, `*`, super user, deny beats allow, changes applied live, the SDK under ACLs, the
@@ -27,7 +28,7 @@ from services.zk import kazoo_client
 from spark_client import Client
 from spark_client import errors
 from spark_client.errors import AtomlogClientError
-from tests.conftest import SESSION_TIMEOUT_MS, Cluster, create_online, wait_until
+from tests.conftest import Cluster, create_online, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,21 +36,12 @@ TOPIC, OTHER = "acl-orders", "acl-payments"
 
 
 @pytest.fixture(scope="module")
-def acl_cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("atomlog-acl"))
-    try:
-        report = json.loads(cluster.run(
-            "up", "--tls", "--output", "json", "--partition-servers", "1", "--coordinators",
-            "1", "--id-allocators", "1",
-            "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}").stdout)
-        assert report["tls"]["authorizer"] == "acl"
-        with Client(cluster.info["bootstrap"], tls=tls_of(cluster, "admin")) as admin:
-            for topic in (TOPIC, OTHER):
-                create_online(admin, topic, 1)
-        yield cluster
-    finally:
-        if (cluster.data_dir / "cluster.json").exists():
-            cluster.run("down", check=False)
+def acl_cluster(acl_secured):
+    """The suite's secured cluster (conftest.acl_secured) with this module's topics."""
+    with Client(acl_secured.info["bootstrap"], tls=tls_of(acl_secured, "admin")) as admin:
+        for topic in (TOPIC, OTHER):
+            create_online(admin, topic, 1)
+    return acl_secured
 
 
 @pytest.fixture(scope="module")

@@ -15,38 +15,29 @@ import pytest
 
 from services.acl import Acl
 from spark_client import Client
-from tests.conftest import REPO_ROOT, SESSION_TIMEOUT_MS, Cluster, create_online
-from tests.test_acl import store as acl_store  # noqa: F401 — the module's ACL store
+from tests.conftest import ACL_TOKENS, REPO_ROOT, create_online
+from tests.test_acl import acls, store  # noqa: F401 — the module's ACL entries, removed after
 from tests.test_acl import tls_of
 
 pytestmark = pytest.mark.timeout(900)  # a cold Go build takes minutes
 
 TOPIC = "acl-go"
-BOB_TOKEN, DAVE_TOKEN = "bob-go-0123456789abcdef", "dave-go-0123456789abcdef"
+BOB_TOKEN, DAVE_TOKEN = ACL_TOKENS["bob"], ACL_TOKENS["dave"]
 
 
 @pytest.fixture(scope="module")
-def acl_cluster(tmp_path_factory):
-    where = tmp_path_factory.mktemp("atomlog-acl-go")
-    tokens = where / "tokens"
-    tokens.write_text(f"bob {BOB_TOKEN}\ndave {DAVE_TOKEN}\n")
-    cluster = Cluster(where / "cluster")
-    try:
-        json.loads(cluster.run(
-            "up", "--tls", "--output", "json", "--partition-servers", "1", "--coordinators",
-            "1", "--id-allocators", "1", "--set", "auth.mode=mtls_or_token",
-            "--set", f"auth.static_tokens_file={tokens}",
-            "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}").stdout)
-        with Client(cluster.info["bootstrap"], tls=tls_of(cluster, "admin")) as admin:
-            create_online(admin, TOPIC, 1)
-        yield cluster
-    finally:
-        if (cluster.data_dir / "cluster.json").exists():
-            cluster.run("down", check=False)
+def acl_cluster(acl_secured):
+    """The suite's secured cluster (conftest.acl_secured: auth.mode=mtls_or_token, static
+    tokens ACL_TOKENS) with this module's topic."""
+    with Client(acl_secured.info["bootstrap"], tls=tls_of(acl_secured, "admin")) as admin:
+        create_online(admin, TOPIC, 1)
+    return acl_secured
 
 
-def test_go_client_tls_and_bearer_tokens_under_acls(acl_cluster, acl_store, tmp_path):
-    acl_store.change(lambda acls: acls.added([Acl("bob", "topic", TOPIC, "write")]))
+def test_go_client_tls_and_bearer_tokens_under_acls(acl_cluster, acls, tmp_path):
+    acls(Acl("bob", "topic", TOPIC, "write"))
+    server_log = Path(acl_cluster.process("ps-0")["log_file"])
+    log_start = server_log.stat().st_size  # the cluster is shared: judge this test's lines
     tools = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "go_tools.sh")], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=900)
     assert tools.returncode == 0, tools.stdout + tools.stderr
@@ -67,6 +58,8 @@ def test_go_client_tls_and_bearer_tokens_under_acls(acl_cluster, acl_store, tmp_
     assert passed == {"TestSecuredTokenOverMutualTLS", "TestSecuredTokenFileWithoutPermission",
                       "TestSecuredCertificatePrincipalWithoutToken",
                       "TestSecuredPlaintextAndBadOptionsAreRefused"}, result.stdout
-    log = Path(acl_cluster.process("ps-0")["log_file"]).read_text()
+    with open(server_log, "rb") as log_file:
+        log_file.seek(log_start)
+        log = log_file.read().decode()
     denied = [json.loads(line) for line in log.splitlines() if '"permission denied"' in line]
     assert {"dave", "go-client"} <= {entry["principal"] for entry in denied}

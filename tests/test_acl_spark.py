@@ -7,15 +7,14 @@ written."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from services.acl import Acl
 from spark_client import Client
-from tests.conftest import SESSION_TIMEOUT_MS, Cluster, create_online, wait_until
-from tests.test_acl import store as acl_store  # noqa: F401 — the module's ACL store
+from tests.conftest import Cluster, create_online, wait_until
+from tests.test_acl import acls, store  # noqa: F401 — the module's ACL entries, removed after
 from tests.test_acl import tls_of
 
 pyspark = pytest.importorskip("pyspark")
@@ -25,19 +24,11 @@ TOPIC = "acl-spark"
 
 
 @pytest.fixture(scope="module")
-def acl_cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("atomlog-acl-spark"))
-    try:
-        json.loads(cluster.run(
-            "up", "--tls", "--output", "json", "--partition-servers", "1", "--coordinators",
-            "1", "--id-allocators", "1",
-            "--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}").stdout)
-        with Client(cluster.info["bootstrap"], tls=tls_of(cluster, "admin")) as admin:
-            create_online(admin, TOPIC, 2)
-        yield cluster
-    finally:
-        if (cluster.data_dir / "cluster.json").exists():
-            cluster.run("down", check=False)
+def acl_cluster(acl_secured):
+    """The suite's secured cluster (conftest.acl_secured) with this module's topic."""
+    with Client(acl_secured.info["bootstrap"], tls=tls_of(acl_secured, "admin")) as admin:
+        create_online(admin, TOPIC, 2)
+    return acl_secured
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +52,11 @@ def committed(cluster: Cluster) -> list[bytes]:
             return sorted(m.value for batch in consumer.read_until() for m in batch)
 
 
-def test_spark_writes_and_reads_under_acls_and_is_refused_without(acl_cluster, acl_store, spark):
-    acl_store.change(lambda acls: acls.added([
-        Acl("carol", "topic", "acl-", "write", pattern="prefix"),
-        Acl("carol", "topic", "acl-", "read", pattern="prefix")]))
+def test_spark_writes_and_reads_under_acls_and_is_refused_without(acl_cluster, acls, spark):
+    acls(Acl("carol", "topic", "acl-", "write", pattern="prefix"),
+         Acl("carol", "topic", "acl-", "read", pattern="prefix"))
+    server_log = Path(acl_cluster.process("ps-0")["log_file"])
+    log_start = server_log.stat().st_size  # the cluster is shared: judge this test's lines
     rows = spark.range(0, 200, numPartitions=2).selectExpr(
         "concat('row-', cast(id as string)) as value")
     writer = rows.write.format("atomlog").mode("append")
@@ -84,5 +76,7 @@ def test_spark_writes_and_reads_under_acls_and_is_refused_without(acl_cluster, a
         refused.save()
     assert "PERMISSION_DENIED" in str(caught.value)
     wait_until(lambda: len(committed(acl_cluster)) == 200, 5, "nothing more to be visible")
-    log = Path(acl_cluster.process("ps-0")["log_file"]).read_text()
+    with open(server_log, "rb") as log_file:
+        log_file.seek(log_start)
+        log = log_file.read().decode()
     assert '"principal":"dave"' in log.replace(" ", "")
