@@ -11,9 +11,11 @@ import pytest
 
 from tests.chaos.runner import Options, Run
 
-FAULT_PHASE_MINUTES = 0.35
-SEEDS = {("log", "kill"): 11, ("log", "pause"): 12, ("log", "net"): 13, ("log", "disk"): 14,
-         ("ctp", "kill"): 21, ("ctp", "pause"): 22, ("ctp", "net"): 23, ("ctp", "disk"): 24}
+FAULT_PHASE_MINUTES = 0.5
+# Each workload under every nemesis, two nemeses per run (a cluster start per run is
+# most of a short run's time).
+SEEDS = {("log", "kill,pause"): 11, ("log", "net,disk"): 13,
+         ("ctp", "kill,pause"): 21, ("ctp", "net,disk"): 23}
 # Runs that found an anomaly, replayed as they were: (workload, nemeses, seed, minutes).
 REGRESSIONS = [
     # A partition whose reload after ENOSPC failed too (the disk still full) stayed
@@ -22,20 +24,22 @@ REGRESSIONS = [
     ("log", "pause,disk", 3, 0.6),
 ]
 # The Spark writer's parent/child protocol, with drivers killed and links cut.
-SPARK_LITE = [("spark-lite", "kill,net", 31, FAULT_PHASE_MINUTES)]
-# The combined server (every role in one process): the same checks.
-COMBINED = [("ctp", "kill,net,disk", 41, FAULT_PHASE_MINUTES, True)]
-CASES = [(w, n, SEEDS[(w, n)], FAULT_PHASE_MINUTES, False) for w, n in sorted(SEEDS)] + \
-    [(*case, False) for case in SPARK_LITE + REGRESSIONS] + COMBINED
+SPARK_LITE = [("spark-lite", "kill,net", 31, 0.35)]
+# Cases with options: the combined server (every role in one process), and three replicas
+# of every partition under the replication nemeses (docs/replication.md).
+WITH_OPTIONS = [("ctp", "kill,net,disk", 41, 0.35, {"combined": True}),
+                ("log", "leader,wipe,reassign", 51, FAULT_PHASE_MINUTES, {"replication": 3})]
+CASES = [(w, n, SEEDS[(w, n)], FAULT_PHASE_MINUTES, {}) for w, n in sorted(SEEDS)] + \
+    [(*case, {}) for case in SPARK_LITE + REGRESSIONS] + WITH_OPTIONS
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("workload,nemesis,seed,minutes,combined", CASES)
-def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes, combined):
+@pytest.mark.parametrize("workload,nemesis,seed,minutes,options", CASES)
+def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes, options):
     run_dir = tmp_path / f"{workload}-{nemesis}-{seed}"
     report = Run(Options(workload, minutes, seed, nemesis.split(","), run_dir,
-                         quiet=True, combined=combined)).execute()
+                         quiet=True, **options)).execute()
     schedule = json.loads((run_dir / "schedule.json").read_text())
     assert schedule, "the seed scheduled no fault"
     stats = report["stats"]
@@ -44,6 +48,8 @@ def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes, combined):
     assert stats["faults"] == len(schedule), (stats, schedule)
     assert report["valid"], (f"seed {seed}: replay with python -m tests.chaos --workload "
                              f"{workload} --minutes {minutes} --seed {seed} "
-                             f"--nemesis {nemesis}{' --combined' if combined else ''}; "
+                             f"--nemesis {nemesis}"
+                             f"{' --combined' if options.get('combined') else ''}"
+                             f"{' --replication 3' if options.get('replication') else ''}; "
                              f"history in {run_dir}\n"
                              + json.dumps({k: report[k] for k in ("anomalies", "problems")}))
