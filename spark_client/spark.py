@@ -295,9 +295,32 @@ class OffsetRange(InputPartition):
 
 
 def _check_read_schema(schema: StructType) -> None:
-    if [f.name for f in schema.fields] != SCHEMA.names:
-        raise OptionError(f"an atomlog read has the fixed schema {SCHEMA.simpleString()}; "
-                          f"select columns after load() instead of passing a schema")
+    """A read yields SCHEMA's columns, or the ones a schema given to the reader names
+    (`spark.read.format("atomlog").schema("offset long, value binary")`): any of SCHEMA's
+    columns, each at most once, in any order, each of SCHEMA's type (nullability aside,
+    but a column that may be null must be declared nullable). The Python data source API
+    does not pass Spark's column pruning on, so naming the columns is how a read skips
+    the others (they are neither built nor shipped to the JVM)."""
+    ours = {f.name: f for f in SCHEMA.fields}
+    names = [f.name for f in schema.fields]
+    problems = []
+    if not names:
+        problems.append("no columns")
+    if len(set(names)) != len(names):
+        problems.append(f"repeated column(s) in {names}")
+    for field in schema.fields:
+        mine = ours.get(field.name)
+        if mine is None:
+            problems.append(f"unknown column `{field.name}`")
+        elif field.dataType.simpleString() != mine.dataType.simpleString():
+            problems.append(f"column `{field.name}` is {mine.dataType.simpleString()}, not "
+                            f"{field.dataType.simpleString()}")
+        elif mine.nullable and not field.nullable:
+            problems.append(f"column `{field.name}` may be null: declare it nullable")
+    if problems:
+        raise OptionError(f"an atomlog read has the schema {SCHEMA.simpleString()}, or a "
+                          f"subset of its columns given as the reader's schema: "
+                          + "; ".join(problems))
 
 
 def _check_topics_exist(options: Options, client) -> None:
@@ -373,11 +396,12 @@ def _ranges(start: dict, end: dict, max_per_split: int) -> list[OffsetRange]:
     return ranges
 
 
-def _arrow_schema():
-    """SCHEMA in Arrow, nullability included (Spark checks it exactly)."""
+def _arrow_schema(schema: StructType | None = None):
+    """The read's schema (default SCHEMA) in Arrow, nullability included (Spark checks it
+    exactly)."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    return to_arrow_schema(SCHEMA, timezone="UTC")
+    return to_arrow_schema(schema or SCHEMA, timezone="UTC")
 
 
 class _SparkColumns:
@@ -390,13 +414,16 @@ class _SparkColumns:
 
     _shared: dict = {}  # per process: counting and empty-headers arrays, grown on demand
 
-    def __init__(self, topic: str, partition: int):
-        self.schema = _arrow_schema()
+    def __init__(self, topic: str, partition: int, schema: StructType | None = None):
+        self.schema = _arrow_schema(schema)
+        self.names = self.schema.names  # SCHEMA's, or the columns the reader was given
         self.topic, self.partition = topic, partition
         self._rows = 0
         self._topics = self._partitions = None
-        self._headers_type = self.schema.field("headers").type
-        self._stamp_type = self.schema.field("timestamp").type
+        full = _arrow_schema()
+        self._headers_type = (self.schema.field("headers").type if "headers" in self.names
+                              else full.field("headers").type)
+        self._stamp_type = full.field("timestamp").type
 
     def _constants(self, rows: int) -> tuple:
         """(topics, partitions, counting, no headers): arrays of at least `rows` rows."""
@@ -423,26 +450,38 @@ class _SparkColumns:
         columns = block.columns
         n = columns.num_rows
         topics, partitions, counting, no_headers = self._constants(n)
-        headers = columns.column(3)
-        if not len(headers.values):  # no record of the stored batch has headers
-            headers = no_headers.slice(0, n)
-        else:
-            headers = headers.cast(self._headers_type)
-        offsets = pc.add(counting.slice(0, n), block.first_offset)
-        # Spark's timestamps are microseconds.
-        stamps = pc.multiply(pc.add(columns.column(2), block.base_timestamp_ms), 1000)
-        return pa.RecordBatch.from_arrays(
-            [topics.slice(0, n), partitions.slice(0, n), offsets, columns.column(0),
-             columns.column(1), headers, stamps.view(self._stamp_type)], schema=self.schema)
+        out = []
+        for name in self.names:  # only the columns the read yields are built
+            if name == "value":
+                out.append(columns.column(1))
+            elif name == "key":
+                out.append(columns.column(0))
+            elif name == "offset":
+                out.append(pc.add(counting.slice(0, n), block.first_offset))
+            elif name == "topic":
+                out.append(topics.slice(0, n))
+            elif name == "partition":
+                out.append(partitions.slice(0, n))
+            elif name == "timestamp":  # Spark's timestamps are microseconds
+                stamps = pc.multiply(pc.add(columns.column(2), block.base_timestamp_ms), 1000)
+                out.append(stamps.view(self._stamp_type))
+            else:
+                headers = columns.column(3)
+                if not len(headers.values):  # no record of the stored batch has headers
+                    out.append(no_headers.slice(0, n))
+                else:
+                    out.append(headers.cast(self._headers_type))
+        return pa.RecordBatch.from_arrays(out, schema=self.schema)
 
 
-def _read_range(options: Options, part: OffsetRange):
-    """The records of one range, in offset order, as Arrow record batches of SCHEMA."""
+def _read_range(options: Options, part: OffsetRange, schema: StructType | None = None):
+    """The records of one range, in offset order, as Arrow record batches of SCHEMA (or
+    of the columns of `schema`, a subset of SCHEMA's: _check_read_schema)."""
     from spark_client.consumer import Consumer
 
     if not isinstance(part, OffsetRange):
         return  # Spark's stand-in partition when planning found no range: no rows
-    spark = _SparkColumns(part.topic, part.partition)
+    spark = _SparkColumns(part.topic, part.partition, schema)
     client = options.client()
     try:
         consumer = Consumer(client, part.topic, isolation=options.isolation,
@@ -466,6 +505,7 @@ class BatchReader(DataSourceReader):
     def __init__(self, options: Options, schema: StructType):
         _check_read_schema(schema)
         self.options = options
+        self.schema = schema
         client = options.client()
         try:
             _topics_or_fail(options, client)
@@ -479,7 +519,7 @@ class BatchReader(DataSourceReader):
         return _ranges(self.start, self.end, self.options.max_offsets_per_split)
 
     def read(self, partition: OffsetRange):
-        return _read_range(self.options, partition)
+        return _read_range(self.options, partition, self.schema)
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -489,6 +529,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: Options, schema: StructType):
         _check_read_schema(schema)
         self.options = options
+        self.schema = schema
         self._client = None
         _topics_or_fail(options, self.client)
         self._target: dict | None = None  # AvailableNow: the end fixed at its start
@@ -529,7 +570,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _ranges(start, end, self.options.max_offsets_per_split)
 
     def read(self, partition: OffsetRange):
-        return _read_range(self.options, partition)
+        return _read_range(self.options, partition, self.schema)
 
     def commit(self, end: dict) -> None:
         pass  # positions live in Spark's checkpoint

@@ -271,6 +271,30 @@ def test_write_and_read_keys_headers_topics_and_partitions_as_columns(spark, cli
         elif key is not None:
             assert got.partition == crc32c.crc32c(key.encode()) % (3 if topic == first else 2)
 
+    # A schema given to the reader names the columns it yields (the others are neither
+    # built nor shipped): any subset of the fixed schema, in any order; the rest refused.
+    full = {(r.topic, r.partition, r.offset): r for r in read}
+    some = (spark.read.format("atomlog").option("bootstrap", bootstrap)
+            .option("topic", f"{first},{second}")
+            .schema("value binary, offset long, topic string, partition int, headers "
+                    "array<struct<key:string,value:binary>>").load().collect())
+    assert len(some) == 300
+    for r in some:
+        assert r.__fields__ == ["value", "offset", "topic", "partition", "headers"]
+        assert r.value == full[(r.topic, r.partition, r.offset)].value
+        assert r.headers == full[(r.topic, r.partition, r.offset)].headers
+    (only,) = (spark.read.format("atomlog").option("bootstrap", bootstrap)
+               .option("topic", first).schema("value binary").load()
+               .selectExpr("count(*) as n", "sum(length(value)) as size").collect())
+    mine = [r for r in read if r.topic == first]
+    assert (only.n, only.size) == (len(mine), sum(len(r.value) for r in mine))
+    for bad, why in (("value string", "is binary"), ("colour binary", "unknown column"),
+                     ("value binary, value binary", "repeated"),
+                     ("key binary not null", "may be null")):
+        with pytest.raises(Exception, match=why):
+            (spark.read.format("atomlog").option("bootstrap", bootstrap)
+             .option("topic", first).schema(bad).load().collect())
+
 
 # ---------------------------------------------------------------------------- streaming
 def test_a_streaming_query_killed_and_restarted_writes_exactly_once(cluster, tmp_path):
