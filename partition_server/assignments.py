@@ -19,7 +19,6 @@ import logging
 import threading
 from typing import Callable
 
-from kazoo.exceptions import NoNodeError
 
 from partition_server.partition_states import Versioned, path_of
 from partition_server.replication import PartitionState
