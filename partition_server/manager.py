@@ -450,17 +450,6 @@ class PartitionManager:
                 row[2] = max([row[2], *leading.progress.lag().values()])
         return {topic: tuple(row) for topic, row in rows.items()}
 
-    def describe_replica(self, topic: str, partition: int) -> dict:
-        """The replica here: its role and what it knows (CLI `partition describe`)."""
-        key = (topic, partition)
-        owner = self.owners.get(key)
-        if owner is not None and owner.replication is not None:
-            return {"role": "leader", **owner.replication.describe()}
-        follower = self.followers.get(key)
-        if follower is not None:
-            return {"role": "follower", **follower.describe()}
-        return {"role": "none"}
-
     def owner(self, topic: str, partition: int) -> PartitionOwner:
         """The owner of a partition hosted here; raise NotOwner / UNKNOWN_TOPIC_OR_PARTITION."""
         found = self.owners.get((topic, partition))

@@ -499,13 +499,6 @@ class LeaderReplication:
                                caught_up_ms_ago=max(0, now - follower.caught_up_ms))
         into.reassigning_to.extend(self.target or ())
 
-    def describe(self) -> dict:
-        return {"leader_epoch": self.epoch, "isr": sorted(self.progress.isr),
-                "high_watermark": self.high_watermark, "lag": self.progress.lag(),
-                "gate": self.gate, "fenced": self.fenced or "",
-                "cursor_high_watermark": self.cursor_high_watermark,
-                "cursor_lag": self.cursors.lag()}
-
 
 class CursorCopyFailed(Exception):
     """A follower could not copy its leader's cursors (it starts over from the leader's
@@ -770,11 +763,6 @@ class Follower:
         await asyncio.to_thread(self.log.restart_at, offset)
         await asyncio.to_thread(self.epochs.truncate_from_end, offset)
         await asyncio.to_thread(self.epochs.truncate_from_start, offset)
-
-    def describe(self) -> dict:
-        return {"leader": self.leader, "leader_epoch": self.epoch, "log_end": self.log_end,
-                "known_high_watermark": self.known_hw, "last_error": self.last_error,
-                "cursor_position": self.cursor_position}
 
 
 def _wipe_log(directory) -> None:
