@@ -219,7 +219,17 @@ class LeaderReplication:
                                    {"owner": ""})
             if self.cursor_high_watermark >= target:
                 if writes:
-                    self.check_writable()
+                    try:
+                        self.check_writable()
+                    except AtomlogError as refused:
+                        if refused.reason != "NOT_ENOUGH_REPLICAS":
+                            raise
+                        # Kafka's NOT_ENOUGH_REPLICAS_AFTER_APPEND: say it was applied.
+                        raise AtomlogError(
+                            refused.reason, f"{refused.message}: the change was applied on "
+                            "the leader before the ISR shrank and is not acknowledged (it "
+                            "may survive; repeating it is safe)",
+                            {**refused.metadata, "applied_on_leader": "true"}) from None
                 return
             if self._cursors_moved is None:
                 self._cursors_moved = asyncio.get_running_loop().create_future()
