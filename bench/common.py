@@ -105,19 +105,29 @@ def fsync_baseline(directory: Path, samples: int = 300) -> dict:
             "p99": percentile(latencies, 0.99) * 1e3}
 
 
+# The replication factor of the transaction benchmarks' clusters: one copy, like the
+# peers they are compared with (one PostgreSQL, one Kafka broker). The product default
+# (`topics.default_replication_factor` 0: three copies with three partition servers) is
+# measured against it by bench/replication.py.
+BENCH_REPLICATION_FACTOR = 1
+
+
 @contextlib.contextmanager
 def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s: float = 90,
-                  down_timeout_s: float = 10):
+                  down_timeout_s: float = 10, replication_factor: int | None = None):
     """A local cluster in a temporary directory for one benchmark run, stopped afterwards:
     yields (data directory, launcher report, a server's gRPC address to bootstrap from).
-    By default 1 id allocator, 2 coordinators and 3 partition servers."""
+    By default 1 id allocator, 2 coordinators and 3 partition servers; every topic
+    (__txn_log included) at `replication_factor` copies (None: the product default)."""
     from services import launcher
 
     roles = roles or {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
+    settings = ({} if replication_factor is None
+                else {"topics.default_replication_factor": str(replication_factor)})
     with tempfile.TemporaryDirectory(prefix=prefix) as directory:
         data_dir = Path(directory)
         try:
-            report = launcher.up(data_dir, roles, {}, timeout_s=timeout_s)
+            report = launcher.up(data_dir, roles, settings, timeout_s=timeout_s)
             address = next(p.grpc_address for p in report.cluster.processes
                            if p.role != "zookeeper")
             yield data_dir, report, address

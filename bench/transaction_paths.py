@@ -54,7 +54,8 @@ def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int) -> dict
     from spark_client import Client
 
     cells: dict = {}
-    with common.local_cluster(f"atomlog-bench-paths-{shape}-", SHAPES[shape]) as (
+    with common.local_cluster(f"atomlog-bench-paths-{shape}-", SHAPES[shape],
+                              replication_factor=common.BENCH_REPLICATION_FACTOR) as (
             _, report, address):
         with Client(address) as client:
             client.create_topic(tb.SMALL_TOPIC, partitions=tb.PARTITIONS)
@@ -160,7 +161,10 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         "*streaming* is `Client(one_call_max_bytes=0)` (NewTxn, Produce, EndTxn). Calls are "
         "gRPC calls per transaction counted by every server (client and server-to-server, "
         "TC-log appends included); *in-process* are the combined server's function calls "
-        "instead. CPU is per transaction, servers and clients separately.",
+        "instead. CPU is per transaction, servers and clients separately. Every topic, "
+        f"__txn_log included, has {common.BENCH_REPLICATION_FACTOR} cop"
+        f"{'y' if common.BENCH_REPLICATION_FACTOR == 1 else 'ies'} (like the peers; "
+        "bench/replication.py measures three against one).",
         "",
         "| cell | cluster | combined server | ratios (cluster / combined) |",
         "| --- | --- | --- | --- |",

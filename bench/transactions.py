@@ -681,7 +681,9 @@ def main() -> None:
     command = common.command_line("bench/transactions.py", sys.argv[1:])
     command = re.sub(r" --peers-w3 \S+", " --peers-w3 FILE", command)
     load = os.getloadavg()[0]
-    with common.local_cluster("atomlog-bench-txn-", ROLES) as (data_dir, report, address):
+    with common.local_cluster("atomlog-bench-txn-", ROLES,
+                              replication_factor=common.BENCH_REPLICATION_FACTOR) as (
+            data_dir, report, address):
         from spark_client import Client
 
         with Client(address) as client:
