@@ -161,6 +161,39 @@ def test_poll_arrow_tables_hold_exactly_what_poll_returns():
         [tuple(m) for m in messages]
 
 
+TUNING_SCRIPT = """
+import sys
+from services import allocator
+from spark_client.consumer import tune_for_fetches
+tuned = sys.argv[1] == "tuned"
+if tuned:
+    allocator.tune(4 << 20, 32 << 20)  # what Client() does unless tune_allocator=False
+tune_for_fetches(8 << 20)
+print(*allocator._applied)
+"""
+
+
+@pytest.mark.parametrize("client_tuned", [True, False])
+def test_a_consumer_keeps_its_fetch_replies_on_the_heap_only_if_the_client_tuned(
+        client_tuned):
+    """A consumer's Fetch replies (up to max_bytes_per_request, held about three times
+    over while read) stay under the mmap threshold when Client() tuned glibc's malloc;
+    a process that opted out (Client(tune_allocator=False)) is left alone. Run in a
+    fresh interpreter against the real C library."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TUNING_SCRIPT,
+                           "tuned" if client_tuned else "untouched"],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                          text=True, timeout=60, check=True)
+    mmap_threshold, trim_threshold = (int(x) for x in done.stdout.split())
+    if client_tuned:
+        assert (mmap_threshold, trim_threshold) == (16 << 20, 64 << 20)
+    else:
+        assert (mmap_threshold, trim_threshold) == (0, 0)
+
+
 # ------------------------------------------------------------------ send_batch's columns
 def test_partitioner_is_send_s_crc32c_of_the_key():
     keys = [uuid.uuid4().bytes[: i % 17] for i in range(300)] + [None]
