@@ -303,7 +303,8 @@ class PartitionManager:
                 topic, partition, me, known, replicas, record.min_insync_replicas,
                 self.replication.max_lag_ms, known_hw,
                 self.data_dir / f"{topic}-{partition}", self._write_isr(topic, partition),
-                self.assignments.live, self._complete_reassignment(topic, partition))
+                self.assignments.live, self._complete_reassignment(topic, partition),
+                self._resign(topic, partition))
             replication.reassigned(replicas, target)
             event(log, "leading", partition=f"{topic}-{partition}",
                   epoch=state.leader_epoch, isr=list(state.isr))
@@ -376,6 +377,25 @@ class PartitionManager:
                                            self.zk.client, topic, partition, known, target,
                                            state)
         return complete
+
+    def _resign(self, topic: str, partition: int):
+        """How a leadership here gives its epoch up (partition_states.resign): after a
+        failed write or fsync, or instead of resuming an epoch led before."""
+        async def resign(epoch: int):
+            record = self.assignments.topic(topic)
+            if record is None:
+                raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION", f"no topic {topic!r}")
+            stored = await asyncio.to_thread(
+                partition_states.resign, self.zk.client, topic, partition,
+                record.replicas_of(partition), self.server_name, epoch,
+                self.assignments.live())
+            m.LEADER_ELECTIONS.labels("false").inc()
+            event(log, "leader epoch given up", logging.WARNING,
+                  partition=f"{topic}-{partition}", epoch=epoch,
+                  leader=stored.state.leader, new_epoch=stored.state.leader_epoch,
+                  isr=list(stored.state.isr))
+            return stored
+        return resign
 
     def _sweep_removed_copies(self) -> None:
         """At start: delete the copies of replicated partitions whose topic record no

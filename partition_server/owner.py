@@ -792,6 +792,8 @@ class PartitionOwner:
             m.APPEND_SECONDS.observe(time.perf_counter() - began)
             # Pair assertion: the log assigned exactly the offsets producer state recorded.
             assert offsets == expected_bases, (offsets, expected_bases)
+            if self.replication is not None:  # followers copy it while the fsync runs
+                self.replication.appended(self.log.log_end_offset)
             self._bytes_in.inc(appended_bytes)
             self._records_in.inc(records)
             self._unflushed_batches += len(accepted)
@@ -907,6 +909,11 @@ class PartitionOwner:
         and after a failed fsync the page cache above it is not to be trusted)."""
         log.error("append or fsync failed on %s; failing unacknowledged requests and "
                   "reloading from disk", self.name, exc_info=error)
+        if self.replication is not None:
+            # Followers copy before the leader's fsync: they may hold records cut below.
+            # This leadership serves nothing more and gives its epoch up once reloaded
+            # (LeaderReplication.give_up; docs/replication.md, "Writes").
+            self.replication.give_up(f"a write or fsync failed: {error}")
         self._fail_unanswered(AtomlogError(
             "PARTITION_LOADING", f"write failed on {self.name}: {error}; reloading"), failed)
         durable = None
@@ -914,8 +921,8 @@ class PartitionOwner:
             self.log.fail(f"{type(error).__name__}: {error}")
             durable = self.log.high_watermark
             if self.replication is not None:
-                # Followers may hold what is durable here and not yet replicated: keep
-                # it (cutting it would let other records take its offsets in this epoch).
+                # Keep what is durable here (the epoch changes anyway; above it the page
+                # cache is not to be trusted after a failed fsync).
                 durable = max(durable, self.replication.local_durable_end)
         delay_s = RELOAD_RETRY_FIRST_S
         while True:

@@ -20,6 +20,9 @@ run them on a thread.
   have been wiped or replaced while it was down, and an in-sync replica with an empty log
   that won an election would erase what the others hold. It rejoins the ISR the normal way,
   once its leader sees it caught up.
+- `resign` is what a leader writes to give up its leader epoch (after a failed write or
+  fsync of its log, or instead of resuming an epoch it led before a restart): another
+  live in-sync replica, or itself, leads in epoch + 1 (`replication.resign`).
 - `complete_reassignment` is what the leader of a partition being reassigned writes once
   its target replicas are all in sync: the topic record's final replica list and the
   partition's state, in one ZooKeeper transaction.
@@ -33,7 +36,9 @@ from typing import Iterable
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, RolledBackError
 
-from partition_server.replication import Election, PartitionState, elect, elect_offline, initial_state
+from partition_server.replication import (Election, PartitionState, elect, elect_offline,
+                                          initial_state)
+from partition_server import replication
 from services.errors import AtomlogError
 from services.topics import TopicRecord
 from services.zk import TOPICS_PATH
@@ -168,6 +173,27 @@ def leave_isr(client, topic: str, partition: int, replicas: list[str], me: str,
         except StaleState:
             continue
     raise StaleState(f"{topic}-{partition} kept changing while {me} left its ISR")
+
+
+def resign(client, topic: str, partition: int, replicas: list[str], me: str, epoch: int,
+           live: Iterable[str], attempts: int = 20) -> Versioned:
+    """`me`, leading in `epoch`, gives that epoch up (`replication.resign`): written by
+    compare-and-set against the state as read now, rereading when only the ISR changed
+    meanwhile (a restarted replica left it). StaleState when `me` no longer leads in
+    `epoch` (another leadership began: the epoch is given up already)."""
+    live = set(live)
+    for _ in range(attempts):
+        current = read(client, topic, partition, replicas)
+        state = current.state
+        if (state.leader, state.leader_epoch) != (me, epoch):
+            raise StaleState(f"{topic}-{partition} is led by {state.leader} in epoch "
+                             f"{state.leader_epoch}, not by {me} in {epoch}")
+        try:
+            return _write(client, topic, partition,
+                          replication.resign(state, replicas, me, live), current.version)
+        except StaleState:
+            continue
+    raise StaleState(f"{topic}-{partition} kept changing while {me} gave up epoch {epoch}")
 
 
 def complete_reassignment(client, topic: str, partition: int, known: Versioned,

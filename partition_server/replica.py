@@ -5,7 +5,13 @@ partition, acting on the rules of replication.py.
   epoch). The owner fsyncs groups as always, then hands each durable flush here and
   answers its requests only once the high watermark (the smallest durable end over the
   in-sync replicas, `LeaderProgress`) passes it. It serves followers' `Replicate` calls
-  (long polls that also report what each follower holds durably), keeps the ISR current
+  (long polls that also report what each follower holds durably) with whole batches up
+  to the leader's log end — appended, not necessarily fsynced yet, so the leader's fsync
+  and the followers' copies run side by side. In exchange a leadership never resumes its
+  epoch: a leader whose write or fsync fails, or that would lead again an epoch it led
+  before (a restart), gives the epoch up in ZooKeeper (`resign`) before anything is
+  served again, so records it lost that followers copied are cut by leader-epoch
+  truncation like any other divergent tail. It keeps the ISR current
   in ZooKeeper by compare-and-set (shrinking followers that lag or whose server is gone,
   expanding caught-up ones), and fences itself when a compare-and-set finds a newer state.
   A leader that begins a leadership serves clients only once the ISR holds its whole log
@@ -44,7 +50,8 @@ from partition_server.log import LogConfig, PartitionLog
 from partition_server.partition_states import StaleState, Versioned
 from partition_server.record_batch import iter_batches
 from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CursorProgress, LeaderProgress,
-                                          complete_reassignment, truncation_step)
+                                          complete_reassignment, resumes_epoch,
+                                          truncation_step)
 from services import errors
 from services.errors import AtomlogError
 from services.logs import event
@@ -76,7 +83,8 @@ class LeaderReplication:
                  directory,
                  write_isr: Callable[[Versioned, list[str]], Awaitable[Versioned]],
                  live: Callable[[], set[str]],
-                 complete_reassignment: Callable[..., Awaitable[Versioned | None]] | None = None):
+                 complete_reassignment: Callable[..., Awaitable[Versioned | None]] | None = None,
+                 resign: Callable[[int], Awaitable[Versioned]] | None = None):
         state = known.state
         assert state.leader == me, (state, me)
         self.topic, self.partition, self.me = topic, partition, me
@@ -90,9 +98,16 @@ class LeaderReplication:
         self.progress = LeaderProgress(me, self.replicas, set(state.isr), min_insync,
                                        max_lag_ms, _now_ms())
         self.local_durable_end = 0
+        self.log_end = 0  # whole batches appended (maybe not durable): followers copy these
         self.gate = 0  # clients are served once the high watermark reaches it
         self.epoch_start = 0
         self.fenced: str | None = None  # why this leadership ended (a newer state exists)
+        # Why this leadership gives its epoch up (a write or fsync failed; or it would
+        # resume an epoch led before): nothing is served or accepted from then on, and
+        # once the log is reloaded `resign` writes epoch + 1, which fences it.
+        self.failed: str | None = None
+        self._resign = resign
+        self._resign_task: asyncio.Task | None = None
         self.owner = None
         self._write_isr = write_isr
         self._live = live
@@ -111,15 +126,27 @@ class LeaderReplication:
         """The owner (re)loaded its log, from `log_start` to `log_end`, all of it on disk.
         On the first load the leadership begins there (its epoch starts at the log end);
         clients wait until the ISR holds everything up to it."""
-        if self.epochs is None:
+        first = self.epochs is None
+        if first:
             self.epochs = LeaderEpochFile(self.directory, log_start, log_end)
-        if not self.epochs.cache.entries or self.epochs.cache.latest_epoch() < self.epoch:
+            if resumes_epoch(self.epochs.cache, self.epoch):
+                # This replica led (or copied) this epoch before: a restart within its
+                # ZooKeeper session, or a leadership reopened. Its log may have lost
+                # records of the epoch that followers copied: never lead it again.
+                self.give_up(f"it would resume leader epoch {self.epoch} (its leader-epoch "
+                             f"file holds epoch {self.epochs.cache.latest_epoch()})")
+        else:
+            # A reload within this leadership: after a failed write or fsync (given up
+            # already), or a data-loss recovery; either may have cut the log back.
+            self.give_up("its log was reloaded")
+        if self.failed is None:
             self.epochs.assign(self.epoch, log_end)
             self.epoch_start = log_end
             self.progress.start(log_end, self.known_hw)
-        else:
-            self.epoch_start = min(self.epoch_start or log_end, log_end)
+        elif not first:
+            self.resign_soon()  # (a first load: `start` does, once the owner is open)
         self.local_durable_end = log_end
+        self.log_end = log_end
         self.progress.leader_durable(log_end)
         self.gate = log_end
         store = self.owner.subscriptions.store if self.owner is not None else None
@@ -128,16 +155,62 @@ class LeaderReplication:
         self._wake_followers()
 
     def start(self) -> None:
+        if self.failed is not None:  # (a resumed epoch: given up before it serves)
+            self.resign_soon()
+            return
         self._isr_task = asyncio.create_task(self._maintain_isr(), name=f"isr {self.name}")
 
     async def close(self) -> None:
-        if self._isr_task is not None:
-            self._isr_task.cancel()
+        for task in (self._isr_task, self._resign_task):
+            if task is None:
+                continue
+            task.cancel()
             try:
-                await self._isr_task
+                await task
             except asyncio.CancelledError:
                 pass
         self.fence("the leadership ended")
+
+    # ---------------------------------------------------------------- giving up the epoch
+    def give_up(self, why: str) -> None:
+        """From now on nothing is served or accepted in this leadership (clients and
+        followers get NOT_PARTITION_OWNER); `resign_soon` then writes epoch + 1. Called by
+        the owner when a write or fsync failed (before it cuts its log back to what it
+        made durable), and when the leadership would resume an epoch led before."""
+        if self.failed is None and self.fenced is None:
+            self.failed = why
+            event(log, "leader gives up its epoch", logging.WARNING, partition=self.name,
+                  epoch=self.epoch, why=why)
+        self._wake_followers()
+        self._wake_cursor_waiters()
+
+    def resign_soon(self) -> None:
+        """Write epoch + 1 (another live in-sync replica leads, or this one again; see
+        replication.resign) in the background, retrying while ZooKeeper is away; the
+        state's watch then steers this server to the new leadership or to following."""
+        if self._resign_task is None and self._resign is not None and self.fenced is None:
+            self._resign_task = asyncio.create_task(self._resign_epoch(),
+                                                    name=f"resign {self.name}")
+
+    async def _resign_epoch(self) -> None:
+        delay = ISR_CHECK_INTERVAL_S
+        while self.fenced is None:
+            try:
+                stored = await self._resign(self.epoch)
+            except StaleState:
+                self.fence(f"gave up epoch {self.epoch}; another leadership began meanwhile")
+                return
+            except Exception as error:  # noqa: BLE001 — ZooKeeper away: try again
+                event(log, "giving up the leader epoch not written; retrying", logging.WARNING,
+                      partition=self.name, epoch=self.epoch,
+                      error=f"{type(error).__name__}: {error}")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, FOLLOWER_RETRY_MAX_S * 4)
+                continue
+            state = stored.state
+            self.fence(f"gave up epoch {self.epoch} ({self.failed}): {state.leader} leads in "
+                       f"epoch {state.leader_epoch}")
+            return
 
     def fence(self, why: str) -> None:
         if self.fenced is None:
@@ -161,10 +234,11 @@ class LeaderReplication:
 
     # ---------------------------------------------------------------- checks
     def check_serving(self) -> None:
-        if self.fenced is not None:
+        if self.fenced is not None or self.failed is not None:
             raise AtomlogError("NOT_PARTITION_OWNER",
-                               f"{self.me} no longer leads {self.name} ({self.fenced})",
-                               {"owner": ""})
+                               f"{self.me} no longer leads {self.name} "
+                               f"({self.fenced or 'gives up its epoch: ' + self.failed})",
+                               {"owner": "", "retry_after_ms": "100"})
         if self.progress.high_watermark < self.gate:
             raise AtomlogError("PARTITION_LOADING",
                                f"new leader of {self.name} waits for its in-sync replicas to "
@@ -187,6 +261,13 @@ class LeaderReplication:
         if end > self.local_durable_end:
             self.local_durable_end = end
             self.progress.leader_durable(end)
+            self._wake_followers()
+
+    def appended(self, end: int) -> None:
+        """The leader appended whole batches up to `end` (written, not yet durable):
+        followers may copy them now, while the leader's fsync runs."""
+        if end > self.log_end:
+            self.log_end = end
             self._wake_followers()
 
     @property
@@ -296,7 +377,7 @@ class LeaderReplication:
     async def _wait_for_data(self, offset: int, cursor_position: int,
                              timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.local_durable_end <= offset and self.fenced is None and \
+        while self.log_end <= offset and self.fenced is None and self.failed is None and \
                 not self._cursor_news(cursor_position):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -331,20 +412,20 @@ class LeaderReplication:
             epoch, end = diverging
             return partition_pb2.ReplicateResponse(
                 high_watermark=self.high_watermark, log_start_offset=log_start,
-                log_end_offset=self.local_durable_end, diverging=True,
+                log_end_offset=self.log_end, diverging=True,
                 diverging_epoch=epoch, diverging_end_offset=end)
-        if fetch > self.local_durable_end:
+        if fetch > self.log_end:
             raise AtomlogError("OFFSET_OUT_OF_RANGE",
                                f"{request.replica} fetches {self.name} from {fetch}, past the "
-                               f"leader's durable end {self.local_durable_end}")
-        self.progress.fetched(request.replica, fetch, self.local_durable_end, _now_ms())
+                               f"leader's log end {self.log_end}")
+        self.progress.fetched(request.replica, fetch, self.log_end, _now_ms())
         cursor_position = self.cursors.fetched(request.replica, request.cursor_sequence,
                                                _now_ms())
         owner.replicated()  # the high watermark may have moved: answer what it covers
         self._wake_cursor_waiters()  # so may the cursors' one
         if self.progress.expand(self.epoch_start) is not None:
             self._poke_isr()
-        if fetch >= self.local_durable_end and not self._cursor_news(cursor_position):
+        if fetch >= self.log_end and not self._cursor_news(cursor_position):
             await self._wait_for_data(fetch, cursor_position, max_wait_s)
             self._check_epoch(request.leader_epoch)
             # The owner may have reloaded its log meanwhile (after a failed write).
@@ -353,11 +434,16 @@ class LeaderReplication:
         cursors = partition_pb2.ReplicateResponse()
         self._add_cursors(cursors, cursor_position, request.replica)
         records, next_offset = b"", fetch
-        if fetch < self.local_durable_end and not cursors.cursor_snapshot:
+        # Up to the log end: whole batches this leader appended, fsynced or not (the log
+        # end moves only once a group's writev completed; a failed write breaks the log,
+        # and this read then fails). The high watermark still waits for the leader's own
+        # fsync (`durable`), and a leader whose fsync fails gives this epoch up.
+        end = min(self.log_end, partition_log.log_end_offset)
+        if fetch < end and not cursors.cursor_snapshot:
             # (A cursor snapshot travels alone: the message stays within its bound.)
             records, next_offset = partition_log.read(
                 fetch, min(request.max_bytes or REPLICATE_MAX_BYTES, REPLICATE_MAX_BYTES),
-                upper_bound_offset=self.local_durable_end)
+                upper_bound_offset=end)
         entries = self.epochs.cache.entries
         epochs = [partition_pb2.LeaderEpochEntry(epoch=e, start_offset=s)
                   for i, (e, s) in enumerate(entries)
@@ -366,12 +452,12 @@ class LeaderReplication:
         response = partition_pb2.ReplicateResponse(
             records=records, high_watermark=self.high_watermark,
             log_start_offset=partition_log.log_start_offset,
-            log_end_offset=self.local_durable_end, epochs=epochs)
+            log_end_offset=self.log_end, epochs=epochs)
         response.MergeFrom(cursors)
         return response
 
     def _check_epoch(self, epoch: int) -> None:
-        if self.fenced is not None:
+        if self.fenced is not None or self.failed is not None:
             raise AtomlogError("NOT_PARTITION_OWNER", f"{self.me} no longer leads {self.name}",
                                {"owner": ""})
         if epoch > self.epoch:
@@ -387,7 +473,7 @@ class LeaderReplication:
     def _divergence(self, fetch: int, last_epoch: int) -> tuple[int, int] | None:
         """None when a follower whose log ends at `fetch` with records of `last_epoch` last
         holds a prefix of this log; else (the epoch to report, where it ends here)."""
-        epoch, end = self.epochs.cache.end_offset_for(last_epoch, self.local_durable_end)
+        epoch, end = self.epochs.cache.end_offset_for(last_epoch, self.log_end)
         if epoch == last_epoch and fetch <= end:
             return None
         return epoch, end
@@ -398,12 +484,14 @@ class LeaderReplication:
             self._isr_event.set()
 
     async def _maintain_isr(self) -> None:
-        while self.fenced is None:
+        while self.fenced is None and self.failed is None:
             try:
                 await asyncio.wait_for(self._isr_event.wait(), ISR_CHECK_INTERVAL_S)
             except asyncio.TimeoutError:
                 pass
             self._isr_event.clear()
+            if self.failed is not None:
+                return  # giving the epoch up: no more ISR changes in it
             wanted = self._wanted_isr()
             if wanted is None:
                 if self.target is not None and await self._end_reassignment():

@@ -263,12 +263,48 @@ def complete_reassignment(state: PartitionState, target: list[str],
     return PartitionState(heirs[0], state.leader_epoch + 1, isr)
 
 
+# ------------------------------------------------------------------ giving up an epoch
+
+def resumes_epoch(cache: "LeaderEpochCache", epoch: int) -> bool:
+    """Whether a leadership of `epoch` that is about to begin on a replica whose
+    leader-epoch file is `cache` would resume an epoch this replica led (or copied)
+    before: after a restart, or a reopen of its leadership. It must not: it may have lost
+    records of that epoch that followers copied (they copy before the leader's fsync),
+    and other records written at those offsets in the same epoch could not be told
+    apart by truncation. It gives the epoch up instead (`resign`)."""
+    return cache.latest_epoch() >= epoch
+
+
+def resign(state: PartitionState, replicas: list[str], me: str,
+           live: Iterable[str]) -> PartitionState:
+    """The state a leader writes (compare-and-set) to give up its leader epoch: after a
+    failed write or fsync (its log is cut back to what it made durable, and followers may
+    hold more of the epoch), or when it would resume an epoch it led before
+    (`resumes_epoch`). Never the same epoch again: the first other live in-sync replica
+    leads in epoch + 1, without `me` in the ISR (as `partition_states.leaving`: `me`
+    rejoins once caught up); with none, `me` leads again in epoch + 1 with the same ISR.
+    Either way every replica then cuts what it holds of the old epoch to the new
+    leader's history by leader epoch, and nothing acknowledged is lost: the high
+    watermark never passed the failed leader's durable end, which it keeps, nor any
+    in-sync replica's."""
+    if state.leader != me:
+        raise ValueError(f"{me} does not lead ({state})")
+    live = set(live) - {me}
+    rest = tuple(r for r in state.isr if r != me)
+    heirs = [r for r in replicas if r in rest and r in live]
+    if heirs:
+        return PartitionState(heirs[0], state.leader_epoch + 1, rest)
+    return PartitionState(me, state.leader_epoch + 1, state.isr)
+
+
 # ------------------------------------------------------------------ the leader's view
 
 @dataclass
 class _Follower:
     durable_end: int = 0  # every offset below is durable on the follower
     caught_up_ms: int = 0  # last time it had everything the leader had when it asked
+    last_fetch_end: int = -1  # the leader's log end when this follower last fetched
+    last_fetch_ms: int = 0  # ... and when
 
 
 @dataclass
@@ -276,9 +312,11 @@ class LeaderProgress:
     """The leader's view of its followers, for one leadership (one leader epoch).
 
     A follower's fetch from offset F says: everything below F is durable on it (a follower
-    fsyncs what it appended before it asks for more). The high watermark is the smallest
-    durable end over the ISR, the leader's own included; writes below it are acknowledged
-    and readable. Writes are acknowledged only while the ISR has `min_insync` members;
+    fsyncs what it appended before it asks for more). Followers copy up to the leader's
+    log end, not only what the leader made durable, so a follower's durable end may pass
+    the leader's. The high watermark is the smallest durable end over the ISR, the
+    leader's own included (`leader_durable_end`: its fsyncs only, never its log end);
+    writes below it are acknowledged and readable. Writes are acknowledged only while the ISR has `min_insync` members;
     below that, produce requests fail with NOT_ENOUGH_REPLICAS (nothing is written)."""
 
     leader: str
@@ -308,8 +346,15 @@ class LeaderProgress:
 
     def fetched(self, replica: str, fetch_offset: int, leader_end: int, now_ms: int) -> None:
         """A fetch of `replica` from `fetch_offset`, while the leader's log ended at
-        `leader_end`. A fetch offset never goes back within one leadership, except after
-        the follower truncates (its log end moved back: it is simply lower)."""
+        `leader_end` (its log end: whole batches appended, durable or not). A fetch offset
+        never goes back within one leadership, except after the follower truncates (its
+        log end moved back: it is simply lower).
+
+        Caught up (Kafka's rule): now, when it fetches from the leader's end; else as of
+        its previous fetch, when it fetches from at least the leader's end as of that
+        fetch. The leader's end moves with every append, so under a steady stream no
+        fetch finds it unmoved: the second rule is what keeps a follower that copies
+        everything it is sent in the ISR."""
         if replica not in self.followers:
             raise AtomlogError("NOT_A_REPLICA", f"{replica} is not a replica of this partition")
         if fetch_offset > leader_end:
@@ -319,7 +364,10 @@ class LeaderProgress:
         follower = self.followers[replica]
         follower.durable_end = fetch_offset
         if fetch_offset >= leader_end:
-            follower.caught_up_ms = now_ms
+            follower.caught_up_ms = max(follower.caught_up_ms, now_ms)
+        elif 0 <= follower.last_fetch_end <= fetch_offset:
+            follower.caught_up_ms = max(follower.caught_up_ms, follower.last_fetch_ms)
+        follower.last_fetch_end, follower.last_fetch_ms = leader_end, now_ms
         self.now_ms = max(self.now_ms, now_ms)
 
     def leader_durable(self, end: int) -> None:

@@ -13,7 +13,8 @@ from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CursorProgress,
                                           LeaderEpochCache, LeaderProgress, PartitionState,
                                           assign_replicas, complete_reassignment,
                                           default_replication_factor, elect, elect_offline,
-                                          initial_state, reassigning_replicas, truncation_step,
+                                          initial_state, reassigning_replicas, resign,
+                                          resumes_epoch, truncation_step,
                                           validate_reassignment, validate_replication)
 from services.errors import AtomlogError
 from services.topics import TopicRecord
@@ -197,6 +198,43 @@ def test_a_follower_rejoins_once_it_holds_the_high_watermark_and_this_leadership
     assert p.expand(leader_epoch_start=301) is None  # still before this leader's first write
     p.isr_changed({"a", "b"})
     assert p.lag() == {"b": 0, "c": 300}
+
+
+def test_a_follower_copying_everything_it_is_sent_stays_caught_up_under_a_steady_stream():
+    """Followers copy up to the leader's log end, which moves with every append: a fetch
+    never finds it unmoved, so caught up is judged as Kafka does, against the end as of
+    the follower's previous fetch."""
+    p = progress(max_lag_ms=1_000)
+    end = 100
+    for now in range(100, 5_000, 100):
+        p.fetched("b", end, end + 10, now_ms=now)  # has all it was sent; 10 more arrived
+        end += 10
+    assert p.followers["b"].caught_up_ms == 4_800  # as of its previous fetch
+    assert p.shrink(now_ms=4_950) == {"a", "b"}  # c never fetched: it leaves, b stays
+    # A follower that gets less than the leader had (a bounded answer) falls behind.
+    p.fetched("b", end - 5, end + 10, now_ms=5_000)
+    p.fetched("b", end, end + 20, now_ms=5_100)  # below the end as of its previous fetch
+    assert p.followers["b"].caught_up_ms == 4_800
+
+
+def test_a_leader_gives_its_epoch_up_to_an_in_sync_heir_or_to_itself():
+    state = PartitionState("a", 4, ("a", "b", "c"))
+    replicas = ["a", "b", "c"]
+    assert resign(state, replicas, "a", {"a", "b", "c"}) == PartitionState("b", 5, ("b", "c"))
+    assert resign(state, replicas, "a", {"a", "c"}) == PartitionState("c", 5, ("b", "c"))
+    assert resign(state, replicas, "a", {"a"}) == PartitionState("a", 5, ("a", "b", "c"))
+    alone = PartitionState("a", 4, ("a",))
+    assert resign(alone, replicas, "a", {"a", "b", "c"}) == PartitionState("a", 5, ("a",))
+    with pytest.raises(ValueError):
+        resign(state, replicas, "b", {"a", "b"})
+
+
+def test_a_leadership_resumes_an_epoch_only_if_the_epoch_file_holds_it():
+    assert not resumes_epoch(LeaderEpochCache(), 0)
+    cache = LeaderEpochCache([(1, 0), (3, 10)])
+    assert not resumes_epoch(cache, 4)  # an election: a new epoch
+    assert resumes_epoch(cache, 3)  # a restart (or reopen) of the epoch it led
+    assert resumes_epoch(cache, 2)
 
 
 # ------------------------------------------------------------------ leader epochs

@@ -1,0 +1,235 @@
+"""Followers copy before the leader's fsync (docs/replication.md, "Writes"), so a leader
+never goes on in an epoch whose tail it may have lost: in process, one leader's owner and
+LeaderReplication with an fsync the test holds or fails, and a follower's Replicate calls
+made by hand. No ZooKeeper: the leader's way of giving its epoch up is a stub.
+
+- the records a follower gets before the leader's fsync are whole appended batches, and
+  the high watermark (what is acknowledged and readable) still waits for the leader's own
+  fsync and the in-sync follower's;
+- a failed fsync: everything unanswered fails, nothing more is served or accepted in the
+  epoch, the log is cut back to what was durable, and the leader gives the epoch up
+  (epoch + 1 written) before anything else; a follower that copied the lost tail is then
+  told to cut it by the next leadership's epochs;
+- a leadership that would resume an epoch its leader-epoch file holds (a restart within
+  the ZooKeeper session) gives it up instead of serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+from pathlib import Path
+
+import pytest
+
+from atomlog.v1 import partition_pb2
+from partition_server.log import LogConfig
+from partition_server.owner import OwnerSettings, PartitionOwner
+from partition_server.partition_states import Versioned
+from partition_server.record_batch import Record, encode_batch, iter_batches, parse_header
+from partition_server.replica import LeaderReplication
+from partition_server.replication import NOT_SYNCED, PartitionState
+from services.errors import AtomlogError
+
+
+class Fsyncs:
+    """An fsync the test holds (`hold`) and makes fail (`failing`)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.failing = False
+        self.calls = 0
+
+    def hold(self) -> None:
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+        assert self.gate.wait(20), "fsync held too long"
+        if self.failing:
+            raise OSError(errno.EIO, "fsync failed (test)")
+        import os
+        os.fsync(fd)
+
+
+def request(fetch: int, last_epoch: int, epoch: int = 1) -> partition_pb2.ReplicateRequest:
+    req = partition_pb2.ReplicateRequest(replica="b", leader_epoch=epoch, fetch_offset=fetch,
+                                         last_fetched_epoch=last_epoch,
+                                         cursor_sequence=0)  # (no cursor snapshot)
+    req.topic_partition.topic = "t"
+    return req
+
+
+def batch(value: bytes):
+    data = encode_batch([Record(b"k", value)])
+    return data, parse_header(data)
+
+
+async def leading(directory: Path, fsync, epoch: int = 1, resigned: list | None = None):
+    async def no_isr_writes(_known, isr):
+        raise AssertionError(f"unexpected ISR write {isr}")
+
+    async def resign(given_up: int) -> Versioned:
+        resigned.append(given_up)
+        return Versioned(PartitionState("b", given_up + 1, ("b",)), 7)
+
+    known = Versioned(PartitionState("a", epoch, ("a", "b")), 0)
+    replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 2, 10_000, 0, directory,
+                                    no_isr_writes, lambda: {"a", "b"},
+                                    resign=resign if resigned is not None else None)
+    owner = PartitionOwner("t", 0, directory, OwnerSettings(log=LogConfig()), fsync=fsync)
+    owner.replication, replication.owner = replication, owner
+    await owner.start()
+    replication.start()
+    return owner, replication
+
+
+async def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_followers_copy_whole_batches_before_the_leaders_fsync_and_acks_wait_for_both(
+        tmp_path):
+    fsyncs = Fsyncs()
+
+    async def scenario():
+        owner, replication = await leading(tmp_path / "t-0", fsyncs)
+        try:
+            # The ISR (a, b) holds the leader's empty log: a follower at 0 opens the gate.
+            await replication.replicate(request(0, -1), 0)
+            fsyncs.hold()
+            produced = asyncio.ensure_future(owner.produce([batch(b"one"), batch(b"two")]))
+            await wait_for(lambda: fsyncs.calls == 1, "the leader's fsync to begin")
+            answer = await replication.replicate(request(0, -1), 0)
+            copied = [h for _, h in iter_batches(memoryview(answer.records), verify=True)]
+            assert [(h.base_offset, h.record_count) for h in copied] == [(0, 1), (1, 1)]
+            assert answer.log_end_offset == 2 and answer.high_watermark == 0
+            # The follower holds both durably; the leader does not yet: nothing acknowledged.
+            await replication.replicate(request(2, 1), 0)
+            await asyncio.sleep(0.1)
+            assert not produced.done()
+            assert replication.high_watermark == 0 and owner.log.high_watermark == 0
+            fsyncs.release()
+            results = await asyncio.wait_for(produced, 10)
+            assert [r.base_offset for r in results] == [0, 1]
+            assert replication.high_watermark == 2 and owner.log.high_watermark == 2
+        finally:
+            fsyncs.release()
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_fsync_gives_the_epoch_up_and_the_copied_tail_is_cut_by_the_next_epoch(
+        tmp_path):
+    fsyncs = Fsyncs()
+    directory = tmp_path / "t-0"
+    resigned: list[int] = []
+
+    async def first_leadership():
+        owner, replication = await leading(directory, fsyncs, resigned=resigned)
+        try:
+            await replication.replicate(request(0, -1), 0)
+            durable = asyncio.ensure_future(owner.produce([batch(b"durable")]))
+            await wait_for(lambda: replication.local_durable_end == 1, "the first fsync")
+            await replication.replicate(request(1, 1), 0)  # b holds it: acknowledged
+            await asyncio.wait_for(durable, 10)
+            assert replication.high_watermark == 1
+            fsyncs.hold()
+            fsyncs.failing = True
+            produced = asyncio.ensure_future(owner.produce([batch(b"lost")]))
+            await wait_for(lambda: fsyncs.calls == 2, "the second fsync to begin")
+            answer = await replication.replicate(request(1, 1), 0)
+            assert answer.records and answer.log_end_offset == 2  # b copies the doomed tail
+            fsyncs.release()
+            with pytest.raises(AtomlogError):
+                outcome = await asyncio.wait_for(produced, 10)
+                raise outcome[0] if isinstance(outcome[0], AtomlogError) else AssertionError(
+                    f"a write whose fsync failed was acknowledged: {outcome}")
+            # Nothing more in this epoch: clients and followers are refused ...
+            with pytest.raises(AtomlogError) as refused:
+                owner.check_serving()  # (reloading, or reloaded and given up)
+            assert refused.value.reason in ("PARTITION_LOADING", "NOT_PARTITION_OWNER")
+            with pytest.raises(AtomlogError) as refused:
+                replication.check_writable()
+            assert refused.value.reason == "NOT_PARTITION_OWNER"
+            with pytest.raises(AtomlogError) as refused:
+                await replication.replicate(request(2, 1), 0)
+            assert refused.value.reason == "NOT_PARTITION_OWNER"
+            # ... the log is cut back to what was durable, and the epoch is given up.
+            fsyncs.failing = False
+            await wait_for(lambda: replication.fenced is not None, "the epoch to be given up")
+            assert resigned == [1]
+            assert owner.log.log_end_offset == 1
+            assert replication.high_watermark == 1
+        finally:
+            fsyncs.release()
+            await replication.close()
+            await owner.close()
+
+    async def next_leadership():
+        # The same replica leads again, in epoch 2 (no other in-sync replica was live).
+        owner, replication = await leading(directory, fsyncs, epoch=2, resigned=[])
+        try:
+            assert replication.epochs.cache.entries[-1] == (2, 1)
+            # b copied offset 1 in epoch 1, which this log lost: it is told to cut it.
+            answer = await replication.replicate(request(2, 1, epoch=2), 0)
+            assert answer.diverging and (answer.diverging_epoch,
+                                         answer.diverging_end_offset) == (1, 1)
+            await replication.replicate(request(1, 1, epoch=2), 0)
+            assert replication.fenced is None and replication.failed is None
+            produced = asyncio.ensure_future(owner.produce([batch(b"new")]))
+            await wait_for(lambda: replication.local_durable_end == 2, "the fsync")
+            await replication.replicate(request(2, 2, epoch=2), 0)
+            assert (await asyncio.wait_for(produced, 10))[0].base_offset == 1
+        finally:
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(first_leadership())
+    asyncio.run(next_leadership())
+
+
+def test_a_leadership_never_resumes_an_epoch_it_led_before(tmp_path):
+    fsyncs = Fsyncs()
+    directory = tmp_path / "t-0"
+
+    async def lead_epoch_1():
+        owner, replication = await leading(directory, fsyncs)
+        produced = asyncio.ensure_future(owner.produce([batch(b"x")]))
+        await wait_for(lambda: replication.local_durable_end == 1, "the fsync")
+        await replication.close()  # (unacknowledged: the follower never reported it)
+        await owner.close()
+        with pytest.raises(AtomlogError):
+            await produced
+
+    async def lead_epoch_1_again():
+        resigned: list[int] = []
+        owner, replication = await leading(directory, fsyncs, resigned=resigned)
+        try:
+            await wait_for(lambda: replication.fenced is not None, "the epoch to be given up")
+            assert resigned == [1]
+            assert replication.failed and "resume leader epoch 1" in replication.failed
+            assert replication.epochs.cache.entries == [(1, 0)]  # nothing assigned again
+            with pytest.raises(AtomlogError) as refused:
+                owner.check_serving()
+            assert refused.value.reason == "NOT_PARTITION_OWNER"
+            with pytest.raises(AtomlogError) as refused:
+                await replication.replicate(request(0, -1), 0)
+            assert refused.value.reason == "NOT_PARTITION_OWNER"
+        finally:
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(lead_epoch_1())
+    asyncio.run(lead_epoch_1_again())
