@@ -403,3 +403,24 @@ def test_source_positions_read_from_paths_and_uris(tmp_path):
         source_positions("nosuchfs://bucket/cp", 3)
     with pytest.raises(FileNotFoundError):
         source_positions(str(tmp_path), 4)  # Spark has not written batch 4
+
+
+def test_read_tasks_of_a_worker_share_one_client_for_a_while(monkeypatch):
+    """A Python worker's read tasks reuse one Client per cluster (no set-up per task), for
+    TASK_CLIENT_MAX_AGE_S at most; the one it replaces is closed."""
+    from spark_client import spark as source
+
+    monkeypatch.setattr(source, "_TASK_CLIENTS", {})
+    one = source.Options.parse({"bootstrap": "127.0.0.1:1", "topic": "t"})
+    other = source.Options.parse({"bootstrap": "127.0.0.1:2", "topic": "t"})
+    first = source._task_client(one)
+    assert source._task_client(one) is first
+    second = source._task_client(other)
+    assert second is not first and source._task_client(other) is second
+    closed = []
+    monkeypatch.setattr(first, "close", lambda: closed.append(first))
+    monkeypatch.setattr(source, "TASK_CLIENT_MAX_AGE_S", -1.0)
+    renewed = source._task_client(one)
+    assert renewed is not first and closed == [first]
+    for client, _ in source._TASK_CLIENTS.values():
+        client.close()
