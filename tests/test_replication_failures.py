@@ -1,0 +1,108 @@
+"""A leader whose fsyncs fail gives its leader epoch up (docs/replication.md, "Copying
+before the leader's fsync"), with real processes: a cluster of its own whose partition
+servers each have a failpoint directory (services/failpoints.py), so the test makes one
+server's fsyncs fail with EIO while a producer streams into a factor-3 partition it leads.
+
+Followers copy before the leader's fsync, so they may hold the tail the failing leader
+cuts; the leader must not go on in the same epoch. Checked: the partition's leader epoch
+goes up, the old leader says it gave its epoch up, nothing acknowledged is lost or
+duplicated, and every replica ends with the same bytes (the copied tail was cut by
+leader-epoch truncation, not kept beside other records at the same offsets)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from services import launcher
+from services.failpoints import ENVIRONMENT_VARIABLE, FSYNC
+from spark_client import Client
+from tests.conftest import SESSION_TIMEOUT_MS, Cluster, wait_until
+from tests.test_replication import (SERVERS, fully_in_sync, metadata, read_all,
+                                    segment_digests)
+
+pytestmark = pytest.mark.cluster
+
+COUNTS = {"partition_server": 3, "coordinator": 1, "id_allocator": 1}
+SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
+            "topics.default_replication_factor": "1"}
+
+
+@pytest.fixture(scope="module")
+def failing_cluster(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("atomlog-failpoints")
+    planned = launcher.plan(data_dir, COUNTS, SETTINGS)
+    for entry in planned.processes:
+        if entry.role in launcher.SERVES_PARTITIONS:
+            points = data_dir / "failpoints" / entry.name
+            points.mkdir(parents=True, exist_ok=True)
+            entry.env = {ENVIRONMENT_VARIABLE: str(points)}
+    planned.save(data_dir)
+    try:
+        launcher.up(data_dir, COUNTS, SETTINGS, timeout_s=180)
+        yield Cluster(data_dir)
+    finally:
+        launcher.down(data_dir, timeout_s=20)
+
+
+def test_a_leader_whose_fsync_fails_gives_its_epoch_up_and_loses_nothing(failing_cluster):
+    cluster = failing_cluster
+    client = Client(cluster.info["bootstrap"])
+    topic = "fail-fsync"
+    client.create_topic(topic, partitions=1, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{topic} in sync")
+    before = metadata(client, topic).partitions[0]
+    acked: list[tuple[int, object]] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        with client.producer(linger_ms=2, delivery_timeout_s=90) as producer:
+            sequence, pending = 0, []
+            while not stop.is_set():
+                pending.append((sequence, producer.send(topic, f"f{sequence}".encode() * 50,
+                                                        partition=0)))
+                sequence += 1
+                if len(pending) >= 50 or stop.is_set():
+                    for seq, future in pending:
+                        try:
+                            acked.append((seq, future.result(120)))
+                        except BaseException as error:  # noqa: BLE001 — asserted below
+                            failures.append(error)
+                    pending = []
+                time.sleep(0.001)
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    armed = cluster.data_dir / "failpoints" / before.server_name / FSYNC
+    try:
+        time.sleep(2.0)
+        armed.touch()  # every fsync of the leader fails with EIO ...
+        time.sleep(1.0)
+        armed.unlink()  # ... for a second
+        wait_until(lambda: metadata(client, topic).partitions[0].leader_epoch
+                   > before.leader_epoch, 30, "the leader epoch to go up")
+        time.sleep(2.0)
+    finally:
+        armed.unlink(missing_ok=True)
+        stop.set()
+        thread.join(timeout=240)
+    assert not thread.is_alive()
+    assert not failures, failures[:3]
+    after = metadata(client, topic).partitions[0]
+    print(f"epoch {before.leader_epoch} ({before.server_name}) -> {after.leader_epoch} "
+          f"({after.server_name}); {len(acked)} acknowledged")
+    log_text = open(cluster.process(before.server_name)["log_file"]).read()
+    assert "leader gives up its epoch" in log_text and "leader epoch given up" in log_text
+    seen = read_all(client, topic, len(acked))
+    values = list(seen.values())
+    assert len(values) == len(set(values)), "a duplicate"
+    for sequence, meta in acked:
+        assert seen.get((0, meta.offset)) == f"f{sequence}".encode() * 50
+    wait_until(lambda: fully_in_sync(client, topic), 30, "every replica back in sync")
+    wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 30,
+               "identical replicas")
+    assert set(segment_digests(cluster, topic, 0)) == set(SERVERS)
+    client.close()
