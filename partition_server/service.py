@@ -72,6 +72,32 @@ def item_error(error: AtomlogError) -> partition_pb2.ItemError:
                                    metadata=error.metadata)
 
 
+# How long DescribeSubscription waits for the in-sync replicas to hold every cursor change
+# a replicated leader applied before it shows its cursors.
+DESCRIBE_REPLICATED_WAIT_S = 2.0
+
+
+async def _cursors_replicated_for_reading(owner: PartitionOwner) -> None:
+    """A replicated leader shows its cursors only once the cursor high watermark covers
+    every change applied to them (docs/replication.md, "Cursors"), as a log read never
+    goes past the high watermark: else a leader deposed without knowing it yet (cut off
+    from ZooKeeper) shows an ack that never became acknowledged, and its successor then
+    shows the cursor lower (chaos run ctp 2302 found that cursor regression). A deposed
+    leader's followers have left it, so the wait ends in a retriable refusal."""
+    store = owner.subscriptions.store
+    if owner.replication is None or store is None:
+        return
+    try:
+        await asyncio.wait_for(owner.replication.cursors_replicated(store.appended_end,
+                                                                    writes=False),
+                               DESCRIBE_REPLICATED_WAIT_S)
+    except asyncio.TimeoutError:
+        raise AtomlogError("NOT_ENOUGH_REPLICAS",
+                           f"{owner.name}: its in-sync replicas do not hold every cursor "
+                           f"change yet (waited {DESCRIBE_REPLICATED_WAIT_S} s); retry",
+                           {"retry_after_ms": "200"}) from None
+
+
 def _require_items(items, what: str) -> None:
     if not items:
         raise AtomlogError("INVALID_ARGUMENT", f"{what} has no items")
@@ -653,6 +679,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         for sp in request.subscription_partitions:
             try:
                 owner = await self._subscription_owner(sp)
+                await _cursors_replicated_for_reading(owner)
                 d = owner.subscriptions.describe(sp.subscription, owner.max_read_position(),
                                                  now_ms)
                 response.cursors.add(**_cursor_fields(sp, d))
