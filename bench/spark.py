@@ -318,8 +318,9 @@ def main() -> None:
             register_noop(spark)
             df = frame(spark, args.rows)
             # Warm-ups of a tenth of the rows (at least 20,000): with 20,000 the first
-            # measured write paid the JVM's warm-up (4.5-5.8 s of JVM CPU against 1.7-2.2
-            # in later rounds, 2026-11-25).
+            # measured write used 4.5-5.8 s of JVM CPU against 1.7-2.2 in later rounds
+            # (2026-11-25). With a tenth it still used 2.9-3.2 s and stayed the slowest
+            # round of the exactly-once write; not explained yet (docs/benchmarks.md).
             warm = frame(spark, max(20_000, args.rows // 10))
             parquet = {name: str(data_dir / "parquet" / name) for name in ("rows", "warmup")}
             writes = play({
