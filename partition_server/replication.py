@@ -316,8 +316,9 @@ class LeaderProgress:
     log end, not only what the leader made durable, so a follower's durable end may pass
     the leader's. The high watermark is the smallest durable end over the ISR, the
     leader's own included (`leader_durable_end`: its fsyncs only, never its log end);
-    writes below it are acknowledged and readable. Writes are acknowledged only while the ISR has `min_insync` members;
-    below that, produce requests fail with NOT_ENOUGH_REPLICAS (nothing is written)."""
+    writes below it are acknowledged and readable. Writes are acknowledged only while
+    the ISR has `min_insync` members; below that, produce requests fail with
+    NOT_ENOUGH_REPLICAS (nothing is written)."""
 
     leader: str
     replicas: list[str]
