@@ -19,7 +19,6 @@ import logging
 import threading
 from typing import Callable
 
-
 from partition_server.partition_states import Versioned, path_of
 from partition_server.replication import PartitionState
 from services.logs import event

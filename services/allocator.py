@@ -18,6 +18,12 @@ _lock = threading.Lock()
 _applied = (0, 0)  # (mmap threshold, trim threshold) set so far in this process
 
 
+def applied() -> tuple[int, int]:
+    """(mmap threshold, trim threshold) this process set through `tune`; (0, 0) when it
+    never did (glibc's defaults, or a process that opted out)."""
+    return _applied
+
+
 def tune(mmap_threshold: int, trim_threshold: int) -> bool:
     """Serve allocations below `mmap_threshold` bytes from the heap and return freed heap
     memory to the kernel only past `trim_threshold` bytes. Only ever raises what this

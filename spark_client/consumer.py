@@ -295,9 +295,8 @@ def tune_for_fetches(max_bytes_per_request: int) -> None:
     time), 265-770 minor faults per MB read and 2.0-3.3 ms of client CPU per MB, against
     28-36 faults and 1.3-1.4 ms/MB with the replies on the heap; poll_arrow() went from
     87% of raw Fetch to 120% on 8 partitions in the same round (docs/benchmarks.md)."""
-    if allocator._applied[0]:  # tuned by the Client: raise it for replies this size
-        allocator.tune(max(4 << 20, 2 * max_bytes_per_request),
-                       max(32 << 20, 8 * max_bytes_per_request))
+    if allocator.applied()[0]:  # tuned by the Client: raise it (tune never lowers it)
+        allocator.tune(2 * max_bytes_per_request, 8 * max_bytes_per_request)
 
 
 def _cancel(prefetched: tuple | None) -> None:

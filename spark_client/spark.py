@@ -480,7 +480,9 @@ class _SparkColumns:
 # about 18 ms of a task's wall time and 4 ms of its CPU here, on the cluster's side one
 # metadata read of ZooKeeper. Kept for TASK_CLIENT_MAX_AGE_S at most, so a worker long
 # idle starts again from fresh metadata (stale routes are refreshed on errors anyway).
+# `_TASK_CLIENTS_PID`: the process they belong to (a forked worker starts without them).
 _TASK_CLIENTS: dict = {}
+_TASK_CLIENTS_PID = [0]
 TASK_CLIENT_MAX_AGE_S = 60.0
 
 
@@ -489,19 +491,19 @@ def _task_client(options: Options):
     import os
     import time
 
-    key = (os.getpid(), tuple(options.bootstrap), options.tls, options.token_file,
-           options.request_timeout_s)
+    if _TASK_CLIENTS_PID[0] != os.getpid():  # forked: the parent's clients are not ours
+        _TASK_CLIENTS.clear()
+        _TASK_CLIENTS_PID[0] = os.getpid()
     now = time.monotonic()
-    held = _TASK_CLIENTS.get(key)
-    if held is not None and now - held[1] <= TASK_CLIENT_MAX_AGE_S:
-        return held[0]
-    for other in [k for k in _TASK_CLIENTS if k[0] != key[0] or k == key]:
-        stale = _TASK_CLIENTS.pop(other)[0]
-        if other[0] == key[0]:  # never close a client a parent process made
-            stale.close()
-    client = options.client()
-    _TASK_CLIENTS[key] = (client, now)
-    return client
+    for key, (client, made) in list(_TASK_CLIENTS.items()):
+        if now - made > TASK_CLIENT_MAX_AGE_S:
+            del _TASK_CLIENTS[key]
+            client.close()
+    key = (tuple(options.bootstrap), options.tls, options.token_file,
+           options.request_timeout_s)
+    if key not in _TASK_CLIENTS:
+        _TASK_CLIENTS[key] = (options.client(), now)
+    return _TASK_CLIENTS[key][0]
 
 
 def _read_range(options: Options, part: OffsetRange, schema: StructType | None = None):

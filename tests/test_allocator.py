@@ -13,7 +13,7 @@ from services import allocator
 server = allocator.tune(64 << 20, 256 << 20)
 client = allocator.tune(4 << 20, 32 << 20)        # lower: nothing to do
 trim = allocator.tune(4 << 20, 512 << 20)         # only the trim threshold grows
-print(server, client, trim, allocator._applied == (64 << 20, 512 << 20))
+print(server, client, trim, allocator.applied() == (64 << 20, 512 << 20))
 """
 
 

@@ -169,7 +169,7 @@ tuned = sys.argv[1] == "tuned"
 if tuned:
     allocator.tune(4 << 20, 32 << 20)  # what Client() does unless tune_allocator=False
 tune_for_fetches(8 << 20)
-print(*allocator._applied)
+print(*allocator.applied())
 """
 
 
