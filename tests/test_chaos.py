@@ -12,10 +12,14 @@ import pytest
 from tests.chaos.runner import Options, Run
 
 FAULT_PHASE_MINUTES = 0.5
-# Each workload under every nemesis, two nemeses per run (a cluster start per run is
-# most of a short run's time).
-SEEDS = {("log", "kill,pause"): 11, ("log", "net,disk"): 13,
-         ("ctp", "kill,pause"): 21, ("ctp", "net,disk"): 23}
+# Each workload under every nemesis: all four in one run per workload (a cluster start,
+# quiescence and final reads are a run's fixed cost), over a fault phase a little longer
+# than a two-nemesis run's. The seeds are chosen so that each run's schedule holds
+# faults of every nemesis it names (checked below): log 295 — net-drop, disk-fsync, kill
+# of ps-2 and of ZooKeeper, pause of ps-0, disk-full, net-oneway; ctp 115 — pause of
+# ps-2 (twice), kill of ps-2, disk-full, net-isolate of coord-0, disk-fsync.
+ALL_NEMESES_MINUTES = 0.6
+SEEDS = {("log", "kill,pause,net,disk"): 295, ("ctp", "kill,pause,net,disk"): 115}
 # Runs that found an anomaly, replayed as they were: (workload, nemeses, seed, minutes).
 REGRESSIONS = [
     # A partition whose reload after ENOSPC failed too (the disk still full) stayed
@@ -23,13 +27,17 @@ REGRESSIONS = [
     # there hung on another partition (hanging-transaction).
     ("log", "pause,disk", 3, 0.6),
 ]
-# The Spark writer's parent/child protocol, with drivers killed and links cut.
-SPARK_LITE = [("spark-lite", "kill,net", 31, 0.35)]
+# The Spark writer's parent/child protocol, with drivers killed and links cut (seed 183:
+# driver-1 killed twice, ps-2 isolated, a one-way cut ZooKeeper -> coord-0, coord-0
+# killed).
+SPARK_LITE = [("spark-lite", "kill,net", 183, 0.35)]
 # Cases with options: the combined server (every role in one process), and three replicas
 # of every partition under the replication nemeses (docs/replication.md).
 WITH_OPTIONS = [("ctp", "kill,net,disk", 41, 0.35, {"combined": True}),
                 ("log", "leader,wipe,reassign", 51, FAULT_PHASE_MINUTES, {"replication": 3})]
-CASES = [(w, n, SEEDS[(w, n)], FAULT_PHASE_MINUTES, {}) for w, n in sorted(SEEDS)] + \
+# A fault's nemesis, where its name does not begin with it.
+NEMESIS_OF = {"client-kill": "kill"}
+CASES = [(w, n, SEEDS[(w, n)], ALL_NEMESES_MINUTES, {}) for w, n in sorted(SEEDS)] + \
     [(*case, {}) for case in SPARK_LITE + REGRESSIONS] + WITH_OPTIONS
 
 
@@ -42,6 +50,10 @@ def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes, options):
                          quiet=True, **options)).execute()
     schedule = json.loads((run_dir / "schedule.json").read_text())
     assert schedule, "the seed scheduled no fault"
+    # Every nemesis of the run injects at least one fault (a kill may hit a client).
+    injected = {NEMESIS_OF.get(f["fault"], f["fault"].split("-")[0]) for f in schedule}
+    assert set(nemesis.split(",")) <= injected, (f"seed {seed} schedules no fault of "
+                                                 f"{set(nemesis.split(',')) - injected}", schedule)
     stats = report["stats"]
     # The run did real work under its faults: committed transactions and reads.
     assert stats["committed_txns"] > 0 and stats["records_read"] > 0, stats
