@@ -23,7 +23,7 @@ from partition_server import partition_states, producer_state, txn_buffer
 from partition_server.snapshot_files import fsync_directory
 from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
-from partition_server.replica import Follower, LeaderReplication
+from partition_server.replica import Follower, LeaderFetcher, LeaderReplication
 from services import local
 from services.errors import AtomlogError
 from services.logs import event
@@ -111,6 +111,9 @@ class PartitionManager:
         self._chores: asyncio.Task | None = None
         self.replication = replication or ReplicationSettings()
         self.followers: dict[tuple[str, int], Follower] = {}
+        # One per leader this server follows partitions of (its address may change on a
+        # restart: the key has both): a single ReplicateMany carries them all.
+        self.fetchers: dict[tuple[str, str], LeaderFetcher] = {}
         self._steering: dict[tuple[str, int], asyncio.Task] = {}
         self._dirty: set[tuple[str, int]] = set()
         self._closing = False
@@ -335,10 +338,20 @@ class PartitionManager:
         await asyncio.to_thread(forget_owner_snapshots, self.data_dir / f"{topic}-{partition}")
         follower = Follower(topic, partition, self.data_dir / f"{topic}-{partition}",
                             settings.log, me, state.leader, address, state.leader_epoch,
-                            self._stubs, self.replication.fetch_wait_ms, fsync=settings.fsync,
+                            self._fetcher(state.leader, address), fsync=settings.fsync,
                             cursor_limits=settings.cursor_limits, known_hw=known_hw)
         self.followers[key] = follower
         await follower.start()
+
+    def _fetcher(self, leader: str, address: str) -> LeaderFetcher:
+        key = (leader, address)
+        fetcher = self.fetchers.get(key)
+        if fetcher is None:
+            for stale in [k for k, f in self.fetchers.items() if f.idle]:
+                del self.fetchers[stale]  # leaders gone or moved: nothing left to copy
+            fetcher = self.fetchers[key] = LeaderFetcher(
+                self.server_name, address, self._stubs, self.replication.fetch_wait_ms)
+        return fetcher
 
     def _leave_isrs(self) -> None:
         """At start, before registering: out of the ISR of every replica here (see
@@ -513,6 +526,8 @@ class PartitionManager:
         await asyncio.gather(*(o.replication.close() for o in self.owners.values()
                                if o.replication is not None), return_exceptions=True)
         await asyncio.gather(*(f.close() for f in self.followers.values()),
+                             return_exceptions=True)
+        await asyncio.gather(*(f.close() for f in self.fetchers.values()),
                              return_exceptions=True)
         await asyncio.gather(*(o.close() for o in self.owners.values()), return_exceptions=True)
         await self._stubs.close()

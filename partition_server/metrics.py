@@ -49,6 +49,9 @@ ISR_EXPANDS = Counter("atomlog_isr_expands_total", "Followers added back to an i
                       "set by this server as leader once caught up.")
 REPLICA_FETCHED_BYTES = Counter("atomlog_replica_fetched_bytes_total",
                                 "Bytes of batches this server copied from leaders as a follower.")
+REPLICATE_CALLS = Counter("atomlog_replica_fetch_calls_total",
+                          "ReplicateMany calls this server made as a follower (one at a time "
+                          "per leader, each carrying every partition it copies from it).")
 REPLICA_ACKNOWLEDGED_LOST = Counter(
     "atomlog_replica_acknowledged_offsets_lost_total",
     "Offsets below the high watermark (acknowledged) that this server cut from its copy to "

@@ -62,6 +62,11 @@ ISR_CHECK_INTERVAL_S = 0.25
 FOLLOWER_RETRY_FIRST_S = 0.05
 FOLLOWER_RETRY_MAX_S = 1.0
 REPLICATE_MAX_BYTES = 4 << 20
+# One ReplicateMany answer: records and cursor state of all its partitions together (the
+# first partition with anything to send may pass it by its own first batch or snapshot).
+REPLICATE_MANY_MAX_BYTES = 8 << 20
+# Partitions per ReplicateMany call.
+REPLICATE_MANY_MAX_PARTITIONS = 4096
 # Cursor frames per Replicate answer (a snapshot comes whole on top of them, and then
 # without log records).
 REPLICATE_CURSOR_MAX_BYTES = 1 << 20
@@ -392,6 +397,18 @@ class LeaderReplication:
     # ---------------------------------------------------------------- followers
     async def replicate(self, request, max_wait_s: float) -> partition_pb2.ReplicateResponse:
         """A follower's Replicate call (already validated: known partition, sane fields)."""
+        begun = self.begin_replicate(request)
+        if isinstance(begun, partition_pb2.ReplicateResponse):
+            return begun
+        if not self.has_news(request.fetch_offset, begun):
+            await self._wait_for_data(request.fetch_offset, begun, max_wait_s)
+        return self.answer_replicate(request, begun, request.max_bytes or REPLICATE_MAX_BYTES)
+
+    def begin_replicate(self, request) -> partition_pb2.ReplicateResponse | int:
+        """The first half of a Replicate: check the follower's request and record what it
+        holds (which may move the high watermarks and the ISR). Returns the answer when
+        the follower's log left this leader's history (`diverging`), else the follower's
+        cursor position for `has_news` and `answer_replicate`."""
         owner = self.owner
         self._check_epoch(request.leader_epoch)
         if request.replica == self.me or request.replica not in self.replicas:
@@ -425,25 +442,49 @@ class LeaderReplication:
         self._wake_cursor_waiters()  # so may the cursors' one
         if self.progress.expand(self.epoch_start) is not None:
             self._poke_isr()
-        if fetch >= self.log_end and not self._cursor_news(cursor_position):
-            await self._wait_for_data(fetch, cursor_position, max_wait_s)
-            self._check_epoch(request.leader_epoch)
-            # The owner may have reloaded its log meanwhile (after a failed write).
-            owner.check_loaded()
-            partition_log = owner.log
+        return cursor_position
+
+    def has_news(self, fetch: int, cursor_position: int) -> bool:
+        """Whether a follower at `fetch` and `cursor_position` has something to copy now
+        (or must hear that this leadership ended)."""
+        return (self.log_end > fetch or self.fenced is not None or self.failed is not None
+                or self._cursor_news(cursor_position))
+
+    def data_future(self) -> asyncio.Future:
+        """Resolved at this leader's next append, durable flush or end of leadership (for
+        a wait over many partitions: `replicate_many`)."""
+        if self._data is None:
+            self._data = asyncio.get_running_loop().create_future()
+        return self._data
+
+    def check_answerable(self, epoch: int) -> None:
+        """This leadership still serves a follower of `epoch` (it may have ended, or
+        its owner may be reloading its log, since the call began)."""
+        self._check_epoch(epoch)
+        self.owner.check_loaded()
+
+    def answer_replicate(self, request, cursor_position: int, max_bytes: int,
+                         with_cursors: bool = True) -> partition_pb2.ReplicateResponse:
+        """The second half of a Replicate: whole batches from the follower's fetch offset
+        up to `max_bytes` (the first whole even when larger) and, `with_cursors`, the
+        cursor journal's news. Checks again that this leadership still serves."""
+        # The owner may have reloaded its log meanwhile (after a failed write).
+        self.check_answerable(request.leader_epoch)
+        partition_log = self.owner.log
+        fetch = request.fetch_offset
         cursors = partition_pb2.ReplicateResponse()
-        self._add_cursors(cursors, cursor_position, request.replica)
+        if with_cursors:
+            self._add_cursors(cursors, cursor_position, request.replica)
         records, next_offset = b"", fetch
         # Up to the log end: whole batches this leader appended, fsynced or not (the log
         # end moves only once a group's writev completed; a failed write breaks the log,
         # and this read then fails). The high watermark still waits for the leader's own
         # fsync (`durable`), and a leader whose fsync fails gives this epoch up.
         end = min(self.log_end, partition_log.log_end_offset)
-        if fetch < end and not cursors.cursor_snapshot:
+        if fetch < end and not cursors.cursor_snapshot and max_bytes > 0:
             # (A cursor snapshot travels alone: the message stays within its bound.)
             records, next_offset = partition_log.read(
-                fetch, min(request.max_bytes or REPLICATE_MAX_BYTES, REPLICATE_MAX_BYTES),
-                upper_bound_offset=end)
+                fetch, min(max_bytes, REPLICATE_MAX_BYTES), upper_bound_offset=end)
         entries = self.epochs.cache.entries
         epochs = [partition_pb2.LeaderEpochEntry(epoch=e, start_offset=s)
                   for i, (e, s) in enumerate(entries)
@@ -461,9 +502,12 @@ class LeaderReplication:
             raise AtomlogError("NOT_PARTITION_OWNER", f"{self.me} no longer leads {self.name}",
                                {"owner": ""})
         if epoch > self.epoch:
-            # A follower knows a newer leadership: this one is over.
-            self.fence(f"a follower follows epoch {epoch}")
-            raise AtomlogError("NOT_PARTITION_OWNER", f"{self.me} no longer leads {self.name}",
+            # The caller names a newer leadership than this one. A real newer epoch reaches
+            # this server through ZooKeeper's watch (and fences it then); the caller's word
+            # alone changes nothing here (it may be wrong, or forged), as in Kafka.
+            raise AtomlogError("NOT_PARTITION_OWNER",
+                               f"{self.name}: leader epoch {epoch} is newer than this "
+                               f"leadership's ({self.epoch}) on {self.me}",
                                {"owner": ""})
         if epoch < self.epoch:
             raise AtomlogError("FENCED_LEADER_EPOCH",
@@ -598,6 +642,85 @@ class LeaderReplication:
         into.reassigning_to.extend(self.target or ())
 
 
+async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
+                         rotation: int = 0) -> list:
+    """One follower's ReplicateMany on this leader (docs/replication.md, "One call per
+    leader"). `items`: (LeaderReplication, its already validated ReplicateRequest) per
+    partition, or (AtomlogError, request) for a partition this server cannot serve.
+    Returns a ReplicateResponse or an AtomlogError per item, in order, or None for a
+    partition with nothing to send (no records, cursor state, divergence or error: it is
+    left out of the answer, and its follower simply asks again).
+
+    Every partition's request is recorded first (what the follower holds durably moves
+    high watermarks whether or not anything is copied); the call then waits, up to
+    `max_wait_s`, only while no partition has anything to copy or to report. The answer
+    stays within `max_bytes` of records and cursor state, beginning at `rotation` among
+    the partitions so that a busy one cannot starve the others: the first partition with
+    something to send gets its whole first batch (or cursor snapshot) even past the
+    bound; one that no longer fits gets its offsets and high watermark only, and asks
+    again in the next call."""
+    results: list = [None] * len(items)
+    begun: dict[int, int] = {}
+    for index, (leader, request) in enumerate(items):
+        if isinstance(leader, AtomlogError):
+            results[index] = leader
+            continue
+        try:
+            outcome = leader.begin_replicate(request)
+        except AtomlogError as error:
+            results[index] = error
+            continue
+        if isinstance(outcome, partition_pb2.ReplicateResponse):
+            results[index] = outcome  # diverging: the follower cuts its log first
+        else:
+            begun[index] = outcome
+
+    def news(indexes) -> bool:
+        return any(items[i][0].has_news(items[i][1].fetch_offset, begun[i]) for i in indexes)
+
+    if begun and len(begun) == len(items) and not news(begun):
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            woken: dict[asyncio.Future, list[int]] = {}
+            for i in begun:
+                woken.setdefault(items[i][0].data_future(), []).append(i)
+            done, _pending = await asyncio.wait(woken, timeout=remaining,
+                                                return_when=asyncio.FIRST_COMPLETED)
+            # Only the partitions whose leader woke can have news (a wake may also be a
+            # durable flush with nothing new to copy: then wait on).
+            if news(i for future in done for i in woken[future]):
+                break
+    budget, sent = max_bytes, False
+    order = sorted(begun)
+    if order:
+        start = rotation % len(order)
+        order = order[start:] + order[:start]
+    for index in order:
+        leader, request = items[index]
+        if not leader.has_news(request.fetch_offset, begun[index]):
+            continue  # nothing to send: left out of the answer
+        own = request.max_bytes or REPLICATE_MAX_BYTES
+        try:
+            if sent and budget <= 0:
+                continue  # no room left: it asks again
+            response = leader.answer_replicate(request, begun[index],
+                                               min(own, budget) if sent else own)
+            size = (len(response.records) + len(response.cursor_snapshot)
+                    + len(response.cursor_frames))
+            if sent and size > budget:  # a whole first batch or snapshot too large
+                continue
+            budget -= size
+            sent = sent or size > 0
+        except AtomlogError as error:
+            results[index] = error
+            continue
+        results[index] = response
+    return results
+
+
 class CursorCopyFailed(Exception):
     """A follower could not copy its leader's cursors (it starts over from the leader's
     snapshot); its log is not at fault."""
@@ -608,7 +731,7 @@ class Follower:
     when the partition's state changes)."""
 
     def __init__(self, topic: str, partition: int, directory, log_config: LogConfig, me: str,
-                 leader: str, leader_address: str, epoch: int, stubs, fetch_wait_ms: int,
+                 leader: str, leader_address: str, epoch: int, fetcher: "LeaderFetcher",
                  fsync: bool = True, cursor_limits: CursorStoreLimits | None = None,
                  known_hw: int = 0):
         """`known_hw`: the high watermark this replica learned from its previous leader
@@ -622,14 +745,15 @@ class Follower:
         self.leader = leader
         self.leader_address = leader_address
         self.epoch = epoch
-        self.stubs = stubs
-        self.fetch_wait_ms = fetch_wait_ms
+        self.fetcher = fetcher
         self.fsync = fsync
         self.log: PartitionLog | None = None
         self.epochs: LeaderEpochFile | None = None
         self.known_hw = known_hw
         self.last_error = ""
-        self._task: asyncio.Task | None = None
+        self.retry_at = 0.0  # time.monotonic(): asks again from then (after a failure)
+        self._delay = FOLLOWER_RETRY_FIRST_S
+        self._reopen_due = False
         # The cursor store, once this leader's snapshot is installed (None: not synced
         # with this leadership; the store on disk is left as it is until then). Used on
         # worker threads under the lock, so close() never races a copy in flight.
@@ -647,7 +771,7 @@ class Follower:
     async def start(self) -> None:
         self.log, self.epochs = await asyncio.to_thread(self._open)
         self.known_hw = min(self.known_hw, self.log.log_end_offset)
-        self._task = asyncio.create_task(self._run(), name=f"follower {self.name}")
+        self.fetcher.add(self)
         event(log, "following", partition=self.name, leader=self.leader, epoch=self.epoch,
               log_end=self.log.log_end_offset)
 
@@ -665,12 +789,7 @@ class Follower:
         return partition_log, epochs
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await self.fetcher.remove(self)  # once no copy of this follower is under way
         await asyncio.to_thread(self._close_cursors)
         if self.log is not None:
             await asyncio.to_thread(self.log.close)
@@ -680,40 +799,63 @@ class Follower:
     def log_end(self) -> int:
         return self.log.log_end_offset if self.log is not None else 0
 
-    async def _run(self) -> None:
-        delay = FOLLOWER_RETRY_FIRST_S
-        while True:
-            if self.log is None:  # a reopen failed: try again, at the loop's pace
-                await self._reopen()
-                if self.log is None:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, FOLLOWER_RETRY_MAX_S)
-                    continue
-            try:
-                await self._fetch_once()
-                delay = FOLLOWER_RETRY_FIRST_S
-                self.last_error = ""
-            except asyncio.CancelledError:
-                raise
-            except AtomlogError as error:
-                self.last_error = f"{error.reason}: {error}"
-                if error.reason == "OFFSET_OUT_OF_RANGE" and \
-                        "log_start_offset" in error.metadata:
-                    start = int(error.metadata["log_start_offset"])
-                    if self.log.log_end_offset < start:
-                        await self._restart_at(start)
-                        continue
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, FOLLOWER_RETRY_MAX_S)
-                if error.reason in ("INTERNAL", "DATA_LOSS"):
-                    await self._reopen()  # a failed write or fsync left the log refusing
-            except Exception as error:  # noqa: BLE001 — leader away, disk trouble: retry
-                self.last_error = f"{type(error).__name__}: {error}"
-                log.debug("follower %s: %s", self.name, self.last_error)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, FOLLOWER_RETRY_MAX_S)
-                if isinstance(error, OSError):
-                    await self._reopen()
+    # ---------------------------------------------------------------- the fetcher's calls
+    async def prepare(self) -> partition_pb2.ReplicateRequest | None:
+        """This partition's part of the fetcher's next ReplicateMany, or None while it
+        cannot ask (its log failed to reopen: it backs off and tries again)."""
+        if self._reopen_due or self.log is None:
+            self._reopen_due = False
+            await self._reopen()
+            if self.log is None:
+                self._back_off()
+                return None
+        partition_log = self.log
+        request = partition_pb2.ReplicateRequest(
+            replica=self.me, leader_epoch=self.epoch,
+            fetch_offset=partition_log.log_end_offset,
+            last_fetched_epoch=self.epochs.cache.latest_epoch(),
+            max_bytes=REPLICATE_MAX_BYTES, cursor_sequence=self.cursor_position)
+        request.topic_partition.topic = self.topic
+        request.topic_partition.partition = self.partition
+        return request
+
+    async def handle(self, request, outcome) -> None:
+        """Act on this partition's answer (a ReplicateResponse) or failure (an exception:
+        its item's error, or the whole call's); a failure backs this partition off."""
+        try:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            await self._copy(request.fetch_offset, outcome)
+            self._delay = FOLLOWER_RETRY_FIRST_S
+            self.last_error = ""
+        except asyncio.CancelledError:
+            raise
+        except AtomlogError as error:
+            self.last_error = f"{error.reason}: {error}"
+            if error.reason == "OFFSET_OUT_OF_RANGE" and \
+                    "log_start_offset" in error.metadata and self.log is not None:
+                start = int(error.metadata["log_start_offset"])
+                if self.log.log_end_offset < start:
+                    await self._restart_at(start)
+                    return
+            self._back_off()
+            if error.reason in ("INTERNAL", "DATA_LOSS"):
+                self._reopen_due = True  # a failed write or fsync left the log refusing
+        except Exception as error:  # noqa: BLE001 — leader away, disk trouble: retry
+            self.last_error = f"{type(error).__name__}: {error}"
+            log.debug("follower %s: %s", self.name, self.last_error)
+            self._back_off()
+            if isinstance(error, OSError):
+                self._reopen_due = True
+
+    def quiet(self) -> None:
+        """The leader had nothing new for this partition: the call went well."""
+        self._delay = FOLLOWER_RETRY_FIRST_S
+        self.last_error = ""
+
+    def _back_off(self) -> None:
+        self.retry_at = time.monotonic() + self._delay
+        self._delay = min(self._delay * 2, FOLLOWER_RETRY_MAX_S)
 
     async def _reopen(self) -> None:
         """After a failed write or fsync the log refuses every use until reopened: reopen it
@@ -731,21 +873,10 @@ class Follower:
         except Exception as error:  # noqa: BLE001 — the disk may come back: the loop retries
             self.last_error = f"reopen failed: {type(error).__name__}: {error}"
 
-    async def _fetch_once(self) -> None:
+    async def _copy(self, fetch: int, response) -> None:
         partition_log = self.log
-        fetch = partition_log.log_end_offset
-        request = partition_pb2.ReplicateRequest(
-            replica=self.me, leader_epoch=self.epoch, fetch_offset=fetch,
-            last_fetched_epoch=self.epochs.cache.latest_epoch(),
-            max_bytes=REPLICATE_MAX_BYTES, max_wait_ms=self.fetch_wait_ms,
-            cursor_sequence=self.cursor_position)
-        request.topic_partition.topic = self.topic
-        request.topic_partition.partition = self.partition
-        stub = self.stubs.get(self.leader_address)
-        try:
-            response = await stub.Replicate(request, timeout=self.fetch_wait_ms / 1000 + 10)
-        except grpc.aio.AioRpcError as error:
-            raise errors.from_rpc_error(error) from None
+        if partition_log.log_end_offset != fetch:
+            return  # the log moved meanwhile (a restart at the leader's start): ask again
         if response.diverging:
             cut, _next = truncation_step(self.epochs.cache, fetch,
                                          int(response.diverging_epoch),
@@ -861,6 +992,161 @@ class Follower:
         await asyncio.to_thread(self.log.restart_at, offset)
         await asyncio.to_thread(self.epochs.truncate_from_end, offset)
         await asyncio.to_thread(self.epochs.truncate_from_start, offset)
+
+
+class LeaderFetcher:
+    """Every partition this server follows on one leader (a server at one address): one
+    ReplicateMany call at a time carries all of them (docs/replication.md, "One call per
+    leader"), as Kafka's replica fetcher does, and their answers are copied side by side
+    before it asks again. A partition backing off after a failure sits out until its
+    retry time; a partition added while a long poll is out ends that poll, so a new
+    follower never waits a whole poll to begin."""
+
+    def __init__(self, me: str, leader_address: str, stubs, fetch_wait_ms: int):
+        self.me = me
+        self.address = leader_address
+        self.stubs = stubs
+        self.fetch_wait_ms = fetch_wait_ms
+        self.followers: dict[str, Follower] = {}
+        self.calls = 0
+        self._added = asyncio.Event()
+        self._handling: dict[Follower, asyncio.Future] = {}
+        self._task: asyncio.Task | None = None
+
+    def add(self, follower: Follower) -> None:
+        self.followers[follower.name] = follower
+        self._added.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"fetcher {self.address}")
+
+    @property
+    def idle(self) -> bool:
+        """No partition to copy and no call or copy under way."""
+        return not self.followers and (self._task is None or self._task.done())
+
+    async def remove(self, follower: Follower) -> None:
+        """Stop copying for `follower`; returns once no copy of it is under way (an answer
+        arriving later for it is dropped)."""
+        if self.followers.get(follower.name) is follower:
+            del self.followers[follower.name]
+        busy = self._handling.get(follower)
+        if busy is not None:
+            await asyncio.wait([busy])
+
+    async def close(self) -> None:
+        self.followers.clear()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while self.followers:
+            try:
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 — a bug must not stop every copy from here
+                log.exception("replica fetcher for %s", self.address)
+                await asyncio.sleep(FOLLOWER_RETRY_MAX_S)
+
+    async def _round(self) -> None:
+        """One ReplicateMany for every partition ready to ask, and the copies it brings."""
+        # Cleared before the partitions are gathered: one added meanwhile (while a
+        # log reopens below) ends the next long poll at once.
+        self._added.clear()
+        now = time.monotonic()
+        batch = []
+        for follower in list(self.followers.values()):
+            if follower.retry_at > now:
+                continue
+            request = await follower.prepare()
+            if request is not None and self.followers.get(follower.name) is follower:
+                batch.append((follower, request))
+        if not batch:
+            retry = min((f.retry_at for f in self.followers.values()), default=now)
+            try:
+                await asyncio.wait_for(self._added.wait(),
+                                       max(0.0, retry - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+            return
+        outcomes = await self._call([request for _follower, request in batch])
+        if outcomes is None:
+            return  # a partition was added: ask again with it at once
+        handling = []
+        for (follower, request), outcome in zip(batch, outcomes):
+            if self.followers.get(follower.name) is not follower:
+                continue  # removed meanwhile: its log may be closed
+            if outcome is None:
+                follower.quiet()  # nothing new: it asks again in the next call
+                continue
+            task = asyncio.ensure_future(follower.handle(request, outcome))
+            self._handling[follower] = task
+            handling.append((follower, task))
+        try:
+            await asyncio.gather(*(task for _follower, task in handling))
+        finally:
+            for follower, task in handling:
+                if self._handling.get(follower) is task:
+                    del self._handling[follower]
+
+    async def _call(self, requests: list) -> list | None:
+        """One ReplicateMany for `requests`: per request a ReplicateResponse, an
+        exception, or None (nothing new); None for the whole when a partition was added
+        before the answer came."""
+        request = partition_pb2.ReplicateManyRequest(
+            replica=self.me, max_wait_ms=self.fetch_wait_ms,
+            max_bytes=REPLICATE_MANY_MAX_BYTES, partitions=requests)
+        rpc = self.stubs.get(self.address).ReplicateMany(
+            request, timeout=self.fetch_wait_ms / 1000 + 10)
+        answer = asyncio.ensure_future(rpc)
+        added = asyncio.ensure_future(self._added.wait())
+        try:
+            done, _pending = await asyncio.wait({answer, added},
+                                                return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            rpc.cancel()
+            answer.cancel()
+            raise
+        finally:
+            added.cancel()
+        if answer not in done:
+            rpc.cancel()
+            answer.cancel()
+            return None
+        self.calls += 1
+        m.REPLICATE_CALLS.inc()
+        if answer.cancelled():  # the channel closed under the call (not this task)
+            failure = AtomlogError("SERVER_UNAVAILABLE",
+                                   f"ReplicateMany to {self.address} was cancelled")
+            return [failure] * len(requests)
+        try:
+            response = answer.result()
+        except grpc.aio.AioRpcError as error:
+            failure = errors.from_rpc_error(error)
+            return [failure] * len(requests)
+        except Exception as error:  # noqa: BLE001 — each partition backs off and retries
+            return [error] * len(requests)
+        position = {(r.topic_partition.topic, r.topic_partition.partition): index
+                    for index, r in enumerate(requests)}
+        outcomes: list = [None] * len(requests)
+        for result in response.results:
+            index = position.get((result.topic_partition.topic,
+                                  result.topic_partition.partition))
+            if index is None:
+                continue  # not asked for: ignored
+            if result.error.reason:
+                reason = result.error.reason if result.error.reason in errors.REASONS \
+                    else "INTERNAL"
+                outcomes[index] = AtomlogError(reason, result.error.message,
+                                               dict(result.error.metadata))
+            else:
+                outcomes[index] = result.response
+        return outcomes
 
 
 def _wipe_log(directory) -> None:

@@ -16,6 +16,8 @@ from partition_server import metrics as m
 from partition_server.coordinator_epochs import MARKERS, STALE_MARKERS, CoordinatorEpochs
 from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
+from partition_server.replica import (REPLICATE_MANY_MAX_BYTES, REPLICATE_MANY_MAX_PARTITIONS,
+                                      replicate_many)
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
                                            ControlType, TxnId, iter_batches, stamp_transaction,
                                            validate_batch)
@@ -122,6 +124,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         self.fetch_default_max_bytes = fetch_default_max_bytes
         # Room for headers and positions of many items beside the batches.
         self.max_response_bytes = max_message_bytes - RESPONSE_OVERHEAD_BYTES
+        self.max_message_bytes = max_message_bytes
+        self._replicate_rotation = 0  # where a ReplicateMany answer begins (fairness)
 
     # ------------------------------------------------------------------ routing
     async def _owner(self, tp: common_pb2.TopicPartition) -> PartitionOwner:
@@ -159,6 +163,70 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         owner.check_loaded()
         wait_s = min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000
         return await owner.replication.replicate(request, wait_s)
+
+    async def ReplicateMany(self, request, context):
+        """A follower's copy request for every partition it follows on this server
+        (docs/replication.md, "One call per leader"). The request's form is checked whole
+        before anything is recorded; each partition this server cannot serve answers with
+        its own error."""
+        if not request.replica:
+            raise AtomlogError("INVALID_ARGUMENT", "replica is empty")
+        if not 1 <= len(request.partitions) <= REPLICATE_MANY_MAX_PARTITIONS:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"{len(request.partitions)} partitions; 1 .. "
+                               f"{REPLICATE_MANY_MAX_PARTITIONS} per call")
+        if request.max_bytes > self.max_message_bytes:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"max_bytes {request.max_bytes} exceeds grpc.max_message_bytes "
+                               f"{self.max_message_bytes}")
+        seen = set()
+        for item in request.partitions:
+            tp = item.topic_partition
+            name = f"{tp.topic}-{tp.partition}"
+            if not tp.topic:
+                raise AtomlogError("INVALID_ARGUMENT", "a partition's topic is empty")
+            if (tp.topic, tp.partition) in seen:
+                raise AtomlogError("INVALID_ARGUMENT", f"{name} is asked for twice")
+            seen.add((tp.topic, tp.partition))
+            if item.replica and item.replica != request.replica:
+                raise AtomlogError("INVALID_ARGUMENT",
+                                   f"{name}: replica {item.replica!r} is not the caller "
+                                   f"{request.replica!r}")
+            if item.fetch_offset < 0:
+                raise AtomlogError("INVALID_ARGUMENT",
+                                   f"{name}: fetch_offset {item.fetch_offset} is negative")
+            if item.last_fetched_epoch < -1:
+                raise AtomlogError("INVALID_ARGUMENT",
+                                   f"{name}: last_fetched_epoch {item.last_fetched_epoch} < -1")
+        items = []
+        for item in request.partitions:
+            item.replica = request.replica
+            try:
+                owner = await self._owner(item.topic_partition)
+                if owner.replication is None:
+                    raise AtomlogError("NOT_A_REPLICA",
+                                       f"{item.topic_partition.topic}-"
+                                       f"{item.topic_partition.partition} is not replicated; "
+                                       "nothing to copy")
+                owner.check_loaded()
+                items.append((owner.replication, item))
+            except AtomlogError as error:
+                items.append((error, item))
+        self._replicate_rotation += 1
+        outcomes = await replicate_many(
+            items, min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000,
+            min(request.max_bytes or REPLICATE_MANY_MAX_BYTES, self.max_response_bytes),
+            self._replicate_rotation)
+        response = partition_pb2.ReplicateManyResponse()
+        for item, outcome in zip(request.partitions, outcomes):
+            if outcome is None:
+                continue  # nothing new: left out
+            result = response.results.add(topic_partition=item.topic_partition)
+            if isinstance(outcome, AtomlogError):
+                result.error.CopyFrom(item_error(outcome))
+            else:
+                result.response.CopyFrom(outcome)
+        return response
 
     # ------------------------------------------------------------------ produce
     async def Produce(self, request, context):

@@ -405,6 +405,7 @@ TABLE: dict[str, Callable] = {
     _PARTITION + "StageTxn": _fixed(_cluster("write"), service_only=True),
     # Followers fetching from their leader (docs/replication.md).
     _PARTITION + "Replicate": _fixed(_cluster("read"), service_only=True),
+    _PARTITION + "ReplicateMany": _fixed(_cluster("read"), service_only=True),
     _PARTITION + "DescribePartition": lambda request: Requirement(
         (_topic("describe", request.topic_partition.topic),)),
     _PARTITION + "ListPartitions": _fixed(_cluster("describe")),

@@ -80,12 +80,14 @@ def produce_taken(address: str, topic: str, partition: int, value: bytes,
                   timeout_s: float = 15) -> None:
     """raw_produce until the leader takes the write: a new leader answers the retriable
     PARTITION_LOADING (nothing written) while it opens — slow on a loaded machine — and
-    until its ISR holds its log. Fails on any other answer: a raw write has no producer id,
-    so one whose outcome is unknown (a timeout) must not be sent again."""
+    until its ISR holds its log, and NOT_PARTITION_OWNER (nothing written) until its own
+    watch has shown it the state another server's metadata already shows. Fails on any
+    other answer: a raw write has no producer id, so one whose outcome is unknown (a
+    timeout) must not be sent again."""
     def taken() -> bool:
         reply = raw_produce(address, topic, partition, value, timeout=30)
         reason = reply.results[0].error.reason
-        assert reason in ("", "PARTITION_LOADING"), reason
+        assert reason in ("", "PARTITION_LOADING", "NOT_PARTITION_OWNER"), reason
         return not reason
     wait_until(taken, timeout_s, f"{address} to take a write to {topic}-{partition}")
 
@@ -171,12 +173,54 @@ def test_bad_replication_requests_change_nothing(cluster, client):
                                         leader_epoch=part.leader_epoch + 5),
          "NOT_PARTITION_OWNER"),
     ]:
+        deadline = time.monotonic() + 15
+        while True:  # the leader may still be loading the new partition
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.Replicate(request, timeout=5)
+            got = errors.from_grpc(rpc.value).reason
+            if got != "PARTITION_LOADING" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got == reason, request
+    # A newer epoch in a request alone ends nothing (only ZooKeeper's state does): the
+    # leadership goes on serving its followers in its epoch.
+    assert metadata(client, "rep-guard").partitions[0].leader_epoch == part.leader_epoch
+    # ReplicateMany: the request's form is checked whole before anything is recorded;
+    # then each partition answers for itself.
+    part = metadata(client, "rep-guard").partitions[0]
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(part.server_address))
+    follower = next(r for r in part.replicas if r != part.server_name)
+
+    def item(**fields):
+        fields.setdefault("leader_epoch", part.leader_epoch)
+        return partition_pb2.ReplicateRequest(topic_partition=tp, **fields)
+
+    for many in [
+        partition_pb2.ReplicateManyRequest(replica="", partitions=[item()]),
+        partition_pb2.ReplicateManyRequest(replica=follower),
+        partition_pb2.ReplicateManyRequest(replica=follower, partitions=[item(), item()]),
+        partition_pb2.ReplicateManyRequest(replica=follower, partitions=[item(replica=outsider)]),
+        partition_pb2.ReplicateManyRequest(replica=follower, partitions=[item(fetch_offset=-1)]),
+        partition_pb2.ReplicateManyRequest(replica=follower, max_bytes=1 << 30,
+                                           partitions=[item()]),
+    ]:
         with pytest.raises(grpc.RpcError) as rpc:
-            stub.Replicate(request, timeout=5)
-        assert errors.from_grpc(rpc.value).reason == reason, request
-        if reason == "NOT_PARTITION_OWNER":
-            break  # a newer epoch fences this leadership: it steps down and leads again
-    wait_until(lambda: fully_in_sync(client, "rep-guard"), 15, "rep-guard to serve again")
+            stub.ReplicateMany(many, timeout=5)
+        assert errors.from_grpc(rpc.value).reason == "INVALID_ARGUMENT", many
+    unknown = common_pb2.TopicPartition(topic="rep-guard", partition=7)
+    answer = stub.ReplicateMany(partition_pb2.ReplicateManyRequest(
+        replica=outsider, max_wait_ms=0, partitions=[
+            item(), partition_pb2.ReplicateRequest(topic_partition=unknown)]), timeout=5)
+    assert [r.error.reason for r in answer.results] == ["NOT_A_REPLICA",
+                                                        "UNKNOWN_TOPIC_OR_PARTITION"]
+    assert [r.topic_partition.partition for r in answer.results] == [0, 7]
+    assert not answer.results[0].HasField("response")
+    # (Every follower of the suite copies through ReplicateMany.) The leadership still
+    # acknowledges, which needs its follower's copies, in the epoch it had.
+    with client.producer(linger_ms=0) as producer:
+        producer.send("rep-guard", b"still served", partition=0).result(timeout=30)
+    assert metadata(client, "rep-guard").partitions[0].leader_epoch == part.leader_epoch
+    assert fully_in_sync(client, "rep-guard")
 
 
 def reassign(cluster, topic: str, partition: int, replicas: list[str], *extra: str):

@@ -233,3 +233,61 @@ def test_a_leadership_never_resumes_an_epoch_it_led_before(tmp_path):
 
     asyncio.run(lead_epoch_1())
     asyncio.run(lead_epoch_1_again())
+
+
+def test_one_call_answers_many_partitions_only_with_news_within_its_bound(tmp_path):
+    """ReplicateMany's leader side (`replicate_many`, docs/replication.md "One call per
+    leader"): it waits while no partition has news and ends at the first append on any;
+    partitions with nothing new are left out; the answer's bound lets the first partition
+    (from a rotating start) through whole and leaves the rest to the next call; a request
+    naming a newer epoch is refused for its partition only and fences nothing."""
+    from partition_server.replica import replicate_many
+
+    fsyncs = Fsyncs()
+
+    async def scenario():
+        first, first_leader = await leading(tmp_path / "one" / "t-0", fsyncs)
+        second, second_leader = await leading(tmp_path / "two" / "t-0", fsyncs)
+        leaders = [first_leader, second_leader]
+        try:
+            for leader in leaders:  # the ISR (a, b) holds each empty log: gates open
+                await leader.replicate(request(0, -1), 0)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            waiting = asyncio.ensure_future(replicate_many(
+                [(leader, request(0, -1)) for leader in leaders], 5.0, 8 << 20))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # nothing anywhere: a long poll
+            produced = [asyncio.ensure_future(second.produce([batch(b"x" * 100)]))]
+            results = await asyncio.wait_for(waiting, 5)
+            assert loop.time() - began < 3
+            assert results[0] is None  # nothing new there: left out
+            assert results[1].log_end_offset == 1 and len(results[1].records) > 0
+            produced.append(asyncio.ensure_future(first.produce([batch(b"y" * 100)])))
+            await wait_for(lambda: first_leader.log_end == 1, "the first leader's append")
+            # A bound of one byte: the partition where the answer begins goes whole, the
+            # other waits for the next call; the start rotates.
+            for rotation, whole in ((0, 0), (1, 1)):
+                items = [(first_leader, request(0, -1)), (second_leader, request(0, -1))]
+                results = await replicate_many(items, 0, 1, rotation)
+                assert results[whole] is not None and len(results[whole].records) > 0
+                assert results[1 - whole] is None, rotation
+            # A newer epoch than the leadership's: refused for that partition, the other
+            # is answered, and nothing is fenced.
+            results = await replicate_many(
+                [(first_leader, request(0, -1, epoch=2)), (second_leader, request(0, -1))],
+                0, 8 << 20)
+            assert isinstance(results[0], AtomlogError)
+            assert results[0].reason == "NOT_PARTITION_OWNER"
+            assert results[1] is not None and len(results[1].records) > 0
+            assert first_leader.fenced is None and first_leader.failed is None
+            # The follower holds both copies durably: both writes are acknowledged.
+            for leader in leaders:
+                await leader.replicate(request(1, 1), 0)
+            await asyncio.wait_for(asyncio.gather(*produced), 10)
+        finally:
+            for owner, leader in ((first, first_leader), (second, second_leader)):
+                await leader.close()
+                await owner.close()
+
+    asyncio.run(scenario())

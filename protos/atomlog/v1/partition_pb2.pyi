@@ -792,6 +792,34 @@ class ReplicateRequest(_message.Message):
     cursor_sequence: int
     def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., cursor_sequence: _Optional[int] = ...) -> None: ...
 
+class ReplicateManyRequest(_message.Message):
+    __slots__ = ("replica", "max_wait_ms", "max_bytes", "partitions")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    max_wait_ms: int
+    max_bytes: int
+    partitions: _containers.RepeatedCompositeFieldContainer[ReplicateRequest]
+    def __init__(self, replica: _Optional[str] = ..., max_wait_ms: _Optional[int] = ..., max_bytes: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[ReplicateRequest, _Mapping]]] = ...) -> None: ...
+
+class ReplicateManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReplicateResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ReplicateResult, _Mapping]]] = ...) -> None: ...
+
+class ReplicateResult(_message.Message):
+    __slots__ = ("topic_partition", "error", "response")
+    TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    topic_partition: _common_pb2.TopicPartition
+    error: ItemError
+    response: ReplicateResponse
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., response: _Optional[_Union[ReplicateResponse, _Mapping]] = ...) -> None: ...
+
 class LeaderEpochEntry(_message.Message):
     __slots__ = ("epoch", "start_offset")
     EPOCH_FIELD_NUMBER: _ClassVar[int]

@@ -138,6 +138,11 @@ class PartitionServiceStub:
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.ReplicateRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_partition__pb2.ReplicateResponse.FromString,
                 _registered_method=True)
+        self.ReplicateMany = channel.unary_unary(
+                '/atomlog.v1.PartitionService/ReplicateMany',
+                request_serializer=atomlog_dot_v1_dot_partition__pb2.ReplicateManyRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_partition__pb2.ReplicateManyResponse.FromString,
+                _registered_method=True)
 
 
 class PartitionServiceServicer:
@@ -325,6 +330,17 @@ class PartitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplicateMany(self, request, context):
+        """Internal (docs/replication.md, "One call per leader"): Replicate for every partition a
+        follower copies from this leader, in one long poll, answered as soon as any of them
+        has something to copy (or must hear of an error or a divergence), else after
+        max_wait_ms. Each partition's outcome is its own: an error names its partition in
+        its item, and the others are answered as usual. Called by partition servers only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PartitionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -412,6 +428,11 @@ def add_PartitionServiceServicer_to_server(servicer, server):
                     servicer.Replicate,
                     request_deserializer=atomlog_dot_v1_dot_partition__pb2.ReplicateRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_partition__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'ReplicateMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicateMany,
+                    request_deserializer=atomlog_dot_v1_dot_partition__pb2.ReplicateManyRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_partition__pb2.ReplicateManyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -892,6 +913,33 @@ class PartitionService:
             '/atomlog.v1.PartitionService/Replicate',
             atomlog_dot_v1_dot_partition__pb2.ReplicateRequest.SerializeToString,
             atomlog_dot_v1_dot_partition__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicateMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.PartitionService/ReplicateMany',
+            atomlog_dot_v1_dot_partition__pb2.ReplicateManyRequest.SerializeToString,
+            atomlog_dot_v1_dot_partition__pb2.ReplicateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4866,6 +4866,192 @@ func (x *ReplicateRequest) GetCursorSequence() int64 {
 	return 0
 }
 
+type ReplicateManyRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The follower's server name; each item's `replica` must be empty or the same.
+	Replica string `protobuf:"bytes,1,opt,name=replica,proto3" json:"replica,omitempty"`
+	// 0 .. partition.fetch_max_wait_ms: how long to wait while no partition has anything to
+	// copy. Each item's own max_wait_ms is ignored.
+	MaxWaitMs uint32 `protobuf:"varint,2,opt,name=max_wait_ms,json=maxWaitMs,proto3" json:"max_wait_ms,omitempty"`
+	// 0 .. grpc.max_message_bytes (0: 8 MiB): records and cursor state of the whole answer.
+	// The first partition with anything to send gets its first batch (or cursor snapshot)
+	// whole even when larger; a partition that no longer fits is answered without records
+	// and asks again in the next call. Each item's max_bytes bounds its own records.
+	MaxBytes uint32 `protobuf:"varint,3,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	// 1 .. 4096 partitions, each at most once, with the fields of a ReplicateRequest.
+	Partitions    []*ReplicateRequest `protobuf:"bytes,4,rep,name=partitions,proto3" json:"partitions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplicateManyRequest) Reset() {
+	*x = ReplicateManyRequest{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicateManyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicateManyRequest) ProtoMessage() {}
+
+func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicateManyRequest.ProtoReflect.Descriptor instead.
+func (*ReplicateManyRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
+}
+
+func (x *ReplicateManyRequest) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *ReplicateManyRequest) GetMaxWaitMs() uint32 {
+	if x != nil {
+		return x.MaxWaitMs
+	}
+	return 0
+}
+
+func (x *ReplicateManyRequest) GetMaxBytes() uint32 {
+	if x != nil {
+		return x.MaxBytes
+	}
+	return 0
+}
+
+func (x *ReplicateManyRequest) GetPartitions() []*ReplicateRequest {
+	if x != nil {
+		return x.Partitions
+	}
+	return nil
+}
+
+type ReplicateManyResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The requested partitions with something to copy, a divergence or an error, in the
+	// request's order. A partition left out had nothing new (or no room in this answer):
+	// its follower asks again.
+	Results       []*ReplicateResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplicateManyResponse) Reset() {
+	*x = ReplicateManyResponse{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicateManyResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicateManyResponse) ProtoMessage() {}
+
+func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicateManyResponse.ProtoReflect.Descriptor instead.
+func (*ReplicateManyResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
+}
+
+func (x *ReplicateManyResponse) GetResults() []*ReplicateResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+type ReplicateResult struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	TopicPartition *TopicPartition        `protobuf:"bytes,1,opt,name=topic_partition,json=topicPartition,proto3" json:"topic_partition,omitempty"`
+	// Set when this partition could not be served (NOT_PARTITION_OWNER,
+	// FENCED_LEADER_EPOCH, NOT_A_REPLICA, OFFSET_OUT_OF_RANGE, PARTITION_LOADING, ...), with
+	// the reason and metadata a Replicate call would fail with; `response` is then unset.
+	Error         *ItemError         `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
+	Response      *ReplicateResponse `protobuf:"bytes,3,opt,name=response,proto3" json:"response,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplicateResult) Reset() {
+	*x = ReplicateResult{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicateResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicateResult) ProtoMessage() {}
+
+func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicateResult.ProtoReflect.Descriptor instead.
+func (*ReplicateResult) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{68}
+}
+
+func (x *ReplicateResult) GetTopicPartition() *TopicPartition {
+	if x != nil {
+		return x.TopicPartition
+	}
+	return nil
+}
+
+func (x *ReplicateResult) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+func (x *ReplicateResult) GetResponse() *ReplicateResponse {
+	if x != nil {
+		return x.Response
+	}
+	return nil
+}
+
 type LeaderEpochEntry struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Epoch         uint32                 `protobuf:"varint,1,opt,name=epoch,proto3" json:"epoch,omitempty"`
@@ -4876,7 +5062,7 @@ type LeaderEpochEntry struct {
 
 func (x *LeaderEpochEntry) Reset() {
 	*x = LeaderEpochEntry{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4888,7 +5074,7 @@ func (x *LeaderEpochEntry) String() string {
 func (*LeaderEpochEntry) ProtoMessage() {}
 
 func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4901,7 +5087,7 @@ func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderEpochEntry.ProtoReflect.Descriptor instead.
 func (*LeaderEpochEntry) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *LeaderEpochEntry) GetEpoch() uint32 {
@@ -4958,7 +5144,7 @@ type ReplicateResponse struct {
 
 func (x *ReplicateResponse) Reset() {
 	*x = ReplicateResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4970,7 +5156,7 @@ func (x *ReplicateResponse) String() string {
 func (*ReplicateResponse) ProtoMessage() {}
 
 func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4983,7 +5169,7 @@ func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ReplicateResponse) GetRecords() []byte {
@@ -5403,7 +5589,20 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x12last_fetched_epoch\x18\x05 \x01(\x03R\x10lastFetchedEpoch\x12\x1b\n" +
 	"\tmax_bytes\x18\x06 \x01(\rR\bmaxBytes\x12\x1e\n" +
 	"\vmax_wait_ms\x18\a \x01(\rR\tmaxWaitMs\x12'\n" +
-	"\x0fcursor_sequence\x18\b \x01(\x03R\x0ecursorSequence\"K\n" +
+	"\x0fcursor_sequence\x18\b \x01(\x03R\x0ecursorSequence\"\xab\x01\n" +
+	"\x14ReplicateManyRequest\x12\x18\n" +
+	"\areplica\x18\x01 \x01(\tR\areplica\x12\x1e\n" +
+	"\vmax_wait_ms\x18\x02 \x01(\rR\tmaxWaitMs\x12\x1b\n" +
+	"\tmax_bytes\x18\x03 \x01(\rR\bmaxBytes\x12<\n" +
+	"\n" +
+	"partitions\x18\x04 \x03(\v2\x1c.atomlog.v1.ReplicateRequestR\n" +
+	"partitions\"N\n" +
+	"\x15ReplicateManyResponse\x125\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.atomlog.v1.ReplicateResultR\aresults\"\xbe\x01\n" +
+	"\x0fReplicateResult\x12C\n" +
+	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12+\n" +
+	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\x129\n" +
+	"\bresponse\x18\x03 \x01(\v2\x1d.atomlog.v1.ReplicateResponseR\bresponse\"K\n" +
 	"\x10LeaderEpochEntry\x12\x14\n" +
 	"\x05epoch\x18\x01 \x01(\rR\x05epoch\x12!\n" +
 	"\fstart_offset\x18\x02 \x01(\x03R\vstartOffset\"\xb0\x04\n" +
@@ -5443,7 +5642,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x1bPARTITION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17PARTITION_STATE_LOADING\x10\x01\x12\x1a\n" +
 	"\x16PARTITION_STATE_ONLINE\x10\x02\x12\x1d\n" +
-	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\x95\v\n" +
+	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\xeb\v\n" +
 	"\x10PartitionService\x12B\n" +
 	"\aProduce\x12\x1a.atomlog.v1.ProduceRequest\x1a\x1b.atomlog.v1.ProduceResponse\x12<\n" +
 	"\x05Fetch\x12\x18.atomlog.v1.FetchRequest\x1a\x19.atomlog.v1.FetchResponse\x12N\n" +
@@ -5461,7 +5660,8 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x11DescribePartition\x12$.atomlog.v1.DescribePartitionRequest\x1a%.atomlog.v1.DescribePartitionResponse\x12W\n" +
 	"\x0eListPartitions\x12!.atomlog.v1.ListPartitionsRequest\x1a\".atomlog.v1.ListPartitionsResponse\x12]\n" +
 	"\x10RecoverPartition\x12#.atomlog.v1.RecoverPartitionRequest\x1a$.atomlog.v1.RecoverPartitionResponse\x12H\n" +
-	"\tReplicate\x12\x1c.atomlog.v1.ReplicateRequest\x1a\x1d.atomlog.v1.ReplicateResponseB\xa9\x01\n" +
+	"\tReplicate\x12\x1c.atomlog.v1.ReplicateRequest\x1a\x1d.atomlog.v1.ReplicateResponse\x12T\n" +
+	"\rReplicateMany\x12 .atomlog.v1.ReplicateManyRequest\x1a!.atomlog.v1.ReplicateManyResponseB\xa9\x01\n" +
 	"\x0ecom.atomlog.v1B\x0ePartitionProtoP\x01Z>github.com/atomlog/atomlog/clients/go/gen/atomlog/v1;atomlogv1\xa2\x02\x03AXX\xaa\x02\n" +
 	"Atomlog.V1\xca\x02\n" +
 	"Atomlog\\V1\xe2\x02\x16Atomlog\\V1\\GPBMetadata\xea\x02\vAtomlog::V1b\x06proto3"
@@ -5479,7 +5679,7 @@ func file_atomlog_v1_partition_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_partition_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 70)
+var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
 var file_atomlog_v1_partition_proto_goTypes = []any{
 	(TxnDecision)(0),                     // 0: atomlog.v1.TxnDecision
 	(OffsetSpec)(0),                      // 1: atomlog.v1.OffsetSpec
@@ -5551,161 +5751,171 @@ var file_atomlog_v1_partition_proto_goTypes = []any{
 	(*StageTxnResponse)(nil),             // 67: atomlog.v1.StageTxnResponse
 	(*StageTxnResult)(nil),               // 68: atomlog.v1.StageTxnResult
 	(*ReplicateRequest)(nil),             // 69: atomlog.v1.ReplicateRequest
-	(*LeaderEpochEntry)(nil),             // 70: atomlog.v1.LeaderEpochEntry
-	(*ReplicateResponse)(nil),            // 71: atomlog.v1.ReplicateResponse
-	nil,                                  // 72: atomlog.v1.ItemError.MetadataEntry
-	nil,                                  // 73: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	(*TopicPartition)(nil),               // 74: atomlog.v1.TopicPartition
-	(IsolationLevel)(0),                  // 75: atomlog.v1.IsolationLevel
-	(*TxnId)(nil),                        // 76: atomlog.v1.TxnId
-	(*SubscriptionPartition)(nil),        // 77: atomlog.v1.SubscriptionPartition
+	(*ReplicateManyRequest)(nil),         // 70: atomlog.v1.ReplicateManyRequest
+	(*ReplicateManyResponse)(nil),        // 71: atomlog.v1.ReplicateManyResponse
+	(*ReplicateResult)(nil),              // 72: atomlog.v1.ReplicateResult
+	(*LeaderEpochEntry)(nil),             // 73: atomlog.v1.LeaderEpochEntry
+	(*ReplicateResponse)(nil),            // 74: atomlog.v1.ReplicateResponse
+	nil,                                  // 75: atomlog.v1.ItemError.MetadataEntry
+	nil,                                  // 76: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	(*TopicPartition)(nil),               // 77: atomlog.v1.TopicPartition
+	(IsolationLevel)(0),                  // 78: atomlog.v1.IsolationLevel
+	(*TxnId)(nil),                        // 79: atomlog.v1.TxnId
+	(*SubscriptionPartition)(nil),        // 80: atomlog.v1.SubscriptionPartition
 }
 var file_atomlog_v1_partition_proto_depIdxs = []int32{
-	72,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
+	75,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
 	7,   // 1: atomlog.v1.ProduceRequest.items:type_name -> atomlog.v1.ProduceItem
-	74,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	9,   // 3: atomlog.v1.ProduceResponse.results:type_name -> atomlog.v1.ProduceResult
-	74,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 5: atomlog.v1.ProduceResult.error:type_name -> atomlog.v1.ItemError
 	11,  // 6: atomlog.v1.FetchRequest.items:type_name -> atomlog.v1.FetchItem
-	75,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
-	74,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	78,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	77,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	13,  // 9: atomlog.v1.FetchResponse.results:type_name -> atomlog.v1.FetchResult
-	74,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 11: atomlog.v1.FetchResult.error:type_name -> atomlog.v1.ItemError
 	14,  // 12: atomlog.v1.FetchResult.aborted_transactions:type_name -> atomlog.v1.AbortedTransaction
-	76,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
 	16,  // 14: atomlog.v1.ListOffsetsRequest.items:type_name -> atomlog.v1.ListOffsetsItem
-	74,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	1,   // 16: atomlog.v1.ListOffsetsItem.spec:type_name -> atomlog.v1.OffsetSpec
 	18,  // 17: atomlog.v1.ListOffsetsResponse.results:type_name -> atomlog.v1.ListOffsetsResult
-	74,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 19: atomlog.v1.ListOffsetsResult.error:type_name -> atomlog.v1.ItemError
 	20,  // 20: atomlog.v1.DeleteRecordsRequest.items:type_name -> atomlog.v1.DeleteRecordsItem
 	22,  // 21: atomlog.v1.DeleteRecordsResponse.results:type_name -> atomlog.v1.DeleteRecordsResult
 	4,   // 22: atomlog.v1.DeleteRecordsResult.error:type_name -> atomlog.v1.ItemError
-	77,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 24: atomlog.v1.CreateSubscriptionRequest.initial_position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	25,  // 25: atomlog.v1.CreateSubscriptionResponse.results:type_name -> atomlog.v1.CreateSubscriptionResult
-	77,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 27: atomlog.v1.CreateSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	77,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	28,  // 29: atomlog.v1.DeleteSubscriptionResponse.results:type_name -> atomlog.v1.DeleteSubscriptionResult
-	77,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 31: atomlog.v1.DeleteSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	77,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 33: atomlog.v1.ResetSubscriptionRequest.position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	31,  // 34: atomlog.v1.ResetSubscriptionResponse.results:type_name -> atomlog.v1.ResetSubscriptionResult
-	77,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 36: atomlog.v1.ResetSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	77,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	75,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	80,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	78,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
 	34,  // 39: atomlog.v1.ReceiveResponse.results:type_name -> atomlog.v1.ReceiveResult
-	77,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 41: atomlog.v1.ReceiveResult.error:type_name -> atomlog.v1.ItemError
 	5,   // 42: atomlog.v1.ReceiveResult.delivered_ranges:type_name -> atomlog.v1.OffsetRange
 	5,   // 43: atomlog.v1.ReceiveResult.redelivered_ranges:type_name -> atomlog.v1.OffsetRange
 	36,  // 44: atomlog.v1.AckRequest.items:type_name -> atomlog.v1.AckItem
-	77,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 46: atomlog.v1.AckItem.individual_ranges:type_name -> atomlog.v1.OffsetRange
-	76,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
 	38,  // 48: atomlog.v1.AckResponse.results:type_name -> atomlog.v1.AckResult
-	77,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 50: atomlog.v1.AckResult.error:type_name -> atomlog.v1.ItemError
 	40,  // 51: atomlog.v1.NackRequest.items:type_name -> atomlog.v1.NackItem
-	77,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 53: atomlog.v1.NackItem.ranges:type_name -> atomlog.v1.OffsetRange
 	42,  // 54: atomlog.v1.NackResponse.results:type_name -> atomlog.v1.NackResult
-	77,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 56: atomlog.v1.NackResult.error:type_name -> atomlog.v1.ItemError
-	77,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	45,  // 58: atomlog.v1.DescribeSubscriptionResponse.cursors:type_name -> atomlog.v1.SubscriptionCursor
-	77,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 60: atomlog.v1.SubscriptionCursor.error:type_name -> atomlog.v1.ItemError
 	5,   // 61: atomlog.v1.SubscriptionCursor.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	46,  // 62: atomlog.v1.SubscriptionCursor.pending_acks:type_name -> atomlog.v1.PendingAck
-	76,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
 	5,   // 64: atomlog.v1.PendingAck.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	48,  // 65: atomlog.v1.EndTxnOnPartitionRequest.markers:type_name -> atomlog.v1.TxnMarker
-	76,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
 	0,   // 67: atomlog.v1.TxnMarker.decision:type_name -> atomlog.v1.TxnDecision
-	74,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	77,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	80,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	50,  // 70: atomlog.v1.EndTxnOnPartitionResponse.results:type_name -> atomlog.v1.TxnMarkerResult
-	76,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
 	51,  // 72: atomlog.v1.TxnMarkerResult.topic_partition_results:type_name -> atomlog.v1.TxnMarkerPartitionResult
 	52,  // 73: atomlog.v1.TxnMarkerResult.subscription_partition_results:type_name -> atomlog.v1.TxnMarkerSubscriptionResult
-	74,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 75: atomlog.v1.TxnMarkerPartitionResult.error:type_name -> atomlog.v1.ItemError
-	77,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	80,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 77: atomlog.v1.TxnMarkerSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	74,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	74,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 80: atomlog.v1.DescribePartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	53,  // 81: atomlog.v1.DescribePartitionResponse.data_loss:type_name -> atomlog.v1.DataLossInfo
 	58,  // 82: atomlog.v1.DescribePartitionResponse.open_transactions:type_name -> atomlog.v1.OpenTransaction
 	59,  // 83: atomlog.v1.DescribePartitionResponse.producers:type_name -> atomlog.v1.ProducerState
 	45,  // 84: atomlog.v1.DescribePartitionResponse.subscriptions:type_name -> atomlog.v1.SubscriptionCursor
-	73,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	76,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
 	56,  // 86: atomlog.v1.DescribePartitionResponse.replication:type_name -> atomlog.v1.ReplicationStatus
 	57,  // 87: atomlog.v1.ReplicationStatus.followers:type_name -> atomlog.v1.FollowerStatus
-	76,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
-	76,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
 	62,  // 90: atomlog.v1.ListPartitionsResponse.partitions:type_name -> atomlog.v1.PartitionSummary
-	74,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 92: atomlog.v1.PartitionSummary.state:type_name -> atomlog.v1.PartitionState
 	53,  // 93: atomlog.v1.PartitionSummary.data_loss:type_name -> atomlog.v1.DataLossInfo
-	74,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	77,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 95: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	66,  // 96: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
-	76,  // 97: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 97: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
 	7,   // 98: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
 	36,  // 99: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
 	68,  // 100: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
-	76,  // 101: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	79,  // 101: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
 	9,   // 102: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
 	38,  // 103: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
-	74,  // 104: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	70,  // 105: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 106: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 107: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 108: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 109: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 110: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 111: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 112: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 113: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 114: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 115: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 116: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 117: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	65,  // 118: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	54,  // 119: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	60,  // 120: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	63,  // 121: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	69,  // 122: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	8,   // 123: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 124: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 125: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 126: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 127: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 128: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 129: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 130: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 131: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 132: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 133: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 134: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	67,  // 135: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	55,  // 136: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	61,  // 137: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	64,  // 138: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	71,  // 139: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	123, // [123:140] is the sub-list for method output_type
-	106, // [106:123] is the sub-list for method input_type
-	106, // [106:106] is the sub-list for extension type_name
-	106, // [106:106] is the sub-list for extension extendee
-	0,   // [0:106] is the sub-list for field type_name
+	77,  // 104: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	69,  // 105: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
+	72,  // 106: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
+	77,  // 107: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 108: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
+	74,  // 109: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
+	73,  // 110: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 111: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 112: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 113: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 114: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 115: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 116: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 117: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 118: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 119: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 120: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 121: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 122: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	65,  // 123: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	54,  // 124: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 125: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 126: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	69,  // 127: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	70,  // 128: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
+	8,   // 129: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 130: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 131: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 132: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 133: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 134: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 135: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 136: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 137: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 138: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 139: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 140: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	67,  // 141: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	55,  // 142: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 143: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 144: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	74,  // 145: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	71,  // 146: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
+	129, // [129:147] is the sub-list for method output_type
+	111, // [111:129] is the sub-list for method input_type
+	111, // [111:111] is the sub-list for extension type_name
+	111, // [111:111] is the sub-list for extension extendee
+	0,   // [0:111] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
@@ -5720,7 +5930,7 @@ func file_atomlog_v1_partition_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_partition_proto_rawDesc), len(file_atomlog_v1_partition_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   70,
+			NumMessages:   73,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -36,6 +36,7 @@ const (
 	PartitionService_ListPartitions_FullMethodName       = "/atomlog.v1.PartitionService/ListPartitions"
 	PartitionService_RecoverPartition_FullMethodName     = "/atomlog.v1.PartitionService/RecoverPartition"
 	PartitionService_Replicate_FullMethodName            = "/atomlog.v1.PartitionService/Replicate"
+	PartitionService_ReplicateMany_FullMethodName        = "/atomlog.v1.PartitionService/ReplicateMany"
 )
 
 // PartitionServiceClient is the client API for PartitionService service.
@@ -140,6 +141,12 @@ type PartitionServiceClient interface {
 	// leader epochs that begin in the answered range; or, when the follower's log has left
 	// the leader's history, where to cut it (`diverging`). Called by partition servers only.
 	Replicate(ctx context.Context, in *ReplicateRequest, opts ...grpc.CallOption) (*ReplicateResponse, error)
+	// Internal (docs/replication.md, "One call per leader"): Replicate for every partition a
+	// follower copies from this leader, in one long poll, answered as soon as any of them
+	// has something to copy (or must hear of an error or a divergence), else after
+	// max_wait_ms. Each partition's outcome is its own: an error names its partition in
+	// its item, and the others are answered as usual. Called by partition servers only.
+	ReplicateMany(ctx context.Context, in *ReplicateManyRequest, opts ...grpc.CallOption) (*ReplicateManyResponse, error)
 }
 
 type partitionServiceClient struct {
@@ -320,6 +327,16 @@ func (c *partitionServiceClient) Replicate(ctx context.Context, in *ReplicateReq
 	return out, nil
 }
 
+func (c *partitionServiceClient) ReplicateMany(ctx context.Context, in *ReplicateManyRequest, opts ...grpc.CallOption) (*ReplicateManyResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReplicateManyResponse)
+	err := c.cc.Invoke(ctx, PartitionService_ReplicateMany_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // PartitionServiceServer is the server API for PartitionService service.
 // All implementations must embed UnimplementedPartitionServiceServer
 // for forward compatibility.
@@ -422,6 +439,12 @@ type PartitionServiceServer interface {
 	// leader epochs that begin in the answered range; or, when the follower's log has left
 	// the leader's history, where to cut it (`diverging`). Called by partition servers only.
 	Replicate(context.Context, *ReplicateRequest) (*ReplicateResponse, error)
+	// Internal (docs/replication.md, "One call per leader"): Replicate for every partition a
+	// follower copies from this leader, in one long poll, answered as soon as any of them
+	// has something to copy (or must hear of an error or a divergence), else after
+	// max_wait_ms. Each partition's outcome is its own: an error names its partition in
+	// its item, and the others are answered as usual. Called by partition servers only.
+	ReplicateMany(context.Context, *ReplicateManyRequest) (*ReplicateManyResponse, error)
 	mustEmbedUnimplementedPartitionServiceServer()
 }
 
@@ -482,6 +505,9 @@ func (UnimplementedPartitionServiceServer) RecoverPartition(context.Context, *Re
 }
 func (UnimplementedPartitionServiceServer) Replicate(context.Context, *ReplicateRequest) (*ReplicateResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Replicate not implemented")
+}
+func (UnimplementedPartitionServiceServer) ReplicateMany(context.Context, *ReplicateManyRequest) (*ReplicateManyResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReplicateMany not implemented")
 }
 func (UnimplementedPartitionServiceServer) mustEmbedUnimplementedPartitionServiceServer() {}
 func (UnimplementedPartitionServiceServer) testEmbeddedByValue()                          {}
@@ -810,6 +836,24 @@ func _PartitionService_Replicate_Handler(srv interface{}, ctx context.Context, d
 	return interceptor(ctx, in, info, handler)
 }
 
+func _PartitionService_ReplicateMany_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReplicateManyRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PartitionServiceServer).ReplicateMany(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: PartitionService_ReplicateMany_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PartitionServiceServer).ReplicateMany(ctx, req.(*ReplicateManyRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // PartitionService_ServiceDesc is the grpc.ServiceDesc for PartitionService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -884,6 +928,10 @@ var PartitionService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Replicate",
 			Handler:    _PartitionService_Replicate_Handler,
+		},
+		{
+			MethodName: "ReplicateMany",
+			Handler:    _PartitionService_ReplicateMany_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
