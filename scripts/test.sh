@@ -4,4 +4,10 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$ROOT"
+# Bytecode of the repository's modules, kept outside the tree. With
+# PYTHONDONTWRITEBYTECODE=1 (as CI's environment sets it) every server, CLI call and
+# workload client the suite starts compiled services/, partition_server/, coordinator/,
+# ... again: a cluster start's six servers took 1.9 s of CPU instead of 1.3 s.
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/atomlog/pycache}"
+unset PYTHONDONTWRITEBYTECODE
 exec python -m pytest "$@"
