@@ -294,7 +294,7 @@ class PartitionManager:
                     leading.known = known
                     leading.progress.isr_changed(known.state.isr)
                     owner.replicated()
-                leading.reassigned(replicas, target)
+                leading.reassigned(replicas, target, record.throttle_of(partition))
                 return
             known_hw = 0
             follower = self.followers.pop(key, None)
@@ -308,7 +308,7 @@ class PartitionManager:
                 self.data_dir / f"{topic}-{partition}", self._write_isr(topic, partition),
                 self.assignments.live, self._complete_reassignment(topic, partition),
                 self._resign(topic, partition))
-            replication.reassigned(replicas, target)
+            replication.reassigned(replicas, target, record.throttle_of(partition))
             event(log, "leading", partition=f"{topic}-{partition}",
                   epoch=state.leader_epoch, isr=list(state.isr))
             try:

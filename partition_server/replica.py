@@ -49,9 +49,9 @@ from partition_server.leader_epochs import LeaderEpochFile
 from partition_server.log import LogConfig, PartitionLog
 from partition_server.partition_states import StaleState, Versioned
 from partition_server.record_batch import iter_batches
-from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CursorProgress, LeaderProgress,
-                                          complete_reassignment, resumes_epoch,
-                                          truncation_step)
+from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, CursorProgress,
+                                          LeaderProgress, complete_reassignment,
+                                          resumes_epoch, truncation_step)
 from services import errors
 from services.errors import AtomlogError
 from services.logs import event
@@ -118,6 +118,7 @@ class LeaderReplication:
         self._live = live
         self._complete_reassignment = complete_reassignment
         self.target: list[str] | None = None  # a running reassignment's replica list
+        self.throttle: CopyThrottle | None = None  # on its new replicas' copies
         self._data: asyncio.Future | None = None
         self._isr_task: asyncio.Task | None = None
         self._isr_event = asyncio.Event()  # before the task runs: Replicate may poke it
@@ -224,10 +225,16 @@ class LeaderReplication:
         self._wake_followers()
         self._wake_cursor_waiters()
 
-    def reassigned(self, replicas: list[str], target: list[str] | None) -> None:
+    def reassigned(self, replicas: list[str], target: list[str] | None,
+                   throttle: int = 0) -> None:
         """The topic record changed this partition's replicas (a reassignment began, was
-        replaced or ended): new replicas may fetch, and once every one of `target` is in
-        sync this leader ends the reassignment (`_maintain_isr`)."""
+        replaced or ended): new replicas may fetch — at most `throttle` bytes/s each while
+        not in sync, when it is not 0 — and once every one of `target` is in sync this
+        leader ends the reassignment (`_maintain_isr`)."""
+        rate = throttle if target else 0
+        if rate != (self.throttle.rate if self.throttle is not None else 0):
+            self.throttle = CopyThrottle(rate) if rate else None
+            self._wake_followers()  # a lifted or raised throttle: waiting copies may go
         if list(replicas) == self.replicas and target == self.target:
             return
         now = _now_ms()
@@ -380,19 +387,18 @@ class LeaderReplication:
         self._data = None
 
     async def _wait_for_data(self, offset: int, cursor_position: int,
-                             timeout_s: float) -> None:
+                             timeout_s: float, replica: str = "") -> None:
         deadline = time.monotonic() + timeout_s
-        while self.log_end <= offset and self.fenced is None and self.failed is None and \
-                not self._cursor_news(cursor_position):
+        while not self.has_news(offset, cursor_position, replica):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            if self._data is None:
-                self._data = asyncio.get_running_loop().create_future()
+            if self.log_end > offset:  # held back by the throttle: until it refills
+                remaining = min(remaining, self.throttle_wait_s(replica))
             try:
-                await asyncio.wait_for(asyncio.shield(self._data), remaining)
+                await asyncio.wait_for(asyncio.shield(self.data_future()), remaining)
             except asyncio.TimeoutError:
-                return
+                pass
 
     # ---------------------------------------------------------------- followers
     async def replicate(self, request, max_wait_s: float) -> partition_pb2.ReplicateResponse:
@@ -400,8 +406,8 @@ class LeaderReplication:
         begun = self.begin_replicate(request)
         if isinstance(begun, partition_pb2.ReplicateResponse):
             return begun
-        if not self.has_news(request.fetch_offset, begun):
-            await self._wait_for_data(request.fetch_offset, begun, max_wait_s)
+        if not self.has_news(request.fetch_offset, begun, request.replica):
+            await self._wait_for_data(request.fetch_offset, begun, max_wait_s, request.replica)
         return self.answer_replicate(request, begun, request.max_bytes or REPLICATE_MAX_BYTES)
 
     def begin_replicate(self, request) -> partition_pb2.ReplicateResponse | int:
@@ -444,11 +450,24 @@ class LeaderReplication:
             self._poke_isr()
         return cursor_position
 
-    def has_news(self, fetch: int, cursor_position: int) -> bool:
-        """Whether a follower at `fetch` and `cursor_position` has something to copy now
-        (or must hear that this leadership ended)."""
-        return (self.log_end > fetch or self.fenced is not None or self.failed is not None
+    def has_news(self, fetch: int, cursor_position: int, replica: str = "") -> bool:
+        """Whether `replica`, a follower at `fetch` and `cursor_position`, has something to
+        copy now (records its throttle lets through, cursor state) or must hear that this
+        leadership ended."""
+        return ((self.log_end > fetch and self.throttle_wait_s(replica) == 0)
+                or self.fenced is not None or self.failed is not None
                 or self._cursor_news(cursor_position))
+
+    def _throttled(self, replica: str) -> bool:
+        """A new replica of a throttled reassignment, not in sync yet."""
+        return (self.throttle is not None and self.target is not None
+                and replica in self.target and replica not in self.progress.isr)
+
+    def throttle_wait_s(self, replica: str) -> float:
+        """Seconds until `replica` may be sent records again (0: now, or unthrottled)."""
+        if not self._throttled(replica):
+            return 0.0
+        return self.throttle.wait_s(replica, time.monotonic())
 
     def data_future(self) -> asyncio.Future:
         """Resolved at this leader's next append, durable flush or end of leadership (for
@@ -481,10 +500,16 @@ class LeaderReplication:
         # and this read then fails). The high watermark still waits for the leader's own
         # fsync (`durable`), and a leader whose fsync fails gives this epoch up.
         end = min(self.log_end, partition_log.log_end_offset)
+        throttled = self._throttled(request.replica)
+        if throttled:
+            max_bytes = min(max_bytes, self.throttle.allowance(request.replica,
+                                                               time.monotonic()))
         if fetch < end and not cursors.cursor_snapshot and max_bytes > 0:
             # (A cursor snapshot travels alone: the message stays within its bound.)
             records, next_offset = partition_log.read(
                 fetch, min(max_bytes, REPLICATE_MAX_BYTES), upper_bound_offset=end)
+            if throttled:
+                self.throttle.spent(request.replica, len(records), time.monotonic())
         entries = self.epochs.cache.entries
         epochs = [partition_pb2.LeaderEpochEntry(epoch=e, start_offset=s)
                   for i, (e, s) in enumerate(entries)
@@ -640,6 +665,8 @@ class LeaderReplication:
                                lag_offsets=lag.get(replica, 0),
                                caught_up_ms_ago=max(0, now - follower.caught_up_ms))
         into.reassigning_to.extend(self.target or ())
+        if self.target and self.throttle is not None:
+            into.reassignment_throttle_bytes_per_s = self.throttle.rate
 
 
 async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
@@ -676,7 +703,13 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
             begun[index] = outcome
 
     def news(indexes) -> bool:
-        return any(items[i][0].has_news(items[i][1].fetch_offset, begun[i]) for i in indexes)
+        return any(items[i][0].has_news(items[i][1].fetch_offset, begun[i], items[i][1].replica)
+                   for i in indexes)
+
+    def refill_s() -> float:
+        """Until a throttled partition's records may go (inf: none held back)."""
+        return min((items[i][0].throttle_wait_s(items[i][1].replica) for i in begun
+                    if items[i][0].log_end > items[i][1].fetch_offset), default=float("inf"))
 
     if begun and len(begun) == len(items) and not news(begun):
         deadline = time.monotonic() + max_wait_s
@@ -687,11 +720,14 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
             woken: dict[asyncio.Future, list[int]] = {}
             for i in begun:
                 woken.setdefault(items[i][0].data_future(), []).append(i)
-            done, _pending = await asyncio.wait(woken, timeout=remaining,
+            refill = refill_s()
+            done, _pending = await asyncio.wait(woken, timeout=min(remaining, refill),
                                                 return_when=asyncio.FIRST_COMPLETED)
             # Only the partitions whose leader woke can have news (a wake may also be a
-            # durable flush with nothing new to copy: then wait on).
-            if news(i for future in done for i in woken[future]):
+            # durable flush with nothing new to copy: then wait on), or one whose
+            # throttle refilled.
+            if news(i for future in done for i in woken[future]) or \
+                    (refill != float("inf") and news(begun)):
                 break
     budget, sent = max_bytes, False
     order = sorted(begun)
@@ -700,8 +736,8 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
         order = order[start:] + order[:start]
     for index in order:
         leader, request = items[index]
-        if not leader.has_news(request.fetch_offset, begun[index]):
-            continue  # nothing to send: left out of the answer
+        if not leader.has_news(request.fetch_offset, begun[index], request.replica):
+            continue  # nothing to send (or held back by a throttle): left out
         own = request.max_bytes or REPLICATE_MAX_BYTES
         try:
             if sent and budget <= 0:

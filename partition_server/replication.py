@@ -265,6 +265,36 @@ def complete_reassignment(state: PartitionState, target: list[str],
 
 # ------------------------------------------------------------------ giving up an epoch
 
+class CopyThrottle:
+    """A running reassignment's throttle (docs/replication.md, "Reassignment"): each new
+    replica (one not in the ISR yet) may be sent `rate` bytes per second of records, with
+    a burst of one second's worth; a token bucket per replica. A copy may overdraw (a
+    first batch goes whole): the replica then waits until the bucket is positive again.
+    Times are seconds of the caller's monotonic clock."""
+
+    def __init__(self, rate: int):
+        if rate <= 0:
+            raise ValueError("a throttle's rate must be positive")
+        self.rate = rate
+        self._buckets: dict[str, tuple[float, float]] = {}  # replica -> (tokens, at)
+
+    def _tokens(self, replica: str, now: float) -> float:
+        tokens, at = self._buckets.get(replica, (float(self.rate), now))
+        return min(float(self.rate), tokens + (now - at) * self.rate)
+
+    def allowance(self, replica: str, now: float) -> int:
+        """Bytes `replica` may be sent now (0 or less: none)."""
+        return int(self._tokens(replica, now))
+
+    def spent(self, replica: str, size: int, now: float) -> None:
+        self._buckets[replica] = (self._tokens(replica, now) - size, now)
+
+    def wait_s(self, replica: str, now: float) -> float:
+        """Seconds until `replica` may be sent something again (0: now)."""
+        tokens = self._tokens(replica, now)
+        return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+
+
 def resumes_epoch(cache: "LeaderEpochCache", epoch: int) -> bool:
     """Whether a leadership of `epoch` that is about to begin on a replica whose
     leader-epoch file is `cache` would resume an epoch this replica led (or copied)

@@ -491,8 +491,16 @@ def _print_topics(topics, output: str) -> None:
                           ",".join(p.replicas),
                           ("[yellow]" if under else "") + ",".join(p.isr) + ("[/]" if under else ""),
                           str(p.leader_epoch),
-                          *((",".join(p.reassigning_to) or "-",) if moving else ()))
+                          *((_reassigning(p),) if moving else ()))
     console.print(table)
+
+
+def _reassigning(p) -> str:
+    """A partition's running reassignment for a table: its target, and its throttle."""
+    if not p.reassigning_to:
+        return "-"
+    rate = p.reassignment_throttle_bytes_per_s
+    return ",".join(p.reassigning_to) + (f" (throttled {rate / 1e6:g} MB/s)" if rate else "")
 
 
 # ---------------------------------------------------------------- partitions
@@ -582,7 +590,9 @@ def _replication_lines(status) -> list[str]:
     lines = [f"  replicas {','.join(status.replicas)}, in sync {','.join(status.isr)}, leader "
              f"epoch {status.leader_epoch}, replicated up to {status.replicated_high_watermark}"]
     if status.reassigning_to:
-        lines.append(f"  reassigning to {','.join(status.reassigning_to)}")
+        rate = status.reassignment_throttle_bytes_per_s
+        lines.append(f"  reassigning to {','.join(status.reassigning_to)}"
+                     + (f", new replicas throttled to {rate / 1e6:g} MB/s" if rate else ""))
     for f in status.followers:
         lines.append(f"    follower {f.replica}: {'in sync' if f.in_sync else 'NOT in sync'}, "
                      f"holds up to {f.durable_end_offset}, {f.lag_offsets} behind, caught up "
@@ -632,11 +642,17 @@ def _transaction_lines(reply) -> list[str]:
 @click.option("--wait", "wait_s", type=click.FloatRange(0, 3600), default=0, show_default=True,
               help="Seconds to wait for the reassignment to complete (0: return once it "
                    "is recorded).")
+@click.option("--throttle", "throttle_mb_s", type=click.FloatRange(0, 10_000), default=0,
+              show_default=True,
+              help="MB/s the leader sends each new replica while it catches up (0: "
+                   "unthrottled). Keep it above the partition's write rate, or the new "
+                   "replica never catches up and the reassignment never completes.")
 @bootstrap_option
 @data_dir_option
 @output_option
 def partition_reassign(topic_name: str, number: int, replicas: str, wait_s: float,
-                       bootstrap: str | None, data_dir: Path, output: str) -> None:
+                       throttle_mb_s: float, bootstrap: str | None, data_dir: Path,
+                       output: str) -> None:
     """Move partition PARTITION of TOPIC to a new list of replicas.
 
     The new replicas copy the partition from its leader while it goes on serving; once
@@ -644,20 +660,22 @@ def partition_reassign(topic_name: str, number: int, replicas: str, wait_s: floa
     (handing leadership to the first new replica when it is not in the list itself) and
     the replicas left out delete their copy. Nothing acknowledged is lost: the old
     replicas leave only after the new ones hold everything. A new target replaces a
-    running reassignment; `topic describe` shows progress ("reassigning to"), `partition
-    describe` each follower's lag. Exits 1 if --wait runs out first (the reassignment
-    goes on).
+    running reassignment (and its throttle); `topic describe` shows progress ("reassigning
+    to"), `partition describe` each follower's lag. Exits 1 if --wait runs out first (the
+    reassignment goes on).
 
     \b
     Example:
       atomlog partition reassign orders 0 --replicas ps-3,ps-1,ps-2 --wait 120
+      atomlog partition reassign orders 0 --replicas ps-3,ps-1,ps-2 --throttle 50
     """
     from atomlog.v1 import metadata_pb2
 
     target = [r.strip() for r in replicas.split(",") if r.strip()]
     address = _bootstrap(bootstrap, data_dir)
     reply = _call(address, "ReassignPartition", metadata_pb2.ReassignPartitionRequest(
-        topic=topic_name, partition=number, replicas=target))
+        topic=topic_name, partition=number, replicas=target,
+        throttle_bytes_per_s=round(throttle_mb_s * 1e6)))
     partition = reply.partition
     deadline = time.monotonic() + wait_s
     while partition.reassigning_to and time.monotonic() < deadline:
@@ -671,14 +689,16 @@ def partition_reassign(topic_name: str, number: int, replicas: str, wait_s: floa
                                "started": reply.started, "completed": done,
                                "replicas": list(partition.replicas), "isr": list(partition.isr),
                                "leader": partition.server_name,
-                               "reassigning_to": list(partition.reassigning_to)}))
+                               "reassigning_to": list(partition.reassigning_to),
+                               "throttle_bytes_per_s":
+                                   partition.reassignment_throttle_bytes_per_s}))
     elif not reply.started:
         click.echo(f"{topic_name}-{number} has replicas {','.join(partition.replicas)} already")
     elif done:
         click.echo(f"{topic_name}-{number} reassigned: replicas {','.join(partition.replicas)}, "
                    f"leader {partition.server_name or 'none'}")
     else:
-        click.echo(f"{topic_name}-{number}: reassignment to {','.join(partition.reassigning_to)} "
+        click.echo(f"{topic_name}-{number}: reassignment to {_reassigning(partition)} "
                    f"running (replicas {','.join(partition.replicas)}, in sync "
                    f"{','.join(partition.isr)})")
     if wait_s and not done:

@@ -35,6 +35,9 @@ from services.zk import SERVERS_PATH, TC_PATH, TOPICS_PATH, ZkSession, aio
 
 log = logging.getLogger("atomlog.metadata")
 
+# The largest reassignment throttle accepted (bytes/s: 10 GB/s, more than any disk here).
+MAX_REASSIGNMENT_THROTTLE = 10**10
+
 ROLE_ENUM = {
     "partition_server": common_pb2.SERVER_ROLE_PARTITION_SERVER,
     "coordinator": common_pb2.SERVER_ROLE_COORDINATOR,
@@ -202,13 +205,17 @@ class MetadataStore:
               assignment=record.assignment, replication_factor=factor)
         return record
 
-    async def reassign_partition(self, topic: str, partition: int,
-                                 replicas: list[str]) -> tuple[TopicRecord, bool]:
+    async def reassign_partition(self, topic: str, partition: int, replicas: list[str],
+                                 throttle: int = 0) -> tuple[TopicRecord, bool]:
         """Record a reassignment of `topic`'s `partition` to `replicas` (docs/replication.md,
         "Reassignment"), by compare-and-set on the topic record; returns (the record now,
         whether it changed). The partition's leader completes it once the new replicas are
         in sync. Nothing is written when the request is refused."""
         validate_topic_name(topic, internal_allowed=True)
+        if not 0 <= throttle <= MAX_REASSIGNMENT_THROTTLE:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"throttle_bytes_per_s {throttle}: 0 (none) .. "
+                               f"{MAX_REASSIGNMENT_THROTTLE}")
         for _ in range(20):
             path = f"{TOPICS_PATH}/{topic}"
             try:
@@ -230,7 +237,7 @@ class MetadataStore:
                     "a topic with -r 2 or more, or min.insync.replicas=1 for one movable copy")
             servers = [s.name for s in await self.servers() if s.role == "partition_server"]
             target = validate_reassignment(list(replicas), servers, record.min_insync_replicas)
-            changed = record.reassigned(partition, target)
+            changed = record.reassigned(partition, target, throttle)
             if changed is None:
                 return record, False
             try:
@@ -280,7 +287,8 @@ def topic_to_proto(topic: TopicRecord, servers: dict[str, ServerEntry]) -> metad
             replicas=replicas, isr=list(state.isr) if state else ([] if topic.replicated
                                                                     else replicas),
             leader_epoch=state.leader_epoch if state else 0,
-            reassigning_to=topic.reassigning.get(index, [])))
+            reassigning_to=topic.reassigning.get(index, []),
+            reassignment_throttle_bytes_per_s=topic.throttle_of(index)))
     return metadata_pb2.TopicMetadata(name=topic.name, partitions=partitions, config=topic.config,
                                       internal=topic.internal,
                                       created_unix_ms=topic.created_unix_ms)
@@ -322,7 +330,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     async def ReassignPartition(self, request, context):
         record, started = await self.store.reassign_partition(
-            request.topic, request.partition, list(request.replicas))
+            request.topic, request.partition, list(request.replicas),
+            request.throttle_bytes_per_s)
         await self.store.read_leaders([record])
         servers = {s.name: s for s in await self.store.servers()}
         metadata = topic_to_proto(record, servers).partitions[request.partition]

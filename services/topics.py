@@ -130,6 +130,9 @@ class TopicRecord:
     # Running reassignments (docs/replication.md): partition -> its target replica list;
     # meanwhile `replicas` holds the target and then the replicas that will leave.
     reassigning: dict[int, list[str]] = field(default_factory=dict)
+    # A running reassignment's throttle: partition -> bytes/s its new replicas may copy
+    # (absent: unthrottled).
+    throttles: dict[int, int] = field(default_factory=dict)
     leaders: list[str] | None = field(default=None, compare=False)
     states: list | None = field(default=None, compare=False)  # PartitionState per partition
 
@@ -173,17 +176,25 @@ class TopicRecord:
             data["replicas"] = self.replicas
         if self.reassigning:
             data["reassigning"] = {str(p): t for p, t in sorted(self.reassigning.items())}
+        if self.throttles:
+            data["reassign_throttle"] = {str(p): b for p, b in sorted(self.throttles.items())}
         return data
 
-    def reassigned(self, partition: int, target: list[str]) -> "TopicRecord | None":
+    def reassigned(self, partition: int, target: list[str],
+                   throttle: int = 0) -> "TopicRecord | None":
         """The record with a reassignment of `partition` to `target` begun (replacing one
-        that runs), or None when the partition has exactly those replicas already."""
+        that runs, throttle included: `throttle` bytes/s for its new replicas' copies, 0
+        for none), or None when the partition has exactly those replicas already."""
         current = self.replicas_of(partition)
         if target == current and partition not in self.reassigning:
             return None
         replicas = [list(r) for r in self.replicas]
         replicas[partition] = reassigning_replicas(current, target)
-        return self._with(partition, replicas, {**self.reassigning, partition: list(target)})
+        throttles = {p: b for p, b in self.throttles.items() if p != partition}
+        if throttle:
+            throttles[partition] = throttle
+        return self._with(partition, replicas, {**self.reassigning, partition: list(target)},
+                          throttles)
 
     def reassignment_done(self, partition: int) -> "TopicRecord":
         """The record once `partition`'s reassignment completed: its replicas are the target."""
@@ -191,14 +202,20 @@ class TopicRecord:
         replicas = [list(r) for r in self.replicas]
         replicas[partition] = list(target)
         rest = {p: t for p, t in self.reassigning.items() if p != partition}
-        return self._with(partition, replicas, rest)
+        return self._with(partition, replicas, rest,
+                          {p: b for p, b in self.throttles.items() if p != partition})
+
+    def throttle_of(self, partition: int) -> int:
+        """Bytes/s the new replicas of `partition`'s running reassignment may copy (0: no
+        throttle)."""
+        return self.throttles.get(partition, 0) if partition in self.reassigning else 0
 
     def _with(self, partition: int, replicas: list[list[str]],
-              reassigning: dict[int, list[str]]) -> "TopicRecord":
+              reassigning: dict[int, list[str]], throttles: dict[int, int]) -> "TopicRecord":
         assignment = list(self.assignment)
         assignment[partition] = replicas[partition][0]  # the preferred leader
         return TopicRecord(self.name, assignment, dict(self.config), self.created_unix_ms,
-                           self.version, replicas, reassigning)
+                           self.version, replicas, reassigning, throttles)
 
     @classmethod
     def from_json(cls, name: str, data: dict) -> "TopicRecord":
@@ -220,5 +237,12 @@ class TopicRecord:
                     or not all(isinstance(n, str) and n in replicas[int(key)] for n in target)):
                 raise ValueError(f"topic {name!r}: unreadable reassignment {key!r}: {target!r}")
             reassigning[int(key)] = list(target)
+        throttles: dict[int, int] = {}
+        for key, rate in (data.get("reassign_throttle") or {}).items():
+            if not str(key).isdigit() or not isinstance(rate, int) or rate <= 0:
+                raise ValueError(f"topic {name!r}: unreadable reassignment throttle {key!r}: "
+                                 f"{rate!r}")
+            throttles[int(key)] = rate
         return cls(name, list(data["assignment"]), dict(data.get("config", {})),
-                   int(data.get("created_unix_ms", 0)), version, replicas, reassigning)
+                   int(data.get("created_unix_ms", 0)), version, replicas, reassigning,
+                   throttles)

@@ -350,6 +350,11 @@ def test_bad_reassignments_change_nothing(cluster, client):
             client.metadata.call("ReassignPartition", metadata_pb2.ReassignPartitionRequest(
                 topic=topic, partition=partition, replicas=replicas))
         assert raised.value.reason == reason, (topic, partition, replicas)
+    with pytest.raises(errors.AtomlogClientError) as raised:  # a throttle past 10 GB/s
+        client.metadata.call("ReassignPartition", metadata_pb2.ReassignPartitionRequest(
+            topic="rep-nomove", partition=0, replicas=["ps-2", "ps-1"],
+            throttle_bytes_per_s=10**10 + 1))
+    assert raised.value.reason == "INVALID_ARGUMENT"
     assert metadata(client, "rep-nomove").partitions[0] == before
     refused = reassign(cluster, "rep-nomove", 0, ["ps-0", "ps-9"])
     assert refused.returncode == 1 and "INVALID_REPLICA_ASSIGNMENT" in refused.stderr
@@ -534,3 +539,37 @@ def test_paused_leader_past_its_session_acknowledges_nothing(cluster, client):
     for server in SERVERS:  # the old leader cut what it accepted after waking
         wait_until(lambda: len(set(segment_digests(cluster, "rep-pause", 0).values())) == 1,
                    15, "identical replicas")
+
+
+def test_a_throttled_reassignment_copies_at_its_pace_then_completes(cluster, client):
+    """`partition reassign --throttle`: the new replica is sent at most the throttle's rate
+    (after a one-second burst) while it catches up, `topic describe` shows the throttle,
+    and the reassignment completes with identical copies."""
+    client.create_topic("rep-slow", partitions=1, replication_factor=2)
+    wait_until(lambda: fully_in_sync(client, "rep-slow"), 15, "rep-slow in sync")
+    with client.producer(linger_ms=5) as producer:
+        futures = [producer.send("rep-slow", os.urandom(10_000), partition=0)
+                   for _ in range(300)]
+        producer.flush()
+        assert all(f.result(60).offset >= 0 for f in futures)
+    before = metadata(client, "rep-slow").partitions[0]
+    newcomer = next(s for s in SERVERS if s not in before.replicas)
+    began = time.monotonic()
+    done = reassign(cluster, "rep-slow", 0, [*before.replicas, newcomer], "--throttle", "1",
+                    "--output", "json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["throttle_bytes_per_s"] == 1_000_000
+    shown = json.loads(cluster.run("topic", "describe", "rep-slow", "--output", "json").stdout)
+    running = shown[0]["partitions"][0]
+    assert running["reassigning_to"] == [*before.replicas, newcomer]
+    assert int(running["reassignment_throttle_bytes_per_s"]) == 1_000_000
+    wait_until(lambda: not metadata(client, "rep-slow").partitions[0].reassigning_to, 60,
+               "the throttled reassignment to complete")
+    elapsed = time.monotonic() - began
+    # About 3 MB at 1 MB/s after a 1 MB burst: at least about 2 s.
+    assert elapsed >= 1.6, elapsed
+    after = metadata(client, "rep-slow").partitions[0]
+    assert sorted(after.replicas) == sorted(after.isr) == sorted([*before.replicas, newcomer])
+    assert after.reassignment_throttle_bytes_per_s == 0  # gone with the reassignment
+    wait_until(lambda: len(set(segment_digests(cluster, "rep-slow", 0).values())) == 1, 15,
+               "identical replicas")

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CursorProgress,
+from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, CursorProgress,
                                           LeaderEpochCache, LeaderProgress, PartitionState,
                                           assign_replicas, complete_reassignment,
                                           default_replication_factor, elect, elect_offline,
@@ -386,6 +386,30 @@ def test_topic_record_reassignment_round_trips():
     for bad in ({"0": ["z"]}, {"5": ["a"]}, {"x": ["a"]}, {"0": []}):
         with pytest.raises(ValueError):
             TopicRecord.from_json("t", {**moving.to_json(), "reassigning": bad})
+    # A throttle rides with its reassignment: replaced with it, gone when it ends.
+    throttled = record.reassigned(0, ["c", "b"], 5_000_000)
+    assert throttled.throttle_of(0) == 5_000_000 and throttled.throttle_of(1) == 0
+    assert TopicRecord.from_json("t", throttled.to_json()) == throttled
+    assert throttled.reassigned(0, ["c", "b"]).throttle_of(0) == 0  # lifted
+    assert throttled.reassigned(0, ["c", "b"], 7).throttle_of(0) == 7
+    assert throttled.reassignment_done(0).throttles == {}
+    assert "reassign_throttle" not in throttled.reassignment_done(0).to_json()
+    for bad in ({"0": 0}, {"0": -5}, {"x": 5}, {"0": "5"}):
+        with pytest.raises(ValueError):
+            TopicRecord.from_json("t", {**throttled.to_json(), "reassign_throttle": bad})
+
+
+def test_copy_throttle_is_a_token_bucket_per_replica():
+    throttle = CopyThrottle(1000)  # bytes/s, a burst of one second's worth
+    assert throttle.allowance("c", 10.0) == 1000 and throttle.wait_s("c", 10.0) == 0
+    throttle.spent("c", 1500, 10.0)  # a whole first batch may overdraw
+    assert throttle.allowance("c", 10.0) == -500
+    assert throttle.wait_s("c", 10.0) == pytest.approx(0.501)
+    assert throttle.allowance("c", 10.6) == pytest.approx(100, abs=1)
+    assert throttle.allowance("c", 20.0) == 1000  # never more than the burst
+    assert throttle.allowance("d", 10.0) == 1000  # each replica its own bucket
+    with pytest.raises(ValueError):
+        CopyThrottle(0)
 
 
 def test_leader_progress_takes_new_replicas_and_forgets_those_that_left():

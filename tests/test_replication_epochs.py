@@ -291,3 +291,60 @@ def test_one_call_answers_many_partitions_only_with_news_within_its_bound(tmp_pa
                 await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_a_throttled_reassignment_paces_its_new_replica_and_no_one_else(tmp_path):
+    """A reassignment's throttle (docs/replication.md, "Reassignment"): the new replica,
+    not in sync yet, is sent at most the throttle's rate after a one-second burst (its
+    long poll waits for the bucket to refill instead of spinning); the in-sync follower
+    is sent everything at once, and so is the new replica once it is in sync."""
+    from partition_server.replica import replicate_many
+
+    fsyncs = Fsyncs()
+    rate = 40_000  # bytes/s
+    value = b"v" * 9_000  # one batch: about 9 KB
+
+    def ask(replica: str, fetch: int) -> partition_pb2.ReplicateRequest:
+        req = request(fetch, -1 if fetch == 0 else 1)
+        req.replica = replica
+        return req
+
+    async def scenario():
+        owner, leader = await leading(tmp_path / "t-0", fsyncs)
+        try:
+            await leader.replicate(request(0, -1), 0)  # b holds the empty log: gate open
+            leader.reassigned(["a", "b", "c"], ["a", "b", "c"], rate)
+            produced = asyncio.ensure_future(owner.produce([batch(value) for _ in range(12)]))
+            await wait_for(lambda: leader.log_end == 12, "the leader's appends")
+            # b, in sync, is not throttled: all 12 batches in one answer.
+            answer = await leader.replicate(request(0, -1), 0)
+            assert len(list(iter_batches(memoryview(answer.records)))) == 12
+            # c: about one second's worth at once, then the throttle's pace.
+            loop = asyncio.get_running_loop()
+            began, fetch, sizes = loop.time(), 0, []
+            while fetch < 12:
+                [result] = await replicate_many([(leader, ask("c", fetch))], 5.0, 8 << 20)
+                assert result is not None, "a long poll ended with nothing for c"
+                copied = list(iter_batches(memoryview(result.records)))
+                sizes.append(len(result.records))
+                fetch = copied[-1][1].last_offset + 1
+            elapsed = loop.time() - began
+            total = sum(sizes)
+            assert sizes[0] <= rate + len(value) + 200  # the burst, plus a whole batch
+            assert elapsed >= (total - rate - len(value)) / rate * 0.9, (elapsed, sizes)
+            assert elapsed < total / rate + 2
+            status = partition_pb2.ReplicationStatus()
+            leader.status(status)
+            assert status.reassignment_throttle_bytes_per_s == rate
+            # In sync, c is no longer paced; lifting the throttle works the same way.
+            await leader.replicate(ask("c", 12), 0)
+            await leader.replicate(request(12, 1), 0)
+            await asyncio.wait_for(produced, 10)
+            leader.reassigned(["a", "b", "c"], ["a", "b", "c"], 0)
+            assert leader.throttle is None and leader.throttle_wait_s("c") == 0
+        finally:
+            fsyncs.release()
+            await leader.close()
+            await owner.close()
+
+    asyncio.run(scenario())

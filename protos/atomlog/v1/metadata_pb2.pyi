@@ -24,7 +24,7 @@ class ServerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.ServerRole, str]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., version: _Optional[str] = ..., registered_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PartitionMetadata(_message.Message):
-    __slots__ = ("partition", "server_name", "server_address", "available", "replicas", "isr", "leader_epoch", "reassigning_to")
+    __slots__ = ("partition", "server_name", "server_address", "available", "replicas", "isr", "leader_epoch", "reassigning_to", "reassignment_throttle_bytes_per_s")
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     SERVER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class PartitionMetadata(_message.Message):
     ISR_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASSIGNING_TO_FIELD_NUMBER: _ClassVar[int]
+    REASSIGNMENT_THROTTLE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     partition: int
     server_name: str
     server_address: str
@@ -41,7 +42,8 @@ class PartitionMetadata(_message.Message):
     isr: _containers.RepeatedScalarFieldContainer[str]
     leader_epoch: int
     reassigning_to: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, partition: _Optional[int] = ..., server_name: _Optional[str] = ..., server_address: _Optional[str] = ..., available: _Optional[bool] = ..., replicas: _Optional[_Iterable[str]] = ..., isr: _Optional[_Iterable[str]] = ..., leader_epoch: _Optional[int] = ..., reassigning_to: _Optional[_Iterable[str]] = ...) -> None: ...
+    reassignment_throttle_bytes_per_s: int
+    def __init__(self, partition: _Optional[int] = ..., server_name: _Optional[str] = ..., server_address: _Optional[str] = ..., available: _Optional[bool] = ..., replicas: _Optional[_Iterable[str]] = ..., isr: _Optional[_Iterable[str]] = ..., leader_epoch: _Optional[int] = ..., reassigning_to: _Optional[_Iterable[str]] = ..., reassignment_throttle_bytes_per_s: _Optional[int] = ...) -> None: ...
 
 class TopicMetadata(_message.Message):
     __slots__ = ("name", "partitions", "config", "internal", "created_unix_ms")
@@ -122,14 +124,16 @@ class CreateTopicResponse(_message.Message):
     def __init__(self, topic: _Optional[_Union[TopicMetadata, _Mapping]] = ...) -> None: ...
 
 class ReassignPartitionRequest(_message.Message):
-    __slots__ = ("topic", "partition", "replicas")
+    __slots__ = ("topic", "partition", "replicas", "throttle_bytes_per_s")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    THROTTLE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     replicas: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+    throttle_bytes_per_s: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ..., throttle_bytes_per_s: _Optional[int] = ...) -> None: ...
 
 class ReassignPartitionResponse(_message.Message):
     __slots__ = ("partition", "started")

@@ -617,20 +617,22 @@ class DescribePartitionResponse(_message.Message):
     def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., state: _Optional[_Union[PartitionState, str]] = ..., data_loss: _Optional[_Union[DataLossInfo, _Mapping]] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., max_read_position: _Optional[int] = ..., last_data_offset: _Optional[int] = ..., segment_count: _Optional[int] = ..., size_bytes: _Optional[int] = ..., transaction_buffer_ready: _Optional[bool] = ..., open_transactions: _Optional[_Iterable[_Union[OpenTransaction, _Mapping]]] = ..., aborted_transaction_count: _Optional[int] = ..., producers: _Optional[_Iterable[_Union[ProducerState, _Mapping]]] = ..., producer_count: _Optional[int] = ..., subscriptions: _Optional[_Iterable[_Union[SubscriptionCursor, _Mapping]]] = ..., producer_snapshot_offset: _Optional[int] = ..., transaction_buffer_snapshot_offset: _Optional[int] = ..., coordinator_epochs: _Optional[_Mapping[int, int]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ...) -> None: ...
 
 class ReplicationStatus(_message.Message):
-    __slots__ = ("leader_epoch", "replicas", "isr", "replicated_high_watermark", "followers", "reassigning_to")
+    __slots__ = ("leader_epoch", "replicas", "isr", "replicated_high_watermark", "followers", "reassigning_to", "reassignment_throttle_bytes_per_s")
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ISR_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
     REASSIGNING_TO_FIELD_NUMBER: _ClassVar[int]
+    REASSIGNMENT_THROTTLE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     leader_epoch: int
     replicas: _containers.RepeatedScalarFieldContainer[str]
     isr: _containers.RepeatedScalarFieldContainer[str]
     replicated_high_watermark: int
     followers: _containers.RepeatedCompositeFieldContainer[FollowerStatus]
     reassigning_to: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, leader_epoch: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ..., isr: _Optional[_Iterable[str]] = ..., replicated_high_watermark: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerStatus, _Mapping]]] = ..., reassigning_to: _Optional[_Iterable[str]] = ...) -> None: ...
+    reassignment_throttle_bytes_per_s: int
+    def __init__(self, leader_epoch: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ..., isr: _Optional[_Iterable[str]] = ..., replicated_high_watermark: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerStatus, _Mapping]]] = ..., reassigning_to: _Optional[_Iterable[str]] = ..., reassignment_throttle_bytes_per_s: _Optional[int] = ...) -> None: ...
 
 class FollowerStatus(_message.Message):
     __slots__ = ("replica", "in_sync", "durable_end_offset", "lag_offsets", "caught_up_ms_ago")

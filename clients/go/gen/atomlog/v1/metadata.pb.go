@@ -129,8 +129,10 @@ type PartitionMetadata struct {
 	// While a reassignment runs: the target replica list (replicas above then lists the
 	// target followed by the replicas that will leave).
 	ReassigningTo []string `protobuf:"bytes,8,rep,name=reassigning_to,json=reassigningTo,proto3" json:"reassigning_to,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// With reassigning_to: bytes per second the new replicas may copy (0: unthrottled).
+	ReassignmentThrottleBytesPerS uint64 `protobuf:"varint,9,opt,name=reassignment_throttle_bytes_per_s,json=reassignmentThrottleBytesPerS,proto3" json:"reassignment_throttle_bytes_per_s,omitempty"`
+	unknownFields                 protoimpl.UnknownFields
+	sizeCache                     protoimpl.SizeCache
 }
 
 func (x *PartitionMetadata) Reset() {
@@ -217,6 +219,13 @@ func (x *PartitionMetadata) GetReassigningTo() []string {
 		return x.ReassigningTo
 	}
 	return nil
+}
+
+func (x *PartitionMetadata) GetReassignmentThrottleBytesPerS() uint64 {
+	if x != nil {
+		return x.ReassignmentThrottleBytesPerS
+	}
+	return 0
 }
 
 type TopicMetadata struct {
@@ -614,9 +623,13 @@ type ReassignPartitionRequest struct {
 	Partition uint32                 `protobuf:"varint,2,opt,name=partition,proto3" json:"partition,omitempty"`
 	// The new replicas, preferred leader first: registered partition servers, each once,
 	// at least the topic's min.insync.replicas of them.
-	Replicas      []string `protobuf:"bytes,3,rep,name=replicas,proto3" json:"replicas,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Replicas []string `protobuf:"bytes,3,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	// 0 .. 10^10: bytes per second the leader sends each new replica (one not in sync yet)
+	// while the reassignment runs, so the copy does not starve producers and in-sync
+	// followers; 0 (the default): unthrottled. A new request replaces the throttle too.
+	ThrottleBytesPerS uint64 `protobuf:"varint,4,opt,name=throttle_bytes_per_s,json=throttleBytesPerS,proto3" json:"throttle_bytes_per_s,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ReassignPartitionRequest) Reset() {
@@ -668,6 +681,13 @@ func (x *ReassignPartitionRequest) GetReplicas() []string {
 		return x.Replicas
 	}
 	return nil
+}
+
+func (x *ReassignPartitionRequest) GetThrottleBytesPerS() uint64 {
+	if x != nil {
+		return x.ThrottleBytesPerS
+	}
+	return 0
 }
 
 type ReassignPartitionResponse struct {
@@ -826,7 +846,7 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\fgrpc_address\x18\x03 \x01(\tR\vgrpcAddress\x12'\n" +
 	"\x0fmetrics_address\x18\x04 \x01(\tR\x0emetricsAddress\x12\x18\n" +
 	"\aversion\x18\x05 \x01(\tR\aversion\x12,\n" +
-	"\x12registered_unix_ms\x18\x06 \x01(\x03R\x10registeredUnixMs\"\x8f\x02\n" +
+	"\x12registered_unix_ms\x18\x06 \x01(\x03R\x10registeredUnixMs\"\xd9\x02\n" +
 	"\x11PartitionMetadata\x12\x1c\n" +
 	"\tpartition\x18\x01 \x01(\rR\tpartition\x12\x1f\n" +
 	"\vserver_name\x18\x02 \x01(\tR\n" +
@@ -836,7 +856,8 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\breplicas\x18\x05 \x03(\tR\breplicas\x12\x10\n" +
 	"\x03isr\x18\x06 \x03(\tR\x03isr\x12!\n" +
 	"\fleader_epoch\x18\a \x01(\rR\vleaderEpoch\x12%\n" +
-	"\x0ereassigning_to\x18\b \x03(\tR\rreassigningTo\"\xa0\x02\n" +
+	"\x0ereassigning_to\x18\b \x03(\tR\rreassigningTo\x12H\n" +
+	"!reassignment_throttle_bytes_per_s\x18\t \x01(\x04R\x1dreassignmentThrottleBytesPerS\"\xa0\x02\n" +
 	"\rTopicMetadata\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12=\n" +
 	"\n" +
@@ -873,11 +894,12 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"F\n" +
 	"\x13CreateTopicResponse\x12/\n" +
-	"\x05topic\x18\x01 \x01(\v2\x19.atomlog.v1.TopicMetadataR\x05topic\"j\n" +
+	"\x05topic\x18\x01 \x01(\v2\x19.atomlog.v1.TopicMetadataR\x05topic\"\x9b\x01\n" +
 	"\x18ReassignPartitionRequest\x12\x14\n" +
 	"\x05topic\x18\x01 \x01(\tR\x05topic\x12\x1c\n" +
 	"\tpartition\x18\x02 \x01(\rR\tpartition\x12\x1a\n" +
-	"\breplicas\x18\x03 \x03(\tR\breplicas\"r\n" +
+	"\breplicas\x18\x03 \x03(\tR\breplicas\x12/\n" +
+	"\x14throttle_bytes_per_s\x18\x04 \x01(\x04R\x11throttleBytesPerS\"r\n" +
 	"\x19ReassignPartitionResponse\x12;\n" +
 	"\tpartition\x18\x01 \x01(\v2\x1d.atomlog.v1.PartitionMetadataR\tpartition\x12\x18\n" +
 	"\astarted\x18\x02 \x01(\bR\astarted\">\n" +

@@ -3817,8 +3817,11 @@ type ReplicationStatus struct {
 	Followers []*FollowerStatus `protobuf:"bytes,5,rep,name=followers,proto3" json:"followers,omitempty"`
 	// The target replica list while a reassignment runs (`atomlog partition reassign`).
 	ReassigningTo []string `protobuf:"bytes,6,rep,name=reassigning_to,json=reassigningTo,proto3" json:"reassigning_to,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// With reassigning_to: bytes per second each new replica is sent while not in sync (0:
+	// unthrottled).
+	ReassignmentThrottleBytesPerS uint64 `protobuf:"varint,7,opt,name=reassignment_throttle_bytes_per_s,json=reassignmentThrottleBytesPerS,proto3" json:"reassignment_throttle_bytes_per_s,omitempty"`
+	unknownFields                 protoimpl.UnknownFields
+	sizeCache                     protoimpl.SizeCache
 }
 
 func (x *ReplicationStatus) Reset() {
@@ -3891,6 +3894,13 @@ func (x *ReplicationStatus) GetReassigningTo() []string {
 		return x.ReassigningTo
 	}
 	return nil
+}
+
+func (x *ReplicationStatus) GetReassignmentThrottleBytesPerS() uint64 {
+	if x != nil {
+		return x.ReassignmentThrottleBytesPerS
+	}
+	return 0
 }
 
 type FollowerStatus struct {
@@ -5506,14 +5516,15 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\vreplication\x18\x13 \x01(\v2\x1d.atomlog.v1.ReplicationStatusR\vreplication\x1aD\n" +
 	"\x16CoordinatorEpochsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\x81\x02\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xcb\x02\n" +
 	"\x11ReplicationStatus\x12!\n" +
 	"\fleader_epoch\x18\x01 \x01(\rR\vleaderEpoch\x12\x1a\n" +
 	"\breplicas\x18\x02 \x03(\tR\breplicas\x12\x10\n" +
 	"\x03isr\x18\x03 \x03(\tR\x03isr\x12:\n" +
 	"\x19replicated_high_watermark\x18\x04 \x01(\x03R\x17replicatedHighWatermark\x128\n" +
 	"\tfollowers\x18\x05 \x03(\v2\x1a.atomlog.v1.FollowerStatusR\tfollowers\x12%\n" +
-	"\x0ereassigning_to\x18\x06 \x03(\tR\rreassigningTo\"\xbb\x01\n" +
+	"\x0ereassigning_to\x18\x06 \x03(\tR\rreassigningTo\x12H\n" +
+	"!reassignment_throttle_bytes_per_s\x18\a \x01(\x04R\x1dreassignmentThrottleBytesPerS\"\xbb\x01\n" +
 	"\x0eFollowerStatus\x12\x18\n" +
 	"\areplica\x18\x01 \x01(\tR\areplica\x12\x17\n" +
 	"\ain_sync\x18\x02 \x01(\bR\x06inSync\x12,\n" +
