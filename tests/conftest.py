@@ -121,6 +121,22 @@ def combined(tmp_path_factory) -> Cluster:
     yield from _running(Cluster(tmp_path_factory.mktemp("atomlog-combined"), combined=True))
 
 
+@pytest.fixture(scope="session")
+def spark():
+    """One local SparkSession (`local[2,4]`, so a failed task is retried) for every test
+    that runs Spark in this process (test_acl_spark, test_spark): its JVM starts and its
+    Python workers warm up once per run, not once per module."""
+    pytest.importorskip("pyspark")
+    from spark_client.spark import local_session
+
+    session = local_session("atomlog-tests", **{
+        # Small Arrow batches, so a task sends records before a later row fails it
+        # (test_spark); the other modules' checks do not depend on the batch size.
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "50"})
+    yield session
+    session.stop()
+
+
 # Static bearer tokens of the secured cluster (auth.static_tokens_file), for test_acl_go.
 ACL_TOKENS = {"bob": "bob-go-0123456789abcdef", "dave": "dave-go-0123456789abcdef"}
 

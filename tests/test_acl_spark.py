@@ -31,15 +31,6 @@ def acl_cluster(acl_secured):
     return acl_secured
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from spark_client.spark import local_session
-
-    session = local_session("atomlog-acl-tests")
-    yield session
-    session.stop()
-
-
 def options(cluster: Cluster, principal: str) -> dict[str, str]:
     tls = tls_of(cluster, principal)
     return {"bootstrap": cluster.info["bootstrap"], "topic": TOPIC, "tls.ca": tls.ca_file,

@@ -1,5 +1,6 @@
 """The Spark data source against the real local cluster and a real SparkSession
-(`local[2,4]`, so a failed task is retried; one session for the whole test run).
+(`local[2,4]`, so a failed task is retried; one session for the whole test run,
+conftest.spark).
 Tests that kill a Spark driver run Spark in a subprocess."""
 
 from __future__ import annotations
@@ -22,19 +23,9 @@ pyspark = pytest.importorskip("pyspark")
 from spark_client.spark import (  # noqa: E402
     OptionError,
     cap_offsets,
-    local_session,
     source_positions,
     stream_parent_key,
 )
-
-
-@pytest.fixture(scope="session")
-def spark():
-    session = local_session("atomlog-tests", **{
-        # Small Arrow batches, so a task sends records before a later row fails it.
-        "spark.sql.execution.arrow.maxRecordsPerBatch": "50"})
-    yield session
-    session.stop()
 
 
 @pytest.fixture(scope="module")
