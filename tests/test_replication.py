@@ -15,6 +15,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -66,6 +67,16 @@ def kill(cluster, server: str, sig=signal.SIGKILL) -> None:
 
 def restart_all(cluster) -> None:
     cluster.up()  # starts whatever is not running
+
+
+def restart_one(cluster, name: str) -> None:
+    """Start one stopped service process as `atomlog up` would (its pid recorded)."""
+    from services import launcher
+
+    cluster_file = launcher.ClusterFile.load(cluster.data_dir)
+    entry = next(p for p in cluster_file.processes if p.name == name)
+    entry.pid = launcher.start_service(cluster_file, entry)
+    cluster_file.save(cluster.data_dir)
 
 
 def raw_produce(address: str, topic: str, partition: int, value: bytes, timeout: float = 5):
@@ -573,3 +584,36 @@ def test_a_throttled_reassignment_copies_at_its_pace_then_completes(cluster, cli
     assert after.reassignment_throttle_bytes_per_s == 0  # gone with the reassignment
     wait_until(lambda: len(set(segment_digests(cluster, "rep-slow", 0).values())) == 1, 15,
                "identical replicas")
+
+
+def test_a_restarted_leader_never_resumes_its_epoch(cluster, client):
+    """A leader killed and restarted while the partition's state still names it (its only
+    in-sync follower is paused, so no one else may lead) finds its own epoch in its
+    leader-epoch file: it gives that epoch up and leads in a new one instead of resuming
+    it, and everything acknowledged before is still there (docs/replication.md, "Copying
+    before the leader's fsync, and why a leader never resumes its epoch")."""
+    client.create_topic("rep-resume", partitions=1, replication_factor=2,
+                        config={"min.insync.replicas": "1"})
+    wait_until(lambda: fully_in_sync(client, "rep-resume"), 15, "rep-resume in sync")
+    part = metadata(client, "rep-resume").partitions[0]
+    leader, address = part.server_name, part.server_address
+    follower = next(r for r in part.replicas if r != leader)
+    produce_taken(address, "rep-resume", 0, b"before")
+    kill(cluster, follower, signal.SIGSTOP)
+    try:
+        wait_until(lambda: metadata(client, "rep-resume").partitions[0].isr == [leader],
+                   SESSION_TIMEOUT_MS / 1000 + 15, "the paused follower to leave the ISR")
+        epoch = metadata(client, "rep-resume").partitions[0].leader_epoch
+        log_file = Path(cluster.process(leader)["log_file"])
+        kill(cluster, leader)
+        restart_one(cluster, leader)  # (`atomlog up` would wait for the paused follower)
+        wait_until(lambda: metadata(client, "rep-resume").partitions[0].leader_epoch > epoch
+                   and leader_of(client, "rep-resume", 0) == leader,
+                   SESSION_TIMEOUT_MS / 1000 + 30, "the restarted leader in a new epoch")
+        produce_taken(cluster.process(leader)["grpc_address"], "rep-resume", 0, b"after")
+        assert "it would resume leader epoch" in log_file.read_text(), \
+            "the restarted leader did not give its epoch up"
+    finally:
+        kill(cluster, follower, signal.SIGCONT)
+    wait_until(lambda: fully_in_sync(client, "rep-resume"), 30, "the follower back in sync")
+    assert sorted(read_all(client, "rep-resume", 2).values()) == [b"after", b"before"]
