@@ -17,6 +17,8 @@ from services.errors import AtomlogError, unexpected
 from services.logs import event
 
 log = logging.getLogger("atomlog.rpc")
+# Wrapped method handlers kept per interceptor (one per method and authorizer in use).
+MAX_WRAPPED_HANDLERS = 1024
 
 
 class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
@@ -24,6 +26,7 @@ class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
         self.authenticator = authenticator if authenticator is not None else auth.Authenticator()
         # services.acl.Authorizer when auth.authorizer=acl (set by the runtime at start).
         self.authorizer = None
+        self._wrapped: dict[tuple, tuple] = {}  # (method, behavior) -> (authn, authz, handler)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -39,11 +42,22 @@ class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
                 return _refused_stream(method, handler)
             return handler if not self.authenticator.enabled else _authenticated_stream(
                 self.authenticator, method, handler)
-        return grpc.unary_unary_rpc_method_handler(
+        # gRPC asks on every call: the wrapped handler is made once per method (and per
+        # authorizer: the runtime sets it at start).
+        key = (method, handler.unary_unary)
+        cached = self._wrapped.get(key)
+        if cached is not None and cached[0] is self.authenticator \
+                and cached[1] is self.authorizer:
+            return cached[2]
+        if len(self._wrapped) >= MAX_WRAPPED_HANDLERS:
+            self._wrapped.clear()
+        wrapped = grpc.unary_unary_rpc_method_handler(
             _wrap(method, handler.unary_unary, self.authenticator, self.authorizer),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+        self._wrapped[key] = (self.authenticator, self.authorizer, wrapped)
+        return wrapped
 
 
 async def authenticate(authenticator: auth.Authenticator, method: str,
@@ -107,12 +121,17 @@ def _refused_stream(method: str, handler):
 
 
 def _wrap(method: str, behavior, authenticator: auth.Authenticator, authorizer=None):
+    # This method's metric children, looked up once, not on every call.
+    started_calls = metrics.RPC_STARTED.labels(method)
+    latency = metrics.RPC_LATENCY.labels(method)
+    handled_ok = metrics.RPC_HANDLED.labels(method, grpc.StatusCode.OK.name)
+
     async def wrapped(request, context: grpc.aio.ServicerContext):
         if authenticator.enabled:
             await authenticate(authenticator, method, context)
         else:
             auth.set_current(auth.NOBODY)
-        metrics.RPC_STARTED.labels(method).inc()
+        started_calls.inc()
         metrics.RPC_IN_FLIGHT.inc()
         started = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -145,9 +164,11 @@ def _wrap(method: str, behavior, authenticator: auth.Authenticator, authorizer=N
             await context.abort(error.code, error.message, error.trailing_metadata())
         finally:
             metrics.RPC_IN_FLIGHT.dec()
-            metrics.RPC_LATENCY.labels(method).observe(time.perf_counter() - started)
-            metrics.RPC_HANDLED.labels(method, code.name).inc()
-            if code not in (grpc.StatusCode.OK,):
+            latency.observe(time.perf_counter() - started)
+            if code is grpc.StatusCode.OK:
+                handled_ok.inc()
+            else:
+                metrics.RPC_HANDLED.labels(method, code.name).inc()
                 event(log, "rpc failed", logging.DEBUG, method=method, code=code.name)
 
     return wrapped
