@@ -69,6 +69,16 @@ def _cursor_fields(sp, d) -> dict:
 RESPONSE_OVERHEAD_BYTES = 1 << 20
 
 
+def _check_copy_position(request: partition_pb2.ReplicateRequest, prefix: str) -> None:
+    """A Replicate request's (or ReplicateMany item's) position fields are sane."""
+    if request.fetch_offset < 0:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"{prefix}fetch_offset {request.fetch_offset} is negative")
+    if request.last_fetched_epoch < -1:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"{prefix}last_fetched_epoch {request.last_fetched_epoch} < -1")
+
+
 def item_error(error: AtomlogError) -> partition_pb2.ItemError:
     return partition_pb2.ItemError(reason=error.reason, message=error.message,
                                    metadata=error.metadata)
@@ -150,12 +160,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         tp = request.topic_partition
         if not request.replica:
             raise AtomlogError("INVALID_ARGUMENT", "replica is empty")
-        if request.fetch_offset < 0:
-            raise AtomlogError("INVALID_ARGUMENT",
-                               f"fetch_offset {request.fetch_offset} is negative")
-        if request.last_fetched_epoch < -1:
-            raise AtomlogError("INVALID_ARGUMENT",
-                               f"last_fetched_epoch {request.last_fetched_epoch} < -1")
+        _check_copy_position(request, "")
         owner = await self._owner(tp)
         if owner.replication is None:
             raise AtomlogError("NOT_A_REPLICA",
@@ -192,12 +197,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 raise AtomlogError("INVALID_ARGUMENT",
                                    f"{name}: replica {item.replica!r} is not the caller "
                                    f"{request.replica!r}")
-            if item.fetch_offset < 0:
-                raise AtomlogError("INVALID_ARGUMENT",
-                                   f"{name}: fetch_offset {item.fetch_offset} is negative")
-            if item.last_fetched_epoch < -1:
-                raise AtomlogError("INVALID_ARGUMENT",
-                                   f"{name}: last_fetched_epoch {item.last_fetched_epoch} < -1")
+            _check_copy_position(item, f"{name}: ")
         items = []
         for item in request.partitions:
             item.replica = request.replica
