@@ -77,11 +77,16 @@ def stop_cluster(data_dir: Path) -> None:
 
 def wait_in_sync(client, topic: str, timeout_s: float = 30.0) -> None:
     from atomlog.v1 import metadata_pb2
+    from spark_client import errors
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        reply = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest(
-            topics=[topic]))
+        try:
+            reply = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest(
+                topics=[topic]))
+        except errors.UnknownTopicOrPartition:  # __txn_log: the coordinators make it
+            time.sleep(0.1)
+            continue
         if all(p.server_name and sorted(p.isr) == sorted(p.replicas)
                for p in reply.topics[0].partitions):
             return
