@@ -119,6 +119,9 @@ class LeaderReplication:
         self._complete_reassignment = complete_reassignment
         self.target: list[str] | None = None  # a running reassignment's replica list
         self.throttle: CopyThrottle | None = None  # on its new replicas' copies
+        # Each follower's last (fetch offset, last epoch, cursor sequence): a repeat needs
+        # no divergence check and moves no high watermark (`begin_replicate`).
+        self._asked: dict[str, tuple[int, int, int]] = {}
         self._data: asyncio.Future | None = None
         self._isr_task: asyncio.Task | None = None
         self._isr_event = asyncio.Event()  # before the task runs: Replicate may poke it
@@ -145,6 +148,7 @@ class LeaderReplication:
             # A reload within this leadership: after a failed write or fsync (given up
             # already), or a data-loss recovery; either may have cut the log back.
             self.give_up("its log was reloaded")
+        self._asked.clear()
         if self.failed is None:
             self.epochs.assign(self.epoch, log_end)
             self.epoch_start = log_end
@@ -430,22 +434,30 @@ class LeaderReplication:
                                f"leader's log start {log_start}",
                                {"log_start_offset": str(log_start),
                                 "high_watermark": str(self.high_watermark)})
-        diverging = self._divergence(fetch, request.last_fetched_epoch)
-        if diverging is not None:
-            epoch, end = diverging
-            return partition_pb2.ReplicateResponse(
-                high_watermark=self.high_watermark, log_start_offset=log_start,
-                log_end_offset=self.log_end, diverging=True,
-                diverging_epoch=epoch, diverging_end_offset=end)
+        # The same position as this replica's previous call (an idle partition in a
+        # ReplicateMany): no divergence (this leadership's history only grows), and no
+        # high watermark can have moved by it.
+        asked = (fetch, request.last_fetched_epoch, request.cursor_sequence)
+        repeat = self._asked.get(request.replica) == asked
+        if not repeat:
+            diverging = self._divergence(fetch, request.last_fetched_epoch)
+            if diverging is not None:
+                epoch, end = diverging
+                return partition_pb2.ReplicateResponse(
+                    high_watermark=self.high_watermark, log_start_offset=log_start,
+                    log_end_offset=self.log_end, diverging=True,
+                    diverging_epoch=epoch, diverging_end_offset=end)
         if fetch > self.log_end:
             raise AtomlogError("OFFSET_OUT_OF_RANGE",
                                f"{request.replica} fetches {self.name} from {fetch}, past the "
                                f"leader's log end {self.log_end}")
-        self.progress.fetched(request.replica, fetch, self.log_end, _now_ms())
-        cursor_position = self.cursors.fetched(request.replica, request.cursor_sequence,
-                                               _now_ms())
-        owner.replicated()  # the high watermark may have moved: answer what it covers
-        self._wake_cursor_waiters()  # so may the cursors' one
+        now = _now_ms()
+        self.progress.fetched(request.replica, fetch, self.log_end, now)
+        cursor_position = self.cursors.fetched(request.replica, request.cursor_sequence, now)
+        if not repeat:
+            owner.replicated()  # the high watermark may have moved: answer what it covers
+            self._wake_cursor_waiters()  # so may the cursors' one
+            self._asked[request.replica] = asked
         if self.progress.expand(self.epoch_start) is not None:
             self._poke_isr()
         return cursor_position
