@@ -494,18 +494,18 @@ class LeaderReplication:
         self._check_epoch(epoch)
         self.owner.check_loaded()
 
-    def answer_replicate(self, request, cursor_position: int, max_bytes: int,
-                         with_cursors: bool = True) -> partition_pb2.ReplicateResponse:
+    def answer_replicate(self, request, cursor_position: int,
+                         max_bytes: int) -> partition_pb2.ReplicateResponse:
         """The second half of a Replicate: whole batches from the follower's fetch offset
-        up to `max_bytes` (the first whole even when larger) and, `with_cursors`, the
-        cursor journal's news. Checks again that this leadership still serves."""
+        up to `max_bytes` (the first whole even when larger; fewer for a throttled new
+        replica) and the cursor journal's news. Checks again that this leadership still
+        serves."""
         # The owner may have reloaded its log meanwhile (after a failed write).
         self.check_answerable(request.leader_epoch)
         partition_log = self.owner.log
         fetch = request.fetch_offset
         cursors = partition_pb2.ReplicateResponse()
-        if with_cursors:
-            self._add_cursors(cursors, cursor_position, request.replica)
+        self._add_cursors(cursors, cursor_position, request.replica)
         records, next_offset = b"", fetch
         # Up to the log end: whole batches this leader appended, fsynced or not (the log
         # end moves only once a group's writev completed; a failed write breaks the log,
@@ -696,8 +696,7 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
     stays within `max_bytes` of records and cursor state, beginning at `rotation` among
     the partitions so that a busy one cannot starve the others: the first partition with
     something to send gets its whole first batch (or cursor snapshot) even past the
-    bound; one that no longer fits gets its offsets and high watermark only, and asks
-    again in the next call."""
+    bound; one that no longer fits is left out, and asks again in the next call."""
     results: list = [None] * len(items)
     begun: dict[int, int] = {}
     for index, (leader, request) in enumerate(items):

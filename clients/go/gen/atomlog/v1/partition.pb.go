@@ -4885,8 +4885,8 @@ type ReplicateManyRequest struct {
 	MaxWaitMs uint32 `protobuf:"varint,2,opt,name=max_wait_ms,json=maxWaitMs,proto3" json:"max_wait_ms,omitempty"`
 	// 0 .. grpc.max_message_bytes (0: 8 MiB): records and cursor state of the whole answer.
 	// The first partition with anything to send gets its first batch (or cursor snapshot)
-	// whole even when larger; a partition that no longer fits is answered without records
-	// and asks again in the next call. Each item's max_bytes bounds its own records.
+	// whole even when larger; a partition that no longer fits is left out of the answer and
+	// asks again in the next call. Each item's max_bytes bounds its own records.
 	MaxBytes uint32 `protobuf:"varint,3,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
 	// 1 .. 4096 partitions, each at most once, with the fields of a ReplicateRequest.
 	Partitions    []*ReplicateRequest `protobuf:"bytes,4,rep,name=partitions,proto3" json:"partitions,omitempty"`
