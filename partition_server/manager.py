@@ -343,6 +343,21 @@ class PartitionManager:
         self.followers[key] = follower
         await follower.start()
 
+    def leaderships_current(self) -> bool:
+        """Every leadership this server holds is still the one ZooKeeper's state names
+        (this leader, this epoch): read now, synchronously (on a thread). Asked after a
+        stall (partition_server/lease.py); False while any is stale, until steering
+        has caught up with the state."""
+        for (topic, partition), owner in list(self.owners.items()):
+            leading = owner.replication
+            if leading is None or leading.fenced is not None:
+                continue
+            known = partition_states.read(self.zk.client, topic, partition)
+            if known.state.leader != self.server_name or \
+                    known.state.leader_epoch != leading.epoch:
+                return False
+        return True
+
     def _fetcher(self, leader: str, address: str) -> LeaderFetcher:
         key = (leader, address)
         fetcher = self.fetchers.get(key)

@@ -13,6 +13,7 @@ from pathlib import Path
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.cursor_store import CursorStoreLimits
+from partition_server.lease import LeaseWatch
 from partition_server.log import LogConfig
 from partition_server.manager import PartitionManager, ReplicationSettings
 from partition_server.owner import OwnerSettings
@@ -22,6 +23,7 @@ from partition_server.txn_buffer import TxnBufferLimits
 from partition_server.txn_checker import TxnChecker
 from partition_server.verifier import TxnVerifier
 from services.grpcutil import service_name
+from services.zk import aio
 
 
 def owner_settings(config) -> OwnerSettings:
@@ -84,11 +86,24 @@ async def install(runtime) -> list[str]:
                          interval_ms=config["partition.txn_check_interval_ms"])
     checker.start()
     runtime.stop_hooks.append(checker.close)
+    zk = runtime.zk
+    async def confirm() -> None:
+        """A round trip sent after the stall, then every leadership checked against
+        ZooKeeper's state (the session may have been replaced meanwhile)."""
+        await aio(zk.client.sync_async("/"))
+        if not await asyncio.to_thread(manager.leaderships_current):
+            raise RuntimeError("a leadership here is stale; waiting for steering")
+
+    lease = LeaseWatch(lambda: zk.connected, confirm,
+                       stall_s=min(1.0, zk.session_timeout_ms / 3000))
+    lease.start()
+    runtime.stop_hooks.append(lease.close)
     servicer = PartitionServicer(manager, runtime.metadata, config["partition.max_batch_bytes"],
                                  config["partition.fetch_max_wait_ms"],
                                  config["partition.fetch_default_max_bytes"],
                                  config["grpc.max_message_bytes"], coordinator_epochs=epochs,
-                                 verifier=verifier, subscriptions=subscription_settings(config))
+                                 verifier=verifier, subscriptions=subscription_settings(config),
+                                 lease=lease)
     partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, runtime.server)
     name = service_name(partition_pb2, "PartitionService")
     runtime.local_services[name] = servicer  # services/local.py: same-process calls

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
 from partition_server.coordinator_epochs import MARKERS, STALE_MARKERS, CoordinatorEpochs
+from partition_server.lease import LeaseWatch
 from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
 from partition_server.replica import (REPLICATE_MANY_MAX_BYTES, REPLICATE_MANY_MAX_PARTITIONS,
@@ -123,8 +124,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                  fetch_max_wait_ms: int, fetch_default_max_bytes: int, max_message_bytes: int,
                  coordinator_epochs: CoordinatorEpochs | None = None,
                  verifier: TxnVerifier | None = None,
-                 subscriptions: SubscriptionSettings = SubscriptionSettings()):
+                 subscriptions: SubscriptionSettings = SubscriptionSettings(),
+                 lease: LeaseWatch | None = None):
         self.manager = manager
+        self.lease = lease  # None: deliveries never wait for a session check
         self.subscription_settings = subscriptions
         self.coordinator_epochs = coordinator_epochs  # None: markers answer UNIMPLEMENTED
         self.verifier = verifier  # None: transactional batches answer UNIMPLEMENTED
@@ -804,6 +807,14 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         for sp in request.subscription_partitions:
             try:
                 owner = await self._subscription_owner(sp)
+                if owner.replication is not None and self.lease is not None \
+                        and not self.lease.trusted():
+                    # A leader paused past its session may have been replaced: it must
+                    # not deliver from its own view of the cursor (partition_server/lease.py).
+                    raise AtomlogError("ZOOKEEPER_UNAVAILABLE",
+                                       f"{owner.name}: this server stalled and has not yet "
+                                       "confirmed its ZooKeeper session; retry",
+                                       {"retry_after_ms": "250"})
                 if committed:
                     owner.check_txns_ready()
                 positions = owner.positions()
