@@ -1055,7 +1055,6 @@ class LeaderFetcher:
         self.stubs = stubs
         self.fetch_wait_ms = fetch_wait_ms
         self.followers: dict[str, Follower] = {}
-        self.calls = 0
         self._added = asyncio.Event()
         self._handling: dict[Follower, asyncio.Future] = {}
         self._task: asyncio.Task | None = None
@@ -1165,7 +1164,6 @@ class LeaderFetcher:
             rpc.cancel()
             answer.cancel()
             return None
-        self.calls += 1
         m.REPLICATE_CALLS.inc()
         if answer.cancelled():  # the channel closed under the call (not this task)
             failure = AtomlogError("SERVER_UNAVAILABLE",
