@@ -421,6 +421,14 @@ def _bind_conflict(log_file: str, since: int | None) -> bool:
     return any(marker in text for marker in BIND_CONFLICT)
 
 
+def _zookeeper_movable(cluster: ClusterFile) -> bool:
+    """May the cluster's ZooKeeper move to another port? Not while a service of it runs
+    (it holds the old connect string), nor when a process reaches ZooKeeper at an address
+    of its own (e.g. the chaos harness's proxy, routed to the planned port)."""
+    return not any(p.zookeeper or process_alive(p.pid, marker_of(p))
+                   for p in cluster.processes if p.role != "zookeeper")
+
+
 def tail(path: str, lines: int = 15) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
@@ -449,21 +457,37 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
     client_tls = cluster.channel_tls()
     started, running = [], []
 
+    services = [p for p in cluster.processes if p.role != "zookeeper"]
+    rebinds = 0
     zk = next(p for p in cluster.processes if p.role == "zookeeper")
+    zk_mark: int | None = None
     if process_alive(zk.pid, marker_of(zk)):
         running.append(zk.name)
     else:
         progress("starting zookeeper")
+        zk_mark = _file_size(zk.log_file)
         zk.pid = start_zookeeper(zk)
         started.append(zk.name)
         cluster.save(data_dir)
-    if not localzk.wait_serving(zk.grpc_address, timeout_s, lambda: process_alive(zk.pid, marker_of(zk))):
+    while not localzk.wait_serving(zk.grpc_address, max(0.0, began + timeout_s - time.monotonic()),
+                                   lambda: process_alive(zk.pid, marker_of(zk))):
+        if (rebinds < MAX_REBINDS and not process_alive(zk.pid, marker_of(zk))
+                and _bind_conflict(zk.log_file, zk_mark) and _zookeeper_movable(cluster)):
+            # Its port was taken between planning and binding (ZooKeeper exits then): a new
+            # port, saved (cluster.zookeeper too) before the services that use it start.
+            rebinds += 1
+            old_address = zk.grpc_address
+            zk.grpc_address = cluster.zookeeper = f"127.0.0.1:{free_port()}"
+            progress(f"zookeeper could not bind {old_address}: restarting it on "
+                     f"{zk.grpc_address}")
+            zk_mark = _file_size(zk.log_file)
+            zk.pid = start_zookeeper(zk)
+            cluster.save(data_dir)
+            continue
         raise LaunchError(f"zookeeper at {zk.grpc_address} did not start; log {zk.log_file}:\n"
                           + tail(zk.log_file))
 
-    services = [p for p in cluster.processes if p.role != "zookeeper"]
     log_marks: dict[str, int] = {}  # where each started process's log began
-    rebinds = 0
 
     def start(entry: ProcessEntry) -> None:
         log_marks[entry.name] = _file_size(entry.log_file)

@@ -9,6 +9,10 @@ import time
 from pathlib import Path
 
 ZOOKEEPER_JAR = Path("/usr/share/java/zookeeper.jar")
+# ZooKeeper 3.8 logs through SLF4J, and the Debian jar names no binding: without one it
+# logs nothing at all (a server that cannot bind its port exits with status 1 and an
+# empty log). The log4j 1.2 binding, when installed, makes it log by LOG4J below.
+LOG_BINDING_JARS = (Path("/usr/share/java/slf4j-log4j12.jar"), Path("/usr/share/java/log4j-1.2.jar"))
 MAIN_CLASS = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 # tickTime 500 ms lets sessions be as short as 1 s (2 ticks) for tests; sessions up to
 # 60 s stay allowed. The admin HTTP server is off (it would take port 8080).
@@ -59,10 +63,13 @@ def prepare(directory: Path, port: int) -> list[str]:
     data.mkdir(parents=True, exist_ok=True)
     (conf / "zoo.cfg").write_text(ZOO_CFG.format(data_dir=data.resolve(), port=port))
     (conf / "log4j.properties").write_text(LOG4J)
+    classpath = [str(conf.resolve()), str(ZOOKEEPER_JAR)]
+    if all(jar.exists() for jar in LOG_BINDING_JARS):
+        classpath += [str(jar) for jar in LOG_BINDING_JARS]
     return [java, "-Xms64m", "-Xmx256m", "-XX:+UseSerialGC",
             f"-Dlog4j.configuration=file:{(conf / 'log4j.properties').resolve()}",
             "-Dzookeeper.jmx.log4j.disable=true",
-            "-cp", f"{conf.resolve()}:{ZOOKEEPER_JAR}", MAIN_CLASS, str((conf / "zoo.cfg").resolve())]
+            "-cp", ":".join(classpath), MAIN_CLASS, str((conf / "zoo.cfg").resolve())]
 
 
 def four_letter(address: str, command: str, timeout_s: float = 1.0) -> str:

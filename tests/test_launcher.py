@@ -49,6 +49,34 @@ def test_a_process_whose_port_is_taken_restarts_on_a_new_one(tmp_path):
 
 
 @pytest.mark.cluster
+def test_a_zookeeper_whose_port_is_taken_restarts_on_a_new_one(tmp_path):
+    """ZooKeeper exits when its planned port was taken before it could bind (another
+    program's free_port may hand out the same port): `up` moves it, and the services
+    then started use the new address."""
+    localzk.check_installed()
+    planned = launcher.plan(tmp_path, {"id_allocator": 1}, {})
+    planned.save(tmp_path)
+    host, port = planned.zookeeper.rsplit(":", 1)
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind((host, int(port)))
+    squatter.listen()
+    messages: list[str] = []
+    try:
+        report = launcher.up(tmp_path, {"id_allocator": 1}, timeout_s=60,
+                             progress=messages.append)
+        zk = next(p for p in report.cluster.processes if p.role == "zookeeper")
+        assert report.cluster.zookeeper == zk.grpc_address != planned.zookeeper
+        assert localzk.is_serving(zk.grpc_address)
+        assert launcher.ClusterFile.load(tmp_path).zookeeper == zk.grpc_address
+        ida = next(p for p in report.cluster.processes if p.name == "ida-0")
+        assert launcher.health_status(ida.grpc_address) == "SERVING"
+        assert any(f"zookeeper could not bind {planned.zookeeper}" in m for m in messages), messages
+    finally:
+        squatter.close()
+        launcher.down(tmp_path, timeout_s=10)
+
+
+@pytest.mark.cluster
 def test_a_process_that_fails_for_another_reason_is_not_restarted(tmp_path):
     localzk.check_installed()
     with pytest.raises(launcher.LaunchError, match="exited during start-up"):
