@@ -1,8 +1,18 @@
-"""Small helpers shared by servicers."""
+"""Small helpers shared by servicers and channels."""
 
 from __future__ import annotations
 
 from types import ModuleType
+
+# Reconnect backoff at most 0.5 s, for every channel a server or the SDK opens. gRPC's
+# default grows to 120 s while a server is down (1 s, 1.6 s, 2.6 s, ...), and until its next
+# attempt every call on the channel fails at once with the old "connection refused": a
+# server back after a restart (maybe the new leader of a partition, or the coordinator that
+# verifies a transaction) stayed unreachable for seconds. The connect timeout stays 20 s.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
 
 
 def service_name(pb2_module: ModuleType, service: str) -> str:

@@ -29,6 +29,7 @@ import grpc
 
 from services import auth, metrics, tls
 from services.errors import AtomlogError, unexpected
+from services.grpcutil import RECONNECT_OPTIONS
 
 log = logging.getLogger("atomlog.local")
 
@@ -62,7 +63,9 @@ def set_channel_token(source: "auth.TokenSource | None") -> None:
 
 def aio_channel(address: str, options: list | None = None) -> grpc.aio.Channel:
     """A channel from this server to another: TLS when the process has it, and its
-    service token on every call when it has one."""
+    service token on every call when it has one, and a reconnect backoff of at most 0.5 s
+    (grpcutil.RECONNECT_OPTIONS)."""
+    options = [*RECONNECT_OPTIONS, *(options or [])]
     interceptors = auth.aio_interceptors(_CHANNEL_TOKEN)
     if _CHANNEL_TLS is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -19,23 +19,20 @@ from atomlog.v1 import (
     partition_pb2_grpc,
 )
 from services.auth import TokenSource, bearer_channel
+from services.grpcutil import RECONNECT_OPTIONS
 from services.tls import ChannelTls
 from spark_client import errors
 
 # Channel options: messages up to 64 MiB (fetches of many partitions), keepalive so a
 # dead server is noticed, and no transparent retry of non-idempotent calls beyond gRPC's.
-# Reconnect backoff at most 0.5 s: gRPC's default grows to 120 s while a server is down
-# (1 s, 1.6 s, 2.6 s, ...), and until its next attempt every call on the channel fails at
-# once with the old "connection refused" — a server back after a restart (and maybe the
-# new leader of a partition) stayed unreachable for seconds, longer than the retries of a
-# subscription call (8 attempts, about 1.1 to 2.3 s). The connect timeout stays 20 s.
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
+    # A restarted server is reached again within 0.5 s, well inside the retries of a
+    # subscription call (8 attempts, about 1.1 to 2.3 s).
+    *RECONNECT_OPTIONS,
 ]
 METADATA_TIMEOUT_S = 10.0
 METADATA_MIN_REFRESH_INTERVAL_S = 0.05  # bound refresh storms after many routing errors
