@@ -7,22 +7,27 @@ goes back to the TC partition that sent the marker. Failures need no bookkeeping
 the TC partition's tick re-sends every unconfirmed marker (`transaction.marker_retry_ms`).
 A "STALE_COORDINATOR_EPOCH" answer means the sender's lease is gone.
 
-Markers ride with staged data (partition servers in this process only). A marker of a
-one-call transaction (nothing writes to it after its decision, so holding its marker back
-lets no late write in; a streaming transaction's markers are what stop a fenced zombie's
-writes, so they never wait) bound for a partition server hosted by this same process
-(the combined server) waits up to
-`local_linger_s` for the next StageTxn call that writes one of its partitions, and goes
-in the same event-loop turn as that call (`take_riders`, coordinator/staging.py): both
-reach the partition's owner before it next writes, so the marker of one transaction and
-the staged data of the next are one write group and ONE fsync, not two. A client that
-commits transaction after transaction on the same partitions (a producer keyed to its
-partitions, a consume-transform-produce worker) pays one fsync per partition per
-transaction instead of two. Nothing waits on these markers but read_committed readers
-(the partition's max read position moves on when the marker lands) and the transaction's
+Markers ride with staged data. A marker of a one-call transaction (nothing writes to it
+after its decision, so holding its marker back lets no late write in; a streaming
+transaction's markers are what stop a fenced zombie's writes, so they never wait) waits up
+to `linger_s` for the next StageTxn call to its partition server that writes one of its
+partitions, and goes INSIDE that call (StageTxnRequest.markers; `take_riders`,
+coordinator/staging.py). The server applies the markers and the staged data in the same
+event-loop turn, so both reach the partition's owner before it next writes: the marker
+of one transaction and the staged data of the next are one write group and ONE fsync,
+and one call instead of two. To a partition server in another process every lingering
+marker rides with the next staging call, whatever partitions it writes (a call saved
+costs more than a write group); to one in this process (the combined server), where the
+call is a function call, only those for partitions the call writes. A client that commits transaction after transaction on the
+same partitions (a producer keyed to its partitions, a consume-transform-produce worker)
+pays one fsync and one server-to-server call per partition server per transaction
+instead of two. Nothing waits on these markers but read_committed readers (the
+partition's max read position moves on when the marker lands) and the transaction's
 completion record; a caller that waits for the markers (`hurry`, EndTxn/CommitTxn with
-wait_for_markers) sends them at once. Markers to other processes never linger: two gRPC
-calls from here reach a server in no particular order, so they would share nothing.
+wait_for_markers) sends them at once, and a marker with no staging call to ride within
+`linger_s` goes alone. A staging call that fails hands its riders back to go alone at
+once; a partition server that does not answer them (one older than StageTxnRequest.markers)
+gets them again alone.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from coordinator import metrics
 from coordinator.core import Marker
 from coordinator.records import SubscriptionPartition, TopicPartition, TxnId
 from coordinator.routing import PartitionRoutes
-from services import failpoints, local
+from services import failpoints
 from services.errors import from_rpc_error
 from services.logs import event
 
@@ -50,13 +55,12 @@ log = logging.getLogger("atomlog.coordinator.markers")
 ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                              "SERVER_UNAVAILABLE"})
 
-# How long a marker to a partition server in this process waits for a staging call to
-# ride with (see the module doc). A client's next one-call transaction reaches the
+# How long a marker of a one-call transaction waits for a staging call to ride with (see
+# the module doc). A client's next one-call transaction reaches the
 # coordinator a few ms after the last one's answer (measured: 1-3 ms of client CPU plus
 # the queue of a loaded server); 20 ms covers that with room, and is well below what a
 # read_committed reader already waits for a commit (the marker retry is 1 s).
-LOCAL_LINGER_S = 0.020
-PARTITION_SERVICE = "atomlog.v1.PartitionService"
+LINGER_S = 0.020
 
 
 class MarkerSink(Protocol):
@@ -68,14 +72,14 @@ class MarkerSink(Protocol):
 
 class MarkerChannel:
     def __init__(self, routes: PartitionRoutes, batch_max: int = 10_000,
-                 request_timeout_s: float = 5.0, local_linger_s: float = LOCAL_LINGER_S):
+                 request_timeout_s: float = 5.0, linger_s: float = LINGER_S):
         self.routes = routes
         self.batch_max = batch_max
         self.request_timeout_s = request_timeout_s
-        self.local_linger_s = local_linger_s
+        self.linger_s = linger_s
         self._queues: dict[str, list[tuple[MarkerSink, Marker]]] = defaultdict(list)
-        # Markers waiting to ride with a staging call, per in-process address, oldest
-        # first: (due time.monotonic(), sink, marker).
+        # Markers waiting to ride with a staging call, per address, oldest first:
+        # (due time.monotonic(), sink, marker).
         self._lingering: dict[str, list[tuple[float, MarkerSink, Marker]]] = defaultdict(list)
         self._timers: dict[str, asyncio.TimerHandle | None] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
@@ -93,18 +97,15 @@ class MarkerChannel:
         """Queue markers (never blocks). A marker whose owner is unknown is dropped for
         now (its TC partition re-sends it) and the routes are refreshed. A marker of a
         transaction for which `may_linger` says so (one-call transactions: nothing writes
-        to them after the decision), bound for a partition server in this process,
-        lingers for a staging call (module doc)."""
+        to them after the decision) lingers for a staging call (module doc)."""
         unroutable = False
-        due = time.monotonic() + self.local_linger_s
+        due = time.monotonic() + self.linger_s
         for marker in markers:
             address = self.routes.cached_owner(marker.target.topic, marker.target.partition)
             if not address:
                 unroutable = True
                 continue
-            if (self.local_linger_s > 0 and may_linger is not None
-                    and may_linger(marker.txn_id)
-                    and local.servicer(address, PARTITION_SERVICE)):
+            if self.linger_s > 0 and may_linger is not None and may_linger(marker.txn_id):
                 self._lingering[address].append((due, sink, marker))
                 self._arm(address)
             else:
@@ -114,13 +115,16 @@ class MarkerChannel:
             self._refresh_soon()
         metrics.MARKER_QUEUE.set(self.queued)
 
-    def take_riders(self, address: str, partitions) -> list[tuple[MarkerSink, Marker]]:
-        """The lingering markers for `address` whose (topic, partition) is in
-        `partitions` (a staging call to it is about to go): the caller delivers them
-        with `deliver`, in the same event-loop turn as its call."""
+    def take_riders(self, address: str, partitions=None) -> list[tuple[MarkerSink, Marker]]:
+        """The lingering markers for `address` (a staging call to it is about to go) —
+        only those whose (topic, partition) is in `partitions` when given: the caller
+        sends them in that call (`request_of`, then `answered` or `give_back`)."""
         lingering = self._lingering.get(address)
         if not lingering:
             return []
+        if partitions is None:
+            self._lingering[address] = []
+            return [(sink, marker) for _, sink, marker in lingering]
         riders, staying = [], []
         for entry in lingering:
             target = entry[2].target
@@ -132,15 +136,11 @@ class MarkerChannel:
             self._lingering[address] = staying
         return riders
 
-    async def deliver(self, address: str, batch: list[tuple[MarkerSink, Marker]]) -> None:
-        """Send `batch` now (markers taken with take_riders); failures are left to the
-        TC partitions' re-sends, as for queued markers."""
-        if self._closed:
-            return
-        try:
-            await self._deliver(address, batch)
-        except Exception:
-            log.exception("marker delivery to %s failed", address)
+    def give_back(self, address: str, riders: list[tuple[MarkerSink, Marker]]) -> None:
+        """Riders whose staging call failed or went unanswered: they go alone, now."""
+        if riders and not self._closed:
+            self._queues[address].extend(riders)
+            self._wake(address)
 
     def hurry(self) -> None:
         """Send every lingering marker now: a caller waits for markers."""
@@ -211,16 +211,25 @@ class MarkerChannel:
                 except Exception:
                     log.exception("marker delivery to %s failed", address)
 
-    async def _deliver(self, address: str, batch: list[tuple[MarkerSink, Marker]]) -> None:
-        # One TxnMarker per (sender, transaction, decision, epoch), targets in order.
+    @staticmethod
+    def request_of(batch: list[tuple[MarkerSink, Marker]],
+                   into: partition_pb2.EndTxnOnPartitionRequest | None = None) -> tuple[
+            partition_pb2.EndTxnOnPartitionRequest, tuple]:
+        """The request for `batch` (built in `into` when given) — one TxnMarker per
+        (sender, transaction, decision, epoch), targets in order — and what `answered`
+        needs to read its response."""
         grouped: dict[tuple, list[Marker]] = {}
         for sink, marker in batch:
             key = (id(sink), marker.txn_id, marker.decision, marker.coordinator_epoch)
             grouped.setdefault(key, []).append(marker)
         sinks = {id(sink): sink for sink, _ in batch}
         keys = list(grouped)
-        request = partition_pb2.EndTxnOnPartitionRequest(markers=[
-            _to_proto(grouped[key]) for key in keys])
+        request = partition_pb2.EndTxnOnPartitionRequest() if into is None else into
+        request.markers.extend(_to_proto(grouped[key]) for key in keys)
+        return request, (keys, grouped, sinks)
+
+    async def _deliver(self, address: str, batch: list[tuple[MarkerSink, Marker]]) -> None:
+        request, sent = self.request_of(batch)
         await failpoints.hold(failpoints.MARKERS_SEND)
         metrics.MARKER_CALLS.inc()
         try:
@@ -232,6 +241,11 @@ class MarkerChannel:
             if failure.reason in ROUTING_REASONS or failure.reason == "REQUEST_TIMED_OUT":
                 self._refresh_soon()
             return
+        self.answered(response, sent)
+
+    def answered(self, response: partition_pb2.EndTxnOnPartitionResponse, sent: tuple) -> None:
+        """Confirm each target the response says is done back to its TC partition."""
+        keys, grouped, sinks = sent
         refresh = False
         for key, result in zip(keys, response.results):
             sink = sinks[key[0]]

@@ -27,6 +27,7 @@ from prometheus_client import Counter, Histogram
 from coordinator.markers import MarkerChannel
 from coordinator.records import TxnId
 from coordinator.routing import PartitionRoutes
+from services import failpoints, local
 from services.backoff import Backoff
 from services.batching import PerDestination
 from services.errors import AtomlogError, from_rpc_error
@@ -41,10 +42,14 @@ STAGE_CALLS = Counter("atomlog_coordinator_stage_calls_total",
 STAGED = Counter("atomlog_coordinator_staged_transactions_total",
                  "One-call transactions staged on every partition server (ok), or refused "
                  "by one of them, by the refusal's reason.", ["result"])
+RIDING_MARKERS = Counter("atomlog_coordinator_riding_markers_total",
+                         "Markers (one per transaction and partition) sent inside a StageTxn "
+                         "call instead of an EndTxnOnPartition call of their own.")
 STAGE_SECONDS = Histogram("atomlog_coordinator_stage_duration_seconds",
                           "Time to stage a one-call transaction on every partition server "
                           "(queueing and retries included).", buckets=LATENCY_BUCKETS_SECONDS)
 
+PARTITION_SERVICE = "atomlog.v1.PartitionService"
 RETRY_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                            "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN",
                            "PARTITION_LOADING", "RESOURCE_EXHAUSTED", "CONCURRENT_TRANSACTIONS",
@@ -175,32 +180,43 @@ class StageChannel:
                                "within the transaction's time") from None
 
     async def _send(self, address: str, group: list[_Part]) -> list:
-        """One StageTxn call for the parts queued for `address`: a result per part."""
+        """One StageTxn call for the parts queued for `address`: a result per part. The
+        lingering markers for its partitions ride in it (coordinator/markers.py)."""
         request = partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
             txn_id=common_pb2.TxnId(tc_partition=p.txn_id.tc_partition,
                                     sequence=p.txn_id.sequence),
             coordinator_epoch=p.epoch, batches=[item for _, item in p.batches],
             acks=p.acks) for p in group])
-        STAGE_CALLS.inc()
-        call = self.routes.stub(address).StageTxn(request, timeout=self.request_timeout_s)
         riders = self._riders(address, group)
+        sent = None
+        if riders:
+            _, sent = self.markers.request_of(riders, into=request.markers)
+            RIDING_MARKERS.inc(len(riders))
+        STAGE_CALLS.inc()
         try:
+            response = await self.routes.stub(address).StageTxn(
+                request, timeout=self.request_timeout_s)
+        except BaseException as error:
             if riders:
-                # Markers first, in the same turn: both reach the partitions' owners before
-                # they next write, so a marker and the next staged data share a group and
-                # an fsync (coordinator/markers.py).
-                _, response = await asyncio.gather(self.markers.deliver(address, riders),
-                                                   call)
-            else:
-                response = await call
-        except grpc.RpcError as rpc_error:
-            raise from_rpc_error(rpc_error) from None
+                self.markers.give_back(address, riders)
+            if isinstance(error, grpc.RpcError):
+                raise from_rpc_error(error) from None
+            raise
+        if riders:
+            if len(response.markers.results) == len(request.markers.markers):
+                self.markers.answered(response.markers, sent)
+            else:  # a server that does not know StageTxnRequest.markers
+                self.markers.give_back(address, riders)
         return list(response.results)
 
     def _riders(self, address: str, group: list[_Part]) -> list:
-        """The lingering markers for the partitions this call stages on."""
-        if self.markers is None:
+        """The lingering markers to ride with this call (none while the markers_send
+        failpoint holds markers): all of them to another process, only those for the
+        partitions it stages on to this one (coordinator/markers.py)."""
+        if self.markers is None or failpoints.armed(failpoints.MARKERS_SEND):
             return []
+        if not local.servicer(address, PARTITION_SERVICE):
+            return self.markers.take_riders(address)
         partitions = set()
         for part in group:
             for _, item in part.batches:

@@ -885,13 +885,24 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         """One-call transactions' parts from their coordinators (partition.proto): per
         item, fence the coordinator epoch, then append each batch stamped with the
         transaction (deduplicated by transaction per partition) and make each ack
-        pending. Items and their parts run concurrently; each part answers on its own."""
+        pending. Items and their parts run concurrently; each part answers on its own.
+        Markers riding with the call (`markers`) are applied as EndTxnOnPartition
+        applies them, in the same turn as the items."""
         epochs = self.coordinator_epochs
         if epochs is None or self.verifier is None:
             raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
         _require_items(request.items, "StageTxnRequest")
+        riders = request.markers.markers
+        if riders:  # checked whole before anything is applied, as EndTxnOnPartition does
+            _check_marker_request(riders, "StageTxnRequest.markers")
         response = partition_pb2.StageTxnResponse()
         work = []
+        if riders:
+            # First, and in this turn: the markers and the staged data below reach their
+            # partitions' owners before these next write, so they share a write and an
+            # fsync (coordinator/markers.py).
+            work.append(self._markers_into(response.markers, riders,
+                                           self._fence_markers(riders)))
         for item in request.items:
             result = response.results.add(txn_id=item.txn_id)
             refusal = _invalid_stage(item, epochs.tc_partitions)
@@ -961,20 +972,31 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         wrote (durable in the log and its snapshots), since routing here awaits.
         Subscription targets have no pending acks until subscriptions exist: they are
         checked for routing and state only."""
-        epochs = self.coordinator_epochs
-        if epochs is None:
+        if self.coordinator_epochs is None:
             raise AtomlogError("UNIMPLEMENTED", "this server does not take transaction markers")
         markers = request.markers
         _require_items(markers, "EndTxnOnPartitionRequest")
-        _check_marker_request(markers)
-        # Fence in request order, in one step without awaiting: a marker raising an epoch
-        # makes every later one of a lower epoch stale, in this request and in others.
+        _check_marker_request(markers, "EndTxnOnPartitionRequest")
+        response = partition_pb2.EndTxnOnPartitionResponse()
+        await self._markers_into(response, markers, self._fence_markers(markers))
+        return response
+
+    def _fence_markers(self, markers) -> list[AtomlogError | None]:
+        """Each marker's refusal (INVALID_ARGUMENT, STALE_COORDINATOR_EPOCH) or None. Fenced
+        in request order, in one step without awaiting: a marker raising an epoch makes
+        every later one of a lower epoch stale, in this request and in others."""
+        epochs = self.coordinator_epochs
         refusals: list[AtomlogError | None] = []
         for index, marker in enumerate(markers):
             refusal = _invalid_marker(index, marker, epochs.tc_partitions)
             if refusal is None:
                 refusal = _fence(marker, epochs)
             refusals.append(refusal)
+        return refusals
+
+    async def _markers_into(self, response, markers, refusals) -> None:
+        """Route and apply the markers `_fence_markers` accepted; their results into
+        `response` (an EndTxnOnPartitionResponse), in request order."""
         routes: dict[tuple[str, int], PartitionOwner | AtomlogError] = {}
         for marker, refusal in zip(markers, refusals):
             if refusal is not None:
@@ -990,7 +1012,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         outcomes = await self._apply_markers(markers, refusals, routes)
         sub_outcomes = await self._apply_subscription_markers(markers, refusals, routes)
         counts: dict[tuple[str, str], int] = {}
-        response = partition_pb2.EndTxnOnPartitionResponse()
         for index, (marker, refusal) in enumerate(zip(markers, refusals)):
             decision = _DECISION_LABELS.get(marker.decision, "invalid")
             result = response.results.add(txn_id=marker.txn_id)
@@ -1017,7 +1038,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 STALE_MARKERS.inc()
         for labels, count in counts.items():
             MARKERS.labels(*labels).inc(count)
-        return response
 
     @staticmethod
     async def _apply_subscription_markers(markers, refusals, routes) -> dict:
@@ -1087,20 +1107,24 @@ _DECISION_LABELS = {partition_pb2.TXN_DECISION_COMMIT: "commit",
                     partition_pb2.TXN_DECISION_ABORT: "abort"}
 
 
-def _check_marker_request(markers) -> None:
-    """Whole-request checks: the target bound, and no marker without targets (it would
-    have no item to carry its error)."""
+def _check_marker_request(markers, what: str) -> None:
+    """Whole-request checks: the marker and target bounds, and no marker without targets
+    (it would have no item to carry its error)."""
+    if len(markers) > MAX_ITEMS_PER_REQUEST:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"{what} has {len(markers)} markers; at most {MAX_ITEMS_PER_REQUEST}")
     total = 0
     for index, marker in enumerate(markers):
         count = len(marker.topic_partitions) + len(marker.subscription_partitions)
         if not count:
-            raise AtomlogError("INVALID_ARGUMENT", f"markers[{index}] has no topic_partitions "
-                               "and no subscription_partitions", {"marker_index": index})
+            raise AtomlogError("INVALID_ARGUMENT", f"{what}: markers[{index}] has no "
+                               "topic_partitions and no subscription_partitions",
+                               {"marker_index": index})
         total += count
     if total > MAX_MARKER_TARGETS_PER_REQUEST:
         raise AtomlogError("INVALID_ARGUMENT",
-                           f"EndTxnOnPartitionRequest has {total} topic and subscription "
-                           f"partitions; at most {MAX_MARKER_TARGETS_PER_REQUEST}",
+                           f"{what} has {total} topic and subscription partitions; at "
+                           f"most {MAX_MARKER_TARGETS_PER_REQUEST}",
                            {"limit": str(MAX_MARKER_TARGETS_PER_REQUEST)})
 
 

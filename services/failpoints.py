@@ -14,7 +14,8 @@ harness arms and disarms it from outside without talking to the process:
              decision (CommitTxn), so a test can kill it exactly there.
     markers_send
              a coordinator holds every marker call (EndTxnOnPartition) before sending it,
-             so a test can kill a partition server between a decision and its markers.
+             and lets no marker ride with a staging call (StageTxn) meanwhile, so a test
+             can kill a partition server between a decision and its markers.
 
 Off, a failpoint costs a function call and one comparison with None.
 """

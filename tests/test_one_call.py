@@ -489,3 +489,97 @@ def test_waiting_for_a_send_while_its_one_call_commit_runs_waits_for_the_commit(
             assert committing.result(30) is None
             assert txn.state() in ("COMMITTING", "COMMITTED")
     assert committed_values(client, topic) == [b"v"] * 20
+
+
+def _coordinator_metric(cluster: Cluster, name: str) -> float:
+    """`name` (a counter without labels) summed over the cluster's coordinators."""
+    import urllib.request
+    total = 0.0
+    for process in cluster.services():
+        if process["role"] != "coordinator":
+            continue
+        text = urllib.request.urlopen(f"http://{process['metrics_address']}/metrics",
+                                      timeout=10).read().decode()
+        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(name + " "))
+    return total
+
+
+def test_markers_ride_with_the_next_staging_call_and_land_exactly_once(servers, client):
+    """One-call transactions back to back on the same partitions: a transaction's markers
+    wait for the next StageTxn call to their partition server and go inside it
+    (coordinator/markers.py), instead of an EndTxnOnPartition call of their own. Every
+    transaction still completes, once, with its data visible exactly once."""
+    topic = create_online(client, "oc-riders", 2)
+    riding_before = _coordinator_metric(servers, "atomlog_coordinator_riding_markers_total")
+    txns = []
+    with client.producer() as producer:
+        for i in range(40):
+            txn = client.begin_transaction(timeout_s=30)
+            for partition in range(2):
+                producer.send(topic, b"r%d-%d" % (i, partition), partition=partition, txn=txn)
+            txn.commit()
+            txns.append(txn)
+    riding = _coordinator_metric(servers, "atomlog_coordinator_riding_markers_total") \
+        - riding_before
+    # 80 markers; those of a transaction whose successor went to the other coordinator
+    # (TC partitions are picked round-robin), and the last ones, go alone.
+    assert riding >= 10, riding
+    wait_until(lambda: all(t.state() == "COMMITTED" for t in txns), 30,
+               "every transaction to complete")
+    wait_until(lambda: settled(client, topic, 2), 30, "the markers")
+    assert sorted(committed_values(client, topic)) == sorted(
+        b"r%d-%d" % (i, p) for i in range(40) for p in range(2))
+
+
+def test_markers_riding_in_a_staging_call_are_applied_and_bad_ones_change_nothing(servers,
+                                                                                  client):
+    """StageTxnRequest.markers, straight: a request-wide problem with the markers refuses
+    the whole call (nothing staged); a valid marker is applied with the items and
+    answered in StageTxnResponse.markers; a marker with a bad field fails only itself."""
+    topic = create_online(client, "oc-riders-raw", 1)
+    tc, sequence, epoch = committed_one(client, topic)
+    stub = client.channels.partition(client.metadata.route(topic, 0).address)
+    tp = common_pb2.TopicPartition(topic=topic, partition=0)
+
+    def stage(offset: int, value: bytes, markers=()):
+        return partition_pb2.StageTxnRequest(
+            items=[partition_pb2.StageTxnItem(
+                txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + offset),
+                coordinator_epoch=epoch, batches=[partition_pb2.ProduceItem(
+                    topic_partition=tp, record_batch=encode_batch([Record(None, value, (), 0)]))])],
+            markers=partition_pb2.EndTxnOnPartitionRequest(markers=list(markers)))
+
+    def open_sequences() -> list[int]:
+        return [t.txn_id.sequence for t in client.describe_partition(topic, 0).open_transactions]
+
+    first = stub.StageTxn(stage(3_000, b"first"), timeout=10)
+    assert not first.results[0].batch_results[0].error.reason
+    assert not first.HasField("markers")
+    # A marker without targets is a request-wide problem: nothing of the call is applied.
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.StageTxn(stage(3_001, b"never", [partition_pb2.TxnMarker(
+            txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + 3_000),
+            decision=partition_pb2.TXN_DECISION_ABORT, coordinator_epoch=epoch)]), timeout=10)
+    error = from_rpc_error(refused.value)
+    assert error.reason == "INVALID_ARGUMENT" and "StageTxnRequest.markers" in error.message
+    assert open_sequences() == [sequence + 3_000]
+    # The ABORT of the first rides with the staging of the next; a bad marker beside it
+    # (sequence 0) fails alone.
+    reply = stub.StageTxn(stage(3_002, b"second", [
+        partition_pb2.TxnMarker(txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + 3_000),
+                                decision=partition_pb2.TXN_DECISION_ABORT,
+                                coordinator_epoch=epoch, topic_partitions=[tp]),
+        partition_pb2.TxnMarker(txn_id=common_pb2.TxnId(tc_partition=tc, sequence=0),
+                                decision=partition_pb2.TXN_DECISION_ABORT,
+                                coordinator_epoch=epoch, topic_partitions=[tp])]), timeout=10)
+    assert not reply.results[0].batch_results[0].error.reason
+    applied, bad = reply.markers.results
+    assert not applied.topic_partition_results[0].error.reason
+    assert applied.topic_partition_results[0].marker_offset >= 0 or \
+        applied.topic_partition_results[0].already_ended  # the checker was quicker
+    assert bad.topic_partition_results[0].error.reason == "INVALID_ARGUMENT"
+    assert open_sequences() == [sequence + 3_002]
+    wait_until(lambda: settled(client, topic, 1), 20, "the presumed abort of the second")
+    assert client.describe_partition(topic, 0).aborted_transaction_count == 2
+    assert committed_values(client, topic) == [b"kept"]

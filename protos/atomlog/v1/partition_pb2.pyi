@@ -741,10 +741,12 @@ class RecoverPartitionResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[PartitionState, str]] = ..., truncated_at_offset: _Optional[int] = ..., removed_bytes: _Optional[int] = ..., high_watermark: _Optional[int] = ...) -> None: ...
 
 class StageTxnRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "markers")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MARKERS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[StageTxnItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[StageTxnItem, _Mapping]]] = ...) -> None: ...
+    markers: EndTxnOnPartitionRequest
+    def __init__(self, items: _Optional[_Iterable[_Union[StageTxnItem, _Mapping]]] = ..., markers: _Optional[_Union[EndTxnOnPartitionRequest, _Mapping]] = ...) -> None: ...
 
 class StageTxnItem(_message.Message):
     __slots__ = ("txn_id", "coordinator_epoch", "batches", "acks")
@@ -759,10 +761,12 @@ class StageTxnItem(_message.Message):
     def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., coordinator_epoch: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ProduceItem, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[AckItem, _Mapping]]] = ...) -> None: ...
 
 class StageTxnResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "markers")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MARKERS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StageTxnResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[StageTxnResult, _Mapping]]] = ...) -> None: ...
+    markers: EndTxnOnPartitionResponse
+    def __init__(self, results: _Optional[_Iterable[_Union[StageTxnResult, _Mapping]]] = ..., markers: _Optional[_Union[EndTxnOnPartitionResponse, _Mapping]] = ...) -> None: ...
 
 class StageTxnResult(_message.Message):
     __slots__ = ("txn_id", "batch_results", "ack_results")

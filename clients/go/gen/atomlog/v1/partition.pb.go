@@ -4536,7 +4536,15 @@ func (x *RecoverPartitionResponse) GetHighWatermark() int64 {
 type StageTxnRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// One item per transaction; items are independent (one failing does not stop another).
-	Items         []*StageTxnItem `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	// May be empty when `markers` is set.
+	Items []*StageTxnItem `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	// Markers of earlier (one-call) transactions riding with this call, so that a marker
+	// and the next staged data of its partition share one write and one fsync. They are
+	// applied exactly as an EndTxnOnPartition call with these markers would apply them,
+	// with the same validation (a request-wide problem fails the whole call with
+	// INVALID_ARGUMENT before anything, markers or items, is applied), and answered in
+	// StageTxnResponse.markers. A marker refused here refuses nothing of the items.
+	Markers       *EndTxnOnPartitionRequest `protobuf:"bytes,2,opt,name=markers,proto3" json:"markers,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -4574,6 +4582,13 @@ func (*StageTxnRequest) Descriptor() ([]byte, []int) {
 func (x *StageTxnRequest) GetItems() []*StageTxnItem {
 	if x != nil {
 		return x.Items
+	}
+	return nil
+}
+
+func (x *StageTxnRequest) GetMarkers() *EndTxnOnPartitionRequest {
+	if x != nil {
+		return x.Markers
 	}
 	return nil
 }
@@ -4657,8 +4672,11 @@ func (x *StageTxnItem) GetAcks() []*AckItem {
 
 // One result per item, in request order.
 type StageTxnResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Results       []*StageTxnResult      `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Results []*StageTxnResult      `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	// The answer to StageTxnRequest.markers: one result per marker, in order (set whenever
+	// the request carried markers).
+	Markers       *EndTxnOnPartitionResponse `protobuf:"bytes,2,opt,name=markers,proto3" json:"markers,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -4696,6 +4714,13 @@ func (*StageTxnResponse) Descriptor() ([]byte, []int) {
 func (x *StageTxnResponse) GetResults() []*StageTxnResult {
 	if x != nil {
 		return x.Results
+	}
+	return nil
+}
+
+func (x *StageTxnResponse) GetMarkers() *EndTxnOnPartitionResponse {
+	if x != nil {
+		return x.Markers
 	}
 	return nil
 }
@@ -5577,16 +5602,18 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x05state\x18\x01 \x01(\x0e2\x1a.atomlog.v1.PartitionStateR\x05state\x12.\n" +
 	"\x13truncated_at_offset\x18\x02 \x01(\x03R\x11truncatedAtOffset\x12#\n" +
 	"\rremoved_bytes\x18\x03 \x01(\x04R\fremovedBytes\x12%\n" +
-	"\x0ehigh_watermark\x18\x04 \x01(\x03R\rhighWatermark\"A\n" +
+	"\x0ehigh_watermark\x18\x04 \x01(\x03R\rhighWatermark\"\x81\x01\n" +
 	"\x0fStageTxnRequest\x12.\n" +
-	"\x05items\x18\x01 \x03(\v2\x18.atomlog.v1.StageTxnItemR\x05items\"\xc1\x01\n" +
+	"\x05items\x18\x01 \x03(\v2\x18.atomlog.v1.StageTxnItemR\x05items\x12>\n" +
+	"\amarkers\x18\x02 \x01(\v2$.atomlog.v1.EndTxnOnPartitionRequestR\amarkers\"\xc1\x01\n" +
 	"\fStageTxnItem\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12+\n" +
 	"\x11coordinator_epoch\x18\x02 \x01(\x04R\x10coordinatorEpoch\x121\n" +
 	"\abatches\x18\x03 \x03(\v2\x17.atomlog.v1.ProduceItemR\abatches\x12'\n" +
-	"\x04acks\x18\x04 \x03(\v2\x13.atomlog.v1.AckItemR\x04acks\"H\n" +
+	"\x04acks\x18\x04 \x03(\v2\x13.atomlog.v1.AckItemR\x04acks\"\x89\x01\n" +
 	"\x10StageTxnResponse\x124\n" +
-	"\aresults\x18\x01 \x03(\v2\x1a.atomlog.v1.StageTxnResultR\aresults\"\xb2\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1a.atomlog.v1.StageTxnResultR\aresults\x12?\n" +
+	"\amarkers\x18\x02 \x01(\v2%.atomlog.v1.EndTxnOnPartitionResponseR\amarkers\"\xb2\x01\n" +
 	"\x0eStageTxnResult\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12>\n" +
 	"\rbatch_results\x18\x02 \x03(\v2\x19.atomlog.v1.ProduceResultR\fbatchResults\x126\n" +
@@ -5872,61 +5899,63 @@ var file_atomlog_v1_partition_proto_depIdxs = []int32{
 	77,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 95: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	66,  // 96: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
-	79,  // 97: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
-	7,   // 98: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
-	36,  // 99: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
-	68,  // 100: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
-	79,  // 101: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
-	9,   // 102: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
-	38,  // 103: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
-	77,  // 104: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	69,  // 105: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
-	72,  // 106: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
-	77,  // 107: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 108: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
-	74,  // 109: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
-	73,  // 110: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 111: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 112: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 113: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 114: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 115: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 116: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 117: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 118: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 119: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 120: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 121: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 122: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	65,  // 123: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	54,  // 124: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	60,  // 125: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	63,  // 126: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	69,  // 127: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	70,  // 128: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
-	8,   // 129: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 130: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 131: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 132: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 133: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 134: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 135: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 136: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 137: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 138: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 139: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 140: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	67,  // 141: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	55,  // 142: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	61,  // 143: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	64,  // 144: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	74,  // 145: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	71,  // 146: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
-	129, // [129:147] is the sub-list for method output_type
-	111, // [111:129] is the sub-list for method input_type
-	111, // [111:111] is the sub-list for extension type_name
-	111, // [111:111] is the sub-list for extension extendee
-	0,   // [0:111] is the sub-list for field type_name
+	47,  // 97: atomlog.v1.StageTxnRequest.markers:type_name -> atomlog.v1.EndTxnOnPartitionRequest
+	79,  // 98: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	7,   // 99: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
+	36,  // 100: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
+	68,  // 101: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
+	49,  // 102: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
+	79,  // 103: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	9,   // 104: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
+	38,  // 105: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
+	77,  // 106: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	69,  // 107: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
+	72,  // 108: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
+	77,  // 109: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 110: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
+	74,  // 111: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
+	73,  // 112: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 113: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 114: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 115: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 116: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 117: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 118: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 119: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 120: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 121: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 122: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 123: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 124: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	65,  // 125: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	54,  // 126: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 127: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 128: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	69,  // 129: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	70,  // 130: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
+	8,   // 131: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 132: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 133: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 134: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 135: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 136: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 137: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 138: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 139: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 140: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 141: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 142: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	67,  // 143: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	55,  // 144: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 145: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 146: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	74,  // 147: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	71,  // 148: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
+	131, // [131:149] is the sub-list for method output_type
+	113, // [113:131] is the sub-list for method input_type
+	113, // [113:113] is the sub-list for extension type_name
+	113, // [113:113] is the sub-list for extension extendee
+	0,   // [0:113] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
