@@ -292,7 +292,7 @@ class PartitionManager:
                     and leading.fenced is None:
                 if known.version > leading.known.version:  # e.g. a replica left the ISR
                     leading.known = known
-                    leading.progress.isr_changed(known.state.isr)
+                    leading.isr_changed(known.state.isr)
                     owner.replicated()
                 leading.reassigned(replicas, target, record.throttle_of(partition))
                 return

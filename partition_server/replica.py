@@ -229,6 +229,14 @@ class LeaderReplication:
         self._wake_followers()
         self._wake_cursor_waiters()
 
+    def isr_changed(self, isr) -> None:
+        """The ISR as stored now (by this leader or another writer: a server leaves the
+        ISRs of its partitions when it starts): followers that left it rejoin only on log
+        and cursor positions they report after leaving."""
+        left = set(self.progress.isr) - set(isr)
+        self.progress.isr_changed(isr)
+        self.cursors.left_isr(left)
+
     def reassigned(self, replicas: list[str], target: list[str] | None,
                    throttle: int = 0) -> None:
         """The topic record changed this partition's replicas (a reassignment began, was
@@ -593,7 +601,7 @@ class LeaderReplication:
                 self._isr_writing = False
             before = set(self.progress.isr)
             self.known = stored
-            self.progress.isr_changed(stored.state.isr)
+            self.isr_changed(stored.state.isr)
             after = set(stored.state.isr)
             if after < before:
                 m.ISR_SHRINKS.inc()
@@ -637,7 +645,7 @@ class LeaderReplication:
             self.fence(f"handed leadership to {final.leader} (reassigned)")
             return True
         self.known = stored
-        self.progress.isr_changed(final.isr)
+        self.isr_changed(final.isr)
         self.reassigned(target, None)
         if self.owner is not None:
             self.owner.replicated()
@@ -650,6 +658,12 @@ class LeaderReplication:
         live = self._live()
         isr = set(progress.isr)
         now = _now_ms()
+        # A follower out of the ISR and gone from ZooKeeper may come back as a new process
+        # with less (a wiped disk): what it showed before must not bring it in.
+        gone = {r for r in progress.followers if r not in isr and r not in live}
+        if gone:
+            progress.forget(gone)
+            self.cursors.left_isr(gone)
         keep = {r for r in (progress.shrink(now) or isr) if r == self.me or r in live}
         joining = {r for r in (progress.expand(self.epoch_start) or isr) - isr if r in live}
         if self._cursor_store() is not None:

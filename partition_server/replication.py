@@ -434,10 +434,26 @@ class LeaderProgress:
         return self.isr | joining if joining else None
 
     def isr_changed(self, isr: Iterable[str]) -> None:
+        """The ISR as stored now. A follower that left it forgets what it had shown: it
+        may have left because it restarted with less (a wiped or lost disk: a server
+        leaves the ISR of its partitions at start), and the position its previous
+        incarnation reached must not carry it back in. It rejoins on fetches made after
+        it left (`expand`), as Kafka's leader only takes fetches of the registered broker
+        epoch (KIP-903)."""
         isr = set(isr)
         if self.leader not in isr:
             raise ValueError("the leader cannot leave its own ISR")
+        self.forget(self.isr - isr)
         self.isr = isr
+
+    def forget(self, replicas: Iterable[str]) -> None:
+        """What these followers (out of the ISR: gone from it, or from ZooKeeper) showed so
+        far no longer counts: only fetches made from now on can bring them into the ISR."""
+        for replica in replicas:
+            follower = self.followers.get(replica)
+            if follower is not None:
+                follower.durable_end = 0
+                follower.last_fetch_end = -1
 
     def replicas_changed(self, replicas: Iterable[str], now_ms: int) -> None:
         """A reassignment changed the replica list: a new replica is a follower that has
@@ -535,6 +551,14 @@ class CursorProgress:
         """Frames each follower is behind the leader's durable end (-1: not synced)."""
         return {r: (-1 if p == NOT_SYNCED else max(0, self.leader_durable_end - p))
                 for r, p in self.positions.items()}
+
+    def left_isr(self, replicas: Iterable[str]) -> None:
+        """As LeaderProgress.isr_changed: followers that left the ISR are not synced until
+        a call made after it says where they are."""
+        for replica in replicas:
+            if replica in self.positions:
+                self.positions[replica] = NOT_SYNCED
+            self._last_fetch.pop(replica, None)
 
     def replicas_changed(self, replicas: Iterable[str], isr: Iterable[str], now_ms: int) -> None:
         """As LeaderProgress.replicas_changed: a new replica starts not synced."""

@@ -200,6 +200,42 @@ def test_a_follower_rejoins_once_it_holds_the_high_watermark_and_this_leadership
     assert p.lag() == {"b": 0, "c": 300}
 
 
+def test_a_follower_that_left_the_isr_rejoins_only_on_fetches_made_after_it_left():
+    """Chaos seed 2510 (ctp, replication 3): a follower wiped and restarted took itself out
+    of the ISR at start; its leader, still holding the position its previous incarnation
+    had fetched from, put it straight back. The next election then chose the empty replica
+    and every acknowledged record of __txn_log-7 was lost. A follower that leaves the ISR
+    now has to show its position again."""
+    p = progress(min_insync=2)
+    p.leader_durable(290)
+    p.fetched("b", 290, 290, now_ms=1)
+    p.fetched("c", 290, 290, now_ms=1)
+    assert p.high_watermark == 290
+    p.isr_changed({"a", "c"})  # b restarted with a wiped disk and left on its own
+    assert p.expand(leader_epoch_start=0) is None  # its old position proves nothing now
+    assert p.lag()["b"] == 290
+    p.fetched("b", 0, 290, now_ms=2)  # the new incarnation, from nothing
+    assert p.expand(leader_epoch_start=0) is None
+    p.fetched("b", 290, 290, now_ms=3)  # caught up again
+    assert p.expand(leader_epoch_start=0) == {"a", "b", "c"}
+    cursors = CursorProgress("a", ["a", "b", "c"], 0)
+    cursors.leader_durable(7)
+    cursors.fetched("b", 7, 1)
+    assert cursors.holds("b", {"a", "c"})
+    cursors.left_isr({"b"})
+    assert cursors.positions["b"] == NOT_SYNCED and not cursors.holds("b", {"a", "c"})
+    cursors.fetched("b", 7, 2)
+    assert cursors.holds("b", {"a", "c"})
+    # Caught up but not in the ISR yet when its server vanished from ZooKeeper: the
+    # leader forgets its position too (it may come back as a new process with less).
+    q = progress(isr=("a", "c"), min_insync=2)
+    q.leader_durable(50)
+    q.fetched("c", 50, 50, now_ms=1)
+    q.fetched("b", 50, 50, now_ms=1)
+    q.forget({"b"})
+    assert q.expand(leader_epoch_start=0) is None
+
+
 def test_a_follower_copying_everything_it_is_sent_stays_caught_up_under_a_steady_stream():
     """Followers copy up to the leader's log end, which moves with every append: a fetch
     never finds it unmoved, so caught up is judged as Kafka does, against the end as of
