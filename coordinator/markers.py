@@ -10,24 +10,24 @@ A "STALE_COORDINATOR_EPOCH" answer means the sender's lease is gone.
 Markers ride with staged data. A marker of a one-call transaction (nothing writes to it
 after its decision, so holding its marker back lets no late write in; a streaming
 transaction's markers are what stop a fenced zombie's writes, so they never wait) waits up
-to `linger_s` for the next StageTxn call to its partition server that writes one of its
-partitions, and goes INSIDE that call (StageTxnRequest.markers; `take_riders`,
-coordinator/staging.py). The server applies the markers and the staged data in the same
-event-loop turn, so both reach the partition's owner before it next writes: the marker
-of one transaction and the staged data of the next are one write group and ONE fsync,
-and one call instead of two. To a partition server in another process every lingering
-marker rides with the next staging call, whatever partitions it writes (a call saved
-costs more than a write group); to one in this process (the combined server), where the
-call is a function call, only those for partitions the call writes. A client that commits transaction after transaction on the
-same partitions (a producer keyed to its partitions, a consume-transform-produce worker)
-pays one fsync and one server-to-server call per partition server per transaction
-instead of two. Nothing waits on these markers but read_committed readers (the
-partition's max read position moves on when the marker lands) and the transaction's
-completion record; a caller that waits for the markers (`hurry`, EndTxn/CommitTxn with
-wait_for_markers) sends them at once, and a marker with no staging call to ride within
-`linger_s` goes alone. A staging call that fails hands its riders back to go alone at
-once; a partition server that does not answer them (one older than StageTxnRequest.markers)
-gets them again alone.
+to `linger_s` for the next StageTxn call to its partition server and goes INSIDE that
+call (StageTxnRequest.markers; `take_riders`, coordinator/staging.py). The server applies
+the markers and the staged data in the same event-loop turn, so both reach the
+partition's owner before it next writes: the marker of one transaction and the staged
+data of the next are one write group and ONE fsync, and one call instead of two. To a
+partition server in another process every lingering marker rides with the next staging
+call, whatever partitions it writes (a call saved costs more than a write group); to one
+in this process (the combined server), where the call is a function call, only those for
+partitions the call writes. At most `batch_max` ride in one call. A client that commits
+transaction after transaction on the same partitions (a producer keyed to its
+partitions, a consume-transform-produce worker) pays one fsync and one server-to-server
+call per partition server per transaction instead of two. Nothing waits on these markers
+but read_committed readers (the partition's max read position moves on when the marker
+lands) and the transaction's completion record; a caller that waits for the markers
+(`hurry`, EndTxn/CommitTxn with wait_for_markers) sends them at once, and a marker with
+no staging call to ride within `linger_s` goes alone. A staging call that fails hands its
+riders back to go alone at once; so does a partition server that does not answer them
+(one older than StageTxnRequest.markers).
 """
 
 from __future__ import annotations
@@ -116,19 +116,21 @@ class MarkerChannel:
         metrics.MARKER_QUEUE.set(self.queued)
 
     def take_riders(self, address: str, partitions=None) -> list[tuple[MarkerSink, Marker]]:
-        """The lingering markers for `address` (a staging call to it is about to go) —
-        only those whose (topic, partition) is in `partitions` when given: the caller
-        sends them in that call (`request_of`, then `answered` or `give_back`)."""
+        """The oldest lingering markers for `address` (a staging call to it is about to
+        go), at most batch_max — only those whose (topic, partition) is in `partitions`
+        when given: the caller sends them in that call (`request_of`, then `answered` or
+        `give_back`)."""
         lingering = self._lingering.get(address)
         if not lingering:
             return []
         if partitions is None:
-            self._lingering[address] = []
-            return [(sink, marker) for _, sink, marker in lingering]
+            taken, self._lingering[address] = (lingering[:self.batch_max],
+                                               lingering[self.batch_max:])
+            return [(sink, marker) for _, sink, marker in taken]
         riders, staying = [], []
         for entry in lingering:
             target = entry[2].target
-            if (target.topic, target.partition) in partitions:
+            if (target.topic, target.partition) in partitions and len(riders) < self.batch_max:
                 riders.append((entry[1], entry[2]))
             else:
                 staying.append(entry)

@@ -1,0 +1,47 @@
+"""Which lingering markers ride with a staging call (coordinator/markers.py take_riders),
+and the request they make, as pure code: no server, no event loop."""
+
+from __future__ import annotations
+
+from coordinator.core import Marker
+from coordinator.markers import MarkerChannel
+from coordinator.records import Decision, TopicPartition, TxnId
+
+
+def channel_with(lingering: list[Marker], batch_max: int = 10_000) -> MarkerChannel:
+    channel = MarkerChannel(routes=None, batch_max=batch_max)
+    sink = object()
+    channel._lingering["ps-0"] = [(float(i), sink, m) for i, m in enumerate(lingering)]
+    return channel
+
+
+def marker(sequence: int, partition: int) -> Marker:
+    return Marker(TxnId(0, sequence), Decision.COMMIT, 1, TopicPartition("t", partition))
+
+
+def test_to_another_process_every_lingering_marker_rides_oldest_first_up_to_the_bound():
+    markers = [marker(s, s % 3) for s in range(1, 8)]
+    channel = channel_with(markers, batch_max=5)
+    riders = channel.take_riders("ps-0")
+    assert [m for _, m in riders] == markers[:5]
+    assert [m for _, _, m in channel._lingering["ps-0"]] == markers[5:]
+    assert [m for _, m in channel.take_riders("ps-0")] == markers[5:]
+    assert channel.take_riders("ps-0") == [] and channel.take_riders("ps-1") == []
+
+
+def test_in_process_only_markers_for_the_partitions_the_call_writes_ride():
+    markers = [marker(s, s % 3) for s in range(1, 8)]
+    channel = channel_with(markers, batch_max=2)
+    riders = channel.take_riders("ps-0", {("t", 1)})
+    assert [m for _, m in riders] == [markers[0], markers[3]]  # partition 1, at most 2
+    assert [m for _, _, m in channel._lingering["ps-0"]] == \
+        [m for m in markers if m not in (markers[0], markers[3])]
+
+
+def test_the_riders_request_groups_a_transactions_targets_in_one_marker():
+    sink = object()
+    batch = [(sink, marker(1, 0)), (sink, marker(1, 2)), (sink, marker(2, 0))]
+    request, (keys, grouped, sinks) = MarkerChannel.request_of(batch)
+    assert [(m.txn_id.sequence, [tp.partition for tp in m.topic_partitions])
+            for m in request.markers] == [(1, [0, 2]), (2, [0])]
+    assert len(keys) == 2 and set(sinks) == {id(sink)}
