@@ -25,15 +25,19 @@ call per partition server per transaction instead of two. Nothing waits on these
 but read_committed readers (the partition's max read position moves on when the marker
 lands) and the transaction's completion record; a caller that waits for the markers
 (`hurry`, EndTxn/CommitTxn with wait_for_markers) sends them at once, and a marker with
-no staging call to ride within `linger_s` goes alone. A staging call that fails hands its
-riders back to go alone at once; so does a partition server that does not answer them
-(one older than StageTxnRequest.markers).
+no staging call to ride within `linger_s` goes alone. A marker lingers only while staging
+calls to its server come at least every `linger_s` (the last two were that close): a
+client that commits now and then sees its data as soon as before, with no wait for a
+ride that would not come. A staging call that fails hands its riders back to go alone at
+once; so does a partition server that does not answer them (one older than
+StageTxnRequest.markers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -82,6 +86,9 @@ class MarkerChannel:
         # (due time.monotonic(), sink, marker).
         self._lingering: dict[str, list[tuple[float, MarkerSink, Marker]]] = defaultdict(list)
         self._timers: dict[str, asyncio.TimerHandle | None] = {}
+        # Per address: when the last staging call went, and the time between the last two.
+        self._staged_at: dict[str, float] = {}
+        self._staging_gaps: dict[str, float] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
         self._senders: dict[str, asyncio.Task] = {}
         self._refresh: asyncio.Task | None = None
@@ -105,7 +112,8 @@ class MarkerChannel:
             if not address:
                 unroutable = True
                 continue
-            if self.linger_s > 0 and may_linger is not None and may_linger(marker.txn_id):
+            if (self.linger_s > 0 and may_linger is not None and may_linger(marker.txn_id)
+                    and self._staging_gaps.get(address, math.inf) <= self.linger_s):
                 self._lingering[address].append((due, sink, marker))
                 self._arm(address)
             else:
@@ -137,6 +145,14 @@ class MarkerChannel:
         if riders:
             self._lingering[address] = staying
         return riders
+
+    def staging_to(self, address: str) -> None:
+        """A staging call to `address` is about to go (coordinator/staging.py): markers
+        bound there linger for the next one only while such calls are frequent."""
+        now = time.monotonic()
+        last = self._staged_at.get(address)
+        self._staging_gaps[address] = math.inf if last is None else now - last
+        self._staged_at[address] = now
 
     def give_back(self, address: str, riders: list[tuple[MarkerSink, Marker]]) -> None:
         """Riders whose staging call failed or went unanswered: they go alone, now."""

@@ -187,6 +187,8 @@ class StageChannel:
                                     sequence=p.txn_id.sequence),
             coordinator_epoch=p.epoch, batches=[item for _, item in p.batches],
             acks=p.acks) for p in group])
+        if self.markers is not None:
+            self.markers.staging_to(address)
         riders = self._riders(address, group)
         sent = None
         if riders:

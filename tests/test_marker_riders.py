@@ -3,6 +3,8 @@ and the request they make, as pure code: no server, no event loop."""
 
 from __future__ import annotations
 
+import asyncio
+
 from coordinator.core import Marker
 from coordinator.markers import MarkerChannel
 from coordinator.records import Decision, TopicPartition, TxnId
@@ -45,3 +47,34 @@ def test_the_riders_request_groups_a_transactions_targets_in_one_marker():
     assert [(m.txn_id.sequence, [tp.partition for tp in m.topic_partitions])
             for m in request.markers] == [(1, [0, 2]), (2, [0])]
     assert len(keys) == 2 and set(sinks) == {id(sink)}
+
+
+class _Routes:
+    def cached_owner(self, topic: str, partition: int) -> str:
+        return "ps-0"
+
+
+def test_markers_linger_only_while_staging_calls_to_their_server_are_frequent():
+    """A lone client committing now and then must not wait linger_s for a ride that will
+    not come: a marker lingers only when the last two staging calls to its server were
+    at most linger_s apart."""
+    async def run() -> None:
+        channel = MarkerChannel(_Routes(), linger_s=0.020)
+        sink = object()
+        one_call = lambda txn_id: True  # noqa: E731
+        channel.send(sink, [marker(1, 0)], may_linger=one_call)  # no staging seen yet
+        assert channel._queues["ps-0"] == [(sink, marker(1, 0))]
+        assert not channel._lingering["ps-0"]
+        channel.staging_to("ps-0")
+        channel.send(sink, [marker(2, 0)], may_linger=one_call)  # one call: no gap known
+        channel.staging_to("ps-0")  # the next follows at once: traffic
+        channel.send(sink, [marker(3, 0)], may_linger=one_call)
+        channel.send(sink, [marker(4, 0)], may_linger=lambda txn_id: False)  # streaming
+        assert [m for _, _, m in channel._lingering["ps-0"]] == [marker(3, 0)]
+        assert [m for _, m in channel._queues["ps-0"]] == [marker(s, 0) for s in (1, 2, 4)]
+        channel._staging_gaps["ps-0"] = 0.5  # the last two calls 0.5 s apart
+        channel.send(sink, [marker(5, 0)], may_linger=one_call)
+        assert [m for _, m in channel._queues["ps-0"]][-1] == marker(5, 0)
+        await channel.close()
+
+    asyncio.run(run())
