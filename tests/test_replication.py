@@ -104,14 +104,32 @@ def produce_taken(address: str, topic: str, partition: int, value: bytes,
 
 
 def read_all(client: Client, topic: str, expected: int, timeout_s: float = 60):
-    consumer = client.consumer(topic)
+    """Every committed message of `topic`, read to the end once nothing is in flight (no
+    open transaction, the max read position at the high watermark, on every partition);
+    at least `expected`. Not "until `expected` are read": a transaction whose commit
+    failed may have committed all the same, so a count could be reached with a committed
+    transaction still unread (it happened: the check then reported it missing)."""
+    def settled() -> bool:
+        for partition in range(len(metadata(client, topic).partitions)):
+            try:
+                d = client.describe_partition(topic, partition)
+            except errors.AtomlogClientError as error:  # a server just killed: ask again
+                if not error.retriable:
+                    raise
+                client.metadata.refresh()
+                return False
+            if d.open_transactions or d.max_read_position != d.high_watermark:
+                return False
+        return True
+
+    wait_until(settled, timeout_s, f"{topic}: no transaction in flight")
     seen: dict[tuple[int, int], bytes] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(seen) < expected and time.monotonic() < deadline:
-        for message in consumer.poll(timeout_s=1.0, max_records=5_000):
-            assert (message.partition, message.offset) not in seen
-            seen[(message.partition, message.offset)] = message.value
-    consumer.close()
+    with client.consumer(topic) as consumer:
+        for messages in consumer.read_until(idle_timeout_s=timeout_s, max_records=5_000):
+            for message in messages:
+                assert (message.partition, message.offset) not in seen
+                seen[(message.partition, message.offset)] = message.value
+    assert len(seen) >= expected, (len(seen), expected)
     return seen
 
 

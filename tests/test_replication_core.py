@@ -465,3 +465,25 @@ def test_leader_progress_takes_new_replicas_and_forgets_those_that_left():
     assert cursors.positions["c"] == NOT_SYNCED
     cursors.replicas_changed(["a", "c"], {"a", "c"}, 4)
     assert set(cursors.positions) == {"c"}
+
+
+def test_servers_seen_leaving_are_reported_once_even_when_back_already():
+    """partition_server/assignments.py: the /servers watch remembers who left, so a
+    leader forgets a follower's position even when the same name registered again (a new
+    process, maybe with a wiped disk) before its next ISR check."""
+    import asyncio
+
+    from partition_server.assignments import Assignments
+
+    loop = asyncio.new_event_loop()
+    try:
+        assignments = Assignments(None, "ps-0", loop, lambda: None)
+        assignments._on_servers(["ps-0", "ps-1", "ps-2"])
+        assert assignments.take_departed() == set()
+        assignments._on_servers(["ps-0", "ps-1"])  # ps-2 ended
+        assignments._on_servers(["ps-0", "ps-1", "ps-2"])  # ... and is back
+        assert assignments.take_departed() == {"ps-2"}
+        assert assignments.take_departed() == set()
+        assert assignments.live() == {"ps-0", "ps-1", "ps-2"}
+    finally:
+        loop.close()
