@@ -21,16 +21,22 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
             sock.bind(("127.0.0.1", port))
 
 
+def squat(address: str) -> socket.socket:
+    """A listening socket on `address` (host:port): the port is taken."""
+    host, port = address.rsplit(":", 1)
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind((host, int(port)))
+    squatter.listen()
+    return squatter
+
+
 @pytest.mark.cluster
 def test_a_process_whose_port_is_taken_restarts_on_a_new_one(tmp_path):
     localzk.check_installed()
     planned = launcher.plan(tmp_path, {"id_allocator": 1}, {})
     planned.save(tmp_path)
     entry = next(p for p in planned.processes if p.name == "ida-0")
-    host, port = entry.grpc_address.rsplit(":", 1)
-    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    squatter.bind((host, int(port)))
-    squatter.listen()
+    squatter = squat(entry.grpc_address)
     messages: list[str] = []
     try:
         report = launcher.up(tmp_path, {"id_allocator": 1}, timeout_s=60,
@@ -56,10 +62,7 @@ def test_a_zookeeper_whose_port_is_taken_restarts_on_a_new_one(tmp_path):
     localzk.check_installed()
     planned = launcher.plan(tmp_path, {"id_allocator": 1}, {})
     planned.save(tmp_path)
-    host, port = planned.zookeeper.rsplit(":", 1)
-    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    squatter.bind((host, int(port)))
-    squatter.listen()
+    squatter = squat(planned.zookeeper)
     messages: list[str] = []
     try:
         report = launcher.up(tmp_path, {"id_allocator": 1}, timeout_s=60,
