@@ -180,8 +180,8 @@ class StageChannel:
                                "within the transaction's time") from None
 
     async def _send(self, address: str, group: list[_Part]) -> list:
-        """One StageTxn call for the parts queued for `address`: a result per part. The
-        lingering markers for its partitions ride in it (coordinator/markers.py)."""
+        """One StageTxn call for the parts queued for `address`: a result per part.
+        Lingering markers bound for `address` ride in it (`_riders`, coordinator/markers.py)."""
         request = partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
             txn_id=common_pb2.TxnId(tc_partition=p.txn_id.tc_partition,
                                     sequence=p.txn_id.sequence),
