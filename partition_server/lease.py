@@ -55,13 +55,10 @@ class LeaseWatch:
         self._task = asyncio.create_task(self._run(), name="lease watch")
 
     async def close(self) -> None:
-        for task in (self._task, self._confirming):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        tasks = [task for task in (self._task, self._confirming) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def trusted(self) -> bool:
         """The session may still be this server's: no stall since the last confirmed

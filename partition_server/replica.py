@@ -668,12 +668,6 @@ class LeaderReplication:
         live = self._live()
         isr = set(progress.isr)
         now = _now_ms()
-        # A follower out of the ISR and gone from ZooKeeper may come back as a new process
-        # with less (a wiped disk): what it showed before must not bring it in.
-        gone = {r for r in progress.followers if r not in isr and r not in live}
-        if gone:
-            progress.forget(gone)
-            self.cursors.left_isr(gone)
         keep = {r for r in (progress.shrink(now) or isr) if r == self.me or r in live}
         joining = {r for r in (progress.expand(self.epoch_start) or isr) - isr if r in live}
         if self._cursor_store() is not None:

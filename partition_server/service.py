@@ -894,6 +894,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         _require_items(request.items, "StageTxnRequest")
         riders = request.markers.markers
         if riders:  # checked whole before anything is applied, as EndTxnOnPartition does
+            _require_items(riders, "StageTxnRequest.markers")
             _check_marker_request(riders, "StageTxnRequest.markers")
         response = partition_pb2.StageTxnResponse()
         work = []
@@ -1108,11 +1109,8 @@ _DECISION_LABELS = {partition_pb2.TXN_DECISION_COMMIT: "commit",
 
 
 def _check_marker_request(markers, what: str) -> None:
-    """Whole-request checks: the marker and target bounds, and no marker without targets
-    (it would have no item to carry its error)."""
-    if len(markers) > MAX_ITEMS_PER_REQUEST:
-        raise AtomlogError("INVALID_ARGUMENT",
-                           f"{what} has {len(markers)} markers; at most {MAX_ITEMS_PER_REQUEST}")
+    """Whole-request checks beyond _require_items: the target bound, and no marker
+    without targets (it would have no item to carry its error)."""
     total = 0
     for index, marker in enumerate(markers):
         count = len(marker.topic_partitions) + len(marker.subscription_partitions)
