@@ -153,14 +153,14 @@ def test_fsync_mode_fsyncs_the_files_of_a_round_at_once_on_duplicates(tmp_path):
     fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(3)]
     gate_fd = os.open(tmp_path / "gate", os.O_RDWR | os.O_CREAT)
     gate_inode, failing = os.fstat(gate_fd).st_ino, os.fstat(fds[1]).st_ino
-    release_gate = threading.Event()
+    gate_entered, release_gate = threading.Event(), threading.Event()
     all_began = threading.Barrier(3, timeout=10)
     seen: list[int] = []
 
     def fsync(fd: int) -> None:
         inode = os.fstat(fd).st_ino
-        if inode == gate_inode:  # held while the three are submitted (its own round, or
-            # theirs: the syncer thread may start only after they are queued)
+        if inode == gate_inode:  # its own round, held while the three are submitted
+            gate_entered.set()
             assert release_gate.wait(10)
             return
         seen.append(fd)
@@ -175,6 +175,10 @@ def test_fsync_mode_fsyncs_the_files_of_a_round_at_once_on_duplicates(tmp_path):
         sync = barrier.open(tmp_path, durability.FSYNC)
         assert sync.mode == durability.FSYNC
         first = sync.submit(gate_fd)
+        # Only once the syncer holds the gate's round: else it could take the gate with
+        # some of the three (its thread may run between two submits), and that round
+        # would wait for the barrier forever while the rest queued behind it.
+        await until(gate_entered.is_set, timeout_s=10)
         tickets = [sync.submit(fd) for fd in fds]
         release_gate.set()
         # Real fsyncs of three files: seconds when another process loads the disk (it
