@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -120,6 +121,7 @@ class PartitionManager:
         # Replicated partitions are steered only once this server has left their ISRs at
         # start (else a leadership from its previous life would reopen meanwhile).
         self._isrs_left = False
+        self.incarnation = 0  # set at start (`begin_incarnation`), before any follower runs
         self._stubs = local.StubCache(PARTITION_SERVICE, partition_pb2_grpc.PartitionServiceStub,
                                       REPLICA_CHANNEL_OPTIONS)
         m.register_replication_collector(self)
@@ -132,6 +134,13 @@ class PartitionManager:
         self.assignments = Assignments(self.zk, self.server_name, loop, self._reconcile)
         await asyncio.to_thread(self.assignments.start)
         await self.assignments.ready.wait()
+        # First of all: this process's incarnation, which every fetch it makes names, so
+        # that no fetch of an earlier process of this name (in flight when it died) can
+        # bring this one into an ISR (docs/replication.md, "Incarnations").
+        self.incarnation = await asyncio.to_thread(
+            partition_states.begin_incarnation, self.zk.client, self.server_name,
+            {"pid": os.getpid(), "started_unix_ms": int(time.time() * 1000)})
+        event(log, "incarnation", server=self.server_name, incarnation=self.incarnation)
         await asyncio.to_thread(self._leave_isrs)  # before this server registers
         await asyncio.to_thread(self._sweep_removed_copies)
         self._isrs_left = True
@@ -344,7 +353,8 @@ class PartitionManager:
         follower = Follower(topic, partition, self.data_dir / f"{topic}-{partition}",
                             settings.log, me, state.leader, address, state.leader_epoch,
                             self._fetcher(state.leader, address), fsync=settings.fsync,
-                            cursor_limits=settings.cursor_limits, known_hw=known_hw)
+                            cursor_limits=settings.cursor_limits, known_hw=known_hw,
+                            incarnation=self.incarnation)
         self.followers[key] = follower
         await follower.start()
 
@@ -457,9 +467,10 @@ class PartitionManager:
         await owner.close()
 
     def _write_isr(self, topic: str, partition: int):
-        def write_blocking(known, isr: list[str]):
+        def write_blocking(known, isr: list[str], joining: dict[str, int]):
             try:
-                return partition_states.change_isr(self.zk.client, topic, partition, known, isr)
+                return partition_states.change_isr(self.zk.client, topic, partition, known, isr,
+                                                   joining)
             except partition_states.StaleState:
                 # A restarted replica may have taken itself out of the ISR meanwhile: the
                 # leadership goes on with that ISR (the leader recomputes from it); any
@@ -470,8 +481,8 @@ class PartitionManager:
                     return fresh
                 raise
 
-        async def write(known, isr: list[str]):
-            return await asyncio.to_thread(write_blocking, known, isr)
+        async def write(known, isr: list[str], joining: dict[str, int]):
+            return await asyncio.to_thread(write_blocking, known, isr, joining)
         return write
 
     async def _address_of(self, server: str) -> str:

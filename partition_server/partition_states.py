@@ -13,7 +13,13 @@ run them on a thread.
   write succeeds however many race; the others learn the winner from the znode.
 - `change_isr` is the leader's ISR shrink or expand, against the version it last read; a
   newer state (another leader, another epoch) makes it fail with StaleState, and the
-  leader must stop acknowledging and reread.
+  leader must stop acknowledging and reread. A replica joins only in a ZooKeeper
+  transaction that also checks its incarnation node is still the one its fetches named
+  (StaleIncarnation otherwise): a fetch from a server's previous process can never bring
+  its next one into the ISR.
+- `begin_incarnation` is the first thing a partition server writes when it starts, before
+  it leaves its ISRs: `/incarnations/<name>`, whose zxid then names this process in every
+  fetch it makes (docs/replication.md, "Incarnations").
 - `leave_isr` is what a partition server does for each of its replicas when it starts,
   before it registers: it takes itself out of the ISR (and out of leadership, to another
   live in-sync replica), because it cannot know that its log is still whole — its disk may
@@ -44,10 +50,47 @@ from services.topics import TopicRecord
 from services.zk import TOPICS_PATH
 
 PARTITIONS_PATH = "/partitions"
+INCARNATIONS_PATH = "/incarnations"
 
 
 class StaleState(Exception):
     """The partition's state changed since it was read: reread it."""
+
+
+class StaleIncarnation(Exception):
+    """Replicas that were to join the ISR on fetches of an incarnation that is no longer
+    their server's latest: `current` maps each to its latest incarnation (0: none)."""
+
+    def __init__(self, current: dict[str, int]):
+        super().__init__(f"not the latest incarnation of {sorted(current)}")
+        self.current = current
+
+
+def incarnation_path(server: str) -> str:
+    return f"{INCARNATIONS_PATH}/{server}"
+
+
+def begin_incarnation(client, server: str, info: dict) -> int:
+    """Write `server`'s incarnation node (persistent: it outlives the process, so a
+    leader can always tell an old process's fetch from a new one's) and return its zxid,
+    the new incarnation: larger than any earlier one, as every later ZooKeeper write is."""
+    path = incarnation_path(server)
+    client.ensure_path(path)
+    stat = client.set(path, json.dumps(info).encode())
+    return stat.mzxid
+
+
+def _latest_incarnations(client, servers: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """Each server's latest incarnation and its node's version ((0, -1): none)."""
+    latest = {}
+    for server in servers:
+        try:
+            _, stat = client.get(incarnation_path(server))
+        except NoNodeError:
+            latest[server] = (0, -1)
+            continue
+        latest[server] = (stat.mzxid, stat.version)
+    return latest
 
 
 @dataclass(frozen=True)
@@ -126,14 +169,50 @@ def try_elect(client, topic: str, partition: int, replicas: list[str], live: Ite
 
 
 def change_isr(client, topic: str, partition: int, known: Versioned,
-               isr: Iterable[str]) -> Versioned:
+               isr: Iterable[str], joining: dict[str, int] | None = None) -> Versioned:
     """The leader of `known` (the state and version it last read) changes the ISR; the
-    leader and epoch stay. StaleState when anything changed the znode since."""
+    leader and epoch stay. StaleState when anything changed the znode since.
+
+    `joining` names each replica the change adds with the incarnation its fetches came
+    from (every replica added must be named). The write is one ZooKeeper transaction that
+    also checks each one's incarnation node is unchanged since it was read here, and read
+    as that incarnation; StaleIncarnation (nothing written) when one is not."""
     state = known.state
     if state.leader is None:
         raise ValueError("an offline partition has no leader to change its ISR")
     new = PartitionState(state.leader, state.leader_epoch, tuple(isr))  # checks leader in ISR
-    return _write(client, topic, partition, new, known.version)
+    joining = dict(joining or {})
+    added = set(new.isr) - set(state.isr)
+    if added - set(joining):
+        raise ValueError(f"replicas {sorted(added - set(joining))} join without an incarnation")
+    joining = {r: i for r, i in joining.items() if r in added}
+    if not joining:
+        return _write(client, topic, partition, new, known.version)
+    latest = _latest_incarnations(client, joining)
+    stale = {r: latest[r][0] for r, incarnation in joining.items()
+             if latest[r][0] != incarnation}
+    if stale:
+        raise StaleIncarnation(stale)
+    transaction = client.transaction()
+    for replica in sorted(joining):
+        transaction.check(incarnation_path(replica), latest[replica][1])
+    transaction.set_data(path_of(topic, partition), new.to_json(), version=known.version)
+    results = transaction.commit()
+    *checks, state_result = results
+    if not any(isinstance(r, Exception) for r in results):
+        return Versioned(new, state_result.version)
+    if isinstance(state_result, BadVersionError):
+        raise StaleState(f"{topic}-{partition} changed since version {known.version}")
+    if isinstance(state_result, NoNodeError):
+        raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                           f"no partition state for {topic}-{partition}")
+    failed = [r for r, result in zip(sorted(joining), checks)
+              if isinstance(result, (BadVersionError, NoNodeError))]
+    if failed:  # a new incarnation began between the read and the transaction
+        now = _latest_incarnations(client, failed)
+        raise StaleIncarnation({r: now[r][0] for r in failed})
+    raise next(r for r in results if isinstance(r, Exception)
+               and not isinstance(r, RolledBackError))
 
 
 def leaving(state: PartitionState, replicas: list[str], me: str,

@@ -47,7 +47,7 @@ from partition_server import metrics as m
 from partition_server.cursor_store import (CursorStore, CursorStoreLimits, install_snapshot)
 from partition_server.leader_epochs import LeaderEpochFile
 from partition_server.log import LogConfig, PartitionLog
-from partition_server.partition_states import StaleState, Versioned
+from partition_server.partition_states import StaleIncarnation, StaleState, Versioned
 from partition_server.record_batch import iter_batches
 from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, CursorProgress,
                                           LeaderProgress, complete_reassignment,
@@ -86,7 +86,8 @@ class LeaderReplication:
     def __init__(self, topic: str, partition: int, me: str, known: Versioned,
                  replicas: list[str], min_insync: int, max_lag_ms: int, known_hw: int,
                  directory,
-                 write_isr: Callable[[Versioned, list[str]], Awaitable[Versioned]],
+                 write_isr: Callable[[Versioned, list[str], dict[str, int]],
+                                     Awaitable[Versioned]],
                  live: Callable[[], set[str]],
                  complete_reassignment: Callable[..., Awaitable[Versioned | None]] | None = None,
                  resign: Callable[[int], Awaitable[Versioned]] | None = None):
@@ -122,6 +123,9 @@ class LeaderReplication:
         # Each follower's last (fetch offset, last epoch, cursor sequence): a repeat needs
         # no divergence check and moves no high watermark (`begin_replicate`).
         self._asked: dict[str, tuple[int, int, int]] = {}
+        # Each follower's newest incarnation seen (docs/replication.md, "Incarnations"):
+        # older ones are refused, and the positions recorded belong to this one.
+        self._incarnations: dict[str, int] = {}
         self._data: asyncio.Future | None = None
         self._isr_task: asyncio.Task | None = None
         self._isr_event = asyncio.Event()  # before the task runs: Replicate may poke it
@@ -443,6 +447,7 @@ class LeaderReplication:
             raise AtomlogError("NOT_A_REPLICA",
                                f"{request.replica!r} is not a follower of {self.name} "
                                f"(replicas {self.replicas})")
+        self._check_incarnation(request.replica, request.replica_incarnation)
         partition_log = owner.log
         fetch = request.fetch_offset
         log_start = partition_log.log_start_offset
@@ -479,6 +484,30 @@ class LeaderReplication:
         if self.progress.expand(self.epoch_start) is not None:
             self._poke_isr()
         return cursor_position
+
+    def _check_incarnation(self, replica: str, incarnation: int) -> None:
+        """A fetch of an older process of `replica` than one seen is refused; the first
+        fetch of a newer one makes this leader forget what the older one showed (its
+        positions may be of a disk since wiped), whether or not the ISR change of its
+        start or its gap in /servers was seen here."""
+        seen = self._incarnations.get(replica)
+        if seen is not None and incarnation < seen:
+            raise AtomlogError("STALE_REPLICA_INCARNATION",
+                               f"{replica} fetches {self.name} as incarnation {incarnation}; "
+                               f"incarnation {seen} of it has fetched already")
+        if seen is not None and incarnation > seen:
+            event(log, "follower restarted", partition=self.name, replica=replica,
+                  incarnation=incarnation, previous=seen)
+            self._forget_positions({replica})
+        self._incarnations[replica] = incarnation
+
+    def _forget_positions(self, replicas: set[str]) -> None:
+        """Only fetches recorded from now on count for these followers (none is in the
+        ISR, or leaving it: a forgotten in-sync follower holds the high watermark)."""
+        self.progress.forget(replicas)
+        self.cursors.left_isr(replicas)
+        for replica in replicas:
+            self._asked.pop(replica, None)
 
     def has_news(self, fetch: int, cursor_position: int, replica: str = "") -> bool:
         """Whether `replica`, a follower at `fetch` and `cursor_position`, has something to
@@ -596,12 +625,24 @@ class LeaderReplication:
                 if self.target is not None and await self._end_reassignment():
                     return
                 continue
+            joining = {r: self._incarnations.get(r, 0) for r in wanted - self.progress.isr}
             self._isr_writing = True
             try:
-                stored = await self._write_isr(self.known, sorted(wanted))
+                stored = await self._write_isr(self.known, sorted(wanted), joining)
             except StaleState:
                 self.fence("its partition state changed in ZooKeeper")
                 return
+            except StaleIncarnation as stale:
+                # Fetches of a process that has been replaced (or, with 0, of none yet):
+                # forgotten; only its newest incarnation's fetches count from now on.
+                event(log, "replicas not added to the ISR: a newer process of theirs "
+                      "exists", logging.WARNING, partition=self.name,
+                      replicas=sorted(stale.current), latest=stale.current)
+                for replica, latest in stale.current.items():
+                    self._incarnations[replica] = max(self._incarnations.get(replica, 0),
+                                                      latest)
+                self._forget_positions(set(stale.current))
+                continue
             except Exception as error:  # noqa: BLE001 — ZooKeeper away: try again
                 event(log, "ISR change not written; retrying", logging.WARNING,
                       partition=self.name, error=f"{type(error).__name__}: {error}")
@@ -669,7 +710,9 @@ class LeaderReplication:
         isr = set(progress.isr)
         now = _now_ms()
         keep = {r for r in (progress.shrink(now) or isr) if r == self.me or r in live}
-        joining = {r for r in (progress.expand(self.epoch_start) or isr) - isr if r in live}
+        # (Only followers that fetched: their positions are of the incarnation named.)
+        joining = {r for r in (progress.expand(self.epoch_start) or isr) - isr
+                   if r in live and r in self._incarnations}
         if self._cursor_store() is not None:
             # An in-sync replica must keep up with the cursor journal too, and hold every
             # acknowledged cursor change when it joins.
@@ -798,7 +841,7 @@ class Follower:
     def __init__(self, topic: str, partition: int, directory, log_config: LogConfig, me: str,
                  leader: str, leader_address: str, epoch: int, fetcher: "LeaderFetcher",
                  fsync: bool = True, cursor_limits: CursorStoreLimits | None = None,
-                 known_hw: int = 0):
+                 known_hw: int = 0, incarnation: int = 0):
         """`known_hw`: the high watermark this replica learned from its previous leader
         (everything below was acknowledged): a truncation below it means acknowledged
         records are lost (an unclean election), and is reported as such."""
@@ -815,6 +858,7 @@ class Follower:
         self.log: PartitionLog | None = None
         self.epochs: LeaderEpochFile | None = None
         self.known_hw = known_hw
+        self.incarnation = incarnation  # this server process's (every fetch names it)
         self.last_error = ""
         self.retry_at = 0.0  # time.monotonic(): asks again from then (after a failure)
         self._delay = FOLLOWER_RETRY_FIRST_S
@@ -879,7 +923,8 @@ class Follower:
             replica=self.me, leader_epoch=self.epoch,
             fetch_offset=partition_log.log_end_offset,
             last_fetched_epoch=self.epochs.cache.latest_epoch(),
-            max_bytes=REPLICATE_MAX_BYTES, cursor_sequence=self.cursor_position)
+            max_bytes=REPLICATE_MAX_BYTES, cursor_sequence=self.cursor_position,
+            replica_incarnation=self.incarnation)
         request.topic_partition.topic = self.topic
         request.topic_partition.partition = self.partition
         return request

@@ -78,6 +78,10 @@ def _check_copy_position(request: partition_pb2.ReplicateRequest, prefix: str) -
     if request.last_fetched_epoch < -1:
         raise AtomlogError("INVALID_ARGUMENT",
                            f"{prefix}last_fetched_epoch {request.last_fetched_epoch} < -1")
+    if request.replica_incarnation <= 0:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"{prefix}replica_incarnation {request.replica_incarnation} must be "
+                           "> 0 (the follower's /incarnations zxid)")
 
 
 def item_error(error: AtomlogError) -> partition_pb2.ItemError:

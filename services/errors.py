@@ -98,6 +98,10 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
     _r("FENCED_LEADER_EPOCH", SC.FAILED_PRECONDITION, RETRY, S,
        "A replica call carried another leader epoch than this leader's; the caller rereads "
        "the partition's state (internal: between partition servers)."),
+    _r("STALE_REPLICA_INCARNATION", SC.FAILED_PRECONDITION, FATAL, S,
+       "A replica fetch from an older start of that server than one the leader has seen; the "
+       "sender has been replaced by a newer process of its name (internal: between partition "
+       "servers)."),
     _r("NO_PARTITION_SERVERS", SC.UNAVAILABLE, RETRY, S,
        "No partition server is registered, so partitions cannot be assigned."),
     _r("ZOOKEEPER_UNAVAILABLE", SC.UNAVAILABLE, RETRY, S,

@@ -3,6 +3,9 @@
 ZooKeeper layout under the chroot (default /atomlog):
   /cluster            {"tc_partitions": 16, ...}        fixed at creation
   /servers/<name>     ephemeral, {"role", "grpc_address", "metrics_address", "pid", ...}
+  /incarnations/<name> {"pid", "started_unix_ms"}: written first by each start of a
+                      partition server; its zxid names that process in replica fetches
+  /partitions/<t>/<p> the partition's leader, epoch and ISR (docs/replication.md)
   /topics/<name>      {"version": 1, "assignment": [server names], "config": {...}}
   /tc/<k>             {"epoch": E, "log_producer_id": P}: the last coordinator epoch
                       issued for TC partition k, and the producer id of its log

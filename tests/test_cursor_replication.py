@@ -408,7 +408,7 @@ async def _leading_owner(directory: Path, min_insync: int = 2):
     from partition_server.replica import LeaderReplication
     from partition_server.replication import PartitionState
 
-    async def no_isr_writes(_known, isr):
+    async def no_isr_writes(_known, isr, _joining):
         raise AssertionError(f"unexpected ISR write {isr}")
 
     known = Versioned(PartitionState("a", 1, ("a", "b")), 0)

@@ -186,3 +186,53 @@ def test_a_reassignment_ends_with_the_record_and_the_state_in_one_transaction(zk
     stored = TopicRecord.from_json("moving", json.loads(zk.get("/topics/moving")[0]))
     assert stored.replicas == [["c", "b"], ["b", "c"]] and stored.reassigning == {}
     assert stored.assignment == ["c", "b"]
+
+
+@pytest.mark.cluster
+def test_a_replica_joins_the_isr_only_as_its_servers_latest_incarnation(zk):
+    """docs/replication.md, "Incarnations": each start of a server writes a newer zxid to
+    /incarnations/<name>; an expansion names the incarnation whose fetches it is based on
+    and is written in one transaction with a check of that node."""
+    ps.create_all(zk, "t", REPLICAS, live={"a", "b", "c"})
+    shrunk = ps.change_isr(zk, "t", 0, ps.read(zk, "t", 0), ["a"])
+    first = ps.begin_incarnation(zk, "b", {"pid": 1})
+    second = ps.begin_incarnation(zk, "b", {"pid": 2})
+    assert 0 < first < second
+    with pytest.raises(ValueError):  # every replica added names its incarnation
+        ps.change_isr(zk, "t", 0, shrunk, ["a", "b"])
+    with pytest.raises(ps.StaleIncarnation) as stale:
+        ps.change_isr(zk, "t", 0, shrunk, ["a", "b"], {"b": first})
+    assert stale.value.current == {"b": second}
+    with pytest.raises(ps.StaleIncarnation) as stale:  # c never started
+        ps.change_isr(zk, "t", 0, shrunk, ["a", "c"], {"c": 7})
+    assert stale.value.current == {"c": 0}
+    assert ps.read(zk, "t", 0) == shrunk  # nothing written
+    grown = ps.change_isr(zk, "t", 0, shrunk, ["a", "b"], {"b": second})
+    assert grown.state.isr == ("a", "b") and ps.read(zk, "t", 0) == grown
+    # A shrink names nobody; an expansion against a stale state fails as any write does.
+    c = ps.begin_incarnation(zk, "c", {"pid": 3})
+    with pytest.raises(ps.StaleState):
+        ps.change_isr(zk, "t", 0, shrunk, ["a", "c"], {"c": c})
+    assert ps.change_isr(zk, "t", 0, grown, ["a"]).state.isr == ("a",)
+
+
+@pytest.mark.cluster
+def test_an_incarnation_that_begins_between_the_read_and_the_write_stops_the_expansion(
+        zk, monkeypatch):
+    ps.create_all(zk, "t", REPLICAS, live={"a", "b", "c"})
+    shrunk = ps.change_isr(zk, "t", 0, ps.read(zk, "t", 0), ["a"])
+    old = ps.begin_incarnation(zk, "b", {"pid": 1})
+    read = ps._latest_incarnations
+    new = []
+
+    def read_then_restart(client, servers):
+        latest = read(client, servers)
+        if not new:  # b's next process starts right after the leader read the node
+            new.append(ps.begin_incarnation(zk, "b", {"pid": 2}))
+        return latest
+
+    monkeypatch.setattr(ps, "_latest_incarnations", read_then_restart)
+    with pytest.raises(ps.StaleIncarnation) as stale:
+        ps.change_isr(zk, "t", 0, shrunk, ["a", "b"], {"b": old})
+    assert stale.value.current == {"b": new[0]}
+    assert ps.read(zk, "t", 0) == shrunk

@@ -190,17 +190,32 @@ def test_bad_replication_requests_change_nothing(cluster, client):
     stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(part.server_address))
     outsider = next(s for s in SERVERS if s not in part.replicas)
     tp = common_pb2.TopicPartition(topic="rep-guard", partition=0)
+    follower = next(r for r in part.replicas if r != part.server_name)
+    with client.producer(linger_ms=0) as producer:  # acknowledged: the follower has fetched
+        producer.send("rep-guard", b"first", partition=0).result(timeout=30)
     for request, reason in [
         (partition_pb2.ReplicateRequest(topic_partition=tp, replica=outsider,
-                                        leader_epoch=part.leader_epoch), "NOT_A_REPLICA"),
+                                        leader_epoch=part.leader_epoch,
+                                        replica_incarnation=1), "NOT_A_REPLICA"),
         (partition_pb2.ReplicateRequest(topic_partition=tp, replica="",
-                                        leader_epoch=part.leader_epoch), "INVALID_ARGUMENT"),
-        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=part.replicas[1],
-                                        leader_epoch=part.leader_epoch, fetch_offset=-1),
+                                        leader_epoch=part.leader_epoch,
+                                        replica_incarnation=1), "INVALID_ARGUMENT"),
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=follower,
+                                        leader_epoch=part.leader_epoch, fetch_offset=-1,
+                                        replica_incarnation=1),
          "INVALID_ARGUMENT"),
-        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=part.replicas[1],
-                                        leader_epoch=part.leader_epoch + 5),
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=follower,
+                                        leader_epoch=part.leader_epoch), "INVALID_ARGUMENT"),
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=follower,
+                                        leader_epoch=part.leader_epoch + 5,
+                                        replica_incarnation=1),
          "NOT_PARTITION_OWNER"),
+        # An older process of the follower than the one copying now (its incarnation is
+        # the zxid it wrote at start, far above 1): refused, nothing recorded.
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=follower,
+                                        leader_epoch=part.leader_epoch,
+                                        replica_incarnation=1),
+         "STALE_REPLICA_INCARNATION"),
     ]:
         deadline = time.monotonic() + 15
         while True:  # the leader may still be loading the new partition
@@ -222,7 +237,9 @@ def test_bad_replication_requests_change_nothing(cluster, client):
 
     def item(**fields):
         fields.setdefault("leader_epoch", part.leader_epoch)
-        return partition_pb2.ReplicateRequest(topic_partition=tp, **fields)
+        fields.setdefault("replica_incarnation", 1)
+        fields.setdefault("topic_partition", tp)
+        return partition_pb2.ReplicateRequest(**fields)
 
     for many in [
         partition_pb2.ReplicateManyRequest(replica="", partitions=[item()]),
@@ -230,6 +247,8 @@ def test_bad_replication_requests_change_nothing(cluster, client):
         partition_pb2.ReplicateManyRequest(replica=follower, partitions=[item(), item()]),
         partition_pb2.ReplicateManyRequest(replica=follower, partitions=[item(replica=outsider)]),
         partition_pb2.ReplicateManyRequest(replica=follower, partitions=[item(fetch_offset=-1)]),
+        partition_pb2.ReplicateManyRequest(replica=follower,
+                                           partitions=[item(replica_incarnation=0)]),
         partition_pb2.ReplicateManyRequest(replica=follower, max_bytes=1 << 30,
                                            partitions=[item()]),
     ]:
@@ -239,7 +258,7 @@ def test_bad_replication_requests_change_nothing(cluster, client):
     unknown = common_pb2.TopicPartition(topic="rep-guard", partition=7)
     answer = stub.ReplicateMany(partition_pb2.ReplicateManyRequest(
         replica=outsider, max_wait_ms=0, partitions=[
-            item(), partition_pb2.ReplicateRequest(topic_partition=unknown)]), timeout=5)
+            item(), item(topic_partition=unknown)]), timeout=5)
     assert [r.error.reason for r in answer.results] == ["NOT_A_REPLICA",
                                                         "UNKNOWN_TOPIC_OR_PARTITION"]
     assert [r.topic_partition.partition for r in answer.results] == [0, 7]

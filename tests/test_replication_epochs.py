@@ -71,7 +71,7 @@ def batch(value: bytes):
 
 
 async def leading(directory: Path, fsync, epoch: int = 1, resigned: list | None = None):
-    async def no_isr_writes(_known, isr):
+    async def no_isr_writes(_known, isr, _joining):
         raise AssertionError(f"unexpected ISR write {isr}")
 
     async def resign(given_up: int) -> Versioned:
@@ -345,6 +345,71 @@ def test_a_throttled_reassignment_paces_its_new_replica_and_no_one_else(tmp_path
         finally:
             fsyncs.release()
             await leader.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_only_the_latest_process_of_a_follower_can_bring_it_into_the_isr(tmp_path):
+    """docs/replication.md, "Incarnations": a fetch names the follower's incarnation (the
+    zxid its process wrote at start). A newer incarnation's first fetch makes the leader
+    forget what the older one showed; an older one's fetch is refused once a newer one
+    was seen; and an ISR expansion checked in ZooKeeper against a newer incarnation than
+    the one that fetched (a fetch of the dead process, handled after its successor began:
+    this leader never saw the successor) adds nothing and forgets those positions."""
+    from partition_server.partition_states import StaleIncarnation
+
+    writes: list[tuple[list[str], dict[str, int]]] = []
+    latest = {"b": 9}  # b's process 5 died; process 9 began (its disk may be empty)
+
+    async def write_isr(known, isr, joining):
+        writes.append((isr, dict(joining)))
+        stale = {r: latest[r] for r, incarnation in joining.items() if latest[r] != incarnation}
+        if stale:
+            raise StaleIncarnation(stale)
+        return Versioned(PartitionState("a", 1, tuple(isr)), known.version + 1)
+
+    def fetch(offset: int, incarnation: int) -> partition_pb2.ReplicateRequest:
+        req = request(offset, -1 if offset == 0 else 1)
+        req.replica_incarnation = incarnation
+        return req
+
+    async def scenario():
+        known = Versioned(PartitionState("a", 1, ("a",)), 0)  # b is out of the ISR
+        replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
+                                        tmp_path / "t-0", write_isr, lambda: {"a", "b"})
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", OwnerSettings(log=LogConfig()))
+        owner.replication, replication.owner = replication, owner
+        await owner.start()
+        replication.start()
+        try:
+            await owner.produce([batch(b"one"), batch(b"two")])  # ISR {a}: acknowledged
+            assert replication.high_watermark == 2
+            # Process 5's fetches, the last one caught up (sent before it died, handled now).
+            await replication.replicate(fetch(0, 5), 0)
+            await replication.replicate(fetch(2, 5), 0)
+            await wait_for(lambda: writes, "an ISR expansion")
+            assert writes[0] == (["a", "b"], {"b": 5})
+            await asyncio.sleep(0.1)
+            assert replication.progress.isr == {"a"}  # nothing written
+            assert replication.progress.followers["b"].durable_end == 0  # forgotten
+            with pytest.raises(AtomlogError) as refused:
+                await replication.replicate(fetch(2, 5), 0)
+            assert refused.value.reason == "STALE_REPLICA_INCARNATION"
+            # Process 9 starts from nothing; it joins once it has copied everything.
+            answer = await replication.replicate(fetch(0, 9), 0)
+            assert answer.records
+            await asyncio.sleep(0.2)
+            assert len(writes) == 1 and replication.progress.isr == {"a"}
+            await replication.replicate(fetch(2, 9), 0)
+            await wait_for(lambda: replication.progress.isr == {"a", "b"}, "b to join")
+            assert writes[-1] == (["a", "b"], {"b": 9})
+            # A fetch of yet another process (11) of b: what 9 showed no longer counts.
+            await replication.replicate(fetch(0, 11), 0)
+            assert replication.progress.followers["b"].durable_end == 0
+            assert replication.high_watermark == 2  # (never goes back)
+        finally:
+            await replication.close()
             await owner.close()
 
     asyncio.run(scenario())

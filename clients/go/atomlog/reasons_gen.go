@@ -22,6 +22,7 @@ var reasons = map[string]reasonInfo{
 	"NOT_A_REPLICA":                 {codes.FailedPrecondition, Fatal},
 	"NOT_ENOUGH_REPLICAS":           {codes.Unavailable, Retriable},
 	"FENCED_LEADER_EPOCH":           {codes.FailedPrecondition, Retriable},
+	"STALE_REPLICA_INCARNATION":     {codes.FailedPrecondition, Fatal},
 	"NO_PARTITION_SERVERS":          {codes.Unavailable, Retriable},
 	"ZOOKEEPER_UNAVAILABLE":         {codes.Unavailable, Retriable},
 	"SHUTTING_DOWN":                 {codes.Unavailable, Retriable},

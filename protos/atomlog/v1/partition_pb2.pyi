@@ -779,7 +779,7 @@ class StageTxnResult(_message.Message):
     def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., batch_results: _Optional[_Iterable[_Union[ProduceResult, _Mapping]]] = ..., ack_results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms", "cursor_sequence")
+    __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms", "cursor_sequence", "replica_incarnation")
     TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -788,6 +788,7 @@ class ReplicateRequest(_message.Message):
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     CURSOR_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     topic_partition: _common_pb2.TopicPartition
     replica: str
     leader_epoch: int
@@ -796,7 +797,8 @@ class ReplicateRequest(_message.Message):
     max_bytes: int
     max_wait_ms: int
     cursor_sequence: int
-    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., cursor_sequence: _Optional[int] = ...) -> None: ...
+    replica_incarnation: int
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., cursor_sequence: _Optional[int] = ..., replica_incarnation: _Optional[int] = ...) -> None: ...
 
 class ReplicateManyRequest(_message.Message):
     __slots__ = ("replica", "max_wait_ms", "max_bytes", "partitions")

@@ -4811,8 +4811,15 @@ type ReplicateRequest struct {
 	// in this leader epoch. -1: the follower holds no cursor state of this leadership yet
 	// (it began following, or its cursor store failed): the leader answers with a snapshot.
 	CursorSequence int64 `protobuf:"varint,8,opt,name=cursor_sequence,json=cursorSequence,proto3" json:"cursor_sequence,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The follower's incarnation (> 0): the ZooKeeper zxid its server wrote to
+	// /incarnations/<name> when it started, before anything else (docs/replication.md,
+	// "Incarnations"). A leader refuses a fetch of an incarnation older than one it has seen
+	// with STALE_REPLICA_INCARNATION, forgets what an older one showed when a newer one
+	// asks, and adds a replica to the ISR only by a ZooKeeper transaction that checks the
+	// incarnation its fetches came from is still the server's latest.
+	ReplicaIncarnation int64 `protobuf:"varint,9,opt,name=replica_incarnation,json=replicaIncarnation,proto3" json:"replica_incarnation,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *ReplicateRequest) Reset() {
@@ -4897,6 +4904,13 @@ func (x *ReplicateRequest) GetMaxWaitMs() uint32 {
 func (x *ReplicateRequest) GetCursorSequence() int64 {
 	if x != nil {
 		return x.CursorSequence
+	}
+	return 0
+}
+
+func (x *ReplicateRequest) GetReplicaIncarnation() int64 {
+	if x != nil {
+		return x.ReplicaIncarnation
 	}
 	return 0
 }
@@ -5618,7 +5632,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12>\n" +
 	"\rbatch_results\x18\x02 \x03(\v2\x19.atomlog.v1.ProduceResultR\fbatchResults\x126\n" +
 	"\vack_results\x18\x03 \x03(\v2\x15.atomlog.v1.AckResultR\n" +
-	"ackResults\"\xcb\x02\n" +
+	"ackResults\"\xfc\x02\n" +
 	"\x10ReplicateRequest\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12\x18\n" +
 	"\areplica\x18\x02 \x01(\tR\areplica\x12!\n" +
@@ -5627,7 +5641,8 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x12last_fetched_epoch\x18\x05 \x01(\x03R\x10lastFetchedEpoch\x12\x1b\n" +
 	"\tmax_bytes\x18\x06 \x01(\rR\bmaxBytes\x12\x1e\n" +
 	"\vmax_wait_ms\x18\a \x01(\rR\tmaxWaitMs\x12'\n" +
-	"\x0fcursor_sequence\x18\b \x01(\x03R\x0ecursorSequence\"\xab\x01\n" +
+	"\x0fcursor_sequence\x18\b \x01(\x03R\x0ecursorSequence\x12/\n" +
+	"\x13replica_incarnation\x18\t \x01(\x03R\x12replicaIncarnation\"\xab\x01\n" +
 	"\x14ReplicateManyRequest\x12\x18\n" +
 	"\areplica\x18\x01 \x01(\tR\areplica\x12\x1e\n" +
 	"\vmax_wait_ms\x18\x02 \x01(\rR\tmaxWaitMs\x12\x1b\n" +
