@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 import time
 from bisect import bisect_right
 from collections import OrderedDict, deque
@@ -188,6 +189,16 @@ class PartitionLog:
         self._durable_offset = 0  # everything below was fsynced
         self._recovery_point_written = 0
         self._recovery_point_written_ms = INT64_MIN
+        # Recovery-point writes are serialized, and each one a caller makes (lowering it
+        # before a cut, a clean shutdown) begins a new generation: a deferred periodic
+        # write of an older generation is dropped, so it never lands after a lower one.
+        self._recovery_point_lock = threading.Lock()
+        self._recovery_point_generation = 0
+        self._recovery_point_deferred = False  # a periodic write is queued or running
+        # Set by an owner on an event loop: runs a periodic recovery-point write
+        # elsewhere (a worker thread), as the rename blocks for up to milliseconds
+        # under fsync load (ext4's auto_da_alloc). None: written inline.
+        self.defer_recovery_point: Callable[[Callable[[], None]], object] | None = None
         self._last_append_time_ms = INT64_MIN
         self._data_loss: DataLoss | None = None
         self._broken: str | None = None
@@ -427,9 +438,31 @@ class PartitionLog:
         now = self._clock_ms()
         if self._durable_offset != self._recovery_point_written and \
                 now - self._recovery_point_written_ms >= self.config.recovery_point_interval_ms:
-            self._write_recovery_point(sync=False)
+            if self.defer_recovery_point is None:
+                self._write_recovery_point(sync=False)
+            elif not self._recovery_point_deferred:
+                self._recovery_point_deferred = True
+                self.defer_recovery_point(self._periodic_recovery_point_writer(
+                    self._durable_offset, self._recovery_point_generation))
             self._recovery_point_written_ms = now
         return moved
+
+    def _periodic_recovery_point_writer(self, value: int, generation: int) -> Callable[[], None]:
+        """The deferred write of the periodic recovery point `value` (not synced, as the
+        inline one): dropped when the log closed or another write came first. A failure
+        breaks the log, as the inline write's exception does."""
+        def write() -> None:
+            try:
+                with self._recovery_point_lock:
+                    if self._closed or generation != self._recovery_point_generation:
+                        return
+                    self._write_recovery_point_locked(sync=False, offset=value)
+            except OSError as error:
+                if self._broken is None:
+                    self._broken = f"I/O error while writing the recovery point: {error}"
+            finally:
+                self._recovery_point_deferred = False
+        return write
 
     @property
     def last_data_offset(self) -> int:
@@ -1040,6 +1073,12 @@ class PartitionLog:
 
     def _write_recovery_point(self, *, sync: bool, offset: int | None = None,
                               clean: dict | None = None) -> None:
+        with self._recovery_point_lock:
+            self._recovery_point_generation += 1
+            self._write_recovery_point_locked(sync=sync, offset=offset, clean=clean)
+
+    def _write_recovery_point_locked(self, *, sync: bool, offset: int | None = None,
+                                     clean: dict | None = None) -> None:
         value = self._durable_offset if offset is None else offset
         record = {"offset": value} if clean is None else {"offset": value, CLEAN_SHUTDOWN_KEY: clean}
         _atomic_write(self.directory / RECOVERY_POINT_FILE, json.dumps(record).encode(),

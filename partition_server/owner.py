@@ -314,6 +314,9 @@ class PartitionOwner:
         began = time.perf_counter()
         loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
         self.log, self.producers = loaded.log, loaded.producers
+        loop = asyncio.get_running_loop()
+        # Not on this loop: a rename that may block for milliseconds under fsync load.
+        self.log.defer_recovery_point = lambda write: loop.run_in_executor(None, write)
         if self._use_barrier and self.settings.fsync:
             # Taken anew with each opened log: a log opened before a failed syncfs of
             # its filesystem is refused durability, so its owner reopens it (fail closed).

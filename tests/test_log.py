@@ -866,3 +866,48 @@ def test_a_failed_fsync_elsewhere_breaks_the_log_and_close_does_not_flush(tmp_pa
     assert reason == "INTERNAL"
     log.close()  # no fsync, and the recovery point stays at 2
     assert json.loads((tmp_path / "p" / RECOVERY_POINT_FILE).read_text()) == {"offset": 2}
+
+
+def test_a_deferred_recovery_point_never_lands_after_a_lower_one(tmp_path, monkeypatch):
+    """An owner defers the periodic recovery-point write to a worker thread. The write is
+    of the value when it was due; one made meanwhile by the log itself (lowered before a
+    cut, a clean shutdown) drops it, so a stale higher value can never make a deliberate
+    cut look like lost flushed data; a failed deferred write breaks the log."""
+    path = tmp_path / "p"
+    point = lambda: json.loads((path / RECOVERY_POINT_FILE).read_text())["offset"]  # noqa: E731
+    log = open_log(path, recovery_point_interval_ms=0)
+    queued: list = []
+    log.defer_recovery_point = queued.append
+    log.append([make_batch(2)])
+    log.flush()
+    assert len(queued) == 1 and point() == 0  # due, not written yet
+    log.append([make_batch(2)])
+    log.flush()
+    assert len(queued) == 1  # one at a time
+    queued.pop()()
+    assert point() == 2  # the value when it was due
+    log.flush_begin()
+    log.append([make_batch(2)])
+    log.flush()
+    assert len(queued) == 1
+    stale = queued.pop()
+    log.truncate_to(2)  # lowers the recovery point to 2 first
+    stale()  # 6 would now claim flushed data the cut removed: dropped
+    assert point() == 2
+    log.close()
+    reopened = open_log(path)
+    assert reopened.data_loss is None and reopened.log_end_offset == 2
+    reopened.defer_recovery_point = queued.append
+    reopened.append([make_batch(1)])
+    reopened.flush()
+    broken = queued.pop()
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("partition_server.log._atomic_write", full_disk)
+    broken()
+    monkeypatch.undo()
+    reason, _ = reason_and_metadata(lambda: reopened.append([make_batch(1)]))
+    assert reason == "INTERNAL"
+    reopened.close()
