@@ -44,6 +44,10 @@ from partition_server.subscription_cursor import CursorDescription, Delivery, me
 from services.errors import AtomlogError
 from services.logs import event
 
+# A Receive's first read of a region, in bytes (a read returns at least one whole batch);
+# later reads are sized by the bytes per offset seen so far and the messages still wanted.
+RECEIVE_FIRST_READ_BYTES = 64 << 10
+
 log = logging.getLogger("atomlog.partition.subscriptions")
 
 
@@ -398,12 +402,20 @@ class PartitionSubscriptions:
         readable: list[tuple[int, int]] = []
         chunks: list[tuple[int, int, memoryview]] = []  # (first, next, batch)
         budget = max_bytes
+        # Messages still wanted: the scan stops once it read as many as one delivery can
+        # take (holes, then new offsets, lowest first, as next_delivery hands them out),
+        # not at max_bytes: a poll of 100 messages used to read (and CRC-check) up to
+        # max_bytes of the log each time, 8 MiB from the SDK.
+        wanted = max_offsets
 
         def scan(start: int, end: int) -> None:
-            nonlocal budget
-            position = start
-            while position < min(end, limit) and budget > 0:
-                data, next_offset = read(position, budget)
+            nonlocal budget, wanted
+            position, stop = start, min(end, limit)
+            per_offset = 0.0  # bytes per offset read so far: sizes the next read
+            while position < stop and budget > 0 and wanted > 0:
+                step = (RECEIVE_FIRST_READ_BYTES if not per_offset
+                        else max(RECEIVE_FIRST_READ_BYTES, int(wanted * per_offset * 1.25)))
+                data, next_offset = read(position, min(budget, step))
                 if next_offset <= position:
                     break
                 scanned.append((position, next_offset))
@@ -414,6 +426,8 @@ class PartitionSubscriptions:
                         readable.append((first, header.last_offset + 1))
                         chunks.append((header.base_offset, header.last_offset + 1,
                                        view[at:at + header.size]))
+                        wanted -= max(0, min(header.last_offset + 1, stop) - first)
+                per_offset = len(data) / (next_offset - position)
                 budget -= max(len(data), 1)
                 position = next_offset
 

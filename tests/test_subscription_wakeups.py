@@ -274,3 +274,50 @@ def test_a_reopen_after_a_failure_that_ends_after_a_close_does_not_leak_its_stor
         assert owners.closed
 
     asyncio.run(scenario())
+
+
+def test_a_receive_reads_only_as_much_of_the_log_as_it_can_deliver(tmp_path):
+    """A poll of a few messages from a long backlog reads about the batches it delivers,
+    not max_bytes of the log (every read is CRC-checked): it used to read up to max_bytes
+    (8 MiB from the SDK) for each poll of 100. What is delivered is unchanged: holes
+    first, then new offsets, lowest first, at most max_messages."""
+    async def scenario(h: Harness) -> None:
+        for _ in range(40):  # 2,000 offsets in batches of 50 records of 2 KiB
+            data = encode_batch([Record(b"k", bytes(2048))] * 50, timestamp_ms=1_000)
+            [appended] = await h.owner.produce([(data, parse_header(data))])
+            assert not isinstance(appended, Exception), appended
+        read_bytes: list[int] = []
+        read = h.owner.read
+
+        def counted(offset, max_bytes, **kwargs):
+            answer = read(offset, max_bytes, **kwargs)
+            read_bytes.append(len(answer[0]))
+            return answer
+
+        h.owner.read = counted
+
+        async def take(consumer: str, count: int, ack_timeout_ms: int = LONG_MS):
+            read_bytes.clear()
+            response = await h.servicer.Receive(partition_pb2.ReceiveRequest(
+                consumer_id=consumer, subscription_partitions=[SP], max_messages=count,
+                ack_timeout_ms=ack_timeout_ms, max_bytes=8 << 20,
+                isolation_level=common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED), _Context())
+            [result] = response.results
+            assert not result.error.reason, result.error
+            return ([(r.start_offset, r.end_offset) for r in result.delivered_ranges],
+                    [(r.start_offset, r.end_offset) for r in result.redelivered_ranges])
+
+        batch_bytes = len(data)
+        assert await take("a", 120, ack_timeout_ms=1_000) == ([(0, 120)], [])
+        assert sum(read_bytes) <= 3 * batch_bytes, read_bytes  # the 3 batches it touches
+        assert await take("a", 100) == ([(120, 220)], [])
+        assert sum(read_bytes) <= 3 * batch_bytes, read_bytes
+        # After their ack timeout the first 120 are a hole, delivered before anything new.
+        await asyncio.sleep(1.2)
+        assert await take("b", 150) == ([(0, 120), (220, 250)], [(0, 120)])
+        assert sum(read_bytes) <= 5 * batch_bytes, read_bytes
+        # A large poll still takes the whole backlog in one pass.
+        assert await take("c", 5_000) == ([(250, 2_000)], [])
+        assert sum(read_bytes) == 35 * batch_bytes and len(read_bytes) <= 3, read_bytes
+
+    run(tmp_path, scenario)
