@@ -1,6 +1,6 @@
 """The spliced answers of Replicate and ReplicateMany (partition_server/replicate_wire.py)
-against the generated protobuf classes: the same bytes out, the same messages in. Pure:
-no servers."""
+against the generated protobuf classes: the same bytes out, the same messages in. Pure,
+but for the last test (a loopback gRPC server in this process)."""
 
 from __future__ import annotations
 
@@ -257,3 +257,48 @@ def test_at_random_the_bytes_and_the_messages_are_the_generated_classes(many):
                 result.response.SerializeToString()
             assert parse_answer(result.response.SerializeToString()).to_message() == \
                 result.response
+
+
+# ------------------------------------------------------------------ through gRPC
+
+def test_through_grpc_the_generated_stub_and_the_replica_stub_read_the_same_answers():
+    """The shell: `add_partition_service` installs the serializers for the two methods
+    (every other method stays as generated), on a loopback server in this process."""
+    import asyncio
+
+    import grpc
+
+    from atomlog.v1 import partition_pb2_grpc
+    from partition_server.replica import ReplicaStub
+    from partition_server.server import add_partition_service
+
+    class Servicer(partition_pb2_grpc.PartitionServiceServicer):
+        async def ReplicateMany(self, request, context):
+            return _split_many(MANY)
+
+        async def Replicate(self, request, context):
+            return _split(FULL)
+
+    async def run():
+        server = grpc.aio.server()
+        add_partition_service(Servicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                generated = partition_pb2_grpc.PartitionServiceStub(channel)
+                ours = ReplicaStub(channel)
+                many = partition_pb2.ReplicateManyRequest(replica="b")
+                one = partition_pb2.ReplicateRequest(replica="b")
+                assert await generated.ReplicateMany(many, timeout=10) == MANY
+                parsed = await ours.ReplicateMany(many, timeout=10)
+                assert isinstance(parsed, ReplicateManyAnswer) and parsed.to_message() == MANY
+                assert await generated.Replicate(one, timeout=10) == FULL
+                assert (await ours.Replicate(one, timeout=10)).to_message() == FULL
+                with pytest.raises(grpc.aio.AioRpcError) as unimplemented:
+                    await ours.Produce(partition_pb2.ProduceRequest(), timeout=10)
+                assert unimplemented.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())
