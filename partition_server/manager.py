@@ -18,13 +18,13 @@ import shutil
 import time
 from pathlib import Path
 
-from atomlog.v1 import partition_pb2, partition_pb2_grpc
+from atomlog.v1 import partition_pb2
 from partition_server import metrics as m
 from partition_server import partition_states, producer_state, txn_buffer
 from partition_server.snapshot_files import fsync_directory
 from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
-from partition_server.replica import Follower, LeaderFetcher, LeaderReplication
+from partition_server.replica import Follower, LeaderFetcher, LeaderReplication, ReplicaStub
 from services import local
 from services.errors import AtomlogError
 from services.logs import event
@@ -122,8 +122,7 @@ class PartitionManager:
         # start (else a leadership from its previous life would reopen meanwhile).
         self._isrs_left = False
         self.incarnation = 0  # set at start (`begin_incarnation`), before any follower runs
-        self._stubs = local.StubCache(PARTITION_SERVICE, partition_pb2_grpc.PartitionServiceStub,
-                                      REPLICA_CHANNEL_OPTIONS)
+        self._stubs = local.StubCache(PARTITION_SERVICE, ReplicaStub, REPLICA_CHANNEL_OPTIONS)
         m.register_replication_collector(self)
 
     async def start(self) -> None:

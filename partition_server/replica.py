@@ -42,12 +42,14 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from atomlog.v1 import partition_pb2
+from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
 from partition_server.cursor_store import (CursorStore, CursorStoreLimits, install_snapshot)
 from partition_server.leader_epochs import LeaderEpochFile
 from partition_server.log import LogConfig, PartitionLog
 from partition_server.partition_states import StaleIncarnation, StaleState, Versioned
+from partition_server.replicate_wire import (ReplicateAnswer, parse_answer, parse_many,
+                                             serialize_answer, serialize_many)
 from partition_server.record_batch import iter_batches
 from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, CursorProgress,
                                           LeaderProgress, complete_reassignment,
@@ -427,11 +429,11 @@ class LeaderReplication:
                 pass
 
     # ---------------------------------------------------------------- followers
-    async def replicate(self, request, max_wait_s: float) -> partition_pb2.ReplicateResponse:
+    async def replicate(self, request, max_wait_s: float) -> ReplicateAnswer:
         """A follower's Replicate call (already validated: known partition, sane fields)."""
         begun = self.begin_replicate(request)
         if isinstance(begun, partition_pb2.ReplicateResponse):
-            return begun
+            return ReplicateAnswer(begun)
         if not self.has_news(request.fetch_offset, begun, request.replica):
             await self._wait_for_data(request.fetch_offset, begun, max_wait_s, request.replica)
         return self.answer_replicate(request, begun, request.max_bytes or REPLICATE_MAX_BYTES)
@@ -542,11 +544,12 @@ class LeaderReplication:
         self.owner.check_loaded()
 
     def answer_replicate(self, request, cursor_position: int,
-                         max_bytes: int) -> partition_pb2.ReplicateResponse:
+                         max_bytes: int) -> ReplicateAnswer:
         """The second half of a Replicate: whole batches from the follower's fetch offset
         up to `max_bytes` (the first whole even when larger; fewer for a throttled new
         replica) and the cursor journal's news. Checks again that this leadership still
-        serves."""
+        serves. The records stay as read from the log, beside the message
+        (replicate_wire: they are spliced into the wire bytes, never copied into it)."""
         # The owner may have reloaded its log meanwhile (after a failed write).
         self.check_answerable(request.leader_epoch)
         partition_log = self.owner.log
@@ -575,11 +578,11 @@ class LeaderReplication:
                   if s < max(next_offset, fetch + 1)
                   and (i + 1 == len(entries) or entries[i + 1][1] > fetch)]
         response = partition_pb2.ReplicateResponse(
-            records=records, high_watermark=self.high_watermark,
+            high_watermark=self.high_watermark,
             log_start_offset=partition_log.log_start_offset,
             log_end_offset=self.log_end, epochs=epochs)
         response.MergeFrom(cursors)
-        return response
+        return ReplicateAnswer(response, records)
 
     def _check_epoch(self, epoch: int) -> None:
         if self.fenced is not None or self.failed is not None:
@@ -747,7 +750,7 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
     """One follower's ReplicateMany on this leader (docs/replication.md, "One call per
     leader"). `items`: (LeaderReplication, its already validated ReplicateRequest) per
     partition, or (AtomlogError, request) for a partition this server cannot serve.
-    Returns a ReplicateResponse or an AtomlogError per item, in order, or None for a
+    Returns a ReplicateAnswer or an AtomlogError per item, in order, or None for a
     partition with nothing to send (no records, cursor state, divergence or error: it is
     left out of the answer, and its follower simply asks again).
 
@@ -770,7 +773,7 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
             results[index] = error
             continue
         if isinstance(outcome, partition_pb2.ReplicateResponse):
-            results[index] = outcome  # diverging: the follower cuts its log first
+            results[index] = ReplicateAnswer(outcome)  # diverging: the follower cuts first
         else:
             begun[index] = outcome
 
@@ -930,7 +933,8 @@ class Follower:
         return request
 
     async def handle(self, request, outcome) -> None:
-        """Act on this partition's answer (a ReplicateResponse) or failure (an exception:
+        """Act on this partition's answer (a ReplicateAnswer, or a ReplicateResponse: both
+        read the same) or failure (an exception:
         its item's error, or the whole call's); a failure backs this partition off."""
         try:
             if isinstance(outcome, BaseException):
@@ -1004,7 +1008,9 @@ class Follower:
                 raise CursorCopyFailed(f"{type(error).__name__}: {error}") from error
 
     async def _copy_records(self, response, partition_log: PartitionLog, fetch: int) -> None:
-        data = response.records  # once: each access copies the field out of the message
+        # Once: from a ReplicateResponse each access copies the field out of the message
+        # (from a ReplicateAnswer it is a slice of the received buffer).
+        data = response.records
         if not data:
             return
         await asyncio.to_thread(self._append, data)
@@ -1204,9 +1210,10 @@ class LeaderFetcher:
                     del self._handling[follower]
 
     async def _call(self, requests: list) -> list | None:
-        """One ReplicateMany for `requests`: per request a ReplicateResponse, an
+        """One ReplicateMany for `requests`: per request a ReplicateAnswer, an
         exception, or None (nothing new); None for the whole when a partition was added
-        before the answer came."""
+        before the answer came. (The stub's answer is a ReplicateManyAnswer, parsed by
+        `ReplicaStub`'s deserializer or returned as is by an in-process leader.)"""
         request = partition_pb2.ReplicateManyRequest(
             replica=self.me, max_wait_ms=self.fetch_wait_ms,
             max_bytes=REPLICATE_MANY_MAX_BYTES, partitions=requests)
@@ -1252,9 +1259,32 @@ class LeaderFetcher:
                     else "INTERNAL"
                 outcomes[index] = AtomlogError(reason, result.error.message,
                                                dict(result.error.metadata))
-            else:
-                outcomes[index] = result.response
+            else:  # (a result without a response reads as an empty one)
+                outcomes[index] = result.response if result.response is not None \
+                    else ReplicateAnswer()
         return outcomes
+
+
+class ReplicaStub(partition_pb2_grpc.PartitionServiceStub):
+    """The PartitionService stub of a follower: Replicate and ReplicateMany parse their
+    answers with replicate_wire (records as slices of the received buffer, not copied
+    through a message); every other method as generated."""
+
+    def __init__(self, channel):
+        super().__init__(channel)
+        self.Replicate = channel.unary_unary(
+            "/atomlog.v1.PartitionService/Replicate",
+            request_serializer=partition_pb2.ReplicateRequest.SerializeToString,
+            response_deserializer=parse_answer, _registered_method=True)
+        self.ReplicateMany = channel.unary_unary(
+            "/atomlog.v1.PartitionService/ReplicateMany",
+            request_serializer=partition_pb2.ReplicateManyRequest.SerializeToString,
+            response_deserializer=parse_many, _registered_method=True)
+
+
+# The leader's serializers of the same two methods (partition_server/server.py installs
+# them): the records spliced into the answer's bytes.
+RESPONSE_SERIALIZERS = {"Replicate": serialize_answer, "ReplicateMany": serialize_many}
 
 
 def _wipe_log(directory) -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import grpc
+
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.lease import LeaseWatch
 from partition_server.log import LogConfig
 from partition_server.manager import PartitionManager, ReplicationSettings
+from partition_server.replica import RESPONSE_SERIALIZERS
 from partition_server.owner import OwnerSettings
 from partition_server.service import PartitionServicer, SubscriptionSettings
 from partition_server.subscription_cursor import CursorLimits
@@ -67,6 +70,34 @@ def subscription_settings(config) -> SubscriptionSettings:
         max_verified_acks=config["subscription.max_verified_acks"])
 
 
+class _Handlers:
+    """Stands in for a server to collect the method handlers a generated
+    add_*Servicer_to_server registers."""
+
+    def __init__(self):
+        self.handlers: dict[str, dict] = {}
+
+    def add_generic_rpc_handlers(self, _handlers) -> None:
+        pass  # the same handlers come again, by name, below
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers[service] = handlers
+
+
+def add_partition_service(servicer, server) -> None:
+    """PartitionService's handlers as generated, except that Replicate and ReplicateMany
+    answer through replicate_wire's serializers (records spliced into the wire bytes,
+    docs/replication.md "The answer's bytes"); the messages on the wire are the same."""
+    collected = _Handlers()
+    partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, collected)
+    name = service_name(partition_pb2, "PartitionService")
+    handlers = dict(collected.handlers[name])
+    for method, serializer in RESPONSE_SERIALIZERS.items():
+        handlers[method] = handlers[method]._replace(response_serializer=serializer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 async def install(runtime) -> list[str]:
     config = runtime.config
     epochs = CoordinatorEpochs(runtime.zk, config["cluster.tc_partitions"])
@@ -104,7 +135,7 @@ async def install(runtime) -> list[str]:
                                  config["grpc.max_message_bytes"], coordinator_epochs=epochs,
                                  verifier=verifier, subscriptions=subscription_settings(config),
                                  lease=lease)
-    partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, runtime.server)
+    add_partition_service(servicer, runtime.server)
     name = service_name(partition_pb2, "PartitionService")
     runtime.local_services[name] = servicer  # services/local.py: same-process calls
     return [name]

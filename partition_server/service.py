@@ -19,6 +19,7 @@ from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
 from partition_server.replica import (REPLICATE_MANY_MAX_BYTES, REPLICATE_MANY_MAX_PARTITIONS,
                                       replicate_many)
+from partition_server.replicate_wire import ReplicateItem, ReplicateManyAnswer
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
                                            ControlType, TxnId, iter_batches, stamp_transaction,
                                            validate_batch)
@@ -224,16 +225,20 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             items, min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000,
             min(request.max_bytes or REPLICATE_MANY_MAX_BYTES, self.max_response_bytes),
             self._replicate_rotation)
-        response = partition_pb2.ReplicateManyResponse()
+        # A ReplicateManyAnswer: each partition's records stay as read from its log
+        # (replicate_wire splices them into the wire bytes; an in-process caller gets
+        # them as they are).
+        results = []
         for item, outcome in zip(request.partitions, outcomes):
             if outcome is None:
                 continue  # nothing new: left out
-            result = response.results.add(topic_partition=item.topic_partition)
+            result = partition_pb2.ReplicateResult(topic_partition=item.topic_partition)
             if isinstance(outcome, AtomlogError):
                 result.error.CopyFrom(item_error(outcome))
+                results.append(ReplicateItem(result))
             else:
-                result.response.CopyFrom(outcome)
-        return response
+                results.append(ReplicateItem(result, outcome))
+        return ReplicateManyAnswer(results)
 
     # ------------------------------------------------------------------ produce
     async def Produce(self, request, context):
