@@ -156,7 +156,7 @@ class SubscriptionConsumer:
         last: errors.AtomlogClientError | None = None
         fatal: errors.AtomlogClientError | None = None
         results = []
-        calls = []
+        planned = []
         for address, group in self._by_server(partitions).items():
             if not address:
                 retry.extend(group)
@@ -164,7 +164,14 @@ class SubscriptionConsumer:
                                         + ", ".join(f"{t}-{p}" for t, p in group) + " is up")
                 continue
             stub = self.client.channels.partition(address)
-            calls.append((group, getattr(stub, method).future(build(group), timeout=timeout_s)))
+            planned.append((group, getattr(stub, method), build(group)))
+        # Several servers are called at once (futures); one is called blocking: a future
+        # on an idle channel starts a thread to drive it, which cost 0.23 ms of client
+        # CPU and 1.2 ms of latency per call (measured: 340-375 against 122-141 us of CPU).
+        calls = ([(group, _Blocking(call, request, timeout_s))
+                  for group, call, request in planned] if len(planned) == 1 else
+                 [(group, call.future(request, timeout=timeout_s))
+                  for group, call, request in planned])
         for group, call in calls:
             try:
                 reply = call.result()
@@ -501,3 +508,16 @@ def _table_ranges(table: pa.Table) -> dict[tuple[str, int], list[tuple[int, int]
 def _cumulative(message: Message) -> dict:
     """A cumulative ack up to and including `message`."""
     return {(message.topic, message.partition): (message.offset + 1, [])}
+
+
+class _Blocking:
+    """A call made when its result is asked for, as a blocking call (its result() raises
+    what the future's would)."""
+
+    __slots__ = ("_call", "_request", "_timeout_s")
+
+    def __init__(self, call, request, timeout_s: float):
+        self._call, self._request, self._timeout_s = call, request, timeout_s
+
+    def result(self):
+        return self._call(self._request, timeout=self._timeout_s)
