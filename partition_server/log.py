@@ -442,8 +442,12 @@ class PartitionLog:
                 self._write_recovery_point(sync=False)
             elif not self._recovery_point_deferred:
                 self._recovery_point_deferred = True
-                self.defer_recovery_point(self._periodic_recovery_point_writer(
-                    self._durable_offset, self._recovery_point_generation))
+                try:
+                    self.defer_recovery_point(self._periodic_recovery_point_writer(
+                        self._durable_offset, self._recovery_point_generation))
+                except RuntimeError:  # no worker to take it (the loop's executor shut down)
+                    self._recovery_point_deferred = False
+                    self._write_recovery_point(sync=False)
             self._recovery_point_written_ms = now
         return moved
 

@@ -911,3 +911,14 @@ def test_a_deferred_recovery_point_never_lands_after_a_lower_one(tmp_path, monke
     reason, _ = reason_and_metadata(lambda: reopened.append([make_batch(1)]))
     assert reason == "INTERNAL"
     reopened.close()
+    # No worker to take the write (the loop's executor shut down): written inline.
+    last = open_log(path, recovery_point_interval_ms=0)
+
+    def shut_down(_write):
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    last.defer_recovery_point = shut_down
+    last.append([make_batch(1)])
+    last.flush()
+    assert point() == last.high_watermark
+    last.close()
