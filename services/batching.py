@@ -43,6 +43,11 @@ class PerDestination(Generic[T]):
     def submit(self, address: str, item: T) -> asyncio.Future:
         """Queue `item` for `address`; its future gets the item's result."""
         future = asyncio.get_running_loop().create_future()
+        # A caller may stop waiting (its deadline passed: coordinator/staging.py waits on
+        # a shield of it; or it was cancelled): a failure that then comes is looked at
+        # here, so asyncio does not log it as "never retrieved". Whoever awaits still
+        # gets it.
+        future.add_done_callback(_observe)
         self._queues.setdefault(address, []).append((item, future))
         task = self._senders.get(address)
         if task is None or task.done():
@@ -95,3 +100,8 @@ class PerDestination(Generic[T]):
             for _, future in queue:
                 if not future.done():
                     future.cancel()
+
+
+def _observe(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -1,0 +1,72 @@
+"""services/batching.py: one call per destination for everything queued meanwhile, every
+item answered (a failed call answers each with its failure), and a failure nobody waits
+for any more (the caller's deadline passed) not reported as a "never retrieved" error."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+from services.batching import PerDestination
+from services.errors import AtomlogError
+
+
+def test_items_queued_during_a_call_leave_together_and_failures_answer_each():
+    calls: list[tuple[str, list[int]]] = []
+
+    async def scenario():
+        gate = asyncio.Event()
+
+        async def send(address: str, items: list[int]) -> list:
+            calls.append((address, list(items)))
+            await gate.wait()
+            if address == "down":
+                raise OSError("connection refused")
+            return [item * 10 for item in items]
+
+        batching = PerDestination(send, what="test", max_items=3)
+        first = batching.submit("a", 1)
+        await asyncio.sleep(0)  # the first call is in flight
+        rest = [batching.submit("a", i) for i in (2, 3, 4, 5)]
+        failed = batching.submit("down", 7)
+        await asyncio.sleep(0)
+        gate.set()
+        assert await first == 10
+        assert [await f for f in rest] == [20, 30, 40, 50]
+        try:
+            await failed
+        except AtomlogError as error:
+            assert error.reason == "INTERNAL" and "connection refused" in error.message
+        else:
+            raise AssertionError("a failed call must fail its items")
+        await batching.close()
+
+    asyncio.run(scenario())
+    assert calls == [("a", [1]), ("down", [7]), ("a", [2, 3, 4]), ("a", [5])]
+
+
+def test_a_failure_nobody_waits_for_is_not_logged_as_never_retrieved():
+    reported: list[dict] = []
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context:
+                                                         reported.append(context))
+
+        async def send(_address: str, _items: list[int]) -> list:
+            await asyncio.sleep(0.05)
+            raise AtomlogError("REQUEST_TIMED_OUT", "Deadline Exceeded")
+
+        batching = PerDestination(send, what="test")
+        future = batching.submit("a", 1)
+        try:  # the caller's own deadline passes first, as staging's does
+            await asyncio.wait_for(asyncio.shield(future), 0.01)
+        except TimeoutError:
+            pass
+        await asyncio.sleep(0.1)  # the call fails after the caller left
+        assert future.done()
+        del future
+        gc.collect()
+        await batching.close()
+
+    asyncio.run(scenario())
+    assert not [c for c in reported if "never retrieved" in c.get("message", "")], reported
