@@ -213,6 +213,7 @@ class MarkerChannel:
     def _refresh_soon(self) -> None:
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.create_task(self.routes.refresh(force=True))
+            self._refresh.add_done_callback(_refresh_done)
 
     async def _sender(self, address: str) -> None:
         wakeup = self._wakeups[address]
@@ -318,3 +319,12 @@ def _to_proto(markers: list[Marker]) -> partition_pb2.TxnMarker:
             topic=m.target.topic, partition=m.target.partition,
             subscription=m.target.subscription)
             for m in markers if isinstance(m.target, SubscriptionPartition)])
+
+
+def _refresh_done(task: asyncio.Task) -> None:
+    """A background refresh of the routes that failed (ZooKeeper away): said, not left
+    to asyncio's "never retrieved" error; the next failed delivery asks again."""
+    if not task.cancelled() and task.exception() is not None:
+        error = task.exception()
+        event(log, "routes not refreshed; markers retry", logging.WARNING,
+              error=f"{type(error).__name__}: {error}")

@@ -62,6 +62,7 @@ from coordinator.txn_log import (
     TxnLog,
     snapshot_chunks,
 )
+from services.batching import observe_failure
 from services.errors import AtomlogError
 from services.logs import event
 
@@ -149,6 +150,9 @@ class TcPartition:
                        *(f for fs in self._completion_waiters.values() for f in fs)]:
             if not future.done():
                 future.set_exception(error)
+                # Appends the partition made for itself (timeouts, aborts) have no caller
+                # waiting: not an error to log ("never retrieved"); a caller still gets it.
+                observe_failure(future)
         self._append_futures.clear()
         self._completion_waiters.clear()
         self._queue.clear()
@@ -407,6 +411,7 @@ class TcPartition:
             future.set_result(None)
         else:
             future.set_exception(error)
+            observe_failure(future)  # (as in stop: an append of its own has no caller)
 
     async def _ticker(self) -> None:
         interval = self.settings.tick_interval_ms / 1000

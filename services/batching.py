@@ -47,7 +47,7 @@ class PerDestination(Generic[T]):
         # a shield of it; or it was cancelled): a failure that then comes is looked at
         # here, so asyncio does not log it as "never retrieved". Whoever awaits still
         # gets it.
-        future.add_done_callback(_observe)
+        future.add_done_callback(observe_failure)
         self._queues.setdefault(address, []).append((item, future))
         task = self._senders.get(address)
         if task is None or task.done():
@@ -102,6 +102,8 @@ class PerDestination(Generic[T]):
                     future.cancel()
 
 
-def _observe(future: asyncio.Future) -> None:
+def observe_failure(future: asyncio.Future) -> None:
+    """Mark a done future's exception as looked at, so asyncio does not log it as "never
+    retrieved" when no one awaits it any more; an await still raises it."""
     if not future.cancelled():
         future.exception()
