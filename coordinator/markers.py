@@ -324,7 +324,7 @@ def _to_proto(markers: list[Marker]) -> partition_pb2.TxnMarker:
 def _refresh_done(task: asyncio.Task) -> None:
     """A background refresh of the routes that failed (ZooKeeper away): said, not left
     to asyncio's "never retrieved" error; the next failed delivery asks again."""
-    if not task.cancelled() and task.exception() is not None:
-        error = task.exception()
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
         event(log, "routes not refreshed; markers retry", logging.WARNING,
               error=f"{type(error).__name__}: {error}")

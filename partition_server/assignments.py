@@ -41,7 +41,6 @@ class Assignments:
         self._watched: set[tuple[str, int]] = set()
         self._record_watches: set[str] = set()
         self._live: set[str] = set()
-        self._departed: set[str] = set()  # gone from /servers since take_departed
         self.ready = asyncio.Event()
 
     def start(self) -> None:
@@ -50,7 +49,6 @@ class Assignments:
 
     def _on_servers(self, names: list[str]) -> None:
         with self._lock:
-            self._departed |= self._live - set(names)
             self._live = set(names)
         if self.ready.is_set() or self._topics:
             self.loop.call_soon_threadsafe(self._notify)
@@ -141,13 +139,6 @@ class Assignments:
     def state(self, key: tuple[str, int]) -> Versioned | None:
         with self._lock:
             return self._states.get(key)
-
-    def take_departed(self) -> set[str]:
-        """Servers seen leaving /servers since the last call (a process that ended; the
-        same name may be back already, as a new process)."""
-        with self._lock:
-            departed, self._departed = self._departed, set()
-            return departed
 
     def live(self) -> set[str]:
         with self._lock:

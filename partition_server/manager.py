@@ -150,11 +150,6 @@ class PartitionManager:
 
     def _reconcile(self) -> None:
         """Open every newly owned partition (in the background)."""
-        departed = self.assignments.take_departed()
-        if departed:
-            for owner in self.owners.values():
-                if owner.replication is not None:
-                    owner.replication.servers_departed(departed)
         for key in self.assignments.owned():
             if key in self.owners or key in self._opening:
                 continue

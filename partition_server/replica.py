@@ -235,16 +235,6 @@ class LeaderReplication:
         self._wake_followers()
         self._wake_cursor_waiters()
 
-    def servers_departed(self, departed: set[str]) -> None:
-        """Servers left /servers: followers among them that are out of the ISR forget
-        their positions at once (a new process of the same name may register before the
-        next ISR check sees the gap; in-sync ones leave the ISR by that check)."""
-        gone = {r for r in departed if r in self.progress.followers
-                and r not in self.progress.isr}
-        if gone:
-            self.progress.forget(gone)
-            self.cursors.left_isr(gone)
-
     def isr_changed(self, isr) -> None:
         """The ISR as stored now (by this leader or another writer: a server leaves the
         ISRs of its partitions when it starts): followers that left it rejoin only on log

@@ -413,8 +413,7 @@ class PartitionSubscriptions:
             position, stop = start, min(end, limit)
             per_offset = 0.0  # bytes per offset read so far: sizes the next read
             while position < stop and budget > 0 and wanted > 0:
-                step = (RECEIVE_FIRST_READ_BYTES if not per_offset
-                        else max(RECEIVE_FIRST_READ_BYTES, int(wanted * per_offset * 1.25)))
+                step = max(RECEIVE_FIRST_READ_BYTES, int(wanted * per_offset * 1.25))
                 data, next_offset = read(position, min(budget, step))
                 if next_offset <= position:
                     break

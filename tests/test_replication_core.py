@@ -226,8 +226,9 @@ def test_a_follower_that_left_the_isr_rejoins_only_on_fetches_made_after_it_left
     assert cursors.positions["b"] == NOT_SYNCED and not cursors.holds("b", {"a", "c"})
     cursors.fetched("b", 7, 2)
     assert cursors.holds("b", {"a", "c"})
-    # Caught up but not in the ISR yet when its server vanished from ZooKeeper: the
-    # leader forgets its position too (it may come back as a new process with less).
+    # Caught up but not in the ISR yet when a new process of its server fetched (or its
+    # expansion met a newer incarnation in ZooKeeper): the leader forgets its position too
+    # (the new process may hold less).
     q = progress(isr=("a", "c"), min_insync=2)
     q.leader_durable(50)
     q.fetched("c", 50, 50, now_ms=1)
@@ -465,25 +466,3 @@ def test_leader_progress_takes_new_replicas_and_forgets_those_that_left():
     assert cursors.positions["c"] == NOT_SYNCED
     cursors.replicas_changed(["a", "c"], {"a", "c"}, 4)
     assert set(cursors.positions) == {"c"}
-
-
-def test_servers_seen_leaving_are_reported_once_even_when_back_already():
-    """partition_server/assignments.py: the /servers watch remembers who left, so a
-    leader forgets a follower's position even when the same name registered again (a new
-    process, maybe with a wiped disk) before its next ISR check."""
-    import asyncio
-
-    from partition_server.assignments import Assignments
-
-    loop = asyncio.new_event_loop()
-    try:
-        assignments = Assignments(None, "ps-0", loop, lambda: None)
-        assignments._on_servers(["ps-0", "ps-1", "ps-2"])
-        assert assignments.take_departed() == set()
-        assignments._on_servers(["ps-0", "ps-1"])  # ps-2 ended
-        assignments._on_servers(["ps-0", "ps-1", "ps-2"])  # ... and is back
-        assert assignments.take_departed() == {"ps-2"}
-        assert assignments.take_departed() == set()
-        assert assignments.live() == {"ps-0", "ps-1", "ps-2"}
-    finally:
-        loop.close()
