@@ -32,7 +32,7 @@ Prints a table and writes its section of docs/benchmarks.md (with --only-ctp, on
 consume-transform-produce part of it).
 
     .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--combined] [--no-docs]
-    .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000]
+    .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
 
 --only-small runs the small-transactions cell alone (one-call, after the gRPC call floor)
@@ -281,8 +281,9 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
 
 def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, int],
                metrics_addresses: list[str], out, pipelined: bool, suffix: str,
-               one_call_max_bytes: int = 1 << 20) -> None:
-    """One worker: preload (untimed), then the loop of peers-bench W3. Sequential (as the
+               one_call_max_bytes: int = 1 << 20, profile: str | None = None) -> None:
+    """One worker: preload (untimed), then the loop of peers-bench W3 (with `profile`,
+    py-spy records the first server process over the loop into that file). Sequential (as the
     peers): each transaction commits before the next poll. Pipelined: the ack goes out
     with ack_async() (it opens the transaction on the consumer's ack thread while the
     worker sends), the commit with commit_async(), and the worker polls the next batch
@@ -305,6 +306,14 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     in_flight: collections.deque = collections.deque()
     servers_before = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
     rpcs_before = rpc_counts(metrics_addresses)
+    spy = None
+    if profile is not None:
+        import signal
+        import subprocess
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(next(iter(processes.values()))),
+                                "--rate", "200", "--format", "speedscope", "--output", profile],
+                               stdout=subprocess.DEVNULL)
+        time.sleep(1)  # py-spy attaches
     client_before = time.process_time()
     began = time.perf_counter()
     while True:
@@ -341,6 +350,9 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     for future in in_flight:
         future.result()
     seconds = time.perf_counter() - began
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it recorded and exits
+        spy.wait(60)
     settle = time.monotonic() + 5  # done callbacks may run just after result() returns
     while len(batches) < transactions and time.monotonic() < settle:
         time.sleep(0.001)
@@ -363,7 +375,8 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
 
 
 def consume_transform_produce(report, address: str, inputs: int, partitions: int,
-                              pipelined: bool = False, one_call: bool = True) -> dict:
+                              pipelined: bool = False, one_call: bool = True,
+                              profile: Path | None = None) -> dict:
     from spark_client import Client
 
     suffix = ("-pipelined" if pipelined else "") + ("" if one_call else "-streaming")
@@ -377,7 +390,8 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
     worker = context.Process(target=ctp_worker, args=(
         address, inputs, partitions, {p.name: p.pid for p in services},
         [p.metrics_address for p in services], out, pipelined, suffix,
-        (1 << 20) if one_call else 0))
+        (1 << 20) if one_call else 0,
+        None if profile is None else f"{profile}{suffix}"))
     worker.start()
     result = out.get(timeout=600)
     worker.join()
@@ -670,8 +684,9 @@ def main() -> None:
                              "call floor) and print it: server CPU per transaction is its "
                              "steady figure on a noisy machine; writes no docs")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
-                        help="with --only-small: py-spy records the first server process "
-                             "over the timed window into FILE (speedscope format)")
+                        help="with --only-small or --only-ctp: py-spy records the first "
+                             "server process over the timed window into FILE (speedscope "
+                             "format; the pipelined CTP cell into FILE-pipelined)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     if args.combined:
@@ -724,8 +739,9 @@ def main() -> None:
             print(f"reads: {reads}", flush=True)
         ctp_runs = []
         for pipelined in (False, True):
-            ctp_runs.append(consume_transform_produce(report, address, args.ctp_inputs,
-                                                      args.ctp_partitions, pipelined))
+            ctp_runs.append(consume_transform_produce(
+                report, address, args.ctp_inputs, args.ctp_partitions, pipelined,
+                profile=args.profile if args.only_ctp else None))
             print(f"consume-transform-produce: {ctp_runs[-1]}", flush=True)
     ctp_text = ctp_section(command, load, baseline, raw_mb_s, floor, ctp_runs, peers)
     if args.only_ctp:

@@ -31,6 +31,9 @@ ONE_CALL_LATENCY = Histogram("atomlog_coordinator_commit_txn_duration_seconds",
                              "staging, then the decision durable (or every marker confirmed "
                              "with wait_for_markers).", ["wait_for_markers"],
                              buckets=LATENCY_BUCKETS_SECONDS)
+CHAINED_COMMITS = Histogram("atomlog_coordinator_commit_txns_commits",
+                            "One-call transactions per CommitTxns call (a client's pipelined "
+                            "commits, staged in order).", buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64))
 ONE_CALL = Counter("atomlog_coordinator_one_call_transactions_total",
                    "One-call transactions (CommitTxn) by outcome: committed, or the reason "
                    "it was not (presumed abort: nothing logged).", ["result"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
 
@@ -36,7 +36,7 @@ from coordinator.records import (
     tc_partition_for,
 )
 from coordinator.routing import PartitionRoutes
-from coordinator.staging import StageChannel
+from coordinator.staging import StageChannel, StageOrder
 from coordinator.tc_partition import Phase, Settings, TcPartition
 from coordinator.txn_log import TOPIC as TXN_LOG_TOPIC
 from coordinator.txn_log import AppendChannel
@@ -49,6 +49,7 @@ from services.logs import event
 log = logging.getLogger("atomlog.coordinator")
 
 MAX_ITEMS = 10_000  # targets or verification items per call
+MAX_CHAINED_COMMITS = 64  # one-call transactions per CommitTxns call
 
 
 def _invalid(message: str, **metadata: object) -> AtomlogError:
@@ -240,6 +241,22 @@ def _merge(requested: list[AtomlogError | None], core_results) -> list:
     return [error if error is not None else next(answers) for error in requested]
 
 
+@dataclass(frozen=True)
+class _OneCallBegun:
+    """A one-call transaction its TC partition has begun (CommitTxn, before staging)."""
+
+    k: int
+    partition: TcPartition
+    start: object  # core.OneCallStart
+    timeout_at: float  # time.monotonic(): the transaction's own timeout
+
+    def deadline(self, context) -> float:
+        """Staging's deadline: the transaction's timeout, or the call's if sooner."""
+        remaining = _remaining_s(context)
+        return self.timeout_at if remaining is None else min(
+            self.timeout_at, time.monotonic() + remaining)
+
+
 def _remaining_s(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else max(0.0, remaining - 0.05)
@@ -363,6 +380,86 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def CommitTxn(self, request, context):
         started = time.perf_counter()
         c = self.c
+        if request.abort:
+            k, key, _ = self._one_call_key(request)
+            if request.batches or request.acks:
+                raise _invalid("an abort carries no batches and no acks", field="abort")
+            partition = await c.partition(k)
+            state = await partition.call(lambda core, now: core.abort_one_call(now, key))
+            metrics.ONE_CALL.labels("aborted_by_client").inc()
+            return coordinator_pb2.CommitTxnResponse(state=state.value)
+        begun = await self._begin_one_call(request)
+        if isinstance(begun, coordinator_pb2.CommitTxnResponse):
+            return begun  # already ended
+        failure, staged = None, None
+        try:
+            staged = await c.stager.stage(begun.start.txn_id, begun.partition.epoch,
+                                          request.batches, request.acks,
+                                          begun.deadline(context))
+        except AtomlogError as error:
+            failure = error
+        return await self._end_one_call(request, begun, failure, staged, started, context)
+
+    async def CommitTxns(self, request, context):
+        """One-call transactions staged in order (coordinator.proto): each begins as
+        CommitTxn does, all are staged in one chain (StageChannel.stage_chain), then each
+        is decided on its own; the decisions share the TC log's appends."""
+        started = time.perf_counter()
+        commits = request.commits
+        if not commits:
+            raise _invalid("CommitTxns needs at least one commit", field="commits")
+        if len(commits) > MAX_CHAINED_COMMITS:
+            raise _invalid(f"at most {MAX_CHAINED_COMMITS} commits per call", field="commits",
+                           limit=str(MAX_CHAINED_COMMITS))
+        for index, commit in enumerate(commits):
+            if commit.abort:
+                raise _invalid(f"commits[{index}]: CommitTxns takes no aborts (send "
+                               "CommitTxn with abort)", field="commits")
+        results: list = [None] * len(commits)
+        begun: list[tuple[int, _OneCallBegun]] = []
+        broken = None
+        for index, commit in enumerate(commits):
+            if broken is not None:
+                results[index] = AtomlogError(
+                    "EARLIER_COMMIT_FAILED", f"commits[{broken}] of this call was refused")
+                continue
+            try:
+                outcome = await self._begin_one_call(commit)
+            except AtomlogError as error:
+                results[index], broken = error, index
+                continue
+            if isinstance(outcome, coordinator_pb2.CommitTxnResponse):
+                results[index] = outcome  # already ended: nothing to stage
+            else:
+                begun.append((index, outcome))
+        if begun:
+            staged = await self.c.stager.stage_chain([StageOrder(
+                b.start.txn_id, b.partition.epoch, commits[i].batches, commits[i].acks,
+                b.deadline(context)) for i, b in begun])
+            ended = await asyncio.gather(*(
+                self._end_one_call(commits[i], b, *((outcome, None) if isinstance(
+                    outcome, AtomlogError) else (None, outcome)), started, context)
+                for (i, b), outcome in zip(begun, staged)), return_exceptions=True)
+            for (index, _), outcome in zip(begun, ended):
+                if isinstance(outcome, BaseException) and not isinstance(outcome, AtomlogError):
+                    log.error("CommitTxns: a commit failed unexpectedly", exc_info=outcome)
+                    outcome = AtomlogError("INTERNAL", f"commit failed: {outcome!r}")
+                results[index] = outcome
+        response = coordinator_pb2.CommitTxnsResponse()
+        for outcome in results:
+            result = response.results.add()
+            if isinstance(outcome, AtomlogError):
+                result.error.reason = outcome.reason
+                result.error.message = outcome.message
+                result.error.metadata.update(outcome.metadata)
+            else:
+                result.response.CopyFrom(outcome)
+        metrics.CHAINED_COMMITS.observe(len(commits))
+        return response
+
+    def _one_call_key(self, request):
+        """The TC partition, idempotency key and session of a CommitTxn, checked."""
+        c = self.c
         k = c.check_tc(request.tc_partition)
         session = c.session(request)
         key = request.idempotency_key
@@ -376,52 +473,47 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                            f"{routed_by!r} lives on TC partition "
                            f"{tc_partition_for(routed_by, c.tc_partitions)}",
                            field="tc_partition")
-        if request.abort:
-            if request.batches or request.acks:
-                raise _invalid("an abort carries no batches and no acks", field="abort")
-            partition = await c.partition(k)
-            state = await partition.call(lambda core, now: core.abort_one_call(now, key))
-            metrics.ONE_CALL.labels("aborted_by_client").inc()
-            return coordinator_pb2.CommitTxnResponse(state=state.value)
+        return k, key, session
+
+    async def _begin_one_call(self, request):
+        """CommitTxn up to staging: validated, a transaction id from the TC partition.
+        Returns _OneCallBegun, or the answer of an already committed key."""
+        k, key, session = self._one_call_key(request)
         tps, subs = await self._one_call_targets(request)
-        partition = await c.partition(k)
+        partition = await self.c.partition(k)
         start = await partition.call(lambda core, now: core.begin_one_call(
             now, request.timeout_ms, session, key, tps, subs))
-        txn_id = _txn_id_proto(start.txn_id)
         if start.existing is not None:
-            return coordinator_pb2.CommitTxnResponse(txn_id=txn_id, state=start.existing.value,
-                                                     already_ended=True)
-        deadline = time.monotonic() + start.timeout_ms / 1000
-        remaining = _remaining_s(context)
-        if remaining is not None:
-            deadline = min(deadline, time.monotonic() + remaining)
-        failure, staged = None, None
-        try:
-            staged = await c.stager.stage(start.txn_id, partition.epoch, request.batches,
-                                          request.acks, deadline)
-        except AtomlogError as error:
-            failure = error
+            return coordinator_pb2.CommitTxnResponse(
+                txn_id=_txn_id_proto(start.txn_id), state=start.existing.value,
+                already_ended=True)
+        return _OneCallBegun(k, partition, start, time.monotonic() + start.timeout_ms / 1000)
+
+    async def _end_one_call(self, request, begun: "_OneCallBegun",
+                            failure: AtomlogError | None, staged, started: float, context):
+        """CommitTxn after staging: the decision (raises the refusal of one that did not
+        commit), then, with wait_for_markers, the markers."""
+        partition, txn_id = begun.partition, begun.start.txn_id
         await failpoints.hold(failpoints.ONE_CALL_DECIDE)
-        result = await partition.call(
-            lambda core, now: core.end_one_call(now, start.txn_id, failure))
+        result = await partition.call(lambda core, now: core.end_one_call(now, txn_id, failure))
         if isinstance(result, OneCallAborted):
             metrics.ONE_CALL.labels(result.error.reason).inc()
             if result.error.reason == "STALE_COORDINATOR_EPOCH":
                 # A partition server knows a newer owner of this TC partition: the client
                 # retries there (the key is free: nothing was decided here).
-                raise AtomlogError("NOT_COORDINATOR", f"TC partition {k} has a newer owner "
-                                   f"than {c.name}: {result.error.message}",
-                                   {"tc_partition": str(k)})
+                raise AtomlogError("NOT_COORDINATOR", f"TC partition {begun.k} has a newer "
+                                   f"owner than {self.c.name}: {result.error.message}",
+                                   {"tc_partition": str(begun.k)})
             raise result.error
         metrics.ONE_CALL.labels("committed").inc()
         state = result.state
         if request.wait_for_markers and state is State.COMMITTING:
-            if await partition.wait_completed(start.txn_id, _remaining_s(context)):
+            if await partition.wait_completed(txn_id, _remaining_s(context)):
                 state = State.COMMITTED
         metrics.ONE_CALL_LATENCY.labels(str(request.wait_for_markers).lower()).observe(
             time.perf_counter() - started)
-        return coordinator_pb2.CommitTxnResponse(txn_id=txn_id, state=state.value,
-                                                 batch_results=staged)
+        return coordinator_pb2.CommitTxnResponse(txn_id=_txn_id_proto(txn_id),
+                                                 state=state.value, batch_results=staged)
 
     async def _one_call_targets(self, request):
         """The partitions and subscription partitions of a CommitTxn, validated: every

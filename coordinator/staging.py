@@ -11,6 +11,11 @@ A part that fails with a retriable reason (the owner moved, loading, unreachable
 timeouts) is routed again and resent — staging is idempotent per transaction and
 partition at the server — until the transaction's deadline; any other refusal (a bad
 batch, a conflicting ack, a stale coordinator epoch) fails the transaction at once.
+
+`stage_chain()` stages the transactions of one CommitTxns call in order (a client's
+pipelined commits of the same producers): on every partition an earlier transaction's
+batches reach the log first, and a transaction that must retry breaks the chain (the
+later ones fail with EARLIER_COMMIT_FAILED instead of racing its retries).
 """
 
 from __future__ import annotations
@@ -68,6 +73,56 @@ class _Part:
     acks: list[partition_pb2.AckItem]
 
 
+@dataclass(eq=False)
+class StageOrder:
+    """One transaction to stage (StageChannel.stage_chain)."""
+
+    txn_id: TxnId
+    epoch: int
+    batches: list  # ProduceItem
+    acks: list  # AckItem
+    deadline: float  # time.monotonic()
+
+
+class _Attempt:
+    """What staging one transaction has got so far: results per batch, and what failed
+    in the last round (with the lists to retry it in)."""
+
+    def __init__(self, order: StageOrder):
+        self.order = order
+        self.results: list = [None] * len(order.batches)
+        self.todo_batches = list(enumerate(order.batches))
+        self.todo_acks = list(order.acks)
+        self.failed: list = []  # (ItemError or AtomlogError, list to retry it in, item, where)
+        self.retry_batches: list = []
+        self.retry_acks: list = []
+
+    def collect(self, parts: dict, outcomes: list) -> None:
+        """Take one round's outcomes (one per part, in order)."""
+        self.retry_batches, self.retry_acks = [], []
+        for part, outcome in zip(parts.values(), outcomes):
+            if isinstance(outcome, BaseException):
+                error = outcome if isinstance(outcome, AtomlogError) else AtomlogError(
+                    "INTERNAL", f"staging failed: {outcome}")
+                self.failed.append((error, self.retry_batches, None, ""))
+                self.retry_batches.extend(part.batches)
+                self.retry_acks.extend(part.acks)
+                continue
+            for (index, item), result in zip(part.batches, outcome.batch_results):
+                if result.error.reason:
+                    tp = item.topic_partition
+                    self.failed.append((result.error, self.retry_batches, (index, item),
+                                        f"{tp.topic}-{tp.partition}"))
+                else:
+                    self.results[index] = result
+            for ack, result in zip(part.acks, outcome.ack_results):
+                if result.error.reason:
+                    sp = ack.subscription_partition
+                    self.failed.append((result.error, self.retry_acks, ack,
+                                        f"{sp.topic}-{sp.partition} (subscription "
+                                        f"{sp.subscription})"))
+
+
 class StageChannel:
     def __init__(self, routes: PartitionRoutes, batch_max: int = 1_000,
                  request_timeout_s: float = 5.0, markers: "MarkerChannel | None" = None):
@@ -83,65 +138,106 @@ class StageChannel:
         durable on its partition server, by `deadline` (time.monotonic()); returns where
         each batch was written, in request order. Raises the first definite refusal, or
         the last retriable one when time runs out."""
+        [outcome] = await self.stage_chain([StageOrder(txn_id, epoch, batches, acks, deadline)])
+        if isinstance(outcome, AtomlogError):
+            raise outcome
+        return outcome
+
+    async def stage_chain(self, orders: list["StageOrder"]) -> list:
+        """Stage several transactions in order (CoordinatorService.CommitTxns): on every
+        partition a transaction's batches reach the log before those of the transactions
+        after it. Every part of every transaction is queued before anything is awaited
+        (so they ride in the same calls, in order: PerDestination keeps one call in
+        flight per server, and the server queues a call's items in request order); the
+        first transaction with a part that fails then goes on alone as stage() does,
+        and every later one answers EARLIER_COMMIT_FAILED without a retry: a retried
+        part of the earlier one could otherwise land after theirs. Returns, per order,
+        its batch results (as stage()) or the AtomlogError it failed with."""
         began = time.perf_counter()
-        results: list[partition_pb2.ProduceResult | None] = [None] * len(batches)
-        todo_batches, todo_acks = list(enumerate(batches)), list(acks)
-        backoff = Backoff(initial_s=0.02, maximum_s=0.5)
-        attempt = 0
         try:
-            while True:
-                attempt += 1
-                failed = []  # (ItemError or AtomlogError, list to retry it in, item, where)
+            splits = []
+            for order in orders:
                 try:
-                    parts = await self._split(txn_id, epoch, todo_batches, todo_acks)
+                    splits.append(await self._split(order.txn_id, order.epoch,
+                                                    list(enumerate(order.batches)),
+                                                    list(order.acks)))
                 except AtomlogError as error:  # no live owner known: route again
-                    parts = {}
-                    failed.append((error, [], None, ""))
-                retry_batches, retry_acks = [], []
-                outcomes = await self._send_parts(parts, deadline)
-                for part, outcome in zip(parts.values(), outcomes):
-                    if isinstance(outcome, BaseException):
-                        error = outcome if isinstance(outcome, AtomlogError) else AtomlogError(
-                            "INTERNAL", f"staging failed: {outcome}")
-                        failed.append((error, retry_batches, None, ""))
-                        retry_batches.extend(part.batches)
-                        retry_acks.extend(part.acks)
-                        continue
-                    for (index, item), result in zip(part.batches, outcome.batch_results):
-                        if result.error.reason:
-                            tp = item.topic_partition
-                            failed.append((result.error, retry_batches, (index, item),
-                                           f"{tp.topic}-{tp.partition}"))
-                        else:
-                            results[index] = result
-                    for ack, result in zip(part.acks, outcome.ack_results):
-                        if result.error.reason:
-                            sp = ack.subscription_partition
-                            failed.append((result.error, retry_acks, ack,
-                                           f"{sp.topic}-{sp.partition} (subscription "
-                                           f"{sp.subscription})"))
-                if not failed:
+                    splits.append(error)
+            # No await from the first submit to the last: the order holds on each server.
+            sent = [parts if isinstance(parts, AtomlogError) else
+                    [(address, part, self._submit(address, part))
+                     for address, part in parts.items()]
+                    for parts in splits]
+            outcomes = []
+            for order, queued in zip(orders, sent):
+                outcomes.append(queued if isinstance(queued, AtomlogError) else
+                                await self._await_parts(queued, order.deadline))
+            answers: list = []
+            broken = None  # the transaction that breaks the chain
+            for order, parts, outcome in zip(orders, splits, outcomes):
+                if broken is not None:
+                    STAGED.labels("EARLIER_COMMIT_FAILED").inc()
+                    answers.append(AtomlogError(
+                        "EARLIER_COMMIT_FAILED", f"transaction {broken} before this one in "
+                        "the call did not stage at its first attempt"))
+                    continue
+                attempt = _Attempt(order)
+                if isinstance(parts, AtomlogError):
+                    attempt.failed.append((parts, [], None, ""))
+                else:
+                    attempt.collect(parts, outcome)
+                if not attempt.failed:
                     STAGED.labels("ok").inc()
-                    return results
-                refresh, last = False, None
-                for error, retry, item, where in failed:
-                    if error.reason not in RETRY_REASONS:
-                        STAGED.labels(error.reason).inc()
-                        raise _error_of(error, where)
-                    refresh |= error.reason in ROUTING_REASONS
-                    if item is not None:
-                        retry.append(item)
-                    last = _error_of(error)
-                if parts:
-                    todo_batches, todo_acks = retry_batches, retry_acks
-                if refresh:
-                    await self.routes.refresh(force=True)
-                delay = backoff.delay(attempt)
-                if time.monotonic() + delay >= deadline:
-                    raise last
-                await asyncio.sleep(delay)
+                    answers.append(attempt.results)
+                    continue
+                broken = order.txn_id
+                try:
+                    answers.append(await self._retry(
+                        attempt, not isinstance(parts, AtomlogError) and bool(parts)))
+                except AtomlogError as error:
+                    answers.append(error)
+            return answers
         finally:
             STAGE_SECONDS.observe(time.perf_counter() - began)
+
+    async def _retry(self, attempt: "_Attempt", routed: bool):
+        """Go on staging what failed at the first attempt, until done or a definite
+        refusal or the deadline (raised)."""
+        order = attempt.order
+        backoff = Backoff(initial_s=0.02, maximum_s=0.5)
+        number = 1
+        while True:
+            refresh, last = False, None
+            for error, retry, item, where in attempt.failed:
+                if error.reason not in RETRY_REASONS:
+                    STAGED.labels(error.reason).inc()
+                    raise _error_of(error, where)
+                refresh |= error.reason in ROUTING_REASONS
+                if item is not None:
+                    retry.append(item)
+                last = _error_of(error)
+            if routed:
+                attempt.todo_batches, attempt.todo_acks = attempt.retry_batches, attempt.retry_acks
+            if refresh:
+                await self.routes.refresh(force=True)
+            delay = backoff.delay(number)
+            if time.monotonic() + delay >= order.deadline:
+                raise last
+            await asyncio.sleep(delay)
+            number += 1
+            attempt.failed = []
+            try:
+                parts = await self._split(order.txn_id, order.epoch, attempt.todo_batches,
+                                          attempt.todo_acks)
+            except AtomlogError as error:  # no live owner known: route again
+                attempt.failed.append((error, [], None, ""))
+                routed = False
+                continue
+            routed = bool(parts)
+            attempt.collect(parts, await self._send_parts(parts, order.deadline))
+            if not attempt.failed:
+                STAGED.labels("ok").inc()
+                return attempt.results
 
     async def _split(self, txn_id: TxnId, epoch: int, batches, acks) -> dict[str, _Part]:
         parts: dict[str, _Part] = {}
@@ -168,10 +264,27 @@ class StageChannel:
         return await asyncio.gather(*(self._send_part(a, p, deadline)
                                       for a, p in parts.items()), return_exceptions=True)
 
-    async def _send_part(self, address: str, part: _Part, deadline: float):
+    def _submit(self, address: str, part: _Part) -> asyncio.Future:
         if self._closed:
-            raise AtomlogError("SHUTTING_DOWN", "the coordinator is stopping")
-        future = self._calls.submit(address, part)
+            future = asyncio.get_running_loop().create_future()
+            future.set_exception(AtomlogError("SHUTTING_DOWN", "the coordinator is stopping"))
+            return future
+        return self._calls.submit(address, part)
+
+    async def _await_parts(self, queued: list, deadline: float) -> list:
+        """The outcome of each queued (address, part, future), in order (as _send_parts)."""
+        outcomes = []
+        for address, _, future in queued:
+            try:
+                outcomes.append(await self._await_part(address, future, deadline))
+            except Exception as error:  # noqa: BLE001 — as gather(return_exceptions=True)
+                outcomes.append(error)
+        return outcomes
+
+    async def _send_part(self, address: str, part: _Part, deadline: float):
+        return await self._await_part(address, self._submit(address, part), deadline)
+
+    async def _await_part(self, address: str, future: asyncio.Future, deadline: float):
         remaining = max(0.01, deadline - time.monotonic())
         try:
             return await asyncio.wait_for(asyncio.shield(future), remaining)

@@ -355,6 +355,12 @@ def _commit_txn(request) -> Requirement:
         *(_subscription("read", a.subscription_partition.subscription) for a in request.acks)]))
 
 
+def _commit_txns(request) -> Requirement:
+    """CommitTxns needs what each of its commits would need."""
+    return Requirement(_unique([permission for commit in request.commits
+                                for permission in _commit_txn(commit).permissions]))
+
+
 def _init_producer_id(request) -> Requirement:
     if request.transactional_id:
         return Requirement((Permission("write", "transactional_id", request.transactional_id),))
@@ -416,6 +422,7 @@ TABLE: dict[str, Callable] = {
     _COORDINATOR + "PrepareTxn": _session_call,
     _COORDINATOR + "EndTxn": _session_call,
     _COORDINATOR + "CommitTxn": _commit_txn,
+    _COORDINATOR + "CommitTxns": _commit_txns,
     _COORDINATOR + "GetTxnStatus": _any(),
     _COORDINATOR + "InitProducerId": _init_producer_id,
     _COORDINATOR + "VerifyTxnPartitions": _fixed(_cluster("write"), service_only=True),

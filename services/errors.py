@@ -170,6 +170,12 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "The transaction was aborted; committing it is refused. Start a new transaction."),
     _r("TRANSACTION_TIMED_OUT", SC.ABORTED, ABORT, C,
        "The transaction passed its timeout and was aborted. Start a new transaction."),
+    _r("EARLIER_COMMIT_FAILED", SC.ABORTED, RETRY, S,
+       "CommitTxns: a commit before this one in the same call was refused or did not "
+       "stage at its first attempt, so this one did not commit (anything it staged is "
+       "aborted): it may not reach a partition before the earlier one. Send it again "
+       "(the same idempotency key may be used) once the earlier commit's outcome is "
+       "known."),
     _r("TRANSACTION_CONFLICT", SC.ABORTED, ABORT, C,
        "A message is already acknowledged in another open transaction."),
     _r("PARTITION_NOT_IN_TRANSACTION", SC.FAILED_PRECONDITION, ABORT, C,

@@ -78,7 +78,8 @@ _NOT_COMMITTED = frozenset({
     "INVALID_ARGUMENT", "CORRUPT_BATCH", "BATCH_TOO_LARGE", "CRC_MISMATCH",
     "UNKNOWN_TOPIC_OR_PARTITION", "PRODUCER_FENCED", "INVALID_TRANSACTION_TIMEOUT",
     "TRANSACTION_ABORTED", "TRANSACTION_TIMED_OUT", "TRANSACTION_CONFLICT",
-    "TRANSACTION_NOT_OPEN", "DATA_LOSS", "OFFSET_OUT_OF_RANGE", "UNIMPLEMENTED"})
+    "TRANSACTION_NOT_OPEN", "DATA_LOSS", "OFFSET_OUT_OF_RANGE", "UNIMPLEMENTED",
+    "EARLIER_COMMIT_FAILED"})
 _STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
                 for name, value in S.TxnState.items()}
 # Orders one-call commits of the same producers (see _in_turn).
@@ -210,6 +211,10 @@ class Transaction:
         else:  # a random key, and the TC partition it hashes to
             key = f"sdk-{uuid.uuid4()}"
             self.tc_partition = tc_partition_for(key, count)
+        # A one-call commit of a random key may move to the TC partition of the commit
+        # before it of the same producers, while that one is under way (_take_turn): then
+        # the carpool can carry them in one call.
+        self._movable = lazy and tc_partition is None  # (lazy: no parent, key or _resume)
         # A random key on the transaction's TC partition makes NewTxn retry-safe (children
         # are found through their parent instead).
         self._new_txn_key = key if key is not None else (
@@ -385,8 +390,7 @@ class Transaction:
                 for (topic, partition), part in parts],
             acks=acks)
         try:
-            self._take_turn(kept).wait_before()  # commit() releases or holds it after
-            reply = self._call("CommitTxn", request)
+            reply = self._commit_call(kept, request)  # commit() releases or holds the turn
         except errors.AtomlogClientError as error:
             if error.reason in _NOT_COMMITTED:  # definite: it did not commit, and never will
                 self._end_kept(kept, error)
@@ -403,6 +407,37 @@ class Transaction:
             else:
                 part.outcome.settle(result.base_offset, result.log_append_time_unix_ms, None)
         self._ended = "committed"
+
+    def _commit_call(self, kept: _Kept, request) -> S.CommitTxnResponse:
+        """The CommitTxn of a one-call commit once its turn came: alone, or carried with
+        the commits queued behind it in one CommitTxns call (_Carpool). A commit of such
+        a call that answers EARLIER_COMMIT_FAILED, or a retriable refusal of its own,
+        takes its turn again (the same key: that attempt did not commit), until the
+        transaction's timeout."""
+        turn = self._take_turn(kept)
+        carpool = _carpool_of(self._coordinators.client)
+        deadline = self._began + self.timeout_s
+        backoff = Backoff(initial_s=0.01, maximum_s=0.25)
+        attempt = 0
+        try:
+            while True:
+                attempt += 1
+                reply, refusal = carpool.ride(self, turn, request)
+                if refusal is None:
+                    return reply
+                if refusal.reason != "EARLIER_COMMIT_FAILED" and refusal.reason not in _RETRY:
+                    raise refusal
+                if refusal.reason in _ROUTING:
+                    self._coordinators._refresh()
+                delay = 0.0 if refusal.reason == "EARLIER_COMMIT_FAILED" \
+                    else backoff.delay(attempt)
+                remaining = deadline - time.monotonic() - delay
+                if remaining <= 0:
+                    raise refusal
+                time.sleep(delay)
+                request.timeout_ms = max(1, int(remaining * 1000))
+        finally:
+            turn.before = []  # waited for: turns must not chain up in memory
 
     def _abort_one_call(self, kept: _Kept) -> None:
         """abort() after a CommitTxn with an unknown outcome: the coordinator makes sure
@@ -658,7 +693,12 @@ class Transaction:
                 producers = ({id(part.producer): part.producer
                               for part in kept.partitions.values()}.values()
                              if kept is not None else ())
-                self._turn = _in_turn(producers)
+                self._turn = _in_turn(producers, self.tc_partition,
+                                      movable=self._movable and kept is not None)
+                if self._turn.tc_partition != self.tc_partition:  # nothing was sent yet
+                    self.tc_partition = self._turn.tc_partition
+                    self._new_txn_key = _key_for(self.tc_partition,
+                                                 self._coordinators.tc_partition_count())
             return self._turn
 
     def abort(self) -> None:
@@ -826,16 +866,26 @@ class _in_turn:
     the next go; hold() keeps the turn of a commit with an unknown outcome, which a retry
     may still stage, until released or its transaction's timeout is past."""
 
-    def __init__(self, producers):
+    _taken = 0  # turns taken so far (their order)
+
+    def __init__(self, producers, tc_partition: int | None = None, movable: bool = False):
+        """`tc_partition`: the commit's; with `movable`, that of a commit before it still
+        under way, if any (so the carpool can carry both)."""
         self.done: concurrent.futures.Future = concurrent.futures.Future()
         self.before: list[_in_turn] = []
         self.held_until: float | None = None  # time.monotonic(); see hold()
         with _TURNS:
+            _in_turn._taken += 1
+            self.order = _in_turn._taken
             for producer in producers:
                 previous = getattr(producer, "_one_call_turn", None)
                 if previous is not None:
                     self.before.append(previous)
                 producer._one_call_turn = self
+            self.tc_partition = next(
+                (previous.tc_partition for previous in self.before
+                 if movable and previous.tc_partition is not None and not previous.over()),
+                tc_partition)
 
     def wait_before(self) -> None:
         """Wait for the turns before this one (then forgets them: turns must not chain
@@ -847,6 +897,11 @@ class _in_turn:
     def __enter__(self):
         self.wait_before()
         return self
+
+    def over(self) -> bool:
+        """Released, or past the time a held turn is held to."""
+        held_until = self.held_until
+        return self.done.done() or (held_until is not None and time.monotonic() >= held_until)
 
     def wait(self) -> None:
         """Until released, or past the time a held turn is held to."""
@@ -868,6 +923,159 @@ class _in_turn:
         with _TURNS:
             if not self.done.done():
                 self.done.set_result(None)
+
+
+class _Seat:
+    """A one-call commit waiting in the carpool: its request and, once a call carried
+    it, the answer (reply, refusal, or the failure of the whole call)."""
+
+    __slots__ = ("txn", "turn", "request", "taken", "answer")
+
+    def __init__(self, txn: "Transaction", turn: _in_turn, request):
+        self.txn = txn
+        self.turn = turn
+        self.request = request
+        self.taken = False  # a call carries it (its own, or another commit's)
+        self.answer: tuple | None = None  # (reply, refusal, call failure)
+
+
+class _Carpool:
+    """One-call commits waiting for their turn leave together (one per Client).
+
+    A commit whose turn comes (every commit before it of the same producers ended)
+    takes with it the commits queued behind it whose turns wait only for it or for
+    commits it takes, that belong to no session and go to the same coordinator, in turn
+    order, and sends them all in ONE CommitTxns call, which stages them in that order
+    (coordinator.proto). Alone it sends CommitTxn. So a producer pipelining commits
+    (commit_async) has one call in flight at a time, as before, but what queued
+    meanwhile leaves in the next call instead of one call after another: the call in
+    flight is the linger, and the records still reach each partition in send order."""
+
+    MAX_COMMITS = 64  # CommitTxns' bound (coordinator.proto)
+    MAX_BYTES = 4 << 20
+
+    def __init__(self, client):
+        self._client = client
+        self._cond = threading.Condition()
+        self._waiting: list[_Seat] = []  # in turn order
+        self._chained = True  # False once a coordinator answered CommitTxns UNIMPLEMENTED
+        self.calls = 0  # CommitTxns calls made (tests, benchmarks)
+
+    def _poke(self, _future=None) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def ride(self, txn: "Transaction", turn: _in_turn, request):
+        """Wait for the turn, then send the commit, alone or carrying others; or be
+        carried. Returns (reply, None) or (None, refusal of this commit); raises the
+        failure of the call."""
+        seat = _Seat(txn, turn, request)
+        for previous in turn.before:
+            previous.done.add_done_callback(self._poke)
+        with self._cond:
+            index = len(self._waiting)
+            while index and self._waiting[index - 1].turn.order > turn.order:
+                index -= 1
+            self._waiting.insert(index, seat)
+            while seat.answer is None:
+                if not seat.taken and all(previous.over() for previous in turn.before):
+                    seat.taken = True
+                    self._waiting.remove(seat)
+                    riders = self._riders(seat)
+                    break
+                self._cond.wait(0.5)  # held turns end by the clock
+            else:
+                return self._answer(seat)
+        answers = None
+        try:
+            answers = self._send(seat, riders)
+        finally:
+            if answers is None:  # a bug: those carried must not wait forever
+                answers = [(None, None, errors.error_for("INTERNAL", "the call carrying "
+                                                         "this commit failed"))] * (
+                    1 + len(riders))
+            with self._cond:
+                for rider, answer in zip(riders, answers[1:]):
+                    rider.answer = answer
+                self._cond.notify_all()
+        seat.answer = answers[0]
+        return self._answer(seat)
+
+    @staticmethod
+    def _answer(seat: _Seat):
+        reply, refusal, failure = seat.answer
+        if failure is not None:
+            raise failure
+        return reply, refusal
+
+    def _riders(self, driver: _Seat) -> list[_Seat]:
+        """The waiting commits `driver` takes along (under the lock)."""
+        if not self._chained or driver.txn.session is not None:
+            return []
+        routes = self._client.metadata.tc_routes
+        address = routes.get(driver.txn.tc_partition)
+        if not address:
+            return []
+        chosen = {id(driver.turn)}
+        riders: list[_Seat] = []
+        size = driver.request.ByteSize()
+        for seat in self._waiting:
+            if len(riders) + 1 >= self.MAX_COMMITS:
+                break
+            if seat.taken or seat.txn.session is not None or \
+                    routes.get(seat.txn.tc_partition) != address:
+                continue
+            if not all(id(previous) in chosen or previous.over()
+                       for previous in seat.turn.before):
+                continue
+            request_size = seat.request.ByteSize()
+            if size + request_size > self.MAX_BYTES:
+                continue
+            seat.taken = True
+            chosen.add(id(seat.turn))
+            riders.append(seat)
+            size += request_size
+        for rider in riders:
+            self._waiting.remove(rider)
+        return riders
+
+    def _send(self, driver: _Seat, riders: list[_Seat]) -> list[tuple]:
+        """The call; an answer (reply, refusal, call failure) per commit, driver first."""
+        try:
+            if not riders:
+                return [(driver.txn._call("CommitTxn", driver.request), None, None)]
+            self.calls += 1
+            reply = driver.txn._call("CommitTxns", S.CommitTxnsRequest(
+                commits=[driver.request, *(rider.request for rider in riders)]))
+        except errors.AtomlogClientError as failure:
+            if riders and failure.reason == "UNIMPLEMENTED":
+                # A coordinator without CommitTxns: nothing was done; each goes alone.
+                self._chained = False
+                again = errors.error_for("EARLIER_COMMIT_FAILED", "CommitTxns is not "
+                                         "implemented by the coordinator")
+                return [(None, again, None)] * (1 + len(riders))
+            return [(None, None, failure)] * (1 + len(riders))
+        if len(reply.results) != 1 + len(riders):
+            failure = errors.error_for("INTERNAL", f"CommitTxns answered {len(reply.results)} "
+                                       f"results for {1 + len(riders)} commits")
+            return [(None, None, failure)] * (1 + len(riders))
+        return [(None, errors.error_for(result.error.reason, result.error.message,
+                                        dict(result.error.metadata)), None)
+                if result.error.reason else (result.response, None, None)
+                for result in reply.results]
+
+
+_CARPOOLS = threading.Lock()
+
+
+def _carpool_of(client) -> _Carpool:
+    carpool = getattr(client, "_one_call_carpool", None)
+    if carpool is None:
+        with _CARPOOLS:
+            carpool = getattr(client, "_one_call_carpool", None)
+            if carpool is None:
+                carpool = client._one_call_carpool = _Carpool(client)
+    return carpool
 
 
 def _key_for(tc_partition: int, count: int) -> str:

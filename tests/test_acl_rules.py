@@ -222,3 +222,16 @@ def test_docs_security_lists_every_rpc_of_the_table():
     rows = {line.split("`")[1] for line in text.splitlines()
             if line.startswith("| `") and "Service/" in line}
     assert rows == {method.removeprefix("/atomlog.v1.") for method in TABLE}
+
+
+def test_commit_txns_needs_what_each_of_its_commits_needs():
+    def commit(topic):
+        return coordinator_pb2.CommitTxnRequest(
+            idempotency_key="k", batches=[partition_pb2.ProduceItem(topic_partition=tp(topic))])
+
+    both = coordinator_pb2.CommitTxnsRequest(commits=[commit("orders"), commit("refunds")])
+    acls = [Acl("alice", "topic", "orders", "write")]
+    denial = verdict("CoordinatorService/CommitTxns", both, acls=acls)
+    assert denial.permission == Permission("write", "topic", "refunds")
+    acls.append(Acl("alice", "topic", "refunds", "write"))
+    assert verdict("CoordinatorService/CommitTxns", both, acls=acls) is None

@@ -583,3 +583,153 @@ def test_markers_riding_in_a_staging_call_are_applied_and_bad_ones_change_nothin
     wait_until(lambda: settled(client, topic, 1), 20, "the presumed abort of the second")
     assert client.describe_partition(topic, 0).aborted_transaction_count == 2
     assert committed_values(client, topic) == [b"kept"]
+
+
+# ---------------------------------------------------------------- CommitTxns (chained)
+def _commit(k: int, key: str, topic: str, value: bytes, partition: int = 0, **fields):
+    return coordinator_pb2.CommitTxnRequest(
+        tc_partition=k, idempotency_key=key, timeout_ms=30_000, batches=[
+            partition_pb2.ProduceItem(topic_partition=common_pb2.TopicPartition(
+                topic=topic, partition=partition),
+                record_batch=fields.pop("record_batch", None)
+                or encode_batch([Record(None, value, (), 0)]))], **fields)
+
+
+def _commit_txns(client, k: int, commits) -> list:
+    """CommitTxns on TC partition k's coordinator (retried while leases move): per commit,
+    its CommitTxnResponse or its ItemError."""
+    reply = Coordinators(client).call(k, "CommitTxns", coordinator_pb2.CommitTxnsRequest(
+        commits=commits), time.monotonic() + 30)
+    assert len(reply.results) == len(commits)
+    return [r.error if r.error.reason else r.response for r in reply.results]
+
+
+def test_commit_txns_stages_in_order_and_a_refused_commit_stops_those_after_it(servers,
+                                                                              client):
+    """CommitTxns: every commit is decided on its own, in request order on the partition;
+    a commit refused at staging (a CRC the partition server rejects) answers its reason,
+    the one after it EARLIER_COMMIT_FAILED with nothing of it visible, and that one sent
+    again with the same key commits."""
+    topic = create_online(client, "oc-chain", 1)
+    count = client.metadata.tc_partition_count
+    k = 0
+    keys = [_key_on(k, count) for _ in range(5)]
+    first = _commit_txns(client, k, [_commit(k, keys[0], topic, b"a"),
+                                     _commit(k, keys[1], topic, b"b")])
+    assert [r.state for r in first] == [coordinator_pb2.TXN_STATE_COMMITTING] * 2
+    assert first[0].batch_results[0].base_offset < first[1].batch_results[0].base_offset
+    corrupt = bytearray(encode_batch([Record(None, b"bad", (), 0)]))
+    corrupt[-1] ^= 0xFF
+    second = _commit_txns(client, k, [_commit(k, keys[2], topic, b"c"),
+                                      _commit(k, keys[3], topic, b"", record_batch=bytes(corrupt)),
+                                      _commit(k, keys[4], topic, b"e")])
+    assert second[0].state == coordinator_pb2.TXN_STATE_COMMITTING
+    assert second[1].reason == "CRC_MISMATCH"
+    assert second[2].reason == "EARLIER_COMMIT_FAILED"
+    wait_until(lambda: settled(client, topic, 1), 10, "the staged data aborted")
+    assert committed_values(client, topic) == [b"a", b"b", b"c"]
+    again = Coordinators(client).call(k, "CommitTxn", _commit(k, keys[4], topic, b"e"),
+                                      time.monotonic() + 30)
+    assert again.state == coordinator_pb2.TXN_STATE_COMMITTING and not again.already_ended
+    retried = _commit_txns(client, k, [_commit(k, keys[0], topic, b"a")])  # a retry
+    assert retried[0].already_ended
+    wait_until(lambda: settled(client, topic, 1), 10, "the markers")
+    assert committed_values(client, topic) == [b"a", b"b", b"c", b"e"]
+
+
+def test_bad_commit_txns_input_is_refused_and_changes_nothing(servers, client):
+    topic = create_online(client, "oc-chain-bad", 1)
+    count = client.metadata.tc_partition_count
+    k = 0
+
+    def refused(commits) -> str:
+        try:
+            _commit_txns(client, k, commits)
+        except errors.AtomlogClientError as error:
+            return error.reason
+        raise AssertionError("CommitTxns was accepted")
+
+    assert refused([]) == "INVALID_ARGUMENT"
+    assert refused([_commit(k, _key_on(k, count), topic, b"x") for _ in range(65)]) == \
+        "INVALID_ARGUMENT"
+    assert refused([_commit(k, _key_on(k, count), topic, b"x"),
+                    coordinator_pb2.CommitTxnRequest(tc_partition=k, abort=True,
+                                                     idempotency_key=_key_on(k, count))]) == \
+        "INVALID_ARGUMENT"
+    # A commit refused before staging (no key; a key of another TC partition) breaks the
+    # chain as well: nothing after it commits.
+    results = _commit_txns(client, k, [
+        _commit(k, "", topic, b"x"), _commit(k, _key_on(k, count), topic, b"y")])
+    assert [r.reason for r in results] == ["INVALID_ARGUMENT", "EARLIER_COMMIT_FAILED"]
+    other = _key_on(1, count)
+    results = _commit_txns(client, k, [
+        _commit(k, other, topic, b"x"), _commit(k, _key_on(k, count), topic, b"y")])
+    assert [r.reason for r in results] == ["INVALID_ARGUMENT", "EARLIER_COMMIT_FAILED"]
+    wait_until(lambda: settled(client, topic, 1), 10, "nothing left open")
+    assert committed_values(client, topic) == []
+    assert client.describe_partition(topic, 0).high_watermark == 0
+
+
+def test_pipelined_commits_of_one_producer_ride_together_and_keep_send_order(servers):
+    """commit_async() of many one-call transactions of one producer: the commits that
+    queue while one is in flight leave together in one CommitTxns call (on the TC
+    partition of the first: the others move there), and the records reach the
+    partition in send order, each exactly once."""
+    with Client(servers.info["bootstrap"], request_timeout_s=10) as client:
+        topic = create_online(client, "oc-chain-sdk", 1)
+        futures, txns = [], []
+        with client.producer() as producer:
+            for i in range(60):
+                txn = client.begin_transaction(timeout_s=30)
+                producer.send(topic, b"p%02d" % i, partition=0, txn=txn)
+                futures.append(txn.commit_async())
+                txns.append(txn)
+            for future in futures:
+                future.result(60)
+        carpool = client._one_call_carpool
+        assert carpool.calls >= 1, "no commits rode together"
+        assert len({t.tc_partition for t in txns}) < 60
+        wait_until(lambda: settled(client, topic, 1), 30, "the markers")
+        assert committed_values(client, topic) == [b"p%02d" % i for i in range(60)]
+
+
+def test_a_pipelined_commit_that_conflicts_fails_alone_and_the_rest_keep_order(servers):
+    """One commit among pipelined ones conflicts on an ack: it fails (and changes
+    nothing); the commits after it, even when carried in the same call, commit after it
+    was refused, in send order."""
+    with Client(servers.info["bootstrap"], request_timeout_s=10) as client:
+        source = create_online(client, "oc-chain-in", 1)
+        sink = create_online(client, "oc-chain-out", 1)
+        with client.producer() as producer:
+            producer.send(source, b"in", partition=0)
+            producer.flush()
+        streaming = Client(servers.info["bootstrap"], one_call_max_bytes=0)
+        try:
+            with client.consumer(source, subscription="chain", ack_timeout_s=60) as consumer, \
+                    client.producer() as producer:
+                got = []
+                while not got:
+                    got = consumer.poll(timeout_s=1.0)
+                holder = streaming.begin_transaction(timeout_s=60)
+                consumer.ack(got, txn=holder)  # pending at the server: a conflict for others
+                futures = []
+                for i in range(30):
+                    txn = client.begin_transaction(timeout_s=30)
+                    producer.send(sink, b"o%02d" % i, partition=0, txn=txn)
+                    if i == 10:
+                        consumer.ack(got, txn=txn)
+                    futures.append(txn.commit_async())
+                outcomes = []
+                for future in futures:
+                    try:
+                        future.result(60)
+                        outcomes.append("ok")
+                    except errors.TransactionConflict:
+                        outcomes.append("conflict")
+                assert outcomes == ["ok"] * 10 + ["conflict"] + ["ok"] * 19
+                wait_until(lambda: settled(client, sink, 1), 30, "the markers")
+                assert committed_values(client, sink) == [b"o%02d" % i for i in range(30)
+                                                          if i != 10]
+                holder.commit(wait_for_markers=True)
+        finally:
+            streaming.close()

@@ -53,6 +53,7 @@ var reasons = map[string]reasonInfo{
 	"TRANSACTION_IS_CHILD":          {codes.FailedPrecondition, Fatal},
 	"TRANSACTION_ABORTED":           {codes.Aborted, Abortable},
 	"TRANSACTION_TIMED_OUT":         {codes.Aborted, Abortable},
+	"EARLIER_COMMIT_FAILED":         {codes.Aborted, Retriable},
 	"TRANSACTION_CONFLICT":          {codes.Aborted, Abortable},
 	"PARTITION_NOT_IN_TRANSACTION":  {codes.FailedPrecondition, Abortable},
 	"UNKNOWN_SUBSCRIPTION":          {codes.NotFound, Fatal},

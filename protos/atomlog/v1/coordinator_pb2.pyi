@@ -211,6 +211,26 @@ class CommitTxnResponse(_message.Message):
     batch_results: _containers.RepeatedCompositeFieldContainer[_partition_pb2.ProduceResult]
     def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., state: _Optional[_Union[TxnState, str]] = ..., already_ended: _Optional[bool] = ..., batch_results: _Optional[_Iterable[_Union[_partition_pb2.ProduceResult, _Mapping]]] = ...) -> None: ...
 
+class CommitTxnsRequest(_message.Message):
+    __slots__ = ("commits",)
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    commits: _containers.RepeatedCompositeFieldContainer[CommitTxnRequest]
+    def __init__(self, commits: _Optional[_Iterable[_Union[CommitTxnRequest, _Mapping]]] = ...) -> None: ...
+
+class CommitTxnsResult(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: CommitTxnResponse
+    error: _partition_pb2.ItemError
+    def __init__(self, response: _Optional[_Union[CommitTxnResponse, _Mapping]] = ..., error: _Optional[_Union[_partition_pb2.ItemError, _Mapping]] = ...) -> None: ...
+
+class CommitTxnsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[CommitTxnsResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[CommitTxnsResult, _Mapping]]] = ...) -> None: ...
+
 class GetTxnStatusRequest(_message.Message):
     __slots__ = ("txn_id",)
     TXN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -92,6 +92,11 @@ class CoordinatorServiceStub:
                 request_serializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnResponse.FromString,
                 _registered_method=True)
+        self.CommitTxns = channel.unary_unary(
+                '/atomlog.v1.CoordinatorService/CommitTxns',
+                request_serializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnsRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnsResponse.FromString,
+                _registered_method=True)
         self.GetTxnStatus = channel.unary_unary(
                 '/atomlog.v1.CoordinatorService/GetTxnStatus',
                 request_serializer=atomlog_dot_v1_dot_coordinator__pb2.GetTxnStatusRequest.SerializeToString,
@@ -218,6 +223,22 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitTxns(self, request, context):
+        """Several one-call transactions in one call, as one CommitTxn each but staged in order:
+        on every partition, a commit's batches reach the log before those of the commits
+        after it in the request (what a client pipelining the commits of one producer
+        needs, since its records must reach each partition in send order). Each commit is
+        decided on its own and answered in `results`, in request order. A commit that is
+        refused, or does not stage completely at its first attempt, breaks the chain: the
+        commits after it do not commit (anything they staged is aborted) and answer
+        "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it. Each
+        commit names its own TC partition; one this coordinator does not own answers
+        "NOT_COORDINATOR" (and breaks the chain). `abort` must be false in every commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetTxnStatus(self, request, context):
         """The state of one transaction (cheap; for clients).
         """
@@ -303,6 +324,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.CommitTxn,
                     request_deserializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnResponse.SerializeToString,
+            ),
+            'CommitTxns': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitTxns,
+                    request_deserializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnsRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_coordinator__pb2.CommitTxnsResponse.SerializeToString,
             ),
             'GetTxnStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTxnStatus,
@@ -525,6 +551,33 @@ class CoordinatorService:
             '/atomlog.v1.CoordinatorService/CommitTxn',
             atomlog_dot_v1_dot_coordinator__pb2.CommitTxnRequest.SerializeToString,
             atomlog_dot_v1_dot_coordinator__pb2.CommitTxnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitTxns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.CoordinatorService/CommitTxns',
+            atomlog_dot_v1_dot_coordinator__pb2.CommitTxnsRequest.SerializeToString,
+            atomlog_dot_v1_dot_coordinator__pb2.CommitTxnsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1244,6 +1244,155 @@ func (x *CommitTxnResponse) GetBatchResults() []*ProduceResult {
 	return nil
 }
 
+// One-call transactions committed in order (CoordinatorService.CommitTxns).
+type CommitTxnsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// At least 1, at most 64 commits, each within CommitTxn's bounds (a commit out of them
+	// answers its error; a request with no commit, more than 64, or one with abort set
+	// fails whole with "INVALID_ARGUMENT", and nothing is done).
+	Commits       []*CommitTxnRequest `protobuf:"bytes,1,rep,name=commits,proto3" json:"commits,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CommitTxnsRequest) Reset() {
+	*x = CommitTxnsRequest{}
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CommitTxnsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CommitTxnsRequest) ProtoMessage() {}
+
+func (x *CommitTxnsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CommitTxnsRequest.ProtoReflect.Descriptor instead.
+func (*CommitTxnsRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *CommitTxnsRequest) GetCommits() []*CommitTxnRequest {
+	if x != nil {
+		return x.Commits
+	}
+	return nil
+}
+
+// What became of each commit of a CommitTxnsRequest.
+type CommitTxnsResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Set when the commit committed (as CommitTxn answers).
+	Response *CommitTxnResponse `protobuf:"bytes,1,opt,name=response,proto3" json:"response,omitempty"`
+	// Set (reason non-empty) when it did not, or when its outcome is unknown: the reason
+	// CommitTxn would have failed with, or "EARLIER_COMMIT_FAILED".
+	Error         *ItemError `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CommitTxnsResult) Reset() {
+	*x = CommitTxnsResult{}
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CommitTxnsResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CommitTxnsResult) ProtoMessage() {}
+
+func (x *CommitTxnsResult) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CommitTxnsResult.ProtoReflect.Descriptor instead.
+func (*CommitTxnsResult) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *CommitTxnsResult) GetResponse() *CommitTxnResponse {
+	if x != nil {
+		return x.Response
+	}
+	return nil
+}
+
+func (x *CommitTxnsResult) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+type CommitTxnsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per request commit, in order.
+	Results       []*CommitTxnsResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CommitTxnsResponse) Reset() {
+	*x = CommitTxnsResponse{}
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CommitTxnsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CommitTxnsResponse) ProtoMessage() {}
+
+func (x *CommitTxnsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CommitTxnsResponse.ProtoReflect.Descriptor instead.
+func (*CommitTxnsResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *CommitTxnsResponse) GetResults() []*CommitTxnsResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
 // Asks for the state of one transaction.
 type GetTxnStatusRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1256,7 +1405,7 @@ type GetTxnStatusRequest struct {
 
 func (x *GetTxnStatusRequest) Reset() {
 	*x = GetTxnStatusRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[15]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1268,7 +1417,7 @@ func (x *GetTxnStatusRequest) String() string {
 func (*GetTxnStatusRequest) ProtoMessage() {}
 
 func (x *GetTxnStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[15]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1281,7 +1430,7 @@ func (x *GetTxnStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTxnStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetTxnStatusRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{15}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *GetTxnStatusRequest) GetTxnId() *TxnId {
@@ -1309,7 +1458,7 @@ type GetTxnStatusResponse struct {
 
 func (x *GetTxnStatusResponse) Reset() {
 	*x = GetTxnStatusResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[16]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1321,7 +1470,7 @@ func (x *GetTxnStatusResponse) String() string {
 func (*GetTxnStatusResponse) ProtoMessage() {}
 
 func (x *GetTxnStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[16]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1334,7 +1483,7 @@ func (x *GetTxnStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTxnStatusResponse.ProtoReflect.Descriptor instead.
 func (*GetTxnStatusResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{16}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *GetTxnStatusResponse) GetState() TxnState {
@@ -1387,7 +1536,7 @@ type InitProducerIdRequest struct {
 
 func (x *InitProducerIdRequest) Reset() {
 	*x = InitProducerIdRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[17]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1399,7 +1548,7 @@ func (x *InitProducerIdRequest) String() string {
 func (*InitProducerIdRequest) ProtoMessage() {}
 
 func (x *InitProducerIdRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[17]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1412,7 +1561,7 @@ func (x *InitProducerIdRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InitProducerIdRequest.ProtoReflect.Descriptor instead.
 func (*InitProducerIdRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{17}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *InitProducerIdRequest) GetTransactionalId() string {
@@ -1462,7 +1611,7 @@ type InitProducerIdResponse struct {
 
 func (x *InitProducerIdResponse) Reset() {
 	*x = InitProducerIdResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[18]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1474,7 +1623,7 @@ func (x *InitProducerIdResponse) String() string {
 func (*InitProducerIdResponse) ProtoMessage() {}
 
 func (x *InitProducerIdResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[18]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1487,7 +1636,7 @@ func (x *InitProducerIdResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InitProducerIdResponse.ProtoReflect.Descriptor instead.
 func (*InitProducerIdResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{18}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *InitProducerIdResponse) GetProducerId() int64 {
@@ -1537,7 +1686,7 @@ type VerifyTxnPartitionsRequest struct {
 
 func (x *VerifyTxnPartitionsRequest) Reset() {
 	*x = VerifyTxnPartitionsRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[19]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1549,7 +1698,7 @@ func (x *VerifyTxnPartitionsRequest) String() string {
 func (*VerifyTxnPartitionsRequest) ProtoMessage() {}
 
 func (x *VerifyTxnPartitionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[19]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1562,7 +1711,7 @@ func (x *VerifyTxnPartitionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VerifyTxnPartitionsRequest.ProtoReflect.Descriptor instead.
 func (*VerifyTxnPartitionsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{19}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *VerifyTxnPartitionsRequest) GetItems() []*VerifyTxnPartitionsItem {
@@ -1590,7 +1739,7 @@ type VerifyTxnPartitionsItem struct {
 
 func (x *VerifyTxnPartitionsItem) Reset() {
 	*x = VerifyTxnPartitionsItem{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[20]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1602,7 +1751,7 @@ func (x *VerifyTxnPartitionsItem) String() string {
 func (*VerifyTxnPartitionsItem) ProtoMessage() {}
 
 func (x *VerifyTxnPartitionsItem) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[20]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1615,7 +1764,7 @@ func (x *VerifyTxnPartitionsItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VerifyTxnPartitionsItem.ProtoReflect.Descriptor instead.
 func (*VerifyTxnPartitionsItem) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{20}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *VerifyTxnPartitionsItem) GetTxnId() *TxnId {
@@ -1679,7 +1828,7 @@ type VerifyTxnPartitionsResponse struct {
 
 func (x *VerifyTxnPartitionsResponse) Reset() {
 	*x = VerifyTxnPartitionsResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[21]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1691,7 +1840,7 @@ func (x *VerifyTxnPartitionsResponse) String() string {
 func (*VerifyTxnPartitionsResponse) ProtoMessage() {}
 
 func (x *VerifyTxnPartitionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[21]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1704,7 +1853,7 @@ func (x *VerifyTxnPartitionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VerifyTxnPartitionsResponse.ProtoReflect.Descriptor instead.
 func (*VerifyTxnPartitionsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{21}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *VerifyTxnPartitionsResponse) GetResults() []*VerifyTxnPartitionsResult {
@@ -1738,7 +1887,7 @@ type VerifyTxnPartitionsResult struct {
 
 func (x *VerifyTxnPartitionsResult) Reset() {
 	*x = VerifyTxnPartitionsResult{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[22]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1750,7 +1899,7 @@ func (x *VerifyTxnPartitionsResult) String() string {
 func (*VerifyTxnPartitionsResult) ProtoMessage() {}
 
 func (x *VerifyTxnPartitionsResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[22]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1763,7 +1912,7 @@ func (x *VerifyTxnPartitionsResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VerifyTxnPartitionsResult.ProtoReflect.Descriptor instead.
 func (*VerifyTxnPartitionsResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{22}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *VerifyTxnPartitionsResult) GetTxnId() *TxnId {
@@ -1843,7 +1992,7 @@ type TransactionSummary struct {
 
 func (x *TransactionSummary) Reset() {
 	*x = TransactionSummary{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[23]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1855,7 +2004,7 @@ func (x *TransactionSummary) String() string {
 func (*TransactionSummary) ProtoMessage() {}
 
 func (x *TransactionSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[23]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1868,7 +2017,7 @@ func (x *TransactionSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransactionSummary.ProtoReflect.Descriptor instead.
 func (*TransactionSummary) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{23}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *TransactionSummary) GetTxnId() *TxnId {
@@ -1980,7 +2129,7 @@ type ListTransactionsRequest struct {
 
 func (x *ListTransactionsRequest) Reset() {
 	*x = ListTransactionsRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[24]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1992,7 +2141,7 @@ func (x *ListTransactionsRequest) String() string {
 func (*ListTransactionsRequest) ProtoMessage() {}
 
 func (x *ListTransactionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[24]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2005,7 +2154,7 @@ func (x *ListTransactionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTransactionsRequest.ProtoReflect.Descriptor instead.
 func (*ListTransactionsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{24}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ListTransactionsRequest) GetStates() []TxnState {
@@ -2053,7 +2202,7 @@ type ListTransactionsResponse struct {
 
 func (x *ListTransactionsResponse) Reset() {
 	*x = ListTransactionsResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[25]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2065,7 +2214,7 @@ func (x *ListTransactionsResponse) String() string {
 func (*ListTransactionsResponse) ProtoMessage() {}
 
 func (x *ListTransactionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[25]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2078,7 +2227,7 @@ func (x *ListTransactionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTransactionsResponse.ProtoReflect.Descriptor instead.
 func (*ListTransactionsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{25}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListTransactionsResponse) GetTransactions() []*TransactionSummary {
@@ -2120,7 +2269,7 @@ type DescribeTransactionRequest struct {
 
 func (x *DescribeTransactionRequest) Reset() {
 	*x = DescribeTransactionRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[26]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2132,7 +2281,7 @@ func (x *DescribeTransactionRequest) String() string {
 func (*DescribeTransactionRequest) ProtoMessage() {}
 
 func (x *DescribeTransactionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[26]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2145,7 +2294,7 @@ func (x *DescribeTransactionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DescribeTransactionRequest.ProtoReflect.Descriptor instead.
 func (*DescribeTransactionRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{26}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DescribeTransactionRequest) GetTxnId() *TxnId {
@@ -2190,7 +2339,7 @@ type DescribeTransactionResponse struct {
 
 func (x *DescribeTransactionResponse) Reset() {
 	*x = DescribeTransactionResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[27]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2202,7 +2351,7 @@ func (x *DescribeTransactionResponse) String() string {
 func (*DescribeTransactionResponse) ProtoMessage() {}
 
 func (x *DescribeTransactionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[27]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2215,7 +2364,7 @@ func (x *DescribeTransactionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DescribeTransactionResponse.ProtoReflect.Descriptor instead.
 func (*DescribeTransactionResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{27}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *DescribeTransactionResponse) GetSummary() *TransactionSummary {
@@ -2325,7 +2474,7 @@ type AbortTransactionRequest struct {
 
 func (x *AbortTransactionRequest) Reset() {
 	*x = AbortTransactionRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[28]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2337,7 +2486,7 @@ func (x *AbortTransactionRequest) String() string {
 func (*AbortTransactionRequest) ProtoMessage() {}
 
 func (x *AbortTransactionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[28]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2350,7 +2499,7 @@ func (x *AbortTransactionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortTransactionRequest.ProtoReflect.Descriptor instead.
 func (*AbortTransactionRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{28}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *AbortTransactionRequest) GetTxnId() *TxnId {
@@ -2390,7 +2539,7 @@ type AbortTransactionResponse struct {
 
 func (x *AbortTransactionResponse) Reset() {
 	*x = AbortTransactionResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[29]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2402,7 +2551,7 @@ func (x *AbortTransactionResponse) String() string {
 func (*AbortTransactionResponse) ProtoMessage() {}
 
 func (x *AbortTransactionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[29]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2415,7 +2564,7 @@ func (x *AbortTransactionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortTransactionResponse.ProtoReflect.Descriptor instead.
 func (*AbortTransactionResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{29}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *AbortTransactionResponse) GetState() TxnState {
@@ -2517,7 +2666,14 @@ const file_atomlog_v1_coordinator_proto_rawDesc = "" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12*\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x14.atomlog.v1.TxnStateR\x05state\x12#\n" +
 	"\ralready_ended\x18\x03 \x01(\bR\falreadyEnded\x12>\n" +
-	"\rbatch_results\x18\x04 \x03(\v2\x19.atomlog.v1.ProduceResultR\fbatchResults\"?\n" +
+	"\rbatch_results\x18\x04 \x03(\v2\x19.atomlog.v1.ProduceResultR\fbatchResults\"K\n" +
+	"\x11CommitTxnsRequest\x126\n" +
+	"\acommits\x18\x01 \x03(\v2\x1c.atomlog.v1.CommitTxnRequestR\acommits\"z\n" +
+	"\x10CommitTxnsResult\x129\n" +
+	"\bresponse\x18\x01 \x01(\v2\x1d.atomlog.v1.CommitTxnResponseR\bresponse\x12+\n" +
+	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\"L\n" +
+	"\x12CommitTxnsResponse\x126\n" +
+	"\aresults\x18\x01 \x03(\v2\x1c.atomlog.v1.CommitTxnsResultR\aresults\"?\n" +
 	"\x13GetTxnStatusRequest\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\"\xd2\x01\n" +
 	"\x14GetTxnStatusResponse\x12*\n" +
@@ -2623,7 +2779,7 @@ const file_atomlog_v1_coordinator_proto_rawDesc = "" +
 	"\x1eTXN_END_CAUSE_PREPARED_TIMEOUT\x10\x03\x12\x18\n" +
 	"\x14TXN_END_CAUSE_PARENT\x10\x04\x12 \n" +
 	"\x1cTXN_END_CAUSE_SESSION_FENCED\x10\x05\x12\x1a\n" +
-	"\x16TXN_END_CAUSE_OPERATOR\x10\x062\xb4\b\n" +
+	"\x16TXN_END_CAUSE_OPERATOR\x10\x062\x81\t\n" +
 	"\x12CoordinatorService\x12?\n" +
 	"\x06NewTxn\x12\x19.atomlog.v1.NewTxnRequest\x1a\x1a.atomlog.v1.NewTxnResponse\x12`\n" +
 	"\x11AddPartitionToTxn\x12$.atomlog.v1.AddPartitionToTxnRequest\x1a%.atomlog.v1.AddPartitionToTxnResponse\x12i\n" +
@@ -2631,7 +2787,9 @@ const file_atomlog_v1_coordinator_proto_rawDesc = "" +
 	"\n" +
 	"PrepareTxn\x12\x1d.atomlog.v1.PrepareTxnRequest\x1a\x1e.atomlog.v1.PrepareTxnResponse\x12?\n" +
 	"\x06EndTxn\x12\x19.atomlog.v1.EndTxnRequest\x1a\x1a.atomlog.v1.EndTxnResponse\x12H\n" +
-	"\tCommitTxn\x12\x1c.atomlog.v1.CommitTxnRequest\x1a\x1d.atomlog.v1.CommitTxnResponse\x12Q\n" +
+	"\tCommitTxn\x12\x1c.atomlog.v1.CommitTxnRequest\x1a\x1d.atomlog.v1.CommitTxnResponse\x12K\n" +
+	"\n" +
+	"CommitTxns\x12\x1d.atomlog.v1.CommitTxnsRequest\x1a\x1e.atomlog.v1.CommitTxnsResponse\x12Q\n" +
 	"\fGetTxnStatus\x12\x1f.atomlog.v1.GetTxnStatusRequest\x1a .atomlog.v1.GetTxnStatusResponse\x12W\n" +
 	"\x0eInitProducerId\x12!.atomlog.v1.InitProducerIdRequest\x1a\".atomlog.v1.InitProducerIdResponse\x12f\n" +
 	"\x13VerifyTxnPartitions\x12&.atomlog.v1.VerifyTxnPartitionsRequest\x1a'.atomlog.v1.VerifyTxnPartitionsResponse\x12]\n" +
@@ -2655,7 +2813,7 @@ func file_atomlog_v1_coordinator_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_coordinator_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_atomlog_v1_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_atomlog_v1_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_atomlog_v1_coordinator_proto_goTypes = []any{
 	(TxnState)(0),                        // 0: atomlog.v1.TxnState
 	(TxnEndCause)(0),                     // 1: atomlog.v1.TxnEndCause
@@ -2674,126 +2832,135 @@ var file_atomlog_v1_coordinator_proto_goTypes = []any{
 	(*EndTxnResponse)(nil),               // 14: atomlog.v1.EndTxnResponse
 	(*CommitTxnRequest)(nil),             // 15: atomlog.v1.CommitTxnRequest
 	(*CommitTxnResponse)(nil),            // 16: atomlog.v1.CommitTxnResponse
-	(*GetTxnStatusRequest)(nil),          // 17: atomlog.v1.GetTxnStatusRequest
-	(*GetTxnStatusResponse)(nil),         // 18: atomlog.v1.GetTxnStatusResponse
-	(*InitProducerIdRequest)(nil),        // 19: atomlog.v1.InitProducerIdRequest
-	(*InitProducerIdResponse)(nil),       // 20: atomlog.v1.InitProducerIdResponse
-	(*VerifyTxnPartitionsRequest)(nil),   // 21: atomlog.v1.VerifyTxnPartitionsRequest
-	(*VerifyTxnPartitionsItem)(nil),      // 22: atomlog.v1.VerifyTxnPartitionsItem
-	(*VerifyTxnPartitionsResponse)(nil),  // 23: atomlog.v1.VerifyTxnPartitionsResponse
-	(*VerifyTxnPartitionsResult)(nil),    // 24: atomlog.v1.VerifyTxnPartitionsResult
-	(*TransactionSummary)(nil),           // 25: atomlog.v1.TransactionSummary
-	(*ListTransactionsRequest)(nil),      // 26: atomlog.v1.ListTransactionsRequest
-	(*ListTransactionsResponse)(nil),     // 27: atomlog.v1.ListTransactionsResponse
-	(*DescribeTransactionRequest)(nil),   // 28: atomlog.v1.DescribeTransactionRequest
-	(*DescribeTransactionResponse)(nil),  // 29: atomlog.v1.DescribeTransactionResponse
-	(*AbortTransactionRequest)(nil),      // 30: atomlog.v1.AbortTransactionRequest
-	(*AbortTransactionResponse)(nil),     // 31: atomlog.v1.AbortTransactionResponse
-	(*TopicPartition)(nil),               // 32: atomlog.v1.TopicPartition
-	(*ItemError)(nil),                    // 33: atomlog.v1.ItemError
-	(*SubscriptionPartition)(nil),        // 34: atomlog.v1.SubscriptionPartition
-	(*TxnId)(nil),                        // 35: atomlog.v1.TxnId
-	(TxnDecision)(0),                     // 36: atomlog.v1.TxnDecision
-	(*ProduceItem)(nil),                  // 37: atomlog.v1.ProduceItem
-	(*AckItem)(nil),                      // 38: atomlog.v1.AckItem
-	(*ProduceResult)(nil),                // 39: atomlog.v1.ProduceResult
+	(*CommitTxnsRequest)(nil),            // 17: atomlog.v1.CommitTxnsRequest
+	(*CommitTxnsResult)(nil),             // 18: atomlog.v1.CommitTxnsResult
+	(*CommitTxnsResponse)(nil),           // 19: atomlog.v1.CommitTxnsResponse
+	(*GetTxnStatusRequest)(nil),          // 20: atomlog.v1.GetTxnStatusRequest
+	(*GetTxnStatusResponse)(nil),         // 21: atomlog.v1.GetTxnStatusResponse
+	(*InitProducerIdRequest)(nil),        // 22: atomlog.v1.InitProducerIdRequest
+	(*InitProducerIdResponse)(nil),       // 23: atomlog.v1.InitProducerIdResponse
+	(*VerifyTxnPartitionsRequest)(nil),   // 24: atomlog.v1.VerifyTxnPartitionsRequest
+	(*VerifyTxnPartitionsItem)(nil),      // 25: atomlog.v1.VerifyTxnPartitionsItem
+	(*VerifyTxnPartitionsResponse)(nil),  // 26: atomlog.v1.VerifyTxnPartitionsResponse
+	(*VerifyTxnPartitionsResult)(nil),    // 27: atomlog.v1.VerifyTxnPartitionsResult
+	(*TransactionSummary)(nil),           // 28: atomlog.v1.TransactionSummary
+	(*ListTransactionsRequest)(nil),      // 29: atomlog.v1.ListTransactionsRequest
+	(*ListTransactionsResponse)(nil),     // 30: atomlog.v1.ListTransactionsResponse
+	(*DescribeTransactionRequest)(nil),   // 31: atomlog.v1.DescribeTransactionRequest
+	(*DescribeTransactionResponse)(nil),  // 32: atomlog.v1.DescribeTransactionResponse
+	(*AbortTransactionRequest)(nil),      // 33: atomlog.v1.AbortTransactionRequest
+	(*AbortTransactionResponse)(nil),     // 34: atomlog.v1.AbortTransactionResponse
+	(*TopicPartition)(nil),               // 35: atomlog.v1.TopicPartition
+	(*ItemError)(nil),                    // 36: atomlog.v1.ItemError
+	(*SubscriptionPartition)(nil),        // 37: atomlog.v1.SubscriptionPartition
+	(*TxnId)(nil),                        // 38: atomlog.v1.TxnId
+	(TxnDecision)(0),                     // 39: atomlog.v1.TxnDecision
+	(*ProduceItem)(nil),                  // 40: atomlog.v1.ProduceItem
+	(*AckItem)(nil),                      // 41: atomlog.v1.AckItem
+	(*ProduceResult)(nil),                // 42: atomlog.v1.ProduceResult
 }
 var file_atomlog_v1_coordinator_proto_depIdxs = []int32{
-	32, // 0: atomlog.v1.TxnPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	33, // 1: atomlog.v1.TxnPartitionResult.error:type_name -> atomlog.v1.ItemError
-	34, // 2: atomlog.v1.TxnSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
-	33, // 3: atomlog.v1.TxnSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	35, // 4: atomlog.v1.NewTxnRequest.parent_txn_id:type_name -> atomlog.v1.TxnId
+	35, // 0: atomlog.v1.TxnPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	36, // 1: atomlog.v1.TxnPartitionResult.error:type_name -> atomlog.v1.ItemError
+	37, // 2: atomlog.v1.TxnSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	36, // 3: atomlog.v1.TxnSubscriptionResult.error:type_name -> atomlog.v1.ItemError
+	38, // 4: atomlog.v1.NewTxnRequest.parent_txn_id:type_name -> atomlog.v1.TxnId
 	2,  // 5: atomlog.v1.NewTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
-	32, // 6: atomlog.v1.NewTxnRequest.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	34, // 7: atomlog.v1.NewTxnRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	35, // 8: atomlog.v1.NewTxnResponse.txn_id:type_name -> atomlog.v1.TxnId
+	35, // 6: atomlog.v1.NewTxnRequest.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	37, // 7: atomlog.v1.NewTxnRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	38, // 8: atomlog.v1.NewTxnResponse.txn_id:type_name -> atomlog.v1.TxnId
 	0,  // 9: atomlog.v1.NewTxnResponse.state:type_name -> atomlog.v1.TxnState
 	3,  // 10: atomlog.v1.NewTxnResponse.topic_partition_results:type_name -> atomlog.v1.TxnPartitionResult
 	4,  // 11: atomlog.v1.NewTxnResponse.subscription_partition_results:type_name -> atomlog.v1.TxnSubscriptionResult
-	35, // 12: atomlog.v1.AddPartitionToTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
-	32, // 13: atomlog.v1.AddPartitionToTxnRequest.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	38, // 12: atomlog.v1.AddPartitionToTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
+	35, // 13: atomlog.v1.AddPartitionToTxnRequest.topic_partitions:type_name -> atomlog.v1.TopicPartition
 	2,  // 14: atomlog.v1.AddPartitionToTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
 	3,  // 15: atomlog.v1.AddPartitionToTxnResponse.results:type_name -> atomlog.v1.TxnPartitionResult
-	35, // 16: atomlog.v1.AddSubscriptionToTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
-	34, // 17: atomlog.v1.AddSubscriptionToTxnRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	38, // 16: atomlog.v1.AddSubscriptionToTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
+	37, // 17: atomlog.v1.AddSubscriptionToTxnRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,  // 18: atomlog.v1.AddSubscriptionToTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
 	4,  // 19: atomlog.v1.AddSubscriptionToTxnResponse.results:type_name -> atomlog.v1.TxnSubscriptionResult
-	35, // 20: atomlog.v1.PrepareTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
+	38, // 20: atomlog.v1.PrepareTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
 	2,  // 21: atomlog.v1.PrepareTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
 	0,  // 22: atomlog.v1.PrepareTxnResponse.state:type_name -> atomlog.v1.TxnState
-	35, // 23: atomlog.v1.EndTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
-	36, // 24: atomlog.v1.EndTxnRequest.decision:type_name -> atomlog.v1.TxnDecision
-	35, // 25: atomlog.v1.EndTxnRequest.children_to_keep:type_name -> atomlog.v1.TxnId
+	38, // 23: atomlog.v1.EndTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
+	39, // 24: atomlog.v1.EndTxnRequest.decision:type_name -> atomlog.v1.TxnDecision
+	38, // 25: atomlog.v1.EndTxnRequest.children_to_keep:type_name -> atomlog.v1.TxnId
 	2,  // 26: atomlog.v1.EndTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
 	0,  // 27: atomlog.v1.EndTxnResponse.state:type_name -> atomlog.v1.TxnState
-	35, // 28: atomlog.v1.EndTxnResponse.kept_child_txn_ids:type_name -> atomlog.v1.TxnId
-	35, // 29: atomlog.v1.EndTxnResponse.aborted_child_txn_ids:type_name -> atomlog.v1.TxnId
+	38, // 28: atomlog.v1.EndTxnResponse.kept_child_txn_ids:type_name -> atomlog.v1.TxnId
+	38, // 29: atomlog.v1.EndTxnResponse.aborted_child_txn_ids:type_name -> atomlog.v1.TxnId
 	2,  // 30: atomlog.v1.CommitTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
-	37, // 31: atomlog.v1.CommitTxnRequest.batches:type_name -> atomlog.v1.ProduceItem
-	38, // 32: atomlog.v1.CommitTxnRequest.acks:type_name -> atomlog.v1.AckItem
-	35, // 33: atomlog.v1.CommitTxnResponse.txn_id:type_name -> atomlog.v1.TxnId
+	40, // 31: atomlog.v1.CommitTxnRequest.batches:type_name -> atomlog.v1.ProduceItem
+	41, // 32: atomlog.v1.CommitTxnRequest.acks:type_name -> atomlog.v1.AckItem
+	38, // 33: atomlog.v1.CommitTxnResponse.txn_id:type_name -> atomlog.v1.TxnId
 	0,  // 34: atomlog.v1.CommitTxnResponse.state:type_name -> atomlog.v1.TxnState
-	39, // 35: atomlog.v1.CommitTxnResponse.batch_results:type_name -> atomlog.v1.ProduceResult
-	35, // 36: atomlog.v1.GetTxnStatusRequest.txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 37: atomlog.v1.GetTxnStatusResponse.state:type_name -> atomlog.v1.TxnState
-	1,  // 38: atomlog.v1.GetTxnStatusResponse.end_cause:type_name -> atomlog.v1.TxnEndCause
-	35, // 39: atomlog.v1.GetTxnStatusResponse.parent_txn_id:type_name -> atomlog.v1.TxnId
-	35, // 40: atomlog.v1.InitProducerIdResponse.aborted_txn_id:type_name -> atomlog.v1.TxnId
-	22, // 41: atomlog.v1.VerifyTxnPartitionsRequest.items:type_name -> atomlog.v1.VerifyTxnPartitionsItem
-	35, // 42: atomlog.v1.VerifyTxnPartitionsItem.txn_id:type_name -> atomlog.v1.TxnId
-	32, // 43: atomlog.v1.VerifyTxnPartitionsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
-	34, // 44: atomlog.v1.VerifyTxnPartitionsItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
-	24, // 45: atomlog.v1.VerifyTxnPartitionsResponse.results:type_name -> atomlog.v1.VerifyTxnPartitionsResult
-	35, // 46: atomlog.v1.VerifyTxnPartitionsResult.txn_id:type_name -> atomlog.v1.TxnId
-	33, // 47: atomlog.v1.VerifyTxnPartitionsResult.error:type_name -> atomlog.v1.ItemError
-	0,  // 48: atomlog.v1.VerifyTxnPartitionsResult.state:type_name -> atomlog.v1.TxnState
-	2,  // 49: atomlog.v1.VerifyTxnPartitionsResult.session:type_name -> atomlog.v1.TransactionalSession
-	35, // 50: atomlog.v1.TransactionSummary.txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 51: atomlog.v1.TransactionSummary.state:type_name -> atomlog.v1.TxnState
-	1,  // 52: atomlog.v1.TransactionSummary.end_cause:type_name -> atomlog.v1.TxnEndCause
-	35, // 53: atomlog.v1.TransactionSummary.parent_txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 54: atomlog.v1.ListTransactionsRequest.states:type_name -> atomlog.v1.TxnState
-	25, // 55: atomlog.v1.ListTransactionsResponse.transactions:type_name -> atomlog.v1.TransactionSummary
-	35, // 56: atomlog.v1.DescribeTransactionRequest.txn_id:type_name -> atomlog.v1.TxnId
-	25, // 57: atomlog.v1.DescribeTransactionResponse.summary:type_name -> atomlog.v1.TransactionSummary
-	32, // 58: atomlog.v1.DescribeTransactionResponse.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	34, // 59: atomlog.v1.DescribeTransactionResponse.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	25, // 60: atomlog.v1.DescribeTransactionResponse.children:type_name -> atomlog.v1.TransactionSummary
-	32, // 61: atomlog.v1.DescribeTransactionResponse.marker_pending_topic_partitions:type_name -> atomlog.v1.TopicPartition
-	34, // 62: atomlog.v1.DescribeTransactionResponse.marker_pending_subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	35, // 63: atomlog.v1.AbortTransactionRequest.txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 64: atomlog.v1.AbortTransactionResponse.state:type_name -> atomlog.v1.TxnState
-	35, // 65: atomlog.v1.AbortTransactionResponse.aborted_child_txn_ids:type_name -> atomlog.v1.TxnId
-	5,  // 66: atomlog.v1.CoordinatorService.NewTxn:input_type -> atomlog.v1.NewTxnRequest
-	7,  // 67: atomlog.v1.CoordinatorService.AddPartitionToTxn:input_type -> atomlog.v1.AddPartitionToTxnRequest
-	9,  // 68: atomlog.v1.CoordinatorService.AddSubscriptionToTxn:input_type -> atomlog.v1.AddSubscriptionToTxnRequest
-	11, // 69: atomlog.v1.CoordinatorService.PrepareTxn:input_type -> atomlog.v1.PrepareTxnRequest
-	13, // 70: atomlog.v1.CoordinatorService.EndTxn:input_type -> atomlog.v1.EndTxnRequest
-	15, // 71: atomlog.v1.CoordinatorService.CommitTxn:input_type -> atomlog.v1.CommitTxnRequest
-	17, // 72: atomlog.v1.CoordinatorService.GetTxnStatus:input_type -> atomlog.v1.GetTxnStatusRequest
-	19, // 73: atomlog.v1.CoordinatorService.InitProducerId:input_type -> atomlog.v1.InitProducerIdRequest
-	21, // 74: atomlog.v1.CoordinatorService.VerifyTxnPartitions:input_type -> atomlog.v1.VerifyTxnPartitionsRequest
-	26, // 75: atomlog.v1.CoordinatorService.ListTransactions:input_type -> atomlog.v1.ListTransactionsRequest
-	28, // 76: atomlog.v1.CoordinatorService.DescribeTransaction:input_type -> atomlog.v1.DescribeTransactionRequest
-	30, // 77: atomlog.v1.CoordinatorService.AbortTransaction:input_type -> atomlog.v1.AbortTransactionRequest
-	6,  // 78: atomlog.v1.CoordinatorService.NewTxn:output_type -> atomlog.v1.NewTxnResponse
-	8,  // 79: atomlog.v1.CoordinatorService.AddPartitionToTxn:output_type -> atomlog.v1.AddPartitionToTxnResponse
-	10, // 80: atomlog.v1.CoordinatorService.AddSubscriptionToTxn:output_type -> atomlog.v1.AddSubscriptionToTxnResponse
-	12, // 81: atomlog.v1.CoordinatorService.PrepareTxn:output_type -> atomlog.v1.PrepareTxnResponse
-	14, // 82: atomlog.v1.CoordinatorService.EndTxn:output_type -> atomlog.v1.EndTxnResponse
-	16, // 83: atomlog.v1.CoordinatorService.CommitTxn:output_type -> atomlog.v1.CommitTxnResponse
-	18, // 84: atomlog.v1.CoordinatorService.GetTxnStatus:output_type -> atomlog.v1.GetTxnStatusResponse
-	20, // 85: atomlog.v1.CoordinatorService.InitProducerId:output_type -> atomlog.v1.InitProducerIdResponse
-	23, // 86: atomlog.v1.CoordinatorService.VerifyTxnPartitions:output_type -> atomlog.v1.VerifyTxnPartitionsResponse
-	27, // 87: atomlog.v1.CoordinatorService.ListTransactions:output_type -> atomlog.v1.ListTransactionsResponse
-	29, // 88: atomlog.v1.CoordinatorService.DescribeTransaction:output_type -> atomlog.v1.DescribeTransactionResponse
-	31, // 89: atomlog.v1.CoordinatorService.AbortTransaction:output_type -> atomlog.v1.AbortTransactionResponse
-	78, // [78:90] is the sub-list for method output_type
-	66, // [66:78] is the sub-list for method input_type
-	66, // [66:66] is the sub-list for extension type_name
-	66, // [66:66] is the sub-list for extension extendee
-	0,  // [0:66] is the sub-list for field type_name
+	42, // 35: atomlog.v1.CommitTxnResponse.batch_results:type_name -> atomlog.v1.ProduceResult
+	15, // 36: atomlog.v1.CommitTxnsRequest.commits:type_name -> atomlog.v1.CommitTxnRequest
+	16, // 37: atomlog.v1.CommitTxnsResult.response:type_name -> atomlog.v1.CommitTxnResponse
+	36, // 38: atomlog.v1.CommitTxnsResult.error:type_name -> atomlog.v1.ItemError
+	18, // 39: atomlog.v1.CommitTxnsResponse.results:type_name -> atomlog.v1.CommitTxnsResult
+	38, // 40: atomlog.v1.GetTxnStatusRequest.txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 41: atomlog.v1.GetTxnStatusResponse.state:type_name -> atomlog.v1.TxnState
+	1,  // 42: atomlog.v1.GetTxnStatusResponse.end_cause:type_name -> atomlog.v1.TxnEndCause
+	38, // 43: atomlog.v1.GetTxnStatusResponse.parent_txn_id:type_name -> atomlog.v1.TxnId
+	38, // 44: atomlog.v1.InitProducerIdResponse.aborted_txn_id:type_name -> atomlog.v1.TxnId
+	25, // 45: atomlog.v1.VerifyTxnPartitionsRequest.items:type_name -> atomlog.v1.VerifyTxnPartitionsItem
+	38, // 46: atomlog.v1.VerifyTxnPartitionsItem.txn_id:type_name -> atomlog.v1.TxnId
+	35, // 47: atomlog.v1.VerifyTxnPartitionsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	37, // 48: atomlog.v1.VerifyTxnPartitionsItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	27, // 49: atomlog.v1.VerifyTxnPartitionsResponse.results:type_name -> atomlog.v1.VerifyTxnPartitionsResult
+	38, // 50: atomlog.v1.VerifyTxnPartitionsResult.txn_id:type_name -> atomlog.v1.TxnId
+	36, // 51: atomlog.v1.VerifyTxnPartitionsResult.error:type_name -> atomlog.v1.ItemError
+	0,  // 52: atomlog.v1.VerifyTxnPartitionsResult.state:type_name -> atomlog.v1.TxnState
+	2,  // 53: atomlog.v1.VerifyTxnPartitionsResult.session:type_name -> atomlog.v1.TransactionalSession
+	38, // 54: atomlog.v1.TransactionSummary.txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 55: atomlog.v1.TransactionSummary.state:type_name -> atomlog.v1.TxnState
+	1,  // 56: atomlog.v1.TransactionSummary.end_cause:type_name -> atomlog.v1.TxnEndCause
+	38, // 57: atomlog.v1.TransactionSummary.parent_txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 58: atomlog.v1.ListTransactionsRequest.states:type_name -> atomlog.v1.TxnState
+	28, // 59: atomlog.v1.ListTransactionsResponse.transactions:type_name -> atomlog.v1.TransactionSummary
+	38, // 60: atomlog.v1.DescribeTransactionRequest.txn_id:type_name -> atomlog.v1.TxnId
+	28, // 61: atomlog.v1.DescribeTransactionResponse.summary:type_name -> atomlog.v1.TransactionSummary
+	35, // 62: atomlog.v1.DescribeTransactionResponse.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	37, // 63: atomlog.v1.DescribeTransactionResponse.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	28, // 64: atomlog.v1.DescribeTransactionResponse.children:type_name -> atomlog.v1.TransactionSummary
+	35, // 65: atomlog.v1.DescribeTransactionResponse.marker_pending_topic_partitions:type_name -> atomlog.v1.TopicPartition
+	37, // 66: atomlog.v1.DescribeTransactionResponse.marker_pending_subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	38, // 67: atomlog.v1.AbortTransactionRequest.txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 68: atomlog.v1.AbortTransactionResponse.state:type_name -> atomlog.v1.TxnState
+	38, // 69: atomlog.v1.AbortTransactionResponse.aborted_child_txn_ids:type_name -> atomlog.v1.TxnId
+	5,  // 70: atomlog.v1.CoordinatorService.NewTxn:input_type -> atomlog.v1.NewTxnRequest
+	7,  // 71: atomlog.v1.CoordinatorService.AddPartitionToTxn:input_type -> atomlog.v1.AddPartitionToTxnRequest
+	9,  // 72: atomlog.v1.CoordinatorService.AddSubscriptionToTxn:input_type -> atomlog.v1.AddSubscriptionToTxnRequest
+	11, // 73: atomlog.v1.CoordinatorService.PrepareTxn:input_type -> atomlog.v1.PrepareTxnRequest
+	13, // 74: atomlog.v1.CoordinatorService.EndTxn:input_type -> atomlog.v1.EndTxnRequest
+	15, // 75: atomlog.v1.CoordinatorService.CommitTxn:input_type -> atomlog.v1.CommitTxnRequest
+	17, // 76: atomlog.v1.CoordinatorService.CommitTxns:input_type -> atomlog.v1.CommitTxnsRequest
+	20, // 77: atomlog.v1.CoordinatorService.GetTxnStatus:input_type -> atomlog.v1.GetTxnStatusRequest
+	22, // 78: atomlog.v1.CoordinatorService.InitProducerId:input_type -> atomlog.v1.InitProducerIdRequest
+	24, // 79: atomlog.v1.CoordinatorService.VerifyTxnPartitions:input_type -> atomlog.v1.VerifyTxnPartitionsRequest
+	29, // 80: atomlog.v1.CoordinatorService.ListTransactions:input_type -> atomlog.v1.ListTransactionsRequest
+	31, // 81: atomlog.v1.CoordinatorService.DescribeTransaction:input_type -> atomlog.v1.DescribeTransactionRequest
+	33, // 82: atomlog.v1.CoordinatorService.AbortTransaction:input_type -> atomlog.v1.AbortTransactionRequest
+	6,  // 83: atomlog.v1.CoordinatorService.NewTxn:output_type -> atomlog.v1.NewTxnResponse
+	8,  // 84: atomlog.v1.CoordinatorService.AddPartitionToTxn:output_type -> atomlog.v1.AddPartitionToTxnResponse
+	10, // 85: atomlog.v1.CoordinatorService.AddSubscriptionToTxn:output_type -> atomlog.v1.AddSubscriptionToTxnResponse
+	12, // 86: atomlog.v1.CoordinatorService.PrepareTxn:output_type -> atomlog.v1.PrepareTxnResponse
+	14, // 87: atomlog.v1.CoordinatorService.EndTxn:output_type -> atomlog.v1.EndTxnResponse
+	16, // 88: atomlog.v1.CoordinatorService.CommitTxn:output_type -> atomlog.v1.CommitTxnResponse
+	19, // 89: atomlog.v1.CoordinatorService.CommitTxns:output_type -> atomlog.v1.CommitTxnsResponse
+	21, // 90: atomlog.v1.CoordinatorService.GetTxnStatus:output_type -> atomlog.v1.GetTxnStatusResponse
+	23, // 91: atomlog.v1.CoordinatorService.InitProducerId:output_type -> atomlog.v1.InitProducerIdResponse
+	26, // 92: atomlog.v1.CoordinatorService.VerifyTxnPartitions:output_type -> atomlog.v1.VerifyTxnPartitionsResponse
+	30, // 93: atomlog.v1.CoordinatorService.ListTransactions:output_type -> atomlog.v1.ListTransactionsResponse
+	32, // 94: atomlog.v1.CoordinatorService.DescribeTransaction:output_type -> atomlog.v1.DescribeTransactionResponse
+	34, // 95: atomlog.v1.CoordinatorService.AbortTransaction:output_type -> atomlog.v1.AbortTransactionResponse
+	83, // [83:96] is the sub-list for method output_type
+	70, // [70:83] is the sub-list for method input_type
+	70, // [70:70] is the sub-list for extension type_name
+	70, // [70:70] is the sub-list for extension extendee
+	0,  // [0:70] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_coordinator_proto_init() }
@@ -2803,7 +2970,7 @@ func file_atomlog_v1_coordinator_proto_init() {
 	}
 	file_atomlog_v1_common_proto_init()
 	file_atomlog_v1_partition_proto_init()
-	file_atomlog_v1_coordinator_proto_msgTypes[20].OneofWrappers = []any{
+	file_atomlog_v1_coordinator_proto_msgTypes[23].OneofWrappers = []any{
 		(*VerifyTxnPartitionsItem_TopicPartition)(nil),
 		(*VerifyTxnPartitionsItem_SubscriptionPartition)(nil),
 	}
@@ -2813,7 +2980,7 @@ func file_atomlog_v1_coordinator_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_coordinator_proto_rawDesc), len(file_atomlog_v1_coordinator_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   30,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -25,6 +25,7 @@ const (
 	CoordinatorService_PrepareTxn_FullMethodName           = "/atomlog.v1.CoordinatorService/PrepareTxn"
 	CoordinatorService_EndTxn_FullMethodName               = "/atomlog.v1.CoordinatorService/EndTxn"
 	CoordinatorService_CommitTxn_FullMethodName            = "/atomlog.v1.CoordinatorService/CommitTxn"
+	CoordinatorService_CommitTxns_FullMethodName           = "/atomlog.v1.CoordinatorService/CommitTxns"
 	CoordinatorService_GetTxnStatus_FullMethodName         = "/atomlog.v1.CoordinatorService/GetTxnStatus"
 	CoordinatorService_InitProducerId_FullMethodName       = "/atomlog.v1.CoordinatorService/InitProducerId"
 	CoordinatorService_VerifyTxnPartitions_FullMethodName  = "/atomlog.v1.CoordinatorService/VerifyTxnPartitions"
@@ -100,6 +101,17 @@ type CoordinatorServiceClient interface {
 	// Retry-safe by idempotency_key: a retried call for a committed transaction answers
 	// already_ended with its txn_id; one for a transaction that did not commit runs anew.
 	CommitTxn(ctx context.Context, in *CommitTxnRequest, opts ...grpc.CallOption) (*CommitTxnResponse, error)
+	// Several one-call transactions in one call, as one CommitTxn each but staged in order:
+	// on every partition, a commit's batches reach the log before those of the commits
+	// after it in the request (what a client pipelining the commits of one producer
+	// needs, since its records must reach each partition in send order). Each commit is
+	// decided on its own and answered in `results`, in request order. A commit that is
+	// refused, or does not stage completely at its first attempt, breaks the chain: the
+	// commits after it do not commit (anything they staged is aborted) and answer
+	// "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it. Each
+	// commit names its own TC partition; one this coordinator does not own answers
+	// "NOT_COORDINATOR" (and breaks the chain). `abort` must be false in every commit.
+	CommitTxns(ctx context.Context, in *CommitTxnsRequest, opts ...grpc.CallOption) (*CommitTxnsResponse, error)
 	// The state of one transaction (cheap; for clients).
 	GetTxnStatus(ctx context.Context, in *GetTxnStatusRequest, opts ...grpc.CallOption) (*GetTxnStatusResponse, error)
 	// Gives a producer its id and epoch. Without a transactional id: a fresh producer id for
@@ -187,6 +199,16 @@ func (c *coordinatorServiceClient) CommitTxn(ctx context.Context, in *CommitTxnR
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(CommitTxnResponse)
 	err := c.cc.Invoke(ctx, CoordinatorService_CommitTxn_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *coordinatorServiceClient) CommitTxns(ctx context.Context, in *CommitTxnsRequest, opts ...grpc.CallOption) (*CommitTxnsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CommitTxnsResponse)
+	err := c.cc.Invoke(ctx, CoordinatorService_CommitTxns_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -320,6 +342,17 @@ type CoordinatorServiceServer interface {
 	// Retry-safe by idempotency_key: a retried call for a committed transaction answers
 	// already_ended with its txn_id; one for a transaction that did not commit runs anew.
 	CommitTxn(context.Context, *CommitTxnRequest) (*CommitTxnResponse, error)
+	// Several one-call transactions in one call, as one CommitTxn each but staged in order:
+	// on every partition, a commit's batches reach the log before those of the commits
+	// after it in the request (what a client pipelining the commits of one producer
+	// needs, since its records must reach each partition in send order). Each commit is
+	// decided on its own and answered in `results`, in request order. A commit that is
+	// refused, or does not stage completely at its first attempt, breaks the chain: the
+	// commits after it do not commit (anything they staged is aborted) and answer
+	// "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it. Each
+	// commit names its own TC partition; one this coordinator does not own answers
+	// "NOT_COORDINATOR" (and breaks the chain). `abort` must be false in every commit.
+	CommitTxns(context.Context, *CommitTxnsRequest) (*CommitTxnsResponse, error)
 	// The state of one transaction (cheap; for clients).
 	GetTxnStatus(context.Context, *GetTxnStatusRequest) (*GetTxnStatusResponse, error)
 	// Gives a producer its id and epoch. Without a transactional id: a fresh producer id for
@@ -370,6 +403,9 @@ func (UnimplementedCoordinatorServiceServer) EndTxn(context.Context, *EndTxnRequ
 }
 func (UnimplementedCoordinatorServiceServer) CommitTxn(context.Context, *CommitTxnRequest) (*CommitTxnResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CommitTxn not implemented")
+}
+func (UnimplementedCoordinatorServiceServer) CommitTxns(context.Context, *CommitTxnsRequest) (*CommitTxnsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CommitTxns not implemented")
 }
 func (UnimplementedCoordinatorServiceServer) GetTxnStatus(context.Context, *GetTxnStatusRequest) (*GetTxnStatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetTxnStatus not implemented")
@@ -518,6 +554,24 @@ func _CoordinatorService_CommitTxn_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _CoordinatorService_CommitTxns_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CommitTxnsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CoordinatorServiceServer).CommitTxns(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: CoordinatorService_CommitTxns_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CoordinatorServiceServer).CommitTxns(ctx, req.(*CommitTxnsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _CoordinatorService_GetTxnStatus_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(GetTxnStatusRequest)
 	if err := dec(in); err != nil {
@@ -656,6 +710,10 @@ var CoordinatorService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CommitTxn",
 			Handler:    _CoordinatorService_CommitTxn_Handler,
+		},
+		{
+			MethodName: "CommitTxns",
+			Handler:    _CoordinatorService_CommitTxns_Handler,
 		},
 		{
 			MethodName: "GetTxnStatus",
