@@ -518,6 +518,11 @@ def _limit_error(limit: str, value: int, message: str, **metadata: object) -> At
                   limit=LIMIT_PREFIX + limit, **{limit: value}, **metadata)
 
 
+def _one_call_gone(txn_id: TxnId) -> AtomlogError:
+    return _error("TRANSACTION_ABORTED", f"one-call transaction {txn_id} was aborted "
+                  "(it outlived its timeout, or the coordinator moved)", txn_id=txn_id)
+
+
 def _ended_error(txn: Txn, wanted: str) -> AtomlogError:
     """The error for `wanted` (e.g. "commit") on a transaction that is not undecided."""
     facts = {"txn_id": txn.txn_id, "state": txn.state.name, "end_cause": txn.end_cause.name}
@@ -847,31 +852,87 @@ class TcPartitionCore:
         OneCallAborted with the reason."""
         one_call = self._one_calls.get(txn_id)
         if one_call is None:
-            raise _error("TRANSACTION_ABORTED", f"one-call transaction {txn_id} was aborted "
-                         "(it outlived its timeout, or the coordinator moved)",
-                         txn_id=txn_id)
-        if failure is None and one_call.fenced:
-            self._counters["fenced_total"] += 1
-            failure = _error("PRODUCER_FENCED", "transactional id "
-                             f"{one_call.session.transactional_id!r} started a newer session "
-                             f"while transaction {txn_id} was being staged", txn_id=txn_id)
-        if failure is None and now_ms >= one_call.deadline_ms:
-            failure = _error("TRANSACTION_TIMED_OUT", f"one-call transaction {txn_id} was "
-                             f"not staged within its timeout of {one_call.timeout_ms} ms",
-                             txn_id=txn_id)
+            raise _one_call_gone(txn_id)
+        failure = failure or self._one_call_refusal(one_call, now_ms)
         if failure is not None:
             return Ready(reply=OneCallAborted(failure), markers=self._forget_one_call(one_call))
-        locks: set[object] = {txn_id, ("key", one_call.idempotency_key)}
+        locks = self._one_call_locks(one_call)
+        self._check_unlocked(locks)
+        return self._propose(self._one_call_records(one_call, now_ms), locks,
+                             EndTxnResult(State.COMMITTING, False), new_txns=1)
+
+    def end_one_calls(self, now_ms: int,
+                      items: Sequence[tuple[TxnId, AtomlogError | None]]) -> Ready:
+        """CommitTxns, step two: end_one_call for each transaction of a chain (staged in
+        order), in order, with every decision in ONE append, so they are durable together
+        or not at all. The first that does not commit breaks the chain: each one after
+        it is aborted too, with EARLIER_COMMIT_FAILED, so no retry of the earlier one can
+        land after a later one that committed. Reply: a tuple with, per item,
+        EndTxnResult (committing once the append is durable) or OneCallAborted."""
+        replies: list = []
+        markers: list[Marker] = []
+        records: list[Record] = []
+        locks: set[object] = set()
+        broken: TxnId | None = None
+        for txn_id, failure in items:
+            one_call = self._one_calls.get(txn_id)
+            if one_call is None:
+                replies.append(OneCallAborted(_one_call_gone(txn_id)))
+                broken = broken or txn_id
+                continue
+            if failure is None and broken is not None:
+                failure = _error("EARLIER_COMMIT_FAILED", f"transaction {broken} before "
+                                 f"{txn_id} in the chain did not commit", txn_id=txn_id)
+            failure = failure or self._one_call_refusal(one_call, now_ms)
+            own = self._one_call_locks(one_call)
+            if failure is None:
+                try:
+                    self._check_unlocked(own)
+                except AtomlogError as error:
+                    failure = error
+            if failure is not None:
+                broken = broken or txn_id
+                replies.append(OneCallAborted(failure))
+                markers.extend(self._forget_one_call(one_call))
+                continue
+            locks |= own
+            records.extend(self._one_call_records(one_call, now_ms))
+            replies.append(EndTxnResult(State.COMMITTING, False))
+        if not records:
+            return Ready(reply=tuple(replies), markers=tuple(markers))
+        proposed = self._propose(records, locks, tuple(replies), new_txns=len(records) // 2)
+        return Ready(appends=proposed.appends, reply=proposed.reply, markers=tuple(markers))
+
+    def _one_call_refusal(self, one_call: OneCall, now_ms: int) -> AtomlogError | None:
+        """Why a staged one-call transaction may not commit now (fenced, timed out)."""
+        txn_id = one_call.txn_id
+        if one_call.fenced:
+            self._counters["fenced_total"] += 1
+            return _error("PRODUCER_FENCED", "transactional id "
+                          f"{one_call.session.transactional_id!r} started a newer session "
+                          f"while transaction {txn_id} was being staged", txn_id=txn_id)
+        if now_ms >= one_call.deadline_ms:
+            return _error("TRANSACTION_TIMED_OUT", f"one-call transaction {txn_id} was "
+                          f"not staged within its timeout of {one_call.timeout_ms} ms",
+                          txn_id=txn_id)
+        return None
+
+    @staticmethod
+    def _one_call_locks(one_call: OneCall) -> set[object]:
+        locks: set[object] = {one_call.txn_id, ("key", one_call.idempotency_key)}
         if one_call.session is not None:
             locks.add(("session", one_call.session.transactional_id))
-        self._check_unlocked(locks)
-        records = [Opened(txn_id, one_call.created_ms, one_call.timeout_ms,
-                          one_call.deadline_ms, None, one_call.session,
-                          one_call.idempotency_key, one_call.topic_partitions,
-                          one_call.subscription_partitions),
-                   Decided(txn_id, Decision.COMMIT, EndCause.CLIENT, now_ms, (), ())]
-        return self._propose(records, locks, EndTxnResult(State.COMMITTING, False),
-                             new_txns=1)
+        return locks
+
+    @staticmethod
+    def _one_call_records(one_call: OneCall, now_ms: int) -> list[Record]:
+        """The decision of a one-call transaction: Opened and Decided(COMMIT)."""
+        txn_id = one_call.txn_id
+        return [Opened(txn_id, one_call.created_ms, one_call.timeout_ms,
+                       one_call.deadline_ms, None, one_call.session,
+                       one_call.idempotency_key, one_call.topic_partitions,
+                       one_call.subscription_partitions),
+                Decided(txn_id, Decision.COMMIT, EndCause.CLIENT, now_ms, (), ())]
 
     def abort_one_call(self, now_ms: int, idempotency_key: str) -> Ready:
         """CommitTxn with abort: make sure no one-call transaction with this key ever

@@ -241,6 +241,14 @@ def _merge(requested: list[AtomlogError | None], core_results) -> list:
     return [error if error is not None else next(answers) for error in requested]
 
 
+def _as_atomlog_error(error: BaseException) -> AtomlogError:
+    """A commit's failure as its answer (anything unexpected is logged, INTERNAL)."""
+    if isinstance(error, AtomlogError):
+        return error
+    log.error("CommitTxns: a commit failed unexpectedly", exc_info=error)
+    return AtomlogError("INTERNAL", f"commit failed: {error!r}")
+
+
 @dataclass(frozen=True)
 class _OneCallBegun:
     """A one-call transaction its TC partition has begun (CommitTxn, before staging)."""
@@ -398,12 +406,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                           begun.deadline(context))
         except AtomlogError as error:
             failure = error
-        return await self._end_one_call(request, begun, failure, staged, started, context)
+        await failpoints.hold(failpoints.ONE_CALL_DECIDE)
+        txn_id = begun.start.txn_id
+        result = await begun.partition.call(
+            lambda core, now: core.end_one_call(now, txn_id, failure))
+        return await self._decided(request, begun, result, staged, started, context)
 
     async def CommitTxns(self, request, context):
-        """One-call transactions staged in order (coordinator.proto): each begins as
-        CommitTxn does, all are staged in one chain (StageChannel.stage_chain), then each
-        is decided on its own; the decisions share the TC log's appends."""
+        """One-call transactions of one TC partition staged in order (coordinator.proto):
+        each begins as CommitTxn does, all are staged in one chain
+        (StageChannel.stage_chain), and their decisions go in one append
+        (TcPartitionCore.end_one_calls): the first that does not commit, at staging or
+        at its decision, aborts those after it."""
         started = time.perf_counter()
         commits = request.commits
         if not commits:
@@ -415,6 +429,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if commit.abort:
                 raise _invalid(f"commits[{index}]: CommitTxns takes no aborts (send "
                                "CommitTxn with abort)", field="commits")
+            if commit.tc_partition != commits[0].tc_partition:
+                raise _invalid(f"commits[{index}] names TC partition {commit.tc_partition}, "
+                               f"commits[0] {commits[0].tc_partition}: one CommitTxns call "
+                               "commits on one TC partition", field="commits")
         results: list = [None] * len(commits)
         begun: list[tuple[int, _OneCallBegun]] = []
         broken = None
@@ -425,8 +443,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 continue
             try:
                 outcome = await self._begin_one_call(commit)
-            except AtomlogError as error:
-                results[index], broken = error, index
+            except Exception as error:  # noqa: BLE001 — this commit's answer; the chain breaks
+                results[index], broken = _as_atomlog_error(error), index
                 continue
             if isinstance(outcome, coordinator_pb2.CommitTxnResponse):
                 results[index] = outcome  # already ended: nothing to stage
@@ -436,15 +454,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             staged = await self.c.stager.stage_chain([StageOrder(
                 b.start.txn_id, b.partition.epoch, commits[i].batches, commits[i].acks,
                 b.deadline(context)) for i, b in begun])
-            ended = await asyncio.gather(*(
-                self._end_one_call(commits[i], b, *((outcome, None) if isinstance(
-                    outcome, AtomlogError) else (None, outcome)), started, context)
-                for (i, b), outcome in zip(begun, staged)), return_exceptions=True)
-            for (index, _), outcome in zip(begun, ended):
-                if isinstance(outcome, BaseException) and not isinstance(outcome, AtomlogError):
-                    log.error("CommitTxns: a commit failed unexpectedly", exc_info=outcome)
-                    outcome = AtomlogError("INTERNAL", f"commit failed: {outcome!r}")
-                results[index] = outcome
+            await failpoints.hold(failpoints.ONE_CALL_DECIDE)
+            items = [(b.start.txn_id, outcome if isinstance(outcome, AtomlogError) else None)
+                     for (_, b), outcome in zip(begun, staged)]
+            partition = begun[0][1].partition
+            try:
+                decided = await partition.call(
+                    lambda core, now: core.end_one_calls(now, items))
+            except Exception as error:  # noqa: BLE001 — the append failed: none committed
+                decided = [_as_atomlog_error(error)] * len(begun)
+            answers = await asyncio.gather(*(
+                self._decided(commits[i], b, result, outcome, started, context)
+                for (i, b), result, outcome in zip(begun, decided, staged)),
+                return_exceptions=True)
+            for (index, _), answer in zip(begun, answers):
+                results[index] = _as_atomlog_error(answer) if isinstance(
+                    answer, BaseException) else answer
         response = coordinator_pb2.CommitTxnsResponse()
         for outcome in results:
             result = response.results.add()
@@ -489,13 +514,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 already_ended=True)
         return _OneCallBegun(k, partition, start, time.monotonic() + start.timeout_ms / 1000)
 
-    async def _end_one_call(self, request, begun: "_OneCallBegun",
-                            failure: AtomlogError | None, staged, started: float, context):
-        """CommitTxn after staging: the decision (raises the refusal of one that did not
-        commit), then, with wait_for_markers, the markers."""
+    async def _decided(self, request, begun: "_OneCallBegun", result, staged,
+                       started: float, context):
+        """CommitTxn's answer from its decision (end_one_call's reply): raises the refusal
+        of one that did not commit (or an error given instead); with wait_for_markers,
+        waits for the markers."""
+        if isinstance(result, BaseException):
+            raise result
         partition, txn_id = begun.partition, begun.start.txn_id
-        await failpoints.hold(failpoints.ONE_CALL_DECIDE)
-        result = await partition.call(lambda core, now: core.end_one_call(now, txn_id, failure))
         if isinstance(result, OneCallAborted):
             metrics.ONE_CALL.labels(result.error.reason).inc()
             if result.error.reason == "STALE_COORDINATOR_EPOCH":

@@ -46,6 +46,11 @@ when errors surface: a conflicting ack or a refused batch of a one-call transact
 raised by `commit()` (which then reports the transaction aborted), not by `ack()`/the
 send's future before it. The futures of kept sends complete when commit() does.
 `abort()` of a one-call transaction sends nothing: nothing reached any server.
+
+Pipelined one-call commits (commit_async(), or commits from several threads) of the same
+producers go in turn, so records reach each partition in send order; the commits queued
+while one is in flight leave together in the next call, one CommitTxns that stages them
+in order (_Carpool, docs/coordinator.md).
 """
 
 from __future__ import annotations
@@ -944,9 +949,9 @@ class _Carpool:
 
     A commit whose turn comes (every commit before it of the same producers ended)
     takes with it the commits queued behind it whose turns wait only for it or for
-    commits it takes, that belong to no session and go to the same coordinator, in turn
+    commits it takes, that belong to no session and to the same TC partition, in turn
     order, and sends them all in ONE CommitTxns call, which stages them in that order
-    (coordinator.proto). Alone it sends CommitTxn. So a producer pipelining commits
+    and decides them in one append (coordinator.proto). Alone it sends CommitTxn. So a producer pipelining commits
     (commit_async) has one call in flight at a time, as before, but what queued
     meanwhile leaves in the next call instead of one call after another: the call in
     flight is the linger, and the records still reach each partition in send order."""
@@ -1012,18 +1017,14 @@ class _Carpool:
         """The waiting commits `driver` takes along (under the lock)."""
         if not self._chained or driver.txn.session is not None:
             return []
-        routes = self._client.metadata.tc_routes
-        address = routes.get(driver.txn.tc_partition)
-        if not address:
-            return []
+        k = driver.txn.tc_partition
         chosen = {id(driver.turn)}
         riders: list[_Seat] = []
         size = driver.request.ByteSize()
         for seat in self._waiting:
             if len(riders) + 1 >= self.MAX_COMMITS:
                 break
-            if seat.taken or seat.txn.session is not None or \
-                    routes.get(seat.txn.tc_partition) != address:
+            if seat.taken or seat.txn.session is not None or seat.txn.tc_partition != k:
                 continue
             if not all(id(previous) in chosen or previous.over()
                        for previous in seat.turn.before):

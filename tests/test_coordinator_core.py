@@ -1083,6 +1083,56 @@ def test_one_call_failures_log_nothing_and_abort_what_was_staged():
     assert core.one_call(lost.txn_id) is None
 
 
+def test_a_chain_of_one_call_transactions_is_decided_in_one_append_or_not_at_all():
+    """end_one_calls (CommitTxns): every decision of the chain in one append; the first
+    that does not commit aborts every one after it (EARLIER_COMMIT_FAILED); a failed
+    append commits none of them."""
+    core, log = TcPartitionCore(TC, coordinator_epoch=2), []
+    tp = TopicPartition("t", 0)
+
+    def begin(key: str) -> TxnId:
+        start = core.begin_one_call(NOW, 1_000, None, key, [tp], [])
+        _durable(core, start, log)
+        return start.reply.txn_id
+
+    first, second, third = begin("a"), begin("b"), begin("c")
+    ready = core.end_one_calls(NOW + 1, [(first, None), (second, None), (third, None)])
+    (append,) = ready.appends
+    assert [type(r) for r in append.records] == [Opened, Decided] * 3
+    assert [r.state for r in ready.reply] == [State.COMMITTING] * 3 and not ready.markers
+    _durable(core, ready, log)
+    assert {core.status(t, NOW).state for t in (first, second, third)} == {State.COMMITTING}
+    # A failure in the middle: the one before commits, the ones after are aborted.
+    before, failing, after, last = begin("d"), begin("e"), begin("f"), begin("g")
+    conflict = AtomlogError("TRANSACTION_CONFLICT", "an ack is pending elsewhere")
+    ready = core.end_one_calls(NOW + 2, [(before, None), (failing, conflict), (after, None),
+                                         (last, None)])
+    (append,) = ready.appends
+    assert [r.txn_id for r in append.records] == [before, before]
+    assert ready.reply[0].state is State.COMMITTING
+    assert ready.reply[1].error is conflict
+    assert [r.error.reason for r in ready.reply[2:]] == ["EARLIER_COMMIT_FAILED"] * 2
+    assert sorted(m.txn_id.sequence for m in ready.markers) == sorted(
+        t.sequence for t in (failing, after, last))
+    assert {m.decision for m in ready.markers} == {ABORT}
+    _durable(core, ready, log)
+    for txn_id in (failing, after, last):
+        assert core.verify(txn_id, tp).state is State.ABORTED
+    # One timed out first: nothing of the chain commits, nothing is appended.
+    late, later = begin("h"), begin("i")
+    ready = core.end_one_calls(NOW + 1_000, [(late, None), (later, None)])
+    assert not ready.appends
+    assert [r.error.reason for r in ready.reply] == ["TRANSACTION_TIMED_OUT",
+                                                     "EARLIER_COMMIT_FAILED"]
+    # A failed append: both roll back, together.
+    one, two = begin("j"), begin("k")
+    ready = core.end_one_calls(NOW + 3, [(one, None), (two, None)])
+    (append,) = ready.appends
+    core.append_failed(append.append_id)
+    assert [core.verify(t, tp).state for t in (one, two)] == [State.OPEN] * 2  # undecided
+    assert replay(log, TC, coordinator_epoch=2).snapshot() == core.snapshot()
+
+
 def test_one_call_of_a_session_is_fenced_by_a_newer_session():
     core, log = TcPartitionCore(TC, coordinator_epoch=1), []
     with pytest.raises(ProducerIdNeeded):

@@ -656,6 +656,8 @@ def test_bad_commit_txns_input_is_refused_and_changes_nothing(servers, client):
                     coordinator_pb2.CommitTxnRequest(tc_partition=k, abort=True,
                                                      idempotency_key=_key_on(k, count))]) == \
         "INVALID_ARGUMENT"
+    assert refused([_commit(k, _key_on(k, count), topic, b"x"),  # two TC partitions
+                    _commit(1, _key_on(1, count), topic, b"y")]) == "INVALID_ARGUMENT"
     # A commit refused before staging (no key; a key of another TC partition) breaks the
     # chain as well: nothing after it commits.
     results = _commit_txns(client, k, [

@@ -224,16 +224,15 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitTxns(self, request, context):
-        """Several one-call transactions in one call, as one CommitTxn each but staged in order:
-        on every partition, a commit's batches reach the log before those of the commits
-        after it in the request (what a client pipelining the commits of one producer
-        needs, since its records must reach each partition in send order). Each commit is
-        decided on its own and answered in `results`, in request order. A commit that is
-        refused, or does not stage completely at its first attempt, breaks the chain: the
-        commits after it do not commit (anything they staged is aborted) and answer
-        "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it. Each
-        commit names its own TC partition; one this coordinator does not own answers
-        "NOT_COORDINATOR" (and breaks the chain). `abort` must be false in every commit.
+        """Several one-call transactions of one TC partition in one call, as one CommitTxn each
+        but staged in order: on every partition, a commit's batches reach the log before
+        those of the commits after it in the request (what a client pipelining the commits
+        of one producer needs, since its records must reach each partition in send order).
+        Their decisions go in one append to the TC log; each commit is answered in
+        `results`, in request order. A commit that is refused, does not stage completely at
+        its first attempt, or may not commit at its decision (its timeout passed) breaks the
+        chain: the commits after it do not commit (anything they staged is aborted) and
+        answer "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1247,9 +1247,10 @@ func (x *CommitTxnResponse) GetBatchResults() []*ProduceResult {
 // One-call transactions committed in order (CoordinatorService.CommitTxns).
 type CommitTxnsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// At least 1, at most 64 commits, each within CommitTxn's bounds (a commit out of them
-	// answers its error; a request with no commit, more than 64, or one with abort set
-	// fails whole with "INVALID_ARGUMENT", and nothing is done).
+	// At least 1, at most 64 commits, all naming the same tc_partition, each within
+	// CommitTxn's bounds (a commit out of them answers its error). A request with no
+	// commit, more than 64, two TC partitions, or a commit with abort set fails whole with
+	// "INVALID_ARGUMENT", and nothing is done.
 	Commits       []*CommitTxnRequest `protobuf:"bytes,1,rep,name=commits,proto3" json:"commits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -101,16 +101,15 @@ type CoordinatorServiceClient interface {
 	// Retry-safe by idempotency_key: a retried call for a committed transaction answers
 	// already_ended with its txn_id; one for a transaction that did not commit runs anew.
 	CommitTxn(ctx context.Context, in *CommitTxnRequest, opts ...grpc.CallOption) (*CommitTxnResponse, error)
-	// Several one-call transactions in one call, as one CommitTxn each but staged in order:
-	// on every partition, a commit's batches reach the log before those of the commits
-	// after it in the request (what a client pipelining the commits of one producer
-	// needs, since its records must reach each partition in send order). Each commit is
-	// decided on its own and answered in `results`, in request order. A commit that is
-	// refused, or does not stage completely at its first attempt, breaks the chain: the
-	// commits after it do not commit (anything they staged is aborted) and answer
-	// "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it. Each
-	// commit names its own TC partition; one this coordinator does not own answers
-	// "NOT_COORDINATOR" (and breaks the chain). `abort` must be false in every commit.
+	// Several one-call transactions of one TC partition in one call, as one CommitTxn each
+	// but staged in order: on every partition, a commit's batches reach the log before
+	// those of the commits after it in the request (what a client pipelining the commits
+	// of one producer needs, since its records must reach each partition in send order).
+	// Their decisions go in one append to the TC log; each commit is answered in
+	// `results`, in request order. A commit that is refused, does not stage completely at
+	// its first attempt, or may not commit at its decision (its timeout passed) breaks the
+	// chain: the commits after it do not commit (anything they staged is aborted) and
+	// answer "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it.
 	CommitTxns(ctx context.Context, in *CommitTxnsRequest, opts ...grpc.CallOption) (*CommitTxnsResponse, error)
 	// The state of one transaction (cheap; for clients).
 	GetTxnStatus(ctx context.Context, in *GetTxnStatusRequest, opts ...grpc.CallOption) (*GetTxnStatusResponse, error)
@@ -342,16 +341,15 @@ type CoordinatorServiceServer interface {
 	// Retry-safe by idempotency_key: a retried call for a committed transaction answers
 	// already_ended with its txn_id; one for a transaction that did not commit runs anew.
 	CommitTxn(context.Context, *CommitTxnRequest) (*CommitTxnResponse, error)
-	// Several one-call transactions in one call, as one CommitTxn each but staged in order:
-	// on every partition, a commit's batches reach the log before those of the commits
-	// after it in the request (what a client pipelining the commits of one producer
-	// needs, since its records must reach each partition in send order). Each commit is
-	// decided on its own and answered in `results`, in request order. A commit that is
-	// refused, or does not stage completely at its first attempt, breaks the chain: the
-	// commits after it do not commit (anything they staged is aborted) and answer
-	// "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it. Each
-	// commit names its own TC partition; one this coordinator does not own answers
-	// "NOT_COORDINATOR" (and breaks the chain). `abort` must be false in every commit.
+	// Several one-call transactions of one TC partition in one call, as one CommitTxn each
+	// but staged in order: on every partition, a commit's batches reach the log before
+	// those of the commits after it in the request (what a client pipelining the commits
+	// of one producer needs, since its records must reach each partition in send order).
+	// Their decisions go in one append to the TC log; each commit is answered in
+	// `results`, in request order. A commit that is refused, does not stage completely at
+	// its first attempt, or may not commit at its decision (its timeout passed) breaks the
+	// chain: the commits after it do not commit (anything they staged is aborted) and
+	// answer "EARLIER_COMMIT_FAILED", so none of them can reach a partition before it.
 	CommitTxns(context.Context, *CommitTxnsRequest) (*CommitTxnsResponse, error)
 	// The state of one transaction (cheap; for clients).
 	GetTxnStatus(context.Context, *GetTxnStatusRequest) (*GetTxnStatusResponse, error)
