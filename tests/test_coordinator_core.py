@@ -300,6 +300,35 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.staging.append(txn_id)  # refused for now (CONCURRENT): still staging
         self.settle(settle)
 
+    @precondition(lambda self: self.staging)
+    @rule(data=st.data(), failing=st.sampled_from([None, None, 0, 1, 2]), settle=SETTLE)
+    def end_one_calls(self, data, failing, settle):
+        """A chain (CommitTxns): decisions in one append; after the first that does not
+        commit, none does."""
+        chain = data.draw(st.lists(st.sampled_from(self.staging), min_size=1, max_size=3,
+                                   unique=True))
+        for txn_id in chain:
+            self.staging.remove(txn_id)
+        failure = AtomlogError("TRANSACTION_CONFLICT", "staging failed")
+        items = [(t, failure if i == failing else None) for i, t in enumerate(chain)]
+        ready = self.attempt("end_one_call",
+                             lambda: self.core.end_one_calls(self.now_ms, items))
+        assert len(ready.reply) == len(chain)
+        committing = [t for t, r in zip(chain, ready.reply) if not isinstance(r, OneCallAborted)]
+        assert committing == chain[:len(committing)], "nothing commits after a failure"
+        assert failing is None or failing >= len(committing)
+        for txn_id, reply in zip(chain[len(committing):], ready.reply[len(committing):]):
+            assert isinstance(reply, OneCallAborted)
+            assert self.core.verify(txn_id, TARGETS[0]).state is State.ABORTED
+        assert all(m.decision is ABORT and m.txn_id in chain[len(committing):]
+                   for m in ready.markers)
+        if committing:
+            (append,) = ready.appends
+            assert [r.txn_id for r in append.records] == [t for t in committing for _ in "od"]
+        else:
+            assert not ready.appends
+        self.settle(settle)
+
     @rule(key=st.sampled_from(["oc1", "oc2", "oc3", "k1"]), settle=SETTLE)
     def abort_one_call(self, key, settle):
         ready = self.attempt("abort_one_call",
