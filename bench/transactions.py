@@ -311,7 +311,9 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
         import signal
         import subprocess
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(next(iter(processes.values()))),
-                                "--rate", "200", "--format", "speedscope", "--output", profile],
+                                # --nonblocking: no pause of the server per sample
+                                "--rate", "200", "--nonblocking", "--format", "speedscope",
+                                "--output", profile],
                                stdout=subprocess.DEVNULL)
         time.sleep(1)  # py-spy attaches
     client_before = time.process_time()
