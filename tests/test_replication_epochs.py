@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import threading
 from pathlib import Path
 
@@ -413,3 +414,64 @@ def test_only_the_latest_process_of_a_follower_can_bring_it_into_the_isr(tmp_pat
             await owner.close()
 
     asyncio.run(scenario())
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_followers_restart_is_logged_once_at_info_however_many_partitions_see_it(
+        tmp_path):
+    """Every partition a restarted follower fetches from sees its new incarnation; the
+    server logs the restart at INFO once, the other partitions at DEBUG."""
+    async def write_isr(known, isr, joining):
+        return Versioned(PartitionState("a", 1, tuple(isr)), known.version + 1)
+
+    def fetch(partition: int, incarnation: int) -> partition_pb2.ReplicateRequest:
+        req = partition_pb2.ReplicateRequest(replica="z-restarts", leader_epoch=1,
+                                             fetch_offset=0, last_fetched_epoch=-1,
+                                             replica_incarnation=incarnation)
+        req.topic_partition.topic, req.topic_partition.partition = "t", partition
+        return req
+
+    seen = _Records()
+
+    async def scenario():
+        leaders = []
+        for partition in range(3):
+            directory = tmp_path / f"t-{partition}"
+            known = Versioned(PartitionState("a", 1, ("a",)), 0)
+            replication = LeaderReplication("t", partition, "a", known, ["a", "z-restarts"],
+                                            1, 10_000, 0, directory, write_isr,
+                                            lambda: {"a", "z-restarts"})
+            owner = PartitionOwner("t", partition, directory, OwnerSettings(log=LogConfig()))
+            owner.replication, replication.owner = replication, owner
+            await owner.start()
+            replication.start()
+            leaders.append((owner, replication))
+        try:
+            for _, replication in leaders:
+                await replication.replicate(fetch(replication.partition, 5), 0)
+            replica_log = logging.getLogger("atomlog.partition.replica")
+            level = replica_log.level
+            replica_log.addHandler(seen)
+            replica_log.setLevel(logging.DEBUG)
+            try:
+                for _, replication in leaders:
+                    await replication.replicate(fetch(replication.partition, 8), 0)
+            finally:
+                replica_log.removeHandler(seen)
+                replica_log.setLevel(level)
+        finally:
+            for owner, replication in leaders:
+                await replication.close()
+                await owner.close()
+
+    asyncio.run(scenario())
+    restarts = [r for r in seen.records if r.getMessage() == "follower restarted"]
+    assert [r.levelno for r in restarts] == [logging.INFO, logging.DEBUG, logging.DEBUG]
