@@ -101,19 +101,36 @@ async def _cursors_replicated_for_reading(owner: PartitionOwner) -> None:
     goes past the high watermark: else a leader deposed without knowing it yet (cut off
     from ZooKeeper) shows an ack that never became acknowledged, and its successor then
     shows the cursor lower (chaos run ctp 2302 found that cursor regression). A deposed
-    leader's followers have left it, so the wait ends in a retriable refusal."""
+    leader's followers have left it, so the wait ends in a retriable refusal.
+
+    The caller reads the cursors right after this returns, with no await between: so
+    the check that returns is made against the journal's end as it is then. A wait
+    yields to the event loop, and a change staged meanwhile (a marker queued behind this
+    request, as after a stall) would otherwise be shown unreplicated (chaos run ctp 2548
+    found that cursor regression): the end is read again after every wait."""
     store = owner.subscriptions.store
     if owner.replication is None or store is None:
         return
-    try:
-        await asyncio.wait_for(owner.replication.cursors_replicated(store.appended_end,
-                                                                    writes=False),
-                               DESCRIBE_REPLICATED_WAIT_S)
-    except asyncio.TimeoutError:
-        raise AtomlogError("NOT_ENOUGH_REPLICAS",
-                           f"{owner.name}: its in-sync replicas do not hold every cursor "
-                           f"change yet (waited {DESCRIBE_REPLICATED_WAIT_S} s); retry",
-                           {"retry_after_ms": "200"}) from None
+    replication = owner.replication
+    deadline = time.monotonic() + DESCRIBE_REPLICATED_WAIT_S
+    while True:
+        if replication.fenced is None and owner.subscriptions.store is store \
+                and replication.cursor_high_watermark >= store.appended_end:
+            return
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            await asyncio.wait_for(replication.cursors_replicated(store.appended_end,
+                                                                  writes=False), remaining)
+        except asyncio.TimeoutError:
+            raise AtomlogError("NOT_ENOUGH_REPLICAS",
+                               f"{owner.name}: its in-sync replicas do not hold every cursor "
+                               f"change yet (waited {DESCRIBE_REPLICATED_WAIT_S} s); retry",
+                               {"retry_after_ms": "200"}) from None
+        if owner.subscriptions.store is not store:  # reopened meanwhile
+            raise AtomlogError("PARTITION_LOADING", f"subscriptions of {owner.name} were "
+                               "reopened; retry", {"retry_after_ms": "200"})
 
 
 def _require_items(items, what: str) -> None:

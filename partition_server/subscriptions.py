@@ -281,15 +281,14 @@ class PartitionSubscriptions:
     async def create(self, name: str, position: int) -> tuple[bool, int]:
         """CreateSubscription at `position` (resolved and clamped by the caller): whether
         this call created it, and its cumulative end, once durable."""
-        def decide(store: CursorStore) -> bool:
+        def decide(store: CursorStore) -> tuple[bool, int]:
             entry = store.plan_create(name, position)
             if entry is not None:
                 store.stage(entry)
-            return entry is not None
+            return entry is not None, store.cursor(name).cumulative_end
 
         # Joining an existing subscription writes nothing: served with too few replicas.
-        created = await self.change(decide, writes=name not in self._usable().cursors())
-        return created, self.cumulative_end(name)
+        return await self.change(decide, writes=name not in self._usable().cursors())
 
     async def delete(self, name: str) -> None:
         def decide(store: CursorStore) -> None:
@@ -302,24 +301,25 @@ class PartitionSubscriptions:
     async def reset(self, name: str, position: int) -> int:
         """ResetSubscription to `position` (resolved and clamped by the caller): the new
         cumulative end once durable."""
-        def decide(store: CursorStore) -> None:
+        def decide(store: CursorStore) -> int:
             store.stage(StoreEntry(name, store.cursor(name).plan_reset(position)))
             self._blocked.discard(name)
             self._wakeups.wake(name)  # waiting Receives deliver from the new position
+            return store.cursor(name).cumulative_end
 
-        await self.change(decide)
-        return self.cumulative_end(name)
+        return await self.change(decide)
 
     async def ack(self, name: str, cumulative_end: int, ranges, txn: TxnId | None,
                   limit: int) -> int:
-        def decide(store: CursorStore) -> None:
+        def decide(store: CursorStore) -> int:
             entry = store.cursor(name).check_ack(cumulative_end, ranges, txn, limit=limit)
             if entry is not None:
                 store.stage(StoreEntry(name, entry))
                 self._wake_if_blocked(name)  # an ack may make room for new deliveries
+            # As of this change: a later one, staged while this waits, may not survive.
+            return store.cursor(name).cumulative_end
 
-        await self.change(decide)
-        return self.cumulative_end(name)
+        return await self.change(decide)
 
     async def end_txn(self, name: str, txn: TxnId, committed: bool) -> bool:
         """A marker for one subscription: already_ended. A subscription that does not

@@ -467,6 +467,75 @@ def test_the_leader_answers_cursor_changes_once_the_isr_holds_them(tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_cursor_read_never_shows_a_change_staged_while_it_waited(tmp_path):
+    """DescribeSubscription's check (service._cursors_replicated_for_reading) yields to
+    the event loop while it waits for the follower; a change staged meanwhile (an ack
+    right behind it, as the requests queued during a stall run one after another) must
+    not be shown before the in-sync follower holds it too (chaos run ctp 2548: a stale
+    leader showed such an ack, and its successor then showed the cursor without it)."""
+    import asyncio
+    import time
+
+    from partition_server.record_batch import Record, encode_batch, parse_header
+    from partition_server.service import _cursors_replicated_for_reading
+
+    async def scenario():
+        owner, replication = await _leading_owner(tmp_path / "t-0")
+        directory = tmp_path / "follower" / "cursors"
+        follower = None
+
+        async def copy_and_report(offset: int) -> None:
+            answer = await replication.replicate(_replicate_request(offset,
+                                                                    follower.durable_end), 0)
+            follower.append_copied(answer.cursor_frames)
+            follower.sync()
+
+        try:
+            batch = encode_batch([Record(b"k", b"0"), Record(b"k", b"1")])
+            produced = asyncio.ensure_future(owner.produce([(batch, parse_header(batch))]))
+            created = asyncio.ensure_future(owner.subscriptions.create("s", 0))
+            await asyncio.sleep(0.2)  # both written and durable here
+            answer = await replication.replicate(_replicate_request(0, NOT_SYNCED), 0)
+            install_snapshot(directory, answer.cursor_snapshot)
+            follower = CursorStore.open(directory)
+            follower.append_copied(answer.cursor_frames)
+            follower.sync()
+            await replication.replicate(_replicate_request(0, follower.durable_end), 0)
+            await asyncio.wait_for(created, 2)
+            await replication.replicate(_replicate_request(2, follower.durable_end), 0)
+            await asyncio.wait_for(produced, 2)
+            limit = owner.max_read_position()
+
+            async def read() -> int:
+                await _cursors_replicated_for_reading(owner)
+                return owner.subscriptions.describe("s", limit,
+                                                    int(time.time() * 1000)).cumulative_end
+
+            first = asyncio.ensure_future(owner.subscriptions.ack("s", 1, (), None, limit))
+            await asyncio.sleep(0.2)  # durable here; the read must wait for the follower
+            reading = asyncio.ensure_future(read())
+            await asyncio.sleep(0.1)
+            await copy_and_report(2)  # the follower holds the first ack, not yet reported
+            second = asyncio.ensure_future(owner.subscriptions.ack("s", 2, (), None, limit))
+            await replication.replicate(_replicate_request(2, follower.durable_end), 0)
+            assert await asyncio.wait_for(first, 2) == 1
+            await asyncio.sleep(0.3)
+            assert not reading.done() or reading.result() == 1, \
+                "the read showed an ack no follower holds"
+            await asyncio.sleep(0.2)  # the second ack is durable here
+            await copy_and_report(2)
+            await replication.replicate(_replicate_request(2, follower.durable_end), 0)
+            assert await asyncio.wait_for(second, 2) == 2
+            assert await asyncio.wait_for(reading, 2) in (1, 2)
+        finally:
+            if follower is not None:
+                follower.close()
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_cursor_snapshot_too_large_to_send_is_withheld_and_the_log_still_flows(
         tmp_path, monkeypatch):
     import asyncio
