@@ -475,3 +475,28 @@ def test_a_followers_restart_is_logged_once_at_info_however_many_partitions_see_
     asyncio.run(scenario())
     restarts = [r for r in seen.records if r.getMessage() == "follower restarted"]
     assert [r.levelno for r in restarts] == [logging.INFO, logging.DEBUG, logging.DEBUG]
+
+
+def test_close_ends_the_isr_task_even_when_an_isr_change_was_just_poked(tmp_path):
+    """On Python 3.11 asyncio.wait_for swallows a cancellation that arrives as the event
+    it waits on is set: the ISR task, cancelled right after an ISR change was poked (a
+    restarted follower's first fetch does), went on, and close() waited forever."""
+    async def write_isr(known, isr, joining):
+        return Versioned(PartitionState("a", 1, tuple(isr)), known.version + 1)
+
+    async def scenario():
+        known = Versioned(PartitionState("a", 1, ("a",)), 0)
+        replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
+                                        tmp_path / "t-0", write_isr, lambda: {"a", "b"})
+        replication.start()
+        for _ in range(20):
+            await asyncio.sleep(0.01)  # the ISR task waits on its event
+            replication._poke_isr()
+            await asyncio.sleep(0)  # the event's waiter is woken: the wait is ending
+            await asyncio.wait_for(asyncio.shield(replication.close()), 5)
+            replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
+                                            tmp_path / "t-0", write_isr, lambda: {"a", "b"})
+            replication.start()
+        await replication.close()
+
+    asyncio.run(scenario())
