@@ -334,30 +334,46 @@ class LeaderReplication:
         not survive: the caller retries); for a change that wrote (`writes`),
         NOT_ENOUGH_REPLICAS when the ISR shrank below min.insync.replicas meanwhile
         (applied here, not acknowledged)."""
+        await self.cursors_readable(lambda: target)
+        if writes:
+            try:
+                self.check_writable()
+            except AtomlogError as refused:
+                if refused.reason != "NOT_ENOUGH_REPLICAS":
+                    raise
+                # Kafka's NOT_ENOUGH_REPLICAS_AFTER_APPEND: say it was applied.
+                raise AtomlogError(
+                    refused.reason, f"{refused.message}: the change was applied on "
+                    "the leader before the ISR shrank and is not acknowledged (it "
+                    "may survive; repeating it is safe)",
+                    {**refused.metadata, "applied_on_leader": "true"}) from None
+
+    async def cursors_readable(self, end: Callable[[], int],
+                               deadline: float | None = None) -> None:
+        """Return once every in-sync replica holds the cursor frames below `end()` as it
+        is then. It is read again at every check, and the check that returns is the last
+        step before the caller's, so a read of the cursors right after this never shows a
+        change staged while it waited unreplicated (chaos run ctp 2548).
+        NOT_ENOUGH_REPLICAS (retriable) past `deadline` (time.monotonic());
+        NOT_PARTITION_OWNER when the leadership ends."""
         while True:
             if self.fenced is not None:
                 raise AtomlogError("NOT_PARTITION_OWNER",
                                    f"{self.me} no longer leads {self.name} ({self.fenced})",
                                    {"owner": ""})
-            if self.cursor_high_watermark >= target:
-                if writes:
-                    try:
-                        self.check_writable()
-                    except AtomlogError as refused:
-                        if refused.reason != "NOT_ENOUGH_REPLICAS":
-                            raise
-                        # Kafka's NOT_ENOUGH_REPLICAS_AFTER_APPEND: say it was applied.
-                        raise AtomlogError(
-                            refused.reason, f"{refused.message}: the change was applied on "
-                            "the leader before the ISR shrank and is not acknowledged (it "
-                            "may survive; repeating it is safe)",
-                            {**refused.metadata, "applied_on_leader": "true"}) from None
+            if self.cursor_high_watermark >= end():
                 return
+            wait_s = ISR_CHECK_INTERVAL_S
+            if deadline is not None:
+                wait_s = min(wait_s, deadline - time.monotonic())
+                if wait_s <= 0:
+                    raise AtomlogError("NOT_ENOUGH_REPLICAS",
+                                       f"{self.name}: its in-sync replicas do not hold every "
+                                       "cursor change yet; retry", {"retry_after_ms": "200"})
             if self._cursors_moved is None:
                 self._cursors_moved = asyncio.get_running_loop().create_future()
             try:  # woken when it may have moved; looked at again at the ISR's pace anyway
-                await asyncio.wait_for(asyncio.shield(self._cursors_moved),
-                                       ISR_CHECK_INTERVAL_S)
+                await asyncio.wait_for(asyncio.shield(self._cursors_moved), wait_s)
             except asyncio.TimeoutError:
                 pass
 
@@ -499,8 +515,9 @@ class LeaderReplication:
                                f"{replica} fetches {self.name} as incarnation {incarnation}; "
                                f"incarnation {seen} of it has fetched already")
         if seen is not None and incarnation > seen:
-            first = _RESTARTS_LOGGED.get(replica, 0) < incarnation
-            _RESTARTS_LOGGED[replica] = max(_RESTARTS_LOGGED.get(replica, 0), incarnation)
+            first = incarnation > _RESTARTS_LOGGED.get(replica, 0)
+            if first:
+                _RESTARTS_LOGGED[replica] = incarnation
             event(log, "follower restarted", logging.INFO if first else logging.DEBUG,
                   partition=self.name, replica=replica, incarnation=incarnation,
                   previous=seen)

@@ -107,30 +107,16 @@ async def _cursors_replicated_for_reading(owner: PartitionOwner) -> None:
     the check that returns is made against the journal's end as it is then. A wait
     yields to the event loop, and a change staged meanwhile (a marker queued behind this
     request, as after a stall) would otherwise be shown unreplicated (chaos run ctp 2548
-    found that cursor regression): the end is read again after every wait."""
+    found that cursor regression): LeaderReplication.cursors_readable reads the end
+    again at every check. Not past DESCRIBE_REPLICATED_WAIT_S: NOT_ENOUGH_REPLICAS."""
     store = owner.subscriptions.store
     if owner.replication is None or store is None:
         return
-    replication = owner.replication
-    deadline = time.monotonic() + DESCRIBE_REPLICATED_WAIT_S
-    while True:
-        if replication.fenced is None and owner.subscriptions.store is store \
-                and replication.cursor_high_watermark >= store.appended_end:
-            return
-        remaining = deadline - time.monotonic()
-        try:
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            await asyncio.wait_for(replication.cursors_replicated(store.appended_end,
-                                                                  writes=False), remaining)
-        except asyncio.TimeoutError:
-            raise AtomlogError("NOT_ENOUGH_REPLICAS",
-                               f"{owner.name}: its in-sync replicas do not hold every cursor "
-                               f"change yet (waited {DESCRIBE_REPLICATED_WAIT_S} s); retry",
-                               {"retry_after_ms": "200"}) from None
-        if owner.subscriptions.store is not store:  # reopened meanwhile
-            raise AtomlogError("PARTITION_LOADING", f"subscriptions of {owner.name} were "
-                               "reopened; retry", {"retry_after_ms": "200"})
+    await owner.replication.cursors_readable(lambda: store.appended_end,
+                                             time.monotonic() + DESCRIBE_REPLICATED_WAIT_S)
+    if owner.subscriptions.store is not store:  # reopened meanwhile
+        raise AtomlogError("PARTITION_LOADING", f"subscriptions of {owner.name} were "
+                           "reopened; retry", {"retry_after_ms": "200"})
 
 
 def _require_items(items, what: str) -> None:
