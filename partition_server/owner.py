@@ -152,7 +152,10 @@ class Marker:
 @dataclass
 class _Work:
     batches: list[tuple[bytes, BatchHeader]]
-    tokens: list[int | None] | None  # verification token per batch (transactional ones)
+    # Per batch: its verification token (transactional ones), None (not verified), or
+    # the error its verification failed with: the owner raises it only if the batch is
+    # new (a retry of a batch written before is answered as the duplicate it is).
+    tokens: list[int | AtomlogError | None] | None
     future: asyncio.Future
     results: list = field(default_factory=list)
     size: int = 0  # bytes of its batches
@@ -623,9 +626,11 @@ class PartitionOwner:
 
     # ------------------------------------------------------------------ produce
     async def produce(self, batches: list[tuple[bytes, BatchHeader]],
-                      tokens: list[int | None] | None = None) -> list:
+                      tokens: list[int | AtomlogError | None] | None = None) -> list:
         """Queue validated batches, with the verification token of each transactional
-        one (None: not verified); the result per batch is Appended or an AtomlogError."""
+        one (None: not verified; an AtomlogError: its verification failed, which refuses
+        it unless it is a retry of a batch already written); the result per batch is
+        Appended or an AtomlogError."""
         self.check_serving()
         return await self._enqueue(_Work(batches, tokens,
                                          asyncio.get_running_loop().create_future(),
@@ -961,10 +966,15 @@ class PartitionOwner:
                 self.txns.on_durable(self.log.high_watermark)
             self._notify_readers()
 
-    def _check_transactional(self, header: BatchHeader, token: int | None) -> None:
-        """A transactional data batch about to be appended: its transaction is open here
-        already, or was verified with the coordinator with no marker for it since
-        (txn_guard.py); then the buffer's own checks. Raises; changes nothing."""
+    def _check_transactional(self, header: BatchHeader,
+                             token: int | AtomlogError | None) -> None:
+        """A transactional data batch about to be appended (not a retry of one written
+        before: those are answered as duplicates whatever became of their transaction):
+        its transaction is open here already, or was verified with the coordinator with no
+        marker for it since (txn_guard.py); then the buffer's own checks. Raises; changes
+        nothing."""
+        if isinstance(token, AtomlogError):
+            raise token  # its verification failed
         txn = header.txn
         if self.txns.open_transaction(txn) is None and (
                 token is None or not self.guard.allows(txn, token)):

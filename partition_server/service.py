@@ -322,8 +322,13 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                           results: list, request) -> tuple[list[int], list, list]:
         """Give every transactional batch of one partition its verification token: none
         needed while its transaction is open here, a cached one, or a fresh answer from
-        the coordinator (one question per transaction, asked concurrently). Batches that
-        fail verification get their error and are left out."""
+        the coordinator (one question per transaction, asked concurrently). A batch that
+        fails verification still goes to the owner, with its error for a token: a retry
+        of a batch written before its transaction ended is a duplicate and answered with
+        its offsets (refused, its sender would take the batch for unwritten and give its
+        sequence numbers to the next batch, which would then be taken for the retry and
+        dropped); a new batch gets the error. A partition still replaying its transaction
+        buffer refuses them all here (retriable PARTITION_LOADING)."""
         asked: dict[TxnId, asyncio.Task] = {}
         recovering = owner.txns_recovering  # then transactional batches wait (retriable)
         for _, header in batches:
@@ -336,11 +341,14 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             await asyncio.wait(asked.values())
         kept_indexes, kept, tokens = [], [], []
         for index, (batch, header) in zip(indexes, batches):
-            token = None
+            token: int | AtomlogError | None = None
             try:
                 if header.is_transactional:
                     owner.check_txns_ready()
-                    token = self._token_for(owner, header, asked)
+                    try:
+                        token = self._token_for(owner, header, asked)
+                    except AtomlogError as refusal:
+                        token = refusal  # the owner decides: a duplicate, or refused
             except AtomlogError as error:
                 m.BAD_BATCHES.labels(error.reason).inc()
                 results[index] = partition_pb2.ProduceResult(

@@ -222,6 +222,41 @@ def test_writes_need_verification_and_late_writes_are_refused(client):
     assert produce_raw(client, T("tx-solo"), 3, plain).error.reason == "INVALID_ARGUMENT"
 
 
+def test_a_retry_of_a_written_batch_is_a_duplicate_after_its_transaction_aborted(client):
+    """A batch written in a transaction whose answer was lost (its server was killed, say)
+    is sent again after the coordinator aborted the transaction. The truthful answer is
+    "written, at these offsets": a refusal would tell the producer nothing was written,
+    and it would give the batch's sequence numbers to its next batch, which the server
+    would then take for this retry and drop (found by the Go loop's kill -9 test: a
+    committed transaction lost its records of one partition)."""
+    producer_id, epoch = client.allocate_producer_id()
+    txn = client.begin_transaction(timeout_s=60)
+    txn.register_partitions([(T("tx-solo"), 2)])
+
+    def batch(seq: int, values: list[bytes]) -> bytes:
+        return encode_batch([Record(value=v) for v in values], producer_id=producer_id,
+                            producer_epoch=epoch, base_sequence=seq, txn=txn.key)
+
+    first = batch(0, [b"retried-1", b"retried-2"])
+    written = produce_raw(client, T("tx-solo"), 2, first)
+    assert not written.error.reason and not written.duplicate
+    txn.abort()
+    wait_until(lambda: not describe(client, T("tx-solo"), 2).open_transactions, 10, "the marker")
+    hw = describe(client, T("tx-solo"), 2).high_watermark
+
+    again = produce_raw(client, T("tx-solo"), 2, first)
+    assert not again.error.reason, again.error
+    assert again.duplicate
+    assert (again.base_offset, again.last_offset) == (written.base_offset, written.last_offset)
+    # A new batch of the aborted transaction is refused, and nothing was appended.
+    late = produce_raw(client, T("tx-solo"), 2, batch(2, [b"late"]))
+    assert late.error.reason in ("TRANSACTION_NOT_OPEN", "TRANSACTION_ABORTED")
+    assert describe(client, T("tx-solo"), 2).high_watermark == hw
+    assert not describe(client, T("tx-solo"), 2).open_transactions
+    committed = values(read_all(client, [T("tx-solo")], "read_committed"))
+    assert not {b"retried-1", b"retried-2", b"late"} & set(committed)
+
+
 def test_a_zombie_session_cannot_write_or_commit(client):
     first = client.producer(transactional_id="copier-1")
     zombie_txn = first.begin_transaction(timeout_s=60)
