@@ -15,7 +15,10 @@ Roles (see docs/verification.md):
                the offsets it reached, or from earlier ones, every few polls
   feeder       ctp: idempotent sends of the input values
   ctp          ctp: consume-transform-produce through the subscription with
-               transactional acks, the way tests/ctp_loop.py does it
+               transactional acks, the way tests/ctp_loop.py does it; ctp-1 on the
+               streaming transaction path with 2 s transaction timeouts, taking an
+               aborted round's inputs again as they were (the same records to the same
+               partitions)
   cursors      ctp: observes the subscription's cursors every 0.5 s
   driver       spark-lite: jobs of parent and prepared child transactions, as the Spark
                writer runs them, some with failed or speculative attempts, and one in ten
@@ -42,6 +45,9 @@ CTP_BATCH_RECORDS = (3, 50)  # inputs per ctp transaction (3: one per partition 
 TRANSFORM_PREFIX = "out:"
 MAX_ASYNC_COMMITS = 3  # txn: commit_async() commits in flight at once
 ASYNC_COMMIT_WAIT_S = 90.0  # longer than any commit retries (then: unknown)
+STREAMING_CTP_WORKER = "ctp-1"
+CTP_RETRIES = 2  # the streaming worker: rounds an aborted round's inputs are taken again
+STREAMING_TXN_TIMEOUT_S = 2.0  # the streaming worker's transaction timeout
 
 
 class Stop:
@@ -109,7 +115,11 @@ class Workload:
         self.log = EventLog(Path(args.run_dir), args.name)
         self.stop = Stop(self.spec["deadline"])
         tls = TlsConfig(**self.spec["tls"]) if self.spec.get("tls") else None  # --tls runs
-        self.client = Client(self.spec["bootstrap"], request_timeout_s=10.0, tls=tls)
+        # ctp-1: the streaming transaction path (sends under its own producer's sequence
+        # numbers), as the Go client and larger SDK transactions take it.
+        self.streaming = args.name == STREAMING_CTP_WORKER
+        self.client = Client(self.spec["bootstrap"], request_timeout_s=10.0, tls=tls,
+                             **({"one_call_max_bytes": 0} if self.streaming else {}))
         self.topics: dict[str, int] = self.spec["topics"]
         self.txn_timeout_s = self.spec["txn_timeout_s"]
         self.counter = 0
@@ -439,33 +449,49 @@ class Workload:
         if consumer is None:
             return
         producer = self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S)
+        # The streaming worker takes an aborted round's inputs again as they were, before
+        # it gives them back: the next transaction then sends the same records to the same
+        # partitions right behind the aborted one's (the Go loop's shape, which found a
+        # retried batch refused after its abort: docs/verification.md, "Found 2026-11-28").
+        again: list = []
+        retries = 0
+        # ... and its transactions time out sooner (as the Go loop's), so that a fault
+        # often ends one at its coordinator while its sends are still being retried.
+        timeout_s = STREAMING_TXN_TIMEOUT_S if self.streaming else self.txn_timeout_s
         with producer, consumer:
             while not self.stop:
-                op = self.log.invoke("poll", session=session_id, isolation="read_committed",
-                                     subscription=subscription)
-                try:
-                    # At least one record per partition server, so the SDK's Receive
-                    # asks every server for a share and nothing is left over in its
-                    # buffer (docs/verification.md, "Found and fixed").
-                    messages = consumer.poll(timeout_s=0.3,
-                                             max_records=self.rng.randint(*CTP_BATCH_RECORDS))
-                except Exception as error:  # noqa: BLE001 — a failed poll returned nothing
-                    self.log.complete(op, "fail", records=[], error=_reason(error))
-                    self.stop.sleep(0.2)
-                    continue
-                self.log.complete(op, "ok", records=_records(messages))
-                if not messages:
-                    continue
+                if again:
+                    messages, again = again, []
+                else:
+                    retries = 0
+                    op = self.log.invoke("poll", session=session_id,
+                                         isolation="read_committed", subscription=subscription)
+                    try:
+                        # At least one record per partition server, so the SDK's Receive
+                        # asks every server for a share and nothing is left over in its
+                        # buffer (docs/verification.md, "Found and fixed").
+                        messages = consumer.poll(
+                            timeout_s=0.3, max_records=self.rng.randint(*CTP_BATCH_RECORDS))
+                    except Exception as error:  # noqa: BLE001 — a failed poll returned nothing
+                        self.log.complete(op, "fail", records=[], error=_reason(error))
+                        self.stop.sleep(0.2)
+                        continue
+                    self.log.complete(op, "ok", records=_records(messages))
+                    if not messages:
+                        continue
                 writes = [[spec["output_topic"], m.partition % outputs,
                            TRANSFORM_PREFIX + m.value.decode()] for m in messages]
                 acks = [[subscription, m.topic, m.partition, m.offset] for m in messages]
                 try:
-                    txn = self.client.begin_transaction(timeout_s=self.txn_timeout_s)
+                    txn = self.client.begin_transaction(timeout_s=timeout_s)
                 except errors.AtomlogClientError:
                     self.give_back(consumer, messages)
                     continue
                 result = self.one_transaction(producer, txn, writes, acks, consumer, messages)
-                if result == "aborted":
+                if result == "aborted" and self.streaming and retries < CTP_RETRIES:
+                    retries += 1
+                    again = messages
+                elif result == "aborted":
                     self.give_back(consumer, messages)
 
     def subscribe(self):
