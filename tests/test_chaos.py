@@ -31,9 +31,11 @@ REGRESSIONS = [
 # driver-1 killed twice, ps-2 isolated, a one-way cut ZooKeeper -> coord-0, coord-0
 # killed).
 SPARK_LITE = [("spark-lite", "kill,net", 183, 0.35)]
-# Cases with options: the combined server (every role in one process), and three replicas
-# of every partition under the replication nemeses (docs/replication.md).
-WITH_OPTIONS = [("ctp", "kill,net,disk", 41, 0.35, {"combined": True}),
+# Cases with options: the combined server (every role in one process) with a fourth ctp
+# worker running the Go client (--go; its streaming path found a refused retry that lost
+# records: docs/verification.md, "Found 2026-11-28"), and three replicas of every
+# partition under the replication nemeses (docs/replication.md).
+WITH_OPTIONS = [("ctp", "kill,net,disk", 41, 0.35, {"combined": True, "go": True}),
                 ("log", "leader,wipe,reassign", 51, FAULT_PHASE_MINUTES, {"replication": 3})]
 # A fault's nemesis, where its name does not begin with it.
 NEMESIS_OF = {"client-kill": "kill"}
@@ -58,10 +60,15 @@ def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes, options):
     # The run did real work under its faults: committed transactions and reads.
     assert stats["committed_txns"] > 0 and stats["records_read"] > 0, stats
     assert stats["faults"] == len(schedule), (stats, schedule)
+    if options.get("go"):  # the Go worker took part: its transactions are in the history
+        history = [json.loads(line) for line in (run_dir / "history.jsonl").open()]
+        assert any(op["process"] == "ctp-go" and op["f"] == "txn" and op.get("result") == "committed"
+                   for op in history), "the Go worker committed nothing"
     assert report["valid"], (f"seed {seed}: replay with python -m tests.chaos --workload "
                              f"{workload} --minutes {minutes} --seed {seed} "
                              f"--nemesis {nemesis}"
                              f"{' --combined' if options.get('combined') else ''}"
-                             f"{' --replication 3' if options.get('replication') else ''}; "
+                             f"{' --replication 3' if options.get('replication') else ''}"
+                             f"{' --go' if options.get('go') else ''}; "
                              f"history in {run_dir}\n"
                              + json.dumps({k: report[k] for k in ("anomalies", "problems")}))

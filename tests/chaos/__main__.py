@@ -46,6 +46,10 @@ def parse(argv: list[str] | None) -> Options:
                         help="run the cluster secured as `atomlog up --tls` does (mTLS, "
                              "auth.mode=mtls, ACLs, ZooKeeper digest); clients use the admin "
                              "certificate")
+    parser.add_argument("--go", action="store_true",
+                        help="ctp: a fourth worker runs the Go client (clients/go, built with "
+                             "scripts/go_tools.sh's toolchain) on its streaming transaction "
+                             "path, writing its history as the Python workers do")
     args = parser.parse_args(argv)
     chosen = args.nemesis or ("kill,pause,net,disk" + (",leader,wipe,reassign"
                                                        if args.replication > 1 else ""))
@@ -59,6 +63,8 @@ def parse(argv: list[str] | None) -> Options:
         parser.error("--replication needs separate partition servers (not --combined)")
     if args.replication == 1 and any(n in REPLICATED_ONLY for n in nemeses):
         parser.error(f"nemeses {', '.join(REPLICATED_ONLY)} need --replication 2 or more")
+    if args.go and (args.workload != "ctp" or args.tls):
+        parser.error("--go runs a ctp worker: it needs --workload ctp (and no --tls)")
     if not 0 < args.minutes <= 24 * 60:
         parser.error("--minutes must be in (0, 1440]")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
@@ -66,7 +72,8 @@ def parse(argv: list[str] | None) -> Options:
         f"{args.workload}{'-combined' if args.combined else ''}-{seed}-" \
         f"{time.strftime('%Y%m%d-%H%M%S')}"
     return Options(args.workload, args.minutes, seed, nemeses, run_dir, args.keep_cluster,
-                   combined=args.combined, replication=args.replication, tls=args.tls)
+                   combined=args.combined, replication=args.replication, tls=args.tls,
+                   go=args.go)
 
 
 def _stop(signum, _frame) -> None:

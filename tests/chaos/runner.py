@@ -58,6 +58,9 @@ PARENT_TIMEOUT_S = 8.0
 CHILD_TIMEOUT_S = 8.0
 PREPARED_TIMEOUT_S = 12.0
 KILLABLE_CLIENTS = ("ctp-", "driver-")
+# --go (ctp): one more worker, the Go client's (clients/go/cmd/atomlog-go chaos-ctp).
+GO_CTP_WORKER = "ctp-go"
+GO_BUILD_TIMEOUT_S = 1800.0  # a fresh machine downloads Go and the client's modules
 
 
 @dataclass
@@ -75,6 +78,8 @@ class Options:
     # auth.mode=mtls, auth.authorizer=acl, ZooKeeper digest); the workload clients and the
     # final reads use its client certificate (atomlog-admin, a super user).
     tls: bool = False
+    # --go (ctp only): a fourth worker runs the Go client, built from clients/go.
+    go: bool = False
 
 
 @dataclass
@@ -104,6 +109,7 @@ class Run:
         self.topics = CTP_TOPICS if options.workload == "ctp" else LOG_TOPICS
         self.counts = COMBINED_COUNTS if options.combined else COUNTS
         self.duration_s = options.minutes * 60
+        self.go_cli: Path | None = None  # --go: the built atomlog-go
         self.settings = {**SETTINGS,
                          "topics.default_replication_factor": str(options.replication)}
 
@@ -122,9 +128,10 @@ class Run:
             f"--nemesis {','.join(options.nemeses) or 'none'}"
             f"{' --combined' if options.combined else ''}"
             f"{f' --replication {options.replication}' if options.replication > 1 else ''}"
-            f"{' --tls' if options.tls else ''}\n")
+            f"{' --tls' if options.tls else ''}{' --go' if options.go else ''}\n")
         self.log = EventLog(self.run_dir, "nemesis")
         final_log = EventLog(self.run_dir, "final")
+        self.go_cli = self.build_go_cli() if options.go else None
         self.proxy.start()
         try:
             self.start_cluster()
@@ -155,7 +162,7 @@ class Run:
         report = checker.check(operations)
         report["run"] = {"workload": options.workload, "seed": options.seed,
                          "combined": options.combined, "replication": options.replication,
-                         "tls": options.tls,
+                         "tls": options.tls, "go": options.go,
                          "minutes": options.minutes, "nemeses": options.nemeses,
                          "notes": self.notes,
                          "client_crashes": {c.name: c.crashes for c in self.clients.values()
@@ -168,6 +175,31 @@ class Run:
         (self.run_dir / "report.txt").write_text(text + "\n")
         print(text, flush=True)
         return report
+
+    def workload_clients(self) -> list[str]:
+        """The workload's client processes ("name" or "name:isolation")."""
+        names = list(WORKLOADS[self.options.workload])
+        if self.options.go:
+            names.append(GO_CTP_WORKER)
+        return names
+
+    def build_go_cli(self) -> Path:
+        """atomlog-go, built into the run directory with the Go toolchain that
+        scripts/go_tools.sh finds or installs (as tests/test_go_client.py builds it)."""
+        self.say("building the Go client's worker (clients/go/cmd/atomlog-go)")
+        tools = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "go_tools.sh")],
+                               cwd=REPO_ROOT, capture_output=True, text=True,
+                               timeout=GO_BUILD_TIMEOUT_S)
+        if tools.returncode != 0:
+            raise RuntimeError(f"--go: scripts/go_tools.sh failed:\n{tools.stderr[-2000:]}")
+        go = dict(line.split("=", 1) for line in tools.stdout.split())["GO"]
+        cli = self.run_dir / "atomlog-go"
+        built = subprocess.run([go, "build", "-o", str(cli), "./cmd/atomlog-go"],
+                               cwd=REPO_ROOT / "clients" / "go", capture_output=True, text=True,
+                               timeout=GO_BUILD_TIMEOUT_S)
+        if built.returncode != 0:
+            raise RuntimeError(f"--go: go build failed:\n{built.stderr[-2000:]}")
+        return cli
 
     def wait_until(self, moment: float) -> None:
         while True:
@@ -237,8 +269,7 @@ class Run:
     def topology(self) -> nemesis.Topology:
         names = {role: tuple(p.name for p in self.cluster.processes if p.role == role)
                  for role in launcher.START_ORDER}
-        clients = tuple(n for n in WORKLOADS[self.options.workload]
-                        if n.startswith(KILLABLE_CLIENTS))
+        clients = tuple(n for n in self.workload_clients() if n.startswith(KILLABLE_CLIENTS))
         return nemesis.Topology(names["partition_server"] + names["combined"], names["coordinator"],
                                 names["id_allocator"], clients,
                                 self.disk_server(self.cluster).name if self.mounted else "",
@@ -527,7 +558,7 @@ class Run:
         with Client(bootstrap, tls=self.client_tls()) as client:
             for topic, partitions in self.topics.items():
                 create_online(client, topic, partitions)
-        for spec_name in WORKLOADS[self.options.workload]:
+        for spec_name in self.workload_clients():
             name, _, isolation = spec_name.partition(":")
             self.clients[name] = ClientProcess(name, name.split("-")[0],
                                                isolation or "read_committed")
@@ -552,10 +583,14 @@ class Run:
             self.write_spec()
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        command = [sys.executable, "-m", "tests.chaos.client", client.role,
-                   "--run-dir", str(self.run_dir), "--name", client.name,
-                   "--seed", str(self.options.seed + client.incarnation),
-                   "--isolation", client.isolation]
+        seed = str(self.options.seed + client.incarnation)
+        if client.name == GO_CTP_WORKER:
+            command = [str(self.go_cli), "chaos-ctp", "-run-dir", str(self.run_dir),
+                       "-name", client.name, "-seed", seed]
+        else:
+            command = [sys.executable, "-m", "tests.chaos.client", client.role,
+                       "--run-dir", str(self.run_dir), "--name", client.name,
+                       "--seed", seed, "--isolation", client.isolation]
         with open(logs / f"{client.name}.log", "ab") as output:
             client.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=output,
                                               stderr=subprocess.STDOUT,

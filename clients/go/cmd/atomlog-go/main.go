@@ -10,6 +10,7 @@
 //	read    -topic T -expect N [-isolation read_committed|read_uncommitted]
 //	fenced  -topic T -id TRANSACTIONAL_ID     (interactive: commits after a line on stdin)
 //	ctp     -in I -out O -subscription S [-batch B] [-deadline 80s]
+//	chaos-ctp -run-dir D -name N [-seed S]    (a worker of the chaos harness's ctp workload)
 //	decode  FILE          (concatenated batches -> their records)
 //	encode  [-rows] [-compression none|zstd|lz4]   (JSON records on stdin -> one batch on stdout)
 package main
@@ -31,7 +32,7 @@ import (
 func main() {
 	bootstrap := flag.String("bootstrap", os.Getenv("ATOMLOG_BOOTSTRAP"), "any server's address")
 	flag.Usage = func() {
-		fmt.Fprintln(os.Stderr, "usage: atomlog-go [-bootstrap HOST:PORT] produce|txn|read|fenced|ctp|decode|encode [flags]")
+		fmt.Fprintln(os.Stderr, "usage: atomlog-go [-bootstrap HOST:PORT] produce|txn|read|fenced|ctp|chaos-ctp|decode|encode [flags]")
 	}
 	flag.Parse()
 	if flag.NArg() < 1 {
@@ -45,6 +46,8 @@ func main() {
 		err = decode(args)
 	case "encode":
 		err = encode(args)
+	case "chaos-ctp":
+		err = chaosCtp(args)
 	case "produce", "txn", "read", "fenced", "ctp":
 		var client *atomlog.Client
 		client, err = atomlog.Dial(*bootstrap, atomlog.WithRequestTimeout(10*time.Second))
