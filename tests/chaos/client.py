@@ -48,6 +48,7 @@ ASYNC_COMMIT_WAIT_S = 90.0  # longer than any commit retries (then: unknown)
 STREAMING_CTP_WORKER = "ctp-1"
 CTP_RETRIES = 2  # the streaming worker: rounds an aborted round's inputs are taken again
 STREAMING_TXN_TIMEOUT_S = 2.0  # the streaming worker's transaction timeout
+RETRY_PAUSE_S = (0.2, 0.6)  # before it takes an aborted round's inputs again
 
 
 class Stop:
@@ -461,6 +462,10 @@ class Workload:
         with producer, consumer:
             while not self.stop:
                 if again:
+                    # A moment first: until the abort's marker reaches the subscription,
+                    # the inputs are still held by the aborted transaction's acks (an ack
+                    # now is refused TRANSACTION_CONFLICT, after the sends).
+                    self.stop.sleep(self.rng.uniform(*RETRY_PAUSE_S))
                     messages, again = again, []
                 else:
                     retries = 0

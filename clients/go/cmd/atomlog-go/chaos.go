@@ -10,8 +10,9 @@ package main
 // Each round: receive 3-50 inputs from the subscription ("poll"), then one transaction
 // ("txn") that sends "out:<value>" of each input to partition input-partition % outputs
 // of the output topic, acks the inputs in it, and commits. A round that ends aborted is
-// tried again with the same inputs, up to twice (the same records to the same
-// partitions right behind the aborted attempt's), then its inputs are nacked. It stops
+// tried again with the same inputs after a pause of 0.3-0.6 s, up to twice (the same
+// records to the same partitions right behind the aborted attempt's), then its inputs
+// are nacked. It stops
 // at SIGTERM (after the operation in hand) or at the workload's deadline.
 
 import (
@@ -39,6 +40,7 @@ const (
 	chaosTxnTimeout  = 2 * time.Second
 	chaosSendTimeout = 15 * time.Second
 	chaosTransform   = "out:"
+	chaosRetryPause  = 300 * time.Millisecond // to twice that, before an aborted round's retry
 )
 
 // chaosSpec is what the worker reads of the run's workload.json.
@@ -179,7 +181,11 @@ func (w *chaosWorker) run() error {
 	for !w.stopped() {
 		messages := again
 		again = nil
-		if messages == nil {
+		if messages != nil {
+			// A moment first: until the abort's marker reaches the subscription, the
+			// inputs are still held by the aborted transaction's acks.
+			time.Sleep(chaosRetryPause + time.Duration(w.rng.Int63n(int64(chaosRetryPause))))
+		} else {
 			retries = 0
 			messages = w.poll(ctx, sub)
 			if len(messages) == 0 {
