@@ -241,8 +241,13 @@ def test_a_retry_of_a_written_batch_is_a_duplicate_after_its_transaction_aborted
     written = produce_raw(client, T("tx-solo"), 2, first)
     assert not written.error.reason and not written.duplicate
     txn.abort()
-    wait_until(lambda: not describe(client, T("tx-solo"), 2).open_transactions, 10, "the marker")
+    # The abort marker is applied, and durable: the high watermark is past it.
+    marker_end = written.last_offset + 2
+    wait_until(lambda: not describe(client, T("tx-solo"), 2).open_transactions
+               and describe(client, T("tx-solo"), 2).high_watermark >= marker_end, 10,
+               "the marker")
     hw = describe(client, T("tx-solo"), 2).high_watermark
+    assert hw == marker_end
 
     again = produce_raw(client, T("tx-solo"), 2, first)
     assert not again.error.reason, again.error
