@@ -550,8 +550,8 @@ type ProduceResult struct {
 	// Echo of the item's partition.
 	TopicPartition *TopicPartition `protobuf:"bytes,1,opt,name=topic_partition,json=topicPartition,proto3" json:"topic_partition,omitempty"`
 	// Empty reason on success. On failure nothing of this batch was appended: a retry of
-	// a batch written before is answered as a duplicate whatever became of its
-	// transaction since (aborted, timed out), never refused.
+	// one of the producer's last 5 batches here is answered as a duplicate whatever became
+	// of its transaction since (aborted, timed out), never refused for that state.
 	Error *ItemError `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
 	// Offset of the batch's first record; -1 on failure.
 	BaseOffset int64 `protobuf:"varint,3,opt,name=base_offset,json=baseOffset,proto3" json:"base_offset,omitempty"`
