@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -63,6 +64,8 @@ def raw_append_seconds(directory: Path, batch: bytes, batches: int,
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+# py-spy of this virtualenv (the bench extra), for the benchmarks' --profile options.
+PY_SPY = str(Path(sys.executable).parent / "py-spy")
 
 
 def percentile(values, fraction: float) -> float:

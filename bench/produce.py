@@ -591,7 +591,7 @@ def run_producers(ctx, cluster: Cluster, kind: str, producers: int, partitions: 
                 # BENCH_PYSPY="--native --idle" for more detail (--native pauses the server
                 # at each sample, so it slows it down; the default does not).
                 extra = os.environ.get("BENCH_PYSPY", "--nonblocking").split()
-                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",
+                spy = subprocess.Popen([common.PY_SPY, "record",
                                         "--pid", str(cluster.server_pid), "--duration",
                                         str(max(1, int(seconds - 1))), "--rate", "200",
                                         "--threads", "--format", "raw", *extra,

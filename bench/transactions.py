@@ -68,7 +68,6 @@ CTP_END = "<!-- bench/transactions.py consume-transform-produce: end -->"
 TITLE = "## Transactions on the partition servers (issue 6)"
 SHAPE = "A local cluster (1 id allocator, 2 coordinators, 3 partition servers, ZooKeeper)"
 ROLES = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
-PY_SPY = str(Path(sys.executable).parent / "py-spy")  # --profile (the bench extra)
 
 
 def use_combined_server() -> None:
@@ -146,7 +145,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     spy = None
     if profile is not None:
         import subprocess
-        spy = subprocess.Popen([PY_SPY, "record", "--pid", str(services[0].pid),
+        spy = subprocess.Popen([common.PY_SPY, "record", "--pid", str(services[0].pid),
                                 "--duration", str(int(seconds)), "--rate", "200",
                                 "--format", "speedscope", "--output", str(profile)],
                                stdout=subprocess.DEVNULL)
@@ -311,7 +310,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     if profile is not None:
         import signal
         import subprocess
-        spy = subprocess.Popen([PY_SPY, "record", "--pid", str(next(iter(processes.values()))),
+        spy = subprocess.Popen([common.PY_SPY, "record", "--pid", str(next(iter(processes.values()))),
                                 # --nonblocking: no pause of the server per sample
                                 "--rate", "200", "--nonblocking", "--format", "speedscope",
                                 "--output", profile],

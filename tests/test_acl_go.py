@@ -16,6 +16,7 @@ import pytest
 from services.acl import Acl
 from spark_client import Client
 from tests.conftest import ACL_TOKENS, REPO_ROOT, create_online
+from tests.go_tools import go_tools
 from tests.test_acl import acls, store  # noqa: F401 — the module's ACL entries, removed after
 from tests.test_acl import tls_of
 
@@ -38,10 +39,7 @@ def test_go_client_tls_and_bearer_tokens_under_acls(acl_cluster, acls, tmp_path)
     acls(Acl("bob", "topic", TOPIC, "write"))
     server_log = Path(acl_cluster.process("ps-0")["log_file"])
     log_start = server_log.stat().st_size  # the cluster is shared: judge this test's lines
-    tools = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "go_tools.sh")], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=900)
-    assert tools.returncode == 0, tools.stdout + tools.stderr
-    go = dict(line.split("=", 1) for line in tools.stdout.split())["GO"]
+    go = go_tools(900)["GO"]
     token_file = tmp_path / "dave.token"
     token_file.write_text(DAVE_TOKEN + "\n")
     tls = tls_of(acl_cluster, "go-client")  # a certificate whose principal has no ACL

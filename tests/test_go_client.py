@@ -37,10 +37,10 @@ from partition_server.record_batch import Compression, Record, decode_records, e
 from partition_server.record_columns import encode_records
 from spark_client import Client, errors
 from tests.conftest import REPO_ROOT, wait_until
+from tests.go_tools import GO_DIR, build_cli, go_tools
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]  # a cold Go build takes minutes
 
-GO_DIR = REPO_ROOT / "clients" / "go"
 SETUP_TIMEOUT_S = 1200
 
 
@@ -48,15 +48,11 @@ class GoTools:
     """What scripts/go_tools.sh found or installed, and the atomlog-go binary."""
 
     def __init__(self, tmp: Path):
-        result = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "go_tools.sh")], cwd=REPO_ROOT,
-                                capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
-        assert result.returncode == 0, result.stdout + result.stderr
-        found = dict(line.split("=", 1) for line in result.stdout.split())
+        found = go_tools(SETUP_TIMEOUT_S)
         self.go = found["GO"]
         self.tools_bin = Path(found["GO_TOOLS_BIN"])
         self.env = {**os.environ, "PATH": f"{Path(self.go).parent}:{self.tools_bin}:{os.environ['PATH']}"}
-        self.cli = tmp / "atomlog-go"
-        self.run_go("build", "-o", str(self.cli), "./cmd/atomlog-go", timeout=SETUP_TIMEOUT_S)
+        self.cli = build_cli(self.go, tmp / "atomlog-go", SETUP_TIMEOUT_S, self.env)
 
     def run_go(self, *args: str, timeout: float = 600, env: dict | None = None) -> str:
         result = subprocess.run([self.go, *args], cwd=GO_DIR, capture_output=True, text=True,

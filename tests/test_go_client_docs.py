@@ -23,6 +23,7 @@ import pytest
 
 from spark_client import Client
 from tests.conftest import REPO_ROOT, wait_until
+from tests.go_tools import go_tools
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]  # the tools may need building
 
@@ -148,10 +149,7 @@ def wait_for_settled_leases(bootstrap: str) -> None:
 
 def test_every_example_of_clients_md_runs(cluster, tmp_path):
     wait_for_settled_leases(cluster.info["bootstrap"])
-    tools = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "go_tools.sh")], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=1200)
-    assert tools.returncode == 0, tools.stdout + tools.stderr
-    found = dict(line.split("=", 1) for line in tools.stdout.split())
+    found = go_tools(1200)
     runnable, files = examples(DOC.read_text())
     assert len(runnable) >= 20 and "mkbatch.py" in files
     assert sum(e.kind is not None for e in runnable) >= 18, "most examples show their output"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from services import launcher
 from services.failpoints import ENVIRONMENT_VARIABLE as FAILPOINTS_VARIABLE, FSYNC
+from tests import go_tools
 from tests.chaos import checker, history, nemesis
 from tests.chaos.history import EventLog
 from tests.chaos.proxy import FaultProxy
@@ -184,22 +185,11 @@ class Run:
         return names
 
     def build_go_cli(self) -> Path:
-        """atomlog-go, built into the run directory with the Go toolchain that
-        scripts/go_tools.sh finds or installs (as tests/test_go_client.py builds it)."""
+        """atomlog-go, built into the run directory (tests/go_tools.py, as the Go client's
+        tests build it)."""
         self.say("building the Go client's worker (clients/go/cmd/atomlog-go)")
-        tools = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "go_tools.sh")],
-                               cwd=REPO_ROOT, capture_output=True, text=True,
-                               timeout=GO_BUILD_TIMEOUT_S)
-        if tools.returncode != 0:
-            raise RuntimeError(f"--go: scripts/go_tools.sh failed:\n{tools.stderr[-2000:]}")
-        go = dict(line.split("=", 1) for line in tools.stdout.split())["GO"]
-        cli = self.run_dir / "atomlog-go"
-        built = subprocess.run([go, "build", "-o", str(cli), "./cmd/atomlog-go"],
-                               cwd=REPO_ROOT / "clients" / "go", capture_output=True, text=True,
-                               timeout=GO_BUILD_TIMEOUT_S)
-        if built.returncode != 0:
-            raise RuntimeError(f"--go: go build failed:\n{built.stderr[-2000:]}")
-        return cli
+        go = go_tools.go_tools(GO_BUILD_TIMEOUT_S)["GO"]
+        return go_tools.build_cli(go, self.run_dir / "atomlog-go", GO_BUILD_TIMEOUT_S)
 
     def wait_until(self, moment: float) -> None:
         while True:

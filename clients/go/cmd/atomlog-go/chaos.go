@@ -227,11 +227,14 @@ func (w *chaosWorker) poll(ctx context.Context, sub *atomlog.Subscription) []ato
 // "aborted" or "unknown".
 func (w *chaosWorker) transaction(ctx context.Context, sub *atomlog.Subscription,
 	producer *atomlog.Producer, messages []atomlog.Message) string {
+	outputs := make([]atomlog.Record, len(messages))
+	partitions := make([]int32, len(messages))
 	writes := make([][]any, 0, len(messages))
 	acks := make([][]any, 0, len(messages))
-	for _, m := range messages {
-		writes = append(writes, []any{w.spec.OutputTopic, int(m.Partition) % w.outputs,
-			chaosTransform + string(m.Value)})
+	for i, m := range messages {
+		outputs[i] = atomlog.Record{Key: m.Key, Value: []byte(chaosTransform + string(m.Value))}
+		partitions[i] = m.Partition % int32(w.outputs)
+		writes = append(writes, []any{w.spec.OutputTopic, partitions[i], string(outputs[i].Value)})
 		acks = append(acks, []any{w.spec.Subscription, m.Topic, m.Partition, m.Offset})
 	}
 	txn, err := w.client.BeginTxn(ctx, atomlog.TxnOptions{Timeout: chaosTxnTimeout})
@@ -244,10 +247,9 @@ func (w *chaosWorker) transaction(ctx context.Context, sub *atomlog.Subscription
 	roundCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	err = func() error {
-		for i, m := range messages {
-			_, err := producer.Send(roundCtx, w.spec.OutputTopic,
-				atomlog.Record{Key: m.Key, Value: []byte(writes[i][2].(string))},
-				atomlog.ToPartition(int32(writes[i][1].(int))), atomlog.InTxn(txn))
+		for i, record := range outputs {
+			_, err := producer.Send(roundCtx, w.spec.OutputTopic, record,
+				atomlog.ToPartition(partitions[i]), atomlog.InTxn(txn))
 			if err != nil {
 				return err
 			}
