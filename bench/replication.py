@@ -12,6 +12,10 @@ factor F (`topics.default_replication_factor=F`), then measures:
 - small transactions: one SDK client, one-call transactions of one 100-byte record each
   to a rotating partition, back to back, for --seconds: transactions/s and commit p50/p99.
 
+A third cell runs factor 3 with `replication.follower_direct_io=false`: followers write their
+copies through the page cache, as leaders do, instead of around it (O_DIRECT, the default;
+docs/replication.md), so the run shows what that choice is worth beside its own factor 1.
+
 The same run measures the disk floor: os.write of 256 KiB and os.fsync, in a loop, for 3 s
 (MB/s). Client and all servers share this machine's CPUs, so with F = 3 every byte is
 written and fsynced three times on the same two cores: the ratio is what one box does,
@@ -52,6 +56,10 @@ PARTITIONS = DEFAULT_PARTITIONS = 3
 PRODUCERS = 2
 BATCH_KIB = DEFAULT_BATCH_KIB = 256
 TARGET_RF3_OF_RF1 = 0.50
+BUFFERED = "3b"  # the cell of factor 3 whose followers write through the page cache
+# The cells of a round: (key, replication factor, extra `atomlog up` flags).
+CELLS = [(1, 1, ()), (3, 3, ()),
+         (BUFFERED, 3, ("--set", "replication.follower_direct_io=false"))]
 
 
 def start_cluster(data_dir: Path, *flags: str) -> dict:
@@ -215,9 +223,9 @@ def disk_floor(directory: Path, seconds: float = 3.0) -> float:
 
 
 def run(seconds: float, rounds: int = 1) -> list[dict]:
-    """`rounds` pairs of cells, factor 1 then 3 in odd rounds and 3 then 1 in even ones,
-    each on a fresh cluster: one result dict per round (the machine is noisy; a pair is
-    compared within its round)."""
+    """`rounds` rounds of the CELLS, in order in odd rounds and reversed in even ones,
+    each on a fresh cluster: one result dict per round (the machine is noisy; cells are
+    compared within their round)."""
     from spark_client import Client
 
     every = []
@@ -225,11 +233,11 @@ def run(seconds: float, rounds: int = 1) -> list[dict]:
         for index in range(rounds):
             results: dict = {"machine": common.machine(os.getloadavg()[0])}
             results["disk_mb_s"] = disk_floor(Path(tmp))
-            for factor in ((1, 3) if index % 2 == 0 else (3, 1)):
-                data_dir = Path(tmp) / f"r{index}-rf{factor}"
+            for key, factor, flags in (CELLS if index % 2 == 0 else CELLS[::-1]):
+                data_dir = Path(tmp) / f"r{index}-{key}"
                 try:
                     info = start_cluster(data_dir, "--set",
-                                         f"topics.default_replication_factor={factor}")
+                                         f"topics.default_replication_factor={factor}", *flags)
                     with Client(info["bootstrap"]) as client:
                         client.create_topic("bench-produce", partitions=PARTITIONS)
                         client.create_topic("bench-txn", partitions=PARTITIONS)
@@ -239,8 +247,8 @@ def run(seconds: float, rounds: int = 1) -> list[dict]:
                         produce.wait_ready(client.metadata.route("bench-produce", 0).address,
                                            "bench-produce", 1)
                         cell = measure_cell(client, info, seconds)
-                        results[factor] = cell
-                    print(f"round {index + 1}, factor {factor}: {cell}", flush=True)
+                        results[key] = cell
+                    print(f"round {index + 1}, cell {key}: {cell}", flush=True)
                 finally:
                     stop_cluster(data_dir)
                     shutil.rmtree(data_dir, ignore_errors=True)
@@ -260,6 +268,7 @@ def median_round(every: list[dict]) -> dict:
 
 def rounds_line(every: list[dict]) -> str:
     ratios = [ratio(r) for r in every]
+    buffered = [r[BUFFERED]["mb_s"] / r[1]["mb_s"] for r in every]
     small = [r[3]["txn_s"] / r[1]["txn_s"] for r in every]
     cpu = [r[3]["server_cpu_ms_per_mb"] / r[1]["server_cpu_ms_per_mb"] for r in every]
     met = sum(x >= TARGET_RF3_OF_RF1 for x in ratios)
@@ -267,37 +276,52 @@ def rounds_line(every: list[dict]) -> str:
             f"{', '.join(f'{x:.0%}' for x in ratios)} (target met in {met} of "
             f"{len(ratios)}); small transactions: {', '.join(f'{x:.0%}' for x in small)}; "
             f"servers' CPU per MB, factor 3 / factor 1: "
-            f"{', '.join(f'{x:.1f}x' for x in cpu)}.")
+            f"{', '.join(f'{x:.1f}x' for x in cpu)}; factor 3 with followers writing "
+            f"through the page cache, produce as a share of factor 1: "
+            f"{', '.join(f'{x:.0%}' for x in buffered)}.")
 
 
 def table(results: dict, seconds: float) -> str:
-    one, three = results[1], results[3]
-    rows = [
-        (f"produce MB/s (2 wire producers, {PARTITIONS} partitions, {BATCH_KIB} KiB batches)",
-         f"{one['mb_s']:.1f}", f"{three['mb_s']:.1f}", f"{three['mb_s'] / one['mb_s']:.0%}"),
-        ("produce ack p50 / p99 ms", f"{one['ack_p50_ms']:.1f} / {one['ack_p99_ms']:.1f}",
-         f"{three['ack_p50_ms']:.1f} / {three['ack_p99_ms']:.1f}", ""),
-        ("partition servers' CPU per MB acknowledged (ms), all three servers",
-         f"{one['server_cpu_ms_per_mb']:.1f}", f"{three['server_cpu_ms_per_mb']:.1f}",
-         f"{three['server_cpu_ms_per_mb'] / one['server_cpu_ms_per_mb']:.1f}x"),
-        ("partition servers' cores busy while producing", f"{one['server_cores']:.2f}",
-         f"{three['server_cores']:.2f}", ""),
-        ("Replicate/ReplicateMany calls per MB acknowledged",
-         f"{one['replicate_calls_per_mb']:.1f}", f"{three['replicate_calls_per_mb']:.1f}", ""),
-        ("small transactions/s (one client, one-call, back to back)",
-         f"{one['txn_s']:.0f}", f"{three['txn_s']:.0f}", f"{three['txn_s'] / one['txn_s']:.0%}"),
-        ("commit p50 / p99 ms", f"{one['p50_ms']:.1f} / {one['p99_ms']:.1f}",
-         f"{three['p50_ms']:.1f} / {three['p99_ms']:.1f}", ""),
-        ("partition servers' CPU per transaction (ms)", f"{one['server_cpu_ms_per_txn']:.1f}",
-         f"{three['server_cpu_ms_per_txn']:.1f}",
-         f"{three['server_cpu_ms_per_txn'] / one['server_cpu_ms_per_txn']:.1f}x"),
-        ("Replicate/ReplicateMany calls per transaction",
-         f"{one['replicate_calls_per_txn']:.1f}", f"{three['replicate_calls_per_txn']:.1f}", ""),
-    ]
-    lines = ["| measure | factor 1 | factor 3 | 3 / 1 |", "| --- | --- | --- | --- |"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    lines.append(f"| disk floor: os.write 256 KiB + fsync, same run | "
-                 f"{results['disk_mb_s']:.0f} MB/s | | |")
+    """Factor 1, factor 3 and factor 3 with buffered followers, each factor-3 cell beside
+    its ratio to factor 1 ("x" rows: a multiple, the others a share)."""
+    one, three, buffered = results[1], results[3], results[BUFFERED]
+
+    def row(label: str, key: str, form: str, compare: str = "") -> str:
+        cells = [label, form.format(one[key])]
+        for cell in (three, buffered):
+            cells.append(form.format(cell[key]))
+            ratio_of = cell[key] / one[key] if one[key] else 0.0
+            cells.append({"share": f"{ratio_of:.0%}", "times": f"{ratio_of:.1f}x",
+                          "": ""}[compare])
+        return "| " + " | ".join(cells) + " |"
+
+    def pair(label: str, a: str, b: str) -> str:
+        cells = [label]
+        for cell in (one, three, buffered):
+            cells.append(f"{cell[a]:.1f} / {cell[b]:.1f}")
+            if cell is not one:
+                cells.append("")
+        return "| " + " | ".join(cells) + " |"
+
+    lines = ["| measure | factor 1 | factor 3 | 3 / 1 | factor 3, followers buffered | "
+             "3 buffered / 1 |", "| --- | --- | --- | --- | --- | --- |",
+             row(f"produce MB/s (2 wire producers, {PARTITIONS} partitions, {BATCH_KIB} KiB "
+                 "batches)", "mb_s", "{:.1f}", "share"),
+             pair("produce ack p50 / p99 ms", "ack_p50_ms", "ack_p99_ms"),
+             row("partition servers' CPU per MB acknowledged (ms), all three servers",
+                 "server_cpu_ms_per_mb", "{:.1f}", "times"),
+             row("partition servers' cores busy while producing", "server_cores", "{:.2f}"),
+             row("Replicate/ReplicateMany calls per MB acknowledged",
+                 "replicate_calls_per_mb", "{:.1f}"),
+             row("small transactions/s (one client, one-call, back to back)", "txn_s",
+                 "{:.0f}", "share"),
+             pair("commit p50 / p99 ms", "p50_ms", "p99_ms"),
+             row("partition servers' CPU per transaction (ms)", "server_cpu_ms_per_txn",
+                 "{:.1f}", "times"),
+             row("Replicate/ReplicateMany calls per transaction", "replicate_calls_per_txn",
+                 "{:.1f}"),
+             f"| disk floor: os.write 256 KiB + fsync, same run | "
+             f"{results['disk_mb_s']:.0f} MB/s | | | | |"]
     return "\n".join(lines)
 
 
@@ -398,7 +422,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="pairs of cells (factor 1 and 3), alternating which goes first; "
+                        help="rounds of cells (factor 1, 3, 3 with buffered followers), alternating "
+                             "their order; "
                              "the table shows the median round (default 3)")
     parser.add_argument("--partitions", type=int, default=PARTITIONS,
                         help="partitions of the produce topic, spread over the three "

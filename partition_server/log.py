@@ -18,6 +18,7 @@ segment can ever hold unflushed bytes — corruption anywhere else is data loss.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from partition_server import direct_io
 from partition_server import segment as seg_mod
 from partition_server.record_batch import (ATTR_CONTROL, DEFAULT_MAX_BATCH_BYTES, INT64_MIN,
                                            LENGTH_FIELD_END, PREFIX, PREFIX_SIZE, BatchHeader,
@@ -169,10 +171,15 @@ class PartitionLog:
     """The segmented log of one partition. See the module docstring."""
 
     def __init__(self, directory: str | os.PathLike, config: LogConfig | None = None, *,
-                 clock_ms: Callable[[], int] = _now_ms) -> None:
+                 clock_ms: Callable[[], int] = _now_ms, direct_copies: bool = False) -> None:
+        """`direct_copies`: `append_copied` writes around the page cache (O_DIRECT,
+        partition_server/direct_io.py), as a follower's log does; where the file system
+        refuses O_DIRECT it writes buffered."""
         self.directory = Path(directory).absolute()
         self.config = config or LogConfig()
         self._clock_ms = clock_ms
+        self._direct_copies = direct_copies and direct_io.supported()
+        self._direct: direct_io.DirectAppender | None = None  # on the active segment
         self._segments: list[Segment] = []
         self._bases: list[int] = []
         self._open_sealed: OrderedDict[int, Segment] = OrderedDict()
@@ -363,7 +370,11 @@ class PartitionLog:
                 buffers.append(memoryview(batch)[PREFIX_SIZE:])
                 stamped.append(header._replace(base_offset=next_offset, log_append_time_ms=now))
             next_offset += header.last_offset_delta + 1
-        _writev_all(active.fd, buffers)
+        if copied and self._direct_copies:
+            self._direct_write(active, buffers)
+        else:
+            self._end_direct()
+            _writev_all(active.fd, buffers)
         interval = self.config.index_interval_bytes
         position = active.size
         for header in stamped:
@@ -372,6 +383,30 @@ class PartitionLog:
             if not header.attributes & ATTR_CONTROL:
                 self._last_data_offset_written = header.base_offset + header.last_offset_delta
         self._log_end_offset = next_offset
+
+    def _direct_write(self, active: Segment, buffers: list[bytes | memoryview]) -> None:
+        appender = self._direct
+        if appender is None:
+            try:
+                appender = direct_io.DirectAppender(active.log_path, active.size, active.fd)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                self._direct_copies = False  # the file system refuses O_DIRECT (tmpfs)
+                _writev_all(active.fd, buffers)
+                return
+            self._direct = appender
+        appender.write(buffers)
+
+    def _end_direct(self, *, cut: bool | None = None) -> None:
+        """Stop writing the active segment around the page cache: cut its file back to
+        the log's end (direct writes pad the last block with zeros) unless the log failed
+        (then recovery decides), and close the direct descriptor. Before any other write,
+        a roll, a cut or a close; the next copied append starts again."""
+        appender, self._direct = self._direct, None
+        if appender is not None:
+            appender.finish(cut=(self._broken is None and self._data_loss is None)
+                            if cut is None else cut)
 
     def flush(self) -> int:
         """fsync what was appended and move the high watermark to the log end; returns it.
@@ -486,6 +521,7 @@ class PartitionLog:
 
     def _roll(self) -> None:
         old = self._active
+        self._end_direct()
         os.fsync(old.fd)  # sealed segments are durable: only the last one can have a torn tail
         self._durable_offset = max(self._durable_offset, old.next_offset)
         self._write_index_file(old)
@@ -769,6 +805,7 @@ class PartitionLog:
         self._check_serving()
         if offset < 0:
             raise AtomlogError("INVALID_ARGUMENT", f"offset {offset} is negative")
+        self._end_direct(cut=False)  # every segment goes
         self._durable_offset = 0
         self._write_recovery_point(sync=True, offset=self.log_start_offset)
         for segment in self._segments:
@@ -813,6 +850,7 @@ class PartitionLog:
         """Cut the log at (segment `base_offset`, `position`), deleting later segments
         newest first. Lowers the recovery point durably first, so a crash midway never
         makes the cut look like lost flushed data. Returns the bytes removed."""
+        self._end_direct(cut=False)  # cut here below
         self._durable_offset = min(self._durable_offset, new_end_offset)
         self._write_recovery_point(sync=True, offset=new_end_offset)
         for segment in self._segments:
@@ -847,6 +885,7 @@ class PartitionLog:
     # --- Open and recovery --------------------------------------------------------------------
 
     def _reload(self) -> None:
+        self._end_direct()
         for segment in self._segments:
             segment.close()
         self._segments, self._bases = [], []
@@ -1148,6 +1187,7 @@ class PartitionLog:
             return
         try:
             if self._data_loss is None and self._broken is None and self._segments:
+                self._end_direct()
                 self.flush()
                 os.fsync(self._active.fd)  # also what flush_end(durable=False) left unsynced
                 self._durable_offset = self._log_end_offset
@@ -1169,6 +1209,7 @@ class PartitionLog:
                 "first_append_time_ms": active.first_append_time_ms}
 
     def _close_files(self) -> None:
+        self._end_direct(cut=False)  # a healthy close cut it already
         for segment in self._segments:
             segment.close()
         os.close(self._dir_fd)  # releases the flock

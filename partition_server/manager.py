@@ -56,6 +56,7 @@ OPEN_RETRY_MAX_S = 30.0
 class ReplicationSettings:
     max_lag_ms: int = 10_000
     fetch_wait_ms: int = 2_000
+    follower_direct_io: bool = True
 
     def __post_init__(self) -> None:
         # An idle follower shows it is caught up once per call: several per max_lag_ms.
@@ -348,7 +349,8 @@ class PartitionManager:
                             settings.log, me, state.leader, address, state.leader_epoch,
                             self._fetcher(state.leader, address), fsync=settings.fsync,
                             cursor_limits=settings.cursor_limits, known_hw=known_hw,
-                            incarnation=self.incarnation)
+                            incarnation=self.incarnation,
+                            direct_io=self.replication.follower_direct_io)
         self.followers[key] = follower
         await follower.start()
 

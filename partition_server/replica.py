@@ -867,10 +867,11 @@ class Follower:
     def __init__(self, topic: str, partition: int, directory, log_config: LogConfig, me: str,
                  leader: str, leader_address: str, epoch: int, fetcher: "LeaderFetcher",
                  fsync: bool = True, cursor_limits: CursorStoreLimits | None = None,
-                 known_hw: int = 0, incarnation: int = 0):
+                 known_hw: int = 0, incarnation: int = 0, direct_io: bool = True):
         """`known_hw`: the high watermark this replica learned from its previous leader
         (everything below was acknowledged): a truncation below it means acknowledged
-        records are lost (an unclean election), and is reported as such."""
+        records are lost (an unclean election), and is reported as such. `direct_io`:
+        write the copies around the page cache (partition_server/direct_io.py)."""
         self.topic, self.partition = topic, partition
         self.name = f"{topic}-{partition}"
         self.directory = directory
@@ -881,6 +882,7 @@ class Follower:
         self.epoch = epoch
         self.fetcher = fetcher
         self.fsync = fsync
+        self.direct_io = direct_io
         self.log: PartitionLog | None = None
         self.epochs: LeaderEpochFile | None = None
         self.known_hw = known_hw
@@ -911,14 +913,16 @@ class Follower:
               log_end=self.log.log_end_offset)
 
     def _open(self) -> tuple[PartitionLog, LeaderEpochFile]:
-        partition_log = PartitionLog(self.directory, self.log_config)
+        partition_log = PartitionLog(self.directory, self.log_config,
+                                     direct_copies=self.direct_io)
         if partition_log.data_loss is not None:
             # A corrupt copy is worth nothing: start over from the leader.
             event(log, "follower log corrupt; refetching from the leader", logging.WARNING,
                   partition=self.name, offset=partition_log.data_loss.offset)
             partition_log.close()
             _wipe_log(self.directory)
-            partition_log = PartitionLog(self.directory, self.log_config)
+            partition_log = PartitionLog(self.directory, self.log_config,
+                                         direct_copies=self.direct_io)
         epochs = LeaderEpochFile(self.directory, partition_log.log_start_offset,
                                  partition_log.log_end_offset)
         return partition_log, epochs

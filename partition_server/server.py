@@ -106,7 +106,8 @@ async def install(runtime) -> list[str]:
                                runtime.zk, owner_settings(config), coordinator_epochs=epochs,
                                replication=ReplicationSettings(
                                    max_lag_ms=config["replication.max_lag_ms"],
-                                   fetch_wait_ms=config["replication.fetch_wait_ms"]))
+                                   fetch_wait_ms=config["replication.fetch_wait_ms"],
+                                   follower_direct_io=config["replication.follower_direct_io"]))
     await manager.start()
     runtime.stop_hooks.append(manager.close)
     verifier = TxnVerifier(runtime.metadata, epochs,

@@ -293,6 +293,11 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "bounds the calls of idle partitions). At most a third of "
                 "replication.max_lag_ms is used, so an idle follower still shows it is "
                 "caught up.", minimum=10, maximum=30_000),
+        Setting("replication.follower_direct_io", bool, True, "Followers write the records "
+                "they copy around the page cache (O_DIRECT): a follower's copy is read only "
+                "if it is promoted, so it leaves the page cache to the data consumers read "
+                "(docs/replication.md). false writes them buffered, as a leader does; file "
+                "systems without O_DIRECT write buffered either way."),
         Setting("server.rack", str, "", "Rack or zone of this partition server: a topic's "
                 "replicas go to distinct racks while there are racks."),
         Setting("partition.txn_check_interval_ms", int, 1_000, "How often open transactions "

@@ -40,8 +40,10 @@ def make_batch(records: int = 3, value_bytes: int = 100, timestamp_ms: int = 1_0
                         timestamp_ms=timestamp_ms)
 
 
-def open_log(path: Path, clock: Clock | None = None, **config) -> PartitionLog:
-    return PartitionLog(path, LogConfig(**config), clock_ms=clock or Clock())
+def open_log(path: Path, clock: Clock | None = None, *, direct_copies: bool = False,
+             **config) -> PartitionLog:
+    return PartitionLog(path, LogConfig(**config), clock_ms=clock or Clock(),
+                        direct_copies=direct_copies)
 
 
 def stored_batches(log: PartitionLog, upper: int | None = None) -> list[tuple[int, bytes]]:

@@ -1,14 +1,24 @@
 """A follower's storage (docs/replication.md): copying the leader's batches byte for byte
 at their offsets, cutting back by leader epoch, and restarting at the leader's log start —
-on real files, checked against the leader's log and across reopen and crash copies."""
+on real files, checked against the leader's log and across reopen and crash copies. Each
+follower test runs with the copies written around the page cache (O_DIRECT, as followers
+write them by default: partition_server/direct_io.py) and buffered."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from partition_server import direct_io
 from partition_server.record_batch import parse_header
 from services.errors import AtomlogError
 from tests.test_log import Clock, crash_copy, make_batch, open_log, stored_batches
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def direct(request) -> bool:
+    return request.param
 
 
 def copied(leader, from_offset: int = 0) -> list[tuple[bytes, object]]:
@@ -17,14 +27,15 @@ def copied(leader, from_offset: int = 0) -> list[tuple[bytes, object]]:
             if base >= from_offset]
 
 
-def test_copied_batches_keep_the_leaders_offsets_times_and_bytes(tmp_path):
+def test_copied_batches_keep_the_leaders_offsets_times_and_bytes(tmp_path, direct):
     leader = open_log(tmp_path / "leader", Clock(1_000_000), segment_bytes=1_200)
     leader.append([make_batch(3, 200), make_batch(1, 200)])
     leader.flush()
     leader.append([make_batch(4, 200)] * 3)
     leader.flush()
     # The follower's clock is behind the leader's: copies keep the leader's times anyway.
-    follower = open_log(tmp_path / "follower", Clock(5), segment_bytes=1_200)
+    follower = open_log(tmp_path / "follower", Clock(5), segment_bytes=1_200,
+                        direct_copies=direct)
     items = copied(leader)
     assert follower.append_copied(items[:2]) == [0, 3]
     assert follower.append_copied(items[2:]) == [4, 8, 12]
@@ -33,19 +44,21 @@ def test_copied_batches_keep_the_leaders_offsets_times_and_bytes(tmp_path):
     assert follower.log_end_offset == leader.log_end_offset == 16
     assert len(follower.segments()) > 1  # rolled by its own segment size
     follower.close()
-    reopened = open_log(tmp_path / "follower", Clock(5), segment_bytes=1_200)
+    reopened = open_log(tmp_path / "follower", Clock(5), segment_bytes=1_200,
+                        direct_copies=direct)
     assert stored_batches(reopened) == stored_batches(leader) and reopened.data_loss is None
+    assert reopened.recovery.clean_shutdown
     # The follower appends its own batches after the copies, as a new leader does.
     assert reopened.append([make_batch(2)]) == [16]
     reopened.flush()
     assert parse_header(stored_batches(reopened)[-1][1]).log_append_time_ms >= 1_000_000
 
 
-def test_a_gap_or_overlap_is_refused_and_writes_nothing(tmp_path):
+def test_a_gap_or_overlap_is_refused_and_writes_nothing(tmp_path, direct):
     leader = open_log(tmp_path / "leader")
     leader.append([make_batch(2), make_batch(3), make_batch(1)])
     leader.flush()
-    follower = open_log(tmp_path / "follower")
+    follower = open_log(tmp_path / "follower", direct_copies=direct)
     items = copied(leader)
     for wrong in ([items[1]], [items[0], items[2]], [items[0], items[0]]):
         with pytest.raises(AtomlogError) as refused:
@@ -60,11 +73,11 @@ def test_a_gap_or_overlap_is_refused_and_writes_nothing(tmp_path):
     assert stored_batches(follower) == stored_batches(leader)
 
 
-def test_a_follower_cuts_back_and_takes_the_new_leaders_batches(tmp_path):
+def test_a_follower_cuts_back_and_takes_the_new_leaders_batches(tmp_path, direct):
     old = open_log(tmp_path / "old-leader")
     old.append([make_batch(2, key=b"a"), make_batch(2, key=b"b"), make_batch(2, key=b"x")])
     old.flush()
-    follower = open_log(tmp_path / "follower")
+    follower = open_log(tmp_path / "follower", direct_copies=direct)
     follower.append_copied(copied(old))
     follower.flush()
     # The new leader has the first two batches, then its own from offset 4.
@@ -76,10 +89,16 @@ def test_a_follower_cuts_back_and_takes_the_new_leaders_batches(tmp_path):
     follower.append_copied(copied(new, 4))
     follower.flush()
     assert stored_batches(follower) == stored_batches(new)
+    snapshot = crash_copy(follower, tmp_path / "crash")
+    follower.close()
+    for directory in (tmp_path / "follower", snapshot):
+        reopened = open_log(directory)
+        assert reopened.data_loss is None and stored_batches(reopened) == stored_batches(new)
+        reopened.close()
 
 
-def test_restart_at_the_leaders_log_start(tmp_path):
-    follower = open_log(tmp_path / "follower", segment_bytes=1_000)
+def test_restart_at_the_leaders_log_start(tmp_path, direct):
+    follower = open_log(tmp_path / "follower", segment_bytes=1_000, direct_copies=direct)
     follower.append([make_batch(2, 200)] * 6)
     follower.flush()
     leader = open_log(tmp_path / "leader", segment_bytes=1_000)
@@ -105,6 +124,91 @@ def test_restart_at_the_leaders_log_start(tmp_path):
     with pytest.raises(AtomlogError) as refused:
         leader.restart_at(-1)
     assert refused.value.reason == "INVALID_ARGUMENT"
+
+
+# ------------------------------------------------------------------ writes around the page cache
+
+@pytest.mark.parametrize("segment_bytes", [4_000_000, 300_000])
+def test_direct_copies_pad_the_last_block_until_a_close_cuts_it(tmp_path, segment_bytes):
+    """Direct writes are whole 4 KiB blocks from the file's last block boundary: while the
+    follower writes, its file ends in zeros past the log's end; each append rewrites the
+    partial block from memory; a close cuts the zeros off (so the next open trusts the
+    clean shutdown), and so does a roll before it seals a segment."""
+    leader = open_log(tmp_path / "leader", segment_bytes=segment_bytes)
+    # Sizes that end mid-block, and one append of 1.8 MB: past the 1 MiB direct buffer.
+    singles = [(1, 10), (3, 1_000), (40, 1_000), (300, 1_000), (5, 7)]
+    for records, value_bytes in singles + [(600, 1_000)] * 3 + [(2, 3_000)]:
+        leader.append([make_batch(records, value_bytes)])
+        leader.flush()
+    items = copied(leader)
+    groups = [[item] for item in items[:len(singles)]] + [items[len(singles):-1], items[-1:]]
+    follower = open_log(tmp_path / "follower", segment_bytes=segment_bytes, direct_copies=True)
+    for group in groups:
+        follower.append_copied(group)
+        follower.flush()
+        active = follower.segments()[-1]
+        on_disk = os.path.getsize(active.path)
+        assert on_disk % direct_io.BLOCK == 0 and 0 <= on_disk - active.size_bytes < direct_io.BLOCK
+        for sealed in follower.segments()[:-1]:  # cut back to its size before it was sealed
+            assert os.path.getsize(sealed.path) == sealed.size_bytes
+        assert stored_batches(follower) == [b for b in stored_batches(leader)
+                                            if b[0] < follower.log_end_offset]
+    assert stored_batches(follower) == stored_batches(leader)
+    follower.close()
+    assert len(follower.segments()) == len(leader.segments())
+    assert (len(leader.segments()) == 1) == (segment_bytes > 2_000_000)
+    for segment in leader.segments():
+        path = tmp_path / "follower" / os.path.basename(segment.path)
+        assert path.read_bytes() == open(segment.path, "rb").read()
+    reopened = open_log(tmp_path / "follower", segment_bytes=segment_bytes, direct_copies=True)
+    assert reopened.recovery.clean_shutdown and reopened.recovery.truncated_bytes == 0
+    assert stored_batches(reopened) == stored_batches(leader)
+    reopened.close()
+
+
+def test_a_crash_leaves_the_padding_to_recovery_and_loses_nothing_flushed(tmp_path):
+    leader = open_log(tmp_path / "leader")
+    leader.append([make_batch(7, 333), make_batch(2, 5)])
+    leader.flush()
+    follower = open_log(tmp_path / "follower", direct_copies=True)
+    follower.append_copied(copied(leader))
+    follower.flush()
+    padded = os.path.getsize(tmp_path / "follower" / f"{0:020d}.log")
+    assert padded > follower.size_bytes
+    # kill -9 now: the files as they are, zeros and all.
+    snapshot = crash_copy(follower, tmp_path / "crash")
+    reopened = open_log(snapshot, direct_copies=True)
+    assert reopened.data_loss is None and not reopened.recovery.clean_shutdown
+    assert reopened.recovery.truncated_bytes == padded - follower.size_bytes
+    assert stored_batches(reopened) == stored_batches(leader)
+    # It goes on copying where it ended.
+    leader.append([make_batch(4, 900)])
+    leader.flush()
+    reopened.append_copied(copied(leader, reopened.log_end_offset))
+    reopened.flush()
+    assert stored_batches(reopened) == stored_batches(leader)
+    reopened.close()
+    follower.close()
+
+
+def test_a_promoted_follower_appends_its_own_batches_after_direct_copies(tmp_path):
+    """A log that wrote copies around the page cache and then appends as a leader
+    (buffered, O_APPEND) must not leave the padding between the two."""
+    leader = open_log(tmp_path / "leader")
+    leader.append([make_batch(3, 50)])
+    leader.flush()
+    follower = open_log(tmp_path / "follower", direct_copies=True)
+    follower.append_copied(copied(leader))
+    follower.flush()
+    assert follower.append([make_batch(2, 70)]) == [3]
+    follower.flush()
+    leader.append([make_batch(2, 70)])
+    leader.flush()
+    ours = stored_batches(follower)
+    assert [base for base, _ in ours] == [0, 3]
+    assert ours[0] == stored_batches(leader)[0]
+    assert os.path.getsize(tmp_path / "follower" / f"{0:020d}.log") == follower.size_bytes
+    follower.close()
 
 
 # ------------------------------------------------------------------ leader-epoch file
