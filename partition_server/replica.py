@@ -133,6 +133,9 @@ class LeaderReplication:
         # Each follower's newest incarnation seen (docs/replication.md, "Incarnations"):
         # older ones are refused, and the positions recorded belong to this one.
         self._incarnations: dict[str, int] = {}
+        # The log start each follower was last told: a move past it (retention,
+        # DeleteRecords) is news even on an idle partition, so followers delete too.
+        self._told_start: dict[str, int] = {}
         self._data: asyncio.Future | None = None
         self._isr_task: asyncio.Task | None = None
         self._isr_event = asyncio.Event()  # before the task runs: Replicate may poke it
@@ -535,10 +538,15 @@ class LeaderReplication:
     def has_news(self, fetch: int, cursor_position: int, replica: str = "") -> bool:
         """Whether `replica`, a follower at `fetch` and `cursor_position`, has something to
         copy now (records its throttle lets through, cursor state) or must hear that this
-        leadership ended."""
+        leadership ended; or that the log start moved (it deletes below it too)."""
         return ((self.log_end > fetch and self.throttle_wait_s(replica) == 0)
                 or self.fenced is not None or self.failed is not None
-                or self._cursor_news(cursor_position))
+                or self._cursor_news(cursor_position) or self._start_news(replica))
+
+    def _start_news(self, replica: str) -> bool:
+        partition_log = self.owner.log if self.owner is not None else None
+        return partition_log is not None and \
+            partition_log.log_start_offset > self._told_start.get(replica, 0)
 
     def _throttled(self, replica: str) -> bool:
         """A new replica of a throttled reassignment, not in sync yet."""
@@ -598,6 +606,7 @@ class LeaderReplication:
                   for i, (e, s) in enumerate(entries)
                   if s < max(next_offset, fetch + 1)
                   and (i + 1 == len(entries) or entries[i + 1][1] > fetch)]
+        self._told_start[request.replica] = partition_log.log_start_offset
         response = partition_pb2.ReplicateResponse(
             high_watermark=self.high_watermark,
             log_start_offset=partition_log.log_start_offset,
@@ -1026,6 +1035,8 @@ class Follower:
             return
         self.known_hw = response.high_watermark
         await self._copy_records(response, partition_log, fetch)
+        if response.log_start_offset > partition_log.log_start_offset:
+            await asyncio.to_thread(self._follow_log_start, int(response.log_start_offset))
         if response.cursors_available and (response.cursor_snapshot or response.cursor_frames):
             # After the log: a cursor failure raises (the loop backs off) but never holds
             # the log back, and is not the log's failure (no reopen of the log for it).
@@ -1060,6 +1071,20 @@ class Follower:
         else:
             target, _fd = self.log.flush_begin()
             self.log.flush_end(target, durable=False)
+
+    def _follow_log_start(self, leader_start: int) -> None:
+        """The leader's retention or DeleteRecords moved its log start: delete the whole
+        segments below it here too (up to what this log holds durably), so a follower's
+        disk is bounded as its leader's is. A follower applies no retention of its own:
+        the leader's keeps what open transactions and snapshots still need."""
+        partition_log = self.log
+        before = min(leader_start, partition_log.high_watermark)
+        if partition_log.log_start_after_delete(before) > partition_log.log_start_offset:
+            partition_log.delete_records(before)
+            self.epochs.truncate_from_start(partition_log.log_start_offset)
+            event(log, "follower deleted segments below its leader's log start",
+                  partition=self.name, log_start=partition_log.log_start_offset,
+                  leader_log_start=leader_start)
 
     def _copy_cursors(self, response) -> None:
         """On a worker thread: install the leader's cursor snapshot when it sent one, then

@@ -603,6 +603,43 @@ def test_paused_leader_past_its_session_acknowledges_nothing(cluster, client):
                    15, "identical replicas")
 
 
+def test_followers_delete_below_their_leaders_log_start(cluster, client):
+    """Retention and DeleteRecords run on the leader; its followers delete the same whole
+    segments when they hear of the new log start, also on a partition nobody writes to
+    any more, so no replica's disk grows past its leader's."""
+    client.create_topic("rep-trim", partitions=1, replication_factor=3,
+                        config={"segment.bytes": str(1 << 16)})
+    wait_until(lambda: fully_in_sync(client, "rep-trim"), 30, "rep-trim in sync")
+    address = client.metadata.route("rep-trim", 0).address
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(address))
+    batch = encode_batch([Record(key=b"k", value=bytes([i]) * 1_000) for i in range(10)])
+    for _ in range(4):
+        reply = stub.Produce(partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+            topic_partition=common_pb2.TopicPartition(topic="rep-trim", partition=0),
+            record_batch=batch)] * 10), timeout=30)
+        assert not any(r.error.reason for r in reply.results)
+
+    def bases(server: str) -> list[int]:
+        directory = cluster.data_dir / server / "partitions" / "rep-trim-0"
+        return sorted(int(path.stem) for path in directory.glob("*.log"))
+
+    wait_until(lambda: len({tuple(bases(s)) for s in SERVERS}) == 1, 15, "same segments")
+    assert len(bases(SERVERS[0])) >= 5
+    result = stub.DeleteRecords(partition_pb2.DeleteRecordsRequest(items=[
+        partition_pb2.DeleteRecordsItem(topic="rep-trim", partition=0, before_offset=205)]),
+        timeout=30).results[0]
+    start = result.log_start_offset
+    assert not result.error.reason and 0 < start <= 205
+    wait_until(lambda: all(bases(s)[0] == start for s in SERVERS), 15,
+               f"every replica to start at {start}: {[bases(s) for s in SERVERS]}")
+    assert len(set(segment_digests(cluster, "rep-trim", 0).values())) == 1
+    # What is left reads back whole from the leader.
+    fetched = stub.Fetch(partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
+        topic_partition=common_pb2.TopicPartition(topic="rep-trim", partition=0),
+        fetch_offset=start)]), timeout=30).results[0]
+    assert not fetched.error.reason and fetched.log_start_offset == start
+
+
 def test_a_throttled_reassignment_copies_at_its_pace_then_completes(cluster, client):
     """`partition reassign --throttle`: the new replica is sent at most the throttle's rate
     (after a one-second burst) while it catches up, `topic describe` shows the throttle,
