@@ -338,6 +338,9 @@ def shape_flags() -> str:
 def write_docs(text: str, every: list[dict], seconds: float) -> None:
     results = median_round(every)
     cpu_ratio = results[3]["server_cpu_ms_per_mb"] / results[1]["server_cpu_ms_per_mb"]
+    buffered_cpu = (results[BUFFERED]["server_cpu_ms_per_mb"]
+                    / results[1]["server_cpu_ms_per_mb"])
+    buffered_share = results[BUFFERED]["mb_s"] / results[1]["mb_s"]
     ratios = sorted(ratio(r) for r in every)
     flags = shape_flags()
     if flags:  # another shape: a section of its own, with what it is for
@@ -367,13 +370,15 @@ def write_docs(text: str, every: list[dict], seconds: float) -> None:
         f"### Replication: factor 3 against factor 1 (issue 21), {time.strftime('%Y-%m-%d')}",
         "",
         f"`.venv/bin/python bench/replication.py --seconds {seconds:g} --rounds "
-        f"{len(every)}`: one cluster per factor and round (fresh each time), three "
+        f"{len(every)}`: one cluster per cell and round (fresh each time), three "
         "partition servers, one coordinator, one id allocator, every topic "
-        "(and __txn_log) at that factor, all on this 2-core machine; factor 1 first in odd "
-        "rounds, factor 3 first in even ones. The table is the round with the median "
-        "produce ratio. Errors seen by the "
+        "(and __txn_log) at that factor, all on this 2-core machine; the cells factor 1, "
+        "factor 3 and factor 3 with followers writing through the page cache, in that "
+        "order in odd rounds and the reverse in even ones. The table is the round with "
+        "the median produce ratio (factor 3 against factor 1). Errors seen by the "
         f"wire producers: factor 1 {results[1]['errors'] or 'none'}, factor 3 "
-        f"{results[3]['errors'] or 'none'}. Machine: {results['machine']}.",
+        f"{results[3]['errors'] or 'none'}, factor 3 buffered "
+        f"{results[BUFFERED]['errors'] or 'none'}. Machine: {results['machine']}.",
         "",
         text,
         "",
@@ -389,20 +394,28 @@ def write_docs(text: str, every: list[dict], seconds: float) -> None:
         f"cores, and with factor 3 the partition servers spend {cpu_ratio:.1f}x the CPU per "
         "acknowledged MB, so where they are CPU-bound factor 3 cannot pass about "
         f"1/{cpu_ratio:.1f} of factor 1 on one box; three machines would each carry one "
-        "replica. Where that CPU goes (`perf record -g` of the three partition servers "
-        "during the produce cell, 2026-11-25, load average 3-6; ms of CPU per acknowledged "
-        "MB, factor 1 against factor 3): the kernel copying writes into the page cache "
-        "(copy_folio_from_iter_atomic) 1.09 against 2.63, every replica writing every byte "
-        "(0.9 ms per MB written, 1 GB/s on this VM); user-space copies (memmove: reading "
-        "the log, protobuf, gRPC) 0.32 against 1.80; the Python interpreter 0.39 against "
-        "1.54; context switches 0.48 against 1.15; socket reads 0.62 with factor 3; in all "
-        "4.6 against 15.6. So even a follower path with no copies and no Python would leave "
-        "factor 3 near 3x factor 1 in page-cache writes alone. And the wire producers keep "
-        "five batches in flight per partition, as the SDK does, so their throughput "
-        "follows the acknowledgement latency: with factor 3 it adds a follower's round "
-        "(the leader's answer, the follower's append and fsync of about 0.85 MB, and its "
-        "next call, which tells the leader it holds it), 25-30 ms under this load, and the "
-        "acknowledgement waits for the slower of the two followers. Tried and not kept: a "
+        "replica. The wire producers keep five batches in flight per partition, as the "
+        "SDK does, so their throughput follows the acknowledgement latency, which with "
+        "factor 3 adds a follower's round (the leader's answer, the follower's append and "
+        "fsync, and its next call, which tells the leader it holds it) and waits for the "
+        "slower of the two followers. "
+        "The third cell is factor 3 with followers writing through the page cache "
+        "(`replication.follower_direct_io=false`), as they did before 2026-11-28: there "
+        f"the servers spend {buffered_cpu:.1f}x factor 1's CPU per MB and produce reaches "
+        f"{buffered_share:.0%} of factor 1 in this round (round by round above). What "
+        "that saves depends on the state of this VM's memory: a buffered write into pages "
+        "the guest has not touched lately costs 0.7-2.2 ms of kernel CPU per MB, into "
+        "recently freed ones 0.2-0.3, as much as a direct write (`os.write` + `fsync` of "
+        "1 GB, in turns, 2026-11-28); `perf record -g` of the three servers in a buffered "
+        "factor-3 cell in the first state put a third of their CPU in the kernel's copy "
+        "into the page cache (copy_folio_from_iter_atomic), against 1.5% with direct "
+        "followers (docs/replication.md, \"Followers write around the page cache\"; "
+        "the section after this one has runs in both states). Where the rest "
+        "goes with direct followers (perf, same cell, 2026-11-28, 13.4 ms per MB under "
+        "perf): the Python interpreter 32%, context switches and wake-ups 19% "
+        "(finish_task_switch, spin unlocks, interrupt exits), libc 12% (memmove 8.7%: "
+        "gRPC's and the answers' copies, the direct-write buffer), gRPC's core 8.8%, "
+        "socket and log-read copies in the kernel 6.7%, crc32c 2%. Tried and not kept: a "
         "follower fetching its next records while its fsync runs (more, smaller calls per "
         "MB: factor 3 at 21-34% of factor 1 against 27-43% without, 2026-11-25); HTTP/2 "
         "frames of 4 MiB instead of 16 KiB (13.6 against 13.0 ms per MB: no gain). Built "
@@ -411,7 +424,10 @@ def write_docs(text: str, every: list[dict], seconds: float) -> None:
         "and leader carrying every partition they share (docs/replication.md, \"One call "
         "per leader\"), which pays where many partitions are written at once: run with "
         "`--partitions 12 --batch-kib 32` (section below) rather than here, where each "
-        "follower and leader share one partition.",
+        "follower and leader share one partition. What would move it next, not built: a "
+        "replication channel outside gRPC (the leader sending log bytes with sendfile, the "
+        "follower receiving straight into its direct-write buffer), which would remove the "
+        "per-call work and the user-space copies that remain.",
         END])
     common.write_docs_section(section, BEGIN, END)
 
