@@ -1035,7 +1035,10 @@ class Follower:
             return
         self.known_hw = response.high_watermark
         await self._copy_records(response, partition_log, fetch)
-        if response.log_start_offset > partition_log.log_start_offset:
+        before = min(int(response.log_start_offset), partition_log.high_watermark)
+        if partition_log.log_start_after_delete(before) > partition_log.log_start_offset:
+            # (Checked here, in memory: most answers carry a log start that deletes
+            # nothing, and need no thread.)
             await asyncio.to_thread(self._follow_log_start, int(response.log_start_offset))
         if response.cursors_available and (response.cursor_snapshot or response.cursor_frames):
             # After the log: a cursor failure raises (the loop backs off) but never holds
@@ -1078,13 +1081,11 @@ class Follower:
         disk is bounded as its leader's is. A follower applies no retention of its own:
         the leader's keeps what open transactions and snapshots still need."""
         partition_log = self.log
-        before = min(leader_start, partition_log.high_watermark)
-        if partition_log.log_start_after_delete(before) > partition_log.log_start_offset:
-            partition_log.delete_records(before)
-            self.epochs.truncate_from_start(partition_log.log_start_offset)
-            event(log, "follower deleted segments below its leader's log start",
-                  partition=self.name, log_start=partition_log.log_start_offset,
-                  leader_log_start=leader_start)
+        partition_log.delete_records(min(leader_start, partition_log.high_watermark))
+        self.epochs.truncate_from_start(partition_log.log_start_offset)
+        event(log, "follower deleted segments below its leader's log start",
+              partition=self.name, log_start=partition_log.log_start_offset,
+              leader_log_start=leader_start)
 
     def _copy_cursors(self, response) -> None:
         """On a worker thread: install the leader's cursor snapshot when it sent one, then
