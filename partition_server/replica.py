@@ -919,7 +919,9 @@ class Follower:
         self.known_hw = min(self.known_hw, self.log.log_end_offset)
         self.fetcher.add(self)
         event(log, "following", partition=self.name, leader=self.leader, epoch=self.epoch,
-              log_end=self.log.log_end_offset)
+              log_end=self.log.log_end_offset,
+              clean_shutdown=self.log.recovery.clean_shutdown,
+              torn_bytes_truncated=self.log.recovery.truncated_bytes)
 
     def _open(self) -> tuple[PartitionLog, LeaderEpochFile]:
         partition_log = PartitionLog(self.directory, self.log_config,
