@@ -1041,7 +1041,8 @@ class Follower:
         if partition_log.log_start_after_delete(before) > partition_log.log_start_offset:
             # (Checked here, in memory: most answers carry a log start that deletes
             # nothing, and need no thread.)
-            await asyncio.to_thread(self._follow_log_start, int(response.log_start_offset))
+            await asyncio.to_thread(self._follow_log_start, before,
+                                    int(response.log_start_offset))
         if response.cursors_available and (response.cursor_snapshot or response.cursor_frames):
             # After the log: a cursor failure raises (the loop backs off) but never holds
             # the log back, and is not the log's failure (no reopen of the log for it).
@@ -1077,13 +1078,14 @@ class Follower:
             target, _fd = self.log.flush_begin()
             self.log.flush_end(target, durable=False)
 
-    def _follow_log_start(self, leader_start: int) -> None:
+    def _follow_log_start(self, before: int, leader_start: int) -> None:
         """The leader's retention or DeleteRecords moved its log start: delete the whole
-        segments below it here too (up to what this log holds durably), so a follower's
-        disk is bounded as its leader's is. A follower applies no retention of its own:
-        the leader's keeps what open transactions and snapshots still need."""
+        segments below `before` here too (its start, or what this log holds durably if
+        less), so a follower's disk is bounded as its leader's is. A follower applies no
+        retention of its own: the leader's keeps what open transactions and snapshots
+        still need."""
         partition_log = self.log
-        partition_log.delete_records(min(leader_start, partition_log.high_watermark))
+        partition_log.delete_records(before)
         self.epochs.truncate_from_start(partition_log.log_start_offset)
         event(log, "follower deleted segments below its leader's log start",
               partition=self.name, log_start=partition_log.log_start_offset,

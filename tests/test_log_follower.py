@@ -128,6 +128,15 @@ def test_restart_at_the_leaders_log_start(tmp_path, direct):
 
 # ------------------------------------------------------------------ writes around the page cache
 
+def write_and_copy(leader, follower, batches: list[bytes]) -> None:
+    """The leader appends `batches` and flushes; the follower copies what it lacks and
+    flushes, as one replication round."""
+    leader.append(batches)
+    leader.flush()
+    follower.append_copied(copied(leader, follower.log_end_offset))
+    follower.flush()
+
+
 @pytest.mark.parametrize("segment_bytes", [4_000_000, 300_000])
 def test_direct_copies_pad_the_last_block_until_a_close_cuts_it(tmp_path, segment_bytes):
     """Direct writes are whole 4 KiB blocks from the file's last block boundary: while the
@@ -168,11 +177,8 @@ def test_direct_copies_pad_the_last_block_until_a_close_cuts_it(tmp_path, segmen
 
 def test_a_crash_leaves_the_padding_to_recovery_and_loses_nothing_flushed(tmp_path):
     leader = open_log(tmp_path / "leader")
-    leader.append([make_batch(7, 333), make_batch(2, 5)])
-    leader.flush()
     follower = open_log(tmp_path / "follower", direct_copies=True)
-    follower.append_copied(copied(leader))
-    follower.flush()
+    write_and_copy(leader, follower, [make_batch(7, 333), make_batch(2, 5)])
     padded = os.path.getsize(tmp_path / "follower" / f"{0:020d}.log")
     assert padded > follower.size_bytes
     # kill -9 now: the files as they are, zeros and all.
@@ -182,10 +188,7 @@ def test_a_crash_leaves_the_padding_to_recovery_and_loses_nothing_flushed(tmp_pa
     assert reopened.recovery.truncated_bytes == padded - follower.size_bytes
     assert stored_batches(reopened) == stored_batches(leader)
     # It goes on copying where it ended.
-    leader.append([make_batch(4, 900)])
-    leader.flush()
-    reopened.append_copied(copied(leader, reopened.log_end_offset))
-    reopened.flush()
+    write_and_copy(leader, reopened, [make_batch(4, 900)])
     assert stored_batches(reopened) == stored_batches(leader)
     reopened.close()
     follower.close()
@@ -195,11 +198,8 @@ def test_a_promoted_follower_appends_its_own_batches_after_direct_copies(tmp_pat
     """A log that wrote copies around the page cache and then appends as a leader
     (buffered, O_APPEND) must not leave the padding between the two."""
     leader = open_log(tmp_path / "leader")
-    leader.append([make_batch(3, 50)])
-    leader.flush()
     follower = open_log(tmp_path / "follower", direct_copies=True)
-    follower.append_copied(copied(leader))
-    follower.flush()
+    write_and_copy(leader, follower, [make_batch(3, 50)])
     assert follower.append([make_batch(2, 70)]) == [3]
     follower.flush()
     leader.append([make_batch(2, 70)])
@@ -269,16 +269,10 @@ def ramfs(tmp_path):
 
 def test_a_file_system_without_o_direct_gets_buffered_copies(tmp_path, ramfs):
     leader = open_log(tmp_path / "leader")
-    leader.append([make_batch(5, 333), make_batch(2, 10)])
-    leader.flush()
     follower = open_log(ramfs / "follower", direct_copies=True)
-    follower.append_copied(copied(leader))
-    follower.flush()
+    write_and_copy(leader, follower, [make_batch(5, 333), make_batch(2, 10)])
     assert os.path.getsize(ramfs / "follower" / f"{0:020d}.log") == follower.size_bytes
-    leader.append([make_batch(3, 70)])
-    leader.flush()
-    follower.append_copied(copied(leader, follower.log_end_offset))
-    follower.flush()
+    write_and_copy(leader, follower, [make_batch(3, 70)])
     assert stored_batches(follower) == stored_batches(leader)
     follower.close()
     reopened = open_log(ramfs / "follower", direct_copies=True)
