@@ -12,9 +12,9 @@ factor F (`topics.default_replication_factor=F`), then measures:
 - small transactions: one SDK client, one-call transactions of one 100-byte record each
   to a rotating partition, back to back, for --seconds: transactions/s and commit p50/p99.
 
-A third cell runs factor 3 with `replication.follower_direct_io=false`: followers write their
-copies through the page cache, as leaders do, instead of around it (O_DIRECT, the default;
-docs/replication.md), so the run shows what that choice is worth beside its own factor 1.
+A third cell runs factor 3 with `replication.link=false`: followers copy over gRPC instead of
+their leaders' replication links (the default; docs/replication.md), so the run shows what
+the link is worth beside its own factor 1.
 
 The same run measures the disk floor: os.write of 256 KiB and os.fsync, in a loop, for 3 s
 (MB/s). Client and all servers share this machine's CPUs, so with F = 3 every byte is
@@ -56,10 +56,9 @@ PARTITIONS = DEFAULT_PARTITIONS = 3
 PRODUCERS = 2
 BATCH_KIB = DEFAULT_BATCH_KIB = 256
 TARGET_RF3_OF_RF1 = 0.50
-BUFFERED = "3b"  # the cell of factor 3 whose followers write through the page cache
+GRPC = "3g"  # the cell of factor 3 whose followers copy over gRPC, not the replication link
 # The cells of a round: (key, replication factor, extra `atomlog up` flags).
-CELLS = [(1, 1, ()), (3, 3, ()),
-         (BUFFERED, 3, ("--set", "replication.follower_direct_io=false"))]
+CELLS = [(1, 1, ()), (3, 3, ()), (GRPC, 3, ("--set", "replication.link=false"))]
 
 
 def start_cluster(data_dir: Path, *flags: str) -> dict:
@@ -189,8 +188,8 @@ def measure_cell(client, info: dict, seconds: float, producer=produce.wire_produ
 
 
 def replicate_calls(info: dict) -> float:
-    """Replicate and ReplicateMany calls the partition servers answered so far (their
-    /metrics)."""
+    """Replicate and ReplicateMany calls the partition servers answered so far, on gRPC or
+    on their replication links (their /metrics)."""
     import urllib.request
 
     total = 0.0
@@ -200,8 +199,9 @@ def replicate_calls(info: dict) -> float:
         with urllib.request.urlopen(f"http://{process['metrics_address']}/metrics",
                                     timeout=10) as reply:
             for line in reply.read().decode().splitlines():
-                if line.startswith("atomlog_rpc_handled_total{") and \
-                        "PartitionService/Replicate" in line:
+                if (line.startswith("atomlog_rpc_handled_total{") and
+                        "PartitionService/Replicate" in line) or \
+                        line.startswith("atomlog_replication_link_requests_total{"):
                     total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -268,7 +268,7 @@ def median_round(every: list[dict]) -> dict:
 
 def rounds_line(every: list[dict]) -> str:
     ratios = [ratio(r) for r in every]
-    buffered = [r[BUFFERED]["mb_s"] / r[1]["mb_s"] for r in every]
+    over_grpc = [r[GRPC]["mb_s"] / r[1]["mb_s"] for r in every]
     small = [r[3]["txn_s"] / r[1]["txn_s"] for r in every]
     cpu = [r[3]["server_cpu_ms_per_mb"] / r[1]["server_cpu_ms_per_mb"] for r in every]
     met = sum(x >= TARGET_RF3_OF_RF1 for x in ratios)
@@ -276,19 +276,19 @@ def rounds_line(every: list[dict]) -> str:
             f"{', '.join(f'{x:.0%}' for x in ratios)} (target met in {met} of "
             f"{len(ratios)}); small transactions: {', '.join(f'{x:.0%}' for x in small)}; "
             f"servers' CPU per MB, factor 3 / factor 1: "
-            f"{', '.join(f'{x:.1f}x' for x in cpu)}; factor 3 with followers writing "
-            f"through the page cache, produce as a share of factor 1: "
-            f"{', '.join(f'{x:.0%}' for x in buffered)}.")
+            f"{', '.join(f'{x:.1f}x' for x in cpu)}; factor 3 with followers copying "
+            f"over gRPC, produce as a share of factor 1: "
+            f"{', '.join(f'{x:.0%}' for x in over_grpc)}.")
 
 
 def table(results: dict, seconds: float) -> str:
-    """Factor 1, factor 3 and factor 3 with buffered followers, each factor-3 cell beside
+    """Factor 1, factor 3 and factor 3 with followers on gRPC, each factor-3 cell beside
     its ratio to factor 1 ("x" rows: a multiple, the others a share)."""
-    one, three, buffered = results[1], results[3], results[BUFFERED]
+    one, three, over_grpc = results[1], results[3], results[GRPC]
 
     def row(label: str, key: str, form: str, compare: str = "") -> str:
         cells = [label, form.format(one[key])]
-        for cell in (three, buffered):
+        for cell in (three, over_grpc):
             cells.append(form.format(cell[key]))
             ratio_of = cell[key] / one[key] if one[key] else 0.0
             cells.append({"share": f"{ratio_of:.0%}", "times": f"{ratio_of:.1f}x",
@@ -297,14 +297,14 @@ def table(results: dict, seconds: float) -> str:
 
     def pair(label: str, a: str, b: str) -> str:
         cells = [label]
-        for cell in (one, three, buffered):
+        for cell in (one, three, over_grpc):
             cells.append(f"{cell[a]:.1f} / {cell[b]:.1f}")
             if cell is not one:
                 cells.append("")
         return "| " + " | ".join(cells) + " |"
 
-    lines = ["| measure | factor 1 | factor 3 | 3 / 1 | factor 3, followers buffered | "
-             "3 buffered / 1 |", "| --- | --- | --- | --- | --- | --- |",
+    lines = ["| measure | factor 1 | factor 3 | 3 / 1 | factor 3, followers on gRPC | "
+             "3 gRPC / 1 |", "| --- | --- | --- | --- | --- | --- |",
              row(f"produce MB/s (2 wire producers, {PARTITIONS} partitions, {BATCH_KIB} KiB "
                  "batches)", "mb_s", "{:.1f}", "share"),
              pair("produce ack p50 / p99 ms", "ack_p50_ms", "ack_p99_ms"),
@@ -338,9 +338,8 @@ def shape_flags() -> str:
 def write_docs(text: str, every: list[dict], seconds: float) -> None:
     results = median_round(every)
     cpu_ratio = results[3]["server_cpu_ms_per_mb"] / results[1]["server_cpu_ms_per_mb"]
-    buffered_cpu = (results[BUFFERED]["server_cpu_ms_per_mb"]
-                    / results[1]["server_cpu_ms_per_mb"])
-    buffered_share = results[BUFFERED]["mb_s"] / results[1]["mb_s"]
+    grpc_cpu = results[GRPC]["server_cpu_ms_per_mb"]
+    grpc_share = results[GRPC]["mb_s"] / results[1]["mb_s"]
     ratios = sorted(ratio(r) for r in every)
     flags = shape_flags()
     if flags:  # another shape: a section of its own, with what it is for
@@ -373,12 +372,13 @@ def write_docs(text: str, every: list[dict], seconds: float) -> None:
         f"{len(every)}`: one cluster per cell and round (fresh each time), three "
         "partition servers, one coordinator, one id allocator, every topic "
         "(and __txn_log) at that factor, all on this 2-core machine; the cells factor 1, "
-        "factor 3 and factor 3 with followers writing through the page cache, in that "
+        "factor 3 and factor 3 with followers copying over gRPC instead of the replication "
+        "link (`replication.link=false`), in that "
         "order in odd rounds and the reverse in even ones. The table is the round with "
         "the median produce ratio (factor 3 against factor 1). Errors seen by the "
         f"wire producers: factor 1 {results[1]['errors'] or 'none'}, factor 3 "
-        f"{results[3]['errors'] or 'none'}, factor 3 buffered "
-        f"{results[BUFFERED]['errors'] or 'none'}. Machine: {results['machine']}.",
+        f"{results[3]['errors'] or 'none'}, factor 3 over gRPC "
+        f"{results[GRPC]['errors'] or 'none'}. Machine: {results['machine']}.",
         "",
         text,
         "",
@@ -399,35 +399,28 @@ def write_docs(text: str, every: list[dict], seconds: float) -> None:
         "factor 3 adds a follower's round (the leader's answer, the follower's append and "
         "fsync, and its next call, which tells the leader it holds it) and waits for the "
         "slower of the two followers. "
-        "The third cell is factor 3 with followers writing through the page cache "
-        "(`replication.follower_direct_io=false`), as they did before 2026-11-28: there "
-        f"the servers spend {buffered_cpu:.1f}x factor 1's CPU per MB and produce reaches "
-        f"{buffered_share:.0%} of factor 1 in this round (round by round above). What "
-        "that saves depends on the state of this VM's memory: a buffered write into pages "
-        "the guest has not touched lately costs 0.7-2.2 ms of kernel CPU per MB, into "
-        "recently freed ones 0.2-0.3, as much as a direct write (`os.write` + `fsync` of "
-        "1 GB, in turns, 2026-11-28); `perf record -g` of the three servers in a buffered "
-        "factor-3 cell in the first state put a third of their CPU in the kernel's copy "
-        "into the page cache (copy_folio_from_iter_atomic), against 1.5% with direct "
-        "followers (docs/replication.md, \"Followers write around the page cache\"; "
-        "the section after this one has runs in both states). Where the rest "
-        "goes with direct followers (perf, same cell, 2026-11-28, 13.4 ms per MB under "
-        "perf): the Python interpreter 32%, context switches and wake-ups 19% "
-        "(finish_task_switch, spin unlocks, interrupt exits), libc 12% (memmove 8.7%: "
-        "gRPC's and the answers' copies, the direct-write buffer), gRPC's core 8.8%, "
-        "socket and log-read copies in the kernel 6.7%, crc32c 2%. Tried and not kept: a "
-        "follower fetching its next records while its fsync runs (more, smaller calls per "
-        "MB: factor 3 at 21-34% of factor 1 against 27-43% without, 2026-11-25); HTTP/2 "
-        "frames of 4 MiB instead of 16 KiB (13.6 against 13.0 ms per MB: no gain). Built "
-        "and kept, without a gain on this cell: followers copying up to the leader's log "
-        "end, so the two fsyncs overlap (2e4c1b1); and one `ReplicateMany` per follower "
-        "and leader carrying every partition they share (docs/replication.md, \"One call "
-        "per leader\"), which pays where many partitions are written at once: run with "
-        "`--partitions 12 --batch-kib 32` (section below) rather than here, where each "
-        "follower and leader share one partition. What would move it next, not built: a "
-        "replication channel outside gRPC (the leader sending log bytes with sendfile, the "
-        "follower receiving straight into its direct-write buffer), which would remove the "
-        "per-call work and the user-space copies that remain.",
+        "The third cell is factor 3 with followers copying over gRPC "
+        "(`replication.link=false`), as they did before 2026-11-28: there the servers "
+        f"spend {grpc_cpu:.1f} ms of CPU per MB against {results[3]['server_cpu_ms_per_mb']:.1f} "
+        f"over the replication link, and produce reaches {grpc_share:.0%} of factor 1 in "
+        "this round (round by round above). The link (docs/replication.md, \"The "
+        "replication link\") carries the same ReplicateMany requests and answers over a "
+        "length-prefixed TCP connection, the follower's side on a blocking socket of its "
+        "own thread: moving 0.8 MB answers between two Python processes costs about 0.3 ms "
+        "of CPU per MB over both sides that way against 1.2 ms through grpc.aio "
+        "(`bench/copy_link.py`). What remains per MB beyond factor 1 is the followers' "
+        "work itself (the CRC check, the direct write and its fsync, the event-loop turns "
+        "of each round) and the leader's (reading the records, recording each follower's "
+        "position, moving the high watermark and answering the producers it holds back). "
+        "Before the link, with followers writing around the page cache (perf, same cell, "
+        "2026-11-28, 13.4 ms per MB under perf): the Python interpreter 32%, context "
+        "switches and wake-ups 19%, libc 12% (memmove 8.7%), gRPC's core 8.8%, socket and "
+        "log-read copies in the kernel 6.7%, crc32c 2%, the page-cache copy 1.5% (a third "
+        "before direct follower writes, docs/replication.md \"Followers write around the "
+        "page cache\"). Tried and not kept: a follower fetching its next records while its "
+        "fsync runs (more, smaller calls per MB); HTTP/2 frames of 4 MiB instead of 16 KiB; "
+        "a leader lingering 3 or 8 ms before answering a follower; one gRPC stream per "
+        "follower and leader (docs/benchmarks.md, the sections below).",
         END])
     common.write_docs_section(section, BEGIN, END)
 
@@ -438,7 +431,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of cells (factor 1, 3, 3 with buffered followers), alternating "
+                        help="rounds of cells (factor 1, 3, 3 with followers on gRPC), alternating "
                              "their order; "
                              "the table shows the median round (default 3)")
     parser.add_argument("--partitions", type=int, default=PARTITIONS,

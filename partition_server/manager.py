@@ -57,6 +57,7 @@ class ReplicationSettings:
     max_lag_ms: int = 10_000
     fetch_wait_ms: int = 2_000
     follower_direct_io: bool = True
+    link: bool = True  # followers use their leaders' replication links (copy_link.py)
 
     def __post_init__(self) -> None:
         # An idle follower shows it is caught up once per call: several per max_lag_ms.
@@ -115,7 +116,7 @@ class PartitionManager:
         self.followers: dict[tuple[str, int], Follower] = {}
         # One per leader this server follows partitions of (its address may change on a
         # restart: the key has both): a single ReplicateMany carries them all.
-        self.fetchers: dict[tuple[str, str], LeaderFetcher] = {}
+        self.fetchers: dict[tuple[str, str, str], LeaderFetcher] = {}
         self._steering: dict[tuple[str, int], asyncio.Task] = {}
         self._dirty: set[tuple[str, int]] = set()
         self._closing = False
@@ -340,14 +341,14 @@ class PartitionManager:
             known_hw = follower.known_hw  # acknowledged under the previous leader
             del self.followers[key]
             await follower.close()
-        address = await self._address_of(state.leader)
+        address, link = await self._addresses_of(state.leader)
         if not address:
             return  # gone meanwhile: the servers' watch steers again
         settings = self._settings_for(topic)
         await asyncio.to_thread(forget_owner_snapshots, self.data_dir / f"{topic}-{partition}")
         follower = Follower(topic, partition, self.data_dir / f"{topic}-{partition}",
                             settings.log, me, state.leader, address, state.leader_epoch,
-                            self._fetcher(state.leader, address), fsync=settings.fsync,
+                            self._fetcher(state.leader, address, link), fsync=settings.fsync,
                             cursor_limits=settings.cursor_limits, known_hw=known_hw,
                             incarnation=self.incarnation,
                             direct_io=self.replication.follower_direct_io)
@@ -369,14 +370,15 @@ class PartitionManager:
                 return False
         return True
 
-    def _fetcher(self, leader: str, address: str) -> LeaderFetcher:
-        key = (leader, address)
+    def _fetcher(self, leader: str, address: str, link: str = "") -> LeaderFetcher:
+        key = (leader, address, link)
         fetcher = self.fetchers.get(key)
         if fetcher is None:
             for stale in [k for k, f in self.fetchers.items() if f.idle]:
                 del self.fetchers[stale]  # leaders gone or moved: nothing left to copy
             fetcher = self.fetchers[key] = LeaderFetcher(
-                self.server_name, address, self._stubs, self.replication.fetch_wait_ms)
+                self.server_name, address, self._stubs, self.replication.fetch_wait_ms,
+                link_address=link if self.replication.link else "")
         return fetcher
 
     def _leave_isrs(self) -> None:
@@ -481,15 +483,18 @@ class PartitionManager:
             return await asyncio.to_thread(write_blocking, known, isr, joining)
         return write
 
-    async def _address_of(self, server: str) -> str:
+    async def _addresses_of(self, server: str) -> tuple[str, str]:
+        """A server's gRPC address and its replication link's ("" when it has none), as
+        registered; ("", "") when it is not registered (any more)."""
         try:
             data, _ = await aio(self.zk.client.get_async(f"{SERVERS_PATH}/{server}"))
         except Exception:  # noqa: BLE001 — not registered (any more)
-            return ""
+            return "", ""
         try:
-            return str(json.loads(data or b"{}").get("grpc_address", ""))
-        except ValueError:
-            return ""
+            entry = json.loads(data or b"{}")
+            return str(entry.get("grpc_address", "")), str(entry.get("replication_link", ""))
+        except (ValueError, AttributeError):
+            return "", ""
 
     def replication_summary(self) -> dict[str, tuple[int, int, int]]:
         """Per topic: (partitions led here that are under-replicated, partitions with a

@@ -54,11 +54,13 @@ from partition_server.record_batch import iter_batches
 from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, CursorProgress,
                                           LeaderProgress, complete_reassignment,
                                           resumes_epoch, truncation_step)
-from services import errors
+from partition_server.copy_link import LINK_FALLBACKS, LinkClient, LinkUnavailable
+from services import errors, local
 from services.errors import AtomlogError
 from services.logs import event
 
 log = logging.getLogger("atomlog.partition.replica")
+PARTITION_SERVICE = partition_pb2.DESCRIPTOR.services_by_name["PartitionService"].full_name
 
 # A follower's restart is seen by each partition it follows here (16-50 of them in the
 # chaos runs): the first one logs it at INFO, the others at DEBUG. Per process: the
@@ -1175,11 +1177,18 @@ class LeaderFetcher:
     retry time; a partition added while a long poll is out ends that poll, so a new
     follower never waits a whole poll to begin."""
 
-    def __init__(self, me: str, leader_address: str, stubs, fetch_wait_ms: int):
+    def __init__(self, me: str, leader_address: str, stubs, fetch_wait_ms: int,
+                 link_address: str = ""):
         self.me = me
         self.address = leader_address
         self.stubs = stubs
         self.fetch_wait_ms = fetch_wait_ms
+        # The leader's replication link (partition_server/copy_link.py), when it advertises
+        # one, this process speaks no TLS, and the leader is not in this process.
+        self.link: LinkClient | None = None
+        if link_address and local.channel_tls() is None and \
+                local.servicer(leader_address, PARTITION_SERVICE) is None:
+            self.link = LinkClient(link_address, local.channel_token())
         self.followers: dict[str, Follower] = {}
         self._added = asyncio.Event()
         self._handling: dict[Follower, asyncio.Future] = {}
@@ -1207,6 +1216,8 @@ class LeaderFetcher:
 
     async def close(self) -> None:
         self.followers.clear()
+        if self.link is not None:
+            self.link.close()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -1216,14 +1227,18 @@ class LeaderFetcher:
                 pass
 
     async def _run(self) -> None:
-        while self.followers:
-            try:
-                await self._round()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 — a bug must not stop every copy from here
-                log.exception("replica fetcher for %s", self.address)
-                await asyncio.sleep(FOLLOWER_RETRY_MAX_S)
+        try:
+            while self.followers:
+                try:
+                    await self._round()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 — a bug must not stop every copy from here
+                    log.exception("replica fetcher for %s", self.address)
+                    await asyncio.sleep(FOLLOWER_RETRY_MAX_S)
+        finally:
+            if self.link is not None:
+                self.link.disconnect()  # nothing left to copy: its connection and thread go
 
     async def _round(self) -> None:
         """One ReplicateMany for every partition ready to ask, and the copies it brings."""
@@ -1274,21 +1289,27 @@ class LeaderFetcher:
         request = partition_pb2.ReplicateManyRequest(
             replica=self.me, max_wait_ms=self.fetch_wait_ms,
             max_bytes=REPLICATE_MANY_MAX_BYTES, partitions=requests)
-        rpc = self.stubs.get(self.address).ReplicateMany(
-            request, timeout=self.fetch_wait_ms / 1000 + 10)
-        answer = asyncio.ensure_future(rpc)
+        timeout_s = self.fetch_wait_ms / 1000 + 10
+        link = self.link if self.link is not None and self.link.usable else None
+        if link is not None:
+            answer = asyncio.ensure_future(link.replicate_many(request, timeout_s))
+            cancel = link.cancel
+        else:
+            rpc = self.stubs.get(self.address).ReplicateMany(request, timeout=timeout_s)
+            answer = asyncio.ensure_future(rpc)
+            cancel = rpc.cancel
         added = asyncio.ensure_future(self._added.wait())
         try:
             done, _pending = await asyncio.wait({answer, added},
                                                 return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
-            rpc.cancel()
+            cancel()
             answer.cancel()
             raise
         finally:
             added.cancel()
         if answer not in done:
-            rpc.cancel()
+            cancel()
             answer.cancel()
             return None
         m.REPLICATE_CALLS.inc()
@@ -1298,6 +1319,13 @@ class LeaderFetcher:
             return [failure] * len(requests)
         try:
             response = answer.result()
+        except LinkUnavailable as error:
+            # No link to this leader now: this call and those of the next seconds go by
+            # gRPC (the request only reports positions and reads: asking twice is safe).
+            event(log, "replication link unavailable; using gRPC", logging.WARNING,
+                  leader=self.address, link=link.address, why=str(error))
+            LINK_FALLBACKS.inc()
+            return await self._call(requests)
         except grpc.aio.AioRpcError as error:
             failure = errors.from_rpc_error(error)
             return [failure] * len(requests)

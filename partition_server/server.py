@@ -14,6 +14,7 @@ import grpc
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server.coordinator_epochs import CoordinatorEpochs
+from partition_server.copy_link import LinkServer
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.lease import LeaseWatch
 from partition_server.log import LogConfig
@@ -25,8 +26,28 @@ from partition_server.subscription_cursor import CursorLimits
 from partition_server.txn_buffer import TxnBufferLimits
 from partition_server.txn_checker import TxnChecker
 from partition_server.verifier import TxnVerifier
+from services.errors import AtomlogError
 from services.grpcutil import service_name
 from services.zk import aio
+
+
+async def _open_link(runtime, servicer) -> None:
+    """The replication link (partition_server/copy_link.py): listening, closed at stop,
+    and its address in this partition server's registration for followers to find."""
+    config = runtime.config
+    listen = config["replication.link_listen"] or \
+        f"{config['server.listen'].rsplit(':', 1)[0]}:0"
+    host, port = listen.rsplit(":", 1)
+    link = LinkServer(servicer, runtime.interceptor, host.strip("[]"), int(port))
+    try:
+        bound = await link.start()
+    except OSError as error:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"cannot listen on {listen} (replication.link_listen): {error}") \
+            from None
+    runtime.stop_hooks.append(link.close)
+    advertised = config["server.advertised_host"] or host
+    runtime.registration_extra["partition_server"] = {"replication_link": f"{advertised}:{bound}"}
 
 
 def owner_settings(config) -> OwnerSettings:
@@ -107,7 +128,8 @@ async def install(runtime) -> list[str]:
                                replication=ReplicationSettings(
                                    max_lag_ms=config["replication.max_lag_ms"],
                                    fetch_wait_ms=config["replication.fetch_wait_ms"],
-                                   follower_direct_io=config["replication.follower_direct_io"]))
+                                   follower_direct_io=config["replication.follower_direct_io"],
+                                   link=config["replication.link"]))
     await manager.start()
     runtime.stop_hooks.append(manager.close)
     verifier = TxnVerifier(runtime.metadata, epochs,
@@ -137,6 +159,8 @@ async def install(runtime) -> list[str]:
                                  verifier=verifier, subscriptions=subscription_settings(config),
                                  lease=lease)
     add_partition_service(servicer, runtime.server)
+    if config["replication.link"] and not config["tls.enabled"]:
+        await _open_link(runtime, servicer)
     name = service_name(partition_pb2, "PartitionService")
     runtime.local_services[name] = servicer  # services/local.py: same-process calls
     return [name]

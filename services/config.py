@@ -298,6 +298,16 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "if it is promoted, so it leaves the page cache to the data consumers read "
                 "(docs/replication.md). false writes them buffered, as a leader does; file "
                 "systems without O_DIRECT write buffered either way."),
+        Setting("replication.link", bool, True, "Followers copy from their leaders over "
+                "the leaders' replication links (a length-prefixed TCP protocol beside the "
+                "gRPC port carrying the same ReplicateMany calls, authenticated and "
+                "authorized as gRPC calls are; docs/replication.md), which costs a quarter "
+                "of gRPC's CPU per byte. A server with tls.enabled opens no link and its "
+                "followers use gRPC; false: no link is opened or used."),
+        Setting("replication.link_listen", str, "", "The replication link's listen address; "
+                "empty: the host of server.listen, a port picked at start. Advertised to "
+                "followers as server.advertised_host (or this host) and the bound port.",
+                check=lambda v: check_address(v) if v else None),
         Setting("server.rack", str, "", "Rack or zone of this partition server: a topic's "
                 "replicas go to distinct racks while there are racks."),
         Setting("partition.txn_check_interval_ms", int, 1_000, "How often open transactions "

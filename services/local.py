@@ -61,6 +61,10 @@ def set_channel_token(source: "auth.TokenSource | None") -> None:
     _CHANNEL_TOKEN = source
 
 
+def channel_token() -> "auth.TokenSource | None":
+    return _CHANNEL_TOKEN
+
+
 def aio_channel(address: str, options: list | None = None) -> grpc.aio.Channel:
     """A channel from this server to another: TLS when the process has it, and its
     service token on every call when it has one, and a reconnect backoff of at most 0.5 s

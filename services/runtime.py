@@ -98,6 +98,8 @@ class Runtime:
         self.registrations: list[Registration] = []
         # Servicers by full service name, for calls from this same process (services/local.py).
         self.local_services: dict[str, object] = {}
+        # Fields a role adds to its registration (the partition server: its replication link).
+        self.registration_extra: dict[str, dict] = {}
         self._stopping = asyncio.Event()
 
     def role_name(self, role: str) -> str:
@@ -181,6 +183,7 @@ class Runtime:
             "metrics_address": self.metrics_endpoint.address, "pid": os.getpid(),
             "version": __version__, "registered_unix_ms": int(time.time() * 1000),
             **({"rack": config["server.rack"]} if role == "partition_server" else {}),
+            **self.registration_extra.get(role, {}),
         }, wait_ms=int(session_timeout_ms(config) * 1.5) + 2_000)
             for role in hosted_roles(self.role)]
         await asyncio.gather(*(asyncio.to_thread(r.register) for r in self.registrations))

@@ -395,3 +395,43 @@ def test_in_process_calls_are_the_server_s_own():
     seen, after = asyncio.run(scenario())
     assert seen == auth.IN_PROCESS and seen.service
     assert after == auth.Principal("alice", "static")
+
+
+def test_followers_copy_over_the_replication_link_with_the_service_token(token_cluster, keys):
+    """The replication link authenticates each request as gRPC authenticates each call: the
+    partition servers' followers copy over it with the service token, and a request with
+    no token or a wrong one is refused UNAUTHENTICATED (partition_server/copy_link.py)."""
+    from atomlog.v1 import common_pb2, partition_pb2
+    from partition_server.copy_link import KIND_ERROR
+    from tests.link_tools import connect, link_address, read_frame, request_frame
+
+    with Client(token_cluster.info["bootstrap"], token=BOB_TOKEN) as client:
+        client.create_topic("auth-link", partitions=1, replication_factor=2)
+
+        def partition():
+            return client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest(
+                topics=["auth-link"])).topics[0].partitions[0]
+
+        wait_until(lambda: partition().server_name and len(partition().isr) == 2, 30,
+                   "auth-link's two replicas in sync")
+        with client.producer(linger_ms=0) as producer:  # acknowledged: the follower copied
+            producer.send("auth-link", b"replicated", partition=0).result(timeout=30)
+        part = partition()
+    leader = token_cluster.process(part.server_name)
+    assert metric(leader["metrics_address"],
+                  'atomlog_replication_link_requests_total{outcome="ok"}') > 0
+    follower = next(r for r in part.replicas if r != part.server_name)
+    request = partition_pb2.ReplicateManyRequest(replica=follower, max_wait_ms=0, partitions=[
+        partition_pb2.ReplicateRequest(
+            topic_partition=common_pb2.TopicPartition(topic="auth-link", partition=0),
+            replica=follower, leader_epoch=part.leader_epoch, replica_incarnation=1)])
+    with connect(link_address(token_cluster, part.server_name)) as sock:
+        for token, failure in (("", "missing_credentials"), ("not-a-known-token", "unknown_token"),
+                               (make_jwt(keys, "writer", expires_in=-120), "expired")):
+            sock.sendall(request_frame(request.SerializeToString(), token))
+            kind, payload = read_frame(sock)
+            error = partition_pb2.ItemError.FromString(payload)
+            assert (kind, error.reason, error.metadata["failure"]) == (
+                KIND_ERROR, "UNAUTHENTICATED", failure)
+    assert metric(leader["metrics_address"],
+                  'atomlog_replication_link_requests_total{outcome="UNAUTHENTICATED"}') == 3

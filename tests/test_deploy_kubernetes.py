@@ -318,6 +318,9 @@ def test_atomlog_pods_probe_the_grpc_health_service_and_drain_on_sigterm(overlay
         assert ports["grpc"] == grpc_port
         assert ports["metrics"] == int(config["server.metrics_listen"].rsplit(":", 1)[1])
         assert config["server.listen"].startswith("0.0.0.0:"), "probes and peers reach the pod IP"
+        if role == "partition-server":  # followers reach their leaders' replication links
+            assert config["replication.link_listen"].startswith("0.0.0.0:")
+            assert ports["replication"] == int(config["replication.link_listen"].rsplit(":", 1)[1])
         # With TLS the probes ask the plaintext health-only port (kubelet speaks no TLS).
         probe_port = (int(config["server.health_listen"].rsplit(":", 1)[1])
                       if config["tls.enabled"] else grpc_port)
@@ -510,6 +513,11 @@ def test_network_policies_allow_exactly_the_paths_atomlog_uses():
         assert not allowed(overlay, stranger, target, 7070)
         assert not allowed(overlay, client, target, 9102), "metrics only from monitoring"
     assert allowed(overlay, zookeeper, zookeeper, 2888) and allowed(overlay, zookeeper, zookeeper, 3888)
+    # The replication link: partition servers copy from each other, nobody else reaches it.
+    partition_server = roles["partition-server"]
+    assert allowed(overlay, partition_server, partition_server, 7072)
+    for source in (roles["coordinator"], roles["id-allocator"], client, stranger):
+        assert not allowed(overlay, source, partition_server, 7072), source
     assert not allowed(overlay, client, zookeeper, 2181)
     assert not allowed(overlay, roles["coordinator"], zookeeper, 2888)
     # DNS is open to every pod (kube-dns or a node-local cache).

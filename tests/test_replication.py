@@ -13,17 +13,22 @@ import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 
 from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2, partition_pb2_grpc
+from partition_server.copy_link import KIND_ANSWER, KIND_ERROR, KIND_REQUEST
 from partition_server.record_batch import Record, encode_batch
 from spark_client import Client, errors
 from tests.conftest import SESSION_TIMEOUT_MS, wait_until
+from tests.link_tools import HEAD, closed_by_peer, connect, link_address, read_frame, request_frame
 
 pytestmark = pytest.mark.cluster
 
@@ -173,6 +178,137 @@ def test_factor_3_topic_keeps_identical_copies_and_describes_them(cluster, clien
     for p, described_p in zip(shown[0]["partitions"], described.partitions):
         assert p["server_name"] == described_p.server_name
         assert sorted(p["replicas"]) == sorted(p["isr"]) == list(SERVERS)
+
+
+def metric_sum(cluster, server: str, line_start: str) -> float:
+    address = cluster.process(server)["metrics_address"]
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(line_start))
+
+
+def test_followers_copy_over_the_replication_link(cluster, client):
+    """Every partition server advertises a replication link, and followers copy over it:
+    the suite's factor-3 writes are acknowledged with no ReplicateMany on gRPC and no fall
+    back to it."""
+    client.create_topic("rep-link", partitions=3, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, "rep-link"), 15, "rep-link in sync")
+    served = {s: metric_sum(cluster, s, "atomlog_replication_link_requests_total{outcome=\"ok\"}")
+              for s in SERVERS}
+    with client.producer(linger_ms=2) as producer:
+        futures = [producer.send("rep-link", b"x" * 100, partition=i % 3) for i in range(300)]
+        producer.flush()
+        assert all(f.result(60).offset >= 0 for f in futures)
+    for server in SERVERS:
+        assert link_address(cluster, server).rsplit(":", 1)[0] == "127.0.0.1"
+        assert metric_sum(cluster, server, "atomlog_replication_link_requests_total{"
+                                           "outcome=\"ok\"}") > served[server]
+        assert metric_sum(cluster, server, "atomlog_replication_link_fallbacks_total") == 0
+        assert metric_sum(cluster, server, "atomlog_rpc_started_total{method=\"/atomlog.v1."
+                                           "PartitionService/ReplicateMany\"}") == 0
+    for partition in range(3):
+        wait_until(lambda: len(set(segment_digests(cluster, "rep-link", partition).values())) == 1,
+                   15, f"replicas of rep-link-{partition} to be identical")
+
+
+def test_bad_link_input_changes_nothing(cluster, client):
+    """The replication link closes a connection that breaks its wire format (without
+    reading a frame it announces past its bound), answers a request it cannot take with
+    an error frame as gRPC would answer it, and the leadership goes on serving."""
+    client.create_topic("rep-link-bad", partitions=1, replication_factor=2)
+    wait_until(lambda: fully_in_sync(client, "rep-link-bad"), 15, "rep-link-bad in sync")
+    part = metadata(client, "rep-link-bad").partitions[0]
+    address = link_address(cluster, part.server_name)
+    follower = next(r for r in part.replicas if r != part.server_name)
+    outsider = next(s for s in SERVERS if s not in part.replicas)
+    tp = common_pb2.TopicPartition(topic="rep-link-bad", partition=0)
+    # Not a link client, a frame of another kind, a frame announced past the bound.
+    for magic, frame in [(b"GET / HTTP/1.1\r\n\r\n", b""),
+                         (None, struct.pack(">IB", 5, 9) + b"abcd"),
+                         (None, struct.pack(">IB", 1 << 30, KIND_REQUEST))]:
+        with connect(address, **({"magic": magic} if magic else {})) as sock:
+            sock.sendall(frame)
+            assert closed_by_peer(sock)
+    # Frames the link reads, with requests it refuses: an error frame each, the connection
+    # kept.
+    def item(**fields):
+        fields.setdefault("leader_epoch", part.leader_epoch)
+        fields.setdefault("replica_incarnation", 1)
+        fields.setdefault("topic_partition", tp)
+        return partition_pb2.ReplicateRequest(**fields)
+
+    refused = [
+        (struct.pack(">H", 50) + b"short", "INVALID_ARGUMENT"),  # token past its frame
+        (None, "INVALID_ARGUMENT"),  # the body is not a ReplicateManyRequest
+        *((many, "INVALID_ARGUMENT") for many in [
+            partition_pb2.ReplicateManyRequest(replica="", partitions=[item()]),
+            partition_pb2.ReplicateManyRequest(replica=follower),
+            partition_pb2.ReplicateManyRequest(replica=follower, partitions=[item(), item()]),
+            partition_pb2.ReplicateManyRequest(replica=follower,
+                                               partitions=[item(fetch_offset=-1)]),
+            partition_pb2.ReplicateManyRequest(replica=follower, max_bytes=1 << 30,
+                                               partitions=[item()])])]
+    with connect(address) as sock:
+        for body, reason in refused:
+            if isinstance(body, bytes):
+                frame = HEAD.pack(len(body) + 1, KIND_REQUEST) + body
+            elif body is None:
+                frame = request_frame(b"\xff\xff\xff")
+            else:
+                frame = request_frame(body.SerializeToString())
+            sock.sendall(frame)
+            kind, payload = read_frame(sock)
+            assert kind == KIND_ERROR
+            assert partition_pb2.ItemError.FromString(payload).reason == reason, body
+        # A well-formed call from a server that is no replica: its partition answers
+        # NOT_A_REPLICA inside the answer, as on gRPC.
+        sock.sendall(request_frame(partition_pb2.ReplicateManyRequest(
+            replica=outsider, max_wait_ms=0, partitions=[item()]).SerializeToString()))
+        kind, payload = read_frame(sock)
+        assert kind == KIND_ANSWER
+        answer = partition_pb2.ReplicateManyResponse.FromString(payload)
+        assert [r.error.reason for r in answer.results] == ["NOT_A_REPLICA"]
+    with client.producer(linger_ms=0) as producer:
+        producer.send("rep-link-bad", b"still served", partition=0).result(timeout=30)
+    assert metadata(client, "rep-link-bad").partitions[0].leader_epoch == part.leader_epoch
+    assert fully_in_sync(client, "rep-link-bad")
+
+
+def test_a_follower_uses_grpc_while_its_leaders_link_is_unreachable(cluster, client):
+    """A leader whose link cannot be reached (a firewall, a port not exposed) is asked over
+    gRPC, and the link is tried again only after RETRY_LINK_AFTER_S."""
+    import asyncio
+
+    from partition_server.copy_link import LINK_FALLBACKS
+    from partition_server.manager import REPLICA_CHANNEL_OPTIONS
+    from partition_server.replica import PARTITION_SERVICE, LeaderFetcher, ReplicaStub
+    from services import local
+
+    client.create_topic("rep-link-down", partitions=1, replication_factor=2)
+    wait_until(lambda: fully_in_sync(client, "rep-link-down"), 15, "rep-link-down in sync")
+    part = metadata(client, "rep-link-down").partitions[0]
+    outsider = next(s for s in SERVERS if s not in part.replicas)
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{unused.getsockname()[1]}"
+
+    async def ask():
+        stubs = local.StubCache(PARTITION_SERVICE, ReplicaStub, REPLICA_CHANNEL_OPTIONS)
+        fetcher = LeaderFetcher(outsider, part.server_address, stubs, 100, link_address=dead)
+        try:
+            assert fetcher.link is not None and fetcher.link.usable
+            before = LINK_FALLBACKS._value.get()
+            outcomes = await fetcher._call([partition_pb2.ReplicateRequest(
+                topic_partition=common_pb2.TopicPartition(topic="rep-link-down", partition=0),
+                replica=outsider, leader_epoch=part.leader_epoch, replica_incarnation=1)])
+            return outcomes, LINK_FALLBACKS._value.get() - before, fetcher.link.usable
+        finally:
+            await fetcher.close()
+            await stubs.close()
+
+    outcomes, fallbacks, usable = asyncio.run(ask())
+    assert fallbacks == 1 and not usable
+    assert [o.reason for o in outcomes] == ["NOT_A_REPLICA"]  # the leader's answer, on gRPC
 
 
 def test_the_txn_log_spreads_over_every_partition_server(client):
