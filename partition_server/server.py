@@ -47,7 +47,8 @@ async def _open_link(runtime, servicer) -> None:
             from None
     runtime.stop_hooks.append(link.close)
     advertised = config["server.advertised_host"] or host
-    runtime.registration_extra["partition_server"] = {"replication_link": f"{advertised}:{bound}"}
+    port = config["replication.link_advertised_port"] or bound
+    runtime.registration_extra["partition_server"] = {"replication_link": f"{advertised}:{port}"}
 
 
 def owner_settings(config) -> OwnerSettings:

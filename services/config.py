@@ -308,6 +308,9 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "empty: the host of server.listen, a port picked at start. Advertised to "
                 "followers as server.advertised_host (or this host) and the bound port.",
                 check=lambda v: check_address(v) if v else None),
+        Setting("replication.link_advertised_port", int, 0, "Port followers use to reach "
+                "the replication link (a proxy or a NAT in front of it); 0: the bound port.",
+                minimum=0, maximum=65_535),
         Setting("server.rack", str, "", "Rack or zone of this partition server: a topic's "
                 "replicas go to distinct racks while there are racks."),
         Setting("partition.txn_check_interval_ms", int, 1_000, "How often open transactions "

@@ -408,6 +408,26 @@ def test_retarget(proxy, echo, route):
         other.close()
 
 
+def test_a_second_port_of_a_process_takes_its_faults(proxy, echo, route):
+    """A route added `faults_as` another destination (a partition server's replication
+    link beside its gRPC port) is cut by that destination's faults, and healed with them."""
+    link = proxy.add_route("echo/link", echo.address, faults_as="echo")
+    assert proxy.routes()["echo/link"]["listen"] == link
+    c1 = connect(link)
+    assert round_trip(c1, b"a") == b"a"
+    proxy.set_fault(ME, "echo", "reset")
+    c1.settimeout(1)
+    with pytest.raises(ConnectionResetError):
+        c1.recv(1)
+    c1.close()
+    assert_reset(link, read_timeout=1)
+    proxy.heal(ME, "echo")
+    with connect(link) as c2:
+        assert round_trip(c2, b"ok") == b"ok"
+    with pytest.raises(ValueError):
+        proxy.add_route("other", echo.address, faults_as="*")
+
+
 def test_connection_refused_target_resets_client(proxy):
     dead = socket.create_server(("127.0.0.1", 0))
     port = dead.getsockname()[1]

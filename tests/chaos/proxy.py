@@ -386,12 +386,16 @@ class FaultProxy:
 
     # ---- routes
 
-    def add_route(self, destination: str, target: str, listen_port: int = 0) -> str:
+    def add_route(self, destination: str, target: str, listen_port: int = 0,
+                  faults_as: str | None = None) -> str:
         """Listen on 127.0.0.1:listen_port (0: any free port) for `destination`, forwarding
         to `target` ("host:port"). Returns the listening "127.0.0.1:port". Raises OSError
-        if listen_port is busy, ValueError if the destination already has a route."""
+        if listen_port is busy, ValueError if the destination already has a route.
+        `faults_as`: the destination name this route's connections answer to in fault
+        rules (a second port of one process, e.g. a partition server's replication link,
+        under the process's name); default `destination`."""
         parsed = _parse_target(target)
-        if destination in ("*", "?"):
+        if destination in ("*", "?") or faults_as in ("*", "?"):
             raise ValueError(f"{destination!r} is not a valid destination name")
         if self._thread is None:
             raise RuntimeError("FaultProxy is not running (call start())")
@@ -406,7 +410,7 @@ class FaultProxy:
         except OSError:
             sock.close()
             raise
-        route = _Route(destination, parsed, sock)
+        route = _Route(faults_as or destination, parsed, sock)
 
         async def serve() -> None:
             if destination in self._routes:

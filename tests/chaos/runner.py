@@ -217,7 +217,16 @@ class Run:
             if entry.role in launcher.SERVES_PARTITIONS:
                 failpoints = self.run_dir / "failpoints" / entry.name
                 failpoints.mkdir(parents=True, exist_ok=True)
-                entry.env = {FAILPOINTS_VARIABLE: str(failpoints)}
+                # Its replication link on a port of its own, advertised through the proxy
+                # under the process's name: net faults cut followers' copies too.
+                link = f"127.0.0.1:{launcher.free_port()}"
+                link_proxy = self.proxy.add_route(f"{entry.name}/link", link,
+                                                  int(launcher.free_port()),
+                                                  faults_as=entry.name)
+                entry.env = {FAILPOINTS_VARIABLE: str(failpoints),
+                             "ATOMLOG_REPLICATION_LINK_LISTEN": link,
+                             "ATOMLOG_REPLICATION_LINK_ADVERTISED_PORT":
+                                 link_proxy.rsplit(":", 1)[1]}
         if "disk" in self.options.nemeses:
             self.mount_small_disk(self.disk_server(cluster))
         cluster.save(self.data_dir)
