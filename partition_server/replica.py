@@ -902,6 +902,7 @@ class Follower:
         self.retry_at = 0.0  # time.monotonic(): asks again from then (after a failure)
         self._delay = FOLLOWER_RETRY_FIRST_S
         self._reopen_due = False
+        self._closing = False  # close() began: nothing may (re)open the log
         # The cursor store, once this leader's snapshot is installed (None: not synced
         # with this leadership; the store on disk is left as it is until then). Used on
         # worker threads under the lock, so close() never races a copy in flight.
@@ -941,6 +942,9 @@ class Follower:
         return partition_log, epochs
 
     async def close(self) -> None:
+        # First: a reopen under way in the fetcher's round (prepare) closes what it opened
+        # instead of keeping it (the log would stay open with nobody to close it).
+        self._closing = True
         await self.fetcher.remove(self)  # once no copy of this follower is under way
         await asyncio.to_thread(self._close_cursors)
         if self.log is not None:
@@ -955,6 +959,8 @@ class Follower:
     async def prepare(self) -> partition_pb2.ReplicateRequest | None:
         """This partition's part of the fetcher's next ReplicateMany, or None while it
         cannot ask (its log failed to reopen: it backs off and tries again)."""
+        if self._closing:
+            return None
         if self._reopen_due or self.log is None:
             self._reopen_due = False
             await self._reopen()
@@ -1021,11 +1027,16 @@ class Follower:
             except Exception:  # noqa: BLE001 — recovery decides what is on disk
                 log.exception("closing the failed log of %s", self.name)
         try:
-            self.log, self.epochs = await asyncio.to_thread(self._open)
-            event(log, "follower reopened its log after a failure", logging.WARNING,
-                  partition=self.name, log_end=self.log.log_end_offset)
+            opened, epochs = await asyncio.to_thread(self._open)
         except Exception as error:  # noqa: BLE001 — the disk may come back: the loop retries
             self.last_error = f"reopen failed: {type(error).__name__}: {error}"
+            return
+        if self._closing:  # closed meanwhile: the next owner of the directory opens it
+            await asyncio.to_thread(opened.close)
+            return
+        self.log, self.epochs = opened, epochs
+        event(log, "follower reopened its log after a failure", logging.WARNING,
+              partition=self.name, log_end=self.log.log_end_offset)
 
     async def _copy(self, fetch: int, response) -> None:
         partition_log = self.log
@@ -1326,6 +1337,10 @@ class LeaderFetcher:
                   leader=self.address, link=link.address, why=str(error))
             LINK_FALLBACKS.inc()
             return await self._call(requests)
+        except (OSError, EOFError) as error:  # the link failed on the way (not this log)
+            failure = AtomlogError("SERVER_UNAVAILABLE", f"replication link to {self.address}: "
+                                   f"{type(error).__name__}: {error}")
+            return [failure] * len(requests)
         except grpc.aio.AioRpcError as error:
             failure = errors.from_rpc_error(error)
             return [failure] * len(requests)

@@ -278,3 +278,53 @@ def test_a_file_system_without_o_direct_gets_buffered_copies(tmp_path, ramfs):
     reopened = open_log(ramfs / "follower", direct_copies=True)
     assert reopened.recovery.clean_shutdown and stored_batches(reopened) == stored_batches(leader)
     reopened.close()
+
+
+def test_a_follower_closed_while_it_reopens_its_log_leaves_the_log_closed(tmp_path):
+    """A follower reopens its log after a failure in its fetcher's round; if the partition
+    manager closes it meanwhile (a new leadership here), the log the reopen opens is closed
+    again, so the directory's next owner can open it (before, it stayed open with nobody to
+    close it: "open elsewhere" for every later open of the partition)."""
+    import asyncio
+    import threading
+    import time
+
+    from partition_server.log import LogConfig, PartitionLog
+    from partition_server.manager import REPLICA_CHANNEL_OPTIONS
+    from partition_server.replica import PARTITION_SERVICE, Follower, LeaderFetcher, ReplicaStub
+    from services import local
+
+    directory = tmp_path / "t-0"
+    nowhere = "127.0.0.1:9"  # no leader answers: the fetcher's calls fail and back off
+
+    async def scenario():
+        stubs = local.StubCache(PARTITION_SERVICE, ReplicaStub, REPLICA_CHANNEL_OPTIONS)
+        fetcher = LeaderFetcher("ps-x", nowhere, stubs, 100)
+        follower = Follower("t", 0, directory, LogConfig(), "ps-x", "ps-y", nowhere, 1,
+                            fetcher, incarnation=1)
+        await follower.start()
+        follower.retry_at = time.monotonic() + 60  # the fetcher's own rounds leave it be
+        opening, release = threading.Event(), threading.Event()
+        open_log_now = follower._open
+
+        def open_when_released():
+            opening.set()
+            release.wait(10)
+            return open_log_now()
+
+        follower._open = open_when_released
+        follower._reopen_due = True
+        preparing = asyncio.ensure_future(follower.prepare())
+        assert await asyncio.to_thread(opening.wait, 10)
+        closing = asyncio.ensure_future(follower.close())
+        await asyncio.sleep(0.1)
+        release.set()
+        prepared = await preparing
+        await closing
+        await fetcher.close()
+        await stubs.close()
+        return prepared
+
+    prepared = asyncio.run(scenario())
+    PartitionLog(directory, LogConfig()).close()  # nobody holds it
+    assert prepared is None  # and the closed follower asked for nothing
