@@ -67,7 +67,28 @@ RETRY_REASONS = frozenset({
     "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", "DATA_LOSS", "UNKNOWN_TOPIC_OR_PARTITION",
     "INTERNAL",
 })
+# Of those, the reasons after which the batch may be in the log although the call failed
+# (a timeout, a connection lost mid-call, a server failing or stopping under the write).
+UNKNOWN_OUTCOME_REASONS = frozenset({"REQUEST_TIMED_OUT", "SERVER_UNAVAILABLE", "INTERNAL",
+                                     "DATA_LOSS", "SHUTTING_DOWN"})
 _BACKOFF = Backoff(initial_s=0.02, maximum_s=1.0)
+
+
+def after_failed_append(reason: str, outcome_unknown: bool) -> str:
+    """What an append does after an attempt of its batch failed with `reason`, given
+    whether an earlier attempt's outcome is unknown: "retry" (the same batch: nothing was
+    appended, or the retry is de-duplicated by the batch's producer sequence), "reject"
+    (refused for good: nothing of it is in the log, its transitions roll back) or "reload"
+    (refused now, but an earlier attempt may be in the log, where a refusal of the retry
+    cannot tell, e.g. NOT_ENOUGH_REPLICAS after a timed-out attempt that the leader did
+    append: rolling back would leave this owner's state behind its own log, and its next
+    batch would reuse the sequence of records that are there. The log decides: the owner
+    gives the TC partition up and it is loaded again from the log)."""
+    if reason == "PRODUCER_FENCED":
+        return "reload"
+    if reason in RETRY_REASONS:
+        return "retry"
+    return "reload" if outcome_unknown else "reject"
 ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                              "SERVER_UNAVAILABLE"})
 
@@ -160,7 +181,7 @@ class TxnLog:
                              base_sequence=self._next_sequence)
         item = partition_pb2.ProduceItem(topic_partition=_topic_partition(self.tc_partition),
                                          record_batch=batch)
-        attempt = 0
+        attempt, outcome_unknown = 0, False
         while True:
             try:
                 address = await self.routes.owner(TOPIC, self.tc_partition)
@@ -173,10 +194,14 @@ class TxnLog:
             if error is None:
                 self._next_sequence += len(entries)
                 return result.base_offset, result.last_offset
-            if error.reason == "PRODUCER_FENCED":
-                raise Fenced(error.message)
-            if error.reason not in RETRY_REASONS:
+            verdict = after_failed_append(error.reason, outcome_unknown)
+            if verdict == "reload":
+                raise Fenced(error.message if error.reason == "PRODUCER_FENCED" else
+                             f"TC log append refused ({error.reason}: {error.message}) after "
+                             "an attempt whose outcome is unknown; loading again from the log")
+            if verdict == "reject":
                 raise AppendRejected(error)
+            outcome_unknown = outcome_unknown or error.reason in UNKNOWN_OUTCOME_REASONS
             attempt += 1
             self.appends_retried += 1
             if attempt in (1, 10) or attempt % 100 == 0:

@@ -1220,3 +1220,22 @@ def test_a_reservation_that_is_not_logged_forgets_its_one_call():
     assert core.one_call(ready.reply.txn_id) is None  # its caller heard the failure
     again = core.begin_one_call(NOW, 0, None, "k", [TopicPartition("t", 0)], [])
     assert again.appends  # the key is free, and the reservation is asked for again
+
+
+def test_a_tc_log_append_refused_after_an_unknown_outcome_reloads_instead_of_rolling_back():
+    """TxnLog.append's rule (coordinator/txn_log.py, after_failed_append): a definite
+    refusal rolls the batch's transitions back only while no earlier attempt's outcome is
+    unknown. After a timeout the leader may have appended the batch; a retry refused with
+    NOT_ENOUGH_REPLICAS says nothing about that first attempt, so the owner gives the TC
+    partition up and it is loaded again from the log (chaos seed 2580: a Completed record
+    rolled back in memory but present in the log was written again, and the TC partition
+    could never be replayed)."""
+    from coordinator.txn_log import RETRY_REASONS, UNKNOWN_OUTCOME_REASONS, after_failed_append
+
+    assert UNKNOWN_OUTCOME_REASONS <= RETRY_REASONS
+    for reason in RETRY_REASONS:
+        assert after_failed_append(reason, False) == after_failed_append(reason, True) == "retry"
+    for reason in ("NOT_ENOUGH_REPLICAS", "INVALID_ARGUMENT", "MESSAGE_TOO_LARGE"):
+        assert after_failed_append(reason, False) == "reject"
+        assert after_failed_append(reason, True) == "reload"
+    assert after_failed_append("PRODUCER_FENCED", False) == "reload"
