@@ -2,10 +2,10 @@
 calls over a plain length-prefixed TCP connection to their leader, beside its gRPC port.
 
 Why: a follower's round moves about a megabyte per call, and through gRPC (HTTP/2 frames,
-its C core's threads, its Cython callbacks and copies on both sides) that costs about
-1.2 ms of CPU per MB over the two processes on this machine, against 0.3 ms for the same
-bytes over a socket (`bench/copy_link.py`). With three replicas on one machine, two
-followers' copies of every megabyte are most of what separates factor 3 from factor 1.
+its C core's threads, its Cython callbacks and copies on both sides) that costs 1.1-1.2 ms
+of CPU per MB over the two processes on this machine, against 0.5-0.6 ms over this link
+(`bench/copy_link.py`). With three replicas on one machine, each follower's copy of every
+megabyte pays that transport once.
 
 What travels is what travels on gRPC: a `ReplicateManyRequest` and the leader's answer
 bytes exactly as its gRPC serializer writes them (`replicate_wire.serialize_many`, the

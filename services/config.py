@@ -301,7 +301,7 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("replication.link", bool, True, "Followers copy from their leaders over "
                 "the leaders' replication links (a length-prefixed TCP protocol beside the "
                 "gRPC port carrying the same ReplicateMany calls, authenticated and "
-                "authorized as gRPC calls are; docs/replication.md), which costs a quarter "
+                "authorized as gRPC calls are; docs/replication.md), which costs half "
                 "of gRPC's CPU per byte. A server with tls.enabled opens no link and its "
                 "followers use gRPC; false: no link is opened or used."),
         Setting("replication.link_listen", str, "", "The replication link's listen address; "
