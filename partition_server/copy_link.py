@@ -27,8 +27,9 @@ at a time per leader); the leader answers in order.
 
 Limits: a request frame of at most `MAX_REQUEST_BYTES` (else the connection is closed), at
 most `MAX_CONNECTIONS` connections per leader (more are closed at once), a connection idle
-for `IDLE_TIMEOUT_S` is closed (a follower's long polls keep it busy), and the follower
-refuses an answer frame larger than its `max_bytes` allows.
+for `IDLE_TIMEOUT_S`, or as slow to send a frame it announced, is closed (a follower's
+long polls keep it busy), and the follower refuses an answer frame larger than its
+`max_bytes` allows.
 
 TLS: the link speaks no TLS. A server with tls.enabled opens no link and advertises none,
 so its followers and leaders use gRPC (encrypted) as before.
@@ -132,7 +133,7 @@ class LinkServer:
                     await asyncio.wait_for(reader.readexactly(_HEAD.size), IDLE_TIMEOUT_S))
                 if kind != KIND_REQUEST or not 0 < length - 1 <= MAX_REQUEST_BYTES:
                     raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
-                body = await reader.readexactly(length - 1)
+                body = await asyncio.wait_for(reader.readexactly(length - 1), IDLE_TIMEOUT_S)
                 answer_kind, payload = await self._answer(body, peer_name)
                 writer.write(_HEAD.pack(len(payload) + 1, answer_kind))
                 writer.write(payload)
@@ -153,6 +154,8 @@ class LinkServer:
         started = time.perf_counter()
         outcome = "ok"
         try:
+            if len(body) < _TOKEN_LEN.size:
+                raise AtomlogError("INVALID_ARGUMENT", "the request frame has no token length")
             (token_length,) = _TOKEN_LEN.unpack_from(body)
             token_end = _TOKEN_LEN.size + token_length
             if token_end > len(body):

@@ -239,6 +239,7 @@ def test_bad_link_input_changes_nothing(cluster, client):
 
     refused = [
         (struct.pack(">H", 50) + b"short", "INVALID_ARGUMENT"),  # token past its frame
+        (b"\x00", "INVALID_ARGUMENT"),  # no room for the token length
         (None, "INVALID_ARGUMENT"),  # the body is not a ReplicateManyRequest
         *((many, "INVALID_ARGUMENT") for many in [
             partition_pb2.ReplicateManyRequest(replica="", partitions=[item()]),
