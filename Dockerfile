@@ -44,10 +44,11 @@ RUN groupadd --system --gid 10001 atomlog \
 COPY --from=build /opt/atomlog /opt/atomlog
 USER 10001:10001
 WORKDIR /var/lib/atomlog
-# gRPC (server.listen) and Prometheus /metrics (server.metrics_listen) in the settings
-# files of deploy/kubernetes, and the plaintext health port of the production overlay
+# gRPC (server.listen), Prometheus /metrics (server.metrics_listen) and the partition
+# servers' replication link (replication.link_listen) in the settings files of
+# deploy/kubernetes, and the plaintext health port of the production overlay
 # (server.health_listen, for probes when gRPC serves TLS); the servers' own defaults are
 # loopback and port 0.
-EXPOSE 7070 7071 9102
+EXPOSE 7070 7071 7072 9102
 ENTRYPOINT ["/opt/atomlog/bin/atomlog", "serve"]
 CMD ["partition-server"]

@@ -657,7 +657,13 @@ class PartitionOwner:
 
     async def _enqueue(self, work: _Work | _MarkerWork) -> list:
         if self.replication is not None:
-            self.replication.check_writable()  # NOT_ENOUGH_REPLICAS: nothing written
+            if isinstance(work, _MarkerWork):
+                self.replication.check_writable()  # NOT_ENOUGH_REPLICAS: nothing written
+            else:
+                # Batches: NOT_ENOUGH_REPLICAS is decided in _write, after the producer
+                # state has told a retry of a written batch (a duplicate, answered with its
+                # offsets once replicated) from a new one (refused: nothing written).
+                self.replication.check_serving()
         if len(self._queue) >= self.settings.max_queued_requests:
             raise AtomlogError("RESOURCE_EXHAUSTED",
                                f"partition {self.name} has {len(self._queue)} requests "
@@ -738,6 +744,11 @@ class PartitionOwner:
         next_offset = self.log.log_end_offset
         table, txns = self.producers, self.txns
         check, apply = table.check, table.apply
+        # Too few in-sync replicas: new batches are refused (nothing written), retries of
+        # written ones still answered as duplicates, so a refusal always means "not in the
+        # log" (a client may give a refused batch's sequence numbers to the next one).
+        too_few = (self.replication.not_enough_replicas()
+                   if self.replication is not None else None)
         duplicates = records = appended_bytes = 0
         for work in group:
             results = work.results
@@ -776,6 +787,9 @@ class PartitionOwner:
                 except AtomlogError as error:
                     results.append(error)
                     continue
+                if decision is APPEND and too_few is not None:
+                    results.append(too_few)
+                    continue
                 if decision is APPEND:
                     last = next_offset + header.last_offset_delta
                     apply(header.producer_id, header.producer_epoch, header.base_sequence,
@@ -808,6 +822,17 @@ class PartitionOwner:
             self._batches_since_snapshot += len(accepted)
         if duplicates:
             self._duplicates.inc(duplicates)
+        if too_few is not None:
+            # Requests refused whole for too few in-sync replicas wrote nothing and wait
+            # for nothing: answered now, not once a flush is replicated (which may be
+            # never while the ISR stays short).
+            refused = [w for w in group if isinstance(w, _Work) and w.results
+                       and all(r is too_few for r in w.results)]
+            if refused:
+                for work in refused:
+                    if not work.future.done():
+                        work.future.set_result(work.results)
+                self._unflushed = [w for w in self._unflushed if w not in refused]
 
     def _begin_flushes(self) -> None:
         """Begin a flush for the requests written since the last one began, while fewer

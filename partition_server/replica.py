@@ -293,13 +293,20 @@ class LeaderReplication:
 
     def check_writable(self) -> None:
         self.check_serving()
-        if not self.progress.may_acknowledge():
-            isr = sorted(self.progress.isr)
-            raise AtomlogError("NOT_ENOUGH_REPLICAS",
-                               f"{self.name} has {len(isr)} in-sync replicas {isr}; "
-                               f"min.insync.replicas is {self.progress.min_insync}",
-                               {"isr": ",".join(isr),
-                                "min_insync_replicas": str(self.progress.min_insync)})
+        refusal = self.not_enough_replicas()
+        if refusal is not None:
+            raise refusal
+
+    def not_enough_replicas(self) -> AtomlogError | None:
+        """NOT_ENOUGH_REPLICAS while the ISR is below min.insync.replicas, else None."""
+        if self.progress.may_acknowledge():
+            return None
+        isr = sorted(self.progress.isr)
+        return AtomlogError("NOT_ENOUGH_REPLICAS",
+                            f"{self.name} has {len(isr)} in-sync replicas {isr}; "
+                            f"min.insync.replicas is {self.progress.min_insync}",
+                            {"isr": ",".join(isr),
+                             "min_insync_replicas": str(self.progress.min_insync)})
 
     # ---------------------------------------------------------------- the leader's writes
     def durable(self, end: int) -> None:

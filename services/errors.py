@@ -94,7 +94,8 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "A replica fetch from a server that holds no replica of the partition."),
     _r("NOT_ENOUGH_REPLICAS", SC.UNAVAILABLE, RETRY, S,
        "Fewer in-sync replicas than min.insync.replicas hold the partition; nothing was "
-       "written. Retry once a replica catches up or returns."),
+       "written (a retry of a batch already written is not refused: it is answered as a "
+       "duplicate once replicated). Retry once a replica catches up or returns."),
     _r("FENCED_LEADER_EPOCH", SC.FAILED_PRECONDITION, RETRY, S,
        "A replica call carried another leader epoch than this leader's; the caller rereads "
        "the partition's state (internal: between partition servers)."),

@@ -565,6 +565,18 @@ def test_not_enough_in_sync_replicas_refuses_writes_and_writes_nothing(cluster, 
     wait_until(lambda: fully_in_sync(client, "rep-min"), 15, "rep-min in sync")
     part = metadata(client, "rep-min").partitions[0]
     produce_taken(part.server_address, "rep-min", 0, b"before")
+    # An idempotent producer's batch, acknowledged while the ISR is whole.
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(part.server_address))
+    tp = common_pb2.TopicPartition(topic="rep-min", partition=0)
+
+    def idempotent(value: bytes, sequence: int, timeout: float = 10):
+        return stub.Produce(partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+            topic_partition=tp, record_batch=encode_batch(
+                [Record(key=None, value=value)], producer_id=4_242, producer_epoch=0,
+                base_sequence=sequence))]), timeout=timeout).results[0]
+
+    written = idempotent(b"idempotent", 0)
+    assert not written.error.reason and written.base_offset == 1
     follower = next(r for r in part.replicas if r != part.server_name)
     kill(cluster, follower)
     try:
@@ -572,16 +584,25 @@ def test_not_enough_in_sync_replicas_refuses_writes_and_writes_nothing(cluster, 
                    SESSION_TIMEOUT_MS / 1000 + 10, "the dead follower to leave the ISR")
         reply = raw_produce(part.server_address, "rep-min", 0, b"refused")
         assert reply.results[0].error.reason == "NOT_ENOUGH_REPLICAS"
+        assert idempotent(b"refused too", 1).error.reason == "NOT_ENOUGH_REPLICAS"
+        # A retry of the written batch is no new write: it is not refused (a refusal
+        # means "not in the log", and a client may reuse a refused batch's sequence
+        # numbers); it is answered as a duplicate once the ISR holds it again.
+        with pytest.raises(grpc.RpcError) as waited:
+            idempotent(b"idempotent", 0, timeout=1.5)
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         under = cluster.status()["replication"]["under_replicated"]  # `atomlog status`
         assert ["rep-min-0", ",".join(sorted(set(part.replicas) - {follower})),
                 ",".join(part.replicas)] in [[n, ",".join(sorted(i.split(","))), r]
                                              for n, i, r in under]
-        assert client.describe_partition("rep-min", 0).high_watermark == 1
+        assert client.describe_partition("rep-min", 0).high_watermark == 2  # nothing new
     finally:
         restart_all(cluster)
     wait_until(lambda: fully_in_sync(client, "rep-min"), 30, "rep-min back in sync")
-    values = sorted(read_all(client, "rep-min", 1).values())
-    assert values == [b"before"]
+    again = idempotent(b"idempotent", 0, timeout=30)
+    assert not again.error.reason and again.base_offset == 1  # its first offsets
+    values = sorted(read_all(client, "rep-min", 2).values())
+    assert values == [b"before", b"idempotent"]
 
 
 def test_kill_9_leader_during_produce_and_transactions_loses_and_tears_nothing(cluster, client):
