@@ -210,12 +210,18 @@ def process_alive(pid: int, marker: str) -> bool:
         pass
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
-            state = handle.read().rsplit(b")", 1)[1].split()[0]
-        if state in (b"Z", b"X"):
+            fields = handle.read().rsplit(b")", 1)[1].split()
+        if fields[0] in (b"Z", b"X"):
             return False
+        if int(fields[1]) == os.getpid():
+            # Our own child, not reaped: its pid cannot have been reused, and just after
+            # the spawn its command line may not be readable yet (read in the middle of
+            # its exec, it came back empty once, under load, and a live Prometheus was
+            # reported as "exited during start-up").
+            return True
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
             cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
         return False
     return marker in cmdline
 
