@@ -34,16 +34,18 @@ sys.path.insert(0, str(REPO))
 sys.path.append(str(REPO / "bench"))
 
 import common  # noqa: E402
+from atomlog.v1 import common_pb2, partition_pb2  # noqa: E402
+from partition_server.copy_link import LinkClient, LinkServer  # noqa: E402
+from partition_server.replicate_wire import (ReplicateAnswer, ReplicateItem,  # noqa: E402
+                                             ReplicateManyAnswer)
+from services.interceptors import ErrorsAndMetricsInterceptor  # noqa: E402
 
 BEGIN, END = "<!-- bench/copy_link.py: begin -->", "<!-- bench/copy_link.py: end -->"
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
            ("grpc.max_send_message_length", 64 << 20)]
 
 
-def _answer(size: int):
-    from atomlog.v1 import common_pb2, partition_pb2
-    from partition_server.replicate_wire import (ReplicateAnswer, ReplicateItem,
-                                                 ReplicateManyAnswer)
+def _answer(size: int) -> ReplicateManyAnswer:
     result = partition_pb2.ReplicateResult(
         topic_partition=common_pb2.TopicPartition(topic="bench", partition=0))
     response = partition_pb2.ReplicateResponse(high_watermark=1, log_start_offset=0)
@@ -52,29 +54,21 @@ def _answer(size: int):
 
 
 class _Servicer:
-    def __init__(self, answer):
+    """Stands in for PartitionServicer.ReplicateMany: a pre-built answer (this measures the
+    transport, not the leader's reads), or the child's CPU time in a topic name."""
+
+    def __init__(self, answer: ReplicateManyAnswer):
         self.answer = answer
 
-    async def ReplicateMany(self, request, _context):
-        if request.replica == "cpu":  # the child's CPU time, in the answer's topic name
-            from partition_server.replicate_wire import ReplicateManyAnswer
-            from atomlog.v1 import common_pb2, partition_pb2
-            from partition_server.replicate_wire import ReplicateItem
+    async def ReplicateMany(self, request, _context) -> ReplicateManyAnswer:
+        if request.replica == "cpu":
             return ReplicateManyAnswer([ReplicateItem(partition_pb2.ReplicateResult(
                 topic_partition=common_pb2.TopicPartition(
                     topic=repr(time.process_time()), partition=0)))])
         return self.answer
 
 
-class _Interceptor:  # what LinkServer reads from the runtime's interceptor: no auth, no ACL
-    def __init__(self):
-        from services import auth
-        self.authenticator = auth.Authenticator()
-        self.authorizer = None
-
-
 def _server_main(size: int, ports) -> None:
-    from partition_server.copy_link import LinkServer
     payload = os.urandom(size)
 
     async def call(request: bytes, context) -> bytes:
@@ -86,7 +80,9 @@ def _server_main(size: int, ports) -> None:
             "bench.Copy", {"Call": grpc.unary_unary_rpc_method_handler(call)}),))
         grpc_port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        link = LinkServer(_Servicer(_answer(size)), _Interceptor(), "127.0.0.1", 0)
+        # The servers' own interceptor, as a runtime without auth.mode has it.
+        link = LinkServer(_Servicer(_answer(size)), ErrorsAndMetricsInterceptor(),
+                          "127.0.0.1", 0)
         ports.put((grpc_port, await link.start()))
         await asyncio.Event().wait()
 
@@ -108,8 +104,6 @@ async def _grpc_cell(port: int, seconds: float) -> tuple[int, float, float, floa
 
 
 async def _link_cell(port: int, seconds: float) -> tuple[int, float, float, float]:
-    from atomlog.v1 import partition_pb2
-    from partition_server.copy_link import LinkClient
     link = LinkClient(f"127.0.0.1:{port}")
     ask = partition_pb2.ReplicateManyRequest(replica="bench")
     cpu = partition_pb2.ReplicateManyRequest(replica="cpu")

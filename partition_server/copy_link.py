@@ -48,8 +48,8 @@ from prometheus_client import Counter, Histogram
 
 from atomlog.v1 import partition_pb2
 from partition_server.replicate_wire import ReplicateManyAnswer, parse_many, serialize_many
-from services import auth, metrics
-from services.errors import AtomlogError, REASONS, unexpected
+from services import auth, interceptors
+from services.errors import AtomlogError, from_item, unexpected
 from services.metrics import LATENCY_BUCKETS_SECONDS
 from services.logs import event
 
@@ -192,25 +192,17 @@ class LinkServer:
             LINK_SECONDS.observe(time.perf_counter() - started)
 
     def _authenticate(self, token: str, peer: str) -> auth.Principal:
-        authenticator = self.interceptor.authenticator
-        if not authenticator.enabled:
-            return auth.NOBODY
+        """As the gRPC interceptor authenticates a call: the token as its `authorization`
+        metadata would carry it; no TLS, so no certificate."""
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        try:
-            principal = authenticator.authenticate(metadata, {})  # no TLS: no certificate
-        except auth.AuthFailure as failure:
-            auth.record_failure(failure, METHOD, peer)
-            raise AtomlogError("UNAUTHENTICATED", f"{METHOD}: {failure.message}",
-                               {"failure": failure.failure,
-                                "auth_mode": authenticator.mode}) from None
-        metrics.AUTHENTICATED_CALLS.labels(principal.mechanism).inc()
-        authenticator.note(principal, peer)
-        return principal
+        return interceptors.principal_of(self.interceptor.authenticator, METHOD, metadata,
+                                         {}, peer)
 
 
 def _error_bytes(error: AtomlogError) -> bytes:
-    return partition_pb2.ItemError(reason=error.reason, message=error.message,
-                                   metadata=error.metadata).SerializeToString()
+    # (Here, not at the top: partition_server.service imports this module's users.)
+    from partition_server.service import item_error
+    return item_error(error).SerializeToString()
 
 
 # --------------------------------------------------------------------------- follower side
@@ -236,8 +228,9 @@ class LinkClient:
 
     async def replicate_many(self, request: partition_pb2.ReplicateManyRequest,
                              timeout_s: float) -> ReplicateManyAnswer:
-        """The leader's answer, or AtomlogError (its error frame), LinkUnavailable (no
-        connection could be made) or ConnectionError/OSError (the call failed on the way)."""
+        """The leader's answer; raises AtomlogError (its error frame, or SERVER_UNAVAILABLE
+        when the call failed on the way) or LinkUnavailable (no connection could be made:
+        the caller sends the call over gRPC)."""
         token = self._token_source.token if self._token_source is not None else ""
         token_bytes = token.encode()
         frame = b"".join((_HEAD.pack(1 + _TOKEN_LEN.size + len(token_bytes) + request.ByteSize(),
@@ -248,12 +241,16 @@ class LinkClient:
             self._thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"link {self.address}")
         loop = asyncio.get_running_loop()
-        kind, payload = await loop.run_in_executor(self._thread, self._exchange, frame,
-                                                   timeout_s, limit)
+        try:
+            kind, payload = await loop.run_in_executor(self._thread, self._exchange, frame,
+                                                       timeout_s, limit)
+        except LinkUnavailable:
+            raise
+        except OSError as error:  # on the way: the leader's unavailability, not the caller's
+            raise AtomlogError("SERVER_UNAVAILABLE", f"replication link to {self.address}: "
+                               f"{type(error).__name__}: {error}") from None
         if kind == KIND_ERROR:
-            info = partition_pb2.ItemError.FromString(payload)
-            reason = info.reason if info.reason in REASONS else "INTERNAL"
-            raise AtomlogError(reason, info.message, dict(info.metadata))
+            raise from_item(partition_pb2.ItemError.FromString(payload))
         return parse_many(payload)
 
     def cancel(self) -> None:

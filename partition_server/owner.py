@@ -826,13 +826,14 @@ class PartitionOwner:
             # Requests refused whole for too few in-sync replicas wrote nothing and wait
             # for nothing: answered now, not once a flush is replicated (which may be
             # never while the ISR stays short).
-            refused = [w for w in group if isinstance(w, _Work) and w.results
-                       and all(r is too_few for r in w.results)]
+            refused = {id(w): w for w in group if isinstance(w, _Work) and w.results
+                       and all(r is too_few for r in w.results)}
             if refused:
-                for work in refused:
+                for work in refused.values():
                     if not work.future.done():
                         work.future.set_result(work.results)
-                self._unflushed = [w for w in self._unflushed if w not in refused]
+                # (By identity: a dataclass's == would compare the batches' bytes.)
+                self._unflushed = [w for w in self._unflushed if id(w) not in refused]
 
     def _begin_flushes(self) -> None:
         """Begin a flush for the requests written since the last one began, while fewer

@@ -909,14 +909,14 @@ class Follower:
         self.retry_at = 0.0  # time.monotonic(): asks again from then (after a failure)
         self._delay = FOLLOWER_RETRY_FIRST_S
         self._reopen_due = False
-        self._closing = False  # close() began: nothing may (re)open the log
+        # close() began: nothing may (re)open the log or copy cursors any more.
+        self._closing = False
         # The cursor store, once this leader's snapshot is installed (None: not synced
         # with this leadership; the store on disk is left as it is until then). Used on
         # worker threads under the lock, so close() never races a copy in flight.
         self.cursor_limits = cursor_limits or CursorStoreLimits()
         self.cursors: CursorStore | None = None
         self._cursor_lock = threading.Lock()
-        self._closed = False
 
     @property
     def cursor_position(self) -> int:
@@ -950,7 +950,8 @@ class Follower:
 
     async def close(self) -> None:
         # First: a reopen under way in the fetcher's round (prepare) closes what it opened
-        # instead of keeping it (the log would stay open with nobody to close it).
+        # instead of keeping it (the log would stay open with nobody to close it), and a
+        # cursor copy not yet begun does not begin.
         self._closing = True
         await self.fetcher.remove(self)  # once no copy of this follower is under way
         await asyncio.to_thread(self._close_cursors)
@@ -1116,7 +1117,7 @@ class Follower:
         append its frames and fsync. Any failure drops the store: the next Replicate says
         NOT_SYNCED and the leader sends its snapshot again."""
         with self._cursor_lock:
-            if self._closed:
+            if self._closing:
                 return
             directory = self.directory / "cursors"
             try:
@@ -1151,8 +1152,7 @@ class Follower:
                 pass
 
     def _close_cursors(self) -> None:
-        with self._cursor_lock:
-            self._closed = True
+        with self._cursor_lock:  # (_closing is set: no copy starts after this one)
             store, self.cursors = self.cursors, None
             if store is not None:
                 try:
@@ -1344,10 +1344,6 @@ class LeaderFetcher:
                   leader=self.address, link=link.address, why=str(error))
             LINK_FALLBACKS.inc()
             return await self._call(requests)
-        except (OSError, EOFError) as error:  # the link failed on the way (not this log)
-            failure = AtomlogError("SERVER_UNAVAILABLE", f"replication link to {self.address}: "
-                                   f"{type(error).__name__}: {error}")
-            return [failure] * len(requests)
         except grpc.aio.AioRpcError as error:
             failure = errors.from_rpc_error(error)
             return [failure] * len(requests)
@@ -1362,10 +1358,7 @@ class LeaderFetcher:
             if index is None:
                 continue  # not asked for: ignored
             if result.error.reason:
-                reason = result.error.reason if result.error.reason in errors.REASONS \
-                    else "INTERNAL"
-                outcomes[index] = AtomlogError(reason, result.error.message,
-                                               dict(result.error.metadata))
+                outcomes[index] = errors.from_item(result.error)
             else:  # (a result without a response reads as an empty one)
                 outcomes[index] = result.response if result.response is not None \
                     else ReplicateAnswer()

@@ -254,6 +254,13 @@ def unexpected(error: Exception, where: str) -> AtomlogError:
     return AtomlogError("INTERNAL", f"internal error in {where}; see the server log")
 
 
+def from_item(item) -> AtomlogError:
+    """The AtomlogError an ItemError carries (any message with reason, message and
+    metadata); a reason this server does not know reads as INTERNAL."""
+    reason = item.reason if item.reason in REASONS else "INTERNAL"
+    return AtomlogError(reason, item.message, dict(item.metadata))
+
+
 def from_rpc_error(error: grpc.RpcError) -> AtomlogError:
     """Decode a client-side RpcError into an AtomlogError (best effort for foreign errors)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN

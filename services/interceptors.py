@@ -60,23 +60,34 @@ class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
 
+def principal_of(authenticator: auth.Authenticator, method: str, metadata,
+                 auth_context: dict, peer: str) -> auth.Principal:
+    """The caller's principal (counted and noted), or AtomlogError UNAUTHENTICATED (the
+    failure logged and counted). Also used by the replication link
+    (partition_server/copy_link.py), whose requests carry the same bearer tokens."""
+    if not authenticator.enabled:
+        return auth.NOBODY
+    try:
+        principal = authenticator.authenticate(metadata, auth_context)
+    except auth.AuthFailure as failure:
+        auth.record_failure(failure, method, peer)
+        raise AtomlogError("UNAUTHENTICATED", f"{method}: {failure.message}",
+                           {"failure": failure.failure, "auth_mode": authenticator.mode}) \
+            from None
+    metrics.AUTHENTICATED_CALLS.labels(principal.mechanism).inc()
+    authenticator.note(principal, peer)
+    return principal
+
+
 async def authenticate(authenticator: auth.Authenticator, method: str,
                        context: grpc.aio.ServicerContext) -> auth.Principal:
     """The call's principal (also set as services.auth.current()); on bad credentials the
     call is aborted UNAUTHENTICATED (logged and counted)."""
-    if not authenticator.enabled:
-        principal = auth.NOBODY
-    else:
-        try:
-            principal = authenticator.authenticate(context.invocation_metadata(),
-                                                   context.auth_context())
-        except auth.AuthFailure as failure:
-            auth.record_failure(failure, method, context.peer())
-            error = AtomlogError("UNAUTHENTICATED", f"{method}: {failure.message}",
-                                 {"failure": failure.failure, "auth_mode": authenticator.mode})
-            await context.abort(error.code, error.message, error.trailing_metadata())
-        metrics.AUTHENTICATED_CALLS.labels(principal.mechanism).inc()
-        authenticator.note(principal, context.peer())
+    try:
+        principal = principal_of(authenticator, method, context.invocation_metadata(),
+                                 context.auth_context(), context.peer())
+    except AtomlogError as error:
+        await context.abort(error.code, error.message, error.trailing_metadata())
     auth.set_current(principal)
     return principal
 

@@ -48,6 +48,16 @@ def wait_until(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - began
 
 
+def metric_sum(address: str, line_start: str) -> float:
+    """The sum of a server's /metrics samples whose line starts with `line_start` (a
+    metric name, with labels up to where they should match)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(line_start))
+
+
 def create_online(client, name: str, partitions: int, **options) -> str:
     """Create a topic through the SDK and wait until every partition serves: its owner
     opens it after CreateTopic answers, and until then requests get the retriable

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -31,7 +30,8 @@ from services.errors import from_rpc_error
 from services.tls import LocalCa
 from spark_client import Client
 from spark_client.errors import AtomlogClientError
-from tests.conftest import REPO_ROOT, SESSION_TIMEOUT_MS, Cluster, create_online, wait_until
+from tests.conftest import (REPO_ROOT, SESSION_TIMEOUT_MS, Cluster, create_online,
+                            metric_sum, wait_until)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -100,18 +100,11 @@ def list_topics(address: str, token: str | None):
             return from_rpc_error(error)
 
 
-def metric(address: str, line_start: str) -> float:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(line_start)]
-    return sum(values)
-
-
 def test_jwts_accepted_and_refused_with_the_reason(token_cluster, keys):
     ps0 = token_cluster.process("ps-0")
     address = ps0["grpc_address"]
     failures = 'atomlog_authentication_failures_total{reason="%s"}'
-    before = {r: metric(ps0["metrics_address"], failures % r)
+    before = {r: metric_sum(ps0["metrics_address"], failures % r)
               for r in ("expired", "wrong_issuer", "wrong_audience", "bad_signature",
                         "missing_credentials", "unknown_token")}
     assert isinstance(list_topics(address, make_jwt(keys)), metadata_pb2.ListTopicsResponse)
@@ -128,7 +121,7 @@ def test_jwts_accepted_and_refused_with_the_reason(token_cluster, keys):
         assert error.reason == "UNAUTHENTICATED", (failure, error)
         assert error.metadata["failure"] == failure, (failure, error)
     for failure in cases:
-        assert metric(ps0["metrics_address"], failures % failure) == before[failure] + 1, failure
+        assert metric_sum(ps0["metrics_address"], failures % failure) == before[failure] + 1, failure
     # Logged, without the token.
     log = Path(ps0["log_file"]).read_text(errors="replace")
     refusals = [json.loads(line) for line in log.splitlines()
@@ -418,7 +411,7 @@ def test_followers_copy_over_the_replication_link_with_the_service_token(token_c
             producer.send("auth-link", b"replicated", partition=0).result(timeout=30)
         part = partition()
     leader = token_cluster.process(part.server_name)
-    assert metric(leader["metrics_address"],
+    assert metric_sum(leader["metrics_address"],
                   'atomlog_replication_link_requests_total{outcome="ok"}') > 0
     follower = next(r for r in part.replicas if r != part.server_name)
     request = partition_pb2.ReplicateManyRequest(replica=follower, max_wait_ms=0, partitions=[
@@ -433,5 +426,5 @@ def test_followers_copy_over_the_replication_link_with_the_service_token(token_c
             error = partition_pb2.ItemError.FromString(payload)
             assert (kind, error.reason, error.metadata["failure"]) == (
                 KIND_ERROR, "UNAUTHENTICATED", failure)
-    assert metric(leader["metrics_address"],
+    assert metric_sum(leader["metrics_address"],
                   'atomlog_replication_link_requests_total{outcome="UNAUTHENTICATED"}') == 3

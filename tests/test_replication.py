@@ -17,7 +17,6 @@ import socket
 import struct
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -27,7 +26,7 @@ from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2, partition_pb2_gr
 from partition_server.copy_link import KIND_ANSWER, KIND_ERROR, KIND_REQUEST
 from partition_server.record_batch import Record, encode_batch
 from spark_client import Client, errors
-from tests.conftest import SESSION_TIMEOUT_MS, wait_until
+from tests.conftest import SESSION_TIMEOUT_MS, metric_sum, wait_until
 from tests.link_tools import HEAD, closed_by_peer, connect, link_address, read_frame, request_frame
 
 pytestmark = pytest.mark.cluster
@@ -180,11 +179,8 @@ def test_factor_3_topic_keeps_identical_copies_and_describes_them(cluster, clien
         assert sorted(p["replicas"]) == sorted(p["isr"]) == list(SERVERS)
 
 
-def metric_sum(cluster, server: str, line_start: str) -> float:
-    address = cluster.process(server)["metrics_address"]
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(line_start))
+def server_metric(cluster, server: str, line_start: str) -> float:
+    return metric_sum(cluster.process(server)["metrics_address"], line_start)
 
 
 def test_followers_copy_over_the_replication_link(cluster, client):
@@ -193,7 +189,7 @@ def test_followers_copy_over_the_replication_link(cluster, client):
     back to it."""
     client.create_topic("rep-link", partitions=3, replication_factor=3)
     wait_until(lambda: fully_in_sync(client, "rep-link"), 15, "rep-link in sync")
-    served = {s: metric_sum(cluster, s, "atomlog_replication_link_requests_total{outcome=\"ok\"}")
+    served = {s: server_metric(cluster, s, "atomlog_replication_link_requests_total{outcome=\"ok\"}")
               for s in SERVERS}
     with client.producer(linger_ms=2) as producer:
         futures = [producer.send("rep-link", b"x" * 100, partition=i % 3) for i in range(300)]
@@ -201,10 +197,10 @@ def test_followers_copy_over_the_replication_link(cluster, client):
         assert all(f.result(60).offset >= 0 for f in futures)
     for server in SERVERS:
         assert link_address(cluster, server).rsplit(":", 1)[0] == "127.0.0.1"
-        assert metric_sum(cluster, server, "atomlog_replication_link_requests_total{"
+        assert server_metric(cluster, server, "atomlog_replication_link_requests_total{"
                                            "outcome=\"ok\"}") > served[server]
-        assert metric_sum(cluster, server, "atomlog_replication_link_fallbacks_total") == 0
-        assert metric_sum(cluster, server, "atomlog_rpc_started_total{method=\"/atomlog.v1."
+        assert server_metric(cluster, server, "atomlog_replication_link_fallbacks_total") == 0
+        assert server_metric(cluster, server, "atomlog_rpc_started_total{method=\"/atomlog.v1."
                                            "PartitionService/ReplicateMany\"}") == 0
     for partition in range(3):
         wait_until(lambda: len(set(segment_digests(cluster, "rep-link", partition).values())) == 1,
@@ -280,7 +276,8 @@ def test_a_follower_uses_grpc_while_its_leaders_link_is_unreachable(cluster, cli
     gRPC, and the link is tried again only after RETRY_LINK_AFTER_S."""
     import asyncio
 
-    from partition_server.copy_link import LINK_FALLBACKS
+    from prometheus_client import REGISTRY
+
     from partition_server.manager import REPLICA_CHANNEL_OPTIONS
     from partition_server.replica import PARTITION_SERVICE, LeaderFetcher, ReplicaStub
     from services import local
@@ -293,16 +290,19 @@ def test_a_follower_uses_grpc_while_its_leaders_link_is_unreachable(cluster, cli
         unused.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{unused.getsockname()[1]}"
 
+    def fallbacks() -> float:  # this process's (the fetcher runs here)
+        return REGISTRY.get_sample_value("atomlog_replication_link_fallbacks_total") or 0.0
+
     async def ask():
         stubs = local.StubCache(PARTITION_SERVICE, ReplicaStub, REPLICA_CHANNEL_OPTIONS)
         fetcher = LeaderFetcher(outsider, part.server_address, stubs, 100, link_address=dead)
         try:
             assert fetcher.link is not None and fetcher.link.usable
-            before = LINK_FALLBACKS._value.get()
+            before = fallbacks()
             outcomes = await fetcher._call([partition_pb2.ReplicateRequest(
                 topic_partition=common_pb2.TopicPartition(topic="rep-link-down", partition=0),
                 replica=outsider, leader_epoch=part.leader_epoch, replica_incarnation=1)])
-            return outcomes, LINK_FALLBACKS._value.get() - before, fetcher.link.usable
+            return outcomes, fallbacks() - before, fetcher.link.usable
         finally:
             await fetcher.close()
             await stubs.close()
