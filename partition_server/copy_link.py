@@ -208,9 +208,10 @@ def _error_bytes(error: AtomlogError) -> bytes:
 # --------------------------------------------------------------------------- follower side
 class LinkClient:
     """A follower's link to one leader: one connection, one call at a time, its blocking
-    socket driven by one thread of its own (the event loop only waits for the answer). A
-    call that fails to connect raises `LinkUnavailable` (the caller sends it over gRPC);
-    any other transport failure drops the connection, and the next call opens a new one."""
+    socket driven by one thread of its own, on which the fetcher also runs its plain
+    rounds (`submit`; replica.LeaderFetcher, "Rounds on the link's thread"). A call that
+    fails to connect raises `LinkUnavailable` (the caller sends it over gRPC); any other
+    transport failure drops the connection, and the next call opens a new one."""
 
     def __init__(self, address: str, token_source=None):
         host, _, port = address.rpartition(":")
@@ -228,22 +229,31 @@ class LinkClient:
 
     async def replicate_many(self, request: partition_pb2.ReplicateManyRequest,
                              timeout_s: float) -> ReplicateManyAnswer:
-        """The leader's answer; raises AtomlogError (its error frame, or SERVER_UNAVAILABLE
-        when the call failed on the way) or LinkUnavailable (no connection could be made:
-        the caller sends the call over gRPC)."""
+        """`exchange` on the link's thread (the event loop waits for the answer)."""
+        return await asyncio.wrap_future(self.submit(self.exchange, request, timeout_s))
+
+    def submit(self, function, *args) -> concurrent.futures.Future:
+        """Runs `function(*args)` on the link's thread (made on first use), after whatever
+        runs there now: a follower's rounds use the socket only from there."""
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"link {self.address}")
+        return self._thread.submit(function, *args)
+
+    def exchange(self, request: partition_pb2.ReplicateManyRequest,
+                 timeout_s: float) -> ReplicateManyAnswer:
+        """On the link's thread: one call, blocking. The leader's answer; raises
+        AtomlogError (its error frame, or SERVER_UNAVAILABLE when the call failed on the
+        way) or LinkUnavailable (no connection could be made: the caller sends the call
+        over gRPC)."""
         token = self._token_source.token if self._token_source is not None else ""
         token_bytes = token.encode()
         frame = b"".join((_HEAD.pack(1 + _TOKEN_LEN.size + len(token_bytes) + request.ByteSize(),
                                      KIND_REQUEST), _TOKEN_LEN.pack(len(token_bytes)),
                           token_bytes, request.SerializeToString()))
         limit = (request.max_bytes or (64 << 20)) + ANSWER_OVERHEAD_BYTES
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"link {self.address}")
-        loop = asyncio.get_running_loop()
         try:
-            kind, payload = await loop.run_in_executor(self._thread, self._exchange, frame,
-                                                       timeout_s, limit)
+            kind, payload = self._exchange(frame, timeout_s, limit)
         except LinkUnavailable:
             raise
         except OSError as error:  # on the way: the leader's unavailability, not the caller's

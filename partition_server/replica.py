@@ -35,6 +35,7 @@ from the partition's state in ZooKeeper.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -975,10 +976,14 @@ class Follower:
             if self.log is None:
                 self._back_off()
                 return None
-        partition_log = self.log
+        return self.request()
+
+    def request(self) -> partition_pb2.ReplicateRequest:
+        """This partition's part of the next ReplicateMany, from its log as it is (its log
+        is open: `prepare` checked, or the link's thread is copying)."""
         request = partition_pb2.ReplicateRequest(
             replica=self.me, leader_epoch=self.epoch,
-            fetch_offset=partition_log.log_end_offset,
+            fetch_offset=self.log.log_end_offset,
             last_fetched_epoch=self.epochs.cache.latest_epoch(),
             max_bytes=REPLICATE_MAX_BYTES, cursor_sequence=self.cursor_position,
             replica_incarnation=self.incarnation)
@@ -1057,13 +1062,10 @@ class Follower:
             await self._truncate(cut, response)
             return
         self.known_hw = response.high_watermark
-        await self._copy_records(response, partition_log, fetch)
-        before = min(int(response.log_start_offset), partition_log.high_watermark)
-        if partition_log.log_start_after_delete(before) > partition_log.log_start_offset:
-            # (Checked here, in memory: most answers carry a log start that deletes
-            # nothing, and need no thread.)
-            await asyncio.to_thread(self._follow_log_start, before,
-                                    int(response.log_start_offset))
+        # (The log start is checked here, in memory: most answers carry one that deletes
+        # nothing, and an answer without records then needs no thread.)
+        if response.records or self._log_start_moved(response):
+            await asyncio.to_thread(self._copy_log, fetch, response)
         if response.cursors_available and (response.cursor_snapshot or response.cursor_frames):
             # After the log: a cursor failure raises (the loop backs off) but never holds
             # the log back, and is not the log's failure (no reopen of the log for it).
@@ -1072,19 +1074,50 @@ class Follower:
             except Exception as error:  # noqa: BLE001 — the store is dropped: resync
                 raise CursorCopyFailed(f"{type(error).__name__}: {error}") from error
 
-    async def _copy_records(self, response, partition_log: PartitionLog, fetch: int) -> None:
+    def copies_in_place(self, request, response) -> bool:
+        """Whether the link's thread may copy this answer itself (`copy_in_place`): records,
+        leader epochs and the log start, the plain case. Not a divergence (a truncation),
+        cursor state, or a follower closing or with its log to reopen: those go to the
+        event loop (`handle`)."""
+        return (not self._closing and not self._reopen_due and self.log is not None
+                and self.log.log_end_offset == request.fetch_offset
+                and not response.diverging
+                and not (response.cursors_available
+                         and (response.cursor_snapshot or response.cursor_frames)))
+
+    def copy_in_place(self, request, response) -> None:
+        """On the link's thread: what `handle` does with an answer `copies_in_place`
+        allows, without the event loop. Raises what the copy raised (the caller hands
+        it to `handle`, which backs off and reopens the log as after any failed copy)."""
+        self.known_hw = response.high_watermark
+        if response.records or self._log_start_moved(response):
+            self._copy_log(request.fetch_offset, response)
+        self.quiet()
+
+    def _log_start_moved(self, response) -> bool:
+        partition_log = self.log
+        before = min(int(response.log_start_offset), partition_log.high_watermark)
+        return partition_log.log_start_after_delete(before) > partition_log.log_start_offset
+
+    def _copy_log(self, fetch: int, response) -> None:
+        """On a worker thread (or the link's): the answer's records (checked, appended,
+        fsynced), the leader epochs they begin, and the leader's log start."""
+        partition_log = self.log
         # Once: from a ReplicateResponse each access copies the field out of the message
         # (from a ReplicateAnswer it is a slice of the received buffer).
         data = response.records
-        if not data:
-            return
-        await asyncio.to_thread(self._append, data)
-        end = partition_log.log_end_offset
-        for entry in response.epochs:
-            start = max(entry.start_offset, fetch)
-            if start < end and entry.epoch > self.epochs.cache.latest_epoch():
-                await asyncio.to_thread(self.epochs.assign, entry.epoch, start)
-        m.REPLICA_FETCHED_BYTES.inc(len(data))
+        if data:
+            self._append(data)
+            end = partition_log.log_end_offset
+            for entry in response.epochs:
+                start = max(entry.start_offset, fetch)
+                if start < end and entry.epoch > self.epochs.cache.latest_epoch():
+                    self.epochs.assign(entry.epoch, start)
+            m.REPLICA_FETCHED_BYTES.inc(len(data))
+        if self._log_start_moved(response):
+            self._follow_log_start(min(int(response.log_start_offset),
+                                       partition_log.high_watermark),
+                                   int(response.log_start_offset))
 
     def _append(self, data: bytes) -> None:
         """On a worker thread, off the event loop: check the copied batches (each whole,
@@ -1211,10 +1244,19 @@ class LeaderFetcher:
         self._added = asyncio.Event()
         self._handling: dict[Follower, asyncio.Future] = {}
         self._task: asyncio.Task | None = None
+        # The link's thread's rounds (`_express_rounds`; done once they end), their
+        # followers, and the stop the event loop sets (under the lock, which also says
+        # whether a call is out on the socket, to be cut short).
+        self._express: concurrent.futures.Future | None = None
+        self._express_followers: frozenset = frozenset()
+        self._express_lock = threading.Lock()
+        self._express_stop = False
+        self._express_calling = False
 
     def add(self, follower: Follower) -> None:
         self.followers[follower.name] = follower
         self._added.set()
+        self._stop_express()  # the next round asks for it too
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"fetcher {self.address}")
 
@@ -1228,14 +1270,21 @@ class LeaderFetcher:
         arriving later for it is dropped)."""
         if self.followers.get(follower.name) is follower:
             del self.followers[follower.name]
+        express = self._express
+        if express is not None and not express.done() and follower in self._express_followers:
+            self._stop_express()
+            await _finished(express)
         busy = self._handling.get(follower)
         if busy is not None:
             await asyncio.wait([busy])
 
     async def close(self) -> None:
         self.followers.clear()
+        self._stop_express()
         if self.link is not None:
             self.link.close()
+        if self._express is not None:
+            await _finished(self._express)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -1261,8 +1310,10 @@ class LeaderFetcher:
     async def _round(self) -> None:
         """One ReplicateMany for every partition ready to ask, and the copies it brings."""
         # Cleared before the partitions are gathered: one added meanwhile (while a
-        # log reopens below) ends the next long poll at once.
+        # log reopens below) ends the next long poll at once, or the link thread's rounds.
         self._added.clear()
+        with self._express_lock:
+            self._express_stop = False
         now = time.monotonic()
         batch = []
         for follower in list(self.followers.values()):
@@ -1279,11 +1330,30 @@ class LeaderFetcher:
             except asyncio.TimeoutError:
                 pass
             return
-        outcomes = await self._call([request for _follower, request in batch])
-        if outcomes is None:
-            return  # a partition was added: ask again with it at once
+        if self.link is not None and self.link.usable and len(batch) == len(self.followers) \
+                and not self._added.is_set():
+            left = await self._run_express(batch)
+            if left is None:
+                return  # stopped (a partition added or removed): ask again at once
+        else:
+            # A partition backing off sits this call out: the leader holds the call no
+            # longer than until it may ask again.
+            retry = min((f.retry_at for f in self.followers.values()
+                         if f.retry_at > now), default=None)
+            wait_ms = self.fetch_wait_ms if retry is None else \
+                min(self.fetch_wait_ms, max(0, int((retry - time.monotonic()) * 1000) + 1))
+            outcomes = await self._call([request for _follower, request in batch], wait_ms)
+            if outcomes is None:
+                return  # a partition was added: ask again with it at once
+            left = [(follower, request, outcome)
+                    for (follower, request), outcome in zip(batch, outcomes)]
+        await self._handle(left)
+
+    async def _handle(self, outcomes: list) -> None:
+        """Each follower's outcome (follower, request, outcome) acted on, side by side, on
+        the event loop."""
         handling = []
-        for (follower, request), outcome in zip(batch, outcomes):
+        for follower, request, outcome in outcomes:
             if self.followers.get(follower.name) is not follower:
                 continue  # removed meanwhile: its log may be closed
             if outcome is None:
@@ -1299,14 +1369,12 @@ class LeaderFetcher:
                 if self._handling.get(follower) is task:
                     del self._handling[follower]
 
-    async def _call(self, requests: list) -> list | None:
+    async def _call(self, requests: list, wait_ms: int | None = None) -> list | None:
         """One ReplicateMany for `requests`: per request a ReplicateAnswer, an
         exception, or None (nothing new); None for the whole when a partition was added
         before the answer came. (The stub's answer is a ReplicateManyAnswer, parsed by
         `ReplicaStub`'s deserializer or returned as is by an in-process leader.)"""
-        request = partition_pb2.ReplicateManyRequest(
-            replica=self.me, max_wait_ms=self.fetch_wait_ms,
-            max_bytes=REPLICATE_MANY_MAX_BYTES, partitions=requests)
+        request = self._many_request(requests, wait_ms)
         timeout_s = self.fetch_wait_ms / 1000 + 10
         link = self.link if self.link is not None and self.link.usable else None
         if link is not None:
@@ -1338,31 +1406,125 @@ class LeaderFetcher:
         try:
             response = answer.result()
         except LinkUnavailable as error:
-            # No link to this leader now: this call and those of the next seconds go by
-            # gRPC (the request only reports positions and reads: asking twice is safe).
-            event(log, "replication link unavailable; using gRPC", logging.WARNING,
-                  leader=self.address, link=link.address, why=str(error))
-            LINK_FALLBACKS.inc()
-            return await self._call(requests)
+            self._link_unavailable(error)
+            return await self._call(requests, wait_ms)
         except grpc.aio.AioRpcError as error:
             failure = errors.from_rpc_error(error)
             return [failure] * len(requests)
         except Exception as error:  # noqa: BLE001 — each partition backs off and retries
             return [error] * len(requests)
-        position = {(r.topic_partition.topic, r.topic_partition.partition): index
-                    for index, r in enumerate(requests)}
-        outcomes: list = [None] * len(requests)
-        for result in response.results:
-            index = position.get((result.topic_partition.topic,
-                                  result.topic_partition.partition))
-            if index is None:
-                continue  # not asked for: ignored
-            if result.error.reason:
-                outcomes[index] = errors.from_item(result.error)
-            else:  # (a result without a response reads as an empty one)
-                outcomes[index] = result.response if result.response is not None \
-                    else ReplicateAnswer()
-        return outcomes
+        return _outcomes(requests, response)
+
+    def _link_unavailable(self, error: LinkUnavailable) -> None:
+        # No link to this leader now: this call and those of the next seconds go by gRPC
+        # (the request only reports positions and reads: asking twice is safe).
+        event(log, "replication link unavailable; using gRPC", logging.WARNING,
+              leader=self.address, link=self.link.address, why=str(error))
+        LINK_FALLBACKS.inc()
+
+    def _many_request(self, requests: list, wait_ms: int | None = None
+                      ) -> partition_pb2.ReplicateManyRequest:
+        return partition_pb2.ReplicateManyRequest(
+            replica=self.me, max_wait_ms=self.fetch_wait_ms if wait_ms is None else wait_ms,
+            max_bytes=REPLICATE_MANY_MAX_BYTES, partitions=requests)
+
+    # ------------------------------------------------------ rounds on the link's thread
+    async def _run_express(self, batch: list) -> list | None:
+        """Rounds on the link's thread (docs/replication.md, "Rounds on the link's
+        thread") while every answer is plain: each partition's records are checked,
+        appended and fsynced there and the next call goes out, with no hop to the event
+        loop and back. Returns the (follower, request, outcome) the event loop acts on (an
+        answer that is not plain, a failed copy, a failed call), or None when the event
+        loop stopped the rounds (a partition added or removed) with nothing left to do."""
+        self._express_followers = frozenset(follower for follower, _request in batch)
+        self._express = self.link.submit(self._express_rounds, batch)
+        left, failure = await _finished(self._express)
+        if failure is None:
+            return left or None
+        if self._express_stop:
+            return None  # the call was cut by the event loop: nothing to act on
+        if isinstance(failure, LinkUnavailable):
+            self._link_unavailable(failure)
+            outcomes = await self._call([request for _follower, request in left])
+            if outcomes is None:
+                return None
+            return [(follower, request, outcome)
+                    for (follower, request), outcome in zip(left, outcomes)]
+        return [(follower, request, failure) for follower, request in left]
+
+    def _express_rounds(self, batch: list) -> tuple[list, BaseException | None]:
+        """On the link's thread: calls and plain copies until an outcome needs the event
+        loop or the loop asks to stop. Returns (outcomes for the loop, None), empty when
+        stopped, or (the last call's (follower, request) pairs, the call's failure)."""
+        pairs = batch
+        timeout_s = self.fetch_wait_ms / 1000 + 10
+        while True:
+            with self._express_lock:
+                if self._express_stop:
+                    return [], None
+                self._express_calling = True
+            requests = [request for _follower, request in pairs]
+            try:
+                answer = self.link.exchange(self._many_request(requests), timeout_s)
+            except Exception as error:  # noqa: BLE001 — the event loop decides what it means
+                return pairs, error
+            finally:
+                with self._express_lock:
+                    self._express_calling = False
+            m.REPLICATE_CALLS.inc()
+            left = []
+            for (follower, request), outcome in zip(pairs, _outcomes(requests, answer)):
+                if self.followers.get(follower.name) is not follower:
+                    continue  # removed: the event loop is stopping these rounds
+                if outcome is None:
+                    follower.quiet()
+                elif isinstance(outcome, BaseException) or \
+                        not follower.copies_in_place(request, outcome):
+                    left.append((follower, request, outcome))
+                else:
+                    try:
+                        follower.copy_in_place(request, outcome)
+                    except Exception as error:  # noqa: BLE001 — `handle` backs it off
+                        left.append((follower, request, error))
+            if left:
+                return left, None
+            pairs = [(follower, follower.request()) for follower, _request in pairs
+                     if self.followers.get(follower.name) is follower]
+            if not pairs:
+                return [], None
+
+    def _stop_express(self) -> None:
+        """Ends the link thread's rounds once their copies under way are done; a call out
+        on the socket (a long poll) is cut short."""
+        with self._express_lock:
+            self._express_stop = True
+            if self._express_calling and self.link is not None:
+                self.link.cancel()
+
+
+def _outcomes(requests: list, response) -> list:
+    """Per request, from a ReplicateMany answer: its ReplicateAnswer, its error, or None
+    (nothing new)."""
+    position = {(r.topic_partition.topic, r.topic_partition.partition): index
+                for index, r in enumerate(requests)}
+    outcomes: list = [None] * len(requests)
+    for result in response.results:
+        index = position.get((result.topic_partition.topic,
+                              result.topic_partition.partition))
+        if index is None:
+            continue  # not asked for: ignored
+        if result.error.reason:
+            outcomes[index] = errors.from_item(result.error)
+        else:  # (a result without a response reads as an empty one)
+            outcomes[index] = result.response if result.response is not None \
+                else ReplicateAnswer()
+    return outcomes
+
+
+async def _finished(future: concurrent.futures.Future):
+    """The result of work on a link's thread, waited for until it ends: a cancelled
+    waiter does not end the work (whoever closes a log it writes waits for it)."""
+    return await asyncio.shield(asyncio.wrap_future(future))
 
 
 class ReplicaStub(partition_pb2_grpc.PartitionServiceStub):

@@ -207,6 +207,32 @@ def test_followers_copy_over_the_replication_link(cluster, client):
                    15, f"replicas of rep-link-{partition} to be identical")
 
 
+def test_a_partition_added_while_followers_long_poll_is_copied_at_once(cluster, client):
+    """Followers of an idle leader wait in long polls (replication.fetch_wait_ms, 2 s) on
+    their link's thread. A partition added to that leader ends the poll out for it, so
+    its first write, which waits for a follower's copy (min.insync.replicas 3), is
+    acknowledged well before a poll would have ended on its own."""
+    client.create_topic("rep-idle", partitions=3, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, "rep-idle"), 15, "rep-idle in sync")
+    with client.producer(linger_ms=0) as producer:
+        for partition in range(3):  # every follower of every leader has begun its rounds
+            producer.send("rep-idle", b"x", partition=partition).result(30)
+    taken = []
+    for attempt in range(3):
+        topic = f"rep-added-{attempt}"
+        time.sleep(2.5)  # every fetcher of every server in a long poll
+        client.create_topic(topic, partitions=1, replication_factor=3,
+                            config={"min.insync.replicas": "3"})
+        wait_until(lambda: fully_in_sync(client, topic), 15, f"{topic} in sync")
+        part = metadata(client, topic).partitions[0]
+        began = time.monotonic()
+        produce_taken(part.server_address, topic, 0, b"first")
+        taken.append(time.monotonic() - began)
+    # Without the poll cut short, each first write waits out what is left of a 2 s poll
+    # (1 s on average); with it, a round trip and two fsyncs.
+    assert min(taken) < 0.5 and sorted(taken)[1] < 1.0, taken
+
+
 def test_bad_link_input_changes_nothing(cluster, client):
     """The replication link closes a connection that breaks its wire format (without
     reading a frame it announces past its bound), answers a request it cannot take with
