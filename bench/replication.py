@@ -408,10 +408,14 @@ def write_docs(text: str, every: list[dict], seconds: float) -> None:
         "length-prefixed TCP connection, the follower's side on a blocking socket of its "
         "own thread: moving 0.8 MB answers between two Python processes costs 0.5-0.6 ms "
         "of CPU per MB over both sides that way against 1.1-1.2 ms through grpc.aio "
-        "(`bench/copy_link.py`). What remains per MB beyond factor 1 is the followers' "
-        "work itself (the CRC check, the direct write and its fsync, the event-loop turns "
-        "of each round) and the leader's (reading the records, recording each follower's "
-        "position, moving the high watermark and answering the producers it holds back). "
+        "(`bench/copy_link.py`). A follower's plain rounds run whole on that thread (the "
+        "call, the CRC check, the direct write and its fsync, the next call: "
+        "docs/replication.md, \"Rounds on the link's thread\"), where each used to cross "
+        "from the event loop to the link's thread, to a worker thread and back: the "
+        "servers' context switches per acknowledged MB fell from about 173 to 140-146 (86 "
+        "at factor 1). What remains per MB beyond factor 1 is the followers' work itself "
+        "and the leader's (answering each round, recording each follower's position, "
+        "moving the high watermark and answering the producers it holds back). "
         "Before the link, with followers writing around the page cache (perf, same cell, "
         "2026-11-28, 13.4 ms per MB under perf): the Python interpreter 32%, context "
         "switches and wake-ups 19%, libc 12% (memmove 8.7%), gRPC's core 8.8%, socket and "
@@ -420,7 +424,8 @@ def write_docs(text: str, every: list[dict], seconds: float) -> None:
         "page cache\"). Tried and not kept: a follower fetching its next records while its "
         "fsync runs (more, smaller calls per MB); HTTP/2 frames of 4 MiB instead of 16 KiB; "
         "a leader lingering 3 or 8 ms before answering a follower; one gRPC stream per "
-        "follower and leader (docs/benchmarks.md, the sections below).",
+        "follower and leader; the leader sending the records from its files with sendfile "
+        "(docs/benchmarks.md, the sections below).",
         END])
     common.write_docs_section(section, BEGIN, END)
 
