@@ -229,8 +229,9 @@ def test_a_partition_added_while_followers_long_poll_is_copied_at_once(cluster, 
         produce_taken(part.server_address, topic, 0, b"first")
         taken.append(time.monotonic() - began)
     # Without the poll cut short, each first write waits out what is left of a 2 s poll
-    # (1 s on average); with it, a round trip and two fsyncs.
-    assert min(taken) < 0.5 and sorted(taken)[1] < 1.0, taken
+    # (1 s on average), or for ever if the rounds never stop for it; with it, a round trip
+    # and two fsyncs (a second at most, even on a loaded machine).
+    assert sorted(taken)[1] < 1.0, taken
 
 
 def test_bad_link_input_changes_nothing(cluster, client):
