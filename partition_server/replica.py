@@ -1062,11 +1062,12 @@ class Follower:
             await self._truncate(cut, response)
             return
         self.known_hw = response.high_watermark
+        data = response.records  # once: see _copy_log
         # (The log start is checked here, in memory: most answers carry one that deletes
         # nothing, and an answer without records then needs no thread.)
-        if response.records or self._log_start_moved(response):
-            await asyncio.to_thread(self._copy_log, fetch, response)
-        if response.cursors_available and (response.cursor_snapshot or response.cursor_frames):
+        if data or self._log_start_moved(response):
+            await asyncio.to_thread(self._copy_log, fetch, response, data)
+        if _carries_cursors(response):
             # After the log: a cursor failure raises (the loop backs off) but never holds
             # the log back, and is not the log's failure (no reopen of the log for it).
             try:
@@ -1081,17 +1082,14 @@ class Follower:
         event loop (`handle`)."""
         return (not self._closing and not self._reopen_due and self.log is not None
                 and self.log.log_end_offset == request.fetch_offset
-                and not response.diverging
-                and not (response.cursors_available
-                         and (response.cursor_snapshot or response.cursor_frames)))
+                and not response.diverging and not _carries_cursors(response))
 
     def copy_in_place(self, request, response) -> None:
         """On the link's thread: what `handle` does with an answer `copies_in_place`
         allows, without the event loop. Raises what the copy raised (the caller hands
         it to `handle`, which backs off and reopens the log as after any failed copy)."""
         self.known_hw = response.high_watermark
-        if response.records or self._log_start_moved(response):
-            self._copy_log(request.fetch_offset, response)
+        self._copy_log(request.fetch_offset, response, response.records)
         self.quiet()
 
     def _log_start_moved(self, response) -> bool:
@@ -1099,13 +1097,13 @@ class Follower:
         before = min(int(response.log_start_offset), partition_log.high_watermark)
         return partition_log.log_start_after_delete(before) > partition_log.log_start_offset
 
-    def _copy_log(self, fetch: int, response) -> None:
-        """On a worker thread (or the link's): the answer's records (checked, appended,
-        fsynced), the leader epochs they begin, and the leader's log start."""
+    def _copy_log(self, fetch: int, response, data) -> None:
+        """On a worker thread (or the link's): the answer's records `data` (checked,
+        appended, fsynced), the leader epochs they begin, and the leader's log start.
+        `data` is `response.records` read once by the caller: from a ReplicateResponse
+        each read copies the field out of the message (from a ReplicateAnswer it is a
+        slice of the received buffer)."""
         partition_log = self.log
-        # Once: from a ReplicateResponse each access copies the field out of the message
-        # (from a ReplicateAnswer it is a slice of the received buffer).
-        data = response.records
         if data:
             self._append(data)
             end = partition_log.log_end_offset
@@ -1500,6 +1498,12 @@ class LeaderFetcher:
             self._express_stop = True
             if self._express_calling and self.link is not None:
                 self.link.cancel()
+
+
+def _carries_cursors(response) -> bool:
+    """Whether a Replicate answer brings cursor state to copy (a snapshot or frames)."""
+    return bool(response.cursors_available
+                and (response.cursor_snapshot or response.cursor_frames))
 
 
 def _outcomes(requests: list, response) -> list:
