@@ -9,9 +9,9 @@ process), through the Python SDK exactly as bench/transactions.py runs them:
   and with the streaming path (Client(one_call_max_bytes=0): NewTxn, Produce, EndTxn).
   Transactions/s, commit() p50/p99, gRPC calls per transaction by method, and CPU per
   transaction of the servers and of the clients;
-- consume-transform-produce (peers-bench W3: 20,000 preloaded inputs, batches of 100):
-  sequential (ack(), commit()) and pipelined (ack_async(), commit_async(), 4 committing),
-  one-call and streaming.
+- consume-transform-produce (peers-bench W3: 20,000 preloaded inputs, batches of 100;
+  the worker's consumer prefetches 900 more per Receive): sequential (ack(), commit())
+  and pipelined (ack_async(), commit_async(), 4 committing), one-call and streaming.
 
 Baselines and peers measured in the same run: the do-nothing gRPC call rate between two
 Python processes (the ceiling per call), fsync latency; PostgreSQL from
@@ -156,7 +156,9 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         f"between two Python processes ran at **{rate:,.0f} calls/s** "
         f"({floor['server_cpu_ms_per_call']:.2f} ms of server CPU per call); fsync of a small "
         f"write p50 {baseline['p50']:.2f} ms. Small transactions: 8 client processes, each "
-        "a loop of begin, 10 × 1 KiB over 4 partitions, commit(). *One-call* is the SDK's "
+        "a loop of begin, 10 × 1 KiB over 4 partitions, commit(). Consume-transform-produce: "
+        "peers-bench W3 (batches of 100 inputs), its consumer prefetching "
+        f"{tb.CTP_PREFETCH} more per Receive. *One-call* is the SDK's "
         "default (the transaction is kept by the client and committed by one CommitTxn); "
         "*streaming* is `Client(one_call_max_bytes=0)` (NewTxn, Produce, EndTxn). Calls are "
         "gRPC calls per transaction counted by every server (client and server-to-server, "

@@ -14,8 +14,9 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
 3. Fetch throughput of everything written in (2) from the start: read_committed vs
    read_uncommitted (one consumer, same data, MB/s).
 4. Consume-transform-produce (peers-bench W3): 20,000 preloaded 1 KiB inputs (untimed);
-   one worker process repeats poll 100 inputs from a subscription, send 100 outputs (the
-   input's bytes reversed) and ack the 100 inputs, all in one transaction, commit; it
+   one worker process repeats poll 100 inputs from a subscription (its consumer
+   prefetches 900 more per Receive, as a RabbitMQ consumer's prefetch count: one Receive
+   per ten polls), send 100 outputs (the input's bytes reversed) and ack the 100 inputs, all in one transaction, commit; it
    stops at the first empty poll. Twice, on topics of their own: sequentially (ack(),
    commit(), as the peers) and pipelined (ack_async() before the sends, commit_async(),
    up to 4 transactions committing while the worker polls on). Inputs/s (timed from the
@@ -85,6 +86,9 @@ SMALL_TOPIC, STREAM_TOPIC = "bench-small-txn", "bench-txn-stream"
 CTP_IN, CTP_OUT, CTP_SUBSCRIPTION = "bench-ctp-in", "bench-ctp-out", "bench-ctp"
 CTP_BATCH = 100
 CTP_DEPTH = 4  # pipelined: transactions committing at once (the SDK runs 4 commits at a time)
+# The worker's consumer asks each Receive for this many inputs beyond the poll's 100 and
+# keeps them for its next polls (as RabbitMQ's prefetch count): one Receive per ten polls.
+CTP_PREFETCH = 9 * CTP_BATCH
 PARTITIONS = 16
 RECORD = b"x" * 1024
 
@@ -299,7 +303,8 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
         producer.flush()
     for future in futures:
         future.result(0)
-    consumer = client.consumer(topic_in, subscription=subscription, ack_timeout_s=120)
+    consumer = client.consumer(topic_in, subscription=subscription, ack_timeout_s=120,
+                               prefetch=CTP_PREFETCH)
     producer = client.producer(linger_ms=5)
     producer.send(topic_out, b"warm-up", partition=0).result(30)  # connection, producer id
     batches, commits, done, transactions = [], [], 0, 0
@@ -586,7 +591,9 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         f"processes: {floor['calls_per_s']:,.0f}/s.",
         "",
         f"{seq['inputs']:,} preloaded 1 KiB inputs on {seq['partitions']} partition(s) (the "
-        "outputs too), one worker process: poll 100 from a subscription, send 100 outputs "
+        "outputs too), one worker process: poll 100 from a subscription (the consumer "
+        f"prefetches {CTP_PREFETCH} more per Receive, as a RabbitMQ consumer's prefetch "
+        "count: one Receive per ten polls), send 100 outputs "
         "(bytes reversed) and ack the 100 inputs in one transaction, commit; timed from the "
         "first poll to the empty one (and, pipelined, to the last commit). **Sequential** "
         "is the peers' loop: `consumer.ack(...)`, `txn.commit()`, then the next poll. "
@@ -638,7 +645,7 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         f"Pipelined, the chain overlaps with the next batches: {fp['cpu_s'] / piped['seconds']:.2f} "
         f"cores, {piped['per_s'] / seq['per_s'] * 100 - 100:+.0f}% inputs/s, and each batch waits "
         "longer for its commit (it queues behind the others).",
-        "The calls, from the worker: Receive, amortized (one delivers thousands of inputs,",
+        "The calls, from the worker: Receive, amortized (with the prefetch one delivers 1,000 inputs,",
         "which the SDK keeps for the next polls), and one CommitTxn per transaction carrying",
         "its outputs and its acks (one-call transactions: the SDK keeps them on the client",
         "while they stay under its bound, 1 MiB; pipelined, CommitTxns carries several",

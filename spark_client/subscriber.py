@@ -76,17 +76,25 @@ class SubscriptionConsumer:
                  isolation: str = "read_committed", start: str = "earliest",
                  start_offset: int | None = None, start_timestamp_ms: int | None = None,
                  ack_timeout_s: float = 30.0, max_bytes_per_request: int = 8 << 20,
-                 request_timeout_s: float = 30.0, max_async_acks: int = 64):
+                 request_timeout_s: float = 30.0, max_async_acks: int = 64,
+                 prefetch: int = 0):
         """`start` places the cursors this consumer creates (existing ones stay where
         they are): "earliest" (everything stored), "latest" (only new messages),
         "offset" (`start_offset`, clamped to what each partition holds) or "timestamp"
         (`start_timestamp_ms`: each partition's first message at or after it).
         `max_async_acks` bounds the acks begun with ack_async() and not yet answered: a
-        further call waits for one of them."""
+        further call waits for one of them. `prefetch` (as RabbitMQ's prefetch count):
+        messages a Receive asks for beyond the poll's max_records, kept here for the next
+        polls, so a worker polling small batches makes one Receive per several polls.
+        They are delivered (their ack timeout runs) from that Receive on, and what is
+        still kept when the ack timeout passes is dropped here and redelivered by the
+        server; 0 (the default) asks for max_records only."""
         if isolation not in ISOLATION:
             raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
         if max_async_acks < 1:
             raise ValueError("max_async_acks must be at least 1")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError("prefetch must be a non-negative integer")
         initial = subscription_position(start, start_offset, start_timestamp_ms, what="start",
                                         offset_name="start_offset",
                                         timestamp_name="start_timestamp_ms")
@@ -97,6 +105,7 @@ class SubscriptionConsumer:
         self.ack_timeout_ms = int(ack_timeout_s * 1000)
         self.max_bytes_per_request = max_bytes_per_request
         self.request_timeout_s = request_timeout_s
+        self.prefetch = prefetch
         self.consumer_id = f"{subscription}-{uuid.uuid4()}"
         self.backoff = Backoff()
         self._closed = False
@@ -244,9 +253,11 @@ class SubscriptionConsumer:
             began = time.monotonic()
             remaining = max(0.0, deadline - began)
             wait_ms = int(remaining * 1000) if len(servers) == 1 else 0
-            # The servers are called at once, so each gets a share of max_records: at
-            # most max(max_records, servers) messages come back in all.
-            share = min(max(1, max_records // max(1, len(servers))), MAX_MESSAGES_PER_RECEIVE)
+            # The servers are called at once, so each gets a share of max_records (and
+            # of the prefetch): at most max(max_records + prefetch, servers) messages
+            # come back in all.
+            share = min(max(1, (max_records + self.prefetch) // max(1, len(servers))),
+                        MAX_MESSAGES_PER_RECEIVE)
             retry, last, results = self._call_once(
                 "Receive", lambda group: partition_pb2.ReceiveRequest(
                     consumer_id=self.consumer_id,

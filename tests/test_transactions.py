@@ -404,6 +404,40 @@ def poll_all(consumer, count: int, timeout_s: float = 10) -> list:
     return got
 
 
+def test_a_prefetching_consumer_holds_what_it_received_and_releases_it_on_close(client):
+    """prefetch: one Receive delivers beyond the poll's max_records; the rest stays with
+    this consumer (leased, not given to others) for its next polls, in order; acks of it
+    commit in a transaction; close() hands what was never acked to the others at once."""
+    with pytest.raises(ValueError, match="prefetch"):
+        client.consumer(T("tx-a"), subscription="s-pre", prefetch=-1)
+    client.create_topic(T("tx-pre"), partitions=1)
+    with client.producer() as producer:
+        for i in range(100):
+            producer.send(T("tx-pre"), f"m{i}", partition=0)
+    a = client.consumer(T("tx-pre"), subscription="s-pre", ack_timeout_s=60, prefetch=40)
+    first = a.poll(timeout_s=5, max_records=10)
+    assert [m.offset for m in first] == list(range(10))
+    with client.consumer(T("tx-pre"), subscription="s-pre", ack_timeout_s=60) as b:
+        others = poll_all(b, 50)
+        # a holds offsets 0-49: b is given only what a did not receive.
+        assert sorted(m.offset for m in others) == list(range(50, 100))
+        b.ack(others)
+        held = []
+        for _ in range(4):  # from a's buffer: b took everything the servers had
+            held += a.poll(timeout_s=0, max_records=10)
+        assert [m.offset for m in held] == list(range(10, 50))
+        txn = client.begin_transaction()
+        a.ack(first + held[:10], txn=txn)
+        txn.commit()
+        a.close()  # 20-49 were never acked: released to b, long before the ack timeout
+        released = poll_all(b, 20, timeout_s=10)
+        assert sorted(m.offset for m in released) == list(range(20, 50))
+        assert values(released[:1]) == [f"m{released[0].offset}".encode()]
+        b.ack(released)
+        cursor = b.describe()[0]
+        assert cursor.cumulative_end_offset == 100 and not cursor.individual_ranges
+
+
 def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(servers,
                                                                                 client):
     topic = T("tx-reset")
