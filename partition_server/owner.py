@@ -57,6 +57,7 @@ import asyncio
 import enum
 import logging
 import os
+import random
 import threading
 import time
 from collections import OrderedDict, deque
@@ -296,6 +297,8 @@ class PartitionOwner:
         self._stamp_ms = 0  # the log's clock: the owner decides append times
         self._batches_since_snapshot = 0
         self._last_snapshot_ms = 0
+        self._snapshot_after: tuple[int, int] = (settings.snapshot_interval_batches,
+                                                 settings.snapshot_interval_ms)
         self._labels = (topic,)
         # Labelled children looked up once, not per group.
         self._bytes_in = m.BYTES_IN.labels(topic)
@@ -313,6 +316,7 @@ class PartitionOwner:
 
     async def _load(self, truncate_to: int | None = None) -> None:
         await self._stop_txn_recovery()
+        await self._snapshot_written()  # a reload reads the snapshot files it may write
         self.state = State.LOADING
         began = time.perf_counter()
         loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
@@ -356,7 +360,7 @@ class PartitionOwner:
                 name=f"transaction buffer recovery {self.name}")
         self.state = State.ONLINE
         self._stamp_ms = max(self._stamp_ms, _wall_ms())
-        self._last_snapshot_ms = _wall_ms()  # the interval counts from the load
+        self._snapshot_taken()  # the interval counts from the load
         event(log, "partition online", partition=self.name,
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,
               open_transactions=("recovering" if loaded.background
@@ -586,11 +590,7 @@ class PartitionOwner:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        if self._snapshot_write is not None:  # a cancelled owner may have left one running
-            await asyncio.wait([self._snapshot_write])
-            if self._snapshot_write.exception() is not None:  # the next start falls back
-                log.warning("snapshot write failed on %s: %s", self.name,
-                            self._snapshot_write.exception())
+        await self._snapshot_written()  # one in the background, or left by a cancelled owner
         if self.state is State.ONLINE:
             try:
                 await self._flush_everything()  # what was written but never acknowledged
@@ -693,6 +693,7 @@ class PartitionOwner:
         while True:
             try:
                 self._complete_flushes()
+                self._check_snapshot_write()
                 if self._queue and self._may_write() and not self._snapshot_due():
                     self._write(self._take_group())
                     self._begin_flushes()
@@ -924,9 +925,20 @@ class PartitionOwner:
 
     def _snapshot_due(self) -> bool:
         since = self._batches_since_snapshot
-        return bool(since) and self.state is State.ONLINE and (
-            since >= self.settings.snapshot_interval_batches
-            or _wall_ms() - self._last_snapshot_ms >= self.settings.snapshot_interval_ms)
+        writing = self._snapshot_write is not None and not self._snapshot_write.done()
+        return bool(since) and self.state is State.ONLINE and not writing and (
+            since >= self._snapshot_after[0]
+            or _wall_ms() - self._last_snapshot_ms >= self._snapshot_after[1])
+
+    def _snapshot_taken(self) -> None:
+        """Start the next snapshot interval (the batch count is the caller's), each bound drawn at 75-125% of its setting:
+        partitions loaded together (a server's start) or equally loaded would otherwise
+        snapshot in the same instant, every one of them draining its writes and fsyncing
+        its files at once, a stall of the whole server every interval."""
+        self._last_snapshot_ms = _wall_ms()
+        self._snapshot_after = tuple(max(1, round(bound * random.uniform(0.75, 1.25)))
+                                     for bound in (self.settings.snapshot_interval_batches,
+                                                   self.settings.snapshot_interval_ms))
 
     def _fail_unanswered(self, error: AtomlogError, first: list | None = None) -> None:
         """Fail every request written and not answered (in flight or waiting for an fsync)."""
@@ -1077,17 +1089,20 @@ class PartitionOwner:
         Segments at or above the max read position stay (an open transaction keeps its
         data: the deletion stops below the oldest open transaction's first offset).
 
-        Serialized with appends the way retention is: it runs to the end without yielding
-        to the event loop, and the owner task changes the log only in steps that do not
-        yield either. While the owner waits (for its group fsyncs, or a snapshot write)
-        nothing deleted here is in use: an fsync in flight is of a segment holding data
-        above the high watermark, never deleted (and on a duplicate descriptor), and a
-        snapshot being written covers the high watermark, at or above the new start.
+        Serialized with appends the way retention is: once no snapshot is being written
+        (it waits for one: the owner goes on writing meanwhile, so the high watermark, and
+        the new start with it, may pass what that snapshot covers), it runs to the end
+        without yielding to the event loop, and the owner task changes the log only in
+        steps that do not yield either. While the owner waits for its group fsyncs nothing
+        deleted here is in use: an fsync in flight is of a segment holding data above the
+        high watermark, never deleted (and on a duplicate descriptor).
 
         Producer-state snapshots that would describe deleted data (covering less than the
         new log start) are removed first, durably: restoring one of them and replaying
         from the new start would skip the deleted batches. Recovery then uses a newer
         snapshot or replays what is left, as a full replay of the remaining log would."""
+        while self._snapshot_write is not None and not self._snapshot_write.done():
+            await self._snapshot_written()
         self.check_serving()
         if before_offset > self.log.high_watermark:
             self.log.delete_records(before_offset)  # raises OFFSET_OUT_OF_RANGE
@@ -1118,8 +1133,12 @@ class PartitionOwner:
 
     # ------------------------------------------------------------------ snapshots
     async def _snapshot(self, force: bool = False) -> None:
-        """Write producer state and the transaction buffer, both covering everything
-        durable (applied end == high watermark)."""
+        """Snapshot producer state and the transaction buffer, both covering everything
+        durable (applied end == high watermark): the state is encoded here, at once; the
+        files are written on a worker thread while the owner goes on writing (the next
+        snapshot is not due until they are), except with `force` (close), which waits."""
+        if force:
+            await self._snapshot_written()
         if self.log is None or (not force and not self._batches_since_snapshot):
             return
         covered = self.log.high_watermark
@@ -1127,18 +1146,43 @@ class PartitionOwner:
             # Not everything applied is durable (close after a failed final flush):
             # skip; the owner takes snapshots only when drained, so it never is here.
             self._batches_since_snapshot = 0
-            self._last_snapshot_ms = _wall_ms()
+            self._snapshot_taken()
             return
         producers = self.producers.snapshot(covered)
         # A recovering buffer keeps its old snapshot (the one it replays from).
         txns = None if self.txns_recovering else self.txns.snapshot(covered)
         self._batches_since_snapshot = 0
-        self._last_snapshot_ms = _wall_ms()
-        # Shielded: if the owner task is cancelled meanwhile, close() waits for the write
-        # (two writers of the same file would race on its .tmp).
+        self._snapshot_taken()
+        # Not awaited by the owner task (a write and two fsyncs, which held every write
+        # of the partition up to hundreds of ms under load); close() and a reload wait for
+        # it (two writers of the same file would race on its .tmp).
         self._snapshot_write = asyncio.ensure_future(asyncio.to_thread(
             self._write_snapshots, covered, producers, txns))
-        await asyncio.shield(self._snapshot_write)
+        if force:
+            await self._snapshot_written()
+        else:
+            self._snapshot_write.add_done_callback(self._poke)  # _check_snapshot_write
+
+    def _check_snapshot_write(self) -> None:
+        """The owner task, at each step: a snapshot write that ended is forgotten, and one
+        that failed raises its error here, to fail closed and reload as a write does."""
+        write = self._snapshot_write
+        if write is not None and write.done():
+            self._snapshot_write = None
+            if write.exception() is not None:
+                raise write.exception()
+
+    async def _snapshot_written(self) -> None:
+        """Wait for the snapshot write under way, if any; a failed one is logged (the
+        next snapshot, or a load, falls back to the older files)."""
+        write = self._snapshot_write
+        if write is None:
+            return
+        await asyncio.wait([write])
+        if self._snapshot_write is write:
+            self._snapshot_write = None
+        if write.exception() is not None:
+            log.warning("snapshot write failed on %s: %s", self.name, write.exception())
 
     def _write_snapshots(self, covered: int, producers: bytes, txns: bytes | None) -> None:
         self._write_snapshot(producer_state, covered, producers)

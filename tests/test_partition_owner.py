@@ -260,3 +260,71 @@ def test_a_failed_fsync_fails_every_batch_it_covered_and_the_partition_fails_clo
         await again.close()
 
     asyncio.run(scenario())
+
+
+def test_snapshot_intervals_are_spread_around_their_settings(tmp_path):
+    """Each interval's bounds are drawn at 75-125% of the settings, so partitions loaded
+    together do not all drain and fsync their snapshots in the same instant."""
+    owner = PartitionOwner("t", 0, tmp_path / "t-0", OwnerSettings(
+        log=LogConfig(), snapshot_interval_batches=1_000, snapshot_interval_ms=5_000))
+    drawn = set()
+    for _ in range(50):
+        owner._snapshot_taken()
+        batches, ms = owner._snapshot_after
+        assert 750 <= batches <= 1_250 and 3_750 <= ms <= 6_250
+        drawn.add((batches, ms))
+    assert len(drawn) > 10
+
+
+def test_a_snapshot_being_written_holds_no_write_and_a_failed_one_fails_closed(tmp_path,
+                                                                               monkeypatch):
+    """The periodic snapshot's files are written on a worker thread while the owner goes
+    on acknowledging writes (it used to wait for the write and its two fsyncs, holding
+    every write of the partition); close() waits for it. A snapshot write that fails
+    fails the partition closed, which reloads from disk (a full replay: no snapshot file
+    was left) and serves again."""
+    settings = OwnerSettings(log=LogConfig(), fsync=False, snapshot_interval_batches=4,
+                             snapshot_interval_ms=3_600_000)
+    snapshots = lambda: sorted((tmp_path / "t-0").glob("*.producer_snapshot"))  # noqa: E731
+    monkeypatch.setattr("partition_server.owner.random.uniform", lambda low, high: 1.0)
+    held, writing = threading.Event(), threading.Event()
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        write = owner._write_snapshots
+
+        def held_write(*args):
+            writing.set()
+            held.wait(30)
+            write(*args)
+
+        owner._write_snapshots = held_write
+        await produce(owner, [batch(7, s) for s in range(0, 8, 2)])  # due after 4 batches
+        await until(writing.is_set)
+        # Acknowledged while the snapshot write is held.
+        await asyncio.wait_for(produce(owner, [batch(7, s) for s in range(8, 16, 2)]), 10)
+        assert not snapshots()
+        held.set()
+        # The held one covers the first 4 batches; the next, due meanwhile, follows it.
+        await until(lambda: [p.name[:20] for p in snapshots()] == [f"{8:020d}", f"{16:020d}"])
+
+        def failing_write(*args):
+            owner._write_snapshots = write  # fails once
+            raise OSError(errno.EIO, "Input/output error")
+
+        for path in snapshots():
+            path.unlink()
+        owner._write_snapshots = failing_write
+        await produce(owner, [batch(7, s) for s in range(16, 24, 2)])  # the next one is due
+        await until(lambda: owner._write_snapshots is write)
+        await until(lambda: owner.state is State.ONLINE and owner.replayed_batches == 12)
+        retried = await owner.produce([(batch(7, 24), parse_header(batch(7, 24)))])
+        assert (retried[0].base_offset, retried[0].duplicate) == (24, False)
+        await owner.close()
+        again = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await again.start()
+        assert [h.base_offset for h in again.log.iter_headers()] == list(range(0, 26, 2))
+        await again.close()
+
+    asyncio.run(scenario())
