@@ -1173,16 +1173,17 @@ class PartitionOwner:
                 raise write.exception()
 
     async def _snapshot_written(self) -> None:
-        """Wait for the snapshot write under way, if any; a failed one is logged (the
-        next snapshot, or a load, falls back to the older files)."""
+        """Wait for the snapshot write under way, if any. A failed one is logged and left
+        for the owner task (_check_snapshot_write), which fails the partition closed; a
+        load falls back to the older files."""
         write = self._snapshot_write
         if write is None:
             return
         await asyncio.wait([write])
-        if self._snapshot_write is write:
-            self._snapshot_write = None
         if write.exception() is not None:
             log.warning("snapshot write failed on %s: %s", self.name, write.exception())
+        elif self._snapshot_write is write:
+            self._snapshot_write = None
 
     def _write_snapshots(self, covered: int, producers: bytes, txns: bytes | None) -> None:
         self._write_snapshot(producer_state, covered, producers)

@@ -42,6 +42,9 @@ from tests.chaos.history import EventLog
 
 SEND_TIMEOUT_S = 15.0
 CTP_BATCH_RECORDS = (3, 50)  # inputs per ctp transaction (3: one per partition server)
+# A ctp worker's consumer receives this many inputs beyond each poll's (its pick, per
+# consumer): what it holds is leased to it until acked, expired or released on close.
+CTP_PREFETCH = (0, 0, 50, 200)
 TRANSFORM_PREFIX = "out:"
 MAX_ASYNC_COMMITS = 3  # txn: commit_async() commits in flight at once
 ASYNC_COMMIT_WAIT_S = 90.0  # longer than any commit retries (then: unknown)
@@ -503,10 +506,16 @@ class Workload:
         """A consumer of the input subscription (created at the earliest offset by the
         first one); retried while the servers it needs are down. None once stopped."""
         while not self.stop:
+            prefetch = self.rng.choice(CTP_PREFETCH)
             try:
-                return self.client.consumer(self.spec["input_topic"],
-                                            subscription=self.spec["subscription"],
-                                            ack_timeout_s=self.spec["ack_timeout_s"])
+                consumer = self.client.consumer(self.spec["input_topic"],
+                                                subscription=self.spec["subscription"],
+                                                ack_timeout_s=self.spec["ack_timeout_s"],
+                                                prefetch=prefetch)
+                # An observation for the record (the checker has no rule about it).
+                self.log.record("subscribe", subscription=self.spec["subscription"],
+                                prefetch=prefetch)
+                return consumer
             except errors.AtomlogClientError:
                 self.stop.sleep(0.5)
         return None
