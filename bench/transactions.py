@@ -16,8 +16,8 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
 4. Consume-transform-produce (peers-bench W3): 20,000 preloaded 1 KiB inputs (untimed);
    one worker process repeats poll 100 inputs from a subscription (its consumer
    prefetches 900 more per Receive, as a RabbitMQ consumer's prefetch count: one Receive
-   per ten polls), send 100 outputs (the input's bytes reversed) and ack the 100 inputs, all in one transaction, commit; it
-   stops at the first empty poll. Twice, on topics of their own: sequentially (ack(),
+   per ten polls), send 100 outputs (the input's bytes reversed) and ack the 100
+   inputs, all in one transaction, commit; it stops at the first empty poll. Twice, on topics of their own: sequentially (ack(),
    commit(), as the peers) and pipelined (ack_async() before the sends, commit_async(),
    up to 4 transactions committing while the worker polls on). Inputs/s (timed from the
    first poll to the empty one, and to the last commit), batch and commit p50/p99, the
@@ -645,7 +645,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         f"Pipelined, the chain overlaps with the next batches: {fp['cpu_s'] / piped['seconds']:.2f} "
         f"cores, {piped['per_s'] / seq['per_s'] * 100 - 100:+.0f}% inputs/s, and each batch waits "
         "longer for its commit (it queues behind the others).",
-        "The calls, from the worker: Receive, amortized (with the prefetch one delivers 1,000 inputs,",
+        "The calls, from the worker: Receive, amortized (with the prefetch one delivers",
+        "1,000 inputs,",
         "which the SDK keeps for the next polls), and one CommitTxn per transaction carrying",
         "its outputs and its acks (one-call transactions: the SDK keeps them on the client",
         "while they stay under its bound, 1 MiB; pipelined, CommitTxns carries several",
@@ -672,7 +673,7 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         "`begin_transaction(partitions=..., subscriptions=...)`):",
         "NewTxn, Produce (the outputs of a partition",
         "are one batch), Ack (the 100 offsets of a partition are one item) and EndTxn; Receive",
-        "is amortized (one delivers thousands of inputs, which the SDK keeps for the next",
+        "is amortized (with the prefetch one delivers 1,000 inputs, which the SDK keeps for the next",
         "polls). Between servers: VerifyTxnPartitions for each new output partition and",
         "subscription partition, EndTxnOnPartition to each server holding a marker target,",
         "and the TC log appends (OPEN with the registrations, COMMITTING, COMMITTED, which",

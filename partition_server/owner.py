@@ -931,10 +931,11 @@ class PartitionOwner:
             or _wall_ms() - self._last_snapshot_ms >= self._snapshot_after[1])
 
     def _snapshot_taken(self) -> None:
-        """Start the next snapshot interval (the batch count is the caller's), each bound drawn at 75-125% of its setting:
-        partitions loaded together (a server's start) or equally loaded would otherwise
-        snapshot in the same instant, every one of them draining its writes and fsyncing
-        its files at once, a stall of the whole server every interval."""
+        """Start the next snapshot interval (the batch count is the caller's), each bound
+        drawn at 75-125% of its setting: partitions loaded together (a server's start) or
+        equally loaded would otherwise snapshot in the same instant, every one of them
+        draining its writes and fsyncing its files at once, a stall of the whole server
+        every interval."""
         self._last_snapshot_ms = _wall_ms()
         self._snapshot_after = tuple(max(1, round(bound * random.uniform(0.75, 1.25)))
                                      for bound in (self.settings.snapshot_interval_batches,

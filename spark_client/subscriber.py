@@ -88,7 +88,12 @@ class SubscriptionConsumer:
         polls, so a worker polling small batches makes one Receive per several polls.
         They are delivered (their ack timeout runs) from that Receive on, and what is
         still kept when the ack timeout passes is dropped here and redelivered by the
-        server; 0 (the default) asks for max_records only."""
+        server; 0 (the default) asks for max_records only. A server that restarts (or a
+        partition whose leadership moves) forgets its deliveries and gives them to other
+        consumers: messages kept here from before may then be acked by others first, and
+        a transactional ack of them fails with TRANSACTION_CONFLICT (exactly once holds;
+        the work on them is lost). `received_at` (time.time()) says when the Receive that
+        delivered what poll() returns was sent."""
         if isolation not in ISOLATION:
             raise ValueError(f"isolation must be one of {sorted(ISOLATION)}")
         if max_async_acks < 1:
@@ -113,6 +118,8 @@ class SubscriptionConsumer:
         self._kept_by = KeptBy()
         self._fetched = Fetched()  # delivered, not yet returned by poll
         self._buffer_expires = 0.0
+        # time.time() when the Receive that delivered what poll() hands out was sent.
+        self.received_at: float | None = None
         self._async_slots = threading.BoundedSemaphore(max_async_acks)
         self._async_lock = threading.Lock()
         self._async_executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -250,7 +257,7 @@ class SubscriptionConsumer:
         attempt = 0
         while True:
             servers = self._by_server(self.partitions)
-            began = time.monotonic()
+            began, began_wall = time.monotonic(), time.time()
             remaining = max(0.0, deadline - began)
             wait_ms = int(remaining * 1000) if len(servers) == 1 else 0
             # The servers are called at once, so each gets a share of max_records (and
@@ -275,6 +282,7 @@ class SubscriptionConsumer:
             if delivered:  # their ack timeout started at the server after `began`
                 self._fetched = delivered
                 self._buffer_expires = began + self.ack_timeout_ms / 1000
+                self.received_at = began_wall
             if failure is not None:
                 raise failure  # the messages stay for the next poll
             if delivered:

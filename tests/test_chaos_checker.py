@@ -528,6 +528,22 @@ def test_a_redelivery_before_the_ack_committed_is_not_a_lost_ack():
     assert_valid(check(history.finish()))
 
 
+def test_a_prefetched_message_is_judged_by_when_it_was_received():
+    """A prefetching consumer's poll hands out what an earlier Receive delivered: a copy
+    received before the ack committed is no lost ack, whenever the poll ran; one
+    received after it is."""
+    history = History()
+    history.send("a", topic="in")
+    txn = history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)], duration=10)
+    history.poll(["a"], subscription="sub", received=txn["invoke"] + 1)
+    assert_valid(check(history.finish()))
+    history = History()
+    history.send("a", topic="in")
+    txn = history.txn([("out", 0, "out:a")], acks=[("sub", "in", 0, 0)], duration=10)
+    history.poll(["a"], subscription="sub", received=txn["complete"] + 1)
+    assert_only(check(history.finish()), "lost-ack", 1)
+
+
 def test_an_aborted_ack_may_be_redelivered():
     history = History()
     history.send("a", topic="in")

@@ -69,7 +69,10 @@ fenced-write-visible
     (or its invoke when commit_invoke is missing).
 lost-ack
     A committed txn acked (subscription, topic, partition, offset), and a poll of that
-    subscription invoked after the txn completed returned that position again.
+    subscription returned that position again from a delivery made after the txn
+    completed: the poll's "received" (when the SDK sent the Receive that delivered what it
+    returns: earlier than the poll for what a prefetching consumer kept), else its
+    invoke.
 reordered-writes
     Two committed txns of one producer (txn ops with the same "producer" field), the
     earlier invoked first (one producer's transactions send one after another, whether
@@ -772,6 +775,13 @@ def fenced_write(index: Index, op: dict, timelines: dict) -> dict | None:
             "visible": visible, "op": describe(op), "fence": describe(fence)}
 
 
+def delivered_time(poll: dict) -> float:
+    """When the server delivered what a subscription poll returned: its "received" time,
+    else (older histories, or nothing received yet) its invoke."""
+    received = poll.get("received")
+    return received if is_number(received) else invoke_time(poll)
+
+
 def find_lost_acks(index: Index) -> list[dict]:
     acked: dict[AckKey, tuple[float, dict]] = {}
     for op in index.txns:
@@ -788,7 +798,7 @@ def find_lost_acks(index: Index) -> list[dict]:
             continue
         for topic, partition, offset, value in records_of(poll):
             key = (subscription, topic, partition, offset)
-            if key in acked and key not in found and invoke_time(poll) > acked[key][0]:
+            if key in acked and key not in found and delivered_time(poll) > acked[key][0]:
                 found[key] = {"ack": list(key), "value": value,
                               "txn": describe(acked[key][1]), "poll": describe(poll)}
     return list(found.values())

@@ -477,14 +477,17 @@ class Workload:
                     try:
                         # At least one record per partition server, so the SDK's Receive
                         # asks every server for a share and nothing is left over in its
-                        # buffer (docs/verification.md, "Found and fixed").
+                        # buffer (docs/verification.md, "Found and fixed"), beyond what
+                        # a consumer with a prefetch keeps on purpose: "received" says
+                        # when the server delivered what the poll returns.
                         messages = consumer.poll(
                             timeout_s=0.3, max_records=self.rng.randint(*CTP_BATCH_RECORDS))
                     except Exception as error:  # noqa: BLE001 — a failed poll returned nothing
                         self.log.complete(op, "fail", records=[], error=_reason(error))
                         self.stop.sleep(0.2)
                         continue
-                    self.log.complete(op, "ok", records=_records(messages))
+                    self.log.complete(op, "ok", records=_records(messages),
+                                      received=consumer.received_at)
                     if not messages:
                         continue
                 writes = [[spec["output_topic"], m.partition % outputs,
