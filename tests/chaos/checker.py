@@ -153,7 +153,8 @@ DESCRIPTIONS = {
 }
 
 KNOWN_KINDS = frozenset({"send", "txn", "poll", "seek", "fence", "cursor", "nemesis", "nemesis-target",
-                         "final-read", "final-positions", "workload"})
+                         "final-read", "final-positions", "workload",
+                         "subscribe"})  # a ctp consumer's prefetch: no rule reads it
 DESCRIBED_FIELDS = ("process", "f", "invoke", "complete", "outcome", "error", "txn_id",
                     "result", "decision", "transactional_id", "epoch", "commit_invoke", "producer",
                     "session", "isolation", "subscription", "offset")
