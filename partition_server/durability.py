@@ -50,13 +50,15 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from services import failpoints
+from services.metrics import LATENCY_BUCKETS_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,12 @@ SYNCS = Counter("atomlog_durability_syncs_total",
                 "syncfs or fsync calls the durability barrier made.", ["kind"])
 REQUESTS = Counter("atomlog_durability_requests_total",
                    "Group commits the durability barrier answered.")
+WAIT_SECONDS = Histogram("atomlog_durability_wait_seconds",
+                         "From a log's request to the start of the round that syncs it (a "
+                         "round in flight is waited for).", buckets=LATENCY_BUCKETS_SECONDS)
+ROUND_SECONDS = Histogram("atomlog_durability_round_seconds",
+                          "The syscalls of one round (its fsyncs at once, or its syncfs "
+                          "calls).", buckets=LATENCY_BUCKETS_SECONDS)
 
 SYNCFS = "syncfs"
 FSYNC = "fsync"  # per file, batched on the barrier's thread
@@ -110,6 +118,7 @@ class Request:
     opened_epoch: int = 0  # syncfs: the filesystem's error count when the log opened
     fd: int | None = None  # fsync: a duplicate descriptor, closed after the round
     fsync: Callable[[int], None] | None = None
+    submitted: float = 0.0  # time.perf_counter() of the request (the wait metric)
 
 
 @dataclass
@@ -227,9 +236,11 @@ class LogSync:
     def submit(self, fd: int, wake: Callable[[], object] | None = None) -> SyncTicket:
         ticket = SyncTicket(wake)
         if self._device is not None:  # the filesystem's descriptor is the barrier's
-            request = Request(ticket, self._loop, device=self._device, opened_epoch=self._epoch)
+            request = Request(ticket, self._loop, device=self._device, opened_epoch=self._epoch,
+                              submitted=time.perf_counter())
         else:  # a duplicate: the log may close its descriptor (roll, reopen) meanwhile
-            request = Request(ticket, self._loop, fd=os.dup(fd), fsync=self._fsync)
+            request = Request(ticket, self._loop, fd=os.dup(fd), fsync=self._fsync,
+                              submitted=time.perf_counter())
         self._barrier._submit(request)
         return ticket
 
@@ -325,8 +336,12 @@ class DurabilityBarrier:
                     self._wake.wait()
                     round_ = core.begin_round()
                 device_fds = [(device, self._device_fds[device]) for device in round_.devices]
+            began = time.perf_counter()
+            for request in round_.requests:
+                WAIT_SECONDS.observe(began - request.submitted)
             try:
                 device_errors, file_errors = self._sync_round(round_, device_fds)
+                ROUND_SECONDS.observe(time.perf_counter() - began)
             except BaseException as error:  # noqa: BLE001 — the thread itself failed (no
                 # thread for the pool at interpreter exit, ...): fail the whole round
                 # closed rather than leave its owners waiting. (Duplicates it did not

@@ -217,6 +217,14 @@ def partitions() -> dict:
             panel("fsyncs and batches per fsync", (rate("atomlog_partition_fsyncs_total", "instance_name"), "{{instance_name}} fsyncs/s"),
                   (f"sum(rate(atomlog_partition_batches_per_fsync_sum{{{NS}}}[{RI}])) / "
                    f"sum(rate(atomlog_partition_batches_per_fsync_count{{{NS}}}[{RI}]))", "batches per fsync")),
+            panel("Durability barrier p99: wait for a round, the round's syncs",
+                  (quantile(0.99, "atomlog_durability_wait_seconds", "instance_name"),
+                   "{{instance_name}} wait"),
+                  (quantile(0.99, "atomlog_durability_round_seconds", "instance_name"),
+                   "{{instance_name}} round"), unit="s",
+                  description="A log's fsync waits for the round in flight, then its own "
+                              "round; the rest of the fsync latency is the hand-back to the "
+                              "partition's owner on its event loop."),
             panel("Append latency (no fsync) p99",
                   (quantile(0.99, "atomlog_partition_append_duration_seconds", "instance_name"), "{{instance_name}}"), unit="s"),
             panel("Markers written", (rate("atomlog_partition_markers_written_total", "decision",
