@@ -17,12 +17,12 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
    one worker process repeats poll 100 inputs from a subscription (its consumer
    prefetches 900 more per Receive, as a RabbitMQ consumer's prefetch count: one Receive
    per ten polls), send 100 outputs (the input's bytes reversed) and ack the 100
-   inputs, all in one transaction, commit; it stops at the first empty poll. Twice, on topics of their own: sequentially (ack(),
-   commit(), as the peers) and pipelined (ack_async() before the sends, commit_async(),
-   up to 4 transactions committing while the worker polls on). Inputs/s (timed from the
-   first poll to the empty one, and to the last commit), batch and commit p50/p99, the
-   RPCs per batch over every process (from their /metrics) and the CPU of each process
-   over the window.
+   inputs, all in one transaction, commit; it stops at the first empty poll. Twice, on
+   topics of their own: sequentially (ack(), commit(), as the peers) and pipelined
+   (ack_async() before the sends, commit_async(), up to 4 transactions committing while
+   the worker polls on). Inputs/s (timed from the first poll to the empty one, and to the
+   last commit), batch and commit p50/p99, the RPCs per batch over every process (from
+   their /metrics) and the CPU of each process over the window.
 
 Baselines in the same run: one small os.write + os.fsync (latency), plain Python
 appending the same bytes to a file with an fsync per 256 KiB (MB/s), and the rate of
@@ -89,6 +89,10 @@ CTP_DEPTH = 4  # pipelined: transactions committing at once (the SDK runs 4 comm
 # The worker's consumer asks each Receive for this many inputs beyond the poll's 100 and
 # keeps them for its next polls (as RabbitMQ's prefetch count): one Receive per ten polls.
 CTP_PREFETCH = 9 * CTP_BATCH
+CTP_PER_RECEIVE = CTP_BATCH + CTP_PREFETCH  # inputs one Receive delivers
+_PREFETCH_NOTE = (f"the consumer prefetches {CTP_PREFETCH} more per Receive, as a RabbitMQ "
+                  f"consumer's prefetch count: one Receive per "
+                  f"{CTP_PER_RECEIVE // CTP_BATCH} polls")
 PARTITIONS = 16
 RECORD = b"x" * 1024
 
@@ -591,9 +595,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         f"processes: {floor['calls_per_s']:,.0f}/s.",
         "",
         f"{seq['inputs']:,} preloaded 1 KiB inputs on {seq['partitions']} partition(s) (the "
-        "outputs too), one worker process: poll 100 from a subscription (the consumer "
-        f"prefetches {CTP_PREFETCH} more per Receive, as a RabbitMQ consumer's prefetch "
-        "count: one Receive per ten polls), send 100 outputs "
+        f"outputs too), one worker process: poll 100 from a subscription ({_PREFETCH_NOTE}), "
+        "send 100 outputs "
         "(bytes reversed) and ack the 100 inputs in one transaction, commit; timed from the "
         "first poll to the empty one (and, pipelined, to the last commit). **Sequential** "
         "is the peers' loop: `consumer.ack(...)`, `txn.commit()`, then the next poll. "
@@ -646,7 +649,7 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         f"cores, {piped['per_s'] / seq['per_s'] * 100 - 100:+.0f}% inputs/s, and each batch waits "
         "longer for its commit (it queues behind the others).",
         "The calls, from the worker: Receive, amortized (with the prefetch one delivers",
-        "1,000 inputs,",
+        f"{CTP_PER_RECEIVE:,} inputs,",
         "which the SDK keeps for the next polls), and one CommitTxn per transaction carrying",
         "its outputs and its acks (one-call transactions: the SDK keeps them on the client",
         "while they stay under its bound, 1 MiB; pipelined, CommitTxns carries several",
@@ -673,7 +676,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         "`begin_transaction(partitions=..., subscriptions=...)`):",
         "NewTxn, Produce (the outputs of a partition",
         "are one batch), Ack (the 100 offsets of a partition are one item) and EndTxn; Receive",
-        "is amortized (with the prefetch one delivers 1,000 inputs, which the SDK keeps for the next",
+        f"is amortized (with the prefetch one delivers {CTP_PER_RECEIVE:,} inputs, which the "
+        "SDK keeps for the next",
         "polls). Between servers: VerifyTxnPartitions for each new output partition and",
         "subscription partition, EndTxnOnPartition to each server holding a marker target,",
         "and the TC log appends (OPEN with the registrations, COMMITTING, COMMITTED, which",

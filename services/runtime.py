@@ -272,10 +272,10 @@ def freeze_startup_heap() -> int:
     """Move what start-up made (modules, protobuf descriptors, gRPC, the loaded state) to
     the collector's permanent generation (gc.freeze): a full collection then scans only
     what was made since. Measured on the combined server under small transactions: its
-    full collections, every 3-4 s, paused the event loop 17-26 ms each (the cause of most
-    of the commit p99); frozen, 1.4-11 ms (what the partitions made since grows). The price: a cycle among the frozen objects
-    that becomes garbage later is never freed (start-up objects live as long as the
-    server). Returns how many objects were frozen."""
+    full collections, every 3-4 s, paused the event loop 17-26 ms each, at the times of
+    the slowest commits; frozen, 1.4-11 ms (what the partitions made since grows). The
+    price: a cycle among the frozen objects that becomes garbage later is never freed
+    (start-up objects live as long as the server). Returns how many objects were frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
