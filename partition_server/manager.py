@@ -217,18 +217,20 @@ class PartitionManager:
                           replication: LeaderReplication | None = None) -> PartitionOwner:
         """Open one partition's owner (visible as LOADING meanwhile); raises if it fails,
         leaving it there LOADING (the caller retries or closes it)."""
+        epochs = self.coordinator_epochs
+        # The server's coordinator epochs fence staged batches in the owner's write step
+        # (atomic with their append: ResolveStaged's fence cannot be overtaken).
         owner = PartitionOwner(topic, partition, self.data_dir / f"{topic}-{partition}",
-                               self._settings_for(topic))
+                               self._settings_for(topic),
+                               coordinator_epoch=epochs.current if epochs else None)
         if replication is not None:
             owner.replication = replication
             replication.owner = owner
         self.owners[(topic, partition)] = owner  # visible as LOADING meanwhile
-        if self.coordinator_epochs is not None:
+        if epochs is not None:
             # Markers this partition wrote are durable in its log: their epochs fence
             # deposed coordinators even if ZooKeeper's /tc/<k> lags. Learned whenever its
             # transaction buffer is ready (at start, or after a background replay).
-            epochs = self.coordinator_epochs
-
             def observe(txns) -> None:
                 for tc, epoch in txns.coordinator_epochs().items():
                     epochs.observe(tc, epoch)

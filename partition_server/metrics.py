@@ -38,6 +38,12 @@ MARKERS_WRITTEN = Counter("atomlog_partition_markers_written_total",
                           "with data on the partition).", ["topic", "decision"])
 BAD_BATCHES = Counter("atomlog_partition_rejected_batches_total",
                       "Produced batches refused, by reason.", ["reason"])
+RESOLVE_STAGED = Counter(
+    "atomlog_partition_resolve_staged_total",
+    "ResolveStaged answers (a coordinator recovering a parallel commit), one per "
+    "transaction and partition: staged (its staged data is durable here), not_staged "
+    "(never here, or aborted: fenced, it never will be), error (a stale coordinator epoch, "
+    "not the leader, not serving, a failed fsync: the coordinator asks again).", ["result"])
 
 # Replication (docs/replication.md).
 LEADER_ELECTIONS = Counter("atomlog_leader_elections_total", "Partition leader elections this "

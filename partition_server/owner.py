@@ -30,6 +30,18 @@ coordinator, and no marker for it since) and the buffer's check_write; a marker
 ordered, and writes a COMMIT/ABORT control batch when the transaction has data here.
 After each fsync the buffer learns the high watermark; max_read_position comes from it.
 
+One-call transactions (docs/coordinator.md): a batch its coordinator stages (StageTxn)
+needs no verification, but carries the coordinator epoch of its transaction's TC
+partition, checked in the owner's write step against the current one (the server's
+CoordinatorEpochs, and the markers written here): below it, nothing is written
+(STALE_COORDINATOR_EPOCH). Checked there, not before queueing: a ResolveStaged of a
+newer coordinator raises the epoch and then queues its question behind everything the
+owner took before, so a stage either was taken before the fence (and the answer, given
+once it is durable, says staged) or is refused; there is no window between the check and
+the append. `resolve_staged` is that question: answered in the owner step (open here, or
+ended by a COMMIT marker) and only once everything accepted before it is durable, with
+the same flushes that answer writes.
+
 Start-up: the log recovers itself (torn tail truncated, or DATA_LOSS); producer state and
 the transaction buffer each come from their newest readable snapshot plus the log tail,
 or from a full replay. Plain writes need producer state, so the partition goes ONLINE
@@ -161,8 +173,10 @@ class _Work:
     results: list = field(default_factory=list)
     size: int = 0  # bytes of its batches
     # A one-call transaction's staged batch (its coordinator vouches: no verification;
-    # deduplicated by transaction: a repeated stage answers the open one's offsets).
+    # deduplicated by transaction: a repeated stage answers the open one's offsets),
+    # and the coordinator epoch it was staged with (checked in the write step).
     staged: TxnId | None = None
+    stage_epoch: int = 0
 
 
 @dataclass
@@ -174,12 +188,26 @@ class _MarkerWork:
 
 
 @dataclass
+class _ResolveWork:
+    """ResolveStaged's question about one transaction: answered in the write step, in
+    queue order, and given once the flush covering everything before it has ended."""
+
+    txn: TxnId
+    future: asyncio.Future
+    results: list = field(default_factory=list)
+    size: int = 0  # writes nothing
+
+
+_Queued = _Work | _MarkerWork | _ResolveWork  # what the owner's queue holds
+
+
+@dataclass
 class _Flush:
     """One group commit in flight: the fsync begun when the log ended at `target`, and
     the requests it answers once it (and every flush begun before it) succeeded."""
 
     target: int
-    works: list[_Work | _MarkerWork]
+    works: list[_Queued]
     batches: int  # batches it makes durable (metric)
     # The fsync on a worker thread (an asyncio.Future, or the barrier's SyncTicket: both
     # answer done() and exception()); None: nothing to sync.
@@ -242,7 +270,8 @@ class PartitionOwner:
     def __init__(self, topic: str, partition: int, directory: Path, settings: OwnerSettings,
                  *, fsync: Callable[[int], None] = failpoints.fsync,
                  txn_replay_gate: Callable[[], None] | None = None,
-                 barrier: durability.DurabilityBarrier | None = None):
+                 barrier: durability.DurabilityBarrier | None = None,
+                 coordinator_epoch: Callable[[int], int] | None = None):
         """`fsync` makes a file descriptor durable (os.fsync behind a failpoint the
         fault harness can arm; tests pass one that blocks or fails). It runs on a worker
         thread: an executor thread of its own per fsync when it is not the default (tests
@@ -250,7 +279,10 @@ class PartitionOwner:
         (settings.durability; `barrier` defaults to the process's, durability.barrier()).
         `txn_replay_gate`, when given, is called on the worker thread before a
         background replay of the transaction buffer (tests hold the replay there to look
-        at the partition meanwhile)."""
+        at the partition meanwhile). `coordinator_epoch(tc_partition)` is the server's
+        current coordinator epoch of a TC partition (CoordinatorEpochs.current), which
+        fences staged batches in the write step; None: only the markers written here
+        fence them."""
         assert settings.max_fsyncs_in_flight >= 1, settings.max_fsyncs_in_flight
         self.topic = topic
         self.partition = partition
@@ -264,6 +296,7 @@ class PartitionOwner:
         # Called with the buffer each time one is ready (after a load, or after its
         # background replay): the server learns the coordinator epochs of its markers.
         self.on_txns_ready: Callable[[TxnBuffer], None] | None = None
+        self._coordinator_epoch = coordinator_epoch
         self._txn_replay_gate = txn_replay_gate
         self._txn_recovery: asyncio.Task | None = None
         self._txn_recovery_cancel: threading.Event | None = None
@@ -281,9 +314,9 @@ class PartitionOwner:
         self._use_barrier = settings.durability != durability.EXECUTOR and (
             barrier is not None or fsync is failpoints.fsync)
         self._log_sync: durability.LogSync | None = None  # per opened log
-        self._queue: deque[_Work | _MarkerWork] = deque()  # bounded by max_queued_requests
+        self._queue: deque[_Queued] = deque()  # bounded by max_queued_requests
         self._queued_bytes = 0
-        self._unflushed: list[_Work | _MarkerWork] = []  # written, no fsync begun since
+        self._unflushed: list[_Queued] = []  # written, no fsync begun since
         self._unflushed_batches = 0
         self._flushes: deque[_Flush] = deque()  # in flight, oldest first
         # Replicated partitions led here (partition_server/replica.py): the leadership, and
@@ -636,17 +669,45 @@ class PartitionOwner:
                                          asyncio.get_running_loop().create_future(),
                                          size=sum(header.size for _, header in batches)))
 
-    async def stage(self, txn: TxnId, batch: bytes, header: BatchHeader) -> Appended:
+    async def stage(self, txn: TxnId, batch: bytes, header: BatchHeader, *,
+                    coordinator_epoch: int) -> Appended:
         """Append the batch (stamped with `txn`) a coordinator stages for a one-call
         transaction, unless `txn` is open here already (a repeated stage: its offsets,
-        duplicate). Returns Appended once durable, or raises."""
+        duplicate). `coordinator_epoch` is the stager's epoch of txn's TC partition: in
+        the write step, below the current one (`current_coordinator_epoch`) nothing is
+        written and STALE_COORDINATOR_EPOCH is raised. Returns Appended once durable, or
+        raises."""
         self.check_serving()
         [outcome] = await self._enqueue(_Work([(batch, header)], None,
                                               asyncio.get_running_loop().create_future(),
-                                              size=header.size, staged=txn))
+                                              size=header.size, staged=txn,
+                                              stage_epoch=coordinator_epoch))
         if isinstance(outcome, AtomlogError):
             raise outcome
         return outcome
+
+    async def resolve_staged(self, txn: TxnId) -> bool:
+        """Whether `txn`'s staged data is durable here (ResolveStaged): True when it is
+        open here or ended by a COMMIT marker, False when it was never seen or ended by
+        an ABORT. Queued like a write, so it is decided after everything the owner took
+        before it, and answered only once all of that is durable (fsync, and on a
+        replicated leader the in-sync replicas' high watermark): the same flushes that
+        answer writes. Raises what a write would (NOT_PARTITION_OWNER, PARTITION_LOADING,
+        NOT_ENOUGH_REPLICAS, a failed fsync's PARTITION_LOADING): the caller retries."""
+        self.check_serving()
+        [outcome] = await self._enqueue(_ResolveWork(
+            txn, asyncio.get_running_loop().create_future()))
+        if isinstance(outcome, AtomlogError):
+            raise outcome
+        return outcome
+
+    def current_coordinator_epoch(self, tc_partition: int) -> int:
+        """The epoch below which a stage of the TC partition is stale here: the server's
+        (ZooKeeper, accepted markers, stages and resolutions) and the markers this
+        partition wrote (durable in its log). Needs the transaction buffer (raises
+        PARTITION_LOADING while it replays)."""
+        known = self._coordinator_epoch(tc_partition) if self._coordinator_epoch else 0
+        return max(known, self.txns.coordinator_epochs().get(tc_partition, 0))
 
     async def end_transactions(self, markers: list[Marker]) -> list:
         """Apply markers in order; the result per marker is MarkerResult (durable) or an
@@ -655,10 +716,12 @@ class PartitionOwner:
         return await self._enqueue(_MarkerWork(markers,
                                                asyncio.get_running_loop().create_future()))
 
-    async def _enqueue(self, work: _Work | _MarkerWork) -> list:
+    async def _enqueue(self, work: _Queued) -> list:
         if self.replication is not None:
-            if isinstance(work, _MarkerWork):
-                self.replication.check_writable()  # NOT_ENOUGH_REPLICAS: nothing written
+            if not isinstance(work, _Work):
+                # Markers: NOT_ENOUGH_REPLICAS, nothing written. A resolution too: its
+                # answer would wait for the ISR to grow back; the caller retries instead.
+                self.replication.check_writable()
             else:
                 # Batches: NOT_ENOUGH_REPLICAS is decided in _write, after the producer
                 # state has told a retry of a written batch (a duplicate, answered with its
@@ -719,7 +782,7 @@ class PartitionOwner:
             except Exception as error:  # noqa: BLE001 — disk trouble: reload from disk
                 await self._fail_closed(error, [])
 
-    def _take_group(self) -> list[_Work | _MarkerWork]:
+    def _take_group(self) -> list[_Queued]:
         queue = self._queue
         group = [queue.popleft()]
         size = group[0].size
@@ -730,7 +793,7 @@ class PartitionOwner:
         self._queued_bytes -= size
         return group
 
-    def _write(self, group: list[_Work | _MarkerWork]) -> None:
+    def _write(self, group: list[_Queued]) -> None:
         """Decide and append one group (no await). Its requests are answered when a flush
         begun after this covers them; on an exception the group is failed with the rest."""
         try:
@@ -765,16 +828,13 @@ class PartitionOwner:
                         expected_bases.append(next_offset)
                         next_offset += 1
                 continue
+            if isinstance(work, _ResolveWork):
+                results.append(self._staged_here(work.txn))
+                continue
             if work.staged is not None:
-                existing = txns.open_transaction(work.staged)
-                if existing is not None:
-                    results.append(Appended(existing.first_offset, existing.last_offset,
-                                            existing.first_timestamp_ms, duplicate=True))
-                    continue
-                try:
-                    txns.check_write(work.staged, 0, 0)
-                except AtomlogError as error:
-                    results.append(error)
+                refusal = self._check_stage(work.staged, work.stage_epoch)
+                if refusal is not None:
+                    results.append(refusal)
                     continue
             tokens = work.tokens
             for index, item in enumerate(work.batches):
@@ -1019,6 +1079,39 @@ class PartitionOwner:
                 token is None or not self.guard.allows(txn, token)):
             raise self.verify_again(txn)
         self.txns.check_write(txn, header.producer_id, header.producer_epoch)
+
+    def _check_stage(self, txn: TxnId, epoch: int) -> Appended | AtomlogError | None:
+        """A staged batch in the write step: the open transaction's offsets (a repeated
+        stage: already in the log), a refusal (its coordinator epoch is stale, or the
+        buffer refuses the write), or None: append it. Changes nothing."""
+        try:
+            existing = self.txns.open_transaction(txn)
+            if existing is not None:
+                return Appended(existing.first_offset, existing.last_offset,
+                                existing.first_timestamp_ms, duplicate=True)
+            current = self.current_coordinator_epoch(txn.tc_partition)
+            if epoch < current:
+                return AtomlogError(
+                    "STALE_COORDINATOR_EPOCH",
+                    f"stage of {txn.tc_partition}:{txn.sequence} on {self.name} has "
+                    f"coordinator epoch {epoch}; the current one of TC partition "
+                    f"{txn.tc_partition} is {current}",
+                    {"tc_partition": txn.tc_partition, "coordinator_epoch": epoch,
+                     "current_coordinator_epoch": current})
+            self.txns.check_write(txn, 0, 0)
+        except AtomlogError as error:
+            return error
+        return None
+
+    def _staged_here(self, txn: TxnId) -> bool | AtomlogError:
+        """ResolveStaged's answer as of this point of the write step."""
+        try:
+            if self.txns.open_transaction(txn) is not None:
+                return True
+            ended = self.txns.ended(txn)
+        except AtomlogError as error:  # the buffer is replaying
+            return error
+        return ended is not None and ended[0] is ControlType.COMMIT
 
     def verify_again(self, txn: TxnId) -> AtomlogError:
         """The retriable refusal of a write whose verification a marker overtook."""

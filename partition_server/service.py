@@ -119,12 +119,16 @@ async def _cursors_replicated_for_reading(owner: PartitionOwner) -> None:
                            "reopened; retry", {"retry_after_ms": "200"})
 
 
-def _require_items(items, what: str) -> None:
+def _require_items(items, what: str, field: str | None = None) -> None:
+    """At least one item, at most MAX_ITEMS_PER_REQUEST (INVALID_ARGUMENT; naming the
+    repeated `field` in the metadata when given)."""
+    metadata = {"field": field} if field else {}
     if not items:
-        raise AtomlogError("INVALID_ARGUMENT", f"{what} has no items")
+        raise AtomlogError("INVALID_ARGUMENT", f"{what} has no items", metadata)
     if len(items) > MAX_ITEMS_PER_REQUEST:
         raise AtomlogError("INVALID_ARGUMENT",
-                           f"{what} has {len(items)} items; at most {MAX_ITEMS_PER_REQUEST}")
+                           f"{what} has {len(items)} items; at most {MAX_ITEMS_PER_REQUEST}",
+                           metadata)
 
 
 class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
@@ -936,7 +940,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 if refusal is not None:
                     entry.error.CopyFrom(item_error(refusal))
                 else:
-                    work.append(self._stage_batch(txn, batch_item, entry))
+                    work.append(self._stage_batch(txn, item.coordinator_epoch, batch_item,
+                                                  entry))
             for ack in item.acks:
                 entry = result.ack_results.add(subscription_partition=ack.subscription_partition,
                                                cumulative_end_offset=-1)
@@ -948,7 +953,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             await asyncio.gather(*work)
         return response
 
-    async def _stage_batch(self, txn: TxnId, item, entry) -> None:
+    async def _stage_batch(self, txn: TxnId, epoch: int, item, entry) -> None:
+        """One staged batch. The epoch was fenced above, but routing here awaits: the
+        owner checks it again in its write step, where nothing can come in between
+        (a ResolveStaged that raised it meanwhile makes this stage STALE there)."""
         try:
             owner = await self._owner(item.topic_partition)
             batch = item.record_batch
@@ -956,7 +964,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             data, header = stamp_transaction(batch, header, txn)
             owner.check_serving()
             owner.check_txns_ready()
-            appended = await owner.stage(txn, data, header)
+            appended = await owner.stage(txn, data, header, coordinator_epoch=epoch)
         except AtomlogError as error:
             m.BAD_BATCHES.labels(error.reason).inc()
             entry.error.CopyFrom(item_error(error))
@@ -978,6 +986,59 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         except AtomlogError as error:
             entry.error.CopyFrom(item_error(error))
             entry.cumulative_end_offset = -1
+
+    # ------------------------------------------------------------------ parallel commits
+    async def ResolveStaged(self, request, context):
+        """Recovery of a parallel commit (partition.proto; docs/coordinator.md): per item,
+        fence the TC partition at the item's coordinator epoch, then ask the owner of each
+        of its partitions whether the transaction's staged data is durable there.
+
+        The request is checked whole first: a bad one fences nothing. The items are then
+        fenced in request order in one step without awaiting (a lower epoch: every
+        partition of the item answers STALE_COORDINATOR_EPOCH); the questions run
+        concurrently, each answering on its own. An owner decides in its write step,
+        after everything it took before the question: a stage of an older epoch taken
+        before the fence is in its log (staged), one that reaches the step after it is
+        refused there (owner.py), so the answer cannot change once given. It answers only
+        once everything taken before is durable (and held by the in-sync replicas)."""
+        epochs = self.coordinator_epochs
+        if epochs is None or self.verifier is None:
+            raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
+        items = request.items
+        _require_items(items, "ResolveStagedRequest", "items")
+        _check_resolve_request(items, epochs.tc_partitions)
+        response = partition_pb2.ResolveStagedResponse()
+        work = []
+        for item in items:
+            refusal = _fence(item, epochs)
+            txn = TxnId(item.txn_id.tc_partition, item.txn_id.sequence)
+            result = response.results.add(txn_id=item.txn_id)
+            for tp in item.topic_partitions:
+                entry = result.partitions.add(topic_partition=tp)
+                if refusal is not None:
+                    entry.error.CopyFrom(item_error(refusal))
+                else:
+                    work.append(self._resolve_staged(txn, tp, entry))
+        if work:
+            await asyncio.gather(*work)
+        counts = {"staged": 0, "not_staged": 0, "error": 0}
+        for result in response.results:
+            for entry in result.partitions:
+                counts["error" if entry.error.reason
+                       else "staged" if entry.staged else "not_staged"] += 1
+        for label, count in counts.items():
+            if count:
+                m.RESOLVE_STAGED.labels(label).inc(count)
+        return response
+
+    async def _resolve_staged(self, txn: TxnId, tp, entry) -> None:
+        try:
+            owner = await self._owner(tp)
+            owner.check_serving()
+            owner.check_txns_ready()
+            entry.staged = await owner.resolve_staged(txn)
+        except AtomlogError as error:
+            entry.error.CopyFrom(item_error(error))
 
     # ------------------------------------------------------------------ markers
     async def EndTxnOnPartition(self, request, context):
@@ -1179,14 +1240,23 @@ def _invalid_marker(index: int, marker, tc_partitions: int) -> AtomlogError | No
     return None
 
 
-def _invalid_stage(item, tc_partitions: int) -> AtomlogError | None:
-    """INVALID_ARGUMENT naming the first bad field of a StageTxnItem, or None."""
+def _txn_and_epoch_problem(item, tc_partitions: int) -> tuple[str, str] | None:
+    """(field, what is wrong) with the txn_id and coordinator_epoch of a coordinator's
+    item (StageTxnItem, ResolveStagedItem), or None."""
     if not item.HasField("txn_id") or item.txn_id.sequence <= 0 \
             or item.txn_id.tc_partition >= tc_partitions:
-        return AtomlogError("INVALID_ARGUMENT", "txn_id is not a valid transaction id of "
-                            f"this cluster's {tc_partitions} TC partitions")
+        return "txn_id", ("txn_id is not a valid transaction id of this cluster's "
+                          f"{tc_partitions} TC partitions")
     if item.coordinator_epoch <= 0:
-        return AtomlogError("INVALID_ARGUMENT", "coordinator_epoch must be > 0")
+        return "coordinator_epoch", "coordinator_epoch must be > 0"
+    return None
+
+
+def _invalid_stage(item, tc_partitions: int) -> AtomlogError | None:
+    """INVALID_ARGUMENT naming the first bad field of a StageTxnItem, or None."""
+    problem = _txn_and_epoch_problem(item, tc_partitions)
+    if problem is not None:
+        return AtomlogError("INVALID_ARGUMENT", problem[1], {"field": problem[0]})
     if not item.batches and not item.acks:
         return AtomlogError("INVALID_ARGUMENT", "the item has no batches and no acks")
     partitions = [(b.topic_partition.topic, b.topic_partition.partition) for b in item.batches]
@@ -1198,15 +1268,54 @@ def _invalid_stage(item, tc_partitions: int) -> AtomlogError | None:
     return None
 
 
+MAX_RESOLVED_PARTITIONS_PER_REQUEST = 100_000  # over all items of a ResolveStagedRequest
+
+
+def _check_resolve_request(items, tc_partitions: int) -> None:
+    """A ResolveStagedRequest whole, before anything is fenced: each item a valid
+    transaction id and epoch, at least one partition, no partition twice, well-formed
+    topic names; at most MAX_RESOLVED_PARTITIONS_PER_REQUEST partitions in all. Raises
+    INVALID_ARGUMENT naming the first bad field (metadata `field`)."""
+    def bad(field: str, detail: str) -> AtomlogError:
+        return AtomlogError("INVALID_ARGUMENT", f"ResolveStagedRequest.{field}: {detail}",
+                            {"field": field})
+
+    total = 0
+    for index, item in enumerate(items):
+        where = f"items[{index}]"
+        problem = _txn_and_epoch_problem(item, tc_partitions)
+        if problem is not None:
+            raise bad(f"{where}.{problem[0]}", problem[1])
+        if not item.topic_partitions:
+            raise bad(f"{where}.topic_partitions", "the item names no partition")
+        seen: set[tuple[str, int]] = set()
+        for position, tp in enumerate(item.topic_partitions):
+            field = f"{where}.topic_partitions[{position}]"
+            try:
+                validate_topic_name(tp.topic, internal_allowed=True)
+            except AtomlogError as error:
+                raise bad(f"{field}.topic", error.message) from None
+            if (tp.topic, tp.partition) in seen:
+                raise bad(field, f"{tp.topic}-{tp.partition} is named twice")
+            seen.add((tp.topic, tp.partition))
+        total += len(item.topic_partitions)
+    if total > MAX_RESOLVED_PARTITIONS_PER_REQUEST:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"ResolveStagedRequest names {total} partitions; at most "
+                           f"{MAX_RESOLVED_PARTITIONS_PER_REQUEST}",
+                           {"field": "items", "limit": MAX_RESOLVED_PARTITIONS_PER_REQUEST})
+
+
 def _fence(marker, epochs: CoordinatorEpochs) -> AtomlogError | None:
     """STALE_COORDINATOR_EPOCH below the TC partition's current epoch; else accept the
-    marker's (or staged item's) epoch (raising the current one when it is higher)."""
+    epoch of the marker (or staged item, or ResolveStaged item), raising the current one
+    when it is higher."""
     tc, epoch = marker.txn_id.tc_partition, marker.coordinator_epoch
     current = epochs.current(tc)
     if epoch < current:
         return AtomlogError(
             "STALE_COORDINATOR_EPOCH",
-            f"marker of TC partition {tc} has coordinator epoch {epoch}; the current one is "
+            f"coordinator epoch {epoch} of TC partition {tc} is stale; the current one is "
             f"{current}", {"tc_partition": tc, "coordinator_epoch": epoch,
                            "current_coordinator_epoch": current})
     epochs.observe(tc, epoch)

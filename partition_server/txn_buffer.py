@@ -309,6 +309,17 @@ class TxnBuffer:
         entry = self._open.get(txn)
         return entry.public(txn) if entry else None
 
+    def ended(self, txn: TxnId) -> tuple[ControlType, int] | None:
+        """(decision, marker offset) of a transaction ended here and remembered (every
+        abort still in the aborted index, the last max_remembered_commits commits)."""
+        aborted = self._aborted_lookup.get(txn)
+        if aborted is not None:
+            return ControlType.ABORT, aborted.marker_offset
+        marker_offset = self._committed.get(txn)
+        if marker_offset is not None:
+            return ControlType.COMMIT, marker_offset
+        return None
+
     def state(self) -> TxnBufferState:
         aborted = tuple((entry, self._aborted_lookup.get(entry.txn) is entry)
                         for entry in self._aborted[self._aborted_head:])
@@ -365,7 +376,7 @@ class TxnBuffer:
         _validate_producer(producer_id, producer_epoch)
         if txn in self._open:
             return
-        ended = self._ended(txn)
+        ended = self.ended(txn)
         if ended is not None:
             decision, marker_offset = ended
             self._count("late_writes_total")
@@ -405,7 +416,7 @@ class TxnBuffer:
         if entry is not None:
             return MarkerPlan(MarkerAction.WRITE, producer_id=entry.producer_id,
                               producer_epoch=entry.producer_epoch)
-        ended = self._ended(txn)
+        ended = self.ended(txn)
         if ended is not None and ended[0] is not decision:
             self._count("conflicting_markers_total")
             reason = ("TRANSACTION_ABORTED" if ended[0] is ControlType.ABORT
@@ -425,7 +436,7 @@ class TxnBuffer:
     def on_data(self, txn: TxnId, producer_id: int, producer_epoch: int, first_offset: int,
                 last_offset: int, timestamp_ms: int) -> None:
         """After a transactional data batch is in the log (check_write passed)."""
-        assert txn in self._open or self._ended(txn) is None, txn
+        assert txn in self._open or self.ended(txn) is None, txn
         self._advance(first_offset, last_offset)
         self._record_data(txn, producer_id, producer_epoch, first_offset, last_offset,
                           timestamp_ms)
@@ -484,7 +495,7 @@ class TxnBuffer:
                         else (header.producer_id, header.producer_epoch))
             self._end(txn, marker.type, marker.coordinator_epoch, header.base_offset, *producer)
             return
-        if txn not in self._open and self._ended(txn) is not None:
+        if txn not in self._open and self.ended(txn) is not None:
             self._count("anomalies_total")
             self._aborted_lookup.pop(txn, None)
             self._committed.pop(txn, None)
@@ -586,16 +597,6 @@ class TxnBuffer:
             del self._aborted[:self._aborted_head]
             del self._aborted_markers[:self._aborted_head]
             self._aborted_head = 0
-
-    def _ended(self, txn: TxnId) -> tuple[ControlType, int] | None:
-        """(decision, marker offset) of a transaction ended here and remembered."""
-        aborted = self._aborted_lookup.get(txn)
-        if aborted is not None:
-            return ControlType.ABORT, aborted.marker_offset
-        marker_offset = self._committed.get(txn)
-        if marker_offset is not None:
-            return ControlType.COMMIT, marker_offset
-        return None
 
     def _count(self, counter: str, amount: int = 1) -> None:
         self._counters[counter] += amount

@@ -409,6 +409,8 @@ TABLE: dict[str, Callable] = {
     _PARTITION + "DescribeSubscription": _subscriptions("describe"),
     _PARTITION + "EndTxnOnPartition": _fixed(_cluster("write"), service_only=True),
     _PARTITION + "StageTxn": _fixed(_cluster("write"), service_only=True),
+    # Parallel commits' recovery: it fences a TC partition's coordinator epoch.
+    _PARTITION + "ResolveStaged": _fixed(_cluster("write"), service_only=True),
     # Followers fetching from their leader (docs/replication.md).
     _PARTITION + "Replicate": _fixed(_cluster("read"), service_only=True),
     _PARTITION + "ReplicateMany": _fixed(_cluster("read"), service_only=True),

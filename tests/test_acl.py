@@ -326,6 +326,10 @@ def test_only_servers_send_markers_stage_verify_and_allocate(acl_cluster, acls):
             items=[partition_pb2.StageTxnItem(txn_id=common_pb2.TxnId(tc_partition=0, sequence=1),
                                               coordinator_epoch=1 << 40)])),
                "write", "cluster", "atomlog")
+        denied(ps(acl_cluster, principal, "ResolveStaged", partition_pb2.ResolveStagedRequest(
+            items=[partition_pb2.ResolveStagedItem(
+                txn_id=common_pb2.TxnId(tc_partition=0, sequence=1), coordinator_epoch=1 << 40,
+                topic_partitions=[tp(TOPIC)])])), "write", "cluster", "atomlog")
         denied(tc(acl_cluster, principal, "VerifyTxnPartitions",
                   coordinator_pb2.VerifyTxnPartitionsRequest()), "write", "cluster", "atomlog")
         denied(rpc(acl_cluster, principal, id_allocator_pb2_grpc.IdAllocatorServiceStub,

@@ -121,6 +121,8 @@ def test_service_principals_hold_the_cluster_only():
     for method, request in (("CoordinatorService/VerifyTxnPartitions",
                              coordinator_pb2.VerifyTxnPartitionsRequest()),
                             ("PartitionService/StageTxn", partition_pb2.StageTxnRequest()),
+                            ("PartitionService/ResolveStaged",
+                             partition_pb2.ResolveStagedRequest()),
                             ("IdAllocatorService/AllocateProducerIds",
                              id_allocator_pb2.AllocateProducerIdsRequest())):
         assert verdict(method, request, acls=[Acl("*", "cluster", "*", "write")]), method

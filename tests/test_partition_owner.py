@@ -117,6 +117,14 @@ def start(owner: PartitionOwner, b: bytes) -> asyncio.Future:
     return asyncio.ensure_future(owner.produce([(b, parse_header(b))]))
 
 
+async def fail_loading(*requests: asyncio.Future) -> None:
+    """Each request fails with PARTITION_LOADING (a failed fsync's: none is answered)."""
+    for failed in requests:
+        with pytest.raises(AtomlogError) as refused:
+            await failed
+        assert refused.value.reason == "PARTITION_LOADING"
+
+
 def test_acks_never_precede_the_fsync_covering_them_and_keep_log_order(tmp_path):
     """Pipelined group commit: a group written while an fsync runs gets an fsync of its
     own (up to max_fsyncs_in_flight), but flushes end in the order they began, and the
@@ -241,10 +249,7 @@ def test_a_failed_fsync_fails_every_batch_it_covered_and_the_partition_fails_clo
         await asyncio.sleep(0.05)
         assert not (second.done() or third.done())
         gate.release(1, OSError(errno.EIO, "Input/output error"))
-        for failed in (second, third):
-            with pytest.raises(AtomlogError) as refused:
-                await failed
-            assert refused.value.reason == "PARTITION_LOADING"
+        await fail_loading(second, third)
 
         await until(lambda: owner.state is State.ONLINE)
         assert owner.log.log_end_offset == owner.log.high_watermark == 2  # cut back

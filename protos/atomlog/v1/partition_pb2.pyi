@@ -778,6 +778,46 @@ class StageTxnResult(_message.Message):
     ack_results: _containers.RepeatedCompositeFieldContainer[AckResult]
     def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., batch_results: _Optional[_Iterable[_Union[ProduceResult, _Mapping]]] = ..., ack_results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ...) -> None: ...
 
+class ResolveStagedRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ResolveStagedItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ResolveStagedItem, _Mapping]]] = ...) -> None: ...
+
+class ResolveStagedItem(_message.Message):
+    __slots__ = ("txn_id", "coordinator_epoch", "topic_partitions")
+    TXN_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    txn_id: _common_pb2.TxnId
+    coordinator_epoch: int
+    topic_partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopicPartition]
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., coordinator_epoch: _Optional[int] = ..., topic_partitions: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ...) -> None: ...
+
+class ResolveStagedResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ResolveStagedResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ResolveStagedResult, _Mapping]]] = ...) -> None: ...
+
+class ResolveStagedResult(_message.Message):
+    __slots__ = ("txn_id", "partitions")
+    TXN_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    txn_id: _common_pb2.TxnId
+    partitions: _containers.RepeatedCompositeFieldContainer[StagedPartition]
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[StagedPartition, _Mapping]]] = ...) -> None: ...
+
+class StagedPartition(_message.Message):
+    __slots__ = ("topic_partition", "error", "staged")
+    TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    topic_partition: _common_pb2.TopicPartition
+    error: ItemError
+    staged: bool
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., staged: _Optional[bool] = ...) -> None: ...
+
 class ReplicateRequest(_message.Message):
     __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms", "cursor_sequence", "replica_incarnation")
     TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]

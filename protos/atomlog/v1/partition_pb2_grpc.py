@@ -118,6 +118,11 @@ class PartitionServiceStub:
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.StageTxnRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_partition__pb2.StageTxnResponse.FromString,
                 _registered_method=True)
+        self.ResolveStaged = channel.unary_unary(
+                '/atomlog.v1.PartitionService/ResolveStaged',
+                request_serializer=atomlog_dot_v1_dot_partition__pb2.ResolveStagedRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_partition__pb2.ResolveStagedResponse.FromString,
+                _registered_method=True)
         self.DescribePartition = channel.unary_unary(
                 '/atomlog.v1.PartitionService/DescribePartition',
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.DescribePartitionRequest.SerializeToString,
@@ -294,6 +299,19 @@ class PartitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveStaged(self, request, context):
+        """Recovery of parallel commits, from a coordinator (its only caller): a coordinator
+        that took over a TC partition and found a transaction's Staging record with no
+        decision asks whether the transaction's staged data is durable on these partitions
+        (docs/coordinator.md, "Parallel commits"). Per item, the server first fences the TC
+        partition at the item's coordinator epoch, as a marker of that epoch would, so that a
+        StageTxn of an older owner still in flight is refused from then on; then it answers,
+        per partition, once everything its owner accepted before the fence is durable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DescribePartition(self, request, context):
         """Admin: one partition in detail — positions, state (ONLINE, LOADING, DATA_LOSS), open
         transactions, producers, subscriptions and snapshot positions.
@@ -408,6 +426,11 @@ def add_PartitionServiceServicer_to_server(servicer, server):
                     servicer.StageTxn,
                     request_deserializer=atomlog_dot_v1_dot_partition__pb2.StageTxnRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_partition__pb2.StageTxnResponse.SerializeToString,
+            ),
+            'ResolveStaged': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveStaged,
+                    request_deserializer=atomlog_dot_v1_dot_partition__pb2.ResolveStagedRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_partition__pb2.ResolveStagedResponse.SerializeToString,
             ),
             'DescribePartition': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribePartition,
@@ -805,6 +828,33 @@ class PartitionService:
             '/atomlog.v1.PartitionService/StageTxn',
             atomlog_dot_v1_dot_partition__pb2.StageTxnRequest.SerializeToString,
             atomlog_dot_v1_dot_partition__pb2.StageTxnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveStaged(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.PartitionService/ResolveStaged',
+            atomlog_dot_v1_dot_partition__pb2.ResolveStagedRequest.SerializeToString,
+            atomlog_dot_v1_dot_partition__pb2.ResolveStagedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4791,6 +4791,279 @@ func (x *StageTxnResult) GetAckResults() []*AckResult {
 	return nil
 }
 
+type ResolveStagedRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One item per transaction; items are independent.
+	Items         []*ResolveStagedItem `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolveStagedRequest) Reset() {
+	*x = ResolveStagedRequest{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolveStagedRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolveStagedRequest) ProtoMessage() {}
+
+func (x *ResolveStagedRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolveStagedRequest.ProtoReflect.Descriptor instead.
+func (*ResolveStagedRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
+}
+
+func (x *ResolveStagedRequest) GetItems() []*ResolveStagedItem {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
+type ResolveStagedItem struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The transaction whose Staging record has no decision.
+	TxnId *TxnId `protobuf:"bytes,1,opt,name=txn_id,json=txnId,proto3" json:"txn_id,omitempty"`
+	// The asking coordinator's epoch of txn_id's TC partition. Below the one this server
+	// knows: every partition of the item fails with "STALE_COORDINATOR_EPOCH".
+	CoordinatorEpoch uint64 `protobuf:"varint,2,opt,name=coordinator_epoch,json=coordinatorEpoch,proto3" json:"coordinator_epoch,omitempty"`
+	// The transaction's partitions on this server (at least one, no repeats).
+	TopicPartitions []*TopicPartition `protobuf:"bytes,3,rep,name=topic_partitions,json=topicPartitions,proto3" json:"topic_partitions,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *ResolveStagedItem) Reset() {
+	*x = ResolveStagedItem{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolveStagedItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolveStagedItem) ProtoMessage() {}
+
+func (x *ResolveStagedItem) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolveStagedItem.ProtoReflect.Descriptor instead.
+func (*ResolveStagedItem) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
+}
+
+func (x *ResolveStagedItem) GetTxnId() *TxnId {
+	if x != nil {
+		return x.TxnId
+	}
+	return nil
+}
+
+func (x *ResolveStagedItem) GetCoordinatorEpoch() uint64 {
+	if x != nil {
+		return x.CoordinatorEpoch
+	}
+	return 0
+}
+
+func (x *ResolveStagedItem) GetTopicPartitions() []*TopicPartition {
+	if x != nil {
+		return x.TopicPartitions
+	}
+	return nil
+}
+
+// One result per item, in request order.
+type ResolveStagedResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Results       []*ResolveStagedResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolveStagedResponse) Reset() {
+	*x = ResolveStagedResponse{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolveStagedResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolveStagedResponse) ProtoMessage() {}
+
+func (x *ResolveStagedResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolveStagedResponse.ProtoReflect.Descriptor instead.
+func (*ResolveStagedResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
+}
+
+func (x *ResolveStagedResponse) GetResults() []*ResolveStagedResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+type ResolveStagedResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Echo of the item's transaction.
+	TxnId *TxnId `protobuf:"bytes,1,opt,name=txn_id,json=txnId,proto3" json:"txn_id,omitempty"`
+	// One per partition, in order.
+	Partitions    []*StagedPartition `protobuf:"bytes,2,rep,name=partitions,proto3" json:"partitions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolveStagedResult) Reset() {
+	*x = ResolveStagedResult{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolveStagedResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolveStagedResult) ProtoMessage() {}
+
+func (x *ResolveStagedResult) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolveStagedResult.ProtoReflect.Descriptor instead.
+func (*ResolveStagedResult) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{68}
+}
+
+func (x *ResolveStagedResult) GetTxnId() *TxnId {
+	if x != nil {
+		return x.TxnId
+	}
+	return nil
+}
+
+func (x *ResolveStagedResult) GetPartitions() []*StagedPartition {
+	if x != nil {
+		return x.Partitions
+	}
+	return nil
+}
+
+type StagedPartition struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Echo of the partition.
+	TopicPartition *TopicPartition `protobuf:"bytes,1,opt,name=topic_partition,json=topicPartition,proto3" json:"topic_partition,omitempty"`
+	// Empty reason on success: then `staged` is the answer.
+	Error *ItemError `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
+	// True: the transaction's staged batch is durable here (open, or committed by a
+	// marker). False: it never reached this partition's log durably, or was aborted here;
+	// with the fence in place it never will.
+	Staged        bool `protobuf:"varint,3,opt,name=staged,proto3" json:"staged,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StagedPartition) Reset() {
+	*x = StagedPartition{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StagedPartition) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StagedPartition) ProtoMessage() {}
+
+func (x *StagedPartition) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StagedPartition.ProtoReflect.Descriptor instead.
+func (*StagedPartition) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{69}
+}
+
+func (x *StagedPartition) GetTopicPartition() *TopicPartition {
+	if x != nil {
+		return x.TopicPartition
+	}
+	return nil
+}
+
+func (x *StagedPartition) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+func (x *StagedPartition) GetStaged() bool {
+	if x != nil {
+		return x.Staged
+	}
+	return false
+}
+
 type ReplicateRequest struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	TopicPartition *TopicPartition        `protobuf:"bytes,1,opt,name=topic_partition,json=topicPartition,proto3" json:"topic_partition,omitempty"`
@@ -4826,7 +5099,7 @@ type ReplicateRequest struct {
 
 func (x *ReplicateRequest) Reset() {
 	*x = ReplicateRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4838,7 +5111,7 @@ func (x *ReplicateRequest) String() string {
 func (*ReplicateRequest) ProtoMessage() {}
 
 func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4851,7 +5124,7 @@ func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ReplicateRequest) GetTopicPartition() *TopicPartition {
@@ -4937,7 +5210,7 @@ type ReplicateManyRequest struct {
 
 func (x *ReplicateManyRequest) Reset() {
 	*x = ReplicateManyRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4949,7 +5222,7 @@ func (x *ReplicateManyRequest) String() string {
 func (*ReplicateManyRequest) ProtoMessage() {}
 
 func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4962,7 +5235,7 @@ func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateManyRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateManyRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ReplicateManyRequest) GetReplica() string {
@@ -5005,7 +5278,7 @@ type ReplicateManyResponse struct {
 
 func (x *ReplicateManyResponse) Reset() {
 	*x = ReplicateManyResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5017,7 +5290,7 @@ func (x *ReplicateManyResponse) String() string {
 func (*ReplicateManyResponse) ProtoMessage() {}
 
 func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5030,7 +5303,7 @@ func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateManyResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateManyResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *ReplicateManyResponse) GetResults() []*ReplicateResult {
@@ -5054,7 +5327,7 @@ type ReplicateResult struct {
 
 func (x *ReplicateResult) Reset() {
 	*x = ReplicateResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5066,7 +5339,7 @@ func (x *ReplicateResult) String() string {
 func (*ReplicateResult) ProtoMessage() {}
 
 func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5079,7 +5352,7 @@ func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResult.ProtoReflect.Descriptor instead.
 func (*ReplicateResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{68}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *ReplicateResult) GetTopicPartition() *TopicPartition {
@@ -5113,7 +5386,7 @@ type LeaderEpochEntry struct {
 
 func (x *LeaderEpochEntry) Reset() {
 	*x = LeaderEpochEntry{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5125,7 +5398,7 @@ func (x *LeaderEpochEntry) String() string {
 func (*LeaderEpochEntry) ProtoMessage() {}
 
 func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5138,7 +5411,7 @@ func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderEpochEntry.ProtoReflect.Descriptor instead.
 func (*LeaderEpochEntry) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{69}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *LeaderEpochEntry) GetEpoch() uint32 {
@@ -5195,7 +5468,7 @@ type ReplicateResponse struct {
 
 func (x *ReplicateResponse) Reset() {
 	*x = ReplicateResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5207,7 +5480,7 @@ func (x *ReplicateResponse) String() string {
 func (*ReplicateResponse) ProtoMessage() {}
 
 func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5220,7 +5493,7 @@ func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ReplicateResponse) GetRecords() []byte {
@@ -5634,7 +5907,24 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12>\n" +
 	"\rbatch_results\x18\x02 \x03(\v2\x19.atomlog.v1.ProduceResultR\fbatchResults\x126\n" +
 	"\vack_results\x18\x03 \x03(\v2\x15.atomlog.v1.AckResultR\n" +
-	"ackResults\"\xfc\x02\n" +
+	"ackResults\"K\n" +
+	"\x14ResolveStagedRequest\x123\n" +
+	"\x05items\x18\x01 \x03(\v2\x1d.atomlog.v1.ResolveStagedItemR\x05items\"\xb1\x01\n" +
+	"\x11ResolveStagedItem\x12(\n" +
+	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12+\n" +
+	"\x11coordinator_epoch\x18\x02 \x01(\x04R\x10coordinatorEpoch\x12E\n" +
+	"\x10topic_partitions\x18\x03 \x03(\v2\x1a.atomlog.v1.TopicPartitionR\x0ftopicPartitions\"R\n" +
+	"\x15ResolveStagedResponse\x129\n" +
+	"\aresults\x18\x01 \x03(\v2\x1f.atomlog.v1.ResolveStagedResultR\aresults\"|\n" +
+	"\x13ResolveStagedResult\x12(\n" +
+	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12;\n" +
+	"\n" +
+	"partitions\x18\x02 \x03(\v2\x1b.atomlog.v1.StagedPartitionR\n" +
+	"partitions\"\x9b\x01\n" +
+	"\x0fStagedPartition\x12C\n" +
+	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12+\n" +
+	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\x12\x16\n" +
+	"\x06staged\x18\x03 \x01(\bR\x06staged\"\xfc\x02\n" +
 	"\x10ReplicateRequest\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12\x18\n" +
 	"\areplica\x18\x02 \x01(\tR\areplica\x12!\n" +
@@ -5697,7 +5987,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x1bPARTITION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17PARTITION_STATE_LOADING\x10\x01\x12\x1a\n" +
 	"\x16PARTITION_STATE_ONLINE\x10\x02\x12\x1d\n" +
-	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\xeb\v\n" +
+	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\xc1\f\n" +
 	"\x10PartitionService\x12B\n" +
 	"\aProduce\x12\x1a.atomlog.v1.ProduceRequest\x1a\x1b.atomlog.v1.ProduceResponse\x12<\n" +
 	"\x05Fetch\x12\x18.atomlog.v1.FetchRequest\x1a\x19.atomlog.v1.FetchResponse\x12N\n" +
@@ -5711,7 +6001,8 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x04Nack\x12\x17.atomlog.v1.NackRequest\x1a\x18.atomlog.v1.NackResponse\x12i\n" +
 	"\x14DescribeSubscription\x12'.atomlog.v1.DescribeSubscriptionRequest\x1a(.atomlog.v1.DescribeSubscriptionResponse\x12`\n" +
 	"\x11EndTxnOnPartition\x12$.atomlog.v1.EndTxnOnPartitionRequest\x1a%.atomlog.v1.EndTxnOnPartitionResponse\x12E\n" +
-	"\bStageTxn\x12\x1b.atomlog.v1.StageTxnRequest\x1a\x1c.atomlog.v1.StageTxnResponse\x12`\n" +
+	"\bStageTxn\x12\x1b.atomlog.v1.StageTxnRequest\x1a\x1c.atomlog.v1.StageTxnResponse\x12T\n" +
+	"\rResolveStaged\x12 .atomlog.v1.ResolveStagedRequest\x1a!.atomlog.v1.ResolveStagedResponse\x12`\n" +
 	"\x11DescribePartition\x12$.atomlog.v1.DescribePartitionRequest\x1a%.atomlog.v1.DescribePartitionResponse\x12W\n" +
 	"\x0eListPartitions\x12!.atomlog.v1.ListPartitionsRequest\x1a\".atomlog.v1.ListPartitionsResponse\x12]\n" +
 	"\x10RecoverPartition\x12#.atomlog.v1.RecoverPartitionRequest\x1a$.atomlog.v1.RecoverPartitionResponse\x12H\n" +
@@ -5734,7 +6025,7 @@ func file_atomlog_v1_partition_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_partition_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
+var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 78)
 var file_atomlog_v1_partition_proto_goTypes = []any{
 	(TxnDecision)(0),                     // 0: atomlog.v1.TxnDecision
 	(OffsetSpec)(0),                      // 1: atomlog.v1.OffsetSpec
@@ -5805,174 +6096,189 @@ var file_atomlog_v1_partition_proto_goTypes = []any{
 	(*StageTxnItem)(nil),                 // 66: atomlog.v1.StageTxnItem
 	(*StageTxnResponse)(nil),             // 67: atomlog.v1.StageTxnResponse
 	(*StageTxnResult)(nil),               // 68: atomlog.v1.StageTxnResult
-	(*ReplicateRequest)(nil),             // 69: atomlog.v1.ReplicateRequest
-	(*ReplicateManyRequest)(nil),         // 70: atomlog.v1.ReplicateManyRequest
-	(*ReplicateManyResponse)(nil),        // 71: atomlog.v1.ReplicateManyResponse
-	(*ReplicateResult)(nil),              // 72: atomlog.v1.ReplicateResult
-	(*LeaderEpochEntry)(nil),             // 73: atomlog.v1.LeaderEpochEntry
-	(*ReplicateResponse)(nil),            // 74: atomlog.v1.ReplicateResponse
-	nil,                                  // 75: atomlog.v1.ItemError.MetadataEntry
-	nil,                                  // 76: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	(*TopicPartition)(nil),               // 77: atomlog.v1.TopicPartition
-	(IsolationLevel)(0),                  // 78: atomlog.v1.IsolationLevel
-	(*TxnId)(nil),                        // 79: atomlog.v1.TxnId
-	(*SubscriptionPartition)(nil),        // 80: atomlog.v1.SubscriptionPartition
+	(*ResolveStagedRequest)(nil),         // 69: atomlog.v1.ResolveStagedRequest
+	(*ResolveStagedItem)(nil),            // 70: atomlog.v1.ResolveStagedItem
+	(*ResolveStagedResponse)(nil),        // 71: atomlog.v1.ResolveStagedResponse
+	(*ResolveStagedResult)(nil),          // 72: atomlog.v1.ResolveStagedResult
+	(*StagedPartition)(nil),              // 73: atomlog.v1.StagedPartition
+	(*ReplicateRequest)(nil),             // 74: atomlog.v1.ReplicateRequest
+	(*ReplicateManyRequest)(nil),         // 75: atomlog.v1.ReplicateManyRequest
+	(*ReplicateManyResponse)(nil),        // 76: atomlog.v1.ReplicateManyResponse
+	(*ReplicateResult)(nil),              // 77: atomlog.v1.ReplicateResult
+	(*LeaderEpochEntry)(nil),             // 78: atomlog.v1.LeaderEpochEntry
+	(*ReplicateResponse)(nil),            // 79: atomlog.v1.ReplicateResponse
+	nil,                                  // 80: atomlog.v1.ItemError.MetadataEntry
+	nil,                                  // 81: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	(*TopicPartition)(nil),               // 82: atomlog.v1.TopicPartition
+	(IsolationLevel)(0),                  // 83: atomlog.v1.IsolationLevel
+	(*TxnId)(nil),                        // 84: atomlog.v1.TxnId
+	(*SubscriptionPartition)(nil),        // 85: atomlog.v1.SubscriptionPartition
 }
 var file_atomlog_v1_partition_proto_depIdxs = []int32{
-	75,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
+	80,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
 	7,   // 1: atomlog.v1.ProduceRequest.items:type_name -> atomlog.v1.ProduceItem
-	77,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	9,   // 3: atomlog.v1.ProduceResponse.results:type_name -> atomlog.v1.ProduceResult
-	77,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 5: atomlog.v1.ProduceResult.error:type_name -> atomlog.v1.ItemError
 	11,  // 6: atomlog.v1.FetchRequest.items:type_name -> atomlog.v1.FetchItem
-	78,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
-	77,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	82,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	13,  // 9: atomlog.v1.FetchResponse.results:type_name -> atomlog.v1.FetchResult
-	77,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 11: atomlog.v1.FetchResult.error:type_name -> atomlog.v1.ItemError
 	14,  // 12: atomlog.v1.FetchResult.aborted_transactions:type_name -> atomlog.v1.AbortedTransaction
-	79,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
 	16,  // 14: atomlog.v1.ListOffsetsRequest.items:type_name -> atomlog.v1.ListOffsetsItem
-	77,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	1,   // 16: atomlog.v1.ListOffsetsItem.spec:type_name -> atomlog.v1.OffsetSpec
 	18,  // 17: atomlog.v1.ListOffsetsResponse.results:type_name -> atomlog.v1.ListOffsetsResult
-	77,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 19: atomlog.v1.ListOffsetsResult.error:type_name -> atomlog.v1.ItemError
 	20,  // 20: atomlog.v1.DeleteRecordsRequest.items:type_name -> atomlog.v1.DeleteRecordsItem
 	22,  // 21: atomlog.v1.DeleteRecordsResponse.results:type_name -> atomlog.v1.DeleteRecordsResult
 	4,   // 22: atomlog.v1.DeleteRecordsResult.error:type_name -> atomlog.v1.ItemError
-	80,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 24: atomlog.v1.CreateSubscriptionRequest.initial_position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	25,  // 25: atomlog.v1.CreateSubscriptionResponse.results:type_name -> atomlog.v1.CreateSubscriptionResult
-	80,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 27: atomlog.v1.CreateSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	80,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	28,  // 29: atomlog.v1.DeleteSubscriptionResponse.results:type_name -> atomlog.v1.DeleteSubscriptionResult
-	80,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 31: atomlog.v1.DeleteSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	80,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 33: atomlog.v1.ResetSubscriptionRequest.position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	31,  // 34: atomlog.v1.ResetSubscriptionResponse.results:type_name -> atomlog.v1.ResetSubscriptionResult
-	80,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 36: atomlog.v1.ResetSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	80,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	78,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	85,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	83,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
 	34,  // 39: atomlog.v1.ReceiveResponse.results:type_name -> atomlog.v1.ReceiveResult
-	80,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 41: atomlog.v1.ReceiveResult.error:type_name -> atomlog.v1.ItemError
 	5,   // 42: atomlog.v1.ReceiveResult.delivered_ranges:type_name -> atomlog.v1.OffsetRange
 	5,   // 43: atomlog.v1.ReceiveResult.redelivered_ranges:type_name -> atomlog.v1.OffsetRange
 	36,  // 44: atomlog.v1.AckRequest.items:type_name -> atomlog.v1.AckItem
-	80,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 46: atomlog.v1.AckItem.individual_ranges:type_name -> atomlog.v1.OffsetRange
-	79,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
 	38,  // 48: atomlog.v1.AckResponse.results:type_name -> atomlog.v1.AckResult
-	80,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 50: atomlog.v1.AckResult.error:type_name -> atomlog.v1.ItemError
 	40,  // 51: atomlog.v1.NackRequest.items:type_name -> atomlog.v1.NackItem
-	80,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 53: atomlog.v1.NackItem.ranges:type_name -> atomlog.v1.OffsetRange
 	42,  // 54: atomlog.v1.NackResponse.results:type_name -> atomlog.v1.NackResult
-	80,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 56: atomlog.v1.NackResult.error:type_name -> atomlog.v1.ItemError
-	80,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	45,  // 58: atomlog.v1.DescribeSubscriptionResponse.cursors:type_name -> atomlog.v1.SubscriptionCursor
-	80,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 60: atomlog.v1.SubscriptionCursor.error:type_name -> atomlog.v1.ItemError
 	5,   // 61: atomlog.v1.SubscriptionCursor.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	46,  // 62: atomlog.v1.SubscriptionCursor.pending_acks:type_name -> atomlog.v1.PendingAck
-	79,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
 	5,   // 64: atomlog.v1.PendingAck.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	48,  // 65: atomlog.v1.EndTxnOnPartitionRequest.markers:type_name -> atomlog.v1.TxnMarker
-	79,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
 	0,   // 67: atomlog.v1.TxnMarker.decision:type_name -> atomlog.v1.TxnDecision
-	77,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	80,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	82,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	85,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	50,  // 70: atomlog.v1.EndTxnOnPartitionResponse.results:type_name -> atomlog.v1.TxnMarkerResult
-	79,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
 	51,  // 72: atomlog.v1.TxnMarkerResult.topic_partition_results:type_name -> atomlog.v1.TxnMarkerPartitionResult
 	52,  // 73: atomlog.v1.TxnMarkerResult.subscription_partition_results:type_name -> atomlog.v1.TxnMarkerSubscriptionResult
-	77,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 75: atomlog.v1.TxnMarkerPartitionResult.error:type_name -> atomlog.v1.ItemError
-	80,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	85,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 77: atomlog.v1.TxnMarkerSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	77,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	77,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 80: atomlog.v1.DescribePartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	53,  // 81: atomlog.v1.DescribePartitionResponse.data_loss:type_name -> atomlog.v1.DataLossInfo
 	58,  // 82: atomlog.v1.DescribePartitionResponse.open_transactions:type_name -> atomlog.v1.OpenTransaction
 	59,  // 83: atomlog.v1.DescribePartitionResponse.producers:type_name -> atomlog.v1.ProducerState
 	45,  // 84: atomlog.v1.DescribePartitionResponse.subscriptions:type_name -> atomlog.v1.SubscriptionCursor
-	76,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	81,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
 	56,  // 86: atomlog.v1.DescribePartitionResponse.replication:type_name -> atomlog.v1.ReplicationStatus
 	57,  // 87: atomlog.v1.ReplicationStatus.followers:type_name -> atomlog.v1.FollowerStatus
-	79,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
-	79,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
 	62,  // 90: atomlog.v1.ListPartitionsResponse.partitions:type_name -> atomlog.v1.PartitionSummary
-	77,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 92: atomlog.v1.PartitionSummary.state:type_name -> atomlog.v1.PartitionState
 	53,  // 93: atomlog.v1.PartitionSummary.data_loss:type_name -> atomlog.v1.DataLossInfo
-	77,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	82,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 95: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	66,  // 96: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
 	47,  // 97: atomlog.v1.StageTxnRequest.markers:type_name -> atomlog.v1.EndTxnOnPartitionRequest
-	79,  // 98: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 98: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
 	7,   // 99: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
 	36,  // 100: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
 	68,  // 101: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
 	49,  // 102: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
-	79,  // 103: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	84,  // 103: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
 	9,   // 104: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
 	38,  // 105: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
-	77,  // 106: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	69,  // 107: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
-	72,  // 108: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
-	77,  // 109: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 110: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
-	74,  // 111: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
-	73,  // 112: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 113: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 114: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 115: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 116: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 117: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 118: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 119: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 120: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 121: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 122: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 123: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 124: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	65,  // 125: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	54,  // 126: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	60,  // 127: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	63,  // 128: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	69,  // 129: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	70,  // 130: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
-	8,   // 131: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 132: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 133: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 134: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 135: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 136: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 137: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 138: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 139: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 140: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 141: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 142: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	67,  // 143: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	55,  // 144: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	61,  // 145: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	64,  // 146: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	74,  // 147: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	71,  // 148: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
-	131, // [131:149] is the sub-list for method output_type
-	113, // [113:131] is the sub-list for method input_type
-	113, // [113:113] is the sub-list for extension type_name
-	113, // [113:113] is the sub-list for extension extendee
-	0,   // [0:113] is the sub-list for field type_name
+	70,  // 106: atomlog.v1.ResolveStagedRequest.items:type_name -> atomlog.v1.ResolveStagedItem
+	84,  // 107: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
+	82,  // 108: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	72,  // 109: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
+	84,  // 110: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
+	73,  // 111: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
+	82,  // 112: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 113: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
+	82,  // 114: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	74,  // 115: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
+	77,  // 116: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
+	82,  // 117: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 118: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
+	79,  // 119: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
+	78,  // 120: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 121: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 122: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 123: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 124: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 125: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 126: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 127: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 128: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 129: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 130: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 131: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 132: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	65,  // 133: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	69,  // 134: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
+	54,  // 135: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 136: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 137: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	74,  // 138: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	75,  // 139: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
+	8,   // 140: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 141: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 142: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 143: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 144: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 145: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 146: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 147: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 148: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 149: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 150: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 151: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	67,  // 152: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	71,  // 153: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
+	55,  // 154: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 155: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 156: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	79,  // 157: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	76,  // 158: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
+	140, // [140:159] is the sub-list for method output_type
+	121, // [121:140] is the sub-list for method input_type
+	121, // [121:121] is the sub-list for extension type_name
+	121, // [121:121] is the sub-list for extension extendee
+	0,   // [0:121] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
@@ -5987,7 +6293,7 @@ func file_atomlog_v1_partition_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_partition_proto_rawDesc), len(file_atomlog_v1_partition_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   73,
+			NumMessages:   78,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -32,6 +32,7 @@ const (
 	PartitionService_DescribeSubscription_FullMethodName = "/atomlog.v1.PartitionService/DescribeSubscription"
 	PartitionService_EndTxnOnPartition_FullMethodName    = "/atomlog.v1.PartitionService/EndTxnOnPartition"
 	PartitionService_StageTxn_FullMethodName             = "/atomlog.v1.PartitionService/StageTxn"
+	PartitionService_ResolveStaged_FullMethodName        = "/atomlog.v1.PartitionService/ResolveStaged"
 	PartitionService_DescribePartition_FullMethodName    = "/atomlog.v1.PartitionService/DescribePartition"
 	PartitionService_ListPartitions_FullMethodName       = "/atomlog.v1.PartitionService/ListPartitions"
 	PartitionService_RecoverPartition_FullMethodName     = "/atomlog.v1.PartitionService/RecoverPartition"
@@ -125,6 +126,14 @@ type PartitionServiceClient interface {
 	// Presumed abort: a transaction staged here that its coordinator does not know
 	// (partition.txn_check_after_ms) is aborted here.
 	StageTxn(ctx context.Context, in *StageTxnRequest, opts ...grpc.CallOption) (*StageTxnResponse, error)
+	// Recovery of parallel commits, from a coordinator (its only caller): a coordinator
+	// that took over a TC partition and found a transaction's Staging record with no
+	// decision asks whether the transaction's staged data is durable on these partitions
+	// (docs/coordinator.md, "Parallel commits"). Per item, the server first fences the TC
+	// partition at the item's coordinator epoch, as a marker of that epoch would, so that a
+	// StageTxn of an older owner still in flight is refused from then on; then it answers,
+	// per partition, once everything its owner accepted before the fence is durable.
+	ResolveStaged(ctx context.Context, in *ResolveStagedRequest, opts ...grpc.CallOption) (*ResolveStagedResponse, error)
 	// Admin: one partition in detail — positions, state (ONLINE, LOADING, DATA_LOSS), open
 	// transactions, producers, subscriptions and snapshot positions.
 	DescribePartition(ctx context.Context, in *DescribePartitionRequest, opts ...grpc.CallOption) (*DescribePartitionResponse, error)
@@ -287,6 +296,16 @@ func (c *partitionServiceClient) StageTxn(ctx context.Context, in *StageTxnReque
 	return out, nil
 }
 
+func (c *partitionServiceClient) ResolveStaged(ctx context.Context, in *ResolveStagedRequest, opts ...grpc.CallOption) (*ResolveStagedResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ResolveStagedResponse)
+	err := c.cc.Invoke(ctx, PartitionService_ResolveStaged_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *partitionServiceClient) DescribePartition(ctx context.Context, in *DescribePartitionRequest, opts ...grpc.CallOption) (*DescribePartitionResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(DescribePartitionResponse)
@@ -423,6 +442,14 @@ type PartitionServiceServer interface {
 	// Presumed abort: a transaction staged here that its coordinator does not know
 	// (partition.txn_check_after_ms) is aborted here.
 	StageTxn(context.Context, *StageTxnRequest) (*StageTxnResponse, error)
+	// Recovery of parallel commits, from a coordinator (its only caller): a coordinator
+	// that took over a TC partition and found a transaction's Staging record with no
+	// decision asks whether the transaction's staged data is durable on these partitions
+	// (docs/coordinator.md, "Parallel commits"). Per item, the server first fences the TC
+	// partition at the item's coordinator epoch, as a marker of that epoch would, so that a
+	// StageTxn of an older owner still in flight is refused from then on; then it answers,
+	// per partition, once everything its owner accepted before the fence is durable.
+	ResolveStaged(context.Context, *ResolveStagedRequest) (*ResolveStagedResponse, error)
 	// Admin: one partition in detail — positions, state (ONLINE, LOADING, DATA_LOSS), open
 	// transactions, producers, subscriptions and snapshot positions.
 	DescribePartition(context.Context, *DescribePartitionRequest) (*DescribePartitionResponse, error)
@@ -493,6 +520,9 @@ func (UnimplementedPartitionServiceServer) EndTxnOnPartition(context.Context, *E
 }
 func (UnimplementedPartitionServiceServer) StageTxn(context.Context, *StageTxnRequest) (*StageTxnResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method StageTxn not implemented")
+}
+func (UnimplementedPartitionServiceServer) ResolveStaged(context.Context, *ResolveStagedRequest) (*ResolveStagedResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ResolveStaged not implemented")
 }
 func (UnimplementedPartitionServiceServer) DescribePartition(context.Context, *DescribePartitionRequest) (*DescribePartitionResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method DescribePartition not implemented")
@@ -764,6 +794,24 @@ func _PartitionService_StageTxn_Handler(srv interface{}, ctx context.Context, de
 	return interceptor(ctx, in, info, handler)
 }
 
+func _PartitionService_ResolveStaged_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ResolveStagedRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PartitionServiceServer).ResolveStaged(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: PartitionService_ResolveStaged_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PartitionServiceServer).ResolveStaged(ctx, req.(*ResolveStagedRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _PartitionService_DescribePartition_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(DescribePartitionRequest)
 	if err := dec(in); err != nil {
@@ -912,6 +960,10 @@ var PartitionService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "StageTxn",
 			Handler:    _PartitionService_StageTxn_Handler,
+		},
+		{
+			MethodName: "ResolveStaged",
+			Handler:    _PartitionService_ResolveStaged_Handler,
 		},
 		{
 			MethodName: "DescribePartition",
