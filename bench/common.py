@@ -117,16 +117,19 @@ BENCH_REPLICATION_FACTOR = 1
 
 @contextlib.contextmanager
 def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s: float = 90,
-                  down_timeout_s: float = 10, replication_factor: int | None = None):
+                  down_timeout_s: float = 10, replication_factor: int | None = None,
+                  settings: dict[str, str] | None = None):
     """A local cluster in a temporary directory for one benchmark run, stopped afterwards:
     yields (data directory, launcher report, a server's gRPC address to bootstrap from).
     By default 1 id allocator, 2 coordinators and 3 partition servers; every topic
-    (__txn_log included) at `replication_factor` copies (None: the product default)."""
+    (__txn_log included) at `replication_factor` copies (None: the product default);
+    `settings`: more config settings (name -> value) for every server."""
     from services import launcher
 
     roles = roles or {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
-    settings = ({} if replication_factor is None
-                else {"topics.default_replication_factor": str(replication_factor)})
+    settings = dict(settings or {})
+    if replication_factor is not None:
+        settings["topics.default_replication_factor"] = str(replication_factor)
     with tempfile.TemporaryDirectory(prefix=prefix) as directory:
         data_dir = Path(directory)
         try:

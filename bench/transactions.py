@@ -35,6 +35,7 @@ consume-transform-produce part of it).
     .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--combined] [--no-docs]
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
+    .venv/bin/python bench/transactions.py ... --set coordinator.parallel_commits=false  # A/B
 
 --only-small runs the small-transactions cell alone (one-call, after the gRPC call floor)
 and prints transactions/s, the server's CPU per transaction (utime + stime of every
@@ -726,6 +727,9 @@ def main() -> None:
                              "server process over the timed window into FILE (speedscope "
                              "format; the pipelined CTP cell into FILE-pipelined)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a config setting for every server (repeatable), e.g. "
+                             "coordinator.parallel_commits=false to measure against it")
     args = parser.parse_args()
     if args.combined:
         use_combined_server()
@@ -734,8 +738,12 @@ def main() -> None:
     command = common.command_line("bench/transactions.py", sys.argv[1:])
     command = re.sub(r" --peers-w3 \S+", " --peers-w3 FILE", command)
     load = os.getloadavg()[0]
+    if any("=" not in item for item in args.set):
+        parser.error("--set takes NAME=VALUE")
+    settings = dict(item.split("=", 1) for item in args.set)
     with common.local_cluster("atomlog-bench-txn-", ROLES,
-                              replication_factor=common.BENCH_REPLICATION_FACTOR) as (
+                              replication_factor=common.BENCH_REPLICATION_FACTOR,
+                              settings=settings) as (
             data_dir, report, address):
         from spark_client import Client
 

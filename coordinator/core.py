@@ -92,7 +92,7 @@ from coordinator.records import (
     MAX_IDEMPOTENCY_KEY_BYTES, MAX_TRANSACTIONAL_ID_BYTES, PRODUCER_EPOCH_LAST_ISSUED,
     TIMEOUT_MS_MAX, Completed, DeadlineReset, Decided, Decision, EndCause, Opened, Prepared,
     Reader, Record, RecordCorrupt, Registered, SequencesReserved, Session, SessionStarted,
-    SubscriptionPartition, Target, TopicPartition, TxnId, Writer,
+    Staging, SubscriptionPartition, Target, TopicPartition, TxnId, Writer,
 )
 from services.errors import AtomlogError
 
@@ -250,6 +250,9 @@ class Ready:
     reply: object = None
     markers: tuple[Marker, ...] = ()
     completed: tuple[TxnId, ...] = ()
+    # The reply holds before the appends are durable: a parallel commit's COMMIT, whose
+    # commit point (its Staging record and every stage durable) has passed already.
+    early_reply: bool = False
 
 
 NO_WORK = Ready()
@@ -270,6 +273,7 @@ class OneCallStart:
     txn_id: TxnId
     timeout_ms: int
     existing: State | None = None
+    parallel: bool = False  # a parallel commit: stage while its Staging record is appended
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,6 +449,14 @@ class Txn:
     # it after its decision, so its markers may wait to share a write with the next
     # staged data (coordinator/markers.py). Not compared: a replay does not know it.
     one_call: bool = field(default=False, compare=False, repr=False)
+    # Parallel commits (docs/coordinator.md): logged by a Staging record, undecided. Only
+    # its CommitTxn (handled), a resolution (ResolveStaged) or, once its commit was
+    # answered (promised), tick's re-proposal decides it: never a timeout.
+    staging: bool = False
+    handled: bool = field(default=False, compare=False, repr=False)
+    promised: bool = field(default=False, compare=False, repr=False)
+    resolving: bool = field(default=False, compare=False, repr=False)
+    fenced: bool = field(default=False, compare=False, repr=False)
 
     @property
     def prepared_deadline_ms(self) -> int:
@@ -458,7 +470,10 @@ class Txn:
         return [*self.topic_partitions, *self.subscription_partitions]
 
     def timed_out(self, now_ms: int) -> bool:
-        """Undecided and past its deadline (the next tick aborts it)."""
+        """Undecided and past its deadline (the next tick aborts it). A staging one is
+        decided by its resolution instead: it may have committed already."""
+        if self.staging:
+            return False
         if self.state is State.OPEN:
             return now_ms >= self.deadline_ms
         return self.state is State.PREPARED and now_ms >= self.prepared_deadline_ms
@@ -546,8 +561,16 @@ def _timed_out_error(txn: Txn, wanted: str) -> AtomlogError:
                   "being aborted", txn_id=txn.txn_id, state=txn.state.name)
 
 
+def _staging_error(txn: Txn) -> AtomlogError:
+    return _error("CONCURRENT_TRANSACTIONS", f"transaction {txn.txn_id} is being committed "
+                  "(a parallel commit, decided by its CommitTxn or its resolution); retry "
+                  "shortly", txn_id=txn.txn_id, retry_after_ms=10)
+
+
 def _not_open_error(txn: Txn, now_ms: int, wanted: str) -> AtomlogError | None:
     """None when the transaction is OPEN and not timed out; else the error for `wanted`."""
+    if txn.staging:
+        return _staging_error(txn)
     if txn.state is State.OPEN and not txn.timed_out(now_ms):
         return None
     if txn.timed_out(now_ms):
@@ -709,6 +732,8 @@ class TcPartitionCore:
                 session: Session | None = None) -> Ready:
         """EndTxn(COMMIT|ABORT). Reply: EndTxnResult once the decision is durable."""
         txn = self._get(txn_id)
+        if txn.staging:
+            raise _staging_error(txn)
         if txn.parent is not None and decision is Decision.COMMIT:
             raise _error("TRANSACTION_IS_CHILD",
                          f"transaction {txn_id} is a child of {txn.parent}: its parent's "
@@ -767,6 +792,11 @@ class TcPartitionCore:
                 if one_call.session == current:
                     one_call.fenced = True  # end_one_call refuses it: presumed abort
             txn = self._unfinished.get(entry.current_txn)
+            if txn is not None and txn.staging:
+                # It may have committed already: wait for its decision (as Kafka waits
+                # for a transaction that is completing).
+                self._counters["concurrent_total"] += 1
+                raise _staging_error(txn)
             if txn is not None and txn.state in UNDECIDED:
                 record, decision_locks = self._decision(txn, Decision.ABORT,
                                                         EndCause.SESSION_FENCED, now_ms)
@@ -791,13 +821,23 @@ class TcPartitionCore:
 
     def begin_one_call(self, now_ms: int, timeout_ms: int, session: Session | None,
                        idempotency_key: str, topic_partitions: Sequence[TopicPartition],
-                       subscription_partitions: Sequence[SubscriptionPartition]) -> Ready:
+                       subscription_partitions: Sequence[SubscriptionPartition],
+                       parallel: bool = False) -> Ready:
         """CommitTxn, step one: a transaction id for a one-call transaction, which the
         shell then stages on the partition servers. Nothing is logged but, once per
         SEQUENCE_RESERVATION transactions, a SequencesReserved record (the reply waits for
         it). While staging, the transaction answers verify() as OPEN, counts against
         max_open and holds its session and key. A committed transaction with the same key
-        answers `existing` instead. Reply: OneCallStart."""
+        answers `existing` instead. Reply: OneCallStart.
+
+        `parallel` (a parallel commit; topic partitions only): a Staging record is
+        proposed too, and the shell stages while it is appended instead of waiting for
+        it: the reply (OneCallStart.parallel) is good at once (Ready.early_reply); the
+        transaction is committed when that append and every stage are durable
+        (end_one_call). Not when a reservation is due: nothing may be staged before the
+        sequence is covered by a durable one (else a refused append would leave staged
+        data under a sequence a new owner may hand out again), so that transaction takes
+        the two rounds."""
         _validate_name("idempotency_key", idempotency_key, MAX_IDEMPOTENCY_KEY_BYTES,
                        empty_ok=False)
         self._check_unlocked([("key", idempotency_key)])
@@ -809,6 +849,12 @@ class TcPartitionCore:
         if existing is not None and existing.state in (State.ABORTING, State.ABORTED):
             # abort_one_call's tombstone: a late or retried call must not commit it.
             raise _ended_error(existing, "commit")
+        if existing is not None and existing.promised:  # answered "committed" already
+            self._check_same_request(existing, None, session)
+            return Ready(reply=OneCallStart(existing.txn_id, existing.timeout_ms,
+                                            State.COMMITTING))
+        if existing is not None and existing.staging:
+            raise _staging_error(existing)  # a retry while it is committed or resolved
         if existing is not None:
             raise _error("INVALID_ARGUMENT", f"idempotency key {idempotency_key!r} names "
                          f"transaction {existing.txn_id}, which is {existing.state.name}: "
@@ -829,17 +875,27 @@ class TcPartitionCore:
             raise _limit_error("max_partitions", self.limits.max_partitions,
                                f"the transaction has {len(tps) + len(subs)} partitions and "
                                "subscription partitions")
+        if parallel and subs:
+            raise ValueError("a parallel commit stages topic partitions only")
         txn_id = self._next_txn_id()
-        self._one_calls[txn_id] = OneCall(txn_id, now_ms, timeout_ms, session,
-                                          idempotency_key, tps, subs)
+        one_call = OneCall(txn_id, now_ms, timeout_ms, session, idempotency_key, tps, subs)
+        self._one_calls[txn_id] = one_call
         self._one_call_keys[idempotency_key] = txn_id
         reply = OneCallStart(txn_id, timeout_ms)
-        if txn_id.sequence <= self._reserved:
+        if txn_id.sequence > self._reserved:
+            # Logged before anything is staged; the reply waits for it (and every earlier
+            # append, so for any reservation still in flight).
+            return self._propose([SequencesReserved(txn_id.sequence + SEQUENCE_RESERVATION
+                                                    - 1)], set(), reply)
+        if not parallel:
             return Ready(reply=reply)
-        # Logged before anything is staged; the reply waits for it (and every earlier
-        # append, so for any reservation still in flight).
-        return self._propose([SequencesReserved(txn_id.sequence + SEQUENCE_RESERVATION - 1)],
-                             set(), reply)
+        record = Staging(txn_id, now_ms, timeout_ms, one_call.deadline_ms, None, session,
+                         idempotency_key, tps, ())
+        # (The session's lock was checked free above; the id is new.)
+        locks = {txn_id} | ({("session", session.transactional_id)} if session else set())
+        proposed = self._propose([record], locks, OneCallStart(txn_id, timeout_ms,
+                                                               parallel=True))
+        return Ready(appends=proposed.appends, reply=proposed.reply, early_reply=True)
 
     def end_one_call(self, now_ms: int, txn_id: TxnId,
                      failure: AtomlogError | None = None) -> Ready:
@@ -852,7 +908,7 @@ class TcPartitionCore:
         OneCallAborted with the reason."""
         one_call = self._one_calls.get(txn_id)
         if one_call is None:
-            raise _one_call_gone(txn_id)
+            return self._end_staging(now_ms, txn_id, failure)
         failure = failure or self._one_call_refusal(one_call, now_ms)
         if failure is not None:
             return Ready(reply=OneCallAborted(failure), markers=self._forget_one_call(one_call))
@@ -860,6 +916,71 @@ class TcPartitionCore:
         self._check_unlocked(locks)
         return self._propose(self._one_call_records(one_call, now_ms), locks,
                              EndTxnResult(State.COMMITTING, False), new_txns=1)
+
+    def _end_staging(self, now_ms: int, txn_id: TxnId, failure: AtomlogError | None) -> Ready:
+        """end_one_call of a parallel commit, its Staging record durable. Committed:
+        Decided(COMMIT) is proposed and the reply (EndTxnResult) holds at once
+        (early_reply): the commit point has passed, and if that append fails tick proposes
+        it again. Not: Decided(ABORT) is logged (the record exists, so the abort is not
+        presumed) and the reply is OneCallAborted once it is durable."""
+        txn = self._unfinished.get(txn_id)
+        if txn is None or not txn.staging:
+            found = self._lookup(txn_id)
+            if found is None:
+                raise _one_call_gone(txn_id)
+            if found.state in (State.COMMITTING, State.COMMITTED):
+                return Ready(reply=EndTxnResult(found.state, True))
+            return Ready(reply=OneCallAborted(_ended_error(found, "commit")))
+        txn.handled = False  # whatever follows, its CommitTxn is done with it
+        if txn_id in self._locks:  # cannot be: a staging transaction is decided here only
+            raise _staging_error(txn)
+        failure = failure or self._one_call_refusal(txn, now_ms)
+        if failure is not None:
+            cause = {"PRODUCER_FENCED": EndCause.SESSION_FENCED,
+                     "TRANSACTION_TIMED_OUT": EndCause.TIMEOUT}.get(failure.reason,
+                                                                    EndCause.CLIENT)
+            return self._propose([Decided(txn_id, Decision.ABORT, cause, now_ms, (), ())],
+                                 {txn_id}, OneCallAborted(failure))
+        txn.promised = True
+        proposed = self._propose([Decided(txn_id, Decision.COMMIT, EndCause.CLIENT, now_ms,
+                                          (), ())], {txn_id},
+                                 EndTxnResult(State.COMMITTING, False))
+        return Ready(appends=proposed.appends, reply=proposed.reply, early_reply=True)
+
+    def release_staging(self, txn_id: TxnId) -> None:
+        """The CommitTxn of a parallel commit ended without end_one_call (it failed): the
+        transaction is left to a resolution (staged_to_resolve)."""
+        txn = self._unfinished.get(txn_id)
+        if txn is not None and txn.staging:
+            txn.handled = False
+
+    def staged_to_resolve(self) -> list[tuple[TxnId, tuple[TopicPartition, ...]]]:
+        """Staging transactions that nobody decides: found by a load, or left by a
+        CommitTxn that failed. Each is returned once (marked resolving) with its
+        partitions, to ask them (ResolveStaged) and then call resolve_staged."""
+        found = []
+        for txn in self._unfinished.values():
+            if (txn.staging and not (txn.handled or txn.promised or txn.resolving)
+                    and txn.txn_id not in self._locks):
+                txn.resolving = True
+                found.append((txn.txn_id, tuple(txn.topic_partitions)))
+        return found
+
+    def resolve_staged(self, now_ms: int, txn_id: TxnId, staged: bool | None) -> Ready:
+        """The answer of a resolution: True, every partition holds the transaction's
+        staged data durably (and is fenced against the older owners): COMMIT; False, one
+        does not and never will: ABORT; None, no answer yet (it is returned by
+        staged_to_resolve again)."""
+        txn = self._unfinished.get(txn_id)
+        if txn is None or not txn.staging or not txn.resolving:
+            return NO_WORK
+        txn.resolving = False
+        if staged is None or txn_id in self._locks:
+            return NO_WORK
+        decision, cause = ((Decision.COMMIT, EndCause.CLIENT) if staged
+                           else (Decision.ABORT, EndCause.TIMEOUT))
+        return self._propose([Decided(txn_id, decision, cause, now_ms, (), ())], {txn_id},
+                             None)
 
     def end_one_calls(self, now_ms: int,
                       items: Sequence[tuple[TxnId, AtomlogError | None]]) -> Ready:
@@ -903,7 +1024,8 @@ class TcPartitionCore:
         proposed = self._propose(records, locks, tuple(replies), new_txns=len(records) // 2)
         return Ready(appends=proposed.appends, reply=proposed.reply, markers=tuple(markers))
 
-    def _one_call_refusal(self, one_call: OneCall, now_ms: int) -> AtomlogError | None:
+    def _one_call_refusal(self, one_call: OneCall | Txn,
+                          now_ms: int) -> AtomlogError | None:
         """Why a staged one-call transaction may not commit now (fenced, timed out)."""
         txn_id = one_call.txn_id
         if one_call.fenced:
@@ -947,6 +1069,11 @@ class TcPartitionCore:
         self._check_unlocked([key_lock])
         self._check_key_not_staging(idempotency_key)
         existing = self._lookup(self._keys.get(idempotency_key))
+        if existing is not None and existing.staging and not existing.promised:
+            raise _staging_error(existing)
+        if existing is not None and existing.promised:
+            raise _error("TRANSACTION_ALREADY_COMMITTED", f"transaction {existing.txn_id} "
+                         "with this idempotency key committed", txn_id=existing.txn_id)
         if existing is not None and existing.state in (State.ABORTING, State.ABORTED):
             return Ready(reply=existing.state)
         if existing is not None and existing.state in (State.COMMITTING, State.COMMITTED):
@@ -984,6 +1111,8 @@ class TcPartitionCore:
     def abort(self, now_ms: int, txn_id: TxnId, allow_prepared: bool = False) -> Ready:
         """AbortTransaction (operator): a logged decision, then markers. Reply: AbortResult."""
         txn = self._get(txn_id)
+        if txn.staging:
+            raise _staging_error(txn)
         if txn.state in (State.COMMITTING, State.COMMITTED):
             raise _ended_error(txn, "abort")
         if txn.state in (State.ABORTING, State.ABORTED):
@@ -1011,8 +1140,12 @@ class TcPartitionCore:
                     parents.append(self._unfinished[record.txn_id].parent)
                 self.apply(record)
                 if isinstance(record, Opened) and record.txn_id in self._one_calls:
-                    self._forget_one_call(self._one_calls[record.txn_id])
-                    self._unfinished[record.txn_id].one_call = True
+                    one_call = self._one_calls[record.txn_id]
+                    self._forget_one_call(one_call)
+                    txn = self._unfinished[record.txn_id]
+                    txn.one_call = True
+                    txn.handled = isinstance(record, Staging)  # its CommitTxn ends it
+                    txn.fenced = one_call.fenced
                 if isinstance(record, Decided):
                     decided.append(self._unfinished[record.txn_id])
                     decided.extend(self._unfinished[child] for child in
@@ -1064,6 +1197,12 @@ class TcPartitionCore:
         for txn in list(self._unfinished.values()):
             if len(records) >= self.limits.max_decisions_per_tick:
                 break
+            if txn.staging and txn.promised and txn.txn_id not in self._locks:
+                # Its commit was answered and its Decided append failed: again.
+                records.append(Decided(txn.txn_id, Decision.COMMIT, EndCause.CLIENT, now_ms,
+                                       (), ()))
+                locks.add(txn.txn_id)
+                continue
             if not txn.timed_out(now_ms) or txn.txn_id in locks:
                 continue
             record, decision_locks = self._decision(txn, Decision.ABORT,
@@ -1086,8 +1225,11 @@ class TcPartitionCore:
     # ========================================================================= queries
 
     def status(self, txn_id: TxnId, now_ms: int) -> TxnStatus:
-        """GetTxnStatus."""
+        """GetTxnStatus. A parallel commit answered "committed" is COMMITTING from then on,
+        also while its Decided record is still being appended."""
         txn = self._get(txn_id)
+        if txn.promised:
+            return TxnStatus(State.COMMITTING, EndCause.CLIENT, None, 0)
         remaining_ms = 0
         if txn.state is State.OPEN:
             remaining_ms = max(0, txn.deadline_ms - now_ms)
@@ -1162,6 +1304,11 @@ class TcPartitionCore:
         false after a load)."""
         txn = self._unfinished.get(txn_id)
         return txn is not None and txn.one_call
+
+    def is_staging(self, txn_id: TxnId) -> bool:
+        """A parallel commit whose Staging record is durable and that is undecided."""
+        txn = self._unfinished.get(txn_id)
+        return txn is not None and txn.staging
 
     def is_finished(self, txn_id: TxnId) -> bool:
         """COMMITTED or ABORTED (or forgotten after it finished, or never known)."""
@@ -1341,6 +1488,8 @@ class TcPartitionCore:
                   subscription_partitions: Sequence[SubscriptionPartition]) -> Ready:
         """NewTxn with the idempotency key of a live transaction: return it; if OPEN,
         restart its timeout and register the partitions."""
+        if txn.staging:
+            raise _staging_error(txn)
         self._check_session(txn, session, now_ms)
         if txn.state is not State.OPEN:
             not_open = _error("TRANSACTION_NOT_OPEN",
@@ -1643,6 +1792,12 @@ class TcPartitionCore:
         if record.idempotency_key:
             self._keys[record.idempotency_key] = txn_id
 
+    def _apply_staging(self, record: Staging) -> None:
+        if record.subscription_partitions or not record.topic_partitions:
+            raise self._illegal(record, "a parallel commit stages topic partitions only")
+        self._apply_opened(record)
+        self._unfinished[record.txn_id].staging = True
+
     def _apply_registered(self, record: Registered) -> None:
         txn = self._existing_txn(record)
         if txn.state is not State.OPEN:
@@ -1683,6 +1838,14 @@ class TcPartitionCore:
             if child is not None and child.state in UNDECIDED and child_id not in named:
                 raise self._illegal(record, f"leaves child {child_id} undecided")
         self._decide(txn, record.decision, record.cause, record.decided_ms)
+        if txn.staging:
+            txn.staging = txn.handled = txn.promised = txn.resolving = False
+            if record.decision is Decision.ABORT and txn.idempotency_key:
+                # Its CommitTxn did not commit (or a resolution aborted it): a retry with
+                # the key starts afresh, as after a presumed abort.
+                if self._keys.get(txn.idempotency_key) == txn.txn_id:
+                    del self._keys[txn.idempotency_key]
+                txn.idempotency_key = ""
         txn.kept_children = record.kept_children
         txn.aborted_children = record.aborted_children
         for child in kept:
@@ -1743,8 +1906,10 @@ class TcPartitionCore:
 
     def _summary(self, txn: Txn, now_ms: int) -> TxnSummary:
         finished = txn.state in FINISHED
+        state, cause = ((State.COMMITTING, EndCause.CLIENT) if txn.promised
+                        else (txn.state, txn.end_cause))  # (as status)
         return TxnSummary(
-            txn.txn_id, txn.state, txn.end_cause, txn.parent, txn.session, txn.created_ms,
+            txn.txn_id, state, cause, txn.parent, txn.session, txn.created_ms,
             now_ms - txn.created_ms, txn.timeout_ms,
             txn.topic_partition_count if finished else len(txn.topic_partitions),
             txn.subscription_partition_count if finished else len(txn.subscription_partitions),
@@ -1758,6 +1923,7 @@ _NO_TARGETS = MappingProxyType({})
 _APPLY = {
     SequencesReserved: TcPartitionCore._apply_sequences_reserved,
     Opened: TcPartitionCore._apply_opened,
+    Staging: TcPartitionCore._apply_staging,
     Registered: TcPartitionCore._apply_registered,
     DeadlineReset: TcPartitionCore._apply_deadline_reset,
     Prepared: TcPartitionCore._apply_prepared,
@@ -1796,7 +1962,8 @@ def replay(records: Iterable[Record], tc_partition: int, limits: Limits | None =
 #              i64, producer_epoch u16;  4 idempotency_key string;  8 children,
 #              16 kept_children, 32 aborted_children: count u32, sequences u64;
 #              64 targets: topic_partitions, subscription_partitions as in records
-#              (unfinished transactions only)
+#              (unfinished transactions only);  128 staging (no part: an OPEN
+#              transaction of a parallel commit, logged by a Staging record)
 #            Unfinished transactions first (in order of creation), then finished ones in
 #            order of completion (the order they are forgotten in).
 #   session  transactional_id string, producer_id i64, producer_epoch u16, timeout_ms u32,
@@ -1821,8 +1988,8 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _TRAILER = struct.Struct("<I")
-_F_PARENT, _F_SESSION, _F_KEY, _F_CHILDREN, _F_KEPT, _F_ABORTED, _F_TARGETS = (
-    1 << bit for bit in range(7))
+_F_PARENT, _F_SESSION, _F_KEY, _F_CHILDREN, _F_KEPT, _F_ABORTED, _F_TARGETS, _F_STAGING = (
+    1 << bit for bit in range(8))
 _STATES = {state.value: state for state in State}
 _CAUSES = {cause.value: cause for cause in EndCause}
 _FINISHED_VALUES = frozenset(state.value for state in FINISHED)
@@ -1835,7 +2002,8 @@ def _encode_entry(txn: Txn) -> bytes:
     flags = ((txn.parent is not None and _F_PARENT) | (txn.session is not None and _F_SESSION)
              | (bool(txn.idempotency_key) and _F_KEY) | (bool(txn.children) and _F_CHILDREN)
              | (bool(txn.kept_children) and _F_KEPT)
-             | (bool(txn.aborted_children) and _F_ABORTED) | (has_targets and _F_TARGETS))
+             | (bool(txn.aborted_children) and _F_ABORTED) | (has_targets and _F_TARGETS)
+             | (txn.staging and _F_STAGING))
     assert not (finished and has_targets), txn
     out = Writer()
     out.pack(_SNAP_TXN, txn.txn_id.sequence, txn.state.value, txn.end_cause.value, flags,
@@ -1907,8 +2075,12 @@ def _decode_entry(data: bytes, offset: int, tc: int) -> Txn:
         topic_partitions, subscription_partitions = reader.targets()
         txn.topic_partitions = dict.fromkeys(topic_partitions)
         txn.subscription_partitions = dict.fromkeys(subscription_partitions)
-    if reader.position != end or flags >> 7:
+    if reader.position != end or flags >> 8:
         raise ValueError(f"entry of {txn.txn_id} does not match its length or flags")
+    if flags & _F_STAGING:
+        if txn.state is not State.OPEN or txn.parent is not None:
+            raise ValueError(f"staging transaction {txn.txn_id} is {txn.state.name}")
+        txn.staging = True
     if txn.state not in FINISHED and (tp_count or sub_count):
         raise ValueError(f"unfinished transaction {txn.txn_id} has finished counts")
     return txn

@@ -37,6 +37,10 @@ CHAINED_COMMITS = Histogram("atomlog_coordinator_commit_txns_commits",
 ONE_CALL = Counter("atomlog_coordinator_one_call_transactions_total",
                    "One-call transactions (CommitTxn) by outcome: committed, or the reason "
                    "it was not (presumed abort: nothing logged).", ["result"])
+RESOLUTIONS = Counter("atomlog_coordinator_parallel_commit_resolutions_total",
+                     "Parallel commits left undecided by their CommitTxn (a coordinator that "
+                     "died or failed) and decided by asking their partitions "
+                     "(ResolveStaged), by decision.", ["decision"])
 LOG_APPEND_SECONDS = Histogram("atomlog_coordinator_log_append_duration_seconds",
                                "One append to a TC log (durable on the partition server).",
                                buckets=LATENCY_BUCKETS_SECONDS)

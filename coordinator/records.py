@@ -21,6 +21,11 @@ Records (each one the durable form of one state change of one transaction or ses
     SequencesReserved  one-call transactions (CommitTxn) may use sequences up to `up_to`
                     before anything else of them is logged (presumed abort); a coordinator
                     loading the partition starts above it, so no sequence is ever reused
+    Staging         a one-call transaction being committed in parallel (docs/coordinator.md,
+                    "Parallel commits"): as Opened, written while its batches are staged;
+                    the transaction is committed once this record and every stage are
+                    durable, so a coordinator that finds it with no decision resolves it by
+                    asking the partitions (ResolveStaged)
 
 Encoding, version 1, little-endian; every record value starts with
 `format_version u8 = 1, record_type u8`, then the fields in the order below:
@@ -45,6 +50,7 @@ Encoding, version 1, little-endian; every record value starts with
     7 SessionStarted transactional_id string, producer_id i64, producer_epoch u16,
                      timeout_ms u32, started_ms i64
     8 SequencesReserved  up_to u64
+    9 Staging        as Opened (its parent is always none)
 
 A record value carries no checksum of its own: the batch that holds it has a CRC32C
 (docs/record-format.md). `decode_record` still refuses anything malformed with
@@ -266,6 +272,17 @@ class Opened:
 
 
 @dataclass(frozen=True, slots=True)
+class Staging(Opened):
+    """Opened for a one-call transaction committed in parallel: encoded as Opened, with
+    its own record type."""
+
+    def __post_init__(self) -> None:
+        Opened.__post_init__(self)
+        if self.parent is not None:
+            raise ValueError("a staged transaction has no parent")
+
+
+@dataclass(frozen=True, slots=True)
 class Registered:
     txn_id: TxnId
     topic_partitions: tuple[TopicPartition, ...] = ()
@@ -374,10 +391,10 @@ class SequencesReserved:
 
 
 Record = (Opened | Registered | DeadlineReset | Prepared | Decided | Completed | SessionStarted
-          | SequencesReserved)
+          | SequencesReserved | Staging)
 RECORD_TYPES: dict[type, int] = {Opened: 1, Registered: 2, DeadlineReset: 3, Prepared: 4,
                                  Decided: 5, Completed: 6, SessionStarted: 7,
-                                 SequencesReserved: 8}
+                                 SequencesReserved: 8, Staging: 9}
 
 
 def txn_of(record: Record) -> TxnId | None:
@@ -597,6 +614,13 @@ def _decode_opened(reader: Reader) -> Opened:
                   topic_partitions, subscription_partitions)
 
 
+def _decode_staging(reader: Reader) -> Staging:
+    opened = _decode_opened(reader)
+    return Staging(opened.txn_id, opened.created_ms, opened.timeout_ms, opened.deadline_ms,
+                   opened.parent, opened.session, opened.idempotency_key,
+                   opened.topic_partitions, opened.subscription_partitions)
+
+
 def _decode_registered(reader: Reader) -> Registered:
     txn_id = reader.required_txn_id()
     return Registered(txn_id, *reader.targets())
@@ -636,5 +660,5 @@ def _decode_sequences_reserved(reader: Reader) -> SequencesReserved:
 
 _DECODERS = {1: _decode_opened, 2: _decode_registered, 3: _decode_deadline_reset,
              4: _decode_prepared, 5: _decode_decided, 6: _decode_completed,
-             7: _decode_session_started, 8: _decode_sequences_reserved}
+             7: _decode_session_started, 8: _decode_sequences_reserved, 9: _decode_staging}
 assert set(_DECODERS) == set(RECORD_TYPES.values())

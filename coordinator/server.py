@@ -131,7 +131,7 @@ class Coordinator:
             lease.tc_partition, lease.epoch, lease.log_producer_id,
             coordinator_name=self.name, routes=self.routes, log_channel=self.log_channel,
             markers=self.markers, limits=self.limits, settings=self.settings,
-            on_fenced=self.on_fenced)
+            on_fenced=self.on_fenced, resolver=self.stager.resolve)
         self.partitions[lease.tc_partition] = partition
         partition.start()
 
@@ -257,6 +257,7 @@ class _OneCallBegun:
     partition: TcPartition
     start: object  # core.OneCallStart
     timeout_at: float  # time.monotonic(): the transaction's own timeout
+    logged: list = ()  # a parallel commit's Staging append (its futures)
 
     def deadline(self, context) -> float:
         """Staging's deadline: the transaction's timeout, or the call's if sooner."""
@@ -396,9 +397,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             state = await partition.call(lambda core, now: core.abort_one_call(now, key))
             metrics.ONE_CALL.labels("aborted_by_client").inc()
             return coordinator_pb2.CommitTxnResponse(state=state.value)
-        begun = await self._begin_one_call(request)
+        begun = await self._begin_one_call(
+            request, c.settings.parallel_commits and not request.acks)
         if isinstance(begun, coordinator_pb2.CommitTxnResponse):
             return begun  # already ended
+        if begun.start.parallel:
+            # Shielded: a caller that goes away must not leave the transaction undecided
+            # by this coordinator (it would wait for a resolution).
+            return await asyncio.shield(asyncio.ensure_future(
+                self._commit_parallel(request, begun, started, context)))
         failure, staged = None, None
         try:
             staged = await c.stager.stage(begun.start.txn_id, begun.partition.epoch,
@@ -411,6 +418,42 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         result = await begun.partition.call(
             lambda core, now: core.end_one_call(now, txn_id, failure))
         return await self._decided(request, begun, result, staged, started, context)
+
+    async def _commit_parallel(self, request, begun: "_OneCallBegun", started: float,
+                               context):
+        """A parallel commit (docs/coordinator.md): the stages and the Staging record go
+        at once; once both are durable the transaction is committed, and end_one_call
+        answers without waiting for Decided(COMMIT)."""
+        c, partition, txn_id = self.c, begun.partition, begun.start.txn_id
+        decided = False
+        try:
+            stage = asyncio.ensure_future(self._stage_parallel(request, begun, context))
+            await asyncio.wait([stage, *begun.logged])
+            failure, staged = None, None
+            for future in begun.logged:
+                error = future.exception()
+                if error is not None:
+                    if partition.phase is not Phase.ACTIVE:
+                        raise error  # the TC partition moved: its next owner resolves it
+                    failure = _as_atomlog_error(error)
+            try:
+                staged = stage.result()
+            except AtomlogError as error:
+                failure = failure or error
+            await failpoints.hold(failpoints.ONE_CALL_DECIDE)
+            result = await partition.call(
+                lambda core, now: core.end_one_call(now, txn_id, failure))
+            decided = True
+        finally:
+            if not decided and partition.phase is Phase.ACTIVE and partition.core is not None:
+                partition.core.release_staging(txn_id)  # left to a resolution
+        return await self._decided(request, begun, result, staged, started, context)
+
+    async def _stage_parallel(self, request, begun: "_OneCallBegun", context):
+        await failpoints.hold(failpoints.ONE_CALL_STAGE)
+        return await self.c.stager.stage(begun.start.txn_id, begun.partition.epoch,
+                                         request.batches, request.acks,
+                                         begun.deadline(context))
 
     async def CommitTxns(self, request, context):
         """One-call transactions of one TC partition staged in order (coordinator.proto):
@@ -500,19 +543,31 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                            field="tc_partition")
         return k, key, session
 
-    async def _begin_one_call(self, request):
+    async def _begin_one_call(self, request, parallel: bool = False):
         """CommitTxn up to staging: validated, a transaction id from the TC partition.
-        Returns _OneCallBegun, or the answer of an already committed key."""
+        Returns _OneCallBegun, or the answer of an already committed key. `parallel`: a
+        parallel commit, whose Staging append is not waited for here (_OneCallBegun.logged)."""
         k, key, session = self._one_call_key(request)
         tps, subs = await self._one_call_targets(request)
         partition = await self.c.partition(k)
-        start = await partition.call(lambda core, now: core.begin_one_call(
-            now, request.timeout_ms, session, key, tps, subs))
+        logged: list = []
+        if parallel:
+            start, logged = partition.call_parallel(lambda core, now: core.begin_one_call(
+                now, request.timeout_ms, session, key, tps, subs, parallel=True))
+            if not start.parallel and logged:  # a reservation first: two rounds this time
+                await asyncio.wait(logged)
+                for future in logged:
+                    future.result()
+                logged = []
+        else:
+            start = await partition.call(lambda core, now: core.begin_one_call(
+                now, request.timeout_ms, session, key, tps, subs))
         if start.existing is not None:
             return coordinator_pb2.CommitTxnResponse(
                 txn_id=_txn_id_proto(start.txn_id), state=start.existing.value,
                 already_ended=True)
-        return _OneCallBegun(k, partition, start, time.monotonic() + start.timeout_ms / 1000)
+        return _OneCallBegun(k, partition, start, time.monotonic() + start.timeout_ms / 1000,
+                             logged)
 
     async def _decided(self, request, begun: "_OneCallBegun", result, staged,
                        started: float, context):

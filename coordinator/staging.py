@@ -12,6 +12,11 @@ timeouts) is routed again and resent — staging is idempotent per transaction a
 partition at the server — until the transaction's deadline; any other refusal (a bad
 batch, a conflicting ack, a stale coordinator epoch) fails the transaction at once.
 
+`resolve()` asks the partition servers about a parallel commit that nobody decided
+(PartitionService.ResolveStaged; docs/coordinator.md, "Parallel commits"): whether the
+transaction's staged batch is durable on each of its partitions, each server fencing the
+TC partition at the asking coordinator's epoch first.
+
 `stage_chain()` stages the transactions of one CommitTxns call in order (a client's
 pipelined commits of the same producers): on every partition an earlier transaction's
 batches reach the log first, and a transaction that must retry breaks the chain (the
@@ -30,7 +35,7 @@ from atomlog.v1 import common_pb2, partition_pb2
 from prometheus_client import Counter, Histogram
 
 from coordinator.markers import MarkerChannel
-from coordinator.records import TxnId
+from coordinator.records import TopicPartition, TxnId
 from coordinator.routing import PartitionRoutes
 from services import failpoints, local
 from services.backoff import Backoff
@@ -50,6 +55,9 @@ STAGED = Counter("atomlog_coordinator_staged_transactions_total",
 RIDING_MARKERS = Counter("atomlog_coordinator_riding_markers_total",
                          "Markers (one per transaction and partition) sent inside a StageTxn "
                          "call instead of an EndTxnOnPartition call of their own.")
+RESOLVE_CALLS = Counter("atomlog_coordinator_resolve_staged_calls_total",
+                        "ResolveStaged calls sent to partition servers (resolving parallel "
+                        "commits that nobody decided).")
 STAGE_SECONDS = Histogram("atomlog_coordinator_stage_duration_seconds",
                           "Time to stage a one-call transaction on every partition server "
                           "(queueing and retries included).", buckets=LATENCY_BUCKETS_SECONDS)
@@ -61,6 +69,9 @@ RETRY_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                            "ZOOKEEPER_UNAVAILABLE"})
 ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                              "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT"})
+# One resolve() asks for at most this long (retrying what fails for a retriable reason),
+# then answers None: the TC partition asks again at a later tick.
+RESOLVE_WINDOW_S = 10.0
 
 
 @dataclass(eq=False)
@@ -340,6 +351,76 @@ class StageChannel:
                 partitions.add((ack.subscription_partition.topic,
                                 ack.subscription_partition.partition))
         return self.markers.take_riders(address, partitions)
+
+    async def resolve(self, txn_id: TxnId, epoch: int,
+                      targets: tuple[TopicPartition, ...]) -> bool | None:
+        """A parallel commit's resolution (ResolveStaged on each partition's owner):
+        True when its staged batch is durable on every partition, False as soon as one
+        partition has none (fenced there: it never will), None when not every answer came
+        within RESOLVE_WINDOW_S. Raises a definite refusal (a stale epoch: this
+        coordinator was deposed)."""
+        todo = list(dict.fromkeys(targets))
+        deadline = time.monotonic() + RESOLVE_WINDOW_S
+        backoff = Backoff(initial_s=0.05, maximum_s=1.0)
+        number = 0
+        while True:
+            retry: list[TopicPartition] = []
+            refresh = False
+            groups: dict[str, list[TopicPartition]] = {}
+            for tp in todo:
+                try:
+                    address = await self.routes.owner(tp.topic, tp.partition)
+                except AtomlogError:  # no live owner known: route again
+                    retry.append(tp)
+                    refresh = True
+                    continue
+                groups.setdefault(address, []).append(tp)
+            outcomes = await asyncio.gather(*(self._ask(address, txn_id, epoch, tps)
+                                              for address, tps in groups.items()),
+                                            return_exceptions=True)
+            for (address, tps), outcome in zip(groups.items(), outcomes):
+                errors = ([(tp, outcome) for tp in tps] if isinstance(outcome, BaseException)
+                          else [(tp, entry.error) for tp, entry in zip(tps, outcome.partitions)
+                                if entry.error.reason])
+                if not isinstance(outcome, BaseException) and any(
+                        not entry.error.reason and not entry.staged
+                        for entry in outcome.partitions):
+                    return False
+                for tp, error in errors:
+                    if not isinstance(error, AtomlogError) and isinstance(error, BaseException):
+                        raise error
+                    if error.reason not in RETRY_REASONS:
+                        raise _error_of(error, f"{tp.topic}-{tp.partition}")
+                    refresh |= error.reason in ROUTING_REASONS
+                    retry.append(tp)
+            if not retry:
+                return True
+            todo, number = retry, number + 1
+            delay = backoff.delay(number)
+            if time.monotonic() + delay >= deadline:
+                return None
+            if refresh:
+                await self.routes.refresh(force=True)
+            await asyncio.sleep(delay)
+
+    async def _ask(self, address: str, txn_id: TxnId, epoch: int,
+                   tps: list[TopicPartition]) -> partition_pb2.ResolveStagedResult:
+        request = partition_pb2.ResolveStagedRequest(items=[partition_pb2.ResolveStagedItem(
+            txn_id=common_pb2.TxnId(tc_partition=txn_id.tc_partition, sequence=txn_id.sequence),
+            coordinator_epoch=epoch,
+            topic_partitions=[common_pb2.TopicPartition(topic=tp.topic, partition=tp.partition)
+                              for tp in tps])])
+        RESOLVE_CALLS.inc()
+        try:
+            response = await self.routes.stub(address).ResolveStaged(
+                request, timeout=self.request_timeout_s)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        [result] = response.results
+        if len(result.partitions) != len(tps):
+            raise AtomlogError("INTERNAL", f"ResolveStaged on {address} answered "
+                               f"{len(result.partitions)} partitions for {len(tps)}")
+        return result
 
     async def close(self) -> None:
         self._closed = True

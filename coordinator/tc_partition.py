@@ -48,6 +48,7 @@ from coordinator.records import (
     EndCause,
     Opened,
     RecordCorrupt,
+    TopicPartition,
     TxnId,
     decode_record,
     encode_record,
@@ -92,6 +93,12 @@ class Settings:
     log_request_timeout_ms: int = 5_000
     max_pending_calls: int = 10_000
     completion_linger_ms: int = 200
+    parallel_commits: bool = True
+
+
+# A parallel commit's resolution (StageChannel.resolve): (txn_id, coordinator epoch, its
+# partitions) -> True (durable on every one), False (not on one, fenced), None (no answer).
+Resolver = Callable[[TxnId, int, tuple[TopicPartition, ...]], Awaitable["bool | None"]]
 
 
 def now_ms() -> int:
@@ -102,7 +109,8 @@ class TcPartition:
     def __init__(self, tc_partition: int, epoch: int, log_producer_id: int, *,
                  coordinator_name: str, routes: PartitionRoutes, log_channel: AppendChannel,
                  markers: MarkerChannel, limits: Limits, settings: Settings,
-                 on_fenced: Callable[[int], Awaitable[None]]):
+                 on_fenced: Callable[[int], Awaitable[None]],
+                 resolver: Resolver | None = None):
         self.tc_partition = tc_partition
         self.epoch = epoch
         self.coordinator_name = coordinator_name
@@ -110,6 +118,8 @@ class TcPartition:
         self.limits = limits
         self.settings = settings
         self.on_fenced = on_fenced
+        self.resolver = resolver
+        self._resolving: set[asyncio.Task] = set()
         self.log = TxnLog(routes, log_channel, tc_partition, log_producer_id, epoch,
                           settings.log_request_timeout_ms / 1000)
         self.phase = Phase.LOADING
@@ -139,7 +149,8 @@ class TcPartition:
             return
         self.phase = Phase.STOPPED
         current = asyncio.current_task()
-        tasks = [t for t in [*self._tasks, self._trim] if t is not None and t is not current]
+        tasks = [t for t in [*self._tasks, self._trim, *self._resolving]
+                 if t is not None and t is not current]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -244,6 +255,7 @@ class TcPartition:
               unfinished=core.metrics.unfinished_transactions,
               finished=core.metrics.finished_transactions)
         self._carry_out(core.tick(now_ms()))
+        self._start_resolutions()
 
     # ================================================================ calls
 
@@ -262,7 +274,23 @@ class TcPartition:
 
     async def call(self, action: Callable[[TcPartitionCore, int], Ready]):
         """Run one input against the core and carry out its Ready; the reply once every
-        append of it is durable. A refused input raises and changes nothing."""
+        append of it is durable (at once for Ready.early_reply: a parallel commit's
+        decision, whose append's failure the core handles itself). A refused input
+        raises and changes nothing."""
+        reply, futures = self._call(action, early=False)
+        if futures:
+            # asyncio.wait: a cancelled caller must not cancel the append itself.
+            await asyncio.wait(futures)
+            for future in futures:
+                future.result()  # raises the append's failure
+        return reply
+
+    def call_parallel(self, action: Callable[[TcPartitionCore, int], Ready]):
+        """As call, without waiting: (reply, the futures of its appends), for a parallel
+        commit's begin, whose Staging record is waited for together with the stages."""
+        return self._call(action, early=True)
+
+    def _call(self, action: Callable[[TcPartitionCore, int], Ready], early: bool):
         core = self.require_active()
         if len(self._queue) >= self.settings.max_pending_calls:
             raise AtomlogError("RESOURCE_EXHAUSTED", f"TC partition {self.tc_partition} has "
@@ -272,12 +300,11 @@ class TcPartition:
                                 "retry_after_ms": "100"})
         ready = action(core, now_ms())
         futures = self._carry_out(ready)
-        if futures:
-            # asyncio.wait: a cancelled caller must not cancel the append itself.
-            await asyncio.wait(futures)
-            for future in futures:
-                future.result()  # raises the append's failure
-        return ready.reply
+        if ready.early_reply and not early:
+            for future in futures:  # nobody awaits it: its failure is the core's to handle
+                future.add_done_callback(observe_failure)
+            return ready.reply, []
+        return ready.reply, futures
 
     def query(self, action: Callable[[TcPartitionCore, int], object]):
         return action(self.require_active(), now_ms())
@@ -419,11 +446,42 @@ class TcPartition:
             await asyncio.sleep(interval * random.uniform(0.9, 1.1))
             if self.phase is Phase.ACTIVE and self.core is not None:
                 self._carry_out(self.core.tick(now_ms()))
+                self._start_resolutions()
                 idle = time.monotonic() - self._last_append_at
                 if not self._queue and (idle >= KEEPALIVE_S or (
                         self._records_since_snapshot and time.monotonic()
                         - self._last_snapshot_at >= self.settings.snapshot_interval_ms / 1000)):
                     self._wake.set()  # the writer snapshots / keeps alive when idle
+
+    # ================================================================ parallel commits
+
+    def _start_resolutions(self) -> None:
+        """Resolve every Staging transaction nobody decides (after a load, or left by a
+        failed CommitTxn): ask its partitions, fencing older owners, then decide."""
+        if self.resolver is None or self.core is None:
+            return
+        for txn_id, targets in self.core.staged_to_resolve():
+            task = asyncio.create_task(self._resolve(txn_id, targets),
+                                       name=f"tc-{self.tc_partition}-resolve-{txn_id}")
+            self._resolving.add(task)
+            task.add_done_callback(self._resolving.discard)
+
+    async def _resolve(self, txn_id: TxnId, targets: tuple[TopicPartition, ...]) -> None:
+        started = time.perf_counter()
+        try:
+            staged = await self.resolver(txn_id, self.epoch, targets)
+        except Exception as error:  # noqa: BLE001 — asked again at a later tick
+            event(log, "resolving a parallel commit failed; it is asked again",
+                  tc_partition=self.tc_partition, txn_id=str(txn_id), error=repr(error))
+            staged = None
+        if self.phase is not Phase.ACTIVE or self.core is None:
+            return
+        if staged is not None:
+            metrics.RESOLUTIONS.labels("commit" if staged else "abort").inc()
+            event(log, "parallel commit resolved", tc_partition=self.tc_partition,
+                  txn_id=str(txn_id), decision="COMMIT" if staged else "ABORT",
+                  seconds=round(time.perf_counter() - started, 3))
+        self._carry_out(self.core.resolve_staged(now_ms(), txn_id, staged))
 
     # ================================================================ markers
 

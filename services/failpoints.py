@@ -12,6 +12,10 @@ harness arms and disarms it from outside without talking to the process:
     one_call_decide
              a coordinator holds every one-call transaction between its staging and its
              decision (CommitTxn), so a test can kill it exactly there.
+    one_call_stage
+             a coordinator holds every one-call transaction's staging before it sends
+             anything (a parallel commit's Staging record is appended meanwhile), so a
+             test can kill or pause it with the record durable and nothing staged.
     markers_send
              a coordinator holds every marker call (EndTxnOnPartition) before sending it,
              and lets no marker ride with a staging call (StageTxn) meanwhile, so a test
@@ -29,6 +33,7 @@ import os
 ENVIRONMENT_VARIABLE = "ATOMLOG_FAILPOINTS"
 FSYNC = "fsync"
 ONE_CALL_DECIDE = "one_call_decide"
+ONE_CALL_STAGE = "one_call_stage"
 MARKERS_SEND = "markers_send"
 
 _DIRECTORY: str | None = os.environ.get(ENVIRONMENT_VARIABLE) or None

@@ -41,7 +41,7 @@ from coordinator.core import (
 from coordinator.records import (
     PRODUCER_EPOCH_LAST_ISSUED, Completed, DeadlineReset, Decided, Decision, EndCause,
     Opened, Prepared, RecordCorrupt, Registered, SequencesReserved, Session, SessionStarted,
-    SubscriptionPartition, TopicPartition, TxnId, decode_record, encode_record,
+    Staging, SubscriptionPartition, TopicPartition, TxnId, decode_record, encode_record,
 )
 from services.errors import AtomlogError
 
@@ -136,6 +136,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.next_producer_id = 1
         self.handed_out: set[TxnId] = set()  # one-call transactions begun
         self.staging: list[TxnId] = []  # begun, not ended (volatile: a crash drops them)
+        self.parallel: set[TxnId] = set()  # begun as parallel commits (Staging records)
+        self.promised: set[TxnId] = set()  # parallel commits answered "committed"
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -146,8 +148,15 @@ class CoordinatorMachine(RuleBasedStateMachine):
         while settle and self.in_flight:
             self.append_durable()
 
-    @initialize(count=st.integers(1, 3))
-    def open_some(self, count):
+    @initialize(count=st.integers(1, 3), reserve=st.sampled_from([True, True, False]))
+    def open_some(self, count, reserve):
+        if reserve:  # a first block reserved, so one-call transactions may run in parallel
+            ready = self.core.begin_one_call(self.now_ms, 0, None, "warm", [TARGETS[0]], [])
+            self.handed_out.add(ready.reply.txn_id)
+            self.perform(ready, "begin_one_call")
+            self.settle(True)
+            self.perform(self.core.end_one_call(self.now_ms, ready.reply.txn_id, AtomlogError(
+                "TRANSACTION_CONFLICT", "warm-up")), "end_one_call")
         for _ in range(count):
             self.new_txn(0, None, "", [TARGETS[0], TARGETS[3]], True)
 
@@ -252,29 +261,40 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @rule(chosen=st.lists(st.sampled_from(TARGETS), min_size=1, max_size=3),
           key=st.sampled_from(["oc1", "oc2", "oc3", "k1"]),
-          tid=st.sampled_from(["", "", "a", "b"]), timeout_ms=st.sampled_from([0, 500, 5_000]))
-    def begin_one_call(self, chosen, key, tid, timeout_ms):
+          tid=st.sampled_from(["", "", "a", "b"]), timeout_ms=st.sampled_from([0, 500, 5_000]),
+          parallel=st.sampled_from([True, True, False]), settle=SETTLE)
+    def begin_one_call(self, chosen, key, tid, timeout_ms, parallel, settle):
         session = None
         if tid:
             info = self.core.session(tid, self.now_ms)
             session = info.session if info is not None else Session(tid, 99, 0)
+        tps = [t for t in chosen if isinstance(t, TopicPartition)]
+        subs = [t for t in chosen if isinstance(t, SubscriptionPartition)]
+        parallel = parallel and bool(tps) and not subs
         ready = self.attempt("begin_one_call", lambda: self.core.begin_one_call(
-            self.now_ms, timeout_ms, session, key,
-            [t for t in chosen if isinstance(t, TopicPartition)],
-            [t for t in chosen if isinstance(t, SubscriptionPartition)]))
-        self.settle(True)  # a reservation is durable before anything is staged
+            self.now_ms, timeout_ms, session, key, tps, subs, parallel=parallel))
         if ready is None:
+            self.settle(True)
             return
         start = ready.reply
         assert isinstance(start, OneCallStart)
         if start.existing is not None:
-            assert self.model.decided.get(start.txn_id) is COMMIT
+            assert (self.model.decided.get(start.txn_id) is COMMIT
+                    or start.txn_id in self.promised)  # answered "committed" already
+            self.settle(True)
             return
         txn_id = start.txn_id
         assert txn_id not in self.handed_out and txn_id not in self.model.opened, \
             "a sequence is handed out once, also across crashes (reservations)"
         self.handed_out.add(txn_id)
         self.staging.append(txn_id)
+        assert start.parallel is (parallel and bool(ready.appends) and isinstance(
+            ready.appends[0].records[0], Staging))
+        if start.parallel:
+            self.parallel.add(txn_id)
+        # A reservation is durable before anything is staged; a parallel commit's Staging
+        # record may still be in flight (the shell stages meanwhile).
+        self.settle(settle or not start.parallel)
         for target in TARGETS:
             answer = self.core.verify(txn_id, target)
             assert answer.state is State.OPEN and answer.included is (target in chosen)
@@ -283,11 +303,25 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(data=st.data(), ok=st.sampled_from([True, True, False]), settle=SETTLE)
     def end_one_call(self, data, ok, settle):
         txn_id = data.draw(st.sampled_from(self.staging))
+        if any(r.txn_id == txn_id for append, _, _ in self.in_flight for r in append.records
+               if isinstance(r, Staging)):
+            return  # the shell waits for its Staging record before it decides
         self.staging.remove(txn_id)
         failure = None if ok else AtomlogError("TRANSACTION_CONFLICT", "staging failed")
+        staging = self.core.is_staging(txn_id)
         ready = self.attempt("end_one_call",
                              lambda: self.core.end_one_call(self.now_ms, txn_id, failure))
-        if ready is not None and isinstance(ready.reply, OneCallAborted):
+        if ready is not None and staging:  # a parallel commit: the decision is logged
+            (append,) = ready.appends
+            (decided,) = append.records
+            assert decided.txn_id == txn_id and not ready.markers
+            if isinstance(ready.reply, OneCallAborted):
+                assert decided.decision is ABORT and not ready.early_reply
+                assert ok or ready.reply.error is failure
+            else:
+                assert ok and decided.decision is COMMIT and ready.early_reply
+                self.promised.add(txn_id)  # the client heard "committed" now
+        elif ready is not None and isinstance(ready.reply, OneCallAborted):
             assert not ready.appends and all(m.decision is ABORT and m.txn_id == txn_id
                                               for m in ready.markers)
             assert ok or ready.reply.error is failure
@@ -305,7 +339,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def end_one_calls(self, data, failing, settle):
         """A chain (CommitTxns): decisions in one append; after the first that does not
         commit, none does."""
-        chain = data.draw(st.lists(st.sampled_from(self.staging), min_size=1, max_size=3,
+        chained = [t for t in self.staging if t not in self.parallel]
+        if not chained:
+            return  # chains are never parallel commits
+        chain = data.draw(st.lists(st.sampled_from(chained), min_size=1, max_size=3,
                                    unique=True))
         for txn_id in chain:
             self.staging.remove(txn_id)
@@ -439,7 +476,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule()
     def append_durable(self):
         append, caller, reply = self.in_flight.popleft()
-        if caller != "end_one_call":
+        if caller not in ("end_one_call", "begin_one_call"):
             assert not any(isinstance(r, Opened) and r.txn_id in self.handed_out
                            for r in append.records), "a NewTxn reused a one-call sequence"
         self.write(append)
@@ -456,11 +493,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         append, _, _ = self.in_flight.popleft()
         assert self.core.append_failed(append.append_id) == NO_WORK
         for record in append.records:  # a one-call decision not logged: still staging
-            if isinstance(record, Opened) and self.core.one_call(record.txn_id) is not None:
+            if (isinstance(record, Opened) and self.core.one_call(record.txn_id) is not None
+                    and record.txn_id not in self.staging):
                 self.staging.append(record.txn_id)
         # A reservation not logged: the one-calls it was for are forgotten (their caller
-        # hears the failure before staging anything).
-        self.staging = [t for t in self.staging if self.core.one_call(t) is not None]
+        # hears the failure before staging anything). Logged parallel commits stay.
+        self.staging = [t for t in self.staging if self.core.one_call(t) is not None
+                        or self.core.is_staging(t)]
 
     @precondition(lambda self: len(self.in_flight) >= 2)
     @rule()
@@ -487,6 +526,29 @@ class CoordinatorMachine(RuleBasedStateMachine):
             return
         assert self.core.marker_confirmed(self.now_ms, marker.txn_id, marker.target) \
             == NO_WORK
+
+    @rule(data=st.data(), settle=SETTLE)
+    def resolve(self, data, settle):
+        """Resolutions of parallel commits nobody decides (after a crash, or a failed
+        CommitTxn): the partitions answer yes, no or nothing; yes whenever the client
+        heard "committed" (its stages were durable then)."""
+        for txn_id, targets in self.core.staged_to_resolve():
+            assert txn_id in self.parallel and set(targets) <= self.model.targets[txn_id]
+            staged = True if txn_id in self.promised else data.draw(
+                st.sampled_from([True, False, None]))
+            ready = self.core.resolve_staged(self.now_ms, txn_id, staged)
+            assert not ready.markers and (bool(ready.appends) is (staged is not None))
+            self.perform(ready, "resolve")
+        self.settle(settle)
+
+    @precondition(lambda self: any(t in self.parallel for t in self.staging))
+    @rule(data=st.data())
+    def commit_call_fails(self, data):
+        """A parallel commit's CommitTxn fails before end_one_call: left to a resolution."""
+        txn_id = data.draw(st.sampled_from([t for t in self.staging if t in self.parallel]))
+        if self.core.is_staging(txn_id):
+            self.staging.remove(txn_id)
+            self.core.release_staging(txn_id)
 
     @rule()
     def lose_markers(self):
@@ -540,6 +602,15 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert state in expected, (txn_id, state, decision)
 
     @invariant()
+    def promised_commits_never_abort(self):
+        for txn_id in self.promised:
+            assert self.model.decided.get(txn_id, COMMIT) is COMMIT, txn_id
+        for txn_id in self.parallel:
+            if self.core.is_staging(txn_id):
+                assert txn_id in self.model.opened and txn_id not in self.model.decided
+                assert self.core.verify(txn_id, TARGETS[0]).state is State.OPEN
+
+    @invariant()
     def live_table_equals_full_replay_and_snapshot_plus_tail(self):
         records = [decode_record(value) for value in self.log]
         live = self.image(self.core)
@@ -589,8 +660,17 @@ class CoordinatorMachine(RuleBasedStateMachine):
                                                         marker.target), "confirm")
             if not self.in_flight and not self.core.metrics.unfinished_transactions:
                 break
+            for txn_id in list(self.staging):  # their CommitTxns end (as the shell's do)
+                self.staging.remove(txn_id)
+                if self.core.is_staging(txn_id):
+                    self.core.release_staging(txn_id)
+            for txn_id, _ in self.core.staged_to_resolve():
+                self.perform(self.core.resolve_staged(self.now_ms, txn_id,
+                                                      txn_id in self.promised), "resolve")
             self.tick(MACHINE_LIMITS.max_prepared_timeout_ms)
         assert self.core.metrics.unfinished_transactions == 0
+        for txn_id in self.promised:
+            assert self.model.decided[txn_id] is COMMIT, txn_id
         for txn_id in self.model.decided:
             assert self.model.targets[txn_id] <= self.markers_seen.get(txn_id, set()), txn_id
 
