@@ -123,13 +123,13 @@ def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s
     yields (data directory, launcher report, a server's gRPC address to bootstrap from).
     By default 1 id allocator, 2 coordinators and 3 partition servers; every topic
     (__txn_log included) at `replication_factor` copies (None: the product default);
-    `settings`: more config settings (name -> value) for every server."""
+    `settings`: more config settings (name -> value) for every server (they win)."""
     from services import launcher
 
     roles = roles or {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
-    settings = dict(settings or {})
-    if replication_factor is not None:
-        settings["topics.default_replication_factor"] = str(replication_factor)
+    settings = ({} if replication_factor is None
+                else {"topics.default_replication_factor": str(replication_factor)}
+                ) | dict(settings or {})
     with tempfile.TemporaryDirectory(prefix=prefix) as directory:
         data_dir = Path(directory)
         try:

@@ -93,7 +93,7 @@ class Settings:
     log_request_timeout_ms: int = 5_000
     max_pending_calls: int = 10_000
     completion_linger_ms: int = 200
-    parallel_commits: bool = True
+    parallel_commits: bool = False
 
 
 # A parallel commit's resolution (StageChannel.resolve): (txn_id, coordinator epoch, its

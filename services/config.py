@@ -447,12 +447,13 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "transaction (CommitTxn: its batches and acks together); the SDK switches a "
                 "transaction that outgrows its own bound to NewTxn/Produce/EndTxn.",
                 minimum=1_024, maximum=64 << 20),
-        Setting("coordinator.parallel_commits", bool, True, "Commit one-call transactions "
+        Setting("coordinator.parallel_commits", bool, False, "Commit one-call transactions "
                 "without acks in one durability round: a Staging record appended while the "
                 "batches are staged, the transaction committed once both are durable; a "
                 "coordinator taking over resolves such a record by asking the partitions "
-                "(docs/coordinator.md, \"Parallel commits\"). Off: the decision is logged "
-                "after staging (two rounds)."),
+                "(docs/coordinator.md, \"Parallel commits\"). Off by default: it costs one "
+                "more TC-log append per transaction, and where the servers' CPU is the limit "
+                "(measured: docs/benchmarks.md) that costs more than the round it saves."),
         Setting("coordinator.stage_batch_max", int, 1_000, "Most transactions in one StageTxn "
                 "call to a partition server (what queues while one call is in flight leaves "
                 "in the next).", minimum=1, maximum=10_000),

@@ -46,6 +46,9 @@ def servers(tmp_path_factory, failpoint_dir):
     os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
     try:
         cluster.run("up", "--output", "json", *CLUSTER_SETTINGS,
+                    # Parallel commits (off by default) for the tests of their recovery;
+                    # transactions with acks and chains take the two rounds all the same.
+                    "--set", "coordinator.parallel_commits=true",
                     "--set", f"partition.txn_check_after_ms={CHECK_AFTER_MS}",
                     "--set", "partition.txn_check_interval_ms=200")
         yield cluster

@@ -111,8 +111,12 @@ class Run:
         self.counts = COMBINED_COUNTS if options.combined else COUNTS
         self.duration_s = options.minutes * 60
         self.go_cli: Path | None = None  # --go: the built atomlog-go
+        # Parallel commits (off by default) in half the runs, picked by the seed (crc32,
+        # as below: the same seed picks the same in every run).
+        self.parallel_commits = zlib.crc32(f"parallel-{options.seed}".encode()) % 2 == 1
         self.settings = {**SETTINGS,
-                         "topics.default_replication_factor": str(options.replication)}
+                         "topics.default_replication_factor": str(options.replication),
+                         "coordinator.parallel_commits": str(self.parallel_commits).lower()}
 
     def say(self, text: str) -> None:
         if not self.options.quiet:
@@ -141,7 +145,8 @@ class Run:
             (self.run_dir / "schedule.json").write_text(
                 json.dumps([f.to_json() for f in faults], indent=1) + "\n")
             self.say(f"{len(faults)} faults scheduled over {self.duration_s:.0f} s "
-                     f"({', '.join(options.nemeses) or 'no nemesis'})")
+                     f"({', '.join(options.nemeses) or 'no nemesis'}); parallel commits "
+                     f"{'on' if self.parallel_commits else 'off'}")
             self.prepare_workload(final_log)
             for client in self.clients.values():
                 self.spawn(client)
@@ -164,6 +169,7 @@ class Run:
         report["run"] = {"workload": options.workload, "seed": options.seed,
                          "combined": options.combined, "replication": options.replication,
                          "tls": options.tls, "go": options.go,
+                         "parallel_commits": self.parallel_commits,
                          "minutes": options.minutes, "nemeses": options.nemeses,
                          "notes": self.notes,
                          "client_crashes": {c.name: c.crashes for c in self.clients.values()
