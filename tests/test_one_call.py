@@ -1,6 +1,7 @@
-"""One-call transactions (CommitTxn) against real processes: parallel commits resolved by
-the successor of a coordinator killed before or after staging, markers that land after a
-partition server's restart, an ack conflict that changes nothing, a transaction that outgrows the
+"""One-call transactions (CommitTxn) against real processes: presumed abort when the
+coordinator dies between staging and decision (parallel commits, off by default, have
+their own module: tests/test_parallel_commits.py), markers that land after a partition
+server's restart, an ack conflict that changes nothing, a transaction that outgrows the
 bound mid-way, the partition servers' lookup of transactions their coordinator never
 committed, and bad input refused with a reason.
 
@@ -46,9 +47,6 @@ def servers(tmp_path_factory, failpoint_dir):
     os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
     try:
         cluster.run("up", "--output", "json", *CLUSTER_SETTINGS,
-                    # Parallel commits (off by default) for the tests of their recovery;
-                    # transactions with acks and chains take the two rounds all the same.
-                    "--set", "coordinator.parallel_commits=true",
                     "--set", f"partition.txn_check_after_ms={CHECK_AFTER_MS}",
                     "--set", "partition.txn_check_interval_ms=200")
         yield cluster
@@ -127,54 +125,25 @@ def open_txns(client, topic: str, partitions: int) -> set[tuple[int, int]]:
             for t in client.describe_partition(topic, p).open_transactions}
 
 
-@pytest.fixture(scope="module")
-def warm_topic(client) -> str:
-    return create_online(client, "oc-warm", 1)
-
-
-def parallel_transaction(client, warm_topic: str, timeout_s: float = 60):
-    """A transaction whose one-call commit will be a parallel commit: its TC partition
-    has a durable reservation (the first commit of a block of sequences waits for its
-    reservation and takes two rounds), made by committing one transaction there first."""
-    txn = client.begin_transaction(timeout_s=timeout_s)
-    while True:
-        warm = client.begin_transaction(timeout_s=30)  # lazy: nothing sent until commit
-        if warm.tc_partition == txn.tc_partition:
-            break
-    with client.producer() as producer:
-        producer.send(warm_topic, b"warm", partition=0, txn=warm)
-        warm.commit()
-    return txn
-
-
-def _commit_in_thread(txn, outcome: dict) -> threading.Thread:
-    def commit() -> None:
-        try:
-            txn.commit()
-            outcome["committed"] = txn.id
-        except errors.AtomlogClientError as error:
-            outcome["error"] = error
-
-    thread = threading.Thread(target=commit)
-    thread.start()
-    return thread
-
-
-def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers, client,
-                                                                       failpoint_dir,
-                                                                       warm_topic):
-    """A parallel commit (docs/coordinator.md): held after its Staging record and both
-    stages are durable, before the answer, and killed there. That is the commit point:
-    the successor resolves the record by asking both partitions and commits it; the SDK's
-    retry with the same idempotency key finds that commit. Exactly once, nothing aborted."""
-    topic = create_online(client, "oc-resolved", 2)
+def test_coordinator_killed_between_staging_and_decision_presumes_abort(servers, client,
+                                                                        failpoint_dir):
+    topic = create_online(client, "oc-presumed", 2)
     outcome: dict = {}
-    txn = parallel_transaction(client, warm_topic)
     with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=60)
         for i in range(6):
             producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
         assert txn.one_call
-        thread = _commit_in_thread(txn, outcome)
+
+        def commit() -> None:
+            try:
+                txn.commit()
+                outcome["committed"] = txn.id
+            except errors.AtomlogClientError as error:
+                outcome["error"] = error
+
+        thread = threading.Thread(target=commit)
+        thread.start()
         wait_until(lambda: len(open_txns(client, topic, 2)) == 1
                    and all(client.describe_partition(topic, p).open_transactions
                            for p in range(2)), 20, "the transaction staged on both partitions")
@@ -185,29 +154,40 @@ def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers,
         assert victim in restart(servers)
         thread.join(timeout=120)
     assert not thread.is_alive()
+    # The staged attempt never commits: its partitions abort it (presumed abort) once its
+    # coordinator's successor does not know it; the SDK's retry with the same idempotency
+    # key ran the transaction anew, so it committed exactly once.
     wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
-    assert outcome.get("committed") == f"{staged[0]}:{staged[1]}", outcome
+    assert outcome.get("committed"), outcome
+    assert outcome["committed"] != f"{staged[0]}:{staged[1]}"
     assert sorted(committed_values(client, topic)) == sorted(f"p{i}".encode() for i in range(6))
     for partition in range(2):
-        assert client.describe_partition(topic, partition).aborted_transaction_count == 0
+        assert client.describe_partition(topic, partition).aborted_transaction_count == 1
 
 
-def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, client,
-                                                                       failpoint_dir,
-                                                                       warm_topic):
-    """Same kill, but the client gives up before the coordinator is back (its outcome
-    unknown to it): the successor still commits what reached its commit point, once, and
-    no partition keeps it open."""
+def test_a_failed_commit_of_a_dead_coordinator_leaves_nothing_hanging(servers, client,
+                                                                      failpoint_dir):
+    """Same kill, but the client gives up before the coordinator is back: nothing of the
+    transaction is ever visible and no partition keeps it open."""
     topic = create_online(client, "oc-gave-up", 2)
     short = Client(servers.info["bootstrap"], request_timeout_s=2)
     try:
-        txn = parallel_transaction(short, warm_topic, timeout_s=3)
         with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
                 short.producer() as producer:
+            txn = short.begin_transaction(timeout_s=3)
             for i in range(4):
                 producer.send(topic, f"g{i}".encode(), partition=i % 2, txn=txn)
             result: dict = {}
-            thread = _commit_in_thread(txn, result)
+
+            def commit() -> None:
+                try:
+                    txn.commit()
+                    result["committed"] = True
+                except errors.AtomlogClientError as error:
+                    result["error"] = error
+
+            thread = threading.Thread(target=commit)
+            thread.start()
             wait_until(lambda: all(client.describe_partition(topic, p).open_transactions
                                    for p in range(2)), 20, "the transaction staged")
             (staged,) = open_txns(client, topic, 2)
@@ -218,56 +198,10 @@ def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, 
         assert not thread.is_alive()
         assert "error" in result, result
         assert victim in restart(servers)
-        wait_until(lambda: settled(client, topic, 2), 30, "the resolution")
-        assert sorted(committed_values(client, topic)) == sorted(
-            f"g{i}".encode() for i in range(4))
+        wait_until(lambda: settled(client, topic, 2), 30, "the presumed abort")
+        assert committed_values(client, topic) == []
     finally:
         short.close()
-
-
-def _staging_txns(client, tc: int) -> list:
-    """The OPEN transactions of TC partition `tc` (a parallel commit's Staging record
-    makes its transaction OPEN there before anything is staged)."""
-    listed = Coordinators(client).call(tc, "ListTransactions",
-                                       coordinator_pb2.ListTransactionsRequest(
-                                           states=[coordinator_pb2.TXN_STATE_OPEN],
-                                           tc_partitions=[tc]), time.monotonic() + 30)
-    return list(listed.transactions)
-
-
-def test_coordinator_killed_before_staging_is_aborted_by_its_successor(servers, client,
-                                                                      failpoint_dir,
-                                                                      warm_topic):
-    """A parallel commit held with its Staging record durable and nothing staged, and
-    killed there: the successor asks both partitions (fencing the dead owner's epoch
-    there), hears that neither holds it, and logs its abort; the key is free again, so
-    the SDK's retry commits the transaction anew. Exactly once, nothing left open."""
-    topic = create_online(client, "oc-unstaged", 2)
-    outcome: dict = {}
-    txn = parallel_transaction(client, warm_topic)
-    with Armed(failpoint_dir, failpoints.ONE_CALL_STAGE) as held, client.producer() as producer:
-        for i in range(4):
-            producer.send(topic, f"u{i}".encode(), partition=i % 2, txn=txn)
-        tc = txn.tc_partition
-        thread = _commit_in_thread(txn, outcome)
-        wait_until(lambda: _staging_txns(client, tc), 20, "the Staging record")
-        (logged,) = _staging_txns(client, tc)
-        victim = coordinator_of(servers, tc)
-        os.kill(servers.process(victim)["pid"], signal.SIGKILL)
-        held.disarm()
-        assert victim in restart(servers)
-        thread.join(timeout=120)
-    assert not thread.is_alive()
-    assert outcome.get("committed"), outcome
-    staged_id = f"{logged.txn_id.tc_partition}:{logged.txn_id.sequence}"
-    assert outcome["committed"] != staged_id
-    described = Coordinators(client).call(tc, "DescribeTransaction",
-                                          coordinator_pb2.DescribeTransactionRequest(
-                                              txn_id=logged.txn_id), time.monotonic() + 30)
-    assert described.summary.state in (coordinator_pb2.TXN_STATE_ABORTING,
-                                       coordinator_pb2.TXN_STATE_ABORTED)
-    wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
-    assert sorted(committed_values(client, topic)) == sorted(f"u{i}".encode() for i in range(4))
 
 
 def test_a_partition_server_killed_before_the_marker_gets_it_after_restart(servers, client,

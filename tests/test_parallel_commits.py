@@ -1,0 +1,201 @@
+"""Parallel commits (docs/coordinator.md, "Parallel commits"; coordinator.parallel_commits,
+off by default) against real processes: a coordinator killed after a transaction's commit
+point (its Staging record and every stage durable) is succeeded by one that commits it,
+exactly once, also when the client gave up; one killed with the record durable and
+nothing staged is succeeded by one that aborts it, and the SDK's retry commits anew.
+
+The module runs its own cluster with parallel commits on and failpoints enabled
+(services/failpoints.py), so a test can hold a coordinator exactly between two steps and
+kill it there. The helpers are tests/test_one_call.py's (same cluster shape, same checks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from atomlog.v1 import coordinator_pb2
+from services import failpoints
+from spark_client import Client, errors
+from spark_client.transactions import Coordinators
+from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, wait_until
+from tests.test_one_call import (
+    Armed, committed_values, coordinator_of, open_txns, restart, settled,
+)
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def failpoint_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("failpoints")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, failpoint_dir):
+    cluster = Cluster(tmp_path_factory.mktemp("atomlog-parallel-commits"))
+    previous = os.environ.get(failpoints.ENVIRONMENT_VARIABLE)
+    os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
+    try:
+        cluster.run("up", "--output", "json", *CLUSTER_SETTINGS,
+                    "--set", "coordinator.parallel_commits=true")
+        yield cluster
+    finally:
+        cluster.run("down", check=False)
+        if previous is None:
+            os.environ.pop(failpoints.ENVIRONMENT_VARIABLE, None)
+        else:
+            os.environ[failpoints.ENVIRONMENT_VARIABLE] = previous
+
+
+@pytest.fixture(scope="module")
+def client(servers):
+    with Client(servers.info["bootstrap"], request_timeout_s=10) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def warm_topic(client) -> str:
+    return create_online(client, "oc-warm", 1)
+
+
+def parallel_transaction(client, warm_topic: str, timeout_s: float = 60):
+    """A transaction whose one-call commit will be a parallel commit: its TC partition
+    has a durable reservation (the first commit of a block of sequences waits for its
+    reservation and takes two rounds), made by committing one transaction there first."""
+    txn = client.begin_transaction(timeout_s=timeout_s)
+    while True:
+        warm = client.begin_transaction(timeout_s=30)  # lazy: nothing sent until commit
+        if warm.tc_partition == txn.tc_partition:
+            break
+    with client.producer() as producer:
+        producer.send(warm_topic, b"warm", partition=0, txn=warm)
+        warm.commit()
+    return txn
+
+
+def _commit_in_thread(txn, outcome: dict) -> threading.Thread:
+    def commit() -> None:
+        try:
+            txn.commit()
+            outcome["committed"] = txn.id
+        except errors.AtomlogClientError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=commit)
+    thread.start()
+    return thread
+
+
+def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers, client,
+                                                                       failpoint_dir,
+                                                                       warm_topic):
+    """A parallel commit (docs/coordinator.md): held after its Staging record and both
+    stages are durable, before the answer, and killed there. That is the commit point:
+    the successor resolves the record by asking both partitions and commits it; the SDK's
+    retry with the same idempotency key finds that commit. Exactly once, nothing aborted."""
+    topic = create_online(client, "oc-resolved", 2)
+    outcome: dict = {}
+    txn = parallel_transaction(client, warm_topic)
+    with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, client.producer() as producer:
+        for i in range(6):
+            producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
+        assert txn.one_call
+        thread = _commit_in_thread(txn, outcome)
+        wait_until(lambda: len(open_txns(client, topic, 2)) == 1
+                   and all(client.describe_partition(topic, p).open_transactions
+                           for p in range(2)), 20, "the transaction staged on both partitions")
+        (staged,) = open_txns(client, topic, 2)
+        victim = coordinator_of(servers, staged[0])
+        os.kill(servers.process(victim)["pid"], signal.SIGKILL)
+        held.disarm()
+        assert victim in restart(servers)
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
+    assert outcome.get("committed") == f"{staged[0]}:{staged[1]}", outcome
+    assert sorted(committed_values(client, topic)) == sorted(f"p{i}".encode() for i in range(6))
+    for partition in range(2):
+        assert client.describe_partition(topic, partition).aborted_transaction_count == 0
+
+
+def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, client,
+                                                                       failpoint_dir,
+                                                                       warm_topic):
+    """Same kill, but the client gives up before the coordinator is back (its outcome
+    unknown to it): the successor still commits what reached its commit point, once, and
+    no partition keeps it open."""
+    topic = create_online(client, "oc-gave-up", 2)
+    short = Client(servers.info["bootstrap"], request_timeout_s=2)
+    try:
+        txn = parallel_transaction(short, warm_topic, timeout_s=3)
+        with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
+                short.producer() as producer:
+            for i in range(4):
+                producer.send(topic, f"g{i}".encode(), partition=i % 2, txn=txn)
+            result: dict = {}
+            thread = _commit_in_thread(txn, result)
+            wait_until(lambda: all(client.describe_partition(topic, p).open_transactions
+                                   for p in range(2)), 20, "the transaction staged")
+            (staged,) = open_txns(client, topic, 2)
+            victim = coordinator_of(servers, staged[0])
+            os.kill(servers.process(victim)["pid"], signal.SIGKILL)
+            thread.join(timeout=60)  # the client runs out of time while it is down
+            held.disarm()
+        assert not thread.is_alive()
+        assert "error" in result, result
+        assert victim in restart(servers)
+        wait_until(lambda: settled(client, topic, 2), 30, "the resolution")
+        assert sorted(committed_values(client, topic)) == sorted(
+            f"g{i}".encode() for i in range(4))
+    finally:
+        short.close()
+
+
+def _staging_txns(client, tc: int) -> list:
+    """The OPEN transactions of TC partition `tc` (a parallel commit's Staging record
+    makes its transaction OPEN there before anything is staged)."""
+    listed = Coordinators(client).call(tc, "ListTransactions",
+                                       coordinator_pb2.ListTransactionsRequest(
+                                           states=[coordinator_pb2.TXN_STATE_OPEN],
+                                           tc_partitions=[tc]), time.monotonic() + 30)
+    return list(listed.transactions)
+
+
+def test_coordinator_killed_before_staging_is_aborted_by_its_successor(servers, client,
+                                                                      failpoint_dir,
+                                                                      warm_topic):
+    """A parallel commit held with its Staging record durable and nothing staged, and
+    killed there: the successor asks both partitions (fencing the dead owner's epoch
+    there), hears that neither holds it, and logs its abort; the key is free again, so
+    the SDK's retry commits the transaction anew. Exactly once, nothing left open."""
+    topic = create_online(client, "oc-unstaged", 2)
+    outcome: dict = {}
+    txn = parallel_transaction(client, warm_topic)
+    with Armed(failpoint_dir, failpoints.ONE_CALL_STAGE) as held, client.producer() as producer:
+        for i in range(4):
+            producer.send(topic, f"u{i}".encode(), partition=i % 2, txn=txn)
+        tc = txn.tc_partition
+        thread = _commit_in_thread(txn, outcome)
+        wait_until(lambda: _staging_txns(client, tc), 20, "the Staging record")
+        (logged,) = _staging_txns(client, tc)
+        victim = coordinator_of(servers, tc)
+        os.kill(servers.process(victim)["pid"], signal.SIGKILL)
+        held.disarm()
+        assert victim in restart(servers)
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert outcome.get("committed"), outcome
+    staged_id = f"{logged.txn_id.tc_partition}:{logged.txn_id.sequence}"
+    assert outcome["committed"] != staged_id
+    described = Coordinators(client).call(tc, "DescribeTransaction",
+                                          coordinator_pb2.DescribeTransactionRequest(
+                                              txn_id=logged.txn_id), time.monotonic() + 30)
+    assert described.summary.state in (coordinator_pb2.TXN_STATE_ABORTING,
+                                       coordinator_pb2.TXN_STATE_ABORTED)
+    wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
+    assert sorted(committed_values(client, topic)) == sorted(f"u{i}".encode() for i in range(4))
