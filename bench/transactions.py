@@ -36,6 +36,7 @@ consume-transform-produce part of it).
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
     .venv/bin/python bench/transactions.py ... --set coordinator.parallel_commits=false  # A/B
+    .venv/bin/python bench/transactions.py ... --fsync-delay-ms 5  # as on a slow disk
 
 --only-small runs the small-transactions cell alone (one-call, after the gRPC call floor)
 and prints transactions/s, the server's CPU per transaction (utime + stime of every
@@ -52,6 +53,7 @@ import multiprocessing
 import os
 import re
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -730,6 +732,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a config setting for every server (repeatable), e.g. "
                              "coordinator.parallel_commits=false to measure against it")
+    parser.add_argument("--fsync-delay-ms", type=float, default=0, metavar="MS",
+                        help="every server's fsync sleeps MS first (the fsync_slow failpoint, "
+                             "services/failpoints.py), as on a slow or network-attached disk")
     args = parser.parse_args()
     if args.combined:
         use_combined_server()
@@ -741,6 +746,13 @@ def main() -> None:
     if any("=" not in item for item in args.set):
         parser.error("--set takes NAME=VALUE")
     settings = dict(item.split("=", 1) for item in args.set)
+    if not 0 <= args.fsync_delay_ms <= 1_000:
+        parser.error("--fsync-delay-ms takes 0..1000")
+    if args.fsync_delay_ms:
+        from services import failpoints
+        failpoint_dir = Path(tempfile.mkdtemp(prefix="atomlog-bench-failpoints-"))
+        (failpoint_dir / failpoints.FSYNC_SLOW).write_text(f"{args.fsync_delay_ms:g}")
+        os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)  # the servers'
     with common.local_cluster("atomlog-bench-txn-", ROLES,
                               replication_factor=common.BENCH_REPLICATION_FACTOR,
                               settings=settings) as (

@@ -35,7 +35,8 @@ A round is, per `partition.durability`:
   there: measured on a shared disk it used the least CPU and had the longest commits
   (docs/benchmarks.md); it is for a data filesystem of the server's own.
 
-The fault harness's fsync failpoint (services/failpoints.py) fails both kinds of round.
+The fault harness's fsync failpoint (services/failpoints.py) fails both kinds of round;
+its fsync_slow failpoint slows both (benchmarks of a slow disk).
 The pure core (`BarrierCore`: no I/O, no threads, no clock) decides what a round does
 and whom it answers with what; `DurabilityBarrier` is the shell (the thread, the
 syscalls, the hand-back to event loops).
@@ -213,6 +214,7 @@ def failpoint_syncfs(syncfs: Callable[[int], None]) -> Callable[[int], None]:
     def guarded(fd: int) -> None:
         if failpoints.armed(failpoints.FSYNC):
             raise OSError(errno.EIO, "syncfs failed (fsync failpoint armed by the fault harness)")
+        failpoints.slow_disk()
         syncfs(fd)
     return guarded
 

@@ -9,6 +9,11 @@ harness arms and disarms it from outside without talking to the process:
     fsync    every fsync of a partition log or cursor journal raises EIO, as a failing
              disk does. The server's own handling is what is under test: the partition
              fails closed, answers PARTITION_LOADING, and reloads from its durable log.
+    fsync_slow
+             every fsync (and syncfs round) first sleeps the milliseconds written in the
+             file (5 when it is empty), as a slow or network-attached disk does: for
+             benchmarks that ask what a durability round costs (bench/transactions.py
+             --fsync-delay-ms).
     one_call_decide
              a coordinator holds every one-call transaction between its staging and its
              decision (CommitTxn), so a test can kill it exactly there.
@@ -29,9 +34,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import time
 
 ENVIRONMENT_VARIABLE = "ATOMLOG_FAILPOINTS"
 FSYNC = "fsync"
+FSYNC_SLOW = "fsync_slow"
+FSYNC_SLOW_DEFAULT_MS = 5.0
 ONE_CALL_DECIDE = "one_call_decide"
 ONE_CALL_STAGE = "one_call_stage"
 MARKERS_SEND = "markers_send"
@@ -44,10 +52,28 @@ def armed(name: str) -> bool:
 
 
 def fsync(fd: int) -> None:
-    """os.fsync, unless the fsync failpoint is armed: then OSError(EIO), nothing synced."""
+    """os.fsync, unless the fsync failpoint is armed: then OSError(EIO), nothing synced.
+    With fsync_slow armed, it first sleeps (slow_disk)."""
     if armed(FSYNC):
         raise OSError(errno.EIO, "fsync failed (failpoint armed by the fault harness)")
+    slow_disk()
     os.fsync(fd)
+
+
+def slow_disk() -> None:
+    """Sleep as a slow disk's sync would, while fsync_slow is armed (its file holds the
+    milliseconds; empty or unreadable: FSYNC_SLOW_DEFAULT_MS). Called on sync threads."""
+    if _DIRECTORY is None:
+        return
+    try:
+        text = open(os.path.join(_DIRECTORY, FSYNC_SLOW)).read().strip()
+    except OSError:
+        return  # not armed
+    try:
+        delay_ms = float(text) if text else FSYNC_SLOW_DEFAULT_MS
+    except ValueError:
+        delay_ms = FSYNC_SLOW_DEFAULT_MS
+    time.sleep(max(0.0, min(delay_ms, 1_000.0)) / 1000)
 
 
 async def hold(name: str) -> None:

@@ -220,6 +220,28 @@ def test_the_fsync_failpoint_fails_syncfs_too(tmp_path, monkeypatch):
     asyncio.run(scenario())
 
 
+def test_the_fsync_slow_failpoint_delays_each_fsync_by_what_its_file_says(tmp_path,
+                                                                        monkeypatch):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    points = tmp_path / "failpoints"
+    points.mkdir()
+    monkeypatch.setattr(failpoints, "_DIRECTORY", str(points))
+
+    def timed() -> float:
+        began = time.perf_counter()
+        failpoints.fsync(fd)
+        return time.perf_counter() - began
+
+    assert timed() < 0.04  # not armed
+    (points / failpoints.FSYNC_SLOW).write_text("60")
+    assert timed() >= 0.06
+    (points / failpoints.FSYNC_SLOW).write_text("")  # empty: the default
+    assert timed() >= failpoints.FSYNC_SLOW_DEFAULT_MS / 1000
+    (points / failpoints.FSYNC_SLOW).unlink()
+    assert timed() < 0.04
+    os.close(fd)
+
+
 # ---------------------------------------------------------------------------- owners
 def batch(producer_id: int, sequence: int) -> bytes:
     return encode_batch([Record(b"k", b"v" * 50)] * 2, producer_id=producer_id,
