@@ -748,11 +748,12 @@ def main() -> None:
     settings = dict(item.split("=", 1) for item in args.set)
     if not 0 <= args.fsync_delay_ms <= 1_000:
         parser.error("--fsync-delay-ms takes 0..1000")
+    # Removed when the run ends (the object lives as long as main).
+    failpoint_dir = tempfile.TemporaryDirectory(prefix="atomlog-bench-failpoints-")
     if args.fsync_delay_ms:
         from services import failpoints
-        failpoint_dir = Path(tempfile.mkdtemp(prefix="atomlog-bench-failpoints-"))
-        (failpoint_dir / failpoints.FSYNC_SLOW).write_text(f"{args.fsync_delay_ms:g}")
-        os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)  # the servers'
+        (Path(failpoint_dir.name) / failpoints.FSYNC_SLOW).write_text(f"{args.fsync_delay_ms:g}")
+        os.environ[failpoints.ENVIRONMENT_VARIABLE] = failpoint_dir.name  # the servers'
     with common.local_cluster("atomlog-bench-txn-", ROLES,
                               replication_factor=common.BENCH_REPLICATION_FACTOR,
                               settings=settings) as (

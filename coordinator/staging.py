@@ -378,17 +378,17 @@ class StageChannel:
             outcomes = await asyncio.gather(*(self._ask(address, txn_id, epoch, tps)
                                               for address, tps in groups.items()),
                                             return_exceptions=True)
-            for (address, tps), outcome in zip(groups.items(), outcomes):
-                errors = ([(tp, outcome) for tp in tps] if isinstance(outcome, BaseException)
-                          else [(tp, entry.error) for tp, entry in zip(tps, outcome.partitions)
-                                if entry.error.reason])
-                if not isinstance(outcome, BaseException) and any(
-                        not entry.error.reason and not entry.staged
-                        for entry in outcome.partitions):
+            for tps, outcome in zip(groups.values(), outcomes):
+                if isinstance(outcome, AtomlogError):  # the call failed: each partition
+                    failures = [(tp, outcome) for tp in tps]
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                elif any(not e.error.reason and not e.staged for e in outcome.partitions):
                     return False
-                for tp, error in errors:
-                    if not isinstance(error, AtomlogError) and isinstance(error, BaseException):
-                        raise error
+                else:
+                    failures = [(tp, e.error) for tp, e in zip(tps, outcome.partitions)
+                                if e.error.reason]
+                for tp, error in failures:
                     if error.reason not in RETRY_REASONS:
                         raise _error_of(error, f"{tp.topic}-{tp.partition}")
                     refresh |= error.reason in ROUTING_REASONS

@@ -40,15 +40,15 @@ def failpoint_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("failpoints")
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, failpoint_dir):
-    cluster = Cluster(tmp_path_factory.mktemp("atomlog-one-call"))
+def failpoint_cluster(directory: Path, failpoint_dir: Path, *settings: str):
+    """A module's cluster with failpoints on (armed by files in `failpoint_dir`) and the
+    shared CLUSTER_SETTINGS plus `settings` ("--set", "name=value", ...); a generator
+    for a module fixture to `yield from`."""
+    cluster = Cluster(directory)
     previous = os.environ.get(failpoints.ENVIRONMENT_VARIABLE)
     os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
     try:
-        cluster.run("up", "--output", "json", *CLUSTER_SETTINGS,
-                    "--set", f"partition.txn_check_after_ms={CHECK_AFTER_MS}",
-                    "--set", "partition.txn_check_interval_ms=200")
+        cluster.run("up", "--output", "json", *CLUSTER_SETTINGS, *settings)
         yield cluster
     finally:
         cluster.run("down", check=False)
@@ -56,6 +56,13 @@ def servers(tmp_path_factory, failpoint_dir):
             os.environ.pop(failpoints.ENVIRONMENT_VARIABLE, None)
         else:
             os.environ[failpoints.ENVIRONMENT_VARIABLE] = previous
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, failpoint_dir):
+    yield from failpoint_cluster(tmp_path_factory.mktemp("atomlog-one-call"), failpoint_dir,
+                                 "--set", f"partition.txn_check_after_ms={CHECK_AFTER_MS}",
+                                 "--set", "partition.txn_check_interval_ms=200")
 
 
 def restart(cluster: Cluster) -> list[str]:
@@ -112,6 +119,13 @@ def process_serving(cluster: Cluster, client: Client, topic: str, partition: int
     return next(p["name"] for p in cluster.services() if p["grpc_address"] == address)
 
 
+def kill_and_restart(cluster: Cluster, victim: str, held: Armed) -> None:
+    """kill -9 the victim where the failpoint holds it, disarm, start it again."""
+    os.kill(cluster.process(victim)["pid"], signal.SIGKILL)
+    held.disarm()
+    assert victim in restart(cluster)
+
+
 def coordinator_of(cluster: Cluster, tc_partition: int) -> str:
     for process in cluster.status()["processes"]:
         if tc_partition in process.get("tc_partitions", []):
@@ -148,10 +162,7 @@ def test_coordinator_killed_between_staging_and_decision_presumes_abort(servers,
                    and all(client.describe_partition(topic, p).open_transactions
                            for p in range(2)), 20, "the transaction staged on both partitions")
         (staged,) = open_txns(client, topic, 2)
-        victim = coordinator_of(servers, staged[0])
-        os.kill(servers.process(victim)["pid"], signal.SIGKILL)
-        held.disarm()
-        assert victim in restart(servers)
+        kill_and_restart(servers, coordinator_of(servers, staged[0]), held)
         thread.join(timeout=120)
     assert not thread.is_alive()
     # The staged attempt never commits: its partitions abort it (presumed abort) once its

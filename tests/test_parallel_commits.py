@@ -22,9 +22,10 @@ from atomlog.v1 import coordinator_pb2
 from services import failpoints
 from spark_client import Client, errors
 from spark_client.transactions import Coordinators
-from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, wait_until
+from tests.conftest import create_online, wait_until
 from tests.test_one_call import (
-    Armed, committed_values, coordinator_of, open_txns, restart, settled,
+    Armed, committed_values, coordinator_of, failpoint_cluster, kill_and_restart, open_txns,
+    restart, settled,
 )
 
 pytestmark = pytest.mark.cluster
@@ -37,19 +38,8 @@ def failpoint_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, failpoint_dir):
-    cluster = Cluster(tmp_path_factory.mktemp("atomlog-parallel-commits"))
-    previous = os.environ.get(failpoints.ENVIRONMENT_VARIABLE)
-    os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
-    try:
-        cluster.run("up", "--output", "json", *CLUSTER_SETTINGS,
-                    "--set", "coordinator.parallel_commits=true")
-        yield cluster
-    finally:
-        cluster.run("down", check=False)
-        if previous is None:
-            os.environ.pop(failpoints.ENVIRONMENT_VARIABLE, None)
-        else:
-            os.environ[failpoints.ENVIRONMENT_VARIABLE] = previous
+    yield from failpoint_cluster(tmp_path_factory.mktemp("atomlog-parallel-commits"),
+                                 failpoint_dir, "--set", "coordinator.parallel_commits=true")
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +100,7 @@ def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers,
                    and all(client.describe_partition(topic, p).open_transactions
                            for p in range(2)), 20, "the transaction staged on both partitions")
         (staged,) = open_txns(client, topic, 2)
-        victim = coordinator_of(servers, staged[0])
-        os.kill(servers.process(victim)["pid"], signal.SIGKILL)
-        held.disarm()
-        assert victim in restart(servers)
+        kill_and_restart(servers, coordinator_of(servers, staged[0]), held)
         thread.join(timeout=120)
     assert not thread.is_alive()
     wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
@@ -183,10 +170,7 @@ def test_coordinator_killed_before_staging_is_aborted_by_its_successor(servers, 
         thread = _commit_in_thread(txn, outcome)
         wait_until(lambda: _staging_txns(client, tc), 20, "the Staging record")
         (logged,) = _staging_txns(client, tc)
-        victim = coordinator_of(servers, tc)
-        os.kill(servers.process(victim)["pid"], signal.SIGKILL)
-        held.disarm()
-        assert victim in restart(servers)
+        kill_and_restart(servers, coordinator_of(servers, tc), held)
         thread.join(timeout=120)
     assert not thread.is_alive()
     assert outcome.get("committed"), outcome
