@@ -558,8 +558,13 @@ class CursorStore:
         try:
             failpoints.fsync(ticket.fd)
         except OSError as error:
-            self._broken = f"fsync of the journal failed: {error}"
+            self.fsync_failed(error)
             raise
+
+    def fsync_failed(self, error: BaseException) -> None:
+        """The ticket's sync, made elsewhere (the process's durability barrier), failed:
+        the store is broken, as when fsync() raises."""
+        self._broken = f"fsync of the journal failed: {error}"
 
     def sync_end(self, ticket: SyncTicket) -> None:
         """After fsync(ticket) returned (also after it raised: the store is broken then)."""

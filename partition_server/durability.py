@@ -34,6 +34,15 @@ A round is, per `partition.durability`:
   file of the filesystem, other processes' too, so its time follows everything written
   there: measured on a shared disk it used the least CPU and had the longest commits
   (docs/benchmarks.md); it is for a data filesystem of the server's own.
+- `auto`: `syncfs` for a log on a filesystem other than the one holding `/` (a volume
+  mounted for data: a Kubernetes persistent volume, a disk of its own), `fsync` for a
+  log on the root filesystem, which the operating system and every other program write
+  to. Measured on this machine (docs/benchmarks.md, "`auto` durability"), syncfs used
+  about a fifth less server CPU per small transaction than the fsync round, on a
+  loop-mounted ext4 of its own and on the shared root alike, but consume-transform-
+  produce (100 KiB per transaction) ran 5-20% slower with it, and on the root it had the
+  longest commits whenever other programs wrote heavily there. So `fsync` stays the
+  default; `auto` is for many small transactions on a volume of their own.
 
 The fault harness's fsync failpoint (services/failpoints.py) fails both kinds of round;
 its fsync_slow failpoint slows both (benchmarks of a slow disk).
@@ -80,7 +89,8 @@ ROUND_SECONDS = Histogram("atomlog_durability_round_seconds",
 SYNCFS = "syncfs"
 FSYNC = "fsync"  # per file, batched on the barrier's thread
 EXECUTOR = "executor"  # per file, each owner's own fsync on the default executor
-MODES = (SYNCFS, FSYNC, EXECUTOR)
+AUTO = "auto"  # syncfs off the root filesystem, fsync on it
+MODES = (AUTO, SYNCFS, FSYNC, EXECUTOR)
 FSYNC_THREADS = 8  # fsync mode: fsyncs of one round run at once on up to this many
 
 
@@ -89,6 +99,15 @@ _FSYNC_CALLS = SYNCS.labels("fsync")
 
 
 # ---------------------------------------------------------------------------- core
+def barrier_mode(mode: str, device: int, root_device: int) -> str:
+    """The barrier's mode for a log whose directory is on filesystem `device` (st_dev),
+    `root_device` being that of `/`: `auto` is syncfs off the root filesystem, fsync on
+    it; syncfs and fsync stay."""
+    if mode == AUTO:
+        return SYNCFS if device != root_device else FSYNC
+    return mode
+
+
 class SyncTicket:
     """One owner's request for durability: done() once its round ended; exception()
     then says whether it failed (the asyncio.Future API the owner reads)."""
@@ -285,11 +304,14 @@ class DurabilityBarrier:
     def open(self, directory: str | os.PathLike, mode: str,
              fsync: Callable[[int], None] | None = None, loop=None) -> LogSync:
         """The LogSync of a log in `directory`, answered on `loop` (default: the running
-        one). mode syncfs falls back to fsync where syncfs is not usable; `fsync` (tests)
-        replaces the per-file sync and implies per-file mode. The first open on a
-        filesystem probes syncfs there (one syncfs: may block; any thread may call)."""
-        assert mode in (SYNCFS, FSYNC), mode
+        one). mode auto is syncfs or fsync by the directory's filesystem (barrier_mode);
+        syncfs falls back to fsync where syncfs is not usable; `fsync` (tests) replaces
+        the per-file sync and implies per-file mode. The first open on a filesystem
+        probes syncfs there (one syncfs: may block; any thread may call)."""
+        assert mode in (AUTO, SYNCFS, FSYNC), mode
         loop = loop or asyncio.get_running_loop()
+        if mode == AUTO:
+            mode = barrier_mode(mode, os.stat(directory).st_dev, os.stat("/").st_dev)
         if mode == SYNCFS and fsync is None and self._syncfs is not None:
             device = os.stat(directory).st_dev
             with self._lock:

@@ -123,8 +123,9 @@ class OwnerSettings:
     # How a group commit is made durable (partition_server/durability.py): "fsync":
     # the process's durability barrier fsyncs the files of every owner that asked while
     # its previous round ran, at once, and answers them together; "syncfs": its round is
-    # one syncfs per filesystem; "executor": each owner fsyncs its own file on an
-    # executor thread (before the barrier).
+    # one syncfs per filesystem; "auto": syncfs off the root filesystem, fsync on it;
+    # "executor": each owner fsyncs its own file on an executor thread (before the
+    # barrier).
     durability: str = durability.FSYNC
     # While every fsync slot is busy, queued requests are written ahead (to be covered by
     # the next fsync) once this many bytes wait; below it they wait for the fsync to end
@@ -305,7 +306,8 @@ class PartitionOwner:
         self.subscriptions = PartitionSubscriptions(
             self.name, directory / "cursors", settings.cursor_limits,
             lambda: self.log.log_start_offset if self.log is not None else 0,
-            lambda: self.replication)  # cursor changes wait for the in-sync replicas too
+            lambda: self.replication,  # cursor changes wait for the in-sync replicas too
+            self._cursor_sync)
         self.last_control_offset = -1  # highest control batch in the log (fetch fast path)
         self.producer_snapshot_offset = -1
         self.txn_snapshot_offset = -1
@@ -314,6 +316,7 @@ class PartitionOwner:
         self._use_barrier = settings.durability != durability.EXECUTOR and (
             barrier is not None or fsync is failpoints.fsync)
         self._log_sync: durability.LogSync | None = None  # per opened log
+        self._loop: asyncio.AbstractEventLoop | None = None  # the owner's (set by _load)
         self._queue: deque[_Queued] = deque()  # bounded by max_queued_requests
         self._queued_bytes = 0
         self._unflushed: list[_Queued] = []  # written, no fsync begun since
@@ -354,7 +357,7 @@ class PartitionOwner:
         began = time.perf_counter()
         loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
         self.log, self.producers = loaded.log, loaded.producers
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         # Not on this loop: a rename that may block for milliseconds under fsync load.
         self.log.defer_recovery_point = lambda write: loop.run_in_executor(None, write)
         if self._use_barrier and self.settings.fsync:
@@ -700,6 +703,32 @@ class PartitionOwner:
         if isinstance(outcome, AtomlogError):
             raise outcome
         return outcome
+
+    def _cursor_sync(self, directory: Path) -> durability.LogSync | None:
+        """The subscriptions' journal's way to the durability barrier (on a worker thread,
+        as it opens): in this owner's rounds and mode, with its log. None (an fsync of the
+        journal's own on a worker thread, as before the barrier) in executor mode and
+        where a test replaced the owner's fsync."""
+        if not self._use_barrier or self._fsync is not failpoints.fsync or self._loop is None:
+            return None
+        return (self._barrier or durability.barrier()).open(
+            directory, self.settings.durability, None, self._loop)
+
+    def check_stage_epoch(self, txn: TxnId, epoch: int, what: str = "stage") -> None:
+        """Raise STALE_COORDINATOR_EPOCH when a stage (a batch, or an ack on this
+        partition's subscriptions) of `txn` by a coordinator of `epoch` is older than the
+        current epoch of its TC partition here. Called in the step that appends the
+        stage (the owner's write step, the cursor store's change), so no fence can come
+        between the check and the append."""
+        current = self.current_coordinator_epoch(txn.tc_partition)
+        if epoch < current:
+            raise AtomlogError(
+                "STALE_COORDINATOR_EPOCH",
+                f"{what} of {txn.tc_partition}:{txn.sequence} on {self.name} has "
+                f"coordinator epoch {epoch}; the current one of TC partition "
+                f"{txn.tc_partition} is {current}",
+                {"tc_partition": txn.tc_partition, "coordinator_epoch": epoch,
+                 "current_coordinator_epoch": current})
 
     def current_coordinator_epoch(self, tc_partition: int) -> int:
         """The epoch below which a stage of the TC partition is stale here: the server's
@@ -1089,15 +1118,7 @@ class PartitionOwner:
             if existing is not None:
                 return Appended(existing.first_offset, existing.last_offset,
                                 existing.first_timestamp_ms, duplicate=True)
-            current = self.current_coordinator_epoch(txn.tc_partition)
-            if epoch < current:
-                return AtomlogError(
-                    "STALE_COORDINATOR_EPOCH",
-                    f"stage of {txn.tc_partition}:{txn.sequence} on {self.name} has "
-                    f"coordinator epoch {epoch}; the current one of TC partition "
-                    f"{txn.tc_partition} is {current}",
-                    {"tc_partition": txn.tc_partition, "coordinator_epoch": epoch,
-                     "current_coordinator_epoch": current})
+            self.check_stage_epoch(txn, epoch)
             self.txns.check_write(txn, 0, 0)
         except AtomlogError as error:
             return error

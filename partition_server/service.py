@@ -948,7 +948,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 if refusal is not None:
                     entry.error.CopyFrom(item_error(refusal))
                 else:
-                    work.append(self._stage_ack(txn, ack, entry))
+                    work.append(self._stage_ack(txn, item.coordinator_epoch, ack, entry))
         if work:
             await asyncio.gather(*work)
         return response
@@ -975,14 +975,18 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         entry.duplicate = appended.duplicate
         entry.log_start_offset = owner.log.log_start_offset if owner.log else -1
 
-    async def _stage_ack(self, txn: TxnId, ack, entry) -> None:
+    async def _stage_ack(self, txn: TxnId, epoch: int, ack, entry) -> None:
+        """One staged ack. As for a batch, the epoch fenced above is checked again where
+        the ack is staged (the cursor store's step): a fence raised while this waited to
+        run (a newer coordinator's marker or ResolveStaged) refuses it there."""
         sp = ack.subscription_partition
         try:
             owner = await self._subscription_owner(sp)
             ranges = [(r.start_offset, r.end_offset) for r in ack.individual_ranges]
             entry.cumulative_end_offset = await owner.subscriptions.ack(
                 sp.subscription, ack.cumulative_end_offset, ranges, txn,
-                owner.max_read_position())
+                owner.max_read_position(),
+                check=lambda: owner.check_stage_epoch(txn, epoch, "staged ack"))
         except AtomlogError as error:
             entry.error.CopyFrom(item_error(error))
             entry.cumulative_end_offset = -1

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from partition_server.cursor_store import CursorStore, CursorStoreLimits, SnapshotJob, StoreEntry
+from partition_server.durability import LogSync
 from partition_server.record_batch import TxnId, iter_batches
 from partition_server.subscription_cursor import CursorDescription, Delivery, merge_ranges
 from services.errors import AtomlogError
@@ -105,8 +106,15 @@ def _resolve(future: asyncio.Future | None) -> None:
 
 class PartitionSubscriptions:
     def __init__(self, name: str, directory: Path, limits: CursorStoreLimits,
-                 log_start: Callable[[], int], replication: Callable[[], object] = lambda: None):
+                 log_start: Callable[[], int], replication: Callable[[], object] = lambda: None,
+                 durability: Callable[[Path], LogSync | None] = lambda directory: None):
+        """`durability(directory)` (called on a worker thread as each store opens): the
+        LogSync that makes the journal durable in the rounds of the process's durability
+        barrier (partition_server/durability.py), with the partition's log; None: an
+        fsync of its own on a worker thread."""
         self.name = name
+        self._durability = durability
+        self._log_sync: LogSync | None = None  # the open store's (taken at each open)
         self._replication = replication  # the leadership, or None (not replicated)
         self._log_start = log_start
         self.directory = directory
@@ -125,20 +133,27 @@ class PartitionSubscriptions:
     def open(self, log_start_offset: int) -> None:
         """Blocking (recovery reads files): call on a worker thread. Waits for a snapshot
         step still running on a worker thread (the directory is then consistent)."""
-        self.store, self.error = self._open_store(log_start_offset)
+        self.store, self.error, self._log_sync = self._open_store(log_start_offset)
 
     def _open_store(self, log_start_offset: int) -> tuple[CursorStore | None,
-                                                          AtomlogError | None]:
+                                                          AtomlogError | None,
+                                                          LogSync | None]:
+        """The store, or the error it refuses to open with; and its LogSync (taken anew
+        with each open: after a failed syncfs, one taken before is refused durability)."""
         with self._files:
             try:
                 store = CursorStore.open(self.directory, self.limits,
                                          retain_frames=self._replication() is not None)
                 store.forget_below(log_start_offset)
-                return store, None
             except AtomlogError as error:
                 event(log, "subscriptions refuse to serve", logging.ERROR,
                       partition=self.name, error=error.message)
-                return None, error
+                return None, error, None
+        try:
+            return store, None, self._durability(self.directory)
+        except BaseException:
+            store.close()
+            raise
 
     def close(self) -> None:
         """On the loop. A snapshot step still running finishes on its own (the store
@@ -186,8 +201,16 @@ class PartitionSubscriptions:
         try:
             ticket = store.sync_begin()
             if ticket is not None:
+                sync = self._log_sync
                 try:
-                    await asyncio.to_thread(store.fsync, ticket)
+                    if sync is None:
+                        await asyncio.to_thread(store.fsync, ticket)
+                    else:  # in the barrier's round, with the partitions' logs
+                        try:
+                            await sync.sync(ticket.fd)
+                        except OSError as error:
+                            store.fsync_failed(error)
+                            raise
                 finally:
                     store.sync_end(ticket)
                 self._note_durable(store)
@@ -249,12 +272,12 @@ class PartitionSubscriptions:
         self._blocked.clear()
         self._wakeups.wake_all()
         generation = self._generation
-        reopened, error = await asyncio.to_thread(self._open_store, self._log_start())
+        reopened, error, sync = await asyncio.to_thread(self._open_store, self._log_start())
         if generation != self._generation:  # the owner closed (maybe reopened) meanwhile
             if reopened is not None:
                 reopened.close()  # not installed: its files must not stay open
             return failure
-        self.store, self.error = reopened, error  # what is durable
+        self.store, self.error, self._log_sync = reopened, error, sync  # what is durable
         if reopened is not None:
             self._note_durable(reopened)
         self._wakeups.wake_all()  # deliveries were volatile: everything is deliverable
@@ -310,8 +333,13 @@ class PartitionSubscriptions:
         return await self.change(decide)
 
     async def ack(self, name: str, cumulative_end: int, ranges, txn: TxnId | None,
-                  limit: int) -> int:
+                  limit: int, check: Callable[[], None] | None = None) -> int:
+        """An ack, plain or transactional (pending until `txn`'s marker): the cursor's
+        cumulative end once durable. `check` runs first in the same step as the staging
+        and raises to refuse (a staged ack's coordinator epoch: service.py)."""
         def decide(store: CursorStore) -> int:
+            if check is not None:
+                check()
             entry = store.cursor(name).check_ack(cumulative_end, ranges, txn, limit=limit)
             if entry is not None:
                 store.stage(StoreEntry(name, entry))

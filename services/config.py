@@ -248,9 +248,12 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "fsyncs every partition that asked while its previous round ran, at once, "
                 "and answers them together; syncfs: the barrier's round is one syncfs of "
                 "the filesystem (Linux 5.8+, else fsync; it writes back every dirty file "
-                "there, other processes' too: for a data disk of its own); executor: each "
+                "there, other processes' too: for a data disk of its own); auto: syncfs "
+                "for a partition on a filesystem other than the root's (a data volume), "
+                "fsync on the root filesystem (docs/benchmarks.md: it paid for many "
+                "small transactions, not for consume-transform-produce); executor: each "
                 "partition fsyncs its own file on a worker thread.",
-                choices=("fsync", "syncfs", "executor")),
+                choices=("auto", "fsync", "syncfs", "executor")),
         Setting("partition.max_group_bytes", int, 8 * MIB, "Most bytes one partition appends "
                 "per group commit (one write, one fsync).", minimum=64 * KIB, maximum=1024 * MIB),
         Setting("partition.max_queued_requests", int, 1_000, "Produce requests waiting per "

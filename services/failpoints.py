@@ -66,7 +66,8 @@ def slow_disk() -> None:
     if _DIRECTORY is None:
         return
     try:
-        text = open(os.path.join(_DIRECTORY, FSYNC_SLOW)).read().strip()
+        with open(os.path.join(_DIRECTORY, FSYNC_SLOW)) as armed_file:
+            text = armed_file.read().strip()
     except OSError:
         return  # not armed
     try:

@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -335,9 +338,9 @@ def test_a_failed_syncfs_fails_closed_every_owner_of_the_filesystem(tmp_path):
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("mode", [durability.FSYNC, durability.SYNCFS])
+@pytest.mark.parametrize("mode", [durability.AUTO, durability.FSYNC, durability.SYNCFS])
 def test_owners_on_the_process_barrier_end_to_end(tmp_path, mode):
-    """The default path (fsync) and syncfs with the process's barrier and the kernel's
+    """The default (fsync), auto and syncfs with the process's barrier and the kernel's
     calls: acknowledged, durable, and read back after a reopen."""
     assert OwnerSettings(log=LogConfig()).durability == durability.FSYNC
     settings = OwnerSettings(log=LogConfig(), durability=mode)
@@ -351,8 +354,9 @@ def test_owners_on_the_process_barrier_end_to_end(tmp_path, mode):
         assert all(r[0].base_offset == 0 for r in results)
         syncs = durability.barrier().syncs - before
         assert 1 <= syncs <= 4
-        expected = mode
-        if mode == durability.SYNCFS and (durability._load_syncfs() is None or
+        expected = durability.barrier_mode(mode, os.stat(tmp_path).st_dev,
+                                           os.stat("/").st_dev)
+        if expected == durability.SYNCFS and (durability._load_syncfs() is None or
                                           not durability._kernel_reports_syncfs_errors()):
             expected = durability.FSYNC  # the fallback
         assert owners[0]._log_sync.mode == expected
@@ -362,5 +366,90 @@ def test_owners_on_the_process_barrier_end_to_end(tmp_path, mode):
         await again.start()
         assert again.log.high_watermark == 2
         await again.close()
+
+    asyncio.run(scenario())
+
+
+def test_auto_is_syncfs_off_the_root_filesystem_and_fsync_on_it():
+    assert durability.barrier_mode(durability.AUTO, device=7, root_device=7) == durability.FSYNC
+    assert durability.barrier_mode(durability.AUTO, device=8, root_device=7) == durability.SYNCFS
+    for mode in (durability.FSYNC, durability.SYNCFS):  # set by the operator: kept
+        assert durability.barrier_mode(mode, device=8, root_device=7) == mode
+        assert durability.barrier_mode(mode, device=7, root_device=7) == mode
+
+
+def test_an_auto_barrier_fsyncs_logs_on_the_root_filesystem_and_syncfs_elsewhere(tmp_path):
+    """The real barrier, real directories: one on `/`'s filesystem (tmp_path here, when
+    it is there) and one on a tmpfs (/dev/shm), each opened in auto mode."""
+    root = os.stat("/").st_dev
+    if os.stat(tmp_path).st_dev != root:
+        pytest.skip("the test's temporary directory is not on the root filesystem")
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == root:
+        pytest.skip("no /dev/shm on a filesystem of its own")
+    if durability._load_syncfs() is None or not durability._kernel_reports_syncfs_errors():
+        pytest.skip("no syncfs with error reporting here")
+    barrier = DurabilityBarrier()
+    elsewhere = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        async def scenario():
+            on_root = barrier.open(tmp_path, durability.AUTO)
+            off_root = barrier.open(elsewhere, durability.AUTO)
+            assert on_root.mode == durability.FSYNC
+            assert off_root.mode == durability.SYNCFS
+            for directory, sync in ((tmp_path, on_root), (elsewhere, off_root)):
+                fd = os.open(directory / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+                try:
+                    os.write(fd, b"x" * 100)
+                    await sync.sync(fd)  # durable, through the mode's round
+                finally:
+                    os.close(fd)
+            assert barrier.syncs == 2  # one fsync, one syncfs
+
+        asyncio.run(scenario())
+    finally:
+        shutil.rmtree(elsewhere)
+
+
+@pytest.mark.parametrize("mode", [durability.FSYNC, durability.SYNCFS])
+def test_a_subscription_journal_is_made_durable_in_the_barrier_round_and_fails_closed(
+        tmp_path, monkeypatch, mode):
+    """A partition's subscription journal (the cursor store) asks the owner's barrier,
+    in the owner's mode, instead of fsyncing on a worker thread of its own; a failed
+    round (the fsync failpoint, which fails syncfs too) breaks the store, whose change
+    is refused and which reopens from what is durable."""
+    settings = OwnerSettings(log=LogConfig(), durability=mode)
+    barrier = DurabilityBarrier()
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings, barrier=barrier)
+        await owner.start()
+        subscriptions = owner.subscriptions
+        assert subscriptions._log_sync is not None
+        expected = mode
+        if mode == durability.SYNCFS and (durability._load_syncfs() is None or
+                                          not durability._kernel_reports_syncfs_errors()):
+            expected = durability.FSYNC  # the fallback
+        assert subscriptions._log_sync.mode == expected
+        await start(owner, batch(7, 0))
+        before = barrier.rounds
+        assert await subscriptions.create("s", 0) == (True, 0)
+        assert barrier.rounds > before  # durable through the barrier
+        assert await subscriptions.ack("s", 1, (), None, owner.max_read_position()) == 1
+        points = tmp_path / "failpoints"
+        points.mkdir()
+        monkeypatch.setattr(failpoints, "_DIRECTORY", str(points))
+        (points / failpoints.FSYNC).touch()
+        with pytest.raises(AtomlogError) as refused:
+            await subscriptions.ack("s", 2, (), None, owner.max_read_position())
+        assert refused.value.reason == "PARTITION_LOADING"
+        (points / failpoints.FSYNC).unlink()
+        await until(lambda: subscriptions.store is not None)  # reopened from the disk
+        # The refused ack was written before its round failed: read back from the file,
+        # it may be there (a refused change is not acknowledged, not undone). Its retry
+        # is answered once durable.
+        assert subscriptions.cumulative_end("s") in (1, 2)
+        assert await subscriptions.ack("s", 2, (), None, owner.max_read_position()) == 2
+        await owner.close()
 
     asyncio.run(scenario())

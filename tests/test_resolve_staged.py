@@ -26,6 +26,7 @@ from partition_server.log import LogConfig
 from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.record_batch import Record, TxnId, encode_batch, parse_header, \
     stamp_transaction
+from partition_server.service import PartitionServicer
 from services.errors import AtomlogError, from_rpc_error
 from spark_client import Client
 from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, metric_sum, wait_until
@@ -82,6 +83,53 @@ def test_a_stage_overtaken_by_a_newer_epoch_in_the_queue_is_refused_in_the_owner
         appended = await stage(owner, later, 6)
         assert (appended.base_offset, appended.duplicate) == (2, False)
         assert await owner.resolve_staged(later) is True
+        await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_staged_ack_whose_epoch_a_fence_raised_meanwhile_is_refused_where_it_is_staged(
+        tmp_path):
+    """The ack passed the servicer's fence (its epoch was current) and its task waits to
+    run; a newer coordinator's fence comes first. The cursor store's step refuses it
+    (STALE_COORDINATOR_EPOCH) and stages nothing, as the owner's write step does for a
+    batch; the newer coordinator's own ack is taken."""
+    settings = OwnerSettings(log=LogConfig())
+    epochs = CoordinatorEpochs(None, 16)
+    epochs.observe(3, 5)
+    old, new = TxnId(3, 11), TxnId(3, 12)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings,
+                               coordinator_epoch=epochs.current)
+        await owner.start()
+        await start(owner, batch(7, 0))  # two records to ack
+        assert await owner.subscriptions.create("s", 0) == (True, 0)
+        limit = owner.max_read_position()
+
+        class Routed:  # the servicer's routing, to this owner (the step is the real one)
+            async def _subscription_owner(self, sp):
+                assert (sp.topic, sp.partition, sp.subscription) == ("t", 0, "s")
+                return owner
+
+        async def staged_ack(txn: TxnId, epoch: int):
+            """PartitionServicer's step for one staged ack of StageTxn."""
+            entry = partition_pb2.AckResult()
+            await PartitionServicer._stage_ack(Routed(), txn, epoch, partition_pb2.AckItem(
+                subscription_partition=common_pb2.SubscriptionPartition(
+                    topic="t", partition=0, subscription="s"),
+                cumulative_end_offset=2), entry)
+            return entry
+
+        epochs.observe(3, 6)  # the fence, between the servicer's check and the step
+        refused = await staged_ack(old, 5)
+        assert refused.error.reason == "STALE_COORDINATOR_EPOCH"
+        assert refused.error.metadata["current_coordinator_epoch"] == "6"
+        assert refused.cumulative_end_offset == -1
+        assert owner.subscriptions.pending_transactions("s") == []  # nothing staged
+        taken = await staged_ack(new, 6)
+        assert not taken.error.reason and taken.cumulative_end_offset == 0  # pending
+        assert owner.subscriptions.pending_transactions("s") == [new]
         await owner.close()
 
     asyncio.run(scenario())

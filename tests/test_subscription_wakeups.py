@@ -267,7 +267,7 @@ def test_a_reopen_after_a_failure_that_ends_after_a_close_does_not_leak_its_stor
         failure = await recovering
         assert failure.reason == "PARTITION_LOADING"
         assert subscriptions.store is owners and not owners.closed
-        (reopened, error), = late
+        (reopened, error, _), = late
         assert error is None and reopened is not owners and reopened.closed
         assert "s" in owners.cursors()
         subscriptions.close()
