@@ -139,6 +139,32 @@ def open_txns(client, topic: str, partitions: int) -> set[tuple[int, int]]:
             for t in client.describe_partition(topic, p).open_transactions}
 
 
+def staged_everywhere(client, topic: str, partitions: int) -> tuple[int, int]:
+    """Wait until one transaction is open on every partition of `topic` (staged there);
+    its (TC partition, sequence)."""
+    wait_until(lambda: len(open_txns(client, topic, partitions)) == 1
+               and all(client.describe_partition(topic, p).open_transactions
+                       for p in range(partitions)), 20,
+               "the transaction staged on every partition")
+    (staged,) = open_txns(client, topic, partitions)
+    return staged
+
+
+def commit_in_thread(txn, outcome: dict) -> threading.Thread:
+    """txn.commit() on a thread of its own (the test kills its coordinator meanwhile):
+    `outcome` gets "committed" (the transaction id) or "error"."""
+    def commit() -> None:
+        try:
+            txn.commit()
+            outcome["committed"] = txn.id
+        except errors.AtomlogClientError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=commit)
+    thread.start()
+    return thread
+
+
 def test_coordinator_killed_between_staging_and_decision_presumes_abort(servers, client,
                                                                         failpoint_dir):
     topic = create_online(client, "oc-presumed", 2)
@@ -148,20 +174,8 @@ def test_coordinator_killed_between_staging_and_decision_presumes_abort(servers,
         for i in range(6):
             producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
         assert txn.one_call
-
-        def commit() -> None:
-            try:
-                txn.commit()
-                outcome["committed"] = txn.id
-            except errors.AtomlogClientError as error:
-                outcome["error"] = error
-
-        thread = threading.Thread(target=commit)
-        thread.start()
-        wait_until(lambda: len(open_txns(client, topic, 2)) == 1
-                   and all(client.describe_partition(topic, p).open_transactions
-                           for p in range(2)), 20, "the transaction staged on both partitions")
-        (staged,) = open_txns(client, topic, 2)
+        thread = commit_in_thread(txn, outcome)
+        staged = staged_everywhere(client, topic, 2)
         kill_and_restart(servers, coordinator_of(servers, staged[0]), held)
         thread.join(timeout=120)
     assert not thread.is_alive()
@@ -189,19 +203,8 @@ def test_a_failed_commit_of_a_dead_coordinator_leaves_nothing_hanging(servers, c
             for i in range(4):
                 producer.send(topic, f"g{i}".encode(), partition=i % 2, txn=txn)
             result: dict = {}
-
-            def commit() -> None:
-                try:
-                    txn.commit()
-                    result["committed"] = True
-                except errors.AtomlogClientError as error:
-                    result["error"] = error
-
-            thread = threading.Thread(target=commit)
-            thread.start()
-            wait_until(lambda: all(client.describe_partition(topic, p).open_transactions
-                                   for p in range(2)), 20, "the transaction staged")
-            (staged,) = open_txns(client, topic, 2)
+            thread = commit_in_thread(txn, result)
+            staged = staged_everywhere(client, topic, 2)
             victim = coordinator_of(servers, staged[0])
             os.kill(servers.process(victim)["pid"], signal.SIGKILL)
             thread.join(timeout=60)  # the client runs out of time while it is down

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -20,12 +19,12 @@ import pytest
 
 from atomlog.v1 import coordinator_pb2
 from services import failpoints
-from spark_client import Client, errors
+from spark_client import Client
 from spark_client.transactions import Coordinators
 from tests.conftest import create_online, wait_until
 from tests.test_one_call import (
-    Armed, committed_values, coordinator_of, failpoint_cluster, kill_and_restart, open_txns,
-    restart, settled,
+    Armed, commit_in_thread, committed_values, coordinator_of, failpoint_cluster,
+    kill_and_restart, restart, settled, staged_everywhere,
 )
 
 pytestmark = pytest.mark.cluster
@@ -68,19 +67,6 @@ def parallel_transaction(client, warm_topic: str, timeout_s: float = 60):
     return txn
 
 
-def _commit_in_thread(txn, outcome: dict) -> threading.Thread:
-    def commit() -> None:
-        try:
-            txn.commit()
-            outcome["committed"] = txn.id
-        except errors.AtomlogClientError as error:
-            outcome["error"] = error
-
-    thread = threading.Thread(target=commit)
-    thread.start()
-    return thread
-
-
 def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers, client,
                                                                        failpoint_dir,
                                                                        warm_topic):
@@ -95,11 +81,8 @@ def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers,
         for i in range(6):
             producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
         assert txn.one_call
-        thread = _commit_in_thread(txn, outcome)
-        wait_until(lambda: len(open_txns(client, topic, 2)) == 1
-                   and all(client.describe_partition(topic, p).open_transactions
-                           for p in range(2)), 20, "the transaction staged on both partitions")
-        (staged,) = open_txns(client, topic, 2)
+        thread = commit_in_thread(txn, outcome)
+        staged = staged_everywhere(client, topic, 2)
         kill_and_restart(servers, coordinator_of(servers, staged[0]), held)
         thread.join(timeout=120)
     assert not thread.is_alive()
@@ -125,10 +108,8 @@ def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, 
             for i in range(4):
                 producer.send(topic, f"g{i}".encode(), partition=i % 2, txn=txn)
             result: dict = {}
-            thread = _commit_in_thread(txn, result)
-            wait_until(lambda: all(client.describe_partition(topic, p).open_transactions
-                                   for p in range(2)), 20, "the transaction staged")
-            (staged,) = open_txns(client, topic, 2)
+            thread = commit_in_thread(txn, result)
+            staged = staged_everywhere(client, topic, 2)
             victim = coordinator_of(servers, staged[0])
             os.kill(servers.process(victim)["pid"], signal.SIGKILL)
             thread.join(timeout=60)  # the client runs out of time while it is down
@@ -167,7 +148,7 @@ def test_coordinator_killed_before_staging_is_aborted_by_its_successor(servers, 
         for i in range(4):
             producer.send(topic, f"u{i}".encode(), partition=i % 2, txn=txn)
         tc = txn.tc_partition
-        thread = _commit_in_thread(txn, outcome)
+        thread = commit_in_thread(txn, outcome)
         wait_until(lambda: _staging_txns(client, tc), 20, "the Staging record")
         (logged,) = _staging_txns(client, tc)
         kill_and_restart(servers, coordinator_of(servers, tc), held)

@@ -131,3 +131,32 @@ def test_a_held_one_call_turn_keeps_the_next_commit_waiting_until_released_or_du
     fourth.wait_before()
     assert 0.2 <= time.monotonic() - began < 5
     assert fourth.before == []  # turns do not chain up in memory
+
+
+def test_random_idempotency_keys_are_unique_hash_where_asked_and_differ_in_a_forked_child():
+    """The SDK's keys: a per-process random prefix and a counter (no kernel random read
+    per key); a forked child makes a prefix of its own, else it would repeat its
+    parent's keys."""
+    import os
+
+    from coordinator.records import tc_partition_for
+    from spark_client.transactions import _key_for, _random_key
+
+    keys = [_random_key() for _ in range(1000)]
+    assert len(set(keys)) == 1000 and all(k.startswith("sdk-") for k in keys)
+    for k in range(16):
+        assert tc_partition_for(_key_for(k, 16), 16) == k
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its next key, to the parent
+        try:
+            os.write(write, _random_key().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    child_key = os.read(read, 200).decode()
+    os.close(read)
+    parent_key = _random_key()
+    prefix = parent_key.rsplit("-", 1)[0]
+    assert child_key and not child_key.startswith(prefix + "-")
