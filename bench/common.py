@@ -68,6 +68,12 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 PY_SPY = str(Path(sys.executable).parent / "py-spy")
 
 
+def py_spy_format(output) -> str:
+    """py-spy's output format for a profile file: collapsed stacks ("raw", one line per
+    stack and its sample count, for scripts) when the name ends in .txt, else speedscope."""
+    return "raw" if str(output).endswith(".txt") else "speedscope"
+
+
 def percentile(values, fraction: float) -> float:
     """Linear interpolation between closest ranks (as peers-bench)."""
     if not values:

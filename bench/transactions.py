@@ -135,6 +135,15 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
     out.put((count, commits, totals, cpu))
 
 
+def dump_metrics(addresses: list[str], suffix: str = "") -> None:
+    """A diagnostic: with ATOMLOG_BENCH_METRICS_OUT=FILE, the servers' /metrics after a
+    cell into FILE (FILE plus `suffix` for the CTP cells)."""
+    if os.environ.get("ATOMLOG_BENCH_METRICS_OUT"):
+        Path(os.environ["ATOMLOG_BENCH_METRICS_OUT"] + suffix).write_text("".join(
+            urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode()
+            for a in addresses))
+
+
 def small_transactions(report, address: str, clients: int, seconds: float,
                        one_call: bool = True, profile: Path | None = None) -> dict:
     """`clients` processes in a loop of small transactions (one-call ones, or with
@@ -158,7 +167,9 @@ def small_transactions(report, address: str, clients: int, seconds: float,
         import subprocess
         spy = subprocess.Popen([common.PY_SPY, "record", "--pid", str(services[0].pid),
                                 "--duration", str(int(seconds)), "--rate", "200",
-                                "--format", "speedscope", "--output", str(profile)],
+                                # --nonblocking: no pause of the server per sample
+                                "--nonblocking", "--format", common.py_spy_format(profile),
+                                "--output", str(profile)],
                                stdout=subprocess.DEVNULL)
     results = [out.get(timeout=seconds + 300) for _ in workers]
     server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
@@ -167,10 +178,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
         worker.join()
     if spy is not None:
         spy.wait(60)
-    if os.environ.get("ATOMLOG_BENCH_METRICS_OUT"):  # a diagnostic: the servers' /metrics
-        Path(os.environ["ATOMLOG_BENCH_METRICS_OUT"]).write_text("".join(
-            urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode()
-            for a in metrics))
+    dump_metrics(metrics)
     count = sum(r[0] for r in results)
     calls = sum(after[m] - before[m] for m in after
                 if not m.startswith(("TC log", "in-process", "fsyncs")))
@@ -292,9 +300,11 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
 
 def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, int],
                metrics_addresses: list[str], out, pipelined: bool, suffix: str,
-               one_call_max_bytes: int = 1 << 20, profile: str | None = None) -> None:
+               one_call_max_bytes: int = 1 << 20, profile: str | None = None,
+               profile_worker: bool = False) -> None:
     """One worker: preload (untimed), then the loop of peers-bench W3 (with `profile`,
-    py-spy records the first server process over the loop into that file). Sequential (as the
+    py-spy records the first server process over the loop into that file, or with
+    `profile_worker` this worker, the client side). Sequential (as the
     peers): each transaction commits before the next poll. Pipelined: the ack goes out
     with ack_async() (it opens the transaction on the consumer's ack thread while the
     worker sends), the commit with commit_async(), and the worker polls the next batch
@@ -322,9 +332,10 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     if profile is not None:
         import signal
         import subprocess
-        spy = subprocess.Popen([common.PY_SPY, "record", "--pid", str(next(iter(processes.values()))),
+        target = os.getpid() if profile_worker else next(iter(processes.values()))
+        spy = subprocess.Popen([common.PY_SPY, "record", "--pid", str(target),
                                 # --nonblocking: no pause of the server per sample
-                                "--rate", "200", "--nonblocking", "--format", "speedscope",
+                                "--rate", "200", "--nonblocking", "--format", common.py_spy_format(profile),
                                 "--output", profile],
                                stdout=subprocess.DEVNULL)
         time.sleep(1)  # py-spy attaches
@@ -390,7 +401,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
 
 def consume_transform_produce(report, address: str, inputs: int, partitions: int,
                               pipelined: bool = False, one_call: bool = True,
-                              profile: Path | None = None) -> dict:
+                              profile: Path | None = None, profile_worker: bool = False) -> dict:
     from spark_client import Client
 
     suffix = ("-pipelined" if pipelined else "") + ("" if one_call else "-streaming")
@@ -405,10 +416,12 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
         address, inputs, partitions, {p.name: p.pid for p in services},
         [p.metrics_address for p in services], out, pipelined, suffix,
         (1 << 20) if one_call else 0,
-        None if profile is None else f"{profile}{suffix}"))
+        None if profile is None else str(profile.with_name(profile.stem + suffix + profile.suffix)),
+        profile_worker))
     worker.start()
     result = out.get(timeout=600)
     worker.join()
+    dump_metrics([p.metrics_address for p in services], suffix)
     with Client(address) as client, \
             client.consumer(CTP_OUT + suffix, isolation="read_committed") as c:
         result["outputs"] = _count_messages(c)
@@ -727,7 +740,12 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="with --only-small or --only-ctp: py-spy records the first "
                              "server process over the timed window into FILE (speedscope "
-                             "format; the pipelined CTP cell into FILE-pipelined)")
+                             "format, or collapsed stacks when FILE ends in .txt; the "
+                             "pipelined CTP cell into FILE's name with -pipelined before "
+                             "its extension)")
+    parser.add_argument("--profile-worker", action="store_true",
+                        help="with --only-ctp --profile: record the CTP worker (the SDK "
+                             "client) instead of the server")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a config setting for every server (repeatable), e.g. "
@@ -778,7 +796,8 @@ def main() -> None:
                   f"{floor['server_cpu_ms_per_call']:.2f} ms per call); "
                   f"{small['fsyncs_per_txn']:.2f} group commits and "
                   f"{small['sync_calls_per_txn']:.2f} sync calls per transaction; "
-                  f"durability {os.environ.get('ATOMLOG_PARTITION_DURABILITY', 'default')}; "
+                  "durability " + settings.get("partition.durability", os.environ.get(
+                      "ATOMLOG_PARTITION_DURABILITY", "default (fsync)")) + "; "
                   "commit p50/p99 "
                   f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms", flush=True)
             return
@@ -800,7 +819,8 @@ def main() -> None:
         for pipelined in (False, True):
             ctp_runs.append(consume_transform_produce(
                 report, address, args.ctp_inputs, args.ctp_partitions, pipelined,
-                profile=args.profile if args.only_ctp else None))
+                profile=args.profile if args.only_ctp else None,
+                profile_worker=args.profile_worker))
             print(f"consume-transform-produce: {ctp_runs[-1]}", flush=True)
     ctp_text = ctp_section(command, load, baseline, raw_mb_s, floor, ctp_runs, peers)
     if args.only_ctp:
