@@ -11,7 +11,8 @@ process), through the Python SDK exactly as bench/transactions.py runs them:
   transaction of the servers and of the clients;
 - consume-transform-produce (peers-bench W3: 20,000 preloaded inputs, batches of 100;
   the worker's consumer prefetches 900 more per Receive): sequential (ack(), commit())
-  and pipelined (ack_async(), commit_async(), 4 committing), one-call and streaming.
+  and pipelined (ack_async(), commit_async(), 4 committing), one-call and streaming;
+  each cell, and PostgreSQL's W3, run three times (--ctp-runs): the median is reported.
 
 Baselines and peers measured in the same run: the do-nothing gRPC call rate between two
 Python processes (the ceiling per call), fsync latency; PostgreSQL from
@@ -22,7 +23,8 @@ is skipped and the table says so.
 
 Prints a table and writes its section of docs/benchmarks.md.
 
-    .venv/bin/python bench/transaction_paths.py [--clients 8] [--seconds 10] [--no-peers] [--no-docs]
+    .venv/bin/python bench/transaction_paths.py [--clients 8] [--seconds 10] [--ctp-runs 3]
+        [--no-peers] [--no-docs]
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ SHAPES = {"cluster": {"id_allocator": 1, "coordinator": 2, "partition_server": 3
           "combined": {"combined": 1}}
 
 
-def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int) -> dict:
+def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int,
+              ctp_runs: int) -> dict:
     """Every atomlog cell on one fresh cluster of `shape`."""
     from spark_client import Client
 
@@ -67,20 +70,34 @@ def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int) -> dict
             print(f"{shape} small {path}: {cells[f'small {path}']}", flush=True)
             for pipelined in (False, True):
                 name = f"ctp {'pipelined' if pipelined else 'sequential'} {path}"
-                cells[name] = tb.consume_transform_produce(report, address, ctp_inputs, 1,
-                                                           pipelined, one_call)
-                print(f"{shape} {name}: {cells[name]}", flush=True)
+                runs = []
+                for run in range(ctp_runs):
+                    runs.append(tb.consume_transform_produce(report, address, ctp_inputs, 1,
+                                                             pipelined, one_call, run=run))
+                    print(f"{shape} {name}: {runs[-1]}", flush=True)
+                cells[name] = median_run(runs, "per_s")
     return cells
 
 
-def run_postgres(clients: int, seconds: float) -> dict:
-    """peers-bench W1 (8 clients) and W3 on PostgreSQL, or {"skipped": why}."""
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run whose `key` is the median of `runs` (the lower middle one of an even
+    count), with every run's `key` in "runs" (shown as the range): a cell of 20,000
+    inputs lasts about a second, and single such cells moved by ±15% between runs of
+    the same code."""
+    ranked = sorted(runs, key=lambda run: run[key])
+    return {**ranked[(len(ranked) - 1) // 2], "runs": [run[key] for run in runs]}
+
+
+def run_postgres(clients: int, seconds: float, w3_runs: int) -> dict:
+    """peers-bench W1 (8 clients) and W3 (the median of `w3_runs`) on PostgreSQL, or
+    {"skipped": why}."""
     python = PEERS_BENCH / ".venv" / "bin" / "python"
     if not python.exists():
         return {"skipped": f"no {python} (run `bash setup.sh` in {PEERS_BENCH})"}
     figures = {}
+    w3 = []
     for workload, extra in (("w1", ["--clients", str(clients), "--duration", str(seconds)]),
-                            ("w3", [])):
+                            *[("w3", [])] * w3_runs):
         try:
             done = subprocess.run([str(python), "bench.py", "--peer", "pg", "--workload",
                                    workload, *extra], cwd=PEERS_BENCH, capture_output=True,
@@ -93,6 +110,9 @@ def run_postgres(clients: int, seconds: float) -> dict:
             return {"skipped": f"peers-bench {workload} failed: {tail[0][:200]}"}
         figures[workload] = json.loads(lines[-1])
         print(f"postgres {workload}: {figures[workload]}", flush=True)
+        if workload == "w3":
+            w3.append(figures[workload])
+    figures["w3"] = median_run(w3, "inputs_per_s")
     return figures
 
 
@@ -128,6 +148,14 @@ def _calls(cell: dict) -> str:
     text = ", ".join(f"{m} {n:.2f}" for m, n in sorted(methods.items(), key=lambda i: -i[1]))
     local = cell.get("local_calls_per_txn", 0)
     return text + (f"; in-process {local:.1f}" if local >= 0.05 else "")
+
+
+def _spread(cell: dict) -> str:
+    """The range of a median cell's runs ("" for a single run)."""
+    runs = cell.get("runs", [])
+    if len(runs) < 2:
+        return ""
+    return f"runs {min(runs):,.0f}-{max(runs):,.0f}; "
 
 
 def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict,
@@ -196,9 +224,9 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
                 continue
             lines.append(
                 f"| consume-transform-produce inputs/s, {mode}, {path} | **{a['per_s']:,.0f}** "
-                f"(commit p99 {a['commit_p99_ms']:.0f} ms) | **{b['per_s']:,.0f}** (commit p99 "
-                f"{b['commit_p99_ms']:.0f} ms) | {peers_ctp(a['per_s'])} / "
-                f"{peers_ctp(b['per_s'])} |")
+                f"({_spread(a)}commit p99 {a['commit_p99_ms']:.0f} ms) | **{b['per_s']:,.0f}** "
+                f"({_spread(b)}commit p99 {b['commit_p99_ms']:.0f} ms) | "
+                f"{peers_ctp(a['per_s'])} / {peers_ctp(b['per_s'])} |")
     lines += ["", "Peers in the same run:", ""]
     if "skipped" in postgres:
         lines.append(f"- PostgreSQL: skipped ({postgres['skipped']}).")
@@ -207,7 +235,10 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         lines.append(f"- PostgreSQL (peers-bench, fsync on, synchronous_commit on): W1 with "
                      f"{w1['clients']} clients **{w1['txn_per_s']:,.0f} txn/s** (latency p50 "
                      f"{w1['p50_ms']:.1f} ms, p99 {w1['p99_ms']:.1f} ms); W3 "
-                     f"**{w3['inputs_per_s']:,.0f} inputs/s**.")
+                     f"**{w3['inputs_per_s']:,.0f} inputs/s**"
+                     + (f" (the median of {len(w3['runs'])} runs, "
+                        f"{min(w3['runs']):,.0f}-{max(w3['runs']):,.0f})"
+                        if len(w3.get("runs", [])) > 1 else "") + ".")
     if "skipped" in kafka:
         lines.append(f"- Kafka: skipped ({kafka['skipped']}).")
     else:
@@ -232,10 +263,16 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--ctp-inputs", type=int, default=20_000)
+    parser.add_argument("--ctp-runs", type=int, default=3,
+                        help="runs of each consume-transform-produce cell and of "
+                             "PostgreSQL's W3; the median run is reported (a cell lasts "
+                             "about a second: single runs move by ±15%%)")
     parser.add_argument("--shapes", default="cluster,combined")
     parser.add_argument("--no-peers", action="store_true", help="skip PostgreSQL and Kafka")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
+    if not 1 <= args.ctp_runs <= 9:
+        parser.error("--ctp-runs takes 1..9")
     command = common.command_line("bench/transaction_paths.py", sys.argv[1:])
     load = os.getloadavg()[0]
     floor = common.grpc_call_floor()
@@ -243,10 +280,12 @@ def main() -> None:
     import tempfile
     with tempfile.TemporaryDirectory(prefix="atomlog-bench-fsync-") as directory:
         baseline = common.fsync_baseline(Path(directory))
-    shapes = {shape: run_shape(shape, args.clients, args.seconds, args.ctp_inputs)
+    shapes = {shape: run_shape(shape, args.clients, args.seconds, args.ctp_inputs,
+                               args.ctp_runs)
               for shape in args.shapes.split(",")}
     skipped = {"skipped": "--no-peers"}
-    postgres = skipped if args.no_peers else run_postgres(args.clients, args.seconds)
+    postgres = (skipped if args.no_peers
+                else run_postgres(args.clients, args.seconds, args.ctp_runs))
     kafka = skipped if args.no_peers else run_kafka(args.clients, args.seconds, args.ctp_inputs)
     text = section(command, load, baseline, floor, shapes, postgres, kafka)
     print()

@@ -401,10 +401,14 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
 
 def consume_transform_produce(report, address: str, inputs: int, partitions: int,
                               pipelined: bool = False, one_call: bool = True,
-                              profile: Path | None = None, profile_worker: bool = False) -> dict:
+                              profile: Path | None = None, profile_worker: bool = False,
+                              run: int = 0) -> dict:
+    """One cell on topics of its own (`run` > 0: the run-th repeat of the cell, on topics
+    named for it)."""
     from spark_client import Client
 
-    suffix = ("-pipelined" if pipelined else "") + ("" if one_call else "-streaming")
+    suffix = (("-pipelined" if pipelined else "") + ("" if one_call else "-streaming")
+              + (f"-run{run}" if run else ""))
     with Client(address) as client:
         client.create_topic(CTP_IN + suffix, partitions=partitions)
         client.create_topic(CTP_OUT + suffix, partitions=partitions)
