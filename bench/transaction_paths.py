@@ -11,7 +11,7 @@ process), through the Python SDK exactly as bench/transactions.py runs them:
   transaction of the servers and of the clients;
 - consume-transform-produce (peers-bench W3: 20,000 preloaded inputs, batches of 100;
   the worker's consumer prefetches 900 more per Receive): sequential (ack(), commit())
-  and pipelined (ack_async(), commit_async(), 4 committing), one-call and streaming;
+  and pipelined (ack_async(), commit_async(), 8 committing), one-call and streaming;
   each cell, and PostgreSQL's W3, run three times (--ctp-runs): the median is reported.
 
 Baselines and peers measured in the same run: the do-nothing gRPC call rate between two

@@ -19,7 +19,7 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
    per ten polls), send 100 outputs (the input's bytes reversed) and ack the 100
    inputs, all in one transaction, commit; it stops at the first empty poll. Twice, on
    topics of their own: sequentially (ack(), commit(), as the peers) and pipelined
-   (ack_async() before the sends, commit_async(), up to 4 transactions committing while
+   (ack_async() before the sends, commit_async(), up to 8 transactions committing while
    the worker polls on). Inputs/s (timed from the first poll to the empty one, and to the
    last commit), batch and commit p50/p99, the RPCs per batch over every process (from
    their /metrics) and the CPU of each process over the window.
@@ -88,7 +88,7 @@ def use_combined_server() -> None:
 SMALL_TOPIC, STREAM_TOPIC = "bench-small-txn", "bench-txn-stream"
 CTP_IN, CTP_OUT, CTP_SUBSCRIPTION = "bench-ctp-in", "bench-ctp-out", "bench-ctp"
 CTP_BATCH = 100
-CTP_DEPTH = 4  # pipelined: transactions committing at once (the SDK runs 4 commits at a time)
+CTP_DEPTH = 8  # pipelined: transactions committing at once (the SDK's commit threads: 16)
 # The worker's consumer asks each Receive for this many inputs beyond the poll's 100 and
 # keeps them for its next polls (as RabbitMQ's prefetch count): one Receive per ten polls.
 CTP_PREFETCH = 9 * CTP_BATCH
@@ -301,18 +301,21 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
 def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, int],
                metrics_addresses: list[str], out, pipelined: bool, suffix: str,
                one_call_max_bytes: int = 1 << 20, profile: str | None = None,
-               profile_worker: bool = False) -> None:
+               profile_worker: bool = False, depth: int = CTP_DEPTH,
+               commit_threads: int | None = None) -> None:
     """One worker: preload (untimed), then the loop of peers-bench W3 (with `profile`,
     py-spy records the first server process over the loop into that file, or with
     `profile_worker` this worker, the client side). Sequential (as the
     peers): each transaction commits before the next poll. Pipelined: the ack goes out
     with ack_async() (it opens the transaction on the consumer's ack thread while the
     worker sends), the commit with commit_async(), and the worker polls the next batch
-    while up to CTP_DEPTH transactions commit."""
+    while up to `depth` transactions commit (on `commit_threads` commit threads: the
+    SDK's default when None)."""
     from spark_client import Client
 
     topic_in, topic_out, subscription = CTP_IN + suffix, CTP_OUT + suffix, CTP_SUBSCRIPTION
-    client = Client(address, one_call_max_bytes=one_call_max_bytes)
+    client = Client(address, one_call_max_bytes=one_call_max_bytes,
+                    **({} if commit_threads is None else {"commit_threads": commit_threads}))
     payload = os.urandom(1024)  # as peers-bench: one random 1 KiB buffer per client
     with client.producer(linger_ms=5) as producer:
         futures = [producer.send(topic_in, payload, partition=i % partitions)
@@ -363,7 +366,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
             future.add_done_callback(lambda _, s=started, c=committing: (
                 batches.append(time.perf_counter() - s), commits.append(time.perf_counter() - c)))
             in_flight.append(future)
-            while len(in_flight) >= CTP_DEPTH:
+            while len(in_flight) >= depth:
                 in_flight.popleft().result()
         else:
             txn.commit()
@@ -391,6 +394,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     client.close()
     out.put({"inputs": done, "seconds": seconds, "per_s": done / seconds,
              "batches": transactions, "partitions": partitions, "pipelined": pipelined,
+             "depth": depth, "commit_threads": client.commit_threads,
              "batch_p50_ms": common.percentile(batches, 0.5) * 1e3,
              "batch_p99_ms": common.percentile(batches, 0.99) * 1e3,
              "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
@@ -402,7 +406,8 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
 def consume_transform_produce(report, address: str, inputs: int, partitions: int,
                               pipelined: bool = False, one_call: bool = True,
                               profile: Path | None = None, profile_worker: bool = False,
-                              run: int = 0) -> dict:
+                              run: int = 0, depth: int = CTP_DEPTH,
+                              commit_threads: int | None = None) -> dict:
     """One cell on topics of its own (`run` > 0: the run-th repeat of the cell, on topics
     named for it)."""
     from spark_client import Client
@@ -421,7 +426,7 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
         [p.metrics_address for p in services], out, pipelined, suffix,
         (1 << 20) if one_call else 0,
         None if profile is None else str(profile.with_name(profile.stem + suffix + profile.suffix)),
-        profile_worker))
+        profile_worker, depth, commit_threads))
     worker.start()
     result = out.get(timeout=600)
     worker.join()
@@ -622,8 +627,10 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         "is the peers' loop: `consumer.ack(...)`, `txn.commit()`, then the next poll. "
         "**Pipelined** is the same work with `consumer.ack_async(messages, txn=txn)` "
         "(before the sends: the ack, and the NewTxn it opens, run on the consumer's ack "
-        f"thread while the worker sends) and `txn.commit_async()`, up to {CTP_DEPTH} "
-        "transactions committing while the worker polls the next batch; each transaction "
+        f"thread while the worker sends) and `txn.commit_async()`, up to "
+        f"{piped.get('depth', CTP_DEPTH)} transactions committing (on "
+        f"{piped.get('commit_threads', 16)} commit threads) while the worker polls the next "
+        "batch; each transaction "
         "is still one batch's outputs and acks. Each mode has its own topics. Peers: the "
         "peers-bench README's figures on this machine"
         + (", and peers-bench W3 run just before this one" if peers else "") + ".",
@@ -728,6 +735,12 @@ def main() -> None:
                         help="run only the consume-transform-produce cells, sequential and "
                              "pipelined (and the baselines)")
     parser.add_argument("--ctp-inputs", type=int, default=20_000)
+    parser.add_argument("--ctp-depth", type=int, default=CTP_DEPTH,
+                        help="pipelined consume-transform-produce: transactions committing "
+                             "at once")
+    parser.add_argument("--commit-threads", type=int, default=None,
+                        help="the CTP worker's Client(commit_threads=...) (default: the "
+                             "SDK's)")
     parser.add_argument("--ctp-partitions", type=int, default=1,
                         help="partitions of the input and of the output topic")
     parser.add_argument("--peers-w3", type=Path, default=None, metavar="FILE",
@@ -824,7 +837,8 @@ def main() -> None:
             ctp_runs.append(consume_transform_produce(
                 report, address, args.ctp_inputs, args.ctp_partitions, pipelined,
                 profile=args.profile if args.only_ctp else None,
-                profile_worker=args.profile_worker))
+                profile_worker=args.profile_worker, depth=args.ctp_depth,
+                commit_threads=args.commit_threads))
             print(f"consume-transform-produce: {ctp_runs[-1]}", flush=True)
     ctp_text = ctp_section(command, load, baseline, raw_mb_s, floor, ctp_runs, peers)
     if args.only_ctp:

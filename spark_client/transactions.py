@@ -967,6 +967,7 @@ class _Carpool:
         self._waiting: list[_Seat] = []  # in turn order
         self._chained = True  # False once a coordinator answered CommitTxns UNIMPLEMENTED
         self.calls = 0  # CommitTxns calls made (tests, benchmarks)
+        self.most_carried = 0  # the most commits one CommitTxns call carried
 
     def _poke(self, _future=None) -> None:
         with self._cond:
@@ -1048,6 +1049,7 @@ class _Carpool:
             if not riders:
                 return [(driver.txn._call("CommitTxn", driver.request), None, None)]
             self.calls += 1
+            self.most_carried = max(self.most_carried, 1 + len(riders))
             reply = driver.txn._call("CommitTxns", S.CommitTxnsRequest(
                 commits=[driver.request, *(rider.request for rider in riders)]))
         except errors.AtomlogClientError as failure:

@@ -687,13 +687,16 @@ def test_bad_commit_txns_input_is_refused_and_changes_nothing(servers, client):
     assert client.describe_partition(topic, 0).high_watermark == 0
 
 
-def test_pipelined_commits_of_one_producer_ride_together_and_keep_send_order(servers):
+@pytest.mark.parametrize("threads", [4, 16])
+def test_pipelined_commits_of_one_producer_ride_together_and_keep_send_order(servers, threads):
     """commit_async() of many one-call transactions of one producer: the commits that
     queue while one is in flight leave together in one CommitTxns call (on the TC
     partition of the first: the others move there), and the records reach the
-    partition in send order, each exactly once."""
-    with Client(servers.info["bootstrap"], request_timeout_s=10) as client:
-        topic = create_online(client, "oc-chain-sdk", 1)
+    partition in send order, each exactly once. A commit waits for its call on one of
+    the client's commit threads, so a call carries at most `commit_threads` of them."""
+    with Client(servers.info["bootstrap"], request_timeout_s=10,
+                commit_threads=threads) as client:
+        topic = create_online(client, f"oc-chain-sdk-{threads}", 1)
         futures, txns = [], []
         with client.producer() as producer:
             for i in range(60):
@@ -705,6 +708,9 @@ def test_pipelined_commits_of_one_producer_ride_together_and_keep_send_order(ser
                 future.result(60)
         carpool = client._one_call_carpool
         assert carpool.calls >= 1, "no commits rode together"
+        assert carpool.most_carried <= threads
+        if threads > 4:  # 60 commits queued at once: more than the old 4 threads allowed
+            assert carpool.most_carried > 4, carpool.most_carried
         assert len({t.tc_partition for t in txns}) < 60
         wait_until(lambda: settled(client, topic, 1), 30, "the markers")
         assert committed_values(client, topic) == [b"p%02d" % i for i in range(60)]

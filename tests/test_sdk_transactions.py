@@ -160,3 +160,11 @@ def test_random_idempotency_keys_are_unique_hash_where_asked_and_differ_in_a_for
     parent_key = _random_key()
     prefix = parent_key.rsplit("-", 1)[0]
     assert child_key and not child_key.startswith(prefix + "-")
+
+
+@pytest.mark.parametrize("threads", [0, -1, 257])
+def test_commit_threads_out_of_range_is_refused_before_anything_connects(threads):
+    from spark_client import Client
+
+    with pytest.raises(ValueError, match="commit_threads must be 1..256"):
+        Client("127.0.0.1:1", commit_threads=threads, tune_allocator=False)
