@@ -7,7 +7,7 @@ its deadline, finishing the operation in hand.
 Roles (see docs/verification.md):
   producer     idempotent sends of unique values, up to 8 in flight
   txn          transactions of 1-4 partitions over 1-2 topics, 80% commit, 20% abort;
-               half commit with commit_async(), up to 3 committing while the next send
+               half commit with commit_async(), up to 8 committing while the next send
   session      Kafka-style transactional-id sessions; every few transactions a second
                session takes the id (fence) while the first has a transaction open, and
                the first then tries to commit it (it must fail)
@@ -46,7 +46,7 @@ CTP_BATCH_RECORDS = (3, 50)  # inputs per ctp transaction (3: one per partition 
 # consumer): what it holds is leased to it until acked, expired or released on close.
 CTP_PREFETCH = (0, 0, 50, 200)
 TRANSFORM_PREFIX = "out:"
-MAX_ASYNC_COMMITS = 3  # txn: commit_async() commits in flight at once
+MAX_ASYNC_COMMITS = 8  # txn: commit_async() commits in flight at once (chains up to 8)
 ASYNC_COMMIT_WAIT_S = 90.0  # longer than any commit retries (then: unknown)
 STREAMING_CTP_WORKER = "ctp-1"
 CTP_RETRIES = 2  # the streaming worker: rounds an aborted round's inputs are taken again
