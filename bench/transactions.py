@@ -630,8 +630,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         f"thread while the worker sends) and `txn.commit_async()`, up to "
         f"{piped.get('depth', CTP_DEPTH)} transactions committing (on "
         f"{piped.get('commit_threads', 16)} commit threads) while the worker polls the next "
-        "batch; each transaction "
-        "is still one batch's outputs and acks. Each mode has its own topics. Peers: the "
+        "batch; each transaction is still one batch's outputs and acks. Each mode has its "
+        "own topics. Peers: the "
         "peers-bench README's figures on this machine"
         + (", and peers-bench W3 run just before this one" if peers else "") + ".",
         "",
@@ -783,6 +783,10 @@ def main() -> None:
     settings = dict(item.split("=", 1) for item in args.set)
     if not 0 <= args.fsync_delay_ms <= 1_000:
         parser.error("--fsync-delay-ms takes 0..1000")
+    if not 1 <= args.ctp_depth <= 64:
+        parser.error("--ctp-depth takes 1..64")
+    if args.commit_threads is not None and not 1 <= args.commit_threads <= 256:
+        parser.error("--commit-threads takes 1..256")
     # Removed when the run ends (the object lives as long as main).
     failpoint_dir = tempfile.TemporaryDirectory(prefix="atomlog-bench-failpoints-")
     if args.fsync_delay_ms:
