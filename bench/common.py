@@ -136,7 +136,8 @@ def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s
     settings = ({} if replication_factor is None
                 else {"topics.default_replication_factor": str(replication_factor)}
                 ) | dict(settings or {})
-    with tempfile.TemporaryDirectory(prefix=prefix) as directory:
+    with tempfile.TemporaryDirectory(prefix=prefix) as directory, \
+            _sigterm_as_exit() as tearing_down:
         data_dir = Path(directory)
         try:
             report = launcher.up(data_dir, roles, settings, timeout_s=timeout_s)
@@ -144,8 +145,33 @@ def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s
                            if p.role != "zookeeper")
             yield data_dir, report, address
         finally:
+            tearing_down()
             if (data_dir / launcher.CLUSTER_FILE).exists():
                 launcher.down(data_dir, timeout_s=down_timeout_s)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """While a benchmark's cluster runs, SIGTERM (`timeout`, `kill`) ends the benchmark
+    as Ctrl-C does, through the `finally` that stops the cluster and removes its
+    directory: Python's default SIGTERM ends the process at once, and a benchmark so
+    ended left its cluster running (found 2026-11-29). Yields the call that makes
+    SIGTERM ignored for the teardown itself (bounded by its timeout), so a signal then
+    cannot cut it short either. Only in the main thread, where signal handlers live."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def command_line(script: str, argv: list[str]) -> str:
