@@ -74,6 +74,17 @@ def py_spy_format(output) -> str:
     return "raw" if str(output).endswith(".txt") else "speedscope"
 
 
+def py_spy(pid: int, output, duration_s: float | None = None) -> subprocess.Popen:
+    """py-spy recording process `pid` at 200 Hz into `output` (in py_spy_format's format)
+    for `duration_s`, or until it gets SIGINT; --nonblocking: the process is not paused
+    at each sample."""
+    return subprocess.Popen(
+        [PY_SPY, "record", "--pid", str(pid), "--rate", "200", "--nonblocking",
+         *(["--duration", str(int(duration_s))] if duration_s is not None else []),
+         "--format", py_spy_format(output), "--output", str(output)],
+        stdout=subprocess.DEVNULL)
+
+
 def percentile(values, fraction: float) -> float:
     """Linear interpolation between closest ranks (as peers-bench)."""
     if not values:

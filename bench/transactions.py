@@ -164,13 +164,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     cpu_before = {p.name: common.cpu_seconds(p.pid) for p in services}
     spy = None
     if profile is not None:
-        import subprocess
-        spy = subprocess.Popen([common.PY_SPY, "record", "--pid", str(services[0].pid),
-                                "--duration", str(int(seconds)), "--rate", "200",
-                                # --nonblocking: no pause of the server per sample
-                                "--nonblocking", "--format", common.py_spy_format(profile),
-                                "--output", str(profile)],
-                               stdout=subprocess.DEVNULL)
+        spy = common.py_spy(services[0].pid, profile, seconds)
     results = [out.get(timeout=seconds + 300) for _ in workers]
     server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
     after = rpc_counts(metrics)
@@ -334,13 +328,8 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     spy = None
     if profile is not None:
         import signal
-        import subprocess
-        target = os.getpid() if profile_worker else next(iter(processes.values()))
-        spy = subprocess.Popen([common.PY_SPY, "record", "--pid", str(target),
-                                # --nonblocking: no pause of the server per sample
-                                "--rate", "200", "--nonblocking", "--format", common.py_spy_format(profile),
-                                "--output", profile],
-                               stdout=subprocess.DEVNULL)
+        spy = common.py_spy(os.getpid() if profile_worker else next(iter(processes.values())),
+                            profile)
         time.sleep(1)  # py-spy attaches
     client_before = time.process_time()
     began = time.perf_counter()
@@ -628,8 +617,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         "**Pipelined** is the same work with `consumer.ack_async(messages, txn=txn)` "
         "(before the sends: the ack, and the NewTxn it opens, run on the consumer's ack "
         f"thread while the worker sends) and `txn.commit_async()`, up to "
-        f"{piped.get('depth', CTP_DEPTH)} transactions committing (on "
-        f"{piped.get('commit_threads', 16)} commit threads) while the worker polls the next "
+        f"{piped['depth']} transactions committing (on "
+        f"{piped['commit_threads']} commit threads) while the worker polls the next "
         "batch; each transaction is still one batch's outputs and acks. Each mode has its "
         "own topics. Peers: the "
         "peers-bench README's figures on this machine"

@@ -1113,6 +1113,6 @@ def _random_key() -> str:
 def _key_for(tc_partition: int, count: int) -> str:
     """A random idempotency key that hashes to tc_partition (about `count` tries)."""
     while True:
-        key = _KEYS.next()
+        key = _random_key()
         if tc_partition_for(key, count) == tc_partition:
             return key

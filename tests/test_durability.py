@@ -338,6 +338,16 @@ def test_a_failed_syncfs_fails_closed_every_owner_of_the_filesystem(tmp_path):
     asyncio.run(scenario())
 
 
+def _mode_used(mode: str, directory: Path) -> str:
+    """The round a barrier opened in `mode` makes for a log in `directory`: auto's choice
+    by filesystem, and fsync where syncfs (without error reporting) is not to be had."""
+    used = durability.barrier_mode(mode, os.stat(directory).st_dev, os.stat("/").st_dev)
+    if used == durability.SYNCFS and (durability._load_syncfs() is None or
+                                      not durability._kernel_reports_syncfs_errors()):
+        return durability.FSYNC  # the fallback
+    return used
+
+
 @pytest.mark.parametrize("mode", [durability.AUTO, durability.FSYNC, durability.SYNCFS])
 def test_owners_on_the_process_barrier_end_to_end(tmp_path, mode):
     """The default (fsync), auto and syncfs with the process's barrier and the kernel's
@@ -354,12 +364,7 @@ def test_owners_on_the_process_barrier_end_to_end(tmp_path, mode):
         assert all(r[0].base_offset == 0 for r in results)
         syncs = durability.barrier().syncs - before
         assert 1 <= syncs <= 4
-        expected = durability.barrier_mode(mode, os.stat(tmp_path).st_dev,
-                                           os.stat("/").st_dev)
-        if expected == durability.SYNCFS and (durability._load_syncfs() is None or
-                                          not durability._kernel_reports_syncfs_errors()):
-            expected = durability.FSYNC  # the fallback
-        assert owners[0]._log_sync.mode == expected
+        assert owners[0]._log_sync.mode == _mode_used(mode, tmp_path)
         for owner in owners:
             await owner.close()
         again = PartitionOwner("t", 0, tmp_path / "t-0", settings)
@@ -426,11 +431,7 @@ def test_a_subscription_journal_is_made_durable_in_the_barrier_round_and_fails_c
         await owner.start()
         subscriptions = owner.subscriptions
         assert subscriptions._log_sync is not None
-        expected = mode
-        if mode == durability.SYNCFS and (durability._load_syncfs() is None or
-                                          not durability._kernel_reports_syncfs_errors()):
-            expected = durability.FSYNC  # the fallback
-        assert subscriptions._log_sync.mode == expected
+        assert subscriptions._log_sync.mode == _mode_used(mode, tmp_path)
         await start(owner, batch(7, 0))
         before = barrier.rounds
         assert await subscriptions.create("s", 0) == (True, 0)
