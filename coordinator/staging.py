@@ -263,17 +263,11 @@ class StageChannel:
         return parts
 
     async def _send_parts(self, parts: dict[str, _Part], deadline: float) -> list:
-        """The outcome (StageTxnResult or the exception) of each part, in order. One part
-        (one server, as on the combined server) is awaited in this task: gather would
-        make a task for it."""
-        if len(parts) == 1:
-            [(address, part)] = parts.items()
-            try:
-                return [await self._send_part(address, part, deadline)]
-            except Exception as error:  # noqa: BLE001 — as gather(return_exceptions=True)
-                return [error]
-        return await asyncio.gather(*(self._send_part(a, p, deadline)
-                                      for a, p in parts.items()), return_exceptions=True)
+        """The outcome (StageTxnResult or the exception) of each part, in order. Every
+        part is queued on its server's channel first, then each is awaited in this task
+        (all to the same deadline): no task per part, as gather would make."""
+        return await self._await_parts([(address, part, self._submit(address, part))
+                                        for address, part in parts.items()], deadline)
 
     def _submit(self, address: str, part: _Part) -> asyncio.Future:
         if self._closed:
@@ -292,16 +286,15 @@ class StageChannel:
                 outcomes.append(error)
         return outcomes
 
-    async def _send_part(self, address: str, part: _Part, deadline: float):
-        return await self._await_part(address, self._submit(address, part), deadline)
-
     async def _await_part(self, address: str, future: asyncio.Future, deadline: float):
         remaining = max(0.01, deadline - time.monotonic())
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), remaining)
-        except TimeoutError:
+        # wait(), not wait_for(shield()): neither a timeout nor a cancelled caller cancels
+        # the part's future (other transactions' parts share its call), at fewer callbacks.
+        done, _ = await asyncio.wait([future], timeout=remaining)
+        if not done:
             raise AtomlogError("REQUEST_TIMED_OUT", f"staging on {address} did not answer "
-                               "within the transaction's time") from None
+                               "within the transaction's time")
+        return future.result()
 
     async def _send(self, address: str, group: list[_Part]) -> list:
         """One StageTxn call for the parts queued for `address`: a result per part.

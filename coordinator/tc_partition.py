@@ -410,7 +410,8 @@ class TcPartition:
             if remaining <= 0:
                 return
             try:
-                await asyncio.wait_for(self._wake.wait(), remaining)
+                async with asyncio.timeout(remaining):  # no task, as wait_for would make
+                    await self._wake.wait()
             except TimeoutError:
                 return
             self._wake.clear()

@@ -667,10 +667,17 @@ class PartitionOwner:
         one (None: not verified; an AtomlogError: its verification failed, which refuses
         it unless it is a retry of a batch already written); the result per batch is
         Appended or an AtomlogError."""
+        return await self.queue_produce(batches, tokens)
+
+    def queue_produce(self, batches: list[tuple[bytes, BatchHeader]],
+                      tokens: list[int | AtomlogError | None] | None = None) -> asyncio.Future:
+        """`produce` without awaiting: queue the batches (or raise, nothing queued) and
+        return the future of their result list."""
         self.check_serving()
-        return await self._enqueue(_Work(batches, tokens,
-                                         asyncio.get_running_loop().create_future(),
-                                         size=sum(header.size for _, header in batches)))
+        work = _Work(batches, tokens, asyncio.get_running_loop().create_future(),
+                     size=sum(header.size for _, header in batches))
+        self._queue_work(work)
+        return work.future
 
     async def stage(self, txn: TxnId, batch: bytes, header: BatchHeader, *,
                     coordinator_epoch: int) -> Appended:
@@ -680,14 +687,23 @@ class PartitionOwner:
         the write step, below the current one (`current_coordinator_epoch`) nothing is
         written and STALE_COORDINATOR_EPOCH is raised. Returns Appended once durable, or
         raises."""
-        self.check_serving()
-        [outcome] = await self._enqueue(_Work([(batch, header)], None,
-                                              asyncio.get_running_loop().create_future(),
-                                              size=header.size, staged=txn,
-                                              stage_epoch=coordinator_epoch))
+        [outcome] = await self.queue_stage(txn, batch, header,
+                                           coordinator_epoch=coordinator_epoch)
         if isinstance(outcome, AtomlogError):
             raise outcome
         return outcome
+
+    def queue_stage(self, txn: TxnId, batch: bytes, header: BatchHeader, *,
+                    coordinator_epoch: int) -> asyncio.Future:
+        """`stage` without awaiting: queue the batch (or raise, nothing queued) and
+        return the future of its one-element result list (Appended or an AtomlogError;
+        set to an AtomlogError exception when the owner fails the group). StageTxn
+        queues every part of a call this way in one step, with no task per part."""
+        self.check_serving()
+        work = _Work([(batch, header)], None, asyncio.get_running_loop().create_future(),
+                     size=header.size, staged=txn, stage_epoch=coordinator_epoch)
+        self._queue_work(work)
+        return work.future
 
     async def resolve_staged(self, txn: TxnId) -> bool:
         """Whether `txn`'s staged data is durable here (ResolveStaged): True when it is
@@ -741,11 +757,25 @@ class PartitionOwner:
     async def end_transactions(self, markers: list[Marker]) -> list:
         """Apply markers in order; the result per marker is MarkerResult (durable) or an
         AtomlogError (STALE_COORDINATOR_EPOCH, conflicting decision, ...)."""
+        return await self.queue_markers(markers)
+
+    def queue_markers(self, markers: list[Marker]) -> asyncio.Future:
+        """`end_transactions` without awaiting: queue the markers (or raise, nothing
+        queued) and return the future of their result list."""
         self.check_serving()
-        return await self._enqueue(_MarkerWork(markers,
-                                               asyncio.get_running_loop().create_future()))
+        work = _MarkerWork(markers, asyncio.get_running_loop().create_future())
+        self._queue_work(work)
+        return work.future
 
     async def _enqueue(self, work: _Queued) -> list:
+        self._queue_work(work)
+        # No shield needed: if this call is cancelled the future is cancelled too, and the
+        # owner (which checks done() before answering) applies the work all the same.
+        return await work.future
+
+    def _queue_work(self, work: _Queued) -> None:
+        """Queue `work` for the owner task (waking it when it may write), or raise with
+        nothing queued."""
         if self.replication is not None:
             if not isinstance(work, _Work):
                 # Markers: NOT_ENOUGH_REPLICAS, nothing written. A resolution too: its
@@ -764,9 +794,6 @@ class PartitionOwner:
         self._queued_bytes += work.size
         if self._may_write():
             self._poke()
-        # No shield needed: if this call is cancelled the future is cancelled too, and the
-        # owner (which checks done() before answering) applies the work all the same.
-        return await work.future
 
     def _may_write(self) -> bool:
         """Whether the owner writes queued requests now (else once an fsync ends)."""

@@ -7,6 +7,7 @@ item does not fail the others, and a failed item appended nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -276,15 +277,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             entry[1].append(index)
             entry[2].append((batch, header))
 
-        async def run(owner: PartitionOwner, indexes: list[int], batches: list) -> None:
-            tokens = None
-            if verifying:
-                indexes, batches, tokens = await self._verify_all(owner, indexes, batches,
-                                                                  results, request)
-                if not batches:
-                    return
+        def settle(owner: PartitionOwner, indexes: list[int], batches: list,
+                   future: asyncio.Future) -> None:
             try:
-                outcomes = await owner.produce(batches, tokens)
+                outcomes = future.result()
             except AtomlogError as error:
                 outcomes = [error] * len(batches)
             log_start = owner.log.log_start_offset if owner.log else -1
@@ -302,10 +298,33 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                         topic_partition=tp, error=item_error(outcome), base_offset=-1,
                         last_offset=-1)
 
-        if len(per_owner) == 1:  # the usual case: no task per partition
-            await run(*next(iter(per_owner.values())))
-        elif per_owner:
-            await asyncio.gather(*(run(*entry) for entry in per_owner.values()))
+        def queue(owner: PartitionOwner, batches: list, tokens=None) -> asyncio.Future:
+            try:
+                return owner.queue_produce(batches, tokens)
+            except AtomlogError as error:
+                future = asyncio.get_running_loop().create_future()
+                future.set_exception(error)
+                return future
+
+        async def run(owner: PartitionOwner, indexes: list[int], batches: list) -> None:
+            indexes, batches, tokens = await self._verify_all(owner, indexes, batches,
+                                                              results, request)
+            if batches:
+                future = queue(owner, batches, tokens)
+                with contextlib.suppress(AtomlogError):  # settle() reads it
+                    await future
+                settle(owner, indexes, batches, future)
+
+        if verifying:  # verification awaits: a task per partition beyond the first
+            if len(per_owner) == 1:
+                await run(*next(iter(per_owner.values())))
+            elif per_owner:
+                await asyncio.gather(*(run(*entry) for entry in per_owner.values()))
+        elif per_owner:  # every partition's batches queued in this step, no task each
+            queued = [(entry, queue(entry[0], entry[2])) for entry in per_owner.values()]
+            await asyncio.gather(*(future for _, future in queued), return_exceptions=True)
+            for (owner, indexes, batches), future in queued:
+                settle(owner, indexes, batches, future)
         return partition_pb2.ProduceResponse(results=results)
 
     def _check_transactional_header(self, header: BatchHeader, tp) -> None:
@@ -921,13 +940,15 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             _require_items(riders, "StageTxnRequest.markers")
             _check_marker_request(riders, "StageTxnRequest.markers")
         response = partition_pb2.StageTxnResponse()
-        work = []
+        # Everything below up to the await runs in this step, with no task per part: the
+        # riding markers, then the staged parts, reach their partitions' owners before
+        # these next write, so they share a write and an fsync (coordinator/markers.py).
+        work = []  # coroutines: the markers' and acks' answers, parts routed by awaiting
+        queued: list[tuple[asyncio.Future, PartitionOwner, object]] = []
         if riders:
-            # First, and in this turn: the markers and the staged data below reach their
-            # partitions' owners before these next write, so they share a write and an
-            # fsync (coordinator/markers.py).
-            work.append(self._markers_into(response.markers, riders,
-                                           self._fence_markers(riders)))
+            refusals = self._fence_markers(riders)
+            work.append(self._markers_into(response.markers, riders, refusals,
+                                           self._queue_markers(riders, refusals)))
         for item in request.items:
             result = response.results.add(txn_id=item.txn_id)
             refusal = _invalid_stage(item, epochs.tc_partitions)
@@ -939,9 +960,16 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                                                  base_offset=-1, last_offset=-1)
                 if refusal is not None:
                     entry.error.CopyFrom(item_error(refusal))
-                else:
+                    continue
+                owner = self._route_now(batch_item.topic_partition)
+                if owner is None:  # not hosted here: the refusal names the owner (awaits)
                     work.append(self._stage_batch(txn, item.coordinator_epoch, batch_item,
                                                   entry))
+                    continue
+                future = self._queue_stage(owner, txn, item.coordinator_epoch, batch_item,
+                                           entry)
+                if future is not None:
+                    queued.append((future, owner, entry))
             for ack in item.acks:
                 entry = result.ack_results.add(subscription_partition=ack.subscription_partition,
                                                cumulative_end_offset=-1)
@@ -949,31 +977,62 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     entry.error.CopyFrom(item_error(refusal))
                 else:
                     work.append(self._stage_ack(txn, item.coordinator_epoch, ack, entry))
-        if work:
-            await asyncio.gather(*work)
+        if queued or work:
+            outcomes = await asyncio.gather(*(future for future, _, _ in queued), *work,
+                                            return_exceptions=True)
+            for outcome in outcomes[len(queued):]:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            for future, owner, entry in queued:
+                _staged_into(entry, owner, future)
         return response
 
-    async def _stage_batch(self, txn: TxnId, epoch: int, item, entry) -> None:
-        """One staged batch. The epoch was fenced above, but routing here awaits: the
-        owner checks it again in its write step, where nothing can come in between
-        (a ResolveStaged that raised it meanwhile makes this stage STALE there)."""
+    def _route_now(self, tp) -> PartitionOwner | AtomlogError | None:
+        """The owner of `tp` hosted here, or the error routing it gives, without awaiting;
+        None when it is hosted elsewhere (`_owner` awaits the metadata store to name the
+        owner in the refusal)."""
+        if not tp.topic:
+            return AtomlogError("INVALID_ARGUMENT", "topic_partition.topic is empty")
         try:
-            owner = await self._owner(item.topic_partition)
+            return self.manager.owner(tp.topic, tp.partition)
+        except NotOwner:
+            return None
+        except AtomlogError as error:
+            return error
+
+    def _queue_stage(self, owner: PartitionOwner | AtomlogError, txn: TxnId, epoch: int,
+                     item, entry) -> asyncio.Future | None:
+        """Check one staged batch and queue it on its owner, without awaiting: the future
+        of its result, or None with the refusal in `entry`. The epoch was fenced by the
+        caller; the owner checks it again in its write step, where nothing can come in
+        between (a ResolveStaged that raised it meanwhile makes this stage STALE there)."""
+        try:
+            if isinstance(owner, AtomlogError):
+                raise owner
             batch = item.record_batch
             header = validate_batch(batch, max_batch_bytes=self.max_batch_bytes)
             data, header = stamp_transaction(batch, header, txn)
             owner.check_serving()
             owner.check_txns_ready()
-            appended = await owner.stage(txn, data, header, coordinator_epoch=epoch)
+            return owner.queue_stage(txn, data, header, coordinator_epoch=epoch)
+        except AtomlogError as error:
+            m.BAD_BATCHES.labels(error.reason).inc()
+            entry.error.CopyFrom(item_error(error))
+            return None
+
+    async def _stage_batch(self, txn: TxnId, epoch: int, item, entry) -> None:
+        """One staged batch whose routing awaits (a partition not hosted here)."""
+        try:
+            owner = await self._owner(item.topic_partition)
         except AtomlogError as error:
             m.BAD_BATCHES.labels(error.reason).inc()
             entry.error.CopyFrom(item_error(error))
             return
-        entry.base_offset = appended.base_offset
-        entry.last_offset = appended.last_offset
-        entry.log_append_time_unix_ms = appended.log_append_time_ms
-        entry.duplicate = appended.duplicate
-        entry.log_start_offset = owner.log.log_start_offset if owner.log else -1
+        future = self._queue_stage(owner, txn, epoch, item, entry)
+        if future is not None:
+            with contextlib.suppress(AtomlogError):  # _staged_into reads it
+                await future
+            _staged_into(entry, owner, future)
 
     async def _stage_ack(self, txn: TxnId, epoch: int, ack, entry) -> None:
         """One staged ack. As for a batch, the epoch fenced above is checked again where
@@ -1080,23 +1139,77 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             refusals.append(refusal)
         return refusals
 
-    async def _markers_into(self, response, markers, refusals) -> None:
-        """Route and apply the markers `_fence_markers` accepted; their results into
-        `response` (an EndTxnOnPartitionResponse), in request order."""
-        routes: dict[tuple[str, int], PartitionOwner | AtomlogError] = {}
-        for marker, refusal in zip(markers, refusals):
+    def _queue_markers(self, markers, refusals) -> tuple[dict, dict, list]:
+        """Route the markers `_fence_markers` accepted and queue them on their partitions'
+        owners (all markers of one partition in one queued item), without awaiting:
+        (routes, outcomes of refused targets, [(items, future)] per owner queued). A
+        route of None is a partition hosted elsewhere, resolved by `_markers_into`."""
+        routes: dict[tuple[str, int], PartitionOwner | AtomlogError | None] = {}
+        per_owner: dict[tuple[str, int], list[tuple[tuple[int, int], Marker]]] = {}
+        outcomes: dict[tuple[int, int], MarkerResult | AtomlogError] = {}
+        for index, (marker, refusal) in enumerate(zip(markers, refusals)):
             if refusal is not None:
                 continue
             for target in (*marker.topic_partitions, *marker.subscription_partitions):
                 key = (target.topic, target.partition)
                 if key not in routes:
-                    try:
-                        routes[key] = await self._owner(common_pb2.TopicPartition(
-                            topic=target.topic, partition=target.partition))
-                    except AtomlogError as error:
-                        routes[key] = error
-        outcomes = await self._apply_markers(markers, refusals, routes)
-        sub_outcomes = await self._apply_subscription_markers(markers, refusals, routes)
+                    routes[key] = self._route_now(target)
+            txn = TxnId(marker.txn_id.tc_partition, marker.txn_id.sequence)
+            decision = (ControlType.COMMIT if marker.decision == partition_pb2.TXN_DECISION_COMMIT
+                        else ControlType.ABORT)
+            for position, tp in enumerate(marker.topic_partitions):
+                per_owner.setdefault((tp.topic, tp.partition), []).append(
+                    ((index, position), Marker(txn, decision, marker.coordinator_epoch)))
+        queued = []
+        for key, items in per_owner.items():
+            owner = routes[key]
+            if owner is None:
+                queued.append((key, items, None))
+                continue
+            try:
+                if isinstance(owner, AtomlogError):
+                    raise owner
+                queued.append((key, items, owner.queue_markers([mk for _, mk in items])))
+            except AtomlogError as error:
+                for where, _ in items:
+                    outcomes[where] = error
+        return routes, outcomes, queued
+
+    async def _markers_into(self, response, markers, refusals, queued=None) -> None:
+        """Apply the markers `_fence_markers` accepted (queued by `_queue_markers`, here
+        unless the caller did); their results into `response` (an
+        EndTxnOnPartitionResponse), in request order."""
+        routes, outcomes, pending = queued or self._queue_markers(markers, refusals)
+        for key in [key for key, owner in routes.items() if owner is None]:
+            try:  # hosted elsewhere: the refusal names the owner (or it moved here)
+                routes[key] = await self._owner(common_pb2.TopicPartition(
+                    topic=key[0], partition=key[1]))
+            except AtomlogError as error:
+                routes[key] = error
+        futures = []
+        for index, (key, items, future) in enumerate(pending):
+            if future is None:
+                try:
+                    owner = routes[key]
+                    if isinstance(owner, AtomlogError):
+                        raise owner
+                    future = owner.queue_markers([mk for _, mk in items])
+                except AtomlogError as error:
+                    future = asyncio.get_running_loop().create_future()
+                    future.set_exception(error)
+                pending[index] = (key, items, future)
+            futures.append(future)
+        if futures:
+            await asyncio.gather(*futures, return_exceptions=True)
+        for _, items, future in pending:
+            try:
+                results = future.result()
+            except AtomlogError as error:
+                results = [error] * len(items)
+            for (where, _), result in zip(items, results):
+                outcomes[where] = result
+        sub_outcomes = (await self._apply_subscription_markers(markers, refusals, routes)
+                        if any(marker.subscription_partitions for marker in markers) else {})
         counts: dict[tuple[str, str], int] = {}
         for index, (marker, refusal) in enumerate(zip(markers, refusals)):
             decision = _DECISION_LABELS.get(marker.decision, "invalid")
@@ -1152,38 +1265,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 work.append(one((index, position), routes[(sp.topic, sp.partition)], sp, txn,
                                 committed))
         await asyncio.gather(*work)
-        return outcomes
-
-    @staticmethod
-    async def _apply_markers(markers, refusals, routes) -> dict:
-        """{(marker index, target position): MarkerResult | AtomlogError} for every topic
-        partition target of an accepted marker; one owner call per partition."""
-        per_owner: dict[tuple[str, int], list[tuple[tuple[int, int], Marker]]] = {}
-        outcomes: dict[tuple[int, int], MarkerResult | AtomlogError] = {}
-        for index, (marker, refusal) in enumerate(zip(markers, refusals)):
-            if refusal is not None:
-                continue
-            txn = TxnId(marker.txn_id.tc_partition, marker.txn_id.sequence)
-            decision = (ControlType.COMMIT if marker.decision == partition_pb2.TXN_DECISION_COMMIT
-                        else ControlType.ABORT)
-            for position, tp in enumerate(marker.topic_partitions):
-                key = (tp.topic, tp.partition)
-                if isinstance(routes[key], AtomlogError):
-                    outcomes[(index, position)] = routes[key]
-                    continue
-                per_owner.setdefault(key, []).append(
-                    ((index, position), Marker(txn, decision, marker.coordinator_epoch)))
-
-        async def apply(key, items) -> None:
-            owner: PartitionOwner = routes[key]
-            try:
-                results = await owner.end_transactions([marker for _, marker in items])
-            except AtomlogError as error:
-                results = [error] * len(items)
-            for (where, _), result in zip(items, results):
-                outcomes[where] = result
-
-        await asyncio.gather(*(apply(key, items) for key, items in per_owner.items()))
         return outcomes
 
 
@@ -1254,6 +1335,23 @@ def _txn_and_epoch_problem(item, tc_partitions: int) -> tuple[str, str] | None:
     if item.coordinator_epoch <= 0:
         return "coordinator_epoch", "coordinator_epoch must be > 0"
     return None
+
+
+def _staged_into(entry, owner: PartitionOwner, future: asyncio.Future) -> None:
+    """A staged batch's settled owner future into its StageTxn result entry."""
+    try:
+        [outcome] = future.result()
+    except AtomlogError as error:  # the owner failed the write group
+        outcome = error
+    if isinstance(outcome, AtomlogError):
+        m.BAD_BATCHES.labels(outcome.reason).inc()
+        entry.error.CopyFrom(item_error(outcome))
+        return
+    entry.base_offset = outcome.base_offset
+    entry.last_offset = outcome.last_offset
+    entry.log_append_time_unix_ms = outcome.log_append_time_ms
+    entry.duplicate = outcome.duplicate
+    entry.log_start_offset = owner.log.log_start_offset if owner.log else -1
 
 
 def _invalid_stage(item, tc_partitions: int) -> AtomlogError | None:
