@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -463,14 +464,20 @@ def test_snapshots_bound_the_log_and_the_next_owner_loads_from_one(cluster, topi
     keys = iter(key for key in (f"snap-{j}" for j in range(10**6))
                 if tc_partition_for(key, 16) == k)
     keyed = {i: next(keys) for i in range(0, 400, 50)}
-    committed, aborted = [], []
-    for i in range(400):
+
+    def one(i: int):
         txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
             tc_partition=k, idempotency_key=keyed.get(i, ""))).txn_id
         decision = ABORT if i % 7 == 0 else COMMIT
         call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=decision))
-        (aborted if decision == ABORT else committed).append(txn)
-    wait_until(lambda: state(cluster, committed[-1]) == S.TXN_STATE_COMMITTED, 10, "the last")
+        return txn, decision
+
+    with ThreadPoolExecutor(8) as pool:  # eight callers: the same records, sooner
+        ended = list(pool.map(one, range(400)))
+    committed = [txn for txn, decision in ended if decision == COMMIT]
+    aborted = [txn for txn, decision in ended if decision == ABORT]
+    wait_until(lambda: all(state(cluster, txn) == S.TXN_STATE_COMMITTED
+                           for txn in committed[-8:]), 10, "the last")
     wait_until(lambda: txn_log_start(cluster, k) > 0, 20, "the TC log to be trimmed")
     old = owners(cluster)[k]
     kill(cluster, old[0])
