@@ -600,6 +600,48 @@ def test_markers_riding_in_a_staging_call_are_applied_and_bad_ones_change_nothin
     assert committed_values(client, topic) == [b"kept"]
 
 
+def test_a_staging_call_routes_each_part_and_each_riding_marker_on_its_own(servers, client):
+    """One StageTxn call whose parts and riding markers route differently: a partition
+    hosted here is staged (and a marker of a transaction it never saw needs nothing), a
+    partition hosted by another server is refused NOT_PARTITION_OWNER naming that server
+    (found by awaiting the metadata store, after the parts queued in the handler's first
+    step), an unknown topic UNKNOWN_TOPIC_OR_PARTITION; each fails alone."""
+    topic = create_online(client, "oc-routes", 6)
+    tc, sequence, epoch = committed_one(client, topic)
+    here = client.metadata.route(topic, 0).address
+    elsewhere = next((p for p in range(6) if client.metadata.route(topic, p).address != here),
+                     None)
+    assert elsewhere is not None, "every partition on one server: nothing to route away"
+    stub = client.channels.partition(here)
+
+    def tp(name: str, partition: int):
+        return common_pb2.TopicPartition(topic=name, partition=partition)
+
+    reply = stub.StageTxn(partition_pb2.StageTxnRequest(
+        items=[partition_pb2.StageTxnItem(
+            txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + 4_000),
+            coordinator_epoch=epoch, batches=[
+                partition_pb2.ProduceItem(topic_partition=target, record_batch=encode_batch(
+                    [Record(None, b"routed", (), 0)]))
+                for target in (tp(topic, 0), tp(topic, elsewhere), tp("oc-no-such", 0))])],
+        markers=partition_pb2.EndTxnOnPartitionRequest(markers=[partition_pb2.TxnMarker(
+            txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + 4_001),
+            decision=partition_pb2.TXN_DECISION_ABORT, coordinator_epoch=epoch,
+            topic_partitions=[tp(topic, elsewhere), tp(topic, 0)])])), timeout=10)
+    staged, away, unknown = reply.results[0].batch_results
+    assert not staged.error.reason and staged.base_offset >= 0
+    assert away.error.reason == "NOT_PARTITION_OWNER" and away.base_offset == -1
+    assert away.error.metadata["owner_address"] == client.metadata.route(topic, elsewhere).address
+    assert unknown.error.reason == "UNKNOWN_TOPIC_OR_PARTITION"
+    (marker,) = reply.markers.results
+    assert [r.error.reason for r in marker.topic_partition_results] == ["NOT_PARTITION_OWNER", ""]
+    assert [t.txn_id.sequence for t in client.describe_partition(topic, 0).open_transactions] \
+        == [sequence + 4_000]
+    assert client.describe_partition(topic, elsewhere).high_watermark == 0  # nothing there
+    wait_until(lambda: settled(client, topic, 6), 20, "the presumed abort of the staged part")
+    assert committed_values(client, topic) == [b"kept"]
+
+
 # ---------------------------------------------------------------- CommitTxns (chained)
 def _commit(k: int, key: str, topic: str, value: bytes, partition: int = 0, **fields):
     return coordinator_pb2.CommitTxnRequest(
