@@ -35,6 +35,7 @@ consume-transform-produce part of it).
     .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--combined] [--no-docs]
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
+    .venv/bin/python bench/transactions.py --only-stream 6 [--seconds 10]  # the cells of (2), in turns
     .venv/bin/python bench/transactions.py ... --set coordinator.parallel_commits=false  # A/B
     .venv/bin/python bench/transactions.py ... --fsync-delay-ms 5  # as on a slow disk
 
@@ -42,6 +43,8 @@ consume-transform-produce part of it).
 and prints transactions/s, the server's CPU per transaction (utime + stime of every
 server process over the timed window, from /proc: the figure that holds on a noisy
 machine) and its fsyncs per transaction; --profile records the server with py-spy.
+--only-stream TURNS runs the three cells of (2) TURNS times, rotating their order, and
+prints each turn's overheads against its own idempotent cell and their medians.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import json
 import multiprocessing
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -201,6 +205,9 @@ def small_transactions(report, address: str, clients: int, seconds: float,
 
 
 # ------------------------------------------------------------------ throughput
+STREAM_MODES = ("plain", "commit", "commit_async")
+
+
 def stream(address: str, seconds: float, mode: str, partition: int) -> dict:
     """One producer, 1 KiB records to one partition for `seconds`. mode "plain": no
     transactions; "commit": a transaction committed every 100 ms with commit(), which
@@ -208,6 +215,8 @@ def stream(address: str, seconds: float, mode: str, partition: int) -> dict:
     while the last one commits (at most one commit outstanding)."""
     from spark_client import Client
 
+    if mode not in STREAM_MODES:
+        raise ValueError(f"stream mode must be one of {STREAM_MODES}, not {mode!r}")
     transactional = mode != "plain"
     client = Client(address)
     sent = 0
@@ -239,6 +248,25 @@ def stream(address: str, seconds: float, mode: str, partition: int) -> dict:
     client.close()
     return {"records": sent, "seconds": elapsed, "per_s": sent / elapsed,
             "mb_s": sent * len(RECORD) / elapsed / 1e6}
+
+
+def stream_turns(address: str, seconds: float, turns: int) -> None:
+    """The three stream cells `turns` times, the order rotated each turn (each cell on a
+    partition of its own, as in the full run): the transactional cells' overhead against
+    the idempotent cell of the same turn, and the medians."""
+    overheads: dict[str, list[float]] = {"commit": [], "commit_async": []}
+    for turn in range(turns):
+        order = STREAM_MODES[turn % 3:] + STREAM_MODES[:turn % 3]
+        got = {mode: stream(address, seconds, mode, STREAM_MODES.index(mode)) for mode in order}
+        line = [f"turn {turn + 1} ({', '.join(order)}): idempotent {got['plain']['per_s']:,.0f}"]
+        for mode in ("commit", "commit_async"):
+            overhead = 1 - got[mode]["per_s"] / got["plain"]["per_s"]
+            overheads[mode].append(overhead)
+            line.append(f"{mode}() {got[mode]['per_s']:,.0f} ({overhead:+.1%})")
+        print(" records/s; ".join(line), flush=True)
+    print("median overhead: " + "; ".join(
+        f"{mode}() {statistics.median(values):+.1%}" for mode, values in overheads.items()),
+        flush=True)
 
 
 def fetch_all(address: str, partition: int, isolation: str) -> dict:
@@ -743,6 +771,10 @@ def main() -> None:
                         help="run only the small one-call transactions cell (and the gRPC "
                              "call floor) and print it: server CPU per transaction is its "
                              "steady figure on a noisy machine; writes no docs")
+    parser.add_argument("--only-stream", type=int, default=0, metavar="TURNS",
+                        help="run only the three stream cells (idempotent, commit(), "
+                             "commit_async()) TURNS times in rotating order and print each "
+                             "turn's overheads and their medians; writes no docs")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="with --only-small or --only-ctp: py-spy records the first "
                              "server process over the timed window into FILE (speedscope "
@@ -772,6 +804,8 @@ def main() -> None:
     settings = dict(item.split("=", 1) for item in args.set)
     if not 0 <= args.fsync_delay_ms <= 1_000:
         parser.error("--fsync-delay-ms takes 0..1000")
+    if not 0 <= args.only_stream <= 20:
+        parser.error("--only-stream takes 0..20 turns")
     if not 1 <= args.ctp_depth <= 64:
         parser.error("--ctp-depth takes 1..64")
     if args.commit_threads is not None and not 1 <= args.commit_threads <= 256:
@@ -795,6 +829,9 @@ def main() -> None:
         baseline = common.fsync_baseline(data_dir)
         floor = common.grpc_call_floor()
         print(f"gRPC call floor: {floor}", flush=True)
+        if args.only_stream:
+            stream_turns(address, args.seconds, args.only_stream)
+            return
         if args.only_small:
             small = small_transactions(report, address, args.clients, args.seconds,
                                        profile=args.profile)
@@ -816,7 +853,7 @@ def main() -> None:
         if not args.only_ctp:
             small = small_transactions(report, address, args.clients, args.seconds)
             print(f"small transactions: {small}", flush=True)
-            plain = stream(address, args.seconds, False, 0)
+            plain = stream(address, args.seconds, "plain", 0)
             print(f"idempotent: {plain}", flush=True)
             txn = stream(address, args.seconds, "commit", 1)
             print(f"transactional: {txn}", flush=True)
