@@ -1142,8 +1142,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     def _queue_markers(self, markers, refusals) -> tuple[dict, dict, list]:
         """Route the markers `_fence_markers` accepted and queue them on their partitions'
         owners (all markers of one partition in one queued item), without awaiting:
-        (routes, outcomes of refused targets, [(items, future)] per owner queued). A
-        route of None is a partition hosted elsewhere, resolved by `_markers_into`."""
+        (routes, outcomes of refused targets, [(key, items, future)] per partition not
+        refused). A route of None (and a future of None) is a partition hosted elsewhere,
+        routed by `_markers_into`."""
         routes: dict[tuple[str, int], PartitionOwner | AtomlogError | None] = {}
         per_owner: dict[tuple[str, int], list[tuple[tuple[int, int], Marker]]] = {}
         outcomes: dict[tuple[int, int], MarkerResult | AtomlogError] = {}
@@ -1160,19 +1161,12 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             for position, tp in enumerate(marker.topic_partitions):
                 per_owner.setdefault((tp.topic, tp.partition), []).append(
                     ((index, position), Marker(txn, decision, marker.coordinator_epoch)))
-        queued = []
+        queued = []  # (key, items, future), the future None while the route is unknown
         for key, items in per_owner.items():
-            owner = routes[key]
-            if owner is None:
-                queued.append((key, items, None))
-                continue
-            try:
-                if isinstance(owner, AtomlogError):
-                    raise owner
-                queued.append((key, items, owner.queue_markers([mk for _, mk in items])))
-            except AtomlogError as error:
-                for where, _ in items:
-                    outcomes[where] = error
+            future = None if routes[key] is None else \
+                _queue_marker_items(routes[key], items, outcomes)
+            if routes[key] is None or future is not None:  # (else refused: in outcomes)
+                queued.append((key, items, future))
         return routes, outcomes, queued
 
     async def _markers_into(self, response, markers, refusals, queued=None) -> None:
@@ -1186,22 +1180,13 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     topic=key[0], partition=key[1]))
             except AtomlogError as error:
                 routes[key] = error
-        futures = []
-        for index, (key, items, future) in enumerate(pending):
-            if future is None:
-                try:
-                    owner = routes[key]
-                    if isinstance(owner, AtomlogError):
-                        raise owner
-                    future = owner.queue_markers([mk for _, mk in items])
-                except AtomlogError as error:
-                    future = asyncio.get_running_loop().create_future()
-                    future.set_exception(error)
-                pending[index] = (key, items, future)
-            futures.append(future)
-        if futures:
-            await asyncio.gather(*futures, return_exceptions=True)
-        for _, items, future in pending:
+        pending = [(items, future if future is not None  # routed now, if it was not
+                    else _queue_marker_items(routes[key], items, outcomes))
+                   for key, items, future in pending]
+        pending = [(items, future) for items, future in pending if future is not None]
+        if pending:
+            await asyncio.gather(*(future for _, future in pending), return_exceptions=True)
+        for items, future in pending:
             try:
                 results = future.result()
             except AtomlogError as error:
@@ -1335,6 +1320,21 @@ def _txn_and_epoch_problem(item, tc_partitions: int) -> tuple[str, str] | None:
     if item.coordinator_epoch <= 0:
         return "coordinator_epoch", "coordinator_epoch must be > 0"
     return None
+
+
+def _queue_marker_items(owner: PartitionOwner | AtomlogError, items: list,
+                        outcomes: dict) -> asyncio.Future | None:
+    """Queue one partition's markers ((where, Marker) items) on its owner: the future of
+    their results, or None with the refusal (the route's error, or the owner's) recorded
+    in `outcomes` for each."""
+    try:
+        if isinstance(owner, AtomlogError):
+            raise owner
+        return owner.queue_markers([marker for _, marker in items])
+    except AtomlogError as error:
+        for where, _ in items:
+            outcomes[where] = error
+        return None
 
 
 def _staged_into(entry, owner: PartitionOwner, future: asyncio.Future) -> None:
