@@ -252,7 +252,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     async def Produce(self, request, context):
         _require_items(request.items, "ProduceRequest")
         results: list[partition_pb2.ProduceResult | None] = [None] * len(request.items)
-        verifying: list[int] = []  # indexes of transactional batches
         per_owner: dict[tuple[str, int], tuple[PartitionOwner, list[int], list]] = {}
         for index, item in enumerate(request.items):
             tp = item.topic_partition
@@ -267,7 +266,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 owner.check_serving()
                 if header.is_transactional:
                     self._check_transactional_header(header, tp)
-                    verifying.append(index)
             except AtomlogError as error:
                 m.BAD_BATCHES.labels(error.reason).inc()
                 results[index] = partition_pb2.ProduceResult(
@@ -306,25 +304,67 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 future.set_exception(error)
                 return future
 
-        async def run(owner: PartitionOwner, indexes: list[int], batches: list) -> None:
-            indexes, batches, tokens = await self._verify_all(owner, indexes, batches,
-                                                              results, request)
-            if batches:
-                future = queue(owner, batches, tokens)
+        def enter(owner: PartitionOwner, batches: list) -> tuple:
+            """Take the place of these batches among their producers' on the partition,
+            in this step (before any await: arrival order). Returns (this request's
+            gate, its producer ids, the gates of the earlier requests of those producers
+            that still wait)."""
+            gates = owner.produce_gates
+            producers = {header.producer_id for _, header in batches} - {NO_PRODUCER_ID}
+            before = {gates[p] for p in producers if p in gates}
+            gate = asyncio.get_running_loop().create_future()
+            for producer in producers:
+                gates[producer] = gate
+            return gate, producers, before
+
+        async def run(owner: PartitionOwner, indexes: list[int], batches: list,
+                      place: tuple) -> None:
+            """Batches that may wait before they are queued: a verification, or an
+            earlier request of the same producer that waits. They are queued in the
+            order their requests came (their producer's sequence order): queued out of
+            it, a later batch would be refused as out of order, and its producer would
+            resend it and everything behind it one at a time (found 2026-11-29: 102
+            such refusals in 10 s of bench/transactions.py's commit_async() stream)."""
+            gate, producers, before = place
+            future = None
+            try:
+                if before:
+                    await asyncio.wait(before)
+                indexes, batches, tokens = await self._verify_all(owner, indexes, batches,
+                                                                  results, request)
+                if batches:
+                    future = queue(owner, batches, tokens)
+            finally:
+                gate.set_result(None)
+                gates = owner.produce_gates
+                for producer in producers:
+                    if gates.get(producer) is gate:
+                        del gates[producer]
+            if future is not None:
                 with contextlib.suppress(AtomlogError):  # settle() reads it
                     await future
                 settle(owner, indexes, batches, future)
 
-        if verifying:  # verification awaits: a task per partition beyond the first
-            if len(per_owner) == 1:
-                await run(*next(iter(per_owner.values())))
-            elif per_owner:
-                await asyncio.gather(*(run(*entry) for entry in per_owner.values()))
-        elif per_owner:  # every partition's batches queued in this step, no task each
-            queued = [(entry, queue(entry[0], entry[2])) for entry in per_owner.values()]
-            await asyncio.gather(*(future for _, future in queued), return_exceptions=True)
-            for (owner, indexes, batches), future in queued:
-                settle(owner, indexes, batches, future)
+        ordered, queued = [], []
+        for entry in per_owner.values():
+            owner, _, batches = entry
+            gates = owner.produce_gates
+            if any(header.is_transactional or (gates and header.producer_id in gates)
+                   for _, header in batches):
+                ordered.append((*entry, enter(owner, batches)))
+            else:  # queued in this step, no task
+                queued.append((entry, queue(owner, batches)))
+        if len(ordered) == 1 and not queued:
+            await run(*ordered[0])
+        elif ordered or queued:
+            outcomes = await asyncio.gather(*(run(*entry) for entry in ordered),
+                                            *(future for _, future in queued),
+                                            return_exceptions=True)
+            for outcome in outcomes[:len(ordered)]:  # (a queued one's error: settle() reads it)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        for (owner, indexes, batches), future in queued:
+            settle(owner, indexes, batches, future)
         return partition_pb2.ProduceResponse(results=results)
 
     def _check_transactional_header(self, header: BatchHeader, tp) -> None:
@@ -359,7 +399,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             if (header.is_transactional and not recovering and txn not in asked
                     and owner.txns.open_transaction(txn) is None
                     and owner.guard.cached(txn) is None):
-                asked[txn] = asyncio.ensure_future(self._verify(owner, txn))
+                asked[txn] = self._verification(owner, txn)
         if asked:
             await asyncio.wait(asked.values())
         kept_indexes, kept, tokens = [], [], []
@@ -382,6 +422,20 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             kept.append((batch, header))
             tokens.append(token)
         return kept_indexes, kept, tokens
+
+    def _verification(self, owner: PartitionOwner, txn: TxnId) -> asyncio.Future:
+        """The verification of `txn` on the partition: the one under way (asked by an
+        earlier request), or a new one."""
+        task = owner.verifying.get(txn)
+        if task is None:
+            task = owner.verifying[txn] = asyncio.ensure_future(self._verify(owner, txn))
+
+            def done(_task, verifying=owner.verifying) -> None:
+                if verifying.get(txn) is task:
+                    del verifying[txn]
+
+            task.add_done_callback(done)
+        return task
 
     async def _verify(self, owner: PartitionOwner, txn: TxnId) -> None:
         token = owner.guard.token()

@@ -30,7 +30,7 @@ from prometheus_client import Counter, Histogram
 from coordinator.routing import CHANNEL_OPTIONS
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.record_batch import TxnId
-from services import local
+from services import failpoints, local
 from services.backoff import Backoff
 from services.batching import PerDestination
 from services.errors import AtomlogError, from_rpc_error
@@ -151,6 +151,7 @@ class TxnVerifier:
     # ------------------------------------------------------------------ batching
     async def _send(self, address: str, group: list[_Question]) -> list:
         """One VerifyTxnPartitions call for the questions queued for `address`."""
+        await failpoints.hold(failpoints.VERIFY_HOLD)
         request = coordinator_pb2.VerifyTxnPartitionsRequest(items=[_item(q) for q in group])
         VERIFY_CALLS.inc()
         try:

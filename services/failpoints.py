@@ -25,6 +25,10 @@ harness arms and disarms it from outside without talking to the process:
              a coordinator holds every marker call (EndTxnOnPartition) before sending it,
              and lets no marker ride with a staging call (StageTxn) meanwhile, so a test
              can kill a partition server between a decision and its markers.
+    verify_hold
+             a partition server holds every verification call (VerifyTxnPartitions)
+             before sending it, so a test can send more batches while a transaction's
+             first batch waits for its verification.
 
 Off, a failpoint costs a function call and one comparison with None.
 """
@@ -43,6 +47,7 @@ FSYNC_SLOW_DEFAULT_MS = 5.0
 ONE_CALL_DECIDE = "one_call_decide"
 ONE_CALL_STAGE = "one_call_stage"
 MARKERS_SEND = "markers_send"
+VERIFY_HOLD = "verify_hold"
 
 _DIRECTORY: str | None = os.environ.get(ENVIRONMENT_VARIABLE) or None
 

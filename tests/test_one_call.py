@@ -21,7 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
+from atomlog.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2,
+                        partition_pb2_grpc)
 from coordinator.records import tc_partition_for
 from partition_server.record_batch import Record, encode_batch
 from services import failpoints
@@ -301,6 +302,54 @@ def test_a_transaction_that_outgrows_the_bound_switches_paths_mid_way(servers):
         assert len(set(offsets)) == 20
 
 
+def test_a_producers_batches_queue_in_order_behind_its_batch_being_verified(
+        servers, client, failpoint_dir):
+    """The first batch of a transaction on a partition waits for its verification with
+    the coordinator. Batches of the same producer sent meanwhile (plain, or of the same
+    transaction) wait behind it and are written in sequence order; before, they could
+    be queued first and refused as out of order, and the producer resent them one at a
+    time (bench/transactions.py's commit_async() stream: 102 refusals in 10 s). A second
+    batch of the transaction shares the verification under way instead of asking again."""
+    topic = "oc-verify-order"
+    create_online(client, topic, 1)
+    producer_id, epoch = client.allocate_producer_id()
+    txn = client.begin_transaction(timeout_s=60)
+    txn.register_partitions([(topic, 0)])
+    address = client.metadata.route(topic, 0).address
+    stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+
+    def produce(seq: int, value: bytes, transactional: bool):
+        batch = encode_batch([Record(value=value)], producer_id=producer_id,
+                             producer_epoch=epoch, base_sequence=seq,
+                             txn=txn.key if transactional else None)
+        return stub.Produce.future(partition_pb2.ProduceRequest(items=[
+            partition_pb2.ProduceItem(
+                topic_partition=common_pb2.TopicPartition(topic=topic, partition=0),
+                record_batch=batch)]), timeout=30)
+
+    first = produce(0, b"plain-0", False).result()
+    assert not first.results[0].error.reason
+    verified_before = _coordinator_metric(servers, "atomlog_partition_txn_verify_calls_total",
+                                          role="partition_server")
+    with Armed(failpoint_dir, failpoints.VERIFY_HOLD):
+        calls = [produce(1, b"txn-1", True)]
+        time.sleep(0.3)  # its verification is held
+        calls += [produce(2, b"plain-2", False), produce(3, b"txn-3", True),
+                  produce(4, b"plain-4", False)]
+        time.sleep(0.5)
+        assert not any(call.done() for call in calls)  # all behind the first
+    results = [call.result().results[0] for call in calls]
+    assert [r.error.reason for r in results] == [""] * 4
+    offsets = [r.base_offset for r in results]
+    assert offsets == sorted(offsets) and offsets[0] > first.results[0].base_offset
+    verify_calls = _coordinator_metric(servers, "atomlog_partition_txn_verify_calls_total",
+                                       role="partition_server") - verified_before
+    assert verify_calls == 1
+    txn.commit(wait_for_markers=True)
+    assert committed_values(client, topic) == [b"plain-0", b"txn-1", b"plain-2", b"txn-3",
+                                               b"plain-4"]
+
+
 def committed_one(client, topic: str) -> tuple[int, int, int]:
     """Commit a transaction of one record ("kept") to partition 0 of `topic`: its TC
     partition, its sequence (those above it, inside the reservation, are handed out to
@@ -506,12 +555,13 @@ def test_waiting_for_a_send_while_its_one_call_commit_runs_waits_for_the_commit(
     assert committed_values(client, topic) == [b"v"] * 20
 
 
-def _coordinator_metric(cluster: Cluster, name: str) -> float:
-    """`name` (a counter without labels) summed over the cluster's coordinators."""
+def _coordinator_metric(cluster: Cluster, name: str, role: str = "coordinator") -> float:
+    """`name` (a counter without labels) summed over the cluster's coordinators (or the
+    processes of `role`)."""
     import urllib.request
     total = 0.0
     for process in cluster.services():
-        if process["role"] != "coordinator":
+        if process["role"] != role:
             continue
         text = urllib.request.urlopen(f"http://{process['metrics_address']}/metrics",
                                       timeout=10).read().decode()
