@@ -110,6 +110,23 @@ def write_docs_section(text: str, begin: str, end: str,
     DOCS.write_text(current.rstrip("\n") + "\n\n" + text)
 
 
+def drop_page_cache() -> bool:
+    """Write back and drop the kernel's clean page cache (root only; False, and nothing
+    done, otherwise). Before each cell of a benchmark that writes gigabytes: on this
+    machine (a VM) the partition servers' kernel time per record more than doubled once
+    the page cache grew past about 4.5 GB in one run (sys 2.2 -> 5-6 us per 1 KiB
+    record, measured 2026-11-29: pages the VM had not used before cost more to fill),
+    so later cells ran slower than earlier ones whatever they measured. Dropped before
+    each cell, the cost stayed flat (docs/benchmarks.md)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as control:
+            control.write("1")
+    except OSError:
+        return False
+    return True
+
+
 def fsync_baseline(directory: Path, samples: int = 300) -> dict:
     fd = os.open(directory / "fsync.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     latencies = []

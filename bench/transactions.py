@@ -10,7 +10,9 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
 2. Produce throughput of one producer writing 1 KiB records as fast as it can for D
    seconds: idempotent without transactions, with a transaction committed every 100 ms
    by commit() (waiting), and the same by commit_async() (the next transaction produces
-   while the last commits). The overhead is the relative loss of records/s.
+   while the last commits). The overhead is the relative loss of records/s. Each cell
+   starts with the kernel's page cache dropped when run as root (common.drop_page_cache:
+   on this VM a run's later cells otherwise paid twice the kernel time per record).
 3. Fetch throughput of everything written in (2) from the start: read_committed vs
    read_uncommitted (one consumer, same data, MB/s).
 4. Consume-transform-produce (peers-bench W3): 20,000 preloaded 1 KiB inputs (untimed);
@@ -217,6 +219,7 @@ def stream(address: str, seconds: float, mode: str, partition: int) -> dict:
 
     if mode not in STREAM_MODES:
         raise ValueError(f"stream mode must be one of {STREAM_MODES}, not {mode!r}")
+    common.drop_page_cache()  # each cell starts alike (common.drop_page_cache)
     transactional = mode != "plain"
     client = Client(address)
     sent = 0
@@ -545,9 +548,10 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: d
         "removing that work, not calls alone, would move this figure.",
         f"The stream overhead is {overhead:.1f}% with a waiting commit() and "
         f"{overhead_async:.1f}% with commit_async() in this run. The three 10 s cells run",
-        "one after another on separate partitions and each swings by about 10% between runs",
-        "here (the idempotent cell gave 112k, 115k and 94k records/s in three runs on",
-        "2026-11-21), so a difference of a few points is noise. Every 100 ms a transaction",
+        "one after another on separate partitions, each after the page cache is dropped",
+        "(as root), and each swings by about 10% between runs here (the idempotent cell",
+        "gave 112k, 115k and 94k records/s in three runs on 2026-11-21, before the drop),",
+        "so a difference of a few points is noise. Every 100 ms a transaction",
         "adds NewTxn (with its partition), a verification and EndTxn, and commit() first",
         "waits for the transaction's in-flight batches (the pipeline drains 10 times a",
         "second); commit_async() leaves that wait and EndTxn to a commit thread while the",
