@@ -329,8 +329,8 @@ def test_a_producers_batches_queue_in_order_behind_its_batch_being_verified(
 
     first = produce(0, b"plain-0", False).result()
     assert not first.results[0].error.reason
-    verified_before = _coordinator_metric(servers, "atomlog_partition_txn_verify_calls_total",
-                                          role="partition_server")
+    verified_before = _metric_sum(servers, "atomlog_partition_txn_verify_calls_total",
+                                  role="partition_server")
     with Armed(failpoint_dir, failpoints.VERIFY_HOLD):
         calls = [produce(1, b"txn-1", True)]
         time.sleep(0.3)  # its verification is held
@@ -342,8 +342,8 @@ def test_a_producers_batches_queue_in_order_behind_its_batch_being_verified(
     assert [r.error.reason for r in results] == [""] * 4
     offsets = [r.base_offset for r in results]
     assert offsets == sorted(offsets) and offsets[0] > first.results[0].base_offset
-    verify_calls = _coordinator_metric(servers, "atomlog_partition_txn_verify_calls_total",
-                                       role="partition_server") - verified_before
+    verify_calls = _metric_sum(servers, "atomlog_partition_txn_verify_calls_total",
+                               role="partition_server") - verified_before
     assert verify_calls == 1
     txn.commit(wait_for_markers=True)
     assert committed_values(client, topic) == [b"plain-0", b"txn-1", b"plain-2", b"txn-3",
@@ -555,9 +555,9 @@ def test_waiting_for_a_send_while_its_one_call_commit_runs_waits_for_the_commit(
     assert committed_values(client, topic) == [b"v"] * 20
 
 
-def _coordinator_metric(cluster: Cluster, name: str, role: str = "coordinator") -> float:
-    """`name` (a counter without labels) summed over the cluster's coordinators (or the
-    processes of `role`)."""
+def _metric_sum(cluster: Cluster, name: str, role: str = "coordinator") -> float:
+    """`name` (a counter without labels) summed over the cluster's processes of `role`
+    (its coordinators by default)."""
     import urllib.request
     total = 0.0
     for process in cluster.services():
@@ -576,7 +576,7 @@ def test_markers_ride_with_the_next_staging_call_and_land_exactly_once(servers, 
     (coordinator/markers.py), instead of an EndTxnOnPartition call of their own. Every
     transaction still completes, once, with its data visible exactly once."""
     topic = create_online(client, "oc-riders", 2)
-    riding_before = _coordinator_metric(servers, "atomlog_coordinator_riding_markers_total")
+    riding_before = _metric_sum(servers, "atomlog_coordinator_riding_markers_total")
     txns = []
     with client.producer() as producer:
         for i in range(40):
@@ -585,7 +585,7 @@ def test_markers_ride_with_the_next_staging_call_and_land_exactly_once(servers, 
                 producer.send(topic, b"r%d-%d" % (i, partition), partition=partition, txn=txn)
             txn.commit()
             txns.append(txn)
-    riding = _coordinator_metric(servers, "atomlog_coordinator_riding_markers_total") \
+    riding = _metric_sum(servers, "atomlog_coordinator_riding_markers_total") \
         - riding_before
     # 80 markers; those of a transaction whose successor went to the other coordinator
     # (TC partitions are picked round-robin), and the last ones, go alone.
