@@ -302,13 +302,11 @@ class PartitionOwner:
         self._txn_recovery: asyncio.Task | None = None
         self._txn_recovery_cancel: threading.Event | None = None
         self.guard = TxnGuard()  # volatile; survives reloads (see txn_guard.py)
-        # The servicer's, for Produce (service.py): the verifications of this partition
-        # under way, by transaction (a request for the same transaction waits for the
-        # one asked already instead of asking again), and per producer id the last
-        # Produce whose batches wait before they are queued here (later batches of that
-        # producer queue only after it: arrival order is sequence order). Both empty
-        # when nothing waits; an entry lives as long as its request.
-        self.verifying: dict[TxnId, asyncio.Future] = {}
+        # The servicer's, for Produce (service.py): per producer id, the last Produce
+        # whose batches wait (a verification) before they are queued here; later batches
+        # of that producer queue only after it (arrival order is sequence order), and
+        # then find its verification cached. Empty when nothing waits; an entry lives as
+        # long as its request.
         self.produce_gates: dict[int, asyncio.Future] = {}
         self.verified_acks: OrderedDict = OrderedDict()  # (txn, subscription) -> True
         self.subscriptions = PartitionSubscriptions(

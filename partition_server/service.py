@@ -399,7 +399,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             if (header.is_transactional and not recovering and txn not in asked
                     and owner.txns.open_transaction(txn) is None
                     and owner.guard.cached(txn) is None):
-                asked[txn] = self._verification(owner, txn)
+                asked[txn] = asyncio.ensure_future(self._verify(owner, txn))
         if asked:
             await asyncio.wait(asked.values())
         kept_indexes, kept, tokens = [], [], []
@@ -422,20 +422,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             kept.append((batch, header))
             tokens.append(token)
         return kept_indexes, kept, tokens
-
-    def _verification(self, owner: PartitionOwner, txn: TxnId) -> asyncio.Future:
-        """The verification of `txn` on the partition: the one under way (asked by an
-        earlier request), or a new one."""
-        task = owner.verifying.get(txn)
-        if task is None:
-            task = owner.verifying[txn] = asyncio.ensure_future(self._verify(owner, txn))
-
-            def done(_task, verifying=owner.verifying) -> None:
-                if verifying.get(txn) is task:
-                    del verifying[txn]
-
-            task.add_done_callback(done)
-        return task
 
     async def _verify(self, owner: PartitionOwner, txn: TxnId) -> None:
         token = owner.guard.token()

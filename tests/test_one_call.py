@@ -309,7 +309,7 @@ def test_a_producers_batches_queue_in_order_behind_its_batch_being_verified(
     transaction) wait behind it and are written in sequence order; before, they could
     be queued first and refused as out of order, and the producer resent them one at a
     time (bench/transactions.py's commit_async() stream: 102 refusals in 10 s). A second
-    batch of the transaction shares the verification under way instead of asking again."""
+    batch of the transaction finds the first one's answer cached instead of asking again."""
     topic = "oc-verify-order"
     create_online(client, topic, 1)
     producer_id, epoch = client.allocate_producer_id()
