@@ -60,10 +60,11 @@ ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION"
                              "SERVER_UNAVAILABLE"})
 
 # How long a marker of a one-call transaction waits for a staging call to ride with (see
-# the module doc). A client's next one-call transaction reaches the
-# coordinator a few ms after the last one's answer (measured: 1-3 ms of client CPU plus
-# the queue of a loaded server); 20 ms covers that with room, and is well below what a
-# read_committed reader already waits for a commit (the marker retry is 1 s).
+# the module doc), by default (the setting coordinator.marker_linger_ms). A client's next
+# one-call transaction reaches the coordinator a few ms after the last one's answer
+# (measured: 1-3 ms of client CPU plus the queue of a loaded server); 20 ms covers that
+# with room, and is well below what a read_committed reader already waits for a commit
+# (the marker retry is 1 s).
 LINGER_S = 0.020
 
 

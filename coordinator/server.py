@@ -842,7 +842,8 @@ async def install(runtime) -> list[str]:
     producer_ids = ProducerIds(runtime.metadata, requester=runtime.name)
     routes = PartitionRoutes(runtime.metadata)
     markers = MarkerChannel(routes, config["coordinator.marker_batch_max"],
-                            config["coordinator.log_request_timeout_ms"] / 1000)
+                            config["coordinator.log_request_timeout_ms"] / 1000,
+                            config["coordinator.marker_linger_ms"] / 1000)
     stager = StageChannel(routes, config["coordinator.stage_batch_max"],
                           config["coordinator.log_request_timeout_ms"] / 1000, markers)
     coordinator = Coordinator(runtime.name, tc_partitions, routes, markers, producer_ids,

@@ -63,7 +63,12 @@ def failpoint_cluster(directory: Path, failpoint_dir: Path, *settings: str):
 def servers(tmp_path_factory, failpoint_dir):
     yield from failpoint_cluster(tmp_path_factory.mktemp("atomlog-one-call"), failpoint_dir,
                                  "--set", f"partition.txn_check_after_ms={CHECK_AFTER_MS}",
-                                 "--set", "partition.txn_check_interval_ms=200")
+                                 "--set", "partition.txn_check_interval_ms=200",
+                                 # Markers ride while commits come at least every 200 ms,
+                                 # not 20: on a loaded machine (the suite's other worker)
+                                 # back-to-back commits came more than 20 ms apart and
+                                 # none rode.
+                                 "--set", "coordinator.marker_linger_ms=200")
 
 
 def restart(cluster: Cluster) -> list[str]:
