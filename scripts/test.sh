@@ -10,4 +10,9 @@ cd "$ROOT"
 # ... again: a cluster start's six servers took 1.9 s of CPU instead of 1.3 s.
 export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/atomlog/pycache}"
 unset PYTHONDONTWRITEBYTECODE
-exec python -m pytest "$@"
+# Two workers (pytest-xdist): the suite waits much of its time (failovers, session
+# timeouts, Spark's start-up), and on one worker it used half of this 2-CPU machine
+# (measured 2026-11-29: 1,190 s, 54% busy). Each module runs whole on one worker
+# (tests/conftest.py, pytest_xdist_make_scheduler). ATOMLOG_TEST_WORKERS=0 runs it in
+# this process.
+exec python -m pytest -n "${ATOMLOG_TEST_WORKERS:-2}" "$@"

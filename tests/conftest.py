@@ -28,6 +28,31 @@ CLUSTER_SETTINGS = ("--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}
                     "--set", f"coordinator.snapshot_every_records={TC_SNAPSHOT_EVERY_RECORDS}")
 
 
+# scripts/test.sh runs the suite on pytest-xdist workers. Each module runs whole on one
+# worker, so its module-scoped clusters start once; the modules below share one group
+# because they share a session fixture that must exist once per run: the SparkSession
+# (one JVM per run) and the TLS + ACL cluster. (A scheduler of our own: xdist 3.8's
+# `--dist loadgroup` marks do not take with pytest 9, whose node ids it cannot rewrite.)
+SHARED_GROUPS = {"test_spark": "spark-acl", "test_acl_spark": "spark-acl",
+                 "test_acl": "spark-acl", "test_acl_go": "spark-acl"}
+
+
+def module_group(nodeid: str) -> str:
+    """The work unit of a test: its module's name, or the group its module shares."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return SHARED_GROUPS.get(module, module)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return module_group(nodeid)
+
+    return ModuleGroups(config, log)
+
+
 def atomlog(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the CLI as a separate process, as a user would."""
     result = subprocess.run([sys.executable, "-m", "services", *args], cwd=REPO_ROOT,
