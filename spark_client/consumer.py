@@ -252,6 +252,24 @@ class Consumer:
                                        header, position))
 
     def _list_offsets(self, spec) -> dict[tuple[str, int], int]:
+        """ListOffsets of every assigned partition from its owner. A retriable refusal (a
+        partition still loading after a failover, an owner moved or unreachable) is
+        retried with a backoff and fresh routes for up to request_timeout_s, as fetches
+        are; then it is raised (errors.py: the SDK already retried it)."""
+        deadline = time.monotonic() + self.request_timeout_s
+        attempt = 0
+        while True:
+            try:
+                return self._list_offsets_once(spec)
+            except errors.AtomlogClientError as error:
+                attempt += 1
+                remaining = deadline - time.monotonic()
+                if not error.retriable or remaining <= 0:
+                    raise
+                self._refresh()
+                time.sleep(min(self.backoff.delay(attempt), remaining))
+
+    def _list_offsets_once(self, spec) -> dict[tuple[str, int], int]:
         found: dict[tuple[str, int], int] = {}
         for address, partitions in self._by_server().items():
             stub = self.client.channels.partition(address)
@@ -266,6 +284,10 @@ class Consumer:
                 if result.error.reason:
                     raise errors.error_for(result.error.reason, result.error.message)
                 found[(result.topic_partition.topic, result.topic_partition.partition)] = result.offset
+        missing = sorted(set(self._positions) - set(found))
+        if missing:  # no owner now (a failover): not an answer to leave out
+            raise errors.error_for("SERVER_UNAVAILABLE", "no owner of "
+                                   + ", ".join(f"{t}-{p}" for t, p in missing[:5]) + " now")
         return found
 
     def _refresh(self) -> None:

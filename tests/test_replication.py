@@ -26,7 +26,7 @@ from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2, partition_pb2_gr
 from partition_server.copy_link import KIND_ANSWER, KIND_ERROR, KIND_REQUEST
 from partition_server.record_batch import Record, encode_batch
 from spark_client import Client, errors
-from tests.conftest import SESSION_TIMEOUT_MS, metric_sum, wait_until
+from tests.conftest import SESSION_TIMEOUT_MS, create_online, metric_sum, wait_until
 from tests.link_tools import HEAD, closed_by_peer, connect, link_address, read_frame, request_frame
 
 pytestmark = pytest.mark.cluster
@@ -309,7 +309,8 @@ def test_a_follower_uses_grpc_while_its_leaders_link_is_unreachable(cluster, cli
     from partition_server.replica import PARTITION_SERVICE, LeaderFetcher, ReplicaStub
     from services import local
 
-    client.create_topic("rep-link-down", partitions=1, replication_factor=2)
+    # Online first: a leader still loading answers PARTITION_LOADING, not the answer below.
+    create_online(client, "rep-link-down", 1, replication_factor=2)
     wait_until(lambda: fully_in_sync(client, "rep-link-down"), 15, "rep-link-down in sync")
     part = metadata(client, "rep-link-down").partitions[0]
     outsider = next(s for s in SERVERS if s not in part.replicas)
