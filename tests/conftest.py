@@ -43,6 +43,7 @@ def module_group(nodeid: str) -> str:
     return SHARED_GROUPS.get(module, module)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
