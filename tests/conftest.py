@@ -74,9 +74,9 @@ def wait_until(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - began
 
 
-def metric_sum(address: str, line_start: str) -> float:
+def metric_sum(address: str, line_start: str | tuple[str, ...]) -> float:
     """The sum of a server's /metrics samples whose line starts with `line_start` (a
-    metric name, with labels up to where they should match)."""
+    metric name, with labels up to where they should match; or a tuple of those)."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()

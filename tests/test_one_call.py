@@ -29,7 +29,7 @@ from services import failpoints
 from services.errors import from_rpc_error
 from spark_client import Client, errors
 from spark_client.transactions import Coordinators
-from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, wait_until
+from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, metric_sum, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -567,18 +567,10 @@ def test_waiting_for_a_send_while_its_one_call_commit_runs_waits_for_the_commit(
 
 
 def _metric_sum(cluster: Cluster, name: str, role: str = "coordinator") -> float:
-    """`name` (a counter without labels) summed over the cluster's processes of `role`
+    """The counter `name`, every label set, summed over the cluster's processes of `role`
     (its coordinators by default)."""
-    import urllib.request
-    total = 0.0
-    for process in cluster.services():
-        if process["role"] != role:
-            continue
-        text = urllib.request.urlopen(f"http://{process['metrics_address']}/metrics",
-                                      timeout=10).read().decode()
-        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                     if line.startswith((name + " ", name + "{")))  # every label set
-    return total
+    return sum(metric_sum(process["metrics_address"], (name + " ", name + "{"))
+               for process in cluster.services() if process["role"] == role)
 
 
 def test_markers_ride_with_the_next_staging_call_and_land_exactly_once(servers, client):

@@ -111,9 +111,9 @@ def produce_taken(address: str, topic: str, partition: int, value: bytes,
     PARTITION_LOADING (nothing written) while it opens — slow on a loaded machine — and
     until its ISR holds its log, and NOT_PARTITION_OWNER or, for a topic just made,
     UNKNOWN_TOPIC_OR_PARTITION (nothing written) until its own watch has shown it the
-    state another server's metadata already shows. Fails on any
-    other answer: a raw write has no producer id, so one whose outcome is unknown (a
-    timeout) must not be sent again."""
+    state another server's metadata already shows. Fails on any other answer: a raw
+    write has no producer id, so one whose outcome is unknown (a timeout) must not be
+    sent again."""
     def taken() -> bool:
         reply = raw_produce(address, topic, partition, value, timeout=30)
         reason = reply.results[0].error.reason
