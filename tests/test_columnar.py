@@ -61,6 +61,75 @@ def test_the_schema_message_in_the_docs_is_the_one_the_code_uses():
     assert bytes.fromhex("".join(published.split())) == rc.schema_message() + EOS
 
 
+def _pyarrow_encoded(recs: list[rb.Record], **fields) -> bytes:
+    """encode_records through pyarrow's arrays and IPC writer (the path of large batches
+    and batches with headers), whatever the batch."""
+    stamps = [r.timestamp_ms for r in recs]
+    keys, values, deltas, headers = rc.record_arrays(recs, stamps, stamps[0])
+    return rc.encode_columns(keys, values, headers, deltas, stamps[0], max(stamps), **fields)
+
+
+def test_small_batches_written_without_pyarrow_read_as_pyarrow_s_own():
+    """plain_block() writes the IPC message itself: for null, empty and filled keys and
+    values, equal and differing timestamps, 1 to PLAIN_MAX_RECORDS records, the block
+    decodes (validated in full) to exactly what pyarrow's encoding of the same records
+    decodes to, and any Arrow reader reads it behind the schema message."""
+    import random
+
+    rnd = random.Random(19)
+    sizes = [1, 2, 7, 8, 9, 63, 64, 65, rc.PLAIN_MAX_RECORDS] + \
+        [rnd.randint(1, 40) for _ in range(300)]
+    for trial, n in enumerate(sizes):
+        base = 1_700_000_000_000
+        recs = [rb.Record(
+            key=rnd.choice([None, b"", rnd.randbytes(rnd.randint(1, 20))]),
+            value=rnd.choice([None, b"", rnd.randbytes(rnd.randint(1, 300))]),
+            timestamp_ms=base if trial % 2 else base + rnd.randint(-5, 5000))
+            for _ in range(n)]
+        if trial % 5 == 0:  # every key null, every value filled (a producer's usual batch)
+            recs = [r._replace(key=None, value=b"x" * 1024) for r in recs]
+        if trial % 7 == 0:  # bytes-like, not bytes
+            recs = [r._replace(value=bytearray(r.value)) if r.value else r for r in recs]
+        assert rc.plain_block(recs, [r.timestamp_ms for r in recs]) is not None
+        fields = dict(producer_id=3, producer_epoch=1, base_sequence=trial, txn=(2, trial + 1))
+        plain, reference = rc.encode_records(recs, **fields), _pyarrow_encoded(recs, **fields)
+        header = rb.parse_header(plain)
+        assert header == rb.parse_header(reference)._replace(
+            batch_length=header.batch_length, crc=header.crc)
+        assert rc.decode_columns(plain).equals(rc.decode_columns(reference)), trial
+        assert [r[:4] for r in rb.decode_records(plain)] == [r[:4] for r in recs]
+        stream = pa.ipc.open_stream(rc.schema_message() + plain[rb.HEADER_SIZE:] + EOS)
+        assert stream.read_all().to_batches()[0].equals(rc.decode_columns(reference))
+
+
+@pytest.mark.parametrize("case", ["headers", "str value", "int key", "compressed", "large"])
+def test_batches_plain_block_does_not_write_take_pyarrow_s_path(case):
+    recs = [rb.Record(key=None, value=b"v%d" % i, timestamp_ms=5) for i in range(4)]
+    fields = {}
+    if case == "headers":
+        recs[2] = recs[2]._replace(headers=(("h", b"x"),))
+    elif case == "str value":
+        recs[1] = recs[1]._replace(value="text")
+    elif case == "int key":  # refused by pyarrow too
+        recs[0] = recs[0]._replace(key=7)
+    elif case == "compressed":
+        fields["compression"] = rb.Compression.ZSTD
+    else:
+        recs = [rb.Record(key=None, value=b"v", timestamp_ms=5)] * (rc.PLAIN_MAX_RECORDS + 1)
+    stamps = [r.timestamp_ms for r in recs]
+    if case in ("headers", "str value", "int key"):
+        assert rc.plain_block(recs, stamps) is None
+    if case == "int key":
+        with pytest.raises((pa.ArrowException, TypeError)):
+            rc.encode_records(recs, **fields)
+        return
+    batch = rc.encode_records(recs, **fields)
+    assert batch == _pyarrow_encoded(recs, **fields)
+    got = rb.decode_records(batch)
+    assert [bytes(r.value) if r.value is not None else None for r in got] == [
+        r.value.encode() if isinstance(r.value, str) else r.value for r in recs]
+
+
 def test_uncompressed_blocks_are_read_without_copying():
     batch = rc.encode_records([rb.Record(value=b"x" * 4096)])
     columns = rc.decode_columns(batch)
