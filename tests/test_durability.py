@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from partition_server import durability
+from partition_server import durability, uring
 from partition_server.durability import (BarrierCore, DurabilityBarrier, Request, SyncTicket)
 from partition_server.log import LogConfig
 from partition_server.owner import OwnerSettings, PartitionOwner, State
@@ -243,6 +243,107 @@ def test_the_fsync_slow_failpoint_delays_each_fsync_by_what_its_file_says(tmp_pa
     (points / failpoints.FSYNC_SLOW).unlink()
     assert timed() < 0.04
     os.close(fd)
+
+
+# ---------------------------------------------------------------------------- io_uring
+def ring_or_skip() -> uring.Ring:
+    ring = uring.Ring.open()
+    if ring is None:
+        pytest.skip("io_uring is refused here (kernel.io_uring_disabled or seccomp)")
+    return ring
+
+
+def test_a_ring_fsyncs_every_descriptor_and_answers_each_one_s_own_result(tmp_path):
+    """Real fsyncs through io_uring, more than one submission's worth (ENTRIES), with a
+    pipe among them: fsync of a pipe fails EINVAL in the kernel, so each answer is the
+    kernel's fsync of that descriptor, not a blanket success."""
+    ring = ring_or_skip()
+    count = uring.ENTRIES * 2 + 5
+    fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(count)]
+    reader, writer = os.pipe()
+    for fd in fds:
+        os.write(fd, b"x" * 100)
+    closed = os.open(tmp_path / "closed", os.O_RDWR | os.O_CREAT)
+    os.close(closed)
+    try:
+        results = ring.fsync_all(fds[:70] + [writer, closed] + fds[70:])
+        assert results[70:72] == [errno.EINVAL, errno.EBADF]
+        assert results[:70] + results[72:] == [0] * count
+        assert ring.calls >= 3  # ENTRIES at a time
+        assert ring.fsync_all([]) == []
+    finally:
+        ring.close()
+        for fd in fds + [reader, writer]:
+            os.close(fd)
+
+
+def test_fsync_rounds_go_through_the_ring_and_keep_the_failpoints(tmp_path, monkeypatch):
+    """The process's barrier in fsync mode: a round of several logs is one io_uring_enter
+    (the metric counts it; no fsync thread pool is made), its duplicates are closed, and
+    the fault harness's fsync failpoint fails every log of such a round with EIO;
+    use_ring(False) goes back to the threads."""
+    ring_or_skip().close()
+    barrier = DurabilityBarrier()
+    fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(4)]
+    gate_fd = os.open(tmp_path / "gate", os.O_RDWR | os.O_CREAT)
+
+    async def round_of(sync) -> list[BaseException | None]:
+        # The syncer takes what waits when it wakes: submitted in one event-loop step,
+        # the four are one round unless the thread woke between two submits.
+        tickets = [sync.submit(fd) for fd in fds]
+        await until(lambda: all(t.done() for t in tickets), timeout_s=30)
+        return [t.exception() for t in tickets]
+
+    async def scenario():
+        sync = barrier.open(tmp_path, durability.FSYNC)
+        await sync.sync(gate_fd)  # starts the syncer thread
+        calls = durability.RING_CALLS._value.get()
+        assert await round_of(sync) == [None] * 4
+        assert durability.RING_CALLS._value.get() > calls
+        assert barrier._ring is not None and barrier._pool is None
+        open_before = len(os.listdir("/proc/self/fd"))  # the ring's own among them
+        assert await round_of(sync) == [None] * 4
+        assert len(os.listdir("/proc/self/fd")) == open_before  # duplicates closed
+        points = tmp_path / "failpoints"
+        points.mkdir()
+        monkeypatch.setattr(failpoints, "_DIRECTORY", str(points))
+        (points / failpoints.FSYNC).touch()
+        errors = await round_of(sync)
+        assert all(isinstance(e, OSError) and e.errno == errno.EIO for e in errors)
+        (points / failpoints.FSYNC).unlink()
+        barrier.use_ring(False)
+        calls = durability.RING_CALLS._value.get()
+        assert await round_of(sync) == [None] * 4
+        assert durability.RING_CALLS._value.get() == calls  # on threads again
+
+    asyncio.run(scenario())
+    for fd in fds + [gate_fd]:
+        os.close(fd)
+
+
+def test_where_io_uring_is_refused_fsync_rounds_stay_on_threads(tmp_path, monkeypatch):
+    """A kernel or seccomp profile that refuses io_uring_setup (Ring.open() is None, as
+    under Docker's default profile): the round's fsyncs run on the thread pool, and the
+    barrier does not ask the kernel again for every round."""
+    opened = []
+    monkeypatch.setattr(uring.Ring, "open", classmethod(lambda cls: opened.append(1)))
+    barrier = DurabilityBarrier()
+    fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(3)]
+    gate_fd = os.open(tmp_path / "gate", os.O_RDWR | os.O_CREAT)
+
+    async def scenario():
+        sync = barrier.open(tmp_path, durability.FSYNC)
+        await sync.sync(gate_fd)
+        for _ in range(3):
+            tickets = [sync.submit(fd) for fd in fds]
+            await until(lambda: all(t.done() for t in tickets), timeout_s=30)
+            assert [t.exception() for t in tickets] == [None] * 3
+        assert barrier._ring is None and barrier._pool is not None
+        assert len(opened) == 1
+
+    asyncio.run(scenario())
+    for fd in fds + [gate_fd]:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------- owners

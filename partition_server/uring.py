@@ -1,0 +1,157 @@
+"""Many fsyncs in one system call, through Linux io_uring, without threads.
+
+The durability barrier (partition_server/durability.py) makes a round's fsyncs durable
+at once. With threads, each fsync is a Python thread that must take the GIL back after
+its system call, so a round of five fsyncs is five GIL hand-offs that the event loop's
+thread waits behind. Here the barrier's thread writes one submission entry per fsync
+into the ring's shared memory and makes one `io_uring_enter` that submits them all and
+waits for all their completions; the kernel runs them at once on its own workers, and
+the GIL is released for the whole call (ctypes releases it) and taken back once.
+
+Pure ctypes, mmap and struct (the kernel ABI of linux/io_uring.h); no dependency. Used by
+one thread at a time (the barrier's syncer). `Ring.open()` returns None where io_uring
+cannot be used: not Linux, a kernel without it, `kernel.io_uring_disabled`, or a
+seccomp profile that refuses it (Docker's and containerd's default profiles do), and
+the barrier then keeps its threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import platform
+import struct
+
+# linux/io_uring.h
+_SYS_SETUP, _SYS_ENTER = 425, 426  # the same on every architecture (asm-generic table)
+_ENTER_GETEVENTS = 1
+_FEAT_SINGLE_MMAP = 1
+_OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
+_OP_FSYNC = 3
+# struct io_uring_params: 10 u32 (sq_entries, cq_entries, flags, sq_thread_cpu,
+# sq_thread_idle, features, wq_fd, resv[3]), then io_sqring_offsets (head, tail,
+# ring_mask, ring_entries, flags, dropped, array, resv1: u32; user_addr: u64) and
+# io_cqring_offsets (head, tail, ring_mask, ring_entries, overflow, cqes, flags, resv1:
+# u32; user_addr: u64).
+_PARAMS = struct.Struct("<10I8IQ8IQ")
+_SQE = struct.Struct("<BBHiQQIIQ24x")  # opcode, flags, ioprio, fd, off, addr, len,
+# fsync_flags, user_data; the rest zero (64 bytes)
+_CQE = struct.Struct("<QiI")  # user_data, res, flags (16 bytes)
+_U32 = struct.Struct("<I")
+ENTRIES = 64  # submission entries: a round of more fsyncs goes in several calls
+
+
+class Ring:
+    """One io_uring instance for fsyncs (ENTRIES at a time)."""
+
+    def __init__(self, fd: int, params: tuple, memory: mmap.mmap, cq_memory: mmap.mmap,
+                 sqes: mmap.mmap, enter) -> None:
+        self._fd, self._enter = fd, enter
+        self._sq, self._cq, self._sqes = memory, cq_memory, sqes
+        (sq_entries, cq_entries, *_rest) = params[:10]
+        sq_off, cq_off = params[10:19], params[19:28]
+        self._sq_head, self._sq_tail, sq_mask_at, _, _, _, self._sq_array = sq_off[:7]
+        self._cq_head, self._cq_tail, cq_mask_at, _, _, self._cqes = cq_off[:6]
+        self._sq_mask = _U32.unpack_from(memory, sq_mask_at)[0]
+        self._cq_mask = _U32.unpack_from(cq_memory, cq_mask_at)[0]
+        self._entries = min(sq_entries, cq_entries)
+        self.closed = False
+        self.calls = 0  # io_uring_enter calls made (a metric)
+
+    @classmethod
+    def open(cls, entries: int = ENTRIES) -> Ring | None:
+        """A ring, or None where io_uring is not usable here."""
+        if platform.system() != "Linux":
+            return None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            syscall = libc.syscall
+        except (OSError, AttributeError):
+            return None
+        syscall.restype = ctypes.c_long
+        params = ctypes.create_string_buffer(_PARAMS.size)
+        fd = syscall(ctypes.c_long(_SYS_SETUP), ctypes.c_uint(entries), params)
+        if fd < 0:
+            return None  # ENOSYS, EPERM (disabled, seccomp), ENOMEM: keep the threads
+        try:
+            values = _PARAMS.unpack(params.raw)
+            sq_entries, cq_entries, features = values[0], values[1], values[5]
+            sq_off, cq_off = values[10:19], values[19:28]
+            sq_size = sq_off[6] + sq_entries * 4
+            cq_size = cq_off[5] + cq_entries * _CQE.size
+            shared = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            access = mmap.PROT_READ | mmap.PROT_WRITE
+            if features & _FEAT_SINGLE_MMAP:
+                memory = mmap.mmap(fd, max(sq_size, cq_size), shared, access,
+                                   offset=_OFF_SQ_RING)
+                cq_memory = memory
+            else:
+                memory = mmap.mmap(fd, sq_size, shared, access, offset=_OFF_SQ_RING)
+                cq_memory = mmap.mmap(fd, cq_size, shared, access, offset=_OFF_CQ_RING)
+            sqes = mmap.mmap(fd, sq_entries * _SQE.size, shared, access, offset=_OFF_SQES)
+        except (OSError, ValueError):
+            os.close(fd)
+            return None
+
+        def enter(to_submit: int, min_complete: int) -> int:
+            done = syscall(ctypes.c_long(_SYS_ENTER), ctypes.c_int(fd),
+                           ctypes.c_uint(to_submit), ctypes.c_uint(min_complete),
+                           ctypes.c_uint(_ENTER_GETEVENTS), None, ctypes.c_size_t(0))
+            return done if done >= 0 else -ctypes.get_errno()
+
+        return cls(fd, values, memory, cq_memory, sqes, enter)
+
+    def fsync_all(self, fds: list[int]) -> list[int]:
+        """fsync every descriptor, all at once; each one's result: 0, or the errno its
+        fsync failed with. Raises OSError only when the ring itself fails (then no
+        result is known: the caller fails every fsync)."""
+        results = [0] * len(fds)
+        for start in range(0, len(fds), self._entries):
+            self._fsync_some(fds, start, min(len(fds), start + self._entries), results)
+        return results
+
+    def _fsync_some(self, fds: list[int], start: int, end: int, results: list[int]) -> None:
+        sq, sqes, mask = self._sq, self._sqes, self._sq_mask
+        tail = _U32.unpack_from(sq, self._sq_tail)[0]
+        for index in range(start, end):
+            slot = tail & mask
+            _SQE.pack_into(sqes, slot * _SQE.size, _OP_FSYNC, 0, 0, fds[index], 0, 0, 0, 0,
+                           index)
+            _U32.pack_into(sq, self._sq_array + slot * 4, slot)
+            tail = (tail + 1) & 0xFFFFFFFF
+        # The entries are written before the tail that publishes them; the kernel reads
+        # them only inside io_uring_enter (no SQPOLL), a full barrier after these stores.
+        _U32.pack_into(sq, self._sq_tail, tail)
+        wanted, to_submit = end - start, end - start
+        while wanted:
+            done = self._enter(to_submit, wanted)
+            self.calls += 1
+            if done == -errno.EINTR:
+                continue
+            if done < 0:
+                raise OSError(-done, f"io_uring_enter: {os.strerror(-done)}")
+            to_submit = max(0, to_submit - done)
+            wanted -= self._reap(results)
+
+    def _reap(self, results: list[int]) -> int:
+        cq, mask = self._cq, self._cq_mask
+        head = _U32.unpack_from(cq, self._cq_head)[0]
+        tail = _U32.unpack_from(cq, self._cq_tail)[0]  # x86-64 and arm64 order this load
+        reaped = 0  # before the entries' loads below (the syscall returned already)
+        while head != tail:
+            user_data, res, _flags = _CQE.unpack_from(cq, self._cqes + (head & mask) * _CQE.size)
+            results[user_data] = -res if res < 0 else 0
+            head = (head + 1) & 0xFFFFFFFF
+            reaped += 1
+        _U32.pack_into(cq, self._cq_head, head)
+        return reaped
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for memory in {id(m): m for m in (self._sq, self._cq, self._sqes)}.values():
+                memory.close()
+            os.close(self._fd)
