@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
+from partition_server import durability
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.copy_link import LinkServer
 from partition_server.cursor_store import CursorStoreLimits
