@@ -20,8 +20,8 @@ A round is, per `partition.durability`:
   is one io_uring_enter instead (partition_server/uring.py): the kernel runs them at
   once on its own workers and the barrier's thread takes the GIL back once, where each
   of FSYNC_THREADS threads took it back after its fsync, every hand-off a wait for the
-  event loop's thread (docs/benchmarks.md: about 8% less server CPU per small
-  transaction). A process where io_uring is refused keeps the threads.
+  event loop's thread (docs/benchmarks.md: 8-20% less server CPU per small transaction
+  on the combined server). A process where io_uring is refused keeps the threads.
 - `syncfs`: one syncfs(2) per filesystem holding a submitting log, on a descriptor the
   barrier keeps open for that filesystem. syncfs writes back and waits for every dirty
   file of the filesystem and flushes the device cache as fsync does (man 2 sync: it
