@@ -430,7 +430,10 @@ class DurabilityBarrier:
                 if self._ring_refused:
                     log.info("io_uring is not usable here: fsync rounds use threads")
             if self._ring is not None:
-                return device_errors, _fsync_on_ring(self._ring, files)
+                file_errors = _fsync_on_ring(self._ring, files)
+                if self._ring.closed:  # it failed: the next round makes a new one
+                    self._ring = None
+                return device_errors, file_errors
         if len(files) > 1:  # at once: the kernel commits concurrent fsyncs together
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(FSYNC_THREADS, "durability-fsync")
@@ -456,7 +459,9 @@ def _fsync_on_ring(ring: uring.Ring, files: list[Request]) -> dict[int, BaseExce
         calls = ring.calls
         try:
             results = ring.fsync_all([request.fd for request in files])
-        except OSError as error:  # the ring failed: nothing is known to be durable
+        except OSError as error:  # the ring failed: nothing is known to be durable, and
+            ring.close()  # completions may still come: no later round may read them
+            log.warning("an io_uring fsync round failed (%s): its logs fail closed", error)
             return {id(request): error for request in files}
         finally:
             RING_CALLS.inc(ring.calls - calls)

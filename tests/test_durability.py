@@ -280,8 +280,9 @@ def test_a_ring_fsyncs_every_descriptor_and_answers_each_one_s_own_result(tmp_pa
 def test_fsync_rounds_go_through_the_ring_and_keep_the_failpoints(tmp_path, monkeypatch):
     """The process's barrier in fsync mode: a round of several logs is one io_uring_enter
     (the metric counts it; no fsync thread pool is made), its duplicates are closed, and
-    the fault harness's fsync failpoint fails every log of such a round with EIO;
-    use_ring(False) goes back to the threads."""
+    the fault harness's fsync failpoint fails every log of such a round with EIO; a ring
+    that fails fails its round closed and is replaced; use_ring(False) goes back to the
+    threads."""
     ring_or_skip().close()
     barrier = DurabilityBarrier()
     fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(4)]
@@ -311,6 +312,17 @@ def test_fsync_rounds_go_through_the_ring_and_keep_the_failpoints(tmp_path, monk
         errors = await round_of(sync)
         assert all(isinstance(e, OSError) and e.errno == errno.EIO for e in errors)
         (points / failpoints.FSYNC).unlink()
+        # The ring itself failing (io_uring_enter refused: ENOMEM, here injected): every
+        # log of the round fails closed, and the next round gets a new ring.
+        broken = barrier._ring
+        broken._enter = lambda to_submit, min_complete: -errno.ENOMEM
+        errors = await round_of(sync)
+        assert all(isinstance(e, OSError) and e.errno == errno.ENOMEM for e in errors)
+        assert broken.closed
+        calls = durability.RING_CALLS._value.get()
+        assert await round_of(sync) == [None] * 4
+        assert barrier._ring is not None and barrier._ring is not broken
+        assert durability.RING_CALLS._value.get() > calls
         barrier.use_ring(False)
         calls = durability.RING_CALLS._value.get()
         assert await round_of(sync) == [None] * 4
