@@ -73,7 +73,7 @@ class Ring:
             return None
         syscall.restype = ctypes.c_long
         params = ctypes.create_string_buffer(_PARAMS.size)
-        fd = syscall(ctypes.c_long(_SYS_SETUP), ctypes.c_uint(entries), params)
+        fd = syscall(ctypes.c_long(_SYS_SETUP), ctypes.c_long(entries), params)
         if fd < 0:
             return None  # ENOSYS, EPERM (disabled, seccomp), ENOMEM: keep the threads
         try:
@@ -97,9 +97,10 @@ class Ring:
             return None
 
         def enter(to_submit: int, min_complete: int) -> int:
-            done = syscall(ctypes.c_long(_SYS_ENTER), ctypes.c_int(fd),
-                           ctypes.c_uint(to_submit), ctypes.c_uint(min_complete),
-                           ctypes.c_uint(_ENTER_GETEVENTS), None, ctypes.c_size_t(0))
+            # syscall(2) is variadic and reads every argument as a long: pass longs.
+            done = syscall(ctypes.c_long(_SYS_ENTER), ctypes.c_long(fd),
+                           ctypes.c_long(to_submit), ctypes.c_long(min_complete),
+                           ctypes.c_long(_ENTER_GETEVENTS), None, ctypes.c_long(0))
             return done if done >= 0 else -ctypes.get_errno()
 
         return cls(fd, values, memory, cq_memory, sqes, enter)
