@@ -241,9 +241,7 @@ def _kernel_reports_syncfs_errors() -> bool:
 
 def failpoint_syncfs(syncfs: Callable[[int], None]) -> Callable[[int], None]:
     def guarded(fd: int) -> None:
-        if failpoints.armed(failpoints.FSYNC):
-            raise OSError(errno.EIO, "syncfs failed (fsync failpoint armed by the fault harness)")
-        failpoints.slow_disk()
+        failpoints.before_sync("syncfs")
         syncfs(fd)
     return guarded
 
@@ -309,8 +307,7 @@ class DurabilityBarrier:
         # fsync mode: a round's fsyncs in one io_uring_enter instead of on the pool (only
         # with the default fsync: a test's own fsync keeps the threads).
         self._ring: uring.Ring | None = None
-        self._ring_wanted = fsync is failpoints.fsync
-        self._ring_refused = False  # io_uring_setup failed here once: threads from then on
+        self._ring_wanted = fsync is failpoints.fsync  # False too once io_uring is refused
         self._device_fds: dict[int, int] = {}  # st_dev -> a descriptor on it, for syncfs
         self._unusable: set[int] = set()  # devices where syncfs failed its probe
         self.rounds = 0  # metrics and tests
@@ -424,10 +421,10 @@ class DurabilityBarrier:
                 device_errors[device] = error
         files = round_.files
         if len(files) > 1 and self._ring_wanted:
-            if self._ring is None and not self._ring_refused:
+            if self._ring is None:
                 self._ring = uring.Ring.open()
-                self._ring_refused = self._ring is None
-                if self._ring_refused:
+                self._ring_wanted = self._ring is not None
+                if self._ring is None:
                     log.info("io_uring is not usable here: fsync rounds use threads")
             if self._ring is not None:
                 file_errors = _fsync_on_ring(self._ring, files)
@@ -452,10 +449,10 @@ def _fsync_on_ring(ring: uring.Ring, files: list[Request]) -> dict[int, BaseExce
     fault harness's failpoints as failpoints.fsync: armed, every fsync fails; slow, the
     round sleeps once (as its fsyncs on threads would, at once)."""
     try:
-        if failpoints.armed(failpoints.FSYNC):
-            error = OSError(errno.EIO, "fsync failed (failpoint armed by the fault harness)")
+        try:
+            failpoints.before_sync("fsync")
+        except OSError as error:
             return {id(request): error for request in files}
-        failpoints.slow_disk()
         calls = ring.calls
         try:
             results = ring.fsync_all([request.fd for request in files])

@@ -47,17 +47,15 @@ ENTRIES = 64  # submission entries: a round of more fsyncs goes in several calls
 class Ring:
     """One io_uring instance for fsyncs (ENTRIES at a time)."""
 
-    def __init__(self, fd: int, params: tuple, memory: mmap.mmap, cq_memory: mmap.mmap,
-                 sqes: mmap.mmap, enter) -> None:
+    def __init__(self, fd: int, entries: int, sq_off: tuple, cq_off: tuple,
+                 memory: mmap.mmap, cq_memory: mmap.mmap, sqes: mmap.mmap, enter) -> None:
         self._fd, self._enter = fd, enter
         self._sq, self._cq, self._sqes = memory, cq_memory, sqes
-        (sq_entries, cq_entries, *_rest) = params[:10]
-        sq_off, cq_off = params[10:19], params[19:28]
         self._sq_head, self._sq_tail, sq_mask_at, _, _, _, self._sq_array = sq_off[:7]
         self._cq_head, self._cq_tail, cq_mask_at, _, _, self._cqes = cq_off[:6]
         self._sq_mask = _U32.unpack_from(memory, sq_mask_at)[0]
         self._cq_mask = _U32.unpack_from(cq_memory, cq_mask_at)[0]
-        self._entries = min(sq_entries, cq_entries)
+        self._entries = entries
         self.closed = False
         self.calls = 0  # io_uring_enter calls made (a metric)
 
@@ -103,7 +101,8 @@ class Ring:
                            ctypes.c_long(_ENTER_GETEVENTS), None, ctypes.c_long(0))
             return done if done >= 0 else -ctypes.get_errno()
 
-        return cls(fd, values, memory, cq_memory, sqes, enter)
+        return cls(fd, min(sq_entries, cq_entries), sq_off, cq_off, memory, cq_memory, sqes,
+                   enter)
 
     def fsync_all(self, fds: list[int]) -> list[int]:
         """fsync every descriptor, all at once; each one's result: 0, or the errno its

@@ -59,10 +59,17 @@ def armed(name: str) -> bool:
 def fsync(fd: int) -> None:
     """os.fsync, unless the fsync failpoint is armed: then OSError(EIO), nothing synced.
     With fsync_slow armed, it first sleeps (slow_disk)."""
-    if armed(FSYNC):
-        raise OSError(errno.EIO, "fsync failed (failpoint armed by the fault harness)")
-    slow_disk()
+    before_sync("fsync")
     os.fsync(fd)
+
+
+def before_sync(call: str) -> None:
+    """What a disk sync (`call`: fsync, syncfs, a round of fsyncs) meets before its
+    system call: OSError(EIO) while the fsync failpoint is armed (nothing synced), a slow
+    disk's sleep while fsync_slow is."""
+    if armed(FSYNC):
+        raise OSError(errno.EIO, f"{call} failed (fsync failpoint armed by the fault harness)")
+    slow_disk()
 
 
 def slow_disk() -> None:
