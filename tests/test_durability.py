@@ -294,10 +294,28 @@ def test_fsync_rounds_go_through_the_ring_and_keep_the_failpoints(tmp_path, monk
     gate_fd = os.open(tmp_path / "gate", os.O_RDWR | os.O_CREAT)
 
     async def round_of(sync) -> list[BaseException | None]:
-        # The syncer takes what waits when it wakes: submitted in one event-loop step,
-        # the four are one round unless the thread woke between two submits.
+        # The syncer takes all that waits when it begins a round. So that the four are one
+        # round however the threads are scheduled, they are submitted while the syncer is
+        # held inside a round of the gate's (on a loaded machine it could otherwise wake
+        # between two submits and make a round of one, which never uses the ring).
+        entered, release = threading.Event(), threading.Event()
+        real = barrier._sync_round
+
+        def held(round_, device_fds):
+            entered.set()
+            release.wait(30)
+            return real(round_, device_fds)
+
+        barrier._sync_round = held
+        try:
+            gate = sync.submit(gate_fd)
+            await until(entered.is_set, timeout_s=30)
+        finally:
+            barrier._sync_round = real
         tickets = [sync.submit(fd) for fd in fds]
-        await until(lambda: all(t.done() for t in tickets), timeout_s=30)
+        release.set()
+        await until(lambda: gate.done() and all(t.done() for t in tickets), timeout_s=30)
+        gate.exception()  # the gate's own round of one: not what is asserted on
         return [t.exception() for t in tickets]
 
     async def scenario():
