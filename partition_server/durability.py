@@ -16,12 +16,13 @@ A round is, per `partition.durability`:
   own meanwhile: a roll, a reopen). The same fsyncs as each owner's own on an executor
   thread, without a `concurrent.futures.Future`, a future callback and a wake-up of the
   event loop per fsync; and owners that ask together are answered together. Where the
-  kernel allows it (`partition.fsync_ring`, on by default), a round of several fsyncs
-  is one io_uring_enter instead (partition_server/uring.py): the kernel runs them at
-  once on its own workers and the barrier's thread takes the GIL back once, where each
-  of FSYNC_THREADS threads took it back after its fsync, every hand-off a wait for the
-  event loop's thread (docs/benchmarks.md: 8-20% less server CPU per small transaction
-  on the combined server). A process where io_uring is refused keeps the threads.
+  kernel allows it (`partition.fsync_ring`, on by default) fsync mode skips the syncer
+  thread altogether: each event loop has an io_uring of its own (`LoopRing`,
+  partition_server/uring.py), the fsyncs asked for in one loop turn are one
+  non-blocking io_uring_enter that the kernel runs at once on its own workers, and the
+  loop reads their completions from an eventfd, so no thread takes the GIL for them
+  (docs/benchmarks.md). A process where io_uring is refused keeps the thread and its
+  pool.
 - `syncfs`: one syncfs(2) per filesystem holding a submitting log, on a descriptor the
   barrier keeps open for that filesystem. syncfs writes back and waits for every dirty
   file of the filesystem and flushes the device cache as fsync does (man 2 sync: it
@@ -81,7 +82,8 @@ log = logging.getLogger(__name__)
 
 ROUNDS = Counter("atomlog_durability_rounds_total",
                  "Rounds of the durability barrier (each answers every log that asked "
-                 "while the previous one ran).")
+                 "while the previous one ran; with an event loop's io_uring, each "
+                 "submission of a loop turn's fsyncs).")
 SYNCS = Counter("atomlog_durability_syncs_total",
                 "syncfs or fsync calls the durability barrier made.", ["kind"])
 REQUESTS = Counter("atomlog_durability_requests_total",
@@ -90,8 +92,8 @@ WAIT_SECONDS = Histogram("atomlog_durability_wait_seconds",
                          "From a log's request to the start of the round that syncs it (a "
                          "round in flight is waited for).", buckets=LATENCY_BUCKETS_SECONDS)
 RING_CALLS = Counter("atomlog_durability_ring_calls_total",
-                     "io_uring_enter system calls of fsync rounds (partition.fsync_ring): "
-                     "each submits a round's fsyncs and waits for them all.")
+                     "io_uring_enter system calls of fsync mode (partition.fsync_ring): each "
+                     "submits the fsyncs an event loop asked for in one turn.")
 ROUND_SECONDS = Histogram("atomlog_durability_round_seconds",
                           "The syscalls of one round (its fsyncs at once, or its syncfs "
                           "calls).", buckets=LATENCY_BUCKETS_SECONDS)
@@ -251,18 +253,24 @@ class LogSync:
     far (through descriptor `fd`) to be durable. Take a new one each time the log is
     (re)opened: in syncfs mode it carries the filesystem's error count as of then."""
 
-    __slots__ = ("_barrier", "_loop", "_device", "_epoch", "_fsync")
+    __slots__ = ("_barrier", "_loop", "_device", "_epoch", "_fsync", "_ringable")
 
     def __init__(self, barrier: DurabilityBarrier, loop, device: int | None, epoch: int,
                  fsync: Callable[[int], None] | None):
         self._barrier, self._loop = barrier, loop
         self._device, self._epoch, self._fsync = device, epoch, fsync
+        # fsync mode with the default fsync: its loop's io_uring when there is one
+        self._ringable = device is None and fsync is failpoints.fsync
 
     @property
     def mode(self) -> str:
         return SYNCFS if self._device is not None else FSYNC
 
     def submit(self, fd: int, wake: Callable[[], object] | None = None) -> SyncTicket:
+        if self._ringable:
+            ring = self._barrier.loop_ring(self._loop)
+            if ring is not None:
+                return ring.submit(fd, wake)
         ticket = SyncTicket(wake)
         if self._device is not None:  # the filesystem's descriptor is the barrier's
             request = Request(ticket, self._loop, device=self._device, opened_epoch=self._epoch,
@@ -304,9 +312,9 @@ class DurabilityBarrier:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None  # fsync mode: a round's fsyncs
-        # fsync mode: a round's fsyncs in one io_uring_enter instead of on the pool (only
-        # with the default fsync: a test's own fsync keeps the threads).
-        self._ring: uring.Ring | None = None
+        # fsync mode: each event loop's fsyncs through its own io_uring instead (LoopRing;
+        # only with the default fsync: a test's own fsync keeps the threads).
+        self._loop_rings: dict[object, LoopRing] = {}
         self._ring_wanted = fsync is failpoints.fsync  # False too once io_uring is refused
         self._device_fds: dict[int, int] = {}  # st_dev -> a descriptor on it, for syncfs
         self._unusable: set[int] = set()  # devices where syncfs failed its probe
@@ -314,10 +322,39 @@ class DurabilityBarrier:
         self.syncs = 0
 
     def use_ring(self, wanted: bool) -> None:
-        """Whether fsync rounds go through io_uring (partition.fsync_ring; on by default,
-        and only with the default fsync): from the next round on."""
+        """Whether fsync mode goes through io_uring (partition.fsync_ring; on by default,
+        and only with the default fsync): from the next request on (fsyncs in flight on
+        a ring finish there)."""
         with self._lock:
             self._ring_wanted = wanted and self._fsync is failpoints.fsync
+
+    def loop_ring(self, loop) -> LoopRing | None:
+        """`loop`'s ring for fsync mode, made on first use; None when the ring is not
+        wanted, io_uring is refused here, or the caller is not on the loop's thread
+        (then the syncer thread and its pool serve it)."""
+        ring = self._loop_rings.get(loop)
+        if ring is not None and not ring.closed and self._ring_wanted:
+            return ring if ring.thread == threading.get_ident() else None
+        if not self._ring_wanted or loop.is_closed():
+            return None
+        with self._lock:
+            for other in [o for o, r in self._loop_rings.items() if r.closed or o.is_closed()]:
+                self._loop_rings.pop(other).close()  # a closed loop's (a test's): freed
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop:
+            return None
+        ring = LoopRing.open(loop, self)
+        with self._lock:
+            if ring is None:
+                if self._ring_wanted:
+                    log.info("io_uring is not usable here: fsyncs use the barrier's threads")
+                self._ring_wanted = False
+                return None
+            self._loop_rings[loop] = ring
+        return ring
 
     def open(self, directory: str | os.PathLike, mode: str,
              fsync: Callable[[int], None] | None = None, loop=None) -> LogSync:
@@ -420,17 +457,6 @@ class DurabilityBarrier:
             except BaseException as error:  # noqa: BLE001 — answered to every log on it
                 device_errors[device] = error
         files = round_.files
-        if len(files) > 1 and self._ring_wanted:
-            if self._ring is None:
-                self._ring = uring.Ring.open()
-                self._ring_wanted = self._ring is not None
-                if self._ring is None:
-                    log.info("io_uring is not usable here: fsync rounds use threads")
-            if self._ring is not None:
-                file_errors = _fsync_on_ring(self._ring, files)
-                if self._ring.closed:  # it failed: the next round makes a new one
-                    self._ring = None
-                return device_errors, file_errors
         if len(files) > 1:  # at once: the kernel commits concurrent fsyncs together
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(FSYNC_THREADS, "durability-fsync")
@@ -442,31 +468,6 @@ class DurabilityBarrier:
             if error is not None:
                 file_errors[id(files[0])] = error
         return device_errors, file_errors
-
-
-def _fsync_on_ring(ring: uring.Ring, files: list[Request]) -> dict[int, BaseException]:
-    """The round's fsyncs in one io_uring_enter (then the duplicates closed), behind the
-    fault harness's failpoints as failpoints.fsync: armed, every fsync fails; slow, the
-    round sleeps once (as its fsyncs on threads would, at once)."""
-    try:
-        try:
-            failpoints.before_sync("fsync")
-        except OSError as error:
-            return {id(request): error for request in files}
-        calls = ring.calls
-        try:
-            results = ring.fsync_all([request.fd for request in files])
-        except OSError as error:  # the ring failed: nothing is known to be durable, and
-            ring.close()  # completions may still come: no later round may read them
-            log.warning("an io_uring fsync round failed (%s): its logs fail closed", error)
-            return {id(request): error for request in files}
-        finally:
-            RING_CALLS.inc(ring.calls - calls)
-        return {id(request): OSError(code, f"fsync: {os.strerror(code)}")
-                for request, code in zip(files, results) if code}
-    finally:
-        for request in files:
-            os.close(request.fd)
 
 
 def _fsync_closing(request: Request) -> BaseException | None:
@@ -486,6 +487,168 @@ def _answer(answers: list[tuple[SyncTicket, BaseException | None]]) -> None:
     for ticket, _ in answers:
         if ticket.wake is not None:
             ticket.wake()
+
+
+class LoopRing:
+    """fsync mode on one event loop through io_uring, with no thread in between.
+
+    `submit` dups the log's descriptor and queues its fsync; once per event-loop turn
+    (call_soon) everything queued is written into the ring and submitted in one
+    non-blocking io_uring_enter (the kernel hands fsyncs to its own workers, so the
+    loop never blocks), and the fsyncs run at once. The kernel signals an eventfd
+    registered with the ring for each completion; the loop reads it like a socket,
+    reaps the completions, closes the duplicates and answers the tickets there. So an
+    fsync costs the event loop's thread a few struct writes and its share of one system
+    call per turn, and no other thread takes the GIL for it: the barrier's syncer
+    thread (its wake-up, its Python work, its GIL hand-offs, a call_soon_threadsafe per
+    round) is left to syncfs mode and to processes where io_uring is refused.
+
+    Fsyncs of different turns overlap (up to the ring's `entries` in flight; more wait
+    for a completion). The fault harness's failpoints apply at each turn's submission:
+    armed, every fsync of it fails with EIO; fsync_slow delays the submission by the
+    slow disk's time (call_later, never a sleep on the loop). If the ring itself fails
+    (io_uring_enter refused), every fsync queued or in flight fails closed, the ring is
+    closed (no later reader may take its completions) and the next request makes a new
+    one."""
+
+    def __init__(self, loop, barrier: DurabilityBarrier, ring: uring.Ring, efd: int):
+        self._loop, self._barrier, self._ring, self._efd = loop, barrier, ring, efd
+        self.thread = threading.get_ident()
+        self._pending: list[tuple[SyncTicket, int, float]] = []  # (ticket, dup, submitted)
+        self._in_flight: dict[int, tuple[SyncTicket, int]] = {}  # user_data -> (ticket, dup)
+        self._next = 0
+        self._turn: asyncio.Handle | None = None
+        self.closed = False
+        loop.add_reader(efd, self._reap)
+
+    @classmethod
+    def open(cls, loop, barrier: DurabilityBarrier) -> LoopRing | None:
+        """`loop`'s ring (call on its thread), or None where io_uring is refused."""
+        ring = uring.Ring.open()
+        if ring is None:
+            return None
+        try:
+            efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        except OSError:
+            ring.close()
+            return None
+        try:
+            ring.register_eventfd(efd)
+        except OSError:
+            os.close(efd)
+            ring.close()
+            return None
+        return cls(loop, barrier, ring, efd)
+
+    def submit(self, fd: int, wake: Callable[[], object] | None) -> SyncTicket:
+        ticket = SyncTicket(wake)
+        self._pending.append((ticket, os.dup(fd), time.perf_counter()))
+        if self._turn is None:
+            self._turn = self._loop.call_soon(self._flush)
+        return ticket
+
+    def _flush(self) -> None:
+        self._turn = None
+        if self.closed or not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        try:
+            if failpoints.armed(failpoints.FSYNC):
+                raise OSError(errno.EIO, "fsync failed (fsync failpoint armed by the fault "
+                              "harness)")
+        except OSError as error:
+            self._answer_closing([(ticket, fd, error) for ticket, fd, _ in batch])
+            return
+        delay_s = failpoints.slow_disk_seconds()
+        if delay_s:
+            self._loop.call_later(delay_s, self._submit, batch)
+        else:
+            self._submit(batch)
+
+    def _submit(self, batch: list[tuple[SyncTicket, int, float]]) -> None:
+        if self.closed:  # failed meanwhile (a slow disk's delay): these fail with it
+            self._answer_closing([(ticket, fd, OSError(errno.EIO, "fsync: its io_uring "
+                                   "failed")) for ticket, fd, _ in batch])
+            return
+        room = self._ring.entries - len(self._in_flight)
+        if len(batch) > room:  # the rest when completions make room (_reap)
+            self._pending[:0] = batch[room:]
+            batch = batch[:room]
+        if not batch:
+            return
+        now = time.perf_counter()
+        for ticket, fd, submitted in batch:
+            WAIT_SECONDS.observe(now - submitted)
+            user_data = self._next
+            self._next = (user_data + 1) & 0xFFFFFFFFFFFF
+            self._in_flight[user_data] = (ticket, fd)
+            self._ring.queue_fsync(fd, user_data)
+        calls = self._ring.calls
+        try:
+            done = self._ring.submit()
+        except OSError as error:
+            self._fail(error)
+            return
+        finally:
+            RING_CALLS.inc(self._ring.calls - calls)
+        ROUNDS.inc()
+        _FSYNC_CALLS.inc(len(batch))
+        with self._barrier._lock:
+            self._barrier.rounds += 1
+            self._barrier.syncs += len(batch)
+        if done:
+            self._answer_done(done)
+
+    def _reap(self) -> None:
+        try:
+            os.eventfd_read(self._efd)
+        except (BlockingIOError, InterruptedError):
+            pass
+        if not self.closed:
+            self._answer_done(self._ring.completions())
+
+    def _answer_done(self, done: list[tuple[int, int]]) -> None:
+        answers = []
+        for user_data, code in done:
+            entry = self._in_flight.pop(user_data, None)
+            if entry is not None:
+                ticket, fd = entry
+                answers.append((ticket, fd, OSError(code, f"fsync: {os.strerror(code)}")
+                                if code else None))
+        self._answer_closing(answers)
+        if self._pending and self._turn is None:
+            self._turn = self._loop.call_soon(self._flush)
+
+    def _answer_closing(self, answers: list[tuple[SyncTicket, int, BaseException | None]]
+                        ) -> None:
+        for _, fd, _ in answers:
+            os.close(fd)
+        REQUESTS.inc(len(answers))
+        _answer([(ticket, error) for ticket, _, error in answers])
+
+    def _fail(self, error: OSError) -> None:
+        """The ring failed: nothing queued or in flight is known to be durable."""
+        log.warning("an io_uring fsync submission failed (%s): its logs fail closed", error)
+        failed = [(ticket, fd, error) for ticket, fd in self._in_flight.values()]
+        failed += [(ticket, fd, error) for ticket, fd, _ in self._pending]
+        self._in_flight, self._pending = {}, []
+        self.close()
+        self._answer_closing(failed)
+
+    def close(self) -> None:
+        """Stop using the ring (a failure; a closed loop's). What is still in flight is
+        not answered: only a failure closes a live loop's ring, and it answers first."""
+        if not self.closed:
+            self.closed = True
+            if not self._loop.is_closed():
+                self._loop.remove_reader(self._efd)
+            self._ring.close()
+            os.close(self._efd)
+            for _, fd in self._in_flight.values():
+                os.close(fd)
+            for _, fd, _ in self._pending:
+                os.close(fd)
+            self._in_flight, self._pending = {}, []
 
 
 _BARRIER: DurabilityBarrier | None = None

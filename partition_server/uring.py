@@ -1,18 +1,19 @@
 """Many fsyncs in one system call, through Linux io_uring, without threads.
 
-The durability barrier (partition_server/durability.py) makes a round's fsyncs durable
-at once. With threads, each fsync is a Python thread that must take the GIL back after
-its system call, so a round of five fsyncs is five GIL hand-offs that the event loop's
-thread waits behind. Here the barrier's thread writes one submission entry per fsync
-into the ring's shared memory and makes one `io_uring_enter` that submits them all and
-waits for all their completions; the kernel runs them at once on its own workers, and
-the GIL is released for the whole call (ctypes releases it) and taken back once.
+The durability barrier (partition_server/durability.py) makes logs durable with fsync.
+On threads, each fsync is a Python thread that must take the GIL back after its system
+call, and every hand-off makes the event loop's thread wait. Here the event loop writes
+one submission entry per fsync into the ring's shared memory (`queue_fsync`) and makes
+one non-blocking `io_uring_enter` (`submit`) for all it queued in a turn; the kernel
+runs them at once on its own workers and signals an eventfd (`register_eventfd`) as
+each completes, and the loop reads the results from the ring's shared memory
+(`completions`). No thread of ours waits, so none takes the GIL.
 
-Pure ctypes, mmap and struct (the kernel ABI of linux/io_uring.h); no dependency. Used by
-one thread at a time (the barrier's syncer). `Ring.open()` returns None where io_uring
-cannot be used: not Linux, a kernel without it, `kernel.io_uring_disabled`, or a
-seccomp profile that refuses it (Docker's and containerd's default profiles do), and
-the barrier then keeps its threads.
+Pure ctypes, mmap and struct (the kernel ABI of linux/io_uring.h); no dependency. A
+ring is used by one thread at a time (its event loop's: the barrier's LoopRing).
+`Ring.open()` returns None where io_uring cannot be used: not Linux, a kernel without
+it, `kernel.io_uring_disabled`, or a seccomp profile that refuses it (Docker's and
+containerd's default profiles do), and the barrier then keeps its threads.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import platform
 import struct
 
 # linux/io_uring.h
-_SYS_SETUP, _SYS_ENTER = 425, 426  # the same on every architecture (asm-generic table)
+_SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427  # the same on every architecture
+_REGISTER_EVENTFD = 4
 _ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP = 1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
@@ -45,17 +47,21 @@ ENTRIES = 64  # submission entries: a round of more fsyncs goes in several calls
 
 
 class Ring:
-    """One io_uring instance for fsyncs (ENTRIES at a time)."""
+    """One io_uring instance for fsyncs (ENTRIES submission entries, twice as many
+    completion entries: at most `entries` fsyncs may be in flight at once)."""
 
     def __init__(self, fd: int, entries: int, sq_off: tuple, cq_off: tuple,
-                 memory: mmap.mmap, cq_memory: mmap.mmap, sqes: mmap.mmap, enter) -> None:
-        self._fd, self._enter = fd, enter
+                 memory: mmap.mmap, cq_memory: mmap.mmap, sqes: mmap.mmap, enter,
+                 register) -> None:
+        self._fd, self._enter, self._register = fd, enter, register
         self._sq, self._cq, self._sqes = memory, cq_memory, sqes
         self._sq_head, self._sq_tail, sq_mask_at, _, _, _, self._sq_array = sq_off[:7]
         self._cq_head, self._cq_tail, cq_mask_at, _, _, self._cqes = cq_off[:6]
         self._sq_mask = _U32.unpack_from(memory, sq_mask_at)[0]
         self._cq_mask = _U32.unpack_from(cq_memory, cq_mask_at)[0]
-        self._entries = entries
+        self._tail = _U32.unpack_from(memory, self._sq_tail)[0]
+        self._queued = 0  # entries written but not yet taken by the kernel
+        self.entries = entries
         self.closed = False
         self.calls = 0  # io_uring_enter calls made (a metric)
 
@@ -94,60 +100,72 @@ class Ring:
             os.close(fd)
             return None
 
+        # syscall(2) is variadic and reads every argument as a long: pass longs.
         def enter(to_submit: int, min_complete: int) -> int:
-            # syscall(2) is variadic and reads every argument as a long: pass longs.
             done = syscall(ctypes.c_long(_SYS_ENTER), ctypes.c_long(fd),
                            ctypes.c_long(to_submit), ctypes.c_long(min_complete),
                            ctypes.c_long(_ENTER_GETEVENTS), None, ctypes.c_long(0))
             return done if done >= 0 else -ctypes.get_errno()
 
+        def register(opcode: int, argument, count: int) -> int:
+            done = syscall(ctypes.c_long(_SYS_REGISTER), ctypes.c_long(fd),
+                           ctypes.c_long(opcode), argument, ctypes.c_long(count))
+            return done if done >= 0 else -ctypes.get_errno()
+
         return cls(fd, min(sq_entries, cq_entries), sq_off, cq_off, memory, cq_memory, sqes,
-                   enter)
+                   enter, register)
 
-    def fsync_all(self, fds: list[int]) -> list[int]:
-        """fsync every descriptor, all at once; each one's result: 0, or the errno its
-        fsync failed with. Raises OSError only when the ring itself fails (then no
-        result is known: the caller fails every fsync)."""
-        results = [0] * len(fds)
-        for start in range(0, len(fds), self._entries):
-            self._fsync_some(fds, start, min(len(fds), start + self._entries), results)
-        return results
+    def register_eventfd(self, efd: int) -> None:
+        """Have the kernel signal eventfd `efd` whenever it posts a completion."""
+        value = ctypes.c_int(efd)
+        done = self._register(_REGISTER_EVENTFD, ctypes.byref(value), 1)
+        if done < 0:
+            raise OSError(-done, f"io_uring_register(EVENTFD): {os.strerror(-done)}")
 
-    def _fsync_some(self, fds: list[int], start: int, end: int, results: list[int]) -> None:
-        sq, sqes, mask = self._sq, self._sqes, self._sq_mask
-        tail = _U32.unpack_from(sq, self._sq_tail)[0]
-        for index in range(start, end):
-            slot = tail & mask
-            _SQE.pack_into(sqes, slot * _SQE.size, _OP_FSYNC, 0, 0, fds[index], 0, 0, 0, 0,
-                           index)
-            _U32.pack_into(sq, self._sq_array + slot * 4, slot)
-            tail = (tail + 1) & 0xFFFFFFFF
+    def queue_fsync(self, fd: int, user_data: int) -> None:
+        """Write an fsync of `fd`'s submission entry (the next submit submits it); its
+        completion carries `user_data`. The caller keeps at most `entries` fsyncs queued
+        or in flight."""
+        tail = self._tail
+        slot = tail & self._sq_mask
+        _SQE.pack_into(self._sqes, slot * _SQE.size, _OP_FSYNC, 0, 0, fd, 0, 0, 0, 0,
+                       user_data)
+        _U32.pack_into(self._sq, self._sq_array + slot * 4, slot)
+        self._tail = (tail + 1) & 0xFFFFFFFF
+        self._queued += 1
+
+    def submit(self) -> list[tuple[int, int]]:
+        """Submit every queued entry without waiting for any; returns the completions
+        posted meanwhile (as `completions`). Raises OSError when the ring itself fails
+        (then nothing it holds is known to be done)."""
         # The entries are written before the tail that publishes them; the kernel reads
         # them only inside io_uring_enter (no SQPOLL), a full barrier after these stores.
-        _U32.pack_into(sq, self._sq_tail, tail)
-        wanted, to_submit = end - start, end - start
-        while wanted:
-            done = self._enter(to_submit, wanted)
+        _U32.pack_into(self._sq, self._sq_tail, self._tail)
+        while self._queued:
+            done = self._enter(self._queued, 0)
             self.calls += 1
             if done == -errno.EINTR:
                 continue
             if done < 0:
                 raise OSError(-done, f"io_uring_enter: {os.strerror(-done)}")
-            to_submit = max(0, to_submit - done)
-            wanted -= self._reap(results)
+            if done == 0:
+                raise OSError(errno.EAGAIN, "io_uring_enter submitted nothing")
+            self._queued -= done
+        return self.completions()
 
-    def _reap(self, results: list[int]) -> int:
+    def completions(self) -> list[tuple[int, int]]:
+        """(user_data, 0 or the errno its fsync failed with) of every completion posted
+        since the last look."""
         cq, mask = self._cq, self._cq_mask
         head = _U32.unpack_from(cq, self._cq_head)[0]
         tail = _U32.unpack_from(cq, self._cq_tail)[0]  # x86-64 and arm64 order this load
-        reaped = 0  # before the entries' loads below (the syscall returned already)
+        done = []  # before the entries' loads below (the kernel wrote them before it)
         while head != tail:
             user_data, res, _flags = _CQE.unpack_from(cq, self._cqes + (head & mask) * _CQE.size)
-            results[user_data] = -res if res < 0 else 0
+            done.append((user_data, -res if res < 0 else 0))
             head = (head + 1) & 0xFFFFFFFF
-            reaped += 1
         _U32.pack_into(cq, self._cq_head, head)
-        return reaped
+        return done
 
     def close(self) -> None:
         if not self.closed:

@@ -254,12 +254,14 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "small transactions, not for consume-transform-produce); executor: each "
                 "partition fsyncs its own file on a worker thread.",
                 choices=("auto", "fsync", "syncfs", "executor")),
-        Setting("partition.fsync_ring", bool, True, "The fsync rounds of "
-                "partition.durability=fsync (and auto on the root filesystem) submit their "
-                "fsyncs in one io_uring_enter system call, which runs them at once on the "
-                "kernel's workers, instead of one thread each: no GIL hand-off per fsync "
-                "(docs/benchmarks.md). Where io_uring is refused (kernel.io_uring_disabled, "
-                "a seccomp profile such as Docker's default) the threads are used; "
+        Setting("partition.fsync_ring", bool, True, "The fsyncs of "
+                "partition.durability=fsync (and auto on the root filesystem) go through an "
+                "io_uring of the event loop's own: the fsyncs asked for in one loop turn are "
+                "one non-blocking io_uring_enter, run at once on the kernel's workers, and "
+                "answered on the loop through an eventfd, instead of the barrier's syncer "
+                "thread and its pool: no thread takes the GIL for them (docs/benchmarks.md). "
+                "Where io_uring is refused (kernel.io_uring_disabled, a seccomp profile such "
+                "as Docker's default) the threads are used; "
                 "atomlog_durability_ring_calls_total counts the system calls made. false: "
                 "always the threads."),
         Setting("partition.max_group_bytes", int, 8 * MIB, "Most bytes one partition appends "

@@ -73,20 +73,29 @@ def before_sync(call: str) -> None:
 
 
 def slow_disk() -> None:
-    """Sleep as a slow disk's sync would, while fsync_slow is armed (its file holds the
-    milliseconds; empty or unreadable: FSYNC_SLOW_DEFAULT_MS). Called on sync threads."""
+    """Sleep as a slow disk's sync would, while fsync_slow is armed (slow_disk_seconds).
+    Called on sync threads."""
+    delay_s = slow_disk_seconds()
+    if delay_s:
+        time.sleep(delay_s)
+
+
+def slow_disk_seconds() -> float:
+    """How long a sync waits first while fsync_slow is armed (its file holds the
+    milliseconds; empty or unreadable: FSYNC_SLOW_DEFAULT_MS; at most 1 s); 0 when not
+    armed. An event loop waits it with call_later instead of sleeping."""
     if _DIRECTORY is None:
-        return
+        return 0.0
     try:
         with open(os.path.join(_DIRECTORY, FSYNC_SLOW)) as armed_file:
             text = armed_file.read().strip()
     except OSError:
-        return  # not armed
+        return 0.0  # not armed
     try:
         delay_ms = float(text) if text else FSYNC_SLOW_DEFAULT_MS
     except ValueError:
         delay_ms = FSYNC_SLOW_DEFAULT_MS
-    time.sleep(max(0.0, min(delay_ms, 1_000.0)) / 1000)
+    return max(0.0, min(delay_ms, 1_000.0)) / 1000
 
 
 async def hold(name: str) -> None:

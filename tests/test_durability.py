@@ -7,8 +7,10 @@ partition owners on the barrier acknowledge only after it, and fail closed with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
+import select
 import shutil
 import tempfile
 import threading
@@ -255,10 +257,14 @@ def ring_or_skip() -> uring.Ring:
 
 
 def test_a_ring_fsyncs_every_descriptor_and_answers_each_one_s_own_result(tmp_path):
-    """Real fsyncs through io_uring, more than one submission's worth (ENTRIES), with a
-    pipe among them: fsync of a pipe fails EINVAL in the kernel, so each answer is the
-    kernel's fsync of that descriptor, not a blanket success."""
+    """Real fsyncs through io_uring, submitted without waiting, ENTRIES at a time (the
+    most a caller may have in flight), with a pipe and a closed descriptor among them:
+    fsync of a pipe fails EINVAL in the kernel and of a closed descriptor EBADF, so each
+    answer is the kernel's fsync of that descriptor, not a blanket success; the
+    registered eventfd says when completions are there."""
     ring = ring_or_skip()
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    ring.register_eventfd(efd)
     count = uring.ENTRIES * 2 + 5
     fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(count)]
     reader, writer = os.pipe()
@@ -266,15 +272,27 @@ def test_a_ring_fsyncs_every_descriptor_and_answers_each_one_s_own_result(tmp_pa
         os.write(fd, b"x" * 100)
     closed = os.open(tmp_path / "closed", os.O_RDWR | os.O_CREAT)
     os.close(closed)
+    targets = fds[:70] + [writer, closed] + fds[70:]
+    results: dict[int, int] = {}
     try:
-        results = ring.fsync_all(fds[:70] + [writer, closed] + fds[70:])
-        assert results[70:72] == [errno.EINVAL, errno.EBADF]
-        assert results[:70] + results[72:] == [0] * count
+        for start in range(0, len(targets), ring.entries):
+            chunk = range(start, min(len(targets), start + ring.entries))
+            for index in chunk:
+                ring.queue_fsync(targets[index], index)
+            results.update(ring.submit())
+            while not all(index in results for index in chunk):
+                select.select([efd], [], [], 10)
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(efd)
+                results.update(ring.completions())
+        assert sorted(results) == list(range(len(targets)))
+        assert [results[70], results[71]] == [errno.EINVAL, errno.EBADF]
+        assert all(results[i] == 0 for i in results if i not in (70, 71))
         assert ring.calls >= 3  # ENTRIES at a time
-        assert ring.fsync_all([]) == []
+        assert ring.submit() == [] and ring.completions() == []
     finally:
         ring.close()
-        for fd in fds + [reader, writer]:
+        for fd in fds + [reader, writer, efd]:
             os.close(fd)
 
 
@@ -282,77 +300,83 @@ def ring_calls() -> float:
     return REGISTRY.get_sample_value("atomlog_durability_ring_calls_total")
 
 
-def test_fsync_rounds_go_through_the_ring_and_keep_the_failpoints(tmp_path, monkeypatch):
-    """The process's barrier in fsync mode: a round of several logs is one io_uring_enter
-    (the metric counts it; no fsync thread pool is made), its duplicates are closed, and
-    the fault harness's fsync failpoint fails every log of such a round with EIO; a ring
-    that fails fails its round closed and is replaced; use_ring(False) goes back to the
-    threads."""
+def test_fsync_mode_goes_through_the_loop_s_ring_and_keeps_the_failpoints(tmp_path,
+                                                                          monkeypatch):
+    """The default fsync mode on an event loop: the fsyncs asked for in one loop turn are
+    one non-blocking io_uring_enter and are answered on the loop (no syncer thread, no
+    pool); their duplicates are closed; the fsync failpoint fails a turn's fsyncs with
+    EIO and fsync_slow delays them without blocking the loop; a ring that fails fails
+    what it holds closed and is replaced; a request from another thread, or after
+    use_ring(False), goes to the syncer thread."""
     ring_or_skip().close()
     barrier = DurabilityBarrier()
     fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(4)]
-    gate_fd = os.open(tmp_path / "gate", os.O_RDWR | os.O_CREAT)
+    for fd in fds:
+        os.write(fd, b"x" * 100)
 
-    async def round_of(sync) -> list[BaseException | None]:
-        # The syncer takes all that waits when it begins a round. So that the four are one
-        # round however the threads are scheduled, they are submitted while the syncer is
-        # held inside a round of the gate's (on a loaded machine it could otherwise wake
-        # between two submits and make a round of one, which never uses the ring).
-        entered, release = threading.Event(), threading.Event()
-        real = barrier._sync_round
-
-        def held(round_, device_fds):
-            entered.set()
-            release.wait(30)
-            return real(round_, device_fds)
-
-        barrier._sync_round = held
-        try:
-            gate = sync.submit(gate_fd)
-            await until(entered.is_set, timeout_s=30)
-        finally:
-            barrier._sync_round = real
-        tickets = [sync.submit(fd) for fd in fds]
-        release.set()
-        await until(lambda: gate.done() and all(t.done() for t in tickets), timeout_s=30)
-        gate.exception()  # the gate's own round of one: not what is asserted on
+    async def turn(sync) -> list[BaseException | None]:
+        tickets = [sync.submit(fd) for fd in fds]  # one loop turn: one submission
+        await until(lambda: all(t.done() for t in tickets), timeout_s=30)
         return [t.exception() for t in tickets]
 
     async def scenario():
+        loop = asyncio.get_running_loop()
         sync = barrier.open(tmp_path, durability.FSYNC)
-        await sync.sync(gate_fd)  # starts the syncer thread
         calls = ring_calls()
-        assert await round_of(sync) == [None] * 4
-        assert ring_calls() > calls
-        assert barrier._ring is not None and barrier._pool is None
-        open_before = len(os.listdir("/proc/self/fd"))  # the ring's own among them
-        assert await round_of(sync) == [None] * 4
+        assert await turn(sync) == [None] * 4
+        assert ring_calls() == calls + 1
+        ring = barrier._loop_rings[loop]
+        assert barrier._thread is None and barrier._pool is None
+        open_before = len(os.listdir("/proc/self/fd"))  # the ring's and its eventfd
+        assert await turn(sync) == [None] * 4
         assert len(os.listdir("/proc/self/fd")) == open_before  # duplicates closed
         points = tmp_path / "failpoints"
         points.mkdir()
         monkeypatch.setattr(failpoints, "_DIRECTORY", str(points))
         (points / failpoints.FSYNC).touch()
-        errors = await round_of(sync)
-        assert all(isinstance(e, OSError) and e.errno == errno.EIO for e in errors)
-        (points / failpoints.FSYNC).unlink()
-        # The ring itself failing (io_uring_enter refused: ENOMEM, here injected): every
-        # log of the round fails closed, and the next round gets a new ring.
-        broken = barrier._ring
-        broken._enter = lambda to_submit, min_complete: -errno.ENOMEM
-        errors = await round_of(sync)
-        assert all(isinstance(e, OSError) and e.errno == errno.ENOMEM for e in errors)
-        assert broken.closed
         calls = ring_calls()
-        assert await round_of(sync) == [None] * 4
-        assert barrier._ring is not None and barrier._ring is not broken
-        assert ring_calls() > calls
+        errors = await turn(sync)
+        assert all(isinstance(e, OSError) and e.errno == errno.EIO for e in errors)
+        assert ring_calls() == calls  # nothing submitted
+        (points / failpoints.FSYNC).unlink()
+        (points / failpoints.FSYNC_SLOW).write_text("300")
+        began = time.monotonic()
+        tickets = [sync.submit(fd) for fd in fds]
+        await asyncio.sleep(0.15)  # the loop runs meanwhile (this sleep ends on time)
+        assert time.monotonic() - began < 0.28 and not any(t.done() for t in tickets)
+        await until(lambda: all(t.done() for t in tickets), timeout_s=30)
+        assert time.monotonic() - began >= 0.3 and all(t.exception() is None for t in tickets)
+        (points / failpoints.FSYNC_SLOW).unlink()
+        # The ring itself failing (io_uring_enter refused: ENOMEM, here injected): every
+        # fsync it holds fails closed, and the next request gets a new ring.
+        ring._ring._enter = lambda to_submit, min_complete: -errno.ENOMEM
+        errors = await turn(sync)
+        assert all(isinstance(e, OSError) and e.errno == errno.ENOMEM for e in errors)
+        assert ring.closed
+        calls = ring_calls()
+        assert await turn(sync) == [None] * 4
+        assert barrier._loop_rings[loop] is not ring and ring_calls() == calls + 1
+        assert len(os.listdir("/proc/self/fd")) == open_before  # the old ring's closed
+        # From another thread: the syncer thread's round, answered on the loop.
+        ticket = await loop.run_in_executor(None, sync.submit, fds[0])
+        await until(ticket.done, timeout_s=30)
+        assert ticket.exception() is None and barrier._thread is not None
         barrier.use_ring(False)
         calls = ring_calls()
-        assert await round_of(sync) == [None] * 4
-        assert ring_calls() == calls  # on threads again
+        assert await turn(sync) == [None] * 4
+        assert ring_calls() == calls  # on the thread again
+        barrier.use_ring(True)
+        return loop
 
-    asyncio.run(scenario())
-    for fd in fds + [gate_fd]:
+    first = asyncio.run(scenario())
+    assert not barrier._loop_rings[first].closed  # the loop closed; its ring is freed ...
+
+    async def next_loop():
+        assert await turn(barrier.open(tmp_path, durability.FSYNC)) == [None] * 4
+
+    asyncio.run(next_loop())
+    assert first not in barrier._loop_rings  # ... when the next loop takes a ring
+    for fd in fds:
         os.close(fd)
 
 
@@ -373,7 +397,7 @@ def test_where_io_uring_is_refused_fsync_rounds_stay_on_threads(tmp_path, monkey
             tickets = [sync.submit(fd) for fd in fds]
             await until(lambda: all(t.done() for t in tickets), timeout_s=30)
             assert [t.exception() for t in tickets] == [None] * 3
-        assert barrier._ring is None and barrier._pool is not None
+        assert barrier._loop_rings == {} and barrier._pool is not None
         assert len(opened) == 1
 
     asyncio.run(scenario())
