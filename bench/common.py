@@ -232,6 +232,33 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """utime + stime of a process's threads by kind, from /proc/PID/task: "event loop"
+    (the main thread, where every atomlog server runs its asyncio loop), "io_uring
+    workers" (the kernel's iou-wrk threads running its fsyncs), gRPC's own threads
+    (named by gRPC), and "other Python threads" (the durability syncer, pools, ZooKeeper's,
+    ...). Threads that ended meanwhile are not counted."""
+    kinds: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        if task.name == str(pid):
+            kind = "event loop"
+        elif name.startswith("iou-wrk"):
+            kind = "io_uring workers"
+        elif name == "python" or name.startswith("python"):
+            kind = "other Python threads"
+        else:
+            kind = "gRPC and native threads"
+        kinds[kind] = kinds.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return kinds
+
+
 def grpc_call_floor(clients: int = 8, seconds: float = 3.0, payload: int = 200) -> dict:
     """The price of one gRPC call on this machine, measured now: a do-nothing grpc.aio
     server in its own process (as every atomlog server is) and `clients` threads of one

@@ -168,11 +168,22 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     print(f"timed window starts: server pids {[p.pid for p in services]}", flush=True)
     before = rpc_counts(metrics)  # the timed window: warm-up calls are behind us
     cpu_before = {p.name: common.cpu_seconds(p.pid) for p in services}
+    threads_before = {p.name: common.thread_cpu_seconds(p.pid) for p in services}
     spy = None
     if profile is not None:
         spy = common.py_spy(services[0].pid, profile, seconds)
     results = [out.get(timeout=seconds + 300) for _ in workers]
     server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
+    # By kind of thread, summed over the servers: what holds the GIL (the event loops,
+    # the other Python threads) and what does not (io_uring's kernel workers, gRPC's).
+    threads: Counter = Counter()
+    busiest_loop = 0.0  # seconds of the busiest server's event-loop thread
+    for p in services:
+        for kind, value in common.thread_cpu_seconds(p.pid).items():
+            threads[kind] += value - threads_before[p.name].get(kind, 0.0)
+            if kind == "event loop":
+                busiest_loop = max(busiest_loop,
+                                   value - threads_before[p.name].get(kind, 0.0))
     after = rpc_counts(metrics)
     for worker in workers:
         worker.join()
@@ -199,6 +210,10 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "sync_calls_per_txn": ((after["fsyncs barrier"] - before["fsyncs barrier"])
                                    or (after["fsyncs"] - before["fsyncs"])) / max(count, 1),
             "server_cpu_ms_per_txn": server_cpu / max(count, 1) * 1e3,
+            "server_thread_cpu_ms_per_txn": {kind: value / max(count, 1) * 1e3
+                                             for kind, value in threads.most_common()},
+            # The share of the window the busiest server's event-loop thread was on a CPU.
+            "busiest_event_loop_busy": busiest_loop / seconds,
             "client_cpu_ms_per_txn": client_cpu / max(count, 1) * 1e3,
             "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
             "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
@@ -774,7 +789,10 @@ def main() -> None:
     parser.add_argument("--only-small", action="store_true",
                         help="run only the small one-call transactions cell (and the gRPC "
                              "call floor) and print it: server CPU per transaction is its "
-                             "steady figure on a noisy machine; writes no docs")
+                             "steady figure on a noisy machine, shown also by kind of "
+                             "thread (the event loop, other Python threads, io_uring's "
+                             "kernel workers, gRPC's) with how busy the busiest event loop "
+                             "was; writes no docs")
     parser.add_argument("--only-stream", type=int, default=0, metavar="TURNS",
                         help="run only the three stream cells (idempotent, commit(), "
                              "commit_async()) TURNS times in rotating order and print each "
@@ -850,7 +868,12 @@ def main() -> None:
                   "durability " + settings.get("partition.durability", os.environ.get(
                       "ATOMLOG_PARTITION_DURABILITY", "default (fsync)")) + "; "
                   "commit p50/p99 "
-                  f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms", flush=True)
+                  f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms; "
+                  "server threads, ms per transaction: " + ", ".join(
+                      f"{kind} {value:.2f}" for kind, value in
+                      small["server_thread_cpu_ms_per_txn"].items()) +
+                  f" (busiest event loop on a CPU {small['busiest_event_loop_busy']:.0%} "
+                  "of the time)", flush=True)
             return
         raw_s = common.raw_append_seconds(data_dir, RECORD * 256, 4_000, 1)
         raw_mb_s = 4_000 * 256 * len(RECORD) / raw_s / 1e6

@@ -29,10 +29,10 @@ import struct
 # linux/io_uring.h
 _SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427  # the same on every architecture
 _REGISTER_EVENTFD = 4
-_ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP = 1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_FSYNC = 3
+_SQE_ASYNC = 1 << 4  # IOSQE_ASYNC: straight to the kernel's workers (an fsync blocks)
 # struct io_uring_params: 10 u32 (sq_entries, cq_entries, flags, sq_thread_cpu,
 # sq_thread_idle, features, wq_fd, resv[3]), then io_sqring_offsets (head, tail,
 # ring_mask, ring_entries, flags, dropped, array, resv1: u32; user_addr: u64) and
@@ -71,11 +71,14 @@ class Ring:
         if platform.system() != "Linux":
             return None
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-            syscall = libc.syscall
+            path = ctypes.util.find_library("c")
+            syscall = ctypes.CDLL(path, use_errno=True).syscall
+            # Submitting without waiting is short: called holding the GIL (a PyDLL
+            # function), so the event loop does not give the GIL away and wait for it.
+            quick = ctypes.PyDLL(path, use_errno=True).syscall
         except (OSError, AttributeError):
             return None
-        syscall.restype = ctypes.c_long
+        syscall.restype = quick.restype = ctypes.c_long
         params = ctypes.create_string_buffer(_PARAMS.size)
         fd = syscall(ctypes.c_long(_SYS_SETUP), ctypes.c_long(entries), params)
         if fd < 0:
@@ -101,10 +104,9 @@ class Ring:
             return None
 
         # syscall(2) is variadic and reads every argument as a long: pass longs.
-        def enter(to_submit: int, min_complete: int) -> int:
-            done = syscall(ctypes.c_long(_SYS_ENTER), ctypes.c_long(fd),
-                           ctypes.c_long(to_submit), ctypes.c_long(min_complete),
-                           ctypes.c_long(_ENTER_GETEVENTS), None, ctypes.c_long(0))
+        def enter(to_submit: int) -> int:
+            done = quick(ctypes.c_long(_SYS_ENTER), ctypes.c_long(fd), ctypes.c_long(to_submit),
+                         ctypes.c_long(0), ctypes.c_long(0), None, ctypes.c_long(0))
             return done if done >= 0 else -ctypes.get_errno()
 
         def register(opcode: int, argument, count: int) -> int:
@@ -128,7 +130,7 @@ class Ring:
         or in flight."""
         tail = self._tail
         slot = tail & self._sq_mask
-        _SQE.pack_into(self._sqes, slot * _SQE.size, _OP_FSYNC, 0, 0, fd, 0, 0, 0, 0,
+        _SQE.pack_into(self._sqes, slot * _SQE.size, _OP_FSYNC, _SQE_ASYNC, 0, fd, 0, 0, 0, 0,
                        user_data)
         _U32.pack_into(self._sq, self._sq_array + slot * 4, slot)
         self._tail = (tail + 1) & 0xFFFFFFFF
@@ -142,7 +144,7 @@ class Ring:
         # them only inside io_uring_enter (no SQPOLL), a full barrier after these stores.
         _U32.pack_into(self._sq, self._sq_tail, self._tail)
         while self._queued:
-            done = self._enter(self._queued, 0)
+            done = self._enter(self._queued)
             self.calls += 1
             if done == -errno.EINTR:
                 continue

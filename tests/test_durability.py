@@ -349,7 +349,7 @@ def test_fsync_mode_goes_through_the_loop_s_ring_and_keeps_the_failpoints(tmp_pa
         (points / failpoints.FSYNC_SLOW).unlink()
         # The ring itself failing (io_uring_enter refused: ENOMEM, here injected): every
         # fsync it holds fails closed, and the next request gets a new ring.
-        ring._ring._enter = lambda to_submit, min_complete: -errno.ENOMEM
+        ring._ring._enter = lambda to_submit: -errno.ENOMEM
         errors = await turn(sync)
         assert all(isinstance(e, OSError) and e.errno == errno.ENOMEM for e in errors)
         assert ring.closed
