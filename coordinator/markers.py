@@ -62,10 +62,13 @@ ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION"
 # How long a marker of a one-call transaction waits for a staging call to ride with (see
 # the module doc), by default (the setting coordinator.marker_linger_ms). A client's next
 # one-call transaction reaches the coordinator a few ms after the last one's answer
-# (measured: 1-3 ms of client CPU plus the queue of a loaded server); 20 ms covers that
-# with room, and is well below what a read_committed reader already waits for a commit
-# (the marker retry is 1 s).
-LINGER_S = 0.020
+# (measured: 1-3 ms of client CPU plus the queue of a loaded server), but on a cluster the
+# staging calls of one coordinator to one partition server came 15-25 ms apart under
+# 8 committing clients, so at 20 ms most markers went alone (1.3-1.6 EndTxnOnPartition
+# calls per small transaction); at 50 ms 0.1-0.2, with 13-20% less server CPU per
+# transaction (docs/benchmarks.md). 50 ms stays well below what a read_committed reader
+# already waits for a commit (the marker retry is 1 s).
+LINGER_S = 0.050
 
 
 class MarkerSink(Protocol):

@@ -472,7 +472,7 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "in the next).", minimum=1, maximum=10_000),
         Setting("coordinator.marker_batch_max", int, 10_000, "Most markers in one "
                 "EndTxnOnPartition call.", minimum=1, maximum=10_000),
-        Setting("coordinator.marker_linger_ms", int, 20, "A marker of a one-call "
+        Setting("coordinator.marker_linger_ms", int, 50, "A marker of a one-call "
                 "transaction waits up to this long for the next StageTxn call to its partition "
                 "server and rides inside it, while such calls come at least this often "
                 "(coordinator/markers.py). 0 sends every marker in a call of its own.",
