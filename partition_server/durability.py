@@ -96,7 +96,8 @@ RING_CALLS = Counter("atomlog_durability_ring_calls_total",
                      "submits the fsyncs an event loop asked for in one turn.")
 ROUND_SECONDS = Histogram("atomlog_durability_round_seconds",
                           "The syscalls of one round (its fsyncs at once, or its syncfs "
-                          "calls).", buckets=LATENCY_BUCKETS_SECONDS)
+                          "calls; through an event loop's io_uring, each fsync from its "
+                          "submission to its completion).", buckets=LATENCY_BUCKETS_SECONDS)
 
 SYNCFS = "syncfs"
 FSYNC = "fsync"  # per file, batched on the barrier's thread
@@ -515,7 +516,8 @@ class LoopRing:
         self._loop, self._barrier, self._ring, self._efd = loop, barrier, ring, efd
         self.thread = threading.get_ident()
         self._pending: list[tuple[SyncTicket, int, float]] = []  # (ticket, dup, submitted)
-        self._in_flight: dict[int, tuple[SyncTicket, int]] = {}  # user_data -> (ticket, dup)
+        # user_data -> (ticket, dup, when it was submitted to the kernel)
+        self._in_flight: dict[int, tuple[SyncTicket, int, float]] = {}
         self._next = 0
         self._turn: asyncio.Handle | None = None
         self.closed = False
@@ -552,12 +554,9 @@ class LoopRing:
         if self.closed or not self._pending:
             return
         batch, self._pending = self._pending, []
-        try:
-            if failpoints.armed(failpoints.FSYNC):
-                raise OSError(errno.EIO, "fsync failed (fsync failpoint armed by the fault "
-                              "harness)")
-        except OSError as error:
-            self._answer_closing([(ticket, fd, error) for ticket, fd, _ in batch])
+        refused = failpoints.sync_refusal("fsync")
+        if refused is not None:
+            self._answer_closing([(ticket, fd, refused) for ticket, fd, _ in batch])
             return
         delay_s = failpoints.slow_disk_seconds()
         if delay_s:
@@ -581,7 +580,7 @@ class LoopRing:
             WAIT_SECONDS.observe(now - submitted)
             user_data = self._next
             self._next = (user_data + 1) & 0xFFFFFFFFFFFF
-            self._in_flight[user_data] = (ticket, fd)
+            self._in_flight[user_data] = (ticket, fd, now)
             self._ring.queue_fsync(fd, user_data)
         calls = self._ring.calls
         try:
@@ -609,10 +608,12 @@ class LoopRing:
 
     def _answer_done(self, done: list[tuple[int, int]]) -> None:
         answers = []
+        now = time.perf_counter()
         for user_data, code in done:
             entry = self._in_flight.pop(user_data, None)
             if entry is not None:
-                ticket, fd = entry
+                ticket, fd, submitted = entry
+                ROUND_SECONDS.observe(now - submitted)
                 answers.append((ticket, fd, OSError(code, f"fsync: {os.strerror(code)}")
                                 if code else None))
         self._answer_closing(answers)
@@ -629,7 +630,7 @@ class LoopRing:
     def _fail(self, error: OSError) -> None:
         """The ring failed: nothing queued or in flight is known to be durable."""
         log.warning("an io_uring fsync submission failed (%s): its logs fail closed", error)
-        failed = [(ticket, fd, error) for ticket, fd in self._in_flight.values()]
+        failed = [(ticket, fd, error) for ticket, fd, _ in self._in_flight.values()]
         failed += [(ticket, fd, error) for ticket, fd, _ in self._pending]
         self._in_flight, self._pending = {}, []
         self.close()
@@ -644,7 +645,7 @@ class LoopRing:
                 self._loop.remove_reader(self._efd)
             self._ring.close()
             os.close(self._efd)
-            for _, fd in self._in_flight.values():
+            for _, fd, _ in self._in_flight.values():
                 os.close(fd)
             for _, fd, _ in self._pending:
                 os.close(fd)

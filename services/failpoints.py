@@ -67,9 +67,18 @@ def before_sync(call: str) -> None:
     """What a disk sync (`call`: fsync, syncfs, a round of fsyncs) meets before its
     system call: OSError(EIO) while the fsync failpoint is armed (nothing synced), a slow
     disk's sleep while fsync_slow is."""
-    if armed(FSYNC):
-        raise OSError(errno.EIO, f"{call} failed (fsync failpoint armed by the fault harness)")
+    refused = sync_refusal(call)
+    if refused is not None:
+        raise refused
     slow_disk()
+
+
+def sync_refusal(call: str) -> OSError | None:
+    """The OSError(EIO) a disk sync (`call`) fails with while the fsync failpoint is
+    armed, else None (an event loop's io_uring checks it without sleeping)."""
+    if armed(FSYNC):
+        return OSError(errno.EIO, f"{call} failed (fsync failpoint armed by the fault harness)")
+    return None
 
 
 def slow_disk() -> None:

@@ -323,8 +323,11 @@ def test_fsync_mode_goes_through_the_loop_s_ring_and_keeps_the_failpoints(tmp_pa
         loop = asyncio.get_running_loop()
         sync = barrier.open(tmp_path, durability.FSYNC)
         calls = ring_calls()
+        timed = REGISTRY.get_sample_value("atomlog_durability_round_seconds_count")
         assert await turn(sync) == [None] * 4
         assert ring_calls() == calls + 1
+        # each fsync's time from submission to completion (the dashboard's disk panel)
+        assert REGISTRY.get_sample_value("atomlog_durability_round_seconds_count") == timed + 4
         ring = barrier._loop_rings[loop]
         assert barrier._thread is None and barrier._pool is None
         open_before = len(os.listdir("/proc/self/fd"))  # the ring's and its eventfd
