@@ -251,7 +251,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
             kind = "event loop"
         elif name.startswith("iou-wrk"):
             kind = "io_uring workers"
-        elif name == "python" or name.startswith("python"):
+        elif name.startswith("python"):
             kind = "other Python threads"
         else:
             kind = "gRPC and native threads"

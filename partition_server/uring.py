@@ -43,7 +43,7 @@ _SQE = struct.Struct("<BBHiQQIIQ24x")  # opcode, flags, ioprio, fd, off, addr, l
 # fsync_flags, user_data; the rest zero (64 bytes)
 _CQE = struct.Struct("<QiI")  # user_data, res, flags (16 bytes)
 _U32 = struct.Struct("<I")
-ENTRIES = 64  # submission entries: a round of more fsyncs goes in several calls
+ENTRIES = 64  # submission entries: the most fsyncs in flight on one ring (more wait)
 
 
 class Ring:
