@@ -17,8 +17,8 @@ A round is, per `partition.durability`:
   thread, without a `concurrent.futures.Future`, a future callback and a wake-up of the
   event loop per fsync; and owners that ask together are answered together. Where the
   kernel allows it (`partition.fsync_ring`, on by default) fsync mode skips the syncer
-  thread altogether: each event loop has an io_uring of its own (`LoopRing`,
-  partition_server/uring.py), the fsyncs asked for in one loop turn are one
+  thread altogether: each event loop has an io_uring of its own (`LoopRing` below, on
+  partition_server/uring.py's Ring), the fsyncs asked for in one loop turn are one
   non-blocking io_uring_enter that the kernel runs at once on its own workers, and the
   loop reads their completions from an eventfd, so no thread takes the GIL for them
   (docs/benchmarks.md). A process where io_uring is refused keeps the thread and its

@@ -71,14 +71,13 @@ class Ring:
         if platform.system() != "Linux":
             return None
         try:
-            path = ctypes.util.find_library("c")
-            syscall = ctypes.CDLL(path, use_errno=True).syscall
-            # Submitting without waiting is short: called holding the GIL (a PyDLL
-            # function), so the event loop does not give the GIL away and wait for it.
-            quick = ctypes.PyDLL(path, use_errno=True).syscall
+            # Every call here is short (nothing waits: submissions never ask for
+            # completions), so it is made holding the GIL (a PyDLL function): the event
+            # loop does not give the GIL away and wait to get it back.
+            syscall = ctypes.PyDLL(ctypes.util.find_library("c"), use_errno=True).syscall
         except (OSError, AttributeError):
             return None
-        syscall.restype = quick.restype = ctypes.c_long
+        syscall.restype = ctypes.c_long
         params = ctypes.create_string_buffer(_PARAMS.size)
         fd = syscall(ctypes.c_long(_SYS_SETUP), ctypes.c_long(entries), params)
         if fd < 0:
@@ -105,8 +104,9 @@ class Ring:
 
         # syscall(2) is variadic and reads every argument as a long: pass longs.
         def enter(to_submit: int) -> int:
-            done = quick(ctypes.c_long(_SYS_ENTER), ctypes.c_long(fd), ctypes.c_long(to_submit),
-                         ctypes.c_long(0), ctypes.c_long(0), None, ctypes.c_long(0))
+            done = syscall(ctypes.c_long(_SYS_ENTER), ctypes.c_long(fd),
+                           ctypes.c_long(to_submit), ctypes.c_long(0), ctypes.c_long(0), None,
+                           ctypes.c_long(0))
             return done if done >= 0 else -ctypes.get_errno()
 
         def register(opcode: int, argument, count: int) -> int:

@@ -58,19 +58,21 @@ def armed(name: str) -> bool:
 
 def fsync(fd: int) -> None:
     """os.fsync, unless the fsync failpoint is armed: then OSError(EIO), nothing synced.
-    With fsync_slow armed, it first sleeps (slow_disk)."""
+    With fsync_slow armed, it first sleeps (before_sync)."""
     before_sync("fsync")
     os.fsync(fd)
 
 
 def before_sync(call: str) -> None:
-    """What a disk sync (`call`: fsync, syncfs, a round of fsyncs) meets before its
+    """What a disk sync on a thread (`call`: fsync, syncfs) meets before its
     system call: OSError(EIO) while the fsync failpoint is armed (nothing synced), a slow
     disk's sleep while fsync_slow is."""
     refused = sync_refusal(call)
     if refused is not None:
         raise refused
-    slow_disk()
+    delay_s = slow_disk_seconds()
+    if delay_s:  # on sync threads: an event loop waits it with call_later instead
+        time.sleep(delay_s)
 
 
 def sync_refusal(call: str) -> OSError | None:
@@ -79,14 +81,6 @@ def sync_refusal(call: str) -> OSError | None:
     if armed(FSYNC):
         return OSError(errno.EIO, f"{call} failed (fsync failpoint armed by the fault harness)")
     return None
-
-
-def slow_disk() -> None:
-    """Sleep as a slow disk's sync would, while fsync_slow is armed (slow_disk_seconds).
-    Called on sync threads."""
-    delay_s = slow_disk_seconds()
-    if delay_s:
-        time.sleep(delay_s)
 
 
 def slow_disk_seconds() -> float:
