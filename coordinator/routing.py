@@ -9,6 +9,7 @@ import time
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 
+from partition_server.copy_link import CallLink
 from services import local
 from services.errors import AtomlogError
 
@@ -26,9 +27,12 @@ MIN_REFRESH_INTERVAL_S = 0.1  # bounds refresh storms after many routing errors
 class PartitionRoutes:
     """Owner addresses of topic partitions, shared by every TC partition of a process."""
 
-    def __init__(self, metadata_store):
+    def __init__(self, metadata_store, use_links: bool = True):
         self.store = metadata_store
+        self.use_links = use_links
         self._owners: dict[str, list[str]] = {}  # topic -> owner address per partition
+        self._link_addresses: dict[str, str] = {}  # gRPC address -> its server's link
+        self._links: dict[str, CallLink] = {}  # gRPC address -> the stub on its link
         self._refreshed_at = 0.0
         self._read_began = 0.0
         self._lock = asyncio.Lock()
@@ -49,7 +53,9 @@ class PartitionRoutes:
                     return
                 await asyncio.sleep(wait)
             self._read_began = time.monotonic()
-            servers = {s.name: s.grpc_address for s in await self.store.servers()}
+            entries = await self.store.servers()
+            servers = {s.name: s.grpc_address for s in entries}
+            self._link_addresses = {s.grpc_address: s.link for s in entries if s.link}
             self._owners = {t.name: [servers.get(owner, "") for owner in t.owners]
                             for t in await self.store.topics()}
             self._refreshed_at = time.monotonic()
@@ -80,8 +86,27 @@ class PartitionRoutes:
         return address
 
     def stub(self, address: str) -> partition_pb2_grpc.PartitionServiceStub:
-        """One channel and one stub per address; in-process where this process owns it."""
-        return self._stubs.get(address)
+        """One channel and one stub per address; in-process where this process owns it;
+        where the server has a link (and the process no TLS: the link speaks none), its
+        StageTxn, Produce and EndTxnOnPartition go over the link (copy_link.CallLink)."""
+        stub = self._stubs.get(address)
+        if not self.use_links or isinstance(stub, local.LocalStub) or \
+                local.channel_tls() is not None:
+            return stub
+        link_address = self._link_addresses.get(address, "")
+        link = self._links.get(address)
+        if link is not None and link.address != link_address:
+            link.close()  # the server moved its link (a restart)
+            link = self._links[address] = None
+        if not link_address:
+            return stub
+        if link is None:
+            link = self._links[address] = CallLink(link_address, stub)
+        return link
 
     async def close(self) -> None:
+        for link in self._links.values():
+            if link is not None:
+                link.close()
+        self._links.clear()
         await self._stubs.close()

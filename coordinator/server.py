@@ -840,7 +840,7 @@ async def install(runtime) -> list[str]:
                            for f in fields(Settings)})
     tc_partitions = config["cluster.tc_partitions"]
     producer_ids = ProducerIds(runtime.metadata, requester=runtime.name)
-    routes = PartitionRoutes(runtime.metadata)
+    routes = PartitionRoutes(runtime.metadata, config["coordinator.partition_link"])
     markers = MarkerChannel(routes, config["coordinator.marker_batch_max"],
                             config["coordinator.log_request_timeout_ms"] / 1000,
                             config["coordinator.marker_linger_ms"] / 1000)

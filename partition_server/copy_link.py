@@ -1,38 +1,46 @@
-"""The replication link (docs/replication.md, "The replication link"): followers' ReplicateMany
-calls over a plain length-prefixed TCP connection to their leader, beside its gRPC port.
+"""A partition server's link (docs/replication.md, "The replication link"; docs/coordinator.md,
+"The partition servers' links"): a plain length-prefixed TCP connection beside its gRPC
+port, carrying followers' ReplicateMany calls and coordinators' StageTxn, TC-log Produce
+and EndTxnOnPartition calls.
 
-Why: a follower's round moves about a megabyte per call, and through gRPC (HTTP/2 frames,
-its C core's threads, its Cython callbacks and copies on both sides) that costs 1.1-1.2 ms
-of CPU per MB over the two processes on this machine, against 0.5-0.6 ms over this link
-(`bench/copy_link.py`). With three replicas on one machine, each follower's copy of every
-megabyte pays that transport once.
+Why: through gRPC (HTTP/2 frames, its C core's threads, its Cython callbacks and copies on
+both sides) a follower's round costs 1.1-1.2 ms of CPU per MB over the two processes on
+this machine, against 0.5-0.6 ms over this link (`bench/copy_link.py`); and a
+coordinator's small call costs about 0.65 ms of CPU over the two processes as a unary
+gRPC call (docs/grpc-links.md), several times what it costs here. A small one-call
+transaction on the cluster makes about three such calls (`bench/transactions.py`).
 
-What travels is what travels on gRPC: a `ReplicateManyRequest` and the leader's answer
-bytes exactly as its gRPC serializer writes them (`replicate_wire.serialize_many`, the
-records spliced in), parsed by the same `parse_many`. The leader answers a link request
-with the same servicer method, after the same authentication (the caller's bearer token,
-as `authorization` metadata would carry it) and the same ACL check as the gRPC
-interceptor applies to `/atomlog.v1.PartitionService/ReplicateMany`, so nothing is
-reachable on the link that is not reachable, for the same caller, on gRPC.
+What travels is what travels on gRPC. ReplicateMany: a `ReplicateManyRequest` and the
+leader's answer bytes exactly as its gRPC serializer writes them
+(`replicate_wire.serialize_many`, the records spliced in), parsed by the same
+`parse_many`. A coordinator's call: the method's request and response messages. The
+server answers with the same servicer method, after the same authentication (the
+caller's bearer token, as `authorization` metadata would carry it) and the same ACL check
+as the gRPC interceptor applies to the method, so nothing is reachable on the link that
+is not reachable, for the same caller, on gRPC.
 
 Wire format (big-endian):
 - the client opens with the 8 bytes `MAGIC` (a version: another value is closed at once);
 - then frames, each `u32 length` (of what follows) + `u8 kind` + payload:
-  - request, kind 1: `u16 token length`, the token (UTF-8; empty: none), then the
-    serialized ReplicateManyRequest;
-  - answer, kind 0: the serialized ReplicateManyResponse; kind 2: an error, a serialized
-    `ItemError` (reason, message, metadata), as gRPC's ErrorInfo would carry it.
+  - ReplicateMany request, kind 1: `u16 token length`, the token (UTF-8; empty: none),
+    then the serialized ReplicateManyRequest;
+  - call, kind 3: `u8 method` (CALL_METHODS), `u32 timeout ms` (0: none), `u16 token
+    length`, the token, then the serialized request;
+  - answer, kind 0: the serialized response; kind 2: an error, a serialized `ItemError`
+    (reason, message, metadata), as gRPC's ErrorInfo would carry it.
 One request is outstanding per connection at a time (a follower's fetcher makes one call
-at a time per leader); the leader answers in order.
+at a time per leader; a coordinator keeps a few connections per server, `CallLink`); the
+server answers in order.
 
-Limits: a request frame of at most `MAX_REQUEST_BYTES` (else the connection is closed), at
-most `MAX_CONNECTIONS` connections per leader (more are closed at once), a connection idle
-for `IDLE_TIMEOUT_S`, or as slow to send a frame it announced, is closed (a follower's
-long polls keep it busy), and the follower refuses an answer frame larger than its
-`max_bytes` allows.
+Limits: a ReplicateMany frame of at most `MAX_REQUEST_BYTES` and a call frame of at most
+`MAX_CALL_BYTES` (else the connection is closed), at most `MAX_HELD_BYTES` of frames read
+and being answered at once over all connections, at most `MAX_CONNECTIONS` connections
+per server (more are closed at once), a connection idle for `IDLE_TIMEOUT_S`, or as slow
+to send a frame it announced, is closed (a follower's long polls keep it busy), and the
+follower refuses an answer frame larger than its `max_bytes` allows.
 
 TLS: the link speaks no TLS. A server with tls.enabled opens no link and advertises none,
-so its followers and leaders use gRPC (encrypted) as before.
+so its followers and coordinators use gRPC (encrypted) as before.
 """
 
 from __future__ import annotations
@@ -46,9 +54,12 @@ import time
 
 from prometheus_client import Counter, Histogram
 
+import grpc
+
 from atomlog.v1 import partition_pb2
 from partition_server.replicate_wire import ReplicateManyAnswer, parse_many, serialize_many
-from services import auth, interceptors
+from services import auth, interceptors, local
+from services import metrics as svc_metrics
 from services.errors import AtomlogError, from_item, unexpected
 from services.metrics import LATENCY_BUCKETS_SECONDS
 from services.logs import event
@@ -56,11 +67,25 @@ from services.logs import event
 log = logging.getLogger("atomlog.partition.link")
 
 MAGIC = b"ATLNK\x00\x00\x01"
-KIND_ANSWER, KIND_REQUEST, KIND_ERROR = 0, 1, 2
+KIND_ANSWER, KIND_REQUEST, KIND_ERROR, KIND_CALL = 0, 1, 2, 3
 _HEAD = struct.Struct(">IB")
 _TOKEN_LEN = struct.Struct(">H")
+_CALL_HEAD = struct.Struct(">BIH")  # method number, timeout in ms (0: none), token length
 METHOD = "/atomlog.v1.PartitionService/ReplicateMany"
+# The coordinators' calls a link carries (kind 3), by method number: the servicer method,
+# its request type, its full name (as the ACL rules and the metrics name it).
+CALL_METHODS = {
+    number: (name, request_type, f"/atomlog.v1.PartitionService/{name}")
+    for number, (name, request_type) in {
+        1: ("StageTxn", partition_pb2.StageTxnRequest),
+        2: ("Produce", partition_pb2.ProduceRequest),
+        3: ("EndTxnOnPartition", partition_pb2.EndTxnOnPartitionRequest),
+    }.items()}
+CALL_NUMBERS = {name: number for number, (name, _, _) in CALL_METHODS.items()}
 MAX_REQUEST_BYTES = 1 << 20
+# The request frames a link reads and answers at once, over all its connections: a frame
+# that would pass it closes its connection (the caller's outcome is unknown; it retries).
+MAX_HELD_BYTES = 256 << 20
 MAX_CONNECTIONS = 256
 IDLE_TIMEOUT_S = 120.0
 # After a failed connect, a follower uses gRPC for this long before trying the link again.
@@ -75,6 +100,10 @@ LINK_SECONDS = Histogram("atomlog_replication_link_request_duration_seconds",
                          "Time a leader took to answer a ReplicateMany request on its "
                          "replication link (a long poll waits up to replication.fetch_wait_ms).",
                          buckets=LATENCY_BUCKETS_SECONDS)
+LINK_CALLS = Counter("atomlog_link_calls_total",
+                     "Calls this partition server answered on its link from coordinators "
+                     "(StageTxn, TC-log Produce, EndTxnOnPartition) instead of gRPC, by "
+                     "method; also counted in atomlog_rpc_started_total.", ["method"])
 LINK_FALLBACKS = Counter("atomlog_replication_link_fallbacks_total",
                          "ReplicateMany calls this server sent as a follower over gRPC because "
                          "its leader's replication link could not be reached.")
@@ -96,6 +125,7 @@ class LinkServer:
         self.host, self.port = host, port
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
+        self._held_bytes = 0  # request frames being read or answered, over every connection
 
     async def start(self) -> int:
         """Listens; returns the bound port."""
@@ -129,15 +159,30 @@ class LinkServer:
             if magic != MAGIC:
                 raise LinkProtocolError(f"not a replication link client ({magic[:8]!r})")
             while True:
-                length, kind = _HEAD.unpack(
-                    await asyncio.wait_for(reader.readexactly(_HEAD.size), IDLE_TIMEOUT_S))
-                if kind != KIND_REQUEST or not 0 < length - 1 <= MAX_REQUEST_BYTES:
+                # asyncio.timeout, not wait_for: no task per read (a coordinator's calls
+                # come by the thousand per second).
+                async with asyncio.timeout(IDLE_TIMEOUT_S):
+                    length, kind = _HEAD.unpack(await reader.readexactly(_HEAD.size))
+                if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
+                        MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
                     raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
-                body = await asyncio.wait_for(reader.readexactly(length - 1), IDLE_TIMEOUT_S)
-                answer_kind, payload = await self._answer(body, peer_name)
-                writer.write(_HEAD.pack(len(payload) + 1, answer_kind))
-                writer.write(payload)
-                await writer.drain()
+                if self._held_bytes + length > MAX_HELD_BYTES:
+                    raise LinkProtocolError(f"a frame of {length} bytes while the link holds "
+                                            f"{self._held_bytes} (at most {MAX_HELD_BYTES})")
+                self._held_bytes += length
+                try:
+                    async with asyncio.timeout(IDLE_TIMEOUT_S):
+                        body = await reader.readexactly(length - 1)
+                    if kind == KIND_CALL:
+                        answer_kind, payload = await self._call(body, peer_name)
+                    else:
+                        answer_kind, payload = await self._answer(body, peer_name)
+                    del body
+                    writer.write(_HEAD.pack(len(payload) + 1, answer_kind))
+                    writer.write(payload)
+                    await writer.drain()
+                finally:
+                    self._held_bytes -= length
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as error:
             if isinstance(error, LinkProtocolError):
                 event(log, "replication link closed", logging.WARNING, peer=peer_name,
@@ -191,11 +236,81 @@ class LinkServer:
             LINK_REQUESTS.labels(outcome).inc()
             LINK_SECONDS.observe(time.perf_counter() - started)
 
-    def _authenticate(self, token: str, peer: str) -> auth.Principal:
+    async def _call(self, body: bytes, peer: str) -> tuple[int, bytes]:
+        """A coordinator's call frame (kind 3): method number, timeout, token, request. As
+        a gRPC call of the method: authenticated, checked by the ACLs, run by the same
+        servicer method with the caller's deadline, counted in the RPC metrics (and in
+        atomlog_link_calls_total); every failure an error frame."""
+        started = time.perf_counter()
+        full_name = "?"
+        in_flight = False
+        code = grpc.StatusCode.OK
+        try:
+            if len(body) < _CALL_HEAD.size:
+                raise AtomlogError("INVALID_ARGUMENT", "the call frame is shorter than its head")
+            number, timeout_ms, token_length = _CALL_HEAD.unpack_from(body)
+            method = CALL_METHODS.get(number)
+            if method is None:
+                raise AtomlogError("INVALID_ARGUMENT", f"no method {number} on the link")
+            name, request_type, full_name = method
+            token_end = _CALL_HEAD.size + token_length
+            if token_end > len(body):
+                raise AtomlogError("INVALID_ARGUMENT", "the call's token runs past its frame")
+            token = body[_CALL_HEAD.size:token_end].decode("utf-8", "replace")
+            try:
+                request = request_type.FromString(body[token_end:])
+            except Exception:  # noqa: BLE001 — any parse failure is the caller's
+                raise AtomlogError("INVALID_ARGUMENT",
+                                   f"the request is not a {request_type.__name__}") from None
+            # As the gRPC interceptor: a caller not authenticated is refused (and counted
+            # by auth) before the call counts as started.
+            principal = self._authenticate(token, peer, full_name)
+            svc_metrics.RPC_STARTED.labels(full_name).inc()
+            svc_metrics.RPC_IN_FLIGHT.inc()
+            in_flight = True
+            LINK_CALLS.labels(full_name).inc()
+            token_var = auth.set_current(principal)
+            try:
+                authorizer = self.interceptor.authorizer
+                if authorizer is not None:
+                    authorizer.check(full_name, request, principal)
+                behavior = getattr(self.servicer, name)
+                context = local.LocalContext(timeout_ms / 1000 if timeout_ms else None)
+                if timeout_ms:
+                    async with asyncio.timeout(timeout_ms / 1000):
+                        answer = await behavior(request, context)
+                else:
+                    answer = await behavior(request, context)
+                if authorizer is not None:
+                    authorizer.answered(full_name, answer, principal)
+            finally:
+                auth.reset_current(token_var)
+            return KIND_ANSWER, answer.SerializeToString()
+        except AtomlogError as error:
+            code = error.code
+            return KIND_ERROR, _error_bytes(error)
+        except asyncio.TimeoutError:
+            error = AtomlogError("REQUEST_TIMED_OUT", f"{full_name} (link) took longer than "
+                                 "its deadline")
+            code = error.code
+            return KIND_ERROR, _error_bytes(error)
+        except Exception as unhandled:  # noqa: BLE001 — a bug (logged), or ZooKeeper gone
+            error = unexpected(unhandled, f"{full_name} (link)")
+            if error.reason == "INTERNAL":
+                log.exception("unhandled error in %s on the link", full_name)
+            code = error.code
+            return KIND_ERROR, _error_bytes(error)
+        finally:
+            if in_flight:
+                svc_metrics.RPC_IN_FLIGHT.dec()
+                svc_metrics.RPC_LATENCY.labels(full_name).observe(time.perf_counter() - started)
+                svc_metrics.RPC_HANDLED.labels(full_name, code.name).inc()
+
+    def _authenticate(self, token: str, peer: str, method: str = METHOD) -> auth.Principal:
         """As the gRPC interceptor authenticates a call: the token as its `authorization`
         metadata would carry it; no TLS, so no certificate."""
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        return interceptors.principal_of(self.interceptor.authenticator, METHOD, metadata,
+        return interceptors.principal_of(self.interceptor.authenticator, method, metadata,
                                          {}, peer)
 
 
@@ -334,3 +449,147 @@ def _receive(sock: socket.socket, into: memoryview) -> None:
         if n == 0:
             raise ConnectionError("the leader closed the replication link")
         got += n
+
+
+# -------------------------------------------------------------------------- coordinator side
+MAX_CALL_BYTES = 64 << 20  # a call frame (as gRPC's max message size between servers)
+MAX_CALL_CONNECTIONS = 8  # per partition server: more calls at once go over gRPC
+CALL_IDLE_S = IDLE_TIMEOUT_S / 2  # a kept connection unused this long is closed, not used
+CALL_FALLBACKS = Counter("atomlog_link_call_fallbacks_total",
+                         "Coordinator calls sent over gRPC because the partition server's link "
+                         "could not be reached (or had no free connection), by method.",
+                         ["method"])
+_RESPONSES = {"StageTxn": partition_pb2.StageTxnResponse,
+              "Produce": partition_pb2.ProduceResponse,
+              "EndTxnOnPartition": partition_pb2.EndTxnOnPartitionResponse}
+
+
+class CallLink:
+    """A coordinator's stub for one partition server with a link: StageTxn, Produce and
+    EndTxnOnPartition go over the link (call frames, kind 3), any other method over gRPC
+    (`grpc_stub`). Asyncio, on the caller's event loop: one call per connection at a
+    time, connections kept for the next call, at most MAX_CALL_CONNECTIONS (a call beyond
+    that, or larger than MAX_CALL_BYTES, goes over gRPC). A failure raises what a
+    failed gRPC call raises (grpc.aio.AioRpcError with the same ErrorInfo), so callers
+    handle both alike: an error frame is the servicer's refusal; a broken connection is
+    SERVER_UNAVAILABLE (the outcome unknown, as a gRPC UNAVAILABLE); a deadline passed
+    is REQUEST_TIMED_OUT. A connection that cannot be made sends that call and those of
+    the next RETRY_LINK_AFTER_S over gRPC."""
+
+    def __init__(self, address: str, grpc_stub):
+        host, _, port = address.rpartition(":")
+        self.address = address
+        self._target = (host.strip("[]"), int(port))
+        self._grpc = grpc_stub
+        # Kept connections: (reader, writer, when last used).
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+        self._connections = 0
+        self.down_until = 0.0
+        self._closed = False
+
+    def __getattr__(self, method: str):
+        return getattr(self._grpc, method)  # everything else: gRPC
+
+    async def StageTxn(self, request, timeout: float | None = None, **options):
+        return await self._call("StageTxn", request, timeout, options)
+
+    async def Produce(self, request, timeout: float | None = None, **options):
+        return await self._call("Produce", request, timeout, options)
+
+    async def EndTxnOnPartition(self, request, timeout: float | None = None, **options):
+        return await self._call("EndTxnOnPartition", request, timeout, options)
+
+    def _take_idle(self):
+        """A kept connection to use now, or None. One idle longer than CALL_IDLE_S (the
+        server closes a connection idle for IDLE_TIMEOUT_S), or that the server closed
+        meanwhile (a restart), is closed here instead of failing a call."""
+        now = time.monotonic()
+        while self._idle:
+            reader, writer, used = self._idle.pop()
+            if now - used < CALL_IDLE_S and not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            self._connections -= 1
+            writer.close()
+        return None
+
+    def _drop_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for _, writer, _ in idle:
+            self._connections -= 1
+            writer.close()
+
+    async def _call(self, name: str, request, timeout: float | None, options: dict):
+        size = request.ByteSize()
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        connection = self._take_idle()
+        if connection is None:
+            if (self._closed or time.monotonic() < self.down_until or size > MAX_CALL_BYTES
+                    or self._connections >= MAX_CALL_CONNECTIONS):
+                return await self._over_grpc(name, request, timeout, options)
+            connection = await self._connect(timeout)
+            if connection is None:
+                remaining = None if deadline is None else \
+                    max(0.001, deadline - asyncio.get_running_loop().time())
+                return await self._over_grpc(name, request, remaining, options)
+        reader, writer = connection
+        source = local.channel_token()
+        token = source.token.encode() if source is not None else b""
+        timeout_ms = max(1, min(int(timeout * 1000), 0xFFFFFFFF)) if timeout else 0
+        kept = False
+        try:
+            writer.write(_HEAD.pack(1 + _CALL_HEAD.size + len(token) + size, KIND_CALL))
+            writer.write(_CALL_HEAD.pack(CALL_NUMBERS[name], timeout_ms, len(token)) + token)
+            writer.write(request.SerializeToString())
+            async with asyncio.timeout_at(deadline):
+                await writer.drain()
+                length, kind = _HEAD.unpack(await reader.readexactly(_HEAD.size))
+                if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= MAX_CALL_BYTES:
+                    raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
+                payload = await reader.readexactly(length - 1)
+            kept = True
+        except TimeoutError:
+            raise local.rpc_error(AtomlogError(
+                "REQUEST_TIMED_OUT", f"{name} to {self.address} (link) took longer than "
+                f"{timeout} s")) from None
+        except (OSError, EOFError, LinkProtocolError) as error:
+            self._drop_idle()  # kept ones to a server that went away are broken too
+            raise local.rpc_error(AtomlogError(
+                "SERVER_UNAVAILABLE", f"{name} to {self.address} (link): "
+                f"{type(error).__name__}: {error}", {"retry_after_ms": "100"})) from None
+        finally:
+            if kept and not self._closed:
+                self._idle.append((reader, writer, time.monotonic()))
+            else:
+                self._connections -= 1
+                writer.close()
+        if kind == KIND_ERROR:
+            raise local.rpc_error(from_item(partition_pb2.ItemError.FromString(payload)))
+        return _RESPONSES[name].FromString(payload)
+
+    async def _connect(self, timeout: float | None):
+        self._connections += 1
+        try:
+            async with asyncio.timeout(min(timeout or 5.0, 5.0)):
+                reader, writer = await asyncio.open_connection(*self._target)
+        except BaseException as error:
+            self._connections -= 1
+            if not isinstance(error, (OSError, TimeoutError)):
+                raise  # cancelled
+            self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
+            event(log, "link unreachable: coordinator calls go over gRPC for a while",
+                  logging.WARNING, link=self.address, error=str(error),
+                  retry_after_s=RETRY_LINK_AFTER_S)
+            return None
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        writer.write(MAGIC)
+        return reader, writer
+
+    async def _over_grpc(self, name: str, request, timeout, options):
+        CALL_FALLBACKS.labels(name).inc()
+        return await getattr(self._grpc, name)(request, timeout=timeout, **options)
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop_idle()

@@ -467,6 +467,13 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "(docs/coordinator.md, \"Parallel commits\"). Off by default: it costs one "
                 "more TC-log append per transaction, and where the servers' CPU is the limit "
                 "(measured: docs/benchmarks.md) that costs more than the round it saves."),
+        Setting("coordinator.partition_link", bool, True, "Send StageTxn, the TC-log "
+                "appends (Produce) and markers (EndTxnOnPartition) to a partition server "
+                "over its link (the length-prefixed TCP protocol of replication.link, beside "
+                "its gRPC port; authenticated and authorized as gRPC calls are), which costs "
+                "a fraction of a gRPC call's CPU on both sides (docs/coordinator.md, \"The "
+                "partition servers' links\"). Servers with tls.enabled open no link: those "
+                "calls then go over gRPC, as do all of them with false."),
         Setting("coordinator.stage_batch_max", int, 1_000, "Most transactions in one StageTxn "
                 "call to a partition server (what queues while one call is in flight leaves "
                 "in the next).", minimum=1, maximum=10_000),

@@ -145,7 +145,7 @@ class StubCache:
         self._retired.clear()
 
 
-class _LocalContext:
+class LocalContext:
     """The part of grpc.aio.ServicerContext our servicers use."""
 
     def __init__(self, timeout_s: float | None):
@@ -158,7 +158,7 @@ class _LocalContext:
         return False
 
 
-def _rpc_error(error: AtomlogError) -> grpc.aio.AioRpcError:
+def rpc_error(error: AtomlogError) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(error.code, grpc.aio.Metadata(),
                                 grpc.aio.Metadata(*error.trailing_metadata()),
                                 details=error.message)
@@ -186,23 +186,23 @@ class LocalStub:
                 # The servicer runs in the caller's task (asyncio.wait_for would make a
                 # task per call); on timeout asyncio.timeout cancels it there.
                 if timeout is None:
-                    return await behavior(request, _LocalContext(None))
+                    return await behavior(request, LocalContext(None))
                 async with asyncio.timeout(timeout):
-                    return await behavior(request, _LocalContext(timeout))
+                    return await behavior(request, LocalContext(timeout))
             except AtomlogError as error:
-                raise _rpc_error(error) from None
+                raise rpc_error(error) from None
             except asyncio.TimeoutError:
-                raise _rpc_error(AtomlogError(
+                raise rpc_error(AtomlogError(
                     "REQUEST_TIMED_OUT", f"{name} (in-process) took longer than {timeout} s")) \
                     from None
             except NotImplementedError:
-                raise _rpc_error(AtomlogError("UNIMPLEMENTED", f"{name} is not implemented")) \
+                raise rpc_error(AtomlogError("UNIMPLEMENTED", f"{name} is not implemented")) \
                     from None
             except Exception as unhandled:  # answered as the interceptor answers it
                 error = unexpected(unhandled, name)
                 if error.reason == "INTERNAL":
                     log.exception("unhandled error in %s (in-process)", name)
-                raise _rpc_error(error) from None
+                raise rpc_error(error) from None
             finally:
                 auth.reset_current(principal)
 

@@ -57,12 +57,14 @@ class ServerEntry:
     version: str
     registered_unix_ms: int
     rack: str = ""
+    link: str = ""  # a partition server's link (partition_server/copy_link.py), if any
 
     @classmethod
     def from_json(cls, name: str, data: dict[str, Any]) -> "ServerEntry":
         return cls(name, data.get("role", ""), data.get("grpc_address", ""),
                    data.get("metrics_address", ""), data.get("version", ""),
-                   int(data.get("registered_unix_ms", 0)), str(data.get("rack", "")))
+                   int(data.get("registered_unix_ms", 0)), str(data.get("rack", "")),
+                   str(data.get("replication_link", "")))
 
     def to_proto(self) -> metadata_pb2.ServerInfo:
         return metadata_pb2.ServerInfo(

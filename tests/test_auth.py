@@ -428,3 +428,60 @@ def test_followers_copy_over_the_replication_link_with_the_service_token(token_c
                 KIND_ERROR, "UNAUTHENTICATED", failure)
     assert metric_sum(leader["metrics_address"],
                   'atomlog_replication_link_requests_total{outcome="UNAUTHENTICATED"}') == 3
+
+
+def test_coordinators_call_over_the_partition_link_with_the_service_token(token_cluster, keys):
+    """The coordinator's staging, TC-log appends and markers cross to the partition
+    servers on their links with the service token (none falls back to gRPC), and a call
+    frame with no token or a wrong one is refused UNAUTHENTICATED before anything runs
+    (partition_server/copy_link.py, LinkServer._call)."""
+    import struct
+
+    from atomlog.v1 import common_pb2, partition_pb2
+    from partition_server.copy_link import CALL_NUMBERS, KIND_CALL, KIND_ERROR
+    from partition_server.record_batch import Record, encode_batch
+    from tests.link_tools import HEAD, connect, link_address, read_frame
+
+    servers = [p for p in token_cluster.info["processes"] if p["role"] == "partition_server"]
+    coordinator = next(p for p in token_cluster.info["processes"] if p["role"] == "coordinator")
+
+    def on_link(method: str) -> float:
+        return sum(metric_sum(p["metrics_address"], "atomlog_link_calls_total{method="
+                              f'"/atomlog.v1.PartitionService/{method}"}}') for p in servers)
+
+    staged, appended = on_link("StageTxn"), on_link("Produce")
+    with Client(token_cluster.info["bootstrap"], token=BOB_TOKEN) as client:
+        client.create_topic("auth-link-calls", partitions=2)
+        wait_until(lambda: all(p.server_name for p in client.metadata.call(
+            "GetMetadata", metadata_pb2.GetMetadataRequest(topics=["auth-link-calls"]))
+            .topics[0].partitions), 30, "auth-link-calls online")
+        with client.producer(linger_ms=0) as producer:
+            for i in range(3):
+                txn = client.begin_transaction(timeout_s=30)
+                producer.send("auth-link-calls", b"v%d" % i, partition=i % 2, txn=txn)
+                txn.commit()
+        owner = client.metadata.route("auth-link-calls", 0).server_name
+    assert on_link("StageTxn") >= staged + 3 and on_link("Produce") > appended
+    assert metric_sum(coordinator["metrics_address"], "atomlog_link_call_fallbacks_total") == 0
+    produce = partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic="auth-link-calls", partition=0),
+        record_batch=encode_batch([Record(key=None, value=b"nobody")]))]).SerializeToString()
+    leader = token_cluster.process(owner)["metrics_address"]
+    refused_before = metric_sum(leader, "atomlog_authentication_failures_total")
+    with connect(link_address(token_cluster, owner)) as sock:
+        for token, failure in (("", "missing_credentials"), ("not-a-known-token", "unknown_token"),
+                               (make_jwt(keys, "writer", expires_in=-120), "expired")):
+            body = struct.pack(">BIH", CALL_NUMBERS["Produce"], 10_000, len(token)) + \
+                token.encode() + produce
+            sock.sendall(HEAD.pack(len(body) + 1, KIND_CALL) + body)
+            kind, payload = read_frame(sock)
+            error = partition_pb2.ItemError.FromString(payload)
+            assert (kind, error.reason, error.metadata["failure"]) == (
+                KIND_ERROR, "UNAUTHENTICATED", failure)
+    # Counted as gRPC counts a refused caller (an authentication failure), and nothing ran.
+    assert metric_sum(leader, "atomlog_authentication_failures_total") == refused_before + 3
+    with Client(token_cluster.info["bootstrap"], token=BOB_TOKEN) as client, \
+            client.consumer(["auth-link-calls"], isolation="read_uncommitted",
+                            start="earliest") as consumer:
+        assert sorted(m.value for chunk in consumer.read_until() for m in chunk) == \
+            [b"v0", b"v1", b"v2"]

@@ -513,10 +513,12 @@ def test_network_policies_allow_exactly_the_paths_atomlog_uses():
         assert not allowed(overlay, stranger, target, 7070)
         assert not allowed(overlay, client, target, 9102), "metrics only from monitoring"
     assert allowed(overlay, zookeeper, zookeeper, 2888) and allowed(overlay, zookeeper, zookeeper, 3888)
-    # The replication link: partition servers copy from each other, nobody else reaches it.
+    # The partition servers' link: followers copy from their leaders, coordinators stage,
+    # append and send markers; nobody else reaches it.
     partition_server = roles["partition-server"]
     assert allowed(overlay, partition_server, partition_server, 7072)
-    for source in (roles["coordinator"], roles["id-allocator"], client, stranger):
+    assert allowed(overlay, roles["coordinator"], partition_server, 7072)
+    for source in (roles["id-allocator"], client, stranger):
         assert not allowed(overlay, source, partition_server, 7072), source
     assert not allowed(overlay, client, zookeeper, 2181)
     assert not allowed(overlay, roles["coordinator"], zookeeper, 2888)
