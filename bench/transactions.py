@@ -92,6 +92,7 @@ def use_combined_server() -> None:
              "id allocator; calls between them are function calls) and ZooKeeper")
     ROLES = {"combined": 1}
 SMALL_TOPIC, STREAM_TOPIC = "bench-small-txn", "bench-txn-stream"
+ON_LINK = "on the link: "  # rpc_counts' prefix of the calls taken on a partition server's link
 CTP_IN, CTP_OUT, CTP_SUBSCRIPTION = "bench-ctp-in", "bench-ctp-out", "bench-ctp"
 CTP_BATCH = 100
 CTP_DEPTH = 8  # pipelined: transactions committing at once (the SDK's commit threads: 16)
@@ -192,7 +193,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     dump_metrics(metrics)
     count = sum(r[0] for r in results)
     calls = sum(after[m] - before[m] for m in after
-                if not m.startswith(("TC log", "in-process", "fsyncs")))
+                if not m.startswith(("TC log", "in-process", "fsyncs", ON_LINK)))
     local = sum(after[m] - before[m] for m in after if m.startswith("in-process"))
     commits = [c for r in results for c in r[1]]
     totals = [t for r in results for t in r[2]]
@@ -201,6 +202,8 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "one_call": one_call,
             "calls_per_txn": calls / max(count, 1),
             "local_calls_per_txn": local / max(count, 1),
+            "link_calls_per_txn": sum(after[m] - before[m] for m in after
+                                      if m.startswith(ON_LINK)) / max(count, 1),
             "calls_by_method": {m: (after[m] - before[m]) / max(count, 1) for m in after
                                 if after[m] - before[m] > 0 and not m.startswith("fsyncs")},
             # Group commits of the partitions' owners per transaction, and the sync calls
@@ -321,6 +324,10 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
     records = re.compile(r"^atomlog_coordinator_log_records_per_append_sum(?:\{\})? (\S+)$", re.M)
     local = re.compile(r'^atomlog_local_calls_total\{method="/atomlog\.v1\.([^"]+)"\} (\S+)$',
                        re.M)
+    # Of the calls above, those a partition server took on its link (coordinators' calls;
+    # partition_server/copy_link.py), not through gRPC.
+    linked = re.compile(r'^atomlog_link_calls_total\{method="/atomlog\.v1\.([^"]+)"\} (\S+)$',
+                        re.M)
     fsyncs = re.compile(r"^atomlog_partition_fsyncs_total(?:\{\})? (\S+)$", re.M)
     # The durability barrier's syncfs/fsync calls (partition_server/durability.py); the
     # owners' group commits above are what asked for them.
@@ -335,6 +342,8 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
         counts["fsyncs barrier"] += sum(float(v) for v in syncs.findall(text))
         for method, value in local.findall(text):  # the combined server's function calls
             counts[f"in-process {method}"] += float(value)
+        for method, value in linked.findall(text):
+            counts[f"{ON_LINK}{method}"] += float(value)
     return counts
 
 
@@ -509,7 +518,10 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: d
         "target ≥ 2,600/s, p99 < 10 ms; PostgreSQL 2,576/s (p99 6.9 ms), Redis MULTI/EXEC "
         "5,503/s (p99 4.9 ms) |",
         f"| gRPC calls per small transaction, all processes (timed window) | "
-        f"{small['calls_per_txn']:.1f}, so at most {ceiling:,.0f} transactions/s at the "
+        f"{small['calls_per_txn']:.1f}"
+        + (f" ({small['link_calls_per_txn']:.1f} of them on the partition servers' links, "
+           "not gRPC)" if small["link_calls_per_txn"] else "")
+        + f", so at most {ceiling:,.0f} transactions/s at the "
         "do-nothing call rate above | |",
         f"| one producer, 1 KiB records, idempotent | {plain['per_s']:,.0f} records/s "
         f"({plain['mb_s']:.0f} MB/s) | |",
@@ -610,10 +622,12 @@ def _ctp_figures(ctp: dict) -> dict:
     per_batch.pop("fsyncs barrier", None)
     local = sorted(((m.removeprefix("in-process "), n) for m, n in per_batch.items()
                     if m.startswith("in-process ")), key=lambda item: -item[1])
-    rpcs = sorted(((m, n) for m, n in per_batch.items() if not m.startswith("in-process ")),
-                  key=lambda item: -item[1])
+    linked = sum(n for m, n in per_batch.items() if m.startswith(ON_LINK))
+    rpcs = sorted(((m, n) for m, n in per_batch.items()
+                   if not m.startswith(("in-process ", ON_LINK))), key=lambda item: -item[1])
     cpu_s = ctp["client_cpu_s"] + sum(servers.values())
     return {"rpcs": rpcs, "total_rpcs": sum(n for _, n in rpcs), "local": local,
+            "linked": linked,
             "tc_appends": tc_appends,
             "tc_records": tc_records, "fsyncs": fsyncs, "cpu_s": cpu_s,
             "cpu_ms": cpu_s / max(1, ctp["batches"]) * 1e3,
@@ -633,6 +647,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
 
     def calls(ctp: dict, f: dict) -> str:
         return (f"{f['total_rpcs']:.1f}: " + ", ".join(f"{m} {n:.1f}" for m, n in f["rpcs"])
+                + (f" ({f['linked']:.1f} of them on the partition servers' links)"
+                   if f["linked"] else "")
                 + (("; in-process (function calls, not counted above): "
                     + ", ".join(f"{m} {n:.1f}" for m, n in f["local"])) if f["local"] else "")
                 + f"; {f['tc_appends']:.1f} TC log appends "
@@ -863,6 +879,8 @@ def main() -> None:
                   f"{floor['calls_per_s']:,.0f}/s); server CPU "
                   f"{small['server_cpu_ms_per_txn']:.2f} ms per transaction (floor: "
                   f"{floor['server_cpu_ms_per_call']:.2f} ms per call); "
+                  f"{small['calls_per_txn']:.2f} calls per transaction "
+                  f"({small['link_calls_per_txn']:.2f} on the partition servers' links); "
                   f"{small['fsyncs_per_txn']:.2f} group commits and "
                   f"{small['sync_calls_per_txn']:.2f} sync calls per transaction; "
                   "durability " + settings.get("partition.durability", os.environ.get(

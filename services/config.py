@@ -315,8 +315,10 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "the leaders' replication links (a length-prefixed TCP protocol beside the "
                 "gRPC port carrying the same ReplicateMany calls, authenticated and "
                 "authorized as gRPC calls are; docs/replication.md), which costs half "
-                "of gRPC's CPU per byte. A server with tls.enabled opens no link and its "
-                "followers use gRPC; false: no link is opened or used."),
+                "of gRPC's CPU per byte; coordinators send their staging, TC-log appends "
+                "and markers there too (coordinator.partition_link). A server with "
+                "tls.enabled opens no link and its followers and coordinators use gRPC; "
+                "false: no link is opened or used."),
         Setting("replication.link_listen", str, "", "The replication link's listen address; "
                 "empty: the host of server.listen, a port picked at start. Advertised to "
                 "followers as server.advertised_host (or this host) and the bound port.",
