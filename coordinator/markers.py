@@ -95,7 +95,6 @@ class MarkerChannel:
         self._staging_gaps: dict[str, float] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
         self._senders: dict[str, asyncio.Task] = {}
-        self._refresh: asyncio.Task | None = None
         self._closed = False
 
     @property
@@ -215,9 +214,7 @@ class MarkerChannel:
         wakeup.set()
 
     def _refresh_soon(self) -> None:
-        if self._refresh is None or self._refresh.done():
-            self._refresh = asyncio.create_task(self.routes.refresh(force=True))
-            self._refresh.add_done_callback(_refresh_done)
+        self.routes.refresh_soon()
 
     async def _sender(self, address: str) -> None:
         wakeup = self._wakeups[address]
@@ -302,8 +299,6 @@ class MarkerChannel:
             if timer is not None:
                 timer.cancel()
         tasks = list(self._senders.values())
-        if self._refresh is not None:
-            tasks.append(self._refresh)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -323,12 +318,3 @@ def _to_proto(markers: list[Marker]) -> partition_pb2.TxnMarker:
             topic=m.target.topic, partition=m.target.partition,
             subscription=m.target.subscription)
             for m in markers if isinstance(m.target, SubscriptionPartition)])
-
-
-def _refresh_done(task: asyncio.Task) -> None:
-    """A background refresh of the routes that failed (ZooKeeper away): said, not left
-    to asyncio's "never retrieved" error; the next failed delivery asks again."""
-    error = None if task.cancelled() else task.exception()
-    if error is not None:
-        event(log, "routes not refreshed; markers retry", logging.WARNING,
-              error=f"{type(error).__name__}: {error}")

@@ -5,6 +5,7 @@ cannot be reached; one grpc.aio channel per address."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
@@ -12,6 +13,9 @@ from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server.copy_link import CallLink
 from services import local
 from services.errors import AtomlogError
+from services.logs import event
+
+log = logging.getLogger("atomlog.coordinator.routing")
 
 PARTITION_SERVICE = partition_pb2.DESCRIPTOR.services_by_name["PartitionService"].full_name
 
@@ -33,6 +37,7 @@ class PartitionRoutes:
         self._owners: dict[str, list[str]] = {}  # topic -> owner address per partition
         self._link_addresses: dict[str, str] = {}  # gRPC address -> its server's link
         self._links: dict[str, CallLink] = {}  # gRPC address -> the stub on its link
+        self._refreshing: asyncio.Future | None = None
         self._refreshed_at = 0.0
         self._read_began = 0.0
         self._lock = asyncio.Lock()
@@ -101,12 +106,34 @@ class PartitionRoutes:
         if not link_address:
             return stub
         if link is None:
-            link = self._links[address] = CallLink(link_address, stub)
+            link = self._links[address] = CallLink(link_address, stub,
+                                                   on_unreachable=self.refresh_soon)
         return link
 
+    def refresh_soon(self) -> None:
+        """A refresh in the background (one at a time), for a caller that does not wait
+        for it: a marker that failed for a routing reason, or a link that could not be
+        reached (its server may have restarted with another link address; the calls go
+        over gRPC meanwhile)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self.refresh(force=True))
+            self._refreshing.add_done_callback(_refresh_done)
+
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            await asyncio.gather(self._refreshing, return_exceptions=True)
         for link in self._links.values():
             if link is not None:
                 link.close()
         self._links.clear()
         await self._stubs.close()
+
+
+def _refresh_done(task: asyncio.Future) -> None:
+    """A background refresh that failed (ZooKeeper away): said, not left to asyncio's
+    "never retrieved" error; the next failed call asks again."""
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        event(log, "routes not refreshed; the next failed call asks again", logging.WARNING,
+              error=f"{type(error).__name__}: {error}")

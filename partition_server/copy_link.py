@@ -474,13 +474,15 @@ class CallLink:
     handle both alike: an error frame is the servicer's refusal; a broken connection is
     SERVER_UNAVAILABLE (the outcome unknown, as a gRPC UNAVAILABLE); a deadline passed
     is REQUEST_TIMED_OUT. A connection that cannot be made sends that call and those of
-    the next RETRY_LINK_AFTER_S over gRPC."""
+    the next RETRY_LINK_AFTER_S over gRPC, and calls `on_unreachable` (the coordinator's
+    routes re-read the servers' link addresses: a restarted server may have a new one)."""
 
-    def __init__(self, address: str, grpc_stub):
+    def __init__(self, address: str, grpc_stub, on_unreachable=None):
         host, _, port = address.rpartition(":")
         self.address = address
         self._target = (host.strip("[]"), int(port))
         self._grpc = grpc_stub
+        self._on_unreachable = on_unreachable  # called when a connection cannot be made
         # Kept connections: (reader, writer, when last used).
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
         self._connections = 0
@@ -579,6 +581,8 @@ class CallLink:
             event(log, "link unreachable: coordinator calls go over gRPC for a while",
                   logging.WARNING, link=self.address, error=str(error),
                   retry_after_s=RETRY_LINK_AFTER_S)
+            if self._on_unreachable is not None:
+                self._on_unreachable()
             return None
         sock = writer.get_extra_info("socket")
         if sock is not None:

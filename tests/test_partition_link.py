@@ -204,7 +204,7 @@ def test_call_link_reuses_connections_and_maps_errors(cluster, client):
 
 def test_unreachable_or_silent_links(cluster, client):
     """A link nobody listens on: the call goes over gRPC (counted), and so do the calls of
-    the next RETRY_LINK_AFTER_S. A peer that takes the call and never answers: the
+    the next RETRY_LINK_AFTER_S; the routes are asked to refresh. A peer that takes the call and never answers: the
     deadline raises REQUEST_TIMED_OUT, and the connection is dropped."""
     topic = create_online(client, "link-down", 1)
     address, _ = owner_of(client, topic, 0)
@@ -219,7 +219,8 @@ def test_unreachable_or_silent_links(cluster, client):
     async def run():
         channel = grpc.aio.insecure_channel(address)
         grpc_stub = partition_pb2_grpc.PartitionServiceStub(channel)
-        stub = CallLink(dead, grpc_stub)
+        unreachable: list[str] = []  # the coordinator's routes refresh on this call
+        stub = CallLink(dead, grpc_stub, on_unreachable=lambda: unreachable.append(dead))
         silent_frames: list[bytes] = []
 
         async def silent(reader, writer):  # reads a call, never answers
@@ -233,6 +234,7 @@ def test_unreachable_or_silent_links(cluster, client):
                 reply = await stub.Produce(produce_request(topic, 0, b"g%d" % i), timeout=10)
                 assert reply.results[0].base_offset == i
             assert fallback_count() == counted + 2
+            assert unreachable == [dead]  # the second call did not try to connect
             assert stub.down_until > 0 and stub._connections == 0
             port = server.sockets[0].getsockname()[1]
             hung = CallLink(f"127.0.0.1:{port}", grpc_stub)
