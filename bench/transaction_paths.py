@@ -7,7 +7,7 @@ process), through the Python SDK exactly as bench/transactions.py runs them:
 - small transactions: 8 client processes in a loop of begin, 10 × 1 KiB over 4
   partitions, commit() — with one-call transactions (the SDK's default: one CommitTxn)
   and with the streaming path (Client(one_call_max_bytes=0): NewTxn, Produce, EndTxn).
-  Transactions/s, commit() p50/p99, gRPC calls per transaction by method, and CPU per
+  Transactions/s, commit() p50/p99, calls per transaction by method, and CPU per
   transaction of the servers and of the clients;
 - consume-transform-produce (peers-bench W3: 20,000 preloaded inputs, batches of 100;
   the worker's consumer prefetches 900 more per Receive): sequential (ack(), commit())
@@ -144,10 +144,12 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 def _calls(cell: dict) -> str:
     methods = {m: n for m, n in cell["calls_by_method"].items()
-               if not m.startswith(("TC log", "in-process")) and n >= 0.05}
+               if not m.startswith(("TC log", "in-process", tb.ON_LINK)) and n >= 0.05}
     text = ", ".join(f"{m} {n:.2f}" for m, n in sorted(methods.items(), key=lambda i: -i[1]))
+    linked = cell.get("link_calls_per_txn", 0)
     local = cell.get("local_calls_per_txn", 0)
-    return text + (f"; in-process {local:.1f}" if local >= 0.05 else "")
+    return (text + (f"; {linked:.2f} of them on the partition servers' links" if linked >= 0.05
+                    else "") + (f"; in-process {local:.1f}" if local >= 0.05 else ""))
 
 
 def _spread(cell: dict) -> str:
@@ -189,9 +191,10 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         f"{tb.CTP_PREFETCH} more per Receive. *One-call* is the SDK's "
         "default (the transaction is kept by the client and committed by one CommitTxn); "
         "*streaming* is `Client(one_call_max_bytes=0)` (NewTxn, Produce, EndTxn). Calls are "
-        "gRPC calls per transaction counted by every server (client and server-to-server, "
-        "TC-log appends included); *in-process* are the combined server's function calls "
-        "instead. CPU is per transaction, servers and clients separately. Every topic, "
+        "calls per transaction counted by every server (client and server-to-server, "
+        "TC-log appends included): gRPC calls, or coordinators' calls on the partition "
+        "servers' links (docs/coordinator.md); *in-process* are the combined server's "
+        "function calls instead. CPU is per transaction, servers and clients separately. Every topic, "
         f"__txn_log included, has {common.BENCH_REPLICATION_FACTOR} cop"
         f"{'y' if common.BENCH_REPLICATION_FACTOR == 1 else 'ies'} (like the peers; "
         "bench/replication.py measures three against one).",
@@ -210,7 +213,7 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
             f"| commit() p50 / p99 ms, {path} | {a['commit_p50_ms']:.1f} / "
             f"{a['commit_p99_ms']:.1f} | {b['commit_p50_ms']:.1f} / {b['commit_p99_ms']:.1f} "
             "| |",
-            f"| gRPC calls per transaction, {path} | {a['calls_per_txn']:.2f} "
+            f"| calls per transaction, {path} | {a['calls_per_txn']:.2f} "
             f"({_calls(a)}) | {b['calls_per_txn']:.2f} ({_calls(b)}) | |",
             f"| CPU ms per transaction (servers + clients), {path} | "
             f"{a['server_cpu_ms_per_txn']:.1f} + {a['client_cpu_ms_per_txn']:.1f} | "
