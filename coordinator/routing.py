@@ -36,7 +36,7 @@ class PartitionRoutes:
         self.use_links = use_links
         self._owners: dict[str, list[str]] = {}  # topic -> owner address per partition
         self._link_addresses: dict[str, str] = {}  # gRPC address -> its server's link
-        self._links: dict[str, CallLink] = {}  # gRPC address -> the stub on its link
+        self._links: dict[str, CallLink | None] = {}  # gRPC address -> the stub on its link
         self._refreshing: asyncio.Future | None = None
         self._refreshed_at = 0.0
         self._read_began = 0.0
