@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -52,19 +53,48 @@ def warm_topic(client) -> str:
     return create_online(client, "oc-warm", 1)
 
 
-def parallel_transaction(client, warm_topic: str, timeout_s: float = 60):
+def lease_owners(servers) -> dict[int, str]:
+    """TC partition -> the coordinator holding its lease."""
+    return {k: process["name"] for process in servers.status()["processes"]
+            for k in process.get("tc_partitions", [])}
+
+
+def leases_settled(servers) -> None:
+    """Wait until every TC partition has an owner, the coordinators hold even shares, and
+    nothing moved for 2 s (two rebalance intervals): after a test killed and restarted a
+    coordinator, its peers hand partitions back for a few seconds."""
+    coordinators = [p["name"] for p in servers.services() if p["role"] == "coordinator"]
+
+    def stable() -> bool:
+        owners = lease_owners(servers)
+        shares = Counter(owners.values())
+        if len(owners) < 16 or max(shares[c] for c in coordinators) - min(
+                shares[c] for c in coordinators) > 1:
+            return False
+        time.sleep(2)
+        return lease_owners(servers) == owners
+    wait_until(stable, 60, "the TC partitions' leases to settle")
+
+
+def parallel_transaction(servers, client, warm_topic: str, timeout_s: float = 60):
     """A transaction whose one-call commit will be a parallel commit: its TC partition
     has a durable reservation (the first commit of a block of sequences waits for its
-    reservation and takes two rounds), made by committing one transaction there first."""
+    reservation and takes two rounds), made by committing one transaction there first,
+    under the owner that will take the commit (a new owner reserves a new block: the
+    leases are let settle first, and the warm-up is made again if the lease moved)."""
+    leases_settled(servers)
     txn = client.begin_transaction(timeout_s=timeout_s)
     while True:
-        warm = client.begin_transaction(timeout_s=30)  # lazy: nothing sent until commit
-        if warm.tc_partition == txn.tc_partition:
-            break
-    with client.producer() as producer:
-        producer.send(warm_topic, b"warm", partition=0, txn=warm)
-        warm.commit()
-    return txn
+        owner = coordinator_of(servers, txn.tc_partition)
+        while True:
+            warm = client.begin_transaction(timeout_s=30)  # lazy: nothing sent until commit
+            if warm.tc_partition == txn.tc_partition:
+                break
+        with client.producer() as producer:
+            producer.send(warm_topic, b"warm", partition=0, txn=warm)
+            warm.commit()
+        if coordinator_of(servers, txn.tc_partition) == owner:
+            return txn
 
 
 def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers, client,
@@ -76,7 +106,7 @@ def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers,
     retry with the same idempotency key finds that commit. Exactly once, nothing aborted."""
     topic = create_online(client, "oc-resolved", 2)
     outcome: dict = {}
-    txn = parallel_transaction(client, warm_topic)
+    txn = parallel_transaction(servers, client, warm_topic)
     with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, client.producer() as producer:
         for i in range(6):
             producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
@@ -102,7 +132,7 @@ def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, 
     topic = create_online(client, "oc-gave-up", 2)
     short = Client(servers.info["bootstrap"], request_timeout_s=2)
     try:
-        txn = parallel_transaction(short, warm_topic, timeout_s=3)
+        txn = parallel_transaction(servers, short, warm_topic, timeout_s=3)
         with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
                 short.producer() as producer:
             for i in range(4):
@@ -143,7 +173,7 @@ def test_coordinator_killed_before_staging_is_aborted_by_its_successor(servers, 
     the SDK's retry commits the transaction anew. Exactly once, nothing left open."""
     topic = create_online(client, "oc-unstaged", 2)
     outcome: dict = {}
-    txn = parallel_transaction(client, warm_topic)
+    txn = parallel_transaction(servers, client, warm_topic)
     with Armed(failpoint_dir, failpoints.ONE_CALL_STAGE) as held, client.producer() as producer:
         for i in range(4):
             producer.send(topic, f"u{i}".encode(), partition=i % 2, txn=txn)
