@@ -174,10 +174,16 @@ def test_a_transaction_cannot_take_in_a_topic_without_write(acl_cluster, acls):
     wait_until(lambda: produced(ps(acl_cluster, "alice", "Produce", produce_request(TOPIC))), 5,
                "alice's ACL")
     key = f"acl-{uuid.uuid4()}"
-    opened = tc(acl_cluster, "alice", "NewTxn", coordinator_pb2.NewTxnRequest(
-        tc_partition=tc_partition(acl_cluster, key), idempotency_key=key,
-        topic_partitions=[tp(TOPIC)]))
-    assert isinstance(opened, coordinator_pb2.NewTxnResponse), opened
+    request = coordinator_pb2.NewTxnRequest(tc_partition=tc_partition(acl_cluster, key),
+                                            idempotency_key=key, topic_partitions=[tp(TOPIC)])
+    # The coordinator learns the ACL from ZooKeeper on its own watch, maybe after the
+    # partition server did: a refused NewTxn opens nothing, and the key makes the retry
+    # the same transaction.
+    answers = []
+    wait_until(lambda: isinstance(answers.append(tc(acl_cluster, "alice", "NewTxn", request))
+                                  or answers[-1], coordinator_pb2.NewTxnResponse), 5,
+               "the coordinator to see alice's ACL")
+    opened = answers[-1]
     denied(tc(acl_cluster, "alice", "AddPartitionToTxn", coordinator_pb2.AddPartitionToTxnRequest(
         txn_id=opened.txn_id, topic_partitions=[tp(OTHER)])), "write", "topic", OTHER)
     other_key = f"acl-{uuid.uuid4()}"

@@ -347,8 +347,12 @@ def test_a_producers_batches_queue_in_order_behind_its_batch_being_verified(
     with Armed(failpoint_dir, failpoints.VERIFY_HOLD):
         calls = [produce(1, b"txn-1", True)]
         time.sleep(0.3)  # its verification is held
-        calls += [produce(2, b"plain-2", False), produce(3, b"txn-3", True),
-                  produce(4, b"plain-4", False)]
+        # Each sent 50 ms after the last: separate unary calls have no order of their own
+        # on the server (on a loaded CI machine seq 3 was once taken before seq 2).
+        for seq, value, transactional in ((2, b"plain-2", False), (3, b"txn-3", True),
+                                          (4, b"plain-4", False)):
+            calls.append(produce(seq, value, transactional))
+            time.sleep(0.05)
         time.sleep(0.5)
         assert not any(call.done() for call in calls)  # all behind the first
     results = [call.result().results[0] for call in calls]
