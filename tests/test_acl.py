@@ -180,9 +180,12 @@ def test_a_transaction_cannot_take_in_a_topic_without_write(acl_cluster, acls):
     # partition server did: a refused NewTxn opens nothing, and the key makes the retry
     # the same transaction.
     answers = []
-    wait_until(lambda: isinstance(answers.append(tc(acl_cluster, "alice", "NewTxn", request))
-                                  or answers[-1], coordinator_pb2.NewTxnResponse), 5,
-               "the coordinator to see alice's ACL")
+
+    def opens() -> bool:
+        answers.append(tc(acl_cluster, "alice", "NewTxn", request))
+        return isinstance(answers[-1], coordinator_pb2.NewTxnResponse)
+
+    wait_until(opens, 5, "the coordinator to see alice's ACL")
     opened = answers[-1]
     denied(tc(acl_cluster, "alice", "AddPartitionToTxn", coordinator_pb2.AddPartitionToTxnRequest(
         txn_id=opened.txn_id, topic_partitions=[tp(OTHER)])), "write", "topic", OTHER)
