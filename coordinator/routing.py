@@ -36,7 +36,7 @@ class PartitionRoutes:
         self.use_links = use_links
         self._owners: dict[str, list[str]] = {}  # topic -> owner address per partition
         self._link_addresses: dict[str, str] = {}  # gRPC address -> its server's link
-        self._links: dict[str, CallLink | None] = {}  # gRPC address -> the stub on its link
+        self._links: dict[str, CallLink] = {}  # gRPC address -> the stub on its link
         self._refreshing: asyncio.Future | None = None
         self._refreshed_at = 0.0
         self._read_began = 0.0
@@ -101,8 +101,8 @@ class PartitionRoutes:
         link_address = self._link_addresses.get(address, "")
         link = self._links.get(address)
         if link is not None and link.address != link_address:
-            link.close()  # the server moved its link (a restart)
-            link = self._links[address] = None
+            self._links.pop(address).close()  # the server moved its link (a restart)
+            link = None
         if not link_address:
             return stub
         if link is None:
@@ -124,8 +124,7 @@ class PartitionRoutes:
             self._refreshing.cancel()
             await asyncio.gather(self._refreshing, return_exceptions=True)
         for link in self._links.values():
-            if link is not None:
-                link.close()
+            link.close()
         self._links.clear()
         await self._stubs.close()
 

@@ -59,8 +59,7 @@ import grpc
 from atomlog.v1 import partition_pb2
 from partition_server.replicate_wire import ReplicateManyAnswer, parse_many, serialize_many
 from services import auth, interceptors, local
-from services import metrics as svc_metrics
-from services.errors import AtomlogError, from_item, unexpected
+from services.errors import AtomlogError, from_item, from_rpc_error, unexpected
 from services.metrics import LATENCY_BUCKETS_SECONDS
 from services.logs import event
 
@@ -73,15 +72,12 @@ _TOKEN_LEN = struct.Struct(">H")
 _CALL_HEAD = struct.Struct(">BIH")  # method number, timeout in ms (0: none), token length
 METHOD = "/atomlog.v1.PartitionService/ReplicateMany"
 # The coordinators' calls a link carries (kind 3), by method number: the servicer method,
-# its request type, its full name (as the ACL rules and the metrics name it).
+# its request and response types, its full name (as the ACL rules and the metrics name it).
 CALL_METHODS = {
-    number: (name, request_type, f"/atomlog.v1.PartitionService/{name}")
-    for number, (name, request_type) in {
-        1: ("StageTxn", partition_pb2.StageTxnRequest),
-        2: ("Produce", partition_pb2.ProduceRequest),
-        3: ("EndTxnOnPartition", partition_pb2.EndTxnOnPartitionRequest),
-    }.items()}
-CALL_NUMBERS = {name: number for number, (name, _, _) in CALL_METHODS.items()}
+    number: (name, getattr(partition_pb2, f"{name}Request"),
+             getattr(partition_pb2, f"{name}Response"), f"/atomlog.v1.PartitionService/{name}")
+    for number, name in {1: "StageTxn", 2: "Produce", 3: "EndTxnOnPartition"}.items()}
+CALL_NUMBERS = {method[0]: number for number, method in CALL_METHODS.items()}
 MAX_REQUEST_BYTES = 1 << 20
 # The request frames a link reads and answers at once, over all its connections: a frame
 # that would pass it closes its connection (the caller's outcome is unknown; it retries).
@@ -101,9 +97,10 @@ LINK_SECONDS = Histogram("atomlog_replication_link_request_duration_seconds",
                          "replication link (a long poll waits up to replication.fetch_wait_ms).",
                          buckets=LATENCY_BUCKETS_SECONDS)
 LINK_CALLS = Counter("atomlog_link_calls_total",
-                     "Calls this partition server answered on its link from coordinators "
+                     "Calls this partition server took on its link from coordinators "
                      "(StageTxn, TC-log Produce, EndTxnOnPartition) instead of gRPC, by "
-                     "method; also counted in atomlog_rpc_started_total.", ["method"])
+                     "method; those authenticated are also counted in "
+                     "atomlog_rpc_started_total, as gRPC calls are.", ["method"])
 LINK_FALLBACKS = Counter("atomlog_replication_link_fallbacks_total",
                          "ReplicateMany calls this server sent as a follower over gRPC because "
                          "its leader's replication link could not be reached.")
@@ -237,14 +234,11 @@ class LinkServer:
             LINK_SECONDS.observe(time.perf_counter() - started)
 
     async def _call(self, body: bytes, peer: str) -> tuple[int, bytes]:
-        """A coordinator's call frame (kind 3): method number, timeout, token, request. As
-        a gRPC call of the method: authenticated, checked by the ACLs, run by the same
-        servicer method with the caller's deadline, counted in the RPC metrics (and in
-        atomlog_link_calls_total); every failure an error frame."""
-        started = time.perf_counter()
-        full_name = "?"
-        in_flight = False
-        code = grpc.StatusCode.OK
+        """A coordinator's call frame (kind 3): method number, timeout, token, request. It
+        runs as a gRPC call of the method runs: through the gRPC interceptor's wrapper
+        (authenticated, checked by the ACLs, counted and timed; services/interceptors.py)
+        with the caller's deadline; a refusal it gives `context.abort` becomes an error
+        frame, as a malformed frame does."""
         try:
             if len(body) < _CALL_HEAD.size:
                 raise AtomlogError("INVALID_ARGUMENT", "the call frame is shorter than its head")
@@ -252,7 +246,7 @@ class LinkServer:
             method = CALL_METHODS.get(number)
             if method is None:
                 raise AtomlogError("INVALID_ARGUMENT", f"no method {number} on the link")
-            name, request_type, full_name = method
+            name, request_type, _, full_name = method
             token_end = _CALL_HEAD.size + token_length
             if token_end > len(body):
                 raise AtomlogError("INVALID_ARGUMENT", "the call's token runs past its frame")
@@ -262,56 +256,73 @@ class LinkServer:
             except Exception:  # noqa: BLE001 — any parse failure is the caller's
                 raise AtomlogError("INVALID_ARGUMENT",
                                    f"the request is not a {request_type.__name__}") from None
-            # As the gRPC interceptor: a caller not authenticated is refused (and counted
-            # by auth) before the call counts as started.
-            principal = self._authenticate(token, peer, full_name)
-            svc_metrics.RPC_STARTED.labels(full_name).inc()
-            svc_metrics.RPC_IN_FLIGHT.inc()
-            in_flight = True
-            LINK_CALLS.labels(full_name).inc()
-            token_var = auth.set_current(principal)
-            try:
-                authorizer = self.interceptor.authorizer
-                if authorizer is not None:
-                    authorizer.check(full_name, request, principal)
-                behavior = getattr(self.servicer, name)
-                context = local.LocalContext(timeout_ms / 1000 if timeout_ms else None)
-                if timeout_ms:
-                    async with asyncio.timeout(timeout_ms / 1000):
-                        answer = await behavior(request, context)
-                else:
-                    answer = await behavior(request, context)
-                if authorizer is not None:
-                    authorizer.answered(full_name, answer, principal)
-            finally:
-                auth.reset_current(token_var)
-            return KIND_ANSWER, answer.SerializeToString()
         except AtomlogError as error:
-            code = error.code
             return KIND_ERROR, _error_bytes(error)
-        except asyncio.TimeoutError:
-            error = AtomlogError("REQUEST_TIMED_OUT", f"{full_name} (link) took longer than "
-                                 "its deadline")
-            code = error.code
-            return KIND_ERROR, _error_bytes(error)
-        except Exception as unhandled:  # noqa: BLE001 — a bug (logged), or ZooKeeper gone
-            error = unexpected(unhandled, f"{full_name} (link)")
-            if error.reason == "INTERNAL":
-                log.exception("unhandled error in %s on the link", full_name)
-            code = error.code
-            return KIND_ERROR, _error_bytes(error)
-        finally:
-            if in_flight:
-                svc_metrics.RPC_IN_FLIGHT.dec()
-                svc_metrics.RPC_LATENCY.labels(full_name).observe(time.perf_counter() - started)
-                svc_metrics.RPC_HANDLED.labels(full_name, code.name).inc()
+        LINK_CALLS.labels(full_name).inc()
+        timeout_s = timeout_ms / 1000 if timeout_ms else None
+        handler = self.interceptor.wrapped(full_name, getattr(self.servicer, name))
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await handler(request, _CallContext(token, peer, timeout_s))
+        except _Aborted as aborted:
+            return KIND_ERROR, _error_bytes(from_rpc_error(aborted))
+        except TimeoutError:
+            return KIND_ERROR, _error_bytes(AtomlogError(
+                "REQUEST_TIMED_OUT", f"{full_name} (link) took longer than its deadline"))
+        return KIND_ANSWER, answer.SerializeToString()
 
-    def _authenticate(self, token: str, peer: str, method: str = METHOD) -> auth.Principal:
+    def _authenticate(self, token: str, peer: str) -> auth.Principal:
         """As the gRPC interceptor authenticates a call: the token as its `authorization`
         metadata would carry it; no TLS, so no certificate."""
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        return interceptors.principal_of(self.interceptor.authenticator, method, metadata,
+        return interceptors.principal_of(self.interceptor.authenticator, METHOD, metadata,
                                          {}, peer)
+
+
+class _Aborted(Exception):
+    """A call's refusal as the interceptor hands it to `context.abort`: the status code,
+    details and trailing metadata `services.errors.from_rpc_error` reads back."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata):
+        super().__init__(details)
+        self._code, self._details, self._trailing = code, details, trailing_metadata
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
+class _CallContext(local.LocalContext):
+    """The part of grpc.aio.ServicerContext the interceptor and our servicers use, for a
+    call frame: its token as `authorization` metadata would carry it (no TLS, so no
+    certificate), its peer and deadline; `abort` raises `_Aborted`."""
+
+    def __init__(self, token: str, peer: str, timeout_s: float | None):
+        super().__init__(timeout_s)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._peer = peer
+        self._code: grpc.StatusCode | None = None
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def auth_context(self) -> dict:
+        return {}
+
+    def peer(self) -> str:
+        return self._peer
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
+        self._code = code
+        raise _Aborted(code, details, trailing_metadata)
 
 
 def _error_bytes(error: AtomlogError) -> bytes:
@@ -459,9 +470,6 @@ CALL_FALLBACKS = Counter("atomlog_link_call_fallbacks_total",
                          "Coordinator calls sent over gRPC because the partition server's link "
                          "could not be reached (or had no free connection), by method.",
                          ["method"])
-_RESPONSES = {"StageTxn": partition_pb2.StageTxnResponse,
-              "Produce": partition_pb2.ProduceResponse,
-              "EndTxnOnPartition": partition_pb2.EndTxnOnPartitionResponse}
 
 
 class CallLink:
@@ -566,7 +574,7 @@ class CallLink:
                 writer.close()
         if kind == KIND_ERROR:
             raise local.rpc_error(from_item(partition_pb2.ItemError.FromString(payload)))
-        return _RESPONSES[name].FromString(payload)
+        return CALL_METHODS[CALL_NUMBERS[name]][2].FromString(payload)
 
     async def _connect(self, timeout: float | None):
         self._connections += 1

@@ -26,7 +26,8 @@ class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
         self.authenticator = authenticator if authenticator is not None else auth.Authenticator()
         # services.acl.Authorizer when auth.authorizer=acl (set by the runtime at start).
         self.authorizer = None
-        self._wrapped: dict[tuple, tuple] = {}  # (method, behavior) -> (authn, authz, handler)
+        # (kind, method, behavior) -> (authenticator, authorizer, wrapped handler)
+        self._wrapped: dict[tuple, tuple] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -42,20 +43,31 @@ class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
                 return _refused_stream(method, handler)
             return handler if not self.authenticator.enabled else _authenticated_stream(
                 self.authenticator, method, handler)
-        # gRPC asks on every call: the wrapped handler is made once per method (and per
+        return self._cached(("grpc", method, handler.unary_unary),
+                            lambda: grpc.unary_unary_rpc_method_handler(
+                                _wrap(method, handler.unary_unary, self.authenticator,
+                                      self.authorizer),
+                                request_deserializer=handler.request_deserializer,
+                                response_serializer=handler.response_serializer))
+
+    def wrapped(self, method: str, behavior):
+        """`behavior` (a unary servicer method) as gRPC calls it through this interceptor:
+        authenticated, authorized, counted and timed, its errors given to
+        `context.abort`. For a transport of our own (partition_server/copy_link.py), whose
+        context's abort raises them."""
+        return self._cached(("call", method, behavior),
+                            lambda: _wrap(method, behavior, self.authenticator, self.authorizer))
+
+    def _cached(self, key: tuple, make):
+        # Asked on every call: the wrapped handler is made once per method (and per
         # authorizer: the runtime sets it at start).
-        key = (method, handler.unary_unary)
         cached = self._wrapped.get(key)
         if cached is not None and cached[0] is self.authenticator \
                 and cached[1] is self.authorizer:
             return cached[2]
         if len(self._wrapped) >= MAX_WRAPPED_HANDLERS:
             self._wrapped.clear()
-        wrapped = grpc.unary_unary_rpc_method_handler(
-            _wrap(method, handler.unary_unary, self.authenticator, self.authorizer),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        wrapped = make()
         self._wrapped[key] = (self.authenticator, self.authorizer, wrapped)
         return wrapped
 

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
-from partition_server.copy_link import (CALL_METHODS, KIND_ANSWER, KIND_CALL, KIND_ERROR,
+from partition_server.copy_link import (CALL_NUMBERS, KIND_ANSWER, KIND_CALL, KIND_ERROR,
                                         MAGIC, CallLink)
 from partition_server.record_batch import Record, encode_batch
 from services.errors import from_rpc_error
@@ -134,8 +134,7 @@ def test_bad_call_frames_change_nothing(cluster, client):
     topic = create_online(client, "link-bad-calls", 1)
     address, server = owner_of(client, topic, 0)
     link = link_address(cluster, server)
-    stage = next(n for n, (name, _, _) in CALL_METHODS.items() if name == "StageTxn")
-    produce = next(n for n, (name, _, _) in CALL_METHODS.items() if name == "Produce")
+    stage, produce = CALL_NUMBERS["StageTxn"], CALL_NUMBERS["Produce"]
     with connect(link) as sock:
         sock.sendall(HEAD.pack((64 << 20) + 2, KIND_CALL))
         assert closed_by_peer(sock)
