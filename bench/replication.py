@@ -165,11 +165,13 @@ def measure_transactions(client, topic: str, seconds: float) -> dict:
 def measure_cell(client, info: dict, seconds: float, producer=produce.wire_producer) -> dict:
     """Produce to "bench-produce" (measure_produce) and small transactions on "bench-txn"
     (measure_transactions), each with the CPU all partition servers spent on it: per MB
-    acknowledged, per transaction, and the cores busy while producing."""
+    acknowledged, per transaction, and the cores busy while producing; and per transaction
+    the CPU of every server process (coordinators and id allocators too)."""
     servers = [p["pid"] for p in info["processes"] if p["role"] == "partition_server"]
+    everyone = [p["pid"] for p in info["processes"]]
 
-    def server_cpu() -> float:
-        return sum(common.cpu_seconds(pid) for pid in servers)
+    def server_cpu(pids=servers) -> float:
+        return sum(common.cpu_seconds(pid) for pid in pids)
 
     cpu0, calls0 = server_cpu(), replicate_calls(info)
     cell = measure_produce(info["bootstrap"], "bench-produce", seconds, producer)
@@ -179,10 +181,11 @@ def measure_cell(client, info: dict, seconds: float, producer=produce.wire_produ
     cell["client_cpu_ms_per_mb"] = cell["client_cpu_s"] * 1000 / megabytes
     cell["server_cores"] = cpu / seconds
     cell["replicate_calls_per_mb"] = (replicate_calls(info) - calls0) / megabytes
-    cpu0, calls0 = server_cpu(), replicate_calls(info)
+    cpu0, calls0, all0 = server_cpu(), replicate_calls(info), server_cpu(everyone)
     cell.update(measure_transactions(client, "bench-txn", seconds))
     count = max(cell["txn_s"] * seconds, 1e-9)
     cell["server_cpu_ms_per_txn"] = (server_cpu() - cpu0) * 1000 / count
+    cell["all_servers_cpu_ms_per_txn"] = (server_cpu(everyone) - all0) * 1000 / count
     cell["replicate_calls_per_txn"] = (replicate_calls(info) - calls0) / count
     return cell
 

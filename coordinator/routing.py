@@ -92,11 +92,10 @@ class PartitionRoutes:
 
     def stub(self, address: str) -> partition_pb2_grpc.PartitionServiceStub:
         """One channel and one stub per address; in-process where this process owns it;
-        where the server has a link (and the process no TLS: the link speaks none), its
-        StageTxn, Produce and EndTxnOnPartition go over the link (copy_link.CallLink)."""
+        where the server has a link, its StageTxn, Produce and EndTxnOnPartition go over
+        the link (copy_link.CallLink; over TLS when the process has TLS)."""
         stub = self._stubs.get(address)
-        if not self.use_links or isinstance(stub, local.LocalStub) or \
-                local.channel_tls() is not None:
+        if not self.use_links or isinstance(stub, local.LocalStub):
             return stub
         link_address = self._link_addresses.get(address, "")
         link = self._links.get(address)
@@ -107,7 +106,9 @@ class PartitionRoutes:
             return stub
         if link is None:
             link = self._links[address] = CallLink(link_address, stub,
-                                                   on_unreachable=self.refresh_soon)
+                                                   on_unreachable=self.refresh_soon,
+                                                   tls=local.channel_tls(),
+                                                   server_address=address)
         return link
 
     def refresh_soon(self) -> None:

@@ -39,8 +39,14 @@ per server (more are closed at once), a connection idle for `IDLE_TIMEOUT_S`, or
 to send a frame it announced, is closed (a follower's long polls keep it busy), and the
 follower refuses an answer frame larger than its `max_bytes` allows.
 
-TLS: the link speaks no TLS. A server with tls.enabled opens no link and advertises none,
-so its followers and coordinators use gRPC (encrypted) as before.
+TLS: a server with tls.enabled serves its link over TLS with the certificate, CA and
+client-certificate rule of its gRPC port (`services.tls.ServerTls.ssl_context`, reloaded
+as the gRPC port's are), and its followers and coordinators connect with their channels'
+TLS (`services.tls.ChannelTls.ssl_context`: the server's certificate checked against the
+host of its gRPC address). Under mTLS the client certificate authenticates each frame as
+it authenticates a gRPC call: the frames' tokens are empty and the principal comes from
+the certificate (`_peer_auth_context`, in the shape grpc's auth_context has). The link
+never falls back to plaintext: a handshake that fails is a connection that cannot be made.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import asyncio
 import concurrent.futures
 import logging
 import socket
+import ssl
 import struct
 import time
 
@@ -84,6 +91,7 @@ MAX_REQUEST_BYTES = 1 << 20
 MAX_HELD_BYTES = 256 << 20
 MAX_CONNECTIONS = 256
 IDLE_TIMEOUT_S = 120.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake not done by then closes the connection
 # After a failed connect, a follower uses gRPC for this long before trying the link again.
 RETRY_LINK_AFTER_S = 10.0
 # Room beside the records in an answer frame (positions, epochs, cursor state headers).
@@ -112,22 +120,27 @@ class LinkProtocolError(ConnectionError):
 
 # ----------------------------------------------------------------------------- leader side
 class LinkServer:
-    """A leader's replication link: answers ReplicateMany frames with `servicer`, checked as
-    `interceptor` (services/interceptors.py) checks gRPC calls: its authenticator and, when
-    set, its authorizer (read at each request: the runtime sets them at start)."""
+    """A partition server's link: answers ReplicateMany and call frames with `servicer`,
+    checked as `interceptor` (services/interceptors.py) checks gRPC calls: its
+    authenticator and, when set, its authorizer (read at each request: the runtime sets
+    them at start). Over TLS when `ssl_context` is given (the gRPC port's, module doc)."""
 
-    def __init__(self, servicer, interceptor, host: str, port: int):
+    def __init__(self, servicer, interceptor, host: str, port: int,
+                 ssl_context: ssl.SSLContext | None = None):
         self.servicer = servicer
         self.interceptor = interceptor
         self.host, self.port = host, port
+        self.ssl_context = ssl_context
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
         self._held_bytes = 0  # request frames being read or answered, over every connection
 
     async def start(self) -> int:
         """Listens; returns the bound port."""
+        tls = {} if self.ssl_context is None else {
+            "ssl": self.ssl_context, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
         self._server = await asyncio.start_server(self._serve, self.host, self.port,
-                                                  limit=MAX_REQUEST_BYTES + 64)
+                                                  limit=MAX_REQUEST_BYTES + 64, **tls)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -152,6 +165,7 @@ class LinkServer:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            auth_context = _peer_auth_context(writer)
             magic = await asyncio.wait_for(reader.readexactly(len(MAGIC)), IDLE_TIMEOUT_S)
             if magic != MAGIC:
                 raise LinkProtocolError(f"not a replication link client ({magic[:8]!r})")
@@ -171,9 +185,10 @@ class LinkServer:
                     async with asyncio.timeout(IDLE_TIMEOUT_S):
                         body = await reader.readexactly(length - 1)
                     if kind == KIND_CALL:
-                        answer_kind, payload = await self._call(body, peer_name)
+                        answer_kind, payload = await self._call(body, peer_name, auth_context)
                     else:
-                        answer_kind, payload = await self._answer(body, peer_name)
+                        answer_kind, payload = await self._answer(body, peer_name,
+                                                                  auth_context)
                     del body
                     writer.write(_HEAD.pack(len(payload) + 1, answer_kind))
                     writer.write(payload)
@@ -190,7 +205,7 @@ class LinkServer:
             self._connections.discard(task)
             writer.close()
 
-    async def _answer(self, body: bytes, peer: str) -> tuple[int, bytes]:
+    async def _answer(self, body: bytes, peer: str, auth_context: dict) -> tuple[int, bytes]:
         """One request frame's answer: (kind, payload). Every failure is an error frame, as
         the gRPC interceptor makes every failure a status."""
         started = time.perf_counter()
@@ -208,7 +223,7 @@ class LinkServer:
             except Exception:  # noqa: BLE001 — any parse failure is the caller's
                 raise AtomlogError("INVALID_ARGUMENT",
                                    "the request is not a ReplicateManyRequest") from None
-            principal = self._authenticate(token, peer)
+            principal = self._authenticate(token, peer, auth_context)
             token_var = auth.set_current(principal)
             try:
                 authorizer = self.interceptor.authorizer
@@ -233,7 +248,7 @@ class LinkServer:
             LINK_REQUESTS.labels(outcome).inc()
             LINK_SECONDS.observe(time.perf_counter() - started)
 
-    async def _call(self, body: bytes, peer: str) -> tuple[int, bytes]:
+    async def _call(self, body: bytes, peer: str, auth_context: dict) -> tuple[int, bytes]:
         """A coordinator's call frame (kind 3): method number, timeout, token, request. It
         runs as a gRPC call of the method runs: through the gRPC interceptor's wrapper
         (authenticated, checked by the ACLs, counted and timed; services/interceptors.py)
@@ -263,7 +278,8 @@ class LinkServer:
         handler = self.interceptor.wrapped(full_name, getattr(self.servicer, name))
         try:
             async with asyncio.timeout(timeout_s):
-                answer = await handler(request, _CallContext(token, peer, timeout_s))
+                answer = await handler(request, _CallContext(token, peer, timeout_s,
+                                                             auth_context))
         except _Aborted as aborted:
             return KIND_ERROR, _error_bytes(from_rpc_error(aborted))
         except TimeoutError:
@@ -271,12 +287,30 @@ class LinkServer:
                 "REQUEST_TIMED_OUT", f"{full_name} (link) took longer than its deadline"))
         return KIND_ANSWER, answer.SerializeToString()
 
-    def _authenticate(self, token: str, peer: str) -> auth.Principal:
+    def _authenticate(self, token: str, peer: str, auth_context: dict) -> auth.Principal:
         """As the gRPC interceptor authenticates a call: the token as its `authorization`
-        metadata would carry it; no TLS, so no certificate."""
+        metadata would carry it, the client certificate (under mTLS) as its auth_context."""
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
         return interceptors.principal_of(self.interceptor.authenticator, METHOD, metadata,
-                                         {}, peer)
+                                         auth_context, peer)
+
+
+def _peer_auth_context(writer: asyncio.StreamWriter) -> dict:
+    """The TLS peer's certificate as grpc's `ServicerContext.auth_context()` gives it
+    (what services.auth reads: its PEM and its common names), or {} without TLS or
+    without a client certificate."""
+    ssl_object = writer.get_extra_info("ssl_object")
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    if not der:
+        return {}
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    names = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(
+        NameOID.COMMON_NAME)
+    return {"transport_security_type": [b"ssl"],
+            "x509_pem_cert": [ssl.DER_cert_to_PEM_cert(der).encode()],
+            "x509_common_name": [str(name.value).encode() for name in names]}
 
 
 class _Aborted(Exception):
@@ -299,20 +333,22 @@ class _Aborted(Exception):
 
 class _CallContext(local.LocalContext):
     """The part of grpc.aio.ServicerContext the interceptor and our servicers use, for a
-    call frame: its token as `authorization` metadata would carry it (no TLS, so no
-    certificate), its peer and deadline; `abort` raises `_Aborted`."""
+    call frame: its token as `authorization` metadata would carry it, its connection's
+    client certificate (`_peer_auth_context`), its peer and deadline; `abort` raises
+    `_Aborted`."""
 
-    def __init__(self, token: str, peer: str, timeout_s: float | None):
+    def __init__(self, token: str, peer: str, timeout_s: float | None, auth_context: dict):
         super().__init__(timeout_s)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._peer = peer
+        self._auth_context = auth_context
         self._code: grpc.StatusCode | None = None
 
     def invocation_metadata(self):
         return self._metadata
 
     def auth_context(self) -> dict:
-        return {}
+        return self._auth_context
 
     def peer(self) -> str:
         return self._peer
@@ -337,13 +373,17 @@ class LinkClient:
     socket driven by one thread of its own, on which the fetcher also runs its plain
     rounds (`submit`; replica.LeaderFetcher, "Rounds on the link's thread"). A call that
     fails to connect raises `LinkUnavailable` (the caller sends it over gRPC); any other
-    transport failure drops the connection, and the next call opens a new one."""
+    transport failure drops the connection, and the next call opens a new one. Over TLS
+    when `tls` (a services.tls.ChannelTls) is given: the leader's certificate must carry
+    `tls.server_hostname(server_address)`, the host of its gRPC address (module doc)."""
 
-    def __init__(self, address: str, token_source=None):
+    def __init__(self, address: str, token_source=None, tls=None, server_address: str = ""):
         host, _, port = address.rpartition(":")
         self.address = address
         self._target = (host.strip("[]"), int(port))
         self._token_source = token_source
+        self._tls = tls
+        self._server_hostname = tls.server_hostname(server_address or address) if tls else ""
         self._sock: socket.socket | None = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
         self.down_until = 0.0  # monotonic: no link until then (a connect failed)
@@ -394,7 +434,9 @@ class LinkClient:
         sock = self._sock
         if sock is not None:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
+                # The socket's own shutdown, not SSLSocket's, which would also let go of its
+                # TLS state under the thread reading from it.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -424,6 +466,15 @@ class LinkClient:
             try:
                 sock = socket.create_connection(self._target, timeout=min(timeout_s, 5.0))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._tls is not None:
+                    plain, sock = sock, None
+                    try:
+                        plain.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
+                        sock = self._tls.ssl_context().wrap_socket(
+                            plain, server_hostname=self._server_hostname)
+                    finally:
+                        if sock is None:
+                            plain.close()
                 sock.sendall(MAGIC)
             except OSError as error:
                 self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
@@ -483,12 +534,16 @@ class CallLink:
     SERVER_UNAVAILABLE (the outcome unknown, as a gRPC UNAVAILABLE); a deadline passed
     is REQUEST_TIMED_OUT. A connection that cannot be made sends that call and those of
     the next RETRY_LINK_AFTER_S over gRPC, and calls `on_unreachable` (the coordinator's
-    routes re-read the servers' link addresses: a restarted server may have a new one)."""
+    routes re-read the servers' link addresses: a restarted server may have a new one).
+    Over TLS when `tls` (a services.tls.ChannelTls) is given, as LinkClient."""
 
-    def __init__(self, address: str, grpc_stub, on_unreachable=None):
+    def __init__(self, address: str, grpc_stub, on_unreachable=None, tls=None,
+                 server_address: str = ""):
         host, _, port = address.rpartition(":")
         self.address = address
         self._target = (host.strip("[]"), int(port))
+        self._tls = tls
+        self._server_hostname = tls.server_hostname(server_address or address) if tls else ""
         self._grpc = grpc_stub
         self._on_unreachable = on_unreachable  # called when a connection cannot be made
         # Kept connections: (reader, writer, when last used).
@@ -579,8 +634,11 @@ class CallLink:
     async def _connect(self, timeout: float | None):
         self._connections += 1
         try:
+            tls = {} if self._tls is None else {
+                "ssl": self._tls.ssl_context(), "server_hostname": self._server_hostname,
+                "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
             async with asyncio.timeout(min(timeout or 5.0, 5.0)):
-                reader, writer = await asyncio.open_connection(*self._target)
+                reader, writer = await asyncio.open_connection(*self._target, **tls)
         except BaseException as error:
             self._connections -= 1
             if not isinstance(error, (OSError, TimeoutError)):

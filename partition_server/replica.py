@@ -1233,11 +1233,11 @@ class LeaderFetcher:
         self.stubs = stubs
         self.fetch_wait_ms = fetch_wait_ms
         # The leader's replication link (partition_server/copy_link.py), when it advertises
-        # one, this process speaks no TLS, and the leader is not in this process.
+        # one and is not in this process; over TLS when this process has TLS.
         self.link: LinkClient | None = None
-        if link_address and local.channel_tls() is None and \
-                local.servicer(leader_address, PARTITION_SERVICE) is None:
-            self.link = LinkClient(link_address, local.channel_token())
+        if link_address and local.servicer(leader_address, PARTITION_SERVICE) is None:
+            self.link = LinkClient(link_address, local.channel_token(), local.channel_tls(),
+                                   leader_address)
         self.followers: dict[str, Follower] = {}
         self._added = asyncio.Event()
         self._handling: dict[Follower, asyncio.Future] = {}

@@ -33,13 +33,15 @@ from services.zk import aio
 
 
 async def _open_link(runtime, servicer) -> None:
-    """The replication link (partition_server/copy_link.py): listening, closed at stop,
-    and its address in this partition server's registration for followers to find."""
+    """The link (partition_server/copy_link.py): listening (over TLS when the gRPC port
+    is: the same certificate, CA and client-certificate rule), closed at stop, and its
+    address in this partition server's registration for followers and coordinators."""
     config = runtime.config
     listen = config["replication.link_listen"] or \
         f"{config['server.listen'].rsplit(':', 1)[0]}:0"
     host, port = listen.rsplit(":", 1)
-    link = LinkServer(servicer, runtime.interceptor, host.strip("[]"), int(port))
+    link = LinkServer(servicer, runtime.interceptor, host.strip("[]"), int(port),
+                      runtime.server_tls.ssl_context() if runtime.server_tls else None)
     try:
         bound = await link.start()
     except OSError as error:
@@ -162,7 +164,7 @@ async def install(runtime) -> list[str]:
                                  verifier=verifier, subscriptions=subscription_settings(config),
                                  lease=lease)
     add_partition_service(servicer, runtime.server)
-    if config["replication.link"] and not config["tls.enabled"]:
+    if config["replication.link"]:
         await _open_link(runtime, servicer)
     name = service_name(partition_pb2, "PartitionService")
     runtime.local_services[name] = servicer  # services/local.py: same-process calls

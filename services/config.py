@@ -316,9 +316,9 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "gRPC port carrying the same ReplicateMany calls, authenticated and "
                 "authorized as gRPC calls are; docs/replication.md), which costs half "
                 "of gRPC's CPU per byte; coordinators send their staging, TC-log appends "
-                "and markers there too (coordinator.partition_link). A server with "
-                "tls.enabled opens no link and its followers and coordinators use gRPC; "
-                "false: no link is opened or used."),
+                "and markers there too (coordinator.partition_link). With tls.enabled the "
+                "link speaks TLS with the gRPC port's certificate, CA and client-certificate "
+                "rule; false: no link is opened or used."),
         Setting("replication.link_listen", str, "", "The replication link's listen address; "
                 "empty: the host of server.listen, a port picked at start. Advertised to "
                 "followers as server.advertised_host (or this host) and the bound port.",
@@ -474,8 +474,8 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "over its link (the length-prefixed TCP protocol of replication.link, beside "
                 "its gRPC port; authenticated and authorized as gRPC calls are), which costs "
                 "a fraction of a gRPC call's CPU on both sides (docs/coordinator.md, \"The "
-                "partition servers' links\"). Servers with tls.enabled open no link: those "
-                "calls then go over gRPC, as do all of them with false."),
+                "partition servers' links\"); over TLS when tls.enabled). With false those "
+                "calls go over gRPC."),
         Setting("coordinator.stage_batch_max", int, 1_000, "Most transactions in one StageTxn "
                 "call to a partition server (what queues while one call is in flight leaves "
                 "in the next).", minimum=1, maximum=10_000),

@@ -204,8 +204,9 @@ class ServerTls:
             return None
 
     def ssl_context(self):
-        """An ssl.SSLContext for an HTTPS server (/metrics) that switches to the current
-        files at each handshake, as the gRPC port does."""
+        """An ssl.SSLContext for a plain TLS server (HTTPS /metrics, a partition server's
+        link) that switches to the current files at each handshake, as the gRPC port does,
+        and asks clients for a certificate as the gRPC port does."""
         import ssl
 
         state = {"generation": -1, "context": None}
@@ -276,6 +277,8 @@ class ChannelTls:
         self._checked_at = time.monotonic()
         self.generation = 0
         self._credentials = self._build(self._files.changed())
+        self._ssl_lock = threading.Lock()
+        self._ssl: tuple | None = None  # (generation, ssl.SSLContext) for plain TLS sockets
 
     def _build(self, signature: tuple) -> grpc.ChannelCredentials:
         contents = self._files.read()
@@ -309,6 +312,38 @@ class ChannelTls:
     @property
     def options(self) -> list[tuple[str, str]]:
         return self.config.channel_options()
+
+    def ssl_context(self):
+        """An ssl.SSLContext for a plain TLS socket to a server (the partition servers'
+        links, partition_server/copy_link.py) with what the channels' credentials hold: the
+        CA that signs the servers (their certificates and host names checked) and, for
+        mTLS, the client certificate. Rebuilt when the files were reloaded; if the new ones
+        cannot be loaded (a rotation half-way), the previous context stays in use."""
+        import ssl
+
+        generation, _ = self.current()
+        with self._ssl_lock:
+            if self._ssl is not None and self._ssl[0] == generation:
+                return self._ssl[1]
+            try:
+                context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH,
+                                                     cafile=self.config.ca_file)
+                context.minimum_version = ssl.TLSVersion.TLSv1_2
+                if self.config.cert_file:
+                    context.load_cert_chain(self.config.cert_file, self.config.key_file)
+            except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
+                if self._ssl is None:
+                    raise
+                log.warning("client TLS files cannot be loaded for links yet; keeping the "
+                            "previous ones: %s", error)
+                return self._ssl[1]
+            self._ssl = (generation, context)
+            return context
+
+    def server_hostname(self, address: str) -> str:
+        """The name a server reached at `address` (host:port) must carry in its
+        certificate: `server_name` when set, else the address's host."""
+        return self.config.server_name or address.rpartition(":")[0].strip("[]")
 
     def channel(self, address: str, options: list | None = None) -> grpc.Channel:
         """A blocking channel to `address`."""

@@ -10,6 +10,7 @@ import json
 import shutil
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
@@ -191,8 +192,9 @@ def test_server_certificate_reloaded_without_restart(tls_cluster, orders):
     assert serial != before
     wait_until(lambda: peer_certificate_serial(address, tls_cluster) == serial, 10,
                "ps-0 to present its new certificate")
-    # /metrics (tls.metrics=true) follows the same files.
+    # /metrics (tls.metrics=true) and the link follow the same files.
     assert _metrics_serial(ps0["metrics_address"], tls_cluster) == serial
+    assert _link_serial(tls_cluster, "ps-0") == serial
 
     # A half-done rotation (a key that is not the certificate's) is not taken: the server
     # keeps presenting the last good pair, and serves.
@@ -213,6 +215,123 @@ def test_server_certificate_reloaded_without_restart(tls_cluster, orders):
             producer.send(orders, b"after-rotation", partition=0, txn=txn)
     log = Path(ps0["log_file"]).read_text()
     assert "TLS certificate reloaded" in log and "cannot be used yet" in log
+
+
+def test_links_speak_tls_and_take_the_client_certificate(tls_cluster):
+    """Under TLS the partition servers' links (partition_server/copy_link.py) speak TLS with
+    the gRPC port's certificate, CA and client-certificate rule: followers copy and the
+    coordinator stages, logs and marks over them, none falling back to gRPC. A plaintext
+    client, a TLS client without a certificate and one with another CA's certificate get
+    no frame answered; with the cluster's certificate, the certificate is the principal
+    (the admin, not a service, is refused the service-only StageTxn)."""
+    from atomlog.v1 import metadata_pb2, partition_pb2
+    from partition_server.copy_link import CALL_NUMBERS, KIND_CALL, KIND_ERROR, MAGIC
+    from tests.link_tools import HEAD, closed_by_peer, link_address, read_frame
+
+    servers = ("ps-0", "ps-1")
+    before = {name: _link_counts(tls_cluster, name) for name in servers}
+    with Client(tls_cluster.info["bootstrap"], tls=client_tls(tls_cluster)) as client:
+        topic = create_online(client, "tls-linked", 2, replication_factor=2)
+
+        def partitions():
+            return client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest(
+                topics=[topic])).topics[0].partitions
+
+        wait_until(lambda: all(len(p.isr) == 2 for p in partitions()), 30,
+                   "both copies of each partition in sync")
+        with client.producer(linger_ms=0) as producer:
+            producer.send(topic, b"copied", partition=0).result(timeout=30)
+            for i in range(4):
+                with client.transaction(timeout_s=30) as txn:
+                    producer.send(topic, b"linked-%d" % i, partition=i % 2, txn=txn)
+    after = {name: _link_counts(tls_cluster, name) for name in servers}
+    # Each server leads one partition and follows the other: both answered copies on their
+    # links, and both took the coordinator's staging there.
+    for name in servers:
+        assert after[name]["copies"] > before[name]["copies"], (name, before, after)
+        assert after[name]["staged"] > before[name]["staged"], (name, before, after)
+        assert after[name]["copies_over_grpc"] == before[name]["copies_over_grpc"]
+    coordinator = tls_cluster.process("coord-0")["metrics_address"]
+    assert _https_metric_sum(tls_cluster, coordinator, "atomlog_link_call_fallbacks_total") == 0
+
+    address = link_address(tls_cluster, "ps-0")
+    host, _, port = address.rpartition(":")
+    tls = tls_cluster.info["tls"]
+    stage = partition_pb2.StageTxnRequest().SerializeToString()
+    call = struct.pack(">BIH", CALL_NUMBERS["StageTxn"], 10_000, 0) + stage
+    frame = HEAD.pack(len(call) + 1, KIND_CALL) + call
+
+    # Plaintext: the server's handshake reads MAGIC as a broken ClientHello and closes.
+    with socket.create_connection((host, int(port)), timeout=10) as plain:
+        plain.sendall(MAGIC + frame)
+        assert closed_by_peer(plain)
+
+    def unanswered(context: ssl.SSLContext) -> None:
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            try:
+                with context.wrap_socket(raw, server_hostname=host) as wrapped:
+                    wrapped.sendall(MAGIC + frame)
+                    assert read_frame(wrapped) is None
+            except (ssl.SSLError, ConnectionError):
+                pass  # refused in the handshake (or at the first read, under TLS 1.3)
+
+    unanswered(ssl.create_default_context(cafile=tls["ca_file"]))  # no certificate
+    stranger = LocalCa(Path(tls["ca_file"]).parent.parent / "link-stranger", "another CA")
+    stranger.issue(stranger.ca_file.parent / "c.crt", stranger.ca_file.parent / "c.key",
+                   "intruder", server=False)
+    foreign = ssl.create_default_context(cafile=tls["ca_file"])
+    foreign.load_cert_chain(stranger.ca_file.parent / "c.crt", stranger.ca_file.parent / "c.key")
+    unanswered(foreign)
+
+    # The cluster's client certificate: answered, as the admin it names (a super user, but
+    # StageTxn is for services only: docs/security.md).
+    admin = ssl.create_default_context(cafile=tls["ca_file"])
+    admin.load_cert_chain(tls["cert_file"], tls["key_file"])
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            admin.wrap_socket(raw, server_hostname=host) as wrapped:
+        wrapped.sendall(MAGIC + frame)
+        kind, payload = read_frame(wrapped)
+    error = partition_pb2.ItemError.FromString(payload)
+    assert (kind, error.reason, error.metadata["principal"]) == (
+        KIND_ERROR, "PERMISSION_DENIED", "atomlog-admin"), error
+
+
+def _link_serial(cluster: Cluster, server: str) -> int:
+    """The serial of the certificate a server's link presents to a new connection."""
+    from cryptography import x509
+
+    from tests.link_tools import link_address
+
+    tls = cluster.info["tls"]
+    context = ssl.create_default_context(cafile=tls["ca_file"])
+    context.load_cert_chain(tls["cert_file"], tls["key_file"])
+    host, _, port = link_address(cluster, server).rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw, \
+            context.wrap_socket(raw, server_hostname=host) as wrapped:
+        return x509.load_der_x509_certificate(wrapped.getpeercert(binary_form=True)).serial_number
+
+
+def _https_metric_sum(cluster: Cluster, address: str, line_start: str) -> float:
+    tls = cluster.info["tls"]
+    context = ssl.create_default_context(cafile=tls["ca_file"])
+    context.load_cert_chain(tls["cert_file"], tls["key_file"])
+    with urllib.request.urlopen(f"https://{address}/metrics", context=context,
+                                timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(line_start))
+
+
+def _link_counts(cluster: Cluster, name: str) -> dict[str, float]:
+    address = cluster.process(name)["metrics_address"]
+    return {
+        "copies": _https_metric_sum(cluster, address,
+                                    'atomlog_replication_link_requests_total{outcome="ok"}'),
+        "staged": _https_metric_sum(
+            cluster, address,
+            'atomlog_link_calls_total{method="/atomlog.v1.PartitionService/StageTxn"}'),
+        "copies_over_grpc": _https_metric_sum(cluster, address,
+                                              "atomlog_replication_link_fallbacks_total")}
 
 
 def test_metrics_over_https(tls_cluster):
