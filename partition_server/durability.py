@@ -93,7 +93,14 @@ WAIT_SECONDS = Histogram("atomlog_durability_wait_seconds",
                          "round in flight is waited for).", buckets=LATENCY_BUCKETS_SECONDS)
 RING_CALLS = Counter("atomlog_durability_ring_calls_total",
                      "io_uring_enter system calls of fsync mode (partition.fsync_ring): each "
-                     "submits the fsyncs an event loop asked for in one turn.")
+                     "submits the fsyncs an event loop asked for in one turn, or flushes "
+                     "completions off the kernel's overflow list.")
+RING_FLUSHES = Counter("atomlog_durability_ring_flushes_total",
+                       "io_uring_enter calls that flushed fsync completions the kernel had "
+                       "put on its overflow list (partition_server/uring.py) into the ring.")
+# While fsyncs are in flight on an event loop's ring, it looks at the completions this often
+# even if its eventfd did not ring (LoopRing._look_again).
+WATCH_S = 0.5
 ROUND_SECONDS = Histogram("atomlog_durability_round_seconds",
                           "The syscalls of one round (its fsyncs at once, or its syncfs "
                           "calls; through an event loop's io_uring, each fsync from its "
@@ -520,6 +527,7 @@ class LoopRing:
         self._in_flight: dict[int, tuple[SyncTicket, int, float]] = {}
         self._next = 0
         self._turn: asyncio.Handle | None = None
+        self._watch: asyncio.TimerHandle | None = None  # while fsyncs are in flight
         self.closed = False
         loop.add_reader(efd, self._reap)
 
@@ -582,19 +590,21 @@ class LoopRing:
             self._next = (user_data + 1) & 0xFFFFFFFFFFFF
             self._in_flight[user_data] = (ticket, fd, now)
             self._ring.queue_fsync(fd, user_data)
-        calls = self._ring.calls
+        calls, flushes = self._ring.calls, self._ring.flushes
         try:
             done = self._ring.submit()
         except OSError as error:
             self._fail(error)
             return
         finally:
-            RING_CALLS.inc(self._ring.calls - calls)
+            self._count(calls, flushes)
         ROUNDS.inc()
         _FSYNC_CALLS.inc(len(batch))
         with self._barrier._lock:
             self._barrier.rounds += 1
             self._barrier.syncs += len(batch)
+        if self._watch is None:
+            self._watch = self._loop.call_later(WATCH_S, self._look_again)
         if done:
             self._answer_done(done)
 
@@ -604,7 +614,34 @@ class LoopRing:
         except (BlockingIOError, InterruptedError):
             pass
         if not self.closed:
-            self._answer_done(self._ring.completions())
+            calls, flushes = self._ring.calls, self._ring.flushes
+            try:
+                done = self._ring.completions()
+            except OSError as error:  # completions dropped: nothing in flight is known
+                self._fail(error)
+                return
+            finally:
+                self._count(calls, flushes)
+            self._answer_done(done)
+
+    def _count(self, calls: int, flushes: int) -> None:
+        if self._ring.calls != calls:
+            RING_CALLS.inc(self._ring.calls - calls)
+            if self._ring.flushes != flushes:
+                RING_FLUSHES.inc(self._ring.flushes - flushes)
+
+    def _look_again(self) -> None:
+        """Every WATCH_S while fsyncs are in flight: reads the completions as the eventfd
+        would have the loop read them. The eventfd rings for each completion the kernel
+        posts; this is for one it never rang for (a completion left on the kernel's
+        overflow list past what one look flushes: partition_server/uring.py), which
+        would otherwise keep its log waiting for good."""
+        self._watch = None
+        if self.closed or not self._in_flight:
+            return
+        self._reap()
+        if not self.closed and self._in_flight and self._watch is None:
+            self._watch = self._loop.call_later(WATCH_S, self._look_again)
 
     def _answer_done(self, done: list[tuple[int, int]]) -> None:
         answers = []
@@ -641,6 +678,9 @@ class LoopRing:
         not answered: only a failure closes a live loop's ring, and it answers first."""
         if not self.closed:
             self.closed = True
+            if self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
             if not self._loop.is_closed():
                 self._loop.remove_reader(self._efd)
             self._ring.close()

@@ -14,6 +14,16 @@ ring is used by one thread at a time (its event loop's: the barrier's LoopRing).
 `Ring.open()` returns None where io_uring cannot be used: not Linux, a kernel without
 it, `kernel.io_uring_disabled`, or a seccomp profile that refuses it (Docker's and
 containerd's default profiles do), and the barrier then keeps its threads.
+
+Completions the kernel could not post into the completion ring wait on its overflow
+list (the kernel then sets IORING_SQ_CQ_OVERFLOW; every later completion queues behind
+them, to keep their order) until an `io_uring_enter` with IORING_ENTER_GETEVENTS
+flushes them into the ring, as liburing does before it reads (`cq_ring_needs_flush`).
+`completions` does that whenever the flag is up. Without it, a fsync that overflowed
+once (seen on kernel 6.18 with fewer completions out than the ring holds) left every
+later one unread, and the partitions waiting on them hung. A kernel that drops
+completions (the ring's overflow counter grows; kernels before IORING_FEAT_NODROP)
+fails the ring: those fsyncs' outcomes are unknown.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ _REGISTER_EVENTFD = 4
 _FEAT_SINGLE_MMAP = 1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_FSYNC = 3
+_ENTER_GETEVENTS = 1
+_SQ_CQ_OVERFLOW, _SQ_TASKRUN = 1 << 1, 1 << 2  # io_uring sq_ring flags: call enter to flush
+_MOST_FLUSHES = 8  # per look at the completions
 _SQE_ASYNC = 1 << 4  # IOSQE_ASYNC: straight to the kernel's workers (an fsync blocks)
 # struct io_uring_params: 10 u32 (sq_entries, cq_entries, flags, sq_thread_cpu,
 # sq_thread_idle, features, wq_fd, resv[3]), then io_sqring_offsets (head, tail,
@@ -55,8 +68,9 @@ class Ring:
                  register) -> None:
         self._fd, self._enter, self._register = fd, enter, register
         self._sq, self._cq, self._sqes = memory, cq_memory, sqes
-        self._sq_head, self._sq_tail, sq_mask_at, _, _, _, self._sq_array = sq_off[:7]
-        self._cq_head, self._cq_tail, cq_mask_at, _, _, self._cqes = cq_off[:6]
+        self._sq_head, self._sq_tail, sq_mask_at, _, self._sq_flags, _, self._sq_array = \
+            sq_off[:7]
+        self._cq_head, self._cq_tail, cq_mask_at, _, self._cq_overflow, self._cqes = cq_off[:6]
         self._sq_mask = _U32.unpack_from(memory, sq_mask_at)[0]
         self._cq_mask = _U32.unpack_from(cq_memory, cq_mask_at)[0]
         self._tail = _U32.unpack_from(memory, self._sq_tail)[0]
@@ -64,6 +78,8 @@ class Ring:
         self.entries = entries
         self.closed = False
         self.calls = 0  # io_uring_enter calls made (a metric)
+        self.flushes = 0  # of them, to flush completions off the kernel's overflow list
+        self._dropped = _U32.unpack_from(cq_memory, self._cq_overflow)[0]
 
     @classmethod
     def open(cls, entries: int = ENTRIES) -> Ring | None:
@@ -103,10 +119,10 @@ class Ring:
             return None
 
         # syscall(2) is variadic and reads every argument as a long: pass longs.
-        def enter(to_submit: int) -> int:
+        def enter(to_submit: int, flags: int = 0) -> int:
             done = syscall(ctypes.c_long(_SYS_ENTER), ctypes.c_long(fd),
-                           ctypes.c_long(to_submit), ctypes.c_long(0), ctypes.c_long(0), None,
-                           ctypes.c_long(0))
+                           ctypes.c_long(to_submit), ctypes.c_long(0), ctypes.c_long(flags),
+                           None, ctypes.c_long(0))
             return done if done >= 0 else -ctypes.get_errno()
 
         def register(opcode: int, argument, count: int) -> int:
@@ -143,31 +159,66 @@ class Ring:
         # The entries are written before the tail that publishes them; the kernel reads
         # them only inside io_uring_enter (no SQPOLL), a full barrier after these stores.
         _U32.pack_into(self._sq, self._sq_tail, self._tail)
+        taken: list[tuple[int, int]] = []
+        busy = 0
         while self._queued:
             done = self._enter(self._queued)
             self.calls += 1
             if done == -errno.EINTR:
+                continue
+            if done == -errno.EBUSY and busy < _MOST_FLUSHES:
+                # Kernels that refuse submissions while completions wait on the overflow
+                # list: take those first.
+                busy += 1
+                taken += self.completions()
                 continue
             if done < 0:
                 raise OSError(-done, f"io_uring_enter: {os.strerror(-done)}")
             if done == 0:
                 raise OSError(errno.EAGAIN, "io_uring_enter submitted nothing")
             self._queued -= done
-        return self.completions()
+        return taken + self.completions()
 
     def completions(self) -> list[tuple[int, int]]:
         """(user_data, 0 or the errno its fsync failed with) of every completion posted
-        since the last look."""
+        since the last look, those waiting on the kernel's overflow list included (module
+        doc). Raises OSError when the kernel dropped completions or a flush failed (the
+        ring's outcomes are then unknown)."""
         cq, mask = self._cq, self._cq_mask
-        head = _U32.unpack_from(cq, self._cq_head)[0]
-        tail = _U32.unpack_from(cq, self._cq_tail)[0]  # x86-64 and arm64 order this load
-        done = []  # before the entries' loads below (the kernel wrote them before it)
-        while head != tail:
-            user_data, res, _flags = _CQE.unpack_from(cq, self._cqes + (head & mask) * _CQE.size)
-            done.append((user_data, -res if res < 0 else 0))
-            head = (head + 1) & 0xFFFFFFFF
-        _U32.pack_into(cq, self._cq_head, head)
-        return done
+        done: list[tuple[int, int]] = []
+        for _ in range(_MOST_FLUSHES):  # each flush moves up to a ring's worth
+            flush = _U32.unpack_from(self._sq, self._sq_flags)[0] & (_SQ_CQ_OVERFLOW
+                                                                       | _SQ_TASKRUN)
+            if flush:
+                self._flush()
+            head = _U32.unpack_from(cq, self._cq_head)[0]
+            tail = _U32.unpack_from(cq, self._cq_tail)[0]  # x86-64 and arm64 order this
+            while head != tail:  # load before the entries' below (written before it)
+                user_data, res, _flags = _CQE.unpack_from(
+                    cq, self._cqes + (head & mask) * _CQE.size)
+                done.append((user_data, -res if res < 0 else 0))
+                head = (head + 1) & 0xFFFFFFFF
+            _U32.pack_into(cq, self._cq_head, head)
+            dropped = _U32.unpack_from(cq, self._cq_overflow)[0]
+            if dropped != self._dropped:
+                self._dropped = dropped
+                raise OSError(errno.EIO, "io_uring dropped completions (its completion ring "
+                              "overflowed on a kernel that drops them)")
+            if not flush:
+                break
+        return done  # what is still on the list: the next look (the eventfd rings again)
+
+    def _flush(self) -> None:
+        """io_uring_enter(GETEVENTS) without waiting: the kernel moves what it can of its
+        overflow list into the completion ring (and runs completions' pending work)."""
+        while True:
+            done = self._enter(0, _ENTER_GETEVENTS)
+            self.calls += 1
+            self.flushes += 1
+            if done != -errno.EINTR:
+                break
+        if done < 0 and done != -errno.EBUSY:  # EBUSY: the ring is full; reading drains it
+            raise OSError(-done, f"io_uring_enter(GETEVENTS): {os.strerror(-done)}")
 
     def close(self) -> None:
         if not self.closed:
