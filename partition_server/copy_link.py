@@ -91,7 +91,10 @@ MAX_REQUEST_BYTES = 1 << 20
 MAX_HELD_BYTES = 256 << 20
 MAX_CONNECTIONS = 256
 IDLE_TIMEOUT_S = 120.0
-HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake not done by then closes the connection
+HANDSHAKE_TIMEOUT_S = 10.0
+# An answer at most this large leaves in one write with its head (a larger one, a
+# follower's records, in two, not copied once more to join them).
+JOIN_BYTES = 256 << 10  # a TLS handshake not done by then closes the connection
 # After a failed connect, a follower uses gRPC for this long before trying the link again.
 RETRY_LINK_AFTER_S = 10.0
 # Room beside the records in an answer frame (positions, epochs, cursor state headers).
@@ -190,8 +193,12 @@ class LinkServer:
                         answer_kind, payload = await self._answer(body, peer_name,
                                                                   auth_context)
                     del body
-                    writer.write(_HEAD.pack(len(payload) + 1, answer_kind))
-                    writer.write(payload)
+                    head = _HEAD.pack(len(payload) + 1, answer_kind)
+                    if len(payload) <= JOIN_BYTES:  # one send(2), one TCP segment
+                        writer.write(head + payload)
+                    else:  # a follower's large answer: not copied once more to join it
+                        writer.write(head)
+                        writer.write(payload)
                     await writer.drain()
                 finally:
                     self._held_bytes -= length
@@ -602,9 +609,11 @@ class CallLink:
         timeout_ms = max(1, min(int(timeout * 1000), 0xFFFFFFFF)) if timeout else 0
         kept = False
         try:
-            writer.write(_HEAD.pack(1 + _CALL_HEAD.size + len(token) + size, KIND_CALL))
-            writer.write(_CALL_HEAD.pack(CALL_NUMBERS[name], timeout_ms, len(token)) + token)
-            writer.write(request.SerializeToString())
+            # One write: each is a send(2) of its own (and a TCP segment, TCP_NODELAY).
+            writer.write(b"".join((
+                _HEAD.pack(1 + _CALL_HEAD.size + len(token) + size, KIND_CALL),
+                _CALL_HEAD.pack(CALL_NUMBERS[name], timeout_ms, len(token)), token,
+                request.SerializeToString())))
             async with asyncio.timeout_at(deadline):
                 await writer.drain()
                 length, kind = _HEAD.unpack(await reader.readexactly(_HEAD.size))
