@@ -63,8 +63,8 @@ def parse(argv: list[str] | None) -> Options:
         parser.error("--replication needs separate partition servers (not --combined)")
     if args.replication == 1 and any(n in REPLICATED_ONLY for n in nemeses):
         parser.error(f"nemeses {', '.join(REPLICATED_ONLY)} need --replication 2 or more")
-    if args.go and (args.workload != "ctp" or args.tls):
-        parser.error("--go runs a ctp worker: it needs --workload ctp (and no --tls)")
+    if args.go and args.workload != "ctp":
+        parser.error("--go runs a ctp worker: it needs --workload ctp")
     if not 0 < args.minutes <= 24 * 60:
         parser.error("--minutes must be in (0, 1440]")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)

@@ -53,7 +53,7 @@ type chaosSpec struct {
 	InputTopic   string            `json:"input_topic"`
 	OutputTopic  string            `json:"output_topic"`
 	Subscription string            `json:"subscription"`
-	TLS          map[string]string `json:"tls"` // a --tls run's client files (refused)
+	TLS          map[string]string `json:"tls"` // a --tls run's client files (ca, cert, key)
 }
 
 // eventLog writes the worker's events (tests/chaos/history.py's EventLog format).
@@ -117,10 +117,12 @@ func chaosCtp(args []string) error {
 	if err := json.Unmarshal(raw, &spec); err != nil {
 		return fmt.Errorf("workload.json: %w", err)
 	}
-	if len(spec.TLS) > 0 {
-		return errors.New("chaos-ctp does not take secured (--tls) runs")
+	options := []func(*atomlog.Options){atomlog.WithRequestTimeout(10 * time.Second)}
+	if len(spec.TLS) > 0 { // a --tls run: mTLS with the admin certificate, as its Python workers
+		options = append(options, atomlog.WithTLS(atomlog.TLSConfig{CAFile: spec.TLS["ca_file"],
+			CertFile: spec.TLS["cert_file"], KeyFile: spec.TLS["key_file"]}))
 	}
-	client, err := atomlog.Dial(strings.Join(spec.Bootstrap, ","), atomlog.WithRequestTimeout(10*time.Second))
+	client, err := atomlog.Dial(strings.Join(spec.Bootstrap, ","), options...)
 	if err != nil {
 		return err
 	}
