@@ -91,10 +91,10 @@ MAX_REQUEST_BYTES = 1 << 20
 MAX_HELD_BYTES = 256 << 20
 MAX_CONNECTIONS = 256
 IDLE_TIMEOUT_S = 120.0
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake not done by then closes the connection
 # An answer at most this large leaves in one write with its head (a larger one, a
 # follower's records, in two, not copied once more to join them).
-JOIN_BYTES = 256 << 10  # a TLS handshake not done by then closes the connection
+JOIN_BYTES = 256 << 10
 # After a failed connect, a follower uses gRPC for this long before trying the link again.
 RETRY_LINK_AFTER_S = 10.0
 # Room beside the records in an answer frame (positions, epochs, cursor state headers).
@@ -472,18 +472,18 @@ class LinkClient:
         if sock is None:
             try:
                 sock = socket.create_connection(self._target, timeout=min(timeout_s, 5.0))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._tls is not None:
-                    plain, sock = sock, None
-                    try:
-                        plain.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
-                        sock = self._tls.ssl_context().wrap_socket(
-                            plain, server_hostname=self._server_hostname)
-                    finally:
-                        if sock is None:
-                            plain.close()
-                sock.sendall(MAGIC)
             except OSError as error:
+                self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
+                raise LinkUnavailable(f"{self.address}: {error}") from None
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._tls is not None:  # (the TLS socket takes the plain one's descriptor)
+                    sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
+                    sock = self._tls.ssl_context().wrap_socket(
+                        sock, server_hostname=self._server_hostname)
+                sock.sendall(MAGIC)
+            except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
+                sock.close()
                 self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
                 raise LinkUnavailable(f"{self.address}: {error}") from None
             self._sock = sock
@@ -650,8 +650,8 @@ class CallLink:
                 reader, writer = await asyncio.open_connection(*self._target, **tls)
         except BaseException as error:
             self._connections -= 1
-            if not isinstance(error, (OSError, TimeoutError)):
-                raise  # cancelled
+            if not isinstance(error, (OSError, TimeoutError, ValueError)):
+                raise  # cancelled (ValueError: TLS files that cannot be loaded)
             self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
             event(log, "link unreachable: coordinator calls go over gRPC for a while",
                   logging.WARNING, link=self.address, error=str(error),
