@@ -126,6 +126,11 @@ class PartitionStateCollector(Collector):
         aborted = GaugeMetricFamily(
             "atomlog_partition_aborted_transactions", "Entries in the aborted-transaction "
             "indexes of the topic's partitions.", labels=["topic"])
+        stuck = GaugeMetricFamily(
+            "atomlog_partition_oldest_fsync_seconds", "Age of the oldest group-commit fsync "
+            "in flight over the partitions led here (0: none). Completed fsyncs are timed by "
+            "atomlog_partition_fsync_duration_seconds; one that never completes shows only "
+            "here, while its partition acknowledges nothing.")
         buffers = GaugeMetricFamily(
             "atomlog_partition_txn_buffers_recovering", "Partitions of the topic serving plain "
             "writes while their transaction buffer replays the log (transactional writes, "
@@ -135,8 +140,12 @@ class PartitionStateCollector(Collector):
         by_state: dict[str, int] = {"LOADING": 0, "ONLINE": 0, "DATA_LOSS": 0}
         by_topic: dict[str, list[float]] = {}
         now_ms = time.time() * 1000
+        now, oldest_fsync = time.perf_counter(), 0.0
         for owner in list(self._owners()):
             by_state[owner.state.value] = by_state.get(owner.state.value, 0) + 1
+            began = owner.oldest_flush_began()
+            if began is not None:
+                oldest_fsync = max(oldest_fsync, now - began)
             row = by_topic.setdefault(owner.topic, [0, 0, 0, 0.0, 0, 0])
             row[0] += owner.producers.producer_count
             if owner.log is None or owner.state.value != "ONLINE":
@@ -160,8 +169,9 @@ class PartitionStateCollector(Collector):
                 family.add_metric([topic], value)
         for topic in sorted(by_topic):
             buffers.add_metric([topic], recovering.get(topic, 0))
+        stuck.add_metric([], oldest_fsync)
         yield from (states, producers, open_txns, lag_records, lag_seconds, late, aborted,
-                    buffers)
+                    buffers, stuck)
 
     def describe(self):
         return []

@@ -1345,6 +1345,14 @@ class PartitionOwner:
             old.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ reads
+    def oldest_flush_began(self) -> float | None:
+        """When (time.perf_counter) the oldest fsync in flight began, or None. Read from the
+        metrics thread at scrape time: the deque may change under it."""
+        try:
+            return self._flushes[0].began
+        except IndexError:
+            return None
+
     def max_read_position(self) -> int:
         return self.txns.max_read_position(self.log.high_watermark)
 

@@ -503,6 +503,45 @@ def test_owners_acknowledge_only_after_the_shared_syncfs_that_began_after_their_
     asyncio.run(scenario())
 
 
+def test_the_oldest_fsync_in_flight_is_a_gauge_that_grows_until_it_ends(tmp_path):
+    """`atomlog_partition_oldest_fsync_seconds` (partition_server/metrics.py, read at
+    scrape time on another thread): the age of the oldest group-commit fsync in flight.
+    A sync that does not end shows only there (AtomlogFsyncStuck; the fsync histogram
+    times those that end); 0 once it ends."""
+    from partition_server.metrics import PartitionStateCollector
+
+    gate = GatedSync()
+    barrier = DurabilityBarrier(syncfs=gate)
+
+    def oldest(owners) -> float:
+        families = PartitionStateCollector(lambda: owners).collect()
+        family = next(f for f in families if f.name == "atomlog_partition_oldest_fsync_seconds")
+        return family.samples[0].value
+
+    async def scenario():
+        owners = [PartitionOwner("t", i, tmp_path / f"t-{i}", SETTINGS, barrier=barrier)
+                  for i in range(2)]
+        for owner in owners:
+            await owner.start()
+        assert oldest(owners) == 0.0
+        probes = len(gate.calls)
+        gate.hold = True
+        held = start(owners[0], batch(7, 0))
+        await until(lambda: len(gate.calls) == probes + 1)
+        await asyncio.sleep(0.3)
+        first = await asyncio.to_thread(oldest, owners)  # as the metrics thread reads it
+        await asyncio.sleep(0.2)
+        assert 0.3 <= first < oldest(owners) < 10 and not held.done()
+        gate.release()
+        await held
+        assert oldest(owners) == 0.0
+        gate.hold = False
+        for owner in owners:
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_failed_syncfs_fails_closed_every_owner_of_the_filesystem(tmp_path):
     """Owner 0's syncfs fails. Owner 1 wrote before the failure but asks only after it:
     the next syncfs no longer reports the error, yet owner 1 is refused too, reloads

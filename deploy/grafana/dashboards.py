@@ -213,6 +213,8 @@ def partitions() -> dict:
             panel("fsync latency", (quantile(0.5, "atomlog_partition_fsync_duration_seconds", "instance_name"),
                                     "{{instance_name}} p50"),
                   (f"instance_name:atomlog_partition_fsync_duration_seconds:p99_5m{{{NS}}}", "{{instance_name}} p99 (5m)"),
+                  (f"max by (instance_name) (atomlog_partition_oldest_fsync_seconds{{{NS}}})",
+                   "{{instance_name}} oldest in flight"),
                   unit="s"),
             panel("fsyncs and batches per fsync", (rate("atomlog_partition_fsyncs_total", "instance_name"), "{{instance_name}} fsyncs/s"),
                   (f"sum(rate(atomlog_partition_batches_per_fsync_sum{{{NS}}}[{RI}])) / "
