@@ -81,19 +81,27 @@ def parallel_transaction(servers, client, warm_topic: str, timeout_s: float = 60
     has a durable reservation (the first commit of a block of sequences waits for its
     reservation and takes two rounds), made by committing one transaction there first,
     under the owner that will take the commit (a new owner reserves a new block: the
-    leases are let settle first, and the warm-up is made again if the lease moved)."""
+    leases are let settle first, and the warm-up is made again if the lease moved). The
+    transaction returned is begun after the warm-up: its `timeout_s` (a few seconds in
+    some tests) must not run out while a loaded machine warms up."""
     leases_settled(servers)
-    txn = client.begin_transaction(timeout_s=timeout_s)
+    tc = begin_on(client, None, 30).tc_partition  # lazy: nothing is sent until commit
     while True:
-        owner = coordinator_of(servers, txn.tc_partition)
-        while True:
-            warm = client.begin_transaction(timeout_s=30)  # lazy: nothing sent until commit
-            if warm.tc_partition == txn.tc_partition:
-                break
+        owner = coordinator_of(servers, tc)
+        warm = begin_on(client, tc, 30)
         with client.producer() as producer:
             producer.send(warm_topic, b"warm", partition=0, txn=warm)
             warm.commit()
-        if coordinator_of(servers, txn.tc_partition) == owner:
+        if coordinator_of(servers, tc) == owner:
+            return begin_on(client, tc, timeout_s)
+
+
+def begin_on(client, tc: int | None, timeout_s: float):
+    """A one-call transaction of TC partition `tc` (any when None): begun until one lands
+    there (nothing is sent until commit, so the others cost nothing)."""
+    while True:
+        txn = client.begin_transaction(timeout_s=timeout_s)
+        if tc is None or txn.tc_partition == tc:
             return txn
 
 
