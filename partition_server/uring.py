@@ -43,7 +43,7 @@ _FEAT_SINGLE_MMAP = 1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_FSYNC = 3
 _ENTER_GETEVENTS = 1
-_SQ_CQ_OVERFLOW, _SQ_TASKRUN = 1 << 1, 1 << 2  # io_uring sq_ring flags: call enter to flush
+_SQ_CQ_OVERFLOW = 1 << 1  # sq_ring flag: completions wait on the overflow list
 _MOST_FLUSHES = 8  # per look at the completions
 _SQE_ASYNC = 1 << 4  # IOSQE_ASYNC: straight to the kernel's workers (an fsync blocks)
 # struct io_uring_params: 10 u32 (sq_entries, cq_entries, flags, sq_thread_cpu,
@@ -187,8 +187,7 @@ class Ring:
         cq, mask = self._cq, self._cq_mask
         done: list[tuple[int, int]] = []
         for _ in range(_MOST_FLUSHES):  # each flush moves up to a ring's worth
-            flush = _U32.unpack_from(self._sq, self._sq_flags)[0] & (_SQ_CQ_OVERFLOW
-                                                                       | _SQ_TASKRUN)
+            flush = _U32.unpack_from(self._sq, self._sq_flags)[0] & _SQ_CQ_OVERFLOW
             if flush:
                 self._flush()
             head = _U32.unpack_from(cq, self._cq_head)[0]
@@ -206,11 +205,11 @@ class Ring:
                               "overflowed on a kernel that drops them)")
             if not flush:
                 break
-        return done  # what is still on the list: the next look (the eventfd rings again)
+        return done  # what is still on the list: the next look (LoopRing looks every WATCH_S)
 
     def _flush(self) -> None:
         """io_uring_enter(GETEVENTS) without waiting: the kernel moves what it can of its
-        overflow list into the completion ring (and runs completions' pending work)."""
+        overflow list into the completion ring."""
         while True:
             done = self._enter(0, _ENTER_GETEVENTS)
             self.calls += 1
