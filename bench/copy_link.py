@@ -81,8 +81,8 @@ def _server_main(size: int, ports) -> None:
         grpc_port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         # The servers' own interceptor, as a runtime without auth.mode has it.
-        link = LinkServer(_Servicer(_answer(size)), ErrorsAndMetricsInterceptor(),
-                          "127.0.0.1", 0)
+        link = LinkServer(ErrorsAndMetricsInterceptor(), "127.0.0.1", 0)
+        link.serve("PartitionService", _Servicer(_answer(size)))
         ports.put((grpc_port, await link.start()))
         await asyncio.Event().wait()
 

@@ -148,7 +148,7 @@ def _calls(cell: dict) -> str:
     text = ", ".join(f"{m} {n:.2f}" for m, n in sorted(methods.items(), key=lambda i: -i[1]))
     linked = cell.get("link_calls_per_txn", 0)
     local = cell.get("local_calls_per_txn", 0)
-    return (text + (f"; {linked:.2f} of them on the partition servers' links" if linked >= 0.05
+    return (text + (f"; {linked:.2f} of them on the servers' links" if linked >= 0.05
                     else "") + (f"; in-process {local:.1f}" if local >= 0.05 else ""))
 
 
@@ -192,8 +192,9 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         "default (the transaction is kept by the client and committed by one CommitTxn); "
         "*streaming* is `Client(one_call_max_bytes=0)` (NewTxn, Produce, EndTxn). Calls are "
         "calls per transaction counted by every server (client and server-to-server, "
-        "TC-log appends included): gRPC calls, or coordinators' calls on the partition "
-        "servers' links (docs/coordinator.md); *in-process* are the combined server's "
+        "TC-log appends included): gRPC calls, or calls on the servers' links (the "
+        "SDK's commits on the coordinators' links, docs/clients.md; the coordinators' "
+        "calls on the partition servers' links, docs/coordinator.md); *in-process* are the combined server's "
         "function calls instead. CPU is per transaction, servers and clients separately. Every topic, "
         f"__txn_log included, has {common.BENCH_REPLICATION_FACTOR} cop"
         f"{'y' if common.BENCH_REPLICATION_FACTOR == 1 else 'ies'} (like the peers; "

@@ -92,7 +92,7 @@ def use_combined_server() -> None:
              "id allocator; calls between them are function calls) and ZooKeeper")
     ROLES = {"combined": 1}
 SMALL_TOPIC, STREAM_TOPIC = "bench-small-txn", "bench-txn-stream"
-ON_LINK = "on the link: "  # rpc_counts' prefix of the calls taken on a partition server's link
+ON_LINK = "on the link: "  # rpc_counts' prefix of the calls taken on a server's link
 CTP_IN, CTP_OUT, CTP_SUBSCRIPTION = "bench-ctp-in", "bench-ctp-out", "bench-ctp"
 CTP_BATCH = 100
 CTP_DEPTH = 8  # pipelined: transactions committing at once (the SDK's commit threads: 16)
@@ -519,7 +519,7 @@ def section(command: str, load: float, baseline: dict, raw_mb_s: float, floor: d
         "5,503/s (p99 4.9 ms) |",
         f"| gRPC calls per small transaction, all processes (timed window) | "
         f"{small['calls_per_txn']:.1f}"
-        + (f" ({small['link_calls_per_txn']:.1f} of them on the partition servers' links, "
+        + (f" ({small['link_calls_per_txn']:.1f} of them on the servers' links, "
            "not gRPC)" if small["link_calls_per_txn"] else "")
         + f", so at most {ceiling:,.0f} transactions/s at the "
         "do-nothing call rate above | |",
@@ -647,7 +647,7 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
 
     def calls(ctp: dict, f: dict) -> str:
         return (f"{f['total_rpcs']:.1f}: " + ", ".join(f"{m} {n:.1f}" for m, n in f["rpcs"])
-                + (f" ({f['linked']:.1f} of them on the partition servers' links)"
+                + (f" ({f['linked']:.1f} of them on the servers' links)"
                    if f["linked"] else "")
                 + (("; in-process (function calls, not counted above): "
                     + ", ".join(f"{m} {n:.1f}" for m, n in f["local"])) if f["local"] else "")
@@ -880,7 +880,7 @@ def main() -> None:
                   f"{small['server_cpu_ms_per_txn']:.2f} ms per transaction (floor: "
                   f"{floor['server_cpu_ms_per_call']:.2f} ms per call); "
                   f"{small['calls_per_txn']:.2f} calls per transaction "
-                  f"({small['link_calls_per_txn']:.2f} on the partition servers' links); "
+                  f"({small['link_calls_per_txn']:.2f} on the servers' links); "
                   f"{small['fsyncs_per_txn']:.2f} group commits and "
                   f"{small['sync_calls_per_txn']:.2f} sync calls per transaction; "
                   "durability " + settings.get("partition.durability", os.environ.get(

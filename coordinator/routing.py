@@ -60,7 +60,8 @@ class PartitionRoutes:
             self._read_began = time.monotonic()
             entries = await self.store.servers()
             servers = {s.name: s.grpc_address for s in entries}
-            self._link_addresses = {s.grpc_address: s.link for s in entries if s.link}
+            self._link_addresses = {s.grpc_address: s.link for s in entries
+                                    if s.link and s.role == "partition_server"}
             self._owners = {t.name: [servers.get(owner, "") for owner in t.owners]
                             for t in await self.store.topics()}
             self._refreshed_at = time.monotonic()

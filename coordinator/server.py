@@ -40,6 +40,7 @@ from coordinator.staging import StageChannel, StageOrder
 from coordinator.tc_partition import Phase, Settings, TcPartition
 from coordinator.txn_log import TOPIC as TXN_LOG_TOPIC
 from coordinator.txn_log import AppendChannel
+from partition_server.copy_link import serve_on_link
 from partition_server.record_batch import LENGTH_FIELD_END, check_stageable, parse_header
 from services import failpoints
 from services.errors import AtomlogError
@@ -854,6 +855,12 @@ async def install(runtime) -> list[str]:
     servicer = CoordinatorServicer(coordinator)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, runtime.server)
     runtime.local_services[service_name(coordinator_pb2, "CoordinatorService")] = servicer
+    if config["coordinator.client_link"]:
+        # Clients' one-call commits (docs/clients.md, "The link"); a combined server's
+        # partition server opened the link already, and this joins it.
+        runtime.registration_extra["coordinator"] = {"link": await serve_on_link(
+            runtime, "CoordinatorService", servicer, "coordinator.link_listen",
+            "coordinator.link_advertised_port")}
 
     start_task: asyncio.Task | None = None
 

@@ -1,7 +1,9 @@
-"""A partition server's link (docs/replication.md, "The replication link"; docs/coordinator.md,
-"The partition servers' links"): a plain length-prefixed TCP connection beside its gRPC
-port, carrying followers' ReplicateMany calls and coordinators' StageTxn, TC-log Produce
-and EndTxnOnPartition calls.
+"""A server's link (docs/replication.md, "The replication link"; docs/coordinator.md,
+"The partition servers' links" and "The clients' link"): a plain length-prefixed TCP
+connection beside its gRPC port. A partition server's carries followers' ReplicateMany
+calls and coordinators' StageTxn, TC-log Produce and EndTxnOnPartition calls; a
+coordinator's carries clients' CommitTxn and CommitTxns (spark_client/link.py); a
+combined server has one link for both.
 
 Why: through gRPC (HTTP/2 frames, its C core's threads, its Cython callbacks and copies on
 both sides) a follower's round costs 1.1-1.2 ms of CPU per MB over the two processes on
@@ -13,24 +15,18 @@ transaction on the cluster makes about three such calls (`bench/transactions.py`
 What travels is what travels on gRPC. ReplicateMany: a `ReplicateManyRequest` and the
 leader's answer bytes exactly as its gRPC serializer writes them
 (`replicate_wire.serialize_many`, the records spliced in), parsed by the same
-`parse_many`. A coordinator's call: the method's request and response messages. The
-server answers with the same servicer method, after the same authentication (the
-caller's bearer token, as `authorization` metadata would carry it) and the same ACL check
-as the gRPC interceptor applies to the method, so nothing is reachable on the link that
-is not reachable, for the same caller, on gRPC.
+`parse_many`. A call: the method's request and response messages. The server answers
+with the servicer method of whichever service of its process registered for it
+(`LinkServer.serve`: a coordinator's CommitTxn and CommitTxns from the SDK,
+spark_client/link.py, on a coordinator's or a combined server's link), after the same
+authentication (the caller's bearer token, as `authorization` metadata would carry it)
+and the same ACL check as the gRPC interceptor applies to the method, so nothing is
+reachable on the link that is not reachable, for the same caller, on gRPC.
 
-Wire format (big-endian):
-- the client opens with the 8 bytes `MAGIC` (a version: another value is closed at once);
-- then frames, each `u32 length` (of what follows) + `u8 kind` + payload:
-  - ReplicateMany request, kind 1: `u16 token length`, the token (UTF-8; empty: none),
-    then the serialized ReplicateManyRequest;
-  - call, kind 3: `u8 method` (CALL_METHODS), `u32 timeout ms` (0: none), `u16 token
-    length`, the token, then the serialized request;
-  - answer, kind 0: the serialized response; kind 2: an error, a serialized `ItemError`
-    (reason, message, metadata), as gRPC's ErrorInfo would carry it.
-One request is outstanding per connection at a time (a follower's fetcher makes one call
-at a time per leader; a coordinator keeps a few connections per server, `CallLink`); the
-server answers in order.
+The wire format: services/link_wire.py. One request is outstanding per connection at a
+time (a follower's fetcher makes one call at a time per leader; a coordinator keeps a few
+connections per server, `CallLink`; the SDK a few per coordinator); the server answers in
+order.
 
 Limits: a ReplicateMany frame of at most `MAX_REQUEST_BYTES` and a call frame of at most
 `MAX_CALL_BYTES` (else the connection is closed), at most `MAX_HELD_BYTES` of frames read
@@ -56,7 +52,6 @@ import concurrent.futures
 import logging
 import socket
 import ssl
-import struct
 import time
 
 from prometheus_client import Counter, Histogram
@@ -66,30 +61,35 @@ import grpc
 from atomlog.v1 import partition_pb2
 from partition_server.replicate_wire import ReplicateManyAnswer, parse_many, serialize_many
 from services import auth, interceptors, local
+from services.link_wire import (
+    CALL_HEAD,
+    CALL_METHODS,
+    CALL_NUMBERS,
+    HEAD,
+    KIND_ANSWER,
+    KIND_CALL,
+    KIND_ERROR,
+    KIND_REQUEST,
+    MAGIC,
+    MAX_CALL_BYTES,
+    TOKEN_LEN,
+    call_frame,
+    receive_exactly,
+)
 from services.errors import AtomlogError, from_item, from_rpc_error, unexpected
 from services.metrics import LATENCY_BUCKETS_SECONDS
 from services.logs import event
 
 log = logging.getLogger("atomlog.partition.link")
 
-MAGIC = b"ATLNK\x00\x00\x01"
-KIND_ANSWER, KIND_REQUEST, KIND_ERROR, KIND_CALL = 0, 1, 2, 3
-_HEAD = struct.Struct(">IB")
-_TOKEN_LEN = struct.Struct(">H")
-_CALL_HEAD = struct.Struct(">BIH")  # method number, timeout in ms (0: none), token length
 METHOD = "/atomlog.v1.PartitionService/ReplicateMany"
-# The coordinators' calls a link carries (kind 3), by method number: the servicer method,
-# its request and response types, its full name (as the ACL rules and the metrics name it).
-CALL_METHODS = {
-    number: (name, getattr(partition_pb2, f"{name}Request"),
-             getattr(partition_pb2, f"{name}Response"), f"/atomlog.v1.PartitionService/{name}")
-    for number, name in {1: "StageTxn", 2: "Produce", 3: "EndTxnOnPartition"}.items()}
-CALL_NUMBERS = {method[0]: number for number, method in CALL_METHODS.items()}
 MAX_REQUEST_BYTES = 1 << 20
 # The request frames a link reads and answers at once, over all its connections: a frame
 # that would pass it closes its connection (the caller's outcome is unknown; it retries).
 MAX_HELD_BYTES = 256 << 20
-MAX_CONNECTIONS = 256
+# Per server: a coordinator's link takes every client process's commits (the SDK keeps up
+# to 16 connections per coordinator; more are sent over gRPC).
+MAX_CONNECTIONS = 1024
 IDLE_TIMEOUT_S = 120.0
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake not done by then closes the connection
 # An answer at most this large leaves in one write with its head (a larger one, a
@@ -108,9 +108,10 @@ LINK_SECONDS = Histogram("atomlog_replication_link_request_duration_seconds",
                          "replication link (a long poll waits up to replication.fetch_wait_ms).",
                          buckets=LATENCY_BUCKETS_SECONDS)
 LINK_CALLS = Counter("atomlog_link_calls_total",
-                     "Calls this partition server took on its link from coordinators "
-                     "(StageTxn, TC-log Produce, EndTxnOnPartition) instead of gRPC, by "
-                     "method; those authenticated are also counted in "
+                     "Calls this server took on its link instead of gRPC, by method: a "
+                     "partition server's from coordinators (StageTxn, TC-log Produce, "
+                     "EndTxnOnPartition), a coordinator's from clients (CommitTxn, "
+                     "CommitTxns); those authenticated are also counted in "
                      "atomlog_rpc_started_total, as gRPC calls are.", ["method"])
 LINK_FALLBACKS = Counter("atomlog_replication_link_fallbacks_total",
                          "ReplicateMany calls this server sent as a follower over gRPC because "
@@ -123,20 +124,28 @@ class LinkProtocolError(ConnectionError):
 
 # ----------------------------------------------------------------------------- leader side
 class LinkServer:
-    """A partition server's link: answers ReplicateMany and call frames with `servicer`,
-    checked as `interceptor` (services/interceptors.py) checks gRPC calls: its
-    authenticator and, when set, its authorizer (read at each request: the runtime sets
-    them at start). Over TLS when `ssl_context` is given (the gRPC port's, module doc)."""
+    """A server's link: answers ReplicateMany and call frames with the servicers of its
+    process that registered (`serve`): a partition server's, a coordinator's, or both in
+    a combined server. Each call is checked as `interceptor` (services/interceptors.py)
+    checks gRPC calls: its authenticator and, when set, its authorizer (read at each
+    request: the runtime sets them at start). Over TLS when `ssl_context` is given (the
+    gRPC port's, module doc)."""
 
-    def __init__(self, servicer, interceptor, host: str, port: int,
+    def __init__(self, interceptor, host: str, port: int,
                  ssl_context: ssl.SSLContext | None = None):
-        self.servicer = servicer
+        self.servicers: dict[str, object] = {}  # by service name (link_wire.CallMethod)
         self.interceptor = interceptor
         self.host, self.port = host, port
         self.ssl_context = ssl_context
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
         self._held_bytes = 0  # request frames being read or answered, over every connection
+
+    def serve(self, service: str, servicer) -> None:
+        """The link answers `service`'s methods in CALL_METHODS (and, for the
+        PartitionService, ReplicateMany) with `servicer`; a call of a service nobody
+        registered is answered UNIMPLEMENTED."""
+        self.servicers[service] = servicer
 
     async def start(self) -> int:
         """Listens; returns the bound port."""
@@ -176,7 +185,7 @@ class LinkServer:
                 # asyncio.timeout, not wait_for: no task per read (a coordinator's calls
                 # come by the thousand per second).
                 async with asyncio.timeout(IDLE_TIMEOUT_S):
-                    length, kind = _HEAD.unpack(await reader.readexactly(_HEAD.size))
+                    length, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
                 if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
                         MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
                     raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
@@ -193,7 +202,7 @@ class LinkServer:
                         answer_kind, payload = await self._answer(body, peer_name,
                                                                   auth_context)
                     del body
-                    head = _HEAD.pack(len(payload) + 1, answer_kind)
+                    head = HEAD.pack(len(payload) + 1, answer_kind)
                     if len(payload) <= JOIN_BYTES:  # one send(2), one TCP segment
                         writer.write(head + payload)
                     else:  # a follower's large answer: not copied once more to join it
@@ -218,13 +227,13 @@ class LinkServer:
         started = time.perf_counter()
         outcome = "ok"
         try:
-            if len(body) < _TOKEN_LEN.size:
+            if len(body) < TOKEN_LEN.size:
                 raise AtomlogError("INVALID_ARGUMENT", "the request frame has no token length")
-            (token_length,) = _TOKEN_LEN.unpack_from(body)
-            token_end = _TOKEN_LEN.size + token_length
+            (token_length,) = TOKEN_LEN.unpack_from(body)
+            token_end = TOKEN_LEN.size + token_length
             if token_end > len(body):
                 raise AtomlogError("INVALID_ARGUMENT", "the request's token runs past its frame")
-            token = body[_TOKEN_LEN.size:token_end].decode("utf-8", "replace")
+            token = body[TOKEN_LEN.size:token_end].decode("utf-8", "replace")
             try:
                 request = partition_pb2.ReplicateManyRequest.FromString(body[token_end:])
             except Exception:  # noqa: BLE001 — any parse failure is the caller's
@@ -236,7 +245,11 @@ class LinkServer:
                 authorizer = self.interceptor.authorizer
                 if authorizer is not None:
                     authorizer.check(METHOD, request, principal)
-                answer = await self.servicer.ReplicateMany(request, None)
+                servicer = self.servicers.get("PartitionService")
+                if servicer is None:
+                    raise AtomlogError("UNIMPLEMENTED", "this server's link copies no "
+                                       "partitions (it is no partition server)")
+                answer = await servicer.ReplicateMany(request, None)
                 if authorizer is not None:
                     authorizer.answered(METHOD, answer, principal)
             finally:
@@ -256,23 +269,27 @@ class LinkServer:
             LINK_SECONDS.observe(time.perf_counter() - started)
 
     async def _call(self, body: bytes, peer: str, auth_context: dict) -> tuple[int, bytes]:
-        """A coordinator's call frame (kind 3): method number, timeout, token, request. It
+        """A call frame (kind 3): method number, timeout, token, request. It
         runs as a gRPC call of the method runs: through the gRPC interceptor's wrapper
         (authenticated, checked by the ACLs, counted and timed; services/interceptors.py)
         with the caller's deadline; a refusal it gives `context.abort` becomes an error
         frame, as a malformed frame does."""
         try:
-            if len(body) < _CALL_HEAD.size:
+            if len(body) < CALL_HEAD.size:
                 raise AtomlogError("INVALID_ARGUMENT", "the call frame is shorter than its head")
-            number, timeout_ms, token_length = _CALL_HEAD.unpack_from(body)
+            number, timeout_ms, token_length = CALL_HEAD.unpack_from(body)
             method = CALL_METHODS.get(number)
             if method is None:
-                raise AtomlogError("INVALID_ARGUMENT", f"no method {number} on the link")
-            name, request_type, _, full_name = method
-            token_end = _CALL_HEAD.size + token_length
+                raise AtomlogError("UNIMPLEMENTED", f"no method {number} on the link")
+            servicer = self.servicers.get(method.service)
+            if servicer is None:
+                raise AtomlogError("UNIMPLEMENTED", f"{method.full_name} is not served on "
+                                   f"this server's link (it runs no {method.service})")
+            request_type, full_name = method.request_type, method.full_name
+            token_end = CALL_HEAD.size + token_length
             if token_end > len(body):
                 raise AtomlogError("INVALID_ARGUMENT", "the call's token runs past its frame")
-            token = body[_CALL_HEAD.size:token_end].decode("utf-8", "replace")
+            token = body[CALL_HEAD.size:token_end].decode("utf-8", "replace")
             try:
                 request = request_type.FromString(body[token_end:])
             except Exception:  # noqa: BLE001 — any parse failure is the caller's
@@ -282,7 +299,7 @@ class LinkServer:
             return KIND_ERROR, _error_bytes(error)
         LINK_CALLS.labels(full_name).inc()
         timeout_s = timeout_ms / 1000 if timeout_ms else None
-        handler = self.interceptor.wrapped(full_name, getattr(self.servicer, name))
+        handler = self.interceptor.wrapped(full_name, getattr(servicer, method.name))
         try:
             async with asyncio.timeout(timeout_s):
                 answer = await handler(request, _CallContext(token, peer, timeout_s,
@@ -300,6 +317,33 @@ class LinkServer:
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
         return interceptors.principal_of(self.interceptor.authenticator, METHOD, metadata,
                                          auth_context, peer)
+
+
+async def serve_on_link(runtime, service: str, servicer, listen_key: str,
+                        advertised_port_key: str) -> str:
+    """`servicer` answers `service`'s calls on this process's link, which the first role
+    to serve on it opens (listening at config[listen_key], over TLS when the gRPC port is:
+    the same certificate, CA and client-certificate rule) and the runtime closes at stop.
+    A combined server has one link for its partition server and its coordinator. Returns
+    the link's advertised address, for the role's registration."""
+    state = runtime.link_state
+    if "server" not in state:
+        config = runtime.config
+        listen = config[listen_key] or f"{config['server.listen'].rsplit(':', 1)[0]}:0"
+        host, port = listen.rsplit(":", 1)
+        link = LinkServer(runtime.interceptor, host.strip("[]"), int(port),
+                          runtime.server_tls.ssl_context() if runtime.server_tls else None)
+        try:
+            bound = await link.start()
+        except OSError as error:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"cannot listen on {listen} ({listen_key}): {error}") from None
+        runtime.stop_hooks.append(link.close)
+        advertised = config["server.advertised_host"] or host
+        state["server"] = link
+        state["address"] = f"{advertised}:{config[advertised_port_key] or bound}"
+    state["server"].serve(service, servicer)
+    return state["address"]
 
 
 def _peer_auth_context(writer: asyncio.StreamWriter) -> dict:
@@ -421,8 +465,8 @@ class LinkClient:
         over gRPC)."""
         token = self._token_source.token if self._token_source is not None else ""
         token_bytes = token.encode()
-        frame = b"".join((_HEAD.pack(1 + _TOKEN_LEN.size + len(token_bytes) + request.ByteSize(),
-                                     KIND_REQUEST), _TOKEN_LEN.pack(len(token_bytes)),
+        frame = b"".join((HEAD.pack(1 + TOKEN_LEN.size + len(token_bytes) + request.ByteSize(),
+                                     KIND_REQUEST), TOKEN_LEN.pack(len(token_bytes)),
                           token_bytes, request.SerializeToString()))
         limit = (request.max_bytes or (64 << 20)) + ANSWER_OVERHEAD_BYTES
         try:
@@ -490,13 +534,13 @@ class LinkClient:
         try:
             sock.settimeout(timeout_s)
             sock.sendall(frame)
-            head = bytearray(_HEAD.size)
-            _receive(sock, memoryview(head))
-            length, kind = _HEAD.unpack(head)
+            head = bytearray(HEAD.size)
+            receive_exactly(sock, memoryview(head))
+            length, kind = HEAD.unpack(head)
             if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= limit + 1:
                 raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
             payload = bytearray(length - 1)
-            _receive(sock, memoryview(payload))
+            receive_exactly(sock, memoryview(payload))
             return kind, payload
         except BaseException:
             self._sock = None
@@ -511,17 +555,7 @@ class LinkUnavailable(ConnectionError):
     """No connection to the leader's replication link could be made."""
 
 
-def _receive(sock: socket.socket, into: memoryview) -> None:
-    got, size = 0, len(into)
-    while got < size:
-        n = sock.recv_into(into[got:], size - got)
-        if n == 0:
-            raise ConnectionError("the leader closed the replication link")
-        got += n
-
-
 # -------------------------------------------------------------------------- coordinator side
-MAX_CALL_BYTES = 64 << 20  # a call frame (as gRPC's max message size between servers)
 MAX_CALL_CONNECTIONS = 8  # per partition server: more calls at once go over gRPC
 CALL_IDLE_S = IDLE_TIMEOUT_S / 2  # a kept connection unused this long is closed, not used
 CALL_FALLBACKS = Counter("atomlog_link_call_fallbacks_total",
@@ -606,17 +640,13 @@ class CallLink:
         reader, writer = connection
         source = local.channel_token()
         token = source.token.encode() if source is not None else b""
-        timeout_ms = max(1, min(int(timeout * 1000), 0xFFFFFFFF)) if timeout else 0
         kept = False
         try:
-            # One write: each is a send(2) of its own (and a TCP segment, TCP_NODELAY).
-            writer.write(b"".join((
-                _HEAD.pack(1 + _CALL_HEAD.size + len(token) + size, KIND_CALL),
-                _CALL_HEAD.pack(CALL_NUMBERS[name], timeout_ms, len(token)), token,
-                request.SerializeToString())))
+            writer.write(call_frame(CALL_NUMBERS["PartitionService", name], timeout, token,
+                                    request))
             async with asyncio.timeout_at(deadline):
                 await writer.drain()
-                length, kind = _HEAD.unpack(await reader.readexactly(_HEAD.size))
+                length, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
                 if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= MAX_CALL_BYTES:
                     raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
                 payload = await reader.readexactly(length - 1)
@@ -638,7 +668,8 @@ class CallLink:
                 writer.close()
         if kind == KIND_ERROR:
             raise local.rpc_error(from_item(partition_pb2.ItemError.FromString(payload)))
-        return CALL_METHODS[CALL_NUMBERS[name]][2].FromString(payload)
+        return CALL_METHODS[CALL_NUMBERS["PartitionService", name]].response_type.FromString(
+            payload)
 
     async def _connect(self, timeout: float | None):
         self._connections += 1

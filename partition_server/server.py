@@ -15,7 +15,7 @@ import grpc
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server import durability
 from partition_server.coordinator_epochs import CoordinatorEpochs
-from partition_server.copy_link import LinkServer
+from partition_server.copy_link import serve_on_link
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.lease import LeaseWatch
 from partition_server.log import LogConfig
@@ -27,31 +27,8 @@ from partition_server.subscription_cursor import CursorLimits
 from partition_server.txn_buffer import TxnBufferLimits
 from partition_server.txn_checker import TxnChecker
 from partition_server.verifier import TxnVerifier
-from services.errors import AtomlogError
 from services.grpcutil import service_name
 from services.zk import aio
-
-
-async def _open_link(runtime, servicer) -> None:
-    """The link (partition_server/copy_link.py): listening (over TLS when the gRPC port
-    is: the same certificate, CA and client-certificate rule), closed at stop, and its
-    address in this partition server's registration for followers and coordinators."""
-    config = runtime.config
-    listen = config["replication.link_listen"] or \
-        f"{config['server.listen'].rsplit(':', 1)[0]}:0"
-    host, port = listen.rsplit(":", 1)
-    link = LinkServer(servicer, runtime.interceptor, host.strip("[]"), int(port),
-                      runtime.server_tls.ssl_context() if runtime.server_tls else None)
-    try:
-        bound = await link.start()
-    except OSError as error:
-        raise AtomlogError("INVALID_ARGUMENT",
-                           f"cannot listen on {listen} (replication.link_listen): {error}") \
-            from None
-    runtime.stop_hooks.append(link.close)
-    advertised = config["server.advertised_host"] or host
-    port = config["replication.link_advertised_port"] or bound
-    runtime.registration_extra["partition_server"] = {"replication_link": f"{advertised}:{port}"}
 
 
 def owner_settings(config) -> OwnerSettings:
@@ -165,7 +142,11 @@ async def install(runtime) -> list[str]:
                                  lease=lease)
     add_partition_service(servicer, runtime.server)
     if config["replication.link"]:
-        await _open_link(runtime, servicer)
+        # For followers and coordinators (and, in a combined server, clients' commits).
+        address = await serve_on_link(runtime, "PartitionService", servicer,
+                                      "replication.link_listen",
+                                      "replication.link_advertised_port")
+        runtime.registration_extra["partition_server"] = {"replication_link": address}
     name = service_name(partition_pb2, "PartitionService")
     runtime.local_services[name] = servicer  # services/local.py: same-process calls
     return [name]

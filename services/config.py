@@ -476,6 +476,21 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "a fraction of a gRPC call's CPU on both sides (docs/coordinator.md, \"The "
                 "partition servers' links\"); over TLS when tls.enabled). With false those "
                 "calls go over gRPC."),
+        Setting("coordinator.client_link", bool, True, "Take clients' CommitTxn and "
+                "CommitTxns on a link too (the length-prefixed TCP protocol of "
+                "replication.link, authenticated and authorized as gRPC calls are; over TLS "
+                "when tls.enabled), advertised in the metadata: the SDK sends its one-call "
+                "commits there, which costs it and this server less CPU than a gRPC call "
+                "(docs/clients.md, \"The link\"). A combined server serves them on its "
+                "partition server's link (replication.link_listen) when it has one. With "
+                "false clients use gRPC."),
+        Setting("coordinator.link_listen", str, "", "The coordinator's link's listen "
+                "address (coordinator.client_link); empty: the host of server.listen, a port "
+                "picked at start. Advertised as server.advertised_host (or this host) and "
+                "the bound port.", check=lambda v: check_address(v) if v else None),
+        Setting("coordinator.link_advertised_port", int, 0, "Port clients use to reach the "
+                "coordinator's link (a proxy or a NAT in front of it); 0: the bound port.",
+                minimum=0, maximum=65_535),
         Setting("coordinator.stage_batch_max", int, 1_000, "Most transactions in one StageTxn "
                 "call to a partition server (what queues while one call is in flight leaves "
                 "in the next).", minimum=1, maximum=10_000),

@@ -57,20 +57,23 @@ class ServerEntry:
     version: str
     registered_unix_ms: int
     rack: str = ""
-    link: str = ""  # a partition server's link (partition_server/copy_link.py), if any
+    # Its link (partition_server/copy_link.py), if any: a partition server's replication
+    # link, a coordinator's for clients' commits (the same one in a combined server).
+    link: str = ""
 
     @classmethod
     def from_json(cls, name: str, data: dict[str, Any]) -> "ServerEntry":
         return cls(name, data.get("role", ""), data.get("grpc_address", ""),
                    data.get("metrics_address", ""), data.get("version", ""),
                    int(data.get("registered_unix_ms", 0)), str(data.get("rack", "")),
-                   str(data.get("replication_link", "")))
+                   str(data.get("replication_link", "") or data.get("link", "")))
 
     def to_proto(self) -> metadata_pb2.ServerInfo:
         return metadata_pb2.ServerInfo(
             name=self.name, role=ROLE_ENUM.get(self.role, common_pb2.SERVER_ROLE_UNSPECIFIED),
             grpc_address=self.grpc_address, metrics_address=self.metrics_address,
-            version=self.version, registered_unix_ms=self.registered_unix_ms)
+            version=self.version, registered_unix_ms=self.registered_unix_ms,
+            link_address=self.link)
 
 
 class MetadataStore:

@@ -101,6 +101,9 @@ class Runtime:
         self.local_services: dict[str, object] = {}
         # Fields a role adds to its registration (the partition server: its replication link).
         self.registration_extra: dict[str, dict] = {}
+        # This process's link (partition_server/copy_link.serve_on_link): one per process,
+        # opened by the first role that serves on it ("server", "address").
+        self.link_state: dict = {}
         self._stopping = asyncio.Event()
 
     def role_name(self, role: str) -> str:

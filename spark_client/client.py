@@ -16,6 +16,7 @@ from services import allocator
 from services.auth import TokenSource
 from services.backoff import Backoff
 from services.tls import ChannelTls, TlsConfig
+from spark_client.link import Links
 from spark_client.routing import Channels, MetadataCache
 
 class Client:
@@ -24,7 +25,8 @@ class Client:
     def __init__(self, bootstrap: str | list[str], *, request_timeout_s: float = 30.0,
                  tune_allocator: bool = True, one_call_max_bytes: int = 1 << 20,
                  tls: TlsConfig | None = None, token: str | None = None,
-                 token_file: str | None = None, commit_threads: int = 16):
+                 token_file: str | None = None, commit_threads: int = 16,
+                 links: bool = True):
         """`tls`: reach a cluster that serves TLS (tls.enabled on the servers) —
         `TlsConfig(ca_file=...)` with the CA that signed the servers' certificates, plus
         `cert_file` and `key_file` when the servers require client certificates
@@ -54,6 +56,11 @@ class Client:
         16 let 8 transactions committing at once ride together, 30-40% more inputs/s
         (docs/benchmarks.md, "Commit threads").
 
+        `links`: send one-call commits (CommitTxn, CommitTxns) on the coordinators' links
+        where they advertise one (coordinator.client_link), which costs this process and
+        the coordinator less CPU than gRPC calls; everything else, and every call whose
+        link cannot be reached, goes over gRPC (spark_client/link.py). False: gRPC only.
+
         `tune_allocator`: keep buffers under 4 MiB on glibc's heap and return freed
         heap memory to the kernel only past 32 MiB (process-wide, services/allocator.py).
         Encoding and sending batches then costs about a quarter less CPU: by default glibc
@@ -73,6 +80,7 @@ class Client:
                              if token is not None or token_file is not None else None)
         self.channels = Channels(ChannelTls(tls) if tls is not None else None, self.token_source)
         self.metadata = MetadataCache(addresses, self.channels)
+        self.links = Links(self.channels.tls, self.token_source, enabled=links)
         self.request_timeout_s = request_timeout_s
         if one_call_max_bytes < 0:
             raise ValueError("one_call_max_bytes must be >= 0 (0: no one-call transactions)")
@@ -190,11 +198,12 @@ class Client:
             return self._commit_executor
 
     def close(self) -> None:
-        """Wait for commits begun with commit_async(), then close the channels."""
+        """Wait for commits begun with commit_async(), then close the links and channels."""
         with self._executor_lock:
             executor, self._commit_executor = self._commit_executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self.links.close()
         self.channels.close()
 
     def __enter__(self) -> "Client":

@@ -129,6 +129,9 @@ class MetadataCache:
         self.tc_partition_count = 0
         self.tc_routes: dict[int, str] = {}
         self.coordinators: list[str] = []  # gRPC addresses, as of the last refresh
+        # A coordinator's link (spark_client/link.py), by its gRPC address: those that
+        # advertise one.
+        self.coordinator_links: dict[str, str] = {}
 
     def _stub(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:
         return self.channels.metadata(address)
@@ -164,6 +167,9 @@ class MetadataCache:
             self._servers = [s.grpc_address for s in reply.servers]
             self.coordinators = [s.grpc_address for s in reply.servers
                                  if s.role == common_pb2.SERVER_ROLE_COORDINATOR]
+            self.coordinator_links = {s.grpc_address: s.link_address for s in reply.servers
+                                      if s.role == common_pb2.SERVER_ROLE_COORDINATOR
+                                      and s.link_address}
             self.tc_partition_count = reply.tc_partition_count
             self.tc_routes = {t.tc_partition: t.coordinator_address for t in reply.tc_partitions}
             self._refreshed_at = time.monotonic()

@@ -70,7 +70,7 @@ from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
 from coordinator.records import tc_partition_for
 from partition_server.record_columns import encode_records
 from partition_server.subscription_cursor import merge_ranges
-from spark_client import errors
+from spark_client import errors, link
 from services.backoff import Backoff
 
 S = coordinator_pb2
@@ -124,10 +124,18 @@ class Coordinators:
                 address = metadata.tc_routes.get(k, "")
             remaining = deadline - time.monotonic()
             if address:
-                stub = self.client.channels.coordinator(address)
+                timeout = max(0.05, min(remaining, self.client.request_timeout_s))
                 try:
-                    return getattr(stub, method)(
-                        request, timeout=max(0.05, min(remaining, self.client.request_timeout_s)))
+                    if method in link.METHODS:  # its link, when it has one
+                        on_link = self.client.links.get(
+                            address, metadata.coordinator_links.get(address, ""))
+                        if on_link is not None:
+                            try:
+                                return on_link.call(method, request, timeout)
+                            except link.LinkUnavailable:
+                                pass  # over gRPC
+                    return getattr(self.client.channels.coordinator(address), method)(
+                        request, timeout=timeout)
                 except grpc.RpcError as rpc_error:
                     error = errors.from_grpc(rpc_error)
                     if error.reason not in _RETRY:

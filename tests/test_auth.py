@@ -471,8 +471,8 @@ def test_coordinators_call_over_the_partition_link_with_the_service_token(token_
     with connect(link_address(token_cluster, owner)) as sock:
         for token, failure in (("", "missing_credentials"), ("not-a-known-token", "unknown_token"),
                                (make_jwt(keys, "writer", expires_in=-120), "expired")):
-            body = struct.pack(">BIH", CALL_NUMBERS["Produce"], 10_000, len(token)) + \
-                token.encode() + produce
+            body = struct.pack(">BIH", CALL_NUMBERS["PartitionService", "Produce"], 10_000,
+                               len(token)) + token.encode() + produce
             sock.sendall(HEAD.pack(len(body) + 1, KIND_CALL) + body)
             kind, payload = read_frame(sock)
             error = partition_pb2.ItemError.FromString(payload)
@@ -485,3 +485,39 @@ def test_coordinators_call_over_the_partition_link_with_the_service_token(token_
                             start="earliest") as consumer:
         assert sorted(m.value for chunk in consumer.read_until() for m in chunk) == \
             [b"v0", b"v1", b"v2"]
+
+
+def test_sdk_commits_on_the_coordinator_link_with_its_token(token_cluster, keys):
+    """The SDK's one-call commits go on the coordinator's link (spark_client/link.py) with
+    the client's token, and the link refuses a commit without a good token
+    UNAUTHENTICATED, counted as gRPC counts it, as gRPC would refuse the same call."""
+    from atomlog.v1 import coordinator_pb2
+    from services.auth import TokenSource
+    from spark_client.link import Links
+
+    coordinator = next(p for p in token_cluster.info["processes"] if p["role"] == "coordinator")
+    commits = 'atomlog_link_calls_total{method="/atomlog.v1.CoordinatorService/CommitTxn"}'
+    before = metric_sum(coordinator["metrics_address"], commits)
+    with Client(token_cluster.info["bootstrap"], token=BOB_TOKEN) as client:
+        topic = create_online(client, "auth-commit-link", 1)
+        with client.producer(linger_ms=0) as producer:
+            for i in range(3):
+                with client.transaction(timeout_s=30) as txn:
+                    producer.send(topic, b"c%d" % i, partition=0, txn=txn)
+        assert (client.links.calls, client.links.fallbacks) == (3, 0)
+        address = coordinator["grpc_address"]
+        link_address = client.metadata.coordinator_links[address]
+    assert metric_sum(coordinator["metrics_address"], commits) == before + 3
+    refused_before = metric_sum(coordinator["metrics_address"],
+                                "atomlog_authentication_failures_total")
+    request = coordinator_pb2.CommitTxnRequest(idempotency_key="k", abort=True)
+    for token in (None, TokenSource("not-a-known-token")):
+        links = Links(token=token)
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                links.get(address, link_address).call("CommitTxn", request, 10)
+        finally:
+            links.close()
+        assert from_rpc_error(refused.value).reason == "UNAUTHENTICATED"
+    assert metric_sum(coordinator["metrics_address"],
+                      "atomlog_authentication_failures_total") == refused_before + 2

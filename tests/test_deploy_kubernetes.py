@@ -321,6 +321,9 @@ def test_atomlog_pods_probe_the_grpc_health_service_and_drain_on_sigterm(overlay
         if role == "partition-server":  # followers reach their leaders' replication links
             assert config["replication.link_listen"].startswith("0.0.0.0:")
             assert ports["replication"] == int(config["replication.link_listen"].rsplit(":", 1)[1])
+        if role == "coordinator":  # clients' commits on the coordinator's link
+            assert config["coordinator.link_listen"].startswith("0.0.0.0:")
+            assert ports["link"] == int(config["coordinator.link_listen"].rsplit(":", 1)[1])
         # With TLS the probes ask the plaintext health-only port (kubelet speaks no TLS).
         probe_port = (int(config["server.health_listen"].rsplit(":", 1)[1])
                       if config["tls.enabled"] else grpc_port)
@@ -520,6 +523,9 @@ def test_network_policies_allow_exactly_the_paths_atomlog_uses():
     assert allowed(overlay, roles["coordinator"], partition_server, 7072)
     for source in (roles["id-allocator"], client, stranger):
         assert not allowed(overlay, source, partition_server, 7072), source
+    # The coordinators' link: clients' one-call commits; no stranger reaches it.
+    assert allowed(overlay, client, roles["coordinator"], 7072)
+    assert not allowed(overlay, stranger, roles["coordinator"], 7072)
     assert not allowed(overlay, client, zookeeper, 2181)
     assert not allowed(overlay, roles["coordinator"], zookeeper, 2888)
     # DNS is open to every pod (kube-dns or a node-local cache).

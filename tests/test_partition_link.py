@@ -134,13 +134,16 @@ def test_bad_call_frames_change_nothing(cluster, client):
     topic = create_online(client, "link-bad-calls", 1)
     address, server = owner_of(client, topic, 0)
     link = link_address(cluster, server)
-    stage, produce = CALL_NUMBERS["StageTxn"], CALL_NUMBERS["Produce"]
+    stage = CALL_NUMBERS["PartitionService", "StageTxn"]
+    produce = CALL_NUMBERS["PartitionService", "Produce"]
     with connect(link) as sock:
         sock.sendall(HEAD.pack((64 << 20) + 2, KIND_CALL))
         assert closed_by_peer(sock)
     refused = [
         (HEAD.pack(3, KIND_CALL) + b"\x01\x00", "INVALID_ARGUMENT"),  # head too short
-        (call_frame(200, b""), "INVALID_ARGUMENT"),  # no such method
+        (call_frame(200, b""), "UNIMPLEMENTED"),  # no such method
+        # A coordinator's method on a partition server (the cluster's run apart).
+        (call_frame(CALL_NUMBERS["CoordinatorService", "CommitTxn"], b""), "UNIMPLEMENTED"),
         (HEAD.pack(10, KIND_CALL) + struct.pack(">BIH", produce, 0, 40) + b"ab",
          "INVALID_ARGUMENT"),  # token past its frame
         (call_frame(produce, b"\xff\xff\xff"), "INVALID_ARGUMENT"),  # not a ProduceRequest

@@ -218,9 +218,10 @@ def test_server_certificate_reloaded_without_restart(tls_cluster, orders):
 
 
 def test_links_speak_tls_and_take_the_client_certificate(tls_cluster):
-    """Under TLS the partition servers' links (partition_server/copy_link.py) speak TLS with
-    the gRPC port's certificate, CA and client-certificate rule: followers copy and the
-    coordinator stages, logs and marks over them, none falling back to gRPC. A plaintext
+    """Under TLS the servers' links (partition_server/copy_link.py) speak TLS with the gRPC
+    port's certificate, CA and client-certificate rule: followers copy and the
+    coordinator stages, logs and marks over the partition servers' links, and the SDK
+    commits over the coordinator's, none falling back to gRPC. A plaintext
     client, a TLS client without a certificate and one with another CA's certificate get
     no frame answered; with the cluster's certificate, the certificate is the principal
     (the admin, not a service, is refused the service-only StageTxn)."""
@@ -245,6 +246,9 @@ def test_links_speak_tls_and_take_the_client_certificate(tls_cluster):
                 with client.transaction(timeout_s=30) as txn:
                     producer.send(topic, b"linked-%d" % i, partition=i % 2, txn=txn)
         leaders = {p.server_name for p in partitions()}
+        # The commits went on the coordinator's link, over TLS with the client's
+        # certificate (spark_client/link.py), none over gRPC.
+        assert client.links.calls >= 4 and client.links.fallbacks == 0
     after = {name: _link_counts(tls_cluster, name) for name in servers}
     # Each partition's leader answered its follower's copies on its link and took the
     # coordinator's staging there; nobody copied over gRPC.
@@ -255,12 +259,14 @@ def test_links_speak_tls_and_take_the_client_certificate(tls_cluster):
         assert after[name]["copies_over_grpc"] == before[name]["copies_over_grpc"]
     coordinator = tls_cluster.process("coord-0")["metrics_address"]
     assert _https_metric_sum(tls_cluster, coordinator, "atomlog_link_call_fallbacks_total") == 0
+    assert _https_metric_sum(tls_cluster, coordinator, 'atomlog_link_calls_total{method='
+                             '"/atomlog.v1.CoordinatorService/CommitTxn"}') >= 4
 
     address = link_address(tls_cluster, "ps-0")
     host, _, port = address.rpartition(":")
     tls = tls_cluster.info["tls"]
     stage = partition_pb2.StageTxnRequest().SerializeToString()
-    call = struct.pack(">BIH", CALL_NUMBERS["StageTxn"], 10_000, 0) + stage
+    call = struct.pack(">BIH", CALL_NUMBERS["PartitionService", "StageTxn"], 10_000, 0) + stage
     frame = HEAD.pack(len(call) + 1, KIND_CALL) + call
 
     # Plaintext: the server's handshake reads MAGIC as a broken ClientHello and closes.

@@ -233,6 +233,15 @@ class Run:
                              "ATOMLOG_REPLICATION_LINK_LISTEN": link,
                              "ATOMLOG_REPLICATION_LINK_ADVERTISED_PORT":
                                  link_proxy.rsplit(":", 1)[1]}
+            elif entry.role == "coordinator":
+                # Its link (clients' one-call commits) likewise: net faults cut them too.
+                link = f"127.0.0.1:{launcher.free_port()}"
+                link_proxy = self.proxy.add_route(f"{entry.name}/link", link,
+                                                  int(launcher.free_port()),
+                                                  faults_as=entry.name)
+                entry.env = {"ATOMLOG_COORDINATOR_LINK_LISTEN": link,
+                             "ATOMLOG_COORDINATOR_LINK_ADVERTISED_PORT":
+                                 link_proxy.rsplit(":", 1)[1]}
         if "disk" in self.options.nemeses:
             self.mount_small_disk(self.disk_server(cluster))
         cluster.save(self.data_dir)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from atomlog.v1 import common_pb2 as atomlog_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61tomlog/v1/metadata.proto\x12\natomlog.v1\x1a\x17\x61tomlog/v1/common.proto\"\x9c\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.atomlog.v1.ServerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x1a\n\x12registered_unix_ms\x18\x06 \x01(\x03\"\xde\x01\n\x11PartitionMetadata\x12\x11\n\tpartition\x18\x01 \x01(\r\x12\x13\n\x0bserver_name\x18\x02 \x01(\t\x12\x16\n\x0eserver_address\x18\x03 \x01(\t\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x10\n\x08replicas\x18\x05 \x03(\t\x12\x0b\n\x03isr\x18\x06 \x03(\t\x12\x14\n\x0cleader_epoch\x18\x07 \x01(\r\x12\x16\n\x0ereassigning_to\x18\x08 \x03(\t\x12)\n!reassignment_throttle_bytes_per_s\x18\t \x01(\x04\"\xe1\x01\n\rTopicMetadata\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x31\n\npartitions\x18\x02 \x03(\x0b\x32\x1d.atomlog.v1.PartitionMetadata\x12\x35\n\x06\x63onfig\x18\x03 \x03(\x0b\x32%.atomlog.v1.TopicMetadata.ConfigEntry\x12\x10\n\x08internal\x18\x04 \x01(\x08\x12\x17\n\x0f\x63reated_unix_ms\x18\x05 \x01(\x03\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"}\n\x13TcPartitionMetadata\x12\x14\n\x0ctc_partition\x18\x01 \x01(\r\x12\x18\n\x10\x63oordinator_name\x18\x02 \x01(\t\x12\x1b\n\x13\x63oordinator_address\x18\x03 \x01(\t\x12\x19\n\x11\x63oordinator_epoch\x18\x04 \x01(\x04\"$\n\x12GetMetadataRequest\x12\x0e\n\x06topics\x18\x01 \x03(\t\"\xd2\x01\n\x13GetMetadataResponse\x12\'\n\x07servers\x18\x01 \x03(\x0b\x32\x16.atomlog.v1.ServerInfo\x12)\n\x06topics\x18\x02 \x03(\x0b\x32\x19.atomlog.v1.TopicMetadata\x12\x36\n\rtc_partitions\x18\x03 \x03(\x0b\x32\x1f.atomlog.v1.TcPartitionMetadata\x12\x1a\n\x12tc_partition_count\x18\x04 \x01(\r\x12\x13\n\x0b\x61nswered_by\x18\x05 \x01(\t\"\xbd\x01\n\x12\x43reateTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\npartitions\x18\x02 \x01(\r\x12:\n\x06\x63onfig\x18\x03 \x03(\x0b\x32*.atomlog.v1.CreateTopicRequest.ConfigEntry\x12\x1a\n\x12replication_factor\x18\x04 \x01(\r\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x13\x43reateTopicResponse\x12(\n\x05topic\x18\x01 \x01(\x0b\x32\x19.atomlog.v1.TopicMetadata\"l\n\x18ReassignPartitionRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\r\x12\x10\n\x08replicas\x18\x03 \x03(\t\x12\x1c\n\x14throttle_bytes_per_s\x18\x04 \x01(\x04\"^\n\x19ReassignPartitionResponse\x12\x30\n\tpartition\x18\x01 \x01(\x0b\x32\x1d.atomlog.v1.PartitionMetadata\x12\x0f\n\x07started\x18\x02 \x01(\x08\"-\n\x11ListTopicsRequest\x12\x18\n\x10include_internal\x18\x01 \x01(\x08\"#\n\x12ListTopicsResponse\x12\r\n\x05names\x18\x01 \x03(\t2\xe0\x02\n\x0fMetadataService\x12N\n\x0bGetMetadata\x12\x1e.atomlog.v1.GetMetadataRequest\x1a\x1f.atomlog.v1.GetMetadataResponse\x12N\n\x0b\x43reateTopic\x12\x1e.atomlog.v1.CreateTopicRequest\x1a\x1f.atomlog.v1.CreateTopicResponse\x12K\n\nListTopics\x12\x1d.atomlog.v1.ListTopicsRequest\x1a\x1e.atomlog.v1.ListTopicsResponse\x12`\n\x11ReassignPartition\x12$.atomlog.v1.ReassignPartitionRequest\x1a%.atomlog.v1.ReassignPartitionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61tomlog/v1/metadata.proto\x12\natomlog.v1\x1a\x17\x61tomlog/v1/common.proto\"\xb2\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.atomlog.v1.ServerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x1a\n\x12registered_unix_ms\x18\x06 \x01(\x03\x12\x14\n\x0clink_address\x18\x07 \x01(\t\"\xde\x01\n\x11PartitionMetadata\x12\x11\n\tpartition\x18\x01 \x01(\r\x12\x13\n\x0bserver_name\x18\x02 \x01(\t\x12\x16\n\x0eserver_address\x18\x03 \x01(\t\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x10\n\x08replicas\x18\x05 \x03(\t\x12\x0b\n\x03isr\x18\x06 \x03(\t\x12\x14\n\x0cleader_epoch\x18\x07 \x01(\r\x12\x16\n\x0ereassigning_to\x18\x08 \x03(\t\x12)\n!reassignment_throttle_bytes_per_s\x18\t \x01(\x04\"\xe1\x01\n\rTopicMetadata\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x31\n\npartitions\x18\x02 \x03(\x0b\x32\x1d.atomlog.v1.PartitionMetadata\x12\x35\n\x06\x63onfig\x18\x03 \x03(\x0b\x32%.atomlog.v1.TopicMetadata.ConfigEntry\x12\x10\n\x08internal\x18\x04 \x01(\x08\x12\x17\n\x0f\x63reated_unix_ms\x18\x05 \x01(\x03\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"}\n\x13TcPartitionMetadata\x12\x14\n\x0ctc_partition\x18\x01 \x01(\r\x12\x18\n\x10\x63oordinator_name\x18\x02 \x01(\t\x12\x1b\n\x13\x63oordinator_address\x18\x03 \x01(\t\x12\x19\n\x11\x63oordinator_epoch\x18\x04 \x01(\x04\"$\n\x12GetMetadataRequest\x12\x0e\n\x06topics\x18\x01 \x03(\t\"\xd2\x01\n\x13GetMetadataResponse\x12\'\n\x07servers\x18\x01 \x03(\x0b\x32\x16.atomlog.v1.ServerInfo\x12)\n\x06topics\x18\x02 \x03(\x0b\x32\x19.atomlog.v1.TopicMetadata\x12\x36\n\rtc_partitions\x18\x03 \x03(\x0b\x32\x1f.atomlog.v1.TcPartitionMetadata\x12\x1a\n\x12tc_partition_count\x18\x04 \x01(\r\x12\x13\n\x0b\x61nswered_by\x18\x05 \x01(\t\"\xbd\x01\n\x12\x43reateTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\npartitions\x18\x02 \x01(\r\x12:\n\x06\x63onfig\x18\x03 \x03(\x0b\x32*.atomlog.v1.CreateTopicRequest.ConfigEntry\x12\x1a\n\x12replication_factor\x18\x04 \x01(\r\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x13\x43reateTopicResponse\x12(\n\x05topic\x18\x01 \x01(\x0b\x32\x19.atomlog.v1.TopicMetadata\"l\n\x18ReassignPartitionRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\r\x12\x10\n\x08replicas\x18\x03 \x03(\t\x12\x1c\n\x14throttle_bytes_per_s\x18\x04 \x01(\x04\"^\n\x19ReassignPartitionResponse\x12\x30\n\tpartition\x18\x01 \x01(\x0b\x32\x1d.atomlog.v1.PartitionMetadata\x12\x0f\n\x07started\x18\x02 \x01(\x08\"-\n\x11ListTopicsRequest\x12\x18\n\x10include_internal\x18\x01 \x01(\x08\"#\n\x12ListTopicsResponse\x12\r\n\x05names\x18\x01 \x03(\t2\xe0\x02\n\x0fMetadataService\x12N\n\x0bGetMetadata\x12\x1e.atomlog.v1.GetMetadataRequest\x1a\x1f.atomlog.v1.GetMetadataResponse\x12N\n\x0b\x43reateTopic\x12\x1e.atomlog.v1.CreateTopicRequest\x1a\x1f.atomlog.v1.CreateTopicResponse\x12K\n\nListTopics\x12\x1d.atomlog.v1.ListTopicsRequest\x1a\x1e.atomlog.v1.ListTopicsResponse\x12`\n\x11ReassignPartition\x12$.atomlog.v1.ReassignPartitionRequest\x1a%.atomlog.v1.ReassignPartitionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATETOPICREQUEST_CONFIGENTRY']._loaded_options = None
   _globals['_CREATETOPICREQUEST_CONFIGENTRY']._serialized_options = b'8\001'
   _globals['_SERVERINFO']._serialized_start=67
-  _globals['_SERVERINFO']._serialized_end=223
-  _globals['_PARTITIONMETADATA']._serialized_start=226
-  _globals['_PARTITIONMETADATA']._serialized_end=448
-  _globals['_TOPICMETADATA']._serialized_start=451
-  _globals['_TOPICMETADATA']._serialized_end=676
-  _globals['_TOPICMETADATA_CONFIGENTRY']._serialized_start=631
-  _globals['_TOPICMETADATA_CONFIGENTRY']._serialized_end=676
-  _globals['_TCPARTITIONMETADATA']._serialized_start=678
-  _globals['_TCPARTITIONMETADATA']._serialized_end=803
-  _globals['_GETMETADATAREQUEST']._serialized_start=805
-  _globals['_GETMETADATAREQUEST']._serialized_end=841
-  _globals['_GETMETADATARESPONSE']._serialized_start=844
-  _globals['_GETMETADATARESPONSE']._serialized_end=1054
-  _globals['_CREATETOPICREQUEST']._serialized_start=1057
-  _globals['_CREATETOPICREQUEST']._serialized_end=1246
-  _globals['_CREATETOPICREQUEST_CONFIGENTRY']._serialized_start=631
-  _globals['_CREATETOPICREQUEST_CONFIGENTRY']._serialized_end=676
-  _globals['_CREATETOPICRESPONSE']._serialized_start=1248
-  _globals['_CREATETOPICRESPONSE']._serialized_end=1311
-  _globals['_REASSIGNPARTITIONREQUEST']._serialized_start=1313
-  _globals['_REASSIGNPARTITIONREQUEST']._serialized_end=1421
-  _globals['_REASSIGNPARTITIONRESPONSE']._serialized_start=1423
-  _globals['_REASSIGNPARTITIONRESPONSE']._serialized_end=1517
-  _globals['_LISTTOPICSREQUEST']._serialized_start=1519
-  _globals['_LISTTOPICSREQUEST']._serialized_end=1564
-  _globals['_LISTTOPICSRESPONSE']._serialized_start=1566
-  _globals['_LISTTOPICSRESPONSE']._serialized_end=1601
-  _globals['_METADATASERVICE']._serialized_start=1604
-  _globals['_METADATASERVICE']._serialized_end=1956
+  _globals['_SERVERINFO']._serialized_end=245
+  _globals['_PARTITIONMETADATA']._serialized_start=248
+  _globals['_PARTITIONMETADATA']._serialized_end=470
+  _globals['_TOPICMETADATA']._serialized_start=473
+  _globals['_TOPICMETADATA']._serialized_end=698
+  _globals['_TOPICMETADATA_CONFIGENTRY']._serialized_start=653
+  _globals['_TOPICMETADATA_CONFIGENTRY']._serialized_end=698
+  _globals['_TCPARTITIONMETADATA']._serialized_start=700
+  _globals['_TCPARTITIONMETADATA']._serialized_end=825
+  _globals['_GETMETADATAREQUEST']._serialized_start=827
+  _globals['_GETMETADATAREQUEST']._serialized_end=863
+  _globals['_GETMETADATARESPONSE']._serialized_start=866
+  _globals['_GETMETADATARESPONSE']._serialized_end=1076
+  _globals['_CREATETOPICREQUEST']._serialized_start=1079
+  _globals['_CREATETOPICREQUEST']._serialized_end=1268
+  _globals['_CREATETOPICREQUEST_CONFIGENTRY']._serialized_start=653
+  _globals['_CREATETOPICREQUEST_CONFIGENTRY']._serialized_end=698
+  _globals['_CREATETOPICRESPONSE']._serialized_start=1270
+  _globals['_CREATETOPICRESPONSE']._serialized_end=1333
+  _globals['_REASSIGNPARTITIONREQUEST']._serialized_start=1335
+  _globals['_REASSIGNPARTITIONREQUEST']._serialized_end=1443
+  _globals['_REASSIGNPARTITIONRESPONSE']._serialized_start=1445
+  _globals['_REASSIGNPARTITIONRESPONSE']._serialized_end=1539
+  _globals['_LISTTOPICSREQUEST']._serialized_start=1541
+  _globals['_LISTTOPICSREQUEST']._serialized_end=1586
+  _globals['_LISTTOPICSRESPONSE']._serialized_start=1588
+  _globals['_LISTTOPICSRESPONSE']._serialized_end=1623
+  _globals['_METADATASERVICE']._serialized_start=1626
+  _globals['_METADATASERVICE']._serialized_end=1978
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ServerInfo(_message.Message):
-    __slots__ = ("name", "role", "grpc_address", "metrics_address", "version", "registered_unix_ms")
+    __slots__ = ("name", "role", "grpc_address", "metrics_address", "version", "registered_unix_ms", "link_address")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LINK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: _common_pb2.ServerRole
     grpc_address: str
     metrics_address: str
     version: str
     registered_unix_ms: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.ServerRole, str]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., version: _Optional[str] = ..., registered_unix_ms: _Optional[int] = ...) -> None: ...
+    link_address: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.ServerRole, str]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., version: _Optional[str] = ..., registered_unix_ms: _Optional[int] = ..., link_address: _Optional[str] = ...) -> None: ...
 
 class PartitionMetadata(_message.Message):
     __slots__ = ("partition", "server_name", "server_address", "available", "replicas", "isr", "leader_epoch", "reassigning_to", "reassignment_throttle_bytes_per_s")

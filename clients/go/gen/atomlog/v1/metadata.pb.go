@@ -35,8 +35,14 @@ type ServerInfo struct {
 	Version string `protobuf:"bytes,5,opt,name=version,proto3" json:"version,omitempty"`
 	// When the process registered, milliseconds since the Unix epoch.
 	RegisteredUnixMs int64 `protobuf:"varint,6,opt,name=registered_unix_ms,json=registeredUnixMs,proto3" json:"registered_unix_ms,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// host:port of the server's link, empty when it has none: a length-prefixed TCP
+	// protocol beside the gRPC port (docs/clients.md, "The link") that carries some unary calls for less
+	// CPU than gRPC. A coordinator's link takes CommitTxn and CommitTxns from clients; a
+	// partition server's takes its followers' copies and the coordinators' calls. A client
+	// may always use the gRPC port instead.
+	LinkAddress   string `protobuf:"bytes,7,opt,name=link_address,json=linkAddress,proto3" json:"link_address,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ServerInfo) Reset() {
@@ -109,6 +115,13 @@ func (x *ServerInfo) GetRegisteredUnixMs() int64 {
 		return x.RegisteredUnixMs
 	}
 	return 0
+}
+
+func (x *ServerInfo) GetLinkAddress() string {
+	if x != nil {
+		return x.LinkAddress
+	}
+	return ""
 }
 
 type PartitionMetadata struct {
@@ -838,7 +851,7 @@ var File_atomlog_v1_metadata_proto protoreflect.FileDescriptor
 const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\n" +
 	"\x19atomlog/v1/metadata.proto\x12\n" +
-	"atomlog.v1\x1a\x17atomlog/v1/common.proto\"\xe0\x01\n" +
+	"atomlog.v1\x1a\x17atomlog/v1/common.proto\"\x83\x02\n" +
 	"\n" +
 	"ServerInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12*\n" +
@@ -846,7 +859,8 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\fgrpc_address\x18\x03 \x01(\tR\vgrpcAddress\x12'\n" +
 	"\x0fmetrics_address\x18\x04 \x01(\tR\x0emetricsAddress\x12\x18\n" +
 	"\aversion\x18\x05 \x01(\tR\aversion\x12,\n" +
-	"\x12registered_unix_ms\x18\x06 \x01(\x03R\x10registeredUnixMs\"\xd9\x02\n" +
+	"\x12registered_unix_ms\x18\x06 \x01(\x03R\x10registeredUnixMs\x12!\n" +
+	"\flink_address\x18\a \x01(\tR\vlinkAddress\"\xd9\x02\n" +
 	"\x11PartitionMetadata\x12\x1c\n" +
 	"\tpartition\x18\x01 \x01(\rR\tpartition\x12\x1f\n" +
 	"\vserver_name\x18\x02 \x01(\tR\n" +

@@ -1,0 +1,77 @@
+"""The link's wire format (docs/clients.md, "The link"), shared by its server
+(partition_server/copy_link.py: every atomlog server that has a link) and its callers:
+followers and coordinators (copy_link.py), and the SDK's commits (spark_client/link.py).
+
+A link is a plain length-prefixed TCP connection (TLS when the server's gRPC port has it)
+beside a server's gRPC port. Big-endian:
+- the client opens with the 8 bytes `MAGIC` (a version: another value is closed at once);
+- then frames, each `u32 length` (of what follows) + `u8 kind` + payload:
+  - ReplicateMany request, kind 1: `u16 token length`, the token (UTF-8; empty: none),
+    then the serialized ReplicateManyRequest (a follower's copy);
+  - call, kind 3: `u8 method` (CALL_METHODS), `u32 timeout ms` (0: none), `u16 token
+    length`, the token, then the serialized request;
+  - answer, kind 0: the serialized response; kind 2: an error, a serialized `ItemError`
+    (reason, message, metadata), as gRPC's ErrorInfo would carry it.
+One request is outstanding per connection at a time; the server answers in order.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from atomlog.v1 import coordinator_pb2, partition_pb2
+
+MAGIC = b"ATLNK\x00\x00\x01"
+KIND_ANSWER, KIND_REQUEST, KIND_ERROR, KIND_CALL = 0, 1, 2, 3
+HEAD = struct.Struct(">IB")  # frame length (of what follows), kind
+TOKEN_LEN = struct.Struct(">H")
+CALL_HEAD = struct.Struct(">BIH")  # method number, timeout in ms (0: none), token length
+MAX_CALL_BYTES = 64 << 20  # a call frame or its answer (as gRPC's max message size)
+
+
+class CallMethod:
+    """A unary method a link carries as call frames: its service (as servers register
+    their servicers with the link), name, request and response types, and full name (as
+    the ACL rules and the metrics name it)."""
+
+    __slots__ = ("number", "service", "name", "request_type", "response_type", "full_name")
+
+    def __init__(self, number: int, module, service: str, name: str):
+        self.number = number
+        self.service = service
+        self.name = name
+        self.request_type = getattr(module, f"{name}Request")
+        self.response_type = getattr(module, f"{name}Response")
+        self.full_name = f"/atomlog.v1.{service}/{name}"
+
+
+# Numbers are the wire's: never reuse one.
+CALL_METHODS: dict[int, CallMethod] = {method.number: method for method in (
+    CallMethod(1, partition_pb2, "PartitionService", "StageTxn"),
+    CallMethod(2, partition_pb2, "PartitionService", "Produce"),
+    CallMethod(3, partition_pb2, "PartitionService", "EndTxnOnPartition"),
+    CallMethod(4, coordinator_pb2, "CoordinatorService", "CommitTxn"),
+    CallMethod(5, coordinator_pb2, "CoordinatorService", "CommitTxns"),
+)}
+CALL_NUMBERS: dict[tuple[str, str], int] = {
+    (method.service, method.name): number for number, method in CALL_METHODS.items()}
+
+
+def call_frame(number: int, timeout_s: float | None, token: bytes, request) -> bytes:
+    """A call frame (kind 3), head and body in one buffer: a connection sends it with one
+    write (one send(2), one TCP segment under TCP_NODELAY)."""
+    timeout_ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF)) if timeout_s else 0
+    body = request.SerializeToString()
+    return b"".join((HEAD.pack(1 + CALL_HEAD.size + len(token) + len(body), KIND_CALL),
+                     CALL_HEAD.pack(number, timeout_ms, len(token)), token, body))
+
+
+def receive_exactly(sock: socket.socket, into: memoryview) -> None:
+    """Fills `into` from a blocking socket; ConnectionError when the peer closes first."""
+    got, size = 0, len(into)
+    while got < size:
+        n = sock.recv_into(into[got:], size - got)
+        if n == 0:
+            raise ConnectionError("the server closed the link")
+        got += n

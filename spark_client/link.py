@@ -1,0 +1,251 @@
+"""The SDK's commits on the coordinators' links (docs/clients.md, "The link").
+
+A coordinator with coordinator.client_link advertises a link (ServerInfo.link_address in
+the metadata): the length-prefixed TCP protocol its partition servers' followers and
+coordinators already speak (services/link_wire.py), beside its gRPC port. The SDK sends
+its one-call commits there (CommitTxn, CommitTxns): a gRPC call costs a Python client
+about 0.3-0.4 ms of CPU and the server about as much before either does any work
+(docs/grpc-links.md), a call frame on a kept socket a fraction of that.
+
+What travels and what comes back is what gRPC would carry: the same request and response
+messages, the same bearer token (or, under mTLS, the same client certificate), the same
+refusals (an error frame is the ErrorInfo of the gRPC status); the server checks the call
+as its gRPC interceptor does. A failure is raised as the failed gRPC call would raise it
+(a grpc.RpcError with the same ErrorInfo), so callers treat both alike; a link that
+cannot be reached raises `LinkUnavailable`, and the caller sends that call, and those of
+the next RETRY_LINK_AFTER_S, over gRPC. Every call the link carries is retry-safe (an
+idempotency key per commit), so a connection lost mid-call is SERVER_UNAVAILABLE and the
+caller retries, as after a gRPC UNAVAILABLE.
+
+Blocking sockets, one call per connection at a time, kept for the next call: at most
+MAX_CONNECTIONS per coordinator (a call beyond that goes over gRPC). A forked child drops
+its parent's connections (they are the parent's streams).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+import weakref
+
+from atomlog.v1 import partition_pb2
+from services import local
+from services.errors import AtomlogError, from_item
+from services.link_wire import (
+    CALL_METHODS,
+    CALL_NUMBERS,
+    HEAD,
+    KIND_ANSWER,
+    KIND_ERROR,
+    MAGIC,
+    MAX_CALL_BYTES,
+    call_frame,
+    receive_exactly,
+)
+
+SERVICE = "CoordinatorService"
+METHODS = frozenset(name for service, name in CALL_NUMBERS if service == SERVICE)
+MAX_CONNECTIONS = 16  # per coordinator; more calls at once go over gRPC
+IDLE_S = 60.0  # a kept connection unused this long is closed (the server's idle limit: 120 s)
+CONNECT_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 10.0
+RETRY_LINK_AFTER_S = 10.0  # after a link could not be reached, gRPC for this long
+
+
+class LinkUnavailable(ConnectionError):
+    """No connection to the link could be made (or it was refused before any answer):
+    the caller sends the call over gRPC."""
+
+
+class Links:
+    """A Client's links to its coordinators, by gRPC address."""
+
+    def __init__(self, tls=None, token=None, enabled: bool = True):
+        self._tls = tls  # services.tls.ChannelTls, or None
+        self._token = token  # services.auth.TokenSource, or None
+        self.enabled = enabled
+        self._links: dict[str, CoordinatorLink] = {}
+        self._lock = threading.Lock()
+        self.calls = 0  # calls answered on a link (tests, benchmarks)
+        self.fallbacks = 0  # calls sent over gRPC because a link could not be reached
+        _ALL.add(self)
+
+    def get(self, grpc_address: str, link_address: str) -> "CoordinatorLink | None":
+        """The link to the coordinator at `grpc_address`, which advertises `link_address`
+        (empty: none, None returned); a new one when the advertised address changed (a
+        restarted coordinator)."""
+        if not self.enabled or not link_address:
+            return None
+        link = self._links.get(grpc_address)
+        if link is not None and link.address == link_address:
+            return link
+        with self._lock:
+            link = self._links.get(grpc_address)
+            if link is None or link.address != link_address:
+                if link is not None:
+                    link.close()
+                link = self._links[grpc_address] = CoordinatorLink(
+                    link_address, grpc_address, self._tls, self._token, self)
+            return link
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+
+    def _forget_after_fork(self) -> None:
+        for link in self._links.values():
+            link.forget()
+
+
+class CoordinatorLink:
+    """Kept connections to one coordinator's link; `call` is thread-safe."""
+
+    def __init__(self, address: str, server_address: str, tls, token, links: Links):
+        host, _, port = address.rpartition(":")
+        self.address = address
+        self._target = (host.strip("[]"), int(port))
+        self._tls = tls
+        self._server_hostname = tls.server_hostname(server_address) if tls is not None else ""
+        self._token = token
+        self._links = links
+        self._lock = threading.Lock()
+        self._idle: list[tuple[socket.socket, float]] = []  # (socket, when last used)
+        self._open = 0  # connections made and not closed
+        self.down_until = 0.0
+        self._closed = False
+
+    def call(self, method: str, request, timeout_s: float):
+        """`method` (one of METHODS) on the link: its response, or raises the grpc.RpcError
+        a failed gRPC call would raise, or LinkUnavailable (send it over gRPC)."""
+        if time.monotonic() < self.down_until or self._closed:
+            raise LinkUnavailable(f"{self.address}: not tried again yet")
+        number = CALL_NUMBERS[SERVICE, method]
+        token = self._token.token.encode() if self._token is not None else b""
+        frame = call_frame(number, timeout_s, token, request)
+        if len(frame) > MAX_CALL_BYTES:
+            raise LinkUnavailable(f"a {len(frame)}-byte call is more than the link takes")
+        sock, fresh = self._take(timeout_s)
+        kept = False
+        try:
+            sock.settimeout(max(0.001, timeout_s))
+            sock.sendall(frame)
+            head = bytearray(HEAD.size)
+            receive_exactly(sock, memoryview(head))
+            length, kind = HEAD.unpack(head)
+            if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= MAX_CALL_BYTES + 1:
+                raise ConnectionError(f"answer frame kind {kind}, {length} bytes")
+            payload = bytearray(length - 1)
+            receive_exactly(sock, memoryview(payload))
+            kept = True
+        except (socket.timeout, TimeoutError):
+            raise local.rpc_error(AtomlogError(
+                "REQUEST_TIMED_OUT", f"{method} to {self.address} (link) took longer than "
+                f"{timeout_s:.3f} s")) from None
+        except OSError as error:
+            if fresh:  # refused before any answer (the server's connection limit, say)
+                self._down(error)
+                raise LinkUnavailable(f"{self.address}: {error}") from None
+            raise local.rpc_error(AtomlogError(
+                "SERVER_UNAVAILABLE", f"{method} to {self.address} (link): "
+                f"{type(error).__name__}: {error}", {"retry_after_ms": "50"})) from None
+        finally:
+            self._give_back(sock, kept)
+        self._links.calls += 1
+        if kind == KIND_ERROR:
+            raise local.rpc_error(from_item(partition_pb2.ItemError.FromString(payload)))
+        return CALL_METHODS[number].response_type.FromString(payload)
+
+    def _take(self, timeout_s: float) -> tuple[socket.socket, bool]:
+        """A kept connection (False) or a new one (True). A kept one the server closed
+        meanwhile (readable while no call is under way: its EOF), or idle too long, is
+        closed here instead of failing a call."""
+        now = time.monotonic()
+        with self._lock:
+            while self._idle:
+                sock, used = self._idle.pop()
+                if now - used < IDLE_S and not _readable(sock):
+                    return sock, False
+                self._open -= 1
+                sock.close()
+            if self._open >= MAX_CONNECTIONS:
+                raise LinkUnavailable(f"{self.address}: {MAX_CONNECTIONS} calls under way")
+            self._open += 1
+        try:
+            return self._connect(timeout_s), True
+        except BaseException:
+            with self._lock:
+                self._open -= 1
+            raise
+
+    def _connect(self, timeout_s: float) -> socket.socket:
+        try:
+            sock = socket.create_connection(self._target,
+                                            timeout=min(timeout_s, CONNECT_TIMEOUT_S))
+        except OSError as error:
+            self._down(error)
+            raise LinkUnavailable(f"{self.address}: {error}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:  # (the TLS socket takes the plain one's descriptor)
+                sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
+                sock = self._tls.ssl_context().wrap_socket(
+                    sock, server_hostname=self._server_hostname)
+            sock.sendall(MAGIC)
+        except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
+            sock.close()
+            self._down(error)
+            raise LinkUnavailable(f"{self.address}: {error}") from None
+        return sock
+
+    def _give_back(self, sock: socket.socket, kept: bool) -> None:
+        with self._lock:
+            if kept and not self._closed:
+                self._idle.append((sock, time.monotonic()))
+                return
+            self._open -= 1
+        sock.close()
+
+    def _down(self, error: BaseException) -> None:
+        self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
+        self._links.fallbacks += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+        for sock, _ in idle:
+            sock.close()
+
+    def forget(self) -> None:
+        """In a forked child: the kept connections are the parent's streams. Closing our
+        copies of their descriptors (close(2), no shutdown and no TLS close_notify) leaves
+        the parent's connections up; the child opens its own."""
+        self._lock = threading.Lock()
+        idle, self._idle = self._idle, []
+        self._open = 0
+        for sock, _ in idle:
+            sock.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
+_ALL: "weakref.WeakSet[Links]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for links in list(_ALL):
+        links._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

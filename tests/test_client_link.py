@@ -1,0 +1,224 @@
+"""The SDK's one-call commits on the coordinators' links (spark_client/link.py; docs/clients.md,
+"The link"): on the cluster and on the combined server, CommitTxn and CommitTxns go on the
+link each coordinator advertises in the metadata and are not sent over gRPC; the answers,
+refusals included, are gRPC's; a link that cannot be reached sends the calls over gRPC;
+Client(links=False) uses gRPC only; a kept connection the server closed is not used."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from atomlog.v1 import coordinator_pb2, metadata_pb2
+from services.errors import from_rpc_error
+from spark_client import Client
+from tests.conftest import create_online, wait_until
+
+pytestmark = pytest.mark.cluster
+
+METHODS = ("CommitTxn", "CommitTxns")
+# An abort by key answers ABORTING, then ABORTED once its markers are written.
+ABORTED = (coordinator_pb2.TXN_STATE_ABORTING, coordinator_pb2.TXN_STATE_ABORTED)
+
+
+def coordinator_calls(cluster) -> dict[str, dict[str, float]]:
+    """The coordinators' calls of each method: {"link": ..., "grpc": ...} (those taken on
+    the link, and the rest of those started; each server's from one scrape)."""
+    totals = {"link": dict.fromkeys(METHODS, 0.0), "grpc": dict.fromkeys(METHODS, 0.0)}
+    roles = ("combined",) if cluster.combined else ("coordinator",)
+    for server in (p for p in cluster.services() if p["role"] in roles):
+        text = urllib.request.urlopen(f"http://{server['metrics_address']}/metrics",
+                                      timeout=10).read().decode()
+        for method in METHODS:
+            label = f'{{method="/atomlog.v1.CoordinatorService/{method}"}} '
+            on_link = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("atomlog_link_calls_total" + label))
+            started = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("atomlog_rpc_started_total" + label))
+            totals["link"][method] += on_link
+            totals["grpc"][method] += started - on_link
+    return totals
+
+
+def grew(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    return {way: {m: after[way][m] - before[way][m] for m in METHODS} for way in before}
+
+
+def committed_values(client: Client, topic: str, expected: int) -> list[bytes]:
+    """The read_committed values of `topic` once `expected` are there (markers are
+    written after the commit answers), and a quiet half second more: a duplicate shows."""
+    seen: list[bytes] = []
+    with client.consumer([topic], isolation="read_committed", start="earliest") as consumer:
+        wait_until(lambda: seen.extend(m.value for m in consumer.poll(timeout_s=0.2))
+                   or len(seen) >= expected, 30, f"{expected} committed records of {topic}")
+        time.sleep(0.5)
+        seen.extend(m.value for m in consumer.poll(timeout_s=0.2))
+    return sorted(seen)
+
+
+def owned_tc_partition(client: Client) -> tuple[int, str]:
+    """A TC partition with an owner now, and its owner's gRPC address (in a cluster
+    just started, the coordinators are still taking their leases)."""
+    def owned():
+        client.metadata.refresh()
+        return [(k, a) for k, a in sorted(client.metadata.tc_routes.items()) if a]
+
+    wait_until(lambda: owned(), 30, "a TC partition with an owner")
+    return owned()[0]
+
+
+@pytest.fixture(params=["cluster", "combined"])
+def shape(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_one_call_commits_go_on_the_coordinators_links(shape):
+    """Every coordinator advertises its link (the combined server its one link); the SDK's
+    commits, alone (CommitTxn) and pipelined (CommitTxns), go there and none over gRPC;
+    each committed exactly once."""
+    topic_name = f"client-link-{'combined' if shape.combined else 'cluster'}"
+    with Client(shape.info["bootstrap"]) as client:
+        servers = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest()).servers
+        coordinators = [s for s in servers if s.role == 2]  # SERVER_ROLE_COORDINATOR
+        assert coordinators and all(s.link_address for s in coordinators), servers
+        partition_servers = [s for s in servers if s.role == 1]
+        assert all(s.link_address for s in partition_servers)
+        if shape.combined:  # one process, one link
+            assert {s.link_address for s in servers if s.role in (1, 2)} == \
+                {coordinators[0].link_address}
+        topic = create_online(client, topic_name, 2)
+        before = coordinator_calls(shape)
+        with client.producer(linger_ms=0) as producer:
+            for i in range(5):
+                with client.transaction(timeout_s=30) as txn:
+                    producer.send(topic, b"alone-%d" % i, partition=i % 2, txn=txn)
+            pending = []
+            for i in range(12):  # pipelined: those queued behind one in flight ride together
+                txn = client.begin_transaction(timeout_s=30)
+                producer.send(topic, b"piped-%02d" % i, partition=i % 2, txn=txn)
+                pending.append(txn.commit_async())
+            for future in pending:
+                future.result(timeout=60)
+        change = grew(before, coordinator_calls(shape))
+        assert change["grpc"] == {"CommitTxn": 0, "CommitTxns": 0}, change
+        assert change["link"]["CommitTxn"] >= 5, change
+        assert change["link"]["CommitTxn"] + change["link"]["CommitTxns"] == client.links.calls
+        assert client.links.fallbacks == 0
+        assert committed_values(client, topic, 17) == sorted(
+            [b"alone-%d" % i for i in range(5)] + [b"piped-%02d" % i for i in range(12)])
+
+
+def test_without_links_the_commits_go_over_grpc(cluster):
+    with Client(cluster.info["bootstrap"], links=False) as client:
+        topic = create_online(client, "client-link-off", 1)
+        before = coordinator_calls(cluster)
+        with client.producer(linger_ms=0) as producer:
+            for i in range(3):
+                with client.transaction(timeout_s=30) as txn:
+                    producer.send(topic, b"grpc-%d" % i, partition=0, txn=txn)
+        change = grew(before, coordinator_calls(cluster))
+        assert change["link"]["CommitTxn"] == 0 and change["grpc"]["CommitTxn"] == 3, change
+        assert client.links.calls == 0
+
+
+def test_a_link_that_cannot_be_reached_sends_the_commits_over_grpc(cluster):
+    """A coordinator link that refuses connections: the commit goes over gRPC at once,
+    and so do the next ones without trying the link again for a while."""
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    with Client(cluster.info["bootstrap"]) as client:
+        topic = create_online(client, "client-link-unreachable", 1)
+        client.metadata.refresh()
+        client.metadata.coordinator_links = dict.fromkeys(client.metadata.coordinator_links,
+                                                          dead)
+        before = coordinator_calls(cluster)
+        with client.producer(linger_ms=0) as producer:
+            for i in range(6):
+                with client.transaction(timeout_s=30) as txn:
+                    producer.send(topic, b"fallback-%d" % i, partition=0, txn=txn)
+        change = grew(before, coordinator_calls(cluster))
+        assert change["grpc"]["CommitTxn"] == 6 and change["link"]["CommitTxn"] == 0, change
+        # Each coordinator's link tried once (its transactions' TC partitions are
+        # random), then left alone.
+        tried = client.links._links.values()
+        assert client.links.calls == 0 and 1 <= client.links.fallbacks == len(tried) <= 3
+        assert all(link.down_until > time.monotonic() for link in tried)
+        assert committed_values(client, topic, 6) == [b"fallback-%d" % i for i in range(6)]
+
+
+def test_link_answers_and_refusals_are_grpc_s(cluster):
+    """The same call on the link and over gRPC: the same refusal (reason and message);
+    an abort by key answers alike. A kept connection the server closed is not used: the
+    next call opens another."""
+    with Client(cluster.info["bootstrap"]) as client:
+        k, address = owned_tc_partition(client)
+        link = client.links.get(address, client.metadata.coordinator_links[address])
+        stub = client.channels.coordinator(address)
+        bad = coordinator_pb2.CommitTxnRequest(tc_partition=k)  # no idempotency key
+        with pytest.raises(grpc.RpcError) as on_link:
+            link.call("CommitTxn", bad, 10)
+        with pytest.raises(grpc.RpcError) as on_grpc:
+            stub.CommitTxn(bad, timeout=10)
+        ours, theirs = from_rpc_error(on_link.value), from_rpc_error(on_grpc.value)
+        assert (ours.reason, ours.message) == (theirs.reason, theirs.message)
+        assert ours.reason == "INVALID_ARGUMENT" and on_link.value.code() == \
+            on_grpc.value.code()
+        empty = coordinator_pb2.CommitTxnsRequest()
+        with pytest.raises(grpc.RpcError) as chained:
+            link.call("CommitTxns", empty, 10)
+        assert from_rpc_error(chained.value).reason == "INVALID_ARGUMENT"
+        # An abort of a key nobody used, on both.
+        from coordinator.records import tc_partition_for
+        key = next(f"link-abort-{i}" for i in range(10_000)
+                   if tc_partition_for(f"link-abort-{i}", len(client.metadata.tc_routes)) == k)
+        abort = coordinator_pb2.CommitTxnRequest(tc_partition=k, idempotency_key=key,
+                                                 abort=True)
+        assert link.call("CommitTxn", abort, 10).state in ABORTED
+        assert stub.CommitTxn(abort, timeout=10).state in ABORTED
+        # The kept connection, closed under the client (as a restarted server's would
+        # be): seen readable (its EOF) and dropped, not used.
+        assert len(link._idle) == 1
+        kept, _ = link._idle[0]
+        kept.shutdown(socket.SHUT_RDWR)
+        assert link.call("CommitTxn", abort, 10).state in ABORTED
+        assert stub.CommitTxn(abort, timeout=10).state in ABORTED
+        assert len(link._idle) == 1 and link._idle[0][0] is not kept and link._open == 1
+
+
+def test_a_forked_child_drops_the_parent_s_connections(cluster):
+    """After fork the child drops the parent's kept connections (they are the parent's
+    streams: closing its copies of them leaves the parent's up) and calls on its own; the
+    parent's kept connection still answers. (The child makes no gRPC call: gRPC's core
+    is not fork-safe here.)"""
+    from coordinator.records import tc_partition_for
+
+    with Client(cluster.info["bootstrap"]) as client:
+        k, address = owned_tc_partition(client)
+        link = client.links.get(address, client.metadata.coordinator_links[address])
+        key = next(f"link-fork-{i}" for i in range(10_000)
+                   if tc_partition_for(f"link-fork-{i}", len(client.metadata.tc_routes)) == k)
+        abort = coordinator_pb2.CommitTxnRequest(tc_partition=k, idempotency_key=key,
+                                                 abort=True)
+        assert link.call("CommitTxn", abort, 10).state in ABORTED
+        parent_socket = link._idle[0][0]
+        pid = os.fork()
+        if pid == 0:  # the child: reports by its exit status only
+            status = 1
+            try:
+                if not link._idle and link._open == 0:
+                    status = 2
+                    if link.call("CommitTxn", abort, 10).state in ABORTED and \
+                            link._idle[0][0] is not parent_socket:
+                        status = 0
+            finally:
+                os._exit(status)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert link.call("CommitTxn", abort, 10).state in ABORTED
+        assert link._idle[0][0] is parent_socket and link._open == 1
