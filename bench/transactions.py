@@ -37,6 +37,7 @@ consume-transform-produce part of it).
     .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--combined] [--no-docs]
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
+    .venv/bin/python bench/transactions.py --only-small --streaming [--no-client-links]  # A/B
     .venv/bin/python bench/transactions.py --only-stream 6 [--seconds 10]  # the cells of (2), in turns
     .venv/bin/python bench/transactions.py ... --set coordinator.parallel_commits=false  # A/B
     .venv/bin/python bench/transactions.py ... --fsync-delay-ms 5  # as on a slow disk
@@ -44,7 +45,9 @@ consume-transform-produce part of it).
 --only-small runs the small-transactions cell alone (one-call, after the gRPC call floor)
 and prints transactions/s, the server's CPU per transaction (utime + stime of every
 server process over the timed window, from /proc: the figure that holds on a noisy
-machine) and its fsyncs per transaction; --profile records the server with py-spy.
+machine) and its fsyncs per transaction; --profile records the server with py-spy;
+--streaming runs the streaming path's small transactions instead, --no-client-links has
+the clients call their coordinators over gRPC instead of on the coordinators' links.
 --only-stream TURNS runs the three cells of (2) TURNS times, rotating their order, and
 prints each turn's overheads against its own idempotent cell and their medians.
 """
@@ -110,10 +113,10 @@ RECORD = b"x" * 1024
 
 # ------------------------------------------------------------------ small transactions
 def small_client(address: str, index: int, seconds: float, start_at: float, out,
-                 one_call_max_bytes: int = 1 << 20) -> None:
+                 one_call_max_bytes: int = 1 << 20, links: bool = True) -> None:
     from spark_client import Client
 
-    client = Client(address, one_call_max_bytes=one_call_max_bytes)
+    client = Client(address, one_call_max_bytes=one_call_max_bytes, links=links)
     partitions = [(index * 4 + i) % PARTITIONS for i in range(4)]
     commits, totals, count = [], [], 0
     with client.producer(linger_ms=0) as producer:
@@ -152,14 +155,15 @@ def dump_metrics(addresses: list[str], suffix: str = "") -> None:
 
 
 def small_transactions(report, address: str, clients: int, seconds: float,
-                       one_call: bool = True, profile: Path | None = None) -> dict:
+                       one_call: bool = True, profile: Path | None = None,
+                       links: bool = True) -> dict:
     """`clients` processes in a loop of small transactions (one-call ones, or with
     one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 8 + clients * 0.5
     workers = [context.Process(target=small_client, args=(
-        address, i, seconds, start_at, out, (1 << 20) if one_call else 0))
+        address, i, seconds, start_at, out, (1 << 20) if one_call else 0, links))
         for i in range(clients)]
     for worker in workers:
         worker.start()
@@ -809,6 +813,14 @@ def main() -> None:
                              "thread (the event loop, other Python threads, io_uring's "
                              "kernel workers, gRPC's) with how busy the busiest event loop "
                              "was; writes no docs")
+    parser.add_argument("--streaming", action="store_true",
+                        help="with --only-small: the streaming path's small transactions "
+                             "(Client(one_call_max_bytes=0): NewTxn, Produce, EndTxn) "
+                             "instead of one-call ones")
+    parser.add_argument("--no-client-links", action="store_true",
+                        help="with --only-small: the clients send their calls to "
+                             "coordinators over gRPC (Client(links=False)), not on the "
+                             "coordinators' links")
     parser.add_argument("--only-stream", type=int, default=0, metavar="TURNS",
                         help="run only the three stream cells (idempotent, commit(), "
                              "commit_async()) TURNS times in rotating order and print each "
@@ -872,7 +884,8 @@ def main() -> None:
             return
         if args.only_small:
             small = small_transactions(report, address, args.clients, args.seconds,
-                                       profile=args.profile)
+                                       not args.streaming, args.profile,
+                                       not args.no_client_links)
             print(f"small transactions: {json.dumps(small, indent=1)}", flush=True)
             print(f"small transactions/s {small['per_s']:.0f} "
                   f"({small['per_s'] / floor['calls_per_s'] * 100:.1f}% of the call floor "

@@ -2,7 +2,8 @@
 "The partition servers' links" and "The clients' link"): a plain length-prefixed TCP
 connection beside its gRPC port. A partition server's carries followers' ReplicateMany
 calls and coordinators' StageTxn, TC-log Produce and EndTxnOnPartition calls; a
-coordinator's carries clients' CommitTxn and CommitTxns (spark_client/link.py); a
+coordinator's carries clients' transaction calls (CommitTxn, NewTxn, EndTxn, ...:
+spark_client/link.py); a
 combined server has one link for both.
 
 Why: through gRPC (HTTP/2 frames, its C core's threads, its Cython callbacks and copies on
@@ -17,8 +18,8 @@ leader's answer bytes exactly as its gRPC serializer writes them
 (`replicate_wire.serialize_many`, the records spliced in), parsed by the same
 `parse_many`. A call: the method's request and response messages. The server answers
 with the servicer method of whichever service of its process registered for it
-(`LinkServer.serve`: a coordinator's CommitTxn and CommitTxns from the SDK,
-spark_client/link.py, on a coordinator's or a combined server's link), after the same
+(`LinkServer.serve`: a coordinator's transaction calls from the SDK, spark_client/link.py,
+on a coordinator's or a combined server's link), after the same
 authentication (the caller's bearer token, as `authorization` metadata would carry it)
 and the same ACL check as the gRPC interceptor applies to the method, so nothing is
 reachable on the link that is not reachable, for the same caller, on gRPC.
@@ -110,8 +111,8 @@ LINK_SECONDS = Histogram("atomlog_replication_link_request_duration_seconds",
 LINK_CALLS = Counter("atomlog_link_calls_total",
                      "Calls this server took on its link instead of gRPC, by method: a "
                      "partition server's from coordinators (StageTxn, TC-log Produce, "
-                     "EndTxnOnPartition), a coordinator's from clients (CommitTxn, "
-                     "CommitTxns); those authenticated are also counted in "
+                     "EndTxnOnPartition), a coordinator's from clients (CommitTxn, NewTxn, "
+                     "EndTxn, ...); those authenticated are also counted in "
                      "atomlog_rpc_started_total, as gRPC calls are.", ["method"])
 LINK_FALLBACKS = Counter("atomlog_replication_link_fallbacks_total",
                          "ReplicateMany calls this server sent as a follower over gRPC because "

@@ -476,14 +476,14 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "a fraction of a gRPC call's CPU on both sides (docs/coordinator.md, \"The "
                 "partition servers' links\"); over TLS when tls.enabled). With false those "
                 "calls go over gRPC."),
-        Setting("coordinator.client_link", bool, True, "Take clients' CommitTxn and "
-                "CommitTxns on a link too (the length-prefixed TCP protocol of "
-                "replication.link, authenticated and authorized as gRPC calls are; over TLS "
-                "when tls.enabled), advertised in the metadata: the SDK sends its one-call "
-                "commits there, which costs it and this server less CPU than a gRPC call "
-                "(docs/clients.md, \"The link\"). A combined server serves them on its "
-                "partition server's link (replication.link_listen) when it has one. With "
-                "false clients use gRPC."),
+        Setting("coordinator.client_link", bool, True, "Take clients' transaction calls "
+                "(CommitTxn, CommitTxns, NewTxn, EndTxn, ...) on a link too (the "
+                "length-prefixed TCP protocol of replication.link, authenticated and "
+                "authorized as gRPC calls are; over TLS when tls.enabled), advertised in "
+                "the metadata: the SDK sends them there, which costs it and this server "
+                "less CPU than gRPC calls (docs/clients.md, \"The link\"). A combined "
+                "server serves them on its partition server's link (replication.link_listen) "
+                "when it has one. With false clients use gRPC."),
         Setting("coordinator.link_listen", str, "", "The coordinator's link's listen "
                 "address (coordinator.client_link); empty: the host of server.listen, a port "
                 "picked at start. Advertised as server.advertised_host (or this host) and "

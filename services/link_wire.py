@@ -53,6 +53,13 @@ CALL_METHODS: dict[int, CallMethod] = {method.number: method for method in (
     CallMethod(3, partition_pb2, "PartitionService", "EndTxnOnPartition"),
     CallMethod(4, coordinator_pb2, "CoordinatorService", "CommitTxn"),
     CallMethod(5, coordinator_pb2, "CoordinatorService", "CommitTxns"),
+    # The streaming path's calls to a coordinator (NewTxn, ..., EndTxn).
+    CallMethod(6, coordinator_pb2, "CoordinatorService", "NewTxn"),
+    CallMethod(7, coordinator_pb2, "CoordinatorService", "AddPartitionToTxn"),
+    CallMethod(8, coordinator_pb2, "CoordinatorService", "AddSubscriptionToTxn"),
+    CallMethod(9, coordinator_pb2, "CoordinatorService", "PrepareTxn"),
+    CallMethod(10, coordinator_pb2, "CoordinatorService", "EndTxn"),
+    CallMethod(11, coordinator_pb2, "CoordinatorService", "GetTxnStatus"),
 )}
 CALL_NUMBERS: dict[tuple[str, str], int] = {
     (method.service, method.name): number for number, method in CALL_METHODS.items()}

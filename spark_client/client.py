@@ -56,10 +56,11 @@ class Client:
         16 let 8 transactions committing at once ride together, 30-40% more inputs/s
         (docs/benchmarks.md, "Commit threads").
 
-        `links`: send one-call commits (CommitTxn, CommitTxns) on the coordinators' links
-        where they advertise one (coordinator.client_link), which costs this process and
-        the coordinator less CPU than gRPC calls; everything else, and every call whose
-        link cannot be reached, goes over gRPC (spark_client/link.py). False: gRPC only.
+        `links`: send the calls to coordinators (CommitTxn, CommitTxns, NewTxn, EndTxn
+        and the rest of the transaction calls) on their links where they advertise one
+        (coordinator.client_link), which costs this process and the coordinator less CPU
+        than gRPC calls; everything else, and every call whose link cannot be reached,
+        goes over gRPC (spark_client/link.py). False: gRPC only.
 
         `tune_allocator`: keep buffers under 4 MiB on glibc's heap and return freed
         heap memory to the kernel only past 32 MiB (process-wide, services/allocator.py).

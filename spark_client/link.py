@@ -3,7 +3,8 @@
 A coordinator with coordinator.client_link advertises a link (ServerInfo.link_address in
 the metadata): the length-prefixed TCP protocol its partition servers' followers and
 coordinators already speak (services/link_wire.py), beside its gRPC port. The SDK sends
-its one-call commits there (CommitTxn, CommitTxns): a gRPC call costs a Python client
+its calls to coordinators there (CommitTxn, CommitTxns, and the streaming path's NewTxn
+... EndTxn: link_wire.CALL_METHODS): a gRPC call costs a Python client
 about 0.3-0.4 ms of CPU and the server about as much before either does any work
 (docs/grpc-links.md), a call frame on a kept socket a fraction of that.
 
@@ -13,9 +14,8 @@ refusals (an error frame is the ErrorInfo of the gRPC status); the server checks
 as its gRPC interceptor does. A failure is raised as the failed gRPC call would raise it
 (a grpc.RpcError with the same ErrorInfo), so callers treat both alike; a link that
 cannot be reached raises `LinkUnavailable`, and the caller sends that call, and those of
-the next RETRY_LINK_AFTER_S, over gRPC. Every call the link carries is retry-safe (an
-idempotency key per commit), so a connection lost mid-call is SERVER_UNAVAILABLE and the
-caller retries, as after a gRPC UNAVAILABLE.
+the next RETRY_LINK_AFTER_S, over gRPC. A connection lost mid-call is SERVER_UNAVAILABLE
+(the outcome unknown), which callers retry as after a gRPC UNAVAILABLE.
 
 Blocking sockets, one call per connection at a time, kept for the next call: at most
 MAX_CONNECTIONS per coordinator (a call beyond that goes over gRPC). A forked child drops
@@ -116,6 +116,7 @@ class CoordinatorLink:
         self._lock = threading.Lock()
         self._idle: list[tuple[socket.socket, float]] = []  # (socket, when last used)
         self._open = 0  # connections made and not closed
+        self.connects = 0  # connections made (tests: kept ones are reused)
         self.down_until = 0.0
         self._closed = False
 
@@ -183,6 +184,7 @@ class CoordinatorLink:
             raise
 
     def _connect(self, timeout_s: float) -> socket.socket:
+        self.connects += 1
         try:
             sock = socket.create_connection(self._target,
                                             timeout=min(timeout_s, CONNECT_TIMEOUT_S))
@@ -234,8 +236,13 @@ class CoordinatorLink:
 
 
 def _readable(sock: socket.socket) -> bool:
+    """Whether an idle connection has something to read: its EOF (or an RST), since no
+    call is under way on it. poll(2), not select(2): a process with more than 1,024
+    descriptors (an executor) has sockets select cannot watch."""
+    poller = select.poll()
     try:
-        return bool(select.select([sock], [], [], 0)[0])
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
 

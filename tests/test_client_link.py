@@ -26,15 +26,15 @@ METHODS = ("CommitTxn", "CommitTxns")
 ABORTED = (coordinator_pb2.TXN_STATE_ABORTING, coordinator_pb2.TXN_STATE_ABORTED)
 
 
-def coordinator_calls(cluster) -> dict[str, dict[str, float]]:
+def coordinator_calls(cluster, methods=METHODS) -> dict[str, dict[str, float]]:
     """The coordinators' calls of each method: {"link": ..., "grpc": ...} (those taken on
     the link, and the rest of those started; each server's from one scrape)."""
-    totals = {"link": dict.fromkeys(METHODS, 0.0), "grpc": dict.fromkeys(METHODS, 0.0)}
+    totals = {"link": dict.fromkeys(methods, 0.0), "grpc": dict.fromkeys(methods, 0.0)}
     roles = ("combined",) if cluster.combined else ("coordinator",)
     for server in (p for p in cluster.services() if p["role"] in roles):
         text = urllib.request.urlopen(f"http://{server['metrics_address']}/metrics",
                                       timeout=10).read().decode()
-        for method in METHODS:
+        for method in methods:
             label = f'{{method="/atomlog.v1.CoordinatorService/{method}"}} '
             on_link = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                           if line.startswith("atomlog_link_calls_total" + label))
@@ -45,8 +45,8 @@ def coordinator_calls(cluster) -> dict[str, dict[str, float]]:
     return totals
 
 
-def grew(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    return {way: {m: after[way][m] - before[way][m] for m in METHODS} for way in before}
+def grew(before: dict, after: dict, methods=METHODS) -> dict[str, dict[str, float]]:
+    return {way: {m: after[way][m] - before[way][m] for m in methods} for way in before}
 
 
 def committed_values(client: Client, topic: str, expected: int) -> list[bytes]:
@@ -109,8 +109,39 @@ def test_one_call_commits_go_on_the_coordinators_links(shape):
         assert change["link"]["CommitTxn"] >= 5, change
         assert change["link"]["CommitTxn"] + change["link"]["CommitTxns"] == client.links.calls
         assert client.links.fallbacks == 0
+        # The sequential commits reused their connections; the pipelined ones took at
+        # most the 16 commit threads' worth.
+        assert all(1 <= link.connects <= 16 for link in client.links._links.values())
         assert committed_values(client, topic, 17) == sorted(
             [b"alone-%d" % i for i in range(5)] + [b"piped-%02d" % i for i in range(12)])
+
+
+def test_streaming_transactions_call_their_coordinator_on_its_link(shape):
+    """The streaming path's calls to a coordinator (NewTxn, AddPartitionToTxn, EndTxn; an
+    ack's subscription, when the client registers it, AddSubscriptionToTxn) go on its
+    link too, none over gRPC."""
+    methods = ("NewTxn", "AddPartitionToTxn", "AddSubscriptionToTxn", "EndTxn")
+    name = f"client-link-stream-{'combined' if shape.combined else 'cluster'}"
+    with Client(shape.info["bootstrap"], one_call_max_bytes=0) as client:
+        topic = create_online(client, name, 2)
+        with client.producer(linger_ms=0) as producer:
+            producer.send(topic, b"input", partition=0).result(timeout=30)
+        before = coordinator_calls(shape, methods)
+        with client.consumer([topic], subscription=f"{name}-sub") as consumer, \
+                client.producer(linger_ms=0) as producer:
+            messages = []
+            while not messages:
+                messages = consumer.poll(timeout_s=1.0)
+            for i in range(3):
+                with client.transaction(timeout_s=30) as txn:
+                    producer.send(topic, b"streamed-%d" % i, partition=1, txn=txn)
+                    if i == 0:
+                        consumer.ack(messages, txn=txn)
+        change = grew(before, coordinator_calls(shape, methods), methods)
+        assert all(n == 0 for n in change["grpc"].values()), change
+        assert change["link"]["NewTxn"] == 3 and change["link"]["EndTxn"] == 3, change
+        assert change["link"]["AddPartitionToTxn"] >= 1, change
+        assert client.links.fallbacks == 0
 
 
 def test_without_links_the_commits_go_over_grpc(cluster):
@@ -189,6 +220,7 @@ def test_link_answers_and_refusals_are_grpc_s(cluster):
         assert link.call("CommitTxn", abort, 10).state in ABORTED
         assert stub.CommitTxn(abort, timeout=10).state in ABORTED
         assert len(link._idle) == 1 and link._idle[0][0] is not kept and link._open == 1
+        assert link.connects == 2  # the first, kept for every call until it was closed
 
 
 def test_a_forked_child_drops_the_parent_s_connections(cluster):

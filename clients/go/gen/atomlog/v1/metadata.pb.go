@@ -37,7 +37,7 @@ type ServerInfo struct {
 	RegisteredUnixMs int64 `protobuf:"varint,6,opt,name=registered_unix_ms,json=registeredUnixMs,proto3" json:"registered_unix_ms,omitempty"`
 	// host:port of the server's link, empty when it has none: a length-prefixed TCP
 	// protocol beside the gRPC port (docs/clients.md, "The link") that carries some unary calls for less
-	// CPU than gRPC. A coordinator's link takes CommitTxn and CommitTxns from clients; a
+	// CPU than gRPC. A coordinator's link takes clients' transaction calls; a
 	// partition server's takes its followers' copies and the coordinators' calls. A client
 	// may always use the gRPC port instead.
 	LinkAddress   string `protobuf:"bytes,7,opt,name=link_address,json=linkAddress,proto3" json:"link_address,omitempty"`
