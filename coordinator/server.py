@@ -856,7 +856,7 @@ async def install(runtime) -> list[str]:
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, runtime.server)
     runtime.local_services[service_name(coordinator_pb2, "CoordinatorService")] = servicer
     if config["coordinator.client_link"]:
-        # Clients' one-call commits (docs/clients.md, "The link"); a combined server's
+        # Clients' transaction calls (docs/clients.md, "The link"); a combined server's
         # partition server opened the link already, and this joins it.
         runtime.registration_extra["coordinator"] = {"link": await serve_on_link(
             runtime, "CoordinatorService", servicer, "coordinator.link_listen",
