@@ -4,11 +4,12 @@ against everything off, on the same machine in the same run.
 Three local clusters, one after the other, each of three partition servers, one
 coordinator and one id allocator, every partition in --replication-factor copies: a
 plaintext one (`atomlog up`), a secured one (`atomlog up --tls`: a local CA, mutual TLS on
-every gRPC port and on the partition servers' links, server to server included,
+every gRPC port and on the servers' links, server to server included,
 auth.mode=mtls, auth.authorizer=acl with the client certificate's principal atomlog-admin
 a super user, and the ZooKeeper digest), and the secured one with replication.link=false
-(followers' copies and the coordinator's calls over gRPC, as under TLS before the links
-spoke it). On each it measures:
+and coordinator.client_link=false (followers' copies, the coordinator's calls and the
+client's commits over gRPC, as under TLS before the links spoke it). On each it
+measures:
 
 - produce: wire producers (bench/produce.py's wire_producer: separate processes sending
   pre-encoded idempotent batches of 256 KiB of 1 KiB records, 5 in flight per partition)
@@ -50,10 +51,12 @@ BATCH_KIB = replication.BATCH_KIB
 
 
 # (name, `atomlog up` flags): the plaintext cluster, the secured one, and the secured one
-# without the partition servers' links (their TLS, since 2026-11-29; before, a server
-# with TLS opened none: every coordinator call and follower copy went over gRPC).
+# without links (their TLS, since 2026-11-29; before, a server with TLS opened none:
+# every coordinator call and follower copy went over gRPC; the coordinators' links for
+# the clients' commits came on 2026-11-30).
 CLUSTERS = (("plain", ()), ("secured", ("--tls",)),
-            ("secured_no_link", ("--tls", "--set", "replication.link=false")))
+            ("secured_no_link", ("--tls", "--set", "replication.link=false",
+                                 "--set", "coordinator.client_link=false")))
 
 
 def start_cluster(data_dir: Path, flags: tuple, factor: int) -> dict:
@@ -171,11 +174,12 @@ def write_docs(text: str, results: dict, seconds: float) -> None:
         "three clusters one after the other on this 2-core machine, each of three partition "
         f"servers, one coordinator and one id allocator, replication factor {factor}. The "
         "secured ones are made by `atomlog up --tls` (mutual TLS on every gRPC port and on "
-        "the partition servers' links, server to server too, auth.mode=mtls, "
+        "the servers' links, server to server too, auth.mode=mtls, "
         "auth.authorizer=acl with the client as super user, ZooKeeper digest); the third "
-        "also has `replication.link=false`, so followers copy and the coordinator stages, "
-        "appends to its TC log and sends markers over gRPC, as every secured cluster did "
-        "before the links spoke TLS. Errors seen by the wire producers: plaintext "
+        "also has `replication.link=false` and `coordinator.client_link=false`, so "
+        "followers copy, the coordinator stages, appends to its TC log and sends markers, "
+        "and the client commits over gRPC, as every secured cluster did before the links "
+        "spoke TLS. Errors seen by the wire producers: plaintext "
         f"{off['errors'] or 'none'}, secured {on['errors'] or 'none'}, links off "
         f"{unlinked['errors'] or 'none'}. Machine: {results['machine']}.",
         "",
