@@ -10,7 +10,7 @@ import time
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 
-from partition_server.copy_link import CallLink
+from partition_server.copy_link import CallLinks
 from services import local
 from services.errors import AtomlogError
 from services.logs import event
@@ -36,7 +36,9 @@ class PartitionRoutes:
         self.use_links = use_links
         self._owners: dict[str, list[str]] = {}  # topic -> owner address per partition
         self._link_addresses: dict[str, str] = {}  # gRPC address -> its server's link
-        self._links: dict[str, CallLink] = {}  # gRPC address -> the stub on its link
+        # gRPC address -> the stub on its link; one that cannot be reached: the server
+        # may have restarted with another link address.
+        self._links = CallLinks("PartitionService", self.refresh_soon)
         self._refreshing: asyncio.Future | None = None
         self._refreshed_at = 0.0
         self._read_began = 0.0
@@ -96,21 +98,9 @@ class PartitionRoutes:
         where the server has a link, its StageTxn, Produce and EndTxnOnPartition go over
         the link (copy_link.CallLink; over TLS when the process has TLS)."""
         stub = self._stubs.get(address)
-        if not self.use_links or isinstance(stub, local.LocalStub):
+        if not self.use_links:
             return stub
-        link_address = self._link_addresses.get(address, "")
-        link = self._links.get(address)
-        if link is not None and link.address != link_address:
-            self._links.pop(address).close()  # the server moved its link (a restart)
-            link = None
-        if not link_address:
-            return stub
-        if link is None:
-            link = self._links[address] = CallLink(link_address, stub,
-                                                   on_unreachable=self.refresh_soon,
-                                                   tls=local.channel_tls(),
-                                                   server_address=address)
-        return link
+        return self._links.stub(address, self._link_addresses.get(address, ""), stub)
 
     def refresh_soon(self) -> None:
         """A refresh in the background (one at a time), for a caller that does not wait
@@ -125,9 +115,7 @@ class PartitionRoutes:
         if self._refreshing is not None:
             self._refreshing.cancel()
             await asyncio.gather(self._refreshing, return_exceptions=True)
-        for link in self._links.values():
-            link.close()
-        self._links.clear()
+        self._links.close()
         await self._stubs.close()
 
 

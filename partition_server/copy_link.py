@@ -566,9 +566,11 @@ CALL_FALLBACKS = Counter("atomlog_link_call_fallbacks_total",
 
 
 class CallLink:
-    """A coordinator's stub for one partition server with a link: StageTxn, Produce and
-    EndTxnOnPartition go over the link (call frames, kind 3), any other method over gRPC
-    (`grpc_stub`). Asyncio, on the caller's event loop: one call per connection at a
+    """A server's stub for another server with a link: the methods of `service` the link
+    carries (link_wire.CALL_METHODS) go over the link (call frames, kind 3), any other
+    method over gRPC (`grpc_stub`). A coordinator's for a partition server (StageTxn,
+    Produce, EndTxnOnPartition), a partition server's for a coordinator
+    (VerifyTxnPartitions). Asyncio, on the caller's event loop: one call per connection at a
     time, connections kept for the next call, at most MAX_CALL_CONNECTIONS (a call beyond
     that, or larger than MAX_CALL_BYTES, goes over gRPC). A failure raises what a
     failed gRPC call raises (grpc.aio.AioRpcError with the same ErrorInfo), so callers
@@ -580,7 +582,8 @@ class CallLink:
     Over TLS when `tls` (a services.tls.ChannelTls) is given, as LinkClient."""
 
     def __init__(self, address: str, grpc_stub, on_unreachable=None, tls=None,
-                 server_address: str = ""):
+                 server_address: str = "", service: str = "PartitionService"):
+        self.service = service
         host, _, port = address.rpartition(":")
         self.address = address
         self._target = (host.strip("[]"), int(port))
@@ -595,16 +598,18 @@ class CallLink:
         self._closed = False
 
     def __getattr__(self, method: str):
-        return getattr(self._grpc, method)  # everything else: gRPC
+        """The call function of `method`: on the link when it carries it, else gRPC's
+        (made once, then found as an attribute)."""
+        if method.startswith("_"):
+            raise AttributeError(method)
+        if (self.service, method) not in CALL_NUMBERS:
+            return getattr(self._grpc, method)  # everything else: gRPC
 
-    async def StageTxn(self, request, timeout: float | None = None, **options):
-        return await self._call("StageTxn", request, timeout, options)
+        async def call(request, timeout: float | None = None, **options):
+            return await self._call(method, request, timeout, options)
 
-    async def Produce(self, request, timeout: float | None = None, **options):
-        return await self._call("Produce", request, timeout, options)
-
-    async def EndTxnOnPartition(self, request, timeout: float | None = None, **options):
-        return await self._call("EndTxnOnPartition", request, timeout, options)
+        setattr(self, method, call)
+        return call
 
     def _take_idle(self):
         """A kept connection to use now, or None. One idle longer than CALL_IDLE_S (the
@@ -643,7 +648,7 @@ class CallLink:
         token = source.token.encode() if source is not None else b""
         kept = False
         try:
-            writer.write(call_frame(CALL_NUMBERS["PartitionService", name], timeout, token,
+            writer.write(call_frame(CALL_NUMBERS[self.service, name], timeout, token,
                                     request))
             async with asyncio.timeout_at(deadline):
                 await writer.drain()
@@ -669,8 +674,7 @@ class CallLink:
                 writer.close()
         if kind == KIND_ERROR:
             raise local.rpc_error(from_item(partition_pb2.ItemError.FromString(payload)))
-        return CALL_METHODS[CALL_NUMBERS["PartitionService", name]].response_type.FromString(
-            payload)
+        return CALL_METHODS[CALL_NUMBERS[self.service, name]].response_type.FromString(payload)
 
     async def _connect(self, timeout: float | None):
         self._connections += 1
@@ -704,3 +708,34 @@ class CallLink:
     def close(self) -> None:
         self._closed = True
         self._drop_idle()
+
+
+class CallLinks:
+    """One caller's CallLinks to the servers of one service, by the servers' gRPC
+    addresses: `stub` answers the link's stub where the server advertises a link, and
+    `grpc_stub` (gRPC, or an in-process LocalStub) where it does not or is this process."""
+
+    def __init__(self, service: str, on_unreachable=None):
+        self.service = service
+        self._on_unreachable = on_unreachable
+        self._links: dict[str, CallLink] = {}
+
+    def stub(self, address: str, link_address: str, grpc_stub):
+        if isinstance(grpc_stub, local.LocalStub):
+            return grpc_stub
+        link = self._links.get(address)
+        if link is not None and link.address != link_address:
+            self._links.pop(address).close()  # the server moved its link (a restart)
+            link = None
+        if not link_address:
+            return grpc_stub
+        if link is None:
+            link = self._links[address] = CallLink(
+                link_address, grpc_stub, on_unreachable=self._on_unreachable,
+                tls=local.channel_tls(), server_address=address, service=self.service)
+        return link
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()

@@ -115,7 +115,8 @@ async def install(runtime) -> list[str]:
     await manager.start()
     runtime.stop_hooks.append(manager.close)
     verifier = TxnVerifier(runtime.metadata, epochs,
-                           timeout_s=config["partition.txn_verify_timeout_ms"] / 1000)
+                           timeout_s=config["partition.txn_verify_timeout_ms"] / 1000,
+                           use_links=config["replication.link"])
     runtime.stop_hooks.append(verifier.close)
     checker = TxnChecker(manager, verifier,
                          check_after_ms=config["partition.txn_check_after_ms"],

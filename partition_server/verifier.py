@@ -8,7 +8,9 @@ costs one round trip. Routing: TC partition k's owner is read from ZooKeeper
 (/tc/<k>/owner → the coordinator's registration), cached, and refreshed on
 NOT_COORDINATOR, COORDINATOR_LOADING or an unreachable server; those are retried with a
 backoff until `timeout_s`, then the write is refused with a retriable reason (the
-client's producer retries).
+client's producer retries). Where the coordinator has a link (coordinator.client_link)
+and this server uses links (replication.link), the call goes on it (copy_link.CallLink:
+a fraction of a gRPC call's CPU on both sides; gRPC while it cannot be reached).
 
 An answer counts only if its coordinator epoch is not below the epoch this server knows
 for TC partition k (CoordinatorEpochs): a deposed coordinator's "OPEN" is not trusted.
@@ -29,6 +31,7 @@ from prometheus_client import Counter, Histogram
 
 from coordinator.routing import CHANNEL_OPTIONS
 from partition_server.coordinator_epochs import CoordinatorEpochs
+from partition_server.copy_link import CallLinks
 from partition_server.record_batch import TxnId
 from services import failpoints, local
 from services.backoff import Backoff
@@ -77,13 +80,18 @@ class _Question:
 
 class TxnVerifier:
     def __init__(self, metadata_store, epochs: CoordinatorEpochs, *, timeout_s: float = 10.0,
-                 batch_max: int = 1_000, request_timeout_s: float = 5.0):
+                 batch_max: int = 1_000, request_timeout_s: float = 5.0,
+                 use_links: bool = True):
         self.store = metadata_store
         self.epochs = epochs
         self.timeout_s = timeout_s
         self.batch_max = batch_max
         self.request_timeout_s = request_timeout_s
         self._routes: dict[int, str] = {}  # TC partition -> coordinator address
+        self.use_links = use_links
+        self._link_addresses: dict[str, str] = {}  # coordinator address -> its link
+        # An unreachable link: its coordinator may have restarted with another one.
+        self._links = CallLinks("CoordinatorService", lambda: self._routes.clear())
         self._routes_lock = asyncio.Lock()
         self._calls = PerDestination(self._send, what="verification", max_items=batch_max)
         self._stubs = local.StubCache(COORDINATOR_SERVICE,
@@ -139,7 +147,10 @@ class TxnVerifier:
             if not refresh and self._routes.get(k):
                 return self._routes[k]
             leases = await self.store.tc_leases()
-            servers = {s.name: s.grpc_address for s in await self.store.servers()}
+            entries = await self.store.servers()
+            servers = {s.name: s.grpc_address for s in entries}
+            self._link_addresses = {s.grpc_address: s.link for s in entries
+                                    if s.role == "coordinator" and s.link}
             self._routes = {tc: servers.get(lease["coordinator_name"], "")
                             for tc, lease in leases.items()}
         address = self._routes.get(k)
@@ -193,10 +204,16 @@ class TxnVerifier:
         return Answer(session)
 
     def _stub(self, address: str) -> coordinator_pb2_grpc.CoordinatorServiceStub:
-        return self._stubs.get(address)
+        """In-process where this process is the coordinator; on the coordinator's link
+        where it has one; else gRPC."""
+        stub = self._stubs.get(address)
+        if not self.use_links:
+            return stub
+        return self._links.stub(address, self._link_addresses.get(address, ""), stub)
 
     async def close(self) -> None:
         await self._calls.close()
+        self._links.close()
         await self._stubs.close()
 
 

@@ -60,6 +60,8 @@ CALL_METHODS: dict[int, CallMethod] = {method.number: method for method in (
     CallMethod(9, coordinator_pb2, "CoordinatorService", "PrepareTxn"),
     CallMethod(10, coordinator_pb2, "CoordinatorService", "EndTxn"),
     CallMethod(11, coordinator_pb2, "CoordinatorService", "GetTxnStatus"),
+    # A partition server's questions to a coordinator (partition_server/verifier.py).
+    CallMethod(12, coordinator_pb2, "CoordinatorService", "VerifyTxnPartitions"),
 )}
 CALL_NUMBERS: dict[tuple[str, str], int] = {
     (method.service, method.name): number for number, method in CALL_METHODS.items()}

@@ -119,8 +119,10 @@ def test_one_call_commits_go_on_the_coordinators_links(shape):
 def test_streaming_transactions_call_their_coordinator_on_its_link(shape):
     """The streaming path's calls to a coordinator (NewTxn, AddPartitionToTxn, EndTxn; an
     ack's subscription, when the client registers it, AddSubscriptionToTxn) go on its
-    link too, none over gRPC."""
-    methods = ("NewTxn", "AddPartitionToTxn", "AddSubscriptionToTxn", "EndTxn")
+    link too, and so do the partition servers' VerifyTxnPartitions: none over gRPC (on
+    the combined server the verifications are function calls)."""
+    methods = ("NewTxn", "AddPartitionToTxn", "AddSubscriptionToTxn", "EndTxn",
+               "VerifyTxnPartitions")
     name = f"client-link-stream-{'combined' if shape.combined else 'cluster'}"
     with Client(shape.info["bootstrap"], one_call_max_bytes=0) as client:
         topic = create_online(client, name, 2)
@@ -142,6 +144,10 @@ def test_streaming_transactions_call_their_coordinator_on_its_link(shape):
         assert change["link"]["NewTxn"] == 3 and change["link"]["EndTxn"] == 3, change
         assert change["link"]["AddPartitionToTxn"] >= 1, change
         assert client.links.fallbacks == 0
+        if not shape.combined:
+            # The partition servers asked the coordinators about the transactions' first
+            # writes and acks on the coordinators' links too (partition_server/verifier.py).
+            assert change["link"]["VerifyTxnPartitions"] >= 3, change
 
 
 def test_without_links_the_commits_go_over_grpc(cluster):

@@ -523,9 +523,12 @@ def test_network_policies_allow_exactly_the_paths_atomlog_uses():
     assert allowed(overlay, roles["coordinator"], partition_server, 7072)
     for source in (roles["id-allocator"], client, stranger):
         assert not allowed(overlay, source, partition_server, 7072), source
-    # The coordinators' link: clients' one-call commits; no stranger reaches it.
+    # The coordinators' link: clients' transaction calls and partition servers'
+    # verifications; no stranger, and no id allocator, reaches it.
     assert allowed(overlay, client, roles["coordinator"], 7072)
-    assert not allowed(overlay, stranger, roles["coordinator"], 7072)
+    assert allowed(overlay, partition_server, roles["coordinator"], 7072)
+    for source in (roles["id-allocator"], stranger):
+        assert not allowed(overlay, source, roles["coordinator"], 7072), source
     assert not allowed(overlay, client, zookeeper, 2181)
     assert not allowed(overlay, roles["coordinator"], zookeeper, 2888)
     # DNS is open to every pod (kube-dns or a node-local cache).
