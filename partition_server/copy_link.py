@@ -560,8 +560,10 @@ class LinkUnavailable(ConnectionError):
 MAX_CALL_CONNECTIONS = 8  # per partition server: more calls at once go over gRPC
 CALL_IDLE_S = IDLE_TIMEOUT_S / 2  # a kept connection unused this long is closed, not used
 CALL_FALLBACKS = Counter("atomlog_link_call_fallbacks_total",
-                         "Coordinator calls sent over gRPC because the partition server's link "
-                         "could not be reached (or had no free connection), by method.",
+                         "Calls this server sent over gRPC because the other server's link "
+                         "could not be reached (or had no free connection), by method: a "
+                         "coordinator's to partition servers, a partition server's "
+                         "VerifyTxnPartitions to coordinators.",
                          ["method"])
 
 
@@ -689,7 +691,7 @@ class CallLink:
             if not isinstance(error, (OSError, TimeoutError, ValueError)):
                 raise  # cancelled (ValueError: TLS files that cannot be loaded)
             self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
-            event(log, "link unreachable: coordinator calls go over gRPC for a while",
+            event(log, "link unreachable: calls to it go over gRPC for a while",
                   logging.WARNING, link=self.address, error=str(error),
                   retry_after_s=RETRY_LINK_AFTER_S)
             if self._on_unreachable is not None:
