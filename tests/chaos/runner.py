@@ -234,7 +234,8 @@ class Run:
                              "ATOMLOG_REPLICATION_LINK_ADVERTISED_PORT":
                                  link_proxy.rsplit(":", 1)[1]}
             elif entry.role == "coordinator":
-                # Its link (clients' one-call commits) likewise: net faults cut them too.
+                # Its link (clients' transaction calls, partition servers' verifications)
+                # likewise: net faults cut them too.
                 link = f"127.0.0.1:{launcher.free_port()}"
                 link_proxy = self.proxy.add_route(f"{entry.name}/link", link,
                                                   int(launcher.free_port()),
