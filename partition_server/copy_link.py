@@ -66,6 +66,7 @@ from services.link_wire import (
     CALL_HEAD,
     CALL_METHODS,
     CALL_NUMBERS,
+    HANDSHAKE_TIMEOUT_S,
     HEAD,
     KIND_ANSWER,
     KIND_CALL,
@@ -74,8 +75,10 @@ from services.link_wire import (
     MAGIC,
     MAX_CALL_BYTES,
     TOKEN_LEN,
+    LinkProtocolError,
     call_frame,
-    receive_exactly,
+    connect_blocking,
+    read_answer,
 )
 from services.errors import AtomlogError, from_item, from_rpc_error, unexpected
 from services.metrics import LATENCY_BUCKETS_SECONDS
@@ -92,7 +95,6 @@ MAX_HELD_BYTES = 256 << 20
 # to 16 connections per coordinator; more are sent over gRPC).
 MAX_CONNECTIONS = 1024
 IDLE_TIMEOUT_S = 120.0
-HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake not done by then closes the connection
 # An answer at most this large leaves in one write with its head (a larger one, a
 # follower's records, in two, not copied once more to join them).
 JOIN_BYTES = 256 << 10
@@ -117,10 +119,6 @@ LINK_CALLS = Counter("atomlog_link_calls_total",
 LINK_FALLBACKS = Counter("atomlog_replication_link_fallbacks_total",
                          "ReplicateMany calls this server sent as a follower over gRPC because "
                          "its leader's replication link could not be reached.")
-
-
-class LinkProtocolError(ConnectionError):
-    """The peer broke the link's wire format: the connection is closed."""
 
 
 # ----------------------------------------------------------------------------- leader side
@@ -516,33 +514,16 @@ class LinkClient:
         sock = self._sock
         if sock is None:
             try:
-                sock = socket.create_connection(self._target, timeout=min(timeout_s, 5.0))
-            except OSError as error:
-                self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
-                raise LinkUnavailable(f"{self.address}: {error}") from None
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._tls is not None:  # (the TLS socket takes the plain one's descriptor)
-                    sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
-                    sock = self._tls.ssl_context().wrap_socket(
-                        sock, server_hostname=self._server_hostname)
-                sock.sendall(MAGIC)
-            except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
-                sock.close()
+                sock = connect_blocking(self._target, timeout_s, self._tls,
+                                        self._server_hostname)
+            except (OSError, ValueError) as error:
                 self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
                 raise LinkUnavailable(f"{self.address}: {error}") from None
             self._sock = sock
         try:
             sock.settimeout(timeout_s)
             sock.sendall(frame)
-            head = bytearray(HEAD.size)
-            receive_exactly(sock, memoryview(head))
-            length, kind = HEAD.unpack(head)
-            if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= limit + 1:
-                raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
-            payload = bytearray(length - 1)
-            receive_exactly(sock, memoryview(payload))
-            return kind, payload
+            return read_answer(sock, limit)
         except BaseException:
             self._sock = None
             try:

@@ -76,6 +76,46 @@ def call_frame(number: int, timeout_s: float | None, token: bytes, request) -> b
                      CALL_HEAD.pack(number, timeout_ms, len(token)), token, body))
 
 
+class LinkProtocolError(ConnectionError):
+    """The peer broke the link's wire format: the connection is closed."""
+
+
+CONNECT_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake not done by then: no connection
+
+
+def connect_blocking(target: tuple[str, int], timeout_s: float, tls=None,
+                     server_hostname: str = "") -> socket.socket:
+    """A blocking connection to a link, ready for frames: connected, TCP_NODELAY, over
+    TLS when `tls` (a services.tls.ChannelTls) is given, MAGIC sent. Raises OSError
+    (ssl.SSLError included) or ValueError (TLS files that cannot be loaded) when it
+    cannot be made, leaving nothing open."""
+    sock = socket.create_connection(target, timeout=min(timeout_s, CONNECT_TIMEOUT_S))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:  # (the TLS socket takes the plain one's descriptor)
+            sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
+            sock = tls.ssl_context().wrap_socket(sock, server_hostname=server_hostname)
+        sock.sendall(MAGIC)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def read_answer(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
+    """The next answer frame on a blocking socket, (kind, payload): KIND_ANSWER or
+    KIND_ERROR, at most `limit` bytes of payload (LinkProtocolError otherwise)."""
+    head = bytearray(HEAD.size)
+    receive_exactly(sock, memoryview(head))
+    length, kind = HEAD.unpack(head)
+    if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= limit + 1:
+        raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
+    payload = bytearray(length - 1)
+    receive_exactly(sock, memoryview(payload))
+    return kind, payload
+
+
 def receive_exactly(sock: socket.socket, into: memoryview) -> None:
     """Fills `into` from a blocking socket; ConnectionError when the peer closes first."""
     got, size = 0, len(into)

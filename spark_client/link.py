@@ -37,21 +37,17 @@ from services.errors import AtomlogError, from_item
 from services.link_wire import (
     CALL_METHODS,
     CALL_NUMBERS,
-    HEAD,
-    KIND_ANSWER,
     KIND_ERROR,
-    MAGIC,
     MAX_CALL_BYTES,
     call_frame,
-    receive_exactly,
+    connect_blocking,
+    read_answer,
 )
 
 SERVICE = "CoordinatorService"
 METHODS = frozenset(name for service, name in CALL_NUMBERS if service == SERVICE)
 MAX_CONNECTIONS = 16  # per coordinator; more calls at once go over gRPC
 IDLE_S = 60.0  # a kept connection unused this long is closed (the server's idle limit: 120 s)
-CONNECT_TIMEOUT_S = 5.0
-HANDSHAKE_TIMEOUT_S = 10.0
 RETRY_LINK_AFTER_S = 10.0  # after a link could not be reached, gRPC for this long
 
 
@@ -135,13 +131,7 @@ class CoordinatorLink:
         try:
             sock.settimeout(max(0.001, timeout_s))
             sock.sendall(frame)
-            head = bytearray(HEAD.size)
-            receive_exactly(sock, memoryview(head))
-            length, kind = HEAD.unpack(head)
-            if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= MAX_CALL_BYTES + 1:
-                raise ConnectionError(f"answer frame kind {kind}, {length} bytes")
-            payload = bytearray(length - 1)
-            receive_exactly(sock, memoryview(payload))
+            kind, payload = read_answer(sock, MAX_CALL_BYTES)
             kept = True
         except (socket.timeout, TimeoutError):
             raise local.rpc_error(AtomlogError(
@@ -186,23 +176,10 @@ class CoordinatorLink:
     def _connect(self, timeout_s: float) -> socket.socket:
         self.connects += 1
         try:
-            sock = socket.create_connection(self._target,
-                                            timeout=min(timeout_s, CONNECT_TIMEOUT_S))
-        except OSError as error:
-            self._down(error)
-            raise LinkUnavailable(f"{self.address}: {error}") from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:  # (the TLS socket takes the plain one's descriptor)
-                sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
-                sock = self._tls.ssl_context().wrap_socket(
-                    sock, server_hostname=self._server_hostname)
-            sock.sendall(MAGIC)
+            return connect_blocking(self._target, timeout_s, self._tls, self._server_hostname)
         except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
-            sock.close()
             self._down(error)
             raise LinkUnavailable(f"{self.address}: {error}") from None
-        return sock
 
     def _give_back(self, sock: socket.socket, kept: bool) -> None:
         with self._lock:

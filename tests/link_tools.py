@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import urllib.request
 
 from partition_server.copy_link import KIND_REQUEST, MAGIC
 
@@ -57,3 +58,21 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return sock.recv(1) == b""
     except ConnectionResetError:
         return True
+
+
+def calls_by_way(metrics_addresses, service: str, methods) -> dict[str, dict[str, float]]:
+    """The calls of each of `service`'s `methods` the servers at `metrics_addresses`
+    took, {"link": ..., "grpc": ...}: those taken on their links, and the rest of those
+    started (each server's counters read from one scrape, so the two agree)."""
+    totals = {"link": dict.fromkeys(methods, 0.0), "grpc": dict.fromkeys(methods, 0.0)}
+    for address in metrics_addresses:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        for method in methods:
+            label = f'{{method="/atomlog.v1.{service}/{method}"}} '
+            on_link = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("atomlog_link_calls_total" + label))
+            started = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("atomlog_rpc_started_total" + label))
+            totals["link"][method] += on_link
+            totals["grpc"][method] += started - on_link
+    return totals

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -18,6 +17,7 @@ from atomlog.v1 import coordinator_pb2, metadata_pb2
 from services.errors import from_rpc_error
 from spark_client import Client
 from tests.conftest import create_online, wait_until
+from tests.link_tools import calls_by_way
 
 pytestmark = pytest.mark.cluster
 
@@ -27,26 +27,23 @@ ABORTED = (coordinator_pb2.TXN_STATE_ABORTING, coordinator_pb2.TXN_STATE_ABORTED
 
 
 def coordinator_calls(cluster, methods=METHODS) -> dict[str, dict[str, float]]:
-    """The coordinators' calls of each method: {"link": ..., "grpc": ...} (those taken on
-    the link, and the rest of those started; each server's from one scrape)."""
-    totals = {"link": dict.fromkeys(methods, 0.0), "grpc": dict.fromkeys(methods, 0.0)}
+    """The coordinators' calls of each method: {"link": ..., "grpc": ...}."""
     roles = ("combined",) if cluster.combined else ("coordinator",)
-    for server in (p for p in cluster.services() if p["role"] in roles):
-        text = urllib.request.urlopen(f"http://{server['metrics_address']}/metrics",
-                                      timeout=10).read().decode()
-        for method in methods:
-            label = f'{{method="/atomlog.v1.CoordinatorService/{method}"}} '
-            on_link = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith("atomlog_link_calls_total" + label))
-            started = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith("atomlog_rpc_started_total" + label))
-            totals["link"][method] += on_link
-            totals["grpc"][method] += started - on_link
-    return totals
+    return calls_by_way([p["metrics_address"] for p in cluster.services() if p["role"] in roles],
+                        "CoordinatorService", methods)
 
 
 def grew(before: dict, after: dict, methods=METHODS) -> dict[str, dict[str, float]]:
     return {way: {m: after[way][m] - before[way][m] for m in methods} for way in before}
+
+
+def commit_each(client: Client, producer, topic: str, values: list[bytes],
+                partitions: int = 1) -> None:
+    """One transaction per value, committed before the next begins (value i to partition
+    i % partitions)."""
+    for i, value in enumerate(values):
+        with client.transaction(timeout_s=30) as txn:
+            producer.send(topic, value, partition=i % partitions, txn=txn)
 
 
 def committed_values(client: Client, topic: str, expected: int) -> list[bytes]:
@@ -94,9 +91,7 @@ def test_one_call_commits_go_on_the_coordinators_links(shape):
         topic = create_online(client, topic_name, 2)
         before = coordinator_calls(shape)
         with client.producer(linger_ms=0) as producer:
-            for i in range(5):
-                with client.transaction(timeout_s=30) as txn:
-                    producer.send(topic, b"alone-%d" % i, partition=i % 2, txn=txn)
+            commit_each(client, producer, topic, [b"alone-%d" % i for i in range(5)], 2)
             pending = []
             for i in range(12):  # pipelined: those queued behind one in flight ride together
                 txn = client.begin_transaction(timeout_s=30)
@@ -155,9 +150,7 @@ def test_without_links_the_commits_go_over_grpc(cluster):
         topic = create_online(client, "client-link-off", 1)
         before = coordinator_calls(cluster)
         with client.producer(linger_ms=0) as producer:
-            for i in range(3):
-                with client.transaction(timeout_s=30) as txn:
-                    producer.send(topic, b"grpc-%d" % i, partition=0, txn=txn)
+            commit_each(client, producer, topic, [b"grpc-%d" % i for i in range(3)])
         change = grew(before, coordinator_calls(cluster))
         assert change["link"]["CommitTxn"] == 0 and change["grpc"]["CommitTxn"] == 3, change
         assert client.links.calls == 0
@@ -176,9 +169,7 @@ def test_a_link_that_cannot_be_reached_sends_the_commits_over_grpc(cluster):
                                                           dead)
         before = coordinator_calls(cluster)
         with client.producer(linger_ms=0) as producer:
-            for i in range(6):
-                with client.transaction(timeout_s=30) as txn:
-                    producer.send(topic, b"fallback-%d" % i, partition=0, txn=txn)
+            commit_each(client, producer, topic, [b"fallback-%d" % i for i in range(6)])
         change = grew(before, coordinator_calls(cluster))
         assert change["grpc"]["CommitTxn"] == 6 and change["link"]["CommitTxn"] == 0, change
         # Each coordinator's link tried once (its transactions' TC partitions are

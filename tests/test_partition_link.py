@@ -23,7 +23,8 @@ from partition_server.record_batch import Record, encode_batch
 from services.errors import from_rpc_error
 from spark_client import Client
 from tests.conftest import create_online, metric_sum, wait_until
-from tests.link_tools import HEAD, closed_by_peer, connect, link_address, read_frame
+from tests.link_tools import (HEAD, calls_by_way, closed_by_peer, connect, link_address,
+                              read_frame)
 
 pytestmark = pytest.mark.cluster
 
@@ -41,24 +42,9 @@ def servers(cluster, role: str) -> list[dict]:
 
 
 def calls(cluster) -> dict[str, dict[str, float]]:
-    """The partition servers' calls of each method, {"link": ..., "grpc": ...}: those
-    taken on the link, and the rest of those started (each server's counters read from
-    one scrape, so the two agree)."""
-    import urllib.request
-
-    totals = {"link": dict.fromkeys(LINK_METHODS, 0.0), "grpc": dict.fromkeys(LINK_METHODS, 0.0)}
-    for server in servers(cluster, "partition_server"):
-        text = urllib.request.urlopen(f"http://{server['metrics_address']}/metrics",
-                                      timeout=10).read().decode()
-        for method in LINK_METHODS:
-            label = f'{{method="/atomlog.v1.PartitionService/{method}"}} '
-            on_link = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith("atomlog_link_calls_total" + label))
-            started = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith("atomlog_rpc_started_total" + label))
-            totals["link"][method] += on_link
-            totals["grpc"][method] += started - on_link
-    return totals
+    """The partition servers' calls of each method, {"link": ..., "grpc": ...}."""
+    return calls_by_way([s["metrics_address"] for s in servers(cluster, "partition_server")],
+                        "PartitionService", LINK_METHODS)
 
 
 def fallbacks(cluster) -> float:
