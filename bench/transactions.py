@@ -119,6 +119,9 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
     client = Client(address, one_call_max_bytes=one_call_max_bytes, links=links)
     partitions = [(index * 4 + i) % PARTITIONS for i in range(4)]
     commits, totals, count = [], [], 0
+    # A diagnostic: with ATOMLOG_BENCH_LATENCIES_OUT=FILE, each commit's end (Unix time)
+    # and latency, to tell stalls (slow commits together) from queueing (spread).
+    timeline = [] if os.environ.get("ATOMLOG_BENCH_LATENCIES_OUT") else None
     with client.producer(linger_ms=0) as producer:
         for _ in range(5):  # warm up: connections, producer registration, verification path
             txn = client.begin_transaction(timeout_s=30)
@@ -139,9 +142,14 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
             ended = time.perf_counter()
             commits.append(ended - committing)
             totals.append(ended - began)
+            if timeline is not None:
+                timeline.append((ended, ended - committing))
             count += 1
         cpu = time.process_time() - cpu_before
     client.close()
+    if timeline is not None:
+        with open(os.environ["ATOMLOG_BENCH_LATENCIES_OUT"], "a") as f:
+            f.writelines(f"{index} {at:.6f} {latency * 1e3:.3f}\n" for at, latency in timeline)
     out.put((count, commits, totals, cpu))
 
 
@@ -156,9 +164,11 @@ def dump_metrics(addresses: list[str], suffix: str = "") -> None:
 
 def small_transactions(report, address: str, clients: int, seconds: float,
                        one_call: bool = True, profile: Path | None = None,
-                       links: bool = True) -> dict:
+                       links: bool = True, profile_worker: bool = False) -> dict:
     """`clients` processes in a loop of small transactions (one-call ones, or with
-    one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`."""
+    one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`. `profile`:
+    py-spy records the first server over the window into that file (with
+    `profile_worker` the first client process instead)."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 8 + clients * 0.5
@@ -176,7 +186,8 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     threads_before = {p.name: common.thread_cpu_seconds(p.pid) for p in services}
     spy = None
     if profile is not None:
-        spy = common.py_spy(services[0].pid, profile, seconds)
+        spy = common.py_spy(workers[0].pid if profile_worker else services[0].pid,
+                            profile, seconds)
     results = [out.get(timeout=seconds + 300) for _ in workers]
     server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
     # By kind of thread, summed over the servers: what holds the GIL (the event loops,
@@ -223,7 +234,9 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "busiest_event_loop_busy": busiest_loop / seconds,
             "client_cpu_ms_per_txn": client_cpu / max(count, 1) * 1e3,
             "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
+            "commit_p90_ms": common.percentile(commits, 0.9) * 1e3,
             "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
+            "commit_max_ms": max(commits, default=float("nan")) * 1e3,
             "txn_p50_ms": common.percentile(totals, 0.5) * 1e3,
             "txn_p99_ms": common.percentile(totals, 0.99) * 1e3}
 
@@ -832,8 +845,9 @@ def main() -> None:
                              "pipelined CTP cell into FILE's name with -pipelined before "
                              "its extension)")
     parser.add_argument("--profile-worker", action="store_true",
-                        help="with --only-ctp --profile: record the CTP worker (the SDK "
-                             "client) instead of the server")
+                        help="with --profile: record the SDK client instead of the "
+                             "server (the CTP worker; with --only-small the first client "
+                             "process)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a config setting for every server (repeatable), e.g. "
@@ -885,7 +899,7 @@ def main() -> None:
         if args.only_small:
             small = small_transactions(report, address, args.clients, args.seconds,
                                        not args.streaming, args.profile,
-                                       not args.no_client_links)
+                                       not args.no_client_links, args.profile_worker)
             print(f"small transactions: {json.dumps(small, indent=1)}", flush=True)
             print(f"small transactions/s {small['per_s']:.0f} "
                   f"({small['per_s'] / floor['calls_per_s'] * 100:.1f}% of the call floor "
