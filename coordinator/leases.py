@@ -74,8 +74,9 @@ from typing import Any
 
 from kazoo.client import KazooState
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 
+from services.fastmetrics import Counter
 from services.logs import event
 from services.zk import SERVERS_PATH, TC_PATH, ZkSession, aio
 

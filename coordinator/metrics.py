@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.fastmetrics import Counter, Histogram
 from services.metrics import LATENCY_BUCKETS_SECONDS
 
 STARTED = Counter("atomlog_coordinator_transactions_started_total",

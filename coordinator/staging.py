@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import grpc
 from atomlog.v1 import common_pb2, partition_pb2
-from prometheus_client import Counter, Histogram
 
 from coordinator.markers import MarkerChannel
 from coordinator.records import TopicPartition, TxnId
@@ -41,6 +40,7 @@ from services import failpoints, local
 from services.backoff import Backoff
 from services.batching import PerDestination
 from services.errors import AtomlogError, from_rpc_error
+from services.fastmetrics import Counter, Histogram
 from services.logs import event
 from services.metrics import LATENCY_BUCKETS_SECONDS
 

@@ -6,8 +6,9 @@ The ZooKeeper connection state is the shared `atomlog_zookeeper_connected` gauge
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Gauge
 
+from services.fastmetrics import Counter, Histogram
 from services.metrics import LATENCY_BUCKETS_SECONDS
 
 BLOCKS_ALLOCATED = Counter("atomlog_id_allocator_blocks_allocated_total",

@@ -25,8 +25,7 @@ import json
 import logging
 import threading
 
-from prometheus_client import Counter
-
+from services.fastmetrics import Counter
 from services.logs import event
 from services.zk import TC_PATH, ZkSession
 

@@ -55,13 +55,12 @@ import socket
 import ssl
 import time
 
-from prometheus_client import Counter, Histogram
-
 import grpc
 
 from atomlog.v1 import partition_pb2
 from partition_server.replicate_wire import ReplicateManyAnswer, parse_many, serialize_many
 from services import auth, interceptors, local
+from services.fastmetrics import Counter, Histogram
 from services.link_wire import (
     CALL_HEAD,
     CALL_METHODS,

@@ -72,10 +72,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter, Histogram
-
 from partition_server import uring
 from services import failpoints
+from services.fastmetrics import Counter, Histogram
 from services.metrics import LATENCY_BUCKETS_SECONDS
 
 log = logging.getLogger(__name__)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.fastmetrics import Counter, Histogram
 from services.metrics import LATENCY_BUCKETS_SECONDS
 
 BYTES_IN = Counter("atomlog_partition_bytes_in_total", "Bytes of record batches appended.",

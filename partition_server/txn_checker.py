@@ -25,11 +25,11 @@ import logging
 import time
 
 from atomlog.v1 import coordinator_pb2
-from prometheus_client import Counter
 
 from partition_server.owner import Marker, State
 from partition_server.record_batch import ControlType, TxnId
 from services.errors import AtomlogError
+from services.fastmetrics import Counter
 from services.logs import event
 
 log = logging.getLogger("atomlog.partition.txn_checker")

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import grpc
 from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from prometheus_client import Counter, Histogram
 
 from coordinator.routing import CHANNEL_OPTIONS
 from partition_server.coordinator_epochs import CoordinatorEpochs
@@ -37,6 +36,7 @@ from services import failpoints, local
 from services.backoff import Backoff
 from services.batching import PerDestination
 from services.errors import AtomlogError, from_rpc_error
+from services.fastmetrics import Counter, Histogram
 from services.metrics import LATENCY_BUCKETS_SECONDS
 
 COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
