@@ -14,6 +14,9 @@ registry renders them through `collect()`, as any collector), with no lock:
   barrier's thread);
 - a scrape sums the shards (a thread writing meanwhile may or may not be in the sum, as
   with any concurrent scrape);
+- a child holds at most one shard per thread that ever updated it: the servers update
+  metrics from their event loop, their executors' bounded pools and a few long-lived
+  threads, never from a thread per request;
 - `labels()` caches its children by the tuple of values given;
 - a histogram finds its bucket by bisection.
 
@@ -42,8 +45,6 @@ _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 class _Metric(Collector):
-    _kind = ""
-
     def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
                  registry: CollectorRegistry | None = REGISTRY):
         self._name = name
