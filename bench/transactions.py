@@ -45,7 +45,11 @@ consume-transform-produce part of it).
 --only-small runs the small-transactions cell alone (one-call, after the gRPC call floor)
 and prints transactions/s, the server's CPU per transaction (utime + stime of every
 server process over the timed window, from /proc: the figure that holds on a noisy
-machine) and its fsyncs per transaction; --profile records the server with py-spy;
+machine), its fsyncs per transaction and commit p50/p90/p99/max; --profile records the
+server with py-spy (--profile-worker: the first client instead);
+ATOMLOG_BENCH_LATENCIES_OUT=FILE appends each commit's client index, end
+(time.perf_counter, one clock for every process) and latency in ms to FILE, to tell
+bursts that stall every client at once from queueing spread over the run;
 --streaming runs the streaming path's small transactions instead, --no-client-links has
 the clients call their coordinators over gRPC instead of on the coordinators' links.
 --only-stream TURNS runs the three cells of (2) TURNS times, rotating their order, and
@@ -119,8 +123,8 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
     client = Client(address, one_call_max_bytes=one_call_max_bytes, links=links)
     partitions = [(index * 4 + i) % PARTITIONS for i in range(4)]
     commits, totals, count = [], [], 0
-    # A diagnostic: with ATOMLOG_BENCH_LATENCIES_OUT=FILE, each commit's end (Unix time)
-    # and latency, to tell stalls (slow commits together) from queueing (spread).
+    # A diagnostic: with ATOMLOG_BENCH_LATENCIES_OUT=FILE, each commit's end
+    # (time.perf_counter) and latency (the module doc).
     timeline = [] if os.environ.get("ATOMLOG_BENCH_LATENCIES_OUT") else None
     with client.producer(linger_ms=0) as producer:
         for _ in range(5):  # warm up: connections, producer registration, verification path
