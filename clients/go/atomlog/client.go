@@ -11,10 +11,12 @@ package atomlog
 
 import (
 	"context"
+	"crypto/tls"
 	"math/rand/v2"
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -38,6 +40,9 @@ type Options struct {
 	// (WithBearerToken, WithBearerTokenFile).
 	Token     string
 	TokenFile string
+	// NoLinks sends every call over gRPC: none on the coordinators' links (WithoutLinks).
+	// Links are used only when DialOptions is empty (a link cannot apply dial options).
+	NoLinks bool
 }
 
 // Client is a connection to an atomlog cluster: one gRPC connection per server, a
@@ -47,10 +52,14 @@ type Client struct {
 	bootstrap []string
 	opts      Options
 	transport credentials.TransportCredentials // nil: plaintext
+	tls       *tls.Config                      // what transport wraps (nil: plaintext)
 	token     *bearer                          // nil: no bearer token
 
 	connMu sync.Mutex
 	conns  map[string]*grpc.ClientConn
+	links  map[string]*coordinatorLink // by the coordinator's gRPC address
+	// linkCalls counts calls answered on the coordinators' links (tests).
+	linkCalls atomic.Int64
 
 	metaMu      sync.Mutex
 	refreshMu   sync.Mutex // one refresh at a time
@@ -59,6 +68,7 @@ type Client struct {
 	tcRoutes    map[uint32]string
 	tcCount     uint32
 	coords      []string
+	coordLinks  map[string]string // a coordinator's gRPC address -> its link's
 	refreshedAt time.Time
 	refreshes   int // how many GetMetadata calls refreshed the cache (tests)
 }
@@ -89,7 +99,7 @@ func Dial(bootstrap string, options ...func(*Options)) (*Client, error) {
 	for _, option := range options {
 		option(&opts)
 	}
-	transport, err := transportCredentials(opts.TLS)
+	transport, settings, err := transportCredentials(opts.TLS)
 	if err != nil {
 		return nil, err
 	}
@@ -97,9 +107,15 @@ func Dial(bootstrap string, options ...func(*Options)) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{bootstrap: addresses, opts: opts, transport: transport, token: token,
-		conns: map[string]*grpc.ClientConn{}, topics: map[string][]route{},
-		tcRoutes: map[uint32]string{}}, nil
+	return &Client{bootstrap: addresses, opts: opts, transport: transport, tls: settings,
+		token: token, conns: map[string]*grpc.ClientConn{}, links: map[string]*coordinatorLink{},
+		topics: map[string][]route{}, tcRoutes: map[uint32]string{},
+		coordLinks: map[string]string{}}, nil
+}
+
+// WithoutLinks sets Options.NoLinks: every call over gRPC.
+func WithoutLinks() func(*Options) {
+	return func(o *Options) { o.NoLinks = true }
 }
 
 // WithRequestTimeout sets Options.RequestTimeout.
@@ -119,6 +135,10 @@ func (c *Client) Close() error {
 	for address, conn := range c.conns {
 		conn.Close()
 		delete(c.conns, address)
+	}
+	for address, link := range c.links {
+		link.close()
+		delete(c.links, address)
 	}
 	return nil
 }
@@ -159,12 +179,34 @@ func (c *Client) partitionStub(address string) (pb.PartitionServiceClient, error
 	return pb.NewPartitionServiceClient(conn), nil
 }
 
+// coordinatorStub is the coordinator at `address` as a CoordinatorServiceClient: the
+// calls its link carries go on the link when it advertises one (link.go).
 func (c *Client) coordinatorStub(address string) (pb.CoordinatorServiceClient, error) {
 	conn, err := c.conn(address)
 	if err != nil {
 		return nil, err
 	}
-	return pb.NewCoordinatorServiceClient(conn), nil
+	stub := pb.NewCoordinatorServiceClient(conn)
+	if c.opts.NoLinks || len(c.opts.DialOptions) > 0 {
+		return stub, nil
+	}
+	c.metaMu.Lock()
+	linkAddress := c.coordLinks[address]
+	c.metaMu.Unlock()
+	if linkAddress == "" {
+		return stub, nil
+	}
+	c.connMu.Lock()
+	link := c.links[address]
+	if link == nil || link.address != linkAddress { // new, or a restarted coordinator
+		if link != nil {
+			link.close()
+		}
+		link = newCoordinatorLink(linkAddress, address, c.tls, c.token, &c.linkCalls)
+		c.links[address] = link
+	}
+	c.connMu.Unlock()
+	return linkedCoordinator{CoordinatorServiceClient: stub, link: link}, nil
 }
 
 // attempt is the context of one RPC attempt: the caller's, cut to RequestTimeout.
@@ -242,10 +284,14 @@ func (c *Client) Refresh(ctx context.Context, topics ...string) error {
 	}
 	c.servers = c.servers[:0]
 	c.coords = c.coords[:0]
+	c.coordLinks = map[string]string{}
 	for _, s := range reply.GetServers() {
 		c.servers = append(c.servers, s.GetGrpcAddress())
 		if s.GetRole() == pb.ServerRole_SERVER_ROLE_COORDINATOR {
 			c.coords = append(c.coords, s.GetGrpcAddress())
+			if s.GetLinkAddress() != "" {
+				c.coordLinks[s.GetGrpcAddress()] = s.GetLinkAddress()
+			}
 		}
 	}
 	c.tcCount = reply.GetTcPartitionCount()

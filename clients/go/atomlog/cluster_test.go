@@ -548,3 +548,60 @@ func TestClusterSessionFencing(t *testing.T) {
 		t.Fatalf("read %v", got)
 	}
 }
+
+func TestClusterCommitsOnTheCoordinatorsLinks(t *testing.T) {
+	c, ctx := cluster(t)
+	out := topic(t, ctx, c, "link", 2)
+	plain, err := Dial(os.Getenv("ATOMLOG_BOOTSTRAP"), WithRequestTimeout(10*time.Second), WithoutLinks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	for i, client := range []*Client{c, plain} {
+		before := client.linkCalls.Load()
+		// One-call transactions: CommitTxn.
+		for j := 0; j < 3; j++ {
+			txn, err := client.NewOneCallTxn(ctx, OneCallOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			txn.Send(ctx, out, Record{Value: []byte(fmt.Sprintf("one-call-%d-%d", i, j))}, ToPartition(int32(j%2)))
+			if _, err := txn.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// The streaming path: NewTxn ... EndTxn.
+		producer, err := client.NewProducer(ctx, ProducerOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		txn, err := client.BeginTxn(ctx, TxnOptions{Timeout: 20 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := producer.Send(ctx, out, Record{Value: []byte(fmt.Sprintf("streaming-%d", i))}, ToPartition(0), InTxn(txn))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := txn.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		producer.Close(ctx)
+		onLinks := client.linkCalls.Load() - before
+		if client == c && onLinks < 5 { // 3 CommitTxn, NewTxn, EndTxn at least
+			t.Fatalf("%d calls on the coordinators' links", onLinks)
+		}
+		if client == plain && onLinks != 0 {
+			t.Fatalf("WithoutLinks: %d calls on the links", onLinks)
+		}
+	}
+	got := values(readAll(t, ctx, c, out, ReadCommitted, 8))
+	sort.Strings(got)
+	if fmt.Sprint(got) != "[one-call-0-0 one-call-0-1 one-call-0-2 one-call-1-0 one-call-1-1 one-call-1-2 "+
+		"streaming-0 streaming-1]" {
+		t.Fatalf("read %v", got)
+	}
+}

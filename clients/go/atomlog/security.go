@@ -46,34 +46,35 @@ func WithBearerTokenFile(path string) func(*Options) {
 	return func(o *Options) { o.TokenFile = path }
 }
 
-// transportCredentials builds the TLS credentials of TLSConfig (nil: plaintext).
-func transportCredentials(config *TLSConfig) (credentials.TransportCredentials, error) {
+// transportCredentials builds the TLS credentials of TLSConfig (nil: plaintext), and the
+// settings they wrap (the coordinators' links use them too).
+func transportCredentials(config *TLSConfig) (credentials.TransportCredentials, *tls.Config, error) {
 	if config == nil {
-		return nil, nil
+		return nil, nil, nil
 	}
 	if config.CAFile == "" {
-		return nil, errorf(ReasonInvalidArgument, "TLS needs a CA file (the CA that signed the servers)")
+		return nil, nil, errorf(ReasonInvalidArgument, "TLS needs a CA file (the CA that signed the servers)")
 	}
 	if (config.CertFile == "") != (config.KeyFile == "") {
-		return nil, errorf(ReasonInvalidArgument, "a client certificate needs both CertFile and KeyFile")
+		return nil, nil, errorf(ReasonInvalidArgument, "a client certificate needs both CertFile and KeyFile")
 	}
 	pem, err := os.ReadFile(config.CAFile)
 	if err != nil {
-		return nil, errorf(ReasonInvalidArgument, "TLS CA file: %v", err)
+		return nil, nil, errorf(ReasonInvalidArgument, "TLS CA file: %v", err)
 	}
 	roots := x509.NewCertPool()
 	if !roots.AppendCertsFromPEM(pem) {
-		return nil, errorf(ReasonInvalidArgument, "TLS CA file %s holds no PEM certificate", config.CAFile)
+		return nil, nil, errorf(ReasonInvalidArgument, "TLS CA file %s holds no PEM certificate", config.CAFile)
 	}
 	settings := &tls.Config{RootCAs: roots, ServerName: config.ServerName, MinVersion: tls.VersionTLS12}
 	if config.CertFile != "" {
 		pair, err := tls.LoadX509KeyPair(config.CertFile, config.KeyFile)
 		if err != nil {
-			return nil, errorf(ReasonInvalidArgument, "TLS client certificate: %v", err)
+			return nil, nil, errorf(ReasonInvalidArgument, "TLS client certificate: %v", err)
 		}
 		settings.Certificates = []tls.Certificate{pair}
 	}
-	return credentials.NewTLS(settings), nil
+	return credentials.NewTLS(settings), settings, nil
 }
 
 // bearer is the per-call credential of WithBearerToken / WithBearerTokenFile.

@@ -11,6 +11,8 @@
 //	fenced  -topic T -id TRANSACTIONAL_ID     (interactive: commits after a line on stdin)
 //	ctp     -in I -out O -subscription S [-batch B] [-deadline 80s]
 //	chaos-ctp -run-dir D -name N [-seed S]    (a worker of the chaos harness's ctp workload)
+//	bench   -topic T [-seconds 10] [-clients 8] [-records 10] [-size 1024] [-no-links]
+//	        (small one-call transactions: transactions/s, commit p50/p99, CPU per transaction)
 //	decode  FILE          (concatenated batches -> their records)
 //	encode  [-rows] [-compression none|zstd|lz4]   (JSON records on stdin -> one batch on stdout)
 package main
@@ -32,7 +34,7 @@ import (
 func main() {
 	bootstrap := flag.String("bootstrap", os.Getenv("ATOMLOG_BOOTSTRAP"), "any server's address")
 	flag.Usage = func() {
-		fmt.Fprintln(os.Stderr, "usage: atomlog-go [-bootstrap HOST:PORT] produce|txn|read|fenced|ctp|chaos-ctp|decode|encode [flags]")
+		fmt.Fprintln(os.Stderr, "usage: atomlog-go [-bootstrap HOST:PORT] produce|txn|read|fenced|ctp|chaos-ctp|bench|decode|encode [flags]")
 	}
 	flag.Parse()
 	if flag.NArg() < 1 {
@@ -48,6 +50,8 @@ func main() {
 		err = encode(args)
 	case "chaos-ctp":
 		err = chaosCtp(args)
+	case "bench":
+		err = bench(*bootstrap, args)
 	case "produce", "txn", "read", "fenced", "ctp":
 		var client *atomlog.Client
 		client, err = atomlog.Dial(*bootstrap, atomlog.WithRequestTimeout(10*time.Second))

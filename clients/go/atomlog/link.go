@@ -1,0 +1,371 @@
+package atomlog
+
+// The client's calls to coordinators on the coordinators' links (docs/clients.md, "The
+// link"). A coordinator with coordinator.client_link advertises a link
+// (ServerInfo.link_address): a length-prefixed TCP protocol beside its gRPC port, which
+// carries CommitTxn, CommitTxns and the streaming path's NewTxn ... EndTxn as call
+// frames. A gRPC call costs client and server a good share of a small transaction's CPU;
+// a call frame on a kept connection a fraction of it.
+//
+// What travels is what gRPC would carry: the same request and response messages, the same
+// bearer token (under mTLS, the same client certificate), and a refusal comes back as the
+// ErrorInfo of the gRPC status it stands for. A failure is returned as the failed gRPC
+// call would return it. A link that cannot be reached sends that call, and those of the
+// next linkRetryAfter, over gRPC. A connection lost mid-call is SERVER_UNAVAILABLE (the
+// outcome unknown), which callers retry as after a gRPC UNAVAILABLE.
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/atomlog/atomlog/clients/go/gen/atomlog/v1"
+)
+
+const (
+	linkMagic          = "ATLNK\x00\x00\x01"
+	linkKindAnswer     = 0
+	linkKindError      = 2
+	linkKindCall       = 3
+	linkMaxCallBytes   = 64 << 20           // a call frame or its answer
+	linkMaxIdle        = 16                 // kept connections per coordinator
+	linkIdle           = 60 * time.Second   // a kept connection unused this long is closed
+	linkRetryAfter     = 10 * time.Second   // after a link could not be reached, gRPC this long
+	linkConnectTimeout = 5 * time.Second    // connecting, and the TLS handshake
+	linkFrameHead      = 5                  // u32 length + u8 kind
+	linkCallHead       = 7                  // u8 method + u32 timeout ms + u16 token length
+	linkMaxToken       = 0xFFFF             // the token length field's bound
+	linkMaxTimeoutMs   = uint64(0xFFFFFFFF) // the timeout field's bound
+)
+
+// Method numbers of the wire (services/link_wire.py CALL_METHODS).
+const (
+	linkCommitTxn            = 4
+	linkCommitTxns           = 5
+	linkNewTxn               = 6
+	linkAddPartitionToTxn    = 7
+	linkAddSubscriptionToTxn = 8
+	linkPrepareTxn           = 9
+	linkEndTxn               = 10
+	linkGetTxnStatus         = 11
+)
+
+// errLinkUnavailable: no connection could be made, or it was refused before any answer;
+// the call goes over gRPC.
+var errLinkUnavailable = errors.New("the coordinator's link cannot be reached")
+
+// coordinatorLink keeps connections to one coordinator's link; call is safe for
+// concurrent use (one call per connection at a time).
+type coordinatorLink struct {
+	address   string // host:port of the link
+	tls       *tls.Config
+	token     *bearer
+	calls     *atomic.Int64 // the client's count of calls answered on links
+	mu        sync.Mutex
+	idle      []linkConn
+	downUntil time.Time
+	connects  int // connections made (tests: kept ones are reused)
+	closed    bool
+}
+
+type linkConn struct {
+	conn net.Conn
+	used time.Time
+}
+
+func newCoordinatorLink(address, grpcAddress string, config *tls.Config, token *bearer,
+	calls *atomic.Int64) *coordinatorLink {
+	if config != nil {
+		config = config.Clone()
+		if config.ServerName == "" { // as gRPC checks it: the host the client dialed
+			host, _, err := net.SplitHostPort(grpcAddress)
+			if err != nil {
+				host = grpcAddress
+			}
+			config.ServerName = host
+		}
+	}
+	return &coordinatorLink{address: address, tls: config, token: token, calls: calls}
+}
+
+// call sends one call frame and decodes the answer into out. It returns
+// errLinkUnavailable when the link cannot be reached (send the call over gRPC), else
+// what the gRPC call would have returned.
+func (l *coordinatorLink) call(ctx context.Context, method byte, in, out proto.Message) error {
+	l.mu.Lock()
+	down := l.closed || time.Now().Before(l.downUntil)
+	l.mu.Unlock()
+	if down {
+		return errLinkUnavailable
+	}
+	body, err := proto.Marshal(in)
+	if err != nil {
+		return status.Error(codes.Internal, err.Error())
+	}
+	token := ""
+	if l.token != nil {
+		metadata, err := l.token.GetRequestMetadata(ctx)
+		if err != nil {
+			return err
+		}
+		token = strings.TrimPrefix(metadata["authorization"], "Bearer ")
+	}
+	if len(token) > linkMaxToken {
+		return errLinkUnavailable
+	}
+	timeoutMs := uint64(0)
+	deadline, hasDeadline := ctx.Deadline()
+	if hasDeadline {
+		timeoutMs = min(uint64(max(time.Until(deadline).Milliseconds(), 1)), linkMaxTimeoutMs)
+	}
+	length := 1 + linkCallHead + len(token) + len(body)
+	if length > linkMaxCallBytes {
+		return errLinkUnavailable
+	}
+	frame := make([]byte, 0, 4+length)
+	frame = binary.BigEndian.AppendUint32(frame, uint32(length))
+	frame = append(frame, linkKindCall, method)
+	frame = binary.BigEndian.AppendUint32(frame, uint32(timeoutMs))
+	frame = binary.BigEndian.AppendUint16(frame, uint16(len(token)))
+	frame = append(frame, token...)
+	frame = append(frame, body...)
+
+	conn, fresh, err := l.take(ctx)
+	if err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) }) // cancelled: abort
+	defer stop()
+	if hasDeadline {
+		conn.SetDeadline(deadline)
+	} else {
+		conn.SetDeadline(time.Time{})
+	}
+	kind, payload, err := exchange(conn, frame)
+	if err != nil {
+		conn.Close()
+		var timeout net.Error
+		if errors.As(err, &timeout) && timeout.Timeout() {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return statusOf("REQUEST_TIMED_OUT", fmt.Sprintf("call %d to %s (link) took longer "+
+				"than its deadline", method, l.address), nil)
+		}
+		if fresh { // refused before any answer (the server's connection limit, say)
+			l.markDown()
+			return errLinkUnavailable
+		}
+		return statusOf("SERVER_UNAVAILABLE", fmt.Sprintf("call %d to %s (link): %v", method,
+			l.address, err), map[string]string{"retry_after_ms": "50"})
+	}
+	l.giveBack(conn)
+	l.calls.Add(1)
+	if kind == linkKindError {
+		item := &pb.ItemError{}
+		if err := proto.Unmarshal(payload, item); err != nil {
+			return status.Error(codes.Internal, fmt.Sprintf("a malformed error frame from %s", l.address))
+		}
+		return statusOf(item.GetReason(), item.GetMessage(), item.GetMetadata())
+	}
+	if err := proto.Unmarshal(payload, out); err != nil {
+		return status.Error(codes.Internal, fmt.Sprintf("a malformed answer from %s: %v", l.address, err))
+	}
+	return nil
+}
+
+// exchange writes the frame and reads the answer frame: (kind, payload).
+func exchange(conn net.Conn, frame []byte) (byte, []byte, error) {
+	if _, err := conn.Write(frame); err != nil {
+		return 0, nil, err
+	}
+	var head [linkFrameHead]byte
+	if _, err := io.ReadFull(conn, head[:]); err != nil {
+		return 0, nil, err
+	}
+	length, kind := binary.BigEndian.Uint32(head[:4]), head[4]
+	if (kind != linkKindAnswer && kind != linkKindError) || length < 1 || length > linkMaxCallBytes+1 {
+		return 0, nil, fmt.Errorf("answer frame kind %d, %d bytes", kind, length)
+	}
+	payload := make([]byte, length-1)
+	if _, err := io.ReadFull(conn, payload); err != nil {
+		return 0, nil, err
+	}
+	return kind, payload, nil
+}
+
+// statusOf is the gRPC status error a server answers for an atomlog refusal: the
+// reason's code (docs/errors.md) and its ErrorInfo.
+func statusOf(reason, message string, metadata map[string]string) error {
+	code := codes.Unknown
+	if info, ok := reasons[reason]; ok {
+		code = info.code
+	}
+	st, err := status.New(code, message).WithDetails(&errdetails.ErrorInfo{
+		Reason: reason, Domain: Domain, Metadata: metadata})
+	if err != nil {
+		return status.Error(code, message)
+	}
+	return st.Err()
+}
+
+// take returns a kept connection (false) or a new one (true).
+func (l *coordinatorLink) take(ctx context.Context) (net.Conn, bool, error) {
+	now := time.Now()
+	l.mu.Lock()
+	for len(l.idle) > 0 {
+		kept := l.idle[len(l.idle)-1]
+		l.idle = l.idle[:len(l.idle)-1]
+		if now.Sub(kept.used) < linkIdle {
+			l.mu.Unlock()
+			return kept.conn, false, nil
+		}
+		kept.conn.Close()
+	}
+	l.connects++
+	l.mu.Unlock()
+	conn, err := l.connect(ctx)
+	if err != nil {
+		l.markDown()
+		return nil, true, errLinkUnavailable
+	}
+	return conn, true, nil
+}
+
+func (l *coordinatorLink) connect(ctx context.Context) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(ctx, linkConnectTimeout)
+	defer cancel()
+	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", l.address) // TCP_NODELAY by default
+	if err != nil {
+		return nil, err
+	}
+	if l.tls != nil {
+		secured := tls.Client(conn, l.tls)
+		if err := secured.HandshakeContext(ctx); err != nil {
+			conn.Close()
+			return nil, err
+		}
+		conn = secured
+	}
+	if _, err := conn.Write([]byte(linkMagic)); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return conn, nil
+}
+
+func (l *coordinatorLink) giveBack(conn net.Conn) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed || len(l.idle) >= linkMaxIdle {
+		conn.Close()
+		return
+	}
+	l.idle = append(l.idle, linkConn{conn: conn, used: time.Now()})
+}
+
+func (l *coordinatorLink) markDown() {
+	l.mu.Lock()
+	l.downUntil = time.Now().Add(linkRetryAfter)
+	l.mu.Unlock()
+}
+
+func (l *coordinatorLink) close() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.closed = true
+	for _, kept := range l.idle {
+		kept.conn.Close()
+	}
+	l.idle = nil
+}
+
+// linkedCoordinator is a CoordinatorServiceClient whose calls the link carries go on it
+// (over gRPC while it cannot be reached); the others go over gRPC.
+type linkedCoordinator struct {
+	pb.CoordinatorServiceClient
+	link *coordinatorLink
+}
+
+// onLink makes one call on the link, or over gRPC (`viaGRPC`) when the link cannot be
+// reached.
+func onLink[Resp proto.Message](ctx context.Context, l *coordinatorLink, method byte,
+	in proto.Message, out Resp, viaGRPC func() (Resp, error)) (Resp, error) {
+	err := l.call(ctx, method, in, out)
+	if errors.Is(err, errLinkUnavailable) {
+		return viaGRPC()
+	}
+	if err != nil {
+		var zero Resp
+		return zero, err
+	}
+	return out, nil
+}
+
+func (s linkedCoordinator) CommitTxn(ctx context.Context, in *pb.CommitTxnRequest,
+	opts ...grpc.CallOption) (*pb.CommitTxnResponse, error) {
+	return onLink(ctx, s.link, linkCommitTxn, in, &pb.CommitTxnResponse{},
+		func() (*pb.CommitTxnResponse, error) { return s.CoordinatorServiceClient.CommitTxn(ctx, in, opts...) })
+}
+
+func (s linkedCoordinator) CommitTxns(ctx context.Context, in *pb.CommitTxnsRequest,
+	opts ...grpc.CallOption) (*pb.CommitTxnsResponse, error) {
+	return onLink(ctx, s.link, linkCommitTxns, in, &pb.CommitTxnsResponse{},
+		func() (*pb.CommitTxnsResponse, error) { return s.CoordinatorServiceClient.CommitTxns(ctx, in, opts...) })
+}
+
+func (s linkedCoordinator) NewTxn(ctx context.Context, in *pb.NewTxnRequest,
+	opts ...grpc.CallOption) (*pb.NewTxnResponse, error) {
+	return onLink(ctx, s.link, linkNewTxn, in, &pb.NewTxnResponse{},
+		func() (*pb.NewTxnResponse, error) { return s.CoordinatorServiceClient.NewTxn(ctx, in, opts...) })
+}
+
+func (s linkedCoordinator) AddPartitionToTxn(ctx context.Context, in *pb.AddPartitionToTxnRequest,
+	opts ...grpc.CallOption) (*pb.AddPartitionToTxnResponse, error) {
+	return onLink(ctx, s.link, linkAddPartitionToTxn, in, &pb.AddPartitionToTxnResponse{},
+		func() (*pb.AddPartitionToTxnResponse, error) {
+			return s.CoordinatorServiceClient.AddPartitionToTxn(ctx, in, opts...)
+		})
+}
+
+func (s linkedCoordinator) AddSubscriptionToTxn(ctx context.Context, in *pb.AddSubscriptionToTxnRequest,
+	opts ...grpc.CallOption) (*pb.AddSubscriptionToTxnResponse, error) {
+	return onLink(ctx, s.link, linkAddSubscriptionToTxn, in, &pb.AddSubscriptionToTxnResponse{},
+		func() (*pb.AddSubscriptionToTxnResponse, error) {
+			return s.CoordinatorServiceClient.AddSubscriptionToTxn(ctx, in, opts...)
+		})
+}
+
+func (s linkedCoordinator) PrepareTxn(ctx context.Context, in *pb.PrepareTxnRequest,
+	opts ...grpc.CallOption) (*pb.PrepareTxnResponse, error) {
+	return onLink(ctx, s.link, linkPrepareTxn, in, &pb.PrepareTxnResponse{},
+		func() (*pb.PrepareTxnResponse, error) { return s.CoordinatorServiceClient.PrepareTxn(ctx, in, opts...) })
+}
+
+func (s linkedCoordinator) EndTxn(ctx context.Context, in *pb.EndTxnRequest,
+	opts ...grpc.CallOption) (*pb.EndTxnResponse, error) {
+	return onLink(ctx, s.link, linkEndTxn, in, &pb.EndTxnResponse{},
+		func() (*pb.EndTxnResponse, error) { return s.CoordinatorServiceClient.EndTxn(ctx, in, opts...) })
+}
+
+func (s linkedCoordinator) GetTxnStatus(ctx context.Context, in *pb.GetTxnStatusRequest,
+	opts ...grpc.CallOption) (*pb.GetTxnStatusResponse, error) {
+	return onLink(ctx, s.link, linkGetTxnStatus, in, &pb.GetTxnStatusResponse{},
+		func() (*pb.GetTxnStatusResponse, error) {
+			return s.CoordinatorServiceClient.GetTxnStatus(ctx, in, opts...)
+		})
+}

@@ -1,0 +1,138 @@
+package atomlog
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/atomlog/atomlog/clients/go/gen/atomlog/v1"
+)
+
+// fakeLink accepts one connection and answers each call frame with answer(method, timeout
+// ms, token, request body): (kind, payload).
+func fakeLink(t *testing.T, answer func(method byte, timeoutMs uint32, token string, body []byte) (byte, []byte)) string {
+	t.Helper()
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { listener.Close() })
+	go func() {
+		for {
+			conn, err := listener.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				magic := make([]byte, len(linkMagic))
+				if _, err := io.ReadFull(conn, magic); err != nil || string(magic) != linkMagic {
+					return
+				}
+				for {
+					head := make([]byte, 5)
+					if _, err := io.ReadFull(conn, head); err != nil {
+						return
+					}
+					frame := make([]byte, binary.BigEndian.Uint32(head[:4])-1)
+					if _, err := io.ReadFull(conn, frame); err != nil || head[4] != linkKindCall {
+						return
+					}
+					tokenLength := int(binary.BigEndian.Uint16(frame[5:7]))
+					kind, payload := answer(frame[0], binary.BigEndian.Uint32(frame[1:5]),
+						string(frame[7:7+tokenLength]), frame[7+tokenLength:])
+					out := binary.BigEndian.AppendUint32(nil, uint32(len(payload)+1))
+					conn.Write(append(append(out, kind), payload...))
+				}
+			}()
+		}
+	}()
+	return listener.Addr().String()
+}
+
+func TestLinkCallFramesAndAnswers(t *testing.T) {
+	var seen atomic.Int32
+	address := fakeLink(t, func(method byte, timeoutMs uint32, token string, body []byte) (byte, []byte) {
+		request := &pb.CommitTxnRequest{}
+		if method != linkCommitTxn || proto.Unmarshal(body, request) != nil || token != "secret" ||
+			timeoutMs == 0 || timeoutMs > 5000 {
+			return linkKindError, mustMarshal(t, &pb.ItemError{Reason: "INVALID_ARGUMENT", Message: "bad frame"})
+		}
+		seen.Add(1)
+		if request.GetIdempotencyKey() == "refused" {
+			return linkKindError, mustMarshal(t, &pb.ItemError{Reason: "PRODUCER_FENCED",
+				Message: "a newer session", Metadata: map[string]string{"epoch": "3"}})
+		}
+		return linkKindAnswer, mustMarshal(t, &pb.CommitTxnResponse{AlreadyEnded: true})
+	})
+	token, err := newBearer("secret", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	link := newCoordinatorLink(address, "127.0.0.1:1", nil, token, &calls)
+	defer link.close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for i := 0; i < 3; i++ { // on one kept connection
+		out := &pb.CommitTxnResponse{}
+		if err := link.call(ctx, linkCommitTxn, &pb.CommitTxnRequest{IdempotencyKey: "k"}, out); err != nil ||
+			!out.GetAlreadyEnded() {
+			t.Fatalf("call %d: %v %v", i, out, err)
+		}
+	}
+	if link.connects != 1 || calls.Load() != 3 || seen.Load() != 3 {
+		t.Fatalf("connects %d, calls %d, seen %d", link.connects, calls.Load(), seen.Load())
+	}
+	// A refusal is what the gRPC call would have returned: the reason, its code, metadata.
+	err = fromRPC(ctx, link.call(ctx, linkCommitTxn, &pb.CommitTxnRequest{IdempotencyKey: "refused"},
+		&pb.CommitTxnResponse{}))
+	var typed *Error
+	if !errors.As(err, &typed) || typed.Reason != "PRODUCER_FENCED" || typed.Metadata["epoch"] != "3" ||
+		!errors.Is(err, ErrProducerFenced) || typed.Code != reasons["PRODUCER_FENCED"].code {
+		t.Fatalf("refusal: %#v", err)
+	}
+}
+
+func TestLinkUnreachableFallsBackToGRPCForAWhile(t *testing.T) {
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	address := listener.Addr().String()
+	listener.Close() // nothing listens there now
+	var calls atomic.Int64
+	link := newCoordinatorLink(address, address, nil, nil, &calls)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	viaGRPC := 0
+	stub := func() (*pb.NewTxnResponse, error) {
+		viaGRPC++
+		return &pb.NewTxnResponse{}, nil
+	}
+	for i := 0; i < 2; i++ {
+		if _, err := onLink(ctx, link, linkNewTxn, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}, stub); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The second call did not try the link again (down for linkRetryAfter).
+	if viaGRPC != 2 || link.connects != 1 || calls.Load() != 0 {
+		t.Fatalf("via gRPC %d, connects %d, link calls %d", viaGRPC, link.connects, calls.Load())
+	}
+}
+
+func mustMarshal(t *testing.T, m proto.Message) []byte {
+	t.Helper()
+	b, err := proto.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
