@@ -148,14 +148,16 @@ func (l *coordinatorLink) call(ctx context.Context, method byte, in, out proto.M
 	if err != nil {
 		return err
 	}
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) }) // cancelled: abort
-	defer stop()
 	if hasDeadline {
 		conn.SetDeadline(deadline)
 	} else {
 		conn.SetDeadline(time.Time{})
 	}
+	// A context that ends mid-call aborts the exchange. Once it has fired, the
+	// connection's deadline may be in the past: it is not kept.
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
 	kind, payload, err := exchange(conn, frame)
+	reusable := stop()
 	if err != nil {
 		conn.Close()
 		var timeout net.Error
@@ -173,7 +175,11 @@ func (l *coordinatorLink) call(ctx context.Context, method byte, in, out proto.M
 		return statusOf("SERVER_UNAVAILABLE", fmt.Sprintf("call %d to %s (link): %v", method,
 			l.address, err), map[string]string{"retry_after_ms": "50"})
 	}
-	l.giveBack(conn)
+	if reusable {
+		l.giveBack(conn)
+	} else {
+		conn.Close()
+	}
 	l.calls.Add(1)
 	if kind == linkKindError {
 		item := &pb.ItemError{}
@@ -223,7 +229,9 @@ func statusOf(reason, message string, metadata map[string]string) error {
 	return st.Err()
 }
 
-// take returns a kept connection (false) or a new one (true).
+// take returns a kept connection (false) or a new one (true). A kept one idle too long,
+// or that the server closed meanwhile (a restart, its idle limit), is closed here
+// instead of failing a call.
 func (l *coordinatorLink) take(ctx context.Context) (net.Conn, bool, error) {
 	now := time.Now()
 	l.mu.Lock()
@@ -232,7 +240,12 @@ func (l *coordinatorLink) take(ctx context.Context) (net.Conn, bool, error) {
 		l.idle = l.idle[:len(l.idle)-1]
 		if now.Sub(kept.used) < linkIdle {
 			l.mu.Unlock()
-			return kept.conn, false, nil
+			if open(kept.conn) {
+				return kept.conn, false, nil
+			}
+			kept.conn.Close()
+			l.mu.Lock()
+			continue
 		}
 		kept.conn.Close()
 	}

@@ -136,3 +136,28 @@ func mustMarshal(t *testing.T, m proto.Message) []byte {
 	}
 	return b
 }
+
+func TestLinkDropsAKeptConnectionTheServerClosed(t *testing.T) {
+	var calls atomic.Int64
+	var served atomic.Int32
+	address := fakeLink(t, func(method byte, _ uint32, _ string, _ []byte) (byte, []byte) {
+		served.Add(1)
+		return linkKindAnswer, mustMarshal(t, &pb.NewTxnResponse{})
+	})
+	link := newCoordinatorLink(address, address, nil, nil, &calls)
+	defer link.close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := link.call(ctx, linkNewTxn, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}); err != nil {
+		t.Fatal(err)
+	}
+	link.mu.Lock()
+	link.idle[0].conn.(*net.TCPConn).CloseRead() // as if the server had closed it: EOF
+	link.mu.Unlock()
+	if err := link.call(ctx, linkNewTxn, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}); err != nil {
+		t.Fatalf("the second call failed instead of taking a new connection: %v", err)
+	}
+	if link.connects != 2 || served.Load() != 2 {
+		t.Fatalf("connects %d, served %d", link.connects, served.Load())
+	}
+}
