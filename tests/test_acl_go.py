@@ -2,7 +2,9 @@
 real cluster: `atomlog up --tls` with auth.mode=mtls_or_token (static tokens) and ACLs;
 `go test -tags secured` (clients/go/atomlog/secured_test.go) sends as a principal allowed
 to write (a token over mutual TLS), one that is not (a token file), the certificate's own
-principal, and over plaintext, and checks Dial's validation of the options."""
+principal, and over plaintext, and checks Dial's validation of the options; the allowed
+and the denied principal also commit a one-call transaction, answered on the
+coordinator's link over TLS (clients/go/atomlog/link.go)."""
 
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def test_go_client_tls_and_bearer_tokens_under_acls(acl_cluster, acls, tmp_path)
     passed = {line.split()[2] for line in result.stdout.splitlines() if line.startswith("--- PASS")}
     assert passed == {"TestSecuredTokenOverMutualTLS", "TestSecuredTokenFileWithoutPermission",
                       "TestSecuredCertificatePrincipalWithoutToken",
-                      "TestSecuredPlaintextAndBadOptionsAreRefused"}, result.stdout
+                      "TestSecuredPlaintextAndBadOptionsAreRefused",
+                      "TestSecuredOneCallCommitsOnTheLink"}, result.stdout
     with open(server_log, "rb") as log_file:
         log_file.seek(log_start)
         log = log_file.read().decode()

@@ -110,3 +110,40 @@ func TestSecuredPlaintextAndBadOptionsAreRefused(t *testing.T) {
 		}
 	}
 }
+
+func TestSecuredOneCallCommitsOnTheLink(t *testing.T) {
+	// The one-call commit goes on the coordinator's link over TLS, with the token; an
+	// allowed principal commits, a denied one gets PERMISSION_DENIED from the link.
+	topic := securedEnv(t, "ATOMLOG_TOPIC")
+	for _, allowed := range []bool{true, false} {
+		token := WithBearerToken(securedEnv(t, "ATOMLOG_TOKEN_ALLOWED"))
+		if !allowed {
+			token = WithBearerTokenFile(securedEnv(t, "ATOMLOG_TOKEN_FILE_DENIED"))
+		}
+		c, err := Dial(securedEnv(t, "ATOMLOG_BOOTSTRAP"), WithTLS(securedTLS(t)), token,
+			WithRequestTimeout(10*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		txn, err := c.NewOneCallTxn(ctx, OneCallOptions{})
+		if err == nil {
+			err = txn.Send(ctx, topic, Record{Value: []byte("go-one-call")})
+		}
+		if err == nil {
+			_, err = txn.Commit(ctx)
+		}
+		cancel()
+		onLinks := c.linkCalls.Load()
+		c.Close()
+		if allowed && err != nil {
+			t.Fatalf("an allowed principal's commit failed: %v", err)
+		}
+		if !allowed && reason(err) != ReasonPermissionDenied {
+			t.Fatalf("want PERMISSION_DENIED, got %v", err)
+		}
+		if onLinks == 0 {
+			t.Fatalf("allowed=%v: the commit was not answered on the link", allowed)
+		}
+	}
+}
