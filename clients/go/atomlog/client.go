@@ -186,15 +186,14 @@ func (c *Client) coordinatorStub(address string) (pb.CoordinatorServiceClient, e
 	if err != nil {
 		return nil, err
 	}
-	stub := pb.NewCoordinatorServiceClient(conn)
 	if c.opts.NoLinks || len(c.opts.DialOptions) > 0 {
-		return stub, nil
+		return pb.NewCoordinatorServiceClient(conn), nil
 	}
 	c.metaMu.Lock()
 	linkAddress := c.coordLinks[address]
 	c.metaMu.Unlock()
 	if linkAddress == "" {
-		return stub, nil
+		return pb.NewCoordinatorServiceClient(conn), nil
 	}
 	c.connMu.Lock()
 	link := c.links[address]
@@ -206,7 +205,7 @@ func (c *Client) coordinatorStub(address string) (pb.CoordinatorServiceClient, e
 		c.links[address] = link
 	}
 	c.connMu.Unlock()
-	return linkedCoordinator{CoordinatorServiceClient: stub, link: link}, nil
+	return pb.NewCoordinatorServiceClient(linkedConn{ClientConn: conn, link: link}), nil
 }
 
 // attempt is the context of one RPC attempt: the caller's, cut to RequestTimeout.

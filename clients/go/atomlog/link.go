@@ -52,17 +52,18 @@ const (
 	linkMaxTimeoutMs   = uint64(0xFFFFFFFF) // the timeout field's bound
 )
 
-// Method numbers of the wire (services/link_wire.py CALL_METHODS).
-const (
-	linkCommitTxn            = 4
-	linkCommitTxns           = 5
-	linkNewTxn               = 6
-	linkAddPartitionToTxn    = 7
-	linkAddSubscriptionToTxn = 8
-	linkPrepareTxn           = 9
-	linkEndTxn               = 10
-	linkGetTxnStatus         = 11
-)
+// The methods the link carries, by gRPC full name, and their numbers on the wire
+// (services/link_wire.py CALL_METHODS).
+var linkMethods = map[string]byte{
+	pb.CoordinatorService_CommitTxn_FullMethodName:            4,
+	pb.CoordinatorService_CommitTxns_FullMethodName:           5,
+	pb.CoordinatorService_NewTxn_FullMethodName:               6,
+	pb.CoordinatorService_AddPartitionToTxn_FullMethodName:    7,
+	pb.CoordinatorService_AddSubscriptionToTxn_FullMethodName: 8,
+	pb.CoordinatorService_PrepareTxn_FullMethodName:           9,
+	pb.CoordinatorService_EndTxn_FullMethodName:               10,
+	pb.CoordinatorService_GetTxnStatus_FullMethodName:         11,
+}
 
 // errLinkUnavailable: no connection could be made, or it was refused before any answer;
 // the call goes over gRPC.
@@ -307,78 +308,24 @@ func (l *coordinatorLink) close() {
 	l.idle = nil
 }
 
-// linkedCoordinator is a CoordinatorServiceClient whose calls the link carries go on it
-// (over gRPC while it cannot be reached); the others go over gRPC.
-type linkedCoordinator struct {
-	pb.CoordinatorServiceClient
+// linkedConn is a coordinator's gRPC connection whose unary calls the link carries go on
+// the link (over gRPC while it cannot be reached); every other call goes over gRPC.
+// pb.NewCoordinatorServiceClient takes it as it takes the connection itself.
+type linkedConn struct {
+	*grpc.ClientConn
 	link *coordinatorLink
 }
 
-// onLink makes one call on the link, or over gRPC (`viaGRPC`) when the link cannot be
-// reached.
-func onLink[Resp proto.Message](ctx context.Context, l *coordinatorLink, method byte,
-	in proto.Message, out Resp, viaGRPC func() (Resp, error)) (Resp, error) {
-	err := l.call(ctx, method, in, out)
-	if errors.Is(err, errLinkUnavailable) {
-		return viaGRPC()
+func (c linkedConn) Invoke(ctx context.Context, method string, in, out any,
+	opts ...grpc.CallOption) error {
+	number, carried := linkMethods[method]
+	request, isRequest := in.(proto.Message)
+	response, isResponse := out.(proto.Message)
+	if carried && isRequest && isResponse {
+		err := c.link.call(ctx, number, request, response)
+		if !errors.Is(err, errLinkUnavailable) {
+			return err
+		}
 	}
-	if err != nil {
-		var zero Resp
-		return zero, err
-	}
-	return out, nil
-}
-
-func (s linkedCoordinator) CommitTxn(ctx context.Context, in *pb.CommitTxnRequest,
-	opts ...grpc.CallOption) (*pb.CommitTxnResponse, error) {
-	return onLink(ctx, s.link, linkCommitTxn, in, &pb.CommitTxnResponse{},
-		func() (*pb.CommitTxnResponse, error) { return s.CoordinatorServiceClient.CommitTxn(ctx, in, opts...) })
-}
-
-func (s linkedCoordinator) CommitTxns(ctx context.Context, in *pb.CommitTxnsRequest,
-	opts ...grpc.CallOption) (*pb.CommitTxnsResponse, error) {
-	return onLink(ctx, s.link, linkCommitTxns, in, &pb.CommitTxnsResponse{},
-		func() (*pb.CommitTxnsResponse, error) { return s.CoordinatorServiceClient.CommitTxns(ctx, in, opts...) })
-}
-
-func (s linkedCoordinator) NewTxn(ctx context.Context, in *pb.NewTxnRequest,
-	opts ...grpc.CallOption) (*pb.NewTxnResponse, error) {
-	return onLink(ctx, s.link, linkNewTxn, in, &pb.NewTxnResponse{},
-		func() (*pb.NewTxnResponse, error) { return s.CoordinatorServiceClient.NewTxn(ctx, in, opts...) })
-}
-
-func (s linkedCoordinator) AddPartitionToTxn(ctx context.Context, in *pb.AddPartitionToTxnRequest,
-	opts ...grpc.CallOption) (*pb.AddPartitionToTxnResponse, error) {
-	return onLink(ctx, s.link, linkAddPartitionToTxn, in, &pb.AddPartitionToTxnResponse{},
-		func() (*pb.AddPartitionToTxnResponse, error) {
-			return s.CoordinatorServiceClient.AddPartitionToTxn(ctx, in, opts...)
-		})
-}
-
-func (s linkedCoordinator) AddSubscriptionToTxn(ctx context.Context, in *pb.AddSubscriptionToTxnRequest,
-	opts ...grpc.CallOption) (*pb.AddSubscriptionToTxnResponse, error) {
-	return onLink(ctx, s.link, linkAddSubscriptionToTxn, in, &pb.AddSubscriptionToTxnResponse{},
-		func() (*pb.AddSubscriptionToTxnResponse, error) {
-			return s.CoordinatorServiceClient.AddSubscriptionToTxn(ctx, in, opts...)
-		})
-}
-
-func (s linkedCoordinator) PrepareTxn(ctx context.Context, in *pb.PrepareTxnRequest,
-	opts ...grpc.CallOption) (*pb.PrepareTxnResponse, error) {
-	return onLink(ctx, s.link, linkPrepareTxn, in, &pb.PrepareTxnResponse{},
-		func() (*pb.PrepareTxnResponse, error) { return s.CoordinatorServiceClient.PrepareTxn(ctx, in, opts...) })
-}
-
-func (s linkedCoordinator) EndTxn(ctx context.Context, in *pb.EndTxnRequest,
-	opts ...grpc.CallOption) (*pb.EndTxnResponse, error) {
-	return onLink(ctx, s.link, linkEndTxn, in, &pb.EndTxnResponse{},
-		func() (*pb.EndTxnResponse, error) { return s.CoordinatorServiceClient.EndTxn(ctx, in, opts...) })
-}
-
-func (s linkedCoordinator) GetTxnStatus(ctx context.Context, in *pb.GetTxnStatusRequest,
-	opts ...grpc.CallOption) (*pb.GetTxnStatusResponse, error) {
-	return onLink(ctx, s.link, linkGetTxnStatus, in, &pb.GetTxnStatusResponse{},
-		func() (*pb.GetTxnStatusResponse, error) {
-			return s.CoordinatorServiceClient.GetTxnStatus(ctx, in, opts...)
-		})
+	return c.ClientConn.Invoke(ctx, method, in, out, opts...)
 }

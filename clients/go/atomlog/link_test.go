@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
 	pb "github.com/atomlog/atomlog/clients/go/gen/atomlog/v1"
@@ -61,7 +63,7 @@ func TestLinkCallFramesAndAnswers(t *testing.T) {
 	var seen atomic.Int32
 	address := fakeLink(t, func(method byte, timeoutMs uint32, token string, body []byte) (byte, []byte) {
 		request := &pb.CommitTxnRequest{}
-		if method != linkCommitTxn || proto.Unmarshal(body, request) != nil || token != "secret" ||
+		if method != linkMethods[pb.CoordinatorService_CommitTxn_FullMethodName] || proto.Unmarshal(body, request) != nil || token != "secret" ||
 			timeoutMs == 0 || timeoutMs > 5000 {
 			return linkKindError, mustMarshal(t, &pb.ItemError{Reason: "INVALID_ARGUMENT", Message: "bad frame"})
 		}
@@ -83,7 +85,7 @@ func TestLinkCallFramesAndAnswers(t *testing.T) {
 	defer cancel()
 	for i := 0; i < 3; i++ { // on one kept connection
 		out := &pb.CommitTxnResponse{}
-		if err := link.call(ctx, linkCommitTxn, &pb.CommitTxnRequest{IdempotencyKey: "k"}, out); err != nil ||
+		if err := link.call(ctx, linkMethods[pb.CoordinatorService_CommitTxn_FullMethodName], &pb.CommitTxnRequest{IdempotencyKey: "k"}, out); err != nil ||
 			!out.GetAlreadyEnded() {
 			t.Fatalf("call %d: %v %v", i, out, err)
 		}
@@ -92,7 +94,7 @@ func TestLinkCallFramesAndAnswers(t *testing.T) {
 		t.Fatalf("connects %d, calls %d, seen %d", link.connects, calls.Load(), seen.Load())
 	}
 	// A refusal is what the gRPC call would have returned: the reason, its code, metadata.
-	err = fromRPC(ctx, link.call(ctx, linkCommitTxn, &pb.CommitTxnRequest{IdempotencyKey: "refused"},
+	err = fromRPC(ctx, link.call(ctx, linkMethods[pb.CoordinatorService_CommitTxn_FullMethodName], &pb.CommitTxnRequest{IdempotencyKey: "refused"},
 		&pb.CommitTxnResponse{}))
 	var typed *Error
 	if !errors.As(err, &typed) || typed.Reason != "PRODUCER_FENCED" || typed.Metadata["epoch"] != "3" ||
@@ -101,30 +103,52 @@ func TestLinkCallFramesAndAnswers(t *testing.T) {
 	}
 }
 
+// grpcCoordinator answers NewTxn over gRPC, counting the calls.
+type grpcCoordinator struct {
+	pb.UnimplementedCoordinatorServiceServer
+	calls atomic.Int32
+}
+
+func (g *grpcCoordinator) NewTxn(context.Context, *pb.NewTxnRequest) (*pb.NewTxnResponse, error) {
+	g.calls.Add(1)
+	return &pb.NewTxnResponse{}, nil
+}
+
 func TestLinkUnreachableFallsBackToGRPCForAWhile(t *testing.T) {
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	address := listener.Addr().String()
-	listener.Close() // nothing listens there now
+	server, coordinator := grpc.NewServer(), &grpcCoordinator{}
+	pb.RegisterCoordinatorServiceServer(server, coordinator)
+	go server.Serve(listener)
+	defer server.Stop()
+	conn, err := grpc.NewClient(listener.Addr().String(),
+		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	nowhere, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	address := nowhere.Addr().String()
+	nowhere.Close() // nothing listens there now: the link is unreachable
 	var calls atomic.Int64
 	link := newCoordinatorLink(address, address, nil, nil, &calls)
+	stub := pb.NewCoordinatorServiceClient(linkedConn{ClientConn: conn, link: link})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	viaGRPC := 0
-	stub := func() (*pb.NewTxnResponse, error) {
-		viaGRPC++
-		return &pb.NewTxnResponse{}, nil
-	}
 	for i := 0; i < 2; i++ {
-		if _, err := onLink(ctx, link, linkNewTxn, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}, stub); err != nil {
+		if _, err := stub.NewTxn(ctx, &pb.NewTxnRequest{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	// The second call did not try the link again (down for linkRetryAfter).
-	if viaGRPC != 2 || link.connects != 1 || calls.Load() != 0 {
-		t.Fatalf("via gRPC %d, connects %d, link calls %d", viaGRPC, link.connects, calls.Load())
+	// Both went over gRPC; the second did not try the link again (down for linkRetryAfter).
+	if coordinator.calls.Load() != 2 || link.connects != 1 || calls.Load() != 0 {
+		t.Fatalf("via gRPC %d, connects %d, link calls %d", coordinator.calls.Load(), link.connects,
+			calls.Load())
 	}
 }
 
@@ -148,13 +172,13 @@ func TestLinkDropsAKeptConnectionTheServerClosed(t *testing.T) {
 	defer link.close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if err := link.call(ctx, linkNewTxn, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}); err != nil {
+	if err := link.call(ctx, linkMethods[pb.CoordinatorService_NewTxn_FullMethodName], &pb.NewTxnRequest{}, &pb.NewTxnResponse{}); err != nil {
 		t.Fatal(err)
 	}
 	link.mu.Lock()
 	link.idle[0].conn.(*net.TCPConn).CloseRead() // as if the server had closed it: EOF
 	link.mu.Unlock()
-	if err := link.call(ctx, linkNewTxn, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}); err != nil {
+	if err := link.call(ctx, linkMethods[pb.CoordinatorService_NewTxn_FullMethodName], &pb.NewTxnRequest{}, &pb.NewTxnResponse{}); err != nil {
 		t.Fatalf("the second call failed instead of taking a new connection: %v", err)
 	}
 	if link.connects != 2 || served.Load() != 2 {
