@@ -242,6 +242,10 @@ def test_bad_link_input_changes_nothing(cluster, client):
     an error frame as gRPC would answer it, and the leadership goes on serving."""
     client.create_topic("rep-link-bad", partitions=1, replication_factor=2)
     wait_until(lambda: fully_in_sync(client, "rep-link-bad"), 15, "rep-link-bad in sync")
+    # A new topic's ISR is all its replicas from the start, while its leader may still be
+    # opening it (PARTITION_LOADING): one acknowledged record says it serves.
+    with client.producer(linger_ms=0) as producer:
+        producer.send("rep-link-bad", b"first", partition=0).result(timeout=30)
     part = metadata(client, "rep-link-bad").partitions[0]
     address = link_address(cluster, part.server_name)
     follower = next(r for r in part.replicas if r != part.server_name)
