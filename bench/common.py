@@ -263,8 +263,9 @@ def grpc_call_floor(clients: int = 8, seconds: float = 3.0, payload: int = 200) 
     """The price of one gRPC call on this machine, measured now: a do-nothing grpc.aio
     server in its own process (as every atomlog server is) and `clients` threads of one
     client process making blocking unary calls of `payload` bytes. Returns calls/s and
-    the server process's CPU per call (ms). No atomlog code runs: this is the ceiling any
-    design pays per call, the baseline for figures that follow the number of calls."""
+    the server process's and the client process's CPU per call (ms). No atomlog code
+    runs: this is the ceiling any design pays per call, the baseline for figures that
+    follow the number of calls."""
     context = multiprocessing.get_context("spawn")
     port_out = context.Queue()
     server = context.Process(target=_echo_server, args=(port_out,), daemon=True)
@@ -285,15 +286,34 @@ def grpc_call_floor(clients: int = 8, seconds: float = 3.0, payload: int = 200) 
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
         cpu_before, began = cpu_seconds(server.pid), time.monotonic()
+        client_before = time.process_time()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         elapsed, cpu = time.monotonic() - began, cpu_seconds(server.pid) - cpu_before
+        client_cpu = time.process_time() - client_before
         channel.close()
     finally:
         server.terminate()
         server.join(10)
     calls = sum(counts)
     return {"clients": clients, "calls_per_s": calls / elapsed,
-            "server_cpu_ms_per_call": cpu / max(calls, 1) * 1e3}
+            "server_cpu_ms_per_call": cpu / max(calls, 1) * 1e3,
+            "client_cpu_ms_per_call": client_cpu / max(calls, 1) * 1e3}
+
+
+def cores() -> int:
+    """CPUs this process may run on (what the servers and clients share)."""
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_bounds(small: dict) -> dict:
+    """What a small-transaction cell's CPU per transaction allows: `machine`, every core
+    busy with servers and clients (cores ÷ their CPU per transaction); `event_loop`, the
+    busiest server's event loop busy all the time (1 s ÷ the event loops' CPU per
+    transaction, when one server runs them all: the combined server)."""
+    total_ms = small["server_cpu_ms_per_txn"] + small["client_cpu_ms_per_txn"]
+    loop_ms = small["server_thread_cpu_ms_per_txn"].get("event loop", 0.0)
+    return {"cores": cores(), "machine": cores() * 1e3 / total_ms if total_ms else 0.0,
+            "event_loop": 1e3 / loop_ms if loop_ms else 0.0}

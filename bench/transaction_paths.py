@@ -152,6 +152,26 @@ def _calls(cell: dict) -> str:
                     else "") + (f"; in-process {local:.1f}" if local >= 0.05 else ""))
 
 
+def _bound_row(path: str, cluster: dict, combined: dict) -> str:
+    """The rates the cells' CPU per transaction allows (common.cpu_bounds), and the
+    share of them reached."""
+    a, b = common.cpu_bounds(cluster), common.cpu_bounds(combined)
+    return (f"| CPU bound, {path}: {a['cores']} cores ÷ CPU per transaction (combined: "
+            f"also 1 s ÷ its event loop's) | {a['machine']:,.0f}/s (reached "
+            f"{_ratio(cluster['per_s'], a['machine'])}) | {b['machine']:,.0f}/s, event loop "
+            f"{b['event_loop']:,.0f}/s (reached {_ratio(combined['per_s'], b['event_loop'])}) "
+            "| |")
+
+
+def _budget_row(rate: float, cores: int) -> str:
+    """The CPU per transaction the small-transaction targets allow at this run's call
+    rate, if every core (or, on the combined server, its event loop) were busy."""
+    cluster_ms, combined_ms = cores * 1e3 / (0.25 * rate), cores * 1e3 / (0.50 * rate)
+    return (f"| CPU per transaction the targets allow (25% / 50% of the call rate, every core "
+            f"busy), servers + clients | ≤ {cluster_ms:.2f} ms | ≤ {combined_ms:.2f} ms, "
+            f"and ≤ {1e3 / (0.5 * rate):.2f} ms on the event loop | |")
+
+
 def _spread(cell: dict) -> str:
     """The range of a median cell's runs ("" for a single run)."""
     runs = cell.get("runs", [])
@@ -184,7 +204,9 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         "",
         "Everything below comes from one run, minutes apart. Baselines: a do-nothing gRPC call "
         f"between two Python processes ran at **{rate:,.0f} calls/s** "
-        f"({floor['server_cpu_ms_per_call']:.2f} ms of server CPU per call); fsync of a small "
+        f"({floor['server_cpu_ms_per_call']:.2f} ms of server CPU and "
+        f"{floor.get('client_cpu_ms_per_call', float('nan')):.2f} ms of client CPU per call); "
+        "fsync of a small "
         f"write p50 {baseline['p50']:.2f} ms. Small transactions: 8 client processes, each "
         "a loop of begin, 10 × 1 KiB over 4 partitions, commit(). Consume-transform-produce: "
         "peers-bench W3 (batches of 100 inputs), its consumer prefetching "
@@ -219,7 +241,9 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
             f"| CPU ms per transaction (servers + clients), {path} | "
             f"{a['server_cpu_ms_per_txn']:.1f} + {a['client_cpu_ms_per_txn']:.1f} | "
             f"{b['server_cpu_ms_per_txn']:.1f} + {b['client_cpu_ms_per_txn']:.1f} | |",
+            _bound_row(path, a, b),
         ]
+    lines.append(_budget_row(rate, common.cores()))
     for path in ("one-call", "streaming"):
         for mode in ("sequential", "pipelined"):
             a = cluster.get(f"ctp {mode} {path}")

@@ -245,6 +245,19 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "txn_p99_ms": common.percentile(totals, 0.99) * 1e3}
 
 
+def bounds_text(small: dict, floor: dict, combined: bool) -> str:
+    """The rates this CPU per transaction allows (common.cpu_bounds) beside the measured
+    one: how far the cell is from the machine, and what a target must cost."""
+    bounds = common.cpu_bounds(small)
+    text = (f"client CPU {small['client_cpu_ms_per_txn']:.2f} ms per transaction (floor: "
+            f"{floor['client_cpu_ms_per_call']:.2f} ms per call); CPU bound "
+            f"{bounds['machine']:,.0f} transactions/s ({bounds['cores']} cores ÷ servers' "
+            "+ clients' CPU per transaction)")
+    if combined:
+        text += f", event-loop bound {bounds['event_loop']:,.0f}/s (1 s ÷ its CPU per transaction)"
+    return text
+
+
 # ------------------------------------------------------------------ throughput
 STREAM_MODES = ("plain", "commit", "commit_async")
 
@@ -922,7 +935,7 @@ def main() -> None:
                       f"{kind} {value:.2f}" for kind, value in
                       small["server_thread_cpu_ms_per_txn"].items()) +
                   f" (busiest event loop on a CPU {small['busiest_event_loop_busy']:.0%} "
-                  "of the time)", flush=True)
+                  "of the time); " + bounds_text(small, floor, args.combined), flush=True)
             return
         raw_s = common.raw_append_seconds(data_dir, RECORD * 256, 4_000, 1)
         raw_mb_s = 4_000 * 256 * len(RECORD) / raw_s / 1e6
