@@ -127,6 +127,54 @@ def drop_page_cache() -> bool:
     return True
 
 
+PROBE_LOOPS = 4_000  # one probe chunk: about 0.25 ms of plain Python on this machine
+
+
+def _probe_chunk() -> None:
+    x = 0
+    for i in range(PROBE_LOOPS):
+        x += i * i
+
+
+def _cpu_probe(seconds: float, period_s: float, out) -> None:
+    """In its own process: the same chunk of plain Python every `period_s` for `seconds`;
+    puts the chunks' times (s)."""
+    times = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        began = time.perf_counter()
+        _probe_chunk()
+        times.append(time.perf_counter() - began)
+        time.sleep(period_s)
+    out.put(times)
+
+
+class CpuProbe:
+    """The machine's own jitter, measured beside a cell: a process runs the same small
+    chunk of plain Python every 20 ms (about 1% of a core) and times it. On a quiet,
+    steady machine every chunk takes the same time; here (a shared virtual machine) the
+    slow ones took 3-4× the median even with nothing else running, so the chunks'
+    p99 ÷ p50 is the yardstick for a cell's tail latency: no process on the machine,
+    ours or a peer's, runs steadier than that. Start it, run the cell, then `result()`:
+    chunk p50 and p99 in ms and their ratio."""
+
+    def __init__(self, seconds: float, period_s: float = 0.02):
+        context = multiprocessing.get_context("spawn")
+        self._out = context.Queue()
+        self._process = context.Process(target=_cpu_probe, args=(seconds, period_s, self._out),
+                                         daemon=True)
+        self._process.start()
+        self._seconds = seconds
+
+    def result(self) -> dict:
+        times = self._out.get(timeout=self._seconds + 60)
+        self._process.join(10)
+        p50, p99 = percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3
+        return {"chunks": len(times), "p50_ms": p50, "p99_ms": p99,
+                "max_ms": max(times, default=float("nan")) * 1e3,
+                "p99_over_p50": p99 / p50 if p50 else float("nan")}
+
+
 def fsync_baseline(directory: Path, samples: int = 300) -> dict:
     fd = os.open(directory / "fsync.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     latencies = []

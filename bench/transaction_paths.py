@@ -68,6 +68,12 @@ def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int,
             cells[f"small {path}"] = tb.small_transactions(report, address, clients, seconds,
                                                            one_call)
             print(f"{shape} small {path}: {cells[f'small {path}']}", flush=True)
+            if one_call:  # the latency below the maximum: an open loop at half of it
+                cells["small one-call half"] = tb.small_transactions(
+                    report, address, clients, seconds, True,
+                    rate_per_s=cells["small one-call"]["per_s"] / 2)
+                print(f"{shape} small one-call, open loop at half the rate: "
+                      f"{cells['small one-call half']}", flush=True)
             for pipelined in (False, True):
                 name = f"ctp {'pipelined' if pipelined else 'sequential'} {path}"
                 runs = []
@@ -243,6 +249,20 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
             f"{b['server_cpu_ms_per_txn']:.1f} + {b['client_cpu_ms_per_txn']:.1f} | |",
             _bound_row(path, a, b),
         ]
+        half_a, half_b = cluster.get(f"small {path} half"), combined.get(f"small {path} half")
+        if half_a and half_b:
+            lines.append(
+                f"| commit() p50 / p99 ms at half that rate, {path} (an open loop; from each "
+                "transaction's scheduled start) | "
+                + " | ".join(f"{h['commit_p50_ms']:.1f} / {h['commit_p99_ms']:.1f} at "
+                             f"{h['per_s']:,.0f}/s ({h['txn_p50_ms']:.1f} / "
+                             f"{h['txn_p99_ms']:.1f})" for h in (half_a, half_b)) + " | |")
+        if "machine_jitter" in a and "machine_jitter" in b:
+            lines.append(
+                f"| the machine's own jitter during the {path} cell (common.CpuProbe): a "
+                "chunk of plain Python, p50 / p99 ms | "
+                + " | ".join(f"{c['machine_jitter']['p50_ms']:.2f} / "
+                             f"{c['machine_jitter']['p99_ms']:.2f}" for c in (a, b)) + " | |")
     lines.append(_budget_row(rate, common.cores()))
     for path in ("one-call", "streaming"):
         for mode in ("sequential", "pipelined"):

@@ -37,6 +37,7 @@ consume-transform-produce part of it).
     .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--combined] [--no-docs]
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
+    .venv/bin/python bench/transactions.py --combined --only-small --rate 200  # open loop
     .venv/bin/python bench/transactions.py --only-small --streaming [--no-client-links]  # A/B
     .venv/bin/python bench/transactions.py --only-stream 6 [--seconds 10]  # the cells of (2), in turns
     .venv/bin/python bench/transactions.py ... --set coordinator.parallel_commits=false  # A/B
@@ -50,6 +51,8 @@ server with py-spy (--profile-worker: the first client instead);
 ATOMLOG_BENCH_LATENCIES_OUT=FILE appends each commit's client index, end
 (time.perf_counter, one clock for every process) and latency in ms to FILE, to tell
 bursts that stall every client at once from queueing spread over the run;
+--rate R makes it an open loop of R transactions a second in all (latencies from each
+transaction's scheduled start: the latency at a load below the maximum);
 --streaming runs the streaming path's small transactions instead, --no-client-links has
 the clients call their coordinators over gRPC instead of on the coordinators' links.
 --only-stream TURNS runs the three cells of (2) TURNS times, rotating their order, and
@@ -117,7 +120,12 @@ RECORD = b"x" * 1024
 
 # ------------------------------------------------------------------ small transactions
 def small_client(address: str, index: int, seconds: float, start_at: float, out,
-                 one_call_max_bytes: int = 1 << 20, links: bool = True) -> None:
+                 one_call_max_bytes: int = 1 << 20, links: bool = True,
+                 rate_per_s: float = 0.0) -> None:
+    """One client process's loop of small transactions: back to back (closed loop), or
+    with `rate_per_s` one beginning every 1/rate_per_s seconds (open loop). Open-loop
+    latencies count from the transaction's scheduled start, so a client that fell behind
+    its schedule is charged for the wait (no coordinated omission)."""
     from spark_client import Client
 
     client = Client(address, one_call_max_bytes=one_call_max_bytes, links=links)
@@ -136,15 +144,26 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
             time.sleep(0.001)
         deadline = start_at + seconds
         cpu_before = time.process_time()
+        # Open loop: the schedule on perf_counter's clock, each client's offset by a
+        # fraction of the interval so the clients do not begin together.
+        interval = 1 / rate_per_s if rate_per_s else 0.0
+        scheduled = time.perf_counter() + interval * index / 8
         while time.time() < deadline:
-            began = time.perf_counter()
+            if interval:
+                pause = scheduled - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                began = scheduled
+                scheduled += interval
+            else:
+                began = time.perf_counter()
             txn = client.begin_transaction(timeout_s=30)
             for i in range(10):
                 producer.send(SMALL_TOPIC, RECORD, partition=partitions[i % 4], txn=txn)
             committing = time.perf_counter()
             txn.commit()
             ended = time.perf_counter()
-            commits.append(ended - committing)
+            commits.append(ended - committing)  # open loop: `totals` count the lag too
             totals.append(ended - began)
             if timeline is not None:
                 timeline.append((ended, ended - committing))
@@ -168,23 +187,26 @@ def dump_metrics(addresses: list[str], suffix: str = "") -> None:
 
 def small_transactions(report, address: str, clients: int, seconds: float,
                        one_call: bool = True, profile: Path | None = None,
-                       links: bool = True, profile_worker: bool = False) -> dict:
+                       links: bool = True, profile_worker: bool = False,
+                       rate_per_s: float = 0.0) -> dict:
     """`clients` processes in a loop of small transactions (one-call ones, or with
-    one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`. `profile`:
-    py-spy records the first server over the window into that file (with
-    `profile_worker` the first client process instead)."""
+    one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`: back to
+    back, or with `rate_per_s` an open loop of that many transactions a second in all
+    (small_client). `profile`: py-spy records the first server over the window into that
+    file (with `profile_worker` the first client process instead)."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 8 + clients * 0.5
     workers = [context.Process(target=small_client, args=(
-        address, i, seconds, start_at, out, (1 << 20) if one_call else 0, links))
-        for i in range(clients)]
+        address, i, seconds, start_at, out, (1 << 20) if one_call else 0, links,
+        rate_per_s / clients)) for i in range(clients)]
     for worker in workers:
         worker.start()
     services = [p for p in report.cluster.processes if p.role != "zookeeper"]
     metrics = [p.metrics_address for p in services]
     time.sleep(max(0.0, start_at - time.time()))
     print(f"timed window starts: server pids {[p.pid for p in services]}", flush=True)
+    probe = common.CpuProbe(seconds)  # the machine's own jitter over the same window
     before = rpc_counts(metrics)  # the timed window: warm-up calls are behind us
     cpu_before = {p.name: common.cpu_seconds(p.pid) for p in services}
     threads_before = {p.name: common.thread_cpu_seconds(p.pid) for p in services}
@@ -193,6 +215,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
         spy = common.py_spy(workers[0].pid if profile_worker else services[0].pid,
                             profile, seconds)
     results = [out.get(timeout=seconds + 300) for _ in workers]
+    jitter = probe.result()
     server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
     # By kind of thread, summed over the servers: what holds the GIL (the event loops,
     # the other Python threads) and what does not (io_uring's kernel workers, gRPC's).
@@ -218,7 +241,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     totals = [t for r in results for t in r[2]]
     client_cpu = sum(r[3] for r in results)
     return {"clients": clients, "transactions": count, "per_s": count / seconds,
-            "one_call": one_call,
+            "one_call": one_call, "scheduled_per_s": rate_per_s,
             "calls_per_txn": calls / max(count, 1),
             "local_calls_per_txn": local / max(count, 1),
             "link_calls_per_txn": sum(after[m] - before[m] for m in after
@@ -242,7 +265,8 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
             "commit_max_ms": max(commits, default=float("nan")) * 1e3,
             "txn_p50_ms": common.percentile(totals, 0.5) * 1e3,
-            "txn_p99_ms": common.percentile(totals, 0.99) * 1e3}
+            "txn_p99_ms": common.percentile(totals, 0.99) * 1e3,
+            "machine_jitter": jitter}
 
 
 def bounds_text(small: dict, floor: dict, combined: bool) -> str:
@@ -843,6 +867,11 @@ def main() -> None:
                              "thread (the event loop, other Python threads, io_uring's "
                              "kernel workers, gRPC's) with how busy the busiest event loop "
                              "was; writes no docs")
+    parser.add_argument("--rate", type=float, default=0.0, metavar="TXN_PER_S",
+                        help="with --only-small: an open loop of this many small "
+                             "transactions a second in all (each client 1/clients of "
+                             "them, latencies from each one's scheduled start) instead of "
+                             "clients committing back to back")
     parser.add_argument("--streaming", action="store_true",
                         help="with --only-small: the streaming path's small transactions "
                              "(Client(one_call_max_bytes=0): NewTxn, Produce, EndTxn) "
@@ -891,6 +920,8 @@ def main() -> None:
         parser.error("--ctp-depth takes 1..64")
     if args.commit_threads is not None and not 1 <= args.commit_threads <= 256:
         parser.error("--commit-threads takes 1..256")
+    if args.rate < 0 or (args.rate and not args.only_small):
+        parser.error("--rate takes a positive rate, with --only-small")
     # Removed when the run ends (the object lives as long as main).
     failpoint_dir = tempfile.TemporaryDirectory(prefix="atomlog-bench-failpoints-")
     if args.fsync_delay_ms:
@@ -916,7 +947,8 @@ def main() -> None:
         if args.only_small:
             small = small_transactions(report, address, args.clients, args.seconds,
                                        not args.streaming, args.profile,
-                                       not args.no_client_links, args.profile_worker)
+                                       not args.no_client_links, args.profile_worker,
+                                       args.rate)
             print(f"small transactions: {json.dumps(small, indent=1)}", flush=True)
             print(f"small transactions/s {small['per_s']:.0f} "
                   f"({small['per_s'] / floor['calls_per_s'] * 100:.1f}% of the call floor "
@@ -931,6 +963,12 @@ def main() -> None:
                       "ATOMLOG_PARTITION_DURABILITY", "default (fsync)")) + "; "
                   "commit p50/p99 "
                   f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms; "
+                  + "the machine's jitter meanwhile (common.CpuProbe): a "
+                  f"{small['machine_jitter']['p50_ms']:.2f} ms chunk of Python took "
+                  f"{small['machine_jitter']['p99_ms']:.2f} ms at p99; "
+                  + (f"open loop of {args.rate:g}/s: transaction p50/p99 from its "
+                     f"scheduled start {small['txn_p50_ms']:.1f}/{small['txn_p99_ms']:.1f} "
+                     "ms; " if args.rate else "") +
                   "server threads, ms per transaction: " + ", ".join(
                       f"{kind} {value:.2f}" for kind, value in
                       small["server_thread_cpu_ms_per_txn"].items()) +
