@@ -152,11 +152,11 @@ def _cpu_probe(seconds: float, period_s: float, out) -> None:
 class CpuProbe:
     """The machine's own jitter, measured beside a cell: a process runs the same small
     chunk of plain Python every 20 ms (about 1% of a core) and times it. On a quiet,
-    steady machine every chunk takes the same time; here (a shared virtual machine) the
-    slow ones took 3-4× the median even with nothing else running, so the chunks'
-    p99 ÷ p50 is the yardstick for a cell's tail latency: no process on the machine,
-    ours or a peer's, runs steadier than that. Start it, run the cell, then `result()`:
-    chunk p50 and p99 in ms and their ratio."""
+    steady machine every chunk takes about the same time; on this shared virtual machine
+    the p99 chunk took 4-11× the median with nothing else running. The chunks' p99 shows
+    how unsteady the machine was during the cell: its slow stretches lengthen every
+    process's work, ours and the peers' alike. Start it, run the cell, then `result()`:
+    the chunks' p50, p99 and max in ms, and p99 ÷ p50."""
 
     def __init__(self, seconds: float, period_s: float = 0.02):
         context = multiprocessing.get_context("spawn")

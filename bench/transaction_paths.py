@@ -252,8 +252,8 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         half_a, half_b = cluster.get(f"small {path} half"), combined.get(f"small {path} half")
         if half_a and half_b:
             lines.append(
-                f"| commit() p50 / p99 ms at half that rate, {path} (an open loop; from each "
-                "transaction's scheduled start) | "
+                f"| commit() p50 / p99 ms at half that rate, {path}: an open loop (in "
+                "brackets, whole transactions from their scheduled start) | "
                 + " | ".join(f"{h['commit_p50_ms']:.1f} / {h['commit_p99_ms']:.1f} at "
                              f"{h['per_s']:,.0f}/s ({h['txn_p50_ms']:.1f} / "
                              f"{h['txn_p99_ms']:.1f})" for h in (half_a, half_b)) + " | |")

@@ -121,11 +121,12 @@ RECORD = b"x" * 1024
 # ------------------------------------------------------------------ small transactions
 def small_client(address: str, index: int, seconds: float, start_at: float, out,
                  one_call_max_bytes: int = 1 << 20, links: bool = True,
-                 rate_per_s: float = 0.0) -> None:
+                 rate_per_s: float = 0.0, phase: float = 0.0) -> None:
     """One client process's loop of small transactions: back to back (closed loop), or
-    with `rate_per_s` one beginning every 1/rate_per_s seconds (open loop). Open-loop
-    latencies count from the transaction's scheduled start, so a client that fell behind
-    its schedule is charged for the wait (no coordinated omission)."""
+    with `rate_per_s` one beginning every 1/rate_per_s seconds (open loop), the first
+    `phase` of an interval after the start (so that the clients do not begin together).
+    Open-loop latencies count from the transaction's scheduled start, so a client that
+    fell behind its schedule is charged for the wait (no coordinated omission)."""
     from spark_client import Client
 
     client = Client(address, one_call_max_bytes=one_call_max_bytes, links=links)
@@ -144,15 +145,15 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
             time.sleep(0.001)
         deadline = start_at + seconds
         cpu_before = time.process_time()
-        # Open loop: the schedule on perf_counter's clock, each client's offset by a
-        # fraction of the interval so the clients do not begin together.
         interval = 1 / rate_per_s if rate_per_s else 0.0
-        scheduled = time.perf_counter() + interval * index / 8
+        scheduled = time.perf_counter() + interval * phase  # open loop: perf_counter's clock
         while time.time() < deadline:
             if interval:
                 pause = scheduled - time.perf_counter()
                 if pause > 0:
                     time.sleep(pause)
+                    if time.time() >= deadline:
+                        break
                 began = scheduled
                 scheduled += interval
             else:
@@ -199,7 +200,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     start_at = time.time() + 8 + clients * 0.5
     workers = [context.Process(target=small_client, args=(
         address, i, seconds, start_at, out, (1 << 20) if one_call else 0, links,
-        rate_per_s / clients)) for i in range(clients)]
+        rate_per_s / clients, i / clients)) for i in range(clients)]
     for worker in workers:
         worker.start()
     services = [p for p in report.cluster.processes if p.role != "zookeeper"]
