@@ -84,8 +84,8 @@ from partition_server.log import LogConfig, PartitionLog, SegmentSpan
 from partition_server.producer_state import APPEND, ProducerStateTable
 from partition_server.record_batch import (ATTR_TRANSACTIONAL, LENGTH_FIELD_END, BatchHeader,
                                            ControlMarker, ControlType, TxnId,
-                                           decode_control_batch, encode_control_batch,
-                                           iter_batches, parse_header)
+                                           control_batch_parsed, decode_control_batch,
+                                           iter_batches)
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.segment import walk_headers
 from partition_server.snapshot_files import SnapshotCorrupt, write_atomically
@@ -881,12 +881,12 @@ class PartitionOwner:
             if isinstance(work, _MarkerWork):
                 for marker in work.markers:
                     try:
-                        batch = self._marker(marker, next_offset, now, results)
+                        framed = self._marker(marker, next_offset, now, results)
                     except AtomlogError as error:
                         results.append(error)
                         continue
-                    if batch is not None:
-                        accepted.append((batch, parse_header(batch)))
+                    if framed is not None:
+                        accepted.append(framed)
                         expected_bases.append(next_offset)
                         next_offset += 1
                 continue
@@ -1175,26 +1175,27 @@ class PartitionOwner:
             "this write was being verified; retry it (it will be verified again)",
             {"retry_after_ms": "50"})
 
-    def _marker(self, marker: Marker, offset: int, now: int, results: list) -> bytes | None:
+    def _marker(self, marker: Marker, offset: int, now: int,
+                results: list) -> tuple[bytes, BatchHeader] | None:
         """Decide one marker; append its result; return the control batch to write at
-        `offset`, or None."""
+        `offset` with its header, or None."""
         txns = self.txns
         plan = txns.check_marker(marker.txn, marker.decision, marker.coordinator_epoch)
         self.guard.on_marker(marker.txn)
         if plan.action is not MarkerAction.WRITE:
             results.append(MarkerResult(-1, plan.already_ended))
             return None
-        batch = encode_control_batch(marker.decision, txn=marker.txn,
-                                     coordinator_epoch=marker.coordinator_epoch, timestamp_ms=now,
-                                     producer_id=plan.producer_id,
-                                     producer_epoch=plan.producer_epoch)
+        framed = control_batch_parsed(marker.decision, txn=marker.txn,
+                                      coordinator_epoch=marker.coordinator_epoch,
+                                      timestamp_ms=now, producer_id=plan.producer_id,
+                                      producer_epoch=plan.producer_epoch)
         self.producers.apply(plan.producer_id, plan.producer_epoch, -1, -1, offset, offset, now,
                              control=True)
         txns.on_marker(marker.txn, marker.decision, marker.coordinator_epoch, offset)
         self.last_control_offset = offset
         m.MARKERS_WRITTEN.labels(self.topic, marker.decision.name.lower()).inc()
         results.append(MarkerResult(offset, False))
-        return batch
+        return framed
 
     def _notify_readers(self) -> None:
         moved, self._data_moved = self._data_moved, None

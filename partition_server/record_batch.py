@@ -340,11 +340,19 @@ def stamp_transaction(batch: bytes, header: BatchHeader, txn: TxnId) -> tuple[by
     the same bytes). Returns the new bytes and header."""
     check_stageable(header)
     out = bytearray(batch)
-    _ATTRIBUTES.pack_into(out, 25, header.attributes | ATTR_TRANSACTIONAL)
+    attributes = header.attributes | ATTR_TRANSACTIONAL
+    _ATTRIBUTES.pack_into(out, 25, attributes)
     _TXN_FIELDS.pack_into(out, 65, txn.tc_partition, txn.sequence)
-    _CRC.pack_into(out, CRC_OFFSET, crc32c.crc32c(memoryview(out)[CRC_COVERED_FROM:]))
-    data = bytes(out)
-    return data, parse_header(data)
+    crc = crc32c.crc32c(memoryview(out)[CRC_COVERED_FROM:])
+    _CRC.pack_into(out, CRC_OFFSET, crc)
+    # The header as parse_header would read the new bytes (only these fields changed),
+    # held to the same cross-field rules.
+    stamped = header._replace(attributes=attributes, crc=crc, txn_tc_partition=txn.tc_partition,
+                              txn_sequence=txn.sequence)
+    problem = _header_problem(stamped)
+    if problem is not None:
+        raise _corrupt(problem)
+    return bytes(out), stamped
 
 
 def iter_batches(buf: bytes | bytearray | memoryview, *, verify: bool = False,
@@ -496,15 +504,23 @@ def encode_batch(records: Iterable[Record], *, producer_id: int = NO_PRODUCER_ID
                        control=control)
 
 
-def frame_batch(body: bytes, *, magic: int, count: int, base_timestamp_ms: int,
-                max_timestamp_ms: int, compression: Compression = Compression.NONE,
-                producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0,
-                base_sequence: int = NO_SEQUENCE, txn: TxnId | tuple[int, int] | None = None,
-                transactional: bool | None = None, control: bool = False) -> bytes:
+def frame_batch(body: bytes, **fields) -> bytes:
     """A batch of `count` records around a records block already built in the format
     `magic` names (rows: encode_batch; columns: record_columns): the header, its CRC32C,
     base_offset 0 and log_append_time -1 (the server sets both). Raises ValueError for
-    caller mistakes."""
+    caller mistakes. The keyword fields are frame_batch_parsed's."""
+    return frame_batch_parsed(body, **fields)[0]
+
+
+def frame_batch_parsed(body: bytes, *, magic: int, count: int, base_timestamp_ms: int,
+                       max_timestamp_ms: int, compression: Compression = Compression.NONE,
+                       producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0,
+                       base_sequence: int = NO_SEQUENCE,
+                       txn: TxnId | tuple[int, int] | None = None,
+                       transactional: bool | None = None,
+                       control: bool = False) -> tuple[bytes, BatchHeader]:
+    """frame_batch, with the batch's header as parse_header reads it (a server that
+    writes the batch needs both: no second parse)."""
     if transactional is None:
         transactional = txn is not None
     if transactional != (txn is not None) or (txn is not None and tuple(txn) == (0, 0)):
@@ -523,19 +539,25 @@ def frame_batch(body: bytes, *, magic: int, count: int, base_timestamp_ms: int,
     crc = crc32c.crc32c(body, crc32c.crc32c(memoryview(header)[CRC_COVERED_FROM:]))
     struct.pack_into(">I", header, CRC_OFFSET, crc)
     batch = bytes(header) + body
-    parse_header(batch)  # pair assertion: what we build must be what we accept
-    return batch
+    return batch, parse_header(batch)  # a pair assertion too: what we build, we accept
 
 
-def encode_control_batch(marker: ControlType, *, txn: TxnId | tuple[int, int],
-                         coordinator_epoch: int, timestamp_ms: int,
-                         producer_id: int = NO_PRODUCER_ID, producer_epoch: int = 0) -> bytes:
+def encode_control_batch(marker: ControlType, **fields) -> bytes:
     """A transaction marker: control + transactional bits, one record whose key is
-    (version 0, type) and whose value is (version 0, coordinator_epoch)."""
-    return frame_batch(_control_body(int(marker), coordinator_epoch), magic=MAGIC, count=1,
-                       base_timestamp_ms=timestamp_ms, max_timestamp_ms=timestamp_ms,
-                       producer_id=producer_id, producer_epoch=producer_epoch, txn=txn,
-                       control=True)
+    (version 0, type) and whose value is (version 0, coordinator_epoch). The keyword
+    fields are control_batch_parsed's."""
+    return control_batch_parsed(marker, **fields)[0]
+
+
+def control_batch_parsed(marker: ControlType, *, txn: TxnId | tuple[int, int],
+                         coordinator_epoch: int, timestamp_ms: int,
+                         producer_id: int = NO_PRODUCER_ID,
+                         producer_epoch: int = 0) -> tuple[bytes, BatchHeader]:
+    """encode_control_batch, with the marker's header (frame_batch_parsed)."""
+    return frame_batch_parsed(_control_body(int(marker), coordinator_epoch), magic=MAGIC,
+                              count=1, base_timestamp_ms=timestamp_ms,
+                              max_timestamp_ms=timestamp_ms, producer_id=producer_id,
+                              producer_epoch=producer_epoch, txn=txn, control=True)
 
 
 @functools.lru_cache(maxsize=256)

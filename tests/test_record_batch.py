@@ -141,6 +141,30 @@ def test_control_batch_round_trip():
     assert reason_of(lambda: decode_control_batch(sample())) == "CORRUPT_BATCH"
 
 
+def test_built_and_stamped_batches_come_with_the_header_parse_header_reads():
+    """The server writes a marker and a staged batch with the header handed back by
+    control_batch_parsed and stamp_transaction, without parsing them again: it must be
+    the header of the bytes, field for field."""
+    for epoch in (0, 2**40):
+        batch, header = rb.control_batch_parsed(ControlType.COMMIT, txn=(5, 2**33),
+                                                coordinator_epoch=epoch, timestamp_ms=77,
+                                                producer_id=9, producer_epoch=3)
+        assert header == parse_header(batch)
+        assert batch == encode_control_batch(ControlType.COMMIT, txn=(5, 2**33),
+                                             coordinator_epoch=epoch, timestamp_ms=77,
+                                             producer_id=9, producer_epoch=3)
+    for compression in (Compression.NONE, Compression.ZSTD):
+        raw = sample(compression=compression)
+        for txn in (rb.TxnId(0, 1), rb.TxnId(15, 2**63 + 7)):
+            stamped, header = rb.stamp_transaction(raw, parse_header(raw), txn)
+            assert header == validate_batch(stamped)  # the CRC too
+            assert header.txn == tuple(txn) and header.is_transactional
+            assert stamped[rb.CRC_COVERED_FROM:] != raw[rb.CRC_COVERED_FROM:]
+    # A transaction id the rules refuse (none at all) is refused as a reparse refused it.
+    assert reason_of(lambda: rb.stamp_transaction(raw, parse_header(raw), rb.TxnId(0, 0))) \
+        == "CORRUPT_BATCH"
+
+
 def test_iter_batches_walks_concatenated_batches():
     batches = [with_base_offset(sample(), 3 * i) for i in range(4)]
     joined = b"".join(batches)
