@@ -351,7 +351,7 @@ def stamp_transaction(batch: bytes, header: BatchHeader, txn: TxnId) -> tuple[by
                               txn_sequence=txn.sequence)
     problem = _header_problem(stamped)
     if problem is not None:
-        raise _corrupt(problem)
+        raise _corrupt(problem, 0)  # as parse_header of the new bytes would refuse them
     return bytes(out), stamped
 
 
