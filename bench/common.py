@@ -197,6 +197,12 @@ def fsync_baseline(directory: Path, samples: int = 300) -> dict:
 BENCH_REPLICATION_FACTOR = 1
 
 
+# The two server shapes the transaction benchmarks compare: the multi-process cluster
+# (`atomlog up`'s default) and the combined server (every role in one process).
+SHAPES = {"cluster": {"id_allocator": 1, "coordinator": 2, "partition_server": 3},
+          "combined": {"combined": 1}}
+
+
 @contextlib.contextmanager
 def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s: float = 90,
                   down_timeout_s: float = 10, replication_factor: int | None = None,
@@ -208,7 +214,7 @@ def local_cluster(prefix: str, roles: dict[str, int] | None = None, *, timeout_s
     `settings`: more config settings (name -> value) for every server (they win)."""
     from services import launcher
 
-    roles = roles or {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
+    roles = roles or SHAPES["cluster"]
     settings = ({} if replication_factor is None
                 else {"topics.default_replication_factor": str(replication_factor)}
                 ) | dict(settings or {})

@@ -35,8 +35,7 @@ import common  # noqa: E402
 
 BEGIN = "<!-- bench/go_client.py: begin -->"
 END = "<!-- bench/go_client.py: end -->"
-SHAPES = {"cluster": {"id_allocator": 1, "coordinator": 2, "partition_server": 3},
-          "combined": {"combined": 1}}
+SHAPES = common.SHAPES
 TOPIC = "bench-go-small-txn"
 
 

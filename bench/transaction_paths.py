@@ -47,8 +47,7 @@ import transactions as tb  # noqa: E402  (bench/transactions.py: the cells thems
 BEGIN = "<!-- bench/transaction_paths.py: begin -->"
 END = "<!-- bench/transaction_paths.py: end -->"
 PEERS_BENCH = REPO.parent / "shared" / "peers-bench"
-SHAPES = {"cluster": {"id_allocator": 1, "coordinator": 2, "partition_server": 3},
-          "combined": {"combined": 1}}
+SHAPES = common.SHAPES
 
 
 def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int,
