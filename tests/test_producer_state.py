@@ -270,6 +270,12 @@ class ProducerStateMachine(RuleBasedStateMachine):
                 self.expected_counts["duplicates_total"] += 1
 
     @invariant()
+    def snapshot_of_memoized_entries_matches_a_fresh_encoding(self):
+        # snapshot() re-packs only the entries changed since its last call.
+        assert self.table.snapshot(self.log_end) == encode_snapshot(
+            self.log_end, self.table.entries().values())
+
+    @invariant()
     def full_replay_equals_live(self):
         replayed = replay(self.headers)
         assert replayed.live_entries(self.now_ms) == self.table.live_entries(self.now_ms)
