@@ -35,8 +35,8 @@ from coordinator import records as records_module
 from coordinator.core import (
     ALLOWED, DECIDING, FINISHED, INITIAL_STATE, NO_WORK, TRANSITION_RECORDS, UNDECIDED,
     SEQUENCE_RESERVATION, IllegalTransition, Limits, OneCallAborted, OneCallStart,
-    ProducerIdNeeded, ProtocolError, SnapshotCorrupt, State, TcPartitionCore, generated_doc,
-    next_producer_epoch, replay,
+    ProducerIdNeeded, ProtocolError, SnapshotCorrupt, State, TcPartitionCore, _key_row,
+    generated_doc, next_producer_epoch, replay,
 )
 from coordinator.records import (
     PRODUCER_EPOCH_LAST_ISSUED, Completed, DeadlineReset, Decided, Decision, EndCause,
@@ -620,6 +620,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert self.image(replay(records[covered:], TC, base=base)) == live
         restored, _ = TcPartitionCore.restore(live, TC, MACHINE_LIMITS, self.epoch)
         assert self.image(restored) == live
+
+    @invariant()
+    def each_indexed_key_has_its_snapshot_row(self):
+        # The snapshot joins rows packed as keys were indexed (_key_rows); they must follow
+        # every change of _keys, in its order, as a fresh packing of _keys would give.
+        keys, rows = self.core._keys, self.core._key_rows
+        assert list(rows) == list(keys)
+        assert all(rows[key] == _key_row(key, txn_id) for key, txn_id in keys.items())
 
     @invariant()
     def one_calls_are_open_while_staging_and_presumed_aborted_after(self):
