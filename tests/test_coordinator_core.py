@@ -35,7 +35,8 @@ from coordinator import records as records_module
 from coordinator.core import (
     ALLOWED, DECIDING, FINISHED, INITIAL_STATE, NO_WORK, TRANSITION_RECORDS, UNDECIDED,
     SEQUENCE_RESERVATION, IllegalTransition, Limits, OneCallAborted, OneCallStart,
-    ProducerIdNeeded, ProtocolError, SnapshotCorrupt, State, TcPartitionCore, _key_row,
+    SESSION_SWEEP_INTERVAL_MS, ProducerIdNeeded, ProtocolError, SnapshotCorrupt, State,
+    TcPartitionCore, _key_row,
     generated_doc, next_producer_epoch, replay,
 )
 from coordinator.records import (
@@ -899,6 +900,21 @@ def test_sessions_expire_logically_and_their_slots_are_reused() -> None:
     assert core.session("a", NOW + 1_001) is None  # expired, still held in memory
     settle(core, core.init_producer_id(NOW + 1_001, "b", fresh_producer_id=2))
     assert core.metrics.sessions == 1
+
+
+def test_tick_frees_expired_sessions_at_most_once_a_sweep_interval() -> None:
+    core = TcPartitionCore(TC, Limits(session_expiry_ms=1_000))
+    settle(core, core.init_producer_id(NOW, "a", fresh_producer_id=1))
+    core.tick(NOW + 10)  # swept: nothing had expired
+    core.tick(NOW + 1_001)  # expired, but the last sweep was under an interval ago
+    assert core.metrics.sessions == 1 and core.session("a", NOW + 1_001) is None
+    core.tick(NOW + 10 + SESSION_SWEEP_INTERVAL_MS)
+    assert core.metrics.sessions == 0
+    settle(core, core.init_producer_id(NOW + 5_000, "b", fresh_producer_id=2))
+    core.tick(NOW + 5_500)
+    core.tick(NOW + 100)  # the clock went back past the last sweep: swept, and from then
+    core.tick(NOW + 6_001)  # on intervals count from there ("b" expired at 6,001)
+    assert core.metrics.sessions == 0
 
 
 def test_a_forgotten_transaction_takes_its_idempotency_key_along() -> None:
