@@ -119,6 +119,17 @@ class TxnId(NamedTuple):
     sequence: int
 
 
+def txn_key(txn: TxnId) -> int:
+    """The id as one int (TC partition < 2**32, sequence < 2**64), for tables held long:
+    a dict keyed by ints is never scanned by the garbage collector, one keyed by TxnIds
+    (tuples it tracks) at every full collection, the event loop held meanwhile."""
+    return txn.tc_partition << 64 | txn.sequence
+
+
+def txn_of_key(key: int) -> TxnId:
+    return TxnId(key >> 64, key & 0xFFFF_FFFF_FFFF_FFFF)
+
+
 class BatchHeader(NamedTuple):
     """A parsed batch header. Immutable value object (a NamedTuple rather than a dataclass:
     servers build one per batch on hot paths, and tuple construction is ~5x cheaper)."""

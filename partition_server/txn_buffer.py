@@ -96,7 +96,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
-from partition_server.record_batch import BatchHeader, ControlMarker, ControlType, TxnId
+from partition_server.record_batch import (BatchHeader, ControlMarker, ControlType, TxnId,
+                                            txn_key, txn_of_key)
 from partition_server.snapshot_files import (SnapshotCorrupt, SnapshotFileNames, seal,
                                               unseal)
 from services.errors import AtomlogError
@@ -241,8 +242,9 @@ class TxnBuffer:
         # added, so a snapshot joins them: packing 10,000 commits took 30 ms of the owner's
         # event loop at every snapshot.
         self._aborted_rows: list[bytes] = []
-        self._committed: OrderedDict[TxnId, tuple[int, bytes]] = OrderedDict()  # (marker
-        # offset, row)
+        # txn_key(txn) -> (marker offset, row): int keys, which the garbage collector does
+        # not scan as it scans TxnIds (see txn_key).
+        self._committed: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
         self._epochs: dict[int, int] = {}  # TC partition -> highest written marker epoch
         # Ended, marker not yet durable: (marker_offset, first_offset), by marker offset.
         self._unreplicated: list[tuple[int, int]] = []
@@ -321,7 +323,7 @@ class TxnBuffer:
         aborted = self._aborted_lookup.get(txn)
         if aborted is not None:
             return ControlType.ABORT, aborted.marker_offset
-        committed = self._committed.get(txn)
+        committed = self._committed.get(txn_key(txn))
         if committed is not None:
             return ControlType.COMMIT, committed[0]
         return None
@@ -331,7 +333,8 @@ class TxnBuffer:
                         for entry in self._aborted[self._aborted_head:])
         return TxnBufferState(self._log_start_offset, self._aborted_evicted_below,
                               tuple(sorted(self._epochs.items())), tuple(self.describe()),
-                              aborted, tuple((txn, marker_offset) for txn, (marker_offset, _)
+                              aborted, tuple((txn_of_key(key), marker_offset)
+                                             for key, (marker_offset, _)
                                              in self._committed.items()))
 
     # -- reads --------------------------------------------------------------------------
@@ -477,10 +480,10 @@ class TxnBuffer:
             self._drop_oldest_aborted()
         self._compact_aborted()
         while self._committed:
-            txn, (marker_offset, _) = next(iter(self._committed.items()))
+            key, (marker_offset, _) = next(iter(self._committed.items()))
             if marker_offset >= log_start_offset:
                 break
-            del self._committed[txn]
+            del self._committed[key]
         gone = [txn for txn, entry in self._open.items() if entry.last_offset < log_start_offset]
         for txn in gone:  # all its data is gone: it ended (see the module doc)
             del self._open[txn]
@@ -505,7 +508,7 @@ class TxnBuffer:
         if txn not in self._open and self.ended(txn) is not None:
             self._count("anomalies_total")
             self._unindex_aborted(txn)
-            self._committed.pop(txn, None)
+            self._committed.pop(txn_key(txn), None)
         self._record_data(txn, header.producer_id, header.producer_epoch, header.base_offset,
                           header.last_offset, header.log_append_time_ms)
 
@@ -542,7 +545,8 @@ class TxnBuffer:
             if indexed:
                 buffer._aborted_lookup[entry.txn] = entry
         for txn, marker_offset in state.committed:
-            buffer._committed[txn] = (marker_offset, _committed_row(txn, marker_offset))
+            buffer._committed[txn_key(txn)] = (marker_offset,
+                                               _committed_row(txn, marker_offset))
         buffer._enforce_bounds()
         buffer._last_applied_offset = covered_offset - 1
         return buffer, covered_offset
@@ -574,10 +578,11 @@ class TxnBuffer:
         first_offset = entry.first_offset if entry else marker_offset  # data retained away
         if entry is not None:
             self._unreplicated.append((marker_offset, first_offset))
-        self._committed.pop(txn, None)
+        key = txn_key(txn)
+        self._committed.pop(key, None)
         self._unindex_aborted(txn)
         if decision is ControlType.COMMIT:
-            self._committed[txn] = (marker_offset, _committed_row(txn, marker_offset))
+            self._committed[key] = (marker_offset, _committed_row(txn, marker_offset))
         else:
             oldest = self.oldest_open()
             lso = oldest.first_offset if oldest else marker_offset + 1

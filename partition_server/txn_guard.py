@@ -27,10 +27,11 @@ verification from before the restart can be in flight.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from partition_server.record_batch import TxnId
+from partition_server.record_batch import TxnId, txn_key
 
 DEFAULT_MAX_CACHED = 100_000
 DEFAULT_MAX_ENDED = 100_000
@@ -53,8 +54,17 @@ class TxnGuard:
         self.max_ended = max_ended
         self._generation = 0
         self._horizon = 0
-        self._cache: OrderedDict[TxnId, Verified] = OrderedDict()
-        self._ended: OrderedDict[TxnId, int] = OrderedDict()  # txn -> generation
+        # Keyed by txn_key(txn), an int. The ended set holds up to max_ended (100,000)
+        # entries for long, and the garbage collector scanned every entry of it at each
+        # full collection (as an OrderedDict of TxnIds: 37 ms for 4 partitions in a quiet
+        # process, about 90 ms in a loaded server). So it is a dict of ints, which the
+        # collector never tracks, and its order (oldest marker first) is kept in arrays,
+        # which hold no objects: an entry ended again is appended anew, and its older
+        # place, whose generation no longer matches, is skipped when reached.
+        self._cache: OrderedDict[int, Verified] = OrderedDict()  # ~ the open transactions
+        self._ended: dict[int, int] = {}  # txn_key -> generation of its last marker here
+        self._ended_order = (array("I"), array("Q"), array("Q"))  # tc, sequence, generation
+        self._ended_head = 0
 
     @property
     def generation(self) -> int:
@@ -74,13 +84,14 @@ class TxnGuard:
 
     def cached(self, txn: TxnId) -> Verified | None:
         """A still-usable verification of txn on this partition, or None."""
-        entry = self._cache.get(txn)
+        key = txn_key(txn)
+        entry = self._cache.get(key)
         if entry is None:
             return None
         if not self.allows(txn, entry.token):
-            del self._cache[txn]
+            del self._cache[key]
             return None
-        self._cache.move_to_end(txn)
+        self._cache.move_to_end(key)
         return entry
 
     def remember(self, txn: TxnId, token: int, session: tuple[int, int] | None) -> bool:
@@ -88,22 +99,42 @@ class TxnGuard:
         a marker for txn came meanwhile or the token fell below the horizon."""
         if not self.allows(txn, token):
             return False
-        self._cache[txn] = Verified(token, session)
-        self._cache.move_to_end(txn)
+        key = txn_key(txn)
+        self._cache[key] = Verified(token, session)
+        self._cache.move_to_end(key)
         while len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)  # only costs a new verification
         return True
 
     def allows(self, txn: TxnId, token: int) -> bool:
         """May a write verified with `token` be appended now?"""
-        return txn not in self._ended and token >= self._horizon
+        return txn_key(txn) not in self._ended and token >= self._horizon
 
     def on_marker(self, txn: TxnId) -> None:
         """A marker for txn was applied here (written or not)."""
-        self._cache.pop(txn, None)
-        self._ended[txn] = self._generation
-        self._ended.move_to_end(txn)
+        key = txn_key(txn)
+        self._cache.pop(key, None)
+        self._ended[key] = self._generation
+        tcs, sequences, generations = self._ended_order
+        tcs.append(txn.tc_partition)
+        sequences.append(txn.sequence)
+        generations.append(self._generation)
         self._generation += 1
         while len(self._ended) > self.max_ended:
-            _, generation = self._ended.popitem(last=False)
-            self._horizon = max(self._horizon, generation + 1)
+            head = self._ended_head
+            self._ended_head += 1
+            oldest, generation = tcs[head] << 64 | sequences[head], generations[head]
+            if self._ended.get(oldest) == generation:  # else ended again since: skipped
+                del self._ended[oldest]
+                self._horizon = max(self._horizon, generation + 1)
+        head = self._ended_head
+        if len(tcs) - head > 2 * len(self._ended) + 64:  # mostly places ended again since
+            self._ended_order = tuple(array(column.typecode, (
+                column[index] for index in range(head, len(tcs))
+                if self._ended.get(tcs[index] << 64 | sequences[index]) == generations[index]))
+                for column in self._ended_order)
+            self._ended_head = 0
+        elif head > 64 and head * 2 > len(tcs):
+            for column in self._ended_order:
+                del column[:head]
+            self._ended_head = 0

@@ -4,11 +4,13 @@ and however small the bounds."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from partition_server.record_batch import TxnId
+from partition_server.record_batch import TxnId, txn_key
 from partition_server.txn_guard import TxnGuard
 
 TXNS = st.builds(TxnId, st.integers(0, 2), st.integers(1, 6))
@@ -47,6 +49,22 @@ def test_evicting_ended_entries_raises_the_horizon():
     assert guard.allows(TxnId(2, 9), guard.token())
 
 
+def test_repeated_markers_keep_the_ended_order_bounded_and_evict_the_right_entry():
+    guard = TxnGuard(max_cached=10, max_ended=3)
+    a, b, c, d = (TxnId(1, n) for n in (1, 2, 3, 4))
+    guard.on_marker(a)
+    guard.on_marker(b)
+    for _ in range(500):  # markers re-sent (a coordinator's retries, a failover)
+        guard.on_marker(a)
+        guard.on_marker(c)
+    assert len(guard._ended_order[0]) - guard._ended_head <= 2 * 3 + 65
+    token = guard.token()
+    guard.on_marker(d)  # four ended: the oldest by last marker is b
+    assert set(guard._ended) == {txn_key(t) for t in (a, c, d)}
+    assert guard.horizon == 2  # b's marker was generation 1
+    assert guard.allows(TxnId(2, 9), token) and not guard.allows(TxnId(2, 9), 1)
+
+
 class GuardModel(RuleBasedStateMachine):
     """Model: the set of transactions a marker was applied for. A write verified at token
     t for txn may be appended only while no marker for txn was applied (the coordinator
@@ -55,6 +73,10 @@ class GuardModel(RuleBasedStateMachine):
     @initialize(max_ended=st.integers(1, 4), max_cached=st.integers(1, 4))
     def start(self, max_ended, max_cached):
         self.guard = TxnGuard(max_cached=max_cached, max_ended=max_ended)
+        # The ended set as the guard kept it before (an OrderedDict moved to the end on each
+        # marker, the oldest evicted): its lazily ordered dict must evict alike.
+        self.reference: OrderedDict[TxnId, int] = OrderedDict()
+        self.horizon = 0
         self.marked: set[TxnId] = set()
         self.tokens: list[tuple[TxnId, int]] = []  # verifications in flight
         self.answered: list[tuple[TxnId, int]] = []
@@ -65,6 +87,11 @@ class GuardModel(RuleBasedStateMachine):
 
     @rule(txn=TXNS)
     def marker(self, txn):
+        self.reference[txn] = self.guard.generation
+        self.reference.move_to_end(txn)
+        while len(self.reference) > self.guard.max_ended:
+            _, generation = self.reference.popitem(last=False)
+            self.horizon = max(self.horizon, generation + 1)
         self.guard.on_marker(txn)
         self.marked.add(txn)
 
@@ -89,6 +116,14 @@ class GuardModel(RuleBasedStateMachine):
     def bounded(self):
         assert self.guard.cached_count <= self.guard.max_cached
         assert len(self.guard._ended) <= self.guard.max_ended
+        order = self.guard._ended_order[0]
+        assert len(order) - self.guard._ended_head <= 2 * len(self.guard._ended) + 65
+
+    @invariant()
+    def ends_and_evicts_as_an_ordered_dict_would(self):
+        assert self.guard._ended == {txn_key(txn): generation
+                                     for txn, generation in self.reference.items()}
+        assert self.guard.horizon == self.horizon
 
 
 GuardModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
