@@ -262,6 +262,12 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
                 "chunk of plain Python, p50 / p99 ms | "
                 + " | ".join(f"{c['machine_jitter']['p50_ms']:.2f} / "
                              f"{c['machine_jitter']['p99_ms']:.2f}" for c in (a, b)) + " | |")
+        if "full_gcs" in a and "full_gcs" in b:
+            lines.append(
+                f"| the servers' full garbage collections during the {path} cell: how many "
+                "(ms in all; how many over 10 ms) | "
+                + " | ".join(f"{c['full_gcs']:.0f} ({c['full_gc_ms']:.0f}; "
+                             f"{c['full_gcs_over_10ms']:.0f})" for c in (a, b)) + " | |")
     lines.append(_budget_row(rate, common.cores()))
     for path in ("one-call", "streaming"):
         for mode in ("sequential", "pipelined"):

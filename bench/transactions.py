@@ -236,7 +236,8 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     dump_metrics(metrics)
     count = sum(r[0] for r in results)
     calls = sum(after[m] - before[m] for m in after
-                if not m.startswith(("TC log", "in-process", "fsyncs", ON_LINK)))
+                if not m.startswith(("TC log", "in-process", "fsyncs", ON_LINK, "gc ")))
+    full_gcs = after["gc full count"] - before["gc full count"]
     local = sum(after[m] - before[m] for m in after if m.startswith("in-process"))
     commits = [c for r in results for c in r[1]]
     totals = [t for r in results for t in r[2]]
@@ -248,7 +249,13 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "link_calls_per_txn": sum(after[m] - before[m] for m in after
                                       if m.startswith(ON_LINK)) / max(count, 1),
             "calls_by_method": {m: (after[m] - before[m]) / max(count, 1) for m in after
-                                if after[m] - before[m] > 0 and not m.startswith("fsyncs")},
+                                if after[m] - before[m] > 0
+                                and not m.startswith(("fsyncs", "gc "))},
+            # The servers' full garbage collections in the window: each holds its process.
+            "full_gcs": full_gcs,
+            "full_gc_ms": (after["gc full sum"] - before["gc full sum"]) * 1e3,
+            "full_gcs_over_10ms": full_gcs - (after["gc full short"]
+                                              - before["gc full short"]),
             # Group commits of the partitions' owners per transaction, and the sync calls
             # that made them durable (fewer with the durability barrier: one syncfs
             # answers many; without it, one fsync each).
@@ -391,6 +398,12 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
     # The durability barrier's syncfs/fsync calls (partition_server/durability.py); the
     # owners' group commits above are what asked for them.
     syncs = re.compile(r'^atomlog_durability_syncs_total\{kind="[a-z]+"\} (\S+)$', re.M)
+    # Full garbage collections (services/runtime.py, watch_gc_pauses): how many, their
+    # time in all, and how many took longer than 10 ms.
+    full_gc = re.compile(r'^atomlog_gc_pause_seconds_(count|sum)\{generation="2"\} (\S+)$',
+                         re.M)
+    long_gc = re.compile(r'^atomlog_gc_pause_seconds_bucket\{generation="2",le="0\.01"\} '
+                         r'(\S+)$', re.M)
     for address in metrics_addresses:
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
         for method, value in rpc.findall(text):
@@ -399,6 +412,9 @@ def rpc_counts(metrics_addresses: list[str]) -> Counter:
         counts["TC log records"] += sum(float(v) for v in records.findall(text))
         counts["fsyncs"] += sum(float(v) for v in fsyncs.findall(text))
         counts["fsyncs barrier"] += sum(float(v) for v in syncs.findall(text))
+        for kind, value in full_gc.findall(text):
+            counts[f"gc full {kind}"] += float(value)
+        counts["gc full short"] += sum(float(v) for v in long_gc.findall(text))
         for method, value in local.findall(text):  # the combined server's function calls
             counts[f"in-process {method}"] += float(value)
         for method, value in linked.findall(text):
@@ -679,6 +695,8 @@ def _ctp_figures(ctp: dict) -> dict:
     tc_records = per_batch.pop("TC log records", 0.0)
     fsyncs = per_batch.pop("fsyncs", 0.0)
     per_batch.pop("fsyncs barrier", None)
+    for kind in [m for m in per_batch if m.startswith("gc ")]:
+        per_batch.pop(kind)
     local = sorted(((m.removeprefix("in-process "), n) for m, n in per_batch.items()
                     if m.startswith("in-process ")), key=lambda item: -item[1])
     linked = sum(n for m, n in per_batch.items() if m.startswith(ON_LINK))
@@ -967,6 +985,9 @@ def main() -> None:
                   + "the machine's jitter meanwhile (common.CpuProbe): a "
                   f"{small['machine_jitter']['p50_ms']:.2f} ms chunk of Python took "
                   f"{small['machine_jitter']['p99_ms']:.2f} ms at p99; "
+                  f"servers' full garbage collections {small['full_gcs']:.0f} "
+                  f"({small['full_gc_ms']:.0f} ms in all, {small['full_gcs_over_10ms']:.0f} "
+                  "over 10 ms); "
                   + (f"open loop of {args.rate:g}/s: transaction p50/p99 from its "
                      f"scheduled start {small['txn_p50_ms']:.1f}/{small['txn_p99_ms']:.1f} "
                      "ms; " if args.rate else "") +

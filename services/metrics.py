@@ -41,6 +41,10 @@ ZOOKEEPER_CONNECTED = Gauge("atomlog_zookeeper_connected",
 ZOOKEEPER_SESSIONS = Counter("atomlog_zookeeper_sessions_total",
                              "ZooKeeper sessions established (more than 1 means one expired).")
 SERVING = Gauge("atomlog_serving", "1 while the server's health status is SERVING.")
+GC_PAUSES = Histogram("atomlog_gc_pause_seconds", "Python garbage collections by "
+                      "generation (2: full), timed: while one runs the process runs nothing "
+                      "else, its event loop included.", ["generation"],
+                      buckets=LATENCY_BUCKETS_SECONDS)
 
 
 class _HttpsServer(ThreadingMixIn, WSGIServer):

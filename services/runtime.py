@@ -271,6 +271,30 @@ def tune_allocator() -> None:
     allocator.tune(64 << 20, 256 << 20)
 
 
+_gc_watched = False
+
+
+def watch_gc_pauses() -> None:
+    """Time every garbage collection into atomlog_gc_pause_seconds{generation}. A full
+    collection scans every object the collector tracks that is not frozen: long-held
+    tables of tuples made it hold the event loop for hundreds of ms (the partitions' and
+    TC partitions' tables are now kept in forms it does not track)."""
+    global _gc_watched
+    if _gc_watched:
+        return
+    _gc_watched = True
+    children = [metrics.GC_PAUSES.labels(str(generation)) for generation in range(3)]
+    started = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            children[info["generation"]].observe(time.perf_counter() - started[0])
+
+    gc.callbacks.append(timed)
+
+
 def freeze_startup_heap() -> int:
     """Move what start-up made (modules, protobuf descriptors, gRPC, the loaded state) to
     the collector's permanent generation (gc.freeze): a full collection then scans only
@@ -287,6 +311,7 @@ def freeze_startup_heap() -> int:
 async def serve(config: Config) -> int:
     """Run one server until SIGTERM/SIGINT; return the process exit code."""
     tune_allocator()
+    watch_gc_pauses()
     logs.setup(config["log.level"], config["log.format"],
                server=config["server.name"] or default_name(config.role), role=config.role)
     runtime = Runtime(config)

@@ -98,6 +98,11 @@ def test_metrics_endpoint_parses_as_prometheus_text(cluster):
         assert info["name"] == process["name"] and info["role"] == process["role"]
         assert families["atomlog_zookeeper_connected"].samples[0].value == 1
         assert families["atomlog_serving"].samples[0].value == 1
+        # Every process has collected (start-up alone does) and timed it by generation.
+        counts = {sample.labels["generation"]: sample.value
+                  for sample in families["atomlog_gc_pause_seconds"].samples
+                  if sample.name == "atomlog_gc_pause_seconds_count"}
+        assert set(counts) == {"0", "1", "2"} and counts["0"] > 0 and counts["2"] >= 1, counts
         for name in families:
             assert name.startswith(("atomlog_", "python_", "process_")), name
 

@@ -232,6 +232,13 @@ def partitions() -> dict:
             panel("Markers written", (rate("atomlog_partition_markers_written_total", "decision",
                                            f"{NS}, {TOPIC}"), "{{decision}}"),
                   (rate("atomlog_partition_stale_markers_total"), "refused: stale epoch"), unit="ops"),
+            panel("Time held by garbage collection",
+                  (rate("atomlog_gc_pause_seconds_sum", "instance_name, generation"),
+                   "{{instance_name}} generation {{generation}}"), unit="percentunit",
+                  description="The share of each server's time its Python garbage collector "
+                              "held the process, event loop included. A full (generation 2) "
+                              "collection scans every tracked object: a long one shows in "
+                              "commit p99 (atomlog_gc_pause_seconds has the histogram)."),
         ]),
     ], topic=True)
 
