@@ -126,10 +126,6 @@ def txn_key(txn: TxnId) -> int:
     return txn.tc_partition << 64 | txn.sequence
 
 
-def txn_of_key(key: int) -> TxnId:
-    return TxnId(key >> 64, key & 0xFFFF_FFFF_FFFF_FFFF)
-
-
 class BatchHeader(NamedTuple):
     """A parsed batch header. Immutable value object (a NamedTuple rather than a dataclass:
     servers build one per batch on hot paths, and tuple construction is ~5x cheaper)."""

@@ -90,6 +90,7 @@ from __future__ import annotations
 import bisect
 import enum
 import struct
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from partition_server.record_batch import (BatchHeader, ControlMarker, ControlType, TxnId,
-                                            txn_key, txn_of_key)
+                                            txn_key)
 from partition_server.snapshot_files import (SnapshotCorrupt, SnapshotFileNames, seal,
                                               unseal)
 from services.errors import AtomlogError
@@ -233,18 +234,28 @@ class TxnBuffer:
     def __init__(self, limits: TxnBufferLimits | None = None) -> None:
         self.limits = limits or TxnBufferLimits()
         self._open: OrderedDict[TxnId, _Open] = OrderedDict()  # by first offset
-        self._aborted: list[AbortedTxn] = []  # by marker offset, from _aborted_head on
+        # The aborted index holds up to max_aborted_transactions (100,000) entries for
+        # long. Kept as objects (AbortedTxn tuples, a dict of TxnIds) the garbage collector
+        # scanned them all at each full collection, the event loop held, and a snapshot
+        # packed them all (540 ms at 100,000). So each entry is its snapshot row, written
+        # once: rows back to back in a bytearray (its indexed flag, the last byte, kept
+        # current), the marker offsets in an array beside them (bisect), the lookup a dict
+        # of ints; none of these holds an object the collector tracks. Entries from
+        # _aborted_head on, by marker offset.
+        self._aborted_rows = bytearray()
+        self._aborted_markers = array("q")
         self._aborted_head = 0
-        self._aborted_markers: list[int] = []  # marker offsets, parallel (bisect)
-        self._aborted_lookup: dict[TxnId, AbortedTxn] = {}
-        # Each entry's snapshot row, parallel to _aborted, its indexed flag kept current;
-        # and the commits' rows beside their marker offsets. Packed once when an entry is
-        # added, so a snapshot joins them: packing 10,000 commits took 30 ms of the owner's
-        # event loop at every snapshot.
-        self._aborted_rows: list[bytes] = []
-        # txn_key(txn) -> (marker offset, row): int keys, which the garbage collector does
-        # not scan as it scans TxnIds (see txn_key).
-        self._committed: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
+        self._aborted_lookup: dict[int, int] = {}  # txn_key -> marker offset of its entry
+        # The remembered commits, kept alike: rows and marker offsets from
+        # _committed_head on, by marker offset, and the lookup. A commit forgotten out of
+        # order (its transaction ended again: replayed anomalies) leaves a dead row,
+        # skipped by the snapshot and dropped when it is the oldest; a row is live while
+        # the lookup gives its marker offset.
+        self._committed_rows = bytearray()
+        self._committed_markers = array("q")
+        self._committed_head = 0
+        self._committed: dict[int, int] = {}  # txn_key -> marker offset
+        self._committed_dead = 0
         self._epochs: dict[int, int] = {}  # TC partition -> highest written marker epoch
         # Ended, marker not yet durable: (marker_offset, first_offset), by marker offset.
         self._unreplicated: list[tuple[int, int]] = []
@@ -280,7 +291,7 @@ class TxnBuffer:
 
     @property
     def aborted_count(self) -> int:
-        return len(self._aborted) - self._aborted_head
+        return len(self._aborted_markers) - self._aborted_head
 
     @property
     def aborted_index_start(self) -> int:
@@ -320,22 +331,24 @@ class TxnBuffer:
     def ended(self, txn: TxnId) -> tuple[ControlType, int] | None:
         """(decision, marker offset) of a transaction ended here and remembered (every
         abort still in the aborted index, the last max_remembered_commits commits)."""
-        aborted = self._aborted_lookup.get(txn)
-        if aborted is not None:
-            return ControlType.ABORT, aborted.marker_offset
-        committed = self._committed.get(txn_key(txn))
-        if committed is not None:
-            return ControlType.COMMIT, committed[0]
+        marker_offset = self._aborted_lookup.get(txn_key(txn))
+        if marker_offset is not None:
+            return ControlType.ABORT, marker_offset
+        marker_offset = self._committed.get(txn_key(txn))
+        if marker_offset is not None:
+            return ControlType.COMMIT, marker_offset
         return None
 
     def state(self) -> TxnBufferState:
-        aborted = tuple((entry, self._aborted_lookup.get(entry.txn) is entry)
-                        for entry in self._aborted[self._aborted_head:])
+        rows = self._aborted_rows
+        aborted = tuple((self._aborted_entry(index), rows[(index + 1) * _ABORTED.size - 1] == 1)
+                        for index in range(self._aborted_head, len(self._aborted_markers)))
         return TxnBufferState(self._log_start_offset, self._aborted_evicted_below,
                               tuple(sorted(self._epochs.items())), tuple(self.describe()),
-                              aborted, tuple((txn_of_key(key), marker_offset)
-                                             for key, (marker_offset, _)
-                                             in self._committed.items()))
+                              aborted, tuple((TxnId(*_COMMITTED.unpack_from(
+                                  self._committed_rows, index * _COMMITTED.size)[:2]),
+                                  self._committed_markers[index])
+                                  for index in self._live_commits()))
 
     # -- reads --------------------------------------------------------------------------
 
@@ -365,8 +378,8 @@ class TxnBuffer:
                 {"aborted_index_start": self.aborted_index_start, "limit": LIMIT_ABORTED})
         result = []
         first = bisect.bisect_right(self._aborted_markers, start, lo=self._aborted_head)
-        for index in range(first, len(self._aborted)):
-            entry = self._aborted[index]
+        for index in range(first, len(self._aborted_markers)):
+            entry = self._aborted_entry(index)
             if entry.marker_offset <= end:
                 result.append(entry)
                 continue
@@ -475,15 +488,14 @@ class TxnBuffer:
             return
         self._log_start_offset = log_start_offset
         self._changes += 1
-        while (self._aborted_head < len(self._aborted)
+        while (self._aborted_head < len(self._aborted_markers)
                and self._aborted_markers[self._aborted_head] < log_start_offset):
             self._drop_oldest_aborted()
         self._compact_aborted()
-        while self._committed:
-            key, (marker_offset, _) = next(iter(self._committed.items()))
-            if marker_offset >= log_start_offset:
-                break
-            del self._committed[key]
+        while (self._committed_head < len(self._committed_markers)
+               and self._committed_markers[self._committed_head] < log_start_offset):
+            self._drop_oldest_commit()
+        self._compact_commits()
         gone = [txn for txn, entry in self._open.items() if entry.last_offset < log_start_offset]
         for txn in gone:  # all its data is gone: it ended (see the module doc)
             del self._open[txn]
@@ -508,7 +520,7 @@ class TxnBuffer:
         if txn not in self._open and self.ended(txn) is not None:
             self._count("anomalies_total")
             self._unindex_aborted(txn)
-            self._committed.pop(txn_key(txn), None)
+            self._forget_commit(txn_key(txn))
         self._record_data(txn, header.producer_id, header.producer_epoch, header.base_offset,
                           header.last_offset, header.log_append_time_ms)
 
@@ -519,11 +531,10 @@ class TxnBuffer:
         Take it only when everything applied is durable (hw >= covered_offset)."""
         assert covered_offset > self._last_applied_offset, (covered_offset,
                                                             self._last_applied_offset)
-        aborted = self._aborted_rows[self._aborted_head:]
         return _encode(covered_offset, self._log_start_offset, self._aborted_evicted_below,
-                       sorted(self._epochs.items()), self.describe(), len(aborted),
-                       b"".join(aborted), len(self._committed),
-                       b"".join([row for _, row in self._committed.values()]))
+                       sorted(self._epochs.items()), self.describe(), self.aborted_count,
+                       self._aborted_rows[self._aborted_head * _ABORTED.size:],
+                       len(self._committed), self._committed_rows_bytes())
 
     @classmethod
     def restore(cls, data: bytes, limits: TxnBufferLimits | None = None
@@ -539,14 +550,12 @@ class TxnBuffer:
         for item in state.open:
             buffer._open[item.txn] = _Open(*item[1:])
         for entry, indexed in state.aborted:
-            buffer._aborted.append(entry)
+            buffer._aborted_rows += _aborted_row(entry, indexed)
             buffer._aborted_markers.append(entry.marker_offset)
-            buffer._aborted_rows.append(_aborted_row(entry, indexed))
             if indexed:
-                buffer._aborted_lookup[entry.txn] = entry
+                buffer._aborted_lookup[txn_key(entry.txn)] = entry.marker_offset
         for txn, marker_offset in state.committed:
-            buffer._committed[txn_key(txn)] = (marker_offset,
-                                               _committed_row(txn, marker_offset))
+            buffer._remember_commit(txn, marker_offset)
         buffer._enforce_bounds()
         buffer._last_applied_offset = covered_offset - 1
         return buffer, covered_offset
@@ -579,53 +588,113 @@ class TxnBuffer:
         if entry is not None:
             self._unreplicated.append((marker_offset, first_offset))
         key = txn_key(txn)
-        self._committed.pop(key, None)
+        self._forget_commit(key)
         self._unindex_aborted(txn)
         if decision is ControlType.COMMIT:
-            self._committed[key] = (marker_offset, _committed_row(txn, marker_offset))
+            self._remember_commit(txn, marker_offset)
         else:
             oldest = self.oldest_open()
             lso = oldest.first_offset if oldest else marker_offset + 1
             aborted = AbortedTxn(txn, producer_id, producer_epoch, first_offset,
                                  marker_offset, lso)
-            self._aborted.append(aborted)
+            self._aborted_rows += _aborted_row(aborted, True)
             self._aborted_markers.append(marker_offset)
-            self._aborted_rows.append(_aborted_row(aborted, True))
-            self._aborted_lookup[txn] = aborted
+            self._aborted_lookup[key] = marker_offset
         self._enforce_bounds()
 
     def _enforce_bounds(self) -> None:
         while len(self._committed) > self.limits.max_remembered_commits:
-            self._committed.popitem(last=False)
+            self._drop_oldest_commit()
+        self._compact_commits()
         while self.aborted_count > self.limits.max_aborted_transactions:
-            evicted = self._drop_oldest_aborted()
-            self._aborted_evicted_below = max(self._aborted_evicted_below,
-                                              evicted.marker_offset + 1)
+            evicted_marker = self._drop_oldest_aborted()
+            self._aborted_evicted_below = max(self._aborted_evicted_below, evicted_marker + 1)
             self._count("aborted_evicted_total")
         self._compact_aborted()
 
-    def _drop_oldest_aborted(self) -> AbortedTxn:
-        entry = self._aborted[self._aborted_head]
+    def _remember_commit(self, txn: TxnId, marker_offset: int) -> None:
+        self._committed_rows += _committed_row(txn, marker_offset)
+        self._committed_markers.append(marker_offset)
+        self._committed[txn_key(txn)] = marker_offset
+
+    def _forget_commit(self, key: int) -> None:
+        """Forget a commit out of order: its row stays, dead."""
+        if self._committed.pop(key, None) is not None:
+            self._committed_dead += 1
+
+    def _commit_key(self, index: int) -> int:
+        tc, sequence, _ = _COMMITTED.unpack_from(self._committed_rows, index * _COMMITTED.size)
+        return tc << 64 | sequence
+
+    def _drop_oldest_commit(self) -> None:
+        index = self._committed_head
+        self._committed_head += 1
+        key = self._commit_key(index)
+        if self._committed.get(key) == self._committed_markers[index]:
+            del self._committed[key]
+        else:
+            self._committed_dead -= 1
+
+    def _live_commits(self) -> range | list[int]:
+        """Indexes of the live rows, oldest first."""
+        indexes = range(self._committed_head, len(self._committed_markers))
+        if not self._committed_dead:
+            return indexes
+        return [index for index in indexes
+                if self._committed.get(self._commit_key(index))
+                == self._committed_markers[index]]
+
+    def _committed_rows_bytes(self) -> bytes | bytearray:
+        size = _COMMITTED.size
+        if not self._committed_dead:
+            return self._committed_rows[self._committed_head * size:]
+        rows = self._committed_rows
+        return b"".join([rows[index * size:(index + 1) * size]
+                         for index in self._live_commits()])
+
+    def _compact_commits(self) -> None:
+        head, markers = self._committed_head, self._committed_markers
+        if self._committed_dead > len(self._committed) + 64:  # mostly dead: keep the live
+            live = self._live_commits()
+            self._committed_rows = bytearray(self._committed_rows_bytes())
+            self._committed_markers = array("q", (markers[index] for index in live))
+            self._committed_head = self._committed_dead = 0
+        elif head > 64 and head * 2 > len(markers):
+            del markers[:head]
+            del self._committed_rows[:head * _COMMITTED.size]
+            self._committed_head = 0
+
+    def _aborted_entry(self, index: int) -> AbortedTxn:
+        tc, sequence, *fields, _ = _ABORTED.unpack_from(self._aborted_rows,
+                                                         index * _ABORTED.size)
+        return AbortedTxn(TxnId(tc, sequence), *fields)
+
+    def _drop_oldest_aborted(self) -> int:
+        """Drop the oldest entry of the aborted index; its marker offset."""
+        index = self._aborted_head
         self._aborted_head += 1
-        if self._aborted_lookup.get(entry.txn) is entry:
-            del self._aborted_lookup[entry.txn]
-        return entry
+        marker_offset = self._aborted_markers[index]
+        tc, sequence = _ABORTED_TXN.unpack_from(self._aborted_rows, index * _ABORTED.size)
+        key = tc << 64 | sequence
+        if self._aborted_lookup.get(key) == marker_offset:
+            del self._aborted_lookup[key]
+        return marker_offset
 
     def _unindex_aborted(self, txn: TxnId) -> None:
         """The txn's aborted entry (if any) stays in the index for its range but is no
         longer the one its id finds: its snapshot row's indexed flag goes to 0."""
-        entry = self._aborted_lookup.pop(txn, None)
-        if entry is not None:
-            index = bisect.bisect_left(self._aborted_markers, entry.marker_offset,
+        marker_offset = self._aborted_lookup.pop(txn_key(txn), None)
+        if marker_offset is not None:
+            index = bisect.bisect_left(self._aborted_markers, marker_offset,
                                        lo=self._aborted_head)
-            assert self._aborted[index] is entry, (entry, index)
-            self._aborted_rows[index] = _aborted_row(entry, False)
+            assert self._aborted_markers[index] == marker_offset, (txn, index)
+            self._aborted_rows[(index + 1) * _ABORTED.size - 1] = 0
 
     def _compact_aborted(self) -> None:
-        if self._aborted_head > 64 and self._aborted_head * 2 > len(self._aborted):
-            del self._aborted[:self._aborted_head]
-            del self._aborted_markers[:self._aborted_head]
-            del self._aborted_rows[:self._aborted_head]
+        head = self._aborted_head
+        if head > 64 and head * 2 > len(self._aborted_markers):
+            del self._aborted_markers[:head]
+            del self._aborted_rows[:head * _ABORTED.size]
             self._aborted_head = 0
 
     def _count(self, counter: str, amount: int = 1) -> None:
@@ -677,6 +746,7 @@ _HEADER = struct.Struct("<4sHHqqqIIII")
 _EPOCH = struct.Struct("<IQ")
 _OPEN = struct.Struct("<IQqIqqq")
 _ABORTED = struct.Struct("<IQqIqqqB")
+_ABORTED_TXN = struct.Struct("<IQ")  # the start of an _ABORTED row
 _COMMITTED = struct.Struct("<IQq")
 _FILES = SnapshotFileNames("txn_snapshot")
 snapshot_file_name = _FILES.name
@@ -697,8 +767,8 @@ def encode_snapshot(covered_offset: int, state: TxnBufferState) -> bytes:
 
 
 def _encode(covered_offset: int, log_start_offset: int, aborted_evicted_below: int,
-            epochs, opens, aborted_count: int, aborted_rows: bytes, committed_count: int,
-            committed_rows: bytes) -> bytes:
+            epochs, opens, aborted_count: int, aborted_rows: bytes | bytearray,
+            committed_count: int, committed_rows: bytes) -> bytes:
     parts = [_HEADER.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, 0, covered_offset,
                           log_start_offset, aborted_evicted_below, len(epochs), len(opens),
                           aborted_count, committed_count)]

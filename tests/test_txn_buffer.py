@@ -383,6 +383,40 @@ def test_a_replayed_second_abort_unindexes_the_first_entry_in_the_snapshot_rows(
     assert restored.snapshot(5) == data  # rows rebuilt by restore, flags as written
 
 
+def test_commits_forgotten_out_of_order_leave_no_trace_in_snapshots_or_limits():
+    buffer = TxnBuffer(TxnBufferLimits(max_remembered_commits=50))
+    offset = 0
+    for round_ in range(120):  # T1 committed, its data replayed again (an anomaly), ...
+        buffer.apply_batch(header(offset, txn=T1))
+        buffer.apply_batch(header(offset + 1, txn=T1, control=True), ControlMarker(COMMIT, 3))
+        other = TxnId(2, 100 + round_)
+        buffer.apply_batch(header(offset + 2, txn=other))
+        buffer.apply_batch(header(offset + 3, txn=other, control=True), ControlMarker(COMMIT, 3))
+        offset += 4
+        state = buffer.state()
+        assert [txn for txn, _ in state.committed].count(T1) == 1
+        assert len(state.committed) == min(50, round_ + 2)
+        assert buffer.snapshot(offset) == encode_snapshot(offset, state)
+        rows = len(buffer._committed_markers) - buffer._committed_head
+        assert rows - len(state.committed) == buffer._committed_dead  # the dead ones
+    assert buffer.metrics.anomalies_total == 119
+    assert buffer.ended(T1) == (COMMIT, offset - 3)
+    assert len(buffer._committed_markers) - buffer._committed_head <= 2 * 50 + 65
+    restored, _ = TxnBuffer.restore(buffer.snapshot(offset),
+                                    TxnBufferLimits(max_remembered_commits=50))
+    assert restored.state() == buffer.state()
+    buffer.forget_below(offset - 40)  # retention: commits with markers below go
+    assert all(marker >= offset - 40 for _, marker in buffer.state().committed)
+    assert buffer.snapshot(offset) == encode_snapshot(offset, buffer.state())
+    alone = TxnBuffer()  # only T1, ended again and again: its old rows compacted away
+    for offset in range(0, 800, 2):
+        alone.apply_batch(header(offset, txn=T1))
+        alone.apply_batch(header(offset + 1, txn=T1, control=True), ControlMarker(COMMIT, 3))
+        assert len(alone._committed_markers) - alone._committed_head <= 1 + 65
+    assert alone.state().committed == ((T1, 799),)
+    assert alone.snapshot(800) == encode_snapshot(800, alone.state())
+
+
 def test_snapshot_of_an_empty_buffer():
     restored, covered = TxnBuffer.restore(TxnBuffer().snapshot(0))
     assert covered == 0 and restored.state() == TxnBuffer().state()
