@@ -113,7 +113,7 @@ OFFSET_MAX = (1 << 63) - 1
 # One open transaction per producer at a time is the Kafka pattern, so the same bound as
 # the producer table (partition.max_producers, 10,000) keeps the open table in scale.
 DEFAULT_MAX_OPEN_TRANSACTIONS = 10_000
-# ~150 bytes of memory and 48 of snapshot each: 100,000 aborts are ~15 MB per partition.
+# 49 bytes of row each, plus its lookup entry: 100,000 aborts are ~10 MB per partition.
 DEFAULT_MAX_ABORTED_TRANSACTIONS = 100_000
 # Recognising late writes/repeated markers after a commit is defence in depth (the
 # coordinator's verification is the rule); 10,000 covers minutes at the benchmark rate.
