@@ -641,7 +641,7 @@ class TcPartitionCore:
         self._keys: dict[str, int] = {}  # idempotency key -> sequence
         # Each indexed key's snapshot row, in _keys' order (only _index_key and
         # _unindex_key change either): a snapshot joins them instead of packing up to
-        # max_finished keys on the coordinator's event loop (100,000 took 150 ms).
+        # max_finished keys on the coordinator's event loop (100,000 took 63 ms).
         self._key_rows: dict[str, bytes] = {}
         self._last_sequence = 0
         self._reserved = 0  # highest sequence one-call transactions may use (logged)
