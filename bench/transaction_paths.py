@@ -157,6 +157,11 @@ def _calls(cell: dict) -> str:
                     else "") + (f"; in-process {local:.1f}" if local >= 0.05 else ""))
 
 
+def _pair_row(label: str, pair, cell) -> str:
+    """A table row of the cluster's and the combined server's `cell(...)`, no ratio."""
+    return f"| {label} | " + " | ".join(cell(c) for c in pair) + " | |"
+
+
 def _bound_row(path: str, cluster: dict, combined: dict) -> str:
     """The rates the cells' CPU per transaction allows (common.cpu_bounds), and the
     share of them reached."""
@@ -248,26 +253,25 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
             f"{b['server_cpu_ms_per_txn']:.1f} + {b['client_cpu_ms_per_txn']:.1f} | |",
             _bound_row(path, a, b),
         ]
-        half_a, half_b = cluster.get(f"small {path} half"), combined.get(f"small {path} half")
-        if half_a and half_b:
-            lines.append(
-                f"| commit() p50 / p99 ms at half that rate, {path}: an open loop (in "
-                "brackets, whole transactions from their scheduled start) | "
-                + " | ".join(f"{h['commit_p50_ms']:.1f} / {h['commit_p99_ms']:.1f} at "
-                             f"{h['per_s']:,.0f}/s ({h['txn_p50_ms']:.1f} / "
-                             f"{h['txn_p99_ms']:.1f})" for h in (half_a, half_b)) + " | |")
+        half = cluster.get(f"small {path} half"), combined.get(f"small {path} half")
+        if all(half):
+            lines.append(_pair_row(
+                f"commit() p50 / p99 ms at half that rate, {path}: an open loop (in brackets, "
+                "whole transactions from their scheduled start)", half,
+                lambda h: f"{h['commit_p50_ms']:.1f} / {h['commit_p99_ms']:.1f} at "
+                          f"{h['per_s']:,.0f}/s ({h['txn_p50_ms']:.1f} / {h['txn_p99_ms']:.1f})"))
         if "machine_jitter" in a and "machine_jitter" in b:
-            lines.append(
-                f"| the machine's own jitter during the {path} cell (common.CpuProbe): a "
-                "chunk of plain Python, p50 / p99 ms | "
-                + " | ".join(f"{c['machine_jitter']['p50_ms']:.2f} / "
-                             f"{c['machine_jitter']['p99_ms']:.2f}" for c in (a, b)) + " | |")
+            lines.append(_pair_row(
+                f"the machine's own jitter during the {path} cell (common.CpuProbe): a chunk "
+                "of plain Python, p50 / p99 ms", (a, b),
+                lambda c: f"{c['machine_jitter']['p50_ms']:.2f} / "
+                          f"{c['machine_jitter']['p99_ms']:.2f}"))
         if "full_gcs" in a and "full_gcs" in b:
-            lines.append(
-                f"| the servers' full garbage collections during the {path} cell: how many "
-                "(ms in all; how many over 10 ms) | "
-                + " | ".join(f"{c['full_gcs']:.0f} ({c['full_gc_ms']:.0f}; "
-                             f"{c['full_gcs_over_10ms']:.0f})" for c in (a, b)) + " | |")
+            lines.append(_pair_row(
+                f"the servers' full garbage collections during the {path} cell: how many (ms "
+                "in all; how many over 10 ms)", (a, b),
+                lambda c: f"{c['full_gcs']:.0f} ({c['full_gc_ms']:.0f}; "
+                          f"{c['full_gcs_over_10ms']:.0f})"))
     lines.append(_budget_row(rate, common.cores()))
     for path in ("one-call", "streaming"):
         for mode in ("sequential", "pipelined"):

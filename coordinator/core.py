@@ -632,17 +632,17 @@ class TcPartitionCore:
         self._unfinished: dict[TxnId, Txn] = {}  # in order of creation
         # Finished transactions never change: kept as their snapshot entry, decoded on
         # access (`_lookup`), in order of completion (the order they are forgotten in).
-        # Keyed by sequence (the TC partition is this one's), as _keys' values are: a dict
-        # of ints, strings and bytes holds nothing the garbage collector tracks, so it is
-        # never scanned. With TxnId keys (tuples it tracks) a full collection scanned
+        # Keyed by sequence (the TC partition is this one's), as _keys' rows name theirs: a
+        # dict of ints, strings and bytes holds nothing the garbage collector tracks, so it
+        # is never scanned. With TxnId keys (tuples it tracks) a full collection scanned
         # every entry: 300 ms at max_finished in 16 TC partitions, the event loop held.
         self._finished: dict[int, bytes] = {}
         self._sessions: dict[str, SessionEntry] = {}
-        self._keys: dict[str, int] = {}  # idempotency key -> sequence
-        # Each indexed key's snapshot row, in _keys' order (only _index_key and
-        # _unindex_key change either): a snapshot joins them instead of packing up to
-        # max_finished keys on the coordinator's event loop (100,000 took 63 ms).
-        self._key_rows: dict[str, bytes] = {}
+        # Idempotency key -> its snapshot row (the key and its transaction's sequence,
+        # _key_row; _key_sequence reads the sequence back): a snapshot joins the rows
+        # instead of packing up to max_finished keys on the coordinator's event loop
+        # (100,000 took 63 ms).
+        self._keys: dict[str, bytes] = {}
         self._last_sequence = 0
         self._reserved = 0  # highest sequence one-call transactions may use (logged)
         # Volatile state.
@@ -1467,7 +1467,7 @@ class TcPartitionCore:
         return self._finished.get(txn_id.sequence)
 
     def _lookup_key(self, idempotency_key: str) -> Txn | None:
-        sequence = self._keys.get(idempotency_key)
+        sequence = self._key_sequence(idempotency_key)
         return None if sequence is None else self._lookup(TxnId(self.tc_partition, sequence))
 
     def _decision(self, txn: Txn, decision: Decision, cause: EndCause, now_ms: int,
@@ -1869,7 +1869,7 @@ class TcPartitionCore:
             if record.decision is Decision.ABORT and txn.idempotency_key:
                 # Its CommitTxn did not commit (or a resolution aborted it): a retry with
                 # the key starts afresh, as after a presumed abort.
-                if self._keys.get(txn.idempotency_key) == txn.txn_id.sequence:
+                if self._key_sequence(txn.idempotency_key) == txn.txn_id.sequence:
                     self._unindex_key(txn.idempotency_key)
                 txn.idempotency_key = ""
         txn.kept_children = record.kept_children
@@ -1909,16 +1909,19 @@ class TcPartitionCore:
             self._evict(next(iter(self._finished)))
 
     def _index_key(self, key: str, txn_id: TxnId) -> None:
-        self._keys[key] = txn_id.sequence
-        self._key_rows[key] = _key_row(key, txn_id.sequence)
+        self._keys[key] = _key_row(key, txn_id.sequence)
 
     def _unindex_key(self, key: str) -> None:
         del self._keys[key]
-        del self._key_rows[key]
+
+    def _key_sequence(self, key: str) -> int | None:
+        """The sequence of the transaction `key` names, None if it names none."""
+        row = self._keys.get(key)
+        return None if row is None else _U64.unpack_from(row, len(row) - _U64.size)[0]
 
     def _evict(self, sequence: int) -> None:
         txn = _decode_entry(self._finished.pop(sequence), 0, self.tc_partition)
-        if txn.idempotency_key and self._keys.get(txn.idempotency_key) == sequence:
+        if txn.idempotency_key and self._key_sequence(txn.idempotency_key) == sequence:
             self._unindex_key(txn.idempotency_key)
         self._counters["evicted_total"] += 1
 
@@ -2135,8 +2138,7 @@ def _encode_snapshot(core: TcPartitionCore, covered_offset: int) -> bytes:
                  entry.timeout_ms, entry.last_active_ms,
                  entry.current_txn.sequence if entry.current_txn else 0)
     parts.append(out.getvalue())
-    assert len(core._key_rows) == len(core._keys), (len(core._key_rows), len(core._keys))
-    parts.extend(core._key_rows.values())  # _keys' insertion order: deterministic from the log
+    parts.extend(core._keys.values())  # insertion order: deterministic from the log
     body = b"".join(parts)
     return body + _TRAILER.pack(crc32c.crc32c(body))
 
@@ -2228,7 +2230,7 @@ def _decode_sessions_and_keys(core: TcPartitionCore, reader: Reader, session_cou
                                            last_active_ms,
                                            TxnId(tc, current) if current else None)
     data, unpack_u16, unpack_u64 = reader.data, _U16.unpack_from, _U64.unpack_from
-    position, keys, rows, make_id = reader.position, core._keys, core._key_rows, tuple.__new__
+    position, keys, make_id = reader.position, core._keys, tuple.__new__
     for _ in range(key_count):
         (length,) = unpack_u16(data, position)
         key = data[position + 2:position + 2 + length].decode("utf-8")
@@ -2236,8 +2238,7 @@ def _decode_sessions_and_keys(core: TcPartitionCore, reader: Reader, session_cou
         if key in keys or (sequence not in core._finished
                            and make_id(TxnId, (tc, sequence)) not in core._unfinished):
             raise ValueError(f"key {key!r} is duplicated or names an unknown transaction")
-        keys[key] = sequence
-        rows[key] = bytes(data[position:position + 10 + length])
+        keys[key] = bytes(data[position:position + 10 + length])
         position += 10 + length
     reader.position = position
 
@@ -2256,8 +2257,8 @@ def _check_restored(core: TcPartitionCore) -> None:
             raise ValueError(f"{txn.txn_id} is decided but has an undecided child")
         if txn.idempotency_key and core._keys.get(txn.idempotency_key) is None:
             raise ValueError(f"{txn.txn_id} has key {txn.idempotency_key!r}, not indexed")
-    for key, sequence in core._keys.items():
-        txn = core._unfinished.get(TxnId(core.tc_partition, sequence))
+    for key in core._keys:
+        txn = core._unfinished.get(TxnId(core.tc_partition, core._key_sequence(key)))
         if txn is not None and txn.idempotency_key != key:
             raise ValueError(f"key {key!r} names {txn.txn_id}, which has another key")
     for entry in core._sessions.values():

@@ -98,7 +98,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from partition_server.record_batch import (BatchHeader, ControlMarker, ControlType, TxnId,
-                                            txn_key)
+                                            txn_key, txn_key_of)
 from partition_server.snapshot_files import (SnapshotCorrupt, SnapshotFileNames, seal,
                                               unseal)
 from services.errors import AtomlogError
@@ -246,13 +246,12 @@ class TxnBuffer:
         self._aborted_markers = array("q")
         self._aborted_head = 0
         self._aborted_lookup: dict[int, int] = {}  # txn_key -> marker offset of its entry
-        # The remembered commits, kept alike: rows and marker offsets from
-        # _committed_head on, by marker offset, and the lookup. A commit forgotten out of
-        # order (its transaction ended again: replayed anomalies) leaves a dead row,
-        # skipped by the snapshot and dropped when it is the oldest; a row is live while
-        # the lookup gives its marker offset.
+        # The remembered commits, kept alike: rows from _committed_head on, by marker
+        # offset (each row holds its marker offset: no bisect here, so no array of them),
+        # and the lookup. A commit forgotten out of order (its transaction ended again:
+        # replayed anomalies) leaves a dead row, skipped by the snapshot and dropped when
+        # it is the oldest; a row is live while the lookup gives its marker offset.
         self._committed_rows = bytearray()
-        self._committed_markers = array("q")
         self._committed_head = 0
         self._committed: dict[int, int] = {}  # txn_key -> marker offset
         self._committed_dead = 0
@@ -345,10 +344,10 @@ class TxnBuffer:
                         for index in range(self._aborted_head, len(self._aborted_markers)))
         return TxnBufferState(self._log_start_offset, self._aborted_evicted_below,
                               tuple(sorted(self._epochs.items())), tuple(self.describe()),
-                              aborted, tuple((TxnId(*_COMMITTED.unpack_from(
-                                  self._committed_rows, index * _COMMITTED.size)[:2]),
-                                  self._committed_markers[index])
-                                  for index in self._live_commits()))
+                              aborted, tuple(
+                                  (TxnId(tc, sequence), marker_offset)
+                                  for tc, sequence, marker_offset in map(
+                                      self._commit_at, self._live_commits())))
 
     # -- reads --------------------------------------------------------------------------
 
@@ -492,8 +491,8 @@ class TxnBuffer:
                and self._aborted_markers[self._aborted_head] < log_start_offset):
             self._drop_oldest_aborted()
         self._compact_aborted()
-        while (self._committed_head < len(self._committed_markers)
-               and self._committed_markers[self._committed_head] < log_start_offset):
+        while (self._committed_head < self._committed_count()
+               and self._commit_at(self._committed_head)[2] < log_start_offset):
             self._drop_oldest_commit()
         self._compact_commits()
         gone = [txn for txn, entry in self._open.items() if entry.last_offset < log_start_offset]
@@ -614,7 +613,6 @@ class TxnBuffer:
 
     def _remember_commit(self, txn: TxnId, marker_offset: int) -> None:
         self._committed_rows += _committed_row(txn, marker_offset)
-        self._committed_markers.append(marker_offset)
         self._committed[txn_key(txn)] = marker_offset
 
     def _forget_commit(self, key: int) -> None:
@@ -622,45 +620,49 @@ class TxnBuffer:
         if self._committed.pop(key, None) is not None:
             self._committed_dead += 1
 
-    def _commit_key(self, index: int) -> int:
-        tc, sequence, _ = _COMMITTED.unpack_from(self._committed_rows, index * _COMMITTED.size)
-        return tc << 64 | sequence
+    def _committed_count(self) -> int:
+        """Rows held, dead ones and those before _committed_head included."""
+        return len(self._committed_rows) // _COMMITTED.size
+
+    def _commit_at(self, index: int) -> tuple[int, int, int]:
+        """(tc partition, sequence, marker offset) of the row at `index`."""
+        return _COMMITTED.unpack_from(self._committed_rows, index * _COMMITTED.size)
+
+    def _commit_is_live(self, index: int) -> bool:
+        tc, sequence, marker_offset = self._commit_at(index)
+        return self._committed.get(txn_key_of(tc, sequence)) == marker_offset
 
     def _drop_oldest_commit(self) -> None:
         index = self._committed_head
         self._committed_head += 1
-        key = self._commit_key(index)
-        if self._committed.get(key) == self._committed_markers[index]:
-            del self._committed[key]
+        if self._commit_is_live(index):
+            tc, sequence, _ = self._commit_at(index)
+            del self._committed[txn_key_of(tc, sequence)]
         else:
             self._committed_dead -= 1
 
     def _live_commits(self) -> range | list[int]:
         """Indexes of the live rows, oldest first."""
-        indexes = range(self._committed_head, len(self._committed_markers))
+        indexes = range(self._committed_head, self._committed_count())
         if not self._committed_dead:
             return indexes
-        return [index for index in indexes
-                if self._committed.get(self._commit_key(index))
-                == self._committed_markers[index]]
+        return [index for index in indexes if self._commit_is_live(index)]
 
-    def _committed_rows_bytes(self) -> bytes | bytearray:
+    def _committed_rows_bytes(self, live: range | list[int] | None = None) -> bytes | bytearray:
+        """The live rows back to back (`live`: _live_commits(), if the caller has it)."""
         size = _COMMITTED.size
         if not self._committed_dead:
             return self._committed_rows[self._committed_head * size:]
         rows = self._committed_rows
         return b"".join([rows[index * size:(index + 1) * size]
-                         for index in self._live_commits()])
+                         for index in (self._live_commits() if live is None else live)])
 
     def _compact_commits(self) -> None:
-        head, markers = self._committed_head, self._committed_markers
+        head = self._committed_head
         if self._committed_dead > len(self._committed) + 64:  # mostly dead: keep the live
-            live = self._live_commits()
-            self._committed_rows = bytearray(self._committed_rows_bytes())
-            self._committed_markers = array("q", (markers[index] for index in live))
+            self._committed_rows = bytearray(self._committed_rows_bytes(self._live_commits()))
             self._committed_head = self._committed_dead = 0
-        elif head > 64 and head * 2 > len(markers):
-            del markers[:head]
+        elif head > 64 and head * 2 > self._committed_count():
             del self._committed_rows[:head * _COMMITTED.size]
             self._committed_head = 0
 
@@ -674,8 +676,7 @@ class TxnBuffer:
         index = self._aborted_head
         self._aborted_head += 1
         marker_offset = self._aborted_markers[index]
-        tc, sequence = _ABORTED_TXN.unpack_from(self._aborted_rows, index * _ABORTED.size)
-        key = tc << 64 | sequence
+        key = txn_key_of(*_ABORTED_TXN.unpack_from(self._aborted_rows, index * _ABORTED.size))
         if self._aborted_lookup.get(key) == marker_offset:
             del self._aborted_lookup[key]
         return marker_offset

@@ -31,7 +31,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from partition_server.record_batch import TxnId, txn_key
+from partition_server.record_batch import TxnId, txn_key, txn_key_of
 
 DEFAULT_MAX_CACHED = 100_000
 DEFAULT_MAX_ENDED = 100_000
@@ -123,16 +123,16 @@ class TxnGuard:
         while len(self._ended) > self.max_ended:
             head = self._ended_head
             self._ended_head += 1
-            oldest, generation = tcs[head] << 64 | sequences[head], generations[head]
+            oldest, generation = txn_key_of(tcs[head], sequences[head]), generations[head]
             if self._ended.get(oldest) == generation:  # else ended again since: skipped
                 del self._ended[oldest]
                 self._horizon = max(self._horizon, generation + 1)
         head = self._ended_head
         if len(tcs) - head > 2 * len(self._ended) + 64:  # mostly places ended again since
-            self._ended_order = tuple(array(column.typecode, (
-                column[index] for index in range(head, len(tcs))
-                if self._ended.get(tcs[index] << 64 | sequences[index]) == generations[index]))
-                for column in self._ended_order)
+            live = [index for index in range(head, len(tcs)) if self._ended.get(
+                txn_key_of(tcs[index], sequences[index])) == generations[index]]
+            self._ended_order = tuple(array(column.typecode, (column[index] for index in live))
+                                      for column in self._ended_order)
             self._ended_head = 0
         elif head > 64 and head * 2 > len(tcs):
             for column in self._ended_order:

@@ -625,11 +625,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def each_indexed_key_has_its_snapshot_row(self):
-        # The snapshot joins rows packed as keys were indexed (_key_rows); they must follow
-        # every change of _keys, in its order, as a fresh packing of _keys would give.
-        keys, rows = self.core._keys, self.core._key_rows
-        assert list(rows) == list(keys)
-        assert all(rows[key] == _key_row(key, sequence) for key, sequence in keys.items())
+        # The snapshot joins the rows packed as keys were indexed (_keys' values); each
+        # must be a fresh packing of its key and the transaction that key names.
+        for key, row in self.core._keys.items():
+            txn = self.core._lookup_key(key)
+            assert txn is not None and txn.idempotency_key == key, (key, txn)
+            assert row == _key_row(key, txn.txn_id.sequence)
 
     @invariant()
     def one_calls_are_open_while_staging_and_presumed_aborted_after(self):
@@ -930,7 +931,7 @@ def test_the_finished_table_and_key_index_hold_nothing_the_collector_scans() -> 
     for table in (core, restored):
         assert table.metrics.finished_transactions == 3
         assert not any(gc.is_tracked(index) for index in (
-            table._finished, table._keys, table._key_rows)), table
+            table._finished, table._keys)), table
         assert table.new_txn(NOW, idempotency_key="q/2").reply.existing
 
 

@@ -397,11 +397,11 @@ def test_commits_forgotten_out_of_order_leave_no_trace_in_snapshots_or_limits():
         assert [txn for txn, _ in state.committed].count(T1) == 1
         assert len(state.committed) == min(50, round_ + 2)
         assert buffer.snapshot(offset) == encode_snapshot(offset, state)
-        rows = len(buffer._committed_markers) - buffer._committed_head
+        rows = buffer._committed_count() - buffer._committed_head
         assert rows - len(state.committed) == buffer._committed_dead  # the dead ones
     assert buffer.metrics.anomalies_total == 119
     assert buffer.ended(T1) == (COMMIT, offset - 3)
-    assert len(buffer._committed_markers) - buffer._committed_head <= 2 * 50 + 65
+    assert buffer._committed_count() - buffer._committed_head <= 2 * 50 + 65
     restored, _ = TxnBuffer.restore(buffer.snapshot(offset),
                                     TxnBufferLimits(max_remembered_commits=50))
     assert restored.state() == buffer.state()
@@ -412,7 +412,7 @@ def test_commits_forgotten_out_of_order_leave_no_trace_in_snapshots_or_limits():
     for offset in range(0, 800, 2):
         alone.apply_batch(header(offset, txn=T1))
         alone.apply_batch(header(offset + 1, txn=T1, control=True), ControlMarker(COMMIT, 3))
-        assert len(alone._committed_markers) - alone._committed_head <= 1 + 65
+        assert alone._committed_count() - alone._committed_head <= 1 + 65
     assert alone.state().committed == ((T1, 799),)
     assert alone.snapshot(800) == encode_snapshot(800, alone.state())
 
