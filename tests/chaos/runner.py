@@ -35,6 +35,9 @@ SESSION_TIMEOUT_MS = 3_000
 REPLICA_MAX_LAG_MS = 3_000
 SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
             "coordinator.log_segment_bytes": "65536",
+            # Small segments: data partitions roll under the faults too (their rolls'
+            # fsyncs run on a worker thread; a kill or a failing disk may land mid-roll).
+            "storage.segment_bytes": str(1 << 20),
             "coordinator.snapshot_every_records": "200",
             "replication.max_lag_ms": str(REPLICA_MAX_LAG_MS)}
 TXN_TIMEOUT_S = 5.0
