@@ -37,7 +37,9 @@ SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
             "coordinator.log_segment_bytes": "65536",
             # Small segments: data partitions roll under the faults too (their rolls'
             # fsyncs run on a worker thread; a kill or a failing disk may land mid-roll).
-            "storage.segment_bytes": str(1 << 20),
+            # A segment holds at least one batch of the largest size: the SDK's default.
+            "storage.segment_bytes": str(256 << 10),
+            "partition.max_batch_bytes": str(256 << 10),
             "coordinator.snapshot_every_records": "200",
             "replication.max_lag_ms": str(REPLICA_MAX_LAG_MS)}
 TXN_TIMEOUT_S = 5.0
