@@ -87,7 +87,7 @@ from partition_server.record_batch import (ATTR_TRANSACTIONAL, LENGTH_FIELD_END,
                                            control_batch_parsed, decode_control_batch,
                                            iter_batches)
 from partition_server.cursor_store import CursorStoreLimits
-from partition_server.log import RollJob
+from partition_server.log import RollJob, unlink_files
 from partition_server.segment import walk_headers
 from partition_server.snapshot_files import SnapshotCorrupt, write_atomically
 from partition_server.subscriptions import PartitionSubscriptions
@@ -384,6 +384,8 @@ class PartitionOwner:
         loop = self._loop = asyncio.get_running_loop()
         # Not on this loop: a rename that may block for milliseconds under fsync load.
         self.log.defer_recovery_point = lambda write: loop.run_in_executor(None, write)
+        # Nor this: freeing a deleted segment's blocks (retention, DeleteRecords).
+        self.log.defer_unlink = lambda paths: loop.run_in_executor(None, unlink_files, paths)
         if self._use_barrier and self.settings.fsync:
             # Taken anew with each opened log: a log opened before a failed syncfs of
             # its filesystem is refused durability, so its owner reopens it (fail closed).

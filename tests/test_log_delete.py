@@ -5,10 +5,13 @@ change nothing, and producer-state snapshots never describe deleted data."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import threading
 
 import pytest
 
-from partition_server.log import LogConfig, PartitionLog
+from partition_server import owner as owner_module
+from partition_server.log import LogConfig, PartitionLog, unlink_files
 from partition_server.owner import OwnerSettings, PartitionOwner
 from partition_server.producer_state import ProducerStateTable, snapshot_file_name
 from partition_server.record_batch import parse_header
@@ -110,3 +113,60 @@ def test_owner_removes_producer_snapshots_of_deleted_data_first(tmp_path):
 
     asyncio.run(scenario())
 
+
+
+def test_deleted_segments_are_renamed_synced_and_unlinked_elsewhere(tmp_path):
+    """A deleted segment's files are renamed to *.deleted before the directory's fsync,
+    and unlinked by whoever `defer_unlink` names (the owner: a worker thread; freeing a
+    large file's blocks holds the caller for tens of ms). A crash before the unlink
+    leaves them to the next open, which removes them: the deleted data never returns."""
+    log = filled_log(tmp_path / "p")
+    handed: list = []
+    log.defer_unlink = handed.append
+    assert log.delete_records(10) == 8
+    [doomed] = handed
+    assert sorted(p.name for p in doomed) == sorted(
+        f"{base:020d}.{kind}.deleted" for base in (0, 4) for kind in ("log", "index"))
+    assert all(p.exists() for p in doomed)  # not unlinked here
+    assert not segment_file(log.directory, 0).exists()
+    crashed = tmp_path / "crash"
+    shutil.copytree(log.directory, crashed)
+    unlink_files(doomed)
+    assert not any(p.exists() for p in doomed)
+    log.close()
+    reopened = open_log(crashed, segment_bytes=1_000)  # the crash copy: renamed, not unlinked
+    assert reopened.log_start_offset == 8
+    assert not list(crashed.glob("*.deleted"))
+    reopened.close()
+
+
+def test_the_owner_unlinks_deleted_segments_off_its_event_loop(tmp_path):
+    """DeleteRecords (and retention, the same path) on an owner: the files are unlinked
+    on a worker thread, not on the event loop every partition of the process shares."""
+    settings = OwnerSettings(log=LogConfig(segment_bytes=1_000), fsync=False)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        loop_thread = threading.get_ident()
+        unlinked_on: list[int] = []
+        original = owner_module.unlink_files
+
+        def watched(paths):
+            unlinked_on.append(threading.get_ident())
+            original(paths)
+
+        owner_module.unlink_files = watched
+        try:
+            for _ in range(9):
+                data = make_batch(2, 200)
+                await owner.produce([(data, parse_header(data))])
+            assert await owner.delete_records(10) == 8
+            await asyncio.sleep(0.2)
+        finally:
+            owner_module.unlink_files = original
+        assert unlinked_on and loop_thread not in unlinked_on
+        assert not list((tmp_path / "t-0").glob("*.deleted"))
+        await owner.close()
+
+    asyncio.run(scenario())

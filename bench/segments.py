@@ -1,12 +1,14 @@
-"""Micro-benchmark: how long a segment roll holds the event loop.
+"""Micro-benchmark: how long segment rolls and deletions hold the event loop.
 
 A roll seals the active segment: it fsyncs it, writes its index file (synced), creates the
-next segment's file and fsyncs the directory. A partition owner used to do all of that
-inside its append, on the event loop that every partition and TC partition of the process
-shares. It now runs that disk work on a worker thread and holds only its own partition's
-writes meanwhile (partition_server/owner.py, `_begin_roll`). Measured in one run, on this
-machine's disk and on a slow one (each fsync through the owner first waits --slow-ms, as
-the fsync_slow failpoint makes it):
+next segment's file and fsyncs the directory. A deletion (retention, DeleteRecords) takes
+whole old segments away. A partition owner used to do both on the event loop that every
+partition and TC partition of the process shares. It now runs a roll's disk work on a
+worker thread, holding only its own partition's writes meanwhile (partition_server/
+owner.py, `_begin_roll`), and a deletion renames the files to *.deleted, fsyncs the
+directory and leaves the unlinks to a worker thread (partition_server/log.py,
+`_delete_segment`). Measured in one run, on this machine's disk and on a slow one (each
+fsync through the owner first waits --slow-ms, as the fsync_slow failpoint makes it):
 
 - the floor: one fsync of a freshly written 64 KiB, on the same disk;
 - rolls of an idle log, each timed whole (what the event loop was held for when the
@@ -17,11 +19,14 @@ the fsync_slow failpoint makes it):
   lateness is how long the loop was held by anything (appends, answers, rolls). Three
   runs: segments too large to roll; 1 MiB segments rolled inside the append, on the loop
   (the owner before this change: `roll_due` made to say no, so the log rolls inline);
-  1 MiB segments rolled on a thread (as it is). Each roll's disk work is timed.
+  1 MiB segments rolled on a thread (as it is). Each roll's disk work is timed;
+- deletions of --delete-mib MiB segments (this machine's disk only), one at a time by
+  DeleteRecords, timed on the caller: with the unlinks inline (as before) and with them
+  handed off (as now); the handed-off unlinks are timed on their own.
 
-Prints two tables; --docs writes it to docs/benchmarks.md.
+Prints three tables; --docs writes them to docs/benchmarks.md.
 
-    .venv/bin/python bench/rolls.py [--mib 64] [--slow-ms 5] [--dir PATH] [--docs]
+    .venv/bin/python bench/segments.py [--mib 64] [--slow-ms 5] [--delete-mib 256] [--dir PATH] [--docs]
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # after the project: benc
 
 import common  # noqa: E402
 
-from partition_server.log import LogConfig, PartitionLog  # noqa: E402
+from partition_server.log import LogConfig, PartitionLog, unlink_files  # noqa: E402
 from partition_server.owner import OwnerSettings, PartitionOwner  # noqa: E402
 from partition_server.record_batch import Record, encode_batch, parse_header  # noqa: E402
 
@@ -49,8 +54,9 @@ SEGMENT_BYTES = MIB
 RECORDS, RECORD_BYTES = 64, 1_000  # a batch of about 64 KiB
 PRODUCERS = 4
 ROLLS_IDLE = 16
-BEGIN = "<!-- BEGIN bench/rolls.py -->"
-END = "<!-- END bench/rolls.py -->"
+BEGIN = "<!-- BEGIN bench/segments.py -->"
+END = "<!-- END bench/segments.py -->"
+DELETIONS = 3
 
 
 def slow_fsync(delay_s: float):
@@ -171,6 +177,34 @@ def run_owner(directory: Path, batches: list[list[bytes]], fsync, how: str) -> d
     return result
 
 
+def deletions(directory: Path, segment_mib: int, handed_off: bool) -> dict:
+    """DELETIONS segments of `segment_mib` MiB deleted one at a time (DeleteRecords up to
+    the next segment's base), each timed on the caller; handed off: the unlinks go to a
+    list and are timed afterwards, as a worker thread would run them."""
+    batch = make_batch()
+    per_segment = segment_mib * MIB // len(batch)
+    log = PartitionLog(directory, LogConfig(segment_bytes=per_segment * len(batch)))
+    held, unlinks, handed = [], [], []
+    if handed_off:
+        log.defer_unlink = handed.append
+    try:
+        for _ in range(DELETIONS + 1):
+            log.append([batch] * per_segment)
+        log.flush()
+        for turn in range(1, DELETIONS + 1):
+            before = log.segments()[1].base_offset
+            started = time.perf_counter()
+            log.delete_records(before)
+            held.append(time.perf_counter() - started)
+            while handed:
+                started = time.perf_counter()
+                unlink_files(handed.pop())
+                unlinks.append(time.perf_counter() - started)
+    finally:
+        log.close()
+    return {"held": held, "unlinks": unlinks}
+
+
 def quantile_ms(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -183,6 +217,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="MiB the owner takes per run")
     parser.add_argument("--slow-ms", type=float, default=5.0,
                         help="the slow disk: each fsync through the owner waits this first")
+    parser.add_argument("--delete-mib", type=int, default=256,
+                        help="size of the segments deleted (storage.segment_bytes: 256 MiB)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where the logs go (default: a temporary directory in .)")
     parser.add_argument("--docs", action="store_true", help="write docs/benchmarks.md")
@@ -225,15 +261,27 @@ def main() -> None:
         loaded.append(f"| {label} | " + " | ".join(cells) +
                       f" | {len(runs['thread']['rolls'])}: {ms(runs['inline']['rolls'])} / "
                       f"{ms(runs['thread']['rolls'])} |")
+    with tempfile.TemporaryDirectory(prefix="atomlog-bench-", dir=args.dir or ".") as scratch:
+        inline = deletions(Path(scratch) / "inline", args.delete_mib, False)
+        handed = deletions(Path(scratch) / "handed", args.delete_mib, True)
+    deleted = [
+        "| a segment deleted (DeleteRecords), the caller held, p50 / max ms: unlinked "
+        "inline (as before) | renamed, the directory synced, the unlink handed off (now) "
+        "| the handed-off unlink on its own, p50 / max ms |",
+        "| --- | --- | --- |",
+        f"| {ms(inline['held'])} | {ms(handed['held'])} | {ms(handed['unlinks'])} |",
+    ]
     text = (f"Per roll ({ROLLS_IDLE} rolls of an idle log):\n\n" + "\n".join(held)
             + f"\n\nAn owner taking {args.mib} MiB from {PRODUCERS} producers:\n\n"
-            + "\n".join(loaded))
+            + "\n".join(loaded)
+            + f"\n\n{DELETIONS} deletions of a {args.delete_mib} MiB segment each way, this "
+            "machine's disk:\n\n" + "\n".join(deleted))
     print(text)
     if args.docs:
         common.write_docs_section(
-            f"{BEGIN}\n`bench/rolls.py --mib {args.mib} --slow-ms {args.slow_ms:g}` "
-            f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 64 KiB batches, 1 MiB "
-            f"segments). {text}\n{END}", BEGIN, END)
+            f"{BEGIN}\n`bench/segments.py --mib {args.mib} --slow-ms {args.slow_ms:g} "
+            f"--delete-mib {args.delete_mib}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())};"
+            f" 64 KiB batches, 1 MiB segments for the rolls). {text}\n{END}", BEGIN, END)
 
 if __name__ == "__main__":
     main()
