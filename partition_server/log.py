@@ -49,7 +49,7 @@ CLEAN_SHUTDOWN_KEY = "clean_shutdown"  # in RECOVERY_POINT_FILE, written by clos
 DATA_LOSS_FILE = "data-loss.json"
 TMP_SUFFIX = ".tmp"
 # A deleted segment's files are renamed with this suffix (the directory's fsync makes that
-# durable) and unlinked later, elsewhere: freeing a 256 MiB file's blocks took 57-100 ms
+# durable) and unlinked later, elsewhere: freeing a 256 MiB file's blocks took 57-146 ms
 # on this machine's ext4. An open removes any left by a crash.
 DELETED_SUFFIX = ".deleted"
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
