@@ -114,7 +114,6 @@ def test_owner_removes_producer_snapshots_of_deleted_data_first(tmp_path):
     asyncio.run(scenario())
 
 
-
 def test_deleted_segments_are_renamed_synced_and_unlinked_elsewhere(tmp_path):
     """A deleted segment's files are renamed to *.deleted before the directory's fsync,
     and unlinked by whoever `defer_unlink` names (the owner: a worker thread; freeing a

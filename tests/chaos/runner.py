@@ -35,9 +35,10 @@ SESSION_TIMEOUT_MS = 3_000
 REPLICA_MAX_LAG_MS = 3_000
 SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
             "coordinator.log_segment_bytes": "65536",
-            # Small segments: data partitions roll under the faults too (their rolls'
-            # fsyncs run on a worker thread; a kill or a failing disk may land mid-roll).
-            # A segment holds at least one batch of the largest size: the SDK's default.
+            # Small segments: data partitions roll, and retention and cuts delete
+            # segments (renamed, then unlinked on a worker thread), under the faults too;
+            # a kill or a failing disk may land mid-roll. A segment holds at least one
+            # batch of the largest size: the SDK's default.
             "storage.segment_bytes": str(256 << 10),
             "partition.max_batch_bytes": str(256 << 10),
             "coordinator.snapshot_every_records": "200",
