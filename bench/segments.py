@@ -8,7 +8,7 @@ the loop before. A roll seals the active segment: it fsyncs it, writes its index
 (synced), creates the next segment's file and fsyncs the directory, still inside the
 owner's append, on the loop. Measured in one run, on this machine's disk:
 
-- the floor: one fsync of a freshly written 64 KiB;
+- the floor: a small write and its fsync, p50 (`common.fsync_baseline`);
 - deletions of --delete-mib MiB segments, one at a time by DeleteRecords, timed on the
   caller: with the unlinks inline (as before) and with them handed off (as now); the
   handed-off unlinks timed on their own;
@@ -51,23 +51,6 @@ def make_batch() -> bytes:
     value = os.urandom(RECORD_BYTES)
     return encode_batch([Record(b"k%03d" % i, value) for i in range(RECORDS)],
                         timestamp_ms=1_000)
-
-
-def fsync_floor_ms(directory: Path, batch: bytes, count: int = 20) -> float:
-    """p50 of the fsync of one batch written to a new file."""
-    path = directory / "floor.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-    times = []
-    try:
-        for _ in range(count):
-            os.write(fd, batch)
-            started = time.perf_counter()
-            os.fsync(fd)
-            times.append(time.perf_counter() - started)
-    finally:
-        os.close(fd)
-        path.unlink()
-    return statistics.median(times) * 1000
 
 
 def deletions(directory: Path, batch: bytes, segment_mib: int, handed_off: bool) -> dict:
@@ -142,13 +125,13 @@ def main() -> None:
     batch = make_batch()
     with tempfile.TemporaryDirectory(prefix="atomlog-bench-", dir=args.dir or ".") as scratch:
         scratch = Path(scratch)
-        floor = fsync_floor_ms(scratch, batch)
+        floor = common.fsync_baseline(scratch)["p50"]
         inline = deletions(scratch / "inline", batch, args.delete_mib, False)
         handed = deletions(scratch / "handed", batch, args.delete_mib, True)
         roll_here = rolls(scratch / "rolls", batch, args.roll_mib, 0.0)
         roll_slow = rolls(scratch / "rolls-slow", batch, args.roll_mib, args.slow_ms / 1000)
     deleted = [
-        "| floor: fsync of 64 KiB, p50 ms | a segment deleted (DeleteRecords), the caller "
+        "| floor: a small write and its fsync, p50 ms | a segment deleted (DeleteRecords), the caller "
         "held, p50 / max ms: unlinked inline (as before) | renamed, the directory synced, "
         "the unlink handed off (now) | the handed-off unlink on its own, p50 / max ms |",
         "| --- | --- | --- | --- |",

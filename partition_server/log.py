@@ -212,8 +212,9 @@ class PartitionLog:
         # elsewhere (a worker thread), as the rename blocks for up to milliseconds
         # under fsync load (ext4's auto_da_alloc). None: written inline.
         self.defer_recovery_point: Callable[[Callable[[], None]], object] | None = None
-        # Set by an owner on an event loop likewise: unlinks deleted segments' files
-        # elsewhere (`unlink_files` on a worker thread). None: unlinked inline.
+        # Set by an owner on an event loop likewise: unlinks the files retention and
+        # DeleteRecords deleted elsewhere (`unlink_files` on a worker thread), called where
+        # they run. None: unlinked inline.
         self.defer_unlink: Callable[[list[Path]], object] | None = None
         self._doomed: list[Path] = []  # renamed, the rename synced, not unlinked yet
         self._last_append_time_ms = INT64_MIN
@@ -827,9 +828,8 @@ class PartitionLog:
         first = Segment(self.directory, offset)
         os.close(os.open(first.log_path, os.O_RDWR | os.O_CREAT, 0o644))
         os.fsync(self._dir_fd)
-        self._unlink_doomed()
         self._write_recovery_point(sync=True, offset=offset)
-        self._reload()
+        self._reload()  # removes the *.deleted files
 
     def recover_data_loss(self, file: str | os.PathLike, offset: int) -> DataLossRecovery:
         """Operator action (RecoverPartition): accept losing everything from the reported
@@ -886,12 +886,12 @@ class PartitionLog:
             finally:
                 os.close(fd)
         os.fsync(self._dir_fd)
-        self._unlink_doomed()
-        return removed
+        return removed  # (the callers' _reload removes the *.deleted files)
 
     def _delete_segment(self, segment: Segment) -> None:
-        """Take a segment's files out of the log: renamed to *.deleted (the caller fsyncs
-        the directory, then calls `_unlink_doomed`)."""
+        """Take a segment's files out of the log: renamed to *.deleted. The caller fsyncs
+        the directory, then either calls `_unlink_doomed` (retention, DeleteRecords) or
+        reloads (a cut: `_load` removes every *.deleted file)."""
         segment.close()
         self._open_sealed.pop(segment.base_offset, None)
         for path in (segment.log_path, segment.index_path):
@@ -934,8 +934,9 @@ class PartitionLog:
                 path.unlink(missing_ok=True)
             elif path.suffix == INDEX_SUFFIX and not path.with_suffix(".log").exists():
                 path.unlink(missing_ok=True)
-            elif path.name.endswith(DELETED_SUFFIX):  # deleted before a crash or close
+            elif path.name.endswith(DELETED_SUFFIX):  # deleted by a cut, or before a crash
                 path.unlink(missing_ok=True)
+        self._doomed = []
         bases = sorted(_list_segments(self.directory))
         self._segments = [Segment(self.directory, base) for base in bases]
         self._bases = list(bases)

@@ -367,10 +367,8 @@ class PartitionOwner:
         loop = self._loop = asyncio.get_running_loop()
         # Not on this loop: a rename that may block for milliseconds under fsync load.
         self.log.defer_recovery_point = lambda write: loop.run_in_executor(None, write)
-        # Nor this: freeing a deleted segment's blocks (retention, DeleteRecords). Handed
-        # over thread-safely: a DATA_LOSS recovery cuts the log on a worker thread.
-        self.log.defer_unlink = lambda paths: loop.call_soon_threadsafe(
-            loop.run_in_executor, None, unlink_files, paths)
+        # Nor this: freeing a deleted segment's blocks (retention, DeleteRecords).
+        self.log.defer_unlink = lambda paths: loop.run_in_executor(None, unlink_files, paths)
         if self._use_barrier and self.settings.fsync:
             # Taken anew with each opened log: a log opened before a failed syncfs of
             # its filesystem is refused durability, so its owner reopens it (fail closed).

@@ -648,19 +648,19 @@ class TxnBuffer:
             return indexes
         return [index for index in indexes if self._commit_is_live(index)]
 
-    def _committed_rows_bytes(self, live: range | list[int] | None = None) -> bytes | bytearray:
-        """The live rows back to back (`live`: _live_commits(), if the caller has it)."""
+    def _committed_rows_bytes(self) -> bytes | bytearray:
+        """The live rows back to back."""
         size = _COMMITTED.size
         if not self._committed_dead:
             return self._committed_rows[self._committed_head * size:]
         rows = self._committed_rows
         return b"".join([rows[index * size:(index + 1) * size]
-                         for index in (self._live_commits() if live is None else live)])
+                         for index in self._live_commits()])
 
     def _compact_commits(self) -> None:
         head = self._committed_head
         if self._committed_dead > len(self._committed) + 64:  # mostly dead: keep the live
-            self._committed_rows = bytearray(self._committed_rows_bytes(self._live_commits()))
+            self._committed_rows = bytearray(self._committed_rows_bytes())
             self._committed_head = self._committed_dead = 0
         elif head > 64 and head * 2 > self._committed_count():
             del self._committed_rows[:head * _COMMITTED.size]

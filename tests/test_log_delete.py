@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -136,6 +137,9 @@ def test_deleted_segments_are_renamed_synced_and_unlinked_elsewhere(tmp_path):
     reopened = open_log(crashed, segment_bytes=1_000)  # the crash copy: renamed, not unlinked
     assert reopened.log_start_offset == 8
     assert not list(crashed.glob("*.deleted"))
+    reopened.truncate_to(10)  # a cut deletes the later segments: its reload unlinks them
+    assert [s.base_offset for s in reopened.segments()] == [8]
+    assert not list(crashed.glob("*.deleted"))
     reopened.close()
 
 
@@ -161,11 +165,13 @@ def test_the_owner_unlinks_deleted_segments_off_its_event_loop(tmp_path):
                 data = make_batch(2, 200)
                 await owner.produce([(data, parse_header(data))])
             assert await owner.delete_records(10) == 8
-            await asyncio.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while list((tmp_path / "t-0").glob("*.deleted")):  # until the thread unlinked
+                assert time.monotonic() < deadline, "the deleted files were never unlinked"
+                await asyncio.sleep(0.01)
         finally:
             owner_module.unlink_files = original
         assert unlinked_on and loop_thread not in unlinked_on
-        assert not list((tmp_path / "t-0").glob("*.deleted"))
         await owner.close()
 
     asyncio.run(scenario())
