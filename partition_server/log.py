@@ -26,9 +26,9 @@ import json
 import os
 import threading
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -303,13 +303,18 @@ class PartitionLog:
         each header's size is its batch's length and its size is within the limit."""
         return self._append(items, copied=False)
 
-    def append_copied(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]]
-                      ) -> list[int]:
+    def append_copied(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]],
+                      segment_bases: Collection[int] | None = None) -> list[int]:
         """A follower's append (docs/replication.md): batches copied from the leader's log
         (validated by the caller, CRC included), written byte for byte, so they keep the
         leader's base offsets and append times. The first must start at this log's end
         and each next where the last ended (else OFFSET_OUT_OF_RANGE, nothing written).
-        No fsync, as `append`."""
+        No fsync, as `append`.
+
+        `segment_bases`: where the leader's segments begin (`segment_bases`). The log then
+        rolls before each batch starting at one of them and by no rule of its own, so its
+        segments start where the leader's do. None: it rolls by its own size, age and
+        offset rules (a leader that does not say)."""
         expected = self._log_end_offset
         for _batch, header in items:
             if header.base_offset != expected:
@@ -318,10 +323,17 @@ class PartitionLog:
                                    f"continues at {expected}",
                                    {"log_end_offset": str(self._log_end_offset)})
             expected += header.last_offset_delta + 1
-        return self._append(items, copied=True)
+        return self._append(items, copied=True, rolls_at=segment_bases)
+
+    def segment_bases(self, start: int, end: int) -> list[int]:
+        """The base offsets of the segments holding [start, end), ascending (the first
+        holds `start`): what a follower copying that range needs to start its segments
+        where this log's start (`append_copied`)."""
+        bases = self._bases
+        return bases[max(bisect_right(bases, start) - 1, 0):max(bisect_left(bases, end), 1)]
 
     def _append(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]], *,
-                copied: bool) -> list[int]:
+                copied: bool, rolls_at: Collection[int] | None = None) -> list[int]:
         self._check_serving()
         config = self.config
         for batch, header in items:
@@ -341,9 +353,10 @@ class PartitionLog:
         first_time = self._active.first_append_time_ms
         try:
             for batch, header in items:
-                if size and (size + header.size > config.segment_bytes
-                             or now - (first_time if first_time is not None else now) >= config.segment_ms
-                             or next_offset - self._active.base_offset > RELATIVE_OFFSET_MAX):
+                if size and (next_offset - self._active.base_offset > RELATIVE_OFFSET_MAX or (
+                        next_offset in rolls_at if rolls_at is not None else
+                        size + header.size > config.segment_bytes
+                        or now - (first_time if first_time is not None else now) >= config.segment_ms)):
                     self._write_group(group, now, copied)
                     group = []
                     self._roll()

@@ -39,7 +39,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -620,7 +620,10 @@ class LeaderReplication:
         response = partition_pb2.ReplicateResponse(
             high_watermark=self.high_watermark,
             log_start_offset=partition_log.log_start_offset,
-            log_end_offset=self.log_end, epochs=epochs)
+            log_end_offset=self.log_end, epochs=epochs,
+            # The follower starts its segments where this log's start, so retention and
+            # DeleteRecords (whole segments) leave every replica the same records.
+            segment_bases=partition_log.segment_bases(fetch, next_offset) if records else ())
         response.MergeFrom(cursors)
         return ReplicateAnswer(response, records)
 
@@ -1105,7 +1108,7 @@ class Follower:
         slice of the received buffer)."""
         partition_log = self.log
         if data:
-            self._append(data)
+            self._append(data, response.segment_bases)
             end = partition_log.log_end_offset
             for entry in response.epochs:
                 start = max(entry.start_offset, fetch)
@@ -1117,13 +1120,16 @@ class Follower:
                                        partition_log.high_watermark),
                                    int(response.log_start_offset))
 
-    def _append(self, data: bytes) -> None:
+    def _append(self, data: bytes, segment_bases: Sequence[int]) -> None:
         """On a worker thread, off the event loop: check the copied batches (each whole,
         its CRC: the leader checked them when it read them, this checks the copy that
-        arrived; 0.1 ms per MB), append them at the leader's offsets, fsync."""
+        arrived; 0.1 ms per MB), append them at the leader's offsets, starting segments
+        where the leader's start (`segment_bases`; empty: a leader that does not say, and
+        the log rolls by its own rules), fsync."""
         view = memoryview(data)
         self.log.append_copied([(view[position:position + header.size], header)
-                                for position, header in iter_batches(view, verify=True)])
+                                for position, header in iter_batches(view, verify=True)],
+                               segment_bases=list(segment_bases) or None)
         if self.fsync:
             self.log.flush()
         else:

@@ -54,6 +54,50 @@ def test_copied_batches_keep_the_leaders_offsets_times_and_bytes(tmp_path, direc
     assert parse_header(stored_batches(reopened)[-1][1]).log_append_time_ms >= 1_000_000
 
 
+def test_copies_start_segments_where_the_leaders_start_and_nowhere_else(tmp_path, direct):
+    """With the leader's segment bases a follower rolls exactly where the leader did (by
+    age, by hand, or by a smaller size than its own) and never by its own rules, copied
+    in any slices; so deleting whole segments below a log start leaves both logs the
+    same records. Bases that start no batch of a copy change nothing."""
+    clock = Clock(1_000_000)
+    leader = open_log(tmp_path / "leader", clock, segment_bytes=1_000, segment_ms=60_000)
+    for i in range(12):
+        leader.append([make_batch(2, 150)])
+        leader.flush()
+        if i in (2, 3):
+            leader.roll()  # what the follower's own rules would never do here
+        clock.now += 25_000  # rolls by age too
+    leader_bases = [info.base_offset for info in leader.segments()]
+    assert len(leader_bases) >= 6, leader_bases
+    assert leader.segment_bases(0, 1) == [0]
+    assert leader.segment_bases(leader_bases[1], leader.log_end_offset) == leader_bases[1:]
+    assert leader.segment_bases(leader_bases[1] + 1, leader_bases[3]) == leader_bases[1:3]
+    # The follower's own rules would roll by 10 KiB and a day.
+    follower = open_log(tmp_path / "follower", Clock(5), segment_bytes=10_000,
+                        segment_ms=86_400_000, direct_copies=direct)
+    items = copied(leader)
+    for start, end in ((0, 1), (1, 5), (5, 6), (6, 12)):
+        first = items[start][1].base_offset
+        last = items[end - 1][1].base_offset + items[end - 1][1].record_count
+        follower.append_copied(items[start:end], segment_bases=leader.segment_bases(first, last))
+    follower.flush()
+    assert [info.base_offset for info in follower.segments()] == leader_bases
+    assert stored_batches(follower) == stored_batches(leader)
+    assert follower.delete_records(leader_bases[2] + 1) == leader.delete_records(
+        leader_bases[2] + 1) == leader_bases[2]
+    assert stored_batches(follower) == stored_batches(leader)
+    # Without them (a leader that does not say) it rolls by its own rules: never here.
+    other = open_log(tmp_path / "other", Clock(5), segment_bytes=10_000,
+                     segment_ms=86_400_000, direct_copies=direct)
+    other.append_copied(items)
+    assert len(other.segments()) == 1
+    # A base that starts no batch of the copy (the segment holding its first offset).
+    again = open_log(tmp_path / "again", Clock(5), segment_bytes=10_000, direct_copies=direct)
+    again.append_copied(items[:1], segment_bases=[0])
+    again.append_copied(items[1:2], segment_bases=[0, 999])
+    assert [info.base_offset for info in again.segments()] == [0]
+
+
 def test_a_gap_or_overlap_is_refused_and_writes_nothing(tmp_path, direct):
     leader = open_log(tmp_path / "leader")
     leader.append([make_batch(2), make_batch(3), make_batch(1)])

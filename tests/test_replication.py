@@ -70,6 +70,12 @@ def batches_of(path: Path) -> bytes:
     return data[:end]
 
 
+def segment_bases(cluster, server: str, topic: str, partition: int) -> list[int]:
+    """Where the segments of `server`'s copy of a partition start, from its files."""
+    directory = cluster.data_dir / server / "partitions" / f"{topic}-{partition}"
+    return sorted(int(path.stem) for path in directory.glob("*.log"))
+
+
 def segment_digests(cluster, topic: str, partition: int) -> dict[str, str]:
     digests = {}
     for server in SERVERS:
@@ -820,8 +826,7 @@ def test_followers_delete_below_their_leaders_log_start(cluster, client):
             time.sleep(0.2)
 
     def bases(server: str) -> list[int]:
-        directory = cluster.data_dir / server / "partitions" / "rep-trim-0"
-        return sorted(int(path.stem) for path in directory.glob("*.log"))
+        return segment_bases(cluster, server, "rep-trim", 0)
 
     wait_until(lambda: len({tuple(bases(s)) for s in SERVERS}) == 1, 15, "same segments")
     assert len(bases(SERVERS[0])) >= 5
@@ -838,6 +843,66 @@ def test_followers_delete_below_their_leaders_log_start(cluster, client):
         topic_partition=common_pb2.TopicPartition(topic="rep-trim", partition=0),
         fetch_offset=start)]), timeout=30).results[0]
     assert not fetched.error.reason and fetched.log_start_offset == start
+
+
+def test_a_follower_starts_its_segments_where_its_leader_did_so_deletes_survive_failover(
+        cluster, client):
+    """A leader rolls by age (segment.ms) while its follower is away; the follower copies
+    those batches in one go when it returns, where its own age rule would roll elsewhere
+    (once, at the first copy). It starts its segments where the leader's start anyway
+    (ReplicateResponse.segment_bases), so after DeleteRecords it starts where the leader
+    does, and once it leads nothing the leader deleted can be read again."""
+    client.create_topic("rep-aligned", partitions=1, replication_factor=2,
+                        config={"min.insync.replicas": "1", "segment.ms": "1000"})
+    wait_until(lambda: fully_in_sync(client, "rep-aligned"), 15, "rep-aligned in sync")
+    part = metadata(client, "rep-aligned").partitions[0]
+    leader, address = part.server_name, part.server_address
+    follower = next(r for r in part.replicas if r != leader)
+    produce_taken(address, "rep-aligned", 0, b"before")
+    kill(cluster, follower, signal.SIGSTOP)
+    try:
+        wait_until(lambda: metadata(client, "rep-aligned").partitions[0].isr == [leader],
+                   SESSION_TIMEOUT_MS / 1000 + 15, "the paused follower to leave the ISR")
+        for i in range(12):  # 4 s: the leader rolls by age about every third write
+            produce_taken(address, "rep-aligned", 0, f"v{i}".encode())
+            time.sleep(0.35)
+    finally:
+        kill(cluster, follower, signal.SIGCONT)
+    wait_until(lambda: fully_in_sync(client, "rep-aligned"), 30, "the follower back in sync")
+    leader_bases = segment_bases(cluster, leader, "rep-aligned", 0)
+    assert len(leader_bases) >= 4, leader_bases
+    wait_until(lambda: segment_bases(cluster, follower, "rep-aligned", 0)
+               == segment_bases(cluster, leader, "rep-aligned", 0), 15,
+               f"the same segments: {leader_bases} and "
+               f"{segment_bases(cluster, follower, 'rep-aligned', 0)}")
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(address))
+    start = leader_bases[-2]
+    result = stub.DeleteRecords(partition_pb2.DeleteRecordsRequest(items=[
+        partition_pb2.DeleteRecordsItem(topic="rep-aligned", partition=0,
+                                        before_offset=start + 1)]), timeout=30).results[0]
+    assert not result.error.reason and result.log_start_offset == start, result
+    wait_until(lambda: segment_bases(cluster, follower, "rep-aligned", 0)[0] == start, 15,
+               f"the follower to start at {start}")
+    kill(cluster, leader)
+    try:
+        wait_until(lambda: leader_of(client, "rep-aligned", 0) == follower,
+                   SESSION_TIMEOUT_MS / 1000 + 30, "the follower to lead")
+        new_stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(
+            cluster.process(follower)["grpc_address"]))
+        below = new_stub.Fetch(partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
+            topic_partition=common_pb2.TopicPartition(topic="rep-aligned", partition=0),
+            fetch_offset=start - 1)]), timeout=30).results[0]
+        assert below.error.reason == "OFFSET_OUT_OF_RANGE", below.error
+        with client.consumer("rep-aligned") as consumer:
+            consumer.seek("rep-aligned", 0, start)
+            values = [m.value for batch in consumer.read_until(idle_timeout_s=30)
+                      for m in batch]
+        # What the old leader kept ("before" at offset 0, v0-v11 at 1-12): its last two
+        # segments, nothing from the first ones.
+        assert values == [f"v{i}".encode() for i in range(start - 1, 12)], (values, start)
+    finally:
+        restart_one(cluster, leader)
+    wait_until(lambda: fully_in_sync(client, "rep-aligned"), 30, "the old leader to follow")
 
 
 def test_a_throttled_reassignment_copies_at_its_pace_then_completes(cluster, client):

@@ -877,7 +877,7 @@ class LeaderEpochEntry(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., start_offset: _Optional[int] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
-    __slots__ = ("records", "high_watermark", "log_start_offset", "log_end_offset", "epochs", "diverging", "diverging_epoch", "diverging_end_offset", "cursors_available", "cursor_snapshot", "cursor_first_sequence", "cursor_frames", "cursor_durable_end")
+    __slots__ = ("records", "high_watermark", "log_start_offset", "log_end_offset", "epochs", "diverging", "diverging_epoch", "diverging_end_offset", "cursors_available", "cursor_snapshot", "cursor_first_sequence", "cursor_frames", "cursor_durable_end", "segment_bases")
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -891,6 +891,7 @@ class ReplicateResponse(_message.Message):
     CURSOR_FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CURSOR_DURABLE_END_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BASES_FIELD_NUMBER: _ClassVar[int]
     records: bytes
     high_watermark: int
     log_start_offset: int
@@ -904,4 +905,5 @@ class ReplicateResponse(_message.Message):
     cursor_first_sequence: int
     cursor_frames: bytes
     cursor_durable_end: int
-    def __init__(self, records: _Optional[bytes] = ..., high_watermark: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[LeaderEpochEntry, _Mapping]]] = ..., diverging: _Optional[bool] = ..., diverging_epoch: _Optional[int] = ..., diverging_end_offset: _Optional[int] = ..., cursors_available: _Optional[bool] = ..., cursor_snapshot: _Optional[bytes] = ..., cursor_first_sequence: _Optional[int] = ..., cursor_frames: _Optional[bytes] = ..., cursor_durable_end: _Optional[int] = ...) -> None: ...
+    segment_bases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, records: _Optional[bytes] = ..., high_watermark: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[LeaderEpochEntry, _Mapping]]] = ..., diverging: _Optional[bool] = ..., diverging_epoch: _Optional[int] = ..., diverging_end_offset: _Optional[int] = ..., cursors_available: _Optional[bool] = ..., cursor_snapshot: _Optional[bytes] = ..., cursor_first_sequence: _Optional[int] = ..., cursor_frames: _Optional[bytes] = ..., cursor_durable_end: _Optional[int] = ..., segment_bases: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -5462,8 +5462,15 @@ type ReplicateResponse struct {
 	CursorFrames []byte `protobuf:"bytes,12,opt,name=cursor_frames,json=cursorFrames,proto3" json:"cursor_frames,omitempty"`
 	// The leader's durable end of its cursor journal.
 	CursorDurableEnd int64 `protobuf:"varint,13,opt,name=cursor_durable_end,json=cursorDurableEnd,proto3" json:"cursor_durable_end,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// With `records`: the base offset of each of the leader's segments the records lie in,
+	// ascending, the first the one holding fetch_offset. A follower starts a new segment
+	// exactly where one of these begins and nowhere else, so every replica's segments
+	// start at the same offsets and deleting whole segments below a log start deletes the
+	// same records everywhere (docs/replication.md). Empty with records: a leader that
+	// does not send them; the follower then rolls by its own segment rules.
+	SegmentBases  []int64 `protobuf:"varint,14,rep,packed,name=segment_bases,json=segmentBases,proto3" json:"segment_bases,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReplicateResponse) Reset() {
@@ -5585,6 +5592,13 @@ func (x *ReplicateResponse) GetCursorDurableEnd() int64 {
 		return x.CursorDurableEnd
 	}
 	return 0
+}
+
+func (x *ReplicateResponse) GetSegmentBases() []int64 {
+	if x != nil {
+		return x.SegmentBases
+	}
+	return nil
 }
 
 var File_atomlog_v1_partition_proto protoreflect.FileDescriptor
@@ -5950,7 +5964,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\bresponse\x18\x03 \x01(\v2\x1d.atomlog.v1.ReplicateResponseR\bresponse\"K\n" +
 	"\x10LeaderEpochEntry\x12\x14\n" +
 	"\x05epoch\x18\x01 \x01(\rR\x05epoch\x12!\n" +
-	"\fstart_offset\x18\x02 \x01(\x03R\vstartOffset\"\xb0\x04\n" +
+	"\fstart_offset\x18\x02 \x01(\x03R\vstartOffset\"\xd5\x04\n" +
 	"\x11ReplicateResponse\x12\x18\n" +
 	"\arecords\x18\x01 \x01(\fR\arecords\x12%\n" +
 	"\x0ehigh_watermark\x18\x02 \x01(\x03R\rhighWatermark\x12(\n" +
@@ -5965,7 +5979,8 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	" \x01(\fR\x0ecursorSnapshot\x122\n" +
 	"\x15cursor_first_sequence\x18\v \x01(\x03R\x13cursorFirstSequence\x12#\n" +
 	"\rcursor_frames\x18\f \x01(\fR\fcursorFrames\x12,\n" +
-	"\x12cursor_durable_end\x18\r \x01(\x03R\x10cursorDurableEnd*\\\n" +
+	"\x12cursor_durable_end\x18\r \x01(\x03R\x10cursorDurableEnd\x12#\n" +
+	"\rsegment_bases\x18\x0e \x03(\x03R\fsegmentBases*\\\n" +
 	"\vTxnDecision\x12\x1c\n" +
 	"\x18TXN_DECISION_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13TXN_DECISION_COMMIT\x10\x01\x12\x16\n" +
