@@ -5,16 +5,20 @@ Every partition and TC partition of a server shares one event loop. A deletion
 *.deleted, fsyncs the directory and leaves the unlinks to a worker thread
 (partition_server/log.py, `_delete_segment`); freeing a large file's blocks is what held
 the loop before. A roll seals the active segment: it fsyncs it, writes its index file
-(synced), creates the next segment's file and fsyncs the directory, still inside the
-owner's append, on the loop. Measured in one run, on this machine's disk:
+(synced), creates the next segment's file and fsyncs the directory. A partition owner
+did all of that inside its append, on the loop; it now rolls before a group that would
+cross the segment's bounds, in halves: `roll_begin` and `roll_end` on the loop, the disk
+work (`RollJob.run`) on a worker thread (partition_server/owner.py, `_begin_roll`).
+Measured in one run, on this machine's disk:
 
 - the floor: a small write and its fsync, p50 (`common.fsync_baseline`);
 - deletions of --delete-mib MiB segments, one at a time by DeleteRecords, timed on the
   caller: with the unlinks inline (as before) and with them handed off (as now); the
   handed-off unlinks timed on their own;
-- rolls of an idle log with --roll-mib MiB segments, each timed whole (what the loop
-  waits), here and on a slow disk (each of the roll's fsyncs --slow-ms later, as the
-  fsync_slow failpoint makes them).
+- rolls of an idle log with --roll-mib MiB segments: whole (`PartitionLog.roll`, what
+  the loop waited before), and in halves (the two that stay on the loop now, and the
+  disk work on its own), here and on a slow disk (each of the roll's fsyncs --slow-ms
+  later, as the fsync_slow failpoint makes them).
 
 Prints two tables; --docs writes them to docs/benchmarks.md.
 
@@ -80,31 +84,50 @@ def deletions(directory: Path, batch: bytes, segment_mib: int, handed_off: bool)
     return {"held": held, "unlinks": unlinks}
 
 
-def rolls(directory: Path, batch: bytes, segment_mib: int, delay_s: float) -> list[float]:
-    """ROLLS rolls of an idle log, each timed whole (`PartitionLog.roll`), its fsyncs
-    `delay_s` later each (the slow disk) when given."""
+def rolls(directory: Path, batch: bytes, segment_mib: int, delay_s: float,
+          halves: bool) -> dict:
+    """ROLLS rolls of an idle log, its fsyncs `delay_s` later each (the slow disk) when
+    given: each timed whole (`PartitionLog.roll`) or, with `halves`, its two halves on
+    the caller (`roll_begin`, `roll_end`) apart from its disk work (`RollJob.run`)."""
     per_segment = max(1, segment_mib * MIB // len(batch))
     log = PartitionLog(directory, LogConfig(segment_bytes=per_segment * len(batch)))
-    real_fsync, times = os.fsync, []
+    real_fsync = os.fsync
+    held: list[float] = []
+    disk: list[float] = []
 
     def slow_fsync(fd: int) -> None:
         time.sleep(delay_s)
         real_fsync(fd)
 
+    fsync = slow_fsync if delay_s else real_fsync
     try:
         for _ in range(ROLLS):
             log.append([batch] * per_segment)
             log.flush()
-            os.fsync = slow_fsync if delay_s else real_fsync
+            if not halves:
+                os.fsync = fsync
+                try:
+                    started = time.perf_counter()
+                    log.roll()
+                    held.append(time.perf_counter() - started)
+                finally:
+                    os.fsync = real_fsync
+                continue
+            started = time.perf_counter()
+            job = log.roll_begin()
+            os.fsync = fsync  # the index file's fsyncs too
             try:
-                started = time.perf_counter()
-                log.roll()
-                times.append(time.perf_counter() - started)
+                begun = time.perf_counter()
+                job.run(fsync)
+                ran = time.perf_counter()
             finally:
                 os.fsync = real_fsync
+            log.roll_end(job)
+            held.append(begun - started + time.perf_counter() - ran)
+            disk.append(ran - begun)
     finally:
         log.close()
-    return times
+    return {"held": held, "disk": disk}
 
 
 def ms(values: list[float]) -> str:
@@ -128,8 +151,11 @@ def main() -> None:
         floor = common.fsync_baseline(scratch)["p50"]
         inline = deletions(scratch / "inline", batch, args.delete_mib, False)
         handed = deletions(scratch / "handed", batch, args.delete_mib, True)
-        roll_here = rolls(scratch / "rolls", batch, args.roll_mib, 0.0)
-        roll_slow = rolls(scratch / "rolls-slow", batch, args.roll_mib, args.slow_ms / 1000)
+        slow = args.slow_ms / 1000
+        roll_runs = {(disk, halves): rolls(scratch / f"rolls-{disk}-{halves}", batch,
+                                           args.roll_mib, slow if disk == "slow" else 0.0,
+                                           halves)
+                     for disk in ("here", "slow") for halves in (False, True)}
     deleted = [
         "| floor: a small write and its fsync, p50 ms | a segment deleted (DeleteRecords), the caller "
         "held, p50 / max ms: unlinked inline (as before) | renamed, the directory synced, "
@@ -139,14 +165,16 @@ def main() -> None:
         f"{ms(handed['unlinks'])} |",
     ]
     rolled = [
-        "| a roll of an idle log, on the loop, p50 / max ms: this disk | each fsync "
-        f"{args.slow_ms:g} ms later |",
-        "| --- | --- |",
-        f"| {ms(roll_here)} | {ms(roll_slow)} |",
-    ]
+        f"| disk | a roll whole, on the loop (as before), p50 / max ms | its two halves on "
+        f"the loop (now), p50 / max ms | its disk work on a worker thread, p50 / max ms |",
+        "| --- | --- | --- | --- |",
+    ] + [f"| {label} | {ms(roll_runs[disk, False]['held'])} | "
+         f"{ms(roll_runs[disk, True]['held'])} | {ms(roll_runs[disk, True]['disk'])} |"
+         for disk, label in (("here", "this disk"),
+                             ("slow", f"each fsync {args.slow_ms:g} ms later"))]
     text = (f"{DELETIONS} deletions of a {args.delete_mib} MiB segment each way:\n\n"
             + "\n".join(deleted) + f"\n\n{ROLLS} rolls of {args.roll_mib} MiB segments "
-            "(still on the event loop):\n\n" + "\n".join(rolled))
+            "each way:\n\n" + "\n".join(rolled))
     print(text)
     if args.docs:
         common.write_docs_section(

@@ -15,7 +15,10 @@ Files in the partition directory (formats in docs/record-format.md):
 
 Durability contract: `append` writes (no fsync); `flush` fsyncs and moves the high
 watermark to the log end. Rolling a segment fsyncs the old one first, so only the last
-segment can ever hold unflushed bytes — corruption anywhere else is data loss.
+segment can ever hold unflushed bytes — corruption anywhere else is data loss. A roll's
+disk work (four fsyncs) can run on another thread (`roll_begin`, `RollJob.run`,
+`roll_end`): the partition owner does so, so that its event loop never waits for the disk;
+the log takes no appends in between.
 """
 
 from __future__ import annotations
@@ -221,6 +224,7 @@ class PartitionLog:
         self._data_loss: DataLoss | None = None
         self._broken: str | None = None
         self._closed = False
+        self._rolling: RollJob | None = None  # between roll_begin and roll_end
         self.recovery = RecoveryReport()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._dir_fd = os.open(self.directory, os.O_RDONLY)
@@ -335,6 +339,7 @@ class PartitionLog:
     def _append(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]], *,
                 copied: bool, rolls_at: Collection[int] | None = None) -> list[int]:
         self._check_serving()
+        self._check_not_rolling("append")
         config = self.config
         for batch, header in items:
             if header.size != len(batch):
@@ -353,10 +358,7 @@ class PartitionLog:
         first_time = self._active.first_append_time_ms
         try:
             for batch, header in items:
-                if size and (next_offset - self._active.base_offset > RELATIVE_OFFSET_MAX or (
-                        next_offset in rolls_at if rolls_at is not None else
-                        size + header.size > config.segment_bytes
-                        or now - (first_time if first_time is not None else now) >= config.segment_ms)):
+                if self._rolls(size, header.size, first_time, next_offset, now, rolls_at):
                     self._write_group(group, now, copied)
                     group = []
                     self._roll()
@@ -372,6 +374,37 @@ class PartitionLog:
             raise
         self._last_append_time_ms = now
         return base_offsets
+
+    def _rolls(self, size: int, batch_bytes: int, first_time: int | None, base_offset: int,
+               now: int, rolls_at: Collection[int] | None = None) -> bool:
+        """Whether a batch of `batch_bytes` at `base_offset` goes to a new segment, the
+        active one holding `size` bytes, its first appended at `first_time`: where the
+        leader's segments start (`rolls_at`, a follower's copies), else by size or by age;
+        and always by the span of offsets its index can hold."""
+        config = self.config
+        return bool(size) and (
+            base_offset - self._active.base_offset > RELATIVE_OFFSET_MAX
+            or (base_offset in rolls_at if rolls_at is not None else
+                size + batch_bytes > config.segment_bytes
+                or (first_time is not None and now - first_time >= config.segment_ms)))
+
+    def roll_due(self, extra_bytes: int) -> bool:
+        """Whether appending batches of `extra_bytes` in all would roll the active segment
+        on the way (`extra_bytes` also bounds their records, so their offsets). The owner
+        then rolls first, off its event loop (roll_begin, RollJob.run on a worker thread,
+        roll_end), instead of inside `append`. False while the log does not serve."""
+        if self._closed or self._data_loss is not None or self._broken is not None or \
+                self._rolling is not None:
+            return False
+        active = self._active
+        return self._rolls(active.size, extra_bytes, active.first_append_time_ms,
+                           self._log_end_offset + extra_bytes,
+                           max(self._clock_ms(), self._last_append_time_ms))
+
+    def _check_not_rolling(self, what: str) -> None:
+        if self._rolling is not None:  # a caller's bug: the roll's thread may be at work
+            raise RuntimeError(f"{what} on partition log {self.directory} while a roll is "
+                               "under way (between roll_begin and roll_end)")
 
     def _write_group(self, group: list[tuple[bytes | memoryview, BatchHeader]], now: int,
                      copied: bool = False) -> None:
@@ -544,20 +577,60 @@ class PartitionLog:
                 raise
 
     def _roll(self) -> None:
+        job = self.roll_begin()
+        try:
+            job.run()
+        except BaseException:
+            self._rolling = None  # the caller breaks the log (an OSError) or fails
+            raise
+        self.roll_end(job)
+
+    def roll_begin(self) -> RollJob:
+        """First half of a roll whose disk work runs elsewhere (`RollJob.run`, on a worker
+        thread): seals the active segment, which takes no appends (nor cuts) until
+        `roll_end`; reads and flushes of what is written go on meanwhile. The active
+        segment must hold something (`roll_due`)."""
+        self._check_serving()
+        self._check_not_rolling("roll")
         old = self._active
+        assert old.size, "rolling an empty segment"
         self._end_direct()
-        os.fsync(old.fd)  # sealed segments are durable: only the last one can have a torn tail
+        job = RollJob(old, Segment(self.directory, self._log_end_offset),
+                      self._index(old).to_bytes(old.base_offset))
+        job.sealed_fd = os.dup(old.fd)
+        try:
+            job.dir_fd = os.dup(self._dir_fd)
+        except BaseException:
+            os.close(job.sealed_fd)
+            raise
+        self._rolling = job
+        return job
+
+    def roll_end(self, job: RollJob) -> None:
+        """Second half, once `job.run()` returned: the new segment becomes the active one
+        and the sealed one counts as durable. Call `roll_failed` instead if it raised."""
+        assert self._rolling is job and job.fd is not None, "roll_end without a finished roll"
+        self._rolling = None
+        if self._closed:  # closed meanwhile: the next open finds the (empty) new segment
+            os.close(job.fd)
+            return
+        old, new = job.sealed, job.next
+        new.fd, new.index = job.fd, SparseIndex()
         self._durable_offset = max(self._durable_offset, old.next_offset)
-        self._write_index_file(old)
-        new = Segment(self.directory, self._log_end_offset)
-        new.index = SparseIndex()
-        fd = os.open(new.log_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        new.fd = fd
-        os.fsync(self._dir_fd)
         self._segments.append(new)
         self._bases.append(new.base_offset)
         self._open_sealed[old.base_offset] = old
         self._trim_open_files()
+
+    def roll_failed(self, job: RollJob, error: BaseException) -> None:
+        """`job.run()` raised (or never ran): the log refuses everything (the page cache
+        of the sealed segment is unknown after a failed fsync); reopen it, as after a
+        failed flush."""
+        assert self._rolling is job, "roll_failed without a roll under way"
+        self._rolling = None
+        job.release()
+        if self._broken is None:
+            self._broken = f"I/O error while rolling: {error}"
 
     def _write_index_file(self, segment: Segment) -> None:
         _atomic_write(segment.index_path, self._index(segment).to_bytes(segment.base_offset),
@@ -809,6 +882,7 @@ class PartitionLog:
         """Remove every batch that does not end at or before `offset` (a batch containing
         it is removed whole); returns the new log end. The rest of the log is re-opened
         through the normal recovery path."""
+        self._check_not_rolling("truncate_to")
         self._check_serving()
         if offset >= self._log_end_offset:
             return self._log_end_offset
@@ -827,6 +901,7 @@ class PartitionLog:
         Durable when it returns. A crash midway leaves the oldest segments (deleted newest
         first, after the recovery point went down to the log start) or an empty log at 0:
         either is a valid log the follower truncates or restarts again."""
+        self._check_not_rolling("restart_at")
         self._check_serving()
         if offset < 0:
             raise AtomlogError("INVALID_ARGUMENT", f"offset {offset} is negative")
@@ -1232,7 +1307,9 @@ class PartitionLog:
         if self._closed:
             return
         try:
-            if self._data_loss is None and self._broken is None and self._segments:
+            # (Mid-roll, its thread decides what the files hold: nothing is synced here.)
+            if self._data_loss is None and self._broken is None and self._segments and \
+                    self._rolling is None:
                 self._end_direct()
                 self.flush()
                 os.fsync(self._active.fd)  # also what flush_end(durable=False) left unsynced
@@ -1287,6 +1364,51 @@ def _writev_all(fd: int, buffers: list[bytes | memoryview]) -> None:
             written = 0
         buffers = rest + buffers[i:]
         i = 0
+
+
+@dataclass(eq=False)
+class RollJob:
+    """The disk work of one roll, between `PartitionLog.roll_begin` and `roll_end`. `run`
+    touches no state of the log, only its own descriptors (duplicates, closed by `run`),
+    so it may run on any thread. In this order, so that a crash leaves at most an empty
+    next segment after a durable sealed one: fsync the sealed segment, write its index
+    file (synced), create the next segment's file, fsync the directory."""
+
+    sealed: Segment
+    next: Segment
+    index_bytes: bytes
+    sealed_fd: int = -1
+    dir_fd: int = -1
+    fd: int | None = None  # the next segment's, once run
+
+    def run(self, fsync: Callable[[int], None] | None = None) -> None:
+        """The disk work; `fsync` (default `os.fsync`) syncs the sealed segment and the
+        directory (a server passes its failpoint-aware one, so a fault run's slow or
+        failing disk reaches rolls too)."""
+        fsync = os.fsync if fsync is None else fsync
+        try:
+            fsync(self.sealed_fd)
+            _atomic_write(self.sealed.index_path, self.index_bytes, sync=True,
+                          dir_fd=self.dir_fd)
+            fd = os.open(self.next.log_path,
+                         os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            try:
+                fsync(self.dir_fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Close the job's descriptors (`run` does, and `roll_failed` for a job that never
+        ran): the directory's duplicate shares the log's lock on it."""
+        for name in ("sealed_fd", "dir_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                os.close(fd)
 
 
 def unlink_files(paths: list[Path]) -> None:

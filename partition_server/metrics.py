@@ -26,6 +26,11 @@ APPEND_SECONDS = Histogram("atomlog_partition_append_duration_seconds",
 FSYNC_SECONDS = Histogram("atomlog_partition_fsync_duration_seconds",
                           "Time of one group-commit fsync.", buckets=LATENCY_BUCKETS_SECONDS)
 FSYNCS = Counter("atomlog_partition_fsyncs_total", "Group-commit fsyncs (rate() = fsyncs/s).")
+ROLL_SECONDS = Histogram("atomlog_partition_roll_duration_seconds",
+                         "Time of one segment roll's disk work (the sealed segment's fsync, "
+                         "its index file, the next segment's file, the directory's fsync), "
+                         "on a worker thread while the partition holds its writes.",
+                         buckets=LATENCY_BUCKETS_SECONDS)
 PRODUCE_BATCHES_PER_FSYNC = Histogram(
     "atomlog_partition_batches_per_fsync", "Batches made durable by one fsync.",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))

@@ -87,7 +87,7 @@ from partition_server.record_batch import (ATTR_TRANSACTIONAL, LENGTH_FIELD_END,
                                            control_batch_parsed, decode_control_batch,
                                            iter_batches)
 from partition_server.cursor_store import CursorStoreLimits
-from partition_server.log import unlink_files
+from partition_server.log import RollJob, unlink_files
 from partition_server.segment import walk_headers
 from partition_server.snapshot_files import SnapshotCorrupt, write_atomically
 from partition_server.subscriptions import PartitionSubscriptions
@@ -186,7 +186,7 @@ class _MarkerWork:
     markers: list[Marker]
     future: asyncio.Future
     results: list = field(default_factory=list)
-    size: int = 0
+    size: int = 0  # at most this many bytes of control batches (MARKER_BATCH_BYTES each)
 
 
 @dataclass
@@ -201,6 +201,21 @@ class _ResolveWork:
 
 
 _Queued = _Work | _MarkerWork | _ResolveWork  # what the owner's queue holds
+
+# The bytes one marker's control batch takes in the log (the same for every marker).
+MARKER_BATCH_BYTES = len(control_batch_parsed(ControlType.COMMIT, txn=(0, 1),
+                                              coordinator_epoch=0, timestamp_ms=0)[0])
+
+
+@dataclass(eq=False)
+class _Roll:
+    """A segment roll under way: the log it was begun on, its disk work on a worker
+    thread, and when it began (atomlog_partition_roll_duration_seconds)."""
+
+    log: PartitionLog
+    job: RollJob
+    future: asyncio.Future
+    began: float
 
 
 @dataclass
@@ -336,6 +351,7 @@ class PartitionOwner:
         self._wake: asyncio.Future | None = None  # the owner task waits on it when idle
         self._data_moved: asyncio.Future | None = None  # readers wait on it (long poll)
         self._snapshot_write: asyncio.Future | None = None
+        self._roll: _Roll | None = None  # a segment roll whose disk work is under way
         self._task: asyncio.Task | None = None
         self._stamp_ms = 0  # the log's clock: the owner decides append times
         self._batches_since_snapshot = 0
@@ -360,6 +376,7 @@ class PartitionOwner:
     async def _load(self, truncate_to: int | None = None) -> None:
         await self._stop_txn_recovery()
         await self._snapshot_written()  # a reload reads the snapshot files it may write
+        await self._roll_finished()  # ... and the segment files a roll may be creating
         self.state = State.LOADING
         began = time.perf_counter()
         loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
@@ -636,6 +653,7 @@ class PartitionOwner:
             except asyncio.CancelledError:
                 pass
         await self._snapshot_written()  # one in the background, or left by a cancelled owner
+        await self._roll_finished()  # likewise
         if self.state is State.ONLINE:
             try:
                 await self._flush_everything()  # what was written but never acknowledged
@@ -772,7 +790,8 @@ class PartitionOwner:
         """`end_transactions` without awaiting: queue the markers (or raise, nothing
         queued) and return the future of their result list."""
         self.check_serving()
-        work = _MarkerWork(markers, asyncio.get_running_loop().create_future())
+        work = _MarkerWork(markers, asyncio.get_running_loop().create_future(),
+                           size=len(markers) * MARKER_BATCH_BYTES)
         self._queue_work(work)
         return work.future
 
@@ -822,8 +841,15 @@ class PartitionOwner:
             try:
                 self._complete_flushes()
                 self._check_snapshot_write()
-                if self._queue and self._may_write() and not self._snapshot_due():
-                    self._write(self._take_group())
+                self._check_roll()
+                if self._queue and self._may_write() and not self._snapshot_due() and \
+                        self._roll is None:
+                    count, size = self._group_extent()
+                    if self.log is not None and self.log.roll_due(size):
+                        self._begin_flushes()  # what the old segment holds: on its way
+                        self._begin_roll()  # no writes until it ends; answers go on
+                        continue
+                    self._write(self._take_group(count, size))
                     self._begin_flushes()
                     continue
                 self._begin_flushes()
@@ -847,16 +873,70 @@ class PartitionOwner:
             except Exception as error:  # noqa: BLE001 — disk trouble: reload from disk
                 await self._fail_closed(error, [])
 
-    def _take_group(self) -> list[_Queued]:
-        queue = self._queue
-        group = [queue.popleft()]
-        size = group[0].size
-        while queue and size < self.settings.max_group_bytes:
-            work = queue.popleft()
-            group.append(work)
+    def _group_extent(self) -> tuple[int, int]:
+        """(requests, bytes) of the next group: the oldest queued requests, at least one,
+        until they reach max_group_bytes."""
+        count = size = 0
+        limit = self.settings.max_group_bytes
+        for work in self._queue:
+            count += 1
             size += work.size
+            if size >= limit:
+                break
+        return count, size
+
+    def _take_group(self, count: int, size: int) -> list[_Queued]:
+        """Dequeue the group `_group_extent` measured."""
+        popleft = self._queue.popleft
+        group = [popleft() for _ in range(count)]
         self._queued_bytes -= size
         return group
+
+    # ------------------------------------------------------------------ segment rolls
+    def _begin_roll(self) -> None:
+        """Roll the active segment before the next group would cross its bounds, its disk
+        work (four fsyncs) on a worker thread: the event loop every partition and TC
+        partition of the process shares never waits for the disk. This partition writes
+        nothing until it ends (`_check_roll`); flushes end and are answered meanwhile."""
+        job = self.log.roll_begin()
+        try:  # an executor's future, not a task: nothing cancels it while the thread works
+            future = asyncio.get_running_loop().run_in_executor(None, job.run, self._fsync)
+        except BaseException as error:  # no thread to run it (shutting down)
+            self.log.roll_failed(job, error)
+            raise
+        self._roll = _Roll(self.log, job, future, time.perf_counter())
+        future.add_done_callback(self._poke)
+
+    def _check_roll(self) -> None:
+        """The owner task, at each step: a roll whose disk work ended takes effect; one
+        that failed raises its error here, to fail closed and reload as a write does."""
+        if self._roll is not None and self._roll.future.done():
+            error = self._settle_roll()
+            if error is not None:
+                raise error
+
+    def _settle_roll(self) -> BaseException | None:
+        """The ended roll takes effect in the log (or breaks it): its error, or None."""
+        roll, self._roll = self._roll, None
+        error = roll.future.exception()
+        if error is not None:
+            roll.log.roll_failed(roll.job, error)
+            return error
+        roll.log.roll_end(roll.job)
+        m.ROLL_SECONDS.observe(time.perf_counter() - roll.began)
+        return None
+
+    async def _roll_finished(self) -> None:
+        """Wait for a roll under way, if any, and settle it: close and a reload need the
+        files as it leaves them (its thread may be creating the next segment's file)."""
+        roll = self._roll
+        if roll is None:
+            return
+        await asyncio.wait([roll.future])
+        if self._roll is roll:
+            error = self._settle_roll()
+            if error is not None:
+                log.warning("segment roll failed on %s: %s", self.name, error)
 
     def _write(self, group: list[_Queued]) -> None:
         """Decide and append one group (no await). Its requests are answered when a flush

@@ -211,6 +211,46 @@ def test_roll_by_age_and_on_demand(tmp_path):
     assert reopened.log_end_offset == 9
 
 
+
+def test_a_roll_in_two_halves_takes_no_appends_between_and_a_crash_anywhere_is_whole(tmp_path):
+    """roll_begin / RollJob.run / roll_end (the owner runs `run` on a worker thread):
+    between the halves reads and flushes go on but appends and cuts are a caller's bug.
+    The roll's disk work makes the sealed segment durable before the next file exists,
+    so a crash before it, after it, or before roll_end leaves a log that opens whole.
+    A roll that failed breaks the log until it is reopened."""
+    log = open_log(tmp_path / "p")
+    log.append([make_batch(), make_batch()])
+    before = crash_copy(log, tmp_path / "before")  # unflushed tail, no roll begun
+    job = log.roll_begin()
+    assert not log.roll_due(1 << 30)  # one roll at a time
+    with pytest.raises(RuntimeError, match="roll is under way"):
+        log.append([make_batch()])
+    with pytest.raises(RuntimeError, match="roll is under way"):
+        log.truncate_to(3)
+    assert log.flush() == 6 and len(stored_batches(log)) == 2
+    job.run()
+    mid = crash_copy(log, tmp_path / "mid")  # a crash before roll_end
+    log.roll_end(job)
+    assert [s.base_offset for s in log.segments()] == [0, 6]
+    log.append([make_batch()])
+    log.flush()
+    for directory, segments, end in ((before, [0], 6), (mid, [0, 6], 6)):
+        reopened = open_log(directory)
+        assert reopened.data_loss is None
+        assert [s.base_offset for s in reopened.segments()] == segments
+        assert reopened.log_end_offset == end
+        reopened.close()
+    log.close()
+    again = open_log(tmp_path / "p")
+    assert again.roll_due(1 << 30) and not again.roll_due(1)
+    job = again.roll_begin()
+    again.roll_failed(job, OSError(5, "Input/output error"))
+    with pytest.raises(AtomlogError, match="I/O error while rolling"):
+        again.append([make_batch()])
+    again.close()
+    assert open_log(tmp_path / "p").log_end_offset == 9
+
+
 # --- Retention ------------------------------------------------------------------------------
 
 def test_retention_by_size_deletes_whole_old_segments(tmp_path):

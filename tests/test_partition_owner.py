@@ -333,3 +333,112 @@ def test_a_snapshot_being_written_holds_no_write_and_a_failed_one_fails_closed(t
         await again.close()
 
     asyncio.run(scenario())
+
+
+def test_a_roll_runs_off_the_event_loop_holding_only_its_partitions_writes(tmp_path):
+    """A segment roll's disk work (the sealed segment's fsync, its index file, the next
+    segment's file, the directory's fsync) runs on a worker thread through the owner's
+    fsync: while it is held the event loop goes on, a flush begun before it ends and is
+    answered, and a request that needs the new segment waits, written into it once the
+    roll ends. The roll's two fsyncs through the owner are the sealed segment's, then the
+    directory's."""
+    gate = GatedFsync()
+    size = len(batch(7, 0))
+    settings = OwnerSettings(log=LogConfig(segment_bytes=2 * size), max_fsyncs_in_flight=2,
+                             write_ahead_bytes=0)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings, fsync=gate)
+        await owner.start()
+        first = start(owner, batch(7, 0))
+        await until(lambda: gate.calls == 1)
+        gate.release(0)
+        await first
+        second = start(owner, batch(7, 2))  # fills the segment; its fsync is held
+        await until(lambda: gate.calls == 2)
+        third = start(owner, batch(7, 4))  # needs a new segment: the roll begins
+        await until(lambda: gate.calls == 3)
+        sealed = tmp_path / "t-0" / f"{0:020d}.log"
+        assert gate.sizes[2] == os.path.getsize(sealed) == 2 * size  # the sealed segment
+        ticks = 0
+        for _ in range(5):  # the loop runs while the roll's fsync is held
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks == 5 and owner.log.log_end_offset == 4 and not third.done()
+        gate.release(1)  # the flush begun before the roll ends: answered during it
+        assert [r.base_offset for r in await second] == [2]
+        assert owner.log.segment_count == 1 and not third.done()
+        gate.release(2)
+        await until(lambda: gate.calls == 4)  # the directory's fsync, the new file made
+        assert (tmp_path / "t-0" / f"{4:020d}.log").exists() and not third.done()
+        assert owner.log.log_end_offset == 4
+        gate.release(3)
+        await until(lambda: gate.calls == 5)  # the roll ended: the third batch written
+        assert owner.log.segment_count == 2 and owner.log.log_end_offset == 6
+        assert (tmp_path / "t-0" / f"{0:020d}.index").exists()
+        gate.release(4)
+        assert [r.base_offset for r in await third] == [4]
+        gate.release_all()
+        await owner.close()
+        again = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await again.start()
+        assert [s.base_offset for s in again.log.segments()] == [0, 4]
+        assert [h.base_offset for h in again.log.iter_headers()] == [0, 2, 4]
+        await again.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_roll_fails_the_partition_closed_and_close_waits_for_a_roll(tmp_path):
+    """The sealed segment's fsync fails in a roll: what it held unacknowledged fails, the
+    partition reloads from what is durable and serves again, and a retry lands. Then a
+    close while a roll's fsync is held waits for it; the reopened log is whole."""
+    gate = GatedFsync()
+    size = len(batch(7, 0))
+    settings = OwnerSettings(log=LogConfig(segment_bytes=2 * size), max_fsyncs_in_flight=2,
+                             write_ahead_bytes=0)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings, fsync=gate)
+        await owner.start()
+        first = start(owner, batch(7, 0))
+        await until(lambda: gate.calls == 1)
+        gate.release(0)
+        await first
+        second = start(owner, batch(7, 2))
+        await until(lambda: gate.calls == 2)
+        third = start(owner, batch(7, 4))
+        await until(lambda: gate.calls == 3)  # the roll's fsync of the sealed segment
+        gate.release(2, OSError(errno.EIO, "Input/output error"))
+        await fail_loading(second)  # written, never durable: not acknowledged
+        gate.release(1)
+        await until(lambda: owner.state is State.ONLINE)
+        assert [h.base_offset for h in owner.log.iter_headers()] == [0]  # cut back
+        gate.release_all()
+        outcome = await asyncio.gather(third, return_exceptions=True)
+        if isinstance(outcome[0], AtomlogError):  # failed with the rest, or written after
+            assert outcome[0].reason == "PARTITION_LOADING"
+        for sequence in (2, 4, 6):  # the segments [0, 4) and [4, 8)
+            await owner.produce([(batch(7, sequence), parse_header(batch(7, sequence)))])
+        assert [s.base_offset for s in owner.log.segments()] == [0, 4]
+
+        with gate._lock:
+            gate.open = False
+        calls = gate.calls
+        fifth = start(owner, batch(7, 8))  # needs a new segment: a roll, its fsync held
+        await until(lambda: gate.calls == calls + 1 and owner._roll is not None)
+        closing = asyncio.ensure_future(owner.close())
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # waits for the roll's thread
+        gate.release_all()
+        await closing
+        with pytest.raises(AtomlogError):
+            await fifth  # never written: the owner stopped during the roll
+        again = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await again.start()
+        assert [s.base_offset for s in again.log.segments()] == [0, 4, 8]  # the roll's
+        assert [h.base_offset for h in again.log.iter_headers()] == [0, 2, 4, 6]
+        assert again.log.data_loss is None
+        await again.close()
+
+    asyncio.run(scenario())
