@@ -221,7 +221,8 @@ def test_the_names_are_described_in_order():
     assert ANOMALIES == ("lost-write", "duplicate", "aborted-read", "torn-transaction",
                          "inconsistent-offsets", "non-monotonic-poll", "skipped-poll",
                          "cursor-regression", "fenced-write-visible", "lost-ack",
-                         "reordered-writes", "hanging-transaction", "vanished-read")
+                         "reordered-writes", "hanging-transaction", "vanished-read",
+                         "diverged-replicas")
     assert set(DESCRIPTIONS) == set(ANOMALIES)
 
 
@@ -561,6 +562,41 @@ def test_hanging_transaction(overrides):
     report = check(history.ops)
     assert_only(report, "hanging-transaction", 1)
     assert report["examples"]["hanging-transaction"][0]["topic"] == "t"
+
+
+def copy(server: str, bases=(0, 40, 90), end: int = 120, digest: str = "d1") -> dict:
+    return {"server": server, "bases": list(bases), "end": end, "digest": digest}
+
+
+@pytest.mark.parametrize("case", ["bases", "batches", "end", "both"])
+def test_diverged_replicas(case):
+    """The last ok replicas op decides: copies whose segments start elsewhere, or whose
+    batches differ, are one instance per partition; equal copies are none."""
+    other = {"bases": copy("ps-1", bases=(0, 40)), "batches": copy("ps-1", digest="d2"),
+             "end": copy("ps-1", end=119),
+             "both": copy("ps-1", bases=(0, 41, 90), digest="d2")}[case]
+    history = History()
+    history.send("a")
+    history.finish()
+    history.op("replicas", "final", partitions=[
+        {"topic": "t", "partition": 0, "copies": [copy("ps-0"), copy("ps-2")]}],
+        invoke=900.0)  # older: overridden by the next
+    history.op("replicas", "final", partitions=[
+        {"topic": "t", "partition": 0, "copies": [copy("ps-0"), other, copy("ps-2")]},
+        {"topic": "t", "partition": 1, "copies": [copy("ps-0"), copy("ps-1")]}])
+    history.op("replicas", "final", outcome="fail", partitions=[])  # not ok: ignored
+    report = check(history.ops)
+    assert_only(report, "diverged-replicas", 1)
+    example = report["examples"]["diverged-replicas"][0]
+    assert (example["topic"], example["partition"]) == ("t", 0)
+    assert example["kind"] == {"bases": "segment-bases", "batches": "batches",
+                               "end": "batches", "both": "segment-bases+batches"}[case]
+    same = History()
+    same.send("a")
+    same.finish()
+    same.op("replicas", "final", partitions=[
+        {"topic": "t", "partition": 0, "copies": [copy("ps-0"), copy("ps-1")]}])
+    assert_valid(check(same.ops))
 
 
 def test_reordered_writes_of_one_producer():

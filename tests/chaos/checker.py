@@ -85,6 +85,12 @@ hanging-transaction
 vanished-read
     A value a read_committed poll returned that the read_committed final-read does not
     hold (committed, then gone). Values that are aborted-reads are not counted again.
+diverged-replicas
+    In the last ok replicas op (replicated runs: every copy of each workload partition,
+    read from the replicas' files once every ISR was whole again), a partition whose
+    copies start their segments at different offsets or hold different batches. Deleting
+    whole segments (retention, DeleteRecords) would then leave replicas different
+    records, and a new leader could serve what its old one had deleted.
 
 Without a read_committed final-read, lost-write, torn-transaction, vanished-read,
 reordered-writes and the ctp checks are not decided and `problems` says so; without a final-positions op,
@@ -124,6 +130,7 @@ ANOMALIES = (
     "reordered-writes",
     "hanging-transaction",
     "vanished-read",
+    "diverged-replicas",
 )
 
 DESCRIPTIONS = {
@@ -150,10 +157,12 @@ DESCRIPTIONS = {
                            "stable offset below its high watermark",
     "vanished-read": "a value a read_committed poll returned that the final read_committed "
                      "read does not hold (committed, then gone)",
+    "diverged-replicas": "after healing, the copies of a partition start their segments at "
+                         "different offsets or hold different batches",
 }
 
 KNOWN_KINDS = frozenset({"send", "txn", "poll", "seek", "fence", "cursor", "nemesis", "nemesis-target",
-                         "final-read", "final-positions", "workload",
+                         "final-read", "final-positions", "replicas", "workload",
                          "subscribe"})  # a ctp consumer's prefetch: no rule reads it
 DESCRIBED_FIELDS = ("process", "f", "invoke", "complete", "outcome", "error", "txn_id",
                     "result", "decision", "transactional_id", "epoch", "commit_invoke", "producer",
@@ -204,6 +213,7 @@ class Index:
     final_reads: dict[str, dict] = field(default_factory=dict)   # isolation -> last ok op
     final_positions: dict | None = None
     final_positions_ops: int = 0
+    final_replicas: dict | None = None  # the last ok replicas op
     writes: list[Write] = field(default_factory=list)            # in history order
     first_writer: dict[str, Write] = field(default_factory=dict)
     other_writers: dict[str, list[Write]] = field(default_factory=dict)
@@ -344,6 +354,10 @@ def add_operation(index: Index, op: dict) -> None:
         previous = index.final_reads.get(isolation_of(op))
         if previous is None or invoke_time(op) >= invoke_time(previous):
             index.final_reads[isolation_of(op)] = op
+    elif kind == "replicas" and ok:
+        previous = index.final_replicas
+        if previous is None or invoke_time(op) >= invoke_time(previous):
+            index.final_replicas = op
     elif kind == "final-positions" and ok:
         index.final_positions_ops += 1
         previous = index.final_positions
@@ -843,6 +857,26 @@ def find_hanging_transactions(index: Index) -> list[dict]:
     return found
 
 
+def find_diverged_replicas(index: Index) -> list[dict]:
+    """Partitions of the last ok replicas op whose copies differ: each copy is
+    {"server", "bases" (where its segments start), "end" (its log end), "digest" (of its
+    whole batches)}."""
+    found = []
+    for entry in (index.final_replicas or {}).get("partitions") or ():
+        if not isinstance(entry, dict):
+            continue
+        copies = [c for c in entry.get("copies") or () if isinstance(c, dict)]
+        kinds = []
+        if len({tuple(c.get("bases") or ()) for c in copies}) > 1:
+            kinds.append("segment-bases")
+        if len({(c.get("end"), c.get("digest")) for c in copies}) > 1:
+            kinds.append("batches")
+        if kinds:
+            found.append({"kind": "+".join(kinds), "topic": entry.get("topic"),
+                          "partition": entry.get("partition"), "copies": copies})
+    return found
+
+
 def find_vanished_reads(index: Index) -> list[dict]:
     found: dict[str, dict] = {}
     for op in index.polls:
@@ -980,6 +1014,7 @@ def check(history: list[dict]) -> dict:
     found["fenced-write-visible"] = find_fenced_writes_visible(index)
     found["lost-ack"] = find_lost_acks(index)
     found["hanging-transaction"] = find_hanging_transactions(index)
+    found["diverged-replicas"] = find_diverged_replicas(index)
     if index.has_committed_final_read:
         found["lost-write"] = find_lost_writes(index)
         found["torn-transaction"] = find_torn_transactions(index)

@@ -9,6 +9,7 @@ checker's verdict. Everything lands in the run directory:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,8 +20,11 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
+from partition_server.record_batch import parse_header
 from services import launcher
+from services.errors import AtomlogError
 from services.failpoints import ENVIRONMENT_VARIABLE as FAILPOINTS_VARIABLE, FSYNC
 from tests import go_tools
 from tests.chaos import checker, history, nemesis
@@ -49,6 +53,7 @@ DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's ser
 CLIENT_STOP_S = 30.0            # SIGTERM to SIGKILL for a workload client
 DRAIN_S = 90.0                  # ctp: how long the workers may take to finish the input
 QUIESCENCE_S = 60.0             # after healing: until no transaction is open anywhere
+REPLICAS_AGREE_S = 30.0         # then: until every workload partition's copies agree
                                 # (longer than every timeout below)
 LOG_TOPICS = {"chaos-a": 4, "chaos-b": 2}
 CTP_TOPICS = {"ctp-in": 4, "ctp-out": 3}
@@ -164,6 +169,7 @@ class Run:
             self.heal_all()
             self.finish_workload()
             self.quiesce_and_read(final_log)
+            self.final_replicas(final_log)
         finally:
             self.stop_clients(list(self.clients.values()))
             self.log.close()
@@ -707,6 +713,48 @@ class Run:
             if self.options.workload == "ctp":
                 self.final_cursors(client, final_log)
 
+    def final_replicas(self, final_log: EventLog) -> None:
+        """Replicated runs, once quiet: every copy of each workload partition, read from
+        its replica's files (where its segments start, its log end and a digest of its
+        whole batches), for the checker's diverged-replicas. Read again until the copies
+        agree or REPLICAS_AGREE_S passed, so a follower still copying the last markers is
+        not a divergence; one that never agrees is."""
+        if self.options.replication < 2:
+            return
+        self.say("waiting for every ISR to be whole, then comparing the replicas' files")
+        op = final_log.invoke("replicas")
+        if not self.wait_in_sync(QUIESCENCE_S):
+            self.notes.append("replicas compared before every ISR was whole again")
+        names = [f"{topic}/{p}" for topic, count in self.topics.items() for p in range(count)]
+        replicas = {name: self.replicas_of(name)[0] for name in names}
+        deadline = time.monotonic() + REPLICAS_AGREE_S
+        while True:
+            rows = [{"topic": name.rsplit("/", 1)[0], "partition": int(name.rsplit("/", 1)[1]),
+                     "copies": [self.copy_of(server, name) for server in replicas[name]]}
+                    for name in names]
+            if all(len({(c["bases"], c["end"], c["digest"]) for c in row["copies"]}) <= 1
+                   for row in rows) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        final_log.complete(op, "ok", partitions=[
+            {**row, "copies": [{**c, "bases": list(c["bases"])} for c in row["copies"]]}
+            for row in rows])
+
+    def copy_of(self, server: str, partition: str) -> dict:
+        """One replica's copy of "topic/p" as its files hold it: where its segments start,
+        the offset after its last whole batch, and a digest of its whole batches."""
+        topic, number = partition.rsplit("/", 1)
+        directory = Path(self.entry(self.cluster, server).data_dir) / "partitions" / \
+            f"{topic}-{number}"
+        digest, bases, end = hashlib.sha256(), [], None
+        for path in sorted(directory.glob("*.log"), key=lambda p: int(p.stem)):
+            bases.append(int(path.stem))
+            for header_end, data in whole_batches(path):
+                digest.update(data)
+                end = header_end
+        return {"server": server, "bases": tuple(bases), "end": end,
+                "digest": digest.hexdigest()}
+
     def positions(self, client) -> list[dict] | None:
         rows = []
         try:
@@ -753,6 +801,25 @@ class Run:
                  [[i.start_offset, i.end_offset] for i in r.individual_ranges]] for r in results])
         except Exception as error:  # noqa: BLE001
             final_log.complete(op, "fail", positions=[], error=repr(error))
+
+
+def whole_batches(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(the offset after it, its bytes) of each whole batch at the start of a segment
+    file, up to the first that is not whole: a follower writes its active segment around
+    the page cache in 4 KiB blocks, so it may end in zeros past its last batch
+    (partition_server/direct_io.py)."""
+    data = path.read_bytes()
+    position = 0
+    while True:
+        try:
+            header = parse_header(data, position)
+        except AtomlogError:
+            return
+        end = position + header.size
+        if end > len(data):
+            return
+        yield header.next_offset, data[position:end]
+        position = end
 
 
 def fill(path: Path) -> None:
