@@ -647,7 +647,16 @@ class LeaderReplication:
     def _divergence(self, fetch: int, last_epoch: int) -> tuple[int, int] | None:
         """None when a follower whose log ends at `fetch` with records of `last_epoch` last
         holds a prefix of this log; else (the epoch to report, where it ends here)."""
-        epoch, end = self.epochs.cache.end_offset_for(last_epoch, self.log_end)
+        cache = self.epochs.cache
+        log_start = self.owner.log.log_start_offset
+        if cache.entries and cache.entries[0][1] < log_start:
+            # Retention or DeleteRecords moved this leader's log start: the epoch covering
+            # it now begins there (as a reload makes it; the file catches up then). A
+            # follower restarted at the log start, holding no epoch, then holds a prefix
+            # here. Answered from the older start, it was told to cut below its own log
+            # start, restarted there again, and so on without end (chaos seed 2690).
+            cache.truncate_from_start(log_start)
+        epoch, end = cache.end_offset_for(last_epoch, self.log_end)
         if epoch == last_epoch and fetch <= end:
             return None
         return epoch, end

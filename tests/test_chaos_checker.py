@@ -594,9 +594,18 @@ def test_diverged_replicas(case):
     same = History()
     same.send("a")
     same.finish()
-    same.op("replicas", "final", partitions=[
+    same.op("replicas", "final", out_of_sync=[], partitions=[
         {"topic": "t", "partition": 0, "copies": [copy("ps-0"), copy("ps-1")]}])
     assert_valid(check(same.ops))
+    short = History()
+    short.send("a")
+    short.finish()
+    short.op("replicas", "final", out_of_sync=["__txn_log/5"], partitions=[
+        {"topic": "t", "partition": 0, "copies": [copy("ps-0"), copy("ps-1")]}])
+    report = check(short.ops)
+    assert_only(report, "diverged-replicas", 1)
+    assert report["examples"]["diverged-replicas"][0] == {"kind": "out-of-sync",
+                                                          "partition": "__txn_log/5"}
 
 
 def test_reordered_writes_of_one_producer():

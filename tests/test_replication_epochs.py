@@ -71,7 +71,8 @@ def batch(value: bytes):
     return data, parse_header(data)
 
 
-async def leading(directory: Path, fsync, epoch: int = 1, resigned: list | None = None):
+async def leading(directory: Path, fsync, epoch: int = 1, resigned: list | None = None,
+                  log_config: LogConfig | None = None):
     async def no_isr_writes(_known, isr, _joining):
         raise AssertionError(f"unexpected ISR write {isr}")
 
@@ -83,7 +84,8 @@ async def leading(directory: Path, fsync, epoch: int = 1, resigned: list | None 
     replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 2, 10_000, 0, directory,
                                     no_isr_writes, lambda: {"a", "b"},
                                     resign=resign if resigned is not None else None)
-    owner = PartitionOwner("t", 0, directory, OwnerSettings(log=LogConfig()), fsync=fsync)
+    owner = PartitionOwner("t", 0, directory, OwnerSettings(log=log_config or LogConfig()),
+                           fsync=fsync)
     owner.replication, replication.owner = replication, owner
     await owner.start()
     replication.start()
@@ -125,6 +127,39 @@ def test_followers_copy_whole_batches_before_the_leaders_fsync_and_acks_wait_for
             assert replication.high_watermark == 2 and owner.log.high_watermark == 2
         finally:
             fsyncs.release()
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_follower_restarted_at_a_leaders_moved_log_start_copies_from_there(tmp_path):
+    """DeleteRecords moves the leader's log start past where its epoch began. A follower
+    that lost its log (wiped, or below that start) restarts empty at the log start and
+    asks from there with no epoch: it holds a prefix of the leader's log, so it gets the
+    records from there, not a divergence telling it to cut below its own start (which it
+    answered by restarting at the same start again, without end: chaos seed 2690)."""
+    async def scenario():
+        owner, replication = await leading(tmp_path / "t-0", Fsyncs(),
+                                           log_config=LogConfig(segment_bytes=200))
+        try:
+            await replication.replicate(request(0, -1), 0)
+            for i in range(8):  # a segment every two batches
+                produced = asyncio.ensure_future(owner.produce([batch(b"v%d" % i)]))
+                await wait_for(lambda: owner.log.log_end_offset == i + 1, "the append")
+                await replication.replicate(request(i + 1, 1), 0)
+                await asyncio.wait_for(produced, 10)
+            start = await owner.delete_records(5)
+            assert 0 < start <= 5 and owner.log.log_start_offset == start
+            with pytest.raises(AtomlogError) as below:
+                await replication.replicate(request(0, -1), 0)
+            assert below.value.reason == "OFFSET_OUT_OF_RANGE"
+            answer = await replication.replicate(request(start, -1), 0)
+            assert not answer.diverging
+            copied = [h.base_offset for _, h in iter_batches(memoryview(answer.records))]
+            assert copied == list(range(start, 8))
+            assert [(e.epoch, e.start_offset) for e in answer.epochs] == [(1, start)]
+        finally:
             await replication.close()
             await owner.close()
 

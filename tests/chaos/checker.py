@@ -86,11 +86,13 @@ vanished-read
     A value a read_committed poll returned that the read_committed final-read does not
     hold (committed, then gone). Values that are aborted-reads are not counted again.
 diverged-replicas
-    In the last ok replicas op (replicated runs: every copy of each workload partition,
-    read from the replicas' files once every ISR was whole again), a partition whose
-    copies start their segments at different offsets or hold different batches. Deleting
-    whole segments (retention, DeleteRecords) would then leave replicas different
-    records, and a new leader could serve what its old one had deleted.
+    In the last ok replicas op (replicated runs, after healing): (kind "out-of-sync") a
+    partition, of any replicated topic, whose ISR was still not whole a minute after
+    healing, so it runs short of copies; or (kinds "segment-bases", "batches") a workload
+    partition whose copies, read from the replicas' files, start their segments at
+    different offsets or hold different batches. Deleting whole segments (retention,
+    DeleteRecords) would then leave replicas different records, and a new leader could
+    serve what its old one had deleted.
 
 Without a read_committed final-read, lost-write, torn-transaction, vanished-read,
 reordered-writes and the ctp checks are not decided and `problems` says so; without a final-positions op,
@@ -157,8 +159,9 @@ DESCRIPTIONS = {
                            "stable offset below its high watermark",
     "vanished-read": "a value a read_committed poll returned that the final read_committed "
                      "read does not hold (committed, then gone)",
-    "diverged-replicas": "after healing, the copies of a partition start their segments at "
-                         "different offsets or hold different batches",
+    "diverged-replicas": "after healing, a partition's ISR stays short of a replica, or its "
+                         "copies start their segments at different offsets or hold different "
+                         "batches",
 }
 
 KNOWN_KINDS = frozenset({"send", "txn", "poll", "seek", "fence", "cursor", "nemesis", "nemesis-target",
@@ -861,7 +864,8 @@ def find_diverged_replicas(index: Index) -> list[dict]:
     """Partitions of the last ok replicas op whose copies differ: each copy is
     {"server", "bases" (where its segments start), "end" (its log end), "digest" (of its
     whole batches)}."""
-    found = []
+    found = [{"kind": "out-of-sync", "partition": name}
+             for name in (index.final_replicas or {}).get("out_of_sync") or ()]
     for entry in (index.final_replicas or {}).get("partitions") or ():
         if not isinstance(entry, dict):
             continue

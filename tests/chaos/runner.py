@@ -410,6 +410,12 @@ class Run:
     def wait_in_sync(self, timeout_s: float) -> bool:
         """Until every replicated partition's ISR holds all its replicas (read from
         ZooKeeper directly); False after timeout_s."""
+        return self.out_of_sync(timeout_s) == []
+
+    def out_of_sync(self, timeout_s: float) -> list[str] | None:
+        """Wait until every replicated partition's ISR holds all its replicas (read from
+        ZooKeeper directly): [] then, else after timeout_s the partitions ("topic/p")
+        whose ISR still does not, or None when ZooKeeper could not be read."""
         from kazoo.client import KazooClient
 
         from partition_server.partition_states import path_of
@@ -421,24 +427,25 @@ class Run:
         deadline = time.monotonic() + timeout_s
         try:
             client.start(timeout=5)
-            while time.monotonic() < deadline:
+            while True:
                 self.watch_clients()
-                lagging = 0
+                lagging = []
                 for name in client.get_children("/topics"):
                     record = TopicRecord.from_json(name, json.loads(client.get(f"/topics/{name}")[0]))
                     for p in range(record.partitions if record.replicated else 0):
                         state = PartitionState.from_json(client.get(path_of(name, p))[0])
-                        lagging += state.leader is None or \
-                            sorted(state.isr) != sorted(record.replicas_of(p))
-                if not lagging:
-                    return True
+                        if state.leader is None or \
+                                sorted(state.isr) != sorted(record.replicas_of(p)):
+                            lagging.append(f"{name}/{p}")
+                if not lagging or time.monotonic() >= deadline:
+                    return lagging
                 time.sleep(0.2)
         except Exception as error:  # noqa: BLE001 — ZooKeeper away: not in sync
             self.notes.append(f"in-sync check failed: {error!r}")
+            return None
         finally:
             client.stop()
             client.close()
-        return False
 
     def apply(self, fault: nemesis.Fault):
         kind, target = fault.fault, fault.target
@@ -714,17 +721,21 @@ class Run:
                 self.final_cursors(client, final_log)
 
     def final_replicas(self, final_log: EventLog) -> None:
-        """Replicated runs, once quiet: every copy of each workload partition, read from
-        its replica's files (where its segments start, its log end and a digest of its
-        whole batches), for the checker's diverged-replicas. Read again until the copies
-        agree or REPLICAS_AGREE_S passed, so a follower still copying the last markers is
-        not a divergence; one that never agrees is."""
+        """Replicated runs, once quiet, for the checker's diverged-replicas: the
+        partitions (every replicated topic's, the TC log's too) whose ISR is still not
+        whole QUIESCENCE_S after healing, and every copy of each workload partition, read
+        from its replica's files (where its segments start, its log end and a digest of
+        its whole batches). Read again until the copies agree or REPLICAS_AGREE_S passed,
+        so a follower still copying the last markers is not a divergence; one that never
+        agrees is."""
         if self.options.replication < 2:
             return
         self.say("waiting for every ISR to be whole, then comparing the replicas' files")
         op = final_log.invoke("replicas")
-        if not self.wait_in_sync(QUIESCENCE_S):
-            self.notes.append("replicas compared before every ISR was whole again")
+        lagging = self.out_of_sync(QUIESCENCE_S)
+        if lagging is None:
+            final_log.complete(op, "fail", partitions=[], out_of_sync=[])
+            return
         names = [f"{topic}/{p}" for topic, count in self.topics.items() for p in range(count)]
         replicas = {name: self.replicas_of(name)[0] for name in names}
         deadline = time.monotonic() + REPLICAS_AGREE_S
@@ -736,7 +747,7 @@ class Run:
                    for row in rows) or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        final_log.complete(op, "ok", partitions=[
+        final_log.complete(op, "ok", out_of_sync=lagging, partitions=[
             {**row, "copies": [{**c, "bases": list(c["bases"])} for c in row["copies"]]}
             for row in rows])
 
