@@ -1,0 +1,269 @@
+"""Benchmark: would a native core reach issue 19's small-transaction targets? The same
+Python clients send the same one-call transactions (CoordinatorService/CommitTxn over
+gRPC, ten 1 KiB records over four partitions, as bench/transactions.py's small
+transactions) to three servers, one after another, in one run:
+
+- **floor**: a grpc.aio server whose CommitTxn answers an empty response and does
+  nothing else: what the call itself costs with this message and these clients;
+- **native**: bench/native_core/ (Go), a measuring prototype with the durable work of a
+  one-call transaction on a combined server (checks, staging fsync, decision fsync,
+  markers) and none of the rest (its doc says what it leaves out);
+- **atomlog**: the combined server (`atomlog up --combined`), every role in one Python
+  process.
+
+Beside them, `common.grpc_call_floor`, the do-nothing call rate the targets are ratios
+of (small transactions >= 50% of it on the combined server, commit p99 < 25 ms). Each
+row: transactions/s, their share of that call rate, commit p50 / p99, and CPU per
+transaction on the server and on the clients.
+
+    .venv/bin/python bench/native_core.py [--clients 8] [--seconds 10] [--rounds 3] [--no-docs]
+
+Builds the prototype with the Go that scripts/go_tools.sh finds (or installs) into
+~/.cache/atomlog/native-core; skips its row, saying so, when it cannot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # after the project: bench/coordinator.py
+
+import common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+METHOD = "/atomlog.v1.CoordinatorService/CommitTxn"
+TOPIC, PARTITIONS, TC_PARTITIONS = "bench-small-txn", 16, 16
+RECORDS, RECORD = 10, b"x" * 1024
+BEGIN = "<!-- BEGIN bench/native_core.py -->"
+END = "<!-- END bench/native_core.py -->"
+
+
+def client(address: str, index: int, seconds: float, start_at: float, out) -> None:
+    """One client process: CommitTxn calls back to back, each a new transaction (a new
+    idempotency key) of RECORDS records over four partitions, encoded per call as the SDK
+    does. Puts (count, latencies, CPU seconds, refusals) on `out`."""
+    import grpc
+
+    from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
+    from coordinator.records import tc_partition_for
+    from partition_server.record_batch import Record, encode_batch
+
+    channel = grpc.insecure_channel(address)
+    call = channel.unary_unary(
+        METHOD, request_serializer=coordinator_pb2.CommitTxnRequest.SerializeToString,
+        response_deserializer=coordinator_pb2.CommitTxnResponse.FromString)
+    partitions = [(index * 4 + i) % PARTITIONS for i in range(4)]
+
+    def one() -> None:
+        key = uuid.uuid4().hex
+        counts = [RECORDS // 4 + (i < RECORDS % 4) for i in range(4)]
+        call(coordinator_pb2.CommitTxnRequest(
+            tc_partition=tc_partition_for(key, TC_PARTITIONS), idempotency_key=key,
+            timeout_ms=30_000,
+            batches=[partition_pb2.ProduceItem(
+                topic_partition=common_pb2.TopicPartition(topic=TOPIC, partition=p),
+                record_batch=encode_batch([Record(None, RECORD)] * n))
+                for p, n in zip(partitions, counts)]), timeout=30)
+
+    for _ in range(20):  # warm up: the connection, the partitions' files
+        one()
+    while time.time() < start_at:
+        time.sleep(0.001)
+    latencies, refusals = [], 0
+    deadline = start_at + seconds
+    cpu_before = time.process_time()
+    while time.time() < deadline:
+        began = time.perf_counter()
+        try:
+            one()
+        except grpc.RpcError:
+            refusals += 1
+            continue
+        latencies.append(time.perf_counter() - began)
+    out.put((len(latencies), latencies, time.process_time() - cpu_before, refusals))
+    channel.close()
+
+
+def drive(address: str, server_pid: int, clients: int, seconds: float) -> dict:
+    """`clients` client processes against `address` for `seconds`; the server's CPU
+    from /proc over the same window."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    start_at = time.time() + 4 + clients * 0.3
+    processes = [context.Process(target=client, args=(address, i, seconds, start_at, out))
+                 for i in range(clients)]
+    for process in processes:
+        process.start()
+    while time.time() < start_at:
+        time.sleep(0.005)
+    cpu_before = common.cpu_seconds(server_pid)
+    time.sleep(seconds)
+    server_cpu = common.cpu_seconds(server_pid) - cpu_before
+    results = [out.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(30)
+    count = sum(r[0] for r in results)
+    latencies = sorted(x for r in results for x in r[1])
+    return {"txn_per_s": count / seconds, "count": count,
+            "refusals": sum(r[3] for r in results),
+            "p50_ms": common.percentile(latencies, 0.50) * 1e3 if latencies else float("nan"),
+            "p99_ms": common.percentile(latencies, 0.99) * 1e3 if latencies else float("nan"),
+            "server_cpu_ms": server_cpu / max(count, 1) * 1e3,
+            "client_cpu_ms": sum(r[2] for r in results) / max(count, 1) * 1e3}
+
+
+def _floor_server(port_out) -> None:
+    """A grpc.aio server whose CommitTxn answers an empty response (child process)."""
+    import asyncio
+
+    import grpc
+
+    async def commit(request, context):
+        return b""
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "atomlog.v1.CoordinatorService",
+            {"CommitTxn": grpc.unary_unary_rpc_method_handler(commit)})])
+        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+@contextlib.contextmanager
+def floor_server():
+    """The do-nothing CommitTxn server: yields (address, pid)."""
+    context = multiprocessing.get_context("spawn")
+    port_out = context.Queue()
+    server = context.Process(target=_floor_server, args=(port_out,), daemon=True)
+    server.start()
+    try:
+        yield f"127.0.0.1:{port_out.get(timeout=30)}", server.pid
+    finally:
+        server.terminate()
+        server.join(10)
+
+
+def build_native() -> tuple[Path | None, str]:
+    """The prototype's binary (built once per source), or None and why not."""
+    source = ROOT / "bench" / "native_core"
+    try:
+        found = subprocess.run(["bash", str(ROOT / "scripts" / "go_tools.sh")], check=True,
+                               capture_output=True, text=True, timeout=900).stdout
+        go = next(line[3:] for line in found.splitlines() if line.startswith("GO="))
+    except (subprocess.SubprocessError, StopIteration, OSError) as error:
+        return None, f"no Go: {error}"
+    cache = Path(os.environ.get("ATOMLOG_CACHE", Path.home() / ".cache" / "atomlog"))
+    binary = cache / "native-core" / "native-core"
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([go, "build", "-o", str(binary), "."], cwd=source,
+                            capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        return None, f"go build failed: {result.stderr.strip()[-500:]}"
+    return binary, ""
+
+
+@contextlib.contextmanager
+def native_server(binary: Path, directory: Path):
+    """The prototype on a free port: yields (address, pid)."""
+    server = subprocess.Popen([str(binary), "--dir", str(directory)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        yield server.stdout.readline().strip(), server.pid
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+@contextlib.contextmanager
+def atomlog_server():
+    """The combined server with the benchmark's topic: yields (address, pid)."""
+    from spark_client import Client
+
+    with common.local_cluster("atomlog-bench-native-", common.SHAPES["combined"]) as (
+            _data_dir, report, address):
+        with Client(address) as admin:
+            admin.create_topic(TOPIC, partitions=PARTITIONS)
+        yield address, next(p.pid for p in report.cluster.processes if p.role == "combined")
+
+
+def median_range(values: list[float], spec: str) -> str:
+    """The median, and the range when there are several values."""
+    text = format(statistics.median(values), spec)
+    if len(values) > 1:
+        text += f" ({format(min(values), spec)}-{format(max(values), spec)})"
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=8, help="client processes")
+    parser.add_argument("--seconds", type=float, default=10.0, help="each server's window")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three servers")
+    parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    args = parser.parse_args()
+    binary, why_not = build_native()
+    labels = {"floor": "a do-nothing CommitTxn (grpc.aio, Python)",
+              "native": "the native prototype (Go): checks, staging and decision fsyncs, "
+                        "markers",
+              "atomlog": "the combined server (Python), the same calls"}
+    runs: dict[str, list[dict]] = {name: [] for name in labels}
+    call_rates: list[float] = []
+    with contextlib.ExitStack() as stack:
+        scratch = Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="atomlog-bench-native-", dir=".")))
+        servers = {"floor": stack.enter_context(floor_server()),
+                   "native": (stack.enter_context(native_server(binary, scratch / "native"))
+                              if binary else None),
+                   "atomlog": stack.enter_context(atomlog_server())}
+        for _ in range(args.rounds):  # in turns: the machine drifts between minutes
+            call_rates.append(common.grpc_call_floor()["calls_per_s"])
+            for name, server in servers.items():
+                if server is not None:
+                    row = drive(server[0], server[1], args.clients, args.seconds)
+                    row["share"] = row["txn_per_s"] / call_rates[-1]
+                    runs[name].append(row)
+    lines = [f"| server | transactions/s | share of the same round's call rate (target 50%) "
+             f"| commit p50 / p99 ms (target p99 < 25) | server CPU ms per transaction | "
+             f"client CPU ms per transaction |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, rows in runs.items():
+        if not rows:
+            lines.append(f"| {labels[name]} | skipped: {why_not} | | | | |")
+            continue
+        refused = sum(r["refusals"] for r in rows)
+        lines.append(
+            f"| {labels[name]} | {median_range([r['txn_per_s'] for r in rows], ',.0f')}"
+            f"{f' ({refused} refused)' if refused else ''} | "
+            f"{median_range([r['share'] * 100 for r in rows], '.0f')} % | "
+            f"{median_range([r['p50_ms'] for r in rows], '.1f')} / "
+            f"{median_range([r['p99_ms'] for r in rows], '.1f')} | "
+            f"{median_range([r['server_cpu_ms'] for r in rows], '.3f')} | "
+            f"{median_range([r['client_cpu_ms'] for r in rows], '.3f')} |")
+    text = (f"{args.rounds} rounds, each the call rate (`common.grpc_call_floor`: "
+            f"{', '.join(f'{rate:,.0f}' for rate in call_rates)} calls/s) and then each "
+            f"server for {args.seconds:g} s with {args.clients} client processes; medians "
+            f"(ranges):\n\n" + "\n".join(lines))
+    print(text)
+    if not args.no_docs:
+        common.write_docs_section(
+            f"{BEGIN}\n`{common.command_line('bench/native_core.py', sys.argv[1:])}` "
+            f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). {text}\n{END}",
+            BEGIN, END)
+
+
+if __name__ == "__main__":
+    main()

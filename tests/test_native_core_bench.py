@@ -1,0 +1,99 @@
+"""bench/native_core/ (Go), the measuring prototype bench/native_core.py drives: it does
+the durable work it claims, so its figures mean what docs/benchmarks.md says. Built with
+the Go scripts/go_tools.sh finds or installs (as bench/native_core.py does), run on a
+free port; one CommitTxn is answered with the batches' offsets once its batches and its
+decision are in the files, a retry with the same key is already_ended, and bad input
+is refused with nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partition_pb2
+from coordinator.records import tc_partition_for
+from partition_server.record_batch import (ATTR_CONTROL, ATTR_TRANSACTIONAL, Record,
+                                           encode_batch, iter_batches)
+from tests import go_tools
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def native_core(tmp_path_factory):
+    go = go_tools.go_tools(900)["GO"]
+    binary = tmp_path_factory.mktemp("native-core-bin") / "native-core"
+    subprocess.run([go, "build", "-o", str(binary), "."], cwd=ROOT / "bench" / "native_core",
+                   check=True, timeout=900)
+    directory = tmp_path_factory.mktemp("native-core-data")
+    server = subprocess.Popen([str(binary), "--dir", str(directory)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        address = server.stdout.readline().strip()
+        with grpc.insecure_channel(address) as channel:
+            yield coordinator_pb2_grpc.CoordinatorServiceStub(channel), directory
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def request(key: str, *batches: tuple[int, bytes]) -> coordinator_pb2.CommitTxnRequest:
+    return coordinator_pb2.CommitTxnRequest(
+        tc_partition=tc_partition_for(key, 16), idempotency_key=key,
+        batches=[partition_pb2.ProduceItem(
+            topic_partition=common_pb2.TopicPartition(topic="t", partition=p), record_batch=b)
+            for p, b in batches])
+
+
+def test_a_commit_is_answered_once_its_batches_and_decision_are_written(native_core):
+    stub, directory = native_core
+    key = uuid.uuid4().hex
+    first = encode_batch([Record(None, b"a"), Record(None, b"b")])
+    second = encode_batch([Record(None, b"c")])
+    reply = stub.CommitTxn(request(key, (0, first), (1, second)), timeout=30)
+    assert [(r.topic_partition.partition, r.base_offset, r.last_offset)
+            for r in reply.batch_results] == [(0, 0, 1), (1, 0, 0)]
+    assert reply.txn_id.tc_partition == tc_partition_for(key, 16) and not reply.already_ended
+    stored = [h for _, h in iter_batches(memoryview((directory / "t-0.log").read_bytes()),
+                                         verify=True)]
+    # Staged as a partition server stages it: the transaction's id and bit, a new CRC.
+    assert [(h.base_offset, h.record_count, h.txn_tc_partition, h.txn_sequence)
+            for h in stored][:1] == [(0, 2, reply.txn_id.tc_partition, reply.txn_id.sequence)]
+    assert stored[0].attributes & ATTR_TRANSACTIONAL
+    assert key.encode() in (directory / f"__tc-{reply.txn_id.tc_partition}.log").read_bytes()
+    again = stub.CommitTxn(request(key, (0, first), (1, second)), timeout=30)
+    assert again.already_ended and again.txn_id == reply.txn_id and not again.batch_results
+    # The next transaction's batch follows this one's and its commit marker, a control
+    # batch of the transaction (written with the next group, or once the server is idle).
+    later = stub.CommitTxn(request(uuid.uuid4().hex, (0, second)), timeout=30)
+    assert later.batch_results[0].base_offset == 3
+    stored = [h for _, h in iter_batches(memoryview((directory / "t-0.log").read_bytes()),
+                                         verify=True)]
+    marker = stored[1]
+    assert marker.base_offset == 2 and marker.attributes & ATTR_CONTROL
+    assert (marker.txn_tc_partition, marker.txn_sequence) == (reply.txn_id.tc_partition,
+                                                              reply.txn_id.sequence)
+
+
+@pytest.mark.parametrize("case", ["wrong-tc-partition", "no-key", "two-for-one-partition",
+                                  "corrupt-batch", "transactional"])
+def test_bad_commits_are_refused_and_write_nothing(native_core, case):
+    stub, directory = native_core
+    key = uuid.uuid4().hex
+    good = encode_batch([Record(None, b"x")])
+    bad = {"wrong-tc-partition": request(key, (5, good)),
+           "no-key": request("", (5, good)),
+           "two-for-one-partition": request(key, (5, good), (5, good)),
+           "corrupt-batch": request(key, (5, good[:-1] + bytes([good[-1] ^ 1]))),
+           "transactional": request(key, (5, encode_batch([Record(None, b"x")],
+                                                          txn=(1, 2))))}[case]
+    if case == "wrong-tc-partition":
+        bad.tc_partition = (bad.tc_partition + 1) % 16
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.CommitTxn(bad, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not (directory / "t-5.log").exists() or (directory / "t-5.log").stat().st_size == 0
