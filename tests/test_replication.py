@@ -889,20 +889,42 @@ def test_a_follower_starts_its_segments_where_its_leader_did_so_deletes_survive_
                    SESSION_TIMEOUT_MS / 1000 + 30, "the follower to lead")
         new_stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(
             cluster.process(follower)["grpc_address"]))
-        below = new_stub.Fetch(partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
-            topic_partition=common_pb2.TopicPartition(topic="rep-aligned", partition=0),
-            fetch_offset=start - 1)]), timeout=30).results[0]
-        assert below.error.reason == "OFFSET_OUT_OF_RANGE", below.error
-        with client.consumer("rep-aligned") as consumer:
-            consumer.seek("rep-aligned", 0, start)
-            values = [m.value for batch in consumer.read_until(idle_timeout_s=30)
-                      for m in batch]
+        answers = []
+
+        def fetched_below() -> bool:
+            # (The new leader's own watch may show it its leadership after the others'
+            # metadata does: it answers NOT_PARTITION_OWNER, or PARTITION_LOADING, until.)
+            answers.append(new_stub.Fetch(partition_pb2.FetchRequest(items=[
+                partition_pb2.FetchItem(topic_partition=common_pb2.TopicPartition(
+                    topic="rep-aligned", partition=0), fetch_offset=start - 1)]),
+                timeout=30).results[0].error)
+            return answers[-1].reason not in ("NOT_PARTITION_OWNER", "PARTITION_LOADING")
+
+        wait_until(fetched_below, 30, "the new leader to serve")
+        assert answers[-1].reason == "OFFSET_OUT_OF_RANGE", answers[-1]
+        values: list[bytes] = []
+
+        def read_from_start() -> bool:
+            try:
+                with client.consumer("rep-aligned") as consumer:
+                    consumer.seek("rep-aligned", 0, start)
+                    values[:] = [m.value for batch in consumer.read_until(idle_timeout_s=30)
+                                 for m in batch]
+                return True
+            except errors.AtomlogClientError as error:  # routed to the old leader: again
+                assert error.retriable, error
+                client.metadata.refresh()
+                return False
+
+        wait_until(read_from_start, 30, "a read from the new leader")
         # What the old leader kept ("before" at offset 0, v0-v11 at 1-12): its last two
         # segments, nothing from the first ones.
         assert values == [f"v{i}".encode() for i in range(start - 1, 12)], (values, start)
     finally:
         restart_one(cluster, leader)
-    wait_until(lambda: fully_in_sync(client, "rep-aligned"), 30, "the old leader to follow")
+        # (Also after a failure: the next tests need every server back.)
+        wait_until(lambda: fully_in_sync(client, "rep-aligned"), 30,
+                   "the old leader to follow")
 
 
 def test_a_throttled_reassignment_copies_at_its_pace_then_completes(cluster, client):
