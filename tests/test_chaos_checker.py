@@ -606,6 +606,13 @@ def test_diverged_replicas(case):
     assert_only(report, "diverged-replicas", 1)
     assert report["examples"]["diverged-replicas"][0] == {"kind": "out-of-sync",
                                                           "partition": "__txn_log/5"}
+    # A replicated run whose replicas op failed (ZooKeeper unreadable) decided nothing.
+    undecided = History()
+    undecided.send("a")
+    undecided.finish()
+    undecided.op("replicas", "final", outcome="fail", partitions=[], out_of_sync=[])
+    report = check(undecided.ops)
+    assert not report["valid"] and "diverged-replicas was not decided" in report["problems"][0]
 
 
 def test_reordered_writes_of_one_producer():

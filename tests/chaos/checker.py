@@ -217,6 +217,7 @@ class Index:
     final_positions: dict | None = None
     final_positions_ops: int = 0
     final_replicas: dict | None = None  # the last ok replicas op
+    replicas_ops: int = 0  # replicas ops, whatever their outcome
     writes: list[Write] = field(default_factory=list)            # in history order
     first_writer: dict[str, Write] = field(default_factory=dict)
     other_writers: dict[str, list[Write]] = field(default_factory=dict)
@@ -357,9 +358,10 @@ def add_operation(index: Index, op: dict) -> None:
         previous = index.final_reads.get(isolation_of(op))
         if previous is None or invoke_time(op) >= invoke_time(previous):
             index.final_reads[isolation_of(op)] = op
-    elif kind == "replicas" and ok:
+    elif kind == "replicas":
+        index.replicas_ops += 1
         previous = index.final_replicas
-        if previous is None or invoke_time(op) >= invoke_time(previous):
+        if ok and (previous is None or invoke_time(op) >= invoke_time(previous)):
             index.final_replicas = op
     elif kind == "final-positions" and ok:
         index.final_positions_ops += 1
@@ -956,6 +958,8 @@ def find_problems(index: Index) -> list[str]:
                         "decided")
     if index.final_positions is None:
         problems.append("no ok final-positions op: hanging-transaction was not decided")
+    if index.replicas_ops and index.final_replicas is None:
+        problems.append("no ok replicas op: diverged-replicas was not decided")
     if READ_UNCOMMITTED not in index.final_reads and any(
             isolation_of(op) == READ_UNCOMMITTED and op.get("subscription") is None
             for op in index.polls):

@@ -53,8 +53,8 @@ DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's ser
 CLIENT_STOP_S = 30.0            # SIGTERM to SIGKILL for a workload client
 DRAIN_S = 90.0                  # ctp: how long the workers may take to finish the input
 QUIESCENCE_S = 60.0             # after healing: until no transaction is open anywhere
-REPLICAS_AGREE_S = 30.0         # then: until every workload partition's copies agree
                                 # (longer than every timeout below)
+REPLICAS_AGREE_S = 30.0         # then: until every workload partition's copies agree
 LOG_TOPICS = {"chaos-a": 4, "chaos-b": 2}
 CTP_TOPICS = {"ctp-in": 4, "ctp-out": 3}
 WORKLOADS = {
