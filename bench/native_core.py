@@ -1,13 +1,15 @@
 """Benchmark: would a native core reach issue 19's small-transaction targets? The same
 Python clients send the same one-call transactions (CoordinatorService/CommitTxn over
 gRPC, ten 1 KiB records over four partitions, as bench/transactions.py's small
-transactions) to three servers, one after another, in one run:
+transactions) to four servers, one after another, in one run:
 
 - **floor**: a grpc.aio server whose CommitTxn answers an empty response and does
   nothing else: what the call itself costs with this message and these clients;
 - **native**: bench/native_core/ (Go), a measuring prototype with the durable work of a
   one-call transaction on a combined server (checks, staging fsync, decision fsync,
-  markers) and none of the rest (its doc says what it leaves out);
+  markers) and none of the rest (its doc says what it leaves out); and the same with
+  `--wal`: a group's data and decisions in one write-ahead file with one fsync, copied
+  to the partition files every 100 ms;
 - **atomlog**: the combined server (`atomlog up --combined`), every role in one Python
   process.
 
@@ -178,10 +180,11 @@ def build_native() -> tuple[Path | None, str]:
 
 
 @contextlib.contextmanager
-def native_server(binary: Path, directory: Path):
-    """The prototype on a free port: yields (address, pid)."""
-    server = subprocess.Popen([str(binary), "--dir", str(directory)], stdout=subprocess.PIPE,
-                              text=True)
+def native_server(binary: Path, directory: Path, wal: bool = False):
+    """The prototype on a free port (with `wal`, one write-ahead file): yields
+    (address, pid)."""
+    server = subprocess.Popen([str(binary), "--dir", str(directory)] + (["--wal"] if wal else []),
+                              stdout=subprocess.PIPE, text=True)
     try:
         yield server.stdout.readline().strip(), server.pid
     finally:
@@ -213,13 +216,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8, help="client processes")
     parser.add_argument("--seconds", type=float, default=10.0, help="each server's window")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three servers")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the servers")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args()
     binary, why_not = build_native()
     labels = {"floor": "a do-nothing CommitTxn (grpc.aio, Python)",
               "native": "the native prototype (Go): checks, staging and decision fsyncs, "
                         "markers",
+              "native-wal": "the same with one write-ahead file (`--wal`): one fsync a "
+                            "group, the partition files every 100 ms",
               "atomlog": "the combined server (Python), the same calls"}
     runs: dict[str, list[dict]] = {name: [] for name in labels}
     call_rates: list[float] = []
@@ -229,6 +234,8 @@ def main() -> None:
         servers = {"floor": stack.enter_context(floor_server()),
                    "native": (stack.enter_context(native_server(binary, scratch / "native"))
                               if binary else None),
+                   "native-wal": (stack.enter_context(native_server(
+                       binary, scratch / "native-wal", wal=True)) if binary else None),
                    "atomlog": stack.enter_context(atomlog_server())}
         for _ in range(args.rounds):  # in turns: the machine drifts between minutes
             call_rates.append(common.grpc_call_floor()["calls_per_s"])

@@ -8,6 +8,7 @@ is refused with nothing written."""
 from __future__ import annotations
 
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -24,14 +25,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def native_core(tmp_path_factory):
+def binary(tmp_path_factory) -> Path:
     go = go_tools.go_tools(900)["GO"]
     binary = tmp_path_factory.mktemp("native-core-bin") / "native-core"
     subprocess.run([go, "build", "-o", str(binary), "."], cwd=ROOT / "bench" / "native_core",
                    check=True, timeout=900)
+    return binary
+
+
+@pytest.fixture(scope="module", params=["files", "wal"])
+def native_core(request, binary, tmp_path_factory):
+    """The prototype writing each partition's file in the group commit, or (--wal) one
+    write-ahead file per group and the partition files later."""
     directory = tmp_path_factory.mktemp("native-core-data")
-    server = subprocess.Popen([str(binary), "--dir", str(directory)], stdout=subprocess.PIPE,
-                              text=True)
+    server = subprocess.Popen([str(binary), "--dir", str(directory)]
+                              + (["--wal"] if request.param == "wal" else []),
+                              stdout=subprocess.PIPE, text=True)
     try:
         address = server.stdout.readline().strip()
         with grpc.insecure_channel(address) as channel:
@@ -39,6 +48,22 @@ def native_core(tmp_path_factory):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def written(path: Path, count: int) -> list:
+    """The headers of the first `count` batches of a partition file, once it has them."""
+    def batches() -> list:
+        data = path.read_bytes() if path.exists() else b""
+        return [h for _, h in iter_batches(memoryview(data), verify=True)]
+    wait_for(lambda: len(batches()) >= count, f"{count} batches in {path.name}")
+    return batches()[:count]
 
 
 def request(key: str, *batches: tuple[int, bytes]) -> coordinator_pb2.CommitTxnRequest:
@@ -58,21 +83,22 @@ def test_a_commit_is_answered_once_its_batches_and_decision_are_written(native_c
     assert [(r.topic_partition.partition, r.base_offset, r.last_offset)
             for r in reply.batch_results] == [(0, 0, 1), (1, 0, 0)]
     assert reply.txn_id.tc_partition == tc_partition_for(key, 16) and not reply.already_ended
-    stored = [h for _, h in iter_batches(memoryview((directory / "t-0.log").read_bytes()),
-                                         verify=True)]
+    if (directory / "wal.log").exists():  # durable there; the partition files follow
+        assert key.encode() in (directory / "wal.log").read_bytes()
+    stored = written(directory / "t-0.log", 1)
     # Staged as a partition server stages it: the transaction's id and bit, a new CRC.
     assert [(h.base_offset, h.record_count, h.txn_tc_partition, h.txn_sequence)
             for h in stored][:1] == [(0, 2, reply.txn_id.tc_partition, reply.txn_id.sequence)]
     assert stored[0].attributes & ATTR_TRANSACTIONAL
-    assert key.encode() in (directory / f"__tc-{reply.txn_id.tc_partition}.log").read_bytes()
+    tc_log = directory / f"__tc-{reply.txn_id.tc_partition}.log"
+    wait_for(lambda: key.encode() in tc_log.read_bytes(), "the decision in its TC log")
     again = stub.CommitTxn(request(key, (0, first), (1, second)), timeout=30)
     assert again.already_ended and again.txn_id == reply.txn_id and not again.batch_results
     # The next transaction's batch follows this one's and its commit marker, a control
     # batch of the transaction (written with the next group, or once the server is idle).
     later = stub.CommitTxn(request(uuid.uuid4().hex, (0, second)), timeout=30)
     assert later.batch_results[0].base_offset == 3
-    stored = [h for _, h in iter_batches(memoryview((directory / "t-0.log").read_bytes()),
-                                         verify=True)]
+    stored = written(directory / "t-0.log", 3)
     marker = stored[1]
     assert marker.base_offset == 2 and marker.attributes & ATTR_CONTROL
     assert (marker.txn_tc_partition, marker.txn_sequence) == (reply.txn_id.tc_partition,
