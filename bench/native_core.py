@@ -244,9 +244,9 @@ def main() -> None:
                     row = drive(server[0], server[1], args.clients, args.seconds)
                     row["share"] = row["txn_per_s"] / call_rates[-1]
                     runs[name].append(row)
-    lines = [f"| server | transactions/s | share of the same round's call rate (target 50%) "
-             f"| commit p50 / p99 ms (target p99 < 25) | server CPU ms per transaction | "
-             f"client CPU ms per transaction |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| server | transactions/s | share of the same round's call rate (target 50%) "
+             "| commit p50 / p99 ms (target p99 < 25) | server CPU ms per transaction | "
+             "client CPU ms per transaction |", "| --- | --- | --- | --- | --- | --- |"]
     for name, rows in runs.items():
         if not rows:
             lines.append(f"| {labels[name]} | skipped: {why_not} | | | | |")
@@ -263,7 +263,7 @@ def main() -> None:
     text = (f"{args.rounds} rounds, each the call rate (`common.grpc_call_floor`: "
             f"{', '.join(f'{rate:,.0f}' for rate in call_rates)} calls/s) and then each "
             f"server for {args.seconds:g} s with {args.clients} client processes; medians "
-            f"(ranges):\n\n" + "\n".join(lines))
+            "(ranges):\n\n" + "\n".join(lines))
     print(text)
     if not args.no_docs:
         common.write_docs_section(

@@ -165,8 +165,8 @@ def main() -> None:
         f"{ms(handed['unlinks'])} |",
     ]
     rolled = [
-        f"| disk | a roll whole, on the loop (as before), p50 / max ms | its two halves on "
-        f"the loop (now), p50 / max ms | its disk work on a worker thread, p50 / max ms |",
+        "| disk | a roll whole, on the loop (as before), p50 / max ms | its two halves on "
+        "the loop (now), p50 / max ms | its disk work on a worker thread, p50 / max ms |",
         "| --- | --- | --- | --- |",
     ] + [f"| {label} | {ms(roll_runs[disk, False]['held'])} | "
          f"{ms(roll_runs[disk, True]['held'])} | {ms(roll_runs[disk, True]['disk'])} |"
