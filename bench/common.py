@@ -262,22 +262,40 @@ def command_line(script: str, argv: list[str]) -> str:
 
 
 # ------------------------------------------------------------------ gRPC call floor
-def _echo_server(port_out) -> None:
-    """A grpc.aio server whose one method does nothing but answer (child process)."""
+def _echo_server(port_out, service: str, method: str, echo: bool) -> None:
+    """A grpc.aio server whose one method does nothing but answer: the request's bytes
+    back, or (`echo` False) an empty message (child process)."""
     import asyncio
 
-    async def echo(request, context):
-        return request
+    async def answer(request, context):
+        return request if echo else b""
 
     async def serve() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "floor.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)})])
+            service, {method: grpc.unary_unary_rpc_method_handler(answer)})])
         port_out.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         await server.wait_for_termination()
 
     asyncio.run(serve())
+
+
+@contextlib.contextmanager
+def do_nothing_server(service: str = "floor.Echo", method: str = "Call", echo: bool = True):
+    """`_echo_server` in its own process, as every atomlog server is: yields (address,
+    pid). The call floor's (`grpc_call_floor`), and any method's that a benchmark needs
+    a do-nothing baseline of (its real clients, with `echo` False, get an empty answer)."""
+    context = multiprocessing.get_context("spawn")
+    port_out = context.Queue()
+    server = context.Process(target=_echo_server, args=(port_out, service, method, echo),
+                             daemon=True)
+    server.start()
+    try:
+        yield f"127.0.0.1:{port_out.get(timeout=30)}", server.pid
+    finally:
+        server.terminate()
+        server.join(10)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -320,12 +338,8 @@ def grpc_call_floor(clients: int = 8, seconds: float = 3.0, payload: int = 200) 
     the server process's and the client process's CPU per call (ms). No atomlog code
     runs: this is the ceiling any design pays per call, the baseline for figures that
     follow the number of calls."""
-    context = multiprocessing.get_context("spawn")
-    port_out = context.Queue()
-    server = context.Process(target=_echo_server, args=(port_out,), daemon=True)
-    server.start()
-    try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port_out.get(timeout=30)}")
+    with do_nothing_server() as (address, pid):
+        channel = grpc.insecure_channel(address)
         call = channel.unary_unary("/floor.Echo/Call")
         body = b"x" * payload
         for _ in range(100):  # warm up
@@ -339,18 +353,15 @@ def grpc_call_floor(clients: int = 8, seconds: float = 3.0, payload: int = 200) 
                 counts[index] += 1
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-        cpu_before, began = cpu_seconds(server.pid), time.monotonic()
+        cpu_before, began = cpu_seconds(pid), time.monotonic()
         client_before = time.process_time()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        elapsed, cpu = time.monotonic() - began, cpu_seconds(server.pid) - cpu_before
+        elapsed, cpu = time.monotonic() - began, cpu_seconds(pid) - cpu_before
         client_cpu = time.process_time() - client_before
         channel.close()
-    finally:
-        server.terminate()
-        server.join(10)
     calls = sum(counts)
     return {"clients": clients, "calls_per_s": calls / elapsed,
             "server_cpu_ms_per_call": cpu / max(calls, 1) * 1e3,

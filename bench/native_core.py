@@ -125,41 +125,6 @@ def drive(address: str, server_pid: int, clients: int, seconds: float) -> dict:
             "client_cpu_ms": sum(r[2] for r in results) / max(count, 1) * 1e3}
 
 
-def _floor_server(port_out) -> None:
-    """A grpc.aio server whose CommitTxn answers an empty response (child process)."""
-    import asyncio
-
-    import grpc
-
-    async def commit(request, context):
-        return b""
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "atomlog.v1.CoordinatorService",
-            {"CommitTxn": grpc.unary_unary_rpc_method_handler(commit)})])
-        port_out.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
-
-
-@contextlib.contextmanager
-def floor_server():
-    """The do-nothing CommitTxn server: yields (address, pid)."""
-    context = multiprocessing.get_context("spawn")
-    port_out = context.Queue()
-    server = context.Process(target=_floor_server, args=(port_out,), daemon=True)
-    server.start()
-    try:
-        yield f"127.0.0.1:{port_out.get(timeout=30)}", server.pid
-    finally:
-        server.terminate()
-        server.join(10)
-
-
 def build_native() -> tuple[Path | None, str]:
     """The prototype's binary (built once per source), or None and why not."""
     source = ROOT / "bench" / "native_core"
@@ -231,7 +196,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         scratch = Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="atomlog-bench-native-", dir=".")))
-        servers = {"floor": stack.enter_context(floor_server()),
+        servers = {"floor": stack.enter_context(common.do_nothing_server(
+                       "atomlog.v1.CoordinatorService", "CommitTxn", echo=False)),
                    "native": (stack.enter_context(native_server(binary, scratch / "native"))
                               if binary else None),
                    "native-wal": (stack.enter_context(native_server(

@@ -1308,8 +1308,7 @@ class PartitionOwner:
         if self.state is not State.ONLINE or self.txns_recovering:
             return 0  # (a recovering buffer still reads the old segments)
         removed = self.log.apply_retention(keep_from_offset=self.max_read_position())
-        self.txns.forget_below(self.log.log_start_offset)
-        self.subscriptions.forget_below(self.log.log_start_offset)
+        self._log_start_moved()
         return removed
 
     # ------------------------------------------------------------------ delete records
@@ -1343,9 +1342,17 @@ class PartitionOwner:
         if new_start > self.log.log_start_offset:
             self._remove_snapshots_below(new_start)
             self.log.delete_records(before_offset)
-            self.txns.forget_below(self.log.log_start_offset)
-            self.subscriptions.forget_below(self.log.log_start_offset)
+            self._log_start_moved()
         return self.log.log_start_offset
+
+    def _log_start_moved(self) -> None:
+        """Retention or DeleteRecords moved the log start: what the transaction buffer,
+        the subscriptions and a leader's epochs hold below it goes."""
+        start = self.log.log_start_offset
+        self.txns.forget_below(start)
+        self.subscriptions.forget_below(start)
+        if self.replication is not None:
+            self.replication.log_start_moved(start)
 
     def _remove_snapshots_below(self, offset: int) -> None:
         removed = False

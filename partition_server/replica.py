@@ -644,19 +644,20 @@ class LeaderReplication:
                                f"{self.name} is in leader epoch {self.epoch}, not {epoch}",
                                {"leader_epoch": str(self.epoch)})
 
+    def log_start_moved(self, log_start: int) -> None:
+        """The owner's retention or DeleteRecords moved this leader's log start: the epoch
+        covering it now begins there, in memory (the file follows at the next load, which
+        truncates it from the log start likewise). Else a follower restarted at the log
+        start, holding no epoch, was told its log left this one's below that start, cut
+        below its own start, restarted there again, and so on without end (chaos seed
+        2690)."""
+        if self.epochs is not None:
+            self.epochs.cache.truncate_from_start(log_start)
+
     def _divergence(self, fetch: int, last_epoch: int) -> tuple[int, int] | None:
         """None when a follower whose log ends at `fetch` with records of `last_epoch` last
         holds a prefix of this log; else (the epoch to report, where it ends here)."""
-        cache = self.epochs.cache
-        log_start = self.owner.log.log_start_offset
-        if cache.entries and cache.entries[0][1] < log_start:
-            # Retention or DeleteRecords moved this leader's log start: the epoch covering
-            # it now begins there (as a reload makes it; the file catches up then). A
-            # follower restarted at the log start, holding no epoch, then holds a prefix
-            # here. Answered from the older start, it was told to cut below its own log
-            # start, restarted there again, and so on without end (chaos seed 2690).
-            cache.truncate_from_start(log_start)
-        epoch, end = cache.end_offset_for(last_epoch, self.log_end)
+        epoch, end = self.epochs.cache.end_offset_for(last_epoch, self.log_end)
         if epoch == last_epoch and fetch <= end:
             return None
         return epoch, end

@@ -8,6 +8,7 @@ in-sync replicas refuse writes; bad requests change nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -101,6 +102,28 @@ def restart_one(cluster, name: str) -> None:
     entry = next(p for p in cluster_file.processes if p.name == name)
     entry.pid = launcher.start_service(cluster_file, entry)
     cluster_file.save(cluster.data_dir)
+
+
+@contextlib.contextmanager
+def follower_paused(cluster, client: Client, topic: str, config: dict | None = None):
+    """A new topic of one partition and two replicas (`min.insync.replicas` 1, and
+    `config`) holding one write, b"before" at offset 0, whose follower is paused
+    (SIGSTOP) and out of the ISR: yields (leader, its address, follower). The follower
+    resumes (SIGCONT) when the block ends, however it ends."""
+    client.create_topic(topic, partitions=1, replication_factor=2,
+                        config={"min.insync.replicas": "1", **(config or {})})
+    wait_until(lambda: fully_in_sync(client, topic), 15, f"{topic} in sync")
+    part = metadata(client, topic).partitions[0]
+    leader, address = part.server_name, part.server_address
+    follower = next(r for r in part.replicas if r != leader)
+    produce_taken(address, topic, 0, b"before")
+    kill(cluster, follower, signal.SIGSTOP)
+    try:
+        wait_until(lambda: metadata(client, topic).partitions[0].isr == [leader],
+                   SESSION_TIMEOUT_MS / 1000 + 15, "the paused follower to leave the ISR")
+        yield leader, address, follower
+    finally:
+        kill(cluster, follower, signal.SIGCONT)
 
 
 def raw_produce(address: str, topic: str, partition: int, value: bytes, timeout: float = 5):
@@ -852,22 +875,11 @@ def test_a_follower_starts_its_segments_where_its_leader_did_so_deletes_survive_
     (once, at the first copy). It starts its segments where the leader's start anyway
     (ReplicateResponse.segment_bases), so after DeleteRecords it starts where the leader
     does, and once it leads nothing the leader deleted can be read again."""
-    client.create_topic("rep-aligned", partitions=1, replication_factor=2,
-                        config={"min.insync.replicas": "1", "segment.ms": "1000"})
-    wait_until(lambda: fully_in_sync(client, "rep-aligned"), 15, "rep-aligned in sync")
-    part = metadata(client, "rep-aligned").partitions[0]
-    leader, address = part.server_name, part.server_address
-    follower = next(r for r in part.replicas if r != leader)
-    produce_taken(address, "rep-aligned", 0, b"before")
-    kill(cluster, follower, signal.SIGSTOP)
-    try:
-        wait_until(lambda: metadata(client, "rep-aligned").partitions[0].isr == [leader],
-                   SESSION_TIMEOUT_MS / 1000 + 15, "the paused follower to leave the ISR")
+    with follower_paused(cluster, client, "rep-aligned", {"segment.ms": "1000"}) as (
+            leader, address, follower):
         for i in range(12):  # 4 s: the leader rolls by age about every third write
             produce_taken(address, "rep-aligned", 0, f"v{i}".encode())
             time.sleep(0.35)
-    finally:
-        kill(cluster, follower, signal.SIGCONT)
     wait_until(lambda: fully_in_sync(client, "rep-aligned"), 30, "the follower back in sync")
     leader_bases = segment_bases(cluster, leader, "rep-aligned", 0)
     assert len(leader_bases) >= 4, leader_bases
@@ -967,17 +979,7 @@ def test_a_restarted_leader_never_resumes_its_epoch(cluster, client):
     leader-epoch file: it gives that epoch up and leads in a new one instead of resuming
     it, and everything acknowledged before is still there (docs/replication.md, "Copying
     before the leader's fsync, and why a leader never resumes its epoch")."""
-    client.create_topic("rep-resume", partitions=1, replication_factor=2,
-                        config={"min.insync.replicas": "1"})
-    wait_until(lambda: fully_in_sync(client, "rep-resume"), 15, "rep-resume in sync")
-    part = metadata(client, "rep-resume").partitions[0]
-    leader, address = part.server_name, part.server_address
-    follower = next(r for r in part.replicas if r != leader)
-    produce_taken(address, "rep-resume", 0, b"before")
-    kill(cluster, follower, signal.SIGSTOP)
-    try:
-        wait_until(lambda: metadata(client, "rep-resume").partitions[0].isr == [leader],
-                   SESSION_TIMEOUT_MS / 1000 + 15, "the paused follower to leave the ISR")
+    with follower_paused(cluster, client, "rep-resume") as (leader, _address, follower):
         epoch = metadata(client, "rep-resume").partitions[0].leader_epoch
         log_file = Path(cluster.process(leader)["log_file"])
         kill(cluster, leader)
@@ -988,7 +990,5 @@ def test_a_restarted_leader_never_resumes_its_epoch(cluster, client):
         produce_taken(cluster.process(leader)["grpc_address"], "rep-resume", 0, b"after")
         assert "it would resume leader epoch" in log_file.read_text(), \
             "the restarted leader did not give its epoch up"
-    finally:
-        kill(cluster, follower, signal.SIGCONT)
     wait_until(lambda: fully_in_sync(client, "rep-resume"), 30, "the follower back in sync")
     assert sorted(read_all(client, "rep-resume", 2).values()) == [b"after", b"before"]
