@@ -122,4 +122,7 @@ def test_bad_commits_are_refused_and_write_nothing(native_core, case):
     with pytest.raises(grpc.RpcError) as refused:
         stub.CommitTxn(bad, timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Nothing of it anywhere: a commit's key is in its decision (in the write-ahead file
+    # at once with --wal, else in its TC partition's file), its batch in t-5's file.
+    assert not any(key.encode() in path.read_bytes() for path in directory.iterdir())
     assert not (directory / "t-5.log").exists() or (directory / "t-5.log").stat().st_size == 0
