@@ -349,6 +349,7 @@ class PartitionOwner:
         self.replication = None
         self._replicating: deque[_Flush] = deque()
         self._wake: asyncio.Future | None = None  # the owner task waits on it when idle
+        self._raise_in_task: Exception | None = None  # _flush_ended's failure, for the task
         self._data_moved: asyncio.Future | None = None  # readers wait on it (long poll)
         self._snapshot_write: asyncio.Future | None = None
         self._roll: _Roll | None = None  # a segment roll whose disk work is under way
@@ -834,11 +835,35 @@ class PartitionOwner:
         if wake is not None and not wake.done():
             wake.set_result(None)
 
+    def _flush_ended(self) -> None:
+        """The durability barrier's answer to a flush. When the owner task is idle (parked
+        on its wake-up) and nothing but ended flushes waits for it, they are settled here,
+        in the barrier's callback, as the task's next step would settle them first: one
+        task step less per group commit. Otherwise (requests queued or written but not
+        yet flushing, a roll, replication, a failed fsync, a snapshot due) the task is
+        woken to do it all in its step."""
+        wake = self._wake
+        if (wake is None or wake.done() or self._queue or self._unflushed
+                or self._roll is not None or self.replication is not None):
+            self._poke()
+            return
+        try:
+            self._complete_flushes()
+        except Exception as error:  # noqa: BLE001 — raised in the task, which fails closed
+            self._raise_in_task = error
+            self._poke()
+            return
+        if self._snapshot_due():
+            self._poke()
+
     async def _run(self) -> None:
         """The owner task: answer ended flushes, write queued groups, begin fsyncs; sleep
         when none of that can progress. Only the awaits below yield to the event loop."""
         while True:
             try:
+                error, self._raise_in_task = self._raise_in_task, None
+                if error is not None:
+                    raise error  # from _flush_ended's settling, as if it had happened here
                 self._complete_flushes()
                 self._check_snapshot_write()
                 self._check_roll()
@@ -1061,7 +1086,7 @@ class PartitionOwner:
             future = None
             if fd is not None and settings.fsync:
                 if self._log_sync is not None:  # the barrier answers with one wake-up
-                    future = self._log_sync.submit(fd, self._poke)
+                    future = self._log_sync.submit(fd, self._flush_ended)
                 else:
                     future = asyncio.get_running_loop().run_in_executor(
                         None, _fsync_duplicate, self._fsync, os.dup(fd))
@@ -1070,7 +1095,8 @@ class PartitionOwner:
 
     def _complete_flushes(self) -> None:
         """Take ended flushes in the order they began: move the high watermark, wake
-        readers, answer the requests. Raises _FsyncFailed for a failed fsync."""
+        readers, answer the requests. Raises _FsyncFailed for a failed fsync, or for a flush
+        the log could not end (its requests fail with the partition, closed)."""
         flushes = self._flushes
         moved = False
         try:
@@ -1088,8 +1114,11 @@ class PartitionOwner:
                     self.replication.durable(flush.target)
                     self._replicating.append(flush)
                     continue
-                moved |= self.log.flush_end(
-                    flush.target, durable=self.settings.fsync and flush.future is not None)
+                try:
+                    moved |= self.log.flush_end(
+                        flush.target, durable=self.settings.fsync and flush.future is not None)
+                except Exception as error:  # its requests fail with it, not left waiting
+                    raise _FsyncFailed(flush, error) from error
                 for work in flush.works:
                     if not work.future.done():
                         work.future.set_result(work.results)

@@ -503,6 +503,85 @@ def test_owners_acknowledge_only_after_the_shared_syncfs_that_began_after_their_
     asyncio.run(scenario())
 
 
+def test_an_idle_owner_s_flush_is_settled_in_the_barrier_s_answer_without_waking_it(tmp_path):
+    """The owner task is parked while its only flush is in a round: the barrier's answer
+    settles the flush itself (the request is acknowledged, the high watermark moves) and
+    does not wake the task. With a request queued meanwhile, the answer wakes the task,
+    which settles and writes in one step."""
+    gate = GatedSync()
+    barrier = DurabilityBarrier(syncfs=gate)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", SETTINGS, barrier=barrier)
+        await owner.start()
+        pokes = []
+        poke = owner._poke
+        owner._poke = lambda *args: (pokes.append(len(gate.calls)), poke(*args))
+        probes = len(gate.calls)
+        gate.hold = True
+        first = start(owner, batch(7, 0))
+        await until(lambda: len(gate.calls) == probes + 1)
+        await until(lambda: owner._wake is not None and not owner._wake.done())  # parked
+        woken = len(pokes)
+        gate.release()
+        assert [r.base_offset for r in await first] == [0]
+        assert owner.log.high_watermark == 2
+        assert len(pokes) == woken  # settled in the answer: the task was not woken
+
+        second = start(owner, batch(7, 2))
+        await until(lambda: len(gate.calls) == probes + 2)
+        third = start(owner, batch(7, 4))  # queued behind the flush in flight
+        await until(lambda: len(owner._queue) == 1)
+        woken = len(pokes)
+        gate.release()
+        assert [r.base_offset for r in await second] == [2]
+        assert len(pokes) == woken + 1  # the task settles it and writes the third
+        await until(lambda: len(gate.calls) == probes + 3)
+        gate.release()
+        assert [r.base_offset for r in await third] == [4]
+        gate.hold = False
+        await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_flush_the_log_cannot_end_in_the_barrier_s_answer_fails_closed(tmp_path):
+    """Ending a flush fails while the barrier's answer settles it (here the log refuses
+    it, as it would a write of its recovery point that failed): the failure is the owner
+    task's, as if the task had settled it: the request fails PARTITION_LOADING instead of
+    waiting for ever, the partition reloads from what is durable, and a retry appends."""
+    gate = GatedSync()
+    barrier = DurabilityBarrier(syncfs=gate)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", SETTINGS, barrier=barrier)
+        await owner.start()
+        assert [r.base_offset for r in await start(owner, batch(7, 0))] == [0]
+        gate.hold = True
+        probes = len(gate.calls)
+        second = start(owner, batch(7, 2))
+        await until(lambda: len(gate.calls) == probes + 1)
+        await until(lambda: owner._wake is not None and not owner._wake.done())
+
+        def refuse(*_args, **_kwargs):
+            raise OSError(errno.EIO, "the recovery point could not be written")
+
+        broken = owner.log
+        broken.flush_end = refuse  # this log object only: the reload opens a new one
+        gate.release()
+        with pytest.raises(AtomlogError) as refused:
+            await asyncio.wait_for(second, 10)
+        assert refused.value.reason == "PARTITION_LOADING"
+        gate.hold = False
+        await until(lambda: owner.state is State.ONLINE and owner.log is not broken)
+        assert owner.log.high_watermark == 2
+        retried = await start(owner, batch(7, 2))
+        assert (retried[0].base_offset, retried[0].duplicate) == (2, False)
+        await owner.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_oldest_fsync_in_flight_is_a_gauge_that_grows_until_it_ends(tmp_path):
     """`atomlog_partition_oldest_fsync_seconds` (partition_server/metrics.py, read at
     scrape time on another thread): the age of the oldest group-commit fsync in flight.
