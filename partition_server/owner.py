@@ -888,7 +888,9 @@ class PartitionOwner:
                 await self._wake
             except asyncio.CancelledError:
                 error = AtomlogError("SHUTTING_DOWN", f"partition {self.name} closed")
-                self._fail_unanswered(error)
+                stashed, self._raise_in_task = self._raise_in_task, None
+                self._fail_unanswered(error, stashed.flush.works
+                                      if isinstance(stashed, _FsyncFailed) else None)
                 _fail_all(self._queue, error)
                 self._queue.clear()
                 self._queued_bytes = 0

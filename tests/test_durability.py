@@ -582,6 +582,40 @@ def test_a_flush_the_log_cannot_end_in_the_barrier_s_answer_fails_closed(tmp_pat
     asyncio.run(scenario())
 
 
+def test_a_close_between_a_failed_settle_and_the_owner_task_still_answers_its_requests(
+        tmp_path):
+    """As above, but the owner is closed before its task takes the failure up: the
+    requests of the flush that could not end fail SHUTTING_DOWN, not waiting for ever."""
+    gate = GatedSync()
+    barrier = DurabilityBarrier(syncfs=gate)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", SETTINGS, barrier=barrier)
+        await owner.start()
+        gate.hold = True
+        probes = len(gate.calls)
+        first = start(owner, batch(7, 0))
+        await until(lambda: len(gate.calls) == probes + 1)
+        await until(lambda: owner._wake is not None and not owner._wake.done())
+
+        def refuse(*_args, **_kwargs):
+            raise OSError(errno.EIO, "the recovery point could not be written")
+
+        owner.log.flush_end = refuse
+        poke = owner._poke
+        # The failure's wake-up of the task comes after a close's cancel instead.
+        owner._poke = lambda *args: (owner._task.cancel(), poke(*args))
+        gate.release()
+        with pytest.raises(AtomlogError) as refused:
+            await asyncio.wait_for(first, 10)
+        assert refused.value.reason == "SHUTTING_DOWN"
+        gate.hold = False
+        owner._poke = poke
+        await owner.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_oldest_fsync_in_flight_is_a_gauge_that_grows_until_it_ends(tmp_path):
     """`atomlog_partition_oldest_fsync_seconds` (partition_server/metrics.py, read at
     scrape time on another thread): the age of the oldest group-commit fsync in flight.
