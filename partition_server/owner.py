@@ -21,7 +21,11 @@ never a group written after it began. So: durable before acknowledged, the high
 watermark moves only with durability, and acks keep log order. A duplicate (a retried
 batch) or a refusal is answered with the first flush that covers the log end as of its
 decision, as the batches it may depend on are durable then. Reads (on the event loop)
-see the high watermark move only at completions.
+see the high watermark move only at completions. The barrier's answer settles the
+ended flushes itself when the owner task is idle and nothing else waits for it (no
+request queued or written unflushed, no roll, no snapshot due, no replication): what the
+task's next step would have done first, without waking it (`_flush_ended`); a failure
+there is raised in the task, which fails closed.
 
 Transactions (docs/transaction-buffer.md): a transactional data batch passes the
 producer-state check, then the late-write guard (txn_guard.py: verified with the
@@ -1087,7 +1091,7 @@ class PartitionOwner:
             target, fd = self.log.flush_begin()
             future = None
             if fd is not None and settings.fsync:
-                if self._log_sync is not None:  # the barrier answers with one wake-up
+                if self._log_sync is not None:  # the barrier's answer settles it
                     future = self._log_sync.submit(fd, self._flush_ended)
                 else:
                     future = asyncio.get_running_loop().run_in_executor(
