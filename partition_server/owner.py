@@ -894,12 +894,12 @@ class PartitionOwner:
                 error = AtomlogError("SHUTTING_DOWN", f"partition {self.name} closed")
                 stashed, self._raise_in_task = self._raise_in_task, None
                 self._fail_unanswered(error, stashed.flush.works
-                                      if isinstance(stashed, _FsyncFailed) else None)
+                                      if isinstance(stashed, _FlushFailed) else None)
                 _fail_all(self._queue, error)
                 self._queue.clear()
                 self._queued_bytes = 0
                 raise
-            except _FsyncFailed as failure:
+            except _FlushFailed as failure:
                 await self._fail_closed(failure.error, failure.flush.works)
             except Exception as error:  # noqa: BLE001 — disk trouble: reload from disk
                 await self._fail_closed(error, [])
@@ -1101,7 +1101,7 @@ class PartitionOwner:
 
     def _complete_flushes(self) -> None:
         """Take ended flushes in the order they began: move the high watermark, wake
-        readers, answer the requests. Raises _FsyncFailed for a failed fsync, or for a flush
+        readers, answer the requests. Raises _FlushFailed for a failed fsync, or for a flush
         the log could not end (its requests fail with the partition, closed)."""
         flushes = self._flushes
         moved = False
@@ -1111,7 +1111,7 @@ class PartitionOwner:
                 if flush.future is not None:
                     error = flush.future.exception()
                     if error is not None:
-                        raise _FsyncFailed(flush, error)
+                        raise _FlushFailed(flush, error)
                     m.FSYNC_SECONDS.observe(time.perf_counter() - flush.began)
                     m.FSYNCS.inc()
                     m.PRODUCE_BATCHES_PER_FSYNC.observe(flush.batches)
@@ -1124,7 +1124,7 @@ class PartitionOwner:
                     moved |= self.log.flush_end(
                         flush.target, durable=self.settings.fsync and flush.future is not None)
                 except Exception as error:  # its requests fail with it, not left waiting
-                    raise _FsyncFailed(flush, error) from error
+                    raise _FlushFailed(flush, error) from error
                 for work in flush.works:
                     if not work.future.done():
                         work.future.set_result(work.results)
@@ -1614,7 +1614,10 @@ def _fail_all(group, error: AtomlogError) -> None:
             work.future.set_exception(error)
 
 
-class _FsyncFailed(Exception):
+class _FlushFailed(Exception):
+    """A flush that failed (its fsync, or the log ending it): its requests fail with the
+    partition, which fails closed."""
+
     def __init__(self, flush: _Flush, error: BaseException):
         super().__init__(str(error))
         self.flush, self.error = flush, error
