@@ -1120,14 +1120,7 @@ class PartitionOwner:
                     self.replication.durable(flush.target)
                     self._replicating.append(flush)
                     continue
-                try:
-                    moved |= self.log.flush_end(
-                        flush.target, durable=self.settings.fsync and flush.future is not None)
-                except Exception as error:  # its requests fail with it, not left waiting
-                    raise _FlushFailed(flush, error) from error
-                for work in flush.works:
-                    if not work.future.done():
-                        work.future.set_result(work.results)
+                moved |= self._end_flush(flush)
         finally:
             if self._replicating:
                 moved |= self._release_replicated()
@@ -1147,12 +1140,22 @@ class PartitionOwner:
         replicating = self._replicating
         moved = False
         while replicating and replicating[0].target <= hw:
-            flush = replicating.popleft()
-            moved |= self.log.flush_end(
+            moved |= self._end_flush(replicating.popleft())
+        return moved
+
+    def _end_flush(self, flush: _Flush) -> bool:
+        """Move the log's high watermark to a flush that is durable (and, replicated, held
+        by the in-sync replicas) and answer its requests; whether the watermark moved.
+        Raises _FlushFailed when the log cannot end it: its requests then fail with the
+        partition instead of waiting for ever."""
+        try:
+            moved = self.log.flush_end(
                 flush.target, durable=self.settings.fsync and flush.future is not None)
-            for work in flush.works:
-                if not work.future.done():
-                    work.future.set_result(work.results)
+        except Exception as error:
+            raise _FlushFailed(flush, error) from error
+        for work in flush.works:
+            if not work.future.done():
+                work.future.set_result(work.results)
         return moved
 
     def replicated(self) -> None:

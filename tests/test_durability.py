@@ -503,6 +503,23 @@ def test_owners_acknowledge_only_after_the_shared_syncfs_that_began_after_their_
     asyncio.run(scenario())
 
 
+async def parked_on_a_held_flush(owner: PartitionOwner, gate: "GatedSync",
+                                 b: bytes) -> asyncio.Future:
+    """Produce `b` with the barrier's round held: the future of its request, once its
+    flush is in the round and the owner task is parked (idle) meanwhile."""
+    gate.hold = True
+    probes = len(gate.calls)
+    future = start(owner, b)
+    await until(lambda: len(gate.calls) == probes + 1)
+    await until(lambda: owner._wake is not None and not owner._wake.done())
+    return future
+
+
+def refuse_to_end(*_args, **_kwargs):
+    """A log's flush_end that fails, as when its recovery point cannot be written."""
+    raise OSError(errno.EIO, "the recovery point could not be written")
+
+
 def test_an_idle_owner_s_flush_is_settled_in_the_barrier_s_answer_without_waking_it(tmp_path):
     """The owner task is parked while its only flush is in a round: the barrier's answer
     settles the flush itself (the request is acknowledged, the high watermark moves) and
@@ -518,10 +535,7 @@ def test_an_idle_owner_s_flush_is_settled_in_the_barrier_s_answer_without_waking
         poke = owner._poke
         owner._poke = lambda *args: (pokes.append(len(gate.calls)), poke(*args))
         probes = len(gate.calls)
-        gate.hold = True
-        first = start(owner, batch(7, 0))
-        await until(lambda: len(gate.calls) == probes + 1)
-        await until(lambda: owner._wake is not None and not owner._wake.done())  # parked
+        first = await parked_on_a_held_flush(owner, gate, batch(7, 0))
         woken = len(pokes)
         gate.release()
         assert [r.base_offset for r in await first] == [0]
@@ -557,17 +571,9 @@ def test_a_flush_the_log_cannot_end_in_the_barrier_s_answer_fails_closed(tmp_pat
         owner = PartitionOwner("t", 0, tmp_path / "t-0", SETTINGS, barrier=barrier)
         await owner.start()
         assert [r.base_offset for r in await start(owner, batch(7, 0))] == [0]
-        gate.hold = True
-        probes = len(gate.calls)
-        second = start(owner, batch(7, 2))
-        await until(lambda: len(gate.calls) == probes + 1)
-        await until(lambda: owner._wake is not None and not owner._wake.done())
-
-        def refuse(*_args, **_kwargs):
-            raise OSError(errno.EIO, "the recovery point could not be written")
-
+        second = await parked_on_a_held_flush(owner, gate, batch(7, 2))
         broken = owner.log
-        broken.flush_end = refuse  # this log object only: the reload opens a new one
+        broken.flush_end = refuse_to_end  # this log object only: the reload opens a new one
         gate.release()
         with pytest.raises(AtomlogError) as refused:
             await asyncio.wait_for(second, 10)
@@ -592,16 +598,8 @@ def test_a_close_between_a_failed_settle_and_the_owner_task_still_answers_its_re
     async def scenario():
         owner = PartitionOwner("t", 0, tmp_path / "t-0", SETTINGS, barrier=barrier)
         await owner.start()
-        gate.hold = True
-        probes = len(gate.calls)
-        first = start(owner, batch(7, 0))
-        await until(lambda: len(gate.calls) == probes + 1)
-        await until(lambda: owner._wake is not None and not owner._wake.done())
-
-        def refuse(*_args, **_kwargs):
-            raise OSError(errno.EIO, "the recovery point could not be written")
-
-        owner.log.flush_end = refuse
+        first = await parked_on_a_held_flush(owner, gate, batch(7, 0))
+        owner.log.flush_end = refuse_to_end
         poke = owner._poke
         # The failure's wake-up of the task comes after a close's cancel instead.
         owner._poke = lambda *args: (owner._task.cancel(), poke(*args))
