@@ -77,11 +77,20 @@ def test_a_leader_whose_fsync_fails_gives_its_epoch_up_and_loses_nothing(failing
     thread = threading.Thread(target=produce)
     thread.start()
     armed = cluster.data_dir / "failpoints" / before.server_name / FSYNC
+    log_file = cluster.process(before.server_name)["log_file"]
+
+    def leader_says(what: str) -> bool:
+        with open(log_file) as text:
+            return what in text.read()
+
     try:
         time.sleep(2.0)
         armed.touch()  # every fsync of the leader fails with EIO ...
-        time.sleep(1.0)
-        armed.unlink()  # ... for a second
+        # ... until it gives up (waited for, not a fixed second: in a loaded CI run
+        # the leader may reach no fsync in a second).
+        wait_until(lambda: leader_says("leader gives up its epoch"), 30,
+                   "the leader to give its epoch up")
+        armed.unlink()
         wait_until(lambda: metadata(client, topic).partitions[0].leader_epoch
                    > before.leader_epoch, 30, "the leader epoch to go up")
         time.sleep(2.0)
@@ -94,8 +103,12 @@ def test_a_leader_whose_fsync_fails_gives_its_epoch_up_and_loses_nothing(failing
     after = metadata(client, topic).partitions[0]
     print(f"epoch {before.leader_epoch} ({before.server_name}) -> {after.leader_epoch} "
           f"({after.server_name}); {len(acked)} acknowledged")
-    log_text = open(cluster.process(before.server_name)["log_file"]).read()
-    assert "leader gives up its epoch" in log_text and "leader epoch given up" in log_text
+    # It wrote epoch + 1 itself; or, when its ZooKeeper session lapsed meanwhile (a
+    # loaded run), the controller began a leadership first and the resign was fenced.
+    with open(log_file) as text:
+        said = [line for line in text if "epoch given up" in line
+                or "another leadership began meanwhile" in line]
+    assert said, "the old leader neither resigned nor was fenced"
     seen = read_all(client, topic, len(acked))
     values = list(seen.values())
     assert len(values) == len(set(values)), "a duplicate"
