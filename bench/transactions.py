@@ -426,7 +426,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
                metrics_addresses: list[str], out, pipelined: bool, suffix: str,
                one_call_max_bytes: int = 1 << 20, profile: str | None = None,
                profile_worker: bool = False, depth: int = CTP_DEPTH,
-               commit_threads: int | None = None) -> None:
+               commit_threads: int | None = None, send_batch: bool = True) -> None:
     """One worker: preload (untimed), then the loop of peers-bench W3 (with `profile`,
     py-spy records the first server process over the loop into that file, or with
     `profile_worker` this worker, the client side). Sequential (as the
@@ -475,8 +475,15 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
             subscriptions=[(topic_in, p, subscription) for p in inputs_at])
         if pipelined:
             consumer.ack_async(messages, txn=txn)
-        for message in messages:
-            producer.send(topic_out, message.value[::-1], partition=message.partition, txn=txn)
+        if send_batch:  # the outputs in one call, as PostgreSQL's executemany() in W3
+            producer.send_batch(topic_out, [message.value[::-1] for message in messages],
+                                partition=(next(iter(inputs_at)) if len(inputs_at) == 1
+                                           else [message.partition for message in messages]),
+                                txn=txn)
+        else:
+            for message in messages:
+                producer.send(topic_out, message.value[::-1], partition=message.partition,
+                              txn=txn)
         if not pipelined:
             consumer.ack(messages, txn=txn)
         committing = time.perf_counter()
@@ -514,6 +521,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     out.put({"inputs": done, "seconds": seconds, "per_s": done / seconds,
              "batches": transactions, "partitions": partitions, "pipelined": pipelined,
              "depth": depth, "commit_threads": client.commit_threads,
+             "send_batch": send_batch,
              "batch_p50_ms": common.percentile(batches, 0.5) * 1e3,
              "batch_p99_ms": common.percentile(batches, 0.99) * 1e3,
              "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
@@ -526,7 +534,8 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
                               pipelined: bool = False, one_call: bool = True,
                               profile: Path | None = None, profile_worker: bool = False,
                               run: int = 0, depth: int = CTP_DEPTH,
-                              commit_threads: int | None = None) -> dict:
+                              commit_threads: int | None = None,
+                              send_batch: bool = True) -> dict:
     """One cell on topics of its own (`run` > 0: the run-th repeat of the cell, on topics
     named for it)."""
     from spark_client import Client
@@ -545,7 +554,7 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
         [p.metrics_address for p in services], out, pipelined, suffix,
         (1 << 20) if one_call else 0,
         None if profile is None else str(profile.with_name(profile.stem + suffix + profile.suffix)),
-        profile_worker, depth, commit_threads))
+        profile_worker, depth, commit_threads, send_batch))
     worker.start()
     result = out.get(timeout=600)
     worker.join()
@@ -870,6 +879,10 @@ def main() -> None:
     parser.add_argument("--commit-threads", type=int, default=None,
                         help="the CTP worker's Client(commit_threads=...) (default: the "
                              "SDK's)")
+    parser.add_argument("--ctp-send", choices=("batch", "each"), default="batch",
+                        help="how the CTP worker hands a transaction its 100 outputs: one "
+                             "producer.send_batch() (default; PostgreSQL's W3 inserts them "
+                             "with one executemany()) or one producer.send() each")
     parser.add_argument("--ctp-partitions", type=int, default=1,
                         help="partitions of the input and of the output topic")
     parser.add_argument("--peers-w3", type=Path, default=None, metavar="FILE",
@@ -1017,7 +1030,7 @@ def main() -> None:
                 report, address, args.ctp_inputs, args.ctp_partitions, pipelined,
                 profile=args.profile if args.only_ctp else None,
                 profile_worker=args.profile_worker, depth=args.ctp_depth,
-                commit_threads=args.commit_threads))
+                commit_threads=args.commit_threads, send_batch=args.ctp_send == "batch"))
             print(f"consume-transform-produce: {ctp_runs[-1]}", flush=True)
     ctp_text = ctp_section(command, load, baseline, raw_mb_s, floor, ctp_runs, peers)
     if args.only_ctp:

@@ -42,8 +42,7 @@ from atomlog.v1 import partition_pb2
 from partition_server.record_batch import Compression, Record
 from partition_server.record_columns import columns_block, encode_records, frame_header
 from spark_client import errors
-from spark_client.columns import (HEADER_OVERHEAD, ROW_OVERHEAD, Chunk, prepare,
-                                  records_of_chunk)
+from spark_client.columns import HEADER_OVERHEAD, ROW_OVERHEAD, Chunk, prepare
 from spark_client.transactions import KeptBy
 from services.backoff import Backoff
 
@@ -501,25 +500,21 @@ class Producer:
         return BatchFuture(topic, parts)
 
     def _keep_in(self, txn, topic: str, chunks: list[Chunk], parts: list) -> list[Chunk]:
-        """Hand the records of a send_batch() to a one-call transaction while it keeps
-        them (records, futures into `parts`); what it no longer keeps (it switched to
-        ordinary sends) comes back as chunks to queue, in order. A batch larger than the
-        one-call bound switches the transaction before it is converted to records."""
+        """Hand the chunks of a send_batch() to a one-call transaction while it keeps
+        them (whole, as columns; futures into `parts`); what it no longer keeps (it
+        switched to ordinary sends) comes back to queue, in order. A batch larger than
+        the one-call bound switches the transaction before anything is kept."""
         if sum(chunk.size for chunk in chunks) > txn.one_call_room():
             txn._switch()
             return chunks
         rest: list[Chunk] = []
         for chunk in chunks:
-            if rest or not txn.one_call:
-                rest.append(chunk)
-                continue
-            for index, record in enumerate(records_of_chunk(chunk)):
-                future = txn.keep_record(self, topic, chunk.partition, record,
-                                         _record_size(record.key, record.value, record.headers))
-                if future is None:  # it switched: the rest goes out as usual, in order
-                    rest.append(chunk.slice(index))
-                    break
-                parts.append((future, 1))
+            if not rest:
+                future = txn.keep_chunk(self, topic, chunk)
+                if future is not None:
+                    parts.append((future, len(chunk)))
+                    continue
+            rest.append(chunk)  # it switched: this and the rest go out as usual, in order
         if parts:
             self._kept_by.remember(txn)
         return rest

@@ -65,12 +65,15 @@ import weakref
 from collections.abc import Iterable
 
 import grpc
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
 from coordinator.records import tc_partition_for
-from partition_server.record_columns import encode_records
+from partition_server.record_columns import encode_columns, encode_records
 from partition_server.subscription_cursor import merge_ranges
 from spark_client import errors, link
+from spark_client.columns import records_of_chunk
 from services.backoff import Backoff
 
 S = coordinator_pb2
@@ -162,15 +165,72 @@ class Coordinators:
 
 
 class _KeptPartition:
-    """The records a one-call transaction keeps for one partition: one batch."""
+    """What a one-call transaction keeps for one partition, in send order: one batch.
+    `pieces` holds runs of send()'s Record tuples (lists) and send_batch()'s chunks
+    (columns.Chunk) as they came; a chunk stays columns until the commit encodes it, so
+    a send_batch() into a one-call transaction makes no Python loop over its rows."""
 
-    __slots__ = ("producer", "records", "size", "outcome")
+    __slots__ = ("producer", "pieces", "count", "size", "outcome")
 
     def __init__(self, producer, outcome):
         self.producer = producer
-        self.records: list = []
+        self.pieces: list = []
+        self.count = 0  # records kept: the next one's index in the batch
         self.size = 0
         self.outcome = outcome
+
+    def add_record(self, record, size: int) -> int:
+        """Keep one record; its index in the batch."""
+        pieces = self.pieces
+        if pieces and type(pieces[-1]) is list:
+            pieces[-1].append(record)
+        else:
+            pieces.append([record])
+        self.size += size
+        self.count += 1
+        return self.count - 1
+
+    def add_chunk(self, chunk) -> int:
+        """Keep a chunk of send_batch(); the index of its first record in the batch."""
+        self.pieces.append(chunk)
+        self.size += chunk.size
+        self.count += len(chunk)
+        return self.count - len(chunk)
+
+    def records(self) -> list:
+        """Every kept record as Record tuples, in order (for a switch to the producer)."""
+        return [record for piece in self.pieces
+                for record in (piece if type(piece) is list else records_of_chunk(piece))]
+
+    def encode(self) -> bytes:
+        """The kept records as one batch: records as the producer encodes them; chunks
+        from their columns (several rebased onto the first one's timestamp); a mix of
+        both through Record tuples."""
+        compression = self.producer.compression
+        pieces = self.pieces
+        if all(type(piece) is not list for piece in pieces):
+            return _encode_chunks(pieces, compression)
+        records = pieces[0] if len(pieces) == 1 else self.records()
+        return encode_records(records, compression=compression)
+
+
+def _encode_chunks(chunks: list, compression) -> bytes:
+    if len(chunks) == 1:
+        chunk = chunks[0]
+        return encode_columns(chunk.keys, chunk.values, chunk.headers, chunk.timestamp_deltas,
+                              chunk.base_timestamp_ms, chunk.max_timestamp_ms,
+                              compression=compression)
+    base = chunks[0].base_timestamp_ms
+    deltas = [chunk.timestamp_deltas if chunk.base_timestamp_ms == base
+              else pc.add(chunk.timestamp_deltas.cast(pa.int64()),
+                          chunk.base_timestamp_ms - base).cast(chunks[0].timestamp_deltas.type)
+              for chunk in chunks]
+    return encode_columns(pa.concat_arrays([c.keys for c in chunks]),
+                          pa.concat_arrays([c.values for c in chunks]),
+                          pa.concat_arrays([c.headers for c in chunks]),
+                          pa.concat_arrays(deltas), base,
+                          max(chunk.max_timestamp_ms for chunk in chunks),
+                          compression=compression)
 
 
 class _Kept:
@@ -304,10 +364,33 @@ class Transaction:
                     if part is None:
                         part = kept.partitions[(topic, partition)] = _KeptPartition(
                             producer, _Outcome(topic, partition, on_wait=self._switch))
-                    part.records.append(record)
-                    part.size += size
                     kept.size += size
-                    return RecordFuture(part.outcome, len(part.records) - 1)
+                    return RecordFuture(part.outcome, part.add_record(record, size))
+            self._switch()
+            return None
+
+    def keep_chunk(self, producer, topic: str, chunk):
+        """keep_record for a chunk of producer.send_batch(..., txn=self) (columns.Chunk),
+        kept whole as columns: the future of its first record, or None when the
+        transaction is not (or no longer) one-call. A chunk that would pass the bound
+        switches the transaction first."""
+        from spark_client.producer import RecordFuture, _Outcome
+
+        with self._switch_lock:
+            kept = self._kept
+            if kept is None:
+                return None
+            with self._lock:
+                self._check_accepting()
+                key = (topic, chunk.partition)
+                part = kept.partitions.get(key)
+                if (kept.size + chunk.size <= kept.limit and (part.size if part else 0)
+                        + chunk.size + 128 <= producer.batch_max_bytes):
+                    if part is None:
+                        part = kept.partitions[key] = _KeptPartition(
+                            producer, _Outcome(topic, chunk.partition, on_wait=self._switch))
+                    kept.size += chunk.size
+                    return RecordFuture(part.outcome, part.add_chunk(chunk))
             self._switch()
             return None
 
@@ -363,7 +446,7 @@ class Transaction:
                 raise
             try:
                 for (topic, partition), part in kept.partitions.items():
-                    part.producer._adopt(topic, partition, part.records, part.size,
+                    part.producer._adopt(topic, partition, part.records(), part.size,
                                          part.outcome, self)
                 by_consumer: dict[int, tuple] = {}
                 for (topic, partition, _), (consumer, cumulative, ranges) in kept.acks.items():
@@ -400,8 +483,7 @@ class Transaction:
             timeout_ms=remaining_ms, session=self.session, wait_for_markers=wait_for_markers,
             batches=[partition_pb2.ProduceItem(
                 topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition),
-                record_batch=encode_records(part.records,
-                                            compression=part.producer.compression))
+                record_batch=part.encode())
                 for (topic, partition), part in parts],
             acks=acks)
         try:

@@ -415,6 +415,47 @@ def test_chunks_of_one_timestamp_and_of_many_carry_the_right_ones():
             given.timestamp_deltas.to_pylist()) == (7, 7, [0, 0])
 
 
+def test_a_one_call_transaction_encodes_kept_chunks_and_records_as_sent():
+    """What a one-call transaction keeps for a partition (transactions._KeptPartition)
+    becomes one batch of exactly the records sent, in order: one chunk from its columns,
+    several chunks rebased onto the first one's timestamp, and chunks mixed with send()'s
+    records."""
+    from types import SimpleNamespace
+
+    from spark_client.transactions import _KeptPartition
+
+    def chunk(values, stamps, headers=None):
+        (one,) = columns.prepare(values, keys=[b"k" + v for v in values], headers=headers,
+                                 timestamps_ms=stamps, partition=0, partition_count=1,
+                                 sticky=0, now_ms=0, batch_max_bytes=1 << 20)
+        return one
+
+    def decoded(batch: bytes) -> list:
+        header = rb.parse_header(batch)
+        return [(r.key, r.value, r.headers, r.timestamp_ms)
+                for r in rc.records_of(rc.decode_columns(batch, header), header)]
+
+    first = chunk([b"a", b"bb"], [5_000, 4_990], headers=[{"h": b"1"}, None])
+    second = chunk([b"c", b"d", b"e"], [1_000, 9_000, 1_000])
+    expected = [(b"ka", b"a", (("h", b"1"),), 5_000), (b"kbb", b"bb", (), 4_990),
+                (b"kc", b"c", (), 1_000), (b"kd", b"d", (), 9_000), (b"ke", b"e", (), 1_000)]
+    for codec in (rb.Compression.NONE, rb.Compression.ZSTD):
+        producer = SimpleNamespace(compression=codec)
+        part = _KeptPartition(producer, outcome=None)
+        assert part.add_chunk(first) == 0
+        assert decoded(part.encode()) == expected[:2]
+        assert part.add_chunk(second) == 2
+        assert decoded(part.encode()) == expected
+        assert part.add_record(rb.Record(b"kf", b"f", (), 7), 10) == 5
+        assert part.add_record(rb.Record(None, b"g", (), 8), 10) == 6
+        assert part.add_chunk(chunk([b"h"], [3])) == 7
+        mixed = expected + [(b"kf", b"f", (), 7), (None, b"g", (), 8), (b"kh", b"h", (), 3)]
+        assert decoded(part.encode()) == mixed
+        assert [(r.key, r.value, r.headers, r.timestamp_ms) for r in part.records()] == mixed
+        assert part.count == 8 and part.size == (first.size + second.size + 20
+                                                 + part.pieces[-1].size)
+
+
 # ------------------------------------------------------------------ against the cluster
 
 
@@ -495,6 +536,60 @@ def test_send_batch_in_transactions_commits_or_aborts_whole(client, size):
         producer.flush()
         read_all(client, topic, rows)  # the open transaction's rows are not readable
         committed_and_open.abort()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("bound", [1 << 20, 6_000])
+def test_a_one_call_transaction_keeps_send_batch_rows_in_send_order(cluster, bound):
+    """send_batch() into a one-call transaction keeps its chunks whole (as columns),
+    beside send()'s records to the same partitions; the commit writes them in send order
+    with their keys, headers and timestamps, at the offsets the futures give. With a
+    small bound the transaction switches mid-way (the kept chunks go to the producer as
+    records) and the outcome is the same."""
+    base = 1_700_000_000_000
+    with Client(cluster.info["bootstrap"], one_call_max_bytes=bound) as small:
+        topic = new_topic(small, 2)
+        sent = {0: [], 1: []}  # partition -> (key, value, headers, timestamp) in send order
+        with small.producer() as producer:
+            txn = small.begin_transaction()
+            first = producer.send(topic, b"first", key=b"k", partition=0,
+                                  headers={"h": b"1"}, timestamp_ms=base + 5, txn=txn)
+            sent[0].append((b"k", b"first", [{"key": "h", "value": b"1"}], base + 5))
+            rows = [b"b%03d" % i + b"." * 50 for i in range(40)]
+            spread = producer.send_batch(
+                topic, rows, keys=[b"x%d" % i for i in range(40)],
+                partition=[i % 2 for i in range(40)],
+                timestamps_ms=[base + 1000 * i for i in range(40)], txn=txn)
+            for i, row in enumerate(rows):
+                sent[i % 2].append((b"x%d" % i, row, [], base + 1000 * i))
+            assert txn.one_call
+            late = [b"c%02d" % i + b"." * 400 for i in range(10)]  # about 4 KiB more
+            tail = producer.send_batch(topic, late, partition=0, txn=txn,
+                                       headers=[{"n": b"%d" % i} for i in range(10)],
+                                       timestamps_ms=[base - 50_000 + i for i in range(10)])
+            sent[0] += [(None, row, [{"key": "n", "value": b"%d" % i}], base - 50_000 + i)
+                        for i, row in enumerate(late)]
+            last = producer.send(topic, b"last", partition=1, timestamp_ms=base, txn=txn)
+            sent[1].append((None, b"last", [], base))
+            assert txn.one_call == (bound > 6_000)
+            txn.commit(wait_for_markers=True)
+        got = read_all(small, topic, 52)
+    for partition, records in sent.items():
+        mine = got.filter(pa.compute.equal(got.column("partition"), partition))
+        assert list(zip(mine.column("key").to_pylist(), mine.column("value").to_pylist(),
+                        mine.column("headers").to_pylist(),
+                        mine.column("timestamp").cast(pa.int64()).to_pylist())) \
+            == records
+    offsets = {(r["partition"], r["value"]): r["offset"] for r in got.to_pylist()}
+    assert first.result(5).offset == offsets[(0, b"first")]
+    assert last.result(5).offset == offsets[(1, b"last")]
+    for future, values in ((spread, rows), (tail, late)):
+        meta = future.result(5)
+        assert meta.count == len(values)
+        from_ranges = sorted(o for partition, start, count in meta.ranges
+                             for o in ((partition, start + i) for i in range(count)))
+        assert from_ranges == sorted((p, offsets[(p, v)]) for p, v in offsets
+                                     if v in values)
 
 
 @pytest.mark.cluster
