@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
@@ -1224,8 +1225,21 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     else _queue_marker_items(routes[key], items, outcomes))
                    for key, items, future in pending]
         pending = [(items, future) for items, future in pending if future is not None]
-        if pending:
-            await asyncio.gather(*(future for _, future in pending), return_exceptions=True)
+        # The subscriptions' markers are staged now, beside the partitions' (not once
+        # those are durable): the decision they carry is durable on the coordinator,
+        # which retries each target until it lands, so their order does not matter; and
+        # staged in this step they share the cursor stores' next durability round with
+        # the acks of a staging call that carries them (docs/benchmarks.md).
+        subscriptions = ([self._apply_subscription_markers(markers, refusals, routes)]
+                         if any(marker.subscription_partitions for marker in markers) else [])
+        sub_outcomes = {}
+        if pending or subscriptions:
+            gathered = await asyncio.gather(*(future for _, future in pending), *subscriptions,
+                                            return_exceptions=True)
+            if subscriptions:
+                sub_outcomes = gathered[-1]
+                if isinstance(sub_outcomes, BaseException):
+                    raise sub_outcomes
         for items, future in pending:
             try:
                 results = future.result()
@@ -1233,8 +1247,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 results = [error] * len(items)
             for (where, _), result in zip(items, results):
                 outcomes[where] = result
-        sub_outcomes = (await self._apply_subscription_markers(markers, refusals, routes)
-                        if any(marker.subscription_partitions for marker in markers) else {})
         counts: dict[tuple[str, str], int] = {}
         for index, (marker, refusal) in enumerate(zip(markers, refusals)):
             decision = _DECISION_LABELS.get(marker.decision, "invalid")
@@ -1264,33 +1276,42 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             MARKERS.labels(*labels).inc(count)
 
     @staticmethod
-    async def _apply_subscription_markers(markers, refusals, routes) -> dict:
-        """{(marker index, position): already_ended | AtomlogError} per subscription target
-        of an accepted marker: pending acks applied (COMMIT) or released (ABORT)."""
+    def _apply_subscription_markers(markers, refusals, routes) -> Awaitable[dict]:
+        """Apply (COMMIT) or release (ABORT) the pending acks of every subscription target
+        of an accepted marker, each change staged now, in the caller's step, so it shares
+        the cursor store's next durability round with what the caller stages after it (a
+        staging call's acks). Await the result: {(marker index, position): already_ended
+        | AtomlogError}, once every change is durable."""
         outcomes: dict[tuple[int, int], bool | AtomlogError] = {}
+        held = []
 
-        async def one(where, owner, sp, txn, committed):
+        async def settle(where, answer):
             try:
-                if isinstance(owner, AtomlogError):
-                    raise owner
-                owner.check_serving()
-                owner.verified_acks.pop((txn, sp.subscription), None)
-                outcomes[where] = await owner.subscriptions.end_txn(sp.subscription, txn,
-                                                                   committed)
+                outcomes[where] = await answer
             except AtomlogError as error:
                 outcomes[where] = error
 
-        work = []
         for index, (marker, refusal) in enumerate(zip(markers, refusals)):
             if refusal is not None:
                 continue
             txn = TxnId(marker.txn_id.tc_partition, marker.txn_id.sequence)
             committed = marker.decision == partition_pb2.TXN_DECISION_COMMIT
             for position, sp in enumerate(marker.subscription_partitions):
-                work.append(one((index, position), routes[(sp.topic, sp.partition)], sp, txn,
-                                committed))
-        await asyncio.gather(*work)
-        return outcomes
+                owner = routes[(sp.topic, sp.partition)]
+                try:
+                    if isinstance(owner, AtomlogError):
+                        raise owner
+                    owner.check_serving()
+                    owner.verified_acks.pop((txn, sp.subscription), None)
+                    held.append(settle((index, position), owner.subscriptions.end_txn_now(
+                        sp.subscription, txn, committed)))
+                except AtomlogError as error:
+                    outcomes[(index, position)] = error
+
+        async def all_held() -> dict:
+            await asyncio.gather(*held)
+            return outcomes
+        return all_held()
 
 
 # ---------------------------------------------------------------------- markers (helpers)

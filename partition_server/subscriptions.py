@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from partition_server.cursor_store import CursorStore, CursorStoreLimits, SnapshotJob, StoreEntry
@@ -289,11 +289,21 @@ class PartitionSubscriptions:
         its result once durable (replicated: once the in-sync replicas hold it too, and
         refused with NOT_ENOUGH_REPLICAS below min.insync.replicas). writes=False: a
         decision known to stage nothing (it still waits for what it saw to be held)."""
+        return await self.change_now(decide, writes)
+
+    def change_now(self, decide: Callable[[CursorStore], object],
+                   writes: bool = True) -> Awaitable[object]:
+        """`change`, with `decide` run now, in the caller's step (it raises here, having
+        changed nothing): what the caller stages after it in the same step shares its
+        durability round. The returned coroutine answers once it is durable; it must be
+        awaited."""
         replication = self._replication()
         store = self._usable()
         if replication is not None and writes:
             replication.check_writable()  # NOT_ENOUGH_REPLICAS etc.: nothing staged
-        result = decide(store)
+        return self._held(decide(store), replication, writes)
+
+    async def _held(self, result, replication, writes: bool):
         target = await self._durable()
         if replication is not None:
             await replication.cursors_replicated(target, writes)
@@ -352,6 +362,10 @@ class PartitionSubscriptions:
     async def end_txn(self, name: str, txn: TxnId, committed: bool) -> bool:
         """A marker for one subscription: already_ended. A subscription that does not
         exist has nothing pending: success (the coordinator retries item errors)."""
+        return await self.end_txn_now(name, txn, committed)
+
+    def end_txn_now(self, name: str, txn: TxnId, committed: bool) -> Awaitable[bool]:
+        """end_txn with its change staged now (change_now); await the result."""
         def decide(store: CursorStore) -> bool:
             if name not in store.cursors():
                 return False
@@ -364,7 +378,7 @@ class PartitionSubscriptions:
                     self._wakeups.wake(name)  # released pending acks: redeliverable now
             return plan.already_ended
 
-        return await self.change(decide)
+        return self.change_now(decide)
 
     def cumulative_end(self, name: str) -> int:
         return self._usable().cursor(name).cumulative_end

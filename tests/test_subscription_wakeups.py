@@ -321,3 +321,36 @@ def test_a_receive_reads_only_as_much_of_the_log_as_it_can_deliver(tmp_path):
         assert sum(read_bytes) == 35 * batch_bytes and len(read_bytes) <= 3, read_bytes
 
     run(tmp_path, scenario)
+
+
+def test_a_marker_s_subscription_change_is_staged_in_the_caller_s_step(tmp_path):
+    """The subscription markers of an EndTxnOnPartition or a staging call's riders
+    (PartitionServicer._apply_subscription_markers) are staged in the step that calls
+    it, not once the partitions' markers are durable: an ack staged after them in the
+    same turn (a staging call's own acks) shares their durability round."""
+    async def scenario(h: Harness) -> None:
+        subscriptions = h.owner.subscriptions
+        await h.produce(6)
+        assert await h.receive("a") == ([(0, 6)], [])
+        first, second = TxnId(1, 7), TxnId(1, 8)
+        await subscriptions.ack("s", 0, [(0, 3)], first, h.owner.max_read_position())
+        rounds = []
+        sync_once = subscriptions._sync_once
+        subscriptions._sync_once = lambda store: (rounds.append(store), sync_once(store))[1]
+        staged = subscriptions.store.appended_end
+        marker = partition_pb2.TxnMarker(
+            txn_id=common_pb2.TxnId(tc_partition=1, sequence=7),
+            decision=partition_pb2.TXN_DECISION_COMMIT, coordinator_epoch=0,
+            subscription_partitions=[SP])
+        applied = PartitionServicer._apply_subscription_markers([marker], [None],
+                                                                {("t", 0): h.owner})
+        assert subscriptions.store.appended_end == staged + 1  # before anything awaited
+        acked = asyncio.ensure_future(subscriptions.ack(
+            "s", 0, [(3, 6)], second, h.owner.max_read_position()))
+        assert await applied == {(0, 0): False}
+        await acked
+        assert len(rounds) == 1  # the marker and the later ack: one durability round
+        assert subscriptions.cumulative_end("s") == 3  # first's acks applied
+        assert subscriptions.pending_transactions("s") == [second]
+
+    run(tmp_path, scenario)
