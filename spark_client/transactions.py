@@ -349,6 +349,19 @@ class Transaction:
         future (a RecordFuture), or None when the transaction is not (or no longer)
         one-call — then the producer sends it as usual. A record that would pass the
         bound switches the transaction first."""
+        return self._keep(producer, topic, partition, size,
+                          lambda part: part.add_record(record, size))
+
+    def keep_chunk(self, producer, topic: str, chunk):
+        """keep_record for a chunk of producer.send_batch(..., txn=self) (columns.Chunk),
+        kept whole as columns: the future of its first record, or None."""
+        return self._keep(producer, topic, chunk.partition, chunk.size,
+                          lambda part: part.add_chunk(chunk))
+
+    def _keep(self, producer, topic: str, partition: int, size: int, add):
+        """`add(part)` (the kept index) if `size` more bytes fit the one-call bound and
+        the partition's batch: the RecordFuture of that index; else the transaction
+        switches (if it still keeps) and None."""
         from spark_client.producer import RecordFuture, _Outcome
 
         with self._switch_lock:
@@ -358,39 +371,13 @@ class Transaction:
             with self._lock:
                 self._check_accepting()
                 part = kept.partitions.get((topic, partition))
-                fits = (kept.size + size <= kept.limit
-                        and (part.size if part else 0) + size + 128 <= producer.batch_max_bytes)
-                if fits:
+                if (kept.size + size <= kept.limit
+                        and (part.size if part else 0) + size + 128 <= producer.batch_max_bytes):
                     if part is None:
                         part = kept.partitions[(topic, partition)] = _KeptPartition(
                             producer, _Outcome(topic, partition, on_wait=self._switch))
                     kept.size += size
-                    return RecordFuture(part.outcome, part.add_record(record, size))
-            self._switch()
-            return None
-
-    def keep_chunk(self, producer, topic: str, chunk):
-        """keep_record for a chunk of producer.send_batch(..., txn=self) (columns.Chunk),
-        kept whole as columns: the future of its first record, or None when the
-        transaction is not (or no longer) one-call. A chunk that would pass the bound
-        switches the transaction first."""
-        from spark_client.producer import RecordFuture, _Outcome
-
-        with self._switch_lock:
-            kept = self._kept
-            if kept is None:
-                return None
-            with self._lock:
-                self._check_accepting()
-                key = (topic, chunk.partition)
-                part = kept.partitions.get(key)
-                if (kept.size + chunk.size <= kept.limit and (part.size if part else 0)
-                        + chunk.size + 128 <= producer.batch_max_bytes):
-                    if part is None:
-                        part = kept.partitions[key] = _KeptPartition(
-                            producer, _Outcome(topic, chunk.partition, on_wait=self._switch))
-                    kept.size += chunk.size
-                    return RecordFuture(part.outcome, part.add_chunk(chunk))
+                    return RecordFuture(part.outcome, add(part))
             self._switch()
             return None
 
