@@ -297,6 +297,31 @@ def test_chunks_keep_input_order_per_partition_and_fit_the_batch_bound():
         assert len(batch) <= 64 << 10 and chunk.size <= 64 << 10
 
 
+@pytest.mark.parametrize("rows", [1, 100, 1_000])
+@pytest.mark.parametrize("partition", [None, 2])
+def test_a_short_list_of_bytes_is_cut_as_the_arrow_path_cuts_it(rows, partition):
+    """prepare()'s path for a short Python list of bytes and nothing else gives the chunks
+    the Arrow kernels give for the same rows (forced through them by a tuple of
+    bytearrays), and refuses what they refuse."""
+    values = [bytes([i % 251]) * (1 + (i * 7919) % 3000) for i in range(rows)]
+    options = dict(partition=partition, partition_count=3, sticky=1, now_ms=77,
+                   batch_max_bytes=16 << 10)
+    plain = columns.prepare(values, **options)
+    kernels = columns.prepare(tuple(bytearray(v) for v in values), **options)
+    assert len(plain) == len(kernels) >= (1 if rows < 100 else 2)
+    for mine, theirs in zip(plain, kernels):
+        assert (mine.partition, mine.size, mine.base_timestamp_ms, mine.max_timestamp_ms) \
+            == (theirs.partition, theirs.size, theirs.base_timestamp_ms,
+                theirs.max_timestamp_ms)
+        for column in ("keys", "values", "headers", "timestamp_deltas"):
+            assert getattr(mine, column).equals(getattr(theirs, column)), column
+    assert columns.prepare([], **options) == []
+    with pytest.raises(IndexError):
+        columns.prepare([b"x"], **{**options, "partition": 3})
+    with pytest.raises(ValueError, match="does not fit"):
+        columns.prepare([b"x" * (16 << 10)], **options)
+
+
 def test_tables_numpy_and_headers_are_accepted_and_bad_input_is_refused():
     table = pa.table({"value": ["a", "b", "c"], "key": [b"x", None, b"y"],
                       "partition": [2, 0, 2], "timestamp": [10, 11, 12],
