@@ -18,8 +18,10 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
 4. Consume-transform-produce (peers-bench W3): 20,000 preloaded 1 KiB inputs (untimed);
    one worker process repeats poll 100 inputs from a subscription (its consumer
    prefetches 900 more per Receive, as a RabbitMQ consumer's prefetch count: one Receive
-   per ten polls), send 100 outputs (the input's bytes reversed) and ack the 100
-   inputs, all in one transaction, commit; it stops at the first empty poll. Twice, on
+   per ten polls), send 100 outputs (the input's bytes reversed; in one send_batch(), as
+   PostgreSQL's W3 inserts them with one executemany(), or with --ctp-send each in one
+   send() apiece) and ack the 100 inputs, all in one transaction, commit; it stops at
+   the first empty poll. Twice, on
    topics of their own: sequentially (ack(), commit(), as the peers) and pipelined
    (ack_async() before the sends, commit_async(), up to 8 transactions committing while
    the worker polls on). Inputs/s (timed from the first poll to the empty one, and to the
@@ -759,8 +761,10 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         "",
         f"{seq['inputs']:,} preloaded 1 KiB inputs on {seq['partitions']} partition(s) (the "
         f"outputs too), one worker process: poll 100 from a subscription ({_PREFETCH_NOTE}), "
-        "send 100 outputs "
-        "(bytes reversed) and ack the 100 inputs in one transaction, commit; timed from the "
+        "send 100 outputs (bytes reversed; "
+        + ("in one `producer.send_batch()`, as PostgreSQL's W3 inserts them with one "
+           "`executemany()`" if seq.get("send_batch", True) else "one `producer.send()` each")
+        + ") and ack the 100 inputs in one transaction, commit; timed from the "
         "first poll to the empty one (and, pipelined, to the last commit). **Sequential** "
         "is the peers' loop: `consumer.ack(...)`, `txn.commit()`, then the next poll. "
         "**Pipelined** is the same work with `consumer.ack_async(messages, txn=txn)` "
