@@ -135,10 +135,7 @@ def prepare(values, *, keys=None, headers=None, timestamps_ms=None, partition=No
         per_header = pc.add(pc.add(pc.binary_length(flat.field("key").cast(pa.binary())),
                                    pc.binary_length(flat.field("value"))), HEADER_OVERHEAD)
         sizes = pc.add(sizes, _sum_per_list(headers, per_header))
-    largest = pc.max(sizes).as_py()
-    if largest + BATCH_OVERHEAD > batch_max_bytes:
-        raise ValueError(f"a record of about {largest} bytes does not fit a batch of "
-                         f"{batch_max_bytes} bytes (batch_max_bytes)")
+    _check_fits(pc.max(sizes).as_py(), batch_max_bytes)
     columns = pa.RecordBatch.from_arrays([keys, values, headers, absolute, sizes],
                                          ["key", "value", "headers", "ts", "size"])
     chunks: list[Chunk] = []
@@ -174,25 +171,32 @@ def _prepare_plain(values, partition: int, count: int, now_ms: int,
         return []
     _check_partition_range(partition, partition, count)
     sizes = [len(value) + ROW_OVERHEAD for value in values]
-    largest = max(sizes)
-    if largest + BATCH_OVERHEAD > batch_max_bytes:
-        raise ValueError(f"a record of about {largest} bytes does not fit a batch of "
-                         f"{batch_max_bytes} bytes (batch_max_bytes)")
+    _check_fits(max(sizes), batch_max_bytes)
     column = pa.array(values, pa.binary())
     keys, headers = binary_column(None, n), headers_column(None, n)
     deltas, _, _ = timestamp_column(None, n, now_ms)
-    cumulative = list(itertools.accumulate(sizes))
-    chunks: list[Chunk] = []
-    begin, done, room = 0, 0, batch_max_bytes - BATCH_OVERHEAD
-    while begin < n:  # as _cut
+    return [Chunk(partition, keys.slice(begin, count), column.slice(begin, count),
+                  headers.slice(begin, count), deltas.slice(begin, count), now_ms, now_ms,
+                  size + BATCH_OVERHEAD)
+            for begin, count, size in _spans(list(itertools.accumulate(sizes)),
+                                             batch_max_bytes - BATCH_OVERHEAD)]
+
+
+def _check_fits(largest: int, batch_max_bytes: int) -> None:
+    if largest + BATCH_OVERHEAD > batch_max_bytes:
+        raise ValueError(f"a record of about {largest} bytes does not fit a batch of "
+                         f"{batch_max_bytes} bytes (batch_max_bytes)")
+
+
+def _spans(cumulative, room: int):
+    """(first row, rows, bytes) of each chunk, in order: as many rows as fit `room` by
+    the running sum of their sizes (at least one), found by a binary search over it."""
+    begin, done, n = 0, 0, len(cumulative)
+    while begin < n:
         end = max(bisect.bisect_right(cumulative, done + room, lo=begin + 1), begin + 1)
         total = cumulative[end - 1]
-        chunks.append(Chunk(partition, keys.slice(begin, end - begin),
-                            column.slice(begin, end - begin), headers.slice(begin, end - begin),
-                            deltas.slice(begin, end - begin), now_ms, now_ms,
-                            total - done + BATCH_OVERHEAD))
+        yield begin, end - begin, total - done
         done, begin = total, end
-    return chunks
 
 
 def _sum_per_list(lists: pa.Array, per_item: pa.Array) -> pa.Array:
@@ -246,15 +250,8 @@ def _cut(chunks: list[Chunk], partition: int, rows: pa.RecordBatch, limit: int,
     from its Arrow buffer (no Python object per row). `constant_ts`: every row's timestamp
     when they share one (column 3 then holds zeros): no kernel per chunk."""
     cumulative = _int64_view(pc.cumulative_sum(rows.column(4).cast(pa.int64())))
-    begin, done = 0, 0
-    room = limit - BATCH_OVERHEAD
-    n = len(cumulative)
     keys, values, headers, stamps = (rows.column(i) for i in range(4))
-    while begin < n:
-        end = bisect.bisect_right(cumulative, done + room, lo=begin + 1)
-        end = max(end, begin + 1)
-        count = end - begin
-        total = cumulative[end - 1]
+    for begin, count, size in _spans(cumulative, limit - BATCH_OVERHEAD):
         if constant_ts is not None:
             deltas, base, largest = stamps.slice(begin, count), constant_ts, constant_ts
         else:
@@ -264,9 +261,7 @@ def _cut(chunks: list[Chunk], partition: int, rows: pa.RecordBatch, limit: int,
             deltas = pc.subtract(piece, pa.scalar(base, pa.int64()))
         chunks.append(Chunk(partition, keys.slice(begin, count), values.slice(begin, count),
                             headers.slice(begin, count), deltas, base, largest,
-                            total - done + BATCH_OVERHEAD))
-        done = total
-        begin = end
+                            size + BATCH_OVERHEAD))
 
 
 def _int64_view(array: pa.Array) -> memoryview:

@@ -105,10 +105,8 @@ def test_a_leader_whose_fsync_fails_gives_its_epoch_up_and_loses_nothing(failing
           f"({after.server_name}); {len(acked)} acknowledged")
     # It wrote epoch + 1 itself; or, when its ZooKeeper session lapsed meanwhile (a
     # loaded run), the controller began a leadership first and the resign was fenced.
-    with open(log_file) as text:
-        said = [line for line in text if "epoch given up" in line
-                or "another leadership began meanwhile" in line]
-    assert said, "the old leader neither resigned nor was fenced"
+    assert leader_says("epoch given up") or leader_says("another leadership began meanwhile"), \
+        "the old leader neither resigned nor was fenced"
     seen = read_all(client, topic, len(acked))
     values = list(seen.values())
     assert len(values) == len(set(values)), "a duplicate"
