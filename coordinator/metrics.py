@@ -45,6 +45,10 @@ RESOLUTIONS = Counter("atomlog_coordinator_parallel_commit_resolutions_total",
 LOG_APPEND_SECONDS = Histogram("atomlog_coordinator_log_append_duration_seconds",
                                "One append to a TC log (durable on the partition server).",
                                buckets=LATENCY_BUCKETS_SECONDS)
+LOG_PRODUCES = Counter("atomlog_coordinator_log_produces_total",
+                       "Attempts to write a TC log append: on the owner of its partition in "
+                       "this process (path=owner, the combined server) or by a Produce call "
+                       "(path=call; in-process calls included).", ["path"])
 LOG_RECORDS_PER_APPEND = Histogram("atomlog_coordinator_log_records_per_append",
                                    "Records written by one TC log append (batching).",
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096))

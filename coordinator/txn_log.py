@@ -24,7 +24,12 @@ Everything below the first chunk of a durable, complete snapshot can be deleted
 Appends of every TC partition of a process that go to the same partition server share
 Produce calls (AppendChannel): one call in flight per server, and whatever TC partitions
 queue meanwhile leaves together in the next one — 16 TC partitions whose logs live on 3
-servers cost at most 3 calls at a time, however many transactions they decide.
+servers cost at most 3 calls at a time, however many transactions they decide. When the
+partition server is this process (the combined server), an append is queued on its
+partition's owner at once instead (PartitionServicer.produce_here): appends of different
+TC partitions go to different owners anyway, whose fsyncs one event-loop turn submits
+together, so the queue would share nothing and cost a task's hop and a request's
+messages (docs/benchmarks.md, "TC-log appends on their owners").
 """
 
 from __future__ import annotations
@@ -39,19 +44,25 @@ from dataclasses import dataclass
 import grpc
 from atomlog.v1 import common_pb2, partition_pb2
 
-from coordinator.routing import PartitionRoutes
+from coordinator import metrics as coordinator_metrics
+from coordinator.routing import PARTITION_SERVICE, PartitionRoutes
 from partition_server.record_batch import (
     Record,
     decode_records,
     encode_batch,
     iter_batches,
 )
+from services import local, metrics
 from services.backoff import Backoff
 from services.batching import PerDestination
 from services.errors import AtomlogError, from_rpc_error
 from services.logs import event
 
 log = logging.getLogger("atomlog.coordinator.txn_log")
+
+_PRODUCE_HERE = metrics.LOCAL_CALLS.labels(f"/{PARTITION_SERVICE}/Produce")
+_ON_THE_OWNER = coordinator_metrics.LOG_PRODUCES.labels("owner")
+_BY_CALL = coordinator_metrics.LOG_PRODUCES.labels("call")
 
 TOPIC = "__txn_log"
 KEY_FENCE = b"fence"
@@ -129,7 +140,16 @@ class AppendChannel:
 
     async def produce(self, address: str, item: partition_pb2.ProduceItem):
         """The ProduceResult of `item`, sent to `address` with whatever else is queued;
-        raises AtomlogError when the call itself failed."""
+        raises AtomlogError when the call itself failed. When this process hosts
+        `address` (the combined server) the item is queued on its partition's owner at
+        once (PartitionServicer.produce_here): the owner's group commit is what the
+        appends share there, and a queue in front of it would only add a task's hop."""
+        here = local.servicer(address, PARTITION_SERVICE)
+        if here is not None:
+            _PRODUCE_HERE.inc()  # an in-process call, as a LocalStub's would be counted
+            _ON_THE_OWNER.inc()
+            return await here.produce_here(item, self.request_timeout_s)
+        _BY_CALL.inc()
         return await asyncio.shield(self._calls.submit(address, item))
 
     async def _produce(self, address: str, items: list) -> list:

@@ -27,6 +27,7 @@ from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHea
                                            validate_batch)
 from partition_server.subscription_cursor import InitialPosition, resolve_initial_position
 from partition_server.verifier import TxnVerifier
+from services.batching import observe_failure
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
 
@@ -119,6 +120,33 @@ async def _cursors_replicated_for_reading(owner: PartitionOwner) -> None:
     if owner.subscriptions.store is not store:  # reopened meanwhile
         raise AtomlogError("PARTITION_LOADING", f"subscriptions of {owner.name} were "
                            "reopened; retry", {"retry_after_ms": "200"})
+
+
+def _refused(tp, error: AtomlogError) -> partition_pb2.ProduceResult:
+    """The ProduceResult of a batch refused with `error`."""
+    m.BAD_BATCHES.labels(error.reason).inc()
+    return partition_pb2.ProduceResult(topic_partition=tp, error=item_error(error),
+                                       base_offset=-1, last_offset=-1)
+
+
+def _produce_result(tp, owner: PartitionOwner,
+                    outcome: Appended | AtomlogError) -> partition_pb2.ProduceResult:
+    """The ProduceResult of a batch its owner answered with `outcome`."""
+    if not isinstance(outcome, Appended):
+        return _refused(tp, outcome)
+    return partition_pb2.ProduceResult(
+        topic_partition=tp, base_offset=outcome.base_offset, last_offset=outcome.last_offset,
+        log_append_time_unix_ms=outcome.log_append_time_ms,
+        log_start_offset=owner.log.log_start_offset if owner.log else -1,
+        duplicate=outcome.duplicate)
+
+
+def _timed_out(tp, timeout_s: float) -> partition_pb2.ProduceResult:
+    """The ProduceResult of a write not answered in time (not a bad batch: not counted)."""
+    error = AtomlogError("REQUEST_TIMED_OUT", f"the write was not answered within "
+                         f"{timeout_s} s (its outcome is unknown)")
+    return partition_pb2.ProduceResult(topic_partition=tp, error=item_error(error),
+                                       base_offset=-1, last_offset=-1)
 
 
 def _require_items(items, what: str, field: str | None = None) -> None:
@@ -259,18 +287,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             # Read the bytes field once: each access copies it out of the parsed message.
             batch = item.record_batch
             try:
-                owner = await self._owner(tp)
-                header = validate_batch(batch, max_batch_bytes=self.max_batch_bytes)
-                if header.is_control:
-                    raise AtomlogError("INVALID_ARGUMENT", "control batches are written only by "
-                                       "transaction markers, not by producers")
-                owner.check_serving()
-                if header.is_transactional:
-                    self._check_transactional_header(header, tp)
+                owner, header = await self._produce_target(tp, batch)
             except AtomlogError as error:
-                m.BAD_BATCHES.labels(error.reason).inc()
-                results[index] = partition_pb2.ProduceResult(
-                    topic_partition=tp, error=item_error(error), base_offset=-1, last_offset=-1)
+                results[index] = _refused(tp, error)
                 continue
             entry = per_owner.setdefault((tp.topic, tp.partition), (owner, [], []))
             entry[1].append(index)
@@ -282,20 +301,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 outcomes = future.result()
             except AtomlogError as error:
                 outcomes = [error] * len(batches)
-            log_start = owner.log.log_start_offset if owner.log else -1
             for index, outcome in zip(indexes, outcomes):
-                tp = request.items[index].topic_partition
-                if isinstance(outcome, Appended):
-                    results[index] = partition_pb2.ProduceResult(
-                        topic_partition=tp, base_offset=outcome.base_offset,
-                        last_offset=outcome.last_offset,
-                        log_append_time_unix_ms=outcome.log_append_time_ms,
-                        log_start_offset=log_start, duplicate=outcome.duplicate)
-                else:
-                    m.BAD_BATCHES.labels(outcome.reason).inc()
-                    results[index] = partition_pb2.ProduceResult(
-                        topic_partition=tp, error=item_error(outcome), base_offset=-1,
-                        last_offset=-1)
+                results[index] = _produce_result(request.items[index].topic_partition, owner,
+                                                 outcome)
 
         def queue(owner: PartitionOwner, batches: list, tokens=None) -> asyncio.Future:
             try:
@@ -368,6 +376,57 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             settle(owner, indexes, batches, future)
         return partition_pb2.ProduceResponse(results=results)
 
+    async def _produce_target(self, tp, batch: bytes) -> tuple[PartitionOwner, BatchHeader]:
+        """The owner of a produced batch and its checked header (Produce's checks of one
+        item); raises AtomlogError."""
+        owner = await self._owner(tp)
+        header = validate_batch(batch, max_batch_bytes=self.max_batch_bytes)
+        if header.is_control:
+            raise AtomlogError("INVALID_ARGUMENT", "control batches are written only by "
+                               "transaction markers, not by producers")
+        owner.check_serving()
+        if header.is_transactional:
+            self._check_transactional_header(header, tp)
+        return owner, header
+
+    async def produce_here(self, item: partition_pb2.ProduceItem,
+                           timeout_s: float) -> partition_pb2.ProduceResult:
+        """Produce of one item by a caller in this process (a TC log's append on the
+        combined server, coordinator/txn_log.py): the same checks and the same result,
+        queued on its owner in the caller's step, without a ProduceRequest, a stub and a
+        per-destination queue. A batch that must wait for its turn (transactional, or an
+        earlier request of its producer still waiting) goes through Produce. Not
+        answered within `timeout_s`: REQUEST_TIMED_OUT (the outcome is unknown; the write
+        goes on)."""
+        tp = item.topic_partition
+        batch = item.record_batch
+        try:
+            owner, header = await self._produce_target(tp, batch)
+            if header.is_transactional or header.producer_id in owner.produce_gates:
+                async with asyncio.timeout(timeout_s):
+                    response = await self.Produce(
+                        partition_pb2.ProduceRequest(items=[item]), None)
+                return response.results[0]
+            future = owner.queue_produce([(batch, header)])
+        except AtomlogError as error:
+            return _refused(tp, error)
+        except TimeoutError:
+            return _timed_out(tp, timeout_s)
+        # Waited for, not awaited: a caller cancelled meanwhile leaves the write be.
+        try:
+            await asyncio.wait([future], timeout=timeout_s)
+        except asyncio.CancelledError:
+            future.add_done_callback(observe_failure)  # nobody reads it now
+            raise
+        if not future.done():
+            future.add_done_callback(observe_failure)
+            return _timed_out(tp, timeout_s)
+        try:
+            [outcome] = future.result()
+        except AtomlogError as error:
+            outcome = error
+        return _produce_result(tp, owner, outcome)
+
     def _check_transactional_header(self, header: BatchHeader, tp) -> None:
         if self.verifier is None:
             raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
@@ -414,10 +473,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     except AtomlogError as refusal:
                         token = refusal  # the owner decides: a duplicate, or refused
             except AtomlogError as error:
-                m.BAD_BATCHES.labels(error.reason).inc()
-                results[index] = partition_pb2.ProduceResult(
-                    topic_partition=request.items[index].topic_partition,
-                    error=item_error(error), base_offset=-1, last_offset=-1)
+                results[index] = _refused(request.items[index].topic_partition, error)
                 continue
             kept_indexes.append(index)
             kept.append((batch, header))

@@ -127,3 +127,8 @@ def test_the_combined_server_is_every_role_and_calls_itself_in_process(combined)
         assert any(method in labels and value > 0 for labels, value in local_calls.items()), \
             (method, local_calls)
         assert not any(method in labels for labels in over_grpc), (method, over_grpc)
+    # The TC logs' appends are queued on their partitions' owners, not sent as calls.
+    log_produces = metric_samples(node["metrics_address"],
+                                  "atomlog_coordinator_log_produces_total")
+    assert log_produces.get('{path="owner"}', 0) >= 6, log_produces
+    assert log_produces.get('{path="call"}', 0) == 0, log_produces
