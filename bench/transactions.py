@@ -39,6 +39,7 @@ consume-transform-produce part of it).
     .venv/bin/python bench/transactions.py [--clients 8] [--seconds 10] [--combined] [--no-docs]
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
+    .venv/bin/python bench/transactions.py --combined --only-small --clients 1 --loop-steps
     .venv/bin/python bench/transactions.py --combined --only-small --rate 200  # open loop
     .venv/bin/python bench/transactions.py --only-small --streaming [--no-client-links]  # A/B
     .venv/bin/python bench/transactions.py --only-stream 6 [--seconds 10]  # the cells of (2), in turns
@@ -59,6 +60,10 @@ transaction's scheduled start: the latency at a load below the maximum);
 the clients call their coordinators over gRPC instead of on the coordinators' links.
 --only-stream TURNS runs the three cells of (2) TURNS times, rotating their order, and
 prints each turn's overheads against its own idempotent cell and their medians.
+--loop-steps (with --only-small) has every server count and time its event-loop
+callbacks over the window, by the task or callback that ran, and prints the steps and
+ms per transaction of each: a change that removes steps shows in the counts, which a
+noisy machine does not move, where its time may hide in the noise.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -188,6 +194,63 @@ def dump_metrics(addresses: list[str], suffix: str = "") -> None:
             for a in addresses))
 
 
+LOOP_STEPS_ENV = "ATOMLOG_BENCH_LOOP_STEPS"  # bench/loop_steps/sitecustomize.py's folder
+
+
+def loop_steps_on(folder: str) -> None:
+    """Servers started from now on count their event-loop callbacks
+    (bench/loop_steps/sitecustomize.py), writing into `folder`."""
+    os.environ[LOOP_STEPS_ENV] = folder
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent / "loop_steps"),
+         *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def loop_steps_signal(pids: list[int], signum: int) -> list[int]:
+    """Signal the servers that carry the counter (its ready file): SIGUSR1 clears the
+    counts, SIGUSR2 writes them. Returns the pids signalled."""
+    folder = os.environ.get(LOOP_STEPS_ENV)
+    if not folder:
+        return []
+    carrying = [pid for pid in pids if (Path(folder) / f"ready-{pid}").exists()]
+    for pid in carrying:
+        os.kill(pid, signum)
+    return carrying
+
+
+def loop_steps_read(pids: list[int], transactions: int, timeout_s: float = 10) -> dict:
+    """The counts the servers `pids` wrote, summed, per transaction: {what ran: [steps,
+    ms]}, largest time first, with "all" last."""
+    folder = Path(os.environ[LOOP_STEPS_ENV])
+    totals: dict[str, list] = {}
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        path = folder / f"loop-{pid}.json"
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for key, (steps, seconds) in json.loads(path.read_text()).items():
+            entry = totals.setdefault(key, [0, 0.0])
+            entry[0] += steps
+            entry[1] += seconds
+        path.unlink()
+    per = max(transactions, 1)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])
+    out = {key: [steps / per, seconds * 1e3 / per] for key, (steps, seconds) in ranked}
+    out["all"] = [sum(v[0] for v in totals.values()) / per,
+                  sum(v[1] for v in totals.values()) * 1e3 / per]
+    return out
+
+
+def loop_steps_text(steps: dict, rows: int = 15) -> str:
+    lines = ["event-loop steps per transaction, by what ran (steps, ms):"]
+    for key, (count, ms) in list(steps.items())[:rows]:
+        if key != "all":
+            lines.append(f"  {count:7.2f} {ms:7.3f}  {key}")
+    count, ms = steps["all"]
+    lines.append(f"  {count:7.2f} {ms:7.3f}  all ({len(steps) - 1} kinds)")
+    return "\n".join(lines)
+
+
 def small_transactions(report, address: str, clients: int, seconds: float,
                        one_call: bool = True, profile: Path | None = None,
                        links: bool = True, profile_worker: bool = False,
@@ -196,7 +259,9 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`: back to
     back, or with `rate_per_s` an open loop of that many transactions a second in all
     (small_client). `profile`: py-spy records the first server over the window into that
-    file (with `profile_worker` the first client process instead)."""
+    file (with `profile_worker` the first client process instead). Servers started
+    after loop_steps_on() also count their event-loop steps over the window
+    ("loop_steps")."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 8 + clients * 0.5
@@ -209,6 +274,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     metrics = [p.metrics_address for p in services]
     time.sleep(max(0.0, start_at - time.time()))
     print(f"timed window starts: server pids {[p.pid for p in services]}", flush=True)
+    counting = loop_steps_signal([p.pid for p in services], signal.SIGUSR1)
     probe = common.CpuProbe(seconds)  # the machine's own jitter over the same window
     before = rpc_counts(metrics)  # the timed window: warm-up calls are behind us
     cpu_before = {p.name: common.cpu_seconds(p.pid) for p in services}
@@ -218,6 +284,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
         spy = common.py_spy(workers[0].pid if profile_worker else services[0].pid,
                             profile, seconds)
     results = [out.get(timeout=seconds + 300) for _ in workers]
+    loop_steps_signal(counting, signal.SIGUSR2)
     jitter = probe.result()
     server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
     # By kind of thread, summed over the servers: what holds the GIL (the event loops,
@@ -244,6 +311,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     commits = [c for r in results for c in r[1]]
     totals = [t for r in results for t in r[2]]
     client_cpu = sum(r[3] for r in results)
+    steps = loop_steps_read(counting, count) if counting else None
     return {"clients": clients, "transactions": count, "per_s": count / seconds,
             "one_call": one_call, "scheduled_per_s": rate_per_s,
             "calls_per_txn": calls / max(count, 1),
@@ -276,7 +344,8 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "commit_max_ms": max(commits, default=float("nan")) * 1e3,
             "txn_p50_ms": common.percentile(totals, 0.5) * 1e3,
             "txn_p99_ms": common.percentile(totals, 0.99) * 1e3,
-            "machine_jitter": jitter}
+            "machine_jitter": jitter,
+            **({"loop_steps": steps} if steps is not None else {})}
 
 
 def bounds_text(small: dict, floor: dict, combined: bool) -> str:
@@ -930,6 +999,13 @@ def main() -> None:
                         help="with --profile: record the SDK client instead of the "
                              "server (the CTP worker; with --only-small the first client "
                              "process)")
+    parser.add_argument("--loop-steps", action="store_true",
+                        help="with --only-small: every server counts and times its "
+                             "event-loop callbacks over the timed window, keyed by the task "
+                             "(and what it had awaited) or callback that ran "
+                             "(bench/loop_steps/sitecustomize.py), and the steps and ms per "
+                             "transaction are printed: the counts stay put on a noisy "
+                             "machine where times move")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a config setting for every server (repeatable), e.g. "
@@ -958,6 +1034,12 @@ def main() -> None:
         parser.error("--commit-threads takes 1..256")
     if args.rate < 0 or (args.rate and not args.only_small):
         parser.error("--rate takes a positive rate, with --only-small")
+    if args.loop_steps and not args.only_small:
+        parser.error("--loop-steps goes with --only-small")
+    loop_steps_dir = None
+    if args.loop_steps:  # before the servers start: they inherit it
+        loop_steps_dir = tempfile.TemporaryDirectory(prefix="atomlog-bench-loop-steps-")
+        loop_steps_on(loop_steps_dir.name)
     # Removed when the run ends (the object lives as long as main).
     failpoint_dir = tempfile.TemporaryDirectory(prefix="atomlog-bench-failpoints-")
     if args.fsync_delay_ms:
@@ -985,7 +1067,10 @@ def main() -> None:
                                        not args.streaming, args.profile,
                                        not args.no_client_links, args.profile_worker,
                                        args.rate)
+            steps = small.pop("loop_steps", None)
             print(f"small transactions: {json.dumps(small, indent=1)}", flush=True)
+            if steps is not None:
+                print(loop_steps_text(steps), flush=True)
             print(f"small transactions/s {small['per_s']:.0f} "
                   f"({small['per_s'] / floor['calls_per_s'] * 100:.1f}% of the call floor "
                   f"{floor['calls_per_s']:,.0f}/s); server CPU "
