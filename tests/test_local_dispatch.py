@@ -11,7 +11,7 @@ import urllib.request
 import grpc
 import pytest
 
-from atomlog.v1 import partition_pb2, partition_pb2_grpc
+from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from services import local
 from services.errors import AtomlogError, from_rpc_error
 from spark_client import Client
@@ -132,3 +132,67 @@ def test_the_combined_server_is_every_role_and_calls_itself_in_process(combined)
                                   "atomlog_coordinator_log_produces_total")
     assert log_produces.get('{path="owner"}', 0) >= 6, log_produces
     assert log_produces.get('{path="call"}', 0) == 0, log_produces
+
+
+class _OneOwner:
+    """A PartitionManager holding one owner (what PartitionServicer asks it)."""
+    server_name = "in-process"
+
+    def __init__(self, owner) -> None:
+        self._owner = owner
+
+    def owner(self, topic: str, partition: int):
+        assert (topic, partition) == (self._owner.topic, self._owner.partition)
+        return self._owner
+
+
+def test_an_in_process_append_answers_as_produce_and_one_held_past_its_timeout_lands(tmp_path):
+    """PartitionServicer.produce_here (a combined server's TC-log appends): a real owner
+    behind the real servicer. It answers what Produce answers, refuses a corrupt batch
+    with nothing written, and a write whose fsync is held past the timeout is
+    REQUEST_TIMED_OUT while the write goes on: the TC log's retry of the same batch is
+    then a duplicate with the first one's offsets."""
+    from partition_server.durability import DurabilityBarrier
+    from partition_server.owner import PartitionOwner
+    from partition_server.service import PartitionServicer
+    from tests.test_durability import SETTINGS, GatedSync, batch, until
+
+    gate = GatedSync()
+    barrier = DurabilityBarrier(syncfs=gate)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", SETTINGS, barrier=barrier)
+        await owner.start()
+        servicer = PartitionServicer(_OneOwner(owner), None, max_batch_bytes=1 << 20,
+                                     fetch_max_wait_ms=0, fetch_default_max_bytes=1 << 20,
+                                     max_message_bytes=8 << 20)
+        tp = common_pb2.TopicPartition(topic="t", partition=0)
+
+        def item(data: bytes) -> partition_pb2.ProduceItem:
+            return partition_pb2.ProduceItem(topic_partition=tp, record_batch=data)
+
+        first = await servicer.produce_here(item(batch(7, 0)), 5)
+        [second] = (await servicer.Produce(
+            partition_pb2.ProduceRequest(items=[item(batch(7, 2))]), None)).results
+        assert (first.error.reason, first.base_offset, first.last_offset, first.duplicate,
+                first.log_start_offset) == ("", 0, 1, False, 0)
+        assert (second.error.reason, second.base_offset, second.log_start_offset) == ("", 2, 0)
+
+        corrupt = bytearray(batch(7, 4))
+        corrupt[-1] ^= 1
+        refused = await servicer.produce_here(item(bytes(corrupt)), 5)
+        assert refused.error.reason == "CRC_MISMATCH" and refused.base_offset == -1
+        assert owner.log.log_end_offset == 4
+
+        gate.hold = True
+        held = await servicer.produce_here(item(batch(7, 4)), 0.2)
+        assert held.error.reason == "REQUEST_TIMED_OUT", held
+        assert owner.log.log_end_offset == 6 and owner.log.high_watermark == 4
+        gate.hold = False
+        gate.release()
+        await until(lambda: owner.log.high_watermark == 6)
+        retried = await servicer.produce_here(item(batch(7, 4)), 5)
+        assert (retried.error.reason, retried.base_offset, retried.duplicate) == ("", 4, True)
+        await owner.close()
+
+    asyncio.run(scenario())
