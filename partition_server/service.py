@@ -122,9 +122,11 @@ async def _cursors_replicated_for_reading(owner: PartitionOwner) -> None:
                            "reopened; retry", {"retry_after_ms": "200"})
 
 
-def _refused(tp, error: AtomlogError) -> partition_pb2.ProduceResult:
-    """The ProduceResult of a batch refused with `error`."""
-    m.BAD_BATCHES.labels(error.reason).inc()
+def _refused(tp, error: AtomlogError, bad_batch: bool = True) -> partition_pb2.ProduceResult:
+    """The ProduceResult of a batch refused with `error` (counted as a bad batch unless
+    `bad_batch` is False)."""
+    if bad_batch:
+        m.BAD_BATCHES.labels(error.reason).inc()
     return partition_pb2.ProduceResult(topic_partition=tp, error=item_error(error),
                                        base_offset=-1, last_offset=-1)
 
@@ -142,11 +144,10 @@ def _produce_result(tp, owner: PartitionOwner,
 
 
 def _timed_out(tp, timeout_s: float) -> partition_pb2.ProduceResult:
-    """The ProduceResult of a write not answered in time (not a bad batch: not counted)."""
-    error = AtomlogError("REQUEST_TIMED_OUT", f"the write was not answered within "
-                         f"{timeout_s} s (its outcome is unknown)")
-    return partition_pb2.ProduceResult(topic_partition=tp, error=item_error(error),
-                                       base_offset=-1, last_offset=-1)
+    """The ProduceResult of a write not answered in time (not a bad batch)."""
+    return _refused(tp, AtomlogError("REQUEST_TIMED_OUT", f"the write was not answered "
+                                     f"within {timeout_s} s (its outcome is unknown)"),
+                    bad_batch=False)
 
 
 def _require_items(items, what: str, field: str | None = None) -> None:

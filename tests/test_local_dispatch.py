@@ -151,7 +151,8 @@ def test_an_in_process_append_answers_as_produce_and_one_held_past_its_timeout_l
     behind the real servicer. It answers what Produce answers, refuses a corrupt batch
     with nothing written, and a write whose fsync is held past the timeout is
     REQUEST_TIMED_OUT while the write goes on: the TC log's retry of the same batch is
-    then a duplicate with the first one's offsets."""
+    then a duplicate with the first one's offsets. A batch whose producer has an
+    earlier request waiting for its turn waits behind it (through Produce)."""
     from partition_server.durability import DurabilityBarrier
     from partition_server.owner import PartitionOwner
     from partition_server.service import PartitionServicer
@@ -193,6 +194,17 @@ def test_an_in_process_append_answers_as_produce_and_one_held_past_its_timeout_l
         await until(lambda: owner.log.high_watermark == 6)
         retried = await servicer.produce_here(item(batch(7, 4)), 5)
         assert (retried.error.reason, retried.base_offset, retried.duplicate) == ("", 4, True)
+
+        # An earlier request of the same producer still waits for its turn (a gate, as
+        # Produce leaves while it verifies): this one waits behind it, not queued ahead.
+        earlier = asyncio.get_running_loop().create_future()
+        owner.produce_gates[7] = earlier
+        behind = asyncio.ensure_future(servicer.produce_here(item(batch(7, 6)), 5))
+        await asyncio.sleep(0.1)
+        assert not behind.done() and owner.log.log_end_offset == 6
+        del owner.produce_gates[7]
+        earlier.set_result(None)
+        assert (await behind).base_offset == 6
         await owner.close()
 
     asyncio.run(scenario())
