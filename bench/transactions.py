@@ -17,8 +17,8 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
    read_uncommitted (one consumer, same data, MB/s).
 4. Consume-transform-produce (peers-bench W3): 20,000 preloaded 1 KiB inputs (untimed);
    one worker process repeats poll 100 inputs from a subscription (its consumer
-   prefetches 900 more per Receive, as a RabbitMQ consumer's prefetch count: one Receive
-   per ten polls), send 100 outputs (the input's bytes reversed; in one send_batch(), as
+   prefetches 900 more per Receive, as a RabbitMQ consumer's prefetch count, and sends
+   the next Receive in the background once it holds 500: one Receive per five polls), send 100 outputs (the input's bytes reversed; in one send_batch(), as
    PostgreSQL's W3 inserts them with one executemany(), or with --ctp-send each in one
    send() apiece) and ack the 100 inputs, all in one transaction, commit; it stops at
    the first empty poll. Twice, on
@@ -115,12 +115,14 @@ CTP_IN, CTP_OUT, CTP_SUBSCRIPTION = "bench-ctp-in", "bench-ctp-out", "bench-ctp"
 CTP_BATCH = 100
 CTP_DEPTH = 8  # pipelined: transactions committing at once (the SDK's commit threads: 16)
 # The worker's consumer asks each Receive for this many inputs beyond the poll's 100 and
-# keeps them for its next polls (as RabbitMQ's prefetch count): one Receive per ten polls.
+# keeps them for its next polls (as RabbitMQ's prefetch count); once it holds half of
+# that, the next Receive tops it up in the background: one Receive per five polls.
 CTP_PREFETCH = 9 * CTP_BATCH
-CTP_PER_RECEIVE = CTP_BATCH + CTP_PREFETCH  # inputs one Receive delivers
+CTP_PER_RECEIVE = CTP_BATCH + CTP_PREFETCH  # inputs the first Receive delivers
 _PREFETCH_NOTE = (f"the consumer prefetches {CTP_PREFETCH} more per Receive, as a RabbitMQ "
-                  f"consumer's prefetch count: one Receive per "
-                  f"{CTP_PER_RECEIVE // CTP_BATCH} polls")
+                  f"consumer's prefetch count, and sends the next Receive in the background "
+                  f"when it holds {CTP_PER_RECEIVE // 2}: one Receive per "
+                  f"{CTP_PER_RECEIVE // 2 // CTP_BATCH} polls")
 PARTITIONS = 16
 RECORD = b"x" * 1024
 
@@ -522,7 +524,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
                                prefetch=CTP_PREFETCH)
     producer = client.producer(linger_ms=5)
     producer.send(topic_out, b"warm-up", partition=0).result(30)  # connection, producer id
-    batches, commits, done, transactions = [], [], 0, 0
+    batches, commits, done, transactions, polling_s = [], [], 0, 0, 0.0
     in_flight: collections.deque = collections.deque()
     servers_before = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
     rpcs_before = rpc_counts(metrics_addresses)
@@ -537,6 +539,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     while True:
         started = time.perf_counter()
         messages = consumer.poll(timeout_s=0, max_records=CTP_BATCH)
+        polling_s += time.perf_counter() - started
         if not messages:
             break
         # Output partitions and input cursors named up front: one NewTxn registers them all.
@@ -597,6 +600,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
              "batch_p99_ms": common.percentile(batches, 0.99) * 1e3,
              "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
              "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
+             "poll_share": polling_s / seconds,
              "client_cpu_s": client_cpu, "server_cpu_s": servers, "input_left": left,
              "rpcs_per_batch": {m: n / max(1, transactions) for m, n in rpcs.items() if n}})
 
@@ -854,6 +858,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
             f"{c['batch_p99_ms']:.1f} ms", "PostgreSQL 2.92 / 5.00 ms, Redis 1.90 / 2.24 ms"),
         row("commit p50 / p99 (commit() returns; commit_async() to its future done)",
             lambda c, f: f"{c['commit_p50_ms']:.1f} / {c['commit_p99_ms']:.1f} ms"),
+        row("time in poll() (a Receive it waits for, handing messages out)",
+            lambda c, f: f"{c['poll_share']:.0%} of the run"),
         row("inputs left, outputs committed",
             lambda c, f: f"{c['input_left']}, {c['outputs'] - 1:,}", "0, 20,000"),
         row("gRPC calls per transaction, all processes", calls),
@@ -886,8 +892,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         f"Pipelined, the chain overlaps with the next batches: {fp['cpu_s'] / piped['seconds']:.2f} "
         f"cores, {piped['per_s'] / seq['per_s'] * 100 - 100:+.0f}% inputs/s, and each batch waits "
         "longer for its commit (it queues behind the others).",
-        "The calls, from the worker: Receive, amortized (with the prefetch one delivers",
-        f"{CTP_PER_RECEIVE:,} inputs,",
+        "The calls, from the worker: Receive, amortized (with the prefetch the first",
+        f"delivers {CTP_PER_RECEIVE:,} inputs and each later one {CTP_PER_RECEIVE // 2:,},",
         "which the SDK keeps for the next polls), and one CommitTxn per transaction carrying",
         "its outputs and its acks (one-call transactions: the SDK keeps them on the client",
         "while they stay under its bound, 1 MiB; pipelined, CommitTxns carries several",
@@ -914,8 +920,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         "`begin_transaction(partitions=..., subscriptions=...)`):",
         "NewTxn, Produce (the outputs of a partition",
         "are one batch), Ack (the 100 offsets of a partition are one item) and EndTxn; Receive",
-        f"is amortized (with the prefetch one delivers {CTP_PER_RECEIVE:,} inputs, which the "
-        "SDK keeps for the next",
+        f"is amortized (with the prefetch the first delivers {CTP_PER_RECEIVE:,} inputs and "
+        f"each later one {CTP_PER_RECEIVE // 2:,}, which the SDK keeps for the next",
         "polls). Between servers: VerifyTxnPartitions for each new output partition and",
         "subscription partition, EndTxnOnPartition to each server holding a marker target,",
         "and the TC log appends (OPEN with the registrations, COMMITTING, COMMITTED, which",

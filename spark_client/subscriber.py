@@ -86,9 +86,13 @@ class SubscriptionConsumer:
         further call waits for one of them. `prefetch` (as RabbitMQ's prefetch count):
         messages a Receive asks for beyond the poll's max_records, kept here for the next
         polls, so a worker polling small batches makes one Receive per several polls.
-        They are delivered (their ack timeout runs) from that Receive on, and what is
-        still kept when the ack timeout passes is dropped here and redelivered by the
-        server; 0 (the default) asks for max_records only. A server that restarts (or a
+        When a poll leaves at most half of that (max_records + prefetch) kept, the next
+        Receive, for the difference, is sent in the background at once (as Kafka's
+        consumer sends its next fetch while the application works), so the polls after
+        find it here instead of waiting for the server. They are delivered (their ack
+        timeout runs) from that Receive on, and what is still kept when the ack timeout
+        passes is dropped here and redelivered by the server; 0 (the default) asks for
+        max_records only and sends nothing in the background. A server that restarts (or a
         partition whose leadership moves) forgets its deliveries and gives them to other
         consumers: messages kept here from before may then be acked by others first, and
         a transactional ack of them fails with TRANSACTION_CONFLICT (exactly once holds;
@@ -118,6 +122,11 @@ class SubscriptionConsumer:
         self._kept_by = KeptBy()
         self._fetched = Fetched()  # delivered, not yet returned by poll
         self._buffer_expires = 0.0
+        # The background Receive topping up what is kept (prefetch): a future of
+        # (Fetched, when it was sent: monotonic, time.time()), taken when _fetched is
+        # empty; at most one at a time, on its own thread.
+        self._top_up_call: concurrent.futures.Future | None = None
+        self._top_up_executor: concurrent.futures.ThreadPoolExecutor | None = None
         # time.time() when the Receive that delivered what poll() hands out was sent.
         self.received_at: float | None = None
         self._async_slots = threading.BoundedSemaphore(max_async_acks)
@@ -232,14 +241,18 @@ class SubscriptionConsumer:
         are retried within timeout_s; if nothing was delivered and some partition still
         failed, its (retriable) error is raised."""
         self._wait_for_data(timeout_s, max_records)
-        return self._fetched.take_messages(max_records)
+        messages = self._fetched.take_messages(max_records)
+        self._top_up(max_records)
+        return messages
 
     def poll_arrow(self, timeout_s: float = 1.0, max_records: int = 10_000) -> pa.Table:
         """poll() as a pyarrow Table (topic, partition, offset, key, value, headers,
         timestamp: spark_client.fetched.TABLE_SCHEMA), empty when nothing was delivered
         within timeout_s; no Python object per record. ack(table) acknowledges its rows."""
         self._wait_for_data(timeout_s, max_records)
-        return self._fetched.take_table(max_records)
+        table = self._fetched.take_table(max_records)
+        self._top_up(max_records)
+        return table
 
     def _wait_for_data(self, timeout_s: float, max_records: int) -> None:
         if self._closed:
@@ -249,7 +262,69 @@ class SubscriptionConsumer:
         if self._fetched and time.monotonic() >= self._buffer_expires:
             self._fetched.clear()
         if not self._fetched:
+            self._take_top_up()
+        if not self._fetched:
             self._receive(timeout_s, max_records)
+
+    def _top_up(self, max_records: int) -> None:
+        """After a poll: with a prefetch, once what is kept is at most half of what a
+        Receive asks for, send the next Receive (for the difference) in the background,
+        unless one is out already."""
+        if not self.prefetch or self._closed or self._top_up_call is not None:
+            return
+        wanted = max_records + self.prefetch
+        kept = len(self._fetched)
+        if 2 * kept > wanted:
+            return
+        if self._top_up_executor is None:
+            self._top_up_executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="atomlog-receive")
+        self._top_up_call = self._top_up_executor.submit(self._receive_now, wanted - kept)
+
+    def _receive_now(self, count: int) -> tuple[Fetched, float, float]:
+        """One Receive of up to `count` messages that does not wait at the servers (the
+        background top-up's): what it delivered, and when it was sent. A server that
+        fails is left out (its error comes back from the poll that calls it next)."""
+        servers = self._by_server(self.partitions)
+        began, began_wall = time.monotonic(), time.time()
+        share = min(max(1, count // max(1, len(servers))), MAX_MESSAGES_PER_RECEIVE)
+        _, _, results = self._call_once(
+            "Receive", lambda group: partition_pb2.ReceiveRequest(
+                consumer_id=self.consumer_id,
+                subscription_partitions=[self._sp(t, p) for t, p in group],
+                isolation_level=ISOLATION[self.isolation], max_wait_ms=0,
+                max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms,
+                max_messages=share),
+            self.partitions, self.request_timeout_s)
+        return self._delivered(results), began, began_wall
+
+    def _take_top_up(self) -> None:
+        """The background Receive's messages (waiting for it if it is still out) into the
+        empty buffer, unless their ack timeout passed meanwhile (the server redelivers
+        them). A top-up that failed delivered nothing known: the poll's own Receive
+        follows and raises what fails for good."""
+        call, self._top_up_call = self._top_up_call, None
+        if call is None:
+            return
+        try:
+            delivered, began, began_wall = call.result()
+        except Exception:  # noqa: BLE001 — called again, and raised, by the poll's Receive
+            return
+        if delivered and time.monotonic() < began + self.ack_timeout_ms / 1000:
+            self._fetched = delivered
+            self._buffer_expires = began + self.ack_timeout_ms / 1000
+            self.received_at = began_wall
+
+    def _settle_top_up(self) -> None:
+        """Wait for a background Receive still out and drop what it delivered (before a
+        reset or a close: what it delivered is then released with the rest, not left
+        out to this consumer until its ack timeout)."""
+        call, self._top_up_call = self._top_up_call, None
+        if call is not None:
+            try:
+                call.result()
+            except Exception:  # noqa: BLE001 — nothing of it is kept
+                pass
 
     def _receive(self, timeout_s: float, max_records: int) -> None:
         """Receive at most max_records messages into the buffer (see poll)."""
@@ -428,6 +503,7 @@ class SubscriptionConsumer:
         unknown = [tp for tp in targets if tp not in self.partitions]
         if unknown:
             raise ValueError(f"not partitions of this consumer: {unknown}")
+        self._settle_top_up()
         self._fetched.clear()  # delivered before the move: the server forgot them
         results = self._call_all(
             "ResetSubscription", lambda group: partition_pb2.ResetSubscriptionRequest(
@@ -468,7 +544,11 @@ class SubscriptionConsumer:
         if self._closed:
             return
         self._closed = True
+        self._settle_top_up()
         self._fetched.clear()
+        if self._top_up_executor is not None:
+            self._top_up_executor.shutdown(wait=True)
+            self._top_up_executor = None
         with self._async_lock:
             executor, self._async_executor = self._async_executor, None
         if executor is not None:

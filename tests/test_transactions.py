@@ -438,6 +438,54 @@ def test_a_prefetching_consumer_holds_what_it_received_and_releases_it_on_close(
         assert cursor.cumulative_end_offset == 100 and not cursor.individual_ranges
 
 
+def test_a_prefetching_consumer_sends_its_next_receive_while_the_application_works(client):
+    """Once a poll leaves at most half of what a Receive asks for (max_records +
+    prefetch) kept, the next Receive, for the difference, goes out in the background: the
+    server has delivered it before any poll asks. The polls hand everything out once, in
+    order; received_at moves to when the background Receive was sent; a reset drops what
+    it delivered (replayed from the new position), and a close releases it to the others
+    at once."""
+    topic = T("tx-topup")
+    client.create_topic(topic, partitions=1)
+    with client.producer() as producer:
+        for i in range(100):
+            producer.send(topic, f"m{i}", partition=0)
+    a = client.consumer(topic, subscription="s-topup", ack_timeout_s=60, prefetch=40)
+
+    def delivered() -> int:
+        return a.describe()[0].delivered_unacknowledged_count
+
+    got = a.poll(timeout_s=5, max_records=10)  # one Receive for 50: 40 kept
+    got += a.poll(timeout_s=0, max_records=10)  # 30 kept: more than half of 50
+    first_received_at = a.received_at
+    time.sleep(0.3)
+    assert delivered() == 50  # nothing went out in the background
+    sent_after = time.time()
+    got += a.poll(timeout_s=0, max_records=10)  # 20 kept: a Receive for 30 goes out
+    wait_until(lambda: delivered() == 80, 10, "the background Receive's deliveries")
+    while len(got) < 100:
+        polled = a.poll(timeout_s=0, max_records=10)
+        assert polled, f"a poll came back empty after {len(got)} messages"
+        got += polled
+    assert [m.offset for m in got] == list(range(100))
+    assert values(got[-1:]) == [b"m99"]
+    assert first_received_at < sent_after <= a.received_at
+    assert a.poll(timeout_s=0.2, max_records=10) == []
+
+    a.ack(got[:60])
+    assert a.reset("offset", offset=60) == {(topic, 0): 60}
+    replayed = a.poll(timeout_s=5, max_records=10)  # the 40 left are delivered, 30 kept
+    wait_until(lambda: delivered() == 40, 10, "the deliveries after the reset")
+    assert [m.offset for m in replayed] == list(range(60, 70))
+    a.close()  # 60-99 were never acked: released to b, long before the ack timeout
+    with client.consumer(topic, subscription="s-topup", ack_timeout_s=60) as b:
+        released = poll_all(b, 40, timeout_s=10)
+        assert sorted(m.offset for m in released) == list(range(60, 100))
+        b.ack(released)
+        cursor = b.describe()[0]
+        assert cursor.cumulative_end_offset == 100 and not cursor.delivered_unacknowledged_count
+
+
 def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(servers,
                                                                                 client):
     topic = T("tx-reset")
