@@ -530,10 +530,11 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     rpcs_before = rpc_counts(metrics_addresses)
     spy = None
     if profile is not None:
-        import signal
         spy = common.py_spy(os.getpid() if profile_worker else next(iter(processes.values())),
                             profile)
         time.sleep(1)  # py-spy attaches
+    # Servers started after loop_steps_on() count their event-loop steps over the loop.
+    counting = loop_steps_signal(list(processes.values()), signal.SIGUSR1)
     client_before = time.process_time()
     began = time.perf_counter()
     while True:
@@ -578,6 +579,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     for future in in_flight:
         future.result()
     seconds = time.perf_counter() - began
+    loop_steps_signal(counting, signal.SIGUSR2)
     if spy is not None:
         spy.send_signal(signal.SIGINT)  # py-spy writes what it recorded and exits
         spy.wait(60)
@@ -601,6 +603,7 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
              "commit_p50_ms": common.percentile(commits, 0.5) * 1e3,
              "commit_p99_ms": common.percentile(commits, 0.99) * 1e3,
              "poll_share": polling_s / seconds,
+             **({"loop_steps": loop_steps_read(counting, transactions)} if counting else {}),
              "client_cpu_s": client_cpu, "server_cpu_s": servers, "input_left": left,
              "rpcs_per_batch": {m: n / max(1, transactions) for m, n in rpcs.items() if n}})
 
@@ -1006,12 +1009,14 @@ def main() -> None:
                              "server (the CTP worker; with --only-small the first client "
                              "process)")
     parser.add_argument("--loop-steps", action="store_true",
-                        help="with --only-small: every server counts and times its "
-                             "event-loop callbacks over the timed window, keyed by the task "
-                             "(and what it had awaited) or callback that ran "
+                        help="with --only-small or --only-ctp: every server counts and "
+                             "times its event-loop callbacks over the timed window (each "
+                             "CTP cell's loop), keyed by the task (and what it had "
+                             "awaited) or callback that ran "
                              "(bench/loop_steps/sitecustomize.py), and the steps and ms per "
                              "transaction are printed: the counts stay put on a noisy "
-                             "machine where times move")
+                             "machine where times move. The counting slows the servers: "
+                             "writes no docs")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a config setting for every server (repeatable), e.g. "
@@ -1040,8 +1045,10 @@ def main() -> None:
         parser.error("--commit-threads takes 1..256")
     if args.rate < 0 or (args.rate and not args.only_small):
         parser.error("--rate takes a positive rate, with --only-small")
-    if args.loop_steps and not args.only_small:
-        parser.error("--loop-steps goes with --only-small")
+    if args.loop_steps and not (args.only_small or args.only_ctp):
+        parser.error("--loop-steps goes with --only-small or --only-ctp")
+    if args.loop_steps:
+        args.no_docs = True  # the counter's own cost is in these figures
     loop_steps_dir = None
     if args.loop_steps:  # before the servers start: they inherit it
         loop_steps_dir = tempfile.TemporaryDirectory(prefix="atomlog-bench-loop-steps-")
@@ -1126,7 +1133,10 @@ def main() -> None:
                 profile=args.profile if args.only_ctp else None,
                 profile_worker=args.profile_worker, depth=args.ctp_depth,
                 commit_threads=args.commit_threads, send_batch=args.ctp_send == "batch"))
+            steps = ctp_runs[-1].pop("loop_steps", None)
             print(f"consume-transform-produce: {ctp_runs[-1]}", flush=True)
+            if steps is not None:
+                print(loop_steps_text(steps), flush=True)
     ctp_text = ctp_section(command, load, baseline, raw_mb_s, floor, ctp_runs, peers)
     if args.only_ctp:
         text, begin, end = ctp_text, CTP_BEGIN, CTP_END
