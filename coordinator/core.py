@@ -43,7 +43,8 @@ state only. While an append about a transaction (or its parent, children, sessio
 idempotency key) is in flight, other inputs on it get CONCURRENT_TRANSACTIONS (retriable).
 Call `tick(now_ms)` periodically (every ~100 ms) and once right after loading: it aborts
 transactions past their timeouts, logs completions that are due, re-sends markers, and
-forgets expired sessions.
+forgets expired sessions. While `idle()` (nothing unfinished, nothing being staged) a tick
+only expires sessions, so about once a second is enough until the next input.
 
 Loading (and why the log stays bounded)
 ---------------------------------------
@@ -1329,6 +1330,13 @@ class TcPartitionCore:
     def is_finished(self, txn_id: TxnId) -> bool:
         """COMMITTED or ABORTED (or forgotten after it finished, or never known)."""
         return txn_id not in self._unfinished
+
+    def idle(self) -> bool:
+        """No unfinished transaction and no one-call transaction being staged: then
+        `tick` has nothing to time out, complete or re-send, only sessions to expire
+        (which it does at most every SESSION_SWEEP_INTERVAL_MS), and its shell may tick
+        as seldom as that until an input arrives."""
+        return not self._unfinished and not self._one_calls
 
     @property
     def metrics(self) -> CoreMetrics:

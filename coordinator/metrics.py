@@ -55,6 +55,10 @@ LOG_RECORDS_PER_APPEND = Histogram("atomlog_coordinator_log_records_per_append",
 LOAD_SECONDS = Histogram("atomlog_coordinator_tc_partition_load_seconds",
                          "Time to load a TC partition (fence, read its log, restore, replay).",
                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+TICKS = Counter("atomlog_coordinator_ticks_total",
+                "Ticks of the TC partitions (timeouts, completions, marker re-sends, session "
+                "expiry): every 100 ms (coordinator.tick_interval_ms) while a partition has "
+                "unfinished transactions, about once a second while it has none.")
 LOAD_FAILURES = Counter("atomlog_coordinator_tc_partition_load_failures_total",
                         "Loads of a TC partition that failed (retried).")
 SNAPSHOTS = Counter("atomlog_coordinator_snapshots_total",

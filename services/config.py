@@ -428,7 +428,9 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("transaction.max_list_limit", int, 10_000, "Most transactions ListTransactions "
                 "answers.", minimum=1, maximum=1_000_000),
         Setting("coordinator.tick_interval_ms", int, 100, "How often each TC partition checks "
-                "timeouts, due completions and marker re-sends.", minimum=5, maximum=10_000),
+                "timeouts, due completions and marker re-sends while it has unfinished "
+                "transactions (with none, about once a second, and at once when one "
+                "begins).", minimum=5, maximum=10_000),
         Setting("coordinator.zookeeper_session_timeout_ms", int, 3_000, "ZooKeeper session "
                 "timeout of a coordinator process (instead of zookeeper.session_timeout_ms): "
                 "how long after it dies its TC partitions move to the other coordinators, "

@@ -26,7 +26,7 @@ from atomlog.v1 import (
 from coordinator.records import tc_partition_for
 from services.errors import from_rpc_error
 from spark_client import Client
-from tests.conftest import SESSION_TIMEOUT_MS, TC_SNAPSHOT_EVERY_RECORDS, wait_until
+from tests.conftest import SESSION_TIMEOUT_MS, TC_SNAPSHOT_EVERY_RECORDS, metric_sum, wait_until
 
 S = coordinator_pb2
 COMMIT, ABORT = partition_pb2.TXN_DECISION_COMMIT, partition_pb2.TXN_DECISION_ABORT
@@ -122,6 +122,41 @@ def test_leases_spread_evenly_with_fresh_epochs(cluster, topics):
     rows = {r["name"]: r for r in cluster.status()["processes"]}
     for name in COORDINATORS:
         assert rows[name]["tc_partitions"] == sorted(k for k, (o, _) in held.items() if o == name)
+
+
+def ticks(cluster) -> float:
+    return sum(metric_sum(cluster.process(name)["metrics_address"],
+                          "atomlog_coordinator_ticks_total ") for name in COORDINATORS)
+
+
+def ticks_over(cluster, seconds: float) -> float:
+    before = ticks(cluster)
+    time.sleep(seconds)
+    return ticks(cluster) - before
+
+
+def test_an_idle_tc_partition_ticks_once_a_second_and_a_transaction_brings_back_the_pace(
+        cluster, topics):
+    """With nothing unfinished a tick can only expire sessions: the 16 TC partitions
+    tick about once a second each (every 100 ms, they would tick 320 times in 2 s).
+    A transaction wakes its partition at once; it ticks every 100 ms while the
+    transaction is open (its timeout needs that), and its timeout still aborts it."""
+    wait_until(lambda: counts(cluster) == [8, 8], 30, "an even spread")
+    idle = ticks_over(cluster, 2.0)
+    # (Room for a few partitions another test left an unfinished transaction on.)
+    assert 16 <= idle <= 100, idle
+    k = 4
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, timeout_ms=60_000, topic_partitions=[tp("txa", 1)])).txn_id
+    busy = ticks_over(cluster, 2.0)
+    assert busy >= idle + 10, (idle, busy)
+    call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=ABORT))
+    wait_until(lambda: state(cluster, txn) == S.TXN_STATE_ABORTED, 10, "the abort")
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, timeout_ms=300, topic_partitions=[tp("txa", 1)])).txn_id
+    wait_until(lambda: state(cluster, txn) == S.TXN_STATE_ABORTED, 10, "the timeout abort")
+    status = call(cluster, k, "GetTxnStatus", S.GetTxnStatusRequest(txn_id=txn))
+    assert status.end_cause == S.TXN_END_CAUSE_TIMEOUT
 
 
 def test_commit_across_partitions_is_durable_and_idempotent(cluster, topics):

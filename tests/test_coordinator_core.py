@@ -877,6 +877,43 @@ def test_markers_are_resent_until_confirmed_and_counted() -> None:
     assert core.tick(NOW + 10_000) == NO_WORK
 
 
+def test_idle_holds_exactly_when_a_tick_however_late_has_nothing_to_do() -> None:
+    """The shell ticks an idle() core about once a second instead of every 100 ms
+    (coordinator/tc_partition.py): so idle() must hold only when a tick, however late,
+    could do nothing (the sessions it may expire aside)."""
+    core = TcPartitionCore(TC, Limits(default_timeout_ms=10, marker_retry_ms=100))
+    assert core.idle() and core.tick(NOW + 10**9) == NO_WORK
+    ready = core.new_txn(NOW, topic_partitions=[TopicPartition("t", 0)])
+    # Being opened: nothing for a tick until the Opened record is durable (append_done
+    # is an input too: it wakes the shell's ticker).
+    assert core.idle()
+    settle(core, ready)
+    assert not core.idle()  # open: its timeout is due at NOW + 10
+    markers = settle(core, core.tick(NOW + 10))
+    assert [m.decision for m in markers] == [ABORT] and not core.idle()
+    assert core.tick(NOW + 110).markers  # deciding: re-sent until confirmed
+    settle(core, core.marker_confirmed(NOW + 120, markers[0].txn_id, markers[0].target))
+    assert core.status(markers[0].txn_id, NOW).state is State.ABORTED
+    assert core.idle() and core.tick(NOW + 10**9) == NO_WORK
+    start = core.begin_one_call(NOW, 1_000, None, "k", [TopicPartition("t", 1)], [])
+    assert not core.idle()  # being staged: forgotten by a tick 5 s past its deadline
+    settle(core, start)
+    assert not core.idle()
+    ready = core.end_one_call(NOW + 5, start.reply.txn_id)
+    markers = settle(core, ready)
+    assert not core.idle()  # committing: its markers are re-sent until confirmed
+    for marker in markers:
+        settle(core, core.marker_confirmed(NOW + 6, marker.txn_id, marker.target))
+    settle(core, core.tick(NOW + 7))  # its completion is proposed
+    assert core.is_finished(start.reply.txn_id)
+    assert core.idle() and core.tick(NOW + 10**9) == NO_WORK
+    lost = core.begin_one_call(NOW, 1_000, None, "k2", [TopicPartition("t", 2)], [])
+    settle(core, lost)
+    assert not core.idle()
+    assert core.tick(NOW + 1_000 + 5_000).markers  # staged, never ended: aborted by a tick
+    assert core.idle()
+
+
 def test_timeout_decisions_per_tick_are_bounded() -> None:
     core = TcPartitionCore(TC, Limits(max_decisions_per_tick=3, default_timeout_ms=10))
     for _ in range(7):
