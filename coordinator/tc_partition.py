@@ -450,19 +450,27 @@ class TcPartition:
     async def _ticker(self) -> None:
         interval = self.settings.tick_interval_ms / 1000
         loop = asyncio.get_running_loop()
+        idle_until: float | None = None  # when an idle core's next tick is due
         while self.phase is Phase.ACTIVE:
             if self.core is not None and self.core.idle():
-                # Nothing to time out, complete or re-send: tick once a second (sessions,
-                # keepalives, snapshots), or at once when an input arrives (_carry_out).
+                # Nothing to time out, complete or re-send: the next tick (sessions,
+                # keepalives, snapshots) in about a second. An input (_carry_out) wakes
+                # this early: busy now, the 100 ms pace resumes; still idle (an append in
+                # flight), the same tick stays due, however many inputs come meanwhile.
+                if idle_until is None:
+                    idle_until = loop.time() + max(interval, IDLE_TICK_S) * random.uniform(
+                        0.9, 1.1)
                 self._input.clear()
-                timer = loop.call_later(max(interval, IDLE_TICK_S) * random.uniform(0.9, 1.1),
-                                        self._input.set)
+                timer = loop.call_at(idle_until, self._input.set)
                 try:
                     await self._input.wait()
                 finally:
                     timer.cancel()
+                if loop.time() < idle_until:
+                    continue
             else:
                 await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+            idle_until = None
             if self.phase is Phase.ACTIVE and self.core is not None:
                 metrics.TICKS.inc()
                 self._carry_out(self.core.tick(now_ms()))
