@@ -20,6 +20,7 @@ from partition_server.cursor_store import CursorStoreLimits
 from partition_server.lease import LeaseWatch
 from partition_server.log import LogConfig
 from partition_server.manager import PartitionManager, ReplicationSettings
+from partition_server import read_wire
 from partition_server.replica import RESPONSE_SERIALIZERS
 from partition_server.owner import OwnerSettings
 from partition_server.service import PartitionServicer, SubscriptionSettings
@@ -89,12 +90,15 @@ class _Handlers:
 def add_partition_service(servicer, server) -> None:
     """PartitionService's handlers as generated, except that Replicate and ReplicateMany
     answer through replicate_wire's serializers (records spliced into the wire bytes,
-    docs/replication.md "The answer's bytes"); the messages on the wire are the same."""
+    docs/replication.md "The answer's bytes"), and Fetch and Receive through read_wire's
+    (their record batches spliced likewise); the messages on the wire are the same."""
     collected = _Handlers()
     partition_pb2_grpc.add_PartitionServiceServicer_to_server(servicer, collected)
     name = service_name(partition_pb2, "PartitionService")
     handlers = dict(collected.handlers[name])
-    for method, serializer in RESPONSE_SERIALIZERS.items():
+    serializers = {**RESPONSE_SERIALIZERS, "Fetch": read_wire.serialize,
+                   "Receive": read_wire.serialize}
+    for method, serializer in serializers.items():
         handlers[method] = handlers[method]._replace(response_serializer=serializer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)

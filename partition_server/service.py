@@ -21,6 +21,7 @@ from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
 from partition_server.replica import (REPLICATE_MANY_MAX_BYTES, REPLICATE_MANY_MAX_PARTITIONS,
                                       replicate_many)
+from partition_server.read_wire import SplicedResponse
 from partition_server.replicate_wire import ReplicateItem, ReplicateManyAnswer
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
                                            ControlType, TxnId, iter_batches, stamp_transaction,
@@ -539,11 +540,12 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
     async def _fetch_once(self, request, committed: bool):
         """One pass over the items: (response, bytes, owners to wait on, whether any
-        item moved past filtered-out batches). The response is built in place (no copy
-        of the batch bytes) and never exceeds the gRPC message limit."""
+        item moved past filtered-out batches). The batches are kept beside the response,
+        not copied into it (read_wire splices them into the wire bytes), and it never
+        exceeds the gRPC message limit."""
         budget = min(request.max_bytes or self.fetch_default_max_bytes * len(request.items),
                      self.max_response_bytes)
-        response = partition_pb2.FetchResponse()
+        response = SplicedResponse(partition_pb2.FetchResponse())  # read_wire
         total, waiting, moved = 0, [], False
         for item in request.items:
             tp = item.topic_partition
@@ -939,7 +941,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         (owner, subscription, read position or None, wake-up mark), whether an item
         failed). None: the cursor's new deliveries stopped at a limit, so new data would
         not wake it (an ack does: wait_for_wakeup)."""
-        response = partition_pb2.ReceiveResponse()
+        response = SplicedResponse(partition_pb2.ReceiveResponse())  # read_wire
         budget = min(request.max_bytes or self.fetch_default_max_bytes, self.max_response_bytes)
         per_partition = self.subscription_settings.max_offsets_per_receive
         offsets_left = request.max_messages or None  # None: only the per-partition limit
