@@ -18,7 +18,8 @@ Starts its own local cluster in a temporary directory (1 id allocator, 2 coordin
 4. Consume-transform-produce (peers-bench W3): 20,000 preloaded 1 KiB inputs (untimed);
    one worker process repeats poll 100 inputs from a subscription (its consumer
    prefetches 900 more per Receive, as a RabbitMQ consumer's prefetch count, and sends
-   the next Receive in the background once it holds 500: one Receive per five polls), send 100 outputs (the input's bytes reversed; in one send_batch(), as
+   the next Receive in the background once it holds 500: one Receive per five polls),
+   send 100 outputs (the input's bytes reversed; in one send_batch(), as
    PostgreSQL's W3 inserts them with one executemany(), or with --ctp-send each in one
    send() apiece) and ack the 100 inputs, all in one transaction, commit; it stops at
    the first empty poll. Twice, on

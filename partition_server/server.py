@@ -13,14 +13,13 @@ from pathlib import Path
 import grpc
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
-from partition_server import durability
+from partition_server import durability, read_wire
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.copy_link import serve_on_link
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.lease import LeaseWatch
 from partition_server.log import LogConfig
 from partition_server.manager import PartitionManager, ReplicationSettings
-from partition_server import read_wire
 from partition_server.replica import RESPONSE_SERIALIZERS
 from partition_server.owner import OwnerSettings
 from partition_server.service import PartitionServicer, SubscriptionSettings
