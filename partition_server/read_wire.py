@@ -20,7 +20,7 @@ Pure: no I/O, no gRPC.
 
 from __future__ import annotations
 
-from partition_server.replicate_wire import _varint
+from partition_server.replicate_wire import varint
 
 _LEN = 2  # wire type: length-delimited
 _RESULTS_TAG = bytes([1 << 3 | _LEN])  # FetchResponse.results, ReceiveResponse.results
@@ -119,9 +119,9 @@ def serialize(response) -> bytes:
         head = result.SerializeToString()
         size = len(head)
         if records:
-            length = _varint(len(records))
+            length = varint(len(records))
             size += len(_BATCHES_TAG) + len(length) + len(records)
-            parts += (_RESULTS_TAG, _varint(size), head, _BATCHES_TAG, length, records)
+            parts += (_RESULTS_TAG, varint(size), head, _BATCHES_TAG, length, records)
         else:
-            parts += (_RESULTS_TAG, _varint(size), head)
+            parts += (_RESULTS_TAG, varint(size), head)
     return b"".join(parts)

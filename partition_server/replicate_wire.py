@@ -125,7 +125,8 @@ class ReplicateManyAnswer:
 
 # --------------------------------------------------------------------------- serializing
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """The protobuf varint encoding of n >= 0 (read_wire uses it too)."""
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)
@@ -142,7 +143,7 @@ def _answer_parts(answer: ReplicateAnswer, parts: list) -> int:
     size = len(rest)
     records = answer.records
     if len(records):  # proto3: an empty bytes field is not encoded
-        length = _varint(len(records))
+        length = varint(len(records))
         parts += (_RECORDS_TAG, length, records)
         size += 1 + len(length) + len(records)
     parts.append(rest)
@@ -176,9 +177,9 @@ def serialize_many(answer: ReplicateManyAnswer | partition_pb2.ReplicateManyResp
             parts += (_RESPONSE_TAG, None)
             inner_at = len(parts) - 1
             inner = _answer_parts(item.response, parts)
-            parts[inner_at] = _varint(inner)
+            parts[inner_at] = varint(inner)
             size += 1 + len(parts[inner_at]) + inner
-        parts[at + 1] = _varint(size)
+        parts[at + 1] = varint(size)
     parts.append(answer.unknown)
     return b"".join(parts)
 

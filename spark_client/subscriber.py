@@ -287,44 +287,48 @@ class SubscriptionConsumer:
         fails is left out (its error comes back from the poll that calls it next)."""
         servers = self._by_server(self.partitions)
         began, began_wall = time.monotonic(), time.time()
-        share = min(max(1, count // max(1, len(servers))), MAX_MESSAGES_PER_RECEIVE)
         _, _, results = self._call_once(
-            "Receive", lambda group: partition_pb2.ReceiveRequest(
-                consumer_id=self.consumer_id,
-                subscription_partitions=[self._sp(t, p) for t, p in group],
-                isolation_level=ISOLATION[self.isolation], max_wait_ms=0,
-                max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms,
-                max_messages=share),
+            "Receive", self._receive_request(0, count // max(1, len(servers))),
             self.partitions, self.request_timeout_s)
         return self._delivered(results), began, began_wall
+
+    def _receive_request(self, wait_ms: int, share: int):
+        """build(group) of a ReceiveRequest for a server's partitions: at most `share`
+        messages (1 to the field's limit), waiting up to wait_ms at the server."""
+        share = min(max(1, share), MAX_MESSAGES_PER_RECEIVE)
+        return lambda group: partition_pb2.ReceiveRequest(
+            consumer_id=self.consumer_id,
+            subscription_partitions=[self._sp(t, p) for t, p in group],
+            isolation_level=ISOLATION[self.isolation], max_wait_ms=wait_ms,
+            max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms,
+            max_messages=share)
 
     def _take_top_up(self) -> None:
         """The background Receive's messages (waiting for it if it is still out) into the
         empty buffer, unless their ack timeout passed meanwhile (the server redelivers
-        them). A top-up that failed delivered nothing known: the poll's own Receive
-        follows and raises what fails for good."""
-        call, self._top_up_call = self._top_up_call, None
-        if call is None:
+        them)."""
+        answer = self._settle_top_up()
+        if answer is None:
             return
-        try:
-            delivered, began, began_wall = call.result()
-        except Exception:  # noqa: BLE001 — called again, and raised, by the poll's Receive
-            return
+        delivered, began, began_wall = answer
         if delivered and time.monotonic() < began + self.ack_timeout_ms / 1000:
             self._fetched = delivered
             self._buffer_expires = began + self.ack_timeout_ms / 1000
             self.received_at = began_wall
 
-    def _settle_top_up(self) -> None:
-        """Wait for a background Receive still out and drop what it delivered (before a
-        reset or a close: what it delivered is then released with the rest, not left
-        out to this consumer until its ack timeout)."""
+    def _settle_top_up(self) -> tuple[Fetched, float, float] | None:
+        """Wait for the background Receive, if one is out, and return its answer (None
+        if none, or if it failed: it delivered nothing known, and the poll's own Receive
+        follows and raises what fails for good). Before a reset or a close its answer is
+        dropped: what it delivered is then released with the rest, not left out to this
+        consumer until its ack timeout."""
         call, self._top_up_call = self._top_up_call, None
-        if call is not None:
-            try:
-                call.result()
-            except Exception:  # noqa: BLE001 — nothing of it is kept
-                pass
+        if call is None:
+            return None
+        try:
+            return call.result()
+        except Exception:  # noqa: BLE001 — called again, and raised, by the poll's Receive
+            return None
 
     def _receive(self, timeout_s: float, max_records: int) -> None:
         """Receive at most max_records messages into the buffer (see poll)."""
@@ -338,15 +342,9 @@ class SubscriptionConsumer:
             # The servers are called at once, so each gets a share of max_records (and
             # of the prefetch): at most max(max_records + prefetch, servers) messages
             # come back in all.
-            share = min(max(1, (max_records + self.prefetch) // max(1, len(servers))),
-                        MAX_MESSAGES_PER_RECEIVE)
             retry, last, results = self._call_once(
-                "Receive", lambda group: partition_pb2.ReceiveRequest(
-                    consumer_id=self.consumer_id,
-                    subscription_partitions=[self._sp(t, p) for t, p in group],
-                    isolation_level=ISOLATION[self.isolation], max_wait_ms=wait_ms,
-                    max_bytes=self.max_bytes_per_request, ack_timeout_ms=self.ack_timeout_ms,
-                    max_messages=share),
+                "Receive", self._receive_request(
+                    wait_ms, (max_records + self.prefetch) // max(1, len(servers))),
                 self.partitions, self.request_timeout_s + remaining)
             delivered = self._delivered(results)
             failure = next((errors.error_for(r.error.reason, r.error.message,
