@@ -319,9 +319,9 @@ class SubscriptionConsumer:
     def _settle_top_up(self) -> tuple[Fetched, float, float] | None:
         """Wait for the background Receive, if one is out, and return its answer (None
         if none, or if it failed: it delivered nothing known, and the poll's own Receive
-        follows and raises what fails for good). Before a reset or a close its answer is
-        dropped: what it delivered is then released with the rest, not left out to this
-        consumer until its ack timeout."""
+        follows and raises what fails for good). Before a close its answer is dropped:
+        what it delivered is then released with the rest, not left out to this consumer
+        until its ack timeout; a reset drops its reset partitions' part."""
         call, self._top_up_call = self._top_up_call, None
         if call is None:
             return None
@@ -493,16 +493,17 @@ class SubscriptionConsumer:
         holds) or "timestamp" (with `timestamp_ms`: the first message at or after it).
         Everything below the new position counts as acknowledged, everything from it on
         as not. `partitions` ((topic, partition) pairs) limits it; default: all of this
-        consumer's. Returns each partition's new position. Raises TransactionConflict
-        while acks of the subscription are pending in an open transaction."""
+        consumer's: what the consumer keeps of the others (delivered, not yet polled)
+        stays for the next polls. Returns each partition's new position. Raises
+        TransactionConflict while acks of the subscription are pending in an open
+        transaction."""
         position = subscription_position(to, offset, timestamp_ms)
         targets = list(self.partitions if partitions is None else partitions)
         self._kept_by.switch_all()  # acks kept by one-call transactions are pending too
         unknown = [tp for tp in targets if tp not in self.partitions]
         if unknown:
             raise ValueError(f"not partitions of this consumer: {unknown}")
-        self._settle_top_up()
-        self._fetched.clear()  # delivered before the move: the server forgot them
+        self._keep_others(targets)
         results = self._call_all(
             "ResetSubscription", lambda group: partition_pb2.ResetSubscriptionRequest(
                 subscription_partitions=[self._sp(t, p) for t, p in group],
@@ -511,6 +512,22 @@ class SubscriptionConsumer:
         self._raise(results)
         sp = [r.subscription_partition for r in results]
         return {(s.topic, s.partition): r.cumulative_end_offset for s, r in zip(sp, results)}
+
+    def _keep_others(self, moving: list[tuple[str, int]]) -> None:
+        """Before a reset of `moving`: forget what is kept of those partitions (delivered
+        before the move, which the server forgets) and keep the rest, which stays out
+        to this consumer: what the buffer holds, and what the background Receive, waited
+        for, delivered (taken by the polls once the buffer is empty, as before)."""
+        answer = self._settle_top_up()
+        for topic, partition in moving:
+            self._fetched.drop(topic, partition)
+        if answer is None:
+            return
+        for topic, partition in moving:
+            answer[0].drop(topic, partition)
+        if answer[0]:
+            self._top_up_call = concurrent.futures.Future()
+            self._top_up_call.set_result(answer)
 
     def _check_kept_conflicts(self, acks: dict, txn) -> None:
         """TransactionConflict for acks that claim offsets another one-call transaction

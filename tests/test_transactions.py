@@ -486,6 +486,41 @@ def test_a_prefetching_consumer_sends_its_next_receive_while_the_application_wor
         assert cursor.cumulative_end_offset == 100 and not cursor.delivered_unacknowledged_count
 
 
+def test_a_reset_of_some_partitions_keeps_what_the_consumer_holds_of_the_others(client):
+    """A reset of one partition forgets what the consumer kept of it (replayed from the
+    new position) and keeps what it holds of the others, in its buffer and in what its
+    background Receive delivered: the next polls hand those out, once, instead of
+    leaving them out to this consumer until their ack timeout."""
+    topic = T("tx-reset-some")
+    client.create_topic(topic, partitions=2)
+    with client.producer() as producer:
+        for partition in (0, 1):
+            for i in range(30):
+                producer.send(topic, f"p{partition}-{i}", partition=partition)
+    p0, p1 = (topic, 0), (topic, 1)
+    with client.consumer(topic, subscription="s-some", ack_timeout_s=60,
+                         prefetch=40) as consumer:
+        before = consumer.poll(timeout_s=5, max_records=10)  # one Receive for 50
+        while len(before) < 30:  # the third poll of 10 sends the next Receive
+            before += consumer.poll(timeout_s=0, max_records=10)
+        wait_until(lambda: sum(c.delivered_unacknowledged_count
+                               for c in consumer.describe()) == 60, 10,
+                   "every message delivered, the rest kept by the consumer")
+        polled_p1 = sum(m.partition == 1 for m in before)
+        assert polled_p1 < 30, "the consumer keeps none of partition 1: nothing to check"
+        assert consumer.reset("offset", offset=0, partitions=[p0]) == {p0: 0}
+        after = poll_all(consumer, 30 + 30 - polled_p1, timeout_s=10)
+        assert consumer.poll(timeout_s=0.3) == []
+        assert [m.offset for m in after if m.partition == 0] == list(range(30))
+        ones = [m.offset for m in before + after if m.partition == 1]
+        assert sorted(ones) == list(range(30))  # each once, none left out
+        consumer.ack(after)
+        consumer.ack([m for m in before if m.partition == 1])
+        ends = {(c.subscription_partition.topic, c.subscription_partition.partition):
+                c.cumulative_end_offset for c in consumer.describe()}
+        assert ends == {p0: 30, p1: 30}
+
+
 def test_a_subscription_is_reset_to_replay_or_skip_and_never_under_pending_acks(servers,
                                                                                 client):
     topic = T("tx-reset")
