@@ -10,6 +10,8 @@ made by hand. No ZooKeeper: the leader's way of giving its epoch up is a stub.
   epoch, the log is cut back to what was durable, and the leader gives the epoch up
   (epoch + 1 written) before anything else; a follower that copied the lost tail is then
   told to cut it by the next leadership's epochs;
+- a flush that is durable and replicated but that the log cannot end (its recovery
+  point): its requests fail, unacknowledged, and the leader gives the epoch up;
 - a leadership that would resume an epoch its leader-epoch file holds (a restart within
   the ZooKeeper session) gives it up instead of serving.
 """
@@ -234,6 +236,53 @@ def test_a_failed_fsync_gives_the_epoch_up_and_the_copied_tail_is_cut_by_the_nex
 
     asyncio.run(first_leadership())
     asyncio.run(next_leadership())
+
+
+def test_a_replicated_flush_the_log_cannot_end_fails_its_requests_and_gives_the_epoch_up(
+        tmp_path):
+    """A write durable on the leader waits for the in-sync replicas; when they hold it,
+    ending the flush fails (the log refuses it, as it would a recovery point it cannot
+    write). Its requests fail instead of waiting for ever, nothing is acknowledged, the
+    leader serves nothing more in this epoch and gives it up."""
+    fsyncs = Fsyncs()
+    resigned: list[int] = []
+
+    def refuse_to_end(*_args, **_kwargs):
+        raise OSError(errno.EIO, "the recovery point could not be written (test)")
+
+    async def scenario():
+        owner, replication = await leading(tmp_path / "t-0", fsyncs, resigned=resigned)
+        try:
+            await replication.replicate(request(0, -1), 0)
+            first = asyncio.ensure_future(owner.produce([batch(b"one")]))
+            await wait_for(lambda: replication.local_durable_end == 1, "the first fsync")
+            await replication.replicate(request(1, 1), 0)  # b holds it: acknowledged
+            await asyncio.wait_for(first, 10)
+            assert replication.high_watermark == 1 and owner.log.high_watermark == 1
+            produced = asyncio.ensure_future(owner.produce([batch(b"two")]))
+            await wait_for(lambda: replication.local_durable_end == 2, "the leader's fsync")
+            await asyncio.sleep(0.05)
+            assert not produced.done() and len(owner._replicating) == 1  # waits for b
+            broken = owner.log
+            broken.flush_end = refuse_to_end  # this log object only: a reload opens another
+            await replication.replicate(request(2, 1), 0)  # b holds it: the flush may end
+            with pytest.raises(AtomlogError) as refused:
+                outcome = await asyncio.wait_for(produced, 10)
+                raise outcome[0] if isinstance(outcome[0], AtomlogError) else AssertionError(
+                    f"a write whose flush could not end was acknowledged: {outcome}")
+            assert refused.value.reason in ("PARTITION_LOADING", "NOT_PARTITION_OWNER")
+            assert broken.high_watermark == 1  # never moved past what was acknowledged
+            with pytest.raises(AtomlogError) as refused:
+                replication.check_writable()
+            assert refused.value.reason == "NOT_PARTITION_OWNER"
+            await wait_for(lambda: replication.fenced is not None, "the epoch to be given up")
+            assert resigned == [1]
+        finally:
+            fsyncs.release()
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_leadership_never_resumes_an_epoch_it_led_before(tmp_path):
