@@ -419,6 +419,11 @@ def _uvarint(n: int) -> bytes:
     return bytes(out)
 
 
+# The same base-128 encoding is protobuf's varint: the wire splices (replicate_wire,
+# read_wire) and the SDK's hand-built Produce requests use it for tags and lengths.
+uvarint = _uvarint
+
+
 def _zvarint(n: int) -> bytes:
     return _uvarint((n << 1) ^ (n >> 63))
 

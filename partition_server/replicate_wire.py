@@ -31,6 +31,7 @@ Pure: no I/O, no gRPC.
 from __future__ import annotations
 
 from atomlog.v1 import partition_pb2
+from partition_server.record_batch import uvarint as varint  # read_wire uses it too
 
 # Wire types (protobuf encoding).
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
@@ -124,16 +125,6 @@ class ReplicateManyAnswer:
 
 
 # --------------------------------------------------------------------------- serializing
-
-def varint(n: int) -> bytes:
-    """The protobuf varint encoding of n >= 0 (read_wire uses it too)."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
 
 def _answer_parts(answer: ReplicateAnswer, parts: list) -> int:
     """Append the encoding of `answer` (records first: field 1) to `parts`; its length."""

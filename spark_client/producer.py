@@ -39,7 +39,7 @@ import crc32c
 import grpc
 
 from atomlog.v1 import partition_pb2
-from partition_server.record_batch import Compression, Record
+from partition_server.record_batch import Compression, Record, uvarint
 from partition_server.record_columns import columns_block, encode_records, frame_header
 from spark_client import errors
 from spark_client.columns import HEADER_OVERHEAD, ROW_OVERHEAD, Chunk, prepare
@@ -1003,15 +1003,6 @@ class _RawProduce:
             response_deserializer=partition_pb2.ProduceResponse.FromString)
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 _TOPIC_PARTITIONS: dict[tuple[str, int], bytes] = {}
 
 
@@ -1020,9 +1011,9 @@ def _topic_partition_field(topic: str, partition: int) -> bytes:
     field_ = _TOPIC_PARTITIONS.get((topic, partition))
     if field_ is None:
         name = topic.encode()
-        body = b"\x0a" + _varint(len(name)) + name + (
-            b"\x10" + _varint(partition) if partition else b"")
-        field_ = b"\x0a" + _varint(len(body)) + body
+        body = b"\x0a" + uvarint(len(name)) + name + (
+            b"\x10" + uvarint(partition) if partition else b"")
+        field_ = b"\x0a" + uvarint(len(body)) + body
         if len(_TOPIC_PARTITIONS) < 1 << 16:
             _TOPIC_PARTITIONS[(topic, partition)] = field_
     return field_
@@ -1038,10 +1029,10 @@ def _produce_request(group: list[_Batch]) -> bytes:
         size = _payload_size(payload)
         tp = _topic_partition_field(batch.topic, batch.partition)
         if not size:  # (never sent; proto3 leaves an empty field out)
-            pieces += (b"\x0a", _varint(len(tp)), tp)
+            pieces += (b"\x0a", uvarint(len(tp)), tp)
             continue
-        length = _varint(size)
-        pieces += (b"\x0a", _varint(len(tp) + 1 + len(length) + size), tp, b"\x12", length)
+        length = uvarint(size)
+        pieces += (b"\x0a", uvarint(len(tp) + 1 + len(length) + size), tp, b"\x12", length)
         if type(payload) is tuple:
             pieces += payload
         else:
