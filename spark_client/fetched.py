@@ -154,7 +154,11 @@ class Fetched:
 
     def drop(self, topic: str, partition: int) -> None:
         """Forget what is held of one partition (after a seek)."""
-        kept = [b for b in self._blocks if (b.topic, b.partition) != (topic, partition)]
+        self.drop_partitions({(topic, partition)})
+
+    def drop_partitions(self, partitions: set[tuple[str, int]]) -> None:
+        """Forget what is held of these (topic, partition)s, in one pass."""
+        kept = [b for b in self._blocks if (b.topic, b.partition) not in partitions]
         self._blocks = collections.deque(kept)
         self._rows = sum(b.columns.num_rows for b in kept)
 

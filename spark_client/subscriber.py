@@ -513,18 +513,17 @@ class SubscriptionConsumer:
         sp = [r.subscription_partition for r in results]
         return {(s.topic, s.partition): r.cumulative_end_offset for s, r in zip(sp, results)}
 
-    def _keep_others(self, moving: list[tuple[str, int]]) -> None:
+    def _keep_others(self, moving) -> None:
         """Before a reset of `moving`: forget what is kept of those partitions (delivered
         before the move, which the server forgets) and keep the rest, which stays out
         to this consumer: what the buffer holds, and what the background Receive, waited
         for, delivered (taken by the polls once the buffer is empty, as before)."""
         answer = self._settle_top_up()
-        for topic, partition in moving:
-            self._fetched.drop(topic, partition)
+        moving = set(moving)
+        self._fetched.drop_partitions(moving)
         if answer is None:
             return
-        for topic, partition in moving:
-            answer[0].drop(topic, partition)
+        answer[0].drop_partitions(moving)
         if answer[0]:
             self._top_up_call = concurrent.futures.Future()
             self._top_up_call.set_result(answer)
