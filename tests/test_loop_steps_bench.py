@@ -90,3 +90,22 @@ def test_a_process_that_is_not_a_server_carries_nothing_and_is_not_signalled(tmp
         assert tb.loop_steps_signal([os.getpid()], 0) == []  # no ready file: left alone
     finally:
         del os.environ[tb.LOOP_STEPS_ENV]
+
+
+def test_the_sitecustomize_it_shadows_still_runs(tmp_path):
+    """Its folder goes first on PYTHONPATH, so Python would import only it: it runs the
+    next sitecustomize on the path itself, in a server and in any other process."""
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text(
+        "import builtins\nbuiltins.OWN_SITECUSTOMIZE_RAN = True\n")
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    check = "import builtins; print('own ran', getattr(builtins, 'OWN_SITECUSTOMIZE_RAN', False))"
+    for argv in (["serve"], []):
+        env = {**os.environ, "ATOMLOG_BENCH_LOOP_STEPS": str(steps),
+               "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "loop_steps"), str(own)])}
+        done = subprocess.run([sys.executable, "-c", check, *argv], env=env, text=True,
+                              capture_output=True, timeout=60)
+        assert "own ran True" in done.stdout, done.stdout + done.stderr
+    assert list(steps.glob("ready-*")), "the server did not carry the counter"

@@ -7,7 +7,8 @@ ATOMLOG_BENCH_LOOP_STEPS=DIR and this directory first on PYTHONPATH; it never sh
 server. It writes DIR/ready-<pid> at start-up, so the benchmark signals only processes
 that carry it (SIGUSR1 would end any other). SIGUSR1 clears the counts (the timed window
 starts); SIGUSR2 writes them to DIR/loop-<pid>.json as {key: [steps, seconds]}.
-Wrapping each callback costs about a microsecond of its own, counted in it.
+Wrapping each callback costs about a microsecond of its own, counted in it. In every
+process it then runs the sitecustomize it shadows, if there is one further on sys.path.
 """
 
 import os
@@ -66,3 +67,21 @@ if _DIR and "serve" in sys.argv:
     signal.signal(signal.SIGUSR2, _write)
     with open(os.path.join(_DIR, f"ready-{os.getpid()}"), "w"):
         pass
+
+
+def _chain() -> None:
+    """Run the sitecustomize this one shadows (the next one on sys.path), as Python
+    would have without this folder first on PYTHONPATH: a server keeps its own set-up."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None or spec.origin == os.path.abspath(__file__):
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+_chain()
