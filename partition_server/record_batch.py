@@ -419,9 +419,13 @@ def _uvarint(n: int) -> bytes:
     return bytes(out)
 
 
-# The same base-128 encoding is protobuf's varint: the wire splices (replicate_wire,
-# read_wire) and the SDK's hand-built Produce requests use it for tags and lengths.
-uvarint = _uvarint
+def uvarint(n: int) -> bytes:
+    """n as a varint, refusing a negative n (ValueError). The same base-128 encoding is
+    protobuf's varint: the wire splices (replicate_wire, read_wire) and the SDK's
+    hand-built Produce requests use it for tags and lengths."""
+    if n < 0:
+        raise ValueError(f"a varint here holds n >= 0, not {n}")
+    return _uvarint(n)
 
 
 def _zvarint(n: int) -> bytes:
