@@ -20,7 +20,7 @@ Pure: no I/O, no gRPC.
 
 from __future__ import annotations
 
-from partition_server.replicate_wire import varint
+from partition_server.record_batch import uvarint as varint
 
 _LEN = 2  # wire type: length-delimited
 _RESULTS_TAG = bytes([1 << 3 | _LEN])  # FetchResponse.results, ReceiveResponse.results

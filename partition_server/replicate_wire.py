@@ -31,7 +31,7 @@ Pure: no I/O, no gRPC.
 from __future__ import annotations
 
 from atomlog.v1 import partition_pb2
-from partition_server.record_batch import uvarint as varint  # read_wire uses it too
+from partition_server.record_batch import uvarint as varint
 
 # Wire types (protobuf encoding).
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5

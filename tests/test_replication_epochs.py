@@ -102,6 +102,17 @@ async def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
         await asyncio.sleep(0.01)
 
 
+async def acknowledge_first(owner, replication, value: bytes) -> None:
+    """Follower b opens the gate at 0, the leader writes one record, and b's next fetch
+    (it holds it) acknowledges it: the high watermark is 1."""
+    await replication.replicate(request(0, -1), 0)
+    produced = asyncio.ensure_future(owner.produce([batch(value)]))
+    await wait_for(lambda: replication.local_durable_end == 1, "the first fsync")
+    await replication.replicate(request(1, 1), 0)  # b holds it: acknowledged
+    await asyncio.wait_for(produced, 10)
+    assert replication.high_watermark == 1
+
+
 def test_followers_copy_whole_batches_before_the_leaders_fsync_and_acks_wait_for_both(
         tmp_path):
     fsyncs = Fsyncs()
@@ -177,12 +188,7 @@ def test_a_failed_fsync_gives_the_epoch_up_and_the_copied_tail_is_cut_by_the_nex
     async def first_leadership():
         owner, replication = await leading(directory, fsyncs, resigned=resigned)
         try:
-            await replication.replicate(request(0, -1), 0)
-            durable = asyncio.ensure_future(owner.produce([batch(b"durable")]))
-            await wait_for(lambda: replication.local_durable_end == 1, "the first fsync")
-            await replication.replicate(request(1, 1), 0)  # b holds it: acknowledged
-            await asyncio.wait_for(durable, 10)
-            assert replication.high_watermark == 1
+            await acknowledge_first(owner, replication, b"durable")
             fsyncs.hold()
             fsyncs.failing = True
             produced = asyncio.ensure_future(owner.produce([batch(b"lost")]))
@@ -253,12 +259,8 @@ def test_a_replicated_flush_the_log_cannot_end_fails_its_requests_and_gives_the_
     async def scenario():
         owner, replication = await leading(tmp_path / "t-0", fsyncs, resigned=resigned)
         try:
-            await replication.replicate(request(0, -1), 0)
-            first = asyncio.ensure_future(owner.produce([batch(b"one")]))
-            await wait_for(lambda: replication.local_durable_end == 1, "the first fsync")
-            await replication.replicate(request(1, 1), 0)  # b holds it: acknowledged
-            await asyncio.wait_for(first, 10)
-            assert replication.high_watermark == 1 and owner.log.high_watermark == 1
+            await acknowledge_first(owner, replication, b"one")
+            assert owner.log.high_watermark == 1
             produced = asyncio.ensure_future(owner.produce([batch(b"two")]))
             await wait_for(lambda: replication.local_durable_end == 2, "the leader's fsync")
             await asyncio.sleep(0.05)
