@@ -88,10 +88,11 @@ def messages_of(block: Block) -> list[Message]:
     keys, values, headers, stamps = python_columns(
         columns.column(0), columns.column(1), columns.column(2), columns.column(3),
         block.base_timestamp_ms)
-    return list(map(Message, itertools.repeat(block.topic, n),
-                    itertools.repeat(block.partition, n),
-                    range(block.first_offset, block.first_offset + n), keys, values, headers,
-                    stamps))
+    # tuple.__new__ over zipped rows: each Message made in C, half the time of calling
+    # the NamedTuple's own __new__ (a Python function) per row.
+    return list(map(tuple.__new__, itertools.repeat(Message, n), zip(
+        itertools.repeat(block.topic, n), itertools.repeat(block.partition, n),
+        range(block.first_offset, block.first_offset + n), keys, values, headers, stamps)))
 
 
 def _per_row(values: list, type_: pa.DataType, run_ends: list[int]) -> pa.Array:

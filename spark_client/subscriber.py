@@ -586,6 +586,24 @@ def _individual(messages) -> dict:
         return {key: (0, spans) for key, spans in _table_ranges(messages).items()}
     items = [messages] if isinstance(messages, Message) else list(messages)
     ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    # A poll's messages come in offset order per partition, mostly one partition after
+    # another: one pass without a sort, which it falls back to at the first message that
+    # is not past its partition's last range (out of order, or a repeat).
+    for m in items:
+        key = (m.topic, m.partition)
+        spans = ranges.get(key)
+        offset = m.offset
+        if spans is None:
+            ranges[key] = [(offset, offset + 1)]
+        elif spans[-1][1] == offset:
+            spans[-1] = (spans[-1][0], offset + 1)
+        elif spans[-1][1] < offset:
+            spans.append((offset, offset + 1))
+        else:
+            break
+    else:  # the partitions in the order the sort gives them
+        return {key: (0, ranges[key]) for key in sorted(ranges)}
+    ranges.clear()
     for m in sorted(items, key=lambda m: (m.topic, m.partition, m.offset)):
         spans = ranges.setdefault((m.topic, m.partition), [])
         if spans and spans[-1][1] == m.offset:
