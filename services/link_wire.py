@@ -1,6 +1,7 @@
 """The link's wire format (docs/clients.md, "The link"), shared by its server
 (partition_server/copy_link.py: every atomlog server that has a link) and its callers:
-followers and coordinators (copy_link.py), and the SDK's commits (spark_client/link.py).
+followers and coordinators (copy_link.py), and the SDK's commits and subscription calls
+(spark_client/link.py).
 
 A link is a plain length-prefixed TCP connection (TLS when the server's gRPC port has it)
 beside a server's gRPC port. Big-endian:
@@ -62,6 +63,10 @@ CALL_METHODS: dict[int, CallMethod] = {method.number: method for method in (
     CallMethod(11, coordinator_pb2, "CoordinatorService", "GetTxnStatus"),
     # A partition server's questions to a coordinator (partition_server/verifier.py).
     CallMethod(12, coordinator_pb2, "CoordinatorService", "VerifyTxnPartitions"),
+    # The SDK's subscription consumers' calls to partition servers (spark_client/subscriber.py).
+    CallMethod(13, partition_pb2, "PartitionService", "Receive"),
+    CallMethod(14, partition_pb2, "PartitionService", "Ack"),
+    CallMethod(15, partition_pb2, "PartitionService", "Nack"),
 )}
 CALL_NUMBERS: dict[tuple[str, str], int] = {
     (method.service, method.name): number for number, method in CALL_METHODS.items()}

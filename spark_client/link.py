@@ -1,10 +1,12 @@
-"""The SDK's commits on the coordinators' links (docs/clients.md, "The link").
+"""The SDK's calls on the servers' links (docs/clients.md, "The link").
 
-A coordinator with coordinator.client_link advertises a link (ServerInfo.link_address in
-the metadata): the length-prefixed TCP protocol its partition servers' followers and
-coordinators already speak (services/link_wire.py), beside its gRPC port. The SDK sends
-its calls to coordinators there (CommitTxn, CommitTxns, and the streaming path's NewTxn
-... EndTxn: link_wire.CALL_METHODS): a gRPC call costs a Python client
+A server with a link advertises it (ServerInfo.link_address in the metadata): the
+length-prefixed TCP protocol its partition servers' followers and coordinators already
+speak (services/link_wire.py), beside its gRPC port. A coordinator has one when
+coordinator.client_link is on; a partition server always has one (its followers copy
+over it). The SDK sends there its calls to coordinators (CommitTxn, CommitTxns, and the
+streaming path's NewTxn ... EndTxn) and its subscription consumers' calls to partition
+servers (Receive, Ack, Nack): link_wire.CALL_METHODS. A gRPC call costs a Python client
 about 0.3-0.4 ms of CPU and the server about as much before either does any work
 (docs/grpc-links.md), a call frame on a kept socket a fraction of that.
 
@@ -18,12 +20,13 @@ the next RETRY_LINK_AFTER_S, over gRPC. A connection lost mid-call is SERVER_UNA
 (the outcome unknown), which callers retry as after a gRPC UNAVAILABLE.
 
 Blocking sockets, one call per connection at a time, kept for the next call: at most
-MAX_CONNECTIONS per coordinator (a call beyond that goes over gRPC). A forked child drops
+MAX_CONNECTIONS per server (a call beyond that goes over gRPC). A forked child drops
 its parent's connections (they are the parent's streams).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import select
 import socket
@@ -44,9 +47,13 @@ from services.link_wire import (
     read_answer,
 )
 
-SERVICE = "CoordinatorService"
-METHODS = frozenset(name for service, name in CALL_NUMBERS if service == SERVICE)
-MAX_CONNECTIONS = 16  # per coordinator; more calls at once go over gRPC
+# The SDK's calls a link carries, by name: to coordinators, and to partition servers.
+METHODS = frozenset(name for service, name in CALL_NUMBERS if service == "CoordinatorService")
+PARTITION_METHODS = frozenset({"Receive", "Ack", "Nack"})
+_NUMBERS = {name: number for (_, name), number in CALL_NUMBERS.items()
+            if name in METHODS | PARTITION_METHODS}
+MAX_CONNECTIONS = 16  # per server; more calls at once go over gRPC
+MAX_THREADS = 8  # Links.submit's: link calls made at once
 IDLE_S = 60.0  # a kept connection unused this long is closed (the server's idle limit: 120 s)
 RETRY_LINK_AFTER_S = 10.0  # after a link could not be reached, gRPC for this long
 
@@ -57,22 +64,35 @@ class LinkUnavailable(ConnectionError):
 
 
 class Links:
-    """A Client's links to its coordinators, by gRPC address."""
+    """A Client's links to its servers, by gRPC address (a combined server's one link
+    takes both its coordinator's and its partition server's calls)."""
 
     def __init__(self, tls=None, token=None, enabled: bool = True):
         self._tls = tls  # services.tls.ChannelTls, or None
         self._token = token  # services.auth.TokenSource, or None
         self.enabled = enabled
-        self._links: dict[str, CoordinatorLink] = {}
+        self._links: dict[str, ServerLink] = {}
         self._lock = threading.Lock()
         self.calls = 0  # calls answered on a link (tests, benchmarks)
         self.fallbacks = 0  # calls sent over gRPC because a link could not be reached
+        # Threads for link calls made at once (a consumer's calls to several servers).
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         _ALL.add(self)
 
-    def get(self, grpc_address: str, link_address: str) -> "CoordinatorLink | None":
-        """The link to the coordinator at `grpc_address`, which advertises `link_address`
+    def submit(self, call, request, timeout_s: float) -> concurrent.futures.Future:
+        """call(request, timeout=timeout_s) on one of the links' threads (at most
+        MAX_THREADS): a future, as a gRPC stub's .future() gives."""
+        if self._executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=MAX_THREADS, thread_name_prefix="atomlog-link")
+        return self._executor.submit(call, request, timeout=timeout_s)
+
+    def get(self, grpc_address: str, link_address: str) -> "ServerLink | None":
+        """The link to the server at `grpc_address`, which advertises `link_address`
         (empty: none, None returned); a new one when the advertised address changed (a
-        restarted coordinator)."""
+        restarted server)."""
         if not self.enabled or not link_address:
             return None
         link = self._links.get(grpc_address)
@@ -83,23 +103,28 @@ class Links:
             if link is None or link.address != link_address:
                 if link is not None:
                     link.close()
-                link = self._links[grpc_address] = CoordinatorLink(
+                link = self._links[grpc_address] = ServerLink(
                     link_address, grpc_address, self._tls, self._token, self)
             return link
 
     def close(self) -> None:
         with self._lock:
             links, self._links = list(self._links.values()), {}
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)  # calls under way end alone
         for link in links:
             link.close()
 
     def _forget_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._executor = None  # its threads are the parent's
         for link in self._links.values():
             link.forget()
 
 
-class CoordinatorLink:
-    """Kept connections to one coordinator's link; `call` is thread-safe."""
+class ServerLink:
+    """Kept connections to one server's link; `call` is thread-safe."""
 
     def __init__(self, address: str, server_address: str, tls, token, links: Links):
         host, _, port = address.rpartition(":")
@@ -117,11 +142,12 @@ class CoordinatorLink:
         self._closed = False
 
     def call(self, method: str, request, timeout_s: float):
-        """`method` (one of METHODS) on the link: its response, or raises the grpc.RpcError
-        a failed gRPC call would raise, or LinkUnavailable (send it over gRPC)."""
+        """`method` (one of METHODS or PARTITION_METHODS) on the link: its response, or
+        raises the grpc.RpcError a failed gRPC call would raise, or LinkUnavailable (send
+        it over gRPC)."""
         if time.monotonic() < self.down_until or self._closed:
             raise LinkUnavailable(f"{self.address}: not tried again yet")
-        number = CALL_NUMBERS[SERVICE, method]
+        number = _NUMBERS[method]
         token = self._token.token.encode() if self._token is not None else b""
         frame = call_frame(number, timeout_s, token, request)
         if len(frame) > MAX_CALL_BYTES:

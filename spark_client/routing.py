@@ -132,6 +132,9 @@ class MetadataCache:
         # A coordinator's link (spark_client/link.py), by its gRPC address: those that
         # advertise one.
         self.coordinator_links: dict[str, str] = {}
+        # A partition server's link, by its gRPC address (those that advertise one): its
+        # subscription consumers' calls go there.
+        self.partition_links: dict[str, str] = {}
 
     def _stub(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:
         return self.channels.metadata(address)
@@ -170,6 +173,9 @@ class MetadataCache:
             self.coordinator_links = {s.grpc_address: s.link_address for s in reply.servers
                                       if s.role == common_pb2.SERVER_ROLE_COORDINATOR
                                       and s.link_address}
+            self.partition_links = {s.grpc_address: s.link_address for s in reply.servers
+                                    if s.role == common_pb2.SERVER_ROLE_PARTITION_SERVER
+                                    and s.link_address}
             self.tc_partition_count = reply.tc_partition_count
             self.tc_routes = {t.tc_partition: t.coordinator_address for t in reply.tc_partitions}
             self._refreshed_at = time.monotonic()

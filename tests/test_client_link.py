@@ -1,6 +1,7 @@
-"""The SDK's one-call commits on the coordinators' links (spark_client/link.py; docs/clients.md,
-"The link"): on the cluster and on the combined server, CommitTxn and CommitTxns go on the
-link each coordinator advertises in the metadata and are not sent over gRPC; the answers,
+"""The SDK's calls on the servers' links (spark_client/link.py; docs/clients.md, "The
+link"): on the cluster and on the combined server, CommitTxn and CommitTxns go on the link
+each coordinator advertises in the metadata, and a subscription consumer's Receive, Ack
+and Nack on the link of each partition server, none sent over gRPC; the answers,
 refusals included, are gRPC's; a link that cannot be reached sends the calls over gRPC;
 Client(links=False) uses gRPC only; a kept connection the server closed is not used."""
 
@@ -13,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from atomlog.v1 import coordinator_pb2, metadata_pb2
+from atomlog.v1 import common_pb2, coordinator_pb2, metadata_pb2, partition_pb2
 from services.errors import from_rpc_error
 from spark_client import Client
 from tests.conftest import create_online, wait_until
@@ -31,6 +32,16 @@ def coordinator_calls(cluster, methods=METHODS) -> dict[str, dict[str, float]]:
     roles = ("combined",) if cluster.combined else ("coordinator",)
     return calls_by_way([p["metrics_address"] for p in cluster.services() if p["role"] in roles],
                         "CoordinatorService", methods)
+
+
+SUBSCRIPTION_METHODS = ("Receive", "Ack", "Nack")
+
+
+def partition_server_calls(cluster) -> dict[str, dict[str, float]]:
+    """The partition servers' subscription calls: {"link": ..., "grpc": ...}."""
+    roles = ("combined",) if cluster.combined else ("partition_server",)
+    return calls_by_way([p["metrics_address"] for p in cluster.services() if p["role"] in roles],
+                        "PartitionService", SUBSCRIPTION_METHODS)
 
 
 def grew(before: dict, after: dict, methods=METHODS) -> dict[str, dict[str, float]]:
@@ -143,6 +154,108 @@ def test_streaming_transactions_call_their_coordinator_on_its_link(shape):
             # The partition servers asked the coordinators about the transactions' first
             # writes and acks on the coordinators' links too (partition_server/verifier.py).
             assert change["link"]["VerifyTxnPartitions"] >= 3, change
+
+
+def consume_all(consumer, expected: int, nack_first: bool = False) -> list[bytes]:
+    """Poll and ack until `expected` values were acked (with nack_first, each first poll's
+    messages are nacked once instead, and come back)."""
+    acked: list[bytes] = []
+    nacked: set[int] = set()
+
+    def step():
+        messages = consumer.poll(timeout_s=0.5, max_records=50)
+        again = [m for m in messages if nack_first and (m.partition, m.offset) not in nacked]
+        if again:
+            consumer.nack(again)
+            nacked.update((m.partition, m.offset) for m in again)
+        done = [m for m in messages if m not in again]
+        consumer.ack(done)
+        acked.extend(m.value for m in done)
+        return len(acked) >= expected
+
+    wait_until(step, 60, f"{expected} acked")
+    return sorted(acked)
+
+
+def test_a_subscription_consumer_calls_the_partition_servers_on_their_links(shape):
+    """Receive, Ack and Nack go on each partition server's link: several servers at
+    once on the cluster (the links' threads), the combined server's one link; none over
+    gRPC. Every value is acked once; the nacked ones came back first."""
+    name = f"client-link-sub-{'combined' if shape.combined else 'cluster'}"
+    values = [b"v-%03d" % i for i in range(60)]
+    with Client(shape.info["bootstrap"]) as client:
+        topic = create_online(client, name, 3)
+        with client.producer(linger_ms=0) as producer:
+            for i, value in enumerate(values):
+                producer.send(topic, value, partition=i % 3)
+            producer.flush()
+        client.metadata.refresh()
+        servers = {client.metadata.route(topic, p).address for p in range(3)}
+        assert all(client.metadata.partition_links.get(a) for a in servers), \
+            client.metadata.partition_links
+        before = partition_server_calls(shape)
+        with client.consumer(topic, subscription=f"{name}-sub") as consumer:
+            assert consume_all(consumer, len(values), nack_first=True) == values
+        change = grew(before, partition_server_calls(shape), SUBSCRIPTION_METHODS)
+        assert change["grpc"] == dict.fromkeys(SUBSCRIPTION_METHODS, 0), change
+        assert all(change["link"][m] >= 1 for m in SUBSCRIPTION_METHODS), change
+        assert client.links.fallbacks == 0 and client.links.calls >= sum(
+            change["link"].values())
+        if not shape.combined:
+            assert len(servers) > 1  # calls to several servers went at once
+
+
+def test_subscription_refusals_on_a_link_are_grpc_s(cluster):
+    """An Ack the server refuses, on the link and over gRPC: the same reason and message,
+    the same gRPC code."""
+    with Client(cluster.info["bootstrap"]) as client:
+        topic = create_online(client, "client-link-sub-refused", 1)
+        client.metadata.refresh()
+        address = client.metadata.route(topic, 0).address
+        link = client.links.get(address, client.metadata.partition_links[address])
+        stub = client.channels.partition(address)
+        bad = partition_pb2.AckRequest()  # no items
+        with pytest.raises(grpc.RpcError) as on_link:
+            link.call("Ack", bad, 10)
+        with pytest.raises(grpc.RpcError) as on_grpc:
+            stub.Ack(bad, timeout=10)
+        ours, theirs = from_rpc_error(on_link.value), from_rpc_error(on_grpc.value)
+        assert (ours.reason, ours.message) == (theirs.reason, theirs.message)
+        assert ours.reason == "INVALID_ARGUMENT" and on_link.value.code() == \
+            on_grpc.value.code()
+        # An item refused on its own (no such subscription): in the answer, alike.
+        sp = common_pb2.SubscriptionPartition(topic=topic, partition=0, subscription="nobody")
+        item = partition_pb2.AckRequest(items=[partition_pb2.AckItem(
+            subscription_partition=sp, cumulative_end_offset=1)])
+        assert link.call("Ack", item, 10) == stub.Ack(item, timeout=10)
+
+
+def test_unreachable_partition_links_and_links_off_send_the_subscription_calls_over_grpc(
+        cluster):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    values = [b"g-%02d" % i for i in range(20)]
+    with Client(cluster.info["bootstrap"]) as client:
+        topic = create_online(client, "client-link-sub-grpc", 2)
+        with client.producer(linger_ms=0) as producer:
+            for i, value in enumerate(values):
+                producer.send(topic, value, partition=i % 2)
+            producer.flush()
+    for links in ("unreachable", "off"):
+        with Client(cluster.info["bootstrap"], links=links != "off") as client:
+            client.metadata.refresh()
+            client.metadata.partition_links = dict.fromkeys(client.metadata.partition_links,
+                                                            dead)
+            before = partition_server_calls(cluster)
+            with client.consumer(topic, subscription=f"grpc-{links}") as consumer:
+                assert consume_all(consumer, len(values)) == values
+            change = grew(before, partition_server_calls(cluster), SUBSCRIPTION_METHODS)
+            assert change["link"] == dict.fromkeys(SUBSCRIPTION_METHODS, 0), change
+            assert change["grpc"]["Receive"] >= 1 and change["grpc"]["Ack"] >= 1, change
+            assert client.links.calls == 0
+            assert client.links.fallbacks == (0 if links == "off" else len(
+                client.links._links)) and (links == "off") == (not client.links._links)
 
 
 def test_without_links_the_commits_go_over_grpc(cluster):
