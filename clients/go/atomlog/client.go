@@ -40,7 +40,7 @@ type Options struct {
 	// (WithBearerToken, WithBearerTokenFile).
 	Token     string
 	TokenFile string
-	// NoLinks sends every call over gRPC: none on the coordinators' links (WithoutLinks).
+	// NoLinks sends every call over gRPC: none on the servers' links (WithoutLinks).
 	// Links are used only when DialOptions is empty (a link cannot apply dial options).
 	NoLinks bool
 }
@@ -57,8 +57,8 @@ type Client struct {
 
 	connMu sync.Mutex
 	conns  map[string]*grpc.ClientConn
-	links  map[string]*coordinatorLink // by the coordinator's gRPC address
-	// linkCalls counts calls answered on the coordinators' links (tests).
+	links  map[string]*serverLink // by the server's gRPC address
+	// linkCalls counts calls answered on the servers' links (tests).
 	linkCalls atomic.Int64
 
 	metaMu      sync.Mutex
@@ -69,6 +69,7 @@ type Client struct {
 	tcCount     uint32
 	coords      []string
 	coordLinks  map[string]string // a coordinator's gRPC address -> its link's
+	partLinks   map[string]string // a partition server's gRPC address -> its link's
 	refreshedAt time.Time
 	refreshes   int // how many GetMetadata calls refreshed the cache (tests)
 }
@@ -108,9 +109,9 @@ func Dial(bootstrap string, options ...func(*Options)) (*Client, error) {
 		return nil, err
 	}
 	return &Client{bootstrap: addresses, opts: opts, transport: transport, tls: settings,
-		token: token, conns: map[string]*grpc.ClientConn{}, links: map[string]*coordinatorLink{},
+		token: token, conns: map[string]*grpc.ClientConn{}, links: map[string]*serverLink{},
 		topics: map[string][]route{}, tcRoutes: map[uint32]string{},
-		coordLinks: map[string]string{}}, nil
+		coordLinks: map[string]string{}, partLinks: map[string]string{}}, nil
 }
 
 // WithoutLinks sets Options.NoLinks: every call over gRPC.
@@ -171,8 +172,10 @@ func (c *Client) conn(address string) (*grpc.ClientConn, error) {
 	return conn, nil
 }
 
+// partitionStub is the partition server at `address` as a PartitionServiceClient: the
+// calls its link carries (a subscription's Receive, Ack, Nack) go on the link (link.go).
 func (c *Client) partitionStub(address string) (pb.PartitionServiceClient, error) {
-	conn, err := c.conn(address)
+	conn, err := c.linked(address, false)
 	if err != nil {
 		return nil, err
 	}
@@ -182,30 +185,45 @@ func (c *Client) partitionStub(address string) (pb.PartitionServiceClient, error
 // coordinatorStub is the coordinator at `address` as a CoordinatorServiceClient: the
 // calls its link carries go on the link when it advertises one (link.go).
 func (c *Client) coordinatorStub(address string) (pb.CoordinatorServiceClient, error) {
+	conn, err := c.linked(address, true)
+	if err != nil {
+		return nil, err
+	}
+	return pb.NewCoordinatorServiceClient(conn), nil
+}
+
+// linked is the gRPC connection to the server at `address`, wrapped so that the calls
+// its link carries go there when it advertises one as a coordinator (or, not
+// `coordinator`, as a partition server; a combined server's one link is both, and one
+// serverLink serves both roles).
+func (c *Client) linked(address string, coordinator bool) (grpc.ClientConnInterface, error) {
 	conn, err := c.conn(address)
 	if err != nil {
 		return nil, err
 	}
 	if c.opts.NoLinks || len(c.opts.DialOptions) > 0 {
-		return pb.NewCoordinatorServiceClient(conn), nil
+		return conn, nil
 	}
 	c.metaMu.Lock()
-	linkAddress := c.coordLinks[address]
+	linkAddress := c.partLinks[address]
+	if coordinator {
+		linkAddress = c.coordLinks[address]
+	}
 	c.metaMu.Unlock()
 	if linkAddress == "" {
-		return pb.NewCoordinatorServiceClient(conn), nil
+		return conn, nil
 	}
 	c.connMu.Lock()
 	link := c.links[address]
-	if link == nil || link.address != linkAddress { // new, or a restarted coordinator
+	if link == nil || link.address != linkAddress { // new, or a restarted server
 		if link != nil {
 			link.close()
 		}
-		link = newCoordinatorLink(linkAddress, address, c.tls, c.token, &c.linkCalls)
+		link = newServerLink(linkAddress, address, c.tls, c.token, &c.linkCalls)
 		c.links[address] = link
 	}
 	c.connMu.Unlock()
-	return pb.NewCoordinatorServiceClient(linkedConn{ClientConn: conn, link: link}), nil
+	return linkedConn{ClientConn: conn, link: link}, nil
 }
 
 // attempt is the context of one RPC attempt: the caller's, cut to RequestTimeout.
@@ -284,8 +302,12 @@ func (c *Client) Refresh(ctx context.Context, topics ...string) error {
 	c.servers = c.servers[:0]
 	c.coords = c.coords[:0]
 	c.coordLinks = map[string]string{}
+	c.partLinks = map[string]string{}
 	for _, s := range reply.GetServers() {
 		c.servers = append(c.servers, s.GetGrpcAddress())
+		if s.GetRole() == pb.ServerRole_SERVER_ROLE_PARTITION_SERVER && s.GetLinkAddress() != "" {
+			c.partLinks[s.GetGrpcAddress()] = s.GetLinkAddress()
+		}
 		if s.GetRole() == pb.ServerRole_SERVER_ROLE_COORDINATOR {
 			c.coords = append(c.coords, s.GetGrpcAddress())
 			if s.GetLinkAddress() != "" {

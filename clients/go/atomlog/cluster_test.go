@@ -605,3 +605,76 @@ func TestClusterCommitsOnTheCoordinatorsLinks(t *testing.T) {
 		t.Fatalf("read %v", got)
 	}
 }
+
+// A subscription's Receive, Ack and Nack go on the partition servers' links (none with
+// WithoutLinks), and deliver as over gRPC: every value acked once, the nacked ones back.
+func TestClusterSubscriptionOnThePartitionServersLinks(t *testing.T) {
+	c, ctx := cluster(t)
+	in := topic(t, ctx, c, "sub-link", 3)
+	producer, _ := c.NewProducer(ctx, ProducerOptions{})
+	defer producer.Close(ctx)
+	for i := 0; i < 30; i++ {
+		producer.Send(ctx, in, Record{Value: []byte(fmt.Sprintf("s%02d", i))}, ToPartition(int32(i%3)))
+	}
+	if err := producer.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	plain, err := Dial(os.Getenv("ATOMLOG_BOOTSTRAP"), WithRequestTimeout(10*time.Second), WithoutLinks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	for i, client := range []*Client{c, plain} {
+		sub, err := client.Subscribe(ctx, []string{in}, fmt.Sprintf("links-%d", i), SubscribeOptions{AckTimeout: 10 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := client.linkCalls.Load()
+		var acked []string
+		nacked := map[string]bool{}
+		deadline := time.Now().Add(30 * time.Second)
+		for len(acked) < 30 && time.Now().Before(deadline) {
+			messages, err := sub.Receive(ctx, 500*time.Millisecond, 10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var again, done []Message
+			for _, m := range messages {
+				if !nacked[string(m.Value)] && len(nacked) < 5 {
+					nacked[string(m.Value)] = true
+					again = append(again, m)
+				} else {
+					done = append(done, m)
+				}
+			}
+			if len(again) > 0 {
+				if err := sub.Nack(ctx, again, 0); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if len(done) > 0 {
+				if err := sub.Ack(ctx, done, nil); err != nil {
+					t.Fatal(err)
+				}
+				acked = append(acked, values(done)...)
+			}
+		}
+		sort.Strings(acked)
+		if len(acked) != 30 || acked[0] != "s00" || acked[29] != "s29" || len(nacked) != 5 {
+			t.Fatalf("client %d acked %v (nacked %d)", i, acked, len(nacked))
+		}
+		for j := 1; j < len(acked); j++ {
+			if acked[j] == acked[j-1] {
+				t.Fatalf("client %d acked %s twice", i, acked[j])
+			}
+		}
+		onLinks := client.linkCalls.Load() - before
+		if client == c && onLinks < 3 { // Receive, Nack, Ack at least once each
+			t.Fatalf("%d calls on the partition servers' links", onLinks)
+		}
+		if client == plain && onLinks != 0 {
+			t.Fatalf("WithoutLinks: %d calls on the links", onLinks)
+		}
+		sub.Close(ctx)
+	}
+}

@@ -79,7 +79,7 @@ func TestLinkCallFramesAndAnswers(t *testing.T) {
 		t.Fatal(err)
 	}
 	var calls atomic.Int64
-	link := newCoordinatorLink(address, "127.0.0.1:1", nil, token, &calls)
+	link := newServerLink(address, "127.0.0.1:1", nil, token, &calls)
 	defer link.close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -136,7 +136,7 @@ func TestLinkUnreachableFallsBackToGRPCForAWhile(t *testing.T) {
 	address := nowhere.Addr().String()
 	nowhere.Close() // nothing listens there now: the link is unreachable
 	var calls atomic.Int64
-	link := newCoordinatorLink(address, address, nil, nil, &calls)
+	link := newServerLink(address, address, nil, nil, &calls)
 	stub := pb.NewCoordinatorServiceClient(linkedConn{ClientConn: conn, link: link})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -168,7 +168,7 @@ func TestLinkDropsAKeptConnectionTheServerClosed(t *testing.T) {
 		served.Add(1)
 		return linkKindAnswer, mustMarshal(t, &pb.NewTxnResponse{})
 	})
-	link := newCoordinatorLink(address, address, nil, nil, &calls)
+	link := newServerLink(address, address, nil, nil, &calls)
 	defer link.close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
