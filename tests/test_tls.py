@@ -249,6 +249,21 @@ def test_links_speak_tls_and_take_the_client_certificate(tls_cluster):
         # The commits went on the coordinator's link, over TLS with the client's
         # certificate (spark_client/link.py), none over gRPC.
         assert client.links.calls >= 4 and client.links.fallbacks == 0
+        # A subscription consumer's Receive and Ack went on the partitions' leaders'
+        # links, over TLS too.
+        commits = client.links.calls
+        taken: list[bytes] = []
+        with client.consumer(topic, subscription="tls-linked-sub") as consumer:
+            def take():
+                messages = consumer.poll(timeout_s=0.5)
+                consumer.ack(messages)
+                taken.extend(m.value for m in messages)
+                return len(taken) >= 5
+            wait_until(take, 30, "the topic's 5 values received and acked")
+        assert sorted(taken) == [b"copied"] + [b"linked-%d" % i for i in range(4)]
+        assert client.links.calls >= commits + 2 and client.links.fallbacks == 0
+        partition_links = set(client.metadata.partition_links.values())
+        assert partition_links & {link.address for link in client.links._links.values()}
         # One TLS connection per coordinator, kept (the session tickets TLS 1.3 sends
         # after the handshake do not make it look closed).
         assert all(link.connects == 1 for link in client.links._links.values())
