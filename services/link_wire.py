@@ -67,6 +67,8 @@ CALL_METHODS: dict[int, CallMethod] = {method.number: method for method in (
     CallMethod(13, partition_pb2, "PartitionService", "Receive"),
     CallMethod(14, partition_pb2, "PartitionService", "Ack"),
     CallMethod(15, partition_pb2, "PartitionService", "Nack"),
+    # The SDK's consumers' reads (spark_client/consumer.py; the Spark source's too).
+    CallMethod(16, partition_pb2, "PartitionService", "Fetch"),
 )}
 CALL_NUMBERS: dict[tuple[str, str], int] = {
     (method.service, method.name): number for number, method in CALL_METHODS.items()}

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.record_batch import iter_batches
-from spark_client import errors
+from spark_client import errors, link
 from spark_client.fetched import Fetched, Message, block_of
 from services import allocator
 from services.backoff import Backoff
@@ -236,8 +236,11 @@ class Consumer:
                     topic_partition=common_pb2.TopicPartition(topic=t, partition=p),
                     fetch_offset=positions[(t, p)], max_bytes=self.max_bytes_per_partition)
                     for t, p in partitions])
-            stub = self.client.channels.partition(address)
-            calls.append(stub.Fetch.future(request, timeout=self.request_timeout_s + wait_s))
+            # On the server's link when it has one (on the links' threads), else gRPC's.
+            call, over_grpc = link.partition_call(self.client, address, "Fetch")
+            timeout_s = self.request_timeout_s + wait_s
+            calls.append(call.future(request, timeout=timeout_s) if over_grpc
+                         else self.client.links.submit(call, request, timeout_s))
         return calls
 
     def _take(self, result) -> None:

@@ -5,8 +5,8 @@ length-prefixed TCP protocol its partition servers' followers and coordinators a
 speak (services/link_wire.py), beside its gRPC port. A coordinator has one when
 coordinator.client_link is on; a partition server always has one (its followers copy
 over it). The SDK sends there its calls to coordinators (CommitTxn, CommitTxns, and the
-streaming path's NewTxn ... EndTxn) and its subscription consumers' calls to partition
-servers (Receive, Ack, Nack): link_wire.CALL_METHODS. A gRPC call costs a Python client
+streaming path's NewTxn ... EndTxn) and its consumers' calls to partition servers
+(Fetch; a subscription's Receive, Ack, Nack): link_wire.CALL_METHODS. A gRPC call costs a Python client
 about 0.3-0.4 ms of CPU and the server about as much before either does any work
 (docs/grpc-links.md), a call frame on a kept socket a fraction of that.
 
@@ -49,7 +49,7 @@ from services.link_wire import (
 
 # The SDK's calls a link carries, by name: to coordinators, and to partition servers.
 METHODS = frozenset(name for service, name in CALL_NUMBERS if service == "CoordinatorService")
-PARTITION_METHODS = frozenset({"Receive", "Ack", "Nack"})
+PARTITION_METHODS = frozenset({"Fetch", "Receive", "Ack", "Nack"})
 _NUMBERS = {name: number for (_, name), number in CALL_NUMBERS.items()
             if name in METHODS | PARTITION_METHODS}
 MAX_CONNECTIONS = 16  # per server; more calls at once go over gRPC
@@ -236,6 +236,25 @@ class ServerLink:
         self._open = 0
         for sock, _ in idle:
             sock.close()
+
+
+def partition_call(client, address: str, method: str):
+    """(call(request, timeout=...), whether it is a gRPC stub's): `method` on the
+    partition server at `address`, on its link when it advertises one and the link
+    carries the method (a link that cannot be reached sends it over gRPC), else over
+    gRPC. Not a gRPC stub's: a future of it comes from client.links.submit."""
+    over_grpc = getattr(client.channels.partition(address), method)
+    on_link = (client.links.get(address, client.metadata.partition_links.get(address, ""))
+               if method in PARTITION_METHODS else None)
+    if on_link is None:
+        return over_grpc, True
+
+    def call(request, timeout: float):
+        try:
+            return on_link.call(method, request, timeout)
+        except LinkUnavailable:
+            return over_grpc(request, timeout=timeout)
+    return call, False
 
 
 def _readable(sock: socket.socket) -> bool:

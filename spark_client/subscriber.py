@@ -188,7 +188,8 @@ class SubscriptionConsumer:
                 last = errors.error_for("SERVER_UNAVAILABLE", "no owner of "
                                         + ", ".join(f"{t}-{p}" for t, p in group) + " is up")
                 continue
-            planned.append((group, *self._callable(address, method), build(group)))
+            planned.append((group, *link.partition_call(self.client, address, method),
+                            build(group)))
         # Several servers are called at once (futures: gRPC's, or a link's call on the
         # links' threads); one is called blocking: a future on an idle channel starts a
         # thread to drive it, which cost 0.23 ms of client CPU and 1.2 ms of latency per
@@ -222,25 +223,6 @@ class SubscriptionConsumer:
         for topic in {t for t, _ in retry}:
             self.client.metadata.invalidate(topic)
         return retry, last if fatal is None else fatal, results
-
-    def _callable(self, address: str, method: str):
-        """(call(request, timeout=...), whether it is a gRPC stub's): `method` on the
-        partition server at `address`, on its link when it advertises one and the link
-        carries the method (spark_client/link.py; a link that cannot be reached sends it
-        over gRPC), else over gRPC."""
-        over_grpc = getattr(self.client.channels.partition(address), method)
-        on_link = (self.client.links.get(address,
-                                         self.client.metadata.partition_links.get(address, ""))
-                   if method in link.PARTITION_METHODS else None)
-        if on_link is None:
-            return over_grpc, True
-
-        def call(request, timeout: float):
-            try:
-                return on_link.call(method, request, timeout)
-            except link.LinkUnavailable:
-                return over_grpc(request, timeout=timeout)
-        return call, False
 
     @staticmethod
     def _raise(results) -> None:

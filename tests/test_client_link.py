@@ -1,7 +1,7 @@
 """The SDK's calls on the servers' links (spark_client/link.py; docs/clients.md, "The
 link"): on the cluster and on the combined server, CommitTxn and CommitTxns go on the link
-each coordinator advertises in the metadata, and a subscription consumer's Receive, Ack
-and Nack on the link of each partition server, none sent over gRPC; the answers,
+each coordinator advertises in the metadata, and a consumer's Fetch and a subscription
+consumer's Receive, Ack and Nack on the link of each partition server, none sent over gRPC; the answers,
 refusals included, are gRPC's; a link that cannot be reached sends the calls over gRPC;
 Client(links=False) uses gRPC only; a kept connection the server closed is not used."""
 
@@ -37,11 +37,15 @@ def coordinator_calls(cluster, methods=METHODS) -> dict[str, dict[str, float]]:
 SUBSCRIPTION_METHODS = ("Receive", "Ack", "Nack")
 
 
+def _partition_metrics(cluster) -> list[str]:
+    """The metrics endpoints of the processes that are partition servers."""
+    roles = ("combined",) if cluster.combined else ("partition_server",)
+    return [p["metrics_address"] for p in cluster.services() if p["role"] in roles]
+
+
 def partition_server_calls(cluster) -> dict[str, dict[str, float]]:
     """The partition servers' subscription calls: {"link": ..., "grpc": ...}."""
-    roles = ("combined",) if cluster.combined else ("partition_server",)
-    return calls_by_way([p["metrics_address"] for p in cluster.services() if p["role"] in roles],
-                        "PartitionService", SUBSCRIPTION_METHODS)
+    return calls_by_way(_partition_metrics(cluster), "PartitionService", SUBSCRIPTION_METHODS)
 
 
 def grew(before: dict, after: dict, methods=METHODS) -> dict[str, dict[str, float]]:
@@ -203,6 +207,26 @@ def test_a_subscription_consumer_calls_the_partition_servers_on_their_links(shap
             change["link"].values())
         if not shape.combined:
             assert len(servers) > 1  # calls to several servers went at once
+
+
+def test_a_consumer_fetches_on_the_partition_servers_links(shape):
+    """A plain consumer's Fetch calls (the Spark source reads the same way) go on the
+    partition servers' links: several at once on the cluster, none over gRPC; it reads
+    every committed value once, and nothing of an aborted transaction."""
+    name = f"client-link-fetch-{'combined' if shape.combined else 'cluster'}"
+    with Client(shape.info["bootstrap"]) as client:
+        topic = create_online(client, name, 3)
+        with client.producer(linger_ms=0) as producer:
+            commit_each(client, producer, topic, [b"f-%02d" % i for i in range(12)], 3)
+            txn = client.begin_transaction(timeout_s=30)
+            producer.send(topic, b"aborted", partition=0, txn=txn)
+            txn.abort()
+        before = calls_by_way(_partition_metrics(shape), "PartitionService", ("Fetch",))
+        assert committed_values(client, topic, 12) == [b"f-%02d" % i for i in range(12)]
+        change = grew(before, calls_by_way(_partition_metrics(shape), "PartitionService",
+                                           ("Fetch",)), ("Fetch",))
+        assert change["grpc"]["Fetch"] == 0 and change["link"]["Fetch"] >= 1, change
+        assert client.links.fallbacks == 0
 
 
 def test_subscription_refusals_on_a_link_are_grpc_s(cluster):
