@@ -236,10 +236,14 @@ class Consumer:
                     topic_partition=common_pb2.TopicPartition(topic=t, partition=p),
                     fetch_offset=positions[(t, p)], max_bytes=self.max_bytes_per_partition)
                     for t, p in partitions])
-            # On the server's link when it has one (on the links' threads), else gRPC's.
+            # On the server's link when it has one, else gRPC's future. On the link, a
+            # long poll (one server) is made on this thread when its result is asked for,
+            # which is at once; the rest (several servers, a Fetch sent ahead) on the
+            # links' threads.
             call, over_grpc = link.partition_call(self.client, address, "Fetch")
             timeout_s = self.request_timeout_s + wait_s
             calls.append(call.future(request, timeout=timeout_s) if over_grpc
+                         else link.Deferred(call, request, timeout_s) if request.max_wait_ms
                          else self.client.links.submit(call, request, timeout_s))
         return calls
 

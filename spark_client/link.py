@@ -53,7 +53,7 @@ PARTITION_METHODS = frozenset({"Fetch", "Receive", "Ack", "Nack"})
 _NUMBERS = {name: number for (_, name), number in CALL_NUMBERS.items()
             if name in METHODS | PARTITION_METHODS}
 MAX_CONNECTIONS = 16  # per server; more calls at once go over gRPC
-MAX_THREADS = 8  # Links.submit's: link calls made at once
+MAX_THREADS = 32  # Links.submit's: link calls made at once (a thread each, made when needed)
 IDLE_S = 60.0  # a kept connection unused this long is closed (the server's idle limit: 120 s)
 RETRY_LINK_AFTER_S = 10.0  # after a link could not be reached, gRPC for this long
 
@@ -255,6 +255,24 @@ def partition_call(client, address: str, method: str):
         except LinkUnavailable:
             return over_grpc(request, timeout=timeout)
     return call, False
+
+
+class Deferred:
+    """A call made when its result is asked for, on the asking thread, as a blocking
+    call (its result() raises what the future's would): a gRPC future on an idle channel
+    starts a thread to drive it, and a link's would hold one of the links' threads
+    (a long poll, for its whole wait)."""
+
+    __slots__ = ("_call", "_request", "_timeout_s")
+
+    def __init__(self, call, request, timeout_s: float):
+        self._call, self._request, self._timeout_s = call, request, timeout_s
+
+    def result(self):
+        return self._call(self._request, timeout=self._timeout_s)
+
+    def cancel(self) -> bool:
+        return True  # never started: nothing to stop
 
 
 def _readable(sock: socket.socket) -> bool:

@@ -132,8 +132,8 @@ class MetadataCache:
         # A coordinator's link (spark_client/link.py), by its gRPC address: those that
         # advertise one.
         self.coordinator_links: dict[str, str] = {}
-        # A partition server's link, by its gRPC address (those that advertise one): its
-        # subscription consumers' calls go there.
+        # A partition server's link, by its gRPC address (those that advertise one): the
+        # consumers' calls go there (Fetch; a subscription's Receive, Ack, Nack).
         self.partition_links: dict[str, str] = {}
 
     def _stub(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:

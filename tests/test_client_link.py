@@ -222,11 +222,21 @@ def test_a_consumer_fetches_on_the_partition_servers_links(shape):
             producer.send(topic, b"aborted", partition=0, txn=txn)
             txn.abort()
         before = calls_by_way(_partition_metrics(shape), "PartitionService", ("Fetch",))
+        # A long poll runs on the polling thread, not on the links' threads (which it
+        # would hold for its whole wait): only Fetches that do not wait go there.
+        waits: list[int] = []
+        submit = client.links.submit
+        client.links.submit = lambda call, request, timeout_s: (
+            waits.append(request.max_wait_ms), submit(call, request, timeout_s))[1]
         assert committed_values(client, topic, 12) == [b"f-%02d" % i for i in range(12)]
+        with client.consumer([topic], isolation="read_committed", start="latest") as idle:
+            began = time.monotonic()
+            assert idle.poll(timeout_s=0.5) == []
+            assert time.monotonic() - began >= 0.4  # it waited (long polls, or short ones)
         change = grew(before, calls_by_way(_partition_metrics(shape), "PartitionService",
                                            ("Fetch",)), ("Fetch",))
         assert change["grpc"]["Fetch"] == 0 and change["link"]["Fetch"] >= 1, change
-        assert client.links.fallbacks == 0
+        assert client.links.fallbacks == 0 and not any(waits), waits
 
 
 def test_subscription_refusals_on_a_link_are_grpc_s(cluster):
