@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.append(str(Path(__file__).resolve().parent))  # after the packages: bench/coordinator.py is a script
+# After the packages: bench/coordinator.py is a script, not the package.
+sys.path.append(str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 

@@ -6,9 +6,9 @@ speak (services/link_wire.py), beside its gRPC port. A coordinator has one when
 coordinator.client_link is on; a partition server always has one (its followers copy
 over it). The SDK sends there its calls to coordinators (CommitTxn, CommitTxns, and the
 streaming path's NewTxn ... EndTxn) and its consumers' calls to partition servers
-(Fetch; a subscription's Receive, Ack, Nack): link_wire.CALL_METHODS. A gRPC call costs a Python client
-about 0.3-0.4 ms of CPU and the server about as much before either does any work
-(docs/grpc-links.md), a call frame on a kept socket a fraction of that.
+(Fetch; a subscription's Receive, Ack, Nack): link_wire.CALL_METHODS. A gRPC call costs
+a Python client about 0.3-0.4 ms of CPU and the server about as much before either does
+any work (docs/grpc-links.md), a call frame on a kept socket a fraction of that.
 
 What travels and what comes back is what gRPC would carry: the same request and response
 messages, the same bearer token (or, under mTLS, the same client certificate), the same
@@ -20,8 +20,10 @@ the next RETRY_LINK_AFTER_S, over gRPC. A connection lost mid-call is SERVER_UNA
 (the outcome unknown), which callers retry as after a gRPC UNAVAILABLE.
 
 Blocking sockets, one call per connection at a time, kept for the next call: at most
-MAX_CONNECTIONS per server (a call beyond that goes over gRPC). A forked child drops
-its parent's connections (they are the parent's streams).
+MAX_CONNECTIONS per server (a call beyond that goes over gRPC). Calls that must go at
+once run on the client's link threads (Links.submit); a long poll runs on its caller's
+thread (Deferred). A forked child drops its parent's connections (they are the parent's
+streams) and its link threads.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The SDK's calls on the servers' links (spark_client/link.py; docs/clients.md, "The
 link"): on the cluster and on the combined server, CommitTxn and CommitTxns go on the link
 each coordinator advertises in the metadata, and a consumer's Fetch and a subscription
-consumer's Receive, Ack and Nack on the link of each partition server, none sent over gRPC; the answers,
-refusals included, are gRPC's; a link that cannot be reached sends the calls over gRPC;
-Client(links=False) uses gRPC only; a kept connection the server closed is not used."""
+consumer's Receive, Ack and Nack on the link of each partition server, none sent over
+gRPC; the answers, refusals included, are gRPC's; a link that cannot be reached sends the
+calls over gRPC; Client(links=False) uses gRPC only; a kept connection the server closed
+is not used."""
 
 from __future__ import annotations
 
