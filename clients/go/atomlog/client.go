@@ -173,7 +173,8 @@ func (c *Client) conn(address string) (*grpc.ClientConn, error) {
 }
 
 // partitionStub is the partition server at `address` as a PartitionServiceClient: the
-// calls its link carries (a subscription's Receive, Ack, Nack) go on the link (link.go).
+// calls its link carries (Fetch; a subscription's Receive, Ack, Nack) go on the link
+// (link.go).
 func (c *Client) partitionStub(address string) (pb.PartitionServiceClient, error) {
 	conn, err := c.linked(address, false)
 	if err != nil {

@@ -678,3 +678,38 @@ func TestClusterSubscriptionOnThePartitionServersLinks(t *testing.T) {
 		sub.Close(ctx)
 	}
 }
+
+// A consumer's Fetch calls go on the partition servers' links (none with WithoutLinks),
+// and read the same records.
+func TestClusterConsumerFetchesOnThePartitionServersLinks(t *testing.T) {
+	c, ctx := cluster(t)
+	in := topic(t, ctx, c, "fetch-link", 3)
+	producer, _ := c.NewProducer(ctx, ProducerOptions{})
+	defer producer.Close(ctx)
+	for i := 0; i < 12; i++ {
+		producer.Send(ctx, in, Record{Value: []byte(fmt.Sprintf("f%02d", i))}, ToPartition(int32(i%3)))
+	}
+	if err := producer.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	plain, err := Dial(os.Getenv("ATOMLOG_BOOTSTRAP"), WithRequestTimeout(10*time.Second), WithoutLinks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	for i, client := range []*Client{c, plain} {
+		before := client.linkCalls.Load()
+		got := values(readAll(t, ctx, client, in, ReadCommitted, 12))
+		sort.Strings(got)
+		if len(got) != 12 || got[0] != "f00" || got[11] != "f11" {
+			t.Fatalf("client %d read %v", i, got)
+		}
+		onLinks := client.linkCalls.Load() - before
+		if client == c && onLinks < 3 { // a Fetch to each of the partitions' servers at least
+			t.Fatalf("%d Fetch calls on the partition servers' links", onLinks)
+		}
+		if client == plain && onLinks != 0 {
+			t.Fatalf("WithoutLinks: %d calls on the links", onLinks)
+		}
+	}
+}

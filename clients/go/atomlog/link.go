@@ -4,7 +4,8 @@ package atomlog
 // with coordinator.client_link advertises a link (ServerInfo.link_address): a
 // length-prefixed TCP protocol beside its gRPC port, which carries CommitTxn, CommitTxns
 // and the streaming path's NewTxn ... EndTxn as call frames. A partition server always
-// advertises one, which carries a subscription's Receive, Ack and Nack. A gRPC call costs
+// advertises one, which carries a consumer's Fetch and a subscription's Receive, Ack and
+// Nack. A gRPC call costs
 // the server (Python) about 0.4 ms of CPU before it does any work; a call frame on a kept
 // connection a fraction of it.
 //
@@ -67,6 +68,7 @@ var linkMethods = map[string]byte{
 	pb.PartitionService_Receive_FullMethodName:                13,
 	pb.PartitionService_Ack_FullMethodName:                    14,
 	pb.PartitionService_Nack_FullMethodName:                   15,
+	pb.PartitionService_Fetch_FullMethodName:                  16,
 }
 
 // errLinkUnavailable: no connection could be made, or it was refused before any answer;
