@@ -165,7 +165,7 @@ def consume_all(consumer, expected: int, nack_first: bool = False) -> list[bytes
     """Poll and ack until `expected` values were acked (with nack_first, each first poll's
     messages are nacked once instead, and come back)."""
     acked: list[bytes] = []
-    nacked: set[int] = set()
+    nacked: set[tuple[int, int]] = set()
 
     def step():
         messages = consumer.poll(timeout_s=0.5, max_records=50)
