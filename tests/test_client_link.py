@@ -161,6 +161,27 @@ def test_streaming_transactions_call_their_coordinator_on_its_link(shape):
             assert change["link"]["VerifyTxnPartitions"] >= 3, change
 
 
+def refused_alike(link, method: str, over_grpc, request) -> str:
+    """`request` refused on the link as over gRPC (`over_grpc`, the stub's method): the
+    same reason, message and gRPC code. Returns the reason."""
+    with pytest.raises(grpc.RpcError) as on_link:
+        link.call(method, request, 10)
+    with pytest.raises(grpc.RpcError) as on_grpc:
+        over_grpc(request, timeout=10)
+    ours, theirs = from_rpc_error(on_link.value), from_rpc_error(on_grpc.value)
+    assert (ours.reason, ours.message) == (theirs.reason, theirs.message)
+    assert on_link.value.code() == on_grpc.value.code()
+    return ours.reason
+
+
+def preload(client: Client, topic: str, values: list[bytes], partitions: int) -> None:
+    """Write `values` round-robin over the topic's `partitions`, each acknowledged."""
+    with client.producer(linger_ms=0) as producer:
+        for i, value in enumerate(values):
+            producer.send(topic, value, partition=i % partitions)
+        producer.flush()
+
+
 def consume_all(consumer, expected: int, nack_first: bool = False) -> list[bytes]:
     """Poll and ack until `expected` values were acked (with nack_first, each first poll's
     messages are nacked once instead, and come back)."""
@@ -190,10 +211,7 @@ def test_a_subscription_consumer_calls_the_partition_servers_on_their_links(shap
     values = [b"v-%03d" % i for i in range(60)]
     with Client(shape.info["bootstrap"]) as client:
         topic = create_online(client, name, 3)
-        with client.producer(linger_ms=0) as producer:
-            for i, value in enumerate(values):
-                producer.send(topic, value, partition=i % 3)
-            producer.flush()
+        preload(client, topic, values, 3)
         client.metadata.refresh()
         servers = {client.metadata.route(topic, p).address for p in range(3)}
         assert all(client.metadata.partition_links.get(a) for a in servers), \
@@ -249,15 +267,8 @@ def test_subscription_refusals_on_a_link_are_grpc_s(cluster):
         address = client.metadata.route(topic, 0).address
         link = client.links.get(address, client.metadata.partition_links[address])
         stub = client.channels.partition(address)
-        bad = partition_pb2.AckRequest()  # no items
-        with pytest.raises(grpc.RpcError) as on_link:
-            link.call("Ack", bad, 10)
-        with pytest.raises(grpc.RpcError) as on_grpc:
-            stub.Ack(bad, timeout=10)
-        ours, theirs = from_rpc_error(on_link.value), from_rpc_error(on_grpc.value)
-        assert (ours.reason, ours.message) == (theirs.reason, theirs.message)
-        assert ours.reason == "INVALID_ARGUMENT" and on_link.value.code() == \
-            on_grpc.value.code()
+        no_items = partition_pb2.AckRequest()
+        assert refused_alike(link, "Ack", stub.Ack, no_items) == "INVALID_ARGUMENT"
         # An item refused on its own (no such subscription): in the answer, alike.
         sp = common_pb2.SubscriptionPartition(topic=topic, partition=0, subscription="nobody")
         item = partition_pb2.AckRequest(items=[partition_pb2.AckItem(
@@ -273,10 +284,7 @@ def test_unreachable_partition_links_and_links_off_send_the_subscription_calls_o
     values = [b"g-%02d" % i for i in range(20)]
     with Client(cluster.info["bootstrap"]) as client:
         topic = create_online(client, "client-link-sub-grpc", 2)
-        with client.producer(linger_ms=0) as producer:
-            for i, value in enumerate(values):
-                producer.send(topic, value, partition=i % 2)
-            producer.flush()
+        preload(client, topic, values, 2)
     for links in ("unreachable", "off"):
         with Client(cluster.info["bootstrap"], links=links != "off") as client:
             client.metadata.refresh()
@@ -336,15 +344,8 @@ def test_link_answers_and_refusals_are_grpc_s(cluster):
         k, address = owned_tc_partition(client)
         link = client.links.get(address, client.metadata.coordinator_links[address])
         stub = client.channels.coordinator(address)
-        bad = coordinator_pb2.CommitTxnRequest(tc_partition=k)  # no idempotency key
-        with pytest.raises(grpc.RpcError) as on_link:
-            link.call("CommitTxn", bad, 10)
-        with pytest.raises(grpc.RpcError) as on_grpc:
-            stub.CommitTxn(bad, timeout=10)
-        ours, theirs = from_rpc_error(on_link.value), from_rpc_error(on_grpc.value)
-        assert (ours.reason, ours.message) == (theirs.reason, theirs.message)
-        assert ours.reason == "INVALID_ARGUMENT" and on_link.value.code() == \
-            on_grpc.value.code()
+        no_key = coordinator_pb2.CommitTxnRequest(tc_partition=k)
+        assert refused_alike(link, "CommitTxn", stub.CommitTxn, no_key) == "INVALID_ARGUMENT"
         empty = coordinator_pb2.CommitTxnsRequest()
         with pytest.raises(grpc.RpcError) as chained:
             link.call("CommitTxns", empty, 10)

@@ -76,6 +76,46 @@ func readAll(t *testing.T, ctx context.Context, c *Client, topic string, isolati
 	return out
 }
 
+// withoutLinks is a second client of the test cluster that makes every call over gRPC.
+func withoutLinks(t *testing.T) *Client {
+	t.Helper()
+	plain, err := Dial(os.Getenv("ATOMLOG_BOOTSTRAP"), WithRequestTimeout(10*time.Second), WithoutLinks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { plain.Close() })
+	return plain
+}
+
+// checkLinkCalls fails the test unless `client` answered at least `atLeast` calls on
+// links since `before` when it is `linked`, and none when it is not.
+func checkLinkCalls(t *testing.T, client *Client, linked bool, before, atLeast int64, what string) {
+	t.Helper()
+	onLinks := client.linkCalls.Load() - before
+	if linked && onLinks < atLeast {
+		t.Fatalf("%d calls on %s", onLinks, what)
+	}
+	if !linked && onLinks != 0 {
+		t.Fatalf("WithoutLinks: %d calls on the links", onLinks)
+	}
+}
+
+// preload writes prefix00, prefix01, ... (n values) round-robin over `partitions`.
+func preload(t *testing.T, ctx context.Context, c *Client, topic, prefix string, n, partitions int) {
+	t.Helper()
+	producer, err := c.NewProducer(ctx, ProducerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Close(ctx)
+	for i := 0; i < n; i++ {
+		producer.Send(ctx, topic, Record{Value: []byte(fmt.Sprintf("%s%02d", prefix, i))}, ToPartition(int32(i%partitions)))
+	}
+	if err := producer.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func values(messages []Message) []string {
 	out := make([]string, len(messages))
 	for i, m := range messages {
@@ -552,11 +592,7 @@ func TestClusterSessionFencing(t *testing.T) {
 func TestClusterCommitsOnTheCoordinatorsLinks(t *testing.T) {
 	c, ctx := cluster(t)
 	out := topic(t, ctx, c, "link", 2)
-	plain, err := Dial(os.Getenv("ATOMLOG_BOOTSTRAP"), WithRequestTimeout(10*time.Second), WithoutLinks())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer plain.Close()
+	plain := withoutLinks(t)
 	for i, client := range []*Client{c, plain} {
 		before := client.linkCalls.Load()
 		// One-call transactions: CommitTxn.
@@ -590,13 +626,8 @@ func TestClusterCommitsOnTheCoordinatorsLinks(t *testing.T) {
 			t.Fatal(err)
 		}
 		producer.Close(ctx)
-		onLinks := client.linkCalls.Load() - before
-		if client == c && onLinks < 5 { // 3 CommitTxn, NewTxn, EndTxn at least
-			t.Fatalf("%d calls on the coordinators' links", onLinks)
-		}
-		if client == plain && onLinks != 0 {
-			t.Fatalf("WithoutLinks: %d calls on the links", onLinks)
-		}
+		// 3 CommitTxn, NewTxn, EndTxn at least.
+		checkLinkCalls(t, client, client == c, before, 5, "the coordinators' links")
 	}
 	got := values(readAll(t, ctx, c, out, ReadCommitted, 8))
 	sort.Strings(got)
@@ -611,19 +642,8 @@ func TestClusterCommitsOnTheCoordinatorsLinks(t *testing.T) {
 func TestClusterSubscriptionOnThePartitionServersLinks(t *testing.T) {
 	c, ctx := cluster(t)
 	in := topic(t, ctx, c, "sub-link", 3)
-	producer, _ := c.NewProducer(ctx, ProducerOptions{})
-	defer producer.Close(ctx)
-	for i := 0; i < 30; i++ {
-		producer.Send(ctx, in, Record{Value: []byte(fmt.Sprintf("s%02d", i))}, ToPartition(int32(i%3)))
-	}
-	if err := producer.Flush(ctx); err != nil {
-		t.Fatal(err)
-	}
-	plain, err := Dial(os.Getenv("ATOMLOG_BOOTSTRAP"), WithRequestTimeout(10*time.Second), WithoutLinks())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer plain.Close()
+	preload(t, ctx, c, in, "s", 30, 3)
+	plain := withoutLinks(t)
 	for i, client := range []*Client{c, plain} {
 		sub, err := client.Subscribe(ctx, []string{in}, fmt.Sprintf("links-%d", i), SubscribeOptions{AckTimeout: 10 * time.Second})
 		if err != nil {
@@ -668,13 +688,8 @@ func TestClusterSubscriptionOnThePartitionServersLinks(t *testing.T) {
 				t.Fatalf("client %d acked %s twice", i, acked[j])
 			}
 		}
-		onLinks := client.linkCalls.Load() - before
-		if client == c && onLinks < 3 { // Receive, Nack, Ack at least once each
-			t.Fatalf("%d calls on the partition servers' links", onLinks)
-		}
-		if client == plain && onLinks != 0 {
-			t.Fatalf("WithoutLinks: %d calls on the links", onLinks)
-		}
+		// Receive, Nack, Ack at least once each.
+		checkLinkCalls(t, client, client == c, before, 3, "the partition servers' links")
 		sub.Close(ctx)
 	}
 }
@@ -684,19 +699,8 @@ func TestClusterSubscriptionOnThePartitionServersLinks(t *testing.T) {
 func TestClusterConsumerFetchesOnThePartitionServersLinks(t *testing.T) {
 	c, ctx := cluster(t)
 	in := topic(t, ctx, c, "fetch-link", 3)
-	producer, _ := c.NewProducer(ctx, ProducerOptions{})
-	defer producer.Close(ctx)
-	for i := 0; i < 12; i++ {
-		producer.Send(ctx, in, Record{Value: []byte(fmt.Sprintf("f%02d", i))}, ToPartition(int32(i%3)))
-	}
-	if err := producer.Flush(ctx); err != nil {
-		t.Fatal(err)
-	}
-	plain, err := Dial(os.Getenv("ATOMLOG_BOOTSTRAP"), WithRequestTimeout(10*time.Second), WithoutLinks())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer plain.Close()
+	preload(t, ctx, c, in, "f", 12, 3)
+	plain := withoutLinks(t)
 	for i, client := range []*Client{c, plain} {
 		before := client.linkCalls.Load()
 		got := values(readAll(t, ctx, client, in, ReadCommitted, 12))
@@ -704,12 +708,7 @@ func TestClusterConsumerFetchesOnThePartitionServersLinks(t *testing.T) {
 		if len(got) != 12 || got[0] != "f00" || got[11] != "f11" {
 			t.Fatalf("client %d read %v", i, got)
 		}
-		onLinks := client.linkCalls.Load() - before
-		if client == c && onLinks < 3 { // a Fetch to each of the partitions' servers at least
-			t.Fatalf("%d Fetch calls on the partition servers' links", onLinks)
-		}
-		if client == plain && onLinks != 0 {
-			t.Fatalf("WithoutLinks: %d calls on the links", onLinks)
-		}
+		// A Fetch to each of the partitions' servers at least.
+		checkLinkCalls(t, client, client == c, before, 3, "the partition servers' links (Fetch)")
 	}
 }
