@@ -49,6 +49,7 @@ never falls back to plaintext: a handshake that fails is a connection that canno
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import socket
@@ -72,7 +73,9 @@ from services.link_wire import (
     KIND_ERROR,
     KIND_REQUEST,
     MAGIC,
+    MAGIC_PIPELINED,
     MAX_CALL_BYTES,
+    MAX_PIPELINED,
     TOKEN_LEN,
     LinkProtocolError,
     call_frame,
@@ -177,6 +180,9 @@ class LinkServer:
         try:
             auth_context = _peer_auth_context(writer)
             magic = await asyncio.wait_for(reader.readexactly(len(MAGIC)), IDLE_TIMEOUT_S)
+            if magic == MAGIC_PIPELINED:
+                await self._serve_pipelined(reader, writer, peer_name, auth_context)
+                return
             if magic != MAGIC:
                 raise LinkProtocolError(f"not a replication link client ({magic[:8]!r})")
             while True:
@@ -218,6 +224,103 @@ class LinkServer:
         finally:
             self._connections.discard(task)
             writer.close()
+
+    async def _serve_pipelined(self, reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter, peer: str,
+                               auth_context: dict) -> None:
+        """A pipelined connection (link_wire.MAGIC_PIPELINED): each frame's call starts as
+        it is read, in the order frames arrive (a task each, made in that order, so their
+        first steps run in it: a producer's batches are queued on their partitions in
+        the order it sent them), while the next frames are read; `_write_answers` answers
+        them in the same order. At most MAX_PIPELINED calls unanswered (then the next
+        frame waits to be read); a frame that would pass MAX_HELD_BYTES waits for this
+        connection's calls to be answered first, and closes the connection only when it
+        would pass it alone (as on a connection of one call at a time)."""
+        pending: collections.deque = collections.deque()  # (call task, frame length)
+        wake = asyncio.Event()  # the writer: a call queued, or the reader done
+        room = asyncio.Event()  # the reader: an answer written
+        done = False
+        answering = asyncio.ensure_future(self._write_answers(writer, pending, wake, room,
+                                                              lambda: done))
+        try:
+            while not answering.done():
+                async with asyncio.timeout(IDLE_TIMEOUT_S):
+                    length, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
+                if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
+                        MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
+                    raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
+                while pending and (len(pending) >= MAX_PIPELINED
+                                   or self._held_bytes + length > MAX_HELD_BYTES):
+                    room.clear()
+                    await room.wait()
+                if self._held_bytes + length > MAX_HELD_BYTES:
+                    raise LinkProtocolError(f"a frame of {length} bytes while the link holds "
+                                            f"{self._held_bytes} (at most {MAX_HELD_BYTES})")
+                self._held_bytes += length
+                try:
+                    async with asyncio.timeout(IDLE_TIMEOUT_S):
+                        body = await reader.readexactly(length - 1)
+                except BaseException:
+                    self._held_bytes -= length
+                    raise
+                call = self._call if kind == KIND_CALL else self._answer
+                pending.append((asyncio.ensure_future(call(body, peer, auth_context)), length))
+                del body
+                wake.set()
+        finally:
+            done = True
+            wake.set()
+            # Calls under way finish (a write half done is not cut off) and release
+            # their bytes; their answers go nowhere once the connection is gone.
+            try:
+                await asyncio.shield(answering)
+            except asyncio.CancelledError:  # the link closing: its calls are left to end
+                answering.cancel()
+                raise
+
+    async def _write_answers(self, writer: asyncio.StreamWriter, pending: collections.deque,
+                             wake: asyncio.Event, room: asyncio.Event, finished) -> None:
+        """A pipelined connection's answers, in the order its calls came."""
+        try:
+            await self._write_in_order(writer, pending, wake, room, finished)
+        finally:  # (cancelled: the link closing) what is still under way holds nothing
+            while pending:
+                self._held_bytes -= pending.popleft()[1]
+
+    async def _write_in_order(self, writer: asyncio.StreamWriter, pending: collections.deque,
+                              wake: asyncio.Event, room: asyncio.Event, finished) -> None:
+        broken = False
+        while True:
+            if not pending:
+                if finished():
+                    return
+                wake.clear()
+                await wake.wait()
+                continue
+            task, length = pending[0]
+            try:
+                answer_kind, payload = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.done():
+                    raise
+                answer_kind, payload = KIND_ERROR, _error_bytes(AtomlogError(
+                    "SHUTTING_DOWN", "the server is closing this connection"))
+            pending.popleft()
+            self._held_bytes -= length
+            room.set()
+            if broken:
+                continue
+            try:
+                head = HEAD.pack(len(payload) + 1, answer_kind)
+                if len(payload) <= JOIN_BYTES:
+                    writer.write(head + payload)
+                else:
+                    writer.write(head)
+                    writer.write(payload)
+                await writer.drain()
+            except (ConnectionError, RuntimeError):
+                broken = True  # the reader finds the connection gone and ends
+                writer.close()
 
     async def _answer(self, body: bytes, peer: str, auth_context: dict) -> tuple[int, bytes]:
         """One request frame's answer: (kind, payload). Every failure is an error frame, as

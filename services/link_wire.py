@@ -5,7 +5,8 @@ followers and coordinators (copy_link.py), and the SDK's commits and consumers' 
 
 A link is a plain length-prefixed TCP connection (TLS when the server's gRPC port has it)
 beside a server's gRPC port. Big-endian:
-- the client opens with the 8 bytes `MAGIC` (a version: another value is closed at once);
+- the client opens with the 8 bytes `MAGIC` or `MAGIC_PIPELINED` (a version: another
+  value is closed at once);
 - then frames, each `u32 length` (of what follows) + `u8 kind` + payload:
   - ReplicateMany request, kind 1: `u16 token length`, the token (UTF-8; empty: none),
     then the serialized ReplicateManyRequest (a follower's copy);
@@ -13,7 +14,13 @@ beside a server's gRPC port. Big-endian:
     length`, the token, then the serialized request;
   - answer, kind 0: the serialized response; kind 2: an error, a serialized `ItemError`
     (reason, message, metadata), as gRPC's ErrorInfo would carry it.
-One request is outstanding per connection at a time; the server answers in order.
+After `MAGIC` one request is outstanding per connection at a time. After
+`MAGIC_PIPELINED` (a connection of the SDK's producer, spark_client/link.py) the client
+may send up to `MAX_PIPELINED` frames before their answers: the server starts each
+call as its frame arrives, in the order they arrive (so a producer's batches reach their
+partitions in the order it sent them, as on one gRPC connection), and answers them in
+that order. A server from before pipelining closes such a connection at once, and the
+client sends over gRPC instead.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import struct
 from atomlog.v1 import coordinator_pb2, partition_pb2
 
 MAGIC = b"ATLNK\x00\x00\x01"
+MAGIC_PIPELINED = b"ATLNK\x00\x00\x02"
+MAX_PIPELINED = 8  # frames a client may have unanswered on a pipelined connection
 KIND_ANSWER, KIND_REQUEST, KIND_ERROR, KIND_CALL = 0, 1, 2, 3
 HEAD = struct.Struct(">IB")  # frame length (of what follows), kind
 TOKEN_LEN = struct.Struct(">H")
@@ -76,11 +85,18 @@ CALL_NUMBERS: dict[tuple[str, str], int] = {
 
 def call_frame(number: int, timeout_s: float | None, token: bytes, request) -> bytes:
     """A call frame (kind 3), head and body in one buffer: a connection sends it with one
-    write (one send(2), one TCP segment under TCP_NODELAY)."""
+    write (one send(2), one TCP segment under TCP_NODELAY). `request`: a message, or its
+    serialized bytes."""
+    body = request if isinstance(request, bytes) else request.SerializeToString()
+    return call_head(number, timeout_s, token, len(body)) + body
+
+
+def call_head(number: int, timeout_s: float | None, token: bytes, body_bytes: int) -> bytes:
+    """A call frame's bytes before its serialized request of `body_bytes` (a large
+    request is sent after it, not copied once more to join them)."""
     timeout_ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF)) if timeout_s else 0
-    body = request.SerializeToString()
-    return b"".join((HEAD.pack(1 + CALL_HEAD.size + len(token) + len(body), KIND_CALL),
-                     CALL_HEAD.pack(number, timeout_ms, len(token)), token, body))
+    return b"".join((HEAD.pack(1 + CALL_HEAD.size + len(token) + body_bytes, KIND_CALL),
+                     CALL_HEAD.pack(number, timeout_ms, len(token)), token))
 
 
 class LinkProtocolError(ConnectionError):
@@ -92,9 +108,9 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake not done by then: no connection
 
 
 def connect_blocking(target: tuple[str, int], timeout_s: float, tls=None,
-                     server_hostname: str = "") -> socket.socket:
+                     server_hostname: str = "", magic: bytes = MAGIC) -> socket.socket:
     """A blocking connection to a link, ready for frames: connected, TCP_NODELAY, over
-    TLS when `tls` (a services.tls.ChannelTls) is given, MAGIC sent. Raises OSError
+    TLS when `tls` (a services.tls.ChannelTls) is given, `magic` sent. Raises OSError
     (ssl.SSLError included) or ValueError (TLS files that cannot be loaded) when it
     cannot be made, leaving nothing open."""
     sock = socket.create_connection(target, timeout=min(timeout_s, CONNECT_TIMEOUT_S))
@@ -103,7 +119,7 @@ def connect_blocking(target: tuple[str, int], timeout_s: float, tls=None,
         if tls is not None:  # (the TLS socket takes the plain one's descriptor)
             sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
             sock = tls.ssl_context().wrap_socket(sock, server_hostname=server_hostname)
-        sock.sendall(MAGIC)
+        sock.sendall(magic)
     except BaseException:
         sock.close()
         raise

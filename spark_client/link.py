@@ -28,6 +28,7 @@ streams) and its link threads.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import select
@@ -43,8 +44,11 @@ from services.link_wire import (
     CALL_METHODS,
     CALL_NUMBERS,
     KIND_ERROR,
+    MAGIC_PIPELINED,
     MAX_CALL_BYTES,
+    MAX_PIPELINED,
     call_frame,
+    call_head,
     connect_blocking,
     read_answer,
 )
@@ -52,12 +56,17 @@ from services.link_wire import (
 # The SDK's calls a link carries, by name: to coordinators, and to partition servers.
 METHODS = frozenset(name for service, name in CALL_NUMBERS if service == "CoordinatorService")
 PARTITION_METHODS = frozenset({"Fetch", "Receive", "Ack", "Nack"})
+PIPELINED_METHODS = frozenset({"Produce"})  # a producer's, on a Pipeline
 _NUMBERS = {name: number for (_, name), number in CALL_NUMBERS.items()
-            if name in METHODS | PARTITION_METHODS}
+            if name in METHODS | PARTITION_METHODS | PIPELINED_METHODS}
 MAX_CONNECTIONS = 16  # per server; more calls at once go over gRPC
 MAX_THREADS = 32  # Links.submit's: link calls made at once (a thread each, made when needed)
 IDLE_S = 60.0  # a kept connection unused this long is closed (the server's idle limit: 120 s)
 RETRY_LINK_AFTER_S = 10.0  # after a link could not be reached, gRPC for this long
+# A pipelined call's answer not come this long after its deadline (the server answers
+# REQUEST_TIMED_OUT at the deadline): the connection is taken for lost.
+LATE_ANSWER_S = 2.0
+JOIN_BYTES = 64 << 10  # a larger request is sent after its frame's head, not joined to it
 
 
 class LinkUnavailable(ConnectionError):
@@ -74,6 +83,7 @@ class Links:
         self._token = token  # services.auth.TokenSource, or None
         self.enabled = enabled
         self._links: dict[str, ServerLink] = {}
+        self._pipelines: dict[str, Pipeline] = {}
         self._lock = threading.Lock()
         self.calls = 0  # calls answered on a link (tests, benchmarks)
         self.fallbacks = 0  # calls sent over gRPC because a link could not be reached
@@ -109,9 +119,27 @@ class Links:
                     link_address, grpc_address, self._tls, self._token, self)
             return link
 
+    def pipeline(self, grpc_address: str, link_address: str) -> "Pipeline | None":
+        """The pipelined connection to the server at `grpc_address` (its link at
+        `link_address`; empty: none, None returned), as `get`."""
+        if not self.enabled or not link_address:
+            return None
+        pipeline = self._pipelines.get(grpc_address)
+        if pipeline is not None and pipeline.address == link_address:
+            return pipeline
+        with self._lock:
+            pipeline = self._pipelines.get(grpc_address)
+            if pipeline is None or pipeline.address != link_address:
+                if pipeline is not None:
+                    pipeline.close()
+                pipeline = self._pipelines[grpc_address] = Pipeline(
+                    link_address, grpc_address, self._tls, self._token, self)
+            return pipeline
+
     def close(self) -> None:
         with self._lock:
-            links, self._links = list(self._links.values()), {}
+            links, self._links = [*self._links.values(), *self._pipelines.values()], {}
+            self._pipelines = {}
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)  # calls under way end alone
@@ -121,7 +149,7 @@ class Links:
     def _forget_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._executor = None  # its threads are the parent's
-        for link in self._links.values():
+        for link in [*self._links.values(), *self._pipelines.values()]:
             link.forget()
 
 
@@ -240,6 +268,209 @@ class ServerLink:
             sock.close()
 
 
+class Pipeline:
+    """One pipelined connection to a server's link (link_wire.MAGIC_PIPELINED), for a
+    producer's Produce calls: `start` sends a call at once, in the order its callers
+    start them (so a producer's batches reach their partitions in sequence order, as
+    on its one gRPC connection, where calls on several connections could overtake one
+    another), and returns a future; a reader thread reads the answers, which come in
+    the same order, and settles the futures (their callbacks run on it, as a gRPC
+    future's run on gRPC's thread). At most MAX_PIPELINED calls unanswered: `start`
+    waits for room.
+
+    The socket is read and written under one lock (`_wire`): a TLS connection may not
+    be read and written at once from two threads. Sends do not wait for answers to be
+    read: the server reads every frame of a connection with fewer than MAX_PIPELINED
+    unanswered, and a Produce answer is small.
+
+    Failures: a connection that cannot be made, or that the server closes before any
+    answer (a server from before pipelining closes it at once), raises LinkUnavailable
+    (the caller sends over gRPC, and so do the next RETRY_LINK_AFTER_S of calls). A
+    connection lost later fails every unanswered call SERVER_UNAVAILABLE (its outcome
+    unknown: the producer resends, and its sequence numbers make a resend of a written
+    batch harmless). An answer not come LATE_ANSWER_S after its call's deadline fails
+    the unanswered calls REQUEST_TIMED_OUT and closes the connection."""
+
+    def __init__(self, address: str, server_address: str, tls, token, links: Links):
+        host, _, port = address.rpartition(":")
+        self.address = address
+        self._target = (host.strip("[]"), int(port))
+        self._tls = tls
+        self._server_hostname = tls.server_hostname(server_address) if tls is not None else ""
+        self._token = token
+        self._links = links
+        self._sending = threading.Lock()  # one start() at a time: sends in `_pending` order
+        self._wire = threading.Lock()  # the socket's reads and writes
+        self._state = threading.Condition(threading.Lock())  # what follows
+        self._sock: socket.socket | None = None
+        self._answered = False  # whether the connection answered anything yet
+        self._pending: collections.deque = collections.deque()  # (future, number, deadline)
+        self.connects = 0
+        self.most_unanswered = 0  # the most calls unanswered at once (tests, benchmarks)
+        self.down_until = 0.0
+        self._closed = False
+
+    def start(self, method: str, request: bytes, timeout_s: float) -> concurrent.futures.Future:
+        """Sends `method` (serialized `request`); its future: the response, or raises the
+        grpc.RpcError a failed gRPC call would raise. Raises LinkUnavailable (nothing
+        sent: send it over gRPC)."""
+        number = _NUMBERS[method]
+        token = self._token.token.encode() if self._token is not None else b""
+        head = call_head(number, timeout_s, token, len(request))
+        if len(head) + len(request) > MAX_CALL_BYTES:
+            raise LinkUnavailable(f"a {len(request)}-byte call is more than the link takes")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        with self._sending:
+            while True:
+                with self._state:
+                    if time.monotonic() < self.down_until or self._closed:
+                        raise LinkUnavailable(f"{self.address}: not tried again yet")
+                    while len(self._pending) >= MAX_PIPELINED and self._sock is not None:
+                        self._state.wait()
+                    sock = self._sock
+                    if sock is not None:  # (queued with it: the reader keeps it open)
+                        self._pending.append((future, number, time.monotonic() + timeout_s))
+                        self.most_unanswered = max(self.most_unanswered, len(self._pending))
+                        self._state.notify_all()
+                        break
+                sock = self._connect(timeout_s)  # only a sender connects (LinkUnavailable)
+                with self._state:
+                    if self._closed:
+                        _shut(sock)
+                        raise LinkUnavailable(f"{self.address}: closed")
+                    self._sock, self._answered = sock, False
+                threading.Thread(target=self._read, args=(sock,), daemon=True,
+                                 name="atomlog-link-pipeline").start()
+            try:
+                with self._wire:
+                    sock.settimeout(max(0.001, timeout_s))
+                    if len(request) <= JOIN_BYTES:
+                        sock.sendall(head + request)
+                    else:
+                        sock.sendall(head)
+                        sock.sendall(request)
+            except OSError as error:  # (this call's future fails with the others)
+                self._lost(sock, error)
+        return future
+
+    def _connect(self, timeout_s: float) -> socket.socket:
+        self.connects += 1
+        try:
+            return connect_blocking(self._target, timeout_s, self._tls, self._server_hostname,
+                                    magic=MAGIC_PIPELINED)
+        except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
+            self._down()
+            raise LinkUnavailable(f"{self.address}: {error}") from None
+
+    def _read(self, sock: socket.socket) -> None:
+        """The reader thread of connection `sock`: its answers, in order, until it is
+        lost or replaced, or idle for IDLE_S (then it closes it)."""
+        while True:
+            with self._state:
+                while not self._pending and self._sock is sock:
+                    if not self._state.wait(IDLE_S) and not self._pending \
+                            and self._sock is sock:
+                        self._sock = None
+                        _shut(sock)
+                        return
+                if self._sock is not sock:
+                    return
+                _, number, deadline = self._pending[0]
+            try:
+                kind, payload = self._answer(sock, deadline)
+            except (OSError, ValueError) as error:  # LinkProtocolError, TimeoutError too
+                self._lost(sock, error)
+                return
+            with self._state:
+                if self._sock is not sock:
+                    return  # (its calls were failed with it)
+                future, number, _ = self._pending.popleft()
+                self._answered = True
+                self._state.notify_all()
+            self._links.calls += 1
+            if kind == KIND_ERROR:
+                future.set_exception(local.rpc_error(
+                    from_item(partition_pb2.ItemError.FromString(payload))))
+                continue
+            try:
+                response = CALL_METHODS[number].response_type.FromString(payload)
+            except Exception as error:  # noqa: BLE001 — a garbled answer: lost, as others
+                future.set_exception(_unavailable(CALL_METHODS[number].name, self.address,
+                                                  error))
+                self._lost(sock, error)
+                return
+            future.set_result(response)
+
+    def _answer(self, sock: socket.socket, deadline: float) -> tuple[int, bytearray]:
+        """The next answer frame, read once the socket is readable (a TLS socket's
+        decrypted bytes count), by `deadline` + LATE_ANSWER_S (else TimeoutError)."""
+        wait_s = deadline + LATE_ANSWER_S - time.monotonic()
+        pending = getattr(sock, "pending", None)
+        if not (pending is not None and pending()) and not _readable(sock, max(0.0, wait_s)):
+            raise TimeoutError(f"no answer {LATE_ANSWER_S} s after the call's deadline")
+        with self._wire:
+            sock.settimeout(max(1.0, wait_s))
+            return read_answer(sock, MAX_CALL_BYTES)
+
+    def _lost(self, sock: socket.socket, error: BaseException) -> None:
+        """The connection `sock` is gone: every unanswered call fails (outcome unknown)."""
+        with self._state:
+            if self._sock is not sock:
+                return
+            self._sock = None
+            failed, self._pending = list(self._pending), collections.deque()
+            never_answered = not self._answered
+            self._state.notify_all()
+        _shut(sock)  # (wakes its reader, if waiting on it)
+        if never_answered and not self._closed:
+            self._down()  # (a server from before pipelining: gRPC for a while)
+        for future, number, _ in failed:
+            method = CALL_METHODS[number].name
+            if isinstance(error, TimeoutError):
+                future.set_exception(local.rpc_error(AtomlogError(
+                    "REQUEST_TIMED_OUT", f"{method} to {self.address} (link) took longer "
+                    "than its deadline")))
+            else:
+                future.set_exception(_unavailable(method, self.address, error))
+
+    def _down(self) -> None:
+        self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
+        self._links.fallbacks += 1
+
+    def close(self) -> None:
+        with self._state:
+            self._closed = True
+            sock = self._sock
+        if sock is not None:
+            self._lost(sock, ConnectionError("the client closed"))
+
+    def forget(self) -> None:
+        """In a forked child: the parent's connection and reader thread are not ours
+        (the descriptor is closed, the connection left to the parent), nor its calls."""
+        self._sending, self._wire = threading.Lock(), threading.Lock()
+        self._state = threading.Condition(threading.Lock())
+        sock, self._sock = self._sock, None
+        self._pending = collections.deque()
+        if sock is not None:
+            sock.close()  # (no shutdown: that would end the parent's connection too)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Closes a connection another thread may be waiting on (shutdown wakes it)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _unavailable(method: str, address: str, error: BaseException):
+    return local.rpc_error(AtomlogError(
+        "SERVER_UNAVAILABLE", f"{method} to {address} (link): {type(error).__name__}: "
+        f"{error}", {"retry_after_ms": "50"}))
+
+
 def partition_call(client, address: str, method: str):
     """(call(request, timeout=...), whether it is a gRPC stub's): `method` on the
     partition server at `address`, on its link when it advertises one and the link
@@ -277,14 +508,15 @@ class Deferred:
         return True  # never started: nothing to stop
 
 
-def _readable(sock: socket.socket) -> bool:
-    """Whether an idle connection has something to read: its EOF (or an RST), since no
-    call is under way on it. poll(2), not select(2): a process with more than 1,024
-    descriptors (an executor) has sockets select cannot watch."""
+def _readable(sock: socket.socket, wait_s: float = 0.0) -> bool:
+    """Whether a connection has something to read (an idle one: its EOF or an RST,
+    since no call is under way on it), waiting up to `wait_s`. poll(2), not select(2):
+    a process with more than 1,024 descriptors (an executor) has sockets select cannot
+    watch."""
     poller = select.poll()
     try:
         poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
+        return bool(poller.poll(int(wait_s * 1000)))
     except (OSError, ValueError):
         return True
 

@@ -41,7 +41,7 @@ import grpc
 from atomlog.v1 import partition_pb2
 from partition_server.record_batch import Compression, Record, uvarint
 from partition_server.record_columns import columns_block, encode_records, frame_header
-from spark_client import errors
+from spark_client import errors, link
 from spark_client.columns import HEADER_OVERHEAD, ROW_OVERHEAD, Chunk, prepare
 from spark_client.transactions import KeptBy
 from services.backoff import Backoff
@@ -787,9 +787,19 @@ class Producer:
                 continue
             by_address.setdefault(address, []).append(batch)
         for address, batches in by_address.items():
-            produce = self.client.channels.stub(address, _RawProduce).produce
+            pipeline = self.client.links.pipeline(
+                address, self.client.metadata.partition_links.get(address, ""))
             for group in _requests(batches, MAX_REQUEST_BYTES):
-                call = produce.future(_produce_request(group), timeout=self.request_timeout_s)
+                request = _produce_request(group)
+                call = None
+                if pipeline is not None:
+                    try:
+                        call = pipeline.start("Produce", request, self.request_timeout_s)
+                    except link.LinkUnavailable:
+                        pass  # this call, and the next ones for a while, over gRPC
+                if call is None:
+                    call = self.client.channels.stub(address, _RawProduce).produce.future(
+                        request, timeout=self.request_timeout_s)
                 attempts = [b.attempts for b in group]
                 call.add_done_callback(
                     lambda f, group=group, attempts=attempts: self._on_reply(group, attempts, f))

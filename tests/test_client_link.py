@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import grpc
@@ -18,7 +19,7 @@ import pytest
 from atomlog.v1 import common_pb2, coordinator_pb2, metadata_pb2, partition_pb2
 from services.errors import from_rpc_error
 from spark_client import Client
-from tests.conftest import create_online, wait_until
+from tests.conftest import create_online, metric_sum, wait_until
 from tests.link_tools import calls_by_way
 
 pytestmark = pytest.mark.cluster
@@ -257,6 +258,107 @@ def test_a_consumer_fetches_on_the_partition_servers_links(shape):
         assert change["grpc"]["Fetch"] == 0 and change["link"]["Fetch"] >= 1, change
         assert client.links.fallbacks == 0 and not any(waits), waits
 
+
+
+def produce_calls(cluster) -> dict[str, dict[str, float]]:
+    """The partition servers' Produce calls: {"link": ..., "grpc": ...}."""
+    return calls_by_way(_partition_metrics(cluster), "PartitionService", ("Produce",))
+
+
+def out_of_order_refusals(cluster) -> float:
+    return sum(metric_sum(address, 'atomlog_partition_rejected_batches_total{reason='
+                          '"OUT_OF_ORDER_SEQUENCE"}') for address in _partition_metrics(cluster))
+
+
+def produce_in_order(client: Client, topic: str, partitions: int, count: int,
+                     **options) -> None:
+    """`count` values to each partition through one producer, every one acknowledged;
+    then each partition holds exactly its values, in send order."""
+    sent = {p: [b"%d-%04d" % (p, i) for i in range(count)] for p in range(partitions)}
+    with client.producer(**options) as producer:
+        futures = [producer.send(topic, sent[p][i], partition=p)
+                   for i in range(count) for p in range(partitions)]
+        for future in futures:
+            future.result(timeout=60)
+    read: dict[int, list[bytes]] = {p: [] for p in range(partitions)}
+    with client.consumer([topic], isolation="read_uncommitted", start="earliest") as consumer:
+        for chunk in consumer.read_until():
+            for message in chunk:
+                read[message.partition].append(message.value)
+    assert read == sent
+
+
+def test_a_producer_s_batches_go_on_the_partition_servers_links_in_order(shape):
+    """An idempotent producer's Produce calls go on one pipelined connection to each
+    partition server's link (Pipeline): several unanswered at once, none over gRPC, and
+    none overtaking another (no batch refused as out of order); every record is written
+    once, in send order."""
+    name = f"client-link-produce-{'combined' if shape.combined else 'cluster'}"
+    with Client(shape.info["bootstrap"]) as client:
+        topic = create_online(client, name, 3)
+        before, refused = produce_calls(shape), out_of_order_refusals(shape)
+        produce_in_order(client, topic, 3, 400, linger_ms=0, batch_max_bytes=1024)
+        change = grew(before, produce_calls(shape), ("Produce",))
+        assert change["grpc"]["Produce"] == 0 and change["link"]["Produce"] >= 10, change
+        assert out_of_order_refusals(shape) == refused
+        pipelines = list(client.links._pipelines.values())
+        assert pipelines and max(p.most_unanswered for p in pipelines) > 1
+        assert all(p.connects == 1 for p in pipelines) and client.links.fallbacks == 0
+        assert len(pipelines) == (1 if shape.combined else len(
+            {client.metadata.route(topic, p).address for p in range(3)}))
+
+
+def test_a_producer_sends_over_grpc_to_a_link_it_cannot_use(cluster):
+    """A link that cannot be reached, or that closes a pipelined connection at once (a
+    server from before pipelining): the producer's calls go over gRPC (after one resend
+    of what the closed connection took), and every record is written once, in order;
+    with Client(links=False), gRPC only."""
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    old = socket.socket()  # takes connections and closes each once its magic came
+    old.bind(("127.0.0.1", 0))
+    old.listen()
+    closer = threading.Thread(target=_close_each, args=(old,), daemon=True)
+    closer.start()
+    ways = {"unreachable": dead, "old": "127.0.0.1:%d" % old.getsockname()[1], "off": None}
+    try:
+        for way, address in ways.items():
+            with Client(cluster.info["bootstrap"], links=way != "off") as client:
+                topic = create_online(client, f"client-link-produce-{way}", 2)
+                if address:
+                    _links_at(client, address)
+                before = produce_calls(cluster)
+                produce_in_order(client, topic, 2, 30, linger_ms=0)
+                change = grew(before, produce_calls(cluster), ("Produce",))
+                assert change["grpc"]["Produce"] >= 2, (way, change)
+                assert client.links.calls == 0, way
+                assert (client.links.fallbacks >= 1) == (way != "off"), way
+    finally:
+        old.close()
+
+
+def _links_at(client: Client, address: str) -> None:
+    """Every partition server's link at `address`, in this metadata and after each
+    refresh (a producer refreshes it after SERVER_UNAVAILABLE)."""
+    metadata, refresh = client.metadata, client.metadata.refresh
+
+    def refresh_there(*args, **options):
+        refresh(*args, **options)
+        metadata.partition_links = dict.fromkeys(metadata.partition_links, address)
+
+    metadata.refresh = refresh_there
+    metadata.refresh()
+
+
+def _close_each(listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.recv(8)
 
 def test_subscription_refusals_on_a_link_are_grpc_s(cluster):
     """An Ack the server refuses, on the link and over gRPC: the same reason and message,

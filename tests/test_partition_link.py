@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 
 import grpc
 import pytest
@@ -18,7 +19,7 @@ from prometheus_client import REGISTRY
 
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.copy_link import (CALL_NUMBERS, KIND_ANSWER, KIND_CALL, KIND_ERROR,
-                                        MAGIC, CallLink)
+                                        MAGIC, MAGIC_PIPELINED, MAX_PIPELINED, CallLink)
 from partition_server.record_batch import Record, encode_batch
 from services.errors import from_rpc_error
 from spark_client import Client
@@ -156,6 +157,51 @@ def test_bad_call_frames_change_nothing(cluster, client):
         result = partition_pb2.ProduceResponse.FromString(payload).results[0]
         assert not result.error.reason and result.base_offset == 0
 
+
+
+def test_a_pipelined_connection_starts_calls_as_they_come_and_answers_in_order(cluster,
+                                                                                client):
+    """On a pipelined connection (MAGIC_PIPELINED, the SDK producer's) a client sends
+    frames without waiting for answers: each call starts as its frame arrives, so a
+    Produce sent behind a Fetch waiting on the empty partition wakes that Fetch, and
+    answers come in the order of the frames, refusals in their places; more frames than
+    MAX_PIPELINED at once wait their turn, none lost."""
+    topic = create_online(client, "link-pipelined", 1)
+    address, server = owner_of(client, topic, 0)
+    produce = CALL_NUMBERS["PartitionService", "Produce"]
+    fetch = CALL_NUMBERS["PartitionService", "Fetch"]
+    wait = partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=0), fetch_offset=0)],
+        isolation_level=common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED, max_wait_ms=5_000)
+    count = 3 * MAX_PIPELINED
+    frames = [call_frame(fetch, wait.SerializeToString())]
+    for i in range(count):
+        frames.append(call_frame(produce, produce_request(topic, 0, b"p-%02d" % i)
+                                 .SerializeToString()))
+        if i == 1:
+            frames.append(call_frame(200, b""))  # no such method: refused in its place
+    with connect(link_address(cluster, server), MAGIC_PIPELINED) as sock:
+        began = time.monotonic()
+        sock.sendall(b"".join(frames))
+        kind, payload = read_frame(sock)
+        waited = time.monotonic() - began
+        assert kind == KIND_ANSWER
+        fetched = partition_pb2.FetchResponse.FromString(payload).results[0]
+        assert not fetched.error.reason and fetched.next_fetch_offset >= 1, fetched
+        assert waited < 4.0, waited  # woken by the Produce behind it, not at its deadline
+        offsets = []
+        for i in range(count):
+            kind, payload = read_frame(sock)
+            assert kind == KIND_ANSWER, i
+            result = partition_pb2.ProduceResponse.FromString(payload).results[0]
+            assert not result.error.reason, result
+            offsets.append(result.base_offset)
+            if i == 1:
+                kind, payload = read_frame(sock)
+                assert kind == KIND_ERROR
+                assert partition_pb2.ItemError.FromString(payload).reason == "UNIMPLEMENTED"
+        assert offsets == list(range(count))  # appended in the order they were sent
+    assert values(client, topic, "read_uncommitted") == [b"p-%02d" % i for i in range(count)]
 
 def test_call_link_reuses_connections_and_maps_errors(cluster, client):
     """CallLink against a real partition server: sequential calls share one kept

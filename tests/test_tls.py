@@ -221,7 +221,8 @@ def test_links_speak_tls_and_take_the_client_certificate(tls_cluster):
     """Under TLS the servers' links (partition_server/copy_link.py) speak TLS with the gRPC
     port's certificate, CA and client-certificate rule: followers copy and the
     coordinator stages, logs and marks over the partition servers' links, and the SDK
-    commits over the coordinator's, none falling back to gRPC. A plaintext
+    commits over the coordinator's and produces over a partition server's (pipelined),
+    none falling back to gRPC. A plaintext
     client, a TLS client without a certificate and one with another CA's certificate get
     no frame answered; with the cluster's certificate, the certificate is the principal
     (the admin, not a service, is refused the service-only StageTxn)."""
@@ -247,8 +248,11 @@ def test_links_speak_tls_and_take_the_client_certificate(tls_cluster):
                     producer.send(topic, b"linked-%d" % i, partition=i % 2, txn=txn)
         leaders = {p.server_name for p in partitions()}
         # The commits went on the coordinator's link, over TLS with the client's
-        # certificate (spark_client/link.py), none over gRPC.
-        assert client.links.calls >= 4 and client.links.fallbacks == 0
+        # certificate (spark_client/link.py), none over gRPC; the producer's batch on
+        # a pipelined connection to its partition server's link.
+        assert client.links.calls >= 5 and client.links.fallbacks == 0
+        pipelines = list(client.links._pipelines.values())
+        assert len(pipelines) == 1 and pipelines[0].connects == 1
         # A subscription consumer's Receive and Ack went on the partitions' leaders'
         # links, over TLS too.
         commits = client.links.calls
