@@ -202,8 +202,17 @@ func (c *Client) linked(address string, coordinator bool) (grpc.ClientConnInterf
 	if err != nil {
 		return nil, err
 	}
+	if link := c.link(address, coordinator); link != nil {
+		return linkedConn{ClientConn: conn, link: link}, nil
+	}
+	return conn, nil
+}
+
+// link is the server at `address`'s link as it advertises one as a coordinator (or, not
+// `coordinator`, as a partition server), or nil: none, or links are off.
+func (c *Client) link(address string, coordinator bool) *serverLink {
 	if c.opts.NoLinks || len(c.opts.DialOptions) > 0 {
-		return conn, nil
+		return nil
 	}
 	c.metaMu.Lock()
 	linkAddress := c.partLinks[address]
@@ -212,9 +221,10 @@ func (c *Client) linked(address string, coordinator bool) (grpc.ClientConnInterf
 	}
 	c.metaMu.Unlock()
 	if linkAddress == "" {
-		return conn, nil
+		return nil
 	}
 	c.connMu.Lock()
+	defer c.connMu.Unlock()
 	link := c.links[address]
 	if link == nil || link.address != linkAddress { // new, or a restarted server
 		if link != nil {
@@ -223,8 +233,7 @@ func (c *Client) linked(address string, coordinator bool) (grpc.ClientConnInterf
 		link = newServerLink(linkAddress, address, c.tls, c.token, &c.linkCalls)
 		c.links[address] = link
 	}
-	c.connMu.Unlock()
-	return linkedConn{ClientConn: conn, link: link}, nil
+	return link
 }
 
 // attempt is the context of one RPC attempt: the caller's, cut to RequestTimeout.

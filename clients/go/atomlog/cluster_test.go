@@ -712,3 +712,66 @@ func TestClusterConsumerFetchesOnThePartitionServersLinks(t *testing.T) {
 		checkLinkCalls(t, client, client == c, before, 3, "the partition servers' links (Fetch)")
 	}
 }
+
+// A producer's Produce calls go on one pipelined connection to each partition server's
+// link (pipeline.go), several unanswered at once, and every record is written once, in
+// send order; WithoutLinks, over gRPC.
+func TestClusterProducerProducesOnThePartitionServersLinks(t *testing.T) {
+	c, ctx := cluster(t)
+	plain := withoutLinks(t)
+	for i, client := range []*Client{c, plain} {
+		in := topic(t, ctx, client, "produce-link", 3)
+		before := client.linkCalls.Load()
+		producer, err := client.NewProducer(ctx, ProducerOptions{Linger: -1, BatchMaxBytes: 1024})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent := map[int32][]string{}
+		var futures []*Future
+		for n := 0; n < 200; n++ {
+			for p := int32(0); p < 3; p++ {
+				value := fmt.Sprintf("%d-%04d", p, n)
+				sent[p] = append(sent[p], value)
+				future, err := producer.Send(ctx, in, Record{Value: []byte(value)}, ToPartition(p))
+				if err != nil {
+					t.Fatal(err)
+				}
+				futures = append(futures, future)
+			}
+		}
+		for _, future := range futures {
+			if _, err := future.Wait(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		producer.Close(ctx)
+		checkLinkCalls(t, client, client == c, before, 10, "the partition servers' links (Produce)")
+		read := map[int32][]string{}
+		for _, m := range readAll(t, ctx, client, in, ReadUncommitted, 600) {
+			read[m.Partition] = append(read[m.Partition], string(m.Value))
+		}
+		for p := int32(0); p < 3; p++ {
+			if fmt.Sprint(read[p]) != fmt.Sprint(sent[p]) {
+				t.Fatalf("client %d: partition %d holds %d values, not the %d sent in order",
+					i, p, len(read[p]), len(sent[p]))
+			}
+		}
+		if client != c {
+			continue
+		}
+		client.connMu.Lock()
+		most, connects := 0, 0
+		for _, link := range client.links {
+			if link.pipe != nil {
+				link.pipe.mu.Lock()
+				most, connects = max(most, link.pipe.most), connects+link.pipe.connects
+				link.pipe.mu.Unlock()
+			}
+		}
+		client.connMu.Unlock()
+		if most < 2 || connects == 0 {
+			t.Fatalf("the pipelines had at most %d calls unanswered at once, over %d connections",
+				most, connects)
+		}
+	}
+}

@@ -22,7 +22,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"strings"
 	"sync"
@@ -87,6 +86,7 @@ type serverLink struct {
 	downUntil time.Time
 	connects  int // connections made (tests: kept ones are reused)
 	closed    bool
+	pipe      *pipeline // a producer's Produce calls (pipeline.go)
 }
 
 type linkConn struct {
@@ -113,48 +113,18 @@ func newServerLink(address, grpcAddress string, config *tls.Config, token *beare
 // errLinkUnavailable when the link cannot be reached (send the call over gRPC), else
 // what the gRPC call would have returned.
 func (l *serverLink) call(ctx context.Context, method byte, in, out proto.Message) error {
-	l.mu.Lock()
-	down := l.closed || time.Now().Before(l.downUntil)
-	l.mu.Unlock()
-	if down {
+	if l.isDown() {
 		return errLinkUnavailable
 	}
-	body, err := proto.Marshal(in)
+	frame, err := l.frame(ctx, method, in)
 	if err != nil {
-		return status.Error(codes.Internal, err.Error())
+		return err
 	}
-	token := ""
-	if l.token != nil {
-		metadata, err := l.token.GetRequestMetadata(ctx)
-		if err != nil {
-			return err
-		}
-		token = strings.TrimPrefix(metadata["authorization"], "Bearer ")
-	}
-	if len(token) > linkMaxToken {
-		return errLinkUnavailable
-	}
-	timeoutMs := uint64(0)
-	deadline, hasDeadline := ctx.Deadline()
-	if hasDeadline {
-		timeoutMs = min(uint64(max(time.Until(deadline).Milliseconds(), 1)), linkMaxTimeoutMs)
-	}
-	length := 1 + linkCallHead + len(token) + len(body)
-	if length > linkMaxCallBytes {
-		return errLinkUnavailable
-	}
-	frame := make([]byte, 0, 4+length)
-	frame = binary.BigEndian.AppendUint32(frame, uint32(length))
-	frame = append(frame, linkKindCall, method)
-	frame = binary.BigEndian.AppendUint32(frame, uint32(timeoutMs))
-	frame = binary.BigEndian.AppendUint16(frame, uint16(len(token)))
-	frame = append(frame, token...)
-	frame = append(frame, body...)
-
 	conn, fresh, err := l.take(ctx)
 	if err != nil {
 		return err
 	}
+	deadline, hasDeadline := ctx.Deadline()
 	if hasDeadline {
 		conn.SetDeadline(deadline)
 	} else {
@@ -188,15 +158,59 @@ func (l *serverLink) call(ctx context.Context, method byte, in, out proto.Messag
 		conn.Close()
 	}
 	l.calls.Add(1)
+	return decodeAnswer(l.address, kind, payload, nil, out)
+}
+
+// frame is the call frame of `method` with `in`, its timeout ctx's deadline and its
+// token the client's; errLinkUnavailable when the link cannot carry it.
+func (l *serverLink) frame(ctx context.Context, method byte, in proto.Message) ([]byte, error) {
+	body, err := proto.Marshal(in)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	token := ""
+	if l.token != nil {
+		metadata, err := l.token.GetRequestMetadata(ctx)
+		if err != nil {
+			return nil, err
+		}
+		token = strings.TrimPrefix(metadata["authorization"], "Bearer ")
+	}
+	if len(token) > linkMaxToken {
+		return nil, errLinkUnavailable
+	}
+	timeoutMs := uint64(0)
+	if deadline, ok := ctx.Deadline(); ok {
+		timeoutMs = min(uint64(max(time.Until(deadline).Milliseconds(), 1)), linkMaxTimeoutMs)
+	}
+	length := 1 + linkCallHead + len(token) + len(body)
+	if length > linkMaxCallBytes {
+		return nil, errLinkUnavailable
+	}
+	frame := make([]byte, 0, 4+length)
+	frame = binary.BigEndian.AppendUint32(frame, uint32(length))
+	frame = append(frame, linkKindCall, method)
+	frame = binary.BigEndian.AppendUint32(frame, uint32(timeoutMs))
+	frame = binary.BigEndian.AppendUint16(frame, uint16(len(token)))
+	frame = append(frame, token...)
+	return append(frame, body...), nil
+}
+
+// decodeAnswer is an answer frame decoded into out, or the error the gRPC call would
+// have returned (err, when the call failed before an answer came).
+func decodeAnswer(address string, kind byte, payload []byte, err error, out proto.Message) error {
+	if err != nil {
+		return err
+	}
 	if kind == linkKindError {
 		item := &pb.ItemError{}
 		if err := proto.Unmarshal(payload, item); err != nil {
-			return status.Error(codes.Internal, fmt.Sprintf("a malformed error frame from %s", l.address))
+			return status.Error(codes.Internal, fmt.Sprintf("a malformed error frame from %s", address))
 		}
 		return statusOf(item.GetReason(), item.GetMessage(), item.GetMetadata())
 	}
 	if err := proto.Unmarshal(payload, out); err != nil {
-		return status.Error(codes.Internal, fmt.Sprintf("a malformed answer from %s: %v", l.address, err))
+		return status.Error(codes.Internal, fmt.Sprintf("a malformed answer from %s: %v", address, err))
 	}
 	return nil
 }
@@ -206,19 +220,7 @@ func exchange(conn net.Conn, frame []byte) (byte, []byte, error) {
 	if _, err := conn.Write(frame); err != nil {
 		return 0, nil, err
 	}
-	var head [linkFrameHead]byte
-	if _, err := io.ReadFull(conn, head[:]); err != nil {
-		return 0, nil, err
-	}
-	length, kind := binary.BigEndian.Uint32(head[:4]), head[4]
-	if (kind != linkKindAnswer && kind != linkKindError) || length < 1 || length > linkMaxCallBytes+1 {
-		return 0, nil, fmt.Errorf("answer frame kind %d, %d bytes", kind, length)
-	}
-	payload := make([]byte, length-1)
-	if _, err := io.ReadFull(conn, payload); err != nil {
-		return 0, nil, err
-	}
-	return kind, payload, nil
+	return readAnswer(conn)
 }
 
 // statusOf is the gRPC status error a server answers for an atomlog refusal: the
@@ -258,7 +260,7 @@ func (l *serverLink) take(ctx context.Context) (net.Conn, bool, error) {
 	}
 	l.connects++
 	l.mu.Unlock()
-	conn, err := l.connect(ctx)
+	conn, err := l.connect(ctx, linkMagic)
 	if err != nil {
 		l.markDown()
 		return nil, true, errLinkUnavailable
@@ -266,7 +268,9 @@ func (l *serverLink) take(ctx context.Context) (net.Conn, bool, error) {
 	return conn, true, nil
 }
 
-func (l *serverLink) connect(ctx context.Context) (net.Conn, error) {
+// connect makes a connection to the link and sends `magic` (linkMagic: one call at a
+// time; linkMagicPipelined: pipeline.go).
+func (l *serverLink) connect(ctx context.Context, magic string) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, linkConnectTimeout)
 	defer cancel()
 	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", l.address) // TCP_NODELAY by default
@@ -281,7 +285,7 @@ func (l *serverLink) connect(ctx context.Context) (net.Conn, error) {
 		}
 		conn = secured
 	}
-	if _, err := conn.Write([]byte(linkMagic)); err != nil {
+	if _, err := conn.Write([]byte(magic)); err != nil {
 		conn.Close()
 		return nil, err
 	}
@@ -304,14 +308,34 @@ func (l *serverLink) markDown() {
 	l.mu.Unlock()
 }
 
-func (l *serverLink) close() {
+func (l *serverLink) isDown() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	return l.closed || time.Now().Before(l.downUntil)
+}
+
+// pipelined is the link's pipelined connection (pipeline.go), made when first asked for.
+func (l *serverLink) pipelined() *pipeline {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.pipe == nil {
+		l.pipe = newPipeline(l)
+	}
+	return l.pipe
+}
+
+func (l *serverLink) close() {
+	l.mu.Lock()
 	l.closed = true
 	for _, kept := range l.idle {
 		kept.conn.Close()
 	}
 	l.idle = nil
+	pipe := l.pipe
+	l.mu.Unlock()
+	if pipe != nil {
+		pipe.close()
+	}
 }
 
 // linkedConn is a server's gRPC connection whose unary calls the link carries go on the

@@ -887,7 +887,14 @@ func (p *Producer) send(batches []*batch) {
 				attempts[i] = b.sends
 				items[i] = &pb.ProduceItem{TopicPartition: b.tp.proto(), RecordBatch: b.payload}
 			}
-			go p.produce(stub, request, items, attempts)
+			produce := &pb.ProduceRequest{Items: items}
+			// On the server's link, written here in send order (pipeline.go); over
+			// gRPC when it has none or it cannot be used.
+			if call, ok := p.c.produceOn(address, produce); ok {
+				go p.answered(address, request, attempts, call)
+				continue
+			}
+			go p.produce(stub, request, produce, attempts)
 		}
 	}
 	if len(failed) > 0 {
@@ -926,11 +933,26 @@ func requests(batches []*batch) [][]*batch {
 	return out
 }
 
-func (p *Producer) produce(stub pb.PartitionServiceClient, group []*batch, items []*pb.ProduceItem, attempts []int) {
+func (p *Producer) produce(stub pb.PartitionServiceClient, group []*batch, request *pb.ProduceRequest, attempts []int) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.c.opts.RequestTimeout)
-	reply, err := stub.Produce(ctx, &pb.ProduceRequest{Items: items})
-	err = fromRPC(context.Background(), err)
+	reply, err := stub.Produce(ctx, request)
 	cancel()
+	p.complete(group, attempts, reply, err)
+}
+
+// answered waits for a Produce call on a link's pipeline.
+func (p *Producer) answered(address string, group []*batch, attempts []int, call *pipelinedCall) {
+	reply := &pb.ProduceResponse{}
+	if err := call.wait(address, reply); err != nil {
+		p.complete(group, attempts, nil, err)
+		return
+	}
+	p.complete(group, attempts, reply, nil)
+}
+
+// complete queues each batch's outcome of a Produce call for the sender.
+func (p *Producer) complete(group []*batch, attempts []int, reply *pb.ProduceResponse, err error) {
+	err = fromRPC(context.Background(), err)
 	results := make([]completion, len(group))
 	for i, b := range group {
 		results[i] = completion{b: b, attempt: attempts[i], err: err}
