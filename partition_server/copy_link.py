@@ -27,7 +27,9 @@ reachable on the link that is not reachable, for the same caller, on gRPC.
 The wire format: services/link_wire.py. One request is outstanding per connection at a
 time (a follower's fetcher makes one call at a time per leader; a coordinator keeps a few
 connections per server, `CallLink`; the SDK a few per coordinator); the server answers in
-order.
+order. A pipelined connection (`MAGIC_PIPELINED`: the SDK producers' Produce calls) has
+up to MAX_PIPELINED calls under way at once, started in the order their frames arrive
+and answered in that order (`_serve_pipelined`).
 
 Limits: a ReplicateMany frame of at most `MAX_REQUEST_BYTES` and a call frame of at most
 `MAX_CALL_BYTES` (else the connection is closed), at most `MAX_HELD_BYTES` of frames read
@@ -115,8 +117,9 @@ LINK_SECONDS = Histogram("atomlog_replication_link_request_duration_seconds",
 LINK_CALLS = Counter("atomlog_link_calls_total",
                      "Calls this server took on its link instead of gRPC, by method: a "
                      "partition server's from coordinators (StageTxn, TC-log Produce, "
-                     "EndTxnOnPartition), a coordinator's from clients (CommitTxn, NewTxn, "
-                     "EndTxn, ...); those authenticated are also counted in "
+                     "EndTxnOnPartition) and from clients (Produce, Fetch, Receive, Ack, "
+                     "Nack), a coordinator's from clients (CommitTxn, NewTxn, EndTxn, "
+                     "...); those authenticated are also counted in "
                      "atomlog_rpc_started_total, as gRPC calls are.", ["method"])
 LINK_FALLBACKS = Counter("atomlog_replication_link_fallbacks_total",
                          "ReplicateMany calls this server sent as a follower over gRPC because "

@@ -1,7 +1,7 @@
 """The link's wire format (docs/clients.md, "The link"), shared by its server
 (partition_server/copy_link.py: every atomlog server that has a link) and its callers:
-followers and coordinators (copy_link.py), and the SDK's commits and consumers' calls
-(spark_client/link.py).
+followers and coordinators (copy_link.py), and the SDK's commits, consumers' calls and
+producers' calls (spark_client/link.py).
 
 A link is a plain length-prefixed TCP connection (TLS when the server's gRPC port has it)
 beside a server's gRPC port. Big-endian:

@@ -58,10 +58,11 @@ class Client:
 
         `links`: send the calls to coordinators (CommitTxn, CommitTxns, NewTxn, EndTxn
         and the rest of the transaction calls) on their links where they advertise one
-        (coordinator.client_link), and the consumers' Fetch and the subscription
-        consumers' Receive, Ack and Nack on the partition servers' links, which costs
-        this process and the servers less CPU than gRPC calls; everything else, and every call whose link cannot be
-        reached, goes over gRPC (spark_client/link.py). False: gRPC only.
+        (coordinator.client_link), and the consumers' Fetch, the subscription
+        consumers' Receive, Ack and Nack and the producers' Produce on the partition
+        servers' links, which costs this process and the servers less CPU than gRPC
+        calls; everything else, and every call whose link cannot be reached, goes over
+        gRPC (spark_client/link.py). False: gRPC only.
 
         `tune_allocator`: keep buffers under 4 MiB on glibc's heap and return freed
         heap memory to the kernel only past 32 MiB (process-wide, services/allocator.py).

@@ -5,8 +5,9 @@ length-prefixed TCP protocol its partition servers' followers and coordinators a
 speak (services/link_wire.py), beside its gRPC port. A coordinator has one when
 coordinator.client_link is on; a partition server always has one (its followers copy
 over it). The SDK sends there its calls to coordinators (CommitTxn, CommitTxns, and the
-streaming path's NewTxn ... EndTxn) and its consumers' calls to partition servers
-(Fetch; a subscription's Receive, Ack, Nack): link_wire.CALL_METHODS. A gRPC call costs
+streaming path's NewTxn ... EndTxn), its consumers' calls to partition servers (Fetch; a
+subscription's Receive, Ack, Nack), and its producers' Produce calls, on one pipelined
+connection per partition server (`Pipeline`): link_wire.CALL_METHODS. A gRPC call costs
 a Python client about 0.3-0.4 ms of CPU and the server about as much before either does
 any work (docs/grpc-links.md), a call frame on a kept socket a fraction of that.
 
@@ -20,7 +21,8 @@ the next RETRY_LINK_AFTER_S, over gRPC. A connection lost mid-call is SERVER_UNA
 (the outcome unknown), which callers retry as after a gRPC UNAVAILABLE.
 
 Blocking sockets, one call per connection at a time, kept for the next call: at most
-MAX_CONNECTIONS per server (a call beyond that goes over gRPC). Calls that must go at
+MAX_CONNECTIONS per server (a call beyond that goes over gRPC); and a producer's
+`Pipeline`, up to MAX_PIPELINED calls at once on one connection. Calls that must go at
 once run on the client's link threads (Links.submit); a long poll runs on its caller's
 thread (Deferred). A forked child drops its parent's connections (they are the parent's
 streams) and its link threads.

@@ -133,7 +133,8 @@ class MetadataCache:
         # advertise one.
         self.coordinator_links: dict[str, str] = {}
         # A partition server's link, by its gRPC address (those that advertise one): the
-        # consumers' calls go there (Fetch; a subscription's Receive, Ack, Nack).
+        # consumers' calls go there (Fetch; a subscription's Receive, Ack, Nack), and
+        # the producers' Produce (on a pipelined connection).
         self.partition_links: dict[str, str] = {}
 
     def _stub(self, address: str) -> metadata_pb2_grpc.MetadataServiceStub:

@@ -174,7 +174,7 @@ func (c *Client) conn(address string) (*grpc.ClientConn, error) {
 
 // partitionStub is the partition server at `address` as a PartitionServiceClient: the
 // calls its link carries (Fetch; a subscription's Receive, Ack, Nack) go on the link
-// (link.go).
+// (link.go); a producer sends its Produce calls on the link's pipeline (pipeline.go).
 func (c *Client) partitionStub(address string) (pb.PartitionServiceClient, error) {
 	conn, err := c.linked(address, false)
 	if err != nil {
