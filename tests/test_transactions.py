@@ -161,7 +161,8 @@ def test_commit_async_lets_the_next_transaction_produce_while_the_last_commits(c
                 producer.send(topic, value, partition=partition, txn=txn)
                 sent.append(value)
             commits.append((txn, txn.commit_async()))
-            with pytest.raises(errors.TransactionNotOpen, match="committing"):
+            # (On a loaded machine the commit may have ended by then: "committed".)
+            with pytest.raises(errors.TransactionNotOpen, match="committing|committed"):
                 producer.send(topic, b"too-late", partition=partition, txn=txn)
         for txn, future in commits:
             assert future.result(timeout=60) is None
