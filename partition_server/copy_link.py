@@ -252,10 +252,13 @@ class LinkServer:
                 if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
                         MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
                     raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
-                while pending and (len(pending) >= MAX_PIPELINED
-                                   or self._held_bytes + length > MAX_HELD_BYTES):
+                while pending and not answering.done() and (
+                        len(pending) >= MAX_PIPELINED
+                        or self._held_bytes + length > MAX_HELD_BYTES):
                     room.clear()
                     await room.wait()
+                if answering.done():
+                    break
                 if self._held_bytes + length > MAX_HELD_BYTES:
                     raise LinkProtocolError(f"a frame of {length} bytes while the link holds "
                                             f"{self._held_bytes} (at most {MAX_HELD_BYTES})")
@@ -289,6 +292,7 @@ class LinkServer:
         finally:  # (cancelled: the link closing) what is still under way holds nothing
             while pending:
                 self._held_bytes -= pending.popleft()[1]
+            room.set()  # (a reader waiting for room finds the writer gone)
 
     async def _write_in_order(self, writer: asyncio.StreamWriter, pending: collections.deque,
                               wake: asyncio.Event, room: asyncio.Event, finished) -> None:
