@@ -49,6 +49,9 @@ from services.backoff import Backoff
 # Sequences are int32 and batches may not wrap inside themselves: a producer that gets
 # near the end rotates to a new producer id (see ProducerIdSource).
 SEQUENCE_LIMIT = 2**31 - 1
+# A partition's producer id while it waits for a fresh one (_new_identity): never a real
+# id, so nothing goes under it, and the partition's next batch asks for one (_encode).
+NEEDS_ID = -1
 RETRIABLE_ITEM_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "PARTITION_LOADING",
                           "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN",
                           "RESOURCE_EXHAUSTED", "ZOOKEEPER_UNAVAILABLE",
@@ -646,8 +649,10 @@ class Producer:
     def _encode(self, batch: _Batch, state: _PartitionState) -> None:
         records = batch.records
         if self.idempotent:
-            if state.producer_id is None or state.next_sequence + len(records) > SEQUENCE_LIMIT:
-                # A fresh identity for this partition: sequences start again at 0.
+            if state.producer_id is None or state.producer_id == NEEDS_ID \
+                    or state.next_sequence + len(records) > SEQUENCE_LIMIT:
+                # A fresh identity for this partition: sequences start again at 0. (Not
+                # to be had: AtomlogClientError, and this batch fails.)
                 state.producer_id, state.epoch = (
                     (self._producer_id, self._epoch) if state.producer_id is None
                     else self.client.allocate_producer_id())
@@ -913,10 +918,23 @@ class Producer:
             for b in state.ready:
                 b.payload = b""
             return
-        state.producer_id, state.epoch = self.client.allocate_producer_id()
-        state.next_sequence = 0
+        self._new_identity(state)
         for b in state.ready:
             b.payload = b""
+
+    def _new_identity(self, state: _PartitionState) -> None:
+        """A fresh producer id for the partition, its sequences from 0. When none can be
+        had now (ZooKeeper or every coordinator unreachable), the partition's next batch
+        asks for one as it is encoded, and fails if it still cannot: this thread must
+        not end on it (found by the chaos harness: seed 2754, log workload, a producer's
+        sender thread ended on ZOOKEEPER_UNAVAILABLE here and every later send hung).
+        Until then NEEDS_ID keeps anything from going while batches of the old id are
+        unanswered (_may_send)."""
+        try:
+            state.producer_id, state.epoch = self.client.allocate_producer_id()
+        except errors.AtomlogClientError:
+            state.producer_id = NEEDS_ID
+        state.next_sequence = 0
 
     def _resequence_after(self, failed: _Batch, state: _PartitionState) -> None:
         """Nothing of `failed` was written: later batches of the partition take over its
@@ -945,8 +963,7 @@ class Producer:
             _discard(state, b)
             b.payload = b""
         if sent:
-            state.producer_id, state.epoch = self.client.allocate_producer_id()
-            state.next_sequence = 0
+            self._new_identity(state)
         else:
             state.next_sequence = failed.base_sequence
         for b in reversed(later):

@@ -160,6 +160,43 @@ def test_idempotent_retries_gaps_and_fencing_at_the_rpc(client):
     assert high_watermark(client, "idempotence", 0) == 4
 
 
+
+def test_a_producer_that_cannot_get_a_new_producer_id_fails_those_batches_and_goes_on(client):
+    """A partition whose producer id must change (the server refused a batch's sequence,
+    with nothing ahead of it) while no new id can be had (ZooKeeper unreachable): the
+    refused batch fails, and so does the next one, which asks for the id again; the
+    producer's sender goes on, and once an id can be had the next send is written under
+    a new one (found by the chaos harness: seed 2754, where the sender thread ended and
+    every later send hung)."""
+    from spark_client import errors
+    from spark_client.producer import NEEDS_ID
+
+    topic = create_online(client, "new-producer-id", partitions=1)
+
+    def unreachable():
+        raise errors.error_for("ZOOKEEPER_UNAVAILABLE", "ZooKeeper is unreachable (a test)")
+
+    with client.producer(linger_ms=0) as producer:
+        producer.send(topic, b"first", partition=0).result(10)
+        state = producer._partitions[(topic, 0)]
+        old_id, allocate = state.producer_id, client.allocate_producer_id
+        client.allocate_producer_id = unreachable
+        try:
+            with producer._lock:
+                state.next_sequence += 10  # as though the server lost that many records
+            with pytest.raises(errors.OutOfOrderSequence):
+                producer.send(topic, b"gap", partition=0).result(10)
+            assert state.producer_id == NEEDS_ID
+            with pytest.raises(errors.ZookeeperUnavailable):
+                producer.send(topic, b"no-id", partition=0).result(10)
+        finally:
+            client.allocate_producer_id = allocate
+        producer.send(topic, b"after", partition=0).result(10)
+        assert state.producer_id not in (old_id, NEEDS_ID)
+    with client.consumer([topic], isolation="read_uncommitted", start="earliest") as consumer:
+        assert [m.value for chunk in consumer.read_until() for m in chunk] == [b"first",
+                                                                               b"after"]
+
 def _flip(data: bytes, position: int) -> bytes:
     return data[:position] + bytes([data[position] ^ 0xFF]) + data[position + 1:]
 
