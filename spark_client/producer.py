@@ -4,7 +4,9 @@
 thread seals batches when they are full or their linger time has passed, and sends each
 server one Produce request carrying the ready batches of its partitions, with at most
 `max_in_flight` batches per partition outstanding (5: what the servers remember per
-producer for deduplication). Every batch carries the producer id, epoch and a sequence
+producer for deduplication). The requests go on one pipelined connection to the
+server's link, in the order they are sent (spark_client/link.py, `Pipeline`), or over
+gRPC when the server has no link or it cannot be used. Every batch carries the producer id, epoch and a sequence
 number assigned when it is sealed, so a retry after a lost reply is recognised by the
 server and answered with the original offsets: each record is written once, in send
 order per partition.
