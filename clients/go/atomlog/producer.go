@@ -3,7 +3,9 @@ package atomlog
 // The idempotent producer. Send adds a record to its partition's open batch; a sender
 // goroutine seals batches when they are full or their linger time has passed and sends
 // each server one Produce request per round, with at most MaxInFlight batches of a
-// partition unanswered (5: what servers remember per producer for de-duplication).
+// partition unanswered (5: what servers remember per producer for de-duplication). The
+// requests go on one pipelined connection to the server's link, in send order
+// (pipeline.go), or over gRPC when the server has no link or it cannot be used.
 //
 // Every batch carries the producer id, epoch and a base sequence given when it is first
 // sent, so a retry after a lost answer is recognised by the server, which answers with
