@@ -20,7 +20,8 @@ Per cell: messages/s, and the CPU of the servers (every server process) and of t
 client process per 100 messages. The do-nothing gRPC call rate of the same run
 (common.grpc_call_floor) is printed beside them. `--shape`: the combined server
 (default) or the cluster (its 3 partition servers: with 3 partitions a poll calls three
-servers at once).
+servers at once; every topic at the product default of 3 copies there, 1 on the
+combined server).
 
     .venv/bin/python bench/client_links.py [--shape combined|cluster]
         [--kinds subscription,read] [--rounds 3] [--messages 100000] [--partitions 1]
@@ -160,7 +161,9 @@ def main() -> None:
                f"{fmt.format(max(values))})"
 
     shape = ("the combined server" if args.shape == "combined" else
-             "the cluster (3 partition servers, 2 coordinators, 1 id allocator)")
+             "the cluster (3 partition servers, 2 coordinators, 1 id allocator; its topics "
+             "at the product default of 3 copies, a leader's write acknowledged once its "
+             "followers have it)")
     begin, end = (MARKERS.format(args.shape, ",".join(kinds), edge)
                   for edge in ("begin", "end"))
     lines = [
