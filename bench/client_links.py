@@ -21,11 +21,11 @@ client process per 100 messages. The do-nothing gRPC call rate of the same run
 (common.grpc_call_floor) is printed beside them. `--shape`: the combined server
 (default) or the cluster (its 3 partition servers: with 3 partitions a poll calls three
 servers at once; every topic at the product default of 3 copies there, 1 on the
-combined server).
+combined server, unless `--replication-factor` says otherwise).
 
     .venv/bin/python bench/client_links.py [--shape combined|cluster]
         [--kinds subscription,read] [--rounds 3] [--messages 100000] [--partitions 1]
-        [--no-docs]
+        [--replication-factor 0] [--no-docs]
 """
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--partitions", type=int, default=1)
+    parser.add_argument("--replication-factor", type=int, default=0,
+                        help="copies of every topic (0: the product default, 3 on the "
+                             "cluster's 3 partition servers, 1 on the combined server)")
     parser.add_argument("--kinds", default="subscription,read",
                         help=f"comma-separated, of {', '.join(KINDS)}")
     parser.add_argument("--no-docs", action="store_true")
@@ -131,7 +134,9 @@ def main() -> None:
     roles = {"combined": 1} if args.shape == "combined" else None
     cells: dict[tuple[str, bool], list[dict]] = {(k, links): [] for k in kinds
                                                   for links in (True, False)}
-    with common.local_cluster("atomlog-bench-consumers-", roles) as (_, report, address):
+    with common.local_cluster("atomlog-bench-consumers-", roles,
+                              replication_factor=args.replication_factor or None) \
+            as (_, report, address):
         from spark_client import Client
 
         if set(kinds) - {"produce"}:  # the consumers' messages
@@ -160,17 +165,21 @@ def main() -> None:
         return f"{fmt.format(median(kind, links, key))} ({fmt.format(min(values))}-" \
                f"{fmt.format(max(values))})"
 
+    copies = args.replication_factor or (1 if args.shape == "combined" else 3)
     shape = ("the combined server" if args.shape == "combined" else
-             "the cluster (3 partition servers, 2 coordinators, 1 id allocator; its topics "
-             "at the product default of 3 copies, a leader's write acknowledged once its "
-             "followers have it)")
-    begin, end = (MARKERS.format(args.shape, ",".join(kinds), edge)
-                  for edge in ("begin", "end"))
+             "the cluster (3 partition servers, 2 coordinators, 1 id allocator)") + (
+        f", with its topics at {copies} cop{'y' if copies == 1 else 'ies'}"
+        + (" (the product default)" if not args.replication_factor else "")
+        + (", a leader's write acknowledged once its followers have it" if copies > 1
+           else ""))
+    where = args.shape + (f" --replication-factor {args.replication_factor}"
+                          if args.replication_factor else "")
+    begin, end = (MARKERS.format(where, ",".join(kinds), edge) for edge in ("begin", "end"))
     lines = [
         begin,
         f"`{common.command_line('bench/client_links.py', sys.argv[1:])}` — "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"{common.machine(load)}. On {shape}, {args.messages:,} 1 KiB messages "
+        f"{common.machine(load)}. On {shape}: {args.messages:,} 1 KiB messages "
         f"on {args.partitions} partition(s), taken whole by each cell's consumer or sent "
         "by its producer; "
         f"{args.rounds} rounds in turns, medians (ranges). The do-nothing gRPC call ran "
