@@ -189,32 +189,14 @@ class LinkServer:
             if magic != MAGIC:
                 raise LinkProtocolError(f"not a replication link client ({magic[:8]!r})")
             while True:
-                # asyncio.timeout, not wait_for: no task per read (a coordinator's calls
-                # come by the thousand per second).
-                async with asyncio.timeout(IDLE_TIMEOUT_S):
-                    length, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
-                if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
-                        MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
-                    raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
-                if self._held_bytes + length > MAX_HELD_BYTES:
-                    raise LinkProtocolError(f"a frame of {length} bytes while the link holds "
-                                            f"{self._held_bytes} (at most {MAX_HELD_BYTES})")
-                self._held_bytes += length
+                length, kind = await _frame_head(reader)
+                self._hold(length)
                 try:
-                    async with asyncio.timeout(IDLE_TIMEOUT_S):
-                        body = await reader.readexactly(length - 1)
-                    if kind == KIND_CALL:
-                        answer_kind, payload = await self._call(body, peer_name, auth_context)
-                    else:
-                        answer_kind, payload = await self._answer(body, peer_name,
-                                                                  auth_context)
+                    body = await _frame_body(reader, length)
+                    answer_kind, payload = await self._handler(kind)(body, peer_name,
+                                                                     auth_context)
                     del body
-                    head = HEAD.pack(len(payload) + 1, answer_kind)
-                    if len(payload) <= JOIN_BYTES:  # one send(2), one TCP segment
-                        writer.write(head + payload)
-                    else:  # a follower's large answer: not copied once more to join it
-                        writer.write(head)
-                        writer.write(payload)
+                    _write_answer(writer, answer_kind, payload)
                     await writer.drain()
                 finally:
                     self._held_bytes -= length
@@ -239,19 +221,14 @@ class LinkServer:
         frame waits to be read); a frame that would pass MAX_HELD_BYTES waits for this
         connection's calls to be answered first, and closes the connection only when it
         would pass it alone (as on a connection of one call at a time)."""
-        pending: collections.deque = collections.deque()  # (call task, frame length)
+        # (call task, frame length), in the order the frames came; None: no more.
+        pending: collections.deque = collections.deque()
         wake = asyncio.Event()  # the writer: a call queued, or the reader done
         room = asyncio.Event()  # the reader: an answer written
-        done = False
-        answering = asyncio.ensure_future(self._write_answers(writer, pending, wake, room,
-                                                              lambda: done))
+        answering = asyncio.ensure_future(self._write_answers(writer, pending, wake, room))
         try:
             while not answering.done():
-                async with asyncio.timeout(IDLE_TIMEOUT_S):
-                    length, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
-                if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
-                        MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
-                    raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
+                length, kind = await _frame_head(reader)
                 while pending and not answering.done() and (
                         len(pending) >= MAX_PIPELINED
                         or self._held_bytes + length > MAX_HELD_BYTES):
@@ -259,22 +236,18 @@ class LinkServer:
                     await room.wait()
                 if answering.done():
                     break
-                if self._held_bytes + length > MAX_HELD_BYTES:
-                    raise LinkProtocolError(f"a frame of {length} bytes while the link holds "
-                                            f"{self._held_bytes} (at most {MAX_HELD_BYTES})")
-                self._held_bytes += length
+                self._hold(length)
                 try:
-                    async with asyncio.timeout(IDLE_TIMEOUT_S):
-                        body = await reader.readexactly(length - 1)
+                    body = await _frame_body(reader, length)
                 except BaseException:
                     self._held_bytes -= length
                     raise
-                call = self._call if kind == KIND_CALL else self._answer
-                pending.append((asyncio.ensure_future(call(body, peer, auth_context)), length))
+                call = self._handler(kind)(body, peer, auth_context)
+                pending.append((asyncio.ensure_future(call), length))
                 del body
                 wake.set()
         finally:
-            done = True
+            pending.append(None)
             wake.set()
             # Calls under way finish (a write half done is not cut off) and release
             # their bytes; their answers go nowhere once the connection is gone.
@@ -285,49 +258,55 @@ class LinkServer:
                 raise
 
     async def _write_answers(self, writer: asyncio.StreamWriter, pending: collections.deque,
-                             wake: asyncio.Event, room: asyncio.Event, finished) -> None:
-        """A pipelined connection's answers, in the order its calls came."""
+                             wake: asyncio.Event, room: asyncio.Event) -> None:
+        """A pipelined connection's answers, in the order its calls came, until the
+        reader's None."""
+        broken = False
         try:
-            await self._write_in_order(writer, pending, wake, room, finished)
+            while True:
+                if not pending:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                if pending[0] is None:
+                    return
+                task, length = pending[0]
+                try:
+                    answer_kind, payload = await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    if not task.done():
+                        raise
+                    answer_kind, payload = KIND_ERROR, _error_bytes(AtomlogError(
+                        "SHUTTING_DOWN", "the server is closing this connection"))
+                pending.popleft()
+                self._held_bytes -= length
+                room.set()
+                if broken:
+                    continue
+                try:
+                    _write_answer(writer, answer_kind, payload)
+                    await writer.drain()
+                except (ConnectionError, RuntimeError):
+                    broken = True  # the reader finds the connection gone and ends
+                    writer.close()
         finally:  # (cancelled: the link closing) what is still under way holds nothing
             while pending:
-                self._held_bytes -= pending.popleft()[1]
+                entry = pending.popleft()
+                if entry is not None:
+                    self._held_bytes -= entry[1]
             room.set()  # (a reader waiting for room finds the writer gone)
 
-    async def _write_in_order(self, writer: asyncio.StreamWriter, pending: collections.deque,
-                              wake: asyncio.Event, room: asyncio.Event, finished) -> None:
-        broken = False
-        while True:
-            if not pending:
-                if finished():
-                    return
-                wake.clear()
-                await wake.wait()
-                continue
-            task, length = pending[0]
-            try:
-                answer_kind, payload = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                if not task.done():
-                    raise
-                answer_kind, payload = KIND_ERROR, _error_bytes(AtomlogError(
-                    "SHUTTING_DOWN", "the server is closing this connection"))
-            pending.popleft()
-            self._held_bytes -= length
-            room.set()
-            if broken:
-                continue
-            try:
-                head = HEAD.pack(len(payload) + 1, answer_kind)
-                if len(payload) <= JOIN_BYTES:
-                    writer.write(head + payload)
-                else:
-                    writer.write(head)
-                    writer.write(payload)
-                await writer.drain()
-            except (ConnectionError, RuntimeError):
-                broken = True  # the reader finds the connection gone and ends
-                writer.close()
+    def _hold(self, length: int) -> None:
+        """Count a request frame of `length` bytes as held until it is answered; one that
+        would pass MAX_HELD_BYTES closes its connection (LinkProtocolError)."""
+        if self._held_bytes + length > MAX_HELD_BYTES:
+            raise LinkProtocolError(f"a frame of {length} bytes while the link holds "
+                                    f"{self._held_bytes} (at most {MAX_HELD_BYTES})")
+        self._held_bytes += length
+
+    def _handler(self, kind: int):
+        """What answers a frame of `kind`: a call frame, or a follower's ReplicateMany."""
+        return self._call if kind == KIND_CALL else self._answer
 
     async def _answer(self, body: bytes, peer: str, auth_context: dict) -> tuple[int, bytes]:
         """One request frame's answer: (kind, payload). Every failure is an error frame, as
@@ -519,6 +498,32 @@ class _CallContext(local.LocalContext):
         self._code = code
         raise _Aborted(code, details, trailing_metadata)
 
+
+
+async def _frame_head(reader: asyncio.StreamReader) -> tuple[int, int]:
+    """The next request frame's (length, kind), within its kind's bounds (else
+    LinkProtocolError: the connection is closed). asyncio.timeout, not wait_for: no task
+    per read (a coordinator's calls come by the thousand per second)."""
+    async with asyncio.timeout(IDLE_TIMEOUT_S):
+        length, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
+    if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
+            MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
+        raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
+    return length, kind
+
+
+async def _frame_body(reader: asyncio.StreamReader, length: int) -> bytes:
+    async with asyncio.timeout(IDLE_TIMEOUT_S):
+        return await reader.readexactly(length - 1)
+
+
+def _write_answer(writer: asyncio.StreamWriter, kind: int, payload: bytes) -> None:
+    head = HEAD.pack(len(payload) + 1, kind)
+    if len(payload) <= JOIN_BYTES:  # one send(2), one TCP segment
+        writer.write(head + payload)
+    else:  # a follower's large answer: not copied once more to join it
+        writer.write(head)
+        writer.write(payload)
 
 def _error_bytes(error: AtomlogError) -> bytes:
     # (Here, not at the top: partition_server.service imports this module's users.)

@@ -107,36 +107,26 @@ class Links:
         """The link to the server at `grpc_address`, which advertises `link_address`
         (empty: none, None returned); a new one when the advertised address changed (a
         restarted server)."""
+        return self._kept(self._links, ServerLink, grpc_address, link_address)
+
+    def pipeline(self, grpc_address: str, link_address: str) -> "Pipeline | None":
+        """The pipelined connection to the server at `grpc_address`, as `get`."""
+        return self._kept(self._pipelines, Pipeline, grpc_address, link_address)
+
+    def _kept(self, kept: dict, make, grpc_address: str, link_address: str):
         if not self.enabled or not link_address:
             return None
-        link = self._links.get(grpc_address)
+        link = kept.get(grpc_address)
         if link is not None and link.address == link_address:
             return link
         with self._lock:
-            link = self._links.get(grpc_address)
+            link = kept.get(grpc_address)
             if link is None or link.address != link_address:
                 if link is not None:
                     link.close()
-                link = self._links[grpc_address] = ServerLink(
-                    link_address, grpc_address, self._tls, self._token, self)
+                link = kept[grpc_address] = make(link_address, grpc_address, self._tls,
+                                                 self._token, self)
             return link
-
-    def pipeline(self, grpc_address: str, link_address: str) -> "Pipeline | None":
-        """The pipelined connection to the server at `grpc_address` (its link at
-        `link_address`; empty: none, None returned), as `get`."""
-        if not self.enabled or not link_address:
-            return None
-        pipeline = self._pipelines.get(grpc_address)
-        if pipeline is not None and pipeline.address == link_address:
-            return pipeline
-        with self._lock:
-            pipeline = self._pipelines.get(grpc_address)
-            if pipeline is None or pipeline.address != link_address:
-                if pipeline is not None:
-                    pipeline.close()
-                pipeline = self._pipelines[grpc_address] = Pipeline(
-                    link_address, grpc_address, self._tls, self._token, self)
-            return pipeline
 
     def close(self) -> None:
         with self._lock:

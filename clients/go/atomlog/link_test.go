@@ -17,9 +17,32 @@ import (
 	pb "github.com/atomlog/atomlog/clients/go/gen/atomlog/v1"
 )
 
-// fakeLink accepts one connection and answers each call frame with answer(method, timeout
+// fakeLink accepts connections and answers each call frame with answer(method, timeout
 // ms, token, request body): (kind, payload).
 func fakeLink(t *testing.T, answer func(method byte, timeoutMs uint32, token string, body []byte) (byte, []byte)) string {
+	return fakeListener(t, linkMagic, func(conn net.Conn) {
+		for {
+			head := make([]byte, 5)
+			if _, err := io.ReadFull(conn, head); err != nil {
+				return
+			}
+			frame := make([]byte, binary.BigEndian.Uint32(head[:4])-1)
+			if _, err := io.ReadFull(conn, frame); err != nil || head[4] != linkKindCall {
+				return
+			}
+			tokenLength := int(binary.BigEndian.Uint16(frame[5:7]))
+			kind, payload := answer(frame[0], binary.BigEndian.Uint32(frame[1:5]),
+				string(frame[7:7+tokenLength]), frame[7+tokenLength:])
+			out := binary.BigEndian.AppendUint32(nil, uint32(len(payload)+1))
+			conn.Write(append(append(out, kind), payload...))
+		}
+	})
+}
+
+// fakeListener accepts connections and hands each one that opens with `magic` to serve
+// (others, and each once served, are closed); serve nil closes every connection once
+// its magic came.
+func fakeListener(t *testing.T, magic string, serve func(net.Conn)) string {
 	t.Helper()
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -34,25 +57,11 @@ func fakeLink(t *testing.T, answer func(method byte, timeoutMs uint32, token str
 			}
 			go func() {
 				defer conn.Close()
-				magic := make([]byte, len(linkMagic))
-				if _, err := io.ReadFull(conn, magic); err != nil || string(magic) != linkMagic {
+				got := make([]byte, len(magic))
+				if _, err := io.ReadFull(conn, got); err != nil || string(got) != magic || serve == nil {
 					return
 				}
-				for {
-					head := make([]byte, 5)
-					if _, err := io.ReadFull(conn, head); err != nil {
-						return
-					}
-					frame := make([]byte, binary.BigEndian.Uint32(head[:4])-1)
-					if _, err := io.ReadFull(conn, frame); err != nil || head[4] != linkKindCall {
-						return
-					}
-					tokenLength := int(binary.BigEndian.Uint16(frame[5:7]))
-					kind, payload := answer(frame[0], binary.BigEndian.Uint32(frame[1:5]),
-						string(frame[7:7+tokenLength]), frame[7+tokenLength:])
-					out := binary.BigEndian.AppendUint32(nil, uint32(len(payload)+1))
-					conn.Write(append(append(out, kind), payload...))
-				}
+				serve(conn)
 			}()
 		}
 	}()

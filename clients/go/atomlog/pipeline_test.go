@@ -19,48 +19,30 @@ import (
 // came, as a server from before pipelining does) and answers a connection's frames
 // only once `batch` of them have come, in order, each with its base offset.
 func fakePipelinedLink(t *testing.T, batch int, old bool) string {
-	t.Helper()
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	if old {
+		return fakeListener(t, linkMagicPipelined, nil)
 	}
-	t.Cleanup(func() { listener.Close() })
-	go func() {
-		for {
-			conn, err := listener.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer conn.Close()
-				magic := make([]byte, len(linkMagicPipelined))
-				if _, err := io.ReadFull(conn, magic); err != nil || old ||
-					string(magic) != linkMagicPipelined {
+	return fakeListener(t, linkMagicPipelined, func(conn net.Conn) {
+		for offset := int64(0); ; {
+			var answers []byte
+			for i := 0; i < batch; i++ {
+				head := make([]byte, 5)
+				if _, err := io.ReadFull(conn, head); err != nil {
 					return
 				}
-				for offset := int64(0); ; {
-					var answers []byte
-					for i := 0; i < batch; i++ {
-						head := make([]byte, 5)
-						if _, err := io.ReadFull(conn, head); err != nil {
-							return
-						}
-						frame := make([]byte, binary.BigEndian.Uint32(head[:4])-1)
-						if _, err := io.ReadFull(conn, frame); err != nil || frame[0] != linkProduce {
-							return
-						}
-						payload, _ := proto.Marshal(&pb.ProduceResponse{Results: []*pb.ProduceResult{
-							{BaseOffset: offset}}})
-						offset++
-						answers = binary.BigEndian.AppendUint32(answers, uint32(len(payload)+1))
-						answers = append(append(answers, linkKindAnswer), payload...)
-					}
-					conn.Write(answers)
+				frame := make([]byte, binary.BigEndian.Uint32(head[:4])-1)
+				if _, err := io.ReadFull(conn, frame); err != nil || frame[0] != linkProduce {
+					return
 				}
-			}()
+				payload, _ := proto.Marshal(&pb.ProduceResponse{Results: []*pb.ProduceResult{
+					{BaseOffset: offset}}})
+				offset++
+				answers = binary.BigEndian.AppendUint32(answers, uint32(len(payload)+1))
+				answers = append(append(answers, linkKindAnswer), payload...)
+			}
+			conn.Write(answers)
 		}
-	}()
-	return listener.Addr().String()
+	})
 }
 
 // Calls on a pipeline are sent without waiting for answers (the fake answers only once
