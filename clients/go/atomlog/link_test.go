@@ -22,12 +22,8 @@ import (
 func fakeLink(t *testing.T, answer func(method byte, timeoutMs uint32, token string, body []byte) (byte, []byte)) string {
 	return fakeListener(t, linkMagic, func(conn net.Conn) {
 		for {
-			head := make([]byte, 5)
-			if _, err := io.ReadFull(conn, head); err != nil {
-				return
-			}
-			frame := make([]byte, binary.BigEndian.Uint32(head[:4])-1)
-			if _, err := io.ReadFull(conn, frame); err != nil || head[4] != linkKindCall {
+			frame, err := readCallFrame(conn)
+			if err != nil {
 				return
 			}
 			tokenLength := int(binary.BigEndian.Uint16(frame[5:7]))
@@ -37,6 +33,23 @@ func fakeLink(t *testing.T, answer func(method byte, timeoutMs uint32, token str
 			conn.Write(append(append(out, kind), payload...))
 		}
 	})
+}
+
+// readCallFrame reads one call frame: what follows its kind (method, timeout, token,
+// request).
+func readCallFrame(conn net.Conn) ([]byte, error) {
+	head := make([]byte, 5)
+	if _, err := io.ReadFull(conn, head); err != nil {
+		return nil, err
+	}
+	frame := make([]byte, binary.BigEndian.Uint32(head[:4])-1)
+	if _, err := io.ReadFull(conn, frame); err != nil {
+		return nil, err
+	}
+	if head[4] != linkKindCall {
+		return nil, errors.New("not a call frame")
+	}
+	return frame, nil
 }
 
 // fakeListener accepts connections and hands each one that opens with `magic` to serve

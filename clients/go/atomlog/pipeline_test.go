@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"io"
 	"net"
 	"sync/atomic"
 	"testing"
@@ -26,12 +25,8 @@ func fakePipelinedLink(t *testing.T, batch int, old bool) string {
 		for offset := int64(0); ; {
 			var answers []byte
 			for i := 0; i < batch; i++ {
-				head := make([]byte, 5)
-				if _, err := io.ReadFull(conn, head); err != nil {
-					return
-				}
-				frame := make([]byte, binary.BigEndian.Uint32(head[:4])-1)
-				if _, err := io.ReadFull(conn, frame); err != nil || frame[0] != linkProduce {
+				frame, err := readCallFrame(conn)
+				if err != nil || frame[0] != linkProduce {
 					return
 				}
 				payload, _ := proto.Marshal(&pb.ProduceResponse{Results: []*pb.ProduceResult{
