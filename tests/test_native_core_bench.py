@@ -1,6 +1,7 @@
-"""bench/native_core/ (Go), the measuring prototype bench/native_core.py drives: it does
-the durable work it claims, so its figures mean what docs/benchmarks.md says. Built with
-the Go scripts/go_tools.sh finds or installs (as bench/native_core.py does), run on a
+"""bench/native_core/ (Go) and bench/lean_core.py (the same hot path in lean Python), the
+measuring prototypes bench/native_core.py drives: they do the durable work they claim, so
+their figures mean what docs/benchmarks.md says. The Go one is built with the Go
+scripts/go_tools.sh finds or installs (as bench/native_core.py does); each runs on a
 free port; one CommitTxn is answered with the batches' offsets once its batches and its
 decision are in the files, a retry with the same key is already_ended, and bad input
 is refused with nothing written."""
@@ -8,6 +9,7 @@ is refused with nothing written."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -33,14 +35,18 @@ def binary(tmp_path_factory) -> Path:
     return binary
 
 
-@pytest.fixture(scope="module", params=["files", "wal"])
-def native_core(request, binary, tmp_path_factory):
-    """The prototype writing each partition's file in the group commit, or (--wal) one
-    write-ahead file per group and the partition files later."""
+@pytest.fixture(scope="module", params=["files", "wal", "lean"])
+def native_core(request, tmp_path_factory):
+    """The Go prototype writing each partition's file in the group commit, or (--wal) one
+    write-ahead file per group and the partition files later; or the lean Python one,
+    which writes the files as the first does."""
     directory = tmp_path_factory.mktemp("native-core-data")
-    server = subprocess.Popen([str(binary), "--dir", str(directory)]
-                              + (["--wal"] if request.param == "wal" else []),
-                              stdout=subprocess.PIPE, text=True)
+    if request.param == "lean":
+        command = [sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir", str(directory)]
+    else:
+        command = [str(request.getfixturevalue("binary")), "--dir", str(directory)] + (
+            ["--wal"] if request.param == "wal" else [])
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         address = server.stdout.readline().strip()
         with grpc.insecure_channel(address) as channel:

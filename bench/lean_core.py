@@ -1,0 +1,328 @@
+"""A measuring prototype, not part of atomlog: the native prototype's hot path
+(bench/native_core/main.go) written in lean Python, to tell how much of the combined
+server's CPU per one-call transaction is Python itself and how much is the way the
+server is built (tasks per partition and per TC partition, queues per destination,
+futures, messages between roles, metrics).
+
+It serves CoordinatorService/CommitTxn only, with the same durable work as the Go
+prototype and no more, in one asyncio event loop and one committer task:
+
+- the same checks (an idempotency key of 1-256 bytes whose tc_partition_for is
+  tc_partition; 1..64 batches, at most one per partition, 1 MiB in all; each batch
+  whole with its CRC32C right, neither transactional nor control, no producer id or
+  sequence), through atomlog's own record_batch functions;
+- a key committed already answers already_ended (the last 100,000 keys);
+- group commit: whatever queued while the last group was on disk goes together. Phase 1
+  appends each partition's batches (offset, append time, the transaction's id and bit
+  stamped into the copy, its CRC computed again) and the previous group's commit
+  markers, one write per file, then every written file's fsync in one io_uring
+  submission (atomlog's partition_server/uring.py, completions read from an eventfd on
+  the loop, as the combined server does); phase 2 appends the group's decisions to
+  their TC partitions' logs and fsyncs them the same way; only then are the calls
+  answered.
+
+What it leaves out is the Go prototype's list: replication, producer state, transaction
+buffers and the max read position, acks and cursors, sessions, snapshots, recovery,
+retention, metrics, TLS, the ErrorInfo of a refusal. So beside the Go prototype it is
+the same work in another language, and beside the combined server the same language
+with the rest of the server left out.
+
+    .venv/bin/python bench/lean_core.py --dir DIR   # prints its address, then serves
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import crc32c  # noqa: E402
+import grpc  # noqa: E402
+
+from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2  # noqa: E402
+from coordinator.records import tc_partition_for  # noqa: E402
+from services.errors import AtomlogError  # noqa: E402
+from partition_server import record_batch, uring  # noqa: E402
+from partition_server.record_batch import (ATTR_CONTROL, ATTR_TRANSACTIONAL,  # noqa: E402
+                                           CRC_COVERED_FROM, CRC_OFFSET, NO_PRODUCER_ID,
+                                           NO_SEQUENCE, ControlType, TxnId)
+
+TC_PARTITIONS = 16
+MAX_KEY_BYTES = 256
+MAX_ONE_CALL = 1 << 20
+MAX_BATCHES = 64
+REMEMBERED_KEYS = 100_000
+COMMITTING = coordinator_pb2.TxnState.Value("TXN_STATE_COMMITTING")
+
+_OFFSET = struct.Struct(">q")
+_APPEND_TIME = struct.Struct(">q")
+_ATTRIBUTES = struct.Struct(">h")
+_TXN = struct.Struct(">IQ")
+_CRC = struct.Struct(">I")
+_DECISION = struct.Struct(">QqH")
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def check(request) -> list:
+    """The request's batches' headers, or Refused (nothing written)."""
+    key = request.idempotency_key
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"idempotency_key must be 1-{MAX_KEY_BYTES} bytes")
+    if request.tc_partition != tc_partition_for(key, TC_PARTITIONS):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tc_partition is not the key's")
+    if request.abort or len(request.acks) or request.HasField("session"):
+        raise Refused(grpc.StatusCode.UNIMPLEMENTED, "the prototype commits batches only")
+    batches = request.batches
+    if not 1 <= len(batches) <= MAX_BATCHES:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"1-{MAX_BATCHES} batches")
+    seen, headers, total = set(), [], 0
+    for item in batches:
+        tp = item.topic_partition
+        name = f"{tp.topic}-{tp.partition}"
+        if name in seen:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"two batches for {name}")
+        seen.add(name)
+        batch = item.record_batch
+        total += len(batch)
+        try:
+            header = record_batch.parse_header(batch)
+            if header.size != len(batch):
+                raise ValueError(f"batch_length says {header.size} bytes, the batch has "
+                                 f"{len(batch)}")
+            record_batch.verify_crc(batch, header)
+        except (AtomlogError, ValueError) as error:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {error}") from None
+        if (header.attributes & (ATTR_TRANSACTIONAL | ATTR_CONTROL)
+                or header.producer_id != NO_PRODUCER_ID or header.base_sequence != NO_SEQUENCE):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: a one-call batch has no "
+                          "producer id, no sequence and no transaction")
+        headers.append((name, header))
+    if total > MAX_ONE_CALL:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{total} bytes of batches")
+    return headers
+
+
+class Log:
+    __slots__ = ("fd", "next")
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+        self.next = 0
+
+
+class Server:
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.loop = asyncio.get_running_loop()
+        self.queue: list = []  # (request, headers, future)
+        self.wake = asyncio.Event()
+        self.logs: dict[str, Log] = {}
+        self.tc_logs = [Log(directory / f"__tc-{tc}.log") for tc in range(TC_PARTITIONS)]
+        self.sequence = [0] * TC_PARTITIONS
+        self.keys: dict[str, common_pb2.TxnId] = {}
+        self.order: collections.deque = collections.deque()
+        self.markers: dict[Log, list[TxnId]] = {}
+        self.ring = uring.Ring.open()
+        if self.ring is None:
+            raise SystemExit("lean core: io_uring is not usable here")
+        self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.ring.register_eventfd(self.efd)
+        self.in_flight: dict[int, asyncio.Future] = {}
+        self.next_user_data = 0
+        self.loop.add_reader(self.efd, self._reap)
+
+    async def commit_txn(self, request, context):
+        try:
+            headers = check(request)
+        except Refused as refused:
+            await context.abort(refused.code, str(refused))
+        future = self.loop.create_future()
+        self.queue.append((request, headers, future))
+        self.wake.set()
+        return await future  # once queued, the outcome is the group's
+
+    async def committer(self) -> None:
+        while True:
+            if not self.queue:
+                if self.markers:
+                    await asyncio.sleep(0)  # one turn for company, then the markers alone
+                if not self.queue and not self.markers:
+                    self.wake.clear()
+                    await self.wake.wait()
+            group, self.queue = self.queue, []
+            await self.commit(group)
+
+    def log(self, name: str) -> Log:
+        log = self.logs.get(name)
+        if log is None:
+            log = self.logs[name] = Log(self.dir / f"{name}.log")
+        return log
+
+    async def fsync(self, logs) -> None:
+        """Every log's fsync in one io_uring submission; returns once all are done."""
+        futures = []
+        for log in logs:
+            user_data = self.next_user_data
+            self.next_user_data += 1
+            future = self.loop.create_future()
+            self.in_flight[user_data] = future
+            self.ring.queue_fsync(log.fd, user_data)
+            futures.append(future)
+        for user_data, code in self.ring.submit():
+            self._done(user_data, code)
+        for future in futures:
+            code = await future
+            if code:
+                raise OSError(code, os.strerror(code))
+
+    def _reap(self) -> None:
+        try:
+            os.eventfd_read(self.efd)
+        except BlockingIOError:
+            pass
+        for user_data, code in self.ring.completions():
+            self._done(user_data, code)
+
+    def _done(self, user_data: int, code: int) -> None:
+        future = self.in_flight.pop(user_data, None)
+        if future is not None and not future.done():
+            future.set_result(code)
+
+    async def commit(self, group: list) -> None:
+        now = int(time.time() * 1000)
+        fresh, again, in_group = [], [], set()
+        for entry in group:
+            key = entry[0].idempotency_key
+            known = self.keys.get(key)
+            if known is not None:
+                entry[2].set_result(coordinator_pb2.CommitTxnResponse(
+                    txn_id=known, state=COMMITTING, already_ended=True))
+            elif key in in_group:  # a retry racing its first call: answered after it
+                again.append(entry)
+            else:
+                in_group.add(key)
+                fresh.append(entry)
+        # Phase 1: the staged batches and the previous group's markers.
+        buffers: dict[Log, bytearray] = {}
+        for log, ids in self.markers.items():
+            out = buffers.setdefault(log, bytearray())
+            for txn in ids:
+                marker = bytearray(record_batch.control_batch_parsed(
+                    ControlType.COMMIT, txn=txn, coordinator_epoch=0, timestamp_ms=now)[0])
+                _OFFSET.pack_into(marker, 0, log.next)
+                _APPEND_TIME.pack_into(marker, 13, now)
+                _CRC.pack_into(marker, CRC_OFFSET,
+                               crc32c.crc32c(memoryview(marker)[CRC_COVERED_FROM:]))
+                out += marker
+                log.next += 1
+        self.markers = {}
+        ids, owed, results = [], [], []
+        for request, headers, _ in fresh:
+            tc = request.tc_partition
+            self.sequence[tc] += 1
+            txn = TxnId(tc, self.sequence[tc])
+            ids.append(txn)
+            wrote, answered = [], []
+            for item, (name, header) in zip(request.batches, headers):
+                log = self.log(name)
+                out = buffers.setdefault(log, bytearray())
+                start = len(out)
+                out += item.record_batch
+                view = memoryview(out)
+                _OFFSET.pack_into(out, start, log.next)
+                _APPEND_TIME.pack_into(out, start + 13, now)
+                _ATTRIBUTES.pack_into(out, start + 25, header.attributes | ATTR_TRANSACTIONAL)
+                _TXN.pack_into(out, start + 65, txn.tc_partition, txn.sequence)
+                _CRC.pack_into(out, start + CRC_OFFSET, crc32c.crc32c(
+                    view[start + CRC_COVERED_FROM:start + header.size]))
+                view.release()
+                answered.append(partition_pb2.ProduceResult(
+                    topic_partition=item.topic_partition, base_offset=log.next,
+                    last_offset=log.next + header.last_offset_delta,
+                    log_append_time_unix_ms=now))
+                log.next += header.last_offset_delta + 1
+                wrote.append(log)
+            owed.append(wrote)
+            results.append(answered)
+        try:
+            for log, data in buffers.items():
+                os.write(log.fd, data)
+            await self.fsync(buffers)
+            # Phase 2: the decisions, then their fsyncs.
+            decisions: dict[Log, bytearray] = {}
+            for (request, _, _), txn in zip(fresh, ids):
+                key = request.idempotency_key.encode()
+                record = _DECISION.pack(txn.sequence, now, len(key)) + key
+                out = decisions.setdefault(self.tc_logs[txn.tc_partition], bytearray())
+                out += record + _CRC.pack(crc32c.crc32c(record))
+            for log, data in decisions.items():
+                os.write(log.fd, data)
+            await self.fsync(decisions)
+        except OSError as error:  # as the Go prototype: the outcome is unknown; stop
+            for entry in fresh + again:
+                if not entry[2].done():
+                    entry[2].set_exception(error)
+            raise SystemExit(f"lean core: {error}") from error
+        for (request, _, future), txn, wrote, answered in zip(fresh, ids, owed, results):
+            pb_id = common_pb2.TxnId(tc_partition=txn.tc_partition, sequence=txn.sequence)
+            self.remember(request.idempotency_key, pb_id)
+            for log in wrote:
+                self.markers.setdefault(log, []).append(txn)
+            future.set_result(coordinator_pb2.CommitTxnResponse(
+                txn_id=pb_id, state=COMMITTING, batch_results=answered))
+        for request, _, future in again:
+            known = self.keys.get(request.idempotency_key)
+            if known is not None:
+                future.set_result(coordinator_pb2.CommitTxnResponse(
+                    txn_id=known, state=COMMITTING, already_ended=True))
+            else:
+                future.set_exception(OSError("its first call failed"))
+
+    def remember(self, key: str, txn_id) -> None:
+        self.keys[key] = txn_id
+        self.order.append(key)
+        if len(self.order) > REMEMBERED_KEYS:
+            del self.keys[self.order.popleft()]
+
+
+async def serve(directory: Path, listen: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    server = Server(directory)
+    grpc_server = grpc.aio.server()
+    grpc_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "atomlog.v1.CoordinatorService", {"CommitTxn": grpc.unary_unary_rpc_method_handler(
+            server.commit_txn,
+            request_deserializer=coordinator_pb2.CommitTxnRequest.FromString,
+            response_serializer=coordinator_pb2.CommitTxnResponse.SerializeToString)})])
+    port = grpc_server.add_insecure_port(listen)
+    await grpc_server.start()
+    committer = asyncio.create_task(server.committer())
+    print(f"127.0.0.1:{port}", flush=True)  # the driver reads the address from here
+    await asyncio.wait([committer, asyncio.ensure_future(grpc_server.wait_for_termination())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    committer.result()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, required=True, help="data directory")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="gRPC address")
+    args = parser.parse_args()
+    asyncio.run(serve(args.dir, args.listen))
+
+
+if __name__ == "__main__":
+    main()
