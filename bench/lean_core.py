@@ -27,7 +27,11 @@ retention, metrics, TLS, the ErrorInfo of a refusal. So beside the Go prototype 
 the same work in another language, and beside the combined server the same language
 with the rest of the server left out.
 
-    .venv/bin/python bench/lean_core.py --dir DIR   # prints its address, then serves
+With `--wal`, as the Go prototype's: a group's staged batches, markers and decisions go
+to one write-ahead file with one fsync, and the partition and TC files get the same
+bytes every 100 ms, many groups at a time, one write and one fsync per file.
+
+    .venv/bin/python bench/lean_core.py --dir DIR [--wal]   # prints its address, then serves
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ _ATTRIBUTES = struct.Struct(">h")
 _TXN = struct.Struct(">IQ")
 _CRC = struct.Struct(">I")
 _DECISION = struct.Struct(">QqH")
+_FRAME = struct.Struct(">iI")
 
 
 class Refused(Exception):
@@ -124,8 +129,10 @@ class Log:
 
 
 class Server:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, wal: bool = False):
         self.dir = directory
+        self.wal = Log(directory / "wal.log") if wal else None
+        self.checkpoint: dict[Log, bytearray] = {}
         self.loop = asyncio.get_running_loop()
         self.queue: list = []  # (request, headers, future)
         self.wake = asyncio.Event()
@@ -257,20 +264,30 @@ class Server:
                 wrote.append(log)
             owed.append(wrote)
             results.append(answered)
+        decisions: dict[Log, bytearray] = {}
+        for (request, _, _), txn in zip(fresh, ids):
+            key = request.idempotency_key.encode()
+            record = _DECISION.pack(txn.sequence, now, len(key)) + key
+            out = decisions.setdefault(self.tc_logs[txn.tc_partition], bytearray())
+            out += record + _CRC.pack(crc32c.crc32c(record))
         try:
-            for log, data in buffers.items():
-                os.write(log.fd, data)
-            await self.fsync(buffers)
-            # Phase 2: the decisions, then their fsyncs.
-            decisions: dict[Log, bytearray] = {}
-            for (request, _, _), txn in zip(fresh, ids):
-                key = request.idempotency_key.encode()
-                record = _DECISION.pack(txn.sequence, now, len(key)) + key
-                out = decisions.setdefault(self.tc_logs[txn.tc_partition], bytearray())
-                out += record + _CRC.pack(crc32c.crc32c(record))
-            for log, data in decisions.items():
-                os.write(log.fd, data)
-            await self.fsync(decisions)
+            if self.wal is not None:
+                # One file written in order, read back as its longest valid prefix (each
+                # frame has its CRC): a decision that survives a crash has its data
+                # before it. The partition files get the same bytes later (checkpointer).
+                os.write(self.wal.fd, self.frames(buffers) + self.frames(decisions))
+                await self.fsync([self.wal])
+                for written in (buffers, decisions):
+                    for log, data in written.items():
+                        self.checkpoint.setdefault(log, bytearray()).extend(data)
+            else:
+                for log, data in buffers.items():
+                    os.write(log.fd, data)
+                await self.fsync(buffers)
+                # Phase 2: the decisions, then their fsyncs.
+                for log, data in decisions.items():
+                    os.write(log.fd, data)
+                await self.fsync(decisions)
         except OSError as error:  # as the Go prototype: the outcome is unknown; stop
             for entry in fresh + again:
                 if not entry[2].done():
@@ -291,6 +308,30 @@ class Server:
             else:
                 future.set_exception(OSError("its first call failed"))
 
+    @staticmethod
+    def frames(buffers: dict) -> bytes:
+        """The write-ahead file's form of per-log data: for each log, its descriptor
+        number (a real file would name it), the data's length, the data and a CRC32C of
+        all three."""
+        out = bytearray()
+        for log, data in buffers.items():
+            start = len(out)
+            out += _FRAME.pack(log.fd, len(data))
+            out += data
+            out += _CRC.pack(crc32c.crc32c(memoryview(out)[start:]))
+        return bytes(out)
+
+    async def checkpointer(self) -> None:
+        """Every 100 ms: what the write-ahead file made durable goes to the partition
+        files, one write and one fsync per file for all the groups since."""
+        while True:
+            await asyncio.sleep(0.1)
+            due, self.checkpoint = self.checkpoint, {}
+            for log, data in due.items():
+                os.write(log.fd, data)
+            if due:
+                await self.fsync(due)
+
     def remember(self, key: str, txn_id) -> None:
         self.keys[key] = txn_id
         self.order.append(key)
@@ -298,9 +339,9 @@ class Server:
             del self.keys[self.order.popleft()]
 
 
-async def serve(directory: Path, listen: str) -> None:
+async def serve(directory: Path, listen: str, wal: bool) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    server = Server(directory)
+    server = Server(directory, wal)
     grpc_server = grpc.aio.server()
     grpc_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "atomlog.v1.CoordinatorService", {"CommitTxn": grpc.unary_unary_rpc_method_handler(
@@ -310,6 +351,9 @@ async def serve(directory: Path, listen: str) -> None:
     port = grpc_server.add_insecure_port(listen)
     await grpc_server.start()
     committer = asyncio.create_task(server.committer())
+    if wal:
+        checkpointer = asyncio.create_task(server.checkpointer())
+        checkpointer.add_done_callback(lambda task: task.cancelled() or task.result())
     print(f"127.0.0.1:{port}", flush=True)  # the driver reads the address from here
     await asyncio.wait([committer, asyncio.ensure_future(grpc_server.wait_for_termination())],
                        return_when=asyncio.FIRST_COMPLETED)
@@ -320,8 +364,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, required=True, help="data directory")
     parser.add_argument("--listen", default="127.0.0.1:0", help="gRPC address")
+    parser.add_argument("--wal", action="store_true",
+                        help="one write-ahead file, one fsync per group (as the Go "
+                             "prototype's --wal)")
     args = parser.parse_args()
-    asyncio.run(serve(args.dir, args.listen))
+    asyncio.run(serve(args.dir, args.listen, args.wal))
 
 
 if __name__ == "__main__":

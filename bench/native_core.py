@@ -1,7 +1,7 @@
 """Benchmark: would a native core reach issue 19's small-transaction targets? The same
 Python clients send the same one-call transactions (CoordinatorService/CommitTxn over
 gRPC, ten 1 KiB records over four partitions, as bench/transactions.py's small
-transactions) to five servers, one after another, in one run:
+transactions) to six servers, one after another, in one run:
 
 - **floor**: a grpc.aio server whose CommitTxn answers an empty response and does
   nothing else: what the call itself costs with this message and these clients;
@@ -10,9 +10,9 @@ transactions) to five servers, one after another, in one run:
   markers) and none of the rest (its doc says what it leaves out); and the same with
   `--wal`: a group's data and decisions in one write-ahead file with one fsync, copied
   to the partition files every 100 ms;
-- **lean**: bench/lean_core.py, the native prototype's hot path (without `--wal`) in
-  lean Python, one asyncio task and one io_uring submission a phase: the same work in
-  another language, and the combined server's language without its structure;
+- **lean**: bench/lean_core.py, the native prototype's hot path in lean Python, one
+  asyncio task and one io_uring submission a phase: the same work in another language,
+  and the combined server's language without its structure; and the same with `--wal`;
 - **atomlog**: the combined server (`atomlog up --combined`), every role in one Python
   process.
 
@@ -161,11 +161,12 @@ def native_server(binary: Path, directory: Path, wal: bool = False):
 
 
 @contextlib.contextmanager
-def lean_server(directory: Path):
-    """bench/lean_core.py (the prototype's hot path in lean Python) in its own process:
-    yields (address, pid)."""
+def lean_server(directory: Path, wal: bool = False):
+    """bench/lean_core.py (the prototype's hot path in lean Python) in its own process
+    (with `wal`, one write-ahead file): yields (address, pid)."""
     server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir",
-                               str(directory)], stdout=subprocess.PIPE, text=True)
+                               str(directory)] + (["--wal"] if wal else []),
+                              stdout=subprocess.PIPE, text=True)
     try:
         yield server.stdout.readline().strip(), server.pid
     finally:
@@ -208,6 +209,7 @@ def main() -> None:
                             "group, the partition files every 100 ms",
               "lean": "the same hot path in lean Python (bench/lean_core.py): one task, "
                       "one io_uring submission a phase",
+              "lean-wal": "the same in lean Python with one write-ahead file (`--wal`)",
               "atomlog": "the combined server (Python), the same calls"}
     runs: dict[str, list[dict]] = {name: [] for name in labels}
     call_rates: list[float] = []
@@ -221,6 +223,7 @@ def main() -> None:
                    "native-wal": (stack.enter_context(native_server(
                        binary, scratch / "native-wal", wal=True)) if binary else None),
                    "lean": stack.enter_context(lean_server(scratch / "lean")),
+                   "lean-wal": stack.enter_context(lean_server(scratch / "lean-wal", wal=True)),
                    "atomlog": stack.enter_context(atomlog_server())}
         for _ in range(args.rounds):  # in turns: the machine drifts between minutes
             call_rates.append(common.grpc_call_floor()["calls_per_s"])

@@ -35,17 +35,19 @@ def binary(tmp_path_factory) -> Path:
     return binary
 
 
-@pytest.fixture(scope="module", params=["files", "wal", "lean"])
+@pytest.fixture(scope="module", params=["files", "wal", "lean", "lean-wal"])
 def native_core(request, tmp_path_factory):
     """The Go prototype writing each partition's file in the group commit, or (--wal) one
     write-ahead file per group and the partition files later; or the lean Python one,
-    which writes the files as the first does."""
+    either way."""
     directory = tmp_path_factory.mktemp("native-core-data")
-    if request.param == "lean":
+    if request.param.startswith("lean"):
         command = [sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir", str(directory)]
     else:
         command = [str(request.getfixturevalue("binary")), "--dir", str(directory)] + (
             ["--wal"] if request.param == "wal" else [])
+    if request.param == "lean-wal":
+        command.append("--wal")
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         address = server.stdout.readline().strip()
