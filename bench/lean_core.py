@@ -31,7 +31,12 @@ With `--wal`, as the Go prototype's: a group's staged batches, markers and decis
 to one write-ahead file with one fsync, and the partition and TC files get the same
 bytes every 100 ms, many groups at a time, one write and one fsync per file.
 
-    .venv/bin/python bench/lean_core.py --dir DIR [--wal]   # prints its address, then serves
+With `--cores` (CoreServer), the same loop and group commit run atomlog's own cores and
+logs where the prototype has its few lines: the TC partitions' TcPartitionCore and
+__txn_log records, each partition's PartitionLog and TxnBuffer. That is the durable work
+and state of the real server without its structure (its tasks, queues and messages).
+
+    .venv/bin/python bench/lean_core.py --dir DIR [--wal | --cores]   # prints its address
 """
 
 from __future__ import annotations
@@ -179,7 +184,9 @@ class Server:
         return log
 
     async def fsync(self, logs) -> None:
-        """Every log's fsync in one io_uring submission; returns once all are done."""
+        """Every log's fsync in one io_uring submission; returns once all are done. (This
+        workload's 16 partitions and 16 TC partitions stay within the ring's entries.)"""
+        assert len(self.in_flight) + len(logs) <= self.ring.entries
         futures = []
         for log in logs:
             user_data = self.next_user_data
@@ -339,9 +346,189 @@ class Server:
             del self.keys[self.order.popleft()]
 
 
-async def serve(directory: Path, listen: str, wal: bool) -> None:
+class CoreServer(Server):
+    """`--cores`: the same loop and group commit, with atomlog's own cores and logs where
+    the prototype has its few lines: each TC partition's TcPartitionCore (begin_one_call,
+    end_one_call, append_done, marker_confirmed: its sequences, keys, Opened and
+    Decided records, markers and Completed records, encoded as the TC log's records in
+    one batch a group), each partition's PartitionLog (segments, index, high watermark)
+    and TxnBuffer (the staged transaction open until its marker, the max read position),
+    the batches validated and stamped by record_batch as StageTxn does. What it still
+    leaves out is the server's structure: the tasks, queues, messages and futures
+    between these, and what no one-call transaction of this workload needs (producer
+    state, acks, sessions, replication, snapshots, metrics)."""
+
+    def __init__(self, directory: Path):
+        from coordinator.core import TcPartitionCore
+        from partition_server.log import PartitionLog
+        from partition_server.txn_buffer import TxnBuffer
+
+        super().__init__(directory)
+        self.cores = [TcPartitionCore(tc) for tc in range(TC_PARTITIONS)]
+        self.tc_plogs = [PartitionLog(directory / f"__txn_log-{tc}") for tc in range(TC_PARTITIONS)]
+        self.plogs: dict[str, tuple] = {}  # name -> (PartitionLog, TxnBuffer)
+        self.make_log, self.make_buffer = PartitionLog, TxnBuffer
+        self.owed_markers: dict[str, list] = {}  # partition name -> [coordinator Marker]
+        self.owed_appends: list = []  # (tc, Append): completions for the next group
+
+    def partition(self, name: str) -> tuple:
+        found = self.plogs.get(name)
+        if found is None:
+            found = self.plogs[name] = (self.make_log(self.dir / name), self.make_buffer())
+        return found
+
+    async def durable(self, logs: list) -> None:
+        """Every PartitionLog's flush: begun, fsynced in one submission, ended."""
+        begun = [(log, *log.flush_begin()) for log in logs]
+        await self.fsync([_Fd(fd) for _, _, fd in begun if fd is not None])
+        for log, target, _ in begun:
+            log.flush_end(target)
+
+    async def committer(self) -> None:
+        while True:
+            if not self.queue:
+                if self.owed_markers or self.owed_appends:
+                    await asyncio.sleep(0)
+                if not self.queue and not self.owed_markers and not self.owed_appends:
+                    self.wake.clear()
+                    await self.wake.wait()
+            group, self.queue = self.queue, []
+            try:
+                await self.commit(group)
+            except BaseException:
+                # A prototype: a failure here is a bug in it; say so and stop at once
+                # (the gRPC server's threads would otherwise keep the process up, deaf).
+                import traceback
+                traceback.print_exc()
+                os._exit(70)
+
+    async def commit(self, group: list) -> None:
+        from coordinator.core import OneCallStart
+        from coordinator.records import Decision, TopicPartition
+        from partition_server.record_batch import (encode_batch, parse_header,
+                                                   stamp_transaction, validate_batch)
+        from partition_server.txn_buffer import MarkerAction
+
+        now = int(time.time() * 1000)
+        fresh, appends = [], list(self.owed_appends)
+        self.owed_appends = []
+        for entry in group:
+            request, headers, future = entry
+            core = self.cores[request.tc_partition]
+            tps = [TopicPartition(item.topic_partition.topic, item.topic_partition.partition)
+                   for item in request.batches]
+            try:
+                ready = core.begin_one_call(now, request.timeout_ms, None,
+                                            request.idempotency_key, tps, ())
+            except AtomlogError as error:
+                future.set_exception(Refused(grpc.StatusCode.FAILED_PRECONDITION, str(error)))
+                continue
+            start: OneCallStart = ready.reply
+            if start.existing is not None:
+                future.set_result(coordinator_pb2.CommitTxnResponse(
+                    txn_id=common_pb2.TxnId(tc_partition=start.txn_id.tc_partition,
+                                            sequence=start.txn_id.sequence),
+                    state=start.existing.value, already_ended=True))
+                continue
+            if ready.appends:  # a sequence reservation: durable before anything is staged
+                await self.append_tc([(request.tc_partition, a) for a in ready.appends], now)
+            fresh.append((entry, start.txn_id))
+        # Phase 1: the markers owed, then the stages, each partition's in one append.
+        items: dict[str, list] = {}
+        confirmations = []
+        for name, markers in self.owed_markers.items():
+            plog, txns = self.partition(name)
+            out = items.setdefault(name, [])
+            offset = plog.log_end_offset
+            for marker in markers:
+                control = (ControlType.COMMIT if marker.decision is Decision.COMMIT
+                           else ControlType.ABORT)
+                plan = txns.check_marker(marker.txn_id, control, marker.coordinator_epoch)
+                if plan.action is MarkerAction.WRITE:
+                    out.append(record_batch.control_batch_parsed(
+                        control, txn=marker.txn_id, coordinator_epoch=marker.coordinator_epoch,
+                        timestamp_ms=now, producer_id=plan.producer_id,
+                        producer_epoch=plan.producer_epoch))
+                    txns.on_marker(marker.txn_id, control, marker.coordinator_epoch, offset)
+                    offset += 1
+                confirmations.append(marker)
+        self.owed_markers = {}
+        results = []
+        for (request, _, _), txn in fresh:
+            answered = []
+            for item in request.batches:
+                tp = item.topic_partition
+                name = f"{tp.topic}-{tp.partition}"
+                plog, txns = self.partition(name)
+                out = items.setdefault(name, [])
+                data, header = stamp_transaction(item.record_batch,
+                                                 validate_batch(item.record_batch), txn)
+                first = plog.log_end_offset + sum(h.last_offset_delta + 1 for _, h in out)
+                last = first + header.last_offset_delta
+                txns.on_data(txn, 0, 0, first, last, now)
+                out.append((data, header))
+                answered.append(partition_pb2.ProduceResult(
+                    topic_partition=tp, base_offset=first, last_offset=last,
+                    log_append_time_unix_ms=now))
+            results.append(answered)
+        written = []
+        for name, out in items.items():
+            plog, _ = self.partition(name)
+            if out:
+                plog.append_parsed(out)
+                written.append(plog)
+        await self.durable(written)
+        for plog in written:
+            self.plogs[plog.directory.name][1].on_durable(plog.high_watermark)
+        for marker in confirmations:
+            core = self.cores[marker.txn_id.tc_partition]
+            ready = core.marker_confirmed(now, marker.txn_id, marker.target)
+            appends += [(marker.txn_id.tc_partition, a) for a in ready.appends]
+        # Phase 2: the decisions (Opened and Decided), with the completions owed.
+        for (request, _, _), txn in fresh:
+            ready = self.cores[request.tc_partition].end_one_call(now, txn, None)
+            appends += [(request.tc_partition, a) for a in ready.appends]
+        await self.append_tc(appends, now)
+        for ((request, _, future), txn), answered in zip(fresh, results):
+            future.set_result(coordinator_pb2.CommitTxnResponse(
+                txn_id=common_pb2.TxnId(tc_partition=txn.tc_partition, sequence=txn.sequence),
+                state=COMMITTING, batch_results=answered))
+
+    async def append_tc(self, appends: list, now: int) -> None:
+        """Each TC partition's appends as one batch of its log's records, durable; then
+        append_done, whose markers and completions wait for the next group."""
+        from coordinator.records import encode_record
+        from partition_server.record_batch import Record, encode_batch, parse_header
+
+        by_tc: dict[int, list] = {}
+        for tc, append in appends:
+            by_tc.setdefault(tc, []).append(append)
+        logs = []
+        for tc, group in by_tc.items():
+            batch = encode_batch([Record(None, encode_record(r)) for a in group
+                                  for r in a.records])
+            self.tc_plogs[tc].append_parsed([(batch, parse_header(batch))])
+            logs.append(self.tc_plogs[tc])
+        await self.durable(logs)
+        for tc, group in by_tc.items():
+            for append in group:
+                ready = self.cores[tc].append_done(append.append_id, now)
+                for marker in ready.markers:
+                    self.owed_markers.setdefault(
+                        f"{marker.target.topic}-{marker.target.partition}", []).append(marker)
+                self.owed_appends += [(tc, a) for a in ready.appends]
+
+
+class _Fd:
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+
+async def serve(directory: Path, listen: str, wal: bool, cores: bool = False) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    server = Server(directory, wal)
+    server = CoreServer(directory) if cores else Server(directory, wal)
     grpc_server = grpc.aio.server()
     grpc_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "atomlog.v1.CoordinatorService", {"CommitTxn": grpc.unary_unary_rpc_method_handler(
@@ -367,8 +554,10 @@ def main() -> None:
     parser.add_argument("--wal", action="store_true",
                         help="one write-ahead file, one fsync per group (as the Go "
                              "prototype's --wal)")
+    parser.add_argument("--cores", action="store_true",
+                        help="atomlog's own cores and logs in the same loop (CoreServer)")
     args = parser.parse_args()
-    asyncio.run(serve(args.dir, args.listen, args.wal))
+    asyncio.run(serve(args.dir, args.listen, args.wal, args.cores))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark: would a native core reach issue 19's small-transaction targets? The same
 Python clients send the same one-call transactions (CoordinatorService/CommitTxn over
 gRPC, ten 1 KiB records over four partitions, as bench/transactions.py's small
-transactions) to six servers, one after another, in one run:
+transactions) to seven servers, one after another, in one run:
 
 - **floor**: a grpc.aio server whose CommitTxn answers an empty response and does
   nothing else: what the call itself costs with this message and these clients;
@@ -12,7 +12,10 @@ transactions) to six servers, one after another, in one run:
   to the partition files every 100 ms;
 - **lean**: bench/lean_core.py, the native prototype's hot path in lean Python, one
   asyncio task and one io_uring submission a phase: the same work in another language,
-  and the combined server's language without its structure; and the same with `--wal`;
+  and the combined server's language without its structure; the same with `--wal`; and
+  with `--cores`, atomlog's own cores and logs (the TC partition's core, the partition
+  log, the transaction buffer) in the same one-task loop: what a lean structure of the
+  real server could cost;
 - **atomlog**: the combined server (`atomlog up --combined`), every role in one Python
   process.
 
@@ -161,11 +164,11 @@ def native_server(binary: Path, directory: Path, wal: bool = False):
 
 
 @contextlib.contextmanager
-def lean_server(directory: Path, wal: bool = False):
-    """bench/lean_core.py (the prototype's hot path in lean Python) in its own process
-    (with `wal`, one write-ahead file): yields (address, pid)."""
+def lean_server(directory: Path, *flags: str):
+    """bench/lean_core.py (the prototype's hot path in lean Python) in its own process,
+    with `flags` (--wal, --cores): yields (address, pid)."""
     server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir",
-                               str(directory)] + (["--wal"] if wal else []),
+                               str(directory), *flags],
                               stdout=subprocess.PIPE, text=True)
     try:
         yield server.stdout.readline().strip(), server.pid
@@ -210,6 +213,9 @@ def main() -> None:
               "lean": "the same hot path in lean Python (bench/lean_core.py): one task, "
                       "one io_uring submission a phase",
               "lean-wal": "the same in lean Python with one write-ahead file (`--wal`)",
+              "lean-cores": "lean Python with atomlog's cores and logs (`--cores`): "
+                            "TcPartitionCore, PartitionLog, TxnBuffer, without the "
+                            "server's tasks and queues",
               "atomlog": "the combined server (Python), the same calls"}
     runs: dict[str, list[dict]] = {name: [] for name in labels}
     call_rates: list[float] = []
@@ -223,12 +229,15 @@ def main() -> None:
                    "native-wal": (stack.enter_context(native_server(
                        binary, scratch / "native-wal", wal=True)) if binary else None),
                    "lean": stack.enter_context(lean_server(scratch / "lean")),
-                   "lean-wal": stack.enter_context(lean_server(scratch / "lean-wal", wal=True)),
+                   "lean-wal": stack.enter_context(lean_server(scratch / "lean-wal", "--wal")),
+                   "lean-cores": stack.enter_context(lean_server(scratch / "lean-cores",
+                                                                 "--cores")),
                    "atomlog": stack.enter_context(atomlog_server())}
         for _ in range(args.rounds):  # in turns: the machine drifts between minutes
             call_rates.append(common.grpc_call_floor()["calls_per_s"])
             for name, server in servers.items():
                 if server is not None:
+                    print(f"round {len(call_rates)}: {name}", file=sys.stderr, flush=True)
                     row = drive(server[0], server[1], args.clients, args.seconds)
                     row["share"] = row["txn_per_s"] / call_rates[-1]
                     runs[name].append(row)

@@ -35,7 +35,7 @@ def binary(tmp_path_factory) -> Path:
     return binary
 
 
-@pytest.fixture(scope="module", params=["files", "wal", "lean", "lean-wal"])
+@pytest.fixture(scope="module", params=["files", "wal", "lean", "lean-wal", "lean-cores"])
 def native_core(request, tmp_path_factory):
     """The Go prototype writing each partition's file in the group commit, or (--wal) one
     write-ahead file per group and the partition files later; or the lean Python one,
@@ -46,8 +46,8 @@ def native_core(request, tmp_path_factory):
     else:
         command = [str(request.getfixturevalue("binary")), "--dir", str(directory)] + (
             ["--wal"] if request.param == "wal" else [])
-    if request.param == "lean-wal":
-        command.append("--wal")
+    if request.param in ("lean-wal", "lean-cores"):
+        command.append("--" + request.param[len("lean-"):])
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         address = server.stdout.readline().strip()
@@ -63,6 +63,20 @@ def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def log_file(directory: Path, name: str) -> Path:
+    """A partition's file: DIR/NAME.log, or (`--cores`: atomlog's PartitionLog) the first
+    segment in DIR/NAME/."""
+    segment = directory / name / ("0" * 20 + ".log")
+    return segment if (directory / name).is_dir() else directory / f"{name}.log"
+
+
+def tc_log_file(directory: Path, tc_partition: int) -> Path:
+    """A TC partition's file (`--cores`: its __txn_log partition's first segment)."""
+    name = f"__txn_log-{tc_partition}"
+    return (log_file(directory, name) if (directory / name).is_dir()
+            else directory / f"__tc-{tc_partition}.log")
 
 
 def written(path: Path, count: int) -> list:
@@ -93,12 +107,12 @@ def test_a_commit_is_answered_once_its_batches_and_decision_are_written(native_c
     assert reply.txn_id.tc_partition == tc_partition_for(key, 16) and not reply.already_ended
     if (directory / "wal.log").exists():  # durable there; the partition files follow
         assert key.encode() in (directory / "wal.log").read_bytes()
-    stored = written(directory / "t-0.log", 1)
+    stored = written(log_file(directory, "t-0"), 1)
     # Staged as a partition server stages it: the transaction's id and bit, a new CRC.
     assert [(h.base_offset, h.record_count, h.txn_tc_partition, h.txn_sequence)
             for h in stored][:1] == [(0, 2, reply.txn_id.tc_partition, reply.txn_id.sequence)]
     assert stored[0].attributes & ATTR_TRANSACTIONAL
-    tc_log = directory / f"__tc-{reply.txn_id.tc_partition}.log"
+    tc_log = tc_log_file(directory, reply.txn_id.tc_partition)
     wait_for(lambda: key.encode() in tc_log.read_bytes(), "the decision in its TC log")
     again = stub.CommitTxn(request(key, (0, first), (1, second)), timeout=30)
     assert again.already_ended and again.txn_id == reply.txn_id and not again.batch_results
@@ -106,7 +120,7 @@ def test_a_commit_is_answered_once_its_batches_and_decision_are_written(native_c
     # batch of the transaction (written with the next group, or once the server is idle).
     later = stub.CommitTxn(request(uuid.uuid4().hex, (0, second)), timeout=30)
     assert later.batch_results[0].base_offset == 3
-    stored = written(directory / "t-0.log", 3)
+    stored = written(log_file(directory, "t-0"), 3)
     marker = stored[1]
     assert marker.base_offset == 2 and marker.attributes & ATTR_CONTROL
     assert (marker.txn_tc_partition, marker.txn_sequence) == (reply.txn_id.tc_partition,
@@ -132,5 +146,7 @@ def test_bad_commits_are_refused_and_write_nothing(native_core, case):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # Nothing of it anywhere: a commit's key is in its decision (in the write-ahead file
     # at once with --wal, else in its TC partition's file), its batch in t-5's file.
-    assert not any(key.encode() in path.read_bytes() for path in directory.iterdir())
-    assert not (directory / "t-5.log").exists() or (directory / "t-5.log").stat().st_size == 0
+    assert not any(key.encode() in path.read_bytes() for path in directory.rglob("*")
+                   if path.is_file())
+    t5 = log_file(directory, "t-5")
+    assert not t5.exists() or t5.stat().st_size == 0
