@@ -36,7 +36,12 @@ logs where the prototype has its few lines: the TC partitions' TcPartitionCore a
 __txn_log records, each partition's PartitionLog and TxnBuffer. That is the durable work
 and state of the real server without its structure (its tasks, queues and messages).
 
-    .venv/bin/python bench/lean_core.py --dir DIR [--wal | --cores]   # prints its address
+It takes the same calls on a link too (services/link_wire.py's frames, one call at a time
+per connection, as the SDK's commits reach a coordinator's link); `--nothing` makes the
+link a do-nothing one (an empty answer, the request unread), the link's floor.
+
+    .venv/bin/python bench/lean_core.py --dir DIR [--wal | --cores | --nothing]
+    # prints its gRPC address and its link's, then serves
 """
 
 from __future__ import annotations
@@ -526,7 +531,51 @@ class _Fd:
         self.fd = fd
 
 
-async def serve(directory: Path, listen: str, wal: bool, cores: bool = False) -> None:
+class _LinkContext:
+    """commit_txn's context for a call that came over the link: abort raises."""
+
+    async def abort(self, code: grpc.StatusCode, message: str):
+        raise Refused(code, message)
+
+
+async def serve_link(server: Server | None, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+    """One link connection (services/link_wire.py's format, MAGIC: one call at a time):
+    CommitTxn call frames, each answered with the CommitTxnResponse or an ItemError.
+    `server` None: the do-nothing link server (an empty response, the request unread)."""
+    from services import link_wire
+
+    try:
+        if await reader.readexactly(len(link_wire.MAGIC)) != link_wire.MAGIC:
+            return
+        context = _LinkContext()
+        while True:
+            length, kind = link_wire.HEAD.unpack(await reader.readexactly(link_wire.HEAD.size))
+            body = await reader.readexactly(length - 1)
+            method, _, token_bytes = link_wire.CALL_HEAD.unpack_from(body)
+            if kind != link_wire.KIND_CALL or method != link_wire.CALL_NUMBERS[
+                    ("CoordinatorService", "CommitTxn")]:
+                return  # the prototype takes CommitTxn calls only
+            if server is None:
+                answer, kind = b"", link_wire.KIND_ANSWER
+            else:
+                try:
+                    response = await server.commit_txn(coordinator_pb2.CommitTxnRequest.FromString(
+                        body[link_wire.CALL_HEAD.size + token_bytes:]), context)
+                    answer, kind = response.SerializeToString(), link_wire.KIND_ANSWER
+                except Refused as refused:
+                    answer = partition_pb2.ItemError(reason=refused.code.name,
+                                                     message=str(refused)).SerializeToString()
+                    kind = link_wire.KIND_ERROR
+            writer.write(link_wire.HEAD.pack(1 + len(answer), kind) + answer)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def serve(directory: Path, listen: str, wal: bool, cores: bool = False,
+                nothing: bool = False) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     server = CoreServer(directory) if cores else Server(directory, wal)
     grpc_server = grpc.aio.server()
@@ -537,11 +586,16 @@ async def serve(directory: Path, listen: str, wal: bool, cores: bool = False) ->
             response_serializer=coordinator_pb2.CommitTxnResponse.SerializeToString)})])
     port = grpc_server.add_insecure_port(listen)
     await grpc_server.start()
+    link = await asyncio.start_server(
+        lambda reader, writer: serve_link(None if nothing else server, reader, writer),
+        "127.0.0.1", 0)
+    link_port = link.sockets[0].getsockname()[1]
     committer = asyncio.create_task(server.committer())
     if wal:
         checkpointer = asyncio.create_task(server.checkpointer())
         checkpointer.add_done_callback(lambda task: task.cancelled() or task.result())
-    print(f"127.0.0.1:{port}", flush=True)  # the driver reads the address from here
+    # The driver reads the addresses from here: gRPC's, then the link's.
+    print(f"127.0.0.1:{port} 127.0.0.1:{link_port}", flush=True)
     await asyncio.wait([committer, asyncio.ensure_future(grpc_server.wait_for_termination())],
                        return_when=asyncio.FIRST_COMPLETED)
     committer.result()
@@ -556,8 +610,11 @@ def main() -> None:
                              "prototype's --wal)")
     parser.add_argument("--cores", action="store_true",
                         help="atomlog's own cores and logs in the same loop (CoreServer)")
+    parser.add_argument("--nothing", action="store_true",
+                        help="the link answers every CommitTxn at once, empty, unread (the "
+                             "link's do-nothing floor)")
     args = parser.parse_args()
-    asyncio.run(serve(args.dir, args.listen, args.wal, args.cores))
+    asyncio.run(serve(args.dir, args.listen, args.wal, args.cores, args.nothing))
 
 
 if __name__ == "__main__":

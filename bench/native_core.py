@@ -1,7 +1,9 @@
 """Benchmark: would a native core reach issue 19's small-transaction targets? The same
-Python clients send the same one-call transactions (CoordinatorService/CommitTxn over
-gRPC, ten 1 KiB records over four partitions, as bench/transactions.py's small
-transactions) to seven servers, one after another, in one run:
+Python clients send the same one-call transactions (CoordinatorService/CommitTxn, ten
+1 KiB records over four partitions, as bench/transactions.py's small transactions) to
+several servers, one after another, in one run, over gRPC and (the rows "on the link")
+as call frames on a link connection, the way the SDK's commits reach a coordinator
+(services/link_wire.py):
 
 - **floor**: a grpc.aio server whose CommitTxn answers an empty response and does
   nothing else: what the call itself costs with this message and these clients;
@@ -17,14 +19,17 @@ transactions) to seven servers, one after another, in one run:
   log, the transaction buffer) in the same one-task loop: what a lean structure of the
   real server could cost;
 - **atomlog**: the combined server (`atomlog up --combined`), every role in one Python
-  process.
+  process;
+- on the link: a do-nothing link server (`lean_core.py --nothing`: an empty answer, the
+  request unread), the lean servers and the combined server (its coordinator's link).
 
 Beside them, `common.grpc_call_floor`, the do-nothing call rate the targets are ratios
 of (small transactions >= 50% of it on the combined server, commit p99 < 25 ms). Each
 row: transactions/s, their share of that call rate, commit p50 / p99, and CPU per
 transaction on the server and on the clients.
 
-    .venv/bin/python bench/native_core.py [--clients 8] [--seconds 10] [--rounds 3] [--no-docs]
+    .venv/bin/python bench/native_core.py [--clients 8] [--seconds 10] [--rounds 3]
+        [--transports grpc,link] [--no-docs]
 
 Builds the prototype with the Go that scripts/go_tools.sh finds (or installs) into
 ~/.cache/atomlog/native-core; skips its row, saying so, when it cannot.
@@ -36,6 +41,7 @@ import argparse
 import contextlib
 import multiprocessing
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -57,21 +63,45 @@ BEGIN = "<!-- BEGIN bench/native_core.py -->"
 END = "<!-- END bench/native_core.py -->"
 
 
-def client(address: str, index: int, seconds: float, start_at: float, out) -> None:
+class Refusal(Exception):
+    """A link's error answer (an ItemError), as an RpcError is gRPC's."""
+
+
+def client(address: str, transport: str, index: int, seconds: float, start_at: float,
+           out) -> None:
     """One client process: CommitTxn calls back to back, each a new transaction (a new
     idempotency key) of RECORDS records over four partitions, encoded per call as the SDK
-    does. Puts (count, latencies, CPU seconds, refusals) on `out`."""
+    does, over gRPC or (`transport` "link") as call frames on one link connection, as the
+    SDK's commits go to a coordinator's link. Puts (count, latencies, CPU seconds,
+    refusals) on `out`."""
     import grpc
 
     from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
     from coordinator.records import tc_partition_for
     from partition_server.record_batch import Record, encode_batch
+    from services import link_wire
 
-    channel = grpc.insecure_channel(address)
-    call = channel.unary_unary(
-        METHOD, request_serializer=coordinator_pb2.CommitTxnRequest.SerializeToString,
-        response_deserializer=coordinator_pb2.CommitTxnResponse.FromString)
     partitions = [(index * 4 + i) % PARTITIONS for i in range(4)]
+    if transport == "link":
+        host, port = address.rsplit(":", 1)
+        sock = link_wire.connect_blocking((host, int(port)), 30)
+        sock.settimeout(30)  # each call's, as the gRPC clients' timeout=30
+        number = link_wire.CALL_NUMBERS[("CoordinatorService", "CommitTxn")]
+
+        def call(request, timeout):
+            sock.sendall(link_wire.call_frame(number, timeout, b"", request))
+            kind, payload = link_wire.read_answer(sock, link_wire.MAX_CALL_BYTES)
+            if kind == link_wire.KIND_ERROR:
+                raise Refusal(bytes(payload))
+            return coordinator_pb2.CommitTxnResponse.FromString(bytes(payload))
+
+        close = sock.close
+    else:
+        channel = grpc.insecure_channel(address)
+        call = channel.unary_unary(
+            METHOD, request_serializer=coordinator_pb2.CommitTxnRequest.SerializeToString,
+            response_deserializer=coordinator_pb2.CommitTxnResponse.FromString)
+        close = channel.close
 
     def one() -> None:
         key = uuid.uuid4().hex
@@ -95,21 +125,25 @@ def client(address: str, index: int, seconds: float, start_at: float, out) -> No
         began = time.perf_counter()
         try:
             one()
-        except grpc.RpcError:
+        except (grpc.RpcError, Refusal):
             refusals += 1
             continue
         latencies.append(time.perf_counter() - began)
     out.put((len(latencies), latencies, time.process_time() - cpu_before, refusals))
-    channel.close()
+    close()
 
 
-def drive(address: str, server_pid: int, clients: int, seconds: float) -> dict:
-    """`clients` client processes against `address` for `seconds`; the server's CPU
-    from /proc over the same window."""
+def drive(address: str, server_pid: int, clients: int, seconds: float,
+          transport: str = "grpc") -> dict:
+    """`clients` client processes against `address` (a gRPC or, `transport` "link", a
+    link address) for `seconds`; the server's CPU from /proc over the same window. None
+    when a client never reports (a call past its 30 s timeout kills it): the server's
+    stacks then go to stderr (py-spy dump), to tell a stalled server from the rest."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 4 + clients * 0.3
-    processes = [context.Process(target=client, args=(address, i, seconds, start_at, out))
+    processes = [context.Process(target=client,
+                                 args=(address, transport, i, seconds, start_at, out))
                  for i in range(clients)]
     for process in processes:
         process.start()
@@ -118,7 +152,16 @@ def drive(address: str, server_pid: int, clients: int, seconds: float) -> dict:
     cpu_before = common.cpu_seconds(server_pid)
     time.sleep(seconds)
     server_cpu = common.cpu_seconds(server_pid) - cpu_before
-    results = [out.get(timeout=120) for _ in processes]
+    try:
+        results = [out.get(timeout=120) for _ in processes]
+    except queue.Empty:
+        print(f"a client of the server {server_pid} never reported; its stacks:",
+              file=sys.stderr, flush=True)
+        subprocess.run([common.PY_SPY, "dump", "--pid", str(server_pid)], timeout=60,
+                       stdout=sys.stderr, check=False)
+        for process in processes:
+            process.kill()
+        return None
     for process in processes:
         process.join(30)
     count = sum(r[0] for r in results)
@@ -152,12 +195,12 @@ def build_native() -> tuple[Path | None, str]:
 
 @contextlib.contextmanager
 def native_server(binary: Path, directory: Path, wal: bool = False):
-    """The prototype on a free port (with `wal`, one write-ahead file): yields
-    (address, pid)."""
+    """The prototype on a free port (with `wal`, one write-ahead file): yields (address,
+    no link address, pid)."""
     server = subprocess.Popen([str(binary), "--dir", str(directory)] + (["--wal"] if wal else []),
                               stdout=subprocess.PIPE, text=True)
     try:
-        yield server.stdout.readline().strip(), server.pid
+        yield server.stdout.readline().strip(), "", server.pid
     finally:
         server.terminate()
         server.wait(10)
@@ -166,12 +209,13 @@ def native_server(binary: Path, directory: Path, wal: bool = False):
 @contextlib.contextmanager
 def lean_server(directory: Path, *flags: str):
     """bench/lean_core.py (the prototype's hot path in lean Python) in its own process,
-    with `flags` (--wal, --cores): yields (address, pid)."""
+    with `flags` (--wal, --cores, --nothing): yields (gRPC address, link address, pid)."""
     server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir",
                                str(directory), *flags],
                               stdout=subprocess.PIPE, text=True)
     try:
-        yield server.stdout.readline().strip(), server.pid
+        grpc_address, link_address = server.stdout.readline().split()
+        yield grpc_address, link_address, server.pid
     finally:
         server.terminate()
         server.wait(10)
@@ -179,14 +223,24 @@ def lean_server(directory: Path, *flags: str):
 
 @contextlib.contextmanager
 def atomlog_server():
-    """The combined server with the benchmark's topic: yields (address, pid)."""
+    """The combined server with the benchmark's topic: yields (gRPC address, the link
+    address its coordinator advertises, pid)."""
+    import grpc
+
+    from atomlog.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
     from spark_client import Client
 
     with common.local_cluster("atomlog-bench-native-", common.SHAPES["combined"]) as (
             _data_dir, report, address):
         with Client(address) as admin:
             admin.create_topic(TOPIC, partitions=PARTITIONS)
-        yield address, next(p.pid for p in report.cluster.processes if p.role == "combined")
+        with grpc.insecure_channel(address) as channel:
+            servers = metadata_pb2_grpc.MetadataServiceStub(channel).GetMetadata(
+                metadata_pb2.GetMetadataRequest(), timeout=30).servers
+        link = next(s.link_address for s in servers
+                    if s.role == common_pb2.SERVER_ROLE_COORDINATOR)
+        yield address, link, next(p.pid for p in report.cluster.processes
+                                  if p.role == "combined")
 
 
 def median_range(values: list[float], spec: str) -> str:
@@ -197,66 +251,100 @@ def median_range(values: list[float], spec: str) -> str:
     return text
 
 
+# (row, server, transport, label): each row is one server driven over one transport.
+ROWS = (
+    ("floor", "floor", "grpc", "a do-nothing CommitTxn (grpc.aio, Python)"),
+    ("native", "native", "grpc", "the native prototype (Go): checks, staging and decision "
+                                 "fsyncs, markers"),
+    ("native-wal", "native-wal", "grpc", "the same with one write-ahead file (`--wal`): one "
+                                         "fsync a group, the partition files every 100 ms"),
+    ("lean", "lean", "grpc", "the same hot path in lean Python (bench/lean_core.py): one "
+                             "task, one io_uring submission a phase"),
+    ("lean-wal", "lean-wal", "grpc", "the same in lean Python with one write-ahead file "
+                                     "(`--wal`)"),
+    ("lean-cores", "lean-cores", "grpc", "lean Python with atomlog's cores and logs "
+                                         "(`--cores`): TcPartitionCore, PartitionLog, "
+                                         "TxnBuffer, without the server's tasks and queues"),
+    ("atomlog", "atomlog", "grpc", "the combined server (Python), the same calls"),
+    ("link-floor", "link-floor", "link", "**on the link**: a do-nothing CommitTxn (asyncio, "
+                                         "Python; `lean_core.py --nothing`)"),
+    ("lean-link", "lean", "link", "lean Python, on the link"),
+    ("lean-wal-link", "lean-wal", "link", "lean Python with one write-ahead file, on the "
+                                          "link"),
+    ("lean-cores-link", "lean-cores", "link", "lean Python with atomlog's cores and logs, "
+                                              "on the link"),
+    ("atomlog-link", "atomlog", "link", "the combined server, on its coordinator's link (as "
+                                        "the SDK commits)"),
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8, help="client processes")
     parser.add_argument("--seconds", type=float, default=10.0, help="each server's window")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the servers")
+    parser.add_argument("--transports", default="grpc,link",
+                        help="the rows to run, by transport: grpc, link or both")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args()
-    binary, why_not = build_native()
-    labels = {"floor": "a do-nothing CommitTxn (grpc.aio, Python)",
-              "native": "the native prototype (Go): checks, staging and decision fsyncs, "
-                        "markers",
-              "native-wal": "the same with one write-ahead file (`--wal`): one fsync a "
-                            "group, the partition files every 100 ms",
-              "lean": "the same hot path in lean Python (bench/lean_core.py): one task, "
-                      "one io_uring submission a phase",
-              "lean-wal": "the same in lean Python with one write-ahead file (`--wal`)",
-              "lean-cores": "lean Python with atomlog's cores and logs (`--cores`): "
-                            "TcPartitionCore, PartitionLog, TxnBuffer, without the "
-                            "server's tasks and queues",
-              "atomlog": "the combined server (Python), the same calls"}
-    runs: dict[str, list[dict]] = {name: [] for name in labels}
+    transports = set(args.transports.split(","))
+    rows_run = [row for row in ROWS if row[2] in transports]
+    needed = {row[1] for row in rows_run}
+    binary, why_not = build_native() if needed & {"native", "native-wal"} else (None, "")
+    runs: dict[str, list[dict]] = {row[0]: [] for row in rows_run}
+    stalled: dict[str, int] = {}  # rows whose clients did not all report, how many times
     call_rates: list[float] = []
     with contextlib.ExitStack() as stack:
         scratch = Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="atomlog-bench-native-", dir=".")))
-        servers = {"floor": stack.enter_context(common.do_nothing_server(
-                       "atomlog.v1.CoordinatorService", "CommitTxn", echo=False)),
-                   "native": (stack.enter_context(native_server(binary, scratch / "native"))
-                              if binary else None),
-                   "native-wal": (stack.enter_context(native_server(
-                       binary, scratch / "native-wal", wal=True)) if binary else None),
-                   "lean": stack.enter_context(lean_server(scratch / "lean")),
-                   "lean-wal": stack.enter_context(lean_server(scratch / "lean-wal", "--wal")),
-                   "lean-cores": stack.enter_context(lean_server(scratch / "lean-cores",
-                                                                 "--cores")),
-                   "atomlog": stack.enter_context(atomlog_server())}
+        starts = {"floor": lambda: _with_no_link(stack.enter_context(common.do_nothing_server(
+                      "atomlog.v1.CoordinatorService", "CommitTxn", echo=False))),
+                  "native": lambda: (stack.enter_context(native_server(
+                      binary, scratch / "native")) if binary else None),
+                  "native-wal": lambda: (stack.enter_context(native_server(
+                      binary, scratch / "native-wal", wal=True)) if binary else None),
+                  "lean": lambda: stack.enter_context(lean_server(scratch / "lean")),
+                  "lean-wal": lambda: stack.enter_context(lean_server(scratch / "lean-wal",
+                                                                      "--wal")),
+                  "lean-cores": lambda: stack.enter_context(lean_server(scratch / "lean-cores",
+                                                                        "--cores")),
+                  "link-floor": lambda: stack.enter_context(lean_server(scratch / "link-floor",
+                                                                        "--nothing")),
+                  "atomlog": lambda: stack.enter_context(atomlog_server())}
+        servers = {name: start() for name, start in starts.items() if name in needed}
         for _ in range(args.rounds):  # in turns: the machine drifts between minutes
             call_rates.append(common.grpc_call_floor()["calls_per_s"])
-            for name, server in servers.items():
+            for row, name, transport, _ in rows_run:
+                server = servers[name]
                 if server is not None:
-                    print(f"round {len(call_rates)}: {name}", file=sys.stderr, flush=True)
-                    row = drive(server[0], server[1], args.clients, args.seconds)
-                    row["share"] = row["txn_per_s"] / call_rates[-1]
-                    runs[name].append(row)
+                    print(f"round {len(call_rates)}: {row}", file=sys.stderr, flush=True)
+                    result = drive(server[0] if transport == "grpc" else server[1], server[2],
+                                   args.clients, args.seconds, transport)
+                    if result is None:
+                        stalled[row] = stalled.get(row, 0) + 1
+                        continue
+                    result["share"] = result["txn_per_s"] / call_rates[-1]
+                    runs[row].append(result)
     lines = ["| server | transactions/s | share of the same round's call rate (target 50%) "
              "| commit p50 / p99 ms (target p99 < 25) | server CPU ms per transaction | "
              "client CPU ms per transaction |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, rows in runs.items():
-        if not rows:
-            lines.append(f"| {labels[name]} | skipped: {why_not} | | | | |")
+    for row, _, _, label in rows_run:
+        results = runs[row]
+        stalls = (f" (stalled in {stalled[row]} round{'s' if stalled[row] > 1 else ''}: a "
+                  "call past 30 s)" if row in stalled else "")
+        if not results:
+            lines.append(f"| {label} | {'stalled' + stalls if stalls else 'skipped: ' + why_not}"
+                         " | | | | |")
             continue
-        refused = sum(r["refusals"] for r in rows)
+        refused = sum(r["refusals"] for r in results)
         lines.append(
-            f"| {labels[name]} | {median_range([r['txn_per_s'] for r in rows], ',.0f')}"
-            f"{f' ({refused} refused)' if refused else ''} | "
-            f"{median_range([r['share'] * 100 for r in rows], '.0f')} % | "
-            f"{median_range([r['p50_ms'] for r in rows], '.1f')} / "
-            f"{median_range([r['p99_ms'] for r in rows], '.1f')} | "
-            f"{median_range([r['server_cpu_ms'] for r in rows], '.3f')} | "
-            f"{median_range([r['client_cpu_ms'] for r in rows], '.3f')} |")
+            f"| {label} | {median_range([r['txn_per_s'] for r in results], ',.0f')}"
+            f"{f' ({refused} refused)' if refused else ''}{stalls} | "
+            f"{median_range([r['share'] * 100 for r in results], '.0f')} % | "
+            f"{median_range([r['p50_ms'] for r in results], '.1f')} / "
+            f"{median_range([r['p99_ms'] for r in results], '.1f')} | "
+            f"{median_range([r['server_cpu_ms'] for r in results], '.3f')} | "
+            f"{median_range([r['client_cpu_ms'] for r in results], '.3f')} |")
     text = (f"{args.rounds} rounds, each the call rate (`common.grpc_call_floor`: "
             f"{', '.join(f'{rate:,.0f}' for rate in call_rates)} calls/s) and then each "
             f"server for {args.seconds:g} s with {args.clients} client processes; medians "
@@ -267,6 +355,11 @@ def main() -> None:
             f"{BEGIN}\n`{common.command_line('bench/native_core.py', sys.argv[1:])}` "
             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). {text}\n{END}",
             BEGIN, END)
+
+
+def _with_no_link(server: tuple[str, int]) -> tuple[str, str, int]:
+    """A (gRPC address, pid) server as (gRPC address, no link address, pid)."""
+    return server[0], "", server[1]
 
 
 if __name__ == "__main__":

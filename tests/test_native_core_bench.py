@@ -50,7 +50,7 @@ def native_core(request, tmp_path_factory):
         command.append("--" + request.param[len("lean-"):])
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
-        address = server.stdout.readline().strip()
+        address = server.stdout.readline().split()[0]  # (the lean one's link follows)
         with grpc.insecure_channel(address) as channel:
             yield coordinator_pb2_grpc.CoordinatorServiceStub(channel), directory
     finally:
@@ -150,3 +150,44 @@ def test_bad_commits_are_refused_and_write_nothing(native_core, case):
                    if path.is_file())
     t5 = log_file(directory, "t-5")
     assert not t5.exists() or t5.stat().st_size == 0
+
+
+def test_the_lean_prototype_takes_the_same_calls_on_its_link(tmp_path):
+    """bench/native_core.py's rows "on the link": a CommitTxn as a call frame on the lean
+    server's link is committed as over gRPC (the same offsets, already_ended again), and
+    a bad one is answered with an ItemError frame and writes nothing."""
+    from services import link_wire
+
+    server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir",
+                               str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        _, link = server.stdout.readline().split()
+        host, port = link.rsplit(":", 1)
+        sock = link_wire.connect_blocking((host, int(port)), 30)
+        number = link_wire.CALL_NUMBERS[("CoordinatorService", "CommitTxn")]
+
+        def call(commit):
+            sock.sendall(link_wire.call_frame(number, 30, b"", commit))
+            kind, payload = link_wire.read_answer(sock, link_wire.MAX_CALL_BYTES)
+            if kind == link_wire.KIND_ERROR:
+                return partition_pb2.ItemError.FromString(bytes(payload))
+            return coordinator_pb2.CommitTxnResponse.FromString(bytes(payload))
+
+        key = uuid.uuid4().hex
+        commit = request(key, (0, encode_batch([Record(None, b"a"), Record(None, b"b")])))
+        reply = call(commit)
+        assert [(r.base_offset, r.last_offset) for r in reply.batch_results] == [(0, 1)]
+        assert call(commit).already_ended
+        bad_key = uuid.uuid4().hex
+        bad = request(bad_key, (7, encode_batch([Record(None, b"x")])))
+        bad.tc_partition = (bad.tc_partition + 1) % 16
+        refused = call(bad)
+        assert isinstance(refused, partition_pb2.ItemError)
+        assert refused.reason == "INVALID_ARGUMENT"
+        assert not log_file(tmp_path, "t-7").exists()
+        assert not any(bad_key.encode() in path.read_bytes() for path in tmp_path.rglob("*")
+                       if path.is_file())
+        sock.close()
+    finally:
+        server.terminate()
+        server.wait(10)
