@@ -61,12 +61,18 @@ import crc32c  # noqa: E402
 import grpc  # noqa: E402
 
 from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2  # noqa: E402
-from coordinator.records import tc_partition_for  # noqa: E402
-from services.errors import AtomlogError  # noqa: E402
+from coordinator.core import OneCallStart, TcPartitionCore  # noqa: E402
+from coordinator.records import (Decision, TopicPartition, encode_record,  # noqa: E402
+                                 tc_partition_for)
 from partition_server import record_batch, uring  # noqa: E402
+from partition_server.log import PartitionLog  # noqa: E402
 from partition_server.record_batch import (ATTR_CONTROL, ATTR_TRANSACTIONAL,  # noqa: E402
                                            CRC_COVERED_FROM, CRC_OFFSET, NO_PRODUCER_ID,
-                                           NO_SEQUENCE, ControlType, TxnId)
+                                           NO_SEQUENCE, ControlType, Record, TxnId,
+                                           encode_batch, parse_header, stamp_transaction,
+                                           validate_batch)
+from partition_server.txn_buffer import MarkerAction, TxnBuffer  # noqa: E402
+from services.errors import AtomlogError  # noqa: E402
 
 TC_PARTITIONS = 16
 MAX_KEY_BYTES = 256
@@ -364,22 +370,18 @@ class CoreServer(Server):
     state, acks, sessions, replication, snapshots, metrics)."""
 
     def __init__(self, directory: Path):
-        from coordinator.core import TcPartitionCore
-        from partition_server.log import PartitionLog
-        from partition_server.txn_buffer import TxnBuffer
-
         super().__init__(directory)
         self.cores = [TcPartitionCore(tc) for tc in range(TC_PARTITIONS)]
-        self.tc_plogs = [PartitionLog(directory / f"__txn_log-{tc}") for tc in range(TC_PARTITIONS)]
+        self.tc_plogs = [PartitionLog(directory / f"__txn_log-{tc}")
+                         for tc in range(TC_PARTITIONS)]
         self.plogs: dict[str, tuple] = {}  # name -> (PartitionLog, TxnBuffer)
-        self.make_log, self.make_buffer = PartitionLog, TxnBuffer
         self.owed_markers: dict[str, list] = {}  # partition name -> [coordinator Marker]
         self.owed_appends: list = []  # (tc, Append): completions for the next group
 
     def partition(self, name: str) -> tuple:
         found = self.plogs.get(name)
         if found is None:
-            found = self.plogs[name] = (self.make_log(self.dir / name), self.make_buffer())
+            found = self.plogs[name] = (PartitionLog(self.dir / name), TxnBuffer())
         return found
 
     async def durable(self, logs: list) -> None:
@@ -408,12 +410,6 @@ class CoreServer(Server):
                 os._exit(70)
 
     async def commit(self, group: list) -> None:
-        from coordinator.core import OneCallStart
-        from coordinator.records import Decision, TopicPartition
-        from partition_server.record_batch import (encode_batch, parse_header,
-                                                   stamp_transaction, validate_batch)
-        from partition_server.txn_buffer import MarkerAction
-
         now = int(time.time() * 1000)
         fresh, appends = [], list(self.owed_appends)
         self.owed_appends = []
@@ -502,9 +498,6 @@ class CoreServer(Server):
     async def append_tc(self, appends: list, now: int) -> None:
         """Each TC partition's appends as one batch of its log's records, durable; then
         append_done, whose markers and completions wait for the next group."""
-        from coordinator.records import encode_record
-        from partition_server.record_batch import Record, encode_batch, parse_header
-
         by_tc: dict[int, list] = {}
         for tc, append in appends:
             by_tc.setdefault(tc, []).append(append)

@@ -134,7 +134,7 @@ def client(address: str, transport: str, index: int, seconds: float, start_at: f
 
 
 def drive(address: str, server_pid: int, clients: int, seconds: float,
-          transport: str = "grpc") -> dict:
+          transport: str = "grpc") -> dict | None:
     """`clients` client processes against `address` (a gRPC or, `transport` "link", a
     link address) for `seconds`; the server's CPU from /proc over the same window. None
     when a client never reports (a call past its 30 s timeout kills it): the server's
