@@ -91,6 +91,8 @@ _FRAME = struct.Struct(">iI")
 
 
 class Refused(Exception):
+    """A call refused before anything is written: its gRPC status code and message."""
+
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
@@ -137,6 +139,9 @@ def check(request) -> list:
 
 
 class Log:
+    """One append-only file (a partition's, a TC partition's, the write-ahead file) and
+    the offset its next batch gets."""
+
     __slots__ = ("fd", "next")
 
     def __init__(self, path: Path):
@@ -145,6 +150,10 @@ class Log:
 
 
 class Server:
+    """The prototype: CommitTxn calls queued by `commit_txn`, committed a group at a time
+    by `committer`, fsyncs through one io_uring ring read from an eventfd on the loop
+    (the module doc). Needs io_uring (SystemExit where it is refused)."""
+
     def __init__(self, directory: Path, wal: bool = False):
         self.dir = directory
         self.wal = Log(directory / "wal.log") if wal else None
