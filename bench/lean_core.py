@@ -189,15 +189,28 @@ class Server:
         return await future  # once queued, the outcome is the group's
 
     async def committer(self) -> None:
+        """One group at a time: what queued meanwhile, or (idle, after one turn for
+        company) what the last group still owes alone."""
         while True:
             if not self.queue:
-                if self.markers:
-                    await asyncio.sleep(0)  # one turn for company, then the markers alone
-                if not self.queue and not self.markers:
+                if self.owes():
+                    await asyncio.sleep(0)
+                if not self.queue and not self.owes():
                     self.wake.clear()
                     await self.wake.wait()
             group, self.queue = self.queue, []
-            await self.commit(group)
+            try:
+                await self.commit(group)
+            except BaseException:
+                # A prototype: a failure here is a bug in it; say so and stop at once
+                # (the gRPC server's threads would otherwise keep the process up, deaf).
+                import traceback
+                traceback.print_exc()
+                os._exit(70)
+
+    def owes(self) -> bool:
+        """Whether the last group left work for the next (its markers)."""
+        return bool(self.markers)
 
     def log(self, name: str) -> Log:
         log = self.logs.get(name)
@@ -411,23 +424,8 @@ class CoreServer(Server):
         for log, target, _ in begun:
             log.flush_end(target)
 
-    async def committer(self) -> None:
-        while True:
-            if not self.queue:
-                if self.owed_markers or self.owed_appends:
-                    await asyncio.sleep(0)
-                if not self.queue and not self.owed_markers and not self.owed_appends:
-                    self.wake.clear()
-                    await self.wake.wait()
-            group, self.queue = self.queue, []
-            try:
-                await self.commit(group)
-            except BaseException:
-                # A prototype: a failure here is a bug in it; say so and stop at once
-                # (the gRPC server's threads would otherwise keep the process up, deaf).
-                import traceback
-                traceback.print_exc()
-                os._exit(70)
+    def owes(self) -> bool:
+        return bool(self.owed_markers or self.owed_appends)
 
     async def commit(self, group: list) -> None:
         now = int(time.time() * 1000)

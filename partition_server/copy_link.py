@@ -499,7 +499,6 @@ class _CallContext(local.LocalContext):
         raise _Aborted(code, details, trailing_metadata)
 
 
-
 async def _frame_head(reader: asyncio.StreamReader) -> tuple[int, int]:
     """The next request frame's (length, kind), within its kind's bounds (else
     LinkProtocolError: the connection is closed). asyncio.timeout, not wait_for: no task
@@ -524,6 +523,7 @@ def _write_answer(writer: asyncio.StreamWriter, kind: int, payload: bytes) -> No
     else:  # a follower's large answer: not copied once more to join it
         writer.write(head)
         writer.write(payload)
+
 
 def _error_bytes(error: AtomlogError) -> bytes:
     # (Here, not at the top: partition_server.service imports this module's users.)
