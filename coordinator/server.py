@@ -24,6 +24,7 @@ from atomlog.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, partit
 
 from coordinator import metrics
 from coordinator.core import Limits, OneCallAborted, ProducerIdNeeded, State, TxnSummary
+from coordinator.lane import CommitLane
 from coordinator.leases import Lease, LeaseManager
 from coordinator.markers import MarkerChannel
 from coordinator.producer_ids import ProducerIds
@@ -121,6 +122,8 @@ class Coordinator:
         self.metadata_store = metadata_store
         self.partitions: dict[int, TcPartition] = {}
         self.leases: LeaseManager | None = None
+        # One-call commits on partitions this process hosts (coordinator/lane.py).
+        self.lane = CommitLane(self, _OneCallBegun) if settings.commit_lane else None
 
     # ------------------------------------------------------------ lease callbacks
 
@@ -267,6 +270,12 @@ class _OneCallBegun:
             self.timeout_at, time.monotonic() + remaining)
 
 
+def _already_ended(start) -> coordinator_pb2.CommitTxnResponse:
+    """CommitTxn's answer for a key whose transaction committed already."""
+    return coordinator_pb2.CommitTxnResponse(txn_id=_txn_id_proto(start.txn_id),
+                                             state=start.existing.value, already_ended=True)
+
+
 def _remaining_s(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else max(0.0, remaining - 0.05)
@@ -398,8 +407,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             state = await partition.call(lambda core, now: core.abort_one_call(now, key))
             metrics.ONE_CALL.labels("aborted_by_client").inc()
             return coordinator_pb2.CommitTxnResponse(state=state.value)
-        begun = await self._begin_one_call(
-            request, c.settings.parallel_commits and not request.acks)
+        parallel = c.settings.parallel_commits and not request.acks
+        here = None if c.lane is None or parallel else c.lane.servicer_for(request)
+        if here is not None:
+            return await self._commit_in_lane(request, here, started, context)
+        begun = await self._begin_one_call(request, parallel)
         if isinstance(begun, coordinator_pb2.CommitTxnResponse):
             return begun  # already ended
         if begun.start.parallel:
@@ -407,18 +419,50 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             # by this coordinator (it would wait for a resolution).
             return await asyncio.shield(asyncio.ensure_future(
                 self._commit_parallel(request, begun, started, context)))
-        failure, staged = None, None
-        try:
-            staged = await c.stager.stage(begun.start.txn_id, begun.partition.epoch,
-                                          request.batches, request.acks,
-                                          begun.deadline(context))
-        except AtomlogError as error:
-            failure = error
+        return await self._stage_and_decide(request, begun, started, context)
+
+    async def _stage_and_decide(self, request, begun: "_OneCallBegun", started: float,
+                                context, staged=None, failure=None, stage: bool = True):
+        """CommitTxn after its begin: staged through the staging channel (unless
+        `stage` is False: `staged` and `failure` are its outcome already), decided, and
+        answered."""
+        if stage:
+            try:
+                staged = await self.c.stager.stage(begun.start.txn_id, begun.partition.epoch,
+                                                   request.batches, request.acks,
+                                                   begun.deadline(context))
+            except AtomlogError as error:
+                failure = error
         await failpoints.hold(failpoints.ONE_CALL_DECIDE)
         txn_id = begun.start.txn_id
         result = await begun.partition.call(
             lambda core, now: core.end_one_call(now, txn_id, failure))
         return await self._decided(request, begun, result, staged, started, context)
+
+    async def _commit_in_lane(self, request, here, started: float, context):
+        """CommitTxn through the commit lane (coordinator/lane.py): validated here, begun,
+        staged and decided there; what the lane hands back goes on from where it
+        stopped, on the ordinary path."""
+        k, key, session = self._one_call_key(request)
+        tps, subs = await self._one_call_targets(request)
+        partition = await self.c.partition(k)
+        remaining = _remaining_s(context)
+        outcome = await self.c.lane.commit(
+            request, k, key, session, tps, subs, partition, here,
+            None if remaining is None else time.monotonic() + remaining)
+        begun = outcome.begun
+        if outcome.result is not None:
+            return await self._decided(request, begun, outcome.result, outcome.staged,
+                                       started, context)
+        if outcome.begin_futures:  # a sequence reservation, logged before staging
+            await asyncio.wait(outcome.begin_futures)
+            for future in outcome.begin_futures:
+                future.result()
+        if begun.start.existing is not None:
+            return _already_ended(begun.start)
+        return await self._stage_and_decide(request, begun, started, context,
+                                            outcome.staged, outcome.failure,
+                                            stage=not outcome.stage_ended)
 
     async def _commit_parallel(self, request, begun: "_OneCallBegun", started: float,
                                context):
@@ -564,9 +608,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             start = await partition.call(lambda core, now: core.begin_one_call(
                 now, request.timeout_ms, session, key, tps, subs))
         if start.existing is not None:
-            return coordinator_pb2.CommitTxnResponse(
-                txn_id=_txn_id_proto(start.txn_id), state=start.existing.value,
-                already_ended=True)
+            return _already_ended(start)
         return _OneCallBegun(k, partition, start, time.monotonic() + start.timeout_ms / 1000,
                              logged)
 

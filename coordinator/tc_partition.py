@@ -98,6 +98,7 @@ class Settings:
     max_pending_calls: int = 10_000
     completion_linger_ms: int = 200
     parallel_commits: bool = False
+    commit_lane: bool = True
 
 
 # A parallel commit's resolution (StageChannel.resolve): (txn_id, coordinator epoch, its
@@ -142,6 +143,13 @@ class TcPartition:
         self._snapshot_id = 0
         self._trim: asyncio.Task | None = None
         self._last_append_at = time.monotonic()
+        # Appends started in the caller's step (the commit lane's decisions, `lane`):
+        self._writer_parked = False  # the writer waits for _wake with nothing in hand
+        self._append_scheduled = False
+        self._in_flight: tuple | None = None  # (group, entries, started, future)
+        self._returned: tuple | None = None  # (group, entries, error): the writer retries
+        self._linger_timer: asyncio.TimerHandle | None = None  # (_linger_here)
+        self._lingered = False  # what is queued has lingered already (_linger_here)
 
     # ================================================================ life cycle
 
@@ -153,6 +161,8 @@ class TcPartition:
         if self.phase is Phase.STOPPED:
             return
         self.phase = Phase.STOPPED
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         current = asyncio.current_task()
         tasks = [t for t in [*self._tasks, self._trim, *self._resolving]
                  if t is not None and t is not current]
@@ -295,7 +305,15 @@ class TcPartition:
         commit's begin, whose Staging record is waited for together with the stages."""
         return self._call(action, early=True)
 
-    def _call(self, action: Callable[[TcPartitionCore, int], Ready], early: bool):
+    def call_now(self, action: Callable[[TcPartitionCore, int], Ready]):
+        """As call, without waiting, for the commit lane (coordinator/lane.py): (reply, the
+        futures of its appends). The appends start in a callback of this event-loop turn
+        when the writer is idle, on this process's owner of the TC log (`_append_now`),
+        so the writer's task does not wake for them; else the writer takes them."""
+        return self._call(action, early=False, lane=True)
+
+    def _call(self, action: Callable[[TcPartitionCore, int], Ready], early: bool,
+              lane: bool = False):
         core = self.require_active()
         if len(self._queue) >= self.settings.max_pending_calls:
             raise AtomlogError("RESOURCE_EXHAUSTED", f"TC partition {self.tc_partition} has "
@@ -304,7 +322,7 @@ class TcPartition:
                                {"limit": "coordinator.max_pending_calls",
                                 "retry_after_ms": "100"})
         ready = action(core, now_ms())
-        futures = self._carry_out(ready)
+        futures = self._carry_out(ready, lane)
         if ready.early_reply and not early:
             for future in futures:  # nobody awaits it: its failure is the core's to handle
                 future.add_done_callback(observe_failure)
@@ -334,9 +352,10 @@ class TcPartition:
 
     # ================================================================ effects
 
-    def _carry_out(self, ready: Ready) -> list[asyncio.Future]:
+    def _carry_out(self, ready: Ready, lane: bool = False) -> list[asyncio.Future]:
         """Queue the appends (returning their futures), send the markers, wake the
-        waiters of completed transactions."""
+        waiters of completed transactions. `lane`: the appends start without the writer
+        when they can (`call_now`)."""
         futures = []
         loop = asyncio.get_running_loop()
         self._input.set()
@@ -346,7 +365,13 @@ class TcPartition:
             self._queue.append(append)
             futures.append(future)
         if ready.appends:
-            self._wake.set()
+            if lane:
+                self._append_soon()
+            elif (self._writer_parked and self._may_linger(ready.appends)
+                  and self.log.here()):
+                self._linger_here()
+            else:
+                self._wake.set()
         if ready.markers:
             core = self.core
             self.markers.send(self, ready.markers,
@@ -359,14 +384,24 @@ class TcPartition:
 
     async def _writer(self) -> None:
         while self.phase is Phase.ACTIVE:
-            await self._wake.wait()
+            self._writer_parked = True
+            try:
+                await self._wake.wait()
+            finally:
+                self._writer_parked = False
             self._wake.clear()
+            if self._in_flight is not None:  # the lane's append: its sequence comes first
+                await asyncio.wait([self._in_flight[3]])  # (_appended_here has run)
             await self._linger_for_company()
-            while self._queue and self.phase is Phase.ACTIVE:
-                group, entries = self._take_group()
+            while (self._queue or self._returned) and self.phase is Phase.ACTIVE:
+                failed = None
+                if self._returned is not None:
+                    (group, entries, failed), self._returned = self._returned, None
+                else:
+                    group, entries = self._take_group()
                 started = time.perf_counter()
                 try:
-                    _, last = await self.log.append(entries)
+                    _, last = await self.log.append(entries, failed)
                 except Fenced as error:
                     await self._fenced(str(error))
                     return
@@ -378,19 +413,9 @@ class TcPartition:
                         self.core.append_failed(append.append_id)
                         self._settle(append.append_id, rejected.error)
                     continue
-                self._last_append_at = time.monotonic()
-                metrics.LOG_APPEND_SECONDS.observe(time.perf_counter() - started)
-                metrics.LOG_RECORDS_PER_APPEND.observe(len(entries))
-                self._log_end = last + 1
-                self._records_since_snapshot += len(entries)
-                now = now_ms()
-                for append in group:
-                    _count(append)
-                    ready = self.core.append_done(append.append_id, now)
-                    self._settle(append.append_id, None)
-                    self._carry_out(ready)
-                if not self._queue:
-                    await self._maybe_snapshot()
+                self._appended(group, len(entries), last, started)
+            if self.phase is Phase.ACTIVE and not self._queue and self.core is not None:
+                await self._maybe_snapshot()  # (due by time, or after the lane's appends)
             if (self.phase is Phase.ACTIVE and not self._queue
                     and time.monotonic() - self._last_append_at >= KEEPALIVE_S):
                 try:
@@ -400,6 +425,104 @@ class TcPartition:
                     return
                 self._last_append_at = time.monotonic()
 
+    def _appended(self, group: list[Append], records: int, last: int,
+                  started: float) -> None:
+        """A group's append is durable: the core and the callers hear of it."""
+        self._last_append_at = time.monotonic()
+        metrics.LOG_APPEND_SECONDS.observe(time.perf_counter() - started)
+        metrics.LOG_RECORDS_PER_APPEND.observe(records)
+        self._log_end = last + 1
+        self._records_since_snapshot += records
+        now = now_ms()
+        for append in group:
+            _count(append)
+            ready = self.core.append_done(append.append_id, now)
+            self._settle(append.append_id, None)
+            self._carry_out(ready)
+
+    def _append_soon(self) -> None:
+        """The queued appends go in a callback at the end of this event-loop turn (every
+        decision of the turn in one batch) when the writer is idle; else the writer
+        takes them."""
+        if self._append_scheduled or self._in_flight is not None:
+            return  # (the append in flight takes the queue on when it ends)
+        if not self._writer_parked or self._returned is not None:
+            self._wake.set()
+            return
+        self._append_scheduled = True
+        asyncio.get_running_loop().call_soon(self._append_now)
+
+    def _may_linger(self, appends) -> bool:
+        """Whether appends may wait for company without the writer (`_linger_here`): as
+        `_linger_for_company`, Completed records nobody waits for."""
+        return (self.settings.completion_linger_ms > 0 and not self._completion_waiters
+                and all(isinstance(r, Completed) for a in appends for r in a.records))
+
+    def _linger_here(self) -> None:
+        """`_linger_for_company` without the writer's task: the Completed records stay
+        queued for the next append (the commit lane's decisions take them along) or, at
+        the latest after completion_linger_ms, go in one of their own (`_append_soon`)."""
+        if self._linger_timer is None:
+            self._linger_timer = asyncio.get_running_loop().call_later(
+                self.settings.completion_linger_ms / 1000, self._linger_ended)
+
+    def _linger_ended(self) -> None:
+        self._linger_timer = None
+        if self._queue and self.phase is Phase.ACTIVE:
+            self._lingered = True  # (should the writer take them: no second linger)
+            self._append_soon()
+
+    def _append_now(self) -> None:
+        """The writer's append step in a callback: the queued group encoded and queued on
+        this process's owner of the TC log (TxnLog.append_here), answered in
+        `_appended_here`. Anything else (the writer busy, the log elsewhere) wakes the
+        writer, which appends as always. One append at a time, as the writer makes them:
+        the log's sequence numbers allow no other."""
+        self._append_scheduled = False
+        if (self.phase is not Phase.ACTIVE or not self._queue or self._in_flight is not None
+                or self._returned is not None or not self._writer_parked):
+            if self._queue:
+                self._wake.set()
+            return
+        group, entries = self._take_group()
+        self._lingered = False
+        future = self.log.append_here(entries)
+        if future is None:
+            self._queue.extendleft(reversed(group))
+            self._wake.set()
+            return
+        self._in_flight = (group, entries, time.perf_counter(), future)
+        future.add_done_callback(self._appended_here)
+
+    def _appended_here(self, future: asyncio.Future) -> None:
+        group, entries, started, _ = self._in_flight
+        self._in_flight = None
+        if self.phase is not Phase.ACTIVE or self.core is None:
+            return  # stopped meanwhile: its callers were failed then
+        if future.cancelled():
+            outcome = AtomlogError("SHUTTING_DOWN", "the TC log's append was cancelled")
+        elif future.exception() is not None:
+            error = future.exception()
+            outcome = error if isinstance(error, AtomlogError) else AtomlogError(
+                "INTERNAL", f"the TC log's append failed: {error!r}")
+        else:
+            [outcome] = future.result()
+        if isinstance(outcome, AtomlogError):
+            # The writer goes on as after any failed attempt of this batch: retried (same
+            # sequence), refused (rolled back) or the TC partition reloaded.
+            self._returned = (group, entries, outcome)
+            self._wake.set()
+            return
+        self.log.appended(len(entries))
+        self._appended(group, len(entries), outcome.last_offset, started)
+        if self._queue:
+            if self._may_linger(self._queue):
+                self._linger_here()
+            else:
+                self._append_soon()
+        elif self._records_since_snapshot >= self.settings.snapshot_every_records:
+            self._wake.set()  # the writer snapshots
+
     async def _linger_for_company(self) -> None:
         """When everything queued is Completed records, wait (up to completion_linger_ms)
         for another append to share the TC log call: a completion needs no reply and
@@ -407,7 +530,8 @@ class TcPartition:
         an uncompleted transaction anyway), so under load it costs no call of its own.
         Not while a caller waits for a completion (EndTxn wait_for_markers)."""
         linger_s = self.settings.completion_linger_ms / 1000
-        if not linger_s:
+        lingered, self._lingered = self._lingered, False
+        if not linger_s or lingered:
             return
         deadline = time.monotonic() + linger_s
         while (self.phase is Phase.ACTIVE and self._queue and not self._completion_waiters

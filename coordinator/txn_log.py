@@ -189,28 +189,66 @@ class TxnLog:
         base, _ = await self.append([(KEY_FENCE, value)])
         return base
 
-    async def append(self, entries: list[tuple[bytes | None, bytes]]) -> tuple[int, int]:
+    def append_here(self, entries: list[tuple[bytes | None, bytes]]):
+        """Start appending (key, value) records as one batch on this process's owner of
+        the log's partition, in the caller's step (the commit lane's decisions,
+        coordinator/tc_partition.py): the future of the owner's one-element result list
+        (Appended or an AtomlogError), or None when that cannot be done here (the
+        partition hosted elsewhere or not serving; the caller appends with `append`).
+        Once it succeeds the caller calls `appended(len(entries))`; when it fails, it
+        calls `append(entries, failed=the error)`, which goes on as after a failed
+        attempt of the same batch (same sequence)."""
+        if self._next_sequence + len(entries) > SEQUENCE_MAX:
+            return None
+        address = self.routes.cached_owner(TOPIC, self.tc_partition)
+        here = local.servicer(address, PARTITION_SERVICE) if address else None
+        if here is None:
+            return None
+        outcome = here.queue_produce_here(_topic_partition(self.tc_partition),
+                                          self._batch(entries))
+        if isinstance(outcome, AtomlogError):
+            return None
+        _ON_THE_OWNER.inc()
+        return outcome
+
+    def here(self) -> bool:
+        """Whether this process hosts the log's partition (by the routes' cache)."""
+        address = self.routes.cached_owner(TOPIC, self.tc_partition)
+        return bool(address) and local.servicer(address, PARTITION_SERVICE) is not None
+
+    def appended(self, count: int) -> None:
+        """An `append_here` of `count` records succeeded."""
+        self._next_sequence += count
+
+    def _batch(self, entries: list[tuple[bytes | None, bytes]]) -> bytes:
+        return encode_batch([Record(key=k, value=v) for k, v in entries],
+                            producer_id=self.producer_id, producer_epoch=self.epoch,
+                            base_sequence=self._next_sequence)
+
+    async def append(self, entries: list[tuple[bytes | None, bytes]],
+                     failed: AtomlogError | None = None) -> tuple[int, int]:
         """Append (key, value) records as one batch, durably; (base, last) offsets.
         Retries (the same batch) until it is appended or refused for good; raises
-        Fenced or AppendRejected. Cancel the task to stop retrying."""
+        Fenced or AppendRejected. Cancel the task to stop retrying. `failed`: the error
+        of an attempt made already (`append_here`), whose outcome this goes on from."""
         if self._next_sequence + len(entries) > SEQUENCE_MAX:
             # 2^31 records under one epoch: fail closed; a reload takes a new epoch.
             raise Fenced("sequence space of this coordinator epoch is used up; reload")
-        batch = encode_batch([Record(key=k, value=v) for k, v in entries],
-                             producer_id=self.producer_id, producer_epoch=self.epoch,
-                             base_sequence=self._next_sequence)
         item = partition_pb2.ProduceItem(topic_partition=_topic_partition(self.tc_partition),
-                                         record_batch=batch)
+                                         record_batch=self._batch(entries))
         attempt, outcome_unknown = 0, False
         while True:
-            try:
-                address = await self.routes.owner(TOPIC, self.tc_partition)
-                result = await self.channel.produce(address, item)
-                error = (AtomlogError(result.error.reason, result.error.message,
-                                      dict(result.error.metadata))
-                         if result.error.reason else None)
-            except AtomlogError as raised:
-                error, result = raised, None
+            if failed is not None:
+                error, result, failed = failed, None, None
+            else:
+                try:
+                    address = await self.routes.owner(TOPIC, self.tc_partition)
+                    result = await self.channel.produce(address, item)
+                    error = (AtomlogError(result.error.reason, result.error.message,
+                                          dict(result.error.metadata))
+                             if result.error.reason else None)
+                except AtomlogError as raised:
+                    error, result = raised, None
             if error is None:
                 self._next_sequence += len(entries)
                 return result.base_offset, result.last_offset

@@ -391,6 +391,29 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             self._check_transactional_header(header, tp)
         return owner, header
 
+    def queue_produce_here(self, tp, batch: bytes) -> asyncio.Future | AtomlogError:
+        """Produce of one idempotent, non-transactional batch by a caller in this process
+        that cannot wait for routing (a TC log's append from the coordinator's commit
+        lane, coordinator/tc_partition.py): Produce's checks, then queued on the owner
+        hosted here in the caller's step. The future of the owner's one-element result
+        list (Appended or an AtomlogError); or the refusal, with nothing queued (also for
+        a partition not hosted here, and for a batch that would have to wait for its
+        producer's turn: the caller appends through `produce_here` instead)."""
+        try:
+            owner = self._route_now(tp)
+            if owner is None:
+                raise AtomlogError("NOT_PARTITION_OWNER", f"{tp.topic}-{tp.partition} is "
+                                   "not hosted here")
+            if isinstance(owner, AtomlogError):
+                raise owner
+            header = validate_batch(batch, max_batch_bytes=self.max_batch_bytes)
+            if header.is_control or header.is_transactional or \
+                    header.producer_id in owner.produce_gates:
+                raise AtomlogError("INVALID_ARGUMENT", "not a batch queue_produce_here takes")
+            return owner.queue_produce([(batch, header)])
+        except AtomlogError as error:
+            return error
+
     async def produce_here(self, item: partition_pb2.ProduceItem,
                            timeout_s: float) -> partition_pb2.ProduceResult:
         """Produce of one item by a caller in this process (a TC log's append on the
@@ -1087,6 +1110,131 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 _staged_into(entry, owner, future)
         return response
 
+    def stage_here(self, txn: TxnId, epoch: int, items) -> list | AtomlogError:
+        """A one-call transaction's batches (ProduceItems), staged by a coordinator in
+        this process in the caller's step (its commit lane, coordinator/lane.py): as
+        StageTxn stages one item, without a request, a task or an await. The coordinator
+        epoch is fenced, then every batch is routed to an owner hosted here and checked
+        before any is queued; the first refusal (a partition hosted elsewhere, a bad
+        batch, a stale epoch, an owner not serving) is returned with nothing queued, for
+        the caller to stage through StageTxn instead, which retries or refuses as it
+        does. Returns (owner, future) per batch in order (`staged_result` reads each)."""
+        epochs = self.coordinator_epochs
+        if epochs is None or self.verifier is None:
+            return AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
+        txn = TxnId(txn.tc_partition, txn.sequence)
+        current = epochs.current(txn.tc_partition)
+        if epoch < current:
+            return AtomlogError("STALE_COORDINATOR_EPOCH",
+                                f"coordinator epoch {epoch} of TC partition {txn.tc_partition}"
+                                f" is stale; the current one is {current}")
+        checked = []
+        try:
+            for item in items:
+                owner = self._route_now(item.topic_partition)
+                if owner is None:
+                    return AtomlogError("NOT_PARTITION_OWNER", "hosted elsewhere")
+                if isinstance(owner, AtomlogError):
+                    return owner
+                header = validate_batch(item.record_batch, max_batch_bytes=self.max_batch_bytes)
+                data, header = stamp_transaction(item.record_batch, header, txn)
+                owner.check_serving()
+                owner.check_txns_ready()
+                checked.append((owner, data, header))
+        except AtomlogError as error:
+            return error
+        epochs.observe(txn.tc_partition, epoch)
+        queued = []
+        for owner, data, header in checked:
+            try:
+                queued.append((owner, owner.queue_stage(txn, data, header,
+                                                        coordinator_epoch=epoch)))
+            except AtomlogError as error:  # a full queue: the caller stages again, whole
+                for _, future in queued:
+                    future.add_done_callback(observe_failure)
+                return error
+        return queued
+
+    @staticmethod
+    def staged_result(tp, owner: PartitionOwner,
+                      future: asyncio.Future) -> partition_pb2.ProduceResult:
+        """A `stage_here` batch's settled future as StageTxn answers it."""
+        result = partition_pb2.ProduceResult(topic_partition=tp, base_offset=-1,
+                                             last_offset=-1)
+        _staged_into(result, owner, future)
+        return result
+
+    def queue_markers_here(self, markers: list) -> asyncio.Future:
+        """Markers from a coordinator in this process (its commit lane's riders,
+        coordinator/lane.py), as EndTxnOnPartition applies them but without its request
+        and response: (target, Marker) pairs, each target a topic partition (`topic`,
+        `partition`). In the caller's step each is fenced at its coordinator epoch and
+        queued on its partition's owner (all of one partition in one item), so the
+        stages queued next share their write and fsync. Returns the future of the
+        outcome per marker, in order: MarkerResult, or the AtomlogError a marker would
+        answer (STALE_COORDINATOR_EPOCH, a partition not hosted here, an owner not
+        serving)."""
+        loop = asyncio.get_running_loop()
+        epochs = self.coordinator_epochs
+        outcomes: list = [None] * len(markers)
+        per_partition: dict[tuple[str, int], list] = {}
+        for index, (target, marker) in enumerate(markers):
+            tc, epoch = marker.txn.tc_partition, marker.coordinator_epoch
+            current = epochs.current(tc)
+            if epoch < current:
+                outcomes[index] = AtomlogError(
+                    "STALE_COORDINATOR_EPOCH", f"coordinator epoch {epoch} of TC partition "
+                    f"{tc} is stale; the current one is {current}")
+                STALE_MARKERS.inc()
+                continue
+            epochs.observe(tc, epoch)
+            per_partition.setdefault((target.topic, target.partition), []).append(
+                (index, marker))
+        pending = []
+        for (topic, partition), items in per_partition.items():
+            owner = self._route_now(common_pb2.TopicPartition(topic=topic, partition=partition))
+            if owner is None:
+                owner = AtomlogError("NOT_PARTITION_OWNER", f"{topic}-{partition} is not "
+                                     "hosted here")
+            future = _queue_marker_items(owner, items, outcomes)
+            if future is not None:
+                pending.append((items, future))
+        answer = loop.create_future()
+
+        def settle() -> None:
+            for items, future in pending:
+                try:
+                    results = future.result()
+                except AtomlogError as error:
+                    results = [error] * len(items)
+                for (index, _), result in zip(items, results):
+                    outcomes[index] = result
+            counts: dict[tuple[str, str], int] = {}
+            for (_, marker), outcome in zip(markers, outcomes):
+                result = ("applied" if not isinstance(outcome, AtomlogError) else "stale"
+                          if outcome.reason == "STALE_COORDINATOR_EPOCH" else "error")
+                labels = (_CONTROL_LABELS[marker.decision], result)
+                counts[labels] = counts.get(labels, 0) + 1
+            for labels, count in counts.items():
+                MARKERS.labels(*labels).inc(count)
+            if not answer.done():
+                answer.set_result(outcomes)
+
+        left = len(pending)
+        if not left:
+            settle()
+            return answer
+
+        def one_done(_future) -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                settle()
+
+        for _, future in pending:
+            future.add_done_callback(one_done)
+        return answer
+
     def _route_now(self, tp) -> PartitionOwner | AtomlogError | None:
         """The owner of `tp` hosted here, or the error routing it gives, without awaiting;
         None when it is hosted elsewhere (`_owner` awaits the metadata store to name the
@@ -1377,6 +1525,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 MAX_MARKER_TARGETS_PER_REQUEST = 100_000  # topic + subscription partitions over all markers
 _DECISION_LABELS = {partition_pb2.TXN_DECISION_COMMIT: "commit",
                     partition_pb2.TXN_DECISION_ABORT: "abort"}
+_CONTROL_LABELS = {ControlType.COMMIT: "commit", ControlType.ABORT: "abort"}
 
 
 def _check_marker_request(markers, what: str) -> None:

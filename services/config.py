@@ -471,6 +471,12 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "(docs/coordinator.md, \"Parallel commits\"). Off by default: it costs one "
                 "more TC-log append per transaction, and where the servers' CPU is the limit "
                 "(measured: docs/benchmarks.md) that costs more than the round it saves."),
+        Setting("coordinator.commit_lane", bool, True, "Carry out one-call commits whose "
+                "partitions this process hosts (the combined server) in the commit lane: "
+                "begun, staged on the owners and decided in event-loop callbacks, with no "
+                "staging call, instead of through the staging channel "
+                "(coordinator/lane.py). Off: every one-call commit takes the staging "
+                "channel, as on a cluster."),
         Setting("coordinator.partition_link", bool, True, "Send StageTxn, the TC-log "
                 "appends (Produce) and markers (EndTxnOnPartition) to a partition server "
                 "over its link (the length-prefixed TCP protocol of replication.link, beside "

@@ -1,0 +1,381 @@
+"""The commit lane: one-call commits whose partitions this process hosts (the combined
+server), carried out in event-loop callbacks instead of through the staging channel.
+
+A one-call commit on the staging channel (coordinator/staging.py) passes through a
+per-destination queue, its sender task, a StageTxnRequest, the partition servicer's
+StageTxn (its gather, its response) and the results' conversion, and its handler wakes
+for the begin, the stages and the decision. On the combined server all of that is one
+process talking to itself, and measured it is most of a transaction's CPU that is not
+the cores' own work (docs/benchmarks.md, "Is it Python, or how the server is built?").
+The lane does the same steps in the caller's step and in the callbacks of the futures
+they return:
+
+    commit()      the handler queues the commit (validated, routed to its TC partition)
+                  and waits for one answer; every commit queued in one event-loop turn
+                  forms a group, taken in one callback
+    _take_group   per commit: begin_one_call on its TC partition's core; then the
+                  lingering markers of the group's partitions (as StageTxn's riders)
+                  and every commit's batches queued on their owners
+                  (PartitionServicer.stage_here), in this one step, so they share the
+                  owners' next write and fsync
+    _staged       a commit's last stage answered: its decision (end_one_call), whose
+                  append the TC partition's writer makes as for any call
+    _decided      its appends durable: the handler gets the decision and answers as
+                  CommitTxn always has (CoordinatorServicer._decided)
+
+Everything the staging channel would do differently hands the commit back to the
+handler, which goes on from where the lane stopped on the ordinary path: a begin that
+must wait for a sequence reservation to be logged, a batch refused for a reason
+StageTxn retries (an owner moved, loading, a full queue, a stale route) or not hosted
+here, and an armed `one_call_decide` failpoint (tests hold a commit between staging and
+its decision there). So every rule stays where it was: the cores decide, the owners
+check and write, the lane only calls them. A commit with acks, a parallel commit and
+CommitTxns (chained commits) take the ordinary path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from atomlog.v1 import partition_pb2
+
+from coordinator import metrics as marker_metrics
+from coordinator.records import Decision, TopicPartition
+from coordinator.staging import (
+    PARTITION_SERVICE,
+    RETRY_REASONS,
+    RIDING_MARKERS,
+    STAGE_SECONDS,
+    STAGED,
+    _error_of,
+)
+from partition_server.owner import Marker as PartitionMarker
+from partition_server.record_batch import ControlType
+from partition_server.record_batch import TxnId as PartitionTxnId
+from services import failpoints, local
+from services.batching import observe_failure
+from services.errors import AtomlogError
+from services.fastmetrics import Counter
+
+log = logging.getLogger("atomlog.coordinator.lane")
+
+LANE_COMMITS = Counter("atomlog_coordinator_lane_commits_total",
+                       "One-call commits the commit lane took (coordinator/lane.py), by how "
+                       "they left it: decided there, or handed back to the ordinary path "
+                       "(reservation, restage, failpoint).", ["result"])
+MAX_GROUP = 1_000  # commits taken in one callback; the rest wait for the next turn
+
+
+@dataclass(eq=False)
+class LaneOutcome:
+    """What the lane did with a commit, for its handler to finish: `result` is
+    end_one_call's reply once decided; else the handler goes on from `begun` on the
+    ordinary path: `begin_futures` to wait for first (a sequence reservation), and
+    `staged`/`failure` once staging ended (the decision held by a failpoint), else the
+    whole staging again."""
+
+    begun: object  # coordinator.server._OneCallBegun
+    result: object = None
+    staged: list | None = None
+    failure: AtomlogError | None = None
+    begin_futures: list | None = None
+    stage_ended: bool = False
+
+
+class _Commit:
+    __slots__ = ("request", "k", "key", "session", "tps", "subs", "partition",
+                 "call_deadline", "here", "future", "begun", "stages", "pending", "timer",
+                 "began")
+
+    def __init__(self, request, k, key, session, tps, subs, partition, call_deadline, here):
+        self.request = request
+        self.here = here  # this process's PartitionServicer
+        self.k = k
+        self.key = key
+        self.session = session
+        self.tps = tps
+        self.subs = subs
+        self.partition = partition
+        self.call_deadline = call_deadline  # time.monotonic(), or None: the call's own
+        self.future: asyncio.Future | None = None
+        self.begun = None
+        self.stages: list = []  # (ProduceItem, owner, future) per batch
+        self.pending = 0  # stages not yet answered; -1 once staging ended
+        self.timer: asyncio.TimerHandle | None = None
+        self.began = 0.0
+
+
+class CommitLane:
+    """One per coordinator: see the module doc."""
+
+    def __init__(self, coordinator, begun_type):
+        self.c = coordinator
+        self._begun_type = begun_type  # server._OneCallBegun (kept out of an import cycle)
+        self._queue: list[_Commit] = []
+        self._scheduled = False
+        self._staging = 0  # commits of the group in flight still staging
+
+    def servicer_for(self, request):
+        """The partition servicer of this process when it hosts (by the routes' cache)
+        the first batch's partition of a CommitTxn the lane may take; else None: the
+        ordinary path. stage_here checks every batch for real."""
+        if request.acks or not request.batches:
+            return None
+        if failpoints.armed(failpoints.ONE_CALL_STAGE):
+            return None
+        tp = request.batches[0].topic_partition
+        address = self.c.routes.cached_owner(tp.topic, tp.partition)
+        return local.servicer(address, PARTITION_SERVICE) if address else None
+
+    def commit(self, request, k, key, session, tps, subs, partition, here,
+               call_deadline: float | None) -> asyncio.Future:
+        """Queue a validated CommitTxn; the future of its LaneOutcome (or the response
+        of an already ended key, or the exception the ordinary path would raise)."""
+        commit = _Commit(request, k, key, session, tps, subs, partition, call_deadline, here)
+        commit.future = asyncio.get_running_loop().create_future()
+        self._queue.append(commit)
+        self._schedule()
+        return commit.future
+
+    def _schedule(self) -> None:
+        """The next group, once the one in flight has staged (the group on the owners is
+        the linger, as a staging channel's call in flight is)."""
+        if self._queue and not self._scheduled and not self._staging:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._take_group)
+
+    # ------------------------------------------------------------------ the steps
+
+    def _take_group(self) -> None:
+        self._scheduled = False
+        group, self._queue = self._queue[:MAX_GROUP], self._queue[MAX_GROUP:]
+        begun = [commit for commit in group if self._begin(commit)]
+        if begun:
+            self._stage(begun)
+        self._schedule()  # (more than MAX_GROUP queued, or nothing went to staging)
+
+    def _stage(self, begun: list[_Commit]) -> None:
+        try:
+            self._riders(begun)
+        except Exception:  # noqa: BLE001 — a bug: the markers are sent again by the ticks
+            log.exception("commit lane: the riding markers failed")
+        for commit in begun:
+            try:
+                self._stage_one(commit)
+            except Exception as error:  # noqa: BLE001 — a bug: the caller hears of it
+                log.exception("commit lane: staging failed")
+                if commit.pending > 0:
+                    commit.pending = -1
+                    self._staging -= 1
+                self._fail(commit, error)
+
+    def _stage_one(self, commit: _Commit) -> None:
+        """Queue a begun commit's batches on their owners (`_staged` once answered)."""
+        queued = commit.here.stage_here(commit.begun.start.txn_id, commit.partition.epoch,
+                                        commit.request.batches)
+        if isinstance(queued, AtomlogError):
+            # StageTxn's answer to it: retried, refused or routed there.
+            self._hand_back(commit, LaneOutcome(commit.begun), "restage")
+            return
+        commit.began = time.perf_counter()
+        commit.stages = [(item, owner, future) for item, (owner, future)
+                         in zip(commit.request.batches, queued)]
+        commit.pending = len(queued)
+        self._staging += 1
+        done = _StageDone(self, commit)
+        for _, _, future in commit.stages:
+            future.add_done_callback(done)
+        deadline = commit.begun.timeout_at if commit.call_deadline is None else min(
+            commit.begun.timeout_at, commit.call_deadline)
+        loop = asyncio.get_running_loop()
+        commit.timer = loop.call_at(loop.time() + max(0.01, deadline - time.monotonic()),
+                                    self._timed_out, commit)
+
+    def _begin(self, commit: _Commit) -> bool:
+        """begin_one_call; whether the commit goes on to staging here."""
+        request = commit.request
+        try:
+            start, futures = commit.partition.call_now(lambda core, now: core.begin_one_call(
+                now, request.timeout_ms, commit.session, commit.key, commit.tps,
+                commit.subs))
+        except Exception as error:  # noqa: BLE001 — the caller's answer
+            self._fail(commit, error)
+            return False
+        begun = self._begun_type(commit.k, commit.partition, start,
+                                 time.monotonic() + start.timeout_ms / 1000)
+        commit.begun = begun
+        if futures:  # a sequence reservation: nothing is staged before it is durable
+            self._hand_back(commit, LaneOutcome(begun, begin_futures=futures), "reservation")
+            return False
+        if start.existing is not None:
+            self._settle(commit, LaneOutcome(begun))
+            return False
+        return True
+
+    def _riders(self, group: list[_Commit]) -> None:
+        """The lingering markers of the group's partitions, queued on their owners before
+        the stages (as StageTxn applies its riders, but as objects: no request and no
+        response to build and read in one process), confirmed to their TC partitions
+        once written (as MarkerChannel.answered confirms them)."""
+        markers = self.c.markers
+        tp = group[0].request.batches[0].topic_partition
+        address = self.c.routes.cached_owner(tp.topic, tp.partition)
+        markers.staging_to(address)
+        if failpoints.armed(failpoints.MARKERS_SEND):
+            return
+        partitions = {(item.topic_partition.topic, item.topic_partition.partition)
+                      for commit in group for item in commit.request.batches}
+        riders = markers.take_riders(address, partitions)
+        if not riders:
+            return
+        direct = [(sink, marker) for sink, marker in riders
+                  if isinstance(marker.target, TopicPartition)]
+        if len(direct) < len(riders):  # a subscription's: its own call, now
+            markers.give_back(address, [rider for rider in riders
+                                        if not isinstance(rider[1].target, TopicPartition)])
+        if not direct:
+            return
+        answer = group[0].here.queue_markers_here([(marker.target, PartitionMarker(
+            PartitionTxnId(marker.txn_id.tc_partition, marker.txn_id.sequence),
+            ControlType.COMMIT if marker.decision is Decision.COMMIT else ControlType.ABORT,
+            marker.coordinator_epoch)) for _, marker in direct])
+        RIDING_MARKERS.inc(len(direct))
+        answer.add_done_callback(lambda future: _riders_answered(direct, future.result()))
+
+    def _stage_done(self, commit: _Commit) -> None:
+        if commit.pending < 0:
+            return  # timed out already
+        commit.pending -= 1
+        if commit.pending == 0:
+            self._staged(commit, None)
+
+    def _timed_out(self, commit: _Commit) -> None:
+        if commit.pending > 0:
+            self._staged(commit, AtomlogError(
+                "REQUEST_TIMED_OUT", "staging on this server did not answer within the "
+                "transaction's time"))
+
+    def _staged(self, commit: _Commit, timed_out: AtomlogError | None) -> None:
+        """Every stage answered (or the time is up): the decision."""
+        commit.pending = -1
+        self._staging -= 1
+        self._schedule()
+        if commit.timer is not None:
+            commit.timer.cancel()
+        try:
+            self._decide(commit, timed_out)
+        except Exception as error:  # noqa: BLE001 — a bug: the caller hears of it
+            log.exception("commit lane: deciding failed")
+            self._fail(commit, error)
+
+    def _decide(self, commit: _Commit, timed_out: AtomlogError | None) -> None:
+        STAGE_SECONDS.observe(time.perf_counter() - commit.began)
+        failure, retry = timed_out, False
+        staged = []
+        if failure is None:
+            for item, owner, future in commit.stages:
+                result = commit.here.staged_result(item.topic_partition, owner, future)
+                reason = result.error.reason
+                if reason and reason not in RETRY_REASONS:
+                    tp = item.topic_partition
+                    failure = failure or _error_of(result.error, f"{tp.topic}-{tp.partition}")
+                retry |= reason in RETRY_REASONS
+                staged.append(result)
+        else:
+            for _, _, future in commit.stages:
+                future.add_done_callback(observe_failure)
+        if failure is None and retry:
+            self._hand_back(commit, LaneOutcome(commit.begun), "restage")
+            return
+        STAGED.labels("ok" if failure is None else failure.reason).inc()
+        if failpoints.armed(failpoints.ONE_CALL_DECIDE):
+            self._hand_back(commit, LaneOutcome(commit.begun, staged=staged, failure=failure,
+                                                stage_ended=True), "failpoint")
+            return
+        txn_id = commit.begun.start.txn_id
+        try:
+            result, futures = commit.partition.call_now(
+                lambda core, now: core.end_one_call(now, txn_id, failure))
+        except Exception as error:  # noqa: BLE001 — the caller's answer
+            self._fail(commit, error)
+            return
+        outcome = LaneOutcome(commit.begun, result=result, staged=staged)
+        LANE_COMMITS.labels("decided").inc()
+        if not futures:
+            self._settle(commit, outcome)
+            return
+        _AllDone(futures, lambda: self._logged(commit, outcome, futures))
+
+    def _logged(self, commit: _Commit, outcome: LaneOutcome, futures: list) -> None:
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                self._fail(commit, error)
+                return
+        self._settle(commit, outcome)
+
+    # ------------------------------------------------------------------ answers
+
+    def _hand_back(self, commit: _Commit, outcome: LaneOutcome, why: str) -> None:
+        LANE_COMMITS.labels(why).inc()
+        self._settle(commit, outcome)
+
+    @staticmethod
+    def _settle(commit: _Commit, outcome) -> None:
+        if not commit.future.done():  # (its caller went away: the commit went on)
+            commit.future.set_result(outcome)
+
+    @staticmethod
+    def _fail(commit: _Commit, error: BaseException) -> None:
+        if not commit.future.done():
+            commit.future.set_exception(error)
+            observe_failure(commit.future)
+
+
+def _riders_answered(riders: list, outcomes: list) -> None:
+    """Each rider's outcome back to its TC partition, as MarkerChannel.answered does: a
+    marker written (or not needed) is confirmed; a stale epoch tells the TC partition
+    its lease is gone; anything else is sent again by the TC partition's tick."""
+    stale = set()
+    for (sink, marker), outcome in zip(riders, outcomes):
+        if not isinstance(outcome, AtomlogError):
+            marker_metrics.MARKERS_CONFIRMED.inc()
+            sink.marker_confirmed(marker.txn_id, marker.target, marker.coordinator_epoch)
+            continue
+        marker_metrics.MARKER_FAILURES.labels(outcome.reason).inc()
+        if outcome.reason == "STALE_COORDINATOR_EPOCH" and \
+                (id(sink), marker.coordinator_epoch) not in stale:
+            stale.add((id(sink), marker.coordinator_epoch))
+            sink.marker_epoch_stale(marker.coordinator_epoch)
+
+
+class _StageDone:
+    """A commit's stage futures' callback (one object per commit, not a closure each)."""
+
+    __slots__ = ("lane", "commit")
+
+    def __init__(self, lane: CommitLane, commit: _Commit):
+        self.lane, self.commit = lane, commit
+
+    def __call__(self, _future) -> None:
+        self.lane._stage_done(self.commit)
+
+
+class _AllDone:
+    """Calls `then` once every future is done."""
+
+    __slots__ = ("left", "then")
+
+    def __init__(self, futures: list, then):
+        self.left = len(futures)
+        self.then = then
+        for future in futures:
+            future.add_done_callback(self)
+
+    def __call__(self, _future) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.then()

@@ -1,0 +1,193 @@
+"""The commit lane (coordinator/lane.py) on a real combined server: one-call commits whose
+partitions the process hosts are begun, staged on the owners and decided in event-loop
+callbacks, with no StageTxn, their markers riding on the next group's stages; whatever
+the lane cannot do goes on, unchanged, on the ordinary path (the staging channel). The
+module's combined server runs with failpoints on, so a commit can be held between
+staging and its decision and the process killed there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from atomlog.v1 import common_pb2, partition_pb2
+
+from coordinator.records import tc_partition_for
+from partition_server.record_batch import Record, encode_batch
+from services import failpoints
+from spark_client import Client
+from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, metric_sum, wait_until
+from tests.test_one_call import (
+    Armed,
+    _commit_txn,
+    commit_in_thread,
+    committed_values,
+    settled,
+    staged_everywhere,
+)
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def failpoint_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lane-failpoints")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, failpoint_dir):
+    """A combined server with failpoints on (armed by files in `failpoint_dir`)."""
+    cluster = Cluster(tmp_path_factory.mktemp("atomlog-lane"), combined=True)
+    previous = os.environ.get(failpoints.ENVIRONMENT_VARIABLE)
+    os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
+    try:
+        cluster.run("up", "--output", "json", "--combined", *CLUSTER_SETTINGS)
+        yield cluster
+    finally:
+        cluster.run("down", check=False)
+        if previous is None:
+            os.environ.pop(failpoints.ENVIRONMENT_VARIABLE, None)
+        else:
+            os.environ[failpoints.ENVIRONMENT_VARIABLE] = previous
+
+
+@pytest.fixture(scope="module")
+def client(node):
+    with Client(node.info["bootstrap"], request_timeout_s=10) as client:
+        yield client
+
+
+def metrics_address(node: Cluster) -> str:
+    return next(p for p in node.info["processes"] if p["role"] == "combined")[
+        "metrics_address"]
+
+
+def lane(node: Cluster, result: str) -> float:
+    return metric_sum(metrics_address(node),
+                      f'atomlog_coordinator_lane_commits_total{{result="{result}"}}')
+
+
+def stage_calls(node: Cluster) -> float:
+    return metric_sum(metrics_address(node), 'atomlog_local_calls_total{method="/atomlog.v1.'
+                      'PartitionService/StageTxn"}')
+
+
+def warm(client, topic: str, count: int = 200) -> None:
+    """One-call commits until every TC partition has (all but surely: 16 of them, keys
+    drawn at random) logged its sequence reservation; a TC partition's first one-call
+    commit waits for it, on the ordinary path."""
+    with client.producer() as producer:
+        for i in range(count):
+            with client.transaction(timeout_s=30) as txn:
+                producer.send(topic, b"warm-%d" % i, partition=0, txn=txn)
+
+
+def test_one_call_commits_go_through_the_lane_exactly_once_in_order(node, client):
+    topic = create_online(client, "lane-order", 4)
+    warm(client, topic)
+    decided, reserved = lane(node, "decided"), lane(node, "reservation")
+    staged_calls = stage_calls(node)
+    riding = metric_sum(metrics_address(node), "atomlog_coordinator_riding_markers_total")
+    errors: list = []
+
+    def commits(worker: int) -> None:
+        try:
+            with client.producer() as producer:
+                for i in range(40):
+                    with client.transaction(timeout_s=30) as txn:
+                        for partition in range(4):
+                            producer.send(topic, b"w%d-%03d" % (worker, i),
+                                          partition=partition, txn=txn)
+        except Exception as error:  # noqa: BLE001 — reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=commits, args=(worker,)) for worker in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    # Every commit went through the lane (the warm-up leaves, all but surely, no TC
+    # partition whose first commit waits for its reservation on the ordinary path).
+    handed_back = lane(node, "reservation") - reserved
+    assert lane(node, "decided") - decided + handed_back == 120
+    assert handed_back <= 1
+    assert stage_calls(node) - staged_calls == handed_back  # no staging call otherwise
+    # The markers of a worker's commit rode with its next commit's stages.
+    assert metric_sum(metrics_address(node), "atomlog_coordinator_riding_markers_total") \
+        > riding
+    wait_until(lambda: settled(client, topic, 4), 20, "every marker to land")
+    with client.consumer([topic], isolation="read_committed", start="earliest") as consumer:
+        found: dict[int, list[bytes]] = {}
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < 0.5:
+            for message in consumer.poll(timeout_s=0.1, max_records=10_000):
+                found.setdefault(message.partition, []).append(message.value)
+                quiet_since = time.monotonic()
+    for partition in range(4):
+        values = [v for v in found[partition] if not v.startswith(b"warm")]
+        assert sorted(values) == sorted(b"w%d-%03d" % (w, i) for w in range(3)
+                                        for i in range(40))
+        for worker in range(3):  # each producer's commits in its order
+            mine = [v for v in values if v.startswith(b"w%d-" % worker)]
+            assert mine == sorted(mine)
+
+
+def test_a_batch_the_lane_cannot_stage_is_refused_on_the_ordinary_path(node, client):
+    topic = create_online(client, "lane-refused", 2)
+    warm(client, topic)
+    restaged = lane(node, "restage")
+    count = client.metadata.tc_partition_count
+    while True:
+        key = f"test-{uuid.uuid4()}"
+        if tc_partition_for(key, count) == 0:
+            break
+    good = encode_batch([Record(None, b"x", (), 0)])
+    corrupt = bytearray(good)
+    corrupt[-1] ^= 0xFF  # the CRC no longer matches: the owner's checks refuse it
+    error = _commit_txn(client, tc_partition=0, idempotency_key=key, batches=[
+        partition_pb2.ProduceItem(topic_partition=common_pb2.TopicPartition(
+            topic=topic, partition=1), record_batch=good),
+        partition_pb2.ProduceItem(topic_partition=common_pb2.TopicPartition(
+            topic=topic, partition=0), record_batch=bytes(corrupt))])
+    assert error.reason == "CRC_MISMATCH", error
+    assert lane(node, "restage") == restaged + 1
+    wait_until(lambda: settled(client, topic, 2), 10, "nothing left open")
+    assert [v for v in committed_values(client, topic) if not v.startswith(b"warm")] == []
+
+
+def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted(
+        node, client, failpoint_dir):
+    topic = create_online(client, "lane-presumed", 2)
+    warm(client, topic)
+    held_before = lane(node, "failpoint")
+    outcome: dict = {}
+    with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
+            client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=60)
+        for i in range(6):
+            producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
+        assert txn.one_call
+        thread = commit_in_thread(txn, outcome)
+        staged = staged_everywhere(client, topic, 2)
+        # Staged by the lane, which handed the decision to the ordinary path, held there.
+        assert lane(node, "failpoint") == held_before + 1
+        os.kill(node.process("node-0")["pid"], signal.SIGKILL)
+        held.disarm()
+        node.run("up", "--output", "json", "--combined")
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
+    # The staged attempt never commits; the SDK's retry (same idempotency key) ran the
+    # transaction anew after the restart, so it committed exactly once.
+    assert outcome.get("committed"), outcome
+    assert outcome["committed"] != f"{staged[0]}:{staged[1]}"
+    values = [v for v in committed_values(client, topic) if not v.startswith(b"warm")]
+    assert sorted(values) == sorted(f"p{i}".encode() for i in range(6))
+    for partition in range(2):
+        assert client.describe_partition(topic, partition).aborted_transaction_count == 1
