@@ -16,8 +16,9 @@ they return:
     _take_group   per commit: begin_one_call on its TC partition's core; then the
                   lingering markers of the group's partitions (as StageTxn's riders)
                   and every commit's batches queued on their owners
-                  (PartitionServicer.stage_here), in this one step, so they share the
-                  owners' next write and fsync
+                  (PartitionServicer.stage_here) and acks staged on their cursors
+                  (stage_ack_here), in this one step, so they share the owners' next
+                  write and fsync and the cursor stores' next durability round
     _staged       a commit's last stage answered: its decision (end_one_call), whose
                   append the TC partition's writer makes as for any call
     _decided      its appends durable: the handler gets the decision and answers as
@@ -29,7 +30,7 @@ must wait for a sequence reservation to be logged, a batch refused for a reason
 StageTxn retries (an owner moved, loading, a full queue, a stale route) or not hosted
 here, and an armed `one_call_decide` failpoint (tests hold a commit between staging and
 its decision there). So every rule stays where it was: the cores decide, the owners
-check and write, the lane only calls them. A commit with acks, a parallel commit and
+and cursor stores check and write, the lane only calls them. A parallel commit and
 CommitTxns (chained commits) take the ordinary path.
 """
 
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from atomlog.v1 import partition_pb2
 
 from coordinator import metrics as marker_metrics
-from coordinator.records import Decision, TopicPartition
+from coordinator.records import Decision
 from coordinator.staging import (
     PARTITION_SERVICE,
     RETRY_REASONS,
@@ -67,6 +68,7 @@ LANE_COMMITS = Counter("atomlog_coordinator_lane_commits_total",
                        "they left it: decided there, or handed back to the ordinary path "
                        "(reservation, restage, failpoint).", ["result"])
 MAX_GROUP = 1_000  # commits taken in one callback; the rest wait for the next turn
+MAX_QUEUED = 10_000  # commits waiting for the lane; beyond, the ordinary path takes them
 
 
 @dataclass(eq=False)
@@ -87,8 +89,8 @@ class LaneOutcome:
 
 class _Commit:
     __slots__ = ("request", "k", "key", "session", "tps", "subs", "partition",
-                 "call_deadline", "here", "future", "begun", "stages", "pending", "timer",
-                 "began")
+                 "call_deadline", "here", "future", "begun", "stages", "acks", "pending",
+                 "timer", "began", "group")
 
     def __init__(self, request, k, key, session, tps, subs, partition, call_deadline, here):
         self.request = request
@@ -103,9 +105,22 @@ class _Commit:
         self.future: asyncio.Future | None = None
         self.begun = None
         self.stages: list = []  # (ProduceItem, owner, future) per batch
+        self.acks: list = []  # (AckItem, its future or its refusal) per ack
         self.pending = 0  # stages not yet answered; -1 once staging ended
         self.timer: asyncio.TimerHandle | None = None
         self.began = 0.0
+        self.group: _Group | None = None
+
+
+class _Group:
+    """The commits taken together: how many still stage, and the timer that stops the
+    next group waiting for them."""
+
+    __slots__ = ("staging", "timer")
+
+    def __init__(self) -> None:
+        self.staging = 0
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class CommitLane:
@@ -116,17 +131,19 @@ class CommitLane:
         self._begun_type = begun_type  # server._OneCallBegun (kept out of an import cycle)
         self._queue: list[_Commit] = []
         self._scheduled = False
-        self._staging = 0  # commits of the group in flight still staging
+        self._holding: _Group | None = None  # the group the next one waits for
 
     def servicer_for(self, request):
         """The partition servicer of this process when it hosts (by the routes' cache)
-        the first batch's partition of a CommitTxn the lane may take; else None: the
-        ordinary path. stage_here checks every batch for real."""
-        if request.acks or not request.batches:
+        the first batch's (or ack's) partition of a CommitTxn the lane may take; else
+        None: the ordinary path. stage_here checks every batch for real. None also while
+        MAX_QUEUED commits wait for the lane (the ordinary path has bounds of its own)."""
+        if len(self._queue) >= MAX_QUEUED or failpoints.armed(failpoints.ONE_CALL_STAGE):
             return None
-        if failpoints.armed(failpoints.ONE_CALL_STAGE):
+        tp = (request.batches[0].topic_partition if request.batches
+              else request.acks[0].subscription_partition if request.acks else None)
+        if tp is None:
             return None
-        tp = request.batches[0].topic_partition
         address = self.c.routes.cached_owner(tp.topic, tp.partition)
         return local.servicer(address, PARTITION_SERVICE) if address else None
 
@@ -142,34 +159,52 @@ class CommitLane:
 
     def _schedule(self) -> None:
         """The next group, once the one in flight has staged (the group on the owners is
-        the linger, as a staging channel's call in flight is)."""
-        if self._queue and not self._scheduled and not self._staging:
+        the linger, as a staging channel's call in flight is), or once it has taken
+        longer than a staging call may (coordinator.log_request_timeout_ms): a slow disk
+        under one partition holds the others up no longer than it would there."""
+        if self._queue and not self._scheduled and self._holding is None:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._take_group)
+
+    def _release(self, group: "_Group") -> None:
+        if self._holding is group:
+            self._holding = None
+            if group.timer is not None:
+                group.timer.cancel()
+            self._schedule()
 
     # ------------------------------------------------------------------ the steps
 
     def _take_group(self) -> None:
         self._scheduled = False
-        group, self._queue = self._queue[:MAX_GROUP], self._queue[MAX_GROUP:]
-        begun = [commit for commit in group if self._begin(commit)]
+        taken, self._queue = self._queue[:MAX_GROUP], self._queue[MAX_GROUP:]
+        begun = [commit for commit in taken if self._begin(commit)]
         if begun:
-            self._stage(begun)
+            group = _Group()
+            self._holding = group
+            self._stage(begun, group)
+            if group.staging:
+                loop = asyncio.get_running_loop()
+                group.timer = loop.call_later(self.c.settings.log_request_timeout_ms / 1000,
+                                              self._release, group)
+            else:
+                self._release(group)
         self._schedule()  # (more than MAX_GROUP queued, or nothing went to staging)
 
-    def _stage(self, begun: list[_Commit]) -> None:
+    def _stage(self, begun: list[_Commit], group: "_Group") -> None:
         try:
             self._riders(begun)
         except Exception:  # noqa: BLE001 — a bug: the markers are sent again by the ticks
             log.exception("commit lane: the riding markers failed")
         for commit in begun:
+            commit.group = group
             try:
                 self._stage_one(commit)
             except Exception as error:  # noqa: BLE001 — a bug: the caller hears of it
                 log.exception("commit lane: staging failed")
                 if commit.pending > 0:
                     commit.pending = -1
-                    self._staging -= 1
+                    group.staging -= 1
                 self._fail(commit, error)
 
     def _stage_one(self, commit: _Commit) -> None:
@@ -183,10 +218,18 @@ class CommitLane:
         commit.began = time.perf_counter()
         commit.stages = [(item, owner, future) for item, (owner, future)
                          in zip(commit.request.batches, queued)]
-        commit.pending = len(queued)
-        self._staging += 1
+        txn_id = commit.begun.start.txn_id
+        commit.acks = [(ack, commit.here.stage_ack_here(txn_id, commit.partition.epoch, ack))
+                       for ack in commit.request.acks]
+        futures = [future for _, _, future in commit.stages] + [
+            held for _, held in commit.acks if not isinstance(held, AtomlogError)]
+        commit.pending = len(futures)
+        commit.group.staging += 1
+        if not futures:  # (every ack refused at once)
+            self._staged(commit, None)
+            return
         done = _StageDone(self, commit)
-        for _, _, future in commit.stages:
+        for future in futures:
             future.add_done_callback(done)
         deadline = commit.begun.timeout_at if commit.call_deadline is None else min(
             commit.begun.timeout_at, commit.call_deadline)
@@ -221,29 +264,29 @@ class CommitLane:
         response to build and read in one process), confirmed to their TC partitions
         once written (as MarkerChannel.answered confirms them)."""
         markers = self.c.markers
-        tp = group[0].request.batches[0].topic_partition
+        request = group[0].request
+        tp = (request.batches[0].topic_partition if request.batches
+              else request.acks[0].subscription_partition)
         address = self.c.routes.cached_owner(tp.topic, tp.partition)
         markers.staging_to(address)
         if failpoints.armed(failpoints.MARKERS_SEND):
             return
-        partitions = {(item.topic_partition.topic, item.topic_partition.partition)
-                      for commit in group for item in commit.request.batches}
+        partitions = set()
+        for commit in group:
+            for item in commit.request.batches:
+                partitions.add((item.topic_partition.topic, item.topic_partition.partition))
+            for ack in commit.request.acks:
+                sp = ack.subscription_partition
+                partitions.add((sp.topic, sp.partition))
         riders = markers.take_riders(address, partitions)
         if not riders:
-            return
-        direct = [(sink, marker) for sink, marker in riders
-                  if isinstance(marker.target, TopicPartition)]
-        if len(direct) < len(riders):  # a subscription's: its own call, now
-            markers.give_back(address, [rider for rider in riders
-                                        if not isinstance(rider[1].target, TopicPartition)])
-        if not direct:
             return
         answer = group[0].here.queue_markers_here([(marker.target, PartitionMarker(
             PartitionTxnId(marker.txn_id.tc_partition, marker.txn_id.sequence),
             ControlType.COMMIT if marker.decision is Decision.COMMIT else ControlType.ABORT,
-            marker.coordinator_epoch)) for _, marker in direct])
-        RIDING_MARKERS.inc(len(direct))
-        answer.add_done_callback(lambda future: _riders_answered(direct, future.result()))
+            marker.coordinator_epoch)) for _, marker in riders])
+        RIDING_MARKERS.inc(len(riders))
+        answer.add_done_callback(lambda future: _riders_answered(riders, future.result()))
 
     def _stage_done(self, commit: _Commit) -> None:
         if commit.pending < 0:
@@ -261,8 +304,10 @@ class CommitLane:
     def _staged(self, commit: _Commit, timed_out: AtomlogError | None) -> None:
         """Every stage answered (or the time is up): the decision."""
         commit.pending = -1
-        self._staging -= 1
-        self._schedule()
+        group = commit.group
+        group.staging -= 1
+        if not group.staging:
+            self._release(group)
         if commit.timer is not None:
             commit.timer.cancel()
         try:
@@ -284,9 +329,25 @@ class CommitLane:
                     failure = failure or _error_of(result.error, f"{tp.topic}-{tp.partition}")
                 retry |= reason in RETRY_REASONS
                 staged.append(result)
+            for ack, held in commit.acks:
+                error = (held if isinstance(held, AtomlogError) else
+                         AtomlogError("SHUTTING_DOWN", "staging an ack was cancelled")
+                         if held.cancelled() else held.exception())
+                if error is None:
+                    continue
+                if not isinstance(error, AtomlogError):
+                    error = AtomlogError("INTERNAL", f"staging an ack failed: {error!r}")
+                sp = ack.subscription_partition
+                if error.reason not in RETRY_REASONS:
+                    failure = failure or _error_of(error, f"{sp.topic}-{sp.partition} "
+                                                   f"(subscription {sp.subscription})")
+                retry |= error.reason in RETRY_REASONS
         else:
             for _, _, future in commit.stages:
                 future.add_done_callback(observe_failure)
+            for _, held in commit.acks:
+                if not isinstance(held, AtomlogError):
+                    held.add_done_callback(observe_failure)
         if failure is None and retry:
             self._hand_back(commit, LaneOutcome(commit.begun), "restage")
             return

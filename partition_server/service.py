@@ -1155,6 +1155,36 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 return error
         return queued
 
+    def stage_ack_here(self, txn: TxnId, epoch: int, ack) -> asyncio.Future | AtomlogError:
+        """A one-call transaction's ack (an AckItem), staged by a coordinator in this
+        process in the caller's step (its commit lane, after `stage_here` fenced the
+        epoch), as StageTxn stages an ack: checked and made pending on its cursor now, the
+        epoch checked again there. The future of the cursor's cumulative end once
+        durable (raising the refusal), or the refusal with nothing changed (a partition
+        not hosted here among them)."""
+        sp = ack.subscription_partition
+        txn = TxnId(txn.tc_partition, txn.sequence)
+        try:
+            if not sp.subscription:
+                raise AtomlogError("INVALID_ARGUMENT",
+                                   "subscription_partition.subscription is empty")
+            owner = self._route_now(common_pb2.TopicPartition(topic=sp.topic,
+                                                              partition=sp.partition))
+            if owner is None:
+                raise AtomlogError("NOT_PARTITION_OWNER", f"{sp.topic}-{sp.partition} is "
+                                   "not hosted here")
+            if isinstance(owner, AtomlogError):
+                raise owner
+            owner.check_serving()
+            ranges = [(r.start_offset, r.end_offset) for r in ack.individual_ranges]
+            held = owner.subscriptions.ack_now(
+                sp.subscription, ack.cumulative_end_offset, ranges, txn,
+                owner.max_read_position(),
+                check=lambda: owner.check_stage_epoch(txn, epoch, "staged ack"))
+        except AtomlogError as error:
+            return error
+        return asyncio.ensure_future(held)
+
     @staticmethod
     def staged_result(tp, owner: PartitionOwner,
                       future: asyncio.Future) -> partition_pb2.ProduceResult:
@@ -1168,9 +1198,11 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         """Markers from a coordinator in this process (its commit lane's riders,
         coordinator/lane.py), as EndTxnOnPartition applies them but without its request
         and response: (target, Marker) pairs, each target a topic partition (`topic`,
-        `partition`). In the caller's step each is fenced at its coordinator epoch and
-        queued on its partition's owner (all of one partition in one item), so the
-        stages queued next share their write and fsync. Returns the future of the
+        `partition`) or a subscription partition (and `subscription`). In the caller's
+        step each is fenced at its coordinator epoch and queued on its partition's owner
+        (all of one partition in one item), or its subscription's pending acks applied
+        or released (staged on the cursor store), so the stages queued next share their
+        write and fsync, and the acks their durability round. Returns the future of the
         outcome per marker, in order: MarkerResult, or the AtomlogError a marker would
         answer (STALE_COORDINATOR_EPOCH, a partition not hosted here, an owner not
         serving)."""
@@ -1178,6 +1210,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         epochs = self.coordinator_epochs
         outcomes: list = [None] * len(markers)
         per_partition: dict[tuple[str, int], list] = {}
+        subscriptions: list = []  # (index, (target, marker)) of subscription targets
         for index, (target, marker) in enumerate(markers):
             tc, epoch = marker.txn.tc_partition, marker.coordinator_epoch
             current = epochs.current(tc)
@@ -1188,9 +1221,29 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 STALE_MARKERS.inc()
                 continue
             epochs.observe(tc, epoch)
+            if getattr(target, "subscription", None) is not None:
+                subscriptions.append((index, (target, marker)))
+                continue
             per_partition.setdefault((target.topic, target.partition), []).append(
                 (index, marker))
         pending = []
+        for index, (target, marker) in subscriptions:
+            try:  # the cursor's pending acks applied or released, staged now
+                owner = self._route_now(common_pb2.TopicPartition(topic=target.topic,
+                                                                  partition=target.partition))
+                if owner is None:
+                    raise AtomlogError("NOT_PARTITION_OWNER", f"{target.topic}-"
+                                       f"{target.partition} is not hosted here")
+                if isinstance(owner, AtomlogError):
+                    raise owner
+                owner.check_serving()
+                owner.verified_acks.pop((marker.txn, target.subscription), None)
+                held = owner.subscriptions.end_txn_now(
+                    target.subscription, marker.txn, marker.decision is ControlType.COMMIT)
+            except AtomlogError as error:
+                outcomes[index] = error
+                continue
+            pending.append(([(index, marker)], _single(asyncio.ensure_future(held))))
         for (topic, partition), items in per_partition.items():
             owner = self._route_now(common_pb2.TopicPartition(topic=topic, partition=partition))
             if owner is None:
@@ -1589,6 +1642,26 @@ def _txn_and_epoch_problem(item, tc_partitions: int) -> tuple[str, str] | None:
     if item.coordinator_epoch <= 0:
         return "coordinator_epoch", "coordinator_epoch must be > 0"
     return None
+
+
+def _single(future: asyncio.Future) -> asyncio.Future:
+    """A subscription marker's future (already_ended, or raising) as a one-element result
+    list, as an owner's marker future answers: MarkerResult(-1, already_ended) or the
+    AtomlogError."""
+    answer = asyncio.get_running_loop().create_future()
+
+    def done(_future) -> None:
+        if future.cancelled():
+            outcome = AtomlogError("SHUTTING_DOWN", "the change was cancelled")
+        else:
+            error = future.exception()
+            outcome = (MarkerResult(-1, bool(future.result())) if error is None
+                       else error if isinstance(error, AtomlogError)
+                       else AtomlogError("INTERNAL", f"{error!r}"))
+        answer.set_result([outcome])
+
+    future.add_done_callback(done)
+    return answer
 
 
 def _queue_marker_items(owner: PartitionOwner | AtomlogError, items: list,

@@ -347,6 +347,12 @@ class PartitionSubscriptions:
         """An ack, plain or transactional (pending until `txn`'s marker): the cursor's
         cumulative end once durable. `check` runs first in the same step as the staging
         and raises to refuse (a staged ack's coordinator epoch: service.py)."""
+        return await self.ack_now(name, cumulative_end, ranges, txn, limit, check)
+
+    def ack_now(self, name: str, cumulative_end: int, ranges, txn: TxnId | None,
+                limit: int, check: Callable[[], None] | None = None) -> Awaitable[int]:
+        """`ack` with its change staged now, in the caller's step (change_now: it raises
+        here, having changed nothing); await the result."""
         def decide(store: CursorStore) -> int:
             if check is not None:
                 check()
@@ -357,7 +363,7 @@ class PartitionSubscriptions:
             # As of this change: a later one, staged while this waits, may not survive.
             return store.cursor(name).cumulative_end
 
-        return await self.change(decide)
+        return self.change_now(decide)
 
     async def end_txn(self, name: str, txn: TxnId, committed: bool) -> bool:
         """A marker for one subscription: already_ended. A subscription that does not

@@ -20,7 +20,7 @@ from atomlog.v1 import common_pb2, partition_pb2
 from coordinator.records import tc_partition_for
 from partition_server.record_batch import Record, encode_batch
 from services import failpoints
-from spark_client import Client
+from spark_client import Client, errors
 from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, metric_sum, wait_until
 from tests.test_one_call import (
     Armed,
@@ -191,3 +191,73 @@ def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted
     assert sorted(values) == sorted(f"p{i}".encode() for i in range(6))
     for partition in range(2):
         assert client.describe_partition(topic, partition).aborted_transaction_count == 1
+
+
+def test_acks_go_through_the_lane_and_apply_with_the_commit(node, client):
+    source = create_online(client, "lane-in", 1)
+    sink = create_online(client, "lane-out", 2)
+    warm(client, sink)
+    with client.producer() as producer:
+        for i in range(20):
+            producer.send(source, f"in{i}".encode(), partition=0)
+        producer.flush()
+    decided, staged_calls = lane(node, "decided"), stage_calls(node)
+    handed_back = lane(node, "reservation")
+    with client.consumer(source, subscription="lane", ack_timeout_s=60) as consumer, \
+            client.producer() as producer:
+        done = 0
+        while done < 20:
+            for message in consumer.poll(timeout_s=1.0):
+                with client.transaction(timeout_s=30) as txn:
+                    producer.send(sink, message.value.replace(b"in", b"out"),
+                                  partition=done % 2, txn=txn)
+                    consumer.ack([message], txn=txn)
+                done += 1
+        wait_until(lambda: consumer.describe()[0].cumulative_end_offset == 20, 10,
+                   "every ack applied by its commit's marker")
+        assert not consumer.describe()[0].pending_acks
+    handed_back = lane(node, "reservation") - handed_back
+    assert lane(node, "decided") - decided + handed_back == 20
+    assert stage_calls(node) - staged_calls == handed_back
+    wait_until(lambda: settled(client, sink, 2), 20, "every marker to land")
+    values = [v for v in committed_values(client, sink) if not v.startswith(b"warm")]
+    assert sorted(values) == sorted(f"out{i}".encode() for i in range(20))
+
+
+def test_a_conflicting_ack_in_the_lane_aborts_and_changes_nothing(node, client):
+    source = create_online(client, "lane-conflict-in", 1)
+    sink = create_online(client, "lane-conflict-out", 1)
+    warm(client, sink)
+    with client.producer() as producer:
+        for i in range(4):
+            producer.send(source, f"in{i}".encode(), partition=0)
+        producer.flush()
+    streaming = Client(node.info["bootstrap"], one_call_max_bytes=0)
+    try:
+        with client.consumer(source, subscription="lane-c", ack_timeout_s=60) as consumer, \
+                client.producer() as producer:
+            got = []
+            while len(got) < 4:
+                got += consumer.poll(timeout_s=1.0)
+            holder = streaming.begin_transaction(timeout_s=60)  # acks pending at the server
+            consumer.ack(got[:2], txn=holder)
+            before = consumer.describe()[0]
+            decided = lane(node, "decided")
+            txn = client.begin_transaction(timeout_s=60)
+            producer.send(sink, b"never", partition=0, txn=txn)
+            consumer.ack(got[1:3], txn=txn)  # got[1] is pending in `holder`
+            assert txn.one_call
+            with pytest.raises(errors.TransactionConflict):
+                txn.commit()
+            assert txn.state() == "ABORTED"
+            assert lane(node, "decided") == decided + 1  # decided (to abort) in the lane
+            wait_until(lambda: settled(client, sink, 1), 10, "the staged data aborted")
+            assert [v for v in committed_values(client, sink)
+                    if not v.startswith(b"warm")] == []
+            after = consumer.describe()[0]
+            assert after.cumulative_end_offset == before.cumulative_end_offset
+            assert [(p.txn_id.tc_partition, p.txn_id.sequence) for p in after.pending_acks] == \
+                [(p.txn_id.tc_partition, p.txn_id.sequence) for p in before.pending_acks]
+            holder.commit(wait_for_markers=True)
+    finally:
+        streaming.close()
