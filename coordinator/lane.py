@@ -281,10 +281,14 @@ class CommitLane:
         riders = markers.take_riders(address, partitions)
         if not riders:
             return
-        answer = group[0].here.queue_markers_here([(marker.target, PartitionMarker(
-            PartitionTxnId(marker.txn_id.tc_partition, marker.txn_id.sequence),
-            ControlType.COMMIT if marker.decision is Decision.COMMIT else ControlType.ABORT,
-            marker.coordinator_epoch)) for _, marker in riders])
+        try:
+            answer = group[0].here.queue_markers_here([(marker.target, PartitionMarker(
+                PartitionTxnId(marker.txn_id.tc_partition, marker.txn_id.sequence),
+                ControlType.COMMIT if marker.decision is Decision.COMMIT
+                else ControlType.ABORT, marker.coordinator_epoch)) for _, marker in riders])
+        except Exception:
+            markers.give_back(address, riders)  # they go alone, as after a failed call
+            raise
         RIDING_MARKERS.inc(len(riders))
         answer.add_done_callback(lambda future: _riders_answered(riders, future.result()))
 
