@@ -1118,7 +1118,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         before any is queued; the first refusal (a partition hosted elsewhere, a bad
         batch, a stale epoch, an owner not serving) is returned with nothing queued, for
         the caller to stage through StageTxn instead, which retries or refuses as it
-        does. Returns (owner, future) per batch in order (`staged_result` reads each)."""
+        does (an owner's queue found full part-way leaves the batches queued before it:
+        staged again there, they are answered as duplicates). Returns (owner, future)
+        per batch in order (`staged_result` reads each)."""
         epochs = self.coordinator_epochs
         if epochs is None or self.verifier is None:
             return AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
@@ -1665,10 +1667,10 @@ def _single(future: asyncio.Future) -> asyncio.Future:
 
 
 def _queue_marker_items(owner: PartitionOwner | AtomlogError, items: list,
-                        outcomes: dict) -> asyncio.Future | None:
+                        outcomes: dict | list) -> asyncio.Future | None:
     """Queue one partition's markers ((where, Marker) items) on its owner: the future of
     their results, or None with the refusal (the route's error, or the owner's) recorded
-    in `outcomes` for each."""
+    in `outcomes[where]` for each."""
     try:
         if isinstance(owner, AtomlogError):
             raise owner

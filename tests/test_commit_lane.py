@@ -59,6 +59,7 @@ def node(tmp_path_factory, failpoint_dir):
 @pytest.fixture(scope="module")
 def client(node):
     with Client(node.info["bootstrap"], request_timeout_s=10) as client:
+        warm(client, create_online(client, "lane-warm", 1))
         yield client
 
 
@@ -77,10 +78,19 @@ def stage_calls(node: Cluster) -> float:
                       'PartitionService/StageTxn"}')
 
 
+def prime(client, topic: str) -> str:
+    """One commit to a new topic, so that the coordinator's routes know its partitions:
+    the lane takes a commit whose first partition's owner the routes' cache names (the
+    first commit to a topic goes the ordinary way, which reads the routes)."""
+    warm(client, topic, count=1)
+    return topic
+
+
 def warm(client, topic: str, count: int = 200) -> None:
     """One-call commits until every TC partition has (all but surely: 16 of them, keys
     drawn at random) logged its sequence reservation; a TC partition's first one-call
-    commit waits for it, on the ordinary path."""
+    commit waits for it, on the ordinary path. Once, for the module (`client`): the kill
+    test, which reloads every TC partition, comes last."""
     with client.producer() as producer:
         for i in range(count):
             with client.transaction(timeout_s=30) as txn:
@@ -88,8 +98,7 @@ def warm(client, topic: str, count: int = 200) -> None:
 
 
 def test_one_call_commits_go_through_the_lane_exactly_once_in_order(node, client):
-    topic = create_online(client, "lane-order", 4)
-    warm(client, topic)
+    topic = prime(client, create_online(client, "lane-order", 4))
     decided, reserved = lane(node, "decided"), lane(node, "reservation")
     staged_calls = stage_calls(node)
     riding = metric_sum(metrics_address(node), "atomlog_coordinator_riding_markers_total")
@@ -139,8 +148,7 @@ def test_one_call_commits_go_through_the_lane_exactly_once_in_order(node, client
 
 
 def test_a_batch_the_lane_cannot_stage_is_refused_on_the_ordinary_path(node, client):
-    topic = create_online(client, "lane-refused", 2)
-    warm(client, topic)
+    topic = prime(client, create_online(client, "lane-refused", 2))
     restaged = lane(node, "restage")
     count = client.metadata.tc_partition_count
     while True:
@@ -161,42 +169,9 @@ def test_a_batch_the_lane_cannot_stage_is_refused_on_the_ordinary_path(node, cli
     assert [v for v in committed_values(client, topic) if not v.startswith(b"warm")] == []
 
 
-def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted(
-        node, client, failpoint_dir):
-    topic = create_online(client, "lane-presumed", 2)
-    warm(client, topic)
-    held_before = lane(node, "failpoint")
-    outcome: dict = {}
-    with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
-            client.producer() as producer:
-        txn = client.begin_transaction(timeout_s=60)
-        for i in range(6):
-            producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
-        assert txn.one_call
-        thread = commit_in_thread(txn, outcome)
-        staged = staged_everywhere(client, topic, 2)
-        # Staged by the lane, which handed the decision to the ordinary path, held there.
-        assert lane(node, "failpoint") == held_before + 1
-        os.kill(node.process("node-0")["pid"], signal.SIGKILL)
-        held.disarm()
-        node.run("up", "--output", "json", "--combined")
-        thread.join(timeout=120)
-    assert not thread.is_alive()
-    wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
-    # The staged attempt never commits; the SDK's retry (same idempotency key) ran the
-    # transaction anew after the restart, so it committed exactly once.
-    assert outcome.get("committed"), outcome
-    assert outcome["committed"] != f"{staged[0]}:{staged[1]}"
-    values = [v for v in committed_values(client, topic) if not v.startswith(b"warm")]
-    assert sorted(values) == sorted(f"p{i}".encode() for i in range(6))
-    for partition in range(2):
-        assert client.describe_partition(topic, partition).aborted_transaction_count == 1
-
-
 def test_acks_go_through_the_lane_and_apply_with_the_commit(node, client):
     source = create_online(client, "lane-in", 1)
-    sink = create_online(client, "lane-out", 2)
-    warm(client, sink)
+    sink = prime(client, create_online(client, "lane-out", 2))
     with client.producer() as producer:
         for i in range(20):
             producer.send(source, f"in{i}".encode(), partition=0)
@@ -226,8 +201,7 @@ def test_acks_go_through_the_lane_and_apply_with_the_commit(node, client):
 
 def test_a_conflicting_ack_in_the_lane_aborts_and_changes_nothing(node, client):
     source = create_online(client, "lane-conflict-in", 1)
-    sink = create_online(client, "lane-conflict-out", 1)
-    warm(client, sink)
+    sink = prime(client, create_online(client, "lane-conflict-out", 1))
     with client.producer() as producer:
         for i in range(4):
             producer.send(source, f"in{i}".encode(), partition=0)
@@ -261,3 +235,34 @@ def test_a_conflicting_ack_in_the_lane_aborts_and_changes_nothing(node, client):
             holder.commit(wait_for_markers=True)
     finally:
         streaming.close()
+
+
+def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted(
+        node, client, failpoint_dir):
+    topic = prime(client, create_online(client, "lane-presumed", 2))
+    held_before = lane(node, "failpoint")
+    outcome: dict = {}
+    with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
+            client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=60)
+        for i in range(6):
+            producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
+        assert txn.one_call
+        thread = commit_in_thread(txn, outcome)
+        staged = staged_everywhere(client, topic, 2)
+        # Staged by the lane, which handed the decision to the ordinary path, held there.
+        assert lane(node, "failpoint") == held_before + 1
+        os.kill(node.process("node-0")["pid"], signal.SIGKILL)
+        held.disarm()
+        node.run("up", "--output", "json", "--combined")
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
+    # The staged attempt never commits; the SDK's retry (same idempotency key) ran the
+    # transaction anew after the restart, so it committed exactly once.
+    assert outcome.get("committed"), outcome
+    assert outcome["committed"] != f"{staged[0]}:{staged[1]}"
+    values = [v for v in committed_values(client, topic) if not v.startswith(b"warm")]
+    assert sorted(values) == sorted(f"p{i}".encode() for i in range(6))
+    for partition in range(2):
+        assert client.describe_partition(topic, partition).aborted_transaction_count == 1
