@@ -57,7 +57,7 @@ from partition_server.owner import Marker as PartitionMarker
 from partition_server.record_batch import ControlType
 from partition_server.record_batch import TxnId as PartitionTxnId
 from services import failpoints, local
-from services.batching import observe_failure
+from services.batching import WhenAllDone, failure_of, observe_failure
 from services.errors import AtomlogError
 from services.fastmetrics import Counter
 
@@ -76,15 +76,14 @@ class LaneOutcome:
     """What the lane did with a commit, for its handler to finish: `result` is
     end_one_call's reply once decided; else the handler goes on from `begun` on the
     ordinary path: `begin_futures` to wait for first (a sequence reservation), and
-    `staged`/`failure` once staging ended (the decision held by a failpoint), else the
-    whole staging again."""
+    `staged`/`failure` once staging ended (`staged` not None: the decision held by a
+    failpoint), else the whole staging again."""
 
     begun: object  # coordinator.server._OneCallBegun
     result: object = None
     staged: list | None = None
     failure: AtomlogError | None = None
     begin_futures: list | None = None
-    stage_ended: bool = False
 
 
 class _Commit:
@@ -140,12 +139,14 @@ class CommitLane:
         MAX_QUEUED commits wait for the lane (the ordinary path has bounds of its own)."""
         if len(self._queue) >= MAX_QUEUED or failpoints.armed(failpoints.ONE_CALL_STAGE):
             return None
+        address = self._address(request)
+        return local.servicer(address, PARTITION_SERVICE) if address else None
+
+    def _address(self, request) -> str:
+        """The cached owner of a CommitTxn's first partition ("" for none)."""
         tp = (request.batches[0].topic_partition if request.batches
               else request.acks[0].subscription_partition if request.acks else None)
-        if tp is None:
-            return None
-        address = self.c.routes.cached_owner(tp.topic, tp.partition)
-        return local.servicer(address, PARTITION_SERVICE) if address else None
+        return self.c.routes.cached_owner(tp.topic, tp.partition) if tp is not None else ""
 
     def commit(self, request, k, key, session, tps, subs, partition, here,
                call_deadline: float | None) -> asyncio.Future:
@@ -264,10 +265,7 @@ class CommitLane:
         response to build and read in one process), confirmed to their TC partitions
         once written (as MarkerChannel.answered confirms them)."""
         markers = self.c.markers
-        request = group[0].request
-        tp = (request.batches[0].topic_partition if request.batches
-              else request.acks[0].subscription_partition)
-        address = self.c.routes.cached_owner(tp.topic, tp.partition)
+        address = self._address(group[0].request)
         markers.staging_to(address)
         if failpoints.armed(failpoints.MARKERS_SEND):
             return
@@ -334,13 +332,10 @@ class CommitLane:
                 retry |= reason in RETRY_REASONS
                 staged.append(result)
             for ack, held in commit.acks:
-                error = (held if isinstance(held, AtomlogError) else
-                         AtomlogError("SHUTTING_DOWN", "staging an ack was cancelled")
-                         if held.cancelled() else held.exception())
+                error = held if isinstance(held, AtomlogError) else failure_of(
+                    held, "staging an ack")
                 if error is None:
                     continue
-                if not isinstance(error, AtomlogError):
-                    error = AtomlogError("INTERNAL", f"staging an ack failed: {error!r}")
                 sp = ack.subscription_partition
                 if error.reason not in RETRY_REASONS:
                     failure = failure or _error_of(error, f"{sp.topic}-{sp.partition} "
@@ -357,8 +352,8 @@ class CommitLane:
             return
         STAGED.labels("ok" if failure is None else failure.reason).inc()
         if failpoints.armed(failpoints.ONE_CALL_DECIDE):
-            self._hand_back(commit, LaneOutcome(commit.begun, staged=staged, failure=failure,
-                                                stage_ended=True), "failpoint")
+            self._hand_back(commit, LaneOutcome(commit.begun, staged=staged, failure=failure),
+                            "failpoint")
             return
         txn_id = commit.begun.start.txn_id
         try:
@@ -372,7 +367,7 @@ class CommitLane:
         if not futures:
             self._settle(commit, outcome)
             return
-        _AllDone(futures, lambda: self._logged(commit, outcome, futures))
+        WhenAllDone(futures, lambda: self._logged(commit, outcome, futures))
 
     def _logged(self, commit: _Commit, outcome: LaneOutcome, futures: list) -> None:
         for future in futures:
@@ -427,20 +422,3 @@ class _StageDone:
 
     def __call__(self, _future) -> None:
         self.lane._stage_done(self.commit)
-
-
-class _AllDone:
-    """Calls `then` once every future is done."""
-
-    __slots__ = ("left", "then")
-
-    def __init__(self, futures: list, then):
-        self.left = len(futures)
-        self.then = then
-        for future in futures:
-            future.add_done_callback(self)
-
-    def __call__(self, _future) -> None:
-        self.left -= 1
-        if self.left == 0:
-            self.then()

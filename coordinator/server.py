@@ -408,10 +408,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             metrics.ONE_CALL.labels("aborted_by_client").inc()
             return coordinator_pb2.CommitTxnResponse(state=state.value)
         parallel = c.settings.parallel_commits and not request.acks
+        checked = await self._checked(request)
         here = None if c.lane is None or parallel else c.lane.servicer_for(request)
         if here is not None:
-            return await self._commit_in_lane(request, here, started, context)
-        begun = await self._begin_one_call(request, parallel)
+            return await self._commit_in_lane(request, checked, here, started, context)
+        begun = await self._begin_one_call(request, parallel, checked)
         if isinstance(begun, coordinator_pb2.CommitTxnResponse):
             return begun  # already ended
         if begun.start.parallel:
@@ -439,13 +440,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             lambda core, now: core.end_one_call(now, txn_id, failure))
         return await self._decided(request, begun, result, staged, started, context)
 
-    async def _commit_in_lane(self, request, here, started: float, context):
-        """CommitTxn through the commit lane (coordinator/lane.py): validated here, begun,
-        staged and decided there; what the lane hands back goes on from where it
-        stopped, on the ordinary path."""
-        k, key, session = self._one_call_key(request)
-        tps, subs = await self._one_call_targets(request)
-        partition = await self.c.partition(k)
+    async def _commit_in_lane(self, request, checked, here, started: float, context):
+        """CommitTxn through the commit lane (coordinator/lane.py): validated (`checked`),
+        then begun, staged and decided there; what the lane hands back goes on from
+        where it stopped, on the ordinary path."""
+        k, key, session, tps, subs, partition = checked
         remaining = _remaining_s(context)
         outcome = await self.c.lane.commit(
             request, k, key, session, tps, subs, partition, here,
@@ -462,7 +461,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return _already_ended(begun.start)
         return await self._stage_and_decide(request, begun, started, context,
                                             outcome.staged, outcome.failure,
-                                            stage=not outcome.stage_ended)
+                                            stage=outcome.staged is None)
 
     async def _commit_parallel(self, request, begun: "_OneCallBegun", started: float,
                                context):
@@ -588,13 +587,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                            field="tc_partition")
         return k, key, session
 
-    async def _begin_one_call(self, request, parallel: bool = False):
-        """CommitTxn up to staging: validated, a transaction id from the TC partition.
-        Returns _OneCallBegun, or the answer of an already committed key. `parallel`: a
-        parallel commit, whose Staging append is not waited for here (_OneCallBegun.logged)."""
+    async def _checked(self, request):
+        """A CommitTxn validated and routed: (TC partition, key, session, its partitions,
+        its subscription partitions, the TcPartition). Unknown topics are looked up
+        (`_one_call_targets`), so the routes know them after this."""
         k, key, session = self._one_call_key(request)
         tps, subs = await self._one_call_targets(request)
-        partition = await self.c.partition(k)
+        return k, key, session, tps, subs, await self.c.partition(k)
+
+    async def _begin_one_call(self, request, parallel: bool = False, checked=None):
+        """CommitTxn up to staging: validated (unless `checked` by `_checked` already), a
+        transaction id from the TC partition. Returns _OneCallBegun, or the answer of an
+        already committed key. `parallel`: a parallel commit, whose Staging append is not
+        waited for here (_OneCallBegun.logged)."""
+        k, key, session, tps, subs, partition = checked or await self._checked(request)
         logged: list = []
         if parallel:
             start, logged = partition.call_parallel(lambda core, now: core.begin_one_call(

@@ -63,7 +63,7 @@ from coordinator.txn_log import (
     TxnLog,
     snapshot_chunks,
 )
-from services.batching import observe_failure
+from services.batching import failure_of, observe_failure
 from services.errors import AtomlogError
 from services.logs import event
 
@@ -499,13 +499,8 @@ class TcPartition:
         self._in_flight = None
         if self.phase is not Phase.ACTIVE or self.core is None:
             return  # stopped meanwhile: its callers were failed then
-        if future.cancelled():
-            outcome = AtomlogError("SHUTTING_DOWN", "the TC log's append was cancelled")
-        elif future.exception() is not None:
-            error = future.exception()
-            outcome = error if isinstance(error, AtomlogError) else AtomlogError(
-                "INTERNAL", f"the TC log's append failed: {error!r}")
-        else:
+        outcome = failure_of(future, "the TC log's append")
+        if outcome is None:
             [outcome] = future.result()
         if isinstance(outcome, AtomlogError):
             # The writer goes on as after any failed attempt of this batch: retried (same
@@ -534,8 +529,7 @@ class TcPartition:
         if not linger_s or lingered:
             return
         deadline = time.monotonic() + linger_s
-        while (self.phase is Phase.ACTIVE and self._queue and not self._completion_waiters
-               and all(isinstance(r, Completed) for a in self._queue for r in a.records)):
+        while self.phase is Phase.ACTIVE and self._queue and self._may_linger(self._queue):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return

@@ -198,11 +198,8 @@ class TxnLog:
         Once it succeeds the caller calls `appended(len(entries))`; when it fails, it
         calls `append(entries, failed=the error)`, which goes on as after a failed
         attempt of the same batch (same sequence)."""
-        if self._next_sequence + len(entries) > SEQUENCE_MAX:
-            return None
-        address = self.routes.cached_owner(TOPIC, self.tc_partition)
-        here = local.servicer(address, PARTITION_SERVICE) if address else None
-        if here is None:
+        here = self._servicer_here()
+        if here is None or self._next_sequence + len(entries) > SEQUENCE_MAX:
             return None
         outcome = here.queue_produce_here(_topic_partition(self.tc_partition),
                                           self._batch(entries))
@@ -213,8 +210,13 @@ class TxnLog:
 
     def here(self) -> bool:
         """Whether this process hosts the log's partition (by the routes' cache)."""
+        return self._servicer_here() is not None
+
+    def _servicer_here(self):
+        """This process's partition servicer when it hosts the log's partition (by the
+        routes' cache), else None."""
         address = self.routes.cached_owner(TOPIC, self.tc_partition)
-        return bool(address) and local.servicer(address, PARTITION_SERVICE) is not None
+        return local.servicer(address, PARTITION_SERVICE) if address else None
 
     def appended(self, count: int) -> None:
         """An `append_here` of `count` records succeeded."""

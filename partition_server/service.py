@@ -28,7 +28,7 @@ from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHea
                                            validate_batch)
 from partition_server.subscription_cursor import InitialPosition, resolve_initial_position
 from partition_server.verifier import TxnVerifier
-from services.batching import observe_failure
+from services.batching import WhenAllDone, failure_of, observe_failure
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
 
@@ -1257,13 +1257,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         answer = loop.create_future()
 
         def settle() -> None:
-            for items, future in pending:
-                try:
-                    results = future.result()
-                except AtomlogError as error:
-                    results = [error] * len(items)
-                for (index, _), result in zip(items, results):
-                    outcomes[index] = result
+            _marker_outcomes(pending, outcomes)
             counts: dict[tuple[str, str], int] = {}
             for (_, marker), outcome in zip(markers, outcomes):
                 result = ("applied" if not isinstance(outcome, AtomlogError) else "stale"
@@ -1275,19 +1269,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             if not answer.done():
                 answer.set_result(outcomes)
 
-        left = len(pending)
-        if not left:
-            settle()
-            return answer
-
-        def one_done(_future) -> None:
-            nonlocal left
-            left -= 1
-            if left == 0:
-                settle()
-
-        for _, future in pending:
-            future.add_done_callback(one_done)
+        WhenAllDone([future for _, future in pending], settle)
         return answer
 
     def _route_now(self, tp) -> PartitionOwner | AtomlogError | None:
@@ -1502,13 +1484,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 sub_outcomes = gathered[-1]
                 if isinstance(sub_outcomes, BaseException):
                     raise sub_outcomes
-        for items, future in pending:
-            try:
-                results = future.result()
-            except AtomlogError as error:
-                results = [error] * len(items)
-            for (where, _), result in zip(items, results):
-                outcomes[where] = result
+        _marker_outcomes(pending, outcomes)
         counts: dict[tuple[str, str], int] = {}
         for index, (marker, refusal) in enumerate(zip(markers, refusals)):
             decision = _DECISION_LABELS.get(marker.decision, "invalid")
@@ -1646,6 +1622,18 @@ def _txn_and_epoch_problem(item, tc_partitions: int) -> tuple[str, str] | None:
     return None
 
 
+def _marker_outcomes(pending: list, outcomes: dict | list) -> None:
+    """Each settled owner future's results, per (where, Marker) item of it, into
+    `outcomes[where]` (the owner's failure of the group for each, when it failed it)."""
+    for items, future in pending:
+        try:
+            results = future.result()
+        except AtomlogError as error:
+            results = [error] * len(items)
+        for (where, _), result in zip(items, results):
+            outcomes[where] = result
+
+
 def _single(future: asyncio.Future) -> asyncio.Future:
     """A subscription marker's future (already_ended, or raising) as a one-element result
     list, as an owner's marker future answers: MarkerResult(-1, already_ended) or the
@@ -1653,14 +1641,9 @@ def _single(future: asyncio.Future) -> asyncio.Future:
     answer = asyncio.get_running_loop().create_future()
 
     def done(_future) -> None:
-        if future.cancelled():
-            outcome = AtomlogError("SHUTTING_DOWN", "the change was cancelled")
-        else:
-            error = future.exception()
-            outcome = (MarkerResult(-1, bool(future.result())) if error is None
-                       else error if isinstance(error, AtomlogError)
-                       else AtomlogError("INTERNAL", f"{error!r}"))
-        answer.set_result([outcome])
+        error = failure_of(future, "a subscription's marker")
+        answer.set_result([error if error is not None
+                           else MarkerResult(-1, bool(future.result()))])
 
     future.add_done_callback(done)
     return answer

@@ -107,3 +107,34 @@ def observe_failure(future: asyncio.Future) -> None:
     retrieved" when no one awaits it any more; an await still raises it."""
     if not future.cancelled():
         future.exception()
+
+
+def failure_of(future: asyncio.Future, what: str) -> AtomlogError | None:
+    """A done future's failure as an AtomlogError (None when it succeeded): its own,
+    SHUTTING_DOWN when it was cancelled, INTERNAL naming `what` for anything else."""
+    if future.cancelled():
+        return AtomlogError("SHUTTING_DOWN", f"{what} was cancelled")
+    error = future.exception()
+    if error is None or isinstance(error, AtomlogError):
+        return error
+    return AtomlogError("INTERNAL", f"{what} failed: {error!r}")
+
+
+class WhenAllDone:
+    """Calls `then()` once every one of `futures` is done (a done-callback on each, one
+    object: no task, no gather). Every future must be added at once."""
+
+    __slots__ = ("left", "then")
+
+    def __init__(self, futures: list, then: Callable[[], None]):
+        self.left = len(futures)
+        self.then = then
+        if not futures:
+            then()
+        for future in futures:
+            future.add_done_callback(self)
+
+    def __call__(self, _future) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.then()

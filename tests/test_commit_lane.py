@@ -7,26 +7,26 @@ staging and its decision and the process killed there."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from atomlog.v1 import common_pb2, partition_pb2
 
-from coordinator.records import tc_partition_for
 from partition_server.record_batch import Record, encode_batch
 from services import failpoints
-from spark_client import Client, errors
-from tests.conftest import CLUSTER_SETTINGS, Cluster, create_online, metric_sum, wait_until
+from spark_client import Client
+from tests.conftest import Cluster, create_online, metric_sum, wait_until
 from tests.test_one_call import (
     Armed,
     _commit_txn,
+    _key_on,
     commit_in_thread,
     committed_values,
+    conflicting_ack_changes_nothing,
+    failpoint_cluster,
+    kill_and_restart,
     settled,
     staged_everywhere,
 )
@@ -42,18 +42,8 @@ def failpoint_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, failpoint_dir):
     """A combined server with failpoints on (armed by files in `failpoint_dir`)."""
-    cluster = Cluster(tmp_path_factory.mktemp("atomlog-lane"), combined=True)
-    previous = os.environ.get(failpoints.ENVIRONMENT_VARIABLE)
-    os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
-    try:
-        cluster.run("up", "--output", "json", "--combined", *CLUSTER_SETTINGS)
-        yield cluster
-    finally:
-        cluster.run("down", check=False)
-        if previous is None:
-            os.environ.pop(failpoints.ENVIRONMENT_VARIABLE, None)
-        else:
-            os.environ[failpoints.ENVIRONMENT_VARIABLE] = previous
+    yield from failpoint_cluster(tmp_path_factory.mktemp("atomlog-lane"), failpoint_dir,
+                                 combined=True)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +68,6 @@ def stage_calls(node: Cluster) -> float:
                       'PartitionService/StageTxn"}')
 
 
-def prime(client, topic: str) -> str:
-    """One commit to a new topic, so that the coordinator's routes know its partitions:
-    the lane takes a commit whose first partition's owner the routes' cache names (the
-    first commit to a topic goes the ordinary way, which reads the routes)."""
-    warm(client, topic, count=1)
-    return topic
-
-
 def warm(client, topic: str, count: int = 200) -> None:
     """One-call commits until every TC partition has (all but surely: 16 of them, keys
     drawn at random) logged its sequence reservation; a TC partition's first one-call
@@ -98,7 +80,7 @@ def warm(client, topic: str, count: int = 200) -> None:
 
 
 def test_one_call_commits_go_through_the_lane_exactly_once_in_order(node, client):
-    topic = prime(client, create_online(client, "lane-order", 4))
+    topic = create_online(client, "lane-order", 4)
     decided, reserved = lane(node, "decided"), lane(node, "reservation")
     staged_calls = stage_calls(node)
     riding = metric_sum(metrics_address(node), "atomlog_coordinator_riding_markers_total")
@@ -139,7 +121,7 @@ def test_one_call_commits_go_through_the_lane_exactly_once_in_order(node, client
                 found.setdefault(message.partition, []).append(message.value)
                 quiet_since = time.monotonic()
     for partition in range(4):
-        values = [v for v in found[partition] if not v.startswith(b"warm")]
+        values = found[partition]
         assert sorted(values) == sorted(b"w%d-%03d" % (w, i) for w in range(3)
                                         for i in range(40))
         for worker in range(3):  # each producer's commits in its order
@@ -148,13 +130,9 @@ def test_one_call_commits_go_through_the_lane_exactly_once_in_order(node, client
 
 
 def test_a_batch_the_lane_cannot_stage_is_refused_on_the_ordinary_path(node, client):
-    topic = prime(client, create_online(client, "lane-refused", 2))
+    topic = create_online(client, "lane-refused", 2)
     restaged = lane(node, "restage")
-    count = client.metadata.tc_partition_count
-    while True:
-        key = f"test-{uuid.uuid4()}"
-        if tc_partition_for(key, count) == 0:
-            break
+    key = _key_on(0, client.metadata.tc_partition_count)
     good = encode_batch([Record(None, b"x", (), 0)])
     corrupt = bytearray(good)
     corrupt[-1] ^= 0xFF  # the CRC no longer matches: the owner's checks refuse it
@@ -166,12 +144,12 @@ def test_a_batch_the_lane_cannot_stage_is_refused_on_the_ordinary_path(node, cli
     assert error.reason == "CRC_MISMATCH", error
     assert lane(node, "restage") == restaged + 1
     wait_until(lambda: settled(client, topic, 2), 10, "nothing left open")
-    assert [v for v in committed_values(client, topic) if not v.startswith(b"warm")] == []
+    assert committed_values(client, topic) == []
 
 
 def test_acks_go_through_the_lane_and_apply_with_the_commit(node, client):
     source = create_online(client, "lane-in", 1)
-    sink = prime(client, create_online(client, "lane-out", 2))
+    sink = create_online(client, "lane-out", 2)
     with client.producer() as producer:
         for i in range(20):
             producer.send(source, f"in{i}".encode(), partition=0)
@@ -195,51 +173,25 @@ def test_acks_go_through_the_lane_and_apply_with_the_commit(node, client):
     assert lane(node, "decided") - decided + handed_back == 20
     assert stage_calls(node) - staged_calls == handed_back
     wait_until(lambda: settled(client, sink, 2), 20, "every marker to land")
-    values = [v for v in committed_values(client, sink) if not v.startswith(b"warm")]
-    assert sorted(values) == sorted(f"out{i}".encode() for i in range(20))
+    assert sorted(committed_values(client, sink)) == sorted(f"out{i}".encode()
+                                                            for i in range(20))
 
 
 def test_a_conflicting_ack_in_the_lane_aborts_and_changes_nothing(node, client):
-    source = create_online(client, "lane-conflict-in", 1)
-    sink = prime(client, create_online(client, "lane-conflict-out", 1))
-    with client.producer() as producer:
-        for i in range(4):
-            producer.send(source, f"in{i}".encode(), partition=0)
-        producer.flush()
-    streaming = Client(node.info["bootstrap"], one_call_max_bytes=0)
-    try:
-        with client.consumer(source, subscription="lane-c", ack_timeout_s=60) as consumer, \
-                client.producer() as producer:
-            got = []
-            while len(got) < 4:
-                got += consumer.poll(timeout_s=1.0)
-            holder = streaming.begin_transaction(timeout_s=60)  # acks pending at the server
-            consumer.ack(got[:2], txn=holder)
-            before = consumer.describe()[0]
-            decided = lane(node, "decided")
-            txn = client.begin_transaction(timeout_s=60)
-            producer.send(sink, b"never", partition=0, txn=txn)
-            consumer.ack(got[1:3], txn=txn)  # got[1] is pending in `holder`
-            assert txn.one_call
-            with pytest.raises(errors.TransactionConflict):
-                txn.commit()
-            assert txn.state() == "ABORTED"
-            assert lane(node, "decided") == decided + 1  # decided (to abort) in the lane
-            wait_until(lambda: settled(client, sink, 1), 10, "the staged data aborted")
-            assert [v for v in committed_values(client, sink)
-                    if not v.startswith(b"warm")] == []
-            after = consumer.describe()[0]
-            assert after.cumulative_end_offset == before.cumulative_end_offset
-            assert [(p.txn_id.tc_partition, p.txn_id.sequence) for p in after.pending_acks] == \
-                [(p.txn_id.tc_partition, p.txn_id.sequence) for p in before.pending_acks]
-            holder.commit(wait_for_markers=True)
-    finally:
-        streaming.close()
+    decided = lane(node, "decided")
+
+    def refused() -> None:  # decided (to abort) in the lane
+        assert lane(node, "decided") == decided + 1
+
+    conflicting_ack_changes_nothing(client, node.info["bootstrap"],
+                                    create_online(client, "lane-conflict-in", 1),
+                                    create_online(client, "lane-conflict-out", 1), "lane-c",
+                                    refused)
 
 
 def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted(
         node, client, failpoint_dir):
-    topic = prime(client, create_online(client, "lane-presumed", 2))
+    topic = create_online(client, "lane-presumed", 2)
     held_before = lane(node, "failpoint")
     outcome: dict = {}
     with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
@@ -252,9 +204,7 @@ def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted
         staged = staged_everywhere(client, topic, 2)
         # Staged by the lane, which handed the decision to the ordinary path, held there.
         assert lane(node, "failpoint") == held_before + 1
-        os.kill(node.process("node-0")["pid"], signal.SIGKILL)
-        held.disarm()
-        node.run("up", "--output", "json", "--combined")
+        kill_and_restart(node, "node-0", held)
         thread.join(timeout=120)
     assert not thread.is_alive()
     wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
@@ -262,7 +212,7 @@ def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted
     # transaction anew after the restart, so it committed exactly once.
     assert outcome.get("committed"), outcome
     assert outcome["committed"] != f"{staged[0]}:{staged[1]}"
-    values = [v for v in committed_values(client, topic) if not v.startswith(b"warm")]
-    assert sorted(values) == sorted(f"p{i}".encode() for i in range(6))
+    assert sorted(committed_values(client, topic)) == sorted(f"p{i}".encode()
+                                                             for i in range(6))
     for partition in range(2):
         assert client.describe_partition(topic, partition).aborted_transaction_count == 1

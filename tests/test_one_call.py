@@ -41,15 +41,17 @@ def failpoint_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("failpoints")
 
 
-def failpoint_cluster(directory: Path, failpoint_dir: Path, *settings: str):
-    """A module's cluster with failpoints on (armed by files in `failpoint_dir`) and the
-    shared CLUSTER_SETTINGS plus `settings` ("--set", "name=value", ...); a generator
-    for a module fixture to `yield from`."""
-    cluster = Cluster(directory)
+def failpoint_cluster(directory: Path, failpoint_dir: Path, *settings: str,
+                      combined: bool = False):
+    """A module's cluster (the combined server when `combined`) with failpoints on (armed
+    by files in `failpoint_dir`) and the shared CLUSTER_SETTINGS plus `settings`
+    ("--set", "name=value", ...); a generator for a module fixture to `yield from`."""
+    cluster = Cluster(directory, combined=combined)
     previous = os.environ.get(failpoints.ENVIRONMENT_VARIABLE)
     os.environ[failpoints.ENVIRONMENT_VARIABLE] = str(failpoint_dir)
     try:
-        cluster.run("up", "--output", "json", *CLUSTER_SETTINGS, *settings)
+        cluster.run("up", "--output", "json", *(("--combined",) if combined else ()),
+                    *CLUSTER_SETTINGS, *settings)
         yield cluster
     finally:
         cluster.run("down", check=False)
@@ -246,16 +248,25 @@ def test_a_partition_server_killed_before_the_marker_gets_it_after_restart(serve
 
 
 def test_a_one_call_transaction_with_a_conflicting_ack_changes_nothing(servers, client):
-    source = create_online(client, "oc-in", 1)
-    sink = create_online(client, "oc-out", 1)
+    conflicting_ack_changes_nothing(client, servers.info["bootstrap"],
+                                    create_online(client, "oc-in", 1),
+                                    create_online(client, "oc-out", 1), "oc")
+
+
+def conflicting_ack_changes_nothing(client, bootstrap: str, source: str, sink: str,
+                                    subscription: str, refused=lambda: None) -> None:
+    """A one-call transaction (a send to `sink`, empty, and acks on `source`'s
+    subscription) whose ack conflicts with one pending in another transaction is refused
+    and changes nothing: ABORTED for good, its send failed, nothing of it visible, the
+    cursor as before. `refused()` runs once its commit was refused."""
     with client.producer() as producer:
         for i in range(4):
             producer.send(source, f"in{i}".encode(), partition=0)
         producer.flush()
-    streaming = Client(servers.info["bootstrap"], one_call_max_bytes=0)
+    streaming = Client(bootstrap, one_call_max_bytes=0)
     try:
-        with client.consumer(source, subscription="oc", ack_timeout_s=60) as consumer, \
-                client.producer() as producer:
+        with client.consumer(source, subscription=subscription, ack_timeout_s=60) as \
+                consumer, client.producer() as producer:
             got = []
             while len(got) < 4:
                 got += consumer.poll(timeout_s=1.0)
@@ -268,6 +279,7 @@ def test_a_one_call_transaction_with_a_conflicting_ack_changes_nothing(servers, 
             assert txn.one_call
             with pytest.raises(errors.TransactionConflict):
                 txn.commit()
+            refused()
             assert txn.state() == "ABORTED"
             with pytest.raises(errors.TransactionAborted):  # and stays so
                 txn.commit()
