@@ -35,12 +35,18 @@ With `--cores` (CoreServer), the same loop and group commit run atomlog's own co
 logs where the prototype has its few lines: the TC partitions' TcPartitionCore and
 __txn_log records, each partition's PartitionLog and TxnBuffer. That is the durable work
 and state of the real server without its structure (its tasks, queues and messages).
+With `--cores --wal`, what the cores' logs append goes to one write-ahead file too: a
+group's staged batches and markers, then its TC records, in one write and one fsync (the
+decisions after their data in the file, so the stages need no fsync of their own); the
+partition and TC logs are written with each group as before (readable at once) and
+fsynced by a checkpointer every 100 ms.
 
 It takes the same calls on a link too (services/link_wire.py's frames, one call at a time
 per connection, as the SDK's commits reach a coordinator's link); `--nothing` makes the
 link a do-nothing one (an empty answer, the request unread), the link's floor.
 
-    .venv/bin/python bench/lean_core.py --dir DIR [--wal | --cores | --nothing]
+    .venv/bin/python bench/lean_core.py --dir DIR [--wal] [--cores] | --nothing
+    .venv/bin/python bench/lean_core.py --dir DIR --cores [--wal] --in-process 1000
     # prints its gRPC address and its link's, then serves
 """
 
@@ -402,8 +408,10 @@ class CoreServer(Server):
     between these, and what no one-call transaction of this workload needs (producer
     state, acks, sessions, replication, snapshots, metrics)."""
 
-    def __init__(self, directory: Path):
-        super().__init__(directory)
+    def __init__(self, directory: Path, wal: bool = False):
+        super().__init__(directory, wal)
+        self.dirty: set = set()  # with --wal: PartitionLogs the checkpointer fsyncs next
+        self.deferred: list = []  # with --wal: phase 1's (logs, written), for phase 2's
         self.cores = [TcPartitionCore(tc) for tc in range(TC_PARTITIONS)]
         self.tc_plogs = [PartitionLog(directory / f"__txn_log-{tc}")
                          for tc in range(TC_PARTITIONS)]
@@ -417,12 +425,49 @@ class CoreServer(Server):
             found = self.plogs[name] = (PartitionLog(self.dir / name), TxnBuffer())
         return found
 
-    async def durable(self, logs: list) -> None:
-        """Every PartitionLog's flush: begun, fsynced in one submission, ended."""
-        begun = [(log, *log.flush_begin()) for log in logs]
-        await self.fsync([_Fd(fd) for _, _, fd in begun if fd is not None])
-        for log, target, _ in begun:
-            log.flush_end(target)
+    async def durable(self, logs: list, written: list, defer: bool = False) -> None:
+        """Every PartitionLog's flush: begun, fsynced in one submission, ended. With
+        --wal, `written` ((log, batch bytes) in the order appended) goes to the
+        write-ahead file instead, one write and one fsync, and the logs' high watermarks
+        move (not their recovery points: the checkpointer fsyncs their files)."""
+        if defer:  # with --wal, phase 1: written with phase 2, one fsync for both
+            self.deferred.append((logs, written))
+            return
+        if self.wal is None:
+            begun = [(log, *log.flush_begin()) for log in logs]
+            await self.fsync([_Fd(fd) for _, _, fd in begun if fd is not None])
+            for log, target, _ in begun:
+                log.flush_end(target)
+            return
+        for earlier_logs, earlier in reversed(self.deferred):
+            logs, written = earlier_logs + logs, earlier + written
+        self.deferred = []
+        out = bytearray()
+        for log, data in written:
+            start = len(out)
+            out += _FRAME.pack(id(log) & 0x7FFFFFFF, len(data))
+            out += data
+            out += _CRC.pack(crc32c.crc32c(memoryview(out)[start:]))
+        os.write(self.wal.fd, out)
+        await self.fsync([self.wal])
+        for log in logs:
+            target, _ = log.flush_begin()
+            log.flush_end(target, durable=False)
+            self.dirty.add(log)
+
+    async def checkpointer(self) -> None:
+        """With --wal, every 100 ms: the files the write-ahead file covered, fsynced in
+        one submission (their bytes were written with each group)."""
+        while True:
+            await asyncio.sleep(0.1)
+            due, self.dirty = self.dirty, set()
+            fds = [_Fd(os.dup(log._active.fd)) for log in due]
+            try:
+                if fds:
+                    await self.fsync(fds)
+            finally:
+                for fd in fds:
+                    os.close(fd.fd)
 
     def owes(self) -> bool:
         return bool(self.owed_markers or self.owed_appends)
@@ -490,13 +535,18 @@ class CoreServer(Server):
                     topic_partition=tp, base_offset=first, last_offset=last,
                     log_append_time_unix_ms=now))
             results.append(answered)
-        written = []
+        written, data = [], []
         for name, out in items.items():
             plog, _ = self.partition(name)
             if out:
                 plog.append_parsed(out)
                 written.append(plog)
-        await self.durable(written)
+                if self.wal is not None:
+                    data += [(plog, batch) for batch, _ in out]
+        # With --wal, phase 1 is not awaited: its bytes precede phase 2's in the one
+        # write-ahead file, so a decision found there after a crash has its data before
+        # it, and one fsync makes both durable.
+        await self.durable(written, data, defer=self.wal is not None)
         for plog in written:
             self.plogs[plog.directory.name][1].on_durable(plog.high_watermark)
         for marker in confirmations:
@@ -519,13 +569,14 @@ class CoreServer(Server):
         by_tc: dict[int, list] = {}
         for tc, append in appends:
             by_tc.setdefault(tc, []).append(append)
-        logs = []
+        logs, data = [], []
         for tc, group in by_tc.items():
             batch = encode_batch([Record(None, encode_record(r)) for a in group
                                   for r in a.records])
             self.tc_plogs[tc].append_parsed([(batch, parse_header(batch))])
             logs.append(self.tc_plogs[tc])
-        await self.durable(logs)
+            data.append((self.tc_plogs[tc], batch))
+        await self.durable(logs, data)
         for tc, group in by_tc.items():
             for append in group:
                 ready = self.cores[tc].append_done(append.append_id, now)
@@ -588,7 +639,7 @@ async def serve_link(server: Server | None, reader: asyncio.StreamReader,
 async def serve(directory: Path, listen: str, wal: bool, cores: bool = False,
                 nothing: bool = False) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    server = CoreServer(directory) if cores else Server(directory, wal)
+    server = CoreServer(directory, wal) if cores else Server(directory, wal)
     grpc_server = grpc.aio.server()
     grpc_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "atomlog.v1.CoordinatorService", {"CommitTxn": grpc.unary_unary_rpc_method_handler(
@@ -612,19 +663,79 @@ async def serve(directory: Path, listen: str, wal: bool, cores: bool = False,
     committer.result()
 
 
+async def in_process(directory: Path, wal: bool, groups: int, profile: Path | None) -> None:
+    """`--in-process`: the `--cores` server's commit() driven directly, `groups` groups of
+    8 CommitTxn requests as bench/native_core.py's clients build them (built beforehand;
+    checked by `check` in the window), no sockets and no other process: the CPU per
+    transaction of the cores' work and the group commit alone (process time, the
+    kernel's io_uring workers included), optionally under cProfile into `profile`."""
+    import uuid
+
+    import native_core  # bench/native_core.py: the workload's constants
+
+    directory.mkdir(parents=True, exist_ok=True)
+    server = CoreServer(directory, wal)
+    loop = asyncio.get_running_loop()
+
+    def request(index: int):
+        key = uuid.uuid4().hex
+        counts = [native_core.RECORDS // 4 + (i < native_core.RECORDS % 4) for i in range(4)]
+        return coordinator_pb2.CommitTxnRequest(
+            tc_partition=tc_partition_for(key, TC_PARTITIONS), idempotency_key=key,
+            timeout_ms=30_000, batches=[partition_pb2.ProduceItem(
+                topic_partition=common_pb2.TopicPartition(
+                    topic=native_core.TOPIC, partition=(index * 4 + i) % native_core.PARTITIONS),
+                record_batch=encode_batch([Record(None, native_core.RECORD)] * n))
+                for i, n in enumerate(counts)])
+
+    warm = 50
+    requests = [[request(index) for index in range(8)] for _ in range(warm + groups)]
+
+    async def run(batches) -> float:
+        began = time.process_time()
+        for group in batches:
+            await server.commit([(r, check(r), loop.create_future()) for r in group])
+        return time.process_time() - began
+
+    await run(requests[:warm])
+    profiler = None
+    if profile is not None:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+    cpu = await run(requests[warm:])
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
+    print(f"{'--cores --wal' if wal else '--cores'}, in process: {groups} groups of 8, "
+          f"{cpu / (groups * 8) * 1e3:.3f} ms of CPU a transaction"
+          + (" (under cProfile)" if profiler is not None else ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, required=True, help="data directory")
     parser.add_argument("--listen", default="127.0.0.1:0", help="gRPC address")
     parser.add_argument("--wal", action="store_true",
                         help="one write-ahead file, one fsync per group (as the Go "
-                             "prototype's --wal)")
+                             "prototype's --wal); with --cores, for the cores' logs")
     parser.add_argument("--cores", action="store_true",
                         help="atomlog's own cores and logs in the same loop (CoreServer)")
     parser.add_argument("--nothing", action="store_true",
                         help="the link answers every CommitTxn at once, empty, unread (the "
                              "link's do-nothing floor)")
+    parser.add_argument("--in-process", type=int, metavar="GROUPS", default=0,
+                        help="with --cores: serve nothing; drive commit() directly with "
+                             "GROUPS groups of 8 transactions and print the CPU a "
+                             "transaction")
+    parser.add_argument("--profile", type=Path, metavar="FILE",
+                        help="with --in-process: cProfile the window into FILE")
     args = parser.parse_args()
+    if args.in_process:
+        if not args.cores:
+            parser.error("--in-process drives the --cores server")
+        asyncio.run(in_process(args.dir, args.wal, args.in_process, args.profile))
+        return
     asyncio.run(serve(args.dir, args.listen, args.wal, args.cores, args.nothing))
 
 

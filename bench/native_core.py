@@ -150,8 +150,14 @@ def drive(address: str, server_pid: int, clients: int, seconds: float,
     while time.time() < start_at:
         time.sleep(0.005)
     cpu_before = common.cpu_seconds(server_pid)
+    threads_before = common.thread_cpu_seconds(server_pid)
     time.sleep(seconds)
     server_cpu = common.cpu_seconds(server_pid) - cpu_before
+    threads_after = common.thread_cpu_seconds(server_pid)
+    # The kernel's io_uring workers (their fsyncs' CPU), of those alive at both ends
+    # (an idle worker exits; under this load they stay).
+    uring_cpu = max(0.0, threads_after.get("io_uring workers", 0.0)
+                    - threads_before.get("io_uring workers", 0.0))
     try:
         results = [out.get(timeout=120) for _ in processes]
     except queue.Empty:
@@ -171,6 +177,7 @@ def drive(address: str, server_pid: int, clients: int, seconds: float,
             "p50_ms": common.percentile(latencies, 0.50) * 1e3 if latencies else float("nan"),
             "p99_ms": common.percentile(latencies, 0.99) * 1e3 if latencies else float("nan"),
             "server_cpu_ms": server_cpu / max(count, 1) * 1e3,
+            "uring_cpu_ms": uring_cpu / max(count, 1) * 1e3,
             "client_cpu_ms": sum(r[2] for r in results) / max(count, 1) * 1e3}
 
 
@@ -265,6 +272,9 @@ ROWS = (
     ("lean-cores", "lean-cores", "grpc", "lean Python with atomlog's cores and logs "
                                          "(`--cores`): TcPartitionCore, PartitionLog, "
                                          "TxnBuffer, without the server's tasks and queues"),
+    ("lean-cores-wal", "lean-cores-wal", "grpc", "lean Python with atomlog's cores and logs "
+                                                 "and one write-ahead file (`--cores "
+                                                 "--wal`)"),
     ("atomlog", "atomlog", "grpc", "the combined server (Python), the same calls"),
     ("link-floor", "link-floor", "link", "**on the link**: a do-nothing CommitTxn (asyncio, "
                                          "Python; `lean_core.py --nothing`)"),
@@ -273,6 +283,9 @@ ROWS = (
                                           "link"),
     ("lean-cores-link", "lean-cores", "link", "lean Python with atomlog's cores and logs, "
                                               "on the link"),
+    ("lean-cores-wal-link", "lean-cores-wal", "link", "lean Python with atomlog's cores "
+                                                      "and logs and one write-ahead file, "
+                                                      "on the link"),
     ("atomlog-link", "atomlog", "link", "the combined server, on its coordinator's link (as "
                                         "the SDK commits)"),
 )
@@ -286,9 +299,20 @@ def main() -> None:
     parser.add_argument("--transports", default="grpc,link",
                         help="the rows to run, by transport: grpc, link or both")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    parser.add_argument("--rows", default="",
+                        help="only these rows (comma-separated names: " +
+                             ", ".join(row[0] for row in ROWS) + "); with --no-docs")
     args = parser.parse_args()
     transports = set(args.transports.split(","))
     rows_run = [row for row in ROWS if row[2] in transports]
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        unknown = wanted - {row[0] for row in ROWS}
+        if unknown:
+            parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
+        if not args.no_docs:
+            parser.error("--rows measures a part of the table: add --no-docs")
+        rows_run = [row for row in rows_run if row[0] in wanted]
     needed = {row[1] for row in rows_run}
     binary, why_not = build_native() if needed & {"native", "native-wal"} else (None, "")
     runs: dict[str, list[dict]] = {row[0]: [] for row in rows_run}
@@ -308,6 +332,8 @@ def main() -> None:
                                                                       "--wal")),
                   "lean-cores": lambda: stack.enter_context(lean_server(scratch / "lean-cores",
                                                                         "--cores")),
+                  "lean-cores-wal": lambda: stack.enter_context(lean_server(
+                      scratch / "lean-cores-wal", "--cores", "--wal")),
                   "link-floor": lambda: stack.enter_context(lean_server(scratch / "link-floor",
                                                                         "--nothing")),
                   "atomlog": lambda: stack.enter_context(atomlog_server())}
@@ -327,14 +353,15 @@ def main() -> None:
                     runs[row].append(result)
     lines = ["| server | transactions/s | share of the same round's call rate (target 50%) "
              "| commit p50 / p99 ms (target p99 < 25) | server CPU ms per transaction | "
-             "client CPU ms per transaction |", "| --- | --- | --- | --- | --- | --- |"]
+             "of it, the kernel's io_uring workers (fsyncs) | client CPU ms per transaction |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row, _, _, label in rows_run:
         results = runs[row]
         stalls = (f" (stalled in {stalled[row]} round{'s' if stalled[row] > 1 else ''}: a "
                   "call past 30 s)" if row in stalled else "")
         if not results:
             lines.append(f"| {label} | {'stalled' + stalls if stalls else 'skipped: ' + why_not}"
-                         " | | | | |")
+                         " | | | | | |")
             continue
         refused = sum(r["refusals"] for r in results)
         lines.append(
@@ -344,6 +371,7 @@ def main() -> None:
             f"{median_range([r['p50_ms'] for r in results], '.1f')} / "
             f"{median_range([r['p99_ms'] for r in results], '.1f')} | "
             f"{median_range([r['server_cpu_ms'] for r in results], '.3f')} | "
+            f"{median_range([r['uring_cpu_ms'] for r in results], '.3f')} | "
             f"{median_range([r['client_cpu_ms'] for r in results], '.3f')} |")
     text = (f"{args.rounds} rounds, each the call rate (`common.grpc_call_floor`: "
             f"{', '.join(f'{rate:,.0f}' for rate in call_rates)} calls/s) and then each "

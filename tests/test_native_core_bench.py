@@ -35,11 +35,12 @@ def binary(tmp_path_factory) -> Path:
     return binary
 
 
-@pytest.fixture(scope="module", params=["files", "wal", "lean", "lean-wal", "lean-cores"])
+@pytest.fixture(scope="module", params=["files", "wal", "lean", "lean-wal", "lean-cores",
+                                                "lean-cores-wal"])
 def native_core(request, tmp_path_factory):
     """The Go prototype writing each partition's file in the group commit, or (--wal) one
     write-ahead file per group and the partition files later; or the lean Python one,
-    either way."""
+    either way, or with atomlog's cores and logs (with or without its write-ahead file)."""
     directory = tmp_path_factory.mktemp("native-core-data")
     if request.param.startswith("lean") and not io_uring_usable():
         pytest.skip("io_uring is not usable here, and the lean prototype needs it")
@@ -48,8 +49,8 @@ def native_core(request, tmp_path_factory):
     else:
         command = [str(request.getfixturevalue("binary")), "--dir", str(directory)] + (
             ["--wal"] if request.param == "wal" else [])
-    if request.param in ("lean-wal", "lean-cores"):
-        command.append("--" + request.param[len("lean-"):])
+    command += {"lean-wal": ["--wal"], "lean-cores": ["--cores"],
+                "lean-cores-wal": ["--cores", "--wal"]}.get(request.param, [])
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         address = server.stdout.readline().split()[0]  # (the lean one's link follows)
@@ -207,3 +208,26 @@ def test_the_lean_prototype_takes_the_same_calls_on_its_link(tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_the_cores_driven_in_process_commit_durably(tmp_path):
+    """`lean_core.py --cores --wal --in-process N` (the cores' CPU a transaction without
+    sockets): its groups go through the same commit() as over a connection, so its
+    partitions and TC partitions hold the staged batches and the decisions, and the
+    write-ahead file every group's frames."""
+    if not io_uring_usable():
+        pytest.skip("io_uring is not usable here, and the lean prototype needs it")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir",
+                          str(tmp_path), "--cores", "--wal", "--in-process", "5"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "5 groups of 8" in out and "ms of CPU a transaction" in out
+    # 55 groups (50 to warm up): each of 16 partitions gets 2 batches of a group's 8 ...
+    stored = [h for name in (f"bench-small-txn-{p}" for p in range(16))
+              for _, h in iter_batches(memoryview(log_file(tmp_path, name).read_bytes()),
+                                       verify=True)]
+    data = [h for h in stored if not h.attributes & ATTR_CONTROL]
+    assert len(data) == 55 * 8 * 4 and all(h.attributes & ATTR_TRANSACTIONAL for h in data)
+    # ... and the markers of every group but the last (written with the next group).
+    assert len(stored) - len(data) == 54 * 8 * 4
+    assert (tmp_path / "wal.log").stat().st_size > sum(
+        log_file(tmp_path, f"bench-small-txn-{p}").stat().st_size for p in range(16))
