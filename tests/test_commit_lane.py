@@ -15,20 +15,17 @@ import pytest
 from atomlog.v1 import common_pb2, partition_pb2
 
 from partition_server.record_batch import Record, encode_batch
-from services import failpoints
 from spark_client import Client
 from tests.conftest import Cluster, create_online, metric_sum, wait_until
 from tests.test_one_call import (
-    Armed,
     _commit_txn,
     _key_on,
-    commit_in_thread,
     committed_values,
     conflicting_ack_changes_nothing,
     failpoint_cluster,
     kill_and_restart,
+    killed_between_staging_and_decision_commits_once,
     settled,
-    staged_everywhere,
 )
 
 pytestmark = pytest.mark.cluster
@@ -191,28 +188,12 @@ def test_a_conflicting_ack_in_the_lane_aborts_and_changes_nothing(node, client):
 
 def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted(
         node, client, failpoint_dir):
-    topic = create_online(client, "lane-presumed", 2)
     held_before = lane(node, "failpoint")
-    outcome: dict = {}
-    with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
-            client.producer() as producer:
-        txn = client.begin_transaction(timeout_s=60)
-        for i in range(6):
-            producer.send(topic, f"p{i}".encode(), partition=i % 2, txn=txn)
-        assert txn.one_call
-        thread = commit_in_thread(txn, outcome)
-        staged = staged_everywhere(client, topic, 2)
+
+    def kill(held, staged) -> None:
         # Staged by the lane, which handed the decision to the ordinary path, held there.
         assert lane(node, "failpoint") == held_before + 1
         kill_and_restart(node, "node-0", held)
-        thread.join(timeout=120)
-    assert not thread.is_alive()
-    wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
-    # The staged attempt never commits; the SDK's retry (same idempotency key) ran the
-    # transaction anew after the restart, so it committed exactly once.
-    assert outcome.get("committed"), outcome
-    assert outcome["committed"] != f"{staged[0]}:{staged[1]}"
-    assert sorted(committed_values(client, topic)) == sorted(f"p{i}".encode()
-                                                             for i in range(6))
-    for partition in range(2):
-        assert client.describe_partition(topic, partition).aborted_transaction_count == 1
+
+    killed_between_staging_and_decision_commits_once(
+        client, create_online(client, "lane-presumed", 2), failpoint_dir, kill)

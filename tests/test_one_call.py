@@ -175,7 +175,20 @@ def commit_in_thread(txn, outcome: dict) -> threading.Thread:
 
 def test_coordinator_killed_between_staging_and_decision_presumes_abort(servers, client,
                                                                         failpoint_dir):
-    topic = create_online(client, "oc-presumed", 2)
+    killed_between_staging_and_decision_commits_once(
+        client, create_online(client, "oc-presumed", 2), failpoint_dir,
+        lambda held, staged: kill_and_restart(servers, coordinator_of(servers, staged[0]),
+                                              held))
+
+
+def killed_between_staging_and_decision_commits_once(client, topic: str, failpoint_dir,
+                                                     kill) -> None:
+    """A one-call transaction of six records over `topic`'s two partitions, its decision
+    held by the one_call_decide failpoint once staged everywhere; `kill(held, staged)`
+    kills its coordinator there and restarts it. The staged attempt never commits: its
+    partitions abort it (presumed abort) once its coordinator's successor does not know
+    it; the SDK's retry with the same idempotency key ran the transaction anew, so it
+    committed exactly once."""
     outcome: dict = {}
     with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, client.producer() as producer:
         txn = client.begin_transaction(timeout_s=60)
@@ -184,12 +197,9 @@ def test_coordinator_killed_between_staging_and_decision_presumes_abort(servers,
         assert txn.one_call
         thread = commit_in_thread(txn, outcome)
         staged = staged_everywhere(client, topic, 2)
-        kill_and_restart(servers, coordinator_of(servers, staged[0]), held)
+        kill(held, staged)
         thread.join(timeout=120)
     assert not thread.is_alive()
-    # The staged attempt never commits: its partitions abort it (presumed abort) once its
-    # coordinator's successor does not know it; the SDK's retry with the same idempotency
-    # key ran the transaction anew, so it committed exactly once.
     wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
     assert outcome.get("committed"), outcome
     assert outcome["committed"] != f"{staged[0]}:{staged[1]}"
