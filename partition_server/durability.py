@@ -109,7 +109,8 @@ SYNCFS = "syncfs"
 FSYNC = "fsync"  # per file, batched on the barrier's thread
 EXECUTOR = "executor"  # per file, each owner's own fsync on the default executor
 AUTO = "auto"  # syncfs off the root filesystem, fsync on it
-MODES = (AUTO, SYNCFS, FSYNC, EXECUTOR)
+WAL = "wal"  # one write-ahead file per server (partition_server/wal.py)
+MODES = (AUTO, SYNCFS, FSYNC, EXECUTOR, WAL)
 FSYNC_THREADS = 8  # fsync mode: fsyncs of one round run at once on up to this many
 
 

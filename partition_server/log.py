@@ -225,6 +225,12 @@ class PartitionLog:
         self._broken: str | None = None
         self._closed = False
         self._rolling: RollJob | None = None  # between roll_begin and roll_end
+        # partition.durability=wal (partition_server/wal.py): its writes also go to the
+        # server's write-ahead file as frames, its cuts as CUT frames first; its flushes
+        # end with durable=False and a checkpoint (checkpoint_begin/end) moves the
+        # recovery point. Set by the owner once the log is loaded and replayed.
+        self.wal = None
+        self._cut_generation = 0  # bumped by every cut: a checkpoint begun before is void
         self.recovery = RecoveryReport()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._dir_fd = os.open(self.directory, os.O_RDONLY)
@@ -432,6 +438,8 @@ class PartitionLog:
         else:
             self._end_direct()
             _writev_all(active.fd, buffers)
+            if self.wal is not None and not copied:  # after the file: a frame is replayed
+                self.wal.wrote(self._log_end_offset, buffers, next_offset)
         interval = self.config.index_interval_bytes
         position = active.size
         for header in stamped:
@@ -527,6 +535,66 @@ class PartitionLog:
             if durable:
                 self._durable_offset = max(self._durable_offset, target)
             moved = True
+        self._maybe_write_recovery_point()
+        return moved
+
+    @property
+    def durable_offset(self) -> int:
+        """Everything below was fsynced (by a flush, a roll, a checkpoint or the load)."""
+        return self._durable_offset
+
+    @property
+    def closed_durable(self) -> bool:
+        """Closed, and the close fsynced everything (a healthy close)."""
+        return self._closed and self._durable_offset == self._log_end_offset
+
+    def checkpoint_begin(self) -> tuple[int, int, int] | None:
+        """A write-ahead log's checkpoint (partition_server/wal.py): (target, descriptor,
+        generation) when the high watermark is above what is durable, else None (also
+        while a roll is under way, whose own fsyncs cover the sealed segment, or while
+        the log does not serve). Everything below `target` is in the active segment or
+        in sealed (fsynced) ones, so an fsync of the descriptor (dup it: the log may
+        close its own) begun after this makes it durable; then `checkpoint_end`."""
+        if self._closed or self._broken is not None or self._data_loss is not None or \
+                self._rolling is not None or not self._segments:
+            return None
+        target = self._high_watermark
+        if target <= self._durable_offset:
+            return None
+        return target, self._active.fd, self._cut_generation
+
+    def checkpoint_end(self, target: int, generation: int) -> bool:
+        """The fsync of `checkpoint_begin`'s descriptor succeeded: what is below `target`
+        is durable, unless the log was cut (or closed, or failed) since. Moves the
+        recovery point as a flush does. Returns whether it counted."""
+        if self._closed or self._broken is not None or self._data_loss is not None or \
+                generation != self._cut_generation or target > self._log_end_offset:
+            return False
+        if target > self._durable_offset:
+            self._durable_offset = target
+            self._maybe_write_recovery_point()
+        return True
+
+    def sync(self) -> None:
+        """fsync the active segment and count everything as durable (a replay's end, on a
+        worker thread; sealed segments were fsynced when they rolled)."""
+        self._check_serving()
+        self._end_direct()
+        os.fsync(self._active.fd)
+        self._durable_offset = self._high_watermark = self._log_end_offset
+        self._hw_segment, self._hw_position = self._active, self._active.size
+        self._last_data_offset = self._last_data_offset_written
+        self._flush_pending.clear()
+        self._write_recovery_point(sync=True)
+
+    def declare_data_loss(self, offset: int, detail: str) -> None:
+        """Enter DATA_LOSS at the log's end (`offset`), found missing by a caller that knows
+        more than the files (a replay of the write-ahead file)."""
+        active = self._active
+        self._persist_data_loss(DataLoss(str(active.log_path), active.size, offset, detail,
+                                         self._clock_ms()))
+
+    def _maybe_write_recovery_point(self) -> None:
         now = self._clock_ms()
         if self._durable_offset != self._recovery_point_written and \
                 now - self._recovery_point_written_ms >= self.config.recovery_point_interval_ms:
@@ -541,7 +609,6 @@ class PartitionLog:
                     self._recovery_point_deferred = False
                     self._write_recovery_point(sync=False)
             self._recovery_point_written_ms = now
-        return moved
 
     def _periodic_recovery_point_writer(self, value: int, generation: int) -> Callable[[], None]:
         """The deferred write of the periodic recovery point `value` (not synced, as the
@@ -905,6 +972,9 @@ class PartitionLog:
         self._check_serving()
         if offset < 0:
             raise AtomlogError("INVALID_ARGUMENT", f"offset {offset} is negative")
+        if self.wal is not None:  # a follower's move: replicated logs keep their own fsyncs
+            raise RuntimeError(f"restart_at on {self.directory}, a log of the write-ahead file")
+        self._cut_generation += 1
         self._end_direct(cut=False)  # every segment goes
         self._durable_offset = 0
         self._write_recovery_point(sync=True, offset=self.log_start_offset)
@@ -950,6 +1020,9 @@ class PartitionLog:
         """Cut the log at (segment `base_offset`, `position`), deleting later segments
         newest first. Lowers the recovery point durably first, so a crash midway never
         makes the cut look like lost flushed data. Returns the bytes removed."""
+        if self.wal is not None:  # durable before the cut: replay applies both in order
+            self.wal.cut(new_end_offset)
+        self._cut_generation += 1
         self._end_direct(cut=False)  # cut here below
         self._durable_offset = min(self._durable_offset, new_end_offset)
         self._write_recovery_point(sync=True, offset=new_end_offset)

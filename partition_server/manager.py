@@ -25,6 +25,7 @@ from partition_server.snapshot_files import fsync_directory
 from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
 from partition_server.replica import Follower, LeaderFetcher, LeaderReplication, ReplicaStub
+from partition_server.wal import WriteAheadLog
 from services import local
 from services.errors import AtomlogError
 from services.logs import event
@@ -98,8 +99,12 @@ class NotOwner(Exception):
 
 class PartitionManager:
     def __init__(self, data_dir: Path, server_name: str, zk, settings: OwnerSettings,
-                 coordinator_epochs=None, replication: ReplicationSettings | None = None):
+                 coordinator_epochs=None, replication: ReplicationSettings | None = None,
+                 wal: WriteAheadLog | None = None):
         self.data_dir = data_dir
+        # partition.durability=wal: the server's write-ahead file (partition_server/wal.py),
+        # replayed at start before any partition opens
+        self.wal = wal
         self.coordinator_epochs = coordinator_epochs
         self.server_name = server_name
         self.zk = zk
@@ -131,6 +136,14 @@ class PartitionManager:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.data_dir.glob("*.deleted-*"):  # a crash during _delete_copy
             await asyncio.to_thread(shutil.rmtree, leftover, True)
+        if self.wal is not None:
+            # Before anything opens: what the frames hold goes back into the partitions'
+            # files (a power cut may have left them behind), fsynced; then a new file.
+            replay_config = dataclasses.replace(self.settings.log,
+                                                max_batch_bytes=(1 << 31) - 1)
+            await asyncio.to_thread(self.wal.recover_all, self.data_dir,
+                                    lambda _name: replay_config)
+            await self.wal.start()
         loop = asyncio.get_running_loop()
         self.assignments = Assignments(self.zk, self.server_name, loop, self._reconcile)
         await asyncio.to_thread(self.assignments.start)
@@ -222,7 +235,8 @@ class PartitionManager:
         # (atomic with their append: ResolveStaged's fence cannot be overtaken).
         owner = PartitionOwner(topic, partition, self.data_dir / f"{topic}-{partition}",
                                self._settings_for(topic),
-                               coordinator_epoch=epochs.current if epochs else None)
+                               coordinator_epoch=epochs.current if epochs else None,
+                               wal=self.wal)
         if replication is not None:
             owner.replication = replication
             replication.owner = owner
@@ -564,4 +578,6 @@ class PartitionManager:
         await asyncio.gather(*(f.close() for f in self.fetchers.values()),
                              return_exceptions=True)
         await asyncio.gather(*(o.close() for o in self.owners.values()), return_exceptions=True)
+        if self.wal is not None:
+            await self.wal.close()
         await self._stubs.close()

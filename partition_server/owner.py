@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partition_server import durability
+from partition_server.wal import WalTap, WriteAheadLog
 from partition_server import metrics as m
 from partition_server import producer_state, txn_buffer
 from partition_server.log import LogConfig, PartitionLog, SegmentSpan
@@ -292,7 +293,8 @@ class PartitionOwner:
                  *, fsync: Callable[[int], None] = failpoints.fsync,
                  txn_replay_gate: Callable[[], None] | None = None,
                  barrier: durability.DurabilityBarrier | None = None,
-                 coordinator_epoch: Callable[[int], int] | None = None):
+                 coordinator_epoch: Callable[[int], int] | None = None,
+                 wal: WriteAheadLog | None = None):
         """`fsync` makes a file descriptor durable (os.fsync behind a failpoint the
         fault harness can arm; tests pass one that blocks or fails). It runs on a worker
         thread: an executor thread of its own per fsync when it is not the default (tests
@@ -303,13 +305,15 @@ class PartitionOwner:
         at the partition meanwhile). `coordinator_epoch(tc_partition)` is the server's
         current coordinator epoch of a TC partition (CoordinatorEpochs.current), which
         fences staged batches in the write step; None: only the markers written here
-        fence them."""
+        fence them. `wal`: the server's write-ahead file (partition.durability=wal), used
+        when this partition is not replicated and acknowledges after durability."""
         assert settings.max_fsyncs_in_flight >= 1, settings.max_fsyncs_in_flight
         self.topic = topic
         self.partition = partition
         self.directory = directory
         self.settings = settings
         self.replayed_batches = 0
+        self.replayed_from_wal = 0  # batches the last load appended again from the write-ahead file
         self.state = State.LOADING
         self.log: PartitionLog | None = None
         self.producers = ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms)
@@ -342,6 +346,8 @@ class PartitionOwner:
         self._use_barrier = settings.durability != durability.EXECUTOR and (
             barrier is not None or fsync is failpoints.fsync)
         self._log_sync: durability.LogSync | None = None  # per opened log
+        self._wal = wal
+        self._wal_tap: WalTap | None = None  # set at the load when the write-ahead file is used
         self._loop: asyncio.AbstractEventLoop | None = None  # the owner's (set by _load)
         self._queue: deque[_Queued] = deque()  # bounded by max_queued_requests
         self._queued_bytes = 0
@@ -384,8 +390,13 @@ class PartitionOwner:
         await self._roll_finished()  # ... and the segment files a roll may be creating
         self.state = State.LOADING
         began = time.perf_counter()
+        if self._wal is not None and self._wal_tap is None and self.replication is None \
+                and self.settings.fsync:
+            self._wal_tap = self._wal.tap(self.directory.name)
         loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
         self.log, self.producers = loaded.log, loaded.producers
+        if self._wal_tap is not None and self.log.data_loss is None:
+            self._wal_tap.attach(self.log, self._checkpoint_failed)
         loop = self._loop = asyncio.get_running_loop()
         # Not on this loop: a rename that may block for milliseconds under fsync load.
         self.log.defer_recovery_point = lambda write: loop.run_in_executor(None, write)
@@ -397,7 +408,7 @@ class PartitionOwner:
             # (On a worker thread: the first open on a filesystem probes syncfs.)
             self._log_sync = await asyncio.to_thread(
                 (self._barrier or durability.barrier()).open, self.directory,
-                self.settings.durability,
+                self._barrier_mode(),
                 None if self._fsync is failpoints.fsync else self._fsync,
                 asyncio.get_running_loop())
         self.last_control_offset = loaded.last_control
@@ -445,6 +456,14 @@ class PartitionOwner:
         when its replay needs no more of the log than producer state's."""
         partition_log = PartitionLog(self.directory, self.settings.log, clock_ms=self._clock)
         try:
+            tap = self._wal_tap
+            if tap is not None:
+                # The frames rewrite the log from its last checkpoint (the files above it
+                # may be what a failed fsync left); then its cuts become frames too.
+                self.replayed_from_wal = self._wal.replay_one(tap.name, partition_log)
+                if partition_log.data_loss is None:
+                    self._wal.write_base(tap.name, partition_log.log_end_offset)
+                    partition_log.wal = tap
             return self._load_from(partition_log, truncate_to)
         except BaseException:
             partition_log.fail("the load failed")  # its descriptors go; nothing is synced
@@ -670,6 +689,8 @@ class PartitionOwner:
         self.subscriptions.close()
         if self.log is not None:
             self.log.close()
+            if self._wal_tap is not None:
+                self._wal_tap.detach(self.log)
         self.state = State.CLOSED
 
     def _clock(self) -> int:
@@ -760,7 +781,13 @@ class PartitionOwner:
         if not self._use_barrier or self._fsync is not failpoints.fsync or self._loop is None:
             return None
         return (self._barrier or durability.barrier()).open(
-            directory, self.settings.durability, None, self._loop)
+            directory, self._barrier_mode(), None, self._loop)
+
+    def _barrier_mode(self) -> str:
+        """The barrier's mode for this owner's own fsyncs (in wal mode: a final flush,
+        the cursor journal), which are per file there."""
+        mode = self.settings.durability
+        return durability.FSYNC if mode == durability.WAL else mode
 
     def check_stage_epoch(self, txn: TxnId, epoch: int, what: str = "stage") -> None:
         """Raise STALE_COORDINATOR_EPOCH when a stage (a batch, or an ack on this
@@ -977,6 +1004,11 @@ class PartitionOwner:
         except AtomlogError as error:
             _fail_all(group, error)
             return
+        if self._wal_tap is not None:
+            full = self._wal_tap.wal.full()
+            if full is not None:  # refused before anything is written
+                _fail_all(group, full)
+                return
         self._unflushed.extend(group)  # first: a failure below fails the group too
         self._stamp_ms = now = max(self._stamp_ms, _wall_ms())
         accepted: list[tuple[bytes, BatchHeader]] = []
@@ -1091,7 +1123,9 @@ class PartitionOwner:
             target, fd = self.log.flush_begin()
             future = None
             if fd is not None and settings.fsync:
-                if self._log_sync is not None:  # the barrier's answer settles it
+                if self._wal_tap is not None:  # the write-ahead file's next round
+                    future = self._wal_tap.sync(self._flush_ended)
+                elif self._log_sync is not None:  # the barrier's answer settles it
                     future = self._log_sync.submit(fd, self._flush_ended)
                 else:
                     future = asyncio.get_running_loop().run_in_executor(
@@ -1150,7 +1184,8 @@ class PartitionOwner:
         partition instead of waiting for ever."""
         try:
             moved = self.log.flush_end(
-                flush.target, durable=self.settings.fsync and flush.future is not None)
+                flush.target, durable=self.settings.fsync and flush.future is not None
+                and self._wal_tap is None)
         except Exception as error:
             raise _FlushFailed(flush, error) from error
         for work in flush.works:
@@ -1330,7 +1365,17 @@ class PartitionOwner:
             self.log.close()
         except Exception:  # noqa: BLE001
             pass
+        if self._wal_tap is not None:
+            self._wal_tap.detach(self.log)
         await self._load(truncate_to)
+
+    def _checkpoint_failed(self, error: BaseException) -> None:
+        """The write-ahead file's checkpointer could not fsync this log: its pages are
+        unknown, so fail closed in the task and reload (the load rewrites the log from
+        the frames above its last checkpoint)."""
+        if self._raise_in_task is None and self.state is State.ONLINE:
+            self._raise_in_task = error if isinstance(error, Exception) else OSError(str(error))
+            self._poke()
 
     def expire_producers(self) -> int:
         """Forget producers idle past the expiry (bounded scan of the table)."""

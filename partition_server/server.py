@@ -14,6 +14,7 @@ import grpc
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server import durability, read_wire
+from partition_server.wal import WriteAheadLog
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.copy_link import serve_on_link
 from partition_server.cursor_store import CursorStoreLimits
@@ -108,13 +109,19 @@ async def install(runtime) -> list[str]:
     durability.barrier().use_ring(config["partition.fsync_ring"])
     epochs = CoordinatorEpochs(runtime.zk, config["cluster.tc_partitions"])
     await asyncio.to_thread(epochs.start)
+    wal = None
+    if config["partition.durability"] == durability.WAL:
+        wal = WriteAheadLog(Path(config["server.data_dir"]) / "wal",
+                            segment_bytes=config["partition.wal_segment_bytes"],
+                            checkpoint_ms=config["partition.wal_checkpoint_ms"],
+                            max_bytes=config["partition.wal_max_bytes"])
     manager = PartitionManager(Path(config["server.data_dir"]) / "partitions", runtime.name,
                                runtime.zk, owner_settings(config), coordinator_epochs=epochs,
                                replication=ReplicationSettings(
                                    max_lag_ms=config["replication.max_lag_ms"],
                                    fetch_wait_ms=config["replication.fetch_wait_ms"],
                                    follower_direct_io=config["replication.follower_direct_io"],
-                                   link=config["replication.link"]))
+                                   link=config["replication.link"]), wal=wal)
     await manager.start()
     runtime.stop_hooks.append(manager.close)
     verifier = TxnVerifier(runtime.metadata, epochs,

@@ -51,6 +51,11 @@ class Setting:
     maximum: int | None = None
     choices: tuple[str, ...] | None = None
     check: Callable[[Any], str | None] | None = None  # returns a problem or None
+    combined_default: Any = None  # the combined server's default, where it differs
+
+    def default_for(self, role: str) -> Any:
+        return self.combined_default if role == COMBINED and self.combined_default is not \
+            None else self.default
 
     @property
     def env_name(self) -> str:
@@ -252,8 +257,26 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "for a partition on a filesystem other than the root's (a data volume), "
                 "fsync on the root filesystem (docs/benchmarks.md: it paid for many "
                 "small transactions, not for consume-transform-produce); executor: each "
-                "partition fsyncs its own file on a worker thread.",
-                choices=("auto", "fsync", "syncfs", "executor")),
+                "partition fsyncs its own file on a worker thread; wal: every write of an "
+                "unreplicated partition is also a frame of one write-ahead file per server "
+                "(server.data_dir/wal), a group commit waits for that file's next write and "
+                "fsync, shared by every partition, and the partitions' files are fsynced by "
+                "a checkpointer (partition.wal_checkpoint_ms); at start the file is replayed "
+                "into them (partition_server/wal.py). Replicated partitions keep fsync. "
+                "The combined server's default is wal (docs/benchmarks.md, \"A write-ahead "
+                "file per server\").",
+                choices=("auto", "fsync", "syncfs", "executor", "wal"), combined_default="wal"),
+        Setting("partition.wal_checkpoint_ms", int, 500, "partition.durability=wal: how often "
+                "the partitions' files written since the last checkpoint are fsynced (their "
+                "recovery points move, and write-ahead segments below every checkpoint are "
+                "deleted). Bounds what a start replays.", minimum=10, maximum=60_000),
+        Setting("partition.wal_segment_bytes", int, 64 * MIB, "partition.durability=wal: the "
+                "write-ahead file rolls to a new segment past this size (segments go whole).",
+                minimum=1 * MIB, maximum=1024 * MIB),
+        Setting("partition.wal_max_bytes", int, 2048 * MIB, "partition.durability=wal: most "
+                "bytes of write-ahead segments kept; past it group commits fail "
+                "(RESOURCE_EXHAUSTED) until checkpoints catch up.",
+                minimum=16 * MIB, maximum=1024 * 1024 * MIB),
         Setting("partition.fsync_ring", bool, True, "The fsyncs of "
                 "partition.durability=fsync (and auto on the root filesystem) go through an "
                 "io_uring of the event loop's own: the fsyncs asked for in one loop turn are "
@@ -812,7 +835,7 @@ def load_config(role: str, file: str | Path | None = None,
                                    if s.env_name in env}))
     layers.append(("flags", dict(overrides or {})))
 
-    values = {name: s.default for name, s in settings.items()}
+    values = {name: s.default_for(role) for name, s in settings.items()}
     sources = {name: "default" for name in settings}
     for source, layer in layers:
         for name, raw in layer.items():
@@ -896,5 +919,6 @@ def describe(role: str) -> str:
             bounds = f" [{s.minimum if s.minimum is not None else ''}..{s.maximum if s.maximum is not None else ''}]"
         if s.choices:
             bounds = f" {{{'|'.join(s.choices)}}}"
-        rows.append(f"{s.name} = {s.default!r}{bounds}\n    env {s.env_name}. {s.meaning}")
+        default = s.default_for(role)
+        rows.append(f"{s.name} = {default!r}{bounds}\n    env {s.env_name}. {s.meaning}")
     return "\n".join(rows)

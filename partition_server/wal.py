@@ -1,0 +1,723 @@
+"""A write-ahead file per partition server: `partition.durability=wal`.
+
+In the other durability modes a group commit fsyncs the file of every partition it
+wrote: a small transaction over four partitions and its TC partition costs five or more
+fsyncs, each a request to the kernel's io_uring workers and a completion for the event
+loop. In `wal` mode every partition owner of the process still writes its own segment
+files (one writer per file, as before), and each write is also queued as a *frame* for
+one file of the process, this write-ahead file (as PostgreSQL's WAL). A group commit
+then waits for the file's next *round*: every frame queued since the last round in one
+write and one fsync of one file, for every owner that asked. The partition files are
+written, readable and acknowledged at once, and fsynced later, many groups at a time, by
+a *checkpointer* (every `partition.wal_checkpoint_ms`); only then do their recovery
+points move, and the write-ahead segments wholly below every partition's checkpoint are
+deleted. docs/coordinator.md ("A write-ahead file per server") has the measurements that
+led here.
+
+Frames (big-endian), back to back in segment files `wal/<sequence:020d>.wal`:
+
+    crc u32 (CRC-32C of everything after this field) | length u32 (bytes after this
+    field) | kind u8 | name length u8 | offset i64 | name (UTF-8) | payload
+
+- DATA: `offset` is the base offset of the first batch; the payload is the batches
+  exactly as the log wrote them (offsets and append times stamped).
+- CUT: the log was cut back to `offset` (a reload after a failed write or fsync, an
+  operator's recovery from DATA_LOSS): frames before it at or above `offset` are void.
+  It is durable before the cut is made, so replay applies appends and cuts in order.
+- BASE: an owner loaded the log (replayed and fsynced) and it ends at `offset`: every
+  earlier frame of the partition is void (a deleted and re-created topic's partition
+  starts again at 0 under the same name). Durable before the owner writes.
+
+Replay (`plan`, `replay_into`) reads each segment's longest valid prefix (a torn or
+failed tail ends it) and computes, per partition, the batches the frames still stand for
+and the lowest offset they start from (or a cut leaves). A partition is then *rewritten*
+from there: its log cut back to that offset (no frame: the bytes come back the same) and
+the batches appended again as a follower's copies are, then fsynced. So a power cut that
+lost a file's unsynced tail, or a checkpoint whose fsync failed (whose pages the kernel
+may have dropped), is repaired from the frames, never trusted. A partition whose log ends
+below that offset lost data a checkpoint had made durable: DATA_LOSS, never silent.
+At start the server replays every partition named in the file (`recover_all`) before it
+serves anything, fsyncs them, and starts the file afresh; an owner that reloads after a
+failure replays its own frames (`replay_one`).
+
+What stays on its own fsyncs: replicated partitions (followers copy before the leader's
+fsync, and their truncations follow the leader's history), the subscriptions' cursor
+journals, snapshots, and segment rolls (a roll fsyncs the sealed segment, as always).
+
+The pure parts (`encode_frame`, `decode_frames`, `plan`, `SegmentLedger`) do no I/O; the
+`WriteAheadLog` shell writes, fsyncs (through the durability barrier: the event loop's
+io_uring), checkpoints and trims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import crc32c
+from prometheus_client import Gauge
+
+from partition_server import durability
+from partition_server.log import LogConfig, PartitionLog, _writev_all
+from partition_server.record_batch import iter_batches, parse_header
+from partition_server.snapshot_files import fsync_directory
+from services import failpoints
+from services.errors import AtomlogError
+from services.fastmetrics import Counter, Histogram
+from services.logs import event
+from services.metrics import LATENCY_BUCKETS_SECONDS
+
+log = logging.getLogger(__name__)
+
+DATA, CUT, BASE = 1, 2, 3
+HEADER = struct.Struct(">IIBBq")  # crc, length, kind, name length, offset
+HEADER_SIZE = HEADER.size  # 18
+CRC_FROM = 4  # the CRC covers everything after its own field
+LENGTH_END = 8  # `length` counts the bytes after it
+MAX_FRAME_BYTES = 256 << 20  # a frame claiming more is garbage (a torn tail)
+SUFFIX = ".wal"
+MIB = 1 << 20
+
+ROUNDS = Counter("atomlog_wal_rounds_total",
+                 "Rounds of the write-ahead file: one write and one fsync for every group "
+                 "commit that asked since the previous round.")
+FRAMES = Counter("atomlog_wal_frames_total", "Frames written to the write-ahead file.",
+                 ["kind"])
+BYTES = Counter("atomlog_wal_bytes_total", "Bytes written to the write-ahead file.")
+CHECKPOINTS = Counter("atomlog_wal_checkpoints_total",
+                      "Partition files fsynced by the write-ahead file's checkpointer.",
+                      ["result"])
+RETAINED_BYTES = Gauge("atomlog_wal_retained_bytes",
+                       "Bytes of write-ahead segments kept (not yet below every "
+                       "partition's checkpoint).")
+REPLAYED = Counter("atomlog_wal_replayed_batches_total",
+                   "Batches appended again from the write-ahead file (start, reloads).")
+ROUND_SECONDS = Histogram("atomlog_wal_round_seconds",
+                          "From a round's write to its fsync's completion.",
+                          buckets=LATENCY_BUCKETS_SECONDS)
+_DATA_FRAMES, _CUT_FRAMES = FRAMES.labels("data"), FRAMES.labels("cut")
+_BASE_FRAMES = FRAMES.labels("base")
+_CHECKPOINTS_OK, _CHECKPOINTS_FAILED = CHECKPOINTS.labels("ok"), CHECKPOINTS.labels("failed")
+
+
+# ---------------------------------------------------------------------------- pure core
+def encode_frame(kind: int, name: str, offset: int, payload: bytes = b"") -> bytes:
+    """One frame, whole (header, name, payload)."""
+    return b"".join(frame_parts(kind, name.encode(), offset, payload))
+
+
+_LENGTH_AND_BODY = struct.Struct(">IBBq")  # length, kind, name length, offset
+_CRC = struct.Struct(">I")
+
+
+def frame_parts(kind: int, raw_name: bytes, offset: int, payload: bytes) -> tuple[bytes, bytes]:
+    """A frame as (header and name, payload): written with one writev, no copy of the
+    payload."""
+    if not 0 < len(raw_name) <= 255:
+        raise ValueError(f"a write-ahead frame names its log in 1-255 bytes, not {raw_name!r}")
+    head = _LENGTH_AND_BODY.pack(HEADER_SIZE - LENGTH_END + len(raw_name) + len(payload),
+                                 kind, len(raw_name), offset) + raw_name
+    return _CRC.pack(crc32c.crc32c(payload, crc32c.crc32c(head))) + head, payload
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: int
+    name: str
+    offset: int
+    payload: memoryview
+    end_position: int  # where the next frame starts in its segment
+
+
+def decode_frames(data: bytes | memoryview) -> tuple[list[Frame], int]:
+    """The longest valid prefix of a segment's bytes: its frames and where it ends. A
+    short, oversized, unknown or CRC-failing frame ends it (a torn or failed tail)."""
+    view = memoryview(data)
+    frames: list[Frame] = []
+    position, end = 0, len(view)
+    while end - position >= HEADER_SIZE:
+        crc, length, kind, name_len, offset = HEADER.unpack_from(view, position)
+        frame_end = position + LENGTH_END + length
+        if length < HEADER_SIZE - LENGTH_END + name_len or length > MAX_FRAME_BYTES or \
+                frame_end > end or kind not in (DATA, CUT, BASE) or not name_len:
+            break
+        if crc32c.crc32c(view[position + CRC_FROM:frame_end]) != crc:
+            break
+        name_at = position + HEADER_SIZE
+        try:
+            name = bytes(view[name_at:name_at + name_len]).decode()
+        except UnicodeDecodeError:
+            break
+        frames.append(Frame(kind, name, offset, view[name_at + name_len:frame_end], frame_end))
+        position = frame_end
+    return frames, position
+
+
+@dataclass
+class Plan:
+    """What a partition's frames stand for: rewrite the log from `start` with `batches`
+    ((base offset, last offset, bytes) in order, contiguous from `start`). `error`: the
+    frames contradict each other (a writer's bug, or damage a CRC missed): the partition
+    fails closed (DATA_LOSS) instead."""
+
+    start: int
+    batches: list[tuple[int, int, memoryview]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def end(self) -> int:
+        return self.batches[-1][1] + 1 if self.batches else self.start
+
+
+def plan(frames: Iterator[Frame] | list[Frame]) -> dict[str, Plan]:
+    """Per partition, from frames in the order they were written: the batches still
+    standing after every cut since its last BASE, and the lowest offset they (or a cut)
+    start from. A DATA frame whose batches do not parse, or do not continue where the
+    partition's last ones ended, sets the plan's `error` (frames are appends)."""
+    plans: dict[str, Plan] = {}
+    for frame in frames:
+        current = plans.get(frame.name)
+        if current is not None and current.error is not None:
+            if frame.kind == BASE:
+                plans[frame.name] = Plan(frame.offset)
+            continue
+        if frame.kind == BASE:
+            plans[frame.name] = Plan(frame.offset)
+            continue
+        if frame.kind == CUT:
+            if current is None:
+                plans[frame.name] = Plan(frame.offset)
+                continue
+            current.batches = [b for b in current.batches if b[1] < frame.offset]
+            current.start = min(current.start, frame.offset)
+            continue
+        try:
+            batches = [(header.base_offset, header.last_offset,
+                        frame.payload[position:position + header.size])
+                       for position, header in iter_batches(frame.payload)]
+        except AtomlogError as error:
+            batches, problem = [], f"unreadable batches: {error.message}"
+        else:
+            problem = None
+        if problem is None and (not batches or batches[0][0] != frame.offset):
+            problem = (f"holds batches from {batches[0][0] if batches else 'nothing'}")
+        if problem is None and current is not None and current.batches and \
+                frame.offset != current.end:
+            problem = f"does not continue the last one, which ended at {current.end}"
+        if problem is not None:
+            failed = current or Plan(frame.offset)
+            failed.error = f"a write-ahead frame at {frame.offset} {problem}"
+            plans[frame.name] = failed
+            continue
+        if current is None:
+            plans[frame.name] = Plan(frame.offset, batches)
+            continue
+        if not current.batches:
+            # after a cut (or nothing yet): the log continues here, at or above the cut
+            current.start = min(current.start, frame.offset)
+        current.batches.extend(batches)
+    return plans
+
+
+class SegmentLedger:
+    """Which write-ahead segments may go: per segment (oldest first), the end offset of
+    each partition's frames in it. A segment goes once it is sealed and every partition
+    it names is checkpointed to its end (its file fsynced that far), oldest first. A cut
+    lowers what a partition's older frames are waited for to the cut."""
+
+    def __init__(self) -> None:
+        self.segments: deque[tuple[int, dict[str, int]]] = deque()  # (sequence, ends)
+
+    def open(self, sequence: int) -> None:
+        self.segments.append((sequence, {}))
+
+    def wrote(self, name: str, end: int) -> None:
+        ends = self.segments[-1][1]
+        if end > ends.get(name, -1):
+            ends[name] = end
+
+    def cut(self, name: str, offset: int) -> None:
+        for _, ends in self.segments:
+            if ends.get(name, -1) > offset:
+                ends[name] = offset
+
+    def base(self, name: str) -> None:
+        """Every frame of `name` so far is void (a BASE frame): none is waited for."""
+        for _, ends in self.segments:
+            ends.pop(name, None)
+
+    def removable(self, checkpointed: Callable[[str], int]) -> list[int]:
+        """Sealed segments (all but the newest) whose frames every partition has
+        checkpointed, oldest first, stopping at the first that is still needed; they are
+        taken out of the ledger."""
+        gone: list[int] = []
+        while len(self.segments) > 1:
+            sequence, ends = self.segments[0]
+            if any(checkpointed(name) < end for name, end in ends.items()):
+                break
+            self.segments.popleft()
+            gone.append(sequence)
+        return gone
+
+
+# ---------------------------------------------------------------------------- shell
+def segment_path(directory: Path, sequence: int) -> Path:
+    return directory / f"{sequence:020d}{SUFFIX}"
+
+
+def list_segments(directory: Path) -> list[int]:
+    found = []
+    for path in directory.glob("*" + SUFFIX):
+        stem = path.name[:-len(SUFFIX)]
+        if stem.isdigit():
+            found.append(int(stem))
+    return sorted(found)
+
+
+def read_frames(directory: Path) -> Iterator[Frame]:
+    """Every segment's valid prefix, oldest first."""
+    for sequence in list_segments(directory):
+        data = segment_path(directory, sequence).read_bytes()
+        frames, _ = decode_frames(data)
+        yield from frames
+
+
+def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int:
+    """Rewrite `partition_log` from its plan (see the module docstring) and fsync it;
+    returns the batches appended. Before a WAL tap is set on the log (nothing here is
+    framed again). A log in DATA_LOSS is left as it is; a log ending below the plan's
+    start enters DATA_LOSS."""
+    if partition_log.data_loss is not None:
+        return 0
+    replayed = 0
+    if partition_plan is not None and partition_plan.error is not None:
+        partition_log.declare_data_loss(partition_log.log_end_offset, partition_plan.error)
+        return 0
+    if partition_plan is not None:
+        log_start = partition_log.log_start_offset
+        # below the log start: deleted since (retention, DeleteRecords), nothing to restore
+        batches = [b for b in partition_plan.batches if b[0] >= log_start]
+        start = batches[0][0] if batches else max(partition_plan.start, log_start)
+        if partition_log.log_end_offset < start:
+            partition_log.declare_data_loss(
+                partition_log.log_end_offset,
+                f"the log ends at {partition_log.log_end_offset}, below {start}, where the "
+                "write-ahead file's frames begin: checkpointed data is missing")
+            return 0
+        if partition_log.log_end_offset > start:
+            partition_log.truncate_to(start)
+        if batches:
+            partition_log.append_copied([(bytes(data), parse_header(data))
+                                         for _, _, data in batches])
+            replayed = len(batches)
+            REPLAYED.inc(replayed)
+    partition_log.sync()
+    return replayed
+
+
+class WalTap:
+    """One partition's way to the write-ahead file (PartitionLog.wal): its writes become
+    frames, its cuts CUT frames (durable before the cut), its flushes wait for a round;
+    the checkpointer fsyncs `log` and tells `on_failure` if that fails."""
+
+    __slots__ = ("wal", "name", "raw_name", "log", "on_failure")
+
+    def __init__(self, wal: WriteAheadLog, name: str):
+        self.wal, self.name, self.raw_name = wal, name, name.encode()
+        self.log: PartitionLog | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None
+
+    def wrote(self, base_offset: int, buffers: list, end: int) -> None:
+        self.wal.queue(self.raw_name, self.name, base_offset, b"".join(buffers), end)
+
+    def cut(self, offset: int) -> None:
+        self.wal.write_cut(self.name, offset)
+
+    def sync(self, wake: Callable[[], object] | None) -> durability.SyncTicket:
+        return self.wal.sync(wake)
+
+    def attach(self, partition_log: PartitionLog,
+               on_failure: Callable[[BaseException], None]) -> None:
+        """The owner's log, loaded (replayed, fsynced, its BASE frame written):
+        checkpointed from now on."""
+        self.log, self.on_failure = partition_log, on_failure
+
+    def detach(self, partition_log: PartitionLog | None) -> None:
+        """The owner closed its log: if the close made it durable (a healthy close
+        fsyncs), its frames are no longer needed."""
+        if partition_log is not None and partition_log.closed_durable:
+            self.wal.checkpointed(self.name, partition_log.log_end_offset)
+        if self.log is partition_log:
+            self.log = None
+
+
+@dataclass(eq=False)
+class _Round:
+    tickets: list[durability.SyncTicket]
+    sequence: int  # the segment written
+    began: float
+    done: bool = False
+    error: BaseException | None = None
+
+
+class WriteAheadLog:
+    """The write-ahead file of one partition server (its owners share one event loop).
+    Frames are queued by the owners' writes (on the loop) and by cuts (on worker
+    threads), under one lock; a round is run once per event-loop turn in which a flush
+    asked for one."""
+
+    def __init__(self, directory: Path, *, segment_bytes: int = 64 * MIB,
+                 checkpoint_ms: int = 500, max_bytes: int = 1 << 30,
+                 fsync: Callable[[int], None] = failpoints.fsync):
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.checkpoint_ms = checkpoint_ms
+        self.max_bytes = max_bytes
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self._pending: list[bytes] = []
+        self._pending_ends: list[tuple[str, int]] = []
+        self._waiting: list[durability.SyncTicket] = []
+        self._rounds: deque[_Round] = deque()
+        self._turn: asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sync: durability.LogSync | None = None
+        self._fd = -1
+        self._sequence = -1
+        self._size = 0
+        self._sizes: dict[int, int] = {}
+        self._retained = 0  # bytes of the segments kept
+        self._poisoned: set[int] = set()  # segments a write or fsync failed on
+        self._ledger = SegmentLedger()
+        self._taps: dict[str, WalTap] = {}
+        self._checkpointed: dict[str, int] = {}
+        self._checkpointer: asyncio.Task | None = None
+        self._in_checkpoint: set[str] = set()
+        self.closed = False
+
+    # ------------------------------------------------------------------ start
+    def recover_all(self, data_dir: Path, config: Callable[[str], LogConfig]) -> dict:
+        """At start, before anything is served (blocking): replay every partition the
+        segments name into its directory under `data_dir`, fsync it and close it, then
+        delete the segments. A partition whose directory is gone (its topic deleted) is
+        skipped. Returns {name: batches replayed}."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        plans = plan(read_frames(self.directory))
+        replayed: dict[str, int] = {}
+        for name, partition_plan in plans.items():
+            directory = data_dir / name
+            if not directory.is_dir():
+                event(log, "write-ahead frames of a partition with no directory skipped",
+                      logging.WARNING, partition=name)
+                continue
+            partition_log = PartitionLog(directory, config(name))
+            try:
+                replayed[name] = replay_into(partition_log, partition_plan)
+            finally:
+                partition_log.close()
+        for sequence in list_segments(self.directory):
+            segment_path(self.directory, sequence).unlink()
+        fsync_directory(self.directory)
+        if plans:
+            event(log, "write-ahead file replayed", partitions=len(plans),
+                  batches=sum(replayed.values()))
+        return replayed
+
+    async def start(self) -> None:
+        """Open a new segment and start the checkpointer (on the owners' event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        existing = list_segments(self.directory)
+        if existing:  # recover_all replays and deletes them first
+            raise RuntimeError(f"write-ahead segments {existing} in {self.directory} were "
+                               "not replayed")
+        await asyncio.to_thread(self._open_next)
+        self._sync = await asyncio.to_thread(durability.barrier().open, self.directory,
+                                             durability.FSYNC, None, self._loop)
+        self._checkpointer = asyncio.create_task(self._checkpoints(), name="wal checkpointer")
+
+    def _open_next(self) -> None:
+        """Under the lock (or before the loop runs): a new segment becomes the active one."""
+        self._sequence += 1
+        fd = os.open(segment_path(self.directory, self._sequence),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        fsync_directory(self.directory)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._size = fd, 0
+        self._sizes[self._sequence] = 0
+        self._ledger.open(self._sequence)
+
+    def tap(self, name: str) -> WalTap:
+        tap = self._taps.get(name)
+        if tap is None:
+            tap = self._taps[name] = WalTap(self, name)
+        return tap
+
+    # ------------------------------------------------------------------ frames
+    def queue(self, raw_name: bytes, name: str, offset: int, payload: bytes, end: int) -> None:
+        """A DATA frame of partition `name` (`raw_name` encoded), written by the next round."""
+        head, payload = frame_parts(DATA, raw_name, offset, payload)
+        with self._lock:
+            self._pending.append(head)
+            self._pending.append(payload)
+            self._pending_ends.append((name, end))
+        _DATA_FRAMES.inc()
+
+    def _write_pending(self) -> int:
+        """Under the lock: write every queued frame to the active segment; returns its
+        sequence. Rolls to a new segment first when the active one is full or failed."""
+        if self._sequence in self._poisoned or self._size >= self.segment_bytes:
+            self._open_next()
+        frames, self._pending = self._pending, []
+        ends, self._pending_ends = self._pending_ends, []
+        if frames:
+            size = sum(len(f) for f in frames)
+            try:
+                _writev_all(self._fd, frames)
+            except OSError:
+                self._poisoned.add(self._sequence)
+                raise
+            self._size += size
+            self._sizes[self._sequence] = self._size
+            self._retained += size
+            BYTES.inc(size)
+            for name, end in ends:
+                self._ledger.wrote(name, end)
+        return self._sequence
+
+    def retained_bytes(self) -> int:
+        return self._retained
+
+    def full(self) -> AtomlogError | None:
+        """The refusal for new writes while the segments kept reach
+        partition.wal_max_bytes (checkpoints not keeping up, or failing), else None. An
+        owner asks before it writes anything (frames of what is written are never
+        refused: the partition file has the bytes already)."""
+        if self._retained < self.max_bytes:
+            return None
+        return AtomlogError("RESOURCE_EXHAUSTED", f"the write-ahead file keeps "
+                            f"{self._retained} bytes, its limit (partition.wal_max_bytes) "
+                            f"is {self.max_bytes}: checkpoints are not keeping up",
+                            {"retry_after_ms": "100"})
+
+    def write_cut(self, name: str, offset: int) -> None:
+        """A CUT frame, durable when this returns (any thread; blocking). Queued frames
+        go first, so every frame written before the cut precedes it."""
+        self._write_durably(CUT, name, offset)
+        _CUT_FRAMES.inc()
+
+    def write_base(self, name: str, offset: int) -> None:
+        """A BASE frame (an owner's log loaded, replayed and fsynced, ending at
+        `offset`), durable when this returns (a worker thread; blocking)."""
+        self._write_durably(BASE, name, offset)
+        _BASE_FRAMES.inc()
+
+    def _write_durably(self, kind: int, name: str, offset: int) -> None:
+        frame = encode_frame(kind, name, offset)
+        with self._lock:
+            self._pending.append(frame)
+            self._pending_ends.append((name, -1))
+            self._write_pending()
+            fd = os.dup(self._fd)
+            if kind == CUT:
+                self._ledger.cut(name, offset)
+                if self._checkpointed.get(name, 0) > offset:
+                    self._checkpointed[name] = offset
+            else:
+                self._ledger.base(name)
+                self._checkpointed[name] = offset
+        try:
+            self._fsync(fd)
+        except OSError:
+            with self._lock:
+                self._poisoned.add(self._sequence)
+            raise
+        finally:
+            os.close(fd)
+
+    def sync(self, wake: Callable[[], object] | None) -> durability.SyncTicket:
+        """A ticket answered once everything queued so far is durable (the next round)."""
+        ticket = durability.SyncTicket(wake)
+        self._waiting.append(ticket)
+        if self._turn is None:
+            self._turn = self._loop.call_soon(self._round)
+        return ticket
+
+    def _round(self) -> None:
+        self._turn = None
+        tickets, self._waiting = self._waiting, []
+        if not tickets:
+            return
+        began = time.perf_counter()
+        try:
+            with self._lock:
+                sequence = self._write_pending()
+                round_ = _Round(tickets, sequence, began)
+                sync_ticket = self._sync.submit(self._fd,
+                                                lambda: self._synced(round_, sync_ticket))
+                self._rounds.append(round_)
+        except OSError as error:
+            for ticket in tickets:
+                ticket.finish(error)
+            for ticket in tickets:
+                if ticket.wake is not None:
+                    ticket.wake()
+            return
+        ROUNDS.inc()
+
+    def _synced(self, round_: _Round, sync_ticket: durability.SyncTicket) -> None:
+        error = sync_ticket.exception()
+        if error is not None:
+            # After a failed fsync the file's pages are unknown: this segment takes no
+            # more frames, and no round on it counts (later ones neither).
+            self._poisoned.add(round_.sequence)
+        round_.done, round_.error = True, error
+        ROUND_SECONDS.observe(time.perf_counter() - round_.began)
+        rounds = self._rounds
+        while rounds and rounds[0].done:
+            ended = rounds.popleft()
+            error = ended.error
+            if error is None and ended.sequence in self._poisoned:
+                error = OSError(5, "an fsync of the write-ahead file failed")
+            for ticket in ended.tickets:
+                ticket.finish(error)
+            for ticket in ended.tickets:
+                if ticket.wake is not None:
+                    ticket.wake()
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpointed(self, name: str, offset: int) -> None:
+        """Partition `name`'s file is durable below `offset` (under the lock: a cut on a
+        worker thread lowers it)."""
+        with self._lock:
+            self._raise_checkpoint(name, offset)
+
+    def _raise_checkpoint(self, name: str, offset: int) -> None:
+        if offset > self._checkpointed.get(name, -1):
+            self._checkpointed[name] = offset
+
+    def _checkpoint_of(self, name: str) -> int:
+        """Under the lock."""
+        tap = self._taps.get(name)
+        if tap is not None and tap.log is not None:
+            self._raise_checkpoint(name, tap.log.durable_offset)
+        return self._checkpointed.get(name, -1)
+
+    async def _checkpoints(self) -> None:
+        while True:
+            await asyncio.sleep(self.checkpoint_ms / 1000)
+            try:
+                self.checkpoint()
+                await self._trim()
+            except Exception:  # noqa: BLE001 — the next interval tries again
+                log.exception("write-ahead checkpoint failed")
+
+    def checkpoint(self) -> int:
+        """Begin an fsync of every attached partition file written past its checkpoint;
+        each ends in `_checkpoint_ended`. Returns how many began."""
+        began = 0
+        for tap in list(self._taps.values()):
+            partition_log = tap.log
+            if partition_log is None or tap.name in self._in_checkpoint:
+                continue
+            started = partition_log.checkpoint_begin()
+            if started is None:
+                continue
+            target, fd, generation = started
+            self._in_checkpoint.add(tap.name)
+            holder: list[durability.SyncTicket] = []
+            holder.append(self._sync.submit(fd, lambda t=tap, lg=partition_log, tg=target,
+                                            g=generation, h=holder:
+                                            self._checkpoint_ended(t, lg, tg, g, h[0])))
+            began += 1
+        return began
+
+    def _checkpoint_ended(self, tap: WalTap, partition_log: PartitionLog, target: int,
+                          generation: int, ticket: durability.SyncTicket) -> None:
+        self._in_checkpoint.discard(tap.name)
+        error = ticket.exception()
+        if error is not None:
+            _CHECKPOINTS_FAILED.inc()
+            event(log, "a checkpoint's fsync failed: the partition reloads from the "
+                  "write-ahead file", logging.ERROR, partition=tap.name, error=str(error))
+            if tap.log is partition_log and tap.on_failure is not None:
+                tap.on_failure(error)
+            return
+        _CHECKPOINTS_OK.inc()
+        try:
+            if partition_log.checkpoint_end(target, generation):
+                self.checkpointed(tap.name, partition_log.durable_offset)
+        except Exception as failure:  # noqa: BLE001 — the recovery point's write failed
+            if tap.log is partition_log and tap.on_failure is not None:
+                tap.on_failure(failure)
+
+    async def _trim(self) -> None:
+        with self._lock:
+            gone = self._ledger.removable(self._checkpoint_of)
+            for sequence in gone:
+                self._retained -= self._sizes.pop(sequence, 0)
+                self._poisoned.discard(sequence)
+        RETAINED_BYTES.set(self.retained_bytes())
+        if gone:
+            await asyncio.to_thread(_unlink_segments, self.directory, gone)
+
+    # ------------------------------------------------------------------ replay
+    def replay_one(self, name: str, partition_log: PartitionLog) -> int:
+        """An owner's load (a worker thread): rewrite its log from its frames (queued ones
+        written first, so none of them lands after this reads the file)."""
+        with self._lock:
+            if self._fd >= 0:
+                self._write_pending()
+        frames = (f for f in read_frames(self.directory) if f.name == name)
+        partition_plan = plan(frames).get(name)
+        replayed = replay_into(partition_log, partition_plan)
+        return replayed
+
+    async def close(self) -> None:
+        """Stop the checkpointer; delete the segments nothing needs any more (after a
+        clean close of every owner, all of them)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._checkpointer is not None:
+            self._checkpointer.cancel()
+            try:
+                await self._checkpointer
+            except asyncio.CancelledError:
+                pass
+        with self._lock:
+            if self._pending:
+                try:
+                    self._write_pending()
+                except OSError:
+                    pass
+            active = self._sequence
+            self._ledger.open(active + 1)  # so the active one counts as sealed
+            gone = self._ledger.removable(self._checkpoint_of)
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+        gone = [s for s in gone if s <= active]
+        await asyncio.to_thread(_unlink_segments, self.directory, gone)
+
+
+def _unlink_segments(directory: Path, sequences: list[int]) -> None:
+    for sequence in sequences:
+        segment_path(directory, sequence).unlink(missing_ok=True)
+    if sequences:
+        fsync_directory(directory)
+
+
+
+
+__all__ = ["WriteAheadLog", "WalTap", "encode_frame", "decode_frames", "plan", "Plan",
+           "SegmentLedger", "replay_into"]

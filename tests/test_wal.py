@@ -1,0 +1,467 @@
+"""The write-ahead file (partition_server/wal.py, partition.durability=wal).
+
+Its pure parts: frames and their valid prefix, the plan replay follows (appends, cuts and
+bases in order), and which segments may go. Then partition owners on a real write-ahead
+file and real partition files, crashed at random points with what a power cut may leave:
+every partition file cut back to anywhere at or above what its last checkpoint made
+durable, the write-ahead file cut back to anywhere at or above its last answered round.
+After the replay, every acknowledged batch is there once, at the offset it was
+acknowledged with, and nothing else but batches that were sent. Also: a cut is framed
+before it is made, a failed checkpoint reloads its partition from the frames, and the
+segments below every checkpoint go."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from partition_server import durability
+from partition_server.log import LogConfig
+from partition_server.owner import OwnerSettings, PartitionOwner, State
+from partition_server.record_batch import Record, encode_batch, iter_batches, parse_header
+from partition_server.wal import (BASE, CUT, DATA, Plan, SegmentLedger, WriteAheadLog,
+                                  decode_frames, encode_frame, list_segments, plan)
+from services.errors import AtomlogError
+
+
+def batch(producer_id: int, sequence: int, value: bytes = b"v" * 40, count: int = 2) -> bytes:
+    return encode_batch([Record(b"k", value)] * count, producer_id=producer_id,
+                        producer_epoch=0, base_sequence=sequence, timestamp_ms=1_000)
+
+
+def stamped(b: bytes, base_offset: int) -> bytes:
+    """`b` as a log writes it at `base_offset` (the prefix stamped)."""
+    from partition_server.record_batch import PREFIX, PREFIX_SIZE
+    header = parse_header(b)
+    return PREFIX.pack(base_offset, header.batch_length, header.magic, 5) + b[PREFIX_SIZE:]
+
+
+# ---------------------------------------------------------------------------- pure core
+def test_frames_round_trip_and_a_torn_or_damaged_frame_ends_the_valid_prefix():
+    frames = [encode_frame(DATA, "t-0", 0, stamped(batch(1, 0), 0)),
+              encode_frame(CUT, "t-1", 7),
+              encode_frame(BASE, "__txn_log-3", 12),
+              encode_frame(DATA, "t-0", 2, stamped(batch(1, 2), 2))]
+    data = b"".join(frames)
+    decoded, end = decode_frames(data)
+    assert end == len(data)
+    assert [(f.kind, f.name, f.offset) for f in decoded] == [
+        (DATA, "t-0", 0), (CUT, "t-1", 7), (BASE, "__txn_log-3", 12), (DATA, "t-0", 2)]
+    assert bytes(decoded[0].payload) == stamped(batch(1, 0), 0)
+    first_three = sum(len(f) for f in frames[:3])
+    for cut in range(first_three, len(data)):  # torn anywhere in the last frame
+        assert decode_frames(data[:cut]) [1] == first_three
+    damaged = bytearray(data)
+    damaged[len(frames[0]) + 10] ^= 0x40  # inside the second frame
+    assert decode_frames(bytes(damaged)) == (decoded[:1], len(frames[0]))
+    with pytest.raises(ValueError):
+        encode_frame(DATA, "", 0)
+
+
+def frame_list(*specs) -> list:
+    frames, _ = decode_frames(b"".join(encode_frame(*spec) for spec in specs))
+    return frames
+
+
+def data_frame(name: str, base: int, *sequences: int):
+    payload, offset = b"", base
+    for sequence in sequences:
+        payload += stamped(batch(1, sequence), offset)
+        offset += 2
+    return (DATA, name, base, payload)
+
+
+def test_the_plan_applies_appends_cuts_and_bases_in_the_order_they_were_written():
+    plans = plan(frame_list(data_frame("a", 10, 0, 2), data_frame("b", 0, 0),
+                            data_frame("a", 14, 4), (CUT, "a", 12),
+                            data_frame("a", 12, 9, 11), (CUT, "c", 5)))
+    a = plans["a"]
+    assert a.start == 10 and a.end == 16 and a.error is None
+    assert [(base, last) for base, last, _ in a.batches] == [(10, 11), (12, 13), (14, 15)]
+    assert parse_header(a.batches[1][2]).base_sequence == 9  # the batch after the cut
+    assert plans["b"].start == 0 and plans["b"].end == 2
+    assert plans["c"] == Plan(5)  # a cut with nothing after it: the log ends there
+    # A cut below every frame lowers the start: the log is cut there on replay.
+    assert plan(frame_list(data_frame("a", 10, 0), (CUT, "a", 4))) ["a"] == Plan(4)
+    # A base voids everything before it (a re-created partition starts again).
+    again = plan(frame_list(data_frame("a", 10, 0, 2), (BASE, "a", 0), data_frame("a", 0, 0)))
+    assert again["a"].start == 0 and again["a"].end == 2
+    # Frames that do not continue each other are an error, not a guess.
+    broken = plan(frame_list(data_frame("a", 10, 0), data_frame("a", 20, 2)))["a"]
+    assert broken.error is not None and "ended at 12" in broken.error
+    assert plan(frame_list(data_frame("a", 10, 0), data_frame("a", 20, 2),
+                           (BASE, "a", 30)))["a"] == Plan(30)
+    mislabelled = plan(frame_list((DATA, "a", 3, stamped(batch(1, 0), 0))))["a"]
+    assert mislabelled.error is not None
+
+
+def test_the_ledger_lets_sealed_segments_go_once_every_partition_checkpointed_them():
+    ledger = SegmentLedger()
+    ledger.open(0)
+    ledger.wrote("a", 10)
+    ledger.wrote("b", 4)
+    ledger.open(1)
+    ledger.wrote("a", 20)
+    ledger.open(2)
+    checkpoints = {"a": 9, "b": 4}
+    assert ledger.removable(lambda name: checkpoints.get(name, -1)) == []
+    checkpoints["a"] = 15
+    assert ledger.removable(lambda name: checkpoints.get(name, -1)) == [0]
+    # A cut lowers what older frames wait for; a base voids them.
+    ledger.cut("a", 15)
+    assert ledger.removable(lambda name: checkpoints.get(name, -1)) == [1]
+    ledger.wrote("c", 3)
+    ledger.open(3)
+    ledger.base("c")
+    assert ledger.removable(lambda name: -1) == [2]
+    assert ledger.removable(lambda name: 1 << 40) == []  # the newest one stays
+
+
+# ---------------------------------------------------------------------------- owners
+class AtTheFloor:
+    """A power cut's "random" that loses everything it may lose."""
+
+    @staticmethod
+    def randint(low: int, _high: int) -> int:
+        return low
+
+
+class Submitting:
+    """Stands in for the write-ahead file's LogSync: `submit` is the test's."""
+
+    def __init__(self, submit):
+        self.submit = submit
+
+
+SETTINGS = OwnerSettings(log=LogConfig(segment_bytes=16 << 10), durability=durability.WAL)
+
+
+class Node:
+    """Partition owners and their write-ahead file in this process, crashed and restarted
+    as a server process would be (without its gRPC shell)."""
+
+    def __init__(self, root: Path, partitions: int, *, checkpoint_ms: int = 50,
+                 segment_bytes: int = 1 << 20):
+        self.root, self.partitions = root, partitions
+        self.checkpoint_ms, self.segment_bytes = checkpoint_ms, segment_bytes
+        self.wal: WriteAheadLog | None = None
+        self.owners: list[PartitionOwner] = []
+
+    async def start(self) -> dict:
+        self.wal = WriteAheadLog(self.root / "wal", checkpoint_ms=self.checkpoint_ms,
+                                 segment_bytes=self.segment_bytes)
+        replayed = await asyncio.to_thread(self.wal.recover_all, self.root / "p",
+                                           lambda _name: SETTINGS.log)
+        await self.wal.start()
+        self.owners = [PartitionOwner("t", i, self.root / "p" / f"t-{i}", SETTINGS,
+                                      wal=self.wal) for i in range(self.partitions)]
+        for owner in self.owners:
+            await owner.start()
+        return replayed
+
+    async def crash(self, rng: random.Random, durable_wal: dict[int, int]) -> None:
+        """A power cut: nothing is closed or synced; every file loses some of what was not
+        made durable."""
+        wal = self.wal
+        wal._checkpointer.cancel()
+        for owner in self.owners:
+            owner._task.cancel()
+            if owner._roll is not None:  # its thread holds a duplicate of the log's lock
+                await asyncio.wait([owner._roll.future])
+            durable = owner.log.durable_offset
+            owner.log.fail("power cut")
+            owner.log.close()
+            cut_back(owner.directory, durable, rng)
+        os.close(wal._fd)
+        wal._fd = -1
+        for sequence in list_segments(wal.directory):
+            path = wal.directory / f"{sequence:020d}.wal"
+            size = path.stat().st_size
+            keep = durable_wal.get(sequence, 0)
+            os.truncate(path, rng.randint(min(keep, size), size))
+        await asyncio.sleep(0)
+
+    async def close(self) -> None:
+        for owner in self.owners:
+            await owner.close()
+        await self.wal.close()
+
+
+def cut_back(directory: Path, durable: int, rng: random.Random) -> None:
+    """Cut the partition's last segment file back to a random position at or above the
+    end of offset `durable`'s batches (sealed segments were fsynced by their roll)."""
+    segments = sorted(directory.glob("*.log"))
+    last = segments[-1]
+    data = last.read_bytes()
+    floor = 0
+    for position, header in iter_batches(data):
+        if header.base_offset < durable:
+            floor = position + header.size
+    os.truncate(last, rng.randint(floor, len(data)))
+
+
+def wal_sizes(wal: WriteAheadLog) -> dict[int, int]:
+    return {s: (wal.directory / f"{s:020d}.wal").stat().st_size
+            for s in list_segments(wal.directory)}
+
+
+def read_all(owner: PartitionOwner) -> list[tuple[int, bytes]]:
+    """(base offset, the batch's bytes after the prefix the log stamps) of every batch in
+    the log."""
+    return [(header.base_offset, data[21:]) for header, data in read_headers(owner)]
+
+
+def read_headers(owner: PartitionOwner) -> list[tuple]:
+    data = b"".join(p.read_bytes() for p in sorted(owner.directory.glob("*.log")))
+    return [(header, data[position:position + header.size])
+            for position, header in iter_batches(data)]
+
+
+@pytest.mark.parametrize("seed", range(1, 7))
+def test_acknowledged_batches_survive_random_power_cuts_exactly_once(tmp_path, seed):
+    rng = random.Random(seed)
+    sent: dict[tuple[int, int], bytes] = {}  # (partition, sequence) -> batch
+    acked: dict[tuple[int, int], int] = {}  # (partition, sequence) -> base offset
+    next_sequence = [0, 0, 0]
+
+    async def scenario():
+        node = Node(tmp_path, 3, checkpoint_ms=rng.choice([20, 1_000]),
+                    segment_bytes=rng.choice([1 << 20, 8 << 10]))
+        await node.start()
+        replayed = 0
+        for cycle in range(4):
+            for _ in range(rng.randint(5, 40)):
+                produced = []
+                for partition in rng.sample(range(3), rng.randint(1, 3)):
+                    sequence = next_sequence[partition]
+                    next_sequence[partition] += 2
+                    b = batch(7, sequence, os.urandom(rng.randint(10, 400)))
+                    sent[(partition, sequence)] = b
+                    produced.append(((partition, sequence), node.owners[partition].produce(
+                        [(b, parse_header(b))])))
+                for key, pending in produced:
+                    result = (await pending)[0]
+                    assert not isinstance(result, AtomlogError), result
+                    acked[key] = result.base_offset
+                if rng.random() < 0.2:
+                    await asyncio.sleep(rng.choice([0.01, 0.06]))  # checkpoints may run
+                if rng.random() < 0.3:
+                    await node.wal._trim()  # only what a checkpoint covered may go
+            durable_wal = wal_sizes(node.wal)  # every round so far was answered
+            # in flight at the crash: written maybe, never acknowledged
+            for partition in range(3):
+                sequence = next_sequence[partition]
+                next_sequence[partition] += 2
+                b = batch(7, sequence)
+                sent[(partition, sequence)] = b
+                asyncio.ensure_future(node.owners[partition].produce([(b, parse_header(b))]))
+            for _ in range(rng.randint(0, 3)):
+                await asyncio.sleep(0)
+            await node.crash(rng, durable_wal)
+            node = Node(tmp_path, 3, checkpoint_ms=node.checkpoint_ms,
+                        segment_bytes=node.segment_bytes)
+            replayed += sum((await node.start()).values())
+            for partition, owner in enumerate(node.owners):
+                assert owner.state is State.ONLINE, owner.state
+                batches = read_all(owner)
+                by_offset = dict(batches)
+                assert len(by_offset) == len(batches)
+                for (p, sequence), offset in acked.items():
+                    if p == partition:
+                        assert by_offset.get(offset) == sent[(p, sequence)][21:], (
+                            cycle, partition, sequence, offset)
+                found = [header.base_sequence for header, _ in read_headers(owner)]
+                assert len(found) == len(set(found)), "a batch is in the log twice"
+                assert all((partition, s) in sent for s in found)
+                # the sequences a producer retries from: what the log holds
+                next_sequence[partition] = max(found, default=-2) + 2
+                for key in [k for k in sent if k[0] == partition and k[1] >= next_sequence[
+                        partition]]:
+                    del sent[key]
+        await node.close()
+        assert list_segments(tmp_path / "wal") == []  # a clean close leaves nothing
+        assert replayed > 0  # the power cuts lost data the frames brought back
+
+    asyncio.run(scenario())
+
+
+def test_group_commits_share_one_write_ahead_fsync_and_checkpoints_trim_the_file(tmp_path):
+    async def scenario():
+        node = Node(tmp_path, 4, checkpoint_ms=60_000, segment_bytes=1 << 20)
+        await node.start()
+        wal = node.wal
+        wal.segment_bytes = 4 << 10  # small segments, so that some can go
+        before = durability.barrier().syncs
+        for sequence in range(0, 80, 2):
+            results = await asyncio.gather(*[
+                o.produce([(batch(1, sequence), parse_header(batch(1, sequence)))])
+                for o in node.owners])
+            assert all(not isinstance(r[0], AtomlogError) for r in results)
+        # one fsync a round for all four owners, and none of their files' own
+        assert durability.barrier().syncs - before == 40
+        assert all(o.log.durable_offset == 0 for o in node.owners)
+        assert all(o.log.high_watermark == 80 for o in node.owners)
+        assert len(list_segments(wal.directory)) > 3
+        assert wal.checkpoint() == 4
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if all(o.log.durable_offset == 80 for o in node.owners):
+                break
+        assert all(o.log.durable_offset == 80 for o in node.owners)
+        assert wal.checkpoint() == 0  # nothing new since
+        await wal._trim()
+        assert len(list_segments(wal.directory)) == 1  # only the active one stays
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_cut_is_framed_before_it_is_made_and_replays_in_order(tmp_path):
+    """A failed round fails the owner closed; its reload cuts back to the high watermark
+    with a CUT frame first; the frames of the cut batches, earlier in the file, are void
+    on replay, so the batches written after the cut at the same offsets come back."""
+    async def scenario():
+        node = Node(tmp_path, 1, checkpoint_ms=60_000)
+        await node.start()
+        owner = node.owners[0]
+        first = batch(1, 0)
+        assert (await owner.produce([(first, parse_header(first))]))[0].base_offset == 0
+        failing = [True]
+        real_submit = node.wal._sync.submit
+
+        def refuse_once(fd, wake):
+            if failing:
+                failing.clear()
+                ticket = durability.SyncTicket(wake)
+                asyncio.get_running_loop().call_soon(
+                    lambda: (ticket.finish(OSError(5, "injected")), wake()))
+                return ticket
+            return real_submit(fd, wake)
+
+        node.wal._sync = Submitting(refuse_once)
+        lost = batch(1, 2, b"lost" * 10)
+        with pytest.raises(AtomlogError, match="PARTITION_LOADING|injected"):
+            await owner.produce([(lost, parse_header(lost))])
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if owner.state is State.ONLINE and owner.log.log_end_offset == 2:
+                break
+        assert owner.state is State.ONLINE and owner.log.log_end_offset == 2
+        again = batch(1, 2, b"kept" * 10)
+        assert (await owner.produce([(again, parse_header(again))]))[0].base_offset == 2
+        frames, _ = decode_frames(b"".join(
+            (node.wal.directory / f"{s:020d}.wal").read_bytes()
+            for s in list_segments(node.wal.directory)))
+        kinds = [(f.kind, f.offset) for f in frames if f.name == "t-0"]
+        assert (CUT, 2) in kinds
+        assert kinds.index((CUT, 2)) < kinds.index((DATA, 2), kinds.index((CUT, 2)))
+        await node.crash(AtTheFloor(), wal_sizes(node.wal))  # all that was not fsynced lost
+        node = Node(tmp_path, 1)
+        await node.start()
+        assert [body for _, body in read_all(node.owners[0])] == [first[21:], again[21:]]
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_checkpoint_reloads_the_partition_and_rewrites_it_from_the_frames(tmp_path):
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        for sequence in range(0, 20, 2):
+            for owner in node.owners:
+                b = batch(1, sequence)
+                assert (await owner.produce([(b, parse_header(b))]))[0].base_offset == sequence
+        wal = node.wal
+        real_sync = wal._sync
+        real_submit = real_sync.submit
+        victim = node.owners[0]
+
+        def fail_the_victim_s_file(fd, wake):
+            if os.path.samestat(os.fstat(fd), os.fstat(victim.log._active.fd)):
+                ticket = durability.SyncTicket(wake)
+                asyncio.get_running_loop().call_soon(
+                    lambda: (ticket.finish(OSError(5, "injected")), wake()))
+                return ticket
+            return real_submit(fd, wake)
+
+        wal._sync = Submitting(fail_the_victim_s_file)
+        old_log = victim.log
+        assert wal.checkpoint() == 2
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if victim.log is not old_log and victim.state is State.ONLINE:
+                break
+        wal._sync = real_sync
+        assert victim.log is not old_log and victim.state is State.ONLINE
+        assert victim.replayed_from_wal == 10  # rewritten from the frames, not trusted
+        assert victim.log.durable_offset == 20 == victim.log.high_watermark
+        assert node.owners[1].log.durable_offset == 20  # its checkpoint went through
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_log_that_ends_below_its_frames_enters_data_loss(tmp_path):
+    """Frames start where the last checkpoint left the log: a log found shorter than that
+    lost data that was durable, which fails the partition closed (DATA_LOSS)."""
+    async def scenario():
+        node = Node(tmp_path, 1, checkpoint_ms=60_000)
+        await node.start()
+        owner = node.owners[0]
+        for sequence in range(0, 6, 2):
+            b = batch(1, sequence)
+            await owner.produce([(b, parse_header(b))])
+        assert node.wal.checkpoint() == 1
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if owner.log.durable_offset == 6:
+                break
+        b = batch(1, 6)
+        await owner.produce([(b, parse_header(b))])
+        durable_wal = wal_sizes(node.wal)
+        await node.crash(random.Random(1), durable_wal)
+        for path in (tmp_path / "p" / "t-0").glob("*.log"):
+            os.truncate(path, 0)  # the checkpointed batches gone too: a lying disk
+        node = Node(tmp_path, 1)
+        await node.start()
+        assert node.owners[0].state is State.DATA_LOSS
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_past_its_byte_limit_the_file_refuses_new_writes_until_checkpoints_free_it(tmp_path):
+    """partition.wal_max_bytes: a group is refused whole (RESOURCE_EXHAUSTED, nothing
+    written) while the kept segments reach the limit; a checkpoint and the trim after it
+    let writes in again."""
+    async def scenario():
+        node = Node(tmp_path, 1, checkpoint_ms=60_000)
+        await node.start()
+        wal, owner = node.wal, node.owners[0]
+        wal.segment_bytes, wal.max_bytes = 2 << 10, 6 << 10
+        sequence = 0
+        with pytest.raises(AtomlogError) as refused:
+            for _ in range(100):
+                b = batch(1, sequence, b"x" * 300)
+                await owner.produce([(b, parse_header(b))])
+                sequence += 2
+        assert refused.value.reason == "RESOURCE_EXHAUSTED"
+        end = owner.log.log_end_offset
+        assert end == owner.log.high_watermark == sequence  # the refused group wrote nothing
+        assert wal.checkpoint() == 1
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if owner.log.durable_offset == end:
+                break
+        await wal._trim()
+        assert wal.full() is None
+        b = batch(1, sequence, b"x" * 300)
+        assert (await owner.produce([(b, parse_header(b))]))[0].base_offset == end
+        await node.close()
+
+    asyncio.run(scenario())
