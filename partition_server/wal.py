@@ -137,9 +137,12 @@ class Frame:
     end_position: int  # where the next frame starts in its segment
 
 
-def decode_frames(data: bytes | memoryview) -> tuple[list[Frame], int]:
+def decode_frames(data: bytes | memoryview, only: bytes | None = None
+                  ) -> tuple[list[Frame], int]:
     """The longest valid prefix of a segment's bytes: its frames and where it ends. A
-    short, oversized, unknown or CRC-failing frame ends it (a torn or failed tail)."""
+    short, oversized, unknown or CRC-failing frame ends it (a torn or failed tail).
+    `only`: the frames of that partition (encoded name) alone; the others' CRCs are not
+    checked (an owner's reload reading what its own process wrote)."""
     view = memoryview(data)
     frames: list[Frame] = []
     position, end = 0, len(view)
@@ -149,9 +152,12 @@ def decode_frames(data: bytes | memoryview) -> tuple[list[Frame], int]:
         if length < HEADER_SIZE - LENGTH_END + name_len or length > MAX_FRAME_BYTES or \
                 frame_end > end or kind not in (DATA, CUT, BASE) or not name_len:
             break
+        name_at = position + HEADER_SIZE
+        if only is not None and view[name_at:name_at + name_len] != only:
+            position = frame_end
+            continue
         if crc32c.crc32c(view[position + CRC_FROM:frame_end]) != crc:
             break
-        name_at = position + HEADER_SIZE
         try:
             name = bytes(view[name_at:name_at + name_len]).decode()
         except UnicodeDecodeError:
@@ -282,11 +288,13 @@ def list_segments(directory: Path) -> list[int]:
     return sorted(found)
 
 
-def read_frames(directory: Path) -> Iterator[Frame]:
-    """Every segment's valid prefix, oldest first."""
-    for sequence in list_segments(directory):
+def read_frames(directory: Path, sequences: list[int] | None = None,
+                only: bytes | None = None) -> Iterator[Frame]:
+    """Every segment's valid prefix (or those of `sequences`), oldest first; `only`: as
+    decode_frames."""
+    for sequence in list_segments(directory) if sequences is None else sequences:
         data = segment_path(directory, sequence).read_bytes()
-        frames, _ = decode_frames(data)
+        frames, _ = decode_frames(data, only)
         yield from frames
 
 
@@ -342,7 +350,7 @@ class WalTap:
         self.wal.write_cut(self.name, offset)
 
     def sync(self, wake: Callable[[], object] | None) -> durability.SyncTicket:
-        return self.wal.sync(wake)
+        return self.wal.sync(self.name, wake)
 
     def attach(self, partition_log: PartitionLog,
                on_failure: Callable[[BaseException], None]) -> None:
@@ -361,7 +369,7 @@ class WalTap:
 
 @dataclass(eq=False)
 class _Round:
-    tickets: list[durability.SyncTicket]
+    tickets: list[tuple[durability.SyncTicket, str]]
     sequence: int  # the segment written
     began: float
     done: bool = False
@@ -374,7 +382,7 @@ class WriteAheadLog:
     threads), under one lock; a round is run once per event-loop turn in which a flush
     asked for one."""
 
-    def __init__(self, directory: Path, *, segment_bytes: int = 64 * MIB,
+    def __init__(self, directory: Path, *, segment_bytes: int = 16 * MIB,
                  checkpoint_ms: int = 500, max_bytes: int = 1 << 30,
                  fsync: Callable[[int], None] = failpoints.fsync):
         self.directory = Path(directory)
@@ -385,7 +393,9 @@ class WriteAheadLog:
         self._lock = threading.Lock()
         self._pending: list[bytes] = []
         self._pending_ends: list[tuple[str, int]] = []
-        self._waiting: list[durability.SyncTicket] = []
+        self._waiting: list[tuple[durability.SyncTicket, str]] = []
+        self._names_in: dict[int, set[str]] = {}  # per segment, the partitions framed in it
+        self._lost: set[str] = set()  # partitions whose frames may be lost (see _lose)
         self._rounds: deque[_Round] = deque()
         self._turn: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -401,6 +411,7 @@ class WriteAheadLog:
         self._checkpointed: dict[str, int] = {}
         self._checkpointer: asyncio.Task | None = None
         self._in_checkpoint: set[str] = set()
+        self._replays = 0  # owners' reloads reading the segments (no trim meanwhile)
         self.closed = False
 
     # ------------------------------------------------------------------ start
@@ -454,6 +465,7 @@ class WriteAheadLog:
             os.close(self._fd)
         self._fd, self._size = fd, 0
         self._sizes[self._sequence] = 0
+        self._names_in[self._sequence] = set()
         self._ledger.open(self._sequence)
 
     def tap(self, name: str) -> WalTap:
@@ -483,9 +495,12 @@ class WriteAheadLog:
             size = sum(len(f) for f in frames)
             try:
                 _writev_all(self._fd, frames)
-            except OSError:
+            except OSError as error:
                 self._poisoned.add(self._sequence)
+                self._lose({name for name, _ in ends} | self._names_in[self._sequence],
+                           error)
                 raise
+            self._names_in[self._sequence].update(name for name, _ in ends)
             self._size += size
             self._sizes[self._sequence] = self._size
             self._retained += size
@@ -493,6 +508,19 @@ class WriteAheadLog:
             for name, end in ends:
                 self._ledger.wrote(name, end)
         return self._sequence
+
+    def _lose(self, names: set[str], error: BaseException) -> None:
+        """Under the lock: frames of `names` may not be durable although a later round
+        may succeed (a failed write dropped them, or a failed fsync left the pages of
+        their segment unknown). Their flushes fail from now on, and their owners reload
+        (`on_failure`: the reload rewrites the log from what the file holds, and its
+        BASE frame ends this)."""
+        fresh = names - self._lost
+        self._lost |= names
+        for name in fresh:
+            tap = self._taps.get(name)
+            if tap is not None and tap.on_failure is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(tap.on_failure, error)
 
     def retained_bytes(self) -> int:
         return self._retained
@@ -537,17 +565,22 @@ class WriteAheadLog:
                 self._checkpointed[name] = offset
         try:
             self._fsync(fd)
-        except OSError:
+        except OSError as error:
             with self._lock:
                 self._poisoned.add(self._sequence)
+                self._lose(set(self._names_in[self._sequence]), error)
             raise
         finally:
             os.close(fd)
+        if kind == BASE:
+            with self._lock:
+                self._lost.discard(name)
 
-    def sync(self, wake: Callable[[], object] | None) -> durability.SyncTicket:
-        """A ticket answered once everything queued so far is durable (the next round)."""
+    def sync(self, name: str, wake: Callable[[], object] | None) -> durability.SyncTicket:
+        """A ticket answered once everything partition `name` queued so far is durable
+        (the next round), or failed."""
         ticket = durability.SyncTicket(wake)
-        self._waiting.append(ticket)
+        self._waiting.append((ticket, name))
         if self._turn is None:
             self._turn = self._loop.call_soon(self._round)
         return ticket
@@ -566,20 +599,30 @@ class WriteAheadLog:
                                                 lambda: self._synced(round_, sync_ticket))
                 self._rounds.append(round_)
         except OSError as error:
-            for ticket in tickets:
-                ticket.finish(error)
-            for ticket in tickets:
-                if ticket.wake is not None:
-                    ticket.wake()
+            self._answer(tickets, error)
             return
         ROUNDS.inc()
+
+    def _answer(self, tickets: list[tuple[durability.SyncTicket, str]],
+                error: BaseException | None) -> None:
+        lost = self._lost
+        for ticket, name in tickets:
+            ticket.finish(error if error is not None or name not in lost else
+                          OSError(5, f"frames of {name} in the write-ahead file were lost "
+                                  "(a failed write or fsync); it reloads"))
+        for ticket, _ in tickets:
+            if ticket.wake is not None:
+                ticket.wake()
 
     def _synced(self, round_: _Round, sync_ticket: durability.SyncTicket) -> None:
         error = sync_ticket.exception()
         if error is not None:
             # After a failed fsync the file's pages are unknown: this segment takes no
-            # more frames, and no round on it counts (later ones neither).
-            self._poisoned.add(round_.sequence)
+            # more frames, no round on it counts, and the partitions with frames in it
+            # reload (later rounds, on a new segment, would not cover those frames).
+            with self._lock:
+                self._poisoned.add(round_.sequence)
+                self._lose(set(self._names_in[round_.sequence]), error)
         round_.done, round_.error = True, error
         ROUND_SECONDS.observe(time.perf_counter() - round_.began)
         rounds = self._rounds
@@ -588,11 +631,7 @@ class WriteAheadLog:
             error = ended.error
             if error is None and ended.sequence in self._poisoned:
                 error = OSError(5, "an fsync of the write-ahead file failed")
-            for ticket in ended.tickets:
-                ticket.finish(error)
-            for ticket in ended.tickets:
-                if ticket.wake is not None:
-                    ticket.wake()
+            self._answer(ended.tickets, error)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpointed(self, name: str, offset: int) -> None:
@@ -662,9 +701,12 @@ class WriteAheadLog:
 
     async def _trim(self) -> None:
         with self._lock:
+            if self._replays:  # an owner's reload is reading the segments
+                return
             gone = self._ledger.removable(self._checkpoint_of)
             for sequence in gone:
                 self._retained -= self._sizes.pop(sequence, 0)
+                self._names_in.pop(sequence, None)
                 self._poisoned.discard(sequence)
         RETAINED_BYTES.set(self.retained_bytes())
         if gone:
@@ -677,10 +719,17 @@ class WriteAheadLog:
         with self._lock:
             if self._fd >= 0:
                 self._write_pending()
-        frames = (f for f in read_frames(self.directory) if f.name == name)
-        partition_plan = plan(frames).get(name)
-        replayed = replay_into(partition_log, partition_plan)
-        return replayed
+            # The segments kept now, none of which goes while this reads them (`_trim`
+            # waits): a segment missing in the middle would look like lost frames.
+            sequences = [sequence for sequence, _ in self._ledger.segments]
+            self._replays += 1
+        try:
+            frames = read_frames(self.directory, sequences, name.encode())
+            partition_plan = plan(frames).get(name)
+        finally:
+            with self._lock:
+                self._replays -= 1
+        return replay_into(partition_log, partition_plan)
 
     async def close(self) -> None:
         """Stop the checkpointer; delete the segments nothing needs any more (after a

@@ -270,8 +270,10 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "the partitions' files written since the last checkpoint are fsynced (their "
                 "recovery points move, and write-ahead segments below every checkpoint are "
                 "deleted). Bounds what a start replays.", minimum=10, maximum=60_000),
-        Setting("partition.wal_segment_bytes", int, 64 * MIB, "partition.durability=wal: the "
-                "write-ahead file rolls to a new segment past this size (segments go whole).",
+        Setting("partition.wal_segment_bytes", int, 16 * MIB, "partition.durability=wal: the "
+                "write-ahead file rolls to a new segment past this size (segments go whole, "
+                "once every partition's checkpoint is past them; an owner's reload reads "
+                "the segments kept).",
                 minimum=1 * MIB, maximum=1024 * MIB),
         Setting("partition.wal_max_bytes", int, 2048 * MIB, "partition.durability=wal: most "
                 "bytes of write-ahead segments kept; past it group commits fail "

@@ -465,3 +465,59 @@ def test_past_its_byte_limit_the_file_refuses_new_writes_until_checkpoints_free_
         await node.close()
 
     asyncio.run(scenario())
+
+
+def test_one_partition_s_frames_are_read_alone():
+    frames = frame_list(data_frame("a", 0, 0), (CUT, "b", 3), data_frame("a", 2, 2))
+    data = b"".join(encode_frame(f.kind, f.name, f.offset, bytes(f.payload)) for f in frames)
+    only, end = decode_frames(data, b"a")
+    assert [(f.name, f.offset) for f in only] == [("a", 0), ("a", 2)] and end == len(data)
+    damaged = bytearray(data)
+    damaged[-5] ^= 1  # in the last frame, one of a's: the prefix ends before it
+    assert [f.offset for f in decode_frames(bytes(damaged), b"a")[0]] == [0]
+
+
+def test_frames_a_failed_write_dropped_fail_their_partition_s_later_flush(tmp_path, monkeypatch):
+    """A round's write fails with frames of a partition that has not asked for a round
+    yet: its flush in the next round (which succeeds) must fail too, and its owner is
+    told to reload; its BASE frame (the reload's) ends that."""
+    import partition_server.wal as wal_module
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", lambda _name: SETTINGS.log)
+        await wal.start()
+        told: list[str] = []
+        for name in ("a", "b"):
+            wal.tap(name).on_failure = lambda error, name=name: told.append(name)
+        real = wal_module._writev_all
+        failing = [True]
+
+        def fail_once(fd, buffers):
+            if failing:
+                failing.clear()
+                raise OSError(28, "No space left on device")
+            real(fd, buffers)
+
+        monkeypatch.setattr(wal_module, "_writev_all", fail_once)
+        wal.queue(b"a", "a", 0, stamped(batch(1, 0), 0), 2)  # a wrote, has not asked yet
+        wal.queue(b"b", "b", 0, stamped(batch(1, 0), 0), 2)
+        done = asyncio.get_running_loop().create_future()
+        first = wal.sync("b", lambda: done.set_result(None))
+        await done
+        assert isinstance(first.exception(), OSError)
+        done = asyncio.get_running_loop().create_future()
+        later = wal.sync("a", lambda: done.set_result(None))
+        await done
+        assert isinstance(later.exception(), OSError)  # its frames went with b's round
+        await asyncio.sleep(0)
+        assert sorted(told) == ["a", "b"]
+        await asyncio.to_thread(wal.write_base, "a", 0)  # a reloaded
+        wal.queue(b"a", "a", 0, stamped(batch(1, 0), 0), 2)
+        done = asyncio.get_running_loop().create_future()
+        again = wal.sync("a", lambda: done.set_result(None))
+        await done
+        assert again.exception() is None
+        await wal.close()
+
+    asyncio.run(scenario())
