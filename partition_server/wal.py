@@ -418,24 +418,40 @@ class WriteAheadLog:
     def recover_all(self, data_dir: Path, config: Callable[[str], LogConfig]) -> dict:
         """At start, before anything is served (blocking): replay every partition the
         segments name into its directory under `data_dir`, fsync it and close it, then
-        delete the segments. A partition whose directory is gone (its topic deleted) is
-        skipped. Returns {name: batches replayed}."""
+        delete the segments. A partition whose directory is gone (its topic deleted, or
+        the directory lost) is skipped. If one was skipped, or one is in DATA_LOSS, the
+        segments are kept aside for an operator (`wal/kept-<unix ms>/`) instead of
+        deleted. Returns {name: batches replayed}."""
         self.directory.mkdir(parents=True, exist_ok=True)
         plans = plan(read_frames(self.directory))
         replayed: dict[str, int] = {}
+        unreplayed: list[str] = []
         for name, partition_plan in plans.items():
             directory = data_dir / name
             if not directory.is_dir():
                 event(log, "write-ahead frames of a partition with no directory skipped",
                       logging.WARNING, partition=name)
+                unreplayed.append(name)
                 continue
             partition_log = PartitionLog(directory, config(name))
             try:
                 replayed[name] = replay_into(partition_log, partition_plan)
+                if partition_log.data_loss is not None:
+                    unreplayed.append(name)
             finally:
                 partition_log.close()
-        for sequence in list_segments(self.directory):
-            segment_path(self.directory, sequence).unlink()
+        segments = [segment_path(self.directory, s) for s in list_segments(self.directory)]
+        if unreplayed and any(path.stat().st_size for path in segments):
+            kept = self.directory / f"kept-{int(time.time() * 1000)}"
+            kept.mkdir()
+            for path in segments:
+                path.rename(kept / path.name)
+            fsync_directory(kept)
+            event(log, "write-ahead segments kept aside: partitions not replayed",
+                  logging.ERROR, partitions=sorted(unreplayed), directory=str(kept))
+        else:
+            for path in segments:
+                path.unlink()
         fsync_directory(self.directory)
         if plans:
             event(log, "write-ahead file replayed", partitions=len(plans),

@@ -521,3 +521,25 @@ def test_frames_a_failed_write_dropped_fail_their_partition_s_later_flush(tmp_pa
         await wal.close()
 
     asyncio.run(scenario())
+
+
+def test_segments_of_a_partition_that_could_not_be_replayed_are_kept_aside(tmp_path):
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        for owner in node.owners:
+            b = batch(1, 0)
+            await owner.produce([(b, parse_header(b))])
+        await node.crash(AtTheFloor(), wal_sizes(node.wal))
+        (tmp_path / "p" / "t-1" / "data-loss.json").write_text(
+            '{"file": "00000000000000000000.log", "position": 0, "offset": 0, '
+            '"detail": "test", "detected_unix_ms": 1}')
+        node = Node(tmp_path, 2)
+        assert (await node.start()) == {"t-0": 1, "t-1": 0}
+        kept = list((tmp_path / "wal").glob("kept-*/*.wal"))
+        assert len(kept) == 1 and kept[0].stat().st_size > 0
+        assert node.owners[0].state is State.ONLINE and node.owners[0].log.high_watermark == 2
+        assert node.owners[1].state is State.DATA_LOSS
+        await node.close()
+
+    asyncio.run(scenario())
