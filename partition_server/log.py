@@ -162,6 +162,9 @@ class RecoveryReport:
     # The last segment was trusted as closed cleanly (its index file and the tail after
     # the index's last entry checked) instead of being read batch by batch.
     clean_shutdown: bool = False
+    # The recovery point found at open: everything below it had been fsynced (a
+    # write-ahead file's replay need not rewrite it).
+    recovery_point: int = 0
 
 
 @dataclass(frozen=True)
@@ -1107,6 +1110,7 @@ class PartitionLog:
             self._fill_sizes()
             return
         recovery_point, clean = self._read_recovery_point()
+        self.recovery.recovery_point = recovery_point
         if not self._segments:
             if recovery_point > 0:
                 self._fail_open(DataLoss(str(self.directory / (seg_mod.segment_name(0) + ".log")),

@@ -177,6 +177,7 @@ class Plan:
     start: int
     batches: list[tuple[int, int, memoryview]] = field(default_factory=list)
     error: str | None = None
+    lowest_cut: int | None = None  # the lowest CUT since the last BASE
 
     @property
     def end(self) -> int:
@@ -200,10 +201,12 @@ def plan(frames: Iterator[Frame] | list[Frame]) -> dict[str, Plan]:
             continue
         if frame.kind == CUT:
             if current is None:
-                plans[frame.name] = Plan(frame.offset)
+                plans[frame.name] = Plan(frame.offset, lowest_cut=frame.offset)
                 continue
             current.batches = [b for b in current.batches if b[1] < frame.offset]
             current.start = min(current.start, frame.offset)
+            current.lowest_cut = frame.offset if current.lowest_cut is None else \
+                min(current.lowest_cut, frame.offset)
             continue
         try:
             batches = [(header.base_offset, header.last_offset,
@@ -310,10 +313,18 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int
         partition_log.declare_data_loss(partition_log.log_end_offset, partition_plan.error)
         return 0
     if partition_plan is not None:
+        # Below the log start: deleted since (retention, DeleteRecords). Below the
+        # recovery point the log found at open: fsynced (a flush, a checkpoint, a close)
+        # and kept, unless a cut since went lower (its frame is durable, the cut itself
+        # maybe not made). From there on, rewritten.
         log_start = partition_log.log_start_offset
-        # below the log start: deleted since (retention, DeleteRecords), nothing to restore
-        batches = [b for b in partition_plan.batches if b[0] >= log_start]
-        start = batches[0][0] if batches else max(partition_plan.start, log_start)
+        floor = max(log_start, partition_log.recovery.recovery_point)
+        if partition_plan.lowest_cut is not None:
+            floor = min(floor, partition_plan.lowest_cut)
+        floor = max(floor, partition_plan.start, log_start)
+        batches = [b for b in partition_plan.batches if b[0] >= floor]
+        # (frames end at or above the recovery point: it moves only with durable frames)
+        start = batches[0][0] if batches else max(min(floor, partition_plan.end), log_start)
         if partition_log.log_end_offset < start:
             partition_log.declare_data_loss(
                 partition_log.log_end_offset,

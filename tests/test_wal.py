@@ -84,9 +84,10 @@ def test_the_plan_applies_appends_cuts_and_bases_in_the_order_they_were_written(
     assert [(base, last) for base, last, _ in a.batches] == [(10, 11), (12, 13), (14, 15)]
     assert parse_header(a.batches[1][2]).base_sequence == 9  # the batch after the cut
     assert plans["b"].start == 0 and plans["b"].end == 2
-    assert plans["c"] == Plan(5)  # a cut with nothing after it: the log ends there
+    assert plans["c"] == Plan(5, lowest_cut=5)  # a cut with nothing after: the log ends there
+    assert a.lowest_cut == 12  # the replay rewrites from there at least
     # A cut below every frame lowers the start: the log is cut there on replay.
-    assert plan(frame_list(data_frame("a", 10, 0), (CUT, "a", 4))) ["a"] == Plan(4)
+    assert plan(frame_list(data_frame("a", 10, 0), (CUT, "a", 4)))["a"] == Plan(4, lowest_cut=4)
     # A base voids everything before it (a re-created partition starts again).
     again = plan(frame_list(data_frame("a", 10, 0, 2), (BASE, "a", 0), data_frame("a", 0, 0)))
     assert again["a"].start == 0 and again["a"].end == 2
