@@ -31,10 +31,12 @@ Frames (big-endian), back to back in segment files `wal/<sequence:020d>.wal`:
 Replay (`plan`, `replay_into`) reads each segment's longest valid prefix (a torn or
 failed tail ends it) and computes, per partition, the batches the frames still stand for
 and the lowest offset they start from (or a cut leaves). A partition is then *rewritten*
-from there: its log cut back to that offset (no frame: the bytes come back the same) and
-the batches appended again as a follower's copies are, then fsynced. So a power cut that
-lost a file's unsynced tail, or a checkpoint whose fsync failed (whose pages the kernel
-may have dropped), is repaired from the frames, never trusted. A partition whose log ends
+from its recovery point as found at open (everything below it was fsynced by a
+successful flush, checkpoint or close; lower if a cut went lower): its log cut back
+there (no frame: the bytes come back the same) and the frames' batches above it
+appended again as a follower's copies are, then fsynced. So a power cut that lost a
+file's unsynced tail, or a checkpoint whose fsync failed (whose pages the kernel may
+have dropped), is repaired from the frames, never trusted. A partition whose log ends
 below that offset lost data a checkpoint had made durable: DATA_LOSS, never silent.
 At start the server replays every partition named in the file (`recover_all`) before it
 serves anything, fsyncs them, and starts the file afresh; an owner that reloads after a
