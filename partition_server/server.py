@@ -14,7 +14,7 @@ import grpc
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server import durability, read_wire
-from partition_server.wal import WriteAheadLog
+from partition_server.wal import WriteAheadLog, replay_leftover
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.copy_link import serve_on_link
 from partition_server.cursor_store import CursorStoreLimits
@@ -110,11 +110,15 @@ async def install(runtime) -> list[str]:
     epochs = CoordinatorEpochs(runtime.zk, config["cluster.tc_partitions"])
     await asyncio.to_thread(epochs.start)
     wal = None
+    wal_dir = Path(config["server.data_dir"]) / "wal"
     if config["partition.durability"] == durability.WAL:
-        wal = WriteAheadLog(Path(config["server.data_dir"]) / "wal",
-                            segment_bytes=config["partition.wal_segment_bytes"],
+        wal = WriteAheadLog(wal_dir, segment_bytes=config["partition.wal_segment_bytes"],
                             checkpoint_ms=config["partition.wal_checkpoint_ms"],
                             max_bytes=config["partition.wal_max_bytes"])
+    else:  # a file an earlier start in wal mode left: its frames are not to be lost
+        await asyncio.to_thread(replay_leftover, wal_dir,
+                                Path(config["server.data_dir"]) / "partitions",
+                                owner_settings(config).log)
     manager = PartitionManager(Path(config["server.data_dir"]) / "partitions", runtime.name,
                                runtime.zk, owner_settings(config), coordinator_epochs=epochs,
                                replication=ReplicationSettings(

@@ -54,6 +54,7 @@ io_uring), checkpoints and trims.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import struct
@@ -342,6 +343,17 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int
             REPLAYED.inc(replayed)
     partition_log.sync()
     return replayed
+
+
+def replay_leftover(directory: Path, data_dir: Path, config: LogConfig) -> dict | None:
+    """A server started in another durability mode over a write-ahead file left by an
+    earlier one (`partition.durability` changed from wal): what the file holds goes into
+    the partitions first, as a start in wal mode would do; the segments go (or are kept
+    aside). None when there is no such file. Blocking."""
+    if not directory.is_dir() or not list_segments(directory):
+        return None
+    replay_config = dataclasses.replace(config, max_batch_bytes=(1 << 31) - 1)
+    return WriteAheadLog(directory).recover_all(data_dir, lambda _name: replay_config)
 
 
 class WalTap:

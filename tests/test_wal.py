@@ -544,3 +544,30 @@ def test_segments_of_a_partition_that_could_not_be_replayed_are_kept_aside(tmp_p
         await node.close()
 
     asyncio.run(scenario())
+
+
+def test_a_start_in_another_mode_replays_what_a_wal_mode_start_left(tmp_path):
+    """partition.durability changed from wal to fsync across a crash: the frames still
+    go into the partitions before anything opens (server.py calls replay_leftover)."""
+    from partition_server.wal import replay_leftover
+
+    async def scenario():
+        node = Node(tmp_path, 1, checkpoint_ms=60_000)
+        await node.start()
+        b = batch(1, 0)
+        await node.owners[0].produce([(b, parse_header(b))])
+        await node.crash(AtTheFloor(), wal_sizes(node.wal))
+
+    asyncio.run(scenario())
+    assert replay_leftover(tmp_path / "wal", tmp_path / "p", SETTINGS.log) == {"t-0": 1}
+    assert list_segments(tmp_path / "wal") == []
+    assert replay_leftover(tmp_path / "wal", tmp_path / "p", SETTINGS.log) is None
+
+    async def reopened():
+        owner = PartitionOwner("t", 0, tmp_path / "p" / "t-0",
+                               OwnerSettings(log=LogConfig(), durability=durability.FSYNC))
+        await owner.start()
+        assert owner.log.high_watermark == 2
+        await owner.close()
+
+    asyncio.run(reopened())
