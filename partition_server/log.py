@@ -578,18 +578,6 @@ class PartitionLog:
             self._maybe_write_recovery_point()
         return True
 
-    def sync(self) -> None:
-        """fsync the active segment and count everything as durable (a replay's end, on a
-        worker thread; sealed segments were fsynced when they rolled)."""
-        self._check_serving()
-        self._end_direct()
-        os.fsync(self._active.fd)
-        self._durable_offset = self._high_watermark = self._log_end_offset
-        self._hw_segment, self._hw_position = self._active, self._active.size
-        self._last_data_offset = self._last_data_offset_written
-        self._flush_pending.clear()
-        self._write_recovery_point(sync=True)
-
     def declare_data_loss(self, offset: int, detail: str) -> None:
         """Enter DATA_LOSS at the log's end (`offset`), found missing by a caller that knows
         more than the files (a replay of the write-ahead file)."""

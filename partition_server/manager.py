@@ -139,10 +139,7 @@ class PartitionManager:
         if self.wal is not None:
             # Before anything opens: what the frames hold goes back into the partitions'
             # files (a power cut may have left them behind), fsynced; then a new file.
-            replay_config = dataclasses.replace(self.settings.log,
-                                                max_batch_bytes=(1 << 31) - 1)  # any topic's
-            await asyncio.to_thread(self.wal.recover_all, self.data_dir,
-                                    lambda _name: replay_config)
+            await asyncio.to_thread(self.wal.recover_all, self.data_dir, self.settings.log)
             await self.wal.start()
         loop = asyncio.get_running_loop()
         self.assignments = Assignments(self.zk, self.server_name, loop, self._reconcile)

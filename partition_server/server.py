@@ -109,6 +109,7 @@ async def install(runtime) -> list[str]:
     durability.barrier().use_ring(config["partition.fsync_ring"])
     epochs = CoordinatorEpochs(runtime.zk, config["cluster.tc_partitions"])
     await asyncio.to_thread(epochs.start)
+    settings = owner_settings(config)
     wal = None
     wal_dir = Path(config["server.data_dir"]) / "wal"
     if config["partition.durability"] == durability.WAL:
@@ -118,9 +119,9 @@ async def install(runtime) -> list[str]:
     else:  # a file an earlier start in wal mode left: its frames are not to be lost
         await asyncio.to_thread(replay_leftover, wal_dir,
                                 Path(config["server.data_dir"]) / "partitions",
-                                owner_settings(config).log)
+                                settings.log)
     manager = PartitionManager(Path(config["server.data_dir"]) / "partitions", runtime.name,
-                               runtime.zk, owner_settings(config), coordinator_epochs=epochs,
+                               runtime.zk, settings, coordinator_epochs=epochs,
                                replication=ReplicationSettings(
                                    max_lag_ms=config["replication.max_lag_ms"],
                                    fetch_wait_ms=config["replication.fetch_wait_ms"],

@@ -266,12 +266,14 @@ class SegmentLedger:
         for _, ends in self.segments:
             ends.pop(name, None)
 
-    def removable(self, checkpointed: Callable[[str], int]) -> list[int]:
-        """Sealed segments (all but the newest) whose frames every partition has
-        checkpointed, oldest first, stopping at the first that is still needed; they are
-        taken out of the ledger."""
+    def removable(self, checkpointed: Callable[[str], int], *, newest: bool = False
+                  ) -> list[int]:
+        """Sealed segments (all but the newest; the newest too with `newest`, once
+        nothing is written any more) whose frames every partition has checkpointed,
+        oldest first, stopping at the first that is still needed; they are taken out of
+        the ledger."""
         gone: list[int] = []
-        while len(self.segments) > 1:
+        while len(self.segments) > (0 if newest else 1):
             sequence, ends = self.segments[0]
             if any(checkpointed(name) < end for name, end in ends.items()):
                 break
@@ -337,11 +339,12 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int
         if partition_log.log_end_offset > start:
             partition_log.truncate_to(start)
         if batches:
-            partition_log.append_copied([(bytes(data), parse_header(data))
-                                         for _, _, data in batches])
+            partition_log.append_copied([(data, parse_header(data)) for _, _, data in batches])
             replayed = len(batches)
             REPLAYED.inc(replayed)
-    partition_log.sync()
+    # What it appended, fsynced; the rest the open made durable (its recovery fsyncs
+    # the last segment, a clean close had), as a cut does.
+    partition_log.flush()
     return replayed
 
 
@@ -352,8 +355,7 @@ def replay_leftover(directory: Path, data_dir: Path, config: LogConfig) -> dict 
     aside). None when there is no such file. Blocking."""
     if not directory.is_dir() or not list_segments(directory):
         return None
-    replay_config = dataclasses.replace(config, max_batch_bytes=(1 << 31) - 1)
-    return WriteAheadLog(directory).recover_all(data_dir, lambda _name: replay_config)
+    return WriteAheadLog(directory).recover_all(data_dir, config)
 
 
 class WalTap:
@@ -440,14 +442,16 @@ class WriteAheadLog:
         self.closed = False
 
     # ------------------------------------------------------------------ start
-    def recover_all(self, data_dir: Path, config: Callable[[str], LogConfig]) -> dict:
+    def recover_all(self, data_dir: Path, config: LogConfig) -> dict:
         """At start, before anything is served (blocking): replay every partition the
         segments name into its directory under `data_dir`, fsync it and close it, then
         delete the segments. A partition whose directory is gone (its topic deleted, or
         the directory lost) is skipped. If one was skipped, or one is in DATA_LOSS, the
         segments are kept aside for an operator (`wal/kept-<unix ms>/`) instead of
-        deleted. Returns {name: batches replayed}."""
+        deleted. `config`: the server's storage settings (any topic's batch size is
+        taken). Returns {name: batches replayed}."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        config = dataclasses.replace(config, max_batch_bytes=(1 << 31) - 1)
         plans = plan(read_frames(self.directory))
         replayed: dict[str, int] = {}
         unreplayed: list[str] = []
@@ -458,7 +462,7 @@ class WriteAheadLog:
                       logging.WARNING, partition=name)
                 unreplayed.append(name)
                 continue
-            partition_log = PartitionLog(directory, config(name))
+            partition_log = PartitionLog(directory, config)
             try:
                 replayed[name] = replay_into(partition_log, partition_plan)
                 if partition_log.data_loss is not None:
@@ -790,13 +794,10 @@ class WriteAheadLog:
                     self._write_pending()
                 except OSError:
                     pass
-            active = self._sequence
-            self._ledger.open(active + 1)  # so the active one counts as sealed
-            gone = self._ledger.removable(self._checkpoint_of)
+            gone = self._ledger.removable(self._checkpoint_of, newest=True)
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-        gone = [s for s in gone if s <= active]
         await asyncio.to_thread(_unlink_segments, self.directory, gone)
 
 

@@ -156,7 +156,7 @@ class Node:
         self.wal = WriteAheadLog(self.root / "wal", checkpoint_ms=self.checkpoint_ms,
                                  segment_bytes=self.segment_bytes)
         replayed = await asyncio.to_thread(self.wal.recover_all, self.root / "p",
-                                           lambda _name: SETTINGS.log)
+                                           SETTINGS.log)
         await self.wal.start()
         self.owners = [PartitionOwner("t", i, self.root / "p" / f"t-{i}", SETTINGS,
                                       wal=self.wal) for i in range(self.partitions)]
@@ -486,7 +486,7 @@ def test_frames_a_failed_write_dropped_fail_their_partition_s_later_flush(tmp_pa
 
     async def scenario():
         wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
-        await asyncio.to_thread(wal.recover_all, tmp_path / "p", lambda _name: SETTINGS.log)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
         await wal.start()
         told: list[str] = []
         for name in ("a", "b"):
