@@ -251,14 +251,17 @@ class LeaseManager:
         self._runner: asyncio.Task | None = None
         self._stopping = False
         self._lost_race = False
+        self._partitions_ready = False  # /tc/<k> for every k, created by the first pass
 
     # ---- public API ------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Create /tc/<k> for every k (if missing) and begin balancing in the background."""
+        """Begin balancing in the background; its first pass creates /tc/<k> for every k
+        (if missing), and a pass that cannot (ZooKeeper unreachable, the session lost,
+        a create refused) fails, is logged, and the next one tries again. start() itself
+        touches no znode: a failure there would leave the server without a lease for good."""
         self._loop = asyncio.get_running_loop()
         self._kicked = asyncio.Event()
-        await self._ensure_partitions()
         self.zk.client.add_listener(self._on_state)
         self._runner = self._loop.create_task(self._run(), name=f"tc-leases-{self.name}")
         self._kick()
@@ -357,6 +360,9 @@ class LeaseManager:
     async def _pass(self) -> None:
         if not self._connected():
             return  # SUSPENDED or LOST: never acquire or release without a session
+        if not self._partitions_ready:
+            await self._ensure_partitions()  # raises: this pass fails, the next retries
+            self._partitions_ready = True
         generation, session = self._generation, self.zk.session_id
         live, owners = await self._observe(session)
         if self._generation != generation or self.zk.session_id != session or self._stopping:

@@ -932,9 +932,17 @@ async def install(runtime) -> list[str]:
             rebalance_interval_ms=config["coordinator.rebalance_interval_ms"])
         await coordinator.leases.start()
 
+    def taken(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # Not expected (take_leases retries what can fail), but a coordinator that
+            # will never own a TC partition must say so, not serve NOT_COORDINATOR quietly.
+            log.error("the coordinator stopped trying to take TC leases",
+                      exc_info=task.exception())
+
     async def start() -> None:
         nonlocal start_task
         start_task = asyncio.create_task(take_leases(), name="take-leases")
+        start_task.add_done_callback(taken)
 
     async def stop() -> None:
         if start_task is not None and not start_task.done():

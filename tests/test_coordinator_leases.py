@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from kazoo.client import KazooClient
+from kazoo.security import OPEN_ACL_UNSAFE, make_acl
 from prometheus_client import REGISTRY
 
 from coordinator.leases import (
@@ -359,6 +360,34 @@ def test_one_coordinator_takes_every_partition(zookeeper, chroot, kazoo):
 
 def await_nothing(c: Coordinator) -> bool:
     return not c.manager.owned() and not c.holding
+
+
+def test_partitions_a_first_pass_cannot_create_are_created_by_a_later_one(zookeeper, chroot,
+                                                                          kazoo):
+    """The TC partitions' znodes are created by the balancing passes, not by start(): a
+    coordinator that could not create them at its start (ZooKeeper unreachable, its
+    session expired under a pause, as a chaos run found: the server then never owned a
+    TC partition and answered NOT_COORDINATOR until restarted) keeps trying. Here /tc
+    refuses creates (its ACL: read and admin only) until the test opens it."""
+    async def scenario():
+        journal, allocator = Journal(), Allocator()
+        acquired_before = metric("atomlog_coordinator_lease_acquired_total")
+        kazoo.create("/tc", acl=[make_acl("world", "anyone", read=True, admin=True)])
+        a = Coordinator(zookeeper, chroot, "coord-a", journal, allocator)
+        try:
+            await asyncio.wait_for(a.start(), 10)  # returns: the refusal is the passes'
+            await asyncio.sleep(4 * INTERVAL_MS / 1000)  # passes that fail
+            assert not a.manager.owned() and not kazoo.get_children("/tc")
+            kazoo.set_acls("/tc", OPEN_ACL_UNSAFE)
+            await eventually(lambda: settled(a, expected=[N]), 10, "coord-a to hold all 16")
+            assert_zk_matches(kazoo, a)
+            assert metric("atomlog_coordinator_lease_acquired_total") - acquired_before == N
+            await a.stop()
+            journal.check()
+        finally:
+            await stop_all(a)
+
+    asyncio.run(scenario())
 
 
 def test_join_rebalance_stop_and_release(zookeeper, chroot, kazoo):

@@ -52,6 +52,7 @@ ACK_TIMEOUT_S = 5.0
 DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's server
 CLIENT_STOP_S = 30.0            # SIGTERM to SIGKILL for a workload client
 DRAIN_S = 90.0                  # ctp: how long the workers may take to finish the input
+TC_LEASES_S = 30.0              # after healing: until every TC partition has a coordinator
 QUIESCENCE_S = 60.0             # after healing: until no transaction is open anywhere
                                 # (longer than every timeout below)
 REPLICAS_AGREE_S = 30.0         # then: until every workload partition's copies agree
@@ -118,6 +119,7 @@ class Run:
         self.cluster: launcher.ClusterFile | None = None
         self.mounted: str | None = None
         self.notes: list[str] = []
+        self.stalls: list[str] = []  # liveness failures after healing: the run is not valid
         self.topics = CTP_TOPICS if options.workload == "ctp" else LOG_TOPICS
         self.counts = COMBINED_COUNTS if options.combined else COUNTS
         self.duration_s = options.minutes * 60
@@ -167,6 +169,7 @@ class Run:
                 self.inject(fault)
             self.wait_until(began + self.duration_s)
             self.heal_all()
+            self.check_tc_leases()
             self.finish_workload()
             self.quiesce_and_read(final_log)
             self.final_replicas(final_log)
@@ -189,6 +192,9 @@ class Run:
         if any(c.crashes for c in self.clients.values()):
             report["valid"] = False
             report.setdefault("problems", []).append("a workload client crashed (see logs/)")
+        if self.stalls:  # liveness: what healing did not bring back
+            report["valid"] = False
+            report.setdefault("problems", []).extend(self.stalls)
         (self.run_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
         text = checker.format_report(report)
         (self.run_dir / "report.txt").write_text(text + "\n")
@@ -564,6 +570,28 @@ class Run:
         if report.started:
             self.notes.append(f"restarted while healing: {', '.join(report.started)}")
 
+    def check_tc_leases(self) -> None:
+        """Liveness after healing: every TC partition has a coordinator within
+        TC_LEASES_S. (A combined server paused during its start once never took a lease:
+        every transaction of its TC partitions answered NOT_COORDINATOR until the end,
+        and the inputs their acks held were refused TRANSACTION_CONFLICT to every other
+        worker; exactly once held, so only this check sees it.)"""
+        from atomlog.v1 import metadata_pb2
+        from spark_client import Client
+
+        unowned: list[int] = []
+
+        def all_owned() -> bool:
+            with Client(self.spec["bootstrap"], request_timeout_s=5,
+                        tls=self.client_tls()) as client:
+                reply = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest())
+            unowned[:] = [t.tc_partition for t in reply.tc_partitions if not t.coordinator_name]
+            return len(reply.tc_partitions) == reply.tc_partition_count and not unowned
+
+        if not self.wait_for(all_owned, TC_LEASES_S):
+            self.stalls.append(f"TC partitions without a coordinator {TC_LEASES_S:.0f} s after "
+                               f"healing: {unowned or 'metadata unreadable'}")
+
     # ------------------------------------------------------------------ workload
     def prepare_workload(self, final_log: EventLog) -> None:
         from spark_client import Client
@@ -664,7 +692,8 @@ class Run:
         if self.options.workload == "ctp":
             self.say("ctp: waiting for the workers to finish the input")
             if not self.wait_for(self.input_consumed, DRAIN_S):
-                self.notes.append(f"ctp: the input was not consumed within {DRAIN_S:.0f} s")
+                self.stalls.append(f"ctp: the workers did not consume the input within "
+                                   f"{DRAIN_S:.0f} s of healing")
         self.stop_clients(list(self.clients.values()))
 
     def wait_for(self, predicate, timeout_s: float) -> bool:
