@@ -1541,8 +1541,11 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                         raise owner
                     owner.check_serving()
                     owner.verified_acks.pop((txn, sp.subscription), None)
-                    held.append(settle((index, position), owner.subscriptions.end_txn_now(
-                        sp.subscription, txn, committed)))
+                    # A task now: the staged change is awaited even if the caller is
+                    # cancelled before all_held's first step.
+                    held.append(asyncio.ensure_future(settle(
+                        (index, position), owner.subscriptions.end_txn_now(
+                            sp.subscription, txn, committed))))
                 except AtomlogError as error:
                     outcomes[(index, position)] = error
 
