@@ -1095,7 +1095,8 @@ def main() -> None:
                   f"{small['fsyncs_per_txn']:.2f} group commits and "
                   f"{small['sync_calls_per_txn']:.2f} sync calls per transaction; "
                   "durability " + settings.get("partition.durability", os.environ.get(
-                      "ATOMLOG_PARTITION_DURABILITY", "default (fsync)")) + "; "
+                      "ATOMLOG_PARTITION_DURABILITY",
+                      "default (" + ("wal" if args.combined else "fsync") + ")")) + "; "
                   "commit p50/p99 "
                   f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms; "
                   + "the machine's jitter meanwhile (common.CpuProbe): a "
