@@ -81,6 +81,17 @@ if [ "$have" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,spark,bench]"
   echo "$want" > "$stamp"
 fi
+# Spark starts its Python workers with its own pyspark.zip and py4j zip first on
+# PYTHONPATH: zipimport compiles every pyspark module from source in every worker (it
+# never caches bytecode), 1.1-1.3 s a process, and a micro-batch's planning and tasks
+# start a dozen. This .pth (run by site.py at each start of the virtualenv's Python)
+# moves those two zips behind site-packages, whose pyspark and py4j are the same
+# versions with their bytecode cached: a streaming query's first micro-batch took 16.6
+# s instead of 24.9 s (docs/benchmarks.md, "Spark's Python workers"). Only processes
+# with those zips on their path change.
+site_packages="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+cmp -s "$ROOT/scripts/atomlog-spark-workers.pth" "$site_packages/atomlog-spark-workers.pth" \
+  || cp "$ROOT/scripts/atomlog-spark-workers.pth" "$site_packages/atomlog-spark-workers.pth"
 if [ -n "${kustomize_build:-}" ]; then
   wait "$kustomize_build" || { say "building kustomize $KUSTOMIZE_VERSION failed"; exit 1; }
   unset kustomize_build

@@ -367,6 +367,15 @@ def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path)
     assert found.existing and found.state_at_open in ("COMMITTING", "COMMITTED")
 
 
+def test_python_workers_import_pyspark_from_site_packages_not_sparks_zip(spark):
+    """scripts/atomlog-spark-workers.pth (installed by scripts/bootstrap.sh): Spark puts
+    its pyspark.zip first on a Python worker's path, and zipimport compiles every module
+    from source in every worker; the .pth moves the zip behind site-packages."""
+    files = spark.sparkContext.parallelize([0], 1).map(
+        lambda _: (__import__("pyspark").__file__, __import__("py4j").__file__)).collect()
+    assert files and not any(".zip" in f for f in files[0]), files
+
+
 def test_admission_control_shares_the_budget_fairly():
     start = {"t": {"0": 0, "1": 10, "2": 5}}
     end = {"t": {"0": 100, "1": 12, "2": 5, "3": 50}}
