@@ -585,8 +585,9 @@ class Run:
             with Client(self.spec["bootstrap"], request_timeout_s=5,
                         tls=self.client_tls()) as client:
                 reply = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest())
-            unowned[:] = [t.tc_partition for t in reply.tc_partitions if not t.coordinator_name]
-            return len(reply.tc_partitions) == reply.tc_partition_count and not unowned
+            owned = {t.tc_partition for t in reply.tc_partitions if t.coordinator_name}
+            unowned[:] = [k for k in range(reply.tc_partition_count) if k not in owned]
+            return reply.tc_partition_count > 0 and not unowned
 
         if not self.wait_for(all_owned, TC_LEASES_S):
             self.stalls.append(f"TC partitions without a coordinator {TC_LEASES_S:.0f} s after "
