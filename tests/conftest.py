@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from kazoo.client import KazooClient
 
+import services  # noqa: F401 — first, before any test module imports grpc: fork handlers off
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Short sessions so a killed server disappears quickly; ZooKeeper here allows >= 1 s.
 SESSION_TIMEOUT_MS = 3_000
