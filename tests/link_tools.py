@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 import urllib.request
 
 from partition_server.copy_link import KIND_REQUEST, MAGIC
@@ -63,7 +64,20 @@ def closed_by_peer(sock: socket.socket) -> bool:
 def calls_by_way(metrics_addresses, service: str, methods) -> dict[str, dict[str, float]]:
     """The calls of each of `service`'s `methods` the servers at `metrics_addresses`
     took, {"link": ..., "grpc": ...}: those taken on their links, and the rest of those
-    started (each server's counters read from one scrape, so the two agree)."""
+    started. A scrape may fall between a link call's two counts (taken on the link, then
+    started: a step of the server's loop, read from its metrics thread), which would show
+    a link call as -1 over gRPC; so the servers are read until two reads in a row agree."""
+    last = None
+    for _ in range(50):
+        totals = _calls_by_way(metrics_addresses, service, methods)
+        if totals == last:
+            return totals
+        last = totals
+        time.sleep(0.05)
+    raise AssertionError(f"the servers' call counts kept moving: {last}")
+
+
+def _calls_by_way(metrics_addresses, service: str, methods) -> dict[str, dict[str, float]]:
     totals = {"link": dict.fromkeys(methods, 0.0), "grpc": dict.fromkeys(methods, 0.0)}
     for address in metrics_addresses:
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
