@@ -948,6 +948,16 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
     return "\n".join(lines + [CTP_END]) + "\n"
 
 
+def durability_default(combined: bool) -> str:
+    """`partition.durability`'s default for the servers measured (the combined server's
+    differs), as services/config.py declares it."""
+    from services.config import COMBINED, settings_for
+
+    role = COMBINED if combined else "partition_server"
+    return next(s for s in settings_for(role)
+                if s.name == "partition.durability").default_for(role)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -1096,7 +1106,7 @@ def main() -> None:
                   f"{small['sync_calls_per_txn']:.2f} sync calls per transaction; "
                   "durability " + settings.get("partition.durability", os.environ.get(
                       "ATOMLOG_PARTITION_DURABILITY",
-                      "default (" + ("wal" if args.combined else "fsync") + ")")) + "; "
+                      f"default ({durability_default(args.combined)})")) + "; "
                   "commit p50/p99 "
                   f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms; "
                   + "the machine's jitter meanwhile (common.CpuProbe): a "

@@ -112,15 +112,14 @@ async def install(runtime) -> list[str]:
     settings = owner_settings(config)
     wal = None
     wal_dir = Path(config["server.data_dir"]) / "wal"
+    partitions_dir = Path(config["server.data_dir"]) / "partitions"
     if config["partition.durability"] == durability.WAL:
         wal = WriteAheadLog(wal_dir, segment_bytes=config["partition.wal_segment_bytes"],
                             checkpoint_ms=config["partition.wal_checkpoint_ms"],
                             max_bytes=config["partition.wal_max_bytes"])
     else:  # a file an earlier start in wal mode left: its frames are not to be lost
-        await asyncio.to_thread(replay_leftover, wal_dir,
-                                Path(config["server.data_dir"]) / "partitions",
-                                settings.log)
-    manager = PartitionManager(Path(config["server.data_dir"]) / "partitions", runtime.name,
+        await asyncio.to_thread(replay_leftover, wal_dir, partitions_dir, settings.log)
+    manager = PartitionManager(partitions_dir, runtime.name,
                                runtime.zk, settings, coordinator_epochs=epochs,
                                replication=ReplicationSettings(
                                    max_lag_ms=config["replication.max_lag_ms"],

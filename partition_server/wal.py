@@ -323,7 +323,7 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int
         # and kept, unless a cut since went lower (its frame is durable, the cut itself
         # maybe not made). From there on, rewritten.
         log_start = partition_log.log_start_offset
-        floor = max(log_start, partition_log.recovery.recovery_point)
+        floor = partition_log.recovery.recovery_point
         if partition_plan.lowest_cut is not None:
             floor = min(floor, partition_plan.lowest_cut)
         floor = max(floor, partition_plan.start, log_start)
