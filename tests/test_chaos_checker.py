@@ -908,3 +908,79 @@ def test_model_histories_are_valid_and_a_removed_committed_value_is_caught(actio
     assert report["anomalies"]["lost-write"] >= 1
     if writes > 1:
         assert report["anomalies"]["torn-transaction"] >= 1
+
+
+# ---------------------------------------------------------------- liveness: stalls
+
+
+def failing_writer(history: History, process: str, start: float, seconds: float,
+                   every: float = 10.0, error: str = "NOT_COORDINATOR") -> None:
+    """Commits of `process` refused every `every` s from `start` for `seconds`."""
+    moment = start
+    while moment <= start + seconds:
+        history.txn([f"{process}-{moment}"], result="aborted", visible=False,
+                    process=process, invoke=moment, outcome="fail", error=error)
+        moment += every
+
+
+def test_a_writer_that_never_recovers_is_a_stall_though_exactly_once_held():
+    history = clean_history()
+    # the lease bug of 2026-12-02: one worker's commits refused for 130 s until the end,
+    # while another worker committed all along
+    failing_writer(history, "ctp-0", 2000.0, 130.0)
+    for moment in range(2000, 2131, 5):
+        history.txn([f"ok-{moment}"], process="ctp-1", invoke=float(moment))
+    report = check(history.finish())
+    assert nonzero(report) == {}
+    assert report["valid"] is False
+    [stall] = report["stalls"]
+    assert stall["process"] == "ctp-0" and stall["ended"] == "never"
+    assert stall["seconds"] == pytest.approx(130.5) and stall["attempts"] == 14
+    assert stall["errors"] == ["NOT_COORDINATOR"]
+    [problem] = report["problems"]
+    assert problem.startswith("stall: ctp-0 made no progress for 130 s")
+    assert "never recovered" in problem
+    assert "stall: ctp-0" in format_report(report)
+
+
+def test_failing_for_seconds_and_recovering_is_no_stall_and_is_measured():
+    history = clean_history()
+    failing_writer(history, "ctp-0", 2000.0, 20.0, every=2.0)
+    history.txn(["back"], process="ctp-0", invoke=2021.0)
+    report = check(history.finish())
+    assert_valid(report)
+    assert report["stalls"] == []
+    assert report["stats"]["longest_failing_s"] == pytest.approx(21.5)
+
+
+def test_failing_for_a_minute_then_recovering_is_a_stall():
+    history = clean_history()
+    failing_writer(history, "txn-0", 2000.0, 60.0, every=3.0, error="TRANSACTION_CONFLICT")
+    history.txn(["back"], process="txn-0", invoke=2062.0)
+    report = check(history.finish())
+    [stall] = report["stalls"]
+    assert stall["ended"] == "ok" and stall["seconds"] == pytest.approx(62.5)
+    assert stall["attempts"] == 21 and report["valid"] is False
+
+
+def test_one_ok_op_slower_than_the_limit_is_a_stall():
+    history = clean_history()
+    history.txn(["slow"], process="txn-0", invoke=2000.0, duration=50.0)
+    report = check(history.finish())
+    [stall] = report["stalls"]
+    assert stall["attempts"] == 0 and stall["seconds"] == pytest.approx(50.0)
+    assert "one slow op" in report["problems"][0]
+
+
+def test_a_writer_that_stops_trying_stalls_nothing():
+    history = clean_history()
+    # a ctp worker with no input left for two minutes, and a client killed (its op in
+    # flight never completes) and restarted
+    history.txn(["before"], process="ctp-0", invoke=2000.0)
+    history.txn(["after"], process="ctp-0", invoke=2120.0)
+    history.txn(["killed"], process="ctp-1", invoke=2000.0, duration=None,
+                result="unknown", visible=False, outcome="unknown")
+    history.txn(["restarted"], process="ctp-1", invoke=2010.0)
+    report = check(history.finish())
+    assert_valid(report)
+    assert report["stats"]["longest_failing_s"] == pytest.approx(10.5)

@@ -1,7 +1,7 @@
 """The checker of a chaos run: a pure function from a history (see history.py for its
 format) to a report of anomalies. Standard library only; no I/O but `check_file`.
 
-    report = check(history)      # {"valid", "anomalies", "examples", "stats", "problems"}
+    report = check(history)  # {"valid", "anomalies", "examples", "stats", "stalls", "problems"}
     print(format_report(report))
 
 Terms. A *write* is a send op (one value) or one entry of a txn op's "writes". Values are
@@ -94,6 +94,22 @@ diverged-replicas
     DeleteRecords) would then leave replicas different records, and a new leader could
     serve what its old one had deleted.
 
+Liveness (not an anomaly; a stall makes the report not valid, as a problem does):
+
+stall
+    A writer (a process with send or txn ops) that kept trying and made no progress for
+    longer than STALL_S: from the invoke of its first op that did not end ok after its
+    last ok op (or its start), to the complete of its next ok op, or, if none came, of its
+    last op (its invoke, if it never completed); also one ok op that took longer than
+    that. Progress is an op that ended ok (a deliberate abort included). A client that
+    stops trying (a ctp worker with no input left, a killed client before its restart)
+    stalls nothing. Chaos faults each last seconds and the cluster's timeouts are
+    seconds (ZooKeeper session 3 s, transactions 5 s), so a writer failing for a minute
+    is something that does not heal: a coordinator that never took its TC partitions'
+    leases failed one worker's commits and refused the others' for 130 s, with exactly
+    once intact. stats "longest_failing_s" is the longest such span of the run, stall or
+    not.
+
 Without a read_committed final-read, lost-write, torn-transaction, vanished-read,
 reordered-writes and the ctp checks are not decided and `problems` says so; without a final-positions op,
 hanging-transaction is not decided. A report with problems is not valid.
@@ -134,6 +150,8 @@ ANOMALIES = (
     "vanished-read",
     "diverged-replicas",
 )
+
+STALL_S = 45.0  # a writer failing longer than this without an ok op: a stall
 
 DESCRIPTIONS = {
     "lost-write": "a committed write (send ok, txn committed, or an acknowledged ctp input's "
@@ -897,6 +915,56 @@ def find_vanished_reads(index: Index) -> list[dict]:
     return list(found.values())
 
 
+def failing_spans(index: Index) -> Iterator[dict]:
+    """Per writer, each span in which it tried and made no progress (see "stall" in the
+    module doc): {"process", "from", "to", "seconds", "attempts" (ops that did not end ok
+    in it), "errors" (their reasons, the most frequent first), "ended" ("ok": an ok op
+    ended it; "never": the history ended first)}. Ops are taken in invoke order (a
+    client's pipelined commits may complete out of it; the spans are approximate by
+    that much)."""
+    by_process: dict[str, list[dict]] = {}
+    for op in index.sends + index.txns:
+        if as_time(op.get("invoke")) is not None:
+            by_process.setdefault(str(op.get("process")), []).append(op)
+    for process, ops in sorted(by_process.items()):
+        ops.sort(key=invoke_time)
+        began, last, errors = None, None, {}
+        for op in ops:
+            invoked = invoke_time(op)
+            ended = as_time(op.get("complete"))
+            if op.get("outcome") == "ok":
+                start = began if began is not None else invoked
+                if ended is not None and ended > start:
+                    yield {"process": process, "from": start, "to": ended,
+                           "seconds": ended - start,
+                           "attempts": sum(errors.values()),
+                           "errors": sorted(errors, key=errors.get, reverse=True)[:3],
+                           "ended": "ok"}
+                began, last, errors = None, None, {}
+                continue
+            if began is None:
+                began = invoked
+            last = max(invoked if last is None else last,
+                       ended if ended is not None else invoked)
+            reason = str(op.get("error") or op.get("outcome"))[:120]
+            errors[reason] = errors.get(reason, 0) + 1
+        if began is not None:
+            yield {"process": process, "from": began, "to": last, "seconds": last - began,
+                   "attempts": sum(errors.values()),
+                   "errors": sorted(errors, key=errors.get, reverse=True)[:3],
+                   "ended": "never"}
+
+
+def find_stalls(index: Index, limit_s: float = STALL_S) -> tuple[list[dict], float]:
+    """The failing spans longer than `limit_s`, and the longest span of all (0 if none)."""
+    stalls, longest = [], 0.0
+    for span in failing_spans(index):
+        longest = max(longest, span["seconds"])
+        if span["seconds"] > limit_s:
+            stalls.append({**span, "seconds": round(span["seconds"], 3)})
+    return stalls, longest
+
+
 def check_consume_transform_produce(index: Index) -> dict[str, list[dict]]:
     """Exactly-once processing of a ctp workload: every visible input has at most one
     visible output (transform + input value), and one if it was acknowledged (below the
@@ -1031,11 +1099,17 @@ def check(history: list[dict]) -> dict:
     for name, instances in check_consume_transform_produce(index).items():
         found[name] = merge_by_value(found[name], instances)
     problems = find_problems(index)
+    stalls, longest = find_stalls(index)
+    problems += [f"stall: {stall['process']} made no progress for {stall['seconds']:.0f} s "
+                 f"({stall['attempts']} attempts; {', '.join(stall['errors']) or 'one slow op'}"
+                 f"{'; never recovered' if stall['ended'] == 'never' else ''})"
+                 for stall in stalls]
     anomalies = {name: len(found[name]) for name in ANOMALIES}
     return {"valid": not problems and not any(anomalies.values()),
             "anomalies": anomalies,
             "examples": {name: found[name][:MAX_EXAMPLES] for name in ANOMALIES},
-            "stats": compute_stats(index),
+            "stats": {**compute_stats(index), "longest_failing_s": round(longest, 3)},
+            "stalls": stalls[:MAX_EXAMPLES],
             "problems": problems}
 
 
