@@ -35,8 +35,13 @@ CLUSTER_SETTINGS = ("--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}
 # because they share a session fixture that must exist once per run: the SparkSession
 # (one JVM per run) and the TLS + ACL cluster. (A scheduler of our own: xdist 3.8's
 # `--dist loadgroup` marks do not take with pytest 9, whose node ids it cannot rewrite.)
+# The Go client's module and the native prototype's build the same Go modules (grpc-go,
+# arrow-go): one after the other, the second finds them in Go's build cache; on two
+# workers at once, a fresh machine compiled them twice side by side (the prototype's
+# build took 123 s of a CI run, 57 s alone).
 SHARED_GROUPS = {"test_spark": "spark-acl", "test_acl_spark": "spark-acl",
-                 "test_acl": "spark-acl", "test_acl_go": "spark-acl"}
+                 "test_acl": "spark-acl", "test_acl_go": "spark-acl",
+                 "test_go_client": "go-builds", "test_native_core_bench": "go-builds"}
 
 
 def module_group(nodeid: str) -> str:
