@@ -39,7 +39,6 @@ from pathlib import Path
 
 import grpc
 
-from services import metrics
 from services.logs import event
 from services.tls import file_signature
 
@@ -386,6 +385,11 @@ def split_list(value: str) -> list[str]:
 
 
 def record_failure(failure: AuthFailure, method: str, peer: str) -> None:
+    # Imported here: clients import this module too (TokenSource), and services.metrics
+    # brings prometheus_client and http.server into every SDK process (Spark's Python
+    # workers among them) for a server-side counter.
+    from services import metrics
+
     metrics.AUTH_FAILURES.labels(failure.failure).inc()
     event(log, "authentication failed", logging.WARNING, method=method, peer=peer,
           failure=failure.failure, error=failure.message)

@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from services import auth, metrics, tls
+from services import auth, tls
 from services.errors import AtomlogError, unexpected
 from services.grpcutil import RECONNECT_OPTIONS
 
@@ -175,6 +175,9 @@ class LocalStub:
         """The call function of `method`, made once (then found as an attribute)."""
         behavior = getattr(self._servicer, method)
         name = f"/{self._service}/{method}"
+        # Imported here: the SDK imports this module (rpc_error) and would otherwise bring
+        # prometheus_client and http.server into every client process.
+        from services import metrics
 
         counted = metrics.LOCAL_CALLS.labels(name)
 
