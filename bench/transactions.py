@@ -257,12 +257,13 @@ def loop_steps_text(steps: dict, rows: int = 15) -> str:
 def small_transactions(report, address: str, clients: int, seconds: float,
                        one_call: bool = True, profile: Path | None = None,
                        links: bool = True, profile_worker: bool = False,
-                       rate_per_s: float = 0.0) -> dict:
+                       rate_per_s: float = 0.0, profile_role: str | None = None) -> dict:
     """`clients` processes in a loop of small transactions (one-call ones, or with
     one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`: back to
     back, or with `rate_per_s` an open loop of that many transactions a second in all
     (small_client). `profile`: py-spy records the first server over the window into that
-    file (with `profile_worker` the first client process instead). Servers started
+    file (with `profile_worker` the first client process instead; with `profile_role`
+    the first server of that role). Servers started
     after loop_steps_on() also count their event-loop steps over the window
     ("loop_steps")."""
     context = multiprocessing.get_context("spawn")
@@ -284,12 +285,18 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     threads_before = {p.name: common.thread_cpu_seconds(p.pid) for p in services}
     spy = None
     if profile is not None:
-        spy = common.py_spy(workers[0].pid if profile_worker else services[0].pid,
+        profiled = [p for p in services if profile_role in (None, p.role)]
+        if not profiled:
+            raise SystemExit(f"--profile-role {profile_role}: no such server here")
+        spy = common.py_spy(workers[0].pid if profile_worker else profiled[0].pid,
                             profile, seconds)
     results = [out.get(timeout=seconds + 300) for _ in workers]
     loop_steps_signal(counting, signal.SIGUSR2)
     jitter = probe.result()
-    server_cpu = sum(common.cpu_seconds(p.pid) - cpu_before[p.name] for p in services)
+    by_role: Counter = Counter()  # CPU seconds of the window, by the servers' roles
+    for p in services:
+        by_role[p.role] += common.cpu_seconds(p.pid) - cpu_before[p.name]
+    server_cpu = sum(by_role.values())
     # By kind of thread, summed over the servers: what holds the GIL (the event loops,
     # the other Python threads) and what does not (io_uring's kernel workers, gRPC's).
     threads: Counter = Counter()
@@ -336,6 +343,8 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "sync_calls_per_txn": ((after["fsyncs barrier"] - before["fsyncs barrier"])
                                    or (after["fsyncs"] - before["fsyncs"])) / max(count, 1),
             "server_cpu_ms_per_txn": server_cpu / max(count, 1) * 1e3,
+            "server_cpu_ms_per_txn_by_role": {role: value / max(count, 1) * 1e3
+                                              for role, value in by_role.most_common()},
             "server_thread_cpu_ms_per_txn": {kind: value / max(count, 1) * 1e3
                                              for kind, value in threads.most_common()},
             # The share of the window the busiest server's event-loop thread was on a CPU.
@@ -1019,6 +1028,12 @@ def main() -> None:
                         help="with --profile: record the SDK client instead of the "
                              "server (the CTP worker; with --only-small the first client "
                              "process)")
+    parser.add_argument("--profile-role", default=None, metavar="ROLE",
+                        choices=["coordinator", "partition_server", "id_allocator",
+                                 "combined"],
+                        help="with --only-small --profile: record the first server of this "
+                             "role (on the cluster: coordinator, partition_server) instead "
+                             "of the first server")
     parser.add_argument("--loop-steps", action="store_true",
                         help="with --only-small or --only-ctp: every server counts and "
                              "times its event-loop callbacks over the timed window (each "
@@ -1090,7 +1105,7 @@ def main() -> None:
             small = small_transactions(report, address, args.clients, args.seconds,
                                        not args.streaming, args.profile,
                                        not args.no_client_links, args.profile_worker,
-                                       args.rate)
+                                       args.rate, args.profile_role)
             steps = small.pop("loop_steps", None)
             print(f"small transactions: {json.dumps(small, indent=1)}", flush=True)
             if steps is not None:
@@ -1099,7 +1114,11 @@ def main() -> None:
                   f"({small['per_s'] / floor['calls_per_s'] * 100:.1f}% of the call floor "
                   f"{floor['calls_per_s']:,.0f}/s); server CPU "
                   f"{small['server_cpu_ms_per_txn']:.2f} ms per transaction (floor: "
-                  f"{floor['server_cpu_ms_per_call']:.2f} ms per call); "
+                  f"{floor['server_cpu_ms_per_call']:.2f} ms per call"
+                  + ("; by role: " + ", ".join(
+                      f"{role} {value:.2f}" for role, value in
+                      small["server_cpu_ms_per_txn_by_role"].items())
+                     if len(small["server_cpu_ms_per_txn_by_role"]) > 1 else "") + "); "
                   f"{small['calls_per_txn']:.2f} calls per transaction "
                   f"({small['link_calls_per_txn']:.2f} on the servers' links); "
                   f"{small['fsyncs_per_txn']:.2f} group commits and "
