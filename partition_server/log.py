@@ -604,7 +604,9 @@ class PartitionLog:
     def _periodic_recovery_point_writer(self, value: int, generation: int) -> Callable[[], None]:
         """The deferred write of the periodic recovery point `value` (not synced, as the
         inline one): dropped when the log closed or another write came first. A failure
-        breaks the log, as the inline write's exception does."""
+        breaks the log, as the inline write's exception does, and is raised to whoever
+        runs the write (the owner watches it: nothing else would tell a partition that
+        writes nothing more that its log is broken)."""
         def write() -> None:
             try:
                 with self._recovery_point_lock:
@@ -614,6 +616,7 @@ class PartitionLog:
             except OSError as error:
                 if self._broken is None:
                     self._broken = f"I/O error while writing the recovery point: {error}"
+                raise
             finally:
                 self._recovery_point_deferred = False
         return write

@@ -399,7 +399,15 @@ class PartitionOwner:
             self._wal_tap.attach(self.log, self._checkpoint_failed)
         loop = self._loop = asyncio.get_running_loop()
         # Not on this loop: a rename that may block for milliseconds under fsync load.
-        self.log.defer_recovery_point = lambda write: loop.run_in_executor(None, write)
+        # One that fails breaks the log: fail closed and reload (_deferred_write_done).
+        opened = self.log
+
+        def defer_recovery_point(write) -> asyncio.Future:
+            future = loop.run_in_executor(None, write)
+            future.add_done_callback(lambda done: self._deferred_write_done(opened, done))
+            return future
+
+        self.log.defer_recovery_point = defer_recovery_point
         # Nor this: freeing a deleted segment's blocks (retention, DeleteRecords).
         self.log.defer_unlink = lambda paths: loop.run_in_executor(None, unlink_files, paths)
         if self._use_barrier and self.settings.fsync:
@@ -1369,10 +1377,23 @@ class PartitionOwner:
             self._wal_tap.detach(self.log)
         await self._load(truncate_to)
 
+    def _deferred_write_done(self, opened: PartitionLog, done: asyncio.Future) -> None:
+        """A periodic recovery-point write on a worker thread ended. One that failed (a
+        full disk) broke `opened`: if it is still this owner's log, fail closed in the
+        task and reload, as after a failed write. Otherwise nothing would: a partition
+        that writes nothing more (an idle __txn_log partition whose TC partition is
+        loading, chaos seed 2791) found out only at its next write, and its readers were
+        refused INTERNAL until then."""
+        error = None if done.cancelled() else done.exception()
+        if error is not None and self.log is opened:
+            log.warning("the recovery point of %s could not be written: %s; reloading",
+                        self.name, error)
+            self._checkpoint_failed(error)
+
     def _checkpoint_failed(self, error: BaseException) -> None:
         """The write-ahead file's checkpointer could not fsync this log (its pages are
-        unknown), or frames of this log were lost by a failed write or fsync of the file:
-        fail closed in the task and reload (the load rewrites the log from the frames
+        unknown), frames of this log were lost by a failed write or fsync of the file, or
+        a deferred recovery-point write failed: fail closed in the task and reload (the load rewrites the log from the frames
         above its last checkpoint)."""
         if self._raise_in_task is None and self.state is State.ONLINE:
             self._raise_in_task = error if isinstance(error, Exception) else OSError(str(error))

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from partition_server import log as log_module
 from partition_server.log import LogConfig
 from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.record_batch import Record, encode_batch, parse_header
@@ -385,6 +386,43 @@ def test_a_roll_runs_off_the_event_loop_holding_only_its_partitions_writes(tmp_p
         assert [s.base_offset for s in again.log.segments()] == [0, 4]
         assert [h.base_offset for h in again.log.iter_headers()] == [0, 2, 4]
         await again.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_recovery_point_write_reloads_the_partition_with_no_write_after_it(
+        tmp_path, monkeypatch):
+    """The periodic recovery-point write runs on a worker thread. A full disk failing it
+    breaks the log; the owner reloads the partition at once, though nothing is written to
+    it again (an idle __txn_log partition stayed broken, its TC partition loading until
+    the end of chaos seed 2791), and it serves reads and writes once the disk has room."""
+    settings = OwnerSettings(log=LogConfig(recovery_point_interval_ms=0))
+    full = threading.Event()
+    real_write = log_module._atomic_write
+
+    def atomic_write(*args, **kwargs):
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(log_module, "_atomic_write", atomic_write)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        await produce(owner, [batch(7, 0)])
+        await until(lambda: not owner.log._recovery_point_deferred)
+        broken = owner.log
+        full.set()
+        await produce(owner, [batch(7, 2)])  # acknowledged: its fsync succeeded
+        await until(lambda: broken._broken is not None)
+        full.clear()  # the disk has room again; nothing more is written
+        await until(lambda: owner.log is not broken and owner.state is State.ONLINE)
+        assert owner.log.high_watermark == 4
+        assert [h.base_offset for h in owner.log.iter_headers()] == [0, 2]
+        retried = await owner.produce([(batch(7, 4), parse_header(batch(7, 4)))])
+        assert retried[0].base_offset == 4
+        await owner.close()
 
     asyncio.run(scenario())
 
