@@ -571,27 +571,32 @@ class Run:
             self.notes.append(f"restarted while healing: {', '.join(report.started)}")
 
     def check_tc_leases(self) -> None:
-        """Liveness after healing: every TC partition has a coordinator within
-        TC_LEASES_S. (A combined server paused during its start once never took a lease:
-        every transaction of its TC partitions answered NOT_COORDINATOR until the end,
-        and the inputs their acks held were refused TRANSACTION_CONFLICT to every other
-        worker; exactly once held, so only this check sees it.)"""
-        from atomlog.v1 import metadata_pb2
+        """Liveness after healing: every TC partition has a coordinator that has loaded it
+        (it answers ListTransactions for it) within TC_LEASES_S. (A combined server paused
+        during its start once never took a lease: every transaction of its TC partitions
+        answered NOT_COORDINATOR until the end, and the inputs their acks held were
+        refused TRANSACTION_CONFLICT to every other worker; exactly once held, so only
+        this check sees it. And a TC partition once held a lease and stayed loading,
+        its __txn_log partition broken by a failed recovery-point write: seed 2791.)"""
+        from atomlog.v1 import coordinator_pb2
+        from services.cli import _list_transactions
         from spark_client import Client
 
-        unowned: list[int] = []
+        missing: dict[int, str] = {}
 
-        def all_owned() -> bool:
+        def all_loaded() -> bool:
             with Client(self.spec["bootstrap"], request_timeout_s=5,
                         tls=self.client_tls()) as client:
-                reply = client.metadata.call("GetMetadata", metadata_pb2.GetMetadataRequest())
-            owned = {t.tc_partition for t in reply.tc_partitions if t.coordinator_name}
-            unowned[:] = [k for k in range(reply.tc_partition_count) if k not in owned]
-            return reply.tc_partition_count > 0 and not unowned
+                listing = _list_transactions(
+                    client, coordinator_pb2.ListTransactionsRequest(limit=1), rounds=1)
+            missing.clear()
+            missing.update(listing.missing)
+            return listing.count > 0 and len(listing.searched) == listing.count
 
-        if not self.wait_for(all_owned, TC_LEASES_S):
-            self.stalls.append(f"TC partitions without a coordinator {TC_LEASES_S:.0f} s after "
-                               f"healing: {unowned or 'metadata unreadable'}")
+        if not self.wait_for(all_loaded, TC_LEASES_S):
+            self.stalls.append(f"TC partitions without a coordinator that loaded them "
+                               f"{TC_LEASES_S:.0f} s after healing: "
+                               f"{missing or 'metadata unreadable'}")
 
     # ------------------------------------------------------------------ workload
     def prepare_workload(self, final_log: EventLog) -> None:
