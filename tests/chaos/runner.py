@@ -587,6 +587,7 @@ class Run:
         def all_loaded() -> bool:
             with Client(self.spec["bootstrap"], request_timeout_s=5,
                         tls=self.client_tls()) as client:
+                client.metadata.refresh()  # the TC partitions' count and routes
                 listing = _list_transactions(
                     client, coordinator_pb2.ListTransactionsRequest(limit=1), rounds=1)
             missing.clear()
