@@ -1393,8 +1393,8 @@ class PartitionOwner:
     def _checkpoint_failed(self, error: BaseException) -> None:
         """The write-ahead file's checkpointer could not fsync this log (its pages are
         unknown), frames of this log were lost by a failed write or fsync of the file, or
-        a deferred recovery-point write failed: fail closed in the task and reload (the load rewrites the log from the frames
-        above its last checkpoint)."""
+        a deferred recovery-point write failed: fail closed in the task and reload (the
+        load rewrites the log from the frames above its last checkpoint)."""
         if self._raise_in_task is None and self.state is State.ONLINE:
             self._raise_in_task = error if isinstance(error, Exception) else OSError(str(error))
             self._poke()
