@@ -47,6 +47,19 @@ def owners(cluster) -> dict[int, tuple[str, int]]:
             for tc in metadata(cluster).tc_partitions if tc.coordinator_name}
 
 
+def owner(cluster, k: int, timeout_s: float = 15) -> tuple[str, int]:
+    """(coordinator name, epoch) of TC partition k once it has one: a balancing pass may be
+    moving it between the coordinators (released, not yet acquired) when asked."""
+    seen: dict[int, tuple[str, int]] = {}
+
+    def owned() -> bool:
+        seen.clear()
+        seen.update(owners(cluster))
+        return k in seen
+    wait_until(owned, timeout_s, f"TC partition {k} to have a coordinator")
+    return seen[k]
+
+
 def all_owned(cluster) -> bool:
     return len(owners(cluster)) == metadata(cluster).tc_partition_count
 
@@ -304,8 +317,8 @@ def test_list_describe_and_operator_abort(cluster, topics):
     k = 11
     txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
         tc_partition=k, timeout_ms=60_000, topic_partitions=[tp("txb", 0)])).txn_id
-    owner = owners(cluster)[k][0]
-    listed = stub(cluster, owner).ListTransactions(S.ListTransactionsRequest(
+    name = owner(cluster, k)[0]
+    listed = stub(cluster, name).ListTransactions(S.ListTransactionsRequest(
         states=[S.TXN_STATE_OPEN], tc_partitions=[k]), timeout=5)
     assert txn.sequence in [t.txn_id.sequence for t in listed.transactions]
     assert list(listed.tc_partitions) == [k]
@@ -332,7 +345,7 @@ def test_verify_answers_state_and_inclusion(cluster, topics):
                                   topic_partition=tp("txa", 1))]))
     first, second, third = answer.results
     assert (first.state, first.included) == (S.TXN_STATE_OPEN, True)
-    assert first.coordinator_epoch == owners(cluster)[k][1]
+    assert first.coordinator_epoch == owner(cluster, k)[1]
     assert (second.state, second.included) == (S.TXN_STATE_OPEN, False)
     assert third.error.reason == "UNKNOWN_TRANSACTION"
     call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=txn, decision=ABORT))
@@ -384,7 +397,7 @@ def test_kill_9_after_the_decision_finishes_it_as_decided(cluster, topics,
                                         S.DescribeTransactionRequest(txn_id=txn))
                                    .marker_pending_topic_partitions) == 1, 10,
                        "the reachable partition to confirm")
-        old = owners(cluster)[k]
+        old = owner(cluster, k)
         kill(cluster, old[0])
         wait_for_new_owner(cluster, k, old, SESSION_TIMEOUT_MS / 1000 + 15)
         assert state(cluster, txn) == S.TXN_STATE_COMMITTING  # decided, never flipped
@@ -405,7 +418,7 @@ def test_kill_9_before_the_decision_is_durable_never_flips(cluster, topics):
     txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
         tc_partition=k, timeout_ms=60_000,
         topic_partitions=[tp(t, p) for t, p in targets])).txn_id
-    old = owners(cluster)[k]
+    old = owner(cluster, k)
     os.kill(cluster.process(log_server)["pid"], signal.SIGSTOP)
     outcome: list[object] = []
 
@@ -447,7 +460,7 @@ def test_paused_owner_cannot_log_or_send_markers_after_losing_its_lease(cluster,
             txn_id=committing, decision=COMMIT)).state == S.TXN_STATE_COMMITTING
         open_txn = call(cluster, k, "NewTxn", S.NewTxnRequest(
             tc_partition=k, timeout_ms=60_000)).txn_id
-        old = owners(cluster)[k]
+        old = owner(cluster, k)
         os.kill(cluster.process(old[0])["pid"], signal.SIGSTOP)
         outcome: list[object] = []
 
@@ -522,10 +535,10 @@ def test_snapshots_bound_the_log_and_the_next_owner_loads_from_one(cluster, topi
     wait_until(lambda: all(state(cluster, txn) == S.TXN_STATE_COMMITTED
                            for txn in committed[-8:]), 10, "the last")
     wait_until(lambda: txn_log_start(cluster, k) > 0, 20, "the TC log to be trimmed")
-    old = owners(cluster)[k]
+    old = owner(cluster, k)
     kill(cluster, old[0])
     wait_for_new_owner(cluster, k, old, SESSION_TIMEOUT_MS / 1000 + 15)
-    new = owners(cluster)[k]
+    new = owner(cluster, k)
     loaded = None
 
     def found() -> bool:
