@@ -89,6 +89,7 @@ sys.path.insert(0, str(REPO))
 sys.path.append(str(REPO / "bench"))  # after the packages: bench/coordinator.py is a script
 
 import common  # noqa: E402
+from services.config import ConfigError, check_cluster_settings  # noqa: E402
 
 
 BEGIN, END = "<!-- bench/transactions.py: begin -->", "<!-- bench/transactions.py: end -->"
@@ -1061,6 +1062,10 @@ def main() -> None:
     if any("=" not in item for item in args.set):
         parser.error("--set takes NAME=VALUE")
     settings = dict(item.split("=", 1) for item in args.set)
+    try:  # before any cluster starts (local_cluster would refuse it there, with a traceback)
+        check_cluster_settings(settings)
+    except ConfigError as error:
+        parser.error(str(error))
     if not 0 <= args.fsync_delay_ms <= 1_000:
         parser.error("--fsync-delay-ms takes 0..1000")
     if not 0 <= args.only_stream <= 20:

@@ -43,7 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import localzk
-from services.config import COMMON, role_name, role_settings
+from services.config import COMMON, check_cluster_settings, role_name, role_settings
 from services.tls import channel
 
 CLUSTER_FILE = "cluster.json"
@@ -235,8 +235,14 @@ def marker_of(entry: ProcessEntry) -> str:
 def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str],
          tls: bool = False) -> ClusterFile:
     """The existing cluster file, extended with any processes the counts add (and, for a
-    TLS cluster, their certificates)."""
+    TLS cluster, their certificates). Raises ConfigError (services/config.py) for a
+    setting no role knows or one a role that knows it refuses, before anything is
+    written or started: each process is given only the settings its role knows, so an
+    unknown one would otherwise be dropped without a word (a benchmark's `--set
+    partition.fsync=false` ran on the defaults, 2026-12-02)."""
     cluster = ClusterFile.load(data_dir)
+    if settings:
+        check_cluster_settings(settings, tls=tls or bool(cluster is not None and cluster.tls))
     if cluster is not None and tls and not cluster.tls:
         raise LaunchError(f"the cluster in {data_dir} was created without --tls; TLS is "
                           "chosen when a cluster is created (`atomlog down`, then `up --tls` "

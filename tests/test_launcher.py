@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from services import launcher, localzk
+from services.config import ConfigError
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
@@ -19,6 +20,20 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
     for port in ports[:20]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({"partition.fsync": "false"}, "unknown setting 'partition.fsync'"),
+    ({"partition.durability": "sometimes"}, "partition.durability"),
+])
+def test_up_refuses_a_setting_no_role_takes_before_anything_starts(tmp_path, settings, problem):
+    """Each process gets only the settings its role knows, so an unknown name used to be
+    dropped without a word: a benchmark's `--set partition.fsync=false` ran on the
+    defaults. `up` (and `plan`, which every caller goes through) refuses it first."""
+    with pytest.raises(ConfigError, match=problem):
+        launcher.up(tmp_path, {"id_allocator": 1}, settings, timeout_s=5)
+    assert not (tmp_path / launcher.CLUSTER_FILE).exists()
+    assert launcher.plan(tmp_path, {"id_allocator": 1}, {"partition.durability": "wal"})
 
 
 def squat(address: str) -> socket.socket:
@@ -81,11 +96,16 @@ def test_a_zookeeper_whose_port_is_taken_restarts_on_a_new_one(tmp_path):
 
 @pytest.mark.cluster
 def test_a_process_that_fails_for_another_reason_is_not_restarted(tmp_path):
+    """A setting `up` is given is checked before anything starts (the test above); one
+    from the process's own environment is read only by the process, which refuses it."""
     localzk.check_installed()
+    planned = launcher.plan(tmp_path, {"id_allocator": 1}, {})
+    entry = next(p for p in planned.processes if p.name == "ida-0")
+    entry.env = {"ATOMLOG_ZOOKEEPER_SESSION_TIMEOUT_MS": "5"}
+    planned.save(tmp_path)
     with pytest.raises(launcher.LaunchError, match="exited during start-up"):
         try:
-            launcher.up(tmp_path, {"id_allocator": 1},
-                        {"zookeeper.session_timeout_ms": "5"}, timeout_s=60)
+            launcher.up(tmp_path, {"id_allocator": 1}, timeout_s=60)
         finally:
             launcher.down(tmp_path, timeout_s=10)
 
