@@ -161,7 +161,9 @@ COMMON: tuple[Setting, ...] = (
             "a dead server stays registered. The server may grant less (2-20 ticks).",
             minimum=1_000, maximum=120_000),
     Setting("zookeeper.connect_timeout_ms", int, 30_000, "How long start-up waits for "
-            "ZooKeeper before giving up.", minimum=1_000, maximum=600_000),
+            "ZooKeeper before giving up: for the first connection, and for each start-up "
+            "step (the cluster znode, the registration) through a lost connection or an "
+            "expired session.", minimum=1_000, maximum=600_000),
     Setting("cluster.tc_partitions", int, 16, "Number of TC partitions; fixed when the cluster "
             "is created (Pulsar's default, 16). A server configured differently refuses to start.",
             minimum=1, maximum=1_024),

@@ -25,7 +25,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NodeExistsError, NoAuthError, NoNodeError
 from kazoo.security import ACL, Id, Permissions, make_digest_acl
 from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.retry import KazooRetry
+from kazoo.retry import KazooRetry, RetryFailedError
 
 from services import metrics
 from services.errors import AtomlogError
@@ -168,6 +168,23 @@ class ZkSession:
         event(log, "znode ACLs set: only this cluster's credential may change them",
               chroot=self.chroot, znodes=changed)
 
+    def patiently(self, what: str, func: Callable[..., Any], *args, **kwargs) -> Any:
+        """`func(*args, **kwargs)` (a kazoo call), retried through connection losses,
+        operation timeouts and a session's expiry (kazoo reconnects meanwhile) for up to
+        zookeeper.connect_timeout_ms, as start-up waits for a first connection: a step of
+        a server's start must ride out a ZooKeeper blip instead of ending the process
+        (chaos seed 2800: a combined server killed and started again lost its ZooKeeper
+        connection for 2 s while it waited for its previous registration to expire; it
+        exited, and nothing started it again for 33 s). Past that: ZOOKEEPER_UNAVAILABLE."""
+        timeout_s = self.connect_timeout_ms / 1000
+        retry = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, ignore_expire=True,
+                           deadline=timeout_s)
+        try:
+            return retry(func, *args, **kwargs)
+        except RetryFailedError:
+            raise AtomlogError("ZOOKEEPER_UNAVAILABLE", f"ZooKeeper at {self.hosts} did not "
+                               f"answer {what} within {timeout_s:.0f} s") from None
+
     def stop(self) -> None:
         self.client.stop()
         self.client.close()
@@ -216,10 +233,11 @@ def ensure_cluster(zk: ZkSession, tc_partitions: int) -> dict[str, Any]:
     """Create /cluster on first start; refuse a server whose fixed settings differ."""
     wanted = {"tc_partitions": tc_partitions, "created_unix_ms": int(time.time() * 1000)}
     try:
-        zk.client.create(CLUSTER_PATH, json.dumps(wanted).encode())
-    except NodeExistsError:
+        zk.patiently("creating /cluster", zk.client.create, CLUSTER_PATH,
+                     json.dumps(wanted).encode())
+    except NodeExistsError:  # (also our own create, its answer lost to a reconnection)
         pass
-    data, _ = zk.client.get(CLUSTER_PATH)
+    data, _ = zk.patiently("reading /cluster", zk.client.get, CLUSTER_PATH)
     cluster = json.loads(data)
     if cluster["tc_partitions"] != tc_partitions:
         raise AtomlogError(
@@ -243,22 +261,26 @@ class Registration:
 
     def register(self) -> None:
         """Create the node; if a previous process of the same name still holds it (its
-        session has not expired yet, e.g. after kill -9), wait for it up to wait_ms."""
+        session has not expired yet, e.g. after kill -9), wait for it up to wait_ms. Each
+        call rides out a ZooKeeper blip (`ZkSession.patiently`)."""
         deadline = time.monotonic() + self.wait_ms / 1000
         payload = json.dumps(self.info).encode()
+        zk = self.zk
         while True:
             try:
-                self.zk.client.create(self.path, payload, ephemeral=True, makepath=True)
+                zk.patiently("a registration", zk.client.create, self.path, payload,
+                             ephemeral=True, makepath=True)
                 self.active = True
                 event(log, "registered", path=self.path)
                 return
             except NodeExistsError:
                 try:
-                    data, stat = self.zk.client.get(self.path)
+                    data, stat = zk.patiently("a registration", zk.client.get, self.path)
                 except NoNodeError:
                     continue
-                if stat.ephemeralOwner == self.zk.session_id:
-                    self.zk.client.set(self.path, payload)  # our own create, reply lost
+                if stat.ephemeralOwner == zk.session_id:
+                    # our own create, its answer lost to a reconnection
+                    zk.patiently("a registration", zk.client.set, self.path, payload)
                     self.active = True
                     return
                 if time.monotonic() > deadline:

@@ -151,6 +151,54 @@ def own_zookeeper(directory: Path):
             process.wait()
 
 
+def test_a_registration_rides_out_a_zookeeper_blip_while_it_waits(tmp_path):
+    """A server started again after kill -9 waits for its previous registration to
+    expire; ZooKeeper paused meanwhile (the connection drops: ConnectionLoss, maybe the
+    session expires) must not end the start-up (chaos seed 2800: the combined server
+    exited there, and nothing started it again for 33 s). It registers once ZooKeeper
+    is back and the previous registration is gone."""
+    with own_zookeeper(tmp_path) as (address, process):
+        root = KazooClient(hosts=address)
+        root.start(timeout=10)
+        root.ensure_path("/blip")
+        previous = KazooClient(hosts=address + "/blip", timeout=3)
+        previous.start(timeout=10)
+        previous.create("/servers/coord-9", b"{}", ephemeral=True, makepath=True)
+        zk = ZkSession(address, "/blip", 3_000, 20_000)
+        zk.start()
+        registration = Registration(zk, "coord-9", {"role": "coordinator", "pid": 1},
+                                    wait_ms=30_000)
+        failures: list[BaseException] = []
+
+        def register() -> None:
+            try:
+                registration.register()
+            except BaseException as error:  # noqa: BLE001 — the test's verdict
+                failures.append(error)
+
+        thread = threading.Thread(target=register)
+        try:
+            thread.start()
+            time.sleep(1.0)  # waiting for the previous registration
+            assert thread.is_alive() and not registration.active
+            os.killpg(process.pid, signal.SIGSTOP)
+            time.sleep(4.5)  # past the clients' ping timeout: their connections drop
+            os.killpg(process.pid, signal.SIGCONT)
+            previous.stop()
+            previous.close()
+            thread.join(40)
+            assert not thread.is_alive()
+            assert failures == []
+            assert registration.active
+            _, stat = root.get("/blip/servers/coord-9")
+            assert stat.ephemeralOwner == zk.session_id
+        finally:
+            os.killpg(process.pid, signal.SIGCONT)
+            zk.stop()
+            root.stop()
+            root.close()
+
+
 @pytest.fixture(scope="module")
 def zookeeper(tmp_path_factory):
     with own_zookeeper(tmp_path_factory.mktemp("leases-zookeeper")) as (address, _):
