@@ -29,8 +29,10 @@ Frames (big-endian), back to back in segment files `wal/<sequence:020d>.wal`:
   starts again at 0 under the same name). Durable before the owner writes.
 
 Replay (`plan`, `replay_into`) reads each segment's longest valid prefix (a torn or
-failed tail ends it) and computes, per partition, the batches the frames still stand for
-and the lowest offset they start from (or a cut leaves). A partition is then *rewritten*
+failed tail ends it; a roll fsyncs the segment it seals before the next one takes a
+frame, so after a power cut only the last segment can be torn) and computes, per
+partition, the batches the frames still stand for and the lowest offset they start from
+(or a cut leaves). A partition is then *rewritten*
 from its recovery point as found at open (everything below it was fsynced by a
 successful flush, checkpoint or close; lower if a cut went lower): its log cut back
 there (no frame: the bytes come back the same) and the frames' batches above it
@@ -501,7 +503,20 @@ class WriteAheadLog:
         self._checkpointer = asyncio.create_task(self._checkpoints(), name="wal checkpointer")
 
     def _open_next(self) -> None:
-        """Under the lock (or before the loop runs): a new segment becomes the active one."""
+        """Under the lock (or before the loop runs): a new segment becomes the active one.
+        The segment it replaces is fsynced first (blocking, as the directory's fsync
+        below; once per `segment_bytes`). Rounds overlap, so the last round on the old
+        segment may still be fsyncing: if the new segment's frames could be durable
+        before it, a power cut might keep them and lose the old segment's tail they
+        continue, and the replay would refuse their partition as DATA_LOSS although
+        nothing acknowledged was lost. A failed fsync poisons the old segment as a
+        failed round does (its partitions reload)."""
+        if self._fd >= 0 and self._size and self._sequence not in self._poisoned:
+            try:
+                self._fsync(self._fd)
+            except OSError as error:
+                self._poisoned.add(self._sequence)
+                self._lose(set(self._names_in[self._sequence]), error)
         self._sequence += 1
         fd = os.open(segment_path(self.directory, self._sequence),
                      os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
