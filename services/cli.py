@@ -87,7 +87,8 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
     ZooKeeper, id allocators, coordinators and partition servers run as separate
     processes on loopback; `up` waits until every health check is SERVING and
     writes DIR/cluster.json. Counts apply when a cluster is created (larger counts
-    later add processes).
+    later add processes). A process that ends its start on a ZooKeeper error, or
+    whose port was taken meanwhile, is started again (up to 3 times each).
 
     Example: `atomlog up --prometheus`, then open the printed URL and query
     `role:atomlog_rpc_handled:rate5m`, or point Grafana at it (deploy/grafana).

@@ -29,6 +29,10 @@ harness arms and disarms it from outside without talking to the process:
              a partition server holds every verification call (VerifyTxnPartitions)
              before sending it, so a test can send more batches while a transaction's
              first batch waits for its verification.
+    start_zookeeper_loss
+             once: the next server to start meets a lost ZooKeeper connection
+             (kazoo's ConnectionLoss) in a step of its start-up, as a blip does, and the
+             file is removed, so the start after it goes through.
 
 Off, a failpoint costs a function call and one comparison with None.
 """
@@ -48,12 +52,25 @@ ONE_CALL_DECIDE = "one_call_decide"
 ONE_CALL_STAGE = "one_call_stage"
 MARKERS_SEND = "markers_send"
 VERIFY_HOLD = "verify_hold"
+START_ZOOKEEPER_LOSS = "start_zookeeper_loss"
 
 _DIRECTORY: str | None = os.environ.get(ENVIRONMENT_VARIABLE) or None
 
 
 def armed(name: str) -> bool:
     return _DIRECTORY is not None and os.path.exists(os.path.join(_DIRECTORY, name))
+
+
+def take(name: str) -> bool:
+    """A one-shot failpoint: whether it was armed, disarming it (its file removed; of
+    processes racing for it, one gets it)."""
+    if _DIRECTORY is None:
+        return False
+    try:
+        os.unlink(os.path.join(_DIRECTORY, name))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def fsync(fd: int) -> None:

@@ -411,6 +411,11 @@ def offline_partitions(address: str, timeout_s: float = 2.0, tls=None,
 
 
 MAX_REBINDS = 3  # per up(): restarts of a process whose port was taken meanwhile
+# per up(): restarts of a process that ended its start on a ZooKeeper error, as a
+# supervisor (Kubernetes) would start it again (a blip: chaos seed 2800, and a CI run
+# whose ps-0 missed its ZooKeeper pings while it loaded its partitions)
+MAX_ZOOKEEPER_RESTARTS = 3
+ZOOKEEPER_FAILED_AT_START = "cannot start: ZooKeeper failed during start-up"
 
 
 def _file_size(path: str) -> int:
@@ -422,6 +427,16 @@ def _file_size(path: str) -> int:
 
 def _bind_conflict(log_file: str, since: int | None) -> bool:
     """Did the process whose log this is fail to bind its port (log written since `since`)?"""
+    return _logged_since(log_file, since, BIND_CONFLICT)
+
+
+def _zookeeper_blip(log_file: str, since: int | None) -> bool:
+    """Did the process end its start-up on a ZooKeeper error (a lost connection, an
+    expired session: services/runtime.py) in its log written since `since`?"""
+    return _logged_since(log_file, since, (ZOOKEEPER_FAILED_AT_START,))
+
+
+def _logged_since(log_file: str, since: int | None, markers) -> bool:
     if since is None:
         return False
     try:
@@ -430,7 +445,7 @@ def _bind_conflict(log_file: str, since: int | None) -> bool:
             text = handle.read(1 << 20).decode(errors="replace")
     except OSError:
         return False
-    return any(marker in text for marker in BIND_CONFLICT)
+    return any(marker in text for marker in markers)
 
 
 def _zookeeper_movable(cluster: ClusterFile) -> bool:
@@ -470,7 +485,7 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
     started, running = [], []
 
     services = [p for p in cluster.processes if p.role != "zookeeper"]
-    rebinds = 0
+    rebinds = zookeeper_restarts = 0
     zk = next(p for p in cluster.processes if p.role == "zookeeper")
     zk_mark: int | None = None
     if process_alive(zk.pid, marker_of(zk)):
@@ -535,6 +550,14 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
                     entry.metrics_address = f"127.0.0.1:{free_port()}"
                     progress(f"{name} could not bind {old_address}: restarting it on "
                              f"{entry.grpc_address}")
+                    start(entry)
+                    cluster.save(data_dir)
+                    continue
+                if zookeeper_restarts < MAX_ZOOKEEPER_RESTARTS and _zookeeper_blip(
+                        entry.log_file, log_marks.get(name)):
+                    zookeeper_restarts += 1
+                    progress(f"{name} ended its start-up on a ZooKeeper error: starting "
+                             "it again")
                     start(entry)
                     cluster.save(data_dir)
                     continue

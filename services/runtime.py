@@ -28,10 +28,10 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import ConnectionLoss, KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
-from services import __version__, acl, allocator, auth, local, logs, metrics, tls
+from services import __version__, acl, allocator, auth, failpoints, local, logs, metrics, tls
 from services.config import COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles, role_name
 from services.errors import AtomlogError
 from services.interceptors import ErrorsAndMetricsInterceptor
@@ -142,6 +142,8 @@ class Runtime:
         metrics.BUILD_INFO.info({"version": __version__, "role": self.role, "name": self.name})
 
         await asyncio.to_thread(self.zk.start)
+        if failpoints.take(failpoints.START_ZOOKEEPER_LOSS):
+            raise ConnectionLoss("start_zookeeper_loss failpoint (a ZooKeeper blip)")
         await asyncio.to_thread(ensure_cluster, self.zk, config["cluster.tc_partitions"])
         # auth.authorizer=acl: the ACL znode, watched, before any call is served.
         self.interceptor.authorizer = await asyncio.to_thread(

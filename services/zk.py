@@ -174,7 +174,7 @@ class ZkSession:
         zookeeper.connect_timeout_ms, as start-up waits for a first connection: a step of
         a server's start must ride out a ZooKeeper blip instead of ending the process
         (chaos seed 2800: a combined server killed and started again lost its ZooKeeper
-        connection for 2 s while it waited for its previous registration to expire; it
+        connection for a few seconds while it waited for its previous registration to expire; it
         exited, and nothing started it again for 33 s). Past that: ZOOKEEPER_UNAVAILABLE."""
         timeout_s = self.connect_timeout_ms / 1000
         retry = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, ignore_expire=True,

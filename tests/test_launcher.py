@@ -4,6 +4,7 @@ process whose port was taken before it could bind is restarted on a new one."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +92,33 @@ def test_a_zookeeper_whose_port_is_taken_restarts_on_a_new_one(tmp_path):
         assert any(f"zookeeper could not bind {planned.zookeeper}" in m for m in messages), messages
     finally:
         squatter.close()
+        launcher.down(tmp_path, timeout_s=10)
+
+
+@pytest.mark.cluster
+def test_a_process_that_ends_its_start_on_a_zookeeper_blip_is_started_again(tmp_path):
+    """A server ends its start-up on a ZooKeeper error (fail fast); `up` starts it again
+    as a supervisor would, so a blip while it loads does not fail `up` (a CI run lost
+    ps-0 so: it missed its ZooKeeper pings while it loaded its partitions)."""
+    localzk.check_installed()
+    failpoint_dir = tmp_path / "failpoints"
+    failpoint_dir.mkdir()
+    (failpoint_dir / "start_zookeeper_loss").touch()
+    planned = launcher.plan(tmp_path, {"id_allocator": 1}, {})
+    entry = next(p for p in planned.processes if p.name == "ida-0")
+    entry.env = {"ATOMLOG_FAILPOINTS": str(failpoint_dir)}
+    planned.save(tmp_path)
+    messages: list[str] = []
+    try:
+        report = launcher.up(tmp_path, {"id_allocator": 1}, timeout_s=60,
+                             progress=messages.append)
+        ida = next(p for p in report.cluster.processes if p.name == "ida-0")
+        assert launcher.health_status(ida.grpc_address) == "SERVING"
+        assert not (failpoint_dir / "start_zookeeper_loss").exists()  # it fired, once
+        assert any("ida-0 ended its start-up on a ZooKeeper error" in m for m in messages), \
+            messages
+        assert "ConnectionLoss" in Path(ida.log_file).read_text()
+    finally:
         launcher.down(tmp_path, timeout_s=10)
 
 

@@ -52,7 +52,6 @@ ACK_TIMEOUT_S = 5.0
 DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's server
 CLIENT_STOP_S = 30.0            # SIGTERM to SIGKILL for a workload client
 DRAIN_S = 90.0                  # ctp: how long the workers may take to finish the input
-HEAL_STARTS = 3                 # heal_all: `launcher.up` tries, a server exiting at start
 TC_LEASES_S = 30.0              # after healing: until every TC partition has a coordinator
 QUIESCENCE_S = 60.0             # after healing: until no transaction is open anywhere
                                 # (longer than every timeout below)
@@ -564,20 +563,8 @@ class Run:
             (Path(self.mounted) / "filler").unlink(missing_ok=True)
         for entry in self.cluster.processes:
             self.signal(entry.pid, signal.SIGCONT)
-        for attempt in range(HEAL_STARTS):
-            try:
-                report = launcher.up(self.data_dir, self.counts, self.settings,
-                                     timeout_s=120, tls=self.options.tls)
-                break
-            except launcher.LaunchError as error:
-                # A server exits when ZooKeeper fails during its start-up (fail fast; a
-                # supervisor starts it again): seed 2796 lost ps-2 so, its ZooKeeper
-                # pings late on a machine running benchmarks beside the run. `up`
-                # starts only what is not running, as a supervisor would.
-                if "exited during start-up" not in str(error) or attempt + 1 == HEAL_STARTS:
-                    raise
-                self.notes.append(f"a start while healing failed, started again: "
-                                  f"{str(error).splitlines()[0]}")
+        report = launcher.up(self.data_dir, self.counts, self.settings, timeout_s=120,
+                             tls=self.options.tls)
         self.cluster = report.cluster
         self.refresh_names()
         if report.started:
