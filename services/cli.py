@@ -1026,7 +1026,7 @@ def txn_list(states: tuple[str, ...], older_than: float, limit: int, bootstrap: 
         states=[coordinator_pb2.TxnState.Value(f"TXN_STATE_{s.upper()}") for s in states],
         min_age_ms=int(older_than * 1000), limit=limit)
     with _sdk_client(_bootstrap(bootstrap, data_dir)) as client:
-        listing = _list_transactions(client, request)
+        listing = list_transactions_everywhere(client, request)
     if not listing.searched:
         fail(f"no TC partition could be asked; {_reasons_text(listing.missing)}")
     if listing.missing:
@@ -1069,7 +1069,7 @@ def _reasons_text(missing: dict[int, str]) -> str:
 
 
 @dataclass
-class _Listing:
+class TxnListing:
     count: int  # TC partitions of the cluster
     searched: set[int] = field(default_factory=set)
     missing: dict[int, str] = field(default_factory=dict)  # TC partition -> why not searched
@@ -1077,7 +1077,7 @@ class _Listing:
     truncated: bool = False
 
 
-def _list_transactions(client, request, rounds: int = 3) -> _Listing:
+def list_transactions_everywhere(client, request, rounds: int = 3) -> TxnListing:
     """ListTransactions at the owner of every TC partition; a partition whose owner moved,
     was loading or did not answer is asked again after a metadata refresh (`rounds` times
     in all)."""
@@ -1095,7 +1095,7 @@ def _list_transactions(client, request, rounds: int = 3) -> _Listing:
             return from_grpc(rpc_error)
 
     metadata = client.metadata
-    listing = _Listing(metadata.tc_partition_count)
+    listing = TxnListing(metadata.tc_partition_count)
     for attempt in range(rounds):
         if attempt:
             time.sleep(0.5)

@@ -579,7 +579,7 @@ class Run:
         this check sees it. And a TC partition once held a lease and stayed loading,
         its __txn_log partition broken by a failed recovery-point write: seed 2791.)"""
         from atomlog.v1 import coordinator_pb2
-        from services.cli import _list_transactions
+        from services.cli import list_transactions_everywhere
         from spark_client import Client
 
         missing: dict[int, str] = {}
@@ -588,7 +588,7 @@ class Run:
             with Client(self.spec["bootstrap"], request_timeout_s=5,
                         tls=self.client_tls()) as client:
                 client.metadata.refresh()  # the TC partitions' count and routes
-                listing = _list_transactions(
+                listing = list_transactions_everywhere(
                     client, coordinator_pb2.ListTransactionsRequest(limit=1), rounds=1)
             missing.clear()
             missing.update(listing.missing)
