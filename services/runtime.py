@@ -23,6 +23,8 @@ import os
 import signal
 import socket
 import time
+import traceback
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import grpc
@@ -310,6 +312,20 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+_REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def _our_frame(error: BaseException) -> str:
+    """Where in atomlog's code `error` came out of ("services/zk.py:154 in start"): the
+    start-up step that failed, for the operator (kazoo's own frames are below it)."""
+    ours = [frame for frame in traceback.extract_tb(error.__traceback__)
+            if frame.filename.startswith(_REPO) and "/.venv/" not in frame.filename]
+    if not ours:
+        return ""
+    frame = ours[-1]
+    return f"{os.path.relpath(frame.filename, _REPO)}:{frame.lineno} in {frame.name}"
+
+
 async def serve(config: Config) -> int:
     """Run one server until SIGTERM/SIGINT; return the process exit code."""
     tune_allocator()
@@ -328,7 +344,7 @@ async def serve(config: Config) -> int:
         return 2
     except KazooException as error:
         event(log, "cannot start: ZooKeeper failed during start-up", logging.ERROR,
-              error=repr(error))
+              error=repr(error), at=_our_frame(error))
         await runtime.stop()
         return 2
     event(log, "start-up heap frozen", objects=freeze_startup_heap())

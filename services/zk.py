@@ -22,7 +22,8 @@ import time
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NodeExistsError, NoAuthError, NoNodeError
+from kazoo.exceptions import (ConnectionLoss, NodeExistsError, NoAuthError, NoNodeError,
+                              OperationTimeoutError, SessionExpiredError)
 from kazoo.security import ACL, Id, Permissions, make_digest_acl
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry, RetryFailedError
@@ -131,14 +132,17 @@ class ZkSession:
         self.client.add_listener(self._on_state)
 
     def start(self) -> None:
-        """Connect (creating the chroot if needed); raise ZOOKEEPER_UNAVAILABLE on timeout."""
+        """Connect (creating the chroot if needed); raise ZOOKEEPER_UNAVAILABLE on timeout.
+        Each step rides out a ZooKeeper blip (`patiently`): a connection that drops just
+        after it was made must not end the start-up."""
         timeout_s = self.connect_timeout_ms / 1000
-        root = kazoo_client(self.hosts, self.digest_file, timeout=self.session_timeout_ms / 1000)
+        root = kazoo_client(self.hosts, self.digest_file, timeout=self.session_timeout_ms / 1000,
+                            connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=2.0))
         try:
             root.start(timeout=timeout_s)
-            root.ensure_path(self.chroot)
+            self.patiently(f"creating {self.chroot}", root.ensure_path, self.chroot)
             if self.digest_file:
-                self._secure(root)
+                self.patiently(f"the ACLs under {self.chroot}", self._secure, root)
         except KazooTimeoutError:
             raise AtomlogError("ZOOKEEPER_UNAVAILABLE",
                                f"no ZooKeeper at {self.hosts} within {timeout_s:.0f} s") from None
@@ -150,8 +154,12 @@ class ZkSession:
         except KazooTimeoutError:
             raise AtomlogError("ZOOKEEPER_UNAVAILABLE",
                                f"no ZooKeeper at {self.hosts} within {timeout_s:.0f} s") from None
+        except (ConnectionLoss, OperationTimeoutError, SessionExpiredError):
+            # Connected, then kazoo's start checks the chroot with one call: the client
+            # stays started (it reconnects), and the patient calls below wait for it.
+            pass
         for path in (SERVERS_PATH, TOPICS_PATH, TC_PATH):
-            self.client.ensure_path(path)
+            self.patiently(f"creating {path}", self.client.ensure_path, path)
 
     def _secure(self, root: KazooClient) -> None:
         """A chroot made before zookeeper.digest_file was set: give it and everything

@@ -199,6 +199,47 @@ def test_a_registration_rides_out_a_zookeeper_blip_while_it_waits(tmp_path):
             root.close()
 
 
+def test_a_server_started_by_hand_rides_out_a_zookeeper_blip_as_it_connects(tmp_path):
+    """`atomlog serve` with no supervisor: ZooKeeper paused the moment the server's
+    session is made (past the session's ping timeout, so the connection drops under the
+    start-up's first calls) must not end the process. Before 2026-12-02 the znodes
+    ZkSession.start makes (the chroot, /servers, /topics, /tc) were one call each: a
+    ConnectionLoss there ended the start in 5 of 6 tries. Two tries here."""
+    with own_zookeeper(tmp_path) as (address, zookeeper_process):
+        for attempt in range(2):
+            port, metrics_port = launcher.free_port(), launcher.free_port()
+            log_file = tmp_path / f"coordinator-{attempt}.log"
+            pid = launcher.spawn(
+                [sys.executable, "-m", "services", "serve", "coordinator",
+                 "--name", f"blip-{attempt}", "--listen", f"127.0.0.1:{port}",
+                 "--metrics-listen", f"127.0.0.1:{metrics_port}",
+                 "--data-dir", str(tmp_path / f"data-{attempt}"), "--zookeeper", address,
+                 "--set", f"zookeeper.chroot=/blip-{attempt}",
+                 "--set", "zookeeper.session_timeout_ms=3000",
+                 "--set", "coordinator.expected_partition_servers=0"],
+                str(log_file))
+            try:
+                deadline = time.monotonic() + 30
+                while '"state":"CONNECTED"' not in (
+                        log_file.read_text() if log_file.exists() else ""):
+                    assert time.monotonic() < deadline, log_file.read_text()
+                    time.sleep(0.002)
+                os.killpg(zookeeper_process.pid, signal.SIGSTOP)
+                try:
+                    time.sleep(4.5)  # past the ping timeout (2/3 of 3 s): the connection drops
+                finally:
+                    os.killpg(zookeeper_process.pid, signal.SIGCONT)
+                deadline = time.monotonic() + 40
+                while launcher.health_status(f"127.0.0.1:{port}") != "SERVING":
+                    assert launcher.process_alive(pid, "blip-"), log_file.read_text()[-3000:]
+                    assert time.monotonic() < deadline, log_file.read_text()[-3000:]
+                    time.sleep(0.2)
+                assert "cannot start" not in log_file.read_text()
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def zookeeper(tmp_path_factory):
     with own_zookeeper(tmp_path_factory.mktemp("leases-zookeeper")) as (address, _):
