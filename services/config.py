@@ -275,7 +275,9 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("partition.wal_segment_bytes", int, 16 * MIB, "partition.durability=wal: the "
                 "write-ahead file rolls to a new segment past this size (segments go whole, "
                 "once every partition's checkpoint is past them; an owner's reload reads "
-                "the segments kept).",
+                "the segments kept). Each segment is preallocated (this many bytes of "
+                "zeros, made ahead of need: the active segment and the next one take this "
+                "much disk each from the start).",
                 minimum=1 * MIB, maximum=1024 * MIB),
         Setting("partition.wal_max_bytes", int, 2048 * MIB, "partition.durability=wal: most "
                 "bytes of write-ahead segments kept; past it group commits fail "

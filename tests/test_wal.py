@@ -23,8 +23,9 @@ from partition_server import durability
 from partition_server.log import LogConfig
 from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.record_batch import Record, encode_batch, iter_batches, parse_header
-from partition_server.wal import (BASE, CUT, DATA, Plan, SegmentLedger, WriteAheadLog,
-                                  decode_frames, encode_frame, list_segments, plan)
+from partition_server.wal import (BASE, CUT, DATA, PAGE_BYTES, Plan, SegmentLedger,
+                                  WriteAheadLog, decode_frames, encode_frame, list_segments,
+                                  padding, plan)
 from services.errors import AtomlogError
 
 
@@ -189,7 +190,7 @@ class Node:
         sequences = list_segments(directory)
         for sequence in sequences[-1:]:  # a roll fsyncs the segment it seals
             path = directory / f"{sequence:020d}.wal"
-            size = path.stat().st_size
+            size = wal._sizes.get(sequence, 0)  # written; zeros after it (preallocated)
             keep = durable_wal.get(sequence, 0)
             os.truncate(path, rng.randint(min(keep, size), size))
         await asyncio.sleep(0)
@@ -214,8 +215,8 @@ def cut_back(directory: Path, durable: int, rng: random.Random) -> None:
 
 
 def wal_sizes(wal: WriteAheadLog) -> dict[int, int]:
-    return {s: (wal.directory / f"{s:020d}.wal").stat().st_size
-            for s in list_segments(wal.directory)}
+    """What each segment holds: the bytes written to it (its file is preallocated)."""
+    return {s: wal._sizes.get(s, 0) for s in list_segments(wal.directory)}
 
 
 def read_all(owner: PartitionOwner) -> list[tuple[int, bytes]]:
@@ -331,6 +332,64 @@ def test_group_commits_share_one_write_ahead_fsync_and_checkpoints_trim_the_file
     asyncio.run(scenario())
 
 
+def test_every_write_starts_on_a_fresh_page_and_the_padding_is_skipped(tmp_path, monkeypatch):
+    """A round's fsync writes its last page back and the kernel holds that page's lock
+    meanwhile: a next round writing into the same page waited for it in the event loop's
+    thread (40-470 ms at a time on this machine, 2026-12-02). Every write ends with a PAD
+    frame on a page boundary, so each starts on a page no earlier write touched; the
+    replay reads through the padding to the frames."""
+    from partition_server import wal as wal_module
+
+    starts: list[int] = []
+    real_writev = wal_module._writev_all
+
+    def writev(fd, buffers):
+        starts.append(os.lseek(fd, 0, os.SEEK_CUR))
+        real_writev(fd, buffers)
+
+    monkeypatch.setattr(wal_module, "_writev_all", writev)
+    written: list[tuple[int, int]] = []
+
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000, segment_bytes=64 << 10)
+        await node.start()
+        for turn in range(12):
+            b = batch(1, 2 * turn, os.urandom(100 + 300 * turn))
+            result = (await node.owners[0].produce([(b, parse_header(b))]))[0]
+            assert not isinstance(result, AtomlogError), result
+            written.append((result.base_offset, len(b)))
+        segments = [((node.wal.directory / f"{s:020d}.wal").read_bytes(), node.wal._sizes[s])
+                    for s in list_segments(node.wal.directory)]
+        await node.close()
+        return segments
+
+    segments = asyncio.run(scenario())
+    assert len(starts) > 12 and all(start % PAGE_BYTES == 0 for start in starts), starts
+    frames = []
+    for data, filled in segments:
+        assert len(data) >= 64 << 10 and filled % PAGE_BYTES == 0  # preallocated
+        assert data[filled:] == bytes(len(data) - filled)  # a write may pass the end
+        found, end = decode_frames(data)
+        assert end == filled  # the padding is part of the valid prefix, the zeros not
+        frames += found
+    assert [f.offset for f in frames if f.kind == DATA and f.name == "t-0"] == \
+        [offset for offset, _ in written]
+    assert {f.kind for f in frames} <= {DATA, BASE}
+
+
+def test_padding_reaches_the_next_page_boundary_or_the_one_after_when_the_gap_is_short():
+    assert padding(0) == padding(PAGE_BYTES) == []
+    for size in (1, 100, PAGE_BYTES - 19, PAGE_BYTES - 18, PAGE_BYTES - 1, 3 * PAGE_BYTES + 7):
+        pad = b"".join(padding(size))
+        assert (size + len(pad)) % PAGE_BYTES == 0 and 19 <= len(pad) < PAGE_BYTES + 19
+        frames, end = decode_frames(encode_frame(DATA, "p", 0, b"") + pad)
+        assert end == 19 + len(pad) and [f.kind for f in frames] == [DATA]
+    # a damaged pad ends the valid prefix like any other frame
+    pad = bytearray(b"".join(padding(100)))
+    pad[-1] ^= 1
+    assert decode_frames(bytes(pad)) == ([], 0)
+
+
 def test_a_roll_makes_the_old_segment_durable_before_the_new_one_takes_a_frame(
         tmp_path, monkeypatch):
     """Rounds overlap: the last round on a segment may still be fsyncing when the next
@@ -357,7 +416,7 @@ def test_a_roll_makes_the_old_segment_durable_before_the_new_one_takes_a_frame(
         os.fsync(fd)
 
     async def scenario():
-        node = Node(tmp_path, 3, checkpoint_ms=60_000, segment_bytes=2 << 10)
+        node = Node(tmp_path, 3, checkpoint_ms=60_000, segment_bytes=16 << 10)  # 4 rounds (pages)
         await node.start()
         node.wal._fsync = fsync
         monkeypatch.setattr(wal_module, "_writev_all", writev)
@@ -418,9 +477,8 @@ def test_a_cut_is_framed_before_it_is_made_and_replays_in_order(tmp_path):
         assert owner.state is State.ONLINE and owner.log.log_end_offset == 2
         again = batch(1, 2, b"kept" * 10)
         assert (await owner.produce([(again, parse_header(again))]))[0].base_offset == 2
-        frames, _ = decode_frames(b"".join(
-            (node.wal.directory / f"{s:020d}.wal").read_bytes()
-            for s in list_segments(node.wal.directory)))
+        frames = [f for s in list_segments(node.wal.directory) for f in decode_frames(
+            (node.wal.directory / f"{s:020d}.wal").read_bytes())[0]]
         kinds = [(f.kind, f.offset) for f in frames if f.name == "t-0"]
         assert (CUT, 2) in kinds
         assert kinds.index((CUT, 2)) < kinds.index((DATA, 2), kinds.index((CUT, 2)))
