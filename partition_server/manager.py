@@ -148,11 +148,15 @@ class PartitionManager:
         # First of all: this process's incarnation, which every fetch it makes names, so
         # that no fetch of an earlier process of this name (in flight when it died) can
         # bring this one into an ISR (docs/replication.md, "Incarnations").
+        # Both ride out a ZooKeeper blip (chaos seed 2806: a combined server started
+        # again after a kill lost its session here and exited).
         self.incarnation = await asyncio.to_thread(
-            partition_states.begin_incarnation, self.zk.client, self.server_name,
+            self.zk.patiently, "the server's incarnation", partition_states.begin_incarnation,
+            self.zk.client, self.server_name,
             {"pid": os.getpid(), "started_unix_ms": int(time.time() * 1000)})
         event(log, "incarnation", server=self.server_name, incarnation=self.incarnation)
-        await asyncio.to_thread(self._leave_isrs)  # before this server registers
+        await asyncio.to_thread(self.zk.patiently, "leaving the ISRs",
+                                self._leave_isrs)  # before this server registers
         await asyncio.to_thread(self._sweep_removed_copies)
         self._isrs_left = True
         self._reconcile()  # now its replicated partitions may be steered
