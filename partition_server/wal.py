@@ -36,9 +36,8 @@ Frames (big-endian), back to back in segment files `wal/<sequence:020d>.wal`:
 
 Segments are *preallocated*, as PostgreSQL's WAL files: each is made ahead of need on a
 thread of the file's own (`partition.wal_segment_bytes` of zeros written around the page
-cache, fsynced, under a
-`.wal.next` name, renamed when it becomes the active segment), and frames overwrite it
-from the start. A round's fsync then writes its pages and no block allocation, extent or
+cache, fsynced, under a `.wal.next` name, renamed when it becomes the active segment),
+and frames overwrite it from the start. A round's fsync then writes its pages and no block allocation, extent or
 file size: measured on this machine, an fsync of a page-aligned write took 0.13-0.16 ms
 at the median in a zeroed file against 0.22-0.28 ms appending (0.19-0.21 ms appending
 without the padding). Zeros end a segment's valid prefix like a torn tail. If a segment
