@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 
 import grpc
@@ -106,7 +107,14 @@ def test_the_combined_server_is_every_role_and_calls_itself_in_process(combined)
         "node-0": "partition_server", "node-0-coordinator": "coordinator",
         "node-0-id-allocator": "id_allocator"}
     assert {entry["grpc_address"] for entry in registered.values()} == {node["grpc_address"]}
-    status = next(p for p in combined.status()["processes"] if p["role"] == "combined")
+    # `up` returns once the server serves; its lease manager takes the TC partitions'
+    # leases from then on (a CI run found 15 of 16 at the first look).
+    deadline = time.monotonic() + 30
+    while True:
+        status = next(p for p in combined.status()["processes"] if p["role"] == "combined")
+        if len(status["tc_partitions"]) == 16 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(status["tc_partitions"]) == 16
     # One-call transactions (StageTxn), then streaming ones (VerifyTxnPartitions).
     for one_call_max_bytes in (1 << 20, 0):
