@@ -186,6 +186,8 @@ class Node:
         if wal._turn is not None:
             wal._turn.cancel()
             wal._turn = None
+        if wal._preparer is not None:  # a next segment's zeros: done before the cut
+            wal._preparer.shutdown(wait=True)
         directory, wal.directory = wal.directory, wal.directory / "after-the-power-cut"
         sequences = list_segments(directory)
         for sequence in sequences[-1:]:  # a roll fsyncs the segment it seals
