@@ -85,6 +85,22 @@ def py_spy(pid: int, output, duration_s: float | None = None) -> subprocess.Pope
         stdout=subprocess.DEVNULL)
 
 
+def cluster_settings(parser, items: list[str]) -> dict[str, str]:
+    """A benchmark's `--set NAME=VALUE` items as settings, checked before any cluster
+    starts (`launcher.up` would refuse a bad one there, with a traceback): a usage error
+    through `parser` for an item without `=` or a setting no role knows or accepts."""
+    from services.config import ConfigError, check_cluster_settings
+
+    if any("=" not in item for item in items):
+        parser.error("--set takes NAME=VALUE")
+    settings = dict(item.split("=", 1) for item in items)
+    try:
+        check_cluster_settings(settings)
+    except ConfigError as error:
+        parser.error(str(error))
+    return settings
+
+
 def percentile(values, fraction: float) -> float:
     """Linear interpolation between closest ranks (as peers-bench)."""
     if not values:

@@ -246,7 +246,7 @@ def main() -> None:
                         help="a setting for every process (atomlog up --set)")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
-    settings = dict(item.split("=", 1) for item in args.set)
+    settings = common.cluster_settings(parser, args.set)
     load = os.getloadavg()[0]
     baseline = (measure({**settings, **BASELINE}, args.baseline_kills, args.clients)
                 if args.baseline_kills else [])

@@ -89,7 +89,6 @@ sys.path.insert(0, str(REPO))
 sys.path.append(str(REPO / "bench"))  # after the packages: bench/coordinator.py is a script
 
 import common  # noqa: E402
-from services.config import ConfigError, check_cluster_settings  # noqa: E402
 
 
 BEGIN, END = "<!-- bench/transactions.py: begin -->", "<!-- bench/transactions.py: end -->"
@@ -1059,13 +1058,7 @@ def main() -> None:
     command = common.command_line("bench/transactions.py", sys.argv[1:])
     command = re.sub(r" --peers-w3 \S+", " --peers-w3 FILE", command)
     load = os.getloadavg()[0]
-    if any("=" not in item for item in args.set):
-        parser.error("--set takes NAME=VALUE")
-    settings = dict(item.split("=", 1) for item in args.set)
-    try:  # before any cluster starts (local_cluster would refuse it there, with a traceback)
-        check_cluster_settings(settings)
-    except ConfigError as error:
-        parser.error(str(error))
+    settings = common.cluster_settings(parser, args.set)
     if not 0 <= args.fsync_delay_ms <= 1_000:
         parser.error("--fsync-delay-ms takes 0..1000")
     if not 0 <= args.only_stream <= 20:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -109,3 +111,21 @@ def test_the_sitecustomize_it_shadows_still_runs(tmp_path):
                               capture_output=True, timeout=60)
         assert "own ran True" in done.stdout, done.stdout + done.stderr
     assert list(steps.glob("ready-*")), "the server did not carry the counter"
+
+
+def test_a_benchmark_refuses_a_bad_setting_as_a_usage_error(capsys):
+    """`--set` of bench/transactions.py and bench/failover.py: a setting no role takes is
+    a usage error before any cluster starts (bench/failover.py used to end in
+    launcher.up's traceback)."""
+    import argparse
+
+    import common
+
+    parser = argparse.ArgumentParser(prog="bench")
+    assert common.cluster_settings(parser, ["partition.durability=wal"]) == {
+        "partition.durability": "wal"}
+    for items, problem in ((["partition.fsync=false"], "unknown setting 'partition.fsync'"),
+                           (["partition.durability"], "--set takes NAME=VALUE")):
+        with pytest.raises(SystemExit) as ended:
+            common.cluster_settings(parser, items)
+        assert ended.value.code == 2 and problem in capsys.readouterr().err
