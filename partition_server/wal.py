@@ -783,8 +783,22 @@ class WriteAheadLog:
             self._turn = self._loop.call_soon(self._round)
         return ticket
 
+    def _refuse_waiting(self) -> None:
+        """Closed: the rounds asked for and not begun fail (nothing is written after
+        close; a round run then used to write to a closed descriptor, or roll a new
+        segment the close left behind)."""
+        if self._turn is not None:
+            self._turn.cancel()
+            self._turn = None
+        waiting, self._waiting = self._waiting, []
+        if waiting:
+            self._answer(waiting, OSError(errno.EBADF, "the write-ahead file is closed"))
+
     def _round(self) -> None:
         self._turn = None
+        if self.closed:
+            self._refuse_waiting()
+            return
         tickets, self._waiting = self._waiting, []
         if not tickets:
             return
@@ -935,6 +949,7 @@ class WriteAheadLog:
         if self.closed:
             return
         self.closed = True
+        self._refuse_waiting()
         if self._checkpointer is not None:
             self._checkpointer.cancel()
             try:

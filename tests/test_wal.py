@@ -695,3 +695,29 @@ def test_a_start_in_another_mode_replays_what_a_wal_mode_start_left(tmp_path):
         await owner.close()
 
     asyncio.run(reopened())
+
+
+def test_a_round_asked_for_before_close_fails_and_nothing_is_written_after_it(tmp_path):
+    """A round is run on the next event-loop turn after it is asked for; one asked for
+    just before close() used to run while close was under way or after it (then a write
+    to a closed descriptor, or a roll to a new segment the close left behind). Once
+    close() begins, rounds not begun fail, as does one asked for after close."""
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
+        await wal.start()
+        wal.queue(b"a", "a", 0, stamped(batch(1, 0), 0), 2)
+        woken: list[str] = []
+        before = wal.sync("a", lambda: woken.append("before"))
+        await wal.close()
+        after = wal.sync("a", lambda: woken.append("after"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert before.done() and isinstance(before.exception(), OSError)
+        assert after.done() and isinstance(after.exception(), OSError)
+        assert woken == ["before", "after"]
+        # the queued frame written by close (unacknowledged), no segment rolled after it
+        assert sorted(p.name for p in (tmp_path / "wal").iterdir()) == [
+            "00000000000000000000.wal"]
+
+    asyncio.run(scenario())
