@@ -36,8 +36,9 @@ Frames (big-endian), back to back in segment files `wal/<sequence:020d>.wal`:
 
 Segments are *preallocated*, as PostgreSQL's WAL files: each is made ahead of need on a
 thread of the file's own (`partition.wal_segment_bytes` of zeros written around the page
-cache, fsynced, under a `.wal.next` name, renamed when it becomes the active segment),
-and frames overwrite it from the start. A round's fsync then writes its pages and no block allocation, extent or
+cache, fsynced, as `prepared.wal.next`, renamed when a full segment rolls to it), and
+frames overwrite it from the start. A roll away from a failed segment takes an empty
+file instead (failures come in bursts, and the disk may be what fails). A round's fsync then writes its pages and no block allocation, extent or
 file size: measured on this machine, an fsync of a page-aligned write took 0.13-0.16 ms
 at the median in a zeroed file against 0.22-0.28 ms appending (0.19-0.21 ms appending
 without the padding). Zeros end a segment's valid prefix like a torn tail. If a segment
@@ -109,6 +110,7 @@ LENGTH_END = 8  # `length` counts the bytes after it
 MAX_FRAME_BYTES = 256 << 20  # a frame claiming more is garbage (a torn tail)
 SUFFIX = ".wal"
 NEXT_SUFFIX = ".wal.next"  # a preallocated segment not yet in use
+PREPARED_NAME = "prepared" + NEXT_SUFFIX
 _ZEROS = bytes(1 << 20)
 MIB = 1 << 20
 
@@ -536,9 +538,9 @@ class WriteAheadLog:
         self._checkpointer: asyncio.Task | None = None
         self._in_checkpoint: set[str] = set()
         self._replays = 0  # owners' reloads reading the segments (no trim meanwhile)
-        # The next segment, preallocated on a thread of its own: (sequence, future of its
-        # descriptor). See the module's docstring.
-        self._next: tuple[int, concurrent.futures.Future] | None = None
+        # The next segment, preallocated on a thread of its own (`PREPARED_NAME`): the
+        # future of its descriptor. See the module's docstring.
+        self._next: concurrent.futures.Future | None = None
         self._preparer: concurrent.futures.ThreadPoolExecutor | None = None
         self.closed = False
 
@@ -612,6 +614,7 @@ class WriteAheadLog:
         continue, and the replay would refuse their partition as DATA_LOSS although
         nothing acknowledged was lost. A failed fsync poisons the old segment as a
         failed round does (its partitions reload)."""
+        full = self._fd < 0 or self._sequence not in self._poisoned
         if self._fd >= 0 and self._size and self._sequence not in self._poisoned:
             try:
                 self._fsync(self._fd)
@@ -619,7 +622,12 @@ class WriteAheadLog:
                 self._poisoned.add(self._sequence)
                 self._lose(set(self._names_in[self._sequence]), error)
         self._sequence += 1
-        fd = self._take_prepared(self._sequence)
+        # A roll away from a failed segment takes an empty file: failures come in bursts
+        # (a failing disk fails every round), and a preallocated segment each would fill
+        # the disk with segments nothing can trim while the partitions reload (chaos
+        # seed 2809 filled its 768 MiB so and never recovered).
+        fd = self._take_prepared(self._sequence) if full else \
+            self._empty_segment(self._sequence)
         fsync_directory(self.directory)
         if self._fd >= 0:
             os.close(self._fd)
@@ -629,36 +637,37 @@ class WriteAheadLog:
         self._ledger.open(self._sequence)
 
     def _take_prepared(self, sequence: int) -> int:
-        """Under the lock: the descriptor of segment `sequence`, preallocated (waited for
-        if it is not ready yet: it was asked for when the previous segment opened) and
-        renamed to its name; then the one after it is asked for. If preallocation failed,
-        an empty file (appends)."""
-        path = segment_path(self.directory, sequence)
+        """Under the lock: the preallocated segment (waited for if it is not ready yet: it
+        was asked for when the previous one was taken), renamed to segment `sequence`;
+        then the next one is asked for. If preallocation failed, an empty file."""
         prepared, self._next = self._next, None
+        if prepared is None:
+            prepared = self._prepare()
         fd = -1
-        if prepared is None or prepared[0] != sequence:
-            prepared = (sequence, self._prepare(sequence))
         try:
-            fd = prepared[1].result()
-            os.rename(self.directory / f"{sequence:020d}{NEXT_SUFFIX}", path)
+            fd = prepared.result()
+            os.rename(self.directory / PREPARED_NAME, segment_path(self.directory, sequence))
         except OSError as error:
             if fd >= 0:
                 os.close(fd)
-            (self.directory / f"{sequence:020d}{NEXT_SUFFIX}").unlink(missing_ok=True)
+            (self.directory / PREPARED_NAME).unlink(missing_ok=True)
             event(log, "a write-ahead segment could not be preallocated; appending to an "
-                  "empty one", logging.WARNING, segment=str(path), error=str(error))
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND |
-                         os.O_CLOEXEC, 0o644)
+                  "empty one", logging.WARNING, segment=sequence, error=str(error))
+            fd = self._empty_segment(sequence)
         if not self.closed:
-            self._next = (sequence + 1, self._prepare(sequence + 1))
+            self._next = self._prepare()
         return fd
 
-    def _prepare(self, sequence: int) -> concurrent.futures.Future:
+    def _empty_segment(self, sequence: int) -> int:
+        return os.open(segment_path(self.directory, sequence), os.O_WRONLY | os.O_CREAT |
+                       os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
+
+    def _prepare(self) -> concurrent.futures.Future:
         if self._preparer is None:
             self._preparer = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="wal-preallocate")
-        return self._preparer.submit(preallocate, self.directory /
-                                     f"{sequence:020d}{NEXT_SUFFIX}", self.segment_bytes)
+        return self._preparer.submit(preallocate, self.directory / PREPARED_NAME,
+                                     self.segment_bytes)
 
     def tap(self, name: str) -> WalTap:
         tap = self._taps.get(name)
@@ -968,19 +977,18 @@ class WriteAheadLog:
                 self._fd = -1
             prepared, self._next = self._next, None
         if prepared is not None:  # the next segment, never used
-            await asyncio.to_thread(_discard_prepared, self.directory, *prepared)
+            await asyncio.to_thread(_discard_prepared, self.directory, prepared)
         if self._preparer is not None:
             self._preparer.shutdown(wait=False)
         await asyncio.to_thread(_unlink_segments, self.directory, gone)
 
 
-def _discard_prepared(directory: Path, sequence: int,
-                      future: concurrent.futures.Future) -> None:
+def _discard_prepared(directory: Path, future: concurrent.futures.Future) -> None:
     try:
         os.close(future.result())
     except OSError:
         pass
-    (directory / f"{sequence:020d}{NEXT_SUFFIX}").unlink(missing_ok=True)
+    (directory / PREPARED_NAME).unlink(missing_ok=True)
 
 
 def _unlink_segments(directory: Path, sequences: list[int]) -> None:

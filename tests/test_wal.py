@@ -721,3 +721,43 @@ def test_a_round_asked_for_before_close_fails_and_nothing_is_written_after_it(tm
             "00000000000000000000.wal"]
 
     asyncio.run(scenario())
+
+
+def test_a_burst_of_failed_rounds_does_not_fill_the_disk_with_preallocated_segments(
+        tmp_path, monkeypatch):
+    """A failed round poisons its segment and the next round rolls to a new one. Those
+    rolls take empty files: a preallocated segment each filled chaos seed 2809's small
+    disk within seconds of an fsync fault (every round failed), and nothing could trim
+    them while the partitions reloaded. At most the active segment and the one made
+    ahead are preallocated."""
+    import partition_server.wal as wal_module
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000, segment_bytes=1 << 20)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
+        await wal.start()
+        real = wal_module._writev_all
+        failures = [0]
+
+        def failing(fd, buffers):
+            if failures[0] < 6:
+                failures[0] += 1
+                raise OSError(5, "injected")
+            real(fd, buffers)
+
+        monkeypatch.setattr(wal_module, "_writev_all", failing)
+        for round_ in range(8):
+            wal.queue(b"a", "a", 0, stamped(batch(1, 0), 0), 2)
+            done = asyncio.get_running_loop().create_future()
+            wal.sync("a", lambda: done.set_result(None))
+            await done
+        # the preallocations asked for so far done (one worker, in order)
+        await asyncio.to_thread(lambda: wal._preparer.submit(lambda: None).result())
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "wal").iterdir())
+        segments = len(list_segments(tmp_path / "wal"))
+        await wal.close()
+        return on_disk, segments
+
+    on_disk, segments = asyncio.run(scenario())
+    assert segments >= 6  # a roll after each failed round
+    assert on_disk < 2 * (1 << 20) + (64 << 10), on_disk
