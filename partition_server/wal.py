@@ -337,19 +337,28 @@ def segment_path(directory: Path, sequence: int) -> Path:
 def preallocate(path: Path, size: int) -> int:
     """A file of `size` zeros at `path`, fsynced, opened for writing at its start: the
     next segment (any thread). The caller owns the descriptor. Raises OSError (a full
-    disk): the caller then appends to an empty file instead.
+    disk, or less than four segments' room free: preallocation must not be what fills
+    it), leaving nothing behind: the caller then appends to an empty file instead.
 
     The zeros are written around the page cache (O_DIRECT) where the filesystem allows
     it: written through the cache in large writes, they would sit in large folios, and
     a round's write would share a folio (and wait for its lock) with the previous
     round's pages that its fsync is writing back, which is what the padding is for. Not
     cached, each round's pages get folios of their own."""
-    _zero_fill(path, size)
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    stat = os.statvfs(path.parent)
+    if stat.f_bavail * stat.f_frsize < 4 * size:  # leave the room to the partitions
+        raise OSError(errno.ENOSPC, f"less than {4 * size} bytes free for {path}")
+    try:
+        _zero_fill(path, size)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except BaseException:
+        path.unlink(missing_ok=True)  # a disk that filled meanwhile: give its room back
+        raise
     try:
         os.fsync(fd)
     except BaseException:
         os.close(fd)
+        path.unlink(missing_ok=True)
         raise
     return fd
 

@@ -761,3 +761,28 @@ def test_a_burst_of_failed_rounds_does_not_fill_the_disk_with_preallocated_segme
     on_disk, segments = asyncio.run(scenario())
     assert segments >= 6  # a roll after each failed round
     assert on_disk < 2 * (1 << 20) + (64 << 10), on_disk
+
+
+def test_a_segment_is_not_preallocated_where_the_disk_has_little_room(tmp_path, monkeypatch):
+    """Preallocation must not be what fills a disk: with less than four segments' room
+    free it is refused (the roll then appends to an empty file), and a fill that fails
+    part way leaves no file behind."""
+    import partition_server.wal as wal_module
+
+    class Tight:
+        f_bavail, f_frsize = 3, 1 << 20  # 3 MiB free
+
+    monkeypatch.setattr(wal_module.os, "statvfs", lambda _path: Tight)
+    with pytest.raises(OSError, match="free"):
+        wal_module.preallocate(tmp_path / "prepared.wal.next", 1 << 20)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    def full(path, size):
+        path.write_bytes(bytes(4096))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(wal_module, "_zero_fill", full)
+    with pytest.raises(OSError):
+        wal_module.preallocate(tmp_path / "prepared.wal.next", 1 << 20)
+    assert list(tmp_path.iterdir()) == []
