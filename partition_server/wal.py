@@ -75,6 +75,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -111,7 +112,6 @@ MAX_FRAME_BYTES = 256 << 20  # a frame claiming more is garbage (a torn tail)
 SUFFIX = ".wal"
 NEXT_SUFFIX = ".wal.next"  # a preallocated segment not yet in use
 PREPARED_NAME = "prepared" + NEXT_SUFFIX
-_ZEROS = bytes(1 << 20)
 MIB = 1 << 20
 
 ROUNDS = Counter("atomlog_wal_rounds_total",
@@ -168,9 +168,13 @@ def padding(size: int) -> list[bytes]:
     gap = -size % PAGE_BYTES
     if not gap:
         return []
-    if gap < _PAD_MIN:
-        gap += PAGE_BYTES
-    return list(frame_parts(PAD, _PAD_NAME, 0, bytes(gap - _PAD_MIN)))
+    return list(_pad_frame(gap + PAGE_BYTES if gap < _PAD_MIN else gap))
+
+
+@functools.lru_cache(maxsize=PAGE_BYTES + _PAD_MIN)
+def _pad_frame(gap: int) -> tuple[bytes, bytes]:
+    """One per round: made once per size, not encoded and checksummed each time."""
+    return frame_parts(PAD, _PAD_NAME, 0, bytes(gap - _PAD_MIN))
 
 
 @dataclass(frozen=True)
@@ -348,17 +352,15 @@ def preallocate(path: Path, size: int) -> int:
     stat = os.statvfs(path.parent)
     if stat.f_bavail * stat.f_frsize < 4 * size:  # leave the room to the partitions
         raise OSError(errno.ENOSPC, f"less than {4 * size} bytes free for {path}")
+    fd = -1
     try:
         _zero_fill(path, size)
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    except BaseException:
-        path.unlink(missing_ok=True)  # a disk that filled meanwhile: give its room back
-        raise
-    try:
         os.fsync(fd)
     except BaseException:
-        os.close(fd)
-        path.unlink(missing_ok=True)
+        if fd >= 0:
+            os.close(fd)
+        path.unlink(missing_ok=True)  # a disk that filled meanwhile: give its room back
         raise
     return fd
 
@@ -374,7 +376,7 @@ def _zero_fill(path: Path, size: int) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         direct = False
     try:
-        chunk = _direct_zeros() if direct else memoryview(_ZEROS)[:PAGE_BYTES]
+        chunk = _direct_zeros() if direct else memoryview(bytes(PAGE_BYTES))
         left = size
         while left > 0:
             step = min(left, len(chunk))
@@ -385,14 +387,10 @@ def _zero_fill(path: Path, size: int) -> None:
         os.close(fd)
 
 
-_DIRECT_ZEROS: list = []
-
-
+@functools.cache
 def _direct_zeros() -> memoryview:
     """1 MiB of zeros in page-aligned memory (what O_DIRECT writes from)."""
-    if not _DIRECT_ZEROS:
-        _DIRECT_ZEROS.append(memoryview(mmap.mmap(-1, len(_ZEROS))))
-    return _DIRECT_ZEROS[0]
+    return memoryview(mmap.mmap(-1, MIB))
 
 
 def list_segments(directory: Path) -> list[int]:
