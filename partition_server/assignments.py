@@ -44,8 +44,8 @@ class Assignments:
         self.ready = asyncio.Event()
 
     def start(self) -> None:
-        self.zk.client.ChildrenWatch(SERVERS_PATH, self._on_servers)
-        self.zk.client.ChildrenWatch(TOPICS_PATH, self._on_children)
+        self.zk.watch_children(f"watching {SERVERS_PATH}", SERVERS_PATH, self._on_servers)
+        self.zk.watch_children(f"watching {TOPICS_PATH}", TOPICS_PATH, self._on_children)
 
     def _on_servers(self, names: list[str]) -> None:
         with self._lock:

@@ -59,7 +59,7 @@ class CoordinatorEpochs:
         the data of each existing /tc/<k> before returning, so the epochs already in
         ZooKeeper are known before any marker is answered."""
         if self.zk is not None:
-            self.zk.client.ChildrenWatch(TC_PATH, self._on_children)
+            self.zk.watch_children(f"watching {TC_PATH}", TC_PATH, self._on_children)
 
     def current(self, tc_partition: int) -> int:
         """The highest epoch known for the TC partition; 0 when none is known."""

@@ -114,7 +114,7 @@ class ZkSession:
     """One kazoo client under the cluster's chroot, reconnecting for ever."""
 
     def __init__(self, hosts: str, chroot: str, session_timeout_ms: int,
-                 connect_timeout_ms: int, digest_file: str = ""):
+                 connect_timeout_ms: int, digest_file: str = "", command_tries: int = 3):
         self.hosts = hosts
         self.chroot = chroot
         self.session_timeout_ms = session_timeout_ms
@@ -124,7 +124,9 @@ class ZkSession:
             hosts + chroot, digest_file,
             timeout=session_timeout_ms / 1000,
             connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=2.0),
-            command_retry=KazooRetry(max_tries=3, delay=0.1, max_delay=1.0),
+            # Each kazoo call, and the first read of a kazoo watch: `command_tries` tries
+            # (fewer in tests, which stand for the unlucky timing of a blip).
+            command_retry=KazooRetry(max_tries=command_tries, delay=0.1, max_delay=1.0),
         )
         self._session_callbacks: list[Callable[[], None]] = []
         self._session_id: int | None = None
@@ -192,6 +194,35 @@ class ZkSession:
         except RetryFailedError:
             raise AtomlogError("ZOOKEEPER_UNAVAILABLE", f"ZooKeeper at {self.hosts} did not "
                                f"answer {what} within {timeout_s:.0f} s") from None
+
+    def watch_children(self, what: str, path: str, func: Callable[[list[str]], Any]) -> None:
+        """A kazoo ChildrenWatch of `path` calling `func` with the children now and at
+        every change, made patiently: kazoo makes the watch's first read with the client's
+        command retry (three tries), and a blip there raised out of a server's start
+        (found 2026-12-02: a combined server started by hand, ZooKeeper paused 4.5 s just
+        after it connected, exited in `CoordinatorEpochs.start`). A watch whose first read
+        failed is retried with a new one; the failed one, which kazoo would otherwise
+        re-arm at the next reconnection, stops the first time it would call back (a
+        watch function that returns False ends its watch), so `func` hears one watch."""
+
+        def attempt() -> None:
+            live = [True]
+
+            def call(children: list[str]) -> Any:
+                if not live[0]:
+                    return False
+                func(children)
+                return None
+
+            try:
+                self.client.ChildrenWatch(path, call)
+            except BaseException as error:
+                live[0] = False
+                if isinstance(error, RetryFailedError):  # the command retry's tries ran out
+                    raise ConnectionLoss(f"{what}: {error}") from error
+                raise
+
+        self.patiently(what, attempt)
 
     def stop(self) -> None:
         self.client.stop()

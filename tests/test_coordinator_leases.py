@@ -44,6 +44,7 @@ from coordinator.leases import (
 )
 from services import launcher, localzk
 from services.metadata import MetadataStore
+from partition_server.coordinator_epochs import CoordinatorEpochs
 from services.zk import Registration, ZkSession
 
 pytestmark = pytest.mark.cluster
@@ -238,6 +239,62 @@ def test_a_server_started_by_hand_rides_out_a_zookeeper_blip_as_it_connects(tmp_
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_watch_asked_for_during_a_zookeeper_blip_is_made_once_it_is_back(tmp_path):
+    """A start-up step that watches children (`CoordinatorEpochs.start`, the
+    assignments' /servers and /topics) made the watch's first read with kazoo's command
+    retry, three tries: ZooKeeper paused as it was asked for ended the start (found
+    2026-12-02, a combined server started by hand with ZooKeeper paused 0.1 s after it
+    connected: "cannot start ... at partition_server/coordinator_epochs.py:62"). Now the
+    watch is made once ZooKeeper is back, the epochs already there are known when start
+    returns, and the watches that failed meanwhile call back nobody: one change, one
+    call."""
+    with own_zookeeper(tmp_path) as (address, process):
+        # One try a call (kazoo's command retry): a blip that outlasts all three tries of
+        # a server's client, as in the run that found it, without waiting for its timing.
+        zk = ZkSession(address, "/watch-blip", 3_000, 20_000, command_tries=1)
+        zk.start()
+        zk.client.create("/tc/3", json.dumps({"epoch": 7}).encode())
+        epochs = CoordinatorEpochs(zk, 16)
+        calls: list[list[str]] = []
+        failures: list[BaseException] = []
+
+        def during_the_blip(step) -> threading.Thread:
+            def run() -> None:
+                try:
+                    step()
+                except BaseException as error:  # noqa: BLE001 — the test's verdict
+                    failures.append(error)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        threads = []
+        try:
+            os.killpg(process.pid, signal.SIGSTOP)
+            threads.append(during_the_blip(epochs.start))
+            threads.append(during_the_blip(lambda: zk.watch_children(
+                "watching /tc", "/tc", lambda names: calls.append(sorted(names)))))
+            time.sleep(4.5)  # past the ping timeout (2/3 of 3 s): the connection drops
+            os.killpg(process.pid, signal.SIGCONT)
+            for thread in threads:
+                thread.join(40)
+                assert not thread.is_alive()
+            assert failures == []
+            assert epochs.current(3) == 7
+            assert calls == [["3"]]
+            zk.client.create("/tc/4", json.dumps({"epoch": 2}).encode())
+            deadline = time.monotonic() + 10
+            while epochs.current(4) != 2 or len(calls) < 2:
+                assert time.monotonic() < deadline, (epochs.snapshot(), calls)
+                time.sleep(0.05)
+            time.sleep(1.0)  # a stray watch's call would come now
+            assert calls == [["3"], ["3", "4"]]
+        finally:
+            os.killpg(process.pid, signal.SIGCONT)
+            zk.stop()
 
 
 @pytest.fixture(scope="module")
