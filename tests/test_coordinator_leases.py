@@ -42,9 +42,9 @@ from coordinator.leases import (
     owner_path,
     tc_path,
 )
+from partition_server.coordinator_epochs import CoordinatorEpochs
 from services import launcher, localzk
 from services.metadata import MetadataStore
-from partition_server.coordinator_epochs import CoordinatorEpochs
 from services.zk import Registration, ZkSession
 
 pytestmark = pytest.mark.cluster
