@@ -552,16 +552,35 @@ class Authorizer:
     ZooKeeper delivers it), the super users, and the openers of the transactions this
     process's coordinator opened. Thread-safe reads; the watch runs on kazoo's thread."""
 
-    def __init__(self, zk_client, super_users: frozenset[str]):
-        from kazoo.recipe.watchers import DataWatch
-
+    def __init__(self, zk_client, super_users: frozenset[str], load_timeout_s: float = 30.0):
+        """Reads the ACL znode before it returns (nothing is served before the ACLs are
+        known), or raises ZOOKEEPER_UNAVAILABLE after `load_timeout_s`: kazoo's DataWatch
+        retries its first read without a limit, and a start-up step that waited for ever
+        on a ZooKeeper that is gone broke the rule every other step keeps (give up after
+        zookeeper.connect_timeout_ms; a supervisor starts the process again)."""
         self.super_users = super_users
         self.owners = TxnOwners()
         self.acls = AclSet()
         self._loaded = threading.Event()
         self._closed = False
-        self._watch = DataWatch(zk_client, ACLS_PATH, self._changed)
-        self._loaded.wait(10)
+        self._watch = None
+        # The watch is made on a thread of its own, which its first read may hold.
+        threading.Thread(target=self._watch_acls, args=(zk_client,), daemon=True,
+                         name="atomlog-acl-watch").start()
+        if not self._loaded.wait(load_timeout_s):
+            self._closed = True  # the watch stops at its first call, if one ever comes
+            from services.errors import AtomlogError
+
+            raise AtomlogError("ZOOKEEPER_UNAVAILABLE", f"the ACLs ({ACLS_PATH}) could not "
+                               f"be read from ZooKeeper within {load_timeout_s:.0f} s")
+
+    def _watch_acls(self, zk_client) -> None:
+        from kazoo.recipe.watchers import DataWatch
+
+        try:
+            self._watch = DataWatch(zk_client, ACLS_PATH, self._changed)
+        except Exception:  # noqa: BLE001 — the client closed meanwhile; the caller gave up
+            log.debug("ACL watch not made", exc_info=True)
 
     @classmethod
     def from_config(cls, config, zk_client) -> "Authorizer | None":
@@ -572,7 +591,8 @@ class Authorizer:
 
             event(log, "ACLs are on but ZooKeeper is open (no zookeeper.digest_file): anyone "
                   "who reaches ZooKeeper can change them", logging.WARNING)
-        return cls(zk_client, split_principals(config["auth.super_users"]))
+        return cls(zk_client, split_principals(config["auth.super_users"]),
+                   config["zookeeper.connect_timeout_ms"] / 1000)
 
     def _changed(self, data, stat):
         from services.logs import event

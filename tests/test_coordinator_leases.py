@@ -44,6 +44,8 @@ from coordinator.leases import (
 )
 from partition_server.coordinator_epochs import CoordinatorEpochs
 from services import launcher, localzk
+from services.acl import ACLS_PATH, Acl, AclSet, Authorizer
+from services.errors import AtomlogError
 from services.metadata import MetadataStore
 from services.zk import Registration, ZkSession
 
@@ -295,6 +297,45 @@ def test_a_watch_asked_for_during_a_zookeeper_blip_is_made_once_it_is_back(tmp_p
         finally:
             os.killpg(process.pid, signal.SIGCONT)
             zk.stop()
+
+
+def test_the_acls_first_read_gives_up_when_zookeeper_stays_away_and_loads_once_it_is_back(
+        tmp_path):
+    """auth.authorizer=acl reads the ACL znode before anything is served. kazoo's
+    DataWatch retries that first read without a limit, so a ZooKeeper gone at that step
+    held the start for ever; every other start-up step gives up after
+    zookeeper.connect_timeout_ms (ZOOKEEPER_UNAVAILABLE) and a supervisor starts the
+    process again. Now the authorizer does too, and with ZooKeeper there it loads the
+    ACLs and follows their changes."""
+    entry = Acl("alice", "topic", "orders", "write")
+    with own_zookeeper(tmp_path) as (address, process):
+        client = KazooClient(hosts=address, timeout=3)
+        client.start(timeout=10)
+        client.create(ACLS_PATH, AclSet([entry]).encode())
+        try:
+            os.killpg(process.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                with pytest.raises(AtomlogError) as refused:
+                    Authorizer(client, frozenset(), load_timeout_s=3)
+                waited = time.monotonic() - started
+            finally:
+                os.killpg(process.pid, signal.SIGCONT)
+            assert refused.value.reason == "ZOOKEEPER_UNAVAILABLE"
+            assert 3 <= waited < 6, waited
+            authorizer = Authorizer(client, frozenset(), load_timeout_s=20)
+            assert authorizer.acls.acls == (entry,)
+            more = Acl("bob", "topic", "orders", "read")
+            client.set(ACLS_PATH, AclSet([entry, more]).encode())
+            deadline = time.monotonic() + 10
+            while authorizer.acls.acls != (entry, more):
+                assert time.monotonic() < deadline, authorizer.acls.acls
+                time.sleep(0.05)
+            authorizer.close()
+        finally:
+            os.killpg(process.pid, signal.SIGCONT)
+            client.stop()
+            client.close()
 
 
 @pytest.fixture(scope="module")
