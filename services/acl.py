@@ -564,6 +564,7 @@ class Authorizer:
         self._loaded = threading.Event()
         self._closed = False
         self._watch = None
+        self._watch_error: BaseException | None = None
         # The watch is made on a thread of its own, which its first read may hold.
         threading.Thread(target=self._watch_acls, args=(zk_client,), daemon=True,
                          name="atomlog-acl-watch").start()
@@ -573,14 +574,17 @@ class Authorizer:
 
             raise AtomlogError("ZOOKEEPER_UNAVAILABLE", f"the ACLs ({ACLS_PATH}) could not "
                                f"be read from ZooKeeper within {load_timeout_s:.0f} s")
+        if self._watch_error is not None:
+            raise self._watch_error
 
     def _watch_acls(self, zk_client) -> None:
         from kazoo.recipe.watchers import DataWatch
 
         try:
             self._watch = DataWatch(zk_client, ACLS_PATH, self._changed)
-        except Exception:  # noqa: BLE001 — the client closed meanwhile; the caller gave up
-            log.debug("ACL watch not made", exc_info=True)
+        except Exception as error:  # noqa: BLE001 — the start's answer (NoAuth, a closed client)
+            self._watch_error = error
+            self._loaded.set()
 
     @classmethod
     def from_config(cls, config, zk_client) -> "Authorizer | None":
