@@ -621,20 +621,21 @@ class WriteAheadLog:
         continue, and the replay would refuse their partition as DATA_LOSS although
         nothing acknowledged was lost. A failed fsync poisons the old segment as a
         failed round does (its partitions reload)."""
-        full = self._fd < 0 or self._sequence not in self._poisoned
         if self._fd >= 0 and self._size and self._sequence not in self._poisoned:
             try:
                 self._fsync(self._fd)
             except OSError as error:
                 self._poisoned.add(self._sequence)
                 self._lose(set(self._names_in[self._sequence]), error)
+        failed = self._fd >= 0 and self._sequence in self._poisoned
         self._sequence += 1
-        # A roll away from a failed segment takes an empty file: failures come in bursts
-        # (a failing disk fails every round), and a preallocated segment each would fill
-        # the disk with segments nothing can trim while the partitions reload (chaos
-        # seed 2809 filled its 768 MiB so and never recovered).
-        fd = self._take_prepared(self._sequence) if full else \
-            self._empty_segment(self._sequence)
+        # A roll away from a failed segment (its writes, its rounds' or its seal's fsync)
+        # takes an empty file: failures come in bursts (a failing disk fails every
+        # round), and a preallocated segment each would fill the disk with segments
+        # nothing can trim while the partitions reload (chaos seed 2809 filled its 768
+        # MiB so and never recovered).
+        fd = self._empty_segment(self._sequence) if failed else \
+            self._take_prepared(self._sequence)
         fsync_directory(self.directory)
         if self._fd >= 0:
             os.close(self._fd)

@@ -206,10 +206,10 @@ class ZkSession:
         watch function that returns False ends its watch), so `func` hears one watch."""
 
         def attempt() -> None:
-            live = [True]
+            live = True
 
             def call(children: list[str]) -> Any:
-                if not live[0]:
+                if not live:
                     return False
                 func(children)
                 return None
@@ -217,7 +217,7 @@ class ZkSession:
             try:
                 self.client.ChildrenWatch(path, call)
             except BaseException as error:
-                live[0] = False
+                live = False
                 if isinstance(error, RetryFailedError):  # the command retry's tries ran out
                     raise ConnectionLoss(f"{what}: {error}") from error
                 raise
