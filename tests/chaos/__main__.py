@@ -28,7 +28,7 @@ def parse(argv: list[str] | None) -> Options:
                         help="replays a run's faults and operations (default: random)")
     parser.add_argument("--nemesis", default=None,
                         help=f"comma-separated, from {','.join(NEMESES)}, or 'none' "
-                             "(default: kill,pause,net,disk, and leader,wipe,reassign "
+                             "(default: kill,pause,net,disk,restart, and leader,wipe,reassign "
                              "with --replication 2 or more)")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the history and report go (default: "
@@ -51,7 +51,7 @@ def parse(argv: list[str] | None) -> Options:
                              "scripts/go_tools.sh's toolchain) on its streaming transaction "
                              "path, writing its history as the Python workers do")
     args = parser.parse_args(argv)
-    chosen = args.nemesis or ("kill,pause,net,disk" + (",leader,wipe,reassign"
+    chosen = args.nemesis or ("kill,pause,net,disk,restart" + (",leader,wipe,reassign"
                                                        if args.replication > 1 else ""))
     nemeses = [] if chosen == "none" else [n for n in chosen.split(",") if n]
     unknown = [n for n in nemeses if n not in NEMESES]

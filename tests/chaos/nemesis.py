@@ -18,6 +18,10 @@ Nemeses and their faults:
          from its followers (links dropped both ways) longer than replication.max_lag_ms
   wipe   (replicated runs) kill -9 of one partition server, its partition directories
          deleted, restarted after 0-4 s: it must rebuild every replica from the leaders
+  restart kill -9 of one server, restarted after 0-2 s, and 0-3 s into its start cut off
+         from ZooKeeper (both ways) for longer than the session timeout: every start-up
+         step must ride out a ZooKeeper blip shorter than zookeeper.connect_timeout_ms
+         (a server that exits instead is a problem of the run, runner.watch_servers)
   reassign (replicated runs) `partition reassign` of a random workload partition to its
          replicas less one — its current leader (a handover in a new epoch) or a follower
          — whose copy is then deleted; healed by reassigning it back to every replica
@@ -30,7 +34,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-NEMESES = ("kill", "pause", "net", "disk", "leader", "wipe", "reassign")
+NEMESES = ("kill", "pause", "net", "disk", "restart", "leader", "wipe", "reassign")
 REPLICATED_ONLY = ("wipe", "reassign")  # wipe: would destroy acknowledged data with one copy
 QUIET_S = (1.0, 4.0)  # between two faults
 
@@ -39,13 +43,23 @@ QUIET_S = (1.0, 4.0)  # between two faults
 class Fault:
     at_s: float          # seconds after the fault phase began
     fault: str           # kill, pause, net-drop, net-oneway, net-delay, net-reset, net-isolate,
-                         # disk-fsync, disk-full, client-kill
+                         # disk-fsync, disk-full, client-kill, restart-zk-blip
     target: str          # a process name, or "a->b" for a link
-    duration_s: float    # how long until healed (kill: until restarted)
-    delay_s: float = 0.0  # net-delay
+    duration_s: float    # how long until healed (kill: until restarted; restart-zk-blip:
+                         # the ZooKeeper cut)
+    delay_s: float = 0.0  # net-delay; restart-zk-blip: from the restart to the cut
+    down_s: float = 0.0   # restart-zk-blip: from the kill to the restart
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @property
+    def span_s(self) -> float:
+        """From the fault's start until it is healed (a restart-zk-blip's kill and start
+        come before its cut)."""
+        if self.fault == "restart-zk-blip":
+            return self.down_s + self.delay_s + self.duration_s
+        return self.duration_s
 
 
 @dataclass(frozen=True)
@@ -76,10 +90,10 @@ def schedule(seed: int, nemeses: list[str], duration_s: float, topology: Topolog
     now = rng.uniform(*QUIET_S)
     while nemeses:
         fault = _one(rng, rng.choice(nemeses), now, topology)
-        if fault.at_s + fault.duration_s > duration_s:
+        if fault.at_s + fault.span_s > duration_s:
             break
         faults.append(fault)
-        now = fault.at_s + fault.duration_s + rng.uniform(*QUIET_S)
+        now = fault.at_s + fault.span_s + rng.uniform(*QUIET_S)
     return faults
 
 
@@ -89,6 +103,10 @@ def _one(rng: random.Random, nemesis: str, at_s: float, topology: Topology) -> F
         target = rng.choice(targets)
         fault = "client-kill" if target in topology.clients else "kill"
         return Fault(at_s, fault, target, rng.uniform(0.0, 4.0))
+    if nemesis == "restart":
+        return Fault(at_s, "restart-zk-blip", rng.choice(topology.servers),
+                     topology.session_timeout_s + rng.uniform(1.0, 4.0),
+                     delay_s=rng.uniform(0.0, 3.0), down_s=rng.uniform(0.0, 2.0))
     if nemesis == "pause":
         target = rng.choice(topology.servers)
         return Fault(at_s, "pause", target, topology.session_timeout_s + rng.uniform(1.0, 4.0))

@@ -120,6 +120,13 @@ class Run:
         self.mounted: str | None = None
         self.notes: list[str] = []
         self.stalls: list[str] = []  # liveness failures after healing: the run is not valid
+        # Servers that exited by themselves (watch_servers): a problem of the run when the
+        # exit was a crash or a start given up on ZooKeeper (every ZooKeeper fault here is
+        # far shorter than zookeeper.connect_timeout_ms), else a note.
+        self.server_exits: list[str] = []
+        self.down: set[str] = set()  # processes a fault holds down (killed, not restarted yet)
+        self.log_marks: dict[str, int] = {}  # a process's log size at its last start
+        self.servers_watched = 0.0
         self.topics = CTP_TOPICS if options.workload == "ctp" else LOG_TOPICS
         self.counts = COMBINED_COUNTS if options.combined else COUNTS
         self.duration_s = options.minutes * 60
@@ -192,6 +199,10 @@ class Run:
         if any(c.crashes for c in self.clients.values()):
             report["valid"] = False
             report.setdefault("problems", []).append("a workload client crashed (see logs/)")
+        if self.server_exits:
+            report["run"]["server_exits"] = self.server_exits
+            report["valid"] = False
+            report.setdefault("problems", []).extend(self.server_exits)
         if self.stalls:  # liveness: what healing did not bring back
             report["valid"] = False
             report.setdefault("problems", []).extend(self.stalls)
@@ -218,6 +229,7 @@ class Run:
     def wait_until(self, moment: float) -> None:
         while True:
             self.watch_clients()
+            self.watch_servers()
             left = moment - time.monotonic()
             if left <= 0:
                 return
@@ -269,6 +281,7 @@ class Run:
                              tls=self.options.tls)
         self.cluster = report.cluster
         self.refresh_names()
+        self.mark_logs()
         self.say(f"cluster up in {report.seconds:.1f} s")
 
     @staticmethod
@@ -313,12 +326,63 @@ class Run:
 
     def restart(self, name: str) -> None:
         entry = self.entry(self.cluster, name)
-        if launcher.process_alive(entry.pid, launcher.marker_of(entry)):
+        if not launcher.process_alive(entry.pid, launcher.marker_of(entry)):
+            self.mark_logs([entry])
+            entry.pid = (launcher.start_zookeeper(entry) if entry.role == "zookeeper"
+                         else launcher.start_service(self.cluster, entry))
+            self.names[entry.pid] = name
+            self.cluster.save(self.data_dir)
+        self.down.discard(name)  # (a start that raised: still down, the final heal's)
+
+    def mark_logs(self, entries=None) -> None:
+        """Where each process's log ends before it (re)starts: what it logs from there on
+        is its own incarnation's (exit_reason)."""
+        for entry in entries if entries is not None else self.cluster.processes:
+            try:
+                self.log_marks[entry.name] = os.path.getsize(entry.log_file)
+            except OSError:
+                self.log_marks[entry.name] = 0
+
+    def exit_reason(self, entry: launcher.ProcessEntry) -> tuple[str, bool]:
+        """What a server that exited by itself last logged of its start (its "cannot
+        start" event), and whether that exit is a problem of the run: a start given up
+        on ZooKeeper, or no such event at all (a crash, or killed by something else)."""
+        try:
+            with open(entry.log_file, "rb") as log_file:
+                log_file.seek(self.log_marks.get(entry.name, 0))
+                tail = log_file.read()[-(256 << 10):].decode("utf-8", "replace")
+        except OSError as error:
+            return f"its log unreadable: {error!r}", True
+        for line in reversed(tail.splitlines()):
+            if '"cannot start' in line:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    return line[:400], True
+                said = " ".join(str(event.get(k, "")) for k in ("msg", "reason", "error", "at"))
+                return said.strip(), ("ZooKeeper" in said or "ZOOKEEPER" in said)
+        lines = [line for line in tail.splitlines() if line.strip()]
+        return f"no start-up failure logged; last line: {lines[-1][:400] if lines else '-'}", True
+
+    def watch_servers(self) -> None:
+        """A server (or ZooKeeper) that exits when no fault holds it down exited by
+        itself: recorded (a problem, see exit_reason) and started again, as a supervisor
+        would. Looked at every 0.5 s."""
+        if self.cluster is None or time.monotonic() - self.servers_watched < 0.5:
             return
-        entry.pid = (launcher.start_zookeeper(entry) if entry.role == "zookeeper"
-                     else launcher.start_service(self.cluster, entry))
-        self.names[entry.pid] = name
-        self.cluster.save(self.data_dir)
+        self.servers_watched = time.monotonic()
+        for entry in self.cluster.processes:
+            if entry.name in self.down or not entry.pid or \
+                    launcher.process_alive(entry.pid, launcher.marker_of(entry)):
+                continue
+            self.server_exited(entry)
+            self.restart(entry.name)
+
+    def server_exited(self, entry: launcher.ProcessEntry) -> None:
+        reason, problem = self.exit_reason(entry)
+        text = f"{entry.name} exited by itself: {reason}"
+        self.say(text + ": starting it again")
+        (self.server_exits if problem else self.notes).append(text)
 
     def teardown(self) -> None:
         self.proxy.heal_all()
@@ -502,6 +566,7 @@ class Run:
                 self.notes.append(f"wipe of {target} skipped: replicas not in sync for 60 s")
                 return lambda: None
             entry = self.entry(self.cluster, target)
+            self.down.add(target)
             self.signal(entry.pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
             while launcher.process_alive(entry.pid, launcher.marker_of(entry)) and \
@@ -513,8 +578,23 @@ class Run:
             return lambda: self.restart(target)
         if kind == "kill":
             entry = self.entry(self.cluster, target)
+            self.down.add(target)
             self.signal(entry.pid, signal.SIGKILL)
             return lambda: self.restart(target)
+        if kind == "restart-zk-blip":
+            # Killed, started again after down_s, and delay_s into that start cut off from
+            # ZooKeeper for the fault's duration (longer than its session): whichever
+            # start-up step is talking to ZooKeeper then must wait for it to come back.
+            entry = self.entry(self.cluster, target)
+            self.down.add(target)
+            self.signal(entry.pid, signal.SIGKILL)
+            self.wait_until(time.monotonic() + fault.down_s)
+            self.restart(target)
+            self.wait_until(time.monotonic() + fault.delay_s)
+            self.proxy.set_fault(target, "zookeeper", "drop")
+            self.proxy.set_fault("zookeeper", target, "drop")
+            return lambda: (self.proxy.heal(target, "zookeeper"),
+                            self.proxy.heal("zookeeper", target))
         if kind == "client-kill":
             client = self.clients[target]
             if client.process is not None:
@@ -563,6 +643,9 @@ class Run:
             (Path(self.mounted) / "filler").unlink(missing_ok=True)
         for entry in self.cluster.processes:
             self.signal(entry.pid, signal.SIGCONT)
+        self.down.clear()
+        self.servers_watched = 0.0
+        self.watch_servers()  # (one that exited since the last look is recorded)
         report = launcher.up(self.data_dir, self.counts, self.settings, timeout_s=120,
                              tls=self.options.tls)
         self.cluster = report.cluster

@@ -1,0 +1,83 @@
+"""Unit tests of the chaos harness's own parts that are not the checker
+(tests/test_chaos_checker.py): the fault schedule's restart nemesis, and how the runner
+tells a server's exit that is a problem of the run from one that is not."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from tests.chaos import nemesis
+from tests.chaos.runner import Run
+
+TOPOLOGY = nemesis.Topology(("ps-0", "ps-1", "ps-2"), ("coord-0", "coord-1"), ("ida-0",),
+                            session_timeout_s=3.0)
+
+
+def test_restart_faults_are_spaced_by_their_whole_span_and_cut_zookeeper_past_the_session():
+    for seed in range(40):
+        faults = nemesis.schedule(seed, ["restart", "kill"], 120, TOPOLOGY)
+        assert faults
+        for before, after in zip(faults, faults[1:]):
+            assert after.at_s >= before.at_s + before.span_s + nemesis.QUIET_S[0]
+        for fault in faults:
+            assert fault.at_s + fault.span_s <= 120
+            if fault.fault == "restart-zk-blip":
+                assert fault.target in TOPOLOGY.servers
+                assert 0 <= fault.down_s <= 2 and 0 <= fault.delay_s <= 3
+                assert fault.duration_s > TOPOLOGY.session_timeout_s
+                assert fault.span_s == fault.down_s + fault.delay_s + fault.duration_s
+            else:
+                assert fault.span_s == fault.duration_s
+
+
+def test_a_seed_without_the_restart_nemesis_schedules_what_it_did_before_it():
+    # The restart nemesis's fields are zero elsewhere: older faults' spans are their
+    # durations, so a seed replays an older run's schedule when its nemeses are named.
+    faults = nemesis.schedule(295, ["kill", "pause", "net", "disk"], 36, TOPOLOGY)
+    assert all(f.down_s == 0 and f.span_s == f.duration_s for f in faults)
+
+
+def _event(msg: str, **fields) -> str:
+    return json.dumps({"level": "ERROR", "logger": "atomlog.runtime", "msg": msg, **fields})
+
+
+def _reason(tmp_path, lines: list[str], mark_lines: int = 0):
+    log_file = tmp_path / "ps-0.log"
+    log_file.write_text("".join(line + "\n" for line in lines))
+    mark = len("".join(line + "\n" for line in lines[:mark_lines]))
+    runner = SimpleNamespace(log_marks={"ps-0": mark})
+    return Run.exit_reason(runner, SimpleNamespace(name="ps-0", log_file=str(log_file)))
+
+
+def test_a_start_given_up_on_zookeeper_is_a_problem_of_the_run(tmp_path):
+    said, problem = _reason(tmp_path, [
+        _event("start"),
+        _event("cannot start: ZooKeeper failed during start-up",
+               error="RetryFailedError('Too many retry attempts')",
+               at="partition_server/coordinator_epochs.py:62 in start")])
+    assert problem and "coordinator_epochs.py:62" in said
+    said, problem = _reason(tmp_path, [_event("cannot start", reason="ZOOKEEPER_UNAVAILABLE",
+                                              error="no ZooKeeper within 30 s")])
+    assert problem and "ZOOKEEPER_UNAVAILABLE" in said
+
+
+def test_a_start_refused_for_another_reason_is_a_note_and_a_crash_is_a_problem(tmp_path):
+    said, problem = _reason(tmp_path, [_event("cannot start", reason="STORAGE_ERROR",
+                                              error="No space left on device")])
+    assert not problem and "STORAGE_ERROR" in said
+    said, problem = _reason(tmp_path, [_event("serving"), "Traceback (most recent call last):",
+                                       "MemoryError"])
+    assert problem and "no start-up failure logged" in said and "MemoryError" in said
+
+
+def test_only_the_last_incarnations_lines_count(tmp_path):
+    # An earlier incarnation gave up on ZooKeeper (already recorded then); this one crashed.
+    said, problem = _reason(tmp_path, [
+        _event("cannot start", reason="ZOOKEEPER_UNAVAILABLE"), _event("start"),
+        _event("serving")], mark_lines=1)
+    assert problem and "no start-up failure logged" in said
+    said, problem = _reason(tmp_path, [
+        _event("cannot start", reason="ZOOKEEPER_UNAVAILABLE"), _event("start"),
+        _event("cannot start", reason="STORAGE_ERROR")], mark_lines=1)
+    assert not problem and "STORAGE_ERROR" in said
