@@ -154,6 +154,27 @@ def own_zookeeper(directory: Path):
             process.wait()
 
 
+def pause(process: subprocess.Popen) -> None:
+    """SIGSTOP a server's process group, and return once every thread of the process is
+    stopped: a signal is delivered asynchronously, and on a loaded machine a thread of
+    the JVM could still answer a request sent just after killpg (a CI run once saw the
+    ACL read below answered by a ZooKeeper it had stopped)."""
+    os.killpg(process.pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{process.pid}/task")
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for task in tasks.iterdir():
+            try:  # the state follows the command's ")" (a command may hold spaces)
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+            except (OSError, IndexError):
+                pass  # a thread that ended meanwhile
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"ZooKeeper's threads not stopped: {states}"
+        time.sleep(0.005)
+
+
 def test_a_registration_rides_out_a_zookeeper_blip_while_it_waits(tmp_path):
     """A server started again after kill -9 waits for its previous registration to
     expire; ZooKeeper paused meanwhile (the connection drops: ConnectionLoss, maybe the
@@ -184,7 +205,7 @@ def test_a_registration_rides_out_a_zookeeper_blip_while_it_waits(tmp_path):
             thread.start()
             time.sleep(1.0)  # waiting for the previous registration
             assert thread.is_alive() and not registration.active
-            os.killpg(process.pid, signal.SIGSTOP)
+            pause(process)
             time.sleep(4.5)  # past the clients' ping timeout: their connections drop
             os.killpg(process.pid, signal.SIGCONT)
             previous.stop()
@@ -227,7 +248,7 @@ def test_a_server_started_by_hand_rides_out_a_zookeeper_blip_as_it_connects(tmp_
                         log_file.read_text() if log_file.exists() else ""):
                     assert time.monotonic() < deadline, log_file.read_text()
                     time.sleep(0.002)
-                os.killpg(zookeeper_process.pid, signal.SIGSTOP)
+                pause(zookeeper_process)
                 try:
                     time.sleep(4.5)  # past the ping timeout (2/3 of 3 s): the connection drops
                 finally:
@@ -275,7 +296,7 @@ def test_a_watch_asked_for_during_a_zookeeper_blip_is_made_once_it_is_back(tmp_p
 
         threads = []
         try:
-            os.killpg(process.pid, signal.SIGSTOP)
+            pause(process)
             threads.append(during_the_blip(epochs.start))
             threads.append(during_the_blip(lambda: zk.watch_children(
                 "watching /tc", "/tc", lambda names: calls.append(sorted(names)))))
@@ -317,7 +338,7 @@ def test_the_acls_first_read_gives_up_when_zookeeper_stays_away_and_loads_once_i
         client.start(timeout=10)
         client.create(ACLS_PATH, AclSet([entry]).encode())
         try:
-            os.killpg(process.pid, signal.SIGSTOP)
+            pause(process)
             started = time.monotonic()
             try:
                 with pytest.raises(AtomlogError) as refused:
