@@ -565,29 +565,19 @@ class Run:
             if not self.wait_in_sync(60.0):
                 self.notes.append(f"wipe of {target} skipped: replicas not in sync for 60 s")
                 return lambda: None
-            entry = self.entry(self.cluster, target)
-            self.down.add(target)
-            self.signal(entry.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while launcher.process_alive(entry.pid, launcher.marker_of(entry)) and \
-                    time.monotonic() < deadline:
-                time.sleep(0.05)
-            partitions = Path(entry.data_dir) / "partitions"
+            self.kill(target)
+            partitions = Path(self.entry(self.cluster, target).data_dir) / "partitions"
             for child in (partitions.iterdir() if partitions.is_dir() else ()):
                 shutil.rmtree(child, ignore_errors=True)
             return lambda: self.restart(target)
         if kind == "kill":
-            entry = self.entry(self.cluster, target)
-            self.down.add(target)
-            self.signal(entry.pid, signal.SIGKILL)
+            self.kill(target)
             return lambda: self.restart(target)
         if kind == "restart-zk-blip":
             # Killed, started again after down_s, and delay_s into that start cut off from
             # ZooKeeper for the fault's duration (longer than its session): whichever
             # start-up step is talking to ZooKeeper then must wait for it to come back.
-            entry = self.entry(self.cluster, target)
-            self.down.add(target)
-            self.signal(entry.pid, signal.SIGKILL)
+            self.kill(target)
             self.wait_until(time.monotonic() + fault.down_s)
             self.restart(target)
             self.wait_until(time.monotonic() + fault.delay_s)
@@ -625,6 +615,18 @@ class Run:
             fill(filler)
             return lambda: filler.unlink(missing_ok=True)
         raise AssertionError(kind)
+
+    def kill(self, name: str) -> None:
+        """kill -9 of a cluster process, held down until a heal restarts it; returns once
+        it is gone (a signal is delivered asynchronously: a restart at once would find
+        it still alive and start nothing, and watch_servers would then see it die)."""
+        entry = self.entry(self.cluster, name)
+        self.down.add(name)
+        self.signal(entry.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while launcher.process_alive(entry.pid, launcher.marker_of(entry)) and \
+                time.monotonic() < deadline:
+            time.sleep(0.01)
 
     @staticmethod
     def signal(pid: int, which: int) -> None:
