@@ -38,8 +38,8 @@ SPARK_LITE = [("spark-lite", "kill,net", 183, 0.35)]
 WITH_OPTIONS = [("ctp", "kill,net,disk", 41, 0.35, {"combined": True, "go": True}),
                 ("log", "leader,wipe,reassign", 51, FAULT_PHASE_MINUTES, {"replication": 3})]
 # Start-ups under ZooKeeper blips (the restart nemesis, since 2026-12-02): seed 2818
-# restarts ps-0, coord-1 and ida-0, each cut off from ZooKeeper 0.7-1.4 s into its start
-# for 4.4-6.8 s; a server that exits instead makes the run not valid (watch_servers).
+# restarts ps-0 and coord-1, cut off from ZooKeeper 1.3 and 2.3 s into their starts for
+# 5.4 and 6.8 s; a server that exits instead makes the run not valid (watch_servers).
 RESTARTS = [("log", "restart", 2818, FAULT_PHASE_MINUTES)]
 # A fault's nemesis, where its name does not begin with it.
 NEMESIS_OF = {"client-kill": "kill"}
