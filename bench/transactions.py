@@ -958,13 +958,12 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
 
 
 def durability_default(combined: bool) -> str:
-    """`partition.durability`'s default for the servers measured (the combined server's
-    differs), as services/config.py declares it."""
+    """`partition.durability`'s default for the servers measured, as services/config.py
+    declares it."""
     from services.config import COMBINED, settings_for
 
     role = COMBINED if combined else "partition_server"
-    return next(s for s in settings_for(role)
-                if s.name == "partition.durability").default_for(role)
+    return next(s for s in settings_for(role) if s.name == "partition.durability").default
 
 
 def main() -> None:

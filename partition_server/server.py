@@ -116,6 +116,7 @@ async def install(runtime) -> list[str]:
     if config["partition.durability"] == durability.WAL:
         wal = WriteAheadLog(wal_dir, segment_bytes=config["partition.wal_segment_bytes"],
                             checkpoint_ms=config["partition.wal_checkpoint_ms"],
+                            checkpoint_bytes=config["partition.wal_checkpoint_bytes"],
                             max_bytes=config["partition.wal_max_bytes"])
     else:  # a file an earlier start in wal mode left: its frames are not to be lost
         await asyncio.to_thread(replay_leftover, wal_dir, partitions_dir, settings.log)

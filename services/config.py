@@ -51,11 +51,6 @@ class Setting:
     maximum: int | None = None
     choices: tuple[str, ...] | None = None
     check: Callable[[Any], str | None] | None = None  # returns a problem or None
-    combined_default: Any = None  # the combined server's default, where it differs
-
-    def default_for(self, role: str) -> Any:
-        return self.combined_default if role == COMBINED and self.combined_default is not \
-            None else self.default
 
     @property
     def env_name(self) -> str:
@@ -250,7 +245,7 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "after its batches are fsynced (group commit); none: acknowledge after the "
                 "write, leaving durability to the OS (faster, loses data on power failure).",
                 choices=("fsync", "none")),
-        Setting("partition.durability", str, "fsync", "How group commits are made "
+        Setting("partition.durability", str, "wal", "How group commits are made "
                 "durable (partition_server/durability.py). fsync: one barrier per process "
                 "fsyncs every partition that asked while its previous round ran, at once, "
                 "and answers them together; syncfs: the barrier's round is one syncfs of "
@@ -264,14 +259,19 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "(server.data_dir/wal), a group commit waits for that file's next write and "
                 "fsync, shared by every partition, and the partitions' files are fsynced by "
                 "a checkpointer (partition.wal_checkpoint_ms); at start the file is replayed "
-                "into them (partition_server/wal.py). Replicated partitions keep fsync. "
-                "The combined server's default is wal (docs/benchmarks.md, \"A write-ahead "
-                "file per server\").",
-                choices=("auto", "fsync", "syncfs", "executor", "wal"), combined_default="wal"),
+                "into them (partition_server/wal.py). Replicated partitions keep fsync, so "
+                "on a cluster whose topics have several copies wal changes nothing "
+                "(docs/operations.md, \"Durability modes and the write-ahead file\").",
+                choices=("auto", "fsync", "syncfs", "executor", "wal")),
         Setting("partition.wal_checkpoint_ms", int, 500, "partition.durability=wal: how often "
                 "the partitions' files written since the last checkpoint are fsynced (their "
                 "recovery points move, and write-ahead segments below every checkpoint are "
                 "deleted). Bounds what a start replays.", minimum=10, maximum=60_000),
+        Setting("partition.wal_checkpoint_bytes", int, 4 * MIB, "partition.durability=wal: "
+                "a checkpoint also begins once this many bytes were written to the "
+                "write-ahead file since the last one began, so that a checkpoint's fsyncs "
+                "write back a bounded amount at once (the file's rounds share the disk with "
+                "them).", minimum=64 * KIB, maximum=1024 * MIB),
         Setting("partition.wal_segment_bytes", int, 16 * MIB, "partition.durability=wal: the "
                 "write-ahead file rolls to a new segment past this size (segments go whole, "
                 "once every partition's checkpoint is past them; an owner's reload reads "
@@ -841,7 +841,7 @@ def load_config(role: str, file: str | Path | None = None,
                                    if s.env_name in env}))
     layers.append(("flags", dict(overrides or {})))
 
-    values = {name: s.default_for(role) for name, s in settings.items()}
+    values = {name: s.default for name, s in settings.items()}
     sources = {name: "default" for name in settings}
     for source, layer in layers:
         for name, raw in layer.items():
@@ -925,6 +925,5 @@ def describe(role: str) -> str:
             bounds = f" [{s.minimum if s.minimum is not None else ''}..{s.maximum if s.maximum is not None else ''}]"
         if s.choices:
             bounds = f" {{{'|'.join(s.choices)}}}"
-        default = s.default_for(role)
-        rows.append(f"{s.name} = {default!r}{bounds}\n    env {s.env_name}. {s.meaning}")
+        rows.append(f"{s.name} = {s.default!r}{bounds}\n    env {s.env_name}. {s.meaning}")
     return "\n".join(rows)

@@ -334,6 +334,44 @@ def test_group_commits_share_one_write_ahead_fsync_and_checkpoints_trim_the_file
     asyncio.run(scenario())
 
 
+def test_a_checkpoint_begins_early_once_enough_bytes_were_framed_since_the_last(tmp_path):
+    """The interval is a minute: only `checkpoint_bytes` can begin a checkpoint here.
+    Below it nothing becomes durable in the partitions' files; past it they all do, and
+    the count starts again."""
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        wal = node.wal
+
+        async def produce(sequence: int) -> None:
+            data = batch(1, sequence)  # small: no segment of the partitions' rolls
+            results = await asyncio.gather(*[o.produce([(data, parse_header(data))])
+                                             for o in node.owners])
+            assert all(not isinstance(r[0], AtomlogError) for r in results)
+
+        wal.checkpoint_bytes = 64 << 10
+        sequence = 0
+        while wal._since_checkpoint + (16 << 10) < wal.checkpoint_bytes:  # below it
+            await produce(sequence)  # a round: both batches' frames and the padding
+            sequence += 2
+        await asyncio.sleep(0.2)
+        assert sequence >= 8
+        assert all(o.log.durable_offset == 0 for o in node.owners)
+        below = sequence
+        for _ in range(8):  # a round or two more pass it: the checkpointer wakes at once
+            await produce(sequence)
+            sequence += 2
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if all(o.log.durable_offset >= below for o in node.owners):
+                break
+        assert all(o.log.durable_offset >= below for o in node.owners)
+        assert wal._since_checkpoint < wal.checkpoint_bytes  # counted again from there
+        await node.close()
+
+    asyncio.run(scenario())
+
+
 def test_every_write_starts_on_a_fresh_page_and_the_padding_is_skipped(tmp_path, monkeypatch):
     """A round's fsync writes its last page back and the kernel holds that page's lock
     meanwhile: a next round writing into the same page waited for it in the event loop's
