@@ -155,6 +155,12 @@ def _write_atomically(path: Path, text: str) -> None:
 
 _HANDED_OUT: set[int] = set()  # ports this process gave out (not yet bound, maybe)
 LOWEST_PORT = 10_000
+# Ports any process on this machine gave out lately: a file per port, made with O_EXCL.
+# Two processes drawing ports at once (the test suite's two workers, a benchmark beside
+# a test run) could otherwise both draw a port neither has bound yet; the one whose
+# server then failed to bind it could find the other's server there instead.
+PORT_CLAIMS = Path(os.environ.get("TMPDIR", "/tmp")) / "atomlog-port-claims"
+PORT_CLAIM_S = 600  # a claim older than this is stale: its server bound the port long ago
 BIND_CONFLICT = ("Address already in use", "Failed to bind")  # in a start-up log: retry
 
 
@@ -173,21 +179,46 @@ def free_port() -> int:
     connections made meanwhile (which get ephemeral ports) cannot take it first (a port
     from bind(0) is ephemeral: a ZooKeeper or gRPC client connecting before the server
     starts could be given it, and the server then fails with "Address already in use").
-    Never the same port twice in one process."""
+    Never the same port twice in one process, nor one another process on this machine
+    was given in the last PORT_CLAIM_S seconds (`_claim`)."""
     low, _high = _ephemeral_range()
     if low - LOWEST_PORT >= 1_000:
         for _ in range(500):
             port = random.randrange(LOWEST_PORT, low)
-            if port not in _HANDED_OUT and _bindable(port):
+            if port not in _HANDED_OUT and _bindable(port) and _claim(port):
                 _HANDED_OUT.add(port)
                 return port
     while True:  # no room below the ephemeral range: what the kernel offers
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
+        if port not in _HANDED_OUT and _claim(port):
             _HANDED_OUT.add(port)
             return port
+
+
+def _claim(port: int, now: float | None = None) -> bool:
+    """Claim `port` for this process among every process on the machine: False if another
+    claimed it less than PORT_CLAIM_S ago. A directory that cannot be written claims
+    nothing and refuses nothing (the bind checks stay)."""
+    path = PORT_CLAIMS / str(port)
+    now = time.time() if now is None else now
+    try:
+        PORT_CLAIMS.mkdir(mode=0o777, exist_ok=True)
+        for _ in range(2):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                return True
+            except FileExistsError:
+                try:
+                    if now - path.stat().st_mtime < PORT_CLAIM_S:
+                        return False
+                    path.unlink()  # stale: claimed again below
+                except FileNotFoundError:
+                    pass  # another process cleared it meanwhile: try again
+        return False
+    except OSError:
+        return True
 
 
 def _bindable(port: int) -> bool:

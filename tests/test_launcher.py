@@ -3,7 +3,12 @@ process whose port was taken before it could bind is restarted on a new one."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,34 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", port))
 
+
+
+def test_free_ports_handed_out_in_two_processes_at_once_are_distinct(tmp_path, monkeypatch):
+    """The test suite's two workers draw ports at the same time: the claims keep them apart
+    (400 ports each among about 22,000 would overlap somewhere almost surely without)."""
+    monkeypatch.setattr(launcher, "PORT_CLAIMS", tmp_path / "atomlog-port-claims")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import json; from services import launcher; "
+         "print(json.dumps([launcher.free_port() for _ in range(400)]))"],
+        stdout=subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp_path)},
+        cwd=Path(__file__).resolve().parent.parent)
+    mine = [launcher.free_port() for _ in range(400)]
+    theirs = json.loads(child.communicate(timeout=60)[0])
+    assert child.returncode == 0
+    assert len(theirs) == 400 and not set(mine) & set(theirs)
+
+
+def test_a_claim_is_refused_while_fresh_and_taken_over_once_stale(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "PORT_CLAIMS", tmp_path / "claims")
+    assert launcher._claim(20_001)
+    assert not launcher._claim(20_001)
+    assert not launcher._claim(20_001, now=time.time() + launcher.PORT_CLAIM_S - 5)
+    assert launcher._claim(20_001, now=time.time() + launcher.PORT_CLAIM_S + 5)
+    assert launcher._claim(20_002)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setattr(launcher, "PORT_CLAIMS", blocked)  # no directory can be made there
+    assert launcher._claim(20_001) and launcher._claim(20_001)  # claims nothing, refuses nothing
 
 @pytest.mark.parametrize("settings, problem", [
     ({"partition.fsync": "false"}, "unknown setting 'partition.fsync'"),
