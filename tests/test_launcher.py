@@ -28,7 +28,6 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
             sock.bind(("127.0.0.1", port))
 
 
-
 def test_free_ports_handed_out_in_two_processes_at_once_are_distinct(tmp_path, monkeypatch):
     """The test suite's two workers draw ports at the same time: the claims keep them apart
     (400 ports each among about 22,000 would overlap somewhere almost surely without)."""
@@ -55,6 +54,7 @@ def test_a_claim_is_refused_while_fresh_and_taken_over_once_stale(tmp_path, monk
     blocked.write_text("")
     monkeypatch.setattr(launcher, "PORT_CLAIMS", blocked)  # no directory can be made there
     assert launcher._claim(20_001) and launcher._claim(20_001)  # claims nothing, refuses nothing
+
 
 @pytest.mark.parametrize("settings, problem", [
     ({"partition.fsync": "false"}, "unknown setting 'partition.fsync'"),
