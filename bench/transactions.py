@@ -1043,6 +1043,10 @@ def main() -> None:
                              "machine where times move. The counting slows the servers: "
                              "writes no docs")
     parser.add_argument("--no-docs", action="store_true", help="print only")
+    parser.add_argument("--combined-nodes", type=int, default=0, metavar="N",
+                        help="with --only-small or --only-ctp: a cluster of N (2-5) combined "
+                             "servers, every role in each process (as Kafka's brokers host "
+                             "their coordinators), instead of separate roles; writes no docs")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a config setting for every server (repeatable), e.g. "
                              "coordinator.parallel_commits=false to measure against it")
@@ -1052,6 +1056,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.combined:
         use_combined_server()
+    if args.combined_nodes:
+        if args.combined or not 2 <= args.combined_nodes <= 5:
+            parser.error("--combined-nodes takes 2..5, without --combined")
+        if not (args.only_small or args.only_ctp):
+            parser.error("--combined-nodes goes with --only-small or --only-ctp")
+        global ROLES
+        ROLES = {"combined": args.combined_nodes}
+        args.no_docs = True  # not a shape the docs' sections are about
     peers = ([json.loads(line) for line in args.peers_w3.read_text().splitlines() if line.strip()]
              if args.peers_w3 else [])
     command = common.command_line("bench/transactions.py", sys.argv[1:])
