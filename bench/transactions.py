@@ -957,13 +957,13 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
     return "\n".join(lines + [CTP_END]) + "\n"
 
 
-def durability_default(combined: bool) -> str:
-    """`partition.durability`'s default for the servers measured, as services/config.py
-    declares it."""
-    from services.config import COMBINED, settings_for
+def durability_default() -> str:
+    """`partition.durability`'s default (every role that hosts partitions has the same),
+    as services/config.py declares it."""
+    from services.config import settings_for
 
-    role = COMBINED if combined else "partition_server"
-    return next(s for s in settings_for(role) if s.name == "partition.durability").default
+    return next(s for s in settings_for("partition_server")
+                if s.name == "partition.durability").default
 
 
 def main() -> None:
@@ -1134,7 +1134,7 @@ def main() -> None:
                   f"{small['sync_calls_per_txn']:.2f} sync calls per transaction; "
                   "durability " + settings.get("partition.durability", os.environ.get(
                       "ATOMLOG_PARTITION_DURABILITY",
-                      f"default ({durability_default(args.combined)})")) + "; "
+                      f"default ({durability_default()})")) + "; "
                   "commit p50/p99 "
                   f"{small['commit_p50_ms']:.1f}/{small['commit_p99_ms']:.1f} ms; "
                   + "the machine's jitter meanwhile (common.CpuProbe): a "
