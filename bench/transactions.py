@@ -509,10 +509,12 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
                metrics_addresses: list[str], out, pipelined: bool, suffix: str,
                one_call_max_bytes: int = 1 << 20, profile: str | None = None,
                profile_worker: bool = False, depth: int = CTP_DEPTH,
-               commit_threads: int | None = None, send_batch: bool = True) -> None:
+               commit_threads: int | None = None, send_batch: bool = True,
+               profile_names: list[str] | None = None) -> None:
     """One worker: preload (untimed), then the loop of peers-bench W3 (with `profile`,
     py-spy records the first server process over the loop into that file, or with
-    `profile_worker` this worker, the client side). Sequential (as the
+    `profile_worker` this worker, the client side, or with `profile_names` each of those
+    servers into that file's name with -NAME before its extension). Sequential (as the
     peers): each transaction commits before the next poll. Pipelined: the ack goes out
     with ack_async() (it opens the transaction on the consumer's ack thread while the
     worker sends), the commit with commit_async(), and the worker polls the next batch
@@ -538,10 +540,14 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
     in_flight: collections.deque = collections.deque()
     servers_before = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
     rpcs_before = rpc_counts(metrics_addresses)
-    spy = None
+    spies = []
     if profile is not None:
-        spy = common.py_spy(os.getpid() if profile_worker else next(iter(processes.values())),
-                            profile)
+        if profile_worker or not profile_names:
+            spies.append(common.py_spy(
+                os.getpid() if profile_worker else next(iter(processes.values())), profile))
+        else:
+            spies += [common.py_spy(processes[name], Path(profile).with_name(
+                f"{Path(profile).stem}-{name}{Path(profile).suffix}")) for name in profile_names]
         time.sleep(1)  # py-spy attaches
     # Servers started after loop_steps_on() count their event-loop steps over the loop.
     counting = loop_steps_signal(list(processes.values()), signal.SIGUSR1)
@@ -590,8 +596,9 @@ def ctp_worker(address: str, inputs: int, partitions: int, processes: dict[str, 
         future.result()
     seconds = time.perf_counter() - began
     loop_steps_signal(counting, signal.SIGUSR2)
-    if spy is not None:
+    for spy in spies:
         spy.send_signal(signal.SIGINT)  # py-spy writes what it recorded and exits
+    for spy in spies:
         spy.wait(60)
     settle = time.monotonic() + 5  # done callbacks may run just after result() returns
     while len(batches) < transactions and time.monotonic() < settle:
@@ -623,7 +630,7 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
                               profile: Path | None = None, profile_worker: bool = False,
                               run: int = 0, depth: int = CTP_DEPTH,
                               commit_threads: int | None = None,
-                              send_batch: bool = True) -> dict:
+                              send_batch: bool = True, profile_role: str | None = None) -> dict:
     """One cell on topics of its own (`run` > 0: the run-th repeat of the cell, on topics
     named for it)."""
     from spark_client import Client
@@ -642,7 +649,8 @@ def consume_transform_produce(report, address: str, inputs: int, partitions: int
         [p.metrics_address for p in services], out, pipelined, suffix,
         (1 << 20) if one_call else 0,
         None if profile is None else str(profile.with_name(profile.stem + suffix + profile.suffix)),
-        profile_worker, depth, commit_threads, send_batch))
+        profile_worker, depth, commit_threads, send_batch,
+        None if profile_role is None else [p.name for p in services if p.role == profile_role]))
     worker.start()
     result = out.get(timeout=600)
     worker.join()
@@ -1032,7 +1040,9 @@ def main() -> None:
                                  "combined"],
                         help="with --only-small --profile: record the first server of this "
                              "role (on the cluster: coordinator, partition_server) instead "
-                             "of the first server")
+                             "of the first server; with --only-ctp --profile: every server "
+                             "of this role, each into FILE's name with -NAME before its "
+                             "extension")
     parser.add_argument("--loop-steps", action="store_true",
                         help="with --only-small or --only-ctp: every server counts and "
                              "times its event-loop callbacks over the timed window (each "
@@ -1172,7 +1182,8 @@ def main() -> None:
                 report, address, args.ctp_inputs, args.ctp_partitions, pipelined,
                 profile=args.profile if args.only_ctp else None,
                 profile_worker=args.profile_worker, depth=args.ctp_depth,
-                commit_threads=args.commit_threads, send_batch=args.ctp_send == "batch"))
+                commit_threads=args.commit_threads, send_batch=args.ctp_send == "batch",
+                profile_role=args.profile_role))
             steps = ctp_runs[-1].pop("loop_steps", None)
             print(f"consume-transform-produce: {ctp_runs[-1]}", flush=True)
             if steps is not None:
