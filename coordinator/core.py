@@ -844,7 +844,7 @@ class TcPartitionCore:
         max_open and holds its session and key. A committed transaction with the same key
         answers `existing` instead. Reply: OneCallStart.
 
-        `parallel` (a parallel commit; topic partitions only): a Staging record is
+        `parallel` (a parallel commit): a Staging record is
         proposed too, and the shell stages while it is appended instead of waiting for
         it: the reply (OneCallStart.parallel) is good at once (Ready.early_reply); the
         transaction is committed when that append and every stage are durable
@@ -889,8 +889,6 @@ class TcPartitionCore:
             raise _limit_error("max_partitions", self.limits.max_partitions,
                                f"the transaction has {len(tps) + len(subs)} partitions and "
                                "subscription partitions")
-        if parallel and subs:
-            raise ValueError("a parallel commit stages topic partitions only")
         txn_id = self._next_txn_id()
         one_call = OneCall(txn_id, now_ms, timeout_ms, session, idempotency_key, tps, subs)
         self._one_calls[txn_id] = one_call
@@ -904,7 +902,7 @@ class TcPartitionCore:
         if not parallel:
             return Ready(reply=reply)
         record = Staging(txn_id, now_ms, timeout_ms, one_call.deadline_ms, None, session,
-                         idempotency_key, tps, ())
+                         idempotency_key, tps, subs)
         # (The session's lock was checked free above; the id is new.)
         locks = {txn_id} | ({("session", session.transactional_id)} if session else set())
         proposed = self._propose([record], locks, OneCallStart(txn_id, timeout_ms,
@@ -968,16 +966,19 @@ class TcPartitionCore:
         if txn is not None and txn.staging:
             txn.handled = False
 
-    def staged_to_resolve(self) -> list[tuple[TxnId, tuple[TopicPartition, ...]]]:
+    def staged_to_resolve(self) -> list[tuple[TxnId, tuple[TopicPartition
+                                                           | SubscriptionPartition, ...]]]:
         """Staging transactions that nobody decides: found by a load, or left by a
         CommitTxn that failed. Each is returned once (marked resolving) with its
-        partitions, to ask them (ResolveStaged) and then call resolve_staged."""
+        partitions and then its subscription partitions, to ask them (ResolveStaged) and
+        then call resolve_staged."""
         found = []
         for txn in self._unfinished.values():
             if (txn.staging and not (txn.handled or txn.promised or txn.resolving)
                     and txn.txn_id not in self._locks):
                 txn.resolving = True
-                found.append((txn.txn_id, tuple(txn.topic_partitions)))
+                found.append((txn.txn_id, (*txn.topic_partitions,
+                                           *txn.subscription_partitions)))
         return found
 
     def resolve_staged(self, now_ms: int, txn_id: TxnId, staged: bool | None) -> Ready:
@@ -1827,8 +1828,9 @@ class TcPartitionCore:
             self._index_key(record.idempotency_key, txn_id)
 
     def _apply_staging(self, record: Staging) -> None:
-        if record.subscription_partitions or not record.topic_partitions:
-            raise self._illegal(record, "a parallel commit stages topic partitions only")
+        if not record.topic_partitions and not record.subscription_partitions:
+            raise self._illegal(record, "a parallel commit stages at least one partition or "
+                                "subscription partition")
         self._apply_opened(record)
         self._unfinished[record.txn_id].staging = True
 

@@ -38,6 +38,10 @@ CHAINED_COMMITS = Histogram("atomlog_coordinator_commit_txns_commits",
 ONE_CALL = Counter("atomlog_coordinator_one_call_transactions_total",
                    "One-call transactions (CommitTxn) by outcome: committed, or the reason "
                    "it was not (presumed abort: nothing logged).", ["result"])
+PARALLEL_COMMITS = Counter("atomlog_coordinator_parallel_commits_total",
+                           "One-call commits begun as parallel commits: a Staging record "
+                           "appended while they stage (coordinator.parallel_commits; with "
+                           "auto, those that found few others in flight).")
 RESOLUTIONS = Counter("atomlog_coordinator_parallel_commit_resolutions_total",
                      "Parallel commits left undecided by their CommitTxn (a coordinator that "
                      "died or failed) and decided by asking their partitions "

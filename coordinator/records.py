@@ -22,10 +22,10 @@ Records (each one the durable form of one state change of one transaction or ses
                     before anything else of them is logged (presumed abort); a coordinator
                     loading the partition starts above it, so no sequence is ever reused
     Staging         a one-call transaction being committed in parallel (docs/coordinator.md,
-                    "Parallel commits"): as Opened, written while its batches are staged;
-                    the transaction is committed once this record and every stage are
-                    durable, so a coordinator that finds it with no decision resolves it by
-                    asking the partitions (ResolveStaged)
+                    "Parallel commits"): as Opened, written while its batches and acks are
+                    staged; the transaction is committed once this record and every stage
+                    are durable, so a coordinator that finds it with no decision resolves
+                    it by asking the partitions and subscription partitions (ResolveStaged)
 
 Encoding, version 1, little-endian; every record value starts with
 `format_version u8 = 1, record_type u8`, then the fields in the order below:

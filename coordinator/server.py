@@ -52,6 +52,9 @@ log = logging.getLogger("atomlog.coordinator")
 
 MAX_ITEMS = 10_000  # targets or verification items per call
 MAX_CHAINED_COMMITS = 64  # one-call transactions per CommitTxns call
+# coordinator.parallel_commits=auto: a parallel commit while at most this many one-call
+# commits (the asking one included) are in flight on the coordinator
+AUTO_PARALLEL_MAX_IN_FLIGHT = 2
 
 
 def _invalid(message: str, **metadata: object) -> AtomlogError:
@@ -124,6 +127,22 @@ class Coordinator:
         self.leases: LeaseManager | None = None
         # One-call commits on partitions this process hosts (coordinator/lane.py).
         self.lane = CommitLane(self, _OneCallBegun) if settings.commit_lane else None
+        self.one_calls_in_flight = 0  # CommitTxns (one transaction each) being handled
+
+    def commit_in_parallel(self) -> bool:
+        """Whether a one-call commit that begins now is a parallel commit
+        (coordinator.parallel_commits; docs/coordinator.md, "Parallel commits"): always
+        with "on", never with "off"; with "auto" while at most
+        AUTO_PARALLEL_MAX_IN_FLIGHT one-call commits, this one included, are in flight
+        here (and CommitTxn gives the commit lane the commits it takes first). A commit
+        that waits for its two rounds one after the other (a sequential client) then
+        saves one; under load the extra TC-log append of a parallel commit costs the
+        servers' CPU, which is then the limit, and commits keep their two rounds, shared
+        by their group commits."""
+        mode = self.settings.parallel_commits
+        if mode == "on":
+            return True
+        return mode == "auto" and self.one_calls_in_flight <= AUTO_PARALLEL_MAX_IN_FLIGHT
 
     # ------------------------------------------------------------ lease callbacks
 
@@ -407,20 +426,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             state = await partition.call(lambda core, now: core.abort_one_call(now, key))
             metrics.ONE_CALL.labels("aborted_by_client").inc()
             return coordinator_pb2.CommitTxnResponse(state=state.value)
-        parallel = c.settings.parallel_commits and not request.acks
-        checked = await self._checked(request)
-        here = None if c.lane is None or parallel else c.lane.servicer_for(request)
-        if here is not None:
-            return await self._commit_in_lane(request, checked, here, started, context)
-        begun = await self._begin_one_call(request, parallel, checked)
-        if isinstance(begun, coordinator_pb2.CommitTxnResponse):
-            return begun  # already ended
-        if begun.start.parallel:
-            # Shielded: a caller that goes away must not leave the transaction undecided
-            # by this coordinator (it would wait for a resolution).
-            return await asyncio.shield(asyncio.ensure_future(
-                self._commit_parallel(request, begun, started, context)))
-        return await self._stage_and_decide(request, begun, started, context)
+        c.one_calls_in_flight += 1
+        try:
+            parallel = c.commit_in_parallel()
+            checked = await self._checked(request)
+            # The commit lane (a combined server) first, unless parallel commits are on:
+            # it costs the least CPU, and its stages and decision share one process.
+            lane = None if c.settings.parallel_commits == "on" else c.lane
+            here = None if lane is None else lane.servicer_for(request)
+            if here is not None:
+                return await self._commit_in_lane(request, checked, here, started, context)
+            begun = await self._begin_one_call(request, parallel, checked)
+            if isinstance(begun, coordinator_pb2.CommitTxnResponse):
+                return begun  # already ended
+            if begun.start.parallel:
+                metrics.PARALLEL_COMMITS.inc()
+                # Shielded: a caller that goes away must not leave the transaction
+                # undecided by this coordinator (it would wait for a resolution).
+                return await asyncio.shield(asyncio.ensure_future(
+                    self._commit_parallel(request, begun, started, context)))
+            return await self._stage_and_decide(request, begun, started, context)
+        finally:
+            c.one_calls_in_flight -= 1
 
     async def _stage_and_decide(self, request, begun: "_OneCallBegun", started: float,
                                 context, staged=None, failure=None, stage: bool = True):
@@ -520,6 +547,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 raise _invalid(f"commits[{index}] names TC partition {commit.tc_partition}, "
                                f"commits[0] {commits[0].tc_partition}: one CommitTxns call "
                                "commits on one TC partition", field="commits")
+        self.c.one_calls_in_flight += len(commits)  # load, for parallel_commits=auto
+        try:
+            return await self._commit_chain(commits, started, context)
+        finally:
+            self.c.one_calls_in_flight -= len(commits)
+
+    async def _commit_chain(self, commits, started: float, context):
+        """CommitTxns once validated: begun, staged in one chain, decided in one append."""
         results: list = [None] * len(commits)
         begun: list[tuple[int, _OneCallBegun]] = []
         broken = None

@@ -14,8 +14,9 @@ batch, a conflicting ack, a stale coordinator epoch) fails the transaction at on
 
 `resolve()` asks the partition servers about a parallel commit that nobody decided
 (PartitionService.ResolveStaged; docs/coordinator.md, "Parallel commits"): whether the
-transaction's staged batch is durable on each of its partitions, each server fencing the
-TC partition at the asking coordinator's epoch first.
+transaction's staged batch is durable on each of its partitions (and its staged ack on
+each subscription partition it acked), each server fencing the TC partition at the asking
+coordinator's epoch first.
 
 `stage_chain()` stages the transactions of one CommitTxns call in order (a client's
 pipelined commits of the same producers): on every partition an earlier transaction's
@@ -34,7 +35,7 @@ import grpc
 from atomlog.v1 import common_pb2, partition_pb2
 
 from coordinator.markers import MarkerChannel
-from coordinator.records import TopicPartition, TxnId
+from coordinator.records import SubscriptionPartition, TopicPartition, TxnId
 from coordinator.routing import PartitionRoutes
 from services import failpoints, local
 from services.backoff import Backoff
@@ -346,46 +347,48 @@ class StageChannel:
         return self.markers.take_riders(address, partitions)
 
     async def resolve(self, txn_id: TxnId, epoch: int,
-                      targets: tuple[TopicPartition, ...]) -> bool | None:
-        """A parallel commit's resolution (ResolveStaged on each partition's owner):
-        True when its staged batch is durable on every partition, False as soon as one
-        partition has none (fenced there: it never will), None when not every answer came
-        within RESOLVE_WINDOW_S. Raises a definite refusal (a stale epoch: this
-        coordinator was deposed)."""
+                      targets: tuple[TopicPartition | SubscriptionPartition, ...]
+                      ) -> bool | None:
+        """A parallel commit's resolution (ResolveStaged on the owner of each partition
+        and of each acked subscription partition): True when its staged batch (or ack)
+        is durable on every one, False as soon as one has none (fenced there: it never
+        will), None when not every answer came within RESOLVE_WINDOW_S. Raises a
+        definite refusal (a stale epoch: this coordinator was deposed)."""
         todo = list(dict.fromkeys(targets))
         deadline = time.monotonic() + RESOLVE_WINDOW_S
         backoff = Backoff(initial_s=0.05, maximum_s=1.0)
         number = 0
         while True:
-            retry: list[TopicPartition] = []
+            retry: list[TopicPartition | SubscriptionPartition] = []
             refresh = False
-            groups: dict[str, list[TopicPartition]] = {}
-            for tp in todo:
+            groups: dict[str, list[TopicPartition | SubscriptionPartition]] = {}
+            for target in todo:
                 try:
-                    address = await self.routes.owner(tp.topic, tp.partition)
+                    address = await self.routes.owner(target.topic, target.partition)
                 except AtomlogError:  # no live owner known: route again
-                    retry.append(tp)
+                    retry.append(target)
                     refresh = True
                     continue
-                groups.setdefault(address, []).append(tp)
-            outcomes = await asyncio.gather(*(self._ask(address, txn_id, epoch, tps)
-                                              for address, tps in groups.items()),
+                groups.setdefault(address, []).append(target)
+            outcomes = await asyncio.gather(*(self._ask(address, txn_id, epoch, group)
+                                              for address, group in groups.items()),
                                             return_exceptions=True)
-            for tps, outcome in zip(groups.values(), outcomes):
-                if isinstance(outcome, AtomlogError):  # the call failed: each partition
-                    failures = [(tp, outcome) for tp in tps]
+            for group, outcome in zip(groups.values(), outcomes):
+                if isinstance(outcome, AtomlogError):  # the call failed: each target
+                    failures = [(target, outcome) for target in group]
                 elif isinstance(outcome, BaseException):
                     raise outcome
-                elif any(not e.error.reason and not e.staged for e in outcome.partitions):
-                    return False
                 else:
-                    failures = [(tp, e.error) for tp, e in zip(tps, outcome.partitions)
-                                if e.error.reason]
-                for tp, error in failures:
+                    answers = list(zip(_tps_first(group), (*outcome.partitions,
+                                                           *outcome.subscription_partitions)))
+                    if any(not e.error.reason and not e.staged for _, e in answers):
+                        return False
+                    failures = [(target, e.error) for target, e in answers if e.error.reason]
+                for target, error in failures:
                     if error.reason not in RETRY_REASONS:
-                        raise _error_of(error, f"{tp.topic}-{tp.partition}")
+                        raise _error_of(error, _target_name(target))
                     refresh |= error.reason in ROUTING_REASONS
-                    retry.append(tp)
+                    retry.append(target)
             if not retry:
                 return True
             todo, number = retry, number + 1
@@ -397,12 +400,20 @@ class StageChannel:
             await asyncio.sleep(delay)
 
     async def _ask(self, address: str, txn_id: TxnId, epoch: int,
-                   tps: list[TopicPartition]) -> partition_pb2.ResolveStagedResult:
+                   targets: list[TopicPartition | SubscriptionPartition]
+                   ) -> partition_pb2.ResolveStagedResult:
+        """One ResolveStaged call; its result answers the partitions among `targets`
+        first, then the subscription partitions (_tps_first's order)."""
+        tps = [t for t in targets if not isinstance(t, SubscriptionPartition)]
+        sps = [t for t in targets if isinstance(t, SubscriptionPartition)]
         request = partition_pb2.ResolveStagedRequest(items=[partition_pb2.ResolveStagedItem(
             txn_id=common_pb2.TxnId(tc_partition=txn_id.tc_partition, sequence=txn_id.sequence),
             coordinator_epoch=epoch,
             topic_partitions=[common_pb2.TopicPartition(topic=tp.topic, partition=tp.partition)
-                              for tp in tps])])
+                              for tp in tps],
+            subscription_partitions=[common_pb2.SubscriptionPartition(
+                topic=sp.topic, partition=sp.partition, subscription=sp.subscription)
+                for sp in sps])])
         RESOLVE_CALLS.inc()
         try:
             response = await self.routes.stub(address).ResolveStaged(
@@ -410,15 +421,31 @@ class StageChannel:
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         [result] = response.results
-        if len(result.partitions) != len(tps):
+        if len(result.partitions) != len(tps) or \
+                len(result.subscription_partitions) != len(sps):
             raise AtomlogError("INTERNAL", f"ResolveStaged on {address} answered "
-                               f"{len(result.partitions)} partitions for {len(tps)}")
+                               f"{len(result.partitions)} partitions and "
+                               f"{len(result.subscription_partitions)} subscription "
+                               f"partitions for {len(tps)} and {len(sps)}")
         return result
 
     async def close(self) -> None:
         self._closed = True
         await self._calls.close()
         event(log, "staging channel closed", calls=self._calls.calls)
+
+
+def _tps_first(targets: list) -> list:
+    """`targets` in the order a ResolveStaged result answers them: the partitions, then
+    the subscription partitions."""
+    return ([t for t in targets if not isinstance(t, SubscriptionPartition)]
+            + [t for t in targets if isinstance(t, SubscriptionPartition)])
+
+
+def _target_name(target) -> str:
+    if isinstance(target, SubscriptionPartition):
+        return f"{target.topic}-{target.partition} (subscription {target.subscription})"
+    return f"{target.topic}-{target.partition}"
 
 
 def _error_of(error, where: str = "") -> AtomlogError:

@@ -48,6 +48,7 @@ from coordinator.records import (
     EndCause,
     Opened,
     RecordCorrupt,
+    SubscriptionPartition,
     TopicPartition,
     TxnId,
     decode_record,
@@ -97,13 +98,14 @@ class Settings:
     log_request_timeout_ms: int = 5_000
     max_pending_calls: int = 10_000
     completion_linger_ms: int = 200
-    parallel_commits: bool = False
+    parallel_commits: str = "auto"  # "auto", "on" or "off" (services/config.py)
     commit_lane: bool = True
 
 
 # A parallel commit's resolution (StageChannel.resolve): (txn_id, coordinator epoch, its
 # partitions) -> True (durable on every one), False (not on one, fenced), None (no answer).
-Resolver = Callable[[TxnId, int, tuple[TopicPartition, ...]], Awaitable["bool | None"]]
+Resolver = Callable[[TxnId, int, tuple["TopicPartition | SubscriptionPartition", ...]],
+                   Awaitable["bool | None"]]
 
 
 def now_ms() -> int:
@@ -612,7 +614,8 @@ class TcPartition:
             self._resolving.add(task)
             task.add_done_callback(self._resolving.discard)
 
-    async def _resolve(self, txn_id: TxnId, targets: tuple[TopicPartition, ...]) -> None:
+    async def _resolve(self, txn_id: TxnId,
+                       targets: tuple[TopicPartition | SubscriptionPartition, ...]) -> None:
         started = time.perf_counter()
         try:
             staged = await self.resolver(txn_id, self.epoch, targets)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
 from partition_server.coordinator_epochs import MARKERS, STALE_MARKERS, CoordinatorEpochs
+from partition_server.cursor_store import validate_subscription_name
 from partition_server.lease import LeaseWatch
 from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
@@ -1367,11 +1368,17 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     entry.error.CopyFrom(item_error(refusal))
                 else:
                     work.append(self._resolve_staged(txn, tp, entry))
+            for sp in item.subscription_partitions:
+                entry = result.subscription_partitions.add(subscription_partition=sp)
+                if refusal is not None:
+                    entry.error.CopyFrom(item_error(refusal))
+                else:
+                    work.append(self._resolve_staged_ack(txn, sp, entry))
         if work:
             await asyncio.gather(*work)
         counts = {"staged": 0, "not_staged": 0, "error": 0}
         for result in response.results:
-            for entry in result.partitions:
+            for entry in (*result.partitions, *result.subscription_partitions):
                 counts["error" if entry.error.reason
                        else "staged" if entry.staged else "not_staged"] += 1
         for label, count in counts.items():
@@ -1385,6 +1392,16 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             owner.check_serving()
             owner.check_txns_ready()
             entry.staged = await owner.resolve_staged(txn)
+        except AtomlogError as error:
+            entry.error.CopyFrom(item_error(error))
+
+    async def _resolve_staged_ack(self, txn: TxnId, sp, entry) -> None:
+        """Whether `txn`'s staged ack is durable on subscription partition `sp`: asked of
+        its cursor store after the fence (PartitionSubscriptions.staged_ack_now)."""
+        try:
+            owner = await self._subscription_owner(sp)
+            owner.check_txns_ready()
+            entry.staged = await owner.subscriptions.staged_ack_now(sp.subscription, txn)
         except AtomlogError as error:
             entry.error.CopyFrom(item_error(error))
 
@@ -1706,7 +1723,8 @@ MAX_RESOLVED_PARTITIONS_PER_REQUEST = 100_000  # over all items of a ResolveStag
 def _check_resolve_request(items, tc_partitions: int) -> None:
     """A ResolveStagedRequest whole, before anything is fenced: each item a valid
     transaction id and epoch, at least one partition, no partition twice, well-formed
-    topic names; at most MAX_RESOLVED_PARTITIONS_PER_REQUEST partitions in all. Raises
+    topic and subscription names; at most MAX_RESOLVED_PARTITIONS_PER_REQUEST partitions
+    and subscription partitions in all. Raises
     INVALID_ARGUMENT naming the first bad field (metadata `field`)."""
     def bad(field: str, detail: str) -> AtomlogError:
         return AtomlogError("INVALID_ARGUMENT", f"ResolveStagedRequest.{field}: {detail}",
@@ -1718,9 +1736,10 @@ def _check_resolve_request(items, tc_partitions: int) -> None:
         problem = _txn_and_epoch_problem(item, tc_partitions)
         if problem is not None:
             raise bad(f"{where}.{problem[0]}", problem[1])
-        if not item.topic_partitions:
-            raise bad(f"{where}.topic_partitions", "the item names no partition")
-        seen: set[tuple[str, int]] = set()
+        if not item.topic_partitions and not item.subscription_partitions:
+            raise bad(f"{where}.topic_partitions", "the item names no partition and no "
+                      "subscription partition")
+        seen: set[tuple] = set()
         for position, tp in enumerate(item.topic_partitions):
             field = f"{where}.topic_partitions[{position}]"
             try:
@@ -1730,7 +1749,21 @@ def _check_resolve_request(items, tc_partitions: int) -> None:
             if (tp.topic, tp.partition) in seen:
                 raise bad(field, f"{tp.topic}-{tp.partition} is named twice")
             seen.add((tp.topic, tp.partition))
-        total += len(item.topic_partitions)
+        for position, sp in enumerate(item.subscription_partitions):
+            field = f"{where}.subscription_partitions[{position}]"
+            try:
+                validate_topic_name(sp.topic, internal_allowed=True)
+            except AtomlogError as error:
+                raise bad(f"{field}.topic", error.message) from None
+            try:
+                validate_subscription_name(sp.subscription)
+            except AtomlogError as error:
+                raise bad(f"{field}.subscription", error.message) from None
+            if (sp.topic, sp.partition, sp.subscription) in seen:
+                raise bad(field, f"{sp.topic}-{sp.partition} ({sp.subscription}) is named "
+                          "twice")
+            seen.add((sp.topic, sp.partition, sp.subscription))
+        total += len(item.topic_partitions) + len(item.subscription_partitions)
     if total > MAX_RESOLVED_PARTITIONS_PER_REQUEST:
         raise AtomlogError("INVALID_ARGUMENT",
                            f"ResolveStagedRequest names {total} partitions; at most "

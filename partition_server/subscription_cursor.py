@@ -562,6 +562,10 @@ class SubscriptionCursor:
     def pending_acks(self) -> tuple[PendingAck, ...]:
         return tuple(self._pending[txn].public(txn) for txn in sorted(self._pending))
 
+    def is_pending(self, txn: TxnId) -> bool:
+        """Whether `txn` holds a pending entry here (until its marker ends it)."""
+        return txn in self._pending
+
     def pending_transactions(self) -> list[TxnId]:
         """Transactions holding pending acks (the owner may ask their coordinators about
         old ones, as Pulsar's low watermark does, and end those that ended)."""

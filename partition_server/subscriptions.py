@@ -386,6 +386,20 @@ class PartitionSubscriptions:
 
         return self.change_now(decide)
 
+    def staged_ack_now(self, name: str, txn: TxnId) -> Awaitable[bool]:
+        """ResolveStaged for an ack (a parallel commit's resolution): whether `txn` has an
+        ack pending on cursor `name`, decided now, in the caller's step, after the fence it
+        raised (a stage of an older coordinator epoch that comes later is refused in its
+        own step), and answered once everything staged before is durable (and held by the
+        in-sync replicas), as change_now answers. A transaction keeps its pending entry
+        until its marker, even once retention acknowledged its offsets; and no marker is
+        sent before a decision is logged, so an undecided transaction that staged an ack
+        here is pending. No subscription: nothing is pending."""
+        def decide(store: CursorStore) -> bool:
+            return name in store.cursors() and store.cursor(name).is_pending(txn)
+
+        return self.change_now(decide, writes=False)
+
     def cumulative_end(self, name: str) -> int:
         return self._usable().cursor(name).cumulative_end
 

@@ -51,6 +51,7 @@ class Setting:
     maximum: int | None = None
     choices: tuple[str, ...] | None = None
     check: Callable[[Any], str | None] | None = None  # returns a problem or None
+    aliases: dict[str, str] | None = None  # other spellings of choices (lowercase)
 
     @property
     def env_name(self) -> str:
@@ -59,6 +60,8 @@ class Setting:
     def parse(self, raw: Any, source: str) -> Any:
         """Convert and check one value; raise ValueError with a full sentence."""
         value = self._convert(raw, source)
+        if self.aliases is not None and isinstance(value, str):
+            value = self.aliases.get(value.strip().lower(), value)
         if self.minimum is not None and value < self.minimum:
             raise ValueError(f"{self.name}={value} from {source} is below the minimum {self.minimum}")
         if self.maximum is not None and value > self.maximum:
@@ -493,13 +496,20 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "transaction (CommitTxn: its batches and acks together); the SDK switches a "
                 "transaction that outgrows its own bound to NewTxn/Produce/EndTxn.",
                 minimum=1_024, maximum=64 << 20),
-        Setting("coordinator.parallel_commits", bool, False, "Commit one-call transactions "
-                "without acks in one durability round: a Staging record appended while the "
-                "batches are staged, the transaction committed once both are durable; a "
-                "coordinator taking over resolves such a record by asking the partitions "
-                "(docs/coordinator.md, \"Parallel commits\"). Off by default: it costs one "
-                "more TC-log append per transaction, and where the servers' CPU is the limit "
-                "(measured: docs/benchmarks.md) that costs more than the round it saves."),
+        Setting("coordinator.parallel_commits", str, "auto", "Commit one-call "
+                "transactions in one durability round: a Staging record appended while the "
+                "batches and acks are staged, the transaction committed once all are "
+                "durable; a coordinator taking over resolves such a record by asking the "
+                "partitions (docs/coordinator.md, \"Parallel commits\"). It costs one more "
+                "TC-log append per transaction. auto: while at most two one-call commits "
+                "(this one included) are in flight on the coordinator, and not for a commit "
+                "the commit lane takes (a combined server): a commit that waits for its two "
+                "rounds one after the other saves one, and under load, where the servers' "
+                "CPU is the limit (measured: docs/benchmarks.md), the commits keep two "
+                "rounds. on: every one-call commit (the commit lane's too). off: none.",
+                choices=("auto", "on", "off"),
+                aliases={"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off",
+                         "0": "off"}),
         Setting("coordinator.commit_lane", bool, True, "Carry out one-call commits whose "
                 "partitions this process hosts (the combined server) in the commit lane: "
                 "begun, staged on the owners and decided in event-loop callbacks, with no "

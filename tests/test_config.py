@@ -30,6 +30,23 @@ def test_precedence_file_then_environment_then_flags(tmp_path):
     assert config["server.name"] == "from-flag" and config.sources["server.name"] == "flags"
 
 
+def test_parallel_commits_takes_a_mode_and_reads_the_old_booleans_as_on_and_off(tmp_path):
+    """coordinator.parallel_commits was a boolean before `auto` (the default now):
+    true/false from flags, the environment or a TOML boolean keep meaning on/off."""
+    assert load_config("coordinator", env={})["coordinator.parallel_commits"] == "auto"
+    for raw, mode in (("auto", "auto"), ("on", "on"), ("off", "off"), ("true", "on"),
+                      ("False", "off"), ("1", "on"), (True, "on"), (False, "off")):
+        config = load_config("coordinator", env={},
+                             overrides={"coordinator.parallel_commits": raw})
+        assert config["coordinator.parallel_commits"] == mode, raw
+    file = tmp_path / "atomlog.toml"
+    file.write_text("[coordinator]\nparallel_commits = false\n")
+    assert load_config("coordinator", file, {})["coordinator.parallel_commits"] == "off"
+    with pytest.raises(ConfigError) as refused:
+        load_config("coordinator", env={"ATOMLOG_COORDINATOR_PARALLEL_COMMITS": "sometimes"})
+    assert "not one of ['auto', 'on', 'off']" in str(refused.value)
+
+
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as raised:
         load_config("coordinator", env={"ATOMLOG_GRPC_MAX_MESSAGE_BYTES": "lots"},

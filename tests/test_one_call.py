@@ -1,6 +1,7 @@
 """One-call transactions (CommitTxn) against real processes: presumed abort when the
-coordinator dies between staging and decision (parallel commits, off by default, have
-their own module: tests/test_parallel_commits.py), markers that land after a partition
+coordinator dies between staging and decision (parallel commits, which a lone commit
+takes by default, have their own module: tests/test_parallel_commits.py; this module's
+cluster turns them off), markers that land after a partition
 server's restart, an ack conflict that changes nothing, a transaction that outgrows the
 bound mid-way, the partition servers' lookup of transactions their coordinator never
 committed, and bad input refused with a reason.
@@ -70,7 +71,10 @@ def servers(tmp_path_factory, failpoint_dir):
                                  # not 20: on a loaded machine (the suite's other worker)
                                  # back-to-back commits came more than 20 ms apart and
                                  # none rode.
-                                 "--set", "coordinator.marker_linger_ms=200")
+                                 "--set", "coordinator.marker_linger_ms=200",
+                                 # Two rounds, presumed abort (the tests hold commits
+                                 # between them).
+                                 "--set", "coordinator.parallel_commits=off")
 
 
 def restart(cluster: Cluster) -> list[str]:

@@ -6,8 +6,10 @@ What is checked here, on the pure core: the record and its snapshot flag; the ea
 reply of the commit; a failed commit logs its abort and frees its key; nothing but its
 CommitTxn or a resolution decides a staging transaction (no timeout, no session fence, no
 EndTxn, no operator abort); a load resolves every staging transaction exactly once and
-decides it as the partitions answered; a promised commit whose decision append failed is
-proposed again; a CommitTxn that failed leaves its transaction to a resolution."""
+decides it as the partitions answered; a transaction with acks names its subscription
+partitions in its record and to its resolution; a promised commit whose decision append
+failed is proposed again; a CommitTxn that failed leaves its transaction to a
+resolution."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from services.errors import AtomlogError
 TC = 3
 NOW = 50_000
 T0, T1 = TopicPartition("t", 0), TopicPartition("t", 1)
+S0 = SubscriptionPartition("in", 0, "sub")
 
 
 def fresh(epoch: int = 1) -> tuple[TcPartitionCore, list]:
@@ -186,11 +189,34 @@ def test_a_commit_call_that_failed_leaves_its_transaction_to_a_resolution():
     assert core.staged_to_resolve() == [(txn_id, (T0, T1))]
 
 
-def test_a_parallel_commit_stages_topic_partitions_only_and_after_a_durable_reservation():
+def test_a_parallel_commit_with_acks_names_its_subscription_partitions_to_its_resolution():
+    core, log = fresh()
+    ready = core.begin_one_call(NOW, 1_000, None, "acks", [T0], [S0], parallel=True)
+    assert ready.early_reply and ready.reply.parallel
+    (append,) = ready.appends
+    (record,) = append.records
+    assert type(record) is Staging and record.topic_partitions == (T0,)
+    assert record.subscription_partitions == (S0,)
+    durable(core, ready, log)
+    txn_id = ready.reply.txn_id
+    # Acks alone are a parallel commit too.
+    acks_only = core.begin_one_call(NOW, 1_000, None, "acks-only", [], [S0], parallel=True)
+    durable(core, acks_only, log)
+    only_acks = acks_only.reply.txn_id
+    # The owner dies; a new one loads the log, by replay and by snapshot: each asks the
+    # partition, then the subscription partition.
+    for loaded in (replay(log, TC, coordinator_epoch=2),
+                   TcPartitionCore.restore(core.snapshot(), TC, coordinator_epoch=2)[0]):
+        assert sorted(loaded.staged_to_resolve()) == [(txn_id, (T0, S0)), (only_acks, (S0,))]
+        ready = loaded.resolve_staged(NOW, txn_id, True)
+        (append,) = ready.appends
+        done = loaded.append_done(append.append_id, NOW)
+        assert {(m.target, m.decision) for m in done.markers} == {
+            (T0, Decision.COMMIT), (S0, Decision.COMMIT)}
+
+
+def test_a_parallel_commit_begins_after_a_durable_reservation():
     core = TcPartitionCore(TC, coordinator_epoch=1)
-    with pytest.raises(ValueError):
-        core.begin_one_call(NOW, 0, None, "k", [T0], [SubscriptionPartition("t", 0, "s")],
-                            parallel=True)
     # The first of a block: the reservation alone, waited for; this one takes two rounds
     # (staged data under a sequence no durable record covers could be handed out again).
     first = core.begin_one_call(NOW, 0, None, "k", [T0], [], parallel=True)  # key unheld

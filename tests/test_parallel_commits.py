@@ -1,10 +1,12 @@
 """Parallel commits (docs/coordinator.md, "Parallel commits"; coordinator.parallel_commits,
-off by default) against real processes: a coordinator killed after a transaction's commit
+auto by default) against real processes: a coordinator killed after a transaction's commit
 point (its Staging record and every stage durable) is succeeded by one that commits it,
-exactly once, also when the client gave up; one killed with the record durable and
-nothing staged is succeeded by one that aborts it, and the SDK's retry commits anew.
+exactly once, also when the client gave up and also for a transaction with acks
+(consume-transform-produce); one killed with the record durable and nothing staged is
+succeeded by one that aborts it, and the SDK's retry commits anew.
 
-The module runs its own cluster with parallel commits on and failpoints enabled
+The module runs its own cluster with parallel commits on (every one-call commit) and
+failpoints enabled
 (services/failpoints.py), so a test can hold a coordinator exactly between two steps and
 kill it there. The helpers are tests/test_one_call.py's (same cluster shape, same checks)."""
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,7 +25,7 @@ from atomlog.v1 import coordinator_pb2
 from services import failpoints
 from spark_client import Client
 from spark_client.transactions import Coordinators
-from tests.conftest import create_online, wait_until
+from tests.conftest import create_online, metric_sum, wait_until
 from tests.test_one_call import (
     Armed, commit_in_thread, committed_values, coordinator_of, failpoint_cluster,
     kill_and_restart, restart, settled, staged_everywhere,
@@ -202,3 +205,138 @@ def test_coordinator_killed_before_staging_is_aborted_by_its_successor(servers, 
                                        coordinator_pb2.TXN_STATE_ABORTED)
     wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
     assert sorted(committed_values(client, topic)) == sorted(f"u{i}".encode() for i in range(4))
+
+
+def cursor_of(client, topic: str, subscription: str):
+    """Partition 0's cursor of `topic`'s `subscription`."""
+    (cursor,) = [c for c in client.describe_partition(topic, 0).subscriptions
+                 if c.subscription_partition.subscription == subscription]
+    return cursor
+
+
+def pending_on(client, topic: str, subscription: str) -> list[tuple[int, int]]:
+    """The transactions with acks pending on partition 0 of `topic`'s `subscription`."""
+    return [(p.txn_id.tc_partition, p.txn_id.sequence)
+            for p in cursor_of(client, topic, subscription).pending_acks]
+
+
+def ctp_parallel_commit(servers, client, warm_topic: str, name: str, failpoint: str,
+                        failpoint_dir: Path, while_held, ack_timeout_s: float = 60):
+    """A consume-transform-produce transaction (three inputs of topic NAME-in consumed,
+    reversed into NAME-out, acked in the transaction) committed as a parallel commit on a
+    thread while `failpoint` holds its coordinator; `while_held(txn)` runs then and
+    returns what the test checks later. The coordinator is then killed and restarted.
+    Checked after: the commit answered, the outputs visible once, the inputs acknowledged
+    once, nothing pending. Returns (the committed transaction's id, what while_held
+    returned, the consumer, still open for more checks, the output topic)."""
+    source = create_online(client, f"{name}-in", 1)
+    sink = create_online(client, f"{name}-out", 1)
+    with client.producer() as producer:
+        for i in range(3):
+            producer.send(source, f"in{i}".encode(), partition=0)
+    outcome: dict = {}
+    consumer = client.consumer(source, subscription="ctp", ack_timeout_s=ack_timeout_s)
+    try:
+        got: list = []
+        while len(got) < 3:
+            got += consumer.poll(timeout_s=1.0)
+        txn = parallel_transaction(servers, client, warm_topic)
+        with Armed(failpoint_dir, failpoint) as held, client.producer() as producer:
+            for message in got:
+                producer.send(sink, message.value[::-1], partition=0, txn=txn)
+            consumer.ack(got, txn=txn)
+            assert txn.one_call
+            thread = commit_in_thread(txn, outcome)
+            seen = while_held(txn, source, sink)
+            kill_and_restart(servers, coordinator_of(servers, txn.tc_partition), held)
+            thread.join(timeout=120)
+        assert not thread.is_alive()
+        assert outcome.get("committed"), outcome
+        wait_until(lambda: settled(client, sink, 1) and not pending_on(client, source, "ctp"),
+                   30, "the markers")
+        assert committed_values(client, sink) == [f"in{i}".encode()[::-1] for i in range(3)]
+        assert cursor_of(client, source, "ctp").cumulative_end_offset == 3
+    except BaseException:
+        consumer.close()
+        raise
+    return outcome["committed"], seen, consumer, sink
+
+
+def test_a_transaction_with_acks_killed_after_its_commit_point_is_committed_once(
+        servers, client, failpoint_dir, warm_topic):
+    """Consume-transform-produce as a parallel commit: its outputs and its acks staged
+    with its Staging record, held before the answer, and the coordinator killed there.
+    The successor asks the output partition and the input's subscription partition, both
+    hold it durably: it commits. The outputs are visible once and the inputs stay
+    acknowledged (never delivered again); the SDK's retry finds the commit."""
+    def staged(txn, source: str, sink: str) -> tuple[int, int]:
+        staged = staged_everywhere(client, sink, 1)
+        wait_until(lambda: pending_on(client, source, "ctp") == [staged], 20,
+                   "the ack staged")
+        return staged
+
+    committed, staged, consumer, sink = ctp_parallel_commit(
+        servers, client, warm_topic, "oc-ctp", failpoints.ONE_CALL_DECIDE, failpoint_dir,
+        staged, ack_timeout_s=5)
+    with consumer:
+        assert committed == f"{staged[0]}:{staged[1]}"
+        assert client.describe_partition(sink, 0).aborted_transaction_count == 0
+        assert not consumer.poll(timeout_s=7.0)  # past the ack timeout: nothing comes back
+
+
+def test_a_transaction_with_acks_killed_before_staging_is_aborted_and_retried_once(
+        servers, client, failpoint_dir, warm_topic):
+    """The same transaction held with its Staging record durable and nothing staged, and
+    killed there: the successor asks the output partition and the subscription partition
+    (fencing the dead owner there), neither holds it, so it logs the abort; the SDK's
+    retry commits anew. The outputs are visible once, the inputs acknowledged once."""
+    def logged(txn, source: str, sink: str):
+        wait_until(lambda: _staging_txns(client, txn.tc_partition), 20, "the Staging record")
+        (record,) = _staging_txns(client, txn.tc_partition)
+        assert (record.topic_partition_count, record.subscription_partition_count) == \
+            (1, 1)  # the Staging record names the acked subscription partition
+        return record
+
+    committed, record, consumer, _ = ctp_parallel_commit(
+        servers, client, warm_topic, "oc-ctp-unstaged", failpoints.ONE_CALL_STAGE,
+        failpoint_dir, logged)
+    with consumer:
+        assert committed != f"{record.txn_id.tc_partition}:{record.txn_id.sequence}"
+
+
+def test_by_default_a_lone_commit_is_parallel_and_crowded_commits_keep_two_rounds(cluster):
+    """coordinator.parallel_commits=auto (the default, as on the shared cluster): a commit
+    that finds at most one other one-call commit in flight on its coordinator is a
+    parallel commit; commits of many clients at once mostly keep two rounds (the extra
+    append would cost the CPU they share)."""
+    coordinators = [p for p in cluster.services() if p["role"] == "coordinator"]
+
+    def parallel() -> float:
+        return sum(metric_sum(p["metrics_address"], "atomlog_coordinator_parallel_commits_total")
+                   for p in coordinators)
+
+    with Client(cluster.info["bootstrap"], request_timeout_s=10) as client:
+        topic = create_online(client, "pc-auto", 2)
+        tc = begin_on(client, None, 30).tc_partition
+        with client.producer() as producer:
+            def commit(value: bytes) -> None:
+                txn = begin_on(client, tc, 30)  # one TC partition: one reservation, warmed
+                producer.send(topic, value, partition=len(value) % 2, txn=txn)
+                txn.commit()
+
+            commit(b"warm")  # its first commit reserves a block of sequences (two rounds)
+            before = parallel()
+            for i in range(10):
+                commit(b"lone-%d" % i)
+            assert parallel() - before >= 8  # (a lease moved meanwhile reserves again)
+            before = parallel()
+            threads = [threading.Thread(target=lambda i=i: [commit(b"crowd-%d-%d" % (i, j))
+                                                            for j in range(5)])
+                       for i in range(12)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            crowded = parallel() - before
+        assert crowded < 60 * 0.8, crowded  # most found others in flight
+        assert len(committed_values(client, topic)) == 71

@@ -1,10 +1,12 @@
 """ResolveStaged, the partition-server side of parallel commits' recovery
 (docs/coordinator.md): a coordinator that took over a TC partition asks whether a
-transaction's staged batch is durable on each of its partitions, and fences the old owner
-so that a StageTxn of it still in flight never lands afterwards.
+transaction's staged batch is durable on each of its partitions (and its staged ack on
+each subscription partition it acked), and fences the old owner so that a StageTxn of it
+still in flight never lands afterwards.
 
-Two owner-level tests on a real PartitionOwner over a temp dir (the fence is atomic with
-the stage's append, and the answer waits for the durability of what came before it), then
+Owner-level tests on a real PartitionOwner over a temp dir (the fence is atomic with the
+stage's append, a cursor answers for its staged acks, and the answer waits for the
+durability of what came before it), then
 real processes: a cluster of its own (its tests fence TC partitions at made-up coordinator
 epochs, which would refuse the markers of a shared cluster's coordinators), with the
 presumed-abort check pushed out of the way so staged transactions stay open."""
@@ -131,6 +133,45 @@ def test_a_staged_ack_whose_epoch_a_fence_raised_meanwhile_is_refused_where_it_i
         assert not taken.error.reason and taken.cumulative_end_offset == 0  # pending
         assert owner.subscriptions.pending_transactions("s") == [new]
         await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_staged_ack_answers_whether_it_is_pending_on_its_cursor(tmp_path):
+    """The cursor side of a resolution (PartitionSubscriptions.staged_ack_now): an ack
+    staged and durable answers True, also once retention acknowledged its offsets (the
+    transaction stays pending until its marker); a transaction that acked elsewhere, an
+    aborted one and a subscription that does not exist answer False; after a restart the
+    answer comes from the journal. Asking writes nothing."""
+    settings = OwnerSettings(log=LogConfig())
+    staged, other, aborted = TxnId(3, 1), TxnId(3, 2), TxnId(3, 3)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings,
+                               coordinator_epoch=lambda tc: 1)
+        await owner.start()
+        await start(owner, batch(7, 0))  # offsets 0 and 1
+        assert await owner.subscriptions.create("s", 0) == (True, 0)
+        subscriptions, limit = owner.subscriptions, owner.max_read_position()
+        await subscriptions.ack("s", 1, [], staged, limit)
+        await subscriptions.ack("s", 0, [(1, 2)], aborted, limit)
+        await subscriptions.end_txn("s", aborted, committed=False)
+        store = subscriptions.store
+        written = store.appended_end
+        assert await subscriptions.staged_ack_now("s", staged) is True
+        assert await subscriptions.staged_ack_now("s", other) is False
+        assert await subscriptions.staged_ack_now("s", aborted) is False
+        assert await subscriptions.staged_ack_now("no-such", staged) is False
+        assert store.appended_end == written  # asking staged nothing
+        subscriptions.forget_below(2)  # retention acknowledges offsets 0 and 1
+        assert await subscriptions.staged_ack_now("s", staged) is True
+        await owner.close()
+        reopened = PartitionOwner("t", 0, tmp_path / "t-0", settings,
+                                  coordinator_epoch=lambda tc: 1)
+        await reopened.start()
+        assert await reopened.subscriptions.staged_ack_now("s", staged) is True
+        assert await reopened.subscriptions.staged_ack_now("s", aborted) is False
+        await reopened.close()
 
     asyncio.run(scenario())
 
@@ -328,6 +369,74 @@ def test_after_resolve_staged_a_stage_of_the_older_epoch_is_refused_and_writes_n
                    item(tc, 2, EPOCH + 1, topic, 0)) == [[True], [False]]
 
 
+def sp(topic: str, partition: int, subscription: str) -> common_pb2.SubscriptionPartition:
+    return common_pb2.SubscriptionPartition(topic=topic, partition=partition,
+                                            subscription=subscription)
+
+
+def stage_ack(client, topic: str, subscription: str, tc: int, sequence: int, epoch: int,
+              start: int, end: int) -> partition_pb2.AckResult:
+    """StageTxn of one ack (offsets [start, end) of partition 0), as a coordinator sends
+    it."""
+    reply = stub_for(client, topic, 0).StageTxn(partition_pb2.StageTxnRequest(
+        items=[partition_pb2.StageTxnItem(
+            txn_id=txn_id(tc, sequence), coordinator_epoch=epoch,
+            acks=[partition_pb2.AckItem(
+                subscription_partition=sp(topic, 0, subscription),
+                individual_ranges=[partition_pb2.OffsetRange(start_offset=start,
+                                                             end_offset=end)])])]),
+        timeout=10)
+    return reply.results[0].ack_results[0]
+
+
+def resolve_acks(client, topic: str, tc: int, sequence: int, epoch: int,
+                 *subscriptions: str) -> list[bool | str]:
+    """ResolveStaged of one transaction's acks on partition 0's subscriptions: per
+    subscription partition, its answer or its error's reason."""
+    reply = stub_for(client, topic, 0).ResolveStaged(partition_pb2.ResolveStagedRequest(
+        items=[partition_pb2.ResolveStagedItem(
+            txn_id=txn_id(tc, sequence), coordinator_epoch=epoch,
+            subscription_partitions=[sp(topic, 0, s) for s in subscriptions])]), timeout=10)
+    (result,) = reply.results
+    assert not result.partitions
+    assert [e.subscription_partition.subscription for e in result.subscription_partitions] == \
+        list(subscriptions)
+    return [e.error.reason or e.staged for e in result.subscription_partitions]
+
+
+@pytest.mark.cluster
+def test_a_staged_ack_answers_true_and_the_fence_refuses_a_later_one_of_the_older_epoch(
+        servers, client):
+    """A transaction's ack staged on a subscription (StageTxn) is durable there: True; a
+    transaction that staged none, and a subscription that does not exist: False. After a
+    newer epoch's resolution the old owner's late ack is refused and stages nothing, so
+    the answer holds; the newer owner's acks go ahead."""
+    topic = create_online(client, "rs-acks", 1)
+    with client.producer() as producer:
+        for i in range(4):
+            producer.send(topic, b"%d" % i, partition=0)
+    stub = stub_for(client, topic, 0)
+    created = stub.CreateSubscription(partition_pb2.CreateSubscriptionRequest(
+        subscription_partitions=[sp(topic, 0, "s")],
+        initial_position=partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST), timeout=10)
+    assert not any(r.error.reason for r in created.results), created
+    tc = 5
+    staged = stage_ack(client, topic, "s", tc, 1, EPOCH, 0, 2)
+    assert not staged.error.reason, staged
+    assert resolve_acks(client, topic, tc, 1, EPOCH, "s", "none") == [True, False]
+    assert resolve_acks(client, topic, tc, 2, EPOCH + 1, "s") == [False]  # fences EPOCH
+    late = stage_ack(client, topic, "s", tc, 2, EPOCH, 2, 4)
+    assert late.error.reason == "STALE_COORDINATOR_EPOCH", late
+    assert resolve_acks(client, topic, tc, 2, EPOCH + 1, "s") == [False]
+    (cursor,) = [c for c in client.describe_partition(topic, 0).subscriptions
+                 if c.subscription_partition.subscription == "s"]
+    assert [(p.txn_id.tc_partition, p.txn_id.sequence) for p in cursor.pending_acks] == \
+        [(tc, 1)]
+    assert not stage_ack(client, topic, "s", tc, 3, EPOCH + 1, 2, 4).error.reason
+    assert resolve_acks(client, topic, tc, 3, EPOCH + 1, "s") == [True]
+    assert resolve_acks(client, topic, tc, 1, EPOCH, "s") == ["STALE_COORDINATOR_EPOCH"]
+
+
 def refusal(client, topic: str, request) -> AtomlogError:
     with pytest.raises(grpc.RpcError) as refused:
         stub_for(client, topic, 0).ResolveStaged(request, timeout=10)
@@ -350,6 +459,12 @@ def test_a_bad_request_is_refused_whole_with_the_field_and_fences_nothing(server
         ("items[1].topic_partitions", [good, item(tc, 2, high, topic)]),  # none
         ("items[1].topic_partitions[2]", [good, item(tc, 2, high, topic, 0, 1, 0)]),
         ("items[0].topic_partitions[0].topic", [item(tc, 1, high, "no spaces", 0)]),
+        ("items[0].subscription_partitions[0].subscription", [
+            partition_pb2.ResolveStagedItem(txn_id=txn_id(tc, 1), coordinator_epoch=high,
+                                            subscription_partitions=[sp(topic, 0, "")])]),
+        ("items[0].subscription_partitions[1]", [partition_pb2.ResolveStagedItem(
+            txn_id=txn_id(tc, 1), coordinator_epoch=high,
+            subscription_partitions=[sp(topic, 0, "s"), sp(topic, 0, "s")])]),
     ]
     for field, items in cases:
         error = refusal(client, topic, partition_pb2.ResolveStagedRequest(items=items))

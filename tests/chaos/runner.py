@@ -35,6 +35,7 @@ from tests.conftest import create_online
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 COUNTS = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
 COMBINED_COUNTS = {"combined": 1}  # --combined: every role in one process (node-0)
+PARALLEL_MODES = ("auto", "on", "off")  # coordinator.parallel_commits, by seed (Run.__init__)
 SESSION_TIMEOUT_MS = 3_000
 REPLICA_MAX_LAG_MS = 3_000
 SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
@@ -131,12 +132,14 @@ class Run:
         self.counts = COMBINED_COUNTS if options.combined else COUNTS
         self.duration_s = options.minutes * 60
         self.go_cli: Path | None = None  # --go: the built atomlog-go
-        # Parallel commits (off by default) in half the runs, picked by the seed (crc32,
-        # as below: the same seed picks the same in every run).
-        self.parallel_commits = zlib.crc32(f"parallel-{options.seed}".encode()) % 2 == 1
+        # coordinator.parallel_commits: auto (the default), on or off, a third of the runs
+        # each, picked by the seed (crc32, as below: the same seed picks the same in every
+        # run; seeds before 2830 ran on a rule of on or off by halves).
+        self.parallel_commits = PARALLEL_MODES[
+            zlib.crc32(f"parallel-{options.seed}".encode()) % len(PARALLEL_MODES)]
         self.settings = {**SETTINGS,
                          "topics.default_replication_factor": str(options.replication),
-                         "coordinator.parallel_commits": str(self.parallel_commits).lower()}
+                         "coordinator.parallel_commits": self.parallel_commits}
 
     def say(self, text: str) -> None:
         if not self.options.quiet:
@@ -166,7 +169,7 @@ class Run:
                 json.dumps([f.to_json() for f in faults], indent=1) + "\n")
             self.say(f"{len(faults)} faults scheduled over {self.duration_s:.0f} s "
                      f"({', '.join(options.nemeses) or 'no nemesis'}); parallel commits "
-                     f"{'on' if self.parallel_commits else 'off'}")
+                     f"{self.parallel_commits}")
             self.prepare_workload(final_log)
             for client in self.clients.values():
                 self.spawn(client)

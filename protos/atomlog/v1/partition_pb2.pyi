@@ -785,14 +785,16 @@ class ResolveStagedRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ResolveStagedItem, _Mapping]]] = ...) -> None: ...
 
 class ResolveStagedItem(_message.Message):
-    __slots__ = ("txn_id", "coordinator_epoch", "topic_partitions")
+    __slots__ = ("txn_id", "coordinator_epoch", "topic_partitions", "subscription_partitions")
     TXN_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOPIC_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIPTION_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     txn_id: _common_pb2.TxnId
     coordinator_epoch: int
     topic_partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopicPartition]
-    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., coordinator_epoch: _Optional[int] = ..., topic_partitions: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ...) -> None: ...
+    subscription_partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SubscriptionPartition]
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., coordinator_epoch: _Optional[int] = ..., topic_partitions: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ..., subscription_partitions: _Optional[_Iterable[_Union[_common_pb2.SubscriptionPartition, _Mapping]]] = ...) -> None: ...
 
 class ResolveStagedResponse(_message.Message):
     __slots__ = ("results",)
@@ -801,12 +803,14 @@ class ResolveStagedResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ResolveStagedResult, _Mapping]]] = ...) -> None: ...
 
 class ResolveStagedResult(_message.Message):
-    __slots__ = ("txn_id", "partitions")
+    __slots__ = ("txn_id", "partitions", "subscription_partitions")
     TXN_ID_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIPTION_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     txn_id: _common_pb2.TxnId
     partitions: _containers.RepeatedCompositeFieldContainer[StagedPartition]
-    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[StagedPartition, _Mapping]]] = ...) -> None: ...
+    subscription_partitions: _containers.RepeatedCompositeFieldContainer[StagedSubscriptionPartition]
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[StagedPartition, _Mapping]]] = ..., subscription_partitions: _Optional[_Iterable[_Union[StagedSubscriptionPartition, _Mapping]]] = ...) -> None: ...
 
 class StagedPartition(_message.Message):
     __slots__ = ("topic_partition", "error", "staged")
@@ -817,6 +821,16 @@ class StagedPartition(_message.Message):
     error: ItemError
     staged: bool
     def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., staged: _Optional[bool] = ...) -> None: ...
+
+class StagedSubscriptionPartition(_message.Message):
+    __slots__ = ("subscription_partition", "error", "staged")
+    SUBSCRIPTION_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    subscription_partition: _common_pb2.SubscriptionPartition
+    error: ItemError
+    staged: bool
+    def __init__(self, subscription_partition: _Optional[_Union[_common_pb2.SubscriptionPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., staged: _Optional[bool] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms", "cursor_sequence", "replica_incarnation")

@@ -4843,10 +4843,14 @@ type ResolveStagedItem struct {
 	// The asking coordinator's epoch of txn_id's TC partition. Below the one this server
 	// knows: every partition of the item fails with "STALE_COORDINATOR_EPOCH".
 	CoordinatorEpoch uint64 `protobuf:"varint,2,opt,name=coordinator_epoch,json=coordinatorEpoch,proto3" json:"coordinator_epoch,omitempty"`
-	// The transaction's partitions on this server (at least one, no repeats).
+	// The transaction's partitions on this server (no repeats). The item names at least
+	// one partition or subscription partition.
 	TopicPartitions []*TopicPartition `protobuf:"bytes,3,rep,name=topic_partitions,json=topicPartitions,proto3" json:"topic_partitions,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The subscription partitions it acknowledged on, whose partitions this server owns
+	// (no repeats): is its staged ack durable there?
+	SubscriptionPartitions []*SubscriptionPartition `protobuf:"bytes,4,rep,name=subscription_partitions,json=subscriptionPartitions,proto3" json:"subscription_partitions,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *ResolveStagedItem) Reset() {
@@ -4896,6 +4900,13 @@ func (x *ResolveStagedItem) GetCoordinatorEpoch() uint64 {
 func (x *ResolveStagedItem) GetTopicPartitions() []*TopicPartition {
 	if x != nil {
 		return x.TopicPartitions
+	}
+	return nil
+}
+
+func (x *ResolveStagedItem) GetSubscriptionPartitions() []*SubscriptionPartition {
+	if x != nil {
+		return x.SubscriptionPartitions
 	}
 	return nil
 }
@@ -4950,9 +4961,11 @@ type ResolveStagedResult struct {
 	// Echo of the item's transaction.
 	TxnId *TxnId `protobuf:"bytes,1,opt,name=txn_id,json=txnId,proto3" json:"txn_id,omitempty"`
 	// One per partition, in order.
-	Partitions    []*StagedPartition `protobuf:"bytes,2,rep,name=partitions,proto3" json:"partitions,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Partitions []*StagedPartition `protobuf:"bytes,2,rep,name=partitions,proto3" json:"partitions,omitempty"`
+	// One per subscription partition, in order.
+	SubscriptionPartitions []*StagedSubscriptionPartition `protobuf:"bytes,3,rep,name=subscription_partitions,json=subscriptionPartitions,proto3" json:"subscription_partitions,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *ResolveStagedResult) Reset() {
@@ -4995,6 +5008,13 @@ func (x *ResolveStagedResult) GetTxnId() *TxnId {
 func (x *ResolveStagedResult) GetPartitions() []*StagedPartition {
 	if x != nil {
 		return x.Partitions
+	}
+	return nil
+}
+
+func (x *ResolveStagedResult) GetSubscriptionPartitions() []*StagedSubscriptionPartition {
+	if x != nil {
+		return x.SubscriptionPartitions
 	}
 	return nil
 }
@@ -5064,6 +5084,71 @@ func (x *StagedPartition) GetStaged() bool {
 	return false
 }
 
+type StagedSubscriptionPartition struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Echo of the subscription partition.
+	SubscriptionPartition *SubscriptionPartition `protobuf:"bytes,1,opt,name=subscription_partition,json=subscriptionPartition,proto3" json:"subscription_partition,omitempty"`
+	// Empty reason on success: then `staged` is the answer.
+	Error *ItemError `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
+	// True: the transaction's ack is durably pending on the subscription's cursor here
+	// (waiting for its marker). False: the transaction has no pending ack there (never
+	// staged durably, refused, or ended); with the fence in place it never will.
+	Staged        bool `protobuf:"varint,3,opt,name=staged,proto3" json:"staged,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StagedSubscriptionPartition) Reset() {
+	*x = StagedSubscriptionPartition{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StagedSubscriptionPartition) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StagedSubscriptionPartition) ProtoMessage() {}
+
+func (x *StagedSubscriptionPartition) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StagedSubscriptionPartition.ProtoReflect.Descriptor instead.
+func (*StagedSubscriptionPartition) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
+}
+
+func (x *StagedSubscriptionPartition) GetSubscriptionPartition() *SubscriptionPartition {
+	if x != nil {
+		return x.SubscriptionPartition
+	}
+	return nil
+}
+
+func (x *StagedSubscriptionPartition) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+func (x *StagedSubscriptionPartition) GetStaged() bool {
+	if x != nil {
+		return x.Staged
+	}
+	return false
+}
+
 type ReplicateRequest struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	TopicPartition *TopicPartition        `protobuf:"bytes,1,opt,name=topic_partition,json=topicPartition,proto3" json:"topic_partition,omitempty"`
@@ -5099,7 +5184,7 @@ type ReplicateRequest struct {
 
 func (x *ReplicateRequest) Reset() {
 	*x = ReplicateRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5111,7 +5196,7 @@ func (x *ReplicateRequest) String() string {
 func (*ReplicateRequest) ProtoMessage() {}
 
 func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5124,7 +5209,7 @@ func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ReplicateRequest) GetTopicPartition() *TopicPartition {
@@ -5210,7 +5295,7 @@ type ReplicateManyRequest struct {
 
 func (x *ReplicateManyRequest) Reset() {
 	*x = ReplicateManyRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5222,7 +5307,7 @@ func (x *ReplicateManyRequest) String() string {
 func (*ReplicateManyRequest) ProtoMessage() {}
 
 func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5235,7 +5320,7 @@ func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateManyRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateManyRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{71}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *ReplicateManyRequest) GetReplica() string {
@@ -5278,7 +5363,7 @@ type ReplicateManyResponse struct {
 
 func (x *ReplicateManyResponse) Reset() {
 	*x = ReplicateManyResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5290,7 +5375,7 @@ func (x *ReplicateManyResponse) String() string {
 func (*ReplicateManyResponse) ProtoMessage() {}
 
 func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5303,7 +5388,7 @@ func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateManyResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateManyResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{72}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *ReplicateManyResponse) GetResults() []*ReplicateResult {
@@ -5327,7 +5412,7 @@ type ReplicateResult struct {
 
 func (x *ReplicateResult) Reset() {
 	*x = ReplicateResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5339,7 +5424,7 @@ func (x *ReplicateResult) String() string {
 func (*ReplicateResult) ProtoMessage() {}
 
 func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5352,7 +5437,7 @@ func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResult.ProtoReflect.Descriptor instead.
 func (*ReplicateResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{73}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *ReplicateResult) GetTopicPartition() *TopicPartition {
@@ -5386,7 +5471,7 @@ type LeaderEpochEntry struct {
 
 func (x *LeaderEpochEntry) Reset() {
 	*x = LeaderEpochEntry{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5398,7 +5483,7 @@ func (x *LeaderEpochEntry) String() string {
 func (*LeaderEpochEntry) ProtoMessage() {}
 
 func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5411,7 +5496,7 @@ func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderEpochEntry.ProtoReflect.Descriptor instead.
 func (*LeaderEpochEntry) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{74}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *LeaderEpochEntry) GetEpoch() uint32 {
@@ -5475,7 +5560,7 @@ type ReplicateResponse struct {
 
 func (x *ReplicateResponse) Reset() {
 	*x = ReplicateResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5487,7 +5572,7 @@ func (x *ReplicateResponse) String() string {
 func (*ReplicateResponse) ProtoMessage() {}
 
 func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5500,7 +5585,7 @@ func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{75}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ReplicateResponse) GetRecords() []byte {
@@ -5923,20 +6008,26 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\vack_results\x18\x03 \x03(\v2\x15.atomlog.v1.AckResultR\n" +
 	"ackResults\"K\n" +
 	"\x14ResolveStagedRequest\x123\n" +
-	"\x05items\x18\x01 \x03(\v2\x1d.atomlog.v1.ResolveStagedItemR\x05items\"\xb1\x01\n" +
+	"\x05items\x18\x01 \x03(\v2\x1d.atomlog.v1.ResolveStagedItemR\x05items\"\x8d\x02\n" +
 	"\x11ResolveStagedItem\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12+\n" +
 	"\x11coordinator_epoch\x18\x02 \x01(\x04R\x10coordinatorEpoch\x12E\n" +
-	"\x10topic_partitions\x18\x03 \x03(\v2\x1a.atomlog.v1.TopicPartitionR\x0ftopicPartitions\"R\n" +
+	"\x10topic_partitions\x18\x03 \x03(\v2\x1a.atomlog.v1.TopicPartitionR\x0ftopicPartitions\x12Z\n" +
+	"\x17subscription_partitions\x18\x04 \x03(\v2!.atomlog.v1.SubscriptionPartitionR\x16subscriptionPartitions\"R\n" +
 	"\x15ResolveStagedResponse\x129\n" +
-	"\aresults\x18\x01 \x03(\v2\x1f.atomlog.v1.ResolveStagedResultR\aresults\"|\n" +
+	"\aresults\x18\x01 \x03(\v2\x1f.atomlog.v1.ResolveStagedResultR\aresults\"\xde\x01\n" +
 	"\x13ResolveStagedResult\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12;\n" +
 	"\n" +
 	"partitions\x18\x02 \x03(\v2\x1b.atomlog.v1.StagedPartitionR\n" +
-	"partitions\"\x9b\x01\n" +
+	"partitions\x12`\n" +
+	"\x17subscription_partitions\x18\x03 \x03(\v2'.atomlog.v1.StagedSubscriptionPartitionR\x16subscriptionPartitions\"\x9b\x01\n" +
 	"\x0fStagedPartition\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12+\n" +
+	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\x12\x16\n" +
+	"\x06staged\x18\x03 \x01(\bR\x06staged\"\xbc\x01\n" +
+	"\x1bStagedSubscriptionPartition\x12X\n" +
+	"\x16subscription_partition\x18\x01 \x01(\v2!.atomlog.v1.SubscriptionPartitionR\x15subscriptionPartition\x12+\n" +
 	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\x12\x16\n" +
 	"\x06staged\x18\x03 \x01(\bR\x06staged\"\xfc\x02\n" +
 	"\x10ReplicateRequest\x12C\n" +
@@ -6040,7 +6131,7 @@ func file_atomlog_v1_partition_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_partition_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 78)
+var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 79)
 var file_atomlog_v1_partition_proto_goTypes = []any{
 	(TxnDecision)(0),                     // 0: atomlog.v1.TxnDecision
 	(OffsetSpec)(0),                      // 1: atomlog.v1.OffsetSpec
@@ -6116,184 +6207,189 @@ var file_atomlog_v1_partition_proto_goTypes = []any{
 	(*ResolveStagedResponse)(nil),        // 71: atomlog.v1.ResolveStagedResponse
 	(*ResolveStagedResult)(nil),          // 72: atomlog.v1.ResolveStagedResult
 	(*StagedPartition)(nil),              // 73: atomlog.v1.StagedPartition
-	(*ReplicateRequest)(nil),             // 74: atomlog.v1.ReplicateRequest
-	(*ReplicateManyRequest)(nil),         // 75: atomlog.v1.ReplicateManyRequest
-	(*ReplicateManyResponse)(nil),        // 76: atomlog.v1.ReplicateManyResponse
-	(*ReplicateResult)(nil),              // 77: atomlog.v1.ReplicateResult
-	(*LeaderEpochEntry)(nil),             // 78: atomlog.v1.LeaderEpochEntry
-	(*ReplicateResponse)(nil),            // 79: atomlog.v1.ReplicateResponse
-	nil,                                  // 80: atomlog.v1.ItemError.MetadataEntry
-	nil,                                  // 81: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	(*TopicPartition)(nil),               // 82: atomlog.v1.TopicPartition
-	(IsolationLevel)(0),                  // 83: atomlog.v1.IsolationLevel
-	(*TxnId)(nil),                        // 84: atomlog.v1.TxnId
-	(*SubscriptionPartition)(nil),        // 85: atomlog.v1.SubscriptionPartition
+	(*StagedSubscriptionPartition)(nil),  // 74: atomlog.v1.StagedSubscriptionPartition
+	(*ReplicateRequest)(nil),             // 75: atomlog.v1.ReplicateRequest
+	(*ReplicateManyRequest)(nil),         // 76: atomlog.v1.ReplicateManyRequest
+	(*ReplicateManyResponse)(nil),        // 77: atomlog.v1.ReplicateManyResponse
+	(*ReplicateResult)(nil),              // 78: atomlog.v1.ReplicateResult
+	(*LeaderEpochEntry)(nil),             // 79: atomlog.v1.LeaderEpochEntry
+	(*ReplicateResponse)(nil),            // 80: atomlog.v1.ReplicateResponse
+	nil,                                  // 81: atomlog.v1.ItemError.MetadataEntry
+	nil,                                  // 82: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	(*TopicPartition)(nil),               // 83: atomlog.v1.TopicPartition
+	(IsolationLevel)(0),                  // 84: atomlog.v1.IsolationLevel
+	(*TxnId)(nil),                        // 85: atomlog.v1.TxnId
+	(*SubscriptionPartition)(nil),        // 86: atomlog.v1.SubscriptionPartition
 }
 var file_atomlog_v1_partition_proto_depIdxs = []int32{
-	80,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
+	81,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
 	7,   // 1: atomlog.v1.ProduceRequest.items:type_name -> atomlog.v1.ProduceItem
-	82,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	9,   // 3: atomlog.v1.ProduceResponse.results:type_name -> atomlog.v1.ProduceResult
-	82,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 5: atomlog.v1.ProduceResult.error:type_name -> atomlog.v1.ItemError
 	11,  // 6: atomlog.v1.FetchRequest.items:type_name -> atomlog.v1.FetchItem
-	83,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
-	82,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	84,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	83,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	13,  // 9: atomlog.v1.FetchResponse.results:type_name -> atomlog.v1.FetchResult
-	82,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 11: atomlog.v1.FetchResult.error:type_name -> atomlog.v1.ItemError
 	14,  // 12: atomlog.v1.FetchResult.aborted_transactions:type_name -> atomlog.v1.AbortedTransaction
-	84,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
 	16,  // 14: atomlog.v1.ListOffsetsRequest.items:type_name -> atomlog.v1.ListOffsetsItem
-	82,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	1,   // 16: atomlog.v1.ListOffsetsItem.spec:type_name -> atomlog.v1.OffsetSpec
 	18,  // 17: atomlog.v1.ListOffsetsResponse.results:type_name -> atomlog.v1.ListOffsetsResult
-	82,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 19: atomlog.v1.ListOffsetsResult.error:type_name -> atomlog.v1.ItemError
 	20,  // 20: atomlog.v1.DeleteRecordsRequest.items:type_name -> atomlog.v1.DeleteRecordsItem
 	22,  // 21: atomlog.v1.DeleteRecordsResponse.results:type_name -> atomlog.v1.DeleteRecordsResult
 	4,   // 22: atomlog.v1.DeleteRecordsResult.error:type_name -> atomlog.v1.ItemError
-	85,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 24: atomlog.v1.CreateSubscriptionRequest.initial_position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	25,  // 25: atomlog.v1.CreateSubscriptionResponse.results:type_name -> atomlog.v1.CreateSubscriptionResult
-	85,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 27: atomlog.v1.CreateSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	85,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	28,  // 29: atomlog.v1.DeleteSubscriptionResponse.results:type_name -> atomlog.v1.DeleteSubscriptionResult
-	85,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 31: atomlog.v1.DeleteSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	85,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 33: atomlog.v1.ResetSubscriptionRequest.position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	31,  // 34: atomlog.v1.ResetSubscriptionResponse.results:type_name -> atomlog.v1.ResetSubscriptionResult
-	85,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 36: atomlog.v1.ResetSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	85,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	83,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	86,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	84,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
 	34,  // 39: atomlog.v1.ReceiveResponse.results:type_name -> atomlog.v1.ReceiveResult
-	85,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 41: atomlog.v1.ReceiveResult.error:type_name -> atomlog.v1.ItemError
 	5,   // 42: atomlog.v1.ReceiveResult.delivered_ranges:type_name -> atomlog.v1.OffsetRange
 	5,   // 43: atomlog.v1.ReceiveResult.redelivered_ranges:type_name -> atomlog.v1.OffsetRange
 	36,  // 44: atomlog.v1.AckRequest.items:type_name -> atomlog.v1.AckItem
-	85,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 46: atomlog.v1.AckItem.individual_ranges:type_name -> atomlog.v1.OffsetRange
-	84,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
 	38,  // 48: atomlog.v1.AckResponse.results:type_name -> atomlog.v1.AckResult
-	85,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 50: atomlog.v1.AckResult.error:type_name -> atomlog.v1.ItemError
 	40,  // 51: atomlog.v1.NackRequest.items:type_name -> atomlog.v1.NackItem
-	85,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 53: atomlog.v1.NackItem.ranges:type_name -> atomlog.v1.OffsetRange
 	42,  // 54: atomlog.v1.NackResponse.results:type_name -> atomlog.v1.NackResult
-	85,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 56: atomlog.v1.NackResult.error:type_name -> atomlog.v1.ItemError
-	85,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	45,  // 58: atomlog.v1.DescribeSubscriptionResponse.cursors:type_name -> atomlog.v1.SubscriptionCursor
-	85,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 60: atomlog.v1.SubscriptionCursor.error:type_name -> atomlog.v1.ItemError
 	5,   // 61: atomlog.v1.SubscriptionCursor.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	46,  // 62: atomlog.v1.SubscriptionCursor.pending_acks:type_name -> atomlog.v1.PendingAck
-	84,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
 	5,   // 64: atomlog.v1.PendingAck.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	48,  // 65: atomlog.v1.EndTxnOnPartitionRequest.markers:type_name -> atomlog.v1.TxnMarker
-	84,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
 	0,   // 67: atomlog.v1.TxnMarker.decision:type_name -> atomlog.v1.TxnDecision
-	82,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	85,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	83,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	86,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	50,  // 70: atomlog.v1.EndTxnOnPartitionResponse.results:type_name -> atomlog.v1.TxnMarkerResult
-	84,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
 	51,  // 72: atomlog.v1.TxnMarkerResult.topic_partition_results:type_name -> atomlog.v1.TxnMarkerPartitionResult
 	52,  // 73: atomlog.v1.TxnMarkerResult.subscription_partition_results:type_name -> atomlog.v1.TxnMarkerSubscriptionResult
-	82,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 75: atomlog.v1.TxnMarkerPartitionResult.error:type_name -> atomlog.v1.ItemError
-	85,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 77: atomlog.v1.TxnMarkerSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	82,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	82,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 80: atomlog.v1.DescribePartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	53,  // 81: atomlog.v1.DescribePartitionResponse.data_loss:type_name -> atomlog.v1.DataLossInfo
 	58,  // 82: atomlog.v1.DescribePartitionResponse.open_transactions:type_name -> atomlog.v1.OpenTransaction
 	59,  // 83: atomlog.v1.DescribePartitionResponse.producers:type_name -> atomlog.v1.ProducerState
 	45,  // 84: atomlog.v1.DescribePartitionResponse.subscriptions:type_name -> atomlog.v1.SubscriptionCursor
-	81,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	82,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
 	56,  // 86: atomlog.v1.DescribePartitionResponse.replication:type_name -> atomlog.v1.ReplicationStatus
 	57,  // 87: atomlog.v1.ReplicationStatus.followers:type_name -> atomlog.v1.FollowerStatus
-	84,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
-	84,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
 	62,  // 90: atomlog.v1.ListPartitionsResponse.partitions:type_name -> atomlog.v1.PartitionSummary
-	82,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 92: atomlog.v1.PartitionSummary.state:type_name -> atomlog.v1.PartitionState
 	53,  // 93: atomlog.v1.PartitionSummary.data_loss:type_name -> atomlog.v1.DataLossInfo
-	82,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	83,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 95: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	66,  // 96: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
 	47,  // 97: atomlog.v1.StageTxnRequest.markers:type_name -> atomlog.v1.EndTxnOnPartitionRequest
-	84,  // 98: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 98: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
 	7,   // 99: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
 	36,  // 100: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
 	68,  // 101: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
 	49,  // 102: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
-	84,  // 103: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	85,  // 103: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
 	9,   // 104: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
 	38,  // 105: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
 	70,  // 106: atomlog.v1.ResolveStagedRequest.items:type_name -> atomlog.v1.ResolveStagedItem
-	84,  // 107: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
-	82,  // 108: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	72,  // 109: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
-	84,  // 110: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
-	73,  // 111: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
-	82,  // 112: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 113: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
-	82,  // 114: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	74,  // 115: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
-	77,  // 116: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
-	82,  // 117: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 118: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
-	79,  // 119: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
-	78,  // 120: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 121: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 122: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 123: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 124: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 125: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 126: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 127: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 128: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 129: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 130: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 131: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 132: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	65,  // 133: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	69,  // 134: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
-	54,  // 135: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	60,  // 136: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	63,  // 137: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	74,  // 138: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	75,  // 139: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
-	8,   // 140: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 141: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 142: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 143: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 144: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 145: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 146: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 147: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 148: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 149: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 150: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 151: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	67,  // 152: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	71,  // 153: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
-	55,  // 154: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	61,  // 155: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	64,  // 156: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	79,  // 157: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	76,  // 158: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
-	140, // [140:159] is the sub-list for method output_type
-	121, // [121:140] is the sub-list for method input_type
-	121, // [121:121] is the sub-list for extension type_name
-	121, // [121:121] is the sub-list for extension extendee
-	0,   // [0:121] is the sub-list for field type_name
+	85,  // 107: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
+	83,  // 108: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	86,  // 109: atomlog.v1.ResolveStagedItem.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	72,  // 110: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
+	85,  // 111: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
+	73,  // 112: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
+	74,  // 113: atomlog.v1.ResolveStagedResult.subscription_partitions:type_name -> atomlog.v1.StagedSubscriptionPartition
+	83,  // 114: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 115: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
+	86,  // 116: atomlog.v1.StagedSubscriptionPartition.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	4,   // 117: atomlog.v1.StagedSubscriptionPartition.error:type_name -> atomlog.v1.ItemError
+	83,  // 118: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	75,  // 119: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
+	78,  // 120: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
+	83,  // 121: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 122: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
+	80,  // 123: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
+	79,  // 124: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 125: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 126: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 127: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 128: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 129: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 130: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 131: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 132: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 133: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 134: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 135: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 136: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	65,  // 137: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	69,  // 138: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
+	54,  // 139: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 140: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 141: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	75,  // 142: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	76,  // 143: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
+	8,   // 144: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 145: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 146: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 147: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 148: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 149: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 150: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 151: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 152: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 153: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 154: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 155: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	67,  // 156: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	71,  // 157: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
+	55,  // 158: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 159: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 160: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	80,  // 161: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	77,  // 162: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
+	144, // [144:163] is the sub-list for method output_type
+	125, // [125:144] is the sub-list for method input_type
+	125, // [125:125] is the sub-list for extension type_name
+	125, // [125:125] is the sub-list for extension extendee
+	0,   // [0:125] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
@@ -6308,7 +6404,7 @@ func file_atomlog_v1_partition_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_partition_proto_rawDesc), len(file_atomlog_v1_partition_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   78,
+			NumMessages:   79,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
