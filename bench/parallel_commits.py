@@ -21,7 +21,7 @@ parallel commits (`atomlog_coordinator_parallel_commits_total`), from the coordi
 metrics over the blocks; and plain Python's small os.write + os.fsync in the same run.
 
     .venv/bin/python bench/parallel_commits.py [--modes off,auto] [--blocks 12]
-        [--small 40] [--ctp 8] [--no-docs]
+        [--small 40] [--ctp 8] [--combined] [--no-docs]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Side:
 
         self.mode = mode
         self.metrics = [p.metrics_address for p in report.cluster.processes
-                        if p.role == "coordinator"]
+                        if p.role in ("coordinator", "combined")]
         self.client = Client(address)
         self.client.create_topic(SMALL_TOPIC, partitions=PARTITIONS)
         self.client.create_topic(CTP_IN, partitions=1)
@@ -155,6 +155,9 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=40, help="small transactions a block")
     parser.add_argument("--ctp", type=int, default=8,
                         help="consume-transform-produce transactions (100 inputs) a block")
+    parser.add_argument("--combined", action="store_true",
+                        help="two combined servers (every role in one process) instead of "
+                             "two clusters; prints only")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -164,9 +167,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         fsync = common.fsync_baseline(Path(scratch))
     inputs = args.blocks * args.ctp * CTP_BATCH + 2 * CTP_BATCH
-    with common.local_cluster("atomlog-pc-a-", replication_factor=common.BENCH_REPLICATION_FACTOR,
+    shape = common.SHAPES["combined" if args.combined else "cluster"]
+    with common.local_cluster("atomlog-pc-a-", shape,
+                              replication_factor=common.BENCH_REPLICATION_FACTOR,
                               settings={"coordinator.parallel_commits": modes[0]}) as (_, a, a_at), \
-            common.local_cluster("atomlog-pc-b-",
+            common.local_cluster("atomlog-pc-b-", shape,
                                  replication_factor=common.BENCH_REPLICATION_FACTOR,
                                  settings={"coordinator.parallel_commits": modes[1]}) as (_, b, b_at):
         sides = [Side(modes[0], a_at, a, inputs), Side(modes[1], b_at, b, inputs)]
@@ -227,8 +232,11 @@ def main() -> None:
         f"{1 / gain_small:.2f}x, consume-transform-produce {gain_ctp:.2f}x the inputs/s.",
         END,
     ])
+    if args.combined:
+        text = text.replace("Two clusters at once (2 coordinators, 3 partition servers, one "
+                            "copy)", "Two combined servers at once (one copy)")
     print(text)
-    if not args.no_docs:
+    if not args.no_docs and not args.combined:
         common.write_docs_section(text + "\n", BEGIN, END)
 
 
