@@ -6,7 +6,7 @@ one copy of every partition, as bench/transactions.py's cluster), the same but f
 them in turn, in blocks, the order of the two rotating from block to block, so that both
 modes meet the same minutes of this shared, noisy machine; the figures are taken over
 all blocks of a mode. Two sequential workloads, where a commit waits for its durability
-rounds one after the other:
+rounds one after the other, and one of overlapping commits:
 
 - **small**: one-call transactions of ten 1 KiB records over four partitions (as
   bench/transactions.py's small transactions), committed one after another by one
@@ -14,14 +14,18 @@ rounds one after the other:
 - **ctp**: consume-transform-produce as bench/transactions.py's sequential cell (poll
   100 inputs of one partition, send their 100 outputs with one send_batch(), ack the 100
   inputs in the transaction, commit), one transaction after another: inputs per second
-  and commit latency.
+  and commit latency;
+- **open loop**: 8 client threads sharing a fixed rate of small transactions (each on
+  its own schedule, latency counted from it): commits that overlap without saturating
+  the machine, where the extra append of a parallel commit competes for the CPU.
 
 Beside them: the TC-log appends per transaction and the share of commits that were
 parallel commits (`atomlog_coordinator_parallel_commits_total`), from the coordinators'
 metrics over the blocks; and plain Python's small os.write + os.fsync in the same run.
 
     .venv/bin/python bench/parallel_commits.py [--modes off,auto] [--blocks 12]
-        [--small 40] [--ctp 8] [--combined] [--no-docs]
+        [--small 40] [--ctp 8] [--open-rate 160] [--open-seconds 3] [--combined]
+        [--no-docs]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import common  # noqa: E402
 
 SMALL_TOPIC, PARTITIONS, RECORD = "pc-small", 16, b"x" * 1024
 CTP_IN, CTP_OUT, CTP_BATCH, SUBSCRIPTION = "pc-in", "pc-out", 100, "pc"
+OPEN_THREADS = 8
 BEGIN = "<!-- bench/parallel_commits.py: begin -->"
 END = "<!-- bench/parallel_commits.py: end -->"
 
@@ -83,6 +88,8 @@ class Side:
         self.ctp_commits: list[float] = []
         self.ctp_seconds = self.ctp_inputs = 0.0
         self.counted: list[tuple[float, float, int]] = []  # (appends, parallel, txns)
+        self.open_commits: list[float] = []
+        self.open_producers = [self.client.producer(linger_ms=0) for _ in range(OPEN_THREADS)]
 
     def counters(self) -> tuple[float, float]:
         return (metric(self.metrics, "atomlog_coordinator_log_append_duration_seconds_count"),
@@ -102,6 +109,40 @@ class Side:
         self.small_seconds += time.perf_counter() - began
         self.small_count += transactions
         self._count(before, transactions)
+
+    def open_loop(self, rate: float, seconds: float, threads: int) -> None:
+        """An open loop: `threads` client threads share `rate` small transactions a
+        second, each on its own schedule (latency counted from the scheduled start, so a
+        commit that falls behind is charged for its wait)."""
+        import threading
+
+        before = self.counters()
+        interval = threads / rate
+        began = time.perf_counter()
+        counts = [0] * threads
+
+        def run(index: int) -> None:
+            producer = self.open_producers[index]
+            scheduled = began + interval * index / threads
+            while scheduled < began + seconds:
+                pause = scheduled - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                txn = self.client.begin_transaction(timeout_s=30)
+                for record in range(10):
+                    producer.send(SMALL_TOPIC, RECORD,
+                                  partition=(index * 4 + record % 4) % PARTITIONS, txn=txn)
+                txn.commit()
+                self.open_commits.append(time.perf_counter() - scheduled)
+                counts[index] += 1
+                scheduled += interval
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        self._count(before, sum(counts))
 
     def ctp(self, transactions: int) -> int:
         before = self.counters()
@@ -131,6 +172,8 @@ class Side:
         self.counted.append((after[0] - before[0], after[1] - before[1], transactions))
 
     def close(self) -> None:
+        for producer in self.open_producers:
+            producer.close()
         self.consumer.close()
         self.producer.close()
         self.client.close()
@@ -155,6 +198,11 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=40, help="small transactions a block")
     parser.add_argument("--ctp", type=int, default=8,
                         help="consume-transform-produce transactions (100 inputs) a block")
+    parser.add_argument("--open-rate", type=float, default=160.0,
+                        help="small transactions a second of the open loop (8 client "
+                             "threads; 0: no open-loop blocks)")
+    parser.add_argument("--open-seconds", type=float, default=3.0,
+                        help="seconds of open loop a block")
     parser.add_argument("--combined", action="store_true",
                         help="two combined servers (every role in one process) instead of "
                              "two clusters; prints only")
@@ -189,20 +237,29 @@ def main() -> None:
             for block in range(args.blocks):
                 for side in (sides if block % 2 == 0 else sides[::-1]):
                     side.ctp(args.ctp)
+            for block in range(args.blocks if args.open_rate else 0):
+                for side in (sides if block % 2 == 0 else sides[::-1]):
+                    side.open_loop(args.open_rate, args.open_seconds, OPEN_THREADS)
         finally:
             for side in sides:
                 side.close()
-    small_part, ctp_part = slice(0, args.blocks), slice(args.blocks, None)
+    small_part, ctp_part = slice(0, args.blocks), slice(args.blocks, 2 * args.blocks)
+    open_part = slice(2 * args.blocks, None)
     rows = []
     for side in sides:
         small_appends, small_parallel = ratios(side, small_part)
         ctp_appends, ctp_parallel = ratios(side, ctp_part)
+        open_appends, open_parallel = ratios(side, open_part)
+        open_cells = (f" {ms(side.open_commits, 0.5)} / {ms(side.open_commits, 0.9)} / "
+                      f"{ms(side.open_commits, 0.99)} | {open_appends:.2f} "
+                      f"({open_parallel:.0%}) |" if args.open_rate else " - | - |")
         rows.append(
             f"| `{side.mode}` | {side.small_count / side.small_seconds:,.0f} | "
             f"{ms(side.small_commits, 0.5)} / {ms(side.small_commits, 0.9)} / "
             f"{ms(side.small_commits, 0.99)} | {small_appends:.2f} ({small_parallel:.0%}) | "
             f"{side.ctp_inputs / side.ctp_seconds:,.0f} | {ms(side.ctp_commits, 0.5)} / "
-            f"{ms(side.ctp_commits, 0.99)} | {ctp_appends:.2f} ({ctp_parallel:.0%}) |")
+            f"{ms(side.ctp_commits, 0.99)} | {ctp_appends:.2f} ({ctp_parallel:.0%}) |"
+            + open_cells)
     first, second = sides
     gain_small = statistics.median(first.small_commits) / statistics.median(second.small_commits)
     gain_ctp = (second.ctp_inputs / second.ctp_seconds) / (first.ctp_inputs / first.ctp_seconds)
@@ -219,13 +276,17 @@ def main() -> None:
         f"over four partitions, one after another ({args.small} a block). **ctp**: "
         "sequential consume-transform-produce, 100 inputs a transaction (poll, one "
         "send_batch() of the outputs, the acks in the transaction, commit; "
-        f"{args.ctp} a block). Baseline in the same run: a small os.write + os.fsync takes "
+        f"{args.ctp} a block). **open loop**: 8 client threads share "
+        f"{args.open_rate:g} small transactions a second, each on its schedule, "
+        f"{args.open_seconds:g} s a block (latency from the scheduled start). Baseline in "
+        "the same run: a small os.write + os.fsync takes "
         f"{fsync['p50']:.2f} ms (p50), {fsync['p99']:.2f} ms (p99).",
         "",
         "| parallel_commits | small txn/s | small commit p50 / p90 / p99 ms | TC-log appends "
         "a txn (parallel) | ctp inputs/s | ctp commit p50 / p99 ms | TC-log appends a txn "
+        "(parallel) | open loop: transaction p50 / p90 / p99 ms | TC-log appends a txn "
         "(parallel) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
         f"`{second.mode}` against `{first.mode}`: small commits' median latency "

@@ -501,12 +501,13 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "batches and acks are staged, the transaction committed once all are "
                 "durable; a coordinator taking over resolves such a record by asking the "
                 "partitions (docs/coordinator.md, \"Parallel commits\"). It costs one more "
-                "TC-log append per transaction. auto: while at most two one-call commits "
-                "(this one included) are in flight on the coordinator, and not for a commit "
-                "the commit lane takes (a combined server): a commit that waits for its two "
-                "rounds one after the other saves one, and under load, where the servers' "
-                "CPU is the limit (measured: docs/benchmarks.md), the commits keep two "
-                "rounds. on: every one-call commit (the commit lane's too). off: none.",
+                "TC-log append per transaction. auto: once 16 one-call commits in a row "
+                "began on the coordinator with no other in flight, and not for a commit the "
+                "commit lane takes (a combined server): commits that come one at a time "
+                "(a sequential client) save a round; commits that overlap share the "
+                "servers' CPU, which the extra append would cost them (measured: "
+                "docs/benchmarks.md), and keep two rounds. on: every one-call commit (the "
+                "commit lane's too). off: none.",
                 choices=("auto", "on", "off"),
                 aliases={"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off",
                          "0": "off"}),
