@@ -41,7 +41,7 @@ ONE_CALL = Counter("atomlog_coordinator_one_call_transactions_total",
 PARALLEL_COMMITS = Counter("atomlog_coordinator_parallel_commits_total",
                            "One-call commits begun as parallel commits: a Staging record "
                            "appended while they stage (coordinator.parallel_commits; with "
-                           "auto, those that found few others in flight).")
+                           "auto, those that came in a run of commits one at a time).")
 RESOLUTIONS = Counter("atomlog_coordinator_parallel_commit_resolutions_total",
                      "Parallel commits left undecided by their CommitTxn (a coordinator that "
                      "died or failed) and decided by asking their partitions "
