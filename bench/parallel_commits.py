@@ -24,8 +24,8 @@ parallel commits (`atomlog_coordinator_parallel_commits_total`), from the coordi
 metrics over the blocks; and plain Python's small os.write + os.fsync in the same run.
 
     .venv/bin/python bench/parallel_commits.py [--modes off,auto] [--blocks 12]
-        [--small 40] [--ctp 8] [--open-rate 160] [--open-seconds 3] [--combined]
-        [--no-docs]
+        [--small 40] [--ctp 8] [--open-rate 160] [--open-seconds 3] [--replication 1]
+        [--combined] [--no-docs]
 """
 
 from __future__ import annotations
@@ -203,6 +203,10 @@ def main() -> None:
                              "threads; 0: no open-loop blocks)")
     parser.add_argument("--open-seconds", type=float, default=3.0,
                         help="seconds of open loop a block")
+    parser.add_argument("--replication", type=int, default=common.BENCH_REPLICATION_FACTOR,
+                        help="copies of every partition, __txn_log's included (0: the "
+                             "product default, three with three partition servers); other "
+                             "than 1: prints only")
     parser.add_argument("--combined", action="store_true",
                         help="two combined servers (every role in one process) instead of "
                              "two clusters; prints only")
@@ -216,11 +220,10 @@ def main() -> None:
         fsync = common.fsync_baseline(Path(scratch))
     inputs = args.blocks * args.ctp * CTP_BATCH + 2 * CTP_BATCH
     shape = common.SHAPES["combined" if args.combined else "cluster"]
-    with common.local_cluster("atomlog-pc-a-", shape,
-                              replication_factor=common.BENCH_REPLICATION_FACTOR,
+    with common.local_cluster("atomlog-pc-a-", shape, replication_factor=args.replication,
                               settings={"coordinator.parallel_commits": modes[0]}) as (_, a, a_at), \
             common.local_cluster("atomlog-pc-b-", shape,
-                                 replication_factor=common.BENCH_REPLICATION_FACTOR,
+                                 replication_factor=args.replication,
                                  settings={"coordinator.parallel_commits": modes[1]}) as (_, b, b_at):
         sides = [Side(modes[0], a_at, a, inputs), Side(modes[1], b_at, b, inputs)]
         try:
@@ -297,7 +300,10 @@ def main() -> None:
         text = text.replace("Two clusters at once (2 coordinators, 3 partition servers, one "
                             "copy)", "Two combined servers at once (one copy)")
     print(text)
-    if not args.no_docs and not args.combined:
+    if args.replication != 1:
+        text = text.replace("one copy)", f"{args.replication or 'the default number of'} "
+                            "copies)")
+    if not args.no_docs and not args.combined and args.replication == 1:
         common.write_docs_section(text + "\n", BEGIN, END)
 
 
