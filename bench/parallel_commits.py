@@ -51,15 +51,17 @@ BEGIN = "<!-- bench/parallel_commits.py: begin -->"
 END = "<!-- bench/parallel_commits.py: end -->"
 
 
-def metric(addresses: list[str], name: str) -> float:
-    """The sum of a counter (every label set) over the servers' /metrics."""
-    total = 0.0
+def metrics(addresses: list[str], names: tuple[str, ...]) -> tuple[float, ...]:
+    """The sum of each counter (every label set) over the servers' /metrics, one read of
+    each server."""
+    totals = [0.0] * len(names)
     for address in addresses:
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                     if line.startswith(name) and not line.startswith("#")
-                     and line[len(name)] in " {")
-    return total
+        for line in text.splitlines():
+            for index, name in enumerate(names):
+                if line.startswith(name) and line[len(name)] in " {":
+                    totals[index] += float(line.rsplit(" ", 1)[1])
+    return tuple(totals)
 
 
 class Side:
@@ -91,21 +93,35 @@ class Side:
         self.open_commits: list[float] = []
         self.open_producers = [self.client.producer(linger_ms=0) for _ in range(OPEN_THREADS)]
 
-    def counters(self) -> tuple[float, float]:
-        return (metric(self.metrics, "atomlog_coordinator_log_append_duration_seconds_count"),
-                metric(self.metrics, "atomlog_coordinator_parallel_commits_total"))
+    def counters(self) -> tuple[float, ...]:
+        """(TC-log appends, parallel commits) so far, over the coordinators."""
+        return metrics(self.metrics, ("atomlog_coordinator_log_append_duration_seconds_count",
+                                      "atomlog_coordinator_parallel_commits_total"))
+
+    def reset(self) -> None:
+        """Forget what was measured (the warm-up)."""
+        self.small_commits.clear()
+        self.ctp_commits.clear()
+        self.open_commits.clear()
+        self.small_seconds = self.small_count = self.ctp_seconds = self.ctp_inputs = 0.0
+        self.counted.clear()
+
+    def one_small(self, producer, first: int) -> float:
+        """Begin, ten 1 KiB records over four partitions from `first` on, commit; the
+        commit's seconds."""
+        txn = self.client.begin_transaction(timeout_s=30)
+        for record in range(10):
+            producer.send(SMALL_TOPIC, RECORD, partition=(first + record % 4) % PARTITIONS,
+                          txn=txn)
+        committing = time.perf_counter()
+        txn.commit()
+        return time.perf_counter() - committing
 
     def small(self, transactions: int) -> None:
         before = self.counters()
         began = time.perf_counter()
         for i in range(transactions):
-            txn = self.client.begin_transaction(timeout_s=30)
-            for record in range(10):
-                self.producer.send(SMALL_TOPIC, RECORD, partition=(i * 4 + record % 4)
-                                   % PARTITIONS, txn=txn)
-            committing = time.perf_counter()
-            txn.commit()
-            self.small_commits.append(time.perf_counter() - committing)
+            self.small_commits.append(self.one_small(self.producer, i * 4))
         self.small_seconds += time.perf_counter() - began
         self.small_count += transactions
         self._count(before, transactions)
@@ -128,11 +144,7 @@ class Side:
                 pause = scheduled - time.perf_counter()
                 if pause > 0:
                     time.sleep(pause)
-                txn = self.client.begin_transaction(timeout_s=30)
-                for record in range(10):
-                    producer.send(SMALL_TOPIC, RECORD,
-                                  partition=(index * 4 + record % 4) % PARTITIONS, txn=txn)
-                txn.commit()
+                self.one_small(producer, index * 4)
                 self.open_commits.append(time.perf_counter() - scheduled)
                 counts[index] += 1
                 scheduled += interval
@@ -230,10 +242,7 @@ def main() -> None:
             for side in sides:  # warm: connections, producer ids, each TC partition's block
                 side.small(64)
                 side.ctp(1)
-                side.small_commits.clear()
-                side.ctp_commits.clear()
-                side.small_seconds = side.small_count = side.ctp_seconds = side.ctp_inputs = 0
-                side.counted.clear()
+                side.reset()
             for block in range(args.blocks):
                 for side in (sides if block % 2 == 0 else sides[::-1]):
                     side.small(args.small)

@@ -378,12 +378,10 @@ class StageChannel:
                     failures = [(target, outcome) for target in group]
                 elif isinstance(outcome, BaseException):
                     raise outcome
+                elif any(not e.error.reason and not e.staged for _, e in outcome):
+                    return False
                 else:
-                    answers = list(zip(_tps_first(group), (*outcome.partitions,
-                                                           *outcome.subscription_partitions)))
-                    if any(not e.error.reason and not e.staged for _, e in answers):
-                        return False
-                    failures = [(target, e.error) for target, e in answers if e.error.reason]
+                    failures = [(target, e.error) for target, e in outcome if e.error.reason]
                 for target, error in failures:
                     if error.reason not in RETRY_REASONS:
                         raise _error_of(error, _target_name(target))
@@ -400,10 +398,9 @@ class StageChannel:
             await asyncio.sleep(delay)
 
     async def _ask(self, address: str, txn_id: TxnId, epoch: int,
-                   targets: list[TopicPartition | SubscriptionPartition]
-                   ) -> partition_pb2.ResolveStagedResult:
-        """One ResolveStaged call; its result answers the partitions among `targets`
-        first, then the subscription partitions (_tps_first's order)."""
+                   targets: list[TopicPartition | SubscriptionPartition]) -> list[tuple]:
+        """One ResolveStaged call: (target, its StagedPartition or
+        StagedSubscriptionPartition) for each of `targets`."""
         tps = [t for t in targets if not isinstance(t, SubscriptionPartition)]
         sps = [t for t in targets if isinstance(t, SubscriptionPartition)]
         request = partition_pb2.ResolveStagedRequest(items=[partition_pb2.ResolveStagedItem(
@@ -427,19 +424,12 @@ class StageChannel:
                                f"{len(result.partitions)} partitions and "
                                f"{len(result.subscription_partitions)} subscription "
                                f"partitions for {len(tps)} and {len(sps)}")
-        return result
+        return [*zip(tps, result.partitions), *zip(sps, result.subscription_partitions)]
 
     async def close(self) -> None:
         self._closed = True
         await self._calls.close()
         event(log, "staging channel closed", calls=self._calls.calls)
-
-
-def _tps_first(targets: list) -> list:
-    """`targets` in the order a ResolveStaged result answers them: the partitions, then
-    the subscription partitions."""
-    return ([t for t in targets if not isinstance(t, SubscriptionPartition)]
-            + [t for t in targets if isinstance(t, SubscriptionPartition)])
 
 
 def _target_name(target) -> str:
