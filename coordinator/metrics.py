@@ -81,10 +81,12 @@ MARKER_FAILURES = Counter("atomlog_coordinator_marker_failures_total",
 
 
 class CoreCollector(Collector):
-    """Gauges and counters read from the TC partition cores at scrape time."""
+    """Gauges and counters read from the TC partition cores (and the coordinator's count
+    of one-call commits in flight) at scrape time: nothing on the commit path."""
 
-    def __init__(self, cores: Callable[[], Iterable]):
+    def __init__(self, cores: Callable[[], Iterable], in_flight: Callable[[], int]):
         self._cores = cores
+        self._in_flight = in_flight
 
     def collect(self):
         totals: dict[str, int] = {}
@@ -103,6 +105,13 @@ class CoreCollector(Collector):
             family = GaugeMetricFamily(f"atomlog_coordinator_{name}", text)
             family.add_metric([], totals.get(name, 0))
             yield family
+        family = GaugeMetricFamily(
+            "atomlog_coordinator_one_call_commits_in_flight",
+            "One-call commits (CommitTxn, CommitTxns) this coordinator is handling: begun "
+            "and not yet answered, a parallel commit until it is decided even when its "
+            "caller went away (coordinator.parallel_commits=auto reads the same count).")
+        family.add_metric([], self._in_flight())
+        yield family
         counters = {
             "timeouts_total": "Transactions aborted by their OPEN or PREPARED timeout.",
             "marker_resends_total": "Markers re-sent because they were not confirmed in time.",
@@ -120,7 +129,8 @@ def vars_of(metrics) -> dict[str, int]:
     return {name: getattr(metrics, name) for name in metrics.__dataclass_fields__}
 
 
-def register_core_collector(cores: Callable[[], Iterable]) -> CoreCollector:
-    collector = CoreCollector(cores)
+def register_core_collector(cores: Callable[[], Iterable],
+                            in_flight: Callable[[], int]) -> CoreCollector:
+    collector = CoreCollector(cores, in_flight)
     REGISTRY.register(collector)
     return collector

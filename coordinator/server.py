@@ -443,6 +443,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             metrics.ONE_CALL.labels("aborted_by_client").inc()
             return coordinator_pb2.CommitTxnResponse(state=state.value)
         c.commit_begins()
+        handed_off = False  # to a shielded parallel commit, which ends it itself
         try:
             parallel = c.commit_in_parallel()
             checked = await self._checked(request)
@@ -458,12 +459,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if begun.start.parallel:
                 metrics.PARALLEL_COMMITS.inc()
                 # Shielded: a caller that goes away must not leave the transaction
-                # undecided by this coordinator (it would wait for a resolution).
-                return await asyncio.shield(asyncio.ensure_future(
-                    self._commit_parallel(request, begun, started, context)))
+                # undecided by this coordinator (it would wait for a resolution). It
+                # stays in flight until it ends, cancelled caller or not.
+                commit = asyncio.ensure_future(
+                    self._commit_parallel(request, begun, started, context))
+                handed_off = True
+                commit.add_done_callback(lambda _: c.commit_ends())
+                return await asyncio.shield(commit)
             return await self._stage_and_decide(request, begun, started, context)
         finally:
-            c.commit_ends()
+            if not handed_off:
+                c.commit_ends()
 
     async def _stage_and_decide(self, request, begun: "_OneCallBegun", started: float,
                                 context, staged=None, failure=None, stage: bool = True):
@@ -949,7 +955,8 @@ async def install(runtime) -> list[str]:
     coordinator = Coordinator(runtime.name, tc_partitions, routes, markers, producer_ids,
                               limits, settings, runtime.metadata, stager,
                               config["coordinator.one_call_max_bytes"])
-    collector = metrics.register_core_collector(coordinator.cores)
+    collector = metrics.register_core_collector(
+        coordinator.cores, lambda: coordinator.one_calls_in_flight)
     runtime.coordinator = coordinator
     servicer = CoordinatorServicer(coordinator)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, runtime.server)

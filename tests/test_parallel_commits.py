@@ -346,3 +346,48 @@ def test_by_default_commits_one_at_a_time_are_parallel_and_overlapping_ones_are_
                 commit(b"after-%d" % i)
             assert parallel() - before == 0
         assert len(committed_values(client, topic)) == 96
+
+
+def test_a_parallel_commit_whose_grpc_caller_went_away_stays_in_flight_until_decided(
+        servers, client, failpoint_dir, warm_topic):
+    """A parallel commit runs shielded from its caller: over gRPC a caller whose deadline
+    passes has its handler cancelled, and the commit goes on. It counts as in flight
+    (what coordinator.parallel_commits=auto reads, and
+    atomlog_coordinator_one_call_commits_in_flight shows) until it is decided, not until
+    its caller went away; then it is decided once, and no partition keeps it open."""
+    topic = create_online(client, "oc-in-flight", 2)
+    short = Client(servers.info["bootstrap"], request_timeout_s=1, links=False)
+
+    def in_flight(name: str) -> float:
+        (process,) = [p for p in servers.services() if p["name"] == name]
+        return metric_sum(process["metrics_address"],
+                          "atomlog_coordinator_one_call_commits_in_flight")
+
+    try:
+        txn = parallel_transaction(servers, short, warm_topic, timeout_s=3)
+        owner = coordinator_of(servers, txn.tc_partition)
+        with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
+                short.producer() as producer:
+            for i in range(4):
+                producer.send(topic, f"f{i}".encode(), partition=i % 2, txn=txn)
+            result: dict = {}
+            thread = commit_in_thread(txn, result)
+            staged = staged_everywhere(client, topic, 2)
+            thread.join(timeout=60)  # every attempt's deadline passes while it is held
+            assert not thread.is_alive()
+            assert "error" in result, result
+            # Only the held commit is left; its caller's handler was cancelled long ago.
+            wait_until(lambda: in_flight(owner) == 1, 10, "only the held commit in flight")
+            time.sleep(0.5)
+            assert in_flight(owner) == 1
+            held.disarm()
+        wait_until(lambda: in_flight(owner) == 0, 30, "the held commit to be decided")
+        wait_until(lambda: settled(client, topic, 2), 30, "every partition to settle")
+        assert staged[0] == txn.tc_partition
+        # Decided once, all or nothing: by the time it goes on, the transaction's
+        # timeout (3 s) has passed, and the coordinator aborts it (no caller was told
+        # it committed); had the decision come first, all four would be there.
+        assert sorted(committed_values(client, topic)) in (
+            [], sorted(f"f{i}".encode() for i in range(4)))
+    finally:
+        short.close()

@@ -146,6 +146,14 @@ def transactions() -> dict:
                   (rate("atomlog_coordinator_core_exhausted_total"), "RESOURCE_EXHAUSTED"),
                   (rate("atomlog_coordinator_core_fenced_total"), "PRODUCER_FENCED"),
                   (rate("atomlog_coordinator_core_concurrent_total"), "CONCURRENT_TRANSACTIONS"), unit="ops"),
+            panel("One-call commits: parallel, and in flight",
+                  (rate("atomlog_coordinator_parallel_commits_total"), "parallel commits / s"),
+                  (f"sum by (instance_name) (atomlog_coordinator_one_call_commits_in_flight{{{NS}}})",
+                   "in flight on {{instance_name}}"),
+                  description="Parallel commits (coordinator.parallel_commits; docs/coordinator.md): "
+                              "one-call commits whose Staging record and stages went at once. With "
+                              "`auto` a coordinator makes them only once 16 commits in a row began "
+                              "there with no other in flight; the commits in flight are what it reads."),
         ]),
         ("Latency", [
             panel("EndTxn latency", (quantile(0.5, "atomlog_coordinator_end_txn_duration_seconds",
