@@ -26,6 +26,10 @@ metrics over the blocks; and plain Python's small os.write + os.fsync in the sam
     .venv/bin/python bench/parallel_commits.py [--modes off,auto] [--blocks 12]
         [--small 40] [--ctp 8] [--open-rate 160] [--open-seconds 3] [--replication 1]
         [--combined] [--no-docs]
+    .venv/bin/python bench/parallel_commits.py --setting NAME --modes A,B --combined --no-docs
+
+With `--setting` the two sides differ in any other server setting instead: the same
+blocks, an interleaved A/B of that setting (prints only).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import common  # noqa: E402
 SMALL_TOPIC, PARTITIONS, RECORD = "pc-small", 16, b"x" * 1024
 CTP_IN, CTP_OUT, CTP_BATCH, SUBSCRIPTION = "pc-in", "pc-out", 100, "pc"
 OPEN_THREADS = 8
+PARALLEL_COMMITS = "coordinator.parallel_commits"
 BEGIN = "<!-- bench/parallel_commits.py: begin -->"
 END = "<!-- bench/parallel_commits.py: end -->"
 
@@ -204,7 +209,13 @@ def ratios(side: Side, part: slice) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="off,auto",
-                        help="two values of coordinator.parallel_commits, comma-separated")
+                        help="two values of coordinator.parallel_commits (of --setting), "
+                             "comma-separated")
+    parser.add_argument("--setting", default=PARALLEL_COMMITS,
+                        help="the setting whose two values (--modes) the two sides take "
+                             "instead of coordinator.parallel_commits (any server setting: "
+                             "this tool as an interleaved A/B); other than the default: "
+                             "prints only")
     parser.add_argument("--blocks", type=int, default=12,
                         help="blocks per workload and mode, in rotating order")
     parser.add_argument("--small", type=int, default=40, help="small transactions a block")
@@ -225,7 +236,9 @@ def main() -> None:
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if len(modes) != 2 or any(m not in ("auto", "on", "off") for m in modes):
+    if len(modes) != 2:
+        parser.error("--modes takes two values, comma-separated")
+    if args.setting == PARALLEL_COMMITS and any(m not in ("auto", "on", "off") for m in modes):
         parser.error("--modes takes two of auto, on, off")
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
@@ -233,10 +246,10 @@ def main() -> None:
     inputs = args.blocks * args.ctp * CTP_BATCH + 2 * CTP_BATCH
     shape = common.SHAPES["combined" if args.combined else "cluster"]
     with common.local_cluster("atomlog-pc-a-", shape, replication_factor=args.replication,
-                              settings={"coordinator.parallel_commits": modes[0]}) as (_, a, a_at), \
+                              settings={args.setting: modes[0]}) as (_, a, a_at), \
             common.local_cluster("atomlog-pc-b-", shape,
                                  replication_factor=args.replication,
-                                 settings={"coordinator.parallel_commits": modes[1]}) as (_, b, b_at):
+                                 settings={args.setting: modes[1]}) as (_, b, b_at):
         sides = [Side(modes[0], a_at, a, inputs), Side(modes[1], b_at, b, inputs)]
         try:
             for side in sides:  # warm: connections, producer ids, each TC partition's block
@@ -308,11 +321,15 @@ def main() -> None:
     if args.combined:
         text = text.replace("Two clusters at once (2 coordinators, 3 partition servers, one "
                             "copy)", "Two combined servers at once (one copy)")
+    if args.setting != PARALLEL_COMMITS:
+        text = text.replace("`coordinator.parallel_commits`", f"`{args.setting}`").replace(
+            "| parallel_commits |", f"| {args.setting} |")
     print(text)
     if args.replication != 1:
         text = text.replace("one copy)", f"{args.replication or 'the default number of'} "
                             "copies)")
-    if not args.no_docs and not args.combined and args.replication == 1:
+    if not args.no_docs and not args.combined and args.replication == 1 and \
+            args.setting == PARALLEL_COMMITS:
         common.write_docs_section(text + "\n", BEGIN, END)
 
 
