@@ -12,6 +12,7 @@ kill it there. The helpers are tests/test_one_call.py's (same cluster shape, sam
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -134,6 +135,23 @@ def test_coordinator_killed_after_staging_is_committed_by_its_successor(servers,
         assert client.describe_partition(topic, partition).aborted_transaction_count == 0
 
 
+@contextlib.contextmanager
+def held_commit(servers, client, short, warm_topic: str, topic: str, prefix: str,
+                failpoint_dir: Path):
+    """A parallel commit of `short`'s (a client that gives up soon) of four records over
+    `topic`'s two partitions, committing on a thread of its own and held by the
+    one_call_decide failpoint once staged on both: yields (the transaction, the armed
+    failpoint, the thread, its outcome, the staged (TC partition, sequence))."""
+    txn = parallel_transaction(servers, short, warm_topic, timeout_s=3)
+    with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
+            short.producer() as producer:
+        for i in range(4):
+            producer.send(topic, f"{prefix}{i}".encode(), partition=i % 2, txn=txn)
+        result: dict = {}
+        thread = commit_in_thread(txn, result)
+        yield txn, held, thread, result, staged_everywhere(client, topic, 2)
+
+
 def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, client,
                                                                        failpoint_dir,
                                                                        warm_topic):
@@ -143,14 +161,8 @@ def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, 
     topic = create_online(client, "oc-gave-up", 2)
     short = Client(servers.info["bootstrap"], request_timeout_s=2)
     try:
-        txn = parallel_transaction(servers, short, warm_topic, timeout_s=3)
-        with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
-                short.producer() as producer:
-            for i in range(4):
-                producer.send(topic, f"g{i}".encode(), partition=i % 2, txn=txn)
-            result: dict = {}
-            thread = commit_in_thread(txn, result)
-            staged = staged_everywhere(client, topic, 2)
+        with held_commit(servers, client, short, warm_topic, topic, "g", failpoint_dir) as (
+                _, held, thread, result, staged):
             victim = coordinator_of(servers, staged[0])
             os.kill(servers.process(victim)["pid"], signal.SIGKILL)
             thread.join(timeout=60)  # the client runs out of time while it is down
@@ -364,15 +376,9 @@ def test_a_parallel_commit_whose_grpc_caller_went_away_stays_in_flight_until_dec
                           "atomlog_coordinator_one_call_commits_in_flight")
 
     try:
-        txn = parallel_transaction(servers, short, warm_topic, timeout_s=3)
-        owner = coordinator_of(servers, txn.tc_partition)
-        with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE) as held, \
-                short.producer() as producer:
-            for i in range(4):
-                producer.send(topic, f"f{i}".encode(), partition=i % 2, txn=txn)
-            result: dict = {}
-            thread = commit_in_thread(txn, result)
-            staged = staged_everywhere(client, topic, 2)
+        with held_commit(servers, client, short, warm_topic, topic, "f", failpoint_dir) as (
+                txn, held, thread, result, staged):
+            owner = coordinator_of(servers, txn.tc_partition)
             thread.join(timeout=60)  # every attempt's deadline passes while it is held
             assert not thread.is_alive()
             assert "error" in result, result
