@@ -140,8 +140,15 @@ class LeaderReplication:
         # DeleteRecords) is news even on an idle partition, so followers delete too.
         self._told_start: dict[str, int] = {}
         self._data: asyncio.Future | None = None
+        # Moves with everything that may give a follower something to copy or to hear
+        # (an append, a durable flush, the cursors, the log start, the replicas, the end
+        # of the leadership): a ReplicateSession skips a partition whose generation has
+        # not moved since a call found nothing for it.
+        self.generation = 0
         self._isr_task: asyncio.Task | None = None
-        self._isr_event = asyncio.Event()  # before the task runs: Replicate may poke it
+        # A poke of the ISR task (it may come before the task runs), and what it waits on.
+        self._isr_poked = False
+        self._isr_waiter: asyncio.Future | None = None
         self._closing = False  # close() began: the ISR task ends at its next check
         self._isr_writing = False
         self.cursors = CursorProgress(me, self.replicas, _now_ms())
@@ -190,10 +197,11 @@ class LeaderReplication:
 
     async def close(self) -> None:
         # The flag, not the cancellation alone, ends the ISR task: on Python 3.11,
-        # asyncio.wait_for swallows a cancellation that arrives as the event it waits on
-        # is set (an ISR change poked just before close), and the task went on forever.
+        # asyncio.wait_for (which the task waited in until 2026-12-04, and which other
+        # awaits of it may still use) swallows a cancellation that arrives as what it
+        # waits on ends (an ISR change poked just before close): it went on forever.
         self._closing = True
-        self._isr_event.set()
+        self._wake_isr()
         for task in (self._isr_task, self._resign_task):
             if task is None:
                 continue
@@ -272,6 +280,7 @@ class LeaderReplication:
             self._wake_followers()  # a lifted or raised throttle: waiting copies may go
         if list(replicas) == self.replicas and target == self.target:
             return
+        self.generation += 1
         now = _now_ms()
         self.replicas = list(replicas)
         self.target = list(target) if target else None
@@ -440,6 +449,7 @@ class LeaderReplication:
         response.cursor_durable_end = store.durable_end
 
     def _wake_followers(self) -> None:
+        self.generation += 1
         if self._data is not None and not self._data.done():
             self._data.set_result(None)
         self._data = None
@@ -540,6 +550,7 @@ class LeaderReplication:
     def _forget_positions(self, replicas: set[str]) -> None:
         """Only fetches recorded from now on count for these followers (none is in the
         ISR, or leaving it: a forgotten in-sync follower holds the high watermark)."""
+        self.generation += 1
         self.progress.forget(replicas)
         self.cursors.left_isr(replicas)
         for replica in replicas:
@@ -651,6 +662,7 @@ class LeaderReplication:
         start, holding no epoch, was told its log left this one's below that start, cut
         below its own start, restarted there again, and so on without end (chaos seed
         2690)."""
+        self.generation += 1  # news for every follower: it deletes below it too
         if self.epochs is not None:
             self.epochs.cache.truncate_from_start(log_start)
 
@@ -665,15 +677,28 @@ class LeaderReplication:
     # ---------------------------------------------------------------- the ISR
     def _poke_isr(self) -> None:
         if self._isr_task is not None and not self._isr_writing:
-            self._isr_event.set()
+            self._wake_isr()
+
+    def _wake_isr(self) -> None:
+        self._isr_poked = True
+        _settle(self._isr_waiter)
 
     async def _maintain_isr(self) -> None:
+        loop = asyncio.get_running_loop()
         while self.fenced is None and self.failed is None and not self._closing:
-            try:
-                await asyncio.wait_for(self._isr_event.wait(), ISR_CHECK_INTERVAL_S)
-            except asyncio.TimeoutError:
-                pass
-            self._isr_event.clear()
+            if not self._isr_poked:
+                # Until poked or ISR_CHECK_INTERVAL_S passed: a future and a timer. (Each
+                # led partition has this task, woken four times a second; wait_for's task
+                # and an Event's waiter cost an idle server with hundreds of partitions
+                # several times that.)
+                waiter = self._isr_waiter = loop.create_future()
+                timer = loop.call_later(ISR_CHECK_INTERVAL_S, _settle, waiter)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
+                    self._isr_waiter = None
+            self._isr_poked = False
             if self._closing:
                 return
             if self.failed is not None:
@@ -800,14 +825,71 @@ class LeaderReplication:
             into.reassignment_throttle_bytes_per_s = self.throttle.rate
 
 
+# A partition a ReplicateSession skips is looked at in full again after this long at
+# most (and after a quarter of its replication.max_lag_ms): what a fetch records with its
+# time (the follower caught up, the ISR growing back) stays this fresh.
+SESSION_RECHECK_MS = 500
+SESSION_MAX_PARTITIONS = 2 * REPLICATE_MANY_MAX_PARTITIONS
+
+
+class ReplicateSession:
+    """One follower's ReplicateMany calls on this leader server (docs/replication.md,
+    "Quiet partitions"): for each partition, what a call asked (fetch offset, last epoch,
+    cursor sequence, leader epoch, incarnation) when the call found nothing to send it,
+    the leader's `generation` then, the cursor position `begin_replicate` gave and when.
+    A later call asking the same of the same leadership, its generation unmoved, finds
+    the same (nothing) and records nothing new: `replicate_many` skips it, so a call
+    costs the partitions that changed, not every partition the follower copies. Each is
+    looked at in full again after SESSION_RECHECK_MS (or a quarter of its max_lag_ms)."""
+
+    __slots__ = ("quiet",)
+
+    def __init__(self) -> None:
+        # (topic, partition) -> (leader, asked, generation, cursor position, when, ms)
+        self.quiet: dict[tuple[str, int], tuple] = {}
+
+    @staticmethod
+    def _asked(request) -> tuple:
+        return (request.fetch_offset, request.last_fetched_epoch, request.cursor_sequence,
+                request.leader_epoch, request.replica_incarnation)
+
+    def skip(self, leader: "LeaderReplication", request, now_ms: int) -> int | None:
+        """The cursor position recorded for a partition this call may skip, else None."""
+        tp = request.topic_partition
+        entry = self.quiet.get((tp.topic, tp.partition))
+        if entry is None:
+            return None
+        known, asked, generation, position, when_ms = entry
+        if (known is not leader or generation != leader.generation
+                or now_ms - when_ms >= min(SESSION_RECHECK_MS, leader.progress.max_lag_ms // 4)
+                or leader.throttle is not None or asked != self._asked(request)):
+            return None
+        return position
+
+    def found(self, leader: "LeaderReplication", request, generation: int, position: int,
+              news: bool, now_ms: int) -> None:
+        """What a call found for a partition it looked at: nothing to send (as of the
+        leader's `generation` before it looked), or news (forgotten: looked at again)."""
+        tp = request.topic_partition
+        key = (tp.topic, tp.partition)
+        if news:
+            self.quiet.pop(key, None)
+            return
+        if key not in self.quiet and len(self.quiet) >= SESSION_MAX_PARTITIONS:
+            self.quiet.clear()  # (partitions that moved away: recorded again as they come)
+        self.quiet[key] = (leader, self._asked(request), generation, position, now_ms)
+
+
 async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
-                         rotation: int = 0) -> list:
+                         rotation: int = 0, session: ReplicateSession | None = None) -> list:
     """One follower's ReplicateMany on this leader (docs/replication.md, "One call per
     leader"). `items`: (LeaderReplication, its already validated ReplicateRequest) per
     partition, or (AtomlogError, request) for a partition this server cannot serve.
     Returns a ReplicateAnswer or an AtomlogError per item, in order, or None for a
     partition with nothing to send (no records, cursor state, divergence or error: it is
-    left out of the answer, and its follower simply asks again).
+    left out of the answer, and its follower simply asks again). With the follower's
+    `session`, a partition whose request and leader are as they were when a call found
+    nothing for it is not looked at, unless its leader wakes during the wait.
 
     Every partition's request is recorded first (what the follower holds durably moves
     high watermarks whether or not anything is copied); the call then waits, up to
@@ -818,10 +900,18 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
     bound; one that no longer fits is left out, and asks again in the next call."""
     results: list = [None] * len(items)
     begun: dict[int, int] = {}
+    skipped: set[int] = set()  # quiet in the session: looked at only if woken
+    now_ms = _now_ms()
     for index, (leader, request) in enumerate(items):
         if isinstance(leader, AtomlogError):
             results[index] = leader
             continue
+        if session is not None:
+            position = session.skip(leader, request, now_ms)
+            if position is not None:
+                begun[index] = position
+                skipped.add(index)
+                continue
         try:
             outcome = leader.begin_replicate(request)
         except AtomlogError as error:
@@ -841,7 +931,7 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
         return min((items[i][0].throttle_wait_s(items[i][1].replica) for i in begun
                     if items[i][0].log_end > items[i][1].fetch_offset), default=float("inf"))
 
-    if begun and len(begun) == len(items) and not news(begun):
+    if begun and len(begun) == len(items) and not news(i for i in begun if i not in skipped):
         deadline = time.monotonic() + max_wait_s
         while True:
             remaining = deadline - time.monotonic()
@@ -856,8 +946,9 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
             # Only the partitions whose leader woke can have news (a wake may also be a
             # durable flush with nothing new to copy: then wait on), or one whose
             # throttle refilled.
-            if news(i for future in done for i in woken[future]) or \
-                    (refill != float("inf") and news(begun)):
+            awake = [i for future in done for i in woken[future]]
+            skipped.difference_update(awake)
+            if news(awake) or (refill != float("inf") and news(begun)):
                 break
     budget, sent = max_bytes, False
     order = sorted(begun)
@@ -865,9 +956,16 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
         start = rotation % len(order)
         order = order[start:] + order[:start]
     for index in order:
+        if index in skipped:
+            continue  # quiet, and not woken: nothing to send
         leader, request = items[index]
+        generation = leader.generation
         if not leader.has_news(request.fetch_offset, begun[index], request.replica):
+            if session is not None:
+                session.found(leader, request, generation, begun[index], False, now_ms)
             continue  # nothing to send (or held back by a throttle): left out
+        if session is not None:
+            session.found(leader, request, generation, begun[index], True, now_ms)
         own = request.max_bytes or REPLICATE_MAX_BYTES
         try:
             if sent and budget <= 0:
@@ -1514,6 +1612,11 @@ class LeaderFetcher:
             self._express_stop = True
             if self._express_calling and self.link is not None:
                 self.link.cancel()
+
+
+def _settle(future: asyncio.Future | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
 
 
 def _carries_cursors(response) -> bool:

@@ -155,7 +155,8 @@ async def install(runtime) -> list[str]:
                                  config["partition.fetch_default_max_bytes"],
                                  config["grpc.max_message_bytes"], coordinator_epochs=epochs,
                                  verifier=verifier, subscriptions=subscription_settings(config),
-                                 lease=lease)
+                                 lease=lease,
+                                 skip_quiet_partitions=config["replication.skip_quiet_partitions"])
     add_partition_service(servicer, runtime.server)
     if config["replication.link"]:
         # For followers and coordinators (and, in a combined server, clients' commits).

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from partition_server.lease import LeaseWatch
 from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
 from partition_server.replica import (REPLICATE_MANY_MAX_BYTES, REPLICATE_MANY_MAX_PARTITIONS,
-                                      replicate_many)
+                                      ReplicateSession, replicate_many)
 from partition_server.read_wire import SplicedResponse
 from partition_server.replicate_wire import ReplicateItem, ReplicateManyAnswer
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
@@ -42,6 +43,7 @@ STATE_ENUM = {
 MAX_ITEMS_PER_REQUEST = 10_000
 MAX_DESCRIBED_TRANSACTIONS = 1_000  # open transactions listed by DescribePartition, oldest first
 MAX_DESCRIBED_SUBSCRIPTIONS = 1_000  # cursors listed by DescribePartition (DescribeSubscription: any)
+MAX_REPLICATE_SESSIONS = 1_024  # followers' ReplicateSessions kept (one per follower server)
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                  coordinator_epochs: CoordinatorEpochs | None = None,
                  verifier: TxnVerifier | None = None,
                  subscriptions: SubscriptionSettings = SubscriptionSettings(),
-                 lease: LeaseWatch | None = None):
+                 lease: LeaseWatch | None = None, skip_quiet_partitions: bool = True):
         self.manager = manager
         self.lease = lease  # None: deliveries never wait for a session check
         self.subscription_settings = subscriptions
@@ -184,6 +186,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         self.max_response_bytes = max_message_bytes - RESPONSE_OVERHEAD_BYTES
         self.max_message_bytes = max_message_bytes
         self._replicate_rotation = 0  # where a ReplicateMany answer begins (fairness)
+        # Each follower's ReplicateSession (its quiet partitions), the least recently
+        # used dropped beyond MAX_REPLICATE_SESSIONS (a dropped one only costs a full call).
+        self._replicate_sessions: OrderedDict[str, ReplicateSession] = OrderedDict()
+        self.skip_quiet_partitions = skip_quiet_partitions  # replication.skip_quiet_partitions
 
     # ------------------------------------------------------------------ routing
     async def _owner(self, tp: common_pb2.TopicPartition) -> PartitionOwner:
@@ -232,25 +238,35 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             raise AtomlogError("INVALID_ARGUMENT",
                                f"max_bytes {request.max_bytes} exceeds grpc.max_message_bytes "
                                f"{self.max_message_bytes}")
-        seen = set()
+        # (Per item as little as can be: a call names every partition its follower copies
+        # from here, written or not; the messages are built only for a refusal.)
+        replica, seen = request.replica, set()
         for item in request.partitions:
             tp = item.topic_partition
-            name = f"{tp.topic}-{tp.partition}"
-            if not tp.topic:
+            key = (tp.topic, tp.partition)
+            if not key[0]:
                 raise AtomlogError("INVALID_ARGUMENT", "a partition's topic is empty")
-            if (tp.topic, tp.partition) in seen:
-                raise AtomlogError("INVALID_ARGUMENT", f"{name} is asked for twice")
-            seen.add((tp.topic, tp.partition))
-            if item.replica and item.replica != request.replica:
+            if key in seen:
+                raise AtomlogError("INVALID_ARGUMENT", f"{key[0]}-{key[1]} is asked for twice")
+            seen.add(key)
+            if item.replica and item.replica != replica:
                 raise AtomlogError("INVALID_ARGUMENT",
-                                   f"{name}: replica {item.replica!r} is not the caller "
-                                   f"{request.replica!r}")
-            _check_copy_position(item, f"{name}: ")
+                                   f"{key[0]}-{key[1]}: replica {item.replica!r} is not the "
+                                   f"caller {replica!r}")
+            if item.fetch_offset < 0 or item.last_fetched_epoch < -1 or \
+                    item.replica_incarnation <= 0:
+                _check_copy_position(item, f"{key[0]}-{key[1]}: ")
         items = []
+        owner_of = self.manager.owner
         for item in request.partitions:
-            item.replica = request.replica
+            if item.replica != replica:
+                item.replica = replica
+            tp = item.topic_partition
             try:
-                owner = await self._owner(item.topic_partition)
+                try:
+                    owner = owner_of(tp.topic, tp.partition)
+                except NotOwner:
+                    owner = await self._owner(tp)  # (raises NOT_PARTITION_OWNER, naming it)
                 if owner.replication is None:
                     raise AtomlogError("NOT_A_REPLICA",
                                        f"{item.topic_partition.topic}-"
@@ -264,7 +280,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         outcomes = await replicate_many(
             items, min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000,
             min(request.max_bytes or REPLICATE_MANY_MAX_BYTES, self.max_response_bytes),
-            self._replicate_rotation)
+            self._replicate_rotation,
+            self._replicate_session(request.replica) if self.skip_quiet_partitions else None)
         # A ReplicateManyAnswer: each partition's records stay as read from its log
         # (replicate_wire splices them into the wire bytes; an in-process caller gets
         # them as they are).
@@ -279,6 +296,17 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             else:
                 results.append(ReplicateItem(result, outcome))
         return ReplicateManyAnswer(results)
+
+    def _replicate_session(self, replica: str) -> ReplicateSession:
+        sessions = self._replicate_sessions
+        session = sessions.get(replica)
+        if session is None:
+            session = sessions[replica] = ReplicateSession()
+            while len(sessions) > MAX_REPLICATE_SESSIONS:
+                sessions.popitem(last=False)
+        else:
+            sessions.move_to_end(replica)
+        return session
 
     # ------------------------------------------------------------------ produce
     async def Produce(self, request, context):

@@ -265,6 +265,38 @@ def test_a_partition_added_while_followers_long_poll_is_copied_at_once(cluster, 
     assert sorted(taken)[1] < 1.0, taken
 
 
+def test_quiet_partitions_stay_in_sync_and_are_copied_once_written(cluster, client):
+    """A leader skips, in a follower's ReplicateMany, the partitions its previous calls
+    found nothing for and that nothing touched since (docs/replication.md, "Quiet
+    partitions"). Each is looked at in full again within half a second, so followers stay
+    caught up on it past replication.max_lag_ms (10 s) while only another partition is
+    written; a write to a quiet one is then copied to all three replicas, as
+    min.insync.replicas 3 asks, and every copy is the same."""
+    topic = "rep-quiet"
+    client.create_topic(topic, partitions=24, replication_factor=3,
+                        config={"min.insync.replicas": "3"})
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{topic} in sync")
+    with client.producer(linger_ms=0) as producer:
+        for partition in range(24):
+            producer.send(topic, b"first", partition=partition).result(30)
+        shrinks = {s: server_metric(cluster, s, "atomlog_isr_shrinks_total") for s in SERVERS}
+        written = 0
+        until = time.monotonic() + 11  # past max_lag_ms: a stale quiet follower would go
+        while time.monotonic() < until:
+            producer.send(topic, b"busy", partition=0).result(30)
+            written += 1
+            time.sleep(0.05)
+        assert fully_in_sync(client, topic)
+        assert {s: server_metric(cluster, s, "atomlog_isr_shrinks_total")
+                for s in SERVERS} == shrinks
+        for partition in range(1, 24):
+            producer.send(topic, b"again", partition=partition).result(30)
+    for partition in (0, 1, 12, 23):
+        wait_until(lambda: len(set(segment_digests(cluster, topic, partition).values())) == 1,
+                   15, f"replicas of {topic}-{partition} to be identical")
+    assert len(read_all(client, topic, 24 + written + 23)) == 24 + written + 23
+
+
 def test_bad_link_input_changes_nothing(cluster, client):
     """The replication link closes a connection that breaks its wire format (without
     reading a frame it announces past its bound), answers a request it cannot take with

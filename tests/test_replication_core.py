@@ -9,6 +9,8 @@ from collections import Counter
 
 import pytest
 
+from atomlog.v1 import common_pb2, partition_pb2
+from partition_server import replica
 from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, CursorProgress,
                                           LeaderEpochCache, LeaderProgress, PartitionState,
                                           assign_replicas, complete_reassignment,
@@ -466,3 +468,56 @@ def test_leader_progress_takes_new_replicas_and_forgets_those_that_left():
     assert cursors.positions["c"] == NOT_SYNCED
     cursors.replicas_changed(["a", "c"], {"a", "c"}, 4)
     assert set(cursors.positions) == {"c"}
+
+
+# ------------------------------------------------------------------ quiet partitions
+
+class _Leader:
+    """What ReplicateSession reads of a LeaderReplication (a pure core's stand-in)."""
+
+    def __init__(self, max_lag_ms: int = 10_000):
+        self.generation = 0
+        self.throttle = None
+        self.progress = type("Progress", (), {"max_lag_ms": max_lag_ms})()
+
+
+def _ask(topic="t", partition=0, fetch=5, epoch=1, cursor=-1, leader_epoch=2, incarnation=7):
+    return partition_pb2.ReplicateRequest(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition),
+        fetch_offset=fetch, last_fetched_epoch=epoch, cursor_sequence=cursor,
+        leader_epoch=leader_epoch, replica_incarnation=incarnation)
+
+
+def test_a_session_skips_a_partition_only_while_nothing_it_depends_on_moved():
+    session, leader = replica.ReplicateSession(), _Leader()
+    assert session.skip(leader, _ask(), 1_000) is None  # never looked at
+    session.found(leader, _ask(), leader.generation, 42, news=False, now_ms=1_000)
+    assert session.skip(leader, _ask(), 1_000 + replica.SESSION_RECHECK_MS - 1) == 42
+    # Each of these makes the call look at it again (begin_replicate, has_news):
+    assert session.skip(leader, _ask(), 1_000 + replica.SESSION_RECHECK_MS) is None  # time to
+    assert session.skip(_Leader(), _ask(), 1_001) is None  # another leadership
+    for changed in (dict(fetch=6), dict(epoch=2), dict(cursor=3), dict(leader_epoch=3),
+                    dict(incarnation=8)):
+        assert session.skip(leader, _ask(**changed), 1_001) is None, changed
+    assert session.skip(leader, _ask(partition=1), 1_001) is None  # another partition
+    leader.throttle = object()  # a throttled reassignment refills with time
+    assert session.skip(leader, _ask(), 1_001) is None
+    leader.throttle = None
+    leader.generation += 1  # an append, a flush, the cursors, the log start, the replicas
+    assert session.skip(leader, _ask(), 1_001) is None
+    # Recorded as of the generation seen before the look: a wake during it counts.
+    session.found(leader, _ask(), leader.generation - 1, 42, news=False, now_ms=1_001)
+    assert session.skip(leader, _ask(), 1_002) is None
+    session.found(leader, _ask(), leader.generation, 42, news=False, now_ms=1_001)
+    assert session.skip(leader, _ask(), 1_002) == 42
+    session.found(leader, _ask(), leader.generation, 42, news=True, now_ms=1_002)
+    assert session.skip(leader, _ask(), 1_002) is None  # news: looked at until quiet again
+
+
+def test_a_session_rechecks_within_a_quarter_of_max_lag_and_stays_bounded():
+    session, leader = replica.ReplicateSession(), _Leader(max_lag_ms=200)
+    session.found(leader, _ask(), 0, 1, news=False, now_ms=0)
+    assert session.skip(leader, _ask(), 49) == 1 and session.skip(leader, _ask(), 50) is None
+    for partition in range(replica.SESSION_MAX_PARTITIONS + 1):
+        session.found(leader, _ask(partition=partition), 0, 1, news=False, now_ms=0)
+    assert len(session.quiet) <= replica.SESSION_MAX_PARTITIONS
