@@ -843,6 +843,16 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
                 + f"; total {f['cpu_s'] / ctp['seconds']:.2f}")
 
     best = max(seq["per_s"], piped["per_s"])
+    names = {"pg": "PostgreSQL", "redis": "Redis", "rabbit": "RabbitMQ"}
+
+    def peer_cell(show, readme: str) -> str:
+        """The peers of this run (`--peers-w3`: peers-bench W3 runs made beside it), else
+        the peers-bench README's figures, said so."""
+        if not peers:
+            return f"(peers-bench README) {readme}"
+        return ", ".join(f"{names.get(p['peer'], p['peer'])} {show(p)} (this run)"
+                         for p in peers)
+
     lines = [
         CTP_BEGIN,
         "### Consume-transform-produce (peers-bench W3)",
@@ -867,16 +877,20 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         f"{piped['depth']} transactions committing (on "
         f"{piped['commit_threads']} commit threads) while the worker polls the next "
         "batch; each transaction is still one batch's outputs and acks. Each mode has its "
-        "own topics. Peers: the "
-        "peers-bench README's figures on this machine"
-        + (", and peers-bench W3 run just before this one" if peers else "") + ".",
+        "own topics. Peers: "
+        + ("peers-bench W3 runs made beside this one (`--peers-w3`)" if peers else
+           "the peers-bench README's figures on this machine (no `--peers-w3` given)")
+        + ".",
         "",
         "| figure | sequential | pipelined | target / peers |",
         "| --- | --- | --- | --- |",
         row("inputs/s", lambda c, f: f"**{c['per_s']:,.0f}** ({c['batches']} transactions "
-            f"in {c['seconds']:.1f} s)", "target ≥ 52,000; PostgreSQL 33,431, Redis 51,901"),
+            f"in {c['seconds']:.1f} s)", "target ≥ 52,000 (issue 6); " + peer_cell(
+                lambda p: f"{p['inputs_per_s']:,.0f}", "PostgreSQL 33,431, Redis 51,901")),
         row("batch (poll to committed) p50 / p99", lambda c, f: f"{c['batch_p50_ms']:.1f} / "
-            f"{c['batch_p99_ms']:.1f} ms", "PostgreSQL 2.92 / 5.00 ms, Redis 1.90 / 2.24 ms"),
+            f"{c['batch_p99_ms']:.1f} ms", peer_cell(
+                lambda p: f"{p['batch_p50_ms']:.2f} / {p['batch_p99_ms']:.2f} ms",
+                "PostgreSQL 2.92 / 5.00 ms, Redis 1.90 / 2.24 ms")),
         row("commit p50 / p99 (commit() returns; commit_async() to its future done)",
             lambda c, f: f"{c['commit_p50_ms']:.1f} / {c['commit_p99_ms']:.1f} ms"),
         row("time in poll() (a Receive it waits for, handing messages out)",
@@ -884,11 +898,12 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         row("inputs left, outputs committed",
             lambda c, f: f"{c['input_left']}, {c['outputs'] - 1:,}", "0, 20,000"),
         row("gRPC calls per transaction, all processes", calls),
-        row("CPU over the window (cores)", cores,
-            "PostgreSQL server 0.75 + client 0.60; Redis 0.46 + 0.56"),
+        row("CPU over the window (cores)", cores, peer_cell(
+            lambda p: f"server {p['server_cpu_cores']:.2f} + client "
+                      f"{p['client_cpu_cores']:.2f}",
+            "PostgreSQL server 0.75 + client 0.60; Redis 0.46 + 0.56")),
         row("CPU per transaction, all processes", lambda c, f: f"{f['cpu_ms']:.1f} ms"),
     ]
-    names = {"pg": "PostgreSQL", "redis": "Redis", "rabbit": "RabbitMQ"}
     for peer in peers:
         lines.append(
             f"| peers-bench W3 in this run: {names.get(peer['peer'], peer['peer'])} | "
@@ -908,8 +923,8 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
     ] + ([
         f"sequential run got {fs['cpu_s'] / seq['seconds']:.2f} cores: the rest of each batch "
         "is waiting along a serial chain: the worker's CommitTxn, which the coordinator "
-        "answers only once the transaction's outputs and acks are staged and fsynced on "
-        "their partition servers (StageTxn) and its decision is in the TC log (an append).",
+        "answers only once the transaction's outputs and acks are staged and durable on "
+        "their partition servers (StageTxn) and its decision is in the TC log.",
         f"Pipelined, the chain overlaps with the next batches: {fp['cpu_s'] / piped['seconds']:.2f} "
         f"cores, {piped['per_s'] / seq['per_s'] * 100 - 100:+.0f}% inputs/s, and each batch waits "
         "longer for its commit (it queues behind the others).",
@@ -919,12 +934,15 @@ def ctp_section(command: str, load: float, baseline: dict, raw_mb_s: float, floo
         "its outputs and its acks (one-call transactions: the SDK keeps them on the client",
         "while they stay under its bound, 1 MiB; pipelined, CommitTxns carries several",
         "transactions at once). Between servers: StageTxn to each partition server holding",
-        "an output partition or an acked input partition, then one TC-log append with the",
-        "transaction's Opened and Decided records before the answer (its Completed record",
-        "rides on a later append), each append a Produce to the server holding",
-        "`__txn_log-<k>`, and EndTxnOnPartition for the markers, which ride on the next",
-        "StageTxn to a server when one goes there first. Nothing is logged before the",
-        "decision (presumed abort, docs/coordinator.md), so no verification calls.",
+        "an output partition or an acked input partition, and the TC log: either one append",
+        "of the transaction's Opened and Decided records once every part is staged (two",
+        "rounds; nothing logged before the decision: presumed abort), or, for a parallel",
+        "commit, a Staging record appended while the parts are staged and the decision",
+        "after (one round; coordinator.parallel_commits=auto makes a lone worker's commits",
+        "parallel: docs/coordinator.md). Each append is a Produce to the server holding",
+        "`__txn_log-<k>`; the Completed record rides on a later one; EndTxnOnPartition",
+        "carries the markers, which ride on the next StageTxn to a server when one goes",
+        "there first. No verification calls.",
         "PostgreSQL and Redis do the whole step in one round trip and one fsync; here each",
         "of those calls costs Python gRPC work on both sides.",
     ] if seq.get("one_call", True) else [

@@ -845,7 +845,7 @@ class ReplicateSession:
     __slots__ = ("quiet",)
 
     def __init__(self) -> None:
-        # (topic, partition) -> (leader, asked, generation, cursor position, when, ms)
+        # (topic, partition) -> (leader, asked, generation, cursor position, when in ms)
         self.quiet: dict[tuple[str, int], tuple] = {}
 
     @staticmethod
