@@ -157,9 +157,12 @@ def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, 
                                                                        warm_topic):
     """Same kill, but the client gives up before the coordinator is back (its outcome
     unknown to it): the successor still commits what reached its commit point, once, and
-    no partition keeps it open."""
+    no partition keeps it open. (The other coordinator may take the TC partition over
+    and resolve it within the client's last attempt: then the client hears it
+    committed. Either way it is committed once.)"""
     topic = create_online(client, "oc-gave-up", 2)
     short = Client(servers.info["bootstrap"], request_timeout_s=2)
+    victim = None
     try:
         with held_commit(servers, client, short, warm_topic, topic, "g", failpoint_dir) as (
                 _, held, thread, result, staged):
@@ -168,13 +171,15 @@ def test_a_commit_its_client_gave_up_on_is_still_resolved_exactly_once(servers, 
             thread.join(timeout=60)  # the client runs out of time while it is down
             held.disarm()
         assert not thread.is_alive()
-        assert "error" in result, result
+        assert "error" in result or "committed" in result, result
         assert victim in restart(servers)
         wait_until(lambda: settled(client, topic, 2), 30, "the resolution")
         assert sorted(committed_values(client, topic)) == sorted(
             f"g{i}".encode() for i in range(4))
     finally:
         short.close()
+        if victim is not None:
+            restart(servers)  # (nothing, unless a check above failed: the next tests need it)
 
 
 def _staging_txns(client, tc: int) -> list:
