@@ -112,6 +112,21 @@ def percentile(values, fraction: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
 
 
+def counter_totals(addresses: list[str], names: tuple[str, ...]) -> tuple[float, ...]:
+    """The sum of each counter (every label set) over the servers' /metrics (host:port
+    each), one read of each server."""
+    import urllib.request
+
+    totals = [0.0] * len(names)
+    for address in addresses:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            for index, name in enumerate(names):
+                if line.startswith(name) and line[len(name)] in " {":
+                    totals[index] += float(line.rsplit(" ", 1)[1])
+    return tuple(totals)
+
+
 def write_docs_section(text: str, begin: str, end: str,
                        alternatives: tuple[tuple[str, str], ...] = ()) -> None:
     """Replace the section between `begin` and `end` (or an older pair of markers) in

@@ -40,7 +40,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,19 +53,6 @@ OPEN_THREADS = 8
 PARALLEL_COMMITS = "coordinator.parallel_commits"
 BEGIN = "<!-- bench/parallel_commits.py: begin -->"
 END = "<!-- bench/parallel_commits.py: end -->"
-
-
-def metrics(addresses: list[str], names: tuple[str, ...]) -> tuple[float, ...]:
-    """The sum of each counter (every label set) over the servers' /metrics, one read of
-    each server."""
-    totals = [0.0] * len(names)
-    for address in addresses:
-        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-        for line in text.splitlines():
-            for index, name in enumerate(names):
-                if line.startswith(name) and line[len(name)] in " {":
-                    totals[index] += float(line.rsplit(" ", 1)[1])
-    return tuple(totals)
 
 
 class Side:
@@ -100,8 +86,9 @@ class Side:
 
     def counters(self) -> tuple[float, ...]:
         """(TC-log appends, parallel commits) so far, over the coordinators."""
-        return metrics(self.metrics, ("atomlog_coordinator_log_append_duration_seconds_count",
-                                      "atomlog_coordinator_parallel_commits_total"))
+        return common.counter_totals(
+            self.metrics, ("atomlog_coordinator_log_append_duration_seconds_count",
+                           "atomlog_coordinator_parallel_commits_total"))
 
     def reset(self) -> None:
         """Forget what was measured (the warm-up)."""

@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,17 +40,6 @@ SETTING = "replication.skip_quiet_partitions"
 FETCH_CALLS = "atomlog_replica_fetch_calls_total"
 BEGIN = "<!-- bench/quiet_partitions.py: begin -->"
 END = "<!-- bench/quiet_partitions.py: end -->"
-
-
-def fetch_calls(addresses: list[str]) -> float:
-    """The followers' ReplicateMany calls so far, summed over the partition servers."""
-    total = 0.0
-    for address in addresses:
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
-            for line in answer.read().decode().splitlines():
-                if line.startswith(FETCH_CALLS):
-                    total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def run_cell(idle: int, skip: bool, seconds: float) -> dict:
@@ -82,7 +70,7 @@ def run_cell(idle: int, skip: bool, seconds: float) -> dict:
                 for _ in range(30):  # warm: routes, sessions, every follower's rounds
                     one()
                 cpu0 = {p.pid: common.cpu_seconds(p.pid) for p in services}
-                calls0 = fetch_calls(partition_servers)
+                calls0 = common.counter_totals(partition_servers, (FETCH_CALLS,))[0]
                 latencies = []
                 began = time.perf_counter()
                 while time.perf_counter() - began < seconds:
@@ -92,7 +80,7 @@ def run_cell(idle: int, skip: bool, seconds: float) -> dict:
                 elapsed = time.perf_counter() - began
                 count = len(latencies)
                 cpu = sum(common.cpu_seconds(p.pid) - cpu0[p.pid] for p in services)
-                calls = fetch_calls(partition_servers) - calls0
+                calls = common.counter_totals(partition_servers, (FETCH_CALLS,))[0] - calls0
             idle0 = {p.pid: common.cpu_seconds(p.pid) for p in services}
             time.sleep(5)
             idle_cpu = sum(common.cpu_seconds(p.pid) - idle0[p.pid] for p in services) / 5

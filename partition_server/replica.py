@@ -57,6 +57,7 @@ from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, Cu
                                           resumes_epoch, truncation_step)
 from partition_server.copy_link import LINK_FALLBACKS, LinkClient, LinkUnavailable
 from services import errors, local
+from services.batching import resolve
 from services.errors import AtomlogError
 from services.logs import event
 
@@ -401,8 +402,7 @@ class LeaderReplication:
 
     def _wake_cursor_waiters(self) -> None:
         moved, self._cursors_moved = self._cursors_moved, None
-        if moved is not None and not moved.done():
-            moved.set_result(None)
+        resolve(moved)
 
     def _cursor_store(self) -> CursorStore | None:
         """The leader's cursor store when it can serve followers (loaded, retaining)."""
@@ -450,9 +450,8 @@ class LeaderReplication:
 
     def _wake_followers(self) -> None:
         self.generation += 1
-        if self._data is not None and not self._data.done():
-            self._data.set_result(None)
-        self._data = None
+        data, self._data = self._data, None
+        resolve(data)
 
     async def _wait_for_data(self, offset: int, cursor_position: int,
                              timeout_s: float, replica: str = "") -> None:
@@ -681,7 +680,7 @@ class LeaderReplication:
 
     def _wake_isr(self) -> None:
         self._isr_poked = True
-        _settle(self._isr_waiter)
+        resolve(self._isr_waiter)
 
     async def _maintain_isr(self) -> None:
         loop = asyncio.get_running_loop()
@@ -692,7 +691,7 @@ class LeaderReplication:
                 # and an Event's waiter cost an idle server with hundreds of partitions
                 # several times that.)
                 waiter = self._isr_waiter = loop.create_future()
-                timer = loop.call_later(ISR_CHECK_INTERVAL_S, _settle, waiter)
+                timer = loop.call_later(ISR_CHECK_INTERVAL_S, resolve, waiter)
                 try:
                     await waiter
                 finally:
@@ -1619,11 +1618,6 @@ class LeaderFetcher:
             self._express_stop = True
             if self._express_calling and self.link is not None:
                 self.link.cancel()
-
-
-def _settle(future: asyncio.Future | None) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
 
 
 def _carries_cursors(response) -> bool:

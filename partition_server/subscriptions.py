@@ -42,6 +42,7 @@ from partition_server.cursor_store import CursorStore, CursorStoreLimits, Snapsh
 from partition_server.durability import LogSync
 from partition_server.record_batch import TxnId, iter_batches
 from partition_server.subscription_cursor import CursorDescription, Delivery, merge_ranges
+from services.batching import resolve
 from services.errors import AtomlogError
 from services.logs import event
 
@@ -67,7 +68,7 @@ class _Wakeups:
     def wake(self, name: str) -> None:
         self.serial += 1
         self._woken_at[name] = self.serial
-        _resolve(self._futures.pop(name, None))
+        resolve(self._futures.pop(name, None))
 
     def forget(self, name: str) -> None:
         """The subscription is gone: wake its waiters and drop its entries."""
@@ -81,7 +82,7 @@ class _Wakeups:
         self._floor = self.serial
         futures, self._futures = self._futures, {}
         for future in futures.values():
-            _resolve(future)
+            resolve(future)
 
     def woken_since(self, name: str, serial: int) -> bool:
         return self._woken_at.get(name, self._floor) > serial
@@ -97,11 +98,6 @@ class _Wakeups:
             await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:
             return
-
-
-def _resolve(future: asyncio.Future | None) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
 
 
 class PartitionSubscriptions:

@@ -102,6 +102,12 @@ class PerDestination(Generic[T]):
                     future.cancel()
 
 
+def resolve(future: asyncio.Future | None) -> None:
+    """Wake whoever waits on `future` (a wake-up with no value), unless it is done."""
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
 def observe_failure(future: asyncio.Future) -> None:
     """Mark a done future's exception as looked at, so asyncio does not log it as "never
     retrieved" when no one awaits it any more; an await still raises it."""
