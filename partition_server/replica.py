@@ -39,6 +39,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from typing import Awaitable, Callable, Sequence
 
 import grpc
@@ -684,18 +685,24 @@ class LeaderReplication:
 
     async def _maintain_isr(self) -> None:
         loop = asyncio.get_running_loop()
+        ticker = IsrTicker.of(loop)
+        ticker.add(self)
+        try:
+            await self._isr_rounds(loop)
+        finally:
+            ticker.discard(self)
+
+    async def _isr_rounds(self, loop: asyncio.AbstractEventLoop) -> None:
         while self.fenced is None and self.failed is None and not self._closing:
             if not self._isr_poked:
-                # Until poked or ISR_CHECK_INTERVAL_S passed: a future and a timer. (Each
-                # led partition has this task, woken four times a second; wait_for's task
-                # and an Event's waiter cost an idle server with hundreds of partitions
-                # several times that.)
+                # Until poked: by a fetch that may let a follower join, a replica change,
+                # close, or this event loop's IsrTicker when a check would change the ISR
+                # (no timer per partition: an idle server with thousands of them would
+                # wake each four times a second).
                 waiter = self._isr_waiter = loop.create_future()
-                timer = loop.call_later(ISR_CHECK_INTERVAL_S, resolve, waiter)
                 try:
                     await waiter
                 finally:
-                    timer.cancel()
                     self._isr_waiter = None
             self._isr_poked = False
             if self._closing:
@@ -784,18 +791,42 @@ class LeaderReplication:
             self.owner.replicated()
         return False
 
-    def _wanted_isr(self) -> set[str] | None:
+    def isr_check_due(self, now_ms: int, live: set[str]) -> bool:
+        """Whether the waiting ISR task has work (IsrTicker): the ISR would change, or a
+        reassignment may end."""
+        if self._isr_waiter is None or self._isr_writing:
+            return False  # running (it checks itself before it waits again), or writing
+        return self.target is not None or self._wanted_isr(now_ms, live) is not None
+
+    def _wanted_isr(self, now_ms: int | None = None,
+                    live: set[str] | None = None) -> set[str] | None:
         """The ISR this leader should store: without followers that lag or whose server
         is gone from ZooKeeper, with live ones that caught up; None when unchanged."""
         progress = self.progress
-        live = self._live()
-        isr = set(progress.isr)
-        now = _now_ms()
+        live = self._live() if live is None else live
+        isr = progress.isr
+        now = _now_ms() if now_ms is None else now_ms
+        followers = progress.followers
+        store = self._cursor_store()
+        if len(isr) == len(followers) + 1:
+            # Every replica in sync (the common case, checked four times a second on each
+            # led partition): only a follower that lags or left can change the ISR.
+            max_lag, cursor_caught_up = progress.max_lag_ms, self.cursors.caught_up_ms
+            for replica in isr:
+                if replica == self.me:
+                    continue
+                if (replica not in live or now - followers[replica].caught_up_ms > max_lag
+                        or (store is not None
+                            and now - cursor_caught_up.get(replica, now) > max_lag)):
+                    break
+            else:
+                return None
+        isr = set(isr)
         keep = {r for r in (progress.shrink(now) or isr) if r == self.me or r in live}
         # (Only followers that fetched: their positions are of the incarnation named.)
         joining = {r for r in (progress.expand(self.epoch_start) or isr) - isr
                    if r in live and r in self._incarnations}
-        if self._cursor_store() is not None:
+        if store is not None:
             # An in-sync replica must keep up with the cursor journal too, and hold every
             # acknowledged cursor change when it joins.
             keep -= self.cursors.lagging(isr, now, progress.max_lag_ms)
@@ -822,6 +853,64 @@ class LeaderReplication:
         into.reassigning_to.extend(self.target or ())
         if self.target and self.throttle is not None:
             into.reassignment_throttle_bytes_per_s = self.throttle.rate
+
+
+class IsrTicker:
+    """One timer per event loop for the ISR checks of every leadership on it: each
+    ISR_CHECK_INTERVAL_S it asks each waiting ISR task's leadership whether its ISR
+    would change (`isr_check_due`, a few microseconds when every replica is in sync)
+    and wakes only those. Replaces a timer and a task wake-up per led partition four
+    times a second, which made an idle server's CPU grow with its partitions
+    (docs/replication.md, "Idle cost")."""
+
+    _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, IsrTicker]" = \
+        weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 interval_s: float = ISR_CHECK_INTERVAL_S) -> None:
+        self._loop = loop
+        self.interval_s = interval_s
+        self._leaders: dict[LeaderReplication, None] = {}  # in the order they began
+        self._timer: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "IsrTicker":
+        ticker = cls._of_loop.get(loop)
+        if ticker is None:
+            ticker = cls._of_loop[loop] = cls(loop)
+        return ticker
+
+    def __len__(self) -> int:
+        return len(self._leaders)
+
+    def add(self, leader: LeaderReplication) -> None:
+        self._leaders[leader] = None
+        if self._timer is None:
+            self._timer = self._loop.call_later(self.interval_s, self._tick)
+
+    def discard(self, leader: LeaderReplication) -> None:
+        self._leaders.pop(leader, None)
+        if not self._leaders and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self) -> None:
+        self._timer = None
+        now = _now_ms()
+        lives: dict[Callable[[], set[str]], set[str]] = {}  # each source asked once a tick
+        for leader in list(self._leaders):
+            source = leader._live
+            live = lives.get(source)
+            if live is None:
+                live = lives[source] = source()
+            try:
+                due = leader.isr_check_due(now, live)
+            except Exception:  # noqa: BLE001 — its task checks (and logs) for itself
+                due = True
+            if due:
+                leader._wake_isr()
+        if self._leaders:
+            self._timer = self._loop.call_later(self.interval_s, self._tick)
 
 
 # A partition a ReplicateSession skips is looked at in full again after this long at

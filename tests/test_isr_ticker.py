@@ -1,0 +1,92 @@
+"""The ISR checks of every leadership on an event loop ride on one timer, the loop's
+IsrTicker (docs/replication.md, "Idle cost"): in process, LeaderReplications without
+ZooKeeper (the ISR write is a stand-in that stores what it is given).
+
+- a follower that never fetches leaves the ISR once it has not caught up for max_lag_ms,
+  and one whose server left ZooKeeper leaves at the next tick;
+- leaderships whose replicas are all in sync and fresh wake no ISR task at all: the
+  ticker's check finds nothing, and no timer exists per partition;
+- the ticker stops when the last leadership on its loop ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from partition_server.partition_states import Versioned
+from partition_server.replica import ISR_CHECK_INTERVAL_S, IsrTicker, LeaderReplication
+from partition_server.replication import PartitionState
+
+
+def leaderships(tmp_path, count: int, max_lag_ms: int, live, writes: list):
+    async def write_isr(known, isr, joining):
+        writes.append((time.monotonic(), tuple(isr)))
+        return Versioned(PartitionState("a", known.state.leader_epoch, tuple(isr)),
+                         known.version + 1)
+
+    known = Versioned(PartitionState("a", 1, ("a", "b")), 0)
+    return [LeaderReplication("t", p, "a", known, ["a", "b"], 1, max_lag_ms, 0,
+                              tmp_path / f"t-{p}", write_isr, live) for p in range(count)]
+
+
+def test_a_lagging_follower_and_one_gone_from_zookeeper_leave_the_isr(tmp_path):
+    async def scenario():
+        writes: list = []
+        began = time.monotonic()
+        lagging = leaderships(tmp_path, 3, 300, lambda: {"a", "b"}, writes)
+        live = {"a", "b"}
+        gone = leaderships(tmp_path / "g", 1, 60_000, lambda: set(live), writes)
+        for replication in lagging + gone:
+            replication.start()
+        try:
+            deadline = time.monotonic() + 5
+            while len(writes) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert [isr for _, isr in writes] == [("a",)] * 3
+            assert all(0.3 <= at - began < 0.3 + 4 * ISR_CHECK_INTERVAL_S for at, _ in writes)
+            assert [sorted(r.progress.isr) for r in lagging] == [["a"]] * 3
+            assert sorted(gone[0].progress.isr) == ["a", "b"]  # fresh: max_lag_ms is 60 s
+            live.discard("b")
+            left = time.monotonic()
+            while len(writes) < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert writes[3][1] == ("a",)
+            assert writes[3][0] - left < 4 * ISR_CHECK_INTERVAL_S
+        finally:
+            for replication in lagging + gone:
+                await replication.close()
+
+    asyncio.run(scenario())
+
+
+def test_in_sync_leaderships_wake_no_isr_task_and_share_one_timer(tmp_path):
+    async def scenario():
+        writes: list = []
+        replications = leaderships(tmp_path, 200, 60_000, lambda: {"a", "b"}, writes)
+        task_checks, ticker_checks = [0], [0]
+        for replication in replications:
+            checked = replication._wanted_isr
+
+            def counting(now_ms=None, live=None, checked=checked):
+                (task_checks if now_ms is None else ticker_checks)[0] += 1
+                return checked(now_ms, live)
+            replication._wanted_isr = counting
+            replication.start()
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(0)  # the ISR tasks begin and wait
+        ticker = IsrTicker.of(loop)
+        timers = len(loop._scheduled)
+        try:
+            assert len(ticker) == 200
+            assert timers <= 2  # the ticker's (and none a partition)
+            await asyncio.sleep(5 * ISR_CHECK_INTERVAL_S + 0.1)
+            assert task_checks[0] == 0  # no ISR task woke: nothing was due
+            assert ticker_checks[0] >= 200 * 4
+            assert writes == []
+        finally:
+            for replication in replications:
+                await replication.close()
+        assert len(ticker) == 0 and ticker._timer is None
+
+    asyncio.run(scenario())
