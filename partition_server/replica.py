@@ -527,6 +527,16 @@ class LeaderReplication:
             self._poke_isr()
         return cursor_position
 
+    def fetched_again(self, replica: str, fetch: int, cursor_sequence: int,
+                      now_ms: int) -> int:
+        """A repeat of `replica`'s previous fetch that a ReplicateSession skips (same
+        request, same leadership, its generation unmoved): what `begin_replicate` records
+        of a repeat — the follower's caught-up times, which keep it in the ISR — without
+        the checks the session's conditions already stand for. Returns its cursor
+        position. (A follower that may join the ISR is found by the IsrTicker.)"""
+        self.progress.fetched(replica, fetch, self.log_end, now_ms)
+        return self.cursors.fetched(replica, cursor_sequence, now_ms)
+
     def _check_incarnation(self, replica: str, incarnation: int) -> None:
         """A fetch of an older process of `replica` than one seen is refused; the first
         fetch of a newer one makes this leader forget what the older one showed (its
@@ -914,9 +924,10 @@ class IsrTicker:
 
 
 # A partition a ReplicateSession skips is looked at in full again after this long at
-# most (and after a quarter of its replication.max_lag_ms): what a fetch records with its
-# time (the follower caught up, the ISR growing back) stays this fresh.
-SESSION_RECHECK_MS = 500
+# most (and after half its replication.max_lag_ms). What a fetch records with its time
+# (the follower caught up) does not wait for it: a skipped repeat records that too
+# (`LeaderReplication.fetched_again`); the full look is a safety net.
+SESSION_RECHECK_MS = 5_000
 SESSION_MAX_PARTITIONS = 2 * REPLICATE_MANY_MAX_PARTITIONS
 
 
@@ -927,8 +938,10 @@ class ReplicateSession:
     the leader's `generation` then, the cursor position `begin_replicate` gave and when.
     A later call asking the same of the same leadership, its generation unmoved, finds
     the same (nothing) and records nothing new: `replicate_many` skips it, so a call
-    costs the partitions that changed, not every partition the follower copies. Each is
-    looked at in full again after SESSION_RECHECK_MS (or a quarter of its max_lag_ms)."""
+    costs the partitions that changed, not every partition the follower copies: a skipped
+    one only has its repeat recorded (the follower's caught-up times, which keep it in
+    the ISR). Each is looked at in full again after SESSION_RECHECK_MS (or half its
+    max_lag_ms)."""
 
     __slots__ = ("quiet",)
 
@@ -942,17 +955,22 @@ class ReplicateSession:
                 request.leader_epoch, request.replica_incarnation)
 
     def skip(self, leader: "LeaderReplication", request, now_ms: int) -> int | None:
-        """The cursor position recorded for a partition this call may skip, else None."""
+        """For a partition this call may skip, its repeat recorded and the follower's
+        cursor position; else None."""
         tp = request.topic_partition
         entry = self.quiet.get((tp.topic, tp.partition))
         if entry is None:
             return None
-        known, asked, generation, position, when_ms = entry
+        known, asked, generation, _position, when_ms = entry
         if (known is not leader or generation != leader.generation
-                or now_ms - when_ms >= min(SESSION_RECHECK_MS, leader.progress.max_lag_ms // 4)
+                or now_ms - when_ms >= min(SESSION_RECHECK_MS, leader.progress.max_lag_ms // 2)
                 or leader.throttle is not None or asked != self._asked(request)):
             return None
-        return position
+        try:
+            return leader.fetched_again(request.replica, request.fetch_offset,
+                                        request.cursor_sequence, now_ms)
+        except AtomlogError:
+            return None  # (looked at in full: its checks say why)
 
     def found(self, leader: "LeaderReplication", request, generation: int, position: int,
               news: bool, now_ms: int) -> None:

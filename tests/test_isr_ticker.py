@@ -6,7 +6,9 @@ ZooKeeper (the ISR write is a stand-in that stores what it is given).
   and one whose server left ZooKeeper leaves at the next tick;
 - leaderships whose replicas are all in sync and fresh wake no ISR task at all: the
   ticker's check finds nothing, and no timer exists per partition;
-- the ticker stops when the last leadership on its loop ends.
+- the ticker stops when the last leadership on its loop ends;
+- a repeat fetch a ReplicateSession skips still records the follower as caught up, so an
+  idle partition's followers stay in sync between the session's full looks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import asyncio
 import time
 
 from partition_server.partition_states import Versioned
-from partition_server.replica import ISR_CHECK_INTERVAL_S, IsrTicker, LeaderReplication
+from atomlog.v1 import common_pb2, partition_pb2
+from partition_server.replica import (ISR_CHECK_INTERVAL_S, IsrTicker, LeaderReplication,
+                                      ReplicateSession)
 from partition_server.replication import PartitionState
 
 
@@ -90,3 +94,20 @@ def test_in_sync_leaderships_wake_no_isr_task_and_share_one_timer(tmp_path):
         assert len(ticker) == 0 and ticker._timer is None
 
     asyncio.run(scenario())
+
+
+def test_a_skipped_repeat_fetch_keeps_its_follower_caught_up(tmp_path):
+    writes: list = []
+    replication = leaderships(tmp_path, 1, 1_000, lambda: {"a", "b"}, writes)[0]
+    ask = partition_pb2.ReplicateRequest(
+        topic_partition=common_pb2.TopicPartition(topic="t", partition=0), replica="b",
+        leader_epoch=1, fetch_offset=0, last_fetched_epoch=-1, cursor_sequence=0)
+    session = ReplicateSession()
+    now = int(time.time() * 1000)  # (the leadership began now: its followers caught up)
+    session.found(replication, ask, replication.generation, 0, news=False, now_ms=now)
+    follower = replication.progress.followers["b"]
+    assert session.skip(replication, ask, now + 400) == 0  # skipped: not looked at in full
+    assert follower.caught_up_ms == now + 400
+    assert replication.cursors.caught_up_ms["b"] == now + 400
+    assert replication._wanted_isr(now + 400 + 900, {"a", "b"}) is None  # in sync still
+    assert replication._wanted_isr(now + 400 + 1_001, {"a", "b"}) == {"a"}  # lagging

@@ -268,9 +268,10 @@ def test_a_partition_added_while_followers_long_poll_is_copied_at_once(cluster, 
 def test_quiet_partitions_stay_in_sync_and_are_copied_once_written(cluster, client):
     """A leader skips, in a follower's ReplicateMany, the partitions its previous calls
     found nothing for and that nothing touched since (docs/replication.md, "Quiet
-    partitions"). Each is looked at in full again within half a second, so followers stay
-    caught up on it past replication.max_lag_ms (10 s) while only another partition is
-    written; a write to a quiet one is then copied to all three replicas, as
+    partitions"). A skipped repeat still records the follower's caught-up time (and each
+    is looked at in full again within 5 s), so followers stay caught up on it past
+    replication.max_lag_ms (10 s) while only another partition is written; a write to a
+    quiet one is then copied to all three replicas, as
     min.insync.replicas 3 asks, and every copy is the same."""
     topic = "rep-quiet"
     client.create_topic(topic, partitions=24, replication_factor=3,
