@@ -1412,8 +1412,12 @@ class PartitionOwner:
         read position (an open transaction keeps its data); returns segments removed."""
         if self.state is not State.ONLINE or self.txns_recovering:
             return 0  # (a recovering buffer still reads the old segments)
+        before = self.log.log_start_offset
         removed = self.log.apply_retention(keep_from_offset=self.max_read_position())
-        self._log_start_moved()
+        if self.log.log_start_offset != before:
+            # (Only a move: it is news for every follower of a leader, which a pass that
+            # deleted nothing, every few seconds on every partition, is not.)
+            self._log_start_moved()
         return removed
 
     # ------------------------------------------------------------------ delete records
