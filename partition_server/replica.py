@@ -153,6 +153,10 @@ class LeaderReplication:
         self._isr_waiter: asyncio.Future | None = None
         self._closing = False  # close() began: the ISR task ends at its next check
         self._isr_writing = False
+        # Until when, with these servers live, the ISR cannot change (`isr_check_due`):
+        # reset by whatever changes the ISR, the replicas or what followers showed.
+        self._isr_steady_until = 0
+        self._isr_steady_live: set[str] | None = None
         self.cursors = CursorProgress(me, self.replicas, _now_ms())
         self._cursors_moved: asyncio.Future | None = None  # cursor changes wait on it
         self._unsent_snapshots: dict[str, int] = {}  # replica -> covered, reported
@@ -267,6 +271,7 @@ class LeaderReplication:
         ISRs of its partitions when it starts): followers that left it rejoin only on log
         and cursor positions they report after leaving."""
         left = set(self.progress.isr) - set(isr)
+        self._isr_steady_until = 0
         self.progress.isr_changed(isr)
         self.cursors.left_isr(left)
 
@@ -283,6 +288,7 @@ class LeaderReplication:
         if list(replicas) == self.replicas and target == self.target:
             return
         self.generation += 1
+        self._isr_steady_until = 0
         now = _now_ms()
         self.replicas = list(replicas)
         self.target = list(target) if target else None
@@ -561,6 +567,7 @@ class LeaderReplication:
         """Only fetches recorded from now on count for these followers (none is in the
         ISR, or leaving it: a forgotten in-sync follower holds the high watermark)."""
         self.generation += 1
+        self._isr_steady_until = 0
         self.progress.forget(replicas)
         self.cursors.left_isr(replicas)
         for replica in replicas:
@@ -803,10 +810,17 @@ class LeaderReplication:
 
     def isr_check_due(self, now_ms: int, live: set[str]) -> bool:
         """Whether the waiting ISR task has work (IsrTicker): the ISR would change, or a
-        reassignment may end."""
+        reassignment may end. With every replica in sync, nothing but time (a follower's
+        lag) and the live servers can change it: until the earliest time a follower could
+        lag (`_isr_steady_until`, from caught-up times, which only grow) and while the same
+        servers are live, the answer is no without looking at the followers."""
         if self._isr_waiter is None or self._isr_writing:
             return False  # running (it checks itself before it waits again), or writing
-        return self.target is not None or self._wanted_isr(now_ms, live) is not None
+        if self.target is not None:
+            return True
+        if now_ms < self._isr_steady_until and live == self._isr_steady_live:
+            return False
+        return self._wanted_isr(now_ms, live) is not None
 
     def _wanted_isr(self, now_ms: int | None = None,
                     live: set[str] | None = None) -> set[str] | None:
@@ -822,14 +836,18 @@ class LeaderReplication:
             # Every replica in sync (the common case, checked four times a second on each
             # led partition): only a follower that lags or left can change the ISR.
             max_lag, cursor_caught_up = progress.max_lag_ms, self.cursors.caught_up_ms
+            oldest = now
             for replica in isr:
                 if replica == self.me:
                     continue
-                if (replica not in live or now - followers[replica].caught_up_ms > max_lag
-                        or (store is not None
-                            and now - cursor_caught_up.get(replica, now) > max_lag)):
+                caught_up = followers[replica].caught_up_ms
+                cursors_caught_up = cursor_caught_up.get(replica, now)
+                if (replica not in live or now - caught_up > max_lag
+                        or (store is not None and now - cursors_caught_up > max_lag)):
                     break
+                oldest = min(oldest, caught_up, cursors_caught_up)
             else:
+                self._isr_steady_until, self._isr_steady_live = oldest + max_lag + 1, live
                 return None
         isr = set(isr)
         keep = {r for r in (progress.shrink(now) or isr) if r == self.me or r in live}
