@@ -341,10 +341,11 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("replication.skip_quiet_partitions", bool, True, "A leader skips, in a "
                 "follower's ReplicateMany, the partitions its earlier calls found nothing for "
                 "and that nothing touched since (an append, a flush, cursors, the log start, "
-                "the replicas), looking at each in full again every 500 ms (or a quarter of "
-                "replication.max_lag_ms): a call costs the written partitions, not all of "
-                "them (docs/replication.md, \"Quiet partitions\"). false looks at every "
-                "partition in every call, as before 2026-12-04."),
+                "the replicas), recording only their repeat fetch and looking at each in "
+                "full again every 5 s (or half of replication.max_lag_ms): a call costs the "
+                "written partitions, not all of them (docs/replication.md, \"Quiet "
+                "partitions\"). false looks at every partition in every call, as before "
+                "2026-12-04."),
         Setting("replication.follower_direct_io", bool, True, "Followers write the records "
                 "they copy around the page cache (O_DIRECT): a follower's copy is read only "
                 "if it is promoted, so it leaves the page cache to the data consumers read "
