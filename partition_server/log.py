@@ -50,6 +50,7 @@ DAY_MS = 24 * 3600 * 1000
 RECOVERY_POINT_FILE = "recovery-point.json"
 CLEAN_SHUTDOWN_KEY = "clean_shutdown"  # in RECOVERY_POINT_FILE, written by close() only
 DATA_LOSS_FILE = "data-loss.json"
+RECENT_STARTS = 64  # where the latest appended batches begin, kept for reads from them
 TMP_SUFFIX = ".tmp"
 # A deleted segment's files are renamed with this suffix (the directory's fsync makes that
 # durable) and unlinked later, elsewhere: freeing a 256 MiB file's blocks took 57-146 ms
@@ -199,6 +200,12 @@ class PartitionLog:
         self._high_watermark = 0
         self._hw_segment: Segment | None = None  # where the high watermark is, for reads
         self._hw_position = 0
+        # Where the latest appended batches begin: base offset -> (segment, position), the
+        # last RECENT_STARTS of them. A follower's next fetch (and a tailing consumer's)
+        # begins at one, found here instead of by walking headers from the sparse index
+        # entry below it. A cut or a reload makes new Segment objects, so an entry of a
+        # segment that is gone or was cut never matches (`_position_of`).
+        self._recent_starts: dict[int, tuple[Segment, int]] = {}
         self._last_data_offset = -1  # last non-control offset below the high watermark
         self._last_data_offset_written = -1  # ... below the log end
         # Flushes begun and not ended, oldest first: (target, segment, position,
@@ -445,12 +452,16 @@ class PartitionLog:
                 self.wal.wrote(self._log_end_offset, buffers, next_offset)
         interval = self.config.index_interval_bytes
         position = active.size
+        recent = self._recent_starts
         for header in stamped:
+            recent[header.base_offset] = (active, position)
             active.observe(position, header, interval)
             position += header.batch_length + LENGTH_FIELD_END
             if not header.attributes & ATTR_CONTROL:
                 self._last_data_offset_written = header.base_offset + header.last_offset_delta
         self._log_end_offset = next_offset
+        while len(recent) > RECENT_STARTS:
+            del recent[next(iter(recent))]  # the oldest
 
     def _direct_write(self, active: Segment, buffers: list[bytes | memoryview]) -> None:
         appender = self._direct
@@ -744,6 +755,9 @@ class PartitionLog:
     def _position_of(self, segment: Segment, offset: int) -> tuple[int, int]:
         """(position, base offset) of the batch containing `offset` in `segment`, or of the
         segment end when offset >= its end."""
+        recent = self._recent_starts.get(offset)
+        if recent is not None and recent[0] is segment:
+            return recent[1], offset  # a batch that begins there
         entry_offset, position = self._index(segment).floor_by_offset(offset)
         for position, header in self._walk(segment, position, segment.size, entry_offset):
             if header.next_offset > offset:
@@ -1071,6 +1085,7 @@ class PartitionLog:
 
     def _reload(self) -> None:
         self._end_direct()
+        self._recent_starts.clear()  # (of segments that go: they would never match)
         for segment in self._segments:
             segment.close()
         self._segments, self._bases = [], []

@@ -120,6 +120,33 @@ def test_read_starts_at_the_batch_containing_the_offset(tmp_path):
         assert metadata == {"log_start_offset": "0", "high_watermark": "30"}
 
 
+def test_reads_from_recent_batch_starts_agree_with_a_walk_and_a_cut_forgets_them(tmp_path):
+    """Where the latest batches begin is kept (a follower's next fetch starts at one):
+    reads from there give what a walk from the sparse index gives, across rolls, and after
+    a cut a kept position of a batch that is gone is never used."""
+    log = open_log(tmp_path / "p", index_interval_bytes=4096, segment_bytes=2_000)
+    for n in range(100):
+        log.append([make_batch(1 + n % 3, 50)])
+    log.flush()
+    assert len(log.segments()) > 3 and len(log._recent_starts) == 64
+    starts = [offset for offset, _ in stored_batches(log)]
+    kept = {offset: log.read(offset, 300) for offset in range(log.high_watermark)}
+    assert all(offset in log._recent_starts for offset in starts[-64:])
+    log._recent_starts.clear()  # every read below walks from the index
+    assert {offset: log.read(offset, 300) for offset in range(log.high_watermark)} == kept
+
+    cut = open_log(tmp_path / "q")
+    cut.append([make_batch(3), make_batch(3), make_batch(3)])  # [0,3) [3,6) [6,9)
+    cut.flush()
+    assert cut.truncate_to(3) == 3
+    cut.append([make_batch(6, 70)])  # [3,9): 6 is inside it now
+    cut.flush()
+    data, next_offset = cut.read(6, 1 << 20)
+    assert next_offset == 9
+    assert [(h.base_offset, h.record_count) for _, h in iter_batches(data, verify=True)] == \
+        [(3, 6)]
+
+
 @pytest.mark.parametrize("index_interval_bytes", [1, 700, 4096])
 def test_read_limits_are_whole_batches_at_least_one_and_never_past_the_bound(
         tmp_path, index_interval_bytes):
