@@ -946,6 +946,9 @@ class IsrTicker:
 # (the follower caught up) does not wait for it: a skipped repeat records that too
 # (`LeaderReplication.fetched_again`); the full look is a safety net.
 SESSION_RECHECK_MS = 5_000
+# ... and has its repeat recorded at most this often (a busy leader's calls come every few
+# milliseconds: recording each would cost every quiet partition in every call again).
+SESSION_RECORD_MS = 200
 SESSION_MAX_PARTITIONS = 2 * REPLICATE_MANY_MAX_PARTITIONS
 
 
@@ -958,13 +961,14 @@ class ReplicateSession:
     the same (nothing) and records nothing new: `replicate_many` skips it, so a call
     costs the partitions that changed, not every partition the follower copies: a skipped
     one only has its repeat recorded (the follower's caught-up times, which keep it in
-    the ISR). Each is looked at in full again after SESSION_RECHECK_MS (or half its
-    max_lag_ms)."""
+    the ISR), at most every SESSION_RECORD_MS. Each is looked at in full again after
+    SESSION_RECHECK_MS (or half its max_lag_ms)."""
 
     __slots__ = ("quiet",)
 
     def __init__(self) -> None:
-        # (topic, partition) -> (leader, asked, generation, cursor position, when in ms)
+        # (topic, partition) -> (leader, asked, generation, cursor position, when looked
+        # at in full, when its repeat was last recorded; in ms)
         self.quiet: dict[tuple[str, int], tuple] = {}
 
     @staticmethod
@@ -976,19 +980,24 @@ class ReplicateSession:
         """For a partition this call may skip, its repeat recorded and the follower's
         cursor position; else None."""
         tp = request.topic_partition
-        entry = self.quiet.get((tp.topic, tp.partition))
+        key = (tp.topic, tp.partition)
+        entry = self.quiet.get(key)
         if entry is None:
             return None
-        known, asked, generation, _position, when_ms = entry
+        known, asked, generation, position, when_ms, recorded_ms = entry
         if (known is not leader or generation != leader.generation
                 or now_ms - when_ms >= min(SESSION_RECHECK_MS, leader.progress.max_lag_ms // 2)
                 or leader.throttle is not None or asked != self._asked(request)):
             return None
+        if now_ms - recorded_ms < SESSION_RECORD_MS:
+            return position  # recorded moments ago: the follower's caught-up time is fresh
         try:
-            return leader.fetched_again(request.replica, request.fetch_offset,
-                                        request.cursor_sequence, now_ms)
+            position = leader.fetched_again(request.replica, request.fetch_offset,
+                                            request.cursor_sequence, now_ms)
         except AtomlogError:
             return None  # (looked at in full: its checks say why)
+        self.quiet[key] = (known, asked, generation, position, when_ms, now_ms)
+        return position
 
     def found(self, leader: "LeaderReplication", request, generation: int, position: int,
               news: bool, now_ms: int) -> None:
@@ -1001,7 +1010,7 @@ class ReplicateSession:
             return
         if key not in self.quiet and len(self.quiet) >= SESSION_MAX_PARTITIONS:
             self.quiet.clear()  # (partitions that moved away: recorded again as they come)
-        self.quiet[key] = (leader, self._asked(request), generation, position, now_ms)
+        self.quiet[key] = (leader, self._asked(request), generation, position, now_ms, now_ms)
 
 
 async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
