@@ -180,19 +180,22 @@ class LinkServer:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        watch = _ReadWatch(task)
         try:
             auth_context = _peer_auth_context(writer)
-            magic = await asyncio.wait_for(reader.readexactly(len(MAGIC)), IDLE_TIMEOUT_S)
+            watch.began()
+            magic = await reader.readexactly(len(MAGIC))
+            watch.ended()
             if magic == MAGIC_PIPELINED:
-                await self._serve_pipelined(reader, writer, peer_name, auth_context)
+                await self._serve_pipelined(reader, writer, peer_name, auth_context, watch)
                 return
             if magic != MAGIC:
                 raise LinkProtocolError(f"not a replication link client ({magic[:8]!r})")
             while True:
-                length, kind = await _frame_head(reader)
+                length, kind = await _frame_head(reader, watch)
                 self._hold(length)
                 try:
-                    body = await _frame_body(reader, length)
+                    body = await _frame_body(reader, length, watch)
                     answer_kind, payload = await self._handler(kind)(body, peer_name,
                                                                      auth_context)
                     del body
@@ -205,14 +208,16 @@ class LinkServer:
                 event(log, "replication link closed", logging.WARNING, peer=peer_name,
                       why=str(error))
         except asyncio.CancelledError:
-            pass
+            if watch.expired:  # (a read waited past IDLE_TIMEOUT_S: closed, as any idle one)
+                task.uncancel()
         finally:
+            watch.close()
             self._connections.discard(task)
             writer.close()
 
     async def _serve_pipelined(self, reader: asyncio.StreamReader,
                                writer: asyncio.StreamWriter, peer: str,
-                               auth_context: dict) -> None:
+                               auth_context: dict, watch: _ReadWatch) -> None:
         """A pipelined connection (link_wire.MAGIC_PIPELINED): each frame's call starts as
         it is read, in the order frames arrive (a task each, made in that order, so their
         first steps run in it: a producer's batches are queued on their partitions in
@@ -228,7 +233,7 @@ class LinkServer:
         answering = asyncio.ensure_future(self._write_answers(writer, pending, wake, room))
         try:
             while not answering.done():
-                length, kind = await _frame_head(reader)
+                length, kind = await _frame_head(reader, watch)
                 while pending and not answering.done() and (
                         len(pending) >= MAX_PIPELINED
                         or self._held_bytes + length > MAX_HELD_BYTES):
@@ -238,7 +243,7 @@ class LinkServer:
                     break
                 self._hold(length)
                 try:
-                    body = await _frame_body(reader, length)
+                    body = await _frame_body(reader, length, watch)
                 except BaseException:
                     self._held_bytes -= length
                     raise
@@ -499,21 +504,60 @@ class _CallContext(local.LocalContext):
         raise _Aborted(code, details, trailing_metadata)
 
 
-async def _frame_head(reader: asyncio.StreamReader) -> tuple[int, int]:
+class _ReadWatch:
+    """A connection's reads bounded by IDLE_TIMEOUT_S with one timer per connection, not
+    an asyncio.timeout per read (a Timeout object, a timer in the loop's heap and its
+    cancellation, twice a frame; a coordinator's calls come by the thousand a second):
+    `began` before a read, `ended` after it. The timer, every quarter of the bound, cancels
+    the connection's task once a read has waited longer than the bound, so a connection
+    idle (or as slow to send a frame it announced) for IDLE_TIMEOUT_S is closed within a
+    quarter of it more."""
+
+    __slots__ = ("_loop", "_task", "_bound_s", "_since", "_timer", "expired")
+
+    def __init__(self, task: asyncio.Task, bound_s: float | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = task
+        self._bound_s = IDLE_TIMEOUT_S if bound_s is None else bound_s
+        self._since: float | None = None
+        self.expired = False
+        self._timer = self._loop.call_later(self._bound_s / 4, self._check)
+
+    def began(self) -> None:
+        self._since = self._loop.time()
+
+    def ended(self) -> None:
+        self._since = None
+
+    def _check(self) -> None:
+        since = self._since
+        if since is not None and self._loop.time() - since >= self._bound_s:
+            self.expired = True
+            self._task.cancel()
+            return
+        self._timer = self._loop.call_later(self._bound_s / 4, self._check)
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
+async def _frame_head(reader: asyncio.StreamReader, watch: _ReadWatch) -> tuple[int, int]:
     """The next request frame's (length, kind), within its kind's bounds (else
-    LinkProtocolError: the connection is closed). asyncio.timeout, not wait_for: no task
-    per read (a coordinator's calls come by the thousand per second)."""
-    async with asyncio.timeout(IDLE_TIMEOUT_S):
-        length, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
+    LinkProtocolError: the connection is closed)."""
+    watch.began()
+    length, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
+    watch.ended()
     if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
             MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
         raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
     return length, kind
 
 
-async def _frame_body(reader: asyncio.StreamReader, length: int) -> bytes:
-    async with asyncio.timeout(IDLE_TIMEOUT_S):
-        return await reader.readexactly(length - 1)
+async def _frame_body(reader: asyncio.StreamReader, length: int, watch: _ReadWatch) -> bytes:
+    watch.began()
+    body = await reader.readexactly(length - 1)
+    watch.ended()
+    return body
 
 
 def _write_answer(writer: asyncio.StreamWriter, kind: int, payload: bytes) -> None:
