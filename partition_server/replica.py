@@ -894,9 +894,8 @@ class IsrTicker:
     _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, IsrTicker]" = \
         weakref.WeakKeyDictionary()
 
-    def __init__(self, loop: asyncio.AbstractEventLoop,
-                 interval_s: float = ISR_CHECK_INTERVAL_S) -> None:
-        self._loop = loop
+    def __init__(self, interval_s: float = ISR_CHECK_INTERVAL_S) -> None:
+        # (No reference to its loop: the loop is the key it is kept under, weakly.)
         self.interval_s = interval_s
         self._leaders: dict[LeaderReplication, None] = {}  # in the order they began
         self._timer: asyncio.TimerHandle | None = None
@@ -905,7 +904,7 @@ class IsrTicker:
     def of(cls, loop: asyncio.AbstractEventLoop) -> "IsrTicker":
         ticker = cls._of_loop.get(loop)
         if ticker is None:
-            ticker = cls._of_loop[loop] = cls(loop)
+            ticker = cls._of_loop[loop] = cls()
         return ticker
 
     def __len__(self) -> int:
@@ -914,7 +913,7 @@ class IsrTicker:
     def add(self, leader: LeaderReplication) -> None:
         self._leaders[leader] = None
         if self._timer is None:
-            self._timer = self._loop.call_later(self.interval_s, self._tick)
+            self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._tick)
 
     def discard(self, leader: LeaderReplication) -> None:
         self._leaders.pop(leader, None)
@@ -938,7 +937,7 @@ class IsrTicker:
             if due:
                 leader._wake_isr()
         if self._leaders:
-            self._timer = self._loop.call_later(self.interval_s, self._tick)
+            self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._tick)
 
 
 # A partition a ReplicateSession skips is looked at in full again after this long at

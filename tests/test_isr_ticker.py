@@ -7,7 +7,8 @@ ZooKeeper (the ISR write is a stand-in that stores what it is given).
 - leaderships whose replicas are all in sync and fresh wake no ISR task at all: the
   ticker looks at each once, and not again before a follower could lag; no timer exists
   per partition;
-- the ticker stops when the last leadership on its loop ends;
+- the ticker stops when the last leadership on its loop ends, and does not keep its
+  loop alive;
 - a repeat fetch a ReplicateSession skips still records the follower as caught up, so an
   idle partition's followers stay in sync between the session's full looks.
 """
@@ -15,7 +16,9 @@ ZooKeeper (the ISR write is a stand-in that stores what it is given).
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 
 from partition_server.partition_states import Versioned
 from atomlog.v1 import common_pb2, partition_pb2
@@ -95,8 +98,11 @@ def test_in_sync_leaderships_wake_no_isr_task_and_share_one_timer(tmp_path):
             for replication in replications:
                 await replication.close()
         assert len(ticker) == 0 and ticker._timer is None
+        return weakref.ref(loop)
 
-    asyncio.run(scenario())
+    loop = asyncio.run(scenario())
+    gc.collect()
+    assert loop() is None  # (its ticker, kept by the loop weakly, does not keep it)
 
 
 def test_a_skipped_repeat_fetch_keeps_its_follower_caught_up(tmp_path):
