@@ -833,8 +833,8 @@ class LeaderReplication:
         followers = progress.followers
         store = self._cursor_store()
         if len(isr) == len(followers) + 1:
-            # Every replica in sync (the common case, checked four times a second on each
-            # led partition): only a follower that lags or left can change the ISR.
+            # Every replica in sync (the common case): only a follower that lags or left
+            # can change the ISR, and not before `_isr_steady_until` unless one leaves.
             max_lag, cursor_caught_up = progress.max_lag_ms, self.cursors.caught_up_ms
             oldest = now
             for replica in isr:
