@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,6 +126,21 @@ def counter_totals(addresses: list[str], names: tuple[str, ...]) -> tuple[float,
                 if line.startswith(name) and line[len(name)] in " {":
                     totals[index] += float(line.rsplit(" ", 1)[1])
     return tuple(totals)
+
+
+def median_range(values: list[float], spec: str) -> str:
+    """The median, and the range when there are several values (`spec`: a format spec)."""
+    text = format(statistics.median(values), spec)
+    if len(values) > 1:
+        text += f" ({format(min(values), spec)}-{format(max(values), spec)})"
+    return text
+
+
+def rotated(cells: list, round_: int) -> list:
+    """The cells in the order round `round_` runs them: each round starts one later, so
+    no cell always runs first (or last) on a machine whose speed drifts."""
+    start = round_ % len(cells)
+    return cells[start:] + cells[:start]
 
 
 def write_docs_section(text: str, begin: str, end: str,

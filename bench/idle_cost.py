@@ -88,8 +88,7 @@ def main() -> None:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results: dict[int, list[dict]] = {count: [] for count in counts}
     for round_ in range(args.rounds):
-        order = counts[round_ % len(counts):] + counts[:round_ % len(counts)]
-        for count in order:
+        for count in common.rotated(counts, round_):
             cores = run_cell(count, args.seconds, args.settle)
             results[count].append(cores)
             print(f"round {round_ + 1}: {count} idle partitions: {cores['all']:.3f} cores "
@@ -97,11 +96,7 @@ def main() -> None:
                   f"loops {cores.get('loops', 0):.3f})", flush=True)
 
     def show(count: int, key: str) -> str:
-        values = [r.get(key, 0.0) for r in results[count]]
-        middle = statistics.median(values)
-        if len(values) == 1:
-            return f"{middle:.3f}"
-        return f"{middle:.3f} ({min(values):.3f}-{max(values):.3f})"
+        return common.median_range([r.get(key, 0.0) for r in results[count]], ".3f")
 
     base = counts[0]
     rows = ["| idle partitions (three copies) | whole cluster, cores | partition servers | "

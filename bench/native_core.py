@@ -42,7 +42,6 @@ import contextlib
 import multiprocessing
 import os
 import queue
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -250,14 +249,6 @@ def atomlog_server():
                                   if p.role == "combined")
 
 
-def median_range(values: list[float], spec: str) -> str:
-    """The median, and the range when there are several values."""
-    text = format(statistics.median(values), spec)
-    if len(values) > 1:
-        text += f" ({format(min(values), spec)}-{format(max(values), spec)})"
-    return text
-
-
 # (row, server, transport, label): each row is one server driven over one transport.
 ROWS = (
     ("floor", "floor", "grpc", "a do-nothing CommitTxn (grpc.aio, Python)"),
@@ -365,14 +356,14 @@ def main() -> None:
             continue
         refused = sum(r["refusals"] for r in results)
         lines.append(
-            f"| {label} | {median_range([r['txn_per_s'] for r in results], ',.0f')}"
+            f"| {label} | {common.median_range([r['txn_per_s'] for r in results], ',.0f')}"
             f"{f' ({refused} refused)' if refused else ''}{stalls} | "
-            f"{median_range([r['share'] * 100 for r in results], '.0f')} % | "
-            f"{median_range([r['p50_ms'] for r in results], '.1f')} / "
-            f"{median_range([r['p99_ms'] for r in results], '.1f')} | "
-            f"{median_range([r['server_cpu_ms'] for r in results], '.3f')} | "
-            f"{median_range([r['uring_cpu_ms'] for r in results], '.3f')} | "
-            f"{median_range([r['client_cpu_ms'] for r in results], '.3f')} |")
+            f"{common.median_range([r['share'] * 100 for r in results], '.0f')} % | "
+            f"{common.median_range([r['p50_ms'] for r in results], '.1f')} / "
+            f"{common.median_range([r['p99_ms'] for r in results], '.1f')} | "
+            f"{common.median_range([r['server_cpu_ms'] for r in results], '.3f')} | "
+            f"{common.median_range([r['uring_cpu_ms'] for r in results], '.3f')} | "
+            f"{common.median_range([r['client_cpu_ms'] for r in results], '.3f')} |")
     text = (f"{args.rounds} rounds, each the call rate (`common.grpc_call_floor`: "
             f"{', '.join(f'{rate:,.0f}' for rate in call_rates)} calls/s) and then each "
             f"server for {args.seconds:g} s with {args.clients} client processes; medians "

@@ -114,8 +114,7 @@ def main() -> None:
     cells = [(0, True), (0, False), (args.idle, True), (args.idle, False)]
     results: dict[tuple[int, bool], list[dict]] = {cell: [] for cell in cells}
     for round_ in range(args.rounds):
-        order = cells[round_ % len(cells):] + cells[:round_ % len(cells)]
-        for idle, skip in order:
+        for idle, skip in common.rotated(cells, round_):
             result = run_cell(idle, skip, args.seconds)
             results[(idle, skip)].append(result)
             print(f"round {round_ + 1}: {cell_name(idle, skip)}: "
@@ -123,11 +122,7 @@ def main() -> None:
                   f"{result['cpu_ms']:.1f} ms CPU a transaction", flush=True)
 
     def show(cell, key: str, digits: int) -> str:
-        values = [r[key] for r in results[cell]]
-        middle = statistics.median(values)
-        if len(values) == 1:
-            return f"{middle:,.{digits}f}"
-        return f"{middle:,.{digits}f} ({min(values):,.{digits}f}-{max(values):,.{digits}f})"
+        return common.median_range([r[key] for r in results[cell]], f",.{digits}f")
 
     rows = ["| cell | small transactions/s | commit p50 / p90 ms | servers' CPU ms a "
             "transaction | follower calls a transaction | idle servers' CPU, cores |",
