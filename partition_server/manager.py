@@ -59,6 +59,7 @@ class ReplicationSettings:
     fetch_wait_ms: int = 2_000
     follower_direct_io: bool = True
     link: bool = True  # followers use their leaders' replication links (copy_link.py)
+    fetch_sessions: bool = True  # followers' calls name what changed (replica.LeaderFetcher)
 
     def __post_init__(self) -> None:
         # An idle follower shows it is caught up once per call: several per max_lag_ms.
@@ -391,11 +392,17 @@ class PartitionManager:
         key = (leader, address, link)
         fetcher = self.fetchers.get(key)
         if fetcher is None:
-            for stale in [k for k, f in self.fetchers.items() if f.idle]:
-                del self.fetchers[stale]  # leaders gone or moved: nothing left to copy
+            # Leaders gone or moved: nothing left to copy. Not one a follower holds that
+            # has not added itself yet (its start is under way): it would run beside the
+            # next one made for its leader, two fetchers, each opening its fetch session
+            # and closing the other's.
+            held = {id(follower.fetcher) for follower in self.followers.values()}
+            for stale in [k for k, f in self.fetchers.items() if f.idle and id(f) not in held]:
+                del self.fetchers[stale]
             fetcher = self.fetchers[key] = LeaderFetcher(
                 self.server_name, address, self._stubs, self.replication.fetch_wait_ms,
-                link_address=link if self.replication.link else "")
+                link_address=link if self.replication.link else "",
+                sessions=self.replication.fetch_sessions)
         return fetcher
 
     def _leave_isrs(self) -> None:

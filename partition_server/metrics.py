@@ -63,7 +63,15 @@ REPLICA_FETCHED_BYTES = Counter("atomlog_replica_fetched_bytes_total",
                                 "Bytes of batches this server copied from leaders as a follower.")
 REPLICATE_CALLS = Counter("atomlog_replica_fetch_calls_total",
                           "ReplicateMany calls this server made as a follower (one at a time "
-                          "per leader, each carrying every partition it copies from it).")
+                          "per leader, each asking for every partition it copies from it).")
+REPLICATE_NAMED = Counter("atomlog_replica_fetch_partitions_named_total",
+                          "Partitions this server named in its ReplicateMany calls as a "
+                          "follower: in a fetch session only those new to it or changed "
+                          "since its last call, else every partition of the call.")
+REPLICATE_SESSIONS_OPENED = Counter(
+    "atomlog_replica_fetch_sessions_opened_total",
+    "Fetch sessions this server opened with its leaders as a follower: one per leader, and "
+    "one more after each failed or cut call or a session the leader refused.")
 REPLICA_ACKNOWLEDGED_LOST = Counter(
     "atomlog_replica_acknowledged_offsets_lost_total",
     "Offsets below the high watermark (acknowledged) that this server cut from its copy to "

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -44,7 +45,7 @@ from typing import Awaitable, Callable, Sequence
 
 import grpc
 
-from atomlog.v1 import partition_pb2, partition_pb2_grpc
+from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server import metrics as m
 from partition_server.cursor_store import (CursorStore, CursorStoreLimits, install_snapshot)
 from partition_server.leader_epochs import LeaderEpochFile
@@ -147,6 +148,9 @@ class LeaderReplication:
         # of the leadership): a ReplicateSession skips a partition whose generation has
         # not moved since a call found nothing for it.
         self.generation = 0
+        # The fetch sessions holding this partition as quiet (`ReplicateSession.stir`):
+        # told when the generation moves, so they need not look at it in every call.
+        self.watchers: set[ReplicateSession] = set()
         self._isr_task: asyncio.Task | None = None
         # A poke of the ISR task (it may come before the task runs), and what it waits on.
         self._isr_poked = False
@@ -287,7 +291,7 @@ class LeaderReplication:
             self._wake_followers()  # a lifted or raised throttle: waiting copies may go
         if list(replicas) == self.replicas and target == self.target:
             return
-        self.generation += 1
+        self._moved()
         self._isr_steady_until = 0
         now = _now_ms()
         self.replicas = list(replicas)
@@ -456,9 +460,19 @@ class LeaderReplication:
         response.cursor_durable_end = store.durable_end
 
     def _wake_followers(self) -> None:
-        self.generation += 1
+        self._moved()
         data, self._data = self._data, None
         resolve(data)
+
+    def _moved(self) -> None:
+        """Something a follower may copy or hear changed: the generation moves, and the
+        fetch sessions that hold this partition as quiet look at it in their next call
+        (or the one waiting now)."""
+        self.generation += 1
+        if self.watchers:
+            watchers, self.watchers = self.watchers, set()
+            for session in watchers:
+                session.stir(self)
 
     async def _wait_for_data(self, offset: int, cursor_position: int,
                              timeout_s: float, replica: str = "") -> None:
@@ -566,7 +580,7 @@ class LeaderReplication:
     def _forget_positions(self, replicas: set[str]) -> None:
         """Only fetches recorded from now on count for these followers (none is in the
         ISR, or leaving it: a forgotten in-sync follower holds the high watermark)."""
-        self.generation += 1
+        self._moved()
         self._isr_steady_until = 0
         self.progress.forget(replicas)
         self.cursors.left_isr(replicas)
@@ -679,7 +693,7 @@ class LeaderReplication:
         start, holding no epoch, was told its log left this one's below that start, cut
         below its own start, restarted there again, and so on without end (chaos seed
         2690)."""
-        self.generation += 1  # news for every follower: it deletes below it too
+        self._moved()  # news for every follower: it deletes below it too
         if self.epochs is not None:
             self.epochs.cache.truncate_from_start(log_start)
 
@@ -949,11 +963,15 @@ SESSION_RECHECK_MS = 5_000
 # milliseconds: recording each would cost every quiet partition in every call again).
 SESSION_RECORD_MS = 200
 SESSION_MAX_PARTITIONS = 2 * REPLICATE_MANY_MAX_PARTITIONS
+# A fetch session's last epoch: its follower then opens a new one.
+SESSION_EPOCH_MAX = 0x7FFFFFFF
 
 
 class ReplicateSession:
-    """One follower's ReplicateMany calls on this leader server (docs/replication.md,
-    "Quiet partitions"): for each partition, what a call asked (fetch offset, last epoch,
+    """One follower server's ReplicateMany calls on this leader server (docs/replication.md,
+    "Quiet partitions" and "Fetch sessions").
+
+    Quiet partitions: for each partition, what a call asked (fetch offset, last epoch,
     cursor sequence, leader epoch, incarnation) when the call found nothing to send it,
     the leader's `generation` then, the cursor position `begin_replicate` gave and when.
     A later call asking the same of the same leadership, its generation unmoved, finds
@@ -961,14 +979,28 @@ class ReplicateSession:
     costs the partitions that changed, not every partition the follower copies: a skipped
     one only has its repeat recorded (the follower's caught-up times, which keep it in
     the ISR), at most every SESSION_RECORD_MS. Each is looked at in full again after
-    SESSION_RECHECK_MS (or half its max_lag_ms)."""
+    SESSION_RECHECK_MS (or half its max_lag_ms).
 
-    __slots__ = ("quiet",)
+    The fetch session on the wire (KIP-227): every partition the follower asks for, as it
+    last named it (`asked`), so an incremental call names only what changed. A call looks
+    at the partitions it names, the `active` ones (not quiet after the last call) and the
+    `stirred` ones (quiet, but their leader moved since: `LeaderReplication.watchers`).
+    The quiet rest costs nothing per call: their repeats are recorded, and their full
+    looks come due, in a sweep every SESSION_RECORD_MS (`working`)."""
+
+    __slots__ = ("quiet", "id", "epoch", "asked", "active", "stirred", "swept_ms", "_stir")
 
     def __init__(self) -> None:
         # (topic, partition) -> (leader, asked, generation, cursor position, when looked
         # at in full, when its repeat was last recorded; in ms)
         self.quiet: dict[tuple[str, int], tuple] = {}
+        self.id = 0  # the open fetch session's id (0: none)
+        self.epoch = 0  # its last call's epoch
+        self.asked: dict[tuple[str, int], partition_pb2.ReplicateRequest] = {}
+        self.active: set[tuple[str, int]] = set()
+        self.stirred: set[tuple[str, int]] = set()
+        self.swept_ms = 0
+        self._stir: asyncio.Future | None = None  # a waiting call wakes on it
 
     @staticmethod
     def _asked(request) -> tuple:
@@ -1008,12 +1040,123 @@ class ReplicateSession:
             self.quiet.pop(key, None)
             return
         if key not in self.quiet and len(self.quiet) >= SESSION_MAX_PARTITIONS:
-            self.quiet.clear()  # (partitions that moved away: recorded again as they come)
+            # (partitions that moved away: recorded again as they come; those of the open
+            # fetch session stay, or no call would look at them again)
+            self.quiet = {k: v for k, v in self.quiet.items() if k in self.asked}
         self.quiet[key] = (leader, self._asked(request), generation, position, now_ms, now_ms)
+        if generation == leader.generation:
+            leader.watchers.add(self)
+        else:  # moved while it was looked at: the next call looks again
+            self.stirred.add(key)
+
+    # ------------------------------------------------------------- the fetch session
+    def open(self, named: dict, now_ms: int | None = None) -> int:
+        """A full request opened a new session of the partitions `named` (this call looks
+        at each: the next sweep is due in SESSION_RECORD_MS); its id."""
+        self.id = secrets.randbits(63) or 1
+        self.epoch = 1
+        self.asked = named
+        self.active = set(named)
+        self.stirred.clear()
+        self.swept_ms = _now_ms() if now_ms is None else now_ms
+        return self.id
+
+    def advance(self, session_id: int, epoch: int, named: dict, forgotten: list) -> None:
+        """An incremental call: checked whole (REPLICATE_SESSION_INVALID for another
+        session or epoch, INVALID_ARGUMENT for a forgotten partition it does not hold or
+        also names, or a session grown past REPLICATE_MANY_MAX_PARTITIONS), then applied."""
+        if not self.id or session_id != self.id or epoch != self.epoch + 1:
+            held = f"session {self.id}, epoch {self.epoch}" if self.id else "no session"
+            self.id = 0  # (a follower out of step opens a new one)
+            raise AtomlogError("REPLICATE_SESSION_INVALID",
+                               f"session {session_id}, epoch {epoch}: this leader holds "
+                               f"{held} for the follower",
+                               {"session_id": str(session_id)})
+        asked = self.asked
+        for key in forgotten:
+            if key not in asked or key in named:
+                raise AtomlogError("INVALID_ARGUMENT",
+                                   f"{key[0]}-{key[1]} is forgotten but "
+                                   + ("named too" if key in named else "not in the session"))
+        size = len(asked) - len(forgotten) + sum(1 for key in named if key not in asked)
+        if size > REPLICATE_MANY_MAX_PARTITIONS:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"the session would hold {size} partitions; at most "
+                               f"{REPLICATE_MANY_MAX_PARTITIONS}")
+        for key in forgotten:
+            del asked[key]
+            self.active.discard(key)
+            self.stirred.discard(key)
+            self.quiet.pop(key, None)
+        asked.update(named)
+        self.epoch = epoch
+
+    def working(self, named, now_ms: int | None = None) -> list:
+        """The keys an incremental call looks at: those it names, the active ones, the
+        stirred ones, and (every SESSION_RECORD_MS) the quiet ones whose full look is due
+        or whose repeat cannot be recorded; the other quiet ones have their repeat recorded
+        here, as `skip` would."""
+        now_ms = _now_ms() if now_ms is None else now_ms
+        keys = set(named)
+        keys.update(self.active)
+        keys.update(key for key in self.stirred if key in self.asked)  # (quiet may hold
+        self.stirred.clear()  # partitions of no session: before it opened, or without one)
+        if now_ms - self.swept_ms >= SESSION_RECORD_MS:
+            self.swept_ms = now_ms
+            for key, entry in self.quiet.items():
+                request = self.asked.get(key)
+                if request is None or key in keys:
+                    continue
+                known, asked, generation, position, when_ms, _recorded_ms = entry
+                if (generation != known.generation or known.throttle is not None
+                        or now_ms - when_ms >= min(SESSION_RECHECK_MS,
+                                                   known.progress.max_lag_ms // 2)):
+                    keys.add(key)
+                    continue
+                try:
+                    position = known.fetched_again(request.replica, request.fetch_offset,
+                                                   request.cursor_sequence, now_ms)
+                except AtomlogError:
+                    keys.add(key)  # (looked at in full: its checks say why)
+                    continue
+                self.quiet[key] = (known, asked, generation, position, when_ms, now_ms)
+        return list(keys)
+
+    def settle(self, looked, answered) -> None:
+        """After a call looked at `looked` and answered `answered` (records, cursor state,
+        a divergence or an error): those not quiet now are looked at in every call until
+        they are."""
+        quiet = self.quiet
+        for key in answered:
+            quiet.pop(key, None)
+        self.active = {key for key in looked if key not in quiet and key in self.asked}
+
+    def stir(self, leader: "LeaderReplication") -> None:
+        """`leader` moved (`LeaderReplication._moved`): if its partition is quiet here, the
+        next call (or the one waiting now) looks at it."""
+        key = (leader.topic, leader.partition)
+        entry = self.quiet.get(key)
+        if entry is None or entry[0] is not leader:
+            return
+        self.stirred.add(key)
+        waiter, self._stir = self._stir, None
+        resolve(waiter)
+
+    def take_stirred(self) -> list:
+        """The keys stirred since the call took them last (a waiting call looks at them)."""
+        keys = list(self.stirred)
+        self.stirred.clear()
+        return keys
+
+    def stir_future(self) -> asyncio.Future:
+        if self._stir is None:
+            self._stir = asyncio.get_running_loop().create_future()
+        return self._stir
 
 
 async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
-                         rotation: int = 0, session: ReplicateSession | None = None) -> list:
+                         rotation: int = 0, session: ReplicateSession | None = None,
+                         more: Callable[[], list] | None = None) -> list:
     """One follower's ReplicateMany on this leader (docs/replication.md, "One call per
     leader"). `items`: (LeaderReplication, its already validated ReplicateRequest) per
     partition, or (AtomlogError, request) for a partition this server cannot serve.
@@ -1021,7 +1164,10 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
     partition with nothing to send (no records, cursor state, divergence or error: it is
     left out of the answer, and its follower simply asks again). With the follower's
     `session`, a partition whose request and leader are as they were when a call found
-    nothing for it is not looked at, unless its leader wakes during the wait.
+    nothing for it is not looked at, unless its leader wakes during the wait. With `more`
+    (a fetch session's call), the wait also ends when a quiet partition of the session
+    that this call does not look at is stirred: `more()` gives those partitions' items,
+    which `items` (and the returned list) are extended with.
 
     Every partition's request is recorded first (what the follower holds durably moves
     high watermarks whether or not anything is copied); the call then waits, up to
@@ -1034,25 +1180,30 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
     begun: dict[int, int] = {}
     skipped: set[int] = set()  # quiet in the session: looked at only if woken
     now_ms = _now_ms()
-    for index, (leader, request) in enumerate(items):
+
+    def begin(index: int) -> None:
+        leader, request = items[index]
         if isinstance(leader, AtomlogError):
             results[index] = leader
-            continue
+            return
         if session is not None:
             position = session.skip(leader, request, now_ms)
             if position is not None:
                 begun[index] = position
                 skipped.add(index)
-                continue
+                return
         try:
             outcome = leader.begin_replicate(request)
         except AtomlogError as error:
             results[index] = error
-            continue
+            return
         if isinstance(outcome, partition_pb2.ReplicateResponse):
             results[index] = ReplicateAnswer(outcome)  # diverging: the follower cuts first
         else:
             begun[index] = outcome
+
+    for index in range(len(items)):
+        begin(index)
 
     def news(indexes) -> bool:
         return any(items[i][0].has_news(items[i][1].fetch_offset, begun[i], items[i][1].replica)
@@ -1063,7 +1214,8 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
         return min((items[i][0].throttle_wait_s(items[i][1].replica) for i in begun
                     if items[i][0].log_end > items[i][1].fetch_offset), default=float("inf"))
 
-    if begun and len(begun) == len(items) and not news(i for i in begun if i not in skipped):
+    if (begun or more is not None) and len(begun) == len(items) and \
+            not news(i for i in begun if i not in skipped):
         deadline = time.monotonic() + max_wait_s
         while True:
             remaining = deadline - time.monotonic()
@@ -1072,13 +1224,25 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
             woken: dict[asyncio.Future, list[int]] = {}
             for i in begun:
                 woken.setdefault(items[i][0].data_future(), []).append(i)
+            stirred = session.stir_future() if more is not None else None
+            if stirred is not None:
+                woken.setdefault(stirred, [])
             refill = refill_s()
             done, _pending = await asyncio.wait(woken, timeout=min(remaining, refill),
                                                 return_when=asyncio.FIRST_COMPLETED)
             # Only the partitions whose leader woke can have news (a wake may also be a
             # durable flush with nothing new to copy: then wait on), or one whose
-            # throttle refilled.
+            # throttle refilled, or one of the session's quiet ones, stirred.
             awake = [i for future in done for i in woken[future]]
+            if stirred is not None and stirred.done():
+                for request_item in more():
+                    index = len(items)
+                    items.append(request_item)
+                    results.append(None)
+                    begin(index)
+                    awake.append(index)
+                if len(begun) < len(items):
+                    break  # an error or a divergence to answer
             skipped.difference_update(awake)
             if news(awake) or (refill != float("inf") and news(begun)):
                 break
@@ -1136,6 +1300,7 @@ class Follower:
         write the copies around the page cache (partition_server/direct_io.py)."""
         self.topic, self.partition = topic, partition
         self.name = f"{topic}-{partition}"
+        self.key = (topic, partition)
         self.directory = directory
         self.log_config = log_config
         self.me = me
@@ -1480,7 +1645,7 @@ class LeaderFetcher:
     follower never waits a whole poll to begin."""
 
     def __init__(self, me: str, leader_address: str, stubs, fetch_wait_ms: int,
-                 link_address: str = ""):
+                 link_address: str = "", sessions: bool = True):
         self.me = me
         self.address = leader_address
         self.stubs = stubs
@@ -1503,6 +1668,15 @@ class LeaderFetcher:
         self._express_lock = threading.Lock()
         self._express_stop = False
         self._express_calling = False
+        # The fetch session with this leader (docs/replication.md, "Fetch sessions"):
+        # its id (0: the next call opens one), its last call's epoch, and each partition's
+        # request as the leader's session holds it. Used by one call at a time (on the
+        # event loop, or on the link's thread during its rounds).
+        self.sessions = sessions
+        self._session_id = 0
+        self._session_epoch = 0
+        self._session_sent: dict[tuple[str, int], partition_pb2.ReplicateRequest] = {}
+        self._session_next: tuple | None = None  # what the call out now would make them
 
     def add(self, follower: Follower) -> None:
         self.followers[follower.name] = follower
@@ -1648,22 +1822,28 @@ class LeaderFetcher:
         if answer not in done:
             cancel()
             answer.cancel()
+            self._session_lost()
             return None
         m.REPLICATE_CALLS.inc()
         if answer.cancelled():  # the channel closed under the call (not this task)
+            self._session_lost()
             failure = AtomlogError("SERVER_UNAVAILABLE",
                                    f"ReplicateMany to {self.address} was cancelled")
             return [failure] * len(requests)
         try:
             response = answer.result()
         except LinkUnavailable as error:
+            self._session_lost()
             self._link_unavailable(error)
             return await self._call(requests, wait_ms)
-        except grpc.aio.AioRpcError as error:
-            failure = errors.from_rpc_error(error)
-            return [failure] * len(requests)
         except Exception as error:  # noqa: BLE001 — each partition backs off and retries
-            return [error] * len(requests)
+            self._session_lost()
+            failure = errors.from_rpc_error(error) \
+                if isinstance(error, grpc.aio.AioRpcError) else error
+            if getattr(failure, "reason", "") == "REPLICATE_SESSION_INVALID":
+                return await self._call(requests, wait_ms)  # (opens a new session)
+            return [failure] * len(requests)
+        self._session_answered(response)
         return _outcomes(requests, response)
 
     def _link_unavailable(self, error: LinkUnavailable) -> None:
@@ -1675,9 +1855,96 @@ class LeaderFetcher:
 
     def _many_request(self, requests: list, wait_ms: int | None = None
                       ) -> partition_pb2.ReplicateManyRequest:
+        """The ReplicateMany asking for `requests`: all of them when no session is open
+        (opening one, with `sessions`), else only those the session does not hold as they
+        are, and the partitions that left it as `forgotten`. `_session_answered` makes the
+        session what the leader now holds once the answer comes; a failed call leaves it
+        closed (`_session_lost`): the next call opens a new one."""
+        wait = self.fetch_wait_ms if wait_ms is None else wait_ms
+        if not self.sessions:
+            m.REPLICATE_NAMED.inc(len(requests))
+            return partition_pb2.ReplicateManyRequest(
+                replica=self.me, max_wait_ms=wait, max_bytes=REPLICATE_MANY_MAX_BYTES,
+                partitions=requests)
+        now = {(r.topic_partition.topic, r.topic_partition.partition): r for r in requests}
+        if not self._session_id or self._session_epoch >= SESSION_EPOCH_MAX:
+            self._session_next = (1, now, None)
+            m.REPLICATE_NAMED.inc(len(requests))
+            m.REPLICATE_SESSIONS_OPENED.inc()
+            return partition_pb2.ReplicateManyRequest(
+                replica=self.me, max_wait_ms=wait, max_bytes=REPLICATE_MANY_MAX_BYTES,
+                partitions=requests, session_epoch=1)
+        sent = self._session_sent
+        epoch = self._session_epoch + 1
+        self._session_next = (epoch, now, None)
+        named = [r for key, r in now.items() if sent.get(key) is not r]
+        m.REPLICATE_NAMED.inc(len(named))
         return partition_pb2.ReplicateManyRequest(
-            replica=self.me, max_wait_ms=self.fetch_wait_ms if wait_ms is None else wait_ms,
-            max_bytes=REPLICATE_MANY_MAX_BYTES, partitions=requests)
+            replica=self.me, max_wait_ms=wait, max_bytes=REPLICATE_MANY_MAX_BYTES,
+            partitions=named, session_id=self._session_id, session_epoch=epoch,
+            forgotten=[common_pb2.TopicPartition(topic=key[0], partition=key[1])
+                       for key in sent if key not in now])
+
+    def _changes_request(self, current: dict, changed) -> partition_pb2.ReplicateManyRequest:
+        """`_many_request` for the link thread's rounds, costing what changed: `current`
+        holds each partition's (follower, request), and only the keys in `changed` (those
+        a copy may have moved, or removed) can differ from what the session holds."""
+        if changed is None or not self.sessions or not self._session_id \
+                or self._session_epoch >= SESSION_EPOCH_MAX:
+            return self._many_request([request for _follower, request in current.values()])
+        sent = self._session_sent
+        named, forgotten, updates = [], [], {}
+        for key in changed:
+            entry = current.get(key)
+            if entry is None:
+                if key in sent:
+                    forgotten.append(common_pb2.TopicPartition(topic=key[0], partition=key[1]))
+                    updates[key] = None
+            elif sent.get(key) is not entry[1]:
+                named.append(entry[1])
+                updates[key] = entry[1]
+        epoch = self._session_epoch + 1
+        self._session_next = (epoch, None, updates)
+        m.REPLICATE_NAMED.inc(len(named))
+        return partition_pb2.ReplicateManyRequest(
+            replica=self.me, max_wait_ms=self.fetch_wait_ms, max_bytes=REPLICATE_MANY_MAX_BYTES,
+            partitions=named, session_id=self._session_id, session_epoch=epoch,
+            forgotten=forgotten)
+
+    def _session_answered(self, answer) -> None:
+        """The call `_many_request` (or `_changes_request`) made last was answered: the
+        leader's session holds what it asked for (or the leader holds none: every call
+        then names all)."""
+        if self._session_next is None:
+            return
+        epoch, now, updates = self._session_next
+        self._session_next = None
+        session_id = getattr(answer, "session_id", 0)
+        if epoch == 1:
+            self._session_id = session_id
+        elif session_id != self._session_id:  # (not an answer of this session)
+            self._session_lost()
+            return
+        if not self._session_id:
+            self._session_epoch, self._session_sent = 0, {}
+            return
+        self._session_epoch = epoch
+        if now is not None:
+            self._session_sent = now
+            return
+        sent = self._session_sent
+        for key, request in updates.items():
+            if request is None:
+                sent.pop(key, None)
+            else:
+                sent[key] = request
+
+    def _session_lost(self) -> None:
+        """A call failed or was cut short (the leader may or may not have applied it), or
+        the leader refused the session: the next call opens a new one."""
+        self._session_id = self._session_epoch = 0
+        self._session_sent = {}
+        self._session_next = None
 
     # ------------------------------------------------------ rounds on the link's thread
     async def _run_express(self, batch: list) -> list | None:
@@ -1694,6 +1961,8 @@ class LeaderFetcher:
             return left or None
         if self._express_stop:
             return None  # the call was cut by the event loop: nothing to act on
+        if getattr(failure, "reason", "") == "REPLICATE_SESSION_INVALID":
+            return None  # ask again at once, opening a new session
         if isinstance(failure, LinkUnavailable):
             self._link_unavailable(failure)
             outcomes = await self._call([request for _follower, request in left])
@@ -1706,30 +1975,42 @@ class LeaderFetcher:
     def _express_rounds(self, batch: list) -> tuple[list, BaseException | None]:
         """On the link's thread: calls and plain copies until an outcome needs the event
         loop or the loop asks to stop. Returns (outcomes for the loop, None), empty when
-        stopped, or (the last call's (follower, request) pairs, the call's failure)."""
-        pairs = batch
+        stopped, or (the last call's (follower, request) pairs, the call's failure).
+
+        After the first call a round costs the partitions answered, not all of them: only
+        an answered partition's request can move here (the event loop stops these rounds
+        before it adds or removes a partition, or acts on one), so only those are asked
+        for their next request, and in a fetch session only those are named."""
+        current = {follower.key: (follower, request) for follower, request in batch}
+        changed = None  # (the first call: every partition)
         timeout_s = self.fetch_wait_ms / 1000 + 10
         while True:
             with self._express_lock:
                 if self._express_stop:
                     return [], None
                 self._express_calling = True
-            requests = [request for _follower, request in pairs]
             try:
-                answer = self.link.exchange(self._many_request(requests), timeout_s)
+                answer = self.link.exchange(self._changes_request(current, changed), timeout_s)
             except Exception as error:  # noqa: BLE001 — the event loop decides what it means
-                return pairs, error
+                self._session_lost()
+                return list(current.values()), error
             finally:
                 with self._express_lock:
                     self._express_calling = False
+            self._session_answered(answer)
             m.REPLICATE_CALLS.inc()
-            left = []
-            for (follower, request), outcome in zip(pairs, _outcomes(requests, answer)):
+            first, left, changed = changed is None, [], []
+            for result in answer.results:
+                tp = result.topic_partition
+                entry = current.get((tp.topic, tp.partition))
+                if entry is None:
+                    continue  # not asked for: ignored
+                follower, request = entry
                 if self.followers.get(follower.name) is not follower:
                     continue  # removed: the event loop is stopping these rounds
-                if outcome is None:
-                    follower.quiet()
-                elif isinstance(outcome, BaseException) or \
+                changed.append(follower.key)
+                outcome = _outcome(result)
+                if isinstance(outcome, BaseException) or \
                         not follower.copies_in_place(request, outcome):
                     left.append((follower, request, outcome))
                 else:
@@ -1737,12 +2018,16 @@ class LeaderFetcher:
                         follower.copy_in_place(request, outcome)
                     except Exception as error:  # noqa: BLE001 — `handle` backs it off
                         left.append((follower, request, error))
+            if first:  # the call went well for the others (they ask again as they were)
+                answered = set(changed)
+                for key, (follower, _request) in current.items():
+                    if key not in answered:
+                        follower.quiet()
             if left:
                 return left, None
-            pairs = [(follower, follower.request()) for follower, _request in pairs
-                     if self.followers.get(follower.name) is follower]
-            if not pairs:
-                return [], None
+            for key in changed:
+                follower = current[key][0]
+                current[key] = (follower, follower.request())
 
     def _stop_express(self) -> None:
         """Ends the link thread's rounds once their copies under way are done; a call out
@@ -1768,14 +2053,17 @@ def _outcomes(requests: list, response) -> list:
     for result in response.results:
         index = position.get((result.topic_partition.topic,
                               result.topic_partition.partition))
-        if index is None:
-            continue  # not asked for: ignored
-        if result.error.reason:
-            outcomes[index] = errors.from_item(result.error)
-        else:  # (a result without a response reads as an empty one)
-            outcomes[index] = result.response if result.response is not None \
-                else ReplicateAnswer()
+        if index is not None:  # (else not asked for: ignored)
+            outcomes[index] = _outcome(result)
     return outcomes
+
+
+def _outcome(result):
+    """A ReplicateMany result's ReplicateAnswer, or its error."""
+    if result.error.reason:
+        return errors.from_item(result.error)
+    # (a result without a response reads as an empty one)
+    return result.response if result.response is not None else ReplicateAnswer()
 
 
 async def _finished(future: concurrent.futures.Future):

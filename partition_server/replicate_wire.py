@@ -42,6 +42,8 @@ _RESULTS_FIELD, _RESPONSE_FIELD, _RECORDS_FIELD = 1, 3, 1
 _RESULTS_TAG = bytes([_RESULTS_FIELD << 3 | _LEN])
 _RESPONSE_TAG = bytes([_RESPONSE_FIELD << 3 | _LEN])
 _RECORDS_TAG = bytes([_RECORDS_FIELD << 3 | _LEN])
+_SESSION_FIELD = 2  # ReplicateManyResponse.session_id
+_SESSION_TAG = bytes([_SESSION_FIELD << 3 | _VARINT])
 # Nested groups in an unknown field (proto2 groups; none in our protos): a bound, as every
 # parser has one (protobuf's default recursion limit is 100).
 _MAX_GROUP_DEPTH = 100
@@ -108,19 +110,24 @@ class ReplicateItem:
 
 
 class ReplicateManyAnswer:
-    """A ReplicateManyResponse: its results as ReplicateItems, and the encoding of any
-    fields it does not know (`unknown`, kept so nothing is dropped)."""
+    """A ReplicateManyResponse: its results as ReplicateItems, its fetch session's id
+    (0: none), and the encoding of any fields it does not know (`unknown`, kept so nothing
+    is dropped)."""
 
-    __slots__ = ("results", "unknown")
+    __slots__ = ("results", "unknown", "session_id")
 
-    def __init__(self, results: list[ReplicateItem] | None = None, unknown: bytes = b""):
+    def __init__(self, results: list[ReplicateItem] | None = None, unknown: bytes = b"",
+                 session_id: int = 0):
         self.results = results if results is not None else []
         self.unknown = unknown
+        self.session_id = session_id
 
     def to_message(self) -> partition_pb2.ReplicateManyResponse:
         whole = partition_pb2.ReplicateManyResponse.FromString(self.unknown)
         for item in self.results:
             whole.results.append(item.to_message())
+        if self.session_id:
+            whole.session_id = self.session_id
         return whole
 
 
@@ -171,6 +178,8 @@ def serialize_many(answer: ReplicateManyAnswer | partition_pb2.ReplicateManyResp
             parts[inner_at] = varint(inner)
             size += 1 + len(parts[inner_at]) + inner
         parts[at + 1] = varint(size)
+    if answer.session_id:  # (proto3: 0 is not encoded)
+        parts += (_SESSION_TAG, varint(answer.session_id))
     parts.append(answer.unknown)
     return b"".join(parts)
 
@@ -297,12 +306,17 @@ def parse_many(data: bytes) -> ReplicateManyAnswer:
     view = memoryview(data)
     results: list[ReplicateItem] = []
     unknown: list = []
+    session_id = 0
     for number, wire_type, begin, value, after in _fields(view, 0, len(view)):
         if number == _RESULTS_FIELD and wire_type == _LEN:
             results.append(_parse_result(view, value, after))
+        elif number == _SESSION_FIELD and wire_type == _VARINT:
+            # (the last occurrence wins, as protobuf's; a uint64 keeps the low 64 bits)
+            session_id = _read_varint(view, _read_varint(view, begin, after)[1], after)[0] \
+                & 0xFFFFFFFFFFFFFFFF
         else:
             unknown.append(view[begin:after])
-    answer = ReplicateManyAnswer(results, b"".join(unknown))
+    answer = ReplicateManyAnswer(results, b"".join(unknown), session_id)
     if unknown:  # as the generated parser would: refuse what it refuses
         partition_pb2.ReplicateManyResponse.FromString(answer.unknown)
     return answer

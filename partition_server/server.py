@@ -126,7 +126,9 @@ async def install(runtime) -> list[str]:
                                    max_lag_ms=config["replication.max_lag_ms"],
                                    fetch_wait_ms=config["replication.fetch_wait_ms"],
                                    follower_direct_io=config["replication.follower_direct_io"],
-                                   link=config["replication.link"]), wal=wal)
+                                   link=config["replication.link"],
+                                   fetch_sessions=config["replication.fetch_sessions"]),
+                               wal=wal)
     await manager.start()
     runtime.stop_hooks.append(manager.close)
     verifier = TxnVerifier(runtime.metadata, epochs,

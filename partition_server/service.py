@@ -225,30 +225,43 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
     async def ReplicateMany(self, request, context):
         """A follower's copy request for every partition it follows on this server
-        (docs/replication.md, "One call per leader"). The request's form is checked whole
-        before anything is recorded; each partition this server cannot serve answers with
-        its own error."""
-        if not request.replica:
+        (docs/replication.md, "One call per leader"), or for what changed in its fetch
+        session ("Fetch sessions"). The request's form is checked whole before anything
+        is recorded; each partition this server cannot serve answers with its own error."""
+        replica = request.replica
+        if not replica:
             raise AtomlogError("INVALID_ARGUMENT", "replica is empty")
-        if not 1 <= len(request.partitions) <= REPLICATE_MANY_MAX_PARTITIONS:
+        epoch, incremental = request.session_epoch, request.session_epoch > 1
+        if epoch > 0x7FFFFFFF:
+            raise AtomlogError("INVALID_ARGUMENT", f"session_epoch {epoch} exceeds 2^31 - 1")
+        if not incremental and (request.session_id or request.forgotten):
             raise AtomlogError("INVALID_ARGUMENT",
-                               f"{len(request.partitions)} partitions; 1 .. "
+                               f"session_epoch {epoch} opens no session to continue: "
+                               "session_id and forgotten must be empty")
+        if incremental and not request.session_id:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"session_epoch {epoch} continues a session: session_id is 0")
+        lowest = 0 if incremental else 1
+        if not lowest <= len(request.partitions) <= REPLICATE_MANY_MAX_PARTITIONS:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"{len(request.partitions)} partitions; {lowest} .. "
                                f"{REPLICATE_MANY_MAX_PARTITIONS} per call")
         if request.max_bytes > self.max_message_bytes:
             raise AtomlogError("INVALID_ARGUMENT",
                                f"max_bytes {request.max_bytes} exceeds grpc.max_message_bytes "
                                f"{self.max_message_bytes}")
-        # (Per item as little as can be: a call names every partition its follower copies
-        # from here, written or not; the messages are built only for a refusal.)
-        replica, seen = request.replica, set()
+        # (Per item as little as can be: a call without a session names every partition
+        # its follower copies from here, written or not; the messages are built only for
+        # a refusal.)
+        named: dict[tuple[str, int], partition_pb2.ReplicateRequest] = {}
         for item in request.partitions:
             tp = item.topic_partition
             key = (tp.topic, tp.partition)
             if not key[0]:
                 raise AtomlogError("INVALID_ARGUMENT", "a partition's topic is empty")
-            if key in seen:
+            if key in named:
                 raise AtomlogError("INVALID_ARGUMENT", f"{key[0]}-{key[1]} is asked for twice")
-            seen.add(key)
+            named[key] = item
             if item.replica and item.replica != replica:
                 raise AtomlogError("INVALID_ARGUMENT",
                                    f"{key[0]}-{key[1]}: replica {item.replica!r} is not the "
@@ -256,37 +269,71 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             if item.fetch_offset < 0 or item.last_fetched_epoch < -1 or \
                     item.replica_incarnation <= 0:
                 _check_copy_position(item, f"{key[0]}-{key[1]}: ")
-        items = []
-        owner_of = self.manager.owner
-        for item in request.partitions:
+        forgotten = []
+        for tp in request.forgotten:
+            if not tp.topic:
+                raise AtomlogError("INVALID_ARGUMENT", "a forgotten partition's topic is empty")
+            forgotten.append((tp.topic, tp.partition))
+        if len(set(forgotten)) < len(forgotten):
+            raise AtomlogError("INVALID_ARGUMENT", "a partition is forgotten twice")
+        for item in named.values():
             if item.replica != replica:
                 item.replica = replica
-            tp = item.topic_partition
-            try:
+        session = more = None
+        if incremental:
+            session = self._replicate_sessions.get(replica) \
+                if self.skip_quiet_partitions else None
+            if session is None:
+                raise AtomlogError("REPLICATE_SESSION_INVALID",
+                                   f"session {request.session_id}: this leader holds none for "
+                                   f"{replica}", {"session_id": str(request.session_id)})
+            session.advance(request.session_id, epoch, named, forgotten)
+            keys = session.working(named)
+            asked = session.asked
+            requests = [asked[key] for key in keys]
+            looked = set(keys)
+
+            def more() -> list:
+                if (session.id, session.epoch) != this_call:
+                    return []  # a later call of the follower's took over: the stirs are its
+                fresh = [key for key in session.take_stirred()
+                         if key in asked and key not in looked]
+                looked.update(fresh)
+                return [(self._leader_of(asked[key], False), asked[key]) for key in fresh]
+        else:
+            requests = list(request.partitions)
+            if self.skip_quiet_partitions:
+                session = self._replicate_session(replica)
+                if epoch == 1:
+                    session.open(named)
+                else:
+                    session.take_stirred()  # (a call without a session looks at every one)
+        this_call = (session.id, session.epoch) if session is not None else (0, 0)
+        items = []
+        for item in requests:
+            leader = self._leader_of(item)
+            if isinstance(leader, NotOwner):
                 try:
-                    owner = owner_of(tp.topic, tp.partition)
-                except NotOwner:
-                    owner = await self._owner(tp)  # (raises NOT_PARTITION_OWNER, naming it)
-                if owner.replication is None:
-                    raise AtomlogError("NOT_A_REPLICA",
-                                       f"{item.topic_partition.topic}-"
-                                       f"{item.topic_partition.partition} is not replicated; "
-                                       "nothing to copy")
-                owner.check_loaded()
-                items.append((owner.replication, item))
-            except AtomlogError as error:
-                items.append((error, item))
+                    await self._owner(item.topic_partition)  # (raises, naming the owner)
+                except AtomlogError as error:
+                    leader = error
+            items.append((leader, item))
         self._replicate_rotation += 1
         outcomes = await replicate_many(
             items, min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000,
             min(request.max_bytes or REPLICATE_MANY_MAX_BYTES, self.max_response_bytes),
-            self._replicate_rotation,
-            self._replicate_session(request.replica) if self.skip_quiet_partitions else None)
+            self._replicate_rotation, session, more)
+        if epoch and session is not None and session.id \
+                and (session.id, session.epoch) == this_call:  # (not a later call's)
+            keys = [(item.topic_partition.topic, item.topic_partition.partition)
+                    for _leader, item in items]
+            session.settle(keys, [key for key, outcome in zip(keys, outcomes)
+                                  if outcome is not None])
         # A ReplicateManyAnswer: each partition's records stay as read from its log
         # (replicate_wire splices them into the wire bytes; an in-process caller gets
         # them as they are).
         results = []
-        for item, outcome in zip(request.partitions, outcomes):
+        for (_leader, item), outcome in zip(items, outcomes):
             if outcome is None:
                 continue  # nothing new: left out
             result = partition_pb2.ReplicateResult(topic_partition=item.topic_partition)
@@ -295,7 +342,32 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 results.append(ReplicateItem(result))
             else:
                 results.append(ReplicateItem(result, outcome))
-        return ReplicateManyAnswer(results)
+        return ReplicateManyAnswer(results, session_id=this_call[0] if epoch else 0)
+
+    def _leader_of(self, item, not_owner: bool = True):
+        """The LeaderReplication serving a ReplicateMany item, or the AtomlogError it is
+        answered with; with `not_owner`, the NotOwner of a partition led elsewhere (the
+        caller looks up the owner's address for its error), else that error without it."""
+        tp = item.topic_partition
+        try:
+            owner = self.manager.owner(tp.topic, tp.partition)
+        except NotOwner as error:
+            if not_owner:
+                return error
+            return AtomlogError("NOT_PARTITION_OWNER",
+                                f"{self.manager.server_name} does not own "
+                                f"{tp.topic}-{tp.partition}; {error.owner} does",
+                                {"owner_server_name": error.owner or "", "owner_address": ""})
+        except AtomlogError as error:  # (no such partition)
+            return error
+        if owner.replication is None:
+            return AtomlogError("NOT_A_REPLICA", f"{tp.topic}-{tp.partition} is not "
+                                "replicated; nothing to copy")
+        try:
+            owner.check_loaded()
+        except AtomlogError as error:
+            return error
+        return owner.replication
 
     def _replicate_session(self, replica: str) -> ReplicateSession:
         sessions = self._replicate_sessions

@@ -346,6 +346,13 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "written partitions, not all of them (docs/replication.md, \"Quiet "
                 "partitions\"). false looks at every partition in every call, as before "
                 "2026-12-04."),
+        Setting("replication.fetch_sessions", bool, True, "A follower's ReplicateMany "
+                "calls to a leader run in a fetch session (Kafka's KIP-227): the leader keeps "
+                "every partition the follower asks for, and a call names only the partitions "
+                "that changed since the last one, so a call costs both sides the partitions "
+                "being written, not all they share (docs/replication.md, \"Fetch sessions\"). "
+                "The leader holds sessions only with replication.skip_quiet_partitions. "
+                "false names every partition in every call, as before 2026-12-04."),
         Setting("replication.follower_direct_io", bool, True, "Followers write the records "
                 "they copy around the page cache (O_DIRECT): a follower's copy is read only "
                 "if it is promoted, so it leaves the page cache to the data consumers read "

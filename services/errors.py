@@ -103,6 +103,11 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "A replica fetch from an older start of that server than one the leader has seen; the "
        "sender has been replaced by a newer process of its name (internal: between partition "
        "servers)."),
+    _r("REPLICATE_SESSION_INVALID", SC.FAILED_PRECONDITION, RETRY, S,
+       "An incremental ReplicateMany named a fetch session this leader does not hold (never "
+       "opened, replaced, dropped, or the leader restarted) or not the next epoch of it; "
+       "nothing was recorded. The follower opens a new session with a full request "
+       "(internal: between partition servers)."),
     _r("NO_PARTITION_SERVERS", SC.UNAVAILABLE, RETRY, S,
        "No partition server is registered, so partitions cannot be assigned."),
     _r("ZOOKEEPER_UNAVAILABLE", SC.UNAVAILABLE, RETRY, S,

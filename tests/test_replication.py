@@ -498,10 +498,51 @@ def test_bad_replication_requests_change_nothing(cluster, client):
                                            partitions=[item(replica_incarnation=0)]),
         partition_pb2.ReplicateManyRequest(replica=follower, max_bytes=1 << 30,
                                            partitions=[item()]),
+        # Fetch sessions: a full request continues none, an incremental one names it,
+        # epochs stop at 2^31 - 1.
+        partition_pb2.ReplicateManyRequest(replica=outsider, session_epoch=1, session_id=5,
+                                           partitions=[item()]),
+        partition_pb2.ReplicateManyRequest(replica=outsider, session_epoch=1,
+                                           partitions=[item()], forgotten=[tp]),
+        partition_pb2.ReplicateManyRequest(replica=outsider, session_id=5,
+                                           partitions=[item()]),
+        partition_pb2.ReplicateManyRequest(replica=outsider, session_epoch=2),
+        partition_pb2.ReplicateManyRequest(replica=outsider, session_epoch=1 << 31,
+                                           session_id=5),
     ]:
         with pytest.raises(grpc.RpcError) as rpc:
             stub.ReplicateMany(many, timeout=5)
         assert errors.from_grpc(rpc.value).reason == "INVALID_ARGUMENT", many
+
+    # A fetch session (docs/replication.md, "Fetch sessions"): opened by a full request,
+    # then each call names only what changed; an unknown session or a skipped epoch is
+    # refused whole and closes it; forgetting what it does not hold changes nothing.
+    def session_call(**fields):
+        return stub.ReplicateMany(partition_pb2.ReplicateManyRequest(
+            replica=outsider, max_wait_ms=0, **fields), timeout=5)
+
+    def refused(**fields) -> str:
+        with pytest.raises(grpc.RpcError) as rpc:
+            session_call(**fields)
+        return errors.from_grpc(rpc.value).reason
+
+    assert refused(session_id=12345, session_epoch=2) == "REPLICATE_SESSION_INVALID"
+    opened = session_call(session_epoch=1, partitions=[item()])
+    session = opened.session_id
+    assert session and [r.error.reason for r in opened.results] == ["NOT_A_REPLICA"]
+    # Not named, the session's partition is still asked for (and still refused).
+    again = session_call(session_id=session, session_epoch=2)
+    assert again.session_id == session
+    assert [r.error.reason for r in again.results] == ["NOT_A_REPLICA"]
+    assert refused(session_id=session, session_epoch=3,
+                   forgotten=[common_pb2.TopicPartition(topic="rep-guard", partition=3)]) \
+        == "INVALID_ARGUMENT"  # not in the session: nothing applied, the epoch unused
+    assert not session_call(session_id=session, session_epoch=3, forgotten=[tp]).results
+    assert not session_call(session_id=session, session_epoch=4).results  # (empty now)
+    assert refused(session_id=session, session_epoch=6) == "REPLICATE_SESSION_INVALID"
+    assert refused(session_id=session, session_epoch=5) == "REPLICATE_SESSION_INVALID"
+    reopened = session_call(session_epoch=1, partitions=[item()])
+    assert reopened.session_id not in (0, session)
     unknown = common_pb2.TopicPartition(topic="rep-guard", partition=7)
     answer = stub.ReplicateMany(partition_pb2.ReplicateManyRequest(
         replica=outsider, max_wait_ms=0, partitions=[

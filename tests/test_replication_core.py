@@ -4,6 +4,7 @@ servers, no ZooKeeper."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -475,8 +476,10 @@ def test_leader_progress_takes_new_replicas_and_forgets_those_that_left():
 class _Leader:
     """What ReplicateSession reads of a LeaderReplication (a pure core's stand-in)."""
 
-    def __init__(self, max_lag_ms: int = 10_000):
+    def __init__(self, max_lag_ms: int = 10_000, topic: str = "t", partition: int = 0):
+        self.topic, self.partition = topic, partition
         self.generation = 0
+        self.watchers: set = set()
         self.throttle = None
         self.progress = type("Progress", (), {"max_lag_ms": max_lag_ms})()
         self.repeats: list[tuple] = []
@@ -484,6 +487,8 @@ class _Leader:
     def fetched_again(self, replica, fetch, cursor_sequence, now_ms):
         self.repeats.append((replica, fetch, cursor_sequence, now_ms))
         return 42
+
+    _moved = replica.LeaderReplication._moved  # (the real one: the generation, the stirs)
 
 
 def _ask(topic="t", partition=0, fetch=5, epoch=1, cursor=-1, leader_epoch=2, incarnation=7):
@@ -532,3 +537,112 @@ def test_a_session_rechecks_within_half_of_max_lag_and_stays_bounded():
     for partition in range(replica.SESSION_MAX_PARTITIONS + 1):
         session.found(leader, _ask(partition=partition), 0, 1, news=False, now_ms=0)
     assert len(session.quiet) <= replica.SESSION_MAX_PARTITIONS
+
+
+def _key(partition: int) -> tuple[str, int]:
+    return ("t", partition)
+
+
+def test_a_fetch_session_looks_only_at_named_active_and_stirred_partitions():
+    """The wire's fetch session (docs/replication.md, "Fetch sessions"): a call looks at
+    what it names, what was not quiet after the last call, and quiet partitions whose
+    leader moved since (told through its watchers); the quiet rest costs nothing per call
+    but a sweep every SESSION_RECORD_MS, which records their repeats and brings back those
+    whose full look is due."""
+    session = replica.ReplicateSession()
+    leaders = [_Leader(topic="t", partition=p) for p in range(4)]
+    session_id = session.open({_key(p): _ask(partition=p) for p in range(4)}, now_ms=1_000)
+    assert session_id and session.epoch == 1
+    # The opening call looked at all four: 1 had news, the others were quiet.
+    for p in (0, 2, 3):
+        session.found(leaders[p], _ask(partition=p), 0, 7, news=False, now_ms=1_000)
+    session.settle([_key(p) for p in range(4)], [_key(1)])
+    assert session.active == {_key(1)}
+    assert all(session in leaders[p].watchers for p in (0, 2, 3))
+    # The next call names nothing: only the active one is looked at (no sweep yet).
+    session.advance(session_id, 2, {}, [])
+    assert sorted(session.working({}, now_ms=1_000)) == [_key(1)]
+    assert not any(leader.repeats for leader in leaders)
+    session.found(leaders[1], _ask(partition=1), 0, 7, news=False, now_ms=1_000)
+    session.settle([_key(1)], [])  # 1 was quiet this time: nothing is active now
+    assert session.active == set()
+    # A write to 2 stirs it (and wakes a waiting call); a named one is looked at too.
+    waiting = None
+
+    async def stir():
+        nonlocal waiting
+        waiting = session.stir_future()
+        leaders[2]._moved()
+        await asyncio.sleep(0)
+
+    asyncio.run(stir())
+    assert waiting.done() and not leaders[2].watchers
+    session.advance(session_id, 3, {_key(3): _ask(partition=3, fetch=6)}, [])
+    assert sorted(session.working({_key(3): None}, now_ms=1_100)) == [_key(2), _key(3)]
+    assert session.asked[_key(3)].fetch_offset == 6
+    for p in (2, 3):  # both quiet again once looked at
+        session.found(leaders[p], session.asked[_key(p)], leaders[p].generation, 7,
+                      news=False, now_ms=1_000)
+    session.settle([_key(2), _key(3)], [])
+    assert session.active == set() and session in leaders[2].watchers
+    # The sweep: past SESSION_RECORD_MS the quiet rest have their repeat recorded, and
+    # past the recheck one is looked at in full.
+    session.advance(session_id, 4, {}, [])
+    assert session.working({}, now_ms=1_000 + replica.SESSION_RECORD_MS) == []
+    assert leaders[0].repeats == [("", 5, -1, 1_000 + replica.SESSION_RECORD_MS)]
+    assert leaders[3].repeats == [("", 6, -1, 1_000 + replica.SESSION_RECORD_MS)]
+    session.advance(session_id, 5, {}, [])
+    late = 1_000 + replica.SESSION_RECHECK_MS
+    assert sorted(session.working({}, now_ms=late)) == [_key(p) for p in range(4)]
+
+
+def test_a_fetch_session_refuses_another_session_or_epoch_and_checks_before_applying():
+    session = replica.ReplicateSession()
+    with pytest.raises(AtomlogError) as refused:
+        session.advance(1, 2, {}, [])  # none open
+    assert refused.value.reason == "REPLICATE_SESSION_INVALID"
+    session_id = session.open({_key(0): _ask(partition=0), _key(1): _ask(partition=1)})
+    # Forgetting what it does not hold, or what the call names too, or growing past the
+    # bound: refused, nothing applied (the epoch is still the next one).
+    for named, forgotten in (({}, [_key(5)]), ({_key(0): _ask()}, [_key(0)]),
+                             ({_key(p): _ask(partition=p) for p in
+                               range(2, replica.REPLICATE_MANY_MAX_PARTITIONS + 1)}, [])):
+        with pytest.raises(AtomlogError) as refused:
+            session.advance(session_id, 2, named, forgotten)
+        assert refused.value.reason == "INVALID_ARGUMENT"
+        assert set(session.asked) == {_key(0), _key(1)} and session.epoch == 1
+    leader = _Leader(topic="t", partition=1)
+    session.found(leader, _ask(partition=1), 0, 7, news=False, now_ms=0)
+    session.advance(session_id, 2, {}, [_key(1)])
+    assert set(session.asked) == {_key(0)} and _key(1) not in session.quiet
+    # A skipped or repeated epoch, or another id, is refused and closes the session.
+    for wrong_id, wrong_epoch in ((session_id, 4), (session_id + 1, 3), (session_id, 2)):
+        with pytest.raises(AtomlogError) as refused:
+            session.advance(wrong_id, wrong_epoch, {}, [])
+        assert refused.value.reason == "REPLICATE_SESSION_INVALID"
+    with pytest.raises(AtomlogError):
+        session.advance(session_id, 3, {}, [])  # (closed by the first refusal)
+    assert session.open({_key(0): _ask()}) != session_id
+
+
+def test_a_fetcher_a_follower_holds_is_not_dropped_before_the_follower_adds_itself():
+    """A follower gets its leader's fetcher when it is made and adds itself once its start
+    (opening its log) is done; meanwhile the fetcher is idle. Making another leader's
+    fetcher then dropped it, and the leader's next follower got a second fetcher: two
+    fetchers to one leader, each closing the other's fetch session at every call."""
+    from types import SimpleNamespace
+
+    from partition_server.manager import PartitionManager, ReplicationSettings
+
+    manager = PartitionManager.__new__(PartitionManager)  # (only what _fetcher uses)
+    manager.fetchers, manager.followers = {}, {}
+    manager.server_name, manager._stubs = "b", None
+    manager.replication = ReplicationSettings()
+    first = manager._fetcher("a", "127.0.0.1:1")
+    assert first.idle
+    manager.followers[("t", 0)] = SimpleNamespace(fetcher=first)  # starting: not added yet
+    manager._fetcher("c", "127.0.0.1:3")
+    assert manager._fetcher("a", "127.0.0.1:1") is first
+    del manager.followers[("t", 0)]  # (its start failed: nothing holds it)
+    manager._fetcher("d", "127.0.0.1:4")
+    assert manager._fetcher("a", "127.0.0.1:1") is not first

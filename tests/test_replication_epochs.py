@@ -380,6 +380,57 @@ def test_one_call_answers_many_partitions_only_with_news_within_its_bound(tmp_pa
     asyncio.run(scenario())
 
 
+def test_a_fetch_sessions_call_that_names_nothing_waits_and_answers_a_stirred_partition(
+        tmp_path):
+    """A fetch session's incremental call (docs/replication.md, "Fetch sessions") that
+    names nothing and holds nothing active waits; a write to the session's quiet partition
+    stirs it, and the same call looks at it and answers its records; without a write the
+    call ends empty at its wait."""
+    from partition_server.replica import ReplicateSession, replicate_many
+
+    fsyncs = Fsyncs()
+
+    async def scenario():
+        owner, leader = await leading(tmp_path / "t-0", fsyncs)
+        try:
+            await leader.replicate(request(0, -1), 0)  # b holds the empty log: gate open
+            session, asked = ReplicateSession(), request(0, -1)
+            session_id = session.open({("t", 0): asked})
+            items = [(leader, asked)]
+            assert await replicate_many(items, 0, 8 << 20, 0, session) == [None]
+            session.settle([("t", 0)], [])
+            assert not session.active and session in leader.watchers
+
+            def more() -> list:
+                return [(leader, session.asked[key]) for key in session.take_stirred()]
+
+            session.advance(session_id, 2, {}, [])
+            assert session.working({}) == []
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            assert await replicate_many([], 0.3, 8 << 20, 0, session, more) == []
+            assert loop.time() - began >= 0.25  # waited for nothing
+            session.advance(session_id, 3, {}, [])
+            items = [(leader, session.asked[key]) for key in session.working({})]
+            assert items == []
+            waiting = asyncio.ensure_future(
+                replicate_many(items, 5.0, 8 << 20, 0, session, more))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            produced = asyncio.ensure_future(owner.produce([batch(b"x" * 100)]))
+            results = await asyncio.wait_for(waiting, 5)
+            assert len(results) == 1 and results[0].log_end_offset == 1
+            assert len(results[0].records) > 0
+            assert items == [(leader, asked)]  # (the call's items, extended)
+            await leader.replicate(request(1, 1), 0)  # b holds it: acknowledged
+            await asyncio.wait_for(produced, 10)
+        finally:
+            await leader.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_throttled_reassignment_paces_its_new_replica_and_no_one_else(tmp_path):
     """A reassignment's throttle (docs/replication.md, "Reassignment"): the new replica,
     not in sync yet, is sent at most the throttle's rate after a one-second burst (its

@@ -23,6 +23,7 @@ var reasons = map[string]reasonInfo{
 	"NOT_ENOUGH_REPLICAS":           {codes.Unavailable, Retriable},
 	"FENCED_LEADER_EPOCH":           {codes.FailedPrecondition, Retriable},
 	"STALE_REPLICA_INCARNATION":     {codes.FailedPrecondition, Fatal},
+	"REPLICATE_SESSION_INVALID":     {codes.FailedPrecondition, Retriable},
 	"NO_PARTITION_SERVERS":          {codes.Unavailable, Retriable},
 	"ZOOKEEPER_UNAVAILABLE":         {codes.Unavailable, Retriable},
 	"SHUTTING_DOWN":                 {codes.Unavailable, Retriable},

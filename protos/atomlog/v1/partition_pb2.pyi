@@ -855,22 +855,30 @@ class ReplicateRequest(_message.Message):
     def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., cursor_sequence: _Optional[int] = ..., replica_incarnation: _Optional[int] = ...) -> None: ...
 
 class ReplicateManyRequest(_message.Message):
-    __slots__ = ("replica", "max_wait_ms", "max_bytes", "partitions")
+    __slots__ = ("replica", "max_wait_ms", "max_bytes", "partitions", "session_id", "session_epoch", "forgotten")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     replica: str
     max_wait_ms: int
     max_bytes: int
     partitions: _containers.RepeatedCompositeFieldContainer[ReplicateRequest]
-    def __init__(self, replica: _Optional[str] = ..., max_wait_ms: _Optional[int] = ..., max_bytes: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[ReplicateRequest, _Mapping]]] = ...) -> None: ...
+    session_id: int
+    session_epoch: int
+    forgotten: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopicPartition]
+    def __init__(self, replica: _Optional[str] = ..., max_wait_ms: _Optional[int] = ..., max_bytes: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[ReplicateRequest, _Mapping]]] = ..., session_id: _Optional[int] = ..., session_epoch: _Optional[int] = ..., forgotten: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ...) -> None: ...
 
 class ReplicateManyResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "session_id")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ReplicateResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[ReplicateResult, _Mapping]]] = ...) -> None: ...
+    session_id: int
+    def __init__(self, results: _Optional[_Iterable[_Union[ReplicateResult, _Mapping]]] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class ReplicateResult(_message.Message):
     __slots__ = ("topic_partition", "error", "response")

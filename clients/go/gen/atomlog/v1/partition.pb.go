@@ -5287,8 +5287,27 @@ type ReplicateManyRequest struct {
 	// whole even when larger; a partition that no longer fits is left out of the answer and
 	// asks again in the next call. Each item's max_bytes bounds its own records.
 	MaxBytes uint32 `protobuf:"varint,3,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
-	// 1 .. 4096 partitions, each at most once, with the fields of a ReplicateRequest.
-	Partitions    []*ReplicateRequest `protobuf:"bytes,4,rep,name=partitions,proto3" json:"partitions,omitempty"`
+	// Each partition at most once, with the fields of a ReplicateRequest: 1 .. 4096 in a
+	// request without a session or opening one; in an incremental request 0 .. 4096, the
+	// partitions new to its session or whose fields changed since the session last held
+	// them (the session holds at most 4096).
+	Partitions []*ReplicateRequest `protobuf:"bytes,4,rep,name=partitions,proto3" json:"partitions,omitempty"`
+	// Fetch sessions (docs/replication.md, "Fetch sessions"), as Kafka's KIP-227. With
+	// session_epoch 0 (and session_id 0) there is no session: `partitions` names every
+	// partition the call asks for, as before sessions. session_epoch 1 (session_id 0) is a
+	// full request that opens a new session holding the partitions named; the answer's
+	// session_id names it. Each later call of the session is incremental: its session_id,
+	// and the last call's epoch + 1 (up to 2^31 - 1, then the follower opens a new session):
+	// `partitions` names what is new or changed, `forgotten` what left, and every other
+	// partition of the session is asked for as it was last named. A session this leader does
+	// not hold, or any other epoch, is refused whole (REPLICATE_SESSION_INVALID), nothing
+	// recorded; the follower then opens a new one. A leader keeps one session per follower
+	// server; opening one replaces the last.
+	SessionId    uint64 `protobuf:"varint,5,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	SessionEpoch uint32 `protobuf:"varint,6,opt,name=session_epoch,json=sessionEpoch,proto3" json:"session_epoch,omitempty"`
+	// The partitions leaving the session (incremental requests only; each in the session,
+	// and not also in `partitions`).
+	Forgotten     []*TopicPartition `protobuf:"bytes,7,rep,name=forgotten,proto3" json:"forgotten,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5351,12 +5370,36 @@ func (x *ReplicateManyRequest) GetPartitions() []*ReplicateRequest {
 	return nil
 }
 
+func (x *ReplicateManyRequest) GetSessionId() uint64 {
+	if x != nil {
+		return x.SessionId
+	}
+	return 0
+}
+
+func (x *ReplicateManyRequest) GetSessionEpoch() uint32 {
+	if x != nil {
+		return x.SessionEpoch
+	}
+	return 0
+}
+
+func (x *ReplicateManyRequest) GetForgotten() []*TopicPartition {
+	if x != nil {
+		return x.Forgotten
+	}
+	return nil
+}
+
 type ReplicateManyResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The requested partitions with something to copy, a divergence or an error, in the
 	// request's order. A partition left out had nothing new (or no room in this answer):
 	// its follower asks again.
-	Results       []*ReplicateResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	Results []*ReplicateResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	// The fetch session the call ran in (opened by it when it asked with session_epoch 1);
+	// 0: none (the request asked for none).
+	SessionId     uint64 `protobuf:"varint,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5396,6 +5439,13 @@ func (x *ReplicateManyResponse) GetResults() []*ReplicateResult {
 		return x.Results
 	}
 	return nil
+}
+
+func (x *ReplicateManyResponse) GetSessionId() uint64 {
+	if x != nil {
+		return x.SessionId
+	}
+	return 0
 }
 
 type ReplicateResult struct {
@@ -6039,16 +6089,22 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\tmax_bytes\x18\x06 \x01(\rR\bmaxBytes\x12\x1e\n" +
 	"\vmax_wait_ms\x18\a \x01(\rR\tmaxWaitMs\x12'\n" +
 	"\x0fcursor_sequence\x18\b \x01(\x03R\x0ecursorSequence\x12/\n" +
-	"\x13replica_incarnation\x18\t \x01(\x03R\x12replicaIncarnation\"\xab\x01\n" +
+	"\x13replica_incarnation\x18\t \x01(\x03R\x12replicaIncarnation\"\xa9\x02\n" +
 	"\x14ReplicateManyRequest\x12\x18\n" +
 	"\areplica\x18\x01 \x01(\tR\areplica\x12\x1e\n" +
 	"\vmax_wait_ms\x18\x02 \x01(\rR\tmaxWaitMs\x12\x1b\n" +
 	"\tmax_bytes\x18\x03 \x01(\rR\bmaxBytes\x12<\n" +
 	"\n" +
 	"partitions\x18\x04 \x03(\v2\x1c.atomlog.v1.ReplicateRequestR\n" +
-	"partitions\"N\n" +
+	"partitions\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x05 \x01(\x04R\tsessionId\x12#\n" +
+	"\rsession_epoch\x18\x06 \x01(\rR\fsessionEpoch\x128\n" +
+	"\tforgotten\x18\a \x03(\v2\x1a.atomlog.v1.TopicPartitionR\tforgotten\"m\n" +
 	"\x15ReplicateManyResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.atomlog.v1.ReplicateResultR\aresults\"\xbe\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.atomlog.v1.ReplicateResultR\aresults\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x02 \x01(\x04R\tsessionId\"\xbe\x01\n" +
 	"\x0fReplicateResult\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12+\n" +
 	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\x129\n" +
@@ -6342,54 +6398,55 @@ var file_atomlog_v1_partition_proto_depIdxs = []int32{
 	4,   // 117: atomlog.v1.StagedSubscriptionPartition.error:type_name -> atomlog.v1.ItemError
 	83,  // 118: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
 	75,  // 119: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
-	78,  // 120: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
-	83,  // 121: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 122: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
-	80,  // 123: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
-	79,  // 124: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 125: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 126: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 127: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 128: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 129: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 130: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 131: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 132: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 133: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 134: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 135: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 136: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	65,  // 137: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	69,  // 138: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
-	54,  // 139: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	60,  // 140: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	63,  // 141: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	75,  // 142: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	76,  // 143: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
-	8,   // 144: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 145: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 146: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 147: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 148: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 149: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 150: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 151: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 152: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 153: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 154: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 155: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	67,  // 156: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	71,  // 157: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
-	55,  // 158: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	61,  // 159: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	64,  // 160: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	80,  // 161: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	77,  // 162: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
-	144, // [144:163] is the sub-list for method output_type
-	125, // [125:144] is the sub-list for method input_type
-	125, // [125:125] is the sub-list for extension type_name
-	125, // [125:125] is the sub-list for extension extendee
-	0,   // [0:125] is the sub-list for field type_name
+	83,  // 120: atomlog.v1.ReplicateManyRequest.forgotten:type_name -> atomlog.v1.TopicPartition
+	78,  // 121: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
+	83,  // 122: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 123: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
+	80,  // 124: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
+	79,  // 125: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 126: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 127: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 128: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 129: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 130: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 131: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 132: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 133: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 134: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 135: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 136: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 137: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	65,  // 138: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	69,  // 139: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
+	54,  // 140: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 141: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 142: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	75,  // 143: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	76,  // 144: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
+	8,   // 145: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 146: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 147: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 148: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 149: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 150: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 151: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 152: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 153: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 154: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 155: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 156: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	67,  // 157: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	71,  // 158: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
+	55,  // 159: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 160: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 161: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	80,  // 162: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	77,  // 163: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
+	145, // [145:164] is the sub-list for method output_type
+	126, // [126:145] is the sub-list for method input_type
+	126, // [126:126] is the sub-list for extension type_name
+	126, // [126:126] is the sub-list for extension extendee
+	0,   // [0:126] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
