@@ -1,6 +1,6 @@
 """Benchmark (issue 19, replication): what idle partitions cost the written ones on a
-cluster of three copies, with the leaders' quiet-partition skipping on and off
-(docs/replication.md, "Quiet partitions").
+cluster of three copies, with fetch sessions, with the leaders' quiet-partition skipping
+alone, and with neither (docs/replication.md, "Quiet partitions" and "Fetch sessions").
 
 Each cell is a fresh local cluster of 1 id allocator, 2 coordinators and 3 partition
 servers, every topic (`__txn_log` included) of three copies, as `atomlog up` makes it. A
@@ -10,15 +10,18 @@ left alone. One client commits small one-call transactions (ten 1 KiB records ov
 partitions, as bench/transactions.py's) one after another for --seconds: transactions
 per second, commit p50 / p90, the servers' CPU per transaction (every process but
 ZooKeeper) and the followers' ReplicateMany calls per transaction
-(`atomlog_replica_fetch_calls_total`). Then the cluster idles for 5 s: its servers' CPU.
-`replication.skip_quiet_partitions` is the setting the on and off cells differ in.
+(`atomlog_replica_fetch_calls_total`) and the partitions they named
+(`atomlog_replica_fetch_partitions_named_total`). Then the cluster idles for 5 s: its
+servers' CPU. The modes: `sessions` (the defaults: `replication.fetch_sessions` and
+`replication.skip_quiet_partitions`), `skip` (fetch sessions off: every call names every
+partition, the leader skips the quiet ones) and `off` (both off).
 
 The cells run in rotating order, --rounds times, and the table gives each cell's median
 (and range). Baseline in the same run: the cells without idle partitions (what the
-written topic costs alone), and off against on.
+written topic costs alone), and each mode against the others.
 
     .venv/bin/python bench/quiet_partitions.py [--idle 240] [--seconds 10] [--rounds 2]
-        [--no-docs]
+        [--modes sessions,skip,off] [--no-docs]
 """
 
 from __future__ import annotations
@@ -36,18 +39,21 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 TOPIC, IDLE_TOPIC, PARTITIONS, RECORD = "qp-load", "qp-idle", 16, b"x" * 1024
-SETTING = "replication.skip_quiet_partitions"
+MODES = {"sessions": {},
+         "skip": {"replication.fetch_sessions": "false"},
+         "off": {"replication.fetch_sessions": "false",
+                 "replication.skip_quiet_partitions": "false"}}
 FETCH_CALLS = "atomlog_replica_fetch_calls_total"
+NAMED = "atomlog_replica_fetch_partitions_named_total"
 BEGIN = "<!-- bench/quiet_partitions.py: begin -->"
 END = "<!-- bench/quiet_partitions.py: end -->"
 
 
-def run_cell(idle: int, skip: bool, seconds: float) -> dict:
+def run_cell(idle: int, mode: str, seconds: float) -> dict:
     from spark_client import Client
 
-    settings = {SETTING: "true" if skip else "false"}
     with common.local_cluster("quiet-", None, replication_factor=3,
-                              settings=settings) as (_data, report, address):
+                              settings=MODES[mode]) as (_data, report, address):
         services = [p for p in report.cluster.processes if p.role != "zookeeper"]
         partition_servers = [p.metrics_address for p in services
                              if p.role == "partition_server"]
@@ -70,7 +76,7 @@ def run_cell(idle: int, skip: bool, seconds: float) -> dict:
                 for _ in range(30):  # warm: routes, sessions, every follower's rounds
                     one()
                 cpu0 = {p.pid: common.cpu_seconds(p.pid) for p in services}
-                calls0 = common.counter_totals(partition_servers, (FETCH_CALLS,))[0]
+                calls0, named0 = common.counter_totals(partition_servers, (FETCH_CALLS, NAMED))
                 latencies = []
                 began = time.perf_counter()
                 while time.perf_counter() - began < seconds:
@@ -80,7 +86,8 @@ def run_cell(idle: int, skip: bool, seconds: float) -> dict:
                 elapsed = time.perf_counter() - began
                 count = len(latencies)
                 cpu = sum(common.cpu_seconds(p.pid) - cpu0[p.pid] for p in services)
-                calls = common.counter_totals(partition_servers, (FETCH_CALLS,))[0] - calls0
+                calls, named = common.counter_totals(partition_servers, (FETCH_CALLS, NAMED))
+                calls, named = calls - calls0, named - named0
             idle0 = {p.pid: common.cpu_seconds(p.pid) for p in services}
             time.sleep(5)
             idle_cpu = sum(common.cpu_seconds(p.pid) - idle0[p.pid] for p in services) / 5
@@ -90,12 +97,18 @@ def run_cell(idle: int, skip: bool, seconds: float) -> dict:
             "p50_ms": common.percentile(latencies, 0.5) * 1e3,
             "p90_ms": common.percentile(latencies, 0.9) * 1e3,
             "cpu_ms": cpu / count * 1e3, "calls": calls / count,
+            "named": named / max(calls, 1),
             "idle_cores": idle_cpu}
 
 
-def cell_name(idle: int, skip: bool) -> str:
+MODE_NAMES = {"sessions": "fetch sessions (the default)",
+              "skip": "quiet ones skipped, every one named",
+              "off": "every partition named and looked at"}
+
+
+def cell_name(idle: int, mode: str) -> str:
     return (f"{idle} idle partitions" if idle else "no idle partitions") + \
-        (", quiet ones skipped" if skip else ", every partition looked at (off)")
+        f", {MODE_NAMES[mode]}"
 
 
 def main() -> None:
@@ -104,20 +117,25 @@ def main() -> None:
                         help="partitions of the idle topic (three copies each)")
     parser.add_argument("--seconds", type=float, default=10,
                         help="seconds of transactions a cell")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the four cells")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the cells")
+    parser.add_argument("--modes", default="sessions,skip,off",
+                        help="comma-separated modes (sessions, skip, off)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     if args.idle < 1 or args.seconds <= 0 or args.rounds < 1:
         parser.error("--idle, --seconds and --rounds must be positive")
+    modes = [mode for mode in args.modes.split(",") if mode]
+    if not modes or any(mode not in MODES for mode in modes) or len(set(modes)) < len(modes):
+        parser.error(f"--modes: distinct names among {', '.join(MODES)}")
     load = os.getloadavg()[0]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    cells = [(0, True), (0, False), (args.idle, True), (args.idle, False)]
-    results: dict[tuple[int, bool], list[dict]] = {cell: [] for cell in cells}
+    cells = [(idle, mode) for idle in (0, args.idle) for mode in modes]
+    results: dict[tuple[int, str], list[dict]] = {cell: [] for cell in cells}
     for round_ in range(args.rounds):
-        for idle, skip in common.rotated(cells, round_):
-            result = run_cell(idle, skip, args.seconds)
-            results[(idle, skip)].append(result)
-            print(f"round {round_ + 1}: {cell_name(idle, skip)}: "
+        for idle, mode in common.rotated(cells, round_):
+            result = run_cell(idle, mode, args.seconds)
+            results[(idle, mode)].append(result)
+            print(f"round {round_ + 1}: {cell_name(idle, mode)}: "
                   f"{result['txn_per_s']:.0f} txn/s, p50 {result['p50_ms']:.1f} ms, "
                   f"{result['cpu_ms']:.1f} ms CPU a transaction", flush=True)
 
@@ -125,18 +143,31 @@ def main() -> None:
         return common.median_range([r[key] for r in results[cell]], f",.{digits}f")
 
     rows = ["| cell | small transactions/s | commit p50 / p90 ms | servers' CPU ms a "
-            "transaction | follower calls a transaction | idle servers' CPU, cores |",
-            "| --- | --- | --- | --- | --- | --- |"]
+            "transaction | follower calls a transaction | partitions named a call | idle "
+            "servers' CPU, cores |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for cell in cells:
         rows.append(f"| {cell_name(*cell)} | {show(cell, 'txn_per_s', 0)} | "
                     f"{show(cell, 'p50_ms', 1)} / {show(cell, 'p90_ms', 1)} | "
                     f"{show(cell, 'cpu_ms', 1)} | {show(cell, 'calls', 1)} | "
+                    f"{show(cell, 'named', 1)} | "
                     f"{show(cell, 'idle_cores', 2)} |")
 
-    def ratio(key: str, idle: int) -> str:
-        on = statistics.median(r[key] for r in results[(idle, True)])
-        off = statistics.median(r[key] for r in results[(idle, False)])
+    def ratio(key: str, idle: int, mode: str, against: str) -> str:
+        on = statistics.median(r[key] for r in results[(idle, mode)])
+        off = statistics.median(r[key] for r in results[(idle, against)])
         return f"{on / off:.2f}x"
+
+    comparisons = []
+    for mode, against in (("sessions", "skip"), ("sessions", "off"), ("skip", "off")):
+        if mode in modes and against in modes:
+            comparisons.append(
+                f"`{mode}` against `{against}`: with {args.idle} idle partitions "
+                f"{ratio('p50_ms', args.idle, mode, against)} the commit p50 and "
+                f"{ratio('cpu_ms', args.idle, mode, against)} the servers' CPU a "
+                f"transaction; without idle partitions "
+                f"{ratio('p50_ms', 0, mode, against)} and "
+                f"{ratio('cpu_ms', 0, mode, against)}.")
 
     text = "\n".join([
         BEGIN,
@@ -147,16 +178,15 @@ def main() -> None:
         f"Fresh clusters of three partition servers, every topic of three copies; one "
         f"client commits small one-call transactions (ten 1 KiB records over four "
         f"partitions of a 16-partition topic) one after another, {args.seconds:g} s a "
-        f"cell, beside a topic of {args.idle} idle partitions or none; `{SETTING}` on or "
-        f"off. {args.rounds} rounds of the four cells in rotating order: medians "
-        f"(ranges). Follower calls: ReplicateMany calls of every follower.",
+        f"cell, beside a topic of {args.idle} idle partitions or none, in each mode: "
+        f"{'; '.join(f'`{mode}`, {MODE_NAMES[mode]}' for mode in modes)}. "
+        f"{args.rounds} rounds of the cells in rotating order: medians (ranges). Follower "
+        f"calls: ReplicateMany calls of every follower; partitions named: what those "
+        f"calls named, a call.",
         "",
         *rows,
         "",
-        f"With {args.idle} idle partitions, skipping quiet ones against looking at every "
-        f"one: {ratio('p50_ms', args.idle)} the commit p50, "
-        f"{ratio('cpu_ms', args.idle)} the servers' CPU a transaction; without idle "
-        f"partitions {ratio('p50_ms', 0)} and {ratio('cpu_ms', 0)}.",
+        *comparisons,
         END, ""])
     print(text)
     if not args.no_docs:
