@@ -70,7 +70,7 @@ REPLICATE_NAMED = Counter("atomlog_replica_fetch_partitions_named_total",
                           "since its last call, else every partition of the call.")
 REPLICATE_SESSIONS_OPENED = Counter(
     "atomlog_replica_fetch_sessions_opened_total",
-    "Fetch sessions this server opened with its leaders as a follower: one per leader, and "
+    "Fetch sessions this server's leaders opened for it as a follower: one per leader, and "
     "one more after each failed or cut call or a session the leader refused.")
 REPLICA_ACKNOWLEDGED_LOST = Counter(
     "atomlog_replica_acknowledged_offsets_lost_total",

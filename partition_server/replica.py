@@ -1110,7 +1110,8 @@ class ReplicateSession:
                 known, asked, generation, position, when_ms, _recorded_ms = entry
                 if (generation != known.generation or known.throttle is not None
                         or now_ms - when_ms >= min(SESSION_RECHECK_MS,
-                                                   known.progress.max_lag_ms // 2)):
+                                                   known.progress.max_lag_ms // 2)
+                        or asked != self._asked(request)):
                     keys.add(key)
                     continue
                 try:
@@ -1149,8 +1150,13 @@ class ReplicateSession:
         return keys
 
     def stir_future(self) -> asyncio.Future:
-        if self._stir is None:
+        """What a waiting call of the session wakes on: resolved at the next stir, or at
+        once while stirred partitions wait to be taken (stirred while the call was not
+        waiting yet)."""
+        if self._stir is None or self._stir.done():
             self._stir = asyncio.get_running_loop().create_future()
+        if self.stirred:
+            self._stir.set_result(None)
         return self._stir
 
 
@@ -1227,6 +1233,8 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
             stirred = session.stir_future() if more is not None else None
             if stirred is not None:
                 woken.setdefault(stirred, [])
+            if not woken:
+                break  # (a replaced session's call with nothing of its own to wait for)
             refill = refill_s()
             done, _pending = await asyncio.wait(woken, timeout=min(remaining, refill),
                                                 return_when=asyncio.FIRST_COMPLETED)
@@ -1234,8 +1242,11 @@ async def replicate_many(items: list, max_wait_s: float, max_bytes: int,
             # durable flush with nothing new to copy: then wait on), or one whose
             # throttle refilled, or one of the session's quiet ones, stirred.
             awake = [i for future in done for i in woken[future]]
-            if stirred is not None and stirred.done():
-                for request_item in more():
+            fresh = more() if stirred is not None and stirred.done() else []
+            if fresh is None:
+                more = None  # (the session went on without this call: no more stirs)
+            else:
+                for request_item in fresh:
                     index = len(items)
                     items.append(request_item)
                     results.append(None)
@@ -1870,7 +1881,6 @@ class LeaderFetcher:
         if not self._session_id or self._session_epoch >= SESSION_EPOCH_MAX:
             self._session_next = (1, now, None)
             m.REPLICATE_NAMED.inc(len(requests))
-            m.REPLICATE_SESSIONS_OPENED.inc()
             return partition_pb2.ReplicateManyRequest(
                 replica=self.me, max_wait_ms=wait, max_bytes=REPLICATE_MANY_MAX_BYTES,
                 partitions=requests, session_epoch=1)
@@ -1922,6 +1932,8 @@ class LeaderFetcher:
         session_id = getattr(answer, "session_id", 0)
         if epoch == 1:
             self._session_id = session_id
+            if session_id:
+                m.REPLICATE_SESSIONS_OPENED.inc()
         elif session_id != self._session_id:  # (not an answer of this session)
             self._session_lost()
             return

@@ -283,7 +283,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         if incremental:
             session = self._replicate_sessions.get(replica) \
                 if self.skip_quiet_partitions else None
-            if session is None:
+            if session is not None:
+                self._replicate_sessions.move_to_end(replica)  # (the least recent goes)
+            else:
                 raise AtomlogError("REPLICATE_SESSION_INVALID",
                                    f"session {request.session_id}: this leader holds none for "
                                    f"{replica}", {"session_id": str(request.session_id)})
@@ -293,9 +295,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             requests = [asked[key] for key in keys]
             looked = set(keys)
 
-            def more() -> list:
+            def more() -> list | None:
                 if (session.id, session.epoch) != this_call:
-                    return []  # a later call of the follower's took over: the stirs are its
+                    return None  # a later call of the follower's took over: the stirs are its
                 fresh = [key for key in session.take_stirred()
                          if key in asked and key not in looked]
                 looked.update(fresh)

@@ -646,3 +646,20 @@ def test_a_fetcher_a_follower_holds_is_not_dropped_before_the_follower_adds_itse
     del manager.followers[("t", 0)]  # (its start failed: nothing holds it)
     manager._fetcher("d", "127.0.0.1:4")
     assert manager._fetcher("a", "127.0.0.1:1") is not first
+
+
+def test_a_stir_before_a_call_waits_wakes_the_wait_at_once():
+    """A partition stirred while no call of the session waited (between calls, or while a
+    call was still routing) wakes the next wait at once, not at the next stir."""
+    session, leader = replica.ReplicateSession(), _Leader(topic="t", partition=0)
+    session.open({_key(0): _ask()}, now_ms=0)
+    session.found(leader, _ask(), 0, 7, news=False, now_ms=0)
+
+    async def scenario():
+        assert not session.stir_future().done()
+        leader._moved()  # wakes the waiter made above
+        assert session.stir_future().done()  # (still stirred: not taken yet)
+        assert session.take_stirred() == [_key(0)]
+        assert not session.stir_future().done()
+
+    asyncio.run(scenario())
