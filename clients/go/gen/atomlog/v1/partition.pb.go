@@ -5398,7 +5398,7 @@ type ReplicateManyResponse struct {
 	// its follower asks again.
 	Results []*ReplicateResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
 	// The fetch session the call ran in (opened by it when it asked with session_epoch 1);
-	// 0: none (the request asked for none).
+	// 0: none (the request asked for none, or this leader keeps no sessions).
 	SessionId     uint64 `protobuf:"varint,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
