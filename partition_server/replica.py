@@ -1093,9 +1093,8 @@ class ReplicateSession:
 
     def working(self, named, now_ms: int | None = None) -> list:
         """The keys an incremental call looks at: those it names, the active ones, the
-        stirred ones, and (every SESSION_RECORD_MS) the quiet ones whose full look is due
-        or whose repeat cannot be recorded; the other quiet ones have their repeat recorded
-        here, as `skip` would."""
+        stirred ones, and (every SESSION_RECORD_MS) the quiet ones `skip` would not skip;
+        the other quiet ones have their repeat recorded here, by `skip`."""
         now_ms = _now_ms() if now_ms is None else now_ms
         keys = set(named)
         keys.update(self.active)
@@ -1103,24 +1102,11 @@ class ReplicateSession:
         self.stirred.clear()  # partitions of no session: before it opened, or without one)
         if now_ms - self.swept_ms >= SESSION_RECORD_MS:
             self.swept_ms = now_ms
-            for key, entry in self.quiet.items():
+            for key, entry in list(self.quiet.items()):
                 request = self.asked.get(key)
-                if request is None or key in keys:
-                    continue
-                known, asked, generation, position, when_ms, _recorded_ms = entry
-                if (generation != known.generation or known.throttle is not None
-                        or now_ms - when_ms >= min(SESSION_RECHECK_MS,
-                                                   known.progress.max_lag_ms // 2)
-                        or asked != self._asked(request)):
+                if request is not None and key not in keys and \
+                        self.skip(entry[0], request, now_ms) is None:
                     keys.add(key)
-                    continue
-                try:
-                    position = known.fetched_again(request.replica, request.fetch_offset,
-                                                   request.cursor_sequence, now_ms)
-                except AtomlogError:
-                    keys.add(key)  # (looked at in full: its checks say why)
-                    continue
-                self.quiet[key] = (known, asked, generation, position, when_ms, now_ms)
         return list(keys)
 
     def settle(self, looked, answered) -> None:
@@ -1879,21 +1865,15 @@ class LeaderFetcher:
                 partitions=requests)
         now = {(r.topic_partition.topic, r.topic_partition.partition): r for r in requests}
         if not self._session_id or self._session_epoch >= SESSION_EPOCH_MAX:
-            self._session_next = (1, now, None)
+            self._session_next = (1, now)  # (opening: the session holds `now`)
             m.REPLICATE_NAMED.inc(len(requests))
             return partition_pb2.ReplicateManyRequest(
                 replica=self.me, max_wait_ms=wait, max_bytes=REPLICATE_MANY_MAX_BYTES,
                 partitions=requests, session_epoch=1)
         sent = self._session_sent
-        epoch = self._session_epoch + 1
-        self._session_next = (epoch, now, None)
-        named = [r for key, r in now.items() if sent.get(key) is not r]
-        m.REPLICATE_NAMED.inc(len(named))
-        return partition_pb2.ReplicateManyRequest(
-            replica=self.me, max_wait_ms=wait, max_bytes=REPLICATE_MANY_MAX_BYTES,
-            partitions=named, session_id=self._session_id, session_epoch=epoch,
-            forgotten=[common_pb2.TopicPartition(topic=key[0], partition=key[1])
-                       for key in sent if key not in now])
+        changes = {key: r for key, r in now.items() if sent.get(key) is not r}
+        changes.update((key, None) for key in sent if key not in now)
+        return self._incremental(changes, wait)
 
     def _changes_request(self, current: dict, changed) -> partition_pb2.ReplicateManyRequest:
         """`_many_request` for the link thread's rounds, costing what changed: `current`
@@ -1903,23 +1883,28 @@ class LeaderFetcher:
                 or self._session_epoch >= SESSION_EPOCH_MAX:
             return self._many_request([request for _follower, request in current.values()])
         sent = self._session_sent
-        named, forgotten, updates = [], [], {}
+        changes = {}
         for key in changed:
             entry = current.get(key)
             if entry is None:
                 if key in sent:
-                    forgotten.append(common_pb2.TopicPartition(topic=key[0], partition=key[1]))
-                    updates[key] = None
+                    changes[key] = None
             elif sent.get(key) is not entry[1]:
-                named.append(entry[1])
-                updates[key] = entry[1]
+                changes[key] = entry[1]
+        return self._incremental(changes, self.fetch_wait_ms)
+
+    def _incremental(self, changes: dict, wait_ms: int) -> partition_pb2.ReplicateManyRequest:
+        """The session's next call: `changes` maps each partition whose request the session
+        does not hold as it is to that request, or to None for one that left it."""
         epoch = self._session_epoch + 1
-        self._session_next = (epoch, None, updates)
+        self._session_next = (epoch, changes)
+        named = [request for request in changes.values() if request is not None]
         m.REPLICATE_NAMED.inc(len(named))
         return partition_pb2.ReplicateManyRequest(
-            replica=self.me, max_wait_ms=self.fetch_wait_ms, max_bytes=REPLICATE_MANY_MAX_BYTES,
+            replica=self.me, max_wait_ms=wait_ms, max_bytes=REPLICATE_MANY_MAX_BYTES,
             partitions=named, session_id=self._session_id, session_epoch=epoch,
-            forgotten=forgotten)
+            forgotten=[common_pb2.TopicPartition(topic=key[0], partition=key[1])
+                       for key, request in changes.items() if request is None])
 
     def _session_answered(self, answer) -> None:
         """The call `_many_request` (or `_changes_request`) made last was answered: the
@@ -1927,7 +1912,7 @@ class LeaderFetcher:
         then names all)."""
         if self._session_next is None:
             return
-        epoch, now, updates = self._session_next
+        epoch, changes = self._session_next
         self._session_next = None
         session_id = getattr(answer, "session_id", 0)
         if epoch == 1:
@@ -1941,11 +1926,11 @@ class LeaderFetcher:
             self._session_epoch, self._session_sent = 0, {}
             return
         self._session_epoch = epoch
-        if now is not None:
-            self._session_sent = now
+        if epoch == 1:
+            self._session_sent = changes
             return
         sent = self._session_sent
-        for key, request in updates.items():
+        for key, request in changes.items():
             if request is None:
                 sent.pop(key, None)
             else:
