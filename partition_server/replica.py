@@ -1480,28 +1480,35 @@ class Follower:
         if data or self._log_start_moved(response):
             await asyncio.to_thread(self._copy_log, fetch, response, data)
         if _carries_cursors(response):
-            # After the log: a cursor failure raises (the loop backs off) but never holds
-            # the log back, and is not the log's failure (no reopen of the log for it).
-            try:
-                await asyncio.to_thread(self._copy_cursors, response)
-            except Exception as error:  # noqa: BLE001 — the store is dropped: resync
-                raise CursorCopyFailed(f"{type(error).__name__}: {error}") from error
+            await asyncio.to_thread(self._copy_cursors_after_log, response)
+
+    def _copy_cursors_after_log(self, response) -> None:
+        """On a worker thread (or the link's), after the log's copy: the answer's cursor
+        state. A failure raises CursorCopyFailed (the caller backs off) but never holds
+        the log back, and is not the log's failure (no reopen of the log for it)."""
+        try:
+            self._copy_cursors(response)
+        except Exception as error:  # noqa: BLE001 — the store is dropped: resync
+            raise CursorCopyFailed(f"{type(error).__name__}: {error}") from error
 
     def copies_in_place(self, request, response) -> bool:
         """Whether the link's thread may copy this answer itself (`copy_in_place`): records,
-        leader epochs and the log start, the plain case. Not a divergence (a truncation),
-        cursor state, or a follower closing or with its log to reopen: those go to the
+        leader epochs, the log start and cursor state, the plain case. Not a divergence
+        (a truncation), or a follower closing or with its log to reopen: those go to the
         event loop (`handle`)."""
         return (not self._closing and not self._reopen_due and self.log is not None
                 and self.log.log_end_offset == request.fetch_offset
-                and not response.diverging and not _carries_cursors(response))
+                and not response.diverging)
 
     def copy_in_place(self, request, response) -> None:
         """On the link's thread: what `handle` does with an answer `copies_in_place`
         allows, without the event loop. Raises what the copy raised (the caller hands
-        it to `handle`, which backs off and reopens the log as after any failed copy)."""
+        it to `handle`, which backs off, and reopens the log as after any failed copy
+        unless only the cursors failed)."""
         self.known_hw = response.high_watermark
         self._copy_log(request.fetch_offset, response, response.records)
+        if _carries_cursors(response):
+            self._copy_cursors_after_log(response)
         self.quiet()
 
     def _log_start_moved(self, response) -> bool:
@@ -1769,6 +1776,7 @@ class LeaderFetcher:
                 return  # a partition was added: ask again with it at once
             left = [(follower, request, outcome)
                     for (follower, request), outcome in zip(batch, outcomes)]
+        m.REPLICATE_LOOP_ROUNDS.inc()
         await self._handle(left)
 
     async def _handle(self, outcomes: list) -> None:

@@ -17,7 +17,8 @@ import pytest
 
 from spark_client import Client, errors
 from tests.conftest import SESSION_TIMEOUT_MS, wait_until
-from tests.test_replication import fully_in_sync, kill, leader_of, metadata, restart_all
+from tests.test_replication import (fully_in_sync, kill, leader_of, metadata, restart_all,
+                                    server_metric)
 
 pytestmark = pytest.mark.cluster
 
@@ -88,6 +89,37 @@ def cursor(consumer):
     [described] = consumer.describe()
     assert not described.error.reason, described.error
     return described
+
+
+def test_followers_copy_acks_on_their_links_thread(cluster, client):
+    """A follower's answer that carries cursor frames (acks) is copied on the replication
+    link's thread, as records are (docs/replication.md, "Rounds on the link's thread"),
+    not handed back to the event loop, whose rounds prepare and compare every partition
+    the follower copies from that leader. With min.insync.replicas 3 each ack is answered
+    only once both followers hold it durably, so every one of these acks was copied
+    there; before, each was one event-loop round on each follower."""
+    topic = "cur-link-thread"
+    client.create_topic(topic, partitions=1, replication_factor=3,
+                        config={"min.insync.replicas": "3"})
+    wait_until(lambda: fully_in_sync(client, topic), 15, f"{topic} in sync")
+    produce(client, topic, 40)
+    consumer = client.consumer(topic, subscription="s", ack_timeout_s=60)
+    messages = receive(consumer, 40, settle_s=0.5)
+    assert offsets(messages) == list(range(40))
+    leader = leader_of(client, topic, 0)
+    followers = [s for s in SERVERS if s != leader]
+    loop_rounds = "atomlog_replica_fetch_loop_rounds_total"
+    calls = "atomlog_replica_fetch_calls_total"
+    before = {s: (server_metric(cluster, s, loop_rounds), server_metric(cluster, s, calls))
+              for s in followers}
+    for message in messages:
+        consumer.ack([message])  # one at a time: each its own cursor frame and round
+    assert cursor(consumer).cumulative_end_offset == 40
+    consumer.close()
+    grew = {s: (server_metric(cluster, s, loop_rounds) - before[s][0],
+                server_metric(cluster, s, calls) - before[s][1]) for s in followers}
+    assert all(called >= 40 for _rounds, called in grew.values()), grew
+    assert sum(rounds for rounds, _called in grew.values()) < 10, grew
 
 
 def test_acknowledged_messages_are_not_redelivered_after_kill_9_of_the_leader(cluster, client):
