@@ -28,7 +28,7 @@ from atomlog.v1 import coordinator_pb2
 
 from partition_server.owner import Marker, State
 from partition_server.record_batch import ControlType, TxnId
-from services.errors import AtomlogError
+from services.errors import AtomlogError, unexpected
 from services.fastmetrics import Counter
 from services.logs import event
 
@@ -108,6 +108,13 @@ class TxnChecker:
                                                      subscription=subscription)
         except AtomlogError as error:
             CHECKS.labels(error.reason).inc()
+            return False
+        except Exception as error:  # noqa: BLE001 — a ZooKeeper blip is an answer too
+            failure = unexpected(error, "looking up an open transaction")
+            if failure.reason != "ZOOKEEPER_UNAVAILABLE":
+                raise  # a bug: the round logs it
+            # (Looked up again next round; counted, not logged with a traceback each time.)
+            CHECKS.labels(failure.reason).inc()
             return False
         CHECKS.labels(coordinator_pb2.TxnState.Name(state).removeprefix("TXN_STATE_")).inc()
         if state != ABORTED:
