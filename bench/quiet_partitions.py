@@ -1,18 +1,24 @@
 """Benchmark (issue 19, replication): what idle partitions cost the written ones on a
 cluster of three copies, with fetch sessions, with the leaders' quiet-partition skipping
-alone, and with neither (docs/replication.md, "Quiet partitions" and "Fetch sessions").
+alone, and with neither (docs/replication.md, "Quiet partitions" and "Fetch sessions"),
+for small transactions and for transactions that ack what they consume.
 
 Each cell is a fresh local cluster of 1 id allocator, 2 coordinators and 3 partition
 servers, every topic (`__txn_log` included) of three copies, as `atomlog up` makes it. A
 topic of 16 partitions takes the load; in the cells with idle partitions, a second topic
 of --idle partitions (three copies too) is created and written once per partition, then
-left alone. One client commits small one-call transactions (ten 1 KiB records over four
-partitions, as bench/transactions.py's) one after another for --seconds: transactions
-per second, commit p50 / p90, the servers' CPU per transaction (every process but
-ZooKeeper) and the followers' ReplicateMany calls per transaction
-(`atomlog_replica_fetch_calls_total`) and the partitions they named
-(`atomlog_replica_fetch_partitions_named_total`). Then the cluster idles for 5 s: its
-servers' CPU. The modes: `sessions` (the defaults: `replication.fetch_sessions` and
+left alone. One client commits transactions one after another for --seconds. With
+`--workload small`, small one-call transactions (ten 1 KiB records over four partitions,
+as bench/transactions.py's); with `--workload acks`, each transaction polls ten 1 KiB
+inputs of a subscription of a 4-partition topic (preloaded), sends ten outputs to the
+written topic and acks the inputs in the transaction (consume-transform-produce, ten at a
+time): every commit then also moves a replicated cursor. Measured: transactions per
+second, latency p50 / p90 (the commit; with acks, the whole transaction), the servers'
+CPU per transaction (every process but ZooKeeper), the followers' ReplicateMany calls per
+transaction (`atomlog_replica_fetch_calls_total`), the partitions they named
+(`atomlog_replica_fetch_partitions_named_total`) and the fetchers' rounds the event loop
+acted on (`atomlog_replica_fetch_loop_rounds_total`; the rest ran on the replication
+link's thread). Then the cluster idles for 5 s: its servers' CPU. The modes: `sessions` (the defaults: `replication.fetch_sessions` and
 `replication.skip_quiet_partitions`), `skip` (fetch sessions off: every call names every
 partition, the leader skips the quiet ones) and `off` (both off).
 
@@ -21,7 +27,7 @@ The cells run in rotating order, --rounds times, and the table gives each cell's
 written topic costs alone), and each mode against the others.
 
     .venv/bin/python bench/quiet_partitions.py [--idle 240] [--seconds 10] [--rounds 2]
-        [--modes sessions,skip,off] [--no-docs]
+        [--modes sessions,skip,off] [--workload small|acks] [--no-docs]
 """
 
 from __future__ import annotations
@@ -39,17 +45,28 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 TOPIC, IDLE_TOPIC, PARTITIONS, RECORD = "qp-load", "qp-idle", 16, b"x" * 1024
+INPUT_TOPIC, INPUT_PARTITIONS, SUBSCRIPTION = "qp-in", 4, "qp"
+WARM_TRANSACTIONS, INPUTS_A_TRANSACTION, MOST_PER_S = 30, 10, 250
 MODES = {"sessions": {},
          "skip": {"replication.fetch_sessions": "false"},
          "off": {"replication.fetch_sessions": "false",
                  "replication.skip_quiet_partitions": "false"}}
 FETCH_CALLS = "atomlog_replica_fetch_calls_total"
 NAMED = "atomlog_replica_fetch_partitions_named_total"
-BEGIN = "<!-- bench/quiet_partitions.py: begin -->"
-END = "<!-- bench/quiet_partitions.py: end -->"
+LOOP_ROUNDS = "atomlog_replica_fetch_loop_rounds_total"
+WORKLOADS = ("small", "acks")
+# Each workload's table in docs/benchmarks.md: (begin, end) markers and heading.
+SECTIONS = {
+    "small": ("<!-- bench/quiet_partitions.py: begin -->",
+              "<!-- bench/quiet_partitions.py: end -->",
+              "## Idle partitions beside written ones, three copies (replication)"),
+    "acks": ("<!-- bench/quiet_partitions.py acks: begin -->",
+             "<!-- bench/quiet_partitions.py acks: end -->",
+             "## Idle partitions beside written ones, three copies, transactions that ack "
+             "(replication)")}
 
 
-def run_cell(idle: int, mode: str, seconds: float) -> dict:
+def run_cell(idle: int, mode: str, seconds: float, workload: str = "small") -> dict:
     from spark_client import Client
 
     with common.local_cluster("quiet-", None, replication_factor=3,
@@ -62,21 +79,41 @@ def run_cell(idle: int, mode: str, seconds: float) -> dict:
             client.create_topic(TOPIC, partitions=PARTITIONS)
             if idle:
                 client.create_topic(IDLE_TOPIC, partitions=idle)
+            consumer = None
             with client.producer(linger_ms=0) as producer:
                 for partition in range(idle):  # every idle partition has a log end to ask
                     producer.send(IDLE_TOPIC, b"once", partition=partition)
                 producer.flush()
+                if workload == "acks":
+                    client.create_topic(INPUT_TOPIC, partitions=INPUT_PARTITIONS)
+                    inputs = INPUTS_A_TRANSACTION * int(WARM_TRANSACTIONS + MOST_PER_S * seconds)
+                    with client.producer(linger_ms=5) as loader:
+                        for i in range(inputs):
+                            loader.send(INPUT_TOPIC, RECORD, partition=i % INPUT_PARTITIONS)
+                    consumer = client.consumer(INPUT_TOPIC, subscription=SUBSCRIPTION,
+                                               ack_timeout_s=120, prefetch=200)
 
                 def one() -> None:
                     txn = client.begin_transaction(timeout_s=30)
-                    for i in range(10):
-                        producer.send(TOPIC, RECORD, partition=i % 4, txn=txn)
+                    if consumer is None:
+                        for i in range(10):
+                            producer.send(TOPIC, RECORD, partition=i % 4, txn=txn)
+                    else:
+                        messages = consumer.poll(timeout_s=10,
+                                                 max_records=INPUTS_A_TRANSACTION)
+                        if not messages:
+                            raise SystemExit("the preloaded inputs ran out: raise MOST_PER_S")
+                        for message in messages:
+                            producer.send(TOPIC, message.value, partition=message.partition,
+                                          txn=txn)
+                        consumer.ack(messages, txn=txn)
                     txn.commit()
 
-                for _ in range(30):  # warm: routes, sessions, every follower's rounds
+                for _ in range(WARM_TRANSACTIONS):  # warm: routes, sessions, every round
                     one()
                 cpu0 = {p.pid: common.cpu_seconds(p.pid) for p in services}
-                calls0, named0 = common.counter_totals(partition_servers, (FETCH_CALLS, NAMED))
+                calls0, named0, loop0 = common.counter_totals(
+                    partition_servers, (FETCH_CALLS, NAMED, LOOP_ROUNDS))
                 latencies = []
                 began = time.perf_counter()
                 while time.perf_counter() - began < seconds:
@@ -86,8 +123,12 @@ def run_cell(idle: int, mode: str, seconds: float) -> dict:
                 elapsed = time.perf_counter() - began
                 count = len(latencies)
                 cpu = sum(common.cpu_seconds(p.pid) - cpu0[p.pid] for p in services)
-                calls, named = common.counter_totals(partition_servers, (FETCH_CALLS, NAMED))
+                calls, named, loop_rounds = common.counter_totals(
+                    partition_servers, (FETCH_CALLS, NAMED, LOOP_ROUNDS))
                 calls, named = calls - calls0, named - named0
+                loop_rounds -= loop0
+            if consumer is not None:
+                consumer.close()
             idle0 = {p.pid: common.cpu_seconds(p.pid) for p in services}
             time.sleep(5)
             idle_cpu = sum(common.cpu_seconds(p.pid) - idle0[p.pid] for p in services) / 5
@@ -97,7 +138,7 @@ def run_cell(idle: int, mode: str, seconds: float) -> dict:
             "p50_ms": common.percentile(latencies, 0.5) * 1e3,
             "p90_ms": common.percentile(latencies, 0.9) * 1e3,
             "cpu_ms": cpu / count * 1e3, "calls": calls / count,
-            "named": named / max(calls, 1),
+            "named": named / max(calls, 1), "loop_rounds": loop_rounds / count,
             "idle_cores": idle_cpu}
 
 
@@ -120,6 +161,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the cells")
     parser.add_argument("--modes", default="sessions,skip,off",
                         help="comma-separated modes (sessions, skip, off)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="small",
+                        help="small: small one-call transactions; acks: transactions that "
+                             "consume ten inputs, send ten outputs and ack the inputs "
+                             "(each workload writes its own table)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     if args.idle < 1 or args.seconds <= 0 or args.rounds < 1:
@@ -133,7 +178,7 @@ def main() -> None:
     results: dict[tuple[int, str], list[dict]] = {cell: [] for cell in cells}
     for round_ in range(args.rounds):
         for idle, mode in common.rotated(cells, round_):
-            result = run_cell(idle, mode, args.seconds)
+            result = run_cell(idle, mode, args.seconds, args.workload)
             results[(idle, mode)].append(result)
             print(f"round {round_ + 1}: {cell_name(idle, mode)}: "
                   f"{result['txn_per_s']:.0f} txn/s, p50 {result['p50_ms']:.1f} ms, "
@@ -142,15 +187,17 @@ def main() -> None:
     def show(cell, key: str, digits: int) -> str:
         return common.median_range([r[key] for r in results[cell]], f",.{digits}f")
 
-    rows = ["| cell | small transactions/s | commit p50 / p90 ms | servers' CPU ms a "
-            "transaction | follower calls a transaction | partitions named a call | idle "
-            "servers' CPU, cores |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    acks = args.workload == "acks"
+    rows = [f"| cell | {'transactions that ack' if acks else 'small transactions'}/s | "
+            f"{'transaction' if acks else 'commit'} p50 / p90 ms | servers' CPU ms a "
+            "transaction | follower calls a transaction | partitions named a call | "
+            "event-loop rounds a transaction | idle servers' CPU, cores |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for cell in cells:
         rows.append(f"| {cell_name(*cell)} | {show(cell, 'txn_per_s', 0)} | "
                     f"{show(cell, 'p50_ms', 1)} / {show(cell, 'p90_ms', 1)} | "
                     f"{show(cell, 'cpu_ms', 1)} | {show(cell, 'calls', 1)} | "
-                    f"{show(cell, 'named', 1)} | "
+                    f"{show(cell, 'named', 1)} | {show(cell, 'loop_rounds', 2)} | "
                     f"{show(cell, 'idle_cores', 2)} |")
 
     def ratio(key: str, idle: int, mode: str, against: str) -> str:
@@ -169,28 +216,34 @@ def main() -> None:
                 f"{ratio('p50_ms', 0, mode, against)} and "
                 f"{ratio('cpu_ms', 0, mode, against)}.")
 
+    begin, end, heading = SECTIONS[args.workload]
+    workload = ("transactions that each poll ten 1 KiB inputs of a subscription (a "
+                f"{INPUT_PARTITIONS}-partition topic), send them as outputs to a 16-partition "
+                "topic and ack them in the transaction" if acks else
+                "small one-call transactions (ten 1 KiB records over four partitions of a "
+                "16-partition topic)")
     text = "\n".join([
-        BEGIN,
-        "## Idle partitions beside written ones, three copies (replication)",
+        begin,
+        heading,
         "",
         f"`{common.command_line('bench/quiet_partitions.py', sys.argv[1:])}` — {when}, "
         f"{common.machine(load)}.",
         f"Fresh clusters of three partition servers, every topic of three copies; one "
-        f"client commits small one-call transactions (ten 1 KiB records over four "
-        f"partitions of a 16-partition topic) one after another, {args.seconds:g} s a "
+        f"client commits {workload} one after another, {args.seconds:g} s a "
         f"cell, beside a topic of {args.idle} idle partitions or none, in each mode: "
         f"{'; '.join(f'`{mode}`, {MODE_NAMES[mode]}' for mode in modes)}. "
         f"{args.rounds} rounds of the cells in rotating order: medians (ranges). Follower "
         f"calls: ReplicateMany calls of every follower; partitions named: what those "
-        f"calls named, a call.",
+        f"calls named, a call; event-loop rounds: the fetchers' rounds whose answers the "
+        f"event loop acted on instead of the replication link's thread.",
         "",
         *rows,
         "",
         *comparisons,
-        END, ""])
+        end, ""])
     print(text)
     if not args.no_docs:
-        common.write_docs_section(text, BEGIN, END)
+        common.write_docs_section(text, begin, end)
 
 
 if __name__ == "__main__":
