@@ -14,6 +14,11 @@ process), through the Python SDK exactly as bench/transactions.py runs them:
   and pipelined (ack_async(), commit_async(), 8 committing), one-call and streaming;
   each cell, and PostgreSQL's W3, run three times (--ctp-runs): the median is reported.
 
+Every topic in those cells has one copy, like the peers. One more cell runs the small
+one-call transactions on the cluster as `atomlog up` makes it, its topics at the
+product's default of three copies: what a user gets without choosing
+(--no-default-copies skips it).
+
 Baselines and peers measured in the same run: the do-nothing gRPC call rate between two
 Python processes (the ceiling per call), fsync latency; PostgreSQL from
 ../shared/peers-bench (W1 with 8 clients, W3), when its servers run (`bash setup.sh`
@@ -24,7 +29,7 @@ is skipped and the table says so.
 Prints a table and writes its section of docs/benchmarks.md.
 
     .venv/bin/python bench/transaction_paths.py [--clients 8] [--seconds 10] [--ctp-runs 3]
-        [--no-peers] [--no-docs]
+        [--no-peers] [--no-default-copies] [--no-docs]
 """
 
 from __future__ import annotations
@@ -82,6 +87,22 @@ def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int,
                     print(f"{shape} {name}: {runs[-1]}", flush=True)
                 cells[name] = median_run(runs, "per_s")
     return cells
+
+
+def run_default_copies(clients: int, seconds: float) -> dict:
+    """The small one-call cell on the cluster as `atomlog up` makes it, every topic at the
+    product's default copies (three, on three partition servers): what a user gets
+    without choosing, beside the one-copy cells the targets are measured on."""
+    from spark_client import Client
+
+    with common.local_cluster("atomlog-bench-paths-default-copies-", SHAPES["cluster"]) as (
+            _, report, address):
+        with Client(address) as client:
+            client.create_topic(tb.SMALL_TOPIC, partitions=tb.PARTITIONS)
+        time.sleep(3)  # leases settle
+        cell = tb.small_transactions(report, address, clients, seconds, True)
+    print(f"cluster small one-call, default copies: {cell}", flush=True)
+    return cell
 
 
 def median_run(runs: list[dict], key: str) -> dict:
@@ -191,7 +212,7 @@ def _spread(cell: dict) -> str:
 
 
 def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict,
-            postgres: dict, kafka: dict) -> str:
+            postgres: dict, kafka: dict, default_copies: dict | None = None) -> str:
     rate = floor["calls_per_s"]
     pg_w1 = postgres.get("w1", {}).get("txn_per_s")
     pg_w3 = postgres.get("w3", {}).get("inputs_per_s")
@@ -274,6 +295,14 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
                 "in all; how many over 10 ms)", (a, b),
                 lambda c: f"{c['full_gcs']:.0f} ({c['full_gc_ms']:.0f}; "
                           f"{c['full_gcs_over_10ms']:.0f})"))
+    if default_copies:
+        d = default_copies
+        lines.append(
+            f"| small transactions/s, one-call, every topic at the product's default of three "
+            f"copies (`atomlog up`; a combined server keeps one) | **{d['per_s']:,.0f}** "
+            f"(commit p50 / p99 {d['commit_p50_ms']:.1f} / {d['commit_p99_ms']:.1f} ms; CPU "
+            f"{d['server_cpu_ms_per_txn']:.1f} + {d['client_cpu_ms_per_txn']:.1f} ms) | | "
+            f"{peers_small(d['per_s'])} |")
     lines.append(_budget_row(rate, common.cores()))
     for path in ("one-call", "streaming"):
         for mode in ("sequential", "pipelined"):
@@ -328,6 +357,9 @@ def main() -> None:
                              "about a second: single runs move by ±15%%)")
     parser.add_argument("--shapes", default="cluster,combined")
     parser.add_argument("--no-peers", action="store_true", help="skip PostgreSQL and Kafka")
+    parser.add_argument("--no-default-copies", action="store_true",
+                        help="skip the small one-call cell on a cluster whose topics have "
+                             "the product's default copies (three)")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
     if not 1 <= args.ctp_runs <= 9:
@@ -342,11 +374,13 @@ def main() -> None:
     shapes = {shape: run_shape(shape, args.clients, args.seconds, args.ctp_inputs,
                                args.ctp_runs)
               for shape in args.shapes.split(",")}
+    default_copies = (None if args.no_default_copies or "cluster" not in args.shapes.split(",")
+                      else run_default_copies(args.clients, args.seconds))
     skipped = {"skipped": "--no-peers"}
     postgres = (skipped if args.no_peers
                 else run_postgres(args.clients, args.seconds, args.ctp_runs))
     kafka = skipped if args.no_peers else run_kafka(args.clients, args.seconds, args.ctp_inputs)
-    text = section(command, load, baseline, floor, shapes, postgres, kafka)
+    text = section(command, load, baseline, floor, shapes, postgres, kafka, default_copies)
     print()
     print(text)
     if not args.no_docs:
