@@ -253,7 +253,8 @@ def section(command: str, load: float, baseline: dict, floor: dict, shapes: dict
         "function calls instead. CPU is per transaction, servers and clients separately. Every topic, "
         f"__txn_log included, has {common.BENCH_REPLICATION_FACTOR} cop"
         f"{'y' if common.BENCH_REPLICATION_FACTOR == 1 else 'ies'} (like the peers; "
-        "bench/replication.py measures three against one).",
+        "bench/replication.py measures three against one), except in the row of the "
+        "product's default of three copies.",
         "",
         "| cell | cluster | combined server | ratios (cluster / combined) |",
         "| --- | --- | --- | --- |",
