@@ -68,8 +68,9 @@ REPLICATE_LOOP_ROUNDS = Counter(
     "atomlog_replica_fetch_loop_rounds_total",
     "Rounds of this server's replica fetchers whose answers the event loop acted on "
     "instead of the replication link's thread: a divergence, an error or a failed copy, "
-    "a partition backing off, added or removed, and every round with "
-    "replication.link=false (docs/replication.md, \"Rounds on the link's thread\").")
+    "a partition closing or reopening its log, rounds while a partition backs off, and "
+    "every round without a usable link (replication.link=false) (docs/replication.md, "
+    "\"Rounds on the link's thread\").")
 REPLICATE_NAMED = Counter("atomlog_replica_fetch_partitions_named_total",
                           "Partitions this server named in its ReplicateMany calls as a "
                           "follower: in a fetch session only those new to it or changed "
