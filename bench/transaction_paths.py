@@ -35,6 +35,7 @@ Prints a table and writes its section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -55,18 +56,27 @@ PEERS_BENCH = REPO.parent / "shared" / "peers-bench"
 SHAPES = common.SHAPES
 
 
-def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int,
-              ctp_runs: int) -> dict:
-    """Every atomlog cell on one fresh cluster of `shape`."""
+@contextlib.contextmanager
+def _cluster(prefix: str, roles: dict, replication_factor: int | None):
+    """A fresh local cluster with the small transactions' topic, its leases settled:
+    yields (launcher report, bootstrap address). `replication_factor` None: the
+    product's default copies."""
     from spark_client import Client
 
-    cells: dict = {}
-    with common.local_cluster(f"atomlog-bench-paths-{shape}-", SHAPES[shape],
-                              replication_factor=common.BENCH_REPLICATION_FACTOR) as (
+    with common.local_cluster(prefix, roles, replication_factor=replication_factor) as (
             _, report, address):
         with Client(address) as client:
             client.create_topic(tb.SMALL_TOPIC, partitions=tb.PARTITIONS)
         time.sleep(3)  # leases settle
+        yield report, address
+
+
+def run_shape(shape: str, clients: int, seconds: float, ctp_inputs: int,
+              ctp_runs: int) -> dict:
+    """Every atomlog cell on one fresh cluster of `shape`."""
+    cells: dict = {}
+    with _cluster(f"atomlog-bench-paths-{shape}-", SHAPES[shape],
+                  common.BENCH_REPLICATION_FACTOR) as (report, address):
         for one_call in (True, False):
             path = "one-call" if one_call else "streaming"
             cells[f"small {path}"] = tb.small_transactions(report, address, clients, seconds,
@@ -93,13 +103,8 @@ def run_default_copies(clients: int, seconds: float) -> dict:
     """The small one-call cell on the cluster as `atomlog up` makes it, every topic at the
     product's default copies (three, on three partition servers): what a user gets
     without choosing, beside the one-copy cells the targets are measured on."""
-    from spark_client import Client
-
-    with common.local_cluster("atomlog-bench-paths-default-copies-", SHAPES["cluster"]) as (
-            _, report, address):
-        with Client(address) as client:
-            client.create_topic(tb.SMALL_TOPIC, partitions=tb.PARTITIONS)
-        time.sleep(3)  # leases settle
+    with _cluster("atomlog-bench-paths-default-copies-", SHAPES["cluster"], None) as (
+            report, address):
         cell = tb.small_transactions(report, address, clients, seconds, True)
     print(f"cluster small one-call, default copies: {cell}", flush=True)
     return cell

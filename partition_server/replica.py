@@ -1480,16 +1480,7 @@ class Follower:
         if data or self._log_start_moved(response):
             await asyncio.to_thread(self._copy_log, fetch, response, data)
         if _carries_cursors(response):
-            await asyncio.to_thread(self._copy_cursors_after_log, response)
-
-    def _copy_cursors_after_log(self, response) -> None:
-        """On a worker thread (or the link's), after the log's copy: the answer's cursor
-        state. A failure raises CursorCopyFailed (the caller backs off) but never holds
-        the log back, and is not the log's failure (no reopen of the log for it)."""
-        try:
-            self._copy_cursors(response)
-        except Exception as error:  # noqa: BLE001 — the store is dropped: resync
-            raise CursorCopyFailed(f"{type(error).__name__}: {error}") from error
+            await asyncio.to_thread(self._copy_cursors, response)
 
     def copies_in_place(self, request, response) -> bool:
         """Whether the link's thread may copy this answer itself (`copy_in_place`): records,
@@ -1508,7 +1499,7 @@ class Follower:
         self.known_hw = response.high_watermark
         self._copy_log(request.fetch_offset, response, response.records)
         if _carries_cursors(response):
-            self._copy_cursors_after_log(response)
+            self._copy_cursors(response)
         self.quiet()
 
     def _log_start_moved(self, response) -> bool:
@@ -1566,9 +1557,11 @@ class Follower:
               leader_log_start=leader_start)
 
     def _copy_cursors(self, response) -> None:
-        """On a worker thread: install the leader's cursor snapshot when it sent one, then
-        append its frames and fsync. Any failure drops the store: the next Replicate says
-        NOT_SYNCED and the leader sends its snapshot again."""
+        """On a worker thread (or the link's), after the log's copy: install the leader's
+        cursor snapshot when it sent one, then append its frames and fsync. Any failure
+        drops the store (the next Replicate says NOT_SYNCED and the leader sends its
+        snapshot again) and raises CursorCopyFailed: the caller backs off, but it is not
+        the log's failure (no reopen of the log for it)."""
         with self._cursor_lock:
             if self._closing:
                 return
@@ -1592,8 +1585,10 @@ class Follower:
                 store.append_copied(response.cursor_frames)
                 store.sync()
                 store.maybe_snapshot()
-            except BaseException:
+            except BaseException as error:
                 self._drop_cursors()
+                if isinstance(error, Exception) and not isinstance(error, CursorCopyFailed):
+                    raise CursorCopyFailed(f"{type(error).__name__}: {error}") from error
                 raise
 
     def _drop_cursors(self) -> None:

@@ -22,7 +22,7 @@ from partition_server.lease import LeaseWatch
 from partition_server.manager import NotOwner, PartitionManager
 from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
 from partition_server.replica import (REPLICATE_MANY_MAX_BYTES, REPLICATE_MANY_MAX_PARTITIONS,
-                                      ReplicateSession, replicate_many)
+                                      SESSION_EPOCH_MAX, ReplicateSession, replicate_many)
 from partition_server.read_wire import SplicedResponse
 from partition_server.replicate_wire import ReplicateItem, ReplicateManyAnswer
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
@@ -232,8 +232,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         if not replica:
             raise AtomlogError("INVALID_ARGUMENT", "replica is empty")
         epoch, incremental = request.session_epoch, request.session_epoch > 1
-        if epoch > 0x7FFFFFFF:
-            raise AtomlogError("INVALID_ARGUMENT", f"session_epoch {epoch} exceeds 2^31 - 1")
+        if epoch > SESSION_EPOCH_MAX:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"session_epoch {epoch} exceeds {SESSION_EPOCH_MAX}")
         if not incremental and (request.session_id or request.forgotten):
             raise AtomlogError("INVALID_ARGUMENT",
                                f"session_epoch {epoch} opens no session to continue: "
