@@ -112,9 +112,12 @@ class Standalone:
                 cwd=self.root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 
     def master_state(self) -> dict | None:
+        """The master's state, or None while it is not serving it yet: a master still
+        starting has answered /json/ with its HTML page once (in CI, 2026-12-04),
+        likely before its JSON handler was attached; that is "not up yet" too."""
         try:
             return json_at(f"http://{MASTER_HOST}:{self.ui_port}/json/")
-        except OSError:
+        except (OSError, ValueError):
             return None
 
     def start(self) -> None:
