@@ -229,6 +229,10 @@ class PartitionLog:
         # DeleteRecords deleted elsewhere (`unlink_files` on a worker thread), called where
         # they run. None: unlinked inline.
         self.defer_unlink: Callable[[list[Path]], object] | None = None
+        # Set by an owner likewise: told (on whatever thread found it) when corruption
+        # before the tail is found while the log serves (a read's check), so the
+        # partition goes to DATA_LOSS as a load finding it does. None: nobody is told.
+        self.on_data_loss: Callable[[DataLoss], object] | None = None
         self._doomed: list[Path] = []  # renamed, the rename synced, not unlinked yet
         self._last_append_time_ms = INT64_MIN
         self._data_loss: DataLoss | None = None
@@ -1292,6 +1296,8 @@ class PartitionLog:
                   "detail": loss.detail, "detected_unix_ms": loss.detected_unix_ms}
         _atomic_write(self.directory / DATA_LOSS_FILE, json.dumps(record).encode(), sync=True,
                       dir_fd=self._dir_fd)
+        if self.on_data_loss is not None:
+            self.on_data_loss(loss)
 
     def _read_data_loss_marker(self) -> DataLoss | None:
         path = self.directory / DATA_LOSS_FILE

@@ -445,15 +445,18 @@ class PartitionManager:
 
     def _resign(self, topic: str, partition: int):
         """How a leadership here gives its epoch up (partition_states.resign): after a
-        failed write or fsync, or instead of resuming an epoch led before."""
-        async def resign(epoch: int):
+        failed write or fsync, instead of resuming an epoch led before, or to a live
+        in-sync replica when its log has corruption before its tail (`heir_only`)."""
+        async def resign(epoch: int, heir_only: bool = False):
             record = self.assignments.topic(topic)
             if record is None:
                 raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION", f"no topic {topic!r}")
             stored = await asyncio.to_thread(
                 partition_states.resign, self.zk.client, topic, partition,
                 record.replicas_of(partition), self.server_name, epoch,
-                self.assignments.live())
+                self.assignments.live(), heir_only=heir_only)
+            if stored is None:
+                return None  # (heir_only: no other live in-sync replica; nothing written)
             m.LEADER_ELECTIONS.labels("false").inc()
             event(log, "leader epoch given up", logging.WARNING,
                   partition=f"{topic}-{partition}", epoch=epoch,

@@ -280,6 +280,8 @@ class _ReplayCancelled(Exception):
 # A reload after a failed write or fsync that fails too (the disk is still full or
 # failing) is retried with backoff from 0.1 s up to 5 s, for as long as the partition is
 # owned here: about the pace at which an operator frees space, without spinning.
+# Why a replicated leader whose log has corruption before its tail gives up its epoch.
+DATA_LOSS_WHY = "its log has corruption before its tail (DATA_LOSS)"
 RELOAD_RETRY_FIRST_S = 0.1
 RELOAD_RETRY_MAX_S = 5.0
 
@@ -410,6 +412,9 @@ class PartitionOwner:
         self.log.defer_recovery_point = defer_recovery_point
         # Nor this: freeing a deleted segment's blocks (retention, DeleteRecords).
         self.log.defer_unlink = lambda paths: loop.run_in_executor(None, unlink_files, paths)
+        # Corruption a read finds: DATA_LOSS, as a load finding it gives (_data_loss_found).
+        self.log.on_data_loss = lambda loss: loop.call_soon_threadsafe(
+            self._data_loss_found, opened, loss)
         if self._use_barrier and self.settings.fsync:
             # Taken anew with each opened log: a log opened before a failed syncfs of
             # its filesystem is refused durability, so its owner reopens it (fail closed).
@@ -429,6 +434,10 @@ class PartitionOwner:
             event(log, "partition refuses to serve: corruption before the log tail",
                   logging.ERROR, partition=self.name, file=self.log.data_loss.path,
                   offset=self.log.data_loss.offset)
+            if self.replication is not None:
+                # A live in-sync replica holds every acknowledged record intact: it leads
+                # instead, and this copy is refetched from it (LeaderReplication.hand_over).
+                self.replication.hand_over(DATA_LOSS_WHY)
             return
         if self.replication is not None:
             self.replication.loaded(self.log.log_start_offset, self.log.log_end_offset)
@@ -1240,13 +1249,20 @@ class PartitionOwner:
         """A write or fsync failed: fail everything unanswered, stop using the log, and
         reload from what is durable (the high watermark: nothing above it was acknowledged,
         and after a failed fsync the page cache above it is not to be trusted)."""
-        log.error("append or fsync failed on %s; failing unacknowledged requests and "
-                  "reloading from disk", self.name, exc_info=error)
+        corrupt = isinstance(error, AtomlogError) and error.reason == "DATA_LOSS"
+        if corrupt:  # (a read found it: `_data_loss_found`)
+            event(log, "corruption found before the log tail; failing unacknowledged "
+                  "requests and reloading", logging.ERROR, partition=self.name,
+                  error=str(error))
+        else:
+            log.error("append or fsync failed on %s; failing unacknowledged requests and "
+                      "reloading from disk", self.name, exc_info=error)
         if self.replication is not None:
             # Followers copy before the leader's fsync: they may hold records cut below.
             # This leadership serves nothing more and gives its epoch up once reloaded
             # (LeaderReplication.give_up; docs/replication.md, "Writes").
-            self.replication.give_up(f"a write or fsync failed: {error}")
+            self.replication.give_up(DATA_LOSS_WHY if corrupt
+                                     else f"a write or fsync failed: {error}")
         self._fail_unanswered(AtomlogError(
             "PARTITION_LOADING", f"write failed on {self.name}: {error}; reloading"), failed)
         durable = None
@@ -1389,6 +1405,15 @@ class PartitionOwner:
             log.warning("the recovery point of %s could not be written: %s; reloading",
                         self.name, error)
             self._checkpoint_failed(error)
+
+    def _data_loss_found(self, opened: PartitionLog, loss) -> None:
+        """A read of this owner's log found corruption before its tail (the log refuses
+        every use from then on and has recorded it): fail closed in the task and reload,
+        which finds the record and takes the partition to DATA_LOSS, so its state,
+        metrics and `atomlog partition recover` say what its reads already do. Before, it
+        stayed ONLINE in all of them until a restart."""
+        if self.log is opened:
+            self._checkpoint_failed(loss.error())
 
     def _checkpoint_failed(self, error: BaseException) -> None:
         """The write-ahead file's checkpointer could not fsync this log (its pages are

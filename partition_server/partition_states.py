@@ -255,11 +255,13 @@ def leave_isr(client, topic: str, partition: int, replicas: list[str], me: str,
 
 
 def resign(client, topic: str, partition: int, replicas: list[str], me: str, epoch: int,
-           live: Iterable[str], attempts: int = 20) -> Versioned:
+           live: Iterable[str], attempts: int = 20, heir_only: bool = False
+           ) -> Versioned | None:
     """`me`, leading in `epoch`, gives that epoch up (`replication.resign`): written by
     compare-and-set against the state as read now, rereading when only the ISR changed
     meanwhile (a restarted replica left it). StaleState when `me` no longer leads in
-    `epoch` (another leadership began: the epoch is given up already)."""
+    `epoch` (another leadership began: the epoch is given up already). With `heir_only`,
+    None (nothing written) while no other live replica of the ISR can lead."""
     live = set(live)
     for _ in range(attempts):
         current = read(client, topic, partition, replicas)
@@ -267,9 +269,11 @@ def resign(client, topic: str, partition: int, replicas: list[str], me: str, epo
         if (state.leader, state.leader_epoch) != (me, epoch):
             raise StaleState(f"{topic}-{partition} is led by {state.leader} in epoch "
                              f"{state.leader_epoch}, not by {me} in {epoch}")
+        given_up = replication.resign(state, replicas, me, live, heir_only)
+        if given_up is None:
+            return None
         try:
-            return _write(client, topic, partition,
-                          replication.resign(state, replicas, me, live), current.version)
+            return _write(client, topic, partition, given_up, current.version)
         except StaleState:
             continue
     raise StaleState(f"{topic}-{partition} kept changing while {me} gave up epoch {epoch}")

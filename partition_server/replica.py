@@ -72,6 +72,8 @@ PARTITION_SERVICE = partition_pb2.DESCRIPTOR.services_by_name["PartitionService"
 _RESTARTS_LOGGED: dict[str, int] = {}
 
 ISR_CHECK_INTERVAL_S = 0.25
+# How often a leader in DATA_LOSS asks again whether a live in-sync replica can lead.
+HAND_OVER_RETRY_S = 1.0
 FOLLOWER_RETRY_FIRST_S = 0.05
 FOLLOWER_RETRY_MAX_S = 1.0
 REPLICATE_MAX_BYTES = 4 << 20
@@ -127,6 +129,7 @@ class LeaderReplication:
         self.failed: str | None = None
         self._resign = resign
         self._resign_task: asyncio.Task | None = None
+        self._handover_task: asyncio.Task | None = None
         self.owner = None
         self._write_isr = write_isr
         self._live = live
@@ -189,6 +192,11 @@ class LeaderReplication:
             self.epoch_start = log_end
             self.progress.start(log_end, self.known_hw)
         elif not first:
+            # (A data-loss recovery mended the log: its epoch is given up as after any
+            # reload, no longer only to an heir.)
+            handing_over, self._handover_task = self._handover_task, None
+            if handing_over is not None:
+                handing_over.cancel()
             self.resign_soon()  # (a first load: `start` does, once the owner is open)
         self.local_durable_end = log_end
         self.log_end = log_end
@@ -201,7 +209,7 @@ class LeaderReplication:
 
     def start(self) -> None:
         if self.failed is not None:  # (a resumed epoch: given up before it serves)
-            self.resign_soon()
+            self.resign_soon()  # (not after hand_over: only an heir may lead then)
             return
         self._isr_task = asyncio.create_task(self._maintain_isr(), name=f"isr {self.name}")
 
@@ -212,7 +220,7 @@ class LeaderReplication:
         # waits on ends (an ISR change poked just before close): it went on forever.
         self._closing = True
         self._wake_isr()
-        for task in (self._isr_task, self._resign_task):
+        for task in (self._isr_task, self._resign_task, self._handover_task):
             if task is None:
                 continue
             task.cancel()
@@ -239,7 +247,8 @@ class LeaderReplication:
         """Write epoch + 1 (another live in-sync replica leads, or this one again; see
         replication.resign) in the background, retrying while ZooKeeper is away; the
         state's watch then steers this server to the new leadership or to following."""
-        if self._resign_task is None and self._resign is not None and self.fenced is None:
+        if self._resign_task is None and self._handover_task is None \
+                and self._resign is not None and self.fenced is None:
             self._resign_task = asyncio.create_task(self._resign_epoch(),
                                                     name=f"resign {self.name}")
 
@@ -262,6 +271,39 @@ class LeaderReplication:
             self.fence(f"gave up epoch {self.epoch} ({self.failed}): {state.leader} leads in "
                        f"epoch {state.leader_epoch}")
             return
+
+    def hand_over(self, why: str) -> None:
+        """The owner's log has corruption before its tail (it loaded in DATA_LOSS, or a
+        read found it): this leadership serves nothing more (`give_up`), and as soon as
+        another live replica of the ISR can lead, that one leads in epoch + 1 (it holds
+        every acknowledged record intact) and this server follows it, fetching its copy
+        anew (`Follower._open` wipes a corrupt one). Until then (no other replica of the
+        ISR is live, or the ISR is this one alone) the partition stays in DATA_LOSS here,
+        for an operator (`atomlog partition recover`), asked again every second."""
+        self.give_up(why)
+        if self._handover_task is None and self._resign_task is None \
+                and self._resign is not None and self.fenced is None:
+            self._handover_task = asyncio.create_task(self._hand_over(),
+                                                      name=f"hand over {self.name}")
+
+    async def _hand_over(self) -> None:
+        while self.fenced is None and not self._closing:
+            try:
+                stored = await self._resign(self.epoch, heir_only=True)
+            except StaleState:
+                self.fence(f"gave up epoch {self.epoch}; another leadership began meanwhile")
+                return
+            except Exception as error:  # noqa: BLE001 — ZooKeeper away: try again
+                event(log, "handing the leadership over not written; retrying",
+                      logging.WARNING, partition=self.name, epoch=self.epoch,
+                      error=f"{type(error).__name__}: {error}")
+                stored = None
+            if stored is not None:
+                state = stored.state
+                self.fence(f"gave up epoch {self.epoch} ({self.failed}): {state.leader} "
+                           f"leads in epoch {state.leader_epoch}")
+                return
+            await asyncio.sleep(HAND_OVER_RETRY_S)
 
     def fence(self, why: str) -> None:
         if self.fenced is None:

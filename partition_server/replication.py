@@ -306,7 +306,7 @@ def resumes_epoch(cache: "LeaderEpochCache", epoch: int) -> bool:
 
 
 def resign(state: PartitionState, replicas: list[str], me: str,
-           live: Iterable[str]) -> PartitionState:
+           live: Iterable[str], heir_only: bool = False) -> PartitionState | None:
     """The state a leader writes (compare-and-set) to give up its leader epoch: after a
     failed write or fsync (its log is cut back to what it made durable, and followers may
     hold more of the epoch), or when it would resume an epoch it led before
@@ -316,7 +316,8 @@ def resign(state: PartitionState, replicas: list[str], me: str,
     Either way every replica then cuts what it holds of the old epoch to the new
     leader's history by leader epoch, and nothing acknowledged is lost: the high
     watermark never passed the failed leader's durable end, which it keeps, nor any
-    in-sync replica's."""
+    in-sync replica's. `heir_only` (a leader whose log has corruption before its tail,
+    which leading again would not mend): None instead of `me` leading again."""
     if state.leader != me:
         raise ValueError(f"{me} does not lead ({state})")
     live = set(live) - {me}
@@ -324,6 +325,8 @@ def resign(state: PartitionState, replicas: list[str], me: str,
     heirs = [r for r in replicas if r in rest and r in live]
     if heirs:
         return PartitionState(heirs[0], state.leader_epoch + 1, rest)
+    if heir_only:
+        return None
     return PartitionState(me, state.leader_epoch + 1, state.isr)
 
 

@@ -20,6 +20,7 @@ from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.producer_state import ProducerStateTable
 from partition_server.record_batch import iter_batches
 from spark_client import Client
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -191,11 +192,53 @@ def test_corruption_before_the_tail_takes_only_that_partition_offline(cluster):
     client.close()
 
 
+def test_corruption_a_read_finds_takes_the_partition_to_data_loss_at_once(cluster):
+    """Corruption found by a read (the server checks every batch it serves), not by a
+    load, takes the partition to DATA_LOSS at once: its state, the atomlog_partitions
+    gauge (which the AtomlogPartitionDataLoss alert watches) and `atomlog status` say so,
+    and `atomlog partition recover` brings it back, without a restart. Before, only its
+    reads and writes failed: it stayed ONLINE everywhere else, the alert stayed silent
+    and the recovery was refused (PARTITION_NOT_IN_DATA_LOSS) until the server restarted."""
+    from tests.test_replication import fetch_error, flip_byte_in_batch
+
+    client = Client(cluster.info["bootstrap"])
+    client.create_topic("read-rot", partitions=1, replication_factor=1)
+    with client.producer(linger_ms=0) as producer:
+        for i in range(20):
+            producer.send("read-rot", f"v{i}".encode() * 40, partition=0).result(30)
+    route = client.metadata.route("read-rot", 0)
+    [segment] = sorted((cluster.data_dir / route.server_name / "partitions" / "read-rot-0")
+                       .glob("*.log"))
+    flip_byte_in_batch(segment, 10)
+    assert fetch_error(route.address, "read-rot", 0, 0) == "DATA_LOSS"
+
+    def in_data_loss() -> bool:
+        return describe(client, "read-rot", 0).state == partition_pb2.PARTITION_STATE_DATA_LOSS
+
+    wait_until(in_data_loss, 10, "read-rot-0 to be in DATA_LOSS")
+    info = describe(client, "read-rot", 0)
+    assert info.data_loss.offset == 10 and info.data_loss.file.endswith(segment.name)
+    assert partitions_by_state(cluster, route.server_name)["DATA_LOSS"] == 1
+    assert not cluster.status()["healthy"]
+    cluster.run("partition", "recover", "read-rot", "0", "--file", info.data_loss.file,
+                "--offset", "10", "--accept-data-loss")
+    recovered = describe(client, "read-rot", 0)
+    assert recovered.state == partition_pb2.PARTITION_STATE_ONLINE
+    # Cut at 10; unless the write-ahead file still held the frames of 10-19 (its
+    # checkpointer had not passed them yet), which the load then writes back intact.
+    assert recovered.high_watermark in (10, 20)
+    assert partitions_by_state(cluster, route.server_name)["DATA_LOSS"] == 0
+    with client.consumer("read-rot") as consumer:
+        values = [m.value for batch in consumer.read_until(idle_timeout_s=10) for m in batch]
+    assert values == [f"v{i}".encode() * 40 for i in range(recovered.high_watermark)]
+    client.close()
+
+
 def test_a_partition_that_cannot_open_is_retried_until_it_can(cluster):
     """A partition whose open fails (here its directory is a file; in the chaos harness, a
     full disk) stays LOADING and is tried again with backoff, and serves once the cause is
     gone — without a restart."""
-    from tests.conftest import create_online, wait_until
+    from tests.conftest import create_online
 
     client = Client(cluster.info["bootstrap"])
     create_online(client, "reopen", 1)

@@ -77,13 +77,23 @@ def segment_bases(cluster, server: str, topic: str, partition: int) -> list[int]
     return sorted(int(path.stem) for path in directory.glob("*.log"))
 
 
-def segment_digests(cluster, topic: str, partition: int) -> dict[str, str]:
+def segment_digests(cluster, topic: str, partition: int,
+                    servers: tuple[str, ...] = SERVERS) -> dict[str, str]:
     digests = {}
-    for server in SERVERS:
+    for server in servers:
         directory = cluster.data_dir / server / "partitions" / f"{topic}-{partition}"
         data = b"".join(batches_of(path) for path in sorted(directory.glob("*.log")))
         digests[server] = hashlib.sha256(data).hexdigest()
     return digests
+
+
+def partition_describe(client: Client, topic: str, partition: int):
+    """DescribePartition of the partition's leader."""
+    route = client.metadata.route(topic, partition)
+    stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(route.address))
+    return stub.DescribePartition(partition_pb2.DescribePartitionRequest(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition)),
+        timeout=10)
 
 
 def kill(cluster, server: str, sig=signal.SIGKILL) -> None:
@@ -296,6 +306,62 @@ def test_quiet_partitions_stay_in_sync_and_are_copied_once_written(cluster, clie
         wait_until(lambda: len(set(segment_digests(cluster, topic, partition).values())) == 1,
                    15, f"replicas of {topic}-{partition} to be identical")
     assert len(read_all(client, topic, 24 + written + 23)) == 24 + written + 23
+
+
+def flip_byte_in_batch(segment: Path, number: int) -> None:
+    """Flip a byte near the end of the segment's `number`th batch (0-based), through the
+    page cache its server reads: its CRC no longer matches."""
+    data, position = segment.read_bytes(), 0
+    for _ in range(number + 1):
+        position += 12 + int.from_bytes(data[position + 8:position + 12], "big")
+    fd = os.open(segment, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([data[position - 5] ^ 0xFF]), position - 5)
+    finally:
+        os.close(fd)
+
+
+def fetch_error(address: str, topic: str, partition: int, offset: int) -> str:
+    """The reason a Fetch of one partition from `offset` fails with ("" if it does not)."""
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(address))
+    reply = stub.Fetch(partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition),
+        fetch_offset=offset)]), timeout=10)
+    return reply.results[0].error.reason
+
+
+def test_a_leader_whose_copy_is_found_corrupt_hands_over_and_refetches_it(cluster, client):
+    """A read that finds corruption before the log tail takes the partition to DATA_LOSS
+    on its leader. With in-sync followers, which hold every acknowledged record intact,
+    the leader hands the partition over at once (epoch + 1, docs/replication.md,
+    "Corruption found on a leader") and then follows the new leader, fetching its copy
+    anew: nothing acknowledged is lost, no operator has to truncate, and the three copies
+    end identical. Before, the damaged leader kept leading, every read and write of the
+    partition failed with DATA_LOSS, its state still said ONLINE until a restart, and
+    the runbook's recovery truncated acknowledged records the followers still held."""
+    topic = "rep-corrupt-leader"
+    client.create_topic(topic, partitions=1, replication_factor=3,
+                        config={"min.insync.replicas": "2"})
+    wait_until(lambda: fully_in_sync(client, topic), 15, f"{topic} in sync")
+    with client.producer(linger_ms=0) as producer:
+        for i in range(20):  # 20 batches, each acknowledged (held by the ISR) in turn
+            producer.send(topic, f"c{i}".encode() * 50, partition=0).result(30)
+    wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 15,
+               f"copies of {topic}-0 to match")
+    part = metadata(client, topic).partitions[0]
+    damaged, epoch = part.server_name, part.leader_epoch
+    [segment] = sorted((cluster.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
+    flip_byte_in_batch(segment, 10)
+    assert fetch_error(part.server_address, topic, 0, 0) == "DATA_LOSS"
+    wait_until(lambda: leader_of(client, topic, 0) not in ("", damaged), 15,
+               f"a leader of {topic}-0 other than {damaged}")
+    assert metadata(client, topic).partitions[0].leader_epoch > epoch
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{damaged} back in the ISR")
+    wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 15,
+               f"copies of {topic}-0 to match again")
+    assert not (segment.parent / "data-loss.json").exists()
+    values = read_all(client, topic, 20)
+    assert sorted(values.values()) == sorted(f"c{i}".encode() * 50 for i in range(20))
 
 
 def test_bad_link_input_changes_nothing(cluster, client):

@@ -267,6 +267,11 @@ def test_a_leader_gives_its_epoch_up_to_an_in_sync_heir_or_to_itself():
     assert resign(alone, replicas, "a", {"a", "b", "c"}) == PartitionState("a", 5, ("a",))
     with pytest.raises(ValueError):
         resign(state, replicas, "b", {"a", "b"})
+    # A leader whose log is corrupt hands over to an heir or writes nothing.
+    assert resign(state, replicas, "a", {"a", "c"}, heir_only=True) == \
+        PartitionState("c", 5, ("b", "c"))
+    assert resign(state, replicas, "a", {"a"}, heir_only=True) is None
+    assert resign(alone, replicas, "a", {"a", "b", "c"}, heir_only=True) is None
 
 
 def test_a_leadership_resumes_an_epoch_only_if_the_epoch_file_holds_it():
