@@ -1796,19 +1796,17 @@ class LeaderFetcher:
             except asyncio.TimeoutError:
                 pass
             return
-        if self.link is not None and self.link.usable and len(batch) == len(self.followers) \
-                and not self._added.is_set():
-            left = await self._run_express(batch)
+        # A partition backing off sits these calls out: the leader holds a call no longer
+        # than until it may ask again, and the link thread's rounds end then.
+        retry = min((f.retry_at for f in self.followers.values()
+                     if f.retry_at > now), default=None)
+        if self.link is not None and self.link.usable and not self._added.is_set():
+            left = await self._run_express(batch, retry)
             if left is None:
-                return  # stopped (a partition added or removed): ask again at once
+                return  # stopped (a partition added or removed, or one may ask again)
         else:
-            # A partition backing off sits this call out: the leader holds the call no
-            # longer than until it may ask again.
-            retry = min((f.retry_at for f in self.followers.values()
-                         if f.retry_at > now), default=None)
-            wait_ms = self.fetch_wait_ms if retry is None else \
-                min(self.fetch_wait_ms, max(0, int((retry - time.monotonic()) * 1000) + 1))
-            outcomes = await self._call([request for _follower, request in batch], wait_ms)
+            outcomes = await self._call([request for _follower, request in batch],
+                                        _wait_until(self.fetch_wait_ms, retry))
             if outcomes is None:
                 return  # a partition was added: ask again with it at once
             left = [(follower, request, outcome)
@@ -1920,13 +1918,15 @@ class LeaderFetcher:
         changes.update((key, None) for key in sent if key not in now)
         return self._incremental(changes, wait)
 
-    def _changes_request(self, current: dict, changed) -> partition_pb2.ReplicateManyRequest:
+    def _changes_request(self, current: dict, changed, wait_ms: int
+                         ) -> partition_pb2.ReplicateManyRequest:
         """`_many_request` for the link thread's rounds, costing what changed: `current`
         holds each partition's (follower, request), and only the keys in `changed` (those
         a copy may have moved, or removed) can differ from what the session holds."""
         if changed is None or not self.sessions or not self._session_id \
                 or self._session_epoch >= SESSION_EPOCH_MAX:
-            return self._many_request([request for _follower, request in current.values()])
+            return self._many_request([request for _follower, request in current.values()],
+                                      wait_ms)
         sent = self._session_sent
         changes = {}
         for key in changed:
@@ -1936,7 +1936,7 @@ class LeaderFetcher:
                     changes[key] = None
             elif sent.get(key) is not entry[1]:
                 changes[key] = entry[1]
-        return self._incremental(changes, self.fetch_wait_ms)
+        return self._incremental(changes, wait_ms)
 
     def _incremental(self, changes: dict, wait_ms: int) -> partition_pb2.ReplicateManyRequest:
         """The session's next call: `changes` maps each partition whose request the session
@@ -1989,15 +1989,18 @@ class LeaderFetcher:
         self._session_next = None
 
     # ------------------------------------------------------ rounds on the link's thread
-    async def _run_express(self, batch: list) -> list | None:
+    async def _run_express(self, batch: list, deadline: float | None = None) -> list | None:
         """Rounds on the link's thread (docs/replication.md, "Rounds on the link's
         thread") while every answer is plain: each partition's records are checked,
         appended and fsynced there and the next call goes out, with no hop to the event
-        loop and back. Returns the (follower, request, outcome) the event loop acts on (an
-        answer that is not plain, a failed copy, a failed call), or None when the event
-        loop stopped the rounds (a partition added or removed) with nothing left to do."""
+        loop and back. `deadline` (time.monotonic()): when the first partition left out
+        of `batch` (backing off) may ask again; the rounds end then, so the event loop's
+        next round asks for it. Returns the (follower, request, outcome) the event loop
+        acts on (an answer that is not plain, a failed copy, a failed call), or None when
+        the rounds stopped (a partition added or removed, or `deadline` came) with
+        nothing left to do."""
         self._express_followers = frozenset(follower for follower, _request in batch)
-        self._express = self.link.submit(self._express_rounds, batch)
+        self._express = self.link.submit(self._express_rounds, batch, deadline)
         left, failure = await _finished(self._express)
         if failure is None:
             return left or None
@@ -2014,10 +2017,12 @@ class LeaderFetcher:
                     for (follower, request), outcome in zip(left, outcomes)]
         return [(follower, request, failure) for follower, request in left]
 
-    def _express_rounds(self, batch: list) -> tuple[list, BaseException | None]:
+    def _express_rounds(self, batch: list, deadline: float | None = None
+                        ) -> tuple[list, BaseException | None]:
         """On the link's thread: calls and plain copies until an outcome needs the event
-        loop or the loop asks to stop. Returns (outcomes for the loop, None), empty when
-        stopped, or (the last call's (follower, request) pairs, the call's failure).
+        loop, the loop asks to stop or `deadline` comes (each call's long poll ends by
+        then). Returns (outcomes for the loop, None), empty when stopped or at the
+        deadline, or (the last call's (follower, request) pairs, the call's failure).
 
         After the first call a round costs the partitions answered, not all of them: only
         an answered partition's request can move here (the event loop stops these rounds
@@ -2027,12 +2032,16 @@ class LeaderFetcher:
         changed = None  # (the first call: every partition)
         timeout_s = self.fetch_wait_ms / 1000 + 10
         while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                return [], None  # a partition backing off may ask again
+            wait_ms = _wait_until(self.fetch_wait_ms, deadline)
             with self._express_lock:
                 if self._express_stop:
                     return [], None
                 self._express_calling = True
             try:
-                answer = self.link.exchange(self._changes_request(current, changed), timeout_s)
+                answer = self.link.exchange(self._changes_request(current, changed, wait_ms),
+                                            timeout_s)
             except Exception as error:  # noqa: BLE001 — the event loop decides what it means
                 self._session_lost()
                 return list(current.values()), error
@@ -2078,6 +2087,15 @@ class LeaderFetcher:
             self._express_stop = True
             if self._express_calling and self.link is not None:
                 self.link.cancel()
+
+
+def _wait_until(wait_ms: int, deadline: float | None) -> int:
+    """A long poll's max_wait_ms: `wait_ms`, or less so that it ends by `deadline`
+    (time.monotonic(); None: none), 0 once that has come."""
+    if deadline is None:
+        return wait_ms
+    left_s = deadline - time.monotonic()
+    return 0 if left_s <= 0 else min(wait_ms, int(left_s * 1000) + 1)
 
 
 def _carries_cursors(response) -> bool:

@@ -364,6 +364,74 @@ def test_a_leader_whose_copy_is_found_corrupt_hands_over_and_refetches_it(cluste
     assert sorted(values.values()) == sorted(f"c{i}".encode() * 50 for i in range(20))
 
 
+def test_a_damaged_partition_does_not_slow_its_neighbours_copies(cluster, client):
+    """A partition whose leader's copy is damaged answers its follower DATA_LOSS until an
+    operator recovers it, and the follower backs it off (at most a second) over and over.
+    Its neighbours on the same leader keep their rounds on the replication link's thread
+    meanwhile (docs/replication.md, "Rounds on the link's thread"): they end when the
+    damaged partition may ask again, about once a second, not at every write. Before,
+    while any partition of a fetcher backed off, every round of it ran on the event loop,
+    which prepares and compares every partition the follower copies from that leader.
+    Recovering the partition (the runbook's `atomlog partition recover`) brings its copy
+    back in sync."""
+    topic = "rep-damaged"
+    client.create_topic(topic, partitions=12, replication_factor=2,
+                        config={"min.insync.replicas": "1"})
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{topic} in sync")
+    pairs: dict[tuple[str, str], list[int]] = {}
+    for number, part in enumerate(metadata(client, topic).partitions):
+        follower = next(r for r in part.replicas if r != part.server_name)
+        pairs.setdefault((part.server_name, follower), []).append(number)
+    # 12 partitions over 6 (leader, follower) pairs: one pair has two or more.
+    (leader, follower), (damaged, neighbour, *_) = next(
+        (pair, numbers) for pair, numbers in pairs.items() if len(numbers) >= 2)
+    with client.producer(linger_ms=0) as producer:
+        for i in range(20):  # 20 batches each, acknowledged one at a time
+            for partition in (damaged, neighbour):
+                producer.send(topic, f"r{i}".encode() * 50, partition=partition).result(30)
+    kill(cluster, follower)
+    shutil.rmtree(cluster.data_dir / follower / "partitions" / f"{topic}-{damaged}")
+    # The leader's batch at offset 10 no longer passes its CRC; the follower, wiped, has
+    # no copy of the partition: no replica can take it over.
+    [segment] = sorted((cluster.data_dir / leader / "partitions" / f"{topic}-{damaged}")
+                       .glob("*.log"))
+    flip_byte_in_batch(segment, 10)
+    restart_all(cluster)
+
+    def neighbour_in_sync() -> bool:
+        part = metadata(client, topic).partitions[neighbour]
+        return sorted(part.isr) == sorted(part.replicas)
+
+    wait_until(neighbour_in_sync, 30, f"{follower} back in the ISR of {topic}-{neighbour}")
+    part = metadata(client, topic).partitions[damaged]
+    assert part.server_name == leader and part.isr == [leader]  # the follower cannot copy it
+    loop_rounds = "atomlog_replica_fetch_loop_rounds_total"
+    calls = "atomlog_replica_fetch_calls_total"
+    before = (server_metric(cluster, follower, loop_rounds),
+              server_metric(cluster, follower, calls))
+    began = time.monotonic()
+    with client.producer(linger_ms=0) as producer:
+        for i in range(60):  # each acknowledged once the follower holds it (the ISR's two)
+            producer.send(topic, f"n{i}".encode(), partition=neighbour).result(30)
+    took = time.monotonic() - began
+    rounds = server_metric(cluster, follower, loop_rounds) - before[0]
+    called = server_metric(cluster, follower, calls) - before[1]
+    assert neighbour_in_sync() and called >= 60, (called, took)
+    # About one event-loop round a second (the damaged partition asking again); before,
+    # one per call.
+    assert rounds <= took + 10, (rounds, called, took)
+    wait_until(lambda: len(set(segment_digests(cluster, topic, neighbour, (leader, follower))
+                               .values())) == 1, 15, f"copies of {topic}-{neighbour} to match")
+
+    info = partition_describe(client, topic, damaged)
+    assert info.state == partition_pb2.PARTITION_STATE_DATA_LOSS and info.data_loss.offset == 10
+    cluster.run("partition", "recover", topic, str(damaged), "--file", info.data_loss.file,
+                "--offset", "10", "--accept-data-loss")
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{topic} back in sync")
+    wait_until(lambda: len(set(segment_digests(cluster, topic, damaged, (leader, follower))
+                               .values())) == 1, 15, f"copies of {topic}-{damaged} to match")
+
+
 def test_bad_link_input_changes_nothing(cluster, client):
     """The replication link closes a connection that breaks its wire format (without
     reading a frame it announces past its bound), answers a request it cannot take with
