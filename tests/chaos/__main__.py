@@ -28,8 +28,8 @@ def parse(argv: list[str] | None) -> Options:
                         help="replays a run's faults and operations (default: random)")
     parser.add_argument("--nemesis", default=None,
                         help=f"comma-separated, from {','.join(NEMESES)}, or 'none' "
-                             "(default: kill,pause,net,disk,restart, and leader,wipe,reassign "
-                             "with --replication 2 or more)")
+                             "(default: kill,pause,net,disk,restart, and "
+                             "leader,wipe,reassign,corrupt with --replication 2 or more)")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the history and report go (default: "
                              ".atomlog/chaos/<workload>-<seed>-<time>)")
@@ -38,7 +38,7 @@ def parse(argv: list[str] | None) -> Options:
     parser.add_argument("--replication", type=int, default=1,
                         help="replication factor of every topic, __txn_log included "
                              "(topics.default_replication_factor; default 1); the leader, "
-                             "wipe and reassign nemeses need 2 or more")
+                             "wipe, reassign and corrupt nemeses need 2 or more")
     parser.add_argument("--combined", action="store_true",
                         help="run the combined server (every role in one process) instead "
                              "of a process per role")
@@ -51,7 +51,7 @@ def parse(argv: list[str] | None) -> Options:
                              "scripts/go_tools.sh's toolchain) on its streaming transaction "
                              "path, writing its history as the Python workers do")
     args = parser.parse_args(argv)
-    chosen = args.nemesis or ("kill,pause,net,disk,restart" + (",leader,wipe,reassign"
+    chosen = args.nemesis or ("kill,pause,net,disk,restart" + (",leader,wipe,reassign,corrupt"
                                                        if args.replication > 1 else ""))
     nemeses = [] if chosen == "none" else [n for n in chosen.split(",") if n]
     unknown = [n for n in nemeses if n not in NEMESES]

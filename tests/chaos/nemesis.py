@@ -22,6 +22,12 @@ Nemeses and their faults:
          from ZooKeeper (both ways) for longer than the session timeout: every start-up
          step must ride out a ZooKeeper blip shorter than zookeeper.connect_timeout_ms
          (a server that exits instead is a problem of the run, runner.watch_servers)
+  corrupt (replicated runs) with every ISR whole, a byte flipped in a batch in the middle
+         of the oldest segment of the current leader's copy of a random workload
+         partition, then that batch read from the leader (a Fetch): the read finds the
+         damage, and the leader must hand the partition to an in-sync replica and fetch
+         its own copy anew (docs/replication.md, "Corruption found on a leader") with
+         nothing acknowledged lost
   reassign (replicated runs) `partition reassign` of a random workload partition to its
          replicas less one — its current leader (a handover in a new epoch) or a follower
          — whose copy is then deleted; healed by reassigning it back to every replica
@@ -34,8 +40,9 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-NEMESES = ("kill", "pause", "net", "disk", "restart", "leader", "wipe", "reassign")
-REPLICATED_ONLY = ("wipe", "reassign")  # wipe: would destroy acknowledged data with one copy
+NEMESES = ("kill", "pause", "net", "disk", "restart", "leader", "wipe", "reassign", "corrupt")
+# wipe, corrupt: would destroy acknowledged data with one copy
+REPLICATED_ONLY = ("wipe", "reassign", "corrupt")
 QUIET_S = (1.0, 4.0)  # between two faults
 
 
@@ -129,6 +136,8 @@ def _one(rng: random.Random, nemesis: str, at_s: float, topology: Topology) -> F
         return Fault(at_s, kind, target, topology.max_lag_s + rng.uniform(1.0, 5.0))
     if nemesis == "wipe":
         return Fault(at_s, "wipe", rng.choice(topology.partition_servers), rng.uniform(0.0, 4.0))
+    if nemesis == "corrupt":
+        return Fault(at_s, "corrupt", rng.choice(topology.partitions), rng.uniform(3.0, 8.0))
     if nemesis == "reassign":
         kind = rng.choice(("reassign-leader", "reassign-follower"))
         return Fault(at_s, kind, rng.choice(topology.partitions), rng.uniform(3.0, 10.0))

@@ -573,6 +573,14 @@ class Run:
             for child in (partitions.iterdir() if partitions.is_dir() else ()):
                 shutil.rmtree(child, ignore_errors=True)
             return lambda: self.restart(target)
+        if kind == "corrupt":
+            # Only with every copy in sync: the damaged leader must have an heir (with
+            # none it waits in DATA_LOSS for an operator, which a run does not play).
+            if not self.wait_in_sync(60.0):
+                self.notes.append(f"corrupt of {target} skipped: replicas not in sync for 60 s")
+                return lambda: None
+            self.corrupt(target)
+            return lambda: None
         if kind == "kill":
             self.kill(target)
             return lambda: self.restart(target)
@@ -618,6 +626,59 @@ class Run:
             fill(filler)
             return lambda: filler.unlink(missing_ok=True)
         raise AssertionError(kind)
+
+    def corrupt(self, partition: str) -> None:
+        """Flip a byte near the end of the middle batch of the oldest segment of the
+        leader's copy of "topic/p", then Fetch from that batch at the leader, so that its
+        read finds the damage now rather than never (reads of the workload are at the
+        end of the log)."""
+        from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+        from spark_client import Client
+
+        leader = self.leader_of(partition)
+        topic, number = partition.rsplit("/", 1)
+        directory = Path(self.entry(self.cluster, leader).data_dir) / "partitions" / \
+            f"{topic}-{number}"
+        segments = sorted(directory.glob("*.log"))
+        if not segments:
+            self.notes.append(f"corrupt of {partition} skipped: no segment on {leader}")
+            return
+        data = segments[0].read_bytes()
+        batches, position = [], 0  # (position, base offset, size) of each whole batch
+        while position + 12 <= len(data):
+            length = int.from_bytes(data[position + 8:position + 12], "big", signed=True)
+            if length <= 0 or position + 12 + length > len(data):
+                break
+            batches.append((position, int.from_bytes(data[position:position + 8], "big"),
+                            12 + length))
+            position += 12 + length
+        if not batches:
+            self.notes.append(f"corrupt of {partition} skipped: no batch on {leader}")
+            return
+        at, offset, size = batches[len(batches) // 2]
+        flipped = at + size - 5
+        fd = os.open(segments[0], os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([data[flipped] ^ 0xFF]), flipped)
+        finally:
+            os.close(fd)
+        self.log.record("nemesis-target", fault="corrupt", partition=partition, leader=leader,
+                        segment=segments[0].name, offset=offset, position=flipped)
+        self.say(f"  {partition}: byte {flipped} of {leader}'s {segments[0].name} "
+                 f"(batch at offset {offset}) flipped")
+        request = partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
+            topic_partition=common_pb2.TopicPartition(topic=topic, partition=int(number)),
+            fetch_offset=offset)])
+        try:
+            with Client(self.spec["bootstrap"], request_timeout_s=10.0,
+                        tls=self.client_tls()) as client:
+                address = next(p.grpc_address for p in self.cluster.processes
+                               if p.name == leader)
+                stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+                reply = stub.Fetch(request, timeout=10)
+                self.say(f"  the leader's read: {reply.results[0].error.reason or 'served'}")
+        except Exception as error:  # noqa: BLE001 — the damage stays for a later read
+            self.notes.append(f"corrupt of {partition}: the read failed ({error!r})")
 
     def kill(self, name: str) -> None:
         """kill -9 of a cluster process, held down until a heal restarts it; returns once
