@@ -724,6 +724,10 @@ class PartitionOwner:
         if self.state is State.ONLINE:
             return
         if self.state is State.DATA_LOSS and self.log is not None and self.log.data_loss:
+            if self.replication is not None and self.replication.handing_over:
+                # An in-sync replica is taking over: the retriable NOT_PARTITION_OWNER
+                # sends clients to it, where DATA_LOSS would fail them for good.
+                self.replication.check_serving()
             raise self.log.data_loss.error()
         if self.state is State.LOADING:
             raise AtomlogError("PARTITION_LOADING", f"partition {self.name} is loading",

@@ -286,6 +286,15 @@ class LeaderReplication:
             self._handover_task = asyncio.create_task(self._hand_over(),
                                                       name=f"hand over {self.name}")
 
+    @property
+    def handing_over(self) -> bool:
+        """`hand_over` runs and another replica of the ISR is live to take the partition:
+        clients are told to look for the new leader rather than DATA_LOSS."""
+        if self._handover_task is None or self.fenced is not None:
+            return False
+        live = self._live()
+        return any(r != self.me and r in live for r in self.progress.isr)
+
     async def _hand_over(self) -> None:
         while self.fenced is None and not self._closing:
             try:
