@@ -1475,13 +1475,17 @@ class Follower:
                     await self._restart_at(start)
                     return
             self._back_off()
-            if error.reason in ("INTERNAL", "DATA_LOSS"):
-                self._reopen_due = True  # a failed write or fsync left the log refusing
+            if error.reason in ("INTERNAL", "DATA_LOSS") and \
+                    not getattr(error, "said_by_leader", False):
+                # A failed write or fsync left this log refusing. (Not the leader's answer:
+                # its damaged copy says nothing of this one, which a reopen every back-off
+                # would only scan again.)
+                self._reopen_due = True
         except Exception as error:  # noqa: BLE001 — leader away, disk trouble: retry
             self.last_error = f"{type(error).__name__}: {error}"
             log.debug("follower %s: %s", self.name, self.last_error)
             self._back_off()
-            if isinstance(error, OSError):
+            if isinstance(error, OSError) and not getattr(error, "said_by_leader", False):
                 self._reopen_due = True
 
     def quiet(self) -> None:
@@ -1891,7 +1895,7 @@ class LeaderFetcher:
                 if isinstance(error, grpc.aio.AioRpcError) else error
             if getattr(failure, "reason", "") == "REPLICATE_SESSION_INVALID":
                 return await self._call(requests, wait_ms)  # (opens a new session)
-            return [failure] * len(requests)
+            return [_said_by_leader(failure)] * len(requests)
         self._session_answered(response)
         return _outcomes(requests, response)
 
@@ -2024,7 +2028,7 @@ class LeaderFetcher:
                 return None
             return [(follower, request, outcome)
                     for (follower, request), outcome in zip(left, outcomes)]
-        return [(follower, request, failure) for follower, request in left]
+        return [(follower, request, _said_by_leader(failure)) for follower, request in left]
 
     def _express_rounds(self, batch: list, deadline: float | None = None
                         ) -> tuple[list, BaseException | None]:
@@ -2128,11 +2132,18 @@ def _outcomes(requests: list, response) -> list:
 
 
 def _outcome(result):
-    """A ReplicateMany result's ReplicateAnswer, or its error."""
+    """A ReplicateMany result's ReplicateAnswer, or its error (`_said_by_leader`)."""
     if result.error.reason:
-        return errors.from_item(result.error)
+        return _said_by_leader(errors.from_item(result.error))
     # (a result without a response reads as an empty one)
     return result.response if result.response is not None else ReplicateAnswer()
+
+
+def _said_by_leader(error: BaseException) -> BaseException:
+    """Marks an error as the leader's answer (an item's error, a failed call), not one
+    of this follower's own log: `Follower.handle` reopens its log only for those."""
+    error.said_by_leader = True
+    return error
 
 
 async def _finished(future: concurrent.futures.Future):

@@ -428,6 +428,13 @@ def test_a_damaged_partition_does_not_slow_its_neighbours_copies(cluster, client
     assert rounds <= took + 10, (rounds, called, took)
     wait_until(lambda: len(set(segment_digests(cluster, topic, neighbour, (leader, follower))
                                .values())) == 1, 15, f"copies of {topic}-{neighbour} to match")
+    # The leader's refusals say nothing of the follower's own copy: it does not reopen
+    # its log at each of them (before, once a back-off: about once a second).
+    time.sleep(3.0)
+    reopened = [line for line in Path(cluster.process(follower)["log_file"]).read_text()
+                .splitlines() if "follower reopened its log" in line
+                and f"{topic}-{damaged}" in line]
+    assert reopened == [], reopened[:3]
 
     info = partition_describe(client, topic, damaged)
     assert info.state == partition_pb2.PARTITION_STATE_DATA_LOSS and info.data_loss.offset == 10
