@@ -280,10 +280,10 @@ class _ReplayCancelled(Exception):
 # A reload after a failed write or fsync that fails too (the disk is still full or
 # failing) is retried with backoff from 0.1 s up to 5 s, for as long as the partition is
 # owned here: about the pace at which an operator frees space, without spinning.
-# Why a replicated leader whose log has corruption before its tail gives up its epoch.
-DATA_LOSS_WHY = "its log has corruption before its tail (DATA_LOSS)"
 RELOAD_RETRY_FIRST_S = 0.1
 RELOAD_RETRY_MAX_S = 5.0
+# Why a replicated leader whose log has corruption before its tail gives up its epoch.
+DATA_LOSS_WHY = "its log has corruption before its tail (DATA_LOSS)"
 
 
 def _wall_ms() -> int:
