@@ -29,6 +29,7 @@ from partition_server.record_batch import Record, encode_batch
 from spark_client import Client, errors
 from tests.conftest import SESSION_TIMEOUT_MS, create_online, metric_sum, wait_until
 from tests.link_tools import HEAD, closed_by_peer, connect, link_address, read_frame, request_frame
+from tests.test_partition_crash import describe
 
 pytestmark = pytest.mark.cluster
 
@@ -85,15 +86,6 @@ def segment_digests(cluster, topic: str, partition: int,
         data = b"".join(batches_of(path) for path in sorted(directory.glob("*.log")))
         digests[server] = hashlib.sha256(data).hexdigest()
     return digests
-
-
-def partition_describe(client: Client, topic: str, partition: int):
-    """DescribePartition of the partition's leader."""
-    route = client.metadata.route(topic, partition)
-    stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(route.address))
-    return stub.DescribePartition(partition_pb2.DescribePartitionRequest(
-        topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition)),
-        timeout=10)
 
 
 def kill(cluster, server: str, sig=signal.SIGKILL) -> None:
@@ -436,7 +428,7 @@ def test_a_damaged_partition_does_not_slow_its_neighbours_copies(cluster, client
                 and f"{topic}-{damaged}" in line]
     assert reopened == [], reopened[:3]
 
-    info = partition_describe(client, topic, damaged)
+    info = describe(client, topic, damaged)
     assert info.state == partition_pb2.PARTITION_STATE_DATA_LOSS and info.data_loss.offset == 10
     cluster.run("partition", "recover", topic, str(damaged), "--file", info.data_loss.file,
                 "--offset", "10", "--accept-data-loss")
