@@ -11,7 +11,7 @@ ZooKeeper) and runs two cells on it:
    the leader, whose read finds the damage. Per round: **write gap**, the longest pause
    between two acknowledged writes around the fault; **new leader**, from the read to a
    new leader in the partition's metadata; **copy back**, from the read until the damaged
-   server is in the ISR again with its copy fetched anew; failed sends. Baseline in the
+   server is in the ISR again with its copy mended; failed sends. Baseline in the
    same run: `--kill-rounds` kill -9s of the leader (its ZooKeeper session has to expire
    before another replica leads; restarted once the partition serves again). At the end
    every acknowledged record is read back.

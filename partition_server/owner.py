@@ -436,7 +436,8 @@ class PartitionOwner:
                   offset=self.log.data_loss.offset)
             if self.replication is not None:
                 # A live in-sync replica holds every acknowledged record intact: it leads
-                # instead, and this copy is refetched from it (LeaderReplication.hand_over).
+                # instead, and this copy follows it, cut at the damage and the rest fetched
+                # from it (LeaderReplication.hand_over).
                 self.replication.hand_over(DATA_LOSS_WHY)
             return
         if self.replication is not None:

@@ -276,8 +276,8 @@ class LeaderReplication:
         """The owner's log has corruption before its tail (it loaded in DATA_LOSS, or a
         read found it): this leadership serves nothing more (`give_up`), and as soon as
         another live replica of the ISR can lead, that one leads in epoch + 1 (it holds
-        every acknowledged record intact) and this server follows it, fetching its copy
-        anew (`Follower._open` wipes a corrupt one). Until then (no other replica of the
+        every acknowledged record intact) and this server follows it, its copy cut at the
+        damage and the rest fetched (`Follower._open`). Until then (no other replica of the
         ISR is live, or the ISR is this one alone) the partition stays in DATA_LOSS here,
         for an operator (`atomlog partition recover`), asked again every second."""
         self.give_up(why)
@@ -1394,14 +1394,30 @@ class Follower:
     def _open(self) -> tuple[PartitionLog, LeaderEpochFile]:
         partition_log = PartitionLog(self.directory, self.log_config,
                                      direct_copies=self.direct_io)
-        if partition_log.data_loss is not None:
-            # A corrupt copy is worth nothing: start over from the leader.
-            event(log, "follower log corrupt; refetching from the leader", logging.WARNING,
-                  partition=self.name, offset=partition_log.data_loss.offset)
-            partition_log.close()
-            _wipe_log(self.directory)
-            partition_log = PartitionLog(self.directory, self.log_config,
-                                         direct_copies=self.direct_io)
+        loss = partition_log.data_loss
+        if loss is not None:
+            # A corrupt copy (a leader that found it handed the partition over, or it was
+            # found at a load): cut at the damage, as an operator's recovery does, and
+            # fetch the rest from the leader; leader-epoch truncation then reconciles
+            # what is left, as after any leader change. Only if that finds more damage
+            # is the copy worth nothing: wiped, and fetched whole.
+            try:
+                recovery = partition_log.recover_data_loss(loss.path, loss.offset)
+                cut = recovery.data_loss is None
+            except Exception as error:  # noqa: BLE001 — unreadable: start over
+                log.warning("cutting the corrupt copy of %s failed: %s", self.name, error)
+                cut = False
+            event(log, "follower log corrupt; cut at the damage, fetching the rest" if cut
+                  else "follower log corrupt; refetching it whole from the leader",
+                  logging.WARNING, partition=self.name, offset=loss.offset)
+            if not cut:
+                try:
+                    partition_log.close()
+                except Exception:  # noqa: BLE001 — its files go next
+                    pass
+                _wipe_log(self.directory)
+                partition_log = PartitionLog(self.directory, self.log_config,
+                                             direct_copies=self.direct_io)
         epochs = LeaderEpochFile(self.directory, partition_log.log_start_offset,
                                  partition_log.log_end_offset)
         return partition_log, epochs

@@ -326,9 +326,9 @@ def test_a_leader_whose_copy_is_found_corrupt_hands_over_and_refetches_it(cluste
     """A read that finds corruption before the log tail takes the partition to DATA_LOSS
     on its leader. With in-sync followers, which hold every acknowledged record intact,
     the leader hands the partition over at once (epoch + 1, docs/replication.md,
-    "Corruption found on a leader") and then follows the new leader, fetching its copy
-    anew: nothing acknowledged is lost, no operator has to truncate, and the three copies
-    end identical. Before, the damaged leader kept leading, every read and write of the
+    "Corruption found on a leader") and then follows the new leader, its copy cut at the
+    damage and the rest fetched: nothing acknowledged is lost, no operator has to
+    truncate, and the three copies end identical. Before, the damaged leader kept leading, every read and write of the
     partition failed with DATA_LOSS, its state still said ONLINE until a restart, and
     the runbook's recovery truncated acknowledged records the followers still held."""
     topic = "rep-corrupt-leader"
@@ -358,6 +358,9 @@ def test_a_leader_whose_copy_is_found_corrupt_hands_over_and_refetches_it(cluste
     wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 15,
                f"copies of {topic}-0 to match again")
     assert not (segment.parent / "data-loss.json").exists()
+    # Its copy was cut at the damage and the rest fetched, not fetched whole again.
+    assert "follower log corrupt; cut at the damage" in \
+        Path(cluster.process(damaged)["log_file"]).read_text()
     values = read_all(client, topic, 40)
     assert sorted(values.values()) == sorted(f"c{i}".encode() * 50 for i in range(40))
 

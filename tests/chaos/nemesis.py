@@ -25,8 +25,8 @@ Nemeses and their faults:
   corrupt (replicated runs) with every ISR whole, a byte flipped in a batch in the middle
          of the oldest segment of the current leader's copy of a random workload
          partition, then that batch read from the leader (a Fetch): the read finds the
-         damage, and the leader must hand the partition to an in-sync replica and fetch
-         its own copy anew (docs/replication.md, "Corruption found on a leader") with
+         damage, and the leader must hand the partition to an in-sync replica and mend
+         its own copy from it (docs/replication.md, "Corruption found on a leader") with
          nothing acknowledged lost
   reassign (replicated runs) `partition reassign` of a random workload partition to its
          replicas less one — its current leader (a handover in a new epoch) or a follower
