@@ -58,7 +58,7 @@ from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, Cu
                                           LeaderProgress, complete_reassignment,
                                           resumes_epoch, truncation_step)
 from partition_server.copy_link import LINK_FALLBACKS, LinkClient, LinkUnavailable
-from services import errors, local
+from services import errors, failpoints, local
 from services.batching import resolve
 from services.errors import AtomlogError
 from services.logs import event
@@ -297,6 +297,7 @@ class LeaderReplication:
 
     async def _hand_over(self) -> None:
         while self.fenced is None and not self._closing:
+            await failpoints.hold(failpoints.HAND_OVER_HOLD)
             try:
                 stored = await self._resign(self.epoch, heir_only=True)
             except StaleState:

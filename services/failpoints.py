@@ -29,6 +29,10 @@ harness arms and disarms it from outside without talking to the process:
              a partition server holds every verification call (VerifyTxnPartitions)
              before sending it, so a test can send more batches while a transaction's
              first batch waits for its verification.
+    hand_over_hold
+             a partition server holds every hand-over of a damaged partition
+             (LeaderReplication.hand_over) before it writes the new leadership, so a
+             test can see what the damaged leader answers meanwhile.
     start_zookeeper_loss
              once: the next server to start meets a lost ZooKeeper connection
              (kazoo's ConnectionLoss) in a step of its start-up, as a blip does, and the
@@ -52,6 +56,7 @@ ONE_CALL_DECIDE = "one_call_decide"
 ONE_CALL_STAGE = "one_call_stage"
 MARKERS_SEND = "markers_send"
 VERIFY_HOLD = "verify_hold"
+HAND_OVER_HOLD = "hand_over_hold"
 START_ZOOKEEPER_LOSS = "start_zookeeper_loss"
 
 _DIRECTORY: str | None = os.environ.get(ENVIRONMENT_VARIABLE) or None

@@ -7,7 +7,10 @@ Followers copy before the leader's fsync, so they may hold the tail the failing 
 cuts; the leader must not go on in the same epoch. Checked: the partition's leader epoch
 goes up, the old leader says it gave its epoch up, nothing acknowledged is lost or
 duplicated, and every replica ends with the same bytes (the copied tail was cut by
-leader-epoch truncation, not kept beside other records at the same offsets)."""
+leader-epoch truncation, not kept beside other records at the same offsets).
+
+Also on this cluster: a leader handing a damaged partition over (held there by the
+hand_over_hold failpoint) answers NOT_PARTITION_OWNER, not DATA_LOSS."""
 
 from __future__ import annotations
 
@@ -17,11 +20,11 @@ import time
 import pytest
 
 from services import launcher
-from services.failpoints import ENVIRONMENT_VARIABLE, FSYNC
+from services.failpoints import ENVIRONMENT_VARIABLE, FSYNC, HAND_OVER_HOLD
 from spark_client import Client
 from tests.conftest import SESSION_TIMEOUT_MS, Cluster, wait_until
-from tests.test_replication import (SERVERS, fully_in_sync, metadata, read_all,
-                                    segment_digests)
+from tests.test_replication import (SERVERS, fetch_error, flip_byte_in_batch, fully_in_sync,
+                                    metadata, raw_produce, read_all, segment_digests)
 
 pytestmark = pytest.mark.cluster
 
@@ -116,4 +119,52 @@ def test_a_leader_whose_fsync_fails_gives_its_epoch_up_and_loses_nothing(failing
     wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 30,
                "identical replicas")
     assert set(segment_digests(cluster, topic, 0)) == set(SERVERS)
+    client.close()
+
+
+def test_a_leader_handing_a_damaged_partition_over_sends_clients_on(failing_cluster):
+    """While a leader whose copy a read found damaged hands the partition over to an
+    in-sync replica (here held there by the hand_over_hold failpoint), it answers writes
+    and reads with the retriable NOT_PARTITION_OWNER, which sends clients to look for the
+    new leader, not with DATA_LOSS, which they take as final (docs/replication.md,
+    "Corruption found on a leader"). Released, the hand-over completes and the
+    partition serves from its new leader with nothing acknowledged lost."""
+    cluster = failing_cluster
+    client = Client(cluster.info["bootstrap"])
+    topic = "fail-handover"
+    client.create_topic(topic, partitions=1, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{topic} in sync")
+    with client.producer(linger_ms=0) as producer:
+        for i in range(20):
+            producer.send(topic, f"h{i}".encode() * 50, partition=0).result(30)
+    part = metadata(client, topic).partitions[0]
+    leader, address = part.server_name, part.server_address
+    held = cluster.data_dir / "failpoints" / leader / HAND_OVER_HOLD
+    held.touch()
+    try:
+        [segment] = sorted((cluster.data_dir / leader / "partitions" / f"{topic}-0")
+                           .glob("*.log"))
+        flip_byte_in_batch(segment, 10)
+        assert fetch_error(address, topic, 0, 0) == "DATA_LOSS"  # the read that finds it
+        answers: list[str] = []
+
+        def sends_clients_on() -> bool:
+            answers.append(raw_produce(address, topic, 0, b"while handing over")
+                           .results[0].error.reason)
+            return answers[-1] == "NOT_PARTITION_OWNER"
+
+        # (PARTITION_LOADING first, while the owner reloads into DATA_LOSS.)
+        wait_until(sends_clients_on, 15, "the damaged leader to send writers on")
+        assert set(answers) <= {"PARTITION_LOADING", "NOT_PARTITION_OWNER"}, answers
+        assert fetch_error(address, topic, 0, 5) == "NOT_PARTITION_OWNER"
+        assert metadata(client, topic).partitions[0].server_name == leader  # still held
+    finally:
+        held.unlink(missing_ok=True)
+    wait_until(lambda: metadata(client, topic).partitions[0].server_name not in ("", leader),
+               15, f"a leader of {topic}-0 other than {leader}")
+    with client.producer(linger_ms=0) as producer:
+        producer.send(topic, b"h-after", partition=0).result(30)
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{leader} back in the ISR")
+    values = set(read_all(client, topic, 21).values())
+    assert values == {f"h{i}".encode() * 50 for i in range(20)} | {b"h-after"}
     client.close()
