@@ -188,7 +188,14 @@ def read_all(client: Client, topic: str, expected: int, timeout_s: float = 60):
 def client(cluster):
     client = Client(cluster.info["bootstrap"])
     yield client
-    client.close()
+    # The module's kills and restarts leave servers rejoining the ISRs of every replicated
+    # topic (each test waits for its own): the next module on this worker's cluster
+    # starts from a settled one (test_cluster compared metadata across such a rejoin).
+    try:
+        wait_until(lambda: all(fully_in_sync(client, name) for name in client.list_topics()
+                               if name != "__txn_log"), 60, "every replicated topic in sync")
+    finally:
+        client.close()
 
 
 def test_factor_3_topic_keeps_identical_copies_and_describes_them(cluster, client):
