@@ -10,6 +10,7 @@ credential is refused. Plus the settings' validation, and the plaintext health-o
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import grpc
@@ -56,6 +57,20 @@ def snapshot(client: KazooClient, root: str = "/") -> dict[str, bytes]:
     return found
 
 
+def settled_snapshot(client: KazooClient, timeout_s: float = 30) -> dict[str, bytes]:
+    """A snapshot that stayed the same for a second: the coordinator may still be taking
+    up its TC partitions just after `up` (each one's epoch and log producer id are written
+    after its lease; CI once saw /tc/10 change between a test's two snapshots)."""
+    deadline = time.monotonic() + timeout_s
+    last = snapshot(client)
+    while True:
+        time.sleep(1.0)
+        now = snapshot(client)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def test_unauthenticated_writes_are_refused_and_change_nothing(secured, tmp_path):
     info = secured.info
     wrong = tmp_path / "wrong.digest"
@@ -65,7 +80,7 @@ def test_unauthenticated_writes_are_refused_and_change_nothing(secured, tmp_path
     for stranger in strangers:
         stranger.start(timeout=10)
     try:
-        before = snapshot(strangers[0])  # everyone may read
+        before = settled_snapshot(strangers[0])  # everyone may read
         assert "/topics/zk-orders" in before and "/cluster" in before
         registration = next(p for p in before if p.startswith("/servers/"))
         attempts = {
