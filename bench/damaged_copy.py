@@ -77,32 +77,23 @@ def in_sync(client, topic: str, partition: int) -> bool:
     return bool(part.server_name) and sorted(part.isr) == sorted(part.replicas)
 
 
-def batches_of(data: bytes) -> list[tuple[int, int, int]]:
-    """(position, base offset, size) of each whole batch at the start of a segment."""
-    found, position = [], 0
-    while position + 12 <= len(data):
-        length = int.from_bytes(data[position + 8:position + 12], "big", signed=True)
-        if length <= 0 or position + 12 + length > len(data):
-            break
-        found.append((position, int.from_bytes(data[position:position + 8], "big"),
-                      12 + length))
-        position += 12 + length
-    return found
-
-
 def damage(directory: Path, which: int | None = None) -> int:
     """Flip a byte near the end of a batch of the oldest segment in `directory` (the
-    middle one, or the `which`th); returns that batch's offset."""
+    middle one, or the `which`th); returns that batch's offset. (The leaders' files here
+    are written through the page cache: whole batches to their end.)"""
+    from partition_server.record_batch import iter_batches
+
     segment = sorted(directory.glob("*.log"))[0]
     data = segment.read_bytes()
-    batches = batches_of(data)
-    position, offset, size = batches[len(batches) // 2 if which is None else which]
+    batches = list(iter_batches(data))
+    position, header = batches[len(batches) // 2 if which is None else which]
+    flipped = position + header.size - 5
     fd = os.open(segment, os.O_RDWR)
     try:
-        os.pwrite(fd, bytes([data[position + size - 5] ^ 0xFF]), position + size - 5)
+        os.pwrite(fd, bytes([data[flipped] ^ 0xFF]), flipped)
     finally:
         os.close(fd)
-    return offset
+    return header.base_offset
 
 
 def fetch_reason(client, address: str, topic: str, partition: int, offset: int) -> str:

@@ -129,7 +129,7 @@ class LeaderReplication:
         self.failed: str | None = None
         self._resign = resign
         self._resign_task: asyncio.Task | None = None
-        self._handover_task: asyncio.Task | None = None
+        self._heir_only = False  # the task only hands over to an heir (`hand_over`)
         self.owner = None
         self._write_isr = write_isr
         self._live = live
@@ -194,9 +194,9 @@ class LeaderReplication:
         elif not first:
             # (A data-loss recovery mended the log: its epoch is given up as after any
             # reload, no longer only to an heir.)
-            handing_over, self._handover_task = self._handover_task, None
-            if handing_over is not None:
-                handing_over.cancel()
+            if self._heir_only and self._resign_task is not None:
+                self._resign_task.cancel()
+                self._resign_task = None
             self.resign_soon()  # (a first load: `start` does, once the owner is open)
         self.local_durable_end = log_end
         self.log_end = log_end
@@ -220,7 +220,7 @@ class LeaderReplication:
         # waits on ends (an ISR change poked just before close): it went on forever.
         self._closing = True
         self._wake_isr()
-        for task in (self._isr_task, self._resign_task, self._handover_task):
+        for task in (self._isr_task, self._resign_task):
             if task is None:
                 continue
             task.cancel()
@@ -247,16 +247,21 @@ class LeaderReplication:
         """Write epoch + 1 (another live in-sync replica leads, or this one again; see
         replication.resign) in the background, retrying while ZooKeeper is away; the
         state's watch then steers this server to the new leadership or to following."""
-        if self._resign_task is None and self._handover_task is None \
-                and self._resign is not None and self.fenced is None:
-            self._resign_task = asyncio.create_task(self._resign_epoch(),
+        self._start_resigning(heir_only=False)
+
+    def _start_resigning(self, heir_only: bool) -> None:
+        if self._resign_task is None and self._resign is not None and self.fenced is None:
+            self._heir_only = heir_only
+            self._resign_task = asyncio.create_task(self._resign_epoch(heir_only),
                                                     name=f"resign {self.name}")
 
-    async def _resign_epoch(self) -> None:
+    async def _resign_epoch(self, heir_only: bool) -> None:
         delay = ISR_CHECK_INTERVAL_S
         while self.fenced is None:
+            if heir_only:
+                await failpoints.hold(failpoints.HAND_OVER_HOLD)
             try:
-                stored = await self._resign(self.epoch)
+                stored = await self._resign(self.epoch, heir_only=heir_only)
             except StaleState:
                 self.fence(f"gave up epoch {self.epoch}; another leadership began meanwhile")
                 return
@@ -266,6 +271,9 @@ class LeaderReplication:
                       error=f"{type(error).__name__}: {error}")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, FOLLOWER_RETRY_MAX_S * 4)
+                continue
+            if stored is None:  # (heir_only: no other live replica of the ISR yet)
+                await asyncio.sleep(HAND_OVER_RETRY_S)
                 continue
             state = stored.state
             self.fence(f"gave up epoch {self.epoch} ({self.failed}): {state.leader} leads in "
@@ -281,39 +289,16 @@ class LeaderReplication:
         ISR is live, or the ISR is this one alone) the partition stays in DATA_LOSS here,
         for an operator (`atomlog partition recover`), asked again every second."""
         self.give_up(why)
-        if self._handover_task is None and self._resign_task is None \
-                and self._resign is not None and self.fenced is None:
-            self._handover_task = asyncio.create_task(self._hand_over(),
-                                                      name=f"hand over {self.name}")
+        self._start_resigning(heir_only=True)
 
     @property
     def handing_over(self) -> bool:
         """`hand_over` runs and another replica of the ISR is live to take the partition:
         clients are told to look for the new leader rather than DATA_LOSS."""
-        if self._handover_task is None or self.fenced is not None:
+        if self._resign_task is None or not self._heir_only or self.fenced is not None:
             return False
         live = self._live()
         return any(r != self.me and r in live for r in self.progress.isr)
-
-    async def _hand_over(self) -> None:
-        while self.fenced is None and not self._closing:
-            await failpoints.hold(failpoints.HAND_OVER_HOLD)
-            try:
-                stored = await self._resign(self.epoch, heir_only=True)
-            except StaleState:
-                self.fence(f"gave up epoch {self.epoch}; another leadership began meanwhile")
-                return
-            except Exception as error:  # noqa: BLE001 — ZooKeeper away: try again
-                event(log, "handing the leadership over not written; retrying",
-                      logging.WARNING, partition=self.name, epoch=self.epoch,
-                      error=f"{type(error).__name__}: {error}")
-                stored = None
-            if stored is not None:
-                state = stored.state
-                self.fence(f"gave up epoch {self.epoch} ({self.failed}): {state.leader} "
-                           f"leads in epoch {state.leader_epoch}")
-                return
-            await asyncio.sleep(HAND_OVER_RETRY_S)
 
     def fence(self, why: str) -> None:
         if self.fenced is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import pytest
 
 from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.copy_link import KIND_ANSWER, KIND_ERROR, KIND_REQUEST
-from partition_server.record_batch import Record, encode_batch
+from partition_server.record_batch import Record, encode_batch, iter_batches
 from spark_client import Client, errors
 from tests.conftest import SESSION_TIMEOUT_MS, create_online, metric_sum, wait_until
 from tests.link_tools import HEAD, closed_by_peer, connect, link_address, read_frame, request_frame
@@ -310,12 +311,12 @@ def test_quiet_partitions_stay_in_sync_and_are_copied_once_written(cluster, clie
 def flip_byte_in_batch(segment: Path, number: int) -> None:
     """Flip a byte near the end of the segment's `number`th batch (0-based), through the
     page cache its server reads: its CRC no longer matches."""
-    data, position = segment.read_bytes(), 0
-    for _ in range(number + 1):
-        position += 12 + int.from_bytes(data[position + 8:position + 12], "big")
+    data = segment.read_bytes()
+    position, header = next(itertools.islice(iter_batches(data), number, None))
+    flipped = position + header.size - 5
     fd = os.open(segment, os.O_RDWR)
     try:
-        os.pwrite(fd, bytes([data[position - 5] ^ 0xFF]), position - 5)
+        os.pwrite(fd, bytes([data[flipped] ^ 0xFF]), flipped)
     finally:
         os.close(fd)
 

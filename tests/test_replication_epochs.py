@@ -78,7 +78,7 @@ async def leading(directory: Path, fsync, epoch: int = 1, resigned: list | None 
     async def no_isr_writes(_known, isr, _joining):
         raise AssertionError(f"unexpected ISR write {isr}")
 
-    async def resign(given_up: int) -> Versioned:
+    async def resign(given_up: int, heir_only: bool = False) -> Versioned:
         resigned.append(given_up)
         return Versioned(PartitionState("b", given_up + 1, ("b",)), 7)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from partition_server.record_batch import parse_header
+from partition_server.record_batch import BatchHeader, parse_header
 from services import launcher
 from services.errors import AtomlogError
 from services.failpoints import ENVIRONMENT_VARIABLE as FAILPOINTS_VARIABLE, FSYNC
@@ -644,19 +644,12 @@ class Run:
             self.notes.append(f"corrupt of {partition} skipped: no segment on {leader}")
             return
         data = segments[0].read_bytes()
-        batches, position = [], 0  # (position, base offset, size) of each whole batch
-        while position + 12 <= len(data):
-            length = int.from_bytes(data[position + 8:position + 12], "big", signed=True)
-            if length <= 0 or position + 12 + length > len(data):
-                break
-            batches.append((position, int.from_bytes(data[position:position + 8], "big"),
-                            12 + length))
-            position += 12 + length
+        batches = list(batch_spans(data))
         if not batches:
             self.notes.append(f"corrupt of {partition} skipped: no batch on {leader}")
             return
-        at, offset, size = batches[len(batches) // 2]
-        flipped = at + size - 5
+        at, header = batches[len(batches) // 2]
+        offset, flipped = header.base_offset, at + header.size - 5
         fd = os.open(segments[0], os.O_RDWR)
         try:
             os.pwrite(fd, bytes([data[flipped] ^ 0xFF]), flipped)
@@ -1001,21 +994,27 @@ class Run:
 
 def whole_batches(path: Path) -> Iterator[tuple[int, bytes]]:
     """(the offset after it, its bytes) of each whole batch at the start of a segment
-    file, up to the first that is not whole: a follower writes its active segment around
-    the page cache in 4 KiB blocks, so it may end in zeros past its last batch
-    (partition_server/direct_io.py)."""
+    file (`batch_spans`)."""
     data = path.read_bytes()
+    for position, header in batch_spans(data):
+        yield header.next_offset, data[position:position + header.size]
+
+
+def batch_spans(data: bytes) -> Iterator[tuple[int, BatchHeader]]:
+    """(position, header) of each whole batch at the start of a segment file's bytes, up
+    to the first that is not whole: a follower writes its active segment around the page
+    cache in 4 KiB blocks, so it may end in zeros past its last batch
+    (partition_server/direct_io.py)."""
     position = 0
     while True:
         try:
             header = parse_header(data, position)
         except AtomlogError:
             return
-        end = position + header.size
-        if end > len(data):
+        if position + header.size > len(data):
             return
-        yield header.next_offset, data[position:end]
-        position = end
+        yield position, header
+        position += header.size
 
 
 def fill(path: Path) -> None:
