@@ -875,12 +875,17 @@ class PartitionLog:
         return spans
 
     def report_corruption(self, segment_base_offset: int, position: int, offset: int,
-                          detail: str) -> None:
+                          detail: str) -> bool:
         """A reader of segment_spans found a damaged batch: the partition enters DATA_LOSS
-        (recorded durably) as if this log's own read had found it."""
-        segment = self._segments[max(bisect_right(self._bases, segment_base_offset) - 1, 0)]
+        (recorded durably) as if this log's own read had found it. False (nothing done)
+        when the segment is no longer this log's (deleted meanwhile) or the batch lies
+        past its end (cut meanwhile): what the reader found says nothing of the log now."""
+        i = bisect_right(self._bases, segment_base_offset) - 1
+        if i < 0 or self._bases[i] != segment_base_offset or position >= self._segments[i].size:
+            return False
         if self._data_loss is None:
-            self._enter_data_loss(segment, ScanFailure(position, offset, detail))
+            self._enter_data_loss(self._segments[i], ScanFailure(position, offset, detail))
+        return True
 
     # --- Retention and truncation -----------------------------------------------------------
 

@@ -1352,6 +1352,7 @@ class Follower:
         self.retry_at = 0.0  # time.monotonic(): asks again from then (after a failure)
         self._delay = FOLLOWER_RETRY_FIRST_S
         self._reopen_due = False
+        self._damage: tuple | None = None  # (damage_found)
         # close() began: nothing may (re)open the log or copy cursors any more.
         self._closing = False
         # The cursor store, once this leader's snapshot is installed (None: not synced
@@ -1424,11 +1425,26 @@ class Follower:
         return self.log.log_end_offset if self.log is not None else 0
 
     # ---------------------------------------------------------------- the fetcher's calls
+    def damage_found(self, partition_log, segment_base_offset: int, position: int,
+                     offset: int, detail: str) -> None:
+        """The scrubber found a damaged batch in this follower's copy (`partition_log`, if
+        still its log): the fetcher's next round records it in the log (DATA_LOSS) and
+        reopens it, which cuts the copy at the damage and fetches the rest (`_open`).
+        Recorded there, on the event loop between rounds, not here: the link's thread may
+        be copying into the log now."""
+        self._damage = (partition_log, segment_base_offset, position, offset, detail)
+        self._reopen_due = True
+        self.retry_at = 0.0
+        self.fetcher.wake()
+
     async def prepare(self) -> partition_pb2.ReplicateRequest | None:
         """This partition's part of the fetcher's next ReplicateMany, or None while it
         cannot ask (its log failed to reopen: it backs off and tries again)."""
         if self._closing:
             return None
+        damage, self._damage = self._damage, None
+        if damage is not None and damage[0] is self.log:
+            self.log.report_corruption(*damage[1:])
         if self._reopen_due or self.log is None:
             self._reopen_due = False
             await self._reopen()
@@ -1736,10 +1752,15 @@ class LeaderFetcher:
 
     def add(self, follower: Follower) -> None:
         self.followers[follower.name] = follower
-        self._added.set()
-        self._stop_express()  # the next round asks for it too
+        self.wake()  # the next round asks for it too
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"fetcher {self.address}")
+
+    def wake(self) -> None:
+        """End the long poll or the link thread's rounds now: the next round starts on
+        the event loop, with every partition's `prepare`."""
+        self._added.set()
+        self._stop_express()
 
     @property
     def idle(self) -> bool:

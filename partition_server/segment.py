@@ -236,26 +236,55 @@ def check_batches(data: bytes, start_position: int, expected_offset: int) -> Sca
     """Fast pair check of bytes about to be served: whole batches, offsets following on from
     `expected_offset`, CRC32C. Lighter than a full header parse (the headers were validated
     when appended; the CRC vouches for them still being what was validated)."""
+    failure, checked, next_offset = check_prefix(data, start_position, expected_offset)
+    if failure is not None or checked == len(data):
+        return failure
+    if len(data) - checked < HEADER_SIZE:
+        return ScanFailure(start_position + checked, next_offset, "truncated batch header")
+    _, length, magic, *_ = _CHECK.unpack_from(data, checked)
+    return ScanFailure(start_position + checked, next_offset,
+                       f"bad batch header (magic {magic}, batch_length {length})")
+
+
+def check_prefix(data, start_position: int, expected_offset: int
+                 ) -> tuple[ScanFailure | None, int, int]:
+    """`check_batches` over the whole batches `data` begins with, for a reader taking a
+    file in chunks (the scrubber): (failure or None, bytes checked, the offset the next
+    batch must have). A batch cut off by the end of `data` ends the check without a
+    failure; the caller reads on from there (or, at the end of what it meant to read,
+    calls it truncated)."""
     view, position, end = memoryview(data), 0, len(data)
     unpack, crc = _CHECK.unpack_from, crc32c.crc32c
-    while position < end:
-        if end - position < HEADER_SIZE:
-            return ScanFailure(start_position + position, expected_offset, "truncated batch header")
+    while end - position >= HEADER_SIZE:
         base_offset, length, magic, _, stored_crc, _, last_offset_delta = unpack(data, position)
         size = length + 12
-        if magic not in MAGICS or length < MIN_BATCH_LENGTH or position + size > end:
-            return ScanFailure(start_position + position, expected_offset,
-                               f"bad batch header (magic {magic}, batch_length {length})")
+        if magic not in MAGICS or length < MIN_BATCH_LENGTH:
+            return (ScanFailure(start_position + position, expected_offset,
+                                f"bad batch header (magic {magic}, batch_length {length})"),
+                    position, expected_offset)
+        if position + size > end:
+            break
         if base_offset != expected_offset:
-            return ScanFailure(start_position + position, expected_offset,
-                               f"batch base_offset {base_offset}, expected {expected_offset}")
+            return (ScanFailure(start_position + position, expected_offset,
+                                f"batch base_offset {base_offset}, expected {expected_offset}"),
+                    position, expected_offset)
         computed = crc(view[position + CRC_COVERED_FROM:position + size])
         if computed != stored_crc:
-            return ScanFailure(start_position + position, expected_offset,
-                               f"CRC32C mismatch: stored 0x{stored_crc:08x}, computed 0x{computed:08x}")
+            return (ScanFailure(start_position + position, expected_offset,
+                                f"CRC32C mismatch: stored 0x{stored_crc:08x}, "
+                                f"computed 0x{computed:08x}"),
+                    position, expected_offset)
         expected_offset = base_offset + last_offset_delta + 1
         position += size
-    return None
+    return None, position, expected_offset
+
+
+def batch_size_at(data, position: int) -> int | None:
+    """The size of the batch whose header begins at `position` of `data` (None: the
+    header is not all there)."""
+    if len(data) - position < HEADER_SIZE:
+        return None
+    return _CHECK.unpack_from(data, position)[1] + 12
 
 
 class Segment:

@@ -26,6 +26,7 @@ from partition_server.owner import OwnerSettings
 from partition_server.service import PartitionServicer, SubscriptionSettings
 from partition_server.subscription_cursor import CursorLimits
 from partition_server.txn_buffer import TxnBufferLimits
+from partition_server.scrubber import Scrubber
 from partition_server.txn_checker import TxnChecker
 from partition_server.verifier import TxnVerifier
 from services.grpcutil import service_name
@@ -140,6 +141,12 @@ async def install(runtime) -> list[str]:
                          interval_ms=config["partition.txn_check_interval_ms"])
     checker.start()
     runtime.stop_hooks.append(checker.close)
+    if config["partition.scrub_bytes_per_s"]:
+        scrubber = Scrubber(manager, Path(config["server.data_dir"]),
+                            bytes_per_s=config["partition.scrub_bytes_per_s"],
+                            interval_ms=config["partition.scrub_interval_ms"])
+        scrubber.start()
+        runtime.stop_hooks.append(scrubber.close)
     zk = runtime.zk
     async def confirm() -> None:
         """A round trip sent after the stall, then every leadership checked against

@@ -375,6 +375,17 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 minimum=0, maximum=65_535),
         Setting("server.rack", str, "", "Rack or zone of this partition server: a topic's "
                 "replicas go to distinct racks while there are racks."),
+        Setting("partition.scrub_bytes_per_s", int, 4 * MIB, "The scrubber reads every "
+                "copy this server holds back from disk (around the page cache) and checks "
+                "each batch's CRC32C, at most this many bytes a second: a damaged leader copy "
+                "enters DATA_LOSS and is handed over, a damaged follower copy is cut at the "
+                "damage and fetched again, before the day the copy is needed "
+                "(docs/operations.md, \"Scrubbing\"). 0: no scrubbing.",
+                minimum=0, maximum=1024 * MIB),
+        Setting("partition.scrub_interval_ms", int, 86_400_000, "A scrub pass (every copy "
+                "read back once) begins this long after the last one began, or at once if "
+                "that one took longer; a restart carries on with the pass under way.",
+                minimum=1_000, maximum=30 * 86_400_000),
         Setting("partition.txn_check_interval_ms", int, 1_000, "How often open transactions "
                 "are looked over for partition.txn_check_after_ms.",
                 minimum=10, maximum=600_000),

@@ -1,0 +1,403 @@
+"""Scrubbing: every copy this server holds read back from disk in the background.
+
+A read finds a damaged batch (docs/replication.md, "Corruption found on a leader"), but
+data nobody reads is never looked at: a follower's copy until it is promoted, a leader's
+old segments until a consumer rewinds. Bit rot there stays hidden until the day the copy
+is needed, and then the damage is all a partition has. So this task reads every copy
+this server holds (the partitions it leads or holds alone, and those it follows), batch
+by batch with their CRC32C, at a bounded rate, and hands what it finds to the same paths
+a read's finding takes:
+
+- a leader's copy (or the only copy) enters DATA_LOSS: with a live in-sync replica the
+  partition is handed over to it and this copy is cut at the damage and refetched; alone,
+  it waits for an operator (`atomlog partition recover`);
+- a follower's copy is cut at the damage and the rest fetched from its leader again.
+
+What it reads: each copy's segments from its log start up to what is durable (and, on a
+leader, below the high watermark), through a file descriptor of its own opened with
+O_DIRECT, so it checks what the disk holds, not the page cache, and leaves the page
+cache to consumers. A damaged batch is read a second time before it counts, and the
+finding is handed to the copy's owner on the event loop, which acts only if the copy
+is still the one that was read (not reloaded, truncated or deleted meanwhile).
+
+A pass walks the copies in (topic, partition) order; the next pass begins
+`partition.scrub_interval_ms` after the last one began (at once if that one took
+longer). Progress is kept in `<data_dir>/scrub.json`, so a restart carries on where the
+pass was instead of starting over. `partition.scrub_bytes_per_s` bounds the reads (0:
+no scrubbing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from partition_server.owner import State
+from partition_server.segment import ScanFailure, batch_size_at, check_prefix
+from services.fastmetrics import Counter
+from services.logs import event
+
+log = logging.getLogger("atomlog.partition.scrubber")
+
+BLOCK = 4096  # O_DIRECT's alignment (partition_server/direct_io.py)
+CHUNK = 4 << 20  # bytes a read takes (and the pacing's unit)
+FIRST_PASS_DELAY_S = 60.0  # after a start with no pass on record (or the interval, if less)
+SAVE_EVERY_S = 5.0  # progress written at most this often (and at each pass's end)
+STATE_FILE = "scrub.json"
+
+SCRUB_BYTES = Counter("atomlog_scrub_bytes_total",
+                      "Bytes of partition copies the scrubber read back and checked.")
+SCRUB_DAMAGE = Counter("atomlog_scrub_damage_found_total",
+                       "Damaged batches the scrubber found, by the copy's role here (leader: "
+                       "the partition entered DATA_LOSS and is handed over when it can be; "
+                       "follower: the copy is cut at the damage and fetched again).", ["role"])
+SCRUB_PASSES = Counter("atomlog_scrub_passes_total",
+                       "Scrub passes completed (every copy this server holds read back).")
+
+
+class ScrubProgress:
+    """The pure part: where the passes are, what is due, and its record on disk.
+
+    `started_ms` / `completed_ms`: wall-clock times (ms) of the current (or last) pass's
+    start and of the last completed pass's end (0: none); `done_through`: the last
+    (topic, partition) of the current pass already read (None: none yet; the pass is
+    over when `completed_ms >= started_ms`)."""
+
+    def __init__(self, interval_ms: int, started_ms: int = 0, completed_ms: int = 0,
+                 done_through: tuple[str, int] | None = None):
+        self.interval_ms = interval_ms
+        self.started_ms = started_ms
+        self.completed_ms = completed_ms
+        self.done_through = done_through
+
+    @property
+    def in_pass(self) -> bool:
+        return self.started_ms > 0 and self.completed_ms < self.started_ms
+
+    def wait_ms(self, now_ms: int, up_ms: int) -> int:
+        """How long until the next pass may begin (0: now, or a pass is under way).
+        `up_ms`: when this process began: with no pass on record, the first waits a
+        little (FIRST_PASS_DELAY_S, or the interval if less) after the start."""
+        if self.in_pass:
+            return 0
+        if self.started_ms == 0:
+            return max(0, up_ms + min(int(FIRST_PASS_DELAY_S * 1000), self.interval_ms) - now_ms)
+        return max(0, self.started_ms + self.interval_ms - now_ms)
+
+    def begin(self, now_ms: int) -> None:
+        if not self.in_pass:
+            self.started_ms, self.done_through = max(now_ms, self.completed_ms + 1), None
+
+    def left(self, keys) -> list[tuple[str, int]]:
+        """The copies of `keys` (those held now) this pass has still to read, in order."""
+        done = self.done_through
+        return sorted(k for k in keys if done is None or k > done)
+
+    def copy_done(self, key: tuple[str, int]) -> None:
+        self.done_through = key
+
+    def end(self, now_ms: int) -> None:
+        self.completed_ms = max(now_ms, self.started_ms)
+        self.done_through = None
+
+    def to_json(self) -> bytes:
+        return json.dumps({"started_unix_ms": self.started_ms,
+                           "completed_unix_ms": self.completed_ms,
+                           "done_through": list(self.done_through)
+                           if self.done_through else None}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, interval_ms: int) -> ScrubProgress:
+        """A record that does not parse is no record (a pass starts over): it only
+        saves work, it never decides what is correct."""
+        try:
+            record = json.loads(data)
+            done = record.get("done_through")
+            return cls(interval_ms, int(record["started_unix_ms"]),
+                       int(record["completed_unix_ms"]),
+                       (str(done[0]), int(done[1])) if done else None)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return cls(interval_ms)
+
+
+class Pacer:
+    """Bounds a thread's reads to `bytes_per_s` (sleeping on `stop`, so a close ends it)."""
+
+    def __init__(self, bytes_per_s: int, stop: threading.Event):
+        self.bytes_per_s = bytes_per_s
+        self.stop = stop
+        self._due = time.monotonic()
+
+    def took(self, n: int) -> None:
+        now = time.monotonic()
+        # (Idle time earns no credit beyond one chunk: a pass resumed after a wait does
+        # not read in a burst.)
+        self._due = max(self._due, now - CHUNK / self.bytes_per_s) + n / self.bytes_per_s
+        if self._due > now:
+            self.stop.wait(self._due - now)
+
+
+class _Reader:
+    """One thread's aligned buffer and direct reads of segment files."""
+
+    def __init__(self):
+        self._size = CHUNK + BLOCK
+        self._buffer = mmap.mmap(-1, self._size)
+
+    def _grow(self, size: int) -> None:
+        # (Not closed: views of it may still be held; it goes with the last of them.)
+        self._size = size
+        self._buffer = mmap.mmap(-1, size)
+
+    def read(self, fd: int, position: int, length: int) -> memoryview:
+        """`length` bytes at `position` (fewer at the file's end): an aligned read around
+        them, the bytes wanted sliced out."""
+        start = position - position % BLOCK
+        want = position + length - start
+        want += -want % BLOCK
+        if want > self._size:
+            self._grow(want)
+        n = os.preadv(fd, [memoryview(self._buffer)[:want]], start)
+        have = max(0, min(n, position + length - start) - (position - start))
+        return memoryview(self._buffer)[position - start:position - start + have]
+
+
+def _open(path) -> int:
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0))
+    except OSError as error:
+        if error.errno != errno.EINVAL:  # a file system without O_DIRECT (tmpfs)
+            raise
+        return os.open(path, flags)
+
+
+def scrub_span(span, reader: _Reader, pacer: Pacer, counted=None) -> ScanFailure | None:
+    """Check the batches of one `SegmentSpan` (log.segment_spans) as the disk holds them;
+    None if whole (or stopped), else the first damaged batch, read twice to be sure.
+    A file gone (deleted meanwhile) is nothing found."""
+    try:
+        fd = _open(span.path)
+    except FileNotFoundError:
+        return None
+    try:
+        position, expected = span.position, span.first_offset
+        while position < span.end_position and not pacer.stop.is_set():
+            length = min(CHUNK, span.end_position - position)
+            data = reader.read(fd, position, length)
+            failure, checked, expected = check_prefix(data, position, expected)
+            if failure is None and checked == 0:
+                size = batch_size_at(data, 0)
+                if size is None or len(data) < length or size > span.end_position - position:
+                    failure = ScanFailure(position, expected,
+                                          f"truncated batch (the file holds {len(data)} "
+                                          f"of the {span.end_position - position} bytes "
+                                          f"left of the copy there)")
+                else:  # one batch larger than a chunk: read it whole
+                    data = reader.read(fd, position, size)
+                    failure, checked, expected = check_prefix(data, position, expected)
+                    if failure is None and checked == 0:
+                        failure = ScanFailure(position, expected, "truncated batch")
+            if counted is not None:
+                counted(len(data))
+            pacer.took(len(data))
+            if failure is not None:
+                again = reader.read(fd, failure.position,
+                                    min(CHUNK, span.end_position - failure.position))
+                second, _, _ = check_prefix(again, failure.position, failure.offset)
+                if second is None and len(again) < span.end_position - failure.position:
+                    size = batch_size_at(again, 0)
+                    if size is None or size > len(again):
+                        second = failure  # (still cut short)
+                return failure if second is not None else None
+            position += checked
+        return None
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class _Copy:
+    key: tuple[str, int]
+    role: str  # leader (or the only copy) / follower
+    holder: object  # the PartitionOwner or Follower
+    log: object  # its PartitionLog when the spans were taken
+    spans: list
+
+
+_scrubbers: weakref.WeakSet = weakref.WeakSet()
+
+
+class Scrubber:
+    def __init__(self, manager, data_dir: Path, *, bytes_per_s: int, interval_ms: int,
+                 clock_ms=lambda: int(time.time() * 1000)):
+        self.manager = manager
+        self.path = Path(data_dir) / STATE_FILE
+        self.bytes_per_s = bytes_per_s
+        self.clock_ms = clock_ms
+        self.up_ms = clock_ms()
+        self.progress = ScrubProgress(interval_ms)
+        self._stop = threading.Event()
+        self._task: asyncio.Task | None = None
+        self._saved_at = 0.0
+        _scrubbers.add(self)
+
+    def start(self) -> None:
+        try:
+            self.progress = ScrubProgress.from_json(self.path.read_bytes(),
+                                                    self.progress.interval_ms)
+        except FileNotFoundError:
+            pass
+        self._task = asyncio.create_task(self._run(), name="scrubber")
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        # (The reader's buffer is never closed: a worker thread may still be reading
+        # into it when this task is cancelled; it goes with the last reference.)
+        reader = _Reader()
+        pacer = Pacer(self.bytes_per_s, self._stop)
+        while True:
+            wait_ms = self.progress.wait_ms(self.clock_ms(), self.up_ms)
+            if wait_ms:
+                await asyncio.sleep(min(wait_ms / 1000, 60.0))
+                continue
+            try:
+                await self.scrub_pass(reader, pacer)
+            except Exception:  # noqa: BLE001 — logged; the pass carries on next time
+                log.exception("scrub pass failed")
+                await asyncio.sleep(10.0)
+
+    async def scrub_pass(self, reader: _Reader, pacer: Pacer) -> None:
+        """Carry on with (or begin) a pass, to its end."""
+        if not self.progress.in_pass:
+            self.progress.begin(self.clock_ms())
+            event(log, "scrub pass begins", copies=len(self._keys()))
+            self._save(force=True)
+        for key in self.progress.left(self._keys()):
+            copy = self._copy(key)
+            if copy is not None:
+                failure = await asyncio.to_thread(self._scrub_copy, copy, reader, pacer)
+                if self._stop.is_set():
+                    return
+                if failure is not None:
+                    self._found(copy, *failure)
+            self.progress.copy_done(key)
+            self._save()
+        self.progress.end(self.clock_ms())
+        SCRUB_PASSES.inc()
+        self._save(force=True)
+        event(log, "scrub pass complete",
+              seconds=round((self.progress.completed_ms - self.progress.started_ms) / 1000, 1))
+
+    def _keys(self) -> set:
+        return set(self.manager.owners) | set(self.manager.followers)
+
+    def _copy(self, key) -> _Copy | None:
+        """The copy to read for `key` as it is now, with its spans (None: nothing to read:
+        not loaded, failed, or gone). On the event loop, where the logs' owners act."""
+        owner = self.manager.owners.get(key)
+        follower = self.manager.followers.get(key)
+        try:
+            if owner is not None:
+                partition_log = owner.log
+                if owner.state is not State.ONLINE or partition_log is None:
+                    return None
+                bound = min(partition_log.high_watermark, partition_log.durable_offset)
+                role = "leader"
+                holder = owner
+            elif follower is not None:
+                partition_log = follower.log
+                if partition_log is None or partition_log.data_loss is not None:
+                    return None
+                bound = min(partition_log.log_end_offset, partition_log.durable_offset)
+                role = "follower"
+                holder = follower
+            else:
+                return None
+            start = partition_log.log_start_offset
+            if bound <= start:
+                return None
+            spans = partition_log.segment_spans(start, bound)
+        except Exception as error:  # noqa: BLE001 — refusing (failed, closing): next pass
+            log.debug("not scrubbing %s now: %s", key, error)
+            return None
+        return _Copy(key, role, holder, partition_log, spans)
+
+    def _scrub_copy(self, copy: _Copy, reader: _Reader, pacer: Pacer):
+        """On a worker thread: (span, failure) of the first damage, or None."""
+        for span in copy.spans:
+            failure = scrub_span(span, reader, pacer, SCRUB_BYTES.inc)
+            if failure is not None:
+                return span, failure
+            if pacer.stop.is_set():
+                break
+        return None
+
+    def _found(self, copy: _Copy, span, failure: ScanFailure) -> None:
+        """On the event loop: hand a damaged batch to the copy's owner, if the copy is
+        still the one read."""
+        topic, partition = copy.key
+        detail = f"found by the scrubber: {failure.detail}"
+        if copy.role == "leader":
+            owner = self.manager.owners.get(copy.key)
+            if owner is not copy.holder or owner.log is not copy.log or \
+                    owner.state is not State.ONLINE:
+                return
+            if not copy.log.report_corruption(span.segment_base_offset, failure.position,
+                                              failure.offset, detail):
+                return
+        else:
+            follower = self.manager.followers.get(copy.key)
+            if follower is not copy.holder or follower.log is not copy.log:
+                return
+            follower.damage_found(copy.log, span.segment_base_offset, failure.position,
+                                  failure.offset, detail)
+        SCRUB_DAMAGE.labels(copy.role).inc()
+        event(log, "scrubber found a damaged batch", logging.ERROR, partition=f"{topic}-{partition}",
+              role=copy.role, file=str(span.path), position=failure.position,
+              offset=failure.offset, detail=failure.detail)
+
+    def _save(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._saved_at < SAVE_EVERY_S:
+            return
+        self._saved_at = now
+        tmp = self.path.with_suffix(".tmp")
+        try:
+            tmp.write_bytes(self.progress.to_json())
+            os.replace(tmp, self.path)
+        except OSError as error:  # a full disk: progress is only a saving of work
+            log.warning("scrub progress not saved: %s", error)
+
+
+class _ScrubCollector(Collector):
+    def collect(self):
+        gauge = GaugeMetricFamily(
+            "atomlog_scrub_last_pass_completed_timestamp_seconds",
+            "When the scrubber last completed a pass over every copy this server holds "
+            "(Unix time; 0: never).")
+        for scrubber in list(_scrubbers):
+            gauge.add_metric([], scrubber.progress.completed_ms / 1000)
+            break
+        yield gauge
+
+
+REGISTRY.register(_ScrubCollector())
