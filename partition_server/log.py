@@ -562,6 +562,13 @@ class PartitionLog:
         return self._durable_offset
 
     @property
+    def cut_generation(self) -> int:
+        """Bumped by every cut of the log (a truncation, a restart at another offset, a
+        data-loss recovery): bytes read at one generation say nothing of the log at
+        another."""
+        return self._cut_generation
+
+    @property
     def closed_durable(self) -> bool:
         """Closed, and the close fsynced everything (a healthy close)."""
         return self._closed and self._durable_offset == self._log_end_offset
@@ -875,11 +882,14 @@ class PartitionLog:
         return spans
 
     def report_corruption(self, segment_base_offset: int, position: int, offset: int,
-                          detail: str) -> bool:
+                          detail: str, cut_generation: int | None = None) -> bool:
         """A reader of segment_spans found a damaged batch: the partition enters DATA_LOSS
         (recorded durably) as if this log's own read had found it. False (nothing done)
-        when the segment is no longer this log's (deleted meanwhile) or the batch lies
-        past its end (cut meanwhile): what the reader found says nothing of the log now."""
+        when the log was cut since the reader took its spans (`cut_generation`, when
+        given), the segment is no longer this log's (deleted meanwhile) or the batch lies
+        past its end: what the reader found says nothing of the log now."""
+        if cut_generation is not None and cut_generation != self._cut_generation:
+            return False
         i = bisect_right(self._bases, segment_base_offset) - 1
         if i < 0 or self._bases[i] != segment_base_offset or position >= self._segments[i].size:
             return False

@@ -1426,13 +1426,14 @@ class Follower:
 
     # ---------------------------------------------------------------- the fetcher's calls
     def damage_found(self, partition_log, segment_base_offset: int, position: int,
-                     offset: int, detail: str) -> None:
+                     offset: int, detail: str, cut_generation: int) -> None:
         """The scrubber found a damaged batch in this follower's copy (`partition_log`, if
         still its log): the fetcher's next round records it in the log (DATA_LOSS) and
         reopens it, which cuts the copy at the damage and fetches the rest (`_open`).
         Recorded there, on the event loop between rounds, not here: the link's thread may
         be copying into the log now."""
-        self._damage = (partition_log, segment_base_offset, position, offset, detail)
+        self._damage = (partition_log, segment_base_offset, position, offset, detail,
+                        cut_generation)
         self._reopen_due = True
         self.retry_at = 0.0
         self.fetcher.wake()
@@ -1444,7 +1445,7 @@ class Follower:
             return None
         damage, self._damage = self._damage, None
         if damage is not None and damage[0] is self.log:
-            self.log.report_corruption(*damage[1:])
+            self.log.report_corruption(*damage[1:])  # (unless cut since it was read)
         if self._reopen_due or self.log is None:
             self._reopen_due = False
             await self._reopen()

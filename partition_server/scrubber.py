@@ -235,6 +235,7 @@ class _Copy:
     role: str  # leader (or the only copy) / follower
     holder: object  # the PartitionOwner or Follower
     log: object  # its PartitionLog when the spans were taken
+    cut_generation: int  # the log's then (a cut since voids what was read)
     spans: list
 
 
@@ -339,7 +340,7 @@ class Scrubber:
         except Exception as error:  # noqa: BLE001 — refusing (failed, closing): next pass
             log.debug("not scrubbing %s now: %s", key, error)
             return None
-        return _Copy(key, role, holder, partition_log, spans)
+        return _Copy(key, role, holder, partition_log, partition_log.cut_generation, spans)
 
     def _scrub_copy(self, copy: _Copy, reader: _Reader, pacer: Pacer):
         """On a worker thread: (span, failure) of the first damage, or None."""
@@ -362,14 +363,15 @@ class Scrubber:
                     owner.state is not State.ONLINE:
                 return
             if not copy.log.report_corruption(span.segment_base_offset, failure.position,
-                                              failure.offset, detail):
+                                              failure.offset, detail, copy.cut_generation):
                 return
         else:
             follower = self.manager.followers.get(copy.key)
-            if follower is not copy.holder or follower.log is not copy.log:
+            if follower is not copy.holder or follower.log is not copy.log or \
+                    copy.log.cut_generation != copy.cut_generation:
                 return
             follower.damage_found(copy.log, span.segment_base_offset, failure.position,
-                                  failure.offset, detail)
+                                  failure.offset, detail, copy.cut_generation)
         SCRUB_DAMAGE.labels(copy.role).inc()
         event(log, "scrubber found a damaged batch", logging.ERROR, partition=f"{topic}-{partition}",
               role=copy.role, file=str(span.path), position=failure.position,

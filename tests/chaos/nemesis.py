@@ -23,11 +23,14 @@ Nemeses and their faults:
          step must ride out a ZooKeeper blip shorter than zookeeper.connect_timeout_ms
          (a server that exits instead is a problem of the run, runner.watch_servers)
   corrupt (replicated runs) with every ISR whole, a byte flipped in a batch in the middle
-         of the oldest segment of the current leader's copy of a random workload
-         partition, then that batch read from the leader (a Fetch): the read finds the
-         damage, and the leader must hand the partition to an in-sync replica and mend
-         its own copy from it (docs/replication.md, "Corruption found on a leader") with
-         nothing acknowledged lost
+         of the oldest segment of a copy of a random workload partition, by turns: the
+         current leader's copy, then that batch read from the leader (a Fetch), whose
+         read finds the damage; a follower's copy, which no read touches; the leader's
+         copy, not read. The scrubber (a pass every 2 s in these runs) finds the last
+         two. A damaged leader must hand the partition to an in-sync replica and mend its
+         own copy from it (docs/replication.md, "Corruption found on a leader"), a
+         damaged follower cut its copy at the damage and fetch the rest, with nothing
+         acknowledged lost
   reassign (replicated runs) `partition reassign` of a random workload partition to its
          replicas less one — its current leader (a handover in a new epoch) or a follower
          — whose copy is then deleted; healed by reassigning it back to every replica

@@ -47,7 +47,13 @@ SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
             "storage.segment_bytes": str(256 << 10),
             "partition.max_batch_bytes": str(256 << 10),
             "coordinator.snapshot_every_records": "200",
-            "replication.max_lag_ms": str(REPLICA_MAX_LAG_MS)}
+            "replication.max_lag_ms": str(REPLICA_MAX_LAG_MS),
+            # The scrubber always at work (a pass every 2 s): it must find the damage the
+            # corrupt nemesis leaves unread, and never call a whole copy damaged while
+            # kills, cuts, wipes and full disks move the logs under it.
+            "partition.scrub_interval_ms": "2000",
+            "partition.scrub_bytes_per_s": str(32 << 20)}
+CORRUPT_KINDS = ("leader, read", "follower, scrubbed", "leader, scrubbed")
 TXN_TIMEOUT_S = 5.0
 ACK_TIMEOUT_S = 5.0
 DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's server
@@ -120,6 +126,7 @@ class Run:
         self.cluster: launcher.ClusterFile | None = None
         self.mounted: str | None = None
         self.notes: list[str] = []
+        self.corrupts = 0  # corrupt faults so far (each takes the next of CORRUPT_KINDS)
         self.stalls: list[str] = []  # liveness failures after healing: the run is not valid
         # Servers that exited by themselves (watch_servers): a problem of the run when the
         # exit was a crash or a start given up on ZooKeeper (every ZooKeeper fault here is
@@ -628,25 +635,31 @@ class Run:
         raise AssertionError(kind)
 
     def corrupt(self, partition: str) -> None:
-        """Flip a byte near the end of the middle batch of the oldest segment of the
-        leader's copy of "topic/p", then Fetch from that batch at the leader, so that its
-        read finds the damage now rather than never (reads of the workload are at the
-        end of the log)."""
+        """Flip a byte near the end of the middle batch of the oldest segment of a copy of
+        "topic/p". The run's corrupt faults take turns (CORRUPT_KINDS): the leader's
+        copy, then that batch fetched from the leader, so that its read finds the damage
+        (reads of the workload are at the end of the log); a follower's copy, which no
+        read touches, left to the scrubber; the leader's copy, left to the scrubber."""
         from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
         from spark_client import Client
 
-        leader = self.leader_of(partition)
+        kind = CORRUPT_KINDS[self.corrupts % len(CORRUPT_KINDS)]
+        self.corrupts += 1
+        replicas, _leader = self.replicas_of(partition)
+        leader = self.leader_of(partition)  # (or its fallback)
+        followers = [r for r in replicas if r != leader]
+        damaged = followers[0] if kind.startswith("follower") and followers else leader
         topic, number = partition.rsplit("/", 1)
-        directory = Path(self.entry(self.cluster, leader).data_dir) / "partitions" / \
+        directory = Path(self.entry(self.cluster, damaged).data_dir) / "partitions" / \
             f"{topic}-{number}"
         segments = sorted(directory.glob("*.log"))
         if not segments:
-            self.notes.append(f"corrupt of {partition} skipped: no segment on {leader}")
+            self.notes.append(f"corrupt of {partition} skipped: no segment on {damaged}")
             return
         data = segments[0].read_bytes()
         batches = list(batch_spans(data))
         if not batches:
-            self.notes.append(f"corrupt of {partition} skipped: no batch on {leader}")
+            self.notes.append(f"corrupt of {partition} skipped: no batch on {damaged}")
             return
         at, header = batches[len(batches) // 2]
         offset, flipped = header.base_offset, at + header.size - 5
@@ -656,9 +669,12 @@ class Run:
         finally:
             os.close(fd)
         self.log.record("nemesis-target", fault="corrupt", partition=partition, leader=leader,
-                        segment=segments[0].name, offset=offset, position=flipped)
-        self.say(f"  {partition}: byte {flipped} of {leader}'s {segments[0].name} "
-                 f"(batch at offset {offset}) flipped")
+                        damaged=damaged, kind=kind, segment=segments[0].name, offset=offset,
+                        position=flipped)
+        self.say(f"  {partition}: byte {flipped} of {damaged}'s {segments[0].name} "
+                 f"(batch at offset {offset}) flipped ({kind})")
+        if kind != "leader, read":
+            return
         request = partition_pb2.FetchRequest(items=[partition_pb2.FetchItem(
             topic_partition=common_pb2.TopicPartition(topic=topic, partition=int(number)),
             fetch_offset=offset)])
