@@ -64,6 +64,8 @@ SCRUB_DAMAGE = Counter("atomlog_scrub_damage_found_total",
                        "Damaged batches the scrubber found, by the copy's role here (leader: "
                        "the partition entered DATA_LOSS and is handed over when it can be; "
                        "follower: the copy is cut at the damage and fetched again).", ["role"])
+for _role in ("leader", "follower"):
+    SCRUB_DAMAGE.labels(_role)  # (exported at 0: the alert's series exist before damage)
 SCRUB_PASSES = Counter("atomlog_scrub_passes_total",
                        "Scrub passes completed (every copy this server holds read back).")
 

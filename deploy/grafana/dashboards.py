@@ -240,6 +240,15 @@ def partitions() -> dict:
             panel("Markers written", (rate("atomlog_partition_markers_written_total", "decision",
                                            f"{NS}, {TOPIC}"), "{{decision}}"),
                   (rate("atomlog_partition_stale_markers_total"), "refused: stale epoch"), unit="ops"),
+            panel("Scrubber: copies read back, and damage found",
+                  (rate("atomlog_scrub_bytes_total", "instance_name"), "{{instance_name}} read back"),
+                  (f"sum by (instance_name, role) (increase(atomlog_scrub_damage_found_total{{{NS}}}[1h]))",
+                   "{{instance_name}} damaged batches ({{role}} copy), last hour"),
+                  unit="Bps",
+                  description="Each partition server reads every copy it holds back from disk "
+                              "at partition.scrub_bytes_per_s and checks each batch; a damaged "
+                              "copy is mended from an in-sync replica (docs/operations.md, "
+                              "\"Scrubbing\"). Damage found points at the server's disk."),
             panel("Time held by garbage collection",
                   (rate("atomlog_gc_pause_seconds_sum", "instance_name, generation"),
                    "{{instance_name}} generation {{generation}}"), unit="percentunit",
