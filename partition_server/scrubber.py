@@ -187,44 +187,49 @@ def _open(path) -> int:
         return os.open(path, flags)
 
 
+def _check_at(reader: _Reader, fd: int, position: int, expected: int, end: int):
+    """Check the whole batches of a file from `position` (a chunk's worth, or the one
+    batch there if it is larger than a chunk), the copy ending at `end`: (failure or None,
+    bytes checked, the offset the next batch must have, bytes read). A batch that does
+    not fit in what the copy holds there is a failure (truncated, or its length damaged)."""
+    length = min(CHUNK, end - position)
+    data = reader.read(fd, position, length)
+    read = len(data)
+    failure, checked, next_offset = check_prefix(data, position, expected)
+    if failure is None and checked == 0:
+        size = batch_size_at(data, 0)
+        if size is not None and length < size <= end - position and read == length:
+            data = reader.read(fd, position, size)  # one batch larger than a chunk
+            read += len(data)
+            failure, checked, next_offset = check_prefix(data, position, expected)
+        if failure is None and checked == 0:
+            failure = ScanFailure(position, expected,
+                                  f"truncated batch (the copy holds {end - position} bytes "
+                                  f"from here, the file {len(data)} of them; the batch "
+                                  f"header says {size if size is not None else '?'})")
+    return failure, checked, next_offset, read
+
+
 def scrub_span(span, reader: _Reader, pacer: Pacer, counted=None) -> ScanFailure | None:
     """Check the batches of one `SegmentSpan` (log.segment_spans) as the disk holds them;
-    None if whole (or stopped), else the first damaged batch, read twice to be sure.
-    A file gone (deleted meanwhile) is nothing found."""
+    None if whole (or stopped), else the first damaged batch, found at the same place by
+    a second read to be sure. A file gone (deleted meanwhile) is nothing found."""
     try:
         fd = _open(span.path)
     except FileNotFoundError:
         return None
     try:
-        position, expected = span.position, span.first_offset
-        while position < span.end_position and not pacer.stop.is_set():
-            length = min(CHUNK, span.end_position - position)
-            data = reader.read(fd, position, length)
-            failure, checked, expected = check_prefix(data, position, expected)
-            if failure is None and checked == 0:
-                size = batch_size_at(data, 0)
-                if size is None or len(data) < length or size > span.end_position - position:
-                    failure = ScanFailure(position, expected,
-                                          f"truncated batch (the file holds {len(data)} "
-                                          f"of the {span.end_position - position} bytes "
-                                          f"left of the copy there)")
-                else:  # one batch larger than a chunk: read it whole
-                    data = reader.read(fd, position, size)
-                    failure, checked, expected = check_prefix(data, position, expected)
-                    if failure is None and checked == 0:
-                        failure = ScanFailure(position, expected, "truncated batch")
+        position, expected, end = span.position, span.first_offset, span.end_position
+        while position < end and not pacer.stop.is_set():
+            failure, checked, expected, read = _check_at(reader, fd, position, expected, end)
             if counted is not None:
-                counted(len(data))
-            pacer.took(len(data))
+                counted(read)
+            pacer.took(read)
             if failure is not None:
-                again = reader.read(fd, failure.position,
-                                    min(CHUNK, span.end_position - failure.position))
-                second, _, _ = check_prefix(again, failure.position, failure.offset)
-                if second is None and len(again) < span.end_position - failure.position:
-                    size = batch_size_at(again, 0)
-                    if size is None or size > len(again):
-                        second = failure  # (still cut short)
-                return failure if second is not None else None
+                second = _check_at(reader, fd, failure.position, failure.offset, end)[0]
+                if second is not None and second.position == failure.position:
+                    return failure
+                return None  # (not there again: a read's fluke, or the file moved)
             position += checked
         return None
     finally:
@@ -256,6 +261,7 @@ class Scrubber:
         self._stop = threading.Event()
         self._task: asyncio.Task | None = None
         self._saved_at = 0.0
+        self._pass_bytes = 0  # read in this pass since this process began it or carried it on
         _scrubbers.add(self)
 
     def start(self) -> None:
@@ -294,9 +300,11 @@ class Scrubber:
             self.progress.begin(self.clock_ms())
             event(log, "scrub pass begins", copies=len(self._keys()))
             self._save(force=True)
+        copies = 0
         for key in self.progress.left(self._keys()):
             copy = self._copy(key)
             if copy is not None:
+                copies += 1
                 failure = await asyncio.to_thread(self._scrub_copy, copy, reader, pacer)
                 if self._stop.is_set():
                     return
@@ -307,8 +315,9 @@ class Scrubber:
         self.progress.end(self.clock_ms())
         SCRUB_PASSES.inc()
         self._save(force=True)
-        event(log, "scrub pass complete",
+        event(log, "scrub pass complete", copies=copies, bytes_read=self._pass_bytes,
               seconds=round((self.progress.completed_ms - self.progress.started_ms) / 1000, 1))
+        self._pass_bytes = 0
 
     def _keys(self) -> set:
         return set(self.manager.owners) | set(self.manager.followers)
@@ -344,10 +353,14 @@ class Scrubber:
             return None
         return _Copy(key, role, holder, partition_log, partition_log.cut_generation, spans)
 
+    def _counted(self, n: int) -> None:
+        SCRUB_BYTES.inc(n)
+        self._pass_bytes += n
+
     def _scrub_copy(self, copy: _Copy, reader: _Reader, pacer: Pacer):
         """On a worker thread: (span, failure) of the first damage, or None."""
         for span in copy.spans:
-            failure = scrub_span(span, reader, pacer, SCRUB_BYTES.inc)
+            failure = scrub_span(span, reader, pacer, self._counted)
             if failure is not None:
                 return span, failure
             if pacer.stop.is_set():

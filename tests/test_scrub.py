@@ -122,6 +122,22 @@ def test_a_span_check_reads_batches_larger_than_its_chunk_and_across_chunks(tmp_
     partition_log.close()
 
 
+def test_a_damaged_batch_length_is_found(tmp_path):
+    """A length field damaged upwards makes the batch reach past the copy: found, not
+    read on as a batch larger than a chunk."""
+    partition_log = written_log(tmp_path / "p", 10)
+    segment = sorted((tmp_path / "p").glob("*.log"))[0]
+    position, header = list(iter_batches(segment.read_bytes()))[3]
+    fd = os.open(segment, os.O_RDWR)
+    try:
+        os.pwrite(fd, (header.size + 50_000).to_bytes(4, "big"), position + 8)
+    finally:
+        os.close(fd)
+    [(_, failure)] = check(partition_log)
+    assert failure.position == position and "truncated batch" in failure.detail
+    partition_log.close()
+
+
 def test_a_span_check_calls_a_file_cut_short_truncated(tmp_path):
     partition_log = written_log(tmp_path / "p", 10)
     [span] = partition_log.segment_spans(0, partition_log.log_end_offset)
