@@ -44,6 +44,35 @@ CHECKS = Counter("atomlog_partition_txn_checks_total",
 ABORTED = coordinator_pb2.TXN_STATE_ABORTED
 
 
+def due_lookups(first_seen: dict, found, now: float, check_after_s: float,
+                max_per_round: int) -> tuple[dict, list]:
+    """(when each open transaction in `found` was first seen, kept from `first_seen` or
+    `now`; those open for `check_after_s` or more, at most `max_per_round`). Transactions
+    no longer open are forgotten."""
+    seen = {key: first_seen.get(key, now) for key in found}
+    due = [key for key, first in seen.items() if now - first >= check_after_s]
+    return seen, due[:max_per_round]
+
+
+def lookup_outcome(answer) -> tuple[str, int | None]:
+    """What a coordinator's answer about an open transaction means here: (the label it is
+    counted under, the coordinator epoch to write the ABORT marker with, or None to leave
+    the transaction for the next round). `answer`: (TxnState, epoch) or the exception the
+    lookup raised. A refusal (an AtomlogError) and a ZooKeeper blip are answers (the
+    transaction is looked up again next round: counted, not logged with a traceback each
+    time); any other exception is a bug and is raised again, failing the round (logged)."""
+    if isinstance(answer, AtomlogError):
+        return answer.reason, None
+    if isinstance(answer, BaseException):
+        failure = unexpected(answer, "looking up an open transaction")
+        if failure.reason != "ZOOKEEPER_UNAVAILABLE":
+            raise answer
+        return failure.reason, None
+    state, epoch = answer
+    label = coordinator_pb2.TxnState.Name(state).removeprefix("TXN_STATE_")
+    return label, (epoch if state == ABORTED else None)
+
+
 class TxnChecker:
     def __init__(self, manager, verifier, *, check_after_ms: int, interval_ms: int,
                  max_per_round: int = 1_000):
@@ -93,9 +122,8 @@ class TxnChecker:
         """One round; returns how many transactions it aborted."""
         now = time.monotonic()
         found = self._open_now()
-        self._first_seen = {key: self._first_seen.get(key, now) for key in found}
-        due = [key for key, first in self._first_seen.items()
-               if now - first >= self.check_after_s][:self.max_per_round]
+        self._first_seen, due = due_lookups(self._first_seen, found, now, self.check_after_s,
+                                            self.max_per_round)
         if not due:
             return 0
         outcomes = await asyncio.gather(*(self._check(key, found[key]) for key in due))
@@ -104,20 +132,13 @@ class TxnChecker:
     async def _check(self, key: tuple, owner) -> bool:
         topic, partition, subscription, txn = key
         try:
-            state, epoch = await self.verifier.state(TxnId(*txn), topic, partition,
-                                                     subscription=subscription)
-        except AtomlogError as error:
-            CHECKS.labels(error.reason).inc()
-            return False
-        except Exception as error:  # noqa: BLE001 — a ZooKeeper blip is an answer too
-            failure = unexpected(error, "looking up an open transaction")
-            if failure.reason != "ZOOKEEPER_UNAVAILABLE":
-                raise  # a bug: the round logs it
-            # (Looked up again next round; counted, not logged with a traceback each time.)
-            CHECKS.labels(failure.reason).inc()
-            return False
-        CHECKS.labels(coordinator_pb2.TxnState.Name(state).removeprefix("TXN_STATE_")).inc()
-        if state != ABORTED:
+            answer = await self.verifier.state(TxnId(*txn), topic, partition,
+                                               subscription=subscription)
+        except Exception as error:  # noqa: BLE001 — judged by lookup_outcome
+            answer = error
+        label, epoch = lookup_outcome(answer)
+        CHECKS.labels(label).inc()
+        if epoch is None:
             return False
         try:
             if subscription is None:
