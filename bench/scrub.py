@@ -24,7 +24,7 @@ The cells run in rotating order, --rounds times; the table gives each cell's med
 range). Prints the table and writes its section of docs/benchmarks.md.
 
     .venv/bin/python bench/scrub.py [--preload-mib 96] [--seconds 10] [--rounds 2]
-        [--in-flight 64] [--no-docs]
+        [--in-flight 64] [--cells off,default,64,unbounded] [--no-docs]
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ import common  # noqa: E402
 BEGIN, END = "<!-- bench/scrub.py: begin -->", "<!-- bench/scrub.py: end -->"
 TOPIC, PARTITIONS, RECORD = "scrub-load", 3, b"s" * 1024
 MIB = 1 << 20
-CELLS = {
-    "off": {"partition.scrub_bytes_per_s": "0"},
-    "default rate (4 MiB/s), always scrubbing": {
-        "partition.scrub_bytes_per_s": str(4 * MIB), "partition.scrub_interval_ms": "1000"},
-    "64 MiB/s, always scrubbing": {
-        "partition.scrub_bytes_per_s": str(64 * MIB), "partition.scrub_interval_ms": "1000"},
-    "unbounded (1 GiB/s), always scrubbing": {
-        "partition.scrub_bytes_per_s": str(1024 * MIB), "partition.scrub_interval_ms": "1000"},
+CELLS = {  # --cells name: (the table's name, settings)
+    "off": ("off", {"partition.scrub_bytes_per_s": "0"}),
+    "default": ("default rate (4 MiB/s), always scrubbing", {
+        "partition.scrub_bytes_per_s": str(4 * MIB), "partition.scrub_interval_ms": "1000"}),
+    "64": ("64 MiB/s, always scrubbing", {
+        "partition.scrub_bytes_per_s": str(64 * MIB), "partition.scrub_interval_ms": "1000"}),
+    "unbounded": ("unbounded (1 GiB/s), always scrubbing", {
+        "partition.scrub_bytes_per_s": str(1024 * MIB), "partition.scrub_interval_ms": "1000"}),
 }
 SCRUB_BYTES = "atomlog_scrub_bytes_total"
 
@@ -172,7 +172,7 @@ def section(results: list[dict], baseline: list[dict], args, when: str, load: fl
     by_cell: dict[str, list[dict]] = {}
     for result in results:
         by_cell.setdefault(result["cell"], []).append(result)
-    off = statistics.median(r["records_s"] for r in by_cell["off"])
+    off = statistics.median(r["records_s"] for r in by_cell[CELLS["off"][0]])
     lines = [
         BEGIN,
         f"`{common.command_line('bench/scrub.py', sys.argv[1:])}` ({when}; "
@@ -186,7 +186,7 @@ def section(results: list[dict], baseline: list[dict], args, when: str, load: fl
         "ms per MiB written | read back by the scrubbers, MiB/s (three servers) |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for name in CELLS:
+    for name in (CELLS[c][0] for c in args.cells.split(",")):
         cell = by_cell[name]
         rate = statistics.median(r["records_s"] for r in cell)
         lines.append(
@@ -218,21 +218,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds (default 2)")
     parser.add_argument("--in-flight", type=int, default=64,
                         help="unacknowledged records at most (default 64)")
+    parser.add_argument("--cells", default=",".join(CELLS),
+                        help=f"cells to run, off among them (default {','.join(CELLS)})")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     args = parser.parse_args()
+    if "off" not in args.cells.split(",") or not set(args.cells.split(",")) <= set(CELLS):
+        parser.error(f"--cells: names among {', '.join(CELLS)}, off among them")
     import tempfile
 
     load = os.getloadavg()[0]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results, baseline = [], []
-    names = list(CELLS)
+    names = args.cells.split(",")
     for round_ in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="atomlog-bench-scrub-read-") as directory:
             baseline.append(read_baseline(Path(directory) / "p", args.preload_mib))
             print(f"round {round_ + 1}: baseline {baseline[-1]}", flush=True)
         for name in common.rotated(names, round_):
-            result = run_cell(name, CELLS[name], args.preload_mib, args.seconds,
-                              args.in_flight)
+            result = run_cell(*CELLS[name], args.preload_mib, args.seconds, args.in_flight)
             print(f"round {round_ + 1}: {result}", flush=True)
             results.append(result)
     text = section(results, baseline, args, when, load)

@@ -881,6 +881,27 @@ class PartitionLog:
                                          end))
         return spans
 
+    def scrub_spans(self) -> list[SegmentSpan]:
+        """What the scrubber reads (partition_server/scrubber.py): every segment whose
+        batches are all durable, whole from its first byte (bytes below the log start
+        included: a segment is never rewritten). Unlike segment_spans it reads nothing but
+        each segment's size and next offset, no index and no file, so it may be called
+        while another thread appends (a follower's copy on the replication link's
+        thread): the durable offset is read first, then each segment's size before its
+        next offset, so every span ends at a batch boundary below what was durable."""
+        if self._closed or self._data_loss is not None or self._broken is not None:
+            return []
+        durable = self._durable_offset
+        spans = []
+        for segment in list(self._segments):
+            size = segment.size
+            if segment.next_offset > durable:
+                break
+            if size:
+                spans.append(SegmentSpan(segment.base_offset, segment.log_path, 0,
+                                         segment.base_offset, size))
+        return spans
+
     def report_corruption(self, segment_base_offset: int, position: int, offset: int,
                           detail: str, cut_generation: int | None = None) -> bool:
         """A reader of segment_spans found a damaged batch: the partition enters DATA_LOSS

@@ -13,8 +13,9 @@ a read's finding takes:
   it waits for an operator (`atomlog partition recover`);
 - a follower's copy is cut at the damage and the rest fetched from its leader again.
 
-What it reads: each copy's segments from its log start up to what is durable (and, on a
-leader, below the high watermark), through a file descriptor of its own opened with
+What it reads: each copy's segments whose batches are all durable, whole (the log's
+`scrub_spans`: taken without reading an index or a file, so a follower's copy needs no
+pause of its replication link's thread), through a file descriptor of its own opened with
 O_DIRECT, so it checks what the disk holds, not the page cache, and leaves the page
 cache to consumers. A damaged batch is read a second time before it counts, and the
 finding is handed to the copy's owner on the event loop, which acts only if the copy
@@ -327,31 +328,19 @@ class Scrubber:
         not loaded, failed, or gone). On the event loop, where the logs' owners act."""
         owner = self.manager.owners.get(key)
         follower = self.manager.followers.get(key)
-        try:
-            if owner is not None:
-                partition_log = owner.log
-                if owner.state is not State.ONLINE or partition_log is None:
-                    return None
-                bound = min(partition_log.high_watermark, partition_log.durable_offset)
-                role = "leader"
-                holder = owner
-            elif follower is not None:
-                partition_log = follower.log
-                if partition_log is None or partition_log.data_loss is not None:
-                    return None
-                bound = min(partition_log.log_end_offset, partition_log.durable_offset)
-                role = "follower"
-                holder = follower
-            else:
+        if owner is not None:
+            role, holder, partition_log = "leader", owner, owner.log
+            if owner.state is not State.ONLINE:
                 return None
-            start = partition_log.log_start_offset
-            if bound <= start:
-                return None
-            spans = partition_log.segment_spans(start, bound)
-        except Exception as error:  # noqa: BLE001 — refusing (failed, closing): next pass
-            log.debug("not scrubbing %s now: %s", key, error)
+        elif follower is not None:
+            role, holder, partition_log = "follower", follower, follower.log
+        else:
             return None
-        return _Copy(key, role, holder, partition_log, partition_log.cut_generation, spans)
+        if partition_log is None:
+            return None
+        generation = partition_log.cut_generation
+        spans = partition_log.scrub_spans()
+        return _Copy(key, role, holder, partition_log, generation, spans) if spans else None
 
     def _counted(self, n: int) -> None:
         SCRUB_BYTES.inc(n)
@@ -372,6 +361,8 @@ class Scrubber:
         still the one read."""
         topic, partition = copy.key
         detail = f"found by the scrubber: {failure.detail}"
+        if failure.offset < copy.log.log_start_offset:
+            return  # below the log start: no read serves those bytes any more
         if copy.role == "leader":
             owner = self.manager.owners.get(copy.key)
             if owner is not copy.holder or owner.log is not copy.log or \
