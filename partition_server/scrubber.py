@@ -247,10 +247,26 @@ class _Copy:
     spans: list
 
 
+@dataclass(frozen=True)
+class ScrubReport:
+    """What `Scrubber.scrub_now` read of one copy, and found."""
+    role: str
+    segments: int
+    bytes: int
+    damage: tuple | None  # (span, ScanFailure) of the first damaged batch
+    acted_on: bool  # the damage handed to the copy's owner (not moved on meanwhile)
+
+
+UNPACED = 1 << 40  # bytes/s: an operator's scrub_now reads as fast as the disk gives
+
+
 _scrubbers: weakref.WeakSet = weakref.WeakSet()
 
 
 class Scrubber:
+    """`start()` runs the background passes (when `bytes_per_s` > 0); `scrub_now` reads
+    one copy at once for an operator (PartitionService.ScrubPartition), either way."""
+
     def __init__(self, manager, data_dir: Path, *, bytes_per_s: int, interval_ms: int,
                  clock_ms=lambda: int(time.time() * 1000)):
         self.manager = manager
@@ -261,11 +277,14 @@ class Scrubber:
         self.progress = ScrubProgress(interval_ms)
         self._stop = threading.Event()
         self._task: asyncio.Task | None = None
+        self._now = asyncio.Lock()  # one scrub_now at a time
         self._saved_at = 0.0
         self._pass_bytes = 0  # read in this pass since this process began it or carried it on
         _scrubbers.add(self)
 
     def start(self) -> None:
+        if not self.bytes_per_s:
+            return
         try:
             self.progress = ScrubProgress.from_json(self.path.read_bytes(),
                                                     self.progress.interval_ms)
@@ -304,13 +323,14 @@ class Scrubber:
         copies = 0
         for key in self.progress.left(self._keys()):
             copy = self._copy(key)
-            if copy is not None:
+            if copy is not None and copy.spans:
                 copies += 1
-                failure = await asyncio.to_thread(self._scrub_copy, copy, reader, pacer)
+                found = await asyncio.to_thread(self._scrub_copy, copy, reader, pacer,
+                                                self._counted)
                 if self._stop.is_set():
                     return
-                if failure is not None:
-                    self._found(copy, *failure)
+                if found is not None:
+                    self._found(copy, *found)
             self.progress.copy_done(key)
             self._save()
         self.progress.end(self.clock_ms())
@@ -320,12 +340,48 @@ class Scrubber:
               seconds=round((self.progress.completed_ms - self.progress.started_ms) / 1000, 1))
         self._pass_bytes = 0
 
+    async def scrub_now(self, key: tuple[str, int]) -> ScrubReport:
+        """Read this server's copy of `key` back at once (not paced) and act on what it
+        finds as a pass does. Raises UNKNOWN_TOPIC_OR_PARTITION (no copy here),
+        PARTITION_LOADING (opening) or DATA_LOSS (already known damaged)."""
+        async with self._now:
+            copy = self._copy(key)
+            if copy is None:
+                raise self._unavailable(key)
+            read = [0]
+
+            def counted(n: int) -> None:
+                SCRUB_BYTES.inc(n)
+                read[0] += n
+
+            found = await asyncio.to_thread(self._scrub_copy, copy, _Reader(),
+                                            Pacer(UNPACED, self._stop), counted)
+            acted = found is not None and self._found(copy, *found)
+            return ScrubReport(copy.role, len(copy.spans), read[0], found, acted)
+
+    def _unavailable(self, key):
+        from services.errors import AtomlogError
+
+        topic, partition = key
+        owner = self.manager.owners.get(key)
+        follower = self.manager.followers.get(key)
+        if owner is None and follower is None:
+            return AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                                f"{self.manager.server_name} holds no copy of "
+                                f"{topic}-{partition}")
+        partition_log = owner.log if owner is not None else follower.log
+        if partition_log is not None and partition_log.data_loss is not None:
+            return partition_log.data_loss.error()
+        return AtomlogError("PARTITION_LOADING",
+                            f"the copy of {topic}-{partition} on {self.manager.server_name} "
+                            "is opening; retry", {"retry_after_ms": "500"})
+
     def _keys(self) -> set:
         return set(self.manager.owners) | set(self.manager.followers)
 
     def _copy(self, key) -> _Copy | None:
-        """The copy to read for `key` as it is now, with its spans (None: nothing to read:
-        not loaded, failed, or gone). On the event loop, where the logs' owners act."""
+        """The copy to read for `key` as it is now, with its spans (None: not here, not
+        loaded, or refusing). On the event loop, where the logs' owners act."""
         owner = self.manager.owners.get(key)
         follower = self.manager.followers.get(key)
         if owner is not None:
@@ -336,52 +392,53 @@ class Scrubber:
             role, holder, partition_log = "follower", follower, follower.log
         else:
             return None
-        if partition_log is None:
+        if partition_log is None or partition_log.data_loss is not None:
             return None
         generation = partition_log.cut_generation
-        spans = partition_log.scrub_spans()
-        return _Copy(key, role, holder, partition_log, generation, spans) if spans else None
+        return _Copy(key, role, holder, partition_log, generation, partition_log.scrub_spans())
 
     def _counted(self, n: int) -> None:
         SCRUB_BYTES.inc(n)
         self._pass_bytes += n
 
-    def _scrub_copy(self, copy: _Copy, reader: _Reader, pacer: Pacer):
+    @staticmethod
+    def _scrub_copy(copy: _Copy, reader: _Reader, pacer: Pacer, counted):
         """On a worker thread: (span, failure) of the first damage, or None."""
         for span in copy.spans:
-            failure = scrub_span(span, reader, pacer, self._counted)
+            failure = scrub_span(span, reader, pacer, counted)
             if failure is not None:
                 return span, failure
             if pacer.stop.is_set():
                 break
         return None
 
-    def _found(self, copy: _Copy, span, failure: ScanFailure) -> None:
+    def _found(self, copy: _Copy, span, failure: ScanFailure) -> bool:
         """On the event loop: hand a damaged batch to the copy's owner, if the copy is
-        still the one read."""
+        still the one read; whether it was."""
         topic, partition = copy.key
         detail = f"found by the scrubber: {failure.detail}"
         if failure.offset < copy.log.log_start_offset:
-            return  # below the log start: no read serves those bytes any more
+            return False  # below the log start: no read serves those bytes any more
         if copy.role == "leader":
             owner = self.manager.owners.get(copy.key)
             if owner is not copy.holder or owner.log is not copy.log or \
                     owner.state is not State.ONLINE:
-                return
+                return False
             if not copy.log.report_corruption(span.segment_base_offset, failure.position,
                                               failure.offset, detail, copy.cut_generation):
-                return
+                return False
         else:
             follower = self.manager.followers.get(copy.key)
             if follower is not copy.holder or follower.log is not copy.log or \
                     copy.log.cut_generation != copy.cut_generation:
-                return
+                return False
             follower.damage_found(copy.log, span.segment_base_offset, failure.position,
                                   failure.offset, detail, copy.cut_generation)
         SCRUB_DAMAGE.labels(copy.role).inc()
-        event(log, "scrubber found a damaged batch", logging.ERROR, partition=f"{topic}-{partition}",
-              role=copy.role, file=str(span.path), position=failure.position,
-              offset=failure.offset, detail=failure.detail)
+        event(log, "scrubber found a damaged batch", logging.ERROR,
+              partition=f"{topic}-{partition}", role=copy.role, file=str(span.path),
+              position=failure.position, offset=failure.offset, detail=failure.detail)
+        return True
 
     def _save(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -403,8 +460,9 @@ class _ScrubCollector(Collector):
             "When the scrubber last completed a pass over every copy this server holds "
             "(Unix time; 0: never).")
         for scrubber in list(_scrubbers):
-            gauge.add_metric([], scrubber.progress.completed_ms / 1000)
-            break
+            if scrubber.bytes_per_s:
+                gauge.add_metric([], scrubber.progress.completed_ms / 1000)
+                break
         yield gauge
 
 

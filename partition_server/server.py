@@ -141,12 +141,11 @@ async def install(runtime) -> list[str]:
                          interval_ms=config["partition.txn_check_interval_ms"])
     checker.start()
     runtime.stop_hooks.append(checker.close)
-    if config["partition.scrub_bytes_per_s"]:
-        scrubber = Scrubber(manager, Path(config["server.data_dir"]),
-                            bytes_per_s=config["partition.scrub_bytes_per_s"],
-                            interval_ms=config["partition.scrub_interval_ms"])
-        scrubber.start()
-        runtime.stop_hooks.append(scrubber.close)
+    scrubber = Scrubber(manager, Path(config["server.data_dir"]),
+                        bytes_per_s=config["partition.scrub_bytes_per_s"],
+                        interval_ms=config["partition.scrub_interval_ms"])
+    scrubber.start()  # (the passes only with a rate; ScrubPartition either way)
+    runtime.stop_hooks.append(scrubber.close)
     zk = runtime.zk
     async def confirm() -> None:
         """A round trip sent after the stall, then every leadership checked against
@@ -165,7 +164,8 @@ async def install(runtime) -> list[str]:
                                  config["grpc.max_message_bytes"], coordinator_epochs=epochs,
                                  verifier=verifier, subscriptions=subscription_settings(config),
                                  lease=lease,
-                                 skip_quiet_partitions=config["replication.skip_quiet_partitions"])
+                                 skip_quiet_partitions=config["replication.skip_quiet_partitions"],
+                                 scrubber=scrubber)
     add_partition_service(servicer, runtime.server)
     if config["replication.link"]:
         # For followers and coordinators (and, in a combined server, clients' commits).

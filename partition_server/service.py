@@ -172,8 +172,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                  coordinator_epochs: CoordinatorEpochs | None = None,
                  verifier: TxnVerifier | None = None,
                  subscriptions: SubscriptionSettings = SubscriptionSettings(),
-                 lease: LeaseWatch | None = None, skip_quiet_partitions: bool = True):
+                 lease: LeaseWatch | None = None, skip_quiet_partitions: bool = True,
+                 scrubber=None):
         self.manager = manager
+        self.scrubber = scrubber  # None: ScrubPartition answers UNIMPLEMENTED
         self.lease = lease  # None: deliveries never wait for a session check
         self.subscription_settings = subscriptions
         self.coordinator_epochs = coordinator_epochs  # None: markers answer UNIMPLEMENTED
@@ -829,6 +831,24 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         return partition_pb2.RecoverPartitionResponse(
             state=STATE_ENUM[owner.state], truncated_at_offset=report.truncated_at_offset,
             removed_bytes=report.removed_bytes, high_watermark=owner.log.high_watermark)
+
+    async def ScrubPartition(self, request, context):
+        tp = request.topic_partition
+        if not tp.topic:
+            raise AtomlogError("INVALID_ARGUMENT", "topic_partition.topic is empty")
+        if self.scrubber is None:
+            raise AtomlogError("UNIMPLEMENTED", "this server has no scrubber")
+        report = await self.scrubber.scrub_now((tp.topic, tp.partition))
+        response = partition_pb2.ScrubPartitionResponse(
+            role=report.role, segments_checked=report.segments, bytes_checked=report.bytes)
+        if report.damage is not None:
+            span, failure = report.damage
+            response.damage.file = str(span.path)
+            response.damage.position = failure.position
+            response.damage.offset = failure.offset
+            response.damage.detail = failure.detail
+            response.damage.acted_on = report.acted_on
+        return response
 
     # ------------------------------------------------------------------ delete records
     async def DeleteRecords(self, request, context):

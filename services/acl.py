@@ -418,6 +418,8 @@ TABLE: dict[str, Callable] = {
         (_topic("describe", request.topic_partition.topic),)),
     _PARTITION + "ListPartitions": _fixed(_cluster("describe")),
     _PARTITION + "RecoverPartition": _fixed(_cluster("alter")),
+    # An operator's scrub: it may take a damaged copy to DATA_LOSS (and hand it over).
+    _PARTITION + "ScrubPartition": _fixed(_cluster("alter")),
     _COORDINATOR + "NewTxn": _new_txn,
     _COORDINATOR + "AddPartitionToTxn": _add_partitions,
     _COORDINATOR + "AddSubscriptionToTxn": _add_subscriptions,

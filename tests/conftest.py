@@ -27,6 +27,10 @@ CLUSTER_SETTINGS = ("--set", f"zookeeper.session_timeout_ms={SESSION_TIMEOUT_MS}
                     # replication has its own tests and the chaos harness's --replication.
                     "--set", "topics.default_replication_factor=1",
                     "--set", "coordinator.log_segment_bytes=65536",
+                    # No background scrubbing (ScrubPartition still answers): a pass
+                    # would race the tests that damage a copy and read it. The scrubber
+                    # runs in tests/test_scrub.py's cluster and in the chaos harness.
+                    "--set", "partition.scrub_bytes_per_s=0",
                     "--set", f"coordinator.snapshot_every_records={TC_SNAPSHOT_EVERY_RECORDS}")
 
 

@@ -15,6 +15,7 @@ import os
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from atomlog.v1.partition_pb2 import PARTITION_STATE_DATA_LOSS
@@ -150,7 +151,8 @@ def test_a_span_check_calls_a_file_cut_short_truncated(tmp_path):
 # --- On a cluster ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def scrubbing(tmp_path_factory):
+    """A cluster of its own whose servers scrub every second."""
     cluster = Cluster(tmp_path_factory.mktemp("atomlog-scrub"))
     try:
         cluster.run("up", "--output", "json", *CLUSTER_SETTINGS, *SCRUB_SETTINGS)
@@ -161,8 +163,8 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(cluster):
-    client = Client(cluster.info["bootstrap"])
+def client(scrubbing):
+    client = Client(scrubbing.info["bootstrap"])
     yield client
     client.close()
 
@@ -183,68 +185,129 @@ def written(client, cluster, topic: str, factor: int, count: int = 40) -> None:
                    f"copies of {topic}-0 to match")
 
 
-def test_every_copy_is_read_back_and_the_progress_kept(cluster, client):
-    written(client, cluster, "scrub-progress", 3)
+def test_every_copy_is_read_back_and_the_progress_kept(scrubbing, client):
+    written(client, scrubbing, "scrub-progress", 3)
     for server in ("ps-0", "ps-1", "ps-2"):
-        passes = scrub_metric(cluster, server, "atomlog_scrub_passes_total")
-        wait_until(lambda: scrub_metric(cluster, server, "atomlog_scrub_passes_total") > passes,
+        passes = scrub_metric(scrubbing, server, "atomlog_scrub_passes_total")
+        wait_until(lambda: scrub_metric(scrubbing, server, "atomlog_scrub_passes_total") > passes,
                    30, f"a scrub pass of {server} after the writes")
-        assert scrub_metric(cluster, server, "atomlog_scrub_bytes_total") > 40 * 100
-        assert scrub_metric(cluster, server,
+        assert scrub_metric(scrubbing, server, "atomlog_scrub_bytes_total") > 40 * 100
+        assert scrub_metric(scrubbing, server,
                             "atomlog_scrub_last_pass_completed_timestamp_seconds") > 0
-        record = json.loads((cluster.data_dir / server / "scrub.json").read_text())
+        record = json.loads((scrubbing.data_dir / server / "scrub.json").read_text())
         assert record["completed_unix_ms"] > 0
 
 
-def test_damage_in_a_followers_copy_nobody_reads_is_cut_and_fetched_again(cluster, client):
+def test_damage_in_a_followers_copy_nobody_reads_is_cut_and_fetched_again(scrubbing, client):
     """No read touches a follower's copy; the scrubber finds the flipped byte, the
     follower cuts its copy there and fetches the rest, and the copies end identical."""
     topic = "scrub-follower"
-    written(client, cluster, topic, 3)
+    written(client, scrubbing, topic, 3)
     part = metadata(client, topic).partitions[0]
     damaged = next(r for r in part.replicas if r != part.server_name)
-    before = scrub_metric(cluster, damaged, 'atomlog_scrub_damage_found_total{role="follower"}')
-    [segment] = sorted((cluster.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
+    before = scrub_metric(scrubbing, damaged, 'atomlog_scrub_damage_found_total{role="follower"}')
+    [segment] = sorted((scrubbing.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
     flip_byte_in_batch(segment, 10)
-    assert len(set(segment_digests(cluster, topic, 0).values())) == 2
-    wait_until(lambda: scrub_metric(cluster, damaged,
+    assert len(set(segment_digests(scrubbing, topic, 0).values())) == 2
+    wait_until(lambda: scrub_metric(scrubbing, damaged,
                                     'atomlog_scrub_damage_found_total{role="follower"}') > before,
                30, f"the scrubber of {damaged} to find the damage")
-    wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 30,
+    wait_until(lambda: len(set(segment_digests(scrubbing, topic, 0).values())) == 1, 30,
                f"the copies of {topic}-0 identical again")
     assert leader_of(client, topic, 0) == part.server_name  # the leader never noticed
     wait_until(lambda: fully_in_sync(client, topic), 30, f"{damaged} in the ISR")
     assert "follower log corrupt; cut at the damage" in \
-        Path(cluster.process(damaged)["log_file"]).read_text()
+        Path(scrubbing.process(damaged)["log_file"]).read_text()
     values = read_all(client, topic, 40)
     assert sorted(values.values()) == sorted(f"s{i}".encode() * 50 for i in range(40))
 
 
-def test_damage_in_a_leaders_copy_nobody_reads_hands_the_partition_over(cluster, client):
+def test_damage_in_a_leaders_copy_nobody_reads_hands_the_partition_over(scrubbing, client):
     topic = "scrub-leader"
-    written(client, cluster, topic, 3)
+    written(client, scrubbing, topic, 3)
     part = metadata(client, topic).partitions[0]
     damaged, epoch = part.server_name, part.leader_epoch
-    [segment] = sorted((cluster.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
+    [segment] = sorted((scrubbing.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
     flip_byte_in_batch(segment, 10)
     wait_until(lambda: leader_of(client, topic, 0) not in ("", damaged), 30,
                f"a leader of {topic}-0 other than {damaged}")
     assert metadata(client, topic).partitions[0].leader_epoch > epoch
-    assert scrub_metric(cluster, damaged, 'atomlog_scrub_damage_found_total{role="leader"}') >= 1
+    assert scrub_metric(scrubbing, damaged, 'atomlog_scrub_damage_found_total{role="leader"}') >= 1
     wait_until(lambda: fully_in_sync(client, topic), 30, f"{damaged} back in the ISR")
-    wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 30,
+    wait_until(lambda: len(set(segment_digests(scrubbing, topic, 0).values())) == 1, 30,
                f"the copies of {topic}-0 identical again")
     values = read_all(client, topic, 40)
     assert sorted(values.values()) == sorted(f"s{i}".encode() * 50 for i in range(40))
 
 
-def test_damage_in_a_partitions_only_copy_takes_it_to_data_loss(cluster, client):
+def test_damage_in_a_partitions_only_copy_takes_it_to_data_loss(scrubbing, client):
     topic = "scrub-alone"
-    written(client, cluster, topic, 1)
+    written(client, scrubbing, topic, 1)
     server = metadata(client, topic).partitions[0].server_name
-    [segment] = sorted((cluster.data_dir / server / "partitions" / f"{topic}-0").glob("*.log"))
+    [segment] = sorted((scrubbing.data_dir / server / "partitions" / f"{topic}-0").glob("*.log"))
     flip_byte_in_batch(segment, 10)
     wait_until(lambda: client.describe_partition(topic, 0).state == PARTITION_STATE_DATA_LOSS,
                30, f"{topic}-0 in DATA_LOSS")
     loss = json.loads((segment.parent / "data-loss.json").read_text())
     assert "found by the scrubber" in loss["detail"] and loss["offset"] == 10
+
+
+# --- An operator's scrub now (PartitionService.ScrubPartition, `atomlog partition scrub`),
+# on the suite's shared cluster, which has no background passes ---------------------------
+
+@pytest.fixture(scope="module")
+def shared_client(cluster):
+    client = Client(cluster.info["bootstrap"])
+    yield client
+    client.close()
+
+
+def test_scrubbing_a_partition_now_finds_and_mends_a_damaged_copy(cluster, shared_client):
+    topic = "scrub-now"
+    written(shared_client, cluster, topic, 3)
+    part = metadata(shared_client, topic).partitions[0]
+    whole = json.loads(cluster.run("partition", "scrub", topic, "0", "--output", "json").stdout)
+    assert sorted(r["server"] for r in whole) == sorted(part.replicas)
+    assert sorted(r["role"] for r in whole) == ["follower", "follower", "leader"]
+    assert all("damage" not in r and int(r["bytes_checked"]) > 40 * 100 for r in whole)
+    damaged = next(r for r in part.replicas if r != part.server_name)
+    [segment] = sorted((cluster.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
+    flip_byte_in_batch(segment, 10)
+    found = cluster.run("partition", "scrub", topic, "0", check=False)
+    assert found.returncode == 1
+    [line] = [line for line in found.stdout.splitlines() if line.startswith(damaged)]
+    assert "follower copy" in line and "DAMAGED at offset 10" in line and "acted on" in line
+    assert found.stdout.count(", whole") == 2
+    wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 30,
+               f"the copies of {topic}-0 identical again")
+    wait_until(lambda: fully_in_sync(shared_client, topic), 30, f"{damaged} back in the ISR")
+    assert cluster.run("partition", "scrub", topic, "0").stdout.count(", whole") == 3
+    values = read_all(shared_client, topic, 40)
+    assert sorted(values.values()) == sorted(f"s{i}".encode() * 50 for i in range(40))
+
+
+def test_scrub_partition_refuses_what_it_cannot_read_and_changes_nothing(cluster, shared_client):
+    from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+    from services.errors import from_rpc_error
+
+    topic = "scrub-now-alone"
+    written(shared_client, cluster, topic, 1)
+    holder = metadata(shared_client, topic).partitions[0].server_name
+    other = next(p for p in cluster.info["processes"]
+                 if p["role"] == "partition_server" and p["name"] != holder)
+
+    def refused(request) -> str:
+        stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(other["grpc_address"]))
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ScrubPartition(request, timeout=10)
+        return from_rpc_error(raised.value).reason
+
+    assert refused(partition_pb2.ScrubPartitionRequest()) == "INVALID_ARGUMENT"
+    assert refused(partition_pb2.ScrubPartitionRequest(topic_partition=common_pb2.TopicPartition(
+        topic=topic, partition=0))) == "UNKNOWN_TOPIC_OR_PARTITION"
+    missing = cluster.run("partition", "scrub", topic, "7", check=False)
+    assert missing.returncode == 1 and "no partition" in missing.stderr
+    # Nothing changed: the one copy reads back whole, and serves.
+    [result] = json.loads(cluster.run("partition", "scrub", topic, "0", "--output", "json").stdout)
+    assert result["server"] == holder and result["role"] == "leader" and "damage" not in result
+    assert len(read_all(shared_client, topic, 40)) == 40

@@ -740,6 +740,38 @@ class RecoverPartitionResponse(_message.Message):
     high_watermark: int
     def __init__(self, state: _Optional[_Union[PartitionState, str]] = ..., truncated_at_offset: _Optional[int] = ..., removed_bytes: _Optional[int] = ..., high_watermark: _Optional[int] = ...) -> None: ...
 
+class ScrubPartitionRequest(_message.Message):
+    __slots__ = ("topic_partition",)
+    TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    topic_partition: _common_pb2.TopicPartition
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ...) -> None: ...
+
+class ScrubPartitionResponse(_message.Message):
+    __slots__ = ("role", "segments_checked", "bytes_checked", "damage")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    DAMAGE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    segments_checked: int
+    bytes_checked: int
+    damage: ScrubDamage
+    def __init__(self, role: _Optional[str] = ..., segments_checked: _Optional[int] = ..., bytes_checked: _Optional[int] = ..., damage: _Optional[_Union[ScrubDamage, _Mapping]] = ...) -> None: ...
+
+class ScrubDamage(_message.Message):
+    __slots__ = ("file", "position", "offset", "detail", "acted_on")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ACTED_ON_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    position: int
+    offset: int
+    detail: str
+    acted_on: bool
+    def __init__(self, file: _Optional[str] = ..., position: _Optional[int] = ..., offset: _Optional[int] = ..., detail: _Optional[str] = ..., acted_on: _Optional[bool] = ...) -> None: ...
+
 class StageTxnRequest(_message.Message):
     __slots__ = ("items", "markers")
     ITEMS_FIELD_NUMBER: _ClassVar[int]

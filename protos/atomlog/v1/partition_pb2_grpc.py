@@ -138,6 +138,11 @@ class PartitionServiceStub:
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.RecoverPartitionRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_partition__pb2.RecoverPartitionResponse.FromString,
                 _registered_method=True)
+        self.ScrubPartition = channel.unary_unary(
+                '/atomlog.v1.PartitionService/ScrubPartition',
+                request_serializer=atomlog_dot_v1_dot_partition__pb2.ScrubPartitionRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_partition__pb2.ScrubPartitionResponse.FromString,
+                _registered_method=True)
         self.Replicate = channel.unary_unary(
                 '/atomlog.v1.PartitionService/Replicate',
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.ReplicateRequest.SerializeToString,
@@ -337,6 +342,18 @@ class PartitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScrubPartition(self, request, context):
+        """Admin: reads this server's copy of a partition (the leader's or a follower's) back
+        from disk now and checks every batch, as the background scrubber does
+        (docs/operations.md, "Scrubbing"), and answers what it found. Damage found is acted
+        on as the scrubber's finding is: a leader's copy enters DATA_LOSS and is handed to an
+        in-sync replica; a follower's is cut at the damage and fetched again. One call at a
+        time per server (others wait), not paced: a copy of 1 GiB reads in seconds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Replicate(self, request, context):
         """Internal (docs/replication.md): a follower copies its leader's log. A long poll from
         `fetch_offset`, which also tells the leader that everything below it is durable on
@@ -446,6 +463,11 @@ def add_PartitionServiceServicer_to_server(servicer, server):
                     servicer.RecoverPartition,
                     request_deserializer=atomlog_dot_v1_dot_partition__pb2.RecoverPartitionRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_partition__pb2.RecoverPartitionResponse.SerializeToString,
+            ),
+            'ScrubPartition': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScrubPartition,
+                    request_deserializer=atomlog_dot_v1_dot_partition__pb2.ScrubPartitionRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_partition__pb2.ScrubPartitionResponse.SerializeToString,
             ),
             'Replicate': grpc.unary_unary_rpc_method_handler(
                     servicer.Replicate,
@@ -936,6 +958,33 @@ class PartitionService:
             '/atomlog.v1.PartitionService/RecoverPartition',
             atomlog_dot_v1_dot_partition__pb2.RecoverPartitionRequest.SerializeToString,
             atomlog_dot_v1_dot_partition__pb2.RecoverPartitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScrubPartition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.PartitionService/ScrubPartition',
+            atomlog_dot_v1_dot_partition__pb2.ScrubPartitionRequest.SerializeToString,
+            atomlog_dot_v1_dot_partition__pb2.ScrubPartitionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4534,6 +4534,204 @@ func (x *RecoverPartitionResponse) GetHighWatermark() int64 {
 	return 0
 }
 
+type ScrubPartitionRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A partition this server holds a copy of (UNKNOWN_TOPIC_OR_PARTITION otherwise;
+	// PARTITION_LOADING while its copy opens; DATA_LOSS if its copy is already known
+	// damaged).
+	TopicPartition *TopicPartition `protobuf:"bytes,1,opt,name=topic_partition,json=topicPartition,proto3" json:"topic_partition,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *ScrubPartitionRequest) Reset() {
+	*x = ScrubPartitionRequest{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScrubPartitionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScrubPartitionRequest) ProtoMessage() {}
+
+func (x *ScrubPartitionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScrubPartitionRequest.ProtoReflect.Descriptor instead.
+func (*ScrubPartitionRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{61}
+}
+
+func (x *ScrubPartitionRequest) GetTopicPartition() *TopicPartition {
+	if x != nil {
+		return x.TopicPartition
+	}
+	return nil
+}
+
+type ScrubPartitionResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "leader" (the copy the partition is served from, or its only copy) or "follower".
+	Role string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
+	// Segments read whole, and their bytes. A segment whose batches are not all durable yet
+	// (the active one, while it takes writes) is left out.
+	SegmentsChecked uint32 `protobuf:"varint,2,opt,name=segments_checked,json=segmentsChecked,proto3" json:"segments_checked,omitempty"`
+	BytesChecked    uint64 `protobuf:"varint,3,opt,name=bytes_checked,json=bytesChecked,proto3" json:"bytes_checked,omitempty"`
+	// The first damaged batch (unset: every batch read passed its checks).
+	Damage        *ScrubDamage `protobuf:"bytes,4,opt,name=damage,proto3" json:"damage,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScrubPartitionResponse) Reset() {
+	*x = ScrubPartitionResponse{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScrubPartitionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScrubPartitionResponse) ProtoMessage() {}
+
+func (x *ScrubPartitionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScrubPartitionResponse.ProtoReflect.Descriptor instead.
+func (*ScrubPartitionResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{62}
+}
+
+func (x *ScrubPartitionResponse) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *ScrubPartitionResponse) GetSegmentsChecked() uint32 {
+	if x != nil {
+		return x.SegmentsChecked
+	}
+	return 0
+}
+
+func (x *ScrubPartitionResponse) GetBytesChecked() uint64 {
+	if x != nil {
+		return x.BytesChecked
+	}
+	return 0
+}
+
+func (x *ScrubPartitionResponse) GetDamage() *ScrubDamage {
+	if x != nil {
+		return x.Damage
+	}
+	return nil
+}
+
+type ScrubDamage struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The segment file, the byte position of the batch in it, the offset it should start at.
+	File     string `protobuf:"bytes,1,opt,name=file,proto3" json:"file,omitempty"`
+	Position int64  `protobuf:"varint,2,opt,name=position,proto3" json:"position,omitempty"`
+	Offset   int64  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
+	Detail   string `protobuf:"bytes,4,opt,name=detail,proto3" json:"detail,omitempty"`
+	// Whether it was acted on (false: the copy moved on meanwhile — reloaded, cut, or the
+	// segment deleted — and what was read says nothing of it now).
+	ActedOn       bool `protobuf:"varint,5,opt,name=acted_on,json=actedOn,proto3" json:"acted_on,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScrubDamage) Reset() {
+	*x = ScrubDamage{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScrubDamage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScrubDamage) ProtoMessage() {}
+
+func (x *ScrubDamage) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScrubDamage.ProtoReflect.Descriptor instead.
+func (*ScrubDamage) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{63}
+}
+
+func (x *ScrubDamage) GetFile() string {
+	if x != nil {
+		return x.File
+	}
+	return ""
+}
+
+func (x *ScrubDamage) GetPosition() int64 {
+	if x != nil {
+		return x.Position
+	}
+	return 0
+}
+
+func (x *ScrubDamage) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *ScrubDamage) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *ScrubDamage) GetActedOn() bool {
+	if x != nil {
+		return x.ActedOn
+	}
+	return false
+}
+
 // The staged parts of many transactions on this server.
 type StageTxnRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -4553,7 +4751,7 @@ type StageTxnRequest struct {
 
 func (x *StageTxnRequest) Reset() {
 	*x = StageTxnRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4565,7 +4763,7 @@ func (x *StageTxnRequest) String() string {
 func (*StageTxnRequest) ProtoMessage() {}
 
 func (x *StageTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4578,7 +4776,7 @@ func (x *StageTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnRequest.ProtoReflect.Descriptor instead.
 func (*StageTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{61}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *StageTxnRequest) GetItems() []*StageTxnItem {
@@ -4616,7 +4814,7 @@ type StageTxnItem struct {
 
 func (x *StageTxnItem) Reset() {
 	*x = StageTxnItem{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4628,7 +4826,7 @@ func (x *StageTxnItem) String() string {
 func (*StageTxnItem) ProtoMessage() {}
 
 func (x *StageTxnItem) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4641,7 +4839,7 @@ func (x *StageTxnItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnItem.ProtoReflect.Descriptor instead.
 func (*StageTxnItem) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{62}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *StageTxnItem) GetTxnId() *TxnId {
@@ -4685,7 +4883,7 @@ type StageTxnResponse struct {
 
 func (x *StageTxnResponse) Reset() {
 	*x = StageTxnResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4697,7 +4895,7 @@ func (x *StageTxnResponse) String() string {
 func (*StageTxnResponse) ProtoMessage() {}
 
 func (x *StageTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4710,7 +4908,7 @@ func (x *StageTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnResponse.ProtoReflect.Descriptor instead.
 func (*StageTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{63}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *StageTxnResponse) GetResults() []*StageTxnResult {
@@ -4742,7 +4940,7 @@ type StageTxnResult struct {
 
 func (x *StageTxnResult) Reset() {
 	*x = StageTxnResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4754,7 +4952,7 @@ func (x *StageTxnResult) String() string {
 func (*StageTxnResult) ProtoMessage() {}
 
 func (x *StageTxnResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4767,7 +4965,7 @@ func (x *StageTxnResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnResult.ProtoReflect.Descriptor instead.
 func (*StageTxnResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{64}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *StageTxnResult) GetTxnId() *TxnId {
@@ -4801,7 +4999,7 @@ type ResolveStagedRequest struct {
 
 func (x *ResolveStagedRequest) Reset() {
 	*x = ResolveStagedRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4813,7 +5011,7 @@ func (x *ResolveStagedRequest) String() string {
 func (*ResolveStagedRequest) ProtoMessage() {}
 
 func (x *ResolveStagedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4826,7 +5024,7 @@ func (x *ResolveStagedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveStagedRequest.ProtoReflect.Descriptor instead.
 func (*ResolveStagedRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *ResolveStagedRequest) GetItems() []*ResolveStagedItem {
@@ -4855,7 +5053,7 @@ type ResolveStagedItem struct {
 
 func (x *ResolveStagedItem) Reset() {
 	*x = ResolveStagedItem{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4867,7 +5065,7 @@ func (x *ResolveStagedItem) String() string {
 func (*ResolveStagedItem) ProtoMessage() {}
 
 func (x *ResolveStagedItem) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4880,7 +5078,7 @@ func (x *ResolveStagedItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveStagedItem.ProtoReflect.Descriptor instead.
 func (*ResolveStagedItem) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ResolveStagedItem) GetTxnId() *TxnId {
@@ -4921,7 +5119,7 @@ type ResolveStagedResponse struct {
 
 func (x *ResolveStagedResponse) Reset() {
 	*x = ResolveStagedResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4933,7 +5131,7 @@ func (x *ResolveStagedResponse) String() string {
 func (*ResolveStagedResponse) ProtoMessage() {}
 
 func (x *ResolveStagedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4946,7 +5144,7 @@ func (x *ResolveStagedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveStagedResponse.ProtoReflect.Descriptor instead.
 func (*ResolveStagedResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ResolveStagedResponse) GetResults() []*ResolveStagedResult {
@@ -4970,7 +5168,7 @@ type ResolveStagedResult struct {
 
 func (x *ResolveStagedResult) Reset() {
 	*x = ResolveStagedResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4982,7 +5180,7 @@ func (x *ResolveStagedResult) String() string {
 func (*ResolveStagedResult) ProtoMessage() {}
 
 func (x *ResolveStagedResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4995,7 +5193,7 @@ func (x *ResolveStagedResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveStagedResult.ProtoReflect.Descriptor instead.
 func (*ResolveStagedResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{68}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ResolveStagedResult) GetTxnId() *TxnId {
@@ -5035,7 +5233,7 @@ type StagedPartition struct {
 
 func (x *StagedPartition) Reset() {
 	*x = StagedPartition{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5047,7 +5245,7 @@ func (x *StagedPartition) String() string {
 func (*StagedPartition) ProtoMessage() {}
 
 func (x *StagedPartition) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5060,7 +5258,7 @@ func (x *StagedPartition) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagedPartition.ProtoReflect.Descriptor instead.
 func (*StagedPartition) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{69}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *StagedPartition) GetTopicPartition() *TopicPartition {
@@ -5100,7 +5298,7 @@ type StagedSubscriptionPartition struct {
 
 func (x *StagedSubscriptionPartition) Reset() {
 	*x = StagedSubscriptionPartition{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5112,7 +5310,7 @@ func (x *StagedSubscriptionPartition) String() string {
 func (*StagedSubscriptionPartition) ProtoMessage() {}
 
 func (x *StagedSubscriptionPartition) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5125,7 +5323,7 @@ func (x *StagedSubscriptionPartition) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagedSubscriptionPartition.ProtoReflect.Descriptor instead.
 func (*StagedSubscriptionPartition) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *StagedSubscriptionPartition) GetSubscriptionPartition() *SubscriptionPartition {
@@ -5184,7 +5382,7 @@ type ReplicateRequest struct {
 
 func (x *ReplicateRequest) Reset() {
 	*x = ReplicateRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5196,7 +5394,7 @@ func (x *ReplicateRequest) String() string {
 func (*ReplicateRequest) ProtoMessage() {}
 
 func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5209,7 +5407,7 @@ func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{71}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *ReplicateRequest) GetTopicPartition() *TopicPartition {
@@ -5314,7 +5512,7 @@ type ReplicateManyRequest struct {
 
 func (x *ReplicateManyRequest) Reset() {
 	*x = ReplicateManyRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5326,7 +5524,7 @@ func (x *ReplicateManyRequest) String() string {
 func (*ReplicateManyRequest) ProtoMessage() {}
 
 func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5339,7 +5537,7 @@ func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateManyRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateManyRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{72}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ReplicateManyRequest) GetReplica() string {
@@ -5406,7 +5604,7 @@ type ReplicateManyResponse struct {
 
 func (x *ReplicateManyResponse) Reset() {
 	*x = ReplicateManyResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5418,7 +5616,7 @@ func (x *ReplicateManyResponse) String() string {
 func (*ReplicateManyResponse) ProtoMessage() {}
 
 func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5431,7 +5629,7 @@ func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateManyResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateManyResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{73}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ReplicateManyResponse) GetResults() []*ReplicateResult {
@@ -5462,7 +5660,7 @@ type ReplicateResult struct {
 
 func (x *ReplicateResult) Reset() {
 	*x = ReplicateResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5474,7 +5672,7 @@ func (x *ReplicateResult) String() string {
 func (*ReplicateResult) ProtoMessage() {}
 
 func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5487,7 +5685,7 @@ func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResult.ProtoReflect.Descriptor instead.
 func (*ReplicateResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{74}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *ReplicateResult) GetTopicPartition() *TopicPartition {
@@ -5521,7 +5719,7 @@ type LeaderEpochEntry struct {
 
 func (x *LeaderEpochEntry) Reset() {
 	*x = LeaderEpochEntry{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5533,7 +5731,7 @@ func (x *LeaderEpochEntry) String() string {
 func (*LeaderEpochEntry) ProtoMessage() {}
 
 func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5546,7 +5744,7 @@ func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderEpochEntry.ProtoReflect.Descriptor instead.
 func (*LeaderEpochEntry) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{75}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *LeaderEpochEntry) GetEpoch() uint32 {
@@ -5610,7 +5808,7 @@ type ReplicateResponse struct {
 
 func (x *ReplicateResponse) Reset() {
 	*x = ReplicateResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5622,7 +5820,7 @@ func (x *ReplicateResponse) String() string {
 func (*ReplicateResponse) ProtoMessage() {}
 
 func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5635,7 +5833,7 @@ func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{76}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *ReplicateResponse) GetRecords() []byte {
@@ -6040,7 +6238,20 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x05state\x18\x01 \x01(\x0e2\x1a.atomlog.v1.PartitionStateR\x05state\x12.\n" +
 	"\x13truncated_at_offset\x18\x02 \x01(\x03R\x11truncatedAtOffset\x12#\n" +
 	"\rremoved_bytes\x18\x03 \x01(\x04R\fremovedBytes\x12%\n" +
-	"\x0ehigh_watermark\x18\x04 \x01(\x03R\rhighWatermark\"\x81\x01\n" +
+	"\x0ehigh_watermark\x18\x04 \x01(\x03R\rhighWatermark\"\\\n" +
+	"\x15ScrubPartitionRequest\x12C\n" +
+	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\"\xad\x01\n" +
+	"\x16ScrubPartitionResponse\x12\x12\n" +
+	"\x04role\x18\x01 \x01(\tR\x04role\x12)\n" +
+	"\x10segments_checked\x18\x02 \x01(\rR\x0fsegmentsChecked\x12#\n" +
+	"\rbytes_checked\x18\x03 \x01(\x04R\fbytesChecked\x12/\n" +
+	"\x06damage\x18\x04 \x01(\v2\x17.atomlog.v1.ScrubDamageR\x06damage\"\x88\x01\n" +
+	"\vScrubDamage\x12\x12\n" +
+	"\x04file\x18\x01 \x01(\tR\x04file\x12\x1a\n" +
+	"\bposition\x18\x02 \x01(\x03R\bposition\x12\x16\n" +
+	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x16\n" +
+	"\x06detail\x18\x04 \x01(\tR\x06detail\x12\x19\n" +
+	"\bacted_on\x18\x05 \x01(\bR\aactedOn\"\x81\x01\n" +
 	"\x0fStageTxnRequest\x12.\n" +
 	"\x05items\x18\x01 \x03(\v2\x18.atomlog.v1.StageTxnItemR\x05items\x12>\n" +
 	"\amarkers\x18\x02 \x01(\v2$.atomlog.v1.EndTxnOnPartitionRequestR\amarkers\"\xc1\x01\n" +
@@ -6149,7 +6360,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x1bPARTITION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17PARTITION_STATE_LOADING\x10\x01\x12\x1a\n" +
 	"\x16PARTITION_STATE_ONLINE\x10\x02\x12\x1d\n" +
-	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\xc1\f\n" +
+	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\x9a\r\n" +
 	"\x10PartitionService\x12B\n" +
 	"\aProduce\x12\x1a.atomlog.v1.ProduceRequest\x1a\x1b.atomlog.v1.ProduceResponse\x12<\n" +
 	"\x05Fetch\x12\x18.atomlog.v1.FetchRequest\x1a\x19.atomlog.v1.FetchResponse\x12N\n" +
@@ -6167,7 +6378,8 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\rResolveStaged\x12 .atomlog.v1.ResolveStagedRequest\x1a!.atomlog.v1.ResolveStagedResponse\x12`\n" +
 	"\x11DescribePartition\x12$.atomlog.v1.DescribePartitionRequest\x1a%.atomlog.v1.DescribePartitionResponse\x12W\n" +
 	"\x0eListPartitions\x12!.atomlog.v1.ListPartitionsRequest\x1a\".atomlog.v1.ListPartitionsResponse\x12]\n" +
-	"\x10RecoverPartition\x12#.atomlog.v1.RecoverPartitionRequest\x1a$.atomlog.v1.RecoverPartitionResponse\x12H\n" +
+	"\x10RecoverPartition\x12#.atomlog.v1.RecoverPartitionRequest\x1a$.atomlog.v1.RecoverPartitionResponse\x12W\n" +
+	"\x0eScrubPartition\x12!.atomlog.v1.ScrubPartitionRequest\x1a\".atomlog.v1.ScrubPartitionResponse\x12H\n" +
 	"\tReplicate\x12\x1c.atomlog.v1.ReplicateRequest\x1a\x1d.atomlog.v1.ReplicateResponse\x12T\n" +
 	"\rReplicateMany\x12 .atomlog.v1.ReplicateManyRequest\x1a!.atomlog.v1.ReplicateManyResponseB\xa9\x01\n" +
 	"\x0ecom.atomlog.v1B\x0ePartitionProtoP\x01Z>github.com/atomlog/atomlog/clients/go/gen/atomlog/v1;atomlogv1\xa2\x02\x03AXX\xaa\x02\n" +
@@ -6187,7 +6399,7 @@ func file_atomlog_v1_partition_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_partition_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 79)
+var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 82)
 var file_atomlog_v1_partition_proto_goTypes = []any{
 	(TxnDecision)(0),                     // 0: atomlog.v1.TxnDecision
 	(OffsetSpec)(0),                      // 1: atomlog.v1.OffsetSpec
@@ -6254,199 +6466,206 @@ var file_atomlog_v1_partition_proto_goTypes = []any{
 	(*PartitionSummary)(nil),             // 62: atomlog.v1.PartitionSummary
 	(*RecoverPartitionRequest)(nil),      // 63: atomlog.v1.RecoverPartitionRequest
 	(*RecoverPartitionResponse)(nil),     // 64: atomlog.v1.RecoverPartitionResponse
-	(*StageTxnRequest)(nil),              // 65: atomlog.v1.StageTxnRequest
-	(*StageTxnItem)(nil),                 // 66: atomlog.v1.StageTxnItem
-	(*StageTxnResponse)(nil),             // 67: atomlog.v1.StageTxnResponse
-	(*StageTxnResult)(nil),               // 68: atomlog.v1.StageTxnResult
-	(*ResolveStagedRequest)(nil),         // 69: atomlog.v1.ResolveStagedRequest
-	(*ResolveStagedItem)(nil),            // 70: atomlog.v1.ResolveStagedItem
-	(*ResolveStagedResponse)(nil),        // 71: atomlog.v1.ResolveStagedResponse
-	(*ResolveStagedResult)(nil),          // 72: atomlog.v1.ResolveStagedResult
-	(*StagedPartition)(nil),              // 73: atomlog.v1.StagedPartition
-	(*StagedSubscriptionPartition)(nil),  // 74: atomlog.v1.StagedSubscriptionPartition
-	(*ReplicateRequest)(nil),             // 75: atomlog.v1.ReplicateRequest
-	(*ReplicateManyRequest)(nil),         // 76: atomlog.v1.ReplicateManyRequest
-	(*ReplicateManyResponse)(nil),        // 77: atomlog.v1.ReplicateManyResponse
-	(*ReplicateResult)(nil),              // 78: atomlog.v1.ReplicateResult
-	(*LeaderEpochEntry)(nil),             // 79: atomlog.v1.LeaderEpochEntry
-	(*ReplicateResponse)(nil),            // 80: atomlog.v1.ReplicateResponse
-	nil,                                  // 81: atomlog.v1.ItemError.MetadataEntry
-	nil,                                  // 82: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	(*TopicPartition)(nil),               // 83: atomlog.v1.TopicPartition
-	(IsolationLevel)(0),                  // 84: atomlog.v1.IsolationLevel
-	(*TxnId)(nil),                        // 85: atomlog.v1.TxnId
-	(*SubscriptionPartition)(nil),        // 86: atomlog.v1.SubscriptionPartition
+	(*ScrubPartitionRequest)(nil),        // 65: atomlog.v1.ScrubPartitionRequest
+	(*ScrubPartitionResponse)(nil),       // 66: atomlog.v1.ScrubPartitionResponse
+	(*ScrubDamage)(nil),                  // 67: atomlog.v1.ScrubDamage
+	(*StageTxnRequest)(nil),              // 68: atomlog.v1.StageTxnRequest
+	(*StageTxnItem)(nil),                 // 69: atomlog.v1.StageTxnItem
+	(*StageTxnResponse)(nil),             // 70: atomlog.v1.StageTxnResponse
+	(*StageTxnResult)(nil),               // 71: atomlog.v1.StageTxnResult
+	(*ResolveStagedRequest)(nil),         // 72: atomlog.v1.ResolveStagedRequest
+	(*ResolveStagedItem)(nil),            // 73: atomlog.v1.ResolveStagedItem
+	(*ResolveStagedResponse)(nil),        // 74: atomlog.v1.ResolveStagedResponse
+	(*ResolveStagedResult)(nil),          // 75: atomlog.v1.ResolveStagedResult
+	(*StagedPartition)(nil),              // 76: atomlog.v1.StagedPartition
+	(*StagedSubscriptionPartition)(nil),  // 77: atomlog.v1.StagedSubscriptionPartition
+	(*ReplicateRequest)(nil),             // 78: atomlog.v1.ReplicateRequest
+	(*ReplicateManyRequest)(nil),         // 79: atomlog.v1.ReplicateManyRequest
+	(*ReplicateManyResponse)(nil),        // 80: atomlog.v1.ReplicateManyResponse
+	(*ReplicateResult)(nil),              // 81: atomlog.v1.ReplicateResult
+	(*LeaderEpochEntry)(nil),             // 82: atomlog.v1.LeaderEpochEntry
+	(*ReplicateResponse)(nil),            // 83: atomlog.v1.ReplicateResponse
+	nil,                                  // 84: atomlog.v1.ItemError.MetadataEntry
+	nil,                                  // 85: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	(*TopicPartition)(nil),               // 86: atomlog.v1.TopicPartition
+	(IsolationLevel)(0),                  // 87: atomlog.v1.IsolationLevel
+	(*TxnId)(nil),                        // 88: atomlog.v1.TxnId
+	(*SubscriptionPartition)(nil),        // 89: atomlog.v1.SubscriptionPartition
 }
 var file_atomlog_v1_partition_proto_depIdxs = []int32{
-	81,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
+	84,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
 	7,   // 1: atomlog.v1.ProduceRequest.items:type_name -> atomlog.v1.ProduceItem
-	83,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	9,   // 3: atomlog.v1.ProduceResponse.results:type_name -> atomlog.v1.ProduceResult
-	83,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 5: atomlog.v1.ProduceResult.error:type_name -> atomlog.v1.ItemError
 	11,  // 6: atomlog.v1.FetchRequest.items:type_name -> atomlog.v1.FetchItem
-	84,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
-	83,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	87,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	86,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	13,  // 9: atomlog.v1.FetchResponse.results:type_name -> atomlog.v1.FetchResult
-	83,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 11: atomlog.v1.FetchResult.error:type_name -> atomlog.v1.ItemError
 	14,  // 12: atomlog.v1.FetchResult.aborted_transactions:type_name -> atomlog.v1.AbortedTransaction
-	85,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
 	16,  // 14: atomlog.v1.ListOffsetsRequest.items:type_name -> atomlog.v1.ListOffsetsItem
-	83,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	1,   // 16: atomlog.v1.ListOffsetsItem.spec:type_name -> atomlog.v1.OffsetSpec
 	18,  // 17: atomlog.v1.ListOffsetsResponse.results:type_name -> atomlog.v1.ListOffsetsResult
-	83,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 19: atomlog.v1.ListOffsetsResult.error:type_name -> atomlog.v1.ItemError
 	20,  // 20: atomlog.v1.DeleteRecordsRequest.items:type_name -> atomlog.v1.DeleteRecordsItem
 	22,  // 21: atomlog.v1.DeleteRecordsResponse.results:type_name -> atomlog.v1.DeleteRecordsResult
 	4,   // 22: atomlog.v1.DeleteRecordsResult.error:type_name -> atomlog.v1.ItemError
-	86,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 24: atomlog.v1.CreateSubscriptionRequest.initial_position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	25,  // 25: atomlog.v1.CreateSubscriptionResponse.results:type_name -> atomlog.v1.CreateSubscriptionResult
-	86,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 27: atomlog.v1.CreateSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	86,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	28,  // 29: atomlog.v1.DeleteSubscriptionResponse.results:type_name -> atomlog.v1.DeleteSubscriptionResult
-	86,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 31: atomlog.v1.DeleteSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	86,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 33: atomlog.v1.ResetSubscriptionRequest.position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	31,  // 34: atomlog.v1.ResetSubscriptionResponse.results:type_name -> atomlog.v1.ResetSubscriptionResult
-	86,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 36: atomlog.v1.ResetSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	86,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	84,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	89,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	87,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
 	34,  // 39: atomlog.v1.ReceiveResponse.results:type_name -> atomlog.v1.ReceiveResult
-	86,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 41: atomlog.v1.ReceiveResult.error:type_name -> atomlog.v1.ItemError
 	5,   // 42: atomlog.v1.ReceiveResult.delivered_ranges:type_name -> atomlog.v1.OffsetRange
 	5,   // 43: atomlog.v1.ReceiveResult.redelivered_ranges:type_name -> atomlog.v1.OffsetRange
 	36,  // 44: atomlog.v1.AckRequest.items:type_name -> atomlog.v1.AckItem
-	86,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 46: atomlog.v1.AckItem.individual_ranges:type_name -> atomlog.v1.OffsetRange
-	85,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
 	38,  // 48: atomlog.v1.AckResponse.results:type_name -> atomlog.v1.AckResult
-	86,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 50: atomlog.v1.AckResult.error:type_name -> atomlog.v1.ItemError
 	40,  // 51: atomlog.v1.NackRequest.items:type_name -> atomlog.v1.NackItem
-	86,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 53: atomlog.v1.NackItem.ranges:type_name -> atomlog.v1.OffsetRange
 	42,  // 54: atomlog.v1.NackResponse.results:type_name -> atomlog.v1.NackResult
-	86,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 56: atomlog.v1.NackResult.error:type_name -> atomlog.v1.ItemError
-	86,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	45,  // 58: atomlog.v1.DescribeSubscriptionResponse.cursors:type_name -> atomlog.v1.SubscriptionCursor
-	86,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 60: atomlog.v1.SubscriptionCursor.error:type_name -> atomlog.v1.ItemError
 	5,   // 61: atomlog.v1.SubscriptionCursor.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	46,  // 62: atomlog.v1.SubscriptionCursor.pending_acks:type_name -> atomlog.v1.PendingAck
-	85,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
 	5,   // 64: atomlog.v1.PendingAck.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	48,  // 65: atomlog.v1.EndTxnOnPartitionRequest.markers:type_name -> atomlog.v1.TxnMarker
-	85,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
 	0,   // 67: atomlog.v1.TxnMarker.decision:type_name -> atomlog.v1.TxnDecision
-	83,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	86,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	86,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	89,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	50,  // 70: atomlog.v1.EndTxnOnPartitionResponse.results:type_name -> atomlog.v1.TxnMarkerResult
-	85,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
 	51,  // 72: atomlog.v1.TxnMarkerResult.topic_partition_results:type_name -> atomlog.v1.TxnMarkerPartitionResult
 	52,  // 73: atomlog.v1.TxnMarkerResult.subscription_partition_results:type_name -> atomlog.v1.TxnMarkerSubscriptionResult
-	83,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 75: atomlog.v1.TxnMarkerPartitionResult.error:type_name -> atomlog.v1.ItemError
-	86,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 77: atomlog.v1.TxnMarkerSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	83,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	83,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 80: atomlog.v1.DescribePartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	53,  // 81: atomlog.v1.DescribePartitionResponse.data_loss:type_name -> atomlog.v1.DataLossInfo
 	58,  // 82: atomlog.v1.DescribePartitionResponse.open_transactions:type_name -> atomlog.v1.OpenTransaction
 	59,  // 83: atomlog.v1.DescribePartitionResponse.producers:type_name -> atomlog.v1.ProducerState
 	45,  // 84: atomlog.v1.DescribePartitionResponse.subscriptions:type_name -> atomlog.v1.SubscriptionCursor
-	82,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	85,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
 	56,  // 86: atomlog.v1.DescribePartitionResponse.replication:type_name -> atomlog.v1.ReplicationStatus
 	57,  // 87: atomlog.v1.ReplicationStatus.followers:type_name -> atomlog.v1.FollowerStatus
-	85,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
-	85,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
 	62,  // 90: atomlog.v1.ListPartitionsResponse.partitions:type_name -> atomlog.v1.PartitionSummary
-	83,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 92: atomlog.v1.PartitionSummary.state:type_name -> atomlog.v1.PartitionState
 	53,  // 93: atomlog.v1.PartitionSummary.data_loss:type_name -> atomlog.v1.DataLossInfo
-	83,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	86,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 95: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
-	66,  // 96: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
-	47,  // 97: atomlog.v1.StageTxnRequest.markers:type_name -> atomlog.v1.EndTxnOnPartitionRequest
-	85,  // 98: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
-	7,   // 99: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
-	36,  // 100: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
-	68,  // 101: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
-	49,  // 102: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
-	85,  // 103: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
-	9,   // 104: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
-	38,  // 105: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
-	70,  // 106: atomlog.v1.ResolveStagedRequest.items:type_name -> atomlog.v1.ResolveStagedItem
-	85,  // 107: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
-	83,  // 108: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	86,  // 109: atomlog.v1.ResolveStagedItem.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	72,  // 110: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
-	85,  // 111: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
-	73,  // 112: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
-	74,  // 113: atomlog.v1.ResolveStagedResult.subscription_partitions:type_name -> atomlog.v1.StagedSubscriptionPartition
-	83,  // 114: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 115: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
-	86,  // 116: atomlog.v1.StagedSubscriptionPartition.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
-	4,   // 117: atomlog.v1.StagedSubscriptionPartition.error:type_name -> atomlog.v1.ItemError
-	83,  // 118: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	75,  // 119: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
-	83,  // 120: atomlog.v1.ReplicateManyRequest.forgotten:type_name -> atomlog.v1.TopicPartition
-	78,  // 121: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
-	83,  // 122: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 123: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
-	80,  // 124: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
-	79,  // 125: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 126: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 127: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 128: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 129: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 130: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 131: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 132: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 133: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 134: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 135: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 136: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 137: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	65,  // 138: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	69,  // 139: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
-	54,  // 140: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	60,  // 141: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	63,  // 142: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	75,  // 143: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	76,  // 144: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
-	8,   // 145: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 146: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 147: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 148: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 149: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 150: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 151: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 152: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 153: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 154: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 155: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 156: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	67,  // 157: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	71,  // 158: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
-	55,  // 159: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	61,  // 160: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	64,  // 161: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	80,  // 162: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	77,  // 163: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
-	145, // [145:164] is the sub-list for method output_type
-	126, // [126:145] is the sub-list for method input_type
-	126, // [126:126] is the sub-list for extension type_name
-	126, // [126:126] is the sub-list for extension extendee
-	0,   // [0:126] is the sub-list for field type_name
+	86,  // 96: atomlog.v1.ScrubPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	67,  // 97: atomlog.v1.ScrubPartitionResponse.damage:type_name -> atomlog.v1.ScrubDamage
+	69,  // 98: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
+	47,  // 99: atomlog.v1.StageTxnRequest.markers:type_name -> atomlog.v1.EndTxnOnPartitionRequest
+	88,  // 100: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	7,   // 101: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
+	36,  // 102: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
+	71,  // 103: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
+	49,  // 104: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
+	88,  // 105: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	9,   // 106: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
+	38,  // 107: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
+	73,  // 108: atomlog.v1.ResolveStagedRequest.items:type_name -> atomlog.v1.ResolveStagedItem
+	88,  // 109: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
+	86,  // 110: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	89,  // 111: atomlog.v1.ResolveStagedItem.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	75,  // 112: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
+	88,  // 113: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
+	76,  // 114: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
+	77,  // 115: atomlog.v1.ResolveStagedResult.subscription_partitions:type_name -> atomlog.v1.StagedSubscriptionPartition
+	86,  // 116: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 117: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
+	89,  // 118: atomlog.v1.StagedSubscriptionPartition.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	4,   // 119: atomlog.v1.StagedSubscriptionPartition.error:type_name -> atomlog.v1.ItemError
+	86,  // 120: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	78,  // 121: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
+	86,  // 122: atomlog.v1.ReplicateManyRequest.forgotten:type_name -> atomlog.v1.TopicPartition
+	81,  // 123: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
+	86,  // 124: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 125: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
+	83,  // 126: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
+	82,  // 127: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 128: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 129: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 130: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 131: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 132: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 133: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 134: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 135: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 136: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 137: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 138: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 139: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	68,  // 140: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	72,  // 141: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
+	54,  // 142: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 143: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 144: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	65,  // 145: atomlog.v1.PartitionService.ScrubPartition:input_type -> atomlog.v1.ScrubPartitionRequest
+	78,  // 146: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	79,  // 147: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
+	8,   // 148: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 149: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 150: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 151: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 152: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 153: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 154: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 155: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 156: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 157: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 158: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 159: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	70,  // 160: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	74,  // 161: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
+	55,  // 162: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 163: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 164: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	66,  // 165: atomlog.v1.PartitionService.ScrubPartition:output_type -> atomlog.v1.ScrubPartitionResponse
+	83,  // 166: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	80,  // 167: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
+	148, // [148:168] is the sub-list for method output_type
+	128, // [128:148] is the sub-list for method input_type
+	128, // [128:128] is the sub-list for extension type_name
+	128, // [128:128] is the sub-list for extension extendee
+	0,   // [0:128] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
@@ -6461,7 +6680,7 @@ func file_atomlog_v1_partition_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_partition_proto_rawDesc), len(file_atomlog_v1_partition_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   79,
+			NumMessages:   82,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -36,6 +36,7 @@ const (
 	PartitionService_DescribePartition_FullMethodName    = "/atomlog.v1.PartitionService/DescribePartition"
 	PartitionService_ListPartitions_FullMethodName       = "/atomlog.v1.PartitionService/ListPartitions"
 	PartitionService_RecoverPartition_FullMethodName     = "/atomlog.v1.PartitionService/RecoverPartition"
+	PartitionService_ScrubPartition_FullMethodName       = "/atomlog.v1.PartitionService/ScrubPartition"
 	PartitionService_Replicate_FullMethodName            = "/atomlog.v1.PartitionService/Replicate"
 	PartitionService_ReplicateMany_FullMethodName        = "/atomlog.v1.PartitionService/ReplicateMany"
 )
@@ -144,6 +145,13 @@ type PartitionServiceClient interface {
 	// corrupt batch — everything from that offset on is lost. The operator must repeat the
 	// corruption the server reported, so a call can never truncate at a place nobody saw.
 	RecoverPartition(ctx context.Context, in *RecoverPartitionRequest, opts ...grpc.CallOption) (*RecoverPartitionResponse, error)
+	// Admin: reads this server's copy of a partition (the leader's or a follower's) back
+	// from disk now and checks every batch, as the background scrubber does
+	// (docs/operations.md, "Scrubbing"), and answers what it found. Damage found is acted
+	// on as the scrubber's finding is: a leader's copy enters DATA_LOSS and is handed to an
+	// in-sync replica; a follower's is cut at the damage and fetched again. One call at a
+	// time per server (others wait), not paced: a copy of 1 GiB reads in seconds.
+	ScrubPartition(ctx context.Context, in *ScrubPartitionRequest, opts ...grpc.CallOption) (*ScrubPartitionResponse, error)
 	// Internal (docs/replication.md): a follower copies its leader's log. A long poll from
 	// `fetch_offset`, which also tells the leader that everything below it is durable on
 	// the follower. Answers raw batches, the leader's high watermark and log start, and the
@@ -336,6 +344,16 @@ func (c *partitionServiceClient) RecoverPartition(ctx context.Context, in *Recov
 	return out, nil
 }
 
+func (c *partitionServiceClient) ScrubPartition(ctx context.Context, in *ScrubPartitionRequest, opts ...grpc.CallOption) (*ScrubPartitionResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ScrubPartitionResponse)
+	err := c.cc.Invoke(ctx, PartitionService_ScrubPartition_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *partitionServiceClient) Replicate(ctx context.Context, in *ReplicateRequest, opts ...grpc.CallOption) (*ReplicateResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ReplicateResponse)
@@ -460,6 +478,13 @@ type PartitionServiceServer interface {
 	// corrupt batch — everything from that offset on is lost. The operator must repeat the
 	// corruption the server reported, so a call can never truncate at a place nobody saw.
 	RecoverPartition(context.Context, *RecoverPartitionRequest) (*RecoverPartitionResponse, error)
+	// Admin: reads this server's copy of a partition (the leader's or a follower's) back
+	// from disk now and checks every batch, as the background scrubber does
+	// (docs/operations.md, "Scrubbing"), and answers what it found. Damage found is acted
+	// on as the scrubber's finding is: a leader's copy enters DATA_LOSS and is handed to an
+	// in-sync replica; a follower's is cut at the damage and fetched again. One call at a
+	// time per server (others wait), not paced: a copy of 1 GiB reads in seconds.
+	ScrubPartition(context.Context, *ScrubPartitionRequest) (*ScrubPartitionResponse, error)
 	// Internal (docs/replication.md): a follower copies its leader's log. A long poll from
 	// `fetch_offset`, which also tells the leader that everything below it is durable on
 	// the follower. Answers raw batches, the leader's high watermark and log start, and the
@@ -532,6 +557,9 @@ func (UnimplementedPartitionServiceServer) ListPartitions(context.Context, *List
 }
 func (UnimplementedPartitionServiceServer) RecoverPartition(context.Context, *RecoverPartitionRequest) (*RecoverPartitionResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RecoverPartition not implemented")
+}
+func (UnimplementedPartitionServiceServer) ScrubPartition(context.Context, *ScrubPartitionRequest) (*ScrubPartitionResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ScrubPartition not implemented")
 }
 func (UnimplementedPartitionServiceServer) Replicate(context.Context, *ReplicateRequest) (*ReplicateResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Replicate not implemented")
@@ -866,6 +894,24 @@ func _PartitionService_RecoverPartition_Handler(srv interface{}, ctx context.Con
 	return interceptor(ctx, in, info, handler)
 }
 
+func _PartitionService_ScrubPartition_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ScrubPartitionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PartitionServiceServer).ScrubPartition(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: PartitionService_ScrubPartition_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PartitionServiceServer).ScrubPartition(ctx, req.(*ScrubPartitionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _PartitionService_Replicate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(ReplicateRequest)
 	if err := dec(in); err != nil {
@@ -976,6 +1022,10 @@ var PartitionService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "RecoverPartition",
 			Handler:    _PartitionService_RecoverPartition_Handler,
+		},
+		{
+			MethodName: "ScrubPartition",
+			Handler:    _PartitionService_ScrubPartition_Handler,
 		},
 		{
 			MethodName: "Replicate",
