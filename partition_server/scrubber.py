@@ -25,7 +25,8 @@ A pass walks the copies in (topic, partition) order; the next pass begins
 `partition.scrub_interval_ms` after the last one began (at once if that one took
 longer). Progress is kept in `<data_dir>/scrub.json`, so a restart carries on where the
 pass was instead of starting over. `partition.scrub_bytes_per_s` bounds the reads (0:
-no scrubbing).
+no passes). An operator's `scrub_now` (PartitionService.ScrubPartition, `atomlog
+partition scrub`) reads one copy at once, unpaced, passes or not.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from prometheus_client.registry import Collector
 
 from partition_server.owner import State
 from partition_server.segment import ScanFailure, batch_size_at, check_prefix
+from services.errors import AtomlogError
 from services.fastmetrics import Counter
 from services.logs import event
 
@@ -359,9 +361,7 @@ class Scrubber:
             acted = found is not None and self._found(copy, *found)
             return ScrubReport(copy.role, len(copy.spans), read[0], found, acted)
 
-    def _unavailable(self, key):
-        from services.errors import AtomlogError
-
+    def _unavailable(self, key) -> AtomlogError:
         topic, partition = key
         owner = self.manager.owners.get(key)
         follower = self.manager.followers.get(key)
