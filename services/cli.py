@@ -732,44 +732,63 @@ def partition_recover(topic_name: str, number: int, file_name: str, offset: int,
 
 
 @partition.command("scrub")
-@click.argument("topic_name", metavar="TOPIC")
-@click.argument("number", metavar="PARTITION", type=int)
+@click.argument("topic_name", metavar="[TOPIC", required=False)
+@click.argument("number", metavar="[PARTITION]]", type=int, required=False)
+@click.option("--server", "server_name", metavar="NAME",
+              help="Only the copies this partition server holds (with no TOPIC: every one).")
 @bootstrap_option
 @data_dir_option
 @output_option
-def partition_scrub(topic_name: str, number: int, bootstrap: str | None, data_dir: Path,
-                    output: str) -> None:
-    """Read every copy of a partition back from disk now and check every batch.
+def partition_scrub(topic_name: str | None, number: int | None, server_name: str | None,
+                    bootstrap: str | None, data_dir: Path, output: str) -> None:
+    """Read copies of partitions back from disk now and check every batch.
 
-    Asks each server holding a copy (ScrubPartition), one after the other, as the
-    background scrubber would (docs/operations.md, "Scrubbing"), not paced. A damaged
-    copy is acted on as the scrubber's finding is: a leader's enters DATA_LOSS and is
-    handed to an in-sync replica, a follower's is cut at the damage and fetched again.
-    Exits 1 if any copy is damaged or could not be read.
+    Asks each server holding a copy (ScrubPartition), one copy after the other, as the
+    background scrubber would (docs/operations.md, "Scrubbing"), not paced: one
+    partition's copies, a topic's, or with --server every copy one server holds (after
+    a disk incident on it). A damaged copy is acted on as the scrubber's finding is: a
+    leader's enters DATA_LOSS and is handed to an in-sync replica, a follower's is cut
+    at the damage and fetched again. Exits 1 if any copy is damaged or could not be
+    read.
 
     \b
-    Example:
+    Examples:
       atomlog partition scrub orders 0
+      atomlog partition scrub orders
+      atomlog partition scrub --server ps-1
     """
     from google.protobuf.json_format import MessageToDict
 
     from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2
     from spark_client.errors import from_grpc
 
+    if topic_name is None and server_name is None:
+        fail("name a TOPIC (and PARTITION), or a --server")
     address = _bootstrap(bootstrap, data_dir)
-    reply = _call(address, "GetMetadata", metadata_pb2.GetMetadataRequest(topics=[topic_name]))
-    topics = [t for t in reply.topics if t.name == topic_name]
-    if not topics or not topics[0].partitions or number >= len(topics[0].partitions) or \
-            number < 0:
-        fail(f"no partition {topic_name}-{number}")
-    part = topics[0].partitions[number]
+    reply = _call(address, "GetMetadata", metadata_pb2.GetMetadataRequest(
+        topics=[topic_name] if topic_name is not None else []))
     servers = {s.name: s.grpc_address for s in reply.servers}
-    request = partition_pb2.ScrubPartitionRequest(
-        topic_partition=common_pb2.TopicPartition(topic=topic_name, partition=number))
+    if server_name is not None and server_name not in servers:
+        fail(f"no partition server {server_name} is registered")
+    copies = []  # (topic, partition, server)
+    for found in reply.topics:
+        if topic_name is not None and found.name != topic_name:
+            continue
+        for p, part in enumerate(found.partitions):
+            if number is not None and p != number:
+                continue
+            for name in list(part.replicas) or [part.server_name]:
+                if server_name is None or name == server_name:
+                    copies.append((found.name, p, name))
+    if not copies:
+        what = (f"{topic_name}-{number}" if number is not None else topic_name or "any topic")
+        fail(f"no partition {what}" + (f" with a copy on {server_name}" if server_name else ""))
     results, bad = [], False
     with _client(address) as client:
-        for name in list(part.replicas) or [part.server_name]:
-            result = {"server": name}
+        for topic, p, name in copies:
+            result = {"topic": topic, "partition": p, "server": name}
+            request = partition_pb2.ScrubPartitionRequest(
+                topic_partition=common_pb2.TopicPartition(topic=topic, partition=p))
             try:
                 if not servers.get(name):
                     raise RuntimeError("the server is down")
@@ -789,11 +808,12 @@ def partition_scrub(topic_name: str, number: int, bootstrap: str | None, data_di
         click.echo(json.dumps(results, indent=2))
     else:
         for result in results:
+            copy = f"{result['topic']}-{result['partition']} on {result['server']}"
             if "error" in result:
-                console.print(f"{result['server']}: [red]not read[/]: {escape(result['error'])}",
+                console.print(f"{copy}: [red]not read[/]: {escape(result['error'])}",
                               highlight=False, soft_wrap=True)
                 continue
-            line = (f"{result['server']} ({result['role']} copy): {result['segments_checked']} "
+            line = (f"{copy} ({result['role']} copy): {result['segments_checked']} "
                     f"segment(s), {int(result['bytes_checked'])} bytes checked")
             damage = result.get("damage")
             if damage:

@@ -275,7 +275,8 @@ def test_scrubbing_a_partition_now_finds_and_mends_a_damaged_copy(cluster, share
     flip_byte_in_batch(segment, 10)
     found = cluster.run("partition", "scrub", topic, "0", check=False)
     assert found.returncode == 1
-    [line] = [line for line in found.stdout.splitlines() if line.startswith(damaged)]
+    [line] = [line for line in found.stdout.splitlines()
+              if line.startswith(f"{topic}-0 on {damaged}")]
     assert "follower copy" in line and "DAMAGED at offset 10" in line and "acted on" in line
     assert found.stdout.count(", whole") == 2
     wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 30,
@@ -305,9 +306,41 @@ def test_scrub_partition_refuses_what_it_cannot_read_and_changes_nothing(cluster
     assert refused(partition_pb2.ScrubPartitionRequest()) == "INVALID_ARGUMENT"
     assert refused(partition_pb2.ScrubPartitionRequest(topic_partition=common_pb2.TopicPartition(
         topic=topic, partition=0))) == "UNKNOWN_TOPIC_OR_PARTITION"
-    missing = cluster.run("partition", "scrub", topic, "7", check=False)
-    assert missing.returncode == 1 and "no partition" in missing.stderr
+    for args in ((topic, "7"), ("scrub-no-such-topic",), ("--server", "ps-9"), ()):
+        missing = cluster.run("partition", "scrub", *args, check=False)
+        assert missing.returncode == 1 and missing.stderr, args
     # Nothing changed: the one copy reads back whole, and serves.
     [result] = json.loads(cluster.run("partition", "scrub", topic, "0", "--output", "json").stdout)
     assert result["server"] == holder and result["role"] == "leader" and "damage" not in result
     assert len(read_all(shared_client, topic, 40)) == 40
+
+
+def test_scrubbing_every_copy_a_server_holds(cluster, shared_client):
+    """After a disk incident on one server: `--server` reads every copy it holds (of
+    every topic), and only those; the damaged one is found and mended."""
+    topic = "scrub-server"
+    shared_client.create_topic(topic, partitions=3, replication_factor=3,
+                               config={"min.insync.replicas": "1"})
+    wait_until(lambda: fully_in_sync(shared_client, topic), 30, f"{topic} in sync")
+    with shared_client.producer(linger_ms=0) as producer:
+        for i in range(30):
+            producer.send(topic, f"v{i}".encode() * 40, partition=i % 3).result(30)
+    server = "ps-1"
+    [segment] = sorted((cluster.data_dir / server / "partitions" / f"{topic}-2").glob("*.log"))
+    wait_until(lambda: len(set(segment_digests(cluster, topic, 2).values())) == 1, 15,
+               f"copies of {topic}-2 to match")
+    flip_byte_in_batch(segment, 4)
+    found = cluster.run("partition", "scrub", "--server", server, "--output", "json",
+                        check=False)
+    assert found.returncode == 1
+    results = json.loads(found.stdout)
+    assert {r["server"] for r in results} == {server}
+    mine = {(r["topic"], r["partition"]): r for r in results if r["topic"] == topic}
+    assert sorted(mine) == [(topic, 0), (topic, 1), (topic, 2)]
+    assert "damage" not in mine[(topic, 0)] and "damage" not in mine[(topic, 1)]
+    assert mine[(topic, 2)]["damage"]["acted_on"] and mine[(topic, 2)]["damage"]["offset"] == "4"
+    # (Other tests' topics on this shared cluster are read too; their state is theirs.)
+    wait_until(lambda: len(set(segment_digests(cluster, topic, 2).values())) == 1, 30,
+               f"the copies of {topic}-2 identical again")
+    wait_until(lambda: fully_in_sync(shared_client, topic), 30, f"{topic} in sync again")
+    assert cluster.run("partition", "scrub", topic).stdout.count(", whole") == 9
