@@ -13,9 +13,11 @@ a read's finding takes:
   it waits for an operator (`atomlog partition recover`);
 - a follower's copy is cut at the damage and the rest fetched from its leader again.
 
-What it reads: each copy's segments whose batches are all durable, whole (the log's
-`scrub_spans`: taken without reading an index or a file, so a follower's copy needs no
-pause of its replication link's thread), through a file descriptor of its own opened with
+What it reads: a leader's copy (or an only copy) from its log start up to what is
+durable (`segment_spans`, taken on the event loop where its owner acts); a follower's,
+its segments whose batches are all durable, whole (`scrub_spans`: taken without reading
+an index or a file, so the replication link's thread appending to it needs no pause);
+each through a file descriptor of its own opened with
 O_DIRECT, so it checks what the disk holds, not the page cache, and leaves the page
 cache to consumers. A damaged batch is read a second time before it counts, and the
 finding is handed to the copy's owner on the event loop, which acts only if the copy
@@ -395,7 +397,19 @@ class Scrubber:
         if partition_log is None or partition_log.data_loss is not None:
             return None
         generation = partition_log.cut_generation
-        return _Copy(key, role, holder, partition_log, generation, partition_log.scrub_spans())
+        if role == "follower":
+            spans = partition_log.scrub_spans()  # (its link's thread may be appending)
+        else:
+            # The owner acts on this loop: its log's own spans, up to what is durable,
+            # take in the active segment's durable part too (a leader in wal mode is
+            # durable only up to its last checkpoint while it takes writes).
+            try:
+                spans = partition_log.segment_spans(partition_log.log_start_offset,
+                                                    partition_log.durable_offset)
+            except AtomlogError as error:  # refusing (or nothing durable above the start)
+                log.debug("not scrubbing %s now: %s", key, error)
+                return None
+        return _Copy(key, role, holder, partition_log, generation, spans)
 
     def _counted(self, n: int) -> None:
         SCRUB_BYTES.inc(n)

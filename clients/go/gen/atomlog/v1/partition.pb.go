@@ -4585,8 +4585,9 @@ type ScrubPartitionResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// "leader" (the copy the partition is served from, or its only copy) or "follower".
 	Role string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
-	// Segments read whole, and their bytes. A segment whose batches are not all durable yet
-	// (the active one, while it takes writes) is left out.
+	// Segments read, and their bytes: a leader's copy up to what is durable, a follower's
+	// segments whose batches are all durable (the active one may be left out while it
+	// takes writes).
 	SegmentsChecked uint32 `protobuf:"varint,2,opt,name=segments_checked,json=segmentsChecked,proto3" json:"segments_checked,omitempty"`
 	BytesChecked    uint64 `protobuf:"varint,3,opt,name=bytes_checked,json=bytesChecked,proto3" json:"bytes_checked,omitempty"`
 	// The first damaged batch (unset: every batch read passed its checks).
