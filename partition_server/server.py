@@ -23,10 +23,10 @@ from partition_server.log import LogConfig
 from partition_server.manager import PartitionManager, ReplicationSettings
 from partition_server.replica import RESPONSE_SERIALIZERS
 from partition_server.owner import OwnerSettings
+from partition_server.scrubber import Scrubber
 from partition_server.service import PartitionServicer, SubscriptionSettings
 from partition_server.subscription_cursor import CursorLimits
 from partition_server.txn_buffer import TxnBufferLimits
-from partition_server.scrubber import Scrubber
 from partition_server.txn_checker import TxnChecker
 from partition_server.verifier import TxnVerifier
 from services.grpcutil import service_name
