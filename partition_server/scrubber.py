@@ -329,8 +329,8 @@ class Scrubber:
             copy = self._copy(key)
             if copy is not None and copy.spans:
                 copies += 1
-                found = await asyncio.to_thread(self._scrub_copy, copy, reader, pacer,
-                                                self._counted)
+                found, read = await asyncio.to_thread(self._scrub_copy, copy, reader, pacer)
+                self._pass_bytes += read
                 if self._stop.is_set():
                     return
                 if found is not None:
@@ -352,16 +352,10 @@ class Scrubber:
             copy = self._copy(key)
             if copy is None:
                 raise self._unavailable(key)
-            read = [0]
-
-            def counted(n: int) -> None:
-                SCRUB_BYTES.inc(n)
-                read[0] += n
-
-            found = await asyncio.to_thread(self._scrub_copy, copy, _Reader(),
-                                            Pacer(UNPACED, self._stop), counted)
+            found, read = await asyncio.to_thread(self._scrub_copy, copy, _Reader(),
+                                                  Pacer(UNPACED, self._stop))
             acted = found is not None and self._found(copy, *found)
-            return ScrubReport(copy.role, len(copy.spans), read[0], found, acted)
+            return ScrubReport(copy.role, len(copy.spans), read, found, acted)
 
     def _unavailable(self, key) -> AtomlogError:
         topic, partition = key
@@ -411,20 +405,23 @@ class Scrubber:
                 return None
         return _Copy(key, role, holder, partition_log, generation, spans)
 
-    def _counted(self, n: int) -> None:
-        SCRUB_BYTES.inc(n)
-        self._pass_bytes += n
-
     @staticmethod
-    def _scrub_copy(copy: _Copy, reader: _Reader, pacer: Pacer, counted):
-        """On a worker thread: (span, failure) of the first damage, or None."""
+    def _scrub_copy(copy: _Copy, reader: _Reader, pacer: Pacer):
+        """On a worker thread: ((span, failure) of the first damage or None, bytes read)."""
+        read = 0
+
+        def counted(n: int) -> None:
+            nonlocal read
+            SCRUB_BYTES.inc(n)
+            read += n
+
         for span in copy.spans:
             failure = scrub_span(span, reader, pacer, counted)
             if failure is not None:
-                return span, failure
+                return (span, failure), read
             if pacer.stop.is_set():
                 break
-        return None
+        return None, read
 
     def _found(self, copy: _Copy, span, failure: ScanFailure) -> bool:
         """On the event loop: hand a damaged batch to the copy's owner, if the copy is

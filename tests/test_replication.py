@@ -308,9 +308,9 @@ def test_quiet_partitions_stay_in_sync_and_are_copied_once_written(cluster, clie
     assert len(read_all(client, topic, 24 + written + 23)) == 24 + written + 23
 
 
-def flip_byte_in_batch(segment: Path, number: int) -> None:
+def flip_byte_in_batch(segment: Path, number: int) -> int:
     """Flip a byte near the end of the segment's `number`th batch (0-based), through the
-    page cache its server reads: its CRC no longer matches."""
+    page cache its server reads: its CRC no longer matches. Returns the batch's position."""
     data = segment.read_bytes()
     position, header = next(itertools.islice(iter_batches(data), number, None))
     flipped = position + header.size - 5
@@ -319,6 +319,7 @@ def flip_byte_in_batch(segment: Path, number: int) -> None:
         os.pwrite(fd, bytes([data[flipped] ^ 0xFF]), flipped)
     finally:
         os.close(fd)
+    return position
 
 
 def fetch_error(address: str, topic: str, partition: int, offset: int) -> str:

@@ -84,26 +84,12 @@ def check(partition_log: PartitionLog):
     return found
 
 
-def flip(path: Path, number: int) -> int:
-    """Flip a byte in the middle of the `number`th batch of a segment file; returns the
-    batch's position."""
-    data = path.read_bytes()
-    position, header = list(iter_batches(data))[number]
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.pwrite(fd, bytes([data[position + header.size // 2] ^ 0x01]),
-                  position + header.size // 2)
-    finally:
-        os.close(fd)
-    return position
-
-
 def test_a_span_check_finds_a_flipped_byte_and_only_that(tmp_path):
     partition_log = written_log(tmp_path / "p", 60)
     assert partition_log.segment_count >= 3
     assert check(partition_log) == []
     segment = sorted((tmp_path / "p").glob("*.log"))[1]
-    position = flip(segment, 2)
+    position = flip_byte_in_batch(segment, 2)
     [(name, failure)] = check(partition_log)
     assert name == segment.name and failure.position == position
     assert "CRC32C mismatch" in failure.detail
@@ -117,7 +103,7 @@ def test_a_span_check_reads_batches_larger_than_its_chunk_and_across_chunks(tmp_
     monkeypatch.setattr(scrubber, "CHUNK", 5_000)  # chunks ending inside batches
     assert check(partition_log) == []
     segment = sorted((tmp_path / "p").glob("*.log"))[0]
-    position = flip(segment, 4)
+    position = flip_byte_in_batch(segment, 4)
     [(_, failure)] = check(partition_log)
     assert failure.position == position
     partition_log.close()
@@ -173,6 +159,20 @@ def scrub_metric(cluster, server: str, line_start: str) -> float:
     return metric_sum(cluster.process(server)["metrics_address"], line_start)
 
 
+def damage(cluster, server: str, topic: str, partition: int, batch: int) -> Path:
+    """Flip a byte in the `batch`th batch of `server`'s copy (of one segment); returns
+    the segment file."""
+    [segment] = sorted((cluster.data_dir / server / "partitions" / f"{topic}-{partition}")
+                       .glob("*.log"))
+    flip_byte_in_batch(segment, batch)
+    return segment
+
+
+def wait_copies_match(cluster, topic: str, partition: int, timeout_s: float, what: str) -> None:
+    wait_until(lambda: len(set(segment_digests(cluster, topic, partition).values())) == 1,
+               timeout_s, what)
+
+
 def written(client, cluster, topic: str, factor: int, count: int = 40) -> None:
     client.create_topic(topic, partitions=1, replication_factor=factor,
                         config={"min.insync.replicas": "1"})
@@ -181,8 +181,7 @@ def written(client, cluster, topic: str, factor: int, count: int = 40) -> None:
         for i in range(count):
             producer.send(topic, f"s{i}".encode() * 50, partition=0).result(30)
     if factor > 1:
-        wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 15,
-                   f"copies of {topic}-0 to match")
+        wait_copies_match(cluster, topic, 0, 15, f"copies of {topic}-0 to match")
 
 
 def test_every_copy_is_read_back_and_the_progress_kept(scrubbing, client):
@@ -206,14 +205,12 @@ def test_damage_in_a_followers_copy_nobody_reads_is_cut_and_fetched_again(scrubb
     part = metadata(client, topic).partitions[0]
     damaged = next(r for r in part.replicas if r != part.server_name)
     before = scrub_metric(scrubbing, damaged, 'atomlog_scrub_damage_found_total{role="follower"}')
-    [segment] = sorted((scrubbing.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
-    flip_byte_in_batch(segment, 10)
+    damage(scrubbing, damaged, topic, 0, 10)
     assert len(set(segment_digests(scrubbing, topic, 0).values())) == 2
     wait_until(lambda: scrub_metric(scrubbing, damaged,
                                     'atomlog_scrub_damage_found_total{role="follower"}') > before,
                30, f"the scrubber of {damaged} to find the damage")
-    wait_until(lambda: len(set(segment_digests(scrubbing, topic, 0).values())) == 1, 30,
-               f"the copies of {topic}-0 identical again")
+    wait_copies_match(scrubbing, topic, 0, 30, f"the copies of {topic}-0 identical again")
     assert leader_of(client, topic, 0) == part.server_name  # the leader never noticed
     wait_until(lambda: fully_in_sync(client, topic), 30, f"{damaged} in the ISR")
     assert "follower log corrupt; cut at the damage" in \
@@ -227,15 +224,13 @@ def test_damage_in_a_leaders_copy_nobody_reads_hands_the_partition_over(scrubbin
     written(client, scrubbing, topic, 3)
     part = metadata(client, topic).partitions[0]
     damaged, epoch = part.server_name, part.leader_epoch
-    [segment] = sorted((scrubbing.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
-    flip_byte_in_batch(segment, 10)
+    damage(scrubbing, damaged, topic, 0, 10)
     wait_until(lambda: leader_of(client, topic, 0) not in ("", damaged), 30,
                f"a leader of {topic}-0 other than {damaged}")
     assert metadata(client, topic).partitions[0].leader_epoch > epoch
     assert scrub_metric(scrubbing, damaged, 'atomlog_scrub_damage_found_total{role="leader"}') >= 1
     wait_until(lambda: fully_in_sync(client, topic), 30, f"{damaged} back in the ISR")
-    wait_until(lambda: len(set(segment_digests(scrubbing, topic, 0).values())) == 1, 30,
-               f"the copies of {topic}-0 identical again")
+    wait_copies_match(scrubbing, topic, 0, 30, f"the copies of {topic}-0 identical again")
     values = read_all(client, topic, 40)
     assert sorted(values.values()) == sorted(f"s{i}".encode() * 50 for i in range(40))
 
@@ -244,8 +239,7 @@ def test_damage_in_a_partitions_only_copy_takes_it_to_data_loss(scrubbing, clien
     topic = "scrub-alone"
     written(client, scrubbing, topic, 1)
     server = metadata(client, topic).partitions[0].server_name
-    [segment] = sorted((scrubbing.data_dir / server / "partitions" / f"{topic}-0").glob("*.log"))
-    flip_byte_in_batch(segment, 10)
+    segment = damage(scrubbing, server, topic, 0, 10)
     wait_until(lambda: client.describe_partition(topic, 0).state == PARTITION_STATE_DATA_LOSS,
                30, f"{topic}-0 in DATA_LOSS")
     loss = json.loads((segment.parent / "data-loss.json").read_text())
@@ -271,16 +265,14 @@ def test_scrubbing_a_partition_now_finds_and_mends_a_damaged_copy(cluster, share
     assert sorted(r["role"] for r in whole) == ["follower", "follower", "leader"]
     assert all("damage" not in r and int(r["bytes_checked"]) > 40 * 100 for r in whole)
     damaged = next(r for r in part.replicas if r != part.server_name)
-    [segment] = sorted((cluster.data_dir / damaged / "partitions" / f"{topic}-0").glob("*.log"))
-    flip_byte_in_batch(segment, 10)
+    damage(cluster, damaged, topic, 0, 10)
     found = cluster.run("partition", "scrub", topic, "0", check=False)
     assert found.returncode == 1
     [line] = [line for line in found.stdout.splitlines()
               if line.startswith(f"{topic}-0 on {damaged}")]
     assert "follower copy" in line and "DAMAGED at offset 10" in line and "acted on" in line
     assert found.stdout.count(", whole") == 2
-    wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 30,
-               f"the copies of {topic}-0 identical again")
+    wait_copies_match(cluster, topic, 0, 30, f"the copies of {topic}-0 identical again")
     wait_until(lambda: fully_in_sync(shared_client, topic), 30, f"{damaged} back in the ISR")
     assert cluster.run("partition", "scrub", topic, "0").stdout.count(", whole") == 3
     values = read_all(shared_client, topic, 40)
@@ -326,10 +318,8 @@ def test_scrubbing_every_copy_a_server_holds(cluster, shared_client):
         for i in range(30):
             producer.send(topic, f"v{i}".encode() * 40, partition=i % 3).result(30)
     server = "ps-1"
-    [segment] = sorted((cluster.data_dir / server / "partitions" / f"{topic}-2").glob("*.log"))
-    wait_until(lambda: len(set(segment_digests(cluster, topic, 2).values())) == 1, 15,
-               f"copies of {topic}-2 to match")
-    flip_byte_in_batch(segment, 4)
+    wait_copies_match(cluster, topic, 2, 15, f"copies of {topic}-2 to match")
+    damage(cluster, server, topic, 2, 4)
     found = cluster.run("partition", "scrub", "--server", server, "--output", "json",
                         check=False)
     assert found.returncode == 1
@@ -340,7 +330,6 @@ def test_scrubbing_every_copy_a_server_holds(cluster, shared_client):
     assert "damage" not in mine[(topic, 0)] and "damage" not in mine[(topic, 1)]
     assert mine[(topic, 2)]["damage"]["acted_on"] and mine[(topic, 2)]["damage"]["offset"] == "4"
     # (Other tests' topics on this shared cluster are read too; their state is theirs.)
-    wait_until(lambda: len(set(segment_digests(cluster, topic, 2).values())) == 1, 30,
-               f"the copies of {topic}-2 identical again")
+    wait_copies_match(cluster, topic, 2, 30, f"the copies of {topic}-2 identical again")
     wait_until(lambda: fully_in_sync(shared_client, topic), 30, f"{topic} in sync again")
     assert cluster.run("partition", "scrub", topic).stdout.count(", whole") == 9
