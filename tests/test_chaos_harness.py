@@ -1,13 +1,18 @@
 """Unit tests of the chaos harness's own parts that are not the checker
-(tests/test_chaos_checker.py): the fault schedule's restart nemesis, and how the runner
-tells a server's exit that is a problem of the run from one that is not."""
+(tests/test_chaos_checker.py): the fault schedule's restart and power nemeses, the power
+nemesis's disks (real loop devices and ext4, as root), and how the runner tells a server's
+exit that is a problem of the run from one that is not."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from types import SimpleNamespace
 
-from tests.chaos import nemesis
+import pytest
+
+from tests.chaos import disks, nemesis
 from tests.chaos.runner import Run
 
 TOPOLOGY = nemesis.Topology(("ps-0", "ps-1", "ps-2"), ("coord-0", "coord-1"), ("ida-0",),
@@ -36,6 +41,74 @@ def test_a_seed_without_the_restart_nemesis_schedules_what_it_did_before_it():
     # durations, so a seed replays an older run's schedule when its nemeses are named.
     faults = nemesis.schedule(295, ["kill", "pause", "net", "disk"], 36, TOPOLOGY)
     assert all(f.down_s == 0 and f.span_s == f.duration_s for f in faults)
+
+
+def test_power_faults_cut_one_partition_server_or_every_server():
+    kinds = set()
+    for seed in range(40):
+        for fault in nemesis.schedule(seed, ["power"], 60, TOPOLOGY):
+            kinds.add(fault.fault)
+            assert 0 <= fault.duration_s <= 4 and fault.span_s == fault.duration_s
+            if fault.fault == "power":
+                assert fault.target in TOPOLOGY.partition_servers
+            else:
+                assert (fault.fault, fault.target) == ("power-all", "*")
+    assert kinds == {"power", "power-all"}
+    assert not any(f.fault.startswith("power")
+                   for f in nemesis.schedule(7, ["kill", "net"], 120, TOPOLOGY))
+
+
+def _write(path, data: bytes, *, sync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, data)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(disks.available() is not None,
+                    reason=f"power nemesis disks: {disks.available()}")
+def test_a_power_cut_keeps_what_was_fsynced_and_loses_what_only_the_page_cache_held(tmp_path):
+    images = disks.images_dir(f"test-{tmp_path.name}", tmp_path)
+    disk = disks.LoopDisk(images / "d.img", tmp_path / "data", 64 << 20)
+    disk.create()
+    try:
+        data = disk.mount
+        _write(data / "log", b"a" * 5000, sync=True)   # durable: data and its name
+        _write(data / "old", b"old", sync=True)
+        _fsync_dir(data)
+        _write(data / "log", b"b" * 5000, sync=False)  # an unsynced tail
+        _write(data / "never-synced", b"d" * 100, sync=False)
+        (data / "old.tmp").write_bytes(b"new")  # replaces "old" by a rename, no fsync
+        os.replace(data / "old.tmp", data / "old")
+        assert (data / "log").stat().st_size == 10_000  # the page cache holds it all
+        assert (data / "old").read_bytes() == b"new"
+        said = disk.cut()
+        assert said == "clean" or said.startswith("e2fsck exit 1")  # (1: counts fixed)
+        assert (data / "log").read_bytes() == b"a" * 5000
+        # Unsynced data is gone. (Names are metadata: ext4's journal commits them every
+        # 5 s, so one may have reached the disk without its data, as after a power cut.)
+        assert not (data / "never-synced").exists() or \
+            (data / "never-synced").read_bytes() == b""
+        assert (data / "old").read_bytes() in (b"old", b"")
+        # The disk is usable again, and the next cut starts from there.
+        _write(data / "log", b"f" * 10, sync=True)
+        disk.cut()
+        assert (data / "log").read_bytes() == b"a" * 5000 + b"f" * 10
+    finally:
+        disk.remove()
+        shutil.rmtree(images, ignore_errors=True)
+    assert not disk.image.exists() and not disk.device
 
 
 def _event(msg: str, **fields) -> str:

@@ -28,8 +28,11 @@ def parse(argv: list[str] | None) -> Options:
                         help="replays a run's faults and operations (default: random)")
     parser.add_argument("--nemesis", default=None,
                         help=f"comma-separated, from {','.join(NEMESES)}, or 'none' "
-                             "(default: kill,pause,net,disk,restart, and "
-                             "leader,wipe,reassign,corrupt with --replication 2 or more)")
+                             "(default: kill,pause,net,disk,restart,power, and "
+                             "leader,wipe,reassign,corrupt with --replication 2 or more; "
+                             "power, a power cut that loses every unsynced write, needs "
+                             "root and loop devices, and is skipped with a note without: "
+                             "tests/chaos/disks.py)")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the history and report go (default: "
                              ".atomlog/chaos/<workload>-<seed>-<time>)")
@@ -51,8 +54,8 @@ def parse(argv: list[str] | None) -> Options:
                              "scripts/go_tools.sh's toolchain) on its streaming transaction "
                              "path, writing its history as the Python workers do")
     args = parser.parse_args(argv)
-    chosen = args.nemesis or ("kill,pause,net,disk,restart" + (",leader,wipe,reassign,corrupt"
-                                                       if args.replication > 1 else ""))
+    chosen = args.nemesis or ("kill,pause,net,disk,restart,power"
+                              + (",leader,wipe,reassign,corrupt" if args.replication > 1 else ""))
     nemeses = [] if chosen == "none" else [n for n in chosen.split(",") if n]
     unknown = [n for n in nemeses if n not in NEMESES]
     if unknown:

@@ -31,6 +31,12 @@ Nemeses and their faults:
          own copy from it (docs/replication.md, "Corruption found on a leader"), a
          damaged follower cut its copy at the damage and fetch the rest, with nothing
          acknowledged lost
+  power  (root and loop devices, else skipped: tests/chaos/disks.py) a power cut: one partition
+         server (or the combined server) killed with SIGKILL and its disk reverted to
+         what its device held (every fsync's data; nothing the page cache alone held),
+         or every server at once, each partition-serving one's disk reverted (a machine
+         room losing power; ZooKeeper stays up); started again after 0-4 s. Nothing
+         acknowledged may be lost, with one copy as with three
   reassign (replicated runs) `partition reassign` of a random workload partition to its
          replicas less one — its current leader (a handover in a new epoch) or a follower
          — whose copy is then deleted; healed by reassigning it back to every replica
@@ -43,7 +49,8 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
-NEMESES = ("kill", "pause", "net", "disk", "restart", "leader", "wipe", "reassign", "corrupt")
+NEMESES = ("kill", "pause", "net", "disk", "restart", "leader", "wipe", "reassign", "corrupt",
+           "power")
 # wipe, corrupt: would destroy acknowledged data with one copy
 REPLICATED_ONLY = ("wipe", "reassign", "corrupt")
 QUIET_S = (1.0, 4.0)  # between two faults
@@ -53,8 +60,9 @@ QUIET_S = (1.0, 4.0)  # between two faults
 class Fault:
     at_s: float          # seconds after the fault phase began
     fault: str           # kill, pause, net-drop, net-oneway, net-delay, net-reset, net-isolate,
-                         # disk-fsync, disk-full, client-kill, restart-zk-blip
-    target: str          # a process name, or "a->b" for a link
+                         # disk-fsync, disk-full, client-kill, restart-zk-blip, power,
+                         # power-all
+    target: str          # a process name, "a->b" for a link, "*" for every server
     duration_s: float    # how long until healed (kill: until restarted; restart-zk-blip:
                          # the ZooKeeper cut)
     delay_s: float = 0.0  # net-delay; restart-zk-blip: from the restart to the cut
@@ -137,6 +145,10 @@ def _one(rng: random.Random, nemesis: str, at_s: float, topology: Topology) -> F
         if kind in ("leader-pause", "leader-zk-cut"):
             return Fault(at_s, kind, target, topology.session_timeout_s + rng.uniform(1.0, 4.0))
         return Fault(at_s, kind, target, topology.max_lag_s + rng.uniform(1.0, 5.0))
+    if nemesis == "power":
+        if rng.random() < 0.5:
+            return Fault(at_s, "power-all", "*", rng.uniform(0.0, 4.0))
+        return Fault(at_s, "power", rng.choice(topology.partition_servers), rng.uniform(0.0, 4.0))
     if nemesis == "wipe":
         return Fault(at_s, "wipe", rng.choice(topology.partition_servers), rng.uniform(0.0, 4.0))
     if nemesis == "corrupt":

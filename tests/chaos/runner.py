@@ -27,7 +27,7 @@ from services import launcher
 from services.errors import AtomlogError
 from services.failpoints import ENVIRONMENT_VARIABLE as FAILPOINTS_VARIABLE, FSYNC
 from tests import go_tools
-from tests.chaos import checker, history, nemesis
+from tests.chaos import checker, disks, history, nemesis
 from tests.chaos.history import EventLog
 from tests.chaos.proxy import FaultProxy
 from tests.conftest import create_online
@@ -57,6 +57,7 @@ CORRUPT_KINDS = ("leader, read", "follower, scrubbed", "leader, scrubbed")
 TXN_TIMEOUT_S = 5.0
 ACK_TIMEOUT_S = 5.0
 DISK_BYTES = 768 << 20          # the small filesystem of the disk nemesis's server
+POWER_DISK_BYTES = 4 << 30      # the power nemesis's disks (sparse images)
 CLIENT_STOP_S = 30.0            # SIGTERM to SIGKILL for a workload client
 DRAIN_S = 90.0                  # ctp: how long the workers may take to finish the input
 TC_LEASES_S = 30.0              # after healing: until every TC partition has a coordinator
@@ -125,6 +126,8 @@ class Run:
         self.clients: dict[str, ClientProcess] = {}
         self.cluster: launcher.ClusterFile | None = None
         self.mounted: str | None = None
+        self.disks: dict[str, disks.LoopDisk] = {}  # the power nemesis's, by server
+        self.images: Path | None = None  # where their images are
         self.notes: list[str] = []
         self.corrupts = 0  # corrupt faults so far (each takes the next of CORRUPT_KINDS)
         self.stalls: list[str] = []  # liveness failures after healing: the run is not valid
@@ -283,6 +286,8 @@ class Run:
                 entry.env = {"ATOMLOG_COORDINATOR_LINK_LISTEN": link,
                              "ATOMLOG_COORDINATOR_LINK_ADVERTISED_PORT":
                                  link_proxy.rsplit(":", 1)[1]}
+        if "power" in self.options.nemeses:
+            self.mount_power_disks(cluster)
         if "disk" in self.options.nemeses:
             self.mount_small_disk(self.disk_server(cluster))
         cluster.save(self.data_dir)
@@ -303,10 +308,49 @@ class Run:
     def entry(cluster: launcher.ClusterFile, name: str) -> launcher.ProcessEntry:
         return next(p for p in cluster.processes if p.name == name)
 
+    def mount_power_disks(self, cluster: launcher.ClusterFile) -> None:
+        """A disk that can lose power (tests/chaos/disks.py) for every server that holds
+        partitions; the disk nemesis's server gets a small one, to fill up."""
+        why = disks.available()
+        if why is not None:
+            self.notes.append(f"power skipped: {why}")
+            return
+        images = self.images = disks.images_dir(self.run_dir.name, self.run_dir)
+        small = self.disk_server(cluster).name if "disk" in self.options.nemeses else ""
+        try:
+            for entry in cluster.processes:
+                if entry.role in launcher.SERVES_PARTITIONS:
+                    disk = disks.LoopDisk(images / f"{entry.name}.img", Path(entry.data_dir),
+                                          DISK_BYTES if entry.name == small else
+                                          POWER_DISK_BYTES)
+                    disk.create()
+                    self.disks[entry.name] = disk
+        except OSError as error:
+            self.notes.append(f"power skipped: {error}")
+            self.remove_power_disks()
+        else:
+            self.say(f"disks that lose power: {', '.join(self.disks)} (images in {images})")
+
+    def remove_power_disks(self) -> None:
+        if self.disks and self.options.keep_cluster:
+            self.notes.append(f"--keep-cluster: the power disks' images (ext4) are in "
+                              f"{self.images}")
+        for disk in self.disks.values():
+            if self.options.keep_cluster:
+                disk.detach()  # (the images stay: mount one to look at a server's data)
+            else:
+                disk.remove()
+        if self.images is not None and not self.options.keep_cluster:
+            shutil.rmtree(self.images, ignore_errors=True)
+        self.disks.clear()
+
     def mount_small_disk(self, entry: launcher.ProcessEntry) -> None:
         """A small filesystem of its own for one partition server, to fill up."""
         path = Path(entry.data_dir)
         path.mkdir(parents=True, exist_ok=True)
+        if entry.name in self.disks:  # (already one, of DISK_BYTES: mount_power_disks)
+            self.mounted = str(path)
+            return
         if os.geteuid() != 0:
             self.notes.append("disk-full skipped: mounting a small filesystem needs root")
             return
@@ -408,8 +452,9 @@ class Run:
             except launcher.LaunchError as error:
                 self.notes.append(f"down: {error}")
         self.proxy.stop()
-        if self.mounted:
+        if self.mounted and self.mounted not in {str(d.mount) for d in self.disks.values()}:
             subprocess.run(["umount", "-l", self.mounted], capture_output=True)
+        self.remove_power_disks()
         if not self.options.keep_cluster:  # the servers' logs stay, in cluster-logs/
             if (self.data_dir / "logs").is_dir():
                 shutil.move(self.data_dir / "logs", self.run_dir / "cluster-logs")
@@ -588,6 +633,8 @@ class Run:
                 return lambda: None
             self.corrupt(target)
             return lambda: None
+        if kind in ("power", "power-all"):
+            return self.power_cut(kind, target)
         if kind == "kill":
             self.kill(target)
             return lambda: self.restart(target)
@@ -688,6 +735,32 @@ class Run:
                 self.say(f"  the leader's read: {reply.results[0].error.reason or 'served'}")
         except Exception as error:  # noqa: BLE001 — the damage stays for a later read
             self.notes.append(f"corrupt of {partition}: the read failed ({error!r})")
+
+    def power_cut(self, kind: str, target: str):
+        """Power lost: `target`'s (power) or every server's (power-all; ZooKeeper stays
+        up) process killed with SIGKILL, then each dead server's disk reverted to what its
+        device held (disks.LoopDisk.cut): its unsynced writes are gone. Healed by starting
+        them again."""
+        if not self.disks:
+            self.notes.append(f"{kind} skipped: no disks that lose power")
+            return lambda: None
+        victims = ([p.name for p in self.cluster.processes if p.role != "zookeeper"]
+                   if kind == "power-all" else [target])
+        for name in victims:
+            self.kill(name)
+        cut = [name for name in victims if name in self.disks]
+        copies = {name: self.disks[name].snapshot() for name in cut}  # all at one moment
+        checks = {}
+        for name in cut:
+            try:
+                checks[name] = self.disks[name].cut(copies[name])
+            except OSError as error:  # its disk cannot be mounted again: a problem
+                checks[name] = f"failed: {error}"
+                self.stalls.append(f"{kind}: {name}'s disk after the cut: {error}")
+        self.log.record("nemesis-target", fault=kind, killed=victims, disks=checks)
+        self.say(f"  power lost: {', '.join(victims)}; disks: "
+                 f"{', '.join(f'{n} {c}' for n, c in checks.items())}")
+        return lambda: [self.restart(name) for name in victims]
 
     def kill(self, name: str) -> None:
         """kill -9 of a cluster process, held down until a heal restarts it; returns once
