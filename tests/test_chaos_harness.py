@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from types import SimpleNamespace
 
@@ -105,10 +106,66 @@ def test_a_power_cut_keeps_what_was_fsynced_and_loses_what_only_the_page_cache_h
         _write(data / "log", b"f" * 10, sync=True)
         disk.cut()
         assert (data / "log").read_bytes() == b"a" * 5000 + b"f" * 10
+        # Cuts that may tear (even odds a file): part of a lost tail comes back, in
+        # whole sectors, the last maybe zeros; one that does not tear loses it all.
+        for name in ("old", "never-synced"):
+            (data / name).unlink(missing_ok=True)
+        _fsync_dir(data)
+        durable = (data / "log").read_bytes()
+        tears = 0
+        for seed in range(12):
+            _write(data / "log", b"g" * 3000, sync=False)
+            said = disk.cut(tear=random.Random(seed))
+            tail = (data / "log").read_bytes()[len(durable):]
+            if said.endswith(", 1 torn"):
+                tears += 1
+                assert 0 < len(tail) <= 3000 and set(tail) <= {ord("g"), 0}, said
+                assert tail.rstrip(b"\0") == b"g" * len(tail.rstrip(b"\0"))
+                os.truncate(data / "log", len(durable))  # back to the durable part
+                _write(data / "log", b"", sync=True)
+            else:
+                assert tail == b"" and "torn" not in said, said
+        assert 0 < tears < 12
     finally:
         disk.remove()
         shutil.rmtree(images, ignore_errors=True)
     assert not disk.image.exists() and not disk.device
+
+
+def test_a_torn_tail_is_a_prefix_of_what_the_cut_lost_in_whole_sectors(tmp_path):
+    live, cut = tmp_path / "live", tmp_path / "cut"
+    for root in (live, cut):
+        (root / "d").mkdir(parents=True)
+    kept = os.urandom(3000)
+    lost = {f"d/f{i}": os.urandom(100 + 700 * i) for i in range(40)}
+    for name, tail in lost.items():
+        (live / name).write_bytes(kept + tail)
+        (cut / name).write_bytes(kept)
+    (live / "same").write_bytes(b"x" * 10)  # nothing lost: never touched
+    (cut / "same").write_bytes(b"x" * 10)
+    (cut / "only-after").write_bytes(b"y")  # not in the live filesystem
+    (live / "longer-after").write_bytes(b"z")
+    (cut / "longer-after").write_bytes(b"zz")
+    torn = disks.tear_tails(live, cut, random.Random(5))
+    shapes = set()
+    for name, tail in lost.items():
+        got = (cut / name).read_bytes()
+        assert got[:len(kept)] == kept
+        added = got[len(kept):]
+        if not added:
+            continue
+        shapes.add("torn")
+        # whole sectors of the lost tail (or all of it), the last one maybe zeros
+        assert len(added) == len(tail) or len(added) % disks.SECTOR == 0
+        last = (len(added) - 1) // disks.SECTOR * disks.SECTOR
+        assert added[:last] == tail[:last]
+        assert added[last:] in (tail[last:len(added)], bytes(len(added) - last))
+        shapes.add("zeroed" if added[last:] != tail[last:len(added)] else "whole")
+    assert torn == sum((cut / n).stat().st_size > len(kept) for n in lost)
+    assert 5 < torn < 35 and shapes == {"torn", "zeroed", "whole"}
+    assert (cut / "same").read_bytes() == b"x" * 10
+    assert (cut / "only-after").read_bytes() == b"y"
+    assert (cut / "longer-after").read_bytes() == b"zz"
 
 
 def _event(msg: str, **fields) -> str:

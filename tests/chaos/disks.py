@@ -6,10 +6,17 @@ directory was never fsynced), as a machine that loses power does. A `kill -9` al
 nothing the page cache holds, so it cannot show a durability promise broken.
 
 The cut (`LoopDisk.cut`, after the server was killed): a copy of the image as it is now
-(the device's contents), the old filesystem unmounted lazily (the page cache it still
-holds is written into the old image, which is thrown away), then the copy attached and
-checked with `e2fsck -p` (what a machine runs at boot: it replays the journal) and mounted
+(the device's contents), attached and checked with `e2fsck -p` (what a machine runs at
+boot: it replays the journal); the old filesystem unmounted lazily (the page cache it
+still holds is written into the old image, which is thrown away), and the copy mounted
 where the old one was.
+
+A cut may also tear the writes that were on their way (`tear`, a seeded random source):
+power fails while the kernel writes a file's unsynced tail back, and the device keeps
+part of it. Before the old filesystem goes, each file whose tail the cut lost may get
+(each with even odds) the first sectors of that tail back (512 bytes at a time, a random
+number of them), the last of them zeros half the time (a sector the device never wrote).
+A server must cut such a tail, as it cuts any torn write, and never take it for data.
 
 Needs root, `losetup`, `mkfs.ext4`, `e2fsck` and loop devices (`available`). The images
 live on a tmpfs (/dev/shm) when there is one, so a cut's copy takes a fraction of a second.
@@ -24,6 +31,7 @@ missing fsync before a rename.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -32,6 +40,7 @@ from pathlib import Path
 MOUNT_OPTIONS = "noauto_da_alloc"
 TOOLS = ("losetup", "mkfs.ext4", "e2fsck", "mount", "umount", "cp")
 SHM = Path("/dev/shm")
+SECTOR = 512
 
 
 def available() -> str | None:
@@ -98,24 +107,42 @@ class LoopDisk:
         _must("cp", "--sparse=always", str(self.image), str(copy))
         return copy
 
-    def cut(self, copy: Path | None = None) -> str:
+    def cut(self, copy: Path | None = None, tear: random.Random | None = None) -> str:
         """Lose power: the filesystem now holds what its device held at `snapshot` (taken
-        now if not given). Whoever used it must be dead already. Returns what the boot
-        check said (`e2fsck -p`: "clean", "fixed: ...", or its failure; a check that
-        fails leaves the disk unmounted and raises)."""
+        now if not given), and with `tear` some lost tails' first sectors (module doc).
+        Whoever used it must be dead already. Returns what the boot check said
+        (`e2fsck -p`: "clean", or its exit code and output) and how many tails were torn;
+        a check that fails (exit 4 or more: a boot would stop) raises, the old
+        filesystem left in place."""
         copy = copy if copy is not None else self.snapshot()
-        self.detach()
-        os.replace(copy, self.image)
-        self.device = _must("losetup", "-f", "--show", str(self.image))
-        check = _run("e2fsck", "-p", self.device)
+        device = _must("losetup", "-f", "--show", str(copy))
+        check = _run("e2fsck", "-p", device)
         said = ("clean" if check.returncode == 0 else
                 f"e2fsck exit {check.returncode}: "
                 f"{' '.join((check.stdout + check.stderr).split())[:300]}")
-        self.cuts.append(said)
-        if check.returncode >= 4:  # errors left uncorrected: a boot would stop here
-            _run("losetup", "-d", self.device)
-            self.device = ""
+        if check.returncode >= 4:
+            _run("losetup", "-d", device)
+            copy.unlink(missing_ok=True)
+            self.cuts.append(said)
             raise OSError(f"{self.mount}: {said}")
+        if tear is not None:
+            staging = self.image.with_name(self.image.name + ".mnt")
+            staging.mkdir(exist_ok=True)
+            try:
+                _must("mount", "-t", "ext4", "-o", MOUNT_OPTIONS, device, str(staging))
+            except OSError:
+                _run("losetup", "-d", device)
+                raise
+            try:
+                torn = tear_tails(self.mount, staging, tear)
+            finally:
+                _run("umount", str(staging))
+                staging.rmdir()
+            said += f", {torn} torn" if torn else ""
+        self.cuts.append(said)
+        self.detach()
+        os.replace(copy, self.image)  # (the loop device holds the file, not its name)
+        self.device = device
         _must("mount", "-t", "ext4", "-o", MOUNT_OPTIONS, self.device, str(self.mount))
         return said
 
@@ -131,3 +158,37 @@ class LoopDisk:
         self.detach()
         self.image.unlink(missing_ok=True)
         self.image.with_name(self.image.name + ".cut").unlink(missing_ok=True)
+
+
+def tear_tails(live: Path, cut: Path, rng: random.Random) -> int:
+    """Give files under `cut` (the filesystem after a cut) part of the tail they lost
+    against `live` (the same files before it), as a device that kept part of a write-back
+    when power failed: for each file `cut` holds shorter than `live`, with even odds, the
+    first 1..n sectors of what it lost, the last of them zeros with even odds. Returns
+    how many files were torn."""
+    torn = 0
+    for directory, dirs, files in os.walk(cut):
+        dirs.sort()  # (one order for a seed's draws)
+        for name in sorted(files):
+            path = Path(directory) / name
+            source = live / path.relative_to(cut)
+            try:
+                lost = source.stat().st_size - path.stat().st_size
+            except OSError:  # (not in the live filesystem, or not a plain file)
+                continue
+            if lost <= 0 or rng.random() < 0.5:
+                continue
+            sectors = rng.randint(1, -(-lost // SECTOR))
+            length = min(lost, sectors * SECTOR)
+            with open(source, "rb") as live_file:
+                live_file.seek(path.stat().st_size)
+                data = bytearray(live_file.read(length))
+            if rng.random() < 0.5:
+                last = (len(data) - 1) // SECTOR * SECTOR
+                data[last:] = bytes(len(data) - last)
+            with open(path, "ab") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            torn += 1
+    return torn

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -634,7 +635,7 @@ class Run:
             self.corrupt(target)
             return lambda: None
         if kind in ("power", "power-all"):
-            return self.power_cut(kind, target)
+            return self.power_cut(fault)
         if kind == "kill":
             self.kill(target)
             return lambda: self.restart(target)
@@ -736,11 +737,13 @@ class Run:
         except Exception as error:  # noqa: BLE001 — the damage stays for a later read
             self.notes.append(f"corrupt of {partition}: the read failed ({error!r})")
 
-    def power_cut(self, kind: str, target: str):
-        """Power lost: `target`'s (power) or every server's (power-all; ZooKeeper stays
+    def power_cut(self, fault: nemesis.Fault):
+        """Power lost: the target's (power) or every server's (power-all; ZooKeeper stays
         up) process killed with SIGKILL, then each dead server's disk reverted to what its
-        device held (disks.LoopDisk.cut): its unsynced writes are gone. Healed by starting
-        them again."""
+        device held (disks.LoopDisk.cut): its unsynced writes are gone, and some of the
+        tails they left may be torn (drawn from the seed). Healed by starting them
+        again."""
+        kind, target = fault.fault, fault.target
         if not self.disks:
             self.notes.append(f"{kind} skipped: no disks that lose power")
             return lambda: None
@@ -753,7 +756,8 @@ class Run:
         checks = {}
         for name in cut:
             try:
-                checks[name] = self.disks[name].cut(copies[name])
+                tear = random.Random(f"power/{self.options.seed}/{fault.at_s}/{name}")
+                checks[name] = self.disks[name].cut(copies[name], tear)
             except OSError as error:  # its disk cannot be mounted again: a problem
                 checks[name] = f"failed: {error}"
                 self.stalls.append(f"{kind}: {name}'s disk after the cut: {error}")
