@@ -129,12 +129,16 @@ class PartitionManager:
         # Replicated partitions are steered only once this server has left their ISRs at
         # start (else a leadership from its previous life would reopen meanwhile).
         self._isrs_left = False
+        self._copies_at_start: set[str] = set()  # partition directories found at start
         self.incarnation = 0  # set at start (`begin_incarnation`), before any follower runs
         self._stubs = local.StubCache(PARTITION_SERVICE, ReplicaStub, REPLICA_CHANNEL_OPTIONS)
         m.register_replication_collector(self)
 
     async def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # The copies this server starts with, before anything here creates one: a replica
+        # in an ISR without its directory lost its copy (_leave_isrs).
+        self._copies_at_start = set(os.listdir(self.data_dir))
         for leftover in self.data_dir.glob("*.deleted-*"):  # a crash during _delete_copy
             await asyncio.to_thread(shutil.rmtree, leftover, True)
         if self.wal is not None:
@@ -407,20 +411,24 @@ class PartitionManager:
 
     def _leave_isrs(self) -> None:
         """At start, before registering: out of the ISR of every replica here (see
-        partition_states.leave_isr); each rejoins once caught up with its leader."""
+        partition_states.leave_isr); each rejoins once caught up with its leader. A
+        replica whose copy is gone (no directory at start) leaves even where it is the last
+        in-sync replica (partition_states.leaving, `copy_lost`)."""
         live = self.assignments.live()
         for topic, partition in self.assignments.replicated_here():
             known = self.assignments.state((topic, partition))
             if known is None or self.server_name not in known.state.isr:
                 continue
             record = self.assignments.topic(topic)
+            lost = f"{topic}-{partition}" not in self._copies_at_start
             written = partition_states.leave_isr(self.zk.client, topic, partition,
                                                  record.replicas_of(partition),
-                                                 self.server_name, live)
+                                                 self.server_name, live, copy_lost=lost)
             if written is not None:
-                event(log, "left the ISR at start", partition=f"{topic}-{partition}",
-                      leader=written.state.leader, epoch=written.state.leader_epoch,
-                      isr=list(written.state.isr))
+                event(log, "left the ISR at start", logging.WARNING if lost else logging.INFO,
+                      partition=f"{topic}-{partition}", leader=written.state.leader,
+                      epoch=written.state.leader_epoch, isr=list(written.state.isr),
+                      copy_lost=lost)
 
     async def _remove_replica(self, key: tuple[str, int]) -> None:
         """A finished reassignment left this server out of the partition's replicas: stop

@@ -168,6 +168,24 @@ def try_elect(client, topic: str, partition: int, replicas: list[str], live: Ite
         return None, read(client, topic, partition, replicas)
 
 
+def elect_chosen(client, topic: str, partition: int, replicas: list[str],
+                 live: Iterable[str], chosen: str, accept_data_loss: bool,
+                 attempts: int = 20) -> tuple[Election, Versioned]:
+    """An operator's election (replication.elect_chosen) written by compare-and-set
+    against the state as read now, rereading on conflicts; returns it and the state
+    written. Refusals raise (nothing written)."""
+    live = set(live)
+    for _ in range(attempts):
+        current = read(client, topic, partition, replicas)
+        election = replication.elect_chosen(current.state, replicas, live, chosen,
+                                            accept_data_loss)
+        try:
+            return election, _write(client, topic, partition, election.state, current.version)
+        except StaleState:
+            continue
+    raise StaleState(f"{topic}-{partition} kept changing while {chosen} was elected")
+
+
 def change_isr(client, topic: str, partition: int, known: Versioned,
                isr: Iterable[str], joining: dict[str, int] | None = None) -> Versioned:
     """The leader of `known` (the state and version it last read) changes the ISR; the
@@ -216,35 +234,46 @@ def change_isr(client, topic: str, partition: int, known: Versioned,
 
 
 def leaving(state: PartitionState, replicas: list[str], me: str,
-            live: Iterable[str]) -> PartitionState | None:
+            live: Iterable[str], copy_lost: bool = False) -> PartitionState | None:
     """The state with `me` out of the ISR (pure), or None when there is nothing to do: `me`
     is not in it, or `me` leads and no other in-sync replica is live, or the partition is
     offline with `me` its last in-sync replica (then `me` is the only copy with everything
-    acknowledged: it keeps it, and leads from the log it has)."""
+    acknowledged: it keeps it, and leads from the log it has).
+
+    Unless `copy_lost`: `me` started without its copy of the partition (its directory was
+    gone: a wiped or replaced disk, an empty volume). Then it holds nothing, and leading
+    from it would make every other replica cut its log to nothing, though they may hold
+    every acknowledged record (only out of the ISR because they restarted too, after a
+    power failure of the whole cluster: chaos seed 2900). So it leaves even as the last
+    in-sync replica of an offline partition, whose ISR is then empty: no replica may lead
+    cleanly, and an operator chooses (an unclean election, docs/operations.md,
+    AtomlogPartitionsOffline); and a leader whose in-sync replicas are all down gives its
+    leadership up, the partition offline until one of them is back."""
     if me not in state.isr:
         return None
     rest = tuple(r for r in state.isr if r != me)
     if state.leader is None:
         # Offline: the ISR lists who may lead when back. Leave it to the others when
         # there are others; the last one stays (no other replica holds everything).
-        return PartitionState(None, state.leader_epoch, rest) if rest else None
+        return PartitionState(None, state.leader_epoch, rest) if rest or copy_lost else None
     if state.leader != me:
         return PartitionState(state.leader, state.leader_epoch, rest)
     live = set(live) - {me}
     heirs = [r for r in replicas if r in rest and r in live]
     if not heirs:
-        return None
+        return PartitionState(None, state.leader_epoch + 1, rest) if copy_lost else None
     return PartitionState(heirs[0], state.leader_epoch + 1, rest)
 
 
 def leave_isr(client, topic: str, partition: int, replicas: list[str], me: str,
-              live: Iterable[str], attempts: int = 20) -> Versioned | None:
+              live: Iterable[str], attempts: int = 20,
+              copy_lost: bool = False) -> Versioned | None:
     """Take `me` out of the partition's ISR by compare-and-set (`leaving`), rereading on
     conflicts; returns the state written, or None when nothing was to be done."""
     live = set(live)
     for _ in range(attempts):
         current = read(client, topic, partition, replicas)
-        wanted = leaving(current.state, replicas, me, live)
+        wanted = leaving(current.state, replicas, me, live, copy_lost)
         if wanted is None:
             return None
         try:

@@ -211,6 +211,39 @@ def elect_offline(state: PartitionState, replicas: list[str], live: Iterable[str
     return Election(PartitionState(back[0], state.leader_epoch + 1, tuple(back)), False)
 
 
+def elect_chosen(state: PartitionState, replicas: list[str], live: Iterable[str],
+                 chosen: str, accept_data_loss: bool) -> Election:
+    """An operator's election of `chosen` to lead an offline partition
+    (MetadataService.ElectLeader; docs/operations.md, AtomlogPartitionsOffline): the way
+    back when no in-sync replica can return, or none is left (a replica that lost its
+    copy left the ISR even as its last member: partition_states.leaving). `chosen` leads
+    alone in a new epoch; the others follow it and cut what it lacks. Pure; refusals are
+    AtomlogErrors and nothing is to be written: a partition that has a leader
+    (PARTITION_HAS_LEADER: the election is automatic while one is live), a server that is
+    not a replica or not live (INVALID_ARGUMENT), and an out-of-sync replica without
+    `accept_data_loss` (INVALID_ARGUMENT: what it lacks of the acknowledged records is
+    lost)."""
+    if chosen not in replicas:
+        raise AtomlogError("INVALID_ARGUMENT", f"{chosen!r} is not a replica of the "
+                           f"partition (replicas {list(replicas)})",
+                           {"replica": chosen, "replicas": ",".join(replicas)})
+    if state.leader is not None:
+        raise AtomlogError("PARTITION_HAS_LEADER", f"the partition has a leader, {state.leader} "
+                           f"(epoch {state.leader_epoch}): only an offline partition is "
+                           "elected by hand", {"leader": state.leader,
+                                               "leader_epoch": str(state.leader_epoch)})
+    if chosen not in set(live):
+        raise AtomlogError("INVALID_ARGUMENT", f"{chosen!r} is not a live partition server: "
+                           "start it first", {"replica": chosen})
+    unclean = chosen not in state.isr
+    if unclean and not accept_data_loss:
+        raise AtomlogError("INVALID_ARGUMENT", f"{chosen!r} is not in the ISR "
+                           f"({list(state.isr) or 'empty'}): the acknowledged records it "
+                           "lacks would be lost; elect it with accept_data_loss",
+                           {"replica": chosen, "isr": ",".join(state.isr)})
+    return Election(PartitionState(chosen, state.leader_epoch + 1, (chosen,)), unclean)
+
+
 # ------------------------------------------------------------------ reassignment
 
 def validate_reassignment(target: list[str], partition_servers: Iterable[str],

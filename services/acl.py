@@ -396,6 +396,7 @@ TABLE: dict[str, Callable] = {
     _METADATA + "CreateTopic": _create_topic,
     # Moving replicas is an operator's act on the cluster's layout.
     _METADATA + "ReassignPartition": _fixed(_cluster("alter")),
+    _METADATA + "ElectLeader": _fixed(_cluster("alter")),
     _PARTITION + "Produce": _produce,
     _PARTITION + "Fetch": _fetch,
     _PARTITION + "ListOffsets": _list_offsets,

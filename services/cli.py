@@ -706,6 +706,51 @@ def partition_reassign(topic_name: str, number: int, replicas: str, wait_s: floa
         sys.exit(1)
 
 
+@partition.command("elect")
+@click.argument("topic_name", metavar="TOPIC")
+@click.argument("number", metavar="PARTITION", type=int)
+@click.option("--replica", required=True, metavar="SERVER",
+              help="The partition server to lead (one of the partition's replicas, "
+                   "running).")
+@click.option("--accept-data-loss", is_flag=True,
+              help="Required for a replica outside the ISR: the acknowledged records it "
+                   "lacks are lost.")
+@bootstrap_option
+@data_dir_option
+@output_option
+def partition_elect(topic_name: str, number: int, replica: str, accept_data_loss: bool,
+                    bootstrap: str | None, data_dir: Path, output: str) -> None:
+    """Make the --replica server the leader of offline partition PARTITION of TOPIC.
+
+    A partition goes offline when none of its in-sync replicas is running, or when its
+    last in-sync replica came back without its copy (a wiped or replaced disk, an empty
+    volume: it leaves the ISR rather than lead from nothing). Start the servers in its
+    ISR (`topic describe`) if you can: the first back leads by itself. Otherwise elect
+    the replica that was in sync last (its server's log says when each left the ISR:
+    "left the ISR at start", "ISR changed"); the other replicas follow it and cut what it
+    lacks. Refused while the partition has a leader.
+
+    \b
+    Example:
+      atomlog partition elect orders 0 --replica ps-1 --accept-data-loss
+    """
+    from atomlog.v1 import metadata_pb2
+
+    reply = _call(_bootstrap(bootstrap, data_dir), "ElectLeader",
+                  metadata_pb2.ElectLeaderRequest(topic=topic_name, partition=number,
+                                                  replica=replica,
+                                                  accept_data_loss=accept_data_loss))
+    partition = reply.partition
+    if output == "json":
+        click.echo(json.dumps({"topic": topic_name, "partition": number,
+                               "leader": partition.server_name,
+                               "leader_epoch": partition.leader_epoch,
+                               "isr": list(partition.isr), "replicas": list(partition.replicas)}))
+    else:
+        click.echo(f"{topic_name}-{number}: {partition.server_name or replica} leads in epoch "
+                   f"{partition.leader_epoch} (in sync: {','.join(partition.isr)})")
+
+
 @partition.command("recover")
 @click.argument("topic_name", metavar="TOPIC")
 @click.argument("number", metavar="PARTITION", type=int)

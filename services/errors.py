@@ -129,6 +129,9 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "RecoverPartition named a file or offset other than the corruption the partition reports."),
     _r("PARTITION_NOT_IN_DATA_LOSS", SC.FAILED_PRECONDITION, FATAL, C,
        "RecoverPartition was called for a partition that is not refusing to serve."),
+    _r("PARTITION_HAS_LEADER", SC.FAILED_PRECONDITION, FATAL, C,
+       "ElectLeader was called for a partition that has a leader: only an offline partition "
+       "is elected by hand (metadata names the leader and its epoch)."),
     _r("PARTITION_LOADING", SC.UNAVAILABLE, RETRY, S,
        "The partition is recovering its log, producer state or transaction buffer after a start."),
     # Idempotent producers.

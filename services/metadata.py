@@ -259,6 +259,39 @@ class MetadataStore:
         raise AtomlogError("SERVER_UNAVAILABLE", f"topic {topic!r} kept changing; try again",
                            {"retry_after_ms": "500"})
 
+    async def elect_leader(self, topic: str, partition: int, replica: str,
+                           accept_data_loss: bool) -> TopicRecord:
+        """An operator's election of `replica` to lead an offline partition
+        (replication.elect_chosen, by compare-and-set); returns the topic record. Nothing
+        is written when the request is refused."""
+        validate_topic_name(topic, internal_allowed=True)
+        record = await self._record_of(topic, partition)
+        if not record.replicated:
+            raise AtomlogError("INVALID_ARGUMENT", f"topic {topic!r} keeps one copy per "
+                               "partition without replication state: it has no election")
+        live = {s.name for s in await self.servers() if s.role in ("partition_server", "combined")}
+        election, _state = await asyncio.to_thread(
+            partition_states.elect_chosen, self.zk.client, topic, partition,
+            record.replicas_of(partition), live, replica, accept_data_loss)
+        event(log, "leader elected by an operator", logging.WARNING if election.unclean
+              else logging.INFO, partition=f"{topic}-{partition}", leader=replica,
+              epoch=election.state.leader_epoch, unclean=election.unclean)
+        return record
+
+    async def _record_of(self, topic: str, partition: int) -> TopicRecord:
+        try:
+            data, _stat = await aio(self.zk.client.get_async(f"{TOPICS_PATH}/{topic}"))
+        except NoNodeError:
+            raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION", f"unknown topic {topic!r}",
+                               {"topics": topic}) from None
+        record = TopicRecord.from_json(topic, json.loads(data))
+        if not 0 <= partition < record.partitions:
+            raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                               f"no partition {topic}-{partition}: topic {topic!r} has "
+                               f"{record.partitions} partitions",
+                               {"topic": topic, "partition": str(partition)})
+        return record
+
     def _create_replicated(self, record: TopicRecord, payload: bytes, live: set[str]) -> None:
         """The topic record, /partitions/<name> and every partition's first state, in one
         ZooKeeper transaction (kazoo, synchronous: on a thread)."""
@@ -344,6 +377,16 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         servers = {s.name: s for s in await self.store.servers()}
         metadata = topic_to_proto(record, servers).partitions[request.partition]
         return metadata_pb2.ReassignPartitionResponse(partition=metadata, started=started)
+
+    async def ElectLeader(self, request, context):
+        if not request.replica:
+            raise AtomlogError("INVALID_ARGUMENT", "replica: the partition server to lead")
+        record = await self.store.elect_leader(request.topic, request.partition,
+                                               request.replica, request.accept_data_loss)
+        await self.store.read_leaders([record])
+        servers = {s.name: s for s in await self.store.servers()}
+        metadata = topic_to_proto(record, servers).partitions[request.partition]
+        return metadata_pb2.ElectLeaderResponse(partition=metadata)
 
     async def ListTopics(self, request, context):
         names = await aio(self.store.zk.client.get_children_async(TOPICS_PATH))

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from kazoo.client import KazooClient
 
-from partition_server import partition_states as ps
+from partition_server import partition_states as ps, replication
 from partition_server.replication import PartitionState
 from services.errors import AtomlogError
 
@@ -137,6 +137,54 @@ def test_leaving_the_isr_at_start_is_pure_and_hands_leadership_on():
     assert ps.leaving(PartitionState(None, 6, ("a", "b")), ["a", "b", "c"], "a", set()) == \
         PartitionState(None, 6, ("b",))
     assert ps.leaving(PartitionState(None, 6, ("a",)), ["a", "b", "c"], "a", set()) is None
+
+
+def test_an_operator_elects_a_live_replica_of_an_offline_partition_and_nothing_else():
+    replicas = ["a", "b", "c"]
+    offline = PartitionState(None, 6, ("a",))
+    # In the ISR: clean. Outside it: only with accept_data_loss, and then it says so.
+    assert replication.elect_chosen(offline, replicas, {"a", "b"}, "a", False) == \
+        replication.Election(PartitionState("a", 7, ("a",)), False)
+    assert replication.elect_chosen(offline, replicas, {"a", "b"}, "b", True) == \
+        replication.Election(PartitionState("b", 7, ("b",)), True)
+    assert replication.elect_chosen(PartitionState(None, 6, ()), replicas, {"c"}, "c",
+                                    True).state == PartitionState("c", 7, ("c",))
+    refusals = [(offline, "b", {"b"}, False, "INVALID_ARGUMENT", "accept_data_loss"),
+                (offline, "d", {"d"}, True, "INVALID_ARGUMENT", "not a replica"),
+                (offline, "c", {"a"}, True, "INVALID_ARGUMENT", "not a live"),
+                (PartitionState("a", 6, ("a", "b")), "b", {"a", "b"}, True,
+                 "PARTITION_HAS_LEADER", "has a leader")]
+    for state, chosen, live, accept, reason, said in refusals:
+        with pytest.raises(AtomlogError) as refused:
+            replication.elect_chosen(state, replicas, live, chosen, accept)
+        assert refused.value.reason == reason and said in refused.value.message
+
+
+def test_a_replica_that_lost_its_copy_leaves_the_isr_even_as_its_last_member():
+    # Its directory was gone at start: it holds nothing, and leading from it would make
+    # the other replicas, which may hold everything, cut their logs to nothing.
+    lone = PartitionState(None, 6, ("a",))
+    assert ps.leaving(lone, ["a", "b", "c"], "a", set(), copy_lost=True) == \
+        PartitionState(None, 6, ())
+    # A leader with no live heir gives the leadership up: offline, in a new epoch, the
+    # rest of the ISR leads when back (or, none left, an operator chooses).
+    assert ps.leaving(PartitionState("a", 4, ("a", "c")), ["a", "b", "c"], "a", {"a"},
+                      copy_lost=True) == PartitionState(None, 5, ("c",))
+    assert ps.leaving(PartitionState("a", 4, ("a",)), ["a", "b", "c"], "a", {"a", "b"},
+                      copy_lost=True) == PartitionState(None, 5, ())
+    # Elsewhere it leaves as any restarted replica does.
+    state = PartitionState("a", 4, ("a", "b", "c"))
+    for me, live in (("b", {"a", "b"}), ("a", {"a", "c"})):
+        assert ps.leaving(state, ["a", "b", "c"], me, live, copy_lost=True) == \
+            ps.leaving(state, ["a", "b", "c"], me, live)
+    assert ps.leaving(PartitionState(None, 6, ("a", "b")), ["a", "b", "c"], "a", set(),
+                      copy_lost=True) == PartitionState(None, 6, ("b",))
+    # An empty ISR elects nobody cleanly; unclean, the first live replica leads.
+    empty = PartitionState(None, 6, ())
+    assert replication.elect_offline(empty, ["a", "b", "c"], {"a", "b"}) is None
+    assert replication.elect(empty, ["a", "b", "c"], {"b", "c"}) is None
+    assert replication.elect(empty, ["a", "b", "c"], {"b", "c"}, unclean_allowed=True) == \
+        replication.Election(PartitionState("b", 7, ("b",)), True)
 
 
 @pytest.mark.cluster

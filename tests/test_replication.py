@@ -1014,6 +1014,68 @@ def test_wiped_replica_rebuilds_and_then_serves_alone(cluster, client):
     wait_until(lambda: fully_in_sync(client, "rep-wipe"), 30, "rep-wipe back in sync")
 
 
+def test_a_replica_back_without_its_copy_leaves_the_isr_and_an_operator_elects_another(
+        cluster, client):
+    # Found by the chaos harness's power nemesis (seed 2900): every server lost power, and
+    # the one left alone in a partition's ISR came back with its copy gone; it led from
+    # nothing and the other replicas, which held every record, cut their logs to nothing.
+    topic = "rep-lost-copy"
+    client.create_topic(topic, partitions=1, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, topic), 15, f"{topic} in sync")
+    values = [f"k{i}".encode() * 10 for i in range(500)]
+    with client.producer(linger_ms=2) as producer:
+        for value in values:
+            producer.send(topic, value, partition=0)
+        producer.flush()
+    leader = metadata(client, topic).partitions[0].server_name
+    followers = [r for r in SERVERS if r != leader]
+    probe = Client([p["grpc_address"] for p in cluster.services() if p["name"] in followers])
+
+    def state():
+        try:
+            part = metadata(probe, topic).partitions[0]
+        except errors.AtomlogClientError:
+            return None
+        return part.server_name, list(part.isr)
+
+    try:
+        for follower in followers:  # the leader's ISR shrinks to itself ...
+            kill(cluster, follower)
+        wait_until(lambda: metadata(client, topic).partitions[0].isr == [leader],
+                   SESSION_TIMEOUT_MS / 1000 + 10, "the ISR down to the leader")
+        kill(cluster, leader)  # ... then it dies, and the out-of-sync followers come back
+        for follower in followers:
+            restart_one(cluster, follower)
+        wait_until(lambda: state() == ("", [leader]), SESSION_TIMEOUT_MS / 1000 + 15,
+                   "the partition offline, its ISR the old leader")
+        shutil.rmtree(cluster.data_dir / leader / "partitions" / f"{topic}-0")
+        restart_one(cluster, leader)  # back without its copy: it leaves even so
+        wait_until(lambda: state() == ("", []), 20, f"{leader} out of the ISR")
+        time.sleep(3)
+        assert state() == ("", [])  # nobody leads: the followers' copies stay whole
+        # An operator elects a follower: refused without --accept-data-loss (it is not
+        # in the ISR), and for a server that is not a replica; then it leads.
+        refused = cluster.run("partition", "elect", topic, "0", "--replica", followers[0],
+                              check=False)
+        assert refused.returncode == 1 and "accept_data_loss" in refused.stderr, refused
+        refused = cluster.run("partition", "elect", topic, "0", "--replica", "coord-0",
+                              "--accept-data-loss", check=False)
+        assert refused.returncode == 1 and "not a replica" in refused.stderr, refused
+        assert state() == ("", [])
+        elected = json.loads(cluster.run("partition", "elect", topic, "0", "--replica",
+                                         followers[0], "--accept-data-loss",
+                                         "--output", "json").stdout)
+        assert elected["leader"] == followers[0] and elected["isr"] == [followers[0]]
+        refused = cluster.run("partition", "elect", topic, "0", "--replica", followers[1],
+                              "--accept-data-loss", check=False)
+        assert refused.returncode == 1 and "has a leader" in refused.stderr, refused
+        wait_until(lambda: fully_in_sync(client, topic), 30, "every replica back in sync")
+        assert sorted(read_all(client, topic, len(values)).values()) == sorted(values)
+    finally:
+        probe.close()
+        restart_all(cluster)
+
+
 def test_paused_leader_past_its_session_acknowledges_nothing(cluster, client):
     client.create_topic("rep-pause", partitions=1, replication_factor=3)
     wait_until(lambda: fully_in_sync(client, "rep-pause"), 15, "rep-pause in sync")

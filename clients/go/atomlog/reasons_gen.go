@@ -33,6 +33,7 @@ var reasons = map[string]reasonInfo{
 	"DATA_LOSS":                     {codes.DataLoss, Fatal},
 	"DATA_LOSS_MISMATCH":            {codes.FailedPrecondition, Fatal},
 	"PARTITION_NOT_IN_DATA_LOSS":    {codes.FailedPrecondition, Fatal},
+	"PARTITION_HAS_LEADER":          {codes.FailedPrecondition, Fatal},
 	"PARTITION_LOADING":             {codes.Unavailable, Retriable},
 	"OUT_OF_ORDER_SEQUENCE":         {codes.FailedPrecondition, Abortable},
 	"PRODUCER_FENCED":               {codes.FailedPrecondition, Fatal},

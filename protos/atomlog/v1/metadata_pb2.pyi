@@ -145,6 +145,24 @@ class ReassignPartitionResponse(_message.Message):
     started: bool
     def __init__(self, partition: _Optional[_Union[PartitionMetadata, _Mapping]] = ..., started: _Optional[bool] = ...) -> None: ...
 
+class ElectLeaderRequest(_message.Message):
+    __slots__ = ("topic", "partition", "replica", "accept_data_loss")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_DATA_LOSS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    replica: str
+    accept_data_loss: bool
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., replica: _Optional[str] = ..., accept_data_loss: _Optional[bool] = ...) -> None: ...
+
+class ElectLeaderResponse(_message.Message):
+    __slots__ = ("partition",)
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    partition: PartitionMetadata
+    def __init__(self, partition: _Optional[_Union[PartitionMetadata, _Mapping]] = ...) -> None: ...
+
 class ListTopicsRequest(_message.Message):
     __slots__ = ("include_internal",)
     INCLUDE_INTERNAL_FIELD_NUMBER: _ClassVar[int]

@@ -56,6 +56,11 @@ class MetadataServiceStub:
                 request_serializer=atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionResponse.FromString,
                 _registered_method=True)
+        self.ElectLeader = channel.unary_unary(
+                '/atomlog.v1.MetadataService/ElectLeader',
+                request_serializer=atomlog_dot_v1_dot_metadata__pb2.ElectLeaderRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_metadata__pb2.ElectLeaderResponse.FromString,
+                _registered_method=True)
 
 
 class MetadataServiceServicer:
@@ -96,6 +101,19 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ElectLeader(self, request, context):
+        """Makes a replica the leader of an offline partition (no leader: no in-sync replica is
+        live, or the ISR is empty because the last in-sync replica lost its copy), in a new
+        epoch, alone in its ISR; the other replicas follow it and cut what it lacks. For a
+        replica outside the ISR, accept_data_loss must be set: the acknowledged records it
+        lacks are lost. Refused for a partition that has a leader (PARTITION_HAS_LEADER) and
+        for a server that is not a live replica (INVALID_ARGUMENT). docs/operations.md,
+        AtomlogPartitionsOffline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -118,6 +136,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.ReassignPartition,
                     request_deserializer=atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionResponse.SerializeToString,
+            ),
+            'ElectLeader': grpc.unary_unary_rpc_method_handler(
+                    servicer.ElectLeader,
+                    request_deserializer=atomlog_dot_v1_dot_metadata__pb2.ElectLeaderRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_metadata__pb2.ElectLeaderResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -230,6 +253,33 @@ class MetadataService:
             '/atomlog.v1.MetadataService/ReassignPartition',
             atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionRequest.SerializeToString,
             atomlog_dot_v1_dot_metadata__pb2.ReassignPartitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ElectLeader(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.MetadataService/ElectLeader',
+            atomlog_dot_v1_dot_metadata__pb2.ElectLeaderRequest.SerializeToString,
+            atomlog_dot_v1_dot_metadata__pb2.ElectLeaderResponse.FromString,
             options,
             channel_credentials,
             insecure,

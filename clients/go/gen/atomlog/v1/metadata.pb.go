@@ -757,6 +757,121 @@ func (x *ReassignPartitionResponse) GetStarted() bool {
 	return false
 }
 
+type ElectLeaderRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Topic     string                 `protobuf:"bytes,1,opt,name=topic,proto3" json:"topic,omitempty"`
+	Partition uint32                 `protobuf:"varint,2,opt,name=partition,proto3" json:"partition,omitempty"`
+	// The partition server to lead: one of the partition's replicas, registered.
+	Replica string `protobuf:"bytes,3,opt,name=replica,proto3" json:"replica,omitempty"`
+	// Required when the replica is not in the ISR.
+	AcceptDataLoss bool `protobuf:"varint,4,opt,name=accept_data_loss,json=acceptDataLoss,proto3" json:"accept_data_loss,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *ElectLeaderRequest) Reset() {
+	*x = ElectLeaderRequest{}
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ElectLeaderRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ElectLeaderRequest) ProtoMessage() {}
+
+func (x *ElectLeaderRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ElectLeaderRequest.ProtoReflect.Descriptor instead.
+func (*ElectLeaderRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *ElectLeaderRequest) GetTopic() string {
+	if x != nil {
+		return x.Topic
+	}
+	return ""
+}
+
+func (x *ElectLeaderRequest) GetPartition() uint32 {
+	if x != nil {
+		return x.Partition
+	}
+	return 0
+}
+
+func (x *ElectLeaderRequest) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *ElectLeaderRequest) GetAcceptDataLoss() bool {
+	if x != nil {
+		return x.AcceptDataLoss
+	}
+	return false
+}
+
+type ElectLeaderResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The partition as it is after the election.
+	Partition     *PartitionMetadata `protobuf:"bytes,1,opt,name=partition,proto3" json:"partition,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ElectLeaderResponse) Reset() {
+	*x = ElectLeaderResponse{}
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ElectLeaderResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ElectLeaderResponse) ProtoMessage() {}
+
+func (x *ElectLeaderResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ElectLeaderResponse.ProtoReflect.Descriptor instead.
+func (*ElectLeaderResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *ElectLeaderResponse) GetPartition() *PartitionMetadata {
+	if x != nil {
+		return x.Partition
+	}
+	return nil
+}
+
 type ListTopicsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Include internal topics ("__txn_log-*", ...).
@@ -767,7 +882,7 @@ type ListTopicsRequest struct {
 
 func (x *ListTopicsRequest) Reset() {
 	*x = ListTopicsRequest{}
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[10]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -779,7 +894,7 @@ func (x *ListTopicsRequest) String() string {
 func (*ListTopicsRequest) ProtoMessage() {}
 
 func (x *ListTopicsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[10]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -792,7 +907,7 @@ func (x *ListTopicsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTopicsRequest.ProtoReflect.Descriptor instead.
 func (*ListTopicsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{10}
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListTopicsRequest) GetIncludeInternal() bool {
@@ -811,7 +926,7 @@ type ListTopicsResponse struct {
 
 func (x *ListTopicsResponse) Reset() {
 	*x = ListTopicsResponse{}
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[11]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -823,7 +938,7 @@ func (x *ListTopicsResponse) String() string {
 func (*ListTopicsResponse) ProtoMessage() {}
 
 func (x *ListTopicsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[11]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -836,7 +951,7 @@ func (x *ListTopicsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTopicsResponse.ProtoReflect.Descriptor instead.
 func (*ListTopicsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{11}
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListTopicsResponse) GetNames() []string {
@@ -916,17 +1031,25 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\x14throttle_bytes_per_s\x18\x04 \x01(\x04R\x11throttleBytesPerS\"r\n" +
 	"\x19ReassignPartitionResponse\x12;\n" +
 	"\tpartition\x18\x01 \x01(\v2\x1d.atomlog.v1.PartitionMetadataR\tpartition\x12\x18\n" +
-	"\astarted\x18\x02 \x01(\bR\astarted\">\n" +
+	"\astarted\x18\x02 \x01(\bR\astarted\"\x8c\x01\n" +
+	"\x12ElectLeaderRequest\x12\x14\n" +
+	"\x05topic\x18\x01 \x01(\tR\x05topic\x12\x1c\n" +
+	"\tpartition\x18\x02 \x01(\rR\tpartition\x12\x18\n" +
+	"\areplica\x18\x03 \x01(\tR\areplica\x12(\n" +
+	"\x10accept_data_loss\x18\x04 \x01(\bR\x0eacceptDataLoss\"R\n" +
+	"\x13ElectLeaderResponse\x12;\n" +
+	"\tpartition\x18\x01 \x01(\v2\x1d.atomlog.v1.PartitionMetadataR\tpartition\">\n" +
 	"\x11ListTopicsRequest\x12)\n" +
 	"\x10include_internal\x18\x01 \x01(\bR\x0fincludeInternal\"*\n" +
 	"\x12ListTopicsResponse\x12\x14\n" +
-	"\x05names\x18\x01 \x03(\tR\x05names2\xe0\x02\n" +
+	"\x05names\x18\x01 \x03(\tR\x05names2\xb0\x03\n" +
 	"\x0fMetadataService\x12N\n" +
 	"\vGetMetadata\x12\x1e.atomlog.v1.GetMetadataRequest\x1a\x1f.atomlog.v1.GetMetadataResponse\x12N\n" +
 	"\vCreateTopic\x12\x1e.atomlog.v1.CreateTopicRequest\x1a\x1f.atomlog.v1.CreateTopicResponse\x12K\n" +
 	"\n" +
 	"ListTopics\x12\x1d.atomlog.v1.ListTopicsRequest\x1a\x1e.atomlog.v1.ListTopicsResponse\x12`\n" +
-	"\x11ReassignPartition\x12$.atomlog.v1.ReassignPartitionRequest\x1a%.atomlog.v1.ReassignPartitionResponseB\xa8\x01\n" +
+	"\x11ReassignPartition\x12$.atomlog.v1.ReassignPartitionRequest\x1a%.atomlog.v1.ReassignPartitionResponse\x12N\n" +
+	"\vElectLeader\x12\x1e.atomlog.v1.ElectLeaderRequest\x1a\x1f.atomlog.v1.ElectLeaderResponseB\xa8\x01\n" +
 	"\x0ecom.atomlog.v1B\rMetadataProtoP\x01Z>github.com/atomlog/atomlog/clients/go/gen/atomlog/v1;atomlogv1\xa2\x02\x03AXX\xaa\x02\n" +
 	"Atomlog.V1\xca\x02\n" +
 	"Atomlog\\V1\xe2\x02\x16Atomlog\\V1\\GPBMetadata\xea\x02\vAtomlog::V1b\x06proto3"
@@ -943,7 +1066,7 @@ func file_atomlog_v1_metadata_proto_rawDescGZIP() []byte {
 	return file_atomlog_v1_metadata_proto_rawDescData
 }
 
-var file_atomlog_v1_metadata_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_atomlog_v1_metadata_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_atomlog_v1_metadata_proto_goTypes = []any{
 	(*ServerInfo)(nil),                // 0: atomlog.v1.ServerInfo
 	(*PartitionMetadata)(nil),         // 1: atomlog.v1.PartitionMetadata
@@ -955,35 +1078,40 @@ var file_atomlog_v1_metadata_proto_goTypes = []any{
 	(*CreateTopicResponse)(nil),       // 7: atomlog.v1.CreateTopicResponse
 	(*ReassignPartitionRequest)(nil),  // 8: atomlog.v1.ReassignPartitionRequest
 	(*ReassignPartitionResponse)(nil), // 9: atomlog.v1.ReassignPartitionResponse
-	(*ListTopicsRequest)(nil),         // 10: atomlog.v1.ListTopicsRequest
-	(*ListTopicsResponse)(nil),        // 11: atomlog.v1.ListTopicsResponse
-	nil,                               // 12: atomlog.v1.TopicMetadata.ConfigEntry
-	nil,                               // 13: atomlog.v1.CreateTopicRequest.ConfigEntry
-	(ServerRole)(0),                   // 14: atomlog.v1.ServerRole
+	(*ElectLeaderRequest)(nil),        // 10: atomlog.v1.ElectLeaderRequest
+	(*ElectLeaderResponse)(nil),       // 11: atomlog.v1.ElectLeaderResponse
+	(*ListTopicsRequest)(nil),         // 12: atomlog.v1.ListTopicsRequest
+	(*ListTopicsResponse)(nil),        // 13: atomlog.v1.ListTopicsResponse
+	nil,                               // 14: atomlog.v1.TopicMetadata.ConfigEntry
+	nil,                               // 15: atomlog.v1.CreateTopicRequest.ConfigEntry
+	(ServerRole)(0),                   // 16: atomlog.v1.ServerRole
 }
 var file_atomlog_v1_metadata_proto_depIdxs = []int32{
-	14, // 0: atomlog.v1.ServerInfo.role:type_name -> atomlog.v1.ServerRole
+	16, // 0: atomlog.v1.ServerInfo.role:type_name -> atomlog.v1.ServerRole
 	1,  // 1: atomlog.v1.TopicMetadata.partitions:type_name -> atomlog.v1.PartitionMetadata
-	12, // 2: atomlog.v1.TopicMetadata.config:type_name -> atomlog.v1.TopicMetadata.ConfigEntry
+	14, // 2: atomlog.v1.TopicMetadata.config:type_name -> atomlog.v1.TopicMetadata.ConfigEntry
 	0,  // 3: atomlog.v1.GetMetadataResponse.servers:type_name -> atomlog.v1.ServerInfo
 	2,  // 4: atomlog.v1.GetMetadataResponse.topics:type_name -> atomlog.v1.TopicMetadata
 	3,  // 5: atomlog.v1.GetMetadataResponse.tc_partitions:type_name -> atomlog.v1.TcPartitionMetadata
-	13, // 6: atomlog.v1.CreateTopicRequest.config:type_name -> atomlog.v1.CreateTopicRequest.ConfigEntry
+	15, // 6: atomlog.v1.CreateTopicRequest.config:type_name -> atomlog.v1.CreateTopicRequest.ConfigEntry
 	2,  // 7: atomlog.v1.CreateTopicResponse.topic:type_name -> atomlog.v1.TopicMetadata
 	1,  // 8: atomlog.v1.ReassignPartitionResponse.partition:type_name -> atomlog.v1.PartitionMetadata
-	4,  // 9: atomlog.v1.MetadataService.GetMetadata:input_type -> atomlog.v1.GetMetadataRequest
-	6,  // 10: atomlog.v1.MetadataService.CreateTopic:input_type -> atomlog.v1.CreateTopicRequest
-	10, // 11: atomlog.v1.MetadataService.ListTopics:input_type -> atomlog.v1.ListTopicsRequest
-	8,  // 12: atomlog.v1.MetadataService.ReassignPartition:input_type -> atomlog.v1.ReassignPartitionRequest
-	5,  // 13: atomlog.v1.MetadataService.GetMetadata:output_type -> atomlog.v1.GetMetadataResponse
-	7,  // 14: atomlog.v1.MetadataService.CreateTopic:output_type -> atomlog.v1.CreateTopicResponse
-	11, // 15: atomlog.v1.MetadataService.ListTopics:output_type -> atomlog.v1.ListTopicsResponse
-	9,  // 16: atomlog.v1.MetadataService.ReassignPartition:output_type -> atomlog.v1.ReassignPartitionResponse
-	13, // [13:17] is the sub-list for method output_type
-	9,  // [9:13] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	1,  // 9: atomlog.v1.ElectLeaderResponse.partition:type_name -> atomlog.v1.PartitionMetadata
+	4,  // 10: atomlog.v1.MetadataService.GetMetadata:input_type -> atomlog.v1.GetMetadataRequest
+	6,  // 11: atomlog.v1.MetadataService.CreateTopic:input_type -> atomlog.v1.CreateTopicRequest
+	12, // 12: atomlog.v1.MetadataService.ListTopics:input_type -> atomlog.v1.ListTopicsRequest
+	8,  // 13: atomlog.v1.MetadataService.ReassignPartition:input_type -> atomlog.v1.ReassignPartitionRequest
+	10, // 14: atomlog.v1.MetadataService.ElectLeader:input_type -> atomlog.v1.ElectLeaderRequest
+	5,  // 15: atomlog.v1.MetadataService.GetMetadata:output_type -> atomlog.v1.GetMetadataResponse
+	7,  // 16: atomlog.v1.MetadataService.CreateTopic:output_type -> atomlog.v1.CreateTopicResponse
+	13, // 17: atomlog.v1.MetadataService.ListTopics:output_type -> atomlog.v1.ListTopicsResponse
+	9,  // 18: atomlog.v1.MetadataService.ReassignPartition:output_type -> atomlog.v1.ReassignPartitionResponse
+	11, // 19: atomlog.v1.MetadataService.ElectLeader:output_type -> atomlog.v1.ElectLeaderResponse
+	15, // [15:20] is the sub-list for method output_type
+	10, // [10:15] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_metadata_proto_init() }
@@ -998,7 +1126,7 @@ func file_atomlog_v1_metadata_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_metadata_proto_rawDesc), len(file_atomlog_v1_metadata_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

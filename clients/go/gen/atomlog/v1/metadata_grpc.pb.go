@@ -23,6 +23,7 @@ const (
 	MetadataService_CreateTopic_FullMethodName       = "/atomlog.v1.MetadataService/CreateTopic"
 	MetadataService_ListTopics_FullMethodName        = "/atomlog.v1.MetadataService/ListTopics"
 	MetadataService_ReassignPartition_FullMethodName = "/atomlog.v1.MetadataService/ReassignPartition"
+	MetadataService_ElectLeader_FullMethodName       = "/atomlog.v1.MetadataService/ElectLeader"
 )
 
 // MetadataServiceClient is the client API for MetadataService service.
@@ -45,6 +46,14 @@ type MetadataServiceClient interface {
 	// in it) and the replicas left out delete their copy. Answers when the reassignment is
 	// recorded; a new target replaces a running one.
 	ReassignPartition(ctx context.Context, in *ReassignPartitionRequest, opts ...grpc.CallOption) (*ReassignPartitionResponse, error)
+	// Makes a replica the leader of an offline partition (no leader: no in-sync replica is
+	// live, or the ISR is empty because the last in-sync replica lost its copy), in a new
+	// epoch, alone in its ISR; the other replicas follow it and cut what it lacks. For a
+	// replica outside the ISR, accept_data_loss must be set: the acknowledged records it
+	// lacks are lost. Refused for a partition that has a leader (PARTITION_HAS_LEADER) and
+	// for a server that is not a live replica (INVALID_ARGUMENT). docs/operations.md,
+	// AtomlogPartitionsOffline.
+	ElectLeader(ctx context.Context, in *ElectLeaderRequest, opts ...grpc.CallOption) (*ElectLeaderResponse, error)
 }
 
 type metadataServiceClient struct {
@@ -95,6 +104,16 @@ func (c *metadataServiceClient) ReassignPartition(ctx context.Context, in *Reass
 	return out, nil
 }
 
+func (c *metadataServiceClient) ElectLeader(ctx context.Context, in *ElectLeaderRequest, opts ...grpc.CallOption) (*ElectLeaderResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ElectLeaderResponse)
+	err := c.cc.Invoke(ctx, MetadataService_ElectLeader_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MetadataServiceServer is the server API for MetadataService service.
 // All implementations must embed UnimplementedMetadataServiceServer
 // for forward compatibility.
@@ -115,6 +134,14 @@ type MetadataServiceServer interface {
 	// in it) and the replicas left out delete their copy. Answers when the reassignment is
 	// recorded; a new target replaces a running one.
 	ReassignPartition(context.Context, *ReassignPartitionRequest) (*ReassignPartitionResponse, error)
+	// Makes a replica the leader of an offline partition (no leader: no in-sync replica is
+	// live, or the ISR is empty because the last in-sync replica lost its copy), in a new
+	// epoch, alone in its ISR; the other replicas follow it and cut what it lacks. For a
+	// replica outside the ISR, accept_data_loss must be set: the acknowledged records it
+	// lacks are lost. Refused for a partition that has a leader (PARTITION_HAS_LEADER) and
+	// for a server that is not a live replica (INVALID_ARGUMENT). docs/operations.md,
+	// AtomlogPartitionsOffline.
+	ElectLeader(context.Context, *ElectLeaderRequest) (*ElectLeaderResponse, error)
 	mustEmbedUnimplementedMetadataServiceServer()
 }
 
@@ -136,6 +163,9 @@ func (UnimplementedMetadataServiceServer) ListTopics(context.Context, *ListTopic
 }
 func (UnimplementedMetadataServiceServer) ReassignPartition(context.Context, *ReassignPartitionRequest) (*ReassignPartitionResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ReassignPartition not implemented")
+}
+func (UnimplementedMetadataServiceServer) ElectLeader(context.Context, *ElectLeaderRequest) (*ElectLeaderResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ElectLeader not implemented")
 }
 func (UnimplementedMetadataServiceServer) mustEmbedUnimplementedMetadataServiceServer() {}
 func (UnimplementedMetadataServiceServer) testEmbeddedByValue()                         {}
@@ -230,6 +260,24 @@ func _MetadataService_ReassignPartition_Handler(srv interface{}, ctx context.Con
 	return interceptor(ctx, in, info, handler)
 }
 
+func _MetadataService_ElectLeader_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ElectLeaderRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MetadataServiceServer).ElectLeader(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: MetadataService_ElectLeader_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MetadataServiceServer).ElectLeader(ctx, req.(*ElectLeaderRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // MetadataService_ServiceDesc is the grpc.ServiceDesc for MetadataService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -252,6 +300,10 @@ var MetadataService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ReassignPartition",
 			Handler:    _MetadataService_ReassignPartition_Handler,
+		},
+		{
+			MethodName: "ElectLeader",
+			Handler:    _MetadataService_ElectLeader_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
