@@ -534,14 +534,20 @@ class Run:
                     time.sleep(0.5)
 
     def wait_in_sync(self, timeout_s: float) -> bool:
-        """Until every replicated partition's ISR holds all its replicas (read from
-        ZooKeeper directly); False after timeout_s."""
-        return self.out_of_sync(timeout_s) == []
+        """Until every replicated partition's ISR holds all its replicas, with the same
+        leaders for longer than a ZooKeeper session (out_of_sync); False after
+        timeout_s."""
+        return self.out_of_sync(timeout_s, SESSION_TIMEOUT_MS / 1000 + 1.0) == []
 
-    def out_of_sync(self, timeout_s: float) -> list[str] | None:
+    def out_of_sync(self, timeout_s: float, stable_s: float = 0.0) -> list[str] | None:
         """Wait until every replicated partition's ISR holds all its replicas (read from
-        ZooKeeper directly): [] then, else after timeout_s the partitions ("topic/p")
-        whose ISR still does not, or None when ZooKeeper could not be read."""
+        ZooKeeper directly), with the same leaders and epochs for `stable_s`: [] then,
+        else after timeout_s the partitions ("topic/p") whose ISR still does not, or None
+        when ZooKeeper could not be read. (A state read just after servers died still
+        shows them leading and in sync until their sessions expire: a wipe that trusted
+        it right after a power cut of every server wiped the last in-sync copy of
+        partitions whose other replicas had left their ISRs when they restarted, seed
+        2900.)"""
         from kazoo.client import KazooClient
 
         from partition_server.partition_states import path_of
@@ -551,20 +557,27 @@ class Run:
         zookeeper = self.entry(self.cluster, "zookeeper").grpc_address
         client = KazooClient(hosts=zookeeper + self.cluster.chroot, timeout=5)
         deadline = time.monotonic() + timeout_s
+        whole: tuple[float, dict] | None = None  # since when, and the leaderships then
         try:
             client.start(timeout=5)
             while True:
                 self.watch_clients()
-                lagging = []
+                lagging, leaderships = [], {}
                 for name in client.get_children("/topics"):
                     record = TopicRecord.from_json(name, json.loads(client.get(f"/topics/{name}")[0]))
                     for p in range(record.partitions if record.replicated else 0):
                         state = PartitionState.from_json(client.get(path_of(name, p))[0])
+                        leaderships[f"{name}/{p}"] = (state.leader, state.leader_epoch)
                         if state.leader is None or \
                                 sorted(state.isr) != sorted(record.replicas_of(p)):
                             lagging.append(f"{name}/{p}")
-                if not lagging or time.monotonic() >= deadline:
-                    return lagging
+                now = time.monotonic()
+                if lagging or whole is None or whole[1] != leaderships:
+                    whole = None if lagging else (now, leaderships)
+                if whole is not None and now - whole[0] >= stable_s:
+                    return []
+                if now >= deadline:  # (in sync, but not for stable_s: say which moved)
+                    return lagging or sorted(leaderships)
                 time.sleep(0.2)
         except Exception as error:  # noqa: BLE001 — ZooKeeper away: not in sync
             self.notes.append(f"in-sync check failed: {error!r}")
