@@ -226,17 +226,7 @@ class MetadataStore:
                                f"{MAX_REASSIGNMENT_THROTTLE}")
         for _ in range(20):
             path = f"{TOPICS_PATH}/{topic}"
-            try:
-                data, stat = await aio(self.zk.client.get_async(path))
-            except NoNodeError:
-                raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION", f"unknown topic {topic!r}",
-                                   {"topics": topic}) from None
-            record = TopicRecord.from_json(topic, json.loads(data))
-            if not 0 <= partition < record.partitions:
-                raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
-                                   f"no partition {topic}-{partition}: topic {topic!r} has "
-                                   f"{record.partitions} partitions",
-                                   {"topic": topic, "partition": str(partition)})
+            record, version = await self._record_of(topic, partition)
             if not record.replicated:
                 raise AtomlogError(
                     "INVALID_REPLICA_ASSIGNMENT",
@@ -250,7 +240,7 @@ class MetadataStore:
                 return record, False
             try:
                 await aio(self.zk.client.set_async(path, json.dumps(changed.to_json()).encode(),
-                                                   version=stat.version))
+                                                   version=version))
             except BadVersionError:
                 continue  # another partition's reassignment began or ended meanwhile
             event(log, "partition reassignment recorded", partition=f"{topic}-{partition}",
@@ -265,7 +255,7 @@ class MetadataStore:
         (replication.elect_chosen, by compare-and-set); returns the topic record. Nothing
         is written when the request is refused."""
         validate_topic_name(topic, internal_allowed=True)
-        record = await self._record_of(topic, partition)
+        record, _version = await self._record_of(topic, partition)
         if not record.replicated:
             raise AtomlogError("INVALID_ARGUMENT", f"topic {topic!r} keeps one copy per "
                                "partition without replication state: it has no election")
@@ -278,9 +268,11 @@ class MetadataStore:
               epoch=election.state.leader_epoch, unclean=election.unclean)
         return record
 
-    async def _record_of(self, topic: str, partition: int) -> TopicRecord:
+    async def _record_of(self, topic: str, partition: int) -> tuple[TopicRecord, int]:
+        """`topic`'s record and its znode's version; UNKNOWN_TOPIC_OR_PARTITION when the
+        topic or its `partition` does not exist."""
         try:
-            data, _stat = await aio(self.zk.client.get_async(f"{TOPICS_PATH}/{topic}"))
+            data, stat = await aio(self.zk.client.get_async(f"{TOPICS_PATH}/{topic}"))
         except NoNodeError:
             raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION", f"unknown topic {topic!r}",
                                {"topics": topic}) from None
@@ -290,7 +282,7 @@ class MetadataStore:
                                f"no partition {topic}-{partition}: topic {topic!r} has "
                                f"{record.partitions} partitions",
                                {"topic": topic, "partition": str(partition)})
-        return record
+        return record, stat.version
 
     def _create_replicated(self, record: TopicRecord, payload: bytes, live: set[str]) -> None:
         """The topic record, /partitions/<name> and every partition's first state, in one
