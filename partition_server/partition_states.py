@@ -175,15 +175,33 @@ def elect_chosen(client, topic: str, partition: int, replicas: list[str],
     against the state as read now, rereading on conflicts; returns it and the state
     written. Refusals raise (nothing written)."""
     live = set(live)
+    elections: list[Election] = []  # the one written is the last
+
+    def electing(state: PartitionState) -> PartitionState:
+        elections.append(replication.elect_chosen(state, replicas, live, chosen,
+                                                  accept_data_loss))
+        return elections[-1].state
+
+    written = _rewrite(client, topic, partition, replicas, electing, attempts,
+                       f"{chosen} was elected")
+    return elections[-1], written
+
+
+def _rewrite(client, topic: str, partition: int, replicas: list[str], change,
+             attempts: int, what: str) -> Versioned | None:
+    """Write `change(state)` by compare-and-set against the state as read now, rereading
+    and changing again on conflicts; None when `change` gives None (nothing to write).
+    What `change` raises goes to the caller, nothing written."""
     for _ in range(attempts):
         current = read(client, topic, partition, replicas)
-        election = replication.elect_chosen(current.state, replicas, live, chosen,
-                                            accept_data_loss)
+        wanted = change(current.state)
+        if wanted is None:
+            return None
         try:
-            return election, _write(client, topic, partition, election.state, current.version)
+            return _write(client, topic, partition, wanted, current.version)
         except StaleState:
             continue
-    raise StaleState(f"{topic}-{partition} kept changing while {chosen} was elected")
+    raise StaleState(f"{topic}-{partition} kept changing while {what}")
 
 
 def change_isr(client, topic: str, partition: int, known: Versioned,
@@ -271,16 +289,9 @@ def leave_isr(client, topic: str, partition: int, replicas: list[str], me: str,
     """Take `me` out of the partition's ISR by compare-and-set (`leaving`), rereading on
     conflicts; returns the state written, or None when nothing was to be done."""
     live = set(live)
-    for _ in range(attempts):
-        current = read(client, topic, partition, replicas)
-        wanted = leaving(current.state, replicas, me, live, copy_lost)
-        if wanted is None:
-            return None
-        try:
-            return _write(client, topic, partition, wanted, current.version)
-        except StaleState:
-            continue
-    raise StaleState(f"{topic}-{partition} kept changing while {me} left its ISR")
+    return _rewrite(client, topic, partition, replicas,
+                    lambda state: leaving(state, replicas, me, live, copy_lost), attempts,
+                    f"{me} left its ISR")
 
 
 def resign(client, topic: str, partition: int, replicas: list[str], me: str, epoch: int,
@@ -292,20 +303,15 @@ def resign(client, topic: str, partition: int, replicas: list[str], me: str, epo
     `epoch` (another leadership began: the epoch is given up already). With `heir_only`,
     None (nothing written) while no other live replica of the ISR can lead."""
     live = set(live)
-    for _ in range(attempts):
-        current = read(client, topic, partition, replicas)
-        state = current.state
+
+    def giving_up(state: PartitionState) -> PartitionState | None:
         if (state.leader, state.leader_epoch) != (me, epoch):
             raise StaleState(f"{topic}-{partition} is led by {state.leader} in epoch "
                              f"{state.leader_epoch}, not by {me} in {epoch}")
-        given_up = replication.resign(state, replicas, me, live, heir_only)
-        if given_up is None:
-            return None
-        try:
-            return _write(client, topic, partition, given_up, current.version)
-        except StaleState:
-            continue
-    raise StaleState(f"{topic}-{partition} kept changing while {me} gave up epoch {epoch}")
+        return replication.resign(state, replicas, me, live, heir_only)
+
+    return _rewrite(client, topic, partition, replicas, giving_up, attempts,
+                    f"{me} gave up epoch {epoch}")
 
 
 def complete_reassignment(client, topic: str, partition: int, known: Versioned,

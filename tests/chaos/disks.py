@@ -34,7 +34,7 @@ import os
 import random
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 MOUNT_OPTIONS = "noauto_da_alloc"
@@ -80,7 +80,6 @@ class LoopDisk:
     mount: Path            # where its filesystem is mounted (a server's data directory)
     size: int              # bytes (the image is sparse)
     device: str = ""       # /dev/loopN while attached
-    cuts: list[str] = field(default_factory=list)  # what each cut's check said
 
     def create(self) -> None:
         """A new filesystem on a new image, mounted at `mount` (made if missing)."""
@@ -123,7 +122,6 @@ class LoopDisk:
         if check.returncode >= 4:
             _run("losetup", "-d", device)
             copy.unlink(missing_ok=True)
-            self.cuts.append(said)
             raise OSError(f"{self.mount}: {said}")
         if tear is not None:
             staging = self.image.with_name(self.image.name + ".mnt")
@@ -139,7 +137,6 @@ class LoopDisk:
                 _run("umount", str(staging))
                 staging.rmdir()
             said += f", {torn} torn" if torn else ""
-        self.cuts.append(said)
         self.detach()
         os.replace(copy, self.image)  # (the loop device holds the file, not its name)
         self.device = device
@@ -173,7 +170,8 @@ def tear_tails(live: Path, cut: Path, rng: random.Random) -> int:
             path = Path(directory) / name
             source = live / path.relative_to(cut)
             try:
-                lost = source.stat().st_size - path.stat().st_size
+                kept = path.stat().st_size
+                lost = source.stat().st_size - kept
             except OSError:  # (not in the live filesystem, or not a plain file)
                 continue
             if lost <= 0 or rng.random() < 0.5:
@@ -181,7 +179,7 @@ def tear_tails(live: Path, cut: Path, rng: random.Random) -> int:
             sectors = rng.randint(1, -(-lost // SECTOR))
             length = min(lost, sectors * SECTOR)
             with open(source, "rb") as live_file:
-                live_file.seek(path.stat().st_size)
+                live_file.seek(kept)
                 data = bytearray(live_file.read(length))
             if rng.random() < 0.5:
                 last = (len(data) - 1) // SECTOR * SECTOR
