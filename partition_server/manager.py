@@ -20,8 +20,9 @@ from pathlib import Path
 
 from atomlog.v1 import partition_pb2
 from partition_server import metrics as m
-from partition_server import partition_states, producer_state, txn_buffer
-from partition_server.snapshot_files import fsync_directory
+from partition_server import copies, partition_states, producer_state, txn_buffer
+from partition_server.log import DATA_LOSS_FILE
+from partition_server.snapshot_files import fsync_directory, write_atomically
 from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
 from partition_server.replica import Follower, LeaderFetcher, LeaderReplication, ReplicaStub
@@ -50,6 +51,7 @@ REPLICA_CHANNEL_OPTIONS = [
 ]
 STEER_RETRY_S = 0.5
 OPEN_RETRY_FIRST_S = 0.5
+LOST_SUFFIX = ".lost-"  # a lost copy's DATA_LOSS directory while it is built (_mark_lost)
 OPEN_RETRY_MAX_S = 30.0
 
 
@@ -139,7 +141,8 @@ class PartitionManager:
         # The copies this server starts with, before anything here creates one: a replica
         # in an ISR without its directory lost its copy (_leave_isrs).
         self._copies_at_start = set(os.listdir(self.data_dir))
-        for leftover in self.data_dir.glob("*.deleted-*"):  # a crash during _delete_copy
+        for leftover in [*self.data_dir.glob("*.deleted-*"),  # a crash in _delete_copy
+                         *self.data_dir.glob("*" + LOST_SUFFIX + "*")]:  # ... in _mark_lost
             await asyncio.to_thread(shutil.rmtree, leftover, True)
         if self.wal is not None:
             # Before anything opens: what the frames hold goes back into the partitions'
@@ -223,9 +226,12 @@ class PartitionManager:
                         attempted.set_result(None)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, OPEN_RETRY_MAX_S)
+                if key not in self.assignments.owned():
+                    return
                 failed = self.owners.get(key)
-                if failed is None or failed.state.value != "LOADING" or \
-                        key not in self.assignments.owned():
+                if failed is None:
+                    continue  # it failed before its owner existed (its copy's record)
+                if failed.state.value != "LOADING":
                     return
                 del self.owners[key]
                 await failed.close()
@@ -236,6 +242,9 @@ class PartitionManager:
                           replication: LeaderReplication | None = None) -> PartitionOwner:
         """Open one partition's owner (visible as LOADING meanwhile); raises if it fails,
         leaving it there LOADING (the caller retries or closes it)."""
+        if replication is None:  # one copy: its directory is recorded before it serves
+            await asyncio.to_thread(self.zk.patiently, "the partition's copy record",
+                                    self._own_copy, topic, partition)
         epochs = self.coordinator_epochs
         # The server's coordinator epochs fence staged batches in the owner's write step
         # (atomic with their append: ResolveStaged's fence cannot be overtaken).
@@ -259,6 +268,42 @@ class PartitionManager:
         async with self._semaphore:
             await owner.start()
         return owner
+
+    def _own_copy(self, topic: str, partition: int) -> None:
+        """Before an unreplicated partition opens (partition_server/copies.py): a new one
+        gets its directory, fsynced in its parent, and then its record in ZooKeeper, so
+        that it never serves unrecorded; one recorded here whose directory is gone opens
+        in DATA_LOSS (`_mark_lost`) instead of empty."""
+        record = self.assignments.topic(topic)
+        created = record.created_unix_ms if record is not None else 0
+        directory = self.data_dir / f"{topic}-{partition}"
+        recorded = copies.read(self.zk.client, topic, partition)
+        # (Something else in its place is not a lost copy: the open fails, and is retried.)
+        verdict = copies.verdict(os.path.lexists(directory), recorded, self.server_name,
+                                 created)
+        if verdict is copies.Verdict.OPEN:
+            return
+        if verdict is copies.Verdict.LOST:
+            self._mark_lost(directory, recorded)
+            return
+        if not os.path.lexists(directory):
+            directory.mkdir()
+            fsync_directory(self.data_dir)
+        copies.record(self.zk.client, topic, partition, self.server_name, created)
+
+    def _mark_lost(self, directory: Path, recorded: dict) -> None:
+        """Make the lost copy's directory holding only a DATA_LOSS marker (at offset 0, naming
+        the marker itself), whole or not at all: built aside, then renamed into place."""
+        aside = directory.with_name(f"{directory.name}{LOST_SUFFIX}{time.time_ns()}")
+        aside.mkdir()
+        write_atomically(aside / DATA_LOSS_FILE, json.dumps({
+            "file": DATA_LOSS_FILE, "position": 0, "offset": 0,
+            "detail": copies.lost_detail(recorded),
+            "detected_unix_ms": int(time.time() * 1000)}).encode())
+        aside.rename(directory)
+        fsync_directory(self.data_dir)
+        event(log, "partition's only copy is lost: its directory was missing at start",
+              logging.ERROR, partition=directory.name, recorded=recorded)
 
     # ------------------------------------------------------------------ replicated partitions
     def _steer(self, key: tuple[str, int]) -> None:

@@ -6,7 +6,9 @@ tail takes exactly that partition offline with DATA_LOSS until an operator recov
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -268,4 +270,76 @@ def test_a_partition_that_cannot_open_is_retried_until_it_can(cluster):
     consumer = client.consumer("reopen")
     values = [m.value for m in consumer.poll(timeout_s=5)]
     assert values == [b"kept"]
+    client.close()
+
+
+def test_a_lost_only_copy_opens_in_data_loss_not_empty(cluster):
+    """A partition of one copy whose directory is gone when its server starts (a wiped or
+    replaced disk, a deleted directory) opens in DATA_LOSS, never as a new empty partition
+    at offset 0 that hands its offsets out again (partition_server/copies.py). An
+    operator's `partition recover` accepts the loss: it then serves empty, and a later
+    restart opens it as it is, not lost again. Its neighbour on the same server keeps its
+    records throughout."""
+    client = Client(cluster.info["bootstrap"])
+    client.create_topic("lost-copy", partitions=2, replication_factor=1,
+                        config={"segment.bytes": "65536"})
+    route = client.metadata.route("lost-copy", 0)
+    with client.producer(linger_ms=0) as producer:
+        for i in range(50):
+            producer.send("lost-copy", f"r{i}".encode(), partition=i % 2).result(30)
+    zk = cluster.zookeeper()
+    try:
+        recorded = json.loads(zk.get("/copies/lost-copy/0")[0])
+    finally:
+        zk.stop()
+        zk.close()
+    assert recorded["server"] == route.server_name
+    directory = cluster.data_dir / route.server_name / "partitions" / "lost-copy-0"
+    os.kill(cluster.process(route.server_name)["pid"], signal.SIGKILL)
+    shutil.rmtree(directory)
+    cluster.up()
+
+    def in_data_loss() -> bool:
+        try:
+            return describe(client, "lost-copy", 0).state == \
+                partition_pb2.PARTITION_STATE_DATA_LOSS
+        except Exception:  # noqa: BLE001 — LOADING while the server starts
+            return False
+
+    wait_until(in_data_loss, 60, "the lost copy to open in DATA_LOSS")
+    info = describe(client, "lost-copy", 0)
+    assert info.data_loss.offset == 0 and "missing" in info.data_loss.detail
+    assert info.high_watermark == 0
+    assert partitions_by_state(cluster, route.server_name)["DATA_LOSS"] == 1
+    assert not cluster.status()["healthy"]
+    with client.producer(linger_ms=0) as producer:
+        with pytest.raises(Exception, match="DATA_LOSS"):
+            producer.send("lost-copy", b"refused", partition=0).result(30)
+        producer.send("lost-copy", b"r50", partition=1).result(30)
+    assert describe(client, "lost-copy", 1).high_watermark == 26  # its 25, then r50
+
+    wrong = cluster.run("partition", "recover", "lost-copy", "0", "--file", info.data_loss.file,
+                        "--offset", "5", "--accept-data-loss", check=False)
+    assert wrong.returncode == 1 and "DATA_LOSS_MISMATCH" in wrong.stderr
+    cluster.run("partition", "recover", "lost-copy", "0", "--file", info.data_loss.file,
+                "--offset", "0", "--accept-data-loss")
+    recovered = describe(client, "lost-copy", 0)
+    assert recovered.state == partition_pb2.PARTITION_STATE_ONLINE
+    assert recovered.high_watermark == 0
+    with client.producer(linger_ms=0) as producer:
+        producer.send("lost-copy", b"after", partition=0).result(30)
+
+    # Restarted with its (new) directory: it opens as it is.
+    os.kill(cluster.process(route.server_name)["pid"], signal.SIGKILL)
+    cluster.up()
+
+    def online() -> bool:
+        try:
+            found = describe(client, "lost-copy", 0)
+        except Exception:  # noqa: BLE001 — LOADING while the server starts
+            return False
+        return found.state == partition_pb2.PARTITION_STATE_ONLINE and found.high_watermark == 1
+
+    wait_until(online, 60, "the recovered partition to open again")
+    assert partitions_by_state(cluster, route.server_name).get("DATA_LOSS", 0) == 0
     client.close()
