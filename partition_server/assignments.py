@@ -1,8 +1,8 @@
 """Which partitions this server owns, kept current from ZooKeeper.
 
 A kazoo ChildrenWatch on /topics finds every new topic, and a DataWatch on its record
-keeps it current (a record is written whole at creation, and again when a partition's
-reassignment begins or ends). The callbacks run on kazoo's thread and hand the change
+keeps it current (a record is written whole at creation, and again when its settings
+change (AlterTopicConfig) or a partition's reassignment begins or ends). The callbacks run on kazoo's thread and hand the change
 to the event loop, where `on_change` opens newly owned partitions.
 
 Replicated topics (docs/replication.md): for every partition this server holds a replica

@@ -186,12 +186,46 @@ class PartitionManager:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(lambda _t, f=attempted: f.done() or f.set_result(None))
+        self._apply_topic_settings()
         if not self._isrs_left:
             return
         here = set(self.assignments.replicated_here())
         # ... and replicas a reassignment took away from this server (they go).
         for key in here | self._replicas_held() - here:
             self._steer(key)
+
+    def _apply_topic_settings(self) -> None:
+        """Topic settings changed since a partition opened (AlterTopicConfig) reach its
+        open owner: its log's retention and segment settings, and a leader's
+        min.insync.replicas."""
+        configs: dict[str, object] = {}  # each topic's log settings, made once a call
+        for (topic, partition), owner in list(self.owners.items()):
+            record = self.assignments.topic(topic)
+            if record is None:
+                continue
+            config = configs.get(topic)
+            if config is None:
+                config = configs[topic] = self._settings_for(topic).log
+            if owner.reconfigure_log(config):
+                event(log, "topic settings applied", partition=f"{topic}-{partition}",
+                      config=record.config)
+                # A retention made shorter deletes now, not at the next chores' round.
+                task = asyncio.create_task(self._retention_now(owner),
+                                           name=f"retention {topic}-{partition}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            leading = owner.replication
+            if leading is not None and leading.progress.min_insync != record.min_insync_replicas:
+                event(log, "min.insync.replicas applied", partition=f"{topic}-{partition}",
+                      before=leading.progress.min_insync, after=record.min_insync_replicas)
+                leading.progress.min_insync = record.min_insync_replicas
+
+    @staticmethod
+    async def _retention_now(owner: PartitionOwner) -> None:
+        try:
+            await owner.apply_retention()
+        except Exception:  # noqa: BLE001 — logged; the chores try again
+            log.exception("retention failed on %s", owner.name)
 
     def _replicas_held(self) -> set[tuple[str, int]]:
         return set(self.followers) | {k for k, o in self.owners.items()

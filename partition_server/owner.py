@@ -70,6 +70,7 @@ producer state and the transaction buffer from the durable log before serving ag
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import os
@@ -715,6 +716,17 @@ class PartitionOwner:
         return self._stamp_ms
 
     # ------------------------------------------------------------------ checks
+    def reconfigure_log(self, config: LogConfig) -> bool:
+        """A topic's storage settings changed (AlterTopicConfig): the open log reads them
+        from now on (its next append's roll check, the next retention chore), and a reload
+        opens with them. Returns whether anything changed."""
+        if config == self.settings.log:
+            return False
+        self.settings = dataclasses.replace(self.settings, log=config)
+        if self.log is not None:
+            self.log.config = config
+        return True
+
     def check_serving(self) -> None:
         self.check_loaded()
         if self.replication is not None:

@@ -397,6 +397,9 @@ TABLE: dict[str, Callable] = {
     # Moving replicas is an operator's act on the cluster's layout.
     _METADATA + "ReassignPartition": _fixed(_cluster("alter")),
     _METADATA + "ElectLeader": _fixed(_cluster("alter")),
+    # A topic's settings are its owner's (as DeleteRecords: alter on the topic).
+    _METADATA + "AlterTopicConfig": lambda request: Requirement((_topic("alter",
+                                                                        request.topic),)),
     _PARTITION + "Produce": _produce,
     _PARTITION + "Fetch": _fetch,
     _PARTITION + "ListOffsets": _list_offsets,

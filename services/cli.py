@@ -471,6 +471,54 @@ def topic_describe(names: tuple[str, ...], bootstrap: str | None, data_dir: Path
     _print_topics(list(reply.topics), output)
 
 
+@topic.command("alter")
+@click.argument("name")
+@click.option("--set", "-c", "settings", multiple=True, metavar="KEY=VALUE",
+              help="A setting to add or replace (the keys `topic create --config` takes); "
+                   "repeatable.")
+@click.option("--delete", "deleted", multiple=True, metavar="KEY",
+              help="A setting to remove (back to the servers' default); repeatable.")
+@click.option("--validate-only", is_flag=True,
+              help="Check the change and print the settings it would give; write nothing.")
+@bootstrap_option
+@data_dir_option
+@output_option
+def topic_alter(name: str, settings: tuple[str, ...], deleted: tuple[str, ...],
+                validate_only: bool, bootstrap: str | None, data_dir: Path,
+                output: str) -> None:
+    """Change the settings of topic NAME; the partition servers apply them without a
+    restart. The whole change is checked before anything is written: an unknown key or a
+    bad value, min.insync.replicas above the topic's copies, or a replication setting on a
+    topic of one copy is refused and changes nothing.
+
+    \b
+    Examples:
+      atomlog topic alter orders --set retention.ms=86400000
+      atomlog topic alter orders --set unclean.leader.election.enable=true
+      atomlog topic alter orders --delete retention.bytes
+    """
+    from atomlog.v1 import metadata_pb2
+
+    try:
+        config = parse_assignments(settings)
+    except ConfigError as error:
+        fail(str(error), 2)
+    if not config and not deleted:
+        fail("nothing to change: give --set KEY=VALUE or --delete KEY", 2)
+    reply = _call(_bootstrap(bootstrap, data_dir), "AlterTopicConfig",
+                  metadata_pb2.AlterTopicConfigRequest(topic=name, set=config,
+                                                       delete=list(deleted),
+                                                       validate_only=validate_only))
+    settled = dict(sorted(reply.topic.config.items()))
+    if output == "json":
+        click.echo(json.dumps({"topic": name, "changed": reply.changed,
+                               "validate_only": validate_only, "config": settled}))
+        return
+    verb = ("would be" if validate_only else "are now") if reply.changed else "were already"
+    shown = ", ".join(f"{k}={v}" for k, v in settled.items()) or "(the servers' defaults)"
+    click.echo(f"{name}: settings {verb} {shown}")
+
+
 def _print_topics(topics, output: str) -> None:
     from google.protobuf.json_format import MessageToDict
 
@@ -494,6 +542,10 @@ def _print_topics(topics, output: str) -> None:
                           str(p.leader_epoch),
                           *((_reassigning(p),) if moving else ()))
     console.print(table)
+    for t in topics:
+        if t.config:
+            console.print(f"{t.name} settings: " + ", ".join(
+                f"{k}={v}" for k, v in sorted(t.config.items())))
 
 
 def _reassigning(p) -> str:

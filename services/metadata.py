@@ -17,6 +17,7 @@ A topic is created with a single znode create, so it appears whole or not at all
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -32,8 +33,9 @@ from partition_server.replication import (PartitionState, assign_replicas,
                                           validate_reassignment, validate_replication)
 from services.errors import AtomlogError
 from services.logs import event
-from services.topics import (TopicRecord, assign_partitions, validate_partition_count,
-                             validate_topic_config, validate_topic_name)
+from services.topics import (TopicRecord, altered_config, assign_partitions,
+                             validate_partition_count, validate_topic_config,
+                             validate_topic_name)
 from services.zk import SERVERS_PATH, TC_PATH, TOPICS_PATH, ZkSession, aio
 
 log = logging.getLogger("atomlog.metadata")
@@ -249,6 +251,33 @@ class MetadataStore:
         raise AtomlogError("SERVER_UNAVAILABLE", f"topic {topic!r} kept changing; try again",
                            {"retry_after_ms": "500"})
 
+    async def alter_topic_config(self, topic: str, to_set: dict[str, str],
+                                 to_delete: list[str], validate_only: bool = False
+                                 ) -> tuple[TopicRecord, bool]:
+        """Change `topic`'s settings (topics.altered_config) by compare-and-set on its
+        record; returns (the record now, or as it would be with `validate_only`; whether
+        its settings changed). Nothing is written when the request is refused."""
+        validate_topic_name(topic, internal_allowed=True)
+        for _ in range(20):
+            record, version = await self._record_of(topic, 0)
+            config = altered_config(record, to_set, to_delete)
+            if config == record.config:
+                return record, False
+            changed = dataclasses.replace(record, config=config)
+            if validate_only:
+                return changed, True
+            try:
+                await aio(self.zk.client.set_async(f"{TOPICS_PATH}/{topic}",
+                                                   json.dumps(changed.to_json()).encode(),
+                                                   version=version))
+            except BadVersionError:
+                continue  # a reassignment began or ended meanwhile, or another change
+            event(log, "topic settings changed", topic=topic, before=record.config,
+                  after=config)
+            return changed, True
+        raise AtomlogError("SERVER_UNAVAILABLE", f"topic {topic!r} kept changing; try again",
+                           {"retry_after_ms": "500"})
+
     async def elect_leader(self, topic: str, partition: int, replica: str,
                            accept_data_loss: bool) -> TopicRecord:
         """An operator's election of `replica` to lead an offline partition
@@ -379,6 +408,15 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         servers = {s.name: s for s in await self.store.servers()}
         metadata = topic_to_proto(record, servers).partitions[request.partition]
         return metadata_pb2.ElectLeaderResponse(partition=metadata)
+
+    async def AlterTopicConfig(self, request, context):
+        record, changed = await self.store.alter_topic_config(
+            request.topic, dict(request.set), list(request.delete), request.validate_only)
+        if record.replicated:
+            await self.store.read_leaders([record])
+        servers = {s.name: s for s in await self.store.servers()}
+        return metadata_pb2.AlterTopicConfigResponse(topic=topic_to_proto(record, servers),
+                                                     changed=changed)
 
     async def ListTopics(self, request, context):
         names = await aio(self.store.zk.client.get_children_async(TOPICS_PATH))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from partition_server.replication import reassigning_replicas
 from services.errors import AtomlogError
@@ -87,6 +87,50 @@ def validate_topic_config(config: Mapping[str, str]) -> dict[str, str]:
                                    f"{key}={value} is outside [{setting.minimum}, {setting.maximum}]"
                                    + (" (or -1 for no limit)" if setting.allow_minus_one else ""))
         normalized[key] = str(value)
+    return normalized
+
+
+# Settings that only a topic with replication state has (a record of version 2).
+REPLICATION_SETTINGS = ("min.insync.replicas", "unclean.leader.election.enable")
+
+
+def altered_config(record: "TopicRecord", to_set: Mapping[str, str],
+                   to_delete: Iterable[str]) -> dict[str, str]:
+    """The normalized config `record` gets when `to_set` is added or replaces and
+    `to_delete` is removed (AlterTopicConfig), checked as a whole: every key known, every
+    value valid, no key both set and deleted, no replication setting on a topic without
+    replication state, and min.insync.replicas within every partition's copies (a running
+    reassignment's target too). Raises INVALID_TOPIC_CONFIG."""
+    to_delete = list(to_delete)
+    unknown = sorted(k for k in to_delete if k not in TOPIC_SETTINGS)
+    if unknown:
+        raise AtomlogError("INVALID_TOPIC_CONFIG",
+                           f"unknown topic setting(s) to delete {unknown}; known: "
+                           f"{sorted(TOPIC_SETTINGS)}")
+    both = sorted(set(to_set) & set(to_delete))
+    if both:
+        raise AtomlogError("INVALID_TOPIC_CONFIG", f"{both} both set and deleted")
+    merged = {k: v for k, v in record.config.items() if k not in to_delete}
+    merged.update(to_set)
+    normalized = validate_topic_config(merged)
+    if not record.replicated:
+        given = sorted(k for k in REPLICATION_SETTINGS if k in to_set)
+        if given:
+            raise AtomlogError(
+                "INVALID_TOPIC_CONFIG",
+                f"topic {record.name!r} keeps one copy per partition without replication "
+                f"state (created with replication factor 1): {given} would mean nothing; "
+                "create a topic with -r 2 or more, or min.insync.replicas=1 for one movable "
+                "copy")
+        return normalized
+    if "min.insync.replicas" in normalized:
+        wanted = int(normalized["min.insync.replicas"])
+        fewest = min(len(record.reassigning.get(p) or record.replicas_of(p))
+                     for p in range(record.partitions))
+        if wanted > fewest:
+            raise AtomlogError("INVALID_TOPIC_CONFIG",
+                               f"min.insync.replicas={wanted} must be 1..{fewest} (the fewest "
+                               f"copies any partition of {record.name!r} has or is moving to)")
     return normalized
 
 

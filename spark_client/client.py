@@ -103,6 +103,17 @@ class Client:
         self.metadata.invalidate(name)
         return reply.topic
 
+    def alter_topic_config(self, name: str, set: dict[str, str] | None = None,  # noqa: A002
+                           delete: list[str] | None = None, validate_only: bool = False):
+        """Change a topic's settings (docs/operations.md, "Topic settings"): `set` adds or
+        replaces, `delete` removes; the servers apply them without a restart. Returns the
+        TopicMetadata after the change (or as it would be, with `validate_only`). Raises
+        InvalidTopicConfig (nothing changed), UnknownTopicOrPartition, ..."""
+        reply = self.metadata.call("AlterTopicConfig", metadata_pb2.AlterTopicConfigRequest(
+            topic=name, set=set or {}, delete=delete or [], validate_only=validate_only))
+        self.metadata.invalidate(name)
+        return reply.topic
+
     def list_topics(self) -> list[str]:
         return list(self.metadata.call("ListTopics", metadata_pb2.ListTopicsRequest()).names)
 

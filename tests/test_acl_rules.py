@@ -87,6 +87,16 @@ def test_every_item_needs_its_permission():
     assert denial.permission == Permission("write", "topic", "payments")
 
 
+def test_altering_a_topics_settings_needs_alter_on_that_topic():
+    request = metadata_pb2.AlterTopicConfigRequest(topic="orders", set={"retention.ms": "60000"})
+    denial = verdict("MetadataService/AlterTopicConfig", request,
+                     acls=[Acl("alice", "topic", "orders", "write"),
+                           Acl("alice", "topic", "payments", "alter")])
+    assert denial.permission == Permission("alter", "topic", "orders")
+    assert verdict("MetadataService/AlterTopicConfig", request,
+                   acls=[Acl("alice", "topic", "orders", "alter")]) is None
+
+
 def test_describe_is_implied_by_other_operations_but_not_the_reverse():
     request = partition_pb2.ListOffsetsRequest(items=[partition_pb2.ListOffsetsItem(
         topic_partition=tp("orders"))])

@@ -193,6 +193,94 @@ def test_cli_topic_commands(cluster):
     assert refused.returncode == 1 and "TOPIC_ALREADY_EXISTS" in refused.stderr
 
 
+@pytest.mark.parametrize("request_fields, code, reason", [
+    ({"topic": "missing-topic", "set": {"retention.ms": "60000"}}, grpc.StatusCode.NOT_FOUND,
+     "UNKNOWN_TOPIC_OR_PARTITION"),
+    ({"topic": "bad name", "set": {"retention.ms": "60000"}}, grpc.StatusCode.INVALID_ARGUMENT,
+     "INVALID_TOPIC_NAME"),
+    ({"topic": "altered", "set": {"no.such": "1"}}, grpc.StatusCode.INVALID_ARGUMENT,
+     "INVALID_TOPIC_CONFIG"),
+    ({"topic": "altered", "set": {"retention.ms": "soon"}}, grpc.StatusCode.INVALID_ARGUMENT,
+     "INVALID_TOPIC_CONFIG"),
+    ({"topic": "altered", "delete": ["no.such"]}, grpc.StatusCode.INVALID_ARGUMENT,
+     "INVALID_TOPIC_CONFIG"),
+    ({"topic": "altered", "set": {"retention.ms": "60000"}, "delete": ["retention.ms"]},
+     grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TOPIC_CONFIG"),
+    # (several keys: the good one is not written either)
+    ({"topic": "altered", "set": {"retention.ms": "60000", "min.insync.replicas": "1"}},
+     grpc.StatusCode.INVALID_ARGUMENT, "INVALID_TOPIC_CONFIG"),
+])
+def test_alter_topic_config_refuses_bad_input_and_writes_nothing(cluster, request_fields, code,
+                                                                reason):
+    stub = metadata_stub(cluster.info["bootstrap"])
+    try:
+        stub.CreateTopic(metadata_pb2.CreateTopicRequest(
+            name="altered", partitions=2, replication_factor=1,
+            config={"retention.ms": "3600000"}), timeout=10)
+    except grpc.RpcError as error:
+        assert from_rpc_error(error).reason == "TOPIC_ALREADY_EXISTS"
+    before = stub.GetMetadata(metadata_pb2.GetMetadataRequest(), timeout=10)
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.AlterTopicConfig(metadata_pb2.AlterTopicConfigRequest(**request_fields),
+                              timeout=10)
+    assert raised.value.code() == code
+    error = from_rpc_error(raised.value)
+    assert error.reason == reason and error.message
+    after = stub.GetMetadata(metadata_pb2.GetMetadataRequest(), timeout=10)
+    assert {t.name: dict(t.config) for t in after.topics} == \
+        {t.name: dict(t.config) for t in before.topics}
+
+
+def test_topic_alter_changes_settings_and_the_servers_apply_them_at_once(cluster):
+    """`atomlog topic alter`: --validate-only writes nothing, a change is written once (a
+    repeat changes nothing), and a shorter retention deletes old segments on the
+    partition's server without a restart or a wait for its chores' round."""
+    from spark_client import Client
+
+    client = Client(cluster.info["bootstrap"])
+    client.create_topic("shrinking", partitions=1, replication_factor=1,
+                        config={"segment.bytes": "65536"})
+    with client.producer(linger_ms=1) as producer:
+        for i in range(2_500):
+            producer.send("shrinking", b"x" * 1000, partition=0)
+        producer.flush()
+    assert client.describe_partition("shrinking", 0).log_start_offset == 0
+
+    def config() -> dict:
+        return json.loads(cluster.run("topic", "describe", "shrinking", "-o", "json").stdout
+                          )[0]["config"]
+
+    tried = json.loads(cluster.run("topic", "alter", "shrinking", "--set",
+                                   "retention.bytes=1048576", "--validate-only",
+                                   "-o", "json").stdout)
+    assert tried == {"topic": "shrinking", "changed": True, "validate_only": True,
+                     "config": {"retention.bytes": "1048576", "segment.bytes": "65536"}}
+    assert config() == {"segment.bytes": "65536"}
+    done = cluster.run("topic", "alter", "shrinking", "--set", "retention.bytes=1048576")
+    assert "settings are now retention.bytes=1048576, segment.bytes=65536" in done.stdout
+    again = cluster.run("topic", "alter", "shrinking", "--set", "retention.bytes=1048576")
+    assert "were already" in again.stdout
+    assert config() == {"retention.bytes": "1048576", "segment.bytes": "65536"}
+
+    def trimmed() -> bool:
+        return client.describe_partition("shrinking", 0).log_start_offset > 0
+
+    wait_until(trimmed, 15, "the shorter retention to delete old segments")
+    kept = client.describe_partition("shrinking", 0)
+    assert kept.high_watermark == 2_500
+    # whole old segments went; at least retention.bytes of records is kept
+    assert (kept.high_watermark - kept.log_start_offset) * 1_000 >= 1_048_576
+    from spark_client import errors
+
+    with pytest.raises(errors.InvalidTopicConfig):  # the SDK's call, refused
+        client.alter_topic_config("shrinking", set={"segment.bytes": "1"})
+    after = client.alter_topic_config("shrinking", delete=["retention.bytes"])
+    assert dict(after.config) == config() == {"segment.bytes": "65536"}
+    nothing = cluster.run("topic", "alter", "shrinking", check=False)
+    assert nothing.returncode == 2 and "nothing to change" in nothing.stderr
+    client.close()
+
+
 def test_kill_9_partition_server_unregisters_and_up_restores_it(cluster):
     victim = cluster.process("ps-1")
     zk = cluster.zookeeper()

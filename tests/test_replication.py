@@ -1287,3 +1287,31 @@ def test_a_restarted_leader_never_resumes_its_epoch(cluster, client):
             "the restarted leader did not give its epoch up"
     wait_until(lambda: fully_in_sync(client, "rep-resume"), 30, "the follower back in sync")
     assert sorted(read_all(client, "rep-resume", 2).values()) == [b"after", b"before"]
+
+
+def test_min_insync_replicas_altered_reaches_the_leader_without_a_restart(cluster, client):
+    """`atomlog topic alter` of min.insync.replicas: the partition's leader refuses writes
+    (NOT_ENOUGH_REPLICAS, nothing written) as soon as its ISR is below the new value, and
+    takes them again once it is lowered; a value above the topic's copies is refused and
+    changes nothing."""
+    with follower_paused(cluster, client, "rep-alter") as (leader, address, _follower):
+        too_many = cluster.run("topic", "alter", "rep-alter", "--set",
+                               "min.insync.replicas=3", check=False)
+        assert too_many.returncode == 1 and "INVALID_TOPIC_CONFIG" in too_many.stderr
+        assert dict(metadata(client, "rep-alter").config) == {"min.insync.replicas": "1"}
+        cluster.run("topic", "alter", "rep-alter", "--set", "min.insync.replicas=2")
+        taken = 0
+
+        def refused() -> bool:
+            nonlocal taken
+            reason = raw_produce(address, "rep-alter", 0, b"while applying").results[0] \
+                .error.reason
+            taken += not reason
+            return reason == "NOT_ENOUGH_REPLICAS"
+
+        wait_until(refused, 10, "the leader to apply min.insync.replicas=2")
+        end = client.describe_partition("rep-alter", 0).high_watermark
+        assert end == 1 + taken  # b"before", and what was taken before the change landed
+        cluster.run("topic", "alter", "rep-alter", "--set", "min.insync.replicas=1")
+        produce_taken(address, "rep-alter", 0, b"after")
+        assert client.describe_partition("rep-alter", 0).high_watermark == end + 1

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.errors import AtomlogError
-from services.topics import (assign_partitions, validate_partition_count, validate_topic_config,
+from services.topics import (TopicRecord, altered_config, assign_partitions, validate_partition_count, validate_topic_config,
                              validate_topic_name)
 
 
@@ -44,6 +44,49 @@ def test_topic_config_validation():
         with pytest.raises(AtomlogError) as raised:
             validate_topic_config(bad)
         assert raised.value.reason == "INVALID_TOPIC_CONFIG"
+
+
+ONE_COPY = TopicRecord("one", ["ps-0", "ps-1"], {"retention.ms": "60000"}, 1000)
+THREE_COPIES = TopicRecord("three", ["ps-0", "ps-1"], {"min.insync.replicas": "2"}, 1000, 2,
+                           [["ps-0", "ps-1", "ps-2"], ["ps-1", "ps-2", "ps-0"]])
+
+
+def test_altering_a_topic_sets_replaces_and_deletes_normalized():
+    assert altered_config(ONE_COPY, {"retention.bytes": "-1", "segment.ms": "01000"}, []) == {
+        "retention.ms": "60000", "retention.bytes": "-1", "segment.ms": "1000"}
+    assert altered_config(ONE_COPY, {"retention.ms": "120000"}, []) == {"retention.ms": "120000"}
+    assert altered_config(ONE_COPY, {}, ["retention.ms", "segment.ms"]) == {}
+    assert altered_config(THREE_COPIES, {"min.insync.replicas": "3",
+                                         "unclean.leader.election.enable": "true"}, []) == {
+        "min.insync.replicas": "3", "unclean.leader.election.enable": "true"}
+    assert ONE_COPY.config == {"retention.ms": "60000"}  # the record itself is untouched
+
+
+@pytest.mark.parametrize("record, to_set, to_delete, words", [
+    (ONE_COPY, {"no.such": "1"}, [], "unknown topic setting"),
+    (ONE_COPY, {}, ["no.such"], "unknown topic setting"),
+    (ONE_COPY, {"retention.ms": "soon"}, [], "not an integer"),
+    (ONE_COPY, {"retention.ms": "5"}, [], "outside"),
+    (ONE_COPY, {"retention.ms": "60000"}, ["retention.ms"], "both set and deleted"),
+    (ONE_COPY, {"min.insync.replicas": "1"}, [], "without replication state"),
+    (ONE_COPY, {"unclean.leader.election.enable": "true"}, [], "without replication state"),
+    (THREE_COPIES, {"min.insync.replicas": "4"}, [], "must be 1..3"),
+    (THREE_COPIES, {"unclean.leader.election.enable": "yes"}, [], "not one of"),
+])
+def test_altering_a_topic_refuses_bad_changes(record, to_set, to_delete, words):
+    with pytest.raises(AtomlogError) as raised:
+        altered_config(record, to_set, to_delete)
+    assert raised.value.reason == "INVALID_TOPIC_CONFIG" and words in raised.value.message
+
+
+def test_min_insync_counts_the_fewest_copies_a_running_reassignment_leaves():
+    moving = TopicRecord("moving", ["ps-0", "ps-1"], {}, 1000, 2,
+                         [["ps-0", "ps-1", "ps-2"], ["ps-1", "ps-2", "ps-0"]],
+                         reassigning={1: ["ps-1", "ps-2"]})
+    assert altered_config(moving, {"min.insync.replicas": "2"}, []) == {
+        "min.insync.replicas": "2"}
+    with pytest.raises(AtomlogError, match="must be 1..2"):
+        altered_config(moving, {"min.insync.replicas": "3"}, [])
 
 
 def test_no_servers_is_retriable():

@@ -163,6 +163,33 @@ class ElectLeaderResponse(_message.Message):
     partition: PartitionMetadata
     def __init__(self, partition: _Optional[_Union[PartitionMetadata, _Mapping]] = ...) -> None: ...
 
+class AlterTopicConfigRequest(_message.Message):
+    __slots__ = ("topic", "set", "delete", "validate_only")
+    class SetEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    SET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    set: _containers.ScalarMap[str, str]
+    delete: _containers.RepeatedScalarFieldContainer[str]
+    validate_only: bool
+    def __init__(self, topic: _Optional[str] = ..., set: _Optional[_Mapping[str, str]] = ..., delete: _Optional[_Iterable[str]] = ..., validate_only: _Optional[bool] = ...) -> None: ...
+
+class AlterTopicConfigResponse(_message.Message):
+    __slots__ = ("topic", "changed")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    topic: TopicMetadata
+    changed: bool
+    def __init__(self, topic: _Optional[_Union[TopicMetadata, _Mapping]] = ..., changed: _Optional[bool] = ...) -> None: ...
+
 class ListTopicsRequest(_message.Message):
     __slots__ = ("include_internal",)
     INCLUDE_INTERNAL_FIELD_NUMBER: _ClassVar[int]

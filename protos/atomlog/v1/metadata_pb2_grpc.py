@@ -61,6 +61,11 @@ class MetadataServiceStub:
                 request_serializer=atomlog_dot_v1_dot_metadata__pb2.ElectLeaderRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_metadata__pb2.ElectLeaderResponse.FromString,
                 _registered_method=True)
+        self.AlterTopicConfig = channel.unary_unary(
+                '/atomlog.v1.MetadataService/AlterTopicConfig',
+                request_serializer=atomlog_dot_v1_dot_metadata__pb2.AlterTopicConfigRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_metadata__pb2.AlterTopicConfigResponse.FromString,
+                _registered_method=True)
 
 
 class MetadataServiceServicer:
@@ -114,6 +119,21 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AlterTopicConfig(self, request, context):
+        """Changes a topic's settings (the keys CreateTopic takes): `set` adds or replaces,
+        `delete` removes (the setting goes back to the server's default). The partition
+        servers apply them to their open partitions without a restart (retention and segment
+        sizes at their next chore or append; min.insync.replicas at once; an offline
+        partition's leader election reads unclean.leader.election.enable when it runs).
+        Checked as a whole before anything is written: an unknown key or bad value
+        (INVALID_TOPIC_CONFIG), min.insync.replicas above the replication factor, or a
+        replication setting on a topic of one copy without replication state; nothing is
+        written when the request is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +161,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.ElectLeader,
                     request_deserializer=atomlog_dot_v1_dot_metadata__pb2.ElectLeaderRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_metadata__pb2.ElectLeaderResponse.SerializeToString,
+            ),
+            'AlterTopicConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.AlterTopicConfig,
+                    request_deserializer=atomlog_dot_v1_dot_metadata__pb2.AlterTopicConfigRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_metadata__pb2.AlterTopicConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,6 +305,33 @@ class MetadataService:
             '/atomlog.v1.MetadataService/ElectLeader',
             atomlog_dot_v1_dot_metadata__pb2.ElectLeaderRequest.SerializeToString,
             atomlog_dot_v1_dot_metadata__pb2.ElectLeaderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AlterTopicConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.MetadataService/AlterTopicConfig',
+            atomlog_dot_v1_dot_metadata__pb2.AlterTopicConfigRequest.SerializeToString,
+            atomlog_dot_v1_dot_metadata__pb2.AlterTopicConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,

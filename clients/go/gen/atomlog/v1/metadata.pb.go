@@ -245,7 +245,8 @@ type TopicMetadata struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	Name       string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	Partitions []*PartitionMetadata   `protobuf:"bytes,2,rep,name=partitions,proto3" json:"partitions,omitempty"`
-	// Topic configuration (retention, segment size, ...), as given at creation.
+	// Topic configuration (retention, segment size, ...), as given at creation or changed
+	// since by AlterTopicConfig.
 	Config map[string]string `protobuf:"bytes,3,rep,name=config,proto3" json:"config,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// True for internal topics (names starting with "__").
 	Internal      bool  `protobuf:"varint,4,opt,name=internal,proto3" json:"internal,omitempty"`
@@ -872,6 +873,131 @@ func (x *ElectLeaderResponse) GetPartition() *PartitionMetadata {
 	return nil
 }
 
+type AlterTopicConfigRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Topic string                 `protobuf:"bytes,1,opt,name=topic,proto3" json:"topic,omitempty"`
+	// Settings to add or replace (as CreateTopic's config).
+	Set map[string]string `protobuf:"bytes,2,rep,name=set,proto3" json:"set,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// Settings to remove; a key both set and deleted is refused.
+	Delete []string `protobuf:"bytes,3,rep,name=delete,proto3" json:"delete,omitempty"`
+	// Check the change and answer the config it would give, writing nothing.
+	ValidateOnly  bool `protobuf:"varint,4,opt,name=validate_only,json=validateOnly,proto3" json:"validate_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AlterTopicConfigRequest) Reset() {
+	*x = AlterTopicConfigRequest{}
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AlterTopicConfigRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AlterTopicConfigRequest) ProtoMessage() {}
+
+func (x *AlterTopicConfigRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AlterTopicConfigRequest.ProtoReflect.Descriptor instead.
+func (*AlterTopicConfigRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *AlterTopicConfigRequest) GetTopic() string {
+	if x != nil {
+		return x.Topic
+	}
+	return ""
+}
+
+func (x *AlterTopicConfigRequest) GetSet() map[string]string {
+	if x != nil {
+		return x.Set
+	}
+	return nil
+}
+
+func (x *AlterTopicConfigRequest) GetDelete() []string {
+	if x != nil {
+		return x.Delete
+	}
+	return nil
+}
+
+func (x *AlterTopicConfigRequest) GetValidateOnly() bool {
+	if x != nil {
+		return x.ValidateOnly
+	}
+	return false
+}
+
+type AlterTopicConfigResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The topic as it is after the change (or would be, with validate_only).
+	Topic *TopicMetadata `protobuf:"bytes,1,opt,name=topic,proto3" json:"topic,omitempty"`
+	// False when the settings were already so (nothing written).
+	Changed       bool `protobuf:"varint,2,opt,name=changed,proto3" json:"changed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AlterTopicConfigResponse) Reset() {
+	*x = AlterTopicConfigResponse{}
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AlterTopicConfigResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AlterTopicConfigResponse) ProtoMessage() {}
+
+func (x *AlterTopicConfigResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AlterTopicConfigResponse.ProtoReflect.Descriptor instead.
+func (*AlterTopicConfigResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *AlterTopicConfigResponse) GetTopic() *TopicMetadata {
+	if x != nil {
+		return x.Topic
+	}
+	return nil
+}
+
+func (x *AlterTopicConfigResponse) GetChanged() bool {
+	if x != nil {
+		return x.Changed
+	}
+	return false
+}
+
 type ListTopicsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Include internal topics ("__txn_log-*", ...).
@@ -882,7 +1008,7 @@ type ListTopicsRequest struct {
 
 func (x *ListTopicsRequest) Reset() {
 	*x = ListTopicsRequest{}
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[12]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -894,7 +1020,7 @@ func (x *ListTopicsRequest) String() string {
 func (*ListTopicsRequest) ProtoMessage() {}
 
 func (x *ListTopicsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[12]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -907,7 +1033,7 @@ func (x *ListTopicsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTopicsRequest.ProtoReflect.Descriptor instead.
 func (*ListTopicsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{12}
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ListTopicsRequest) GetIncludeInternal() bool {
@@ -926,7 +1052,7 @@ type ListTopicsResponse struct {
 
 func (x *ListTopicsResponse) Reset() {
 	*x = ListTopicsResponse{}
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[13]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -938,7 +1064,7 @@ func (x *ListTopicsResponse) String() string {
 func (*ListTopicsResponse) ProtoMessage() {}
 
 func (x *ListTopicsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_metadata_proto_msgTypes[13]
+	mi := &file_atomlog_v1_metadata_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -951,7 +1077,7 @@ func (x *ListTopicsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTopicsResponse.ProtoReflect.Descriptor instead.
 func (*ListTopicsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{13}
+	return file_atomlog_v1_metadata_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ListTopicsResponse) GetNames() []string {
@@ -1038,18 +1164,30 @@ const file_atomlog_v1_metadata_proto_rawDesc = "" +
 	"\areplica\x18\x03 \x01(\tR\areplica\x12(\n" +
 	"\x10accept_data_loss\x18\x04 \x01(\bR\x0eacceptDataLoss\"R\n" +
 	"\x13ElectLeaderResponse\x12;\n" +
-	"\tpartition\x18\x01 \x01(\v2\x1d.atomlog.v1.PartitionMetadataR\tpartition\">\n" +
+	"\tpartition\x18\x01 \x01(\v2\x1d.atomlog.v1.PartitionMetadataR\tpartition\"\xe4\x01\n" +
+	"\x17AlterTopicConfigRequest\x12\x14\n" +
+	"\x05topic\x18\x01 \x01(\tR\x05topic\x12>\n" +
+	"\x03set\x18\x02 \x03(\v2,.atomlog.v1.AlterTopicConfigRequest.SetEntryR\x03set\x12\x16\n" +
+	"\x06delete\x18\x03 \x03(\tR\x06delete\x12#\n" +
+	"\rvalidate_only\x18\x04 \x01(\bR\fvalidateOnly\x1a6\n" +
+	"\bSetEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"e\n" +
+	"\x18AlterTopicConfigResponse\x12/\n" +
+	"\x05topic\x18\x01 \x01(\v2\x19.atomlog.v1.TopicMetadataR\x05topic\x12\x18\n" +
+	"\achanged\x18\x02 \x01(\bR\achanged\">\n" +
 	"\x11ListTopicsRequest\x12)\n" +
 	"\x10include_internal\x18\x01 \x01(\bR\x0fincludeInternal\"*\n" +
 	"\x12ListTopicsResponse\x12\x14\n" +
-	"\x05names\x18\x01 \x03(\tR\x05names2\xb0\x03\n" +
+	"\x05names\x18\x01 \x03(\tR\x05names2\x8f\x04\n" +
 	"\x0fMetadataService\x12N\n" +
 	"\vGetMetadata\x12\x1e.atomlog.v1.GetMetadataRequest\x1a\x1f.atomlog.v1.GetMetadataResponse\x12N\n" +
 	"\vCreateTopic\x12\x1e.atomlog.v1.CreateTopicRequest\x1a\x1f.atomlog.v1.CreateTopicResponse\x12K\n" +
 	"\n" +
 	"ListTopics\x12\x1d.atomlog.v1.ListTopicsRequest\x1a\x1e.atomlog.v1.ListTopicsResponse\x12`\n" +
 	"\x11ReassignPartition\x12$.atomlog.v1.ReassignPartitionRequest\x1a%.atomlog.v1.ReassignPartitionResponse\x12N\n" +
-	"\vElectLeader\x12\x1e.atomlog.v1.ElectLeaderRequest\x1a\x1f.atomlog.v1.ElectLeaderResponseB\xa8\x01\n" +
+	"\vElectLeader\x12\x1e.atomlog.v1.ElectLeaderRequest\x1a\x1f.atomlog.v1.ElectLeaderResponse\x12]\n" +
+	"\x10AlterTopicConfig\x12#.atomlog.v1.AlterTopicConfigRequest\x1a$.atomlog.v1.AlterTopicConfigResponseB\xa8\x01\n" +
 	"\x0ecom.atomlog.v1B\rMetadataProtoP\x01Z>github.com/atomlog/atomlog/clients/go/gen/atomlog/v1;atomlogv1\xa2\x02\x03AXX\xaa\x02\n" +
 	"Atomlog.V1\xca\x02\n" +
 	"Atomlog\\V1\xe2\x02\x16Atomlog\\V1\\GPBMetadata\xea\x02\vAtomlog::V1b\x06proto3"
@@ -1066,7 +1204,7 @@ func file_atomlog_v1_metadata_proto_rawDescGZIP() []byte {
 	return file_atomlog_v1_metadata_proto_rawDescData
 }
 
-var file_atomlog_v1_metadata_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_atomlog_v1_metadata_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_atomlog_v1_metadata_proto_goTypes = []any{
 	(*ServerInfo)(nil),                // 0: atomlog.v1.ServerInfo
 	(*PartitionMetadata)(nil),         // 1: atomlog.v1.PartitionMetadata
@@ -1080,38 +1218,45 @@ var file_atomlog_v1_metadata_proto_goTypes = []any{
 	(*ReassignPartitionResponse)(nil), // 9: atomlog.v1.ReassignPartitionResponse
 	(*ElectLeaderRequest)(nil),        // 10: atomlog.v1.ElectLeaderRequest
 	(*ElectLeaderResponse)(nil),       // 11: atomlog.v1.ElectLeaderResponse
-	(*ListTopicsRequest)(nil),         // 12: atomlog.v1.ListTopicsRequest
-	(*ListTopicsResponse)(nil),        // 13: atomlog.v1.ListTopicsResponse
-	nil,                               // 14: atomlog.v1.TopicMetadata.ConfigEntry
-	nil,                               // 15: atomlog.v1.CreateTopicRequest.ConfigEntry
-	(ServerRole)(0),                   // 16: atomlog.v1.ServerRole
+	(*AlterTopicConfigRequest)(nil),   // 12: atomlog.v1.AlterTopicConfigRequest
+	(*AlterTopicConfigResponse)(nil),  // 13: atomlog.v1.AlterTopicConfigResponse
+	(*ListTopicsRequest)(nil),         // 14: atomlog.v1.ListTopicsRequest
+	(*ListTopicsResponse)(nil),        // 15: atomlog.v1.ListTopicsResponse
+	nil,                               // 16: atomlog.v1.TopicMetadata.ConfigEntry
+	nil,                               // 17: atomlog.v1.CreateTopicRequest.ConfigEntry
+	nil,                               // 18: atomlog.v1.AlterTopicConfigRequest.SetEntry
+	(ServerRole)(0),                   // 19: atomlog.v1.ServerRole
 }
 var file_atomlog_v1_metadata_proto_depIdxs = []int32{
-	16, // 0: atomlog.v1.ServerInfo.role:type_name -> atomlog.v1.ServerRole
+	19, // 0: atomlog.v1.ServerInfo.role:type_name -> atomlog.v1.ServerRole
 	1,  // 1: atomlog.v1.TopicMetadata.partitions:type_name -> atomlog.v1.PartitionMetadata
-	14, // 2: atomlog.v1.TopicMetadata.config:type_name -> atomlog.v1.TopicMetadata.ConfigEntry
+	16, // 2: atomlog.v1.TopicMetadata.config:type_name -> atomlog.v1.TopicMetadata.ConfigEntry
 	0,  // 3: atomlog.v1.GetMetadataResponse.servers:type_name -> atomlog.v1.ServerInfo
 	2,  // 4: atomlog.v1.GetMetadataResponse.topics:type_name -> atomlog.v1.TopicMetadata
 	3,  // 5: atomlog.v1.GetMetadataResponse.tc_partitions:type_name -> atomlog.v1.TcPartitionMetadata
-	15, // 6: atomlog.v1.CreateTopicRequest.config:type_name -> atomlog.v1.CreateTopicRequest.ConfigEntry
+	17, // 6: atomlog.v1.CreateTopicRequest.config:type_name -> atomlog.v1.CreateTopicRequest.ConfigEntry
 	2,  // 7: atomlog.v1.CreateTopicResponse.topic:type_name -> atomlog.v1.TopicMetadata
 	1,  // 8: atomlog.v1.ReassignPartitionResponse.partition:type_name -> atomlog.v1.PartitionMetadata
 	1,  // 9: atomlog.v1.ElectLeaderResponse.partition:type_name -> atomlog.v1.PartitionMetadata
-	4,  // 10: atomlog.v1.MetadataService.GetMetadata:input_type -> atomlog.v1.GetMetadataRequest
-	6,  // 11: atomlog.v1.MetadataService.CreateTopic:input_type -> atomlog.v1.CreateTopicRequest
-	12, // 12: atomlog.v1.MetadataService.ListTopics:input_type -> atomlog.v1.ListTopicsRequest
-	8,  // 13: atomlog.v1.MetadataService.ReassignPartition:input_type -> atomlog.v1.ReassignPartitionRequest
-	10, // 14: atomlog.v1.MetadataService.ElectLeader:input_type -> atomlog.v1.ElectLeaderRequest
-	5,  // 15: atomlog.v1.MetadataService.GetMetadata:output_type -> atomlog.v1.GetMetadataResponse
-	7,  // 16: atomlog.v1.MetadataService.CreateTopic:output_type -> atomlog.v1.CreateTopicResponse
-	13, // 17: atomlog.v1.MetadataService.ListTopics:output_type -> atomlog.v1.ListTopicsResponse
-	9,  // 18: atomlog.v1.MetadataService.ReassignPartition:output_type -> atomlog.v1.ReassignPartitionResponse
-	11, // 19: atomlog.v1.MetadataService.ElectLeader:output_type -> atomlog.v1.ElectLeaderResponse
-	15, // [15:20] is the sub-list for method output_type
-	10, // [10:15] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	18, // 10: atomlog.v1.AlterTopicConfigRequest.set:type_name -> atomlog.v1.AlterTopicConfigRequest.SetEntry
+	2,  // 11: atomlog.v1.AlterTopicConfigResponse.topic:type_name -> atomlog.v1.TopicMetadata
+	4,  // 12: atomlog.v1.MetadataService.GetMetadata:input_type -> atomlog.v1.GetMetadataRequest
+	6,  // 13: atomlog.v1.MetadataService.CreateTopic:input_type -> atomlog.v1.CreateTopicRequest
+	14, // 14: atomlog.v1.MetadataService.ListTopics:input_type -> atomlog.v1.ListTopicsRequest
+	8,  // 15: atomlog.v1.MetadataService.ReassignPartition:input_type -> atomlog.v1.ReassignPartitionRequest
+	10, // 16: atomlog.v1.MetadataService.ElectLeader:input_type -> atomlog.v1.ElectLeaderRequest
+	12, // 17: atomlog.v1.MetadataService.AlterTopicConfig:input_type -> atomlog.v1.AlterTopicConfigRequest
+	5,  // 18: atomlog.v1.MetadataService.GetMetadata:output_type -> atomlog.v1.GetMetadataResponse
+	7,  // 19: atomlog.v1.MetadataService.CreateTopic:output_type -> atomlog.v1.CreateTopicResponse
+	15, // 20: atomlog.v1.MetadataService.ListTopics:output_type -> atomlog.v1.ListTopicsResponse
+	9,  // 21: atomlog.v1.MetadataService.ReassignPartition:output_type -> atomlog.v1.ReassignPartitionResponse
+	11, // 22: atomlog.v1.MetadataService.ElectLeader:output_type -> atomlog.v1.ElectLeaderResponse
+	13, // 23: atomlog.v1.MetadataService.AlterTopicConfig:output_type -> atomlog.v1.AlterTopicConfigResponse
+	18, // [18:24] is the sub-list for method output_type
+	12, // [12:18] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_metadata_proto_init() }
@@ -1126,7 +1271,7 @@ func file_atomlog_v1_metadata_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_metadata_proto_rawDesc), len(file_atomlog_v1_metadata_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   16,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

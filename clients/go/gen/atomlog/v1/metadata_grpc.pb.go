@@ -24,6 +24,7 @@ const (
 	MetadataService_ListTopics_FullMethodName        = "/atomlog.v1.MetadataService/ListTopics"
 	MetadataService_ReassignPartition_FullMethodName = "/atomlog.v1.MetadataService/ReassignPartition"
 	MetadataService_ElectLeader_FullMethodName       = "/atomlog.v1.MetadataService/ElectLeader"
+	MetadataService_AlterTopicConfig_FullMethodName  = "/atomlog.v1.MetadataService/AlterTopicConfig"
 )
 
 // MetadataServiceClient is the client API for MetadataService service.
@@ -54,6 +55,16 @@ type MetadataServiceClient interface {
 	// for a server that is not a live replica (INVALID_ARGUMENT). docs/operations.md,
 	// AtomlogPartitionsOffline.
 	ElectLeader(ctx context.Context, in *ElectLeaderRequest, opts ...grpc.CallOption) (*ElectLeaderResponse, error)
+	// Changes a topic's settings (the keys CreateTopic takes): `set` adds or replaces,
+	// `delete` removes (the setting goes back to the server's default). The partition
+	// servers apply them to their open partitions without a restart (retention and segment
+	// sizes at their next chore or append; min.insync.replicas at once; an offline
+	// partition's leader election reads unclean.leader.election.enable when it runs).
+	// Checked as a whole before anything is written: an unknown key or bad value
+	// (INVALID_TOPIC_CONFIG), min.insync.replicas above the replication factor, or a
+	// replication setting on a topic of one copy without replication state; nothing is
+	// written when the request is refused.
+	AlterTopicConfig(ctx context.Context, in *AlterTopicConfigRequest, opts ...grpc.CallOption) (*AlterTopicConfigResponse, error)
 }
 
 type metadataServiceClient struct {
@@ -114,6 +125,16 @@ func (c *metadataServiceClient) ElectLeader(ctx context.Context, in *ElectLeader
 	return out, nil
 }
 
+func (c *metadataServiceClient) AlterTopicConfig(ctx context.Context, in *AlterTopicConfigRequest, opts ...grpc.CallOption) (*AlterTopicConfigResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AlterTopicConfigResponse)
+	err := c.cc.Invoke(ctx, MetadataService_AlterTopicConfig_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MetadataServiceServer is the server API for MetadataService service.
 // All implementations must embed UnimplementedMetadataServiceServer
 // for forward compatibility.
@@ -142,6 +163,16 @@ type MetadataServiceServer interface {
 	// for a server that is not a live replica (INVALID_ARGUMENT). docs/operations.md,
 	// AtomlogPartitionsOffline.
 	ElectLeader(context.Context, *ElectLeaderRequest) (*ElectLeaderResponse, error)
+	// Changes a topic's settings (the keys CreateTopic takes): `set` adds or replaces,
+	// `delete` removes (the setting goes back to the server's default). The partition
+	// servers apply them to their open partitions without a restart (retention and segment
+	// sizes at their next chore or append; min.insync.replicas at once; an offline
+	// partition's leader election reads unclean.leader.election.enable when it runs).
+	// Checked as a whole before anything is written: an unknown key or bad value
+	// (INVALID_TOPIC_CONFIG), min.insync.replicas above the replication factor, or a
+	// replication setting on a topic of one copy without replication state; nothing is
+	// written when the request is refused.
+	AlterTopicConfig(context.Context, *AlterTopicConfigRequest) (*AlterTopicConfigResponse, error)
 	mustEmbedUnimplementedMetadataServiceServer()
 }
 
@@ -166,6 +197,9 @@ func (UnimplementedMetadataServiceServer) ReassignPartition(context.Context, *Re
 }
 func (UnimplementedMetadataServiceServer) ElectLeader(context.Context, *ElectLeaderRequest) (*ElectLeaderResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ElectLeader not implemented")
+}
+func (UnimplementedMetadataServiceServer) AlterTopicConfig(context.Context, *AlterTopicConfigRequest) (*AlterTopicConfigResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method AlterTopicConfig not implemented")
 }
 func (UnimplementedMetadataServiceServer) mustEmbedUnimplementedMetadataServiceServer() {}
 func (UnimplementedMetadataServiceServer) testEmbeddedByValue()                         {}
@@ -278,6 +312,24 @@ func _MetadataService_ElectLeader_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _MetadataService_AlterTopicConfig_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AlterTopicConfigRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MetadataServiceServer).AlterTopicConfig(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: MetadataService_AlterTopicConfig_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MetadataServiceServer).AlterTopicConfig(ctx, req.(*AlterTopicConfigRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // MetadataService_ServiceDesc is the grpc.ServiceDesc for MetadataService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -304,6 +356,10 @@ var MetadataService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ElectLeader",
 			Handler:    _MetadataService_ElectLeader_Handler,
+		},
+		{
+			MethodName: "AlterTopicConfig",
+			Handler:    _MetadataService_AlterTopicConfig_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
