@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -52,6 +53,9 @@ REPLICA_CHANNEL_OPTIONS = [
 STEER_RETRY_S = 0.5
 OPEN_RETRY_FIRST_S = 0.5
 LOST_SUFFIX = ".lost-"  # a lost copy's DATA_LOSS directory while it is built (_mark_lost)
+# A copy being deleted (_delete_copy) or a lost one's directory being built (_mark_lost):
+# its name, a dot and the time in ns, 19 digits, which no partition's number has.
+LEFTOVER = re.compile(r"\.(deleted|lost)-[0-9]{19}$")
 OPEN_RETRY_MAX_S = 30.0
 
 
@@ -141,8 +145,10 @@ class PartitionManager:
         # The copies this server starts with, before anything here creates one: a replica
         # in an ISR without its directory lost its copy (_leave_isrs).
         self._copies_at_start = set(os.listdir(self.data_dir))
-        for leftover in [*self.data_dir.glob("*.deleted-*"),  # a crash in _delete_copy
-                         *self.data_dir.glob("*" + LOST_SUFFIX + "*")]:  # ... in _mark_lost
+        # What a crash left of _delete_copy and _mark_lost. (By the whole pattern: a glob
+        # of "*.deleted-*" also took the copy of a topic named "orders.deleted".)
+        for leftover in [path for path in self.data_dir.iterdir()
+                         if LEFTOVER.search(path.name)]:
             await asyncio.to_thread(shutil.rmtree, leftover, True)
         if self.wal is not None:
             # Before anything opens: what the frames hold goes back into the partitions'
@@ -336,7 +342,7 @@ class PartitionManager:
             "detected_unix_ms": int(time.time() * 1000)}).encode())
         aside.rename(directory)
         fsync_directory(self.data_dir)
-        event(log, "partition's only copy is lost: its directory was missing at start",
+        event(log, "partition's only copy is lost: its directory was missing when it opened",
               logging.ERROR, partition=directory.name, recorded=recorded)
 
     # ------------------------------------------------------------------ replicated partitions

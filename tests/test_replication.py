@@ -1294,12 +1294,15 @@ def test_min_insync_replicas_altered_reaches_the_leader_without_a_restart(cluste
     (NOT_ENOUGH_REPLICAS, nothing written) as soon as its ISR is below the new value, and
     takes them again once it is lowered; a value above the topic's copies is refused and
     changes nothing."""
-    with follower_paused(cluster, client, "rep-alter") as (leader, address, _follower):
-        too_many = cluster.run("topic", "alter", "rep-alter", "--set",
-                               "min.insync.replicas=3", check=False)
+    with follower_paused(cluster, client, "rep-alter") as (_leader, address, _follower):
+        def alter(setting: str, check: bool = True):  # asking the leader: not the paused one
+            return cluster.run("topic", "alter", "rep-alter", "--set", setting, "-b", address,
+                               check=check)
+
+        too_many = alter("min.insync.replicas=3", check=False)
         assert too_many.returncode == 1 and "INVALID_TOPIC_CONFIG" in too_many.stderr
         assert dict(metadata(client, "rep-alter").config) == {"min.insync.replicas": "1"}
-        cluster.run("topic", "alter", "rep-alter", "--set", "min.insync.replicas=2")
+        alter("min.insync.replicas=2")
         taken = 0
 
         def refused() -> bool:
@@ -1312,6 +1315,6 @@ def test_min_insync_replicas_altered_reaches_the_leader_without_a_restart(cluste
         wait_until(refused, 10, "the leader to apply min.insync.replicas=2")
         end = client.describe_partition("rep-alter", 0).high_watermark
         assert end == 1 + taken  # b"before", and what was taken before the change landed
-        cluster.run("topic", "alter", "rep-alter", "--set", "min.insync.replicas=1")
+        alter("min.insync.replicas=1")
         produce_taken(address, "rep-alter", 0, b"after")
         assert client.describe_partition("rep-alter", 0).high_watermark == end + 1
