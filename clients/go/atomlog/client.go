@@ -432,6 +432,28 @@ func (c *Client) CreateTopic(ctx context.Context, name string, partitions int, c
 	return TopicInfo{Name: reply.GetTopic().GetName(), Partitions: len(reply.GetTopic().GetPartitions())}, nil
 }
 
+// AlterTopicConfig changes a topic's settings: set adds or replaces keys, del removes
+// them (back to the servers' default); the partition servers apply them without a
+// restart. Returns the topic's settings after the change. The change is checked whole
+// before anything is written: INVALID_TOPIC_CONFIG changes nothing.
+func (c *Client) AlterTopicConfig(ctx context.Context, name string, set map[string]string, del []string) (map[string]string, error) {
+	var reply *pb.AlterTopicConfigResponse
+	err := c.metadataCall(ctx, func(actx context.Context, stub pb.MetadataServiceClient) (err error) {
+		reply, err = stub.AlterTopicConfig(actx, &pb.AlterTopicConfigRequest{Topic: name,
+			Set: set, Delete: del})
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	c.invalidate(name)
+	config := map[string]string{}
+	for k, v := range reply.GetTopic().GetConfig() {
+		config[k] = v
+	}
+	return config, nil
+}
+
 // ListTopics names every topic (internal ones too with internal=true), sorted.
 func (c *Client) ListTopics(ctx context.Context, internal bool) ([]string, error) {
 	var reply *pb.ListTopicsResponse

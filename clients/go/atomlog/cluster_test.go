@@ -254,6 +254,18 @@ func TestClusterTypedErrors(t *testing.T) {
 	if Reason(err) != "INVALID_TOPIC_NAME" {
 		t.Fatalf("a bad name: %v", err)
 	}
+	_, err = c.AlterTopicConfig(ctx, name, map[string]string{"retention.ms": "soon"}, nil)
+	if Reason(err) != "INVALID_TOPIC_CONFIG" || IsRetriable(err) {
+		t.Fatalf("a bad setting: %v", err)
+	}
+	config, err := c.AlterTopicConfig(ctx, name, map[string]string{"retention.ms": "60000"}, nil)
+	if err != nil || len(config) != 1 || config["retention.ms"] != "60000" {
+		t.Fatalf("a setting: %v %v", config, err)
+	}
+	config, err = c.AlterTopicConfig(ctx, name, nil, []string{"retention.ms"})
+	if err != nil || len(config) != 0 {
+		t.Fatalf("a setting deleted: %v %v", config, err)
+	}
 	consumer, _ := c.NewConsumer(ctx, []string{name}, ConsumerOptions{})
 	consumer.Seek(TopicPartition{Topic: name, Partition: 0}, 1_000_000)
 	_, err = consumer.Poll(ctx, 100*time.Millisecond)
