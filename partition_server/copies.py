@@ -18,16 +18,25 @@ opens in DATA_LOSS instead of empty (`lost_marker`), and an operator accepts the
 with `atomlog partition recover` (it then starts empty, its record kept).
 
 The calls are synchronous kazoo calls (callers on an event loop run them on a thread);
-`verdict` is the pure rule.
+`verdict` is the pure rule. `inspect` reads what a copy (of any partition, replicated or
+not) holds on disk, for an operator choosing which replica leads an offline partition.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from partition_server import segment as seg_mod
+from partition_server.leader_epochs import FILE_NAME as EPOCHS_FILE
+from partition_server.log import DATA_LOSS_FILE
+from partition_server.replication import LeaderEpochCache
 
 COPIES_PATH = "/copies"
 
@@ -90,3 +99,76 @@ def lost_detail(record: dict) -> str:
             f"held its only copy since {since} (ZooKeeper {COPIES_PATH}): every record it "
             f"held is lost. `atomlog partition recover` with this file and offset 0 "
             f"accepts the loss and starts the partition empty at offset 0")
+
+
+# ---------------------------------------------------------------------------------------
+# What a copy holds on disk (PartitionService.DescribeCopy, `atomlog partition copies`)
+
+@dataclass(frozen=True)
+class CopyState:
+    """A copy as its files show it, read without opening it (module `inspect`)."""
+
+    present: bool
+    log_start_offset: int = 0
+    log_end_offset: int = 0
+    tail_detail: str = ""  # why the read of the last segment stopped before its end
+    latest_leader_epoch: int = -1
+    latest_epoch_start_offset: int = -1
+    segment_count: int = 0
+    size_bytes: int = 0
+    data_loss_detail: str = ""
+
+
+def inspect(directory: Path) -> CopyState:
+    """What the copy in `directory` holds: its segments' span, ending after the last whole
+    batch of its last segment (every batch of it read and its CRC checked, 1 MiB at a
+    time: what recovery would keep of it), and the last entry of its leader-epoch file.
+    Reads only: a copy open meanwhile (a leader's, a follower's) is not disturbed, and
+    what it shows is a moment of it. A copy whose last segment is empty or torn from its
+    first batch ends where that segment begins."""
+    if not directory.is_dir():
+        return CopyState(present=False)
+    bases, size = [], 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            base = seg_mod.parse_segment_name(entry.name)
+            if base is not None:
+                bases.append(base)
+                try:
+                    size += entry.stat().st_size
+                except FileNotFoundError:
+                    pass  # deleted meanwhile (retention)
+    bases.sort()
+    loss = ""
+    marker = directory / DATA_LOSS_FILE
+    if marker.exists():
+        try:
+            loss = str(json.loads(marker.read_bytes()).get("detail", "")) or "(no detail)"
+        except (OSError, ValueError, AttributeError) as error:
+            loss = f"unreadable {DATA_LOSS_FILE}: {error}"
+    epoch, epoch_start = -1, -1
+    try:
+        entries = LeaderEpochCache.decode((directory / EPOCHS_FILE).read_bytes()).entries
+        if entries:
+            epoch, epoch_start = entries[-1]
+    except (FileNotFoundError, ValueError):
+        pass
+    if not bases:
+        return CopyState(True, latest_leader_epoch=epoch, latest_epoch_start_offset=epoch_start,
+                         data_loss_detail=loss)
+    last = seg_mod.Segment(directory, bases[-1]).log_path
+    end, detail = bases[-1], ""
+    try:
+        fd = os.open(last, os.O_RDONLY)
+    except FileNotFoundError:
+        detail = "its last segment went while it was read"
+    else:
+        try:
+            result = seg_mod.scan(fd, 0, os.fstat(fd).st_size, bases[-1])
+        finally:
+            os.close(fd)
+        end = result.next_offset
+        if result.failure is not None:
+            detail = (f"{last.name} at position {result.failure.position}: "
+                      f"{result.failure.detail}")
+    return CopyState(True, bases[0], end, detail, epoch, epoch_start, len(bases), size, loss)

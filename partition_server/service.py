@@ -15,6 +15,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
+from partition_server import copies
 from partition_server import metrics as m
 from partition_server.coordinator_epochs import MARKERS, STALE_MARKERS, CoordinatorEpochs
 from partition_server.cursor_store import validate_subscription_name
@@ -831,6 +832,31 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         return partition_pb2.RecoverPartitionResponse(
             state=STATE_ENUM[owner.state], truncated_at_offset=report.truncated_at_offset,
             removed_bytes=report.removed_bytes, high_watermark=owner.log.high_watermark)
+
+    async def DescribeCopy(self, request, context):
+        tp = request.topic_partition
+        if not tp.topic:
+            raise AtomlogError("INVALID_ARGUMENT", "topic_partition.topic is empty")
+        manager = self.manager
+        record = manager.assignments.topic(tp.topic) if manager.assignments else None
+        me = manager.server_name
+        if record is None or not 0 <= tp.partition < record.partitions or \
+                me not in record.replicas_of(tp.partition):
+            raise AtomlogError("UNKNOWN_TOPIC_OR_PARTITION",
+                               f"{me} holds no replica of {tp.topic}-{tp.partition}",
+                               {"topic": tp.topic, "partition": str(tp.partition)})
+        key = (tp.topic, tp.partition)
+        role = "leader" if key in manager.owners else \
+            "follower" if key in manager.followers else "none"
+        state = await asyncio.to_thread(copies.inspect,
+                                        manager.data_dir / f"{tp.topic}-{tp.partition}")
+        return partition_pb2.DescribeCopyResponse(
+            server_name=me, role=role, present=state.present,
+            log_start_offset=state.log_start_offset, log_end_offset=state.log_end_offset,
+            tail_detail=state.tail_detail, latest_leader_epoch=state.latest_leader_epoch,
+            latest_epoch_start_offset=state.latest_epoch_start_offset,
+            segment_count=state.segment_count, size_bytes=state.size_bytes,
+            data_loss_detail=state.data_loss_detail)
 
     async def ScrubPartition(self, request, context):
         tp = request.topic_partition

@@ -420,6 +420,8 @@ TABLE: dict[str, Callable] = {
     _PARTITION + "ReplicateMany": _fixed(_cluster("read"), service_only=True),
     _PARTITION + "DescribePartition": lambda request: Requirement(
         (_topic("describe", request.topic_partition.topic),)),
+    _PARTITION + "DescribeCopy": lambda request: Requirement(
+        (_topic("describe", request.topic_partition.topic),)),
     _PARTITION + "ListPartitions": _fixed(_cluster("describe")),
     _PARTITION + "RecoverPartition": _fixed(_cluster("alter")),
     # An operator's scrub: it may take a damaged copy to DATA_LOSS (and hand it over).

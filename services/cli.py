@@ -758,6 +758,113 @@ def partition_reassign(topic_name: str, number: int, replicas: str, wait_s: floa
         sys.exit(1)
 
 
+@partition.command("copies")
+@click.argument("topic_name", metavar="TOPIC")
+@click.argument("number", metavar="PARTITION", type=int)
+@bootstrap_option
+@data_dir_option
+@output_option
+def partition_copies(topic_name: str, number: int, bootstrap: str | None, data_dir: Path,
+                     output: str) -> None:
+    """What each replica of partition PARTITION of TOPIC holds on its disk.
+
+    Asks every replica's server (DescribeCopy), which reads its copy's files without
+    opening it, so it answers for an offline partition too: where its log ends (after its
+    last whole batch), the leader epoch that began last in it, its log start, its role.
+    The copy that holds the most comes first: the latest epoch, then the longest log (as
+    Kafka's unclean recovery chooses). For an offline partition it prints the `partition
+    elect` that would make that copy lead.
+
+    \b
+    Example:
+      atomlog partition copies orders 0
+    """
+    from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2
+    from spark_client.errors import AtomlogClientError, from_grpc
+
+    with _client(_bootstrap(bootstrap, data_dir)) as client:
+        try:
+            reply = client.metadata.call("GetMetadata",
+                                         metadata_pb2.GetMetadataRequest(topics=[topic_name]))
+        except AtomlogClientError as error:
+            fail(str(error))
+        meta = reply.topics[0]
+        if not 0 <= number < len(meta.partitions):
+            fail(f"UNKNOWN_TOPIC_OR_PARTITION: topic {topic_name!r} has "
+                 f"{len(meta.partitions)} partitions")
+        part = meta.partitions[number]
+        addresses = {s.name: s.grpc_address for s in reply.servers}
+        rows = []
+        for replica in part.replicas:
+            row = {"replica": replica, "in_isr": replica in part.isr,
+                   "leader": replica == part.server_name}
+            if replica not in addresses:
+                row["error"] = "down (not registered)"
+                rows.append(row)
+                continue
+            try:
+                copy = client.channels.partition(addresses[replica]).DescribeCopy(
+                    partition_pb2.DescribeCopyRequest(topic_partition=common_pb2.TopicPartition(
+                        topic=topic_name, partition=number)), timeout=30)
+            except grpc.RpcError as rpc_error:
+                row["error"] = str(from_grpc(rpc_error))
+            else:
+                row.update(role=copy.role, present=copy.present,
+                           log_start_offset=copy.log_start_offset,
+                           log_end_offset=copy.log_end_offset,
+                           latest_leader_epoch=copy.latest_leader_epoch,
+                           latest_epoch_start_offset=copy.latest_epoch_start_offset,
+                           segment_count=copy.segment_count, size_bytes=copy.size_bytes,
+                           tail_detail=copy.tail_detail,
+                           data_loss_detail=copy.data_loss_detail)
+            rows.append(row)
+    rows.sort(key=_copy_rank)
+    best = rows[0] if rows and _holds(rows[0]) else None
+    if output == "json":
+        click.echo(json.dumps({"topic": topic_name, "partition": number,
+                               "leader": part.server_name, "isr": list(part.isr),
+                               "most": best["replica"] if best else None, "copies": rows},
+                              indent=2))
+        return
+    table = Table()
+    for column in ("replica", "role", "in ISR", "log end", "latest epoch (from offset)",
+                   "log start", "segments", "bytes", "note"):
+        table.add_column(column)
+    for row in rows:
+        if "error" in row:
+            table.add_row(row["replica"], "-", "yes" if row["in_isr"] else "no", "-", "-", "-",
+                          "-", "-", f"[red]{row['error']}[/]")
+            continue
+        note = ("[red]no copy[/]" if not row["present"] else
+                f"[red]DATA_LOSS: {row['data_loss_detail']}[/]" if row["data_loss_detail"]
+                else f"tail not counted: {row['tail_detail']}" if row["tail_detail"] else "")
+        if row is best:
+            note = ("[green]holds the most[/]" + (f"; {note}" if note else ""))
+        table.add_row(row["replica"], row["role"], "yes" if row["in_isr"] else "no",
+                      str(row["log_end_offset"]),
+                      f"{row['latest_leader_epoch']} ({row['latest_epoch_start_offset']})",
+                      str(row["log_start_offset"]), str(row["segment_count"]),
+                      str(row["size_bytes"]), note)
+    console.print(table)
+    if not part.server_name and best is not None:
+        unclean = "" if best["in_isr"] else " --accept-data-loss"
+        click.echo(f"offline: atomlog partition elect {topic_name} {number} --replica "
+                   f"{best['replica']}{unclean}")
+
+
+def _holds(row: dict) -> bool:
+    """Whether a replica answered with a copy that may lead (one there, not in DATA_LOSS)."""
+    return "error" not in row and row["present"] and not row["data_loss_detail"]
+
+
+def _copy_rank(row: dict) -> tuple:
+    """The copy that holds the most first: one that may lead, then the latest leader
+    epoch, then the longest log; ties by name."""
+    if not _holds(row):
+        return (1, 0, 0, row["replica"])
+    return (0, -row["latest_leader_epoch"], -row["log_end_offset"], row["replica"])
+
+
 @partition.command("elect")
 @click.argument("topic_name", metavar="TOPIC")
 @click.argument("number", metavar="PARTITION", type=int)
@@ -778,9 +885,9 @@ def partition_elect(topic_name: str, number: int, replica: str, accept_data_loss
     last in-sync replica came back without its copy (a wiped or replaced disk, an empty
     volume: it leaves the ISR rather than lead from nothing). Start the servers in its
     ISR (`topic describe`) if you can: the first back leads by itself. Otherwise elect
-    the replica that was in sync last (its server's log says when each left the ISR:
-    "left the ISR at start", "ISR changed"); the other replicas follow it and cut what it
-    lacks. Refused while the partition has a leader.
+    the replica whose copy holds the most: `atomlog partition copies TOPIC PARTITION`
+    reads every replica's copy and prints this command for it. The other replicas follow
+    it and cut what it lacks. Refused while the partition has a leader.
 
     \b
     Example:

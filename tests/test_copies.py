@@ -36,3 +36,42 @@ def test_the_detail_says_when_the_copy_was_recorded_and_what_to_do():
     detail = lost_detail(MINE)
     assert "1970-01-01 00:00:02 UTC" in detail and "atomlog partition recover" in detail
     assert "an earlier start" in lost_detail({"server": "ps-0"})
+
+
+def test_inspect_reads_a_copy_without_opening_it(tmp_path):
+    """A copy's span and latest leader epoch from its files: the last segment read to its
+    last whole batch (a torn tail is not counted, and left as it is), a DATA_LOSS marker
+    reported; a missing directory is no copy."""
+    import json
+    import os
+
+    from partition_server.copies import inspect
+    from partition_server.leader_epochs import LeaderEpochFile
+    from partition_server.log import DATA_LOSS_FILE, LogConfig, PartitionLog
+    from partition_server.record_batch import Record, encode_batch
+
+    assert not inspect(tmp_path / "missing").present
+    directory = tmp_path / "t-0"
+    log = PartitionLog(directory, LogConfig(segment_bytes=4096))
+    for i in range(40):
+        log.append([encode_batch([Record(key=None, value=b"v" * 200)] * 2)])
+    log.flush()
+    epochs = LeaderEpochFile(directory, 0, log.log_end_offset)
+    epochs.assign(3, 0)
+    epochs.assign(5, 30)
+    end, segments = log.log_end_offset, log.segment_count
+    log.close()
+    state = inspect(directory)
+    assert state.present and (state.log_start_offset, state.log_end_offset) == (0, end) == (0, 80)
+    assert (state.latest_leader_epoch, state.latest_epoch_start_offset) == (5, 30)
+    assert state.segment_count == segments > 1 and state.tail_detail == ""
+    last = sorted(directory.glob("*.log"))[-1]
+    size = last.stat().st_size
+    with open(last, "ab") as torn:
+        torn.write(b"\x00\x00\x00\x00\x00\x00\x00\x50\x00\x00\x01")  # half a header
+    torn_state = inspect(directory)
+    assert torn_state.log_end_offset == 80 and last.name in torn_state.tail_detail
+    assert last.stat().st_size == size + 11  # read only: nothing cut
+    (directory / DATA_LOSS_FILE).write_text(json.dumps({"detail": "lost"}))
+    assert inspect(directory).data_loss_detail == "lost"
+    os.unlink(directory / DATA_LOSS_FILE)

@@ -27,6 +27,7 @@ import pytest
 from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2, partition_pb2_grpc
 from partition_server.copy_link import KIND_ANSWER, KIND_ERROR, KIND_REQUEST
 from partition_server.record_batch import Record, encode_batch, iter_batches
+from services.errors import from_rpc_error
 from spark_client import Client, errors
 from tests.conftest import SESSION_TIMEOUT_MS, create_online, metric_sum, wait_until
 from tests.link_tools import HEAD, closed_by_peer, connect, link_address, read_frame, request_frame
@@ -1053,6 +1054,21 @@ def test_a_replica_back_without_its_copy_leaves_the_isr_and_an_operator_elects_a
         wait_until(lambda: state() == ("", []), 20, f"{leader} out of the ISR")
         time.sleep(3)
         assert state() == ("", [])  # nobody leads: the followers' copies stay whole
+        # Which copy holds the most: each replica's server reads its copy's files.
+        address = next(p["grpc_address"] for p in cluster.services() if p["name"] == followers[1])
+        copies = json.loads(cluster.run("partition", "copies", topic, "0", "-b", address,
+                                        "-o", "json").stdout)
+        by_name = {c["replica"]: c for c in copies["copies"]}
+        assert copies["most"] == followers[0] and copies["leader"] == ""
+        assert not by_name[leader]["present"] and by_name[leader]["role"] == "none"
+        for follower in followers:
+            # (kept as a follower, waiting for a leader)
+            assert by_name[follower]["present"] and by_name[follower]["role"] == "follower"
+            assert by_name[follower]["log_end_offset"] == len(values)
+            assert by_name[follower]["latest_leader_epoch"] >= 0
+        told = cluster.run("partition", "copies", topic, "0", "-b", address).stdout
+        assert (f"atomlog partition elect {topic} 0 --replica {followers[0]} "
+                "--accept-data-loss") in told
         # An operator elects a follower: refused without --accept-data-loss (it is not
         # in the ISR), and for a server that is not a replica; then it leads.
         refused = cluster.run("partition", "elect", topic, "0", "--replica", followers[0],
@@ -1318,3 +1334,37 @@ def test_min_insync_replicas_altered_reaches_the_leader_without_a_restart(cluste
         alter("min.insync.replicas=1")
         produce_taken(address, "rep-alter", 0, b"after")
         assert client.describe_partition("rep-alter", 0).high_watermark == end + 1
+
+
+def test_describe_copy_answers_for_its_replicas_only(cluster, client):
+    """DescribeCopy: a replica's server reads its copy; an empty topic, an unknown topic or
+    partition, or a server that holds no replica of it is refused with its reason."""
+    client.create_topic("rep-copy", partitions=1, replication_factor=2)
+    wait_until(lambda: fully_in_sync(client, "rep-copy"), 15, "rep-copy in sync")
+    part = metadata(client, "rep-copy").partitions[0]
+    produce_taken(part.server_address, "rep-copy", 0, b"one")
+    addresses = {p["name"]: p["grpc_address"] for p in cluster.services()}
+    outsider = next(s for s in SERVERS if s not in part.replicas)
+
+    def describe_copy(server: str, topic: str, partition: int = 0):
+        stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(addresses[server]))
+        return stub.DescribeCopy(partition_pb2.DescribeCopyRequest(
+            topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition)),
+            timeout=10)
+
+    leader = describe_copy(part.server_name, "rep-copy")
+    assert (leader.role, leader.present, leader.server_name) == ("leader", True, part.server_name)
+    assert leader.log_end_offset == 1 and leader.latest_leader_epoch >= 0
+    follower = next(r for r in part.replicas if r != part.server_name)
+    wait_until(lambda: describe_copy(follower, "rep-copy").log_end_offset == 1, 15,
+               "the follower's copy")
+    assert describe_copy(follower, "rep-copy").role == "follower"
+    for server, topic, partition, code, reason in [
+            (outsider, "rep-copy", 0, grpc.StatusCode.NOT_FOUND, "UNKNOWN_TOPIC_OR_PARTITION"),
+            (follower, "rep-copy", 1, grpc.StatusCode.NOT_FOUND, "UNKNOWN_TOPIC_OR_PARTITION"),
+            (follower, "no-such-topic", 0, grpc.StatusCode.NOT_FOUND,
+             "UNKNOWN_TOPIC_OR_PARTITION"),
+            (follower, "", 0, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")]:
+        with pytest.raises(grpc.RpcError) as raised:
+            describe_copy(server, topic, partition)
+        assert raised.value.code() == code and from_rpc_error(raised.value).reason == reason

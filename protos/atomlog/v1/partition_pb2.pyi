@@ -740,6 +740,38 @@ class RecoverPartitionResponse(_message.Message):
     high_watermark: int
     def __init__(self, state: _Optional[_Union[PartitionState, str]] = ..., truncated_at_offset: _Optional[int] = ..., removed_bytes: _Optional[int] = ..., high_watermark: _Optional[int] = ...) -> None: ...
 
+class DescribeCopyRequest(_message.Message):
+    __slots__ = ("topic_partition",)
+    TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    topic_partition: _common_pb2.TopicPartition
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ...) -> None: ...
+
+class DescribeCopyResponse(_message.Message):
+    __slots__ = ("server_name", "role", "present", "log_start_offset", "log_end_offset", "tail_detail", "latest_leader_epoch", "latest_epoch_start_offset", "segment_count", "size_bytes", "data_loss_detail")
+    SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TAIL_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    LATEST_LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LATEST_EPOCH_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_LOSS_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    server_name: str
+    role: str
+    present: bool
+    log_start_offset: int
+    log_end_offset: int
+    tail_detail: str
+    latest_leader_epoch: int
+    latest_epoch_start_offset: int
+    segment_count: int
+    size_bytes: int
+    data_loss_detail: str
+    def __init__(self, server_name: _Optional[str] = ..., role: _Optional[str] = ..., present: _Optional[bool] = ..., log_start_offset: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., tail_detail: _Optional[str] = ..., latest_leader_epoch: _Optional[int] = ..., latest_epoch_start_offset: _Optional[int] = ..., segment_count: _Optional[int] = ..., size_bytes: _Optional[int] = ..., data_loss_detail: _Optional[str] = ...) -> None: ...
+
 class ScrubPartitionRequest(_message.Message):
     __slots__ = ("topic_partition",)
     TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]

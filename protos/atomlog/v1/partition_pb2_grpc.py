@@ -143,6 +143,11 @@ class PartitionServiceStub:
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.ScrubPartitionRequest.SerializeToString,
                 response_deserializer=atomlog_dot_v1_dot_partition__pb2.ScrubPartitionResponse.FromString,
                 _registered_method=True)
+        self.DescribeCopy = channel.unary_unary(
+                '/atomlog.v1.PartitionService/DescribeCopy',
+                request_serializer=atomlog_dot_v1_dot_partition__pb2.DescribeCopyRequest.SerializeToString,
+                response_deserializer=atomlog_dot_v1_dot_partition__pb2.DescribeCopyResponse.FromString,
+                _registered_method=True)
         self.Replicate = channel.unary_unary(
                 '/atomlog.v1.PartitionService/Replicate',
                 request_serializer=atomlog_dot_v1_dot_partition__pb2.ReplicateRequest.SerializeToString,
@@ -354,6 +359,18 @@ class PartitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeCopy(self, request, context):
+        """Admin: what this server's copy of a partition holds on disk, read from its files
+        without opening it (so also for an offline partition, whose replicas serve nothing):
+        where its log ends after its last whole batch, the leader epoch that began last in it,
+        its log start, and its role here. `atomlog partition copies` asks every replica, so
+        that an operator electing a leader for an offline partition
+        (MetadataService.ElectLeader) can choose the copy that holds the most.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Replicate(self, request, context):
         """Internal (docs/replication.md): a follower copies its leader's log. A long poll from
         `fetch_offset`, which also tells the leader that everything below it is durable on
@@ -468,6 +485,11 @@ def add_PartitionServiceServicer_to_server(servicer, server):
                     servicer.ScrubPartition,
                     request_deserializer=atomlog_dot_v1_dot_partition__pb2.ScrubPartitionRequest.FromString,
                     response_serializer=atomlog_dot_v1_dot_partition__pb2.ScrubPartitionResponse.SerializeToString,
+            ),
+            'DescribeCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeCopy,
+                    request_deserializer=atomlog_dot_v1_dot_partition__pb2.DescribeCopyRequest.FromString,
+                    response_serializer=atomlog_dot_v1_dot_partition__pb2.DescribeCopyResponse.SerializeToString,
             ),
             'Replicate': grpc.unary_unary_rpc_method_handler(
                     servicer.Replicate,
@@ -985,6 +1007,33 @@ class PartitionService:
             '/atomlog.v1.PartitionService/ScrubPartition',
             atomlog_dot_v1_dot_partition__pb2.ScrubPartitionRequest.SerializeToString,
             atomlog_dot_v1_dot_partition__pb2.ScrubPartitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeCopy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atomlog.v1.PartitionService/DescribeCopy',
+            atomlog_dot_v1_dot_partition__pb2.DescribeCopyRequest.SerializeToString,
+            atomlog_dot_v1_dot_partition__pb2.DescribeCopyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4534,6 +4534,186 @@ func (x *RecoverPartitionResponse) GetHighWatermark() int64 {
 	return 0
 }
 
+type DescribeCopyRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A partition this server holds a replica of (for a topic of one copy: the partition
+	// assigned here); UNKNOWN_TOPIC_OR_PARTITION otherwise.
+	TopicPartition *TopicPartition `protobuf:"bytes,1,opt,name=topic_partition,json=topicPartition,proto3" json:"topic_partition,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *DescribeCopyRequest) Reset() {
+	*x = DescribeCopyRequest{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DescribeCopyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DescribeCopyRequest) ProtoMessage() {}
+
+func (x *DescribeCopyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DescribeCopyRequest.ProtoReflect.Descriptor instead.
+func (*DescribeCopyRequest) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{61}
+}
+
+func (x *DescribeCopyRequest) GetTopicPartition() *TopicPartition {
+	if x != nil {
+		return x.TopicPartition
+	}
+	return nil
+}
+
+type DescribeCopyResponse struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	ServerName string                 `protobuf:"bytes,1,opt,name=server_name,json=serverName,proto3" json:"server_name,omitempty"`
+	// "leader", "follower" (kept as a follower here: of an offline partition, waiting for a
+	// leader) or "none" (neither: not opened here, or its copy is gone).
+	Role string `protobuf:"bytes,2,opt,name=role,proto3" json:"role,omitempty"`
+	// False when the partition's directory is not there (never made here, or lost): the
+	// fields below are then 0.
+	Present bool `protobuf:"varint,3,opt,name=present,proto3" json:"present,omitempty"`
+	// The first offset of its first segment, and the offset after its last whole batch (a
+	// torn or damaged tail, which recovery would cut, is not counted; `tail_detail` says
+	// why the read stopped before the file's end).
+	LogStartOffset int64  `protobuf:"varint,4,opt,name=log_start_offset,json=logStartOffset,proto3" json:"log_start_offset,omitempty"`
+	LogEndOffset   int64  `protobuf:"varint,5,opt,name=log_end_offset,json=logEndOffset,proto3" json:"log_end_offset,omitempty"`
+	TailDetail     string `protobuf:"bytes,6,opt,name=tail_detail,json=tailDetail,proto3" json:"tail_detail,omitempty"`
+	// The last entry of its leader-epoch file: the epoch that began last in this copy and
+	// its first offset; -1 when the file has none.
+	LatestLeaderEpoch      int64  `protobuf:"varint,7,opt,name=latest_leader_epoch,json=latestLeaderEpoch,proto3" json:"latest_leader_epoch,omitempty"`
+	LatestEpochStartOffset int64  `protobuf:"varint,8,opt,name=latest_epoch_start_offset,json=latestEpochStartOffset,proto3" json:"latest_epoch_start_offset,omitempty"`
+	SegmentCount           uint32 `protobuf:"varint,9,opt,name=segment_count,json=segmentCount,proto3" json:"segment_count,omitempty"`
+	SizeBytes              uint64 `protobuf:"varint,10,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	// The DATA_LOSS marker's detail when the copy refuses to serve (empty: none).
+	DataLossDetail string `protobuf:"bytes,11,opt,name=data_loss_detail,json=dataLossDetail,proto3" json:"data_loss_detail,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *DescribeCopyResponse) Reset() {
+	*x = DescribeCopyResponse{}
+	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DescribeCopyResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DescribeCopyResponse) ProtoMessage() {}
+
+func (x *DescribeCopyResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DescribeCopyResponse.ProtoReflect.Descriptor instead.
+func (*DescribeCopyResponse) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{62}
+}
+
+func (x *DescribeCopyResponse) GetServerName() string {
+	if x != nil {
+		return x.ServerName
+	}
+	return ""
+}
+
+func (x *DescribeCopyResponse) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *DescribeCopyResponse) GetPresent() bool {
+	if x != nil {
+		return x.Present
+	}
+	return false
+}
+
+func (x *DescribeCopyResponse) GetLogStartOffset() int64 {
+	if x != nil {
+		return x.LogStartOffset
+	}
+	return 0
+}
+
+func (x *DescribeCopyResponse) GetLogEndOffset() int64 {
+	if x != nil {
+		return x.LogEndOffset
+	}
+	return 0
+}
+
+func (x *DescribeCopyResponse) GetTailDetail() string {
+	if x != nil {
+		return x.TailDetail
+	}
+	return ""
+}
+
+func (x *DescribeCopyResponse) GetLatestLeaderEpoch() int64 {
+	if x != nil {
+		return x.LatestLeaderEpoch
+	}
+	return 0
+}
+
+func (x *DescribeCopyResponse) GetLatestEpochStartOffset() int64 {
+	if x != nil {
+		return x.LatestEpochStartOffset
+	}
+	return 0
+}
+
+func (x *DescribeCopyResponse) GetSegmentCount() uint32 {
+	if x != nil {
+		return x.SegmentCount
+	}
+	return 0
+}
+
+func (x *DescribeCopyResponse) GetSizeBytes() uint64 {
+	if x != nil {
+		return x.SizeBytes
+	}
+	return 0
+}
+
+func (x *DescribeCopyResponse) GetDataLossDetail() string {
+	if x != nil {
+		return x.DataLossDetail
+	}
+	return ""
+}
+
 type ScrubPartitionRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A partition this server holds a copy of (UNKNOWN_TOPIC_OR_PARTITION otherwise;
@@ -4546,7 +4726,7 @@ type ScrubPartitionRequest struct {
 
 func (x *ScrubPartitionRequest) Reset() {
 	*x = ScrubPartitionRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4558,7 +4738,7 @@ func (x *ScrubPartitionRequest) String() string {
 func (*ScrubPartitionRequest) ProtoMessage() {}
 
 func (x *ScrubPartitionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[61]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4571,7 +4751,7 @@ func (x *ScrubPartitionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScrubPartitionRequest.ProtoReflect.Descriptor instead.
 func (*ScrubPartitionRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{61}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *ScrubPartitionRequest) GetTopicPartition() *TopicPartition {
@@ -4598,7 +4778,7 @@ type ScrubPartitionResponse struct {
 
 func (x *ScrubPartitionResponse) Reset() {
 	*x = ScrubPartitionResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4610,7 +4790,7 @@ func (x *ScrubPartitionResponse) String() string {
 func (*ScrubPartitionResponse) ProtoMessage() {}
 
 func (x *ScrubPartitionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[62]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4623,7 +4803,7 @@ func (x *ScrubPartitionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScrubPartitionResponse.ProtoReflect.Descriptor instead.
 func (*ScrubPartitionResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{62}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *ScrubPartitionResponse) GetRole() string {
@@ -4670,7 +4850,7 @@ type ScrubDamage struct {
 
 func (x *ScrubDamage) Reset() {
 	*x = ScrubDamage{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4682,7 +4862,7 @@ func (x *ScrubDamage) String() string {
 func (*ScrubDamage) ProtoMessage() {}
 
 func (x *ScrubDamage) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[63]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4695,7 +4875,7 @@ func (x *ScrubDamage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScrubDamage.ProtoReflect.Descriptor instead.
 func (*ScrubDamage) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{63}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *ScrubDamage) GetFile() string {
@@ -4752,7 +4932,7 @@ type StageTxnRequest struct {
 
 func (x *StageTxnRequest) Reset() {
 	*x = StageTxnRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4764,7 +4944,7 @@ func (x *StageTxnRequest) String() string {
 func (*StageTxnRequest) ProtoMessage() {}
 
 func (x *StageTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[64]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4777,7 +4957,7 @@ func (x *StageTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnRequest.ProtoReflect.Descriptor instead.
 func (*StageTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{64}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *StageTxnRequest) GetItems() []*StageTxnItem {
@@ -4815,7 +4995,7 @@ type StageTxnItem struct {
 
 func (x *StageTxnItem) Reset() {
 	*x = StageTxnItem{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4827,7 +5007,7 @@ func (x *StageTxnItem) String() string {
 func (*StageTxnItem) ProtoMessage() {}
 
 func (x *StageTxnItem) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[65]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4840,7 +5020,7 @@ func (x *StageTxnItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnItem.ProtoReflect.Descriptor instead.
 func (*StageTxnItem) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{65}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *StageTxnItem) GetTxnId() *TxnId {
@@ -4884,7 +5064,7 @@ type StageTxnResponse struct {
 
 func (x *StageTxnResponse) Reset() {
 	*x = StageTxnResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4896,7 +5076,7 @@ func (x *StageTxnResponse) String() string {
 func (*StageTxnResponse) ProtoMessage() {}
 
 func (x *StageTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[66]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4909,7 +5089,7 @@ func (x *StageTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnResponse.ProtoReflect.Descriptor instead.
 func (*StageTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{66}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *StageTxnResponse) GetResults() []*StageTxnResult {
@@ -4941,7 +5121,7 @@ type StageTxnResult struct {
 
 func (x *StageTxnResult) Reset() {
 	*x = StageTxnResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4953,7 +5133,7 @@ func (x *StageTxnResult) String() string {
 func (*StageTxnResult) ProtoMessage() {}
 
 func (x *StageTxnResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[67]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4966,7 +5146,7 @@ func (x *StageTxnResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageTxnResult.ProtoReflect.Descriptor instead.
 func (*StageTxnResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{67}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *StageTxnResult) GetTxnId() *TxnId {
@@ -5000,7 +5180,7 @@ type ResolveStagedRequest struct {
 
 func (x *ResolveStagedRequest) Reset() {
 	*x = ResolveStagedRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5012,7 +5192,7 @@ func (x *ResolveStagedRequest) String() string {
 func (*ResolveStagedRequest) ProtoMessage() {}
 
 func (x *ResolveStagedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[68]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5025,7 +5205,7 @@ func (x *ResolveStagedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveStagedRequest.ProtoReflect.Descriptor instead.
 func (*ResolveStagedRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{68}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ResolveStagedRequest) GetItems() []*ResolveStagedItem {
@@ -5054,7 +5234,7 @@ type ResolveStagedItem struct {
 
 func (x *ResolveStagedItem) Reset() {
 	*x = ResolveStagedItem{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5066,7 +5246,7 @@ func (x *ResolveStagedItem) String() string {
 func (*ResolveStagedItem) ProtoMessage() {}
 
 func (x *ResolveStagedItem) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[69]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5079,7 +5259,7 @@ func (x *ResolveStagedItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveStagedItem.ProtoReflect.Descriptor instead.
 func (*ResolveStagedItem) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{69}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ResolveStagedItem) GetTxnId() *TxnId {
@@ -5120,7 +5300,7 @@ type ResolveStagedResponse struct {
 
 func (x *ResolveStagedResponse) Reset() {
 	*x = ResolveStagedResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5132,7 +5312,7 @@ func (x *ResolveStagedResponse) String() string {
 func (*ResolveStagedResponse) ProtoMessage() {}
 
 func (x *ResolveStagedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[70]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5145,7 +5325,7 @@ func (x *ResolveStagedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveStagedResponse.ProtoReflect.Descriptor instead.
 func (*ResolveStagedResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{70}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *ResolveStagedResponse) GetResults() []*ResolveStagedResult {
@@ -5169,7 +5349,7 @@ type ResolveStagedResult struct {
 
 func (x *ResolveStagedResult) Reset() {
 	*x = ResolveStagedResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5181,7 +5361,7 @@ func (x *ResolveStagedResult) String() string {
 func (*ResolveStagedResult) ProtoMessage() {}
 
 func (x *ResolveStagedResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[71]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5194,7 +5374,7 @@ func (x *ResolveStagedResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveStagedResult.ProtoReflect.Descriptor instead.
 func (*ResolveStagedResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{71}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *ResolveStagedResult) GetTxnId() *TxnId {
@@ -5234,7 +5414,7 @@ type StagedPartition struct {
 
 func (x *StagedPartition) Reset() {
 	*x = StagedPartition{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5246,7 +5426,7 @@ func (x *StagedPartition) String() string {
 func (*StagedPartition) ProtoMessage() {}
 
 func (x *StagedPartition) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[72]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5259,7 +5439,7 @@ func (x *StagedPartition) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagedPartition.ProtoReflect.Descriptor instead.
 func (*StagedPartition) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{72}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *StagedPartition) GetTopicPartition() *TopicPartition {
@@ -5299,7 +5479,7 @@ type StagedSubscriptionPartition struct {
 
 func (x *StagedSubscriptionPartition) Reset() {
 	*x = StagedSubscriptionPartition{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5311,7 +5491,7 @@ func (x *StagedSubscriptionPartition) String() string {
 func (*StagedSubscriptionPartition) ProtoMessage() {}
 
 func (x *StagedSubscriptionPartition) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[73]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5324,7 +5504,7 @@ func (x *StagedSubscriptionPartition) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagedSubscriptionPartition.ProtoReflect.Descriptor instead.
 func (*StagedSubscriptionPartition) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{73}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *StagedSubscriptionPartition) GetSubscriptionPartition() *SubscriptionPartition {
@@ -5383,7 +5563,7 @@ type ReplicateRequest struct {
 
 func (x *ReplicateRequest) Reset() {
 	*x = ReplicateRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5395,7 +5575,7 @@ func (x *ReplicateRequest) String() string {
 func (*ReplicateRequest) ProtoMessage() {}
 
 func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[74]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5408,7 +5588,7 @@ func (x *ReplicateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{74}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ReplicateRequest) GetTopicPartition() *TopicPartition {
@@ -5513,7 +5693,7 @@ type ReplicateManyRequest struct {
 
 func (x *ReplicateManyRequest) Reset() {
 	*x = ReplicateManyRequest{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5525,7 +5705,7 @@ func (x *ReplicateManyRequest) String() string {
 func (*ReplicateManyRequest) ProtoMessage() {}
 
 func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[75]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5538,7 +5718,7 @@ func (x *ReplicateManyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateManyRequest.ProtoReflect.Descriptor instead.
 func (*ReplicateManyRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{75}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *ReplicateManyRequest) GetReplica() string {
@@ -5605,7 +5785,7 @@ type ReplicateManyResponse struct {
 
 func (x *ReplicateManyResponse) Reset() {
 	*x = ReplicateManyResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5617,7 +5797,7 @@ func (x *ReplicateManyResponse) String() string {
 func (*ReplicateManyResponse) ProtoMessage() {}
 
 func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[76]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5630,7 +5810,7 @@ func (x *ReplicateManyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateManyResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateManyResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{76}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *ReplicateManyResponse) GetResults() []*ReplicateResult {
@@ -5661,7 +5841,7 @@ type ReplicateResult struct {
 
 func (x *ReplicateResult) Reset() {
 	*x = ReplicateResult{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[77]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5673,7 +5853,7 @@ func (x *ReplicateResult) String() string {
 func (*ReplicateResult) ProtoMessage() {}
 
 func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[77]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5686,7 +5866,7 @@ func (x *ReplicateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResult.ProtoReflect.Descriptor instead.
 func (*ReplicateResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{77}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *ReplicateResult) GetTopicPartition() *TopicPartition {
@@ -5720,7 +5900,7 @@ type LeaderEpochEntry struct {
 
 func (x *LeaderEpochEntry) Reset() {
 	*x = LeaderEpochEntry{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[78]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5732,7 +5912,7 @@ func (x *LeaderEpochEntry) String() string {
 func (*LeaderEpochEntry) ProtoMessage() {}
 
 func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[78]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5745,7 +5925,7 @@ func (x *LeaderEpochEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderEpochEntry.ProtoReflect.Descriptor instead.
 func (*LeaderEpochEntry) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{78}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *LeaderEpochEntry) GetEpoch() uint32 {
@@ -5809,7 +5989,7 @@ type ReplicateResponse struct {
 
 func (x *ReplicateResponse) Reset() {
 	*x = ReplicateResponse{}
-	mi := &file_atomlog_v1_partition_proto_msgTypes[79]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5821,7 +6001,7 @@ func (x *ReplicateResponse) String() string {
 func (*ReplicateResponse) ProtoMessage() {}
 
 func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_partition_proto_msgTypes[79]
+	mi := &file_atomlog_v1_partition_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5834,7 +6014,7 @@ func (x *ReplicateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicateResponse.ProtoReflect.Descriptor instead.
 func (*ReplicateResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{79}
+	return file_atomlog_v1_partition_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *ReplicateResponse) GetRecords() []byte {
@@ -6239,7 +6419,25 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x05state\x18\x01 \x01(\x0e2\x1a.atomlog.v1.PartitionStateR\x05state\x12.\n" +
 	"\x13truncated_at_offset\x18\x02 \x01(\x03R\x11truncatedAtOffset\x12#\n" +
 	"\rremoved_bytes\x18\x03 \x01(\x04R\fremovedBytes\x12%\n" +
-	"\x0ehigh_watermark\x18\x04 \x01(\x03R\rhighWatermark\"\\\n" +
+	"\x0ehigh_watermark\x18\x04 \x01(\x03R\rhighWatermark\"Z\n" +
+	"\x13DescribeCopyRequest\x12C\n" +
+	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\"\xaf\x03\n" +
+	"\x14DescribeCopyResponse\x12\x1f\n" +
+	"\vserver_name\x18\x01 \x01(\tR\n" +
+	"serverName\x12\x12\n" +
+	"\x04role\x18\x02 \x01(\tR\x04role\x12\x18\n" +
+	"\apresent\x18\x03 \x01(\bR\apresent\x12(\n" +
+	"\x10log_start_offset\x18\x04 \x01(\x03R\x0elogStartOffset\x12$\n" +
+	"\x0elog_end_offset\x18\x05 \x01(\x03R\flogEndOffset\x12\x1f\n" +
+	"\vtail_detail\x18\x06 \x01(\tR\n" +
+	"tailDetail\x12.\n" +
+	"\x13latest_leader_epoch\x18\a \x01(\x03R\x11latestLeaderEpoch\x129\n" +
+	"\x19latest_epoch_start_offset\x18\b \x01(\x03R\x16latestEpochStartOffset\x12#\n" +
+	"\rsegment_count\x18\t \x01(\rR\fsegmentCount\x12\x1d\n" +
+	"\n" +
+	"size_bytes\x18\n" +
+	" \x01(\x04R\tsizeBytes\x12(\n" +
+	"\x10data_loss_detail\x18\v \x01(\tR\x0edataLossDetail\"\\\n" +
 	"\x15ScrubPartitionRequest\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\"\xad\x01\n" +
 	"\x16ScrubPartitionResponse\x12\x12\n" +
@@ -6361,7 +6559,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x1bPARTITION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17PARTITION_STATE_LOADING\x10\x01\x12\x1a\n" +
 	"\x16PARTITION_STATE_ONLINE\x10\x02\x12\x1d\n" +
-	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\x9a\r\n" +
+	"\x19PARTITION_STATE_DATA_LOSS\x10\x032\xed\r\n" +
 	"\x10PartitionService\x12B\n" +
 	"\aProduce\x12\x1a.atomlog.v1.ProduceRequest\x1a\x1b.atomlog.v1.ProduceResponse\x12<\n" +
 	"\x05Fetch\x12\x18.atomlog.v1.FetchRequest\x1a\x19.atomlog.v1.FetchResponse\x12N\n" +
@@ -6380,7 +6578,8 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x11DescribePartition\x12$.atomlog.v1.DescribePartitionRequest\x1a%.atomlog.v1.DescribePartitionResponse\x12W\n" +
 	"\x0eListPartitions\x12!.atomlog.v1.ListPartitionsRequest\x1a\".atomlog.v1.ListPartitionsResponse\x12]\n" +
 	"\x10RecoverPartition\x12#.atomlog.v1.RecoverPartitionRequest\x1a$.atomlog.v1.RecoverPartitionResponse\x12W\n" +
-	"\x0eScrubPartition\x12!.atomlog.v1.ScrubPartitionRequest\x1a\".atomlog.v1.ScrubPartitionResponse\x12H\n" +
+	"\x0eScrubPartition\x12!.atomlog.v1.ScrubPartitionRequest\x1a\".atomlog.v1.ScrubPartitionResponse\x12Q\n" +
+	"\fDescribeCopy\x12\x1f.atomlog.v1.DescribeCopyRequest\x1a .atomlog.v1.DescribeCopyResponse\x12H\n" +
 	"\tReplicate\x12\x1c.atomlog.v1.ReplicateRequest\x1a\x1d.atomlog.v1.ReplicateResponse\x12T\n" +
 	"\rReplicateMany\x12 .atomlog.v1.ReplicateManyRequest\x1a!.atomlog.v1.ReplicateManyResponseB\xa9\x01\n" +
 	"\x0ecom.atomlog.v1B\x0ePartitionProtoP\x01Z>github.com/atomlog/atomlog/clients/go/gen/atomlog/v1;atomlogv1\xa2\x02\x03AXX\xaa\x02\n" +
@@ -6400,7 +6599,7 @@ func file_atomlog_v1_partition_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_partition_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 82)
+var file_atomlog_v1_partition_proto_msgTypes = make([]protoimpl.MessageInfo, 84)
 var file_atomlog_v1_partition_proto_goTypes = []any{
 	(TxnDecision)(0),                     // 0: atomlog.v1.TxnDecision
 	(OffsetSpec)(0),                      // 1: atomlog.v1.OffsetSpec
@@ -6467,206 +6666,211 @@ var file_atomlog_v1_partition_proto_goTypes = []any{
 	(*PartitionSummary)(nil),             // 62: atomlog.v1.PartitionSummary
 	(*RecoverPartitionRequest)(nil),      // 63: atomlog.v1.RecoverPartitionRequest
 	(*RecoverPartitionResponse)(nil),     // 64: atomlog.v1.RecoverPartitionResponse
-	(*ScrubPartitionRequest)(nil),        // 65: atomlog.v1.ScrubPartitionRequest
-	(*ScrubPartitionResponse)(nil),       // 66: atomlog.v1.ScrubPartitionResponse
-	(*ScrubDamage)(nil),                  // 67: atomlog.v1.ScrubDamage
-	(*StageTxnRequest)(nil),              // 68: atomlog.v1.StageTxnRequest
-	(*StageTxnItem)(nil),                 // 69: atomlog.v1.StageTxnItem
-	(*StageTxnResponse)(nil),             // 70: atomlog.v1.StageTxnResponse
-	(*StageTxnResult)(nil),               // 71: atomlog.v1.StageTxnResult
-	(*ResolveStagedRequest)(nil),         // 72: atomlog.v1.ResolveStagedRequest
-	(*ResolveStagedItem)(nil),            // 73: atomlog.v1.ResolveStagedItem
-	(*ResolveStagedResponse)(nil),        // 74: atomlog.v1.ResolveStagedResponse
-	(*ResolveStagedResult)(nil),          // 75: atomlog.v1.ResolveStagedResult
-	(*StagedPartition)(nil),              // 76: atomlog.v1.StagedPartition
-	(*StagedSubscriptionPartition)(nil),  // 77: atomlog.v1.StagedSubscriptionPartition
-	(*ReplicateRequest)(nil),             // 78: atomlog.v1.ReplicateRequest
-	(*ReplicateManyRequest)(nil),         // 79: atomlog.v1.ReplicateManyRequest
-	(*ReplicateManyResponse)(nil),        // 80: atomlog.v1.ReplicateManyResponse
-	(*ReplicateResult)(nil),              // 81: atomlog.v1.ReplicateResult
-	(*LeaderEpochEntry)(nil),             // 82: atomlog.v1.LeaderEpochEntry
-	(*ReplicateResponse)(nil),            // 83: atomlog.v1.ReplicateResponse
-	nil,                                  // 84: atomlog.v1.ItemError.MetadataEntry
-	nil,                                  // 85: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
-	(*TopicPartition)(nil),               // 86: atomlog.v1.TopicPartition
-	(IsolationLevel)(0),                  // 87: atomlog.v1.IsolationLevel
-	(*TxnId)(nil),                        // 88: atomlog.v1.TxnId
-	(*SubscriptionPartition)(nil),        // 89: atomlog.v1.SubscriptionPartition
+	(*DescribeCopyRequest)(nil),          // 65: atomlog.v1.DescribeCopyRequest
+	(*DescribeCopyResponse)(nil),         // 66: atomlog.v1.DescribeCopyResponse
+	(*ScrubPartitionRequest)(nil),        // 67: atomlog.v1.ScrubPartitionRequest
+	(*ScrubPartitionResponse)(nil),       // 68: atomlog.v1.ScrubPartitionResponse
+	(*ScrubDamage)(nil),                  // 69: atomlog.v1.ScrubDamage
+	(*StageTxnRequest)(nil),              // 70: atomlog.v1.StageTxnRequest
+	(*StageTxnItem)(nil),                 // 71: atomlog.v1.StageTxnItem
+	(*StageTxnResponse)(nil),             // 72: atomlog.v1.StageTxnResponse
+	(*StageTxnResult)(nil),               // 73: atomlog.v1.StageTxnResult
+	(*ResolveStagedRequest)(nil),         // 74: atomlog.v1.ResolveStagedRequest
+	(*ResolveStagedItem)(nil),            // 75: atomlog.v1.ResolveStagedItem
+	(*ResolveStagedResponse)(nil),        // 76: atomlog.v1.ResolveStagedResponse
+	(*ResolveStagedResult)(nil),          // 77: atomlog.v1.ResolveStagedResult
+	(*StagedPartition)(nil),              // 78: atomlog.v1.StagedPartition
+	(*StagedSubscriptionPartition)(nil),  // 79: atomlog.v1.StagedSubscriptionPartition
+	(*ReplicateRequest)(nil),             // 80: atomlog.v1.ReplicateRequest
+	(*ReplicateManyRequest)(nil),         // 81: atomlog.v1.ReplicateManyRequest
+	(*ReplicateManyResponse)(nil),        // 82: atomlog.v1.ReplicateManyResponse
+	(*ReplicateResult)(nil),              // 83: atomlog.v1.ReplicateResult
+	(*LeaderEpochEntry)(nil),             // 84: atomlog.v1.LeaderEpochEntry
+	(*ReplicateResponse)(nil),            // 85: atomlog.v1.ReplicateResponse
+	nil,                                  // 86: atomlog.v1.ItemError.MetadataEntry
+	nil,                                  // 87: atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	(*TopicPartition)(nil),               // 88: atomlog.v1.TopicPartition
+	(IsolationLevel)(0),                  // 89: atomlog.v1.IsolationLevel
+	(*TxnId)(nil),                        // 90: atomlog.v1.TxnId
+	(*SubscriptionPartition)(nil),        // 91: atomlog.v1.SubscriptionPartition
 }
 var file_atomlog_v1_partition_proto_depIdxs = []int32{
-	84,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
+	86,  // 0: atomlog.v1.ItemError.metadata:type_name -> atomlog.v1.ItemError.MetadataEntry
 	7,   // 1: atomlog.v1.ProduceRequest.items:type_name -> atomlog.v1.ProduceItem
-	86,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 2: atomlog.v1.ProduceItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	9,   // 3: atomlog.v1.ProduceResponse.results:type_name -> atomlog.v1.ProduceResult
-	86,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 4: atomlog.v1.ProduceResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 5: atomlog.v1.ProduceResult.error:type_name -> atomlog.v1.ItemError
 	11,  // 6: atomlog.v1.FetchRequest.items:type_name -> atomlog.v1.FetchItem
-	87,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
-	86,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	89,  // 7: atomlog.v1.FetchRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	88,  // 8: atomlog.v1.FetchItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	13,  // 9: atomlog.v1.FetchResponse.results:type_name -> atomlog.v1.FetchResult
-	86,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 10: atomlog.v1.FetchResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 11: atomlog.v1.FetchResult.error:type_name -> atomlog.v1.ItemError
 	14,  // 12: atomlog.v1.FetchResult.aborted_transactions:type_name -> atomlog.v1.AbortedTransaction
-	88,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	90,  // 13: atomlog.v1.AbortedTransaction.txn_id:type_name -> atomlog.v1.TxnId
 	16,  // 14: atomlog.v1.ListOffsetsRequest.items:type_name -> atomlog.v1.ListOffsetsItem
-	86,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 15: atomlog.v1.ListOffsetsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
 	1,   // 16: atomlog.v1.ListOffsetsItem.spec:type_name -> atomlog.v1.OffsetSpec
 	18,  // 17: atomlog.v1.ListOffsetsResponse.results:type_name -> atomlog.v1.ListOffsetsResult
-	86,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 18: atomlog.v1.ListOffsetsResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 19: atomlog.v1.ListOffsetsResult.error:type_name -> atomlog.v1.ItemError
 	20,  // 20: atomlog.v1.DeleteRecordsRequest.items:type_name -> atomlog.v1.DeleteRecordsItem
 	22,  // 21: atomlog.v1.DeleteRecordsResponse.results:type_name -> atomlog.v1.DeleteRecordsResult
 	4,   // 22: atomlog.v1.DeleteRecordsResult.error:type_name -> atomlog.v1.ItemError
-	89,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 23: atomlog.v1.CreateSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 24: atomlog.v1.CreateSubscriptionRequest.initial_position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	25,  // 25: atomlog.v1.CreateSubscriptionResponse.results:type_name -> atomlog.v1.CreateSubscriptionResult
-	89,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 26: atomlog.v1.CreateSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 27: atomlog.v1.CreateSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	89,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 28: atomlog.v1.DeleteSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	28,  // 29: atomlog.v1.DeleteSubscriptionResponse.results:type_name -> atomlog.v1.DeleteSubscriptionResult
-	89,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 30: atomlog.v1.DeleteSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 31: atomlog.v1.DeleteSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	89,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 32: atomlog.v1.ResetSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	2,   // 33: atomlog.v1.ResetSubscriptionRequest.position:type_name -> atomlog.v1.SubscriptionInitialPosition
 	31,  // 34: atomlog.v1.ResetSubscriptionResponse.results:type_name -> atomlog.v1.ResetSubscriptionResult
-	89,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 35: atomlog.v1.ResetSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 36: atomlog.v1.ResetSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	89,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	87,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
+	91,  // 37: atomlog.v1.ReceiveRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	89,  // 38: atomlog.v1.ReceiveRequest.isolation_level:type_name -> atomlog.v1.IsolationLevel
 	34,  // 39: atomlog.v1.ReceiveResponse.results:type_name -> atomlog.v1.ReceiveResult
-	89,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 40: atomlog.v1.ReceiveResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 41: atomlog.v1.ReceiveResult.error:type_name -> atomlog.v1.ItemError
 	5,   // 42: atomlog.v1.ReceiveResult.delivered_ranges:type_name -> atomlog.v1.OffsetRange
 	5,   // 43: atomlog.v1.ReceiveResult.redelivered_ranges:type_name -> atomlog.v1.OffsetRange
 	36,  // 44: atomlog.v1.AckRequest.items:type_name -> atomlog.v1.AckItem
-	89,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 45: atomlog.v1.AckItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 46: atomlog.v1.AckItem.individual_ranges:type_name -> atomlog.v1.OffsetRange
-	88,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
+	90,  // 47: atomlog.v1.AckItem.txn_id:type_name -> atomlog.v1.TxnId
 	38,  // 48: atomlog.v1.AckResponse.results:type_name -> atomlog.v1.AckResult
-	89,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 49: atomlog.v1.AckResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 50: atomlog.v1.AckResult.error:type_name -> atomlog.v1.ItemError
 	40,  // 51: atomlog.v1.NackRequest.items:type_name -> atomlog.v1.NackItem
-	89,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 52: atomlog.v1.NackItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	5,   // 53: atomlog.v1.NackItem.ranges:type_name -> atomlog.v1.OffsetRange
 	42,  // 54: atomlog.v1.NackResponse.results:type_name -> atomlog.v1.NackResult
-	89,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 55: atomlog.v1.NackResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 56: atomlog.v1.NackResult.error:type_name -> atomlog.v1.ItemError
-	89,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 57: atomlog.v1.DescribeSubscriptionRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	45,  // 58: atomlog.v1.DescribeSubscriptionResponse.cursors:type_name -> atomlog.v1.SubscriptionCursor
-	89,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 59: atomlog.v1.SubscriptionCursor.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 60: atomlog.v1.SubscriptionCursor.error:type_name -> atomlog.v1.ItemError
 	5,   // 61: atomlog.v1.SubscriptionCursor.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	46,  // 62: atomlog.v1.SubscriptionCursor.pending_acks:type_name -> atomlog.v1.PendingAck
-	88,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
+	90,  // 63: atomlog.v1.PendingAck.txn_id:type_name -> atomlog.v1.TxnId
 	5,   // 64: atomlog.v1.PendingAck.individual_ranges:type_name -> atomlog.v1.OffsetRange
 	48,  // 65: atomlog.v1.EndTxnOnPartitionRequest.markers:type_name -> atomlog.v1.TxnMarker
-	88,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
+	90,  // 66: atomlog.v1.TxnMarker.txn_id:type_name -> atomlog.v1.TxnId
 	0,   // 67: atomlog.v1.TxnMarker.decision:type_name -> atomlog.v1.TxnDecision
-	86,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	89,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	88,  // 68: atomlog.v1.TxnMarker.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	91,  // 69: atomlog.v1.TxnMarker.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
 	50,  // 70: atomlog.v1.EndTxnOnPartitionResponse.results:type_name -> atomlog.v1.TxnMarkerResult
-	88,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
+	90,  // 71: atomlog.v1.TxnMarkerResult.txn_id:type_name -> atomlog.v1.TxnId
 	51,  // 72: atomlog.v1.TxnMarkerResult.topic_partition_results:type_name -> atomlog.v1.TxnMarkerPartitionResult
 	52,  // 73: atomlog.v1.TxnMarkerResult.subscription_partition_results:type_name -> atomlog.v1.TxnMarkerSubscriptionResult
-	86,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 74: atomlog.v1.TxnMarkerPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
 	4,   // 75: atomlog.v1.TxnMarkerPartitionResult.error:type_name -> atomlog.v1.ItemError
-	89,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	91,  // 76: atomlog.v1.TxnMarkerSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
 	4,   // 77: atomlog.v1.TxnMarkerSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	86,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	86,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 78: atomlog.v1.DescribePartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 79: atomlog.v1.DescribePartitionResponse.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 80: atomlog.v1.DescribePartitionResponse.state:type_name -> atomlog.v1.PartitionState
 	53,  // 81: atomlog.v1.DescribePartitionResponse.data_loss:type_name -> atomlog.v1.DataLossInfo
 	58,  // 82: atomlog.v1.DescribePartitionResponse.open_transactions:type_name -> atomlog.v1.OpenTransaction
 	59,  // 83: atomlog.v1.DescribePartitionResponse.producers:type_name -> atomlog.v1.ProducerState
 	45,  // 84: atomlog.v1.DescribePartitionResponse.subscriptions:type_name -> atomlog.v1.SubscriptionCursor
-	85,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
+	87,  // 85: atomlog.v1.DescribePartitionResponse.coordinator_epochs:type_name -> atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntry
 	56,  // 86: atomlog.v1.DescribePartitionResponse.replication:type_name -> atomlog.v1.ReplicationStatus
 	57,  // 87: atomlog.v1.ReplicationStatus.followers:type_name -> atomlog.v1.FollowerStatus
-	88,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
-	88,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
+	90,  // 88: atomlog.v1.OpenTransaction.txn_id:type_name -> atomlog.v1.TxnId
+	90,  // 89: atomlog.v1.ProducerState.current_txn_id:type_name -> atomlog.v1.TxnId
 	62,  // 90: atomlog.v1.ListPartitionsResponse.partitions:type_name -> atomlog.v1.PartitionSummary
-	86,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 91: atomlog.v1.PartitionSummary.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 92: atomlog.v1.PartitionSummary.state:type_name -> atomlog.v1.PartitionState
 	53,  // 93: atomlog.v1.PartitionSummary.data_loss:type_name -> atomlog.v1.DataLossInfo
-	86,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 94: atomlog.v1.RecoverPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
 	3,   // 95: atomlog.v1.RecoverPartitionResponse.state:type_name -> atomlog.v1.PartitionState
-	86,  // 96: atomlog.v1.ScrubPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	67,  // 97: atomlog.v1.ScrubPartitionResponse.damage:type_name -> atomlog.v1.ScrubDamage
-	69,  // 98: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
-	47,  // 99: atomlog.v1.StageTxnRequest.markers:type_name -> atomlog.v1.EndTxnOnPartitionRequest
-	88,  // 100: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
-	7,   // 101: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
-	36,  // 102: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
-	71,  // 103: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
-	49,  // 104: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
-	88,  // 105: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
-	9,   // 106: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
-	38,  // 107: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
-	73,  // 108: atomlog.v1.ResolveStagedRequest.items:type_name -> atomlog.v1.ResolveStagedItem
-	88,  // 109: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
-	86,  // 110: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	89,  // 111: atomlog.v1.ResolveStagedItem.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	75,  // 112: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
-	88,  // 113: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
-	76,  // 114: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
-	77,  // 115: atomlog.v1.ResolveStagedResult.subscription_partitions:type_name -> atomlog.v1.StagedSubscriptionPartition
-	86,  // 116: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 117: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
-	89,  // 118: atomlog.v1.StagedSubscriptionPartition.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
-	4,   // 119: atomlog.v1.StagedSubscriptionPartition.error:type_name -> atomlog.v1.ItemError
-	86,  // 120: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	78,  // 121: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
-	86,  // 122: atomlog.v1.ReplicateManyRequest.forgotten:type_name -> atomlog.v1.TopicPartition
-	81,  // 123: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
-	86,  // 124: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 125: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
-	83,  // 126: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
-	82,  // 127: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 128: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 129: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 130: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 131: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 132: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 133: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 134: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 135: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 136: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 137: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 138: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 139: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	68,  // 140: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	72,  // 141: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
-	54,  // 142: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	60,  // 143: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	63,  // 144: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	65,  // 145: atomlog.v1.PartitionService.ScrubPartition:input_type -> atomlog.v1.ScrubPartitionRequest
-	78,  // 146: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	79,  // 147: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
-	8,   // 148: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 149: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 150: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 151: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 152: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 153: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 154: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 155: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 156: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 157: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 158: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 159: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	70,  // 160: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	74,  // 161: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
-	55,  // 162: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	61,  // 163: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	64,  // 164: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	66,  // 165: atomlog.v1.PartitionService.ScrubPartition:output_type -> atomlog.v1.ScrubPartitionResponse
-	83,  // 166: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	80,  // 167: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
-	148, // [148:168] is the sub-list for method output_type
-	128, // [128:148] is the sub-list for method input_type
-	128, // [128:128] is the sub-list for extension type_name
-	128, // [128:128] is the sub-list for extension extendee
-	0,   // [0:128] is the sub-list for field type_name
+	88,  // 96: atomlog.v1.DescribeCopyRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	88,  // 97: atomlog.v1.ScrubPartitionRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	69,  // 98: atomlog.v1.ScrubPartitionResponse.damage:type_name -> atomlog.v1.ScrubDamage
+	71,  // 99: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
+	47,  // 100: atomlog.v1.StageTxnRequest.markers:type_name -> atomlog.v1.EndTxnOnPartitionRequest
+	90,  // 101: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	7,   // 102: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
+	36,  // 103: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
+	73,  // 104: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
+	49,  // 105: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
+	90,  // 106: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	9,   // 107: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
+	38,  // 108: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
+	75,  // 109: atomlog.v1.ResolveStagedRequest.items:type_name -> atomlog.v1.ResolveStagedItem
+	90,  // 110: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 111: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	91,  // 112: atomlog.v1.ResolveStagedItem.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 113: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
+	90,  // 114: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
+	78,  // 115: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
+	79,  // 116: atomlog.v1.ResolveStagedResult.subscription_partitions:type_name -> atomlog.v1.StagedSubscriptionPartition
+	88,  // 117: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 118: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
+	91,  // 119: atomlog.v1.StagedSubscriptionPartition.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	4,   // 120: atomlog.v1.StagedSubscriptionPartition.error:type_name -> atomlog.v1.ItemError
+	88,  // 121: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	80,  // 122: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
+	88,  // 123: atomlog.v1.ReplicateManyRequest.forgotten:type_name -> atomlog.v1.TopicPartition
+	83,  // 124: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
+	88,  // 125: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 126: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
+	85,  // 127: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
+	84,  // 128: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 129: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 130: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 131: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 132: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 133: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 134: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 135: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 136: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 137: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 138: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 139: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 140: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	70,  // 141: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	74,  // 142: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
+	54,  // 143: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 144: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 145: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	67,  // 146: atomlog.v1.PartitionService.ScrubPartition:input_type -> atomlog.v1.ScrubPartitionRequest
+	65,  // 147: atomlog.v1.PartitionService.DescribeCopy:input_type -> atomlog.v1.DescribeCopyRequest
+	80,  // 148: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	81,  // 149: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
+	8,   // 150: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 151: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 152: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 153: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 154: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 155: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 156: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 157: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 158: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 159: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 160: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 161: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	72,  // 162: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	76,  // 163: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
+	55,  // 164: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 165: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 166: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	68,  // 167: atomlog.v1.PartitionService.ScrubPartition:output_type -> atomlog.v1.ScrubPartitionResponse
+	66,  // 168: atomlog.v1.PartitionService.DescribeCopy:output_type -> atomlog.v1.DescribeCopyResponse
+	85,  // 169: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	82,  // 170: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
+	150, // [150:171] is the sub-list for method output_type
+	129, // [129:150] is the sub-list for method input_type
+	129, // [129:129] is the sub-list for extension type_name
+	129, // [129:129] is the sub-list for extension extendee
+	0,   // [0:129] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }
@@ -6681,7 +6885,7 @@ func file_atomlog_v1_partition_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_partition_proto_rawDesc), len(file_atomlog_v1_partition_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   82,
+			NumMessages:   84,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -37,6 +37,7 @@ const (
 	PartitionService_ListPartitions_FullMethodName       = "/atomlog.v1.PartitionService/ListPartitions"
 	PartitionService_RecoverPartition_FullMethodName     = "/atomlog.v1.PartitionService/RecoverPartition"
 	PartitionService_ScrubPartition_FullMethodName       = "/atomlog.v1.PartitionService/ScrubPartition"
+	PartitionService_DescribeCopy_FullMethodName         = "/atomlog.v1.PartitionService/DescribeCopy"
 	PartitionService_Replicate_FullMethodName            = "/atomlog.v1.PartitionService/Replicate"
 	PartitionService_ReplicateMany_FullMethodName        = "/atomlog.v1.PartitionService/ReplicateMany"
 )
@@ -152,6 +153,13 @@ type PartitionServiceClient interface {
 	// in-sync replica; a follower's is cut at the damage and fetched again. One call at a
 	// time per server (others wait), not paced: a copy of 1 GiB reads in seconds.
 	ScrubPartition(ctx context.Context, in *ScrubPartitionRequest, opts ...grpc.CallOption) (*ScrubPartitionResponse, error)
+	// Admin: what this server's copy of a partition holds on disk, read from its files
+	// without opening it (so also for an offline partition, whose replicas serve nothing):
+	// where its log ends after its last whole batch, the leader epoch that began last in it,
+	// its log start, and its role here. `atomlog partition copies` asks every replica, so
+	// that an operator electing a leader for an offline partition
+	// (MetadataService.ElectLeader) can choose the copy that holds the most.
+	DescribeCopy(ctx context.Context, in *DescribeCopyRequest, opts ...grpc.CallOption) (*DescribeCopyResponse, error)
 	// Internal (docs/replication.md): a follower copies its leader's log. A long poll from
 	// `fetch_offset`, which also tells the leader that everything below it is durable on
 	// the follower. Answers raw batches, the leader's high watermark and log start, and the
@@ -354,6 +362,16 @@ func (c *partitionServiceClient) ScrubPartition(ctx context.Context, in *ScrubPa
 	return out, nil
 }
 
+func (c *partitionServiceClient) DescribeCopy(ctx context.Context, in *DescribeCopyRequest, opts ...grpc.CallOption) (*DescribeCopyResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DescribeCopyResponse)
+	err := c.cc.Invoke(ctx, PartitionService_DescribeCopy_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *partitionServiceClient) Replicate(ctx context.Context, in *ReplicateRequest, opts ...grpc.CallOption) (*ReplicateResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ReplicateResponse)
@@ -485,6 +503,13 @@ type PartitionServiceServer interface {
 	// in-sync replica; a follower's is cut at the damage and fetched again. One call at a
 	// time per server (others wait), not paced: a copy of 1 GiB reads in seconds.
 	ScrubPartition(context.Context, *ScrubPartitionRequest) (*ScrubPartitionResponse, error)
+	// Admin: what this server's copy of a partition holds on disk, read from its files
+	// without opening it (so also for an offline partition, whose replicas serve nothing):
+	// where its log ends after its last whole batch, the leader epoch that began last in it,
+	// its log start, and its role here. `atomlog partition copies` asks every replica, so
+	// that an operator electing a leader for an offline partition
+	// (MetadataService.ElectLeader) can choose the copy that holds the most.
+	DescribeCopy(context.Context, *DescribeCopyRequest) (*DescribeCopyResponse, error)
 	// Internal (docs/replication.md): a follower copies its leader's log. A long poll from
 	// `fetch_offset`, which also tells the leader that everything below it is durable on
 	// the follower. Answers raw batches, the leader's high watermark and log start, and the
@@ -560,6 +585,9 @@ func (UnimplementedPartitionServiceServer) RecoverPartition(context.Context, *Re
 }
 func (UnimplementedPartitionServiceServer) ScrubPartition(context.Context, *ScrubPartitionRequest) (*ScrubPartitionResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ScrubPartition not implemented")
+}
+func (UnimplementedPartitionServiceServer) DescribeCopy(context.Context, *DescribeCopyRequest) (*DescribeCopyResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method DescribeCopy not implemented")
 }
 func (UnimplementedPartitionServiceServer) Replicate(context.Context, *ReplicateRequest) (*ReplicateResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Replicate not implemented")
@@ -912,6 +940,24 @@ func _PartitionService_ScrubPartition_Handler(srv interface{}, ctx context.Conte
 	return interceptor(ctx, in, info, handler)
 }
 
+func _PartitionService_DescribeCopy_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DescribeCopyRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PartitionServiceServer).DescribeCopy(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: PartitionService_DescribeCopy_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PartitionServiceServer).DescribeCopy(ctx, req.(*DescribeCopyRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _PartitionService_Replicate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(ReplicateRequest)
 	if err := dec(in); err != nil {
@@ -1026,6 +1072,10 @@ var PartitionService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ScrubPartition",
 			Handler:    _PartitionService_ScrubPartition_Handler,
+		},
+		{
+			MethodName: "DescribeCopy",
+			Handler:    _PartitionService_DescribeCopy_Handler,
 		},
 		{
 			MethodName: "Replicate",
