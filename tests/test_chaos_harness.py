@@ -59,6 +59,22 @@ def test_power_faults_cut_one_partition_server_or_every_server():
                    for f in nemesis.schedule(7, ["kill", "net"], 120, TOPOLOGY))
 
 
+def test_misplace_moves_one_partition_servers_copies_and_is_for_one_copy_runs_only():
+    seen = set()
+    for seed in range(20):
+        for fault in nemesis.schedule(seed, ["misplace"], 60, TOPOLOGY):
+            assert fault.fault == "misplace" and fault.target in TOPOLOGY.partition_servers
+            assert 4 <= fault.duration_s <= 8 and 0 <= fault.down_s <= 2
+            seen.add(fault.target)
+    assert seen == set(TOPOLOGY.partition_servers)
+    from tests.chaos.__main__ import parse
+
+    assert "misplace" in parse(["--workload", "log"]).nemeses
+    assert "misplace" not in parse(["--workload", "log", "--replication", "3"]).nemeses
+    with pytest.raises(SystemExit):
+        parse(["--workload", "log", "--replication", "3", "--nemesis", "misplace"])
+
+
 def _write(path, data: bytes, *, sync: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.chaos.nemesis import NEMESES, REPLICATED_ONLY
+from tests.chaos.nemesis import NEMESES, ONE_COPY_ONLY, REPLICATED_ONLY
 from tests.chaos.runner import WORKLOADS, Options, Run
 
 
@@ -28,8 +28,9 @@ def parse(argv: list[str] | None) -> Options:
                         help="replays a run's faults and operations (default: random)")
     parser.add_argument("--nemesis", default=None,
                         help=f"comma-separated, from {','.join(NEMESES)}, or 'none' "
-                             "(default: kill,pause,net,disk,restart,power, and "
-                             "leader,wipe,reassign,corrupt with --replication 2 or more; "
+                             "(default: kill,pause,net,disk,restart,power, and misplace "
+                             "with one copy or leader,wipe,reassign,corrupt with "
+                             "--replication 2 or more; "
                              "power, a power cut that loses every unsynced write, needs "
                              "root and loop devices, and is skipped with a note without: "
                              "tests/chaos/disks.py)")
@@ -55,7 +56,8 @@ def parse(argv: list[str] | None) -> Options:
                              "path, writing its history as the Python workers do")
     args = parser.parse_args(argv)
     chosen = args.nemesis or ("kill,pause,net,disk,restart,power"
-                              + (",leader,wipe,reassign,corrupt" if args.replication > 1 else ""))
+                              + (",leader,wipe,reassign,corrupt" if args.replication > 1
+                                 else ",misplace"))
     nemeses = [] if chosen == "none" else [n for n in chosen.split(",") if n]
     unknown = [n for n in nemeses if n not in NEMESES]
     if unknown:
@@ -66,6 +68,8 @@ def parse(argv: list[str] | None) -> Options:
         parser.error("--replication needs separate partition servers (not --combined)")
     if args.replication == 1 and any(n in REPLICATED_ONLY for n in nemeses):
         parser.error(f"nemeses {', '.join(REPLICATED_ONLY)} need --replication 2 or more")
+    if args.replication > 1 and any(n in ONE_COPY_ONLY for n in nemeses):
+        parser.error(f"nemeses {', '.join(ONE_COPY_ONLY)} need --replication 1")
     if args.go and args.workload != "ctp":
         parser.error("--go runs a ctp worker: it needs --workload ctp")
     if not 0 < args.minutes <= 24 * 60:

@@ -37,6 +37,12 @@ Nemeses and their faults:
          or every server at once, each partition-serving one's disk reverted (a machine
          room losing power; ZooKeeper stays up); started again after 0-4 s. Nothing
          acknowledged may be lost, with one copy as with three
+  misplace (one-copy runs) kill -9 of one partition server (or the combined server),
+         every partition directory it holds moved aside (a disk swapped for an empty one
+         by mistake), started again after 0-2 s: each of those partitions must open in
+         DATA_LOSS, never empty at offset 0 (the runner checks it through the server's
+         ListPartitions); healed by a kill -9, the directories moved back and a start, as
+         an operator putting the right disk back. Nothing acknowledged may be lost
   reassign (replicated runs) `partition reassign` of a random workload partition to its
          replicas less one — its current leader (a handover in a new epoch) or a follower
          — whose copy is then deleted; healed by reassigning it back to every replica
@@ -50,9 +56,12 @@ import random
 from dataclasses import asdict, dataclass
 
 NEMESES = ("kill", "pause", "net", "disk", "restart", "leader", "wipe", "reassign", "corrupt",
-           "power")
+           "power", "misplace")
 # wipe, corrupt: would destroy acknowledged data with one copy
 REPLICATED_ONLY = ("wipe", "reassign", "corrupt")
+# misplace: a replica without its copy leaves the ISR for good (an operator's election
+# brings its partition back), which a run does not play
+ONE_COPY_ONLY = ("misplace",)
 QUIET_S = (1.0, 4.0)  # between two faults
 
 
@@ -66,7 +75,7 @@ class Fault:
     duration_s: float    # how long until healed (kill: until restarted; restart-zk-blip:
                          # the ZooKeeper cut)
     delay_s: float = 0.0  # net-delay; restart-zk-blip: from the restart to the cut
-    down_s: float = 0.0   # restart-zk-blip: from the kill to the restart
+    down_s: float = 0.0   # restart-zk-blip, misplace: from the kill to the restart
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -151,6 +160,9 @@ def _one(rng: random.Random, nemesis: str, at_s: float, topology: Topology) -> F
         return Fault(at_s, "power", rng.choice(topology.partition_servers), rng.uniform(0.0, 4.0))
     if nemesis == "wipe":
         return Fault(at_s, "wipe", rng.choice(topology.partition_servers), rng.uniform(0.0, 4.0))
+    if nemesis == "misplace":
+        return Fault(at_s, "misplace", rng.choice(topology.partition_servers),
+                     rng.uniform(4.0, 8.0), down_s=rng.uniform(0.0, 2.0))
     if nemesis == "corrupt":
         return Fault(at_s, "corrupt", rng.choice(topology.partitions), rng.uniform(3.0, 8.0))
     if nemesis == "reassign":
