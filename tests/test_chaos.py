@@ -47,10 +47,15 @@ RESTARTS = [("log", "restart", 2818, FAULT_PHASE_MINUTES)]
 # every server, kills coord-1. A cut keeps what was fsynced and nothing else, so an
 # acknowledgement given before its data was durable shows up as an anomaly.
 POWER = [("ctp", "power,kill", 2901, FAULT_PHASE_MINUTES)]
+# A server started on an empty disk by mistake (the misplace nemesis, since 2026-12-04
+# evening): seed 2924 moves ps-2's and later ps-0's partition directories aside; each
+# partition must open in DATA_LOSS there (checked through ListPartitions), never empty,
+# and nothing acknowledged may be lost once they are put back.
+MISPLACE = [("log", "misplace,kill", 2924, FAULT_PHASE_MINUTES)]
 # A fault's nemesis, where its name does not begin with it.
 NEMESIS_OF = {"client-kill": "kill"}
 CASES = [(w, n, SEEDS[(w, n)], ALL_NEMESES_MINUTES, {}) for w, n in sorted(SEEDS)] + \
-    [(*case, {}) for case in SPARK_LITE + REGRESSIONS + RESTARTS] + WITH_OPTIONS + \
+    [(*case, {}) for case in SPARK_LITE + REGRESSIONS + RESTARTS + MISPLACE] + WITH_OPTIONS + \
     [pytest.param(*case, {}, marks=pytest.mark.skipif(
         disks.available() is not None, reason=f"power nemesis: {disks.available()}"))
      for case in POWER]
@@ -80,6 +85,12 @@ def test_short_chaos_run(tmp_path, workload, nemesis, seed, minutes, options):
         assert len(cuts) == sum(f["fault"].startswith("power") for f in schedule), events
         assert all(e["disks"] and all(not c.startswith("failed") for c in e["disks"].values())
                    for e in cuts), cuts
+    if "misplace" in nemesis:  # every misplaced server was read, and served no copy empty
+        events = [json.loads(line) for line in (run_dir / "events-nemesis.jsonl").open()]
+        checks = [e["states"] for e in events if e.get("fault") == "misplace-check"]
+        assert len(checks) == sum(f["fault"] == "misplace" for f in schedule), events
+        assert all("ONLINE" not in states and states.get("DATA_LOSS") for states in checks), \
+            checks
     if options.get("go"):  # the Go worker took part: its transactions are in the history
         history = [json.loads(line) for line in (run_dir / "history.jsonl").open()]
         assert any(op["process"] == "ctp-go" and op["f"] == "txn" and op.get("result") == "committed"

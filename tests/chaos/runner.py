@@ -36,6 +36,15 @@ from tests.conftest import create_online
 
 PARTITION_DIRECTORY = re.compile(r"^.+-[0-9]+$")  # <topic>-<partition>, in `partitions`
 
+
+def _fsync_directories(*directories: Path) -> None:
+    for directory in directories:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 COUNTS = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
 COMBINED_COUNTS = {"combined": 1}  # --combined: every role in one process (node-0)
@@ -799,6 +808,7 @@ class Run:
         aside.mkdir(exist_ok=True)
         for name in moved:
             (partitions / name).rename(aside / name)
+        _fsync_directories(aside, partitions)  # a swapped disk stays swapped over a power cut
         self.log.record("nemesis-target", fault="misplace", server=target, moved=moved)
         self.say(f"  {target}: {len(moved)} partition directories moved aside")
         self.wait_until(time.monotonic() + fault.down_s)
@@ -811,6 +821,9 @@ class Run:
                 shutil.rmtree(partitions / name, ignore_errors=True)  # its DATA_LOSS copy
                 (aside / name).rename(partitions / name)
             aside.rmdir()
+            # (Durable, as the right disk put back: a power cut after the heal must not
+            # bring the DATA_LOSS copies back. Found by seed 2919.)
+            _fsync_directories(partitions)
             self.restart(target)
         return heal
 
@@ -822,15 +835,20 @@ class Run:
         from spark_client import Client
 
         address = self.entry(self.cluster, server).grpc_address
-        try:
-            with Client(self.spec["bootstrap"], request_timeout_s=10.0,
-                        tls=self.client_tls()) as client:
-                stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
-                reply = stub.ListPartitions(
-                    partition_pb2.ListPartitionsRequest(include_internal=True), timeout=10)
-        except Exception as error:  # noqa: BLE001 — not started yet: nothing to judge
-            self.notes.append(f"misplace of {server}: its partitions not read ({error!r})")
-            return
+        deadline, reply = time.monotonic() + 15, None
+        with Client(self.spec["bootstrap"], request_timeout_s=10.0,
+                    tls=self.client_tls()) as client:
+            stub = partition_pb2_grpc.PartitionServiceStub(client.channels.get(address))
+            while reply is None:
+                try:
+                    reply = stub.ListPartitions(
+                        partition_pb2.ListPartitionsRequest(include_internal=True), timeout=5)
+                except Exception as error:  # noqa: BLE001 — still starting: ask again
+                    if time.monotonic() > deadline:
+                        self.notes.append(f"misplace of {server}: its partitions not read "
+                                          f"({error!r})")
+                        return
+                    self.wait_until(time.monotonic() + 0.5)
         states = {f"{p.topic_partition.topic}-{p.topic_partition.partition}":
                   partition_pb2.PartitionState.Name(p.state).removeprefix("PARTITION_STATE_")
                   for p in reply.partitions}
