@@ -1,5 +1,5 @@
 """Which unreplicated partitions a server holds the only copy of, recorded in ZooKeeper
-(docs/operations.md, "A partition's only copy lost").
+(docs/operations.md, AtomlogPartitionDataLoss: "a partition's only copy lost").
 
 A partition of a topic created with one copy (no replication state) lives in one
 directory on one server, and nothing else knew it existed. A server that started
@@ -14,8 +14,8 @@ is a new topic, whose partitions are new). The directory is made first (and fsyn
 its parent), then the record, then the partition serves. So a record always means the
 directory existed, and a partition that ever acknowledged a write has its record. A
 server that finds the record and no directory knows the copy is lost: the partition
-opens in DATA_LOSS instead of empty (`lost_marker`), and an operator accepts the loss
-with `atomlog partition recover` (it then starts empty, its record kept).
+opens in DATA_LOSS instead of empty (the manager's `_mark_lost`), and an operator accepts
+the loss with `atomlog partition recover` (it then starts empty, its record kept).
 
 The calls are synchronous kazoo calls (callers on an event loop run them on a thread);
 `verdict` is the pure rule. `inspect` reads what a copy (of any partition, replicated or

@@ -100,7 +100,8 @@ def altered_config(record: "TopicRecord", to_set: Mapping[str, str],
     `to_delete` is removed (AlterTopicConfig), checked as a whole: every key known, every
     value valid, no key both set and deleted, no replication setting on a topic without
     replication state, and min.insync.replicas within every partition's copies (a running
-    reassignment's target too). Raises INVALID_TOPIC_CONFIG."""
+    reassignment's target too), and on an internal topic only replication settings.
+    Raises INVALID_TOPIC_CONFIG."""
     to_delete = list(to_delete)
     unknown = sorted(k for k in to_delete if k not in TOPIC_SETTINGS)
     if unknown:
@@ -110,6 +111,12 @@ def altered_config(record: "TopicRecord", to_set: Mapping[str, str],
     both = sorted(set(to_set) & set(to_delete))
     if both:
         raise AtomlogError("INVALID_TOPIC_CONFIG", f"{both} both set and deleted")
+    storage = sorted(k for k in [*to_set, *to_delete] if k not in REPLICATION_SETTINGS)
+    if record.internal and storage:
+        raise AtomlogError("INVALID_TOPIC_CONFIG",
+                           f"{storage} of internal topic {record.name!r} are the cluster's "
+                           "(a shorter retention of __txn_log would delete decisions still "
+                           "needed); only its replication settings may change")
     merged = {k: v for k, v in record.config.items() if k not in to_delete}
     merged.update(to_set)
     normalized = validate_topic_config(merged)

@@ -35,6 +35,14 @@ def describe(client: Client, topic: str, partition: int):
         max_producers=1000), timeout=10)
 
 
+def described(client: Client, topic: str, partition: int):
+    """`describe`, or None while the partition's server starts (not answering, LOADING)."""
+    try:
+        return describe(client, topic, partition)
+    except Exception:  # noqa: BLE001 — asked again
+        return None
+
+
 def partitions_by_state(cluster, server_name: str) -> dict[str, float]:
     """The server's atomlog_partitions gauge, by state, from its /metrics."""
     address = cluster.process(server_name)["metrics_address"]
@@ -300,11 +308,8 @@ def test_a_lost_only_copy_opens_in_data_loss_not_empty(cluster):
     cluster.up()
 
     def in_data_loss() -> bool:
-        try:
-            return describe(client, "lost-copy", 0).state == \
-                partition_pb2.PARTITION_STATE_DATA_LOSS
-        except Exception:  # noqa: BLE001 — LOADING while the server starts
-            return False
+        found = described(client, "lost-copy", 0)
+        return found is not None and found.state == partition_pb2.PARTITION_STATE_DATA_LOSS
 
     wait_until(in_data_loss, 60, "the lost copy to open in DATA_LOSS")
     info = describe(client, "lost-copy", 0)
@@ -334,11 +339,9 @@ def test_a_lost_only_copy_opens_in_data_loss_not_empty(cluster):
     cluster.up()
 
     def online() -> bool:
-        try:
-            found = describe(client, "lost-copy", 0)
-        except Exception:  # noqa: BLE001 — LOADING while the server starts
-            return False
-        return found.state == partition_pb2.PARTITION_STATE_ONLINE and found.high_watermark == 1
+        found = described(client, "lost-copy", 0)
+        return found is not None and found.state == partition_pb2.PARTITION_STATE_ONLINE \
+            and found.high_watermark == 1
 
     wait_until(online, 60, "the recovered partition to open again")
     assert partitions_by_state(cluster, route.server_name).get("DATA_LOSS", 0) == 0
@@ -359,11 +362,8 @@ def test_a_topic_named_like_a_deleted_copy_keeps_its_records_over_a_restart(clus
     cluster.up()
 
     def back() -> bool:
-        try:
-            found = describe(client, "audit.deleted", 0)
-        except Exception:  # noqa: BLE001 — LOADING while the server starts
-            return False
-        return found.state == partition_pb2.PARTITION_STATE_ONLINE
+        found = described(client, "audit.deleted", 0)
+        return found is not None and found.state == partition_pb2.PARTITION_STATE_ONLINE
 
     wait_until(back, 60, "the partition to open again")
     assert describe(client, "audit.deleted", 0).high_watermark == 3

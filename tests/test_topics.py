@@ -51,6 +51,10 @@ THREE_COPIES = TopicRecord("three", ["ps-0", "ps-1"], {"min.insync.replicas": "2
                            [["ps-0", "ps-1", "ps-2"], ["ps-1", "ps-2", "ps-0"]])
 
 
+TXN_LOG = TopicRecord("__txn_log", ["ps-0"], {"retention.ms": "-1", "retention.bytes": "-1"},
+                      1000, 2, [["ps-0", "ps-1", "ps-2"]])
+
+
 def test_altering_a_topic_sets_replaces_and_deletes_normalized():
     assert altered_config(ONE_COPY, {"retention.bytes": "-1", "segment.ms": "01000"}, []) == {
         "retention.ms": "60000", "retention.bytes": "-1", "segment.ms": "1000"}
@@ -60,6 +64,8 @@ def test_altering_a_topic_sets_replaces_and_deletes_normalized():
                                          "unclean.leader.election.enable": "true"}, []) == {
         "min.insync.replicas": "3", "unclean.leader.election.enable": "true"}
     assert ONE_COPY.config == {"retention.ms": "60000"}  # the record itself is untouched
+    assert altered_config(TXN_LOG, {"unclean.leader.election.enable": "true"}, []) == {
+        "retention.ms": "-1", "retention.bytes": "-1", "unclean.leader.election.enable": "true"}
 
 
 @pytest.mark.parametrize("record, to_set, to_delete, words", [
@@ -72,6 +78,8 @@ def test_altering_a_topic_sets_replaces_and_deletes_normalized():
     (ONE_COPY, {"unclean.leader.election.enable": "true"}, [], "without replication state"),
     (THREE_COPIES, {"min.insync.replicas": "4"}, [], "must be 1..3"),
     (THREE_COPIES, {"unclean.leader.election.enable": "yes"}, [], "not one of"),
+    (TXN_LOG, {"retention.ms": "60000"}, [], "are the cluster's"),
+    (TXN_LOG, {}, ["retention.bytes"], "are the cluster's"),
 ])
 def test_altering_a_topic_refuses_bad_changes(record, to_set, to_delete, words):
     with pytest.raises(AtomlogError) as raised:

@@ -126,9 +126,9 @@ class MetadataServiceServicer:
         sizes at their next chore or append; min.insync.replicas at once; an offline
         partition's leader election reads unclean.leader.election.enable when it runs).
         Checked as a whole before anything is written: an unknown key or bad value
-        (INVALID_TOPIC_CONFIG), min.insync.replicas above the replication factor, or a
-        replication setting on a topic of one copy without replication state; nothing is
-        written when the request is refused.
+        (INVALID_TOPIC_CONFIG), min.insync.replicas above the replication factor, a
+        replication setting on a topic of one copy without replication state, or a storage
+        setting of an internal topic; nothing is written when the request is refused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
