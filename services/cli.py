@@ -921,7 +921,18 @@ def partition_elect(topic_name: str, number: int, replica: str, accept_data_loss
 @data_dir_option
 def partition_recover(topic_name: str, number: int, file_name: str, offset: int,
                       accept_data_loss: bool, bootstrap: str | None, data_dir: Path) -> None:
-    """Bring a partition in DATA_LOSS back online by truncating at the corruption."""
+    """Bring a partition in DATA_LOSS back online by truncating at the corruption.
+
+    Repeat the file and offset DATA_LOSS reported (`atomlog partition describe`, `atomlog
+    status`). A partition of one copy whose directory was missing when its server started
+    reports data-loss.json at offset 0: recovering it accepts that every record it held is
+    lost, and it serves again, empty, from offset 0 (restore the volume instead, if you can,
+    and restart its server).
+
+    \b
+    Example:
+      atomlog partition recover orders 3 --file data-loss.json --offset 0 --accept-data-loss
+    """
     from atomlog.v1 import common_pb2, partition_pb2
 
     reply = _call_owner(_bootstrap(bootstrap, data_dir), topic_name, number, "RecoverPartition",
