@@ -35,7 +35,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from partition_server import segment as seg_mod
 from partition_server.leader_epochs import FILE_NAME as EPOCHS_FILE
-from partition_server.log import DATA_LOSS_FILE
+from partition_server.log import read_data_loss_marker
 from partition_server.replication import LeaderEpochCache
 
 COPIES_PATH = "/copies"
@@ -139,13 +139,8 @@ def inspect(directory: Path) -> CopyState:
                 except FileNotFoundError:
                     pass  # deleted meanwhile (retention)
     bases.sort()
-    loss = ""
-    marker = directory / DATA_LOSS_FILE
-    if marker.exists():
-        try:
-            loss = str(json.loads(marker.read_bytes()).get("detail", "")) or "(no detail)"
-        except (OSError, ValueError, AttributeError) as error:
-            loss = f"unreadable {DATA_LOSS_FILE}: {error}"
+    marker = read_data_loss_marker(directory)
+    loss = (marker.detail or "(no detail)") if marker is not None else ""
     epoch, epoch_start = -1, -1
     try:
         entries = LeaderEpochCache.decode((directory / EPOCHS_FILE).read_bytes()).entries

@@ -1328,26 +1328,13 @@ class PartitionLog:
 
     def _persist_data_loss(self, loss: DataLoss) -> None:
         self._data_loss = loss
-        record = {"file": loss.file_name, "position": loss.position, "offset": loss.offset,
-                  "detail": loss.detail, "detected_unix_ms": loss.detected_unix_ms}
-        _atomic_write(self.directory / DATA_LOSS_FILE, json.dumps(record).encode(), sync=True,
+        _atomic_write(self.directory / DATA_LOSS_FILE, encode_data_loss(loss), sync=True,
                       dir_fd=self._dir_fd)
         if self.on_data_loss is not None:
             self.on_data_loss(loss)
 
     def _read_data_loss_marker(self) -> DataLoss | None:
-        path = self.directory / DATA_LOSS_FILE
-        try:
-            record = json.loads(path.read_bytes())
-            return DataLoss(str(self.directory / record["file"]), int(record["position"]),
-                            int(record["offset"]), str(record["detail"]),
-                            int(record["detected_unix_ms"]))
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError) as error:
-            # An unreadable marker still means an operator has to look: fail closed.
-            return DataLoss(str(path), 0, 0, f"unreadable {DATA_LOSS_FILE}: {error}",
-                            self._clock_ms())
+        return read_data_loss_marker(self.directory, self._clock_ms)
 
     def _read_recovery_point(self) -> tuple[int, dict | None]:
         """(recovery point, close()'s record of the last segment if the log was closed
@@ -1558,6 +1545,29 @@ def _atomic_write(path: Path, data: bytes, *, sync: bool, dir_fd: int | None) ->
     os.replace(tmp, path)
     if sync and dir_fd is not None:
         os.fsync(dir_fd)
+
+
+def encode_data_loss(loss: DataLoss) -> bytes:
+    """The DATA_LOSS_FILE marker of `loss` (its file by name, in the log's directory)."""
+    return json.dumps({"file": loss.file_name, "position": loss.position,
+                       "offset": loss.offset, "detail": loss.detail,
+                       "detected_unix_ms": loss.detected_unix_ms}).encode()
+
+
+def read_data_loss_marker(directory: Path, clock_ms: Callable[[], int] = _now_ms
+                          ) -> DataLoss | None:
+    """The DATA_LOSS_FILE marker in `directory`, or None when there is none."""
+    path = directory / DATA_LOSS_FILE
+    try:
+        record = json.loads(path.read_bytes())
+        return DataLoss(str(directory / record["file"]), int(record["position"]),
+                        int(record["offset"]), str(record["detail"]),
+                        int(record["detected_unix_ms"]))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as error:
+        # An unreadable marker still means an operator has to look: fail closed.
+        return DataLoss(str(path), 0, 0, f"unreadable {DATA_LOSS_FILE}: {error}", clock_ms())
 
 
 def _list_segments(directory: Path) -> list[int]:

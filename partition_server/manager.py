@@ -22,7 +22,7 @@ from pathlib import Path
 from atomlog.v1 import partition_pb2
 from partition_server import metrics as m
 from partition_server import copies, partition_states, producer_state, txn_buffer
-from partition_server.log import DATA_LOSS_FILE
+from partition_server.log import DATA_LOSS_FILE, DataLoss, encode_data_loss
 from partition_server.snapshot_files import fsync_directory, write_atomically
 from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
@@ -336,10 +336,9 @@ class PartitionManager:
         the marker itself), whole or not at all: built aside, then renamed into place."""
         aside = directory.with_name(f"{directory.name}{LOST_SUFFIX}{time.time_ns()}")
         aside.mkdir()
-        write_atomically(aside / DATA_LOSS_FILE, json.dumps({
-            "file": DATA_LOSS_FILE, "position": 0, "offset": 0,
-            "detail": copies.lost_detail(recorded),
-            "detected_unix_ms": int(time.time() * 1000)}).encode())
+        write_atomically(aside / DATA_LOSS_FILE, encode_data_loss(DataLoss(
+            str(directory / DATA_LOSS_FILE), 0, 0, copies.lost_detail(recorded),
+            int(time.time() * 1000))))
         aside.rename(directory)
         fsync_directory(self.data_dir)
         event(log, "partition's only copy is lost: its directory was missing when it opened",

@@ -42,12 +42,12 @@ def test_inspect_reads_a_copy_without_opening_it(tmp_path):
     """A copy's span and latest leader epoch from its files: the last segment read to its
     last whole batch (a torn tail is not counted, and left as it is), a DATA_LOSS marker
     reported; a missing directory is no copy."""
-    import json
     import os
 
     from partition_server.copies import inspect
     from partition_server.leader_epochs import LeaderEpochFile
-    from partition_server.log import DATA_LOSS_FILE, LogConfig, PartitionLog
+    from partition_server.log import (DATA_LOSS_FILE, DataLoss, LogConfig, PartitionLog,
+                                      encode_data_loss)
     from partition_server.record_batch import Record, encode_batch
 
     assert not inspect(tmp_path / "missing").present
@@ -72,6 +72,7 @@ def test_inspect_reads_a_copy_without_opening_it(tmp_path):
     torn_state = inspect(directory)
     assert torn_state.log_end_offset == 80 and last.name in torn_state.tail_detail
     assert last.stat().st_size == size + 11  # read only: nothing cut
-    (directory / DATA_LOSS_FILE).write_text(json.dumps({"detail": "lost"}))
+    (directory / DATA_LOSS_FILE).write_bytes(encode_data_loss(DataLoss(
+        str(directory / DATA_LOSS_FILE), 0, 0, "lost", 1)))
     assert inspect(directory).data_loss_detail == "lost"
     os.unlink(directory / DATA_LOSS_FILE)

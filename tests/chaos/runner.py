@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from partition_server.record_batch import BatchHeader, parse_header
+from partition_server.snapshot_files import fsync_directory
 from services import launcher
 from services.errors import AtomlogError
 from services.failpoints import ENVIRONMENT_VARIABLE as FAILPOINTS_VARIABLE, FSYNC
@@ -35,15 +36,6 @@ from tests.chaos.proxy import FaultProxy
 from tests.conftest import create_online
 
 PARTITION_DIRECTORY = re.compile(r"^.+-[0-9]+$")  # <topic>-<partition>, in `partitions`
-
-
-def _fsync_directories(*directories: Path) -> None:
-    for directory in directories:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 COUNTS = {"id_allocator": 1, "coordinator": 2, "partition_server": 3}
@@ -808,7 +800,8 @@ class Run:
         aside.mkdir(exist_ok=True)
         for name in moved:
             (partitions / name).rename(aside / name)
-        _fsync_directories(aside, partitions)  # a swapped disk stays swapped over a power cut
+        fsync_directory(aside)  # a swapped disk stays swapped over a power cut
+        fsync_directory(partitions)
         self.log.record("nemesis-target", fault="misplace", server=target, moved=moved)
         self.say(f"  {target}: {len(moved)} partition directories moved aside")
         self.wait_until(time.monotonic() + fault.down_s)
@@ -823,7 +816,7 @@ class Run:
             aside.rmdir()
             # (Durable, as the right disk put back: a power cut after the heal must not
             # bring the DATA_LOSS copies back. Found by seed 2919.)
-            _fsync_directories(partitions)
+            fsync_directory(partitions)
             self.restart(target)
         return heal
 
