@@ -14,7 +14,12 @@ order per partition.
 Retries: retriable errors (routing, loading, unreachable, timeouts) resend the same
 bytes after a backoff and a metadata refresh, in sequence order. A batch that fails for
 good fails its futures; the batches behind it on that partition are re-sequenced and
-sent again (they were refused as out of order, so nothing of them was written).
+sent again (they were refused as out of order, so nothing of them was written). Unless
+it was refused DATA_LOSS after an attempt that went unanswered: that refusal proves only
+that its own attempt wrote nothing (the partition had no log to find the earlier one
+in), so the partition then takes a new producer id instead of handing the batch's
+sequence numbers to other records, and the error says they may or may not have been
+written.
 Delivery gives up after `delivery_timeout_s` with `DeliveryTimeout`.
 
 Transactions: `send(..., txn=txn)` puts the record in a batch of that transaction only
@@ -68,7 +73,18 @@ DEFINITELY_NOT_WRITTEN = {"BATCH_TOO_LARGE", "CORRUPT_BATCH", "CRC_MISMATCH", "I
                           "UNIMPLEMENTED", "DATA_LOSS", "OFFSET_OUT_OF_RANGE",
                           "TRANSACTION_NOT_OPEN", "TRANSACTION_ABORTED", "TRANSACTION_TIMED_OUT",
                           "PARTITION_NOT_IN_TRANSACTION", "UNKNOWN_TRANSACTION"}
+# Of those, the ones a server answers without looking for an earlier attempt of the batch
+# (the others come after its producer state told a retry of a written batch, answered as
+# the duplicate it is, from a new one): a partition in DATA_LOSS has no log to look in,
+# and its copy may come back holding an earlier, unanswered attempt.
+UNCHECKED_REFUSALS = {"DATA_LOSS"}
 REFRESH_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "SERVER_UNAVAILABLE"}
+# Answers that prove the attempt they answer appended nothing (refused before any write).
+# Any other failure of an attempt (no answer, a timeout, a leadership lost while the
+# write waited for its copies, a closing partition) leaves it possibly written.
+REFUSED_UNWRITTEN = DEFINITELY_NOT_WRITTEN | SEQUENCE_REFUSALS | {
+    "PARTITION_LOADING", "UNKNOWN_TOPIC_OR_PARTITION", "CONCURRENT_TRANSACTIONS",
+    "COORDINATOR_LOADING", "NOT_COORDINATOR"}
 
 
 @dataclass(frozen=True)
@@ -234,6 +250,9 @@ class _Batch:
     # (_may_send).
     alone: bool = False
     producer_id: int | None = None  # the identity it was encoded under
+    # An attempt of it failed without proof that nothing was appended (REFUSED_UNWRITTEN):
+    # it may be written, so its sequence numbers are never handed to other records.
+    maybe_written: bool = False
 
 
 @dataclass(eq=False)
@@ -868,6 +887,8 @@ class Producer:
             return  # rewound by an earlier failure: it is queued to be sent again
         now = time.monotonic()
         index = state.in_flight.index(batch)
+        if error.reason not in REFUSED_UNWRITTEN:
+            batch.maybe_written = True
         # A sequence refusal of a batch sent behind an unanswered one: that one may have
         # reached the server after it (it sets the sequence, or for a producer new to the
         # partition creates the state, that this batch needs), so resend it. Resent with
@@ -882,6 +903,8 @@ class Producer:
             # earlier batch.
             later = state.in_flight[index:]
             del state.in_flight[index:]
+            for b in later[1:]:  # sent, and their answers no longer awaited
+                b.maybe_written = True
             for b in reversed(later):
                 b.not_before = now if overtook else now + self.backoff.delay(b.attempts)
                 state.ready.appendleft(b)
@@ -897,10 +920,21 @@ class Producer:
                 f"been written. Last error: {error}")
             timeout.__cause__ = error
             self._abandon_partition(state, batch, timeout)
-        elif error.reason in DEFINITELY_NOT_WRITTEN:
+        elif error.reason in DEFINITELY_NOT_WRITTEN and not (
+                batch.maybe_written and error.reason in UNCHECKED_REFUSALS):
             _discard(state, batch)
             self._fail(batch, error)
             self._resequence_after(batch, state)
+        elif error.reason in DEFINITELY_NOT_WRITTEN:
+            # The refusal proves only that this attempt wrote nothing (UNCHECKED_REFUSALS).
+            # An earlier one failed unanswered and may have been written: its sequence
+            # numbers must never be handed to other records, or a later batch would be
+            # answered as a duplicate of these and never written (found by the chaos
+            # harness: log workload, seed 2924, misplace).
+            self._abandon_partition(state, batch, errors.error_for(
+                error.reason, f"{error.message}; an earlier attempt of these "
+                f"{len(batch.records)} records got no answer, so they may or may not have "
+                "been written", error.metadata))
         else:  # the server lost or rejects this producer's state: start a fresh identity
             self._abandon_partition(state, batch, error)
 
@@ -963,7 +997,8 @@ class Producer:
             return
         for b in later:
             _discard(state, b)
-            b.payload = b""
+            # (Nothing of it was written: it follows `failed`, which nothing of was.)
+            b.payload, b.maybe_written = b"", False
         if sent:
             self._new_identity(state)
         else:

@@ -348,6 +348,87 @@ def test_a_lost_only_copy_opens_in_data_loss_not_empty(cluster):
     client.close()
 
 
+class _LoseTheAnswer:
+    """The producer's queue of answers, losing the first success of the batch holding
+    `value` (as a connection cut after the write and before its answer does): the test
+    thread, told that the write happened, does what it must while the answer is held,
+    then the producer gets SERVER_UNAVAILABLE instead."""
+
+    def __init__(self, inner, value: bytes):
+        self.inner, self.value = inner, value
+        self.written, self.resume = threading.Event(), threading.Event()
+
+    def put(self, item) -> None:
+        from spark_client import errors
+
+        batch, error, result, attempt = item
+        if error is None and not self.written.is_set() and \
+                any(record.value == self.value for record in batch.records):
+            self.written.set()
+            assert self.resume.wait(120), "the test never let the answer go"
+            item = (batch, errors.error_for("SERVER_UNAVAILABLE", "the answer was lost (a test)"),
+                    None, attempt)
+        self.inner.put(item)
+
+    def get_nowait(self):
+        return self.inner.get_nowait()
+
+
+def test_a_record_written_unanswered_and_then_refused_keeps_its_sequence_numbers(cluster):
+    """A send written but unanswered (its server killed before answering), whose retry is
+    refused for good (the server came back without the partition's copy: DATA_LOSS), and
+    then the copy restored: the refusal proves only that the retry wrote nothing, so the
+    record's error says it may have been written, and the producer takes a new producer
+    id. Before, the next record took over its sequence numbers under the same id and was
+    answered as a duplicate of it at its offset: acknowledged, and never written (found
+    by the chaos harness: log workload, seed 2924, misplace)."""
+    from spark_client import errors
+
+    client = Client(cluster.info["bootstrap"])
+    client.create_topic("lost-answer", partitions=1, replication_factor=1)
+    server = client.metadata.route("lost-answer", 0).server_name
+    partitions = cluster.data_dir / server / "partitions"
+    with client.producer(linger_ms=0, delivery_timeout_s=120) as producer:
+        for i in range(2):
+            producer.send("lost-answer", f"r{i}".encode(), partition=0).result(30)
+        state = producer._partitions[("lost-answer", 0)]
+        first_id = state.producer_id
+        lose = producer._completions = _LoseTheAnswer(producer._completions, b"unanswered")
+        unanswered = producer.send("lost-answer", b"unanswered", partition=0)
+        assert lose.written.wait(30), "the record was never written"
+        os.kill(cluster.process(server)["pid"], signal.SIGKILL)
+        (partitions / "lost-answer-0").rename(partitions / "lost-answer-0.aside")
+        cluster.up()
+
+        def in_data_loss() -> bool:
+            found = described(client, "lost-answer", 0)
+            return found is not None and found.state == partition_pb2.PARTITION_STATE_DATA_LOSS
+
+        wait_until(in_data_loss, 60, "the partition to open in DATA_LOSS without its copy")
+        lose.resume.set()
+        with pytest.raises(errors.DataLoss, match="may or may not have been written"):
+            unanswered.result(60)
+
+        os.kill(cluster.process(server)["pid"], signal.SIGKILL)
+        shutil.rmtree(partitions / "lost-answer-0")
+        (partitions / "lost-answer-0.aside").rename(partitions / "lost-answer-0")
+        cluster.up()
+
+        def online() -> bool:
+            found = described(client, "lost-answer", 0)
+            return found is not None and found.state == partition_pb2.PARTITION_STATE_ONLINE
+
+        wait_until(online, 60, "the restored copy to open")
+        after = producer.send("lost-answer", b"after", partition=0).result(60)
+        assert after.offset == 3
+        assert state.producer_id != first_id
+    with client.consumer(["lost-answer"], isolation="read_uncommitted",
+                         start="earliest") as consumer:
+        assert [m.value for chunk in consumer.read_until() for m in chunk] == [
+            b"r0", b"r1", b"unanswered", b"after"]
+    client.close()
+
+
 def test_a_topic_named_like_a_deleted_copy_keeps_its_records_over_a_restart(cluster):
     """A server's start removes what a crash left of a copy being deleted
     (`<partition>.deleted-<ns>`); a partition of a topic named "audit.deleted" is not that

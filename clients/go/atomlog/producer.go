@@ -94,6 +94,29 @@ var (
 		ReasonTransactionTimedOut: true, ReasonPartitionNotInTransaction: true,
 		ReasonUnknownTransaction: true,
 	}
+	// Of definitelyNotWritten, the ones a server answers without looking for an earlier
+	// attempt of the batch (the others come after its producer state told a retry of a
+	// written batch, answered as the duplicate it is, from a new one): a partition in
+	// DATA_LOSS has no log to look in, and its copy may come back holding an earlier,
+	// unanswered attempt.
+	uncheckedRefusals = map[string]bool{ReasonDataLoss: true}
+	// Answers that prove the attempt they answer appended nothing (refused before any
+	// write). Any other failure (no answer, a timeout, a leadership lost while the write
+	// waited for its copies, a closing partition) leaves the attempt possibly written.
+	refusedUnwritten = func() map[string]bool {
+		m := map[string]bool{
+			ReasonPartitionLoading: true, ReasonUnknownTopicOrPartition: true,
+			ReasonConcurrentTransactions: true, ReasonCoordinatorLoading: true,
+			ReasonNotCoordinator: true,
+		}
+		for r := range definitelyNotWritten {
+			m[r] = true
+		}
+		for r := range sequenceRefusals {
+			m[r] = true
+		}
+		return m
+	}()
 )
 
 // RecordMetadata says where a record was written.
@@ -152,6 +175,10 @@ type batch struct {
 	deadline   time.Time
 	sentBehind bool // sent while an earlier batch of the partition was unanswered
 	finished   bool
+	// An attempt under its current sequence numbers failed without proof that nothing was
+	// appended (refusedUnwritten): it may be written, so its sequence numbers are never
+	// handed to other records.
+	maybeWritten bool
 }
 
 type partState struct {
@@ -1035,6 +1062,9 @@ func (p *Producer) handleFailure(b *batch, st *partState, err error) {
 	}
 	reason := Reason(err)
 	now := time.Now()
+	if !refusedUnwritten[reason] {
+		b.maybeWritten = true
+	}
 	retriable := retriableItemReasons[reason] ||
 		(sequenceRefusals[reason] && (index > 0 || b.sentBehind))
 
@@ -1048,6 +1078,9 @@ func (p *Producer) handleFailure(b *batch, st *partState, err error) {
 		// else after a backoff.
 		later := append([]*batch{}, st.inFlight[index:]...)
 		st.inFlight = st.inFlight[:index]
+		for _, l := range later[1:] { // sent, and their answers no longer awaited
+			l.maybeWritten = true
+		}
 		delay := time.Duration(0)
 		if !sequenceRefusals[reason] {
 			backoff := newBackoff(20*time.Millisecond, time.Second)
@@ -1067,10 +1100,23 @@ func (p *Producer) handleFailure(b *batch, st *partState, err error) {
 		p.abandonPartition(st, b, &Error{Reason: ReasonRequestTimedOut, Code: ErrRequestTimedOut.Code,
 			Message: fmt.Sprintf("%d records to %s not acknowledged within %s; they may or may not "+
 				"have been written. Last error: %v", len(b.records), b.tp, p.opts.DeliveryTimeout, err)})
-	case definitelyNotWritten[reason]:
+	case definitelyNotWritten[reason] && !(b.maybeWritten && uncheckedRefusals[reason]):
 		p.finish(b, 0, 0, err)
 		st.discard(b)
 		p.resequenceAfter(b, st)
+	case definitelyNotWritten[reason]:
+		// The refusal proves only that this attempt wrote nothing (uncheckedRefusals). An
+		// earlier one failed unanswered and may have been written: its sequence numbers
+		// must never be handed to other records, or a later batch would be answered as a
+		// duplicate of these and never written (found by the chaos harness: log workload,
+		// seed 2924, misplace).
+		message, metadata := err.Error(), map[string]string(nil)
+		if e, ok := err.(*Error); ok {
+			message, metadata = e.Message, e.Metadata
+		}
+		p.abandonPartition(st, b, newError(reason, fmt.Sprintf("%s; an earlier attempt of these "+
+			"%d records got no answer, so they may or may not have been written",
+			message, len(b.records)), metadata))
 	default: // the server lost or refuses this producer's state (fenced, out of order)
 		if reason == ReasonProducerFenced && p.session != nil {
 			p.fenced = true
@@ -1133,7 +1179,7 @@ func (p *Producer) resequenceAfter(failed *batch, st *partState) {
 	for _, x := range later {
 		st.discard(x)
 		x.sequenced, x.payload, x.notBefore = false, nil, time.Time{}
-		x.attempts = 0 // renumbered: a new batch to the server
+		x.attempts, x.maybeWritten = 0, false // renumbered: a new batch to the server
 	}
 	st.forget(later)
 	if sent {
