@@ -411,7 +411,7 @@ def topic() -> None:
 @click.option("--partitions", "-p", type=int, required=True)
 @click.option("--config", "-c", "settings", multiple=True, metavar="KEY=VALUE",
               help="Topic setting (retention.ms, retention.bytes, segment.bytes, segment.ms, "
-                   "cleanup.policy, min.insync.replicas, unclean.leader.election.enable); "
+                   "cleanup.policy=delete, min.insync.replicas, unclean.leader.election.enable); "
                    "repeatable.")
 @click.option("--replication-factor", "-r", type=click.IntRange(0, 7), default=0,
               help="Copies of each partition (docs/replication.md); 0: the cluster's "

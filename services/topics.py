@@ -21,6 +21,8 @@ class TopicSetting:
     maximum: int | None = None
     choices: tuple[str, ...] | None = None
     allow_minus_one: bool = False  # -1 means "no limit"
+    # Values a Kafka user may expect and atomlog refuses, with why (no silent no-op).
+    unsupported: Mapping[str, str] = field(default_factory=dict)
 
 
 DAY_MS = 86_400_000
@@ -30,7 +32,15 @@ TOPIC_SETTINGS: dict[str, TopicSetting] = {
     "retention.bytes": TopicSetting(minimum=1 << 20, maximum=1 << 50, allow_minus_one=True),
     "segment.bytes": TopicSetting(minimum=1 << 16, maximum=1 << 30),
     "segment.ms": TopicSetting(minimum=1_000, maximum=365 * DAY_MS),
-    "cleanup.policy": TopicSetting(choices=("delete", "compact")),
+    # Keyed compaction is not implemented (docs/record-format.md, "Compaction"). It used
+    # to be accepted and ignored: a topic created to keep the last record of each key
+    # forever then lost its records to retention, without a word.
+    "cleanup.policy": TopicSetting(choices=("delete",), unsupported={
+        "compact": "keyed compaction is not implemented: a compacted topic's records would "
+                   "be deleted by retention like any other's. For the last record per key "
+                   "kept forever, use retention.ms=-1 and retention.bytes=-1 (nothing is "
+                   "deleted) and keep the latest value per key on the reader's side; "
+                   "docs/record-format.md, \"Compaction\""}),
     # Replicated topics (docs/replication.md); checked against the factor at creation.
     "min.insync.replicas": TopicSetting(minimum=1, maximum=7),
     "unclean.leader.election.enable": TopicSetting(choices=("false", "true")),
@@ -70,6 +80,9 @@ def validate_topic_config(config: Mapping[str, str]) -> dict[str, str]:
         if setting is None:
             raise AtomlogError("INVALID_TOPIC_CONFIG",
                                f"unknown topic setting {key!r}; known: {sorted(TOPIC_SETTINGS)}")
+        if raw in setting.unsupported:
+            raise AtomlogError("INVALID_TOPIC_CONFIG",
+                               f"{key}={raw!r} is not supported: {setting.unsupported[raw]}")
         if setting.choices is not None:
             if raw not in setting.choices:
                 raise AtomlogError("INVALID_TOPIC_CONFIG",

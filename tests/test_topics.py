@@ -37,8 +37,12 @@ def test_partition_count_bounds():
 
 
 def test_topic_config_validation():
-    assert validate_topic_config({"retention.ms": "-1", "cleanup.policy": "compact"}) == {
-        "retention.ms": "-1", "cleanup.policy": "compact"}
+    assert validate_topic_config({"retention.ms": "-1", "cleanup.policy": "delete"}) == {
+        "retention.ms": "-1", "cleanup.policy": "delete"}
+    # Keyed compaction is not implemented: refused with why, not accepted and ignored.
+    with pytest.raises(AtomlogError, match="keyed compaction is not implemented") as raised:
+        validate_topic_config({"cleanup.policy": "compact"})
+    assert raised.value.reason == "INVALID_TOPIC_CONFIG"
     for bad in ({"retention.ms": "5"}, {"cleanup.policy": "keep"}, {"segment.bytes": "x"},
                 {"what": "1"}):
         with pytest.raises(AtomlogError) as raised:
@@ -118,3 +122,15 @@ def test_assignment_is_even_and_favours_the_least_loaded(partitions, servers, lo
         for b in servers:
             if owners.count(a) > owners.count(b):
                 assert (load.get(a, 0), a) <= (load.get(b, 0), b)
+
+
+def test_a_topic_created_compact_before_it_was_refused_is_told_to_drop_it():
+    """Topics created with cleanup.policy=compact while it was accepted (and ignored) keep
+    their record; any change to them names the setting until it goes or becomes delete."""
+    legacy = TopicRecord("legacy", ["ps-0"], {"cleanup.policy": "compact"}, 1000)
+    with pytest.raises(AtomlogError, match="cleanup.policy='compact' is not supported"):
+        altered_config(legacy, {"retention.ms": "-1"}, [])
+    assert altered_config(legacy, {"retention.ms": "-1"}, ["cleanup.policy"]) == {
+        "retention.ms": "-1"}
+    assert altered_config(legacy, {"cleanup.policy": "delete"}, []) == {
+        "cleanup.policy": "delete"}
