@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
 import click
@@ -944,6 +944,102 @@ def partition_recover(topic_name: str, number: int, file_name: str, offset: int,
     console.print(f"{topic_name}-{number} recovered: truncated at offset "
                   f"{reply.truncated_at_offset} ({reply.removed_bytes} bytes removed); "
                   f"high watermark {reply.high_watermark}")
+
+
+@partition.command("recover-lost")
+@click.argument("server_name", metavar="SERVER")
+@click.option("--accept-data-loss", is_flag=True, default=False,
+              help="Confirm: every record the lost copies held is gone for good.")
+@click.option("--include-internal", is_flag=True,
+              help="Recover lost __txn_log partitions too (their coordinators' decisions are "
+                   "gone with them: transactions decided there may end up half applied). "
+                   "Without it they are listed and left in DATA_LOSS.")
+@click.option("--dry-run", is_flag=True, help="List what would be recovered; change nothing.")
+@bootstrap_option
+@data_dir_option
+def partition_recover_lost(server_name: str, accept_data_loss: bool, include_internal: bool,
+                           dry_run: bool, bootstrap: str | None, data_dir: Path) -> None:
+    """Accept the loss of every lost one-copy partition on a server at once.
+
+    A server started without the directories of partitions it held the only copy of (a
+    replaced disk, an empty volume) opens each of them in DATA_LOSS at offset 0, with
+    data-loss.json as its file (docs/operations.md, AtomlogPartitionDataLoss). This
+    recovers every such partition of SERVER, as `atomlog partition recover` would one by
+    one: each then serves again, empty, from offset 0. Partitions in DATA_LOSS for any
+    other reason (damage found in a segment) are listed and left alone: recover those
+    one at a time. Restore the volume instead, if you can, and restart the server. Exits
+    1 if any recovery failed.
+
+    \b
+    Examples:
+      atomlog partition recover-lost ps-2 --dry-run
+      atomlog partition recover-lost ps-2 --accept-data-loss
+    """
+    from atomlog.v1 import common_pb2, metadata_pb2, partition_pb2
+    from partition_server.log import DATA_LOSS_FILE
+    from services.topics import INTERNAL_PREFIX
+    from spark_client.errors import from_grpc
+
+    if not (accept_data_loss or dry_run):
+        fail("give --accept-data-loss (every record of the lost copies is gone) or --dry-run")
+    address = _bootstrap(bootstrap, data_dir)
+    reply = _call(address, "GetMetadata", metadata_pb2.GetMetadataRequest())
+    servers = {s.name: s.grpc_address for s in reply.servers}
+    if server_name not in servers:
+        fail(f"no partition server {server_name} is registered")
+    if not servers[server_name]:
+        fail(f"partition server {server_name} is down")
+    with _client(address) as client:
+        stub = client.channels.partition(servers[server_name])
+        try:
+            listed = stub.ListPartitions(
+                partition_pb2.ListPartitionsRequest(include_internal=True), timeout=30)
+        except grpc.RpcError as rpc_error:
+            fail(str(from_grpc(rpc_error)))
+        lost, internal, other = [], [], []
+        for summary in listed.partitions:
+            if summary.state != partition_pb2.PARTITION_STATE_DATA_LOSS:
+                continue
+            name = f"{summary.topic_partition.topic}-{summary.topic_partition.partition}"
+            if summary.data_loss.offset != 0 or \
+                    PurePosixPath(summary.data_loss.file).name != DATA_LOSS_FILE:
+                other.append((name, summary))
+            elif summary.topic_partition.topic.startswith(INTERNAL_PREFIX) \
+                    and not include_internal:
+                internal.append((name, summary))
+            else:
+                lost.append((name, summary))
+        for name, summary in other:
+            console.print(f"{name}: left alone, in DATA_LOSS for damage at offset "
+                          f"{summary.data_loss.offset} in {summary.data_loss.file} (recover it "
+                          "with `atomlog partition recover`)", highlight=False, soft_wrap=True)
+        for name, _ in internal:
+            console.print(f"{name}: left alone, a lost copy of an internal partition (give "
+                          "--include-internal)", highlight=False, soft_wrap=True)
+        if not lost:
+            console.print(f"{server_name} has no lost copy to recover", highlight=False)
+            return
+        failed = 0
+        for name, summary in lost:
+            if dry_run:
+                console.print(f"{name}: would be recovered, empty from offset 0",
+                              highlight=False)
+                continue
+            try:
+                stub.RecoverPartition(partition_pb2.RecoverPartitionRequest(
+                    topic_partition=common_pb2.TopicPartition(
+                        topic=summary.topic_partition.topic,
+                        partition=summary.topic_partition.partition),
+                    expected_file=summary.data_loss.file, expected_offset=0,
+                    accept_data_loss=True), timeout=60)
+                console.print(f"{name}: recovered, empty from offset 0", highlight=False)
+            except grpc.RpcError as rpc_error:
+                failed += 1
+                console.print(f"{name}: [red]not recovered[/]: "
+                              f"{escape(str(from_grpc(rpc_error)))}", highlight=False,
+                              soft_wrap=True)
+    if failed:
+        sys.exit(1)
 
 
 @partition.command("scrub")

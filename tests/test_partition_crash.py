@@ -348,6 +348,48 @@ def test_a_lost_only_copy_opens_in_data_loss_not_empty(cluster):
     client.close()
 
 
+def test_every_lost_copy_of_a_server_is_recovered_at_once(cluster):
+    """`atomlog partition recover-lost SERVER`: a server back with an empty volume holds
+    several lost one-copy partitions in DATA_LOSS; one command accepts the loss of all of
+    them (only after --accept-data-loss; --dry-run lists them and changes nothing), and
+    every other partition keeps its records."""
+    client = Client(cluster.info["bootstrap"])
+    client.create_topic("lost-volume", partitions=6, replication_factor=1)
+    with client.producer(linger_ms=0) as producer:
+        for i in range(60):
+            producer.send("lost-volume", f"r{i}".encode(), partition=i % 6).result(30)
+    server = client.metadata.route("lost-volume", 0).server_name
+    mine = [p for p in range(6) if client.metadata.route("lost-volume", p).server_name == server]
+    assert len(mine) >= 2, mine
+    os.kill(cluster.process(server)["pid"], signal.SIGKILL)
+    for p in mine:
+        shutil.rmtree(cluster.data_dir / server / "partitions" / f"lost-volume-{p}")
+    cluster.up()
+
+    def lost() -> bool:
+        found = [described(client, "lost-volume", p) for p in mine]
+        return all(f is not None and f.state == partition_pb2.PARTITION_STATE_DATA_LOSS
+                   for f in found)
+
+    wait_until(lost, 60, "the lost copies to open in DATA_LOSS")
+    refused = cluster.run("partition", "recover-lost", server, check=False)
+    assert refused.returncode == 1 and "--accept-data-loss" in refused.stderr
+    listed = cluster.run("partition", "recover-lost", server, "--dry-run")
+    for p in mine:
+        assert f"lost-volume-{p}: would be recovered" in listed.stdout, listed.stdout
+    assert lost()
+    done = cluster.run("partition", "recover-lost", server, "--accept-data-loss")
+    for p in mine:
+        assert f"lost-volume-{p}: recovered" in done.stdout, done.stdout
+        after = describe(client, "lost-volume", p)
+        assert after.state == partition_pb2.PARTITION_STATE_ONLINE and after.high_watermark == 0
+    for p in set(range(6)) - set(mine):
+        assert describe(client, "lost-volume", p).high_watermark == 10
+    again = cluster.run("partition", "recover-lost", server, "--accept-data-loss")
+    assert "no lost copy to recover" in again.stdout
+    client.close()
+
+
 class _LoseTheAnswer:
     """The producer's queue of answers, losing the first success of the batch holding
     `value` (as a connection cut after the write and before its answer does): the test
