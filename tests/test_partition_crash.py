@@ -43,6 +43,16 @@ def described(client: Client, topic: str, partition: int):
         return None
 
 
+def wait_for_state(client: Client, topic: str, partitions: list[int], state: int,
+                   what: str) -> None:
+    """Wait (60 s at most) until every one of the topic's `partitions` is in `state`."""
+    def there() -> bool:
+        found = [described(client, topic, p) for p in partitions]
+        return all(f is not None and f.state == state for f in found)
+
+    wait_until(there, 60, what)
+
+
 def partitions_by_state(cluster, server_name: str) -> dict[str, float]:
     """The server's atomlog_partitions gauge, by state, from its /metrics."""
     address = cluster.process(server_name)["metrics_address"]
@@ -365,19 +375,15 @@ def test_every_lost_copy_of_a_server_is_recovered_at_once(cluster):
     for p in mine:
         shutil.rmtree(cluster.data_dir / server / "partitions" / f"lost-volume-{p}")
     cluster.up()
-
-    def lost() -> bool:
-        found = [described(client, "lost-volume", p) for p in mine]
-        return all(f is not None and f.state == partition_pb2.PARTITION_STATE_DATA_LOSS
-                   for f in found)
-
-    wait_until(lost, 60, "the lost copies to open in DATA_LOSS")
+    wait_for_state(client, "lost-volume", mine, partition_pb2.PARTITION_STATE_DATA_LOSS,
+                   "the lost copies to open in DATA_LOSS")
     refused = cluster.run("partition", "recover-lost", server, check=False)
     assert refused.returncode == 1 and "--accept-data-loss" in refused.stderr
     listed = cluster.run("partition", "recover-lost", server, "--dry-run")
     for p in mine:
         assert f"lost-volume-{p}: would be recovered" in listed.stdout, listed.stdout
-    assert lost()
+    wait_for_state(client, "lost-volume", mine, partition_pb2.PARTITION_STATE_DATA_LOSS,
+                   "the lost copies to stay in DATA_LOSS after a dry run")
     done = cluster.run("partition", "recover-lost", server, "--accept-data-loss")
     for p in mine:
         assert f"lost-volume-{p}: recovered" in done.stdout, done.stdout
@@ -441,12 +447,8 @@ def test_a_record_written_unanswered_and_then_refused_keeps_its_sequence_numbers
         os.kill(cluster.process(server)["pid"], signal.SIGKILL)
         (partitions / "lost-answer-0").rename(partitions / "lost-answer-0.aside")
         cluster.up()
-
-        def in_data_loss() -> bool:
-            found = described(client, "lost-answer", 0)
-            return found is not None and found.state == partition_pb2.PARTITION_STATE_DATA_LOSS
-
-        wait_until(in_data_loss, 60, "the partition to open in DATA_LOSS without its copy")
+        wait_for_state(client, "lost-answer", [0], partition_pb2.PARTITION_STATE_DATA_LOSS,
+                       "the partition to open in DATA_LOSS without its copy")
         lose.resume.set()
         with pytest.raises(errors.DataLoss, match="may or may not have been written"):
             unanswered.result(60)
@@ -455,12 +457,8 @@ def test_a_record_written_unanswered_and_then_refused_keeps_its_sequence_numbers
         shutil.rmtree(partitions / "lost-answer-0")
         (partitions / "lost-answer-0.aside").rename(partitions / "lost-answer-0")
         cluster.up()
-
-        def online() -> bool:
-            found = described(client, "lost-answer", 0)
-            return found is not None and found.state == partition_pb2.PARTITION_STATE_ONLINE
-
-        wait_until(online, 60, "the restored copy to open")
+        wait_for_state(client, "lost-answer", [0], partition_pb2.PARTITION_STATE_ONLINE,
+                       "the restored copy to open")
         after = producer.send("lost-answer", b"after", partition=0).result(60)
         assert after.offset == 3
         assert state.producer_id != first_id
