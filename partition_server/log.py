@@ -1041,6 +1041,19 @@ class PartitionLog:
         """Operator action (RecoverPartition): accept losing everything from the reported
         corruption on. `file` and `offset` must repeat what DATA_LOSS reported (an absolute
         path, or a path ending in the same file name); else DATA_LOSS_MISMATCH."""
+        loss = self.check_recovery(file, offset)
+        base = parse_segment_name(loss.file_name)
+        # An unreadable marker names itself: accepting it just re-runs recovery.
+        removed = 0 if base is None else self._truncate_files(base, loss.position, loss.offset)
+        (self.directory / DATA_LOSS_FILE).unlink(missing_ok=True)
+        os.fsync(self._dir_fd)
+        self._data_loss = None
+        self._reload()
+        return DataLossRecovery(offset, removed, self._high_watermark, self._data_loss)
+
+    def check_recovery(self, file: str | os.PathLike, offset: int) -> DataLoss:
+        """The DATA_LOSS a `recover_data_loss(file, offset)` would accept; raises what it
+        would refuse with (nothing changes)."""
         if self._closed:
             raise RuntimeError(f"partition log {self.directory} is closed")
         loss = self._data_loss
@@ -1055,14 +1068,7 @@ class PartitionLog:
                                f"the corruption is in {loss.path} at offset {loss.offset}, "
                                f"not {file} at offset {offset}",
                                {"file": loss.path, "offset": loss.offset})
-        base = parse_segment_name(loss.file_name)
-        # An unreadable marker names itself: accepting it just re-runs recovery.
-        removed = 0 if base is None else self._truncate_files(base, loss.position, loss.offset)
-        (self.directory / DATA_LOSS_FILE).unlink(missing_ok=True)
-        os.fsync(self._dir_fd)
-        self._data_loss = None
-        self._reload()
-        return DataLossRecovery(offset, removed, self._high_watermark, self._data_loss)
+        return loss
 
     def _truncate_files(self, base_offset: int, position: int, new_end_offset: int) -> int:
         """Cut the log at (segment `base_offset`, `position`), deleting later segments

@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partition_server import durability
-from partition_server.wal import WalTap, WriteAheadLog
+from partition_server.wal import WalTap, WriteAheadLog, forget_kept
 from partition_server import metrics as m
 from partition_server import producer_state, txn_buffer
 from partition_server.log import LogConfig, PartitionLog, SegmentSpan
@@ -1670,6 +1670,12 @@ class PartitionOwner:
         if self.state is not State.DATA_LOSS:
             raise AtomlogError("PARTITION_NOT_IN_DATA_LOSS",
                                f"partition {self.name} is {self.state.value}, not in DATA_LOSS")
+        if self._wal is not None:
+            # The loss accepted: frames an earlier start kept aside for this partition
+            # (its directory was missing then) must never be replayed into what starts
+            # now. Given up first: a crash between the two leaves it in DATA_LOSS still.
+            self.log.check_recovery(file, offset)
+            await asyncio.to_thread(forget_kept, self._wal.directory, self.name)
         report = await asyncio.to_thread(self.log.recover_data_loss, file, offset)
         self.log.close()
         await self._load()

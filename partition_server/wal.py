@@ -77,6 +77,7 @@ import concurrent.futures
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import mmap
 import os
@@ -94,7 +95,7 @@ from prometheus_client import Gauge
 from partition_server import durability
 from partition_server.log import LogConfig, PartitionLog, _writev_all
 from partition_server.record_batch import iter_batches, parse_header
-from partition_server.snapshot_files import fsync_directory
+from partition_server.snapshot_files import fsync_directory, write_atomically
 from services import failpoints
 from services.errors import AtomlogError
 from services.fastmetrics import Counter, Histogram
@@ -455,6 +456,110 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int
     return replayed
 
 
+KEPT_MANIFEST = "kept.json"  # in a kept-aside directory: why its segments were kept
+
+
+def replay_kept(wal_dir: Path, data_dir: Path, config: LogConfig,
+                live: set[str] | frozenset[str] = frozenset()) -> None:
+    """Before a start's replay (blocking): the partitions whose frames an earlier start
+    kept aside because their directories were missing (a disk swapped, directories
+    moved) and whose directories are back get those frames now, oldest kept first. What
+    a directory held only in the page cache when it was lost (up to a checkpoint's
+    worth of acknowledged writes, gone if the power failed since) comes back from them.
+
+    Only into the same log: its batches from where the frames begin must be the frames'
+    own, byte for byte. A directory that holds other batches there is another copy (its
+    partition made anew), left as it is and the frames given up for it, logged. One
+    still missing, or in DATA_LOSS (the marker of a lost copy), keeps them for a later
+    start; `forget_kept` (an operator accepting the loss) gives them up. A kept
+    directory with nothing left to replay or keep is deleted. `live`: the partitions the
+    file's own segments have frames of; one of them was written since (made anew while
+    its directory was missing), so its kept frames are left for an operator."""
+    for kept in sorted(wal_dir.glob("kept-*")):
+        manifest_path = kept / KEPT_MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_bytes())
+            missing = list(manifest["missing"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # kept before this rule, or for an operator only
+        plans = plan(read_frames(kept)) if missing else {}
+        still: list[str] = []
+        for name in missing:
+            directory = data_dir / name
+            partition_plan = plans.get(name)
+            if partition_plan is None:
+                continue
+            if name in live:
+                event(log, "write-ahead frames kept aside not replayed: the partition was "
+                      "written since", logging.ERROR, partition=name, directory=str(kept))
+            if not directory.is_dir() or name in live:
+                still.append(name)
+                continue
+            partition_log = PartitionLog(directory, config)
+            try:
+                if partition_log.data_loss is not None:
+                    still.append(name)
+                    continue
+                verdict = _same_log(partition_log, partition_plan)
+                if verdict:
+                    event(log, "write-ahead frames kept aside not replayed: the directory "
+                          "back holds another log", logging.ERROR, partition=name,
+                          directory=str(kept), detail=verdict)
+                    continue
+                count = replay_into(partition_log, partition_plan)
+                event(log, "write-ahead frames kept aside replayed into a directory back",
+                      logging.WARNING, partition=name, directory=str(kept), batches=count,
+                      log_end_offset=partition_log.log_end_offset)
+            finally:
+                partition_log.close()
+        if still or manifest.get("data_loss"):
+            if still != missing:
+                manifest["missing"] = still
+                write_atomically(manifest_path, json.dumps(manifest).encode())
+        else:
+            for path in kept.iterdir():
+                path.unlink()
+            kept.rmdir()
+        fsync_directory(wal_dir)
+
+
+def _same_log(partition_log: PartitionLog, partition_plan: Plan) -> str:
+    """"" when `partition_log` may be continued from `partition_plan` (its batches from
+    the plan's start, up to where the plan ends, are the plan's own), else why not."""
+    if partition_plan.error is not None:
+        return f"the frames contradict each other: {partition_plan.error}"
+    start = partition_plan.start
+    upto = min(partition_log.log_end_offset, partition_plan.end)
+    if upto <= start or start < partition_log.log_start_offset:
+        return ""  # nothing to compare: replay_into appends, or finds data missing
+    held, _ = partition_log.read(start, 1 << 62, upto)
+    framed = b"".join(bytes(data) for base, _, data in partition_plan.batches if base < upto)
+    if not held or held != framed[:len(held)]:
+        return (f"its batches from offset {start} differ from the frames' (another copy of "
+                "the partition)")
+    return ""
+
+
+def forget_kept(wal_dir: Path, name: str) -> None:
+    """Give up the frames kept aside for partition `name` (its loss accepted by an
+    operator: its directory starts anew and must never get them). Blocking."""
+    for kept in sorted(wal_dir.glob("kept-*")):
+        manifest_path = kept / KEPT_MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        changed = False
+        for key in ("missing", "data_loss"):
+            if isinstance(manifest.get(key), list) and name in manifest[key]:
+                manifest[key].remove(name)
+                changed = True
+        if changed:
+            write_atomically(manifest_path, json.dumps(manifest).encode())
+            event(log, "write-ahead frames kept aside given up: the partition's loss was "
+                  "accepted", partition=name, directory=str(kept))
+
+
 def replay_leftover(directory: Path, data_dir: Path, config: LogConfig) -> dict | None:
     """A server started in another durability mode over a write-ahead file left by an
     earlier one (`partition.durability` changed from wal): what the file holds goes into
@@ -564,37 +669,42 @@ class WriteAheadLog:
         segments name into its directory under `data_dir`, fsync it and close it, then
         delete the segments. A partition whose directory is gone (its topic deleted, or
         the directory lost) is skipped. If one was skipped, or one is in DATA_LOSS, the
-        segments are kept aside for an operator (`wal/kept-<unix ms>/`) instead of
-        deleted. `config`: the server's storage settings (any topic's batch size is
-        taken). Returns {name: batches replayed}."""
+        segments are kept aside (`wal/kept-<unix ms>/`) instead of deleted, with a list
+        of those partitions (KEPT_MANIFEST): one whose directory comes back is replayed
+        from them at a later start (`replay_kept`). `config`: the server's storage
+        settings (any topic's batch size is taken). Returns {name: batches replayed}."""
         self.directory.mkdir(parents=True, exist_ok=True)
         config = dataclasses.replace(config, max_batch_bytes=(1 << 31) - 1)
         plans = plan(read_frames(self.directory))
+        replay_kept(self.directory, data_dir, config, live=set(plans))
         replayed: dict[str, int] = {}
-        unreplayed: list[str] = []
+        missing: list[str] = []
+        lost: list[str] = []
         for name, partition_plan in plans.items():
             directory = data_dir / name
             if not directory.is_dir():
                 event(log, "write-ahead frames of a partition with no directory skipped",
                       logging.WARNING, partition=name)
-                unreplayed.append(name)
+                missing.append(name)
                 continue
             partition_log = PartitionLog(directory, config)
             try:
                 replayed[name] = replay_into(partition_log, partition_plan)
                 if partition_log.data_loss is not None:
-                    unreplayed.append(name)
+                    lost.append(name)
             finally:
                 partition_log.close()
         segments = [segment_path(self.directory, s) for s in list_segments(self.directory)]
-        if unreplayed and any(path.stat().st_size for path in segments):
+        if (missing or lost) and any(path.stat().st_size for path in segments):
             kept = self.directory / f"kept-{int(time.time() * 1000)}"
             kept.mkdir()
             for path in segments:
                 path.rename(kept / path.name)
+            write_atomically(kept / KEPT_MANIFEST, json.dumps(
+                {"missing": sorted(missing), "data_loss": sorted(lost)}).encode())
             fsync_directory(kept)
             event(log, "write-ahead segments kept aside: partitions not replayed",
-                  logging.ERROR, partitions=sorted(unreplayed), directory=str(kept))
+                  logging.ERROR, partitions=sorted(missing + lost), directory=str(kept))
         else:
             for path in segments:
                 path.unlink()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -824,3 +825,85 @@ def test_a_segment_is_not_preallocated_where_the_disk_has_little_room(tmp_path, 
     with pytest.raises(OSError):
         wal_module.preallocate(tmp_path / "prepared.wal.next", 1 << 20)
     assert list(tmp_path.iterdir()) == []
+
+
+def _lose_a_directory_then_put_it_back(tmp_path: Path, written: int) -> list[tuple[int, bytes]]:
+    """Partition t-1's last `written` batches were acknowledged (durable in the write-
+    ahead file) and not checkpointed; a power cut left its files without them; a start
+    found its directory missing (moved aside) and kept the file's segments aside; the
+    directory came back before the next start. Returns t-1's batches before the cut."""
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        for owner, count in zip(node.owners, (1, written), strict=True):
+            for sequence in range(0, 2 * count, 2):
+                b = batch(1, sequence)
+                await owner.produce([(b, parse_header(b))])
+        before = read_all(node.owners[1])
+        await node.crash(AtTheFloor(), wal_sizes(node.wal))
+        assert read_all(node.owners[1]) == []  # its files lost what they were not synced with
+        (tmp_path / "p" / "t-1").rename(tmp_path / "aside")
+        node = Node(tmp_path, 1)  # (as the server would: t-1 is not opened empty)
+        await node.start()
+        b = batch(2, 0)
+        await node.owners[0].produce([(b, parse_header(b))])
+        await node.close()
+        (tmp_path / "aside").rename(tmp_path / "p" / "t-1")
+        return before
+
+    return asyncio.run(scenario())
+
+
+def test_frames_kept_aside_for_a_missing_directory_are_replayed_when_it_comes_back(tmp_path):
+    """What a lost directory held only in the page cache, acknowledged through the write-
+    ahead file, comes back with it (found by the chaos harness: seed 2932, `ctp`, the
+    combined server: a `misplace` of its directories, a power cut right after they were
+    put back, and 159 acknowledged writes gone, their offsets handed out again)."""
+    before = _lose_a_directory_then_put_it_back(tmp_path, 3)
+    [kept] = (tmp_path / "wal").glob("kept-*")
+    assert (kept / "kept.json").read_text() == '{"missing": ["t-1"], "data_loss": []}'
+
+    async def reopened():
+        node = Node(tmp_path, 2)
+        await node.start()
+        assert node.owners[1].state is State.ONLINE
+        assert node.owners[1].log.high_watermark == 6 and read_all(node.owners[1]) == before
+        assert node.owners[0].log.high_watermark == 4
+        assert not list((tmp_path / "wal").glob("kept-*"))  # nothing left to keep
+        await node.close()
+
+    asyncio.run(reopened())
+
+
+def test_kept_frames_go_only_into_their_own_log_and_never_after_the_loss_was_accepted(tmp_path):
+    """A directory back that holds other batches where the frames begin is another log:
+    it is left as it is. And an operator's accepting the loss (RecoverPartition calls
+    forget_kept) gives the frames up for good."""
+    from partition_server.log import PartitionLog
+    from partition_server.wal import forget_kept
+
+    _lose_a_directory_then_put_it_back(tmp_path / "other", 2)
+    directory = tmp_path / "other" / "p" / "t-1"
+    shutil.rmtree(directory)
+    directory.mkdir()
+    other = PartitionLog(directory, SETTINGS.log)
+    other.append([batch(7, 0)])
+    other.flush()
+    other.close()
+
+    _lose_a_directory_then_put_it_back(tmp_path / "forgotten", 2)
+    forget_kept(tmp_path / "forgotten" / "wal", "t-1")
+    [kept] = (tmp_path / "forgotten" / "wal").glob("kept-*")
+    assert (kept / "kept.json").read_text() == '{"missing": [], "data_loss": []}'
+
+    async def reopened(root: Path) -> list:
+        node = Node(root, 2)
+        await node.start()
+        headers = [header for header, _ in read_headers(node.owners[1])]
+        await node.close()
+        assert not list((root / "wal").glob("kept-*"))
+        return headers
+
+    [only] = asyncio.run(reopened(tmp_path / "other"))
+    assert only.producer_id == 7 and only.base_offset == 0
+    assert asyncio.run(reopened(tmp_path / "forgotten")) == []
