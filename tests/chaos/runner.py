@@ -786,29 +786,38 @@ class Run:
         return lambda: [self.restart(name) for name in victims]
 
     def misplace(self, fault: nemesis.Fault):
-        """A server started on an empty disk by mistake: killed with SIGKILL, every
-        partition directory it holds moved aside (into `partitions/misplaced`, on the same
-        filesystem), started again after down_s. Each of those partitions must open in
-        DATA_LOSS, not empty at offset 0: checked before the heal (a problem of the run
-        otherwise). Healed by a kill, the directories put back and a start."""
+        """A server started on an empty disk by mistake, or without some of its
+        directories: killed with SIGKILL, every partition directory it holds (half of the
+        faults, by a draw from the seed) or a part of them moved aside (into
+        `partitions/misplaced`, on the same filesystem), started again after down_s. Each
+        moved partition must open in DATA_LOSS, not empty at offset 0, and none of the
+        others in DATA_LOSS: checked before the heal (a problem of the run otherwise).
+        Healed by a kill, the directories put back and a start."""
         target = fault.target
         self.kill(target)
         partitions = Path(self.entry(self.cluster, target).data_dir) / "partitions"
         aside = partitions / "misplaced"
-        moved = sorted(child.name for child in partitions.iterdir()
-                       if child.is_dir() and PARTITION_DIRECTORY.match(child.name))
+        held = sorted(child.name for child in partitions.iterdir()
+                      if child.is_dir() and PARTITION_DIRECTORY.match(child.name))
+        # (A draw of its own: the schedule, and so every seed's faults, stay as they were.)
+        draw = random.Random(f"misplace/{self.options.seed}/{fault.at_s}/{target}")
+        moved = held
+        if len(held) > 1 and draw.random() < 0.5:
+            moved = sorted(draw.sample(held, draw.randint(1, len(held) - 1)))
+        kept = sorted(set(held) - set(moved))
         aside.mkdir(exist_ok=True)
         for name in moved:
             (partitions / name).rename(aside / name)
         fsync_directory(aside)  # a swapped disk stays swapped over a power cut
         fsync_directory(partitions)
-        self.log.record("nemesis-target", fault="misplace", server=target, moved=moved)
-        self.say(f"  {target}: {len(moved)} partition directories moved aside")
+        self.log.record("nemesis-target", fault="misplace", server=target, moved=moved,
+                        kept=kept)
+        self.say(f"  {target}: {len(moved)} of {len(held)} partition directories moved aside")
         self.wait_until(time.monotonic() + fault.down_s)
         self.restart(target)
 
         def heal() -> None:
-            self.check_lost_copies(target, moved)
+            self.check_lost_copies(target, moved, kept)
             self.kill(target)
             for name in moved:
                 shutil.rmtree(partitions / name, ignore_errors=True)  # its DATA_LOSS copy
@@ -820,10 +829,10 @@ class Run:
             self.restart(target)
         return heal
 
-    def check_lost_copies(self, server: str, moved: list[str]) -> None:
+    def check_lost_copies(self, server: str, moved: list[str], kept: list[str]) -> None:
         """The partitions whose directories `server` lost: each must be in DATA_LOSS there
         (LOADING or not answering yet is not a verdict; ONLINE is a problem of the run: a
-        lost copy served empty)."""
+        lost copy served empty). The ones it kept must not be (a copy taken for lost)."""
         from atomlog.v1 import partition_pb2, partition_pb2_grpc
         from spark_client import Client
 
@@ -848,10 +857,15 @@ class Run:
         served = sorted(name for name in moved if states.get(name) == "ONLINE")
         counts = {state: sum(1 for name in moved if states.get(name, "?") == state)
                   for state in sorted({states.get(name, "?") for name in moved})}
-        self.log.record("nemesis-target", fault="misplace-check", server=server, states=counts)
-        self.say(f"  {server}'s lost copies: {counts}")
+        mistaken = sorted(name for name in kept if states.get(name) == "DATA_LOSS")
+        self.log.record("nemesis-target", fault="misplace-check", server=server, states=counts,
+                        kept=len(kept), kept_in_data_loss=mistaken)
+        self.say(f"  {server}'s lost copies: {counts}; of {len(kept)} kept, "
+                 f"{len(mistaken)} in DATA_LOSS")
         if served:
             self.stalls.append(f"misplace: {server} served lost copies empty: {served}")
+        if mistaken:
+            self.stalls.append(f"misplace: {server} took kept copies for lost: {mistaken}")
 
     def kill(self, name: str) -> None:
         """kill -9 of a cluster process, held down until a heal restarts it; returns once
