@@ -564,8 +564,14 @@ def replay_leftover(directory: Path, data_dir: Path, config: LogConfig) -> dict 
     """A server started in another durability mode over a write-ahead file left by an
     earlier one (`partition.durability` changed from wal): what the file holds goes into
     the partitions first, as a start in wal mode would do; the segments go (or are kept
-    aside). None when there is no such file. Blocking."""
-    if not directory.is_dir() or not list_segments(directory):
+    aside), and frames kept aside by an earlier start go into directories that came back
+    (`replay_kept`). None when there is no such file. Blocking."""
+    if not directory.is_dir():
+        return None
+    if not list_segments(directory):
+        if any(directory.glob("kept-*")):
+            replay_kept(directory, data_dir,
+                        dataclasses.replace(config, max_batch_bytes=(1 << 31) - 1))
         return None
     return WriteAheadLog(directory).recover_all(data_dir, config)
 

@@ -924,3 +924,19 @@ def test_kept_frames_go_only_into_their_own_log_and_never_after_the_loss_was_acc
     [only] = asyncio.run(reopened(tmp_path / "other"))
     assert only.producer_id == 7 and only.base_offset == 0
     assert asyncio.run(reopened(tmp_path / "forgotten")) == []
+
+
+def test_a_start_in_another_mode_replays_kept_frames_into_a_directory_back(tmp_path):
+    """partition.durability changed from wal while frames were kept aside for a missing
+    directory: they still go into it once it is back (server.py calls replay_leftover)."""
+    from partition_server.log import PartitionLog
+    from partition_server.wal import replay_leftover
+
+    _lose_a_directory_then_put_it_back(tmp_path, 2)
+    for path in (tmp_path / "wal").glob("*.wal"):  # the clean close checkpointed them
+        path.unlink()
+    assert replay_leftover(tmp_path / "wal", tmp_path / "p", SETTINGS.log) is None
+    log = PartitionLog(tmp_path / "p" / "t-1", SETTINGS.log)
+    assert log.log_end_offset == 4
+    log.close()
+    assert not list((tmp_path / "wal").glob("kept-*"))
