@@ -704,10 +704,11 @@ class WriteAheadLog:
         if (missing or lost) and any(path.stat().st_size for path in segments):
             kept = self.directory / f"kept-{int(time.time() * 1000)}"
             kept.mkdir()
-            for path in segments:
-                path.rename(kept / path.name)
+            # The list first: segments kept without it would never be replayed.
             write_atomically(kept / KEPT_MANIFEST, json.dumps(
                 {"missing": sorted(missing), "data_loss": sorted(lost)}).encode())
+            for path in segments:
+                path.rename(kept / path.name)
             fsync_directory(kept)
             event(log, "write-ahead segments kept aside: partitions not replayed",
                   logging.ERROR, partitions=sorted(missing + lost), directory=str(kept))
