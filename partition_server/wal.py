@@ -81,6 +81,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import struct
 import threading
 import time
@@ -459,6 +460,25 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int
 KEPT_MANIFEST = "kept.json"  # in a kept-aside directory: why its segments were kept
 
 
+def _kept_manifests(wal_dir: Path) -> Iterator[tuple[Path, dict]]:
+    """(kept directory, its manifest {"missing": [...], "data_loss": [...]}), oldest
+    first; directories kept before manifests were written (for an operator only) and
+    unreadable manifests are left out."""
+    for kept in sorted(wal_dir.glob("kept-*")):
+        try:
+            manifest = json.loads((kept / KEPT_MANIFEST).read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and all(
+                isinstance(manifest.get(key), list) for key in ("missing", "data_loss")):
+            yield kept, manifest
+
+
+def _replay_config(config: LogConfig) -> LogConfig:
+    """The storage settings a replay opens partitions with: any topic's batch size."""
+    return dataclasses.replace(config, max_batch_bytes=(1 << 31) - 1)
+
+
 def replay_kept(wal_dir: Path, data_dir: Path, config: LogConfig,
                 live: set[str] | frozenset[str] = frozenset()) -> None:
     """Before a start's replay (blocking): the partitions whose frames an earlier start
@@ -475,13 +495,8 @@ def replay_kept(wal_dir: Path, data_dir: Path, config: LogConfig,
     directory with nothing left to replay or keep is deleted. `live`: the partitions the
     file's own segments have frames of; one of them was written since (made anew while
     its directory was missing), so its kept frames are left for an operator."""
-    for kept in sorted(wal_dir.glob("kept-*")):
-        manifest_path = kept / KEPT_MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_bytes())
-            missing = list(manifest["missing"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # kept before this rule, or for an operator only
+    for kept, manifest in _kept_manifests(wal_dir):
+        missing = list(manifest["missing"])
         plans = plan(read_frames(kept)) if missing else {}
         still: list[str] = []
         for name in missing:
@@ -512,14 +527,12 @@ def replay_kept(wal_dir: Path, data_dir: Path, config: LogConfig,
                       log_end_offset=partition_log.log_end_offset)
             finally:
                 partition_log.close()
-        if still or manifest.get("data_loss"):
+        if still or manifest["data_loss"]:
             if still != missing:
                 manifest["missing"] = still
-                write_atomically(manifest_path, json.dumps(manifest).encode())
+                write_atomically(kept / KEPT_MANIFEST, json.dumps(manifest).encode())
         else:
-            for path in kept.iterdir():
-                path.unlink()
-            kept.rmdir()
+            shutil.rmtree(kept)
         fsync_directory(wal_dir)
 
 
@@ -543,19 +556,14 @@ def _same_log(partition_log: PartitionLog, partition_plan: Plan) -> str:
 def forget_kept(wal_dir: Path, name: str) -> None:
     """Give up the frames kept aside for partition `name` (its loss accepted by an
     operator: its directory starts anew and must never get them). Blocking."""
-    for kept in sorted(wal_dir.glob("kept-*")):
-        manifest_path = kept / KEPT_MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_bytes())
-        except (OSError, ValueError):
-            continue
+    for kept, manifest in _kept_manifests(wal_dir):
         changed = False
         for key in ("missing", "data_loss"):
-            if isinstance(manifest.get(key), list) and name in manifest[key]:
+            if name in manifest[key]:
                 manifest[key].remove(name)
                 changed = True
         if changed:
-            write_atomically(manifest_path, json.dumps(manifest).encode())
+            write_atomically(kept / KEPT_MANIFEST, json.dumps(manifest).encode())
             event(log, "write-ahead frames kept aside given up: the partition's loss was "
                   "accepted", partition=name, directory=str(kept))
 
@@ -570,8 +578,7 @@ def replay_leftover(directory: Path, data_dir: Path, config: LogConfig) -> dict 
         return None
     if not list_segments(directory):
         if any(directory.glob("kept-*")):
-            replay_kept(directory, data_dir,
-                        dataclasses.replace(config, max_batch_bytes=(1 << 31) - 1))
+            replay_kept(directory, data_dir, _replay_config(config))
         return None
     return WriteAheadLog(directory).recover_all(data_dir, config)
 
@@ -680,7 +687,7 @@ class WriteAheadLog:
         from them at a later start (`replay_kept`). `config`: the server's storage
         settings (any topic's batch size is taken). Returns {name: batches replayed}."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        config = dataclasses.replace(config, max_batch_bytes=(1 << 31) - 1)
+        config = _replay_config(config)
         plans = plan(read_frames(self.directory))
         replay_kept(self.directory, data_dir, config, live=set(plans))
         replayed: dict[str, int] = {}
