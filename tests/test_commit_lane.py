@@ -191,8 +191,11 @@ def test_killed_between_staging_and_decision_the_lane_commit_is_presumed_aborted
     held_before = lane(node, "failpoint")
 
     def kill(held, staged) -> None:
-        # Staged by the lane, which handed the decision to the ordinary path, held there.
-        assert lane(node, "failpoint") == held_before + 1
+        # Staged by the lane, which hands the decision to the ordinary path, held there.
+        # The stages show on the partitions before they are durable, and the lane hands
+        # the commit back only once they are: waited for, not read at once.
+        wait_until(lambda: lane(node, "failpoint") == held_before + 1, 10,
+                   "the lane to hand the held decision back")
         kill_and_restart(node, "node-0", held)
 
     killed_between_staging_and_decision_commits_once(

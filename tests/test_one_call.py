@@ -118,9 +118,15 @@ def committed_values(client, topic: str) -> list[bytes]:
 
 
 def settled(client, topic: str, partitions: int) -> bool:
-    """No open transaction, and the max read position at the high watermark, everywhere."""
+    """No open transaction, and the max read position at the high watermark, everywhere
+    (not yet while a partition cannot be described: its server is coming back)."""
     for partition in range(partitions):
-        d = client.describe_partition(topic, partition)
+        try:
+            d = client.describe_partition(topic, partition)
+        except errors.AtomlogClientError as error:
+            if error.retriable:
+                return False
+            raise
         if d.open_transactions or d.max_read_position != d.high_watermark:
             return False
     return True
