@@ -555,14 +555,17 @@ class FaultProxy:
 
     # ---- connections (all on the loop thread)
 
-    def _spawn(self, conn: _Conn, coro) -> None:
-        task = asyncio.get_running_loop().create_task(self._guard(conn, coro))
+    def _spawn(self, conn: _Conn, pump, *args) -> None:
+        """Run `pump(conn, *args)` as a task of the connection. The coroutine is made in
+        the task: a task cancelled before its first step (the connection closed at once)
+        leaves no coroutine that was never awaited."""
+        task = asyncio.get_running_loop().create_task(self._guard(conn, pump, args))
         conn.tasks.add(task)
         task.add_done_callback(conn.tasks.discard)
 
-    async def _guard(self, conn: _Conn, coro) -> None:
+    async def _guard(self, conn: _Conn, pump, args) -> None:
         try:
-            await coro
+            await pump(conn, *args)
         except asyncio.CancelledError:
             pass
         except Exception:
@@ -620,7 +623,7 @@ class FaultProxy:
                 return
             if not started_reading:
                 started_reading = True
-                self._spawn(conn, self._pump_in(conn, creader, conn.up))
+                self._spawn(conn, self._pump_in, creader, conn.up)
             if action != _STALL:
                 break
             if conn.up.eof is not None:
@@ -647,9 +650,9 @@ class FaultProxy:
             return
         conn.uwriter = uwriter
         conn.state = "open"
-        self._spawn(conn, self._pump_out(conn, conn.up, uwriter))
-        self._spawn(conn, self._pump_in(conn, ureader, conn.down))
-        self._spawn(conn, self._pump_out(conn, conn.down, conn.cwriter))
+        self._spawn(conn, self._pump_out, conn.up, uwriter)
+        self._spawn(conn, self._pump_in, ureader, conn.down)
+        self._spawn(conn, self._pump_out, conn.down, conn.cwriter)
 
     def _identify(self, peer: tuple[str, int], listen: tuple[str, int]) -> tuple[int | None, str | None]:
         """Worker thread: the pid and name of the process that owns the peer socket."""
