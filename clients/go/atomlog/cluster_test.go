@@ -787,3 +787,129 @@ func TestClusterProducerProducesOnThePartitionServersLinks(t *testing.T) {
 		}
 	}
 }
+
+func TestClusterDescribePartitionAndResetSubscription(t *testing.T) {
+	c, ctx := cluster(t)
+	name := topic(t, ctx, c, "describe", 1)
+	tp := TopicPartition{Topic: name}
+	producer, err := c.NewProducer(ctx, ProducerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Close(ctx)
+	for i := 0; i < 3; i++ {
+		producer.Send(ctx, name, Record{Value: []byte(fmt.Sprintf("r%d", i))}, ToPartition(0))
+	}
+	if err := producer.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// An open transaction holds the max read position at its first offset.
+	txn, _ := c.BeginTxn(ctx, TxnOptions{Timeout: 30 * time.Second})
+	for i := 3; i < 5; i++ {
+		f, err := producer.Send(ctx, name, Record{Value: []byte(fmt.Sprintf("r%d", i))}, ToPartition(0), InTxn(txn))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	id, _ := txn.ID(ctx)
+	d, err := c.DescribePartition(ctx, tp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.State != "ONLINE" || !d.TransactionBufferReady || d.HighWatermark != 5 || d.MaxReadPosition != 3 ||
+		len(d.OpenTransactions) != 1 || d.OpenTransactions[0].ID != id || d.OpenTransactions[0].FirstOffset != 3 ||
+		d.OpenTransactions[0].LastOffset != 4 || d.OpenTransactions[0].Age < 0 || d.ProducerCount != 1 || d.Raw == nil {
+		t.Fatalf("with %v open: %+v", id, d)
+	}
+	if err := txn.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if d, err = c.DescribePartition(ctx, tp); err != nil {
+			t.Fatal(err)
+		}
+		if len(d.OpenTransactions) == 0 && d.MaxReadPosition == d.HighWatermark && d.HighWatermark == 6 {
+			break // the commit marker at offset 5
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after the commit: %+v", d)
+		}
+	}
+	if _, err := c.DescribePartition(ctx, TopicPartition{Topic: name, Partition: 7}); Reason(err) != ReasonUnknownTopicOrPartition {
+		t.Fatalf("a partition the topic lacks: %v", err)
+	}
+	if _, err := c.DescribePartition(ctx, TopicPartition{Topic: name + "-none"}); Reason(err) != ReasonUnknownTopicOrPartition {
+		t.Fatalf("a topic that does not exist: %v", err)
+	}
+
+	sub, err := c.Subscribe(ctx, []string{name}, "rewind", SubscribeOptions{AckTimeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	receive := func(n int) []Message {
+		var got []Message
+		for deadline := time.Now().Add(20 * time.Second); len(got) < n && time.Now().Before(deadline); {
+			messages, err := sub.Receive(ctx, 300*time.Millisecond, n-len(got))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got = append(got, messages...)
+		}
+		if extra, _ := sub.Receive(ctx, 300*time.Millisecond, 10); len(got) != n || len(extra) != 0 {
+			t.Fatalf("received %v and then %v, want %d", values(got), values(extra), n)
+		}
+		return got
+	}
+	all := receive(5)
+	if err := sub.Ack(ctx, all, nil); err != nil {
+		t.Fatal(err)
+	}
+	rewind := func(to Start, offset int64, want int64) {
+		t.Helper()
+		positions, err := sub.Reset(ctx, to, offset, time.Time{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(positions) != 1 || positions[tp] != want {
+			t.Fatalf("reset to %d (offset %d): %v, want %d", to, offset, positions, want)
+		}
+	}
+	rewind(StartEarliest, 0, 0)
+	if got := values(receive(5)); fmt.Sprint(got) != fmt.Sprint(values(all)) {
+		t.Fatalf("after a reset to the earliest: %v", got)
+	}
+	rewind(StartOffset, 2, 2)
+	again := receive(3)
+	if fmt.Sprint(values(again)) != "[r2 r3 r4]" {
+		t.Fatalf("after a reset to offset 2: %v", values(again))
+	}
+	// A cursor holding a transaction's pending acks is not moved under it.
+	pending, _ := c.BeginTxn(ctx, TxnOptions{Timeout: 30 * time.Second})
+	if err := sub.Ack(ctx, again, pending); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sub.Reset(ctx, StartLatest, 0, time.Time{}); !errors.Is(err, ErrTransactionConflict) {
+		t.Fatalf("a reset under pending acks: %v", err)
+	}
+	if err := pending.Abort(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sub.Reset(ctx, Start(99), 0, time.Time{}); Reason(err) != ReasonInvalidArgument {
+		t.Fatalf("an unknown position: %v", err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if _, err = sub.Reset(ctx, StartLatest, 0, time.Time{}); !errors.Is(err, ErrTransactionConflict) {
+			break // the abort's marker released the pending acks
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the aborted transaction's acks still pending")
+		}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	receive(0)
+}

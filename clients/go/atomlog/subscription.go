@@ -62,17 +62,11 @@ func (c *Client) Subscribe(ctx context.Context, topics []string, name string, op
 			s.partitions = append(s.partitions, TopicPartition{Topic: topic, Partition: p})
 		}
 	}
-	position := map[Start]pb.SubscriptionInitialPosition{
-		StartEarliest:  pb.SubscriptionInitialPosition_SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
-		StartLatest:    pb.SubscriptionInitialPosition_SUBSCRIPTION_INITIAL_POSITION_LATEST,
-		StartOffset:    pb.SubscriptionInitialPosition_SUBSCRIPTION_INITIAL_POSITION_OFFSET,
-		StartTimestamp: pb.SubscriptionInitialPosition_SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP,
-	}[opts.Start]
-	var timestampMs int64
-	if !opts.StartTimestamp.IsZero() {
-		timestampMs = opts.StartTimestamp.UnixMilli()
+	position, timestampMs, err := positionOf(opts.Start, opts.StartTimestamp)
+	if err != nil {
+		return nil, err
 	}
-	err := callOwners(ctx, c, s.partitions, func(actx context.Context, stub pb.PartitionServiceClient,
+	err = callOwners(ctx, c, s.partitions, func(actx context.Context, stub pb.PartitionServiceClient,
 		group []TopicPartition) ([]*pb.ItemError, error) {
 		request := &pb.CreateSubscriptionRequest{InitialPosition: position, StartOffset: opts.StartOffset,
 			TimestampUnixMs: timestampMs}
@@ -91,6 +85,25 @@ func (c *Client) Subscribe(ctx context.Context, topics []string, name string, op
 		return nil, err
 	}
 	return s, nil
+}
+
+// positionOf is a Start as the wire's position, and a time as Unix milliseconds (0
+// for none).
+func positionOf(start Start, at time.Time) (pb.SubscriptionInitialPosition, int64, error) {
+	position, ok := map[Start]pb.SubscriptionInitialPosition{
+		StartEarliest:  pb.SubscriptionInitialPosition_SUBSCRIPTION_INITIAL_POSITION_EARLIEST,
+		StartLatest:    pb.SubscriptionInitialPosition_SUBSCRIPTION_INITIAL_POSITION_LATEST,
+		StartOffset:    pb.SubscriptionInitialPosition_SUBSCRIPTION_INITIAL_POSITION_OFFSET,
+		StartTimestamp: pb.SubscriptionInitialPosition_SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP,
+	}[start]
+	if !ok {
+		return 0, 0, errorf(ReasonInvalidArgument, "unknown start position %d", start)
+	}
+	var timestampMs int64
+	if !at.IsZero() {
+		timestampMs = at.UnixMilli()
+	}
+	return position, timestampMs, nil
 }
 
 func itemErrors[R any](n int, results []R, errorOf func(R) *pb.ItemError) []*pb.ItemError {
@@ -412,6 +425,44 @@ func (s *Subscription) Describe(ctx context.Context) ([]Cursor, error) {
 	})
 	sort.Slice(out, func(i, j int) bool {
 		return out[i].Topic < out[j].Topic || (out[i].Topic == out[j].Topic && out[i].Partition < out[j].Partition)
+	})
+	return out, err
+}
+
+// Reset moves the subscription's cursor on every partition it reads (for every
+// consumer of it): to StartEarliest, StartLatest, StartOffset (offset, clamped to what
+// each partition holds) or StartTimestamp (the first batch at or after at). What was
+// acknowledged past the new position is read again; what lay before it is skipped.
+// A cursor holding a transaction's pending acks refuses (TRANSACTION_CONFLICT). Returns
+// each partition's new position (the offset below which everything counts as acked).
+func (s *Subscription) Reset(ctx context.Context, to Start, offset int64, at time.Time) (map[TopicPartition]int64, error) {
+	position, timestampMs, err := positionOf(to, at)
+	if err != nil {
+		return nil, err
+	}
+	var mu sync.Mutex
+	out := map[TopicPartition]int64{}
+	err = callOwners(ctx, s.c, s.partitions, func(actx context.Context, stub pb.PartitionServiceClient,
+		group []TopicPartition) ([]*pb.ItemError, error) {
+		request := &pb.ResetSubscriptionRequest{Position: position, Offset: offset,
+			TimestampUnixMs: timestampMs}
+		for _, tp := range group {
+			request.SubscriptionPartitions = append(request.SubscriptionPartitions, s.sp(tp).proto())
+		}
+		reply, err := stub.ResetSubscription(actx, request)
+		if err != nil {
+			return nil, err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		for i, result := range reply.GetResults() {
+			if i < len(group) && result.GetError().GetReason() == "" {
+				out[group[i]] = result.GetCumulativeEndOffset()
+			}
+		}
+		return itemErrors(len(group), reply.GetResults(), func(r *pb.ResetSubscriptionResult) *pb.ItemError {
+			return r.GetError()
+		}), nil
 	})
 	return out, err
 }
