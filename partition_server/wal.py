@@ -94,7 +94,7 @@ import crc32c
 from prometheus_client import Gauge
 
 from partition_server import durability
-from partition_server.log import LogConfig, PartitionLog, _writev_all
+from partition_server.log import DATA_LOSS_FILE, LogConfig, PartitionLog, _writev_all
 from partition_server.record_batch import iter_batches, parse_header
 from partition_server.snapshot_files import fsync_directory, write_atomically
 from services import failpoints
@@ -551,6 +551,54 @@ def _same_log(partition_log: PartitionLog, partition_plan: Plan) -> str:
         return (f"its batches from offset {start} differ from the frames' (another copy of "
                 "the partition)")
     return ""
+
+
+KEPT_STATES = {
+    "pending": "its directory was missing: replayed into it at the server's next start "
+               "once it is back",
+    "data-loss": "its copy was in DATA_LOSS: given up when its loss is accepted "
+                 "(atomlog partition recover)",
+    "done": "nothing left to do here (replayed, or given up)",
+    "no-manifest": "kept before the server listed why (2026-12-05): never replayed; an "
+                   "operator's to read",
+}
+
+
+def describe_kept(wal_dir: Path, data_dir: Path) -> list[dict]:
+    """What the write-ahead file's kept-aside directories hold, for an operator (`atomlog
+    partition kept-frames`), read-only: per kept directory and partition with frames in
+    it, the offsets they cover, what becomes of them (KEPT_STATES) and the partition's
+    directory now ("present", "missing", or "data-loss": present with a loss marker)."""
+    manifests = dict(_kept_manifests(wal_dir))
+    rows = []
+    for kept in sorted(wal_dir.glob("kept-*")):
+        manifest = manifests.get(kept)
+        stamp = kept.name.removeprefix("kept-")
+        kept_at_ms = int(stamp) if stamp.isdigit() else None
+        try:
+            plans = plan(read_frames(kept))
+        except OSError as error:
+            rows.append({"kept": kept.name, "kept_at_ms": kept_at_ms, "partition": None,
+                         "status": "unreadable", "detail": f"{type(error).__name__}: {error}"})
+            continue
+        for name, partition_plan in sorted(plans.items()):
+            if manifest is None:
+                status = "no-manifest"
+            elif name in manifest["missing"]:
+                status = "pending"
+            elif name in manifest["data_loss"]:
+                status = "data-loss"
+            else:
+                status = "done"
+            directory = data_dir / name
+            rows.append({
+                "kept": kept.name, "kept_at_ms": kept_at_ms, "partition": name,
+                "status": status, "first_offset": partition_plan.start,
+                "end_offset": partition_plan.end, "batches": len(partition_plan.batches),
+                "directory": ("missing" if not directory.is_dir() else "data-loss"
+                              if (directory / DATA_LOSS_FILE).exists() else "present"),
+                "detail": partition_plan.error or KEPT_STATES[status]})
+    return rows
 
 
 def forget_kept(wal_dir: Path, name: str) -> None:

@@ -1042,6 +1042,61 @@ def partition_recover_lost(server_name: str, accept_data_loss: bool, include_int
         sys.exit(1)
 
 
+@partition.command("kept-frames")
+@click.argument("server", metavar="SERVER")
+@data_dir_option
+@output_option
+def partition_kept_frames(server: str, data_dir: Path, output: str) -> None:
+    """What a partition server keeps aside of its write-ahead file, read offline.
+
+    A start that found partitions' directories missing (a disk swapped, directories
+    moved) or their copies in DATA_LOSS keeps the write-ahead file's segments aside
+    (wal/kept-<ms>/) instead of deleting them: acknowledged writes that a lost directory
+    held only in the page cache are there. SERVER is a partition server of the local
+    cluster in --data-dir (its data is DATA_DIR/SERVER), or the path of a server's data
+    directory (its server.data_dir). Lists, per kept directory and partition, the offsets
+    the frames cover and what becomes of them: `pending` (replayed at the server's next
+    start once the directory is back), `data-loss` (given up once the loss is accepted),
+    `done`, or `no-manifest` (kept before 2026-12-05; never replayed, for an operator).
+    Changes nothing; safe while the server runs. A kept directory the server no longer
+    needs is deleted by its next start. A pending partition whose directory shows
+    `data-loss` is the lost copy the server opened in its place: restore the directory
+    and restart the server, or accept the loss (`atomlog partition recover`). Exits 1 if
+    a kept directory could not be read.
+
+    \b
+    Examples:
+      atomlog partition kept-frames ps-1
+      atomlog partition kept-frames /var/lib/atomlog -o json
+    """
+    from partition_server.wal import describe_kept
+
+    path = Path(server)
+    root = path if ("/" in server or path.is_absolute()) else data_dir / server
+    wal_dir = root / "wal"
+    if not root.is_dir():
+        fail(f"no server data directory {root}")
+    rows = describe_kept(wal_dir, root / "partitions") if wal_dir.is_dir() else []
+    if output == "json":
+        click.echo(json.dumps(rows, indent=2))
+    elif not rows:
+        console.print(f"{root}: nothing kept aside", highlight=False)
+    else:
+        table = Table(title=f"write-ahead frames kept aside in {wal_dir}")
+        for column in ("kept", "partition", "status", "offsets", "batches", "directory",
+                       "detail"):
+            table.add_column(column)
+        for row in rows:
+            offsets = (f"[{row['first_offset']}, {row['end_offset']})" if "first_offset" in row
+                       else "")
+            table.add_row(row["kept"], row["partition"] or "", row["status"], offsets,
+                          str(row.get("batches", "")), row.get("directory", ""),
+                          escape(row["detail"]))
+        console.print(table)
+    if any(row["status"] == "unreadable" for row in rows):
+        sys.exit(1)
+
+
 @partition.command("scrub")
 @click.argument("topic_name", metavar="[TOPIC", required=False)
 @click.argument("number", metavar="[PARTITION]]", type=int, required=False)

@@ -13,6 +13,7 @@ segments below every checkpoint go."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -940,3 +941,43 @@ def test_a_start_in_another_mode_replays_kept_frames_into_a_directory_back(tmp_p
     assert log.log_end_offset == 4
     log.close()
     assert not list((tmp_path / "wal").glob("kept-*"))
+
+
+def test_an_operator_sees_what_is_kept_aside_and_what_becomes_of_it(tmp_path):
+    """`atomlog partition kept-frames` (wal.describe_kept): per kept directory and
+    partition, the offsets its frames cover, their fate and the directory's state; read
+    only. A kept directory from before manifests is shown as never replayed."""
+    from partition_server.wal import describe_kept
+    from tests.conftest import atomlog
+
+    _lose_a_directory_then_put_it_back(tmp_path, 3, 1)
+    [kept] = (tmp_path / "wal").glob("kept-*")
+    shutil.copytree(kept, tmp_path / "wal" / "kept-1", ignore=shutil.ignore_patterns("kept.json"))
+    rows = describe_kept(tmp_path / "wal", tmp_path / "p")
+    fates = [(r["kept"], r["partition"], r["status"], r["first_offset"], r["end_offset"],
+              r["batches"], r["directory"]) for r in rows]
+    assert fates == [
+        ("kept-1", "t-0", "no-manifest", 0, 2, 1, "present"),
+        ("kept-1", "t-1", "no-manifest", 0, 6, 3, "present"),
+        (kept.name, "t-0", "done", 0, 2, 1, "present"),  # replayed by the start that kept it
+        (kept.name, "t-1", "pending", 0, 6, 3, "present"),  # its directory is back
+    ]
+    assert rows[3]["kept_at_ms"] == int(kept.name.removeprefix("kept-"))
+    (tmp_path / "p" / "t-1" / "data-loss.json").write_text("{}")  # (only looked at)
+    assert describe_kept(tmp_path / "wal", tmp_path / "p")[3]["directory"] == "data-loss"
+    (tmp_path / "p" / "t-1" / "data-loss.json").unlink()
+
+    # The command reads a server's data directory (wal/ and partitions/ under it).
+    server = tmp_path / "server"
+    server.mkdir()
+    (tmp_path / "wal").rename(server / "wal")
+    (tmp_path / "p").rename(server / "partitions")
+    before = sorted(str(p) for p in server.rglob("*"))
+    assert json.loads(atomlog("partition", "kept-frames", str(server), "-o", "json").stdout) \
+        == rows
+    table = atomlog("partition", "kept-frames", str(server)).stdout
+    assert "pending" in table and "no-manifest" in table
+    assert sorted(str(p) for p in server.rglob("*")) == before  # nothing changed
+    refused = atomlog("partition", "kept-frames", "ps-9", "--data-dir", str(tmp_path),
+                      check=False)
+    assert refused.returncode == 1 and "no server data directory" in refused.stderr
