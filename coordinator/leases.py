@@ -96,6 +96,9 @@ STOP_WAIT_S = 5.0
 
 TC_PARTITIONS_OWNED = Gauge("atomlog_coordinator_tc_partitions_owned",
                             "TC partitions this coordinator holds the lease of.")
+TC_PARTITIONS = Gauge("atomlog_coordinator_tc_partitions",
+                      "The cluster's TC partitions (cluster.tc_partitions, fixed when it was "
+                      "created): what the coordinators' owned ones should add up to.")
 LEASE_ACQUIRED = Counter("atomlog_coordinator_lease_acquired_total",
                          "TC partition leases acquired.")
 LEASE_LOST = Counter("atomlog_coordinator_lease_lost_total",
@@ -235,6 +238,7 @@ class LeaseManager:
         self.zk = zk
         self.name = name
         self.tc_partitions = tc_partitions
+        TC_PARTITIONS.set(tc_partitions)
         self.on_acquired = on_acquired
         self.on_lost = on_lost
         self.new_log_producer_id = new_log_producer_id

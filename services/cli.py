@@ -65,7 +65,8 @@ def cli() -> None:
 @click.option("--id-allocators", default=1, show_default=True, type=click.IntRange(1, 16))
 @click.option("--combined", is_flag=True,
               help="One process hosting every role (the single-node server) instead of "
-                   "one process per role; the counts above are then ignored.")
+                   "one process per role; the counts above are then ignored. A new one is "
+                   "created with 1 TC partition (cluster.tc_partitions) unless --set.")
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
               help="A server setting for every process (kept in cluster.json); repeatable.")
 @click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for SERVING.")

@@ -163,7 +163,9 @@ COMMON: tuple[Setting, ...] = (
             "step (the cluster znode, the registration) through a lost connection or an "
             "expired session.", minimum=1_000, maximum=600_000),
     Setting("cluster.tc_partitions", int, 16, "Number of TC partitions; fixed when the cluster "
-            "is created (Pulsar's default, 16). A server configured differently refuses to start.",
+            "is created (Pulsar's default, 16; a local combined cluster made by `atomlog up "
+            "--combined` is created with 1 unless set, kept in its cluster.json). A server "
+            "configured differently refuses to start.",
             minimum=1, maximum=1_024),
     Setting("topics.max_partitions", int, 1_024, "Largest partition count a topic may have.",
             minimum=1, maximum=100_000),

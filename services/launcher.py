@@ -53,6 +53,10 @@ PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
 ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server": "ps",
                "combined": "node"}
 START_ORDER = ("zookeeper", "id_allocator", "coordinator", "partition_server", "combined")
+# The TC partitions of a new local cluster whose only role is the combined server, unless
+# set: its one event loop gains nothing from 16, and with one the commit lane's decisions
+# of a group share one TC-log append (docs/benchmarks.md, "The thirty-fifth session").
+COMBINED_TC_PARTITIONS = 1
 SERVES_PARTITIONS = ("partition_server", "combined")
 # The local Prometheus: short intervals, so a rate() has points seconds after `up`.
 PROMETHEUS_INTERVAL = "2s"
@@ -294,6 +298,10 @@ def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str],
         cluster.processes.append(ProcessEntry(
             "zookeeper", "zookeeper", f"127.0.0.1:{zk_port}",
             data_dir=str(data_dir / "zookeeper"), log_file=str(data_dir / "logs" / "zookeeper.log")))
+    if not cluster.settings and set(counts) <= {"combined"} \
+            and not any(p.role != "zookeeper" for p in cluster.processes):
+        # A new combined cluster (the count is fixed at creation: kept in cluster.json).
+        cluster.settings["cluster.tc_partitions"] = str(COMBINED_TC_PARTITIONS)
     cluster.settings.update(settings)
     for role in START_ORDER[1:]:
         existing = [p for p in cluster.processes if p.role == role]

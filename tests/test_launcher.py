@@ -203,3 +203,27 @@ def test_a_process_advertises_its_own_address_and_gets_its_own_environment(tmp_p
         assert json.loads(data)["grpc_address"] == entry.advertised_address
     finally:
         launcher.down(tmp_path, timeout_s=10)
+
+
+def test_a_new_combined_cluster_gets_one_tc_partition_unless_set_and_an_old_one_keeps_its_own(
+        tmp_path):
+    """cluster.tc_partitions is fixed at creation: only a new combined cluster gets
+    COMBINED_TC_PARTITIONS (saved in cluster.json, so every later `up` passes it); a
+    count given wins; a cluster of separate roles, and a combined cluster made before
+    (no count in its file: its ZooKeeper holds 16), keep the default."""
+    for name in ("new", "given", "roles", "old"):
+        (tmp_path / name).mkdir()
+    combined = launcher.plan(tmp_path / "new", {"combined": 1}, {})
+    assert combined.settings == {"cluster.tc_partitions": str(launcher.COMBINED_TC_PARTITIONS)}
+    combined.save(tmp_path / "new")
+    assert launcher.plan(tmp_path / "new", {"combined": 1}, {}).settings == combined.settings
+    assert launcher.tc_partition_count(tmp_path / "new") == launcher.COMBINED_TC_PARTITIONS
+    given = launcher.plan(tmp_path / "given", {"combined": 1}, {"cluster.tc_partitions": "4"})
+    assert given.settings == {"cluster.tc_partitions": "4"}
+    assert launcher.plan(tmp_path / "roles", {"partition_server": 1, "coordinator": 1,
+                                              "id_allocator": 1}, {}).settings == {}
+    old = launcher.plan(tmp_path / "old", {"combined": 1}, {})
+    old.settings.clear()  # as made before the count was set for combined clusters
+    old.save(tmp_path / "old")
+    assert launcher.plan(tmp_path / "old", {"combined": 1}, {}).settings == {}
+    assert launcher.tc_partition_count(tmp_path / "old") == 16
