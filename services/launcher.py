@@ -298,10 +298,8 @@ def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str],
         cluster.processes.append(ProcessEntry(
             "zookeeper", "zookeeper", f"127.0.0.1:{zk_port}",
             data_dir=str(data_dir / "zookeeper"), log_file=str(data_dir / "logs" / "zookeeper.log")))
-    if not cluster.settings and set(counts) <= {"combined"} \
-            and not any(p.role != "zookeeper" for p in cluster.processes):
-        # A new combined cluster (the count is fixed at creation: kept in cluster.json).
-        cluster.settings["cluster.tc_partitions"] = str(COMBINED_TC_PARTITIONS)
+        if set(counts) <= {"combined"}:  # the count is fixed at creation: kept in cluster.json
+            cluster.settings["cluster.tc_partitions"] = str(COMBINED_TC_PARTITIONS)
     cluster.settings.update(settings)
     for role in START_ORDER[1:]:
         existing = [p for p in cluster.processes if p.role == role]
