@@ -944,7 +944,7 @@ async def install(runtime) -> list[str]:
                        for name in Limits.__dataclass_fields__})
     settings = Settings(**{f.name: config[f"coordinator.{f.name}"]
                            for f in fields(Settings)})
-    tc_partitions = config["cluster.tc_partitions"]
+    tc_partitions = runtime.tc_partitions
     producer_ids = ProducerIds(runtime.metadata, requester=runtime.name)
     routes = PartitionRoutes(runtime.metadata, config["coordinator.partition_link"])
     markers = MarkerChannel(routes, config["coordinator.marker_batch_max"],

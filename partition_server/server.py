@@ -108,7 +108,7 @@ def add_partition_service(servicer, server) -> None:
 async def install(runtime) -> list[str]:
     config = runtime.config
     durability.barrier().use_ring(config["partition.fsync_ring"])
-    epochs = CoordinatorEpochs(runtime.zk, config["cluster.tc_partitions"])
+    epochs = CoordinatorEpochs(runtime.zk, runtime.tc_partitions)
     await asyncio.to_thread(epochs.start)
     settings = owner_settings(config)
     wal = None

@@ -66,7 +66,8 @@ def cli() -> None:
 @click.option("--combined", is_flag=True,
               help="One process hosting every role (the single-node server) instead of "
                    "one process per role; the counts above are then ignored. A new one is "
-                   "created with 1 TC partition (cluster.tc_partitions) unless --set.")
+                   "created with 1 TC partition, as the combined server creates a "
+                   "cluster, unless --set cluster.tc_partitions=N.")
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
               help="A server setting for every process (kept in cluster.json); repeatable.")
 @click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for SERVING.")
@@ -158,9 +159,10 @@ def status(data_dir: Path, output: str, token_file: str | None) -> None:
 
     _TLS_FLAGS["token_file"] = token_file
     try:
-        rows = launcher.status(data_dir, token=_token())
+        report = launcher.status(data_dir, token=_token())
     except launcher.LaunchError as error:
         fail(str(error))
+    rows = report.processes
     replication = _replication_summary(data_dir, [r.grpc_address for r in rows
                                                   if r.health == "SERVING"
                                                   and r.role != "zookeeper"])
@@ -171,6 +173,7 @@ def status(data_dir: Path, output: str, token_file: str | None) -> None:
     tls = {k: v for k, v in cluster.tls.items() if k != "dir"} if cluster and cluster.tls else {}
     if output == "json":
         click.echo(json.dumps({"healthy": healthy, "processes": [asdict(r) for r in rows],
+                               "tc_partitions": report.tc_partitions,
                                **({"replication": replication} if replication else {}),
                                **({"prometheus": prometheus} if prometheus else {}),
                                **({"tls": tls} if tls else {})}, indent=2))
@@ -187,7 +190,7 @@ def status(data_dir: Path, output: str, token_file: str | None) -> None:
                           str(len(r.tc_partitions)) if r.role in ("coordinator", "combined") else "")
         console.print(table)
         owned = sum(len(r.tc_partitions) for r in rows)
-        total = launcher.tc_partition_count(data_dir)
+        total = report.tc_partitions  # 0: no server answered, and cluster.json does not say
         if owned < total:
             console.print(f"[yellow]{owned} of {total} TC partitions leased; the others are "
                           "moving between coordinators (seconds) or no coordinator is up[/]")

@@ -19,6 +19,19 @@ ROLES = ("partition_server", "coordinator", "id_allocator")
 # One process hosting every role (`atomlog serve combined`): the single-node server.
 COMBINED = "combined"
 SERVE_ROLES = (*ROLES, COMBINED)
+# The TC partitions a new cluster gets when cluster.tc_partitions is unset (0): Pulsar's
+# 16, or 1 when a combined server creates it. On one event loop, 16 buy no parallelism,
+# and the commit lane's decisions share a TC-log append only within a TC partition
+# (docs/benchmarks.md, "The thirty-fifth session": 18% less event-loop time a small
+# transaction with 1).
+DEFAULT_TC_PARTITIONS = 16
+COMBINED_TC_PARTITIONS = 1
+
+
+def tc_partitions_created_by(role: str) -> int:
+    """The TC partitions of a cluster a server of `role` creates with cluster.tc_partitions
+    unset."""
+    return COMBINED_TC_PARTITIONS if role == COMBINED else DEFAULT_TC_PARTITIONS
 
 
 def hosted_roles(role: str) -> tuple[str, ...]:
@@ -162,11 +175,13 @@ COMMON: tuple[Setting, ...] = (
             "ZooKeeper before giving up: for the first connection, and for each start-up "
             "step (the cluster znode, the registration) through a lost connection or an "
             "expired session.", minimum=1_000, maximum=600_000),
-    Setting("cluster.tc_partitions", int, 16, "Number of TC partitions; fixed when the cluster "
-            "is created (Pulsar's default, 16; a local combined cluster made by `atomlog up "
-            "--combined` is created with 1 unless set, kept in its cluster.json). A server "
-            "configured differently refuses to start.",
-            minimum=1, maximum=1_024),
+    Setting("cluster.tc_partitions", int, 0, "Number of TC partitions; fixed when the cluster "
+            "is created. 0 (the default): the count the cluster was created with, and for the "
+            "server that creates it 16 (Pulsar's default), or 1 if it is a combined server "
+            "(every role in one process, where more TC partitions buy no parallelism and cost "
+            "a TC-log append each). A server configured with another count than the cluster's "
+            "refuses to start. Set it for a cluster of several combined servers.",
+            minimum=0, maximum=1_024),
     Setting("topics.max_partitions", int, 1_024, "Largest partition count a topic may have.",
             minimum=1, maximum=100_000),
     Setting("topics.default_replication_factor", int, 0, "Copies of each partition a topic "

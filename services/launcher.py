@@ -53,10 +53,6 @@ PROMETHEUS_TARGETS_FILE = "prometheus-targets.json"
 ROLE_PREFIX = {"id_allocator": "ida", "coordinator": "coord", "partition_server": "ps",
                "combined": "node"}
 START_ORDER = ("zookeeper", "id_allocator", "coordinator", "partition_server", "combined")
-# The TC partitions of a new local cluster whose only role is the combined server, unless
-# set: its one event loop gains nothing from 16, and with one the commit lane's decisions
-# of a group share one TC-log append (docs/benchmarks.md, "The thirty-fifth session").
-COMBINED_TC_PARTITIONS = 1
 SERVES_PARTITIONS = ("partition_server", "combined")
 # The local Prometheus: short intervals, so a rate() has points seconds after `up`.
 PROMETHEUS_INTERVAL = "2s"
@@ -298,8 +294,6 @@ def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str],
         cluster.processes.append(ProcessEntry(
             "zookeeper", "zookeeper", f"127.0.0.1:{zk_port}",
             data_dir=str(data_dir / "zookeeper"), log_file=str(data_dir / "logs" / "zookeeper.log")))
-        if set(counts) <= {"combined"}:  # the count is fixed at creation: kept in cluster.json
-            cluster.settings["cluster.tc_partitions"] = str(COMBINED_TC_PARTITIONS)
     cluster.settings.update(settings)
     for role in START_ORDER[1:]:
         existing = [p for p in cluster.processes if p.role == role]
@@ -678,7 +672,15 @@ class ProcessStatus:
     tc_partitions: list[int] = field(default_factory=list)  # leased (coordinators)
 
 
-def status(data_dir: Path, token=None) -> list[ProcessStatus]:
+@dataclass
+class ClusterStatus:
+    processes: list[ProcessStatus]
+    # The cluster's TC partitions (fixed in ZooKeeper when it was created), as a serving
+    # process answered; else as cluster.json sets them; 0 when neither says.
+    tc_partitions: int
+
+
+def status(data_dir: Path, token=None) -> ClusterStatus:
     """`token`: a services.auth.TokenSource for a cluster with auth.mode=token (health
     checks need none; listing partitions and TC leases do)."""
     cluster = ClusterFile.load(data_dir.resolve())
@@ -703,12 +705,12 @@ def status(data_dir: Path, token=None) -> list[ProcessStatus]:
     with ThreadPoolExecutor(max_workers=max(1, len(cluster.processes))) as pool:
         rows = list(pool.map(probe, cluster.processes))
     serving = [r for r in rows if r.role != "zookeeper" and r.health == "SERVING"]
-    leases = (tc_leases(serving[0].grpc_address, tls=client_tls, token=token)
-              if serving else {})
+    count, leases = (tc_leases(serving[0].grpc_address, tls=client_tls, token=token)
+                     if serving else (0, {}))
     for row in rows:  # a combined server's coordinator has a name of its own
         coordinator = role_name(row.name, row.role, "coordinator")
         row.tc_partitions = sorted(k for k, owner in leases.items() if owner == coordinator)
-    return rows
+    return ClusterStatus(rows, count or int(cluster.settings.get("cluster.tc_partitions") or 0))
 
 
 def prometheus_status(data_dir: Path) -> dict | None:
@@ -724,16 +726,10 @@ def prometheus_status(data_dir: Path) -> dict | None:
             "health": health, "log_file": entry.log_file}
 
 
-def tc_partition_count(data_dir: Path) -> int:
-    cluster = ClusterFile.load(data_dir.resolve())
-    configured = cluster.settings.get("cluster.tc_partitions") if cluster else None
-    if configured:
-        return int(configured)
-    return next(s.default for s in COMMON if s.name == "cluster.tc_partitions")
-
-
-def tc_leases(address: str, timeout_s: float = 2.0, tls=None, token=None) -> dict[int, str]:
-    """TC partition -> the coordinator holding its lease (unowned ones left out)."""
+def tc_leases(address: str, timeout_s: float = 2.0, tls=None, token=None
+              ) -> tuple[int, dict[int, str]]:
+    """The cluster's TC partition count, and TC partition -> the coordinator holding its
+    lease (unowned ones left out); (0, {}) when `address` does not answer."""
     from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
     from services.auth import bearer_channel
 
@@ -743,9 +739,9 @@ def tc_leases(address: str, timeout_s: float = 2.0, tls=None, token=None) -> dic
                 bearer_channel(channel_, token)).GetMetadata(
                 metadata_pb2.GetMetadataRequest(), timeout=timeout_s)
     except grpc.RpcError:
-        return {}
-    return {tc.tc_partition: tc.coordinator_name for tc in reply.tc_partitions
-            if tc.coordinator_name}
+        return 0, {}
+    return reply.tc_partition_count, {tc.tc_partition: tc.coordinator_name
+                                      for tc in reply.tc_partitions if tc.coordinator_name}
 
 
 def _stop(entries: list[ProcessEntry], timeout_s: float) -> tuple[list[str], list[str]]:

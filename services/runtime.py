@@ -34,7 +34,8 @@ from kazoo.exceptions import ConnectionLoss, KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
 from services import __version__, acl, allocator, auth, failpoints, local, logs, metrics, tls
-from services.config import COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles, role_name
+from services.config import (COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles, role_name,
+                             tc_partitions_created_by)
 from services.errors import AtomlogError
 from services.interceptors import ErrorsAndMetricsInterceptor
 from services.logs import event
@@ -87,7 +88,9 @@ class Runtime:
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=config["grpc.max_concurrent_rpcs"])
         self.health = health.aio.HealthServicer()
-        self.metadata = MetadataStore(self.zk, config["cluster.tc_partitions"],
+        # The TC partition count is the cluster's (/cluster): known once start() read it.
+        self.tc_partitions = 0
+        self.metadata = MetadataStore(self.zk, self.tc_partitions,
                                       config["topics.max_partitions"],
                                       config["topics.default_replication_factor"])
         self.service_names: list[str] = []
@@ -146,7 +149,10 @@ class Runtime:
         await asyncio.to_thread(self.zk.start)
         if failpoints.take(failpoints.START_ZOOKEEPER_LOSS):
             raise ConnectionLoss("start_zookeeper_loss failpoint (a ZooKeeper blip)")
-        await asyncio.to_thread(ensure_cluster, self.zk, config["cluster.tc_partitions"])
+        cluster = await asyncio.to_thread(ensure_cluster, self.zk, config["cluster.tc_partitions"],
+                                          tc_partitions_created_by(self.role))
+        # The cluster's count, fixed at its creation: what every role of this process uses.
+        self.tc_partitions = self.metadata.tc_partitions = cluster["tc_partitions"]
         # auth.authorizer=acl: the ACL znode, watched, before any call is served.
         self.interceptor.authorizer = await asyncio.to_thread(
             acl.Authorizer.from_config, config, self.zk.client)

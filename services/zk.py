@@ -268,9 +268,15 @@ class ZkSession:
                 log.exception("session callback failed")
 
 
-def ensure_cluster(zk: ZkSession, tc_partitions: int) -> dict[str, Any]:
-    """Create /cluster on first start; refuse a server whose fixed settings differ."""
-    wanted = {"tc_partitions": tc_partitions, "created_unix_ms": int(time.time() * 1000)}
+def ensure_cluster(zk: ZkSession, tc_partitions: int, create_with: int | None = None
+                   ) -> dict[str, Any]:
+    """Create /cluster on first start; refuse a server whose fixed settings differ.
+    `tc_partitions` 0 (cluster.tc_partitions unset) takes the cluster's count, and a cluster
+    this call creates gets `create_with`. Returns /cluster's contents."""
+    if not tc_partitions and not create_with:
+        raise ValueError("ensure_cluster needs a TC partition count or one to create with")
+    wanted = {"tc_partitions": tc_partitions or create_with,
+              "created_unix_ms": int(time.time() * 1000)}
     try:
         zk.patiently("creating /cluster", zk.client.create, CLUSTER_PATH,
                      json.dumps(wanted).encode())
@@ -278,11 +284,12 @@ def ensure_cluster(zk: ZkSession, tc_partitions: int) -> dict[str, Any]:
         pass
     data, _ = zk.patiently("reading /cluster", zk.client.get, CLUSTER_PATH)
     cluster = json.loads(data)
-    if cluster["tc_partitions"] != tc_partitions:
+    if tc_partitions and cluster["tc_partitions"] != tc_partitions:
         raise AtomlogError(
             "INVALID_ARGUMENT",
             f"cluster.tc_partitions={tc_partitions} but this cluster was created with "
-            f"{cluster['tc_partitions']} TC partitions; the count is fixed at creation")
+            f"{cluster['tc_partitions']} TC partitions; the count is fixed at creation "
+            "(leave cluster.tc_partitions unset, 0, to take the cluster's)")
     return cluster
 
 

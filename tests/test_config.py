@@ -11,7 +11,7 @@ from tests.conftest import atomlog
 def test_defaults_are_valid_for_every_role():
     for role in ("coordinator", "id_allocator"):
         config = load_config(role, env={})
-        assert config["cluster.tc_partitions"] == 16
+        assert config["cluster.tc_partitions"] == 0  # the cluster's, or by role at creation
         assert config.sources["zookeeper.hosts"] == "default"
     config = load_config("partition_server", env={}, overrides={"server.data_dir": "/tmp/x"})
     assert config["partition.max_batch_bytes"] == 1024 * 1024

@@ -205,25 +205,64 @@ def test_a_process_advertises_its_own_address_and_gets_its_own_environment(tmp_p
         launcher.down(tmp_path, timeout_s=10)
 
 
-def test_a_new_combined_cluster_gets_one_tc_partition_unless_set_and_an_old_one_keeps_its_own(
+@pytest.mark.cluster
+def test_the_server_that_creates_a_cluster_picks_its_tc_partitions_and_later_ones_take_them(
         tmp_path):
-    """cluster.tc_partitions is fixed at creation: only a new combined cluster gets
-    COMBINED_TC_PARTITIONS (saved in cluster.json, so every later `up` passes it); a
-    count given wins; a cluster of separate roles, and a combined cluster made before
-    (no count in its file: its ZooKeeper holds 16), keep the default."""
-    for name in ("new", "given", "roles", "old"):
-        (tmp_path / name).mkdir()
-    combined = launcher.plan(tmp_path / "new", {"combined": 1}, {})
-    assert combined.settings == {"cluster.tc_partitions": str(launcher.COMBINED_TC_PARTITIONS)}
-    combined.save(tmp_path / "new")
-    assert launcher.plan(tmp_path / "new", {"combined": 1}, {}).settings == combined.settings
-    assert launcher.tc_partition_count(tmp_path / "new") == launcher.COMBINED_TC_PARTITIONS
-    given = launcher.plan(tmp_path / "given", {"combined": 1}, {"cluster.tc_partitions": "4"})
-    assert given.settings == {"cluster.tc_partitions": "4"}
-    assert launcher.plan(tmp_path / "roles", {"partition_server": 1, "coordinator": 1,
-                                              "id_allocator": 1}, {}).settings == {}
-    old = launcher.plan(tmp_path / "old", {"combined": 1}, {})
-    old.settings.clear()  # as made before the count was set for combined clusters
-    old.save(tmp_path / "old")
-    assert launcher.plan(tmp_path / "old", {"combined": 1}, {}).settings == {}
-    assert launcher.tc_partition_count(tmp_path / "old") == 16
+    """cluster.tc_partitions unset (0): the server that creates the cluster picks the count
+    by its role, 1 for a combined server (`atomlog up --combined` and `atomlog serve
+    combined` alike) and 16 for any other; every later server takes the cluster's count,
+    whatever its role. One configured with another count refuses to start and changes
+    nothing."""
+    from kazoo.client import KazooClient
+
+    localzk.check_installed()
+
+    def created_with(cluster: launcher.ClusterFile) -> int:
+        zookeeper = KazooClient(hosts=cluster.zookeeper + cluster.chroot)
+        zookeeper.start(timeout=10)
+        try:
+            return json.loads(zookeeper.get("/cluster")[0])["tc_partitions"]
+        finally:
+            zookeeper.stop()
+
+    def leased(data_dir: Path, wanted: int) -> launcher.ClusterStatus:
+        deadline = time.monotonic() + 30
+        while True:
+            report = launcher.status(data_dir)
+            owned = sorted(k for p in report.processes for k in p.tc_partitions)
+            if owned == list(range(wanted)) or time.monotonic() > deadline:
+                return report
+            time.sleep(0.2)
+
+    single, roles = tmp_path / "single", tmp_path / "roles"
+    single.mkdir()
+    roles.mkdir()
+    try:
+        report = launcher.up(single, {"combined": 1}, timeout_s=90)
+        assert "cluster.tc_partitions" not in report.cluster.settings
+        assert created_with(report.cluster) == 1
+        status = leased(single, 1)
+        assert status.tc_partitions == 1
+        assert [p.tc_partitions for p in status.processes if p.role == "combined"] == [[0]]
+        # A coordinator joins it: the cluster's one TC partition, not 16 of its own.
+        report = launcher.up(single, {"combined": 1, "coordinator": 1}, timeout_s=90)
+        status = leased(single, 1)
+        assert status.tc_partitions == 1
+        assert sorted(k for p in status.processes for k in p.tc_partitions) == [0]
+        # One told 16 refuses; the cluster keeps its count.
+        planned = launcher.plan(single, {"combined": 1, "coordinator": 2}, {})
+        entry = next(p for p in planned.processes if p.name == "coord-1")
+        entry.env = {"ATOMLOG_CLUSTER_TC_PARTITIONS": "16"}
+        planned.save(single)
+        with pytest.raises(launcher.LaunchError, match="exited during start-up"):
+            launcher.up(single, {"combined": 1, "coordinator": 2}, timeout_s=90)
+        assert "cluster.tc_partitions=16 but this cluster was created with 1 TC partitions" \
+            in Path(entry.log_file).read_text()
+        assert created_with(report.cluster) == 1
+        assert leased(single, 1).tc_partitions == 1
+        # A cluster whose first server has another role: 16.
+        report = launcher.up(roles, {"id_allocator": 1}, timeout_s=60)
+        assert created_with(report.cluster) == 16
+    finally:
+        launcher.down(single, timeout_s=10)
+        launcher.down(roles, timeout_s=10)

@@ -61,7 +61,7 @@ def test_unknown_partition_and_timed_out_transaction(client):
 
 def test_transactions_spread_over_tc_partitions(client):
     """Random keys spread over every TC partition there is: 16 on a cluster, 1 on a local
-    combined cluster (launcher.COMBINED_TC_PARTITIONS)."""
+    combined cluster (services.config.COMBINED_TC_PARTITIONS)."""
     count = client.metadata.tc_partition_count
     seen = {client.begin_transaction(timeout_s=5).tc_partition for _ in range(40)}
     assert seen <= set(range(count)) and len(seen) >= min(8, count)
