@@ -187,14 +187,17 @@ class Frame:
     offset: int
     payload: memoryview
     end_position: int  # where the next frame starts in its segment
+    segment: int = -1  # the segment's sequence, -1 for bytes decoded from memory
 
 
-def decode_frames(data: bytes | memoryview, only: bytes | None = None
+def decode_frames(data: bytes | memoryview, only: bytes | None = None, segment: int = -1
                   ) -> tuple[list[Frame], int]:
     """The longest valid prefix of a segment's bytes: its frames and where it ends. A
     short, oversized, unknown or CRC-failing frame ends it (a torn or failed tail).
     `only`: the frames of that partition (encoded name) alone; the others' CRCs are not
-    checked (an owner's reload reading what its own process wrote)."""
+    checked (an owner's reload reading what its own process wrote). `segment`: the
+    sequence of the segment the bytes are, kept in each frame (where `plan` finds their
+    batches again)."""
     view = memoryview(data)
     frames: list[Frame] = []
     position, end = 0, len(view)
@@ -219,20 +222,28 @@ def decode_frames(data: bytes | memoryview, only: bytes | None = None
             name = bytes(view[name_at:name_at + name_len]).decode()
         except UnicodeDecodeError:
             break
-        frames.append(Frame(kind, name, offset, view[name_at + name_len:frame_end], frame_end))
+        frames.append(Frame(kind, name, offset, view[name_at + name_len:frame_end], frame_end,
+                            segment))
         position = frame_end
     return frames, position
+
+
+# Where a planned batch is: (segment sequence, position in it, size) for frames read from
+# segment files, which `BatchReader` reads back when the batch is replayed (a plan of a
+# 2 GiB write-ahead file holds its batches' places, not their bytes); the bytes
+# themselves for frames decoded from memory.
+BatchAt = tuple[int, int, int] | memoryview
 
 
 @dataclass
 class Plan:
     """What a partition's frames stand for: rewrite the log from `start` with `batches`
-    ((base offset, last offset, bytes) in order, contiguous from `start`). `error`: the
-    frames contradict each other (a writer's bug, or damage a CRC missed): the partition
-    fails closed (DATA_LOSS) instead."""
+    ((base offset, last offset, where: BatchAt) in order, contiguous from `start`).
+    `error`: the frames contradict each other (a writer's bug, or damage a CRC missed):
+    the partition fails closed (DATA_LOSS) instead."""
 
     start: int
-    batches: list[tuple[int, int, memoryview]] = field(default_factory=list)
+    batches: list[tuple[int, int, BatchAt]] = field(default_factory=list)
     error: str | None = None
     lowest_cut: int | None = None  # the lowest CUT since the last BASE
 
@@ -266,9 +277,15 @@ def plan(frames: Iterator[Frame] | list[Frame]) -> dict[str, Plan]:
                 min(current.lowest_cut, frame.offset)
             continue
         try:
-            batches = [(header.base_offset, header.last_offset,
-                        frame.payload[position:position + header.size])
-                       for position, header in iter_batches(frame.payload)]
+            if frame.segment < 0:
+                batches = [(header.base_offset, header.last_offset,
+                            frame.payload[position:position + header.size])
+                           for position, header in iter_batches(frame.payload)]
+            else:  # its place in the segment: the plan keeps no segment's bytes alive
+                at = frame.end_position - len(frame.payload)
+                batches = [(header.base_offset, header.last_offset,
+                            (frame.segment, at + position, header.size))
+                           for position, header in iter_batches(frame.payload)]
         except AtomlogError as error:
             batches, problem = [], f"unreadable batches: {error.message}"
         else:
@@ -407,19 +424,77 @@ def list_segments(directory: Path) -> list[int]:
 
 def read_frames(directory: Path, sequences: list[int] | None = None,
                 only: bytes | None = None) -> Iterator[Frame]:
-    """Every segment's valid prefix (or those of `sequences`), oldest first; `only`: as
-    decode_frames."""
+    """Every segment's valid prefix (or those of `sequences`), oldest first, one segment
+    in memory at a time (`plan` keeps the places of their batches, not their bytes);
+    `only`: as decode_frames."""
     for sequence in list_segments(directory) if sequences is None else sequences:
         data = segment_path(directory, sequence).read_bytes()
-        frames, _ = decode_frames(data, only)
+        frames, _ = decode_frames(data, only, sequence)
         yield from frames
 
 
-def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int:
+REPLAY_CHUNK_BYTES = 8 * MIB  # the most batch bytes a replay holds at once
+
+
+class BatchReader:
+    """Reads planned batches (BatchAt) back from the segments of `directory`, one segment
+    file open at a time. The segments must stay until the reader is closed. Without a
+    directory, only batches decoded from memory."""
+
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory
+        self._sequence, self._fd = -1, -1
+
+    def read(self, where: BatchAt) -> bytes | memoryview:
+        if not isinstance(where, tuple):
+            return where
+        sequence, position, size = where
+        if self.directory is None:
+            raise ValueError("a batch planned from a segment file, read without its directory")
+        if sequence != self._sequence:
+            self.close()
+            self._fd = os.open(segment_path(self.directory, sequence), os.O_RDONLY)
+            self._sequence = sequence
+        data = os.pread(self._fd, size, position)
+        if len(data) != size:  # the segment is shorter than when it was read: fail closed
+            raise OSError(errno.EIO, f"write-ahead segment {sequence} of {self.directory} "
+                          f"ends before {position + size}, where a planned batch ends")
+        return data
+
+    def chunks(self, batches: list[tuple[int, int, BatchAt]], limit: int = REPLAY_CHUNK_BYTES
+               ) -> Iterator[list[bytes | memoryview]]:
+        """The batches' bytes in order, in lists of about `limit` bytes."""
+        chunk: list[bytes | memoryview] = []
+        size = 0
+        for _, _, where in batches:
+            data = self.read(where)
+            chunk.append(data)
+            size += len(data)
+            if size >= limit:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._sequence, self._fd = -1, -1
+
+    def __enter__(self) -> BatchReader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def replay_into(partition_log: PartitionLog, partition_plan: Plan | None,
+                reader: BatchReader | None = None) -> int:
     """Rewrite `partition_log` from its plan (see the module docstring) and fsync it;
     returns the batches appended. Before a WAL tap is set on the log (nothing here is
     framed again). A log in DATA_LOSS is left as it is; a log ending below the plan's
-    start enters DATA_LOSS."""
+    start enters DATA_LOSS. `reader`: where the plan's batches are read back from (its
+    segments' directory); None for a plan of frames decoded from memory."""
     if partition_log.data_loss is not None:
         return 0
     replayed = 0
@@ -448,7 +523,8 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None) -> int
         if partition_log.log_end_offset > start:
             partition_log.truncate_to(start)
         if batches:
-            partition_log.append_copied([(data, parse_header(data)) for _, _, data in batches])
+            for chunk in (reader or BatchReader()).chunks(batches):
+                partition_log.append_copied([(data, parse_header(data)) for data in chunk])
             replayed = len(batches)
             REPLAYED.inc(replayed)
     # What it appended, fsynced; the rest the open made durable (its recovery fsyncs
@@ -497,36 +573,11 @@ def replay_kept(wal_dir: Path, data_dir: Path, config: LogConfig,
     its directory was missing), so its kept frames are left for an operator."""
     for kept, manifest in _kept_manifests(wal_dir):
         missing = list(manifest["missing"])
-        plans = plan(read_frames(kept)) if missing else {}
-        still: list[str] = []
-        for name in missing:
-            directory = data_dir / name
-            partition_plan = plans.get(name)
-            if partition_plan is None:
-                continue
-            if name in live:
-                event(log, "write-ahead frames kept aside not replayed: the partition was "
-                      "written since", logging.ERROR, partition=name, directory=str(kept))
-            if not directory.is_dir() or name in live:
-                still.append(name)
-                continue
-            partition_log = PartitionLog(directory, config)
-            try:
-                if partition_log.data_loss is not None:
-                    still.append(name)
-                    continue
-                verdict = _same_log(partition_log, partition_plan)
-                if verdict:
-                    event(log, "write-ahead frames kept aside not replayed: the directory "
-                          "back holds another log", logging.ERROR, partition=name,
-                          directory=str(kept), detail=verdict)
-                    continue
-                count = replay_into(partition_log, partition_plan)
-                event(log, "write-ahead frames kept aside replayed into a directory back",
-                      logging.WARNING, partition=name, directory=str(kept), batches=count,
-                      log_end_offset=partition_log.log_end_offset)
-            finally:
-                partition_log.close()
+        if missing:
+            with BatchReader(kept) as reader:
+                still = _replay_kept_directory(kept, missing, data_dir, config, live, reader)
+        else:
+            still = []
         if still or manifest["data_loss"]:
             if still != missing:
                 manifest["missing"] = still
@@ -536,20 +587,65 @@ def replay_kept(wal_dir: Path, data_dir: Path, config: LogConfig,
         fsync_directory(wal_dir)
 
 
-def _same_log(partition_log: PartitionLog, partition_plan: Plan) -> str:
+def _replay_kept_directory(kept: Path, missing: list[str], data_dir: Path, config: LogConfig,
+                           live: set[str] | frozenset[str], reader: BatchReader) -> list[str]:
+    """`replay_kept` for the partitions of one kept directory still `missing`: those
+    that stay so."""
+    plans = plan(read_frames(kept))
+    still: list[str] = []
+    for name in missing:
+        directory = data_dir / name
+        partition_plan = plans.get(name)
+        if partition_plan is None:
+            continue
+        if name in live:
+            event(log, "write-ahead frames kept aside not replayed: the partition was "
+                  "written since", logging.ERROR, partition=name, directory=str(kept))
+        if not directory.is_dir() or name in live:
+            still.append(name)
+            continue
+        partition_log = PartitionLog(directory, config)
+        try:
+            if partition_log.data_loss is not None:
+                still.append(name)
+                continue
+            verdict = _same_log(partition_log, partition_plan, reader)
+            if verdict:
+                event(log, "write-ahead frames kept aside not replayed: the directory "
+                      "back holds another log", logging.ERROR, partition=name,
+                      directory=str(kept), detail=verdict)
+                continue
+            count = replay_into(partition_log, partition_plan, reader)
+            event(log, "write-ahead frames kept aside replayed into a directory back",
+                  logging.WARNING, partition=name, directory=str(kept), batches=count,
+                  log_end_offset=partition_log.log_end_offset)
+        finally:
+            partition_log.close()
+    return still
+
+
+def _same_log(partition_log: PartitionLog, partition_plan: Plan, reader: BatchReader) -> str:
     """"" when `partition_log` may be continued from `partition_plan` (its batches from
-    the plan's start, up to where the plan ends, are the plan's own), else why not."""
+    the plan's start, up to where the plan ends, are the plan's own), else why not.
+    Compared a chunk (REPLAY_CHUNK_BYTES) at a time."""
     if partition_plan.error is not None:
         return f"the frames contradict each other: {partition_plan.error}"
     start = partition_plan.start
     upto = min(partition_log.log_end_offset, partition_plan.end)
     if upto <= start or start < partition_log.log_start_offset:
         return ""  # nothing to compare: replay_into appends, or finds data missing
-    held, _ = partition_log.read(start, 1 << 62, upto)
-    framed = b"".join(bytes(data) for base, _, data in partition_plan.batches if base < upto)
-    if not held or held != framed[:len(held)]:
-        return (f"its batches from offset {start} differ from the frames' (another copy of "
-                "the partition)")
+    differs = (f"its batches from offset {start} differ from the frames' (another copy of "
+               "the partition)")
+    position = start
+    for chunk in reader.chunks([b for b in partition_plan.batches if b[0] < upto]):
+        framed = memoryview(b"".join(chunk))
+        while framed and position < upto:
+            held, position = partition_log.read(position, len(framed), upto)
+            if not held or held != framed[:len(held)]:
+                return differs
+            framed = framed[len(held):]
+        if position >= upto:
+            break
     return ""
 
 
@@ -741,20 +837,21 @@ class WriteAheadLog:
         replayed: dict[str, int] = {}
         missing: list[str] = []
         lost: list[str] = []
-        for name, partition_plan in plans.items():
-            directory = data_dir / name
-            if not directory.is_dir():
-                event(log, "write-ahead frames of a partition with no directory skipped",
-                      logging.WARNING, partition=name)
-                missing.append(name)
-                continue
-            partition_log = PartitionLog(directory, config)
-            try:
-                replayed[name] = replay_into(partition_log, partition_plan)
-                if partition_log.data_loss is not None:
-                    lost.append(name)
-            finally:
-                partition_log.close()
+        with BatchReader(self.directory) as reader:
+            for name, partition_plan in plans.items():
+                directory = data_dir / name
+                if not directory.is_dir():
+                    event(log, "write-ahead frames of a partition with no directory skipped",
+                          logging.WARNING, partition=name)
+                    missing.append(name)
+                    continue
+                partition_log = PartitionLog(directory, config)
+                try:
+                    replayed[name] = replay_into(partition_log, partition_plan, reader)
+                    if partition_log.data_loss is not None:
+                        lost.append(name)
+                finally:
+                    partition_log.close()
         segments = [segment_path(self.directory, s) for s in list_segments(self.directory)]
         if (missing or lost) and any(path.stat().st_size for path in segments):
             kept = self.directory / f"kept-{int(time.time() * 1000)}"
@@ -1147,13 +1244,14 @@ class WriteAheadLog:
             # waits): a segment missing in the middle would look like lost frames.
             sequences = [sequence for sequence, _ in self._ledger.segments]
             self._replays += 1
-        try:
+        try:  # (the replay reads the planned batches back from the segments)
             frames = read_frames(self.directory, sequences, name.encode())
             partition_plan = plan(frames).get(name)
+            with BatchReader(self.directory) as reader:
+                return replay_into(partition_log, partition_plan, reader)
         finally:
             with self._lock:
                 self._replays -= 1
-        return replay_into(partition_log, partition_plan)
 
     async def close(self) -> None:
         """Stop the checkpointer; delete the segments nothing needs any more (after a

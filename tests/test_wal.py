@@ -981,3 +981,75 @@ def test_an_operator_sees_what_is_kept_aside_and_what_becomes_of_it(tmp_path):
     refused = atomlog("partition", "kept-frames", "ps-9", "--data-dir", str(tmp_path),
                       check=False)
     assert refused.returncode == 1 and "no server data directory" in refused.stderr
+
+
+def test_a_start_replays_a_write_ahead_file_larger_than_it_holds_in_memory(tmp_path):
+    """A start reads one write-ahead segment at a time and replays a partition a chunk at
+    a time: its plan keeps where each batch is, not the batch. (It used to hold every
+    segment's bytes until the replay ended, so a file grown towards
+    partition.wal_max_bytes, 2 GiB, while checkpoints stalled took that much memory at the
+    next start.) Also for frames kept aside: a directory that comes back, holding the
+    first of its batches already, is compared with the frames and continued a chunk at a
+    time."""
+    import tracemalloc
+
+    from partition_server.log import PartitionLog
+    from partition_server.wal import REPLAY_CHUNK_BYTES, segment_path
+
+    wal_dir, data = tmp_path / "wal", tmp_path / "p"
+    wal_dir.mkdir()
+    names = [f"t-{i}" for i in range(4)]
+    segment_bytes, segments = 8 << 20, 6
+    written: dict[str, list[bytes]] = {name: [] for name in names}
+    next_offset = dict.fromkeys(names, 0)
+    for sequence in range(segments):
+        frames: list[bytes] = []
+        size = 0
+        while size < segment_bytes:
+            for index, name in enumerate(names):  # the partitions' frames interleaved
+                batches = []
+                for _ in range(16):
+                    offset = next_offset[name]
+                    batches.append(stamped(batch(index + 1, offset, b"v" * 4000), offset))
+                    next_offset[name] = offset + 2
+                written[name] += batches
+                frame = encode_frame(DATA, name, offset - 30, b"".join(batches))
+                frames.append(frame)
+                size += len(frame)
+        segment_path(wal_dir, sequence).write_bytes(b"".join(frames))
+    total = sum(segment_path(wal_dir, s).stat().st_size for s in range(segments))
+    for name in names[:3]:  # t-3's directory is missing: its frames are kept aside
+        (data / name).mkdir(parents=True)
+    config = LogConfig()
+
+    def replay() -> tuple[dict, int]:
+        tracemalloc.start()
+        try:
+            replayed = WriteAheadLog(wal_dir).recover_all(data, config)
+            return replayed, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    def logged(name: str) -> list[bytes]:
+        with PartitionLog(data / name, config) as log:
+            held, _ = log.read(0, 1 << 40, log.log_end_offset)
+        return [bytes(held[position:position + header.size])
+                for position, header in iter_batches(held)]
+
+    replayed, peak = replay()
+    batches = len(written["t-0"])
+    assert replayed == {"t-0": batches, "t-1": batches, "t-2": batches}
+    assert [logged(name) == written[name] for name in names[:3]] == [True] * 3
+    # A segment read, its frames decoded, and a chunk of batches read back: under half of
+    # the file's 50 MiB.
+    bound = 2 * segment_bytes + REPLAY_CHUNK_BYTES
+    assert peak < bound < total / 2, (peak, bound, total)
+    assert len(list(wal_dir.glob("kept-*/*.wal"))) == segments
+    # t-3 comes back holding its first 100 batches: the kept frames continue it.
+    with PartitionLog(data / "t-3", config) as log:
+        log.append_copied([(b, parse_header(b)) for b in written["t-3"][:100]])
+        log.flush()
+    replayed, peak = replay()
+    assert replayed == {} and logged("t-3") == written["t-3"]
+    assert peak < bound, (peak, bound, total)
+    assert not list(wal_dir.glob("kept-*"))
