@@ -53,9 +53,6 @@ type OpenTransaction struct {
 // while the owner moves or loads). A topic or partition that does not exist fails at
 // once with UNKNOWN_TOPIC_OR_PARTITION.
 func (c *Client) DescribePartition(ctx context.Context, tp TopicPartition) (PartitionDescription, error) {
-	if err := c.checkPartition(ctx, tp); err != nil {
-		return PartitionDescription{}, err
-	}
 	var reply *pb.DescribePartitionResponse
 	err := callOwners(ctx, c, []TopicPartition{tp}, func(actx context.Context, stub pb.PartitionServiceClient,
 		group []TopicPartition) ([]*pb.ItemError, error) {

@@ -356,7 +356,9 @@ func decodeFrom(tp TopicPartition, data []byte, from, to int64) ([]Message, erro
 // callOwners calls fn once per owning server with its partitions (the servers at once)
 // and retries partitions whose item failed with a retriable reason (after a metadata
 // refresh for routing ones) until ctx ends (or 60 s); the first fatal item error is
-// returned. fn returns one ItemError per partition of its group.
+// returned. fn returns one ItemError per partition of its group. A partition the
+// routes do not know, and still do not after a refresh, fails it at once with
+// UNKNOWN_TOPIC_OR_PARTITION (a topic deleted, a partition index it never had).
 func callOwners(ctx context.Context, c *Client, tps []TopicPartition,
 	fn func(context.Context, pb.PartitionServiceClient, []TopicPartition) ([]*pb.ItemError, error)) error {
 	if _, ok := ctx.Deadline(); !ok {
@@ -372,6 +374,11 @@ func callOwners(ctx context.Context, c *Client, tps []TopicPartition,
 		var retry []TopicPartition
 		var fatal error
 		for tp, err := range failed {
+			if Reason(err) == ReasonUnknownTopicOrPartition {
+				if known := c.checkPartition(ctx, tp); Reason(known) == ReasonUnknownTopicOrPartition {
+					return known
+				}
+			}
 			retry = append(retry, tp)
 			last = err
 		}
