@@ -43,7 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import localzk
-from services.config import COMMON, check_cluster_settings, role_name, role_settings
+from services.config import check_cluster_settings, role_name, role_settings
 from services.tls import channel
 
 CLUSTER_FILE = "cluster.json"
