@@ -445,34 +445,49 @@ class BatchReader:
         self.directory = directory
         self._sequence, self._fd = -1, -1
 
-    def read(self, where: BatchAt) -> bytes | memoryview:
-        if not isinstance(where, tuple):
-            return where
-        sequence, position, size = where
+    def _read(self, run: list[tuple[int, int, int]]) -> list[memoryview]:
+        """The batches of `run` (adjacent places in one segment), read with one pread."""
+        sequence, first, _ = run[0]
+        size = run[-1][1] + run[-1][2] - first
         if self.directory is None:
             raise ValueError("a batch planned from a segment file, read without its directory")
         if sequence != self._sequence:
             self.close()
             self._fd = os.open(segment_path(self.directory, sequence), os.O_RDONLY)
             self._sequence = sequence
-        data = os.pread(self._fd, size, position)
+        data = memoryview(os.pread(self._fd, size, first))
         if len(data) != size:  # the segment is shorter than when it was read: fail closed
             raise OSError(errno.EIO, f"write-ahead segment {sequence} of {self.directory} "
-                          f"ends before {position + size}, where a planned batch ends")
-        return data
+                          f"ends before {first + size}, where a planned batch ends")
+        return [data[position - first:position - first + length]
+                for _, position, length in run]
 
     def chunks(self, batches: list[tuple[int, int, BatchAt]], limit: int = REPLAY_CHUNK_BYTES
                ) -> Iterator[list[bytes | memoryview]]:
-        """The batches' bytes in order, in lists of about `limit` bytes."""
+        """The batches' bytes in order, in lists of about `limit` bytes; the batches of a
+        frame (adjacent in their segment) are read together."""
         chunk: list[bytes | memoryview] = []
+        run: list[tuple[int, int, int]] = []
         size = 0
         for _, _, where in batches:
-            data = self.read(where)
-            chunk.append(data)
-            size += len(data)
+            if run and (not isinstance(where, tuple) or where[0] != run[0][0]
+                        or where[1] != run[-1][1] + run[-1][2]):
+                chunk += self._read(run)
+                run = []
+            if isinstance(where, tuple):
+                run.append(where)
+                size += where[2]
+            else:
+                chunk.append(where)
+                size += len(where)
             if size >= limit:
+                if run:
+                    chunk += self._read(run)
+                    run = []
                 yield chunk
                 chunk, size = [], 0
+        if run:
+            chunk += self._read(run)
         if chunk:
             yield chunk
 
