@@ -56,7 +56,8 @@ import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 METHOD = "/atomlog.v1.CoordinatorService/CommitTxn"
-TOPIC, PARTITIONS, TC_PARTITIONS = "bench-small-txn", 16, 16
+TOPIC, PARTITIONS = "bench-small-txn", 16
+TC_PARTITIONS = 16  # the prototypes'; atomlog's server says its own (GetMetadata)
 RECORDS, RECORD = 10, b"x" * 1024
 BEGIN = "<!-- BEGIN bench/native_core.py -->"
 END = "<!-- END bench/native_core.py -->"
@@ -67,12 +68,26 @@ class Refusal(Exception):
 
 
 def client(address: str, transport: str, index: int, seconds: float, start_at: float,
-           out) -> None:
+           out, tc_partitions: int = TC_PARTITIONS) -> None:
     """One client process: CommitTxn calls back to back, each a new transaction (a new
-    idempotency key) of RECORDS records over four partitions, encoded per call as the SDK
-    does, over gRPC or (`transport` "link") as call frames on one link connection, as the
-    SDK's commits go to a coordinator's link. Puts (count, latencies, CPU seconds,
-    refusals) on `out`."""
+    idempotency key, on its TC partition of `tc_partitions`) of RECORDS records over four
+    partitions, encoded per call as the SDK does, over gRPC or (`transport` "link") as
+    call frames on one link connection, as the SDK's commits go to a coordinator's link.
+    Puts (count, latencies, CPU seconds, refusals) on `out`; or, if it cannot go on (a
+    warm-up call refused, a call past its timeout), a Failed."""
+    try:
+        _client(address, transport, index, seconds, start_at, out, tc_partitions)
+    except BaseException as error:  # reported, not left for drive() to wait out
+        out.put(Failed(f"client {index}: {type(error).__name__}: {error}"[:400]))
+        raise
+
+
+class Failed(str):
+    """What a client that could not go on puts on the queue instead of its figures."""
+
+
+def _client(address: str, transport: str, index: int, seconds: float, start_at: float,
+            out, tc_partitions: int) -> None:
     import grpc
 
     from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
@@ -106,7 +121,7 @@ def client(address: str, transport: str, index: int, seconds: float, start_at: f
         key = uuid.uuid4().hex
         counts = [RECORDS // 4 + (i < RECORDS % 4) for i in range(4)]
         call(coordinator_pb2.CommitTxnRequest(
-            tc_partition=tc_partition_for(key, TC_PARTITIONS), idempotency_key=key,
+            tc_partition=tc_partition_for(key, tc_partitions), idempotency_key=key,
             timeout_ms=30_000,
             batches=[partition_pb2.ProduceItem(
                 topic_partition=common_pb2.TopicPartition(topic=TOPIC, partition=p),
@@ -133,16 +148,18 @@ def client(address: str, transport: str, index: int, seconds: float, start_at: f
 
 
 def drive(address: str, server_pid: int, clients: int, seconds: float,
-          transport: str = "grpc") -> dict | None:
+          transport: str = "grpc", tc_partitions: int = TC_PARTITIONS) -> dict | Failed | None:
     """`clients` client processes against `address` (a gRPC or, `transport` "link", a
-    link address) for `seconds`; the server's CPU from /proc over the same window. None
-    when a client never reports (a call past its 30 s timeout kills it): the server's
-    stacks then go to stderr (py-spy dump), to tell a stalled server from the rest."""
+    link address) for `seconds`; the server's CPU from /proc over the same window. A
+    Failed when a client could not go on (the first one's reason), None when one never
+    reports: the server's stacks then go to stderr (py-spy dump), to tell a stalled
+    server from the rest."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 4 + clients * 0.3
     processes = [context.Process(target=client,
-                                 args=(address, transport, i, seconds, start_at, out))
+                                 args=(address, transport, i, seconds, start_at, out,
+                                       tc_partitions))
                  for i in range(clients)]
     for process in processes:
         process.start()
@@ -169,6 +186,11 @@ def drive(address: str, server_pid: int, clients: int, seconds: float,
         return None
     for process in processes:
         process.join(30)
+    failed = [r for r in results if isinstance(r, Failed)]
+    if failed:
+        print(f"clients of the server {server_pid} failed: {failed}", file=sys.stderr,
+              flush=True)
+        return failed[0]
     count = sum(r[0] for r in results)
     latencies = sorted(x for r in results for x in r[1])
     return {"txn_per_s": count / seconds, "count": count,
@@ -202,11 +224,11 @@ def build_native() -> tuple[Path | None, str]:
 @contextlib.contextmanager
 def native_server(binary: Path, directory: Path, wal: bool = False):
     """The prototype on a free port (with `wal`, one write-ahead file): yields (address,
-    no link address, pid)."""
+    no link address, pid, its TC partitions)."""
     server = subprocess.Popen([str(binary), "--dir", str(directory)] + (["--wal"] if wal else []),
                               stdout=subprocess.PIPE, text=True)
     try:
-        yield server.stdout.readline().strip(), "", server.pid
+        yield server.stdout.readline().strip(), "", server.pid, TC_PARTITIONS
     finally:
         server.terminate()
         server.wait(10)
@@ -215,13 +237,14 @@ def native_server(binary: Path, directory: Path, wal: bool = False):
 @contextlib.contextmanager
 def lean_server(directory: Path, *flags: str):
     """bench/lean_core.py (the prototype's hot path in lean Python) in its own process,
-    with `flags` (--wal, --cores, --nothing): yields (gRPC address, link address, pid)."""
+    with `flags` (--wal, --cores, --nothing): yields (gRPC address, link address, pid,
+    its TC partitions)."""
     server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir",
                                str(directory), *flags],
                               stdout=subprocess.PIPE, text=True)
     try:
         grpc_address, link_address = server.stdout.readline().split()
-        yield grpc_address, link_address, server.pid
+        yield grpc_address, link_address, server.pid, TC_PARTITIONS
     finally:
         server.terminate()
         server.wait(10)
@@ -230,7 +253,7 @@ def lean_server(directory: Path, *flags: str):
 @contextlib.contextmanager
 def atomlog_server():
     """The combined server with the benchmark's topic: yields (gRPC address, the link
-    address its coordinator advertises, pid)."""
+    address its coordinator advertises, pid, its cluster's TC partitions)."""
     import grpc
 
     from atomlog.v1 import common_pb2, metadata_pb2, metadata_pb2_grpc
@@ -241,12 +264,12 @@ def atomlog_server():
         with Client(address) as admin:
             admin.create_topic(TOPIC, partitions=PARTITIONS)
         with grpc.insecure_channel(address) as channel:
-            servers = metadata_pb2_grpc.MetadataServiceStub(channel).GetMetadata(
-                metadata_pb2.GetMetadataRequest(), timeout=30).servers
-        link = next(s.link_address for s in servers
+            metadata = metadata_pb2_grpc.MetadataServiceStub(channel).GetMetadata(
+                metadata_pb2.GetMetadataRequest(), timeout=30)
+        link = next(s.link_address for s in metadata.servers
                     if s.role == common_pb2.SERVER_ROLE_COORDINATOR)
         yield address, link, next(p.pid for p in report.cluster.processes
-                                  if p.role == "combined")
+                                  if p.role == "combined"), metadata.tc_partition_count
 
 
 # (row, server, transport, label): each row is one server driven over one transport.
@@ -308,6 +331,7 @@ def main() -> None:
     binary, why_not = build_native() if needed & {"native", "native-wal"} else (None, "")
     runs: dict[str, list[dict]] = {row[0]: [] for row in rows_run}
     stalled: dict[str, int] = {}  # rows whose clients did not all report, how many times
+    failed: dict[str, str] = {}  # rows whose clients could not go on: the first reason
     call_rates: list[float] = []
     with contextlib.ExitStack() as stack:
         scratch = Path(stack.enter_context(
@@ -336,9 +360,12 @@ def main() -> None:
                 if server is not None:
                     print(f"round {len(call_rates)}: {row}", file=sys.stderr, flush=True)
                     result = drive(server[0] if transport == "grpc" else server[1], server[2],
-                                   args.clients, args.seconds, transport)
+                                   args.clients, args.seconds, transport, server[3])
                     if result is None:
                         stalled[row] = stalled.get(row, 0) + 1
+                        continue
+                    if isinstance(result, Failed):
+                        failed.setdefault(row, str(result))
                         continue
                     result["share"] = result["txn_per_s"] / call_rates[-1]
                     runs[row].append(result)
@@ -350,9 +377,12 @@ def main() -> None:
         results = runs[row]
         stalls = (f" (stalled in {stalled[row]} round{'s' if stalled[row] > 1 else ''}: a "
                   "call past 30 s)" if row in stalled else "")
+        if results and row in failed:  # a round's clients could not go on
+            stalls += f" (a round failed: {failed[row].replace('|', '/')})"
         if not results:
-            lines.append(f"| {label} | {'stalled' + stalls if stalls else 'skipped: ' + why_not}"
-                         " | | | | | |")
+            why = ('stalled' + stalls if stalls else f'failed: {failed[row]}'
+                   if row in failed else 'skipped: ' + why_not)
+            lines.append(f"| {label} | {why.replace('|', '/')} | | | | | |")
             continue
         refused = sum(r["refusals"] for r in results)
         lines.append(
@@ -376,9 +406,10 @@ def main() -> None:
             BEGIN, END)
 
 
-def _with_no_link(server: tuple[str, int]) -> tuple[str, str, int]:
-    """A (gRPC address, pid) server as (gRPC address, no link address, pid)."""
-    return server[0], "", server[1]
+def _with_no_link(server: tuple[str, int]) -> tuple[str, str, int, int]:
+    """A (gRPC address, pid) server as (gRPC address, no link address, pid, TC
+    partitions)."""
+    return server[0], "", server[1], TC_PARTITIONS
 
 
 if __name__ == "__main__":

@@ -231,3 +231,25 @@ def test_the_cores_driven_in_process_commit_durably(tmp_path):
     assert len(stored) - len(data) == 54 * 8 * 4
     assert (tmp_path / "wal.log").stat().st_size > sum(
         log_file(tmp_path, f"bench-small-txn-{p}").stat().st_size for p in range(16))
+
+
+def test_the_benchmark_drives_the_combined_server_on_its_link_and_over_grpc():
+    """bench/native_core.py's atomlog rows: its clients commit on the combined server's
+    own TC partitions (the count its GetMetadata says, 1 since the combined server picks
+    it) on the coordinator's link and over gRPC, with nothing refused; a client that
+    cannot go on is reported as failed with its reason, not waited out as a stall."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import native_core as bench
+
+    with bench.atomlog_server() as (address, link, pid, tc_partitions):
+        assert tc_partitions == 1
+        for transport, target in (("link", link), ("grpc", address)):
+            result = bench.drive(target, pid, 1, 1.0, transport, tc_partitions)
+            assert isinstance(result, dict), result
+            assert result["count"] > 0 and result["refusals"] == 0, result
+        # Clients that pick TC partitions the server does not have fail at their first
+        # call, and drive() says why at once.
+        began = time.monotonic()
+        failed = bench.drive(link, pid, 1, 1.0, "link", 16)
+        assert isinstance(failed, bench.Failed), failed
+        assert "outside 0..0" in failed and time.monotonic() - began < 60, failed
