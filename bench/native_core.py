@@ -63,6 +63,11 @@ BEGIN = "<!-- BEGIN bench/native_core.py -->"
 END = "<!-- END bench/native_core.py -->"
 
 
+# Refusals a client waits out while it warms up (retry_after_ms apart, as the SDK does):
+# a server just started may still be loading its TC partitions or taking their leases.
+WARMING_UP = frozenset({"COORDINATOR_LOADING", "NOT_COORDINATOR", "UNAVAILABLE"})
+
+
 class Refusal(Exception):
     """A link's error answer (an ItemError), as an RpcError is gRPC's."""
 
@@ -128,8 +133,20 @@ def _client(address: str, transport: str, index: int, seconds: float, start_at: 
                 record_batch=encode_batch([Record(None, RECORD)] * n))
                 for p, n in zip(partitions, counts)]), timeout=30)
 
-    for _ in range(20):  # warm up: the connection, the partitions' files
-        one()
+    warmed, warm_until = 0, time.monotonic() + 60
+    while warmed < 20:  # warm up: the connection, the partitions' files
+        try:
+            one()
+            warmed += 1
+        except Refusal as refusal:  # a server just up: its TC partitions may still load
+            error = partition_pb2.ItemError.FromString(refusal.args[0])
+            if error.reason not in WARMING_UP or time.monotonic() > warm_until:
+                raise
+            time.sleep(int(error.metadata.get("retry_after_ms") or 100) / 1000)
+        except grpc.RpcError as refusal:
+            if refusal.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > warm_until:
+                raise
+            time.sleep(0.1)
     while time.time() < start_at:
         time.sleep(0.001)
     latencies, refusals = [], 0
@@ -223,12 +240,13 @@ def build_native() -> tuple[Path | None, str]:
 
 @contextlib.contextmanager
 def native_server(binary: Path, directory: Path, wal: bool = False):
-    """The prototype on a free port (with `wal`, one write-ahead file): yields (address,
-    no link address, pid, its TC partitions)."""
+    """The prototype on free ports (with `wal`, one write-ahead file): yields (gRPC
+    address, link address, pid, its TC partitions)."""
     server = subprocess.Popen([str(binary), "--dir", str(directory)] + (["--wal"] if wal else []),
                               stdout=subprocess.PIPE, text=True)
     try:
-        yield server.stdout.readline().strip(), "", server.pid, TC_PARTITIONS
+        grpc_address, link_address = server.stdout.readline().split()
+        yield grpc_address, link_address, server.pid, TC_PARTITIONS
     finally:
         server.terminate()
         server.wait(10)
@@ -292,6 +310,9 @@ ROWS = (
     ("atomlog", "atomlog", "grpc", "the combined server (Python), the same calls"),
     ("link-floor", "link-floor", "link", "**on the link**: a do-nothing CommitTxn (asyncio, "
                                          "Python; `lean_core.py --nothing`)"),
+    ("native-link", "native", "link", "the native prototype (Go), on the link"),
+    ("native-wal-link", "native-wal", "link", "the native prototype (Go) with one write-ahead "
+                                              "file, on the link"),
     ("lean-link", "lean", "link", "lean Python, on the link"),
     ("lean-wal-link", "lean-wal", "link", "lean Python with one write-ahead file, on the "
                                           "link"),

@@ -166,17 +166,22 @@ def test_bad_commits_are_refused_and_write_nothing(native_core, case):
     assert not t5.exists() or t5.stat().st_size == 0
 
 
-def test_the_lean_prototype_takes_the_same_calls_on_its_link(tmp_path):
+@pytest.mark.parametrize("prototype", ["lean", "native", "native-wal"])
+def test_a_prototype_takes_the_same_calls_on_its_link(prototype, tmp_path, request_fixture):
     """bench/native_core.py's rows "on the link": a CommitTxn as a call frame on the lean
-    server's link is committed as over gRPC (the same offsets, already_ended again), and
-    a bad one is answered with an ItemError frame and writes nothing."""
+    server's link, or the Go prototype's (link.go), is committed as over gRPC (the same
+    offsets, already_ended again), and a bad one is answered with an ItemError frame and
+    writes nothing."""
     from services import link_wire
 
-    if not io_uring_usable():
-        pytest.skip("io_uring is not usable here, and the lean prototype needs it")
-
-    server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir",
-                               str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    if prototype == "lean":
+        if not io_uring_usable():
+            pytest.skip("io_uring is not usable here, and the lean prototype needs it")
+        command = [sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir", str(tmp_path)]
+    else:
+        command = [str(request_fixture.getfixturevalue("binary")), "--dir", str(tmp_path)] + (
+            ["--wal"] if prototype == "native-wal" else [])
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         _, link = server.stdout.readline().split()
         host, port = link.rsplit(":", 1)
@@ -208,6 +213,12 @@ def test_the_lean_prototype_takes_the_same_calls_on_its_link(tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+@pytest.fixture
+def request_fixture(request):
+    """pytest's own `request` (this module's `request()` builds CommitTxnRequests)."""
+    return request
 
 
 def test_the_cores_driven_in_process_commit_durably(tmp_path):

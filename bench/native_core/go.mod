@@ -5,6 +5,7 @@ go 1.26.0
 require (
 	github.com/atomlog/atomlog/clients/go v0.0.0
 	google.golang.org/grpc v1.85.0
+	google.golang.org/protobuf v1.36.12
 )
 
 require (
@@ -20,7 +21,6 @@ require (
 	golang.org/x/sys v0.48.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20260825221802-da73d73af1c5 // indirect
-	google.golang.org/protobuf v1.36.12 // indirect
 )
 
 replace github.com/atomlog/atomlog/clients/go => ../../clients/go

@@ -2,7 +2,8 @@
 // with the server's hot path out of Python? bench/native_core.py drives it and the real
 // combined server with the same Python clients and the same CommitTxn requests.
 //
-// It serves CoordinatorService/CommitTxn only (every other method is UNIMPLEMENTED) with
+// It serves CoordinatorService/CommitTxn only (every other method is UNIMPLEMENTED), over
+// gRPC and as call frames on a link (link.go), with
 // the durable work a one-call transaction needs on a combined server, and nothing else:
 //
 //   - checks the request as the coordinator does: an idempotency key of 1-256 bytes whose
@@ -410,6 +411,7 @@ func (s *server) remember(key string, id *pb.TxnId) {
 
 func main() {
 	listen := flag.String("listen", "127.0.0.1:0", "gRPC address")
+	linkListen := flag.String("link-listen", "127.0.0.1:0", "link address (link.go)")
 	dir := flag.String("dir", "", "data directory (required)")
 	wal := flag.Bool("wal", false, "one write-ahead file per server, one fsync per group")
 	flag.Parse()
@@ -441,10 +443,16 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	linkListener, err := net.Listen("tcp", *linkListen)
+	if err != nil {
+		log.Fatal(err)
+	}
 	grpcServer := grpc.NewServer()
 	pb.RegisterCoordinatorServiceServer(grpcServer, s)
 	go s.committer()
-	fmt.Println(listener.Addr().String()) // the driver reads the port from here
+	go s.serveLink(linkListener)
+	// The driver reads the ports from here: the gRPC address, then the link's.
+	fmt.Println(listener.Addr().String(), linkListener.Addr().String())
 	if err := grpcServer.Serve(listener); err != nil {
 		log.Fatal(err)
 	}
