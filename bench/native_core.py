@@ -81,10 +81,11 @@ def client(address: str, transport: str, index: int, seconds: float, start_at: f
     Puts (count, latencies, CPU seconds, refusals) on `out`; or, if it cannot go on (a
     warm-up call refused, a call past its timeout), a Failed."""
     try:
-        _client(address, transport, index, seconds, start_at, out, tc_partitions)
+        result = _client(address, transport, index, seconds, start_at, tc_partitions)
     except BaseException as error:  # reported, not left for drive() to wait out
         out.put(Failed(f"client {index}: {type(error).__name__}: {error}"[:400]))
         raise
+    out.put(result)
 
 
 class Failed(str):
@@ -92,7 +93,7 @@ class Failed(str):
 
 
 def _client(address: str, transport: str, index: int, seconds: float, start_at: float,
-            out, tc_partitions: int) -> None:
+            tc_partitions: int) -> tuple:
     import grpc
 
     from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
@@ -160,8 +161,9 @@ def _client(address: str, transport: str, index: int, seconds: float, start_at: 
             refusals += 1
             continue
         latencies.append(time.perf_counter() - began)
-    out.put((len(latencies), latencies, time.process_time() - cpu_before, refusals))
+    cpu = time.process_time() - cpu_before
     close()
+    return len(latencies), latencies, cpu, refusals
 
 
 def drive(address: str, server_pid: int, clients: int, seconds: float,
