@@ -21,7 +21,8 @@ as call frames on a link connection, the way the SDK's commits reach a coordinat
 - **atomlog**: the combined server (`atomlog up --combined`), every role in one Python
   process;
 - on the link: a do-nothing link server (`lean_core.py --nothing`: an empty answer, the
-  request unread), the lean servers and the combined server (its coordinator's link).
+  request unread), the native prototype (bench/native_core/link.go), the lean servers
+  and the combined server (its coordinator's link).
 
 Beside them, `common.grpc_call_floor`, the do-nothing call rate the targets are ratios
 of (small transactions >= 50% of it on the combined server, commit p99 < 25 ms). Each
@@ -32,7 +33,10 @@ transaction on the server and on the clients.
         [--transports grpc,link] [--no-docs]
 
 Builds the prototype with the Go that scripts/go_tools.sh finds (or installs) into
-~/.cache/atomlog/native-core; skips its row, saying so, when it cannot.
+~/.cache/atomlog/native-core; skips its rows, saying so, when it cannot. A row whose
+clients could not go on (a refusal while warming up past the ones a server just started
+gives, a connection refused) says "failed" and why; one whose clients never reported
+says "stalled", with the server's stacks on stderr.
 """
 
 from __future__ import annotations
