@@ -42,16 +42,8 @@ def native_core(request, tmp_path_factory):
     write-ahead file per group and the partition files later; or the lean Python one,
     either way, or with atomlog's cores and logs (with or without its write-ahead file)."""
     directory = tmp_path_factory.mktemp("native-core-data")
-    if request.param.startswith("lean") and not io_uring_usable():
-        pytest.skip("io_uring is not usable here, and the lean prototype needs it")
-    if request.param.startswith("lean"):
-        command = [sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir", str(directory)]
-    else:
-        command = [str(request.getfixturevalue("binary")), "--dir", str(directory)] + (
-            ["--wal"] if request.param == "wal" else [])
-    command += {"lean-wal": ["--wal"], "lean-cores": ["--cores"],
-                "lean-cores-wal": ["--cores", "--wal"]}.get(request.param, [])
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(prototype_command(request, request.param, directory),
+                              stdout=subprocess.PIPE, text=True)
     try:
         address = server.stdout.readline().split()[0]  # (the lean one's link follows)
         with grpc.insecure_channel(address) as channel:
@@ -59,6 +51,20 @@ def native_core(request, tmp_path_factory):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def prototype_command(request, prototype: str, directory: Path) -> list[str]:
+    """The command of a prototype by its name: the Go one ("files", or "wal": one
+    write-ahead file), built by the `binary` fixture; or the lean Python one ("lean",
+    "lean-wal", "lean-cores", "lean-cores-wal"; skipped without io_uring)."""
+    if not prototype.startswith("lean"):
+        return [str(request.getfixturevalue("binary")), "--dir", str(directory)] + (
+            ["--wal"] if prototype == "wal" else [])
+    if not io_uring_usable():
+        pytest.skip("io_uring is not usable here, and the lean prototype needs it")
+    return [sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir", str(directory)] + {
+        "lean-wal": ["--wal"], "lean-cores": ["--cores"],
+        "lean-cores-wal": ["--cores", "--wal"]}.get(prototype, [])
 
 
 def io_uring_usable() -> bool:
@@ -102,7 +108,7 @@ def written(path: Path, count: int) -> list:
     return batches()[:count]
 
 
-def request(key: str, *batches: tuple[int, bytes]) -> coordinator_pb2.CommitTxnRequest:
+def commit_request(key: str, *batches: tuple[int, bytes]) -> coordinator_pb2.CommitTxnRequest:
     return coordinator_pb2.CommitTxnRequest(
         tc_partition=tc_partition_for(key, 16), idempotency_key=key,
         batches=[partition_pb2.ProduceItem(
@@ -115,7 +121,7 @@ def test_a_commit_is_answered_once_its_batches_and_decision_are_written(native_c
     key = uuid.uuid4().hex
     first = encode_batch([Record(None, b"a"), Record(None, b"b")])
     second = encode_batch([Record(None, b"c")])
-    reply = stub.CommitTxn(request(key, (0, first), (1, second)), timeout=30)
+    reply = stub.CommitTxn(commit_request(key, (0, first), (1, second)), timeout=30)
     assert [(r.topic_partition.partition, r.base_offset, r.last_offset)
             for r in reply.batch_results] == [(0, 0, 1), (1, 0, 0)]
     assert reply.txn_id.tc_partition == tc_partition_for(key, 16) and not reply.already_ended
@@ -128,11 +134,11 @@ def test_a_commit_is_answered_once_its_batches_and_decision_are_written(native_c
     assert stored[0].attributes & ATTR_TRANSACTIONAL
     tc_log = tc_log_file(directory, reply.txn_id.tc_partition)
     wait_for(lambda: key.encode() in tc_log.read_bytes(), "the decision in its TC log")
-    again = stub.CommitTxn(request(key, (0, first), (1, second)), timeout=30)
+    again = stub.CommitTxn(commit_request(key, (0, first), (1, second)), timeout=30)
     assert again.already_ended and again.txn_id == reply.txn_id and not again.batch_results
     # The next transaction's batch follows this one's and its commit marker, a control
     # batch of the transaction (written with the next group, or once the server is idle).
-    later = stub.CommitTxn(request(uuid.uuid4().hex, (0, second)), timeout=30)
+    later = stub.CommitTxn(commit_request(uuid.uuid4().hex, (0, second)), timeout=30)
     assert later.batch_results[0].base_offset == 3
     stored = written(log_file(directory, "t-0"), 3)
     marker = stored[1]
@@ -147,11 +153,11 @@ def test_bad_commits_are_refused_and_write_nothing(native_core, case):
     stub, directory = native_core
     key = uuid.uuid4().hex
     good = encode_batch([Record(None, b"x")])
-    bad = {"wrong-tc-partition": request(key, (5, good)),
-           "no-key": request("", (5, good)),
-           "two-for-one-partition": request(key, (5, good), (5, good)),
-           "corrupt-batch": request(key, (5, good[:-1] + bytes([good[-1] ^ 1]))),
-           "transactional": request(key, (5, encode_batch([Record(None, b"x")],
+    bad = {"wrong-tc-partition": commit_request(key, (5, good)),
+           "no-key": commit_request("", (5, good)),
+           "two-for-one-partition": commit_request(key, (5, good), (5, good)),
+           "corrupt-batch": commit_request(key, (5, good[:-1] + bytes([good[-1] ^ 1]))),
+           "transactional": commit_request(key, (5, encode_batch([Record(None, b"x")],
                                                           txn=(1, 2))))}[case]
     if case == "wrong-tc-partition":
         bad.tc_partition = (bad.tc_partition + 1) % 16
@@ -166,22 +172,16 @@ def test_bad_commits_are_refused_and_write_nothing(native_core, case):
     assert not t5.exists() or t5.stat().st_size == 0
 
 
-@pytest.mark.parametrize("prototype", ["lean", "native", "native-wal"])
-def test_a_prototype_takes_the_same_calls_on_its_link(prototype, tmp_path, request_fixture):
+@pytest.mark.parametrize("prototype", ["lean", "files", "wal"])
+def test_a_prototype_takes_the_same_calls_on_its_link(prototype, tmp_path, request):
     """bench/native_core.py's rows "on the link": a CommitTxn as a call frame on the lean
     server's link, or the Go prototype's (link.go), is committed as over gRPC (the same
     offsets, already_ended again), and a bad one is answered with an ItemError frame and
     writes nothing."""
     from services import link_wire
 
-    if prototype == "lean":
-        if not io_uring_usable():
-            pytest.skip("io_uring is not usable here, and the lean prototype needs it")
-        command = [sys.executable, str(ROOT / "bench" / "lean_core.py"), "--dir", str(tmp_path)]
-    else:
-        command = [str(request_fixture.getfixturevalue("binary")), "--dir", str(tmp_path)] + (
-            ["--wal"] if prototype == "native-wal" else [])
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(prototype_command(request, prototype, tmp_path),
+                              stdout=subprocess.PIPE, text=True)
     try:
         _, link = server.stdout.readline().split()
         host, port = link.rsplit(":", 1)
@@ -196,12 +196,12 @@ def test_a_prototype_takes_the_same_calls_on_its_link(prototype, tmp_path, reque
             return coordinator_pb2.CommitTxnResponse.FromString(bytes(payload))
 
         key = uuid.uuid4().hex
-        commit = request(key, (0, encode_batch([Record(None, b"a"), Record(None, b"b")])))
+        commit = commit_request(key, (0, encode_batch([Record(None, b"a"), Record(None, b"b")])))
         reply = call(commit)
         assert [(r.base_offset, r.last_offset) for r in reply.batch_results] == [(0, 1)]
         assert call(commit).already_ended
         bad_key = uuid.uuid4().hex
-        bad = request(bad_key, (7, encode_batch([Record(None, b"x")])))
+        bad = commit_request(bad_key, (7, encode_batch([Record(None, b"x")])))
         bad.tc_partition = (bad.tc_partition + 1) % 16
         refused = call(bad)
         assert isinstance(refused, partition_pb2.ItemError)
@@ -213,12 +213,6 @@ def test_a_prototype_takes_the_same_calls_on_its_link(prototype, tmp_path, reque
     finally:
         server.terminate()
         server.wait(10)
-
-
-@pytest.fixture
-def request_fixture(request):
-    """pytest's own `request` (this module's `request()` builds CommitTxnRequests)."""
-    return request
 
 
 def test_the_cores_driven_in_process_commit_durably(tmp_path):
