@@ -738,3 +738,23 @@ def decode_control_batch(batch: bytes | bytearray | memoryview, *, verify: bool 
         return ControlMarker(ControlType(marker), epoch)
     except ValueError as error:
         raise _corrupt(f"unknown control type {marker}") from error
+
+
+# --- The native core ----------------------------------------------------------------------
+# partition_server/rust has these functions in Rust (partition_server/native.py loads
+# them). The Python ones above stay the reference, under these names, and keep serving
+# when the native core is off or not built; tests/test_native.py holds the pairs together.
+python_functions = {"parse_header": parse_header, "verify_crc": verify_crc,
+                    "validate_batch": validate_batch, "stamp_transaction": stamp_transaction,
+                    "frame_batch_parsed": frame_batch_parsed}
+
+
+def _use_native() -> None:
+    from partition_server import native
+    if native.core is None:
+        return
+    native.core.init(BatchHeader, AtomlogError)
+    globals().update({name: getattr(native.core, name) for name in python_functions})
+
+
+_use_native()

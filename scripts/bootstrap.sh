@@ -2,7 +2,8 @@
 # Idempotent set-up shared by scripts/main.sh and scripts/test.sh: installs what is
 # missing (Java, ZooKeeper and Prometheus with promtool from Debian packages; kustomize
 # built from the Go module proxy into a per-user cache; a virtualenv with atomlog and its
-# dependencies) and does nothing when everything is already there.
+# dependencies; the native core, built with cargo from crates.io, Debian's cargo and rustc
+# installed when there is none) and does nothing when everything is already there.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -92,6 +93,9 @@ fi
 site_packages="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cmp -s "$ROOT/scripts/atomlog-spark-workers.pth" "$site_packages/atomlog-spark-workers.pth" \
   || cp "$ROOT/scripts/atomlog-spark-workers.pth" "$site_packages/atomlog-spark-workers.pth"
+# atomlog's native core (partition_server/rust): built when its sources changed since the
+# last build, with Debian's cargo and rustc installed first when no cargo is found.
+PYTHON="$VENV/bin/python" bash "$ROOT/scripts/build_native.sh"
 if [ -n "${kustomize_build:-}" ]; then
   wait "$kustomize_build" || { say "building kustomize $KUSTOMIZE_VERSION failed"; exit 1; }
   unset kustomize_build

@@ -15,4 +15,8 @@ unset PYTHONDONTWRITEBYTECODE
 # (measured 2026-11-29: 1,190 s, 54% busy). Each module runs whole on one worker
 # (tests/conftest.py, pytest_xdist_make_scheduler). ATOMLOG_TEST_WORKERS=0 runs it in
 # this process.
+# The suite runs on the native core (partition_server/native.py): a build that is missing
+# or stale fails every test at import instead of testing Python in its place. Its tests
+# (tests/test_native.py, tests/test_record_batch.py) run the Python reference too.
+export ATOMLOG_NATIVE="${ATOMLOG_NATIVE:-require}"
 exec python -m pytest -n "${ATOMLOG_TEST_WORKERS:-2}" "$@"

@@ -1,5 +1,8 @@
 """The record batch format: round trips, the header patch, and that every kind of damage
-is refused with the right reason (CORRUPT_BATCH, CRC_MISMATCH, BATCH_TOO_LARGE)."""
+is refused with the right reason (CORRUPT_BATCH, CRC_MISMATCH, BATCH_TOO_LARGE).
+
+Every test runs twice: with the native core's functions in record_batch (as servers run)
+and with the Python reference's (record_batch.python_functions)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,39 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partition_server import record_batch as rb
+from partition_server import native
 from partition_server.record_batch import (HEADER, HEADER_SIZE, BatchHeader, Compression,
                                            ControlType, Record, TxnId, decode_control_batch,
                                            decode_records, encode_batch, encode_control_batch,
-                                           iter_batches, parse_header, txn_key,
-                                           validate_batch, verify_crc, with_base_offset)
+                                           iter_batches, txn_key, with_base_offset)
 from services.errors import AtomlogError
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def implementation(request, monkeypatch):
+    """record_batch's functions that have a native copy: the native ones (as loaded), or
+    the Python reference's put back for the test (record_batch's own callers, such as
+    encode_batch, look them up at each call, so they follow)."""
+    if request.param == "native":
+        if native.core is None:
+            pytest.skip(native.status())
+    else:
+        for name, function in rb.python_functions.items():
+            monkeypatch.setattr(rb, name, function)
+    return request.param
+
+
+# The functions under test, as record_batch holds them at the call (see `implementation`).
+def parse_header(*args, **kwargs):
+    return rb.parse_header(*args, **kwargs)
+
+
+def validate_batch(*args, **kwargs):
+    return rb.validate_batch(*args, **kwargs)
+
+
+def verify_crc(*args, **kwargs):
+    return rb.verify_crc(*args, **kwargs)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "record-format.md"
 

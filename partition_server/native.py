@@ -1,0 +1,85 @@
+"""Loads atomlog's native core: `partition_server._native`, built from the Rust crate in
+partition_server/rust/ by scripts/build_native.sh (which scripts/bootstrap.sh runs).
+
+The native functions are faster copies of pure functions of record_batch.py, which stays
+the reference: tests/test_native.py holds each pair to the same answers and errors. A
+module whose functions are in place of Python's is told by `status()`.
+
+ATOMLOG_NATIVE chooses, for the whole process:
+- `auto` (the default): the native core when it is built and current, else the Python
+  functions, with the reason in `status()`;
+- `require`: the native core, or an ImportError saying why not (the test suite and the
+  benchmarks run with it, so neither measures Python by mistake);
+- `off`: the Python functions.
+
+"Current": in a source checkout, the module was built from the crate's files as they are
+now (scripts/build_native.sh writes their SHA-256 beside it, in _native.sources); a module
+built from older sources is not used, since its answers may no longer be the reference's.
+An installed wheel has no crate beside it and is taken as built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+MODES = ("auto", "require", "off")
+HERE = Path(__file__).resolve().parent
+CRATE = HERE / "rust"
+SOURCES_STAMP = HERE / "_native.sources"
+
+
+def sources_digest(crate: Path = CRATE) -> str:
+    """SHA-256 of the crate's Cargo.toml, Cargo.lock and src/ files (names and bytes), as
+    scripts/build_native.sh computes it."""
+    digest = hashlib.sha256()
+    files = [crate / "Cargo.toml", crate / "Cargo.lock", *sorted((crate / "src").rglob("*.rs"))]
+    for path in files:
+        digest.update(path.relative_to(crate).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _stale() -> str | None:
+    """Why the built module is not current, or None."""
+    if not (CRATE / "Cargo.toml").exists():
+        return None  # an installed wheel: built with it
+    try:
+        built = SOURCES_STAMP.read_text().strip()
+    except OSError:
+        return f"{SOURCES_STAMP.name} is missing (run scripts/build_native.sh)"
+    if built != sources_digest():
+        return ("it was built from older sources of partition_server/rust "
+                "(run scripts/build_native.sh)")
+    return None
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    mode = os.environ.get("ATOMLOG_NATIVE", "auto")
+    if mode not in MODES:
+        raise RuntimeError(f"ATOMLOG_NATIVE={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "off":
+        return None, "python (ATOMLOG_NATIVE=off)"
+    why = None
+    try:
+        from partition_server import _native
+    except ImportError as error:
+        why = f"the native core is not built ({error}; run scripts/build_native.sh)"
+    else:
+        stale = _stale()
+        if stale is None:
+            return _native, "native"
+        why = f"the native core is not current: {stale}"
+    if mode == "require":
+        raise ImportError(f"ATOMLOG_NATIVE=require: {why}")
+    return None, f"python ({why})"
+
+
+core, _status = _load()
+
+
+def status() -> str:
+    """"native", or "python (why)"."""
+    return _status

@@ -1,0 +1,666 @@
+//! atomlog's native core, first part: the record batch's header work on the servers' hot
+//! path (parse and check a header, check a whole batch and its CRC32C, stamp a one-call
+//! transaction's batch, frame a batch around its records block).
+//!
+//! Each function here is the function of the same name in partition_server/record_batch.py,
+//! which stays the reference: the same answers, the same errors (AtomlogError with the same
+//! reason, message and metadata; ValueError for a caller's mistake). tests/test_native.py
+//! holds the two together on generated and damaged batches. partition_server/native.py
+//! loads this module and record_batch.py puts these functions in place of its own.
+//!
+//! Pure: no I/O, no clock, no state but the two Python types `init` is given.
+
+use pyo3::ffi;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
+
+mod crc32c;
+
+// The layout (record_batch.py's constants; its module doc has the table).
+const HEADER_SIZE: usize = 77;
+const PREFIX_SIZE: usize = 21;
+const CRC_OFFSET: usize = PREFIX_SIZE;
+const CRC_COVERED_FROM: usize = CRC_OFFSET + 4;
+const LENGTH_FIELD_END: i64 = 12;
+const MIN_BATCH_LENGTH: i64 = HEADER_SIZE as i64 - LENGTH_FIELD_END;
+const MAGIC: i8 = 1;
+const MAGIC_COLUMNAR: i8 = 2;
+const ATTR_COMPRESSION_MASK: i16 = 0x0007;
+const ATTR_TRANSACTIONAL: i16 = 0x0010;
+const ATTR_CONTROL: i16 = 0x0020;
+const ATTR_KNOWN_BITS: i16 = ATTR_COMPRESSION_MASK | ATTR_TRANSACTIONAL | ATTR_CONTROL;
+const MAX_CODEC: i16 = 2; // Compression.LZ4
+const NO_PRODUCER_ID: i64 = 0;
+const NO_SEQUENCE: i32 = -1;
+const NO_TIMESTAMP: i64 = -1;
+const PRODUCER_EPOCH_MAX: i64 = 0xFFFF;
+const INT32_MAX: i64 = i32::MAX as i64;
+const DEFAULT_MAX_BATCH_BYTES: i64 = 1 << 20;
+
+/// The Python types the answers are made of, given once by `init`.
+struct Types {
+    header: Py<PyType>,
+    error: Py<PyAny>,
+    tuple_new: Py<PyAny>,
+}
+
+static TYPES: GILOnceCell<Types> = GILOnceCell::new();
+
+fn types(py: Python<'_>) -> PyResult<&Types> {
+    TYPES.get(py).ok_or_else(|| {
+        PyRuntimeError::new_err("partition_server._native: init(BatchHeader, AtomlogError) first")
+    })
+}
+
+/// Called once by record_batch.py: its BatchHeader (the answers' type) and AtomlogError.
+#[pyfunction]
+fn init(py: Python<'_>, header: Bound<'_, PyType>, error: Bound<'_, PyAny>) -> PyResult<()> {
+    let tuple_new = py.get_type::<PyTuple>().getattr("__new__")?.unbind();
+    let _ = TYPES.set(py, Types { header: header.unbind(), error: error.unbind(), tuple_new });
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Header {
+    base_offset: i64,
+    batch_length: i32,
+    magic: i8,
+    log_append_time_ms: i64,
+    crc: u32,
+    attributes: i16,
+    last_offset_delta: i32,
+    record_count: i32,
+    base_timestamp_ms: i64,
+    max_timestamp_ms: i64,
+    producer_id: i64,
+    producer_epoch: u16,
+    base_sequence: i32,
+    txn_tc_partition: u32,
+    txn_sequence: u64,
+}
+
+fn be<const N: usize>(bytes: &[u8], at: usize) -> [u8; N] {
+    let mut out = [0u8; N];
+    out.copy_from_slice(&bytes[at..at + N]);
+    out
+}
+
+impl Header {
+    /// The header at the start of `b` (at least HEADER_SIZE bytes), unchecked.
+    fn read(b: &[u8]) -> Header {
+        Header {
+            base_offset: i64::from_be_bytes(be(b, 0)),
+            batch_length: i32::from_be_bytes(be(b, 8)),
+            magic: b[12] as i8,
+            log_append_time_ms: i64::from_be_bytes(be(b, 13)),
+            crc: u32::from_be_bytes(be(b, 21)),
+            attributes: i16::from_be_bytes(be(b, 25)),
+            last_offset_delta: i32::from_be_bytes(be(b, 27)),
+            record_count: i32::from_be_bytes(be(b, 31)),
+            base_timestamp_ms: i64::from_be_bytes(be(b, 35)),
+            max_timestamp_ms: i64::from_be_bytes(be(b, 43)),
+            producer_id: i64::from_be_bytes(be(b, 51)),
+            producer_epoch: u16::from_be_bytes(be(b, 59)),
+            base_sequence: i32::from_be_bytes(be(b, 61)),
+            txn_tc_partition: u32::from_be_bytes(be(b, 65)),
+            txn_sequence: u64::from_be_bytes(be(b, 69)),
+        }
+    }
+
+    fn write(&self, out: &mut [u8]) {
+        out[0..8].copy_from_slice(&self.base_offset.to_be_bytes());
+        out[8..12].copy_from_slice(&self.batch_length.to_be_bytes());
+        out[12] = self.magic as u8;
+        out[13..21].copy_from_slice(&self.log_append_time_ms.to_be_bytes());
+        out[21..25].copy_from_slice(&self.crc.to_be_bytes());
+        out[25..27].copy_from_slice(&self.attributes.to_be_bytes());
+        out[27..31].copy_from_slice(&self.last_offset_delta.to_be_bytes());
+        out[31..35].copy_from_slice(&self.record_count.to_be_bytes());
+        out[35..43].copy_from_slice(&self.base_timestamp_ms.to_be_bytes());
+        out[43..51].copy_from_slice(&self.max_timestamp_ms.to_be_bytes());
+        out[51..59].copy_from_slice(&self.producer_id.to_be_bytes());
+        out[59..61].copy_from_slice(&self.producer_epoch.to_be_bytes());
+        out[61..65].copy_from_slice(&self.base_sequence.to_be_bytes());
+        out[65..69].copy_from_slice(&self.txn_tc_partition.to_be_bytes());
+        out[69..77].copy_from_slice(&self.txn_sequence.to_be_bytes());
+    }
+
+    /// Bytes of the whole batch (BatchHeader.size).
+    fn size(&self) -> i64 {
+        self.batch_length as i64 + LENGTH_FIELD_END
+    }
+
+    /// The BatchHeader of these fields.
+    fn to_python(&self, py: Python<'_>) -> PyResult<PyObject> {
+        let types = types(py)?;
+        let fields = PyTuple::new(
+            py,
+            [
+                self.base_offset.into_pyobject(py)?.into_any(),
+                self.batch_length.into_pyobject(py)?.into_any(),
+                self.magic.into_pyobject(py)?.into_any(),
+                self.log_append_time_ms.into_pyobject(py)?.into_any(),
+                self.crc.into_pyobject(py)?.into_any(),
+                self.attributes.into_pyobject(py)?.into_any(),
+                self.last_offset_delta.into_pyobject(py)?.into_any(),
+                self.record_count.into_pyobject(py)?.into_any(),
+                self.base_timestamp_ms.into_pyobject(py)?.into_any(),
+                self.max_timestamp_ms.into_pyobject(py)?.into_any(),
+                self.producer_id.into_pyobject(py)?.into_any(),
+                self.producer_epoch.into_pyobject(py)?.into_any(),
+                self.base_sequence.into_pyobject(py)?.into_any(),
+                self.txn_tc_partition.into_pyobject(py)?.into_any(),
+                self.txn_sequence.into_pyobject(py)?.into_any(),
+            ],
+        )?;
+        // tuple.__new__(BatchHeader, fields): what BatchHeader._make does, without its
+        // Python frame.
+        Ok(types.tuple_new.call1(py, (types.header.clone_ref(py), fields))?)
+    }
+
+    /// A BatchHeader (or any 15-tuple of ints in its order) given by Python.
+    fn from_python(header: &Bound<'_, PyAny>) -> PyResult<Header> {
+        let fields = header.downcast::<PyTuple>()?;
+        if fields.len() != 15 {
+            return Err(PyValueError::new_err("a BatchHeader has 15 fields"));
+        }
+        let field = |index: usize| fields.get_item(index);
+        Ok(Header {
+            base_offset: field(0)?.extract()?,
+            batch_length: field(1)?.extract()?,
+            magic: field(2)?.extract()?,
+            log_append_time_ms: field(3)?.extract()?,
+            crc: field(4)?.extract()?,
+            attributes: field(5)?.extract()?,
+            last_offset_delta: field(6)?.extract()?,
+            record_count: field(7)?.extract()?,
+            base_timestamp_ms: field(8)?.extract()?,
+            max_timestamp_ms: field(9)?.extract()?,
+            producer_id: field(10)?.extract()?,
+            producer_epoch: field(11)?.extract()?,
+            base_sequence: field(12)?.extract()?,
+            txn_tc_partition: field(13)?.extract()?,
+            txn_sequence: field(14)?.extract()?,
+        })
+    }
+
+    /// record_batch._header_problem: the cross-field rules, None when consistent.
+    fn problem(&self) -> Option<String> {
+        let h = self;
+        if h.base_offset < 0 {
+            return Some(format!("negative base_offset {}", h.base_offset));
+        }
+        if h.attributes & !ATTR_KNOWN_BITS != 0 {
+            return Some(format!("unknown attribute bits set in 0x{:04x}", h.attributes as u16));
+        }
+        if h.attributes & ATTR_COMPRESSION_MASK > MAX_CODEC {
+            return Some(format!("unknown compression codec {}", h.attributes & ATTR_COMPRESSION_MASK));
+        }
+        if h.record_count < 1 {
+            return Some(format!(
+                "record_count {} (a batch holds at least one record)",
+                h.record_count
+            ));
+        }
+        if h.last_offset_delta as i64 != h.record_count as i64 - 1 {
+            return Some(format!(
+                "last_offset_delta {} does not match record_count {}",
+                h.last_offset_delta, h.record_count
+            ));
+        }
+        if h.max_timestamp_ms < h.base_timestamp_ms {
+            return Some(format!(
+                "max_timestamp_ms {} is below base_timestamp_ms {}",
+                h.max_timestamp_ms, h.base_timestamp_ms
+            ));
+        }
+        if h.producer_id < 0 {
+            return Some(format!("negative producer_id {}", h.producer_id));
+        }
+        if h.base_sequence < NO_SEQUENCE {
+            return Some(format!("base_sequence {} (must be -1 or >= 0)", h.base_sequence));
+        }
+        if h.producer_id == NO_PRODUCER_ID && (h.producer_epoch != 0 || h.base_sequence != NO_SEQUENCE)
+        {
+            return Some(
+                "producer_epoch and base_sequence must be 0 and -1 without a producer_id".into(),
+            );
+        }
+        if h.producer_id != NO_PRODUCER_ID
+            && h.base_sequence as i64 + h.last_offset_delta as i64 > INT32_MAX
+        {
+            return Some(format!(
+                "base_sequence {} + record count overflows int32",
+                h.base_sequence
+            ));
+        }
+        let has_txn = h.txn_tc_partition != 0 || h.txn_sequence != 0;
+        if (h.attributes & ATTR_TRANSACTIONAL != 0) != has_txn {
+            return Some(
+                "the transactional bit must be set exactly when a transaction id is present".into(),
+            );
+        }
+        if h.attributes & ATTR_CONTROL != 0 {
+            if !has_txn {
+                return Some("a control batch must carry a transaction id".into());
+            }
+            if h.record_count != 1 || h.attributes & ATTR_COMPRESSION_MASK != 0 || h.magic != MAGIC {
+                return Some(
+                    "a control batch holds exactly one uncompressed record in the row format"
+                        .into(),
+                );
+            }
+        }
+        None
+    }
+}
+
+// --- Errors, as record_batch.py raises them ------------------------------------------------
+
+fn atomlog_error(py: Python<'_>, reason: &str, message: String, metadata: &[(&str, String)]) -> PyErr {
+    let build = || -> PyResult<PyErr> {
+        let details = PyDict::new(py);
+        for (key, value) in metadata {
+            details.set_item(*key, value)?;
+        }
+        let error = types(py)?.error.call1(py, (reason, message, details))?;
+        Ok(PyErr::from_value(error.into_bound(py)))
+    };
+    build().unwrap_or_else(|error| error)
+}
+
+/// record_batch._corrupt.
+fn corrupt(py: Python<'_>, message: String, position: Option<i64>) -> PyErr {
+    match position {
+        Some(position) => atomlog_error(py, "CORRUPT_BATCH", message, &[("position", position.to_string())]),
+        None => atomlog_error(py, "CORRUPT_BATCH", message, &[]),
+    }
+}
+
+fn struct_error(py: Python<'_>, message: &str) -> PyErr {
+    match py.import("struct").and_then(|module| module.getattr("error")) {
+        Ok(class) => match class.call1((message,)) {
+            Ok(error) => PyErr::from_value(error),
+            Err(error) => error,
+        },
+        Err(error) => error,
+    }
+}
+
+// --- Bytes from Python ----------------------------------------------------------------------
+
+/// `f` with the bytes of `object`: bytes directly, else through the buffer protocol as a
+/// simple (C-contiguous, format-free) buffer, as `crc32c` and `bytes` read any: bytearray,
+/// memoryview, Arrow's buffers. Nothing runs Python code meanwhile.
+fn with_bytes<R>(object: &Bound<'_, PyAny>, f: impl FnOnce(&[u8]) -> PyResult<R>) -> PyResult<R> {
+    if let Ok(bytes) = object.downcast::<PyBytes>() {
+        return f(bytes.as_bytes());
+    }
+    let view = SimpleBuffer::get(object)?;
+    f(view.bytes())
+}
+
+/// A Py_buffer held (so a bytearray cannot resize) until dropped.
+struct SimpleBuffer(Box<ffi::Py_buffer>);
+
+impl SimpleBuffer {
+    fn get(object: &Bound<'_, PyAny>) -> PyResult<SimpleBuffer> {
+        // SAFETY: a zeroed Py_buffer is what PyObject_GetBuffer fills; on failure it
+        // holds nothing to release.
+        let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+        if unsafe { ffi::PyObject_GetBuffer(object.as_ptr(), &mut *view, ffi::PyBUF_SIMPLE) } != 0 {
+            return Err(PyErr::fetch(object.py()));
+        }
+        Ok(SimpleBuffer(view))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        if self.0.buf.is_null() || self.0.len <= 0 {
+            return &[];
+        }
+        // SAFETY: a simple buffer is `len` contiguous bytes at `buf`, valid while held.
+        unsafe { std::slice::from_raw_parts(self.0.buf as *const u8, self.0.len as usize) }
+    }
+}
+
+impl Drop for SimpleBuffer {
+    fn drop(&mut self) {
+        // SAFETY: filled by a successful PyObject_GetBuffer, released once; the GIL is
+        // held (every caller holds it for the buffer's life).
+        unsafe { ffi::PyBuffer_Release(&mut *self.0) }
+    }
+}
+
+// --- The functions ----------------------------------------------------------------------------
+
+fn parse(py: Python<'_>, buf: &[u8], offset: i64, max_batch_bytes: Option<i64>) -> PyResult<Header> {
+    if offset < 0 {
+        return Err(PyValueError::new_err(format!("offset {} (must be >= 0)", offset)));
+    }
+    let present = buf.len() as i64 - offset;
+    if present < HEADER_SIZE as i64 {
+        return Err(corrupt(
+            py,
+            format!("truncated batch header: {} bytes, a header is {}", present.max(0), HEADER_SIZE),
+            Some(offset),
+        ));
+    }
+    let header = Header::read(&buf[offset as usize..]);
+    if header.magic != MAGIC && header.magic != MAGIC_COLUMNAR {
+        return Err(corrupt(
+            py,
+            format!("bad magic {} (expected one of ({}, {}))", header.magic, MAGIC, MAGIC_COLUMNAR),
+            Some(offset),
+        ));
+    }
+    if (header.batch_length as i64) < MIN_BATCH_LENGTH {
+        return Err(corrupt(
+            py,
+            format!(
+                "batch_length {} is below the minimum {}",
+                header.batch_length, MIN_BATCH_LENGTH
+            ),
+            Some(offset),
+        ));
+    }
+    if let Some(limit) = max_batch_bytes {
+        if header.size() > limit {
+            return Err(atomlog_error(
+                py,
+                "BATCH_TOO_LARGE",
+                format!("batch of {} bytes exceeds the limit of {} bytes", header.size(), limit),
+                &[("limit", limit.to_string()), ("position", offset.to_string())],
+            ));
+        }
+    }
+    if let Some(problem) = header.problem() {
+        return Err(corrupt(py, problem, Some(offset)));
+    }
+    Ok(header)
+}
+
+fn check_crc(py: Python<'_>, batch: &[u8], size: i64, stored: u32, position: i64) -> PyResult<()> {
+    let end = position + size;
+    if (batch.len() as i64) < end {
+        return Err(corrupt(
+            py,
+            format!(
+                "truncated batch: header declares {} bytes, {} present",
+                size,
+                batch.len() as i64 - position
+            ),
+            Some(position),
+        ));
+    }
+    let from = (position + CRC_COVERED_FROM as i64).clamp(0, end.max(0)) as usize;
+    let computed = crc32c::value(&batch[from..end.max(0) as usize], 0);
+    if computed != stored {
+        return Err(atomlog_error(
+            py,
+            "CRC_MISMATCH",
+            format!("CRC32C mismatch: stored 0x{:08x}, computed 0x{:08x}", stored, computed),
+            &[
+                ("position", position.to_string()),
+                ("stored_crc", format!("0x{:08x}", stored)),
+                ("computed_crc", format!("0x{:08x}", computed)),
+            ],
+        ));
+    }
+    Ok(())
+}
+
+/// record_batch.parse_header.
+#[pyfunction]
+#[pyo3(signature = (buf, offset = 0, *, max_batch_bytes = None))]
+fn parse_header(
+    py: Python<'_>,
+    buf: &Bound<'_, PyAny>,
+    offset: i64,
+    max_batch_bytes: Option<i64>,
+) -> PyResult<PyObject> {
+    with_bytes(buf, |bytes| parse(py, bytes, offset, max_batch_bytes))?.to_python(py)
+}
+
+/// record_batch.verify_crc.
+#[pyfunction]
+#[pyo3(signature = (batch, header = None, position = 0))]
+fn verify_crc(
+    py: Python<'_>,
+    batch: &Bound<'_, PyAny>,
+    header: Option<&Bound<'_, PyAny>>,
+    position: i64,
+) -> PyResult<()> {
+    let given = match header {
+        Some(header) if !header.is_none() => Some(Header::from_python(header)?),
+        _ => None,
+    };
+    with_bytes(batch, |bytes| {
+        let header = match given {
+            Some(header) => header,
+            None => parse(py, bytes, position, None)?,
+        };
+        check_crc(py, bytes, header.size(), header.crc, position)
+    })
+}
+
+/// record_batch.validate_batch.
+#[pyfunction]
+#[pyo3(signature = (batch, *, max_batch_bytes = DEFAULT_MAX_BATCH_BYTES))]
+fn validate_batch(py: Python<'_>, batch: &Bound<'_, PyAny>, max_batch_bytes: i64) -> PyResult<PyObject> {
+    let header = with_bytes(batch, |bytes| {
+        let length = bytes.len() as i64;
+        if length > max_batch_bytes {
+            return Err(atomlog_error(
+                py,
+                "BATCH_TOO_LARGE",
+                format!("batch of {} bytes exceeds the limit of {} bytes", length, max_batch_bytes),
+                &[("limit", max_batch_bytes.to_string())],
+            ));
+        }
+        let header = parse(py, bytes, 0, None)?;
+        if header.size() != length {
+            let why = if header.size() > length { " (truncated)" } else { " (trailing bytes)" };
+            return Err(corrupt(
+                py,
+                format!("batch_length says {} bytes, but the batch has {}{}", header.size(), length, why),
+                None,
+            ));
+        }
+        check_crc(py, bytes, header.size(), header.crc, 0)?;
+        Ok(header)
+    })?;
+    header.to_python(py)
+}
+
+/// record_batch.check_stageable's refusals, None when the batch may be staged.
+fn stage_refusal(header: &Header) -> Option<&'static str> {
+    if header.attributes & (ATTR_TRANSACTIONAL | ATTR_CONTROL) != 0 {
+        return Some(
+            "a one-call transaction's batch must not be transactional or a control batch: the \
+             coordinator assigns it its transaction",
+        );
+    }
+    if header.producer_id != NO_PRODUCER_ID {
+        return Some(
+            "a one-call transaction's batch has no producer id (0) and no sequence (-1): it is \
+             deduplicated by its transaction",
+        );
+    }
+    None
+}
+
+/// record_batch.stamp_transaction: the batch made part of `txn` (its bit, its id, the
+/// CRC32C again), with its header.
+#[pyfunction]
+fn stamp_transaction(
+    py: Python<'_>,
+    batch: &Bound<'_, PyAny>,
+    header: &Bound<'_, PyAny>,
+    txn: &Bound<'_, PyAny>,
+) -> PyResult<(PyObject, PyObject)> {
+    let header = Header::from_python(header)?;
+    if let Some(refusal) = stage_refusal(&header) {
+        return Err(atomlog_error(py, "INVALID_ARGUMENT", refusal.into(), &[]));
+    }
+    let (tc_partition, sequence): (i128, i128) = (txn.get_item(0)?.extract()?, txn.get_item(1)?.extract()?);
+    if !(0..=u32::MAX as i128).contains(&tc_partition) || !(0..=u64::MAX as i128).contains(&sequence) {
+        return Err(struct_error(py, "argument out of range"));
+    }
+    let attributes = header.attributes | ATTR_TRANSACTIONAL;
+    let (out, crc) = with_bytes(batch, |bytes| {
+        if bytes.len() < HEADER_SIZE {
+            return Err(struct_error(py, "buffer too small for a batch header"));
+        }
+        let crc = {
+            // The checksum of the new bytes without building them twice: the stamped
+            // fields, then the rest as it is.
+            let mut head = [0u8; HEADER_SIZE - CRC_COVERED_FROM];
+            head.copy_from_slice(&bytes[CRC_COVERED_FROM..HEADER_SIZE]);
+            head[0..2].copy_from_slice(&attributes.to_be_bytes());
+            head[40..44].copy_from_slice(&(tc_partition as u32).to_be_bytes());
+            head[44..52].copy_from_slice(&(sequence as u64).to_be_bytes());
+            crc32c::value(&bytes[HEADER_SIZE..], crc32c::value(&head, 0))
+        };
+        let out = PyBytes::new_with(py, bytes.len(), |out| {
+            out.copy_from_slice(bytes);
+            out[25..27].copy_from_slice(&attributes.to_be_bytes());
+            out[65..69].copy_from_slice(&(tc_partition as u32).to_be_bytes());
+            out[69..77].copy_from_slice(&(sequence as u64).to_be_bytes());
+            out[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
+            Ok(())
+        })?;
+        Ok((out, crc))
+    })?;
+    let stamped = Header {
+        attributes,
+        crc,
+        txn_tc_partition: tc_partition as u32,
+        txn_sequence: sequence as u64,
+        ..header
+    };
+    if let Some(problem) = stamped.problem() {
+        return Err(corrupt(py, problem, Some(0)));
+    }
+    Ok((out.into_any().unbind(), stamped.to_python(py)?))
+}
+
+/// record_batch.frame_batch_parsed: a batch around a records block already built, with
+/// its header.
+#[pyfunction]
+#[pyo3(signature = (body, *, magic, count, base_timestamp_ms, max_timestamp_ms, compression = None,
+                    producer_id = NO_PRODUCER_ID, producer_epoch = 0, base_sequence = NO_SEQUENCE as i64,
+                    txn = None, transactional = None, control = false))]
+#[allow(clippy::too_many_arguments)]
+fn frame_batch_parsed(
+    py: Python<'_>,
+    body: &Bound<'_, PyAny>,
+    magic: i64,
+    count: i64,
+    base_timestamp_ms: i64,
+    max_timestamp_ms: i64,
+    compression: Option<&Bound<'_, PyAny>>,
+    producer_id: i64,
+    producer_epoch: i64,
+    base_sequence: i64,
+    txn: Option<&Bound<'_, PyAny>>,
+    transactional: Option<bool>,
+    control: bool,
+) -> PyResult<(PyObject, PyObject)> {
+    let txn = txn.filter(|txn| !txn.is_none());
+    let transactional = transactional.unwrap_or(txn.is_some());
+    let (tc_partition, sequence): (i128, i128) = match txn {
+        Some(txn) => {
+            let pair = txn.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+            if pair.len() != 2 {
+                return Err(PyValueError::new_err("a transaction id is (tc_partition, sequence)"));
+            }
+            (pair[0].extract()?, pair[1].extract()?)
+        }
+        None => (0, 0),
+    };
+    if transactional != txn.is_some() || (txn.is_some() && tc_partition == 0 && sequence == 0) {
+        return Err(PyValueError::new_err(
+            "transactional batches need a non-zero txn id, and only they may carry one",
+        ));
+    }
+    if producer_id == NO_PRODUCER_ID && (producer_epoch != 0 || base_sequence != NO_SEQUENCE as i64) {
+        return Err(PyValueError::new_err("producer_epoch/base_sequence need a producer_id"));
+    }
+    if !(0..=PRODUCER_EPOCH_MAX).contains(&producer_epoch) {
+        return Err(PyValueError::new_err(format!(
+            "producer_epoch {} outside 0..{}",
+            producer_epoch, PRODUCER_EPOCH_MAX
+        )));
+    }
+    let codec: i64 = match compression {
+        None => 0,
+        Some(compression) => match compression.extract::<i64>() {
+            Ok(codec) if (0..=MAX_CODEC as i64).contains(&codec) => codec,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "{} is not a valid Compression",
+                    compression.repr()?
+                )))
+            }
+        },
+    };
+    let attributes = codec as i16
+        | if transactional { ATTR_TRANSACTIONAL } else { 0 }
+        | if control { ATTR_CONTROL } else { 0 };
+    with_bytes(body, |body| {
+        let batch_length = MIN_BATCH_LENGTH + body.len() as i64;
+        let fits = i8::try_from(magic).is_ok()
+            && i32::try_from(count - 1).is_ok()
+            && i32::try_from(count).is_ok()
+            && i32::try_from(batch_length).is_ok()
+            && i32::try_from(base_sequence).is_ok()
+            && (0..=u32::MAX as i128).contains(&tc_partition)
+            && (0..=u64::MAX as i128).contains(&sequence);
+        if !fits {
+            return Err(struct_error(py, "argument out of range"));
+        }
+        let mut header = Header {
+            base_offset: 0,
+            batch_length: batch_length as i32,
+            magic: magic as i8,
+            log_append_time_ms: NO_TIMESTAMP,
+            crc: 0,
+            attributes,
+            last_offset_delta: (count - 1) as i32,
+            record_count: count as i32,
+            base_timestamp_ms,
+            max_timestamp_ms,
+            producer_id,
+            producer_epoch: producer_epoch as u16,
+            base_sequence: base_sequence as i32,
+            txn_tc_partition: tc_partition as u32,
+            txn_sequence: sequence as u64,
+        };
+        let mut head = [0u8; HEADER_SIZE];
+        header.write(&mut head);
+        header.crc = crc32c::value(body, crc32c::value(&head[CRC_COVERED_FROM..], 0));
+        head[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&header.crc.to_be_bytes());
+        let batch = PyBytes::new_with(py, HEADER_SIZE + body.len(), |out| {
+            out[..HEADER_SIZE].copy_from_slice(&head);
+            out[HEADER_SIZE..].copy_from_slice(body);
+            Ok(())
+        })?;
+        // A pair assertion too, as in Python: what we build, we accept.
+        let parsed = parse(py, batch.as_bytes(), 0, None)?;
+        debug_assert_eq!(parsed, header);
+        Ok((batch.into_any().unbind(), parsed.to_python(py)?))
+    })
+}
+
+#[pymodule]
+fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_function(wrap_pyfunction!(init, module)?)?;
+    module.add_function(wrap_pyfunction!(parse_header, module)?)?;
+    module.add_function(wrap_pyfunction!(verify_crc, module)?)?;
+    module.add_function(wrap_pyfunction!(validate_batch, module)?)?;
+    module.add_function(wrap_pyfunction!(stamp_transaction, module)?)?;
+    module.add_function(wrap_pyfunction!(frame_batch_parsed, module)?)?;
+    Ok(())
+}

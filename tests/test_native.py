@@ -1,0 +1,238 @@
+"""The native core (partition_server/rust, loaded by partition_server/native.py) against
+its reference, the Python functions of record_batch.py (record_batch.python_functions):
+on generated batches, and on the same batches damaged (bytes changed, cut short, grown,
+given as bytes, bytearray, memoryview of bytes or of signed chars, or Arrow buffer), each pair gives the same answer, or raises the
+same error: the same type, and for AtomlogError the same reason, message and metadata
+(for ValueError the same message; for struct.error, a field out of range for its place in
+the header, the type only).
+
+Also: the loader's modes and its refusal of a module built from other sources."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from partition_server import native
+from partition_server import record_batch as rb
+from partition_server.record_batch import Compression, Record
+from services.errors import AtomlogError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(native.core is None, reason=native.status())
+
+PYTHON = rb.python_functions
+
+
+def outcome(function, *args, **kwargs):
+    """What a call gives: ("ok", answer) or ("raised", what the error says)."""
+    try:
+        answer = function(*args, **kwargs)
+    except AtomlogError as error:
+        return "raised", (AtomlogError, error.reason, error.message, error.metadata)
+    except struct.error:  # a field out of its range: struct's own wording aside
+        return "raised", (struct.error,)
+    except ValueError as error:
+        return "raised", (type(error), str(error))
+    if isinstance(answer, tuple) and answer and isinstance(answer[-1], rb.BatchHeader):
+        assert type(answer[-1]) is rb.BatchHeader  # the same type, not only equal fields
+    if isinstance(answer, rb.BatchHeader):
+        assert type(answer) is rb.BatchHeader
+    return "ok", answer
+
+
+def same(name: str, *args, **kwargs):
+    """The native and the Python `name` agree on these arguments; returns the outcome."""
+    expected = outcome(PYTHON[name], *args, **kwargs)
+    got = outcome(getattr(native.core, name), *args, **kwargs)
+    assert got == expected, (name, args, kwargs)
+    return got
+
+
+records = st.lists(st.builds(Record, key=st.none() | st.binary(max_size=16),
+                             value=st.none() | st.binary(max_size=64),
+                             timestamp_ms=st.none() | st.integers(0, 2**41)),
+                   min_size=1, max_size=5)
+producers = st.none() | st.tuples(st.integers(1, 2**63 - 1), st.integers(0, 65535),
+                                  st.integers(0, 2**31 - 10))
+txns = st.none() | st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 2**64 - 1))
+
+
+@st.composite
+def batches(draw) -> bytes:
+    """Batches encode_batch (Python's own functions) builds: row or columnar magic, every
+    codec, with and without a producer and a transaction, markers too."""
+    if draw(st.integers(0, 9)) == 0:
+        return rb.encode_control_batch(
+            draw(st.sampled_from(list(rb.ControlType))),
+            txn=draw(st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 2**64 - 1))),
+            coordinator_epoch=draw(st.integers(0, 2**64 - 1)),
+            timestamp_ms=draw(st.integers(0, 2**41)))
+    producer = draw(producers)
+    fields = {} if producer is None else dict(zip(
+        ("producer_id", "producer_epoch", "base_sequence"), producer))
+    batch = rb.encode_batch(draw(records), txn=draw(txns), timestamp_ms=1_700_000_000_000,
+                            compression=draw(st.sampled_from(list(Compression))), **fields)
+    if draw(st.booleans()):  # the magic of a columnar batch: the server reads both alike
+        batch = batch[:12] + bytes([rb.MAGIC_COLUMNAR]) + batch[13:]
+    return batch
+
+
+@st.composite
+def damaged(draw, batch_strategy=batches()) -> bytes:
+    """A batch, maybe damaged: header fields rewritten (CRC right or not), bytes flipped,
+    cut short or grown."""
+    batch = bytearray(draw(batch_strategy))
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.integers(0, 4))
+        if kind == 0 and batch:  # a byte anywhere
+            position = draw(st.integers(0, len(batch) - 1))
+            batch[position] = draw(st.integers(0, 255))
+        elif kind == 1 and len(batch) >= rb.HEADER_SIZE:  # a field, the CRC made right
+            name, offset, size, _ = draw(st.sampled_from(rb.HEADER_FIELDS))
+            batch[offset:offset + size] = draw(st.binary(min_size=size, max_size=size))
+            if name != "crc" and draw(st.booleans()):
+                struct.pack_into(">I", batch, rb.CRC_OFFSET,
+                                 rb.crc32c.crc32c(bytes(batch[rb.CRC_COVERED_FROM:])))
+        elif kind == 2:  # cut short
+            del batch[draw(st.integers(0, len(batch))):]
+        elif kind == 3:  # grown
+            batch += draw(st.binary(min_size=1, max_size=8))
+    return bytes(batch)
+
+
+def as_buffer(data: bytes, kind: str):
+    if kind == "arrow":  # the columnar SDK frames Arrow's buffers
+        return pyarrow.py_buffer(data)
+    return {"bytes": data, "bytearray": bytearray(data), "memoryview": memoryview(data),
+            "signed": memoryview(data).cast("b")}[kind]
+
+
+buffers = st.sampled_from(["bytes", "bytearray", "memoryview", "signed", "arrow"])
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=damaged(), kind=buffers, limit=st.none() | st.integers(0, 400),
+       offset=st.integers(0, 3), padding=st.binary(max_size=3))
+def test_parse_validate_and_verify_agree_on_whole_and_damaged_batches(batch, kind, limit,
+                                                                       offset, padding):
+    buffer = as_buffer(batch, kind)
+    same("validate_batch", buffer)
+    if limit is not None:
+        same("validate_batch", buffer, max_batch_bytes=limit)
+    shifted = as_buffer(padding[:offset].ljust(offset, b"\0") + batch, kind)
+    header = same("parse_header", shifted, offset, max_batch_bytes=limit)
+    same("parse_header", buffer)
+    same("verify_crc", shifted, None, offset)
+    if header[0] == "ok":
+        same("verify_crc", shifted, header[1], offset)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=damaged(), kind=buffers,
+       txn=st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)).map(
+           lambda pair: rb.TxnId(*pair)))
+def test_stamp_transaction_agrees(batch, kind, txn):
+    """Stamped as StageTxn does: after validate_batch (whatever the header says then),
+    and also with a header the batch does not have (the rules apply to what is given)."""
+    try:
+        header, valid = PYTHON["validate_batch"](batch), True
+    except AtomlogError:
+        if len(batch) < rb.HEADER_SIZE:
+            return
+        header, valid = rb.BatchHeader._make(rb.HEADER.unpack_from(batch)), False
+    result = same("stamp_transaction", as_buffer(batch, kind), header, txn)
+    if result[0] == "ok" and valid:
+        stamped, stamped_header = result[1]
+        assert PYTHON["validate_batch"](stamped) == stamped_header
+
+
+frame_arguments = st.fixed_dictionaries({
+    "magic": st.sampled_from([rb.MAGIC, rb.MAGIC_COLUMNAR, 0, 3, 200]),
+    "count": st.integers(-2, 5) | st.integers(2**31 - 2, 2**31 + 1),
+    "base_timestamp_ms": st.integers(-1, 2**41),
+    "max_timestamp_ms": st.integers(-1, 2**41),
+}, optional={
+    "compression": st.sampled_from([*Compression, 0, 2, 3, -1]),
+    "producer_id": st.integers(-1, 2**63 - 1),
+    "producer_epoch": st.integers(-1, 65536),
+    "base_sequence": st.integers(-2, 2**31),
+    "txn": st.none() | st.tuples(st.integers(0, 2**32), st.integers(0, 2**64 - 1))
+    | st.tuples(st.integers(0, 3), st.integers(0, 3)).map(lambda pair: rb.TxnId(*pair)),
+    "transactional": st.none() | st.booleans(),
+    "control": st.booleans(),
+})
+
+
+@settings(max_examples=1500, deadline=None)
+@given(body=st.binary(max_size=40), kind=buffers, arguments=frame_arguments)
+def test_frame_batch_parsed_agrees_on_right_and_wrong_arguments(body, kind, arguments):
+    result = same("frame_batch_parsed", as_buffer(body, kind), **arguments)
+    if result[0] == "ok":
+        batch, header = result[1]
+        assert PYTHON["validate_batch"](batch) == header
+
+
+def test_record_batch_serves_the_native_functions_when_loaded():
+    for name, function in PYTHON.items():
+        assert getattr(rb, name) is getattr(native.core, name), name
+    assert native.status() == "native"
+
+
+def test_a_header_comes_back_as_a_batch_header_with_its_properties():
+    batch = rb.encode_batch([Record(b"k", b"v")] * 3, producer_id=5, base_sequence=7,
+                            txn=(3, 4), timestamp_ms=10)
+    header = native.core.validate_batch(batch)
+    assert type(header) is rb.BatchHeader
+    assert (header.size, header.last_sequence, header.txn) == (len(batch), 9, (3, 4))
+    assert header._replace(base_offset=1).base_offset == 1
+
+
+def _python(code: str, **environment) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **environment})
+
+
+def test_atomlog_native_off_serves_the_python_functions():
+    run = _python("from partition_server import native, record_batch as rb\n"
+                  "print(native.status(), rb.parse_header is rb.python_functions['parse_header'])",
+                  ATOMLOG_NATIVE="off")
+    assert run.stdout.split() == ["python", "(ATOMLOG_NATIVE=off)", "True"], run.stderr
+
+
+def test_an_unknown_mode_is_refused_by_name():
+    run = _python("import partition_server.record_batch", ATOMLOG_NATIVE="fast")
+    assert run.returncode != 0
+    assert "ATOMLOG_NATIVE='fast': expected one of auto, require, off" in run.stderr
+
+
+def test_a_module_built_from_other_sources_is_not_used(tmp_path, monkeypatch):
+    """A stale build (the crate edited since): `auto` falls back to Python and says why,
+    `require` refuses to start."""
+    stamp = tmp_path / "_native.sources"
+    stamp.write_text("0" * 64 + "\n")
+    monkeypatch.setattr(native, "SOURCES_STAMP", stamp)
+    for mode, expected in (("auto", "python (the native core is not current: "),
+                           ("require", None)):
+        monkeypatch.setenv("ATOMLOG_NATIVE", mode)
+        if expected is None:
+            with pytest.raises(ImportError, match="ATOMLOG_NATIVE=require: the native core "
+                                                  "is not current: it was built from older"):
+                native._load()
+        else:
+            core, status = native._load()
+            assert core is None and status.startswith(expected)
+    stamp.unlink()
+    monkeypatch.setenv("ATOMLOG_NATIVE", "auto")
+    assert "_native.sources is missing" in native._load()[1]
+    stamp.write_text(native.sources_digest() + "\n")
+    assert native._load() == (native.core, "native")
