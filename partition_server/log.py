@@ -35,10 +35,10 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from partition_server import direct_io
+from partition_server import direct_io, record_batch
 from partition_server import segment as seg_mod
 from partition_server.record_batch import (ATTR_CONTROL, DEFAULT_MAX_BATCH_BYTES, INT64_MIN,
-                                           LENGTH_FIELD_END, PREFIX, PREFIX_SIZE, BatchHeader,
+                                           LENGTH_FIELD_END, BatchHeader,
                                            parse_header)
 from partition_server.segment import (INDEX_SUFFIX, POSITION_MAX, RELATIVE_OFFSET_MAX,
                                       ScanFailure, Segment, SparseIndex, check_batches,
@@ -434,19 +434,13 @@ class PartitionLog:
         if not group:
             return
         active = self._active
-        buffers: list[bytes | memoryview] = []
-        stamped: list[BatchHeader] = []
-        next_offset = self._log_end_offset
-        pack = PREFIX.pack
-        for batch, header in group:
-            if copied:
-                buffers.append(batch)
-                stamped.append(header)
-            else:
-                buffers.append(pack(next_offset, header.batch_length, header.magic, now))
-                buffers.append(memoryview(batch)[PREFIX_SIZE:])
-                stamped.append(header._replace(base_offset=next_offset, log_append_time_ms=now))
-            next_offset += header.last_offset_delta + 1
+        if copied:
+            buffers: list = [batch for batch, _ in group]
+            stamped = [header for _, header in group]
+            next_offset = self._log_end_offset + sum(h.last_offset_delta + 1 for h in stamped)
+        else:
+            buffers, stamped, next_offset = record_batch.stamp_for_log(
+                group, self._log_end_offset, now)
         if copied and self._direct_copies:
             self._direct_write(active, buffers)
         else:

@@ -395,6 +395,25 @@ def with_base_offset(batch: bytes | bytearray | memoryview, base_offset: int,
     return PREFIX.pack(base_offset, old[1], old[2], append_time) + bytes(view[PREFIX_SIZE:])
 
 
+def stamp_for_log(group: list[tuple[bytes | memoryview, BatchHeader]], next_offset: int,
+                  now: int) -> tuple[list, list[BatchHeader], int]:
+    """A log's write of whole batches (each with its header) from `next_offset` on, at
+    append time `now`: the buffers to write, whose concatenation is the batches with
+    their offsets and append time stamped (fields before the CRC, so it stays right);
+    each batch's header as stamped; and the offset after them. Here the buffers are a
+    new 21-byte prefix and a view of the rest of each batch, no copy (the native core
+    gives one buffer of all of them)."""
+    buffers: list = []
+    stamped: list[BatchHeader] = []
+    pack = PREFIX.pack
+    for batch, header in group:
+        buffers.append(pack(next_offset, header.batch_length, header.magic, now))
+        buffers.append(memoryview(batch)[PREFIX_SIZE:])
+        stamped.append(header._replace(base_offset=next_offset, log_append_time_ms=now))
+        next_offset += header.last_offset_delta + 1
+    return buffers, stamped, next_offset
+
+
 # --- Varints ------------------------------------------------------------------------------
 
 def _put_uvarint(out: bytearray, n: int) -> None:
@@ -746,7 +765,7 @@ def decode_control_batch(batch: bytes | bytearray | memoryview, *, verify: bool 
 # when the native core is off or not built; tests/test_native.py holds the pairs together.
 python_functions = {"parse_header": parse_header, "verify_crc": verify_crc,
                     "validate_batch": validate_batch, "stamp_transaction": stamp_transaction,
-                    "frame_batch_parsed": frame_batch_parsed}
+                    "frame_batch_parsed": frame_batch_parsed, "stamp_for_log": stamp_for_log}
 
 
 def _use_native() -> None:

@@ -182,6 +182,23 @@ def test_frame_batch_parsed_agrees_on_right_and_wrong_arguments(body, kind, argu
         assert PYTHON["validate_batch"](batch) == header
 
 
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(group=st.lists(st.tuples(batches(), buffers), max_size=4),
+       next_offset=st.integers(0, 2**62), now=st.integers(-1, 2**42))
+def test_stamp_for_log_writes_the_same_bytes_and_headers(group, next_offset, now):
+    """What a log writes for a group: the same bytes (Python gives them as pieces, the
+    native core as one buffer), the same stamped headers, the same next offset."""
+    items = [(as_buffer(batch, kind), PYTHON["validate_batch"](batch)) for batch, kind in group]
+    expected = PYTHON["stamp_for_log"](items, next_offset, now)
+    got = native.core.stamp_for_log(items, next_offset, now)
+    assert b"".join(got[0]) == b"".join(expected[0])
+    assert len(got[0]) == min(len(items), 1)
+    assert got[1:] == expected[1:]
+    assert all(type(header) is rb.BatchHeader for header in got[1])
+    for position, header in rb.iter_batches(b"".join(got[0]), verify=True):
+        assert header in got[1]
+
+
 def test_record_batch_serves_the_native_functions_when_loaded():
     for name, function in PYTHON.items():
         assert getattr(rb, name) is getattr(native.core, name), name

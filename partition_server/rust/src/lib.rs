@@ -654,6 +654,104 @@ fn frame_batch_parsed(
     })
 }
 
+/// record_batch.stamp_for_log: a log's write of whole batches from `next_offset` on at
+/// append time `now`, as one buffer (the batches with their base offsets and append time
+/// stamped: fields before the CRC), each batch's header as stamped, and the offset after.
+#[pyfunction]
+fn stamp_for_log(
+    py: Python<'_>,
+    group: &Bound<'_, PyAny>,
+    next_offset: i64,
+    now: i64,
+) -> PyResult<(PyObject, PyObject, i64)> {
+    let types = types(py)?;
+    let mut batches: Vec<(Bound<'_, PyAny>, Bound<'_, PyTuple>)> = Vec::new();
+    for item in group.try_iter()? {
+        let item = item?;
+        let (batch, header): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+        batches.push((batch, header.downcast_into::<PyTuple>()?));
+    }
+    let mut views = Vec::with_capacity(batches.len());
+    let mut total = 0usize;
+    for (batch, _) in &batches {
+        let view = BatchBytes::of(batch)?;
+        total += view.bytes().len().saturating_sub(PREFIX_SIZE) + PREFIX_SIZE;
+        views.push(view);
+    }
+    let mut stamped = Vec::with_capacity(batches.len());
+    let mut prefixes = Vec::with_capacity(batches.len());
+    let mut offset = next_offset;
+    let offset_object = |value: i64| value.into_pyobject(py).map(|v| v.into_any());
+    let now_object = offset_object(now)?;
+    for (_, header) in &batches {
+        if header.len() != 15 {
+            return Err(PyValueError::new_err("a BatchHeader has 15 fields"));
+        }
+        let batch_length: i32 = header.get_item(1)?.extract()?;
+        let magic: i8 = header.get_item(2)?.extract()?;
+        let last_offset_delta: i64 = header.get_item(6)?.extract()?;
+        let mut prefix = [0u8; PREFIX_SIZE];
+        prefix[0..8].copy_from_slice(&offset.to_be_bytes());
+        prefix[8..12].copy_from_slice(&batch_length.to_be_bytes());
+        prefix[12] = magic as u8;
+        prefix[13..21].copy_from_slice(&now.to_be_bytes());
+        prefixes.push(prefix);
+        // The header's own field objects but the two stamped ones.
+        let mut fields = Vec::with_capacity(15);
+        for (index, field) in header.iter().enumerate() {
+            fields.push(match index {
+                0 => offset_object(offset)?,
+                3 => now_object.clone(),
+                _ => field,
+            });
+        }
+        let fields = PyTuple::new(py, fields)?;
+        stamped.push(types.tuple_new.call1(py, (types.header.clone_ref(py), fields))?);
+        offset = offset
+            .checked_add(last_offset_delta + 1)
+            .ok_or_else(|| struct_error(py, "argument out of range"))?;
+    }
+    let data = PyBytes::new_with(py, total, |out| {
+        let mut at = 0;
+        for (prefix, view) in prefixes.iter().zip(&views) {
+            let rest = view.bytes().get(PREFIX_SIZE..).unwrap_or(&[]);
+            out[at..at + PREFIX_SIZE].copy_from_slice(prefix);
+            out[at + PREFIX_SIZE..at + PREFIX_SIZE + rest.len()].copy_from_slice(rest);
+            at += PREFIX_SIZE + rest.len();
+        }
+        Ok(())
+    })?;
+    let buffers = if batches.is_empty() {
+        pyo3::types::PyList::empty(py)
+    } else {
+        pyo3::types::PyList::new(py, [data])?
+    };
+    let stamped = pyo3::types::PyList::new(py, stamped)?;
+    Ok((buffers.into_any().unbind(), stamped.into_any().unbind(), offset))
+}
+
+/// A batch's bytes held for a while: bytes as they are, else a simple buffer.
+enum BatchBytes<'py> {
+    Bytes(Bound<'py, PyBytes>),
+    Buffer(SimpleBuffer),
+}
+
+impl<'py> BatchBytes<'py> {
+    fn of(object: &Bound<'py, PyAny>) -> PyResult<BatchBytes<'py>> {
+        match object.downcast::<PyBytes>() {
+            Ok(bytes) => Ok(BatchBytes::Bytes(bytes.clone())),
+            Err(_) => Ok(BatchBytes::Buffer(SimpleBuffer::get(object)?)),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            BatchBytes::Bytes(bytes) => bytes.as_bytes(),
+            BatchBytes::Buffer(buffer) => buffer.bytes(),
+        }
+    }
+}
+
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(init, module)?)?;
@@ -662,5 +760,6 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(validate_batch, module)?)?;
     module.add_function(wrap_pyfunction!(stamp_transaction, module)?)?;
     module.add_function(wrap_pyfunction!(frame_batch_parsed, module)?)?;
+    module.add_function(wrap_pyfunction!(stamp_for_log, module)?)?;
     Ok(())
 }
