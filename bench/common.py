@@ -18,7 +18,9 @@ import grpc
 
 
 def machine(load: float, *, with_java: bool = False) -> str:
-    """CPUs and model, Python and grpcio versions (and Java's), and the load average."""
+    """CPUs and model, Python and grpcio versions (and Java's), atomlog's record batch
+    core (partition_server/native.py: native, or python and why; the servers a benchmark
+    starts inherit its ATOMLOG_NATIVE), and the load average."""
     cpu = "unknown CPU"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -32,8 +34,10 @@ def machine(load: float, *, with_java: bool = False) -> str:
         lines = subprocess.run(["java", "-version"], capture_output=True,
                                text=True).stderr.splitlines()
         java = f", {lines[0] if lines else 'java ?'}"
+    from partition_server import native
     return (f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, "
-            f"grpcio {grpc.__version__}{java}; load average {load:.1f} when it started")
+            f"grpcio {grpc.__version__}{java}, atomlog core {native.status()}; "
+            f"load average {load:.1f} when it started")
 
 
 def raw_append_seconds(directory: Path, batch: bytes, batches: int,

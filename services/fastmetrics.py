@@ -20,6 +20,11 @@ registry renders them through `collect()`, as any collector), with no lock:
 - `labels()` caches its children by the tuple of values given;
 - a histogram finds its bucket by bisection.
 
+With the native core (partition_server/native.py) a child is a cell of it instead
+(`CounterCell`, `HistogramCell`: one value per child, updated under the GIL, so nothing
+is lost either; an update costs one call into it). The classes below stay the reference
+and serve without it; tests/test_fastmetrics.py runs on both.
+
 The API is the subset this project uses: `Counter(name, documentation, labelnames)`,
 `Histogram(name, documentation, labelnames, buckets=)`, `.labels(*values)`,
 `.inc(amount)`, `.observe(amount)`. Gauges stay prometheus_client's.
@@ -129,11 +134,18 @@ class _CounterChild(_Child):
         return self._sum()[0]
 
 
+def _cells():
+    """The native core's metric cells, or None (ATOMLOG_NATIVE=off, not built)."""
+    from partition_server import native
+    return native.core
+
+
 class Counter(_Metric):
     """A counter (see the module doc); its exposed name ends in `_total`."""
 
     def _child(self) -> _CounterChild:
-        return _CounterChild()
+        cells = _cells()
+        return _CounterChild() if cells is None else cells.CounterCell()
 
     def _bind(self, only: _CounterChild) -> None:
         self.inc = only.inc
@@ -182,7 +194,9 @@ class Histogram(_Metric):
         super().__init__(name, documentation, labelnames, registry)
 
     def _child(self) -> _HistogramChild:
-        return _HistogramChild(self._bounds)
+        cells = _cells()
+        return _HistogramChild(self._bounds) if cells is None else \
+            cells.HistogramCell(list(self._bounds))
 
     def _bind(self, only: _HistogramChild) -> None:
         self.observe = only.observe

@@ -23,7 +23,8 @@ disable_created_metrics()
 LATENCY_BUCKETS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                            0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-BUILD_INFO = Info("atomlog_build", "Version, role and name of this server process.")
+BUILD_INFO = Info("atomlog_build", "Version, role and name of this server process, and its "
+                  "record batch functions' core: native (partition_server/rust) or python.")
 RPC_STARTED = Counter("atomlog_rpc_started_total", "gRPC calls started.", ["method"])
 RPC_HANDLED = Counter("atomlog_rpc_handled_total", "gRPC calls finished, by status code.",
                       ["method", "code"])

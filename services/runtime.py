@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from kazoo.exceptions import ConnectionLoss, KazooException
 
 from atomlog.v1 import metadata_pb2, metadata_pb2_grpc
+from partition_server import native
 from services import __version__, acl, allocator, auth, failpoints, local, logs, metrics, tls
 from services.config import (COMBINED, COMBINED_SUFFIX_MAX, Config, hosted_roles, role_name,
                              tc_partitions_created_by)
@@ -144,7 +145,8 @@ class Runtime:
         host, port = config["server.metrics_listen"].rsplit(":", 1)
         self.metrics_endpoint = metrics.MetricsEndpoint(
             host, int(port), self.server_tls if config["tls.metrics"] else None)
-        metrics.BUILD_INFO.info({"version": __version__, "role": self.role, "name": self.name})
+        metrics.BUILD_INFO.info({"version": __version__, "role": self.role, "name": self.name,
+                                 "core": native.status().split(" ")[0]})
 
         await asyncio.to_thread(self.zk.start)
         if failpoints.take(failpoints.START_ZOOKEEPER_LOSS):
@@ -211,7 +213,7 @@ class Runtime:
               metrics_address=self.metrics_endpoint.address, services=self.service_names,
               tls=("mtls" if self.server_tls.require_client_cert else "tls")
               if self.server_tls else "off", auth=config["auth.mode"],
-              authorizer=config["auth.authorizer"])
+              authorizer=config["auth.authorizer"], core=native.status())
 
     async def _start_health_port(self, listen: str) -> None:
         """server.health_listen: the health service alone, in plaintext (Kubernetes' gRPC

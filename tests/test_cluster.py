@@ -108,6 +108,7 @@ def test_metrics_endpoint_parses_as_prometheus_text(cluster):
         assert "atomlog_build_info" in families, sorted(families)
         info = families["atomlog_build_info"].samples[0].labels
         assert info["name"] == process["name"] and info["role"] == process["role"]
+        assert info["core"] == "native"  # the suite runs with ATOMLOG_NATIVE=require
         assert families["atomlog_zookeeper_connected"].samples[0].value == 1
         assert families["atomlog_serving"].samples[0].value == 1
         # Every process has collected (start-up alone does) and timed it by generation.

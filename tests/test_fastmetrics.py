@@ -1,5 +1,8 @@
 """services/fastmetrics.py: the same exposition as prometheus_client's counters and
-histograms for the same updates, no update lost across threads, the same refusals."""
+histograms for the same updates, no update lost across threads, the same refusals.
+
+Every test runs twice: with the native core's metric cells (as servers run) and with the
+Python children, the reference."""
 
 from __future__ import annotations
 
@@ -10,7 +13,19 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from partition_server import native
 from services import fastmetrics
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def cells(request, monkeypatch):
+    """Metrics made in the test get the native core's cells, or the Python children."""
+    if request.param == "native":
+        if native.core is None:
+            pytest.skip(native.status())
+    else:
+        monkeypatch.setattr(fastmetrics, "_cells", lambda: None)
+    return request.param
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0, 10.0)
 

@@ -8,13 +8,17 @@
 //! holds the two together on generated and damaged batches. partition_server/native.py
 //! loads this module and record_batch.py puts these functions in place of its own.
 //!
-//! Pure: no I/O, no clock, no state but the two Python types `init` is given.
+//! Also the cells of services/fastmetrics.py's counters and histograms.
+//!
+//! Pure: no I/O, no clock, no state but the two Python types `init` is given and the
+//! metric cells' values.
 
 use pyo3::ffi;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 mod crc32c;
 
@@ -752,6 +756,88 @@ impl<'py> BatchBytes<'py> {
     }
 }
 
+// --- Metric cells (services/fastmetrics.py) --------------------------------------------------
+
+/// services.fastmetrics._CounterChild's value, in one cell: `inc` adds, `get` reads. The
+/// GIL is held for each call, so no update is lost whatever the Python threads; the value
+/// is an f64 kept in an atomic only to be shareable.
+#[pyclass(frozen, module = "partition_server._native")]
+struct CounterCell {
+    value: AtomicU64,
+}
+
+#[pymethods]
+impl CounterCell {
+    #[new]
+    fn new() -> Self {
+        CounterCell { value: AtomicU64::new(0f64.to_bits()) }
+    }
+
+    #[pyo3(signature = (amount = 1.0))]
+    fn inc(&self, amount: f64) -> PyResult<()> {
+        if amount < 0.0 {
+            return Err(PyValueError::new_err(
+                "Counters can only be incremented by non-negative amounts.",
+            ));
+        }
+        add(&self.value, amount);
+        Ok(())
+    }
+
+    fn get(&self) -> f64 {
+        f64::from_bits(self.value.load(Ordering::Relaxed))
+    }
+
+    /// [value], as _Child._sum gives.
+    fn _sum(&self) -> Vec<f64> {
+        vec![self.get()]
+    }
+}
+
+/// services.fastmetrics._HistogramChild's values: the sum, then a count per bucket (the
+/// first bound at or above the value, as bisect_left finds it).
+#[pyclass(frozen, module = "partition_server._native")]
+struct HistogramCell {
+    bounds: Vec<f64>,
+    sum: AtomicU64,
+    counts: Vec<AtomicU64>,
+}
+
+#[pymethods]
+impl HistogramCell {
+    #[new]
+    fn new(bounds: Vec<f64>) -> Self {
+        let counts = (0..bounds.len()).map(|_| AtomicU64::new(0)).collect();
+        HistogramCell { bounds, sum: AtomicU64::new(0f64.to_bits()), counts }
+    }
+
+    fn observe(&self, amount: f64) -> PyResult<()> {
+        add(&self.sum, amount);
+        let bucket = self.bounds.partition_point(|bound| *bound < amount);
+        match self.counts.get(bucket) {
+            Some(count) => {
+                count.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            // (bisect_left past the last bound: an index Python's list refuses too)
+            None => Err(pyo3::exceptions::PyIndexError::new_err("list index out of range")),
+        }
+    }
+
+    /// [sum, count per bucket...], as _Child._sum gives.
+    fn _sum(&self) -> Vec<f64> {
+        let mut out = Vec::with_capacity(1 + self.counts.len());
+        out.push(f64::from_bits(self.sum.load(Ordering::Relaxed)));
+        out.extend(self.counts.iter().map(|count| count.load(Ordering::Relaxed) as f64));
+        out
+    }
+}
+
+fn add(cell: &AtomicU64, amount: f64) {
+    let value = f64::from_bits(cell.load(Ordering::Relaxed)) + amount;
+    cell.store(value.to_bits(), Ordering::Relaxed);
+}
+
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(init, module)?)?;
@@ -761,5 +847,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(stamp_transaction, module)?)?;
     module.add_function(wrap_pyfunction!(frame_batch_parsed, module)?)?;
     module.add_function(wrap_pyfunction!(stamp_for_log, module)?)?;
+    module.add_class::<CounterCell>()?;
+    module.add_class::<HistogramCell>()?;
     Ok(())
 }
