@@ -8,21 +8,29 @@
 #
 # The base is pinned to an exact Python release; pin its digest too for byte-for-byte
 # rebuilds: docker build --build-arg PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:...
-# tests/test_deploy_image.py builds the wheel from the files copied below, installs it the
-# way this file does and starts a server with the ENTRYPOINT below (no container engine).
+# tests/test_deploy_image.py builds the native core and the wheel from the files copied
+# below, installs it the way this file does and starts a server with the ENTRYPOINT below
+# (no container engine), which must report atomlog_build_info{core="native"}.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
+# The native core (docs/native-core.md) is built here with Debian's cargo and rustc, and
+# goes into the wheel; the runtime stage needs neither.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends cargo rustc \
+ && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
+COPY scripts/build_native.sh scripts/build_native.sh
 COPY protos protos
 COPY services services
 COPY partition_server partition_server
 COPY coordinator coordinator
 COPY id_allocator id_allocator
 COPY spark_client spark_client
+RUN PYTHON=python ATOMLOG_NATIVE_TARGET=/tmp/native-target bash scripts/build_native.sh
 RUN python -m pip wheel --no-deps --wheel-dir /wheels .
 ENV VIRTUAL_ENV=/opt/atomlog
 # Core dependencies only: the `spark`, `bench` and `dev` extras stay out. pyarrow is a

@@ -16,7 +16,7 @@ STAMP="$ROOT/partition_server/_native.sources"
 
 say() { printf '\033[1m[atomlog native]\033[0m %s\n' "$*" >&2; }
 
-want="$(cd "$ROOT" && "$PYTHON" -c 'from partition_server.native import sources_digest; print(sources_digest())')"
+want="$(cd "$ROOT" && ATOMLOG_NATIVE=off "$PYTHON" -c 'from partition_server.native import sources_digest; print(sources_digest())')"
 if [ -f "$MODULE" ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ]; then
   exit 0
 fi
@@ -29,6 +29,16 @@ if ! command -v cargo >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
     cargo rustc >/dev/null
+fi
+
+# crates.io's sparse index (plain HTTPS to index.crates.io). Cargo 1.68 and later use it
+# by default; Debian 12's cargo (1.65) has it behind an unstable flag, and its default
+# index is a git clone from GitHub, which a machine that reaches only the package
+# registries cannot make.
+cargo_minor="$(cargo --version | sed -E 's/^cargo 1\.([0-9]+).*/\1/')"
+if [ "$cargo_minor" -lt 68 ] 2>/dev/null; then
+  export CARGO_REGISTRIES_CRATES_IO_PROTOCOL=sparse CARGO_UNSTABLE_SPARSE_REGISTRY=true
+  export __CARGO_TEST_CHANNEL_OVERRIDE_DO_NOT_USE_THIS=nightly
 fi
 
 say "building the native core ($(rustc --version))"

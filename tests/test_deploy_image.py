@@ -1,5 +1,7 @@
 """The Dockerfile, without a container engine: the files its build stage copies build the
-wheel (its own `pip wheel` command), its own `RUN` line installs that wheel into a fresh
+native core (its own build_native.sh command, with this machine's cargo instead of the
+Debian packages it installs) and the wheel (its own `pip wheel` command, the native core
+in it), its own `RUN` line installs that wheel into a fresh
 virtualenv, and its ENTRYPOINT, with the arguments, settings file and environment the
 Kubernetes dev overlay gives a partition server, starts a server against a real
 ZooKeeper that answers SERVING on the gRPC health service, serves /metrics, and stops
@@ -87,6 +89,13 @@ def test_the_dockerfile_is_multi_stage_pinned_and_unprivileged():
     assert "pyspark" not in text.lower().replace("no spark", "")
 
 
+def test_the_wheel_carries_the_native_core(built):
+    with zipfile.ZipFile(built["wheel"]) as archive:
+        names = archive.namelist()
+    assert "partition_server/_native.abi3.so" in names
+    assert not any("/rust/" in name for name in names), "the crate's sources stay out"
+
+
 def test_the_wheel_needs_no_spark(built):
     wheel = built["wheel"]
     with zipfile.ZipFile(wheel) as archive:
@@ -133,12 +142,24 @@ def built(tmp_path_factory):
             path = REPO_ROOT / source
             assert path.exists(), f"COPY {source}: missing"
             destination = context / (path.name if target in ("./", ".") else target)
+            destination.parent.mkdir(parents=True, exist_ok=True)
             if path.is_dir():
                 shutil.copytree(path, destination, ignore=ignore)
             else:
                 shutil.copy2(path, destination)
     runs = [args for name, args in build if name == "RUN"]
-    assert len(runs) == 2, runs
+    assert len(runs) == 4, runs
+    # Debian's cargo and rustc (not run here: this machine has a cargo), then the native
+    # core built by the image's own command, with this machine's cargo, into the context.
+    assert "apt-get install -y --no-install-recommends cargo rustc" in runs[0], runs[0]
+    native = runs[1].replace("/tmp/native-target", str(root / "native-target"))
+    assert native.endswith("bash scripts/build_native.sh"), native
+    result = subprocess.run(["bash", "-c", native], cwd=context, capture_output=True,
+                            text=True, timeout=600,
+                            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:"
+                                 f"{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = runs[2:]
     virtual_env = env_of(build)["VIRTUAL_ENV"]
     assert env_of(runtime)["VIRTUAL_ENV"] == virtual_env
     wheels, venv = root / "wheels", root / "venv"
@@ -203,7 +224,9 @@ def test_the_entrypoint_starts_a_server_as_kubernetes_runs_the_image(built, clus
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as page:
             metrics = page.read().decode()
         assert re.search(r"^atomlog_serving 1\.0$", metrics, re.M)
-        assert 'atomlog_build_info{name="atomlog-partition-server-0"' in metrics
+        info = [line for line in metrics.splitlines() if line.startswith("atomlog_build_info{")]
+        assert len(info) == 1 and 'name="atomlog-partition-server-0"' in info[0], info
+        assert 'core="native"' in info[0], info  # the wheel carries the native core
         started = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
         assert any(e.get("msg") == "serving" for e in started), log.read_text()[-2000:]
         # SIGTERM (after the preStop sleep): drain and exit 0 within the rest of the grace.
