@@ -1,15 +1,17 @@
 """Loads atomlog's native core: `partition_server._native`, built from the Rust crate in
 partition_server/rust/ by scripts/build_native.sh (which scripts/bootstrap.sh runs).
 
-The native functions are faster copies of pure functions of record_batch.py, which stays
-the reference: tests/test_native.py holds each pair to the same answers and errors. A
-module whose functions are in place of Python's is told by `status()`.
+The native functions are faster copies of pure functions of record_batch.py (and the
+cells of services/fastmetrics.py's metrics), whose Python versions stay the reference:
+tests/test_native.py holds each pair to the same answers and errors (docs/native-core.md).
+Which core a process runs is told by `status()`.
 
 ATOMLOG_NATIVE chooses, for the whole process:
 - `auto` (the default): the native core when it is built and current, else the Python
   functions, with the reason in `status()`;
-- `require`: the native core, or an ImportError saying why not (the test suite and the
-  benchmarks run with it, so neither measures Python by mistake);
+- `require`: the native core, or an ImportError saying why not (scripts/test.sh sets it,
+  so the suite never tests Python in its place by mistake; the benchmarks name the core
+  in their machine line);
 - `off`: the Python functions.
 
 "Current": in a source checkout, the module was built from the crate's files as they are
