@@ -15,8 +15,8 @@ ATOMLOG_NATIVE chooses, for the whole process:
 - `off`: the Python functions.
 
 "Current": in a source checkout, the module was built from the crate's files as they are
-now (scripts/build_native.sh writes their SHA-256 beside it, in _native.sources); a module
-built from older sources is not used, since its answers may no longer be the reference's.
+now (scripts/build_native.sh compiles their SHA-256 into it, as SOURCES_DIGEST); a module
+built from other sources is not used, since its answers may no longer be the reference's.
 An installed wheel has no crate beside it and is taken as built.
 """
 
@@ -30,12 +30,12 @@ from types import ModuleType
 MODES = ("auto", "require", "off")
 HERE = Path(__file__).resolve().parent
 CRATE = HERE / "rust"
-SOURCES_STAMP = HERE / "_native.sources"
 
 
-def sources_digest(crate: Path = CRATE) -> str:
-    """SHA-256 of the crate's Cargo.toml, Cargo.lock and src/ files (names and bytes), as
-    scripts/build_native.sh computes it."""
+def sources_digest(crate: Path | None = None) -> str:
+    """SHA-256 of the crate's (default: CRATE) Cargo.toml, Cargo.lock and src/ files (names
+    and bytes), as scripts/build_native.sh has it compiled into the module."""
+    crate = CRATE if crate is None else crate
     digest = hashlib.sha256()
     files = [crate / "Cargo.toml", crate / "Cargo.lock", *sorted((crate / "src").rglob("*.rs"))]
     for path in files:
@@ -44,16 +44,16 @@ def sources_digest(crate: Path = CRATE) -> str:
     return digest.hexdigest()
 
 
-def _stale() -> str | None:
+def _stale(module: ModuleType) -> str | None:
     """Why the built module is not current, or None."""
     if not (CRATE / "Cargo.toml").exists():
         return None  # an installed wheel: built with it
     try:
-        built = SOURCES_STAMP.read_text().strip()
-    except OSError:
-        return f"{SOURCES_STAMP.name} is missing (run scripts/build_native.sh)"
-    if built != sources_digest():
-        return ("it was built from older sources of partition_server/rust "
+        current = sources_digest()
+    except OSError as error:
+        return f"the crate's sources cannot be read ({error})"
+    if getattr(module, "SOURCES_DIGEST", "") != current:
+        return ("it was built from other sources of partition_server/rust "
                 "(run scripts/build_native.sh)")
     return None
 
@@ -70,7 +70,7 @@ def _load() -> tuple[ModuleType | None, str]:
     except ImportError as error:
         why = f"the native core is not built ({error}; run scripts/build_native.sh)"
     else:
-        stale = _stale()
+        stale = _stale(_native)
         if stale is None:
             return _native, "native"
         why = f"the native core is not current: {stale}"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds atomlog's native core (the Rust crate in partition_server/rust) into
-# partition_server/_native.abi3.so, with the SHA-256 of the sources it was built from in
-# partition_server/_native.sources (partition_server/native.py uses a module only when the
-# two agree). Does nothing when they already do. Installs Debian's cargo and rustc when
+# partition_server/_native.abi3.so, with the SHA-256 of the sources it was built from
+# compiled in (partition_server/native.py uses a module only when it matches the sources
+# beside it). Does nothing when it already does. Installs Debian's cargo and rustc when
 # no cargo is found. scripts/bootstrap.sh runs it; run it by hand after editing the crate.
 # The crates come from crates.io at the versions Cargo.lock pins; cargo's build
 # directory is kept outside the tree, per user (~/.cache/atomlog/native-target).
@@ -12,14 +12,30 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-${VENV:-$ROOT/.venv}/bin/python}"
 CRATE="$ROOT/partition_server/rust"
 MODULE="$ROOT/partition_server/_native.abi3.so"
-STAMP="$ROOT/partition_server/_native.sources"
 
 say() { printf '\033[1m[atomlog native]\033[0m %s\n' "$*" >&2; }
 
-want="$(cd "$ROOT" && ATOMLOG_NATIVE=off "$PYTHON" -c 'from partition_server.native import sources_digest; print(sources_digest())')"
-if [ -f "$MODULE" ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ]; then
-  exit 0
+# The digest of this tree's crate, and whether this tree's module was built from it: both
+# by path, as the interpreter may import partition_server from another checkout (an
+# editable install's).
+digest() {
+  (cd "$ROOT" && ATOMLOG_NATIVE=off "$PYTHON" - "$@" <<'PY'
+import importlib.util, pathlib, sys
+from partition_server.native import sources_digest
+want = sources_digest(pathlib.Path(sys.argv[1]))
+if len(sys.argv) > 2:  # the module's: exit 0 when it matches
+    spec = importlib.util.spec_from_file_location("_native", sys.argv[2])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.exit(0 if getattr(module, "SOURCES_DIGEST", "") == want else 1)
+print(want)
+PY
+  )
+}
+if [ -f "$MODULE" ] && digest "$CRATE" "$MODULE" >/dev/null 2>&1; then
+  exit 0  # built, and from these sources
 fi
+want="$(digest "$CRATE")"
 
 [ -d "$HOME/.cargo/bin" ] && export PATH="$HOME/.cargo/bin:$PATH"
 if ! command -v cargo >/dev/null 2>&1; then
@@ -44,10 +60,14 @@ fi
 say "building the native core ($(rustc --version))"
 export CARGO_TARGET_DIR="${ATOMLOG_NATIVE_TARGET:-${XDG_CACHE_HOME:-$HOME/.cache}/atomlog/native-target}"
 # PyO3 reads the interpreter's version and ABI from PYO3_PYTHON (abi3: >= 3.11).
-PYO3_PYTHON="$PYTHON" cargo build --quiet --release --locked --manifest-path "$CRATE/Cargo.toml"
+# ATOMLOG_NATIVE_SOURCES: the digest compiled into the module (a change builds again).
+ATOMLOG_NATIVE_SOURCES="$want" PYO3_PYTHON="$PYTHON" \
+  cargo build --quiet --release --locked --manifest-path "$CRATE/Cargo.toml"
 # Written beside, then renamed: a process importing the module meanwhile sees the old
-# file or the new one, never half of one.
-cp "$CARGO_TARGET_DIR/release/lib_native.so" "$MODULE.tmp"
-mv -f "$MODULE.tmp" "$MODULE"
-echo "$want" > "$STAMP"
+# file or the new one, never half of one. (The module carries its digest, so a build of
+# another checkout sharing the target directory would be refused, not taken.)
+staged="$(mktemp "$MODULE.XXXXXX")"
+cp "$CARGO_TARGET_DIR/release/lib_native.so" "$staged"
+chmod 0755 "$staged"
+mv -f "$staged" "$MODULE"
 say "built $MODULE"

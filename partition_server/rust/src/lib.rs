@@ -66,24 +66,68 @@ fn init(py: Python<'_>, header: Bound<'_, PyType>, error: Bound<'_, PyAny>) -> P
     Ok(())
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Header {
-    base_offset: i64,
-    batch_length: i32,
-    magic: i8,
-    log_append_time_ms: i64,
-    crc: u32,
-    attributes: i16,
-    last_offset_delta: i32,
-    record_count: i32,
-    base_timestamp_ms: i64,
-    max_timestamp_ms: i64,
-    producer_id: i64,
-    producer_epoch: u16,
-    base_sequence: i32,
-    txn_tc_partition: u32,
-    txn_sequence: u64,
+/// The header's fields in their order (BatchHeader's), each with its type and its byte
+/// offset in the batch (`name: type = offset`): the one list from which the struct, its
+/// reading and writing and its conversions to and from Python's BatchHeader are made.
+macro_rules! header_layout {
+    ($($field:ident: $type:ty = $at:expr),* $(,)?) => {
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        struct Header {
+            $($field: $type),*
+        }
+
+        impl Header {
+            /// The header at the start of `b` (at least HEADER_SIZE bytes), unchecked.
+            fn read(b: &[u8]) -> Header {
+                Header { $($field: <$type>::from_be_bytes(be(b, $at))),* }
+            }
+
+            fn write(&self, out: &mut [u8]) {
+                $(out[$at..$at + std::mem::size_of::<$type>()]
+                    .copy_from_slice(&self.$field.to_be_bytes());)*
+            }
+
+            /// The BatchHeader of these fields.
+            fn to_python(&self, py: Python<'_>) -> PyResult<PyObject> {
+                let types = types(py)?;
+                let fields = PyTuple::new(py, [$(self.$field.into_pyobject(py)?.into_any()),*])?;
+                // tuple.__new__(BatchHeader, fields): what BatchHeader._make does, without
+                // its Python frame.
+                Ok(types.tuple_new.call1(py, (types.header.clone_ref(py), fields))?)
+            }
+
+            /// A BatchHeader (or any 15-tuple of ints in its order) given by Python.
+            fn from_python(header: &Bound<'_, PyAny>) -> PyResult<Header> {
+                let fields = header.downcast::<PyTuple>()?;
+                if fields.len() != HEADER_FIELDS {
+                    return Err(PyValueError::new_err("a BatchHeader has 15 fields"));
+                }
+                let mut items = fields.iter();
+                Ok(Header { $($field: items.next().expect("15 fields").extract()?),* })
+            }
+        }
+    };
 }
+
+header_layout! {
+    base_offset: i64 = 0,
+    batch_length: i32 = 8,
+    magic: i8 = 12,
+    log_append_time_ms: i64 = 13,
+    crc: u32 = 21,
+    attributes: i16 = 25,
+    last_offset_delta: i32 = 27,
+    record_count: i32 = 31,
+    base_timestamp_ms: i64 = 35,
+    max_timestamp_ms: i64 = 43,
+    producer_id: i64 = 51,
+    producer_epoch: u16 = 59,
+    base_sequence: i32 = 61,
+    txn_tc_partition: u32 = 65,
+    txn_sequence: u64 = 69,
+}
+
+const HEADER_FIELDS: usize = 15;
 
 fn be<const N: usize>(bytes: &[u8], at: usize) -> [u8; N] {
     let mut out = [0u8; N];
@@ -92,102 +136,9 @@ fn be<const N: usize>(bytes: &[u8], at: usize) -> [u8; N] {
 }
 
 impl Header {
-    /// The header at the start of `b` (at least HEADER_SIZE bytes), unchecked.
-    fn read(b: &[u8]) -> Header {
-        Header {
-            base_offset: i64::from_be_bytes(be(b, 0)),
-            batch_length: i32::from_be_bytes(be(b, 8)),
-            magic: b[12] as i8,
-            log_append_time_ms: i64::from_be_bytes(be(b, 13)),
-            crc: u32::from_be_bytes(be(b, 21)),
-            attributes: i16::from_be_bytes(be(b, 25)),
-            last_offset_delta: i32::from_be_bytes(be(b, 27)),
-            record_count: i32::from_be_bytes(be(b, 31)),
-            base_timestamp_ms: i64::from_be_bytes(be(b, 35)),
-            max_timestamp_ms: i64::from_be_bytes(be(b, 43)),
-            producer_id: i64::from_be_bytes(be(b, 51)),
-            producer_epoch: u16::from_be_bytes(be(b, 59)),
-            base_sequence: i32::from_be_bytes(be(b, 61)),
-            txn_tc_partition: u32::from_be_bytes(be(b, 65)),
-            txn_sequence: u64::from_be_bytes(be(b, 69)),
-        }
-    }
-
-    fn write(&self, out: &mut [u8]) {
-        out[0..8].copy_from_slice(&self.base_offset.to_be_bytes());
-        out[8..12].copy_from_slice(&self.batch_length.to_be_bytes());
-        out[12] = self.magic as u8;
-        out[13..21].copy_from_slice(&self.log_append_time_ms.to_be_bytes());
-        out[21..25].copy_from_slice(&self.crc.to_be_bytes());
-        out[25..27].copy_from_slice(&self.attributes.to_be_bytes());
-        out[27..31].copy_from_slice(&self.last_offset_delta.to_be_bytes());
-        out[31..35].copy_from_slice(&self.record_count.to_be_bytes());
-        out[35..43].copy_from_slice(&self.base_timestamp_ms.to_be_bytes());
-        out[43..51].copy_from_slice(&self.max_timestamp_ms.to_be_bytes());
-        out[51..59].copy_from_slice(&self.producer_id.to_be_bytes());
-        out[59..61].copy_from_slice(&self.producer_epoch.to_be_bytes());
-        out[61..65].copy_from_slice(&self.base_sequence.to_be_bytes());
-        out[65..69].copy_from_slice(&self.txn_tc_partition.to_be_bytes());
-        out[69..77].copy_from_slice(&self.txn_sequence.to_be_bytes());
-    }
-
     /// Bytes of the whole batch (BatchHeader.size).
     fn size(&self) -> i64 {
         self.batch_length as i64 + LENGTH_FIELD_END
-    }
-
-    /// The BatchHeader of these fields.
-    fn to_python(&self, py: Python<'_>) -> PyResult<PyObject> {
-        let types = types(py)?;
-        let fields = PyTuple::new(
-            py,
-            [
-                self.base_offset.into_pyobject(py)?.into_any(),
-                self.batch_length.into_pyobject(py)?.into_any(),
-                self.magic.into_pyobject(py)?.into_any(),
-                self.log_append_time_ms.into_pyobject(py)?.into_any(),
-                self.crc.into_pyobject(py)?.into_any(),
-                self.attributes.into_pyobject(py)?.into_any(),
-                self.last_offset_delta.into_pyobject(py)?.into_any(),
-                self.record_count.into_pyobject(py)?.into_any(),
-                self.base_timestamp_ms.into_pyobject(py)?.into_any(),
-                self.max_timestamp_ms.into_pyobject(py)?.into_any(),
-                self.producer_id.into_pyobject(py)?.into_any(),
-                self.producer_epoch.into_pyobject(py)?.into_any(),
-                self.base_sequence.into_pyobject(py)?.into_any(),
-                self.txn_tc_partition.into_pyobject(py)?.into_any(),
-                self.txn_sequence.into_pyobject(py)?.into_any(),
-            ],
-        )?;
-        // tuple.__new__(BatchHeader, fields): what BatchHeader._make does, without its
-        // Python frame.
-        Ok(types.tuple_new.call1(py, (types.header.clone_ref(py), fields))?)
-    }
-
-    /// A BatchHeader (or any 15-tuple of ints in its order) given by Python.
-    fn from_python(header: &Bound<'_, PyAny>) -> PyResult<Header> {
-        let fields = header.downcast::<PyTuple>()?;
-        if fields.len() != 15 {
-            return Err(PyValueError::new_err("a BatchHeader has 15 fields"));
-        }
-        let field = |index: usize| fields.get_item(index);
-        Ok(Header {
-            base_offset: field(0)?.extract()?,
-            batch_length: field(1)?.extract()?,
-            magic: field(2)?.extract()?,
-            log_append_time_ms: field(3)?.extract()?,
-            crc: field(4)?.extract()?,
-            attributes: field(5)?.extract()?,
-            last_offset_delta: field(6)?.extract()?,
-            record_count: field(7)?.extract()?,
-            base_timestamp_ms: field(8)?.extract()?,
-            max_timestamp_ms: field(9)?.extract()?,
-            producer_id: field(10)?.extract()?,
-            producer_epoch: field(11)?.extract()?,
-            base_sequence: field(12)?.extract()?,
-            txn_tc_partition: field(13)?.extract()?,
-            txn_sequence: field(14)?.extract()?,
-        })
     }
 
     /// record_batch._header_problem: the cross-field rules, None when consistent.
@@ -386,20 +337,22 @@ fn parse(py: Python<'_>, buf: &[u8], offset: i64, max_batch_bytes: Option<i64>) 
 }
 
 fn check_crc(py: Python<'_>, batch: &[u8], size: i64, stored: u32, position: i64) -> PyResult<()> {
-    let end = position + size;
-    if (batch.len() as i64) < end {
+    // (i128: a position and size near i64's end are a truncated batch, as in Python.)
+    let end = position as i128 + size as i128;
+    if (batch.len() as i128) < end {
         return Err(corrupt(
             py,
             format!(
                 "truncated batch: header declares {} bytes, {} present",
                 size,
-                batch.len() as i64 - position
+                batch.len() as i128 - position as i128
             ),
             Some(position),
         ));
     }
-    let from = (position + CRC_COVERED_FROM as i64).clamp(0, end.max(0)) as usize;
-    let computed = crc32c::value(&batch[from..end.max(0) as usize], 0);
+    let end = end.max(0) as usize; // <= batch.len()
+    let from = (position as i128 + CRC_COVERED_FROM as i128).clamp(0, end as i128) as usize;
+    let computed = crc32c::value(&batch[from..end], 0);
     if computed != stored {
         return Err(atomlog_error(
             py,
@@ -436,16 +389,23 @@ fn verify_crc(
     header: Option<&Bound<'_, PyAny>>,
     position: i64,
 ) -> PyResult<()> {
-    let given = match header {
-        Some(header) if !header.is_none() => Some(Header::from_python(header)?),
+    // Of a given header, only what Python's verify_crc reads: its size and CRC.
+    let given: Option<(i64, u32)> = match header {
+        Some(header) if !header.is_none() => Some((
+            header.getattr("batch_length")?.extract::<i64>()? + LENGTH_FIELD_END,
+            header.getattr("crc")?.extract()?,
+        )),
         _ => None,
     };
     with_bytes(batch, |bytes| {
-        let header = match given {
-            Some(header) => header,
-            None => parse(py, bytes, position, None)?,
+        let (size, crc) = match given {
+            Some(given) => given,
+            None => {
+                let header = parse(py, bytes, position, None)?;
+                (header.size(), header.crc)
+            }
         };
-        check_crc(py, bytes, header.size(), header.crc, position)
+        check_crc(py, bytes, size, crc, position)
     })
 }
 
@@ -555,7 +515,7 @@ fn stamp_transaction(
 #[pyfunction]
 #[pyo3(signature = (body, *, magic, count, base_timestamp_ms, max_timestamp_ms, compression = None,
                     producer_id = NO_PRODUCER_ID, producer_epoch = 0, base_sequence = NO_SEQUENCE as i64,
-                    txn = None, transactional = None, control = false))]
+                    txn = None, transactional = None, control = None))]
 #[allow(clippy::too_many_arguments)]
 fn frame_batch_parsed(
     py: Python<'_>,
@@ -569,11 +529,20 @@ fn frame_batch_parsed(
     producer_epoch: i64,
     base_sequence: i64,
     txn: Option<&Bound<'_, PyAny>>,
-    transactional: Option<bool>,
-    control: bool,
+    transactional: Option<&Bound<'_, PyAny>>,
+    control: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(PyObject, PyObject)> {
     let txn = txn.filter(|txn| !txn.is_none());
-    let transactional = transactional.unwrap_or(txn.is_some());
+    // As Python reads `transactional`: None is whether a txn is given, else it must equal
+    // that (so it then is that); `control` by its truth.
+    let transactional = match transactional.filter(|flag| !flag.is_none()) {
+        Some(flag) if !flag.eq(txn.is_some())? => !txn.is_some(),
+        _ => txn.is_some(),
+    };
+    let control = match control {
+        Some(flag) => flag.is_truthy()?,
+        None => false,
+    };
     let (tc_partition, sequence): (i128, i128) = match txn {
         Some(txn) => {
             let pair = txn.try_iter()?.collect::<PyResult<Vec<_>>>()?;
@@ -688,12 +657,12 @@ fn stamp_for_log(
     let offset_object = |value: i64| value.into_pyobject(py).map(|v| v.into_any());
     let now_object = offset_object(now)?;
     for (_, header) in &batches {
-        if header.len() != 15 {
+        if header.len() != HEADER_FIELDS {
             return Err(PyValueError::new_err("a BatchHeader has 15 fields"));
         }
         let batch_length: i32 = header.get_item(1)?.extract()?;
         let magic: i8 = header.get_item(2)?.extract()?;
-        let last_offset_delta: i64 = header.get_item(6)?.extract()?;
+        let last_offset_delta: i32 = header.get_item(6)?.extract()?;
         let mut prefix = [0u8; PREFIX_SIZE];
         prefix[0..8].copy_from_slice(&offset.to_be_bytes());
         prefix[8..12].copy_from_slice(&batch_length.to_be_bytes());
@@ -712,7 +681,7 @@ fn stamp_for_log(
         let fields = PyTuple::new(py, fields)?;
         stamped.push(types.tuple_new.call1(py, (types.header.clone_ref(py), fields))?);
         offset = offset
-            .checked_add(last_offset_delta + 1)
+            .checked_add(last_offset_delta as i64 + 1)
             .ok_or_else(|| struct_error(py, "argument out of range"))?;
     }
     let data = PyBytes::new_with(py, total, |out| {
@@ -840,6 +809,9 @@ fn add(cell: &AtomicU64, amount: f64) {
 
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The SHA-256 of the crate's sources (scripts/build_native.sh sets it for the build;
+    // cargo builds again when it changes): native.py uses a module only when it matches.
+    module.add("SOURCES_DIGEST", option_env!("ATOMLOG_NATIVE_SOURCES").unwrap_or(""))?;
     module.add_function(wrap_pyfunction!(init, module)?)?;
     module.add_function(wrap_pyfunction!(parse_header, module)?)?;
     module.add_function(wrap_pyfunction!(verify_crc, module)?)?;
