@@ -20,18 +20,22 @@ ROLES = ("partition_server", "coordinator", "id_allocator")
 COMBINED = "combined"
 SERVE_ROLES = (*ROLES, COMBINED)
 # The TC partitions a new cluster gets when cluster.tc_partitions is unset (0): Pulsar's
-# 16, or 1 when a combined server creates it. On one event loop, 16 buy no parallelism,
-# and the commit lane's decisions share a TC-log append only within a TC partition
-# (docs/benchmarks.md, "The thirty-fifth session": 18% less event-loop time a small
-# transaction with 1).
+# 16, or 1 when a single-node combined server creates it (one that expects no other
+# partition servers: coordinator.expected_partition_servers at most 1). On one event
+# loop, 16 buy no parallelism, and the commit lane's decisions share a TC-log append only
+# within a TC partition (docs/benchmarks.md, "The thirty-fifth session": 18% less
+# event-loop time a small transaction with 1). A cluster of several combined servers gets
+# 16, so that its coordinators share the TC partitions (the count is fixed at creation).
 DEFAULT_TC_PARTITIONS = 16
 COMBINED_TC_PARTITIONS = 1
 
 
-def tc_partitions_created_by(role: str) -> int:
+def tc_partitions_created_by(role: str, expected_partition_servers: int = 0) -> int:
     """The TC partitions of a cluster a server of `role` creates with cluster.tc_partitions
-    unset."""
-    return COMBINED_TC_PARTITIONS if role == COMBINED else DEFAULT_TC_PARTITIONS
+    unset, given its coordinator.expected_partition_servers."""
+    if role == COMBINED and expected_partition_servers <= 1:
+        return COMBINED_TC_PARTITIONS
+    return DEFAULT_TC_PARTITIONS
 
 
 def hosted_roles(role: str) -> tuple[str, ...]:

@@ -5,18 +5,28 @@ its server-to-server calls that way (checked on the real combined server)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import sys
 import time
 import urllib.request
+import uuid
+from collections import Counter
 
 import grpc
 import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
 from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
-from services import local
-from services.config import COMBINED_TC_PARTITIONS
+from services import launcher, local
+from services.config import (COMBINED_TC_PARTITIONS, DEFAULT_TC_PARTITIONS,
+                             tc_partitions_created_by)
 from services.errors import AtomlogError, from_rpc_error
 from spark_client import Client
+from tests.conftest import wait_until
 
 
 class Servicer:
@@ -225,3 +235,62 @@ def test_an_in_process_append_answers_as_produce_and_one_held_past_its_timeout_l
         await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_a_cluster_of_two_combined_servers_is_created_with_16_tc_partitions_they_share(
+        combined, tmp_path):
+    """A combined server that expects other partition servers
+    (coordinator.expected_partition_servers=2: the first of a cluster of two) creates the
+    cluster with DEFAULT_TC_PARTITIONS, not one: with one, a single node would coordinate
+    every transaction of the cluster. The two coordinators then hold their fair shares.
+    (ZooKeeper is the `combined` fixture's, under a chroot of this test's own.)"""
+    chroot = f"/two-combined-{uuid.uuid4().hex[:8]}"
+    pids = []
+    try:
+        for i in range(2):
+            port, metrics_port = launcher.free_port(), launcher.free_port()
+            pids.append(launcher.spawn(
+                [sys.executable, "-m", "services", "serve", "combined", "--name", f"node-{i}",
+                 "--listen", f"127.0.0.1:{port}",
+                 "--metrics-listen", f"127.0.0.1:{metrics_port}",
+                 "--data-dir", str(tmp_path / f"node-{i}"),
+                 "--zookeeper", combined.info["zookeeper"],
+                 "--set", f"zookeeper.chroot={chroot}",
+                 "--set", "coordinator.expected_partition_servers=2"],
+                str(tmp_path / f"node-{i}.log")))
+        zookeeper = KazooClient(hosts=combined.info["zookeeper"] + chroot)
+        zookeeper.start(timeout=10)
+        try:
+            def owners() -> Counter:
+                held = Counter()
+                for k in range(DEFAULT_TC_PARTITIONS):
+                    with contextlib.suppress(NoNodeError):
+                        held[json.loads(zookeeper.get(f"/tc/{k}/owner")[0])
+                             ["coordinator_name"]] += 1
+                return held
+
+            def shared() -> bool:
+                for i, pid in enumerate(pids):
+                    assert launcher.process_alive(pid, "node-"), \
+                        (tmp_path / f"node-{i}.log").read_text()[-3000:]
+                return sorted(owners().values()) == [8, 8]
+
+            wait_until(shared, 90, "both coordinators to hold 8 TC partitions each")
+            assert json.loads(zookeeper.get("/cluster")[0])["tc_partitions"] == \
+                DEFAULT_TC_PARTITIONS
+            assert set(owners()) == {"node-0-coordinator", "node-1-coordinator"}
+        finally:
+            zookeeper.stop()
+            zookeeper.close()
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def test_tc_partitions_created_by_a_role():
+    assert tc_partitions_created_by("combined") == COMBINED_TC_PARTITIONS == 1
+    assert tc_partitions_created_by("combined", 1) == COMBINED_TC_PARTITIONS
+    assert tc_partitions_created_by("combined", 2) == DEFAULT_TC_PARTITIONS == 16
+    for role in ("coordinator", "partition_server", "id_allocator"):
+        assert tc_partitions_created_by(role) == tc_partitions_created_by(role, 5) == 16

@@ -98,7 +98,7 @@ def overview() -> dict:
                   description="A partition server down means its partitions are offline (no replicas yet)."),
             panel("TC partitions with a coordinator",
                   (f"sum(namespace:atomlog_coordinator_tc_partitions_owned:sum{{{NS}}})", "owned"),
-                  kind="stat", width=6, height=5, description="Should be the cluster's TC partition count, fixed when it was created (16 by default; 1 when a combined server created it)."),
+                  kind="stat", width=6, height=5, description="Should be the cluster's TC partition count, fixed when it was created (16 by default; 1 when a single-node combined server created it)."),
             panel("atomlog alerts firing",
                   ('count(ALERTS{alertname=~"Atomlog.*", alertstate="firing"}) or vector(0)', "firing"),
                   kind="stat", width=6, height=5),
