@@ -154,7 +154,7 @@ class Runtime:
         cluster = await asyncio.to_thread(ensure_cluster, self.zk, config["cluster.tc_partitions"],
                                           tc_partitions_created_by(
                                               self.role,
-                                              config["coordinator.expected_partition_servers"]))
+                                              config.get("coordinator.expected_partition_servers", 0)))
         # The cluster's count, fixed at its creation: what every role of this process uses.
         self.tc_partitions = self.metadata.tc_partitions = cluster["tc_partitions"]
         # auth.authorizer=acl: the ACL znode, watched, before any call is served.
