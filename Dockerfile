@@ -22,7 +22,7 @@ WORKDIR /src
 RUN apt-get update \
  && apt-get install -y --no-install-recommends cargo rustc \
  && rm -rf /var/lib/apt/lists/*
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY scripts/build_native.sh scripts/build_native.sh
 COPY protos protos
 COPY services services

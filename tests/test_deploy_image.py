@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import tomllib
 import urllib.request
@@ -32,6 +33,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import __version__
 from services.launcher import free_port
 from tests.conftest import REPO_ROOT
 from tests.test_deploy_kubernetes import (atomlog_workloads, container, mounted_file, pod_env)
@@ -94,6 +96,9 @@ def test_the_wheel_carries_the_native_core(built):
         names = archive.namelist()
     assert "partition_server/_native.abi3.so" in names
     assert not any("/rust/" in name for name in names), "the crate's sources stay out"
+    # A platform wheel (setup.py): pip installs it only where the module loads.
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    assert built["wheel"].name == f"atomlog-{__version__}-cp311-abi3-{platform}.whl"
 
 
 def test_the_wheel_needs_no_spark(built):
