@@ -361,17 +361,37 @@ class PartitionLog:
         self._check_serving()
         self._check_not_rolling("append")
         config = self.config
-        for batch, header in items:
-            if header.size != len(batch):
-                raise AtomlogError("CORRUPT_BATCH", f"batch_length says {header.size} bytes, "
-                                   f"the batch has {len(batch)}")
-            if header.size > config.max_batch_bytes:
-                raise AtomlogError("BATCH_TOO_LARGE", f"batch of {header.size} bytes exceeds "
-                                   f"the limit of {config.max_batch_bytes} bytes",
-                                   {"limit": config.max_batch_bytes})
         now = max(self._clock_ms(), self._last_append_time_ms)
-        if copied and items:
-            now = max(now, max(header.log_append_time_ms for _, header in items))
+        if not copied:
+            # Checked, stamped and accounted for in one call (the native core's, when
+            # loaded); None when a batch rolls the segment: then batch by batch below.
+            active = self._active
+            index = active.index
+            plan = record_batch.plan_log_append(
+                items, self._log_end_offset, now, config.max_batch_bytes, active.size,
+                active.first_append_time_ms, active.base_offset, config.segment_bytes,
+                config.segment_ms, config.index_interval_bytes,
+                index.positions[-1] if index.positions else None,
+                index.running_max_timestamp_ms)
+            if plan is not None:
+                try:
+                    self._write_planned(plan, now)
+                except OSError as error:
+                    self._broken = f"I/O error while appending: {error}"
+                    raise
+                self._last_append_time_ms = now
+                return [base for base, _ in plan[3]]
+        else:
+            for batch, header in items:
+                if header.size != len(batch):
+                    raise AtomlogError("CORRUPT_BATCH", f"batch_length says {header.size} "
+                                       f"bytes, the batch has {len(batch)}")
+                if header.size > config.max_batch_bytes:
+                    raise AtomlogError("BATCH_TOO_LARGE", f"batch of {header.size} bytes "
+                                       f"exceeds the limit of {config.max_batch_bytes} bytes",
+                                       {"limit": config.max_batch_bytes})
+            if items:
+                now = max(now, max(header.log_append_time_ms for _, header in items))
         base_offsets: list[int] = []
         group: list[tuple[memoryview | bytes, BatchHeader]] = []
         size, next_offset = self._active.size, self._log_end_offset
@@ -457,6 +477,37 @@ class PartitionLog:
             position += header.batch_length + LENGTH_FIELD_END
             if not header.attributes & ATTR_CONTROL:
                 self._last_data_offset_written = header.base_offset + header.last_offset_delta
+        self._log_end_offset = next_offset
+        while len(recent) > RECENT_STARTS:
+            del recent[next(iter(recent))]  # the oldest
+
+    def _write_planned(self, plan: tuple, now: int) -> None:
+        """Write a group record_batch.plan_log_append planned into the active segment, then
+        account for it as _write_group does (the same facts, computed in the plan)."""
+        (buffers, stamped, next_offset, starts, entries, end, running_max_ts, max_ts,
+         last_data) = plan
+        if not stamped:
+            return
+        active = self._active
+        self._end_direct()
+        _writev_all(active.fd, buffers)
+        if self.wal is not None:  # after the file: a frame is replayed
+            self.wal.wrote(self._log_end_offset, buffers, next_offset)
+        recent = self._recent_starts
+        for base, position in starts:
+            recent[base] = (active, position)
+        index = active.index
+        index.extend(entries)
+        index.running_max_timestamp_ms = running_max_ts
+        active.size = end
+        active.next_offset = next_offset
+        if max_ts > active.max_timestamp_ms:
+            active.max_timestamp_ms = max_ts
+        if active.first_append_time_ms is None:
+            active.first_append_time_ms = now
+        active.last_append_time_ms = now
+        if last_data is not None:
+            active.last_data_offset = self._last_data_offset_written = last_data
         self._log_end_offset = next_offset
         while len(recent) > RECENT_STARTS:
             del recent[next(iter(recent))]  # the oldest

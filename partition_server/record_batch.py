@@ -37,7 +37,7 @@ import enum
 import functools
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -414,6 +414,66 @@ def stamp_for_log(group: list[tuple[bytes | memoryview, BatchHeader]], next_offs
     return buffers, stamped, next_offset
 
 
+SEGMENT_OFFSETS_MAX = 0xFFFFFFFF  # segment.RELATIVE_OFFSET_MAX: offsets one segment spans
+
+
+def plan_log_append(group: Sequence[tuple[bytes | memoryview, BatchHeader]], next_offset: int,
+                    now: int, max_batch_bytes: int, size: int, first_time: int | None,
+                    segment_base: int, segment_bytes: int, segment_ms: int,
+                    interval_bytes: int, last_indexed: int | None, running_max_ts: int):
+    """A log's append of whole batches (each with its header) in one go: checked, stamped
+    and accounted for, for PartitionLog to write and apply. The active segment holds
+    `size` bytes from offset `segment_base` on, its first batch appended at `first_time`
+    (None: empty); its sparse index's last entry is at byte `last_indexed` (None: none),
+    with `running_max_ts` the largest timestamp before its end.
+
+    Raises CORRUPT_BATCH (a header's size is not its batch's) or BATCH_TOO_LARGE, checking
+    every batch in order before anything else. None when a batch would roll the segment
+    (by size, by age, or by the offsets one segment spans): the caller then appends batch
+    by batch. Else (buffers, stamped, next_offset as stamp_for_log gives them; then
+    starts, (base offset, byte position) of each batch; index entries, (offset, position,
+    max timestamp before) of each batch the index takes, one every `interval_bytes`; the
+    segment's size after; running_max_ts after; the largest max timestamp of the batches;
+    the last offset of the last non-control batch, None if none)."""
+    for batch, header in group:
+        batch_size = header.batch_length + LENGTH_FIELD_END
+        if batch_size != len(batch):
+            raise AtomlogError("CORRUPT_BATCH", f"batch_length says {batch_size} bytes, "
+                               f"the batch has {len(batch)}")
+        if batch_size > max_batch_bytes:
+            raise AtomlogError("BATCH_TOO_LARGE", f"batch of {batch_size} bytes exceeds "
+                               f"the limit of {max_batch_bytes} bytes",
+                               {"limit": max_batch_bytes})
+    offset, end = next_offset, size
+    for _, header in group:  # PartitionLog._rolls for each batch, none copied
+        batch_size = header.batch_length + LENGTH_FIELD_END
+        if end and (offset - segment_base > SEGMENT_OFFSETS_MAX
+                    or end + batch_size > segment_bytes
+                    or (first_time is not None and now - first_time >= segment_ms)):
+            return None
+        end += batch_size
+        offset += header.last_offset_delta + 1
+        first_time = now if first_time is None else first_time
+    buffers, stamped, after = stamp_for_log(group, next_offset, now)
+    position = size
+    starts, entries = [], []
+    max_ts, last_data = INT64_MIN, None
+    for header in stamped:  # Segment.observe and SparseIndex.observe for each batch
+        starts.append((header.base_offset, position))
+        if last_indexed is None or position - last_indexed >= interval_bytes:
+            entries.append((header.base_offset, position, running_max_ts))
+            last_indexed = position
+        if header.max_timestamp_ms > running_max_ts:
+            running_max_ts = header.max_timestamp_ms
+        if header.max_timestamp_ms > max_ts:
+            max_ts = header.max_timestamp_ms
+        if not header.attributes & ATTR_CONTROL:
+            last_data = header.base_offset + header.last_offset_delta
+        position += header.batch_length + LENGTH_FIELD_END
+    return (buffers, stamped, after, starts, entries, position, running_max_ts, max_ts,
+            last_data)
+
+
 # --- Varints ------------------------------------------------------------------------------
 
 def _put_uvarint(out: bytearray, n: int) -> None:
@@ -765,7 +825,8 @@ def decode_control_batch(batch: bytes | bytearray | memoryview, *, verify: bool 
 # when the native core is off or not built; tests/test_native.py holds the pairs together.
 python_functions = {"parse_header": parse_header, "verify_crc": verify_crc,
                     "validate_batch": validate_batch, "stamp_transaction": stamp_transaction,
-                    "frame_batch_parsed": frame_batch_parsed, "stamp_for_log": stamp_for_log}
+                    "frame_batch_parsed": frame_batch_parsed, "stamp_for_log": stamp_for_log,
+                    "plan_log_append": plan_log_append}
 
 
 def _use_native() -> None:

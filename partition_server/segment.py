@@ -77,6 +77,14 @@ class SparseIndex:
         if header.max_timestamp_ms > self.running_max_timestamp_ms:
             self.running_max_timestamp_ms = header.max_timestamp_ms
 
+    def extend(self, entries: list[tuple[int, int, int]]) -> None:
+        """Take entries (offset, position, max timestamp before) computed elsewhere
+        (record_batch.plan_log_append), in order, after the last."""
+        for offset, position, before in entries:
+            self.offsets.append(offset)
+            self.positions.append(position)
+            self.max_timestamps_before.append(before)
+
     def entries(self) -> list[tuple[int, int, int]]:
         return list(zip(self.offsets, self.positions, self.max_timestamps_before))
 

@@ -223,6 +223,43 @@ def test_stamp_for_log_writes_the_same_bytes_and_headers(group, next_offset, now
     assert [header for _, header in rb.iter_batches(b"".join(got[0]), verify=True)] == got[1]
 
 
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(group=st.lists(st.tuples(batches(), buffers, st.integers(0, 15).map(lambda n: n == 0)),
+                     max_size=5),
+       next_offset=st.integers(0, 2**40), now=st.integers(0, 2**42),
+       max_batch_bytes=st.sampled_from([300, 1 << 20, 1 << 20]),
+       size=st.integers(0, 4000), age=st.none() | st.integers(0, 3000),
+       span=st.sampled_from([0, 5, 5, 5, 2**32 - 3, 2**32 + 1]),
+       segment_bytes=st.integers(1, 20000), segment_ms=st.integers(1, 12000),
+       interval_bytes=st.integers(1, 3000), indexed=st.none() | st.integers(0, 4000),
+       running_max_ts=st.sampled_from([rb.INT64_MIN, 0, 2**40]))
+def test_plan_log_append_agrees(group, next_offset, now, max_batch_bytes, size, age, span,
+                                segment_bytes, segment_ms, interval_bytes, indexed,
+                                running_max_ts):
+    """A log's append planned: the same refusal (a header not its batch's size, a batch
+    over the limit), the same "rolls" (None: by size, by age, by the offsets a segment
+    spans), or the same bytes, stamped headers, batch starts, index entries and segment
+    facts."""
+    items = []
+    for batch, kind, mismatched in group:
+        header = reference("validate_batch", batch)
+        if mismatched:  # another size than its batch's
+            header = header._replace(batch_length=header.batch_length + 1)
+        items.append((as_buffer(batch, kind), header))
+    arguments = (items, next_offset, now, max_batch_bytes, size,
+                 None if age is None else now - age, max(next_offset - span, 0),
+                 segment_bytes, segment_ms, interval_bytes,
+                 None if indexed is None else min(indexed, size), running_max_ts)
+    expected = outcome(reference, "plan_log_append", *arguments)
+    got = outcome(native.core.plan_log_append, *arguments)
+    if expected[0] == "ok" and expected[1] is not None and got[0] == "ok" and got[1]:
+        assert b"".join(got[1][0]) == b"".join(expected[1][0])
+        assert len(got[1][0]) == min(len(items), 1)
+        assert all(type(header) is rb.BatchHeader for header in got[1][1])
+        got, expected = got[1][1:], expected[1][1:]
+    assert got == expected
+
+
 def test_record_batch_serves_the_native_functions_when_loaded():
     for name, function in PYTHON.items():
         assert getattr(rb, name) is getattr(native.core, name), name

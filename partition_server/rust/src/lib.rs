@@ -627,6 +627,93 @@ fn frame_batch_parsed(
     })
 }
 
+/// A batch given with its header, its bytes held, and the header fields a log's write reads.
+struct LogItem<'py> {
+    header: Bound<'py, PyTuple>,
+    view: BatchBytes<'py>,
+    batch_length: i32,
+    magic: i8,
+    attributes: i16,
+    last_offset_delta: i32,
+    max_timestamp_ms: i64,
+}
+
+/// The (batch, header) pairs of a log's write, in order.
+fn log_items<'py>(group: &Bound<'py, PyAny>) -> PyResult<Vec<LogItem<'py>>> {
+    let mut items = Vec::new();
+    for item in group.try_iter()? {
+        let item = item?;
+        let (batch, header): (Bound<'py, PyAny>, Bound<'py, PyAny>) = item.extract()?;
+        let header = header.downcast_into::<PyTuple>()?;
+        if header.len() != HEADER_FIELDS {
+            return Err(PyValueError::new_err("a BatchHeader has 15 fields"));
+        }
+        items.push(LogItem {
+            view: BatchBytes::of(&batch)?,
+            batch_length: header.get_item(1)?.extract()?,
+            magic: header.get_item(2)?.extract()?,
+            attributes: header.get_item(5)?.extract()?,
+            last_offset_delta: header.get_item(6)?.extract()?,
+            max_timestamp_ms: header.get_item(9)?.extract()?,
+            header,
+        });
+    }
+    Ok(items)
+}
+
+/// stamp_for_log's work on items: the one buffer, each stamped header, the offset after.
+fn stamp_items(py: Python<'_>, items: &[LogItem<'_>], next_offset: i64, now: i64)
+               -> PyResult<(PyObject, Vec<PyObject>, i64)> {
+    let types = types(py)?;
+    let total: usize = items
+        .iter()
+        .map(|item| item.view.bytes().len().saturating_sub(PREFIX_SIZE) + PREFIX_SIZE)
+        .sum();
+    let mut stamped = Vec::with_capacity(items.len());
+    let mut prefixes = Vec::with_capacity(items.len());
+    let mut offset = next_offset;
+    let offset_object = |value: i64| value.into_pyobject(py).map(|v| v.into_any());
+    let now_object = offset_object(now)?;
+    for item in items {
+        let mut prefix = [0u8; PREFIX_SIZE];
+        prefix[0..8].copy_from_slice(&offset.to_be_bytes());
+        prefix[8..12].copy_from_slice(&item.batch_length.to_be_bytes());
+        prefix[12] = item.magic as u8;
+        prefix[13..21].copy_from_slice(&now.to_be_bytes());
+        prefixes.push(prefix);
+        // The header's own field objects but the two stamped ones.
+        let mut fields = Vec::with_capacity(HEADER_FIELDS);
+        for (index, field) in item.header.iter().enumerate() {
+            fields.push(match index {
+                0 => offset_object(offset)?,
+                3 => now_object.clone(),
+                _ => field,
+            });
+        }
+        let fields = PyTuple::new(py, fields)?;
+        stamped.push(types.tuple_new.call1(py, (types.header.clone_ref(py), fields))?);
+        offset = offset
+            .checked_add(item.last_offset_delta as i64 + 1)
+            .ok_or_else(|| struct_error(py, "argument out of range"))?;
+    }
+    let data = PyBytes::new_with(py, total, |out| {
+        let mut at = 0;
+        for (prefix, item) in prefixes.iter().zip(items) {
+            let rest = item.view.bytes().get(PREFIX_SIZE..).unwrap_or(&[]);
+            out[at..at + PREFIX_SIZE].copy_from_slice(prefix);
+            out[at + PREFIX_SIZE..at + PREFIX_SIZE + rest.len()].copy_from_slice(rest);
+            at += PREFIX_SIZE + rest.len();
+        }
+        Ok(())
+    })?;
+    let buffers = if items.is_empty() {
+        pyo3::types::PyList::empty(py)
+    } else {
+        pyo3::types::PyList::new(py, [data])?
+    };
+    Ok((buffers.into_any().unbind(), stamped, offset))
+}
+
 /// record_batch.stamp_for_log: a log's write of whole batches from `next_offset` on at
 /// append time `now`, as one buffer (the batches with their base offsets and append time
 /// stamped: fields before the CRC), each batch's header as stamped, and the offset after.
@@ -637,70 +724,108 @@ fn stamp_for_log(
     next_offset: i64,
     now: i64,
 ) -> PyResult<(PyObject, PyObject, i64)> {
-    let types = types(py)?;
-    let mut batches: Vec<(Bound<'_, PyAny>, Bound<'_, PyTuple>)> = Vec::new();
-    for item in group.try_iter()? {
-        let item = item?;
-        let (batch, header): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-        batches.push((batch, header.downcast_into::<PyTuple>()?));
-    }
-    let mut views = Vec::with_capacity(batches.len());
-    let mut total = 0usize;
-    for (batch, _) in &batches {
-        let view = BatchBytes::of(batch)?;
-        total += view.bytes().len().saturating_sub(PREFIX_SIZE) + PREFIX_SIZE;
-        views.push(view);
-    }
-    let mut stamped = Vec::with_capacity(batches.len());
-    let mut prefixes = Vec::with_capacity(batches.len());
-    let mut offset = next_offset;
-    let offset_object = |value: i64| value.into_pyobject(py).map(|v| v.into_any());
-    let now_object = offset_object(now)?;
-    for (_, header) in &batches {
-        if header.len() != HEADER_FIELDS {
-            return Err(PyValueError::new_err("a BatchHeader has 15 fields"));
-        }
-        let batch_length: i32 = header.get_item(1)?.extract()?;
-        let magic: i8 = header.get_item(2)?.extract()?;
-        let last_offset_delta: i32 = header.get_item(6)?.extract()?;
-        let mut prefix = [0u8; PREFIX_SIZE];
-        prefix[0..8].copy_from_slice(&offset.to_be_bytes());
-        prefix[8..12].copy_from_slice(&batch_length.to_be_bytes());
-        prefix[12] = magic as u8;
-        prefix[13..21].copy_from_slice(&now.to_be_bytes());
-        prefixes.push(prefix);
-        // The header's own field objects but the two stamped ones.
-        let mut fields = Vec::with_capacity(15);
-        for (index, field) in header.iter().enumerate() {
-            fields.push(match index {
-                0 => offset_object(offset)?,
-                3 => now_object.clone(),
-                _ => field,
-            });
-        }
-        let fields = PyTuple::new(py, fields)?;
-        stamped.push(types.tuple_new.call1(py, (types.header.clone_ref(py), fields))?);
-        offset = offset
-            .checked_add(last_offset_delta as i64 + 1)
-            .ok_or_else(|| struct_error(py, "argument out of range"))?;
-    }
-    let data = PyBytes::new_with(py, total, |out| {
-        let mut at = 0;
-        for (prefix, view) in prefixes.iter().zip(&views) {
-            let rest = view.bytes().get(PREFIX_SIZE..).unwrap_or(&[]);
-            out[at..at + PREFIX_SIZE].copy_from_slice(prefix);
-            out[at + PREFIX_SIZE..at + PREFIX_SIZE + rest.len()].copy_from_slice(rest);
-            at += PREFIX_SIZE + rest.len();
-        }
-        Ok(())
-    })?;
-    let buffers = if batches.is_empty() {
-        pyo3::types::PyList::empty(py)
-    } else {
-        pyo3::types::PyList::new(py, [data])?
-    };
+    let items = log_items(group)?;
+    let (buffers, stamped, offset) = stamp_items(py, &items, next_offset, now)?;
     let stamped = pyo3::types::PyList::new(py, stamped)?;
-    Ok((buffers.into_any().unbind(), stamped.into_any().unbind(), offset))
+    Ok((buffers, stamped.into_any().unbind(), offset))
+}
+
+/// record_batch.SEGMENT_OFFSETS_MAX (segment.RELATIVE_OFFSET_MAX).
+const SEGMENT_OFFSETS_MAX: i64 = 0xFFFF_FFFF;
+
+/// record_batch.plan_log_append: a log's append of whole batches, checked, stamped and
+/// accounted for; None when a batch would roll the segment.
+#[pyfunction]
+#[pyo3(signature = (group, next_offset, now, max_batch_bytes, size, first_time, segment_base,
+                    segment_bytes, segment_ms, interval_bytes, last_indexed, running_max_ts))]
+#[allow(clippy::too_many_arguments)]
+fn plan_log_append(
+    py: Python<'_>,
+    group: &Bound<'_, PyAny>,
+    next_offset: i64,
+    now: i64,
+    max_batch_bytes: i64,
+    size: i64,
+    first_time: Option<i64>,
+    segment_base: i64,
+    segment_bytes: i64,
+    segment_ms: i64,
+    interval_bytes: i64,
+    last_indexed: Option<i64>,
+    running_max_ts: i64,
+) -> PyResult<Option<PyObject>> {
+    let items = log_items(group)?;
+    for item in &items {
+        let batch_size = item.batch_length as i64 + LENGTH_FIELD_END;
+        let length = item.view.bytes().len() as i64;
+        if batch_size != length {
+            return Err(atomlog_error(
+                py,
+                "CORRUPT_BATCH",
+                format!("batch_length says {} bytes, the batch has {}", batch_size, length),
+                &[],
+            ));
+        }
+        if batch_size > max_batch_bytes {
+            return Err(atomlog_error(
+                py,
+                "BATCH_TOO_LARGE",
+                format!("batch of {} bytes exceeds the limit of {} bytes", batch_size, max_batch_bytes),
+                &[("limit", max_batch_bytes.to_string())],
+            ));
+        }
+    }
+    // PartitionLog._rolls for each batch, none copied.
+    let (mut offset, mut end, mut first) = (next_offset as i128, size as i128, first_time);
+    for item in &items {
+        let batch_size = item.batch_length as i128 + LENGTH_FIELD_END as i128;
+        if end != 0
+            && (offset - segment_base as i128 > SEGMENT_OFFSETS_MAX as i128
+                || end + batch_size > segment_bytes as i128
+                || first.map_or(false, |first| now as i128 - first as i128 >= segment_ms as i128))
+        {
+            return Ok(None);
+        }
+        end += batch_size;
+        offset += item.last_offset_delta as i128 + 1;
+        first = first.or(Some(now));
+    }
+    let (buffers, stamped, after) = stamp_items(py, &items, next_offset, now)?;
+    // Segment.observe and SparseIndex.observe for each batch.
+    let mut starts = Vec::with_capacity(items.len());
+    let mut entries = Vec::new();
+    let (mut position, mut last_indexed, mut running) = (size, last_indexed, running_max_ts);
+    let (mut max_ts, mut last_data) = (i64::MIN, None);
+    let mut base = next_offset;
+    for item in &items {
+        starts.push(PyTuple::new(py, [base, position])?);
+        if last_indexed.map_or(true, |last| position - last >= interval_bytes) {
+            entries.push(PyTuple::new(py, [base, position, running])?);
+            last_indexed = Some(position);
+        }
+        running = running.max(item.max_timestamp_ms);
+        max_ts = max_ts.max(item.max_timestamp_ms);
+        if item.attributes & ATTR_CONTROL == 0 {
+            last_data = Some(base + item.last_offset_delta as i64);
+        }
+        position += item.batch_length as i64 + LENGTH_FIELD_END;
+        base += item.last_offset_delta as i64 + 1;
+    }
+    let plan = PyTuple::new(
+        py,
+        [
+            buffers,
+            pyo3::types::PyList::new(py, stamped)?.into_any().unbind(),
+            after.into_pyobject(py)?.into_any().unbind(),
+            pyo3::types::PyList::new(py, starts)?.into_any().unbind(),
+            pyo3::types::PyList::new(py, entries)?.into_any().unbind(),
+            position.into_pyobject(py)?.into_any().unbind(),
+            running.into_pyobject(py)?.into_any().unbind(),
+            max_ts.into_pyobject(py)?.into_any().unbind(),
+            last_data.into_pyobject(py)?.into_any().unbind(),
+        ],
+    )?;
+    Ok(Some(plan.into_any().unbind()))
 }
 
 /// A batch's bytes held for a while: bytes as they are, else a simple buffer.
@@ -819,6 +944,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(stamp_transaction, module)?)?;
     module.add_function(wrap_pyfunction!(frame_batch_parsed, module)?)?;
     module.add_function(wrap_pyfunction!(stamp_for_log, module)?)?;
+    module.add_function(wrap_pyfunction!(plan_log_append, module)?)?;
     module.add_class::<CounterCell>()?;
     module.add_class::<HistogramCell>()?;
     Ok(())
