@@ -490,3 +490,19 @@ def records_of(columns: pa.RecordBatch, header: BatchHeader) -> list[Record]:
         header.base_timestamp_ms)
     first = header.base_offset
     return list(map(Record, keys, values, headers, stamps, range(first, first + len(values))))
+
+
+# --- The native core ----------------------------------------------------------------------
+# plain_block above is the reference; the native core (partition_server/rust) has it too,
+# byte for byte (tests/test_native.py), and takes its place when loaded.
+python_plain_block = plain_block
+
+
+def _use_native() -> None:
+    global plain_block
+    from partition_server import native
+    if native.core is not None:
+        plain_block = native.core.plain_block
+
+
+_use_native()

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from partition_server import native
 from partition_server import record_batch as rb
+from partition_server import record_columns as rc
 from partition_server.record_batch import Compression, Record
 from services.errors import AtomlogError
 
@@ -258,6 +259,39 @@ def test_plan_log_append_agrees(group, next_offset, now, max_batch_bytes, size, 
         assert all(type(header) is rb.BatchHeader for header in got[1][1])
         got, expected = got[1][1:], expected[1][1:]
     assert got == expected
+
+
+column_items = st.one_of(
+    st.none(), st.binary(max_size=40), st.binary(max_size=40).map(bytearray),
+    st.binary(max_size=40).map(memoryview),
+    st.binary(max_size=40).map(lambda data: memoryview(data).cast("b")),
+    st.binary(min_size=4, max_size=4).map(lambda data: memoryview(data).cast("i")),
+    st.text(max_size=3), st.integers(0, 3))
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(column_items, column_items,
+                               st.sampled_from([(), (), (), None, (("h", b"v"),)]),
+                               st.integers(-2**40, 2**40)), min_size=1, max_size=12),
+       equal=st.booleans())
+def test_plain_block_writes_the_same_block(rows, equal):
+    """A small batch's records block written without pyarrow: the same bytes, or the same
+    None (headers; a key or value neither bytes-like nor None, or a buffer whose len()
+    is not its size), for nulls, empty and filled items of every bytes-like kind."""
+    records = [Record(key=key, value=value, headers=headers, timestamp_ms=stamp)
+               for key, value, headers, stamp in rows]
+    stamps = [rows[0][3] if equal else stamp for *_, stamp in rows]
+    expected = outcome(rc.python_plain_block, records, stamps)
+    assert outcome(native.core.plain_block, records, stamps) == expected
+    if expected == ("ok", None) and all(
+            isinstance(item, (bytes, type(None))) for key, value, headers, _ in rows
+            for item in (key, value)) and not any(headers for *_, headers, _ in rows):
+        raise AssertionError("plain bytes and no headers were refused")
+
+
+def test_record_columns_serves_the_native_plain_block_when_loaded():
+    assert rc.plain_block is native.core.plain_block
+    assert rc.python_plain_block is not native.core.plain_block
 
 
 def test_record_batch_serves_the_native_functions_when_loaded():

@@ -828,6 +828,178 @@ fn plan_log_append(
     Ok(Some(plan.into_any().unbind()))
 }
 
+// --- The records block of a small batch (record_columns.plain_block) --------------------------
+
+/// One binary column's buffers, as record_columns._binary_buffers gives them: (null count,
+/// validity bitmap, int32 offsets, data); None where pyarrow must convert (an item neither
+/// bytes-like nor None, a buffer whose len() is not its byte size, over 2 GiB of data).
+fn binary_buffers(items: &[Bound<'_, PyAny>]) -> PyResult<Option<(i64, Vec<u8>, Vec<u8>, Vec<u8>)>> {
+    let n = items.len();
+    let nulls = items.iter().filter(|item| item.is_none()).count();
+    if nulls == n {
+        return Ok(Some((n as i64, vec![0u8; (n + 7) / 8], vec![0u8; 4 * (n + 1)], Vec::new())));
+    }
+    let mut data = Vec::new();
+    let mut lengths = Vec::with_capacity(n);
+    for item in items {
+        if item.is_none() {
+            lengths.push(0usize);
+            continue;
+        }
+        if let Ok(bytes) = item.downcast::<PyBytes>() {
+            data.extend_from_slice(bytes.as_bytes());
+        } else {
+            match SimpleBuffer::get(item) {
+                Ok(view) => data.extend_from_slice(view.bytes()),
+                Err(_) => return Ok(None), // b"".join's TypeError
+            }
+        }
+        match item.len() {
+            Ok(length) => lengths.push(length),
+            Err(_) => return Ok(None), // len()'s TypeError
+        }
+    }
+    if data.len() != lengths.iter().sum::<usize>() || data.len() > 0x7FFF_FFFF {
+        return Ok(None);
+    }
+    let mut offsets = Vec::with_capacity(4 * (n + 1));
+    let mut at: i32 = 0;
+    offsets.extend_from_slice(&at.to_le_bytes());
+    for length in &lengths {
+        at += *length as i32;
+        offsets.extend_from_slice(&at.to_le_bytes());
+    }
+    if nulls == 0 {
+        return Ok(Some((0, Vec::new(), offsets, data)));
+    }
+    let mut bitmap = vec![0u8; (n + 7) / 8];
+    for (i, item) in items.iter().enumerate() {
+        if !item.is_none() {
+            bitmap[i >> 3] |= 1 << (i & 7);
+        }
+    }
+    Ok(Some((nulls as i64, bitmap, offsets, data)))
+}
+
+/// record_columns.plain_block: the uncompressed Arrow IPC records block of `records`
+/// (Record tuples; `stamps` their timestamps, the first the base) written directly, or
+/// None when pyarrow must write it (a record with headers, a key or value neither
+/// bytes-like nor None). The same bytes, byte for byte (the layout is in record_columns).
+#[pyfunction]
+fn plain_block(py: Python<'_>, records: &Bound<'_, PyAny>, stamps: Vec<i64>) -> PyResult<Option<PyObject>> {
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    let mut any_headers = false;
+    for record in records.try_iter()? {
+        let record = record?;
+        keys.push(record.get_item(0)?);
+        values.push(record.get_item(1)?);
+        if record.get_item(2)?.is_truthy()? {
+            any_headers = true;
+        }
+    }
+    let n = keys.len();
+    if n == 0 {
+        return Err(PyValueError::new_err("not enough values to unpack (expected 3, got 0)"));
+    }
+    if any_headers {
+        return Ok(None);
+    }
+    // (No let-else: Debian 12's rustc 1.63 builds this crate.)
+    let keys = match binary_buffers(&keys)? {
+        Some(keys) => keys,
+        None => return Ok(None),
+    };
+    let values = match binary_buffers(&values)? {
+        Some(values) => values,
+        None => return Ok(None),
+    };
+    if stamps.len() != n {
+        return Err(struct_error(py, &format!("pack expected {} items for packing (got {})", n, stamps.len())));
+    }
+    let base = stamps[0];
+    let mut deltas = vec![0u8; 8 * n];
+    if stamps.iter().any(|stamp| *stamp != base) {
+        for (i, stamp) in stamps.iter().enumerate() {
+            let delta = stamp.checked_sub(base).ok_or_else(|| struct_error(py, "argument out of range"))?;
+            deltas[8 * i..8 * i + 8].copy_from_slice(&delta.to_le_bytes());
+        }
+    }
+    let list_offsets = vec![0u8; 4 * (n + 1)];
+    let empty_offsets = vec![0u8; 4];
+    let nothing: Vec<u8> = Vec::new();
+    // key (validity, offsets, data), value (the same), timestamp_delta (validity, data),
+    // headers (validity, offsets), the header struct (validity), its key string and value
+    // binary (validity, offsets, data each; 0 long).
+    let buffers: [&[u8]; 17] = [
+        &keys.1, &keys.2, &keys.3, &values.1, &values.2, &values.3, &nothing, &deltas,
+        &nothing, &list_offsets, &nothing, &nothing, &empty_offsets, &nothing, &nothing,
+        &empty_offsets, &nothing,
+    ];
+    let mut spans = Vec::with_capacity(34);
+    let mut at: i64 = 0;
+    for buffer in &buffers {
+        let size = buffer.len() as i64;
+        spans.push(at);
+        spans.push(size);
+        if size > 0 {
+            at += size + (-size).rem_euclid(8);
+        }
+    }
+    let mut meta: Vec<u8> = Vec::with_capacity(PLAIN_META_SIZE);
+    let u16s = |meta: &mut Vec<u8>, values: &[u16]| values.iter().for_each(|v| meta.extend_from_slice(&v.to_le_bytes()));
+    let i64s = |meta: &mut Vec<u8>, values: &[i64]| values.iter().for_each(|v| meta.extend_from_slice(&v.to_le_bytes()));
+    // "<I6H": the root offset -> the Message table at 16; the Message vtable.
+    meta.extend_from_slice(&16u32.to_le_bytes());
+    u16s(&mut meta, &[12, 24, 4, 6, 16, 8]);
+    // "ihBxqI4x": the Message table: its vtable 12 back, version V5, RecordBatch, pad,
+    // bodyLength, the header 24 on (at 56), pad.
+    meta.extend_from_slice(&12i32.to_le_bytes());
+    meta.extend_from_slice(&4i16.to_le_bytes());
+    meta.push(3);
+    meta.push(0);
+    meta.extend_from_slice(&at.to_le_bytes());
+    meta.extend_from_slice(&24u32.to_le_bytes());
+    meta.extend_from_slice(&[0u8; 4]);
+    // "5H6x": the RecordBatch vtable, pad.
+    u16s(&mut meta, &[10, 24, 8, 16, 20]);
+    meta.extend_from_slice(&[0u8; 6]);
+    // "i4xqII4x": the RecordBatch table: its vtable 16 back, pad, length, the nodes 12 on
+    // (at 84) and the buffers 128 on (at 204), pad.
+    meta.extend_from_slice(&16i32.to_le_bytes());
+    meta.extend_from_slice(&[0u8; 4]);
+    meta.extend_from_slice(&(n as i64).to_le_bytes());
+    meta.extend_from_slice(&12u32.to_le_bytes());
+    meta.extend_from_slice(&128u32.to_le_bytes());
+    meta.extend_from_slice(&[0u8; 4]);
+    // "I14q4x": 7 FieldNodes (length, null count), pad.
+    meta.extend_from_slice(&7u32.to_le_bytes());
+    let n = n as i64;
+    i64s(&mut meta, &[n, keys.0, n, values.0, n, 0, n, 0, 0, 0, 0, 0, 0, 0]);
+    meta.extend_from_slice(&[0u8; 4]);
+    // "I34q": 17 Buffers (offset, length).
+    meta.extend_from_slice(&17u32.to_le_bytes());
+    i64s(&mut meta, &spans);
+    debug_assert_eq!(meta.len(), PLAIN_META_SIZE);
+    let total = 8 + PLAIN_META_SIZE + at as usize;
+    let block = PyBytes::new_with(py, total, |out| {
+        out[0..4].copy_from_slice(&0xFFFF_FFFFu32.to_le_bytes());
+        out[4..8].copy_from_slice(&(PLAIN_META_SIZE as i32).to_le_bytes());
+        out[8..8 + PLAIN_META_SIZE].copy_from_slice(&meta);
+        let mut at = 8 + PLAIN_META_SIZE;
+        for buffer in &buffers {
+            out[at..at + buffer.len()].copy_from_slice(buffer);
+            at += buffer.len();
+            at += (8 - buffer.len() % 8) % 8; // zeros (PyBytes::new_with starts zeroed)
+        }
+        Ok(())
+    })?;
+    Ok(Some(block.into_any().unbind()))
+}
+
+/// record_columns._META_SIZE.
+const PLAIN_META_SIZE: usize = 480;
+
 /// A batch's bytes held for a while: bytes as they are, else a simple buffer.
 enum BatchBytes<'py> {
     Bytes(Bound<'py, PyBytes>),
@@ -945,6 +1117,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(frame_batch_parsed, module)?)?;
     module.add_function(wrap_pyfunction!(stamp_for_log, module)?)?;
     module.add_function(wrap_pyfunction!(plan_log_append, module)?)?;
+    module.add_function(wrap_pyfunction!(plain_block, module)?)?;
     module.add_class::<CounterCell>()?;
     module.add_class::<HistogramCell>()?;
     Ok(())
