@@ -95,36 +95,68 @@ class RecordMetadata:
     timestamp_ms: int = -1
 
 
-class _Outcome:
-    """What happened to one batch, shared by the futures of its records (one event per
-    batch, not per record: a Future per record cost a third of the producer's CPU)."""
+# Guards every _Outcome's settling against its waiters and callbacks (held for a few
+# attribute reads and writes; an outcome needs no lock of its own).
+_SETTLING = threading.Lock()
 
-    __slots__ = ("topic", "partition", "base_offset", "timestamp_ms", "error", "_event",
-                 "_callbacks", "on_wait")
+
+class _Outcome:
+    """What happened to one batch, shared by the futures of its records (one outcome per
+    batch, not per record: a Future per record cost a third of the producer's CPU). Its
+    threading.Event is made only when a thread waits before it settles (most outcomes
+    settle first). A callback added as it settles runs once, on one side or the other:
+    both look at `settled` under _SETTLING (before, one added between the settling's
+    event and its taking of the callbacks was lost)."""
+
+    __slots__ = ("topic", "partition", "base_offset", "timestamp_ms", "error", "settled",
+                 "_event", "_callbacks", "on_wait")
 
     def __init__(self, topic: str, partition: int, on_wait=None):
         self.topic, self.partition = topic, partition
         self.base_offset = self.timestamp_ms = -1
         self.error: BaseException | None = None
-        self._event = threading.Event()
-        self._callbacks: list = []
+        self.settled = False
+        self._event: threading.Event | None = None
+        self._callbacks: list | None = None
         # Records kept by a one-call transaction: waiting for them switches it to
         # ordinary sends (else they would be written only by its commit).
         self.on_wait = on_wait
 
     def settle(self, base_offset: int, timestamp_ms: int, error: BaseException | None) -> None:
         self.base_offset, self.timestamp_ms, self.error = base_offset, timestamp_ms, error
-        self._event.set()
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
+        with _SETTLING:
+            self.settled = True
+            event, callbacks = self._event, self._callbacks
+            self._callbacks = None
+        if event is not None:
+            event.set()
+        for callback in callbacks or ():
             callback()
 
     def wait(self, timeout: float | None) -> None:
-        if self.on_wait is not None and not self._event.is_set():
+        if self.settled:
+            return
+        if self.on_wait is not None:
             self.on_wait()
-        if not self._event.wait(timeout):
+        with _SETTLING:
+            if self.settled:
+                return
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if not event.wait(timeout):
             raise TimeoutError(f"record to {self.topic}-{self.partition} not acknowledged "
                                f"within {timeout} s")
+
+    def add_callback(self, callback) -> None:
+        """callback() once settled: now if it is, else on the thread that settles it."""
+        with _SETTLING:
+            if not self.settled:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(callback)
+                return
+        callback()
 
 
 class RecordFuture:
@@ -136,7 +168,7 @@ class RecordFuture:
         self._outcome, self._index = outcome, index
 
     def done(self) -> bool:
-        return self._outcome._event.is_set()
+        return self._outcome.settled
 
     def result(self, timeout: float | None = None) -> RecordMetadata:
         outcome = self._outcome
@@ -152,11 +184,7 @@ class RecordFuture:
 
     def add_done_callback(self, fn) -> None:
         """fn(future) runs once the outcome is known (on the producer's thread)."""
-        outcome = self._outcome
-        if outcome._event.is_set():
-            fn(self)
-        else:
-            outcome._callbacks.append(lambda: fn(self))
+        self._outcome.add_callback(lambda: fn(self))
 
 
 @dataclass(frozen=True)
