@@ -1,5 +1,6 @@
 """The native core (partition_server/rust, loaded by partition_server/native.py) against
-its reference, the Python functions of record_batch.py (record_batch.python_functions):
+its reference, the Python functions of record_batch.py (record_batch.python_functions)
+and record_columns.plain_block (record_columns.python_plain_block):
 on generated batches, and on the same batches damaged (bytes changed, cut short, grown,
 given as bytes, bytearray, memoryview of bytes or of signed chars, or Arrow buffer), each pair gives the same answer, or raises the
 same error: the same type, and for AtomlogError the same reason, message and metadata

@@ -1,12 +1,14 @@
-//! atomlog's native core, first part: the record batch's header work on the servers' hot
-//! path (parse and check a header, check a whole batch and its CRC32C, stamp a one-call
-//! transaction's batch, frame a batch around its records block).
+//! atomlog's native core: the record batch's header work on the servers' hot path (parse
+//! and check a header, check a whole batch and its CRC32C, stamp a one-call transaction's
+//! batch, frame a batch around its records block), a log's append planned in one call
+//! (checked, stamped, accounted for), and the SDK's records block of a small batch.
 //!
-//! Each function here is the function of the same name in partition_server/record_batch.py,
-//! which stays the reference: the same answers, the same errors (AtomlogError with the same
-//! reason, message and metadata; ValueError for a caller's mistake). tests/test_native.py
-//! holds the two together on generated and damaged batches. partition_server/native.py
-//! loads this module and record_batch.py puts these functions in place of its own.
+//! Each function here is the function of the same name in partition_server/record_batch.py
+//! (plain_block: record_columns.py), which stays the reference: the same answers, the same
+//! errors (AtomlogError with the same reason, message and metadata; ValueError for a
+//! caller's mistake). tests/test_native.py holds the two together on generated and damaged
+//! batches. partition_server/native.py loads this module and record_batch.py and
+//! record_columns.py put these functions in place of their own.
 //!
 //! Also the cells of services/fastmetrics.py's counters and histograms.
 //!
