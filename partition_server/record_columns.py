@@ -301,8 +301,10 @@ def encode_records(records: Sequence[Record], *, timestamp_ms: int | None = None
     headers, of bytes-like keys and values, is written by plain_block() without pyarrow."""
     if not records:
         raise ValueError("a batch needs at least one record")
-    default_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-    stamps = [default_ms if r.timestamp_ms is None else r.timestamp_ms for r in records]
+    stamps = [r.timestamp_ms for r in records]
+    if None in stamps:
+        default_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        stamps = [default_ms if stamp is None else stamp for stamp in stamps]
     if len(records) <= PLAIN_MAX_RECORDS and \
             fields.get("compression", Compression.NONE) is Compression.NONE:
         block = plain_block(records, stamps)

@@ -208,6 +208,8 @@ class _KeptPartition:
         both through Record tuples."""
         compression = self.producer.compression
         pieces = self.pieces
+        if len(pieces) == 1 and type(pieces[0]) is list:  # records only (send())
+            return encode_records(pieces[0], compression=compression)
         if all(type(piece) is not list for piece in pieces):
             return _encode_chunks(pieces, compression)
         records = pieces[0] if len(pieces) == 1 else self.records()
@@ -1056,7 +1058,8 @@ class _Carpool:
         failure of the call."""
         seat = _Seat(txn, turn, request)
         for previous in turn.before:
-            previous.done.add_done_callback(self._poke)
+            if not previous.over():  # (one over already needs no wake-up: checked below)
+                previous.done.add_done_callback(self._poke)
         with self._cond:
             index = len(self._waiting)
             while index and self._waiting[index - 1].turn.order > turn.order:
@@ -1095,7 +1098,7 @@ class _Carpool:
 
     def _riders(self, driver: _Seat) -> list[_Seat]:
         """The waiting commits `driver` takes along (under the lock)."""
-        if not self._chained or driver.txn.session is not None:
+        if not self._chained or driver.txn.session is not None or not self._waiting:
             return []
         k = driver.txn.tc_partition
         chosen = {id(driver.turn)}
