@@ -182,9 +182,10 @@ COMMON: tuple[Setting, ...] = (
     Setting("cluster.tc_partitions", int, 0, "Number of TC partitions; fixed when the cluster "
             "is created. 0 (the default): the count the cluster was created with, and for the "
             "server that creates it 16 (Pulsar's default), or 1 if it is a combined server "
-            "(every role in one process, where more TC partitions buy no parallelism and cost "
-            "a TC-log append each). A server configured with another count than the cluster's "
-            "refuses to start. Set it for a cluster of several combined servers.",
+            "that expects no other partition servers (coordinator.expected_partition_servers "
+            "at most 1: every role in one process, where more TC partitions buy no "
+            "parallelism and cost a TC-log append each). A server configured with another "
+            "count than the cluster's refuses to start.",
             minimum=0, maximum=1_024),
     Setting("topics.max_partitions", int, 1_024, "Largest partition count a topic may have.",
             minimum=1, maximum=100_000),
