@@ -362,17 +362,14 @@ class PartitionLog:
         self._check_not_rolling("append")
         config = self.config
         now = max(self._clock_ms(), self._last_append_time_ms)
-        if not copied:
+        if copied:
+            record_batch.check_batch_sizes(items, config.max_batch_bytes)
+            if items:
+                now = max(now, max(header.log_append_time_ms for _, header in items))
+        else:
             # Checked, stamped and accounted for in one call (the native core's, when
-            # loaded); None when a batch rolls the segment: then batch by batch below.
-            active = self._active
-            index = active.index
-            plan = record_batch.plan_log_append(
-                items, self._log_end_offset, now, config.max_batch_bytes, active.size,
-                active.first_append_time_ms, active.base_offset, config.segment_bytes,
-                config.segment_ms, config.index_interval_bytes,
-                index.positions[-1] if index.positions else None,
-                index.running_max_timestamp_ms)
+            # loaded); None when a batch rolls the segment: then a segment's part at a time.
+            plan = self._plan(items, now)
             if plan is not None:
                 try:
                     self._write_planned(plan, now)
@@ -381,17 +378,6 @@ class PartitionLog:
                     raise
                 self._last_append_time_ms = now
                 return [base for base, _ in plan[3]]
-        else:
-            for batch, header in items:
-                if header.size != len(batch):
-                    raise AtomlogError("CORRUPT_BATCH", f"batch_length says {header.size} "
-                                       f"bytes, the batch has {len(batch)}")
-                if header.size > config.max_batch_bytes:
-                    raise AtomlogError("BATCH_TOO_LARGE", f"batch of {header.size} bytes "
-                                       f"exceeds the limit of {config.max_batch_bytes} bytes",
-                                       {"limit": config.max_batch_bytes})
-            if items:
-                now = max(now, max(header.log_append_time_ms for _, header in items))
         base_offsets: list[int] = []
         group: list[tuple[memoryview | bytes, BatchHeader]] = []
         size, next_offset = self._active.size, self._log_end_offset
@@ -399,7 +385,7 @@ class PartitionLog:
         try:
             for batch, header in items:
                 if self._rolls(size, header.size, first_time, next_offset, now, rolls_at):
-                    self._write_group(group, now, copied)
+                    self._write_part(group, now, copied)
                     group = []
                     self._roll()
                     size, first_time = 0, None
@@ -408,7 +394,7 @@ class PartitionLog:
                 size += header.size
                 next_offset += header.record_count
                 first_time = now if first_time is None else first_time
-            self._write_group(group, now, copied)
+            self._write_part(group, now, copied)
         except OSError as error:
             self._broken = f"I/O error while appending: {error}"
             raise
@@ -446,44 +432,57 @@ class PartitionLog:
             raise RuntimeError(f"{what} on partition log {self.directory} while a roll is "
                                "under way (between roll_begin and roll_end)")
 
-    def _write_group(self, group: list[tuple[bytes | memoryview, BatchHeader]], now: int,
-                     copied: bool = False) -> None:
-        """Write batches to the active segment with writev, then account for them.
-        Copied batches (a follower's) are written as they are: their prefix already holds
-        the offset and append time the leader gave them."""
+    def _plan(self, group: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]],
+              now: int) -> tuple | None:
+        """record_batch.plan_log_append of `group` onto the active segment at `now`."""
+        config, active = self.config, self._active
+        index = active.index
+        return record_batch.plan_log_append(
+            group, self._log_end_offset, now, config.max_batch_bytes, active.size,
+            active.first_append_time_ms, active.base_offset, config.segment_bytes,
+            config.segment_ms, config.index_interval_bytes,
+            index.positions[-1] if index.positions else None, index.running_max_timestamp_ms)
+
+    def _write_part(self, group: list[tuple[bytes | memoryview, BatchHeader]], now: int,
+                    copied: bool) -> None:
+        """Write the part of an append that goes to the active segment (_append split it
+        where the segment rolls, so a plan of it rolls nothing)."""
+        if copied:
+            self._write_copies(group)
+            return
+        plan = self._plan(group, now)
+        assert plan is not None, "a part of an append that rolls nothing rolled"
+        self._write_planned(plan, now)
+
+    def _write_copies(self, group: list[tuple[bytes | memoryview, BatchHeader]]) -> None:
+        """Write a follower's copies to the active segment as they are (their prefix
+        already holds the offset and append time the leader gave them), then account for
+        them."""
         if not group:
             return
         active = self._active
-        if copied:
-            buffers: list = [batch for batch, _ in group]
-            stamped = [header for _, header in group]
-            next_offset = self._log_end_offset + sum(h.last_offset_delta + 1 for h in stamped)
-        else:
-            buffers, stamped, next_offset = record_batch.stamp_for_log(
-                group, self._log_end_offset, now)
-        if copied and self._direct_copies:
+        buffers: list = [batch for batch, _ in group]
+        if self._direct_copies:
             self._direct_write(active, buffers)
         else:
             self._end_direct()
             _writev_all(active.fd, buffers)
-            if self.wal is not None and not copied:  # after the file: a frame is replayed
-                self.wal.wrote(self._log_end_offset, buffers, next_offset)
         interval = self.config.index_interval_bytes
         position = active.size
         recent = self._recent_starts
-        for header in stamped:
+        for _, header in group:
             recent[header.base_offset] = (active, position)
             active.observe(position, header, interval)
             position += header.batch_length + LENGTH_FIELD_END
             if not header.attributes & ATTR_CONTROL:
                 self._last_data_offset_written = header.base_offset + header.last_offset_delta
-        self._log_end_offset = next_offset
-        while len(recent) > RECENT_STARTS:
-            del recent[next(iter(recent))]  # the oldest
+        self._log_end_offset += sum(header.last_offset_delta + 1 for _, header in group)
+        self._forget_old_starts()
 
     def _write_planned(self, plan: tuple, now: int) -> None:
-        """Write a group record_batch.plan_log_append planned into the active segment, then
-        account for it as _write_group does (the same facts, computed in the plan)."""
+        """Write what record_batch.plan_log_append planned into the active segment (and the
+        write-ahead file), then apply the facts the plan computed: batch starts, index
+        entries, the segment's size, timestamps and last data offset."""
         (buffers, stamped, next_offset, starts, entries, end, running_max_ts, max_ts,
          last_data) = plan
         if not stamped:
@@ -509,6 +508,10 @@ class PartitionLog:
         if last_data is not None:
             active.last_data_offset = self._last_data_offset_written = last_data
         self._log_end_offset = next_offset
+        self._forget_old_starts()
+
+    def _forget_old_starts(self) -> None:
+        recent = self._recent_starts
         while len(recent) > RECENT_STARTS:
             del recent[next(iter(recent))]  # the oldest
 

@@ -417,6 +417,22 @@ def stamp_for_log(group: list[tuple[bytes | memoryview, BatchHeader]], next_offs
 SEGMENT_OFFSETS_MAX = 0xFFFFFFFF  # segment.RELATIVE_OFFSET_MAX: offsets one segment spans
 
 
+def check_batch_sizes(group: Iterable[tuple[bytes | memoryview, BatchHeader]],
+                      max_batch_bytes: int) -> None:
+    """Each batch's header says its batch's size (else CORRUPT_BATCH), within
+    `max_batch_bytes` (else BATCH_TOO_LARGE), in order: what a log checks before it
+    appends anything of a group."""
+    for batch, header in group:
+        batch_size = header.batch_length + LENGTH_FIELD_END
+        if batch_size != len(batch):
+            raise AtomlogError("CORRUPT_BATCH", f"batch_length says {batch_size} bytes, "
+                               f"the batch has {len(batch)}")
+        if batch_size > max_batch_bytes:
+            raise AtomlogError("BATCH_TOO_LARGE", f"batch of {batch_size} bytes exceeds "
+                               f"the limit of {max_batch_bytes} bytes",
+                               {"limit": max_batch_bytes})
+
+
 def plan_log_append(group: Sequence[tuple[bytes | memoryview, BatchHeader]], next_offset: int,
                     now: int, max_batch_bytes: int, size: int, first_time: int | None,
                     segment_base: int, segment_bytes: int, segment_ms: int,
@@ -429,21 +445,13 @@ def plan_log_append(group: Sequence[tuple[bytes | memoryview, BatchHeader]], nex
 
     Raises CORRUPT_BATCH (a header's size is not its batch's) or BATCH_TOO_LARGE, checking
     every batch in order before anything else. None when a batch would roll the segment
-    (by size, by age, or by the offsets one segment spans): the caller then appends batch
-    by batch. Else (buffers, stamped, next_offset as stamp_for_log gives them; then
+    (by size, by age, or by the offsets one segment spans): the caller then splits it where
+    the segment rolls and plans each part. Else (buffers, stamped, next_offset as stamp_for_log gives them; then
     starts, (base offset, byte position) of each batch; index entries, (offset, position,
     max timestamp before) of each batch the index takes, one every `interval_bytes`; the
     segment's size after; running_max_ts after; the largest max timestamp of the batches;
     the last offset of the last non-control batch, None if none)."""
-    for batch, header in group:
-        batch_size = header.batch_length + LENGTH_FIELD_END
-        if batch_size != len(batch):
-            raise AtomlogError("CORRUPT_BATCH", f"batch_length says {batch_size} bytes, "
-                               f"the batch has {len(batch)}")
-        if batch_size > max_batch_bytes:
-            raise AtomlogError("BATCH_TOO_LARGE", f"batch of {batch_size} bytes exceeds "
-                               f"the limit of {max_batch_bytes} bytes",
-                               {"limit": max_batch_bytes})
+    check_batch_sizes(group, max_batch_bytes)
     offset, end = next_offset, size
     for _, header in group:  # PartitionLog._rolls for each batch, none copied
         batch_size = header.batch_length + LENGTH_FIELD_END
