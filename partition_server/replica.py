@@ -293,10 +293,16 @@ class LeaderReplication:
 
     @property
     def handing_over(self) -> bool:
-        """`hand_over` runs and another replica of the ISR is live to take the partition:
-        clients are told to look for the new leader rather than DATA_LOSS."""
-        if self._resign_task is None or not self._heir_only or self.fenced is not None:
+        """`hand_over` runs and another replica of the ISR is live to take the partition,
+        or it ran and the partition has another leader now: clients are told to look for
+        the new leader rather than DATA_LOSS. (Once handed over, the owner answers so until
+        it follows the new leader; before, that window answered DATA_LOSS, final for a
+        client whose routes still named this server: a CI run of
+        test_a_leader_handing_a_damaged_partition_over_sends_clients_on, 2026-12-05.)"""
+        if self._resign_task is None or not self._heir_only:
             return False
+        if self.fenced is not None:
+            return True
         live = self._live()
         return any(r != self.me and r in live for r in self.progress.isr)
 
