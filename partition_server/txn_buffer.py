@@ -330,10 +330,11 @@ class TxnBuffer:
     def ended(self, txn: TxnId) -> tuple[ControlType, int] | None:
         """(decision, marker offset) of a transaction ended here and remembered (every
         abort still in the aborted index, the last max_remembered_commits commits)."""
-        marker_offset = self._aborted_lookup.get(txn_key(txn))
+        key = txn_key(txn)
+        marker_offset = self._aborted_lookup.get(key)
         if marker_offset is not None:
             return ControlType.ABORT, marker_offset
-        marker_offset = self._committed.get(txn_key(txn))
+        marker_offset = self._committed.get(key)
         if marker_offset is not None:
             return ControlType.COMMIT, marker_offset
         return None
@@ -421,6 +422,12 @@ class TxnBuffer:
         """Before writing a marker: WRITE or NOOP. Raises STALE_COORDINATOR_EPOCH, or
         TRANSACTION_ABORTED / TRANSACTION_ALREADY_COMMITTED for the opposite decision of
         one already applied here. Changes nothing but counters."""
+        entry = self._open.get(txn)
+        if entry is not None and type(decision) is ControlType and \
+                self._epochs.get(txn[0], 0) <= coordinator_epoch <= COORDINATOR_EPOCH_MAX:
+            # The usual case, first: open here (so a valid id), the epoch current.
+            return MarkerPlan(MarkerAction.WRITE, False, -1, entry.producer_id,
+                              entry.producer_epoch)
         _validate_txn(txn)
         decision = ControlType(decision)
         assert 0 <= coordinator_epoch <= COORDINATOR_EPOCH_MAX, coordinator_epoch
@@ -466,13 +473,13 @@ class TxnBuffer:
     def on_marker(self, txn: TxnId, decision: ControlType, coordinator_epoch: int,
                   marker_offset: int) -> None:
         """After the control batch of a WRITE plan is in the log at marker_offset."""
-        assert txn in self._open, txn
+        entry = self._open.get(txn)
+        assert entry is not None, txn
         assert coordinator_epoch >= self._epochs.get(txn.tc_partition, 0), coordinator_epoch
         self._advance(marker_offset, marker_offset)
-        self._count("markers_written_total")
-        entry = self._open[txn]
+        self._counters["markers_written_total"] += 1
         self._end(txn, ControlType(decision), coordinator_epoch, marker_offset,
-                  entry.producer_id, entry.producer_epoch)
+                  entry.producer_id, entry.producer_epoch, entry)
 
     def on_durable(self, high_watermark: int) -> None:
         """After an fsync: ended transactions whose marker is below high_watermark stop
@@ -578,19 +585,33 @@ class TxnBuffer:
             entry.last_offset = last_offset
 
     def _end(self, txn: TxnId, decision: ControlType, coordinator_epoch: int,
-             marker_offset: int, producer_id: int, producer_epoch: int) -> None:
+             marker_offset: int, producer_id: int, producer_epoch: int,
+             entry: _Open | None = None) -> None:
+        """`entry`: the caller's lookup of txn in the open table (None: looked up here)."""
         self._changes += 1
-        tc = txn.tc_partition
-        self._epochs[tc] = max(self._epochs.get(tc, 0), coordinator_epoch)
-        entry = self._open.pop(txn, None)
+        tc = txn[0]
+        current = self._epochs.get(tc)
+        if current is None or coordinator_epoch > current:
+            self._epochs[tc] = coordinator_epoch
+        entry = self._open.pop(txn, None) if entry is None else self._open.pop(txn)
         first_offset = entry.first_offset if entry else marker_offset  # data retained away
         if entry is not None:
             self._unreplicated.append((marker_offset, first_offset))
         key = txn_key(txn)
-        self._forget_commit(key)
-        self._unindex_aborted(txn)
+        if self._committed:
+            self._forget_commit(key)
+        if self._aborted_lookup:
+            self._unindex_aborted(txn)
         if decision is ControlType.COMMIT:
-            self._remember_commit(txn, marker_offset)
+            self._committed_rows += _COMMITTED.pack(tc, txn[1], marker_offset)
+            self._committed[key] = marker_offset
+            limits, head = self.limits, self._committed_head
+            if len(self._committed) <= limits.max_remembered_commits and \
+                    not self._committed_dead and (
+                        head <= 64 or head * 2 <= len(self._committed_rows) // _COMMITTED.size
+                    ) and self._aborted_head <= 64 and \
+                    self.aborted_count <= limits.max_aborted_transactions:
+                return  # nothing to drop or compact: _enforce_bounds would do nothing
         else:
             oldest = self.oldest_open()
             lso = oldest.first_offset if oldest else marker_offset + 1
