@@ -690,14 +690,32 @@ class TcPartition:
 
 def _count(append: Append) -> None:
     for record in append.records:
-        if isinstance(record, Opened):
+        kind = type(record)
+        if kind is Opened:
             metrics.STARTED.inc()
-        elif isinstance(record, Decided):
-            cause = ("timeout" if record.cause in (EndCause.TIMEOUT, EndCause.PREPARED_TIMEOUT)
-                     else record.cause.name.lower())
-            decision = record.decision.name.lower()
-            metrics.DECIDED.labels(decision, cause).inc()
-            metrics.DECIDED.labels("commit", "parent").inc(len(record.kept_children))
-            metrics.DECIDED.labels("abort", "parent").inc(len(record.aborted_children))
-        elif isinstance(record, Completed):
-            metrics.ENDED.labels(record.decision.name.lower()).inc()
+        elif kind is Decided:
+            decided = _DECIDED.get((record.decision, record.cause))
+            if decided is None:
+                decided = _DECIDED[record.decision, record.cause] = _decided_children(record)
+            decided[0].inc()
+            decided[1].inc(len(record.kept_children))
+            decided[2].inc(len(record.aborted_children))
+        elif kind is Completed:
+            ended = _ENDED.get(record.decision)
+            if ended is None:
+                ended = _ENDED[record.decision] = metrics.ENDED.labels(
+                    record.decision.name.lower())
+            ended.inc()
+
+
+# The children of _count's metrics by decision (and cause), each looked up once: two or
+# three records a transaction come here.
+_DECIDED: dict = {}
+_ENDED: dict = {}
+
+
+def _decided_children(record: Decided) -> tuple:
+    cause = ("timeout" if record.cause in (EndCause.TIMEOUT, EndCause.PREPARED_TIMEOUT)
+             else record.cause.name.lower())
+    return (metrics.DECIDED.labels(record.decision.name.lower(), cause),
+            metrics.DECIDED.labels("commit", "parent"), metrics.DECIDED.labels("abort", "parent"))
