@@ -17,11 +17,13 @@ import json
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 
 from partition_server import durability
+from partition_server import wal as wal_module
 from partition_server.log import LogConfig
 from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.record_batch import Record, encode_batch, iter_batches, parse_header
@@ -143,6 +145,29 @@ class Submitting:
 
 SETTINGS = OwnerSettings(log=LogConfig(segment_bytes=16 << 10), durability=durability.WAL)
 
+# A crashed Node's write-ahead file must not touch the disk any more, as a dead process
+# would not. Its checkpointer's trim deletes segments on a worker thread, which the
+# cancelled task leaves running: a deletion landing while the next Node's recovery read
+# the segments failed it (FileNotFoundError, seen in CI). So the trims go through this
+# lock, and `Node.crash` marks its file's directory (the Path object its trims were
+# given) dead under it: a deletion under way ends first, later ones do nothing.
+_UNLINKS = threading.Lock()
+_DEAD_DIRECTORIES: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _dead_files_stay_dead(monkeypatch):
+    unlink = wal_module._unlink_segments
+
+    def unless_dead(directory: Path, sequences: list[int]) -> None:
+        with _UNLINKS:
+            if not any(directory is dead for dead in _DEAD_DIRECTORIES):
+                unlink(directory, sequences)
+
+    monkeypatch.setattr(wal_module, "_unlink_segments", unless_dead)
+    yield
+    _DEAD_DIRECTORIES.clear()
+
 
 class Node:
     """Partition owners and their write-ahead file in this process, crashed and restarted
@@ -190,7 +215,9 @@ class Node:
             wal._turn = None
         if wal._preparer is not None:  # a next segment's zeros: done before the cut
             wal._preparer.shutdown(wait=True)
-        directory, wal.directory = wal.directory, wal.directory / "after-the-power-cut"
+        with _UNLINKS:  # its trims' deletions: ended, and none from now on
+            _DEAD_DIRECTORIES.append(wal.directory)
+            directory, wal.directory = wal.directory, wal.directory / "after-the-power-cut"
         sequences = list_segments(directory)
         for sequence in sequences[-1:]:  # a roll fsyncs the segment it seals
             path = directory / f"{sequence:020d}.wal"
