@@ -19,6 +19,8 @@ import shutil
 import time
 from pathlib import Path
 
+from kazoo.exceptions import ConnectionLoss, NoNodeError
+
 from atomlog.v1 import partition_pb2
 from partition_server import metrics as m
 from partition_server import copies, partition_states, producer_state, txn_buffer
@@ -28,7 +30,7 @@ from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
 from partition_server.replica import Follower, LeaderFetcher, LeaderReplication, ReplicaStub
 from partition_server.wal import WriteAheadLog
-from services import local
+from services import failpoints, local
 from services.errors import AtomlogError
 from services.logs import event
 from services.zk import SERVERS_PATH, aio
@@ -459,7 +461,15 @@ class PartitionManager:
                             incarnation=self.incarnation,
                             direct_io=self.replication.follower_direct_io)
         self.followers[key] = follower
-        await follower.start()
+        try:
+            await follower.start()
+        except BaseException:
+            # Not kept: the retry would find this leader and epoch followed already and
+            # leave the partition with a follower that never fetches.
+            if self.followers.get(key) is follower:
+                del self.followers[key]
+            await follower.close()
+            raise
 
     def leaderships_current(self) -> bool:
         """Every leadership this server holds is still the one ZooKeeper's state names
@@ -604,10 +614,16 @@ class PartitionManager:
 
     async def _addresses_of(self, server: str) -> tuple[str, str]:
         """A server's gRPC address and its replication link's ("" when it has none), as
-        registered; ("", "") when it is not registered (any more)."""
+        registered; ("", "") when it is not registered (any more). Any other failure to
+        read it (ZooKeeper's connection lost, the session expired) raises: the caller's
+        steering is retried. (Taken for "not registered", it left a follower steered to
+        a new leader without a copier, and nothing steered it again while ZooKeeper
+        stayed quiet: its copy stopped for good.)"""
+        if failpoints.armed(failpoints.STEER_ZOOKEEPER_LOSS):
+            raise ConnectionLoss("steer_zookeeper_loss failpoint (a ZooKeeper blip)")
         try:
             data, _ = await aio(self.zk.client.get_async(f"{SERVERS_PATH}/{server}"))
-        except Exception:  # noqa: BLE001 — not registered (any more)
+        except NoNodeError:  # not registered (any more)
             return "", ""
         try:
             entry = json.loads(data or b"{}")

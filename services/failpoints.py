@@ -37,6 +37,10 @@ harness arms and disarms it from outside without talking to the process:
              once: the next server to start meets a lost ZooKeeper connection
              (kazoo's ConnectionLoss) in a step of its start-up, as a blip does, and the
              file is removed, so the start after it goes through.
+    steer_zookeeper_loss
+             while armed, a partition server that looks a new leader's addresses up for
+             a follower it steers meets a lost ZooKeeper connection (ConnectionLoss), as
+             during a blip, so a test can see the steering outlast it.
 
 Off, a failpoint costs a function call and one comparison with None.
 """
@@ -58,6 +62,7 @@ MARKERS_SEND = "markers_send"
 VERIFY_HOLD = "verify_hold"
 HAND_OVER_HOLD = "hand_over_hold"
 START_ZOOKEEPER_LOSS = "start_zookeeper_loss"
+STEER_ZOOKEEPER_LOSS = "steer_zookeeper_loss"
 
 _DIRECTORY: str | None = os.environ.get(ENVIRONMENT_VARIABLE) or None
 
