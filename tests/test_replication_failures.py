@@ -183,7 +183,7 @@ def test_a_follower_steered_during_a_zookeeper_blip_follows_its_new_leader(faili
     leader is not registered", the old follower was closed and no new one made, and
     nothing steered the partition again while ZooKeeper stayed quiet: its ISR stayed
     short of that replica for good (as a chaos run's did once, docs/verification.md,
-    "Seen once and not reproduced")."""
+    "Found 2026-12-05 (fortieth session, by CI)")."""
     cluster = failing_cluster
     client = Client(cluster.info["bootstrap"])
     topic = "steer-blip"
