@@ -1355,6 +1355,7 @@ class Follower:
         self.known_hw = known_hw
         self.incarnation = incarnation  # this server process's (every fetch names it)
         self.last_error = ""
+        self._failing = ""  # the kind of the failures logged last ("" since a success)
         self.retry_at = 0.0  # time.monotonic(): asks again from then (after a failure)
         self._delay = FOLLOWER_RETRY_FIRST_S
         self._reopen_due = False
@@ -1488,11 +1489,12 @@ class Follower:
                 raise outcome
             await self._copy(request.fetch_offset, outcome)
             self._delay = FOLLOWER_RETRY_FIRST_S
-            self.last_error = ""
+            self.last_error = self._failing = ""
         except asyncio.CancelledError:
             raise
         except AtomlogError as error:
             self.last_error = f"{error.reason}: {error}"
+            self._note_failing(error.reason, error.message)
             if error.reason == "OFFSET_OUT_OF_RANGE" and \
                     "log_start_offset" in error.metadata and self.log is not None:
                 start = int(error.metadata["log_start_offset"])
@@ -1508,15 +1510,25 @@ class Follower:
                 self._reopen_due = True
         except Exception as error:  # noqa: BLE001 — leader away, disk trouble: retry
             self.last_error = f"{type(error).__name__}: {error}"
-            log.debug("follower %s: %s", self.name, self.last_error)
+            self._note_failing(type(error).__name__, str(error))
             self._back_off()
             if isinstance(error, OSError) and not getattr(error, "said_by_leader", False):
                 self._reopen_due = True
 
+    def _note_failing(self, kind: str, detail: str) -> None:
+        """Log a failure of this follower's fetches when its kind (an error's reason, or
+        an exception's type) differs from the last one logged since a fetch went well:
+        a follower that keeps failing says why once, not at every retry, and one that
+        stops copying for good leaves its reason in its server's log."""
+        if kind != self._failing:
+            self._failing = kind
+            event(log, "follower's fetches failing; retrying", partition=self.name,
+                  leader=self.leader, epoch=self.epoch, reason=kind, detail=detail)
+
     def quiet(self) -> None:
         """The leader had nothing new for this partition: the call went well."""
         self._delay = FOLLOWER_RETRY_FIRST_S
-        self.last_error = ""
+        self.last_error = self._failing = ""
 
     def _back_off(self) -> None:
         self.retry_at = time.monotonic() + self._delay
