@@ -446,7 +446,8 @@ def plan_log_append(group: Sequence[tuple[bytes | memoryview, BatchHeader]], nex
     Raises CORRUPT_BATCH (a header's size is not its batch's) or BATCH_TOO_LARGE, checking
     every batch in order before anything else. None when a batch would roll the segment
     (by size, by age, or by the offsets one segment spans): the caller then splits it where
-    the segment rolls and plans each part. Else (buffers, stamped, next_offset as stamp_for_log gives them; then
+    the segment rolls and plans each part. Else (buffers, stamped, next_offset as
+    stamp_for_log gives them; then
     starts, (base offset, byte position) of each batch; index entries, (offset, position,
     max timestamp before) of each batch the index takes, one every `interval_bytes`; the
     segment's size after; running_max_ts after; the largest max timestamp of the batches;

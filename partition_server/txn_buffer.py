@@ -598,20 +598,11 @@ class TxnBuffer:
         if entry is not None:
             self._unreplicated.append((marker_offset, first_offset))
         key = txn_key(txn)
-        if self._committed:
-            self._forget_commit(key)
-        if self._aborted_lookup:
+        self._forget_commit(key)
+        if self._aborted_lookup:  # (empty while nothing aborted here)
             self._unindex_aborted(txn)
         if decision is ControlType.COMMIT:
-            self._committed_rows += _COMMITTED.pack(tc, txn[1], marker_offset)
-            self._committed[key] = marker_offset
-            limits, head = self.limits, self._committed_head
-            if len(self._committed) <= limits.max_remembered_commits and \
-                    not self._committed_dead and (
-                        head <= 64 or head * 2 <= len(self._committed_rows) // _COMMITTED.size
-                    ) and self._aborted_head <= 64 and \
-                    self.aborted_count <= limits.max_aborted_transactions:
-                return  # nothing to drop or compact: _enforce_bounds would do nothing
+            self._remember_commit(txn, marker_offset)
         else:
             oldest = self.oldest_open()
             lso = oldest.first_offset if oldest else marker_offset + 1
@@ -623,14 +614,20 @@ class TxnBuffer:
         self._enforce_bounds()
 
     def _enforce_bounds(self) -> None:
-        while len(self._committed) > self.limits.max_remembered_commits:
+        """Drop what is past the bounds and compact the rows, after each transaction
+        ends; each compaction is called only when its own condition can hold (a dead
+        row, or a head past 64), so a transaction's end mostly costs the comparisons."""
+        limits = self.limits
+        while len(self._committed) > limits.max_remembered_commits:
             self._drop_oldest_commit()
-        self._compact_commits()
-        while self.aborted_count > self.limits.max_aborted_transactions:
+        if self._committed_dead or self._committed_head > 64:
+            self._compact_commits()
+        while self.aborted_count > limits.max_aborted_transactions:
             evicted_marker = self._drop_oldest_aborted()
             self._aborted_evicted_below = max(self._aborted_evicted_below, evicted_marker + 1)
             self._count("aborted_evicted_total")
-        self._compact_aborted()
+        if self._aborted_head > 64:
+            self._compact_aborted()
 
     def _remember_commit(self, txn: TxnId, marker_offset: int) -> None:
         self._committed_rows += _committed_row(txn, marker_offset)
