@@ -1560,9 +1560,10 @@ class Follower:
         if partition_log.log_end_offset != fetch:
             return  # the log moved meanwhile (a restart at the leader's start): ask again
         if response.diverging:
-            cut, _next = truncation_step(self.epochs.cache, fetch,
-                                         int(response.diverging_epoch),
-                                         int(response.diverging_end_offset))
+            # The next round asks about the latest epoch the cut leaves, which is the
+            # one truncation_step names to ask about next.
+            cut, _ = truncation_step(self.epochs.cache, fetch, int(response.diverging_epoch),
+                                     int(response.diverging_end_offset))
             await self._truncate(cut, response)
             return
         self.known_hw = response.high_watermark

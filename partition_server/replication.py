@@ -704,8 +704,12 @@ def truncation_step(cache: LeaderEpochCache, log_end: int, leader_epoch: int,
       up to the smaller of its two ends; the follower's records past that are not in the
       leader's history.
     - The follower does not know `leader_epoch`: nothing it has past `leader_end` can be
-      the leader's, and its own largest epoch below (where the two histories may part)
-      is asked about next.
+      the leader's, nor anything past the end of its own largest epoch below
+      `leader_epoch` (`own_end`): its later epochs all lie between `leader_epoch` and the
+      one it asked about, and the leader knows none of them, so wrote none of their
+      records. Cut there, the follower's latest epoch is that one, where the two
+      histories may part: it is asked about next (the follower asks about its latest
+      epoch each round, so the cut alone makes it ask about the right one).
     - NO_EPOCH (the leader knows no epoch that old): the follower keeps nothing past
       `leader_end`, the leader's log start."""
     if leader_epoch == NO_EPOCH:
@@ -713,4 +717,4 @@ def truncation_step(cache: LeaderEpochCache, log_end: int, leader_epoch: int,
     own_epoch, own_end = cache.end_offset_for(leader_epoch, log_end)
     if own_epoch == leader_epoch or own_epoch == NO_EPOCH:
         return min(log_end, leader_end, own_end), None
-    return min(log_end, leader_end), own_epoch
+    return min(log_end, leader_end, own_end), own_epoch

@@ -334,12 +334,35 @@ def converge(follower: LeaderEpochCache, follower_end: int, leader: LeaderEpochC
     return end
 
 
+def converge_as_a_follower_does(follower: LeaderEpochCache, follower_end: int,
+                                leader: LeaderEpochCache, leader_end: int) -> int:
+    """The exchange as the servers make it: the follower (replica.Follower) asks each
+    round about its latest epoch, as its cache stands after the last cut, and the leader
+    (replica.Leader._divergence) answers until the follower's log is a prefix of its
+    own. Fails if the follower would ask for ever."""
+    end = follower_end
+    for _ in range(100):
+        ask = follower.latest_epoch()
+        epoch, epoch_end = leader.end_offset_for(ask, leader_end)
+        if epoch == ask and end <= epoch_end:
+            return end  # no divergence: the follower fetches from `end`
+        end, _ = truncation_step(follower, end, epoch, epoch_end)
+        follower.truncate_from_end(end)
+    raise AssertionError(f"the follower asks about epoch {follower.latest_epoch()} at "
+                         f"{end} for ever")
+
+
 def test_truncation_finds_where_the_histories_part():
     # The follower wrote 8..9 in epoch 1 under the old leader; the new leader's epoch 2
     # began at 8. One round would keep 8..9 (its epoch 1 ends at 10); the second cuts them.
     leader = LeaderEpochCache([(1, 0), (2, 8), (4, 12)])
     follower = LeaderEpochCache([(1, 0), (3, 10)])
     assert converge(follower, 20, leader, 30) == 8
+    # The same as the servers exchange it. Before 2026-12-06 the first round cut only
+    # to 12, leaving the follower's epoch 3 (unknown to the leader) its latest, so it
+    # asked about epoch 3 again every round and never caught up.
+    assert converge_as_a_follower_does(LeaderEpochCache([(1, 0), (3, 10)]), 20, leader,
+                                       30) == 8
     # Same epochs, the follower ahead of the leader in the last common one: cut to the leader.
     assert converge(LeaderEpochCache([(1, 0), (2, 5)]), 20,
                     LeaderEpochCache([(1, 0), (2, 5), (3, 15)]), 40) == 15
@@ -378,11 +401,12 @@ def test_truncation_agrees_with_the_logs_themselves_over_random_histories():
                 cache.assign(epoch, offset)
             return cache
 
-        end = converge(cache_of(follower_log), len(follower_log), cache_of(leader_log),
-                       len(leader_log))
-        assert follower_log[:end] == leader_log[:end], (follower_log, leader_log, end)
-        # Nothing the two share is cut.
-        assert end >= len(shared) or follower_log[:end + 1] != leader_log[:end + 1]
+        for exchange in (converge, converge_as_a_follower_does):
+            end = exchange(cache_of(follower_log), len(follower_log), cache_of(leader_log),
+                           len(leader_log))
+            assert follower_log[:end] == leader_log[:end], (follower_log, leader_log, end)
+            # Nothing the two share is cut.
+            assert end >= len(shared) or follower_log[:end + 1] != leader_log[:end + 1]
 
 
 # ------------------------------------------------------------------ reassignment
