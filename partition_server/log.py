@@ -1043,7 +1043,11 @@ class PartitionLog:
 
     def truncate_to(self, offset: int) -> int:
         """Remove every batch that does not end at or before `offset` (a batch containing
-        it is removed whole); returns the new log end. The rest of the log is re-opened
+        it is removed whole); returns the new log end. A segment the cut empties goes too
+        (unless it is the first), so the one before it is the active segment again: a
+        follower cut back to where its old leader had begun a segment must not keep a
+        segment start its new leader may not have (where the new leader has one, its
+        answers' segment_bases start one there again). The rest of the log is re-opened
         through the normal recovery path."""
         self._check_not_rolling("truncate_to")
         self._check_serving()
@@ -1053,6 +1057,9 @@ class PartitionLog:
             self._check_range(offset, self._log_end_offset)
         i = bisect_right(self._bases, offset) - 1
         position, batch_offset = self._position_of(self._segments[i], offset)
+        if position == 0 and i > 0:
+            i -= 1
+            position, batch_offset = self._position_of(self._segments[i], batch_offset)
         self._truncate_files(self._segments[i].base_offset, position, batch_offset)
         self._reload()
         return self._log_end_offset

@@ -371,15 +371,20 @@ def test_truncate_to_removes_whole_batches_across_segments(tmp_path):
     log.append([make_batch(2, 200)] * 7)  # [0,4) [4,8) [8,12) [12,14)
     log.flush()
     assert log.truncate_to(20) == 14
-    assert log.truncate_to(9) == 8  # 9 is inside batch [8,10): the whole batch goes
+    assert log.truncate_to(11) == 10  # 11 is inside batch [10,12): the whole batch goes
     assert [s.base_offset for s in log.segments()] == [0, 4, 8]
-    assert log.segments()[-1].size_bytes == 0 and not segment_file(log.directory, 12).exists()
-    assert log.high_watermark == 8
-    assert log.append([make_batch(1)]) == [8]
-    log.flush()
-    assert log.truncate_to(5) == 4
-    assert [s.base_offset for s in log.segments()] == [0, 4] and log.segments()[-1].size_bytes == 0
+    assert not segment_file(log.directory, 12).exists()
+    # A cut at a segment's start takes the emptied segment too: the one before is active.
+    assert log.truncate_to(9) == 8  # 9 is inside batch [8,10), the first of segment 8
+    assert [s.base_offset for s in log.segments()] == [0, 4]
     assert not segment_file(log.directory, 8).exists()
+    assert log.high_watermark == 8
+    assert log.append([make_batch(1)]) == [8]  # segment 4 is full: a roll by size
+    log.flush()
+    assert [s.base_offset for s in log.segments()] == [0, 4, 8]
+    assert log.truncate_to(5) == 4
+    assert [s.base_offset for s in log.segments()] == [0]
+    assert not segment_file(log.directory, 4).exists()
     assert not segment_file(log.directory, 4).with_suffix(".index").exists()
     log.close()
     reopened = open_log(tmp_path / "p", segment_bytes=1_000)

@@ -98,6 +98,56 @@ def test_copies_start_segments_where_the_leaders_start_and_nowhere_else(tmp_path
     assert [info.base_offset for info in again.segments()] == [0]
 
 
+def test_a_cut_at_a_segment_start_keeps_the_segments_of_a_leader_that_never_rolled_there(
+        tmp_path, direct):
+    """An old leader rolled at offset 4 and its follower copied that; the new leader has
+    the batches below 4 and rolled nowhere there, then wrote its own from 4. The
+    follower, cut back to 4, must not keep an empty segment starting at 4: its copies of
+    the new leader's batches would start a segment there that the new leader does not
+    have (chaos seed 2961: copies of one partition ending the same, their segment starts
+    [0, 783, 1567, 1568, ...] on the two followers and [0, 783, 1568, ...] on the
+    leader). Where the new leader does start a segment at the cut, its answer's
+    segment_bases says so and the follower starts one there too."""
+    old = open_log(tmp_path / "old-leader")
+    old.append([make_batch(2, key=b"a"), make_batch(2, key=b"b")])
+    old.roll()
+    old.append([make_batch(2, key=b"x")])
+    old.flush()
+    assert [info.base_offset for info in old.segments()] == [0, 4]
+    follower = open_log(tmp_path / "follower", direct_copies=direct)
+    follower.append_copied(copied(old), segment_bases=old.segment_bases(0, 6))
+    follower.flush()
+    assert [info.base_offset for info in follower.segments()] == [0, 4]
+    new = open_log(tmp_path / "new-leader")
+    new.append_copied(copied(old)[:2], segment_bases=[0])
+    new.append([make_batch(3, key=b"y")])
+    new.flush()
+    assert [info.base_offset for info in new.segments()] == [0]
+    assert follower.truncate_to(4) == 4
+    follower.append_copied(copied(new, 4), segment_bases=new.segment_bases(4, 7))
+    follower.flush()
+    assert stored_batches(follower) == stored_batches(new)
+    assert [info.base_offset for info in follower.segments()] == [0]
+    follower.close()
+    reopened = open_log(tmp_path / "follower", direct_copies=direct)
+    assert reopened.data_loss is None and stored_batches(reopened) == stored_batches(new)
+    assert [info.base_offset for info in reopened.segments()] == [0]
+    # A new leader that did roll at the cut: the follower starts a segment there too.
+    rolled = open_log(tmp_path / "rolled-leader")
+    rolled.append_copied(copied(old)[:2], segment_bases=[0])
+    rolled.roll()
+    rolled.append([make_batch(1, key=b"z")])
+    rolled.flush()
+    assert reopened.truncate_to(4) == 4
+    reopened.append_copied(copied(rolled, 4), segment_bases=rolled.segment_bases(4, 5))
+    reopened.flush()
+    assert stored_batches(reopened) == stored_batches(rolled)
+    assert [info.base_offset for info in reopened.segments()] == [0, 4]
+    # The first segment is never removed: a cut to its start leaves it, empty.
+    assert reopened.truncate_to(0) == 0
+    assert [info.base_offset for info in reopened.segments()] == [0]
+
+
 def test_a_gap_or_overlap_is_refused_and_writes_nothing(tmp_path, direct):
     leader = open_log(tmp_path / "leader")
     leader.append([make_batch(2), make_batch(3), make_batch(1)])
