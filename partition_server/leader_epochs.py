@@ -73,5 +73,14 @@ class LeaderEpochFile:
         if self.cache.entries != before:
             self._save()
 
+    def clear(self) -> None:
+        """The log was emptied (a follower's restart at its leader's log start): it
+        holds no record, so no epoch. (An epoch kept to label the empty log would be
+        asked about, and a leader that no longer keeps it would answer NO_EPOCH for
+        ever.)"""
+        if self.cache.entries:
+            self.cache.entries = []
+            self._save()
+
     def _save(self) -> None:
         write_atomically(self.path, self.cache.encode())

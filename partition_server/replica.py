@@ -1484,6 +1484,7 @@ class Follower:
         """Act on this partition's answer (a ReplicateAnswer, or a ReplicateResponse: both
         read the same) or failure (an exception:
         its item's error, or the whole call's); a failure backs this partition off."""
+        restart = None
         try:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -1496,24 +1497,37 @@ class Follower:
             self.last_error = f"{error.reason}: {error}"
             self._note_failing(error.reason, error.message)
             if error.reason == "OFFSET_OUT_OF_RANGE" and \
-                    "log_start_offset" in error.metadata and self.log is not None:
-                start = int(error.metadata["log_start_offset"])
-                if self.log.log_end_offset < start:
-                    await self._restart_at(start)
-                    return
-            self._back_off()
-            if error.reason in ("INTERNAL", "DATA_LOSS") and \
-                    not getattr(error, "said_by_leader", False):
-                # A failed write or fsync left this log refusing. (Not the leader's answer:
-                # its damaged copy says nothing of this one, which a reopen every back-off
-                # would only scan again.)
-                self._reopen_due = True
+                    "log_start_offset" in error.metadata and self.log is not None and \
+                    self.log.log_end_offset < int(error.metadata["log_start_offset"]):
+                restart = int(error.metadata["log_start_offset"])
+            else:
+                self._back_off()
+                if error.reason in ("INTERNAL", "DATA_LOSS") and \
+                        not getattr(error, "said_by_leader", False):
+                    # A failed write or fsync left this log refusing. (Not the leader's
+                    # answer: its damaged copy says nothing of this one, which a reopen
+                    # every back-off would only scan again.)
+                    self._reopen_due = True
         except Exception as error:  # noqa: BLE001 — leader away, disk trouble: retry
-            self.last_error = f"{type(error).__name__}: {error}"
-            self._note_failing(type(error).__name__, str(error))
-            self._back_off()
-            if isinstance(error, OSError) and not getattr(error, "said_by_leader", False):
-                self._reopen_due = True
+            self._failed(error)
+        if restart is not None:
+            # (Out of the handler above, so that its failure is handled as any other.)
+            try:
+                await self._restart_at(restart)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 — disk trouble: retry
+                self._failed(error)
+                self._reopen_due = True  # a restart cut short leaves the log unknown
+
+    def _failed(self, error: Exception) -> None:
+        """A fetch or its copy failed by an exception (leader away, disk trouble): back off,
+        and reopen the log when the failure may have been this log's own."""
+        self.last_error = f"{type(error).__name__}: {error}"
+        self._note_failing(type(error).__name__, str(error))
+        self._back_off()
+        if isinstance(error, OSError) and not getattr(error, "said_by_leader", False):
+            self._reopen_due = True
 
     def _note_failing(self, kind: str, detail: str) -> None:
         """Log a failure of this follower's fetches when its kind (an error's reason, or
@@ -1560,10 +1574,18 @@ class Follower:
         if partition_log.log_end_offset != fetch:
             return  # the log moved meanwhile (a restart at the leader's start): ask again
         if response.diverging:
+            epoch, end = int(response.diverging_epoch), int(response.diverging_end_offset)
+            if epoch == NO_EPOCH:
+                # The leader keeps no epoch as old as this log's latest: what it keeps is
+                # of later epochs (or unlabelled), so nothing here is known to be in its
+                # history. A cut would leave this log's own epochs below it, and the
+                # same question would be asked every round: start again, empty, at the
+                # leader's log start, and copy from there.
+                await self._truncate(min(fetch, end), response, restart=True)
+                return
             # The next round asks about the latest epoch the cut leaves, which is the
             # one truncation_step names to ask about next.
-            cut, _ = truncation_step(self.epochs.cache, fetch, int(response.diverging_epoch),
-                                     int(response.diverging_end_offset))
+            cut, _ = truncation_step(self.epochs.cache, fetch, epoch, end)
             await self._truncate(cut, response)
             return
         self.known_hw = response.high_watermark
@@ -1701,7 +1723,10 @@ class Follower:
                 except Exception:  # noqa: BLE001 — what is durable stays; logged
                     log.exception("closing the cursor store of %s", self.name)
 
-    async def _truncate(self, cut: int, response) -> None:
+    async def _truncate(self, cut: int, response, restart: bool = False) -> None:
+        """Cut this log back to `cut` (its leader's history ends there); with `restart`
+        (or a cut below this log's start), start it again, empty, at the leader's log
+        start instead."""
         partition_log = self.log
         if cut < partition_log.log_start_offset:
             await self._restart_at(max(response.log_start_offset, 0))
@@ -1716,6 +1741,9 @@ class Follower:
                   "election)", logging.ERROR, partition=self.name, leader=self.leader,
                   epoch=self.epoch, first_lost_offset=cut, offsets_lost=lost)
         self.known_hw = min(self.known_hw, cut)
+        if restart:
+            await self._restart_at(max(response.log_start_offset, 0))
+            return
         await asyncio.to_thread(partition_log.truncate_to, cut)
         # The batch containing `cut` goes whole: the log may end below it.
         await asyncio.to_thread(self.epochs.truncate_from_end, partition_log.log_end_offset)
@@ -1724,8 +1752,7 @@ class Follower:
         event(log, "follower restarts its log at the leader's log start", partition=self.name,
               leader=self.leader, offset=offset)
         await asyncio.to_thread(self.log.restart_at, offset)
-        await asyncio.to_thread(self.epochs.truncate_from_end, offset)
-        await asyncio.to_thread(self.epochs.truncate_from_start, offset)
+        await asyncio.to_thread(self.epochs.clear)
 
 
 class LeaderFetcher:

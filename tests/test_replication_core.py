@@ -335,21 +335,50 @@ def converge(follower: LeaderEpochCache, follower_end: int, leader: LeaderEpochC
 
 
 def converge_as_a_follower_does(follower: LeaderEpochCache, follower_end: int,
-                                leader: LeaderEpochCache, leader_end: int) -> int:
+                                leader: LeaderEpochCache, leader_end: int,
+                                leader_start: int = 0) -> int:
     """The exchange as the servers make it: the follower (replica.Follower) asks each
     round about its latest epoch, as its cache stands after the last cut, and the leader
-    (replica.Leader._divergence) answers until the follower's log is a prefix of its
-    own. Fails if the follower would ask for ever."""
+    (replica.Leader._divergence, its log starting at `leader_start`) answers until the
+    follower's log is a prefix of its own; an answer of NO_EPOCH, or a fetch below the
+    leader's log start, makes the follower start again, empty, at the leader's log start
+    (`_restart_at`). Returns where the follower fetches from. Fails if the follower would
+    ask for ever."""
     end = follower_end
     for _ in range(100):
+        if end < leader_start:  # OFFSET_OUT_OF_RANGE: a restart
+            end = leader_start
+            follower.entries = []
+            continue
         ask = follower.latest_epoch()
         epoch, epoch_end = leader.end_offset_for(ask, leader_end)
         if epoch == ask and end <= epoch_end:
             return end  # no divergence: the follower fetches from `end`
+        if epoch == NO_EPOCH:
+            end = leader_start
+            follower.entries = []
+            continue
         end, _ = truncation_step(follower, end, epoch, epoch_end)
         follower.truncate_from_end(end)
     raise AssertionError(f"the follower asks about epoch {follower.latest_epoch()} at "
                          f"{end} for ever")
+
+
+def test_a_follower_whose_epochs_its_leader_no_longer_keeps_starts_again_at_its_start():
+    # The leader began epoch 2 at 1000 and deleted below 1200 (DeleteRecords: the TC
+    # log's snapshots do it); the follower's log, all of epoch 1, ends at 1300. The
+    # leader answers NO_EPOCH with its log start. Before 2026-12-06 the follower cut to
+    # 1200, kept its epoch 1, asked about it again and got the same answer, for ever.
+    leader = LeaderEpochCache([(1, 0), (2, 1000)])
+    leader.truncate_from_start(1200)
+    assert leader.entries == [(2, 1200)]
+    follower = LeaderEpochCache([(1, 0)])
+    assert converge_as_a_follower_does(follower, 1300, leader, 1500, leader_start=1200) == 1200
+    assert follower.entries == []
+    # Its log ending below the leader's start: refused OFFSET_OUT_OF_RANGE, it restarts,
+    # and asks about no epoch from there.
+    follower = LeaderEpochCache([(1, 0)])
+    assert converge_as_a_follower_does(follower, 900, leader, 1500, leader_start=1200) == 1200
 
 
 def test_truncation_finds_where_the_histories_part():
@@ -407,6 +436,19 @@ def test_truncation_agrees_with_the_logs_themselves_over_random_histories():
             assert follower_log[:end] == leader_log[:end], (follower_log, leader_log, end)
             # Nothing the two share is cut.
             assert end >= len(shared) or follower_log[:end + 1] != leader_log[:end + 1]
+        # The leader deleted its log below a point (retention, DeleteRecords): the
+        # follower still converges, and keeps nothing from there that the leader does
+        # not hold (below the leader's start it keeps what it has, or starts again).
+        start = rng.randint(0, len(leader_log) - 1)
+        trimmed = cache_of(leader_log)
+        trimmed.truncate_from_start(start)
+        follower = cache_of(follower_log)
+        end = converge_as_a_follower_does(follower, len(follower_log), trimmed,
+                                          len(leader_log), leader_start=start)
+        assert start <= end <= len(leader_log)
+        if follower.entries or end > start:  # it kept records at or past the start
+            assert follower_log[start:end] == leader_log[start:end], (
+                follower_log, leader_log, start, end)
 
 
 # ------------------------------------------------------------------ reassignment
