@@ -422,3 +422,83 @@ def test_a_follower_closed_while_it_reopens_its_log_leaves_the_log_closed(tmp_pa
     prepared = asyncio.run(scenario())
     PartitionLog(directory, LogConfig()).close()  # nobody holds it
     assert prepared is None  # and the closed follower asked for nothing
+
+
+@pytest.mark.parametrize("follower_epochs,follower_end,leader_epochs,leader_start,expected", [
+    # The follower's epoch 3 the leader never had (its epoch 2 began at 8): cut to 12 only,
+    # it kept asking about 3 (fixed 2026-12-06: cut to 10, then to 8 by epoch 1).
+    ([(1, 0), (3, 10)], 20, [(1, 0), (2, 8), (4, 12)], 0, (8, 1)),
+    # The leader deleted its log below 12, inside its epoch 2: it keeps no epoch as old as
+    # the follower's 1 (NO_EPOCH). The follower restarts, empty, at 12 and asks about none.
+    ([(1, 0)], 20, [(1, 0), (2, 8)], 12, (12, -1)),
+    # Its log ends below the leader's start: OFFSET_OUT_OF_RANGE, a restart, then no epoch
+    # (before, the restart kept epoch 1 from 12, which the next round's cut removed).
+    ([(1, 0)], 6, [(1, 0), (2, 8)], 12, (12, -1)),
+])
+def test_a_follower_converges_on_its_leaders_history_in_a_few_rounds(
+        tmp_path, follower_epochs, follower_end, leader_epochs, leader_start, expected):
+    """The follower's own request and answer handling (replica.Follower.request and
+    handle, on its real log and leader-epoch file), against answers made by the leader's
+    rule (replica.LeaderReplication: OFFSET_OUT_OF_RANGE below its log start, else
+    `_divergence`: the largest epoch it keeps at most the one asked about, and where it
+    ends). It must reach a fetch the leader answers with records within a few rounds."""
+    import asyncio
+
+    from atomlog.v1 import partition_pb2
+    from partition_server.leader_epochs import LeaderEpochFile
+    from partition_server.log import LogConfig
+    from partition_server.manager import REPLICA_CHANNEL_OPTIONS
+    from partition_server.replica import PARTITION_SERVICE, Follower, LeaderFetcher, ReplicaStub
+    from partition_server.replication import LeaderEpochCache
+    from services import local
+
+    directory = tmp_path / "t-0"
+    source = open_log(tmp_path / "source")
+    source.append([make_batch(1, key=bytes([i])) for i in range(follower_end)])
+    source.flush()
+    follower_log = open_log(directory)
+    follower_log.append_copied(copied(source))
+    follower_log.flush()
+    follower_log.close()
+    epochs = LeaderEpochFile(directory, 0, follower_end)
+    for epoch, start in follower_epochs:
+        epochs.assign(epoch, start)
+    leader = LeaderEpochCache(list(leader_epochs))
+    leader.truncate_from_start(leader_start)
+    leader_end = 30
+
+    def answer(request):
+        fetch, last = request.fetch_offset, request.last_fetched_epoch
+        if fetch < leader_start:
+            return AtomlogError("OFFSET_OUT_OF_RANGE", f"{fetch} is below {leader_start}",
+                                {"log_start_offset": str(leader_start)})
+        epoch, end = leader.end_offset_for(last, leader_end)
+        if epoch == last and fetch <= end:
+            return None  # answered with records from `fetch`
+        return partition_pb2.ReplicateResponse(
+            high_watermark=leader_start, log_start_offset=leader_start,
+            log_end_offset=leader_end, diverging=True, diverging_epoch=epoch,
+            diverging_end_offset=end)
+
+    async def scenario():
+        stubs = local.StubCache(PARTITION_SERVICE, ReplicaStub, REPLICA_CHANNEL_OPTIONS)
+        nowhere = "127.0.0.1:9"
+        fetcher = LeaderFetcher("ps-x", nowhere, stubs, 100)
+        follower = Follower("t", 0, directory, LogConfig(), "ps-x", "ps-y", nowhere, 5,
+                            fetcher, incarnation=1, direct_io=False)
+        await follower.start()
+        try:
+            for _ in range(5):
+                request = follower.request()
+                outcome = answer(request)
+                if outcome is None:
+                    return request.fetch_offset, request.last_fetched_epoch
+                await follower.handle(request, outcome)
+            raise AssertionError(f"still asking about epoch {request.last_fetched_epoch} "
+                                 f"at {request.fetch_offset}")
+        finally:
+            await follower.close()
+            await fetcher.close()
+            await stubs.close()
+
+    assert asyncio.run(scenario()) == expected
