@@ -1043,11 +1043,8 @@ class PartitionLog:
 
     def truncate_to(self, offset: int) -> int:
         """Remove every batch that does not end at or before `offset` (a batch containing
-        it is removed whole); returns the new log end. A segment the cut empties goes too
-        (unless it is the first), so the one before it is the active segment again: a
-        follower cut back to where its old leader had begun a segment must not keep a
-        segment start its new leader may not have (where the new leader has one, its
-        answers' segment_bases start one there again). The rest of the log is re-opened
+        it is removed whole); returns the new log end. A segment the cut empties goes too,
+        unless it is the first (`_truncate_files`). The rest of the log is re-opened
         through the normal recovery path."""
         self._check_not_rolling("truncate_to")
         self._check_serving()
@@ -1057,9 +1054,6 @@ class PartitionLog:
             self._check_range(offset, self._log_end_offset)
         i = bisect_right(self._bases, offset) - 1
         position, batch_offset = self._position_of(self._segments[i], offset)
-        if position == 0 and i > 0:
-            i -= 1
-            position, batch_offset = self._position_of(self._segments[i], batch_offset)
         self._truncate_files(self._segments[i].base_offset, position, batch_offset)
         self._reload()
         return self._log_end_offset
@@ -1128,7 +1122,19 @@ class PartitionLog:
     def _truncate_files(self, base_offset: int, position: int, new_end_offset: int) -> int:
         """Cut the log at (segment `base_offset`, `position`), deleting later segments
         newest first. Lowers the recovery point durably first, so a crash midway never
-        makes the cut look like lost flushed data. Returns the bytes removed."""
+        makes the cut look like lost flushed data. Returns the bytes removed.
+
+        A cut at a segment's start (position 0) takes that segment too, unless it is the
+        first: the one before it, whole, is the last segment again. A follower cut back
+        to where its old leader had begun a segment must not keep a segment start its
+        new leader may not have (where the new leader has one, its answers'
+        segment_bases start one there again; docs/replication.md). The cost: the last
+        segment is checked whole at the reload, as after a crash."""
+        if position == 0:
+            earlier = [base for base in _list_segments(self.directory) if base < base_offset]
+            if earlier:
+                base_offset = max(earlier)
+                position = _file_size(Segment(self.directory, base_offset).log_path)
         if self.wal is not None:  # durable before the cut: replay applies both in order
             self.wal.cut(new_end_offset)
         self._cut_generation += 1

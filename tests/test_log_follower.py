@@ -148,6 +148,43 @@ def test_a_cut_at_a_segment_start_keeps_the_segments_of_a_leader_that_never_roll
     assert [info.base_offset for info in reopened.segments()] == [0]
 
 
+def test_a_copy_recovered_at_a_segments_first_batch_keeps_no_segment_start_there(
+        tmp_path, direct):
+    """The same through an accepted DATA_LOSS (a follower's corrupt copy is cut at the
+    damage when it opens: replica.Follower._open): damage in the first batch of a
+    segment must not leave that segment, empty, for the new leader's batches."""
+    from pathlib import Path
+    old = open_log(tmp_path / "old-leader")
+    old.append([make_batch(2, key=b"a"), make_batch(2, key=b"b")])
+    old.roll()
+    old.append([make_batch(2, key=b"x"), make_batch(2, key=b"z")])
+    old.flush()
+    directory = tmp_path / "follower"
+    follower = open_log(directory, direct_copies=direct)
+    follower.append_copied(copied(old), segment_bases=old.segment_bases(0, 8))
+    follower.flush()
+    assert [info.base_offset for info in follower.segments()] == [0, 4]
+    victim = Path(follower.segments()[1].path)
+    follower.close()
+    data = bytearray(victim.read_bytes())
+    data[40] ^= 0x80  # inside the first batch of segment 4
+    victim.write_bytes(bytes(data))
+    broken = open_log(directory, direct_copies=direct)
+    loss = broken.data_loss
+    assert (loss.position, loss.offset) == (0, 4)
+    broken.recover_data_loss(loss.path, loss.offset)
+    assert broken.log_end_offset == 4
+    assert [info.base_offset for info in broken.segments()] == [0]
+    new = open_log(tmp_path / "new-leader")
+    new.append_copied(copied(old)[:2], segment_bases=[0])
+    new.append([make_batch(3, key=b"y")])
+    new.flush()
+    broken.append_copied(copied(new, 4), segment_bases=new.segment_bases(4, 7))
+    broken.flush()
+    assert stored_batches(broken) == stored_batches(new)
+    assert [info.base_offset for info in broken.segments()] == [0]
+
+
 def test_a_gap_or_overlap_is_refused_and_writes_nothing(tmp_path, direct):
     leader = open_log(tmp_path / "leader")
     leader.append([make_batch(2), make_batch(3), make_batch(1)])
