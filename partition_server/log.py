@@ -1140,7 +1140,10 @@ class PartitionLog:
         self._cut_generation += 1
         self._end_direct(cut=False)  # cut here below
         self._durable_offset = min(self._durable_offset, new_end_offset)
-        self._write_recovery_point(sync=True, offset=new_end_offset)
+        # What was fsynced, not the cut's offset: the tail between them may not be on
+        # disk until the target's fsync below, and a power cut before it must read as a
+        # torn tail, not as lost flushed data.
+        self._write_recovery_point(sync=True, offset=self._durable_offset)
         for segment in self._segments:
             segment.close()
         self._open_sealed.clear()

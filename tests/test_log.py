@@ -366,6 +366,31 @@ def test_iter_headers_from_any_offset(tmp_path):
         "OFFSET_OUT_OF_RANGE"
 
 
+def test_a_cut_above_the_durable_offset_never_writes_a_recovery_point_above_it(
+        tmp_path, monkeypatch):
+    """The recovery point a cut writes before it deletes anything (so that a crash
+    midway is not taken for lost flushed data) is at most what was fsynced: a cut above
+    an unflushed tail that then lost it in a power cut must read as a torn tail, not as
+    DATA_LOSS. (It used to be the cut's offset.)"""
+    import partition_server.log as log_module
+    log = open_log(tmp_path / "p")
+    log.append([make_batch(2)])
+    log.flush()  # durable below 2
+    log.append([make_batch(2), make_batch(2)])  # 2..5, not flushed
+    written = []
+    real = log_module._atomic_write
+
+    def recording(path, data, **kwargs):
+        if path.name == RECOVERY_POINT_FILE:
+            written.append(json.loads(data)["offset"])
+        return real(path, data, **kwargs)
+
+    monkeypatch.setattr(log_module, "_atomic_write", recording)
+    assert log.truncate_to(4) == 4
+    assert written and written[0] <= 2, written
+    log.close()
+
+
 def test_truncate_to_removes_whole_batches_across_segments(tmp_path):
     log = open_log(tmp_path / "p", segment_bytes=1_000)
     log.append([make_batch(2, 200)] * 7)  # [0,4) [4,8) [8,12) [12,14)
