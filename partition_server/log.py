@@ -1130,11 +1130,10 @@ class PartitionLog:
         new leader may not have (where the new leader has one, its answers'
         segment_bases start one there again; docs/replication.md). The cost: the last
         segment is checked whole at the reload, as after a crash."""
-        if position == 0:
-            earlier = [base for base in _list_segments(self.directory) if base < base_offset]
-            if earlier:
-                base_offset = max(earlier)
-                position = _file_size(Segment(self.directory, base_offset).log_path)
+        bases = sorted(_list_segments(self.directory))
+        if position == 0 and bases and bases[0] < base_offset:
+            base_offset = bases[bisect_left(bases, base_offset) - 1]
+            position = _file_size(Segment(self.directory, base_offset).log_path)
         if self.wal is not None:  # durable before the cut: replay applies both in order
             self.wal.cut(new_end_offset)
         self._cut_generation += 1
@@ -1148,9 +1147,9 @@ class PartitionLog:
             segment.close()
         self._open_sealed.clear()
         removed = 0
-        for other in sorted(_list_segments(self.directory), reverse=True):
+        for other in reversed(bases):
             if other <= base_offset:
-                continue
+                break
             doomed = Segment(self.directory, other)
             removed += _file_size(doomed.log_path)
             self._delete_segment(doomed)

@@ -447,11 +447,11 @@ def plan_log_append(group: Sequence[tuple[bytes | memoryview, BatchHeader]], nex
     every batch in order before anything else. None when a batch would roll the segment
     (by size, by age, or by the offsets one segment spans): the caller then splits it where
     the segment rolls and plans each part. Else (buffers, stamped, next_offset as
-    stamp_for_log gives them; then
-    starts, (base offset, byte position) of each batch; index entries, (offset, position,
-    max timestamp before) of each batch the index takes, one every `interval_bytes`; the
-    segment's size after; running_max_ts after; the largest max timestamp of the batches;
-    the last offset of the last non-control batch, None if none)."""
+    stamp_for_log gives them; then starts, (base offset, byte position) of each batch;
+    index entries, (offset, position, max timestamp before) of each batch the index
+    takes, one every `interval_bytes`; the segment's size after; running_max_ts after;
+    the largest max timestamp of the batches; the last offset of the last non-control
+    batch, None if none)."""
     check_batch_sizes(group, max_batch_bytes)
     offset, end = next_offset, size
     for _, header in group:  # PartitionLog._rolls for each batch, none copied

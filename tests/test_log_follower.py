@@ -476,16 +476,19 @@ def test_a_follower_converges_on_its_leaders_history_in_a_few_rounds(
         tmp_path, follower_epochs, follower_end, leader_epochs, leader_start, expected):
     """The follower's own request and answer handling (replica.Follower.request and
     handle, on its real log and leader-epoch file), against answers made by the leader's
-    rule (replica.LeaderReplication: OFFSET_OUT_OF_RANGE below its log start, else
-    `_divergence`: the largest epoch it keeps at most the one asked about, and where it
-    ends). It must reach a fetch the leader answers with records within a few rounds."""
+    rule (replica.LeaderReplication: OFFSET_OUT_OF_RANGE below its log start, else its
+    own `_divergence` on the leader's epochs: the largest epoch it keeps at most the one
+    asked about, and where it ends). It must reach a fetch the leader answers with records within a few rounds."""
     import asyncio
 
     from atomlog.v1 import partition_pb2
     from partition_server.leader_epochs import LeaderEpochFile
     from partition_server.log import LogConfig
     from partition_server.manager import REPLICA_CHANNEL_OPTIONS
-    from partition_server.replica import PARTITION_SERVICE, Follower, LeaderFetcher, ReplicaStub
+    from types import SimpleNamespace
+
+    from partition_server.replica import (PARTITION_SERVICE, Follower, LeaderFetcher,
+                                          LeaderReplication, ReplicaStub)
     from partition_server.replication import LeaderEpochCache
     from services import local
 
@@ -504,14 +507,18 @@ def test_a_follower_converges_on_its_leaders_history_in_a_few_rounds(
     leader.truncate_from_start(leader_start)
     leader_end = 30
 
+    # The leader's own rule (LeaderReplication._divergence) on its epochs and log end.
+    leader_state = SimpleNamespace(epochs=SimpleNamespace(cache=leader), log_end=leader_end)
+
     def answer(request):
         fetch, last = request.fetch_offset, request.last_fetched_epoch
-        if fetch < leader_start:
+        if fetch < leader_start:  # as LeaderReplication.begin_replicate refuses it
             return AtomlogError("OFFSET_OUT_OF_RANGE", f"{fetch} is below {leader_start}",
                                 {"log_start_offset": str(leader_start)})
-        epoch, end = leader.end_offset_for(last, leader_end)
-        if epoch == last and fetch <= end:
+        diverging = LeaderReplication._divergence(leader_state, fetch, last)
+        if diverging is None:
             return None  # answered with records from `fetch`
+        epoch, end = diverging
         return partition_pb2.ReplicateResponse(
             high_watermark=leader_start, log_start_offset=leader_start,
             log_end_offset=leader_end, diverging=True, diverging_epoch=epoch,
