@@ -763,6 +763,19 @@ class LeaderReplication:
         ticker.add(self)
         try:
             await self._isr_rounds(loop)
+        except Exception as error:  # noqa: BLE001 — a defect: fail closed, not silently
+            # ZooKeeper's and the followers' faults are handled in the rounds; anything
+            # else escaping them is a defect. Left alone, the task would end and this
+            # leadership would go on serving with an ISR that never changes again: a
+            # follower that stopped would hold every acknowledgement (min.insync) or
+            # none would move the high watermark for ever. So the epoch is given up, as
+            # after a failed write, and another in-sync replica (or this one, in a new
+            # epoch with a new ISR task) leads.
+            event(log, "ISR task failed; giving up the epoch", logging.ERROR,
+                  partition=self.name, epoch=self.epoch,
+                  error=f"{type(error).__name__}: {error}")
+            self.give_up(f"its ISR task failed ({type(error).__name__}: {error})")
+            self.resign_soon()
         finally:
             ticker.discard(self)
 

@@ -637,3 +637,39 @@ def test_close_ends_the_isr_task_even_when_an_isr_change_was_just_poked(tmp_path
         await replication.close()
 
     asyncio.run(scenario())
+
+
+def test_an_isr_task_that_fails_gives_the_epoch_up_instead_of_ending_silently(tmp_path):
+    """An error escaping the ISR task's rounds (a defect: ZooKeeper's and the followers'
+    faults are handled in them) used to end the task alone. The leadership went on
+    serving with an ISR that could never change again: a follower that stopped kept
+    every acknowledgement waiting. Now the epoch is given up, as after a failed write,
+    and epoch + 1 is written."""
+    resigned: list[int] = []
+
+    async def scenario():
+        owner, replication = await leading(tmp_path / "t-0", Fsyncs(), resigned=resigned)
+        try:
+            await acknowledge_first(owner, replication, b"one")
+            calls = []
+
+            def broken_wanted_isr():
+                calls.append(1)
+                raise RuntimeError("a defect in the ISR rule (test)")
+
+            replication._wanted_isr = broken_wanted_isr
+            replication._poke_isr()
+            await wait_for(lambda: replication.fenced is not None, "the epoch given up")
+            assert calls == [1]
+            assert replication._isr_task.done() and not replication._isr_task.cancelled()
+            assert replication._isr_task.exception() is None  # handled, not lost
+            assert "its ISR task failed (RuntimeError" in replication.failed
+            assert resigned == [1]
+            with pytest.raises(AtomlogError) as refused:
+                await owner.produce([batch(b"two")])
+            assert refused.value.reason == "NOT_PARTITION_OWNER"
+        finally:
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
