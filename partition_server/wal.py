@@ -1208,11 +1208,23 @@ class WriteAheadLog:
             if started is None:
                 continue
             target, fd, generation = started
-            self._in_checkpoint.add(tap.name)
             holder: list[durability.SyncTicket] = []
-            holder.append(self._sync.submit(fd, lambda t=tap, lg=partition_log, tg=target,
-                                            g=generation, h=holder:
-                                            self._checkpoint_ended(t, lg, tg, g, h[0])))
+            try:
+                holder.append(self._sync.submit(fd, lambda t=tap, lg=partition_log,
+                                                tg=target, g=generation, h=holder:
+                                                self._checkpoint_ended(t, lg, tg, g, h[0])))
+            except Exception as error:  # noqa: BLE001 — this file waits for the next interval
+                # (os.dup at the descriptor limit, a worker thread not started.) Marked
+                # in checkpoint only once submitted: before, a failed submit left it
+                # marked for ever, so this partition was never checkpointed again and its
+                # frames held the write-ahead file until it filled and refused every
+                # partition's writes; and it skipped the files after it in this round.
+                _CHECKPOINTS_FAILED.inc()
+                event(log, "a checkpoint's fsync could not begin; the next interval tries "
+                      "again", logging.ERROR, partition=tap.name,
+                      error=f"{type(error).__name__}: {error}")
+                continue
+            self._in_checkpoint.add(tap.name)  # (its end runs later, on the loop)
             began += 1
         return began
 

@@ -659,6 +659,56 @@ def test_past_its_byte_limit_the_file_refuses_new_writes_until_checkpoints_free_
     asyncio.run(scenario())
 
 
+def test_a_checkpoint_that_cannot_begin_for_one_file_is_tried_again_and_skips_no_other(
+        tmp_path):
+    """The fsync of a checkpoint could not be submitted for one partition's file (os.dup at
+    the descriptor limit, say). Before, that partition stayed marked as in a checkpoint
+    for ever: it was never checkpointed again, so its frames held the write-ahead file
+    until it filled and refused every partition's writes; and the round stopped there,
+    so the files after it waited for the next interval. Now the others begin in the same
+    round and the next checkpoint takes the one that failed."""
+    async def scenario():
+        node = Node(tmp_path, 3, checkpoint_ms=60_000)
+        await node.start()
+        wal = node.wal
+        for sequence in range(0, 6, 2):
+            data = batch(1, sequence)
+            await asyncio.gather(*[o.produce([(data, parse_header(data))])
+                                   for o in node.owners])
+        first = node.owners[0].log
+        refused = []
+
+        class FailingOnce:  # the file's LogSync, failing the first submit for `first`
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            def submit(self, fd, wake=None):
+                if fd == first._active.fd and not refused:
+                    refused.append(fd)
+                    raise OSError(24, "Too many open files (test)")
+                return self.inner.submit(fd, wake)
+
+        wal._sync = FailingOnce(wal._sync)
+        assert wal.checkpoint() == 2 and refused  # the two others began
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if all(o.log.durable_offset == 6 for o in node.owners[1:]):
+                break
+        assert [o.log.durable_offset for o in node.owners] == [0, 6, 6]
+        assert wal.checkpoint() == 1  # the one that failed, tried again
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if first.durable_offset == 6:
+                break
+        assert first.durable_offset == 6
+        await node.close()
+
+    asyncio.run(scenario())
+
+
 def test_one_partition_s_frames_are_read_alone():
     frames = frame_list(data_frame("a", 0, 0), (CUT, "b", 3), data_frame("a", 2, 2))
     data = b"".join(encode_frame(f.kind, f.name, f.offset, bytes(f.payload)) for f in frames)
