@@ -50,6 +50,11 @@ from services.logs import event
 # later reads are sized by the bytes per offset seen so far and the messages still wanted.
 RECEIVE_FIRST_READ_BYTES = 64 << 10
 
+# A reopen of the journal after a failure that failed too: tried again after this,
+# doubling up to the maximum, while the partition's subscriptions answer PARTITION_LOADING.
+REOPEN_RETRY_S = 0.2
+REOPEN_RETRY_MAX_S = 5.0
+
 log = logging.getLogger("atomlog.partition.subscriptions")
 
 
@@ -119,6 +124,7 @@ class PartitionSubscriptions:
         self.error: AtomlogError | None = None  # DATA_LOSS of the journal: refuse
         self._syncing: asyncio.Future | None = None  # the group commit in flight
         self._snapshotting: asyncio.Future | None = None  # the snapshot file being written
+        self._reopening: asyncio.Future | None = None  # a failed reopen, tried again
         self._files = threading.Lock()  # open() and snapshot steps on worker threads
         self._wakeups = _Wakeups()
         self._blocked: set[str] = set()  # the last Receive found new deliveries stopped
@@ -155,6 +161,8 @@ class PartitionSubscriptions:
         """On the loop. A snapshot step still running finishes on its own (the store
         abandons what is left of it); open() waits for it."""
         self._generation += 1
+        if self._reopening is not None:
+            self._reopening.cancel()
         self._wakeups.wake_all()
         self._blocked.clear()
         if self.store is not None:
@@ -268,16 +276,48 @@ class PartitionSubscriptions:
         self._blocked.clear()
         self._wakeups.wake_all()
         generation = self._generation
+        try:
+            await self._reopen(generation)
+        except Exception as reopen_error:  # noqa: BLE001 — the disk still refuses
+            # (ENOSPC or EIO again, creating the new journal.) Before, nothing tried
+            # again: the partition's subscriptions answered PARTITION_LOADING until the
+            # owner reloaded, which nothing else made it do. Now the reopen is tried
+            # again in the background, backing off, until it opens or the owner closes.
+            event(log, "subscriptions could not reopen; retrying", logging.ERROR,
+                  partition=self.name, error=f"{type(reopen_error).__name__}: {reopen_error}")
+            self._reopening = asyncio.ensure_future(self._reopen_retrying(generation))
+        return failure
+
+    async def _reopen(self, generation: int) -> None:
+        """Open the store again from what is durable and install it, unless the owner
+        closed (maybe reopened) meanwhile. Raises what the open raised."""
         reopened, error, sync = await asyncio.to_thread(self._open_store, self._log_start())
         if generation != self._generation:  # the owner closed (maybe reopened) meanwhile
             if reopened is not None:
                 reopened.close()  # not installed: its files must not stay open
-            return failure
+            return
         self.store, self.error, self._log_sync = reopened, error, sync  # what is durable
         if reopened is not None:
             self._note_durable(reopened)
         self._wakeups.wake_all()  # deliveries were volatile: everything is deliverable
-        return failure
+
+    async def _reopen_retrying(self, generation: int) -> None:
+        delay = REOPEN_RETRY_S
+        try:
+            while generation == self._generation and self.store is None:
+                await asyncio.sleep(delay)
+                if generation != self._generation:
+                    return
+                try:
+                    await self._reopen(generation)
+                except Exception as error:  # noqa: BLE001 — logged at ERROR once, above
+                    delay = min(delay * 2, REOPEN_RETRY_MAX_S)
+                    log.debug("subscriptions of %s still cannot reopen: %s", self.name, error)
+                    continue
+                event(log, "subscriptions reopened", partition=self.name)
+                return
+        finally:
+            self._reopening = None
 
     async def change(self, decide: Callable[[CursorStore], object],
                      writes: bool = True) -> object:

@@ -775,6 +775,50 @@ def test_an_auto_barrier_fsyncs_logs_on_the_root_filesystem_and_syncfs_elsewhere
         shutil.rmtree(elsewhere)
 
 
+def test_a_subscription_journal_whose_reopen_fails_too_is_reopened_later(
+        tmp_path, monkeypatch):
+    """A failed round breaks the journal, and its reopen from the disk fails too (ENOSPC
+    creating the new journal, as on the full disk that broke it). Before, nothing tried
+    again: the partition's subscriptions answered PARTITION_LOADING until the owner
+    reloaded. Now the reopen is tried again in the background until it opens."""
+    from partition_server import subscriptions as subscriptions_module
+    settings = OwnerSettings(log=LogConfig(), durability=durability.FSYNC)
+    barrier = DurabilityBarrier()
+    monkeypatch.setattr(subscriptions_module, "REOPEN_RETRY_S", 0.05)
+    real_open = subscriptions_module.CursorStore.open
+    refusals = []
+
+    def open_refusing_twice(*args, **kwargs):
+        if len(refusals) < 2:
+            refusals.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device (test)")
+        return real_open(*args, **kwargs)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings, barrier=barrier)
+        await owner.start()
+        subscriptions = owner.subscriptions
+        await start(owner, batch(7, 0))
+        assert await subscriptions.create("s", 0) == (True, 0)
+        points = tmp_path / "failpoints"
+        points.mkdir()
+        monkeypatch.setattr(failpoints, "_DIRECTORY", str(points))
+        monkeypatch.setattr(subscriptions_module.CursorStore, "open",
+                            staticmethod(open_refusing_twice))
+        (points / failpoints.FSYNC).touch()
+        with pytest.raises(AtomlogError) as refused:
+            await subscriptions.ack("s", 1, (), None, owner.max_read_position())
+        assert refused.value.reason == "PARTITION_LOADING"
+        (points / failpoints.FSYNC).unlink()
+        await until(lambda: len(refusals) == 2)  # the reopen failed, and once more
+        assert subscriptions.store is None
+        await until(lambda: subscriptions.store is not None)  # the third try opened
+        assert await subscriptions.ack("s", 1, (), None, owner.max_read_position()) == 1
+        await owner.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("mode", [durability.FSYNC, durability.SYNCFS])
 def test_a_subscription_journal_is_made_durable_in_the_barrier_round_and_fails_closed(
         tmp_path, monkeypatch, mode):
