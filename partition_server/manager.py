@@ -276,7 +276,16 @@ class PartitionManager:
                 if failed.state.value != "LOADING":
                     return
                 del self.owners[key]
-                await failed.close()
+                try:
+                    await failed.close()
+                except Exception as error:  # noqa: BLE001 — the next attempt opens anew
+                    # (Its log's last fsync or recovery point, on the disk that failed
+                    # the open.) Before, this ended the task: the partition stayed
+                    # "assigned here, being opened" until some ZooKeeper change
+                    # reconciled it, and every transaction touching it waited.
+                    event(log, "a partition that failed to open did not close cleanly",
+                          logging.WARNING, partition=f"{topic}-{partition}",
+                          error=f"{type(error).__name__}: {error}")
         finally:
             self._opening.discard(key)
 

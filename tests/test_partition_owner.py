@@ -480,3 +480,49 @@ def test_a_failed_roll_fails_the_partition_closed_and_close_waits_for_a_roll(tmp
         await again.close()
 
     asyncio.run(scenario())
+
+
+def test_a_partition_whose_failed_open_does_not_close_cleanly_is_still_opened_again(
+        tmp_path, monkeypatch):
+    """The manager retries a partition's failed open; before each retry it closes the
+    owner the failed attempt left LOADING. That close can fail too (its log's last fsync
+    or recovery point, on the full disk that failed the open). Before, the failure ended
+    the retry task: the partition stayed "assigned here, being opened" until some
+    ZooKeeper change reconciled it. Now the next attempt runs all the same."""
+    from types import SimpleNamespace
+
+    from partition_server import manager as manager_module
+    from partition_server.coordinator_epochs import CoordinatorEpochs
+    from partition_server.manager import PartitionManager
+
+    monkeypatch.setattr(manager_module, "OPEN_RETRY_FIRST_S", 0.01)
+    key = ("t", 0)
+
+    async def scenario():
+        manager = PartitionManager(tmp_path, "server-1", None,
+                                   OwnerSettings(log=LogConfig()),
+                                   CoordinatorEpochs(None, tc_partitions=16))
+        manager.assignments = SimpleNamespace(owned=lambda: {key})
+        attempts, closes = [], []
+
+        async def failing_close():
+            closes.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device (test)")
+
+        async def open_owner(topic, partition):
+            attempts.append(1)
+            if len(attempts) == 1:  # a LOADING owner left behind, as a failed load leaves
+                manager.owners[key] = SimpleNamespace(state=State.LOADING,
+                                                      close=failing_close)
+                raise OSError(errno.ENOSPC, "No space left on device (test)")
+            manager.owners[key] = SimpleNamespace(state=State.ONLINE)
+
+        manager._open_owner = open_owner
+        manager._opening.add(key)
+        attempted = asyncio.get_running_loop().create_future()
+        await asyncio.wait_for(manager._open(*key, attempted), 10)
+        assert attempts == [1, 1] and closes == [1]
+        assert manager.owners[key].state is State.ONLINE
+        assert key not in manager._opening
+
+    asyncio.run(scenario())
