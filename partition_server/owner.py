@@ -588,11 +588,15 @@ class PartitionOwner:
             except (asyncio.CancelledError, _ReplayCancelled):
                 return
             except _SpanCorrupt as corrupt:
-                self.log.report_corruption(corrupt.span.segment_base_offset, corrupt.position,
-                                           corrupt.offset, corrupt.detail)
                 event(log, "transaction buffer replay found a damaged batch; the partition "
                       "refuses to serve", logging.ERROR, partition=self.name,
                       file=str(corrupt.span.path), offset=corrupt.offset)
+                try:
+                    self.log.report_corruption(corrupt.span.segment_base_offset,
+                                               corrupt.position, corrupt.offset, corrupt.detail)
+                except Exception as error:  # noqa: BLE001 — the record not written: reload
+                    self._fail_in_task(error)
+                    return
                 self._poke()
                 return
             except Exception as error:  # noqa: BLE001 — I/O trouble: try again
@@ -601,8 +605,18 @@ class PartitionOwner:
                       retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
-        self.last_control_offset = self._finish_txns(
-            txns, self.log, max(last_control, tail_last_control))
+        try:
+            self.last_control_offset = self._finish_txns(
+                txns, self.log, max(last_control, tail_last_control))
+        except Exception as error:  # noqa: BLE001 — fail closed: the reload replays again
+            # Before, this ended the task alone: the buffer stayed recovering for good,
+            # so every transactional batch and marker of the partition was refused
+            # PARTITION_LOADING (markers retried for ever, transactions never ended).
+            event(log, "transaction buffer recovery could not finish; the partition "
+                  "reloads", logging.ERROR, partition=self.name,
+                  error=f"{type(error).__name__}: {error}")
+            self._fail_in_task(error)
+            return
         self.txns = txns
         self._txn_recovery = self._txn_recovery_cancel = None
         # Snapshot it soon, so the next start does not replay all of this again.
@@ -1451,6 +1465,11 @@ class PartitionOwner:
         unknown), frames of this log were lost by a failed write or fsync of the file, or
         a deferred recovery-point write failed: fail closed in the task and reload (the
         load rewrites the log from the frames above its last checkpoint)."""
+        self._fail_in_task(error)
+
+    def _fail_in_task(self, error: BaseException) -> None:
+        """Fail closed in the owner task (as a failed write does: it reloads), from a
+        callback or a background task of this owner that cannot do it itself."""
         if self._raise_in_task is None and self.state is State.ONLINE:
             self._raise_in_task = error if isinstance(error, Exception) else OSError(str(error))
             self._poke()

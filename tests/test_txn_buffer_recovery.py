@@ -293,3 +293,37 @@ def test_the_servicer_serves_plain_work_and_refuses_the_rest_per_item(tmp_path):
             await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_a_background_replay_that_cannot_finish_reloads_the_partition(tmp_path,
+                                                                      monkeypatch):
+    """The background replay's last step (`_finish_txns`, on the loop) raised. Before, that
+    ended the replay's task alone: the buffer stayed recovering for good and every
+    transactional batch and marker of the partition was refused PARTITION_LOADING. Now
+    the partition fails closed and reloads, and the reload's replay finishes it."""
+    directory = tmp_path / "t-0"
+    txn = TxnId(2, 7)
+
+    async def scenario():
+        await open_txn_then_unreadable_snapshot(directory, txn)
+        failures = []
+        real_finish = PartitionOwner._finish_txns
+
+        def finish_failing_once(*args):
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("a defect in the replay's last step (test)")
+            return real_finish(*args)
+
+        monkeypatch.setattr(PartitionOwner, "_finish_txns", staticmethod(finish_failing_once))
+        owner = PartitionOwner("t", 0, directory, SETTINGS)
+        await owner.start()
+        try:
+            await until(lambda: failures and owner.state is State.ONLINE
+                        and not owner.txns_recovering)
+            assert owner.txns.state() == full_replay(owner).state()
+            assert isinstance(await end(owner, txn, ControlType.COMMIT), MarkerResult)
+        finally:
+            await owner.close()
+
+    asyncio.run(scenario())
