@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import random
 import time
@@ -609,8 +610,15 @@ class TcPartition:
         if self.resolver is None or self.core is None:
             return
         for txn_id, targets in self.core.staged_to_resolve():
-            task = asyncio.create_task(self._resolve(txn_id, targets),
-                                       name=f"tc-{self.tc_partition}-resolve-{txn_id}")
+            # Guarded as the writer and the ticker are: an error escaping the resolution
+            # (a defect; the resolver's own failures are asked again) gives the lease up,
+            # so a fresh owner reloads and resolves, instead of the task ending unread
+            # with the transaction left Staging (Staging never times out) and its
+            # partitions' max read position held.
+            task = asyncio.create_task(
+                self._guarded(functools.partial(self._resolve, txn_id, targets),
+                              f"resolution of {txn_id}"),
+                name=f"tc-{self.tc_partition}-resolve-{txn_id}")
             self._resolving.add(task)
             task.add_done_callback(self._resolving.discard)
 

@@ -1398,3 +1398,48 @@ def test_a_tc_log_append_refused_after_an_unknown_outcome_reloads_instead_of_rol
         assert after_failed_append(reason, False) == "reject"
         assert after_failed_append(reason, True) == "reload"
     assert after_failed_append("PRODUCER_FENCED", False) == "reload"
+
+
+def test_a_parallel_commit_resolution_that_fails_gives_the_tc_partition_up():
+    """The resolution of a Staging transaction nobody decides runs in a task of its own.
+    An error escaping it (a defect; the resolver's own failures are asked again at a
+    later tick) used to end that task unread, leaving the transaction Staging (which
+    never times out) and its partitions' max read position held. Now it is guarded as
+    the writer and the ticker are: logged, and the lease given up so that a fresh owner
+    reloads the TC partition from its log and resolves it."""
+    import asyncio
+
+    from coordinator.tc_partition import Phase, Settings, TcPartition
+
+    txn = TxnId(3, 9)
+    fenced, resolved = [], []
+
+    class Core:
+        def staged_to_resolve(self):
+            return [(txn, (TopicPartition("t", 0),))]
+
+        def resolve_staged(self, now, txn_id, staged):
+            resolved.append((txn_id, staged))
+            raise RuntimeError("a defect in resolve_staged (test)")
+
+    async def resolver(txn_id, epoch, targets):
+        return True
+
+    async def on_fenced(tc_partition):
+        fenced.append(tc_partition)
+
+    async def scenario():
+        partition = TcPartition(3, 1, 1000, coordinator_name="c", routes=None,
+                                log_channel=None, markers=None, limits=Limits(),
+                                settings=Settings(), on_fenced=on_fenced, resolver=resolver)
+        partition.phase, partition.core = Phase.ACTIVE, Core()
+        partition._start_resolutions()
+        for _ in range(200):
+            if fenced:
+                break
+            await asyncio.sleep(0.01)
+        assert resolved == [(txn, True)] and fenced == [3]
+        assert partition.phase is Phase.STOPPED and partition.core is None
+        assert not partition._resolving
+
+    asyncio.run(scenario())
