@@ -89,6 +89,7 @@ class LeaseWatch:
             await asyncio.sleep(TICK_S)
 
     async def _confirm_session(self) -> None:
+        failing = ""  # the kind of error the last attempt failed with
         while self.suspect:
             try:
                 await self._confirm()
@@ -99,5 +100,14 @@ class LeaseWatch:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 — lost or expired: try again
-                log.debug("lease confirm: %s", error)
+                # Every subscription delivery of the server waits meanwhile: said at
+                # WARNING once per kind of failure (before, only at DEBUG), then quiet.
+                kind = type(error).__name__
+                if kind != failing:
+                    event(log, "the session is not confirmed yet; subscription deliveries "
+                          "wait", logging.WARNING, error=f"{kind}: {error}",
+                          retry_in_s=CONFIRM_RETRY_S)
+                    failing = kind
+                else:
+                    log.debug("lease confirm: %s", error)
             await asyncio.sleep(CONFIRM_RETRY_S)

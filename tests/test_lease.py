@@ -5,11 +5,12 @@ client is never trusted (pure: a fake clock and fake ZooKeeper calls)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from partition_server.lease import LeaseWatch
 
 
-def test_a_stall_is_distrusted_until_zookeeper_confirms_the_session():
+def test_a_stall_is_distrusted_until_zookeeper_confirms_the_session(caplog):
     async def scenario():
         now = [100.0]
         connected = [True]
@@ -35,6 +36,13 @@ def test_a_stall_is_distrusted_until_zookeeper_confirms_the_session():
         assert not watch.trusted()
         await asyncio.sleep(0.3)  # retried
         assert len(calls) == 2
+        answers.put_nowait(ConnectionError("session expired"))  # the same failure again
+        await asyncio.sleep(0.3)
+        assert len(calls) == 3
+        # Said once at WARNING (every subscription delivery waits), not at each retry.
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING
+                  and "not confirmed" in r.getMessage()]
+        assert len(warned) == 1 and "session expired" in warned[0].fields["error"]
         answers.put_nowait(None)
         await asyncio.sleep(0.01)
         assert watch.trusted() and watch.stalls == 1
