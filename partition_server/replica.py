@@ -995,19 +995,24 @@ class IsrTicker:
         self._timer = None
         now = _now_ms()
         lives: dict[Callable[[], set[str]], set[str]] = {}  # each source asked once a tick
-        for leader in list(self._leaders):
-            source = leader._live
-            live = lives.get(source)
-            if live is None:
-                live = lives[source] = source()
-            try:
-                due = leader.isr_check_due(now, live)
-            except Exception:  # noqa: BLE001 — its task checks (and logs) for itself
-                due = True
-            if due:
-                leader._wake_isr()
-        if self._leaders:
-            self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._tick)
+        try:
+            for leader in list(self._leaders):
+                try:
+                    source = leader._live
+                    live = lives.get(source)
+                    if live is None:
+                        live = lives[source] = source()
+                    due = leader.isr_check_due(now, live)
+                except Exception:  # noqa: BLE001 — its task checks (and logs) for itself
+                    due = True
+                if due:
+                    leader._wake_isr()
+        finally:
+            # Armed again whatever happened above: else no leader of this loop would
+            # have its ISR checked on time again until a new one registered.
+            if self._leaders:
+                self._timer = asyncio.get_running_loop().call_later(self.interval_s,
+                                                                    self._tick)
 
 
 # A partition a ReplicateSession skips is looked at in full again after this long at

@@ -68,6 +68,34 @@ def test_a_lagging_follower_and_one_gone_from_zookeeper_leave_the_isr(tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_tick_whose_live_servers_cannot_be_read_still_comes_back(tmp_path):
+    """The live servers could not be read in one tick (the callable raised). Before, the
+    tick ended there without arming the next one: no leader of the loop had its ISR
+    checked on time again until a new one registered. Now the leaders are woken to
+    check for themselves, and the next tick comes: the lagging follower leaves."""
+    async def scenario():
+        writes: list = []
+        failures = []
+
+        def live():
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("the live servers could not be read (test)")
+            return {"a", "b"}
+
+        lagging = leaderships(tmp_path, 1, 300, live, writes)
+        lagging[0].start()
+        try:
+            deadline = time.monotonic() + 5
+            while not writes and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert failures and [isr for _, isr in writes] == [("a",)]
+        finally:
+            await lagging[0].close()
+
+    asyncio.run(scenario())
+
+
 def test_in_sync_leaderships_wake_no_isr_task_and_share_one_timer(tmp_path):
     async def scenario():
         writes: list = []
