@@ -221,7 +221,13 @@ class MarkerChannel:
         while not self._closed:
             await wakeup.wait()
             wakeup.clear()
-            self._take_due(address)
+            try:
+                self._take_due(address)
+            except Exception:  # noqa: BLE001 — a defect; the queued markers still go
+                # Nothing starts a second sender for an address, so this task ending
+                # would leave every marker to this server unsent for good (hanging
+                # transactions); the lingering ones go at the next wake-up.
+                log.exception("taking the due markers to %s failed", address)
             while self._queues[address]:
                 queue = self._queues[address]
                 batch, self._queues[address] = queue[:self.batch_max], queue[self.batch_max:]

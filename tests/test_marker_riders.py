@@ -78,3 +78,42 @@ def test_markers_linger_only_while_staging_calls_to_their_server_are_frequent():
         await channel.close()
 
     asyncio.run(run())
+
+
+def test_a_marker_sender_that_hits_an_error_goes_on_sending():
+    """One sender task per server sends its markers, and nothing starts a second one. An
+    error outside a delivery (here taking the lingering markers that are due) used to
+    end it: every later marker to that server stayed unsent, and their transactions
+    hung. Now it is logged and the sender goes on."""
+    delivered = []
+
+    async def run() -> None:
+        channel = MarkerChannel(_Routes())
+        failures = []
+        take_due = channel._take_due
+
+        def failing_once(address):
+            if not failures:
+                failures.append(address)
+                raise RuntimeError("a defect in _take_due (test)")
+            take_due(address)
+
+        async def deliver(address, batch):
+            delivered.extend(m for _, m in batch)
+
+        channel._take_due, channel._deliver = failing_once, deliver
+        sink = object()
+        channel.send(sink, [marker(1, 0)])
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if delivered:
+                break
+        channel.send(sink, [marker(2, 0)])  # the same sender, woken again
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(delivered) == 2:
+                break
+        assert failures == ["ps-0"] and delivered == [marker(1, 0), marker(2, 0)]
+        await channel.close()
+
+    asyncio.run(run())
