@@ -41,6 +41,7 @@ from coordinator.staging import StageChannel, StageOrder
 from coordinator.tc_partition import Phase, Settings, TcPartition
 from coordinator.txn_log import TOPIC as TXN_LOG_TOPIC
 from coordinator.txn_log import AppendChannel
+from partition_server.cursor_store import validate_subscription_name
 from partition_server.copy_link import serve_on_link
 from partition_server.record_batch import LENGTH_FIELD_END, check_stageable, parse_header
 from services import failpoints
@@ -261,8 +262,17 @@ class Coordinator:
         try:
             target = (TopicPartition(proto.topic, proto.partition) if subscription is None
                       else SubscriptionPartition(proto.topic, proto.partition, subscription))
+            if subscription is not None:
+                # The partition servers' rule for the name, checked here, before the
+                # transaction holds it: a name they refuse made every marker to that
+                # server refused (one marker carries all of a transaction's targets on
+                # it), so the transaction never completed and held its partitions' max
+                # read position for good.
+                validate_subscription_name(subscription)
         except ValueError as error:
             return None, _invalid(str(error))
+        except AtomlogError as error:
+            return None, error
         count = await self.routes.partition_count(proto.topic)
         if count is None or proto.partition >= count:
             return None, AtomlogError(

@@ -230,6 +230,25 @@ def test_wrong_coordinator_and_bad_input(cluster, topics):
     assert reason_of(lambda: owner.GetTxnStatus(S.GetTxnStatusRequest(
         txn_id=common_pb2.TxnId(tc_partition=k, sequence=10**12)), timeout=5)) == \
         "UNKNOWN_TRANSACTION"
+    # A subscription name the partition servers refuse is refused here, per item, and the
+    # transaction does not hold it: before, it did, every marker to its server (which
+    # carries all of the transaction's targets there) was refused, and the transaction
+    # never ended. The valid target beside it is held, and the transaction ends.
+    bad_names = ["bad name", "a/b", "..", "s" * 250]
+    opened = owner.NewTxn(S.NewTxnRequest(
+        tc_partition=k, timeout_ms=30_000, topic_partitions=[tp("txa", 0)],
+        subscription_partitions=[common_pb2.SubscriptionPartition(
+            topic="txa", partition=0, subscription=name) for name in bad_names]), timeout=5)
+    assert [r.error.reason for r in opened.subscription_partition_results] == \
+        ["INVALID_ARGUMENT"] * len(bad_names)
+    assert not opened.topic_partition_results[0].error.reason
+    added = owner.AddSubscriptionToTxn(S.AddSubscriptionToTxnRequest(
+        txn_id=opened.txn_id, subscription_partitions=[common_pb2.SubscriptionPartition(
+            topic="txa", partition=0, subscription="bad name")]), timeout=5)
+    assert [r.error.reason for r in added.results] == ["INVALID_ARGUMENT"]
+    ended = owner.EndTxn(S.EndTxnRequest(txn_id=opened.txn_id, decision=COMMIT,
+                                         wait_for_markers=True), timeout=15)
+    assert ended.state == S.TXN_STATE_COMMITTED
 
 
 def test_parent_commit_keeps_named_children_and_aborts_the_rest(cluster, topics):

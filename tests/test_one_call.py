@@ -511,6 +511,13 @@ def test_bad_commit_txn_input_is_refused_with_a_reason_and_changes_nothing(serve
         "an ack of nothing": dict(idempotency_key=key, acks=[partition_pb2.AckItem(
             subscription_partition=common_pb2.SubscriptionPartition(
                 topic=topic, partition=0, subscription="s"))]),
+        # A name the partition servers refuse (they would refuse the transaction's
+        # markers, and it would never end): refused before anything is staged.
+        "an ack of a subscription named badly": dict(
+            idempotency_key=key, batches=[item], acks=[partition_pb2.AckItem(
+                subscription_partition=common_pb2.SubscriptionPartition(
+                    topic=topic, partition=1, subscription="bad name"),
+                cumulative_end_offset=1)]),
     }
     for name, fields in cases.items():
         error = _commit_txn(client, **fields)
