@@ -571,10 +571,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if len(commits) > MAX_CHAINED_COMMITS:
             raise _invalid(f"at most {MAX_CHAINED_COMMITS} commits per call", field="commits",
                            limit=str(MAX_CHAINED_COMMITS))
+        keys: dict[str, int] = {}
         for index, commit in enumerate(commits):
             if commit.abort:
                 raise _invalid(f"commits[{index}]: CommitTxns takes no aborts (send "
                                "CommitTxn with abort)", field="commits")
+            # (Else the first committed and the second, refused as concurrent, would be
+            # answered already_ended with the first's id on its retry: its batches would
+            # look committed and never were.)
+            first = keys.setdefault(commit.idempotency_key, index)
+            if first != index:
+                raise _invalid(f"commits[{index}] has the idempotency key of "
+                               f"commits[{first}]: each transaction needs its own",
+                               field="commits")
             if commit.tc_partition != commits[0].tc_partition:
                 raise _invalid(f"commits[{index}] names TC partition {commit.tc_partition}, "
                                f"commits[0] {commits[0].tc_partition}: one CommitTxns call "

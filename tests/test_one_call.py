@@ -811,6 +811,11 @@ def test_bad_commit_txns_input_is_refused_and_changes_nothing(servers, client):
         "INVALID_ARGUMENT"
     assert refused([_commit(k, _key_on(k, count), topic, b"x"),  # two TC partitions
                     _commit(1, _key_on(1, count), topic, b"y")]) == "INVALID_ARGUMENT"
+    # One key twice: before, the first committed and the second, refused as concurrent,
+    # was answered already_ended with the first's id when retried (its batch never was).
+    twice = _key_on(k, count)
+    assert refused([_commit(k, twice, topic, b"x"), _commit(k, twice, topic, b"y")]) == \
+        "INVALID_ARGUMENT"
     # A commit refused before staging (no key; a key of another TC partition) breaks the
     # chain as well: nothing after it commits.
     results = _commit_txns(client, k, [
