@@ -89,6 +89,14 @@ class MarkerChannel:
         # Markers waiting to ride with a staging call, per address, oldest first:
         # (due time.monotonic(), sink, marker).
         self._lingering: dict[str, list[tuple[float, MarkerSink, Marker]]] = defaultdict(list)
+        # Per address, the markers lingering or queued there, as (id(sink), marker): a
+        # re-send (every marker_retry_ms, while unconfirmed) of one already on its way
+        # adds nothing. Before, a partition server that stayed registered but did not
+        # answer took batch_max markers per request timeout while every TC partition
+        # re-sent all of its unconfirmed ones each second: the queue grew by thousands a
+        # second without bound. Now it holds each unconfirmed marker at most once (and
+        # once more while a call carries it).
+        self._pending: dict[str, set[tuple[int, Marker]]] = defaultdict(set)
         self._timers: dict[str, asyncio.TimerHandle | None] = {}
         # Per address: when the last staging call went, and the time between the last two.
         self._staged_at: dict[str, float] = {}
@@ -115,6 +123,11 @@ class MarkerChannel:
             if not address:
                 unroutable = True
                 continue
+            pending = self._pending[address]
+            key = (id(sink), marker)
+            if key in pending:
+                continue  # lingering or queued already (a re-send)
+            pending.add(key)
             if (self.linger_s > 0 and may_linger is not None and may_linger(marker.txn_id)
                     and self._staging_gaps.get(address, math.inf) <= self.linger_s):
                 self._lingering[address].append((due, sink, marker))
@@ -137,17 +150,26 @@ class MarkerChannel:
         if partitions is None:
             taken, self._lingering[address] = (lingering[:self.batch_max],
                                                lingering[self.batch_max:])
-            return [(sink, marker) for _, sink, marker in taken]
-        riders, staying = [], []
-        for entry in lingering:
-            target = entry[2].target
-            if (target.topic, target.partition) in partitions and len(riders) < self.batch_max:
-                riders.append((entry[1], entry[2]))
-            else:
-                staying.append(entry)
-        if riders:
-            self._lingering[address] = staying
+            riders = [(sink, marker) for _, sink, marker in taken]
+        else:
+            riders, staying = [], []
+            for entry in lingering:
+                target = entry[2].target
+                if (target.topic, target.partition) in partitions and \
+                        len(riders) < self.batch_max:
+                    riders.append((entry[1], entry[2]))
+                else:
+                    staying.append(entry)
+            if riders:
+                self._lingering[address] = staying
+        self._forget(address, riders)
         return riders
+
+    def _forget(self, address: str, taken: list[tuple[MarkerSink, Marker]]) -> None:
+        """`taken` leave for a call: a re-send of one of them queues it again."""
+        pending = self._pending[address]
+        for sink, marker in taken:
+            pending.discard((id(sink), marker))
 
     def staging_to(self, address: str) -> None:
         """A staging call to `address` is about to go (coordinator/staging.py): markers
@@ -160,7 +182,13 @@ class MarkerChannel:
     def give_back(self, address: str, riders: list[tuple[MarkerSink, Marker]]) -> None:
         """Riders whose staging call failed or went unanswered: they go alone, now."""
         if riders and not self._closed:
-            self._queues[address].extend(riders)
+            pending = self._pending[address]
+            queue = self._queues[address]
+            for sink, marker in riders:
+                key = (id(sink), marker)
+                if key not in pending:  # (else re-sent meanwhile: on its way already)
+                    pending.add(key)
+                    queue.append((sink, marker))
             self._wake(address)
 
     def hurry(self) -> None:
@@ -231,6 +259,7 @@ class MarkerChannel:
             while self._queues[address]:
                 queue = self._queues[address]
                 batch, self._queues[address] = queue[:self.batch_max], queue[self.batch_max:]
+                self._forget(address, batch)
                 metrics.MARKER_QUEUE.set(self.queued)
                 try:
                     await self._deliver(address, batch)

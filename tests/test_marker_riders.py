@@ -117,3 +117,61 @@ def test_a_marker_sender_that_hits_an_error_goes_on_sending():
         await channel.close()
 
     asyncio.run(run())
+
+
+def test_markers_sent_again_while_their_server_does_not_answer_are_queued_once():
+    """A TC partition sends every unconfirmed marker again each marker_retry_ms. While a
+    partition server stays registered but does not answer, a call takes batch_max
+    markers per request timeout; before, every re-send was appended again, and the
+    queue grew by thousands a second without bound. Now a marker lingering or queued
+    already is not queued again: at most once queued, once more in the call."""
+    async def run() -> None:
+        channel = MarkerChannel(_Routes(), batch_max=100, linger_s=0.0)
+        calls: list[int] = []
+        answer = asyncio.Event()
+
+        async def deliver(address, batch):  # a server that does not answer (yet)
+            calls.append(len(batch))
+            await answer.wait()
+
+        channel._deliver = deliver
+        sink = object()
+        unconfirmed = [marker(s, s % 3) for s in range(1, 301)]
+        for _ in range(20):  # twenty rounds of re-sends of all 300
+            channel.send(sink, unconfirmed)
+            await asyncio.sleep(0)
+        assert calls == [100]  # one call under way with the first 100
+        assert channel.queued == 300  # the other 200, and the first 100 once more
+        given = channel.take_riders("ps-0")  # (nothing lingers)
+        assert given == []
+        answer.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if channel.queued == 0:
+                break
+        assert channel.queued == 0 and sum(calls) == 400
+        await channel.close()
+
+    asyncio.run(run())
+
+
+def test_riders_given_back_are_not_queued_twice():
+    """A staging call took two lingering markers; one of them was sent again meanwhile
+    (queued once more: it was on its way in the call); the call failed and gives both
+    back. The re-sent one is queued once, not twice."""
+    async def run() -> None:
+        channel = MarkerChannel(_Routes(), linger_s=10.0)
+        channel._wake = lambda address: None  # no sender: the queue is looked at as it is
+        sink = object()
+        channel.staging_to("ps-0")
+        channel.staging_to("ps-0")  # frequent staging calls: one-call markers linger
+        channel.send(sink, [marker(1, 0), marker(2, 0)], may_linger=lambda txn_id: True)
+        riders = channel.take_riders("ps-0")
+        assert [m for _, m in riders] == [marker(1, 0), marker(2, 0)]
+        channel.send(sink, [marker(1, 0)])  # re-sent while the call carries it
+        channel.send(sink, [marker(1, 0)])  # and again: queued already
+        channel.give_back("ps-0", riders)  # the staging call failed
+        assert [m for _, m in channel._queues["ps-0"]] == [marker(1, 0), marker(2, 0)]
+        await channel.close()
+
+    asyncio.run(run())
