@@ -100,6 +100,29 @@ def test_bad_subscription_requests_answer_with_error_info(cluster):
     assert from_rpc_error(empty_ack.value).reason == "INVALID_ARGUMENT"
 
 
+def test_a_request_that_does_not_parse_answers_invalid_argument_with_error_info(cluster):
+    """Bytes that are not the method's request (here bad UTF-8 in a string field): before,
+    gRPC parsed them before the interceptor and answered UNKNOWN with no ErrorInfo (the
+    link answered INVALID_ARGUMENT); now both answer INVALID_ARGUMENT with one."""
+    from atomlog.v1 import coordinator_pb2, partition_pb2
+
+    cases = [
+        ("ps-0", "/atomlog.v1.PartitionService/Receive",
+         partition_pb2.ReceiveRequest(consumer_id="zz").SerializeToString()),
+        ("coord-0", "/atomlog.v1.CoordinatorService/InitProducerId",
+         coordinator_pb2.InitProducerIdRequest(transactional_id="zz").SerializeToString()),
+    ]
+    for name, method, good in cases:
+        bad = good.replace(b"zz", b"\xff\xfe")
+        with grpc.insecure_channel(cluster.process(name)["grpc_address"]) as channel:
+            call = channel.unary_unary(method)  # raw bytes both ways
+            with pytest.raises(grpc.RpcError) as raised:
+                call(bad, timeout=5)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raised.value)
+        error = from_rpc_error(raised.value)
+        assert error.reason == "INVALID_ARGUMENT" and "does not parse" in error.message
+
+
 def test_metrics_endpoint_parses_as_prometheus_text(cluster):
     for process in cluster.services():
         body = urllib.request.urlopen(f"http://{process['metrics_address']}/metrics",
