@@ -29,7 +29,8 @@ from partition_server.replicate_wire import ReplicateItem, ReplicateManyAnswer
 from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader,
                                            ControlType, TxnId, iter_batches, stamp_transaction,
                                            validate_batch)
-from partition_server.subscription_cursor import InitialPosition, resolve_initial_position
+from partition_server.subscription_cursor import (InitialPosition, resolve_initial_position,
+                                                  validate_consumer_id)
 from partition_server.verifier import TxnVerifier
 from services.batching import WhenAllDone, failure_of, observe_failure
 from services.errors import AtomlogError
@@ -1041,8 +1042,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             owner.verified_acks.popitem(last=False)
 
     async def Nack(self, request, context):
-        if not request.consumer_id:
-            raise AtomlogError("INVALID_ARGUMENT", "consumer_id is empty")
+        validate_consumer_id(request.consumer_id)
         now_ms = int(time.time() * 1000)
 
         async def nack(item):
@@ -1075,8 +1075,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         return response
 
     async def Receive(self, request, context):
-        if not request.consumer_id or len(request.consumer_id) > 256:
-            raise AtomlogError("INVALID_ARGUMENT", "consumer_id must be 1-256 characters")
+        validate_consumer_id(request.consumer_id)  # (in bytes, as the cursors count it)
         _require_items(request.subscription_partitions, "ReceiveRequest")
         if request.isolation_level not in (common_pb2.ISOLATION_LEVEL_UNSPECIFIED,
                                            common_pb2.ISOLATION_LEVEL_READ_COMMITTED,

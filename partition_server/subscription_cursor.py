@@ -701,7 +701,7 @@ class SubscriptionCursor:
         or pending come back in `skip`, an ack to stage: they are never delivered, and
         the cursor advances past them."""
         self._check_live()
-        _validate_consumer(consumer_id)
+        validate_consumer_id(consumer_id)
         assert max_offsets >= 1 and ack_timeout_ms >= 1, (max_offsets, ack_timeout_ms)
         readable_set, scanned_set = _RangeSet(readable), _RangeSet(scanned)
         assert all(scanned_set.covers(s, e) for s, e in readable_set), "readable ⊄ scanned"
@@ -737,7 +737,7 @@ class SubscriptionCursor:
         """Offsets out to consumer_id (in ranges; None: all of them) become redeliverable
         after delay_ms (0: at once). Others are ignored. Returns the offsets nacked."""
         self._check_live()
-        _validate_consumer(consumer_id)
+        validate_consumer_id(consumer_id)
         assert delay_ms >= 0, delay_ms
         self._expire(now_ms)
         targets = [(s, e) for s, e, owner, _ in self._deliveries.records()
@@ -1145,7 +1145,7 @@ def _validate_txn(txn: TxnId) -> None:
         raise AtomlogError("INVALID_ARGUMENT", problem, {"field": "txn_id"})
 
 
-def _validate_consumer(consumer_id: str) -> None:
+def validate_consumer_id(consumer_id: str) -> None:
     if not isinstance(consumer_id, str) or not 0 < len(consumer_id.encode()) <= \
             MAX_CONSUMER_ID_BYTES:
         raise AtomlogError("INVALID_ARGUMENT", f"consumer_id must have 1..{MAX_CONSUMER_ID_BYTES}"

@@ -85,7 +85,7 @@ def test_every_service_answers_health_per_service_and_reflection(cluster):
 
 def test_bad_subscription_requests_answer_with_error_info(cluster):
     """Subscription RPCs validate their fields and answer with a reason, not a crash."""
-    from atomlog.v1 import partition_pb2, partition_pb2_grpc
+    from atomlog.v1 import common_pb2, partition_pb2, partition_pb2_grpc
 
     address = cluster.process("ps-0")["grpc_address"]
     with grpc.insecure_channel(address) as channel:
@@ -98,6 +98,16 @@ def test_bad_subscription_requests_answer_with_error_info(cluster):
     error = from_rpc_error(raised.value)
     assert error.reason == "INVALID_ARGUMENT" and "consumer_id" in error.message
     assert from_rpc_error(empty_ack.value).reason == "INVALID_ARGUMENT"
+    # 200 characters, 400 bytes of UTF-8: consumer ids are counted in bytes (at most 256),
+    # refused whole before any partition is read (before, per item, after reading).
+    with grpc.insecure_channel(address) as channel:
+        stub = partition_pb2_grpc.PartitionServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as long_id:
+            stub.Receive(partition_pb2.ReceiveRequest(
+                consumer_id="é" * 200, subscription_partitions=[common_pb2.SubscriptionPartition(
+                    topic="no-such-topic", partition=0, subscription="s")]), timeout=5)
+    error = from_rpc_error(long_id.value)
+    assert error.reason == "INVALID_ARGUMENT" and error.metadata["field"] == "consumer_id"
 
 
 def test_a_request_that_does_not_parse_answers_invalid_argument_with_error_info(cluster):
