@@ -146,6 +146,9 @@ class OwnerSettings:
     snapshot_interval_ms: int = 5_000
     txn_limits: TxnBufferLimits = field(default_factory=TxnBufferLimits)
     late_transaction_ms: int = 900_000  # metrics: open longer than this is "late"
+    # Transactions whose markers the late-write guard remembers (txn_guard.py). It was
+    # 100,000 fixed: about 21 MB per partition, for as long as it stayed open.
+    late_write_guard_size: int = 20_000
     cursor_limits: CursorStoreLimits = field(default_factory=CursorStoreLimits)
 
 
@@ -328,7 +331,8 @@ class PartitionOwner:
         self._txn_replay_gate = txn_replay_gate
         self._txn_recovery: asyncio.Task | None = None
         self._txn_recovery_cancel: threading.Event | None = None
-        self.guard = TxnGuard()  # volatile; survives reloads (see txn_guard.py)
+        # Volatile; survives reloads (see txn_guard.py).
+        self.guard = TxnGuard(max_ended=settings.late_write_guard_size)
         # The servicer's, for Produce (service.py): per producer id, the last Produce
         # whose batches wait (a verification) before they are queued here; later batches
         # of that producer queue only after it (arrival order is sequence order), and

@@ -54,6 +54,7 @@ def owner_settings(config) -> OwnerSettings:
             max_aborted_transactions=config["partition.max_aborted_transactions"],
             max_remembered_commits=config["partition.max_remembered_commits"]),
         late_transaction_ms=config["partition.late_transaction_ms"],
+        late_write_guard_size=config["partition.late_write_guard_size"],
         cursor_limits=CursorStoreLimits(
             max_subscriptions=config["partition.max_subscriptions"],
             snapshot_interval_entries=config["subscription.snapshot_interval_entries"],

@@ -344,6 +344,13 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("partition.max_remembered_commits", int, 10_000, "Committed transactions "
                 "remembered per partition (late writes and repeated markers recognised).",
                 minimum=0, maximum=100_000_000),
+        Setting("partition.late_write_guard_size", int, 20_000, "Transactions whose markers "
+                "each partition remembers for its late-write guard (partition_server/"
+                "txn_guard.py; about 200 bytes each, held while the partition is open): a "
+                "write verified before the oldest forgotten marker is refused, retriably, "
+                "and verified again. Keep it above the markers a partition takes in a "
+                "verification's time (partition.txn_verify_timeout_ms).",
+                minimum=1_000, maximum=10_000_000),
         Setting("partition.late_transaction_ms", int, 900_000, "An open transaction older "
                 "than this counts as late in metrics (set it to the coordinators' "
                 "transaction.max_timeout_ms).", minimum=1_000, maximum=604_800_000),

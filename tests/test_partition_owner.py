@@ -526,3 +526,18 @@ def test_a_partition_whose_failed_open_does_not_close_cleanly_is_still_opened_ag
         assert key not in manager._opening
 
     asyncio.run(scenario())
+
+
+def test_the_late_write_guard_is_sized_by_its_setting(tmp_path):
+    """partition.late_write_guard_size reaches each owner's guard (it was 100,000 fixed:
+    about 21 MB per partition, held while the partition is open)."""
+    from partition_server.server import owner_settings
+    from services.config import load_config
+
+    where = {"server.data_dir": str(tmp_path)}
+    default = owner_settings(load_config("partition_server", env={}, overrides=where))
+    assert default.late_write_guard_size == 20_000
+    config = load_config("partition_server", env={},
+                         overrides={**where, "partition.late_write_guard_size": 5_000})
+    owner = PartitionOwner("t", 0, tmp_path / "t-0", owner_settings(config))
+    assert owner.guard.max_ended == 5_000
