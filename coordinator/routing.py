@@ -67,6 +67,11 @@ class PartitionRoutes:
             self._owners = {t.name: [servers.get(owner, "") for owner in t.owners]
                             for t in await self.store.topics()}
             self._refreshed_at = time.monotonic()
+            # Channels and links to servers that are gone (a replaced machine or pod
+            # with another address) are closed, not kept for good.
+            current = {s.grpc_address for s in entries}
+            self._stubs.retain(current)
+            self._links.retain(current)
 
     async def partition_count(self, topic: str) -> int | None:
         """Partitions of a topic (None: unknown), refreshing once when it is not cached."""

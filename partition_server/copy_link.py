@@ -876,6 +876,13 @@ class CallLinks:
                 tls=local.channel_tls(), server_address=address, service=self.service)
         return link
 
+    def retain(self, addresses) -> None:
+        """Close the links of servers not in `addresses` (those that exist now): a
+        departed server's kept connections were otherwise never looked at again, and
+        stayed open (CLOSE_WAIT) for good."""
+        for address in [a for a in self._links if a not in addresses]:
+            self._links.pop(address).close()
+
     def close(self) -> None:
         for link in self._links.values():
             link.close()

@@ -153,6 +153,11 @@ class TxnVerifier:
                                     if s.role == "coordinator" and s.link}
             self._routes = {tc: servers.get(lease["coordinator_name"], "")
                             for tc, lease in leases.items()}
+            # Channels and links to coordinators that are gone (a restarted pod has a
+            # new address) are closed, not kept for good.
+            current = {s.grpc_address for s in entries}
+            self._stubs.retain(current)
+            self._links.retain(current)
         address = self._routes.get(k)
         if not address:
             raise AtomlogError("NOT_COORDINATOR", f"TC partition {k} has no live owner now",

@@ -72,6 +72,19 @@ class PerDestination(Generic[T]):
 
     async def _send_all(self, address: str) -> None:
         queue = self._queues.setdefault(address, [])
+        try:
+            await self._drain(address, queue)
+        finally:
+            # Nothing left for `address`: its entries go (no await between the empty
+            # queue and here, so nothing was queued meanwhile). Before, every address
+            # ever called kept a list and a finished task: a coordinator's pod address,
+            # new at every roll, stayed in each partition server's verifier for good.
+            if not queue and self._queues.get(address) is queue and \
+                    self._senders.get(address) is asyncio.current_task():
+                del self._queues[address]
+                del self._senders[address]
+
+    async def _drain(self, address: str, queue: list) -> None:
         while queue:
             group = self._take(queue)
             self.calls += 1

@@ -130,6 +130,22 @@ class StubCache:
         for channel in old:
             self._retired.add(asyncio.ensure_future(channel.close(grace=60.0)))
 
+    def retain(self, addresses) -> None:
+        """Forget every address not in `addresses` (the servers that exist now): their
+        channels close once their calls have had a minute to finish. Else each address a
+        server ever had (a pod's, new at every restart) kept a channel for good."""
+        gone = [address for address in self._stubs if address not in addresses]
+        gone += [address for address in self._channels
+                 if address not in addresses and address not in gone]
+        if not gone:
+            return
+        self._retired = {task for task in self._retired if not task.done()}
+        for address in gone:
+            self._stubs.pop(address, None)
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                self._retired.add(asyncio.ensure_future(channel.close(grace=60.0)))
+
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:

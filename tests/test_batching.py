@@ -70,3 +70,27 @@ def test_a_failure_nobody_waits_for_is_not_logged_as_never_retrieved():
 
     asyncio.run(scenario())
     assert not [c for c in reported if "never retrieved" in c.get("message", "")], reported
+
+
+def test_an_address_with_nothing_left_to_send_is_forgotten():
+    """Each address keeps a queue and a sender task only while it has items: before, every
+    address ever called kept both for good (a coordinator's pod address, new at every
+    restart, stayed in each partition server's verifier). A later item starts anew."""
+    async def scenario():
+        async def send(address: str, items: list[int]) -> list:
+            await asyncio.sleep(0)
+            return items
+
+        batching = PerDestination(send, what="test")
+        assert await batching.submit("old-pod", 1) == 1
+        await asyncio.sleep(0)  # the sender's last step
+        assert batching._queues == {} and batching._senders == {}
+        first = batching.submit("a", 2)
+        second = batching.submit("a", 3)
+        assert [await first, await second] == [2, 3]
+        assert await batching.submit("a", 4) == 4
+        await asyncio.sleep(0)
+        assert batching._queues == {} and batching._senders == {}
+        await batching.close()
+
+    asyncio.run(scenario())

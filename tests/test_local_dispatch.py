@@ -294,3 +294,44 @@ def test_tc_partitions_created_by_a_role():
     assert tc_partitions_created_by("combined", 2) == DEFAULT_TC_PARTITIONS == 16
     for role in ("coordinator", "partition_server", "id_allocator"):
         assert tc_partitions_created_by(role) == tc_partitions_created_by(role, 5) == 16
+
+
+def test_channels_and_links_to_servers_that_are_gone_are_closed_at_a_refresh():
+    """A partition server's verifier (and a coordinator's routes) keep a channel and a
+    link per server address. A coordinator pod restarted under another address left the
+    old ones open for good (the link's kept connections in CLOSE_WAIT). A refresh of the
+    routes now closes those of addresses no registered server has."""
+    from types import SimpleNamespace
+
+    from partition_server.coordinator_epochs import CoordinatorEpochs
+    from partition_server.verifier import TxnVerifier
+
+    def coordinator(address: str):
+        return SimpleNamespace(name="coord-0", role="coordinator", grpc_address=f"{address}:1",
+                               link=f"{address}:2")
+
+    entries = [coordinator("10.0.0.1")]
+
+    class Store:  # the registry as ZooKeeper would answer it
+        async def tc_leases(self):
+            return {0: {"coordinator_name": "coord-0"}}
+
+        async def servers(self):
+            return list(entries)
+
+    async def scenario():
+        verifier = TxnVerifier(Store(), CoordinatorEpochs(None, tc_partitions=16))
+        try:
+            assert await verifier._route(0, refresh=True) == "10.0.0.1:1"
+            verifier._stub("10.0.0.1:1")  # a channel, a stub and a link to it
+            assert "10.0.0.1:1" in verifier._stubs._channels
+            assert "10.0.0.1:1" in verifier._links._links
+            entries[0] = coordinator("10.0.0.9")  # the pod restarted elsewhere
+            assert await verifier._route(0, refresh=True) == "10.0.0.9:1"
+            assert "10.0.0.1:1" not in verifier._stubs._channels
+            assert "10.0.0.1:1" not in verifier._stubs._stubs
+            assert "10.0.0.1:1" not in verifier._links._links
+        finally:
+            await verifier.close()
+
+    asyncio.run(scenario())
