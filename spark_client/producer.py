@@ -89,6 +89,10 @@ REFUSED_UNWRITTEN = DEFINITELY_NOT_WRITTEN | SEQUENCE_REFUSALS | {
 
 @dataclass(frozen=True)
 class RecordMetadata:
+    """Where a record went. `offset` is -1 when it is not known: a record of a one-call
+    transaction whose commit was answered by a retry (it committed; the answer does not
+    say where)."""
+
     topic: str
     partition: int
     offset: int
@@ -175,8 +179,12 @@ class RecordFuture:
         outcome.wait(timeout)
         if outcome.error is not None:
             raise outcome.error
-        return RecordMetadata(outcome.topic, outcome.partition, outcome.base_offset + self._index,
-                              outcome.timestamp_ms)
+        # A base offset of -1 is unknown (a one-call commit answered by its retry, which
+        # does not say where the batches went): each record's offset is -1 too, not -1
+        # plus its index (0, 1, 2, ... read as real offsets).
+        base = outcome.base_offset
+        return RecordMetadata(outcome.topic, outcome.partition,
+                              base + self._index if base >= 0 else -1, outcome.timestamp_ms)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._outcome.wait(timeout)

@@ -395,11 +395,16 @@ class SubscriptionConsumer:
     def ack(self, messages, txn=None) -> None:
         """Acknowledge one message, a list, or the rows of a poll_arrow() table (one call
         per server, the servers at once), durably; with txn, pending until the
-        transaction ends."""
+        transaction ends. Raises at once (and sends nothing) if `txn` is committing or
+        ended."""
+        if txn is not None:
+            txn._check_accepting()
         self._ack(_individual(messages), txn)
 
     def ack_cumulative(self, message: Message, txn=None) -> None:
         """Acknowledge every message of the partition up to and including `message`."""
+        if txn is not None:
+            txn._check_accepting()
         self._ack(_cumulative(message), txn)
 
     def ack_async(self, messages, txn=None) -> concurrent.futures.Future:

@@ -271,6 +271,9 @@ class Transaction:
         self._flushers: list = []  # called before commit waits (producers' lingering batches)
         self._ended: str | None = None  # "committed" | "aborted"
         self._committing = False  # commit() or commit_async() began: no new sends or acks
+        # Clear while a one-call commit's CommitTxn is under way (abort() waits for it).
+        self._one_call_running = threading.Event()
+        self._one_call_running.set()
         self.kept_children: list[common_pb2.TxnId] = []
         self.existing = False  # NewTxn found this transaction by its idempotency key
         self.state_at_open = "OPEN"  # for an existing one: its state then (e.g. COMMITTED)
@@ -455,6 +458,21 @@ class Transaction:
         parts = list(kept.partitions.items())
         remaining_ms = int((self.timeout_s - (time.monotonic() - self._began)) * 1000)
         if remaining_ms <= 0:
+            if self._commit_unknown:
+                # An earlier attempt's outcome is unknown: it may have committed (its
+                # answer was lost). Not a definite timeout, then: settled first (the
+                # coordinator says it committed, or its tombstone makes it aborted for
+                # good); a settling call that fails leaves it unknown (raised as such).
+                try:
+                    self._abort_one_call(kept)
+                except errors.TransactionAlreadyCommitted:
+                    self._commit_unknown = False
+                    return  # committed: where its batches were written is not known
+                self._commit_unknown = False
+                raise errors.error_for(
+                    "TRANSACTION_TIMED_OUT", f"the transaction's timeout of {self.timeout_s} s "
+                    "ran out before it was committed (an earlier attempt, whose outcome was "
+                    "unknown, did not commit: the coordinator aborted it)")
             error = errors.error_for("TRANSACTION_TIMED_OUT", "the transaction's timeout of "
                                      f"{self.timeout_s} s ran out before it was committed")
             self._end_kept(kept, error)
@@ -488,7 +506,7 @@ class Transaction:
         results = list(reply.batch_results) or [None] * len(parts)
         for (_, part), result in zip(parts, results, strict=True):
             if result is None:  # answered by a retry: where it was written is not known
-                part.outcome.settle(-1, -1, None)
+                part.outcome.settle(-1, -1, None)  # (its futures answer offset -1)
             else:
                 part.outcome.settle(result.base_offset, result.log_append_time_unix_ms, None)
         self._ended = "committed"
@@ -729,8 +747,13 @@ class Transaction:
                 raise
             with self._switch_lock:
                 kept, self._kept = self._kept, None
+                if kept is not None and (kept.partitions or kept.acks):
+                    self._one_call_running.clear()  # abort() waits for its outcome
             if kept is not None and (kept.partitions or kept.acks):
-                self._commit_one_call(kept, wait_for_markers)
+                try:
+                    self._commit_one_call(kept, wait_for_markers)
+                finally:
+                    self._one_call_running.set()
                 return
         finally:
             if self._commit_unknown and self._ended is None:
@@ -787,7 +810,19 @@ class Transaction:
             return self._turn
 
     def abort(self) -> None:
-        """Abort (safe to call again, and after the coordinator aborted it itself)."""
+        """Abort (safe to call again, and after the coordinator aborted it itself). While
+        a one-call commit of it is under way (commit_async() on another thread), waits
+        for that commit's outcome first: raises TransactionAlreadyCommitted if it
+        committed, as for a transaction that committed on the ordinary path."""
+        if self._ended == "aborted":
+            return
+        # Before, abort() found nothing kept (the commit had taken it) and nothing opened,
+        # said "aborted" at once, and the commit under way committed all the same (or,
+        # its outcome unknown, was never made sure of).
+        self._one_call_running.wait()
+        if self._ended == "committed":
+            raise errors.error_for("TRANSACTION_ALREADY_COMMITTED",
+                                   f"transaction {self._name} committed before abort()")
         if self._ended == "aborted":
             return
         with self._switch_lock:

@@ -171,3 +171,141 @@ def test_commit_threads_out_of_range_is_refused_before_anything_connects(threads
 
     with pytest.raises(ValueError, match="commit_threads must be 1..256"):
         Client("127.0.0.1:1", commit_threads=threads, tune_allocator=False)
+
+
+def _committed_values(client, topic: str) -> list[bytes]:
+    from tests.test_one_call import committed_values
+    return committed_values(client, topic)
+
+
+def _topic(client, name: str) -> str:
+    try:
+        client.create_topic(name, partitions=1)
+    except errors.TopicAlreadyExists:
+        pass
+    return name
+
+
+def test_a_commit_retried_past_its_time_after_a_lost_answer_settles_it(client, monkeypatch):
+    """A one-call commit committed, and its answer was lost (unknown outcome). The caller
+    retries commit() once the transaction's time has run out. Before, the retry answered
+    a definite TransactionTimedOut without asking: a caller redoing the work wrote the
+    record twice. Now it asks (the abort by key answers "already committed"), and
+    commit() returns. Without the answer lost, the same retry is a definite timeout and
+    nothing is visible."""
+    import uuid
+
+    from spark_client import transactions
+
+    if client.one_call_max_bytes == 0:
+        pytest.skip("one-call transactions only")
+    topic = _topic(client, "sdk-lost-answer")
+    ride = transactions._Carpool.ride
+    lose = {"after": True, "before": False}
+
+    def ride_losing_the_answer(self, txn, turn, request):
+        if lose["before"]:
+            lose["before"] = False
+            raise errors.error_for("SERVER_UNAVAILABLE", "lost before it went (test)")
+        answer = ride(self, txn, turn, request)
+        if lose["after"]:
+            lose["after"] = False
+            raise errors.error_for("SERVER_UNAVAILABLE", "the answer was lost (test)")
+        return answer
+
+    monkeypatch.setattr(transactions._Carpool, "ride", ride_losing_the_answer)
+    value = uuid.uuid4().bytes
+    with client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=1.0)
+        sent = [producer.send(topic, value, partition=0, txn=txn) for _ in range(3)]
+        with pytest.raises(errors.AtomlogClientError) as unknown:
+            txn.commit()
+        assert unknown.value.reason == "SERVER_UNAVAILABLE"
+        time.sleep(1.3)  # past the transaction's time
+        txn.commit()  # settled: it committed
+        assert _committed_values(client, topic).count(value) == 3
+        # Where they went is not known (before: -1, 0, 1, which read as real offsets).
+        assert [future.result(5).offset for future in sent] == [-1, -1, -1]
+
+        lose["before"] = True  # this time the first attempt never reached the server
+        other = uuid.uuid4().bytes
+        txn = client.begin_transaction(timeout_s=1.0)
+        producer.send(topic, other, partition=0, txn=txn)
+        with pytest.raises(errors.AtomlogClientError):
+            txn.commit()
+        time.sleep(1.3)
+        with pytest.raises(errors.TransactionTimedOut):
+            txn.commit()
+        assert other not in _committed_values(client, topic)
+
+
+def test_abort_while_a_one_call_commit_is_under_way_waits_for_its_outcome(client, monkeypatch):
+    """abort() on one thread while commit_async()'s CommitTxn is under way on another.
+    Before, abort() found nothing kept and nothing opened, returned at once as if it had
+    aborted, and the commit then committed. Now it waits for the commit's outcome and
+    raises TransactionAlreadyCommitted, as for a transaction that committed."""
+    import threading
+    import uuid
+
+    from spark_client import transactions
+
+    if client.one_call_max_bytes == 0:
+        pytest.skip("one-call transactions only")
+    topic = _topic(client, "sdk-abort-under-way")
+    ride = transactions._Carpool.ride
+    riding = threading.Event()
+
+    def slow_ride(self, txn, turn, request):
+        riding.set()
+        time.sleep(0.5)
+        return ride(self, txn, turn, request)
+
+    monkeypatch.setattr(transactions._Carpool, "ride", slow_ride)
+    value = uuid.uuid4().bytes
+    with client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=30)
+        producer.send(topic, value, partition=0, txn=txn)
+        committing = txn.commit_async()
+        assert riding.wait(10)
+        with pytest.raises(errors.TransactionAlreadyCommitted):
+            txn.abort()
+        committing.result(30)
+    assert _committed_values(client, topic).count(value) == 1
+
+
+def test_a_transactional_ack_after_commit_began_is_refused(client, monkeypatch):
+    """consumer.ack(..., txn=txn) once txn's commit began (here its outcome is unknown: the
+    answer was lost): refused at once, as a send is. Before, the ack was kept and widened
+    the retried CommitTxn, which the coordinator answered as already ended without it:
+    commit() said committed, and the message was delivered again."""
+    from spark_client import transactions
+
+    if client.one_call_max_bytes == 0:
+        pytest.skip("one-call transactions only")
+    topic = _topic(client, "sdk-late-ack")
+    ride = transactions._Carpool.ride
+    lost = []
+
+    def ride_losing_the_answer(self, txn, turn, request):
+        answer = ride(self, txn, turn, request)
+        if not lost:
+            lost.append(1)
+            raise errors.error_for("SERVER_UNAVAILABLE", "the answer was lost (test)")
+        return answer
+
+    with client.producer() as producer:
+        producer.send(topic, b"to ack", partition=0).result(30)
+        with client.consumer(topic, subscription="late-ack", ack_timeout_s=60) as consumer:
+            messages = []
+            deadline = time.monotonic() + 30
+            while not messages and time.monotonic() < deadline:
+                messages = consumer.poll(timeout_s=1, max_records=1)
+            monkeypatch.setattr(transactions._Carpool, "ride", ride_losing_the_answer)
+            txn = client.begin_transaction(timeout_s=30)
+            producer.send(topic, b"output", partition=0, txn=txn)
+            with pytest.raises(errors.AtomlogClientError):
+                txn.commit()  # unknown
+            with pytest.raises(errors.AtomlogClientError) as refused:
+                consumer.ack(messages, txn=txn)
+            assert refused.value.reason == "TRANSACTION_NOT_OPEN"
+            txn.commit()  # the retry: committed, as it was
