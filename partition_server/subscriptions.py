@@ -317,7 +317,8 @@ class PartitionSubscriptions:
                 event(log, "subscriptions reopened", partition=self.name)
                 return
         finally:
-            self._reopening = None
+            if self._reopening is asyncio.current_task():
+                self._reopening = None
 
     async def change(self, decide: Callable[[CursorStore], object],
                      writes: bool = True) -> object:
