@@ -216,12 +216,12 @@ def test_a_commit_retried_past_its_time_after_a_lost_answer_settles_it(client, m
     monkeypatch.setattr(transactions._Carpool, "ride", ride_losing_the_answer)
     value = uuid.uuid4().bytes
     with client.producer() as producer:
-        txn = client.begin_transaction(timeout_s=1.0)
+        txn = client.begin_transaction(timeout_s=3.0)
         sent = [producer.send(topic, value, partition=0, txn=txn) for _ in range(3)]
         with pytest.raises(errors.AtomlogClientError) as unknown:
             txn.commit()
         assert unknown.value.reason == "SERVER_UNAVAILABLE"
-        time.sleep(1.3)  # past the transaction's time
+        time.sleep(3.3)  # past the transaction's time
         txn.commit()  # settled: it committed
         assert _committed_values(client, topic).count(value) == 3
         # Where they went is not known (before: -1, 0, 1, which read as real offsets).
@@ -229,11 +229,11 @@ def test_a_commit_retried_past_its_time_after_a_lost_answer_settles_it(client, m
 
         lose["before"] = True  # this time the first attempt never reached the server
         other = uuid.uuid4().bytes
-        txn = client.begin_transaction(timeout_s=1.0)
+        txn = client.begin_transaction(timeout_s=3.0)
         producer.send(topic, other, partition=0, txn=txn)
         with pytest.raises(errors.AtomlogClientError):
             txn.commit()
-        time.sleep(1.3)
+        time.sleep(3.3)
         with pytest.raises(errors.TransactionTimedOut):
             txn.commit()
         assert other not in _committed_values(client, topic)
