@@ -828,11 +828,20 @@ class Transaction:
         with self._switch_lock:
             kept, self._kept = self._kept, None
             turn = self._turn
+        if kept is not None and self._commit_unknown:
+            try:
+                self._abort_one_call(kept)
+            finally:
+                # Released once settled (aborted for good, or found committed). While it
+                # stays unknown (the abort's own call failed) the turn stays held, to its
+                # deadline: a later commit() may still stage the records, and the
+                # producer's next commits must not pass them (before, it was released
+                # first).
+                if turn is not None and self._ended is not None:
+                    turn.release()
+            return
         if turn is not None:
             turn.release()  # a commit that will not run lets the next one go
-        if kept is not None and self._commit_unknown:
-            self._abort_one_call(kept)
-            return
         if kept is not None:  # one-call: nothing reached any server
             kept.fail(errors.error_for("TRANSACTION_ABORTED", f"transaction {self._name} "
                                        "was aborted"))

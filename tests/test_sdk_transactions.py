@@ -309,3 +309,49 @@ def test_a_transactional_ack_after_commit_began_is_refused(client, monkeypatch):
                 consumer.ack(messages, txn=txn)
             assert refused.value.reason == "TRANSACTION_NOT_OPEN"
             txn.commit()  # the retry: committed, as it was
+
+
+def test_an_abort_that_cannot_settle_an_unknown_commit_keeps_the_producers_turn_held(
+        client, monkeypatch):
+    """A one-call commit whose answer was lost holds its producer's turn (a retry may still
+    stage its records, and the producer's next commits must not pass them). abort() then
+    failed too (its own call lost): before, it had released the turn first. Now the turn
+    stays held until the outcome is settled; the next abort() settles it (here: it had
+    committed) and releases it."""
+    from spark_client import transactions
+
+    if client.one_call_max_bytes == 0:
+        pytest.skip("one-call transactions only")
+    topic = _topic(client, "sdk-held-turn")
+    ride = transactions._Carpool.ride
+    call = transactions.Transaction._call
+    lose = {"ride": True, "abort": True}
+
+    def ride_losing_the_answer(self, txn, turn, request):
+        answer = ride(self, txn, turn, request)
+        if lose["ride"]:
+            lose["ride"] = False
+            raise errors.error_for("SERVER_UNAVAILABLE", "the answer was lost (test)")
+        return answer
+
+    def call_failing_the_abort(self, method, request, *args, **kwargs):
+        if method == "CommitTxn" and request.abort and lose["abort"]:
+            lose["abort"] = False
+            raise errors.error_for("SERVER_UNAVAILABLE", "the abort's call failed (test)")
+        return call(self, method, request, *args, **kwargs)
+
+    monkeypatch.setattr(transactions._Carpool, "ride", ride_losing_the_answer)
+    monkeypatch.setattr(transactions.Transaction, "_call", call_failing_the_abort)
+    with client.producer() as producer:
+        txn = client.begin_transaction(timeout_s=30)
+        producer.send(topic, b"held", partition=0, txn=txn)
+        with pytest.raises(errors.AtomlogClientError):
+            txn.commit()  # unknown: the turn is held
+        assert not txn._turn.over()
+        with pytest.raises(errors.AtomlogClientError) as unsettled:
+            txn.abort()
+        assert unsettled.value.reason == "SERVER_UNAVAILABLE"
+        assert not txn._turn.over()  # still unknown: still held
+        with pytest.raises(errors.TransactionAlreadyCommitted):
+            txn.abort()  # settled: it had committed
+        assert txn._turn.over()
