@@ -522,11 +522,13 @@ class Transaction:
         deadline = self._began + self.timeout_s
         backoff = Backoff(initial_s=0.01, maximum_s=0.25)
         attempt = 0
+        settled = False
         try:
             while True:
                 attempt += 1
                 reply, refusal = carpool.ride(self, turn, request)
                 if refusal is None:
+                    settled = True
                     return reply
                 if refusal.reason != "EARLIER_COMMIT_FAILED" and refusal.reason not in _RETRY:
                     raise refusal
@@ -539,8 +541,19 @@ class Transaction:
                     raise refusal
                 time.sleep(delay)
                 request.timeout_ms = max(1, int(remaining * 1000))
+        except errors.AtomlogClientError as failure:
+            settled = failure.reason in _NOT_COMMITTED
+            raise
         finally:
-            turn.before = []  # waited for: turns must not chain up in memory
+            if settled:
+                turn.before = []  # waited for: turns must not chain up in memory
+            else:
+                # Unknown (commit() may retry it): the held turns before it stay, so
+                # that the retry waits for them again. Before, they were forgotten, and
+                # a retry of a commit carried with an earlier one of its producer (one
+                # CommitTxns, outcome unknown) could stage its records before that
+                # one's retry did. Only the turns not over yet are kept.
+                turn.before = [previous for previous in turn.before if not previous.over()]
 
     def _abort_one_call(self, kept: _Kept) -> None:
         """abort() after a CommitTxn with an unknown outcome: the coordinator makes sure

@@ -355,3 +355,57 @@ def test_an_abort_that_cannot_settle_an_unknown_commit_keeps_the_producers_turn_
         with pytest.raises(errors.TransactionAlreadyCommitted):
             txn.abort()  # settled: it had committed
         assert txn._turn.over()
+
+
+def test_a_retried_commit_waits_again_for_a_held_commit_it_was_carried_with(
+        client, monkeypatch):
+    """Two one-call commits of one producer, A then B, went in one CommitTxns whose answer
+    was lost: both outcomes unknown, both turns held. B's commit() retried must wait for
+    A's held turn, as its first attempt did (A's retry may still stage A's records, and
+    B's must not pass them). Before, B's turn had forgotten A once its call ended, and the
+    retry went at once. Here A's abort settles it (it had committed) and B goes on."""
+    import threading
+    import uuid
+
+    from spark_client import transactions
+
+    if client.one_call_max_bytes == 0:
+        pytest.skip("one-call transactions only")
+    topic = _topic(client, "sdk-carried-retry")
+    send = transactions._Carpool._send
+    carried: list[int] = []
+
+    def send_losing_the_second_answer(self, driver, riders):
+        carried.append(len(riders))
+        if len(carried) == 1:
+            time.sleep(0.5)  # the first commit is slow: the next two queue behind it
+        answers = send(self, driver, riders)
+        if len(carried) == 2:
+            lost = errors.error_for("SERVER_UNAVAILABLE", "the answer was lost (test)")
+            return [(None, None, lost)] * (1 + len(riders))
+        return answers
+
+    monkeypatch.setattr(transactions._Carpool, "_send", send_losing_the_second_answer)
+    values = [uuid.uuid4().bytes for _ in range(3)]
+    with client.producer() as producer:
+        txns = []
+        for value in values:
+            txn = client.begin_transaction(timeout_s=30)
+            producer.send(topic, value, partition=0, txn=txn)
+            txns.append(txn)
+        first, a, b = txns
+        futures = [txn.commit_async() for txn in txns]
+        futures[0].result(30)
+        for future in futures[1:]:
+            with pytest.raises(errors.AtomlogClientError):
+                future.result(30)
+        assert carried[:2] == [0, 1]  # A carried B
+        retried = threading.Event()
+        retry = threading.Thread(target=lambda: (b.commit(), retried.set()))
+        retry.start()
+        assert not retried.wait(1.0)  # waits for A's held turn
+        with pytest.raises(errors.TransactionAlreadyCommitted):
+            a.abort()  # settles A (it had committed) and releases its turn
+        assert retried.wait(30)
+        retry.join(30)
+    assert [_committed_values(client, topic).count(v) for v in values] == [1, 1, 1]
