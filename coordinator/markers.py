@@ -123,11 +123,8 @@ class MarkerChannel:
             if not address:
                 unroutable = True
                 continue
-            pending = self._pending[address]
-            key = (id(sink), marker)
-            if key in pending:
+            if not self._admit(address, sink, marker):
                 continue  # lingering or queued already (a re-send)
-            pending.add(key)
             if (self.linger_s > 0 and may_linger is not None and may_linger(marker.txn_id)
                     and self._staging_gaps.get(address, math.inf) <= self.linger_s):
                 self._lingering[address].append((due, sink, marker))
@@ -165,6 +162,16 @@ class MarkerChannel:
         self._forget(address, riders)
         return riders
 
+    def _admit(self, address: str, sink: MarkerSink, marker: Marker) -> bool:
+        """Whether `marker` may be queued for `address` (noted as on its way there), or
+        False: it lingers or is queued there already."""
+        pending = self._pending[address]
+        key = (id(sink), marker)
+        if key in pending:
+            return False
+        pending.add(key)
+        return True
+
     def _forget(self, address: str, taken: list[tuple[MarkerSink, Marker]]) -> None:
         """`taken` leave for a call: a re-send of one of them queues it again."""
         pending = self._pending[address]
@@ -182,13 +189,8 @@ class MarkerChannel:
     def give_back(self, address: str, riders: list[tuple[MarkerSink, Marker]]) -> None:
         """Riders whose staging call failed or went unanswered: they go alone, now."""
         if riders and not self._closed:
-            pending = self._pending[address]
-            queue = self._queues[address]
-            for sink, marker in riders:
-                key = (id(sink), marker)
-                if key not in pending:  # (else re-sent meanwhile: on its way already)
-                    pending.add(key)
-                    queue.append((sink, marker))
+            self._queues[address].extend(  # (one re-sent meanwhile is on its way already)
+                (sink, marker) for sink, marker in riders if self._admit(address, sink, marker))
             self._wake(address)
 
     def hurry(self) -> None:

@@ -42,6 +42,7 @@ from partition_server.cursor_store import CursorStore, CursorStoreLimits, Snapsh
 from partition_server.durability import LogSync
 from partition_server.record_batch import TxnId, iter_batches
 from partition_server.subscription_cursor import CursorDescription, Delivery, merge_ranges
+from services.backoff import Backoff
 from services.batching import resolve
 from services.errors import AtomlogError
 from services.logs import event
@@ -50,8 +51,9 @@ from services.logs import event
 # later reads are sized by the bytes per offset seen so far and the messages still wanted.
 RECEIVE_FIRST_READ_BYTES = 64 << 10
 
-# A reopen of the journal after a failure that failed too: tried again after this,
-# doubling up to the maximum, while the partition's subscriptions answer PARTITION_LOADING.
+# A reopen of the journal after a failure that failed too: tried again after about this
+# (services/backoff.py), doubling up to the maximum, while the partition's subscriptions
+# answer PARTITION_LOADING.
 REOPEN_RETRY_S = 0.2
 REOPEN_RETRY_MAX_S = 5.0
 
@@ -302,16 +304,17 @@ class PartitionSubscriptions:
         self._wakeups.wake_all()  # deliveries were volatile: everything is deliverable
 
     async def _reopen_retrying(self, generation: int) -> None:
-        delay = REOPEN_RETRY_S
+        backoff = Backoff(initial_s=REOPEN_RETRY_S, maximum_s=REOPEN_RETRY_MAX_S)
+        attempt = 0
         try:
             while generation == self._generation and self.store is None:
-                await asyncio.sleep(delay)
+                attempt += 1
+                await asyncio.sleep(backoff.delay(attempt))
                 if generation != self._generation:
                     return
                 try:
                     await self._reopen(generation)
                 except Exception as error:  # noqa: BLE001 — logged at ERROR once, above
-                    delay = min(delay * 2, REOPEN_RETRY_MAX_S)
                     log.debug("subscriptions of %s still cannot reopen: %s", self.name, error)
                     continue
                 event(log, "subscriptions reopened", partition=self.name)

@@ -125,22 +125,21 @@ class StubCache:
         """The TLS files were reloaded: new channels from now on; the old ones close once
         their calls have had a minute to finish."""
         self._tls_generation = _CHANNEL_TLS.current()[0]
-        old, self._channels, self._stubs = list(self._channels.values()), {}, {}
-        self._retired = {task for task in self._retired if not task.done()}
-        for channel in old:
-            self._retired.add(asyncio.ensure_future(channel.close(grace=60.0)))
+        self._retire(set(self._stubs) | set(self._channels))
 
     def retain(self, addresses) -> None:
-        """Forget every address not in `addresses` (the servers that exist now): their
-        channels close once their calls have had a minute to finish. Else each address a
-        server ever had (a pod's, new at every restart) kept a channel for good."""
-        gone = [address for address in self._stubs if address not in addresses]
-        gone += [address for address in self._channels
-                 if address not in addresses and address not in gone]
-        if not gone:
+        """Forget every address not in `addresses` (the servers that exist now). Else
+        each address a server ever had (a pod's, new at every restart) kept a channel
+        for good."""
+        self._retire((set(self._stubs) | set(self._channels)) - set(addresses))
+
+    def _retire(self, addresses) -> None:
+        """Forget `addresses`: their channels close once their calls have had a minute to
+        finish."""
+        if not addresses:
             return
         self._retired = {task for task in self._retired if not task.done()}
-        for address in gone:
+        for address in addresses:
             self._stubs.pop(address, None)
             channel = self._channels.pop(address, None)
             if channel is not None:

@@ -478,7 +478,8 @@ def test_a_follower_converges_on_its_leaders_history_in_a_few_rounds(
     handle, on its real log and leader-epoch file), against answers made by the leader's
     rule (replica.LeaderReplication: OFFSET_OUT_OF_RANGE below its log start, else its
     own `_divergence` on the leader's epochs: the largest epoch it keeps at most the one
-    asked about, and where it ends). It must reach a fetch the leader answers with records within a few rounds."""
+    asked about, and where it ends). It must reach a fetch the leader answers with
+    records within a few rounds."""
     import asyncio
 
     from atomlog.v1 import partition_pb2
