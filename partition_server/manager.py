@@ -119,7 +119,9 @@ class PartitionManager:
         self.zk = zk
         self.settings = settings
         self.owners: dict[tuple[str, int], PartitionOwner] = {}
-        m.register_state_collector(lambda: self.owners.values())
+        # Unregistered by close(): a closed manager's owners are never scraped again (and a
+        # manager made and closed within one process, as the tests do, leaves nothing behind).
+        self._collectors = [m.register_state_collector(lambda: self.owners.values())]
         self.assignments: Assignments | None = None
         self._opening: set[tuple[str, int]] = set()
         self._semaphore = asyncio.Semaphore(OPEN_CONCURRENCY)
@@ -140,7 +142,7 @@ class PartitionManager:
         self._copies_at_start: set[str] = set()  # partition directories found at start
         self.incarnation = 0  # set at start (`begin_incarnation`), before any follower runs
         self._stubs = local.StubCache(PARTITION_SERVICE, ReplicaStub, REPLICA_CHANNEL_OPTIONS)
-        m.register_replication_collector(self)
+        self._collectors.append(m.register_replication_collector(self))
 
     async def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -694,6 +696,7 @@ class PartitionManager:
 
     async def close(self) -> None:
         self._closing = True
+        m.unregister_collectors(self._collectors)
         if self._chores is not None:
             self._chores.cancel()
         for task in [*self._tasks, *self._steering.values()]:

@@ -208,3 +208,9 @@ def register_replication_collector(manager) -> ReplicationCollector:
     collector = ReplicationCollector(manager)
     REGISTRY.register(collector)
     return collector
+
+
+def unregister_collectors(collectors: list) -> None:
+    """Unregisters each of `collectors` and empties the list (so a second call does nothing)."""
+    while collectors:
+        REGISTRY.unregister(collectors.pop())

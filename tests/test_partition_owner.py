@@ -520,10 +520,38 @@ def test_a_partition_whose_failed_open_does_not_close_cleanly_is_still_opened_ag
         manager._open_owner = open_owner
         manager._opening.add(key)
         attempted = asyncio.get_running_loop().create_future()
-        await asyncio.wait_for(manager._open(*key, attempted), 10)
-        assert attempts == [1, 1] and closes == [1]
-        assert manager.owners[key].state is State.ONLINE
-        assert key not in manager._opening
+        try:
+            await asyncio.wait_for(manager._open(*key, attempted), 10)
+            assert attempts == [1, 1] and closes == [1]
+            assert manager.owners[key].state is State.ONLINE
+            assert key not in manager._opening
+        finally:
+            manager.owners.clear()  # stand-ins: nothing of theirs to close
+            await manager.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_closed_manager_s_partitions_are_no_longer_scraped(tmp_path):
+    """A manager's metrics collectors are registered in the process's registry and were
+    never unregistered: a closed manager's owners were still scraped, by every later
+    scrape of that process. (A test's stand-in owner, scraped so by a later test in the
+    same process, failed it.)"""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from partition_server.coordinator_epochs import CoordinatorEpochs
+    from partition_server.manager import PartitionManager
+
+    async def scenario():
+        manager = PartitionManager(tmp_path, "server-1", None,
+                                   OwnerSettings(log=LogConfig()),
+                                   CoordinatorEpochs(None, tc_partitions=16))
+        assert REGISTRY.get_sample_value("atomlog_partitions", {"state": "ONLINE"}) is not None
+        await manager.close()
+        manager.owners[("t", 0)] = SimpleNamespace(state=State.ONLINE)  # not scrapeable
+        REGISTRY.get_sample_value("atomlog_partitions", {"state": "ONLINE"})  # raised
 
     asyncio.run(scenario())
 

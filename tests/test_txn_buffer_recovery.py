@@ -291,6 +291,8 @@ def test_the_servicer_serves_plain_work_and_refuses_the_rest_per_item(tmp_path):
         finally:
             gate.set()
             await owner.close()
+            manager.owners.clear()
+            await manager.close()
 
     asyncio.run(scenario())
 
