@@ -1557,8 +1557,11 @@ class TcPartitionCore:
             raise _error("INVALID_ARGUMENT",
                          f"{parent_id} is itself a child (of {parent.parent}); children "
                          "have no children", field="parent_txn_id")
-        if parent.state is not State.OPEN or parent.timed_out(now_ms):
-            state = "TIMED_OUT" if parent.timed_out(now_ms) else parent.state.name
+        if parent.state is not State.OPEN or parent.timed_out(now_ms) or parent.staging:
+            # (A staging parent is a parallel commit's one-call transaction: OPEN until its
+            # CommitTxn decides it, which decides no children.)
+            state = ("TIMED_OUT" if parent.timed_out(now_ms) else
+                     "STAGING" if parent.staging else parent.state.name)
             raise _error("PARENT_NOT_OPEN",
                          f"parent {parent_id} is {state}: it takes no new children",
                          parent_state=state, parent_txn_id=parent_id)

@@ -860,6 +860,26 @@ def test_next_producer_epoch_never_issues_65535() -> None:
         Session("x", 9, 65535)
 
 
+def test_a_parallel_commit_s_transaction_takes_no_children() -> None:
+    """A parallel commit's one-call transaction is OPEN (its Staging record) until its
+    CommitTxn decides it, and that decision decides no children. Before, NewTxn took it as
+    a parent: the commit then left its child undecided, a hanging transaction, and the
+    core's next append could come out of order (ProtocolError). Found by the state
+    machine. Now the child is refused, PARENT_NOT_OPEN, and nothing changes."""
+    core, log = TcPartitionCore(TC, coordinator_epoch=1), []
+    _durable(core, core.begin_one_call(NOW, 0, None, "reserves", [TARGETS[0]], []), log)
+    staged = core.begin_one_call(NOW, 0, None, "oc", [TARGETS[0]], [], parallel=True)
+    _durable(core, staged, log)
+    parent = staged.reply.txn_id
+    assert core.is_staging(parent)
+    before = core.snapshot()
+    with pytest.raises(AtomlogError) as refused:
+        core.new_txn(NOW, parent=parent)
+    assert refused.value.reason == "PARENT_NOT_OPEN"
+    assert refused.value.metadata["parent_state"] == "STAGING"
+    assert core.snapshot() == before and core.pending_append_ids == ()
+
+
 def test_markers_are_resent_until_confirmed_and_counted() -> None:
     core = TcPartitionCore(TC, Limits(marker_retry_ms=100))
     ready = core.new_txn(NOW, subscription_partitions=[SubscriptionPartition("t", 0, "s")])
@@ -1021,6 +1041,8 @@ def test_docs_diagram_is_generated_from_the_table() -> None:
 # ---------------------------------------------------------------------------------------
 
 txn_ids = st.builds(TxnId, st.just(TC), st.integers(1, 2**64 - 1))
+# A decided transaction's own id: below its children's (a transaction is not its own child).
+parent_ids = st.builds(TxnId, st.just(TC), st.integers(1, 10**6 - 1))
 names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1,
                 max_size=20)
 topic_partitions = st.lists(st.builds(TopicPartition, names, st.integers(0, 2**31 - 1)),
@@ -1040,11 +1062,11 @@ records = st.one_of(
     st.builds(Registered, txn_ids, topic_partitions.filter(bool), subscription_partitions),
     st.builds(DeadlineReset, txn_ids, times),
     st.builds(Prepared, txn_ids, times, st.integers(1, 2**32 - 1)),
-    st.builds(Decided, txn_ids, st.just(ABORT), st.sampled_from(
+    st.builds(Decided, parent_ids, st.just(ABORT), st.sampled_from(
         [EndCause.CLIENT, EndCause.TIMEOUT, EndCause.OPERATOR]), times,
               st.just(()), st.lists(st.builds(TxnId, st.just(TC), st.integers(10**6, 10**7)),
                                     unique=True, max_size=3).map(tuple)),
-    st.builds(Decided, txn_ids, st.just(COMMIT), st.just(EndCause.CLIENT), times,
+    st.builds(Decided, parent_ids, st.just(COMMIT), st.just(EndCause.CLIENT), times,
               st.lists(st.builds(TxnId, st.just(TC), st.integers(10**6, 10**7)),
                        unique=True, max_size=3).map(tuple)),
     st.builds(Completed, txn_ids, st.sampled_from(Decision), times),
