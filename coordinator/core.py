@@ -513,6 +513,9 @@ class SessionEntry:
     timeout_ms: int
     last_active_ms: int
     current_txn: TxnId | None = None
+    # (producer id, epoch) of the session this one replaced, when its holder asked for
+    # the bump (SessionStarted.bumped_from): that InitProducerId again is its retry.
+    bumped_from: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -791,10 +794,18 @@ class TcPartitionCore:
         locks: set[object] = {session_lock}
         aborted: TxnId | None = None
         bumped: tuple[int, int] | None = None
+        given = (producer_id, producer_epoch)
+        bumped_from: tuple[int, int] | None = None
         if entry is not None:
             current = entry.session
-            if (producer_id, producer_epoch) not in ((0, 0), (current.producer_id,
-                                                              current.producer_epoch)):
+            if given != (0, 0) and given == entry.bumped_from:
+                # The call that made this session, again: its answer was lost (KIP-360).
+                # Only that holder asked for the bump (a new producer's InitProducerId
+                # carries 0, 0 and records no bumped_from), so the answer is the same.
+                return Ready(reply=InitProducerIdResult(
+                    current.producer_id, current.producer_epoch, None, entry.timeout_ms,
+                    fresh_producer_id_used=False))
+            if given not in ((0, 0), (current.producer_id, current.producer_epoch)):
                 self._counters["fenced_total"] += 1
                 raise _error("PRODUCER_FENCED",
                              f"transactional id {transactional_id!r} is at producer id "
@@ -818,6 +829,8 @@ class TcPartitionCore:
                 locks |= decision_locks
                 aborted = txn.txn_id
             bumped = next_producer_epoch(current.producer_id, current.producer_epoch)
+            if given != (0, 0):
+                bumped_from = given
         else:
             self._make_room_for_session(now_ms)
         fresh = bumped is None
@@ -827,7 +840,8 @@ class TcPartitionCore:
         if fresh:
             assert 0 < fresh_producer_id < 1 << 63, fresh_producer_id
             bumped = (fresh_producer_id, 0)
-        records.append(SessionStarted(transactional_id, *bumped, timeout_ms, now_ms))
+        records.append(SessionStarted(transactional_id, *bumped, timeout_ms, now_ms,
+                                      *(bumped_from or (0, 0))))
         reply = InitProducerIdResult(*bumped, aborted, timeout_ms, fresh_producer_id_used=fresh)
         return self._propose(records, locks, reply, new_sessions=int(entry is None))
 
@@ -1952,7 +1966,8 @@ class TcPartitionCore:
                     record.producer_epoch <= old.producer_epoch:
                 raise self._illegal(record, f"epoch does not grow from {old.producer_epoch}")
         self._sessions[record.transactional_id] = SessionEntry(
-            record.session, record.timeout_ms, record.started_ms)
+            record.session, record.timeout_ms, record.started_ms,
+            bumped_from=record.bumped_from)
 
     def _summary(self, txn: Txn, now_ms: int) -> TxnSummary:
         finished = txn.state in FINISHED
@@ -2017,7 +2032,9 @@ def replay(records: Iterable[Record], tc_partition: int, limits: Limits | None =
 #            Unfinished transactions first (in order of creation), then finished ones in
 #            order of completion (the order they are forgotten in).
 #   session  transactional_id string, producer_id i64, producer_epoch u16, timeout_ms u32,
-#            last_active_ms i64, current_txn sequence u64 (0: none); by transactional id
+#            last_active_ms i64, current_txn sequence u64 (0: none), bumped_from
+#            producer_id i64, producer_epoch u16 (0, 0: none; not in version 1);
+#            by transactional id
 #   key      idempotency_key string, sequence u64; in index order (that of the log)
 #   trailer  CRC32C (Castagnoli) u32 of every byte before it
 # Strings are length u16 + UTF-8. Transaction ids are the snapshot's TC partition plus a
@@ -2028,7 +2045,7 @@ def replay(records: Iterable[Record], tc_partition: int, limits: Limits | None =
 # ---------------------------------------------------------------------------------------
 
 SNAPSHOT_MAGIC = b"ATCS"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: sessions carry bumped_from. Version 1 is still read.
 _SNAP_HEADER = struct.Struct("<4sHHIQqQIII")
 _SNAP_TXN = struct.Struct("<QBBBqIqqIqqII")
 _SNAP_PEEK = struct.Struct("<IQBBBq")  # length, sequence, state, end_cause, flags, created
@@ -2150,6 +2167,7 @@ def _encode_snapshot(core: TcPartitionCore, covered_offset: int) -> bytes:
         out.pack(_SNAP_SESSION, entry.session.producer_id, entry.session.producer_epoch,
                  entry.timeout_ms, entry.last_active_ms,
                  entry.current_txn.sequence if entry.current_txn else 0)
+        out.pack(_SESSION_TAIL, *(entry.bumped_from or (0, 0)))
     parts.append(out.getvalue())
     parts.extend(core._keys.values())  # insertion order: deterministic from the log
     body = b"".join(parts)
@@ -2168,7 +2186,7 @@ def _decode_snapshot(core: TcPartitionCore, data: bytes) -> int:
      session_count, key_count) = _SNAP_HEADER.unpack_from(body, 0)
     if magic != SNAPSHOT_MAGIC:
         raise SnapshotCorrupt(f"not a TC partition snapshot (magic {bytes(magic)!r})")
-    if version != SNAPSHOT_VERSION:
+    if version not in (1, SNAPSHOT_VERSION):
         raise SnapshotCorrupt(f"unsupported snapshot version {version} (this build reads "
                               f"{SNAPSHOT_VERSION})")
     if tc_partition != core.tc_partition:
@@ -2182,7 +2200,7 @@ def _decode_snapshot(core: TcPartitionCore, data: bytes) -> int:
         core._reserved = last_sequence
         core._next_sequence = last_sequence + 1
         _decode_txns(core, reader, last_sequence, txn_count)
-        _decode_sessions_and_keys(core, reader, session_count, key_count)
+        _decode_sessions_and_keys(core, reader, session_count, key_count, version)
         _check_restored(core)
     except (RecordCorrupt, ValueError, KeyError, IndexError, struct.error,
             UnicodeDecodeError) as error:
@@ -2232,16 +2250,20 @@ def _key_row(key: str, sequence: int) -> bytes:
 
 
 def _decode_sessions_and_keys(core: TcPartitionCore, reader: Reader, session_count: int,
-                              key_count: int) -> None:
+                              key_count: int, version: int) -> None:
     tc = core.tc_partition
     for _ in range(session_count):
         tid = reader.string()
         producer_id, epoch, timeout_ms, last_active_ms, current = reader.unpack(_SNAP_SESSION)
+        bumped_from = reader.unpack(_SESSION_TAIL) if version >= 2 else (0, 0)
         if tid in core._sessions:
             raise ValueError(f"session {tid!r} appears twice")
-        core._sessions[tid] = SessionEntry(Session(tid, producer_id, epoch), timeout_ms,
-                                           last_active_ms,
-                                           TxnId(tc, current) if current else None)
+        session = Session(tid, producer_id, epoch)
+        if bumped_from != (0, 0) and (Session(tid, *bumped_from) == session):
+            raise ValueError(f"session {tid!r} is bumped from itself")
+        core._sessions[tid] = SessionEntry(session, timeout_ms, last_active_ms,
+                                           TxnId(tc, current) if current else None,
+                                           bumped_from if bumped_from != (0, 0) else None)
     data, unpack_u16, unpack_u64 = reader.data, _U16.unpack_from, _U64.unpack_from
     position, keys, make_id = reader.position, core._keys, tuple.__new__
     for _ in range(key_count):

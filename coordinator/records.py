@@ -51,6 +51,10 @@ Encoding, version 1, little-endian; every record value starts with
                      timeout_ms u32, started_ms i64
     8 SequencesReserved  up_to u64
     9 Staging        as Opened (its parent is always none)
+   10 SessionStarted, an epoch bump its holder asked for: as 7, then bumped_from
+                     producer_id i64, producer_epoch u16 (the session it replaced;
+                     InitProducerId carrying that one again is a retry, answered with
+                     this session: KIP-360). Type 7 is written when nobody asked.
 
 A record value carries no checksum of its own: the batch that holds it has a CRC32C
 (docs/record-format.md). `decode_record` still refuses anything malformed with
@@ -371,11 +375,29 @@ class SessionStarted:
     producer_epoch: int
     timeout_ms: int
     started_ms: int
+    # The session this one replaced, when its holder asked for the bump (InitProducerId
+    # carrying it): that call retried, its answer lost, gets this session again instead
+    # of PRODUCER_FENCED. 0, 0: nobody asked (a new producer took the id over).
+    bumped_from_producer_id: int = 0
+    bumped_from_epoch: int = 0
 
     def __post_init__(self) -> None:
         Session(self.transactional_id, self.producer_id, self.producer_epoch)
         _check_int("timeout_ms", self.timeout_ms, 1, TIMEOUT_MS_MAX)
         _check_time("started_ms", self.started_ms)
+        if self.bumped_from_producer_id or self.bumped_from_epoch:
+            previous = Session(self.transactional_id, self.bumped_from_producer_id,
+                               self.bumped_from_epoch)
+            if (previous.producer_id, previous.producer_epoch) == (
+                    self.producer_id, self.producer_epoch):
+                raise ValueError("a session cannot be bumped from itself")
+
+    @property
+    def bumped_from(self) -> tuple[int, int] | None:
+        """(producer id, epoch) of the session whose holder asked for this one, or None."""
+        if not self.bumped_from_producer_id:
+            return None
+        return self.bumped_from_producer_id, self.bumped_from_epoch
 
     @property
     def session(self) -> Session:
@@ -395,6 +417,7 @@ Record = (Opened | Registered | DeadlineReset | Prepared | Decided | Completed |
 RECORD_TYPES: dict[type, int] = {Opened: 1, Registered: 2, DeadlineReset: 3, Prepared: 4,
                                  Decided: 5, Completed: 6, SessionStarted: 7,
                                  SequencesReserved: 8, Staging: 9}
+SESSION_BUMPED_TYPE = 10  # a SessionStarted with bumped_from (type 7 without)
 
 
 def txn_of(record: Record) -> TxnId | None:
@@ -552,14 +575,19 @@ class Reader:
 def encode_record(record: Record) -> bytes:
     """The record value to append to `__txn_log-<k>`."""
     out = Writer()
-    out.pack(_HEAD, RECORD_FORMAT_VERSION, RECORD_TYPES[type(record)])
-    if isinstance(record, SequencesReserved):
-        out.pack(_U64, record.up_to)
-        return out.getvalue()
     if isinstance(record, SessionStarted):
+        bumped = record.bumped_from
+        out.pack(_HEAD, RECORD_FORMAT_VERSION,
+                 RECORD_TYPES[SessionStarted] if bumped is None else SESSION_BUMPED_TYPE)
         out.string(record.transactional_id)
         out.pack(_SESSION_STARTED, record.producer_id, record.producer_epoch,
                  record.timeout_ms, record.started_ms)
+        if bumped is not None:
+            out.pack(_SESSION_TAIL, *bumped)
+        return out.getvalue()
+    out.pack(_HEAD, RECORD_FORMAT_VERSION, RECORD_TYPES[type(record)])
+    if isinstance(record, SequencesReserved):
+        out.pack(_U64, record.up_to)
         return out.getvalue()
     out.txn_id(record.txn_id)
     if isinstance(record, Opened):
@@ -654,11 +682,21 @@ def _decode_session_started(reader: Reader) -> SessionStarted:
     return SessionStarted(transactional_id, *reader.unpack(_SESSION_STARTED))
 
 
+def _decode_session_bumped(reader: Reader) -> SessionStarted:
+    transactional_id = reader.string()
+    fields = reader.unpack(_SESSION_STARTED)
+    bumped_from = reader.unpack(_SESSION_TAIL)
+    if not bumped_from[0]:
+        raise ValueError("a bumped session's bumped_from producer id is 0")
+    return SessionStarted(transactional_id, *fields, *bumped_from)
+
+
 def _decode_sequences_reserved(reader: Reader) -> SequencesReserved:
     return SequencesReserved(*reader.unpack(_U64))
 
 
 _DECODERS = {1: _decode_opened, 2: _decode_registered, 3: _decode_deadline_reset,
              4: _decode_prepared, 5: _decode_decided, 6: _decode_completed,
-             7: _decode_session_started, 8: _decode_sequences_reserved, 9: _decode_staging}
-assert set(_DECODERS) == set(RECORD_TYPES.values())
+             7: _decode_session_started, 8: _decode_sequences_reserved, 9: _decode_staging,
+             SESSION_BUMPED_TYPE: _decode_session_bumped}
+assert set(_DECODERS) == {*RECORD_TYPES.values(), SESSION_BUMPED_TYPE}

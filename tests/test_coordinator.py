@@ -311,6 +311,45 @@ def test_transactional_id_session_fences_the_previous_one(cluster, topics):
     wait_until(lambda: state(cluster, txn) == S.TXN_STATE_ABORTED, 10, "the fenced abort")
 
 
+def test_an_epoch_bump_retried_after_a_lost_answer_gets_its_session_from_the_next_owner_too(
+        cluster, topics):
+    """A producer bumps its own epoch (InitProducerId carrying it, as the SDK does after an
+    unknown outcome), the answer is lost, and it asks again with the same epoch. Before,
+    the retry was answered PRODUCER_FENCED and the producer could never go on (KIP-360's
+    case). Now it gets the session the first call made: from the same owner, and from
+    the next one after kill -9. A new instance's takeover still fences the old holder."""
+    tid = "retrier-1"
+    k = tc_partition_for(tid, 16)
+
+    def init(producer_id: int = 0, epoch: int = 0):
+        return call(cluster, k, "InitProducerId", S.InitProducerIdRequest(
+            transactional_id=tid, producer_id=producer_id, producer_epoch=epoch), timeout=30)
+
+    first = init()
+    held = (first.producer_id, first.producer_epoch)
+    session = S.TransactionalSession(transactional_id=tid, producer_id=held[0],
+                                     producer_epoch=held[1])
+    txn = call(cluster, k, "NewTxn", S.NewTxnRequest(tc_partition=k, session=session)).txn_id
+    bumped = init(*held)  # this answer is the one lost
+    assert (bumped.producer_id, bumped.producer_epoch) == (held[0], held[1] + 1)
+    assert bumped.aborted_txn_id.sequence == txn.sequence
+    again = init(*held)
+    assert (again.producer_id, again.producer_epoch) == (bumped.producer_id,
+                                                         bumped.producer_epoch)
+    old = owner(cluster, k)
+    kill(cluster, old[0])
+    wait_for_new_owner(cluster, k, old, SESSION_TIMEOUT_MS / 1000 + 15)
+    after = init(*held)
+    assert (after.producer_id, after.producer_epoch) == (bumped.producer_id,
+                                                         bumped.producer_epoch)
+    taken = init()  # a new instance takes the transactional id over
+    assert taken.producer_epoch == bumped.producer_epoch + 1
+    for zombie in (held, (bumped.producer_id, bumped.producer_epoch)):
+        assert reason_of(lambda: init(*zombie)) == "PRODUCER_FENCED"
+    cluster.up()
+    wait_until(lambda: all_owned(cluster), 30, "every TC partition to be leased again")
+
+
 def test_a_sessions_key_lives_on_its_tc_partition_whatever_it_hashes_to(cluster, topics):
     """NewTxn of a session goes where its transactional id hashes; its idempotency key
     need not hash there too (a retry with it finds the same transaction). A key without a

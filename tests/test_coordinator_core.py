@@ -19,11 +19,14 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import gc
+import struct
 import time
 from collections import deque
 from pathlib import Path
 
+import crc32c
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -860,6 +863,20 @@ def test_next_producer_epoch_never_issues_65535() -> None:
         Session("x", 9, 65535)
 
 
+def _init(core: TcPartitionCore, tid: str, given: tuple[int, int] = (0, 0),
+          log: list | None = None, fresh: int = 77):
+    """InitProducerId made durable (into `log`): its reply, or the refusal's reason."""
+    try:
+        try:
+            ready = core.init_producer_id(NOW, tid, 0, *given)
+        except ProducerIdNeeded:
+            ready = core.init_producer_id(NOW, tid, 0, *given, fresh_producer_id=fresh)
+    except AtomlogError as error:
+        return error.reason
+    _durable(core, ready, log if log is not None else [])
+    return ready.reply
+
+
 def test_a_parallel_commit_s_transaction_takes_no_children() -> None:
     """A parallel commit's one-call transaction is OPEN (its Staging record) until its
     CommitTxn decides it, and that decision decides no children. Before, NewTxn took it as
@@ -878,6 +895,76 @@ def test_a_parallel_commit_s_transaction_takes_no_children() -> None:
     assert refused.value.reason == "PARENT_NOT_OPEN"
     assert refused.value.metadata["parent_state"] == "STAGING"
     assert core.snapshot() == before and core.pending_append_ids == ()
+
+
+def test_an_epoch_bump_retried_after_its_answer_was_lost_gets_the_same_session() -> None:
+    """KIP-360: a producer bumps its own epoch (InitProducerId carrying it), the answer is
+    lost, and the producer asks again with the same epoch. Before, that retry was answered
+    PRODUCER_FENCED and the producer could never go on. Now it gets the session its first
+    call made, with nothing logged; after a load (by replay or from a snapshot) too."""
+    core, log = TcPartitionCore(TC, coordinator_epoch=1), []
+    first = _init(core, "app", log=log)
+    held = (first.producer_id, first.producer_epoch)
+    txn = core.new_txn(NOW, session=Session("app", *held), topic_partitions=[TARGETS[0]])
+    _durable(core, txn, log)
+    bumped = _init(core, "app", held, log)  # its answer lost
+    assert (bumped.producer_id, bumped.producer_epoch) == (held[0], held[1] + 1)
+    assert bumped.aborted_txn_id == txn.reply.txn_id
+    retry = core.init_producer_id(NOW, "app", 0, *held)
+    assert not retry.appends and retry.reply == dataclasses.replace(
+        bumped, aborted_txn_id=None)
+    for loaded in (replay(log, TC, coordinator_epoch=2),
+                   TcPartitionCore.restore(core.snapshot(), TC, coordinator_epoch=2)[0]):
+        again = loaded.init_producer_id(NOW, "app", 0, *held)
+        assert not again.appends and again.reply == retry.reply
+    # The retry is answered only once the bump is durable (before: still being logged).
+    pending = core.init_producer_id(NOW, "app", 0, *(retry.reply.producer_id,
+                                                    retry.reply.producer_epoch))
+    with pytest.raises(AtomlogError) as concurrent:
+        core.init_producer_id(NOW, "app", 0, *(retry.reply.producer_id,
+                                              retry.reply.producer_epoch))
+    assert concurrent.value.reason == "CONCURRENT_TRANSACTIONS"
+    _durable(core, pending, log)
+
+
+def test_a_zombie_s_old_epoch_is_still_fenced() -> None:
+    """Only the bump its holder asked for makes the old epoch a retry. A new producer's
+    takeover (InitProducerId carrying no epoch) fences the old holder, and so does any
+    bump after the one that old epoch asked for."""
+    core = TcPartitionCore(TC)
+    first = _init(core, "app")
+    held = (first.producer_id, first.producer_epoch)
+    taken = _init(core, "app")  # a new instance takes the transactional id over
+    assert taken.producer_epoch == held[1] + 1
+    assert _init(core, "app", held) == "PRODUCER_FENCED"
+    # The holder bumps (answer lost); a new instance takes over before the retry.
+    mine = (taken.producer_id, taken.producer_epoch)
+    _init(core, "app", mine)
+    _init(core, "app")
+    assert _init(core, "app", mine) == "PRODUCER_FENCED"
+    # Two bumps of the holder's own: only the last one's epoch is a retry.
+    now = core.session("app", NOW).session
+    one = _init(core, "app", (now.producer_id, now.producer_epoch))
+    two = _init(core, "app", (one.producer_id, one.producer_epoch))
+    assert _init(core, "app", (now.producer_id, now.producer_epoch)) == "PRODUCER_FENCED"
+    assert _init(core, "app", (one.producer_id, one.producer_epoch)).producer_epoch == \
+        two.producer_epoch
+
+
+def test_a_bump_to_a_fresh_producer_id_is_retried_too() -> None:
+    """At the last epoch the bump rotates to a fresh producer id; its retry carries the old
+    id and epoch, and gets the fresh id."""
+    core, log = TcPartitionCore(TC), []
+    _durable(core, core.init_producer_id(NOW, "app", fresh_producer_id=5), log)
+    _durable(core, core.init_producer_id(NOW, "app", fresh_producer_id=6), log)
+    last = (5, PRODUCER_EPOCH_LAST_ISSUED)
+    core._sessions["app"].session = Session("app", *last)  # (as 65,533 bumps more would)
+    rotated = _init(core, "app", last, log, fresh=9)
+    assert (rotated.producer_id, rotated.producer_epoch) == (9, 0)
+    retry = _init(core, "app", last, log)
+    assert (retry.producer_id, retry.producer_epoch, retry.fresh_producer_id_used) == (9, 0,
+                                                                                       False)
+    assert encode_record(log[-1])[1] == records_module.SESSION_BUMPED_TYPE
 
 
 def test_markers_are_resent_until_confirmed_and_counted() -> None:
@@ -1072,6 +1159,9 @@ records = st.one_of(
     st.builds(Completed, txn_ids, st.sampled_from(Decision), times),
     st.builds(SessionStarted, names, st.integers(1, 2**63 - 1),
               st.integers(0, PRODUCER_EPOCH_LAST_ISSUED), st.integers(1, 2**32 - 1), times),
+    st.builds(SessionStarted, names, st.integers(2, 2**63 - 1),
+              st.integers(0, PRODUCER_EPOCH_LAST_ISSUED), st.integers(1, 2**32 - 1), times,
+              st.just(1), st.integers(0, PRODUCER_EPOCH_LAST_ISSUED)),  # bumped from 1
 )
 
 
@@ -1089,7 +1179,9 @@ def test_record_round_trip_and_truncations(record) -> None:
 
 @pytest.mark.parametrize("data,why", [
     (b"\x02\x06" + b"\0" * 21, "version"),
-    (b"\x01\x09", "type"),
+    (b"\x01\x0b", "type"),
+    (b"\x01\x0a\x01\x00a" + b"\x01" + b"\0" * 7 + b"\0\0" + b"\x01\0\0\0" + b"\0" * 8
+     + b"\0" * 10, "bumped from producer id 0"),
     (b"\x01\x06" + b"\0" * 12 + b"\x01" + b"\0" * 8, "txn id (0, 0)"),
     (b"\x01\x06" + b"\x07\0\0\0\x01" + b"\0" * 7 + b"\x03" + b"\0" * 8, "decision 3"),
 ])
@@ -1159,6 +1251,23 @@ def test_every_bit_flip_and_truncation_of_a_snapshot_is_detected() -> None:
     for cut in range(len(data)):
         with pytest.raises(SnapshotCorrupt):
             TcPartitionCore.restore(data[:cut], TC)
+
+
+def test_a_version_1_snapshot_is_still_read() -> None:
+    """Version 2 added each session's bumped_from; a snapshot written before it (version
+    1, sessions without it) restores to the same table, with no bump to retry."""
+    core = small_table()
+    data = core.snapshot()
+    body = bytearray(data[:-4])
+    assert struct.unpack_from("<H", body, 4) == (2,)
+    struct.pack_into("<H", body, 4, 1)
+    session = b"\x03\x00tid"  # the one session's entry, then its bumped_from (none)
+    at = bytes(body).rindex(session) + len(session) + core_module._SNAP_SESSION.size
+    assert body[at:at + 10] == b"\0" * 10
+    del body[at:at + 10]
+    version_1 = bytes(body) + struct.pack("<I", crc32c.crc32c(bytes(body)))
+    restored, _ = TcPartitionCore.restore(version_1, TC)
+    assert restored.snapshot()[20:-4] == data[20:-4]
 
 
 def test_a_snapshot_of_another_tc_partition_is_refused() -> None:

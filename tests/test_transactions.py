@@ -289,6 +289,42 @@ def test_a_zombie_session_cannot_write_or_commit(client):
     second.close()
 
 
+def test_a_session_whose_epoch_bump_answer_was_lost_goes_on(client, monkeypatch):
+    """A session's producer whose write had an unknown outcome bumps its epoch at the next
+    begin_transaction(). That InitProducerId's answer is lost: begin_transaction() raises,
+    and the caller calls it again. Before, the second InitProducerId (the same epoch) was
+    answered PRODUCER_FENCED, and the producer could never go on. Now it gets the epoch the
+    first made, and its transactions commit."""
+    from spark_client import transactions
+
+    real_call = transactions.Coordinators.call
+    lost: list[int] = []
+
+    def call_losing_a_bumps_answer(self, k, method, request, deadline):
+        answer = real_call(self, k, method, request, deadline)
+        if method == "InitProducerId" and request.producer_id and not lost:
+            lost.append(answer.producer_epoch)
+            raise errors.error_for("SERVER_UNAVAILABLE", "the answer was lost (test)")
+        return answer
+
+    producer = client.producer(transactional_id="bumper-1")
+    try:
+        before = producer.epoch
+        producer._needs_reinit = True  # as a write with an unknown outcome leaves it
+        monkeypatch.setattr(transactions.Coordinators, "call", call_losing_a_bumps_answer)
+        with pytest.raises(errors.AtomlogClientError) as unknown:
+            producer.begin_transaction()
+        assert unknown.value.reason == "SERVER_UNAVAILABLE" and lost == [before + 1]
+        txn = producer.begin_transaction()
+        assert producer.epoch == before + 1
+        producer.send(T("tx-solo"), "after-the-lost-bump", partition=0, txn=txn)
+        txn.commit(wait_for_markers=True)
+        assert b"after-the-lost-bump" in values(read_all(client, [T("tx-solo")],
+                                                         "read_committed"))
+    finally:
+        producer.close()
+
+
 def test_transaction_state_survives_kill_9_of_every_partition_server(servers, client):
     """Committed data stays visible, aborted data invisible, and an open transaction
     keeps holding the max read position, after every partition server is killed -9 and
