@@ -44,14 +44,25 @@ CHECKS = Counter("atomlog_partition_txn_checks_total",
 ABORTED = coordinator_pb2.TXN_STATE_ABORTED
 
 
-def due_lookups(first_seen: dict, found, now: float, check_after_s: float,
-                max_per_round: int) -> tuple[dict, list]:
+def due_lookups(first_seen: dict, asked: dict, found, now: float, check_after_s: float,
+                max_per_round: int) -> tuple[dict, dict, list]:
     """(when each open transaction in `found` was first seen, kept from `first_seen` or
-    `now`; those open for `check_after_s` or more, at most `max_per_round`). Transactions
-    no longer open are forgotten."""
+    `now`; when each was last looked up, `asked` with this round's lookups at `now`; the
+    ones this round looks up). Due are those open for `check_after_s` or more; at most
+    `max_per_round` of them are looked up, those never asked first, then those asked
+    longest ago. So a transaction is looked up within a bounded number of rounds however
+    many others stay open and due (before, the same first `max_per_round` were asked
+    every round, and one behind them never was). Transactions no longer open are
+    forgotten."""
     seen = {key: first_seen.get(key, now) for key in found}
     due = [key for key, first in seen.items() if now - first >= check_after_s]
-    return seen, due[:max_per_round]
+    if len(due) > max_per_round:
+        never = float("-inf")
+        due.sort(key=lambda key: asked.get(key, never))  # (stable: ties keep their order)
+        due = due[:max_per_round]
+    asked = {key: asked[key] for key in seen if key in asked}
+    asked.update((key, now) for key in due)
+    return seen, asked, due
 
 
 def lookup_outcome(answer) -> tuple[str, int | None]:
@@ -81,8 +92,10 @@ class TxnChecker:
         self.check_after_s = check_after_ms / 1000
         self.interval_s = interval_ms / 1000
         self.max_per_round = max_per_round
-        # (topic, partition, subscription or None, txn) -> when first seen open (monotonic)
+        # (topic, partition, subscription or None, txn) -> when first seen open, and when
+        # last looked up (monotonic)
         self._first_seen: dict[tuple, float] = {}
+        self._asked: dict[tuple, float] = {}
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -122,8 +135,8 @@ class TxnChecker:
         """One round; returns how many transactions it aborted."""
         now = time.monotonic()
         found = self._open_now()
-        self._first_seen, due = due_lookups(self._first_seen, found, now, self.check_after_s,
-                                            self.max_per_round)
+        self._first_seen, self._asked, due = due_lookups(
+            self._first_seen, self._asked, found, now, self.check_after_s, self.max_per_round)
         if not due:
             return 0
         outcomes = await asyncio.gather(*(self._check(key, found[key]) for key in due))
@@ -154,6 +167,7 @@ class TxnChecker:
                   reason=error.reason)
             return False
         self._first_seen.pop(key, None)
+        self._asked.pop(key, None)
         PRESUMED_ABORTS.labels("data" if subscription is None else "acks").inc()
         event(log, "transaction unknown to its coordinator aborted here (presumed abort)",
               partition=owner.name, subscription=subscription or "",

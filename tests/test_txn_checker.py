@@ -18,18 +18,41 @@ from services.errors import AtomlogError
 
 def test_a_transaction_is_looked_up_once_open_long_enough_and_forgotten_once_ended():
     a, b, c = ("t", 0, None, (1, 1)), ("t", 0, None, (1, 2)), ("t", 1, "sub", (2, 1))
-    seen, due = due_lookups({}, {a: None, b: None}, now=100.0, check_after_s=10,
-                            max_per_round=100)
-    assert seen == {a: 100.0, b: 100.0} and due == []
-    seen, due = due_lookups(seen, {a: None, c: None}, now=105.0, check_after_s=10,
-                            max_per_round=100)
+    seen, asked, due = due_lookups({}, {}, {a: None, b: None}, now=100.0, check_after_s=10,
+                                   max_per_round=100)
+    assert seen == {a: 100.0, b: 100.0} and due == [] and asked == {}
+    seen, asked, due = due_lookups(seen, asked, {a: None, c: None}, now=105.0,
+                                   check_after_s=10, max_per_round=100)
     assert seen == {a: 100.0, c: 105.0} and due == []  # b ended: forgotten
-    seen, due = due_lookups(seen, {a: None, c: None}, now=110.0, check_after_s=10,
-                            max_per_round=100)
-    assert due == [a]
-    seen, due = due_lookups(seen, {a: None, c: None}, now=115.0, check_after_s=10,
-                            max_per_round=1)
-    assert due == [a]  # at most max_per_round
+    seen, asked, due = due_lookups(seen, asked, {a: None, c: None}, now=110.0,
+                                   check_after_s=10, max_per_round=100)
+    assert due == [a] and asked == {a: 110.0}
+    seen, asked, due = due_lookups(seen, asked, {a: None, c: None}, now=115.0,
+                                   check_after_s=10, max_per_round=1)
+    assert due == [c]  # at most max_per_round: the one never asked first
+    seen, asked, due = due_lookups(seen, asked, {c: None}, now=116.0, check_after_s=10,
+                                   max_per_round=1)
+    assert due == [c] and asked == {c: 116.0}  # a ended: forgotten
+
+
+def test_every_due_transaction_is_looked_up_however_many_stay_open():
+    """More due transactions than a round asks about, and the first ones stay open (long
+    transactions their coordinators answer OPEN about): before, the same first
+    max_per_round were asked every round, and a hanging one behind them (a one-call
+    transaction whose coordinator never decided it) never was, holding the partition's
+    max read position for as long as the others stayed open."""
+    open_long = [("t", 0, None, (1, n)) for n in range(1, 1001)]
+    hanging = ("t", 1, None, (2, 1))
+    found = dict.fromkeys([*open_long, hanging])
+    seen, asked, now, rounds = {}, {}, 0.0, 0
+    while True:
+        seen, asked, due = due_lookups(seen, asked, found, now, check_after_s=10,
+                                       max_per_round=300)
+        if hanging in due:
+            break
+        now, rounds = now + 1.0, rounds + 1
+        assert rounds < 20
+    assert rounds <= 10 + 1000 // 300  # its check_after_s, then a turn of the others
 
 
 @pytest.mark.parametrize("blip", [SessionExpiredError(), ConnectionLoss()])
