@@ -969,6 +969,17 @@ def source_positions(checkpoint: str, batch_id: int) -> tuple[str, dict[tuple[st
     return query_id, positions
 
 
+def _previous_positions(checkpoint: str, batch_id: int) -> dict[tuple[str, int], int]:
+    """The source end offsets of the micro-batch before `batch_id` (where this one's
+    reading began); empty for the first batch, or when its offset log entry is gone."""
+    if batch_id <= 0:
+        return {}
+    try:
+        return source_positions(checkpoint, batch_id - 1)[1]
+    except FileNotFoundError:
+        return {}
+
+
 def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
     """Cumulatively ack the micro-batch's source end offsets on `sourceSubscription`, in
     the micro-batch's parent transaction (opened here by its key when no task did).
@@ -978,10 +989,16 @@ def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
     from spark_client.transactions import Transaction
 
     query_id, positions = source_positions(options.checkpoint, batch_id)
+    # Only the partitions this micro-batch read from: the batch before it committed its
+    # own ends, and a cumulative ack that acknowledges nothing new is refused
+    # (TRANSACTION_CONFLICT: it is how two consumers of the same offsets are told
+    # apart), so a partition without new data would fail this batch and every replay.
+    previous = _previous_positions(options.checkpoint, batch_id)
     client = options.client()
     try:
         known = set(client.list_topics())
-        positions = {k: v for k, v in positions.items() if k[0] in known and v > 0}
+        positions = {k: v for k, v in positions.items()
+                     if k[0] in known and v > max(previous.get(k, 0), 0)}
         parent = Transaction(client, options.transaction_timeout_s,
                              key=stream_parent_key(query_id, batch_id))
         if parent.state_at_open != "OPEN":
