@@ -53,13 +53,17 @@ class Consumer:
         for topic in self.topics:
             for route in client.metadata.partitions(topic):
                 if partitions is None or route.partition in partitions:
-                    self._positions[(topic, route.partition)] = -1 if start == "latest" else 0
+                    self._positions[(topic, route.partition)] = -1
         if partitions is not None and len(self._positions) != len(self.topics) * len(set(partitions)):
             raise ValueError(f"partitions {sorted(set(partitions))} do not all exist in "
                              f"{self.topics}")
-        if start == "latest":
-            for key, offset in self._list_offsets(partition_pb2.OFFSET_SPEC_LATEST).items():
-                self._positions[key] = offset
+        # Resolved now: "earliest" is the log start offset, which retention or
+        # DeleteRecords may have moved past 0 (before, every consumer began at 0, and
+        # such a partition answered OFFSET_OUT_OF_RANGE).
+        spec = (partition_pb2.OFFSET_SPEC_LATEST if start == "latest"
+                else partition_pb2.OFFSET_SPEC_EARLIEST)
+        if self._positions:
+            self._positions.update(self._list_offsets(spec))
 
     def assignment(self) -> dict[tuple[str, int], int]:
         """Each (topic, partition) and the next offset this consumer will read."""
@@ -178,6 +182,7 @@ class Consumer:
                                        "no owner of any partition is reachable")
             calls = self._send_fetches(servers, wait_s)
         failure: errors.AtomlogClientError | None = None
+        fatal: errors.AtomlogClientError | None = None  # a partition's, not retriable
         taken = []
         for call in calls:
             try:
@@ -189,6 +194,11 @@ class Consumer:
                 if result.error.reason:
                     failure = errors.error_for(result.error.reason, result.error.message,
                                                dict(result.error.metadata))
+                    if not failure.retriable and fatal is None:
+                        tp = result.topic_partition
+                        fatal = errors.error_for(
+                            result.error.reason, f"{tp.topic}-{tp.partition}: "
+                            f"{result.error.message}", dict(result.error.metadata))
                     continue
                 taken.append(result)
         after = dict(self._positions)
@@ -213,6 +223,11 @@ class Consumer:
                 _cancel(prefetched)
                 raise
             self._positions[key] = after[key]
+        if fatal is not None:
+            # Raised even though other partitions brought data (kept for the next poll):
+            # before, it was dropped whenever they did, and that partition was never read
+            # again while poll() went on without a word.
+            raise fatal
         if failure is not None and not self._fetched:
             if failure.reason in ("NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                                   "SERVER_UNAVAILABLE"):

@@ -385,6 +385,44 @@ def test_delete_records_moves_the_log_start_to_a_segment_boundary(client, cluste
     assert describe(stub, "trimmed", 0).segment_count == 1  # only the active segment is left
 
 
+def test_a_consumer_starts_at_the_log_start_and_a_partition_it_cannot_read_is_not_hidden(
+        client, cluster):
+    """A consumer started at "earliest" began every partition at offset 0. After
+    DeleteRecords (or retention) moved a partition's log start, that partition answered
+    OFFSET_OUT_OF_RANGE, and while another partition brought data, poll() dropped the
+    error: the partition was never read again, and nothing said so. Now "earliest" is
+    the log start, and a partition's error that retrying cannot mend is raised even when
+    others bring data (theirs is kept for the next poll)."""
+    from spark_client import errors
+
+    create_online(client, "trimmed-2", 2, config={"segment.bytes": str(1 << 16)})
+    stub = stub_at(client, client.metadata.route("trimmed-2", 0).address)
+    produce(stub, "trimmed-2", 0, batches=40)
+    start = delete(stub, "trimmed-2", 0, 205).log_start_offset
+    assert start > 0
+    other = stub_at(client, client.metadata.route("trimmed-2", 1).address)
+    produce(other, "trimmed-2", 1, batches=3)
+    with client.consumer(["trimmed-2"]) as consumer:
+        assert consumer.assignment() == {("trimmed-2", 0): start, ("trimmed-2", 1): 0}
+        got: dict[int, list[int]] = {0: [], 1: []}
+        deadline = time.monotonic() + 30
+        while (len(got[0]) < 400 - start or len(got[1]) < 30) and time.monotonic() < deadline:
+            for message in consumer.poll(1.0):
+                got[message.partition].append(message.offset)
+        assert got == {0: list(range(start, 400)), 1: list(range(30))}
+
+    produce(other, "trimmed-2", 1, batches=40)  # a backlog on the other partition
+    with client.consumer(["trimmed-2"], max_bytes_per_partition=16 << 10) as consumer:
+        consumer.seek("trimmed-2", 0, start - 1)  # below the log start now
+        read_meanwhile = 0
+        with pytest.raises(errors.AtomlogClientError) as refused:
+            for _ in range(200):
+                read_meanwhile += len(consumer.poll(1.0))
+        assert read_meanwhile < 100  # (before: raised only once the backlog of 430 was read)
+        assert refused.value.reason == "OFFSET_OUT_OF_RANGE"
+        assert "trimmed-2-0" in str(refused.value)
+
+
 def test_delete_records_bad_inputs(client, cluster):
     create_online(client, "trim-errors", 2)
     route = client.metadata.route("trim-errors", 0)
