@@ -812,10 +812,16 @@ class SubscriptionCursor:
             raise AtomlogError("INVALID_ARGUMENT", "an ack needs a cumulative_end_offset or "
                                "individual_ranges", {"field": "cumulative_end_offset"})
         end = max(cumulative_end, requested.ends[-1] if requested else 0)
-        if end > limit:
+        # What was delivered can be acknowledged too: a READ_UNCOMMITTED reader is given
+        # offsets up to the high watermark, past the max read position while a
+        # transaction is open (before, its acks of them were refused, and they came back
+        # every ack timeout until the transaction ended).
+        if end > max(limit, self._read_position):
             raise AtomlogError(
                 "OFFSET_OUT_OF_RANGE", f"ack up to offset {end} (exclusive): only offsets "
-                f"below {limit} (the max read position) can be acknowledged",
+                f"below {max(limit, self._read_position)} (the max read position {limit}, "
+                f"or the end of what was delivered, {self._read_position}) can be "
+                "acknowledged",
                 {"field": "individual_ranges" if end != cumulative_end
                  else "cumulative_end_offset", "max_read_position": limit})
         return requested

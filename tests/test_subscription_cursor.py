@@ -111,6 +111,21 @@ def test_individual_acks_compact_into_the_cumulative_end():
     assert cursor.is_acknowledged(16) and not cursor.is_acknowledged(17)
 
 
+def test_what_was_delivered_past_the_max_read_position_can_be_acknowledged():
+    """A READ_UNCOMMITTED reader is given offsets up to the high watermark, past the max
+    read position while a transaction is open. Its acks of them were refused
+    (OFFSET_OUT_OF_RANGE: the limit was the max read position), and they came back every
+    ack timeout until the transaction ended. Now the limit is the max read position or
+    the end of what was delivered, whichever is further; beyond both is still refused."""
+    cursor = SubscriptionCursor()
+    assert [tuple(r) for r in deliver(cursor, "c", log_end=12).delivered] == [(0, 12)]
+    assert ack(cursor, ranges=[(11, 12)], limit=10) is not None  # the MRP is 10
+    assert ack(cursor, cumulative_end=12, limit=10) is not None
+    assert cursor.cumulative_end == 12
+    error = unchanged(cursor, cursor.check_ack, ranges=[(12, 13)], limit=10)
+    assert error.reason == "OFFSET_OUT_OF_RANGE"
+
+
 def test_cumulative_acks_and_repeats_are_no_ops_that_succeed():
     cursor = SubscriptionCursor()
     entry = ack(cursor, cumulative_end=5, ranges=[(7, 8)])
