@@ -914,7 +914,8 @@ def _frame_problem(data: bytes, position: int, sequence: int) -> tuple[str | Non
     computed = crc32c.crc32c(payload, crc32c.crc32c(_SEQUENCE.pack(stored_sequence)))
     if computed != crc:
         return (f"frame CRC32C mismatch: stored {crc:#010x}, computed {computed:#010x}", end,
-                end == len(data) or _zeros_from(data, position))
+                end == len(data) or _zeros_from(data, position)
+                or _zeroed_sectors_from(data) < end)
     if stored_sequence != sequence:
         return f"frame has entry {stored_sequence}, expected {sequence}", end, False
     return None, end, False
@@ -923,6 +924,20 @@ def _frame_problem(data: bytes, position: int, sequence: int) -> tuple[str | Non
 def _zeros_from(data: bytes, position: int) -> bool:
     """Only zero bytes from position to the end (a file extended but never written)."""
     return not any(memoryview(data)[position:])
+
+
+SECTOR = 512
+
+
+def _zeroed_sectors_from(data: bytes) -> int:
+    """Where the file's trailing run of whole zero sectors begins (its length if none).
+    A power cut can keep a write's first sectors and lose the rest, which read back as
+    zeros to the end of the file: a frame whose bytes reach into such a run was being
+    written, not damaged after it was synced (a synced frame is never followed by
+    sectors that were never written)."""
+    zeros_from = len(data.rstrip(b"\0"))
+    aligned = -(-zeros_from // SECTOR) * SECTOR
+    return aligned if aligned < len(data) else len(data)
 
 
 def _data_loss(path: Path, position: int, detail: str) -> AtomlogError:

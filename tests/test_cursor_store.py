@@ -213,6 +213,41 @@ def test_a_torn_tail_is_truncated(store, damage):
     again.close()
 
 
+def test_a_tail_whose_last_sectors_came_back_zeroed_is_truncated(store):
+    """A power cut while more than a sector of frames was written but not synced: the
+    first sectors come back and the rest read as zeros (the chaos harness's power
+    nemesis models it so). The frame running into the zeros fails its CRC and ends
+    before the end of the file. Before, that was DATA_LOSS (the subscriptions of the
+    partition would not load until an operator acted); it is a torn tail, and nothing
+    in it was acknowledged."""
+    busy(store)
+    expected = states(store)
+    path = journal(store.directory)
+    synced = path.stat().st_size
+    for offset in range(40):  # well over a sector of frames, written, never synced
+        ack(store, "billing", ranges=[(100 + 2 * offset, 101 + 2 * offset)])
+    store.write()
+    data = bytearray(path.read_bytes())
+    store.close(sync=False)
+    assert len(data) - synced > 3 * 512
+    kept = (synced // 512 + 2) * 512  # the unsynced part's first sectors came back
+    data[kept:] = bytes(len(data) - kept)
+    path.write_bytes(bytes(data))
+    recovered = CursorStore.open(store.directory)
+    assert recovered.recovery.torn_bytes_truncated > 0
+    assert synced <= path.stat().st_size <= kept
+    survived = states(recovered)
+    assert survived["audit"] == expected["audit"]
+    before, after = expected["billing"], survived["billing"]
+    assert after.cumulative_end == before.cumulative_end
+    assert after.ranges[:len(before.ranges)] == \
+        before.ranges  # what was synced, then a prefix of the unsynced acks
+    assert (after.pending, after.ended) == (before.pending, before.ended)
+    extra = after.ranges[len(before.ranges):]
+    assert extra == tuple(OffsetRange(100 + 2 * i, 101 + 2 * i) for i in range(len(extra)))
+    recovered.close()
+
+
 def test_corruption_before_the_tail_is_data_loss(store):
     busy(store)
     store.close()
