@@ -95,7 +95,7 @@ from partition_server.record_batch import (ATTR_TRANSACTIONAL, LENGTH_FIELD_END,
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.log import RollJob, unlink_files
 from partition_server.segment import walk_headers
-from partition_server.snapshot_files import SnapshotCorrupt, write_atomically
+from partition_server.snapshot_files import SnapshotCorrupt, fsync_directory, write_atomically
 from partition_server.subscriptions import PartitionSubscriptions
 from partition_server.txn_buffer import AbortedTxn, MarkerAction, TxnBuffer, TxnBufferLimits
 from partition_server.txn_guard import TxnGuard
@@ -680,7 +680,11 @@ class PartitionOwner:
         nothing (full replay). Never guesses."""
         for covered, path in self._snapshot_files(module):
             if covered > partition_log.log_end_offset:
-                path.unlink(missing_ok=True)  # describes data lost with a torn tail
+                # It describes data lost with a torn tail (or an accepted loss). The
+                # unlink is made durable at once: else, once the log grows past it again,
+                # a crash could bring it back to describe a history that is gone.
+                path.unlink(missing_ok=True)
+                fsync_directory(self.directory)
                 continue
             try:
                 state, covered = restore(path.read_bytes())
@@ -1552,11 +1556,7 @@ class PartitionOwner:
                 path.unlink(missing_ok=True)
                 removed = True
         if removed:
-            dir_fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_directory(self.directory)
 
     # ------------------------------------------------------------------ snapshots
     async def _snapshot(self, force: bool = False) -> None:

@@ -107,6 +107,42 @@ class GatedFsync:
                 event.set()
 
 
+def test_a_snapshot_beyond_the_recovered_log_is_removed_durably(tmp_path, monkeypatch):
+    """A snapshot covering past the recovered log end (the data it describes was lost with
+    a torn tail, or in an accepted loss) is removed at load. The unlink was not made
+    durable: once the log grew past it again, a crash could bring it back to describe a
+    history that is gone (answering a new batch as a duplicate, say). Now its directory
+    is fsynced before the load goes on."""
+    from partition_server import owner as owner_module
+    from partition_server import producer_state
+
+    settings = OwnerSettings(log=LogConfig(segment_bytes=4_000), fsync=False,
+                             snapshot_interval_batches=10, snapshot_interval_ms=3_600_000)
+    directory = tmp_path / "t-0"
+    synced: list = []
+    real = owner_module.fsync_directory
+
+    def recording(path):
+        synced.append(path)
+        real(path)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, directory, settings)
+        await owner.start()
+        await produce(owner, [batch(7, s) for s in range(0, 8, 2)])  # 8 records
+        await owner.close()
+        [snapshot] = directory.glob("*.producer_snapshot")
+        beyond = directory / producer_state.snapshot_file_name(500)
+        beyond.write_bytes(snapshot.read_bytes())
+        monkeypatch.setattr(owner_module, "fsync_directory", recording)
+        again = PartitionOwner("t", 0, directory, settings)
+        await again.start()
+        assert not beyond.exists() and directory in synced
+        await again.close()
+
+    asyncio.run(scenario())
+
+
 async def until(condition, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
