@@ -97,6 +97,7 @@ from partition_server.snapshot_files import (
     SnapshotCorrupt,
     SnapshotFileNames,
     fsync_directory,
+    make_directory,
     seal,
     unseal,
     write_atomically,
@@ -331,7 +332,7 @@ class CursorStore:
         limits = limits or CursorStoreLimits()
         directory = Path(directory)
         _finish_install(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        make_directory(directory)
         for leftover in directory.glob("*" + TMP_SUFFIX):
             leftover.unlink()
         report = RecoveryReport()

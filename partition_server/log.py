@@ -43,6 +43,7 @@ from partition_server.record_batch import (ATTR_CONTROL, DEFAULT_MAX_BATCH_BYTES
 from partition_server.segment import (INDEX_SUFFIX, POSITION_MAX, RELATIVE_OFFSET_MAX,
                                       ScanFailure, Segment, SparseIndex, check_batches,
                                       parse_segment_name, scan, walk_headers)
+from partition_server.snapshot_files import make_directory
 from services.errors import AtomlogError
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -246,7 +247,7 @@ class PartitionLog:
         self.wal = None
         self._cut_generation = 0  # bumped by every cut: a checkpoint begun before is void
         self.recovery = RecoveryReport()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_directory(self.directory)
         self._dir_fd = os.open(self.directory, os.O_RDONLY)
         try:  # one owner per partition, also across processes
             fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -25,7 +25,7 @@ from atomlog.v1 import partition_pb2
 from partition_server import metrics as m
 from partition_server import copies, partition_states, producer_state, txn_buffer
 from partition_server.log import DATA_LOSS_FILE, DataLoss, encode_data_loss
-from partition_server.snapshot_files import fsync_directory, write_atomically
+from partition_server.snapshot_files import fsync_directory, make_directory, write_atomically
 from partition_server.assignments import Assignments
 from partition_server.owner import OwnerSettings, PartitionOwner
 from partition_server.replica import Follower, LeaderFetcher, LeaderReplication, ReplicaStub
@@ -145,7 +145,7 @@ class PartitionManager:
         self._collectors.append(m.register_replication_collector(self))
 
     async def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_directory(self.data_dir)
         # The copies this server starts with, before anything here creates one: a replica
         # in an ISR without its directory lost its copy (_leave_isrs).
         self._copies_at_start = set(os.listdir(self.data_dir))

@@ -84,3 +84,20 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_directory(directory: Path) -> None:
+    """`mkdir -p`, each directory it creates made durable in its parent (an fsync of the
+    parent): a new directory's entry is metadata of its parent, which a power cut may
+    lose on file systems without ordered metadata, and with it every file inside."""
+    missing = []
+    path = Path(directory)
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:  # made meanwhile by another: its maker syncs it
+            continue
+        fsync_directory(path.parent)

@@ -96,7 +96,7 @@ from prometheus_client import Gauge
 from partition_server import durability
 from partition_server.log import DATA_LOSS_FILE, LogConfig, PartitionLog, _writev_all
 from partition_server.record_batch import iter_batches, parse_header
-from partition_server.snapshot_files import fsync_directory, write_atomically
+from partition_server.snapshot_files import fsync_directory, make_directory, write_atomically
 from services import failpoints
 from services.errors import AtomlogError
 from services.fastmetrics import Counter, Histogram
@@ -845,7 +845,7 @@ class WriteAheadLog:
         of those partitions (KEPT_MANIFEST): one whose directory comes back is replayed
         from them at a later start (`replay_kept`). `config`: the server's storage
         settings (any topic's batch size is taken). Returns {name: batches replayed}."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_directory(self.directory)
         config = _replay_config(config)
         plans = plan(read_frames(self.directory))
         replay_kept(self.directory, data_dir, config, live=set(plans))
@@ -893,7 +893,7 @@ class WriteAheadLog:
     async def start(self) -> None:
         """Open a new segment and start the checkpointer (on the owners' event loop)."""
         self._loop = asyncio.get_running_loop()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_directory(self.directory)
         existing = list_segments(self.directory)
         if existing:  # recover_all replays and deletes them first
             raise RuntimeError(f"write-ahead segments {existing} in {self.directory} were "

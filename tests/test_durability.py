@@ -857,3 +857,33 @@ def test_a_subscription_journal_is_made_durable_in_the_barrier_round_and_fails_c
         await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_every_directory_a_server_creates_is_made_durable_in_its_parent(tmp_path,
+                                                                       monkeypatch):
+    """A new directory's entry is metadata of its parent, which a power cut may lose on
+    file systems without ordered metadata, and with it every file inside: a partition's
+    directory and its cursors' directory, the write-ahead file's, the data directory.
+    They were made with mkdir alone (an audit's finding); now each one created is
+    followed by an fsync of its parent."""
+    from partition_server import snapshot_files
+    from partition_server.cursor_store import CursorStore
+    from partition_server.log import PartitionLog
+
+    synced: list[Path] = []
+    real = snapshot_files.fsync_directory
+
+    def recording(directory):
+        synced.append(Path(directory))
+        real(directory)
+
+    monkeypatch.setattr(snapshot_files, "fsync_directory", recording)
+    snapshot_files.make_directory(tmp_path / "a" / "b")
+    assert synced == [tmp_path, tmp_path / "a"]
+    snapshot_files.make_directory(tmp_path / "a" / "b")  # there already: nothing to sync
+    assert len(synced) == 2
+    partition_log = PartitionLog(tmp_path / "data" / "t-0", LogConfig())
+    partition_log.close()
+    assert {tmp_path, tmp_path / "data"} <= set(synced)
+    CursorStore.open(tmp_path / "data" / "t-0" / "cursors").close()
+    assert tmp_path / "data" / "t-0" in synced
