@@ -1713,6 +1713,11 @@ class PartitionOwner:
             # now. Given up first: a crash between the two leaves it in DATA_LOSS still.
             self.log.check_recovery(file, offset)
             await asyncio.to_thread(forget_kept, self._wal.directory, self.name)
+            if self.log.wal is None and self._wal_tap is not None:
+                # A log loaded in DATA_LOSS has no tap, so its cut would be no frame, and
+                # the reload's replay would find the log ending below the frames (loaded
+                # at a higher offset): DATA_LOSS again. Framed first, as every cut is.
+                await asyncio.to_thread(self._wal.write_cut, self._wal_tap.name, offset)
         report = await asyncio.to_thread(self.log.recover_data_loss, file, offset)
         self.log.close()
         await self._load()

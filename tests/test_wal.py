@@ -1130,3 +1130,52 @@ def test_a_start_replays_a_write_ahead_file_larger_than_it_holds_in_memory(tmp_p
     assert replayed == {} and logged("t-3") == written["t-3"]
     assert peak < bound, (peak, bound, total)
     assert not list(wal_dir.glob("kept-*"))
+
+
+def test_an_operator_s_recovery_from_a_loss_below_the_frames_brings_the_partition_back(
+        tmp_path):
+    """A partition loaded at 10 (its BASE frame), written on to 20, then damage found by a
+    read at offset 4, below where its frames begin. A log loaded in DATA_LOSS gets no
+    write-ahead tap, so the operator's cut to 4 (RecoverPartition) wrote no CUT frame, and
+    the reload's replay found the log ending below the frames: DATA_LOSS again ("the
+    checkpointed data is missing"); only a restart got out. Now the cut is framed first,
+    and the partition comes back at 4."""
+    from tests.test_replication import flip_byte_in_batch
+
+    async def scenario():
+        node = Node(tmp_path, 1, checkpoint_ms=60_000)
+        await node.start()
+        owner = node.owners[0]
+        for sequence in range(0, 10, 2):
+            b = batch(1, sequence)
+            await owner.produce([(b, parse_header(b))])
+        await node.close()
+        node = Node(tmp_path, 1, checkpoint_ms=60_000)
+        await node.start()  # loaded at 10: its frames begin there
+        owner = node.owners[0]
+        for sequence in range(10, 20, 2):
+            b = batch(1, sequence)
+            await owner.produce([(b, parse_header(b))])
+        [segment] = sorted((tmp_path / "p" / "t-0").glob("*.log"))
+        flip_byte_in_batch(segment, 2)  # the batch at offset 4
+        with pytest.raises(AtomlogError):
+            owner.read(0, 1 << 20)
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if owner.state is State.DATA_LOSS:
+                break
+        assert owner.state is State.DATA_LOSS
+        loss = owner.log.data_loss
+        assert loss.offset == 4
+        await owner.recover_data_loss(loss.path, 4)
+        assert owner.state is State.ONLINE and owner.log.high_watermark == 4
+        b = batch(2, 0)
+        assert (await owner.produce([(b, parse_header(b))]))[0].base_offset == 4
+        await node.close()
+        node = Node(tmp_path, 1)  # and a restart replays the same
+        await node.start()
+        assert node.owners[0].state is State.ONLINE
+        assert node.owners[0].log.high_watermark == 6
+        await node.close()
+
+    asyncio.run(scenario())
