@@ -74,8 +74,9 @@ OPTIONS = {
                            "than this is split over several Spark partitions"),
     "maxRecordsPerTrigger": ("", "streams: at most about this many offsets per "
                              "micro-batch, spread over the partitions (default: all)"),
-    "transactionTimeoutMs": ("120000", "writes: the parent's OPEN timeout; a dead driver's "
-                             "write is aborted this long after its last task started"),
+    "transactionTimeoutMs": ("120000", "writes: the parent's OPEN timeout, restarted while "
+                             "any write task runs; a dead driver's write is aborted this "
+                             "long after its last task ended"),
     "childTimeoutMs": ("", "writes: a task attempt's OPEN timeout (default: "
                        "transactionTimeoutMs)"),
     "preparedTimeoutMs": ("0", "writes: how long a prepared child waits for its parent's "
@@ -765,32 +766,62 @@ def _peek(batches) -> tuple[bool, Iterator]:
     return False, iter(())
 
 
-def _write_child(options: Options, parent_key: str, batches,
-                 expected_parent: tuple[int, int] | None = None) -> ChildCommit:
-    """One task attempt: open the parent by its key (for a batch write this finds the
-    driver's parent and restarts its timeout; for a stream the first task creates it),
-    open a child under it, write, prepare. A parent already decided (a replayed
-    micro-batch) means: write nothing. An exception aborts the child (best effort) and
-    fails the attempt."""
+class _ParentKeepAlive:
+    """While a task runs, its write's parent stays open: NewTxn with the parent's key
+    every third of its timeout restarts the timeout (a thread: the task's own thread
+    waits in Spark's iterator for its first row, which a sort or an aggregation upstream
+    may take longer than the timeout to give). It stops at the task's end, or when the
+    key no longer opens that parent (decided, or replaced after a timeout). So the
+    timeout bounds how long a write outlives its last task, as after a dead driver, and
+    not how long a task may compute."""
+
+    def __init__(self, options: Options, client, key: str, parent: tuple[int, int]):
+        import threading
+
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(options, client, key, parent),
+                                        name="atomlog-parent-keep-alive", daemon=True)
+        self._thread.start()
+
+    def _run(self, options: Options, client, key: str, parent: tuple[int, int]) -> None:
+        from spark_client.transactions import Transaction
+
+        interval = max(0.5, options.transaction_timeout_s / 3)
+        while not self._stopped.wait(interval):
+            try:
+                again = Transaction(client, options.transaction_timeout_s, key=key)
+            except Exception:  # noqa: BLE001 — tried again next interval; the task decides
+                continue
+            if again.key != parent or again.state_at_open != "OPEN":
+                if again.key != parent and again.state_at_open == "OPEN":
+                    again.abort()  # opened anew by the key: not this write's parent
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=1.0)  # (a call under way ends on its own; nothing waits)
+
+
+def _write_child(options: Options, parent_key: str, batches) -> ChildCommit:
+    """One task attempt: open the parent by its key (the first task of the write creates
+    it, every later one finds it and restarts its timeout; a keep-alive restarts it
+    while the task runs), open a child under it, write, prepare. A parent already
+    decided (a replayed micro-batch) means: write nothing. An exception aborts the child
+    (best effort) and fails the attempt."""
     from spark_client.transactions import Transaction
 
-    has_rows, batches = _peek(batches)
-    if not has_rows:
-        return ChildCommit(parent=None, child=None, skipped="no rows")
     client = options.client()
     child = None
+    keep_alive = None
     try:
         parent = Transaction(client, options.transaction_timeout_s, key=parent_key)
-        if expected_parent is not None and parent.key != expected_parent:
-            # The driver's parent ended (its timeout aborted it) and the key opened a new
-            # one: abort that and fail; the driver's commit fails too.
-            parent.abort()
-            raise errors.error_for(
-                "TRANSACTION_TIMED_OUT", f"parent transaction {expected_parent[0]}:"
-                f"{expected_parent[1]} is no longer open (raise transactionTimeoutMs?)")
         if parent.state_at_open != "OPEN":
             return ChildCommit(parent=parent.key, child=None,
                                skipped=f"parent {parent.state_at_open}")
+        keep_alive = _ParentKeepAlive(options, client, parent_key, parent.key)
+        has_rows, batches = _peek(batches)
+        if not has_rows:
+            return ChildCommit(parent=parent.key, child=None, skipped="no rows")
         try:
             child = Transaction(client, options.child_timeout_s, parent=parent)
         except errors.AtomlogClientError as error:
@@ -809,34 +840,69 @@ def _write_child(options: Options, parent_key: str, batches,
                 pass
         raise
     finally:
+        if keep_alive is not None:
+            keep_alive.stop()
         client.close()
 
 
 class BatchWriter(DataSourceArrowWriter):
-    """Built on the driver: opens the parent. Pickled to the tasks and to commit/abort."""
+    """Built on the driver, before the job: picks the parent's key. Pickled to the tasks
+    (the first opens the parent by the key) and to commit/abort. The parent is not
+    opened here: the stages before the write (a shuffle, a sort) may run longer than its
+    timeout before any task writes."""
 
     def __init__(self, options: Options, schema: StructType):
-        from spark_client.transactions import Transaction
-
         _check_write_schema(schema, options)
         self.options = options
         client = options.client()
         try:
             _check_topics_exist(options, client)
-            self.parent_key = f"spark-write:{uuid.uuid4()}"
-            parent = Transaction(client, options.transaction_timeout_s, key=self.parent_key)
-            self.parent_id = parent.key
         finally:
             client.close()
+        self.parent_key = f"spark-write:{uuid.uuid4()}"
 
     def write(self, iterator) -> ChildCommit:
-        return _write_child(self.options, self.parent_key, iterator, self.parent_id)
+        return _write_child(self.options, self.parent_key, iterator)
 
     def commit(self, messages: list[ChildCommit | None]) -> None:
-        _commit_parent(self.options, self.parent_id, messages)
+        parent = _one_parent(self.options, messages, "the write")
+        if parent is not None:
+            _commit_parent(self.options, parent, messages)
 
     def abort(self, messages: list[ChildCommit | None]) -> None:
-        _abort_parent(self.options, self.parent_id)
+        _abort_parents(self.options, messages, self.parent_key)
+
+
+def _one_parent(options: Options, messages: list[ChildCommit | None],
+                what: str) -> tuple[int, int] | None:
+    """The one parent the tasks' messages name (None if none does). Several: the parent
+    timed out while no task kept it open, and later tasks opened a new one by its key;
+    every one is aborted and the write fails (Spark runs a micro-batch again)."""
+    parents = {m.parent for m in messages if m is not None and m.parent is not None}
+    if len(parents) > 1:
+        for parent in parents:
+            _abort_parent(options, parent)
+        raise errors.error_for("TRANSACTION_TIMED_OUT", f"{what} outlived its parent's "
+                               "timeout (transactionTimeoutMs) between its tasks")
+    return parents.pop() if parents else None
+
+
+def _abort_parents(options: Options, messages: list[ChildCommit | None],
+                   key: str | None = None) -> None:
+    """Abort the parents the messages name and, given its key, the one the key opens
+    now (a task that failed may have opened it, and its message is not given)."""
+    from spark_client.transactions import Transaction
+
+    for parent in {m.parent for m in messages if m is not None and m.parent is not None}:
+        _abort_parent(options, parent)
+    if key is not None:
+        client = options.client()
+        try:
+            found = Transaction(client, options.transaction_timeout_s, key=key)
+            if found.state_at_open == "OPEN":
+                found.abort()
+        finally:
+            client.close()
 
 
 def _commit_parent(options: Options, parent_id: tuple[int, int],
@@ -908,20 +974,12 @@ class StreamWriter(DataSourceStreamArrowWriter):
             # The acks need the batch's parent even when no task wrote a row.
             parent = _ack_source_positions(self.options, batchId)
             messages = [*messages, ChildCommit(parent=parent, child=None, skipped="acks")]
-        parents = {m.parent for m in messages if m is not None and m.parent is not None}
-        if len(parents) > 1:
-            # The batch's parent timed out while it ran, and later tasks opened a new
-            # one by the same key: commit neither; the query fails and replays the batch.
-            for parent in parents:
-                _abort_parent(self.options, parent)
-            raise errors.error_for("TRANSACTION_TIMED_OUT", f"micro-batch {batchId} ran "
-                                   f"longer than its parent's timeout (transactionTimeoutMs)")
-        if parents:
-            _commit_parent(self.options, parents.pop(), messages)
+        parent = _one_parent(self.options, messages, f"micro-batch {batchId}")
+        if parent is not None:
+            _commit_parent(self.options, parent, messages)
 
     def abort(self, messages: list[ChildCommit | None], batchId: int) -> None:
-        for parent in {m.parent for m in messages if m is not None and m.parent is not None}:
-            _abort_parent(self.options, parent)
+        _abort_parents(self.options, messages)
 
 
 # ---------------------------------------------------------------------------- source acks

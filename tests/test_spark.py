@@ -111,6 +111,33 @@ def test_a_task_failing_on_its_first_attempt_still_writes_exactly_once(spark, cl
     assert open_count(client, topic) == 0
 
 
+def test_a_write_whose_stages_outlast_the_parent_s_timeout_commits(spark, client, bootstrap):
+    """transactionTimeoutMs bounds how long a write outlives its last task, not how long
+    its stages compute. Before, the parent was opened when Spark planned the write, and
+    tasks restarted its timeout only once they had a row: a stage before the write (here
+    a shuffle after a slow map) or a task slow to its first row (a slow step after the
+    shuffle) that took longer than the timeout lost the parent, and the write failed
+    every time. Now the first task opens the parent, and a task keeps it open while it
+    runs."""
+    from pyspark.sql.functions import udf
+
+    topic = new_topic(client, "spark-slow-stages")
+
+    @udf("long")
+    def slow(i):
+        import time
+
+        time.sleep(0.4)  # 10 rows a task: 4 s, longer than the 2 s timeout
+        return i
+
+    df = (spark.range(0, 20, numPartitions=2).select(slow("id").alias("id"))
+          .repartition(2).select(slow("id").alias("id"))
+          .selectExpr("concat('slow-', cast(id as string)) as value"))
+    writer(df, bootstrap, topic, transactionTimeoutMs=2000).save()
+    assert values(client, topic) == Counter(f"slow-{i}".encode() for i in range(20))
+    assert open_count(client, topic) == 0
+
+
 def test_a_failed_job_leaves_nothing_visible(spark, client, bootstrap):
     from pyspark.sql.functions import udf
 
