@@ -730,7 +730,7 @@ class TcPartitionCore:
         """PrepareTxn: OPEN -> PREPARED. Idempotent. Reply: PrepareResult."""
         txn = self._get(txn_id)
         self._check_session(txn, session, now_ms)
-        if txn.state is State.PREPARED and not txn.timed_out(now_ms):
+        if txn.state is State.PREPARED and not self._expired(txn, now_ms):
             return Ready(reply=PrepareResult(State.PREPARED, txn.prepared_timeout_ms))
         if txn.state in (State.COMMITTING, State.COMMITTED):
             raise _ended_error(txn, "prepare")
@@ -1235,7 +1235,7 @@ class TcPartitionCore:
                                        (), ()))
                 locks.add(txn.txn_id)
                 continue
-            if not txn.timed_out(now_ms) or txn.txn_id in locks:
+            if not self._expired(txn, now_ms) or txn.txn_id in locks:
                 continue
             record, decision_locks = self._decision(txn, Decision.ABORT,
                                                     self._timeout_cause(txn), now_ms,
@@ -1560,6 +1560,20 @@ class TcPartitionCore:
                              sub_results)
         return self._propose(records, {txn.txn_id}, reply)
 
+    def _expired(self, txn: Txn, now_ms: int) -> bool:
+        """`txn.timed_out`, except that a PREPARED child waits for its parent while the
+        parent is OPEN within its own deadline (which the parent's keep-alives restart:
+        NewTxn by its key). So the parent's timeout, not the child's prepared timeout,
+        bounds how long a running job's prepared children wait; a dead parent's timeout
+        aborts them with it. (Before, a Spark job whose write ran longer than the
+        prepared timeout failed at its commit, CHILD_NOT_PREPARED, after all its work.)"""
+        if txn.state is State.PREPARED and txn.parent is not None:
+            parent = self._unfinished.get(txn.parent)
+            if parent is not None and parent.state is State.OPEN \
+                    and not parent.timed_out(now_ms):
+                return False
+        return txn.timed_out(now_ms)
+
     def _check_parent(self, parent_id: TxnId, now_ms: int) -> None:
         if parent_id.tc_partition != self.tc_partition:
             raise _error("INVALID_ARGUMENT",
@@ -1668,8 +1682,8 @@ class TcPartitionCore:
                              f"{child_id} is not a child of {txn.txn_id}"
                              f"{'' if child else ' (unknown transaction)'}",
                              field="children_to_keep", child_txn_id=child_id)
-            if child.state is not State.PREPARED or child.timed_out(now_ms):
-                state = "TIMED_OUT" if child.timed_out(now_ms) else child.state.name
+            if child.state is not State.PREPARED or self._expired(child, now_ms):
+                state = "TIMED_OUT" if self._expired(child, now_ms) else child.state.name
                 raise _error("CHILD_NOT_PREPARED",
                              f"child {child_id} is {state}, not PREPARED: nothing was "
                              "decided", child_txn_id=child_id, child_state=state,

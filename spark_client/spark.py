@@ -80,7 +80,8 @@ OPTIONS = {
     "childTimeoutMs": ("", "writes: a task attempt's OPEN timeout (default: "
                        "transactionTimeoutMs)"),
     "preparedTimeoutMs": ("0", "writes: how long a prepared child waits for its parent's "
-                          "decision (0: the coordinator's default)"),
+                          "decision, past the parent's own timeout (while the parent is "
+                          "open, the child waits as long; 0: the coordinator's default)"),
     "batchMaxBytes": ("1048576", "writes: producer batch size in bytes (at most the "
                       "servers' partition.max_batch_bytes, 1 MiB by default)"),
     "lingerMs": ("5", "writes: producer linger in milliseconds"),

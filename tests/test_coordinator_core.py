@@ -877,6 +877,41 @@ def _init(core: TcPartitionCore, tid: str, given: tuple[int, int] = (0, 0),
     return ready.reply
 
 
+def test_a_prepared_child_waits_for_its_open_parent_past_its_own_prepared_timeout() -> None:
+    """A long job's first children are prepared long before its parent commits. Before, a
+    child timed out on its own prepared timeout (15 min by default, 1 h at most) while its
+    parent was OPEN and kept alive, and the parent's commit failed (CHILD_NOT_PREPARED)
+    after all the work. Now a PREPARED child of an OPEN parent waits as long as the
+    parent does; the parent's own timeout still aborts both."""
+    core = TcPartitionCore(TC, Limits(default_timeout_ms=10_000,
+                                      default_prepared_timeout_ms=1_000))
+    parent = core.new_txn(NOW, idempotency_key="job")
+    settle(core, parent)
+    child = core.new_txn(NOW, parent=parent.reply.txn_id, topic_partitions=[TARGETS[0]])
+    settle(core, child)
+    settle(core, core.prepare(NOW, child.reply.txn_id))
+    later = NOW + 8_000  # past the child's prepared timeout, within the parent's
+    settle(core, core.tick(later), later)
+    assert core.status(child.reply.txn_id, later).state is State.PREPARED
+    keep_alive = core.new_txn(later, idempotency_key="job")  # the parent's timeout again
+    settle(core, keep_alive, later)
+    later += 8_000
+    settle(core, core.tick(later), later)
+    assert core.status(child.reply.txn_id, later).state is State.PREPARED
+    settle(core, core.end_txn(later, parent.reply.txn_id, COMMIT, [child.reply.txn_id]),
+           later)
+    assert core.status(child.reply.txn_id, later).state is State.COMMITTING  # (markers next)
+    # A parent that times out (nothing keeps it alive) aborts its prepared child with it.
+    dead = core.new_txn(later, idempotency_key="dead job")
+    settle(core, dead, later)
+    orphan = core.new_txn(later, parent=dead.reply.txn_id, topic_partitions=[TARGETS[0]])
+    settle(core, orphan, later)
+    settle(core, core.prepare(later, orphan.reply.txn_id), later)
+    later += 10_001
+    settle(core, core.tick(later), later)
+    assert core.status(orphan.reply.txn_id, later).state in (State.ABORTING, State.ABORTED)
+
+
 def test_a_parallel_commit_s_transaction_takes_no_children() -> None:
     """A parallel commit's one-call transaction is OPEN (its Staging record) until its
     CommitTxn decides it, and that decision decides no children. Before, NewTxn took it as
