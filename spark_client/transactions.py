@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import os
 import threading
 import time
@@ -75,6 +76,8 @@ from partition_server.subscription_cursor import merge_ranges
 from spark_client import errors, link
 from spark_client.columns import records_of_chunk
 from services.backoff import Backoff
+
+_log = logging.getLogger("atomlog.client.transactions")
 
 S = coordinator_pb2
 # Answers after which the same call is retried (after a metadata refresh for routing).
@@ -510,6 +513,8 @@ class Transaction:
             else:
                 part.outcome.settle(result.base_offset, result.log_append_time_unix_ms, None)
         self._ended = "committed"
+        if wait_for_markers and reply.state != S.TXN_STATE_COMMITTED:
+            self._wait_for_markers()
 
     def _commit_call(self, kept: _Kept, request) -> S.CommitTxnResponse:
         """The CommitTxn of a one-call commit once its turn came: alone, or carried with
@@ -784,6 +789,35 @@ class Transaction:
                           [common_pb2.TxnId(tc_partition=t, sequence=q) for t, q in keep_children])
         self.kept_children = list(reply.kept_child_txn_ids)
         self._ended = "committed"
+        if wait_for_markers and reply.state != S.TXN_STATE_COMMITTED:
+            self._wait_for_markers()
+
+    def _wait_for_markers(self) -> None:
+        """commit(wait_for_markers=True) answered COMMITTING: the coordinator's own wait for
+        the markers ended with the call's deadline (a partition server slow or restarting).
+        The commit is decided; its rows are readable only once the markers land, which the
+        caller asked to wait for (a Spark write returns, and a read planned right after it
+        would miss them). So wait on, polling, up to the transaction's timeout again;
+        then log that the markers are late and return: raising would tell the caller the
+        commit failed, and a caller that redoes the work would write it twice."""
+        deadline = time.monotonic() + max(self.timeout_s,
+                                          self._coordinators.client.request_timeout_s)
+        backoff = Backoff(initial_s=0.05, maximum_s=1.0)
+        attempt = 0
+        while time.monotonic() < deadline:
+            attempt += 1
+            try:
+                if self.state() == "COMMITTED":
+                    return
+            except errors.AtomlogClientError as error:
+                if error.reason == "UNKNOWN_TRANSACTION":
+                    return  # finished, and forgotten since (its TC partition's bound)
+                if not error.retriable:
+                    raise
+            time.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
+        _log.warning("transaction %s committed, but its markers were not all delivered "
+                     "within %.0f s: readers may not see its records yet", self._name,
+                     max(self.timeout_s, self._coordinators.client.request_timeout_s))
 
     def commit_async(self, *, wait_for_markers: bool = False) -> concurrent.futures.Future:
         """Begin commit() on one of the client's commit threads and return at once: the

@@ -267,6 +267,33 @@ def test_a_partition_server_killed_before_the_marker_gets_it_after_restart(serve
     assert sorted(offsets[0::2]) == [0, 1, 2] and sorted(offsets[1::2]) == [0, 1, 2]
 
 
+def test_a_commit_waiting_for_markers_waits_past_the_call_s_deadline(servers, failpoint_dir):
+    """commit(wait_for_markers=True) promises the records are readable when it returns.
+    The coordinator waits for the markers only until the call's deadline, then answers
+    COMMITTING; the SDK returned all the same (a Spark write did, and a read planned
+    right after it missed the rows). Now it waits on, polling, until the markers land
+    (or, past a bound, logs that they are late). Both paths: one call, and streaming."""
+    import threading
+
+    for one_call_max_bytes in (1 << 20, 0):
+        with Client(servers.info["bootstrap"], request_timeout_s=2,
+                    one_call_max_bytes=one_call_max_bytes) as short:
+            topic = create_online(short, f"oc-slow-markers-{one_call_max_bytes}", 1)
+            with Armed(failpoint_dir, failpoints.MARKERS_SEND) as held, \
+                    short.producer() as producer:
+                txn = short.begin_transaction(timeout_s=10)
+                producer.send(topic, b"late", partition=0, txn=txn)
+                producer.flush()
+                released = threading.Timer(4.0, held.disarm)
+                released.start()
+                try:
+                    txn.commit(wait_for_markers=True)
+                    assert not released.is_alive()  # it returned after the markers went
+                finally:
+                    released.cancel()
+            assert committed_values(short, topic) == [b"late"]
+
+
 def test_a_one_call_transaction_with_a_conflicting_ack_changes_nothing(servers, client):
     conflicting_ack_changes_nothing(client, servers.info["bootstrap"],
                                     create_online(client, "oc-in", 1),
