@@ -147,6 +147,11 @@ class PartitionStateCollector(Collector):
         aborted = GaugeMetricFamily(
             "atomlog_partition_aborted_transactions", "Entries in the aborted-transaction "
             "indexes of the topic's partitions.", labels=["topic"])
+        evicted = GaugeMetricFamily(
+            "atomlog_partition_aborted_index_evicted_offsets", "Largest number of offsets, over "
+            "the topic's partitions, between the log start and where the aborted-transaction "
+            "index begins (partition.max_aborted_transactions reached): read_committed reads "
+            "there are refused (OFFSET_OUT_OF_RANGE).", labels=["topic"])
         stuck = GaugeMetricFamily(
             "atomlog_partition_oldest_fsync_seconds", "Age of the oldest group-commit fsync "
             "in flight over the partitions led here (0: none). Completed fsyncs are timed by "
@@ -167,7 +172,7 @@ class PartitionStateCollector(Collector):
             began = owner.oldest_flush_began()
             if began is not None:
                 oldest_fsync = max(oldest_fsync, now - began)
-            row = by_topic.setdefault(owner.topic, [0, 0, 0, 0.0, 0, 0])
+            row = by_topic.setdefault(owner.topic, [0, 0, 0, 0.0, 0, 0, 0])
             row[0] += owner.producers.producer_count
             if owner.log is None or owner.state.value != "ONLINE":
                 continue
@@ -182,17 +187,18 @@ class PartitionStateCollector(Collector):
                 row[3] = max(row[3], (now_ms - oldest.first_timestamp_ms) / 1000)
                 row[4] += txns.count_older_than(int(now_ms), owner.settings.late_transaction_ms)
             row[5] += txns.aborted_count
+            row[6] = max(row[6], txns.aborted_index_start - owner.log.log_start_offset)
         for state, count in sorted(by_state.items()):
             states.add_metric([state], count)
         for topic, row in sorted(by_topic.items()):
             for family, value in zip((producers, open_txns, lag_records, lag_seconds, late,
-                                      aborted), row):
+                                      aborted, evicted), row):
                 family.add_metric([topic], value)
         for topic in sorted(by_topic):
             buffers.add_metric([topic], recovering.get(topic, 0))
         stuck.add_metric([], oldest_fsync)
         yield from (states, producers, open_txns, lag_records, lag_seconds, late, aborted,
-                    buffers, stuck)
+                    evicted, buffers, stuck)
 
     def describe(self):
         return []

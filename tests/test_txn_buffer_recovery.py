@@ -329,3 +329,43 @@ def test_a_background_replay_that_cannot_finish_reloads_the_partition(tmp_path,
             await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_an_evicted_aborted_index_shows_in_a_gauge(tmp_path):
+    """Past partition.max_aborted_transactions the oldest aborted entries go, and
+    read_committed reads below where the index then begins are refused. Nothing said so
+    but the refusals (docs told operators to alert on a counter that was not exported):
+    atomlog_partition_aborted_index_evicted_offsets is how far past the log start the
+    index begins (AtomlogAbortedIndexEvicted fires on it)."""
+    import dataclasses
+
+    from partition_server.metrics import PartitionStateCollector
+    from partition_server.txn_buffer import TxnBufferLimits
+
+    settings = dataclasses.replace(SETTINGS,
+                                   txn_limits=TxnBufferLimits(max_aborted_transactions=2))
+
+    def evicted(owner) -> float:
+        family = next(f for f in PartitionStateCollector(lambda: [owner]).collect()
+                      if f.name == "atomlog_partition_aborted_index_evicted_offsets")
+        [sample] = family.samples
+        return sample.value
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        try:
+            assert evicted(owner) == 0
+            for sequence in range(1, 4):
+                txn = TxnId(2, sequence)
+                await write(owner, transactional(9, 2 * (sequence - 1), txn), txn)
+                assert (await end(owner, txn, ControlType.ABORT)).marker_offset >= 0
+            assert owner.txns.aborted_index_start == 3  # past the first abort's marker (2)
+            assert evicted(owner) == 3
+            with pytest.raises(AtomlogError) as refused:
+                owner.read(0, 1 << 20, committed=True)
+            assert refused.value.reason == "OFFSET_OUT_OF_RANGE"
+        finally:
+            await owner.close()
+
+    asyncio.run(scenario())
