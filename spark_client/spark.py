@@ -201,7 +201,9 @@ class Options:
                      max_offsets_per_split=number("maxOffsetsPerSplit", 1, 2**62),
                      max_records_per_trigger=trigger,
                      transaction_timeout_s=txn_ms / 1000, child_timeout_s=child_ms / 1000,
-                     prepared_timeout_s=number("preparedTimeoutMs", 0, 3_600_000) / 1000,
+                     prepared_timeout_s=(number("preparedTimeoutMs", 1000, 3_600_000)
+                                         if get("preparedTimeoutMs") not in ("", "0")
+                                         else 0) / 1000,
                      batch_max_bytes=number("batchMaxBytes", 1024, 16 << 20),
                      linger_ms=number("lingerMs", 0, 60_000, float),
                      compression=None if compression == "none" else compression,
@@ -269,20 +271,29 @@ class AtomlogDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return BatchReader(Options.parse(self.options), schema)
+        return BatchReader(_not_for(Options.parse(self.options), "batch reads"), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceArrowWriter:
         if overwrite:
             raise OptionError("atomlog topics are append-only: use mode('append')")
-        return BatchWriter(Options.parse(self.options), schema)
+        return BatchWriter(_not_for(Options.parse(self.options), "batch writes"), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return StreamReader(Options.parse(self.options), schema)
+        return StreamReader(_not_for(Options.parse(self.options), "stream reads"), schema)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamArrowWriter:
         if overwrite:
             raise OptionError("atomlog topics are append-only: use outputMode('append')")
         return StreamWriter(Options.parse(self.options), schema)
+
+
+def _not_for(options: Options, what: str) -> Options:
+    """Refuse sourceSubscription where it would do nothing (it is a stream write's option:
+    taken and ignored elsewhere, a query meant to record its positions would not)."""
+    if options.source_subscription:
+        raise OptionError(f"option sourceSubscription is for stream writes (the sink of a "
+                          f"streaming query), not {what}")
+    return options
 
 
 # ---------------------------------------------------------------------------- reads

@@ -441,6 +441,10 @@ def test_bad_options_and_frames_are_refused_before_anything_is_written(spark, cl
         .mode("append").save(),
         "isolation": lambda: spark.read.format("atomlog").option("bootstrap", bootstrap)
         .option("topic", topic).option("isolation", "dirty").load().collect(),
+        "sourceSubscription is for stream writes": lambda: writer(
+            df, bootstrap, topic, sourceSubscription="s").save(),
+        "preparedTimeoutMs": lambda: writer(df, bootstrap, topic,
+                                            preparedTimeoutMs=1).save(),
     }
     for message, call in cases.items():
         with pytest.raises(Exception, match=message):
