@@ -38,6 +38,13 @@ def batch(producer_id: int, sequence: int, value: bytes = b"v" * 40, count: int 
                         producer_epoch=0, base_sequence=sequence, timestamp_ms=1_000)
 
 
+async def produce_run(owner: PartitionOwner, start: int, end: int) -> None:
+    """Producer 1's batches of two records from sequence `start` to `end`, one at a time."""
+    for sequence in range(start, end, 2):
+        b = batch(1, sequence)
+        await owner.produce([(b, parse_header(b))])
+
+
 def stamped(b: bytes, base_offset: int) -> bytes:
     """`b` as a log writes it at `base_offset` (the prefix stamped)."""
     from partition_server.record_batch import PREFIX, PREFIX_SIZE
@@ -605,9 +612,7 @@ def test_a_log_that_ends_below_its_frames_enters_data_loss(tmp_path):
         node = Node(tmp_path, 1, checkpoint_ms=60_000)
         await node.start()
         owner = node.owners[0]
-        for sequence in range(0, 6, 2):
-            b = batch(1, sequence)
-            await owner.produce([(b, parse_header(b))])
+        await produce_run(owner, 0, 6)
         assert node.wal.checkpoint() == 1
         for _ in range(100):
             await asyncio.sleep(0.01)
@@ -1145,17 +1150,12 @@ def test_an_operator_s_recovery_from_a_loss_below_the_frames_brings_the_partitio
     async def scenario():
         node = Node(tmp_path, 1, checkpoint_ms=60_000)
         await node.start()
-        owner = node.owners[0]
-        for sequence in range(0, 10, 2):
-            b = batch(1, sequence)
-            await owner.produce([(b, parse_header(b))])
+        await produce_run(node.owners[0], 0, 10)
         await node.close()
         node = Node(tmp_path, 1, checkpoint_ms=60_000)
         await node.start()  # loaded at 10: its frames begin there
         owner = node.owners[0]
-        for sequence in range(10, 20, 2):
-            b = batch(1, sequence)
-            await owner.produce([(b, parse_header(b))])
+        await produce_run(owner, 10, 20)
         [segment] = sorted((tmp_path / "p" / "t-0").glob("*.log"))
         flip_byte_in_batch(segment, 2)  # the batch at offset 4
         with pytest.raises(AtomlogError):
