@@ -357,6 +357,13 @@ async def serve(config: Config) -> int:
               error=repr(error), at=_our_frame(error))
         await runtime.stop()
         return 2
+    except OSError as error:
+        # Its storage (a full disk, a data directory it cannot make or write): said as
+        # such, not as a crash's traceback; its supervisor starts it again.
+        event(log, "cannot start", logging.ERROR, reason="STORAGE_ERROR",
+              error=f"{type(error).__name__}: {error}", at=_our_frame(error))
+        await runtime.stop()
+        return 2
     event(log, "start-up heap frozen", objects=freeze_startup_heap())
     await runtime.wait_stopped()
     await runtime.stop()

@@ -452,3 +452,30 @@ def test_delete_records_bad_inputs(client, cluster):
     assert whole_request_error(lambda: stub.DeleteRecords(
         partition_pb2.DeleteRecordsRequest(), timeout=30)) == "INVALID_ARGUMENT"
     assert describe(stub, "trim-errors", 0).high_watermark == 20
+
+
+def test_a_server_whose_storage_fails_at_start_says_so_and_exits_2(cluster, tmp_path):
+    """A partition server that cannot write its storage at start (a full disk, in the
+    chaos harness; here a data directory under a file) crashed with a traceback (exit 1),
+    which the harness and an operator read as a bug. It now logs a "cannot start" event
+    with reason STORAGE_ERROR and where, and exits 2."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    info = cluster.info
+    result = subprocess.run(
+        [sys.executable, "-m", "services", "serve", "partition-server",
+         "--set", f"zookeeper.hosts={info['zookeeper']}",
+         "--set", "zookeeper.chroot=/storage-fails-at-start",  # (not the suite's cluster)
+         "--set", f"server.data_dir={blocker / 'data'}", "--set", "server.name=ps-broken"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    lines = [json.loads(line) for line in (result.stdout + result.stderr).splitlines()
+             if line.startswith("{")]
+    said = [line for line in lines if line.get("msg") == "cannot start"]
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert said and said[-1]["reason"] == "STORAGE_ERROR"
+    assert "Traceback" not in result.stderr
