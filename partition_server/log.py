@@ -185,13 +185,20 @@ class PartitionLog:
     """The segmented log of one partition. See the module docstring."""
 
     def __init__(self, directory: str | os.PathLike, config: LogConfig | None = None, *,
-                 clock_ms: Callable[[], int] = _now_ms, direct_copies: bool = False) -> None:
+                 clock_ms: Callable[[], int] = _now_ms, direct_copies: bool = False,
+                 trust_tail: bool = True) -> None:
         """`direct_copies`: `append_copied` writes around the page cache (O_DIRECT,
         partition_server/direct_io.py), as a follower's log does; where the file system
-        refuses O_DIRECT it writes buffered."""
+        refuses O_DIRECT it writes buffered. `trust_tail=False`: a reopen after a failed
+        write or fsync in this process, whose caller cuts the log back (or rewrites it from
+        the write-ahead file) next. The open then keeps the recovery point it found instead
+        of raising it to the log end: after a writeback error the kernel may have dropped
+        the tail's pages while later fsyncs succeed, so the tail proves nothing, and a
+        crash before the cut must not find it recorded as durable."""
         self.directory = Path(directory).absolute()
         self.config = config or LogConfig()
         self._clock_ms = clock_ms
+        self._trust_tail = trust_tail
         self._direct_copies = direct_copies and direct_io.supported()
         self._direct: direct_io.DirectAppender | None = None  # on the active segment
         self._segments: list[Segment] = []
@@ -1261,7 +1268,8 @@ class PartitionLog:
                 not (self.directory / RECOVERY_POINT_FILE).exists():
             # Also withdraws a clean-shutdown record before anything is appended: from now
             # on the last segment's index file may lag behind it.
-            self._write_recovery_point(sync=True)
+            self._write_recovery_point(sync=True, offset=None if self._trust_tail else
+                                       min(recovery_point, self._durable_offset))
         self.recovery.duration_ms = (time.perf_counter() - started) * 1000
 
     def _find_last_data_offset(self) -> int:

@@ -478,7 +478,11 @@ class PartitionOwner:
         """Open the log (after a failed write or fsync: cut back to `truncate_to`, the
         last durable offset) and rebuild producer state, and the transaction buffer too
         when its replay needs no more of the log than producer state's."""
-        partition_log = PartitionLog(self.directory, self.settings.log, clock_ms=self._clock)
+        # After a failed write or fsync (truncate_to given), or with the write-ahead file
+        # (whose replay rewrites the log from its last checkpoint), the tail is cut or
+        # rewritten next: until then it is not recorded as durable.
+        partition_log = PartitionLog(self.directory, self.settings.log, clock_ms=self._clock,
+                                     trust_tail=truncate_to is None and self._wal_tap is None)
         try:
             tap = self._wal_tap
             if tap is not None:

@@ -967,6 +967,37 @@ def test_a_failed_fsync_elsewhere_breaks_the_log_and_close_does_not_flush(tmp_pa
     assert json.loads((tmp_path / "p" / RECOVERY_POINT_FILE).read_text()) == {"offset": 2}
 
 
+def test_a_reopen_after_a_failed_fsync_keeps_the_recovery_point_it_found(tmp_path):
+    """After a writeback error the kernel may have dropped a file's dirty pages while
+    later fsyncs succeed: the tail above the last good flush proves nothing. The reload
+    after it reopened the log and wrote the recovery point as the log end, synced, before
+    its owner cut the tail back (or rewrote it from the write-ahead file): a crash in
+    between found the lost tail recorded as durable (DATA_LOSS, or in wal mode frames not
+    replayed). Opened with trust_tail=False, the recovery point stays as found; a normal
+    open still raises it."""
+    log = open_log(tmp_path / "p", recovery_point_interval_ms=0)
+    log.append([make_batch(2)])
+    log.flush()
+    log.append([make_batch(2)])
+    target, _ = log.flush_begin()
+    log.fail("fsync failed: [Errno 5] Input/output error")
+    log.close()
+    recovery_point = tmp_path / "p" / RECOVERY_POINT_FILE
+    assert json.loads(recovery_point.read_text()) == {"offset": 2}
+    reopened = PartitionLog(tmp_path / "p", LogConfig(), trust_tail=False)
+    assert reopened.log_end_offset == 4  # (the pages are still cached here)
+    assert json.loads(recovery_point.read_text()) == {"offset": 2}
+    reopened.truncate_to(2)  # what the owner does next
+    reopened.close()
+    trusting = PartitionLog(tmp_path / "p", LogConfig())
+    trusting.append([make_batch(2)])
+    trusting.flush()
+    trusting.fail("a crash")
+    trusting.close()
+    PartitionLog(tmp_path / "p", LogConfig()).close()
+    assert json.loads(recovery_point.read_text())["offset"] == 4
+
+
 def test_a_deferred_recovery_point_never_lands_after_a_lower_one(tmp_path, monkeypatch):
     """An owner defers the periodic recovery-point write to a worker thread. The write is
     of the value when it was due; one made meanwhile by the log itself (lowered before a
