@@ -927,7 +927,27 @@ def _commit_parent(options: Options, parent_id: tuple[int, int],
     client = options.client()
     try:
         parent = Transaction.resume(client, parent_id, options.transaction_timeout_s)
-        parent.commit(wait_for_markers=True, keep_children=children)
+        try:
+            parent.commit(wait_for_markers=True, keep_children=children)
+        except errors.AtomlogClientError as unknown:
+            if not unknown.retriable:
+                raise
+            # No answer within the call's retries: the decision may be logged already.
+            # Asked once more (EndTxn is idempotent: a parent committed with these
+            # children answers so). Still no answer: say that the write may have
+            # committed, so that nobody writes it again blindly (Spark reports the
+            # write failed, and a new write of the same rows would duplicate them).
+            try:
+                parent.commit(wait_for_markers=True, keep_children=children)
+            except errors.AtomlogClientError as again:
+                if not again.retriable:
+                    raise
+                name = f"{parent_id[0]}:{parent_id[1]}"
+                raise errors.error_for(
+                    again.reason, f"the commit of parent transaction {name} has an unknown "
+                    f"outcome ({again.message}): the write may have committed; "
+                    f"`atomlog txn describe {name}` says, before it is written again",
+                    {**again.metadata, "txn_id": name}) from None
         kept = {(c.tc_partition, c.sequence) for c in parent.kept_children}
         if not set(children) <= kept:
             # A retried commit of a parent decided earlier with other children: the

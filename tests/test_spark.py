@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 
 import pytest
@@ -136,6 +137,39 @@ def test_a_write_whose_stages_outlast_the_parent_s_timeout_commits(spark, client
     writer(df, bootstrap, topic, transactionTimeoutMs=2000).save()
     assert values(client, topic) == Counter(f"slow-{i}".encode() for i in range(20))
     assert open_count(client, topic) == 0
+
+
+def test_a_parent_commit_whose_answer_was_lost_is_settled_not_failed(client, bootstrap,
+                                                                    monkeypatch):
+    """The driver's commit of a write's parent got no answer (the coordinator unreachable
+    past the call's retries) after the decision was logged. Before, the commit raised,
+    Spark reported the write failed while its rows were committed, and a write of them
+    again duplicated them. Now the driver asks again (EndTxn is idempotent) and returns
+    the committed children."""
+    from spark_client import transactions
+    from spark_client.spark import ChildCommit, Options, _commit_parent
+
+    topic = new_topic(client, "spark-lost-commit", partitions=1)
+    parent = Transaction(client, 30, key=f"spark-write:lost-{time.time_ns()}")
+    child = Transaction(client, 30, parent=parent)
+    with client.producer() as producer:
+        producer.send(topic, b"committed once", partition=0, txn=child).result(30)
+    child.prepare()
+    real_end = transactions.Transaction._end
+    lost = []
+
+    def end_losing_the_first_answer(self, decision, wait_for_markers, children=()):
+        answer = real_end(self, decision, wait_for_markers, children)
+        if not lost:
+            lost.append(1)
+            raise errors.error_for("SERVER_UNAVAILABLE", "the answer was lost (test)")
+        return answer
+
+    monkeypatch.setattr(transactions.Transaction, "_end", end_losing_the_first_answer)
+    kept = _commit_parent(Options.parse({"bootstrap": bootstrap}), parent.key,
+                          [ChildCommit(parent=parent.key, child=child.key, rows=1)])
+    assert lost and kept == [child.key]
+    assert values(client, topic) == Counter([b"committed once"])
 
 
 def test_a_failed_job_leaves_nothing_visible(spark, client, bootstrap):
