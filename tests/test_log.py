@@ -952,13 +952,20 @@ def test_pipelined_flushes_end_in_order_across_a_roll(tmp_path):
     assert open_log(tmp_path / "p").log_end_offset == 10
 
 
-def test_a_failed_fsync_elsewhere_breaks_the_log_and_close_does_not_flush(tmp_path):
-    log = open_log(tmp_path / "p", recovery_point_interval_ms=0)
+def failed_fsync(path: Path) -> tuple[PartitionLog, object]:
+    """A log flushed at 2, written on to 4, whose flush of that failed (the log broken):
+    (the log, the failed flush's target)."""
+    log = open_log(path, recovery_point_interval_ms=0)
     log.append([make_batch(2)])
     log.flush()
     log.append([make_batch(2)])
     target, _ = log.flush_begin()
     log.fail("fsync failed: [Errno 5] Input/output error")
+    return log, target
+
+
+def test_a_failed_fsync_elsewhere_breaks_the_log_and_close_does_not_flush(tmp_path):
+    log, target = failed_fsync(tmp_path / "p")
     reason, _ = reason_and_metadata(lambda: log.flush_end(target))
     assert reason == "INTERNAL" and log.high_watermark == 2
     reason, _ = reason_and_metadata(lambda: log.append([make_batch(1)]))
@@ -975,12 +982,7 @@ def test_a_reopen_after_a_failed_fsync_keeps_the_recovery_point_it_found(tmp_pat
     between found the lost tail recorded as durable (DATA_LOSS, or in wal mode frames not
     replayed). Opened with trust_tail=False, the recovery point stays as found; a normal
     open still raises it."""
-    log = open_log(tmp_path / "p", recovery_point_interval_ms=0)
-    log.append([make_batch(2)])
-    log.flush()
-    log.append([make_batch(2)])
-    target, _ = log.flush_begin()
-    log.fail("fsync failed: [Errno 5] Input/output error")
+    log, _ = failed_fsync(tmp_path / "p")
     log.close()
     recovery_point = tmp_path / "p" / RECOVERY_POINT_FILE
     assert json.loads(recovery_point.read_text()) == {"offset": 2}
