@@ -1266,7 +1266,12 @@ class TcPartitionCore:
         if txn.state is State.OPEN:
             remaining_ms = max(0, txn.deadline_ms - now_ms)
         elif txn.state is State.PREPARED:
-            remaining_ms = max(0, txn.prepared_deadline_ms - now_ms)
+            deadline_ms = txn.prepared_deadline_ms
+            parent = self._unfinished.get(txn.parent) if txn.parent is not None else None
+            if parent is not None and parent.state is State.OPEN:
+                # A child waits while its parent is open: until the parent's deadline.
+                deadline_ms = max(deadline_ms, parent.deadline_ms)
+            remaining_ms = max(0, deadline_ms - now_ms)
         return TxnStatus(txn.state, txn.end_cause, txn.parent, remaining_ms)
 
     def verify(self, txn_id: TxnId, target: Target) -> Verification:

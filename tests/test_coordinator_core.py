@@ -892,7 +892,8 @@ def test_a_prepared_child_waits_for_its_open_parent_past_its_own_prepared_timeou
     settle(core, core.prepare(NOW, child.reply.txn_id))
     later = NOW + 8_000  # past the child's prepared timeout, within the parent's
     settle(core, core.tick(later), later)
-    assert core.status(child.reply.txn_id, later).state is State.PREPARED
+    waiting = core.status(child.reply.txn_id, later)
+    assert waiting.state is State.PREPARED and waiting.remaining_ms == 2_000  # the parent's
     keep_alive = core.new_txn(later, idempotency_key="job")  # the parent's timeout again
     settle(core, keep_alive, later)
     later += 8_000
