@@ -1267,9 +1267,8 @@ class TcPartitionCore:
             remaining_ms = max(0, txn.deadline_ms - now_ms)
         elif txn.state is State.PREPARED:
             deadline_ms = txn.prepared_deadline_ms
-            parent = self._unfinished.get(txn.parent) if txn.parent is not None else None
-            if parent is not None and parent.state is State.OPEN:
-                # A child waits while its parent is open: until the parent's deadline.
+            parent = self._open_parent(txn, now_ms)
+            if parent is not None:  # it waits as long as its parent is open
                 deadline_ms = max(deadline_ms, parent.deadline_ms)
             remaining_ms = max(0, deadline_ms - now_ms)
         return TxnStatus(txn.state, txn.end_cause, txn.parent, remaining_ms)
@@ -1572,12 +1571,16 @@ class TcPartitionCore:
         bounds how long a running job's prepared children wait; a dead parent's timeout
         aborts them with it. (Before, a Spark job whose write ran longer than the
         prepared timeout failed at its commit, CHILD_NOT_PREPARED, after all its work.)"""
+        return self._open_parent(txn, now_ms) is None and txn.timed_out(now_ms)
+
+    def _open_parent(self, txn: Txn, now_ms: int) -> Txn | None:
+        """The parent a PREPARED child waits for: OPEN and within its deadline; else None."""
         if txn.state is State.PREPARED and txn.parent is not None:
             parent = self._unfinished.get(txn.parent)
             if parent is not None and parent.state is State.OPEN \
                     and not parent.timed_out(now_ms):
-                return False
-        return txn.timed_out(now_ms)
+                return parent
+        return None
 
     def _check_parent(self, parent_id: TxnId, now_ms: int) -> None:
         if parent_id.tc_partition != self.tc_partition:

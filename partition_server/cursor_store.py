@@ -968,8 +968,7 @@ def install_snapshot(directory: Path, data: bytes,
     _finish_install(directory)
     if not directory.exists():
         # So that a `.new` without the store beside it always means "swap it in".
-        directory.mkdir(parents=True)
-        fsync_directory(directory.parent)
+        make_directory(directory)
     building.mkdir()
     write_atomically(building / snapshot_file_name(covered), data)
     os.close(_create_journal(building, covered))  # fsyncs the journal and `building`

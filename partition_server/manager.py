@@ -340,8 +340,7 @@ class PartitionManager:
             self._mark_lost(directory, recorded)
             return
         if not os.path.lexists(directory):
-            directory.mkdir()
-            fsync_directory(self.data_dir)
+            make_directory(directory)
         copies.record(self.zk.client, topic, partition, self.server_name, created)
 
     def _mark_lost(self, directory: Path, recorded: dict) -> None:

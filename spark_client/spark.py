@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -788,8 +789,6 @@ class _ParentKeepAlive:
     not how long a task may compute."""
 
     def __init__(self, options: Options, client, key: str, parent: tuple[int, int]):
-        import threading
-
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(options, client, key, parent),
                                         name="atomlog-parent-keep-alive", daemon=True)

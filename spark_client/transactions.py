@@ -800,8 +800,8 @@ class Transaction:
         would miss them). So wait on, polling, up to the transaction's timeout again;
         then log that the markers are late and return: raising would tell the caller the
         commit failed, and a caller that redoes the work would write it twice."""
-        deadline = time.monotonic() + max(self.timeout_s,
-                                          self._coordinators.client.request_timeout_s)
+        bound_s = max(self.timeout_s, self._coordinators.client.request_timeout_s)
+        deadline = time.monotonic() + bound_s
         backoff = Backoff(initial_s=0.05, maximum_s=1.0)
         attempt = 0
         while time.monotonic() < deadline:
@@ -816,8 +816,7 @@ class Transaction:
                     raise
             time.sleep(min(backoff.delay(attempt), max(0.0, deadline - time.monotonic())))
         _log.warning("transaction %s committed, but its markers were not all delivered "
-                     "within %.0f s: readers may not see its records yet", self._name,
-                     max(self.timeout_s, self._coordinators.client.request_timeout_s))
+                     "within %.0f s: readers may not see its records yet", self._name, bound_s)
 
     def commit_async(self, *, wait_for_markers: bool = False) -> concurrent.futures.Future:
         """Begin commit() on one of the client's commit threads and return at once: the
