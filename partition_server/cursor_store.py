@@ -590,6 +590,21 @@ class CursorStore:
         for cursor in self._cursors.values():
             cursor.forget_below(log_start_offset)
 
+    def truncate_to(self, log_end_offset: int) -> list[str]:
+        """After an accepted data loss cut the log back to log_end_offset: journal (and
+        fsync, in the caller's thread) a Truncated entry for every cursor holding acks,
+        pending acks or a read position above it, so the messages written there next are
+        not taken as acknowledged. Returns those subscriptions' names."""
+        self._check_usable()
+        cut = [StoreEntry(name, entry) for name, cursor in sorted(self._cursors.items())
+               if (entry := cursor.plan_truncate(log_end_offset)) is not None]
+        if cut:
+            if self.snapshot_due():
+                self.snapshot()
+            self.append(cut)
+            self.sync()
+        return [item.name for item in cut]
+
     # -- snapshots --------------------------------------------------------------------------
 
     def snapshot_due(self) -> bool:

@@ -434,7 +434,8 @@ class PartitionOwner:
         self.replayed_batches = replayed = loaded.replayed  # on top of the snapshots
         if self.log.data_loss is None:
             self.subscriptions.close()
-            await asyncio.to_thread(self.subscriptions.open, self.log.log_start_offset)
+            await asyncio.to_thread(self.subscriptions.open, self.log.log_start_offset,
+                                    self.log.log_end_offset)
         if self.log.data_loss is not None:
             self.state = State.DATA_LOSS
             event(log, "partition refuses to serve: corruption before the log tail",

@@ -195,6 +195,18 @@ class Reset:
 
 
 @dataclass(frozen=True, slots=True)
+class Truncated:
+    """The log was cut back to log_end (an accepted data loss): nothing at or above it
+    is acknowledged, pending or out any more; the offsets written there next are new
+    messages."""
+
+    log_end: int
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.log_end <= OFFSET_MAX, self
+
+
+@dataclass(frozen=True, slots=True)
 class Acked:
     """An ack: applied at once without txn, pending until txn ends with it."""
 
@@ -220,7 +232,7 @@ class TxnEnded:
         assert _txn_problem(self.txn) is None, self
 
 
-CursorEntry = Created | Deleted | Reset | Acked | TxnEnded
+CursorEntry = Created | Deleted | Reset | Acked | TxnEnded | Truncated
 
 
 def plan_create(cumulative_end: int) -> Created:
@@ -302,6 +314,7 @@ class CursorMetrics:
     expired_offsets_total: int = 0      # deliveries past their ack timeout
     nacked_offsets_total: int = 0
     anomalies_total: int = 0            # applied entries that broke a rule (replay)
+    truncations_total: int = 0          # cut back to a log end (an accepted data loss)
 
 
 # ---------------------------------------------------------------------------------------
@@ -634,6 +647,18 @@ class SubscriptionCursor:
         self._refuse_with_pending("reset")
         return Reset(cumulative_end)
 
+    def plan_truncate(self, log_end: int) -> Truncated | None:
+        """After the log was cut back to log_end (an accepted data loss): the entry that
+        forgets every ack, pending ack and read position at or above it; None when the
+        cursor holds nothing there. Never refuses: the messages are gone."""
+        self._check_live()
+        acked_top = self._acked.ends[-1] if self._acked.ends else 0
+        pending_top = max((max(p.cumulative_end, p.ranges.ends[-1] if p.ranges.ends else 0)
+                           for p in self._pending.values()), default=0)
+        if max(acked_top, pending_top, self._read_position) <= log_end:
+            return None
+        return Truncated(log_end)
+
     def plan_delete(self) -> Deleted:
         self._check_live()
         self._refuse_with_pending("delete")
@@ -654,6 +679,8 @@ class SubscriptionCursor:
             self._apply_end(entry)
         elif isinstance(entry, Reset):
             self._apply_reset(entry)
+        elif isinstance(entry, Truncated):
+            self._apply_truncate(entry)
         elif isinstance(entry, Deleted):
             self._deleted = True
             self._deliveries.clear()
@@ -999,6 +1026,17 @@ class SubscriptionCursor:
             self._count("anomalies_total")
             self._normalize_pending()
 
+    def _apply_truncate(self, entry: Truncated) -> None:
+        end = entry.log_end
+        self._count("truncations_total")
+        self._acked.remove(end, OFFSET_MAX)
+        for pending in self._pending.values():
+            pending.ranges.remove(end, OFFSET_MAX)
+            pending.cumulative_end = min(pending.cumulative_end, end)
+        self._normalize_pending()
+        self._deliveries.remove(end, OFFSET_MAX)
+        self._read_position = min(self._read_position, end)
+
     def _after_acked_changed(self, ranges: Iterable[tuple[int, int]] = ()) -> None:
         current = self.cumulative_end
         self._deliveries.remove(0, current)
@@ -1197,6 +1235,7 @@ class EntryKind(enum.IntEnum):
     RESET = 3
     ACKED = 4
     TXN_ENDED = 5
+    TRUNCATED = 6
 
 
 _KIND = struct.Struct("<B")
@@ -1213,6 +1252,8 @@ def encode_entry(entry: CursorEntry) -> bytes:
         data = _KIND.pack(EntryKind.DELETED)
     elif isinstance(entry, Reset):
         data = _KIND.pack(EntryKind.RESET) + _POSITION.pack(entry.cumulative_end)
+    elif isinstance(entry, Truncated):
+        data = _KIND.pack(EntryKind.TRUNCATED) + _POSITION.pack(entry.log_end)
     elif isinstance(entry, Acked):
         txn = entry.txn or TxnId(0, 0)
         data = b"".join([_KIND.pack(EntryKind.ACKED),
@@ -1237,11 +1278,12 @@ def decode_entry(data: bytes | memoryview) -> CursorEntry:
 def _decode_entry(data: memoryview) -> tuple[CursorEntry, int]:
     (kind,) = _KIND.unpack_from(data, 0)
     position = _KIND.size
-    if kind in (EntryKind.CREATED, EntryKind.RESET):
+    if kind in (EntryKind.CREATED, EntryKind.RESET, EntryKind.TRUNCATED):
         (offset,) = _POSITION.unpack_from(data, position)
         if offset < 0:
             raise EntryCorrupt(f"negative offset {offset}")
-        entry_type = Created if kind == EntryKind.CREATED else Reset
+        entry_type = {EntryKind.CREATED: Created, EntryKind.RESET: Reset,
+                      EntryKind.TRUNCATED: Truncated}[kind]
         return entry_type(offset), position + _POSITION.size
     if kind == EntryKind.DELETED:
         return Deleted(), position

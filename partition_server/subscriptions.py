@@ -134,30 +134,49 @@ class PartitionSubscriptions:
         # maybe the owner's own open) closes what it opened instead of installing it.
         self._generation = 0
 
-    def open(self, log_start_offset: int) -> None:
+    def open(self, log_start_offset: int, log_end_offset: int | None = None) -> None:
         """Blocking (recovery reads files): call on a worker thread. Waits for a snapshot
-        step still running on a worker thread (the directory is then consistent)."""
-        self.store, self.error, self._log_sync = self._open_store(log_start_offset)
+        step still running on a worker thread (the directory is then consistent).
+        `log_end_offset` (the owner's load): cursors above it are cut back to it first
+        (CursorStore.truncate_to), journaled and fsynced before anything is served."""
+        self.store, self.error, self._log_sync = self._open_store(log_start_offset,
+                                                                  log_end_offset)
 
-    def _open_store(self, log_start_offset: int) -> tuple[CursorStore | None,
-                                                          AtomlogError | None,
-                                                          LogSync | None]:
+    def _open_store(self, log_start_offset: int, log_end_offset: int | None = None
+                    ) -> tuple[CursorStore | None, AtomlogError | None, LogSync | None]:
         """The store, or the error it refuses to open with; and its LogSync (taken anew
         with each open: after a failed syncfs, one taken before is refused durability)."""
         with self._files:
+            store = None
             try:
                 store = CursorStore.open(self.directory, self.limits,
                                          retain_frames=self._replication() is not None)
                 store.forget_below(log_start_offset)
+                if log_end_offset is not None:
+                    self._truncate(store, log_end_offset)
             except AtomlogError as error:
+                _close_quietly(store)
                 event(log, "subscriptions refuse to serve", logging.ERROR,
                       partition=self.name, error=error.message)
                 return None, error, None
+            except BaseException:
+                _close_quietly(store)
+                raise
         try:
             return store, None, self._durability(self.directory)
         except BaseException:
             store.close()
             raise
+
+    def _truncate(self, store: CursorStore, log_end_offset: int) -> None:
+        """Cursors above the log's end are cut back to it, journaled and fsynced before
+        anything is served. Only an accepted data loss leaves them there: acks are taken
+        below the max read position, which is durable data."""
+        cut = store.truncate_to(log_end_offset)
+        if cut:
+            event(log, "subscription cursors cut back to the log end", logging.WARNING,
+                  partition=self.name, log_end=log_end_offset, count=len(cut),
+                  subscriptions=",".join(cut[:20]))
 
     def close(self) -> None:
         """On the loop. A snapshot step still running finishes on its own (the store
@@ -555,3 +574,11 @@ class PartitionSubscriptions:
             for name in list(self._blocked):  # retention acknowledges: room again
                 self._wake_if_blocked(name)
 
+
+def _close_quietly(store: CursorStore | None) -> None:
+    """A store that failed to open whole (closed without syncing what it staged)."""
+    if store is not None:
+        try:
+            store.close(sync=False)
+        except Exception:  # noqa: BLE001 — closing after a failure
+            pass

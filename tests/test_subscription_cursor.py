@@ -36,6 +36,7 @@ from partition_server.subscription_cursor import (
     Reset,
     SnapshotCorrupt,
     SubscriptionCursor,
+    Truncated,
     TxnEnded,
     decode_entry,
     decode_snapshot,
@@ -273,6 +274,29 @@ def test_reset_and_delete_are_refused_with_pending_acks():
         == 0
     cursor.apply(cursor.plan_delete())
     assert cursor.deleted
+
+
+def test_a_data_loss_cuts_acks_pending_acks_and_deliveries_back_to_the_new_log_end():
+    """RecoverPartition cut the log back to 6: the messages written at 6.. next are new,
+    so nothing acknowledged, claimed or handed out there before may stand for them."""
+    cursor = SubscriptionCursor(4)
+    ack(cursor, ranges=[(5, 6), (8, 9)])
+    ack(cursor, cumulative_end=10, txn=T1)
+    ack(cursor, ranges=[(11, 12)], txn=T2)
+    deliver(cursor, "a", log_end=12)
+    assert cursor.plan_truncate(12) is None  # nothing above a log end of 12
+    entry = cursor.plan_truncate(6)
+    assert entry == Truncated(6) and decode_entry(encode_entry(entry)) == entry
+    cursor.apply(entry)
+    assert cursor.state() == CursorState(4, (R(5, 6),), ((T1, 6, ()), (T2, 0, ())), ())
+    assert cursor.read_position == 6
+    assert cursor.describe(6, 0).delivered_unacknowledged_count == 0
+    # A new message at 8 is delivered (the old ack of 8 is gone), and T1's commit
+    # acknowledges what it claimed below the cut only.
+    end(cursor, T1, committed=True)
+    assert cursor.cumulative_end == 6
+    assert sorted(offsets_of(deliver(cursor, "b", log_end=9).delivered)) == [6, 7, 8]
+    assert cursor.plan_truncate(9) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -847,6 +871,31 @@ class CursorMachine(RuleBasedStateMachine):
         self.model.acked = set(range(position))
         self.out.clear()
         self.write(entry)
+
+    @rule(data=st.data())
+    def data_loss(self, data):
+        """An operator accepts losing the log from `end` on (RecoverPartition): the owner
+        cuts the cursor back before serving; what is written there next is new."""
+        end = data.draw(st.integers(self.log_start, self.log_end))
+        model = self.model
+        above = {o for o in model.acked if o >= end} or any(
+            c > end or any(o >= end for o in own) for c, own in model.pending.values()) \
+            or self.cursor.read_position > end
+        entry = self.cursor.plan_truncate(end)
+        self.outcomes[f"truncate {'cut' if entry else 'none'}"] += 1
+        assert (entry is not None) == bool(above), (entry, end)
+        self.log_end = end
+        self.markers = {o for o in self.markers if o < end}
+        self.drop_out(o for o in list(self.out) if o >= end)
+        if entry is None:
+            return
+        model.acked = {o for o in model.acked if o < end}
+        for item in model.pending.values():
+            item[0] = min(item[0], end)
+            item[1] = {o for o in item[1] if o < end}
+        model.normalize()
+        self.write(entry)
+        assert self.cursor.read_position <= end
 
     @rule()
     def take_snapshot(self):

@@ -27,6 +27,8 @@ from partition_server import wal as wal_module
 from partition_server.log import LogConfig
 from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.record_batch import Record, encode_batch, iter_batches, parse_header
+from partition_server.record_batch import TxnId as PartitionTxnId
+from partition_server.subscription_cursor import PendingAck
 from partition_server.wal import (BASE, CUT, DATA, PAGE_BYTES, Plan, SegmentLedger,
                                   WriteAheadLog, decode_frames, encode_frame, list_segments,
                                   padding, plan)
@@ -1176,6 +1178,56 @@ def test_an_operator_s_recovery_from_a_loss_below_the_frames_brings_the_partitio
         await node.start()
         assert node.owners[0].state is State.ONLINE
         assert node.owners[0].log.high_watermark == 6
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_accepted_data_loss_cuts_subscription_cursors_back_to_the_new_log_end(tmp_path):
+    """Acks of offsets 4-19 stood above the log after the operator's cut to 4, so the
+    messages written there next counted as acknowledged and were never delivered. Now the
+    load after the cut journals each cursor's cut (before serving), and a restart keeps
+    it: the new messages are delivered."""
+    from tests.test_replication import flip_byte_in_batch
+
+    def delivered(owner) -> list[int]:
+        def read(offset, max_bytes):
+            data, next_offset, _ = owner.read(offset, max_bytes)
+            return data, next_offset
+        _, delivery = owner.subscriptions.receive(
+            "s", "c", read, owner.log.high_watermark, 0, 30_000, 1 << 20, 100)
+        return sorted(o for s, e in delivery.delivered for o in range(s, e))
+
+    async def scenario():
+        node = Node(tmp_path, 1)
+        await node.start()
+        owner = node.owners[0]
+        await owner.subscriptions.create("s", 0)
+        await produce_run(owner, 0, 20)
+        await owner.subscriptions.ack("s", 2, [(6, 8)], None, limit=20)
+        await owner.subscriptions.ack("s", 0, [(12, 16)], PartitionTxnId(3, 9), limit=20)
+        [segment] = sorted((tmp_path / "p" / "t-0").glob("*.log"))
+        flip_byte_in_batch(segment, 2)  # the batch at offset 4
+        with pytest.raises(AtomlogError):
+            owner.read(0, 1 << 20)
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if owner.state is State.DATA_LOSS:
+                break
+        await owner.recover_data_loss(owner.log.data_loss.path, 4)
+        assert owner.state is State.ONLINE and owner.log.high_watermark == 4
+        cursor = owner.subscriptions.store.cursor("s")
+        assert (cursor.cumulative_end, cursor.individual_ranges(),
+                cursor.pending_acks()) == (2, (), (PendingAck(PartitionTxnId(3, 9), 0, ()),))
+        for sequence in range(0, 12, 2):  # offsets 4-15 again: new messages
+            b = batch(2, sequence)
+            await owner.produce([(b, parse_header(b))])
+        assert delivered(owner) == list(range(2, 16))
+        await node.close()
+        node = Node(tmp_path, 1)  # the cut was journaled: a restart keeps it
+        await node.start()
+        assert node.owners[0].subscriptions.store.cursor("s").cumulative_end == 2
+        assert delivered(node.owners[0]) == list(range(2, 16))
         await node.close()
 
     asyncio.run(scenario())
