@@ -895,6 +895,7 @@ class CursorMachine(RuleBasedStateMachine):
             item[1] = {o for o in item[1] if o < end}
         model.normalize()
         self.write(entry)
+        self.durable = len(self.journal)  # fsynced before the partition serves
         assert self.cursor.read_position <= end
 
     @rule()
