@@ -681,13 +681,16 @@ class PartitionOwner:
 
     def _restore(self, partition_log: PartitionLog, module, what: str, restore, empty):
         """(state, covered offset) from the newest snapshot of `module`'s kind that is
-        readable and not beyond the recovered log end; else an empty state covering
-        nothing (full replay). Never guesses."""
+        readable and within the recovered log; else an empty state covering nothing
+        (full replay). Never guesses."""
         for covered, path in self._snapshot_files(module):
-            if covered > partition_log.log_end_offset:
-                # It describes data lost with a torn tail (or an accepted loss). The
-                # unlink is made durable at once: else, once the log grows past it again,
-                # a crash could bring it back to describe a history that is gone.
+            if not partition_log.log_start_offset <= covered <= partition_log.log_end_offset:
+                # Beyond the end, it describes data lost with a torn tail (or an accepted
+                # loss). Below the start, data retention deleted since (a crash before
+                # apply_retention removed it): replayed from the start, it would miss
+                # those batches, and a producer's retry of one would be appended again.
+                # The unlink is made durable at once: else, once the log grows past it
+                # again, a crash could bring it back to describe a history that is gone.
                 path.unlink(missing_ok=True)
                 fsync_directory(self.directory)
                 continue
@@ -1503,6 +1506,9 @@ class PartitionOwner:
         before = self.log.log_start_offset
         removed = self.log.apply_retention(keep_from_offset=self.max_read_position())
         if self.log.log_start_offset != before:
+            # Snapshots covering less than the new start describe deleted data (as for
+            # delete_records); a load would also refuse them.
+            self._remove_snapshots_below(self.log.log_start_offset)
             # (Only a move: it is news for every follower of a leader, which a pass that
             # deleted nothing, every few seconds on every partition, is not.)
             self._log_start_moved()

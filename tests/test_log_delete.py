@@ -175,3 +175,59 @@ def test_the_owner_unlinks_deleted_segments_off_its_event_loop(tmp_path):
         await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_a_producer_snapshot_older_than_the_log_start_is_not_restored(tmp_path):
+    """Retention moved the log start past the newest producer snapshot (covering 4), and
+    the server crashed before the next one. The load restored that snapshot and replayed
+    from the new start, so producer 7's state was as of offset 4: its batch at 4-5 (in a
+    deleted segment), retried after a lost answer, was appended a second time. Now
+    retention removes such snapshots, and a load ignores one it still finds; the retry is
+    refused as unknown (written nothing), never appended twice."""
+    def batch(producer_id: int, sequence: int) -> bytes:
+        from partition_server.record_batch import Record, encode_batch
+        return encode_batch([Record(b"k", bytes(200)), Record(b"k", bytes(200))],
+                            producer_id=producer_id, producer_epoch=0,
+                            base_sequence=sequence)
+
+    async def write(owner, producer_id: int, sequence: int):
+        b = batch(producer_id, sequence)
+        return (await owner.produce([(b, parse_header(b))]))[0]
+
+    async def scenario():
+        settings = OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_bytes=1),
+                                 fsync=False, snapshot_interval_batches=1 << 30,
+                                 snapshot_interval_ms=1 << 30)
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        try:
+            for sequence in (0, 2):
+                await write(owner, 7, sequence)
+            stale = owner.directory / snapshot_file_name(4)
+            stale_bytes = owner.producers.snapshot(4)
+            stale.write_bytes(stale_bytes)  # as the owner writes them
+            await write(owner, 7, 4)  # producer 7's last batch, at 4-5
+            for sequence in (0, 2, 4):
+                await write(owner, 8, sequence)
+            assert owner.log.log_end_offset == 12
+            assert await owner.apply_retention() == 2
+            assert owner.log.log_start_offset == 8
+            assert not stale.exists()
+            assert (await write(owner, 7, 4)).base_offset == 4  # live: a duplicate
+            crashed = tmp_path / "crash" / "t-0"
+            shutil.copytree(owner.directory, crashed, ignore=shutil.ignore_patterns("*.deleted"))
+        finally:
+            await owner.close()
+        # A crash before the removal: the load still finds the snapshot.
+        (crashed / snapshot_file_name(4)).write_bytes(stale_bytes)
+        reopened = PartitionOwner("t", 0, crashed, settings)
+        await reopened.start()
+        try:
+            refused = await write(reopened, 7, 4)
+            assert isinstance(refused, AtomlogError), refused
+            assert refused.reason == "UNKNOWN_PRODUCER_ID"
+            assert reopened.log.log_end_offset == 12
+        finally:
+            await reopened.close()
+
+    asyncio.run(scenario())
