@@ -652,6 +652,9 @@ class TcPartitionCore:
         # Volatile state.
         self._next_sequence = 1
         self._one_calls: dict[TxnId, OneCall] = {}  # being staged, by id and by key
+        # The one being staged in a session (at most one), by transactional id: a session
+        # does not expire while it stages (its decision logs an Opened of that session).
+        self._one_call_sessions: dict[str, TxnId] = {}
         self._one_call_keys: dict[str, TxnId] = {}
         self._next_append_id = 1
         self._sessions_swept_ms: int | None = None  # tick's last sweep of expired sessions
@@ -907,6 +910,8 @@ class TcPartitionCore:
         one_call = OneCall(txn_id, now_ms, timeout_ms, session, idempotency_key, tps, subs)
         self._one_calls[txn_id] = one_call
         self._one_call_keys[idempotency_key] = txn_id
+        if session is not None:
+            self._one_call_sessions[session.transactional_id] = txn_id
         reply = OneCallStart(txn_id, timeout_ms)
         if txn_id.sequence > self._reserved:
             # Logged before anything is staged; the reply waits for it (and every earlier
@@ -1057,6 +1062,12 @@ class TcPartitionCore:
                           now_ms: int) -> AtomlogError | None:
         """Why a staged one-call transaction may not commit now (fenced, timed out)."""
         txn_id = one_call.txn_id
+        session = one_call.session
+        if isinstance(one_call, OneCall) and session is not None and not one_call.fenced:
+            entry = self._sessions.get(session.transactional_id)
+            # Cannot happen (a session does not expire while it stages, and a newer one
+            # fences it): its Opened record would be refused by every replay.
+            one_call.fenced = entry is None or entry.session != session
         if one_call.fenced:
             self._counters["fenced_total"] += 1
             return _error("PRODUCER_FENCED", "transactional id "
@@ -1131,6 +1142,10 @@ class TcPartitionCore:
         del self._one_calls[one_call.txn_id]
         if self._one_call_keys.get(one_call.idempotency_key) == one_call.txn_id:
             del self._one_call_keys[one_call.idempotency_key]
+        session = one_call.session
+        if session is not None and \
+                self._one_call_sessions.get(session.transactional_id) == one_call.txn_id:
+            del self._one_call_sessions[session.transactional_id]
         return tuple(Marker(one_call.txn_id, Decision.ABORT, self.coordinator_epoch, target)
                      for target in (*one_call.topic_partitions,
                                     *one_call.subscription_partitions))
@@ -1615,8 +1630,7 @@ class TcPartitionCore:
     def _check_session_free(self, session: Session, now_ms: int) -> set[object]:
         """NewTxn in a session: the session is current and has no undecided transaction."""
         entry = self._check_current_session(session, now_ms)
-        staging = next((c for c in self._one_calls.values() if c.session is not None
-                        and c.session.transactional_id == session.transactional_id), None)
+        staging = self._one_calls.get(self._one_call_sessions.get(session.transactional_id))
         if staging is not None:
             self._counters["concurrent_total"] += 1
             raise _error("CONCURRENT_TRANSACTIONS",
@@ -1780,7 +1794,8 @@ class TcPartitionCore:
     # ========================================================= helpers: sessions
 
     def _session_expired(self, entry: SessionEntry, now_ms: int) -> bool:
-        if entry.current_txn in self._unfinished:
+        if entry.current_txn in self._unfinished or \
+                entry.session.transactional_id in self._one_call_sessions:
             return False
         return now_ms - entry.last_active_ms > self.limits.session_expiry_ms
 

@@ -38,7 +38,7 @@ from coordinator import core as core_module
 from coordinator import records as records_module
 from coordinator.core import (
     ALLOWED, DECIDING, FINISHED, INITIAL_STATE, NO_WORK, TRANSITION_RECORDS, UNDECIDED,
-    SEQUENCE_RESERVATION, IllegalTransition, Limits, OneCallAborted, OneCallStart,
+    SEQUENCE_RESERVATION, EndTxnResult, IllegalTransition, Limits, OneCallAborted, OneCallStart,
     SESSION_SWEEP_INTERVAL_MS, ProducerIdNeeded, ProtocolError, SnapshotCorrupt, State,
     TcPartitionCore, _key_row,
     generated_doc, next_producer_epoch, replay,
@@ -1508,6 +1508,36 @@ def test_one_call_of_a_session_is_fenced_by_a_newer_session():
     assert stale.value.reason == "PRODUCER_FENCED"
 
 
+@pytest.mark.parametrize("meanwhile", ["sweep", "new instance"])
+def test_a_session_does_not_expire_while_its_one_call_transaction_is_staged(meanwhile):
+    """The session's expiry fell inside its one-call transaction's staging. The tick's
+    sweep freed it, or a new instance's InitProducerId found it expired and started a
+    fresh one without fencing the transaction; the commit then logged an Opened record of
+    a session that was not current, which append_done (and every later replay) refused:
+    the TC partition could never load again. Now a session with a transaction being
+    staged is live, so a new instance bumps it and fences the transaction."""
+    limits = Limits(session_expiry_ms=1_000)
+    core, log = TcPartitionCore(TC, limits, coordinator_epoch=1), []
+    _durable(core, core.init_producer_id(NOW, "app", fresh_producer_id=50), log)
+    session = Session("app", 50, 0)
+    start = core.begin_one_call(NOW + 900, 0, session, "k", [TopicPartition("t", 0)], [])
+    _durable(core, start, log)
+    if meanwhile == "sweep":
+        core.tick(NOW + 1_500)
+        ended = core.end_one_call(NOW + 1_600, start.reply.txn_id)
+        assert isinstance(ended.reply, EndTxnResult)  # still its session's: it commits
+    else:
+        bumped = core.init_producer_id(NOW + 1_500, "app", fresh_producer_id=51)
+        assert (bumped.reply.producer_id, bumped.reply.producer_epoch) == (50, 1)
+        _durable(core, bumped, log)
+        ended = core.end_one_call(NOW + 1_600, start.reply.txn_id)
+        assert ended.reply.error.reason == "PRODUCER_FENCED" and not ended.appends
+    _durable(core, ended, log)
+    loaded = replay(log, TC, limits, coordinator_epoch=2)
+    assert loaded.verify(start.reply.txn_id, TopicPartition("t", 0)).state is (
+        State.COMMITTING if meanwhile == "sweep" else State.ABORTED)
+
+
 def test_sequences_reserved_records_round_trip_and_bad_ones_are_refused():
     record = SequencesReserved(12_345)
     assert decode_record(encode_record(record)) == record
@@ -1610,3 +1640,48 @@ def test_a_parallel_commit_resolution_that_fails_gives_the_tc_partition_up():
         assert not partition._resolving
 
     asyncio.run(scenario())
+
+
+def test_an_append_completed_in_a_callback_that_fails_gives_the_tc_partition_up():
+    """An append made in this process (the commit lane's decisions on the combined
+    server) is completed in its future's callback. An error there (a defect: the core's
+    append_done refusing it) went to asyncio's handler only: the core's pending appends
+    were never completed and every later one refused, while the TC partition kept its
+    lease, deaf. Now it is given up as the writer's failure is."""
+    import asyncio
+    import time as time_module
+    from types import SimpleNamespace
+
+    from coordinator.core import Append
+    from coordinator.tc_partition import Phase, Settings, TcPartition
+
+    fenced = []
+
+    class Core:
+        def append_done(self, append_id, now):
+            raise IllegalTransition("a defect in append_done (test)")
+
+    async def on_fenced(tc_partition):
+        fenced.append(tc_partition)
+
+    async def scenario():
+        partition = TcPartition(3, 1, 1000, coordinator_name="c", routes=None,
+                                log_channel=None, markers=None, limits=Limits(),
+                                settings=Settings(), on_fenced=on_fenced)
+        partition.phase, partition.core = Phase.ACTIVE, Core()
+        partition.log = SimpleNamespace(appended=lambda count: None)
+        waiting = partition._append_futures[1] = asyncio.get_running_loop().create_future()
+        done = asyncio.get_running_loop().create_future()
+        done.set_result([SimpleNamespace(last_offset=41)])
+        partition._in_flight = ([Append(1, ())], [b"record"], time_module.perf_counter(),
+                                done)
+        partition._appended_here(done)
+        for _ in range(200):
+            if fenced:
+                break
+            await asyncio.sleep(0.01)
+        assert fenced == [3] and partition.phase is Phase.STOPPED
+        assert waiting.done() and waiting.exception().reason == "NOT_COORDINATOR"
+
+    asyncio.run(scenario())
+
