@@ -403,7 +403,7 @@ class LeaderReplication:
 
     @property
     def cursor_high_watermark(self) -> int:
-        return self.cursors.high_watermark(self.progress.isr)
+        return self.cursors.high_watermark(self.progress.counted())
 
     async def cursors_replicated(self, target: int, writes: bool = True) -> None:
         """Return once every in-sync replica holds the cursor frames below `target`
@@ -586,7 +586,8 @@ class LeaderReplication:
             owner.replicated()  # the high watermark may have moved: answer what it covers
             self._wake_cursor_waiters()  # so may the cursors' one
             self._asked[request.replica] = asked
-        if self.progress.expand(self.epoch_start) is not None:
+        if self.progress.expand(self.epoch_start) is not None or self.progress.lost:
+            self._isr_steady_until = 0  # (the ticker looks, should this poke be dropped)
             self._poke_isr()
         return cursor_position
 
@@ -598,6 +599,8 @@ class LeaderReplication:
         the checks the session's conditions already stand for. Returns its cursor
         position. (A follower that may join the ISR is found by the IsrTicker.)"""
         self.progress.fetched(replica, fetch, self.log_end, now_ms)
+        if self.progress.lost:
+            self._isr_steady_until = 0
         return self.cursors.fetched(replica, cursor_sequence, now_ms)
 
     def _check_incarnation(self, replica: str, incarnation: int) -> None:
@@ -803,6 +806,7 @@ class LeaderReplication:
                 continue
             joining = {r: self._incarnations.get(r, 0) for r in wanted - self.progress.isr}
             self._isr_writing = True
+            self.progress.joining = set(joining)
             try:
                 stored = await self._write_isr(self.known, sorted(wanted), joining)
             except StaleState:
@@ -826,6 +830,7 @@ class LeaderReplication:
                 continue
             finally:
                 self._isr_writing = False
+                self.progress.joining = set()
             before = set(self.progress.isr)
             self.known = stored
             self.isr_changed(stored.state.isr)
@@ -912,7 +917,7 @@ class LeaderReplication:
                     continue
                 caught_up = followers[replica].caught_up_ms
                 cursors_caught_up = cursor_caught_up.get(replica, now)
-                if (replica not in live or now - caught_up > max_lag
+                if (replica not in live or now - caught_up > max_lag or replica in progress.lost
                         or (store is not None and now - cursors_caught_up > max_lag)):
                     break
                 oldest = min(oldest, caught_up, cursors_caught_up)

@@ -394,6 +394,14 @@ class LeaderProgress:
     now_ms: int
     leader_durable_end: int = 0
     followers: dict[str, _Follower] = field(default_factory=dict)
+    # Followers an ISR write under way adds: they count for the high watermark from the
+    # write's start (Kafka's maximal ISR, KIP-497), else what the old ISR acknowledged
+    # meanwhile would be missing from an in-sync replica once the write is stored.
+    joining: set[str] = field(default_factory=set)
+    # In-sync followers that fetched from below the high watermark: their copy lost
+    # acknowledged records (cut at damage, wiped), so they leave the ISR at the next ISR
+    # round, not after max_lag_ms, during which an election could pick them.
+    lost: set[str] = field(default_factory=set)
     _high_watermark: int = 0
 
     def __post_init__(self):
@@ -430,6 +438,8 @@ class LeaderProgress:
                                f"leader's end {leader_end}")
         follower = self.followers[replica]
         follower.durable_end = fetch_offset
+        if replica in self.isr and fetch_offset < self._high_watermark:
+            self.lost.add(replica)
         if fetch_offset >= leader_end:
             follower.caught_up_ms = max(follower.caught_up_ms, now_ms)
         elif 0 <= follower.last_fetch_end <= fetch_offset:
@@ -445,19 +455,24 @@ class LeaderProgress:
         """Moves forward only: the smallest durable end over the ISR (a follower that joins
         the ISR is at least at the high watermark, so this never goes back)."""
         ends = [self.leader_durable_end] + [self.followers[r].durable_end
-                                            for r in self.isr if r != self.leader]
+                                            for r in self.counted() if r != self.leader]
         self._high_watermark = max(self._high_watermark, min(ends))
         return self._high_watermark
+
+    def counted(self) -> set[str]:
+        """The replicas whose copies bound the high watermarks: the ISR and its joiners."""
+        return self.isr | self.joining if self.joining else self.isr
 
     def may_acknowledge(self) -> bool:
         return len(self.isr) >= self.min_insync
 
     def shrink(self, now_ms: int) -> set[str] | None:
-        """The ISR without the followers that have not been caught up for max_lag_ms, or
-        None when nothing changes. The leader writes it (compare-and-set) and calls
+        """The ISR without the followers that have not been caught up for max_lag_ms or
+        that lost acknowledged records (`lost`), or None when nothing changes. The leader writes it (compare-and-set) and calls
         `isr_changed` once it is stored; until then the old ISR holds the high watermark."""
         lagging = {r for r in self.isr if r != self.leader
-                   and now_ms - self.followers[r].caught_up_ms > self.max_lag_ms}
+                   and (now_ms - self.followers[r].caught_up_ms > self.max_lag_ms
+                        or r in self.lost)}
         return self.isr - lagging if lagging else None
 
     def expand(self, leader_epoch_start: int) -> set[str] | None:
@@ -486,6 +501,7 @@ class LeaderProgress:
         """What these followers (out of the ISR: gone from it, or from ZooKeeper) showed so
         far no longer counts: only fetches made from now on can bring them into the ISR."""
         for replica in replicas:
+            self.lost.discard(replica)
             follower = self.followers.get(replica)
             if follower is not None:
                 follower.durable_end = 0

@@ -152,9 +152,13 @@ def test_high_watermark_is_the_smallest_durable_end_over_the_isr():
     assert p.high_watermark == 120
     p.fetched("b", 150, 150, now_ms=2)
     assert p.high_watermark == 150
-    # A follower that truncates and fetches lower never moves it back.
+    # A follower that truncates and fetches lower never moves it back. It lost records
+    # acknowledged: it leaves the ISR at once, not after max_lag_ms.
     p.fetched("b", 140, 150, now_ms=3)
     assert p.high_watermark == 150
+    assert p.lost == {"b"} and p.shrink(now_ms=3) == {"a", "c"}
+    p.isr_changed({"a", "c"})
+    assert not p.lost and p.shrink(now_ms=4) is None
 
 
 def test_followers_outside_the_isr_do_not_hold_the_high_watermark():
@@ -178,7 +182,7 @@ def test_a_follower_that_stops_catching_up_leaves_the_isr_and_acks_stop_below_mi
     p = progress(max_lag_ms=1_000)
     p.leader_durable(100)
     p.fetched("b", 100, 100, now_ms=500)
-    p.fetched("c", 80, 100, now_ms=500)  # behind, but within its time
+    p.fetched("c", 95, 100, now_ms=500)  # behind, but within its time
     assert p.shrink(now_ms=900) is None
     assert p.shrink(now_ms=1_400) == {"a", "b"}  # c: last caught up at start (0)
     p.isr_changed({"a", "b"})

@@ -553,6 +553,57 @@ def test_only_the_latest_process_of_a_follower_can_bring_it_into_the_isr(tmp_pat
     asyncio.run(scenario())
 
 
+def test_a_follower_joining_the_isr_counts_for_acks_while_its_expansion_is_written(
+        tmp_path):
+    """b caught up with the high watermark, so the leader began writing the ISR with b in
+    it. While that ZooKeeper write ran, writes were acknowledged by the old ISR ({a})
+    alone: once it was stored, b was in sync without them, and an election of b lost
+    them. Now a joiner counts for the high watermark from the moment its write begins
+    (Kafka's maximal ISR, KIP-497)."""
+    release = asyncio.Event()
+    writes: list[list[str]] = []
+
+    async def write_isr(known, isr, joining):
+        writes.append(isr)
+        await release.wait()
+        return Versioned(PartitionState("a", 1, tuple(isr)), known.version + 1)
+
+    def fetch(offset: int) -> partition_pb2.ReplicateRequest:
+        req = request(offset, -1 if offset == 0 else 1)
+        req.replica_incarnation = 5
+        return req
+
+    async def scenario():
+        known = Versioned(PartitionState("a", 1, ("a",)), 0)  # b is out of the ISR
+        replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
+                                        tmp_path / "t-0", write_isr, lambda: {"a", "b"})
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", OwnerSettings(log=LogConfig()))
+        owner.replication, replication.owner = replication, owner
+        await owner.start()
+        replication.start()
+        try:
+            await owner.produce([batch(b"one"), batch(b"two")])  # ISR {a}: acknowledged
+            await replication.replicate(fetch(0), 0)
+            await replication.replicate(fetch(2), 0)  # b holds the high watermark
+            await wait_for(lambda: writes, "the ISR expansion's write")
+            produced = asyncio.ensure_future(owner.produce([batch(b"three")]))
+            await wait_for(lambda: replication.local_durable_end == 3, "the leader's fsync")
+            await asyncio.sleep(0.1)
+            assert not produced.done() and replication.high_watermark == 2
+            release.set()
+            await wait_for(lambda: replication.progress.isr == {"a", "b"}, "b to join")
+            assert not produced.done()
+            await replication.replicate(fetch(3), 0)  # b holds it: acknowledged
+            assert (await asyncio.wait_for(produced, 10))[0].base_offset == 2
+            assert replication.high_watermark == 3
+        finally:
+            release.set()
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
