@@ -182,6 +182,11 @@ class LeaderReplication:
                 # records of the epoch that followers copied: never lead it again.
                 self.give_up(f"it would resume leader epoch {self.epoch} (its leader-epoch "
                              f"file holds epoch {self.epochs.cache.latest_epoch()})")
+            elif self.epochs.set_aside is not None:
+                # Not knowing which epochs it led counts as having led this one.
+                self.give_up(f"its leader-epoch file was unreadable (set aside as "
+                             f"{self.epochs.set_aside.name}): it may have led epoch "
+                             f"{self.epoch} before")
         else:
             # A reload within this leadership: after a failed write or fsync (given up
             # already), or a data-loss recovery; either may have cut the log back.
@@ -191,9 +196,10 @@ class LeaderReplication:
             self.epochs.assign(self.epoch, log_end)
             self.epoch_start = log_end
             self.progress.start(log_end, self.known_hw)
-        elif not first:
+        elif not first or self._heir_only:
             # (A data-loss recovery mended the log: its epoch is given up as after any
-            # reload, no longer only to an heir.)
+            # reload, no longer only to an heir. Also when the first load found the
+            # damage: it handed over before the leadership's epochs were set up.)
             if self._heir_only and self._resign_task is not None:
                 self._resign_task.cancel()
                 self._resign_task = None

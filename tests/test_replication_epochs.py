@@ -28,7 +28,7 @@ import pytest
 
 from atomlog.v1 import partition_pb2
 from partition_server.log import LogConfig
-from partition_server.owner import OwnerSettings, PartitionOwner
+from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.partition_states import Versioned
 from partition_server.record_batch import Record, encode_batch, iter_batches, parse_header
 from partition_server.replica import LeaderReplication
@@ -322,6 +322,37 @@ def test_a_leadership_never_resumes_an_epoch_it_led_before(tmp_path):
     asyncio.run(lead_epoch_1_again())
 
 
+def test_a_leadership_whose_epoch_file_was_unreadable_gives_its_epoch_up(tmp_path):
+    """An unreadable leader-epoch file is set aside and read as empty, so the check above
+    found no epoch led before: a leader restarted within its ZooKeeper session led epoch
+    1 again from a log that may have lost records followers copied in it, and copies
+    that differ at the same offsets in the same epoch could not be told apart. Not knowing
+    is now taken as having led it."""
+    fsyncs = Fsyncs()
+    directory = tmp_path / "t-0"
+
+    async def lead_epoch_1():
+        owner, replication = await leading(directory, fsyncs)
+        await replication.close()
+        await owner.close()
+
+    async def lead_epoch_1_again():
+        resigned: list[int] = []
+        owner, replication = await leading(directory, fsyncs, resigned=resigned)
+        try:
+            assert replication.epochs.set_aside is not None
+            await wait_for(lambda: replication.fenced is not None, "the epoch to be given up")
+            assert resigned == [1] and "unreadable" in replication.failed
+        finally:
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(lead_epoch_1())
+    [epochs_file] = directory.glob("leader-epoch*")
+    epochs_file.write_bytes(b"garbage")
+    asyncio.run(lead_epoch_1_again())
+
+
 def test_one_call_answers_many_partitions_only_with_news_within_its_bound(tmp_path):
     """ReplicateMany's leader side (`replicate_many`, docs/replication.md "One call per
     leader"): it waits while no partition has news and ends at the first append on any;
@@ -598,6 +629,52 @@ def test_a_follower_joining_the_isr_counts_for_acks_while_its_expansion_is_writt
             assert replication.high_watermark == 3
         finally:
             release.set()
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_leadership_loaded_in_data_loss_resigns_once_an_operator_recovers_it(tmp_path):
+    """A leader's copy loaded in DATA_LOSS (damage recorded before a restart), with no
+    other live replica of the ISR to hand over to: its leadership waits for an heir. The
+    operator's recover then reloaded the log, but the leadership stayed given up and
+    heir-only for good (its first load had ended before the epochs were set up), so
+    clients and followers got NOT_PARTITION_OWNER until another restart. Now the
+    recovery gives the epoch up to any replica, this one included, as after any reload."""
+    directory = tmp_path / "t-0"
+    resigns: list[tuple[int, bool]] = []
+
+    async def resign(given_up: int, heir_only: bool = False) -> Versioned | None:
+        resigns.append((given_up, heir_only))
+        return None if heir_only else Versioned(PartitionState("a", given_up + 1, ("a",)), 9)
+
+    async def no_isr_writes(_known, isr, _joining):
+        raise AssertionError(f"unexpected ISR write {isr}")
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, directory, OwnerSettings(log=LogConfig()))
+        await owner.start()
+        await owner.produce([batch(b"one"), batch(b"two"), batch(b"three")])
+        assert owner.log.report_corruption(0, 0, 0, "damage (test)")
+        await owner.close()
+        known = Versioned(PartitionState("a", 2, ("a",)), 0)
+        replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
+                                        directory, no_isr_writes, lambda: {"a"},
+                                        resign=resign)
+        owner = PartitionOwner("t", 0, directory, OwnerSettings(log=LogConfig()))
+        owner.replication, replication.owner = replication, owner
+        await owner.start()
+        replication.start()
+        try:
+            assert owner.state is State.DATA_LOSS
+            await wait_for(lambda: resigns, "the heir-only resignation")
+            assert resigns[0] == (2, True)
+            loss = owner.log.data_loss
+            await owner.recover_data_loss(loss.path, loss.offset)
+            await wait_for(lambda: (2, False) in resigns, "the epoch given up to anyone")
+            await wait_for(lambda: replication.fenced is not None, "the leadership to end")
+        finally:
             await replication.close()
             await owner.close()
 
