@@ -940,6 +940,9 @@ class LeaderReplication:
             # acknowledged cursor change when it joins.
             keep -= self.cursors.lagging(isr, now, progress.max_lag_ms)
             joining = {r for r in joining if self.cursors.holds(r, isr)}
+        elif self.owner is not None:
+            joining = set()  # the store reopens (or refuses): whether a joiner holds every
+            # acknowledged cursor change cannot be told, so none joins meanwhile
         wanted = keep | joining
         return wanted if wanted != isr else None
 

@@ -148,3 +148,25 @@ def test_a_skipped_repeat_fetch_keeps_its_follower_caught_up(tmp_path):
     assert replication.cursors.caught_up_ms["b"] == now + 400
     assert replication._wanted_isr(now + 400 + 900, {"a", "b"}) is None  # in sync still
     assert replication._wanted_isr(now + 400 + 1_001, {"a", "b"}) == {"a"}  # lagging
+
+
+def test_no_follower_joins_the_isr_while_the_leaders_cursor_store_is_unavailable(tmp_path):
+    """A joiner must hold every acknowledged cursor change (`CursorProgress.holds`). While
+    the leader's cursor store was reopening after a failure, that check was skipped and
+    a follower joined on its log position alone; elected, it lost acknowledged acks (a
+    transactional one's consumer then processes its input twice). No joins meanwhile."""
+    from types import SimpleNamespace
+
+    async def write_isr(known, isr, joining):
+        raise AssertionError("no ISR write expected")
+
+    known = Versioned(PartitionState("a", 1, ("a",)), 0)  # b is out of the ISR
+    replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
+                                    tmp_path / "t-0", write_isr, lambda: {"a", "b"})
+    now = int(time.time() * 1000)
+    replication._incarnations["b"] = 5
+    replication.progress.fetched("b", 0, 0, now)  # b holds the log: it may join
+    assert replication._wanted_isr(now, {"a", "b"}) == {"a", "b"}  # (no owner: no cursors)
+    replication.owner = SimpleNamespace(subscriptions=SimpleNamespace(store=None))
+    assert replication._wanted_isr(now, {"a", "b"}) is None
+
