@@ -549,10 +549,21 @@ class PartitionManager:
             event(log, "replica removed by a reassignment", partition=f"{key[0]}-{key[1]}")
 
     def _complete_reassignment(self, topic: str, partition: int):
+        def complete_blocking(known, target: list[str], state):
+            try:
+                return partition_states.complete_reassignment(
+                    self.zk.client, topic, partition, known, target, state)
+            except partition_states.StaleState:
+                # As for an ISR write: a restarted replica may have taken itself out of the
+                # ISR meanwhile; the same leadership goes on from the stored state.
+                fresh = partition_states.read(self.zk.client, topic, partition)
+                if (fresh.state.leader, fresh.state.leader_epoch) == \
+                        (known.state.leader, known.state.leader_epoch):
+                    raise partition_states.IsrMoved(fresh) from None
+                raise
+
         async def complete(known, target: list[str], state):
-            return await asyncio.to_thread(partition_states.complete_reassignment,
-                                           self.zk.client, topic, partition, known, target,
-                                           state)
+            return await asyncio.to_thread(complete_blocking, known, target, state)
         return complete
 
     def _resign(self, topic: str, partition: int):

@@ -57,6 +57,15 @@ class StaleState(Exception):
     """The partition's state changed since it was read: reread it."""
 
 
+class IsrMoved(StaleState):
+    """The partition's state changed since it was read, but only its ISR (a restarted
+    replica took itself out): the same leadership goes on from `fresh`."""
+
+    def __init__(self, fresh):
+        super().__init__(f"the ISR changed meanwhile: {list(fresh.state.isr)}")
+        self.fresh = fresh
+
+
 class StaleIncarnation(Exception):
     """Replicas that were to join the ISR on fetches of an incarnation that is no longer
     their server's latest: `current` maps each to its latest incarnation (0: none)."""

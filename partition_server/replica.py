@@ -50,7 +50,7 @@ from partition_server import metrics as m
 from partition_server.cursor_store import (CursorStore, CursorStoreLimits, install_snapshot)
 from partition_server.leader_epochs import LeaderEpochFile
 from partition_server.log import LogConfig, PartitionLog
-from partition_server.partition_states import StaleIncarnation, StaleState, Versioned
+from partition_server.partition_states import IsrMoved, StaleIncarnation, StaleState, Versioned
 from partition_server.replicate_wire import (ReplicateAnswer, parse_answer, parse_many,
                                              serialize_answer, serialize_many)
 from partition_server.record_batch import iter_batches
@@ -865,6 +865,10 @@ class LeaderReplication:
         self._isr_writing = True
         try:
             stored = await self._complete_reassignment(self.known, target, final)
+        except IsrMoved as moved:  # (only the ISR: this leadership goes on from it)
+            self.known = moved.fresh
+            self.isr_changed(moved.fresh.state.isr)
+            return False
         except StaleState:
             self.fence("its partition state changed in ZooKeeper")
             return True

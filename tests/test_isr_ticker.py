@@ -170,3 +170,44 @@ def test_no_follower_joins_the_isr_while_the_leaders_cursor_store_is_unavailable
     replication.owner = SimpleNamespace(subscriptions=SimpleNamespace(store=None))
     assert replication._wanted_isr(now, {"a", "b"}) is None
 
+
+def test_a_reassignment_whose_state_only_changed_its_isr_meanwhile_is_completed_later(
+        tmp_path):
+    """A replica that restarts takes itself out of the ISR, which changes the partition
+    state's version. The leader's reassignment-completing write then failed its
+    compare-and-set, and the leadership was fenced for it (clients got
+    NOT_PARTITION_OWNER until the state watch steered this server again). Now it goes on
+    with the stored ISR, as an ISR write does, and completes the reassignment later."""
+    from partition_server.partition_states import IsrMoved
+
+    calls: list = []
+
+    async def write_isr(known, isr, joining):
+        raise AssertionError("no ISR write expected")
+
+    async def complete(known, target, final):
+        calls.append((known.version, list(final.isr)))
+        if len(calls) == 1:  # c left the ISR meanwhile (version 1)
+            raise IsrMoved(Versioned(PartitionState("a", 1, ("a", "b")), 1))
+        return Versioned(final, known.version + 1)
+
+    async def scenario():
+        known = Versioned(PartitionState("a", 1, ("a", "b", "c")), 0)
+        replication = LeaderReplication("t", 0, "a", known, ["a", "b", "c"], 1, 60_000, 0,
+                                        tmp_path / "t-0", write_isr, lambda: {"a", "b", "c"},
+                                        complete_reassignment=complete)
+        replication.start()
+        try:
+            replication.reassigned(["a", "b", "c"], ["a", "b"])
+            for _ in range(200):
+                if len(calls) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert calls == [(0, ["a", "b"]), (1, ["a", "b"])]
+            assert replication.fenced is None and replication.target is None
+            assert replication.replicas == ["a", "b"] and replication.known.version == 2
+        finally:
+            await replication.close()
+
+    asyncio.run(scenario())
+
