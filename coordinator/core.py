@@ -1207,16 +1207,27 @@ class TcPartitionCore:
         """The append is known not to be in the log: roll back its prepared transitions.
         (Timeouts and completions it carried are proposed again by tick.) One-call
         transactions whose sequence no durable or pending reservation covers any more
-        are forgotten: their caller got the failure, and nothing of them was staged."""
+        are forgotten: their caller got the failure, and nothing of them was staged. So
+        are those whose decision it carried (their caller got the failure): returned are
+        the ABORT markers for what they staged."""
         pending = self._pop_pending(append_id)
         self._release(pending)
+        markers: list[Marker] = []
+        for record in pending.records:
+            one_call = self._one_calls.get(record.txn_id) if type(record) is Opened else None
+            if one_call is not None:
+                # A one-call decision that is not in the log: nothing of the transaction
+                # was logged, so it is aborted (presumed abort) now, not left staging,
+                # holding its key, its session and its partitions' max read position
+                # until its timeout.
+                markers.extend(self._forget_one_call(one_call))
         if any(isinstance(r, SequencesReserved) for r in pending.records):
             covered = max([self._reserved] + [r.up_to for p in self._pending for r in p.records
                                               if isinstance(r, SequencesReserved)])
             for one_call in [c for c in self._one_calls.values()
                              if c.txn_id.sequence > covered]:
                 self._forget_one_call(one_call)
-        return NO_WORK
+        return Ready(markers=tuple(markers)) if markers else NO_WORK
 
     def marker_confirmed(self, now_ms: int, txn_id: TxnId, target: Target) -> Ready:
         """A target confirmed its marker. Duplicates and late confirmations are ignored."""

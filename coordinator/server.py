@@ -45,6 +45,7 @@ from partition_server.cursor_store import validate_subscription_name
 from partition_server.copy_link import serve_on_link
 from partition_server.record_batch import LENGTH_FIELD_END, check_stageable, parse_header
 from services import failpoints
+from services.batching import observe_failure
 from services.errors import AtomlogError
 from services.grpcutil import service_name
 from services.logs import event
@@ -486,18 +487,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """CommitTxn after its begin: staged through the staging channel (unless
         `stage` is False: `staged` and `failure` are its outcome already), decided, and
         answered."""
-        if stage:
-            try:
-                staged = await self.c.stager.stage(begun.start.txn_id, begun.partition.epoch,
-                                                   request.batches, request.acks,
-                                                   begun.deadline(context))
-            except AtomlogError as error:
-                failure = error
-        await failpoints.hold(failpoints.ONE_CALL_DECIDE)
         txn_id = begun.start.txn_id
+        try:
+            if stage:
+                try:
+                    staged = await self.c.stager.stage(txn_id, begun.partition.epoch,
+                                                       request.batches, request.acks,
+                                                       begun.deadline(context))
+                except AtomlogError as error:
+                    failure = error
+            await failpoints.hold(failpoints.ONE_CALL_DECIDE)
+        except asyncio.CancelledError:
+            # The caller went away before the decision: the transaction is aborted now
+            # (presumed abort), not left staging, holding its key, its session and its
+            # partitions' max read position until its timeout.
+            self._abort_begun(begun)
+            raise
         result = await begun.partition.call(
             lambda core, now: core.end_one_call(now, txn_id, failure))
         return await self._decided(request, begun, result, staged, started, context)
+
+    def _abort_begun(self, begun: "_OneCallBegun") -> None:
+        txn_id = begun.start.txn_id
+        gone = AtomlogError("TRANSACTION_ABORTED", f"the CommitTxn of one-call transaction "
+                            f"{txn_id} was cancelled before its decision")
+        ending = asyncio.ensure_future(begun.partition.call(
+            lambda core, now: core.end_one_call(now, txn_id, gone)))
+        ending.add_done_callback(observe_failure)
 
     async def _commit_in_lane(self, request, checked, here, started: float, context):
         """CommitTxn through the commit lane (coordinator/lane.py): validated (`checked`),

@@ -417,8 +417,9 @@ class TcPartition:
                           tc_partition=self.tc_partition, reason=rejected.error.reason,
                           detail=rejected.error.message)
                     for append in group:
-                        self.core.append_failed(append.append_id)
+                        ready = self.core.append_failed(append.append_id)
                         self._settle(append.append_id, rejected.error)
+                        self._carry_out(ready)
                     continue
                 self._appended(group, len(entries), last, started)
             if self.phase is Phase.ACTIVE and not self._queue and self.core is not None:

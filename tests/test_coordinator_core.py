@@ -496,11 +496,15 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule()
     def append_refused(self):
         append, _, _ = self.in_flight.popleft()
-        assert self.core.append_failed(append.append_id) == NO_WORK
-        for record in append.records:  # a one-call decision not logged: still staging
-            if (isinstance(record, Opened) and self.core.one_call(record.txn_id) is not None
-                    and record.txn_id not in self.staging):
-                self.staging.append(record.txn_id)
+        decisions = {r.txn_id for r in append.records
+                     if type(r) is Opened and self.core.one_call(r.txn_id) is not None}
+        ready = self.core.append_failed(append.append_id)
+        # A one-call decision not logged: presumed aborted at once (its caller got the
+        # failure), ABORT markers for what it staged; nothing else follows a refusal.
+        assert not ready.appends
+        assert {m.txn_id for m in ready.markers} == decisions
+        assert all(self.core.one_call(t) is None for t in decisions)
+        self.perform(ready, "append_failed")
         # A reservation not logged: the one-calls it was for are forgotten (their caller
         # hears the failure before staging anything). Logged parallel commits stay.
         self.staging = [t for t in self.staging if self.core.one_call(t) is not None
@@ -1479,12 +1483,19 @@ def test_a_chain_of_one_call_transactions_is_decided_in_one_append_or_not_at_all
     assert not ready.appends
     assert [r.error.reason for r in ready.reply] == ["TRANSACTION_TIMED_OUT",
                                                      "EARLIER_COMMIT_FAILED"]
-    # A failed append: both roll back, together.
+    # A failed append: both roll back, together, and are aborted (presumed abort: nothing
+    # of them is logged). Until 2026-12-06 they stayed staging, holding their keys, their
+    # sessions and their partitions' max read position until their timeouts.
     one, two = begin("j"), begin("k")
     ready = core.end_one_calls(NOW + 3, [(one, None), (two, None)])
     (append,) = ready.appends
-    core.append_failed(append.append_id)
-    assert [core.verify(t, tp).state for t in (one, two)] == [State.OPEN] * 2  # undecided
+    failed = core.append_failed(append.append_id)
+    assert sorted(m.txn_id for m in failed.markers) == sorted([one, two])
+    assert {m.decision for m in failed.markers} == {ABORT}
+    assert [core.verify(t, tp).state for t in (one, two)] == [State.ABORTED] * 2
+    again = core.begin_one_call(NOW + 4, 0, None, "j", [tp], [])  # the key is free
+    assert isinstance(again.reply, OneCallStart) and again.reply.txn_id not in (one, two)
+    core.end_one_call(NOW + 4, again.reply.txn_id, AtomlogError("INTERNAL", "(test)"))
     assert replay(log, TC, coordinator_epoch=2).snapshot() == core.snapshot()
 
 

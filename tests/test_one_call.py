@@ -246,6 +246,40 @@ def test_a_failed_commit_of_a_dead_coordinator_leaves_nothing_hanging(servers, c
         short.close()
 
 
+def test_a_commit_whose_caller_goes_away_before_the_decision_is_aborted_at_once(
+        servers, client, failpoint_dir):
+    """A CommitTxn cancelled between staging and its decision (the caller's deadline
+    passed, or it went away) never decided its transaction: staged everywhere, it stayed
+    OPEN until its timeout (60 s here) plus the grace, holding its key and its
+    partitions' max read position, read_committed readers stalled behind it. Now the
+    cancelled call aborts it (presumed abort) and its key takes a new commit."""
+    topic = create_online(client, "oc-cancelled", 2)
+    count = client.metadata.tc_partition_count
+    key = _key_on(0, count)
+    items = [partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=p),
+        record_batch=encode_batch([Record(None, f"c{p}".encode(), (), 0)])) for p in (0, 1)]
+    request = coordinator_pb2.CommitTxnRequest(tc_partition=0, idempotency_key=key,
+                                               timeout_ms=60_000, batches=items)
+    def route() -> str:
+        client.metadata.refresh()
+        return client.metadata.tc_routes[0]
+
+    wait_until(route, 20, "TC partition 0's coordinator")
+    with Armed(failpoint_dir, failpoints.ONE_CALL_DECIDE):
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(client.channels.get(route()))
+        with pytest.raises(grpc.RpcError) as gone:
+            stub.CommitTxn(request, timeout=3)
+        assert gone.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: settled(client, topic, 2), 20, "the cancelled commit's abort")
+    for partition in range(2):  # it was staged there, and aborted
+        assert client.describe_partition(topic, partition).aborted_transaction_count == 1
+    answer = stub.CommitTxn(request, timeout=30)  # the same key: a new commit
+    assert answer.state == coordinator_pb2.TXN_STATE_COMMITTING
+    wait_until(lambda: settled(client, topic, 2), 20, "the commit's markers")
+    assert sorted(committed_values(client, topic)) == [b"c0", b"c1"]
+
+
 def test_a_partition_server_killed_before_the_marker_gets_it_after_restart(servers, client,
                                                                            failpoint_dir):
     topic = create_online(client, "oc-marker", 2)
