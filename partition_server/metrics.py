@@ -36,6 +36,10 @@ PRODUCE_BATCHES_PER_FSYNC = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
 PRODUCERS_EXPIRED = Counter("atomlog_partition_producers_expired_total",
                             "Producers forgotten after their idle expiry.", ["topic"])
+PRODUCERS_EVICTED = Counter("atomlog_partition_producers_evicted_total",
+                            "Producers forgotten before their idle expiry to make room for a "
+                            "new one in a full table (idle for more than an hour).",
+                            ["topic"])
 DUPLICATES = Counter("atomlog_partition_duplicates_rejected_total",
                      "Retried batches answered with their original offsets, not appended.",
                      ["topic"])

@@ -323,6 +323,7 @@ class PartitionOwner:
         self.state = State.LOADING
         self.log: PartitionLog | None = None
         self.producers = ProducerStateTable(settings.max_producers, settings.producer_idle_expiry_ms)
+        self._evicted_exported = 0  # the table's evicted_total exported so far
         self.txns: TxnBuffer | RecoveringTxns = TxnBuffer(settings.txn_limits)
         # Called with the buffer each time one is ready (after a load, or after its
         # background replay): the server learns the coordinator epochs of its markers.
@@ -1496,6 +1497,11 @@ class PartitionOwner:
             return 0
         removed = len(self.producers.expire(_wall_ms()))
         m.PRODUCERS_EXPIRED.labels(*self._labels).inc(removed)
+        evicted = self.producers.metrics.evicted_total
+        if evicted < self._evicted_exported:
+            self._evicted_exported = 0  # (a table rebuilt by a load counts from 0)
+        m.PRODUCERS_EVICTED.labels(*self._labels).inc(evicted - self._evicted_exported)
+        self._evicted_exported = evicted
         return removed
 
     async def apply_retention(self) -> int:

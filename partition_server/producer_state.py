@@ -35,6 +35,15 @@ and the same value as `now_ms` to `check`, or decisions and replay may diverge a
 expiry edge. As in Kafka, a retry that arrives after its producer expired is not known
 as a retry (sequence 0 appends again), so idle_expiry_ms must be far above retry times.
 
+A full table also forgets producers idle for more than `evict_idle_ms` (EVICT_IDLE_MS,
+an hour, or the expiry when shorter) to make room for a new one, before refusing it
+(RESOURCE_EXHAUSTED): producers that live for one job or task fill a table long before
+their expiry. This is the one decision that depends on the table's fullness, not only on
+time: a replay keeps such a producer until its expiry, so after a restart it may be known
+again. Either way is safe: a known producer goes on in order, an unknown one's next batch
+is refused (UNKNOWN_PRODUCER_ID) unless it is its sequence 0, which an hour's silence puts
+past any retry.
+
 Control batches (transaction markers, `apply(..., control=True)`; sequences are ignored):
 producer id 0 → ignored. Otherwise the marker carries the transaction producer's epoch:
 unknown/expired producer → an entry with that epoch and no batches; higher epoch → epoch
@@ -81,6 +90,11 @@ DEFAULT_WINDOW = 5
 # Bound of the window in the snapshot format (one byte per entry holds the count).
 WINDOW_MAX = 255
 LIMIT_NAME = "partition.max_producers"
+# A full table makes room for a new producer by forgetting those idle this long (or the
+# expiry, when shorter) before their expiry: far above any retry of a batch (the SDK's
+# delivery timeout, 2 min by default) and a transaction's longest timeout (1 h), so a
+# producer forgotten this way has nothing in flight that could be appended twice.
+EVICT_IDLE_MS = 3_600_000
 
 
 def sequence_add(sequence: int, delta: int) -> int:
@@ -192,6 +206,7 @@ class ProducerStateMetrics:
     unknown_producer_total: int = 0
     exhausted_total: int = 0  # new producers refused because the table was full
     expired_total: int = 0
+    evicted_total: int = 0  # forgotten before their expiry to make room (EVICT_IDLE_MS)
     anomalies_total: int = 0  # applied batches that did not follow their producer's state
 
 
@@ -287,6 +302,7 @@ class ProducerStateTable:
     max_producers: int
     idle_expiry_ms: int
     window: int = DEFAULT_WINDOW
+    evict_idle_ms: int | None = None  # None: min(EVICT_IDLE_MS, idle_expiry_ms)
     _entries: dict[int, ProducerEntry] = field(default_factory=dict, init=False, repr=False)
     # Each entry's snapshot bytes as of the last snapshot, with the entry they encode: a
     # snapshot packs only the producers that wrote since (10,000 producers took 28 ms of
@@ -301,6 +317,9 @@ class ProducerStateTable:
         assert self.max_producers >= 1, self.max_producers
         assert self.idle_expiry_ms >= 0, self.idle_expiry_ms
         assert 1 <= self.window <= WINDOW_MAX, self.window
+        if self.evict_idle_ms is None:
+            self.evict_idle_ms = min(EVICT_IDLE_MS, self.idle_expiry_ms)
+        assert 0 <= self.evict_idle_ms <= self.idle_expiry_ms, self.evict_idle_ms
         self._counters = dict.fromkeys(ProducerStateMetrics.__dataclass_fields__, 0)
 
     # -- observability ------------------------------------------------------------------
@@ -439,19 +458,29 @@ class ProducerStateTable:
         return _trim(entry, self.window)
 
     def _make_room(self, producer_id: int, now_ms: int) -> None:
+        """A new producer on a full table: drop the expired ones, then those idle longer
+        than evict_idle_ms (short-lived producers, one per job or task, fill a table long
+        before their day's expiry); refused only when none of them is."""
         if len(self._entries) < self.max_producers:
             return
         self.expire(now_ms)
         if len(self._entries) < self.max_producers:
             return
+        idle = [pid for pid, entry in self._entries.items()
+                if now_ms - entry.last_timestamp_ms > self.evict_idle_ms]
+        for pid in idle:
+            del self._entries[pid]
+        self._count("evicted_total", len(idle))
+        if len(self._entries) < self.max_producers:
+            return
         self._count("exhausted_total")
         first_free_ms = min(entry.last_timestamp_ms for entry in self._entries.values())
-        retry_after_ms = max(first_free_ms + self.idle_expiry_ms + 1 - now_ms, 1)
+        retry_after_ms = max(first_free_ms + self.evict_idle_ms + 1 - now_ms, 1)
         raise AtomlogError(
             "RESOURCE_EXHAUSTED",
             f"partition tracks {len(self._entries)} producers, the limit "
             f"{LIMIT_NAME}={self.max_producers}, and none has been idle for more than "
-            f"{self.idle_expiry_ms} ms: producer {producer_id} cannot be added",
+            f"{self.evict_idle_ms} ms: producer {producer_id} cannot be added",
             {"limit": LIMIT_NAME, "max_producers": self.max_producers,
              "retry_after_ms": retry_after_ms})
 

@@ -323,7 +323,8 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("partition.max_queued_requests", int, 1_000, "Produce requests waiting per "
                 "partition; more are refused with RESOURCE_EXHAUSTED.", minimum=1, maximum=1_000_000),
         Setting("partition.max_producers", int, 10_000, "Idempotent producers tracked per "
-                "partition; a new one past it is refused with RESOURCE_EXHAUSTED.",
+                "partition; past it a new one makes room by forgetting those idle for more "
+                "than an hour, else it is refused with RESOURCE_EXHAUSTED.",
                 minimum=1, maximum=10_000_000),
         Setting("partition.producer_idle_expiry_ms", int, 86_400_000, "A producer silent this "
                 "long is forgotten (Kafka's default: 1 day); must outlast client retries.",

@@ -522,6 +522,26 @@ def test_full_table_expires_idle_producers_first_then_refuses():
     assert (metrics.exhausted_total, metrics.expired_total) == (1, 1)
 
 
+def test_a_full_table_forgets_producers_idle_past_the_eviction_bound_before_expiry():
+    """Short-lived producers (one per Spark task attempt, or per job) filled the table
+    with producers done for good, and new ones were refused until the oldest reached its
+    day's expiry: hours. A full table now also forgets producers idle longer than the
+    eviction bound (an hour by default: past any retry and any transaction's timeout)."""
+    day, hour = 86_400_000, 3_600_000
+    table = ProducerStateTable(3, day)
+    assert table.evict_idle_ms == hour  # (and the expiry when that is shorter)
+    for pid in (1, 2, 3):
+        append(table, pid, 0, 0, 1, pid, now_ms=NOW + pid * 1_000)
+    error = refused(table, 4, 0, 0, 1, NOW + 30_000)
+    assert error.reason == "RESOURCE_EXHAUSTED"
+    assert error.metadata["retry_after_ms"] == str(1_000 + hour + 1 - 30_000)
+    later = NOW + 1_000 + hour + 1  # producer 1 idle just past the hour, 2 not yet
+    assert table.check(4, 0, 0, 1, later) is APPEND
+    assert set(table.entries()) == {2, 3}
+    assert table.metrics.evicted_total == 1
+    assert refused(table, 1, 0, 1, 1, later).reason == "UNKNOWN_PRODUCER_ID"  # forgotten
+
+
 def test_expiry_is_logical_so_decisions_do_not_depend_on_expire_calls():
     table = make_table()
     append(table, 7, 0, 0, 3, 0, now_ms=NOW)
