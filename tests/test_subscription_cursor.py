@@ -876,6 +876,7 @@ class CursorMachine(RuleBasedStateMachine):
     def data_loss(self, data):
         """An operator accepts losing the log from `end` on (RecoverPartition): the owner
         cuts the cursor back before serving; what is written there next is new."""
+        self.durable = len(self.journal)  # the reload's close synced what was staged
         end = data.draw(st.integers(self.log_start, self.log_end))
         model = self.model
         above = {o for o in model.acked if o >= end} or any(
@@ -895,7 +896,7 @@ class CursorMachine(RuleBasedStateMachine):
             item[1] = {o for o in item[1] if o < end}
         model.normalize()
         self.write(entry)
-        self.durable = len(self.journal)  # fsynced before the partition serves
+        self.durable = len(self.journal)  # the cut is fsynced before the partition serves
         assert self.cursor.read_position <= end
 
     @rule()
