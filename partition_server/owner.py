@@ -964,8 +964,8 @@ class PartitionOwner:
                 self._complete_flushes()
                 self._check_snapshot_write()
                 self._check_roll()
-                if self._queue and self._may_write() and not self._snapshot_due() and \
-                        self._roll is None:
+                if self._queue and self._may_write() and self._roll is None and (
+                        not self._snapshot_due() or self._refusing_writes()):
                     count, size = self._group_extent()
                     if self.log is not None and self.log.roll_due(size):
                         self._begin_flushes()  # what the old segment holds: on its way
@@ -1005,6 +1005,14 @@ class PartitionOwner:
                 await self._fail_closed(failure.error, failure.flush.works)
             except Exception as error:  # noqa: BLE001 — disk trouble: reload from disk
                 await self._fail_closed(error, [])
+
+    def _refusing_writes(self) -> bool:
+        """The ISR is below min.insync.replicas: a write refuses new batches and appends
+        nothing, so it needs no snapshot first. (The snapshot waits until what is
+        written is replicated, which a short ISR may hold back for good: writes that
+        waited for it hung, unanswered, instead of being refused.)"""
+        return self.replication is not None and \
+            self.replication.not_enough_replicas() is not None
 
     def _group_extent(self) -> tuple[int, int]:
         """(requests, bytes) of the next group: the oldest queued requests, at least one,

@@ -681,6 +681,45 @@ def test_a_leadership_loaded_in_data_loss_resigns_once_an_operator_recovers_it(t
     asyncio.run(scenario())
 
 
+def test_writes_are_refused_at_once_while_a_retry_waits_for_a_short_isr(tmp_path):
+    """With the ISR below min.insync.replicas, a retry of a written batch waits (it is
+    answered as a duplicate once the ISR holds it again) while new writes are refused
+    with NOT_ENOUGH_REPLICAS. Once a producer-state snapshot fell due meanwhile, the
+    owner stopped writing until it could take it, which needs that retry answered: every
+    new write hung, unanswered, until the ISR grew back. Refusals append nothing, so they
+    go on while the snapshot waits."""
+    fsyncs = Fsyncs()
+
+    def idempotent(sequence: int):
+        data = encode_batch([Record(b"k", b"v")], producer_id=7, producer_epoch=0,
+                            base_sequence=sequence)
+        return data, parse_header(data)
+
+    async def scenario():
+        owner, replication = await leading(tmp_path / "t-0", fsyncs)
+        try:
+            await replication.replicate(request(0, -1), 0)
+            produced = asyncio.ensure_future(owner.produce([idempotent(0)]))
+            await wait_for(lambda: replication.local_durable_end == 1, "the first fsync")
+            await replication.replicate(request(1, 1), 0)  # b holds it: acknowledged
+            await asyncio.wait_for(produced, 10)
+            replication.isr_changed(["a"])  # b left: below min.insync.replicas (2)
+            retry = asyncio.ensure_future(owner.produce([idempotent(0)]))
+            await asyncio.sleep(0.1)
+            assert not retry.done()  # a duplicate, answered once the ISR holds it
+            owner._last_snapshot_ms = 0  # a snapshot falls due meanwhile
+            [refused] = await asyncio.wait_for(owner.produce([batch(b"new")]), 5)
+            assert isinstance(refused, AtomlogError), refused
+            assert refused.reason == "NOT_ENOUGH_REPLICAS"
+            assert not retry.done()
+            retry.cancel()
+        finally:
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
