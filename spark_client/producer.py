@@ -60,6 +60,7 @@ SEQUENCE_LIMIT = 2**31 - 1
 # id, so nothing goes under it, and the partition's next batch asks for one (_encode).
 NEEDS_ID = -1
 RETRIABLE_ITEM_REASONS = {"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION", "PARTITION_LOADING",
+                          "NOT_ENOUGH_REPLICAS",  # the ISR short of min.insync.replicas
                           "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN",
                           "RESOURCE_EXHAUSTED", "ZOOKEEPER_UNAVAILABLE",
                           # transactional writes being verified with their coordinator

@@ -885,13 +885,27 @@ def test_not_enough_in_sync_replicas_refuses_writes_and_writes_nothing(cluster, 
                 ",".join(part.replicas)] in [[n, ",".join(sorted(i.split(","))), r]
                                              for n, i, r in under]
         assert client.describe_partition("rep-min", 0).high_watermark == 2  # nothing new
+        # The SDK retries NOT_ENOUGH_REPLICAS within its delivery timeout (until
+        # 2026-12-06 it failed the records at once, though the error is retriable).
+        producer = client.producer()
+        sent = producer.send("rep-min", b"sdk", partition=0)
+
+        def refused_once() -> bool:
+            state = producer._partitions.get(("rep-min", 0))
+            return sent.done() or state is not None and any(
+                b.last_error is not None for b in [*state.ready, *state.in_flight])
+
+        wait_until(refused_once, 20, "the SDK's batch refused once")
+        assert not sent.done(), sent.exception()
     finally:
         restart_all(cluster)
     wait_until(lambda: fully_in_sync(client, "rep-min"), 30, "rep-min back in sync")
     again = idempotent(b"idempotent", 0, timeout=30)
     assert not again.error.reason and again.base_offset == 1  # its first offsets
-    values = sorted(read_all(client, "rep-min", 2).values())
-    assert values == [b"before", b"idempotent"]
+    assert sent.result(60).offset >= 2
+    producer.close()
+    values = sorted(read_all(client, "rep-min", 3).values())
+    assert values == [b"before", b"idempotent", b"sdk"]
 
 
 def test_kill_9_leader_during_produce_and_transactions_loses_and_tears_nothing(cluster, client):
