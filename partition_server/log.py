@@ -274,6 +274,12 @@ class PartitionLog:
         return self._segments[0].base_offset if self._segments else 0
 
     @property
+    def last_append_time_ms(self) -> int:
+        """The latest append time stamped (or found in the segments at open); appends
+        stamp at least this, so append times never go back."""
+        return self._last_append_time_ms
+
+    @property
     def log_end_offset(self) -> int:
         """The offset the next appended batch gets (written, maybe not yet flushed)."""
         return self._log_end_offset

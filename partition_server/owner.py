@@ -463,7 +463,10 @@ class PartitionOwner:
                                    self._txn_recovery_cancel),
                 name=f"transaction buffer recovery {self.name}")
         self.state = State.ONLINE
-        self._stamp_ms = max(self._stamp_ms, _wall_ms())
+        # As the log stamps (never below its last append time: a clock set back, or a
+        # leader before whose clock was ahead), so that producer state records the times
+        # the log holds and a replay would find.
+        self._stamp_ms = max(self._stamp_ms, _wall_ms(), self.log.last_append_time_ms)
         self._snapshot_taken()  # the interval counts from the load
         event(log, "partition online", partition=self.name,
               high_watermark=self.log.high_watermark, producers=self.producers.producer_count,

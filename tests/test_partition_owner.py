@@ -605,3 +605,33 @@ def test_the_late_write_guard_is_sized_by_its_setting(tmp_path):
                          overrides={**where, "partition.late_write_guard_size": 5_000})
     owner = PartitionOwner("t", 0, tmp_path / "t-0", owner_settings(config))
     assert owner.guard.max_ended == 5_000
+
+
+def test_append_times_answered_and_recorded_are_those_the_log_holds_after_a_clock_set_back(
+        tmp_path):
+    """The log never stamps an append time below its last one (found in its segments at
+    open). The owner's clock began at the wall clock only: after a clock set back (or on
+    a leader whose predecessor's clock was ahead), producer state recorded, and Produce
+    answered, times earlier than those the log stored, so a replay recorded others."""
+    from partition_server.log import PartitionLog
+
+    ahead = int(time.time() * 1000) + 3_600_000
+    with PartitionLog(tmp_path / "t-0", LogConfig(), clock_ms=lambda: ahead) as log:
+        first = batch(7, 0)
+        log.append([first])
+        log.flush()
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", OwnerSettings(log=LogConfig()))
+        await owner.start()
+        try:
+            second = batch(7, 2)
+            [appended] = await owner.produce([(second, parse_header(second))])
+            data, _, _ = owner.read(appended.base_offset, 1 << 20)
+            stored = parse_header(data).log_append_time_ms
+            assert appended.log_append_time_ms == stored >= ahead
+            assert owner.producers.entry(7, stored).last_timestamp_ms == stored
+        finally:
+            await owner.close()
+
+    asyncio.run(scenario())
