@@ -950,6 +950,9 @@ class Producer:
             _discard(state, batch)
             self._fail(batch, error)
             return
+        if error.reason == "UNKNOWN_PRODUCER_ID" and now < batch.deadline and \
+                self._reset_identity(batch, state):
+            return
         if retriable:  # out of time: the outcome of this batch is unknown
             timeout = errors.DeliveryTimeout(
                 f"{len(batch.records)} records to {batch.topic}-{batch.partition} not "
@@ -1008,6 +1011,28 @@ class Producer:
         except errors.AtomlogClientError:
             state.producer_id = NEEDS_ID
         state.next_sequence = 0
+
+    def _reset_identity(self, refused: _Batch, state: _PartitionState) -> bool:
+        """UNKNOWN_PRODUCER_ID for the oldest unanswered batch of a partition: it forgot
+        this producer (idle past its expiry, or a leader that rebuilt its state from a log
+        whose start had passed the producer's last batch). When no attempt of that batch
+        or of any batch after it may have been written (every attempt refused unwritten,
+        and no producer session or transaction binds them to this id), they are sent
+        again under a new producer id from sequence 0 (Kafka's KIP-360 reset), instead of
+        failing. Else False: they fail as before (the records may be written)."""
+        later = [b for b in [*state.in_flight, *state.ready]
+                 if b.payload and b.base_sequence > refused.base_sequence]
+        batches = [refused, *later]
+        if self._session is not None or any(b.txn is not None or b.maybe_written
+                                            for b in batches):
+            return False
+        for b in batches:
+            _discard(state, b)
+            b.payload, b.alone, b.sent_behind = b"", False, False
+        self._new_identity(state)  # (a stale attempt under the old id is refused there)
+        for b in reversed(sorted(batches, key=lambda b: b.base_sequence)):
+            state.ready.appendleft(b)
+        return True
 
     def _resequence_after(self, failed: _Batch, state: _PartitionState) -> None:
         """Nothing of `failed` was written: later batches of the partition take over its
