@@ -1194,11 +1194,16 @@ def _may_send(state: _PartitionState, max_in_flight: int) -> bool:
       could push it out of the window, and a resend that had been written would be
       refused as out of order instead of recognised);
     - after the partition took a new producer id, nothing goes under it while batches of
-      the old one are unanswered (they could be overtaken)."""
-    if state.ready[0].attempts:
+      the old one are unanswered (they could be overtaken); nor does a batch whose
+      encoding takes one (its sequences would pass 2^31 - 1)."""
+    batch = state.ready[0]
+    if batch.attempts:
         return not state.in_flight
     if len(state.window) >= max_in_flight:
         return False
+    if state.in_flight and not batch.payload and \
+            state.next_sequence + len(batch.records) > SEQUENCE_LIMIT:
+        return False  # its encoding rotates to a new producer id (_encode): not yet
     return not any(b.alone or (b.producer_id is not None and b.producer_id != state.producer_id)
                    for b in state.in_flight)  # (None: a transactional batch encoded later)
 

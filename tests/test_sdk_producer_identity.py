@@ -69,3 +69,26 @@ def test_a_batch_refused_as_of_an_unknown_producer_is_sent_again_under_a_new_id(
             assert isinstance(batch.outcome.error, errors.UnknownProducerId)
     finally:
         producer.close()
+
+
+def test_a_batch_whose_encoding_rotates_the_producer_id_waits_for_the_old_ids_batches():
+    """Sequences may not pass 2^31 - 1: the batch that would is encoded under a new
+    producer id. It went while batches of the old id were unanswered, so a retry of one
+    of those landed after it (out of order), against the rule that a new id waits for
+    every batch of the old one to be answered."""
+    state = sdk._PartitionState()
+    old = sdk._Batch("t", 0, [object()], sdk._Outcome("t", 0), time.monotonic(), 10)
+    old.payload, old.attempts, old.producer_id = b"x", 1, 100
+    state.producer_id, state.next_sequence = 100, sdk.SEQUENCE_LIMIT - 1
+    state.in_flight.append(old)
+    state.window.append(old)
+    rotating = sdk._Batch("t", 0, [object(), object()], sdk._Outcome("t", 0),
+                          time.monotonic(), 10)
+    state.ready.append(rotating)
+    assert not sdk._may_send(state, 5)
+    state.in_flight.clear()
+    assert sdk._may_send(state, 5)
+    fits = sdk._Batch("t", 0, [object()], sdk._Outcome("t", 0), time.monotonic(), 10)
+    state.ready.appendleft(fits)  # (one record still fits under the old id)
+    state.in_flight.append(old)
+    assert sdk._may_send(state, 5)
