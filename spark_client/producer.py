@@ -400,18 +400,25 @@ class Producer:
                 f"transactional id {self.transactional_id!r} was taken over by a newer session "
                 f"(producer id {self._producer_id} epoch {self._epoch} is fenced); make a new "
                 "producer")
-        if self._needs_reinit:
-            # An earlier write's outcome is unknown: a new epoch of the same session makes
-            # every partition start its sequences afresh (KIP-360's epoch bump).
-            self.flush()
-            self._init_session()
-            with self._lock:
-                for state in self._partitions.values():
-                    state.producer_id, state.epoch, state.next_sequence = None, 0, 0
-                self._needs_reinit = False
+        self._reinit_if_needed()
         return Transaction(self.client, timeout_s or self.transaction_timeout_s,
                            session=self._session, tc_partition=self._session_tc, lazy=True,
                            on_fenced=self._note_fenced)
+
+    def _reinit_if_needed(self) -> None:
+        """An earlier write's outcome is unknown, or a partition's sequences broke: a new
+        epoch of the same session makes every partition start its sequences afresh
+        (KIP-360's epoch bump). At the next begin_transaction(), or the next send outside
+        a transaction (until 2026-12-06 such sends went on with the broken sequences, each
+        refused, until a begin_transaction())."""
+        if not self._needs_reinit:
+            return
+        self.flush()
+        self._init_session()
+        with self._lock:
+            for state in self._partitions.values():
+                state.producer_id, state.epoch, state.next_sequence = None, 0, 0
+            self._needs_reinit = False
 
     def _note_fenced(self) -> None:
         self._fenced = True
@@ -426,9 +433,12 @@ class Producer:
 
     # ------------------------------------------------------------------ user API
     def _check_sendable(self, txn) -> None:
-        """Refuse a send to a closed producer, or in a transaction it may not write to."""
+        """Refuse a send to a closed producer, or in a transaction it may not write to;
+        before a send outside a transaction, re-initialize the session if it needs it."""
         if self._closed:
             raise RuntimeError("producer is closed")
+        if txn is None and self._needs_reinit:
+            self._reinit_if_needed()
         if txn is not None:
             if not self.idempotent:
                 raise ValueError("transactional sends need an idempotent producer")

@@ -325,6 +325,27 @@ def test_a_session_whose_epoch_bump_answer_was_lost_goes_on(client, monkeypatch)
         producer.close()
 
 
+def test_a_session_producers_plain_sends_start_a_new_epoch_after_broken_sequences(client):
+    """A transactional-id producer's plain sends (outside a transaction) after one of its
+    partitions was abandoned (a refusal, or an unknown outcome): the session keeps its
+    producer id, and only begin_transaction() bumped the epoch, so every later plain
+    send to that partition carried a sequence the server could not take, refused one
+    after the other for good. The next plain send now bumps the epoch first."""
+    producer = client.producer(transactional_id="plain-1")
+    try:
+        producer.send(T("tx-solo"), "first", partition=0).result(10)
+        before = producer.epoch
+        with producer._lock:  # as _abandon_partition leaves a session's partition
+            producer._partitions[(T("tx-solo"), 0)].next_sequence += 7
+            producer._needs_reinit = True
+        producer.send(T("tx-solo"), "second", partition=0).result(10)
+        assert producer.epoch == before + 1
+    finally:
+        producer.close()
+    assert {b"first", b"second"} <= set(values(read_all(client, [T("tx-solo")],
+                                                        "read_committed")))
+
+
 def test_transaction_state_survives_kill_9_of_every_partition_server(servers, client):
     """Committed data stays visible, aborted data invisible, and an open transaction
     keeps holding the max read position, after every partition server is killed -9 and
