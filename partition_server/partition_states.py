@@ -166,7 +166,11 @@ def try_elect(client, topic: str, partition: int, replicas: list[str], live: Ite
     live = set(live)
     current = read(client, topic, partition, replicas)
     if current.state.leader is None:
-        election = elect_offline(current.state, replicas, live)
+        # An in-sync replica back leads; else, when the topic allows it (perhaps only
+        # since the partition went offline: the runbook's way out), any live replica.
+        election = elect_offline(current.state, replicas, live) or (
+            elect(current.state, replicas, live, unclean_allowed=True)
+            if unclean_allowed else None)
     else:
         election = elect(current.state, replicas, live, unclean_allowed=unclean_allowed)
     if election is None:

@@ -110,6 +110,17 @@ def test_offline_and_back_and_unclean(zk):
     ps.change_isr(zk, "t", 1, ps.read(zk, "t", 1), ["b"])
     election, state = ps.try_elect(zk, "t", 1, REPLICAS[1], live={"c"}, unclean_allowed=True)
     assert election.unclean and state.state == PartitionState("c", 1, ("c",))
+    # A partition that went offline before unclean election was allowed (the runbook's
+    # "topic alter --set unclean.leader.election.enable=true"): once allowed, a live
+    # replica leads. Until 2026-12-06 an offline partition was only elected from its ISR.
+    ps.create_all(zk, "u", REPLICAS, live={"a", "b", "c"})
+    ps.change_isr(zk, "u", 0, ps.read(zk, "u", 0), ["a"])
+    election, offline = ps.try_elect(zk, "u", 0, REPLICAS[0], live={"b", "c"})
+    assert offline.state.leader is None and not election.unclean
+    assert ps.try_elect(zk, "u", 0, REPLICAS[0], live={"b", "c"})[0] is None
+    election, state = ps.try_elect(zk, "u", 0, REPLICAS[0], live={"b", "c"},
+                                   unclean_allowed=True)
+    assert election.unclean and state.state == PartitionState("b", 2, ("b",))
 
 
 @pytest.mark.cluster
