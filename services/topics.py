@@ -143,14 +143,17 @@ def altered_config(record: "TopicRecord", to_set: Mapping[str, str],
                 "create a topic with -r 2 or more, or min.insync.replicas=1 for one movable "
                 "copy")
         return normalized
-    if "min.insync.replicas" in normalized:
-        wanted = int(normalized["min.insync.replicas"])
-        fewest = min(len(record.reassigning.get(p) or record.replicas_of(p))
-                     for p in range(record.partitions))
-        if wanted > fewest:
-            raise AtomlogError("INVALID_TOPIC_CONFIG",
-                               f"min.insync.replicas={wanted} must be 1..{fewest} (the fewest "
-                               f"copies any partition of {record.name!r} has or is moving to)")
+    # The effective value, set or defaulted (a deleted setting falls back to the
+    # default, which may be more than a partition reassigned to fewer copies has).
+    wanted = int(normalized.get("min.insync.replicas", min(2, record.replication_factor)))
+    fewest = min(len(record.reassigning.get(p) or record.replicas_of(p))
+                 for p in range(record.partitions))
+    if wanted > fewest:
+        raise AtomlogError("INVALID_TOPIC_CONFIG",
+                           f"min.insync.replicas={wanted}"
+                           f"{'' if 'min.insync.replicas' in normalized else ' (the default)'}"
+                           f" must be 1..{fewest} (the fewest copies any partition of "
+                           f"{record.name!r} has or is moving to)")
     return normalized
 
 

@@ -101,6 +101,18 @@ def test_min_insync_counts_the_fewest_copies_a_running_reassignment_leaves():
         altered_config(moving, {"min.insync.replicas": "3"}, [])
 
 
+def test_deleting_min_insync_is_checked_against_the_default_it_falls_back_to():
+    """A partition reassigned to one copy under min.insync.replicas=1: deleting the
+    setting brought back the default, 2, unchecked, and every write to that partition was
+    refused (NOT_ENOUGH_REPLICAS) from then on."""
+    shrunk = TopicRecord("shrunk", ["ps-0", "ps-1"], {"min.insync.replicas": "1"}, 1000, 2,
+                         [["ps-0", "ps-1", "ps-2"], ["ps-1"]])
+    with pytest.raises(AtomlogError, match=r"min.insync.replicas=2 \(the default\) must be 1..1"):
+        altered_config(shrunk, {}, ["min.insync.replicas"])
+    assert altered_config(shrunk, {"retention.ms": "60000"}, []) == {
+        "min.insync.replicas": "1", "retention.ms": "60000"}
+
+
 def test_no_servers_is_retriable():
     with pytest.raises(AtomlogError) as raised:
         assign_partitions(3, [])
