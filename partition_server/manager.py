@@ -92,6 +92,37 @@ def forget_owner_snapshots(directory: Path) -> int:
     return removed
 
 
+SERVER_FILE = "server.json"  # the data directory's owner: {"server_name": ...}
+
+
+def claim_data_directory(data_dir: Path, server_name: str) -> None:
+    """The data directory belongs to one server name, recorded at its first start. A
+    server started on another server's directory (a host renamed, a container recreated
+    without its fixed name, a mistyped name, a volume swapped) took every replicated
+    copy in it for one removed by a reassignment and deleted it at start; now it refuses
+    to start (`cannot start`, INVALID_ARGUMENT). A directory from before this file
+    existed is claimed as it is."""
+    path = data_dir / SERVER_FILE
+    try:
+        recorded = json.loads(path.read_bytes()).get("server_name")
+    except FileNotFoundError:
+        write_atomically(path, json.dumps({"server_name": server_name,
+                                           "claimed_unix_ms": int(time.time() * 1000)},
+                                          sort_keys=True).encode())
+        return
+    except (ValueError, AttributeError) as error:
+        raise AtomlogError("INVALID_ARGUMENT", f"{path} is unreadable ({error}): whose data "
+                           "directory this is cannot be told; repair or remove the file",
+                           {"field": "server.name"}) from None
+    if recorded != server_name:
+        raise AtomlogError(
+            "INVALID_ARGUMENT", f"data directory {data_dir} belongs to server {recorded!r} "
+            f"({path}); this server is named {server_name!r}. Started here it would take "
+            "that server's copies for its own or delete them: start it with "
+            f"server.name={recorded!r}, or give it a data directory of its own",
+            {"field": "server.name", "recorded": str(recorded)})
+
+
 def _delete_copy(directory: Path) -> None:
     """Delete a partition's directory: renamed first (one atomic step, so a crash leaves
     either the whole copy or a `.deleted` directory nobody opens), then removed."""
@@ -146,6 +177,7 @@ class PartitionManager:
 
     async def start(self) -> None:
         make_directory(self.data_dir)
+        await asyncio.to_thread(claim_data_directory, self.data_dir, self.server_name)
         # The copies this server starts with, before anything here creates one: a replica
         # in an ISR without its directory lost its copy (_leave_isrs).
         self._copies_at_start = set(os.listdir(self.data_dir))

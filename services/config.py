@@ -145,8 +145,9 @@ def check_name(value: str) -> str | None:
 
 
 COMMON: tuple[Setting, ...] = (
-    Setting("server.name", str, "", "Stable server name (assignments refer to it); "
-            "default: <role>-<hostname>.", check=check_name),
+    Setting("server.name", str, "", "Stable server name (assignments refer to it; a "
+            "partition server's data directory records it at the first start and refuses "
+            "another); default: <role>-<hostname>.", check=check_name),
     Setting("server.listen", str, "127.0.0.1:0", "gRPC listen address (port 0 picks one).",
             check=check_address),
     Setting("server.advertised_host", str, "", "Host other processes use to reach this one; "

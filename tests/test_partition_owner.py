@@ -635,3 +635,27 @@ def test_append_times_answered_and_recorded_are_those_the_log_holds_after_a_cloc
             await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_a_data_directory_belongs_to_the_server_name_that_first_started_on_it(tmp_path):
+    """A server started under another name on a server's data directory (a host renamed,
+    a container recreated without its fixed name, a volume swapped) took every replicated
+    copy there for one a reassignment had removed, and deleted it at start: acknowledged
+    records gone. The directory now records its server's name at the first start, and
+    another name refuses to start (`cannot start`, INVALID_ARGUMENT) with nothing
+    touched."""
+    from partition_server.manager import SERVER_FILE, claim_data_directory
+
+    copy = tmp_path / "orders-0"
+    copy.mkdir()
+    claim_data_directory(tmp_path, "ps-1")
+    claim_data_directory(tmp_path, "ps-1")  # its own: fine, again and again
+    with pytest.raises(AtomlogError) as refused:
+        claim_data_directory(tmp_path, "partition-server-3f2a9c1b")
+    assert refused.value.reason == "INVALID_ARGUMENT"
+    assert "belongs to server 'ps-1'" in refused.value.message
+    assert refused.value.metadata == {"field": "server.name", "recorded": "ps-1"}
+    assert copy.is_dir()
+    (tmp_path / SERVER_FILE).write_bytes(b"{garbage")
+    with pytest.raises(AtomlogError, match="unreadable"):
+        claim_data_directory(tmp_path, "ps-1")
