@@ -65,6 +65,7 @@ from coordinator.txn_log import (
     TxnLog,
     snapshot_chunks,
 )
+from services import acl
 from services.batching import failure_of, observe_failure
 from services.errors import AtomlogError
 from services.logs import event
@@ -384,6 +385,7 @@ class TcPartition:
             self.markers.send(self, ready.markers,
                               may_linger=core.is_one_call if core is not None else None)
         for txn_id in ready.completed:
+            acl.transaction_completed(txn_id.tc_partition, txn_id.sequence)
             for future in self._completion_waiters.pop(txn_id, []):
                 if not future.done():
                     future.set_result(True)

@@ -44,6 +44,7 @@ import functools
 import json
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -61,9 +62,13 @@ _IMPLY_DESCRIBE = frozenset({"read", "write", "create", "alter", "abort"})
 # 10,000-entry set is about 1 MiB, Kafka clusters rarely hold more than a few thousand.
 MAX_ACLS = 10_000
 MAX_NAME_BYTES = 512
-# Transactions whose opener is remembered per coordinator process: transaction.max_open
-# (10,000 by default) times a few TC partitions; the oldest is forgotten first.
-MAX_REMEMBERED_OWNERS = 100_000
+# Transactions whose opener is remembered per coordinator process: forgotten once the
+# transaction completes (`transaction_completed`), so the table holds open ones only; the
+# bound is transaction.max_open (10,000 by default) times the 16 TC partitions a process
+# may own, with room to spare, so that no principal can push another's open
+# transaction out of it by opening (and abandoning) transactions of its own: its
+# opener would become unknown, which lets anyone end it. Past it, the oldest goes.
+MAX_REMEMBERED_OWNERS = 200_000
 # Answers cached per ACL set (principal, permission): emptied when full.
 MAX_CACHED_ANSWERS = 100_000
 ACLS_PATH = "/acls"
@@ -507,6 +512,16 @@ def _denied_by_entry(caller: Caller, permission: Permission, acls: AclSet) -> bo
     return acls.denies(caller.name, permission)
 
 
+_AUTHORIZERS: "weakref.WeakSet[Authorizer]" = weakref.WeakSet()
+
+
+def transaction_completed(tc_partition: int, sequence: int) -> None:
+    """A transaction of this process's coordinator completed (decided, every marker
+    confirmed): its opener is forgotten by every authorizer of the process."""
+    for authorizer in list(_AUTHORIZERS):
+        authorizer.owners.forget((tc_partition, sequence))
+
+
 class TxnOwners:
     """Who opened each transaction, (tc_partition, sequence) -> principal; the oldest
     entry is forgotten past `limit`. Not durable: a coordinator taking over a TC partition
@@ -527,6 +542,10 @@ class TxnOwners:
 
     def owner(self, txn: tuple[int, int]) -> str | None:
         return self._owners.get(txn)
+
+    def forget(self, txn: tuple[int, int]) -> None:
+        with self._lock:
+            self._owners.pop(txn, None)
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -568,6 +587,7 @@ class Authorizer:
         zookeeper.connect_timeout_ms; a supervisor starts the process again)."""
         self.super_users = super_users
         self.owners = TxnOwners()
+        _AUTHORIZERS.add(self)
         self.acls = AclSet()
         self._loaded = threading.Event()
         self._closed = False

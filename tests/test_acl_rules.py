@@ -190,6 +190,35 @@ def test_another_principals_transaction_needs_transaction_admin():
     assert len(small) == 2 and small.owner((0, 0)) is None
 
 
+def test_a_completed_transactions_opener_is_forgotten_so_open_ones_are_never_pushed_out():
+    """Anyone could flood the opener table with transactions of their own (100,000, each
+    ended at once): another principal's open transaction fell out of it, its opener
+    became unknown, and then anyone could commit or abort it. Openers are now forgotten
+    when their transaction completes, and the bound is above every transaction a process
+    can hold open (transaction.max_open times 16 TC partitions)."""
+    from services import acl
+
+    class Authorizer:  # (what transaction_completed reaches: an authorizer's table)
+        def __init__(self):
+            self.owners = TxnOwners()
+
+    authorizer = Authorizer()
+    acl._AUTHORIZERS.add(authorizer)
+    try:
+        authorizer.owners.record((3, 9), "alice")
+        for sequence in range(10, 1_010):  # mallory's, each ended at once
+            authorizer.owners.record((3, sequence), "mallory")
+            acl.transaction_completed(3, sequence)
+        assert authorizer.owners.owner((3, 9)) == "alice" and len(authorizer.owners) == 1
+        end = coordinator_pb2.EndTxnRequest(txn_id=common_pb2.TxnId(tc_partition=3, sequence=9),
+                                            decision=partition_pb2.TXN_DECISION_COMMIT)
+        assert verdict("CoordinatorService/EndTxn", end, caller=BOB,
+                       owners=authorizer.owners) is not None
+    finally:
+        acl._AUTHORIZERS.discard(authorizer)
+    assert acl.MAX_REMEMBERED_OWNERS >= 16 * 10_000
+
+
 def test_subscriptions_need_read_to_receive_ack_nack_and_reset():
     acls = [Acl("alice", "topic", "in", "read")]
     receive = partition_pb2.ReceiveRequest(subscription_partitions=[sp("in", "etl")])
