@@ -74,19 +74,29 @@ def kazoo_client(hosts: str, digest_file: str = "", **options) -> KazooClient:
 
 
 def secure_tree(client: KazooClient, acl: list[ACL], root: str = "/") -> int:
-    """Set `acl` on `root` and every znode below it that has another one; the number of
-    znodes changed. Raises NoAuthError when a znode is not ours to change."""
+    """Set `acl` on every znode below `root` that has another one, then on `root` itself
+    (last: a root that has it says the whole tree was done, so a walk cut short, by a
+    ZooKeeper blip or a crash, is made again at the next start; until 2026-12-06 the root
+    came first, and the rest stayed writable by everyone for good); the number of znodes
+    changed. Raises NoAuthError when a znode is not ours to change."""
     changed, pending = 0, [root]
+    root_stat = None
     while pending:
         path = pending.pop()
         try:
             current, stat = client.get_acls(path)
             if list(current) != list(acl):
-                client.set_acls(path, acl, version=stat.aversion)
-                changed += 1
+                if path == root:
+                    root_stat = stat
+                else:
+                    client.set_acls(path, acl, version=stat.aversion)
+                    changed += 1
             pending.extend(f"{path.rstrip('/')}/{child}" for child in client.get_children(path))
         except NoNodeError:
             continue  # deleted meanwhile (an ephemeral registration)
+    if root_stat is not None:
+        client.set_acls(root, acl, version=root_stat.aversion)
+        changed += 1
     return changed
 
 

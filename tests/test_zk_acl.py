@@ -166,6 +166,50 @@ def test_the_health_port_answers_in_plaintext_and_only_health(secured):
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_securing_walk_cut_short_is_made_again_at_the_next_start(tmp_path):
+    """The securing walk set the chroot's ACL first, and a start that finds the chroot
+    secured skips the walk: a ZooKeeper blip (or a crash) in the middle left the rest of
+    the tree, the ACLs znode among it, writable by everyone for good. The chroot's ACL
+    now comes last."""
+    from kazoo.exceptions import ConnectionLoss
+
+    from services import zk
+
+    open_acl = ["world-open"]
+
+    class Stat:
+        aversion = 0
+
+    class Fake:  # a kazoo client's ACL calls over a small tree
+        def __init__(self):
+            self.acls = {p: open_acl for p in ("/c", "/c/acls", "/c/topics", "/c/topics/t")}
+            self.fail_once = True
+
+        def get_acls(self, path):
+            return list(self.acls[path]), Stat()
+
+        def set_acls(self, path, acl, version):
+            if path != "/c" and self.fail_once:
+                self.fail_once = False
+                raise ConnectionLoss()
+            self.acls[path] = list(acl)
+
+        def get_children(self, path):
+            return [k[len(path) + 1:] for k in self.acls
+                    if k.startswith(path + "/") and "/" not in k[len(path) + 1:]]
+
+    digest = tmp_path / "digest"
+    digest.write_text("atomlog:" + "x" * 24 + "\n")
+    session = ZkSession.__new__(ZkSession)
+    session.digest_file, session.chroot = str(digest), "/c"
+    session.connect_timeout_ms, session.hosts = 5_000, "fake"
+    fake = Fake()
+    session.patiently("the ACLs", session._secure, fake)  # the blip is retried
+    acl = znode_acl(*zk.read_digest(str(digest)))
+    assert {path: found == acl for path, found in fake.acls.items()} == dict.fromkeys(
+        fake.acls, True)
+
+
 def test_settings_validation(tmp_path):
     good = tmp_path / "good.digest"
     good.write_text("atomlog:0123456789abcdef0123\n")
