@@ -934,15 +934,20 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                           timestamp_ms: int) -> int:
         """The cursor position a SubscriptionInitialPosition names on this partition
         (UNSPECIFIED: LATEST; TIMESTAMP: the OFFSET of the first batch at or after it, or
-        the high watermark), clamped to [log start, high watermark]."""
+        the end), clamped to [log start, max read position]. The end is the max read
+        position, not the high watermark (Kafka's read_committed "latest" is the last
+        stable offset): what open transactions hold above it becomes readable, if they
+        commit, after the cursor exists, and counted as acknowledged it was never
+        delivered (until 2026-12-06)."""
         positions = owner.positions()
+        end = max(positions["log_start_offset"], owner.max_read_position())
         if position == partition_pb2.SUBSCRIPTION_INITIAL_POSITION_TIMESTAMP:
             found = owner.offset_for_timestamp(timestamp_ms)
             position = partition_pb2.SUBSCRIPTION_INITIAL_POSITION_OFFSET
-            offset = positions["high_watermark"] if found is None else found[0]
+            offset = end if found is None else found[0]
         return resolve_initial_position(
             InitialPosition(position or InitialPosition.LATEST), offset,
-            positions["log_start_offset"], positions["high_watermark"])
+            positions["log_start_offset"], end)
 
     @staticmethod
     def _cursor_results(response, outcomes) -> None:

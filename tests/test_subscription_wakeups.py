@@ -23,8 +23,8 @@ import time
 from atomlog.v1 import common_pb2, partition_pb2
 from partition_server.cursor_store import CursorStoreLimits
 from partition_server.log import LogConfig
-from partition_server.owner import OwnerSettings, PartitionOwner
-from partition_server.record_batch import Record, TxnId, encode_batch, parse_header
+from partition_server.owner import Marker, OwnerSettings, PartitionOwner
+from partition_server.record_batch import ControlType, Record, TxnId, encode_batch, parse_header
 from partition_server.service import PartitionServicer
 from partition_server.subscription_cursor import CursorLimits
 from partition_server.subscriptions import PartitionSubscriptions
@@ -321,6 +321,108 @@ def test_a_receive_reads_only_as_much_of_the_log_as_it_can_deliver(tmp_path):
         assert sum(read_bytes) == 35 * batch_bytes and len(read_bytes) <= 3, read_bytes
 
     run(tmp_path, scenario)
+
+
+def test_a_receive_over_a_long_run_of_aborted_data_reads_a_bounded_amount_each_pass(
+        tmp_path):
+    """Under read_committed a read over aborted data keeps nothing but moves on; it was
+    charged 1 byte of the pass's budget, so one Receive scanned a whole aborted run in a
+    single step of the event loop (10,001 reads for 10 M aborted offsets, every partition
+    of the server stalled meanwhile). A read that keeps nothing now costs what it asked
+    for; what it passed is skipped at once (a skip entry), so later passes go on from
+    there and the message behind the run is reached."""
+    subs = PartitionSubscriptions("t-0", tmp_path / "cursors", CursorStoreLimits(), lambda: 0)
+    subs.open(0)
+    store = subs.store
+    store.stage(store.plan_create("s", 0))
+    store.sync()
+    end = 1_000_000
+    message = encode_batch([Record(b"k", b"v")], timestamp_ms=1)
+    reads = [0]
+
+    def read(offset, max_bytes):
+        reads[0] += 1
+        if offset < end:
+            return b"", min(offset + 1_000, end)  # aborted: filtered out, 1,000 a read
+        from partition_server.record_batch import PREFIX, PREFIX_SIZE
+        header = parse_header(message)
+        return PREFIX.pack(end, header.batch_length, header.magic, 5) + \
+            message[PREFIX_SIZE:], end + 1
+
+    try:
+        passes = 0
+        while True:
+            passes += 1
+            reads[0] = 0
+            _, delivery = subs.receive("s", "c", read, end + 1, 1_000, 30_000,
+                                       max_bytes=1 << 20, max_offsets=100)
+            assert reads[0] <= 1 + (1 << 20) // (64 << 10), reads[0]
+            if delivery.delivered:
+                break
+            assert passes < 1_000
+        assert [tuple(r) for r in delivery.delivered] == [(end, end + 1)]
+    finally:
+        subs.close()
+
+
+def test_a_subscription_made_at_latest_gets_what_an_open_transaction_commits_after_it(
+        tmp_path):
+    """"latest" was the high watermark: a transaction open below it (its data at 3-5)
+    that committed after the subscription was made counted as acknowledged and was never
+    delivered. It is now the max read position, as Kafka's read_committed "latest" is the
+    last stable offset."""
+    async def scenario(h: Harness) -> None:
+        await h.produce(3)
+        txn = TxnId(1, 7)
+        data = encode_batch([Record(b"k", b"t")] * 3, timestamp_ms=1_000, txn=txn)
+        await h.owner.stage(txn, data, parse_header(data), coordinator_epoch=1)
+        assert h.owner.log.high_watermark == 6 and h.owner.max_read_position() == 3
+        late = common_pb2.SubscriptionPartition(topic="t", partition=0, subscription="late")
+        response = await h.servicer.CreateSubscription(partition_pb2.CreateSubscriptionRequest(
+            subscription_partitions=[late],
+            initial_position=partition_pb2.SUBSCRIPTION_INITIAL_POSITION_LATEST), _Context())
+        assert response.results[0].cumulative_end_offset == 3
+        [done] = await h.owner.end_transactions([Marker(txn, ControlType.COMMIT, 1)])
+        assert not isinstance(done, Exception), done
+        response = await h.servicer.Receive(partition_pb2.ReceiveRequest(
+            consumer_id="c", subscription_partitions=[late], ack_timeout_ms=LONG_MS,
+            isolation_level=common_pb2.ISOLATION_LEVEL_READ_COMMITTED), _Context())
+        [result] = response.results
+        assert [(r.start_offset, r.end_offset) for r in result.delivered_ranges] == [(3, 6)]
+
+    run(tmp_path, scenario)
+
+
+def test_a_store_reopened_while_the_log_start_moved_forgets_below_the_new_start(tmp_path):
+    """After a journal failure the store reopens on a worker thread; retention (or
+    DeleteRecords) moving the log start meanwhile found no store to tell, so the cursors
+    came back below the new start and every Receive read OFFSET_OUT_OF_RANGE (fatal in
+    the SDK) until the start moved again."""
+    start = [0]
+    subs = PartitionSubscriptions("t-0", tmp_path / "cursors", CursorStoreLimits(),
+                                  lambda: start[0])
+    subs.open(0)
+    subs.store.stage(subs.store.plan_create("s", 0))
+    subs.store.sync()
+    opened = subs._open_store
+
+    def open_while_retention_runs(log_start, log_end=None):
+        answer = opened(log_start, log_end)
+        start[0] = 10  # retention moved the start while this ran
+        subs.forget_below(10)  # (no store installed yet: nothing to tell)
+        return answer
+
+    async def scenario():
+        subs.store.close()
+        subs.store = None
+        subs._open_store = open_while_retention_runs
+        await subs._reopen(subs._generation)
+        assert subs.store.cursor("s").cumulative_end == 10
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        subs.close()
 
 
 def test_a_marker_s_subscription_change_is_staged_in_the_caller_s_step(tmp_path):
