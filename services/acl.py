@@ -409,13 +409,15 @@ TABLE: dict[str, Callable] = {
     _PARTITION + "Fetch": _fetch,
     _PARTITION + "ListOffsets": _list_offsets,
     _PARTITION + "DeleteRecords": _delete_records,
-    _PARTITION + "CreateSubscription": _subscriptions("create"),
+    # A subscription's position is over its topic's messages: creating or moving one
+    # needs the topic's read too (internal topics: the cluster's), as Receive does.
+    _PARTITION + "CreateSubscription": _subscriptions("create", with_topic="read"),
     _PARTITION + "DeleteSubscription": _subscriptions("alter"),
-    _PARTITION + "ResetSubscription": _subscriptions("read"),
+    _PARTITION + "ResetSubscription": _subscriptions("read", with_topic="read"),
     _PARTITION + "Receive": _subscriptions("read", with_topic="read"),
     _PARTITION + "Ack": _ack,
     _PARTITION + "Nack": lambda request: _ack(request),
-    _PARTITION + "DescribeSubscription": _subscriptions("describe"),
+    _PARTITION + "DescribeSubscription": _subscriptions("describe", with_topic="describe"),
     _PARTITION + "EndTxnOnPartition": _fixed(_cluster("write"), service_only=True),
     _PARTITION + "StageTxn": _fixed(_cluster("write"), service_only=True),
     # Parallel commits' recovery: it fences a TC partition's coordinator epoch.

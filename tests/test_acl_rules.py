@@ -219,6 +219,32 @@ def test_a_completed_transactions_opener_is_forgotten_so_open_ones_are_never_pus
     assert acl.MAX_REMEMBERED_OWNERS >= 16 * 10_000
 
 
+def test_a_subscription_is_made_moved_and_described_only_with_its_topic_s_permission():
+    """Subscription calls were checked on the subscription alone: `create` on one made
+    a subscription on any topic, the TC log among them, and its answers (and Reset's,
+    Describe's) told offsets and backlogs of topics the caller could not describe."""
+    create = partition_pb2.CreateSubscriptionRequest(subscription_partitions=[sp("in", "etl")])
+    on_log = partition_pb2.CreateSubscriptionRequest(
+        subscription_partitions=[sp("__txn_log", "etl")])
+    reset = partition_pb2.ResetSubscriptionRequest(subscription_partitions=[sp("in", "etl")])
+    describe = partition_pb2.DescribeSubscriptionRequest(
+        subscription_partitions=[sp("in", "etl")])
+    mine = [Acl("alice", "subscription", "etl", "create"),
+            Acl("alice", "subscription", "etl", "read")]
+    assert verdict("PartitionService/CreateSubscription", create, acls=mine).permission == \
+        Permission("read", "topic", "in")
+    assert verdict("PartitionService/CreateSubscription", on_log, acls=mine).permission == \
+        Permission("read", "cluster", "atomlog")
+    assert verdict("PartitionService/ResetSubscription", reset, acls=mine).permission == \
+        Permission("read", "topic", "in")
+    assert verdict("PartitionService/DescribeSubscription", describe, acls=mine).permission \
+        == Permission("describe", "topic", "in")
+    reader = [*mine, Acl("alice", "topic", "in", "read")]
+    for method, request in (("CreateSubscription", create), ("ResetSubscription", reset),
+                            ("DescribeSubscription", describe)):
+        assert verdict(f"PartitionService/{method}", request, acls=reader) is None, method
+
+
 def test_subscriptions_need_read_to_receive_ack_nack_and_reset():
     acls = [Acl("alice", "topic", "in", "read")]
     receive = partition_pb2.ReceiveRequest(subscription_partitions=[sp("in", "etl")])
