@@ -321,7 +321,7 @@ def _bootstrap(bootstrap: str | None, data_dir: Path) -> str:
     if not bootstrap:
         if cluster is None or not cluster.bootstrap:
             fail(f"no --bootstrap given and no local cluster in {data_dir}")
-        bootstrap = cluster.bootstrap
+        bootstrap = cluster.running_bootstrap
     if ca or cert or key:
         if not ca:
             fail("--tls-cert and --tls-key need --tls-ca (the CA that signed the servers)", 2)
@@ -330,8 +330,7 @@ def _bootstrap(bootstrap: str | None, data_dir: Path) -> str:
             _TLS.check()
         except TlsFileError as error:
             fail(f"TLS: {error}", 2)
-    elif cluster is not None and (bootstrap == cluster.bootstrap or bootstrap in {
-            p.grpc_address for p in cluster.processes}):
+    elif cluster is not None and bootstrap in {p.grpc_address for p in cluster.processes}:
         _TLS = cluster.client_tls()
     return bootstrap
 

@@ -115,6 +115,17 @@ class ClusterFile:
         servers = [p for p in self.processes if p.role in SERVES_PARTITIONS]
         return servers[0].grpc_address if servers else ""
 
+    @property
+    def running_bootstrap(self) -> str:
+        """The first partition-serving process that runs (the CLI's default address: with
+        the first one down, every admin command failed SERVER_UNAVAILABLE, the runbooks'
+        for an offline partition included); else `bootstrap`."""
+        for process in self.processes:
+            if process.role in SERVES_PARTITIONS and \
+                    process_alive(process.pid, marker_of(process)):
+                return process.grpc_address
+        return self.bootstrap
+
     def to_json(self) -> dict:
         data = {"version": 1, "bootstrap": self.bootstrap, "zookeeper": self.zookeeper,
                 "chroot": self.chroot, "data_dir": self.data_dir, "settings": self.settings,

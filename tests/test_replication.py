@@ -848,6 +848,21 @@ def test_bad_reassignments_change_nothing(cluster, client):
     assert refused.returncode == 1 and "INVALID_REPLICA_ASSIGNMENT" in refused.stderr
 
 
+def test_admin_commands_go_on_while_the_first_partition_server_is_down(cluster, client):
+    """The CLI called the local cluster's first partition server only: with it down,
+    every admin command failed SERVER_UNAVAILABLE, the runbooks' for an offline
+    partition among them. It now calls the first one that runs."""
+    client.create_topic("rep-admin", partitions=1, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, "rep-admin"), 15, "rep-admin in sync")
+    kill(cluster, "ps-0")
+    try:
+        shown = json.loads(cluster.run("topic", "describe", "rep-admin", "--output",
+                                       "json").stdout)
+        assert shown[0]["name"] == "rep-admin"
+    finally:
+        restart_all(cluster)
+
+
 def test_not_enough_in_sync_replicas_refuses_writes_and_writes_nothing(cluster, client):
     client.create_topic("rep-min", partitions=1, replication_factor=3,
                         config={"min.insync.replicas": "3"})
