@@ -498,6 +498,29 @@ def test_subscription_acks_are_durable_and_redelivery_follows_nacks(client):
         assert sorted(m.partition for m in rest) == [1] * 10
 
 
+def test_a_backlog_on_one_partition_does_not_starve_the_others(client):
+    """A server takes a Receive's messages partition by partition in request order, and
+    the SDK sent the same order every time: one message on partition 1, behind 300 on
+    partition 0, came only once partition 0 was drained (the 31st poll of 10). The SDK
+    now starts each Receive one partition further."""
+    client.create_topic(T("tx-starve"), partitions=2)
+    with client.producer() as producer:
+        for i in range(300):
+            producer.send(T("tx-starve"), f"a{i}", partition=0)
+        producer.send(T("tx-starve"), "lonely", partition=1).result(10)
+    with client.consumer(T("tx-starve"), subscription="s-starve", ack_timeout_s=60,
+                         prefetch=0) as consumer:
+        polls = 0
+        while True:
+            polls += 1
+            got = consumer.poll(timeout_s=2, max_records=10)
+            consumer.ack(got)
+            if any(m.partition == 1 for m in got):
+                break
+            assert polls < 31, "partition 1 starved"
+        assert polls <= 3, polls
+
+
 def poll_all(consumer, count: int, timeout_s: float = 10) -> list:
     got, deadline = [], time.monotonic() + timeout_s
     while len(got) < count and time.monotonic() < deadline:
