@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -240,5 +241,22 @@ func TestSplitBatchesAndOffsets(t *testing.T) {
 	}
 	if _, err := decodeFrom(TopicPartition{}, append(bytes.Clone(a), b[:50]...), 0, -1); Reason(err) != ReasonCorruptBatch {
 		t.Fatalf("a truncated second batch: %v", err)
+	}
+}
+
+// A Receive starts one partition further each time: a server takes its messages in
+// request order, and the same order every time starved the partitions after a backlog.
+func TestReceiveOrderRotates(t *testing.T) {
+	s := &Subscription{partitions: []TopicPartition{{"t", 0}, {"t", 1}, {"t", 2}}}
+	var firsts []int32
+	for i := 0; i < 4; i++ {
+		order := s.receiveOrder()
+		if len(order) != 3 {
+			t.Fatalf("order %v", order)
+		}
+		firsts = append(firsts, order[0].Partition)
+	}
+	if fmt.Sprint(firsts) != "[1 2 0 1]" {
+		t.Fatalf("first partitions %v, want [1 2 0 1]", firsts)
 	}
 }

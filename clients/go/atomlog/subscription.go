@@ -10,6 +10,7 @@ import (
 	"context"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	pb "github.com/atomlog/atomlog/clients/go/gen/atomlog/v1"
@@ -38,6 +39,8 @@ type Subscription struct {
 	opts       SubscribeOptions
 	partitions []TopicPartition
 	consumerID string
+	// Receives so far: each starts one partition further (receiveOrder).
+	turns atomic.Uint64
 }
 
 // Subscribe creates the subscription's cursors on every partition of the topics (an
@@ -138,7 +141,7 @@ func (s *Subscription) Receive(ctx context.Context, maxWait time.Duration, maxMe
 	backoff := newBackoff(50*time.Millisecond, time.Second)
 	var last error
 	for {
-		groups, failed := s.c.byOwner(ctx, s.partitions)
+		groups, failed := s.c.byOwner(ctx, s.receiveOrder())
 		for tp, err := range failed {
 			s.c.invalidate(tp.Topic)
 			last = err
@@ -232,6 +235,18 @@ func (s *Subscription) Receive(ctx context.Context, maxWait time.Duration, maxMe
 			sleep(ctx, min(pause, max(time.Until(deadline), 0)))
 		}
 	}
+}
+
+// receiveOrder is the partitions starting one further at each Receive. A server takes a
+// Receive's messages partition by partition in request order until maxMessages: in the
+// same order every time, a partition with a steady backlog starved the ones after it.
+func (s *Subscription) receiveOrder() []TopicPartition {
+	n := len(s.partitions)
+	if n == 0 {
+		return nil
+	}
+	k := int(s.turns.Add(1) % uint64(n))
+	return append(append(make([]TopicPartition, 0, n), s.partitions[k:]...), s.partitions[:k]...)
 }
 
 // deliveredMessages decodes the records of a Receive result that lie in its delivered
