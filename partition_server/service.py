@@ -46,6 +46,8 @@ MAX_ITEMS_PER_REQUEST = 10_000
 MAX_DESCRIBED_TRANSACTIONS = 1_000  # open transactions listed by DescribePartition, oldest first
 MAX_DESCRIBED_SUBSCRIPTIONS = 1_000  # cursors listed by DescribePartition (DescribeSubscription: any)
 MAX_REPLICATE_SESSIONS = 1_024  # followers' ReplicateSessions kept (one per follower server)
+# The shortest ack timeout a Receive gets (as subscription.default_ack_timeout_ms's).
+MIN_ACK_TIMEOUT_MS = 100
 
 
 @dataclass(frozen=True)
@@ -1089,8 +1091,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                                f"unknown isolation_level {request.isolation_level}")
         committed = request.isolation_level != common_pb2.ISOLATION_LEVEL_READ_UNCOMMITTED
         limits = self.subscription_settings
-        ack_timeout_ms = min(request.ack_timeout_ms or limits.default_ack_timeout_ms,
-                             limits.max_ack_timeout_ms)
+        # Within [MIN_ACK_TIMEOUT_MS, the maximum]: a 1 ms one made a message bounce
+        # between consumers every few milliseconds, each delivery waking every long poll.
+        ack_timeout_ms = max(MIN_ACK_TIMEOUT_MS, min(
+            request.ack_timeout_ms or limits.default_ack_timeout_ms, limits.max_ack_timeout_ms))
         deadline = time.monotonic() + min(request.max_wait_ms, self.fetch_max_wait_ms) / 1000
         while True:
             response, delivered, waits, failed = await self._receive_once(

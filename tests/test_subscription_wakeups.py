@@ -425,6 +425,20 @@ def test_a_store_reopened_while_the_log_start_moved_forgets_below_the_new_start(
         subs.close()
 
 
+def test_an_ack_timeout_asked_below_the_floor_is_raised_to_it(tmp_path):
+    """A Receive could ask for a 1 ms ack timeout: its message bounced between consumers
+    every few milliseconds, each delivery waking every long poll. At least 100 ms now."""
+    async def scenario(h: Harness) -> None:
+        await h.produce(1)
+        assert await h.receive("a", ack_timeout_ms=1) == ([(0, 1)], [])
+        await asyncio.sleep(0.03)
+        assert await h.receive("b") == ([], [])  # still a's
+        await asyncio.sleep(0.1)
+        assert await h.receive("b") == ([(0, 1)], [(0, 1)])
+
+    run(tmp_path, scenario)
+
+
 def test_a_marker_s_subscription_change_is_staged_in_the_caller_s_step(tmp_path):
     """The subscription markers of an EndTxnOnPartition or a staging call's riders
     (PartitionServicer._apply_subscription_markers) are staged in the step that calls
