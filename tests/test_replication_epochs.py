@@ -94,6 +94,26 @@ async def leading(directory: Path, fsync, epoch: int = 1, resigned: list | None 
     return owner, replication
 
 
+def fetch(offset: int, incarnation: int) -> partition_pb2.ReplicateRequest:
+    """b's fetch from `offset`, by its process `incarnation`."""
+    req = request(offset, -1 if offset == 0 else 1)
+    req.replica_incarnation = incarnation
+    return req
+
+
+async def leading_alone(directory: Path, write_isr):
+    """a leads t-0 (min.insync.replicas 1) with b out of the ISR; ISR writes by
+    `write_isr`."""
+    known = Versioned(PartitionState("a", 1, ("a",)), 0)
+    replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
+                                    directory, write_isr, lambda: {"a", "b"})
+    owner = PartitionOwner("t", 0, directory, OwnerSettings(log=LogConfig()))
+    owner.replication, replication.owner = replication, owner
+    await owner.start()
+    replication.start()
+    return owner, replication
+
+
 async def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -538,19 +558,8 @@ def test_only_the_latest_process_of_a_follower_can_bring_it_into_the_isr(tmp_pat
             raise StaleIncarnation(stale)
         return Versioned(PartitionState("a", 1, tuple(isr)), known.version + 1)
 
-    def fetch(offset: int, incarnation: int) -> partition_pb2.ReplicateRequest:
-        req = request(offset, -1 if offset == 0 else 1)
-        req.replica_incarnation = incarnation
-        return req
-
     async def scenario():
-        known = Versioned(PartitionState("a", 1, ("a",)), 0)  # b is out of the ISR
-        replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
-                                        tmp_path / "t-0", write_isr, lambda: {"a", "b"})
-        owner = PartitionOwner("t", 0, tmp_path / "t-0", OwnerSettings(log=LogConfig()))
-        owner.replication, replication.owner = replication, owner
-        await owner.start()
-        replication.start()
+        owner, replication = await leading_alone(tmp_path / "t-0", write_isr)
         try:
             await owner.produce([batch(b"one"), batch(b"two")])  # ISR {a}: acknowledged
             assert replication.high_watermark == 2
@@ -599,23 +608,12 @@ def test_a_follower_joining_the_isr_counts_for_acks_while_its_expansion_is_writt
         await release.wait()
         return Versioned(PartitionState("a", 1, tuple(isr)), known.version + 1)
 
-    def fetch(offset: int) -> partition_pb2.ReplicateRequest:
-        req = request(offset, -1 if offset == 0 else 1)
-        req.replica_incarnation = 5
-        return req
-
     async def scenario():
-        known = Versioned(PartitionState("a", 1, ("a",)), 0)  # b is out of the ISR
-        replication = LeaderReplication("t", 0, "a", known, ["a", "b"], 1, 10_000, 0,
-                                        tmp_path / "t-0", write_isr, lambda: {"a", "b"})
-        owner = PartitionOwner("t", 0, tmp_path / "t-0", OwnerSettings(log=LogConfig()))
-        owner.replication, replication.owner = replication, owner
-        await owner.start()
-        replication.start()
+        owner, replication = await leading_alone(tmp_path / "t-0", write_isr)
         try:
             await owner.produce([batch(b"one"), batch(b"two")])  # ISR {a}: acknowledged
-            await replication.replicate(fetch(0), 0)
-            await replication.replicate(fetch(2), 0)  # b holds the high watermark
+            await replication.replicate(fetch(0, 5), 0)
+            await replication.replicate(fetch(2, 5), 0)  # b holds the high watermark
             await wait_for(lambda: writes, "the ISR expansion's write")
             produced = asyncio.ensure_future(owner.produce([batch(b"three")]))
             await wait_for(lambda: replication.local_durable_end == 3, "the leader's fsync")
@@ -624,7 +622,7 @@ def test_a_follower_joining_the_isr_counts_for_acks_while_its_expansion_is_writt
             release.set()
             await wait_for(lambda: replication.progress.isr == {"a", "b"}, "b to join")
             assert not produced.done()
-            await replication.replicate(fetch(3), 0)  # b holds it: acknowledged
+            await replication.replicate(fetch(3, 5), 0)  # b holds it: acknowledged
             assert (await asyncio.wait_for(produced, 10))[0].base_offset == 2
             assert replication.high_watermark == 3
         finally:

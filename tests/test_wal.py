@@ -1139,6 +1139,21 @@ def test_a_start_replays_a_write_ahead_file_larger_than_it_holds_in_memory(tmp_p
     assert not list(wal_dir.glob("kept-*"))
 
 
+async def damage_found_at_offset_4(tmp_path, owner: PartitionOwner) -> None:
+    """A byte of t-0's batch at offset 4 flipped, found by a read: the partition goes to
+    DATA_LOSS."""
+    from tests.test_replication import flip_byte_in_batch
+
+    [segment] = sorted((tmp_path / "p" / "t-0").glob("*.log"))
+    flip_byte_in_batch(segment, 2)  # the batch at offset 4
+    with pytest.raises(AtomlogError):
+        owner.read(0, 1 << 20)
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if owner.state is State.DATA_LOSS:
+            break
+
+
 def test_an_operator_s_recovery_from_a_loss_below_the_frames_brings_the_partition_back(
         tmp_path):
     """A partition loaded at 10 (its BASE frame), written on to 20, then damage found by a
@@ -1147,8 +1162,6 @@ def test_an_operator_s_recovery_from_a_loss_below_the_frames_brings_the_partitio
     the reload's replay found the log ending below the frames: DATA_LOSS again ("the
     checkpointed data is missing"); only a restart got out. Now the cut is framed first,
     and the partition comes back at 4."""
-    from tests.test_replication import flip_byte_in_batch
-
     async def scenario():
         node = Node(tmp_path, 1, checkpoint_ms=60_000)
         await node.start()
@@ -1158,14 +1171,7 @@ def test_an_operator_s_recovery_from_a_loss_below_the_frames_brings_the_partitio
         await node.start()  # loaded at 10: its frames begin there
         owner = node.owners[0]
         await produce_run(owner, 10, 20)
-        [segment] = sorted((tmp_path / "p" / "t-0").glob("*.log"))
-        flip_byte_in_batch(segment, 2)  # the batch at offset 4
-        with pytest.raises(AtomlogError):
-            owner.read(0, 1 << 20)
-        for _ in range(300):
-            await asyncio.sleep(0.01)
-            if owner.state is State.DATA_LOSS:
-                break
+        await damage_found_at_offset_4(tmp_path, owner)
         assert owner.state is State.DATA_LOSS
         loss = owner.log.data_loss
         assert loss.offset == 4
@@ -1188,8 +1194,6 @@ def test_an_accepted_data_loss_cuts_subscription_cursors_back_to_the_new_log_end
     messages written there next counted as acknowledged and were never delivered. Now the
     load after the cut journals each cursor's cut (before serving), and a restart keeps
     it: the new messages are delivered."""
-    from tests.test_replication import flip_byte_in_batch
-
     def delivered(owner) -> list[int]:
         def read(offset, max_bytes):
             data, next_offset, _ = owner.read(offset, max_bytes)
@@ -1206,14 +1210,7 @@ def test_an_accepted_data_loss_cuts_subscription_cursors_back_to_the_new_log_end
         await produce_run(owner, 0, 20)
         await owner.subscriptions.ack("s", 2, [(6, 8)], None, limit=20)
         await owner.subscriptions.ack("s", 0, [(12, 16)], PartitionTxnId(3, 9), limit=20)
-        [segment] = sorted((tmp_path / "p" / "t-0").glob("*.log"))
-        flip_byte_in_batch(segment, 2)  # the batch at offset 4
-        with pytest.raises(AtomlogError):
-            owner.read(0, 1 << 20)
-        for _ in range(300):
-            await asyncio.sleep(0.01)
-            if owner.state is State.DATA_LOSS:
-                break
+        await damage_found_at_offset_4(tmp_path, owner)
         await owner.recover_data_loss(owner.log.data_loss.path, 4)
         assert owner.state is State.ONLINE and owner.log.high_watermark == 4
         cursor = owner.subscriptions.store.cursor("s")
