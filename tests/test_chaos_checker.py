@@ -221,7 +221,7 @@ def test_the_names_are_described_in_order():
     assert ANOMALIES == ("lost-write", "duplicate", "aborted-read", "torn-transaction",
                          "inconsistent-offsets", "non-monotonic-poll", "skipped-poll",
                          "cursor-regression", "fenced-write-visible", "lost-ack",
-                         "reordered-writes", "hanging-transaction", "vanished-read",
+                         "reordered-writes", "misplaced-write", "hanging-transaction", "vanished-read",
                          "diverged-replicas")
     assert set(DESCRIPTIONS) == set(ANOMALIES)
 
@@ -284,6 +284,21 @@ def test_lost_write_of_a_committed_txn():
     report = check(history.finish())
     assert_only(report, "lost-write", 1)
     assert report["examples"]["lost-write"][0]["kind"] == "txn"
+
+
+def test_a_txn_write_visible_in_another_partition_is_misplaced():
+    """A transaction's writes carry no offset, so inconsistent-offsets never saw one land
+    in the wrong partition, and lost-write only asks whether the value is visible."""
+    history = History()
+    history.append("t", 1, "a")  # sent to t/0, landed in t/1
+    history.op("txn", "producer-1", writes=[["t", 0, "a"]], acks=[], decision="commit",
+               result="committed", txn_id="tc:1")
+    history.txn([("t", 1, "b")])  # where it was sent: fine
+    report = check(history.finish())
+    assert_only(report, "misplaced-write", 1)
+    [example] = report["examples"]["misplaced-write"]
+    assert (example["value"], example["sent_to"], example["visible_at"][:2]) == (
+        "a", ["t", 0], ["t", 1])
 
 
 def test_a_committed_txn_partly_visible_is_torn_and_lost():

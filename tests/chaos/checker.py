@@ -60,6 +60,10 @@ skipped-poll
     In one assigned-partition reader session, between consecutive reads a < b of one
     partition, a record c (a < c < b) in the final-read of the session's isolation; or,
     after a seek to s, a record c with s <= c < b before the first read b.
+misplaced-write
+    A write (a send, or one of a txn's writes: these carry no offset of their own, so
+    inconsistent-offsets cannot see them) visible in the read_committed final-read in
+    another (topic, partition) than the one it names. Writes that name none are skipped.
 cursor-regression
     Two ok cursor observations A, B of one (subscription, topic, partition) with
     A.complete < B.invoke and B's cursor < A's cursor.
@@ -146,6 +150,7 @@ ANOMALIES = (
     "fenced-write-visible",
     "lost-ack",
     "reordered-writes",
+    "misplaced-write",
     "hanging-transaction",
     "vanished-read",
     "diverged-replicas",
@@ -173,6 +178,7 @@ DESCRIPTIONS = {
                 "acknowledged it",
     "reordered-writes": "two committed transactions of one producer landed in a partition "
                         "in the opposite order of their sends",
+    "misplaced-write": "a write visible in another partition than the one it was sent to",
     "hanging-transaction": "after healing, a partition still has open transactions or a last "
                            "stable offset below its high watermark",
     "vanished-read": "a value a read_committed poll returned that the final read_committed "
@@ -517,6 +523,22 @@ def find_lost_writes(index: Index) -> list[dict]:
                                  "topic": write.topic, "partition": write.partition,
                                  "op": describe(write.op)}
     return list(lost.values())
+
+
+def find_misplaced_writes(index: Index) -> list[dict]:
+    """Writes (sends, and a txn's writes, which carry no offset of their own) visible in
+    another (topic, partition) than the one they name."""
+    found: dict[str, dict] = {}
+    for write in index.writes:
+        position = index.visible.get(write.value)
+        if position is None or write.topic is None or write.partition is None \
+                or write.value in found:
+            continue
+        if (position[0], position[1]) != (write.topic, write.partition):
+            found[write.value] = {"kind": write.op.get("f"), "value": write.value,
+                                  "sent_to": [write.topic, write.partition],
+                                  "visible_at": listed(position), "op": describe(write.op)}
+    return list(found.values())
 
 
 def find_duplicates(index: Index) -> list[dict]:
@@ -1096,6 +1118,7 @@ def check(history: list[dict]) -> dict:
         found["torn-transaction"] = find_torn_transactions(index)
         found["vanished-read"] = find_vanished_reads(index)
         found["reordered-writes"] = find_reordered_writes(index)
+        found["misplaced-write"] = find_misplaced_writes(index)
     for name, instances in check_consume_transform_produce(index).items():
         found[name] = merge_by_value(found[name], instances)
     problems = find_problems(index)
