@@ -126,6 +126,7 @@ const (
 	ReasonResourceExhausted           = "RESOURCE_EXHAUSTED"
 	ReasonDataLoss                    = "DATA_LOSS"
 	ReasonPartitionLoading            = "PARTITION_LOADING"
+	ReasonNotEnoughReplicas           = "NOT_ENOUGH_REPLICAS"
 	ReasonOutOfOrderSequence          = "OUT_OF_ORDER_SEQUENCE"
 	ReasonProducerFenced              = "PRODUCER_FENCED"
 	ReasonUnknownProducerID           = "UNKNOWN_PRODUCER_ID"

@@ -116,6 +116,12 @@ func (t *OneCallTxn) checkOpen() error {
 		return errorf(ReasonTransactionNotOpen, "the one-call transaction is %s: it takes nothing more",
 			[...]string{"open", "committing", "committed", "aborted"}[t.state])
 	}
+	if t.unknown {
+		// A commit whose outcome is unknown: what it sent may be committed under its key,
+		// and a retry with more in it would be answered "already ended", the rest dropped.
+		return errorf(ReasonTransactionNotOpen, "the one-call transaction's commit has an unknown "+
+			"outcome: Commit again (same key) or Abort; it takes nothing more")
+	}
 	return nil
 }
 
@@ -257,6 +263,13 @@ func (t *OneCallTxn) Commit(ctx context.Context) (OneCallResult, error) {
 	}
 	t.state = txnCommitting
 	left := t.opts.Timeout - time.Since(t.began)
+	if left <= 0 && t.unknown {
+		// An earlier Commit's outcome is unknown: it may have committed. Settled by
+		// aborting the key, which says so when it committed, never assumed.
+		t.state = txnOpen
+		t.mu.Unlock()
+		return t.settleUnknown(ctx)
+	}
 	if left <= 0 {
 		t.state = txnAborted
 		t.mu.Unlock()
@@ -324,6 +337,25 @@ func (t *OneCallTxn) Commit(ctx context.Context) (OneCallResult, error) {
 		}
 	}
 	return OneCallResult{ID: t.id, BaseOffsets: t.results, AlreadyEnded: reply.GetAlreadyEnded()}, nil
+}
+
+// settleUnknown ends a transaction whose earlier Commit had an unknown outcome and
+// whose timeout ran out: Abort by key tells which it was. Committed: the result (its
+// offsets not known: AlreadyEnded); aborted now: TRANSACTION_TIMED_OUT, definitely not
+// committed; neither known yet: the error (retriable), still unknown.
+func (t *OneCallTxn) settleUnknown(ctx context.Context) (OneCallResult, error) {
+	err := t.Abort(ctx)
+	switch {
+	case err == nil:
+		return OneCallResult{}, errorf(ReasonTransactionTimedOut, "the transaction's timeout of %s "+
+			"ran out after a commit whose outcome was unknown; it did not commit (aborted by key)",
+			t.opts.Timeout)
+	case errors.Is(err, ErrTransactionAlreadyCommitted):
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		return OneCallResult{ID: t.id, BaseOffsets: t.results, AlreadyEnded: true}, nil
+	}
+	return OneCallResult{}, err
 }
 
 // Abort gives the transaction up. Nothing was sent unless a Commit failed with an

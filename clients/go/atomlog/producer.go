@@ -82,6 +82,8 @@ var (
 		ReasonNotPartitionOwner: true, ReasonUnknownTopicOrPartition: true,
 		ReasonPartitionLoading: true, ReasonServerUnavailable: true, ReasonRequestTimedOut: true,
 		ReasonShuttingDown: true, ReasonResourceExhausted: true, ReasonZooKeeperUnavailable: true,
+		// the ISR short of min.insync.replicas (nothing was written)
+		ReasonNotEnoughReplicas: true,
 		// a transactional write being verified with its coordinator
 		ReasonConcurrentTransactions: true, ReasonCoordinatorLoading: true, ReasonNotCoordinator: true,
 	}

@@ -43,6 +43,9 @@ type fakeServer struct {
 	// fault decides what happens to the n-th produced batch (1-based, counting every
 	// arrival): "" normal, "lose" append but fail the call, or a reason to refuse it.
 	fault func(n int, value string) string
+	// CommitTxn: keys committed (each call commits and loses its answer; an abort by a
+	// committed key answers TRANSACTION_ALREADY_COMMITTED).
+	committedKeys map[string]bool
 }
 
 func startFake(t *testing.T) *fakeServer {
@@ -67,7 +70,17 @@ func (f *fakeServer) GetMetadata(context.Context, *pb.GetMetadataRequest) (*pb.G
 		Topics: []*pb.TopicMetadata{{Name: "t", Partitions: []*pb.PartitionMetadata{
 			{Partition: 0, ServerName: "fake", ServerAddress: f.address, Available: true}}}},
 		TcPartitionCount: 16,
+		TcPartitions:     f.tcPartitions(),
 	}, nil
+}
+
+func (f *fakeServer) tcPartitions() []*pb.TcPartitionMetadata {
+	var out []*pb.TcPartitionMetadata
+	for k := uint32(0); k < 16; k++ {
+		out = append(out, &pb.TcPartitionMetadata{TcPartition: k, CoordinatorName: "fake",
+			CoordinatorAddress: f.address})
+	}
+	return out
 }
 
 func (f *fakeServer) InitProducerId(context.Context, *pb.InitProducerIdRequest) (*pb.InitProducerIdResponse, error) {
