@@ -577,6 +577,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._client = None
         _topics_or_fail(options, self.client)
         self._target: dict | None = None  # AvailableNow: the end fixed at its start
+        self._initial: dict | None = None  # initialOffset, resolved once (below)
 
     @property
     def client(self):
@@ -589,7 +590,14 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {**self.__dict__, "_client": None}
 
     def initialOffset(self) -> dict:
-        return _offsets(self.options, self.client, self.options.starting, default_latest=False)
+        """Resolved once per reader: Spark asks for it when it plans micro-batch 0's end
+        and again when it runs the batch, and a "latest" resolved anew the second time
+        read past what was planned (the records between were in no micro-batch). A
+        driver restarted before batch 0 committed resolves it again (documented)."""
+        if self._initial is None:
+            self._initial = _offsets(self.options, self.client, self.options.starting,
+                                     default_latest=False)
+        return json.loads(json.dumps(self._initial))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.options.max_records_per_trigger:
@@ -1048,7 +1056,16 @@ def source_positions(checkpoint: str, batch_id: int) -> tuple[str, dict[tuple[st
         try:
             offsets = json.loads(line)
         except ValueError:
-            continue  # "-": a source without data in this batch
+            # Offset log format 2 (spark.sql.streaming.offsetLog.formatVersion): each
+            # source's line is "<its name>:<its offset JSON>" (read as nothing until
+            # 2026-12-06: no source acked, silently). Else "-": no data in this batch.
+            _, colon, rest = line.partition(":")
+            try:
+                offsets = json.loads(rest) if colon else None
+            except ValueError:
+                continue
+            if offsets is None:
+                continue
         if isinstance(offsets, dict) and all(
                 isinstance(parts, dict) and all(isinstance(o, int) for o in parts.values())
                 for parts in offsets.values()):
@@ -1105,7 +1122,7 @@ def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
                        for t, p in group]
             try:
                 created, acked = _create_and_ack(stub, options, cursors, group, positions,
-                                                 parent.txn_id)
+                                                 parent.txn_id, first=not previous)
             except grpc.RpcError as rpc_error:
                 raise errors.from_grpc(rpc_error) from None
             for result in list(created.results) + list(acked.results):
@@ -1117,16 +1134,26 @@ def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
         client.close()
 
 
-def _create_and_ack(stub, options: Options, cursors, group, positions, txn_id):
-    """Create the cursors if missing (from the earliest offset), then ack in txn_id."""
+def _create_and_ack(stub, options: Options, cursors, group, positions, txn_id,
+                    first: bool = False):
+    """Create the cursors if missing (from the earliest offset), then ack in txn_id.
+    `first` (a query's first micro-batch, no positions before it): a cursor already at
+    or past its position is not acked. The batch before would have told which
+    partitions moved; without it, a new query taking over a subscription whose cursors
+    stood at the ends acked its idle partitions at their cursors, which is refused
+    (TRANSACTION_CONFLICT), and micro-batch 0 failed on every replay, for good."""
     from atomlog.v1 import partition_pb2
 
     created = stub.CreateSubscription(partition_pb2.CreateSubscriptionRequest(
         subscription_partitions=cursors,
         initial_position=partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST),
         timeout=options.request_timeout_s)
-    acked = stub.Ack(partition_pb2.AckRequest(items=[partition_pb2.AckItem(
-        subscription_partition=cursor, cumulative_end_offset=positions[(t, p)],
-        txn_id=txn_id) for cursor, (t, p) in zip(cursors, group, strict=True)]),
-        timeout=options.request_timeout_s)
+    standing = {(r.subscription_partition.topic, r.subscription_partition.partition):
+                r.cumulative_end_offset for r in created.results if not r.error.reason}
+    items = [partition_pb2.AckItem(subscription_partition=cursor,
+                                   cumulative_end_offset=positions[(t, p)], txn_id=txn_id)
+             for cursor, (t, p) in zip(cursors, group, strict=True)
+             if not first or positions[(t, p)] > standing.get((t, p), -1)]
+    acked = stub.Ack(partition_pb2.AckRequest(items=items), timeout=options.request_timeout_s) \
+        if items else partition_pb2.AckResponse()
     return created, acked

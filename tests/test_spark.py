@@ -5,6 +5,7 @@ Tests that kill a Spark driver run Spark in a subprocess."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -506,6 +507,72 @@ def test_source_positions_read_from_paths_and_uris(tmp_path):
         source_positions("nosuchfs://bucket/cp", 3)
     with pytest.raises(FileNotFoundError):
         source_positions(str(tmp_path), 4)  # Spark has not written batch 4
+    # Offset log format 2 names each source: "<name>:<offset JSON>" (read as nothing
+    # until 2026-12-06: sourceSubscription acked nothing, silently).
+    (tmp_path / "offsets" / "5").write_text(
+        'v2\n{"batchWatermarkMs":0}\n0:{"in":{"0":170,"1":9}}\n1:-\n')
+    assert source_positions(str(tmp_path), 5) == ("q-1", {("in", 0): 170, ("in", 1): 9})
+
+
+def test_a_stream_reader_resolves_its_initial_offsets_once(monkeypatch):
+    """Spark asks a source for its initial offsets when it plans micro-batch 0's end and
+    again when it runs it; "latest" resolved anew the second time read past what was
+    planned, and the records between were in no micro-batch."""
+    from spark_client import spark as source
+
+    resolved = iter([{"in": {"0": 1000}}, {"in": {"0": 1400}}])
+    monkeypatch.setattr(source, "_offsets", lambda *args, **kwargs: next(resolved))
+    monkeypatch.setattr(source, "_topics_or_fail", lambda options, client: None)
+    options = source.Options.parse({"bootstrap": "127.0.0.1:1", "topic": "in",
+                                    "startingOffsets": "latest"})
+    reader = source.StreamReader(options, source.SCHEMA)
+    reader._client = object()
+    first = reader.initialOffset()
+    first["in"]["0"] = 0  # (a copy: Spark's changes do not reach the reader)
+    assert reader.initialOffset() == {"in": {"0": 1000}}
+
+
+def test_a_new_query_on_a_subscription_at_its_ends_acks_only_what_its_first_batch_moved(
+        client, bootstrap, tmp_path):
+    """sourceSubscription: a query caught up (the subscription's cursors at every
+    partition's end), new data on partition 0 only, and a new query (a new checkpoint)
+    taking the subscription over from its positions. Its micro-batch 0 acked every
+    partition at its end, partition 1 at its cursor, which is refused
+    (TRANSACTION_CONFLICT): the batch failed on every replay, for good. A first batch now
+    leaves a cursor at or past its position alone. (The Spark parts are played here by
+    the offset log files and the parent's commit.)"""
+    import types
+
+    from spark_client import spark as source
+
+    topic = new_topic(client, "src-takeover", 2)
+    with client.producer() as producer:
+        for i in range(20):
+            producer.send(topic, f"m{i}", partition=i % 2)
+
+    def micro_batch_0(query: str, ends: dict) -> None:
+        checkpoint = tmp_path / query
+        (checkpoint / "offsets").mkdir(parents=True)
+        (checkpoint / "metadata").write_text(json.dumps({"id": query}))
+        (checkpoint / "offsets" / "0").write_text(
+            'v1\n{"batchWatermarkMs":0}\n' + json.dumps({topic: ends}) + "\n")
+        options = types.SimpleNamespace(
+            checkpoint=str(checkpoint), source_subscription="takeover",
+            transaction_timeout_s=60, request_timeout_s=10,
+            client=lambda: Client(bootstrap))
+        source._ack_source_positions(options, 0)
+        Transaction(client, 60, key=stream_parent_key(query, 0)).commit(
+            wait_for_markers=True)
+
+    micro_batch_0("q-a", {"0": 10, "1": 10})  # query A caught up
+    with client.producer() as producer:
+        for i in range(5):
+            producer.send(topic, f"n{i}", partition=0)
+    micro_batch_0("q-b", {"0": 15, "1": 10})  # query B takes over: p1 did not move
+    with client.consumer(topic, subscription="takeover") as consumer:
+        cursors = {c.subscription_partition.partition: c.cumulative_end_offset
+                   for c in consumer.describe()}
+    assert cursors == {0: 15, 1: 10}
 
 
 def test_read_tasks_of_a_worker_share_one_client_for_a_while(monkeypatch):
