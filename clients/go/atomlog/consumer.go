@@ -100,14 +100,18 @@ func (c *Client) NewConsumer(ctx context.Context, topics []string, opts Consumer
 	if opts.Partitions != nil && len(cs.order) != len(topics)*len(opts.Partitions) {
 		return nil, errorf(ReasonUnknownTopicOrPartition, "partitions %v do not all exist in %v", opts.Partitions, topics)
 	}
+	// Earliest is the log start, not offset 0: after retention or DeleteRecords moved
+	// it, a fetch at 0 is OFFSET_OUT_OF_RANGE for good.
+	spec := pb.OffsetSpec_OFFSET_SPEC_EARLIEST
 	if opts.Start == StartLatest {
-		ends, err := cs.listOffsets(ctx, pb.OffsetSpec_OFFSET_SPEC_LATEST)
-		if err != nil {
-			return nil, err
-		}
-		for tp, offset := range ends {
-			cs.positions[tp] = offset
-		}
+		spec = pb.OffsetSpec_OFFSET_SPEC_LATEST
+	}
+	ends, err := cs.listOffsets(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	for tp, offset := range ends {
+		cs.positions[tp] = offset
 	}
 	return cs, nil
 }

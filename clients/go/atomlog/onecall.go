@@ -315,6 +315,10 @@ func (t *OneCallTxn) Commit(ctx context.Context) (OneCallResult, error) {
 		reply, err = stub.CommitTxn(actx, request)
 		return err
 	})
+	if err == nil && request.WaitForMarkers && reply.GetState() == pb.TxnState_TXN_STATE_COMMITTING {
+		// The coordinator's wait ended at the call's deadline: wait for COMMITTED.
+		waitCommitted(ctx, t.c, t.tc, txnIDOf(reply.GetTxnId()), time.Now().Add(t.opts.Timeout))
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if err != nil {

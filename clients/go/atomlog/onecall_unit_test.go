@@ -2,6 +2,7 @@ package atomlog
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -79,5 +80,100 @@ func TestNotEnoughReplicasIsRetried(t *testing.T) {
 		if err != nil {
 			t.Errorf("record %d: %v", i, err)
 		}
+	}
+}
+
+func (f *fakeServer) NewTxn(_ context.Context, r *pb.NewTxnRequest) (*pb.NewTxnResponse, error) {
+	return &pb.NewTxnResponse{TxnId: &pb.TxnId{TcPartition: r.GetTcPartition(), Sequence: 7},
+		State: pb.TxnState_TXN_STATE_OPEN}, nil
+}
+
+func (f *fakeServer) EndTxn(context.Context, *pb.EndTxnRequest) (*pb.EndTxnResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return &pb.EndTxnResponse{State: f.endState}, nil
+}
+
+func (f *fakeServer) GetTxnStatus(context.Context, *pb.GetTxnStatusRequest) (*pb.GetTxnStatusResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.statusCalls++
+	return &pb.GetTxnStatusResponse{State: pb.TxnState_TXN_STATE_COMMITTED}, nil
+}
+
+func (f *fakeServer) ListOffsets(_ context.Context, r *pb.ListOffsetsRequest) (*pb.ListOffsetsResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.listOffsets++
+	reply := &pb.ListOffsetsResponse{}
+	for _, item := range r.GetItems() {
+		reply.Results = append(reply.Results, &pb.ListOffsetsResult{TopicPartition: item.GetTopicPartition(),
+			Offset: f.logStart, LogStartOffset: f.logStart})
+	}
+	return reply, nil
+}
+
+func (f *fakeServer) Fetch(_ context.Context, r *pb.FetchRequest) (*pb.FetchResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	reply := &pb.FetchResponse{}
+	for _, item := range r.GetItems() {
+		result := &pb.FetchResult{TopicPartition: item.GetTopicPartition(), NextFetchOffset: item.GetFetchOffset()}
+		if item.GetFetchOffset() < f.logStart {
+			result.Error = &pb.ItemError{Reason: ReasonOffsetOutOfRange,
+				Message: fmt.Sprintf("offset %d is below the log start %d", item.GetFetchOffset(), f.logStart)}
+		}
+		reply.Results = append(reply.Results, result)
+	}
+	return reply, nil
+}
+
+// EndTxn with wait_for_markers answers COMMITTING when its wait ends at the call's
+// deadline: Commit returned then, before the records were readable. It now polls
+// GetTxnStatus until COMMITTED, as WaitForMarkers promises.
+func TestCommitWaitingForMarkersPollsUntilCommitted(t *testing.T) {
+	f := startFake(t)
+	f.endState = pb.TxnState_TXN_STATE_COMMITTING
+	c, err := Dial(f.address, WithRequestTimeout(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	txn, err := c.BeginTxn(ctx, TxnOptions{WaitForMarkers: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := txn.ID(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := txn.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.statusCalls == 0 {
+		t.Errorf("Commit returned on COMMITTING without asking GetTxnStatus")
+	}
+}
+
+// StartEarliest began at offset 0, not the log start: after retention moved it, every
+// Poll failed OFFSET_OUT_OF_RANGE. It is resolved with ListOffsets now.
+func TestConsumerStartsEarliestAtTheLogStart(t *testing.T) {
+	f := startFake(t)
+	f.logStart = 100
+	c, err := Dial(f.address, WithRequestTimeout(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	cs, err := c.NewConsumer(ctx, []string{"t"}, ConsumerOptions{Start: StartEarliest})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cs.Poll(ctx, 50*time.Millisecond); err != nil {
+		t.Errorf("Poll: %v", err)
 	}
 }

@@ -46,6 +46,12 @@ type fakeServer struct {
 	// CommitTxn: keys committed (each call commits and loses its answer; an abort by a
 	// committed key answers TRANSACTION_ALREADY_COMMITTED).
 	committedKeys map[string]bool
+	// EndTxn answers endState; GetTxnStatus calls are counted and answer COMMITTED.
+	endState    pb.TxnState
+	statusCalls int
+	// ListOffsets calls are counted and answer logStart; Fetch refuses below it.
+	logStart    int64
+	listOffsets int
 }
 
 func startFake(t *testing.T) *fakeServer {

@@ -429,10 +429,38 @@ func (t *Txn) setState(s txnState) {
 func (t *Txn) end(ctx context.Context, decision pb.TxnDecision) error {
 	request := &pb.EndTxnRequest{TxnId: t.id.proto(), Decision: decision, Session: t.session,
 		WaitForMarkers: t.wait && decision == pb.TxnDecision_TXN_DECISION_COMMIT}
-	return t.call(ctx, func(actx context.Context, stub pb.CoordinatorServiceClient) error {
-		_, err := stub.EndTxn(actx, request)
+	var reply *pb.EndTxnResponse
+	err := t.call(ctx, func(actx context.Context, stub pb.CoordinatorServiceClient) (err error) {
+		reply, err = stub.EndTxn(actx, request)
 		return err
 	})
+	if err == nil && request.WaitForMarkers && reply.GetState() == pb.TxnState_TXN_STATE_COMMITTING {
+		// The coordinator's wait ended at the call's deadline: the markers are still on
+		// their way. Wait for COMMITTED as WaitForMarkers promises.
+		waitCommitted(ctx, t.c, t.tc, t.id, time.Now().Add(t.timeout))
+	}
+	return err
+}
+
+// waitCommitted polls GetTxnStatus until the transaction is COMMITTED, ctx ends or
+// `until` passes. It returns nothing: the transaction committed either way, and a
+// caller that took a failure for "not committed" would write it twice.
+func waitCommitted(ctx context.Context, c *Client, tc uint32, id TxnID, until time.Time) {
+	for time.Now().Before(until) && ctx.Err() == nil {
+		var reply *pb.GetTxnStatusResponse
+		err := c.coordinatorCall(ctx, tc, func(actx context.Context, stub pb.CoordinatorServiceClient) (err error) {
+			reply, err = stub.GetTxnStatus(actx, &pb.GetTxnStatusRequest{TxnId: id.proto()})
+			return err
+		})
+		if err == nil && reply.GetState() == pb.TxnState_TXN_STATE_COMMITTED {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // State asks the coordinator for the transaction's state ("OPEN", "COMMITTING", ...);
