@@ -153,6 +153,14 @@ func (t *Txn) name() string {
 	return t.id.String()
 }
 
+// nameLocked is name() for a caller that does not hold t.mu (the sender goroutine
+// sets the id when it opens the transaction).
+func (t *Txn) nameLocked() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.name()
+}
+
 func (t *Txn) stateName() string {
 	return [...]string{"open", "committing", "committed", "aborted"}[t.state]
 }
@@ -184,8 +192,9 @@ func (t *Txn) register(ctx context.Context, tps []TopicPartition, sps []subscrip
 	defer t.openMu.Unlock()
 	t.mu.Lock()
 	if t.state == txnCommitted || t.state == txnAborted {
+		name, state := t.name(), t.stateName()
 		t.mu.Unlock()
-		return errorf(ReasonTransactionNotOpen, "transaction %s is %s", t.name(), t.stateName())
+		return errorf(ReasonTransactionNotOpen, "transaction %s is %s", name, state)
 	}
 	var newTps []TopicPartition
 	var newSps []subscriptionPartition
@@ -329,7 +338,7 @@ func (t *Txn) Commit(ctx context.Context) error {
 		return nil
 	case txnAborted:
 		t.mu.Unlock()
-		return errorf(ReasonTransactionAborted, "transaction %s was aborted; it cannot commit", t.name())
+		return errorf(ReasonTransactionAborted, "transaction %s was aborted; it cannot commit", t.nameLocked())
 	}
 	t.state = txnCommitting
 	producers := make([]*Producer, 0, len(t.producers))
@@ -346,7 +355,7 @@ func (t *Txn) Commit(ctx context.Context) error {
 		select {
 		case <-o.done:
 		case <-ctx.Done():
-			return fmt.Errorf("transaction %s: waiting for its sends: %w", t.name(), ctx.Err())
+			return fmt.Errorf("transaction %s: waiting for its sends: %w", t.nameLocked(), ctx.Err())
 		}
 		if o.err != nil && failed == nil {
 			failed = o.err
@@ -355,9 +364,9 @@ func (t *Txn) Commit(ctx context.Context) error {
 	if failed != nil {
 		abortErr := t.Abort(ctx)
 		if errors.Is(abortErr, ErrProducerFenced) {
-			return fmt.Errorf("transaction %s: %w (and a send failed: %v)", t.name(), abortErr, failed)
+			return fmt.Errorf("transaction %s: %w (and a send failed: %v)", t.nameLocked(), abortErr, failed)
 		}
-		return fmt.Errorf("transaction %s aborted: a send or ack failed: %w", t.name(), failed)
+		return fmt.Errorf("transaction %s aborted: a send or ack failed: %w", t.nameLocked(), failed)
 	}
 	t.mu.Lock()
 	opened := t.opened
@@ -390,14 +399,14 @@ func (t *Txn) Abort(ctx context.Context) error {
 	}
 	if t.state == txnCommitted {
 		t.mu.Unlock()
-		return errorf(ReasonTransactionAlreadyCommitted, "transaction %s committed", t.name())
+		return errorf(ReasonTransactionAlreadyCommitted, "transaction %s committed", t.nameLocked())
 	}
 	producers := make([]*Producer, 0, len(t.producers))
 	for p := range t.producers {
 		producers = append(producers, p)
 	}
 	t.mu.Unlock()
-	aborted := errorf(ReasonTransactionAborted, "transaction %s was aborted", t.name())
+	aborted := errorf(ReasonTransactionAborted, "transaction %s was aborted", t.nameLocked())
 	for _, p := range producers {
 		p.dropTxn(t, aborted)
 	}
