@@ -177,3 +177,47 @@ func TestConsumerStartsEarliestAtTheLogStart(t *testing.T) {
 		t.Errorf("Poll: %v", err)
 	}
 }
+
+// A TransactionalID producer's plain sends after one of its partitions was abandoned
+// (a refusal that may have written): only BeginTxn bumped the epoch, so every later
+// plain send to that partition carried a sequence the partition could not take, refused
+// one after the other for good. The next plain send now bumps the epoch first. (Batches
+// queued before the refusal still fail: they were numbered under the broken sequence.)
+func TestSessionPlainSendsAfterAnAbandonedPartitionGoOn(t *testing.T) {
+	f := startFake(t)
+	f.fault = func(_ int, value string) string {
+		if value == "v003" {
+			return ReasonInternal // maybe written, not retriable: the partition is abandoned
+		}
+		return ""
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := Dial(f.address, WithRequestTimeout(5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	p, err := c.NewProducer(ctx, ProducerOptions{MaxInFlight: 1, TransactionalID: "plain-1", Linger: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	send := func(i int) error {
+		future, err := p.Send(ctx, "t", Record{Value: []byte(fmt.Sprintf("v%03d", i))})
+		if err != nil {
+			return err
+		}
+		_, err = future.Wait(ctx)
+		return err
+	}
+	for i := 0; i < 4; i++ {
+		if err := send(i); (err != nil) != (i == 3) {
+			t.Fatalf("record %d: %v", i, err)
+		}
+	}
+	for i := 4; i < 8; i++ {
+		if err := send(i); err != nil {
+			t.Errorf("record %d after the abandoned one: %v", i, err)
+		}
+	}
+}

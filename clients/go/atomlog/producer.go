@@ -361,6 +361,26 @@ func (p *Producer) initSession(ctx context.Context) error {
 // BeginTxn opens a transaction of this producer's session (TransactionalID producers
 // only). A session has at most one undecided transaction: end the previous one first.
 // opts.Timeout 0 is the session's TransactionTimeout.
+// reinit: an earlier write's outcome is unknown, or a partition's sequences broke: a
+// new epoch of the same session makes every partition start its sequences afresh
+// (KIP-360's epoch bump). At the next BeginTxn, or the next send outside a transaction
+// (until 2026-12-06 such sends went on with the broken sequences, each refused).
+func (p *Producer) reinit(ctx context.Context) error {
+	if err := p.Flush(ctx); err != nil {
+		return err
+	}
+	if err := p.initSession(ctx); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, st := range p.parts {
+		st.hasID, st.nextSeq = false, 0
+	}
+	p.needsReinit = false
+	return nil
+}
+
 func (p *Producer) BeginTxn(ctx context.Context, opts TxnOptions) (*Txn, error) {
 	timeout, waitForMarkers := opts.Timeout, opts.WaitForMarkers
 	p.mu.Lock()
@@ -375,19 +395,10 @@ func (p *Producer) BeginTxn(ctx context.Context, opts TxnOptions) (*Txn, error) 
 			"newer producer; make a new one", p.opts.TransactionalID), nil)
 	}
 	if reinit {
-		// An earlier write's outcome is unknown: a new epoch of the same session makes
-		// every partition start its sequences afresh.
-		if err := p.Flush(ctx); err != nil {
-			return nil, err
-		}
-		if err := p.initSession(ctx); err != nil {
+		if err := p.reinit(ctx); err != nil {
 			return nil, err
 		}
 		p.mu.Lock()
-		for _, st := range p.parts {
-			st.hasID, st.nextSeq = false, 0
-		}
-		p.needsReinit = false
 		session = p.session
 		p.mu.Unlock()
 	}
@@ -458,6 +469,15 @@ func (p *Producer) Send(ctx context.Context, topic string, record Record, option
 	if o.txn != nil {
 		if err := o.txn.accepting(p); err != nil {
 			return nil, err
+		}
+	} else {
+		p.mu.Lock()
+		reinit := p.needsReinit && p.session != nil
+		p.mu.Unlock()
+		if reinit {
+			if err := p.reinit(ctx); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if o.partition < 0 && record.Key != nil {
