@@ -1139,12 +1139,49 @@ func (p *Producer) handleFailure(b *batch, st *partState, err error) {
 		p.abandonPartition(st, b, newError(reason, fmt.Sprintf("%s; an earlier attempt of these "+
 			"%d records got no answer, so they may or may not have been written",
 			message, len(b.records)), metadata))
+	case reason == ReasonUnknownProducerID && now.Before(b.deadline) && p.resetIdentity(b, st):
+		// sent again under a fresh producer id (resetIdentity)
 	default: // the server lost or refuses this producer's state (fenced, out of order)
 		if reason == ReasonProducerFenced && p.session != nil {
 			p.fenced = true
 		}
 		p.abandonPartition(st, b, err)
 	}
+}
+
+// resetIdentity: UNKNOWN_PRODUCER_ID for the oldest unanswered batch of a partition, so
+// the partition forgot this producer (idle past its expiry, or a new leader whose log
+// start had passed the producer's last batch). When no attempt of that batch or of any
+// batch after it may have been written (and no session or transaction binds them to
+// the id), they are sent again under a fresh producer id from sequence 0 (Kafka's
+// KIP-360 reset), as the Python SDK does; else false: they fail.
+func (p *Producer) resetIdentity(b *batch, st *partState) bool {
+	if p.session != nil {
+		return false
+	}
+	batches := []*batch{b}
+	for _, x := range append(append([]*batch{}, st.inFlight...), st.ready...) {
+		if x != b && x.sequenced && x.fields.BaseSequence > b.fields.BaseSequence {
+			batches = append(batches, x)
+		}
+	}
+	for _, x := range batches {
+		if x.txn != nil || x.maybeWritten {
+			return false
+		}
+	}
+	sort.Slice(batches, func(i, j int) bool {
+		return batches[i].fields.BaseSequence < batches[j].fields.BaseSequence
+	})
+	for _, x := range batches {
+		st.inFlight = remove(st.inFlight, x)
+		st.ready = remove(st.ready, x)
+		st.window = remove(st.window, x)
+		x.sequenced, x.payload, x.attempts, x.sentBehind = false, nil, 0, false
+	}
+	st.ready = append(batches, st.ready...)
+	st.needNewID = true // (once nothing of the old id is unanswered)
+	return true
 }
 
 // abandonPartition fails b and every sequenced batch behind it, and gives the partition

@@ -221,3 +221,27 @@ func TestSessionPlainSendsAfterAnAbandonedPartitionGoOn(t *testing.T) {
 		}
 	}
 }
+
+// UNKNOWN_PRODUCER_ID for the oldest unanswered batch: the partition forgot the
+// producer (idle past its expiry). The records, never written, failed; they are now sent
+// again under a fresh producer id from sequence 0 (KIP-360).
+func TestRecordsRefusedAsOfAnUnknownProducerGoAgainUnderANewID(t *testing.T) {
+	f := startFake(t)
+	f.fault = func(_ int, value string) string {
+		if value == "v005" {
+			for id := range f.producers { // (f.mu held) the partition forgot them
+				delete(f.producers, id)
+			}
+		}
+		return ""
+	}
+	_, errs, _ := produceAll(t, f, 10, ProducerOptions{MaxInFlight: 1})
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("record %d: %v", i, err)
+		}
+	}
+	if log := f.values(); len(log) != 10 {
+		t.Errorf("log %v", log)
+	}
+}
