@@ -616,10 +616,23 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         end = self._target if self._target is not None else self._latest()
         budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return cap_offsets(start, end, budget)
+        return cap_offsets(self._starts(start, end), end, budget)
 
     def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
-        return _ranges(start, end, self.options.max_offsets_per_split)
+        return _ranges(self._starts(start, end), end, self.options.max_offsets_per_split)
+
+    def _starts(self, start: dict, end: dict) -> dict:
+        """`start`, with a partition it does not name (a topic added to the query, as a
+        restart from its checkpoint sees it) at the partition's log start, not offset 0:
+        after retention, 0 failed every read of it (OFFSET_OUT_OF_RANGE), and the same
+        start was planned again at every restart."""
+        missing = any(p not in start.get(topic, {}) for topic, parts in end.items()
+                      for p in parts)
+        if not missing:
+            return start
+        earliest = _offsets(self.options, self.client, "earliest", default_latest=False)
+        return {topic: {p: start.get(topic, {}).get(p, earliest.get(topic, {}).get(p, 0))
+                        for p in parts} for topic, parts in end.items()}
 
     def read(self, partition: OffsetRange):
         return _read_range(self.options, partition, self.schema)

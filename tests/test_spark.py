@@ -575,6 +575,35 @@ def test_a_new_query_on_a_subscription_at_its_ends_acks_only_what_its_first_batc
     assert cursors == {0: 15, 1: 10}
 
 
+def test_a_stream_reads_a_partition_its_start_does_not_name_from_its_log_start(
+        monkeypatch):
+    """A query restarted from its checkpoint with a topic added: the new topic's
+    partitions are not in the checkpoint's offsets, and were read from offset 0; after
+    retention every read failed (OFFSET_OUT_OF_RANGE), planned the same at every
+    restart. They start at their log start now."""
+    from spark_client import spark as source
+
+    asked = []
+
+    def offsets(options, client, spec, default_latest):
+        asked.append(spec)
+        return {"a": {"0": 0}, "b": {"0": 500, "1": 700}}
+
+    monkeypatch.setattr(source, "_offsets", offsets)
+    monkeypatch.setattr(source, "_topics_or_fail", lambda options, client: None)
+    options = source.Options.parse({"bootstrap": "127.0.0.1:1", "topic": "a,b"})
+    reader = source.StreamReader(options, source.SCHEMA)
+    reader._client = object()
+    start = {"a": {"0": 40}}
+    end = {"a": {"0": 50}, "b": {"0": 900, "1": 700}}
+    assert [(r.topic, r.partition, r.start, r.end)
+            for r in reader.partitions(start, end)] == [("a", 0, 40, 50), ("b", 0, 500, 900)]
+    assert asked == ["earliest"]
+    asked.clear()
+    reader.partitions({"a": {"0": 40}, "b": {"0": 500, "1": 700}}, end)
+    assert asked == []  # nothing missing: no ListOffsets
+
+
 def test_read_tasks_of_a_worker_share_one_client_for_a_while(monkeypatch):
     """A Python worker's read tasks reuse one Client per cluster (no set-up per task), for
     TASK_CLIENT_MAX_AGE_S at most; the one it replaces is closed."""
