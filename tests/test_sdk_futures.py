@@ -67,3 +67,29 @@ def _race_callbacks_against_settling():
         for thread in threads:
             thread.join()
         assert len(calls) == 160
+
+
+def test_read_until_counts_progress_not_rows():
+    """read_until's idle timeout counted rows only: a long run of aborted data (or
+    markers) under read_committed moves the positions with nothing to hand out, and the
+    read of it failed as "not readable" although it advanced all along (a Spark task over
+    such a range failed, and with it the job)."""
+    import time
+    import types
+
+    from spark_client.consumer import Consumer
+
+    consumer = Consumer.__new__(Consumer)
+    at = {("t", 0): 0}
+    consumer.position = lambda topic, partition: at[(topic, partition)]
+
+    def wait_for_data(timeout_s):
+        time.sleep(0.02)
+        at[("t", 0)] += 1  # a fetch passed aborted data: nothing to take
+
+    consumer._wait_for_data = wait_for_data
+    nothing = lambda max_records, ends: []  # noqa: E731
+    consumer._fetched = types.SimpleNamespace(take_messages=nothing, take_table=nothing,
+                                              take_blocks=nothing)
+    assert list(consumer.read_until({("t", 0): 10}, idle_timeout_s=0.05)) == []
+    assert at[("t", 0)] == 10
