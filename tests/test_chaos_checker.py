@@ -643,6 +643,20 @@ def test_reordered_writes_of_one_producer():
     assert (example["value"], example["earlier_value"]) == ("b", "a")
 
 
+def test_a_transactions_own_writes_to_a_partition_landing_reversed_are_reordered():
+    """Send order holds within a transaction too; its writes were only compared with
+    other transactions' (a hand-made history with two of one transaction's writes
+    reversed passed)."""
+    history = History()
+    history.append("t", 0, "b")
+    history.append("t", 0, "a")
+    history.op("txn", "producer-1", writes=[["t", 0, "a"], ["t", 0, "b"]], acks=[],
+               decision="commit", result="committed", txn_id="tc:1", producer="txn-0-0")
+    report = check(history.finish())
+    assert_only(report, "reordered-writes", 1)
+    assert report["examples"]["reordered-writes"][0]["kind"] == "txn-order"
+
+
 @pytest.mark.parametrize("case", ["other-producer", "no-producer", "aborted", "one-txn",
                                   "in-order"])
 def test_what_is_not_a_reordering(case):

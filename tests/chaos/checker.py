@@ -82,7 +82,9 @@ reordered-writes
     earlier invoked first (one producer's transactions send one after another, whether
     they then commit with commit() or commit_async()), and a visible exclusive write of
     the later one at a lower offset of a partition than one of the earlier's: the
-    producer's send order did not hold.
+    producer's send order did not hold. (kind "txn-order", since 2026-12-06) Within one
+    committed txn of a producer, a visible exclusive write at a lower offset of a
+    partition than one of the txn's writes listed before it.
 hanging-transaction
     In the last ok final-positions op, a partition with max_read_position <
     high_watermark, or with open transactions.
@@ -176,8 +178,9 @@ DESCRIPTIONS = {
     "fenced-write-visible": "a transaction of a fenced producer epoch is visible",
     "lost-ack": "a subscription redelivered a message after a committed transaction "
                 "acknowledged it",
-    "reordered-writes": "two committed transactions of one producer landed in a partition "
-                        "in the opposite order of their sends",
+    "reordered-writes": "two committed transactions of one producer (or one transaction's "
+                        "own writes) landed in a partition in the opposite order of their "
+                        "sends",
     "misplaced-write": "a write visible in another partition than the one it was sent to",
     "hanging-transaction": "after healing, a partition still has open transactions or a last "
                            "stable offset below its high watermark",
@@ -877,8 +880,11 @@ def find_reordered_writes(index: Index) -> list[dict]:
                 continue
             key = (producer, topic, partition)
             before = last.get(key)
-            if before is not None and before[2] is not op and position[2] < before[0]:
-                found.append({"kind": "partition-order", "producer": producer,
+            if before is not None and position[2] < before[0]:
+                # (Within one transaction too: its writes to a partition land in the
+                # order they were sent, as the SDK promises for every send.)
+                found.append({"kind": "partition-order" if before[2] is not op
+                              else "txn-order", "producer": producer,
                               "value": value, "position": listed(position),
                               "earlier_value": before[1],
                               "earlier_position": [topic, partition, before[0]],
