@@ -580,6 +580,15 @@ class PartitionManager:
             await asyncio.to_thread(_delete_copy, directory)
             event(log, "replica removed by a reassignment", partition=f"{key[0]}-{key[1]}")
 
+    def _same_leadership(self, topic: str, partition: int, known):
+        """After a failed compare-and-set on the partition's state (blocking): the stored
+        state when it has the same leader and epoch as `known` (only the ISR moved),
+        else None."""
+        fresh = partition_states.read(self.zk.client, topic, partition)
+        same = (fresh.state.leader, fresh.state.leader_epoch) == \
+            (known.state.leader, known.state.leader_epoch)
+        return fresh if same else None
+
     def _complete_reassignment(self, topic: str, partition: int):
         def complete_blocking(known, target: list[str], state):
             try:
@@ -588,11 +597,10 @@ class PartitionManager:
             except partition_states.StaleState:
                 # As for an ISR write: a restarted replica may have taken itself out of the
                 # ISR meanwhile; the same leadership goes on from the stored state.
-                fresh = partition_states.read(self.zk.client, topic, partition)
-                if (fresh.state.leader, fresh.state.leader_epoch) == \
-                        (known.state.leader, known.state.leader_epoch):
-                    raise partition_states.IsrMoved(fresh) from None
-                raise
+                fresh = self._same_leadership(topic, partition, known)
+                if fresh is None:
+                    raise
+                raise partition_states.IsrMoved(fresh) from None
 
         async def complete(known, target: list[str], state):
             return await asyncio.to_thread(complete_blocking, known, target, state)
@@ -655,11 +663,10 @@ class PartitionManager:
                 # A restarted replica may have taken itself out of the ISR meanwhile: the
                 # leadership goes on with that ISR (the leader recomputes from it); any
                 # other change (a new leader or epoch) ends it.
-                fresh = partition_states.read(self.zk.client, topic, partition)
-                if (fresh.state.leader, fresh.state.leader_epoch) == \
-                        (known.state.leader, known.state.leader_epoch):
-                    return fresh
-                raise
+                fresh = self._same_leadership(topic, partition, known)
+                if fresh is None:
+                    raise
+                return fresh
 
         async def write(known, isr: list[str], joining: dict[str, int]):
             return await asyncio.to_thread(write_blocking, known, isr, joining)

@@ -520,6 +520,8 @@ _AUTHORIZERS: "weakref.WeakSet[Authorizer]" = weakref.WeakSet()
 def transaction_completed(tc_partition: int, sequence: int) -> None:
     """A transaction of this process's coordinator completed (decided, every marker
     confirmed): its opener is forgotten by every authorizer of the process."""
+    if not _AUTHORIZERS:
+        return  # (no ACLs: nothing more on the hot path)
     for authorizer in list(_AUTHORIZERS):
         authorizer.owners.forget((tc_partition, sequence))
 

@@ -437,7 +437,7 @@ class Producer:
         before a send outside a transaction, re-initialize the session if it needs it."""
         if self._closed:
             raise RuntimeError("producer is closed")
-        if txn is None and self._needs_reinit:
+        if txn is None:
             self._reinit_if_needed()
         if txn is not None:
             if not self.idempotent:
