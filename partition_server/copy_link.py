@@ -343,7 +343,7 @@ class LinkServer:
                                        "partitions (it is no partition server)")
                 answer = await servicer.ReplicateMany(request, None)
                 if authorizer is not None:
-                    authorizer.answered(METHOD, answer, principal)
+                    authorizer.answered(METHOD, request, answer, principal)
             finally:
                 auth.reset_current(token_var)
             return KIND_ANSWER, serialize_many(answer)

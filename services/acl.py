@@ -18,9 +18,11 @@ The pure core (no I/O, no grpc, no clock):
   service is in `TABLE`; a method that is not is refused (fail closed);
 - `decide(...)`: the verdict for one call, a `Denial` naming the missing permission or
   None;
-- `TxnOwners`: the principal that opened each transaction (bounded), recorded by the
-  coordinator's shell when NewTxn answers, so a call on another principal's transaction
-  can be told from one on the caller's own.
+- `TxnOwners`: the principal that opened each transaction (bounded), and the idempotency
+  key it opened it by, recorded by the coordinator's shell when NewTxn answers, so a call
+  on another principal's transaction (by its id, or by its key) can be told from one on
+  the caller's own. The partition servers ask for it (`opener_of`) when they verify a
+  transactional write or ack with the coordinator.
 
 Rules that are not ACL entries:
 - principals of auth.super_users may do everything ACLs govern, but not the internal RPCs;
@@ -40,6 +42,7 @@ logged and counted in atomlog_authorization_denied_total{operation,resource_type
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import logging
@@ -242,6 +245,10 @@ class Requirement:
     owner_txn: tuple[int, int] | None = None
     owner_rule: str = ""
     admin: Permission | None = None
+    # (tc_partition, idempotency key) of each transaction the call names by its key
+    # (NewTxn, CommitTxn): when another principal is known to have opened one, `admin`
+    # on transaction_admin (TXN_ADMIN), as for `not_other_owner`.
+    owner_keys: tuple[tuple[int, str], ...] = ()
 
 
 @functools.lru_cache(maxsize=10_000)
@@ -279,9 +286,17 @@ def _has(request, name: str) -> bool:
     return request.HasField(name)
 
 
+TXN_ADMIN = Permission("alter", "transaction_admin", CLUSTER)
+
+
 def _continuing(txn_id, permissions: Iterable[Permission]) -> Requirement:
     return Requirement(_unique(permissions), owner_txn=_txn(txn_id), owner_rule="not_other_owner",
-                       admin=Permission("alter", "transaction_admin", CLUSTER))
+                       admin=TXN_ADMIN)
+
+
+def _keyed(request) -> tuple[tuple[int, str], ...]:
+    """The (tc_partition, key) a NewTxn or CommitTxn names its transaction by, if any."""
+    return ((request.tc_partition, request.idempotency_key),) if request.idempotency_key else ()
 
 
 def _any() -> Callable:
@@ -331,8 +346,9 @@ def _new_txn(request) -> Requirement:
                    *(_topic("write", p.topic) for p in request.topic_partitions),
                    *(_subscription("read", p.subscription) for p in request.subscription_partitions)]
     if _has(request, "parent_txn_id"):
-        return _continuing(request.parent_txn_id, permissions)
-    return Requirement(_unique(permissions))
+        return dataclasses.replace(_continuing(request.parent_txn_id, permissions),
+                                   owner_keys=_keyed(request))
+    return Requirement(_unique(permissions), owner_keys=_keyed(request))
 
 
 def _add_partitions(request) -> Requirement:
@@ -357,13 +373,16 @@ def _commit_txn(request) -> Requirement:
     return Requirement(_unique([
         *_session(request.session if _has(request, "session") else None),
         *(_topic("write", b.topic_partition.topic) for b in request.batches),
-        *(_subscription("read", a.subscription_partition.subscription) for a in request.acks)]))
+        *(_subscription("read", a.subscription_partition.subscription) for a in request.acks)]),
+        owner_keys=_keyed(request))
 
 
 def _commit_txns(request) -> Requirement:
     """CommitTxns needs what each of its commits would need."""
     return Requirement(_unique([permission for commit in request.commits
-                                for permission in _commit_txn(commit).permissions]))
+                                for permission in _commit_txn(commit).permissions]),
+                       owner_keys=tuple(dict.fromkeys(key for commit in request.commits
+                                                      for key in _keyed(commit))))
 
 
 def _init_producer_id(request) -> Requirement:
@@ -501,6 +520,11 @@ def decide(method: str, request, caller: Caller, acls: AclSet, super_users: froz
                 "another principal's transaction"
             return Denial(needed.admin, f"{whose} needs {needed.admin.operation} on "
                                         "transaction_admin")
+    for key in needed.owner_keys:
+        owner = owners.key_owner(key)
+        if owner is not None and owner != caller.name and not _allowed(caller, TXN_ADMIN, acls):
+            return Denial(TXN_ADMIN, "the idempotency key names another principal's "
+                                     "transaction: that needs alter on transaction_admin")
     return None
 
 
@@ -527,29 +551,45 @@ def transaction_completed(tc_partition: int, sequence: int) -> None:
 
 
 class TxnOwners:
-    """Who opened each transaction, (tc_partition, sequence) -> principal; the oldest
-    entry is forgotten past `limit`. Not durable: a coordinator taking over a TC partition
+    """Who opened each transaction, (tc_partition, sequence) -> principal, and by which
+    idempotency key, (tc_partition, key) -> principal; the oldest transaction (and its
+    key) is forgotten past `limit`. Not durable: a coordinator taking over a TC partition
     does not know the openers of the transactions it inherits."""
 
     def __init__(self, limit: int = MAX_REMEMBERED_OWNERS):
         self.limit = limit
         self._owners: collections.OrderedDict[tuple[int, int], str] = collections.OrderedDict()
+        self._keys: dict[tuple[int, str], str] = {}
+        self._key_of: dict[tuple[int, int], tuple[int, str]] = {}
         self._lock = threading.Lock()
 
-    def record(self, txn: tuple[int, int], principal: str) -> None:
+    def record(self, txn: tuple[int, int], principal: str,
+               key: tuple[int, str] | None = None) -> None:
         with self._lock:
             if txn in self._owners:
                 return  # the first opener stays (a retried NewTxn by key answers the same)
             self._owners[txn] = principal
+            if key is not None and key[1]:
+                self._keys.setdefault(key, principal)
+                self._key_of[txn] = key
             while len(self._owners) > self.limit:
-                self._owners.popitem(last=False)
+                self._drop(self._owners.popitem(last=False)[0])
+
+    def _drop(self, txn: tuple[int, int]) -> None:
+        key = self._key_of.pop(txn, None)
+        if key is not None:
+            self._keys.pop(key, None)
 
     def owner(self, txn: tuple[int, int]) -> str | None:
         return self._owners.get(txn)
 
+    def key_owner(self, key: tuple[int, str]) -> str | None:
+        return self._keys.get(key)
+
     def forget(self, txn: tuple[int, int]) -> None:
         with self._lock:
             self._owners.pop(txn, None)
+            self._drop(txn)
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -666,10 +706,11 @@ class Authorizer:
                            f"{permission.resource_type} {permission.name!r}: {denial.why}",
                            {**denial.metadata(), "principal": caller.name})
 
-    def answered(self, method: str, reply, principal) -> None:
-        """After a successful call: remember who opened a transaction."""
+    def answered(self, method: str, request, reply, principal) -> None:
+        """After a successful call: remember who opened a transaction, and by which key."""
         if method == _COORDINATOR + "NewTxn" and principal is not None and reply.HasField("txn_id"):
-            self.owners.record(_txn(reply.txn_id), principal.name)
+            self.owners.record(_txn(reply.txn_id), principal.name,
+                               (request.tc_partition, request.idempotency_key))
 
     def close(self) -> None:
         self._closed = True

@@ -176,7 +176,7 @@ def _wrap(method: str, behavior, authenticator: auth.Authenticator, authorizer=N
             principal = auth.current()
             authorizer.check(method, request, principal)  # PERMISSION_DENIED: nothing ran
             reply = await behavior(request, context)
-            authorizer.answered(method, reply, principal)
+            authorizer.answered(method, request, reply, principal)
             return reply
         except AtomlogError as error:
             code = error.code

@@ -402,3 +402,65 @@ def test_denials_are_logged_and_counted_and_the_cli_manages_acls(acl_cluster, st
     assert again.returncode == 1 and "no such ACL entry" in again.stderr
     wait_until(lambda: isinstance(ps(acl_cluster, "dave", "Produce", produce_request(TOPIC)),
                                   AtomlogError), 5, "the removal to apply")
+
+
+def _bobs_open_transaction(cluster: Cluster, acls) -> tuple[str, coordinator_pb2.NewTxnResponse]:
+    """Bob's open transaction on TOPIC, opened by an idempotency key (alice may write
+    TOPIC and OTHER too, bob only TOPIC): the key and NewTxn's answer."""
+    acls(Acl("bob", "topic", TOPIC, "write"), Acl("alice", "topic", TOPIC, "write"),
+         Acl("alice", "topic", OTHER, "write"))
+    key = f"acl-{uuid.uuid4()}"
+    request = coordinator_pb2.NewTxnRequest(tc_partition=tc_partition(cluster, key),
+                                            idempotency_key=key, topic_partitions=[tp(TOPIC)])
+    answers = []
+
+    def opens() -> bool:
+        answers.append(tc(cluster, "bob", "NewTxn", request))
+        return isinstance(answers[-1], coordinator_pb2.NewTxnResponse)
+
+    wait_until(opens, 5, "the coordinator to see bob's ACL")
+    wait_until(lambda: produced(ps(cluster, "alice", "Produce", produce_request(OTHER))), 5,
+               "the partition server to see alice's ACL")
+    wait_until(lambda: not isinstance(tc(cluster, "alice", "GetTxnStatus",
+                                         coordinator_pb2.GetTxnStatusRequest(
+                                             txn_id=answers[-1].txn_id)), AtomlogError), 5,
+               "alice to reach the coordinator")
+    return key, answers[-1]
+
+
+def test_another_principals_idempotency_key_does_not_reach_its_transaction(acl_cluster, acls):
+    """A NewTxn (or a one-call CommitTxn, or its give-up by key) with the key of a
+    transaction another principal opened is refused, and changes nothing: the opener's
+    partitions and timeout stay, and it stays open."""
+    key, bobs = _bobs_open_transaction(acl_cluster, acls)
+    k = tc_partition(acl_cluster, key)
+
+    def described():
+        return tc(acl_cluster, "admin", "DescribeTransaction",
+                  coordinator_pb2.DescribeTransactionRequest(txn_id=bobs.txn_id))
+
+    before = described()
+    denied(tc(acl_cluster, "alice", "NewTxn", coordinator_pb2.NewTxnRequest(
+        tc_partition=k, idempotency_key=key, topic_partitions=[tp(TOPIC), tp(OTHER)],
+        timeout_ms=1_000)), "alter", "transaction_admin", "atomlog")
+    denied(tc(acl_cluster, "alice", "CommitTxn", coordinator_pb2.CommitTxnRequest(
+        tc_partition=k, idempotency_key=key, abort=True)), "alter", "transaction_admin",
+        "atomlog")
+    denied(tc(acl_cluster, "alice", "CommitTxn", coordinator_pb2.CommitTxnRequest(
+        tc_partition=k, idempotency_key=key, batches=[partition_pb2.ProduceItem(
+            topic_partition=tp(OTHER), record_batch=encode_batch([Record(value=b"x")]))])),
+        "alter", "transaction_admin", "atomlog")
+    after = described()
+    assert after.summary.state == coordinator_pb2.TXN_STATE_OPEN
+    assert [p.topic for p in after.topic_partitions] == [TOPIC]
+    assert after.summary.timeout_ms == before.summary.timeout_ms
+    # The opener's own retry is the same transaction, and carol with transaction_admin
+    # may reach it too (as she may end it).
+    again = tc(acl_cluster, "bob", "NewTxn", coordinator_pb2.NewTxnRequest(
+        tc_partition=k, idempotency_key=key, topic_partitions=[tp(TOPIC)]))
+    assert again.txn_id == bobs.txn_id and again.existing, again
+    acls(Acl("carol", "transaction_admin", "*", "alter"), Acl("carol", "topic", TOPIC, "write"))
+    wait_until(lambda: isinstance(tc(acl_cluster, "carol", "NewTxn", coordinator_pb2.NewTxnRequest(
+        tc_partition=k, idempotency_key=key, topic_partitions=[tp(TOPIC)])),
+        coordinator_pb2.NewTxnResponse), 5, "carol's ACL")
+

@@ -302,3 +302,30 @@ def test_commit_txns_needs_what_each_of_its_commits_needs():
     assert denial.permission == Permission("write", "topic", "refunds")
     acls.append(Acl("alice", "topic", "refunds", "write"))
     assert verdict("CoordinatorService/CommitTxns", both, acls=acls) is None
+
+
+def test_another_principals_idempotency_key_needs_transaction_admin():
+    """A NewTxn, CommitTxn or CommitTxns naming the key of a transaction another
+    principal opened needs alter on transaction_admin; the key is forgotten with its
+    transaction (completed, or pushed out of the bounded table)."""
+    owners = TxnOwners(limit=2)
+    owners.record((3, 9), "alice", (3, "k1"))
+    new = coordinator_pb2.NewTxnRequest(tc_partition=3, idempotency_key="k1")
+    commit = coordinator_pb2.CommitTxnRequest(tc_partition=3, idempotency_key="k1", abort=True)
+    many = coordinator_pb2.CommitTxnsRequest(commits=[
+        coordinator_pb2.CommitTxnRequest(tc_partition=5, idempotency_key="other"), commit])
+    for method, request in (("NewTxn", new), ("CommitTxn", commit), ("CommitTxns", many)):
+        assert verdict(f"CoordinatorService/{method}", request, owners=owners) is None
+        denial = verdict(f"CoordinatorService/{method}", request, caller=BOB, owners=owners)
+        assert denial.permission == Permission("alter", "transaction_admin", "atomlog"), method
+        assert verdict(f"CoordinatorService/{method}", request, caller=BOB, owners=owners,
+                       acls=[Acl("bob", "transaction_admin", "*", "alter")]) is None
+    # The same key on another TC partition names another transaction.
+    assert verdict("CoordinatorService/NewTxn", coordinator_pb2.NewTxnRequest(
+        tc_partition=4, idempotency_key="k1"), caller=BOB, owners=owners) is None
+    owners.forget((3, 9))
+    assert owners.key_owner((3, "k1")) is None
+    assert verdict("CoordinatorService/NewTxn", new, caller=BOB, owners=owners) is None
+    for sequence in range(3):
+        owners.record((0, sequence), "alice", (0, f"key-{sequence}"))
+    assert owners.key_owner((0, "key-0")) is None and owners.key_owner((0, "key-2")) == "alice"
