@@ -328,8 +328,11 @@ def _remaining_s(context) -> float | None:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: Coordinator, authorizer=None):
         self.c = coordinator
+        # services.acl.Authorizer (auth.authorizer=acl): who opened each transaction, which
+        # VerifyTxnPartitions tells the partition servers (None: authorization off).
+        self.authorizer = authorizer
 
     async def NewTxn(self, request, context):
         c = self.c
@@ -845,6 +848,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 result.state = answer.state.value
                 result.included = answer.included
                 result.coordinator_epoch = answer.coordinator_epoch
+                if self.authorizer is not None:
+                    result.opener = self.authorizer.opener(txn_id.tc_partition, txn_id.sequence)
                 if answer.session is not None:
                     result.session.CopyFrom(_session_proto(answer.session))
             except AtomlogError as error:
@@ -993,7 +998,7 @@ async def install(runtime) -> list[str]:
     collector = metrics.register_core_collector(
         coordinator.cores, lambda: coordinator.one_calls_in_flight)
     runtime.coordinator = coordinator
-    servicer = CoordinatorServicer(coordinator)
+    servicer = CoordinatorServicer(coordinator, runtime.interceptor.authorizer)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, runtime.server)
     runtime.local_services[service_name(coordinator_pb2, "CoordinatorService")] = servicer
     if config["coordinator.client_link"]:

@@ -340,7 +340,7 @@ class PartitionOwner:
         # then find its verification cached. Empty when nothing waits; an entry lives as
         # long as its request.
         self.produce_gates: dict[int, asyncio.Future] = {}
-        self.verified_acks: OrderedDict = OrderedDict()  # (txn, subscription) -> True
+        self.verified_acks: OrderedDict = OrderedDict()  # (txn, subscription) -> opener
         self.subscriptions = PartitionSubscriptions(
             self.name, directory / "cursors", settings.cursor_limits,
             lambda: self.log.log_start_offset if self.log is not None else 0,

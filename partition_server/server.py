@@ -167,6 +167,7 @@ async def install(runtime) -> list[str]:
                                  lease=lease,
                                  skip_quiet_partitions=config["replication.skip_quiet_partitions"],
                                  scrubber=scrubber)
+    servicer.authorizer = runtime.interceptor.authorizer
     add_partition_service(servicer, runtime.server)
     if config["replication.link"]:
         # For followers and coordinators (and, in a combined server, clients' commits).

@@ -32,6 +32,7 @@ from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHea
 from partition_server.subscription_cursor import (InitialPosition, resolve_initial_position,
                                                   validate_consumer_id)
 from partition_server.verifier import TxnVerifier
+from services import auth
 from services.batching import WhenAllDone, failure_of, observe_failure
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
@@ -184,6 +185,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         self.subscription_settings = subscriptions
         self.coordinator_epochs = coordinator_epochs  # None: markers answer UNIMPLEMENTED
         self.verifier = verifier  # None: transactional batches answer UNIMPLEMENTED
+        # services.acl.Authorizer (auth.authorizer=acl, set by install): a transactional
+        # write or ack is taken only from its transaction's opener (check_joining).
+        self.authorizer = None
         self.metadata_store = metadata_store
         self.max_batch_bytes = max_batch_bytes
         self.fetch_max_wait_ms = fetch_max_wait_ms
@@ -589,10 +593,13 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         buffer refuses them all here (retriable PARTITION_LOADING)."""
         asked: dict[TxnId, asyncio.Task] = {}
         recovering = owner.txns_recovering  # then transactional batches wait (retriable)
+        # With ACLs, a transaction open here is asked about again when its cached answer
+        # (which names its opener) is gone: evicted, or from before a restart.
+        openers = self.authorizer is not None
         for _, header in batches:
             txn = header.txn
             if (header.is_transactional and not recovering and txn not in asked
-                    and owner.txns.open_transaction(txn) is None
+                    and (openers or owner.txns.open_transaction(txn) is None)
                     and owner.guard.cached(txn) is None):
                 asked[txn] = asyncio.ensure_future(self._verify(owner, txn))
         if asked:
@@ -618,19 +625,24 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     async def _verify(self, owner: PartitionOwner, txn: TxnId) -> None:
         token = owner.guard.token()
         answer = await self.verifier.verify(txn, owner.topic, owner.partition)
-        owner.guard.remember(txn, token, answer.session)
+        owner.guard.remember(txn, token, answer.session, answer.opener)
 
-    @staticmethod
-    def _token_for(owner: PartitionOwner, header: BatchHeader, asked: dict) -> int | None:
+    def _token_for(self, owner: PartitionOwner, header: BatchHeader, asked: dict) -> int | None:
         txn = header.txn
         task = asked.get(txn)
         if task is not None and task.exception() is not None:
             raise task.exception()
-        if owner.txns.open_transaction(txn) is not None and task is None:
+        if self.authorizer is None and owner.txns.open_transaction(txn) is not None \
+                and task is None:
             return None  # open here: verified at its first write
         verified = owner.guard.cached(txn)
         if verified is None:
             raise owner.verify_again(txn)
+        if self.authorizer is not None:
+            self.authorizer.check_joining(f"a transactional write into {txn.tc_partition}:"
+                                          f"{txn.sequence}", auth.current(), verified.opener)
+            if owner.txns.open_transaction(txn) is not None and task is None:
+                return None
         if verified.session is not None and verified.session != (header.producer_id,
                                                                   header.producer_epoch):
             raise AtomlogError(
@@ -1040,13 +1052,17 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         if self.verifier is None:
             raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional acks")
         key = (txn, subscription)
-        if key in owner.verified_acks:
-            owner.verified_acks.move_to_end(key)
-            return
-        await self.verifier.verify(txn, owner.topic, owner.partition, subscription=subscription)
-        owner.verified_acks[key] = True
+        opener = owner.verified_acks.get(key)
+        if opener is None:
+            answer = await self.verifier.verify(txn, owner.topic, owner.partition,
+                                                subscription=subscription)
+            opener = owner.verified_acks[key] = answer.opener
+        owner.verified_acks.move_to_end(key)
         while len(owner.verified_acks) > self.subscription_settings.max_verified_acks:
             owner.verified_acks.popitem(last=False)
+        if self.authorizer is not None:
+            self.authorizer.check_joining(f"a transactional ack in {txn.tc_partition}:"
+                                          f"{txn.sequence}", auth.current(), opener)
 
     async def Nack(self, request, context):
         validate_consumer_id(request.consumer_id)

@@ -39,11 +39,13 @@ DEFAULT_MAX_ENDED = 100_000
 
 @dataclass(frozen=True, slots=True)
 class Verified:
-    """A cached verification: the generation it started at and the transaction's
-    session ((producer id, epoch) the batches must carry), None without a session."""
+    """A cached verification: the generation it started at, the transaction's
+    session ((producer id, epoch) the batches must carry), None without a session, and
+    the principal that opened it, as its coordinator said ("": not known)."""
 
     token: int
     session: tuple[int, int] | None
+    opener: str = ""
 
 
 class TxnGuard:
@@ -94,13 +96,14 @@ class TxnGuard:
         self._cache.move_to_end(key)
         return entry
 
-    def remember(self, txn: TxnId, token: int, session: tuple[int, int] | None) -> bool:
+    def remember(self, txn: TxnId, token: int, session: tuple[int, int] | None,
+                 opener: str = "") -> bool:
         """Cache a positive answer obtained with `token`; False (and nothing cached) when
         a marker for txn came meanwhile or the token fell below the horizon."""
         if not self.allows(txn, token):
             return False
         key = txn_key(txn)
-        self._cache[key] = Verified(token, session)
+        self._cache[key] = Verified(token, session, opener)
         self._cache.move_to_end(key)
         while len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)  # only costs a new verification

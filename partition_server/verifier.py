@@ -64,9 +64,11 @@ _ENDED_REASONS = {coordinator_pb2.TXN_STATE_ABORTING: "TRANSACTION_ABORTED",
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """A positive verification: the session the batches must carry (or None)."""
+    """A positive verification: the session the batches must carry (or None), and the
+    principal that opened the transaction ("": not known, or authorization off)."""
 
     session: tuple[int, int] | None
+    opener: str = ""
 
 
 @dataclass(eq=False)
@@ -206,7 +208,7 @@ class TxnVerifier:
         session = None
         if result.HasField("session") and result.session.producer_id:
             session = (result.session.producer_id, result.session.producer_epoch)
-        return Answer(session)
+        return Answer(session, result.opener)
 
     def _stub(self, address: str) -> coordinator_pb2_grpc.CoordinatorServiceStub:
         """In-process where this process is the coordinator; on the coordinator's link

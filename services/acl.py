@@ -689,13 +689,33 @@ class Authorizer:
 
     def check(self, method: str, request, principal) -> None:
         """Raise AtomlogError PERMISSION_DENIED (logged and counted) unless allowed."""
+        caller = Caller(principal.name, principal.service) if principal else Caller("anonymous")
+        denial = decide(method, request, caller, self.acls, self.super_users, self.owners)
+        if denial is not None:
+            self._refuse(method, caller, denial)
+
+    def opener(self, tc_partition: int, sequence: int) -> str:
+        """The principal that opened a transaction here ("" when not known)."""
+        return self.owners.owner((tc_partition, sequence)) or ""
+
+    def check_joining(self, what: str, principal, opener: str) -> None:
+        """A transactional write or ack (`what`) into a transaction that `opener` opened, as
+        its coordinator answered ("": not known there, e.g. opened before a failover):
+        PERMISSION_DENIED unless the caller is the opener, a super user, a service
+        principal, or holds alter on transaction_admin. Kafka checks TransactionalId WRITE
+        on a transactional produce; a batch here names its transaction, so its opener."""
+        caller = Caller(principal.name, principal.service) if principal else Caller("anonymous")
+        if (not opener or opener == caller.name or caller.service
+                or caller.name in self.super_users or _allowed(caller, TXN_ADMIN, self.acls)):
+            return
+        self._refuse(what, caller, Denial(TXN_ADMIN, f"the transaction is {opener}'s: another "
+                                                     "principal's needs alter on "
+                                                     "transaction_admin"))
+
+    def _refuse(self, method: str, caller: Caller, denial: Denial) -> None:
         from services.errors import AtomlogError
         from services.logs import event
 
-        caller = Caller(principal.name, principal.service) if principal else Caller("anonymous")
-        denial = decide(method, request, caller, self.acls, self.super_users, self.owners)
-        if denial is None:
-            return
         permission = denial.permission
         DENIED.labels(permission.operation, permission.resource_type).inc()
         event(log, "permission denied", logging.WARNING, method=method, principal=caller.name,

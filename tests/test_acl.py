@@ -464,3 +464,88 @@ def test_another_principals_idempotency_key_does_not_reach_its_transaction(acl_c
         tc_partition=k, idempotency_key=key, topic_partitions=[tp(TOPIC)])),
         coordinator_pb2.NewTxnResponse), 5, "carol's ACL")
 
+
+def _transactional_batch(cluster: Cluster, principal: str, txn_id, value: bytes) -> bytes:
+    ids = tc(cluster, principal, "InitProducerId", coordinator_pb2.InitProducerIdRequest())
+    assert isinstance(ids, coordinator_pb2.InitProducerIdResponse), ids
+    return encode_batch([Record(value=value)], producer_id=ids.producer_id,
+                        producer_epoch=ids.producer_epoch, base_sequence=0,
+                        txn=(txn_id.tc_partition, txn_id.sequence))
+
+
+def test_a_transactional_batch_goes_only_into_its_writers_own_transaction(acl_cluster, acls):
+    """Alice may write TOPIC, and learns the id of bob's open transaction on it: her
+    transactional batch into it is refused, whether she is the first to write it there
+    or bob's batch came first (open on the partition), and the transaction holds only
+    bob's. Bob's own batch goes in; with transaction_admin (alter), so may carol's."""
+    _, bobs = _bobs_open_transaction(acl_cluster, acls)
+    txn = bobs.txn_id
+
+    def produce(principal: str, value: bytes):
+        return ps(acl_cluster, principal, "Produce", partition_pb2.ProduceRequest(items=[
+            partition_pb2.ProduceItem(topic_partition=tp(TOPIC), record_batch=_transactional_batch(
+                acl_cluster, principal, txn, value))]))
+
+    def refused(reply) -> None:
+        assert isinstance(reply, partition_pb2.ProduceResponse), reply
+        error = reply.results[0].error
+        assert error.reason == "PERMISSION_DENIED", reply
+        assert dict(error.metadata)["resource_type"] == "transaction_admin", reply
+
+    before = high_watermark(acl_cluster, TOPIC)
+    refused(produce("alice", b"alice-first"))  # the first write of the transaction here
+    assert high_watermark(acl_cluster, TOPIC) == before
+    assert produced(produce("bob", b"bob"))
+    refused(produce("alice", b"alice-later"))  # the transaction is open on the partition
+    acls(Acl("carol", "transaction_admin", "*", "alter"), Acl("carol", "topic", TOPIC, "write"))
+    wait_until(lambda: produced(produce("carol", b"carol")), 5, "carol's ACL")
+    ended = tc(acl_cluster, "bob", "EndTxn", coordinator_pb2.EndTxnRequest(
+        txn_id=txn, decision=partition_pb2.TXN_DECISION_COMMIT))
+    assert isinstance(ended, coordinator_pb2.EndTxnResponse), ended
+    values: list[bytes] = []
+    with Client(acl_cluster.info["bootstrap"], tls=tls_of(acl_cluster, "admin")) as admin:
+        consumer = admin.consumer(TOPIC)
+        wait_until(lambda: values.extend(m.value for m in consumer.poll(0.5)) or b"carol" in values,
+                   10, "the committed transaction to be read")
+        consumer.close()
+    assert b"bob" in values and b"carol" in values
+    assert b"alice-first" not in values and b"alice-later" not in values
+
+
+def test_a_transactional_ack_goes_only_into_its_readers_own_transaction(acl_cluster, acls):
+    """Alice may read the subscription, and learns bob's open transaction that lists it:
+    her ack in bob's transaction is refused, and the cursor does not move."""
+    sub = common_pb2.SubscriptionPartition(topic=TOPIC, partition=0, subscription="acl-joined")
+    created = ps(acl_cluster, "admin", "CreateSubscription", partition_pb2.CreateSubscriptionRequest(
+        subscription_partitions=[sub],
+        initial_position=partition_pb2.SUBSCRIPTION_INITIAL_POSITION_EARLIEST))
+    assert not created.results[0].error.reason, created
+    assert produced(ps(acl_cluster, "admin", "Produce", produce_request(TOPIC)))
+    acls(*(Acl(who, kind, name, "read") for who in ("alice", "bob")
+           for kind, name in (("subscription", "acl-joined"), ("topic", TOPIC))))
+    key = f"acl-{uuid.uuid4()}"
+    opened = []
+    wait_until(lambda: opened.append(tc(acl_cluster, "bob", "NewTxn", coordinator_pb2.NewTxnRequest(
+        tc_partition=tc_partition(acl_cluster, key), idempotency_key=key,
+        subscription_partitions=[sub]))) or isinstance(opened[-1], coordinator_pb2.NewTxnResponse),
+        5, "bob's ACL")
+
+    def ack(principal: str):
+        return ps(acl_cluster, principal, "Ack", partition_pb2.AckRequest(items=[
+            partition_pb2.AckItem(subscription_partition=sub, cumulative_end_offset=1,
+                                  txn_id=opened[-1].txn_id)]))
+
+    def cursor():
+        reply = ps(acl_cluster, "admin", "DescribeSubscription",
+                   partition_pb2.DescribeSubscriptionRequest(subscription_partitions=[sub]))
+        return reply.cursors[0].cumulative_end_offset
+
+    before = cursor()
+    replies = []
+    wait_until(lambda: replies.append(ack("alice")) or not isinstance(replies[-1], AtomlogError),
+               5, "alice's ACL on the partition server")
+    error = replies[-1].results[0].error
+    assert error.reason == "PERMISSION_DENIED", replies[-1]
+    assert dict(error.metadata)["resource_type"] == "transaction_admin"
+    assert cursor() == before
+    assert not ack("bob").results[0].error.reason

@@ -298,20 +298,22 @@ class VerifyTxnPartitionsResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyTxnPartitionsResult, _Mapping]]] = ...) -> None: ...
 
 class VerifyTxnPartitionsResult(_message.Message):
-    __slots__ = ("txn_id", "error", "state", "included", "session", "coordinator_epoch")
+    __slots__ = ("txn_id", "error", "state", "included", "session", "coordinator_epoch", "opener")
     TXN_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OPENER_FIELD_NUMBER: _ClassVar[int]
     txn_id: _common_pb2.TxnId
     error: _partition_pb2.ItemError
     state: TxnState
     included: bool
     session: TransactionalSession
     coordinator_epoch: int
-    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., error: _Optional[_Union[_partition_pb2.ItemError, _Mapping]] = ..., state: _Optional[_Union[TxnState, str]] = ..., included: _Optional[bool] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., coordinator_epoch: _Optional[int] = ...) -> None: ...
+    opener: str
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., error: _Optional[_Union[_partition_pb2.ItemError, _Mapping]] = ..., state: _Optional[_Union[TxnState, str]] = ..., included: _Optional[bool] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., coordinator_epoch: _Optional[int] = ..., opener: _Optional[str] = ...) -> None: ...
 
 class TransactionSummary(_message.Message):
     __slots__ = ("txn_id", "state", "end_cause", "parent_txn_id", "transactional_id", "producer_id", "producer_epoch", "start_unix_ms", "age_ms", "timeout_ms", "topic_partition_count", "subscription_partition_count", "child_count")

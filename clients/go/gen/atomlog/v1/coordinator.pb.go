@@ -1882,8 +1882,14 @@ type VerifyTxnPartitionsResult struct {
 	Session *TransactionalSession `protobuf:"bytes,5,opt,name=session,proto3" json:"session,omitempty"`
 	// The answering coordinator's epoch for txn_id.tc_partition.
 	CoordinatorEpoch uint64 `protobuf:"varint,6,opt,name=coordinator_epoch,json=coordinatorEpoch,proto3" json:"coordinator_epoch,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// With auth.authorizer=acl: the principal that opened the transaction, as the answering
+	// coordinator process knows it; empty when it does not (another process opened it
+	// before a failover) or authorization is off. The partition server then takes the
+	// write or ack only from that principal, or one holding alter on transaction_admin
+	// ("PERMISSION_DENIED" otherwise).
+	Opener        string `protobuf:"bytes,7,opt,name=opener,proto3" json:"opener,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *VerifyTxnPartitionsResult) Reset() {
@@ -1956,6 +1962,13 @@ func (x *VerifyTxnPartitionsResult) GetCoordinatorEpoch() uint64 {
 		return x.CoordinatorEpoch
 	}
 	return 0
+}
+
+func (x *VerifyTxnPartitionsResult) GetOpener() string {
+	if x != nil {
+		return x.Opener
+	}
+	return ""
 }
 
 // A transaction in brief.
@@ -2703,14 +2716,15 @@ const file_atomlog_v1_coordinator_proto_rawDesc = "" +
 	"\x16subscription_partition\x18\x03 \x01(\v2!.atomlog.v1.SubscriptionPartitionH\x00R\x15subscriptionPartitionB\b\n" +
 	"\x06target\"^\n" +
 	"\x1bVerifyTxnPartitionsResponse\x12?\n" +
-	"\aresults\x18\x01 \x03(\v2%.atomlog.v1.VerifyTxnPartitionsResultR\aresults\"\xa3\x02\n" +
+	"\aresults\x18\x01 \x03(\v2%.atomlog.v1.VerifyTxnPartitionsResultR\aresults\"\xbb\x02\n" +
 	"\x19VerifyTxnPartitionsResult\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12+\n" +
 	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\x12*\n" +
 	"\x05state\x18\x03 \x01(\x0e2\x14.atomlog.v1.TxnStateR\x05state\x12\x1a\n" +
 	"\bincluded\x18\x04 \x01(\bR\bincluded\x12:\n" +
 	"\asession\x18\x05 \x01(\v2 .atomlog.v1.TransactionalSessionR\asession\x12+\n" +
-	"\x11coordinator_epoch\x18\x06 \x01(\x04R\x10coordinatorEpoch\"\xbb\x04\n" +
+	"\x11coordinator_epoch\x18\x06 \x01(\x04R\x10coordinatorEpoch\x12\x16\n" +
+	"\x06opener\x18\a \x01(\tR\x06opener\"\xbb\x04\n" +
 	"\x12TransactionSummary\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12*\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x14.atomlog.v1.TxnStateR\x05state\x124\n" +
