@@ -32,7 +32,7 @@ from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHea
 from partition_server.subscription_cursor import (InitialPosition, resolve_initial_position,
                                                   validate_consumer_id)
 from partition_server.verifier import TxnVerifier
-from services import auth
+from services import acl, auth
 from services.batching import WhenAllDone, failure_of, observe_failure
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
@@ -836,7 +836,32 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 response.subscriptions.add(**_cursor_fields(sp, d))
         if owner.replication is not None:
             owner.replication.status(response.replication)
+        if self.authorizer is not None:
+            self._withhold(response)
         return response
+
+    def _withhold(self, response) -> None:
+        """With ACLs: leave out of a DescribePartition answer what the caller may not see
+        (`withheld` names each part): the transactions and producers need describe on
+        transaction_admin (as ListTransactions), a subscription's cursor describe on it."""
+        principal = auth.current()
+        admin = acl.Permission("describe", "transaction_admin", acl.CLUSTER)
+        if not self.authorizer.may(principal, admin):
+            if response.open_transactions or response.producers or \
+                    response.aborted_transaction_count:
+                response.withheld.append("open_transactions, aborted_transaction_count, "
+                                         "producers: describe on transaction_admin")
+            del response.open_transactions[:]
+            del response.producers[:]
+            response.aborted_transaction_count = 0
+        shown = [cursor for cursor in response.subscriptions if self.authorizer.may(
+            principal, acl.Permission("describe", "subscription",
+                                      cursor.subscription_partition.subscription))]
+        if len(shown) < len(response.subscriptions):
+            response.withheld.append(f"subscriptions ({len(response.subscriptions) - len(shown)} "
+                                     "of them): describe on each subscription")
+            del response.subscriptions[:]
+            response.subscriptions.extend(shown)
 
     async def RecoverPartition(self, request, context):
         if not request.accept_data_loss:

@@ -694,6 +694,13 @@ class Authorizer:
         if denial is not None:
             self._refuse(method, caller, denial)
 
+    def may(self, principal, permission: Permission) -> bool:
+        """Whether the caller holds `permission` (a super user or a service principal:
+        always), for answers that show a caller only part of what they hold."""
+        caller = Caller(principal.name, principal.service) if principal else Caller("anonymous")
+        return caller.service or caller.name in self.super_users or _allowed(
+            caller, permission, self.acls)
+
     def opener(self, tc_partition: int, sequence: int) -> str:
         """The principal that opened a transaction here ("" when not known)."""
         return self.owners.owner((tc_partition, sequence)) or ""

@@ -638,6 +638,7 @@ def _describe_text(reply) -> str:
         lines.extend(_replication_lines(reply.replication))
     if reply.state == partition_pb2.PARTITION_STATE_ONLINE:
         lines.extend(_transaction_lines(reply))
+    lines.extend(f"  withheld (ACLs): {part}" for part in reply.withheld)
     return "\n".join(lines)
 
 

@@ -549,3 +549,44 @@ def test_a_transactional_ack_goes_only_into_its_readers_own_transaction(acl_clus
     assert dict(error.metadata)["resource_type"] == "transaction_admin"
     assert cursor() == before
     assert not ack("bob").results[0].error.reason
+
+
+def test_describe_partition_shows_only_what_the_caller_may_see(acl_cluster, acls):
+    """`describe` on the topic shows the partition; its open transactions, aborted ones
+    and producers need `describe` on transaction_admin, and each subscription's cursor
+    `describe` on that subscription. What is left out is named in `withheld`."""
+    for name in ("acl-seen", "acl-hidden"):
+        created = ps(acl_cluster, "admin", "CreateSubscription",
+                     partition_pb2.CreateSubscriptionRequest(
+                         subscription_partitions=[common_pb2.SubscriptionPartition(
+                             topic=TOPIC, partition=0, subscription=name)]))
+        assert not created.results[0].error.reason or \
+            created.results[0].error.reason == "SUBSCRIPTION_EXISTS", created
+    _, bobs = _bobs_open_transaction(acl_cluster, acls)
+    with Client(acl_cluster.info["bootstrap"], tls=tls_of(acl_cluster, "admin")) as admin:
+        with admin.producer() as producer:
+            producer.send(TOPIC, b"idempotent", partition=0).result(timeout=10)
+    batch = _transactional_batch(acl_cluster, "bob", bobs.txn_id, b"open")
+    assert produced(ps(acl_cluster, "bob", "Produce", partition_pb2.ProduceRequest(items=[
+        partition_pb2.ProduceItem(topic_partition=tp(TOPIC), record_batch=batch)])))
+    request = partition_pb2.DescribePartitionRequest(topic_partition=tp(TOPIC))
+    full = ps(acl_cluster, "admin", "DescribePartition", request)
+    assert full.open_transactions and full.producers and not full.withheld
+    assert {"acl-seen", "acl-hidden"} <= {c.subscription_partition.subscription
+                                          for c in full.subscriptions}
+    acls(Acl("dave", "topic", TOPIC, "describe"), Acl("dave", "subscription", "acl-seen", "describe"))
+    seen = []
+    wait_until(lambda: seen.append(ps(acl_cluster, "dave", "DescribePartition", request)) or
+               isinstance(seen[-1], partition_pb2.DescribePartitionResponse), 5, "dave's ACL")
+    shown = seen[-1]
+    assert shown.high_watermark == full.high_watermark and shown.producer_count
+    assert not shown.open_transactions and not shown.producers
+    assert [c.subscription_partition.subscription for c in shown.subscriptions] == ["acl-seen"]
+    assert any(w.startswith("open_transactions") for w in shown.withheld), shown.withheld
+    assert any(w.startswith("subscriptions") for w in shown.withheld), shown.withheld
+    acls(Acl("dave", "transaction_admin", "*", "describe"))
+    wait_until(lambda: ps(acl_cluster, "dave", "DescribePartition", request).open_transactions,
+               5, "dave's transaction_admin ACL")
+    ended = tc(acl_cluster, "bob", "EndTxn", coordinator_pb2.EndTxnRequest(
+        txn_id=bobs.txn_id, decision=partition_pb2.TXN_DECISION_ABORT))
+    assert isinstance(ended, coordinator_pb2.EndTxnResponse), ended

@@ -568,7 +568,7 @@ class DescribePartitionRequest(_message.Message):
     def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., max_producers: _Optional[int] = ...) -> None: ...
 
 class DescribePartitionResponse(_message.Message):
-    __slots__ = ("topic_partition", "state", "data_loss", "log_start_offset", "high_watermark", "max_read_position", "last_data_offset", "segment_count", "size_bytes", "transaction_buffer_ready", "open_transactions", "aborted_transaction_count", "producers", "producer_count", "subscriptions", "producer_snapshot_offset", "transaction_buffer_snapshot_offset", "coordinator_epochs", "replication")
+    __slots__ = ("topic_partition", "state", "data_loss", "log_start_offset", "high_watermark", "max_read_position", "last_data_offset", "segment_count", "size_bytes", "transaction_buffer_ready", "open_transactions", "aborted_transaction_count", "producers", "producer_count", "subscriptions", "producer_snapshot_offset", "transaction_buffer_snapshot_offset", "coordinator_epochs", "replication", "withheld")
     class CoordinatorEpochsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -595,6 +595,7 @@ class DescribePartitionResponse(_message.Message):
     TRANSACTION_BUFFER_SNAPSHOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    WITHHELD_FIELD_NUMBER: _ClassVar[int]
     topic_partition: _common_pb2.TopicPartition
     state: PartitionState
     data_loss: DataLossInfo
@@ -614,7 +615,8 @@ class DescribePartitionResponse(_message.Message):
     transaction_buffer_snapshot_offset: int
     coordinator_epochs: _containers.ScalarMap[int, int]
     replication: ReplicationStatus
-    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., state: _Optional[_Union[PartitionState, str]] = ..., data_loss: _Optional[_Union[DataLossInfo, _Mapping]] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., max_read_position: _Optional[int] = ..., last_data_offset: _Optional[int] = ..., segment_count: _Optional[int] = ..., size_bytes: _Optional[int] = ..., transaction_buffer_ready: _Optional[bool] = ..., open_transactions: _Optional[_Iterable[_Union[OpenTransaction, _Mapping]]] = ..., aborted_transaction_count: _Optional[int] = ..., producers: _Optional[_Iterable[_Union[ProducerState, _Mapping]]] = ..., producer_count: _Optional[int] = ..., subscriptions: _Optional[_Iterable[_Union[SubscriptionCursor, _Mapping]]] = ..., producer_snapshot_offset: _Optional[int] = ..., transaction_buffer_snapshot_offset: _Optional[int] = ..., coordinator_epochs: _Optional[_Mapping[int, int]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ...) -> None: ...
+    withheld: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., state: _Optional[_Union[PartitionState, str]] = ..., data_loss: _Optional[_Union[DataLossInfo, _Mapping]] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., max_read_position: _Optional[int] = ..., last_data_offset: _Optional[int] = ..., segment_count: _Optional[int] = ..., size_bytes: _Optional[int] = ..., transaction_buffer_ready: _Optional[bool] = ..., open_transactions: _Optional[_Iterable[_Union[OpenTransaction, _Mapping]]] = ..., aborted_transaction_count: _Optional[int] = ..., producers: _Optional[_Iterable[_Union[ProducerState, _Mapping]]] = ..., producer_count: _Optional[int] = ..., subscriptions: _Optional[_Iterable[_Union[SubscriptionCursor, _Mapping]]] = ..., producer_snapshot_offset: _Optional[int] = ..., transaction_buffer_snapshot_offset: _Optional[int] = ..., coordinator_epochs: _Optional[_Mapping[int, int]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., withheld: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicationStatus(_message.Message):
     __slots__ = ("leader_epoch", "replicas", "isr", "replicated_high_watermark", "followers", "reassigning_to", "reassignment_throttle_bytes_per_s")

@@ -3637,7 +3637,12 @@ type DescribePartitionResponse struct {
 	// Highest coordinator epoch seen per TC partition (markers with lower ones are refused).
 	CoordinatorEpochs map[uint32]uint64 `protobuf:"bytes,18,rep,name=coordinator_epochs,json=coordinatorEpochs,proto3" json:"coordinator_epochs,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// Replicated partitions: the leader's view of its replicas (absent when unreplicated).
-	Replication   *ReplicationStatus `protobuf:"bytes,19,opt,name=replication,proto3" json:"replication,omitempty"`
+	Replication *ReplicationStatus `protobuf:"bytes,19,opt,name=replication,proto3" json:"replication,omitempty"`
+	// With auth.authorizer=acl: what was left out because the caller may not see it, one
+	// entry per part, "<field>: <the permission it needs>". open_transactions, the aborted
+	// count and producers need describe on transaction_admin; a subscription's cursor needs
+	// describe on that subscription.
+	Withheld      []string `protobuf:"bytes,20,rep,name=withheld,proto3" json:"withheld,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3801,6 +3806,13 @@ func (x *DescribePartitionResponse) GetCoordinatorEpochs() map[uint32]uint64 {
 func (x *DescribePartitionResponse) GetReplication() *ReplicationStatus {
 	if x != nil {
 		return x.Replication
+	}
+	return nil
+}
+
+func (x *DescribePartitionResponse) GetWithheld() []string {
+	if x != nil {
+		return x.Withheld
 	}
 	return nil
 }
@@ -6333,7 +6345,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x10detected_unix_ms\x18\x05 \x01(\x03R\x0edetectedUnixMs\"\x84\x01\n" +
 	"\x18DescribePartitionRequest\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12#\n" +
-	"\rmax_producers\x18\x02 \x01(\rR\fmaxProducers\"\x95\t\n" +
+	"\rmax_producers\x18\x02 \x01(\rR\fmaxProducers\"\xb1\t\n" +
 	"\x19DescribePartitionResponse\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x120\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x1a.atomlog.v1.PartitionStateR\x05state\x125\n" +
@@ -6355,7 +6367,8 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x18producer_snapshot_offset\x18\x10 \x01(\x03R\x16producerSnapshotOffset\x12K\n" +
 	"\"transaction_buffer_snapshot_offset\x18\x11 \x01(\x03R\x1ftransactionBufferSnapshotOffset\x12k\n" +
 	"\x12coordinator_epochs\x18\x12 \x03(\v2<.atomlog.v1.DescribePartitionResponse.CoordinatorEpochsEntryR\x11coordinatorEpochs\x12?\n" +
-	"\vreplication\x18\x13 \x01(\v2\x1d.atomlog.v1.ReplicationStatusR\vreplication\x1aD\n" +
+	"\vreplication\x18\x13 \x01(\v2\x1d.atomlog.v1.ReplicationStatusR\vreplication\x12\x1a\n" +
+	"\bwithheld\x18\x14 \x03(\tR\bwithheld\x1aD\n" +
 	"\x16CoordinatorEpochsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xcb\x02\n" +
