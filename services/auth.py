@@ -321,8 +321,9 @@ class Authenticator:
 
         try:
             algorithm = jwt.get_unverified_header(token).get("alg", "")
-        except jwt.DecodeError:
-            raise AuthFailure("malformed_token", "the bearer token is not a JWT") from None
+        except jwt.InvalidTokenError as error:  # (DecodeError, or a header PyJWT refuses)
+            raise AuthFailure("malformed_token", f"the bearer token is not a JWT: "
+                              f"{error}") from None
         key = None
         if self._public_key is not None and algorithm in self._public_key.get()[1]:
             key = self._public_key.get()[0]

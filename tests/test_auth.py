@@ -333,6 +333,20 @@ def test_hs256_and_certificate_principal_rules(tmp_path):
             {"sub": "x", "iss": ISSUER, "aud": AUDIENCE, "exp": now + 60}, None,
             algorithm="none"))], {})
     assert caught.value.failure == "bad_algorithm"
+    # A header PyJWT refuses as a whole (a kid that is no string, a crit it does not know)
+    # is a malformed token, not an exception out of authentication (it answered UNKNOWN
+    # on gRPC, and on a pipelined link connection it stopped the answers).
+    import base64
+    import json
+
+    def part(value) -> str:
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+    for header in ({"alg": "HS256", "kid": 1}, {"alg": "HS256", "crit": ["unknown"]}):
+        weird = ".".join((part(header), part({"sub": "x"}), "c2ln"))  # (PyJWT writes neither)
+        with pytest.raises(auth.AuthFailure) as caught:
+            authenticator.authenticate([("authorization", f"Bearer {weird}")], {})
+        assert caught.value.failure == "malformed_token", header
     # mTLS: the CN, or the first DNS / URI SAN.
     ca = LocalCa(tmp_path / "ca")
     ca.issue(tmp_path / "c.crt", tmp_path / "c.key", "client-cn", ["client.example"],
