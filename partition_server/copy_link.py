@@ -200,7 +200,10 @@ class LinkServer:
                                                                      auth_context)
                     del body
                     _write_answer(writer, answer_kind, payload)
+                    # A peer that stops reading its answer is closed as an idle one is.
+                    watch.began()
                     await writer.drain()
+                    watch.ended()
                 finally:
                     self._held_bytes -= length
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as error:
@@ -214,6 +217,8 @@ class LinkServer:
             watch.close()
             self._connections.discard(task)
             writer.close()
+            if watch.expired:  # (answers it never read: dropped, not kept to be sent)
+                writer.transport.abort()
 
     async def _serve_pipelined(self, reader: asyncio.StreamReader,
                                writer: asyncio.StreamWriter, peer: str,
@@ -247,6 +252,9 @@ class LinkServer:
                 except BaseException:
                     self._held_bytes -= length
                     raise
+                if answering.done():  # (gone while the body was read: nobody would answer
+                    self._held_bytes -= length  # it, nor release its bytes)
+                    break
                 call = self._handler(kind)(body, peer, auth_context)
                 pending.append((asyncio.ensure_future(call), length))
                 del body
@@ -265,8 +273,10 @@ class LinkServer:
     async def _write_answers(self, writer: asyncio.StreamWriter, pending: collections.deque,
                              wake: asyncio.Event, room: asyncio.Event) -> None:
         """A pipelined connection's answers, in the order its calls came, until the
-        reader's None."""
+        reader's None. A peer that stops reading for IDLE_TIMEOUT_S has its connection
+        aborted (its unsent answers dropped), as an idle one is closed."""
         broken = False
+        watch = _ReadWatch(asyncio.current_task(), on_expired=writer.transport.abort)
         try:
             while True:
                 if not pending:
@@ -290,11 +300,14 @@ class LinkServer:
                     continue
                 try:
                     _write_answer(writer, answer_kind, payload)
+                    watch.began()
                     await writer.drain()
+                    watch.ended()
                 except (ConnectionError, RuntimeError):
                     broken = True  # the reader finds the connection gone and ends
                     writer.close()
         finally:  # (cancelled: the link closing) what is still under way holds nothing
+            watch.close()
             while pending:
                 entry = pending.popleft()
                 if entry is not None:
@@ -391,17 +404,26 @@ class LinkServer:
             return KIND_ERROR, _error_bytes(error)
         LINK_CALLS.labels(full_name).inc()
         timeout_s = timeout_ms / 1000 if timeout_ms else None
-        handler = self.interceptor.wrapped(full_name, getattr(servicer, method.name))
         try:
+            handler = self.interceptor.wrapped(full_name, getattr(servicer, method.name))
             async with asyncio.timeout(timeout_s):
                 answer = await handler(request, _CallContext(token, peer, timeout_s,
                                                              auth_context))
+            return KIND_ANSWER, answer.SerializeToString()
         except _Aborted as aborted:
             return KIND_ERROR, _error_bytes(from_rpc_error(aborted))
         except TimeoutError:
             return KIND_ERROR, _error_bytes(AtomlogError(
                 "REQUEST_TIMED_OUT", f"{full_name} (link) took longer than its deadline"))
-        return KIND_ANSWER, answer.SerializeToString()
+        except AtomlogError as error:
+            return KIND_ERROR, _error_bytes(error)
+        except Exception as unhandled:  # noqa: BLE001 — a bug: an error frame, as on gRPC
+            # (Escaping, it ended a pipelined connection's answers: every later call on
+            # it went unanswered, and frames read meanwhile held their bytes for good.)
+            error = unexpected(unhandled, f"{full_name} (link)")
+            if error.reason == "INTERNAL":
+                log.exception("unhandled error in a call on the link")
+            return KIND_ERROR, _error_bytes(error)
 
     def _authenticate(self, token: str, peer: str, auth_context: dict) -> auth.Principal:
         """As the gRPC interceptor authenticates a call: the token as its `authorization`
@@ -511,13 +533,18 @@ class _ReadWatch:
     `began` before a read, `ended` after it. The timer, every quarter of the bound, cancels
     the connection's task once a read has waited longer than the bound, so a connection
     idle (or as slow to send a frame it announced) for IDLE_TIMEOUT_S is closed within a
-    quarter of it more."""
+    quarter of it more. Writes of answers are watched the same way (`began` before a
+    drain): a peer that stops reading for the bound is closed too (its held frames and
+    its connection slot released); a pipelined connection's writer aborts the transport
+    (`on_expired`) instead of cancelling its own task."""
 
-    __slots__ = ("_loop", "_task", "_bound_s", "_since", "_timer", "expired")
+    __slots__ = ("_loop", "_task", "_bound_s", "_since", "_timer", "expired", "_on_expired")
 
-    def __init__(self, task: asyncio.Task, bound_s: float | None = None) -> None:
+    def __init__(self, task: asyncio.Task, bound_s: float | None = None,
+                 on_expired=None) -> None:
         self._loop = asyncio.get_running_loop()
         self._task = task
+        self._on_expired = on_expired  # instead of cancelling the task (a write's watch)
         self._bound_s = IDLE_TIMEOUT_S if bound_s is None else bound_s
         self._since: float | None = None
         self.expired = False
@@ -533,7 +560,10 @@ class _ReadWatch:
         since = self._since
         if since is not None and self._loop.time() - since >= self._bound_s:
             self.expired = True
-            self._task.cancel()
+            if self._on_expired is not None:
+                self._on_expired()
+            else:
+                self._task.cancel()
             return
         self._timer = self._loop.call_later(self._bound_s / 4, self._check)
 
@@ -670,6 +700,7 @@ class LinkClient:
         if self._closed:
             raise ConnectionError("the replication link is closed")
         sock = self._sock
+        fresh = sock is None
         if sock is None:
             try:
                 sock = connect_blocking(self._target, timeout_s, self._tls,
@@ -682,17 +713,32 @@ class LinkClient:
             sock.settimeout(timeout_s)
             sock.sendall(frame)
             return read_answer(sock, limit)
-        except BaseException:
+        except BaseException as error:
             self._sock = None
             try:
                 sock.close()
             except OSError:
                 pass
+            if fresh and _closed_by_server(error):
+                # Taken and closed before any answer (the leader's link full: its
+                # MAX_CONNECTIONS, or its held bytes): as if it could not be reached, so
+                # the follower asks over gRPC instead of retrying here for ever.
+                self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
+                raise LinkUnavailable(f"{self.address}: a new connection was closed before "
+                                      f"its first answer ({error})") from None
             raise
 
 
 class LinkUnavailable(ConnectionError):
     """No connection to the leader's replication link could be made."""
+
+
+def _closed_by_server(error: BaseException) -> bool:
+    """Whether a new connection's first call failed on the way (the server closed or
+    reset it), not by its deadline or a broken frame: the rule the SDK's and the Go
+    client's links keep (docs/clients.md, "The link")."""
+    return isinstance(error, (OSError, EOFError)) and not isinstance(
+        error, (TimeoutError, LinkProtocolError))
 
 
 # -------------------------------------------------------------------------- coordinator side
@@ -772,21 +818,24 @@ class CallLink:
             writer.close()
 
     async def _call(self, name: str, request, timeout: float | None, options: dict):
-        size = request.ByteSize()
+        source = local.channel_token()
+        token = source.token.encode() if source is not None else b""
+        # The frame's size as the server bounds it (the call's head, token and request).
+        size = request.ByteSize() + CALL_HEAD.size + len(token)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        if size > MAX_CALL_BYTES:
+            return await self._over_grpc(name, request, timeout, options)
         connection = self._take_idle()
+        fresh = connection is None
         if connection is None:
-            if (self._closed or time.monotonic() < self.down_until or size > MAX_CALL_BYTES
+            if (self._closed or time.monotonic() < self.down_until
                     or self._connections >= MAX_CALL_CONNECTIONS):
                 return await self._over_grpc(name, request, timeout, options)
             connection = await self._connect(timeout)
             if connection is None:
-                remaining = None if deadline is None else \
-                    max(0.001, deadline - asyncio.get_running_loop().time())
-                return await self._over_grpc(name, request, remaining, options)
+                return await self._over_grpc(name, request, self._remaining(deadline),
+                                             options)
         reader, writer = connection
-        source = local.channel_token()
-        token = source.token.encode() if source is not None else b""
         kept = False
         try:
             writer.write(call_frame(CALL_NUMBERS[self.service, name], timeout, token,
@@ -804,15 +853,25 @@ class CallLink:
                 f"{timeout} s")) from None
         except (OSError, EOFError, LinkProtocolError) as error:
             self._drop_idle()  # kept ones to a server that went away are broken too
-            raise local.rpc_error(AtomlogError(
-                "SERVER_UNAVAILABLE", f"{name} to {self.address} (link): "
-                f"{type(error).__name__}: {error}", {"retry_after_ms": "100"})) from None
+            if not (fresh and _closed_by_server(error)):
+                raise local.rpc_error(AtomlogError(
+                    "SERVER_UNAVAILABLE", f"{name} to {self.address} (link): "
+                    f"{type(error).__name__}: {error}", {"retry_after_ms": "100"})) from None
+            # A new connection closed before any answer (the server's link full: its
+            # MAX_CONNECTIONS, or its held bytes): unreachable, as a refused connect is.
+            # The call is sent over gRPC (the link's methods are safe to send twice:
+            # staging and markers are idempotent, TC-log appends carry sequence numbers,
+            # a verification only reads), and so are those of the next seconds.
+            self._unreachable(error)
+            kind = None
         finally:
             if kept and not self._closed:
                 self._idle.append((reader, writer, time.monotonic()))
             else:
                 self._connections -= 1
                 writer.close()
+        if kind is None:
+            return await self._over_grpc(name, request, self._remaining(deadline), options)
         if kind == KIND_ERROR:
             raise local.rpc_error(from_item(partition_pb2.ItemError.FromString(payload)))
         return CALL_METHODS[CALL_NUMBERS[self.service, name]].response_type.FromString(payload)
@@ -829,18 +888,26 @@ class CallLink:
             self._connections -= 1
             if not isinstance(error, (OSError, TimeoutError, ValueError)):
                 raise  # cancelled (ValueError: TLS files that cannot be loaded)
-            self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
-            event(log, "link unreachable: calls to it go over gRPC for a while",
-                  logging.WARNING, link=self.address, error=str(error),
-                  retry_after_s=RETRY_LINK_AFTER_S)
-            if self._on_unreachable is not None:
-                self._on_unreachable()
+            self._unreachable(error)
             return None
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         writer.write(MAGIC)
         return reader, writer
+
+    def _unreachable(self, error: BaseException) -> None:
+        self.down_until = time.monotonic() + RETRY_LINK_AFTER_S
+        event(log, "link unreachable: calls to it go over gRPC for a while",
+              logging.WARNING, link=self.address, error=f"{type(error).__name__}: {error}",
+              retry_after_s=RETRY_LINK_AFTER_S)
+        if self._on_unreachable is not None:
+            self._on_unreachable()
+
+    @staticmethod
+    def _remaining(deadline: float | None) -> float | None:
+        return None if deadline is None else \
+            max(0.001, deadline - asyncio.get_running_loop().time())
 
     async def _over_grpc(self, name: str, request, timeout, options):
         CALL_FALLBACKS.labels(name).inc()

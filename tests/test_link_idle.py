@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from partition_server import copy_link
 from partition_server.copy_link import KIND_CALL, MAGIC, MAGIC_PIPELINED, LinkServer
 from services.link_wire import CALL_NUMBERS, call_frame
@@ -94,6 +96,206 @@ def test_a_read_waiting_past_the_bound_closes_its_connection_and_only_it(monkeyp
                     outcomes
             assert not server._connections
         finally:
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+class _Bare:
+    """An interceptor that runs a servicer's method as it is (no authentication)."""
+
+    authenticator = None
+    authorizer = None
+
+    @staticmethod
+    def wrapped(_full_name, method):
+        return method
+
+
+class _Servicer:
+    """Produce fails with a bug; Fetch answers `answer_bytes` of records."""
+
+    def __init__(self, answer_bytes: int = 0):
+        self.answer_bytes = answer_bytes
+
+    async def Produce(self, request, context):
+        raise RuntimeError("a bug in a handler")
+
+    async def Fetch(self, request, context):
+        from atomlog.v1 import partition_pb2
+
+        return partition_pb2.FetchResponse(results=[partition_pb2.FetchResult(
+            record_batches=b"r" * self.answer_bytes)])
+
+
+def _number(method: str) -> int:
+    return CALL_NUMBERS["PartitionService", method]
+
+
+def test_a_failing_handler_answers_an_error_and_holds_nothing_after(monkeypatch):
+    """An exception out of a call's handler ended a pipelined connection's answer writer:
+    the calls after it went unanswered, and a frame read while the writer ended held its
+    bytes for good (enough such connections and the link refused every frame, followers'
+    and coordinators' included). Now it is an error frame (INTERNAL), as on gRPC."""
+    monkeypatch.setattr(copy_link, "IDLE_TIMEOUT_S", BOUND_S)
+
+    async def scenario():
+        server = LinkServer(_Bare(), "127.0.0.1", 0)
+        server.serve("PartitionService", _Servicer())
+        port = await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(MAGIC_PIPELINED + call_frame(_number("Produce"), 5.0, b"", b""))
+            second = call_frame(_number("Fetch"), 5.0, b"", b"\0" * 100_000)
+            writer.write(second[:1000])
+            await writer.drain()
+            await asyncio.sleep(0.1)  # the first call has failed meanwhile
+            writer.write(second[1000:])
+            await writer.drain()
+            kinds = []
+            for _ in range(2):
+                length, kind = HEAD.unpack(await asyncio.wait_for(
+                    reader.readexactly(HEAD.size), 2))
+                await reader.readexactly(length - 1)
+                kinds.append(kind)
+            assert kinds == [copy_link.KIND_ERROR, copy_link.KIND_ERROR], kinds  # (Fetch's
+            writer.close()  # request is no FetchRequest: INVALID_ARGUMENT)
+            for _ in range(50):
+                if not server._connections:
+                    break
+                await asyncio.sleep(0.05)
+            assert not server._connections and server._held_bytes == 0
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_stops_reading_its_answers_is_closed_and_holds_nothing(monkeypatch):
+    """Answers were written with no time limit: a peer that stopped reading kept its
+    connection slot, the frames it had sent (up to the link's whole MAX_HELD_BYTES, which
+    then refused every other connection's frames) and the answers, for as long as it
+    stayed connected. Now a write waiting past IDLE_TIMEOUT_S closes the connection, on
+    connections of one call at a time and pipelined ones."""
+    import socket
+
+    monkeypatch.setattr(copy_link, "IDLE_TIMEOUT_S", BOUND_S)
+
+    async def scenario():
+        server = LinkServer(_Bare(), "127.0.0.1", 0)
+        server.serve("PartitionService", _Servicer(answer_bytes=16 << 20))
+        port = await server.start()
+        try:
+            # (The Fetch requests do not parse: INVALID_ARGUMENT, a small answer. The big
+            # answers come from frames that are FetchRequests.)
+            from atomlog.v1 import partition_pb2
+
+            fetch = partition_pb2.FetchRequest().SerializeToString()
+            connections = []
+            for magic, calls in ((MAGIC, 1), (MAGIC_PIPELINED, 6)):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect(("127.0.0.1", port))
+                sock.setblocking(False)
+                reader, writer = await asyncio.open_connection(sock=sock)
+                writer.write(magic + call_frame(_number("Fetch"), 5.0, b"", fetch) * calls)
+                await writer.drain()
+                connections.append((reader, writer))
+            await asyncio.sleep(BOUND_S / 2)
+            assert len(server._connections) == 2  # both stuck writing their answers
+            began = time.monotonic()
+            while server._connections and time.monotonic() - began < 6 * BOUND_S:
+                await asyncio.sleep(0.05)
+            assert not server._connections, "a peer that reads nothing is still served"
+            assert server._held_bytes == 0
+            for _, writer in connections:
+                writer.close()
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_link_that_takes_connections_and_closes_them_sends_servers_calls_over_grpc(
+        monkeypatch):
+    """A link at its MAX_CONNECTIONS (or its held bytes) takes a connection and closes it
+    at once. The SDK's and the Go client's links then send the call over gRPC, as the
+    docs say; a coordinator's CallLink and a follower's LinkClient failed the call
+    SERVER_UNAVAILABLE instead, and tried the link again at every call, for as long as it
+    stayed full. Now both go over gRPC for a while. A call too large for the link (its
+    head and token counted, as the server counts them) goes over gRPC too, also when a
+    kept connection is free."""
+    from atomlog.v1 import partition_pb2
+
+    monkeypatch.setattr(copy_link, "MAX_CONNECTIONS", 0)  # every connection closed at once
+
+    class Grpc:
+        def __init__(self):
+            self.calls = []
+
+        async def StageTxn(self, request, timeout=None):
+            self.calls.append(request)
+            return partition_pb2.StageTxnResponse()
+
+    async def scenario():
+        server = LinkServer(_Bare(), "127.0.0.1", 0)
+        port = await server.start()
+        grpc_stub, unreachable = Grpc(), []
+        stub = copy_link.CallLink(f"127.0.0.1:{port}", grpc_stub,
+                                  on_unreachable=lambda: unreachable.append(1))
+        try:
+            request = partition_pb2.StageTxnRequest()
+            assert isinstance(await stub.StageTxn(request, timeout=5),
+                              partition_pb2.StageTxnResponse)
+            assert len(grpc_stub.calls) == 1 and unreachable == [1]
+            assert stub.down_until > time.monotonic() and stub._connections == 0
+            await stub.StageTxn(request, timeout=5)  # (not tried on the link again yet)
+            assert len(grpc_stub.calls) == 2 and unreachable == [1]
+
+            follower = copy_link.LinkClient(f"127.0.0.1:{port}", None)
+            try:
+                with pytest.raises(copy_link.LinkUnavailable):
+                    await follower.replicate_many(partition_pb2.ReplicateManyRequest(), 5)
+                assert follower.down_until > time.monotonic()
+            finally:
+                follower.close()
+        finally:
+            stub.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_call_larger_than_the_link_takes_goes_over_grpc_on_a_kept_connection(monkeypatch):
+    from atomlog.v1 import partition_pb2
+
+    class Grpc:
+        calls = 0
+
+        async def StageTxn(self, request, timeout=None):
+            Grpc.calls += 1
+            return partition_pb2.StageTxnResponse()
+
+    class Staging:
+        async def StageTxn(self, request, context):
+            return partition_pb2.StageTxnResponse()
+
+    async def scenario():
+        server = LinkServer(_Bare(), "127.0.0.1", 0)
+        server.serve("PartitionService", Staging())
+        port = await server.start()
+        stub = copy_link.CallLink(f"127.0.0.1:{port}", Grpc())
+        try:
+            await stub.StageTxn(partition_pb2.StageTxnRequest(), timeout=5)  # (kept after)
+            assert Grpc.calls == 0 and len(stub._idle) == 1
+            item = partition_pb2.StageTxnItem(coordinator_epoch=1)
+            request = partition_pb2.StageTxnRequest(items=[item])
+            # Exactly the link's bound in request bytes: with its head, more than it takes.
+            monkeypatch.setattr(copy_link, "MAX_CALL_BYTES", request.ByteSize())
+            await stub.StageTxn(request, timeout=5)
+            assert Grpc.calls == 1 and len(stub._idle) == 1
+        finally:
+            stub.close()
             await server.close()
 
     asyncio.run(scenario())
