@@ -44,6 +44,7 @@ const (
 	linkKindCall       = 3
 	linkMaxCallBytes   = 64 << 20           // a call frame or its answer
 	linkMaxIdle        = 16                 // kept connections per coordinator
+	linkMaxConns       = 16                 // connections per server; more calls at once: gRPC
 	linkIdle           = 60 * time.Second   // a kept connection unused this long is closed
 	linkRetryAfter     = 10 * time.Second   // after a link could not be reached, gRPC this long
 	linkConnectTimeout = 5 * time.Second    // connecting, and the TLS handshake
@@ -83,6 +84,7 @@ type serverLink struct {
 	calls     *atomic.Int64 // the client's count of calls answered on links
 	mu        sync.Mutex
 	idle      []linkConn
+	open      int // connections made and not yet closed: idle and in use (linkMaxConns)
 	downUntil time.Time
 	connects  int // connections made (tests: kept ones are reused)
 	closed    bool
@@ -136,7 +138,7 @@ func (l *serverLink) call(ctx context.Context, method byte, in, out proto.Messag
 	kind, payload, err := exchange(conn, frame)
 	reusable := stop()
 	if err != nil {
-		conn.Close()
+		l.drop(conn)
 		var timeout net.Error
 		if errors.As(err, &timeout) && timeout.Timeout() {
 			if ctx.Err() != nil {
@@ -155,7 +157,7 @@ func (l *serverLink) call(ctx context.Context, method byte, in, out proto.Messag
 	if reusable {
 		l.giveBack(conn)
 	} else {
-		conn.Close()
+		l.drop(conn)
 	}
 	l.calls.Add(1)
 	return decodeAnswer(l.address, kind, payload, nil, out)
@@ -240,7 +242,10 @@ func statusOf(reason, message string, metadata map[string]string) error {
 
 // take returns a kept connection (false) or a new one (true). A kept one idle too long,
 // or that the server closed meanwhile (a restart, its idle limit), is closed here
-// instead of failing a call.
+// instead of failing a call. With linkMaxConns connections open (all in use) the call
+// goes over gRPC (errLinkUnavailable), as the Python SDK's: without a bound, a client
+// with hundreds of calls at once (long polls) filled the server's link, whose
+// connection limit is for every client and server together.
 func (l *serverLink) take(ctx context.Context) (net.Conn, bool, error) {
 	now := time.Now()
 	l.mu.Lock()
@@ -252,20 +257,37 @@ func (l *serverLink) take(ctx context.Context) (net.Conn, bool, error) {
 			if open(kept.conn) {
 				return kept.conn, false, nil
 			}
-			kept.conn.Close()
+			l.drop(kept.conn)
 			l.mu.Lock()
 			continue
 		}
 		kept.conn.Close()
+		l.open--
 	}
+	if l.open >= linkMaxConns {
+		l.mu.Unlock()
+		return nil, false, errLinkUnavailable
+	}
+	l.open++
 	l.connects++
 	l.mu.Unlock()
 	conn, err := l.connect(ctx, linkMagic)
 	if err != nil {
+		l.mu.Lock()
+		l.open--
+		l.mu.Unlock()
 		l.markDown()
 		return nil, true, errLinkUnavailable
 	}
 	return conn, true, nil
+}
+
+// drop closes a connection taken by take (not kept).
+func (l *serverLink) drop(conn net.Conn) {
+	conn.Close()
+	l.mu.Lock()
+	l.open--
+	l.mu.Unlock()
 }
 
 // connect makes a connection to the link and sends `magic` (linkMagic: one call at a
@@ -297,6 +319,7 @@ func (l *serverLink) giveBack(conn net.Conn) {
 	defer l.mu.Unlock()
 	if l.closed || len(l.idle) >= linkMaxIdle {
 		conn.Close()
+		l.open--
 		return
 	}
 	l.idle = append(l.idle, linkConn{conn: conn, used: time.Now()})
@@ -330,6 +353,7 @@ func (l *serverLink) close() {
 	for _, kept := range l.idle {
 		kept.conn.Close()
 	}
+	l.open -= len(l.idle)
 	l.idle = nil
 	pipe := l.pipe
 	l.mu.Unlock()

@@ -207,3 +207,51 @@ func TestLinkDropsAKeptConnectionTheServerClosed(t *testing.T) {
 		t.Fatalf("connects %d, served %d", link.connects, served.Load())
 	}
 }
+
+// TestLinkCapsItsConnections: with linkMaxConns calls under way on one server's link, the
+// next goes over gRPC (errLinkUnavailable) without marking the link down, instead of
+// dialing without a bound (a client with hundreds of long polls at once filled the
+// server's link, whose connection limit every client and server shares).
+func TestLinkCapsItsConnections(t *testing.T) {
+	release := make(chan struct{})
+	var arrived atomic.Int32
+	address := fakeLink(t, func(byte, uint32, string, []byte) (byte, []byte) {
+		arrived.Add(1)
+		<-release
+		return linkKindAnswer, mustMarshal(t, &pb.NewTxnResponse{})
+	})
+	var calls atomic.Int64
+	link := newServerLink(address, address, nil, nil, &calls)
+	defer link.close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	method := linkMethods[pb.CoordinatorService_NewTxn_FullMethodName]
+	done := make(chan error, linkMaxConns)
+	for i := 0; i < linkMaxConns; i++ {
+		go func() { done <- link.call(ctx, method, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}) }()
+	}
+	for arrived.Load() < linkMaxConns {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := link.call(ctx, method, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}); !errors.Is(err, errLinkUnavailable) {
+		t.Fatalf("call beyond the cap: %v", err)
+	}
+	if link.isDown() {
+		t.Fatal("a full link was marked down")
+	}
+	close(release)
+	for i := 0; i < linkMaxConns; i++ {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	link.mu.Lock()
+	open, idle := link.open, len(link.idle)
+	link.mu.Unlock()
+	if open != idle || idle != linkMaxIdle {
+		t.Fatalf("open %d, idle %d after the calls", open, idle)
+	}
+	if err := link.call(ctx, method, &pb.NewTxnRequest{}, &pb.NewTxnResponse{}); err != nil {
+		t.Fatalf("a call after: %v", err)
+	}
+}
