@@ -323,7 +323,13 @@ def _list_offsets(request) -> Requirement:
 
 
 def _delete_records(request) -> Requirement:
-    return Requirement(_unique(_topic("alter", i.topic) for i in request.items))
+    """`alter` on every topic. An internal topic's records (`__txn_log`: its coordinator
+    trims it below its snapshots) only a server may delete: cut below a TC partition's
+    last snapshot, its next coordinator could not load it."""
+    internal = [i.topic for i in request.items if i.topic.startswith(INTERNAL_TOPIC_PREFIX)]
+    permissions = _unique(_topic("alter", topic) for topic in
+                          [*internal, *(i.topic for i in request.items)])
+    return Requirement(permissions, service_only=bool(internal))
 
 
 def _subscriptions(operation: str, with_topic: str = ""):

@@ -341,6 +341,13 @@ def test_only_servers_send_markers_stage_verify_and_allocate(acl_cluster, acls):
                 topic_partitions=[tp(TOPIC)])])), "write", "cluster", "atomlog")
         denied(tc(acl_cluster, principal, "VerifyTxnPartitions",
                   coordinator_pb2.VerifyTxnPartitionsRequest()), "write", "cluster", "atomlog")
+        # The TC log's records: its coordinators trim it below their snapshots; cut
+        # below one, a TC partition could not load again.
+        denied(ps(acl_cluster, principal, "DeleteRecords", partition_pb2.DeleteRecordsRequest(
+            items=[partition_pb2.DeleteRecordsItem(topic=TOPIC, partition=0, before_offset=0),
+                   partition_pb2.DeleteRecordsItem(topic="__txn_log", partition=0,
+                                                   before_offset=1)])),
+               "alter", "cluster", "atomlog")
         denied(rpc(acl_cluster, principal, id_allocator_pb2_grpc.IdAllocatorServiceStub,
                    "AllocateProducerIds", id_allocator_pb2.AllocateProducerIdsRequest(count=5),
                    acl_cluster.process("ida-0")["grpc_address"]), "write", "cluster", "atomlog")

@@ -329,3 +329,18 @@ def test_another_principals_idempotency_key_needs_transaction_admin():
     for sequence in range(3):
         owners.record((0, sequence), "alice", (0, f"key-{sequence}"))
     assert owners.key_owner((0, "key-0")) is None and owners.key_owner((0, "key-2")) == "alice"
+
+
+def test_an_internal_topic_s_records_are_deleted_by_servers_only():
+    delete = partition_pb2.DeleteRecordsRequest(items=[
+        partition_pb2.DeleteRecordsItem(topic="orders", partition=0, before_offset=5),
+        partition_pb2.DeleteRecordsItem(topic="__txn_log", partition=3, before_offset=5)])
+    everything = [Acl("alice", "cluster", "*", "alter"), Acl("alice", "topic", "*", "alter")]
+    denial = verdict("PartitionService/DeleteRecords", delete, acls=everything,
+                     super_users=frozenset({"alice"}))
+    assert denial.permission == Permission("alter", "cluster", "atomlog")
+    assert "only atomlog servers" in denial.why
+    assert verdict("PartitionService/DeleteRecords", partition_pb2.DeleteRecordsRequest(
+        items=[delete.items[1]]), caller=Caller("ps-0", service=True)) is None
+    assert verdict("PartitionService/DeleteRecords", partition_pb2.DeleteRecordsRequest(
+        items=[delete.items[0]]), acls=everything) is None
