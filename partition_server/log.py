@@ -982,13 +982,15 @@ class PartitionLog:
 
     # --- Retention and truncation -----------------------------------------------------------
 
-    def apply_retention(self, *, keep_from_offset: int | None = None) -> int:
+    def apply_retention(self, *, keep_from_offset: int | None = None,
+                        now_ms: int | None = None) -> int:
         """Delete the oldest sealed, flushed segments past retention_bytes / retention_ms;
         returns how many. The active segment is never deleted (it rolls by size or age).
-        `keep_from_offset`: never delete a segment holding this offset or later ones (an
-        internal topic's owner passes its latest durable snapshot offset)."""
+        `keep_from_offset`: never delete a segment holding this offset or later ones.
+        `now_ms`: the time ages count to (default: the log's clock, which an owner keeps
+        at its last append: a partition nobody writes needs the wall clock here)."""
         self._check_serving()
-        config, now = self.config, self._clock_ms()
+        config, now = self.config, self._clock_ms() if now_ms is None else now_ms
         total = self.size_bytes
         limit = self._high_watermark if keep_from_offset is None else min(
             keep_from_offset, self._high_watermark)

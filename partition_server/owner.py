@@ -1521,7 +1521,10 @@ class PartitionOwner:
         if self.state is not State.ONLINE or self.txns_recovering:
             return 0  # (a recovering buffer still reads the old segments)
         before = self.log.log_start_offset
-        removed = self.log.apply_retention(keep_from_offset=self.max_read_position())
+        # Ages count to now, not to the last append (the log's clock): a partition nobody
+        # writes any more kept its data past retention.ms until its next write.
+        removed = self.log.apply_retention(keep_from_offset=self.max_read_position(),
+                                           now_ms=max(self._stamp_ms, _wall_ms()))
         if self.log.log_start_offset != before:
             # Snapshots covering less than the new start describe deleted data (as for
             # delete_records); a load would also refuse them.

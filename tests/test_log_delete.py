@@ -231,3 +231,31 @@ def test_a_producer_snapshot_older_than_the_log_start_is_not_restored(tmp_path):
             await reopened.close()
 
     asyncio.run(scenario())
+
+
+def test_retention_ms_counts_from_now_on_a_partition_nobody_writes(tmp_path, monkeypatch):
+    """The owner's retention pass measured a segment's age against the time of the last
+    write (the owner's append clock), not the current time: on a topic nobody wrote any
+    more, data past retention.ms was kept until the next write or restart. Now it counts
+    from the wall clock."""
+    now = [1_800_000_000_000]
+    monkeypatch.setattr(owner_module, "_wall_ms", lambda: now[0])
+    settings = OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_ms=60_000),
+                             fsync=False)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        try:
+            for _ in range(5):
+                data = make_batch(2, 200)
+                await owner.produce([(data, parse_header(data))])
+            assert len(owner.log.segments()) == 3
+            assert await owner.apply_retention() == 0  # nothing is old yet
+            now[0] += 3_600_000  # an hour later, nothing written meanwhile
+            assert await owner.apply_retention() == 2
+            assert owner.log.log_start_offset == 8
+        finally:
+            await owner.close()
+
+    asyncio.run(scenario())
