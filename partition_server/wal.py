@@ -976,9 +976,14 @@ class WriteAheadLog:
 
     # ------------------------------------------------------------------ frames
     def queue(self, raw_name: bytes, name: str, offset: int, payload: bytes, end: int) -> None:
-        """A DATA frame of partition `name` (`raw_name` encoded), written by the next round."""
+        """A DATA frame of partition `name` (`raw_name` encoded), written by the next round.
+        Not while `name` is lost (`_lose`) until its reload's BASE frame: its flushes fail
+        meanwhile, and a frame written after the dropped ones would not continue them, so
+        the reload's plan took a gap in what was never acknowledged for a data loss."""
         head, payload = frame_parts(DATA, raw_name, offset, payload)
         with self._lock:
+            if name in self._lost:
+                return
             self._pending.append(head)
             self._pending.append(payload)
             self._pending_ends.append((name, end))
@@ -1145,7 +1150,9 @@ class WriteAheadLog:
             # reload (later rounds, on a new segment, would not cover those frames).
             with self._lock:
                 self._poisoned.add(round_.sequence)
-                self._lose(set(self._names_in[round_.sequence]), error)
+                # (.get: a segment trimmed while its round's fsync ran, its partitions
+                # made durable by a roll or a close; a KeyError here stopped every round.)
+                self._lose(set(self._names_in.get(round_.sequence, ())), error)
         round_.done, round_.error = True, error
         ROUND_SECONDS.observe(time.perf_counter() - round_.began)
         rounds = self._rounds

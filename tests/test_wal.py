@@ -772,6 +772,58 @@ def test_frames_a_failed_write_dropped_fail_their_partition_s_later_flush(tmp_pa
     asyncio.run(scenario())
 
 
+def test_frames_of_a_lost_partition_are_not_written_until_its_reload(tmp_path, monkeypatch):
+    """A failed write dropped partition a's frames at [2, 4); a, busy, wrote [4, 6) before
+    it learned of the loss, and those frames went into the next segment. The reload's
+    plan then found a frame at 4 that did not continue the one ending at 2: DATA_LOSS,
+    though nothing acknowledged was lost (and after a power cut, acknowledged frames
+    were never replayed). Now a lost partition's frames are not written until its BASE
+    frame: its plan ends at 2, and the reload cuts the unacknowledged rest."""
+    import partition_server.wal as wal_module
+    from partition_server.wal import read_frames
+
+    async def synced(wal, name):
+        done = asyncio.get_running_loop().create_future()
+        ticket = wal.sync(name, lambda: done.set_result(None))
+        await done
+        return ticket.exception()
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
+        await wal.start()
+        real = wal_module._writev_all
+        failing = [False]
+
+        def fail_once(fd, buffers):
+            if failing:
+                if failing.pop():
+                    raise OSError(5, "Input/output error")
+            real(fd, buffers)
+
+        monkeypatch.setattr(wal_module, "_writev_all", fail_once)
+        wal.queue(b"a", "a", 0, stamped(batch(1, 0), 0), 2)
+        assert await synced(wal, "a") is None
+        failing[:] = [True]
+        wal.queue(b"a", "a", 2, stamped(batch(1, 2), 2), 4)
+        assert isinstance(await synced(wal, "b"), OSError)
+        wal.queue(b"a", "a", 4, stamped(batch(1, 4), 4), 6)  # before a heard of it
+        wal.queue(b"b", "b", 0, stamped(batch(1, 0), 0), 2)
+        assert await synced(wal, "b") is None
+        assert isinstance(await synced(wal, "a"), OSError)  # (lost until its reload)
+        plans = plan(read_frames(wal.directory))
+        assert plans["a"].error is None and plans["a"].end == 2, plans["a"]
+        assert plans["b"].error is None and plans["b"].end == 2
+        await asyncio.to_thread(wal.write_base, "a", 2)  # a reloaded, its log at 2
+        wal.queue(b"a", "a", 2, stamped(batch(1, 2), 2), 4)
+        assert await synced(wal, "a") is None
+        plans = plan(read_frames(wal.directory))
+        assert plans["a"].error is None and (plans["a"].start, plans["a"].end) == (2, 4)
+        await wal.close()
+
+    asyncio.run(scenario())
+
+
 def test_segments_of_a_partition_that_could_not_be_replayed_are_kept_aside(tmp_path):
     async def scenario():
         node = Node(tmp_path, 2, checkpoint_ms=60_000)
@@ -871,9 +923,11 @@ def test_a_burst_of_failed_rounds_does_not_fill_the_disk_with_preallocated_segme
 
         monkeypatch.setattr(wal_module, "_writev_all", failing)
         for round_ in range(8):
-            wal.queue(b"a", "a", 0, stamped(batch(1, 0), 0), 2)
+            # (A partition of its own each round: a lost one's frames wait for its reload.)
+            name = f"p{round_}"
+            wal.queue(name.encode(), name, 0, stamped(batch(1, 0), 0), 2)
             done = asyncio.get_running_loop().create_future()
-            wal.sync("a", lambda: done.set_result(None))
+            wal.sync(name, lambda: done.set_result(None))
             await done
         # the preallocations asked for so far done (one worker, in order)
         await asyncio.to_thread(lambda: wal._preparer.submit(lambda: None).result())
@@ -1226,5 +1280,31 @@ def test_an_accepted_data_loss_cuts_subscription_cursors_back_to_the_new_log_end
         assert node.owners[0].subscriptions.store.cursor("s").cumulative_end == 2
         assert delivered(node.owners[0]) == list(range(2, 16))
         await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_round_on_a_segment_already_trimmed_still_answers_the_rounds_after(tmp_path):
+    """A round's fsync failed after its segment was trimmed (its partitions made durable
+    by a roll or a close meanwhile): the failure's bookkeeping raised KeyError, so that
+    round was never marked done and no later round was ever answered: every partition
+    on the file hung. Now the later rounds are answered."""
+    from partition_server import durability
+    from partition_server.wal import _Round
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
+        await wal.start()
+        mine, later = durability.SyncTicket(), durability.SyncTicket()
+        first, second = _Round([(mine, "a")], 99, 0.0), _Round([(later, "b")], 99, 0.0)
+        wal._rounds.extend([first, second])
+        failed, fine = durability.SyncTicket(), durability.SyncTicket()
+        failed.finish(OSError(5, "Input/output error"))
+        fine.finish(None)
+        wal._synced(second, fine)
+        wal._synced(first, failed)  # (segment 99 is in no bookkeeping any more)
+        assert mine.done() and later.done() and not wal._rounds
+        await wal.close()
 
     asyncio.run(scenario())
