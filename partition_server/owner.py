@@ -404,8 +404,11 @@ class PartitionOwner:
             self._wal_tap = self._wal.tap(self.directory.name)
         loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
         self.log, self.producers = loaded.log, loaded.producers
-        if self._wal_tap is not None and self.log.data_loss is None:
-            self._wal_tap.attach(self.log, self._checkpoint_failed)
+        if self._wal_tap is not None:
+            if self.log.data_loss is None:
+                self._wal_tap.attach(self.log, self._checkpoint_failed)
+            else:  # (never checkpointed: its frames must not hold the file's segments)
+                self._wal_tap.data_loss()
         loop = self._loop = asyncio.get_running_loop()
         # Not on this loop: a rename that may block for milliseconds under fsync load.
         # One that fails breaks the log: fail closed and reload (_deferred_write_done).

@@ -116,6 +116,7 @@ SUFFIX = ".wal"
 NEXT_SUFFIX = ".wal.next"  # a preallocated segment not yet in use
 PREPARED_NAME = "prepared" + NEXT_SUFFIX
 MIB = 1 << 20
+NEVER_WAITED_FOR = 1 << 62  # a checkpoint above any offset: nothing is waited for
 
 ROUNDS = Counter("atomlog_wal_rounds_total",
                  "Rounds of the write-ahead file: one write and one fsync for every group "
@@ -768,6 +769,15 @@ class WalTap:
         """The owner's log, loaded (replayed, fsynced, its BASE frame written):
         checkpointed from now on."""
         self.log, self.on_failure = partition_log, on_failure
+        with self.wal._lock:
+            self.wal._data_loss.discard(self.name)
+
+    def data_loss(self) -> None:
+        """The owner's log loaded in DATA_LOSS (never attached, never checkpointed): its
+        frames are kept aside when their segments go, for the operator
+        (`partition kept-frames`, and `partition recover` gives them up)."""
+        with self.wal._lock:
+            self.wal._data_loss.add(self.name)
 
     def detach(self, partition_log: PartitionLog | None) -> None:
         """The owner closed its log: if the close made it durable (a healthy close
@@ -809,6 +819,11 @@ class WriteAheadLog:
         self._waiting: list[tuple[durability.SyncTicket, str]] = []
         self._names_in: dict[int, set[str]] = {}  # per segment, the partitions framed in it
         self._lost: set[str] = set()  # partitions whose frames may be lost (see _lose)
+        # Partitions loaded in DATA_LOSS (no log attached, so never checkpointed): their
+        # frames no longer hold the segments back; a segment holding some is kept aside
+        # (`kept-*`, as a start keeps them) when it goes. (Before, one such partition held
+        # every segment until the file reached wal_max_bytes and refused every write.)
+        self._data_loss: set[str] = set()
         self._rounds: deque[_Round] = deque()
         self._turn: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1176,6 +1191,8 @@ class WriteAheadLog:
 
     def _checkpoint_of(self, name: str) -> int:
         """Under the lock."""
+        if name in self._data_loss:
+            return NEVER_WAITED_FOR  # (its frames are kept aside instead: `_retire`)
         tap = self._taps.get(name)
         if tap is not None and tap.log is not None:
             self._raise_checkpoint(name, tap.log.durable_offset)
@@ -1259,13 +1276,19 @@ class WriteAheadLog:
             if self._replays:  # an owner's reload is reading the segments
                 return
             gone = self._ledger.removable(self._checkpoint_of)
+            keep = self._kept_names(gone)
             for sequence in gone:
                 self._retained -= self._sizes.pop(sequence, 0)
                 self._names_in.pop(sequence, None)
                 self._poisoned.discard(sequence)
         RETAINED_BYTES.set(self.retained_bytes())
         if gone:
-            await asyncio.to_thread(_unlink_segments, self.directory, gone)
+            await asyncio.to_thread(_retire_segments, self.directory, gone, keep)
+
+    def _kept_names(self, gone: list[int]) -> list[str]:
+        """Under the lock: the DATA_LOSS partitions with frames in segments `gone`."""
+        return sorted({name for sequence in gone for name in self._names_in.get(sequence, ())
+                       if name in self._data_loss})
 
     # ------------------------------------------------------------------ replay
     def replay_one(self, name: str, partition_log: PartitionLog) -> int:
@@ -1307,6 +1330,7 @@ class WriteAheadLog:
                 except OSError:
                     pass
             gone = self._ledger.removable(self._checkpoint_of, newest=True)
+            keep = self._kept_names(gone)
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -1315,7 +1339,7 @@ class WriteAheadLog:
             await asyncio.to_thread(_discard_prepared, self.directory, prepared)
         if self._preparer is not None:
             self._preparer.shutdown(wait=False)
-        await asyncio.to_thread(_unlink_segments, self.directory, gone)
+        await asyncio.to_thread(_retire_segments, self.directory, gone, keep)
 
 
 def _discard_prepared(directory: Path, future: concurrent.futures.Future) -> None:
@@ -1324,6 +1348,29 @@ def _discard_prepared(directory: Path, future: concurrent.futures.Future) -> Non
     except OSError:
         pass
     (directory / PREPARED_NAME).unlink(missing_ok=True)
+
+
+def _retire_segments(directory: Path, sequences: list[int], keep: list[str]) -> None:
+    """Delete segments that nothing waits for; with `keep` (partitions in DATA_LOSS with
+    frames in them), first link them into a kept-aside directory for those partitions,
+    as a start keeps them (`recover_all`): an operator reads them there (`partition
+    kept-frames`) until accepting the loss gives them up (`forget_kept`)."""
+    if keep and sequences:
+        stamp = int(time.time() * 1000)
+        while (directory / f"kept-{stamp}").exists():
+            stamp += 1
+        kept = directory / f"kept-{stamp}"
+        kept.mkdir()
+        # The list first: segments kept without it would never be given up.
+        write_atomically(kept / KEPT_MANIFEST, json.dumps(
+            {"missing": [], "data_loss": keep}).encode())
+        for sequence in sequences:
+            path = segment_path(directory, sequence)
+            os.link(path, kept / path.name)
+        fsync_directory(kept)
+        event(log, "write-ahead segments kept aside: partitions in DATA_LOSS",
+              logging.ERROR, partitions=keep, directory=str(kept))
+    _unlink_segments(directory, sequences)
 
 
 def _unlink_segments(directory: Path, sequences: list[int]) -> None:

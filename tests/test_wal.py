@@ -1308,3 +1308,60 @@ def test_a_failed_round_on_a_segment_already_trimmed_still_answers_the_rounds_af
         await wal.close()
 
     asyncio.run(scenario())
+
+
+def test_a_partition_in_data_loss_no_longer_holds_the_file_and_its_frames_are_kept_aside(
+        tmp_path):
+    """A partition that went to DATA_LOSS while the server ran was never checkpointed
+    again, so every segment from its last checkpoint on stayed: the file grew to
+    partition.wal_max_bytes, and then every partition on the server (the TC log's too)
+    was refused every write until a restart. Now its frames no longer hold the segments;
+    the segments holding some are kept aside for it (`kept-*`, as a start keeps them)
+    when they go."""
+    import json
+
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        wal, lost, other = node.wal, node.owners[0], node.owners[1]
+        wal.segment_bytes, wal.max_bytes = 8 << 10, 32 << 10  # (a round: a page at least)
+        for owner in node.owners:
+            b = batch(1, 0)
+            await owner.produce([(b, parse_header(b))])
+        (lost.directory / "data-loss.json").write_text(
+            '{"file": "00000000000000000000.log", "position": 0, "offset": 0, '
+            '"detail": "test", "detected_unix_ms": 1}')
+        # Its checkpoint's fsync failed (its close then fsyncs nothing: its frames are
+        # all that holds [0, 2) durably), and its reload finds a loss marker.
+        lost.log.fail("an fsync failed")
+        lost._checkpoint_failed(OSError(5, "Input/output error"))  # it reloads
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if lost.state is State.DATA_LOSS:
+                break
+        assert lost.state is State.DATA_LOSS
+        sequence = 2
+        with pytest.raises(AtomlogError) as refused:
+            for _ in range(100):
+                b = batch(1, sequence, b"x" * 300)
+                await other.produce([(b, parse_header(b))])
+                sequence += 2
+        assert refused.value.reason == "RESOURCE_EXHAUSTED"
+        end = other.log.log_end_offset
+        assert wal.checkpoint() == 1
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if other.log.durable_offset == end:
+                break
+        await wal._trim()
+        assert len(wal._ledger.segments) == 1  # only the active one is left
+        assert wal.full() is None
+        b = batch(1, sequence)
+        await other.produce([(b, parse_header(b))])  # taken again
+        kept = list((tmp_path / "wal").glob("kept-*"))
+        assert len(kept) == 1 and list(kept[0].glob("*.wal"))
+        assert json.loads((kept[0] / "kept.json").read_text()) == {
+            "missing": [], "data_loss": ["t-0"]}
+        await node.close()
+
+    asyncio.run(scenario())
