@@ -718,6 +718,17 @@ def _ack_timeouts_ordered(config: "Config") -> str | None:
     return None
 
 
+def _wal_bound_above_segments(config: "Config") -> str | None:
+    segment, bound = config["partition.wal_segment_bytes"], config["partition.wal_max_bytes"]
+    if bound < 2 * segment:
+        # The active segment counts toward the bound and never goes: at or below one
+        # segment, the file refused every write once it filled, for good (nothing
+        # written, nothing rolled, nothing trimmed).
+        return (f"partition.wal_max_bytes ({bound}) must be at least twice "
+                f"partition.wal_segment_bytes ({segment})")
+    return None
+
+
 def _data_dir_required(config: "Config") -> str | None:
     if "partition_server" in hosted_roles(config.role) and not config["server.data_dir"]:
         return "server.data_dir is required for a partition server"
@@ -855,6 +866,7 @@ RULES: tuple[tuple[tuple[str, ...], Rule], ...] = (
     (("partition_server",), _group_fits_batches),
     (("partition_server",), _fetch_fits_message),
     (("partition_server",), _ack_timeouts_ordered),
+    (("partition_server",), _wal_bound_above_segments),
     (("id_allocator",), _id_allocator_limits_ordered),
 )
 

@@ -66,6 +66,12 @@ def test_every_problem_is_reported_at_once():
                      "transaction.max_timeout_ms": 60_000}, "exceeds transaction.max_timeout_ms"),
     ("coordinator", {"transaction.default_prepared_timeout_ms": 1_000}, "must be at least"),
     ("partition_server", {}, "server.data_dir is required"),
+    # The active segment counts: at or below it, the file refused every write for good
+    # (no write to roll it, and the active segment is never deleted).
+    ("partition_server", {"server.data_dir": "/d", "partition.wal_segment_bytes": 64 << 20,
+                          "partition.wal_max_bytes": 32 << 20}, "at least twice"),
+    ("combined", {"server.data_dir": "/d", "partition.wal_segment_bytes": 16 << 20,
+                  "partition.wal_max_bytes": 16 << 20}, "at least twice"),
 ])
 def test_inconsistent_limits_refuse(role, overrides, message):
     with pytest.raises(ConfigError) as raised:
