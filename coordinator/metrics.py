@@ -6,6 +6,8 @@ coordinator/leases.py."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Iterable
 
 from prometheus_client import REGISTRY, Gauge
@@ -87,12 +89,40 @@ class CoreCollector(Collector):
     def __init__(self, cores: Callable[[], Iterable], in_flight: Callable[[], int]):
         self._cores = cores
         self._in_flight = in_flight
+        # The counters of cores gone since (their TC partition moved away, or reloaded
+        # into a new core): kept in the totals, so that the counters never go down. (A
+        # counter that fell read as a reset to Prometheus, whose rate() then counted its
+        # whole remaining value as new: false spikes, and alerts on them.)
+        self._retired: dict[str, int] = {}
+        self._seen: dict[int, tuple[weakref.ref, dict[str, int]]] = {}
+        self._lock = threading.Lock()  # (scrapes may come on several threads)
+
+    def _counter_totals(self, cores: list) -> dict[str, int]:
+        """Under the lock: each counter summed over the cores now and the cores gone."""
+        now: dict[int, tuple[weakref.ref, dict[str, int]]] = {}
+        for core in cores:
+            now[id(core)] = (weakref.ref(core), {
+                name: value for name, value in vars_of(core.metrics).items()
+                if name.endswith("_total")})
+        for key, (ref, values) in self._seen.items():
+            if key not in now or now[key][0]() is not ref():
+                for name, value in values.items():
+                    self._retired[name] = self._retired.get(name, 0) + value
+        self._seen = now
+        totals = dict(self._retired)
+        for _, values in now.values():
+            for name, value in values.items():
+                totals[name] = totals.get(name, 0) + value
+        return totals
 
     def collect(self):
         totals: dict[str, int] = {}
-        for core in self._cores():
+        cores = list(self._cores())
+        for core in cores:
             for name, value in vars_of(core.metrics).items():
                 totals[name] = totals.get(name, 0) + value
+        with self._lock:
+            totals.update(self._counter_totals(cores))
         gauges = {
             "unfinished_transactions": "Unfinished transactions (OPEN, PREPARED, COMMITTING, "
                                        "ABORTING) in the TC partitions this process owns.",
@@ -114,7 +144,9 @@ class CoreCollector(Collector):
         yield family
         counters = {
             "timeouts_total": "Transactions aborted by their OPEN or PREPARED timeout.",
-            "marker_resends_total": "Markers re-sent because they were not confirmed in time.",
+            "marker_resends_total": "Transactions whose markers were re-sent because they "
+                                    "were not all confirmed in time (one per transaction and "
+                                    "re-send, whatever its number of markers).",
             "exhausted_total": "Calls refused by a bound (RESOURCE_EXHAUSTED).",
             "fenced_total": "Calls refused with PRODUCER_FENCED.",
             "concurrent_total": "Calls refused with CONCURRENT_TRANSACTIONS.",

@@ -186,7 +186,7 @@ def transactions() -> dict:
             panel("Markers", (f"sum(atomlog_coordinator_unconfirmed_markers{{{NS}}})", "unconfirmed"),
                   (f"sum(atomlog_coordinator_marker_queue_depth{{{NS}}})", "queued"),
                   (rate("atomlog_coordinator_markers_confirmed_total"), "confirmed/s"),
-                  (rate("atomlog_coordinator_core_marker_resends_total"), "re-sent/s")),
+                  (rate("atomlog_coordinator_core_marker_resends_total"), "transactions re-sent/s")),
         ]),
         ("Coordinators", [
             panel("TC partitions owned", (f"sum by (instance_name) (atomlog_coordinator_tc_partitions_owned{{{NS}}})",
