@@ -705,7 +705,7 @@ class PartitionManager:
             owner = self.owners.get(key)
             leading = owner.replication if owner is not None else None
             if leading is not None and leading.fenced is None:
-                if len(leading.progress.isr) < len(leading.replicas):
+                if leading.under_replicated():
                     row[0] += 1
                 row[2] = max([row[2], *leading.progress.lag().values()])
         return {topic: tuple(row) for topic, row in rows.items()}

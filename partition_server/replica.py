@@ -135,6 +135,9 @@ class LeaderReplication:
         self._live = live
         self._complete_reassignment = complete_reassignment
         self.target: list[str] | None = None  # a running reassignment's replica list
+        # Its replicas that were not replicas before it (copies being made, not copies
+        # lost: `under_replicated`); unknown to a leader that took over during it.
+        self.adding: frozenset[str] = frozenset()
         self.throttle: CopyThrottle | None = None  # on its new replicas' copies
         # Each follower's last (fetch offset, last epoch, cursor sequence): a repeat needs
         # no divergence check and moves no high watermark (`begin_replicate`).
@@ -343,11 +346,22 @@ class LeaderReplication:
         self._moved()
         self._isr_steady_until = 0
         now = _now_ms()
+        self.adding = frozenset(r for r in target or () if r not in self.replicas
+                                or r in self.adding)
         self.replicas = list(replicas)
         self.target = list(target) if target else None
         self.progress.replicas_changed(self.replicas, now)
         self.cursors.replicas_changed(self.replicas, self.progress.isr, now)
         self._poke_isr()
+
+    def under_replicated(self) -> bool:
+        """Fewer in-sync replicas than the partition has copies: a replica a running
+        reassignment is adding and that has not caught up yet is a copy being made, not
+        one lost, and does not count (as Kafka leaves adding replicas out; before, every
+        reassignment longer than the alert's 5 minutes fired it)."""
+        isr = self.progress.isr
+        being_made = sum(1 for r in self.adding if r not in isr)
+        return len(isr) < len(self.replicas) - being_made
 
     # ---------------------------------------------------------------- checks
     def check_serving(self) -> None:

@@ -838,3 +838,30 @@ def test_an_isr_task_that_fails_gives_the_epoch_up_instead_of_ending_silently(tm
             await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_a_reassignment_adds_is_not_counted_as_under_replication(tmp_path):
+    """`atomlog_partitions_under_replicated` counted a partition whose ISR was shorter
+    than its replica list, which during a reassignment holds the new replicas too: every
+    reassignment copying for longer than 5 minutes (a throttled one: hours) fired
+    AtomlogPartitionsUnderReplicated, whose runbook blames a down follower. A replica the
+    reassignment adds and that has not caught up yet is a copy being made, as Kafka
+    counts it; a replica lost meanwhile still counts."""
+    fsyncs = Fsyncs()
+
+    async def scenario():
+        owner, leader = await leading(tmp_path / "t-0", fsyncs)
+        try:
+            await leader.replicate(request(0, -1), 0)  # b in sync: the ISR is {a, b}
+            assert not leader.under_replicated()
+            leader.reassigned(["a", "c", "b"], ["a", "c"])  # b moves to c
+            assert set(leader.progress.isr) == {"a", "b"}
+            assert not leader.under_replicated()  # c is being made; nothing is lost
+            leader.progress.isr_changed(["a"])  # b lost meanwhile
+            assert leader.under_replicated()
+            leader.reassigned(["a", "b"], None)  # (cancelled: back to a and b)
+            assert leader.under_replicated() and not leader.adding
+        finally:
+            await owner.close()
+
+    asyncio.run(scenario())
