@@ -66,9 +66,10 @@ STATE_FILE = "scrub.json"
 SCRUB_BYTES = Counter("atomlog_scrub_bytes_total",
                       "Bytes of partition copies the scrubber read back and checked.")
 SCRUB_DAMAGE = Counter("atomlog_scrub_damage_found_total",
-                       "Damaged batches the scrubber found, by the copy's role here (leader: "
-                       "the partition entered DATA_LOSS and is handed over when it can be; "
-                       "follower: the copy is cut at the damage and fetched again).", ["role"])
+                       "Damaged batches the scrubber found, by the copy's role here (label "
+                       "`copy`; leader: the partition entered DATA_LOSS and is handed over "
+                       "when it can be; follower: the copy is cut at the damage and fetched "
+                       "again).", ["copy"])
 for _role in ("leader", "follower"):
     SCRUB_DAMAGE.labels(_role)  # (exported at 0: the alert's series exist before damage)
 SCRUB_PASSES = Counter("atomlog_scrub_passes_total",

@@ -42,3 +42,26 @@ def test_counters_keep_what_cores_gone_counted():
     assert again["atomlog_coordinator_core_marker_resends"] == 7
     for name, value in again.items():
         assert value >= first[name], name
+
+
+def test_no_metric_label_is_one_the_scrape_adds():
+    """Prometheus's scrape configs (deploy/prometheus, and `atomlog up --prometheus`)
+    add `role`, `instance_name`, `namespace`, `job` and `instance` to every series; a
+    metric's own label of one of those names is renamed `exported_<name>` at the scrape,
+    so queries grouping by it (the scrubber's panel grouped by `role`) got the target's
+    value instead. atomlog_build_info's `role` is the process's role, the same value."""
+    import importlib
+
+    from prometheus_client import REGISTRY
+
+    for module in ("partition_server.server", "coordinator.server", "id_allocator.server",
+                   "services.runtime"):
+        importlib.import_module(module)
+    reserved = {"role", "instance_name", "namespace", "job", "instance"}
+    clashes = {}
+    for collector in list(REGISTRY._collector_to_names):
+        names = REGISTRY._collector_to_names[collector]
+        labels = set(getattr(collector, "_labelnames", ()) or ())
+        if labels & reserved and not any(n.startswith("atomlog_build") for n in names):
+            clashes[tuple(names)] = labels & reserved
+    assert not clashes, clashes

@@ -204,11 +204,11 @@ def test_damage_in_a_followers_copy_nobody_reads_is_cut_and_fetched_again(scrubb
     written(client, scrubbing, topic, 3)
     part = metadata(client, topic).partitions[0]
     damaged = next(r for r in part.replicas if r != part.server_name)
-    before = scrub_metric(scrubbing, damaged, 'atomlog_scrub_damage_found_total{role="follower"}')
+    before = scrub_metric(scrubbing, damaged, 'atomlog_scrub_damage_found_total{copy="follower"}')
     damage(scrubbing, damaged, topic, 0, 10)
     assert len(set(segment_digests(scrubbing, topic, 0).values())) == 2
     wait_until(lambda: scrub_metric(scrubbing, damaged,
-                                    'atomlog_scrub_damage_found_total{role="follower"}') > before,
+                                    'atomlog_scrub_damage_found_total{copy="follower"}') > before,
                30, f"the scrubber of {damaged} to find the damage")
     wait_copies_match(scrubbing, topic, 0, 30, f"the copies of {topic}-0 identical again")
     assert leader_of(client, topic, 0) == part.server_name  # the leader never noticed
@@ -228,7 +228,7 @@ def test_damage_in_a_leaders_copy_nobody_reads_hands_the_partition_over(scrubbin
     wait_until(lambda: leader_of(client, topic, 0) not in ("", damaged), 30,
                f"a leader of {topic}-0 other than {damaged}")
     assert metadata(client, topic).partitions[0].leader_epoch > epoch
-    assert scrub_metric(scrubbing, damaged, 'atomlog_scrub_damage_found_total{role="leader"}') >= 1
+    assert scrub_metric(scrubbing, damaged, 'atomlog_scrub_damage_found_total{copy="leader"}') >= 1
     wait_until(lambda: fully_in_sync(client, topic), 30, f"{damaged} back in the ISR")
     wait_copies_match(scrubbing, topic, 0, 30, f"the copies of {topic}-0 identical again")
     values = read_all(client, topic, 40)

@@ -242,8 +242,8 @@ def partitions() -> dict:
                   (rate("atomlog_partition_stale_markers_total"), "refused: stale epoch"), unit="ops"),
             panel("Scrubber: copies read back, and damage found",
                   (rate("atomlog_scrub_bytes_total", "instance_name"), "{{instance_name}} read back"),
-                  (f"sum by (instance_name, role) (increase(atomlog_scrub_damage_found_total{{{NS}}}[1h]))",
-                   "{{instance_name}} damaged batches ({{role}} copy), last hour"),
+                  (f"sum by (instance_name, copy) (increase(atomlog_scrub_damage_found_total{{{NS}}}[1h]))",
+                   "{{instance_name}} damaged batches ({{copy}} copy), last hour"),
                   unit="Bps",
                   description="Each partition server reads every copy it holds back from disk "
                               "at partition.scrub_bytes_per_s and checks each batch; a damaged "
