@@ -19,7 +19,8 @@ RECORDS_IN = Counter("atomlog_partition_records_in_total", "Records appended.", 
 BYTES_OUT = Counter("atomlog_partition_bytes_out_total", "Bytes of record batches fetched.",
                     ["topic"])
 RECORDS_OUT = Counter("atomlog_partition_records_out_total",
-                      "Records fetched (counted from batch headers).", ["topic"])
+                      "Records fetched (counted from batch headers) and delivered to "
+                      "subscriptions' consumers (Receive; redeliveries too).", ["topic"])
 APPEND_SECONDS = Histogram("atomlog_partition_append_duration_seconds",
                            "Time to write one group of batches (no fsync).",
                            buckets=LATENCY_BUCKETS_SECONDS)

@@ -1213,6 +1213,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 if delivery.delivered:
                     delivered_any = True
                     budget -= len(data)
+                    m.RECORDS_OUT.labels(sp.topic).inc(
+                        sum(r.end - r.start for r in delivery.delivered))
                     if offsets_left is not None:
                         offsets_left -= min(offsets_left, sum(r.end - r.start
                                                               for r in delivery.delivered))

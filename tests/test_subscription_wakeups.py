@@ -470,3 +470,25 @@ def test_a_marker_s_subscription_change_is_staged_in_the_caller_s_step(tmp_path)
         assert subscriptions.pending_transactions("s") == [second]
 
     run(tmp_path, scenario)
+
+
+def test_records_a_receive_delivers_count_as_records_out(tmp_path):
+    """atomlog_partition_records_out_total counted Fetch only, while bytes_out counted
+    Receive too: a topic read only through subscriptions showed about 0 records out on
+    the Overview dashboard. Delivered records (redeliveries too) count now."""
+    from prometheus_client import REGISTRY
+
+    def records_out() -> float:
+        return REGISTRY.get_sample_value("atomlog_partition_records_out_total",
+                                         {"topic": "t"}) or 0.0
+
+    async def scenario(h: Harness) -> None:
+        before = records_out()
+        await h.produce(3)
+        assert await h.receive("a", ack_timeout_ms=100) == ([(0, 3)], [])
+        assert records_out() == before + 3
+        await asyncio.sleep(0.15)
+        assert await h.receive("b") == ([(0, 3)], [(0, 3)])  # redelivered
+        assert records_out() == before + 6
+
+    run(tmp_path, scenario)
