@@ -1532,6 +1532,7 @@ class PartitionOwner:
             # Snapshots covering less than the new start describe deleted data (as for
             # delete_records); a load would also refuse them.
             self._remove_snapshots_below(self.log.log_start_offset)
+            self._snapshot_soon()
             # (Only a move: it is news for every follower of a leader, which a pass that
             # deleted nothing, every few seconds on every partition, is not.)
             self._log_start_moved()
@@ -1569,6 +1570,7 @@ class PartitionOwner:
             self._remove_snapshots_below(new_start)
             self.log.delete_records(before_offset)
             self._log_start_moved()
+            self._snapshot_soon()
         return self.log.log_start_offset
 
     def _log_start_moved(self) -> None:
@@ -1579,6 +1581,16 @@ class PartitionOwner:
         self.subscriptions.forget_below(start)
         if self.replication is not None:
             self.replication.log_start_moved(start)
+
+    def _snapshot_soon(self) -> None:
+        """The log start moved past the snapshots (removed): the next one is taken at the
+        owner's next drained step, not at the end of its interval. Until then a crash
+        leaves none, and producers whose last batches were deleted are unknown to the
+        load: the first batch of one (sequence 0) retried after a lost answer would be
+        appended a second time. (An idle partition took none for hours.)"""
+        self._last_snapshot_ms = 0
+        self._batches_since_snapshot = max(1, self._batches_since_snapshot)
+        self._poke()
 
     def _remove_snapshots_below(self, offset: int) -> None:
         removed = False

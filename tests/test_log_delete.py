@@ -218,7 +218,12 @@ def test_a_producer_snapshot_older_than_the_log_start_is_not_restored(tmp_path):
             shutil.copytree(owner.directory, crashed, ignore=shutil.ignore_patterns("*.deleted"))
         finally:
             await owner.close()
-        # A crash before the removal: the load still finds the snapshot.
+        # A crash before the removal (and so before the snapshot that follows the move,
+        # test_a_moved_log_start_is_followed_by_a_snapshot_soon): the load still finds
+        # the old snapshot, and no newer one.
+        for path in crashed.iterdir():
+            if path.suffix in (".producer_snapshot", ".txn_snapshot"):
+                path.unlink()
         (crashed / snapshot_file_name(4)).write_bytes(stale_bytes)
         reopened = PartitionOwner("t", 0, crashed, settings)
         await reopened.start()
@@ -257,5 +262,56 @@ def test_retention_ms_counts_from_now_on_a_partition_nobody_writes(tmp_path, mon
             assert owner.log.log_start_offset == 8
         finally:
             await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_moved_log_start_is_followed_by_a_snapshot_soon(tmp_path):
+    """DeleteRecords (and retention) remove the snapshots covering less than the new log
+    start, and nothing took a new one until the interval's end: an idle partition could
+    stay without any for hours. A crash then loaded no producer state, and producer 7's
+    first batch (sequence 0, now deleted), retried after a lost answer, was appended a
+    second time. Now a snapshot follows the move at the owner's next step."""
+    from partition_server.record_batch import Record, encode_batch
+
+    def batch(producer_id: int, sequence: int) -> bytes:
+        return encode_batch([Record(b"k", bytes(200)), Record(b"k", bytes(200))],
+                            producer_id=producer_id, producer_epoch=0,
+                            base_sequence=sequence)
+
+    async def write(owner, producer_id: int, sequence: int):
+        b = batch(producer_id, sequence)
+        return (await owner.produce([(b, parse_header(b))]))[0]
+
+    settings = OwnerSettings(log=LogConfig(segment_bytes=1_000), fsync=False,
+                             snapshot_interval_batches=1 << 30, snapshot_interval_ms=1 << 30)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        try:
+            await write(owner, 7, 0)
+            for sequence in (0, 2, 4):
+                await write(owner, 8, sequence)
+            start = await owner.delete_records(owner.log.high_watermark)
+            assert start > 0
+            for _ in range(200):  # the owner's next step
+                if list(owner.directory.glob("*.producer_snapshot")) and owner._snapshot_write is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await write(owner, 7, 0)).base_offset == 0  # live: a duplicate
+            crashed = tmp_path / "crash" / "t-0"
+            shutil.copytree(owner.directory, crashed, ignore=shutil.ignore_patterns("*.deleted"))
+            end = owner.log.log_end_offset
+        finally:
+            await owner.close()
+        reopened = PartitionOwner("t", 0, crashed, settings)
+        await reopened.start()
+        try:
+            retried = await write(reopened, 7, 0)
+            assert not isinstance(retried, AtomlogError) and retried.base_offset == 0, retried
+            assert reopened.log.log_end_offset == end  # not appended again
+        finally:
+            await reopened.close()
 
     asyncio.run(scenario())
