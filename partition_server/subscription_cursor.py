@@ -527,6 +527,9 @@ class SubscriptionCursor:
         self._read_position = cumulative_end
         self._deleted = False
         self._changes = 0
+        # The log start forget_below last saw (volatile: the owner applies it after every
+        # open): offsets below it are gone, and no longer in any transaction's pending acks.
+        self._log_start = 0
         self._counters = dict.fromkeys(CursorMetrics.__dataclass_fields__, 0)
 
     @classmethod
@@ -689,7 +692,13 @@ class SubscriptionCursor:
 
     def forget_below(self, log_start_offset: int) -> None:
         """Retention deleted every offset below log_start_offset: acknowledge them."""
+        self._log_start = max(self._log_start, log_start_offset)
         if log_start_offset <= self.cumulative_end:
+            # (A recovery replays the journal before this: a transaction's commit replayed
+            # there may have passed another's pending cumulative end that the live cursor
+            # had set to 0 here, before the commit. Normalized the same way.)
+            if any(0 < p.cumulative_end <= self.cumulative_end for p in self._pending.values()):
+                self._normalize_pending()
             return
         self._changes += 1
         self._acked.add(0, log_start_offset)
@@ -881,6 +890,10 @@ class SubscriptionCursor:
                 f"{'committed' if self._ended[txn] else 'aborted'} on this subscription; it "
                 "takes no more acks", {"txn_id": _name(txn)})
         current = self.cumulative_end
+        pending = self._pending.get(txn)
+        if pending is not None and self._repeats_pending(pending, cumulative_end, requested):
+            self._count("noop_acks_total")
+            return None
         acked = next(((s, e) for s, e in requested if self._acked.overlaps(s, e)), None)
         if acked is not None or 0 < cumulative_end <= current:
             self._count("conflicts_total")
@@ -1043,6 +1056,19 @@ class SubscriptionCursor:
         for start, end in ranges:
             self._deliveries.remove(start, end)
         self._read_position = max(self._read_position, current)
+
+    def _repeats_pending(self, pending, cumulative_end: int, requested: _RangeSet) -> bool:
+        """Whether a transaction's ack names only offsets it has pending already, or
+        offsets below the log start (retention deleted them and took them out of its
+        pending acks, `_normalize_pending`): then it repeats what stands. (Before, such a
+        repeat, a retry after a lost answer, was refused TRANSACTION_CONFLICT as if the
+        offsets had been consumed by someone else.)"""
+        floor = self._log_start
+        if not floor:
+            return False  # (the ordinary repeat check below answers it)
+        if cumulative_end > floor and cumulative_end > pending.cumulative_end:
+            return False
+        return all(pending.ranges.covers(max(s, floor), e) for s, e in requested if e > floor)
 
     def _normalize_pending(self) -> None:
         """Pending acks never cover acknowledged offsets; a pending cumulative end at or

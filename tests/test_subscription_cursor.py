@@ -423,6 +423,24 @@ def test_retention_acknowledges_what_it_deleted():
     assert cursor.cumulative_end == 7
 
 
+def test_a_transaction_s_ack_repeated_after_retention_passed_it_is_a_no_op():
+    """A transactional ack applied, its answer lost, and retention moved the log start
+    past its offsets (taking them out of the pending acks) before the client's retry:
+    the retry was refused TRANSACTION_CONFLICT ("already acknowledged, consumed before"),
+    though it was the transaction's own ack, standing. Now a no-op, as any repeat is."""
+    cursor = SubscriptionCursor()
+    deliver(cursor, "a", log_end=40)
+    ack(cursor, ranges=[(10, 20)], txn=T1)
+    ack(cursor, cumulative_end=8, txn=T2)
+    assert ack(cursor, ranges=[(10, 20)], txn=T1) is None  # a repeat: no-op
+    cursor.forget_below(30)
+    assert ack(cursor, ranges=[(10, 20)], txn=T1) is None
+    assert ack(cursor, cumulative_end=8, txn=T2) is None
+    assert ack(cursor, ranges=[(12, 15)], txn=T1) is None
+    # Another transaction's ack of those offsets still conflicts.
+    assert refused(ack, cursor, ranges=[(10, 20)], txn=T3).reason == "TRANSACTION_CONFLICT"
+
+
 def test_initial_positions():
     assert resolve_initial_position(InitialPosition.EARLIEST, 0, 10, 20) == 10
     assert resolve_initial_position(InitialPosition.LATEST, 0, 10, 20) == 20
@@ -568,9 +586,11 @@ class Model:
         self.acked: set[int] = set(range(cumulative_end))
         self.pending: dict[TxnId, list] = {}  # txn -> [cumulative end, offsets]
         self.ended: OrderedDict[TxnId, bool] = OrderedDict()
+        self.log_start = 0  # what retention deleted below (not durable: re-applied)
 
     def copy(self) -> Model:
         other = Model()
+        other.log_start = self.log_start
         other.acked = set(self.acked)
         other.pending = {txn: [c, set(r)] for txn, (c, r) in self.pending.items()}
         other.ended = OrderedDict(self.ended)
@@ -634,6 +654,11 @@ class Model:
             return "ACCEPT"
         if txn in self.ended:
             return "TRANSACTION_NOT_OPEN"
+        own = self.pending.get(txn)
+        floor = self.log_start
+        if own is not None and floor and (cumulative_end <= floor or cumulative_end <= own[0]) \
+                and {o for o in requested if o >= floor} <= own[1]:
+            return "NOOP"  # its own acks, and what retention took out of them
         if requested & self.acked or 0 < cumulative_end <= current:
             return "TRANSACTION_CONFLICT"
         claim = requested | (set(range(current, cumulative_end)) - self.acked)
@@ -675,6 +700,7 @@ class Model:
             self.ended.popitem(last=False)
 
     def forget_below(self, log_start: int) -> None:
+        self.log_start = max(self.log_start, log_start)
         self.acked |= set(range(log_start))
         self.normalize()
 
