@@ -292,7 +292,19 @@ class AsyncProducerIdPool:
                 return taken
             task = self._maybe_fetch() or self._fetch
             assert task is not None
-            await asyncio.shield(task)  # raises the fetch's error to every waiter
+            try:
+                await asyncio.shield(task)  # raises the fetch's error to every waiter
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # (this request's own cancellation)
+                # The fetch was cancelled, not this request: the pool was closed (the
+                # coordinator replaced it, its allocators having moved). Retriable: the
+                # caller asks the pool in use now (it answered CANCELLED before, which a
+                # client takes for INTERNAL and does not retry).
+                raise AtomlogError("SERVER_UNAVAILABLE", "the producer-id pool was "
+                                   "replaced while this request waited for a block",
+                                   {"retry_after_ms": "50"}) from None
 
     def _maybe_fetch(self) -> asyncio.Task | None:
         if self._fetch is not None or not self._pool.needs_block():
