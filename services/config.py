@@ -190,6 +190,11 @@ COMMON: tuple[Setting, ...] = (
             minimum=0, maximum=1_024),
     Setting("topics.max_partitions", int, 1_024, "Largest partition count a topic may have.",
             minimum=1, maximum=100_000),
+    Setting("topics.max_topics", int, 10_000, "Most topics the cluster holds (internal ones "
+            "not counted): CreateTopic beyond it is refused RESOURCE_EXHAUSTED. Each topic "
+            "costs ZooKeeper a znode per partition and every server hosting it about "
+            "twenty metric series, which are never removed while the process runs.",
+            minimum=1, maximum=1_000_000),
     Setting("topics.default_replication_factor", int, 0, "Copies of each partition a topic "
             "gets when its creator names no factor (docs/replication.md); 0 (the default): 3 "
             "when the cluster has at least 3 partition servers, else their number. Also the "

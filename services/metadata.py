@@ -33,7 +33,7 @@ from partition_server.replication import (PartitionState, assign_replicas,
                                           validate_reassignment, validate_replication)
 from services.errors import AtomlogError
 from services.logs import event
-from services.topics import (TopicRecord, altered_config, assign_partitions,
+from services.topics import (INTERNAL_PREFIX, TopicRecord, altered_config, assign_partitions,
                              validate_partition_count, validate_topic_config,
                              validate_topic_name)
 from services.zk import SERVERS_PATH, TC_PATH, TOPICS_PATH, ZkSession, aio
@@ -82,10 +82,11 @@ class MetadataStore:
     """Reads and writes cluster metadata in ZooKeeper (async, via kazoo's async calls)."""
 
     def __init__(self, zk: ZkSession, tc_partitions: int, max_partitions: int,
-                 default_replication_factor: int = 1):
+                 default_replication_factor: int = 1, max_topics: int = 10_000):
         self.zk = zk
         self.tc_partitions = tc_partitions
         self.max_partitions = max_partitions
+        self.max_topics = max_topics  # topics.max_topics (internal ones not counted)
         self.default_replication_factor = default_replication_factor  # 0: by server count
 
     async def _children_with_data(self, path: str) -> dict[str, bytes]:
@@ -192,7 +193,15 @@ class MetadataStore:
         min_insync = int(normalized.get("min.insync.replicas", min(2, factor)))
         validate_replication(factor, min_insync, len(servers))
         load: dict[str, int] = {}
-        for topic in await self.topics():
+        existing = await self.topics()
+        counted = sum(1 for t in existing if not t.name.startswith(INTERNAL_PREFIX))
+        if not internal and counted >= self.max_topics:
+            # (Checked against what this server read: creations racing on several servers
+            # may pass it by their number, a bound all the same.)
+            raise AtomlogError("RESOURCE_EXHAUSTED", f"the cluster holds {counted} topics, "
+                               f"the limit (topics.max_topics) is {self.max_topics}",
+                               {"limit": "topics.max_topics"})
+        for topic in existing:
             for owner in topic.assignment:  # preferred leaders
                 load[owner] = load.get(owner, 0) + 1
         now = int(time.time() * 1000)

@@ -93,7 +93,8 @@ class Runtime:
         self.tc_partitions = 0
         self.metadata = MetadataStore(self.zk, self.tc_partitions,
                                       config["topics.max_partitions"],
-                                      config["topics.default_replication_factor"])
+                                      config["topics.default_replication_factor"],
+                                      config["topics.max_topics"])
         self.service_names: list[str] = []
         self.stop_hooks: list[StopHook] = []
         # Run once the server is registered and SERVING (e.g. taking TC partition leases).

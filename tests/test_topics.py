@@ -146,3 +146,34 @@ def test_a_topic_created_compact_before_it_was_refused_is_told_to_drop_it():
         "retention.ms": "-1"}
     assert altered_config(legacy, {"cleanup.policy": "delete"}, []) == {
         "cleanup.policy": "delete"}
+
+
+def test_topics_past_the_limit_are_refused_and_internal_ones_do_not_count():
+    """Topic names are user input, and each topic costs ZooKeeper znodes and every server
+    hosting it metric series that are never removed: nothing bounded their number.
+    topics.max_topics does now (the store's check, before anything is written)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.metadata import MetadataStore
+    from services.topics import TopicRecord
+
+    class Store(MetadataStore):
+        written: list[str] = []
+
+        async def servers(self):
+            return [SimpleNamespace(name="ps-0", role="partition_server", rack="")]
+
+        async def topics(self):
+            return [TopicRecord("__txn_log", ["ps-0"]), TopicRecord("a", ["ps-0"]),
+                    TopicRecord("b", ["ps-0"])]
+
+    store = Store(zk=None, tc_partitions=1, max_partitions=10, default_replication_factor=1,
+                  max_topics=2)
+    with pytest.raises(AtomlogError) as refused:
+        asyncio.run(store.create_topic("c", 1, {}))
+    assert refused.value.reason == "RESOURCE_EXHAUSTED"
+    assert refused.value.metadata["limit"] == "topics.max_topics"
+    store.max_topics = 3  # __txn_log is not counted: "c" would be the third
+    with pytest.raises(AttributeError):  # past the check: it reached ZooKeeper (None here)
+        asyncio.run(store.create_topic("c", 1, {}))
