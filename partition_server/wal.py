@@ -844,6 +844,10 @@ class WriteAheadLog:
         self._since_checkpoint = 0
         self._checkpoint_now: asyncio.Event | None = None
         self._replays = 0  # owners' reloads reading the segments (no trim meanwhile)
+        # Segments a trim took out of the books but could not delete (an unlink failed),
+        # with the DATA_LOSS partitions to keep them for: deleted before any newer one, or
+        # a newer one gone would leave a hole that a start's replay took for lost frames.
+        self._undeleted: tuple[list[int], list[str]] | None = None
         # The next segment, preallocated on a thread of its own (`PREPARED_NAME`): the
         # future of its descriptor. See the module's docstring.
         self._next: concurrent.futures.Future | None = None
@@ -1081,7 +1085,7 @@ class WriteAheadLog:
         with self._lock:
             self._pending.append(frame)
             self._pending_ends.append((name, -1))
-            self._write_pending()
+            written = self._write_pending()  # the segment it went into
             fd = os.dup(self._fd)
             if kind == CUT:
                 self._ledger.cut(name, offset)
@@ -1094,8 +1098,10 @@ class WriteAheadLog:
             self._fsync(fd)
         except OSError as error:
             with self._lock:
-                self._poisoned.add(self._sequence)
-                self._lose(set(self._names_in[self._sequence]), error)
+                # That segment, not the one active now: the loop may have rolled to a new
+                # one meanwhile (and the failed one's partitions would not reload).
+                self._poisoned.add(written)
+                self._lose(set(self._names_in.get(written, ())), error)
             raise
         finally:
             os.close(fd)
@@ -1272,6 +1278,11 @@ class WriteAheadLog:
                 tap.on_failure(failure)
 
     async def _trim(self) -> None:
+        if self._undeleted is not None:
+            sequences, keep = self._undeleted
+            if not await self._retire(sequences, keep):
+                return  # (nothing newer goes while they stay)
+            self._undeleted = None
         with self._lock:
             if self._replays:  # an owner's reload is reading the segments
                 return
@@ -1282,8 +1293,20 @@ class WriteAheadLog:
                 self._names_in.pop(sequence, None)
                 self._poisoned.discard(sequence)
         RETAINED_BYTES.set(self.retained_bytes())
-        if gone:
-            await asyncio.to_thread(_retire_segments, self.directory, gone, keep)
+        if gone and not await self._retire(gone, keep):
+            self._undeleted = ([s for s in gone if segment_path(self.directory, s).exists()],
+                               keep)
+
+    async def _retire(self, sequences: list[int], keep: list[str]) -> bool:
+        """Delete trimmed segments (`_retire_segments`); False when that failed."""
+        try:
+            await asyncio.to_thread(_retire_segments, self.directory, sequences, keep)
+        except OSError as error:
+            event(log, "write-ahead segments could not be deleted; the next trim tries "
+                  "again before deleting any newer one", logging.ERROR,
+                  segments=sequences, error=f"{type(error).__name__}: {error}")
+            return False
+        return True
 
     def _kept_names(self, gone: list[int]) -> list[str]:
         """Under the lock: the DATA_LOSS partitions with frames in segments `gone`."""

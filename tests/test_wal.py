@@ -1365,3 +1365,106 @@ def test_a_partition_in_data_loss_no_longer_holds_the_file_and_its_frames_are_ke
         await node.close()
 
     asyncio.run(scenario())
+
+
+def test_a_failed_fsync_of_a_cut_marks_the_segment_it_was_written_to(tmp_path):
+    """A CUT (or BASE) frame's fsync runs on a worker thread, outside the lock; when it
+    failed, the segment active then was marked failed, not the one the frame went into.
+    Had the loop rolled meanwhile, the new segment's partitions reloaded for nothing,
+    and the failed segment's rounds went on counting as durable. Now the segment
+    written is the one marked."""
+    import threading
+
+    release = threading.Event()
+    blocked = threading.Event()
+    loop_thread = []
+
+    def fsync(fd):
+        if threading.get_ident() != loop_thread[0] and not blocked.is_set():
+            blocked.set()
+            release.wait(10)
+            raise OSError(5, "Input/output error")
+        os.fsync(fd)
+
+    async def synced(wal, name):
+        done = asyncio.get_running_loop().create_future()
+        ticket = wal.sync(name, lambda: done.set_result(None))
+        await done
+        return ticket.exception()
+
+    async def scenario():
+        loop_thread.append(threading.get_ident())
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000, fsync=fsync)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
+        await wal.start()
+        wal.queue(b"a", "a", 0, stamped(batch(1, 0), 0), 2)
+        assert await synced(wal, "a") is None
+        first = wal._sequence
+        cut = asyncio.ensure_future(asyncio.to_thread(wal.write_cut, "a", 0))
+        while not blocked.is_set():
+            await asyncio.sleep(0.005)
+        wal._size = wal.segment_bytes  # full: the next round rolls
+        wal.queue(b"b", "b", 0, stamped(batch(1, 0), 0), 2)
+        assert await synced(wal, "b") is None
+        assert wal._sequence != first
+        release.set()
+        with pytest.raises(OSError):
+            await cut
+        assert first in wal._poisoned and wal._sequence not in wal._poisoned
+        assert "a" in wal._lost and "b" not in wal._lost
+        await wal.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_trimmed_segment_that_could_not_be_deleted_goes_before_any_newer_one(
+        tmp_path, monkeypatch):
+    """A trim took segments out of its books and then failed to unlink them (EIO, a
+    read-only remount): they stayed on disk forgotten, later trims deleted newer ones,
+    and the hole between made a start's replay take the old frames for lost ones (a
+    false DATA_LOSS). Now the next trim deletes them first, and nothing newer goes
+    while they stay."""
+    import partition_server.wal as wal_module
+
+    real = wal_module._unlink_segments
+    failing = [2]
+
+    def unlink(directory, sequences):
+        if failing[0]:
+            failing[0] -= 1
+            raise OSError(30, "Read-only file system")
+        real(directory, sequences)
+
+    monkeypatch.setattr(wal_module, "_unlink_segments", unlink)
+
+    async def synced(wal, name):
+        done = asyncio.get_running_loop().create_future()
+        ticket = wal.sync(name, lambda: done.set_result(None))
+        await done
+        return ticket.exception()
+
+    async def one_segment(wal, offset):
+        wal.queue(b"a", "a", offset, stamped(batch(1, offset), offset), offset + 2)
+        assert await synced(wal, "a") is None
+        wal._size = wal.segment_bytes  # the next round rolls
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
+        await wal.start()
+        for offset in (0, 2):
+            await one_segment(wal, offset)
+        await one_segment(wal, 4)
+        await one_segment(wal, 6)  # segments 0, 1, 2 sealed; 3 active
+        wal.checkpointed("a", 4)  # 0 and 1 may go
+        await wal._trim()  # the unlink fails
+        assert set(list_segments(wal.directory)) >= {0, 1}
+        wal.checkpointed("a", 6)  # 2 may go too
+        await wal._trim()  # still failing: 2 is not deleted before them
+        assert set(list_segments(wal.directory)) >= {0, 1, 2}
+        await wal._trim()  # it works now: the old ones first, then 2
+        await wal._trim()
+        assert not {0, 1, 2} & set(list_segments(wal.directory))
+        await wal.close()
+
+    asyncio.run(scenario())
