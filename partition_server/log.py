@@ -441,6 +441,19 @@ class PartitionLog:
                            self._log_end_offset + extra_bytes,
                            max(self._clock_ms(), self._last_append_time_ms))
 
+    def roll_for_retention_due(self, now_ms: int) -> bool:
+        """Whether the active segment holds only records past retention.ms (`now_ms`):
+        the only way it goes is a roll, after which retention deletes it (as Kafka rolls
+        an active segment past retention). Retention never deletes the active segment,
+        and rolls by age (segment.ms) happen on an append: on a topic nobody writes any
+        more, its last segment (up to segment.bytes) outlived any retention.ms."""
+        if self._closed or self._data_loss is not None or self._broken is not None or \
+                self._rolling is not None:
+            return False
+        active, retention_ms = self._active, self.config.retention_ms
+        return (retention_ms >= 0 and active.size > 0 and active.last_append_time_ms is not None
+                and now_ms - active.last_append_time_ms > retention_ms)
+
     def _check_not_rolling(self, what: str) -> None:
         if self._rolling is not None:  # a caller's bug: the roll's thread may be at work
             raise RuntimeError(f"{what} on partition log {self.directory} while a roll is "

@@ -371,6 +371,7 @@ class PartitionOwner:
         self._data_moved: asyncio.Future | None = None  # readers wait on it (long poll)
         self._snapshot_write: asyncio.Future | None = None
         self._roll: _Roll | None = None  # a segment roll whose disk work is under way
+        self._retention_roll = False  # roll the active segment, past retention.ms, when idle
         self._task: asyncio.Task | None = None
         self._stamp_ms = 0  # the log's clock: the owner decides append times
         self._batches_since_snapshot = 0
@@ -970,6 +971,13 @@ class PartitionOwner:
                 self._complete_flushes()
                 self._check_snapshot_write()
                 self._check_roll()
+                if self._retention_roll and self._roll is None and not self._queue:
+                    self._retention_roll = False
+                    if self.log is not None and self.log.roll_for_retention_due(
+                            max(self._stamp_ms, _wall_ms())):
+                        self._begin_flushes()  # what it holds: on its way
+                        self._begin_roll()  # (then the next retention pass deletes it)
+                        continue
                 if self._queue and self._may_write() and self._roll is None and (
                         not self._snapshot_due() or self._refusing_writes()):
                     count, size = self._group_extent()
@@ -1526,8 +1534,12 @@ class PartitionOwner:
         before = self.log.log_start_offset
         # Ages count to now, not to the last append (the log's clock): a partition nobody
         # writes any more kept its data past retention.ms until its next write.
+        now_ms = max(self._stamp_ms, _wall_ms())
         removed = self.log.apply_retention(keep_from_offset=self.max_read_position(),
-                                           now_ms=max(self._stamp_ms, _wall_ms()))
+                                           now_ms=now_ms)
+        if self.log.roll_for_retention_due(now_ms):
+            self._retention_roll = True  # the owner task rolls it; the next pass deletes it
+            self._poke()
         if self.log.log_start_offset != before:
             # Snapshots covering less than the new start describe deleted data (as for
             # delete_records); a load would also refuse them.

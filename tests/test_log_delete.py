@@ -315,3 +315,39 @@ def test_a_moved_log_start_is_followed_by_a_snapshot_soon(tmp_path):
             await reopened.close()
 
     asyncio.run(scenario())
+
+
+def test_retention_ms_rolls_an_idle_active_segment_so_that_it_goes_too(tmp_path, monkeypatch):
+    """Retention never deletes the active segment, and a roll by age happens on an
+    append: on a topic nobody writes any more, its last segment (up to segment.bytes)
+    outlived any retention.ms. Now a retention pass that finds it past retention has
+    the owner roll it, and the next pass deletes it (as Kafka does)."""
+    now = [1_800_000_000_000]
+    monkeypatch.setattr(owner_module, "_wall_ms", lambda: now[0])
+    settings = OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_ms=60_000),
+                             fsync=False)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        try:
+            for _ in range(5):
+                data = make_batch(2, 200)
+                await owner.produce([(data, parse_header(data))])
+            end = owner.log.log_end_offset
+            now[0] += 3_600_000
+            assert await owner.apply_retention() == 2  # the sealed ones
+            for _ in range(200):  # the owner task rolls the active one
+                if owner.log.segments()[-1].base_offset == end and owner._roll is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert await owner.apply_retention() == 1
+            assert owner.log.log_start_offset == end == owner.log.log_end_offset
+            assert len(owner.log.segments()) == 1
+            assert await owner.apply_retention() == 0  # an empty active segment stays
+            data = make_batch(2, 200)
+            assert (await owner.produce([(data, parse_header(data))]))[0].base_offset == end
+        finally:
+            await owner.close()
+
+    asyncio.run(scenario())
