@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -54,6 +55,7 @@ from services.tls import TlsConfig, TlsFileError
 from spark_client import errors
 
 NAME = "atomlog"
+_log = logging.getLogger("atomlog.spark")
 SCHEMA = StructType([
     StructField("topic", StringType(), False), StructField("partition", IntegerType(), False),
     StructField("offset", LongType(), False), StructField("key", BinaryType()),
@@ -67,6 +69,10 @@ OPTIONS = {
     "topic": (None, "the topic to write; or the topic(s) to read, comma-separated"),
     "topics": (None, "the topics to read, comma-separated (alias of topic for reads)"),
     "isolation": ("read_committed", "reads: read_committed or read_uncommitted"),
+    "failOnDataLoss": ("true", "reads: true (a range whose records were deleted before it "
+                       "was read, by retention or DeleteRecords, fails the query) or false "
+                       "(the deleted records are skipped and the read goes on from the log "
+                       "start, logged; as Kafka's source)"),
     "startingOffsets": ("earliest", "reads: earliest, latest, or JSON "
                         '{"topic": {"0": offset}} (missing partitions: earliest)'),
     "endingOffsets": ("latest", "batch reads: latest (the max read position under "
@@ -159,6 +165,7 @@ class Options:
     checkpoint: str = ""
     tls: TlsConfig | None = None
     token_file: str = ""
+    fail_on_data_loss: bool = True
 
     @classmethod
     def parse(cls, options) -> Options:
@@ -186,6 +193,9 @@ class Options:
             raise OptionError("option bootstrap (an atomlog server address) is required")
         topics = [t.strip() for t in (get("topics") or get("topic") or given.get("path", ""))
                   .split(",") if t.strip()]
+        fail_on_data_loss = get("failOnDataLoss").strip().lower()
+        if fail_on_data_loss not in ("true", "false"):
+            raise OptionError(f"option failOnDataLoss={fail_on_data_loss!r}: true or false")
         isolation = get("isolation")
         if isolation not in ("read_committed", "read_uncommitted"):
             raise OptionError(f"option isolation={isolation!r}: read_committed or "
@@ -210,7 +220,8 @@ class Options:
                      compression=None if compression == "none" else compression,
                      request_timeout_s=number("requestTimeoutMs", 100, 600_000) / 1000,
                      source_subscription=get("sourceSubscription"),
-                     checkpoint=given.get("checkpointlocation", ""))
+                     checkpoint=given.get("checkpointlocation", ""),
+                     fail_on_data_loss=fail_on_data_loss == "true")
         for which in ("starting", "ending"):
             _parse_offsets_spec(getattr(parsed, which), f"{which}Offsets")
         ca, cert, key = get("tls.ca"), get("tls.cert"), get("tls.key")
@@ -530,14 +541,34 @@ def _read_range(options: Options, part: OffsetRange, schema: StructType | None =
     spark = _SparkColumns(part.topic, part.partition, schema)
     consumer = Consumer(_task_client(options), part.topic, isolation=options.isolation,
                         partitions=[part.partition], request_timeout_s=options.request_timeout_s)
+    key = (part.topic, part.partition)
     try:
         consumer.seek(part.topic, part.partition, part.start)
-        ends = {(part.topic, part.partition): part.end}
+        ends = {key: part.end}
         idle_s = max(60.0, 4 * options.request_timeout_s)
-        for blocks in consumer.read_until(ends, idle_timeout_s=idle_s, arrow="blocks",
-                                          max_records=1 << 20):
-            for block in blocks:
-                yield spark.batch(block)
+        while True:
+            try:
+                for blocks in consumer.read_until(ends, idle_timeout_s=idle_s, arrow="blocks",
+                                                  max_records=1 << 20):
+                    for block in blocks:
+                        yield spark.batch(block)
+                return
+            except errors.AtomlogClientError as error:
+                if options.fail_on_data_loss or error.reason != "OFFSET_OUT_OF_RANGE":
+                    raise
+                # Deleted before they were read (retention, DeleteRecords): with
+                # failOnDataLoss=false, on from the log start. (Before, such a range
+                # failed every attempt and every restart of the query, for good.)
+                position = consumer.position(part.topic, part.partition)
+                log_start = consumer.beginning_offsets()[key]
+                if log_start <= position:
+                    raise  # (not a deletion: nothing to skip)
+                _log.warning("atomlog: records %d-%d of %s-%d were deleted before they were "
+                             "read; skipped (failOnDataLoss=false)", position,
+                             min(log_start, part.end) - 1, part.topic, part.partition)
+                if log_start >= part.end:
+                    return
+                consumer.seek(part.topic, part.partition, log_start)
     finally:
         consumer.close()
 

@@ -623,3 +623,40 @@ def test_read_tasks_of_a_worker_share_one_client_for_a_while(monkeypatch):
     assert renewed is not first and closed == [first]
     for client, _ in source._TASK_CLIENTS.values():
         client.close()
+
+
+def test_a_range_deleted_before_it_is_read_fails_or_with_fail_on_data_loss_false_is_skipped(
+        client, bootstrap):
+    """A micro-batch planned as [s, e) and read (or replayed) after retention or
+    DeleteRecords passed s failed every task attempt and every restart of the query,
+    for good: the only way out was to drop the checkpoint. failOnDataLoss=false (as
+    Kafka's source has it) skips the deleted records and reads the rest; the default
+    still fails, naming OFFSET_OUT_OF_RANGE."""
+    from spark_client import errors
+    from spark_client.spark import Options, OffsetRange, _read_range
+
+    topic = create_online(client, "spark-deleted", 1, config={"segment.bytes": str(1 << 16)})
+    with client.producer(linger_ms=5) as producer:
+        for i in range(400):
+            producer.send(topic, b"%04d" % i + bytes(1000), partition=0)
+            if i % 20 == 19:
+                producer.flush()  # (batches of 20 records: segments of about 60)
+    from atomlog.v1 import partition_pb2
+
+    stub = client.channels.partition(client.metadata.route(topic, 0).address)
+    deleted = stub.DeleteRecords(partition_pb2.DeleteRecordsRequest(items=[
+        partition_pb2.DeleteRecordsItem(topic=topic, partition=0, before_offset=200)]),
+        timeout=30).results[0]
+    start = deleted.log_start_offset
+    assert not deleted.error.reason and 0 < start <= 200, deleted
+    part = OffsetRange(topic, 0, 0, 400)
+    with pytest.raises(errors.AtomlogClientError) as failed:
+        list(_read_range(Options.parse({"bootstrap": bootstrap, "topic": topic}), part))
+    assert failed.value.reason == "OFFSET_OUT_OF_RANGE"
+    options = Options.parse({"bootstrap": bootstrap, "topic": topic, "failOnDataLoss": "false"})
+    offsets = [o for batch in _read_range(options, part)
+               for o in batch.column("offset").to_pylist()]
+    assert offsets == list(range(start, 400))
+    assert not list(_read_range(options, OffsetRange(topic, 0, 0, start)))  # all deleted
+    with pytest.raises(OptionError):
+        Options.parse({"bootstrap": bootstrap, "topic": topic, "failOnDataLoss": "maybe"})
