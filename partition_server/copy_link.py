@@ -197,7 +197,7 @@ class LinkServer:
                 try:
                     body = await _frame_body(reader, length, watch)
                     answer_kind, payload = await self._handler(kind)(body, peer_name,
-                                                                     auth_context)
+                                                                     auth_context, reader)
                     del body
                     _write_answer(writer, answer_kind, payload)
                     # A peer that stops reading its answer is closed as an idle one is.
@@ -255,7 +255,7 @@ class LinkServer:
                 if answering.done():  # (gone while the body was read: nobody would answer
                     self._held_bytes -= length  # it, nor release its bytes)
                     break
-                call = self._handler(kind)(body, peer, auth_context)
+                call = self._handler(kind)(body, peer, auth_context, reader)
                 pending.append((asyncio.ensure_future(call), length))
                 del body
                 wake.set()
@@ -326,7 +326,8 @@ class LinkServer:
         """What answers a frame of `kind`: a call frame, or a follower's ReplicateMany."""
         return self._call if kind == KIND_CALL else self._answer
 
-    async def _answer(self, body: bytes, peer: str, auth_context: dict) -> tuple[int, bytes]:
+    async def _answer(self, body: bytes, peer: str, auth_context: dict,
+                      reader: asyncio.StreamReader | None = None) -> tuple[int, bytes]:
         """One request frame's answer: (kind, payload). Every failure is an error frame, as
         the gRPC interceptor makes every failure a status."""
         started = time.perf_counter()
@@ -373,7 +374,8 @@ class LinkServer:
             LINK_REQUESTS.labels(outcome).inc()
             LINK_SECONDS.observe(time.perf_counter() - started)
 
-    async def _call(self, body: bytes, peer: str, auth_context: dict) -> tuple[int, bytes]:
+    async def _call(self, body: bytes, peer: str, auth_context: dict,
+                    reader: asyncio.StreamReader | None = None) -> tuple[int, bytes]:
         """A call frame (kind 3): method number, timeout, token, request. It
         runs as a gRPC call of the method runs: through the gRPC interceptor's wrapper
         (authenticated, checked by the ACLs, counted and timed; services/interceptors.py)
@@ -408,7 +410,7 @@ class LinkServer:
             handler = self.interceptor.wrapped(full_name, getattr(servicer, method.name))
             async with asyncio.timeout(timeout_s):
                 answer = await handler(request, _CallContext(token, peer, timeout_s,
-                                                             auth_context))
+                                                             auth_context, reader))
             return KIND_ANSWER, answer.SerializeToString()
         except _Aborted as aborted:
             return KIND_ERROR, _error_bytes(from_rpc_error(aborted))
@@ -502,12 +504,20 @@ class _CallContext(local.LocalContext):
     client certificate (`_peer_auth_context`), its peer and deadline; `abort` raises
     `_Aborted`."""
 
-    def __init__(self, token: str, peer: str, timeout_s: float | None, auth_context: dict):
+    def __init__(self, token: str, peer: str, timeout_s: float | None, auth_context: dict,
+                 reader: asyncio.StreamReader | None = None):
         super().__init__(timeout_s)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._peer = peer
         self._auth_context = auth_context
         self._code: grpc.StatusCode | None = None
+        self._reader = reader
+
+    def cancelled(self) -> bool:
+        """The caller hung up (its connection's end read): a long poll (Fetch, Receive)
+        stops instead of leasing messages to a consumer that is gone until their ack
+        timeout, as a cancelled gRPC call does."""
+        return self._reader is not None and self._reader.at_eof()
 
     def invocation_metadata(self):
         return self._metadata

@@ -299,3 +299,50 @@ def test_a_call_larger_than_the_link_takes_goes_over_grpc_on_a_kept_connection(m
             await server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_long_poll_on_the_link_sees_its_caller_hang_up(monkeypatch):
+    """A call's context on the link never said it was cancelled: a Receive long poll
+    whose consumer had gone away went on to its end and leased what came meanwhile to
+    nobody, until the messages' ack timeout. Now the context reads as cancelled once the
+    caller's connection has ended, as a cancelled gRPC call's does."""
+    from atomlog.v1 import partition_pb2
+
+
+    class Polling:
+        def __init__(self):
+            self.noticed = None
+
+        async def Fetch(self, request, context):
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            while loop.time() - began < 5:
+                if context.cancelled():
+                    self.noticed = loop.time() - began
+                    break
+                await asyncio.sleep(0.01)
+            return partition_pb2.FetchResponse()
+
+    async def scenario():
+        servicer = Polling()
+        server = LinkServer(_Bare(), "127.0.0.1", 0)
+        server.serve("PartitionService", servicer)
+        port = await server.start()
+        try:
+            for magic in (MAGIC, MAGIC_PIPELINED):
+                servicer.noticed = None
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(magic + call_frame(_number("Fetch"), 10.0, b"",
+                                                partition_pb2.FetchRequest()))
+                await writer.drain()
+                await asyncio.sleep(0.2)
+                writer.close()  # the consumer went away
+                for _ in range(300):
+                    if servicer.noticed is not None:
+                        break
+                    await asyncio.sleep(0.01)
+                assert servicer.noticed is not None and servicer.noticed < 2, magic
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
