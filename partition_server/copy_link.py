@@ -636,6 +636,7 @@ class LinkClient:
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
         self.down_until = 0.0  # monotonic: no link until then (a connect failed)
         self._closed = False
+        self._cancels = 0  # calls ended by `cancel` (their connection dropped here)
 
     @property
     def usable(self) -> bool:
@@ -681,6 +682,7 @@ class LinkClient:
         """Ends the call under way, if any (its connection is dropped)."""
         sock = self._sock
         if sock is not None:
+            self._cancels += 1  # (its call's end is ours, not the server's closing it)
             try:
                 # The socket's own shutdown, not SSLSocket's, which would also let go of its
                 # TLS state under the thread reading from it.
@@ -710,7 +712,7 @@ class LinkClient:
         if self._closed:
             raise ConnectionError("the replication link is closed")
         sock = self._sock
-        fresh = sock is None
+        fresh, cancels = sock is None, self._cancels
         if sock is None:
             try:
                 sock = connect_blocking(self._target, timeout_s, self._tls,
@@ -729,7 +731,7 @@ class LinkClient:
                 sock.close()
             except OSError:
                 pass
-            if fresh and _closed_by_server(error):
+            if fresh and self._cancels == cancels and _closed_by_server(error):
                 # Taken and closed before any answer (the leader's link full: its
                 # MAX_CONNECTIONS, or its held bytes): as if it could not be reached, so
                 # the follower asks over gRPC instead of retrying here for ever.

@@ -201,8 +201,6 @@ def test_a_peer_that_stops_reading_its_answers_is_closed_and_holds_nothing(monke
                 writer.write(magic + call_frame(_number("Fetch"), 5.0, b"", fetch) * calls)
                 await writer.drain()
                 connections.append((reader, writer))
-            await asyncio.sleep(BOUND_S / 2)
-            assert len(server._connections) == 2  # both stuck writing their answers
             began = time.monotonic()
             while server._connections and time.monotonic() - began < 6 * BOUND_S:
                 await asyncio.sleep(0.05)
