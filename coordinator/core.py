@@ -1788,8 +1788,11 @@ class TcPartitionCore:
         for txn in txns:
             if not txn.unconfirmed:
                 continue
+            # (A sent time ahead of now, the wall clock stepped back since, counts as due:
+            # else no re-send came until the clock caught up with it, and the partitions'
+            # readers waited behind the transaction for as long.)
             if resend and 0 <= txn.markers_sent_ms and (
-                    now_ms - txn.markers_sent_ms < self.limits.marker_retry_ms):
+                    0 <= now_ms - txn.markers_sent_ms < self.limits.marker_retry_ms):
                 continue
             if resend and len(markers) >= self.limits.max_markers_per_tick:
                 break

@@ -1024,6 +1024,23 @@ def test_markers_are_resent_until_confirmed_and_counted() -> None:
     assert core.tick(NOW + 10_000) == NO_WORK
 
 
+def test_markers_are_resent_after_the_wall_clock_steps_back() -> None:
+    """A marker sent at T and lost; the coordinator's clock then stepped back an hour
+    (an NTP step, a resumed VM): `now - sent` stayed negative, so no tick re-sent it
+    until the clock came back to T, and the partition's readers waited behind the
+    transaction all that time. A sent time in the future counts as due, as the session
+    sweep's does."""
+    core = TcPartitionCore(TC, Limits(marker_retry_ms=1_000))
+    at = NOW + 10_000_000
+    ready = core.new_txn(at, subscription_partitions=[SubscriptionPartition("t", 0, "s")])
+    settle(core, ready, at)
+    assert len(settle(core, core.end_txn(at, ready.reply.txn_id, COMMIT), at)) == 1
+    back = at - 3_600_000
+    assert len(core.tick(back + 1_000).markers) == 1
+    assert core.tick(back + 1_500).markers == ()  # (then every marker_retry_ms again)
+    assert len(core.tick(back + 2_000).markers) == 1
+
+
 def test_idle_holds_exactly_when_a_tick_however_late_has_nothing_to_do() -> None:
     """The shell ticks an idle() core about once a second instead of every 100 ms
     (coordinator/tc_partition.py): so idle() must hold only when a tick, however late,
