@@ -973,8 +973,7 @@ class PartitionOwner:
                 self._check_roll()
                 if self._retention_roll and self._roll is None and not self._queue:
                     self._retention_roll = False
-                    if self.log is not None and self.log.roll_for_retention_due(
-                            max(self._stamp_ms, _wall_ms())):
+                    if self.log is not None and self.log.roll_for_retention_due(_wall_ms()):
                         self._begin_flushes()  # what it holds: on its way
                         self._begin_roll()  # (then the next retention pass deletes it)
                         continue
@@ -1532,9 +1531,13 @@ class PartitionOwner:
         if self.state is not State.ONLINE or self.txns_recovering:
             return 0  # (a recovering buffer still reads the old segments)
         before = self.log.log_start_offset
-        # Ages count to now, not to the last append (the log's clock): a partition nobody
-        # writes any more kept its data past retention.ms until its next write.
-        now_ms = max(self._stamp_ms, _wall_ms())
+        # Ages count to now (the wall clock), not to the last append (the log's clock): a
+        # partition nobody writes any more kept its data past retention.ms until its next
+        # write. Not to the append clock either, which never goes back: one write while
+        # the clock ran a week ahead made every segment look a week old (all deleted at
+        # once) and then froze ages until real time caught up; a segment stamped ahead
+        # looks young instead, as in Kafka.
+        now_ms = _wall_ms()
         removed = self.log.apply_retention(keep_from_offset=self.max_read_position(),
                                            now_ms=now_ms)
         if self.log.roll_for_retention_due(now_ms):

@@ -351,3 +351,35 @@ def test_retention_ms_rolls_an_idle_active_segment_so_that_it_goes_too(tmp_path,
             await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_one_write_while_the_clock_ran_ahead_does_not_make_every_segment_old(
+        tmp_path, monkeypatch):
+    """Append times never go back (a clock set back keeps them ordered), and retention
+    measured ages against that append clock: one write while the wall clock ran 8 days
+    ahead (a bad RTC, a resumed VM) made every sealed segment 8 days old once the clock
+    was set right, and retention (7 days) deleted minute-old data at once. Ages count to
+    the wall clock now: a segment stamped ahead looks young, as in Kafka."""
+    day = 86_400_000
+    now = [1_800_000_000_000]
+    monkeypatch.setattr(owner_module, "_wall_ms", lambda: now[0])
+    settings = OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_ms=7 * day),
+                             fsync=False)
+
+    async def scenario():
+        owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
+        await owner.start()
+        try:
+            for _ in range(5):
+                data = make_batch(2, 200)
+                await owner.produce([(data, parse_header(data))])
+            now[0] += 8 * day  # the clock runs ahead for one write
+            data = make_batch(2, 200)
+            await owner.produce([(data, parse_header(data))])
+            now[0] -= 8 * day - 60_000  # set right: a minute after the first writes
+            assert await owner.apply_retention() == 0
+            assert owner.log.log_start_offset == 0
+        finally:
+            await owner.close()
+
+    asyncio.run(scenario())
