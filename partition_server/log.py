@@ -893,8 +893,11 @@ class PartitionLog:
             raise self._data_loss.error()
 
     def offset_for_timestamp(self, timestamp_ms: int) -> tuple[int, int] | None:
-        """(base offset, max timestamp) of the first flushed batch whose max timestamp is
-        >= timestamp_ms, or None (ListOffsets BY_TIMESTAMP; batch granularity)."""
+        """(base offset, max timestamp) of the first flushed data batch whose max
+        timestamp is >= timestamp_ms, or None (ListOffsets BY_TIMESTAMP; batch
+        granularity). Markers are passed over: they carry the server's clock, not the
+        producers', and no record a consumer reads (one stamped ahead answered every
+        time up to its stamp)."""
         self._check_serving()
         for segment in self._segments:
             if segment.base_offset >= self._high_watermark:
@@ -905,7 +908,7 @@ class PartitionLog:
             for _, header in self._walk(segment, position, segment.size, entry_offset):
                 if header.base_offset >= self._high_watermark:
                     return None
-                if header.max_timestamp_ms >= timestamp_ms:
+                if header.max_timestamp_ms >= timestamp_ms and not header.is_control:
                     return header.base_offset, header.max_timestamp_ms
         return None
 

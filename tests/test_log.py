@@ -638,6 +638,28 @@ def test_sealed_index_is_rebuilt_when_missing_or_damaged(tmp_path, damage):
         assert index_path.name in reopened.recovery.rebuilt_index_files
 
 
+def test_offset_for_timestamp_answers_data_batches_not_markers(tmp_path):
+    """A marker takes its timestamp from the server's clock, data from the producer's:
+    one marker stamped ahead (a server clock a day ahead, or plain skew) answered every
+    ListOffsets by timestamp up to its stamp, so a consumer seeking by time started far
+    too early and read again what it had processed. Markers are not records a consumer
+    reads: the answer is the first data batch at or after the time."""
+    hour = 3_600_000
+    log = open_log(tmp_path / "p", segment_bytes=1 << 20, index_interval_bytes=100)
+    for i in range(10):
+        log.append([make_batch(1, 100, timestamp_ms=i * hour)])
+    log.append([encode_control_batch(ControlType.COMMIT, txn=(1, 1), coordinator_epoch=1,
+                                     timestamp_ms=34 * hour)])
+    for i in range(11, 30):
+        log.append([make_batch(1, 100, timestamp_ms=i * hour)])
+    log.flush()
+    assert log.offset_for_timestamp(12 * hour) == (12, 12 * hour)
+    assert log.offset_for_timestamp(29 * hour) == (29, 29 * hour)
+    assert log.offset_for_timestamp(9 * hour) == (9, 9 * hour)
+    assert log.offset_for_timestamp(30 * hour) is None  # only the marker is that late
+    log.close()
+
+
 # --- Clean shutdown ------------------------------------------------------------------------
 
 def build_cleanly_closed_log(directory: Path) -> tuple[dict, list[tuple[int, bytes]]]:
