@@ -58,7 +58,7 @@ from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, Cu
                                           LeaderProgress, complete_reassignment,
                                           resumes_epoch, truncation_step)
 from partition_server.copy_link import LINK_FALLBACKS, LinkClient, LinkUnavailable
-from services import errors, failpoints, local
+from services import clock, errors, failpoints, local
 from services.batching import resolve
 from services.errors import AtomlogError
 from services.logs import event
@@ -91,7 +91,11 @@ REPLICATE_SNAPSHOT_MAX_BYTES = 12 << 20
 
 
 def _now_ms() -> int:
-    return int(time.time() * 1000)
+    """The leader's clock for followers' lag and the ISR's ticks, which live in this
+    process's memory only: steady (services/clock.py), so a wall clock stepped back no
+    longer kept a follower that stopped in the ISR (and every acknowledgement waiting)
+    for as long as the step, nor one stepped forward dropped every follower at once."""
+    return clock.steady_ms()
 
 
 class LeaderReplication:

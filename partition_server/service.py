@@ -32,7 +32,7 @@ from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHea
 from partition_server.subscription_cursor import (InitialPosition, resolve_initial_position,
                                                   validate_consumer_id)
 from partition_server.verifier import TxnVerifier
-from services import acl, auth
+from services import acl, auth, clock
 from services.batching import WhenAllDone, failure_of, observe_failure
 from services.errors import AtomlogError
 from services.topics import validate_topic_name
@@ -799,7 +799,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         response.producer_snapshot_offset = owner.producer_snapshot_offset
         response.transaction_buffer_snapshot_offset = owner.txn_snapshot_offset
         if owner.state is State.ONLINE:
-            now_ms = int(time.time() * 1000)
+            now_ms = int(time.time() * 1000)  # (ages of log records: wall-clock times)
             response.last_data_offset = owner.positions()["last_data_offset"]
             response.segment_count = owner.log.segment_count
             response.size_bytes = owner.log.size_bytes
@@ -832,7 +832,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                                )[:MAX_DESCRIBED_SUBSCRIPTIONS]:
                 sp = common_pb2.SubscriptionPartition(topic=tp.topic, partition=tp.partition,
                                                       subscription=name)
-                d = owner.subscriptions.describe(name, readable, now_ms)
+                d = owner.subscriptions.describe(name, readable, clock.steady_ms())
                 response.subscriptions.add(**_cursor_fields(sp, d))
         if owner.replication is not None:
             owner.replication.status(response.replication)
@@ -1091,7 +1091,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
     async def Nack(self, request, context):
         validate_consumer_id(request.consumer_id)
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.steady_ms()  # (deliveries' deadlines: this process's memory only)
 
         async def nack(item):
             sp = item.subscription_partition
@@ -1110,7 +1110,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     async def DescribeSubscription(self, request, context):
         _require_items(request.subscription_partitions, "DescribeSubscriptionRequest")
         response = partition_pb2.DescribeSubscriptionResponse()
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.steady_ms()  # (deliveries' deadlines: this process's memory only)
         for sp in request.subscription_partitions:
             try:
                 owner = await self._subscription_owner(sp)
@@ -1168,7 +1168,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         per_partition = self.subscription_settings.max_offsets_per_receive
         offsets_left = request.max_messages or None  # None: only the per-partition limit
         delivered_any, waits, failed = False, [], False
-        now_ms = int(time.time() * 1000)
+        now_ms = clock.steady_ms()  # (deliveries' deadlines: this process's memory only)
         for sp in request.subscription_partitions:
             try:
                 owner = await self._subscription_owner(sp)
@@ -1245,7 +1245,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                if (d := owner.subscriptions.next_deadline_ms(name)) is not None]
         if not due:
             return float("inf")
-        return max(min(due) + cls.REDELIVERY_SLACK_MS - time.time() * 1000, 1) / 1000
+        return max(min(due) + cls.REDELIVERY_SLACK_MS - clock.steady_ms(), 1) / 1000
 
     # ------------------------------------------------------------------ staging
     async def StageTxn(self, request, context):

@@ -865,3 +865,30 @@ def test_a_replica_a_reassignment_adds_is_not_counted_as_under_replication(tmp_p
             await owner.close()
 
     asyncio.run(scenario())
+
+
+def test_a_wall_clock_stepped_back_does_not_keep_a_stopped_follower_in_the_isr(
+        tmp_path, monkeypatch):
+    """Followers' lag (when each last caught up) lives in the leader's memory only but
+    was measured on the wall clock: stepped back an hour, a follower that stopped
+    fetching stayed in the ISR for the hour, and with it the high watermark, every
+    acknowledged write and every cursor change waiting for it. It is measured on the
+    process's steady clock now."""
+    import time
+
+    fsyncs = Fsyncs()
+    real = time.time
+
+    async def scenario():
+        owner, leader = await leading(tmp_path / "t-0", fsyncs)
+        try:
+            leader.progress.max_lag_ms = 300
+            await leader.replicate(request(0, -1), 0)  # b caught up, then stops fetching
+            assert leader._wanted_isr(live={"a", "b"}) is None
+            monkeypatch.setattr(time, "time", lambda: real() - 3_600)  # stepped back
+            await asyncio.sleep(0.5)
+            assert leader._wanted_isr(live={"a", "b"}) == {"a"}
+        finally:
+            await owner.close()
+
+    asyncio.run(scenario())

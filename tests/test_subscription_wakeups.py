@@ -492,3 +492,22 @@ def test_records_a_receive_delivers_count_as_records_out(tmp_path):
         assert records_out() == before + 6
 
     run(tmp_path, scenario)
+
+
+def test_a_wall_clock_stepped_back_does_not_hold_redeliveries(tmp_path, monkeypatch):
+    """Delivery deadlines (ack timeouts, Nack delays) live in the server's memory only,
+    but were wall-clock times: a clock stepped back an hour (an NTP step, a resumed VM)
+    held a dead consumer's messages, and with them the subscription's unacknowledged
+    budget, for the hour. They count on the process's steady clock now."""
+    real = time.time
+
+    async def scenario(h: Harness) -> None:
+        await h.produce(3)
+        assert await h.receive("a", ack_timeout_ms=300) == ([(0, 3)], [])
+        monkeypatch.setattr(time, "time", lambda: real() - 3_600)  # stepped back
+        began = time.monotonic()
+        delivered, redelivered = await h.receive("b", max_wait_ms=5_000)
+        assert redelivered == [(0, 3)], (delivered, redelivered)
+        assert time.monotonic() - began < 3
+
+    run(tmp_path, scenario)
