@@ -325,7 +325,8 @@ def _bootstrap(bootstrap: str | None, data_dir: Path) -> str:
     if ca or cert or key:
         if not ca:
             fail("--tls-cert and --tls-key need --tls-ca (the CA that signed the servers)", 2)
-        _TLS = TlsConfig(ca, cert or "", key or "")
+        _TLS = TlsConfig(ca, cert or "", key or "",
+                         server_name=_TLS_FLAGS.get("tls_server_name") or "")
         try:
             _TLS.check()
         except TlsFileError as error:
@@ -374,6 +375,12 @@ _CLUSTER_OPTIONS = (
                  help="Client certificate (PEM), for a cluster requiring one (mTLS)."),
     click.option("--tls-key", envvar="ATOMLOG_TLS_KEY", expose_value=False,
                  callback=_remember_tls, metavar="FILE", help="Key of --tls-cert (PEM)."),
+    click.option("--tls-server-name", envvar="ATOMLOG_TLS_SERVER_NAME", expose_value=False,
+                 callback=_remember_tls, metavar="NAME",
+                 help="The name the servers' certificates are checked against, instead of "
+                      "the host dialed (a cluster whose servers share one certificate, as "
+                      "the Kubernetes production overlay's `atomlog-server`; in its pods "
+                      "ATOMLOG_TLS_SERVER_NAME is set already)."),
     click.option("--token-file", envvar="ATOMLOG_TOKEN_FILE", expose_value=False,
                  callback=_remember_tls, metavar="FILE",
                  help="File holding a bearer token (a JWT or a static token) for a cluster "

@@ -531,3 +531,32 @@ def test_spark_options_carry_tls_to_every_client(tls_cluster, orders, files):
     with pytest.raises(OptionError, match="missing.pem"):
         Options.parse({"bootstrap": "h:1", "topic": "t", "tls.ca": str(files["missing"])})
     assert Options.parse({"bootstrap": "h:1", "topic": "t"}).tls is None
+
+
+def test_the_cli_checks_servers_against_tls_server_name(tmp_path, monkeypatch):
+    """The Kubernetes production overlay's servers share one certificate (SAN
+    atomlog-server) and advertise pod IPs: the CLI, which checked each server against
+    the host it dialed, could reach none of them, and no flag set the name (every
+    runbook step run "in any server pod" failed). --tls-server-name (or
+    ATOMLOG_TLS_SERVER_NAME, set in those pods) names it."""
+    from click.testing import CliRunner
+
+    from services import cli
+
+    ca = LocalCa(tmp_path / "ca")
+    ca.issue(tmp_path / "c.crt", tmp_path / "c.key", "ops", server=False)
+    monkeypatch.setattr(cli, "_client", lambda *a, **k: (_ for _ in ()).throw(SystemExit(0)))
+    for how in ("flag", "environment"):
+        args = ["topic", "list", "--bootstrap", "10.0.0.7:7070", "--tls-ca",
+                str(ca.ca_file), "--tls-cert", str(tmp_path / "c.crt"), "--tls-key",
+                str(tmp_path / "c.key"), "--data-dir", str(tmp_path / "none")]
+        env = {}
+        if how == "flag":
+            args += ["--tls-server-name", "atomlog-server"]
+        else:
+            env["ATOMLOG_TLS_SERVER_NAME"] = "atomlog-server"
+        cli._TLS = None
+        CliRunner().invoke(cli.cli, args, env=env)
+        assert cli._TLS is not None and cli._TLS.server_name == "atomlog-server", how
+        assert cli._TLS.channel_options() == [("grpc.ssl_target_name_override",
+                                               "atomlog-server")]
