@@ -104,6 +104,12 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
         check_cluster_settings(settings, tls=use_tls or bool(existing and existing.tls))
     except ConfigError as error:
         fail(str(error), 2)
+    if not combined and existing is not None and any(
+            p.role == "combined" for p in existing.processes):
+        context = click.get_current_context()
+        if all(context.get_parameter_source(name) is click.core.ParameterSource.DEFAULT
+               for name in ("partition_servers", "coordinators", "id_allocators")):
+            combined = True  # (a combined cluster started again: no counts were asked for)
     counts = ({"combined": 1} if combined else
               {"partition_server": partition_servers, "coordinator": coordinators,
                "id_allocator": id_allocators})

@@ -285,6 +285,19 @@ def plan(data_dir: Path, counts: dict[str, int], settings: dict[str, str],
     cluster = ClusterFile.load(data_dir)
     if settings:
         check_cluster_settings(settings, tls=tls or bool(cluster is not None and cluster.tls))
+    if cluster is not None:
+        shape = "combined" if any(p.role == "combined" for p in cluster.processes) else (
+            "separate" if any(p.role in ROLE_PREFIX and p.role != "combined"
+                              for p in cluster.processes) else "")
+        asked = "combined" if counts.get("combined") else "separate"
+        if shape and asked != shape and any(counts.values()):
+            # (Before, `up` on a combined cluster added a partition server, coordinator
+            # and id allocator beside it for good, and `up --combined` on a cluster of
+            # separate roles added a combined server to it.)
+            raise LaunchError(f"the cluster in {data_dir} is "
+                              + ("a combined server: start it with `atomlog up --combined`"
+                                 if shape == "combined" else
+                                 "of separate processes: start it without --combined"))
     if cluster is not None and tls and not cluster.tls:
         raise LaunchError(f"the cluster in {data_dir} was created without --tls; TLS is "
                           "chosen when a cluster is created (`atomlog down`, then `up --tls` "

@@ -266,3 +266,41 @@ def test_the_server_that_creates_a_cluster_picks_its_tc_partitions_and_later_one
     finally:
         launcher.down(single, timeout_s=10)
         launcher.down(roles, timeout_s=10)
+
+def test_a_combined_cluster_is_not_grown_into_separate_roles_or_the_reverse(tmp_path):
+    """`atomlog up` (its default counts) on a combined cluster added a partition server,
+    coordinator and id allocator beside the combined server for good, and `up
+    --combined` on a cluster of separate roles added a combined server to it. The CLI
+    now starts a combined cluster as combined when no counts are given, and the plan
+    refuses a shape other than the cluster's."""
+    from click.testing import CliRunner
+
+    from services import cli
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "s").mkdir()
+    combined = launcher.plan(tmp_path / "c", {"combined": 1}, {})
+    combined.save(tmp_path / "c")
+    with pytest.raises(launcher.LaunchError) as refused:
+        launcher.plan(tmp_path / "c", {"partition_server": 3, "coordinator": 2,
+                                       "id_allocator": 1}, {})
+    assert "--combined" in str(refused.value)
+    separate = launcher.plan(tmp_path / "s", {"id_allocator": 1}, {})
+    separate.save(tmp_path / "s")
+    with pytest.raises(launcher.LaunchError):
+        launcher.plan(tmp_path / "s", {"combined": 1}, {})
+    assert [p.role for p in launcher.plan(tmp_path / "c", {"combined": 1}, {}).processes] == \
+        ["zookeeper", "combined"]
+    seen = {}
+
+    def up(data_dir, counts, *args, **kwargs):
+        seen["counts"] = counts
+        raise launcher.LaunchError("stop here")
+
+    original = launcher.up
+    launcher.up = up
+    try:
+        CliRunner().invoke(cli.cli, ["up", "--data-dir", str(tmp_path / "c")])
+    finally:
+        launcher.up = original
+    assert seen["counts"] == {"combined": 1}
