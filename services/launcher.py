@@ -583,6 +583,12 @@ def up(data_dir: Path, counts: dict[str, int], settings: dict[str, str] | None =
         start(entry)
         started.append(entry.name)
     cluster.save(data_dir)
+    if settings and running:
+        # (Before, `up --set` on a running cluster said nothing: the setting reached only
+        # the processes started later, and the cluster ran on mixed settings.)
+        progress(f"the settings {sorted(settings)} are recorded for processes started from "
+                 f"now on; already running without them: {', '.join(sorted(running))} "
+                 "(`atomlog down` and `up` to apply them everywhere)")
 
     deadline = began + timeout_s
     pending = {e.name: e for e in services}
