@@ -238,23 +238,32 @@ def test_a_producer_snapshot_older_than_the_log_start_is_not_restored(tmp_path):
     asyncio.run(scenario())
 
 
+def _clocked(monkeypatch, retention_ms: int) -> tuple[list[int], OwnerSettings]:
+    """The owners' wall clock made `now[0]`, and settings of 1,000-byte segments."""
+    now = [1_800_000_000_000]
+    monkeypatch.setattr(owner_module, "_wall_ms", lambda: now[0])
+    return now, OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_ms=retention_ms),
+                              fsync=False)
+
+
+async def _write_batches(owner, count: int) -> None:
+    for _ in range(count):
+        data = make_batch(2, 200)
+        await owner.produce([(data, parse_header(data))])
+
+
 def test_retention_ms_counts_from_now_on_a_partition_nobody_writes(tmp_path, monkeypatch):
     """The owner's retention pass measured a segment's age against the time of the last
     write (the owner's append clock), not the current time: on a topic nobody wrote any
     more, data past retention.ms was kept until the next write or restart. Now it counts
     from the wall clock."""
-    now = [1_800_000_000_000]
-    monkeypatch.setattr(owner_module, "_wall_ms", lambda: now[0])
-    settings = OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_ms=60_000),
-                             fsync=False)
+    now, settings = _clocked(monkeypatch, 60_000)
 
     async def scenario():
         owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
         await owner.start()
         try:
-            for _ in range(5):
-                data = make_batch(2, 200)
-                await owner.produce([(data, parse_header(data))])
+            await _write_batches(owner, 5)
             assert len(owner.log.segments()) == 3
             assert await owner.apply_retention() == 0  # nothing is old yet
             now[0] += 3_600_000  # an hour later, nothing written meanwhile
@@ -322,18 +331,13 @@ def test_retention_ms_rolls_an_idle_active_segment_so_that_it_goes_too(tmp_path,
     append: on a topic nobody writes any more, its last segment (up to segment.bytes)
     outlived any retention.ms. Now a retention pass that finds it past retention has
     the owner roll it, and the next pass deletes it (as Kafka does)."""
-    now = [1_800_000_000_000]
-    monkeypatch.setattr(owner_module, "_wall_ms", lambda: now[0])
-    settings = OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_ms=60_000),
-                             fsync=False)
+    now, settings = _clocked(monkeypatch, 60_000)
 
     async def scenario():
         owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
         await owner.start()
         try:
-            for _ in range(5):
-                data = make_batch(2, 200)
-                await owner.produce([(data, parse_header(data))])
+            await _write_batches(owner, 5)
             end = owner.log.log_end_offset
             now[0] += 3_600_000
             assert await owner.apply_retention() == 2  # the sealed ones
@@ -361,18 +365,13 @@ def test_one_write_while_the_clock_ran_ahead_does_not_make_every_segment_old(
     was set right, and retention (7 days) deleted minute-old data at once. Ages count to
     the wall clock now: a segment stamped ahead looks young, as in Kafka."""
     day = 86_400_000
-    now = [1_800_000_000_000]
-    monkeypatch.setattr(owner_module, "_wall_ms", lambda: now[0])
-    settings = OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_ms=7 * day),
-                             fsync=False)
+    now, settings = _clocked(monkeypatch, 7 * day)
 
     async def scenario():
         owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
         await owner.start()
         try:
-            for _ in range(5):
-                data = make_batch(2, 200)
-                await owner.produce([(data, parse_header(data))])
+            await _write_batches(owner, 5)
             now[0] += 8 * day  # the clock runs ahead for one write
             data = make_batch(2, 200)
             await owner.produce([(data, parse_header(data))])

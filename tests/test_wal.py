@@ -634,6 +634,29 @@ def test_a_log_that_ends_below_its_frames_enters_data_loss(tmp_path):
     asyncio.run(scenario())
 
 
+async def fill_until_refused(owner: PartitionOwner, sequence: int) -> int:
+    """Producer 1's batches of 300 bytes from `sequence` until the write-ahead file is
+    full (RESOURCE_EXHAUSTED); the next sequence."""
+    with pytest.raises(AtomlogError) as refused:
+        for _ in range(100):
+            b = batch(1, sequence, b"x" * 300)
+            await owner.produce([(b, parse_header(b))])
+            sequence += 2
+    assert refused.value.reason == "RESOURCE_EXHAUSTED"
+    return sequence
+
+
+async def checkpointed_and_trimmed(wal: WriteAheadLog, owner: PartitionOwner) -> None:
+    """A checkpoint of the owner's file (waited for), then a trim."""
+    end = owner.log.log_end_offset
+    assert wal.checkpoint() == 1
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if owner.log.durable_offset == end:
+            break
+    await wal._trim()
+
+
 def test_past_its_byte_limit_the_file_refuses_new_writes_until_checkpoints_free_it(tmp_path):
     """partition.wal_max_bytes: a group is refused whole (RESOURCE_EXHAUSTED, nothing
     written) while the kept segments reach the limit; a checkpoint and the trim after it
@@ -643,21 +666,10 @@ def test_past_its_byte_limit_the_file_refuses_new_writes_until_checkpoints_free_
         await node.start()
         wal, owner = node.wal, node.owners[0]
         wal.segment_bytes, wal.max_bytes = 2 << 10, 6 << 10
-        sequence = 0
-        with pytest.raises(AtomlogError) as refused:
-            for _ in range(100):
-                b = batch(1, sequence, b"x" * 300)
-                await owner.produce([(b, parse_header(b))])
-                sequence += 2
-        assert refused.value.reason == "RESOURCE_EXHAUSTED"
+        sequence = await fill_until_refused(owner, 0)
         end = owner.log.log_end_offset
         assert end == owner.log.high_watermark == sequence  # the refused group wrote nothing
-        assert wal.checkpoint() == 1
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if owner.log.durable_offset == end:
-                break
-        await wal._trim()
+        await checkpointed_and_trimmed(wal, owner)
         assert wal.full() is None
         b = batch(1, sequence, b"x" * 300)
         assert (await owner.produce([(b, parse_header(b))]))[0].base_offset == end
@@ -1340,20 +1352,8 @@ def test_a_partition_in_data_loss_no_longer_holds_the_file_and_its_frames_are_ke
             if lost.state is State.DATA_LOSS:
                 break
         assert lost.state is State.DATA_LOSS
-        sequence = 2
-        with pytest.raises(AtomlogError) as refused:
-            for _ in range(100):
-                b = batch(1, sequence, b"x" * 300)
-                await other.produce([(b, parse_header(b))])
-                sequence += 2
-        assert refused.value.reason == "RESOURCE_EXHAUSTED"
-        end = other.log.log_end_offset
-        assert wal.checkpoint() == 1
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if other.log.durable_offset == end:
-                break
-        await wal._trim()
+        sequence = await fill_until_refused(other, 2)
+        await checkpointed_and_trimmed(wal, other)
         assert len(wal._ledger.segments) == 1  # only the active one is left
         assert wal.full() is None
         b = batch(1, sequence)
