@@ -1091,6 +1091,14 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
 
     async def Nack(self, request, context):
         validate_consumer_id(request.consumer_id)
+        limit = self.subscription_settings.max_ack_timeout_ms
+        if request.redelivery_delay_ms > limit:
+            # (Unbounded before: a wrong unit held messages for weeks, and releasing the
+            # consumer did not free them.)
+            raise AtomlogError("INVALID_ARGUMENT", f"redelivery_delay_ms "
+                               f"{request.redelivery_delay_ms} is more than "
+                               f"subscription.max_ack_timeout_ms ({limit})",
+                               {"field": "redelivery_delay_ms"})
         now_ms = clock.steady_ms()  # (deliveries' deadlines: this process's memory only)
 
         async def nack(item):

@@ -511,3 +511,27 @@ def test_a_wall_clock_stepped_back_does_not_hold_redeliveries(tmp_path, monkeypa
         assert time.monotonic() - began < 3
 
     run(tmp_path, scenario)
+
+
+def test_a_nack_delay_past_the_ack_timeout_limit_is_refused(tmp_path):
+    """redelivery_delay_ms had no bound: a wrong unit (or a Go client's negative delay,
+    sent as about 49.7 days) held messages for weeks, and releasing the consumer did not
+    free them. Past subscription.max_ack_timeout_ms it is refused, and nothing changes."""
+    from services.errors import AtomlogError as Refused
+
+    async def scenario(h: Harness) -> None:
+        await h.produce(3)
+        assert await h.receive("a") == ([(0, 3)], [])
+        limit = h.servicer.subscription_settings.max_ack_timeout_ms
+        try:
+            await h.servicer.Nack(partition_pb2.NackRequest(
+                consumer_id="a", redelivery_delay_ms=limit + 1,
+                items=[partition_pb2.NackItem(subscription_partition=SP)]), _Context())
+        except Refused as refused:
+            assert refused.reason == "INVALID_ARGUMENT", refused
+        else:
+            raise AssertionError("a Nack delay past the limit was taken")
+        await h.nack("a", 0)  # within it: taken, and the offsets are free at once
+        assert await h.receive("b") == ([(0, 3)], [(0, 3)])
+
+    run(tmp_path, scenario)

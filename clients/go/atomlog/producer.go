@@ -292,6 +292,11 @@ func (c *Client) NewProducer(ctx context.Context, opts ProducerOptions) (*Produc
 	if opts.TransactionTimeout == 0 {
 		opts.TransactionTimeout = 60 * time.Second
 	}
+	if opts.TransactionTimeout < time.Millisecond || opts.TransactionTimeout.Milliseconds() > 1<<32-1 {
+		// (Sent as uint32 milliseconds: under 1 ms became the server's default, 60 s; past
+		// 49.7 days it wrapped around.)
+		return nil, errorf(ReasonInvalidTransactionTimeout, "TransactionTimeout %s", opts.TransactionTimeout)
+	}
 	if opts.Compression < CompressionNone || opts.Compression > CompressionLZ4 {
 		return nil, errorf(ReasonInvalidArgument, "unknown compression %d", opts.Compression)
 	}

@@ -7,6 +7,7 @@ package atomlog
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"strings"
@@ -329,5 +330,35 @@ func TestProducerNeverReusesTheSequenceOfABatchThatMayBeWritten(t *testing.T) {
 	f.mu.Unlock()
 	if producers != 2 {
 		t.Fatalf("%d producer ids used, want a fresh one after the refusal", producers)
+	}
+}
+
+// TestDurationsSentAsMillisecondsAreChecked: a TransactionTimeout or a Nack delay goes on
+// the wire as uint32 milliseconds: under 1 ms a timeout became the server's default
+// (60 s), past 49.7 days it wrapped, and a negative Nack delay became about 49.7 days.
+// They are refused before anything is sent.
+func TestDurationsSentAsMillisecondsAreChecked(t *testing.T) {
+	f := startFake(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := Dial(f.address, WithRequestTimeout(5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for _, timeout := range []time.Duration{time.Microsecond, 50 * 24 * time.Hour} {
+		_, err := c.NewProducer(ctx, ProducerOptions{TransactionalID: "t", TransactionTimeout: timeout})
+		var typed *Error
+		if !errors.As(err, &typed) || typed.Reason != ReasonInvalidTransactionTimeout {
+			t.Fatalf("TransactionTimeout %s: %v", timeout, err)
+		}
+	}
+	s := &Subscription{c: c, consumerID: "c"}
+	for _, delay := range []time.Duration{-5 * time.Second, 50 * 24 * time.Hour} {
+		err := s.nack(ctx, []TopicPartition{{Topic: "t"}}, nil, delay)
+		var typed *Error
+		if !errors.As(err, &typed) || typed.Reason != ReasonInvalidArgument {
+			t.Fatalf("Nack delay %s: %v", delay, err)
+		}
 	}
 }

@@ -371,6 +371,10 @@ func (s *Subscription) Nack(ctx context.Context, messages []Message, delay time.
 
 func (s *Subscription) nack(ctx context.Context, tps []TopicPartition, ranges map[TopicPartition][]*pb.OffsetRange,
 	delay time.Duration) error {
+	if delay < 0 || delay.Milliseconds() > 1<<32-1 {
+		// (Sent as uint32 milliseconds: -5 s became about 49.7 days.)
+		return errorf(ReasonInvalidArgument, "a Nack delay of %s", delay)
+	}
 	return callOwners(ctx, s.c, tps, func(actx context.Context, stub pb.PartitionServiceClient,
 		group []TopicPartition) ([]*pb.ItemError, error) {
 		request := &pb.NackRequest{ConsumerId: s.consumerID, RedeliveryDelayMs: uint32(delay.Milliseconds())}
