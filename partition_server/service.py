@@ -632,8 +632,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         task = asked.get(txn)
         if task is not None and task.exception() is not None:
             raise task.exception()
-        if self.authorizer is None and owner.txns.open_transaction(txn) is not None \
-                and task is None:
+        open_here = task is None and owner.txns.open_transaction(txn) is not None
+        if open_here and self.authorizer is None:
             return None  # open here: verified at its first write
         verified = owner.guard.cached(txn)
         if verified is None:
@@ -641,8 +641,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         if self.authorizer is not None:
             self.authorizer.check_joining(f"a transactional write into {txn.tc_partition}:"
                                           f"{txn.sequence}", auth.current(), verified.opener)
-            if owner.txns.open_transaction(txn) is not None and task is None:
-                return None
+            if open_here:
+                return None  # (the opener checked; its session was at its first write)
         if verified.session is not None and verified.session != (header.producer_id,
                                                                   header.producer_epoch):
             raise AtomlogError(

@@ -21,8 +21,8 @@ The pure core (no I/O, no grpc, no clock):
 - `TxnOwners`: the principal that opened each transaction (bounded), and the idempotency
   key it opened it by, recorded by the coordinator's shell when NewTxn answers, so a call
   on another principal's transaction (by its id, or by its key) can be told from one on
-  the caller's own. The partition servers ask for it (`opener_of`) when they verify a
-  transactional write or ack with the coordinator.
+  the caller's own. The partition servers learn it (`Authorizer.opener`, answered by
+  VerifyTxnPartitions) when they verify a transactional write or ack.
 
 Rules that are not ACL entries:
 - principals of auth.super_users may do everything ACLs govern, but not the internal RPCs;
@@ -565,7 +565,7 @@ class TxnOwners:
     def __init__(self, limit: int = MAX_REMEMBERED_OWNERS):
         self.limit = limit
         self._owners: collections.OrderedDict[tuple[int, int], str] = collections.OrderedDict()
-        self._keys: dict[tuple[int, str], str] = {}
+        self._keys: dict[tuple[int, str], tuple[int, int]] = {}  # key -> its transaction
         self._key_of: dict[tuple[int, int], tuple[int, str]] = {}
         self._lock = threading.Lock()
 
@@ -575,8 +575,8 @@ class TxnOwners:
             if txn in self._owners:
                 return  # the first opener stays (a retried NewTxn by key answers the same)
             self._owners[txn] = principal
-            if key is not None and key[1]:
-                self._keys.setdefault(key, principal)
+            if key is not None and key[1] and key not in self._keys:
+                self._keys[key] = txn
                 self._key_of[txn] = key
             while len(self._owners) > self.limit:
                 self._drop(self._owners.popitem(last=False)[0])
@@ -590,7 +590,8 @@ class TxnOwners:
         return self._owners.get(txn)
 
     def key_owner(self, key: tuple[int, str]) -> str | None:
-        return self._keys.get(key)
+        txn = self._keys.get(key)
+        return None if txn is None else self._owners.get(txn)
 
     def forget(self, txn: tuple[int, int]) -> None:
         with self._lock:
@@ -622,6 +623,11 @@ def _metrics():
 
 
 DENIED, ACL_ENTRIES = _metrics()
+
+
+def _caller(principal) -> Caller:
+    """The Caller of an authenticated principal (services.auth.Principal, or None)."""
+    return Caller(principal.name, principal.service) if principal else Caller("anonymous")
 
 
 class Authorizer:
@@ -695,7 +701,7 @@ class Authorizer:
 
     def check(self, method: str, request, principal) -> None:
         """Raise AtomlogError PERMISSION_DENIED (logged and counted) unless allowed."""
-        caller = Caller(principal.name, principal.service) if principal else Caller("anonymous")
+        caller = _caller(principal)
         denial = decide(method, request, caller, self.acls, self.super_users, self.owners)
         if denial is not None:
             self._refuse(method, caller, denial)
@@ -703,7 +709,7 @@ class Authorizer:
     def may(self, principal, permission: Permission) -> bool:
         """Whether the caller holds `permission` (a super user or a service principal:
         always), for answers that show a caller only part of what they hold."""
-        caller = Caller(principal.name, principal.service) if principal else Caller("anonymous")
+        caller = _caller(principal)
         return caller.service or caller.name in self.super_users or _allowed(
             caller, permission, self.acls)
 
@@ -717,7 +723,7 @@ class Authorizer:
         PERMISSION_DENIED unless the caller is the opener, a super user, a service
         principal, or holds alter on transaction_admin. Kafka checks TransactionalId WRITE
         on a transactional produce; a batch here names its transaction, so its opener."""
-        caller = Caller(principal.name, principal.service) if principal else Caller("anonymous")
+        caller = _caller(principal)
         if (not opener or opener == caller.name or caller.service
                 or caller.name in self.super_users or _allowed(caller, TXN_ADMIN, self.acls)):
             return

@@ -177,6 +177,15 @@ def test_the_owner_unlinks_deleted_segments_off_its_event_loop(tmp_path):
     asyncio.run(scenario())
 
 
+async def write_as(owner: PartitionOwner, producer_id: int, sequence: int):
+    """Producer `producer_id`'s batch of two 200-byte records at `sequence`: its answer."""
+    from partition_server.record_batch import Record, encode_batch
+
+    b = encode_batch([Record(b"k", bytes(200)), Record(b"k", bytes(200))],
+                     producer_id=producer_id, producer_epoch=0, base_sequence=sequence)
+    return (await owner.produce([(b, parse_header(b))]))[0]
+
+
 def test_a_producer_snapshot_older_than_the_log_start_is_not_restored(tmp_path):
     """Retention moved the log start past the newest producer snapshot (covering 4), and
     the server crashed before the next one. The load restored that snapshot and replayed
@@ -184,16 +193,6 @@ def test_a_producer_snapshot_older_than_the_log_start_is_not_restored(tmp_path):
     deleted segment), retried after a lost answer, was appended a second time. Now
     retention removes such snapshots, and a load ignores one it still finds; the retry is
     refused as unknown (written nothing), never appended twice."""
-    def batch(producer_id: int, sequence: int) -> bytes:
-        from partition_server.record_batch import Record, encode_batch
-        return encode_batch([Record(b"k", bytes(200)), Record(b"k", bytes(200))],
-                            producer_id=producer_id, producer_epoch=0,
-                            base_sequence=sequence)
-
-    async def write(owner, producer_id: int, sequence: int):
-        b = batch(producer_id, sequence)
-        return (await owner.produce([(b, parse_header(b))]))[0]
-
     async def scenario():
         settings = OwnerSettings(log=LogConfig(segment_bytes=1_000, retention_bytes=1),
                                  fsync=False, snapshot_interval_batches=1 << 30,
@@ -202,18 +201,18 @@ def test_a_producer_snapshot_older_than_the_log_start_is_not_restored(tmp_path):
         await owner.start()
         try:
             for sequence in (0, 2):
-                await write(owner, 7, sequence)
+                await write_as(owner, 7, sequence)
             stale = owner.directory / snapshot_file_name(4)
             stale_bytes = owner.producers.snapshot(4)
             stale.write_bytes(stale_bytes)  # as the owner writes them
-            await write(owner, 7, 4)  # producer 7's last batch, at 4-5
+            await write_as(owner, 7, 4)  # producer 7's last batch, at 4-5
             for sequence in (0, 2, 4):
-                await write(owner, 8, sequence)
+                await write_as(owner, 8, sequence)
             assert owner.log.log_end_offset == 12
             assert await owner.apply_retention() == 2
             assert owner.log.log_start_offset == 8
             assert not stale.exists()
-            assert (await write(owner, 7, 4)).base_offset == 4  # live: a duplicate
+            assert (await write_as(owner, 7, 4)).base_offset == 4  # live: a duplicate
             crashed = tmp_path / "crash" / "t-0"
             shutil.copytree(owner.directory, crashed, ignore=shutil.ignore_patterns("*.deleted"))
         finally:
@@ -228,7 +227,7 @@ def test_a_producer_snapshot_older_than_the_log_start_is_not_restored(tmp_path):
         reopened = PartitionOwner("t", 0, crashed, settings)
         await reopened.start()
         try:
-            refused = await write(reopened, 7, 4)
+            refused = await write_as(reopened, 7, 4)
             assert isinstance(refused, AtomlogError), refused
             assert refused.reason == "UNKNOWN_PRODUCER_ID"
             assert reopened.log.log_end_offset == 12
@@ -281,17 +280,6 @@ def test_a_moved_log_start_is_followed_by_a_snapshot_soon(tmp_path):
     stay without any for hours. A crash then loaded no producer state, and producer 7's
     first batch (sequence 0, now deleted), retried after a lost answer, was appended a
     second time. Now a snapshot follows the move at the owner's next step."""
-    from partition_server.record_batch import Record, encode_batch
-
-    def batch(producer_id: int, sequence: int) -> bytes:
-        return encode_batch([Record(b"k", bytes(200)), Record(b"k", bytes(200))],
-                            producer_id=producer_id, producer_epoch=0,
-                            base_sequence=sequence)
-
-    async def write(owner, producer_id: int, sequence: int):
-        b = batch(producer_id, sequence)
-        return (await owner.produce([(b, parse_header(b))]))[0]
-
     settings = OwnerSettings(log=LogConfig(segment_bytes=1_000), fsync=False,
                              snapshot_interval_batches=1 << 30, snapshot_interval_ms=1 << 30)
 
@@ -299,16 +287,16 @@ def test_a_moved_log_start_is_followed_by_a_snapshot_soon(tmp_path):
         owner = PartitionOwner("t", 0, tmp_path / "t-0", settings)
         await owner.start()
         try:
-            await write(owner, 7, 0)
+            await write_as(owner, 7, 0)
             for sequence in (0, 2, 4):
-                await write(owner, 8, sequence)
+                await write_as(owner, 8, sequence)
             start = await owner.delete_records(owner.log.high_watermark)
             assert start > 0
             for _ in range(200):  # the owner's next step
                 if list(owner.directory.glob("*.producer_snapshot")) and owner._snapshot_write is None:
                     break
                 await asyncio.sleep(0.01)
-            assert (await write(owner, 7, 0)).base_offset == 0  # live: a duplicate
+            assert (await write_as(owner, 7, 0)).base_offset == 0  # live: a duplicate
             crashed = tmp_path / "crash" / "t-0"
             shutil.copytree(owner.directory, crashed, ignore=shutil.ignore_patterns("*.deleted"))
             end = owner.log.log_end_offset
@@ -317,7 +305,7 @@ def test_a_moved_log_start_is_followed_by_a_snapshot_soon(tmp_path):
         reopened = PartitionOwner("t", 0, crashed, settings)
         await reopened.start()
         try:
-            retried = await write(reopened, 7, 0)
+            retried = await write_as(reopened, 7, 0)
             assert not isinstance(retried, AtomlogError) and retried.base_offset == 0, retried
             assert reopened.log.log_end_offset == end  # not appended again
         finally:

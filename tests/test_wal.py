@@ -784,6 +784,14 @@ def test_frames_a_failed_write_dropped_fail_their_partition_s_later_flush(tmp_pa
     asyncio.run(scenario())
 
 
+async def synced(wal: WriteAheadLog, name: str) -> BaseException | None:
+    """Ask a round for partition `name` and wait for its answer: its error, or None."""
+    done = asyncio.get_running_loop().create_future()
+    ticket = wal.sync(name, lambda: done.set_result(None))
+    await done
+    return ticket.exception()
+
+
 def test_frames_of_a_lost_partition_are_not_written_until_its_reload(tmp_path, monkeypatch):
     """A failed write dropped partition a's frames at [2, 4); a, busy, wrote [4, 6) before
     it learned of the loss, and those frames went into the next segment. The reload's
@@ -793,12 +801,6 @@ def test_frames_of_a_lost_partition_are_not_written_until_its_reload(tmp_path, m
     frame: its plan ends at 2, and the reload cuts the unacknowledged rest."""
     import partition_server.wal as wal_module
     from partition_server.wal import read_frames
-
-    async def synced(wal, name):
-        done = asyncio.get_running_loop().create_future()
-        ticket = wal.sync(name, lambda: done.set_result(None))
-        await done
-        return ticket.exception()
 
     async def scenario():
         wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
@@ -1386,12 +1388,6 @@ def test_a_failed_fsync_of_a_cut_marks_the_segment_it_was_written_to(tmp_path):
             raise OSError(5, "Input/output error")
         os.fsync(fd)
 
-    async def synced(wal, name):
-        done = asyncio.get_running_loop().create_future()
-        ticket = wal.sync(name, lambda: done.set_result(None))
-        await done
-        return ticket.exception()
-
     async def scenario():
         loop_thread.append(threading.get_ident())
         wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000, fsync=fsync)
@@ -1436,12 +1432,6 @@ def test_a_trimmed_segment_that_could_not_be_deleted_goes_before_any_newer_one(
         real(directory, sequences)
 
     monkeypatch.setattr(wal_module, "_unlink_segments", unlink)
-
-    async def synced(wal, name):
-        done = asyncio.get_running_loop().create_future()
-        ticket = wal.sync(name, lambda: done.set_result(None))
-        await done
-        return ticket.exception()
 
     async def one_segment(wal, offset):
         wal.queue(b"a", "a", offset, stamped(batch(1, offset), offset), offset + 2)
