@@ -27,8 +27,9 @@ from partition_server import copies, partition_states, producer_state, txn_buffe
 from partition_server.log import DATA_LOSS_FILE, DataLoss, encode_data_loss
 from partition_server.snapshot_files import fsync_directory, make_directory, write_atomically
 from partition_server.assignments import Assignments
-from partition_server.owner import OwnerSettings, PartitionOwner
+from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.replica import Follower, LeaderFetcher, LeaderReplication, ReplicaStub
+from partition_server.replication import catching_up
 from partition_server.wal import WriteAheadLog
 from services import failpoints, local
 from services.errors import AtomlogError
@@ -709,6 +710,28 @@ class PartitionManager:
                     row[0] += 1
                 row[2] = max([row[2], *leading.progress.lag().values()])
         return {topic: tuple(row) for topic, row in rows.items()}
+
+    def catching_up(self) -> list[tuple[str, int]] | None:
+        """The partitions this server holds and cannot serve as it should yet: replicated
+        ones whose copy here is not in sync (replication.catching_up) and unreplicated
+        ones assigned here that are not open (or still loading). None until start-up has
+        left the ISRs. Empty: caught up (the health service `atomlog.caught_up` answers
+        SERVING)."""
+        if self.assignments is None or not self._isrs_left:
+            return None
+        assignments = self.assignments
+        copies = []
+        for key in assignments.replicated_here():
+            known = assignments.state(key)
+            record = assignments.topic(key[0])
+            copies.append((key, known.state if known is not None else None,
+                           record is not None and key[1] in record.reassigning))
+        behind = catching_up(self.server_name, copies, assignments.live())
+        for key in assignments.owned():
+            owner = self.owners.get(key)
+            if owner is None or owner.state is State.LOADING:
+                behind.append(key)
+        return sorted(behind)
 
     def owner(self, topic: str, partition: int) -> PartitionOwner:
         """The owner of a partition hosted here; raise NotOwner / UNKNOWN_TOPIC_OR_PARTITION."""

@@ -93,8 +93,9 @@ REPLICA_ACKNOWLEDGED_LOST = Counter(
 class ReplicationCollector(Collector):
     """Gauges read from the manager at scrape time: per topic, the partitions this server
     leads with fewer in-sync replicas than replicas, the offline partitions it holds a
-    replica of (no leader: take max() over servers), and the largest follower lag (in
-    offsets) of the partitions it leads."""
+    replica of (no leader: take max() over servers), the largest follower lag (in
+    offsets) of the partitions it leads, and the partitions it is catching up on
+    (PartitionManager.catching_up; only topics with some)."""
 
     def __init__(self, manager):
         self._manager = manager
@@ -109,12 +110,22 @@ class ReplicationCollector(Collector):
         lag = GaugeMetricFamily("atomlog_replica_max_lag_offsets", "Largest number of offsets a "
                                 "follower is behind, over the partitions led here.",
                                 labels=["topic"])
+        catching_up = GaugeMetricFamily(
+            "atomlog_partitions_catching_up", "Partitions this server holds and cannot serve "
+            "as it should yet: its replica not in the ISR while a live leader serves it, or "
+            "its own partition still opening (the health service atomlog.caught_up answers "
+            "SERVING when none is left).", labels=["topic"])
         rows = self._manager.replication_summary()
         for topic, (under_count, offline_count, max_lag) in sorted(rows.items()):
             under.add_metric([topic], under_count)
             offline.add_metric([topic], offline_count)
             lag.add_metric([topic], max_lag)
-        yield from (under, offline, lag)
+        behind: dict[str, int] = {}
+        for topic, _partition in self._manager.catching_up() or ():
+            behind[topic] = behind.get(topic, 0) + 1
+        for topic, count in sorted(behind.items()):
+            catching_up.add_metric([topic], count)
+        yield from (under, offline, lag, catching_up)
 
     def describe(self):
         return []

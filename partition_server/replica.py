@@ -1912,6 +1912,7 @@ class LeaderFetcher:
 
     async def _round(self) -> None:
         """One ReplicateMany for every partition ready to ask, and the copies it brings."""
+        await failpoints.hold(failpoints.FOLLOWER_FETCH_HOLD)
         # Cleared before the partitions are gathered: one added meanwhile (while a
         # log reopens below) ends the next long poll at once, or the link thread's rounds.
         self._added.clear()

@@ -163,6 +163,30 @@ def initial_state(replicas: list[str], live: Iterable[str]) -> PartitionState:
     return PartitionState(leader, 0, tuple(replicas))
 
 
+def catching_up(me: str, copies: Iterable[tuple[object, "PartitionState | None", bool]],
+                live: Iterable[str]) -> list:
+    """The keys of `copies` ((key, its state or None when not read yet, whether a
+    reassignment runs) of the replicated partitions holding a copy on server `me`) whose
+    copy here is not yet in sync: `me` is not in the ISR while a live leader serves the
+    partition, or its state is not known yet. Not counted: a partition without a live
+    leader (there is nothing to copy from: a server waiting for it would wait for ever,
+    and an offline partition has its own alert), and one under reassignment (its copies
+    come and go at the pace the operator chose). A restarted server leaves its ISRs
+    first, so this lists what it still has to copy before it is ready
+    (docs/operations.md, "Rolling restarts and upgrades")."""
+    live = set(live)
+    behind = []
+    for key, state, reassigning in copies:
+        if reassigning:
+            continue
+        if state is None:
+            behind.append(key)
+        elif me not in state.isr and state.leader is not None and state.leader in live \
+                and state.leader != me:
+            behind.append(key)
+    return behind
+
+
 @dataclass(frozen=True)
 class Election:
     state: PartitionState

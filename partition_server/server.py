@@ -8,9 +8,12 @@ old open transactions (partition_server/txn_checker.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from atomlog.v1 import partition_pb2, partition_pb2_grpc
 from partition_server import durability, read_wire
@@ -29,8 +32,13 @@ from partition_server.subscription_cursor import CursorLimits
 from partition_server.txn_buffer import TxnBufferLimits
 from partition_server.txn_checker import TxnChecker
 from partition_server.verifier import TxnVerifier
-from services.grpcutil import service_name
+from services.grpcutil import CAUGHT_UP_SERVICE, service_name
+from services.logs import event
 from services.zk import aio
+
+log = logging.getLogger("atomlog.partition_server")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def owner_settings(config) -> OwnerSettings:
@@ -89,6 +97,60 @@ class _Handlers:
         self.handlers[service] = handlers
 
 
+CAUGHT_UP_CHECK_S = 1.0
+
+
+class CaughtUpWatch:
+    """The health service `atomlog.caught_up` (a name the standard gRPC health service
+    answers beside ""): SERVING once this server holds every partition it should as it
+    should (PartitionManager.catching_up: its replicas back in their ISRs, its own
+    partitions open), checked every second; NOT_SERVING before and while it catches up,
+    and from SIGTERM on. Kubernetes' readiness probe of the partition servers asks it, so
+    a rolling restart replaces the next server only once the last one has caught up (not
+    merely started): else the next restart took a second replica of each partition out of
+    its ISR while the first was still copying, and partitions with min.insync.replicas=2
+    refused writes (docs/operations.md, "Rolling restarts and upgrades")."""
+
+    def __init__(self, manager, health, interval_s: float = CAUGHT_UP_CHECK_S):
+        self.manager = manager
+        self.health = health
+        self.interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    async def install(self) -> None:
+        """Answer NOT_SERVING (not NOT_FOUND) from the first probe on."""
+        await self.health.set(CAUGHT_UP_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="caught-up watch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        serving = None
+        began = time.monotonic()
+        while True:
+            try:
+                behind = self.manager.catching_up()
+            except Exception:  # noqa: BLE001 — a bug: not ready, and said so
+                log.exception("checking whether the replicas here caught up")
+                behind = None
+            now = behind == []
+            if now != serving:
+                await self.health.set(CAUGHT_UP_SERVICE, SERVING if now else NOT_SERVING)
+                if now:
+                    event(log, "caught up", seconds=round(time.monotonic() - began, 1))
+                elif behind:
+                    event(log, "catching up", partitions=len(behind),
+                          first=[f"{topic}-{partition}" for topic, partition in behind[:10]])
+                    began = time.monotonic()
+                serving = now
+            await asyncio.sleep(self.interval_s)
+
+
 def add_partition_service(servicer, server) -> None:
     """PartitionService's handlers as generated, except that Replicate and ReplicateMany
     answer through replicate_wire's serializers (records spliced into the wire bytes,
@@ -133,6 +195,10 @@ async def install(runtime) -> list[str]:
                                wal=wal)
     await manager.start()
     runtime.stop_hooks.append(manager.close)
+    caught_up = CaughtUpWatch(manager, runtime.health)
+    await caught_up.install()
+    runtime.start_hooks.append(caught_up.start)  # once the server is SERVING
+    runtime.stop_hooks.append(caught_up.close)
     verifier = TxnVerifier(runtime.metadata, epochs,
                            timeout_s=config["partition.txn_verify_timeout_ms"] / 1000,
                            use_links=config["replication.link"])

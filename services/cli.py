@@ -156,7 +156,9 @@ def up(data_dir: Path, partition_servers: int, coordinators: int, id_allocators:
               help="Bearer token file, for a cluster with auth.mode=token (listing each "
                    "partition server's offline partitions needs it).")
 def status(data_dir: Path, output: str, token_file: str | None) -> None:
-    """Each process of the local cluster: pid, addresses and health.
+    """Each process of the local cluster: pid, addresses and health (a partition
+    server's ", catching up" while its replicas are not yet back in their ISRs: the
+    health service atomlog.caught_up, Kubernetes' readiness probe).
 
     Exits 0 when everything is SERVING, 1 otherwise (the Prometheus of `up
     --prometheus` is shown but does not count).
@@ -191,6 +193,9 @@ def status(data_dir: Path, output: str, token_file: str | None) -> None:
             color = "green" if r.health == "SERVING" and not r.offline_partitions else "red"
             health = r.health + (f", {len(r.offline_partitions)} partition(s) offline"
                                  if r.offline_partitions else "")
+            if r.caught_up is False:  # its replicas not all back in their ISRs yet
+                color, health = ("yellow" if color == "green" else color), health + \
+                    ", catching up"
             table.add_row(r.name, r.role, str(r.pid or "-"), r.grpc_address,
                           r.metrics_address or "-", f"[{color}]{health}[/]",
                           str(len(r.tc_partitions)) if r.role in ("coordinator", "combined") else "")

@@ -41,6 +41,10 @@ harness arms and disarms it from outside without talking to the process:
              while armed, a partition server that looks a new leader's addresses up for
              a follower it steers meets a lost ZooKeeper connection (ConnectionLoss), as
              during a blip, so a test can see the steering outlast it.
+    follower_fetch_hold
+             a partition server's followers ask their leaders for nothing (each
+             leader's next ReplicateMany waits), so a test can keep a restarted server
+             out of the ISRs it would rejoin and see what it reports meanwhile.
 
 Off, a failpoint costs a function call and one comparison with None.
 """
@@ -63,6 +67,7 @@ VERIFY_HOLD = "verify_hold"
 HAND_OVER_HOLD = "hand_over_hold"
 START_ZOOKEEPER_LOSS = "start_zookeeper_loss"
 STEER_ZOOKEEPER_LOSS = "steer_zookeeper_loss"
+FOLLOWER_FETCH_HOLD = "follower_fetch_hold"
 
 _DIRECTORY: str | None = os.environ.get(ENVIRONMENT_VARIABLE) or None
 

@@ -14,6 +14,10 @@ RECONNECT_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
+# The health service name a partition server answers SERVING once caught up (its replicas
+# back in their ISRs, its own partitions open): partition_server/server.py CaughtUpWatch.
+CAUGHT_UP_SERVICE = "atomlog.caught_up"
+
 
 def service_name(pb2_module: ModuleType, service: str) -> str:
     """Full name ("atomlog.v1.PartitionService") of a service in a generated module."""

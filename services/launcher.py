@@ -44,6 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import localzk
 from services.config import check_cluster_settings, role_name, role_settings
+from services.grpcutil import CAUGHT_UP_SERVICE
 from services.tls import channel
 
 CLUSTER_FILE = "cluster.json"
@@ -433,12 +434,13 @@ def start_zookeeper(entry: ProcessEntry) -> int:
     return spawn(command, entry.log_file, cwd=entry.data_dir)
 
 
-def health_status(address: str, timeout_s: float = 1.0, tls=None) -> str:
-    """SERVING, NOT_SERVING, ... or UNREACHABLE. `tls`: a services.tls.ChannelTls."""
+def health_status(address: str, timeout_s: float = 1.0, tls=None, service: str = "") -> str:
+    """SERVING, NOT_SERVING, ... or UNREACHABLE, for the health `service` ("": the
+    server's). `tls`: a services.tls.ChannelTls."""
     try:
         with channel(address, tls) as channel_:
             reply = health_pb2_grpc.HealthStub(channel_).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError:
         return "UNREACHABLE"
@@ -700,6 +702,9 @@ class ProcessStatus:
     log_file: str
     offline_partitions: list[str] = field(default_factory=list)  # DATA_LOSS: operator needed
     tc_partitions: list[int] = field(default_factory=list)  # leased (coordinators)
+    # Serving partitions: whether it has caught up (health service atomlog.caught_up:
+    # every replica here in its ISR, its own partitions open); None for other roles.
+    caught_up: bool | None = None
 
 
 @dataclass
@@ -726,11 +731,14 @@ def status(data_dir: Path, token=None) -> ClusterStatus:
                 "NOT_SERVING" if alive else "DOWN")
         else:
             health = health_status(entry.grpc_address, tls=client_tls) if alive else "DOWN"
+        partitions = entry.role in SERVES_PARTITIONS and health == "SERVING"
         offline = (offline_partitions(entry.grpc_address, tls=client_tls, token=token)
-                   if entry.role in SERVES_PARTITIONS and health == "SERVING" else [])
+                   if partitions else [])
+        caught_up = health_status(entry.grpc_address, tls=client_tls,
+                                  service=CAUGHT_UP_SERVICE) == "SERVING" if partitions else None
         return ProcessStatus(entry.name, entry.role, entry.pid if alive else 0, alive,
                              entry.grpc_address, entry.metrics_address, health, entry.log_file,
-                             offline)
+                             offline, caught_up=caught_up)
 
     with ThreadPoolExecutor(max_workers=max(1, len(cluster.processes))) as pool:
         rows = list(pool.map(probe, cluster.processes))

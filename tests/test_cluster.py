@@ -48,7 +48,11 @@ def test_up_reaches_all_serving_and_writes_cluster_file(cluster):
 
     def healthy() -> bool:
         statuses.append(cluster.status())
-        return statuses[-1]["healthy"]
+        # ... and its partition servers caught up (their replicas in sync), the others
+        # not asked.
+        return statuses[-1]["healthy"] and all(
+            p["caught_up"] is (True if p["role"] == "partition_server" else None)
+            for p in statuses[-1]["processes"] if p["role"] != "zookeeper")
 
     try:
         wait_until(healthy, 30, "a healthy status")
@@ -67,6 +71,16 @@ def test_every_service_answers_health_per_service_and_reflection(cluster):
         for service in expected:
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, (process, service)
+        # A partition server is ready once caught up: every replica back in its ISR, its
+        # own partitions open (Kubernetes' readiness probe asks this).
+        caught_up = health_pb2.HealthCheckRequest(service="atomlog.caught_up")
+        if process["role"] == "partition_server":
+            wait_until(lambda: health.Check(caught_up, timeout=5).status
+                       == health_pb2.HealthCheckResponse.SERVING, 30, f"{process} caught up")
+        else:
+            with pytest.raises(grpc.RpcError) as unknown:
+                health.Check(caught_up, timeout=5)
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.RpcError) as unknown:
             health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND

@@ -330,8 +330,12 @@ def test_atomlog_pods_probe_the_grpc_health_service_and_drain_on_sigterm(overlay
         assert not config["tls.enabled"] or ports["health"] == probe_port
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c[kind]
-            # Native gRPC probe of the standard health service, overall status ("").
-            assert probe["grpc"]["port"] == probe_port and probe["grpc"].get("service", "") == ""
+            # Native gRPC probe of the standard health service: overall status (""), but
+            # a partition server is ready once caught up (its replicas back in their ISRs).
+            service = "atomlog.caught_up" if (kind, role) == ("readinessProbe",
+                                                               "partition-server") else ""
+            assert probe["grpc"]["port"] == probe_port and \
+                probe["grpc"].get("service", "") == service, (role, kind)
             assert set(probe) & {"exec", "httpGet", "tcpSocket"} == set()
         ready = c["readinessProbe"]
         # NOT_SERVING (from SIGTERM on) takes the pod out of Services within 15 s.

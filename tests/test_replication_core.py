@@ -13,7 +13,7 @@ import pytest
 from atomlog.v1 import common_pb2, partition_pb2
 from partition_server import replica
 from partition_server.replication import (NO_EPOCH, NOT_SYNCED, CopyThrottle, CursorProgress,
-                                          LeaderEpochCache, LeaderProgress, PartitionState,
+                                          LeaderEpochCache, catching_up, LeaderProgress, PartitionState,
                                           assign_replicas, complete_reassignment,
                                           default_replication_factor, elect, elect_offline,
                                           initial_state, reassigning_replicas, resign,
@@ -23,6 +23,26 @@ from services.errors import AtomlogError
 from services.topics import TopicRecord
 
 SERVERS = ["ps-0", "ps-1", "ps-2", "ps-3", "ps-4"]
+
+
+# ------------------------------------------------------------------ caught up
+
+def test_a_server_is_caught_up_once_in_every_isr_a_live_leader_serves():
+    live = {"ps-0", "ps-1", "ps-2"}
+    copies = [
+        (("in-sync", 0), PartitionState("ps-1", 3, ("ps-1", "ps-0")), False),
+        (("behind", 0), PartitionState("ps-1", 3, ("ps-1", "ps-2")), False),
+        (("not-read", 0), None, False),
+        # Nothing to copy from: no leader, or one that is not live (it is being replaced).
+        (("offline", 0), PartitionState(None, 3, ()), False),
+        (("leader-gone", 0), PartitionState("ps-4", 3, ("ps-4",)), False),
+        # A reassignment moves its copies at the pace the operator chose.
+        (("moving", 0), PartitionState("ps-1", 3, ("ps-1",)), True),
+        (("led-here", 1), PartitionState("ps-0", 4, ("ps-0",)), False),
+    ]
+    assert catching_up("ps-0", copies, live) == [("behind", 0), ("not-read", 0)]
+    assert catching_up("ps-0", copies[:1] + copies[3:], live) == []
+    assert catching_up("ps-0", [], live) == []
 
 
 # ------------------------------------------------------------------ placement

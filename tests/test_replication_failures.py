@@ -21,15 +21,18 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import launcher
-from services.failpoints import (ENVIRONMENT_VARIABLE, FSYNC, HAND_OVER_HOLD,
-                                 STEER_ZOOKEEPER_LOSS)
+from services.failpoints import (ENVIRONMENT_VARIABLE, FOLLOWER_FETCH_HOLD, FSYNC,
+                                 HAND_OVER_HOLD, STEER_ZOOKEEPER_LOSS)
 from spark_client import Client
 from tests.conftest import SESSION_TIMEOUT_MS, Cluster, wait_until
 from tests.test_replication import (SERVERS, fetch_error, flip_byte_in_batch, fully_in_sync,
-                                    metadata, raw_produce, read_all, segment_digests)
+                                    metadata, raw_produce, read_all, restart_one,
+                                    segment_digests, server_metric)
 
 pytestmark = pytest.mark.cluster
 
@@ -225,4 +228,58 @@ def test_a_follower_steered_during_a_zookeeper_blip_follows_its_new_leader(faili
     wait_until(lambda: fully_in_sync(client, topic), 30, "the follower left back in the ISR")
     wait_until(lambda: len(set(segment_digests(cluster, topic, 0).values())) == 1, 30,
                "identical replicas")
+    client.close()
+
+
+def health(cluster, server: str, service: str):
+    """The health status `server` answers for `service` (a gRPC status code when the call
+    fails: a server restarting)."""
+    with grpc.insecure_channel(cluster.process(server)["grpc_address"]) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        except grpc.RpcError as error:
+            return error.code()
+
+
+def test_a_restarted_server_is_ready_only_once_its_replicas_are_back_in_sync(failing_cluster):
+    """The health service `atomlog.caught_up` (Kubernetes' readiness probe of partition
+    servers): a partition server killed and started again serves ("" SERVING) as soon as
+    it is registered, but answers NOT_SERVING for `atomlog.caught_up` while its replicas
+    are out of their ISRs (it left them at start; the follower_fetch_hold failpoint keeps
+    it from copying), and counts them in atomlog_partitions_catching_up; once it may copy
+    again it rejoins every ISR and answers SERVING. So a rolling restart waits for it
+    before taking the next server down."""
+    cluster = failing_cluster
+    client = Client(cluster.info["bootstrap"])
+    topic = "caught-up"
+    client.create_topic(topic, partitions=2, replication_factor=3)
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{topic} in sync")
+    server = metadata(client, topic).partitions[0].replicas[-1]
+    caught_up = health_pb2.HealthCheckResponse.SERVING
+    wait_until(lambda: health(cluster, server, "atomlog.caught_up") == caught_up, 30,
+               f"{server} caught up")
+    held = cluster.data_dir / "failpoints" / server / FOLLOWER_FETCH_HOLD
+    held.touch()
+    try:
+        os.kill(cluster.process(server)["pid"], signal.SIGKILL)
+        restart_one(cluster, server)
+        wait_until(lambda: health(cluster, server, "") == caught_up,
+                   SESSION_TIMEOUT_MS / 1000 * 1.5 + 60, f"{server} serving again")
+        behind_line = f'atomlog_partitions_catching_up{{topic="{topic}"}}'
+        wait_until(lambda: server_metric(cluster, server, behind_line) == 2, 15,
+                   "both partitions counted as catching up")
+        for _ in range(6):  # it stays so while it cannot copy
+            assert health(cluster, server, "atomlog.caught_up") == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            time.sleep(0.5)
+        assert all(server not in p.isr for p in metadata(client, topic).partitions)
+    finally:
+        held.unlink(missing_ok=True)
+    wait_until(lambda: health(cluster, server, "atomlog.caught_up") == caught_up, 60,
+               f"{server} caught up again")
+    assert fully_in_sync(client, topic)
+    assert server_metric(cluster, server, behind_line) == 0
+    log_text = open(cluster.process(server)["log_file"]).read()
+    assert "catching up" in log_text and "caught up" in log_text
     client.close()
