@@ -143,15 +143,19 @@ class LeaderReplication:
         # lost: `under_replicated`); unknown to a leader that took over during it.
         self.adding: frozenset[str] = frozenset()
         self.throttle: CopyThrottle | None = None  # on its new replicas' copies
-        # Each follower's last (fetch offset, last epoch, cursor sequence): a repeat needs
-        # no divergence check and moves no high watermark (`begin_replicate`).
-        self._asked: dict[str, tuple[int, int, int]] = {}
+        # Each follower's last (fetch offset, last epoch, cursor sequence, log start): a
+        # repeat needs no divergence check and moves no high watermark (`begin_replicate`).
+        self._asked: dict[str, tuple[int, int, int, int]] = {}
         # Each follower's newest incarnation seen (docs/replication.md, "Incarnations"):
         # older ones are refused, and the positions recorded belong to this one.
         self._incarnations: dict[str, int] = {}
         # The log start each follower was last told: a move past it (retention,
         # DeleteRecords) is news even on an idle partition, so followers delete too.
         self._told_start: dict[str, int] = {}
+        # Each follower's log start as its last fetch reported it: DeleteRecords waits
+        # for the in-sync ones to reach the leader's new start (`followers_deleted`).
+        self._starts: dict[str, int] = {}
+        self._starts_moved: asyncio.Future | None = None
         self._data: asyncio.Future | None = None
         # Moves with everything that may give a follower something to copy or to hear
         # (an append, a durable flush, the cursors, the log start, the replicas, the end
@@ -255,6 +259,7 @@ class LeaderReplication:
                   epoch=self.epoch, why=why)
         self._wake_followers()
         self._wake_cursor_waiters()
+        self._wake_start_waiters()
 
     def resign_soon(self) -> None:
         """Write epoch + 1 (another live in-sync replica leads, or this one again; see
@@ -325,6 +330,7 @@ class LeaderReplication:
             event(log, "leadership ended", partition=self.name, epoch=self.epoch, why=why)
         self._wake_followers()
         self._wake_cursor_waiters()
+        self._wake_start_waiters()
 
     def isr_changed(self, isr) -> None:
         """The ISR as stored now (by this leader or another writer: a server leaves the
@@ -333,6 +339,7 @@ class LeaderReplication:
         left = set(self.progress.isr) - set(isr)
         self._isr_steady_until = 0
         self.progress.isr_changed(isr)
+        self._wake_start_waiters()  # a follower that left is no longer waited for
         self.cursors.left_isr(left)
 
     def reassigned(self, replicas: list[str], target: list[str] | None,
@@ -482,6 +489,37 @@ class LeaderReplication:
         moved, self._cursors_moved = self._cursors_moved, None
         resolve(moved)
 
+    # ---------------------------------------------------------------- DeleteRecords
+    async def followers_deleted(self, start: int, deadline: float) -> list[str]:
+        """Wait until every in-sync follower has reported a log start at or past `start`
+        (the leader's new one after a DeleteRecords: Kafka's low watermark), so a follower
+        elected next holds none of the deleted records; or until `deadline`
+        (time.monotonic()). Returns the in-sync followers still behind then, [] once none
+        is. A follower that leaves the ISR meanwhile is no longer waited for (it rejoins
+        only by copying from the leader's start, below which it deletes first).
+        NOT_PARTITION_OWNER when the leadership ends first."""
+        while True:
+            if self.fenced is not None or self.failed is not None:
+                raise AtomlogError("NOT_PARTITION_OWNER",
+                                   f"{self.me} no longer leads {self.name} "
+                                   f"({self.fenced or self.failed})", {"owner": ""})
+            starts = self._starts
+            behind = sorted(replica for replica in self.progress.isr
+                            if replica != self.me and starts.get(replica, -1) < start)
+            wait_s = min(ISR_CHECK_INTERVAL_S, deadline - time.monotonic())
+            if not behind or wait_s <= 0:
+                return behind
+            if self._starts_moved is None:
+                self._starts_moved = asyncio.get_running_loop().create_future()
+            try:  # woken when a start moved or the ISR changed; looked at again anyway
+                await asyncio.wait_for(asyncio.shield(self._starts_moved), wait_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _wake_start_waiters(self) -> None:
+        moved, self._starts_moved = self._starts_moved, None
+        resolve(moved)
+
     def _cursor_store(self) -> CursorStore | None:
         """The leader's cursor store when it can serve followers (loaded, retaining)."""
         store = self.owner.subscriptions.store if self.owner is not None else None
@@ -589,7 +627,8 @@ class LeaderReplication:
         # The same position as this replica's previous call (an idle partition in a
         # ReplicateMany): no divergence (this leadership's history only grows), and no
         # high watermark can have moved by it.
-        asked = (fetch, request.last_fetched_epoch, request.cursor_sequence)
+        asked = (fetch, request.last_fetched_epoch, request.cursor_sequence,
+                 request.log_start_offset)
         repeat = self._asked.get(request.replica) == asked
         if not repeat:
             diverging = self._divergence(fetch, request.last_fetched_epoch)
@@ -610,6 +649,9 @@ class LeaderReplication:
             owner.replicated()  # the high watermark may have moved: answer what it covers
             self._wake_cursor_waiters()  # so may the cursors' one
             self._asked[request.replica] = asked
+            if self._starts.get(request.replica) != request.log_start_offset:
+                self._starts[request.replica] = request.log_start_offset
+                self._wake_start_waiters()  # a DeleteRecords may wait for it
         if self.progress.expand(self.epoch_start) is not None or self.progress.lost:
             self._isr_steady_until = 0  # (the ticker looks, should this poke be dropped)
             self._poke_isr()
@@ -656,6 +698,7 @@ class LeaderReplication:
         self.cursors.left_isr(replicas)
         for replica in replicas:
             self._asked.pop(replica, None)
+            self._starts.pop(replica, None)
 
     def has_news(self, fetch: int, cursor_position: int, replica: str = "") -> bool:
         """Whether `replica`, a follower at `fetch` and `cursor_position`, has something to
@@ -1102,7 +1145,7 @@ class ReplicateSession:
     @staticmethod
     def _asked(request) -> tuple:
         return (request.fetch_offset, request.last_fetched_epoch, request.cursor_sequence,
-                request.leader_epoch, request.replica_incarnation)
+                request.leader_epoch, request.replica_incarnation, request.log_start_offset)
 
     def skip(self, leader: "LeaderReplication", request, now_ms: int) -> int | None:
         """For a partition this call may skip, its repeat recorded and the follower's
@@ -1520,15 +1563,17 @@ class Follower:
         is open: `prepare` checked, or the link's thread is copying). The same message as
         the last call's while nothing in it moved (most partitions of a call are quiet;
         callers copy it into their request, never change it)."""
-        fields = (self.epoch, self.log.log_end_offset, self.epochs.cache.latest_epoch(),
-                  self.cursor_position, self.incarnation)
+        partition_log = self.log
+        fields = (self.epoch, partition_log.log_end_offset, self.epochs.cache.latest_epoch(),
+                  self.cursor_position, self.incarnation, partition_log.log_start_offset)
         last = self._last_request
         if last is not None and last[0] == fields:
             return last[1]
         request = partition_pb2.ReplicateRequest(
             replica=self.me, leader_epoch=fields[0], fetch_offset=fields[1],
             last_fetched_epoch=fields[2], max_bytes=REPLICATE_MAX_BYTES,
-            cursor_sequence=fields[3], replica_incarnation=fields[4])
+            cursor_sequence=fields[3], replica_incarnation=fields[4],
+            log_start_offset=fields[5])
         request.topic_partition.topic = self.topic
         request.topic_partition.partition = self.partition
         self._last_request = (fields, request)
@@ -2172,6 +2217,8 @@ class LeaderFetcher:
         while True:
             if deadline is not None and time.monotonic() >= deadline:
                 return [], None  # a partition backing off may ask again
+            if failpoints.armed(failpoints.FOLLOWER_FETCH_HOLD):
+                return [], None  # the event loop's next round holds (tests)
             wait_ms = _wait_until(self.fetch_wait_ms, deadline)
             with self._express_lock:
                 if self._express_stop:

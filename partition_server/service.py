@@ -81,6 +81,10 @@ def _cursor_fields(sp, d) -> dict:
             "redelivery_backlog_count": d.redelivery_backlog_count,
             "backlog_records": d.backlog_records}
 RESPONSE_OVERHEAD_BYTES = 1 << 20
+# DeleteRecords' wait for in-sync followers to delete too (its request's timeout_ms).
+DELETE_RECORDS_DEFAULT_WAIT_MS = 30_000
+DELETE_RECORDS_MAX_WAIT_MS = 300_000
+DELETE_RECORDS_ANSWER_MARGIN_S = 0.2
 
 
 def _check_copy_position(request: partition_pb2.ReplicateRequest, prefix: str) -> None:
@@ -95,6 +99,10 @@ def _check_copy_position(request: partition_pb2.ReplicateRequest, prefix: str) -
         raise AtomlogError("INVALID_ARGUMENT",
                            f"{prefix}replica_incarnation {request.replica_incarnation} must be "
                            "> 0 (the follower's /incarnations zxid)")
+    if request.log_start_offset < 0 or request.log_start_offset > request.fetch_offset:
+        raise AtomlogError("INVALID_ARGUMENT",
+                           f"{prefix}log_start_offset {request.log_start_offset} is not in "
+                           f"[0, fetch_offset {request.fetch_offset}]")
 
 
 def item_error(error: AtomlogError) -> partition_pb2.ItemError:
@@ -278,7 +286,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                                    f"{key[0]}-{key[1]}: replica {item.replica!r} is not the "
                                    f"caller {replica!r}")
             if item.fetch_offset < 0 or item.last_fetched_epoch < -1 or \
-                    item.replica_incarnation <= 0:
+                    item.replica_incarnation <= 0 or not \
+                    0 <= item.log_start_offset <= item.fetch_offset:
                 _check_copy_position(item, f"{key[0]}-{key[1]}: ")
         forgotten = []
         for tp in request.forgotten:
@@ -919,20 +928,50 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
     # ------------------------------------------------------------------ delete records
     async def DeleteRecords(self, request, context):
         _require_items(request.items, "DeleteRecordsRequest")
+        if request.timeout_ms > DELETE_RECORDS_MAX_WAIT_MS:
+            raise AtomlogError("INVALID_ARGUMENT",
+                               f"timeout_ms {request.timeout_ms} is above "
+                               f"{DELETE_RECORDS_MAX_WAIT_MS}", {"field": "timeout_ms"})
+        wait_s = (request.timeout_ms or DELETE_RECORDS_DEFAULT_WAIT_MS) / 1000
+        remaining = context.time_remaining()
+        if remaining is not None:  # answered (REQUEST_TIMED_OUT) before the caller gives up
+            wait_s = min(wait_s, max(0.0, remaining - DELETE_RECORDS_ANSWER_MARGIN_S))
+        deadline = time.monotonic() + wait_s
         response = partition_pb2.DeleteRecordsResponse()
+        waits = []
         for item in request.items:
+            result = response.results.add(topic=item.topic, partition=item.partition)
             try:
                 if item.before_offset < 0:
                     raise AtomlogError("INVALID_ARGUMENT",
                                        f"before_offset {item.before_offset} is negative")
                 owner = await self._owner(common_pb2.TopicPartition(topic=item.topic,
                                                                     partition=item.partition))
-                log_start = await owner.delete_records(item.before_offset)
-                response.results.add(topic=item.topic, partition=item.partition,
-                                     log_start_offset=log_start)
+                result.log_start_offset = await owner.delete_records(item.before_offset)
+                if owner.replication is not None:
+                    waits.append((result, owner.replication))
             except AtomlogError as error:
-                response.results.add(topic=item.topic, partition=item.partition,
-                                     error=item_error(error), log_start_offset=-1)
+                result.error.CopyFrom(item_error(error))
+                result.log_start_offset = -1
+        if waits:  # every replicated item's in-sync followers, side by side
+            behind = await asyncio.gather(*(
+                replication.followers_deleted(result.log_start_offset, deadline)
+                for result, replication in waits), return_exceptions=True)
+            for (result, replication), outcome in zip(waits, behind):
+                if not outcome:
+                    continue
+                start, result.log_start_offset = result.log_start_offset, -1
+                if isinstance(outcome, BaseException):
+                    if not isinstance(outcome, AtomlogError):
+                        raise outcome
+                    result.error.CopyFrom(item_error(outcome))
+                    continue
+                result.error.CopyFrom(item_error(AtomlogError(
+                    "REQUEST_TIMED_OUT",
+                    f"{replication.name}: deleted below {start} on the leader; in-sync "
+                    f"follower(s) {', '.join(outcome)} have not deleted there yet (send it "
+                    "again, or read the log start offset later)",
+                    {"log_start_offset": str(start), "replicas_behind": ",".join(outcome)})))
         return response
 
     # ------------------------------------------------------------------ subscriptions

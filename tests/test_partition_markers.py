@@ -451,6 +451,11 @@ def test_delete_records_bad_inputs(client, cluster):
     assert elsewhere.error.metadata["owner_address"] == route.address
     assert whole_request_error(lambda: stub.DeleteRecords(
         partition_pb2.DeleteRecordsRequest(), timeout=30)) == "INVALID_ARGUMENT"
+    # A wait for followers beyond 300 s: refused whole, nothing deleted.
+    assert whole_request_error(lambda: stub.DeleteRecords(partition_pb2.DeleteRecordsRequest(
+        items=[partition_pb2.DeleteRecordsItem(topic="trim-errors", partition=0,
+                                               before_offset=20)],
+        timeout_ms=300_001), timeout=30)) == "INVALID_ARGUMENT"
     assert describe(stub, "trim-errors", 0).high_watermark == 20
 
 

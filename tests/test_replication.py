@@ -606,6 +606,9 @@ def test_bad_replication_requests_change_nothing(cluster, client):
         (partition_pb2.ReplicateRequest(topic_partition=tp, replica=follower,
                                         leader_epoch=part.leader_epoch), "INVALID_ARGUMENT"),
         (partition_pb2.ReplicateRequest(topic_partition=tp, replica=follower,
+                                        leader_epoch=part.leader_epoch, replica_incarnation=1,
+                                        log_start_offset=1), "INVALID_ARGUMENT"),
+        (partition_pb2.ReplicateRequest(topic_partition=tp, replica=follower,
                                         leader_epoch=part.leader_epoch + 5,
                                         replica_incarnation=1),
          "NOT_PARTITION_OWNER"),
@@ -648,6 +651,11 @@ def test_bad_replication_requests_change_nothing(cluster, client):
         partition_pb2.ReplicateManyRequest(replica=follower, partitions=[item(fetch_offset=-1)]),
         partition_pb2.ReplicateManyRequest(replica=follower,
                                            partitions=[item(replica_incarnation=0)]),
+        # A log start below 0 or past the fetch offset.
+        partition_pb2.ReplicateManyRequest(replica=follower,
+                                           partitions=[item(log_start_offset=-1)]),
+        partition_pb2.ReplicateManyRequest(replica=follower, partitions=[
+            item(fetch_offset=3, log_start_offset=4)]),
         partition_pb2.ReplicateManyRequest(replica=follower, max_bytes=1 << 30,
                                            partitions=[item()]),
         # Fetch sessions: a full request continues none, an incremental one names it,
@@ -1194,6 +1202,9 @@ def test_followers_delete_below_their_leaders_log_start(cluster, client):
         timeout=30).results[0]
     start = result.log_start_offset
     assert not result.error.reason and 0 < start <= 205
+    # Answered once every in-sync follower deleted there too (its reported log start).
+    isr = metadata(client, "rep-trim").partitions[0].isr
+    assert all(bases(s)[0] == start for s in isr), [bases(s) for s in SERVERS]
     wait_until(lambda: all(bases(s)[0] == start for s in SERVERS), 15,
                f"every replica to start at {start}: {[bases(s) for s in SERVERS]}")
     assert len(set(segment_digests(cluster, "rep-trim", 0).values())) == 1
@@ -1235,8 +1246,9 @@ def test_a_follower_starts_its_segments_where_its_leader_did_so_deletes_survive_
         partition_pb2.DeleteRecordsItem(topic="rep-aligned", partition=0,
                                         before_offset=start + 1)]), timeout=30).results[0]
     assert not result.error.reason and result.log_start_offset == start, result
-    wait_until(lambda: segment_bases(cluster, follower, "rep-aligned", 0)[0] == start, 15,
-               f"the follower to start at {start}")
+    # Answered once the in-sync follower deleted there too: a failover right away shows
+    # nothing deleted.
+    assert segment_bases(cluster, follower, "rep-aligned", 0)[0] == start
     kill(cluster, leader)
     try:
         wait_until(lambda: leader_of(client, "rep-aligned", 0) == follower,

@@ -25,6 +25,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from atomlog.v1 import partition_pb2, partition_pb2_grpc
+
 from services import launcher
 from services.failpoints import (ENVIRONMENT_VARIABLE, FOLLOWER_FETCH_HOLD, FSYNC,
                                  HAND_OVER_HOLD, STEER_ZOOKEEPER_LOSS)
@@ -32,7 +34,7 @@ from spark_client import Client
 from tests.conftest import SESSION_TIMEOUT_MS, Cluster, wait_until
 from tests.test_replication import (SERVERS, fetch_error, flip_byte_in_batch, fully_in_sync,
                                     metadata, raw_produce, read_all, restart_one,
-                                    segment_digests, server_metric)
+                                    segment_bases, segment_digests, server_metric)
 
 pytestmark = pytest.mark.cluster
 
@@ -282,4 +284,79 @@ def test_a_restarted_server_is_ready_only_once_its_replicas_are_back_in_sync(fai
     assert server_metric(cluster, server, behind_line) == 0
     log_text = open(cluster.process(server)["log_file"]).read()
     assert "catching up" in log_text and "caught up" in log_text
+    client.close()
+
+
+def test_delete_records_answers_once_every_in_sync_follower_deleted_too(failing_cluster):
+    """DeleteRecords on a replicated partition answers once every in-sync follower has
+    reported a log start at or past the leader's new one (Kafka's low watermark), so a
+    follower elected right after the answer holds none of the deleted records. A follower
+    in the ISR that cannot copy (the follower_fetch_hold failpoint) holds the answer
+    back: REQUEST_TIMED_OUT within the request's timeout_ms, the leader's new start and
+    the follower named in its ErrorInfo. Once it copies again, the same request succeeds
+    and that follower's files start there at once. A follower that leaves the ISR is no
+    longer waited for. Before, DeleteRecords answered as soon as the leader had deleted."""
+    cluster = failing_cluster
+    client = Client(cluster.info["bootstrap"])
+    topic = "delete-waits"
+    client.create_topic(topic, partitions=1, replication_factor=3,
+                        config={"segment.bytes": str(64 << 10), "min.insync.replicas": "1"})
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{topic} in sync")
+    with client.producer(linger_ms=5) as producer:
+        for _ in range(75):  # batches of four records: segments of about eight batches
+            for future in [producer.send(topic, os.urandom(2_000), partition=0)
+                           for _ in range(4)]:
+                future.result(60)
+    part = metadata(client, topic).partitions[0]
+    leader, follower = part.server_name, next(r for r in part.replicas if r != part.server_name)
+
+    def bases(server: str) -> list[int]:
+        return segment_bases(cluster, server, topic, 0)
+
+    wait_until(lambda: len({tuple(bases(s)) for s in part.replicas}) == 1, 30,
+               "the same segments on every replica")
+    assert len(bases(leader)) >= 8, bases(leader)
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(part.server_address))
+
+    def delete(before: int, timeout_ms: int) -> partition_pb2.DeleteRecordsResult:
+        return stub.DeleteRecords(partition_pb2.DeleteRecordsRequest(
+            items=[partition_pb2.DeleteRecordsItem(topic=topic, partition=0,
+                                                   before_offset=before)],
+            timeout_ms=timeout_ms), timeout=60).results[0]
+
+    held = cluster.data_dir / "failpoints" / follower / FOLLOWER_FETCH_HOLD
+    held.touch()
+    try:
+        time.sleep(0.5)  # its fetch in flight comes back; the next one waits
+        first = bases(leader)[3]
+        timed_out = delete(first + 1, 1_500)
+        assert timed_out.error.reason == "REQUEST_TIMED_OUT", timed_out
+        assert timed_out.log_start_offset == -1
+        assert timed_out.error.metadata["replicas_behind"] == follower
+        assert int(timed_out.error.metadata["log_start_offset"]) == first
+        assert bases(leader)[0] == first  # deleted on the leader
+        assert follower in metadata(client, topic).partitions[0].isr
+    finally:
+        held.unlink()
+    result = delete(first + 1, 30_000)
+    assert not result.error.reason and result.log_start_offset == first, result
+    for server in part.replicas:  # every in-sync copy starts there already
+        if server in metadata(client, topic).partitions[0].isr:
+            assert bases(server)[0] == first, (server, bases(server))
+
+    # A follower that cannot copy and leaves the ISR (replication.max_lag_ms) is not
+    # waited for: the answer comes once it has left.
+    held.touch()
+    try:
+        time.sleep(0.5)
+        second = bases(leader)[5]
+        began = time.monotonic()
+        result = delete(second + 1, 60_000)
+        assert not result.error.reason and result.log_start_offset == second, result
+        assert follower not in metadata(client, topic).partitions[0].isr
+        assert time.monotonic() - began > 2
+    finally:
+        held.unlink()
+    wait_until(lambda: fully_in_sync(client, topic), 60, "the follower back in sync")
+    wait_until(lambda: bases(follower)[0] == second, 30, "the follower to delete once back")
     client.close()

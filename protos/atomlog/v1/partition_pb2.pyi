@@ -224,10 +224,12 @@ class ListOffsetsResult(_message.Message):
     def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., offset: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., max_read_position: _Optional[int] = ..., last_data_offset: _Optional[int] = ...) -> None: ...
 
 class DeleteRecordsRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "timeout_ms")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[DeleteRecordsItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[DeleteRecordsItem, _Mapping]]] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, items: _Optional[_Iterable[_Union[DeleteRecordsItem, _Mapping]]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class DeleteRecordsItem(_message.Message):
     __slots__ = ("topic", "partition", "before_offset")
@@ -899,7 +901,7 @@ class StagedSubscriptionPartition(_message.Message):
     def __init__(self, subscription_partition: _Optional[_Union[_common_pb2.SubscriptionPartition, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., staged: _Optional[bool] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms", "cursor_sequence", "replica_incarnation")
+    __slots__ = ("topic_partition", "replica", "leader_epoch", "fetch_offset", "last_fetched_epoch", "max_bytes", "max_wait_ms", "cursor_sequence", "replica_incarnation", "log_start_offset")
     TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -909,6 +911,7 @@ class ReplicateRequest(_message.Message):
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     CURSOR_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
     topic_partition: _common_pb2.TopicPartition
     replica: str
     leader_epoch: int
@@ -918,7 +921,8 @@ class ReplicateRequest(_message.Message):
     max_wait_ms: int
     cursor_sequence: int
     replica_incarnation: int
-    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., cursor_sequence: _Optional[int] = ..., replica_incarnation: _Optional[int] = ...) -> None: ...
+    log_start_offset: int
+    def __init__(self, topic_partition: _Optional[_Union[_common_pb2.TopicPartition, _Mapping]] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., cursor_sequence: _Optional[int] = ..., replica_incarnation: _Optional[int] = ..., log_start_offset: _Optional[int] = ...) -> None: ...
 
 class ReplicateManyRequest(_message.Message):
     __slots__ = ("replica", "max_wait_ms", "max_bytes", "partitions", "session_id", "session_epoch", "forgotten")

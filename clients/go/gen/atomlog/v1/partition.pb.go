@@ -1321,7 +1321,13 @@ func (x *ListOffsetsResult) GetLastDataOffset() int64 {
 type DeleteRecordsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The partitions to trim, answered independently (at most 10,000 items).
-	Items         []*DeleteRecordsItem `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	Items []*DeleteRecordsItem `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	// 0 .. 300,000 (0: 30,000): how long a replicated partition's item waits for every
+	// in-sync follower to report a log start at or past the leader's new one (Kafka's low
+	// watermark), within the call's own deadline. An item whose followers did not within
+	// it fails with REQUEST_TIMED_OUT (ErrorInfo `log_start_offset`: the leader's, deleted
+	// there; `replicas_behind`): send it again, or read `log_start_offset` later.
+	TimeoutMs     uint32 `protobuf:"varint,2,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1361,6 +1367,13 @@ func (x *DeleteRecordsRequest) GetItems() []*DeleteRecordsItem {
 		return x.Items
 	}
 	return nil
+}
+
+func (x *DeleteRecordsRequest) GetTimeoutMs() uint32 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
 }
 
 // Where to trim one partition.
@@ -1484,7 +1497,8 @@ type DeleteRecordsResult struct {
 	Topic string `protobuf:"bytes,1,opt,name=topic,proto3" json:"topic,omitempty"`
 	// Echo of the item's partition.
 	Partition uint32 `protobuf:"varint,2,opt,name=partition,proto3" json:"partition,omitempty"`
-	// Empty reason when the deletion is durable (or nothing needed deleting).
+	// Empty reason when the deletion is durable (or nothing needed deleting) on the leader
+	// and, for a replicated partition, done on every in-sync follower too.
 	Error *ItemError `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
 	// The partition's log start offset after this item; -1 on failure.
 	LogStartOffset int64 `protobuf:"varint,4,opt,name=log_start_offset,json=logStartOffset,proto3" json:"log_start_offset,omitempty"`
@@ -5569,8 +5583,12 @@ type ReplicateRequest struct {
 	// asks, and adds a replica to the ISR only by a ZooKeeper transaction that checks the
 	// incarnation its fetches came from is still the server's latest.
 	ReplicaIncarnation int64 `protobuf:"varint,9,opt,name=replica_incarnation,json=replicaIncarnation,proto3" json:"replica_incarnation,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// The follower's log start offset (its first record still stored). The leader holds a
+	// DeleteRecords answer until every in-sync follower's is at or past its own new log
+	// start, so records it deleted are not read again from a follower elected after it.
+	LogStartOffset int64 `protobuf:"varint,10,opt,name=log_start_offset,json=logStartOffset,proto3" json:"log_start_offset,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ReplicateRequest) Reset() {
@@ -5662,6 +5680,13 @@ func (x *ReplicateRequest) GetCursorSequence() int64 {
 func (x *ReplicateRequest) GetReplicaIncarnation() int64 {
 	if x != nil {
 		return x.ReplicaIncarnation
+	}
+	return 0
+}
+
+func (x *ReplicateRequest) GetLogStartOffset() int64 {
+	if x != nil {
+		return x.LogStartOffset
 	}
 	return 0
 }
@@ -6204,9 +6229,11 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x10log_start_offset\x18\x05 \x01(\x03R\x0elogStartOffset\x12%\n" +
 	"\x0ehigh_watermark\x18\x06 \x01(\x03R\rhighWatermark\x12*\n" +
 	"\x11max_read_position\x18\a \x01(\x03R\x0fmaxReadPosition\x12(\n" +
-	"\x10last_data_offset\x18\b \x01(\x03R\x0elastDataOffset\"K\n" +
+	"\x10last_data_offset\x18\b \x01(\x03R\x0elastDataOffset\"j\n" +
 	"\x14DeleteRecordsRequest\x123\n" +
-	"\x05items\x18\x01 \x03(\v2\x1d.atomlog.v1.DeleteRecordsItemR\x05items\"l\n" +
+	"\x05items\x18\x01 \x03(\v2\x1d.atomlog.v1.DeleteRecordsItemR\x05items\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\x02 \x01(\rR\ttimeoutMs\"l\n" +
 	"\x11DeleteRecordsItem\x12\x14\n" +
 	"\x05topic\x18\x01 \x01(\tR\x05topic\x12\x1c\n" +
 	"\tpartition\x18\x02 \x01(\rR\tpartition\x12#\n" +
@@ -6502,7 +6529,7 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\x1bStagedSubscriptionPartition\x12X\n" +
 	"\x16subscription_partition\x18\x01 \x01(\v2!.atomlog.v1.SubscriptionPartitionR\x15subscriptionPartition\x12+\n" +
 	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\x12\x16\n" +
-	"\x06staged\x18\x03 \x01(\bR\x06staged\"\xfc\x02\n" +
+	"\x06staged\x18\x03 \x01(\bR\x06staged\"\xa6\x03\n" +
 	"\x10ReplicateRequest\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12\x18\n" +
 	"\areplica\x18\x02 \x01(\tR\areplica\x12!\n" +
@@ -6512,7 +6539,9 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\tmax_bytes\x18\x06 \x01(\rR\bmaxBytes\x12\x1e\n" +
 	"\vmax_wait_ms\x18\a \x01(\rR\tmaxWaitMs\x12'\n" +
 	"\x0fcursor_sequence\x18\b \x01(\x03R\x0ecursorSequence\x12/\n" +
-	"\x13replica_incarnation\x18\t \x01(\x03R\x12replicaIncarnation\"\xa9\x02\n" +
+	"\x13replica_incarnation\x18\t \x01(\x03R\x12replicaIncarnation\x12(\n" +
+	"\x10log_start_offset\x18\n" +
+	" \x01(\x03R\x0elogStartOffset\"\xa9\x02\n" +
 	"\x14ReplicateManyRequest\x12\x18\n" +
 	"\areplica\x18\x01 \x01(\tR\areplica\x12\x1e\n" +
 	"\vmax_wait_ms\x18\x02 \x01(\rR\tmaxWaitMs\x12\x1b\n" +
