@@ -708,6 +708,49 @@ def _transaction_lines(reply) -> list[str]:
     return lines
 
 
+@partition.command("delete-records")
+@click.argument("topic_name", metavar="TOPIC")
+@click.argument("number", metavar="PARTITION", type=click.IntRange(0))
+@click.option("--before", "before_offset", required=True, type=click.IntRange(0),
+              metavar="OFFSET", help="Delete the records below this offset (at most the "
+                                     "high watermark).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(1, 3600), default=30,
+              show_default=True, help="Seconds to keep trying (a moved leader, in-sync "
+                                      "followers still deleting).")
+@bootstrap_option
+@data_dir_option
+@output_option
+def partition_delete_records(topic_name: str, number: int, before_offset: int,
+                             timeout_s: float, bootstrap: str | None, data_dir: Path,
+                             output: str) -> None:
+    """Delete the records of partition PARTITION of TOPIC below an offset (DeleteRecords).
+
+    Every whole segment that ends at or below OFFSET goes, so the new log start is the
+    base of the segment holding it: the active segment and the data of open
+    transactions stay. On a replicated topic it returns once every in-sync replica has
+    deleted too, so a failover does not show the records again. Prints the new log
+    start offset. Exits 1 on an error (OFFSET_OUT_OF_RANGE past the high watermark) or
+    when --timeout runs out (what the leader deleted stays deleted; run it again).
+
+    \b
+    Example:
+      atomlog partition delete-records orders 0 --before 120000
+    """
+    from spark_client.errors import AtomlogClientError
+
+    with _client(_bootstrap(bootstrap, data_dir)) as client:
+        try:
+            start = client.delete_records(topic_name, {number: before_offset},
+                                          timeout_s=timeout_s)[number]
+        except AtomlogClientError as error:
+            fail(str(error))
+    if output == "json":
+        click.echo(json.dumps({"topic": topic_name, "partition": number,
+                               "log_start_offset": start}))
+    else:
+        click.echo(f"{topic_name}-{number}: log start offset {start}")
+
+
 @partition.command("reassign")
 @click.argument("topic_name", metavar="TOPIC")
 @click.argument("number", metavar="PARTITION", type=int)

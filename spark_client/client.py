@@ -153,6 +153,72 @@ class Client:
         except grpc.RpcError as rpc_error:
             raise errors.from_grpc(rpc_error) from None
 
+    def delete_records(self, topic: str, before: dict[int, int],
+                       timeout_s: float = 30.0) -> dict[int, int]:
+        """Delete the records of `topic` below `before[partition]` in each partition
+        named (DeleteRecords; Kafka's deleteRecords): every whole segment ending at or
+        below that offset goes, so the log starts at the base of the segment holding it
+        (the active segment and open transactions' data stay). Returns each partition's
+        log start offset after it. On a replicated topic each answers once every
+        in-sync replica has deleted too (so no failover shows the records again).
+
+        Partitions are trimmed independently, each on its leader, retried on retriable
+        failures (a moved leader, a follower still deleting) until `timeout_s`; the
+        first error that is not retriable is raised (OffsetOutOfRange past the high
+        watermark, InvalidArgument, ...), and partitions trimmed before it stay
+        trimmed. Needs `alter` on the topic with ACLs."""
+        from atomlog.v1 import partition_pb2
+
+        if not before:
+            return {}
+        deadline = time.monotonic() + timeout_s
+        pending, done = dict(before), {}
+        backoff = Backoff(maximum_s=1.0)
+        attempt = 0
+        last: errors.AtomlogClientError | None = None
+        while pending:
+            attempt += 1
+            left_s = deadline - time.monotonic()
+            if attempt > 1:
+                if left_s <= 0:
+                    raise last or errors.error_for("REQUEST_TIMED_OUT", "DeleteRecords "
+                                                   f"did not end within {timeout_s} s")
+                time.sleep(min(backoff.delay(attempt - 1), left_s))
+                left_s = deadline - time.monotonic()
+                self.metadata.invalidate(topic)
+            by_address: dict[str, list[int]] = {}
+            for partition in sorted(pending):
+                route = self.metadata.route(topic, partition)
+                by_address.setdefault(route.address, []).append(partition)
+            for address, partitions in by_address.items():
+                if not address:  # offline: no leader now
+                    last = errors.error_for("NOT_PARTITION_OWNER", f"{topic} partitions "
+                                            f"{partitions} have no live leader")
+                    continue
+                wait_ms = int(max(0.0, min(left_s, 300.0)) * 1000)
+                request = partition_pb2.DeleteRecordsRequest(
+                    items=[partition_pb2.DeleteRecordsItem(
+                        topic=topic, partition=p, before_offset=pending[p])
+                        for p in partitions], timeout_ms=wait_ms)
+                try:
+                    reply = self.channels.partition(address).DeleteRecords(
+                        request, timeout=max(1.0, left_s) + 1.0)
+                except grpc.RpcError as rpc_error:
+                    last = errors.from_grpc(rpc_error)
+                    if not last.retriable:
+                        raise last from None
+                    continue
+                for result in reply.results:
+                    if not result.error.reason:
+                        done[result.partition] = result.log_start_offset
+                        pending.pop(result.partition, None)
+                        continue
+                    last = errors.error_for(result.error.reason, result.error.message,
+                                            dict(result.error.metadata))
+                    if not last.retriable:
+                        raise last
+        return done
+
     # ------------------------------------------------------------------ transactions
     def begin_transaction(self, timeout_s: float = 60.0, *,
                           partitions: Iterable[tuple[str, int]] = (),

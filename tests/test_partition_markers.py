@@ -25,7 +25,7 @@ from partition_server.coordinator_epochs import CoordinatorEpochs
 from partition_server.record_batch import Record, encode_batch, iter_batches
 from services.errors import from_rpc_error
 from spark_client import Client
-from tests.conftest import create_online, wait_until
+from tests.conftest import atomlog, create_online, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -383,6 +383,40 @@ def test_delete_records_moves_the_log_start_to_a_segment_boundary(client, cluste
     everything = delete(stub, "trimmed", 0, 420)  # == the high watermark
     assert not everything.error.reason and start < everything.log_start_offset <= 420
     assert describe(stub, "trimmed", 0).segment_count == 1  # only the active segment is left
+
+
+def test_the_sdk_and_the_cli_delete_records(client, cluster):
+    """Client.delete_records and `atomlog partition delete-records`: each partition named
+    trimmed on its owner, the new log starts returned (and printed); past the high
+    watermark OFFSET_OUT_OF_RANGE (exit 1), nothing deleted."""
+    from spark_client import errors
+
+    create_online(client, "trim-sdk", 2, config={"segment.bytes": str(1 << 16)})
+    for partition in (0, 1):
+        produce(stub_at(client, client.metadata.route("trim-sdk", partition).address),
+                "trim-sdk", partition, batches=40)
+    starts = client.delete_records("trim-sdk", {0: 205, 1: 105})
+    assert set(starts) == {0, 1} and 0 < starts[0] <= 205 and 0 < starts[1] <= 105
+    for partition, start in starts.items():
+        assert client.describe_partition("trim-sdk", partition).log_start_offset == start
+    assert client.delete_records("trim-sdk", {}) == {}
+    with pytest.raises(errors.AtomlogClientError) as refused:
+        client.delete_records("trim-sdk", {0: 401})
+    assert refused.value.reason == "OFFSET_OUT_OF_RANGE"
+    assert client.describe_partition("trim-sdk", 0).log_start_offset == starts[0]
+
+    bootstrap = client.metadata.route("trim-sdk", 0).address
+    done = atomlog("partition", "delete-records", "trim-sdk", "1", "--before", "305",
+                   "--bootstrap", bootstrap, "-o", "json")
+    moved = json.loads(done.stdout)
+    assert moved["partition"] == 1 and starts[1] < moved["log_start_offset"] <= 305
+    assert client.describe_partition("trim-sdk", 1).log_start_offset == \
+        moved["log_start_offset"]
+    past = atomlog("partition", "delete-records", "trim-sdk", "1", "--before", "9999",
+                   "--bootstrap", bootstrap, check=False)
+    assert past.returncode == 1 and "OFFSET_OUT_OF_RANGE" in past.stderr, past
+    assert client.describe_partition("trim-sdk", 1).log_start_offset == \
+        moved["log_start_offset"]
 
 
 def test_a_consumer_starts_at_the_log_start_and_a_partition_it_cannot_read_is_not_hidden(
