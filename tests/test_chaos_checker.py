@@ -222,7 +222,7 @@ def test_the_names_are_described_in_order():
                          "inconsistent-offsets", "non-monotonic-poll", "skipped-poll",
                          "cursor-regression", "fenced-write-visible", "lost-ack",
                          "reordered-writes", "misplaced-write", "hanging-transaction", "vanished-read",
-                         "diverged-replicas")
+                         "diverged-replicas", "resurrected-delete")
     assert set(DESCRIPTIONS) == set(ANOMALIES)
 
 
@@ -628,6 +628,53 @@ def test_diverged_replicas(case):
     undecided.op("replicas", "final", outcome="fail", partitions=[], out_of_sync=[])
     report = check(undecided.ops)
     assert not report["valid"] and "diverged-replicas was not decided" in report["problems"][0]
+
+
+def trim_history(final: list, starts: list, delete_outcome: str = "ok") -> History:
+    """The trimmer's ops on partition 0 of the trim topic: sends of v0-v5 at offsets 0-5,
+    a delete below 3 answered with log start 2, then the final trim read of `final`
+    ([partition, offset, value]) with log starts `starts`."""
+    history = History()
+    history.send("a")
+    history.finish()
+    for offset in range(6):
+        history.op("trim-send", "trimmer-0", topic="trim", partition=0, value=f"v{offset}",
+                   offset=offset)
+    history.op("delete", "trimmer-0", topic="trim", partition=0, before_offset=3,
+               outcome=delete_outcome, **({"log_start": 2} if delete_outcome == "ok" else {}))
+    history.op("final-trim-read", "final", topic="trim", records=final, starts=starts,
+               ends=[[0, 6]])
+    return history
+
+
+def test_a_record_read_below_an_acknowledged_delete_is_resurrected():
+    kept = [[0, offset, f"v{offset}"] for offset in range(2, 6)]
+    report = check(trim_history(kept, [[0, 2]]).ops)
+    assert_valid(report)
+    assert report["stats"]["trim_sends_ok"] == 6 and report["stats"]["deletes_ok"] == 1
+    # A replica that never deleted led at the end: offsets 0-1 are back.
+    back = [[0, offset, f"v{offset}"] for offset in range(6)]
+    report = check(trim_history(back, [[0, 0]]).ops)
+    assert_only(report, "resurrected-delete", 1)
+    example = report["examples"]["resurrected-delete"][0]
+    assert example["kind"] == "read-below-start"
+    assert (example["acknowledged_start"], example["final_start"], example["lowest"]) == (2, 0, 0)
+    # A delete whose outcome is unknown acknowledged nothing: what stays below it is fine.
+    assert_valid(check(trim_history(back, [[0, 0]], delete_outcome="unknown").ops))
+
+
+def test_a_write_above_every_delete_gone_from_the_trim_topic_is_lost():
+    # v3 (offset 3, at the delete's before_offset) must stay; v2 may go (below 3).
+    report = check(trim_history([[0, 4, "v4"], [0, 5, "v5"]], [[0, 4]]).ops)
+    assert_only(report, "resurrected-delete", 1)
+    example = report["examples"]["resurrected-delete"][0]
+    assert (example["kind"], example["offset"], example["value"]) == ("trim-lost-write", 3, "v3")
+    # Without a final trim read nothing is decided, and the report says so.
+    history = trim_history([], [])
+    history.ops.pop()
+    report = check(history.ops)
+    assert not report["valid"]
+    assert any("resurrected-delete was not decided" in p for p in report["problems"])
 
 
 def test_reordered_writes_of_one_producer():

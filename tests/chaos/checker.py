@@ -100,6 +100,15 @@ diverged-replicas
     DeleteRecords) would then leave replicas different records, and a new leader could
     serve what its old one had deleted.
 
+resurrected-delete
+    The trim topic (the log workload's trimmer): a DeleteRecords that completed ok with
+    log start S on a partition, and the ok final-trim-read holds a record of that
+    partition below S (a replica that had not deleted served after a failover: the
+    records came back), or reports a log start below S. (kind "trim-lost-write") An ok
+    trim-send at an offset at or above every before_offset a delete of its partition
+    was invoked with (whatever its outcome) that the final-trim-read does not hold
+    there with its value: a delete took what it must not have.
+
 Liveness (not an anomaly; a stall makes the report not valid, as a problem does):
 
 stall
@@ -156,6 +165,7 @@ ANOMALIES = (
     "hanging-transaction",
     "vanished-read",
     "diverged-replicas",
+    "resurrected-delete",
 )
 
 STALL_S = 45.0  # a writer failing longer than this without an ok op: a stall
@@ -189,10 +199,14 @@ DESCRIPTIONS = {
     "diverged-replicas": "after healing, a partition's ISR stays short of a replica, or its "
                          "copies start their segments at different offsets or hold different "
                          "batches",
+    "resurrected-delete": "a record below an acknowledged DeleteRecords' log start read "
+                          "back at the end, or an acknowledged write above every delete "
+                          "gone",
 }
 
 KNOWN_KINDS = frozenset({"send", "txn", "poll", "seek", "fence", "cursor", "nemesis", "nemesis-target",
                          "final-read", "final-positions", "replicas", "workload",
+                         "trim-send", "delete", "final-trim-read",
                          "subscribe"})  # a ctp consumer's prefetch: no rule reads it
 DESCRIBED_FIELDS = ("process", "f", "invoke", "complete", "outcome", "error", "txn_id",
                     "result", "decision", "transactional_id", "epoch", "commit_invoke", "producer",
@@ -244,6 +258,9 @@ class Index:
     final_positions: dict | None = None
     final_positions_ops: int = 0
     final_replicas: dict | None = None  # the last ok replicas op
+    trim_sends: list[dict] = field(default_factory=list)  # the trimmer's (trim topic)
+    deletes: list[dict] = field(default_factory=list)  # its DeleteRecords, any outcome
+    final_trim_read: dict | None = None  # the last ok final-trim-read op
     replicas_ops: int = 0  # replicas ops, whatever their outcome
     writes: list[Write] = field(default_factory=list)            # in history order
     first_writer: dict[str, Write] = field(default_factory=dict)
@@ -385,6 +402,14 @@ def add_operation(index: Index, op: dict) -> None:
         previous = index.final_reads.get(isolation_of(op))
         if previous is None or invoke_time(op) >= invoke_time(previous):
             index.final_reads[isolation_of(op)] = op
+    elif kind == "trim-send":
+        index.trim_sends.append(op)
+    elif kind == "delete":
+        index.deletes.append(op)
+    elif kind == "final-trim-read" and ok:
+        previous = index.final_trim_read
+        if previous is None or invoke_time(op) >= invoke_time(previous):
+            index.final_trim_read = op
     elif kind == "replicas":
         index.replicas_ops += 1
         previous = index.final_replicas
@@ -1046,6 +1071,51 @@ def merge_by_value(plain: list[dict], extra: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- the report
 
 
+def find_resurrected_deletes(index: Index) -> list[dict]:
+    """See the module doc: per partition of the trim topic, the records (or the log
+    start) the final-trim-read shows below the highest log start an ok delete answered,
+    and the ok trim-sends above every attempted delete that it does not hold."""
+    final = index.final_trim_read
+    if final is None:
+        return []
+    acknowledged: dict[Any, tuple[int, dict]] = {}  # partition -> (highest start, its op)
+    attempted: dict[Any, int] = {}  # partition -> highest before_offset of any delete
+    for op in index.deletes:
+        partition, before = op.get("partition"), op.get("before_offset")
+        if is_number(before):
+            attempted[partition] = max(attempted.get(partition, before), before)
+        start = op.get("log_start")
+        if op.get("outcome") == "ok" and is_number(start) and \
+                start > acknowledged.get(partition, (-1, None))[0]:
+            acknowledged[partition] = (start, op)
+    held: dict[tuple, Any] = {}
+    for entry in final.get("records") or ():
+        if well_formed(entry, 3, 1):
+            held[(entry[0], entry[1])] = entry[2]
+    found = []
+    starts = {entry[0]: entry[1] for entry in final.get("starts") or ()
+              if isinstance(entry, list) and len(entry) == 2}
+    for partition, (start, op) in sorted(acknowledged.items(), key=lambda kv: str(kv[0])):
+        below = [offset for (p, offset) in held if p == partition and offset < start]
+        shown_start = starts.get(partition)
+        if below or (is_number(shown_start) and shown_start < start):
+            found.append({"kind": "read-below-start", "partition": partition,
+                          "acknowledged_start": start, "final_start": shown_start,
+                          "records_below": len(below), "lowest": min(below, default=None),
+                          "op": describe(op)})
+    for op in index.trim_sends:
+        partition, offset, value = op.get("partition"), op.get("offset"), op.get("value")
+        if op.get("outcome") != "ok" or not is_number(offset):
+            continue
+        if offset < attempted.get(partition, -1):
+            continue  # a delete may have taken it
+        if held.get((partition, offset)) != value:
+            found.append({"kind": "trim-lost-write", "partition": partition,
+                          "offset": offset, "value": value,
+                          "read": held.get((partition, offset)), "op": describe(op)})
+    return found
+
+
 def find_problems(index: Index) -> list[str]:
     problems = []
     if not index.has_committed_final_read:
@@ -1056,6 +1126,9 @@ def find_problems(index: Index) -> list[str]:
         problems.append("no ok final-positions op: hanging-transaction was not decided")
     if index.replicas_ops and index.final_replicas is None:
         problems.append("no ok replicas op: diverged-replicas was not decided")
+    if (index.trim_sends or index.deletes) and index.final_trim_read is None:
+        problems.append("trim-sends or deletes but no ok final-trim-read: "
+                        "resurrected-delete was not decided")
     if READ_UNCOMMITTED not in index.final_reads and any(
             isolation_of(op) == READ_UNCOMMITTED and op.get("subscription") is None
             for op in index.polls):
@@ -1091,6 +1164,8 @@ def compute_stats(index: Index) -> dict:
         "visible_values": len(index.visible),
         "cursor_observations": len(index.cursors),
         "final_positions_ops": index.final_positions_ops,
+        "trim_sends_ok": sum(op.get("outcome") == "ok" for op in index.trim_sends),
+        "deletes_ok": sum(op.get("outcome") == "ok" for op in index.deletes),
         "faults": len(index.faults),
         "fault_seconds": round(sum(fault_seconds(index, op) for op in index.faults), 3),
     }
@@ -1119,6 +1194,7 @@ def check(history: list[dict]) -> dict:
     found["lost-ack"] = find_lost_acks(index)
     found["hanging-transaction"] = find_hanging_transactions(index)
     found["diverged-replicas"] = find_diverged_replicas(index)
+    found["resurrected-delete"] = find_resurrected_deletes(index)
     if index.has_committed_final_read:
         found["lost-write"] = find_lost_writes(index)
         found["torn-transaction"] = find_torn_transactions(index)

@@ -23,6 +23,10 @@ Roles (see docs/verification.md):
   driver       spark-lite: jobs of parent and prepared child transactions, as the Spark
                writer runs them, some with failed or speculative attempts, and one in ten
                abandoned by a "dead" driver
+  trimmer      log: idempotent sends of padded values to the trim topic, and every few
+               sends a DeleteRecords (Client.delete_records) below one of its own
+               acknowledged offsets, so segments of a replicated partition are deleted
+               while the nemesis fails leaders over (the checker's resurrected-delete)
 
 The run directory's workload.json says which topics exist and the settings of the run.
 """
@@ -41,6 +45,14 @@ from spark_client import Client, TlsConfig, errors
 from tests.chaos.history import EventLog
 
 SEND_TIMEOUT_S = 15.0
+TRIM_PAD = "|" + "x" * 2_000  # values of ~2 KB: the trim topic's 64 KiB segments roll
+
+
+def trim_value(data: bytes) -> str:
+    """A trim topic record's value as the trimmer logged it (its padding cut)."""
+    return data.decode(errors="replace").split("|", 1)[0]
+
+
 CTP_BATCH_RECORDS = (3, 50)  # inputs per ctp transaction (3: one per partition server)
 # A ctp worker's consumer receives this many inputs beyond each poll's (its pick, per
 # consumer): what it holds is leased to it until acked, expired or released on close.
@@ -440,6 +452,48 @@ class Workload:
                 for key in consumer.assignment():
                     positions[key] = consumer.position(*key)
 
+    # ------------------------------------------------------------------ trims
+    def run_trimmer(self) -> None:
+        """Sends to the trim topic and DeleteRecords below acknowledged offsets (the role
+        list above)."""
+        topic, count = self.spec["trim_topic"]["name"], self.spec["trim_topic"]["partitions"]
+        acked: dict[int, list[int]] = {p: [] for p in range(count)}
+        with self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S) as producer:
+            while not self.stop:
+                partition = self.rng.randrange(count)
+                pending = []
+                for _ in range(self.rng.randint(1, 16)):
+                    value = self.value("trim-")
+                    op = self.log.invoke("trim-send", topic=topic, partition=partition,
+                                         value=value)
+                    try:
+                        future = producer.send(topic, (value + TRIM_PAD).encode(),
+                                               partition=partition)
+                    except errors.AtomlogClientError as error:
+                        self.log.complete(op, "unknown", error=_reason(error))
+                        continue
+                    pending.append((op, future))
+                for op, future in pending:
+                    try:
+                        offset = future.result(timeout=SEND_TIMEOUT_S + 5).offset
+                        self.log.complete(op, "ok", offset=offset)
+                        acked[partition].append(offset)
+                    except Exception as error:  # noqa: BLE001 — may or may not be written
+                        self.log.complete(op, "unknown", error=_reason(error))
+                if acked[partition] and self.rng.random() < 0.25:
+                    # Below one of the newest acknowledged offsets: at most the high watermark
+                    # (acknowledged means every in-sync replica holds it).
+                    before = self.rng.choice(acked[partition][-40:]) + 1
+                    op = self.log.invoke("delete", topic=topic, partition=partition,
+                                         before_offset=before)
+                    try:
+                        start = self.client.delete_records(topic, {partition: before},
+                                                           timeout_s=20.0)[partition]
+                        self.log.complete(op, "ok", log_start=start)
+                    except Exception as error:  # noqa: BLE001 — it may have deleted some
+                        self.log.complete(op, "unknown", error=_reason(error))
+                self.stop.sleep(self.rng.uniform(0, 0.05))
+
     # ------------------------------------------------------------------ ctp
     def run_feeder(self) -> None:
         self.run_producer([self.spec["input_topic"]], prefix="in-")
@@ -552,7 +606,7 @@ class Workload:
 ROLES = {"producer": Workload.run_producer, "txn": Workload.run_txn,
          "session": Workload.run_session, "reader": Workload.run_reader,
          "feeder": Workload.run_feeder, "ctp": Workload.run_ctp, "cursors": Workload.run_cursors,
-         "driver": Workload.run_driver}
+         "driver": Workload.run_driver, "trimmer": Workload.run_trimmer}
 
 
 def main(argv: list[str] | None = None) -> int:

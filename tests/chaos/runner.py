@@ -70,10 +70,15 @@ QUIESCENCE_S = 60.0             # after healing: until no transaction is open an
                                 # (longer than every timeout below)
 REPLICAS_AGREE_S = 30.0         # then: until every workload partition's copies agree
 LOG_TOPICS = {"chaos-a": 4, "chaos-b": 2}
+# The log workload's trimmer (tests/chaos/client.py) writes this topic and deletes below
+# its own acknowledged offsets; no other client reads it (a reader below a moved log start
+# only fails), the final trim read reads it from its log start.
+TRIM_TOPIC = {"name": "chaos-trim", "partitions": 2}
+TRIM_SEGMENT_BYTES = 65_536  # the smallest allowed: the trimmer's ~2 KB values roll it
 CTP_TOPICS = {"ctp-in": 4, "ctp-out": 3}
 WORKLOADS = {
     "log": ["producer-0", "producer-1", "txn-0", "txn-1", "session-0",
-            "reader-0:read_committed", "reader-1:read_uncommitted"],
+            "reader-0:read_committed", "reader-1:read_uncommitted", "trimmer-0"],
     "ctp": ["feeder-0", "ctp-0", "ctp-1", "ctp-2", "cursors-0", "reader-0:read_committed"],
     "spark-lite": ["driver-0", "driver-1", "reader-0:read_committed",
                    "reader-1:read_uncommitted"],
@@ -952,17 +957,22 @@ class Run:
         if self.options.workload == "ctp":
             spec.update(input_topic="ctp-in", output_topic="ctp-out", subscription="chaos",
                         data_topics=[])
+        if self.options.workload == "log":
+            spec.update(trim_topic=TRIM_TOPIC)
         self.spec = spec
         self.write_spec()
         final_log.record("workload", workload=self.options.workload, seed=self.options.seed,
                          topics=self.topics, txn_timeout_s=TXN_TIMEOUT_S,
                          nemeses=self.options.nemeses,
-                         **{k: spec[k] for k in ("input_topic", "output_topic", "subscription")
-                            if k in spec},
+                         **{k: spec[k] for k in ("input_topic", "output_topic", "subscription",
+                                                 "trim_topic") if k in spec},
                          **({"transform": "out:"} if self.options.workload == "ctp" else {}))
         with Client(bootstrap, tls=self.client_tls()) as client:
             for topic, partitions in self.topics.items():
                 create_online(client, topic, partitions)
+            if "trim_topic" in spec:
+                create_online(client, TRIM_TOPIC["name"], TRIM_TOPIC["partitions"],
+                              config={"segment.bytes": str(TRIM_SEGMENT_BYTES)})
         for spec_name in self.workload_clients():
             name, _, isolation = spec_name.partition(":")
             self.clients[name] = ClientProcess(name, name.split("-")[0],
@@ -1089,6 +1099,8 @@ class Run:
                 final_log.record("final-positions", partitions=positions)
             for isolation in ("read_committed", "read_uncommitted"):
                 self.final_read(client, isolation, final_log)
+            if "trim_topic" in self.spec:
+                self.final_trim_read(client, final_log)
             if self.options.workload == "ctp":
                 self.final_cursors(client, final_log)
 
@@ -1108,7 +1120,10 @@ class Run:
         if lagging is None:
             final_log.complete(op, "fail", partitions=[], out_of_sync=[])
             return
-        names = [f"{topic}/{p}" for topic, count in self.topics.items() for p in range(count)]
+        topics = dict(self.topics)
+        if "trim_topic" in self.spec:  # its followers delete what their leader deleted
+            topics[TRIM_TOPIC["name"]] = TRIM_TOPIC["partitions"]
+        names = [f"{topic}/{p}" for topic, count in topics.items() for p in range(count)]
         replicas = {name: self.replicas_of(name)[0] for name in names}
         deadline = time.monotonic() + REPLICAS_AGREE_S
         while True:
@@ -1171,6 +1186,31 @@ class Run:
                 self.say(f"final read ({isolation}) attempt {attempt + 1} failed: {error}")
                 time.sleep(1)
         final_log.complete(op, "fail", records=[], ends=[])
+
+    def final_trim_read(self, client, final_log: EventLog) -> None:
+        """The trim topic read whole, from each partition's log start (where a consumer
+        begins), with those starts: the checker's resurrected-delete and the trimmer's
+        lost writes."""
+        from tests.chaos.client import trim_value
+
+        topic, count = TRIM_TOPIC["name"], TRIM_TOPIC["partitions"]
+        op = final_log.invoke("final-trim-read", topic=topic)
+        for attempt in range(10):
+            try:
+                starts = [[p, client.describe_partition(topic, p).log_start_offset]
+                          for p in range(count)]
+                with client.consumer([topic]) as reader:
+                    ends = reader.end_offsets()
+                    records = [[m.partition, m.offset, trim_value(m.value or b"")]
+                               for messages in reader.read_until(ends, idle_timeout_s=20)
+                               for m in messages]
+                final_log.complete(op, "ok", records=records, starts=starts,
+                                   ends=[[p, e] for (_t, p), e in sorted(ends.items())])
+                return
+            except Exception as error:  # noqa: BLE001 — retried; the checker says if absent
+                self.say(f"final trim read attempt {attempt + 1} failed: {error}")
+                time.sleep(1)
+        final_log.complete(op, "fail", records=[], starts=[], ends=[])
 
     def final_cursors(self, client, final_log: EventLog) -> None:
         op = final_log.invoke("cursor", subscription=self.spec["subscription"],
