@@ -6,6 +6,7 @@ package atomlog
 import (
 	"context"
 	"strings"
+	"sync"
 	"time"
 
 	pb "github.com/atomlog/atomlog/clients/go/gen/atomlog/v1"
@@ -103,4 +104,60 @@ func (c *Client) checkPartition(ctx context.Context, tp TopicPartition) error {
 			tp.Topic, count, tp.Partition)
 	}
 	return nil
+}
+
+// DeleteRecords deletes the records of each partition in before below its offset
+// (DeleteRecords; Kafka's deleteRecords): every whole segment that ends at or below
+// the offset goes, so the log then starts at the base of the segment holding it (the
+// active segment and the data of open transactions stay). It returns each partition's
+// log start offset after it. On a replicated topic a partition answers once every
+// in-sync replica has deleted too, so no failover shows the records again. Retried, as
+// every call, while an owner moves or its in-sync followers are still deleting
+// (REQUEST_TIMED_OUT), until ctx ends (or the client's operation timeout); an offset
+// past the high watermark fails with OFFSET_OUT_OF_RANGE. Partitions are trimmed
+// independently: on an error, those trimmed before it stay trimmed. Needs alter on the
+// topic with ACLs.
+func (c *Client) DeleteRecords(ctx context.Context, before map[TopicPartition]int64) (map[TopicPartition]int64, error) {
+	starts := make(map[TopicPartition]int64, len(before))
+	tps := make([]TopicPartition, 0, len(before))
+	for tp, offset := range before {
+		if offset < 0 {
+			return nil, errorf(ReasonInvalidArgument, "%s-%d: offset %d is negative",
+				tp.Topic, tp.Partition, offset)
+		}
+		tps = append(tps, tp)
+	}
+	var mu sync.Mutex
+	err := callOwners(ctx, c, tps, func(actx context.Context, stub pb.PartitionServiceClient,
+		group []TopicPartition) ([]*pb.ItemError, error) {
+		request := &pb.DeleteRecordsRequest{}
+		for _, tp := range group {
+			request.Items = append(request.Items, &pb.DeleteRecordsItem{
+				Topic: tp.Topic, Partition: uint32(tp.Partition), BeforeOffset: before[tp]})
+		}
+		answer, err := stub.DeleteRecords(actx, request)
+		if err != nil {
+			return nil, err
+		}
+		results := answer.GetResults()
+		if len(results) != len(group) {
+			return nil, errorf(ReasonInternal, "DeleteRecords answered %d results for %d items",
+				len(results), len(group))
+		}
+		errs := make([]*pb.ItemError, len(group))
+		mu.Lock()
+		defer mu.Unlock()
+		for i, result := range results {
+			if result.GetError().GetReason() != "" {
+				errs[i] = result.GetError()
+				continue
+			}
+			starts[group[i]] = result.GetLogStartOffset()
+		}
+		return errs, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return starts, nil
 }

@@ -5,6 +5,7 @@ package atomlog
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"os"
@@ -915,4 +916,50 @@ func TestClusterDescribePartitionAndResetSubscription(t *testing.T) {
 		t.Fatal(err)
 	}
 	receive(0)
+}
+
+func TestClusterDeleteRecords(t *testing.T) {
+	c, ctx := cluster(t)
+	name := fmt.Sprintf("go-trim-%s", randomKey()[3:11])
+	if _, err := c.CreateTopic(ctx, name, 1, map[string]string{"segment.bytes": "65536"}); err != nil {
+		t.Fatal(err)
+	}
+	tp := TopicPartition{Topic: name}
+	producer, err := c.NewProducer(ctx, ProducerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Close(ctx)
+	value := make([]byte, 2000)
+	for i := 0; i < 120; i++ { // one at a time: small batches, so the 64 KiB segments roll
+		rand.Read(value)
+		f, err := producer.Send(ctx, name, Record{Value: value}, ToPartition(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	starts, err := c.DeleteRecords(ctx, map[TopicPartition]int64{tp: 70})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if start := starts[tp]; len(starts) != 1 || start <= 0 || start > 70 {
+		t.Fatalf("log start after deleting below 70: %v", starts)
+	}
+	d, err := c.DescribePartition(ctx, tp)
+	if err != nil || d.LogStartOffset != starts[tp] || d.HighWatermark != 120 {
+		t.Fatalf("described after the delete: %+v, %v (starts %v)", d, err, starts)
+	}
+	// Past the high watermark, or negative: refused at once, nothing deleted.
+	if _, err := c.DeleteRecords(ctx, map[TopicPartition]int64{tp: 121}); Reason(err) != ReasonOffsetOutOfRange {
+		t.Fatalf("past the high watermark: %v", err)
+	}
+	if _, err := c.DeleteRecords(ctx, map[TopicPartition]int64{tp: -1}); Reason(err) != ReasonInvalidArgument {
+		t.Fatalf("negative: %v", err)
+	}
+	if d, _ = c.DescribePartition(ctx, tp); d.LogStartOffset != starts[tp] {
+		t.Fatalf("moved by a refused delete: %+v", d)
+	}
 }
