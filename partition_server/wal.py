@@ -7,7 +7,11 @@ loop. In `wal` mode every partition owner of the process still writes its own se
 files (one writer per file, as before), and each write is also queued as a *frame* for
 one file of the process, this write-ahead file (as PostgreSQL's WAL). A group commit
 then waits for the file's next *round*: every frame queued since the last round in one
-write and one fsync of one file, for every owner that asked. The partition files are
+write and one fsync of one file, for every owner that asked. One fsync of the file runs
+at a time (a round's, or a CUT or BASE frame's): a round asked for meanwhile runs when
+it ends, taking everything asked until then (as PostgreSQL's WAL writer does), so no
+fsync's success is read while another one's failure on the same file is not yet
+recorded. The partition files are
 written, readable and acknowledged at once, and fsynced later, many groups at a time, by
 a *checkpointer* (every `partition.wal_checkpoint_ms`, or once
 `partition.wal_checkpoint_bytes` were framed since the last); only then do their recovery
@@ -797,6 +801,16 @@ class _Round:
     error: BaseException | None = None
 
 
+SYNC_TURN_WAIT_S = 60.0  # a worker's wait for the fsync in flight before its own
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 class WriteAheadLog:
     """The write-ahead file of one partition server (its owners share one event loop).
     Frames are queued by the owners' writes (on the loop) and by cuts (on worker
@@ -825,6 +839,16 @@ class WriteAheadLog:
         # every segment until the file reached wal_max_bytes and refused every write.)
         self._data_loss: set[str] = set()
         self._rounds: deque[_Round] = deque()
+        # One fsync of the file at a time (a round's, or a CUT/BASE frame's on a worker
+        # thread): `_syncing` while one runs, `_idle` notified when it ends. Concurrent
+        # fsyncs of one open file share its write-back error (Linux's errseq reports it to
+        # the first fsync that looks), so one that returned success could be answered
+        # while another, failing, had not yet poisoned the segment: an acknowledgement of
+        # frames that may not be on the disk (found by an audit, 2026-12-06). One at a
+        # time, every fsync's verdict covers what happened since the last one ended, and
+        # a failure poisons the segment before the next fsync begins.
+        self._syncing = False
+        self._idle = threading.Condition(self._lock)
         self._turn: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sync: durability.LogSync | None = None
@@ -925,12 +949,13 @@ class WriteAheadLog:
     def _open_next(self) -> None:
         """Under the lock (or before the loop runs): a new segment becomes the active one.
         The segment it replaces is fsynced first (blocking, as the directory's fsync
-        below; once per `segment_bytes`). Rounds overlap, so the last round on the old
-        segment may still be fsyncing: if the new segment's frames could be durable
-        before it, a power cut might keep them and lose the old segment's tail they
-        continue, and the replay would refuse their partition as DATA_LOSS although
-        nothing acknowledged was lost. A failed fsync poisons the old segment as a
-        failed round does (its partitions reload)."""
+        below; once per `segment_bytes`), by the holder of the file's fsync turn (a
+        round, or a durable frame: no other fsync of the file runs meanwhile): its
+        writes were only ever fsynced by the rounds, and if the new segment's frames
+        could be durable before the old one's tail, a power cut might keep them and lose
+        the tail they continue, and the replay would refuse their partition as DATA_LOSS
+        although nothing acknowledged was lost. A failed fsync poisons the old segment
+        as a failed round does (its partitions reload)."""
         if self._fd >= 0 and self._size and self._sequence not in self._poisoned:
             try:
                 self._fsync(self._fd)
@@ -1083,17 +1108,22 @@ class WriteAheadLog:
     def _write_durably(self, kind: int, name: str, offset: int) -> None:
         frame = encode_frame(kind, name, offset)
         with self._lock:
-            self._pending.append(frame)
-            self._pending_ends.append((name, -1))
-            written = self._write_pending()  # the segment it went into
-            fd = os.dup(self._fd)
-            if kind == CUT:
-                self._ledger.cut(name, offset)
-                if self._checkpointed.get(name, 0) > offset:
+            self._take_sync_turn()  # no round's fsync runs beside this one
+            try:
+                self._pending.append(frame)
+                self._pending_ends.append((name, -1))
+                written = self._write_pending()  # the segment it went into
+                fd = os.dup(self._fd)
+                if kind == CUT:
+                    self._ledger.cut(name, offset)
+                    if self._checkpointed.get(name, 0) > offset:
+                        self._checkpointed[name] = offset
+                else:
+                    self._ledger.base(name)
                     self._checkpointed[name] = offset
-            else:
-                self._ledger.base(name)
-                self._checkpointed[name] = offset
+            except BaseException:
+                self._end_sync_turn()
+                raise
         try:
             self._fsync(fd)
         except OSError as error:
@@ -1105,9 +1135,41 @@ class WriteAheadLog:
             raise
         finally:
             os.close(fd)
+            with self._lock:
+                self._end_sync_turn()
         if kind == BASE:
             with self._lock:
                 self._lost.discard(name)
+
+    def _take_sync_turn(self) -> None:
+        """Under the lock, on a worker thread: wait (at most SYNC_TURN_WAIT_S) until no
+        fsync of the file runs, then hold the turn (`_end_sync_turn` gives it back).
+        Never on the event loop: the round it would wait for ends there."""
+        if self._loop is not None and _on_loop(self._loop):
+            raise RuntimeError("a durable write-ahead frame is written on a worker thread, "
+                               "never on the event loop (it waits for the round's fsync)")
+        deadline = time.monotonic() + SYNC_TURN_WAIT_S
+        while self._syncing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OSError(errno.ETIMEDOUT, "the write-ahead file's fsync in flight did "
+                              f"not end within {SYNC_TURN_WAIT_S:.0f} s")
+            self._idle.wait(left)
+        self._syncing = True
+
+    def _end_sync_turn(self) -> None:
+        """Under the lock: the fsync ended (its failure, if any, recorded first): the next
+        may begin; rounds asked for meanwhile run on the loop."""
+        self._syncing = False
+        self._idle.notify_all()
+        loop = self._loop
+        if self._waiting and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._resume_rounds)
+
+    def _resume_rounds(self) -> None:
+        """On the loop: a round for the flushes that waited while another fsync ran."""
+        if self._waiting and self._turn is None and not self.closed:
+            self._turn = self._loop.call_soon(self._round)
 
     def sync(self, name: str, wake: Callable[[], object] | None) -> durability.SyncTicket:
         """A ticket answered once everything partition `name` queued so far is durable
@@ -1134,19 +1196,28 @@ class WriteAheadLog:
         if self.closed:
             self._refuse_waiting()
             return
-        tickets, self._waiting = self._waiting, []
-        if not tickets:
+        if not self._waiting:
             return
         began = time.perf_counter()
-        try:
-            with self._lock:
+        with self._lock:
+            if self._syncing:  # another fsync of the file runs: this round follows it
+                return  # (`_synced` or `_end_sync_turn` asks for it again)
+            tickets, self._waiting = self._waiting, []
+            try:
                 sequence = self._write_pending()
                 round_ = _Round(tickets, sequence, began)
+                self._syncing = True
                 sync_ticket = self._sync.submit(self._fd,
                                                 lambda: self._synced(round_, sync_ticket))
                 self._rounds.append(round_)
-        except OSError as error:
-            self._answer(tickets, error)
+            except OSError as error:
+                self._syncing = False
+                self._idle.notify_all()
+                failed = error
+            else:
+                failed = None
+        if failed is not None:
+            self._answer(tickets, failed)
             return
         ROUNDS.inc()
         if self._since_checkpoint >= self.checkpoint_bytes and self._checkpoint_now is not None:
@@ -1165,15 +1236,19 @@ class WriteAheadLog:
 
     def _synced(self, round_: _Round, sync_ticket: durability.SyncTicket) -> None:
         error = sync_ticket.exception()
-        if error is not None:
-            # After a failed fsync the file's pages are unknown: this segment takes no
-            # more frames, no round on it counts, and the partitions with frames in it
-            # reload (later rounds, on a new segment, would not cover those frames).
-            with self._lock:
+        with self._lock:
+            if error is not None:
+                # After a failed fsync the file's pages are unknown: this segment takes no
+                # more frames, no round on it counts, and the partitions with frames in it
+                # reload (later rounds, on a new segment, would not cover those frames).
                 self._poisoned.add(round_.sequence)
                 # (.get: a segment trimmed while its round's fsync ran, its partitions
                 # made durable by a roll or a close; a KeyError here stopped every round.)
                 self._lose(set(self._names_in.get(round_.sequence, ())), error)
+            self._syncing = False
+            self._idle.notify_all()
+        if self._waiting and self._turn is None and not self.closed:
+            self._turn = self._loop.call_soon(self._round)  # what asked meanwhile
         round_.done, round_.error = True, error
         ROUND_SECONDS.observe(time.perf_counter() - round_.began)
         rounds = self._rounds
@@ -1319,7 +1394,12 @@ class WriteAheadLog:
         written first, so none of them lands after this reads the file)."""
         with self._lock:
             if self._fd >= 0:
-                self._write_pending()
+                # (Its turn: writing the frames may roll the segment, which fsyncs it.)
+                self._take_sync_turn()
+                try:
+                    self._write_pending()
+                finally:
+                    self._end_sync_turn()
             # The segments kept now, none of which goes while this reads them (`_trim`
             # waits): a segment missing in the middle would look like lost frames.
             sequences = [sequence for sequence, _ in self._ledger.segments]

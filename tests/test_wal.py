@@ -1369,17 +1369,23 @@ def test_a_partition_in_data_loss_no_longer_holds_the_file_and_its_frames_are_ke
     asyncio.run(scenario())
 
 
-def test_a_failed_fsync_of_a_cut_marks_the_segment_it_was_written_to(tmp_path):
-    """A CUT (or BASE) frame's fsync runs on a worker thread, outside the lock; when it
-    failed, the segment active then was marked failed, not the one the frame went into.
-    Had the loop rolled meanwhile, the new segment's partitions reloaded for nothing,
-    and the failed segment's rounds went on counting as durable. Now the segment
-    written is the one marked."""
+def test_a_round_waits_for_a_cut_fsync_in_flight_and_never_counts_its_failed_segment(
+        tmp_path):
+    """One fsync of the write-ahead file at a time. A CUT (or BASE) frame's fsync runs on
+    a worker thread; a round asked for meanwhile used to run beside it, on the same open
+    file, and Linux reports a write-back error to the first fsync that looks: the round's
+    could return success, and be answered, while the cut's failed and had not yet
+    poisoned the segment (an acknowledgement of frames that may be lost). Now the round
+    waits until the cut's fsync ended and recorded its failure; it then writes its frames
+    into a new segment (the failed one takes no more) and counts nothing of the failed
+    one. (Before 2026-12-05 the failed cut also marked the wrong segment, the one active
+    after a roll, when the loop had rolled meanwhile; no roll can come between now.)"""
     import threading
 
     release = threading.Event()
     blocked = threading.Event()
     loop_thread = []
+    seen_during_cut = []
 
     def fsync(fd):
         if threading.get_ident() != loop_thread[0] and not blocked.is_set():
@@ -1399,18 +1405,63 @@ def test_a_failed_fsync_of_a_cut_marks_the_segment_it_was_written_to(tmp_path):
         cut = asyncio.ensure_future(asyncio.to_thread(wal.write_cut, "a", 0))
         while not blocked.is_set():
             await asyncio.sleep(0.005)
-        wal._size = wal.segment_bytes  # full: the next round rolls
         wal.queue(b"b", "b", 0, stamped(batch(1, 0), 0), 2)
-        assert await synced(wal, "b") is None
-        assert wal._sequence != first
+        round_b = asyncio.ensure_future(synced(wal, "b"))
+        await asyncio.sleep(0.3)
+        seen_during_cut.append(round_b.done())
         release.set()
         with pytest.raises(OSError):
             await cut
+        assert await round_b is None  # its frames in a new segment, fsynced
+        assert wal._sequence != first
         assert first in wal._poisoned and wal._sequence not in wal._poisoned
         assert "a" in wal._lost and "b" not in wal._lost
+        assert "b" not in wal._names_in.get(first, set())
         await wal.close()
 
     asyncio.run(scenario())
+    assert seen_during_cut == [False], "the round ran beside the cut's fsync"
+
+
+def test_rounds_run_one_fsync_at_a_time(tmp_path):
+    """Rounds asked for while one round's fsync runs wait for it (then go together): no
+    two fsyncs of the file are ever submitted at once."""
+    outstanding, most, submitted = [0], [0], [0]
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
+        await wal.start()
+        class Counting:  # the barrier's LogSync, counting the fsyncs out at once
+            def __init__(self, sync):
+                self.sync = sync
+
+            def __getattr__(self, name):
+                return getattr(self.sync, name)
+
+            def submit(self, fd, callback):
+                outstanding[0] += 1
+                submitted[0] += 1
+                most[0] = max(most[0], outstanding[0])
+
+                def ended():
+                    outstanding[0] -= 1
+                    callback()
+                return self.sync.submit(fd, ended)
+
+        wal._sync = Counting(wal._sync)
+        waits = []
+        for i in range(40):
+            name = f"p{i % 7}"
+            wal.queue(name.encode(), name, i, stamped(batch(1, 0), i), i + 2)
+            waits.append(asyncio.ensure_future(synced(wal, name)))
+            if i % 3 == 0:
+                await asyncio.sleep(0)  # a round may start; the next ones ask meanwhile
+        assert await asyncio.gather(*waits) == [None] * 40
+        await wal.close()
+
+    asyncio.run(scenario())
+    assert most[0] == 1 and submitted[0] >= 2, (most, submitted)
 
 
 def test_a_trimmed_segment_that_could_not_be_deleted_goes_before_any_newer_one(
