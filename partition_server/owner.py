@@ -286,6 +286,7 @@ class _ReplayCancelled(Exception):
 # owned here: about the pace at which an operator frees space, without spinning.
 RELOAD_RETRY_FIRST_S = 0.1
 RELOAD_RETRY_MAX_S = 5.0
+CLOSE_CHECKPOINT_WAIT_S = 10.0  # close's wait for a checkpoint's fsync in flight
 # Why a replicated leader whose log has corruption before its tail gives up its epoch.
 DATA_LOSS_WHY = "its log has corruption before its tail (DATA_LOSS)"
 
@@ -746,6 +747,11 @@ class PartitionOwner:
                 await self._snapshot(force=True)
         self.subscriptions.close()
         if self.log is not None:
+            # A write-ahead checkpoint's fsync of the active segment in flight: its
+            # verdict first (the close's own fsync would not tell a failure it took).
+            deadline = time.monotonic() + CLOSE_CHECKPOINT_WAIT_S
+            while self.log.checkpointing and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
             self.log.close()
             if self._wal_tap is not None:
                 self._wal_tap.detach(self.log)

@@ -1319,6 +1319,7 @@ class WriteAheadLog:
                                                 tg=target, g=generation, h=holder:
                                                 self._checkpoint_ended(t, lg, tg, g, h[0])))
             except Exception as error:  # noqa: BLE001 — this file waits for the next interval
+                partition_log.checkpoint_ended(None)  # (no fsync ran: nothing to hear of)
                 # (os.dup at the descriptor limit, a worker thread not started.) Marked
                 # in checkpoint only once submitted: before, a failed submit left it
                 # marked for ever, so this partition was never checkpointed again and its
@@ -1337,6 +1338,7 @@ class WriteAheadLog:
                           generation: int, ticket: durability.SyncTicket) -> None:
         self._in_checkpoint.discard(tap.name)
         error = ticket.exception()
+        partition_log.checkpoint_ended(error)  # a roll or close waiting hears it first
         if error is not None:
             _CHECKPOINTS_FAILED.inc()
             event(log, "a checkpoint's fsync failed: the partition reloads from the "

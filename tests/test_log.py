@@ -278,6 +278,61 @@ def test_a_roll_in_two_halves_takes_no_appends_between_and_a_crash_anywhere_is_w
     assert open_log(tmp_path / "p").log_end_offset == 9
 
 
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_roll_during_a_checkpoints_fsync_waits_for_its_verdict(tmp_path, failed):
+    """A write-ahead checkpoint fsyncs the active segment (through a duplicate of the
+    log's descriptor) on the event loop's ring; a roll that began meanwhile fsynced the
+    same file on its worker thread. Linux gives a write-back error to the first fsync
+    that looks: the roll's could return success and count the sealed segment durable
+    while the checkpoint's failed. Now the roll waits for the checkpoint's verdict, and
+    fails with it (the log broken, as after any failed fsync); a close meanwhile syncs
+    nothing and records no clean shutdown."""
+    import threading
+
+    log = open_log(tmp_path / "p")
+    log.append([make_batch(), make_batch()])
+    target, _fd = log.flush_begin()
+    log.flush_end(target, durable=False)  # readable, not durable: a checkpoint's work
+    assert log.checkpoint_begin() is not None and log.checkpointing
+    assert log.checkpoint_begin() is None  # one at a time
+    job = log.roll_begin()
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job.run()
+        except BaseException as error:  # noqa: BLE001 — asserted below
+            raised.append(error)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(0.3)
+    assert worker.is_alive(), "the roll fsynced before the checkpoint's verdict"
+    log.checkpoint_ended(OSError(5, "Input/output error") if failed else None)
+    worker.join(10)
+    assert not worker.is_alive() and not log.checkpointing
+    if failed:
+        assert len(raised) == 1 and raised[0].errno == 5
+        log.roll_failed(job, raised[0])
+        with pytest.raises(AtomlogError):
+            log.append([make_batch()])
+    else:
+        assert raised == []
+        log.roll_end(job)
+        assert [s.base_offset for s in log.segments()] == [0, 6]
+    log.close()
+
+    other = open_log(tmp_path / "q")
+    other.append([make_batch()])
+    target, _fd = other.flush_begin()
+    other.flush_end(target, durable=False)
+    assert other.checkpoint_begin() is not None
+    other.close()  # the checkpoint's verdict unknown: no fsync, no clean shutdown
+    point = json.loads((tmp_path / "q" / "recovery-point.json").read_text()) \
+        if (tmp_path / "q" / "recovery-point.json").exists() else {}
+    assert "clean_shutdown" not in point
+
+
 # --- Retention ------------------------------------------------------------------------------
 
 def test_retention_by_size_deletes_whole_old_segments(tmp_path):
