@@ -158,20 +158,32 @@ class Workload:
                     topic = self.rng.choice(topics)
                     partition = self.rng.randrange(self.topics[topic])
                     value = self.value(prefix)
-                    op = self.log.invoke("send", topic=topic, partition=partition, value=value)
-                    try:
-                        future = producer.send(topic, value.encode(), partition=partition)
-                    except errors.AtomlogClientError as error:
-                        self.log.complete(op, "unknown", error=_reason(error))
-                        continue
-                    pending.append((op, future))
-                for op, future in pending:
-                    try:
-                        metadata = future.result(timeout=SEND_TIMEOUT_S + 5)
-                        self.log.complete(op, "ok", offset=metadata.offset)
-                    except Exception as error:  # noqa: BLE001 — may or may not be written
-                        self.log.complete(op, "unknown", error=_reason(error))
+                    self.send_logged(producer, "send", topic, partition, value,
+                                     value.encode(), pending)
+                self.settle_sends(pending)
                 self.stop.sleep(self.rng.uniform(0, 0.05))
+
+    def send_logged(self, producer, f: str, topic: str, partition: int, value: str,
+                    payload: bytes, pending: list) -> None:
+        """One send invoked as op `f` (its future into `pending`; a refusal at once is an
+        unknown outcome)."""
+        op = self.log.invoke(f, topic=topic, partition=partition, value=value)
+        try:
+            pending.append((op, producer.send(topic, payload, partition=partition)))
+        except errors.AtomlogClientError as error:
+            self.log.complete(op, "unknown", error=_reason(error))
+
+    def settle_sends(self, pending: list) -> list[int]:
+        """Each pending send's outcome completed; the offsets of those acknowledged."""
+        offsets = []
+        for op, future in pending:
+            try:
+                offset = future.result(timeout=SEND_TIMEOUT_S + 5).offset
+                self.log.complete(op, "ok", offset=offset)
+                offsets.append(offset)
+            except Exception as error:  # noqa: BLE001 — may or may not be written
+                self.log.complete(op, "unknown", error=_reason(error))
+        return offsets
 
     # ------------------------------------------------------------------ transactions
     def pick_writes(self) -> list:
@@ -464,26 +476,13 @@ class Workload:
                 pending = []
                 for _ in range(self.rng.randint(1, 16)):
                     value = self.value("trim-")
-                    op = self.log.invoke("trim-send", topic=topic, partition=partition,
-                                         value=value)
-                    try:
-                        future = producer.send(topic, (value + TRIM_PAD).encode(),
-                                               partition=partition)
-                    except errors.AtomlogClientError as error:
-                        self.log.complete(op, "unknown", error=_reason(error))
-                        continue
-                    pending.append((op, future))
-                for op, future in pending:
-                    try:
-                        offset = future.result(timeout=SEND_TIMEOUT_S + 5).offset
-                        self.log.complete(op, "ok", offset=offset)
-                        acked[partition].append(offset)
-                    except Exception as error:  # noqa: BLE001 — may or may not be written
-                        self.log.complete(op, "unknown", error=_reason(error))
+                    self.send_logged(producer, "trim-send", topic, partition, value,
+                                     (value + TRIM_PAD).encode(), pending)
+                acked[partition] = (acked[partition] + self.settle_sends(pending))[-40:]
                 if acked[partition] and self.rng.random() < 0.25:
                     # Below one of the newest acknowledged offsets: at most the high watermark
                     # (acknowledged means every in-sync replica holds it).
-                    before = self.rng.choice(acked[partition][-40:]) + 1
+                    before = self.rng.choice(acked[partition]) + 1
                     op = self.log.invoke("delete", topic=topic, partition=partition,
                                          before_offset=before)
                     try:
