@@ -155,7 +155,7 @@ class LeaderReplication:
         # Each follower's log start as its last fetch reported it: DeleteRecords waits
         # for the in-sync ones to reach the leader's new start (`followers_deleted`).
         self._starts: dict[str, int] = {}
-        self._starts_moved: asyncio.Future | None = None
+        self._starts_moved = _Wakeup()
         self._data: asyncio.Future | None = None
         # Moves with everything that may give a follower something to copy or to hear
         # (an append, a durable flush, the cursors, the log start, the replicas, the end
@@ -176,7 +176,7 @@ class LeaderReplication:
         self._isr_steady_until = 0
         self._isr_steady_live: set[str] | None = None
         self.cursors = CursorProgress(me, self.replicas, _now_ms())
-        self._cursors_moved: asyncio.Future | None = None  # cursor changes wait on it
+        self._cursors_moved = _Wakeup()  # cursor changes wait on it
         self._unsent_snapshots: dict[str, int] = {}  # replica -> covered, reported
 
     # ---------------------------------------------------------------- lifecycle
@@ -478,16 +478,11 @@ class LeaderReplication:
                     raise AtomlogError("NOT_ENOUGH_REPLICAS",
                                        f"{self.name}: its in-sync replicas do not hold every "
                                        "cursor change yet; retry", {"retry_after_ms": "200"})
-            if self._cursors_moved is None:
-                self._cursors_moved = asyncio.get_running_loop().create_future()
-            try:  # woken when it may have moved; looked at again at the ISR's pace anyway
-                await asyncio.wait_for(asyncio.shield(self._cursors_moved), wait_s)
-            except asyncio.TimeoutError:
-                pass
+            # Woken when it may have moved; looked at again at the ISR's pace anyway.
+            await self._cursors_moved.wait(wait_s)
 
     def _wake_cursor_waiters(self) -> None:
-        moved, self._cursors_moved = self._cursors_moved, None
-        resolve(moved)
+        self._cursors_moved.wake()
 
     # ---------------------------------------------------------------- DeleteRecords
     async def followers_deleted(self, start: int, deadline: float) -> list[str]:
@@ -509,16 +504,11 @@ class LeaderReplication:
             wait_s = min(ISR_CHECK_INTERVAL_S, deadline - time.monotonic())
             if not behind or wait_s <= 0:
                 return behind
-            if self._starts_moved is None:
-                self._starts_moved = asyncio.get_running_loop().create_future()
-            try:  # woken when a start moved or the ISR changed; looked at again anyway
-                await asyncio.wait_for(asyncio.shield(self._starts_moved), wait_s)
-            except asyncio.TimeoutError:
-                pass
+            # Woken when a start moved or the ISR changed; looked at again anyway.
+            await self._starts_moved.wait(wait_s)
 
     def _wake_start_waiters(self) -> None:
-        moved, self._starts_moved = self._starts_moved, None
-        resolve(moved)
+        self._starts_moved.wake()
 
     def _cursor_store(self) -> CursorStore | None:
         """The leader's cursor store when it can serve followers (loaded, retaining)."""
@@ -1852,6 +1842,28 @@ class Follower:
               leader=self.leader, offset=offset)
         await asyncio.to_thread(self.log.restart_at, offset)
         await asyncio.to_thread(self.epochs.clear)
+
+
+class _Wakeup:
+    """A wake-up that any number of waiters share: `wait` returns once `wake` is called
+    or after `timeout_s`, whichever comes first."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future | None = None
+
+    async def wait(self, timeout_s: float) -> None:
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._future), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def wake(self) -> None:
+        future, self._future = self._future, None
+        resolve(future)
 
 
 class LeaderFetcher:
