@@ -57,7 +57,6 @@ TMP_SUFFIX = ".tmp"
 # durable) and unlinked later, elsewhere: freeing a 256 MiB file's blocks took 57-146 ms
 # on this machine's ext4. An open removes any left by a crash.
 DELETED_SUFFIX = ".deleted"
-CHECKPOINT_WAIT_S = 60.0  # a roll's wait for the verdict of a checkpoint's fsync in flight
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
@@ -246,10 +245,11 @@ class PartitionLog:
         self._last_append_time_ms = INT64_MIN
         self._data_loss: DataLoss | None = None
         self._broken: str | None = None
-        # A write-ahead checkpoint's fsync of the active segment in flight (wal.py): a roll
-        # or a close waits for its verdict before its own fsync of the same file
-        # (`CheckpointSync`).
-        self._checkpoint_sync: CheckpointSync | None = None
+        # A write-ahead checkpoint's fsync of the active segment in flight (wal.py): until
+        # its verdict no recovery point is written, and a close syncs nothing (see
+        # `checkpoint_ended`); `_closing`: the owner began to close, no checkpoint begins.
+        self._checkpointing = False
+        self._closing = False
         self._closed = False
         self._rolling: RollJob | None = None  # between roll_begin and roll_end
         # partition.durability=wal (partition_server/wal.py): its writes also go to the
@@ -651,7 +651,8 @@ class PartitionLog:
     @property
     def closed_durable(self) -> bool:
         """Closed, and the close fsynced everything (a healthy close)."""
-        return self._closed and self._durable_offset == self._log_end_offset
+        return self._closed and self._broken is None and \
+            self._durable_offset == self._log_end_offset
 
     def checkpoint_begin(self) -> tuple[int, int, int] | None:
         """A write-ahead log's checkpoint (partition_server/wal.py): (target, descriptor,
@@ -664,27 +665,33 @@ class PartitionLog:
                 self._rolling is not None or not self._segments:
             return None
         target = self._high_watermark
-        if target <= self._durable_offset or self._checkpoint_sync is not None:
+        if target <= self._durable_offset or self._checkpointing or self._closing:
             return None
-        self._checkpoint_sync = CheckpointSync()
+        self._checkpointing = True
         return target, self._active.fd, self._cut_generation
 
     @property
     def checkpointing(self) -> bool:
         """A checkpoint's fsync (`checkpoint_begin`) has not ended yet."""
-        return self._checkpoint_sync is not None
+        return self._checkpointing
 
     def checkpoint_ended(self, error: BaseException | None) -> None:
         """The fsync of `checkpoint_begin`'s descriptor ended (`error`: it failed; None
-        also when it never began), before `checkpoint_end`. A failure breaks the log at
-        once: a roll or close waiting for this verdict must not count the file durable
-        by an fsync of its own, which Linux would answer with success (its write-back
-        error went to the checkpoint's fsync, the first to look)."""
-        sync, self._checkpoint_sync = self._checkpoint_sync, None
+        also when it never began), before `checkpoint_end`. Linux gives a write-back error
+        to the first fsync of the file that looks: a roll's fsync that ran meanwhile may
+        have succeeded where this one failed, and counted the sealed segment durable (in
+        memory). So a failure breaks the log at once, before anything records that
+        count (no recovery point is written while a checkpoint's fsync is in flight,
+        a close meanwhile syncs nothing): the reload rewrites the log from the
+        write-ahead frames above its last recovery point, which are kept."""
+        self._checkpointing = False
         if error is not None:
             self.fail(f"a checkpoint's fsync failed: {error}")
-        if sync is not None:
-            sync.end(error)
+
+    def begin_close(self) -> None:
+        """The owner closes: no checkpoint begins from now on (the close's own fsync
+        must not run beside one)."""
+        self._closing = True
 
     def checkpoint_end(self, target: int, generation: int) -> bool:
         """The fsync of `checkpoint_begin`'s descriptor succeeded: what is below `target`
@@ -706,6 +713,8 @@ class PartitionLog:
                                          self._clock_ms()))
 
     def _maybe_write_recovery_point(self) -> None:
+        if self._checkpointing:  # its verdict first (`checkpoint_ended`)
+            return
         now = self._clock_ms()
         if self._durable_offset != self._recovery_point_written and \
                 now - self._recovery_point_written_ms >= self.config.recovery_point_interval_ms:
@@ -777,8 +786,7 @@ class PartitionLog:
         assert old.size, "rolling an empty segment"
         self._end_direct()
         job = RollJob(old, Segment(self.directory, self._log_end_offset),
-                      self._index(old).to_bytes(old.base_offset),
-                      checkpoint=self._checkpoint_sync)
+                      self._index(old).to_bytes(old.base_offset))
         job.sealed_fd = os.dup(old.fd)
         try:
             job.dir_fd = os.dup(self._dir_fd)
@@ -1547,7 +1555,7 @@ class PartitionLog:
         not tell (the next open replays the write-ahead file's frames)."""
         if self._closed:
             return
-        if self._checkpoint_sync is not None:
+        if self._checkpointing:
             self.fail("closed while a checkpoint's fsync was in flight")
         try:
             # (Mid-roll, its thread decides what the files hold: nothing is synced here.)
@@ -1609,30 +1617,6 @@ def _writev_all(fd: int, buffers: list[bytes | memoryview]) -> None:
         i = 0
 
 
-class CheckpointSync:
-    """The verdict of a write-ahead checkpoint's fsync of a log's active segment, for a
-    roll that began meanwhile (on a worker thread): `wait` returns once it ended, and
-    raises if it failed."""
-
-    __slots__ = ("_ended", "_error")
-
-    def __init__(self) -> None:
-        self._ended = threading.Event()
-        self._error: BaseException | None = None
-
-    def end(self, error: BaseException | None) -> None:
-        self._error = error
-        self._ended.set()
-
-    def wait(self, timeout_s: float = CHECKPOINT_WAIT_S) -> None:
-        if not self._ended.wait(timeout_s):
-            raise OSError(errno.ETIMEDOUT, "a checkpoint's fsync of this segment did not "
-                          f"end within {timeout_s:.0f} s")
-        if self._error is not None:
-            raise OSError(errno.EIO, f"a checkpoint's fsync of this segment failed "
-                          f"({self._error}): its pages are unknown")
-
-
 @dataclass(eq=False)
 class RollJob:
     """The disk work of one roll, between `PartitionLog.roll_begin` and `roll_end`. `run`
@@ -1644,9 +1628,6 @@ class RollJob:
     sealed: Segment
     next: Segment
     index_bytes: bytes
-    # A checkpoint's fsync of the sealed segment in flight when the roll began: its
-    # verdict comes before the roll's own fsync (`CheckpointSync`).
-    checkpoint: CheckpointSync | None = None
     sealed_fd: int = -1
     dir_fd: int = -1
     fd: int | None = None  # the next segment's, once run
@@ -1657,8 +1638,6 @@ class RollJob:
         failing disk reaches rolls too)."""
         fsync = os.fsync if fsync is None else fsync
         try:
-            if self.checkpoint is not None:
-                self.checkpoint.wait()  # raises if it failed: the roll fails with it
             fsync(self.sealed_fd)
             _atomic_write(self.sealed.index_path, self.index_bytes, sync=True,
                           dir_fd=self.dir_fd)

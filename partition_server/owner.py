@@ -737,6 +737,14 @@ class PartitionOwner:
                 pass
         await self._snapshot_written()  # one in the background, or left by a cancelled owner
         await self._roll_finished()  # likewise
+        if self.log is not None:
+            # No write-ahead checkpoint begins from now on, and the verdict of one in
+            # flight comes first: the close's own fsync of the same file would not tell a
+            # write-back error the checkpoint's took (a failed one breaks the log).
+            self.log.begin_close()
+            deadline = time.monotonic() + CLOSE_CHECKPOINT_WAIT_S
+            while self.log.checkpointing and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
         if self.state is State.ONLINE:
             try:
                 await self._flush_everything()  # what was written but never acknowledged
@@ -747,11 +755,6 @@ class PartitionOwner:
                 await self._snapshot(force=True)
         self.subscriptions.close()
         if self.log is not None:
-            # A write-ahead checkpoint's fsync of the active segment in flight: its
-            # verdict first (the close's own fsync would not tell a failure it took).
-            deadline = time.monotonic() + CLOSE_CHECKPOINT_WAIT_S
-            while self.log.checkpointing and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
             self.log.close()
             if self._wal_tap is not None:
                 self._wal_tap.detach(self.log)
@@ -1514,7 +1517,9 @@ class PartitionOwner:
     def _fail_in_task(self, error: BaseException) -> None:
         """Fail closed in the owner task (as a failed write does: it reloads), from a
         callback or a background task of this owner that cannot do it itself."""
-        if self._raise_in_task is None and self.state is State.ONLINE:
+        # (While LOADING too: a checkpoint that failed between the log's attach and
+        # ONLINE broke the log, and the task raises it at its first step.)
+        if self._raise_in_task is None and self.state in (State.ONLINE, State.LOADING):
             self._raise_in_task = error if isinstance(error, Exception) else OSError(str(error))
             self._poke()
 

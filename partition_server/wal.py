@@ -848,6 +848,7 @@ class WriteAheadLog:
         # time, every fsync's verdict covers what happened since the last one ended, and
         # a failure poisons the segment before the next fsync begins.
         self._syncing = False
+        self._turn_wanted = 0  # workers waiting for the turn: rounds let them go first
         self._idle = threading.Condition(self._lock)
         self._turn: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1149,12 +1150,16 @@ class WriteAheadLog:
             raise RuntimeError("a durable write-ahead frame is written on a worker thread, "
                                "never on the event loop (it waits for the round's fsync)")
         deadline = time.monotonic() + SYNC_TURN_WAIT_S
-        while self._syncing:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise OSError(errno.ETIMEDOUT, "the write-ahead file's fsync in flight did "
-                              f"not end within {SYNC_TURN_WAIT_S:.0f} s")
-            self._idle.wait(left)
+        self._turn_wanted += 1  # no round begins before this turn
+        try:
+            while self._syncing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OSError(errno.ETIMEDOUT, "the write-ahead file's fsync in flight "
+                                  f"did not end within {SYNC_TURN_WAIT_S:.0f} s")
+                self._idle.wait(left)
+        finally:
+            self._turn_wanted -= 1
         self._syncing = True
 
     def _end_sync_turn(self) -> None:
@@ -1200,8 +1205,11 @@ class WriteAheadLog:
             return
         began = time.perf_counter()
         with self._lock:
-            if self._syncing:  # another fsync of the file runs: this round follows it
-                return  # (`_synced` or `_end_sync_turn` asks for it again)
+            if self._syncing or self._turn_wanted:
+                # Another fsync of the file runs, or a worker waits for its turn (a CUT or
+                # BASE frame goes first): this round follows (`_synced` or
+                # `_end_sync_turn` asks for it again).
+                return
             tickets, self._waiting = self._waiting, []
             try:
                 sequence = self._write_pending()
@@ -1210,14 +1218,17 @@ class WriteAheadLog:
                 sync_ticket = self._sync.submit(self._fd,
                                                 lambda: self._synced(round_, sync_ticket))
                 self._rounds.append(round_)
-            except OSError as error:
+            except BaseException as error:  # (a thread that could not start, too)
                 self._syncing = False
                 self._idle.notify_all()
                 failed = error
             else:
                 failed = None
         if failed is not None:
-            self._answer(tickets, failed)
+            self._answer(tickets, failed if isinstance(failed, OSError) else OSError(
+                errno.EIO, f"the write-ahead round could not begin: {failed!r}"))
+            if not isinstance(failed, Exception):
+                raise failed
             return
         ROUNDS.inc()
         if self._since_checkpoint >= self.checkpoint_bytes and self._checkpoint_now is not None:
@@ -1429,7 +1440,9 @@ class WriteAheadLog:
             except asyncio.CancelledError:
                 pass
         with self._lock:
-            if self._pending:
+            # (Not beside an fsync in flight: writing may roll the segment, whose seal is
+            # an fsync of the same file; the frames left are of refused rounds.)
+            if self._pending and not self._syncing:
                 try:
                     self._write_pending()
                 except OSError:

@@ -279,48 +279,44 @@ def test_a_roll_in_two_halves_takes_no_appends_between_and_a_crash_anywhere_is_w
 
 
 @pytest.mark.parametrize("failed", [False, True])
-def test_a_roll_during_a_checkpoints_fsync_waits_for_its_verdict(tmp_path, failed):
+def test_nothing_records_the_file_durable_before_a_checkpoints_verdict(tmp_path, failed):
     """A write-ahead checkpoint fsyncs the active segment (through a duplicate of the
-    log's descriptor) on the event loop's ring; a roll that began meanwhile fsynced the
-    same file on its worker thread. Linux gives a write-back error to the first fsync
-    that looks: the roll's could return success and count the sealed segment durable
-    while the checkpoint's failed. Now the roll waits for the checkpoint's verdict, and
-    fails with it (the log broken, as after any failed fsync); a close meanwhile syncs
-    nothing and records no clean shutdown."""
-    import threading
-
-    log = open_log(tmp_path / "p")
+    log's descriptor) on the event loop's ring, and a roll may fsync the same file
+    meanwhile. Linux gives a write-back error to the first fsync that looks: the roll's
+    could return success and count the sealed segment durable while the checkpoint's
+    failed. So until the checkpoint's verdict no recovery point is written (the frames
+    above the last one stay the truth), a failed checkpoint breaks the log at once, and
+    a close with one in flight syncs nothing and records no clean shutdown."""
+    log = open_log(tmp_path / "p", recovery_point_interval_ms=0)
     log.append([make_batch(), make_batch()])
     target, _fd = log.flush_begin()
     log.flush_end(target, durable=False)  # readable, not durable: a checkpoint's work
-    assert log.checkpoint_begin() is not None and log.checkpointing
+    point = tmp_path / "p" / "recovery-point.json"
+    before = point.read_bytes() if point.exists() else None
+    started = log.checkpoint_begin()
+    assert started is not None and log.checkpointing
     assert log.checkpoint_begin() is None  # one at a time
     job = log.roll_begin()
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            job.run()
-        except BaseException as error:  # noqa: BLE001 — asserted below
-            raised.append(error)
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join(0.3)
-    assert worker.is_alive(), "the roll fsynced before the checkpoint's verdict"
+    job.run()  # its fsync "succeeds"
+    log.roll_end(job)
+    assert log.durable_offset == 6  # counted in memory ...
+    log.append([make_batch()])
+    target, _fd = log.flush_begin()
+    log.flush_end(target, durable=False)
+    assert (point.read_bytes() if point.exists() else None) == before  # ... not on disk
     log.checkpoint_ended(OSError(5, "Input/output error") if failed else None)
-    worker.join(10)
-    assert not worker.is_alive() and not log.checkpointing
+    assert not log.checkpointing
     if failed:
-        assert len(raised) == 1 and raised[0].errno == 5
-        log.roll_failed(job, raised[0])
-        with pytest.raises(AtomlogError):
+        with pytest.raises(AtomlogError, match="checkpoint"):
             log.append([make_batch()])
+        log.close()
+        assert (point.read_bytes() if point.exists() else None) == before
+        assert not log.closed_durable
     else:
-        assert raised == []
-        log.roll_end(job)
-        assert [s.base_offset for s in log.segments()] == [0, 6]
-    log.close()
+        assert log.checkpoint_end(started[0], started[2])
+        log.close()
+        assert log.closed_durable
+        assert json.loads(point.read_text())["offset"] == 9
 
     other = open_log(tmp_path / "q")
     other.append([make_batch()])
@@ -328,9 +324,17 @@ def test_a_roll_during_a_checkpoints_fsync_waits_for_its_verdict(tmp_path, faile
     other.flush_end(target, durable=False)
     assert other.checkpoint_begin() is not None
     other.close()  # the checkpoint's verdict unknown: no fsync, no clean shutdown
-    point = json.loads((tmp_path / "q" / "recovery-point.json").read_text()) \
+    assert not other.closed_durable
+    recorded = json.loads((tmp_path / "q" / "recovery-point.json").read_text()) \
         if (tmp_path / "q" / "recovery-point.json").exists() else {}
-    assert "clean_shutdown" not in point
+    assert "clean_shutdown" not in recorded
+    closing = open_log(tmp_path / "r")
+    closing.append([make_batch()])
+    target, _fd = closing.flush_begin()
+    closing.flush_end(target, durable=False)
+    closing.begin_close()
+    assert closing.checkpoint_begin() is None  # the owner closes: no checkpoint begins
+    closing.close()
 
 
 # --- Retention ------------------------------------------------------------------------------

@@ -1464,6 +1464,39 @@ def test_rounds_run_one_fsync_at_a_time(tmp_path):
     assert most[0] == 1 and submitted[0] >= 2, (most, submitted)
 
 
+def test_a_round_whose_fsync_could_not_begin_fails_its_flushes_and_the_next_round_runs(
+        tmp_path):
+    """A round's submit that raised anything but OSError (a worker thread that could
+    not start) left the file's fsync turn taken for good: every later flush hung, and
+    every CUT or BASE frame timed out. Now the round's flushes fail and the turn is
+    free for the next round."""
+
+    async def scenario():
+        wal = WriteAheadLog(tmp_path / "wal", checkpoint_ms=60_000)
+        await asyncio.to_thread(wal.recover_all, tmp_path / "p", SETTINGS.log)
+        await wal.start()
+        real = wal._sync
+
+        class Refusing:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def submit(self, fd, callback):
+                raise RuntimeError("can't start new thread")
+
+        wal._sync = Refusing()
+        wal.queue(b"a", "a", 0, stamped(batch(1, 0), 0), 2)
+        failed = await asyncio.wait_for(synced(wal, "a"), 10)  # (before: never answered)
+        assert isinstance(failed, OSError) and "could not begin" in str(failed)
+        wal._sync = real
+        wal.queue(b"a", "a", 2, stamped(batch(1, 2), 2), 4)
+        assert await asyncio.wait_for(synced(wal, "a"), 10) is None
+        await asyncio.to_thread(wal.write_cut, "a", 3)  # the turn is free for a worker too
+        await wal.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_trimmed_segment_that_could_not_be_deleted_goes_before_any_newer_one(
         tmp_path, monkeypatch):
     """A trim took segments out of its books and then failed to unlink them (EIO, a
