@@ -1349,7 +1349,7 @@ class WriteAheadLog:
                           generation: int, ticket: durability.SyncTicket) -> None:
         self._in_checkpoint.discard(tap.name)
         error = ticket.exception()
-        partition_log.checkpoint_ended(error)  # a roll or close waiting hears it first
+        partition_log.checkpoint_ended(error)  # first: a failure breaks the log at once
         if error is not None:
             _CHECKPOINTS_FAILED.inc()
             event(log, "a checkpoint's fsync failed: the partition reloads from the "
