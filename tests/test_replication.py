@@ -1099,8 +1099,12 @@ def test_a_replica_back_without_its_copy_leaves_the_isr_and_an_operator_elects_a
         assert copies["most"] == followers[0] and copies["leader"] == ""
         assert not by_name[leader]["present"] and by_name[leader]["role"] == "none"
         for follower in followers:
-            # (kept as a follower, waiting for a leader)
-            assert by_name[follower]["present"] and by_name[follower]["role"] == "follower"
+            # Kept whole, waiting for a leader: a follower of the dead leader if its server
+            # came back before the leader's session expired, else no role at all (a
+            # server that finds its partition offline follows nobody; CI on 62899d8 met
+            # that on a loaded machine).
+            assert by_name[follower]["present"] and \
+                by_name[follower]["role"] in ("follower", "none")
             assert by_name[follower]["log_end_offset"] == len(values)
             assert by_name[follower]["latest_leader_epoch"] >= 0
         told = cluster.run("partition", "copies", topic, "0", "-b", address).stdout

@@ -332,7 +332,9 @@ def test_delete_records_answers_once_every_in_sync_follower_deleted_too(failing_
         timed_out = delete(first + 1, 1_500)
         assert timed_out.error.reason == "REQUEST_TIMED_OUT", timed_out
         assert timed_out.log_start_offset == -1
-        assert timed_out.error.metadata["replicas_behind"] == follower
+        # (The held follower; on a loaded machine the other may not have reported yet
+        # either: CI on 62899d8.)
+        assert follower in timed_out.error.metadata["replicas_behind"].split(",")
         assert int(timed_out.error.metadata["log_start_offset"]) == first
         assert bases(leader)[0] == first  # deleted on the leader
         assert follower in metadata(client, topic).partitions[0].isr
