@@ -1101,7 +1101,7 @@ def test_a_replica_back_without_its_copy_leaves_the_isr_and_an_operator_elects_a
         for follower in followers:
             # Kept whole, waiting for a leader: a follower of the dead leader if its server
             # came back before the leader's session expired, else no role at all (a
-            # server that finds its partition offline follows nobody; CI on 62899d8 met
+            # server that finds its partition offline follows nobody; CI on 90bbee0 met
             # that on a loaded machine).
             assert by_name[follower]["present"] and \
                 by_name[follower]["role"] in ("follower", "none")

@@ -333,7 +333,7 @@ def test_delete_records_answers_once_every_in_sync_follower_deleted_too(failing_
         assert timed_out.error.reason == "REQUEST_TIMED_OUT", timed_out
         assert timed_out.log_start_offset == -1
         # (The held follower; on a loaded machine the other may not have reported yet
-        # either: CI on 62899d8.)
+        # either: CI on 90bbee0.)
         assert follower in timed_out.error.metadata["replicas_behind"].split(",")
         assert int(timed_out.error.metadata["log_start_offset"]) == first
         assert bases(leader)[0] == first  # deleted on the leader
