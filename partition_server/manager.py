@@ -39,7 +39,7 @@ from services.zk import SERVERS_PATH, aio
 log = logging.getLogger("atomlog.partition.manager")
 
 OPEN_CONCURRENCY = 4  # partitions recovering at once at start-up
-CHORE_INTERVAL_S = 30.0
+CHORE_INTERVAL_S = 30.0  # storage.retention_check_interval_ms's default
 # Topic settings (CreateTopic config) that override the server's storage defaults.
 # cleanup.policy=compact needs nothing here: see docs/record-format.md on compaction.
 TOPIC_LOG_SETTINGS = {"segment.bytes": "segment_bytes", "segment.ms": "segment_ms",
@@ -141,8 +141,12 @@ class NotOwner(Exception):
 class PartitionManager:
     def __init__(self, data_dir: Path, server_name: str, zk, settings: OwnerSettings,
                  coordinator_epochs=None, replication: ReplicationSettings | None = None,
-                 wal: WriteAheadLog | None = None):
+                 wal: WriteAheadLog | None = None,
+                 chore_interval_s: float = CHORE_INTERVAL_S):
         self.data_dir = data_dir
+        # How often retention and producer expiry run over the partitions here
+        # (storage.retention_check_interval_ms).
+        self.chore_interval_s = chore_interval_s
         # partition.durability=wal: the server's write-ahead file (partition_server/wal.py),
         # replayed at start before any partition opens
         self.wal = wal
@@ -758,7 +762,7 @@ class PartitionManager:
 
     async def _run_chores(self) -> None:
         while True:
-            await asyncio.sleep(CHORE_INTERVAL_S)
+            await asyncio.sleep(self.chore_interval_s)
             for owner in list(self.owners.values()):
                 try:
                     owner.expire_producers()

@@ -192,7 +192,9 @@ async def install(runtime) -> list[str]:
                                    follower_direct_io=config["replication.follower_direct_io"],
                                    link=config["replication.link"],
                                    fetch_sessions=config["replication.fetch_sessions"]),
-                               wal=wal)
+                               wal=wal,
+                               chore_interval_s=config["storage.retention_check_interval_ms"]
+                               / 1000)
     await manager.start()
     runtime.stop_hooks.append(manager.close)
     caught_up = CaughtUpWatch(manager, runtime.health)

@@ -480,6 +480,10 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "partition; -1: no limit.", minimum=-1, maximum=1 << 50),
         Setting("storage.retention_ms", int, 7 * 86_400_000, "Delete segments older than this; "
                 "-1: keep for ever.", minimum=-1, maximum=3650 * 86_400_000),
+        Setting("storage.retention_check_interval_ms", int, 30_000, "How often every partition "
+                "here applies its retention (and forgets idle producers past their expiry); "
+                "Kafka's log.retention.check.interval.ms.", minimum=100,
+                maximum=3_600_000),
         Setting("storage.index_interval_bytes", int, 4 * KIB, "One sparse index entry per this "
                 "many bytes of log.", minimum=64, maximum=16 * MIB),
     ),

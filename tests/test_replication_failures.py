@@ -40,7 +40,9 @@ pytestmark = pytest.mark.cluster
 
 COUNTS = {"partition_server": 3, "coordinator": 1, "id_allocator": 1}
 SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
-            "topics.default_replication_factor": "1"}
+            "topics.default_replication_factor": "1",
+            # (Retention applied twice a second: a test here deletes everything by it.)
+            "storage.retention_check_interval_ms": "500"}
 
 
 @pytest.fixture(scope="module")
@@ -361,4 +363,37 @@ def test_delete_records_answers_once_every_in_sync_follower_deleted_too(failing_
         held.unlink()
     wait_until(lambda: fully_in_sync(client, topic), 60, "the follower back in sync")
     wait_until(lambda: bases(follower)[0] == second, 30, "the follower to delete once back")
+    client.close()
+
+
+def test_delete_records_on_a_leader_holding_no_record_answers_at_once(failing_cluster):
+    """Retention rolled an idle leader's active segment and deleted everything
+    (storage.retention_check_interval_ms 500 here): its followers' last segment is their
+    active one, which stays until new records start the next segment there. A
+    DeleteRecords then waited for them to pass the leader's start, which they cannot, and
+    answered REQUEST_TIMED_OUT every time; now a leader holding no record does not wait
+    (docs/replication.md: the retention caveat)."""
+    cluster = failing_cluster
+    client = Client(cluster.info["bootstrap"])
+    topic = "delete-emptied"
+    client.create_topic(topic, partitions=1, replication_factor=3,
+                        config={"retention.ms": "1000", "min.insync.replicas": "1"})
+    wait_until(lambda: fully_in_sync(client, topic), 30, f"{topic} in sync")
+    with client.producer(linger_ms=0) as producer:
+        for i in range(5):
+            producer.send(topic, f"gone-{i}".encode(), partition=0).result(30)
+
+    def emptied() -> bool:
+        described = client.describe_partition(topic, 0)
+        return described.high_watermark == 5 and described.log_start_offset == 5
+
+    wait_until(emptied, 30, "retention to delete everything on the leader")
+    part = metadata(client, topic).partitions[0]
+    stub = partition_pb2_grpc.PartitionServiceStub(grpc.insecure_channel(part.server_address))
+    began = time.monotonic()
+    result = stub.DeleteRecords(partition_pb2.DeleteRecordsRequest(
+        items=[partition_pb2.DeleteRecordsItem(topic=topic, partition=0, before_offset=5)],
+        timeout_ms=4_000), timeout=30).results[0]
+    assert not result.error.reason and result.log_start_offset == 5, result
+    assert time.monotonic() - began < 3, "it waited for followers that cannot delete"
     client.close()
