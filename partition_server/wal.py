@@ -1258,8 +1258,7 @@ class WriteAheadLog:
                 self._lose(set(self._names_in.get(round_.sequence, ())), error)
             self._syncing = False
             self._idle.notify_all()
-        if self._waiting and self._turn is None and not self.closed:
-            self._turn = self._loop.call_soon(self._round)  # what asked meanwhile
+        self._resume_rounds()  # what asked meanwhile
         round_.done, round_.error = True, error
         ROUND_SECONDS.observe(time.perf_counter() - round_.began)
         rounds = self._rounds
