@@ -107,6 +107,37 @@ log = logging.getLogger("atomlog.partition")
 
 SNAPSHOTS_KEPT = 2
 
+class Gathering:
+    """A caller's step that gathers the owners' writes (the commit lane's one-round step,
+    coordinator/lane.py): the owners of this event loop given work while it is open are
+    noted, in order, instead of woken; the caller writes them in its step
+    (`PartitionOwner.write_gathered`), and closing it begins their flushes and wakes
+    those that still hold queued work. One at a time per process (a step never awaits)."""
+
+    __slots__ = ("loop", "owners")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.owners: dict[PartitionOwner, bool] = {}  # -> whether it wrote in this step
+
+    def close(self) -> None:
+        global _gathering
+        if _gathering is self:
+            _gathering = None
+        for owner, wrote in self.owners.items():
+            owner._gathered_end(wrote)
+
+
+_gathering: Gathering | None = None
+
+
+def gather() -> Gathering:
+    """Open a Gathering on the running loop (close it in a `finally`)."""
+    global _gathering
+    assert _gathering is None, "a gathering is open already"
+    _gathering = Gathering(asyncio.get_running_loop())
+    return _gathering
+
 
 class State(enum.Enum):
     LOADING = "LOADING"
@@ -830,6 +861,11 @@ class PartitionOwner:
 
     def queue_stage(self, txn: TxnId, batch: bytes, header: BatchHeader, *,
                     coordinator_epoch: int) -> asyncio.Future:
+        return self.queue_stage_work(txn, batch, header,
+                                     coordinator_epoch=coordinator_epoch).future
+
+    def queue_stage_work(self, txn: TxnId, batch: bytes, header: BatchHeader, *,
+                         coordinator_epoch: int) -> "_Work":
         """`stage` without awaiting: queue the batch (or raise, nothing queued) and
         return the future of its one-element result list (Appended or an AtomlogError;
         set to an AtomlogError exception when the owner fails the group). StageTxn
@@ -838,7 +874,7 @@ class PartitionOwner:
         work = _Work([(batch, header)], None, asyncio.get_running_loop().create_future(),
                      size=header.size, staged=txn, stage_epoch=coordinator_epoch)
         self._queue_work(work)
-        return work.future
+        return work
 
     async def resolve_staged(self, txn: TxnId) -> bool:
         """Whether `txn`'s staged data is durable here (ResolveStaged): True when it is
@@ -934,7 +970,50 @@ class PartitionOwner:
                                "queued", {"limit": "partition.max_queued_requests"})
         self._queue.append(work)
         self._queued_bytes += work.size
-        if self._may_write():
+        gathering = _gathering
+        if gathering is not None and gathering.loop is self._loop:
+            gathering.owners.setdefault(self, False)
+        elif self._may_write():
+            self._poke()
+
+    def write_gathered(self) -> bool:
+        """In an open Gathering (`gather`): write every queued request now, as the owner
+        task's write branch would, when the task is parked and nothing else is due: no
+        roll, snapshot, failure or replication, the write-ahead file in use and this
+        partition's frames not being dropped there (WriteAheadLog.lost), the queue one
+        group that rolls no segment. Its frames are fatal (WalTap.fatal). Whether it
+        wrote; if not, the task writes them (woken when the gathering closes). The
+        flush begins when the gathering closes, after every write of the step."""
+        wake, tap = self._wake, self._wal_tap
+        if not (wake is not None and not wake.done() and self._queue and self._roll is None
+                and self._raise_in_task is None and self.replication is None
+                and tap is not None and self.log is not None and not tap.wal.lost(tap.name)
+                and self._may_write() and not self._snapshot_due()):
+            return False
+        count, size = self._group_extent()
+        if count != len(self._queue) or self.log.roll_due(size):
+            return False
+        tap.fatal = True
+        try:
+            self._write(self._take_group(count, size))
+        except Exception as error:  # noqa: BLE001 — raised in the task, which fails closed
+            self._raise_in_task = error  # (the group is in _unflushed: failed with it)
+            return False
+        finally:
+            tap.fatal = False
+        if _gathering is not None:
+            _gathering.owners[self] = True
+        return True
+
+    def _gathered_end(self, wrote: bool) -> None:
+        """The Gathering closed: begin the flush of what was written in it, and wake the
+        task for whatever is left (or went wrong)."""
+        if wrote and self._raise_in_task is None:
+            try:
+                self._begin_flushes()
+            except Exception as error:  # noqa: BLE001 — raised in the task, as above
+                self._raise_in_task = error
+        if self._raise_in_task is not None or (self._queue and self._may_write()):
             self._poke()
 
     def _may_write(self) -> bool:

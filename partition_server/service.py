@@ -1363,7 +1363,8 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 _staged_into(entry, owner, future)
         return response
 
-    def stage_here(self, txn: TxnId, epoch: int, items) -> list | AtomlogError:
+    def stage_here(self, txn: TxnId, epoch: int, items,
+                   works: bool = False) -> list | AtomlogError:
         """A one-call transaction's batches (ProduceItems), staged by a coordinator in
         this process in the caller's step (its commit lane, coordinator/lane.py): as
         StageTxn stages one item, without a request, a task or an await. The coordinator
@@ -1373,7 +1374,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         the caller to stage through StageTxn instead, which retries or refuses as it
         does (an owner's queue found full part-way leaves the batches queued before it:
         staged again there, they are answered as duplicates). Returns (owner, future)
-        per batch in order (`staged_result` reads each)."""
+        per batch in order (`staged_result` reads each); with `works`, (owner, the
+        owner's queued work) per batch, whose results a caller gathering the owners'
+        writes (owner.gather) reads once they wrote (`written_result`)."""
         epochs = self.coordinator_epochs
         if epochs is None or self.verifier is None:
             return AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
@@ -1402,13 +1405,15 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         queued = []
         for owner, data, header in checked:
             try:
-                queued.append((owner, owner.queue_stage(txn, data, header,
-                                                        coordinator_epoch=epoch)))
+                work = owner.queue_stage_work(txn, data, header, coordinator_epoch=epoch)
             except AtomlogError as error:  # a full queue: the caller stages again, whole
-                for _, future in queued:
-                    future.add_done_callback(observe_failure)
+                for _, queued_work in queued:
+                    queued_work.future.add_done_callback(observe_failure)
                 return error
-        return queued
+            queued.append((owner, work))
+        if works:
+            return queued
+        return [(owner, work.future) for owner, work in queued]
 
     def stage_ack_here(self, txn: TxnId, epoch: int, ack) -> asyncio.Future | AtomlogError:
         """A one-call transaction's ack (an AckItem), staged by a coordinator in this
@@ -1447,6 +1452,15 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         result = partition_pb2.ProduceResult(topic_partition=tp, base_offset=-1,
                                              last_offset=-1)
         _staged_into(result, owner, future)
+        return result
+
+    @staticmethod
+    def written_result(tp, owner: PartitionOwner, outcome) -> partition_pb2.ProduceResult:
+        """A `stage_here` batch's outcome, read from its work once written (gathered),
+        as StageTxn answers it."""
+        result = partition_pb2.ProduceResult(topic_partition=tp, base_offset=-1,
+                                             last_offset=-1)
+        _outcome_into(result, owner, outcome)
         return result
 
     def queue_markers_here(self, markers: list) -> asyncio.Future:
@@ -1942,6 +1956,11 @@ def _staged_into(entry, owner: PartitionOwner, future: asyncio.Future) -> None:
         [outcome] = future.result()
     except AtomlogError as error:  # the owner failed the write group
         outcome = error
+    _outcome_into(entry, owner, outcome)
+
+
+def _outcome_into(entry, owner: PartitionOwner, outcome) -> None:
+    """A staged batch's outcome (Appended or an AtomlogError) into its result entry."""
     if isinstance(outcome, AtomlogError):
         m.BAD_BATCHES.labels(outcome.reason).inc()
         entry.error.CopyFrom(item_error(outcome))

@@ -752,15 +752,26 @@ class WalTap:
     frames, its cuts CUT frames (durable before the cut), its flushes wait for a round;
     the checkpointer fsyncs `log` and tells `on_failure` if that fails."""
 
-    __slots__ = ("wal", "name", "raw_name", "log", "on_failure")
+    __slots__ = ("wal", "name", "raw_name", "log", "on_failure", "fatal")
 
     def __init__(self, wal: WriteAheadLog, name: str):
         self.wal, self.name, self.raw_name = wal, name, name.encode()
         self.log: PartitionLog | None = None
         self.on_failure: Callable[[BaseException], None] | None = None
+        # While set, this partition's writes are *fatal* frames: if the write of the file
+        # that takes them, or the fsync that makes them durable, fails, the server stops
+        # (WriteAheadLog.on_fatal) instead of reloading the partitions concerned. The
+        # commit lane's one-round step (owner.write_gathered) writes a commit's staged
+        # batches and then its decision so that a durable decision implies durable
+        # stages. After a failed round, though, each partition's reload reads the file at
+        # its own moment, and the kernel may drop the unwritten pages of a failed fsync in
+        # between: one reload could find the decision and another miss its stage. A start
+        # replays the whole file in one pass (PostgreSQL stops on a failed WAL fsync too).
+        self.fatal = False
 
     def wrote(self, base_offset: int, buffers: list, end: int) -> None:
-        self.wal.queue(self.raw_name, self.name, base_offset, b"".join(buffers), end)
+        self.wal.queue(self.raw_name, self.name, base_offset, b"".join(buffers), end,
+                       self.fatal)
 
     def cut(self, offset: int) -> None:
         self.wal.write_cut(self.name, offset)
@@ -797,8 +808,29 @@ class _Round:
     tickets: list[tuple[durability.SyncTicket, str]]
     sequence: int  # the segment written
     began: float
+    fatal: bool = False  # it carries fatal frames (WalTap.fatal)
     done: bool = False
     error: BaseException | None = None
+
+
+# The exit status of a server stopped by a failed write or fsync of fatal frames
+# (WalTap.fatal): EX_IOERR of sysexits.h.
+EXIT_WAL_FAILED = 74
+
+
+def stop_the_process(error: BaseException) -> None:
+    """The default `WriteAheadLog.on_fatal`: log why and end the process at once, with
+    nothing more written or answered (PostgreSQL's PANIC on a failed WAL fsync). Its
+    supervisor starts it again, and the start replays the file in one pass."""
+    event(log, "stopping: the write-ahead file failed under frames whose loss stops the "
+          "server; starting again replays it", logging.CRITICAL, error=repr(error),
+          exit_status=EXIT_WAL_FAILED)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 — exiting regardless
+            pass
+    os._exit(EXIT_WAL_FAILED)
 
 
 SYNC_TURN_WAIT_S = 60.0  # a worker's wait for the fsync in flight before its own
@@ -830,6 +862,13 @@ class WriteAheadLog:
         self._lock = threading.Lock()
         self._pending: list[bytes] = []
         self._pending_ends: list[tuple[str, int]] = []
+        # Fatal frames (WalTap.fatal) were queued and no fsync of the file has begun
+        # since; `on_fatal` is what stops the server when their write or fsync fails
+        # (tests put a recorder there); once it ran, `_stopped` fails every later write,
+        # for a recorder that returns.
+        self._fatal_exposed = False
+        self.on_fatal: Callable[[BaseException], None] = stop_the_process
+        self._stopped: BaseException | None = None
         self._waiting: list[tuple[durability.SyncTicket, str]] = []
         self._names_in: dict[int, set[str]] = {}  # per segment, the partitions framed in it
         self._lost: set[str] = set()  # partitions whose frames may be lost (see _lose)
@@ -1020,7 +1059,8 @@ class WriteAheadLog:
         return tap
 
     # ------------------------------------------------------------------ frames
-    def queue(self, raw_name: bytes, name: str, offset: int, payload: bytes, end: int) -> None:
+    def queue(self, raw_name: bytes, name: str, offset: int, payload: bytes, end: int,
+              fatal: bool = False) -> None:
         """A DATA frame of partition `name` (`raw_name` encoded), written by the next round.
         Not while `name` is lost (`_lose`) until its reload's BASE frame: its flushes fail
         meanwhile, and a frame written after the dropped ones would not continue them, so
@@ -1029,17 +1069,42 @@ class WriteAheadLog:
         with self._lock:
             if name in self._lost:
                 return
+            if fatal:
+                self._fatal_exposed = True
             self._pending.append(head)
             self._pending.append(payload)
             self._pending_ends.append((name, end))
         _DATA_FRAMES.inc()
 
+    def lost(self, name: str) -> bool:
+        """Whether partition `name`'s frames are dropped until its reload (`_lose`)."""
+        return name in self._lost
+
+    def _take_fatal(self) -> bool:
+        """Under the lock, as an fsync of the file begins (after its write): whether
+        fatal frames are among what it makes durable."""
+        fatal, self._fatal_exposed = self._fatal_exposed, False
+        return fatal
+
+    def _fatal(self, fatal: bool, error: BaseException) -> None:
+        """Under the lock: a write or fsync of fatal frames failed (`frames_fatal`)."""
+        if fatal and self._stopped is None:
+            self._stopped = error
+            self.on_fatal(error)
+
     def _write_pending(self) -> int:
         """Under the lock: write every queued frame to the active segment, then a PAD
         frame to the next page boundary; returns its sequence. Rolls to a new segment
         first when the active one is full or failed."""
+        if self._stopped is not None:
+            raise OSError(errno.EIO, "the write-ahead file stopped after a failure under "
+                          f"fatal frames: {self._stopped!r}")
         if self._sequence in self._poisoned or self._size >= self.segment_bytes:
-            self._open_next()
+            try:
+                self._open_next()  # (its seal fsyncs the segment fatal frames may be in)
+            except BaseException as error:
+                self._fatal(self._fatal_exposed, error)
+                raise
         frames, self._pending = self._pending, []
         ends, self._pending_ends = self._pending_ends, []
         if frames:
@@ -1055,6 +1120,7 @@ class WriteAheadLog:
                 self._poisoned.add(self._sequence)
                 self._lose({name for name, _ in ends} | self._names_in[self._sequence],
                            error)
+                self._fatal(self._fatal_exposed, error)
                 raise
             self._names_in[self._sequence].update(name for name, _ in ends)
             self._size += size
@@ -1114,6 +1180,7 @@ class WriteAheadLog:
                 self._pending.append(frame)
                 self._pending_ends.append((name, -1))
                 written = self._write_pending()  # the segment it went into
+                fatal = self._take_fatal()
                 fd = os.dup(self._fd)
                 if kind == CUT:
                     self._ledger.cut(name, offset)
@@ -1133,6 +1200,7 @@ class WriteAheadLog:
                 # one meanwhile (and the failed one's partitions would not reload).
                 self._poisoned.add(written)
                 self._lose(set(self._names_in.get(written, ())), error)
+                self._fatal(fatal, error)
             raise
         finally:
             os.close(fd)
@@ -1213,7 +1281,7 @@ class WriteAheadLog:
             tickets, self._waiting = self._waiting, []
             try:
                 sequence = self._write_pending()
-                round_ = _Round(tickets, sequence, began)
+                round_ = _Round(tickets, sequence, began, self._take_fatal())
                 self._syncing = True
                 sync_ticket = self._sync.submit(self._fd,
                                                 lambda: self._synced(round_, sync_ticket))
@@ -1256,6 +1324,7 @@ class WriteAheadLog:
                 # (.get: a segment trimmed while its round's fsync ran, its partitions
                 # made durable by a roll or a close; a KeyError here stopped every round.)
                 self._lose(set(self._names_in.get(round_.sequence, ())), error)
+                self._fatal(round_.fatal, error)
             self._syncing = False
             self._idle.notify_all()
         self._resume_rounds()  # what asked meanwhile

@@ -1542,3 +1542,71 @@ def test_a_trimmed_segment_that_could_not_be_deleted_goes_before_any_newer_one(
         await wal.close()
 
     asyncio.run(scenario())
+
+
+def test_a_failed_round_under_fatal_frames_stops_the_server_and_no_later_round_answers(
+        tmp_path):
+    """The commit lane's one-round step (coordinator.lane_one_round) writes a commit's
+    stages and then its decision in one step as fatal frames (WalTap.fatal), so that a
+    durable decision implies durable stages. After a failed round each partition's reload
+    would read the file at its own moment, and the kernel may drop a failed fsync's
+    pages between two reads, so a failed write or fsync of fatal frames stops the server
+    (`on_fatal`: the process exits, the next start replays the file in one pass). A
+    failed round of ordinary frames still reloads its partitions, the server going on."""
+    from partition_server import owner as owner_module
+
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        stopped: list = []
+        node.wal.on_fatal = stopped.append
+        failing = [True]
+        real_submit = node.wal._sync.submit
+
+        def refuse_once(fd, wake):
+            if failing:
+                failing.clear()
+                ticket = durability.SyncTicket(wake)
+                asyncio.get_running_loop().call_soon(
+                    lambda: (ticket.finish(OSError(5, "injected")), wake()))
+                return ticket
+            return real_submit(fd, wake)
+
+        node.wal._sync = Submitting(refuse_once)
+        first, second = node.owners
+        # An ordinary round fails: its partition reloads, nothing stops.
+        lost = batch(1, 0)
+        with pytest.raises(AtomlogError, match="PARTITION_LOADING|injected"):
+            await first.produce([(lost, parse_header(lost))])
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if first.state is State.ONLINE:
+                break
+        assert first.state is State.ONLINE and stopped == []
+        again = batch(1, 0, b"again" * 8)
+        assert (await first.produce([(again, parse_header(again))]))[0].base_offset == 0
+        # Both owners written in one gathering step: fatal frames. Their round fails.
+        failing.append(True)
+        batches = [batch(2, 0), batch(3, 0)]
+        gathering = owner_module.gather()
+        try:
+            futures = [owner.queue_produce([(b, parse_header(b))])
+                       for owner, b in zip(node.owners, batches)]
+            assert list(gathering.owners) == node.owners  # noted, not woken
+            assert all(owner.write_gathered() for owner in node.owners)
+            assert [f.done() for f in futures] == [False, False]  # written, not durable
+        finally:
+            gathering.close()  # their flushes begin: one round
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        assert all(isinstance(o, BaseException) for o in outcomes), outcomes
+        assert len(stopped) == 1 and "injected" in str(stopped[0])
+        # Nothing written after it is acknowledged (the process would be gone).
+        later = batch(4, 0)
+        with pytest.raises((AtomlogError, OSError)):
+            await asyncio.wait_for(second.produce([(later, parse_header(later))]), 5)
+        assert len(stopped) == 1
+        for owner in node.owners:
+            owner._task.cancel()
+        await node.wal.close()
+
+    asyncio.run(scenario())
