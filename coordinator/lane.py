@@ -24,6 +24,14 @@ they return:
     _decided      its appends durable: the handler gets the decision and answers as
                   CommitTxn always has (CoordinatorServicer._decided)
 
+With coordinator.lane_one_round (the default) `_take_group` does more in its step
+(`_stage_in_step`): the owners write the group's riders and stages in it (a gathering,
+partition_server/owner.py), and each commit whose batches were all written there is
+decided in it too, its decision written on the TC log's owner after its stages, so both
+are durable in one write-ahead round; the next group waits for that round. Its frames are
+fatal (partition_server/wal.py, WalTap.fatal): a failed round stops the server, whose
+start replays the file in one pass (docs/coordinator.md, "One round a commit").
+
 Everything the staging channel would do differently hands the commit back to the
 handler, which goes on from where the lane stopped on the ordinary path: a begin that
 must wait for a sequence reservation to be logged, a batch refused for a reason
@@ -53,6 +61,7 @@ from coordinator.staging import (
     STAGED,
     _error_of,
 )
+from partition_server import owner as partition_owner
 from partition_server.owner import Marker as PartitionMarker
 from partition_server.record_batch import ControlType
 from partition_server.record_batch import TxnId as PartitionTxnId
@@ -67,6 +76,10 @@ LANE_COMMITS = Counter("atomlog_coordinator_lane_commits_total",
                        "One-call commits the commit lane took (coordinator/lane.py), by how "
                        "they left it: decided there, or handed back to the ordinary path "
                        "(reservation, restage, failpoint).", ["result"])
+LANE_ONE_ROUND = Counter("atomlog_coordinator_lane_one_round_commits_total",
+                         "One-call commits the commit lane decided in their group's own step, "
+                         "their decision written after their stages and durable in the same "
+                         "write-ahead round (coordinator.lane_one_round).")
 MAX_GROUP = 1_000  # commits taken in one callback; the rest wait for the next turn
 MAX_QUEUED = 10_000  # commits waiting for the lane; beyond, the ordinary path takes them
 
@@ -115,10 +128,11 @@ class _Group:
     """The commits taken together: how many still stage, and the timer that stops the
     next group waiting for them."""
 
-    __slots__ = ("staging", "timer")
+    __slots__ = ("staging", "logging", "timer")
 
     def __init__(self) -> None:
         self.staging = 0
+        self.logging = 0  # commits decided in the group's step whose decision is not durable
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -183,8 +197,11 @@ class CommitLane:
         if begun:
             group = _Group()
             self._holding = group
-            self._stage(begun, group)
-            if group.staging:
+            if self.c.settings.lane_one_round:
+                self._stage_in_step(begun, group)
+            else:
+                self._stage(begun, group)
+            if group.staging or group.logging:
                 loop = asyncio.get_running_loop()
                 group.timer = loop.call_later(self.c.settings.log_request_timeout_ms / 1000,
                                               self._release, group)
@@ -208,10 +225,67 @@ class CommitLane:
                     group.staging -= 1
                 self._fail(commit, error)
 
-    def _stage_one(self, commit: _Commit) -> None:
+    def _stage_in_step(self, begun: list[_Commit], group: "_Group") -> None:
+        """coordinator.lane_one_round: the group's riders and stages queued on their
+        owners, which write them in this step (owner.gather); every commit whose batches
+        were all written here (and that has no acks: a cursor's durability round is its
+        own) is decided here too, and its decision appended on its TC log's owner and
+        written after its stages, so that its frames follow theirs in the same
+        write-ahead round and a durable decision implies durable stages. The gathering's
+        close begins the owners' flushes. A commit whose batches an owner could not write
+        here waits for its stages as `_stage` has it, then for its decision's round."""
+        gathering = partition_owner.gather()
+        try:
+            try:
+                self._riders(begun)
+            except Exception:  # noqa: BLE001 — a bug: the markers are sent again by the ticks
+                log.exception("commit lane: the riding markers failed")
+            for commit in begun:
+                commit.group = group
+                try:
+                    self._stage_one(commit, wait=False)
+                except Exception as error:  # noqa: BLE001 — a bug: the caller hears of it
+                    log.exception("commit lane: staging failed")
+                    if commit.pending > 0:
+                        commit.pending = -1
+                        group.staging -= 1
+                    self._fail(commit, error)
+            for owner in list(gathering.owners):
+                owner.write_gathered()
+            wrote = gathering.owners
+            partitions = {}
+            for commit in begun:
+                if commit.pending <= 0:
+                    continue
+                if commit.acks or not all(wrote.get(owner) and held.results
+                                          for _, owner, held in commit.stages):
+                    self._wait_for_stages(commit)
+                    continue
+                partitions[id(commit.partition)] = commit.partition
+                commit.pending = -1
+                group.staging -= 1
+                try:
+                    self._decide(commit, None, in_step=True)
+                except Exception as error:  # noqa: BLE001 — a bug: the caller hears of it
+                    log.exception("commit lane: deciding failed")
+                    self._fail(commit, error)
+            for partition in partitions.values():
+                partition.append_scheduled_now()  # on the TC log's owner: gathered
+            for owner, written in list(wrote.items()):
+                if not written:  # (the TC logs' owners)
+                    owner.write_gathered()
+        finally:
+            gathering.close()
+
+    def _logged_in_step(self, group: "_Group") -> None:
+        group.logging -= 1
+        if not group.staging and not group.logging:
+            self._release(group)
+
+    def _stage_one(self, commit: _Commit, wait: bool = True) -> None:
         """Queue a begun commit's batches on their owners (`_staged` once answered)."""
         queued = commit.here.stage_here(commit.begun.start.txn_id, commit.partition.epoch,
-                                        commit.request.batches)
+                                        commit.request.batches, works=not wait)
         if isinstance(queued, AtomlogError):
             # StageTxn's answer to it: retried, refused or routed there.
             self._hand_back(commit, LaneOutcome(commit.begun), "restage")
@@ -229,6 +303,17 @@ class CommitLane:
         if not futures:  # (every ack refused at once)
             self._staged(commit, None)
             return
+        if wait:
+            self._wait_for_stages(commit)
+
+    def _wait_for_stages(self, commit: _Commit) -> None:
+        """`_staged` once every stage of the commit is answered (or its time is up)."""
+        if commit.stages and not isinstance(commit.stages[0][2], asyncio.Future):
+            # Works (a step that wrote what it could): their futures from here on.
+            commit.stages = [(item, owner, work.future) for item, owner, work
+                             in commit.stages]
+        futures = [future for _, _, future in commit.stages] + [
+            held for _, held in commit.acks if not isinstance(held, AtomlogError)]
         done = _StageDone(self, commit)
         for future in futures:
             future.add_done_callback(done)
@@ -308,7 +393,7 @@ class CommitLane:
         commit.pending = -1
         group = commit.group
         group.staging -= 1
-        if not group.staging:
+        if not group.staging and not group.logging:
             self._release(group)
         if commit.timer is not None:
             commit.timer.cancel()
@@ -318,13 +403,19 @@ class CommitLane:
             log.exception("commit lane: deciding failed")
             self._fail(commit, error)
 
-    def _decide(self, commit: _Commit, timed_out: AtomlogError | None) -> None:
+    def _decide(self, commit: _Commit, timed_out: AtomlogError | None,
+                in_step: bool = False) -> None:
         STAGE_SECONDS.observe(time.perf_counter() - commit.began)
         failure, retry = timed_out, False
         staged = []
         if failure is None:
-            for item, owner, future in commit.stages:
-                result = commit.here.staged_result(item.topic_partition, owner, future)
+            for item, owner, held in commit.stages:
+                if in_step:  # (held: the owner's work, written in this step)
+                    result = commit.here.written_result(item.topic_partition, owner,
+                                                        held.results[0])
+                    held.future.add_done_callback(observe_failure)
+                else:
+                    result = commit.here.staged_result(item.topic_partition, owner, held)
                 reason = result.error.reason
                 if reason and reason not in RETRY_REASONS:
                     tp = item.topic_partition
@@ -364,8 +455,16 @@ class CommitLane:
             return
         outcome = LaneOutcome(commit.begun, result=result, staged=staged)
         LANE_COMMITS.labels("decided").inc()
+        if in_step:
+            LANE_ONE_ROUND.inc()
         if not futures:
             self._settle(commit, outcome)
+            return
+        if in_step:  # the next group waits for this decision's round too
+            group = commit.group
+            group.logging += 1
+            WhenAllDone(futures, lambda: (self._logged_in_step(group),
+                                          self._logged(commit, outcome, futures)))
             return
         WhenAllDone(futures, lambda: self._logged(commit, outcome, futures))
 

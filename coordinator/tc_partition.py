@@ -102,6 +102,7 @@ class Settings:
     completion_linger_ms: int = 200
     parallel_commits: str = "auto"  # "auto", "on" or "off" (services/config.py)
     commit_lane: bool = True
+    lane_one_round: bool = True
 
 
 # A parallel commit's resolution (StageChannel.resolve): (txn_id, coordinator epoch, its
@@ -461,6 +462,11 @@ class TcPartition:
             return
         self._append_scheduled = True
         asyncio.get_running_loop().call_soon(self._append_now)
+
+    def append_scheduled_now(self) -> None:
+        """The commit lane's step: the append `_append_soon` scheduled, made now."""
+        if self._append_scheduled:
+            self._append_now()
 
     def _may_linger(self, appends) -> bool:
         """Whether appends may wait for company without the writer (`_linger_here`): as

@@ -583,6 +583,15 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "staging call, instead of through the staging channel "
                 "(coordinator/lane.py). Off: every one-call commit takes the staging "
                 "channel, as on a cluster."),
+        Setting("coordinator.lane_one_round", bool, True, "In the commit lane, a group's "
+                "staged batches are written in its own step and every commit whose "
+                "batches were all written there (no acks; partitions and TC log unreplicated "
+                "on the write-ahead file) is decided and its decision written in that step "
+                "too, after its stages, so both share one write-ahead round instead of "
+                "waiting for two; the next group waits for that round. A failed write or "
+                "fsync of such a round stops the server (exit status 74), which the next "
+                "start repairs from the file (docs/coordinator.md, \"One round a "
+                "commit\"). Off: the stages' round, then the decision's."),
         Setting("coordinator.partition_link", bool, True, "Send StageTxn, the TC-log "
                 "appends (Produce) and markers (EndTxnOnPartition) to a partition server "
                 "over its link (the length-prefixed TCP protocol of replication.link, beside "

@@ -217,6 +217,18 @@ def test_a_start_refused_for_another_reason_is_a_note_and_a_crash_is_a_problem(t
     assert problem and "no start-up failure logged" in said and "MemoryError" in said
 
 
+def test_a_stop_for_a_failed_write_ahead_round_is_a_note_when_the_harness_failed_it(
+        tmp_path):
+    stop = "stopping: the write-ahead file failed under frames whose loss stops the server"
+    said, problem = _reason(tmp_path, [_event("serving"), _event(
+        stop, error="OSError(5, 'fsync failed (fsync failpoint armed by the fault harness)')",
+        exit_status=74)])
+    assert not problem and "fault harness" in said
+    said, problem = _reason(tmp_path, [_event("serving"), _event(
+        stop, error="OSError(5, 'Input/output error')", exit_status=74)])
+    assert problem and "Input/output error" in said
+
+
 def test_only_the_last_incarnations_lines_count(tmp_path):
     # An earlier incarnation gave up on ZooKeeper (already recorded then); this one crashed.
     said, problem = _reason(tmp_path, [

@@ -29,6 +29,9 @@ from partition_server.snapshot_files import fsync_directory
 from services import launcher
 from services.errors import AtomlogError
 from services.failpoints import ENVIRONMENT_VARIABLE as FAILPOINTS_VARIABLE, FSYNC
+
+# What a disk sync failed by the harness's fsync failpoint says (services/failpoints.py).
+HARNESS_FSYNC = "fsync failpoint armed by the fault harness"
 from tests import go_tools
 from tests.chaos import checker, disks, history, nemesis
 from tests.chaos.history import EventLog
@@ -418,6 +421,11 @@ class Run:
         except OSError as error:
             return f"its log unreadable: {error!r}", True
         for line in reversed(tail.splitlines()):
+            if '"stopping: the write-ahead file failed' in line:
+                # A failed round under the commit lane's fatal frames stops the server
+                # (WalTap.fatal) and the supervisor's restart repairs it: a note when the
+                # harness's disk-fsync fault failed it, a problem when the disk did.
+                return line[:400], HARNESS_FSYNC not in line
             if '"cannot start' in line:
                 try:
                     event = json.loads(line)
