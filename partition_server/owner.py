@@ -1416,6 +1416,11 @@ class PartitionOwner:
         """A write or fsync failed: fail everything unanswered, stop using the log, and
         reload from what is durable (the high watermark: nothing above it was acknowledged,
         and after a failed fsync the page cache above it is not to be trusted)."""
+        tap = self._wal_tap
+        if tap is not None and tap.wal.fatal_exposed(tap.name):
+            # Its reload would cut back frames a decision written in the commit lane's
+            # step depends on (WalTap.fatal): the server stops instead.
+            tap.wal.stop(error)
         corrupt = isinstance(error, AtomlogError) and error.reason == "DATA_LOSS"
         if corrupt:  # (a read found it: `_data_loss_found`)
             event(log, "corruption found before the log tail; failing unacknowledged "

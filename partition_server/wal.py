@@ -758,15 +758,17 @@ class WalTap:
         self.wal, self.name, self.raw_name = wal, name, name.encode()
         self.log: PartitionLog | None = None
         self.on_failure: Callable[[BaseException], None] | None = None
-        # While set, this partition's writes are *fatal* frames: if the write of the file
-        # that takes them, or the fsync that makes them durable, fails, the server stops
-        # (WriteAheadLog.on_fatal) instead of reloading the partitions concerned. The
-        # commit lane's one-round step (owner.write_gathered) writes a commit's staged
-        # batches and then its decision so that a durable decision implies durable
-        # stages. After a failed round, though, each partition's reload reads the file at
-        # its own moment, and the kernel may drop the unwritten pages of a failed fsync in
-        # between: one reload could find the decision and another miss its stage. A start
-        # replays the whole file in one pass (PostgreSQL stops on a failed WAL fsync too).
+        # While set, this partition's writes are *fatal* frames. The commit lane's
+        # one-round step (owner.write_gathered) writes a commit's staged batches and then
+        # its decision, so that a durable decision implies durable stages: that holds as
+        # long as nothing of the file is lost or cut meanwhile. So while any fatal frame
+        # is not yet durable, a failed write or fsync of the file, or a reload of a
+        # partition whose fatal frames are not durable yet (it cuts its log back), stops
+        # the server (WriteAheadLog.on_fatal) instead of reloading partitions one by one:
+        # each reload reads the file at its own moment (the kernel may drop a failed
+        # fsync's pages in between), and a TC partition would retry a decision whose
+        # stages are gone. A start replays the whole file in one pass (PostgreSQL stops
+        # on a failed WAL fsync too).
         self.fatal = False
 
     def wrote(self, base_offset: int, buffers: list, end: int) -> None:
@@ -808,7 +810,7 @@ class _Round:
     tickets: list[tuple[durability.SyncTicket, str]]
     sequence: int  # the segment written
     began: float
-    fatal: bool = False  # it carries fatal frames (WalTap.fatal)
+    covers: int = 0  # the fatal frames written before its fsync (WalTap.fatal)
     done: bool = False
     error: BaseException | None = None
 
@@ -862,11 +864,13 @@ class WriteAheadLog:
         self._lock = threading.Lock()
         self._pending: list[bytes] = []
         self._pending_ends: list[tuple[str, int]] = []
-        # Fatal frames (WalTap.fatal) were queued and no fsync of the file has begun
-        # since; `on_fatal` is what stops the server when their write or fsync fails
-        # (tests put a recorder there); once it ran, `_stopped` fails every later write,
-        # for a recorder that returns.
-        self._fatal_exposed = False
+        # Fatal frames (WalTap.fatal), counted: queued, written to the file, and made
+        # durable by an fsync that succeeded; per partition, the count at its last one.
+        # While some are not durable, a failure stops the server (`_failed`, `stop`):
+        # `on_fatal` does (tests put a recorder there), and `_stopped` then fails every
+        # later write, for a recorder that returns.
+        self._fatal_queued = self._fatal_written = self._fatal_durable = 0
+        self._fatal_names: dict[str, int] = {}
         self.on_fatal: Callable[[BaseException], None] = stop_the_process
         self._stopped: BaseException | None = None
         self._waiting: list[tuple[durability.SyncTicket, str]] = []
@@ -1002,6 +1006,9 @@ class WriteAheadLog:
             except OSError as error:
                 self._poisoned.add(self._sequence)
                 self._lose(set(self._names_in[self._sequence]), error)
+                self._failed(error)
+            else:
+                self._synced_up_to(self._fatal_written)
         failed = self._fd >= 0 and self._sequence in self._poisoned
         self._sequence += 1
         # A roll away from a failed segment (its writes, its rounds' or its seal's fsync)
@@ -1067,10 +1074,14 @@ class WriteAheadLog:
         the reload's plan took a gap in what was never acknowledged for a data loss."""
         head, payload = frame_parts(DATA, raw_name, offset, payload)
         with self._lock:
-            if name in self._lost:
-                return
             if fatal:
-                self._fatal_exposed = True
+                self._fatal_queued += 1
+                self._fatal_names[name] = self._fatal_queued
+            if name in self._lost:
+                if fatal:  # (lost between the owner's look and its write: a worker's cut)
+                    self.stop(OSError(errno.EIO, f"a fatal frame of {name} would be "
+                                      "dropped: its frames are lost until it reloads"))
+                return
             self._pending.append(head)
             self._pending.append(payload)
             self._pending_ends.append((name, end))
@@ -1080,17 +1091,31 @@ class WriteAheadLog:
         """Whether partition `name`'s frames are dropped until its reload (`_lose`)."""
         return name in self._lost
 
-    def _take_fatal(self) -> bool:
-        """Under the lock, as an fsync of the file begins (after its write): whether
-        fatal frames are among what it makes durable."""
-        fatal, self._fatal_exposed = self._fatal_exposed, False
-        return fatal
+    def fatal_exposed(self, name: str | None = None) -> bool:
+        """Whether fatal frames (of partition `name`, or of any) are not yet durable."""
+        last = self._fatal_queued if name is None else self._fatal_names.get(name, 0)
+        return last > self._fatal_durable
 
-    def _fatal(self, fatal: bool, error: BaseException) -> None:
-        """Under the lock: a write or fsync of fatal frames failed (`frames_fatal`)."""
-        if fatal and self._stopped is None:
+    def stop(self, error: BaseException) -> None:
+        """Stop the server (`on_fatal`, once): something that fatal frames not yet
+        durable depend on failed (WalTap.fatal)."""
+        if self._stopped is None:
             self._stopped = error
             self.on_fatal(error)
+
+    def _failed(self, error: BaseException) -> None:
+        """Under the lock: a write or fsync of the file failed: fatal if fatal frames
+        are not yet durable (they may be lost, or partitions they depend on cut)."""
+        if self.fatal_exposed():
+            self.stop(error)
+
+    def _synced_up_to(self, covers: int) -> None:
+        """Under the lock: an fsync that began after `covers` fatal frames were written
+        succeeded."""
+        if covers > self._fatal_durable:
+            self._fatal_durable = covers
+            if not self.fatal_exposed():
+                self._fatal_names.clear()
 
     def _write_pending(self) -> int:
         """Under the lock: write every queued frame to the active segment, then a PAD
@@ -1101,9 +1126,9 @@ class WriteAheadLog:
                           f"fatal frames: {self._stopped!r}")
         if self._sequence in self._poisoned or self._size >= self.segment_bytes:
             try:
-                self._open_next()  # (its seal fsyncs the segment fatal frames may be in)
+                self._open_next()
             except BaseException as error:
-                self._fatal(self._fatal_exposed, error)
+                self._failed(error)
                 raise
         frames, self._pending = self._pending, []
         ends, self._pending_ends = self._pending_ends, []
@@ -1120,7 +1145,7 @@ class WriteAheadLog:
                 self._poisoned.add(self._sequence)
                 self._lose({name for name, _ in ends} | self._names_in[self._sequence],
                            error)
-                self._fatal(self._fatal_exposed, error)
+                self._failed(error)
                 raise
             self._names_in[self._sequence].update(name for name, _ in ends)
             self._size += size
@@ -1130,6 +1155,7 @@ class WriteAheadLog:
             BYTES.inc(size)
             for name, end in ends:
                 self._ledger.wrote(name, end)
+        self._fatal_written = self._fatal_queued  # (every queued frame is written now)
         return self._sequence
 
     def _lose(self, names: set[str], error: BaseException) -> None:
@@ -1180,7 +1206,7 @@ class WriteAheadLog:
                 self._pending.append(frame)
                 self._pending_ends.append((name, -1))
                 written = self._write_pending()  # the segment it went into
-                fatal = self._take_fatal()
+                covers = self._fatal_written
                 fd = os.dup(self._fd)
                 if kind == CUT:
                     self._ledger.cut(name, offset)
@@ -1200,8 +1226,11 @@ class WriteAheadLog:
                 # one meanwhile (and the failed one's partitions would not reload).
                 self._poisoned.add(written)
                 self._lose(set(self._names_in.get(written, ())), error)
-                self._fatal(fatal, error)
+                self._failed(error)
             raise
+        else:
+            with self._lock:
+                self._synced_up_to(covers)
         finally:
             os.close(fd)
             with self._lock:
@@ -1281,7 +1310,7 @@ class WriteAheadLog:
             tickets, self._waiting = self._waiting, []
             try:
                 sequence = self._write_pending()
-                round_ = _Round(tickets, sequence, began, self._take_fatal())
+                round_ = _Round(tickets, sequence, began, self._fatal_written)
                 self._syncing = True
                 sync_ticket = self._sync.submit(self._fd,
                                                 lambda: self._synced(round_, sync_ticket))
@@ -1289,6 +1318,7 @@ class WriteAheadLog:
             except BaseException as error:  # (a thread that could not start, too)
                 self._syncing = False
                 self._idle.notify_all()
+                self._failed(error)  # (written, maybe, and never to be fsynced by it)
                 failed = error
             else:
                 failed = None
@@ -1324,7 +1354,9 @@ class WriteAheadLog:
                 # (.get: a segment trimmed while its round's fsync ran, its partitions
                 # made durable by a roll or a close; a KeyError here stopped every round.)
                 self._lose(set(self._names_in.get(round_.sequence, ())), error)
-                self._fatal(round_.fatal, error)
+                self._failed(error)
+            else:
+                self._synced_up_to(round_.covers)
             self._syncing = False
             self._idle.notify_all()
         self._resume_rounds()  # what asked meanwhile

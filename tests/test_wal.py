@@ -1600,13 +1600,132 @@ def test_a_failed_round_under_fatal_frames_stops_the_server_and_no_later_round_a
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         assert all(isinstance(o, BaseException) for o in outcomes), outcomes
         assert len(stopped) == 1 and "injected" in str(stopped[0])
-        # Nothing written after it is acknowledged (the process would be gone).
-        later = batch(4, 0)
-        with pytest.raises((AtomlogError, OSError)):
-            await asyncio.wait_for(second.produce([(later, parse_header(later))]), 5)
+        # No later round is answered with success (the process would be gone).
+        ticket = node.wal.sync("t-1", None)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if ticket.done():
+                break
+        assert ticket.done() and isinstance(ticket.exception(), OSError)
         assert len(stopped) == 1
         for owner in node.owners:
             owner._task.cancel()
         await node.wal.close()
+
+    asyncio.run(scenario())
+
+
+def parked(owner: PartitionOwner) -> bool:
+    """Whether the owner's task waits for work (so it may write in a gathering)."""
+    return owner._wake is not None and not owner._wake.done()
+
+
+class HeldRounds:
+    """The write-ahead file's LogSync: each round's fsync waits until the test ends it
+    (`finish(error)`, oldest first)."""
+
+    def __init__(self):
+        self.held: list = []
+
+    def submit(self, fd, wake):
+        ticket = durability.SyncTicket(wake)
+        self.held.append((ticket, wake))
+        return ticket
+
+    def finish(self, error=None) -> None:
+        ticket, wake = self.held.pop(0)
+        ticket.finish(error)
+        wake()
+
+
+@pytest.mark.parametrize("failure", ["earlier-round", "reload"])
+def test_what_fatal_frames_depend_on_failing_before_they_are_durable_stops_the_server(
+        tmp_path, failure):
+    """Fatal frames (a commit's stages and decision, written in the lane's step) are
+    not yet durable, and something they depend on fails first: the fsync of an earlier,
+    ordinary round (which loses the partitions framed in its segment: they would reload
+    and cut back the stage, while the decision's frame goes into the next segment's
+    round and succeeds), or the reload of a partition they are in (a failed checkpoint,
+    snapshot or recovery-point write cuts its log back to its high watermark). Either
+    stops the server; after the fatal frames are durable, neither does."""
+    from partition_server import owner as owner_module
+
+    async def scenario():
+        node = Node(tmp_path, 3, checkpoint_ms=60_000)
+        await node.start()
+        stopped: list = []
+        node.wal.on_fatal = stopped.append
+        rounds = HeldRounds()
+        node.wal._sync = rounds
+        other, *lane = node.owners
+        ordinary = batch(1, 0)
+        earlier = other.queue_produce([(ordinary, parse_header(ordinary))])
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if rounds.held and all(parked(owner) for owner in lane):
+                break
+        assert len(rounds.held) == 1  # the ordinary round's fsync runs
+        gathering = owner_module.gather()
+        try:
+            staged = [owner.queue_produce([(b, parse_header(b))])
+                      for owner, b in zip(lane, [batch(2, 0), batch(3, 0)])]
+            assert all(owner.write_gathered() for owner in lane)
+        finally:
+            gathering.close()
+        assert node.wal.fatal_exposed("t-1") and node.wal.fatal_exposed("t-2")
+        assert not node.wal.fatal_exposed("t-0")
+        if failure == "earlier-round":
+            rounds.finish(OSError(5, "injected"))
+        else:
+            lane[0]._checkpoint_failed(OSError(5, "injected"))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if stopped:
+                break
+        assert len(stopped) == 1 and "injected" in str(stopped[0])
+        while rounds.held:  # (a reload's worker waits for the fsync turn)
+            rounds.finish(OSError(5, "after the stop"))
+        for future in [earlier, *staged]:
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        for owner in node.owners:
+            owner._task.cancel()
+        await node.wal.close()
+
+    asyncio.run(scenario())
+
+
+def test_durable_fatal_frames_leave_failures_to_the_partitions_reloads(tmp_path):
+    """Once the round carrying fatal frames succeeded, a later failure reloads the
+    partition concerned, as for any frames: the server goes on."""
+    from partition_server import owner as owner_module
+
+    async def scenario():
+        node = Node(tmp_path, 1, checkpoint_ms=60_000)
+        await node.start()
+        stopped: list = []
+        node.wal.on_fatal = stopped.append
+        owner = node.owners[0]
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if parked(owner):
+                break
+        gathering = owner_module.gather()
+        try:
+            b = batch(1, 0)
+            written = owner.queue_produce([(b, parse_header(b))])
+            assert owner.write_gathered()
+        finally:
+            gathering.close()
+        assert (await written)[0].base_offset == 0
+        assert not node.wal.fatal_exposed()
+        owner._checkpoint_failed(OSError(5, "injected"))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if owner.state is State.ONLINE and owner.log is not None:
+                break
+        assert owner.state is State.ONLINE and stopped == []
+        again = batch(1, 2)
+        assert (await owner.produce([(again, parse_header(again))]))[0].base_offset == 2
+        await node.close()
 
     asyncio.run(scenario())
