@@ -197,16 +197,17 @@ class CommitLane:
         if begun:
             group = _Group()
             self._holding = group
-            if self.c.settings.lane_one_round:
-                self._stage_in_step(begun, group)
-            else:
-                self._stage(begun, group)
-            if group.staging or group.logging:
-                loop = asyncio.get_running_loop()
-                group.timer = loop.call_later(self.c.settings.log_request_timeout_ms / 1000,
-                                              self._release, group)
-            else:
-                self._release(group)
+            # (Set first: whatever a bug raises below, the next group is not held for ever.)
+            group.timer = asyncio.get_running_loop().call_later(
+                self.c.settings.log_request_timeout_ms / 1000, self._release, group)
+            try:
+                if self.c.settings.lane_one_round:
+                    self._stage_in_step(begun, group)
+                else:
+                    self._stage(begun, group)
+            finally:
+                if not group.staging and not group.logging:
+                    self._release(group)
         self._schedule()  # (more than MAX_GROUP queued, or nothing went to staging)
 
     def _stage(self, begun: list[_Commit], group: "_Group") -> None:

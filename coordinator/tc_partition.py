@@ -149,7 +149,9 @@ class TcPartition:
         self._trim: asyncio.Task | None = None
         self._last_append_at = time.monotonic()
         # Appends started in the caller's step (the commit lane's decisions, `lane`):
-        self._writer_parked = False  # the writer waits for _wake with nothing in hand
+        # The writer's own append, snapshot or keepalive is on the log: one at a time, so
+        # the lane's appends (`_append_now`) wait for it (and it for theirs, `_in_flight`).
+        self._writer_on_log = False
         self._append_scheduled = False
         self._in_flight: tuple | None = None  # (group, entries, started, future)
         self._returned: tuple | None = None  # (group, entries, error): the writer retries
@@ -317,8 +319,10 @@ class TcPartition:
     def call_now(self, action: Callable[[TcPartitionCore, int], Ready]):
         """As call, without waiting, for the commit lane (coordinator/lane.py): (reply, the
         futures of its appends). The appends start in a callback of this event-loop turn
-        when the writer is idle, on this process's owner of the TC log (`_append_now`),
-        so the writer's task does not wake for them; else the writer takes them."""
+        (or in the lane's step: `append_scheduled_now`) unless the writer is on the log
+        (its own append, snapshot or keepalive), on this process's owner of the TC log
+        (`_append_now`), so the writer's task does not wake for them; else the writer
+        takes them."""
         return self._call(action, early=False, lane=True)
 
     def _call(self, action: Callable[[TcPartitionCore, int], Ready], early: bool,
@@ -376,8 +380,7 @@ class TcPartition:
         if ready.appends:
             if lane:
                 self._append_soon()
-            elif (self._writer_parked and self._may_linger(ready.appends)
-                  and self.log.here()):
+            elif self._may_linger(ready.appends) and self.log.here():
                 self._linger_here()
             else:
                 self._wake.set()
@@ -394,28 +397,28 @@ class TcPartition:
 
     async def _writer(self) -> None:
         while self.phase is Phase.ACTIVE:
-            self._writer_parked = True
-            try:
-                await self._wake.wait()
-            finally:
-                self._writer_parked = False
+            await self._wake.wait()
             self._wake.clear()
-            if self._in_flight is not None:  # the lane's append: its sequence comes first
-                await asyncio.wait([self._in_flight[3]])  # (_appended_here has run)
             await self._linger_for_company()
             while (self._queue or self._returned) and self.phase is Phase.ACTIVE:
+                if self._in_flight is not None:  # the lane's append: its sequence first
+                    await asyncio.wait([self._in_flight[3]])  # (_appended_here has run)
+                    continue  # (which may have taken the queue on)
                 failed = None
                 if self._returned is not None:
                     (group, entries, failed), self._returned = self._returned, None
                 else:
                     group, entries = self._take_group()
                 started = time.perf_counter()
+                self._writer_on_log = True
                 try:
                     _, last = await self.log.append(entries, failed)
                 except Fenced as error:
+                    self._writer_on_log = False
                     await self._fenced(str(error))
                     return
                 except AppendRejected as rejected:
+                    self._writer_on_log = False
                     event(log, "TC log append refused; rolling back its transitions",
                           tc_partition=self.tc_partition, reason=rejected.error.reason,
                           detail=rejected.error.message)
@@ -424,16 +427,28 @@ class TcPartition:
                         self._settle(append.append_id, rejected.error)
                         self._carry_out(ready)
                     continue
+                finally:
+                    self._writer_on_log = False
                 self._appended(group, len(entries), last, started)
-            if self.phase is Phase.ACTIVE and not self._queue and self.core is not None:
-                await self._maybe_snapshot()  # (due by time, or after the lane's appends)
-            if (self.phase is Phase.ACTIVE and not self._queue
+            if self._in_flight is not None:  # (nothing of the lane's in flight below)
+                await asyncio.wait([self._in_flight[3]])
+            if self.phase is Phase.ACTIVE and not self._queue and self.core is not None \
+                    and self._in_flight is None:
+                self._writer_on_log = True
+                try:
+                    await self._maybe_snapshot()  # (due by time, or after the lane's appends)
+                finally:
+                    self._writer_on_log = False
+            if (self.phase is Phase.ACTIVE and not self._queue and self._in_flight is None
                     and time.monotonic() - self._last_append_at >= KEEPALIVE_S):
+                self._writer_on_log = True
                 try:
                     self._log_end = await self.log.fence(self.coordinator_name) + 1
                 except Fenced as error:
                     await self._fenced(str(error))
                     return
+                finally:
+                    self._writer_on_log = False
                 self._last_append_at = time.monotonic()
 
     def _appended(self, group: list[Append], records: int, last: int,
@@ -453,12 +468,12 @@ class TcPartition:
 
     def _append_soon(self) -> None:
         """The queued appends go in a callback at the end of this event-loop turn (every
-        decision of the turn in one batch) when the writer is idle; else the writer
-        takes them."""
+        decision of the turn in one batch) unless the writer is on the log or has a
+        failed attempt to retry first; then the writer takes them."""
         if self._append_scheduled or self._in_flight is not None:
             return  # (the append in flight takes the queue on when it ends)
-        if not self._writer_parked or self._returned is not None:
-            self._wake.set()
+        if self._writer_on_log or self._returned is not None:
+            self._wake.set()  # (it takes them once its own work on the log ends)
             return
         self._append_scheduled = True
         asyncio.get_running_loop().call_soon(self._append_now)
@@ -491,12 +506,13 @@ class TcPartition:
     def _append_now(self) -> None:
         """The writer's append step in a callback: the queued group encoded and queued on
         this process's owner of the TC log (TxnLog.append_here), answered in
-        `_appended_here`. Anything else (the writer busy, the log elsewhere) wakes the
-        writer, which appends as always. One append at a time, as the writer makes them:
-        the log's sequence numbers allow no other."""
+        `_appended_here`. Anything else (the writer on the log, the log elsewhere) wakes
+        the writer, which appends as always. One append at a time, the writer's or this
+        one (`_in_flight`, which the writer waits for): the log's sequence numbers allow
+        no other."""
         self._append_scheduled = False
         if (self.phase is not Phase.ACTIVE or not self._queue or self._in_flight is not None
-                or self._returned is not None or not self._writer_parked):
+                or self._returned is not None or self._writer_on_log):
             if self._queue:
                 self._wake.set()
             return

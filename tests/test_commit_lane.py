@@ -266,16 +266,19 @@ def test_a_failed_write_ahead_round_loses_no_commit_and_splits_none(
         thread.start()
     try:
         wait_until(lambda: len(acked) >= 30, 30, "commits before the failure")
+        def stopped() -> bool:
+            return not launcher.process_alive(process["pid"], "--name node-0 ")
+
+        before = len(failed)
         with Armed(failpoint_dir, failpoints.FSYNC):
-            if one_round:
-                wait_until(lambda: not launcher.process_alive(process["pid"],
-                                                                    "--name node-0 "), 30,
-                           "the server to stop")
-            else:
-                before = len(failed)
-                wait_until(lambda: len(failed) > before, 30, "a commit to fail")
-                time.sleep(0.5)
-        if one_round:
+            # (One round: all but surely a stop, as a round under the lane's frames fails
+            # first; a failed checkpoint found none in flight if its partitions reloaded
+            # first, and then nothing of theirs is written in the lane's step.)
+            wait_until(lambda: stopped() or len(failed) > before, 30,
+                       "the server to stop or a commit to fail")
+            time.sleep(0.5)
+        if stopped():
+            assert one_round
             log_text = Path(process["log_file"]).read_text(errors="replace")
             assert "stopping: the write-ahead file failed" in log_text
             assert "node-0" in restart(node)
