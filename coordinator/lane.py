@@ -210,7 +210,8 @@ class CommitLane:
                     self._release(group)
         self._schedule()  # (more than MAX_GROUP queued, or nothing went to staging)
 
-    def _stage(self, begun: list[_Commit], group: "_Group") -> None:
+    def _stage(self, begun: list[_Commit], group: "_Group", wait: bool = True) -> None:
+        """The group's riders, then each commit's stages, queued (`_stage_one`)."""
         try:
             self._riders(begun)
         except Exception:  # noqa: BLE001 — a bug: the markers are sent again by the ticks
@@ -218,7 +219,7 @@ class CommitLane:
         for commit in begun:
             commit.group = group
             try:
-                self._stage_one(commit)
+                self._stage_one(commit, wait)
             except Exception as error:  # noqa: BLE001 — a bug: the caller hears of it
                 log.exception("commit lane: staging failed")
                 if commit.pending > 0:
@@ -237,20 +238,7 @@ class CommitLane:
         here waits for its stages as `_stage` has it, then for its decision's round."""
         gathering = partition_owner.gather()
         try:
-            try:
-                self._riders(begun)
-            except Exception:  # noqa: BLE001 — a bug: the markers are sent again by the ticks
-                log.exception("commit lane: the riding markers failed")
-            for commit in begun:
-                commit.group = group
-                try:
-                    self._stage_one(commit, wait=False)
-                except Exception as error:  # noqa: BLE001 — a bug: the caller hears of it
-                    log.exception("commit lane: staging failed")
-                    if commit.pending > 0:
-                        commit.pending = -1
-                        group.staging -= 1
-                    self._fail(commit, error)
+            self._stage(begun, group, wait=False)
             for owner in list(gathering.owners):
                 owner.write_gathered()
             wrote = gathering.owners

@@ -152,6 +152,23 @@ class Submitting:
         self.submit = submit
 
 
+class RefusingRounds:
+    """Stands in for the write-ahead file's LogSync: the next `failing` rounds' fsyncs
+    fail (EIO, "injected"), the others are the real ones."""
+
+    def __init__(self, wal: WriteAheadLog):
+        self.real, self.failing = wal._sync.submit, 1
+
+    def submit(self, fd, wake):
+        if not self.failing:
+            return self.real(fd, wake)
+        self.failing -= 1
+        ticket = durability.SyncTicket(wake)
+        asyncio.get_running_loop().call_soon(
+            lambda: (ticket.finish(OSError(5, "injected")), wake()))
+        return ticket
+
+
 SETTINGS = OwnerSettings(log=LogConfig(segment_bytes=16 << 10), durability=durability.WAL)
 
 # A crashed Node's write-ahead file must not touch the disk any more, as a dead process
@@ -532,19 +549,7 @@ def test_a_cut_is_framed_before_it_is_made_and_replays_in_order(tmp_path):
         owner = node.owners[0]
         first = batch(1, 0)
         assert (await owner.produce([(first, parse_header(first))]))[0].base_offset == 0
-        failing = [True]
-        real_submit = node.wal._sync.submit
-
-        def refuse_once(fd, wake):
-            if failing:
-                failing.clear()
-                ticket = durability.SyncTicket(wake)
-                asyncio.get_running_loop().call_soon(
-                    lambda: (ticket.finish(OSError(5, "injected")), wake()))
-                return ticket
-            return real_submit(fd, wake)
-
-        node.wal._sync = Submitting(refuse_once)
+        refusing = node.wal._sync = RefusingRounds(node.wal)
         lost = batch(1, 2, b"lost" * 10)
         with pytest.raises(AtomlogError, match="PARTITION_LOADING|injected"):
             await owner.produce([(lost, parse_header(lost))])
@@ -1560,19 +1565,7 @@ def test_a_failed_round_under_fatal_frames_stops_the_server_and_no_later_round_a
         await node.start()
         stopped: list = []
         node.wal.on_fatal = stopped.append
-        failing = [True]
-        real_submit = node.wal._sync.submit
-
-        def refuse_once(fd, wake):
-            if failing:
-                failing.clear()
-                ticket = durability.SyncTicket(wake)
-                asyncio.get_running_loop().call_soon(
-                    lambda: (ticket.finish(OSError(5, "injected")), wake()))
-                return ticket
-            return real_submit(fd, wake)
-
-        node.wal._sync = Submitting(refuse_once)
+        refusing = node.wal._sync = RefusingRounds(node.wal)
         first, second = node.owners
         # An ordinary round fails: its partition reloads, nothing stops.
         lost = batch(1, 0)
@@ -1586,7 +1579,7 @@ def test_a_failed_round_under_fatal_frames_stops_the_server_and_no_later_round_a
         again = batch(1, 0, b"again" * 8)
         assert (await first.produce([(again, parse_header(again))]))[0].base_offset == 0
         # Both owners written in one gathering step: fatal frames. Their round fails.
-        failing.append(True)
+        refusing.failing += 1
         batches = [batch(2, 0), batch(3, 0)]
         gathering = owner_module.gather()
         try:
