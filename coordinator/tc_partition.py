@@ -478,6 +478,17 @@ class TcPartition:
         self._append_scheduled = True
         asyncio.get_running_loop().call_soon(self._append_now)
 
+    def appends_in_step(self) -> bool:
+        """Whether a decision made now is appended and written in the commit lane's step
+        (CommitLane._stage_in_step): active, the writer neither on the log nor holding a
+        failed attempt, no append in flight, and the log's owner here writing in the
+        step, in the write-ahead file its stages are in. Else its decision could become
+        durable apart from its stages (on another server, or in its own fsync)."""
+        if (self.phase is not Phase.ACTIVE or self._writer_on_log
+                or self._returned is not None or self._in_flight is not None):
+            return False
+        return self.log.takes_gathered(len(self._queue) * 2 + 2)
+
     def append_scheduled_now(self) -> None:
         """The commit lane's step: the append `_append_soon` scheduled, made now."""
         if self._append_scheduled:
@@ -518,7 +529,12 @@ class TcPartition:
             return
         group, entries = self._take_group()
         self._lingered = False
-        future = self.log.append_here(entries)
+        try:
+            future = self.log.append_here(entries)
+        except Exception:  # noqa: BLE001 — a bug: the writer appends them instead
+            log.exception("TC partition %d: appending in this process failed",
+                          self.tc_partition)
+            future = None
         if future is None:
             self._queue.extendleft(reversed(group))
             self._wake.set()

@@ -208,6 +208,14 @@ class TxnLog:
         _ON_THE_OWNER.inc()
         return outcome
 
+    def takes_gathered(self, records: int) -> bool:
+        """Whether an `append_here` of `records` records now would be written by this
+        process's owner of the log's partition in the caller's gathering, in the
+        write-ahead file (PartitionServicer.takes_gathered)."""
+        here = self._servicer_here()
+        return (here is not None and self._next_sequence + records <= SEQUENCE_MAX
+                and here.takes_gathered(_topic_partition(self.tc_partition)))
+
     def here(self) -> bool:
         """Whether this process hosts the log's partition (by the routes' cache)."""
         return self._servicer_here() is not None

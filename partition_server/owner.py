@@ -399,6 +399,9 @@ class PartitionOwner:
         self.replication = None
         self._replicating: deque[_Flush] = deque()
         self._wake: asyncio.Future | None = None  # the owner task waits on it when idle
+        # The log's end after its last write in a gathering (fatal frames): a reload
+        # cutting below it would cut what a decision written in that step depends on.
+        self._gathered_to = -1
         self._raise_in_task: Exception | None = None  # _flush_ended's failure, for the task
         self._data_moved: asyncio.Future | None = None  # readers wait on it (long poll)
         self._snapshot_write: asyncio.Future | None = None
@@ -976,6 +979,18 @@ class PartitionOwner:
         elif self._may_write():
             self._poke()
 
+    def takes_gathered(self) -> bool:
+        """Whether `write_gathered` would write now (were work queued): the task parked,
+        nothing else due, the write-ahead file in use and taking this partition's frames,
+        and room in the queue and the file."""
+        wake, tap = self._wake, self._wal_tap
+        return (wake is not None and not wake.done() and self._roll is None
+                and self._raise_in_task is None and self.replication is None
+                and tap is not None and self.log is not None and not tap.wal.lost(tap.name)
+                and tap.wal.full() is None and self.state is State.ONLINE
+                and len(self._queue) < self.settings.max_queued_requests
+                and self._may_write() and not self._snapshot_due())
+
     def write_gathered(self) -> bool:
         """In an open Gathering (`gather`): write every queued request now, as the owner
         task's write branch would, when the task is parked and nothing else is due: no
@@ -984,12 +999,9 @@ class PartitionOwner:
         group that rolls no segment. Its frames are fatal (WalTap.fatal). Whether it
         wrote; if not, the task writes them (woken when the gathering closes). The
         flush begins when the gathering closes, after every write of the step."""
-        wake, tap = self._wake, self._wal_tap
-        if not (wake is not None and not wake.done() and self._queue and self._roll is None
-                and self._raise_in_task is None and self.replication is None
-                and tap is not None and self.log is not None and not tap.wal.lost(tap.name)
-                and self._may_write() and not self._snapshot_due()):
+        if not (self._queue and self.takes_gathered()):
             return False
+        tap = self._wal_tap
         count, size = self._group_extent()
         if count != len(self._queue) or self.log.roll_due(size):
             return False
@@ -1001,6 +1013,7 @@ class PartitionOwner:
             return False
         finally:
             tap.fatal = False
+            self._gathered_to = self.log.log_end_offset
         if _gathering is not None:
             _gathering.owners[self] = True
         return True
@@ -1417,9 +1430,12 @@ class PartitionOwner:
         reload from what is durable (the high watermark: nothing above it was acknowledged,
         and after a failed fsync the page cache above it is not to be trusted)."""
         tap = self._wal_tap
-        if tap is not None and tap.wal.fatal_exposed(tap.name):
-            # Its reload would cut back frames a decision written in the commit lane's
-            # step depends on (WalTap.fatal): the server stops instead.
+        if tap is not None and self.log is not None and (
+                tap.wal.fatal_exposed(tap.name)
+                or self._gathered_to > self.log.high_watermark):
+            # Its reload would cut back (to the high watermark) what a decision written in
+            # the commit lane's step depends on, durable or not yet (WalTap.fatal): the
+            # server stops instead, and its start replays the file.
             tap.wal.stop(error)
         corrupt = isinstance(error, AtomlogError) and error.reason == "DATA_LOSS"
         if corrupt:  # (a read found it: `_data_loss_found`)

@@ -1454,6 +1454,12 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         _staged_into(result, owner, future)
         return result
 
+    def takes_gathered(self, tp) -> bool:
+        """Whether `tp` is hosted here by an owner that would write in a gathering now
+        (PartitionOwner.takes_gathered)."""
+        owner = self._route_now(tp)
+        return isinstance(owner, PartitionOwner) and owner.takes_gathered()
+
     @staticmethod
     def written_result(tp, owner: PartitionOwner, outcome) -> partition_pb2.ProduceResult:
         """A `stage_here` batch's outcome, read from its work once written (gathered),

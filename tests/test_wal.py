@@ -1687,6 +1687,56 @@ def test_what_fatal_frames_depend_on_failing_before_they_are_durable_stops_the_s
     asyncio.run(scenario())
 
 
+def test_a_reload_that_would_cut_a_gathered_write_below_its_durable_round_stops_the_server(
+        tmp_path):
+    """The round of a gathered write (a stage whose decision was written in the same
+    step) succeeded, but the owner fails closed before its flush moved the high
+    watermark (a failed checkpoint raised in its task first): its reload would cut back
+    to the high watermark, below the durable stage its decision depends on. The server
+    stops instead (fatal frames were durable already, so only the owner's check sees
+    it)."""
+    from partition_server import owner as owner_module
+
+    async def scenario():
+        node = Node(tmp_path, 1, checkpoint_ms=60_000)
+        await node.start()
+        stopped: list = []
+        node.wal.on_fatal = stopped.append
+        rounds = HeldRounds()
+        node.wal._sync = rounds
+        owner = node.owners[0]
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if parked(owner):
+                break
+        gathering = owner_module.gather()
+        try:
+            b = batch(1, 0)
+            written = owner.queue_produce([(b, parse_header(b))])
+            assert owner.write_gathered()
+        finally:
+            gathering.close()
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if rounds.held:
+                break
+        owner._checkpoint_failed(OSError(5, "injected"))  # raised in the task, next
+        rounds.finish()  # the round succeeds in the same step
+        assert not node.wal.fatal_exposed() and owner.log.high_watermark == 0
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if stopped:
+                break
+        assert len(stopped) == 1 and "injected" in str(stopped[0])
+        written.add_done_callback(lambda f: f.cancelled() or f.exception())
+        while rounds.held:
+            rounds.finish(OSError(5, "after the stop"))
+        owner._task.cancel()
+        await node.wal.close()
+
+    asyncio.run(scenario())
+
+
 def test_durable_fatal_frames_leave_failures_to_the_partitions_reloads(tmp_path):
     """Once the round carrying fatal frames succeeded, a later failure reloads the
     partition concerned, as for any frames: the server goes on."""
