@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from partition_server import durability
+from partition_server import owner as owner_module
 from partition_server import wal as wal_module
 from partition_server.log import LogConfig
 from partition_server.owner import OwnerSettings, PartitionOwner, State
@@ -1558,13 +1559,8 @@ def test_a_failed_round_under_fatal_frames_stops_the_server_and_no_later_round_a
     pages between two reads, so a failed write or fsync of fatal frames stops the server
     (`on_fatal`: the process exits, the next start replays the file in one pass). A
     failed round of ordinary frames still reloads its partitions, the server going on."""
-    from partition_server import owner as owner_module
-
     async def scenario():
-        node = Node(tmp_path, 2, checkpoint_ms=60_000)
-        await node.start()
-        stopped: list = []
-        node.wal.on_fatal = stopped.append
+        node, stopped, _ = await recording_node(tmp_path, 2)
         refusing = node.wal._sync = RefusingRounds(node.wal)
         first, second = node.owners
         # An ordinary round fails: its partition reloads, nothing stops.
@@ -1608,6 +1604,35 @@ def test_a_failed_round_under_fatal_frames_stops_the_server_and_no_later_round_a
     asyncio.run(scenario())
 
 
+async def recording_node(root: Path, partitions: int, held: bool = False):
+    """A started Node whose write-ahead file records its stops instead of exiting: (node,
+    the stops' errors, HeldRounds when `held`: each round's fsync waits for the test)."""
+    node = Node(root, partitions, checkpoint_ms=60_000)
+    await node.start()
+    stopped: list = []
+    node.wal.on_fatal = stopped.append
+    rounds = None
+    if held:
+        rounds = node.wal._sync = HeldRounds()
+    return node, stopped, rounds
+
+
+async def gathered_write(owner: PartitionOwner, data: bytes):
+    """`data` produced on `owner` in a gathering of its own, written there (fatal frames)
+    once its task is parked; the produce's future."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if parked(owner):
+            break
+    gathering = owner_module.gather()
+    try:
+        written = owner.queue_produce([(data, parse_header(data))])
+        assert owner.write_gathered()
+    finally:
+        gathering.close()
+    return written
+
+
 def parked(owner: PartitionOwner) -> bool:
     """Whether the owner's task waits for work (so it may write in a gathering)."""
     return owner._wake is not None and not owner._wake.done()
@@ -1641,15 +1666,8 @@ def test_what_fatal_frames_depend_on_failing_before_they_are_durable_stops_the_s
     round and succeeds), or the reload of a partition they are in (a failed checkpoint,
     snapshot or recovery-point write cuts its log back to its high watermark). Either
     stops the server; after the fatal frames are durable, neither does."""
-    from partition_server import owner as owner_module
-
     async def scenario():
-        node = Node(tmp_path, 3, checkpoint_ms=60_000)
-        await node.start()
-        stopped: list = []
-        node.wal.on_fatal = stopped.append
-        rounds = HeldRounds()
-        node.wal._sync = rounds
+        node, stopped, rounds = await recording_node(tmp_path, 3, held=True)
         other, *lane = node.owners
         ordinary = batch(1, 0)
         earlier = other.queue_produce([(ordinary, parse_header(ordinary))])
@@ -1695,27 +1713,10 @@ def test_a_reload_that_would_cut_a_gathered_write_below_its_durable_round_stops_
     to the high watermark, below the durable stage its decision depends on. The server
     stops instead (fatal frames were durable already, so only the owner's check sees
     it)."""
-    from partition_server import owner as owner_module
-
     async def scenario():
-        node = Node(tmp_path, 1, checkpoint_ms=60_000)
-        await node.start()
-        stopped: list = []
-        node.wal.on_fatal = stopped.append
-        rounds = HeldRounds()
-        node.wal._sync = rounds
+        node, stopped, rounds = await recording_node(tmp_path, 1, held=True)
         owner = node.owners[0]
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if parked(owner):
-                break
-        gathering = owner_module.gather()
-        try:
-            b = batch(1, 0)
-            written = owner.queue_produce([(b, parse_header(b))])
-            assert owner.write_gathered()
-        finally:
-            gathering.close()
+        written = await gathered_write(owner, batch(1, 0))
         for _ in range(100):
             await asyncio.sleep(0)
             if rounds.held:
@@ -1740,25 +1741,10 @@ def test_a_reload_that_would_cut_a_gathered_write_below_its_durable_round_stops_
 def test_durable_fatal_frames_leave_failures_to_the_partitions_reloads(tmp_path):
     """Once the round carrying fatal frames succeeded, a later failure reloads the
     partition concerned, as for any frames: the server goes on."""
-    from partition_server import owner as owner_module
-
     async def scenario():
-        node = Node(tmp_path, 1, checkpoint_ms=60_000)
-        await node.start()
-        stopped: list = []
-        node.wal.on_fatal = stopped.append
+        node, stopped, _ = await recording_node(tmp_path, 1)
         owner = node.owners[0]
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if parked(owner):
-                break
-        gathering = owner_module.gather()
-        try:
-            b = batch(1, 0)
-            written = owner.queue_produce([(b, parse_header(b))])
-            assert owner.write_gathered()
-        finally:
-            gathering.close()
+        written = await gathered_write(owner, batch(1, 0))
         assert (await written)[0].base_offset == 0
         assert not node.wal.fatal_exposed()
         owner._checkpoint_failed(OSError(5, "injected"))
