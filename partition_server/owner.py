@@ -107,6 +107,7 @@ log = logging.getLogger("atomlog.partition")
 
 SNAPSHOTS_KEPT = 2
 
+
 class Gathering:
     """A caller's step that gathers the owners' writes (the commit lane's one-round step,
     coordinator/lane.py): the owners of this event loop given work while it is open are
@@ -434,6 +435,7 @@ class PartitionOwner:
         await self._snapshot_written()  # a reload reads the snapshot files it may write
         await self._roll_finished()  # ... and the segment files a roll may be creating
         self.state = State.LOADING
+        self._gathered_to = -1  # (what the log loads is what it holds now)
         began = time.perf_counter()
         if self._wal is not None and self._wal_tap is None and self.replication is None \
                 and self.settings.fsync:
@@ -864,15 +866,17 @@ class PartitionOwner:
 
     def queue_stage(self, txn: TxnId, batch: bytes, header: BatchHeader, *,
                     coordinator_epoch: int) -> asyncio.Future:
+        """`stage` without awaiting: queue the batch (or raise, nothing queued) and
+        return the future of its one-element result list (Appended or an AtomlogError;
+        set to an AtomlogError exception when the owner fails the group). StageTxn
+        queues every part of a call this way in one step, with no task per part."""
         return self.queue_stage_work(txn, batch, header,
                                      coordinator_epoch=coordinator_epoch).future
 
     def queue_stage_work(self, txn: TxnId, batch: bytes, header: BatchHeader, *,
                          coordinator_epoch: int) -> "_Work":
-        """`stage` without awaiting: queue the batch (or raise, nothing queued) and
-        return the future of its one-element result list (Appended or an AtomlogError;
-        set to an AtomlogError exception when the owner fails the group). StageTxn
-        queues every part of a call this way in one step, with no task per part."""
+        """`queue_stage`, returning the queued work: its `results` once written (in a
+        gathering: `write_gathered`), its `future` once durable."""
         self.check_serving()
         work = _Work([(batch, header)], None, asyncio.get_running_loop().create_future(),
                      size=header.size, staged=txn, stage_epoch=coordinator_epoch)
