@@ -588,10 +588,13 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "batches were all written there (no acks; partitions and TC log unreplicated "
                 "on the write-ahead file) is decided and its decision written in that step "
                 "too, after its stages, so both share one write-ahead round instead of "
-                "waiting for two; the next group waits for that round. A failed write or "
-                "fsync of such a round stops the server (exit status 74), which the next "
-                "start repairs from the file (docs/coordinator.md, \"One round a "
-                "commit\"). Off: the stages' round, then the decision's."),
+                "waiting for two; the next group waits for that round. While such writes "
+                "are on their way, a failed write or fsync of the write-ahead file, or a "
+                "failed write of one of their partitions (a full disk too), stops the "
+                "server (exit status 74; run it under a supervisor), and the next start "
+                "repairs it from the file (docs/coordinator.md, \"One round a "
+                "commit\"; docs/operations.md). Off: the stages' round, then the "
+                "decision's, and such failures reload the partition concerned."),
         Setting("coordinator.partition_link", bool, True, "Send StageTxn, the TC-log "
                 "appends (Produce) and markers (EndTxnOnPartition) to a partition server "
                 "over its link (the length-prefixed TCP protocol of replication.link, beside "
