@@ -116,7 +116,7 @@ class _Commit:
         self.call_deadline = call_deadline  # time.monotonic(), or None: the call's own
         self.future: asyncio.Future | None = None
         self.begun = None
-        self.stages: list = []  # (ProduceItem, owner, future) per batch
+        self.stages: list = []  # (ProduceItem, owner, the owner's queued work) per batch
         self.acks: list = []  # (AckItem, its future or its refusal) per ack
         self.pending = 0  # stages not yet answered; -1 once staging ended
         self.timer: asyncio.TimerHandle | None = None
@@ -235,7 +235,8 @@ class CommitLane:
         written after its stages, so that its frames follow theirs in the same
         write-ahead round and a durable decision implies durable stages. The gathering's
         close begins the owners' flushes. A commit whose batches an owner could not write
-        here waits for its stages as `_stage` has it, then for its decision's round."""
+        here, or whose decision could not be written here (TcPartition.appends_in_step),
+        waits for its stages as `_stage` has it, then for its decision's round."""
         gathering = partition_owner.gather()
         try:
             self._stage(begun, group, wait=False)
@@ -246,8 +247,8 @@ class CommitLane:
             for commit in begun:
                 if commit.pending <= 0:
                     continue
-                if commit.acks or not all(wrote.get(owner) and held.results
-                                          for _, owner, held in commit.stages) \
+                if commit.acks or not all(wrote.get(owner) and work.results
+                                          for _, owner, work in commit.stages) \
                         or not commit.partition.appends_in_step():
                     self._wait_for_stages(commit)
                     continue
@@ -281,22 +282,21 @@ class CommitLane:
     def _stage_one(self, commit: _Commit, wait: bool = True) -> None:
         """Queue a begun commit's batches on their owners (`_staged` once answered)."""
         queued = commit.here.stage_here(commit.begun.start.txn_id, commit.partition.epoch,
-                                        commit.request.batches, works=not wait)
+                                        commit.request.batches)
         if isinstance(queued, AtomlogError):
             # StageTxn's answer to it: retried, refused or routed there.
             self._hand_back(commit, LaneOutcome(commit.begun), "restage")
             return
         commit.began = time.perf_counter()
-        commit.stages = [(item, owner, future) for item, (owner, future)
+        commit.stages = [(item, owner, work) for item, (owner, work)
                          in zip(commit.request.batches, queued)]
         txn_id = commit.begun.start.txn_id
         commit.acks = [(ack, commit.here.stage_ack_here(txn_id, commit.partition.epoch, ack))
                        for ack in commit.request.acks]
-        futures = [future for _, _, future in commit.stages] + [
-            held for _, held in commit.acks if not isinstance(held, AtomlogError)]
-        commit.pending = len(futures)
+        commit.pending = len(commit.stages) + sum(
+            not isinstance(held, AtomlogError) for _, held in commit.acks)
         commit.group.staging += 1
-        if not futures:  # (every ack refused at once)
+        if not commit.pending:  # (every ack refused at once)
             self._staged(commit, None)
             return
         if wait:
@@ -304,11 +304,7 @@ class CommitLane:
 
     def _wait_for_stages(self, commit: _Commit) -> None:
         """`_staged` once every stage of the commit is answered (or its time is up)."""
-        if commit.stages and not isinstance(commit.stages[0][2], asyncio.Future):
-            # Works (a step that wrote what it could): their futures from here on.
-            commit.stages = [(item, owner, work.future) for item, owner, work
-                             in commit.stages]
-        futures = [future for _, _, future in commit.stages] + [
+        futures = [work.future for _, _, work in commit.stages] + [
             held for _, held in commit.acks if not isinstance(held, AtomlogError)]
         done = _StageDone(self, commit)
         for future in futures:
@@ -405,13 +401,14 @@ class CommitLane:
         failure, retry = timed_out, False
         staged = []
         if failure is None:
-            for item, owner, held in commit.stages:
-                if in_step:  # (held: the owner's work, written in this step)
+            for item, owner, work in commit.stages:
+                if in_step:  # (written in this step, durable with its decision)
                     result = commit.here.written_result(item.topic_partition, owner,
-                                                        held.results[0])
-                    held.future.add_done_callback(observe_failure)
+                                                        work.results[0])
+                    work.future.add_done_callback(observe_failure)
                 else:
-                    result = commit.here.staged_result(item.topic_partition, owner, held)
+                    result = commit.here.staged_result(item.topic_partition, owner,
+                                                       work.future)
                 reason = result.error.reason
                 if reason and reason not in RETRY_REASONS:
                     tp = item.topic_partition
@@ -429,8 +426,8 @@ class CommitLane:
                                                    f"(subscription {sp.subscription})")
                 retry |= error.reason in RETRY_REASONS
         else:
-            for _, _, future in commit.stages:
-                future.add_done_callback(observe_failure)
+            for _, _, work in commit.stages:
+                work.future.add_done_callback(observe_failure)
             for _, held in commit.acks:
                 if not isinstance(held, AtomlogError):
                     held.add_done_callback(observe_failure)

@@ -984,15 +984,19 @@ class PartitionOwner:
             self._poke()
 
     def takes_gathered(self) -> bool:
-        """Whether `write_gathered` would write now (were work queued): the task parked,
-        nothing else due, the write-ahead file in use and taking this partition's frames,
-        and room in the queue and the file."""
+        """Whether a request queued now would be written in the caller's gathering
+        (`write_gathered`): room in the queue, and `_writes_gathered`."""
+        return len(self._queue) < self.settings.max_queued_requests and \
+            self._writes_gathered()
+
+    def _writes_gathered(self) -> bool:
+        """Whether `write_gathered` writes now: the task parked, nothing else due, the
+        write-ahead file in use, taking this partition's frames and not full."""
         wake, tap = self._wake, self._wal_tap
         return (wake is not None and not wake.done() and self._roll is None
                 and self._raise_in_task is None and self.replication is None
                 and tap is not None and self.log is not None and not tap.wal.lost(tap.name)
                 and tap.wal.full() is None and self.state is State.ONLINE
-                and len(self._queue) < self.settings.max_queued_requests
                 and self._may_write() and not self._snapshot_due())
 
     def write_gathered(self) -> bool:
@@ -1003,7 +1007,7 @@ class PartitionOwner:
         group that rolls no segment. Its frames are fatal (WalTap.fatal). Whether it
         wrote; if not, the task writes them (woken when the gathering closes). The
         flush begins when the gathering closes, after every write of the step."""
-        if not (self._queue and self.takes_gathered()):
+        if not (self._queue and self._writes_gathered()):
             return False
         tap = self._wal_tap
         count, size = self._group_extent()
@@ -1434,12 +1438,12 @@ class PartitionOwner:
         reload from what is durable (the high watermark: nothing above it was acknowledged,
         and after a failed fsync the page cache above it is not to be trusted)."""
         tap = self._wal_tap
-        if tap is not None and self.log is not None and (
-                tap.wal.fatal_exposed(tap.name)
-                or self._gathered_to > self.log.high_watermark):
-            # Its reload would cut back (to the high watermark) what a decision written in
-            # the commit lane's step depends on, durable or not yet (WalTap.fatal): the
-            # server stops instead, and its start replays the file.
+        if tap is not None and self.log is not None and \
+                self._gathered_to > self.log.high_watermark:
+            # Its reload would cut back (to the high watermark, which moves only once a
+            # flush is durable) what a decision written in the commit lane's step depends
+            # on, durable or not yet (WalTap.fatal): the server stops instead, and its
+            # start replays the file.
             tap.wal.stop(error)
         corrupt = isinstance(error, AtomlogError) and error.reason == "DATA_LOSS"
         if corrupt:  # (a read found it: `_data_loss_found`)

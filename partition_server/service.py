@@ -1363,8 +1363,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 _staged_into(entry, owner, future)
         return response
 
-    def stage_here(self, txn: TxnId, epoch: int, items,
-                   works: bool = False) -> list | AtomlogError:
+    def stage_here(self, txn: TxnId, epoch: int, items) -> list | AtomlogError:
         """A one-call transaction's batches (ProduceItems), staged by a coordinator in
         this process in the caller's step (its commit lane, coordinator/lane.py): as
         StageTxn stages one item, without a request, a task or an await. The coordinator
@@ -1373,10 +1372,10 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         batch, a stale epoch, an owner not serving) is returned with nothing queued, for
         the caller to stage through StageTxn instead, which retries or refuses as it
         does (an owner's queue found full part-way leaves the batches queued before it:
-        staged again there, they are answered as duplicates). Returns (owner, future)
-        per batch in order (`staged_result` reads each); with `works`, (owner, the
-        owner's queued work) per batch, whose results a caller gathering the owners'
-        writes (owner.gather) reads once they wrote (`written_result`)."""
+        staged again there, they are answered as duplicates). Returns (owner, the
+        owner's queued work) per batch in order: its future once durable
+        (`staged_result` reads it), its results once written (`written_result`, for a
+        caller gathering the owners' writes: owner.gather)."""
         epochs = self.coordinator_epochs
         if epochs is None or self.verifier is None:
             return AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
@@ -1411,9 +1410,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     queued_work.future.add_done_callback(observe_failure)
                 return error
             queued.append((owner, work))
-        if works:
-            return queued
-        return [(owner, work.future) for owner, work in queued]
+        return queued
 
     def stage_ack_here(self, txn: TxnId, epoch: int, ack) -> asyncio.Future | AtomlogError:
         """A one-call transaction's ack (an AckItem), staged by a coordinator in this

@@ -865,12 +865,12 @@ class WriteAheadLog:
         self._pending: list[bytes] = []
         self._pending_ends: list[tuple[str, int]] = []
         # Fatal frames (WalTap.fatal), counted: queued, written to the file, and made
-        # durable by an fsync that succeeded; per partition, the count at its last one.
-        # While some are not durable, a failure stops the server (`_failed`, `stop`):
+        # durable by an fsync that succeeded. While some are not durable, a failure of
+        # the file stops the server (`_failed`, `stop`; a partition's own failures are
+        # its owner's to judge, PartitionOwner._fail_closed):
         # `on_fatal` does (tests put a recorder there), and `_stopped` then fails every
         # later write, for a recorder that returns.
         self._fatal_queued = self._fatal_written = self._fatal_durable = 0
-        self._fatal_names: dict[str, int] = {}
         self.on_fatal: Callable[[BaseException], None] = stop_the_process
         self._stopped: BaseException | None = None
         self._waiting: list[tuple[durability.SyncTicket, str]] = []
@@ -1076,7 +1076,6 @@ class WriteAheadLog:
         with self._lock:
             if fatal:
                 self._fatal_queued += 1
-                self._fatal_names[name] = self._fatal_queued
             if name in self._lost:
                 if fatal:  # (lost between the owner's look and its write: a worker's cut)
                     self.stop(OSError(errno.EIO, f"a fatal frame of {name} would be "
@@ -1091,10 +1090,9 @@ class WriteAheadLog:
         """Whether partition `name`'s frames are dropped until its reload (`_lose`)."""
         return name in self._lost
 
-    def fatal_exposed(self, name: str | None = None) -> bool:
-        """Whether fatal frames (of partition `name`, or of any) are not yet durable."""
-        last = self._fatal_queued if name is None else self._fatal_names.get(name, 0)
-        return last > self._fatal_durable
+    def fatal_exposed(self) -> bool:
+        """Whether fatal frames are not yet durable."""
+        return self._fatal_queued > self._fatal_durable
 
     def stop(self, error: BaseException) -> None:
         """Stop the server (`on_fatal`, once): something that fatal frames not yet
@@ -1114,8 +1112,6 @@ class WriteAheadLog:
         succeeded."""
         if covers > self._fatal_durable:
             self._fatal_durable = covers
-            if not self.fatal_exposed():
-                self._fatal_names.clear()
 
     def _write_pending(self) -> int:
         """Under the lock: write every queued frame to the active segment, then a PAD
