@@ -65,6 +65,16 @@ At start the server replays every partition named in the file (`recover_all`) be
 serves anything, fsyncs them, and starts the file afresh; an owner that reloads after a
 failure replays its own frames (`replay_one`).
 
+A partition the file no longer names (its frames all checkpointed and trimmed) may still
+hold, above its checkpoint, a write whose round a power cut lost while the kernel had
+written the partition's page back. So before a trim deletes any segment, the file writes
+a *listing of checkpoints* (`checkpoints.json`: every partition it took frames of and how
+far its own file was fsynced), durably; at start, a listed partition with no frame is
+cut back to its checkpoint (`cut_unframed_tails`). A partition not listed was not under
+the file (another durability mode, or replicated) and keeps its tail, whose own fsyncs
+made it durable. The start deletes the listing once every partition is durable to its
+end, so a start in another mode never finds a stale one.
+
 What stays on its own fsyncs: replicated partitions (followers copy before the leader's
 fsync, and their truncations follow the leader's history), the subscriptions' cursor
 journals, snapshots, and segment rolls (a roll fsyncs the sealed segment, as always).
@@ -98,7 +108,8 @@ import crc32c
 from prometheus_client import Gauge
 
 from partition_server import durability
-from partition_server.log import DATA_LOSS_FILE, LogConfig, PartitionLog, _writev_all
+from partition_server.log import (CLEAN_SHUTDOWN_KEY, DATA_LOSS_FILE, RECOVERY_POINT_FILE,
+                                  LogConfig, PartitionLog, _writev_all)
 from partition_server.record_batch import iter_batches, parse_header
 from partition_server.snapshot_files import fsync_directory, make_directory, write_atomically
 from services import failpoints
@@ -554,6 +565,10 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None,
 
 
 KEPT_MANIFEST = "kept.json"  # in a kept-aside directory: why its segments were kept
+# The listing of checkpoints: {"partitions": {name: offset}}, every partition this file
+# took frames of and how far its own file was fsynced (its checkpoint), written durably
+# before any trim deletes a segment (`_retire_segments`). See `cut_unframed_tails`.
+CHECKPOINTS_FILE = "checkpoints.json"
 
 
 def _kept_manifests(wal_dir: Path) -> Iterator[tuple[Path, dict]]:
@@ -568,6 +583,77 @@ def _kept_manifests(wal_dir: Path) -> Iterator[tuple[Path, dict]]:
         if isinstance(manifest, dict) and all(
                 isinstance(manifest.get(key), list) for key in ("missing", "data_loss")):
             yield kept, manifest
+
+
+def read_checkpoints(directory: Path) -> dict[str, int] | None:
+    """The listing of checkpoints a running file wrote before its last trim ({} when
+    there is none: no trim since the last start, or a clean close's); None when it
+    cannot be read (an event says so; nothing is cut on it)."""
+    path = directory / CHECKPOINTS_FILE
+    try:
+        listing = json.loads(path.read_bytes())["partitions"]
+        return {str(name): int(offset) for name, offset in listing.items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        event(log, "the write-ahead file's listing of checkpoints is unreadable: tails no "
+              "frame covers are kept", logging.ERROR, file=str(path),
+              error=f"{type(error).__name__}: {error}")
+        return None
+
+
+def cut_unframed_tails(listing: dict[str, int] | None, plans: dict[str, Plan],
+                       data_dir: Path, config: LogConfig) -> dict[str, int]:
+    """At a start, for every partition the listing names and no frame of the file does:
+    cut what its file holds above its checkpoint, and fsync it. Returns {name: the
+    offset it was cut to}.
+
+    Such a partition's frames were all checkpointed and trimmed, so everything it
+    acknowledged is at or below the listed checkpoint (the listing is durable before a
+    trim deletes a frame), and whatever its file holds above it was written in a round
+    that never became durable: a power cut lost the round while the kernel had written
+    the partition's page back. Kept, it would stand without the rest of its round: a
+    one-round commit's decision in a TC log without its stages in the other partitions
+    (docs/coordinator.md, "One round a commit"). Its own recovery point may lag the
+    listing (written at most once a recovery_point_interval_ms, not synced) or lead it
+    (written after the listing); both are durable offsets, so it is cut to the higher.
+    A partition the listing does not name was not under this file at its last start
+    (another durability mode, or replicated: its own fsyncs made its tail durable), and
+    keeps its tail as such a start would."""
+    cut: dict[str, int] = {}
+    for name, checkpoint in sorted((listing or {}).items()):
+        directory = data_dir / name
+        if name in plans or not directory.is_dir() or (directory / DATA_LOSS_FILE).exists() \
+                or _closed_cleanly(directory):
+            continue
+        partition_log = PartitionLog(directory, config, trust_tail=False)
+        try:
+            if partition_log.data_loss is not None:
+                continue
+            floor = max(checkpoint, partition_log.recovery.recovery_point,
+                        partition_log.log_start_offset)
+            if partition_log.log_end_offset > floor:
+                event(log, "a partition's tail that no durable write-ahead frame covers was "
+                      "cut (a round a crash lost, written back to its file)",
+                      logging.WARNING, partition=name, log_end=partition_log.log_end_offset,
+                      cut_to=floor)
+                partition_log.truncate_to(floor)
+                cut[name] = floor
+            partition_log.flush()
+        finally:
+            partition_log.close()
+    return cut
+
+
+def _closed_cleanly(directory: Path) -> bool:
+    """Whether a partition's log was closed cleanly and not opened since (its close
+    fsynced all it holds after its last round was durable): nothing to cut, and its
+    open is left to its owner."""
+    try:
+        record = json.loads((directory / RECOVERY_POINT_FILE).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get(CLEAN_SHUTDOWN_KEY), dict)
 
 
 def _replay_config(config: LogConfig) -> LogConfig:
@@ -737,14 +823,18 @@ def replay_leftover(directory: Path, data_dir: Path, config: LogConfig) -> dict 
     earlier one (`partition.durability` changed from wal): what the file holds goes into
     the partitions first, as a start in wal mode would do; the segments go (or are kept
     aside), and frames kept aside by an earlier start go into directories that came back
-    (`replay_kept`). None when there is no such file. Blocking."""
+    (`replay_kept`). None when there is no such file, or only its listing of checkpoints
+    (a clean close's; what it lists is cut as a start cuts it: `cut_unframed_tails`).
+    Blocking."""
     if not directory.is_dir():
         return None
-    if not list_segments(directory):
-        if any(directory.glob("kept-*")):
-            replay_kept(directory, data_dir, _replay_config(config))
-        return None
-    return WriteAheadLog(directory).recover_all(data_dir, config)
+    if list_segments(directory):
+        return WriteAheadLog(directory).recover_all(data_dir, config)
+    if (directory / CHECKPOINTS_FILE).exists():  # (cut_unframed_tails; kept frames too)
+        WriteAheadLog(directory).recover_all(data_dir, config)
+    elif any(directory.glob("kept-*")):
+        replay_kept(directory, data_dir, _replay_config(config))
+    return None
 
 
 class WalTap:
@@ -936,6 +1026,7 @@ class WriteAheadLog:
         config = _replay_config(config)
         plans = plan(read_frames(self.directory))
         replay_kept(self.directory, data_dir, config, live=set(plans))
+        listing = read_checkpoints(self.directory)
         replayed: dict[str, int] = {}
         missing: list[str] = []
         lost: list[str] = []
@@ -954,6 +1045,7 @@ class WriteAheadLog:
                         lost.append(name)
                 finally:
                     partition_log.close()
+        cut_unframed_tails(listing, plans, data_dir, config)
         segments = [segment_path(self.directory, s) for s in list_segments(self.directory)]
         if (missing or lost) and any(path.stat().st_size for path in segments):
             kept = self.directory / f"kept-{int(time.time() * 1000)}"
@@ -971,6 +1063,9 @@ class WriteAheadLog:
                 path.unlink()
         for path in self.directory.glob("*" + NEXT_SUFFIX):  # preallocated, never used
             path.unlink()
+        # Last: every partition it listed is durable to its end now (replayed, cut or
+        # untouched), and a start in another mode must not find it later.
+        (self.directory / CHECKPOINTS_FILE).unlink(missing_ok=True)
         fsync_directory(self.directory)
         if plans:
             event(log, "write-ahead file replayed", partitions=len(plans),
@@ -1481,10 +1576,28 @@ class WriteAheadLog:
             self._undeleted = ([s for s in gone if segment_path(self.directory, s).exists()],
                                keep)
 
+    def _listing(self) -> dict[str, int]:
+        """Under the lock: the listing of checkpoints (CHECKPOINTS_FILE) as of now, every
+        partition this file took frames of (or a BASE) and its checkpoint, at least what
+        the trims so far counted for it (they only grow, but for cuts and bases, which
+        void the frames above them). Partitions in DATA_LOSS are left out."""
+        listing = {}
+        for name in set(self._checkpointed) | set(self._taps):
+            if name in self._data_loss:
+                continue
+            checkpoint = self._checkpoint_of(name)
+            if checkpoint >= 0:
+                listing[name] = checkpoint
+        return listing
+
     async def _retire(self, sequences: list[int], keep: list[str]) -> bool:
-        """Delete trimmed segments (`_retire_segments`); False when that failed."""
+        """Delete trimmed segments (`_retire_segments`), the listing of checkpoints made
+        durable first; False when that failed."""
+        with self._lock:
+            listing = self._listing()
         try:
-            await asyncio.to_thread(_retire_segments, self.directory, sequences, keep)
+            await asyncio.to_thread(_retire_segments, self.directory, sequences, keep,
+                                    listing)
         except OSError as error:
             event(log, "write-ahead segments could not be deleted; the next trim tries "
                   "again before deleting any newer one", logging.ERROR,
@@ -1545,6 +1658,7 @@ class WriteAheadLog:
                     pass
             gone = self._ledger.removable(self._checkpoint_of, newest=True)
             keep = self._kept_names(gone)
+            listing = self._listing()
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -1553,7 +1667,7 @@ class WriteAheadLog:
             await asyncio.to_thread(_discard_prepared, self.directory, prepared)
         if self._preparer is not None:
             self._preparer.shutdown(wait=False)
-        await asyncio.to_thread(_retire_segments, self.directory, gone, keep)
+        await asyncio.to_thread(_retire_segments, self.directory, gone, keep, listing)
 
 
 def _discard_prepared(directory: Path, future: concurrent.futures.Future) -> None:
@@ -1564,11 +1678,19 @@ def _discard_prepared(directory: Path, future: concurrent.futures.Future) -> Non
     (directory / PREPARED_NAME).unlink(missing_ok=True)
 
 
-def _retire_segments(directory: Path, sequences: list[int], keep: list[str]) -> None:
-    """Delete segments that nothing waits for; with `keep` (partitions in DATA_LOSS with
-    frames in them), first link them into a kept-aside directory for those partitions,
-    as a start keeps them (`recover_all`): an operator reads them there (`partition
-    kept-frames`) until accepting the loss gives them up (`forget_kept`)."""
+def _retire_segments(directory: Path, sequences: list[int], keep: list[str],
+                     listing: dict[str, int]) -> None:
+    """Delete segments that nothing waits for, the listing of checkpoints (`listing`,
+    CHECKPOINTS_FILE) made durable first: a partition whose last frames go is cut back to
+    its checkpoint at a start (`cut_unframed_tails`). With `keep` (partitions in
+    DATA_LOSS with frames in them), first link them into a kept-aside directory for
+    those partitions, as a start keeps them (`recover_all`): an operator reads them
+    there (`partition kept-frames`) until accepting the loss gives them up
+    (`forget_kept`)."""
+    if not sequences:
+        return
+    write_atomically(directory / CHECKPOINTS_FILE,
+                     json.dumps({"partitions": listing}, sort_keys=True).encode())
     if keep and sequences:
         stamp = int(time.time() * 1000)
         while (directory / f"kept-{stamp}").exists():

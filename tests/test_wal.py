@@ -201,8 +201,9 @@ class Node:
     as a server process would be (without its gRPC shell)."""
 
     def __init__(self, root: Path, partitions: int, *, checkpoint_ms: int = 50,
-                 segment_bytes: int = 1 << 20):
+                 segment_bytes: int = 1 << 20, settings: OwnerSettings | None = None):
         self.root, self.partitions = root, partitions
+        self.settings = settings or SETTINGS
         self.checkpoint_ms, self.segment_bytes = checkpoint_ms, segment_bytes
         self.wal: WriteAheadLog | None = None
         self.owners: list[PartitionOwner] = []
@@ -211,9 +212,9 @@ class Node:
         self.wal = WriteAheadLog(self.root / "wal", checkpoint_ms=self.checkpoint_ms,
                                  segment_bytes=self.segment_bytes)
         replayed = await asyncio.to_thread(self.wal.recover_all, self.root / "p",
-                                           SETTINGS.log)
+                                           self.settings.log)
         await self.wal.start()
-        self.owners = [PartitionOwner("t", i, self.root / "p" / f"t-{i}", SETTINGS,
+        self.owners = [PartitionOwner("t", i, self.root / "p" / f"t-{i}", self.settings,
                                       wal=self.wal) for i in range(self.partitions)]
         for owner in self.owners:
             await owner.start()
@@ -1759,3 +1760,141 @@ def test_durable_fatal_frames_leave_failures_to_the_partitions_reloads(tmp_path)
         await node.close()
 
     asyncio.run(scenario())
+
+
+class WrittenBack:
+    """A power cut's "random": the partitions' files keep all they were given (the kernel
+    had written their pages back), the write-ahead file loses all it may lose."""
+
+    def __init__(self, partitions: int):
+        self.partitions = partitions  # Node.crash cuts the partitions' files first
+
+    def randint(self, low: int, high: int) -> int:
+        self.partitions -= 1
+        return high if self.partitions >= 0 else low
+
+
+async def _frames_only_of_the_other(node: Node, written: PartitionOwner,
+                                    other: PartitionOwner) -> None:
+    """Checkpoint and trim until no segment kept holds a frame of `written` (the other
+    partition's writes roll small segments past them)."""
+    wal = node.wal
+    wal.segment_bytes = 4 << 10
+    sequence = 0
+    for _ in range(200):
+        names = {frame.name for frame in wal_module.read_frames(wal.directory)}
+        if written.name not in names:
+            return
+        await produce_run(other, sequence, sequence + 8)
+        sequence += 8
+        wal.checkpoint()
+        await asyncio.sleep(0.02)
+        await wal._trim()
+    raise AssertionError("the frames of the written partition were never trimmed")
+
+
+def test_a_write_whose_round_a_power_cut_lost_is_cut_where_no_frame_names_its_partition(
+        tmp_path):
+    """docs/coordinator.md, "One round a commit": a partition whose frames were all
+    checkpointed and trimmed is written to, and a power cut loses that round while the
+    kernel had already written the partition file's page back. Nothing in the write-ahead
+    file names the partition; the write was never acknowledged. The start cuts it back to
+    where the file's listing of checkpoints (CHECKPOINTS_FILE, written before every trim)
+    says it was durable. (Before, its valid tail was kept: a commit's decision written so
+    to a TC log outlived its stages, whose frames the same round lost.)"""
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        written, other = node.owners
+        await produce_run(written, 0, 40)  # offsets 0-39, acknowledged
+        await _frames_only_of_the_other(node, written, other)
+        assert written.log.durable_offset == 40
+        durable_wal = wal_sizes(node.wal)
+        b = batch(1, 40)
+        in_flight = asyncio.ensure_future(written.produce([(b, parse_header(b))]))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert written.log.log_end_offset == 42  # in its file, not yet acknowledged
+        await node.crash(WrittenBack(2), durable_wal)
+        in_flight.cancel()
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        written = node.owners[0]
+        assert written.log.log_end_offset == 40
+        assert [header.base_sequence for header, _ in read_headers(written)] == list(
+            range(0, 40, 2))
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_start_cuts_no_acknowledged_write_whose_recovery_point_lagged_its_trim(tmp_path):
+    """The partitions write their recovery points at most once a second (not synced):
+    the listing of checkpoints, not a recovery point, says how far a partition whose
+    frames were trimmed is durable, so the cut of a tail no frame covers never reaches
+    what was acknowledged."""
+    async def scenario():
+        slow = OwnerSettings(log=LogConfig(segment_bytes=16 << 10,
+                                           recovery_point_interval_ms=3_600_000),
+                             durability=durability.WAL)
+        node = Node(tmp_path, 2, checkpoint_ms=60_000, settings=slow)
+        await node.start()
+        written, other = node.owners
+        await produce_run(written, 0, 20)
+        await _frames_only_of_the_other(node, written, other)  # its recovery point: 20
+        await produce_run(written, 20, 40)
+        await _frames_only_of_the_other(node, written, other)  # not written again
+        assert written.log.durable_offset == 40
+        await node.crash(WrittenBack(2), wal_sizes(node.wal))
+        recovery_point = json.loads((written.directory / "recovery-point.json")
+                                    .read_bytes())["offset"]
+        assert recovery_point < 40  # (else this test shows nothing)
+        node = Node(tmp_path, 2, checkpoint_ms=60_000, settings=slow)
+        await node.start()
+        assert node.owners[0].log.log_end_offset == 40
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_start_in_wal_mode_keeps_the_tail_a_start_in_another_mode_made_durable(tmp_path):
+    """A partition the write-ahead file never listed (the last start was in fsync mode,
+    whose flushes fsync the partition's own file) keeps its tail above its recovery
+    point: only a listed partition's tail without frames is cut. And a start in another
+    mode over a listing drops the listing, so that the tails it writes are never cut
+    later by a stale one."""
+    from partition_server.wal import CHECKPOINTS_FILE, replay_leftover
+
+    async def in_wal_mode():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        written, other = node.owners
+        await produce_run(written, 0, 20)
+        await _frames_only_of_the_other(node, written, other)
+        await node.close()
+
+    asyncio.run(in_wal_mode())
+    assert (tmp_path / "wal" / CHECKPOINTS_FILE).exists()
+    replay_leftover(tmp_path / "wal", tmp_path / "p", SETTINGS.log)
+    assert not (tmp_path / "wal" / CHECKPOINTS_FILE).exists()
+
+    async def in_fsync_mode():
+        owner = PartitionOwner("t", 0, tmp_path / "p" / "t-0", OwnerSettings(
+            log=LogConfig(segment_bytes=16 << 10, recovery_point_interval_ms=3_600_000),
+            durability=durability.FSYNC))
+        await owner.start()
+        await produce_run(owner, 20, 40)  # acknowledged: fsynced in its own file
+        assert owner.log.high_watermark == 40
+        owner._task.cancel()
+        owner.log.fail("power cut")  # nothing more written: the recovery point lags
+        owner.log.close()
+
+    asyncio.run(in_fsync_mode())
+
+    async def in_wal_mode_again():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        assert node.owners[0].log.log_end_offset == 40
+        await node.close()
+
+    asyncio.run(in_wal_mode_again())
