@@ -716,18 +716,24 @@ class PartitionLog:
         if self._checkpointing:  # its verdict first (`checkpoint_ended`)
             return
         now = self._clock_ms()
-        if self._durable_offset != self._recovery_point_written and \
+        value = self._durable_offset
+        if self.wal is not None:
+            # Under a write-ahead file, below the high watermark too: a roll fsyncs the
+            # segment it seals, whose tail may hold writes whose round has not ended
+            # (partition_server/wal.py, `_counted`). A replay keeps what is below it.
+            value = min(value, self._high_watermark)
+        if value != self._recovery_point_written and \
                 now - self._recovery_point_written_ms >= self.config.recovery_point_interval_ms:
             if self.defer_recovery_point is None:
-                self._write_recovery_point(sync=False)
+                self._write_recovery_point(sync=False, offset=value)
             elif not self._recovery_point_deferred:
                 self._recovery_point_deferred = True
                 try:
                     self.defer_recovery_point(self._periodic_recovery_point_writer(
-                        self._durable_offset, self._recovery_point_generation))
+                        value, self._recovery_point_generation))
                 except RuntimeError:  # no worker to take it (the loop's executor shut down)
                     self._recovery_point_deferred = False
-                    self._write_recovery_point(sync=False)
+                    self._write_recovery_point(sync=False, offset=value)
             self._recovery_point_written_ms = now
 
     def _periodic_recovery_point_writer(self, value: int, generation: int) -> Callable[[], None]:

@@ -569,6 +569,7 @@ KEPT_MANIFEST = "kept.json"  # in a kept-aside directory: why its segments were 
 # took frames of and how far its own file was fsynced (its checkpoint), written durably
 # before any trim deletes a segment (`_retire_segments`). See `cut_unframed_tails`.
 CHECKPOINTS_FILE = "checkpoints.json"
+CUT_CONCURRENCY = 4  # partitions `cut_unframed_tails` opens at once
 
 
 def _kept_manifests(wal_dir: Path) -> Iterator[tuple[Path, dict]]:
@@ -620,29 +621,51 @@ def cut_unframed_tails(listing: dict[str, int] | None, plans: dict[str, Plan],
     A partition the listing does not name was not under this file at its last start
     (another durability mode, or replicated: its own fsyncs made its tail durable), and
     keeps its tail as such a start would."""
-    cut: dict[str, int] = {}
-    for name, checkpoint in sorted((listing or {}).items()):
-        directory = data_dir / name
-        if name in plans or not directory.is_dir() or (directory / DATA_LOSS_FILE).exists() \
-                or _closed_cleanly(directory):
-            continue
-        partition_log = PartitionLog(directory, config, trust_tail=False)
+    todo = [(name, checkpoint) for name, checkpoint in sorted((listing or {}).items())
+            if name not in plans and (data_dir / name).is_dir()
+            and not (data_dir / name / DATA_LOSS_FILE).exists()
+            and not _closed_cleanly(data_dir / name)]
+
+    def cut_one(name: str, checkpoint: int) -> int | None:
+        partition_log = PartitionLog(data_dir / name, config, trust_tail=False)
         try:
             if partition_log.data_loss is not None:
-                continue
+                return None
             floor = max(checkpoint, partition_log.recovery.recovery_point,
                         partition_log.log_start_offset)
+            cut_to = None
             if partition_log.log_end_offset > floor:
                 event(log, "a partition's tail that no durable write-ahead frame covers was "
                       "cut (a round a crash lost, written back to its file)",
                       logging.WARNING, partition=name, log_end=partition_log.log_end_offset,
                       cut_to=floor)
                 partition_log.truncate_to(floor)
-                cut[name] = floor
+                cut_to = floor
             partition_log.flush()
+            return cut_to
         finally:
             partition_log.close()
-    return cut
+
+    # As many at once as the owners open at a start (their opens then find these logs
+    # closed cleanly, and scan nothing).
+    with concurrent.futures.ThreadPoolExecutor(CUT_CONCURRENCY) as pool:
+        done = list(pool.map(lambda item: (item[0], cut_one(*item)), todo))
+    return {name: floor for name, floor in done if floor is not None}
+
+
+def write_listing(directory: Path, listing: dict[str, int]) -> None:
+    """The listing of checkpoints (CHECKPOINTS_FILE), durably. Blocking."""
+    write_atomically(directory / CHECKPOINTS_FILE,
+                     json.dumps({"partitions": listing}, sort_keys=True).encode())
+
+
+def _counted(partition_log: PartitionLog) -> int:
+    """How far a log attached to the file counts as checkpointed: fsynced, and below its
+    high watermark. A roll fsyncs the segment it seals, whose tail may hold writes whose
+    round has not ended: durable in the file, not yet in the write-ahead file, and never
+    acknowledged if that round fails or a power cut takes it (a one-round commit's
+    decision without its stages). Frames are trimmed, and tails cut, at this offset."""
+    return min(partition_log.durable_offset, partition_log.high_watermark)
 
 
 def _closed_cleanly(directory: Path) -> bool:
@@ -995,6 +1018,10 @@ class WriteAheadLog:
         self._ledger = SegmentLedger()
         self._taps: dict[str, WalTap] = {}
         self._checkpointed: dict[str, int] = {}
+        # The listing of checkpoints (`_write_listing`): the generation of the last one
+        # asked for, and of the last one written.
+        self._listing_generation = self._listing_written = 0
+        self._listing_lock = threading.Lock()
         self._checkpointer: asyncio.Task | None = None
         self._in_checkpoint: set[str] = set()
         # Bytes framed since the checkpointer last began: at `checkpoint_bytes` it begins
@@ -1478,7 +1505,7 @@ class WriteAheadLog:
             return NEVER_WAITED_FOR  # (its frames are kept aside instead: `_retire`)
         tap = self._taps.get(name)
         if tap is not None and tap.log is not None:
-            self._raise_checkpoint(name, tap.log.durable_offset)
+            self._raise_checkpoint(name, _counted(tap.log))
         return self._checkpointed.get(name, -1)
 
     async def _checkpoints(self) -> None:
@@ -1551,7 +1578,7 @@ class WriteAheadLog:
         _CHECKPOINTS_OK.inc()
         try:
             if partition_log.checkpoint_end(target, generation):
-                self.checkpointed(tap.name, partition_log.durable_offset)
+                self.checkpointed(tap.name, _counted(partition_log))
         except Exception as failure:  # noqa: BLE001 — the recovery point's write failed
             if tap.log is partition_log and tap.on_failure is not None:
                 tap.on_failure(failure)
@@ -1577,13 +1604,17 @@ class WriteAheadLog:
                                keep)
 
     def _listing(self) -> dict[str, int]:
-        """Under the lock: the listing of checkpoints (CHECKPOINTS_FILE) as of now, every
-        partition this file took frames of (or a BASE) and its checkpoint, at least what
-        the trims so far counted for it (they only grow, but for cuts and bases, which
-        void the frames above them). Partitions in DATA_LOSS are left out."""
+        """Under the lock: the listing of checkpoints (CHECKPOINTS_FILE) as of now: every
+        partition whose log is attached to this file now, and its checkpoint, at least
+        what the trims so far counted for it (checkpoints only grow, but for cuts and
+        bases, which void the frames above them). Not a partition whose owner closed
+        (its close fsynced it, or its frames are not counted checkpointed and stay) or
+        whose log is in DATA_LOSS: the same name may be written on its own fsyncs
+        meanwhile (a topic deleted and created again with copies, a partition moved
+        back), and a stale entry would cut what those acknowledged."""
         listing = {}
-        for name in set(self._checkpointed) | set(self._taps):
-            if name in self._data_loss:
+        for name, tap in self._taps.items():
+            if tap.log is None or name in self._data_loss:
                 continue
             checkpoint = self._checkpoint_of(name)
             if checkpoint >= 0:
@@ -1595,15 +1626,29 @@ class WriteAheadLog:
         durable first; False when that failed."""
         with self._lock:
             listing = self._listing()
+            self._listing_generation += 1
+            generation = self._listing_generation
         try:
             await asyncio.to_thread(_retire_segments, self.directory, sequences, keep,
-                                    listing)
+                                    functools.partial(self._write_listing, listing,
+                                                      generation))
         except OSError as error:
             event(log, "write-ahead segments could not be deleted; the next trim tries "
                   "again before deleting any newer one", logging.ERROR,
                   segments=sequences, error=f"{type(error).__name__}: {error}")
             return False
         return True
+
+    def _write_listing(self, listing: dict[str, int], generation: int,
+                       directory: Path) -> None:
+        """A worker thread, before a trim's segments are deleted: the listing of
+        checkpoints durable (`write_listing`), unless a later one was written already
+        (a cancelled checkpointer's trim may still run beside the close's). One writer
+        at a time."""
+        with self._listing_lock:
+            if generation > self._listing_written:
+                write_listing(directory, listing)
+                self._listing_written = generation
 
     def _kept_names(self, gone: list[int]) -> list[str]:
         """Under the lock: the DATA_LOSS partitions with frames in segments `gone`."""
@@ -1659,6 +1704,8 @@ class WriteAheadLog:
             gone = self._ledger.removable(self._checkpoint_of, newest=True)
             keep = self._kept_names(gone)
             listing = self._listing()
+            self._listing_generation += 1
+            generation = self._listing_generation
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -1667,7 +1714,13 @@ class WriteAheadLog:
             await asyncio.to_thread(_discard_prepared, self.directory, prepared)
         if self._preparer is not None:
             self._preparer.shutdown(wait=False)
-        await asyncio.to_thread(_retire_segments, self.directory, gone, keep, listing)
+        try:
+            await asyncio.to_thread(_retire_segments, self.directory, gone, keep,
+                                    functools.partial(self._write_listing, listing,
+                                                      generation))
+        except OSError as error:  # (they stay: the next start replays them)
+            event(log, "write-ahead segments could not be deleted at close", logging.ERROR,
+                  segments=gone, error=f"{type(error).__name__}: {error}")
 
 
 def _discard_prepared(directory: Path, future: concurrent.futures.Future) -> None:
@@ -1679,18 +1732,26 @@ def _discard_prepared(directory: Path, future: concurrent.futures.Future) -> Non
 
 
 def _retire_segments(directory: Path, sequences: list[int], keep: list[str],
-                     listing: dict[str, int]) -> None:
-    """Delete segments that nothing waits for, the listing of checkpoints (`listing`,
-    CHECKPOINTS_FILE) made durable first: a partition whose last frames go is cut back to
-    its checkpoint at a start (`cut_unframed_tails`). With `keep` (partitions in
-    DATA_LOSS with frames in them), first link them into a kept-aside directory for
-    those partitions, as a start keeps them (`recover_all`): an operator reads them
-    there (`partition kept-frames`) until accepting the loss gives them up
-    (`forget_kept`)."""
+                     write_listing: Callable[[Path], None]) -> None:
+    """Delete segments that nothing waits for, the listing of checkpoints made durable
+    first (`write_listing`): a partition whose last frames go is cut back to its
+    checkpoint at a start (`cut_unframed_tails`). With `keep` (partitions in DATA_LOSS
+    with frames in them), first link them into a kept-aside directory for those
+    partitions, as a start keeps them (`recover_all`): an operator reads them there
+    (`partition kept-frames`) until accepting the loss gives them up (`forget_kept`)."""
     if not sequences:
         return
-    write_atomically(directory / CHECKPOINTS_FILE,
-                     json.dumps({"partitions": listing}, sort_keys=True).encode())
+    try:
+        write_listing(directory)
+    except OSError as error:
+        # (A full disk.) A listing older than the segments' deletion could cut what a
+        # checkpoint since made durable and acknowledged: it goes instead (an unlink
+        # needs no room), and the start keeps the tails no frame covers, as it did
+        # before the listing existed. The trims go on and free the disk.
+        event(log, "the write-ahead file's listing of checkpoints could not be written; "
+              "removed instead", logging.ERROR, error=f"{type(error).__name__}: {error}")
+        (directory / CHECKPOINTS_FILE).unlink(missing_ok=True)
+        fsync_directory(directory)
     if keep and sequences:
         stamp = int(time.time() * 1000)
         while (directory / f"kept-{stamp}").exists():

@@ -13,6 +13,7 @@ segments below every checkpoint go."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import random
@@ -184,14 +185,14 @@ _DEAD_DIRECTORIES: list[Path] = []
 
 @pytest.fixture(autouse=True)
 def _dead_files_stay_dead(monkeypatch):
-    unlink = wal_module._unlink_segments
+    retire = wal_module._retire_segments
 
-    def unless_dead(directory: Path, sequences: list[int]) -> None:
-        with _UNLINKS:
+    def unless_dead(directory: Path, *args) -> None:
+        with _UNLINKS:  # (the listing of checkpoints too: a stale one would cut)
             if not any(directory is dead for dead in _DEAD_DIRECTORIES):
-                unlink(directory, sequences)
+                retire(directory, *args)
 
-    monkeypatch.setattr(wal_module, "_unlink_segments", unless_dead)
+    monkeypatch.setattr(wal_module, "_retire_segments", unless_dead)
     yield
     _DEAD_DIRECTORIES.clear()
 
@@ -1775,16 +1776,16 @@ class WrittenBack:
 
 
 async def _frames_only_of_the_other(node: Node, written: PartitionOwner,
-                                    other: PartitionOwner) -> None:
+                                    other: PartitionOwner, sequence: int = 0) -> int:
     """Checkpoint and trim until no segment kept holds a frame of `written` (the other
-    partition's writes roll small segments past them)."""
+    partition's writes, producer 1's from `sequence` on, roll small segments past
+    them). Returns the other's next sequence."""
     wal = node.wal
     wal.segment_bytes = 4 << 10
-    sequence = 0
     for _ in range(200):
         names = {frame.name for frame in wal_module.read_frames(wal.directory)}
         if written.name not in names:
-            return
+            return sequence
         await produce_run(other, sequence, sequence + 8)
         sequence += 8
         wal.checkpoint()
@@ -1841,9 +1842,9 @@ def test_a_start_cuts_no_acknowledged_write_whose_recovery_point_lagged_its_trim
         await node.start()
         written, other = node.owners
         await produce_run(written, 0, 20)
-        await _frames_only_of_the_other(node, written, other)  # its recovery point: 20
+        sequence = await _frames_only_of_the_other(node, written, other)  # recovery point 20
         await produce_run(written, 20, 40)
-        await _frames_only_of_the_other(node, written, other)  # not written again
+        await _frames_only_of_the_other(node, written, other, sequence)  # not written again
         assert written.log.durable_offset == 40
         await node.crash(WrittenBack(2), wal_sizes(node.wal))
         recovery_point = json.loads((written.directory / "recovery-point.json")
@@ -1898,3 +1899,116 @@ def test_a_start_in_wal_mode_keeps_the_tail_a_start_in_another_mode_made_durable
         await node.close()
 
     asyncio.run(in_wal_mode_again())
+
+
+def test_a_listing_that_cannot_be_written_is_removed_and_the_trims_go_on(tmp_path,
+                                                                          monkeypatch):
+    """A full disk refuses the listing of checkpoints: the old one goes (a stale listing
+    could cut what a checkpoint since acknowledged), the segments are deleted all the
+    same (before, every later trim waited for the listing and the file grew until it
+    refused every write), and the close does not fail."""
+    from partition_server.wal import CHECKPOINTS_FILE
+
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        written, other = node.owners
+        await produce_run(written, 0, 20)
+        sequence = await _frames_only_of_the_other(node, written, other)
+        assert (tmp_path / "wal" / CHECKPOINTS_FILE).exists()
+
+        def full(directory: Path, listing: dict) -> None:
+            raise OSError(errno.ENOSPC, "injected: no space left")
+
+        monkeypatch.setattr(wal_module, "write_listing", full)
+        await produce_run(written, 20, 40)
+        await _frames_only_of_the_other(node, written, other, sequence)  # trimmed anyway
+        assert not (tmp_path / "wal" / CHECKPOINTS_FILE).exists()
+        await node.close()
+        assert list_segments(tmp_path / "wal") == []
+
+    asyncio.run(scenario())
+
+
+def test_a_partition_closed_under_the_file_and_written_on_its_own_fsyncs_is_never_cut(
+        tmp_path):
+    """A partition's owner under the write-ahead file closes (its topic deleted and made
+    again with copies, the partition moved away and back): the same name is then written
+    on its own fsyncs, beside a file that goes on trimming. The listing no longer names
+    it, so a start after a power cut keeps what those fsyncs made durable and
+    acknowledged."""
+    async def scenario():
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        written, other = node.owners
+        await produce_run(written, 0, 20)
+        sequence = await _frames_only_of_the_other(node, written, other)
+        await written.close()  # a clean close: the file's frames of it are checkpointed
+        own = PartitionOwner("t", 0, tmp_path / "p" / "t-0", OwnerSettings(
+            log=LogConfig(segment_bytes=16 << 10, recovery_point_interval_ms=3_600_000),
+            durability=durability.FSYNC))
+        await own.start()
+        await produce_run(own, 20, 60)  # acknowledged: fsynced in its own file
+        assert own.log.high_watermark == 60
+        for _ in range(3):  # the file trims on (its listing rewritten each time)
+            await produce_run(other, sequence, sequence + 40)
+            sequence += 40
+            node.wal.checkpoint()
+            await asyncio.sleep(0.05)
+            await node.wal._trim()
+        own._task.cancel()
+        own.log.fail("power cut")  # its recovery point lags: written at the load only
+        own.log.close()
+        node.owners = [other]
+        await node.crash(WrittenBack(1), wal_sizes(node.wal))
+        node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        await node.start()
+        assert node.owners[0].log.log_end_offset == 60
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_roll_ahead_of_its_round_counts_nothing_above_the_high_watermark(tmp_path):
+    """A roll fsyncs the segment it seals, whose tail may be a write whose round has not
+    ended: the checkpoint the file counts (and trims at), the listing's and the
+    periodic recovery point stay at the high watermark, so a start cuts that write if
+    its round is lost."""
+    async def scenario():
+        settings = OwnerSettings(log=LogConfig(segment_bytes=4 << 10), max_fsyncs_in_flight=2,
+                                 durability=durability.WAL)
+        node = Node(tmp_path, 1, checkpoint_ms=60_000, settings=settings)
+        await node.start()
+        rounds = node.wal._sync = HeldRounds()
+        owner = node.owners[0]
+        first = batch(1, 0, b"v" * 1_200)
+        second = batch(1, 2, b"v" * 1_200)
+        produced = [asyncio.ensure_future(owner.produce([(first, parse_header(first))]))]
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if rounds.held:
+                break
+        produced.append(asyncio.ensure_future(owner.produce([(second,
+                                                               parse_header(second))])))
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if owner.log.durable_offset > owner.log.high_watermark:
+                break
+        log_ = owner.log
+        assert log_.durable_offset > log_.high_watermark == 0  # the roll ran ahead
+        with node.wal._lock:
+            assert node.wal._listing() == {"t-0": 0}
+        assert node.wal._checkpointed.get("t-0", 0) == 0
+        log_._recovery_point_written_ms = -(1 << 62)
+        log_._maybe_write_recovery_point()
+        await asyncio.sleep(0.05)
+        assert json.loads((owner.directory / "recovery-point.json").read_bytes())[
+            "offset"] == 0
+        while rounds.held:
+            rounds.finish()
+            await asyncio.sleep(0.01)
+        for pending in produced:
+            await pending
+        await node.close()
+
+    asyncio.run(scenario())
