@@ -1438,13 +1438,19 @@ class PartitionOwner:
         reload from what is durable (the high watermark: nothing above it was acknowledged,
         and after a failed fsync the page cache above it is not to be trusted)."""
         tap = self._wal_tap
+        keep = -1
         if tap is not None and self.log is not None and \
                 self._gathered_to > self.log.high_watermark:
-            # Its reload would cut back (to the high watermark, which moves only once a
-            # flush is durable) what a decision written in the commit lane's step depends
-            # on, durable or not yet (WalTap.fatal): the server stops instead, and its
-            # start replays the file.
-            tap.wal.stop(error)
+            # A decision written in the commit lane's step depends on what this owner
+            # wrote in it (WalTap.fatal), durable or not yet: its reload keeps that, where
+            # it would cut back to the high watermark (which moves only once a flush is
+            # durable). The load's replay writes the file's pending frames and rewrites the
+            # log from them, and its BASE frame's fsync makes them durable; a failed write
+            # or fsync of the file before that stops the server (fatal frames not durable),
+            # and so does a load that could not bring the write back (below). Before, any
+            # such failure stopped the server: a full disk failing a snapshot or
+            # recovery-point write under a steady load of one-call commits.
+            keep = self._gathered_to
         corrupt = isinstance(error, AtomlogError) and error.reason == "DATA_LOSS"
         if corrupt:  # (a read found it: `_data_loss_found`)
             event(log, "corruption found before the log tail; failing unacknowledged "
@@ -1469,10 +1475,17 @@ class PartitionOwner:
                 # Keep what is durable here (the epoch changes anyway; above it the page
                 # cache is not to be trusted after a failed fsync).
                 durable = max(durable, self.replication.local_durable_end)
+        if durable is not None:
+            durable = max(durable, keep)
         delay_s = RELOAD_RETRY_FIRST_S
         while True:
             try:
                 await self._reload_after_failure(durable)
+                if keep > 0 and self.log.data_loss is None and self.log.log_end_offset < keep:
+                    tap.wal.stop(AtomlogError(
+                        "INTERNAL", f"{self.name} reloaded to {self.log.log_end_offset}, "
+                        f"below its write in a commit lane's step (to {keep}) after: "
+                        f"{error}"))
                 return
             except Exception as reload_error:  # noqa: BLE001 — the disk may come back
                 # The partition stays LOADING (refusing produce and reads with the

@@ -875,13 +875,13 @@ class WalTap:
         # one-round step (owner.write_gathered) writes a commit's staged batches and then
         # its decision, so that a durable decision implies durable stages: that holds as
         # long as nothing of the file is lost or cut meanwhile. So while any fatal frame
-        # is not yet durable, a failed write or fsync of the file, or a reload of a
-        # partition whose fatal frames are not durable yet (it cuts its log back), stops
-        # the server (WriteAheadLog.on_fatal) instead of reloading partitions one by one:
-        # each reload reads the file at its own moment (the kernel may drop a failed
-        # fsync's pages in between), and a TC partition would retry a decision whose
-        # stages are gone. A start replays the whole file in one pass (PostgreSQL stops
-        # on a failed WAL fsync too).
+        # is not yet durable, a failed write or fsync of the file stops the server
+        # (WriteAheadLog.on_fatal) instead of reloading partitions one by one: each
+        # reload reads the file at its own moment (the kernel may drop a failed fsync's
+        # pages in between), and a TC partition would retry a decision whose stages are
+        # gone. A start replays the whole file in one pass (PostgreSQL stops on a failed
+        # WAL fsync too). A partition failing on its own meanwhile reloads keeping its
+        # gathered write (PartitionOwner._fail_closed), or stops the server if it cannot.
         self.fatal = False
 
     def wrote(self, base_offset: int, buffers: list, end: int) -> None:

@@ -1658,16 +1658,16 @@ class HeldRounds:
         wake()
 
 
-@pytest.mark.parametrize("failure", ["earlier-round", "reload"])
-def test_what_fatal_frames_depend_on_failing_before_they_are_durable_stops_the_server(
-        tmp_path, failure):
+def test_an_earlier_round_failing_before_fatal_frames_are_durable_stops_the_server(
+        tmp_path):
     """Fatal frames (a commit's stages and decision, written in the lane's step) are
-    not yet durable, and something they depend on fails first: the fsync of an earlier,
-    ordinary round (which loses the partitions framed in its segment: they would reload
-    and cut back the stage, while the decision's frame goes into the next segment's
-    round and succeeds), or the reload of a partition they are in (a failed checkpoint,
-    snapshot or recovery-point write cuts its log back to its high watermark). Either
-    stops the server; after the fatal frames are durable, neither does."""
+    not yet durable, and the fsync of an earlier, ordinary round fails first (which loses
+    the partitions framed in its segment: they would reload and cut back the stage,
+    while the decision's frame goes into the next segment's round and succeeds): the
+    server stops. After the fatal frames are durable it does not
+    (`test_durable_fatal_frames_leave_failures_to_the_partitions_reloads`); a partition
+    of theirs failing on its own reloads keeping them
+    (`test_a_reload_keeps_a_gathered_write_its_decision_depends_on`)."""
     async def scenario():
         node, stopped, rounds = await recording_node(tmp_path, 3, held=True)
         other, *lane = node.owners
@@ -1688,10 +1688,7 @@ def test_what_fatal_frames_depend_on_failing_before_they_are_durable_stops_the_s
         assert node.wal.fatal_exposed()  # the lane's two, not yet durable; not the other's
         assert all(owner._gathered_to > owner.log.high_watermark for owner in lane)
         assert other._gathered_to == -1
-        if failure == "earlier-round":
-            rounds.finish(OSError(5, "injected"))
-        else:
-            lane[0]._checkpoint_failed(OSError(5, "injected"))
+        rounds.finish(OSError(5, "injected"))
         for _ in range(100):
             await asyncio.sleep(0.01)
             if stopped:
@@ -1708,14 +1705,16 @@ def test_what_fatal_frames_depend_on_failing_before_they_are_durable_stops_the_s
     asyncio.run(scenario())
 
 
-def test_a_reload_that_would_cut_a_gathered_write_below_its_durable_round_stops_the_server(
-        tmp_path):
-    """The round of a gathered write (a stage whose decision was written in the same
-    step) succeeded, but the owner fails closed before its flush moved the high
-    watermark (a failed checkpoint raised in its task first): its reload would cut back
-    to the high watermark, below the durable stage its decision depends on. The server
-    stops instead (fatal frames were durable already, so only the owner's check sees
-    it)."""
+@pytest.mark.parametrize("round_ends", ["before", "after"])
+def test_a_reload_keeps_a_gathered_write_its_decision_depends_on(tmp_path, round_ends):
+    """An owner with a gathered write (a stage whose decision was written in the same
+    step) fails closed before its flush moved the high watermark (a failed checkpoint
+    raised in its task: a full disk's snapshot or recovery-point write goes the same
+    way), with the write's round already succeeded or still on its way. Its reload would
+    cut back to the high watermark, below the stage the decision depends on: it keeps
+    the write instead (the replay rewrites it from its frames, made durable by the
+    round or by the load's BASE frame), and the server goes on. (Before, the server
+    stopped.)"""
     async def scenario():
         node, stopped, rounds = await recording_node(tmp_path, 1, held=True)
         owner = node.owners[0]
@@ -1725,18 +1724,52 @@ def test_a_reload_that_would_cut_a_gathered_write_below_its_durable_round_stops_
             if rounds.held:
                 break
         owner._checkpoint_failed(OSError(5, "injected"))  # raised in the task, next
-        rounds.finish()  # the round succeeds in the same step
-        assert not node.wal.fatal_exposed() and owner.log.high_watermark == 0
-        for _ in range(100):
+        if round_ends == "before":
+            rounds.finish()  # the round succeeds in the same step
+            assert not node.wal.fatal_exposed() and owner.log.high_watermark == 0
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if rounds.held and owner.state is not State.ONLINE:
+                rounds.finish()  # (a reload's worker waits for the fsync turn)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            while rounds.held:
+                rounds.finish()
+            if owner.state is State.ONLINE and owner.log is not None and \
+                    owner.log.log_end_offset == 2:
+                break
+        assert stopped == [] and owner.state is State.ONLINE
+        assert owner.log.log_end_offset == owner.log.high_watermark == 2
+        assert [h.base_sequence for h, _ in read_headers(owner)] == [0]
+        written.add_done_callback(lambda f: f.cancelled() or f.exception())
+        again = batch(1, 2)
+        pending = asyncio.ensure_future(owner.produce([(again, parse_header(again))]))
+        while not pending.done():
+            await asyncio.sleep(0.01)
+            while rounds.held:
+                rounds.finish()
+        assert pending.result()[0].base_offset == 2
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_reload_that_cannot_bring_a_gathered_write_back_stops_the_server(tmp_path):
+    """The safety net under the rule above: a reload that ends below the owner's last
+    gathered write (its frames did not bring it back) stops the server."""
+    async def scenario():
+        node, stopped, _ = await recording_node(tmp_path, 1)
+        owner = node.owners[0]
+        written = await gathered_write(owner, batch(1, 0))
+        await written
+        owner._gathered_to = 10  # (as if a write up to 10 were in a gathering)
+        owner._checkpoint_failed(OSError(5, "injected"))
+        for _ in range(200):
             await asyncio.sleep(0.01)
             if stopped:
                 break
-        assert len(stopped) == 1 and "injected" in str(stopped[0])
-        written.add_done_callback(lambda f: f.cancelled() or f.exception())
-        while rounds.held:
-            rounds.finish(OSError(5, "after the stop"))
-        owner._task.cancel()
-        await node.wal.close()
+        assert len(stopped) == 1 and "below its write" in str(stopped[0])
+        await node.close()
 
     asyncio.run(scenario())
 
