@@ -430,7 +430,7 @@ class PartitionOwner:
         await self._load()
         self._task = asyncio.create_task(self._run(), name=f"owner {self.name}")
 
-    async def _load(self, truncate_to: int | None = None) -> None:
+    async def _load(self, truncate_to: int | None = None, keep: int = -1) -> None:
         await self._stop_txn_recovery()
         await self._snapshot_written()  # a reload reads the snapshot files it may write
         await self._roll_finished()  # ... and the segment files a roll may be creating
@@ -440,7 +440,7 @@ class PartitionOwner:
         if self._wal is not None and self._wal_tap is None and self.replication is None \
                 and self.settings.fsync:
             self._wal_tap = self._wal.tap(self.directory.name)
-        loaded = await asyncio.to_thread(self._load_blocking, truncate_to)
+        loaded = await asyncio.to_thread(self._load_blocking, truncate_to, keep)
         self.log, self.producers = loaded.log, loaded.producers
         if self._wal_tap is not None:
             if self.log.data_loss is None:
@@ -520,7 +520,7 @@ class PartitionOwner:
         if not loaded.background:
             self._txns_ready(loaded.txns)
 
-    def _load_blocking(self, truncate_to: int | None = None) -> _Loaded:
+    def _load_blocking(self, truncate_to: int | None = None, keep: int = -1) -> _Loaded:
         """Open the log (after a failed write or fsync: cut back to `truncate_to`, the
         last durable offset) and rebuild producer state, and the transaction buffer too
         when its replay needs no more of the log than producer state's."""
@@ -535,6 +535,15 @@ class PartitionOwner:
                 # The frames rewrite the log from its last checkpoint (the files above it
                 # may be what a failed fsync left); then its cuts become frames too.
                 self.replayed_from_wal = self._wal.replay_one(tap.name, partition_log)
+                if partition_log.data_loss is None and partition_log.log_end_offset < keep:
+                    # A write of the commit lane's step the frames did not bring back
+                    # (`_fail_closed`): stop before the BASE frame voids the frames a
+                    # start replays it from.
+                    error = AtomlogError(
+                        "INTERNAL", f"{self.name} reloaded to {partition_log.log_end_offset}, "
+                        f"below its write in a commit lane's step (to {keep})")
+                    self._wal.stop(error)
+                    raise error
                 if partition_log.data_loss is None:
                     self._wal.write_base(tap.name, partition_log.log_end_offset)
                     partition_log.wal = tap
@@ -1447,9 +1456,9 @@ class PartitionOwner:
             # durable). The load's replay writes the file's pending frames and rewrites the
             # log from them, and its BASE frame's fsync makes them durable; a failed write
             # or fsync of the file before that stops the server (fatal frames not durable),
-            # and so does a load that could not bring the write back (below). Before, any
-            # such failure stopped the server: a full disk failing a snapshot or
-            # recovery-point write under a steady load of one-call commits.
+            # and so does a load that could not bring the write back (`_load_blocking`).
+            # Before, any such failure stopped the server: a full disk failing a snapshot
+            # or recovery-point write under a steady load of one-call commits.
             keep = self._gathered_to
         corrupt = isinstance(error, AtomlogError) and error.reason == "DATA_LOSS"
         if corrupt:  # (a read found it: `_data_loss_found`)
@@ -1466,7 +1475,12 @@ class PartitionOwner:
             self.replication.give_up(DATA_LOSS_WHY if corrupt
                                      else f"a write or fsync failed: {error}")
         self._fail_unanswered(AtomlogError(
-            "PARTITION_LOADING", f"write failed on {self.name}: {error}; reloading"), failed)
+            "PARTITION_LOADING", f"write failed on {self.name}: {error}; reloading")
+            if keep < 0 else AtomlogError(
+                # (Not PARTITION_LOADING, which tells a client nothing was written.)
+                "SERVER_UNAVAILABLE", f"write failed on {self.name}: {error}; reloading, "
+                "keeping what the commit lane wrote: the request may be in the log"),
+            failed)
         durable = None
         if self.log is not None:
             self.log.fail(f"{type(error).__name__}: {error}")
@@ -1480,12 +1494,7 @@ class PartitionOwner:
         delay_s = RELOAD_RETRY_FIRST_S
         while True:
             try:
-                await self._reload_after_failure(durable)
-                if keep > 0 and self.log.data_loss is None and self.log.log_end_offset < keep:
-                    tap.wal.stop(AtomlogError(
-                        "INTERNAL", f"{self.name} reloaded to {self.log.log_end_offset}, "
-                        f"below its write in a commit lane's step (to {keep}) after: "
-                        f"{error}"))
+                await self._reload_after_failure(durable, keep)
                 return
             except Exception as reload_error:  # noqa: BLE001 — the disk may come back
                 # The partition stays LOADING (refusing produce and reads with the
@@ -1595,7 +1604,8 @@ class PartitionOwner:
         if moved is not None and not moved.done():
             moved.set_result(None)
 
-    async def _reload_after_failure(self, truncate_to: int | None = None) -> None:
+    async def _reload_after_failure(self, truncate_to: int | None = None,
+                                    keep: int = -1) -> None:
         self.state = State.LOADING
         self._notify_readers()
         try:
@@ -1604,7 +1614,7 @@ class PartitionOwner:
             pass
         if self._wal_tap is not None:
             self._wal_tap.detach(self.log)
-        await self._load(truncate_to)
+        await self._load(truncate_to, keep)
 
     def _deferred_write_done(self, opened: PartitionLog, done: asyncio.Future) -> None:
         """A periodic recovery-point write on a worker thread ended. One that failed (a
