@@ -147,6 +147,10 @@ RETAINED_BYTES = Gauge("atomlog_wal_retained_bytes",
                        "partition's checkpoint).")
 REPLAYED = Counter("atomlog_wal_replayed_batches_total",
                    "Batches appended again from the write-ahead file (start, reloads).")
+TAILS_CUT = Counter("atomlog_wal_unframed_tails_cut_total",
+                   "Partitions a start cut back to their checkpoint: their files held, above "
+                   "it, writes of a round the crash lost that no durable frame covers "
+                   "(partition_server/wal.py, cut_unframed_tails).")
 ROUND_SECONDS = Histogram("atomlog_wal_round_seconds",
                           "From a round's write to its fsync's completion.",
                           buckets=LATENCY_BUCKETS_SECONDS)
@@ -640,6 +644,7 @@ def cut_unframed_tails(listing: dict[str, int] | None, plans: dict[str, Plan],
                       logging.WARNING, partition=name, log_end=partition_log.log_end_offset,
                       cut_to=floor)
                 partition_log.truncate_to(floor)
+                TAILS_CUT.inc()
                 cut_to = floor
             partition_log.flush()
             return cut_to

@@ -1800,6 +1800,11 @@ def test_durable_fatal_frames_leave_failures_to_the_partitions_reloads(tmp_path)
     asyncio.run(scenario())
 
 
+def tails_cut() -> float:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value("atomlog_wal_unframed_tails_cut_total") or 0.0
+
+
 class WrittenBack:
     """A power cut's "random": the partitions' files keep all they were given (the kernel
     had written their pages back), the write-ahead file loses all it may lose."""
@@ -1856,7 +1861,9 @@ def test_a_write_whose_round_a_power_cut_lost_is_cut_where_no_frame_names_its_pa
         await node.crash(WrittenBack(2), durable_wal)
         in_flight.cancel()
         node = Node(tmp_path, 2, checkpoint_ms=60_000)
+        cut_before = tails_cut()
         await node.start()
+        assert tails_cut() == cut_before + 1
         written = node.owners[0]
         assert written.log.log_end_offset == 40
         assert [header.base_sequence for header, _ in read_headers(written)] == list(
