@@ -44,6 +44,7 @@ from partition_server.segment import (INDEX_SUFFIX, POSITION_MAX, RELATIVE_OFFSE
                                       ScanFailure, Segment, SparseIndex, check_batches,
                                       parse_segment_name, scan, walk_headers)
 from partition_server.snapshot_files import make_directory
+from services import failpoints
 from services.errors import AtomlogError
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -1496,6 +1497,8 @@ class PartitionLog:
     def _write_recovery_point_locked(self, *, sync: bool, offset: int | None = None,
                                      clean: dict | None = None) -> None:
         value = self._durable_offset if offset is None else offset
+        if failpoints.armed(failpoints.RECOVERY_POINT_WRITE):
+            raise OSError(errno.ENOSPC, "failpoint recovery_point_write: no space left")
         record = {"offset": value} if clean is None else {"offset": value, CLEAN_SHUTDOWN_KEY: clean}
         _atomic_write(self.directory / RECOVERY_POINT_FILE, json.dumps(record).encode(),
                       sync=sync, dir_fd=self._dir_fd if sync else None)

@@ -1460,6 +1460,9 @@ class PartitionOwner:
             # Before, any such failure stopped the server: a full disk failing a snapshot
             # or recovery-point write under a steady load of one-call commits.
             keep = self._gathered_to
+            event(log, "partition reloads keeping a write of the commit lane's step",
+                  logging.WARNING, partition=self.name, keep_to=keep,
+                  high_watermark=self.log.high_watermark, error=str(error))
         corrupt = isinstance(error, AtomlogError) and error.reason == "DATA_LOSS"
         if corrupt:  # (a read found it: `_data_loss_found`)
             event(log, "corruption found before the log tail; failing unacknowledged "

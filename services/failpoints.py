@@ -9,6 +9,10 @@ harness arms and disarms it from outside without talking to the process:
     fsync    every fsync of a partition log or cursor journal raises EIO, as a failing
              disk does. The server's own handling is what is under test: the partition
              fails closed, answers PARTITION_LOADING, and reloads from its durable log.
+    recovery_point_write
+             every write of a partition log's recovery point raises ENOSPC, as on a full
+             disk (whose preallocated write-ahead segments still take rounds): the
+             partition fails closed and reloads, and its reload retries until disarmed.
     fsync_slow
              every fsync (and syncfs round) first sleeps the milliseconds written in the
              file (5 when it is empty), as a slow or network-attached disk does: for
@@ -59,6 +63,7 @@ import time
 ENVIRONMENT_VARIABLE = "ATOMLOG_FAILPOINTS"
 FSYNC = "fsync"
 FSYNC_SLOW = "fsync_slow"
+RECOVERY_POINT_WRITE = "recovery_point_write"
 FSYNC_SLOW_DEFAULT_MS = 5.0
 ONE_CALL_DECIDE = "one_call_decide"
 ONE_CALL_STAGE = "one_call_stage"
