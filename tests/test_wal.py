@@ -1619,6 +1619,15 @@ async def recording_node(root: Path, partitions: int, held: bool = False):
     return node, stopped, rounds
 
 
+async def stopped_once(stopped: list, why: str) -> None:
+    """Wait (up to 2 s) for a recording node's one stop, whose error says `why`."""
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if stopped:
+            break
+    assert len(stopped) == 1 and why in str(stopped[0])
+
+
 async def gathered_write(owner: PartitionOwner, data: bytes):
     """`data` produced on `owner` in a gathering of its own, written there (fatal frames)
     once its task is parked; the produce's future."""
@@ -1689,11 +1698,7 @@ def test_an_earlier_round_failing_before_fatal_frames_are_durable_stops_the_serv
         assert all(owner._gathered_to > owner.log.high_watermark for owner in lane)
         assert other._gathered_to == -1
         rounds.finish(OSError(5, "injected"))
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if stopped:
-                break
-        assert len(stopped) == 1 and "injected" in str(stopped[0])
+        await stopped_once(stopped, "injected")
         while rounds.held:  # (a reload's worker waits for the fsync turn)
             rounds.finish(OSError(5, "after the stop"))
         for future in [earlier, *staged]:
@@ -1764,11 +1769,7 @@ def test_a_reload_that_cannot_bring_a_gathered_write_back_stops_the_server(tmp_p
         await written
         owner._gathered_to = 10  # (as if a write up to 10 were in a gathering)
         owner._checkpoint_failed(OSError(5, "injected"))
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if stopped:
-                break
-        assert len(stopped) == 1 and "below its write" in str(stopped[0])
+        await stopped_once(stopped, "below its write")
         # Stopped before a BASE frame voided the partition's frames: a start replays the
         # write from them.
         frames = wal_module.plan(wal_module.read_frames(node.wal.directory))["t-0"]
@@ -1798,6 +1799,23 @@ def test_durable_fatal_frames_leave_failures_to_the_partitions_reloads(tmp_path)
         await node.close()
 
     asyncio.run(scenario())
+
+
+async def own_fsyncs_owner(directory: Path) -> PartitionOwner:
+    """Partition t-0 started on its own fsyncs (not under a write-ahead file), its
+    recovery point written at its load only."""
+    owner = PartitionOwner("t", 0, directory, OwnerSettings(
+        log=LogConfig(segment_bytes=16 << 10, recovery_point_interval_ms=3_600_000),
+        durability=durability.FSYNC))
+    await owner.start()
+    return owner
+
+
+def power_cut(owner: PartitionOwner) -> None:
+    """A power cut under a lone owner: nothing more written, nothing closed cleanly."""
+    owner._task.cancel()
+    owner.log.fail("power cut")
+    owner.log.close()
 
 
 def tails_cut() -> float:
@@ -1836,6 +1854,18 @@ async def _frames_only_of_the_other(node: Node, written: PartitionOwner,
     raise AssertionError("the frames of the written partition were never trimmed")
 
 
+async def trimmed_node(tmp_path: Path, upto: int, settings: OwnerSettings | None = None
+                       ) -> tuple[Node, PartitionOwner, PartitionOwner, int]:
+    """A started Node of two partitions: the first written to offset `upto` (producer 1,
+    acknowledged), then every frame of it checkpointed and trimmed; (node, that
+    partition, the other, the other's next sequence)."""
+    node = Node(tmp_path, 2, checkpoint_ms=60_000, settings=settings)
+    await node.start()
+    written, other = node.owners
+    await produce_run(written, 0, upto)
+    return node, written, other, await _frames_only_of_the_other(node, written, other)
+
+
 def test_a_write_whose_round_a_power_cut_lost_is_cut_where_no_frame_names_its_partition(
         tmp_path):
     """docs/coordinator.md, "One round a commit": a partition whose frames were all
@@ -1846,11 +1876,7 @@ def test_a_write_whose_round_a_power_cut_lost_is_cut_where_no_frame_names_its_pa
     says it was durable. (Before, its valid tail was kept: a commit's decision written so
     to a TC log outlived its stages, whose frames the same round lost.)"""
     async def scenario():
-        node = Node(tmp_path, 2, checkpoint_ms=60_000)
-        await node.start()
-        written, other = node.owners
-        await produce_run(written, 0, 40)  # offsets 0-39, acknowledged
-        await _frames_only_of_the_other(node, written, other)
+        node, written, other, _ = await trimmed_node(tmp_path, 40)  # 0-39 acknowledged
         assert written.log.durable_offset == 40
         durable_wal = wal_sizes(node.wal)
         b = batch(1, 40)
@@ -1882,11 +1908,7 @@ def test_a_start_cuts_no_acknowledged_write_whose_recovery_point_lagged_its_trim
         slow = OwnerSettings(log=LogConfig(segment_bytes=16 << 10,
                                            recovery_point_interval_ms=3_600_000),
                              durability=durability.WAL)
-        node = Node(tmp_path, 2, checkpoint_ms=60_000, settings=slow)
-        await node.start()
-        written, other = node.owners
-        await produce_run(written, 0, 20)
-        sequence = await _frames_only_of_the_other(node, written, other)  # recovery point 20
+        node, written, other, sequence = await trimmed_node(tmp_path, 20, slow)  # point 20
         await produce_run(written, 20, 40)
         await _frames_only_of_the_other(node, written, other, sequence)  # not written again
         assert written.log.durable_offset == 40
@@ -1911,11 +1933,7 @@ def test_a_start_in_wal_mode_keeps_the_tail_a_start_in_another_mode_made_durable
     from partition_server.wal import CHECKPOINTS_FILE, replay_leftover
 
     async def in_wal_mode():
-        node = Node(tmp_path, 2, checkpoint_ms=60_000)
-        await node.start()
-        written, other = node.owners
-        await produce_run(written, 0, 20)
-        await _frames_only_of_the_other(node, written, other)
+        node, *_ = await trimmed_node(tmp_path, 20)
         await node.close()
 
     asyncio.run(in_wal_mode())
@@ -1924,15 +1942,10 @@ def test_a_start_in_wal_mode_keeps_the_tail_a_start_in_another_mode_made_durable
     assert not (tmp_path / "wal" / CHECKPOINTS_FILE).exists()
 
     async def in_fsync_mode():
-        owner = PartitionOwner("t", 0, tmp_path / "p" / "t-0", OwnerSettings(
-            log=LogConfig(segment_bytes=16 << 10, recovery_point_interval_ms=3_600_000),
-            durability=durability.FSYNC))
-        await owner.start()
+        owner = await own_fsyncs_owner(tmp_path / "p" / "t-0")
         await produce_run(owner, 20, 40)  # acknowledged: fsynced in its own file
         assert owner.log.high_watermark == 40
-        owner._task.cancel()
-        owner.log.fail("power cut")  # nothing more written: the recovery point lags
-        owner.log.close()
+        power_cut(owner)
 
     asyncio.run(in_fsync_mode())
 
@@ -1954,11 +1967,7 @@ def test_a_listing_that_cannot_be_written_is_removed_and_the_trims_go_on(tmp_pat
     from partition_server.wal import CHECKPOINTS_FILE
 
     async def scenario():
-        node = Node(tmp_path, 2, checkpoint_ms=60_000)
-        await node.start()
-        written, other = node.owners
-        await produce_run(written, 0, 20)
-        sequence = await _frames_only_of_the_other(node, written, other)
+        node, written, other, sequence = await trimmed_node(tmp_path, 20)
         assert (tmp_path / "wal" / CHECKPOINTS_FILE).exists()
 
         def full(directory: Path, listing: dict) -> None:
@@ -1982,16 +1991,9 @@ def test_a_partition_closed_under_the_file_and_written_on_its_own_fsyncs_is_neve
     it, so a start after a power cut keeps what those fsyncs made durable and
     acknowledged."""
     async def scenario():
-        node = Node(tmp_path, 2, checkpoint_ms=60_000)
-        await node.start()
-        written, other = node.owners
-        await produce_run(written, 0, 20)
-        sequence = await _frames_only_of_the_other(node, written, other)
+        node, written, other, sequence = await trimmed_node(tmp_path, 20)
         await written.close()  # a clean close: the file's frames of it are checkpointed
-        own = PartitionOwner("t", 0, tmp_path / "p" / "t-0", OwnerSettings(
-            log=LogConfig(segment_bytes=16 << 10, recovery_point_interval_ms=3_600_000),
-            durability=durability.FSYNC))
-        await own.start()
+        own = await own_fsyncs_owner(tmp_path / "p" / "t-0")
         await produce_run(own, 20, 60)  # acknowledged: fsynced in its own file
         assert own.log.high_watermark == 60
         for _ in range(3):  # the file trims on (its listing rewritten each time)
@@ -2000,9 +2002,7 @@ def test_a_partition_closed_under_the_file_and_written_on_its_own_fsyncs_is_neve
             node.wal.checkpoint()
             await asyncio.sleep(0.05)
             await node.wal._trim()
-        own._task.cancel()
-        own.log.fail("power cut")  # its recovery point lags: written at the load only
-        own.log.close()
+        power_cut(own)
         node.owners = [other]
         await node.crash(WrittenBack(1), wal_sizes(node.wal))
         node = Node(tmp_path, 2, checkpoint_ms=60_000)
