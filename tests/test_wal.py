@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -2053,6 +2054,133 @@ def test_a_roll_ahead_of_its_round_counts_nothing_above_the_high_watermark(tmp_p
             await asyncio.sleep(0.01)
         for pending in produced:
             await pending
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+class KeepingHalf:
+    """A power cut's "random" where each file keeps all it was given half of the time
+    (its pages written back), else is cut anywhere from its durable end: a uniform cut
+    alone all but never keeps a file's last write whole."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+
+    def randint(self, low: int, high: int) -> int:
+        return high if self.rng.random() < 0.5 else self.rng.randint(low, high)
+
+
+async def one_round_commit(node: Node, k: int, sequences: list[int]):
+    """A commit as the commit lane writes one (coordinator/lane.py, `_stage_in_step`): its
+    stages on partitions 0 and 1, then its decision on partition 2 (a TC log's stand-in),
+    in one gathering, so that their frames share a round, the decision's last. Each batch
+    holds `k` in its values. The futures of the three writes, or None when a stage owner
+    could not write in the step (no decision is written then, as in the lane)."""
+    owners = node.owners[:3]
+    for _ in range(100):
+        if all(parked(owner) for owner in owners):
+            break
+        await asyncio.sleep(0)
+    value = b"k%06d" % k
+    gathering = owner_module.gather()
+    try:
+        stages = []
+        for partition in (0, 1):
+            b = batch(1, sequences[partition], value)
+            stages.append(owners[partition].queue_produce([(b, parse_header(b))]))
+            sequences[partition] += 2
+        if not all(owners[partition].write_gathered() for partition in (0, 1)):
+            return None
+        decision = batch(2, sequences[2], value)
+        stages.append(owners[2].queue_produce([(decision, parse_header(decision))]))
+        sequences[2] += 2
+        owners[2].write_gathered()
+        return stages
+    finally:
+        gathering.close()
+
+
+def commits_in(owner: PartitionOwner) -> set[int]:
+    """The commit numbers `one_round_commit` wrote that the owner's log holds."""
+    return {int(number) for _, data in read_headers(owner)
+            for number in re.findall(rb"k(\d{6})", data)}
+
+
+@pytest.mark.parametrize("seed", range(1, 13))
+def test_a_decision_never_outlives_its_stages_across_random_power_cuts(tmp_path, seed):
+    """The one-round commit's invariant under random power cuts (each file keeping
+    anything from its durable end to all it was given, the write-ahead file anything
+    from its last answered round on), with checkpoints and trims between them, so that
+    partitions lose every frame now and then: after each restart a decision (partition
+    2) is never in the log without both its stages (partitions 0 and 1), and every
+    commit whose three writes were acknowledged is there whole. (A start once kept a
+    decision written back to a partition with no frame left: the listing of
+    checkpoints closed that.)"""
+    rng = random.Random(seed)
+    acked: set[int] = set()
+
+    async def no_frames_of_the_commits(node: Node, filler: int) -> int:
+        """Partition 3's writes roll the file's segments until a trim leaves no frame
+        of partitions 0-2 (as a quiet TC log's frames all go); its next sequence."""
+        wal = node.wal
+        for _ in range(60):
+            try:
+                names = {frame.name for frame in wal_module.read_frames(wal.directory)}
+            except FileNotFoundError:  # (a segment the checkpointer's trim just deleted)
+                await asyncio.sleep(0.01)
+                continue
+            if not names & {owner.name for owner in node.owners[:3]}:
+                break
+            await produce_run(node.owners[3], filler, filler + 8)
+            filler += 8
+            wal.checkpoint()
+            await asyncio.sleep(0.02)
+            await wal._trim()
+        return filler
+
+    async def scenario():
+        node = Node(tmp_path, 4, checkpoint_ms=rng.choice([20, 60_000]),
+                    segment_bytes=rng.choice([8 << 10, 1 << 20]))
+        await node.start()
+        node.wal.segment_bytes = 8 << 10
+        k = 0
+        sequences = [0, 0, 0, 0]
+        for cycle in range(4):
+            for _ in range(rng.randint(5, 30)):
+                written = await one_round_commit(node, k, sequences)
+                if written is not None:
+                    results = [(await pending)[0] for pending in written]
+                    assert not any(isinstance(r, AtomlogError) for r in results), results
+                    acked.add(k)
+                k += 1
+                if rng.random() < 0.3:
+                    node.wal.checkpoint()
+                    await asyncio.sleep(rng.choice([0.005, 0.03]))
+                    await node.wal._trim()
+            if rng.random() < 0.7:
+                sequences[3] = await no_frames_of_the_commits(node, sequences[3])
+            durable_wal = wal_sizes(node.wal)
+            for _ in range(rng.randint(1, 3)):  # in flight at the crash
+                written = await one_round_commit(node, k, sequences)
+                k += 1
+                for pending in written or ():
+                    pending.add_done_callback(lambda f: f.cancelled() or f.exception())
+                for _ in range(rng.randint(0, 3)):
+                    await asyncio.sleep(0)
+            await node.crash(KeepingHalf(rng), durable_wal)
+            node = Node(tmp_path, 4, checkpoint_ms=node.checkpoint_ms,
+                        segment_bytes=node.segment_bytes)
+            await node.start()
+            node.wal.segment_bytes = 8 << 10
+            stages = [commits_in(node.owners[partition]) for partition in (0, 1)]
+            decisions = commits_in(node.owners[2])
+            assert decisions <= stages[0] & stages[1], (cycle, sorted(
+                decisions - (stages[0] & stages[1])))
+            assert acked <= decisions, (cycle, sorted(acked - decisions))
+            for partition, owner in enumerate(node.owners):  # a producer goes on from
+                found = [header.base_sequence for header, _ in read_headers(owner)]
+                sequences[partition] = max(found, default=-2) + 2  # what its log holds
         await node.close()
 
     asyncio.run(scenario())
