@@ -643,6 +643,18 @@ class PartitionLog:
         return self._durable_offset
 
     @property
+    def recoverable_offset(self) -> int:
+        """What a recovery point (and a write-ahead file's checkpoint) may record: the
+        durable offset, and under a write-ahead file (`wal`) also at most the high
+        watermark. A roll fsyncs the segment it seals, whose tail may hold writes whose
+        round has not ended: durable in this file, never acknowledged if that round
+        fails or a power cut takes it (a one-round commit's decision without its stages,
+        partition_server/wal.py). A replay keeps what is below it."""
+        if self.wal is None:
+            return self._durable_offset
+        return min(self._durable_offset, self._high_watermark)
+
+    @property
     def cut_generation(self) -> int:
         """Bumped by every cut of the log (a truncation, a restart at another offset, a
         data-loss recovery): bytes read at one generation say nothing of the log at
@@ -717,12 +729,7 @@ class PartitionLog:
         if self._checkpointing:  # its verdict first (`checkpoint_ended`)
             return
         now = self._clock_ms()
-        value = self._durable_offset
-        if self.wal is not None:
-            # Under a write-ahead file, below the high watermark too: a roll fsyncs the
-            # segment it seals, whose tail may hold writes whose round has not ended
-            # (partition_server/wal.py, `_counted`). A replay keeps what is below it.
-            value = min(value, self._high_watermark)
+        value = self.recoverable_offset
         if value != self._recovery_point_written and \
                 now - self._recovery_point_written_ms >= self.config.recovery_point_interval_ms:
             if self.defer_recovery_point is None:

@@ -1477,13 +1477,14 @@ class PartitionOwner:
             # (LeaderReplication.give_up; docs/replication.md, "Writes").
             self.replication.give_up(DATA_LOSS_WHY if corrupt
                                      else f"a write or fsync failed: {error}")
-        self._fail_unanswered(AtomlogError(
-            "PARTITION_LOADING", f"write failed on {self.name}: {error}; reloading")
-            if keep < 0 else AtomlogError(
-                # (Not PARTITION_LOADING, which tells a client nothing was written.)
+        if keep < 0:
+            refusal = AtomlogError("PARTITION_LOADING",
+                                   f"write failed on {self.name}: {error}; reloading")
+        else:  # (Not PARTITION_LOADING, which tells a client nothing was written.)
+            refusal = AtomlogError(
                 "SERVER_UNAVAILABLE", f"write failed on {self.name}: {error}; reloading, "
-                "keeping what the commit lane wrote: the request may be in the log"),
-            failed)
+                "keeping what the commit lane wrote: the request may be in the log")
+        self._fail_unanswered(refusal, failed)
         durable = None
         if self.log is not None:
             self.log.fail(f"{type(error).__name__}: {error}")

@@ -69,8 +69,8 @@ A partition the file no longer names (its frames all checkpointed and trimmed) m
 hold, above its checkpoint, a write whose round a power cut lost while the kernel had
 written the partition's page back. So before a trim deletes any segment, the file writes
 a *listing of checkpoints* (`checkpoints.json`: every partition attached to it and how
-far its own file was fsynced, below its high watermark), durably; at start, a listed partition with no frame is
-cut back to its checkpoint (`cut_unframed_tails`). A partition not listed was not under
+far its own file was fsynced, below its high watermark), durably; at start, a listed
+partition with no frame is cut back to its checkpoint (`cut_unframed_tails`). A partition not listed was not under
 the file (another durability mode, or replicated) and keeps its tail, whose own fsyncs
 made it durable. The start deletes the listing once every partition is durable to its
 end, so a start in another mode never finds a stale one.
@@ -570,7 +570,8 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None,
 
 KEPT_MANIFEST = "kept.json"  # in a kept-aside directory: why its segments were kept
 # The listing of checkpoints: {"partitions": {name: offset}}, every partition attached to
-# this file and how far its own file was fsynced (its checkpoint, `_counted`), written
+# this file and how far its own file was fsynced (its checkpoint: PartitionLog.
+# recoverable_offset, below its high watermark), written
 # durably before any trim deletes a segment (`_retire_segments`). See
 # `cut_unframed_tails`.
 CHECKPOINTS_FILE = "checkpoints.json"
@@ -663,15 +664,6 @@ def write_listing(directory: Path, listing: dict[str, int]) -> None:
     """The listing of checkpoints (CHECKPOINTS_FILE), durably. Blocking."""
     write_atomically(directory / CHECKPOINTS_FILE,
                      json.dumps({"partitions": listing}, sort_keys=True).encode())
-
-
-def _counted(partition_log: PartitionLog) -> int:
-    """How far a log attached to the file counts as checkpointed: fsynced, and below its
-    high watermark. A roll fsyncs the segment it seals, whose tail may hold writes whose
-    round has not ended: durable in the file, not yet in the write-ahead file, and never
-    acknowledged if that round fails or a power cut takes it (a one-round commit's
-    decision without its stages). Frames are trimmed, and tails cut, at this offset."""
-    return min(partition_log.durable_offset, partition_log.high_watermark)
 
 
 def _closed_cleanly(directory: Path) -> bool:
@@ -1511,7 +1503,7 @@ class WriteAheadLog:
             return NEVER_WAITED_FOR  # (its frames are kept aside instead: `_retire`)
         tap = self._taps.get(name)
         if tap is not None and tap.log is not None:
-            self._raise_checkpoint(name, _counted(tap.log))
+            self._raise_checkpoint(name, tap.log.recoverable_offset)
         return self._checkpointed.get(name, -1)
 
     async def _checkpoints(self) -> None:
@@ -1584,7 +1576,7 @@ class WriteAheadLog:
         _CHECKPOINTS_OK.inc()
         try:
             if partition_log.checkpoint_end(target, generation):
-                self.checkpointed(tap.name, _counted(partition_log))
+                self.checkpointed(tap.name, partition_log.recoverable_offset)
         except Exception as failure:  # noqa: BLE001 — the recovery point's write failed
             if tap.log is partition_log and tap.on_failure is not None:
                 tap.on_failure(failure)
@@ -1609,6 +1601,13 @@ class WriteAheadLog:
             self._undeleted = ([s for s in gone if segment_path(self.directory, s).exists()],
                                keep)
 
+    def _listing_writer(self) -> Callable[[Path], None]:
+        """Under the lock: the write of the listing as of now (`_write_listing`, on a
+        worker thread, given the directory), numbered after every earlier one."""
+        self._listing_generation += 1
+        return functools.partial(self._write_listing, self._listing(),
+                                 self._listing_generation)
+
     def _listing(self) -> dict[str, int]:
         """Under the lock: the listing of checkpoints (CHECKPOINTS_FILE) as of now: every
         partition whose log is attached to this file now, and its checkpoint, at least
@@ -1631,13 +1630,10 @@ class WriteAheadLog:
         """Delete trimmed segments (`_retire_segments`), the listing of checkpoints made
         durable first; False when that failed."""
         with self._lock:
-            listing = self._listing()
-            self._listing_generation += 1
-            generation = self._listing_generation
+            write_listing = self._listing_writer()
         try:
             await asyncio.to_thread(_retire_segments, self.directory, sequences, keep,
-                                    functools.partial(self._write_listing, listing,
-                                                      generation))
+                                    write_listing)
         except OSError as error:
             event(log, "write-ahead segments could not be deleted; the next trim tries "
                   "again before deleting any newer one", logging.ERROR,
@@ -1709,9 +1705,7 @@ class WriteAheadLog:
                     pass
             gone = self._ledger.removable(self._checkpoint_of, newest=True)
             keep = self._kept_names(gone)
-            listing = self._listing()
-            self._listing_generation += 1
-            generation = self._listing_generation
+            write_listing = self._listing_writer()
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -1722,8 +1716,7 @@ class WriteAheadLog:
             self._preparer.shutdown(wait=False)
         try:
             await asyncio.to_thread(_retire_segments, self.directory, gone, keep,
-                                    functools.partial(self._write_listing, listing,
-                                                      generation))
+                                    write_listing)
         except OSError as error:  # (they stay: the next start replays them)
             event(log, "write-ahead segments could not be deleted at close", logging.ERROR,
                   segments=gone, error=f"{type(error).__name__}: {error}")
