@@ -139,6 +139,34 @@ def read_answer(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
     return kind, payload
 
 
+def read_answer_into(sock: socket.socket, buffer: bytearray, limit: int) -> tuple[int, bytes]:
+    """read_answer with one recv(2) for an answer that fits `buffer` (a call's answer
+    is the only thing a connection receives until the next call, so nothing beyond it
+    can arrive): (kind, payload copied out of `buffer`, which the next call reuses). A
+    larger answer is read on into a buffer of its own. Receiving nothing raises
+    ConnectionError, a broken frame LinkProtocolError."""
+    view = memoryview(buffer)
+    got = sock.recv_into(view)
+    while 0 < got < HEAD.size:
+        got += sock.recv_into(view[got:]) or -got  # (-got: closed mid-head, below)
+    if got <= 0:
+        raise ConnectionError("the server closed the link")
+    length, kind = HEAD.unpack_from(buffer)
+    if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= limit + 1:
+        raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
+    end = HEAD.size + length - 1
+    if got > end:
+        raise LinkProtocolError(f"{got - end} bytes after an answer frame")
+    if end <= len(buffer):
+        if got < end:
+            receive_exactly(sock, view[got:end])
+        return kind, bytes(view[HEAD.size:end])
+    payload = bytearray(length - 1)
+    payload[:got - HEAD.size] = view[HEAD.size:got]
+    receive_exactly(sock, memoryview(payload)[got - HEAD.size:])
+    return kind, payload
+
+
 def receive_exactly(sock: socket.socket, into: memoryview) -> None:
     """Fills `into` from a blocking socket; ConnectionError when the peer closes first."""
     got, size = 0, len(into)

@@ -463,11 +463,11 @@ def test_link_answers_and_refusals_are_grpc_s(cluster):
         # The kept connection, closed under the client (as a restarted server's would
         # be): seen readable (its EOF) and dropped, not used.
         assert len(link._idle) == 1
-        kept, _ = link._idle[0]
+        kept = link._idle[0].sock
         kept.shutdown(socket.SHUT_RDWR)
         assert link.call("CommitTxn", abort, 10).state in ABORTED
         assert stub.CommitTxn(abort, timeout=10).state in ABORTED
-        assert len(link._idle) == 1 and link._idle[0][0] is not kept and link._open == 1
+        assert len(link._idle) == 1 and link._idle[0].sock is not kept and link._open == 1
         assert link.connects == 2  # the first, kept for every call until it was closed
 
 
@@ -486,7 +486,7 @@ def test_a_forked_child_drops_the_parent_s_connections(cluster):
         abort = coordinator_pb2.CommitTxnRequest(tc_partition=k, idempotency_key=key,
                                                  abort=True)
         assert link.call("CommitTxn", abort, 10).state in ABORTED
-        parent_socket = link._idle[0][0]
+        parent_socket = link._idle[0].sock
         pid = os.fork()
         if pid == 0:  # the child: reports by its exit status only
             status = 1
@@ -494,11 +494,11 @@ def test_a_forked_child_drops_the_parent_s_connections(cluster):
                 if not link._idle and link._open == 0:
                     status = 2
                     if link.call("CommitTxn", abort, 10).state in ABORTED and \
-                            link._idle[0][0] is not parent_socket:
+                            link._idle[0].sock is not parent_socket:
                         status = 0
             finally:
                 os._exit(status)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert link.call("CommitTxn", abort, 10).state in ABORTED
-        assert link._idle[0][0] is parent_socket and link._open == 1
+        assert link._idle[0].sock is parent_socket and link._open == 1
