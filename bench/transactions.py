@@ -41,6 +41,7 @@ consume-transform-produce part of it).
     .venv/bin/python bench/transactions.py --only-ctp [--ctp-partitions 1] [--ctp-inputs 20000] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small [--seconds 30] [--profile F]
     .venv/bin/python bench/transactions.py --combined --only-small --clients 1 --loop-steps
+    .venv/bin/python bench/transactions.py --combined --only-small --count-calls
     .venv/bin/python bench/transactions.py --combined --only-small --rate 200  # open loop
     .venv/bin/python bench/transactions.py --only-small --streaming [--no-client-links]  # A/B
     .venv/bin/python bench/transactions.py --only-stream 6 [--seconds 10]  # the cells of (2), in turns
@@ -65,7 +66,8 @@ against its own idempotent cell and their medians.
 --loop-steps (with --only-small) has every server count and time its event-loop
 callbacks over the window, by the task or callback that ran, and prints the steps and
 ms per transaction of each: a change that removes steps shows in the counts, which a
-noisy machine does not move, where its time may hide in the noise.
+noisy machine does not move, where its time may hide in the noise. --count-calls counts
+the servers' Python-level calls per transaction instead, by module (cProfile).
 """
 
 from __future__ import annotations
@@ -156,6 +158,11 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
         while time.time() < start_at:
             time.sleep(0.001)
         deadline = start_at + seconds
+        profiler = None  # --count-calls: the first client's calls too
+        if index == 0 and os.environ.get(COUNT_CALLS_ENV):
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         cpu_before = time.process_time()
         interval = 1 / rate_per_s if rate_per_s else 0.0
         scheduled = time.perf_counter() + interval * phase  # open loop: perf_counter's clock
@@ -182,11 +189,16 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
                 timeline.append((ended, ended - committing))
             count += 1
         cpu = time.process_time() - cpu_before
+        calls = 0
+        if profiler is not None:
+            profiler.disable()
+            profiler.create_stats()
+            calls = sum(entry[1] for entry in profiler.stats.values())
     client.close()
     if timeline is not None:
         with open(os.environ["ATOMLOG_BENCH_LATENCIES_OUT"], "a") as f:
             f.writelines(f"{index} {at:.6f} {latency * 1e3:.3f}\n" for at, latency in timeline)
-    out.put((count, commits, totals, cpu))
+    out.put((count, commits, totals, cpu, calls))
 
 
 def dump_metrics(addresses: list[str], suffix: str = "") -> None:
@@ -199,12 +211,16 @@ def dump_metrics(addresses: list[str], suffix: str = "") -> None:
 
 
 LOOP_STEPS_ENV = "ATOMLOG_BENCH_LOOP_STEPS"  # bench/loop_steps/sitecustomize.py's folder
+COUNT_CALLS_ENV = "ATOMLOG_BENCH_COUNT_CALLS"  # with it: calls by module, not steps
 
 
-def loop_steps_on(folder: str) -> None:
+def loop_steps_on(folder: str, calls: bool = False) -> None:
     """Servers started from now on count their event-loop callbacks
-    (bench/loop_steps/sitecustomize.py), writing into `folder`."""
+    (bench/loop_steps/sitecustomize.py), or with `calls` their Python-level calls by
+    module, writing into `folder`."""
     os.environ[LOOP_STEPS_ENV] = folder
+    if calls:
+        os.environ[COUNT_CALLS_ENV] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent / "loop_steps"),
          *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -246,7 +262,9 @@ def loop_steps_read(pids: list[int], transactions: int, timeout_s: float = 10) -
 
 
 def loop_steps_text(steps: dict, rows: int = 15) -> str:
-    lines = ["event-loop steps per transaction, by what ran (steps, ms):"]
+    lines = (["Python-level calls per transaction on the servers' event loops, by module "
+              "(calls, ms of their own under cProfile):"] if os.environ.get(COUNT_CALLS_ENV)
+             else ["event-loop steps per transaction, by what ran (steps, ms):"])
     for key, (count, ms) in list(steps.items())[:rows]:
         if key != "all":
             lines.append(f"  {count:7.2f} {ms:7.3f}  {key}")
@@ -323,6 +341,7 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     totals = [t for r in results for t in r[2]]
     client_cpu = sum(r[3] for r in results)
     steps = loop_steps_read(counting, count) if counting else None
+    profiled_client = [r for r in results if r[4]]  # --count-calls: the first client's
     return {"clients": clients, "transactions": count, "per_s": count / seconds,
             "one_call": one_call, "scheduled_per_s": rate_per_s,
             "calls_per_txn": calls / max(count, 1),
@@ -358,7 +377,9 @@ def small_transactions(report, address: str, clients: int, seconds: float,
             "txn_p50_ms": common.percentile(totals, 0.5) * 1e3,
             "txn_p99_ms": common.percentile(totals, 0.99) * 1e3,
             "machine_jitter": jitter,
-            **({"loop_steps": steps} if steps is not None else {})}
+            **({"loop_steps": steps} if steps is not None else {}),
+            **({"client_calls_per_txn": profiled_client[0][4] / max(profiled_client[0][0], 1)}
+               if profiled_client else {})}
 
 
 def bounds_text(small: dict, floor: dict, combined: bool) -> str:
@@ -1077,6 +1098,13 @@ def main() -> None:
                              "transaction are printed: the counts stay put on a noisy "
                              "machine where times move. The counting slows the servers: "
                              "writes no docs")
+    parser.add_argument("--count-calls", action="store_true",
+                        help="as --loop-steps, but every server counts its event loop's "
+                             "Python-level calls (cProfile) over the timed window, and the "
+                             "calls per transaction by module are printed: a change to the "
+                             "hot path shows there exactly, where the machine's noise "
+                             "hides its time. cProfile halves the servers' rate: writes no "
+                             "docs")
     parser.add_argument("--no-docs", action="store_true", help="print only")
     parser.add_argument("--combined-nodes", type=int, default=0, metavar="N",
                         help="with --only-small or --only-ctp: a cluster of N (2-5) combined "
@@ -1115,14 +1143,17 @@ def main() -> None:
         parser.error("--commit-threads takes 1..256")
     if args.rate < 0 or (args.rate and not args.only_small):
         parser.error("--rate takes a positive rate, with --only-small")
-    if args.loop_steps and not (args.only_small or args.only_ctp):
-        parser.error("--loop-steps goes with --only-small or --only-ctp")
+    if (args.loop_steps or args.count_calls) and not (args.only_small or args.only_ctp):
+        parser.error("--loop-steps and --count-calls go with --only-small or --only-ctp")
+    if args.loop_steps and args.count_calls:
+        parser.error("--loop-steps or --count-calls, not both")
+    args.loop_steps = args.loop_steps or args.count_calls
     if args.loop_steps:
         args.no_docs = True  # the counter's own cost is in these figures
     loop_steps_dir = None
     if args.loop_steps:  # before the servers start: they inherit it
         loop_steps_dir = tempfile.TemporaryDirectory(prefix="atomlog-bench-loop-steps-")
-        loop_steps_on(loop_steps_dir.name)
+        loop_steps_on(loop_steps_dir.name, calls=args.count_calls)
     # Removed when the run ends (the object lives as long as main).
     failpoint_dir = tempfile.TemporaryDirectory(prefix="atomlog-bench-failpoints-")
     if args.fsync_delay_ms:
@@ -1154,6 +1185,9 @@ def main() -> None:
             print(f"small transactions: {json.dumps(small, indent=1)}", flush=True)
             if steps is not None:
                 print(loop_steps_text(steps), flush=True)
+            if "client_calls_per_txn" in small:
+                print(f"Python-level calls per transaction in the first client (the SDK and "
+                      f"the bench's loop): {small['client_calls_per_txn']:.1f}", flush=True)
             print(f"small transactions/s {small['per_s']:.0f} "
                   f"({small['per_s'] / floor['calls_per_s'] * 100:.1f}% of the call floor "
                   f"{floor['calls_per_s']:,.0f}/s); server CPU "

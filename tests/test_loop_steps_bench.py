@@ -49,9 +49,12 @@ print("carried", os.path.exists(os.path.join(os.environ["ATOMLOG_BENCH_LOOP_STEP
 """
 
 
-def run(tmp_path: Path, *argv: str) -> tuple[str, int]:
+def run(tmp_path: Path, *argv: str, calls: bool = False) -> tuple[str, int]:
     env = {**os.environ, "ATOMLOG_BENCH_LOOP_STEPS": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "loop_steps"), str(ROOT)])}
+    env.pop(tb.COUNT_CALLS_ENV, None)
+    if calls:
+        env[tb.COUNT_CALLS_ENV] = "1"
     done = subprocess.run([sys.executable, "-c", SCRIPT, *argv], env=env, text=True,
                           capture_output=True, timeout=60)
     return done.stdout + done.stderr, done.returncode
@@ -81,6 +84,31 @@ def test_a_server_counts_its_callbacks_by_task_between_the_signals(tmp_path):
     assert per["all"][0] == sum(v[0] for k, v in per.items() if k != "all")
     assert list(per)[-1] == "all"
     assert "all (" in tb.loop_steps_text(per)
+
+
+def test_with_count_calls_a_server_counts_its_calls_by_module_between_the_signals(
+        tmp_path):
+    """--count-calls: cProfile on the event loop's thread between the signals, the calls
+    by module; the callbacks are not wrapped (they would be counted)."""
+    output, code = run(tmp_path, "serve", calls=True)
+    assert code == 0 and "carried True" in output, output
+    [written] = tmp_path.glob("loop-*.json")
+    counts = json.loads(written.read_text())
+    # The script's own coroutines (run from "-c": the module "<string>") and asyncio's.
+    assert counts["<string>"][0] >= 8, counts  # 4 nappers and 4 waiters at least
+    assert counts["tasks.py"][0] > 0 and counts["builtin"][0] > 0, counts
+    # Nothing of its own but the signal's handler that stops it: no wrapped callbacks.
+    assert counts.get("bench/loop_steps/sitecustomize.py", [0])[0] <= 1, counts
+    pid = int(written.stem.split("-")[1])
+    os.environ[tb.LOOP_STEPS_ENV] = str(tmp_path)
+    os.environ[tb.COUNT_CALLS_ENV] = "1"
+    try:
+        per = tb.loop_steps_read([pid], 4)
+        text = tb.loop_steps_text(per)
+    finally:
+        del os.environ[tb.LOOP_STEPS_ENV], os.environ[tb.COUNT_CALLS_ENV]
+    assert per["<string>"][0] == counts["<string>"][0] / 4
+    assert text.startswith("Python-level calls per transaction") and "all (" in text
 
 
 def test_a_process_that_is_not_a_server_carries_nothing_and_is_not_signalled(tmp_path):

@@ -9,13 +9,57 @@ that carry it (SIGUSR1 would end any other). SIGUSR1 clears the counts (the time
 starts); SIGUSR2 writes them to DIR/loop-<pid>.json as {key: [steps, seconds]}.
 Wrapping each callback costs about a microsecond of its own, counted in it. In every
 process it then runs the sitecustomize it shadows, if there is one further on sys.path.
+
+With ATOMLOG_BENCH_COUNT_CALLS=1 too (--count-calls) it counts calls instead: cProfile
+runs on the event loop's thread between the two signals, and the file holds the
+Python-level calls by module ({module: [calls, seconds of their own]}; C functions as
+"builtin"); the callbacks are not wrapped.
 """
 
 import os
 import sys
 
 _DIR = os.environ.get("ATOMLOG_BENCH_LOOP_STEPS")
-if _DIR and "serve" in sys.argv:
+if _DIR and "serve" in sys.argv and os.environ.get("ATOMLOG_BENCH_COUNT_CALLS"):
+    import cProfile
+    import json
+    import signal
+
+    _profiler: list = []
+    _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def _module(filename: str) -> str:
+        if filename == "~":
+            return "builtin"
+        if filename.startswith(_root + os.sep) and os.sep + ".venv" + os.sep not in filename:
+            return os.path.relpath(filename, _root)
+        return os.path.basename(filename)
+
+    def _start(*_args) -> None:
+        if not _profiler:
+            _profiler.append(cProfile.Profile())
+            _profiler[0].enable()
+
+    def _stop(*_args) -> None:
+        counts: dict = {}
+        if _profiler:
+            profiler = _profiler.pop()
+            profiler.disable()
+            profiler.create_stats()
+            for (filename, _, _), (_, calls, own, _, _) in profiler.stats.items():
+                entry = counts.setdefault(_module(filename), [0, 0.0])
+                entry[0] += calls
+                entry[1] += own
+        path = os.path.join(_DIR, f"loop-{os.getpid()}.json")
+        with open(path + ".tmp", "w") as out:
+            json.dump(counts, out)
+        os.replace(path + ".tmp", path)
+
+    signal.signal(signal.SIGUSR1, _start)  # (in the main thread: the event loop's)
+    signal.signal(signal.SIGUSR2, _stop)
+    with open(os.path.join(_DIR, f"ready-{os.getpid()}"), "w"):
+        pass
+elif _DIR and "serve" in sys.argv:
     import asyncio.events
     import json
     import signal
