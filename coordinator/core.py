@@ -105,6 +105,8 @@ from services.errors import AtomlogError
 class State(enum.Enum):
     """Values as TxnState in coordinator.proto."""
 
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash of the name
+
     OPEN = 1
     PREPARED = 2
     COMMITTING = 3

@@ -107,12 +107,16 @@ class RecordCorrupt(Exception):
 class Decision(enum.Enum):
     """Values as TxnDecision in partition.proto."""
 
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash of the name
+
     COMMIT = 1
     ABORT = 2
 
 
 class EndCause(enum.Enum):
     """Why a transaction ended; values as TxnEndCause in coordinator.proto."""
+
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash of the name
 
     UNSPECIFIED = 0
     CLIENT = 1

@@ -85,6 +85,8 @@ IDLE_TICK_S = 1.0
 
 
 class Phase(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash of the name
+
     LOADING = "loading"
     ACTIVE = "active"
     STOPPED = "stopped"

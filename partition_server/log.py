@@ -400,8 +400,8 @@ class PartitionLog:
                 return [base for base, _ in plan[3]]
         base_offsets: list[int] = []
         group: list[tuple[memoryview | bytes, BatchHeader]] = []
-        size, next_offset = self._active.size, self._log_end_offset
-        first_time = self._active.first_append_time_ms
+        size, next_offset = self._segments[-1].size, self._log_end_offset
+        first_time = self._segments[-1].first_append_time_ms
         try:
             for batch, header in items:
                 if self._rolls(size, header.size, first_time, next_offset, now, rolls_at):
@@ -429,7 +429,7 @@ class PartitionLog:
         and always by the span of offsets its index can hold."""
         config = self.config
         return bool(size) and (
-            base_offset - self._active.base_offset > RELATIVE_OFFSET_MAX
+            base_offset - self._segments[-1].base_offset > RELATIVE_OFFSET_MAX
             or (base_offset in rolls_at if rolls_at is not None else
                 size + batch_bytes > config.segment_bytes
                 or (first_time is not None and now - first_time >= config.segment_ms)))
@@ -442,7 +442,7 @@ class PartitionLog:
         if self._closed or self._data_loss is not None or self._broken is not None or \
                 self._rolling is not None:
             return False
-        active = self._active
+        active = self._segments[-1]
         return self._rolls(active.size, extra_bytes, active.first_append_time_ms,
                            self._log_end_offset + extra_bytes,
                            max(self._clock_ms(), self._last_append_time_ms))
@@ -468,7 +468,7 @@ class PartitionLog:
     def _plan(self, group: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]],
               now: int) -> tuple | None:
         """record_batch.plan_log_append of `group` onto the active segment at `now`."""
-        config, active = self.config, self._active
+        config, active = self.config, self._segments[-1]
         index = active.index
         return record_batch.plan_log_append(
             group, self._log_end_offset, now, config.max_batch_bytes, active.size,
@@ -493,7 +493,7 @@ class PartitionLog:
         them."""
         if not group:
             return
-        active = self._active
+        active = self._segments[-1]
         buffers: list = [batch for batch, _ in group]
         if self._direct_copies:
             self._direct_write(active, buffers)
@@ -520,7 +520,7 @@ class PartitionLog:
          last_data) = plan
         if not stamped:
             return
-        active = self._active
+        active = self._segments[-1]
         self._end_direct()
         _writev_all(active.fd, buffers)
         if self.wal is not None:  # after the file: a frame is replayed
@@ -602,7 +602,7 @@ class PartitionLog:
         target = self._log_end_offset
         if target == self._high_watermark:
             return target, None
-        active = self._active
+        active = self._segments[-1]
         self._flush_pending.append((target, active, active.size,
                                     self._last_data_offset_written))
         return target, active.fd

@@ -141,6 +141,8 @@ def gather() -> Gathering:
 
 
 class State(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash of the name
+
     LOADING = "LOADING"
     ONLINE = "ONLINE"
     DATA_LOSS = "DATA_LOSS"
@@ -821,6 +823,8 @@ class PartitionOwner:
         return True
 
     def check_serving(self) -> None:
+        if self.state is State.ONLINE and self.replication is None:
+            return  # the usual case, first (on every stage and write)
         self.check_loaded()
         if self.replication is not None:
             self.replication.check_serving()
@@ -1420,7 +1424,7 @@ class PartitionOwner:
         writing = self._snapshot_write is not None and not self._snapshot_write.done()
         return bool(since) and self.state is State.ONLINE and not writing and (
             since >= self._snapshot_after[0]
-            or _wall_ms() - self._last_snapshot_ms >= self._snapshot_after[1])
+            or time.time_ns() // 1_000_000 - self._last_snapshot_ms >= self._snapshot_after[1])
 
     def _snapshot_taken(self) -> None:
         """Start the next snapshot interval (the batch count is the caller's), each bound

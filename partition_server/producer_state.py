@@ -215,6 +215,8 @@ class ProducerStateMetrics:
 # ---------------------------------------------------------------------------------------
 
 class Verdict(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash of the name
+
     NEW_PRODUCER = "new_producer"            # unknown (or expired), sequence 0
     UNKNOWN_PRODUCER = "unknown_producer"    # unknown (or expired), sequence not 0
     FENCED = "fenced"                        # epoch below the remembered one

@@ -165,6 +165,8 @@ class AbortedTxn(NamedTuple):
 
 
 class MarkerAction(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash of the name
+
     WRITE = "write"  # append a control batch, then on_marker
     NOOP = "noop"    # nothing to write: not open here
 
@@ -478,8 +480,9 @@ class TxnBuffer:
         assert coordinator_epoch >= self._epochs.get(txn.tc_partition, 0), coordinator_epoch
         self._advance(marker_offset, marker_offset)
         self._counters["markers_written_total"] += 1
-        self._end(txn, ControlType(decision), coordinator_epoch, marker_offset,
-                  entry.producer_id, entry.producer_epoch, entry)
+        self._end(txn, decision if type(decision) is ControlType else ControlType(decision),
+                  coordinator_epoch, marker_offset, entry.producer_id, entry.producer_epoch,
+                  entry)
 
     def on_durable(self, high_watermark: int) -> None:
         """After an fsync: ended transactions whose marker is below high_watermark stop
