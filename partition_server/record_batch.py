@@ -578,6 +578,22 @@ def _encode_record(pieces: list, record: Record, timestamp_delta: int, offset_de
     pieces.append(tail)
 
 
+def row_block(records: Sequence[Record], deltas: Sequence[int]) -> bytes | None:
+    """The uncompressed row-format records block of `records` (their timestamp deltas
+    `deltas`, their offset deltas their places), as _encode_record writes it: for
+    records without headers whose keys and values are bytes or None; else None (the
+    caller encodes them one by one). The native core has it too (the __txn_log's
+    batches, three records a transaction)."""
+    pieces: list = []
+    for index, (record, delta) in enumerate(zip(records, deltas, strict=True)):
+        if record[2] or not (type(record[0]) is bytes or record[0] is None) or not (
+                type(record[1]) is bytes or record[1] is None) or \
+                not -(1 << 63) <= delta < 1 << 63:
+            return None
+        _encode_record(pieces, record, delta, index)
+    return b"".join(pieces)
+
+
 def _compress(block: bytes, compression: Compression) -> bytes:
     if compression is Compression.ZSTD:
         return zstandard.ZstdCompressor().compress(block)
@@ -602,10 +618,13 @@ def encode_batch(records: Iterable[Record], *, producer_id: int = NO_PRODUCER_ID
     default_ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
     timestamps = [default_ts if r.timestamp_ms is None else r.timestamp_ms for r in records]
     base_ts = timestamps[0]
-    pieces: list = []
-    for delta, (record, ts) in enumerate(zip(records, timestamps)):
-        _encode_record(pieces, record, ts - base_ts, delta)
-    return frame_batch(_compress(b"".join(pieces), compression), magic=MAGIC,
+    block = row_block(records, [ts - base_ts for ts in timestamps])
+    if block is None:
+        pieces: list = []
+        for delta, (record, ts) in enumerate(zip(records, timestamps)):
+            _encode_record(pieces, record, ts - base_ts, delta)
+        block = b"".join(pieces)
+    return frame_batch(_compress(block, compression), magic=MAGIC,
                        count=len(records), base_timestamp_ms=base_ts,
                        max_timestamp_ms=max(timestamps), compression=compression,
                        producer_id=producer_id, producer_epoch=producer_epoch,
@@ -835,7 +854,7 @@ def decode_control_batch(batch: bytes | bytearray | memoryview, *, verify: bool 
 python_functions = {"parse_header": parse_header, "verify_crc": verify_crc,
                     "validate_batch": validate_batch, "stamp_transaction": stamp_transaction,
                     "frame_batch_parsed": frame_batch_parsed, "stamp_for_log": stamp_for_log,
-                    "plan_log_append": plan_log_append}
+                    "plan_log_append": plan_log_append, "row_block": row_block}
 
 
 def _use_native() -> None:

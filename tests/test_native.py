@@ -290,6 +290,50 @@ def test_plain_block_writes_the_same_block(rows, equal):
         raise AssertionError("plain bytes and no headers were refused")
 
 
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(column_items, column_items,
+                               st.sampled_from([(), (), (), None, (("h", b"v"),)]),
+                               st.one_of(st.integers(-2**20, 2**20),
+                                         st.integers(-2**63, 2**63 - 1),
+                                         st.integers(-2**70, 2**70))),
+                     max_size=12),
+       extra=st.integers(-2, 2))
+def test_row_block_writes_the_same_block(rows, extra):
+    """The __txn_log's batches' records block (row format): the same bytes, or the same
+    None (headers; a key or value neither bytes nor None; a delta beyond 64 bits), or the
+    same ValueError when there are more or fewer deltas than records."""
+    records = [Record(key=key, value=value, headers=headers, timestamp_ms=None)
+               for key, value, headers, _ in rows]
+    deltas = [delta for *_, delta in rows]
+    deltas = deltas[:len(deltas) + extra] if extra < 0 else deltas + [0] * extra
+    expected = same("row_block", records, deltas)
+    if expected[0] == "ok" and expected[1] is not None:
+        # What encode_batch made of them before, record by record.
+        pieces: list = []
+        for index, (record, delta) in enumerate(zip(records, deltas)):
+            rb._encode_record(pieces, record, delta, index)
+        assert expected[1] == b"".join(pieces)
+    elif expected == ("ok", None) and all(
+            type(item) is bytes or item is None for key, value, *_ in rows
+            for item in (key, value)) and not any(headers for *_, headers, _ in rows) and \
+            all(-2**63 <= delta < 2**63 for delta in deltas):
+        raise AssertionError("plain bytes and no headers were refused")
+
+
+def test_encode_batch_writes_what_it_wrote_record_by_record():
+    """encode_batch's block through row_block (native or not), and the records with
+    headers still one by one: every batch decodes to its records."""
+    records = [Record(b"k", b"v" * 300), Record(None, None), Record(b"", b"x", (("h", b"1"),)),
+               Record(b"key", b"value", timestamp_ms=5)]
+    for batch_records in (records[:2], records, records[3:]):
+        batch = rb.encode_batch(batch_records, timestamp_ms=1_000)
+        decoded = rb.decode_records(batch)
+        assert [(r.key, r.value, tuple(r.headers or ())) for r in decoded] == [
+            (r.key, r.value, tuple(r.headers or ())) for r in batch_records]
+        assert [r.timestamp_ms for r in decoded] == [
+            1_000 if r.timestamp_ms is None else r.timestamp_ms for r in batch_records]
+
+
 def test_record_columns_serves_the_native_plain_block_when_loaded():
     assert rc.plain_block is native.core.plain_block
     assert rc.python_plain_block is not native.core.plain_block

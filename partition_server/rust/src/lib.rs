@@ -1106,6 +1106,93 @@ fn add(cell: &AtomicU64, amount: f64) {
     cell.store(value.to_bits(), Ordering::Relaxed);
 }
 
+fn put_uvarint(out: &mut Vec<u8>, mut n: u64) {
+    while n >= 0x80 {
+        out.push((n as u8 & 0x7F) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+fn put_zvarint(out: &mut Vec<u8>, n: i64) {
+    put_uvarint(out, ((n << 1) ^ (n >> 63)) as u64);
+}
+
+/// record_batch.row_block: the uncompressed row-format records block of `records`
+/// (Record tuples; `deltas` their timestamp deltas, their places their offset deltas),
+/// or None where the caller encodes them one by one (a record with headers, a key or
+/// value neither bytes nor None, a delta beyond 64 bits). The same bytes, byte for
+/// byte; the same ValueError when the two lengths differ.
+#[pyfunction]
+fn row_block(py: Python<'_>, records: &Bound<'_, PyAny>, deltas: &Bound<'_, PyAny>) -> PyResult<Option<PyObject>> {
+    let mut out: Vec<u8> = Vec::new();
+    let mut records_iter = records.try_iter()?;
+    let mut deltas_iter = deltas.try_iter()?;
+    let mut index: u64 = 0;
+    loop {
+        let record = match records_iter.next() {
+            Some(record) => record?,
+            None => {
+                return match deltas_iter.next() {
+                    Some(_) => Err(PyValueError::new_err("zip() argument 2 is longer than argument 1")),
+                    None => Ok(Some(PyBytes::new(py, &out).into_any().unbind())),
+                };
+            }
+        };
+        let delta = match deltas_iter.next() {
+            Some(delta) => delta?,
+            None => return Err(PyValueError::new_err("zip() argument 2 is shorter than argument 1")),
+        };
+        if record.get_item(2)?.is_truthy()? {
+            return Ok(None);
+        }
+        let key = record.get_item(0)?;
+        let value = record.get_item(1)?;
+        let key: Option<Bound<'_, PyBytes>> = if key.is_none() {
+            None
+        } else if key.is_exact_instance_of::<PyBytes>() {
+            Some(key.downcast_into::<PyBytes>()?)
+        } else {
+            return Ok(None);
+        };
+        let value: Option<Bound<'_, PyBytes>> = if value.is_none() {
+            None
+        } else if value.is_exact_instance_of::<PyBytes>() {
+            Some(value.downcast_into::<PyBytes>()?)
+        } else {
+            return Ok(None);
+        };
+        let delta: i64 = match delta.extract() {
+            Ok(delta) => delta,
+            Err(_) => return Ok(None),
+        };
+        // attributes (0), timestamp delta, offset delta, key length; value length; no headers
+        let mut head: Vec<u8> = Vec::with_capacity(32);
+        head.push(0);
+        put_zvarint(&mut head, delta);
+        put_uvarint(&mut head, index);
+        match &key {
+            None => put_zvarint(&mut head, -1),
+            Some(key) => put_zvarint(&mut head, key.as_bytes().len() as i64),
+        }
+        let mut value_length: Vec<u8> = Vec::with_capacity(10);
+        match &value {
+            None => put_zvarint(&mut value_length, -1),
+            Some(value) => put_zvarint(&mut value_length, value.as_bytes().len() as i64),
+        }
+        let key_bytes: &[u8] = key.as_ref().map(|k| k.as_bytes()).unwrap_or(&[]);
+        let value_bytes: &[u8] = value.as_ref().map(|v| v.as_bytes()).unwrap_or(&[]);
+        let size = head.len() + value_length.len() + 1 + key_bytes.len() + value_bytes.len();
+        put_uvarint(&mut out, size as u64);
+        out.extend_from_slice(&head);
+        out.extend_from_slice(key_bytes);
+        out.extend_from_slice(&value_length);
+        out.extend_from_slice(value_bytes);
+        out.push(0); // no headers
+        index += 1;
+    }
+}
+
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     // The SHA-256 of the crate's sources (scripts/build_native.sh sets it for the build;
@@ -1120,6 +1207,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(stamp_for_log, module)?)?;
     module.add_function(wrap_pyfunction!(plan_log_append, module)?)?;
     module.add_function(wrap_pyfunction!(plain_block, module)?)?;
+    module.add_function(wrap_pyfunction!(row_block, module)?)?;
     module.add_class::<CounterCell>()?;
     module.add_class::<HistogramCell>()?;
     Ok(())
