@@ -1141,6 +1141,14 @@ class TcPartitionCore:
         """Drop a one-call transaction that will not commit: the ABORT markers for
         everything it may have staged (best effort: a partition server that misses one
         asks, and hears that the transaction is unknown, so aborted)."""
+        self._drop_one_call(one_call)
+        return tuple([Marker(one_call.txn_id, Decision.ABORT, self.coordinator_epoch, target)
+                      for target in (*one_call.topic_partitions,
+                                     *one_call.subscription_partitions)])
+
+    def _drop_one_call(self, one_call: OneCall) -> None:
+        """Forget a one-call transaction's entry, key and session (it was logged, or will
+        not commit)."""
         del self._one_calls[one_call.txn_id]
         if self._one_call_keys.get(one_call.idempotency_key) == one_call.txn_id:
             del self._one_call_keys[one_call.idempotency_key]
@@ -1148,9 +1156,6 @@ class TcPartitionCore:
         if session is not None and \
                 self._one_call_sessions.get(session.transactional_id) == one_call.txn_id:
             del self._one_call_sessions[session.transactional_id]
-        return tuple(Marker(one_call.txn_id, Decision.ABORT, self.coordinator_epoch, target)
-                     for target in (*one_call.topic_partitions,
-                                    *one_call.subscription_partitions))
 
     # ================================================================= operator inputs
 
@@ -1187,7 +1192,7 @@ class TcPartitionCore:
                 self.apply(record)
                 if isinstance(record, Opened) and record.txn_id in self._one_calls:
                     one_call = self._one_calls[record.txn_id]
-                    self._forget_one_call(one_call)
+                    self._drop_one_call(one_call)  # logged: no ABORT markers
                     txn = self._unfinished[record.txn_id]
                     txn.one_call = True
                     txn.handled = isinstance(record, Staging)  # its CommitTxn ends it
@@ -1803,8 +1808,8 @@ class TcPartitionCore:
                 self._counters["marker_resends_total"] += 1
             txn.markers_sent_ms = now_ms
             decision = DECISION_OF[txn.state]
-            markers.extend(Marker(txn.txn_id, decision, self.coordinator_epoch, target)
-                           for target in txn.unconfirmed)
+            markers.extend([Marker(txn.txn_id, decision, self.coordinator_epoch, target)
+                            for target in txn.unconfirmed])
         return tuple(markers)
 
     # ========================================================= helpers: sessions
@@ -2126,7 +2131,7 @@ def _encode_entry(txn: Txn) -> bytes:
              | (txn.staging and _F_STAGING))
     assert not (finished and has_targets), txn
     out = Writer()
-    out.pack(_SNAP_TXN, txn.txn_id.sequence, txn.state.value, txn.end_cause.value, flags,
+    out.pack(_SNAP_TXN, txn.txn_id.sequence, txn.state._value_, txn.end_cause._value_, flags,
              txn.created_ms, txn.timeout_ms, txn.deadline_ms, txn.prepared_ms,
              txn.prepared_timeout_ms, txn.decided_ms, txn.completed_ms,
              txn.topic_partition_count if finished else 0,

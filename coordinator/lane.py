@@ -247,9 +247,12 @@ class CommitLane:
             for commit in begun:
                 if commit.pending <= 0:
                     continue
-                if commit.acks or not all(wrote.get(owner) and work.results
-                                          for _, owner, work in commit.stages) \
-                        or not commit.partition.appends_in_step():
+                written = not commit.acks  # (a loop: all() of a generator resumes it each time)
+                for _, owner, work in commit.stages:
+                    if not (wrote.get(owner) and work.results):
+                        written = False
+                        break
+                if not written or not commit.partition.appends_in_step():
                     self._wait_for_stages(commit)
                     continue
                 partitions[id(commit.partition)] = commit.partition

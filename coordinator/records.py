@@ -606,13 +606,13 @@ def encode_record(record: Record) -> bytes:
         out.pack(_I64, record.deadline_ms)
     elif isinstance(record, Prepared):
         out.pack(_PREPARED, record.prepared_ms, record.prepared_timeout_ms)
-    elif isinstance(record, Decided):
-        out.pack(_DECIDED, record.decision.value, record.cause.value, record.decided_ms)
+    elif isinstance(record, Decided):  # (._value_: Enum's .value is a Python property)
+        out.pack(_DECIDED, record.decision._value_, record.cause._value_, record.decided_ms)
         out.txn_ids(record.kept_children)
         out.txn_ids(record.aborted_children)
     else:
         assert isinstance(record, Completed), record
-        out.pack(_COMPLETED, record.decision.value, record.completed_ms)
+        out.pack(_COMPLETED, record.decision._value_, record.completed_ms)
     return out.getvalue()
 
 

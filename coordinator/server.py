@@ -738,7 +738,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         metrics.ONE_CALL_LATENCY.labels(str(request.wait_for_markers).lower()).observe(
             time.perf_counter() - started)
         return coordinator_pb2.CommitTxnResponse(txn_id=_txn_id_proto(txn_id),
-                                                 state=state.value, batch_results=staged)
+                                                 state=state._value_, batch_results=staged)
 
     async def _one_call_targets(self, request):
         """The partitions and subscription partitions of a CommitTxn, validated: every

@@ -605,11 +605,11 @@ class TcPartition:
         size = 0
         while self._queue:
             encoded = [encode_record(r) for r in self._queue[0].records]
-            append_size = sum(64 + len(value) for value in encoded)
+            append_size = 64 * len(encoded) + sum(map(len, encoded))
             if group and size + append_size > MAX_APPEND_BYTES:
                 break
             group.append(self._queue.popleft())
-            entries.extend((None, value) for value in encoded)
+            entries.extend([(None, value) for value in encoded])
             size += append_size
         return group, entries
 

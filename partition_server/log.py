@@ -1619,7 +1619,7 @@ def _writev_all(fd: int, buffers: list[bytes | memoryview]) -> None:
         chunk = buffers[i:i + IOV_MAX]
         written = os.writev(fd, chunk)
         i += len(chunk)
-        expected = sum(len(b) for b in chunk)
+        expected = sum(map(len, chunk))
         if written == expected:
             continue
         rest: list[bytes | memoryview] = []

@@ -1249,7 +1249,7 @@ class WriteAheadLog:
         frames, self._pending = self._pending, []
         ends, self._pending_ends = self._pending_ends, []
         if frames:
-            size = sum(len(f) for f in frames)
+            size = sum(map(len, frames))
             pad = padding(self._size + size)
             if pad:
                 frames += pad
