@@ -365,26 +365,26 @@ class Transaction:
         future (a RecordFuture), or None when the transaction is not (or no longer)
         one-call — then the producer sends it as usual. A record that would pass the
         bound switches the transaction first."""
-        return self._keep(producer, topic, partition, size,
-                          lambda part: part.add_record(record, size))
+        return self._keep(producer, topic, partition, size, record=record)
 
     def keep_chunk(self, producer, topic: str, chunk):
         """keep_record for a chunk of producer.send_batch(..., txn=self) (columns.Chunk),
         kept whole as columns: the future of its first record, or None."""
-        return self._keep(producer, topic, chunk.partition, chunk.size,
-                          lambda part: part.add_chunk(chunk))
+        return self._keep(producer, topic, chunk.partition, chunk.size, chunk=chunk)
 
-    def _keep(self, producer, topic: str, partition: int, size: int, add):
-        """`add(part)` (the kept index) if `size` more bytes fit the one-call bound and
-        the partition's batch: the RecordFuture of that index; else the transaction
-        switches (if it still keeps) and None."""
+    def _keep(self, producer, topic: str, partition: int, size: int, record=None,
+              chunk=None):
+        """Keep `record` (or `chunk`) if `size` more bytes fit the one-call bound and the
+        partition's batch: the RecordFuture of its index; else the transaction switches
+        (if it still keeps) and None."""
         RecordFuture, _Outcome = _PRODUCER_TYPES or _producer_types()
         with self._switch_lock:
             kept = self._kept
             if kept is None:
                 return None
             with self._lock:
-                self._check_accepting()
+                if self._ended is not None or self._committing:  # (no call when it takes)
+                    self._check_accepting()
                 part = kept.partitions.get((topic, partition))
                 if (kept.size + size <= kept.limit
                         and (part.size if part else 0) + size + 128 <= producer.batch_max_bytes):
@@ -392,7 +392,8 @@ class Transaction:
                         part = kept.partitions[(topic, partition)] = _KeptPartition(
                             producer, _Outcome(topic, partition, on_wait=self._switch))
                     kept.size += size
-                    return RecordFuture(part.outcome, add(part))
+                    return RecordFuture(part.outcome, part.add_record(record, size)
+                                        if chunk is None else part.add_chunk(chunk))
             self._switch()
             return None
 
