@@ -1424,7 +1424,7 @@ class PartitionOwner:
         writing = self._snapshot_write is not None and not self._snapshot_write.done()
         return bool(since) and self.state is State.ONLINE and not writing and (
             since >= self._snapshot_after[0]
-            or time.time_ns() // 1_000_000 - self._last_snapshot_ms >= self._snapshot_after[1])
+            or _wall_ms() - self._last_snapshot_ms >= self._snapshot_after[1])
 
     def _snapshot_taken(self) -> None:
         """Start the next snapshot interval (the batch count is the caller's), each bound

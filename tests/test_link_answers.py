@@ -240,16 +240,18 @@ def test_a_kept_connection_the_server_closed_is_seen_before_the_call(scripted):
 
 
 def test_a_changed_timeout_bounds_the_connection_again():
-    """`bound` sets the kernel's timeouts only when the socket's is more than a quarter
-    longer than the call's, or less than half of it."""
+    """`bound` never leaves the kernel's timeouts shorter than the call asks for (a long
+    poll after a short call: set again), nor more than a quarter longer (a transaction's
+    calls, each asking for a little less: not set each time)."""
     a, b = socket.socketpair()
     try:
         conn = link_module._Connection(a)
         bounds = []
-        for timeout_s in (10, 10, 9.9, 6, 5, 4.9, 30, 61, 0.0001):
+        for timeout_s in (10, 10, 9.9, 6, 5, 4.9, 30, 31, 35, 68, 61, 0.0001):
             conn.bound(timeout_s)
+            assert max(0.001, timeout_s) <= conn._bound_s <= 1.25 * max(0.001, timeout_s)
             bounds.append(conn._bound_s)
-        assert bounds == [10, 10, 10, 6, 6, 6, 30, 61, 0.001]
+        assert bounds == [10, 10, 10, 6, 6, 6, 30, 31, 35, 68, 68, 0.001]
         for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
             seconds, micros = link_module._TIMEVAL.unpack(
                 a.getsockopt(socket.SOL_SOCKET, option, link_module._TIMEVAL.size))
