@@ -210,6 +210,20 @@ def test_a_late_answer_times_the_call_out_at_about_its_timeout_and_drops_the_con
     assert link.connects == 2
 
 
+def test_a_call_asking_for_longer_than_the_last_waits_its_own_timeout(scripted):
+    """A long poll after a short call on the same kept connection (a Fetch after an Ack):
+    the kernel's timeout is set again for it, not left at the shorter one (which gave up
+    on a slow answer the call had asked to wait for; found by a review)."""
+    def slow(conn) -> None:
+        time.sleep(0.8)
+        answer(7)(conn)
+
+    server, link = scripted(answer(3), slow)
+    assert link.call("CommitTxn", request(), 0.6).state == 3
+    assert link.call("CommitTxn", request(), 1.0).state == 7
+    assert link.connects == 1
+
+
 def test_an_answer_cut_short_is_server_unavailable_and_the_connection_is_dropped(scripted):
     def cut(conn) -> None:
         conn.sendall(frame(b"\x08\x03" * 10)[:9])
