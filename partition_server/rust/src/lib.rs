@@ -1118,6 +1118,18 @@ fn put_zvarint(out: &mut Vec<u8>, n: i64) {
     put_uvarint(out, ((n << 1) ^ (n >> 63)) as u64);
 }
 
+/// A record's key or value for row_block: Some(None) for None, Some(Some(bytes)) for a
+/// bytes object (exactly), None for anything else (the caller encodes it in Python).
+fn bytes_or_none<'py>(item: Bound<'py, PyAny>) -> PyResult<Option<Option<Bound<'py, PyBytes>>>> {
+    if item.is_none() {
+        return Ok(Some(None));
+    }
+    if item.is_exact_instance_of::<PyBytes>() {
+        return Ok(Some(Some(item.downcast_into::<PyBytes>()?)));
+    }
+    Ok(None)
+}
+
 /// record_batch.row_block: the uncompressed row-format records block of `records`
 /// (Record tuples; `deltas` their timestamp deltas, their places their offset deltas),
 /// or None where the caller encodes them one by one (a record with headers, a key or
@@ -1146,21 +1158,13 @@ fn row_block(py: Python<'_>, records: &Bound<'_, PyAny>, deltas: &Bound<'_, PyAn
         if record.get_item(2)?.is_truthy()? {
             return Ok(None);
         }
-        let key = record.get_item(0)?;
-        let value = record.get_item(1)?;
-        let key: Option<Bound<'_, PyBytes>> = if key.is_none() {
-            None
-        } else if key.is_exact_instance_of::<PyBytes>() {
-            Some(key.downcast_into::<PyBytes>()?)
-        } else {
-            return Ok(None);
+        let key = match bytes_or_none(record.get_item(0)?)? {
+            Some(key) => key,
+            None => return Ok(None),
         };
-        let value: Option<Bound<'_, PyBytes>> = if value.is_none() {
-            None
-        } else if value.is_exact_instance_of::<PyBytes>() {
-            Some(value.downcast_into::<PyBytes>()?)
-        } else {
-            return Ok(None);
+        let value = match bytes_or_none(record.get_item(1)?)? {
+            Some(value) => value,
+            None => return Ok(None),
         };
         let delta: i64 = match delta.extract() {
             Ok(delta) => delta,
