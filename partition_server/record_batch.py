@@ -584,12 +584,18 @@ def row_block(records: Sequence[Record], deltas: Sequence[int]) -> bytes | None:
     records without headers whose keys and values are bytes or None; else None (the
     caller encodes them one by one). The native core has it too (the __txn_log's
     batches, three records a transaction)."""
-    pieces: list = []
-    for index, (record, delta) in enumerate(zip(records, deltas, strict=True)):
+    for record, delta in zip(records, deltas, strict=True):
         if record[2] or not (type(record[0]) is bytes or record[0] is None) or not (
                 type(record[1]) is bytes or record[1] is None) or \
                 not -(1 << 63) <= delta < 1 << 63:
             return None
+    return _rows(records, deltas)
+
+
+def _rows(records: Sequence[Record], deltas: Sequence[int]) -> bytes:
+    """Every record's row (_encode_record), their offset deltas their places."""
+    pieces: list = []
+    for index, (record, delta) in enumerate(zip(records, deltas, strict=True)):
         _encode_record(pieces, record, delta, index)
     return b"".join(pieces)
 
@@ -618,12 +624,10 @@ def encode_batch(records: Iterable[Record], *, producer_id: int = NO_PRODUCER_ID
     default_ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
     timestamps = [default_ts if r.timestamp_ms is None else r.timestamp_ms for r in records]
     base_ts = timestamps[0]
-    block = row_block(records, [ts - base_ts for ts in timestamps])
-    if block is None:
-        pieces: list = []
-        for delta, (record, ts) in enumerate(zip(records, timestamps)):
-            _encode_record(pieces, record, ts - base_ts, delta)
-        block = b"".join(pieces)
+    deltas = [ts - base_ts for ts in timestamps]
+    block = row_block(records, deltas)
+    if block is None:  # (headers, or keys or values of other types)
+        block = _rows(records, deltas)
     return frame_batch(_compress(block, compression), magic=MAGIC,
                        count=len(records), base_timestamp_ms=base_ts,
                        max_timestamp_ms=max(timestamps), compression=compression,

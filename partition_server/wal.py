@@ -70,9 +70,9 @@ hold, above its checkpoint, a write whose round a power cut lost while the kerne
 written the partition's page back. So before a trim deletes any segment, the file writes
 a *listing of checkpoints* (`checkpoints.json`: every partition attached to it and how
 far its own file was fsynced, below its high watermark), durably; at start, a listed
-partition with no frame is cut back to its checkpoint (`cut_unframed_tails`). A partition not listed was not under
-the file (another durability mode, or replicated) and keeps its tail, whose own fsyncs
-made it durable. The start deletes the listing once every partition is durable to its
+partition with no frame is cut back to its checkpoint (`cut_unframed_tails`). A
+partition not listed was not under the file (another durability mode, or replicated)
+and keeps its tail, whose own fsyncs made it durable. The start deletes the listing once every partition is durable to its
 end, so a start in another mode never finds a stale one.
 
 What stays on its own fsyncs: replicated partitions (followers copy before the leader's
@@ -571,9 +571,8 @@ def replay_into(partition_log: PartitionLog, partition_plan: Plan | None,
 KEPT_MANIFEST = "kept.json"  # in a kept-aside directory: why its segments were kept
 # The listing of checkpoints: {"partitions": {name: offset}}, every partition attached to
 # this file and how far its own file was fsynced (its checkpoint: PartitionLog.
-# recoverable_offset, below its high watermark), written
-# durably before any trim deletes a segment (`_retire_segments`). See
-# `cut_unframed_tails`.
+# recoverable_offset, below its high watermark), written durably before any trim deletes
+# a segment (`_retire_segments`). See `cut_unframed_tails`.
 CHECKPOINTS_FILE = "checkpoints.json"
 CUT_CONCURRENCY = 4  # partitions `cut_unframed_tails` opens at once
 

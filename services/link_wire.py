@@ -131,9 +131,7 @@ def read_answer(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
     KIND_ERROR, at most `limit` bytes of payload (LinkProtocolError otherwise)."""
     head = bytearray(HEAD.size)
     receive_exactly(sock, memoryview(head))
-    length, kind = HEAD.unpack(head)
-    if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= limit + 1:
-        raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
+    length, kind = _answer_head(head, limit)
     payload = bytearray(length - 1)
     receive_exactly(sock, memoryview(payload))
     return kind, payload
@@ -151,9 +149,7 @@ def read_answer_into(sock: socket.socket, buffer: bytearray, limit: int) -> tupl
         got += sock.recv_into(view[got:]) or -got  # (-got: closed mid-head, below)
     if got <= 0:
         raise ConnectionError("the server closed the link")
-    length, kind = HEAD.unpack_from(buffer)
-    if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= limit + 1:
-        raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
+    length, kind = _answer_head(buffer, limit)
     end = HEAD.size + length - 1
     if got > end:
         raise LinkProtocolError(f"{got - end} bytes after an answer frame")
@@ -165,6 +161,15 @@ def read_answer_into(sock: socket.socket, buffer: bytearray, limit: int) -> tupl
     payload[:got - HEAD.size] = view[HEAD.size:got]
     receive_exactly(sock, memoryview(payload)[got - HEAD.size:])
     return kind, payload
+
+
+def _answer_head(head: bytes | bytearray, limit: int) -> tuple[int, int]:
+    """(length, kind) of an answer frame's head; LinkProtocolError when it is neither an
+    answer nor an error frame, or not 1..limit + 1 bytes long."""
+    length, kind = HEAD.unpack_from(head)
+    if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= limit + 1:
+        raise LinkProtocolError(f"answer frame kind {kind}, {length} bytes")
+    return length, kind
 
 
 def receive_exactly(sock: socket.socket, into: memoryview) -> None:

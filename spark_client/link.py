@@ -527,7 +527,7 @@ class _Connection:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.used = 0.0
-        self._poller: select.poll | None = None
+        self._poller = _poller(sock)
         plain = type(sock) is socket.socket
         self.buffer = bytearray(ANSWER_BUFFER_BYTES) if plain else None
         self._bound_s = 0.0
@@ -551,25 +551,23 @@ class _Connection:
 
     def readable(self) -> bool:
         """_readable(sock) with the poll object kept: one poll(2)."""
-        poller = self._poller
-        try:
-            if poller is None:
-                poller = self._poller = select.poll()
-                poller.register(self.sock, select.POLLIN)
-            return bool(poller.poll(0))
-        except (OSError, ValueError):
-            return True
+        return _readable(self.sock, poller=self._poller)
 
 
-def _readable(sock: socket.socket, wait_s: float = 0.0) -> bool:
-    """Whether a connection has something to read (an idle one: its EOF or an RST,
-    since no call is under way on it), waiting up to `wait_s`. poll(2), not select(2):
-    a process with more than 1,024 descriptors (an executor) has sockets select cannot
-    watch."""
+def _poller(sock: socket.socket) -> select.poll:
     poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return poller
+
+
+def _readable(sock: socket.socket, wait_s: float = 0.0,
+              poller: select.poll | None = None) -> bool:
+    """Whether a connection has something to read (an idle one: its EOF or an RST,
+    since no call is under way on it), waiting up to `wait_s`; `poller`: one made for
+    it already (`_poller`). poll(2), not select(2): a process with more than 1,024
+    descriptors (an executor) has sockets select cannot watch."""
     try:
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(int(wait_s * 1000)))
+        return bool((poller or _poller(sock)).poll(int(wait_s * 1000)))
     except (OSError, ValueError):
         return True
 

@@ -20,9 +20,20 @@ import os
 import sys
 
 _DIR = os.environ.get("ATOMLOG_BENCH_LOOP_STEPS")
+
+
+def _write_counts(counts: dict) -> None:
+    """DIR/loop-<pid>.json, whole (the benchmark reads it once it exists)."""
+    import json
+
+    path = os.path.join(_DIR, f"loop-{os.getpid()}.json")
+    with open(path + ".tmp", "w") as out:
+        json.dump(counts, out)
+    os.replace(path + ".tmp", path)
+
+
 if _DIR and "serve" in sys.argv and os.environ.get("ATOMLOG_BENCH_COUNT_CALLS"):
     import cProfile
-    import json
     import signal
 
     _profiler: list = []
@@ -50,10 +61,7 @@ if _DIR and "serve" in sys.argv and os.environ.get("ATOMLOG_BENCH_COUNT_CALLS"):
                 entry = counts.setdefault(_module(filename), [0, 0.0])
                 entry[0] += calls
                 entry[1] += own
-        path = os.path.join(_DIR, f"loop-{os.getpid()}.json")
-        with open(path + ".tmp", "w") as out:
-            json.dump(counts, out)
-        os.replace(path + ".tmp", path)
+        _write_counts(counts)
 
     signal.signal(signal.SIGUSR1, _start)  # (in the main thread: the event loop's)
     signal.signal(signal.SIGUSR2, _stop)
@@ -61,7 +69,6 @@ if _DIR and "serve" in sys.argv and os.environ.get("ATOMLOG_BENCH_COUNT_CALLS"):
         pass
 elif _DIR and "serve" in sys.argv:
     import asyncio.events
-    import json
     import signal
     import time
 
@@ -101,10 +108,7 @@ elif _DIR and "serve" in sys.argv:
         _counts.clear()
 
     def _write(*_args) -> None:
-        path = os.path.join(_DIR, f"loop-{os.getpid()}.json")
-        with open(path + ".tmp", "w") as out:
-            json.dump(_counts, out)
-        os.replace(path + ".tmp", path)
+        _write_counts(_counts)
 
     asyncio.events.Handle._run = _timed_run
     signal.signal(signal.SIGUSR1, _clear)
