@@ -224,8 +224,7 @@ def test_call_link_reuses_connections_and_maps_errors(cluster, client):
             assert stub._connections == 1  # an error frame keeps the connection
             # The peer closes the kept connection (as a restarted server would): the next
             # call opens another instead of failing.
-            reader, writer, _ = stub._idle[0]
-            writer.transport.abort()
+            stub._idle[0].transport.abort()
             await asyncio.sleep(0.05)
             reply = await stub.Produce(produce_request(topic, 0, b"again"), timeout=10)
             assert reply.results[0].base_offset == 3
