@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Callable
 
 from atomlog.v1 import coordinator_pb2, partition_pb2
 
@@ -126,26 +127,55 @@ def connect_blocking(target: tuple[str, int], timeout_s: float, tls=None,
     return sock
 
 
-def read_answer(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
+# A request frame larger than this leaves in pieces of it when its sender bounds the
+# whole call (send_frame's `more`): one send(2) per piece, each bounded by what is left.
+SEND_PIECE_BYTES = 256 << 10
+
+
+def send_frame(sock: socket.socket, frame: bytes,
+               more: Callable[[], None] | None = None) -> None:
+    """sendall(frame) on a blocking socket; a frame larger than SEND_PIECE_BYTES with
+    `more` (read_answer's) goes in pieces, `more` called before each but the first, so
+    that a peer taking it slowly cannot stretch the call past its deadline (the kernel's
+    timeout restarts at each send's progress)."""
+    if more is None or len(frame) <= SEND_PIECE_BYTES:
+        sock.sendall(frame)
+        return
+    view, sent = memoryview(frame), 0
+    while sent < len(frame):
+        if sent:
+            more()
+        sent += sock.send(view[sent:sent + SEND_PIECE_BYTES])
+
+
+def read_answer(sock: socket.socket, limit: int,
+                more: Callable[[], None] | None = None) -> tuple[int, bytearray]:
     """The next answer frame on a blocking socket, (kind, payload): KIND_ANSWER or
-    KIND_ERROR, at most `limit` bytes of payload (LinkProtocolError otherwise)."""
+    KIND_ERROR, at most `limit` bytes of payload (LinkProtocolError otherwise). `more`,
+    when given, is called before every recv(2) but the first (a caller's deadline for the
+    whole answer: it raises TimeoutError past it, or sets the socket's timeout to what is
+    left of it)."""
     head = bytearray(HEAD.size)
-    receive_exactly(sock, memoryview(head))
+    receive_exactly(sock, memoryview(head), more, first=True)
     length, kind = _answer_head(head, limit)
     payload = bytearray(length - 1)
-    receive_exactly(sock, memoryview(payload))
+    receive_exactly(sock, memoryview(payload), more)
     return kind, payload
 
 
-def read_answer_into(sock: socket.socket, buffer: bytearray, limit: int) -> tuple[int, bytes]:
+def read_answer_into(sock: socket.socket, buffer: bytearray, limit: int,
+                     more: Callable[[], None] | None = None) -> tuple[int, bytes]:
     """read_answer with one recv(2) for an answer that fits `buffer` (a call's answer
     is the only thing a connection receives until the next call, so nothing beyond it
     can arrive): (kind, payload copied out of `buffer`, which the next call reuses). A
-    larger answer is read on into a buffer of its own. Receiving nothing raises
-    ConnectionError, a broken frame LinkProtocolError."""
+    larger answer is read on into a buffer of its own; `more` as read_answer's, before
+    each recv after the first. Receiving nothing raises ConnectionError, a broken frame
+    LinkProtocolError."""
     view = memoryview(buffer)
     got = sock.recv_into(view)
     while 0 < got < HEAD.size:
+        if more is not None:
+            more()
         got += sock.recv_into(view[got:]) or -got  # (-got: closed mid-head, below)
     if got <= 0:
         raise ConnectionError("the server closed the link")
@@ -155,11 +185,11 @@ def read_answer_into(sock: socket.socket, buffer: bytearray, limit: int) -> tupl
         raise LinkProtocolError(f"{got - end} bytes after an answer frame")
     if end <= len(buffer):
         if got < end:
-            receive_exactly(sock, view[got:end])
+            receive_exactly(sock, view[got:end], more)
         return kind, bytes(view[HEAD.size:end])
     payload = bytearray(length - 1)
     payload[:got - HEAD.size] = view[HEAD.size:got]
-    receive_exactly(sock, memoryview(payload)[got - HEAD.size:])
+    receive_exactly(sock, memoryview(payload)[got - HEAD.size:], more)
     return kind, payload
 
 
@@ -172,10 +202,15 @@ def _answer_head(head: bytes | bytearray, limit: int) -> tuple[int, int]:
     return length, kind
 
 
-def receive_exactly(sock: socket.socket, into: memoryview) -> None:
-    """Fills `into` from a blocking socket; ConnectionError when the peer closes first."""
+def receive_exactly(sock: socket.socket, into: memoryview,
+                    more: Callable[[], None] | None = None, first: bool = False) -> None:
+    """Fills `into` from a blocking socket; ConnectionError when the peer closes first.
+    `more` (read_answer's) before each recv(2), but the very first of an answer when
+    `first`."""
     got, size = 0, len(into)
     while got < size:
+        if more is not None and not (first and got == 0):
+            more()
         n = sock.recv_into(into[got:], size - got)
         if n == 0:
             raise ConnectionError("the server closed the link")

@@ -55,6 +55,7 @@ from services.link_wire import (
     connect_blocking,
     read_answer,
     read_answer_into,
+    send_frame,
 )
 
 # The SDK's calls a link carries, by name: to coordinators, and to partition servers.
@@ -180,14 +181,16 @@ class ServerLink:
         sock = conn.sock
         kept = False
         try:
+            conn.deadline = time.monotonic() + timeout_s
             if conn.buffer is None:  # TLS: Python's own timeout (a poll(2) per read)
                 sock.settimeout(max(0.001, timeout_s))
-                sock.sendall(frame)
-                kind, payload = read_answer(sock, MAX_CALL_BYTES)
+                send_frame(sock, frame, conn.more)
+                kind, payload = read_answer(sock, MAX_CALL_BYTES, conn.more)
             else:
                 conn.bound(timeout_s)
-                sock.sendall(frame)
-                kind, payload = read_answer_into(sock, conn.buffer, MAX_CALL_BYTES)
+                send_frame(sock, frame, conn.more)
+                kind, payload = read_answer_into(sock, conn.buffer, MAX_CALL_BYTES,
+                                                 conn.more)
             kept = True
         except (socket.timeout, TimeoutError, BlockingIOError):  # (the kernel's timeout)
             raise local.rpc_error(AtomlogError(
@@ -522,7 +525,7 @@ class _Connection:
     system calls more a call (14 µs of a client's CPU a call against a do-nothing link
     server here, 2026-12-07)."""
 
-    __slots__ = ("sock", "used", "buffer", "_poller", "_bound_s")
+    __slots__ = ("sock", "used", "buffer", "_poller", "_bound_s", "deadline")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -531,23 +534,37 @@ class _Connection:
         plain = type(sock) is socket.socket
         self.buffer = bytearray(ANSWER_BUFFER_BYTES) if plain else None
         self._bound_s = 0.0
+        self.deadline = 0.0  # the call's under way (time.monotonic()): `more`
         if plain:
             sock.settimeout(None)
 
     def bound(self, timeout_s: float) -> None:
         """Each send and recv of the next call gives up after at least `timeout_s` and
-        at most a quarter more (the kernel's timeout, per system call, restarted by any
-        progress and by a signal: a call's answer that trickles in, or a large request a
-        server takes slowly, may take longer; the server answers REQUEST_TIMED_OUT at the
-        call's own deadline). Set again only when the call asks for longer than the last
-        one set, or for less than four fifths of it (a transaction's calls ask for what
-        is left of its time, a little less each call; a long poll asks for more)."""
+        at most a quarter more (the kernel's timeout, per system call; `more` bounds the
+        later ones of a call by what is left of it, so an answer that trickles in ends
+        the call by then too; a signal restarts a system call with the whole timeout).
+        Set again only when the call asks for longer than the last one set, or for less
+        than four fifths of it (a transaction's calls ask for what is left of its time, a
+        little less each call; a long poll asks for more)."""
         timeout_s = max(0.001, timeout_s)
         if self._bound_s < timeout_s or self._bound_s > 1.25 * timeout_s:
             value = _TIMEVAL.pack(int(timeout_s), int(timeout_s % 1 * 1_000_000))
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
             self._bound_s = timeout_s
+
+    def more(self) -> None:
+        """Before each send or recv of a call but its first (link_wire.send_frame,
+        read_answer_into): the call's time left bounds it, so an answer that trickles in
+        (or a request the server takes slowly) ends the call near its deadline, not a
+        timeout later per piece. TimeoutError once it is past."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's time ran out while its answer came in pieces")
+        if self.buffer is None:
+            self.sock.settimeout(left)
+        else:
+            self.bound(left)
 
     def readable(self) -> bool:
         """_readable(sock) with the poll object kept: one poll(2)."""

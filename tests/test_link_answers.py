@@ -273,3 +273,77 @@ def test_a_changed_timeout_bounds_the_connection_again():
     finally:
         a.close()
         b.close()
+
+
+def test_an_answer_that_trickles_in_ends_the_call_near_its_deadline(scripted):
+    """The kernel's timeout bounds each recv(2), and restarts with any progress: an
+    answer sent a few bytes at a time, each in time, kept a call going for as long as
+    the server kept sending (found by a review). Each recv after the first is now bounded
+    by what is left of the call (`_Connection.more`): REQUEST_TIMED_OUT near the deadline,
+    the connection dropped."""
+    stop = threading.Event()
+
+    def trickle(conn) -> None:
+        data = frame(b"\x08\x03" + _padding_field(400))
+        for position in range(len(data)):
+            if stop.wait(0.05):
+                return
+            try:
+                conn.sendall(data[position:position + 1])
+            except OSError:
+                return
+
+    server, link = scripted(answer(3), trickle, answer(4))
+    assert link.call("CommitTxn", request(), 5).state == 3
+    began = time.monotonic()
+    with pytest.raises(grpc.RpcError) as raised:
+        link.call("CommitTxn", request(), 0.5)
+    waited = time.monotonic() - began
+    stop.set()
+    assert from_rpc_error(raised.value).reason == "REQUEST_TIMED_OUT"
+    assert 0.5 <= waited < 0.5 * 1.25 + 1.0, waited  # (without the bound: 20 s)
+    assert link._idle == [] and link._open == 0
+    assert link.call("CommitTxn", request(), 5).state == 4
+
+
+def test_a_large_request_a_server_takes_slowly_ends_the_call_near_its_deadline(scripted):
+    """A request larger than a send's piece (link_wire.SEND_PIECE_BYTES) leaves in
+    pieces, each bounded by what is left of the call: a server reading it slowly cannot
+    stretch the call past its deadline."""
+    # (The scripted server reads the whole frame before its script: it never gets here.)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    stop = threading.Event()
+
+    def slow_reader() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        while not stop.is_set():
+            try:
+                if not conn.recv(4096):
+                    return
+            except OSError:
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=slow_reader, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    link = ServerLink(address, address, None, None, Links())
+    big = coordinator_pb2.CommitTxnRequest(tc_partition=0, idempotency_key="k" * 100)
+    big_bytes = big.SerializeToString() + _padding_field(8 << 20)
+    began = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            link.call("CommitTxn", coordinator_pb2.CommitTxnRequest.FromString(big_bytes), 0.6)
+        waited = time.monotonic() - began
+        assert from_rpc_error(raised.value).reason == "REQUEST_TIMED_OUT"
+        assert 0.6 <= waited < 0.6 * 1.25 + 1.0, waited  # (without the bound: minutes)
+        assert link._idle == [] and link._open == 0
+    finally:
+        stop.set()
+        listener.close()
+        for conn in accepted:
+            conn.close()
+        thread.join(5)
