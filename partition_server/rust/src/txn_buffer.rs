@@ -782,8 +782,8 @@ fn state_problem(d: &Decoded) -> Option<String> {
     }
     for row in &d.aborted {
         let (first, marker, lso, producer_id) = (row.3 as i128, row.4 as i128, row.5 as i128, row.1 as i128);
-        if !(0 <= first && first <= marker && 0 <= lso && lso <= marker + 1 && 0 <= producer_id
-             && producer_id <= PRODUCER_ID_MAX) {
+        if !((0..=marker).contains(&first) && (0..=marker + 1).contains(&lso)
+             && (0..=PRODUCER_ID_MAX).contains(&producer_id)) {
             return Some(format!("aborted transaction {} has fields out of range", name(row.0)));
         }
     }
@@ -1017,7 +1017,7 @@ impl TxnBuffer {
         let key = validate_txn(py, txn)?;
         let commit = TxnBuffer::is_commit(py, t, decision)?;
         let epoch = epoch?;
-        if !(0 <= epoch && epoch <= COORDINATOR_EPOCH_MAX) {
+        if !(0..=COORDINATOR_EPOCH_MAX).contains(&epoch) {
             return Err(assertion(coordinator_epoch.clone().unbind()));
         }
         let tc = tc_of(key);
