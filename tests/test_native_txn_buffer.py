@@ -136,7 +136,8 @@ def damaged(rng: random.Random, data: bytes) -> bytes:
         body[at] = rng.randrange(256)
     elif kind == 4:  # a count changed, resealed
         at = 32 + 4 * rng.randrange(4)
-        struct.pack_into("<I", body, at, (struct.unpack_from("<I", body, at)[0] + rng.choice([-1, 1])) % (1 << 32))
+        count = struct.unpack_from("<I", body, at)[0] + rng.choice([-1, 1])
+        struct.pack_into("<I", body, at, count % (1 << 32))
     else:  # version / reserved / covered offset
         at, layout = rng.choice([(4, "<H"), (6, "<H"), (8, "<q"), (16, "<q"), (24, "<q")])
         struct.pack_into(layout, body, at, rng.choice([0, 1, 2, 5, -1, 1 << 40]) % (
@@ -217,7 +218,8 @@ class Driver:
         records = rng.randint(1, 3)
         first, last = self.offset, self.offset + records - 1
         if rng.random() < 0.03:  # offsets that go back, or are out of range
-            first, last = rng.choice([(self.offset - 1, self.offset), (self.offset + 2, self.offset),
+            first, last = rng.choice([(self.offset - 1, self.offset),
+                                      (self.offset + 2, self.offset),
                                       (-1, 0), (self.offset, 1 << 63)])
         elif checked[0] != "ok" and rng.random() < 0.7:
             return
@@ -245,7 +247,8 @@ class Driver:
             marker_offset = self.offset if rng.random() > 0.02 else self.offset - 1
             done = pair.call("on_marker", txn, decision, epoch, marker_offset)
             if done[0] == "ok" or pair.py.last_applied_offset >= self.offset:
-                producer = (plan[1].producer_id, plan[1].producer_epoch) if plan[0] == "ok" else (0, 0)
+                producer = ((plan[1].producer_id, plan[1].producer_epoch) if plan[0] == "ok"
+                            else (0, 0))
                 if done[0] == "ok" and isinstance(decision, ControlType):
                     self.log.append((header(marker_offset, txn=txn, control=True,
                                             producer_id=producer[0], producer_epoch=producer[1]),
@@ -305,8 +308,8 @@ class Driver:
         index_start = pair.py.aborted_index_start
         for _ in range(3):
             start = rng.choice([index_start, index_start, rng.randint(0, self.offset + 1),
-                                rng.randint(index_start, self.offset + 2) if index_start <= self.offset + 2
-                                else index_start, -1])
+                                rng.randint(index_start, max(index_start, self.offset + 2)),
+                                -1])
             end = rng.choice([start, start + rng.randint(0, 6), self.offset, start - 1, 1 << 80])
             pair.call("aborted_in", start, end)
         for txn in rng.sample(self.known, min(3, len(self.known))) + [TxnId(2, 10_000)]:
@@ -396,7 +399,8 @@ def test_sequences_reach_every_outcome():
             if result[0] == "ok":
                 key = name
                 if name == "check_marker":
-                    key += ":" + result[1].action.name + (":ended" if result[1].already_ended else "")
+                    key += ":" + result[1].action.name + (
+                        ":ended" if result[1].already_ended else "")
             elif result[1] is AtomlogError:
                 key = f"{name}:{result[2]}"
             else:
