@@ -18,7 +18,8 @@ import crc32c
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from partition_server.record_batch import (
     ATTR_CONTROL,
@@ -40,14 +41,33 @@ from partition_server.txn_buffer import (
     MarkerAction,
     OpenTxn,
     SnapshotCorrupt,
-    TxnBuffer,
     TxnBufferLimits,
     decode_snapshot,
     encode_snapshot,
     parse_snapshot_file_name,
     snapshot_file_name,
 )
+from partition_server import native
+from partition_server.txn_buffer import TxnBuffer as PythonTxnBuffer
 from services.errors import REASONS, AtomlogError
+
+# Every test here runs on both implementations: the Python reference and its port in the
+# native core (partition_server/rust/src/txn_buffer.rs). `TxnBuffer` is the one under
+# test: the `implementation` fixture sets it for each test function, and the state
+# machine takes its class as an attribute (one TestCase per implementation, at the end).
+NativeTxnBuffer = getattr(native.core, "TxnBuffer", None)
+IMPLEMENTATIONS = [
+    pytest.param(PythonTxnBuffer, id="python"),
+    pytest.param(NativeTxnBuffer, id="native", marks=pytest.mark.skipif(
+        NativeTxnBuffer is None, reason=f"no native TxnBuffer: {native.status()}")),
+]
+TxnBuffer = PythonTxnBuffer
+
+
+@pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
+def implementation(request, monkeypatch):
+    monkeypatch.setitem(globals(), "TxnBuffer", request.param)
+    return request.param
 
 COMMIT, ABORT = ControlType.COMMIT, ControlType.ABORT
 NOW = 1_700_000_000_000
@@ -397,11 +417,13 @@ def test_commits_forgotten_out_of_order_leave_no_trace_in_snapshots_or_limits():
         assert [txn for txn, _ in state.committed].count(T1) == 1
         assert len(state.committed) == min(50, round_ + 2)
         assert buffer.snapshot(offset) == encode_snapshot(offset, state)
-        rows = buffer._committed_count() - buffer._committed_head
-        assert rows - len(state.committed) == buffer._committed_dead  # the dead ones
+        if TxnBuffer is PythonTxnBuffer:  # its private rows (the native keeps its own)
+            rows = buffer._committed_count() - buffer._committed_head
+            assert rows - len(state.committed) == buffer._committed_dead  # the dead ones
     assert buffer.metrics.anomalies_total == 119
     assert buffer.ended(T1) == (COMMIT, offset - 3)
-    assert buffer._committed_count() - buffer._committed_head <= 2 * 50 + 65
+    if TxnBuffer is PythonTxnBuffer:  # Python-only: its private rows
+        assert buffer._committed_count() - buffer._committed_head <= 2 * 50 + 65
     restored, _ = TxnBuffer.restore(buffer.snapshot(offset),
                                     TxnBufferLimits(max_remembered_commits=50))
     assert restored.state() == buffer.state()
@@ -412,7 +434,8 @@ def test_commits_forgotten_out_of_order_leave_no_trace_in_snapshots_or_limits():
     for offset in range(0, 800, 2):
         alone.apply_batch(header(offset, txn=T1))
         alone.apply_batch(header(offset + 1, txn=T1, control=True), ControlMarker(COMMIT, 3))
-        assert alone._committed_count() - alone._committed_head <= 1 + 65
+        if TxnBuffer is PythonTxnBuffer:  # Python-only: its private rows
+            assert alone._committed_count() - alone._committed_head <= 1 + 65
     assert alone.state().committed == ((T1, 799),)
     assert alone.snapshot(800) == encode_snapshot(800, alone.state())
 
@@ -496,9 +519,11 @@ def same_as_replay(live: TxnBuffer, recovered: TxnBuffer, log_start: int,
 
 
 class TxnBufferMachine(RuleBasedStateMachine):
+    buffer_class = PythonTxnBuffer  # the implementation under test
+
     def __init__(self) -> None:
         super().__init__()
-        self.buffer = TxnBuffer(LIMITS)
+        self.buffer = self.buffer_class(LIMITS)
         self.log: list[tuple[BatchHeader, ControlMarker | None]] = []  # all, even deleted
         self.log_end = 0
         self.high_watermark = 0
@@ -643,14 +668,14 @@ class TxnBufferMachine(RuleBasedStateMachine):
     def recover(self, use_snapshot: bool) -> tuple[TxnBuffer, bool]:
         if use_snapshot and self.snapshots:
             data, covered, generation = self.snapshots[-1]
-            buffer, covered_offset = TxnBuffer.restore(data, LIMITS)
+            buffer, covered_offset = self.buffer_class.restore(data, LIMITS)
             assert covered_offset == covered
             start = max(covered, self.log_start)
             replay([(h, m) for h, m in self.log if h.base_offset >= start], buffer)
             buffer.forget_below(self.log_start)
             exact = covered >= self.log_start and generation == self.generation
         else:
-            buffer = replay(self.retained())
+            buffer = replay(self.retained(), self.buffer_class(LIMITS))
             buffer.forget_below(self.log_start)
             exact = self.log_start == 0 and self.generation == 0
         buffer.on_durable(self.log_end)
@@ -747,7 +772,13 @@ class TxnBufferMachine(RuleBasedStateMachine):
         assert buffer.metrics.anomalies_total == 0
 
 
-TestTxnBufferMachine = TxnBufferMachine.TestCase
-TestTxnBufferMachine.settings = settings(max_examples=300, stateful_step_count=50,
-                                         deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow])
+MACHINE_SETTINGS = settings(max_examples=300, stateful_step_count=50, deadline=None,
+                            suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_state_machine():
+    """The machine on the implementation under test (a test function rather than the
+    machine's unittest TestCase, so that the implementation fixture parametrizes it)."""
+    machine = type(f"TxnBufferMachine_{TxnBuffer.__module__.replace('.', '_')}",
+                   (TxnBufferMachine,), {"buffer_class": TxnBuffer})
+    run_state_machine_as_test(machine, settings=MACHINE_SETTINGS)

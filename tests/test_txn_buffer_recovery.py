@@ -14,7 +14,8 @@ import threading
 
 import pytest
 
-from partition_server import txn_buffer
+from partition_server import native, txn_buffer
+from partition_server import owner as owner_module
 from partition_server.log import LogConfig
 from partition_server.owner import (Appended, Marker, MarkerResult, OwnerSettings,
                                     PartitionOwner, State, _marker_of)
@@ -56,9 +57,29 @@ async def end(owner: PartitionOwner, txn: TxnId, decision: ControlType):
     return result
 
 
+# Each test runs with the partition owner's buffer of either implementation: the Python
+# reference, or its port in the native core (partition_server/rust/src/txn_buffer.rs, put
+# in owner.py's place here). The oracle, full_replay, uses the same one.
+NativeTxnBuffer = getattr(native.core, "TxnBuffer", None)
+
+
+@pytest.fixture(autouse=True, params=[
+    pytest.param(TxnBuffer, id="python"),
+    pytest.param(NativeTxnBuffer, id="native", marks=pytest.mark.skipif(
+        NativeTxnBuffer is None, reason=f"no native TxnBuffer: {native.status()}"))])
+def buffer_class(request, monkeypatch):
+    monkeypatch.setattr(owner_module, "TxnBuffer", request.param)
+    monkeypatch.setitem(globals(), "BUFFER_CLASS", request.param)
+    return request.param
+
+
+BUFFER_CLASS = TxnBuffer
+
+
 def full_replay(owner: PartitionOwner) -> TxnBuffer:
     """The oracle: the buffer rebuilt from every batch of the log."""
-    buffer = TxnBuffer(SETTINGS.txn_limits)
+    assert type(owner.txns) is BUFFER_CLASS  # the owner runs the implementation under test
+    buffer = BUFFER_CLASS(SETTINGS.txn_limits)
     for header in owner.log.iter_headers(owner.log.log_start_offset):
         buffer.apply_batch(header, _marker_of(owner.log, header))
     buffer.forget_below(owner.log.log_start_offset)
