@@ -99,11 +99,19 @@ from partition_server.snapshot_files import SnapshotCorrupt, fsync_directory, wr
 from partition_server.subscriptions import PartitionSubscriptions
 from partition_server.txn_buffer import AbortedTxn, MarkerAction, TxnBuffer, TxnBufferLimits
 from partition_server.txn_guard import TxnGuard
+from partition_server import native
 from services import failpoints
 from services.errors import AtomlogError
 from services.logs import event
 
 log = logging.getLogger("atomlog.partition")
+
+if native.core is not None:
+    # The native core's copy of the transaction buffer (partition_server/rust/src/
+    # txn_buffer.rs): the Python class stays the reference, and
+    # tests/test_native_txn_buffer.py and tests/test_txn_buffer.py hold the two to the
+    # same answers, errors and snapshot bytes (docs/native-core.md).
+    TxnBuffer = native.core.TxnBuffer  # noqa: F811
 
 SNAPSHOTS_KEPT = 2
 
