@@ -23,6 +23,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 mod crc32c;
+mod producer_state;
 
 // The layout (record_batch.py's constants; its module doc has the table).
 const HEADER_SIZE: usize = 77;
@@ -1214,5 +1215,6 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(row_block, module)?)?;
     module.add_class::<CounterCell>()?;
     module.add_class::<HistogramCell>()?;
+    module.add_class::<producer_state::ProducerStateTable>()?;
     Ok(())
 }
