@@ -990,18 +990,14 @@ impl ProducerStateTable {
                 ));
             }
         };
-        // _after_batch
-        let verdict = judge(
-            match self.entries.get(&pid) {
-                Some(entry) if !idle_over(timestamp, entry.last_timestamp_ms, idle) => Some(entry),
-                _ => None,
-            },
-            epoch,
-            batch.base_sequence,
-            batch.last_sequence,
-        );
+        // _after_batch (one lookup of the producer on the way of an in-order batch)
+        let live = match self.entries.get_mut(&pid) {
+            Some(entry) if !idle_over(timestamp, entry.last_timestamp_ms, idle) => Some(entry),
+            _ => None,
+        };
+        let verdict = judge(live.as_deref(), epoch, batch.base_sequence, batch.last_sequence);
         if verdict == Verdict::InOrder {
-            let entry = self.entries.get_mut(&pid).expect("in order: a live entry");
+            let entry = live.expect("in order: a live entry");
             entry.epoch = epoch;
             entry.last_timestamp_ms = timestamp;
             entry.batches.push_back(batch);
