@@ -896,25 +896,16 @@ impl ProducerStateTable {
         control: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         // The reference's assertions, in its order.
-        let offsets = (wide(base_offset)?, wide(last_offset)?);
-        let (first, last) = match offsets {
+        let refused = || -> PyResult<PyErr> {
+            let args = pair(py, base_offset.clone().unbind(), last_offset.clone().unbind())?;
+            Ok(assertion(py, args))
+        };
+        let (first, last) = match (wide(base_offset)?, wide(last_offset)?) {
             (Some(first), Some(last)) if 0 <= first && first <= last => (first, last),
-            (Some(first), _) if first < 0 => {
-                let args = pair(py, base_offset.clone().unbind(), last_offset.clone().unbind())?;
-                return Err(assertion(py, args));
-            }
-            (Some(_), Some(_)) => {
-                let args = pair(py, base_offset.clone().unbind(), last_offset.clone().unbind())?;
-                return Err(assertion(py, args));
-            }
-            (Some(_), None) if last_offset.lt(0)? => {
-                let args = pair(py, base_offset.clone().unbind(), last_offset.clone().unbind())?;
-                return Err(assertion(py, args));
-            }
-            (None, _) if base_offset.lt(0)? => {
-                let args = pair(py, base_offset.clone().unbind(), last_offset.clone().unbind())?;
-                return Err(assertion(py, args));
-            }
+            (Some(_), Some(_)) => return Err(refused()?),
+            // (None: an int beyond i128, refused when negative, else beyond this table)
+            (Some(first), None) if first < 0 || last_offset.lt(0)? => return Err(refused()?),
+            (None, _) if base_offset.lt(0)? => return Err(refused()?),
             _ => {
                 return Err(PyOverflowError::new_err(
                     "partition_server._native.ProducerStateTable holds offsets within 128 bits",
