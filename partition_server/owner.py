@@ -107,11 +107,13 @@ from services.logs import event
 log = logging.getLogger("atomlog.partition")
 
 if native.core is not None:
-    # The native core's copy of the transaction buffer (partition_server/rust/src/
-    # txn_buffer.rs): the Python class stays the reference, and
-    # tests/test_native_txn_buffer.py and tests/test_txn_buffer.py hold the two to the
-    # same answers, errors and snapshot bytes (docs/native-core.md).
+    # The native core's copies of the transaction buffer and the producer state
+    # (partition_server/rust/src/txn_buffer.rs, producer_state.rs): the Python classes
+    # stay the reference; tests/test_native_txn_buffer.py, test_native_producer_state.py,
+    # test_txn_buffer.py and test_producer_state.py hold each pair to the same answers,
+    # errors and snapshot bytes (docs/native-core.md).
     TxnBuffer = native.core.TxnBuffer  # noqa: F811
+    ProducerStateTable = native.core.ProducerStateTable  # noqa: F811
 
 SNAPSHOTS_KEPT = 2
 

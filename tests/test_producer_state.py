@@ -6,6 +6,11 @@ compares every decision and the whole table with a simple reference model, and c
 that a full replay of the log's headers, and every snapshot plus the headers after it,
 rebuild the live table. Scripted tests cover each error reason and message, sequence
 wrap-around, the table limit and snapshot corruption.
+
+Every test runs on both tables: the Python reference (producer_state.ProducerStateTable)
+and the native core's copy (partition_server._native.ProducerStateTable), which is skipped
+when the native core is not loaded (ATOMLOG_NATIVE=require makes that an error instead).
+tests/test_native_producer_state.py compares the two step by step.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from partition_server import native, producer_state
 from partition_server.producer_state import (
     APPEND, SEQUENCE_MAX, SEQUENCE_MODULUS, SNAPSHOT_VERSION, BatchMetadata, Duplicate,
     ProducerEntry, ProducerStateTable, SnapshotCorrupt, Verdict, _ACCEPTED, _REJECTIONS,
@@ -37,6 +43,34 @@ RECORD_COUNTS = st.sampled_from([1, 2, 3, 1 << 29, (1 << 30) + 1, SEQUENCE_MAX])
 SHORT_DELAYS_MS = st.sampled_from([0, 1, 7, 300])
 LONG_DELAYS_MS = st.sampled_from([300, IDLE_EXPIRY_MS, IDLE_EXPIRY_MS + 1, 3 * IDLE_EXPIRY_MS])
 MAX_PENDING = 8
+
+# The two implementations; `ProducerStateTable` (this module's global, used by every test
+# and helper below) is set to each in turn by the `implementation` fixture.
+PYTHON_TABLE = producer_state.ProducerStateTable
+NATIVE_TABLE = getattr(native.core, "ProducerStateTable", None)
+IMPLEMENTATIONS = {"python": PYTHON_TABLE, "native": NATIVE_TABLE}
+
+
+def table_type_of(name: str) -> type:
+    table_type = IMPLEMENTATIONS[name]
+    if table_type is None:
+        pytest.skip(f"the native core is not loaded: {native.status()}")
+    return table_type
+
+
+def pytest_generate_tests(metafunc):
+    # Each test function once per implementation. (The state machines below are
+    # unittest TestCases, which take no parametrized fixture: one class per table.)
+    if "implementation" in metafunc.fixturenames:
+        metafunc.parametrize("implementation", sorted(IMPLEMENTATIONS), indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def implementation(request, monkeypatch):
+    """Runs the test with ProducerStateTable set to the implementation of its parameter."""
+    name = getattr(request, "param", "python")
+    monkeypatch.setitem(globals(), "ProducerStateTable", table_type_of(name))
+    return name
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,17 +176,20 @@ class Client:
     acked: list[SentBatch] = field(default_factory=list)    # answered (a retry = lost reply)
 
 
-def replay(headers, table: ProducerStateTable | None = None) -> ProducerStateTable:
-    table = table or ProducerStateTable(MAX_PRODUCERS, IDLE_EXPIRY_MS, WINDOW)
+def replay(headers, table: ProducerStateTable | None = None,
+           table_type: type | None = None) -> ProducerStateTable:
+    table = table or (table_type or ProducerStateTable)(MAX_PRODUCERS, IDLE_EXPIRY_MS, WINDOW)
     for header, control in headers:
         table.apply(*header, control=control)
     return table
 
 
 class ProducerStateMachine(RuleBasedStateMachine):
+    table_type: type = PYTHON_TABLE  # the implementation under test (a subclass: native)
+
     def __init__(self) -> None:
         super().__init__()
-        self.table = ProducerStateTable(MAX_PRODUCERS, IDLE_EXPIRY_MS, WINDOW)
+        self.table = self.table_type(MAX_PRODUCERS, IDLE_EXPIRY_MS, WINDOW)
         self.model = Model()
         self.clients = {pid: Client(pid) for pid in PRODUCER_IDS}
         self.now_ms = 1_000_000
@@ -244,7 +281,7 @@ class ProducerStateMachine(RuleBasedStateMachine):
         live = self.model.live_ids(self.now_ms)
         assert not set(expired) & live
         assert set(self.table.entries()) == live
-        replayed = replay(self.headers)
+        replayed = replay(self.headers, table_type=self.table_type)
         replayed.expire(self.now_ms)
         assert dict(replayed.entries()) == dict(self.table.entries())
 
@@ -277,14 +314,14 @@ class ProducerStateMachine(RuleBasedStateMachine):
 
     @invariant()
     def full_replay_equals_live(self):
-        replayed = replay(self.headers)
+        replayed = replay(self.headers, table_type=self.table_type)
         assert replayed.live_entries(self.now_ms) == self.table.live_entries(self.now_ms)
         assert replayed.metrics.anomalies_total == 0
 
     @invariant()
     def snapshot_plus_tail_equals_live(self):
         for data, covered, index in self.snapshots:
-            restored, covered_offset = ProducerStateTable.restore(
+            restored, covered_offset = self.table_type.restore(
                 data, MAX_PRODUCERS, IDLE_EXPIRY_MS, WINDOW)
             assert covered_offset == covered
             replay(self.headers[index:], restored)
@@ -356,6 +393,18 @@ ProducerStateMachine.TestCase.settings = settings(
     max_examples=400, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestProducerStateMachine = ProducerStateMachine.TestCase
+
+
+class NativeProducerStateMachine(ProducerStateMachine):
+    """The same machine on the native table."""
+
+    table_type = NATIVE_TABLE
+
+
+NativeProducerStateMachine.TestCase.settings = ProducerStateMachine.TestCase.settings
+TestNativeProducerStateMachine = pytest.mark.skipif(
+    NATIVE_TABLE is None, reason=f"the native core is not loaded: {native.status()}")(
+    NativeProducerStateMachine.TestCase)
 
 
 # ---------------------------------------------------------------------------------------
@@ -653,6 +702,8 @@ def test_every_bit_flip_is_detected():
         flipped[index // 8] ^= 1 << (index % 8)
         with pytest.raises(SnapshotCorrupt):
             decode_snapshot(bytes(flipped))
+        with pytest.raises(SnapshotCorrupt):
+            ProducerStateTable.restore(bytes(flipped), 10, IDLE_EXPIRY_MS)
 
 
 def test_every_truncation_and_extension_is_detected():
@@ -660,8 +711,12 @@ def test_every_truncation_and_extension_is_detected():
     for length in range(len(data)):
         with pytest.raises(SnapshotCorrupt):
             decode_snapshot(data[:length])
+        with pytest.raises(SnapshotCorrupt):
+            ProducerStateTable.restore(data[:length], 10, IDLE_EXPIRY_MS)
     with pytest.raises(SnapshotCorrupt):
         decode_snapshot(data + b"\0")
+    with pytest.raises(SnapshotCorrupt):
+        ProducerStateTable.restore(data + b"\0", 10, IDLE_EXPIRY_MS)
 
 
 def reseal(body: bytes) -> bytes:

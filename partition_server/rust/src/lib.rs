@@ -23,6 +23,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 mod crc32c;
+mod producer_state;
 mod txn_buffer;
 
 // The layout (record_batch.py's constants; its module doc has the table).
@@ -1215,6 +1216,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(row_block, module)?)?;
     module.add_class::<CounterCell>()?;
     module.add_class::<HistogramCell>()?;
+    module.add_class::<producer_state::ProducerStateTable>()?;
     module.add_class::<txn_buffer::TxnBuffer>()?;
     Ok(())
 }
