@@ -104,6 +104,9 @@ IDLE_TIMEOUT_S = 120.0
 JOIN_BYTES = 256 << 10
 # After a failed connect, a follower uses gRPC for this long before trying the link again.
 RETRY_LINK_AFTER_S = 10.0
+# A call past its deadline ends within this much more, on either side (LinkServer._sweep
+# and CallLink._sweep: one timer per link while calls are under way, not one per call).
+CALL_SWEEP_S = 0.025
 # Room beside the records in an answer frame (positions, epochs, cursor state headers).
 ANSWER_OVERHEAD_BYTES = 1 << 20
 
@@ -144,6 +147,11 @@ class LinkServer:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
         self._held_bytes = 0  # request frames being read or answered, over every connection
+        # Calls under way with a deadline, by the task running each (`_call`), the ones
+        # `_sweep` cancelled for passing it, and the sweep's timer while there are any.
+        self._deadlines: dict[asyncio.Task, float] = {}
+        self._expired: set[asyncio.Task] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def serve(self, service: str, servicer) -> None:
         """The link answers `service`'s methods in CALL_METHODS (and, for the
@@ -160,6 +168,9 @@ class LinkServer:
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._server is not None:
             self._server.close()
         for task in list(self._connections):
@@ -406,17 +417,27 @@ class LinkServer:
             return KIND_ERROR, _error_bytes(error)
         LINK_CALLS.labels(full_name).inc()
         timeout_s = timeout_ms / 1000 if timeout_ms else None
+        task = asyncio.current_task()
+        cancelling = task.cancelling()
+        if timeout_s is not None:  # (`_sweep` cancels the call at its deadline)
+            loop = asyncio.get_running_loop()
+            self._deadlines[task] = loop.time() + timeout_s
+            if self._sweeper is None:
+                self._sweeper = loop.call_later(CALL_SWEEP_S, self._sweep)
         try:
             handler = self.interceptor.wrapped(full_name, getattr(servicer, method.name))
-            async with asyncio.timeout(timeout_s):
-                answer = await handler(request, _CallContext(token, peer, timeout_s,
-                                                             auth_context, reader))
+            answer = await handler(request, _CallContext(token, peer, timeout_s,
+                                                         auth_context, reader))
             return KIND_ANSWER, answer.SerializeToString()
+        except asyncio.CancelledError:
+            # Its deadline passed (and nothing else cancelled the task meanwhile, as
+            # asyncio.timeout has it): an error frame; else the cancellation goes on.
+            if task in self._expired and task.uncancel() <= cancelling:
+                return KIND_ERROR, _error_bytes(AtomlogError(
+                    "REQUEST_TIMED_OUT", f"{full_name} (link) took longer than its deadline"))
+            raise
         except _Aborted as aborted:
             return KIND_ERROR, _error_bytes(from_rpc_error(aborted))
-        except TimeoutError:
-            return KIND_ERROR, _error_bytes(AtomlogError(
-                "REQUEST_TIMED_OUT", f"{full_name} (link) took longer than its deadline"))
         except AtomlogError as error:
             return KIND_ERROR, _error_bytes(error)
         except Exception as unhandled:  # noqa: BLE001 — a bug: an error frame, as on gRPC
@@ -426,6 +447,26 @@ class LinkServer:
             if error.reason == "INTERNAL":
                 log.exception("unhandled error in a call on the link")
             return KIND_ERROR, _error_bytes(error)
+        finally:
+            if timeout_s is not None:
+                self._deadlines.pop(task, None)
+                self._expired.discard(task)
+
+    def _sweep(self) -> None:
+        """Cancel the calls past their deadline (`_call` answers them
+        REQUEST_TIMED_OUT), every CALL_SWEEP_S while calls with one are under way: one
+        timer for the link, not an asyncio.timeout (its timer in the loop's heap, and
+        the heap's comparisons to take it out) a call."""
+        self._sweeper = None
+        if not self._deadlines:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for task, deadline in list(self._deadlines.items()):
+            if deadline <= now and task not in self._expired:
+                self._expired.add(task)
+                task.cancel()
+        self._sweeper = loop.call_later(CALL_SWEEP_S, self._sweep)
 
     def _authenticate(self, token: str, peer: str, auth_context: dict) -> auth.Principal:
         """As the gRPC interceptor authenticates a call: the token as its `authorization`
@@ -756,9 +797,6 @@ def _closed_by_server(error: BaseException) -> bool:
 # -------------------------------------------------------------------------- coordinator side
 MAX_CALL_CONNECTIONS = 8  # per partition server: more calls at once go over gRPC
 CALL_IDLE_S = IDLE_TIMEOUT_S / 2  # a kept connection unused this long is closed, not used
-# A call past its deadline fails within this much more (CallLink._sweep: one timer per
-# link while calls are under way, not one per call).
-CALL_SWEEP_S = 0.025
 LENGTH_SIZE = HEAD.size - 1  # an answer frame's length field (the length counts the kind)
 CALL_FALLBACKS = Counter("atomlog_link_call_fallbacks_total",
                          "Calls this server sent over gRPC because the other server's link "

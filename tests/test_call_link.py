@@ -279,3 +279,85 @@ def test_an_answer_error_is_an_atomlog_error_with_its_metadata():
         assert error.metadata.get("current_epoch") == "4"
 
     run(script, scenario)
+
+
+# ------------------------------------------------------------------ the server's side
+
+class SlowServicer:
+    """StageTxn answers after the request's first item's coordinator_epoch in ms."""
+
+    def __init__(self):
+        self.cancelled = 0
+
+    async def StageTxn(self, request, context):
+        try:
+            await asyncio.sleep(request.items[0].coordinator_epoch / 1000 if request.items
+                                else 0)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return partition_pb2.StageTxnResponse(results=[partition_pb2.StageTxnResult()])
+
+
+class Bare:
+    authenticator = None
+    authorizer = None
+
+    @staticmethod
+    def wrapped(_full_name, method):
+        return method
+
+
+def stage_frame(delay_ms: int, timeout_s: float | None) -> bytes:
+    from services.link_wire import CALL_NUMBERS, call_frame
+    request = partition_pb2.StageTxnRequest(
+        items=[partition_pb2.StageTxnItem(coordinator_epoch=delay_ms)])
+    return call_frame(CALL_NUMBERS["PartitionService", "StageTxn"], timeout_s, b"", request)
+
+
+async def read_answer(reader) -> tuple[int, bytes]:
+    length, kind = HEAD.unpack(await asyncio.wait_for(reader.readexactly(HEAD.size), 5))
+    return kind, await reader.readexactly(length - 1)
+
+
+@pytest.mark.parametrize("magic", [MAGIC, copy_link.MAGIC_PIPELINED],
+                         ids=["one-at-a-time", "pipelined"])
+def test_the_server_answers_a_call_past_its_deadline_request_timed_out(magic):
+    """The link server's sweep cancels a call at its deadline (the frame's timeout) and
+    answers REQUEST_TIMED_OUT, within CALL_SWEEP_S more; the connection goes on: the
+    next call (on a pipelined connection, one sent behind it) is answered, a call with
+    no timeout is never cut, and the sweep stops once no call with a deadline is under
+    way."""
+    async def main():
+        servicer = SlowServicer()
+        server = copy_link.LinkServer(Bare(), "127.0.0.1", 0)
+        server.serve("PartitionService", servicer)
+        port = await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(magic)
+            began = time.monotonic()
+            writer.write(stage_frame(3000, 0.3))
+            if magic == copy_link.MAGIC_PIPELINED:
+                writer.write(stage_frame(0, 5))
+            kind, payload = await read_answer(reader)
+            took = time.monotonic() - began
+            assert kind == KIND_ERROR
+            error = partition_pb2.ItemError.FromString(payload)
+            assert error.reason == "REQUEST_TIMED_OUT", error
+            assert 0.3 <= took < 0.3 + copy_link.CALL_SWEEP_S + 0.3, took
+            assert servicer.cancelled == 1
+            if magic == copy_link.MAGIC:
+                writer.write(stage_frame(0, 5))
+            kind, payload = await read_answer(reader)
+            assert kind == KIND_ANSWER
+            writer.write(stage_frame(400, None))  # no deadline: answered whenever
+            kind, _ = await read_answer(reader)
+            assert kind == KIND_ANSWER and servicer.cancelled == 1
+            await asyncio.sleep(3 * copy_link.CALL_SWEEP_S)
+            assert server._sweeper is None and not server._deadlines and not server._expired
+        finally:
+            writer.close()
+            await server.close()
+
+    asyncio.run(main())
