@@ -73,6 +73,11 @@ class PartitionRoutes:
             self._stubs.retain(current)
             self._links.retain(current)
 
+    def cached_partition_count(self, topic: str) -> int | None:
+        """Partitions of a topic as cached (None: not cached, ask `partition_count`)."""
+        owners = self._owners.get(topic)
+        return None if owners is None else len(owners)
+
     async def partition_count(self, topic: str) -> int | None:
         """Partitions of a topic (None: unknown), refreshing once when it is not cached."""
         if topic not in self._owners:

@@ -248,18 +248,25 @@ class Coordinator:
         tp_errors: list[AtomlogError | None] = []
         sp_errors: list[AtomlogError | None] = []
         for proto in topic_partitions:
-            target, error = await self._target(proto, None)
+            target, error = self._target(proto, None)
+            if target is _LOOK_UP:
+                target, error = await self._looked_up(proto, None)
             tp_errors.append(error)
             if target is not None:
                 topics.append(target)
         for proto in subscription_partitions:
-            target, error = await self._target(proto, proto.subscription)
+            target, error = self._target(proto, proto.subscription)
+            if target is _LOOK_UP:
+                target, error = await self._looked_up(proto, proto.subscription)
             sp_errors.append(error)
             if target is not None:
                 subscriptions.append(target)
         return topics, subscriptions, tp_errors, sp_errors
 
-    async def _target(self, proto, subscription: str | None):
+    def _target(self, proto, subscription: str | None):
+        """(target, None), (None, why), or (_LOOK_UP, None) when the routes' cache does
+        not know the topic (`_looked_up` then asks: a coroutine only then, not one per
+        partition of every commit)."""
         try:
             target = (TopicPartition(proto.topic, proto.partition) if subscription is None
                       else SubscriptionPartition(proto.topic, proto.partition, subscription))
@@ -274,14 +281,29 @@ class Coordinator:
             return None, _invalid(str(error))
         except AtomlogError as error:
             return None, error
-        count = await self.routes.partition_count(proto.topic)
-        if count is None or proto.partition >= count:
-            return None, AtomlogError(
-                "UNKNOWN_TOPIC_OR_PARTITION",
-                f"{proto.topic}/{proto.partition} does not exist"
-                + ("" if count is None else f" (the topic has {count} partitions)"),
-                {"topic": proto.topic, "partition": str(proto.partition)})
-        return target, None
+        count = self.routes.cached_partition_count(proto.topic)
+        if count is None:
+            return _LOOK_UP, None
+        return _within(proto, target, count)
+
+    async def _looked_up(self, proto, subscription: str | None):
+        target = (TopicPartition(proto.topic, proto.partition) if subscription is None
+                  else SubscriptionPartition(proto.topic, proto.partition, subscription))
+        return _within(proto, target, await self.routes.partition_count(proto.topic))
+
+
+_LOOK_UP = object()  # _target: the topic's partition count is not cached
+
+
+def _within(proto, target, count: int | None):
+    """(target, None) when the topic has the partition, else (None, why)."""
+    if count is None or proto.partition >= count:
+        return None, AtomlogError(
+            "UNKNOWN_TOPIC_OR_PARTITION",
+            f"{proto.topic}/{proto.partition} does not exist"
+            + ("" if count is None else f" (the topic has {count} partitions)"),
+            {"topic": proto.topic, "partition": str(proto.partition)})
+    return target, None
 
 
 def _merge(requested: list[AtomlogError | None], core_results) -> list:
