@@ -362,6 +362,10 @@ class Producer:
         # One-call transactions holding records of this producer, in the order of their
         # first record (flush switches them in that order: send order per partition).
         self._kept_by = KeptBy()
+        # The transaction whose record send() kept last, remembered by _kept_by already
+        # (the next record of the same transaction skips remember()). A strong reference:
+        # it is dropped when another transaction keeps a record.
+        self._kept_last = None
         self._closed = False
         self._sender = threading.Thread(target=self._run, name="atomlog-producer", daemon=True)
         self._sender.start()
@@ -432,9 +436,11 @@ class Producer:
         return self._epoch
 
     # ------------------------------------------------------------------ user API
-    def _check_sendable(self, txn) -> None:
-        """Refuse a send to a closed producer, or in a transaction it may not write to;
-        before a send outside a transaction, re-initialize the session if it needs it."""
+    def _check_sendable(self, txn, accepting: bool = True) -> None:
+        """Refuse a send to a closed producer, or in a transaction it may not write to
+        (`accepting`: that it still takes sends too; a one-call transaction's
+        keep_record checks that itself); before a send outside a transaction,
+        re-initialize the session if it needs it."""
         if self._closed:
             raise RuntimeError("producer is closed")
         if txn is None:
@@ -446,7 +452,8 @@ class Producer:
                     txn.session.producer_epoch != self._session.producer_epoch:
                 raise errors.ProducerFenced("the transaction belongs to an older session of "
                                             "this producer")
-            txn._check_accepting()
+            if accepting:
+                txn._check_accepting()
 
     def send(self, topic: str, value: bytes | str | None, key: bytes | str | None = None,
              partition: int | None = None, headers: dict | list | None = None,
@@ -454,7 +461,8 @@ class Producer:
         """Queue one record; the future's result is RecordMetadata(topic, partition, offset).
         With txn, the record is part of that transaction (visible to read_committed
         readers only once it commits; commit() waits for it)."""
-        self._check_sendable(txn)
+        one_call = txn is not None and txn._kept is not None  # (Transaction.one_call)
+        self._check_sendable(txn, accepting=not one_call)
         if type(key) is not bytes:
             key = _bytes(key)
         if type(value) is not bytes:
@@ -474,17 +482,20 @@ class Producer:
         elif not 0 <= partition < count:
             raise errors.UnknownTopicOrPartition(
                 f"topic {topic!r} has {count} partitions; no partition {partition}")
-        if txn is not None and txn.one_call:
+        if one_call:
             # Kept by the transaction for its one-call commit (not under this producer's
             # lock: a transaction that switches hands records back through _adopt).
             if partition is None:
                 partition = self._sticky.get(topic)
                 if partition is None or partition >= count:
                     partition = self._sticky[topic] = next(self._round_robin) % count
-            future = txn.keep_record(self, topic, partition, record, size)
+            future = txn.keep_record(self, topic, partition, size, record)
             if future is not None:
-                self._kept_by.remember(txn)
+                if self._kept_last is not txn:  # (the KeptBy has it already otherwise)
+                    self._kept_by.remember(txn)
+                    self._kept_last = txn
                 return future
+            txn._check_accepting()  # (it switched: sent as any transaction's record)
         with self._lock:
             self._wait_for_room(size)
             if partition is None:  # sticky: keyless records fill one partition's batch

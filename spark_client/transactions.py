@@ -360,23 +360,20 @@ class Transaction:
             kept = self._kept
             return 0 if kept is None else max(0, kept.limit - kept.size)
 
-    def keep_record(self, producer, topic: str, partition: int, record, size: int):
-        """Keep a record of producer.send(..., txn=self) for the one-call commit: its
-        future (a RecordFuture), or None when the transaction is not (or no longer)
-        one-call — then the producer sends it as usual. A record that would pass the
-        bound switches the transaction first."""
-        return self._keep(producer, topic, partition, size, record=record)
-
     def keep_chunk(self, producer, topic: str, chunk):
         """keep_record for a chunk of producer.send_batch(..., txn=self) (columns.Chunk),
         kept whole as columns: the future of its first record, or None."""
-        return self._keep(producer, topic, chunk.partition, chunk.size, chunk=chunk)
+        return self.keep_record(producer, topic, chunk.partition, chunk.size, chunk=chunk)
 
-    def _keep(self, producer, topic: str, partition: int, size: int, record=None,
-              chunk=None):
-        """Keep `record` (or `chunk`) if `size` more bytes fit the one-call bound and the
-        partition's batch: the RecordFuture of its index; else the transaction switches
-        (if it still keeps) and None."""
+    def keep_record(self, producer, topic: str, partition: int, size: int, record=None,
+                    chunk=None):
+        """Keep a record of producer.send(..., txn=self) (or a `chunk` of send_batch) for
+        the one-call commit if `size` more bytes fit the one-call bound and the
+        partition's batch: its future (the RecordFuture of its index). Else None, when
+        the transaction is not (or no longer) one-call, and the producer sends it as
+        usual: a record that would pass the bound switches the transaction first. Raises
+        TRANSACTION_NOT_OPEN when the transaction takes no more sends (the producer
+        checks that itself only for what it sends)."""
         RecordFuture, _Outcome = _PRODUCER_TYPES or _producer_types()
         with self._switch_lock:
             kept = self._kept
