@@ -16,7 +16,8 @@ from partition_server.record_batch import TxnId
 from partition_server.txn_guard import DEFAULT_MAX_CACHED, DEFAULT_MAX_ENDED, TxnGuard, Verified
 
 NativeGuard = getattr(native.core, "TxnGuard", None)
-pytestmark = pytest.mark.skipif(NativeGuard is None, reason=f"no native TxnGuard: {native.status()}")
+pytestmark = pytest.mark.skipif(NativeGuard is None,
+                                reason=f"no native TxnGuard: {native.status()}")
 
 SEEDS = int(os.environ.get("ATOMLOG_GUARD_DIFF_SEEDS", "200"))
 

@@ -27,7 +27,8 @@ from partition_server.record_batch import (ControlType, Record, TxnId, encode_ba
                                            parse_header, stamp_transaction)
 from partition_server.txn_buffer import TxnBuffer, TxnBufferLimits
 from partition_server.txn_guard import TxnGuard
-from partition_server.write_step import Appended, Marker, MarkerResult, _MarkerWork, _ResolveWork, _Work
+from partition_server.write_step import (Appended, Marker, MarkerResult, _MarkerWork,
+                                         _ResolveWork, _Work)
 from services.errors import AtomlogError
 
 core = native.core
@@ -246,3 +247,31 @@ def test_a_marker_writes_the_reference_s_control_batch():
         decisions.append(decided)
     assert ([batch_key(i) for i in decisions[0].accepted]
             == [batch_key(i) for i in decisions[1].accepted])
+
+
+def test_a_failing_epoch_lookup_refuses_the_stage_on_both():
+    scenario = Scenario(random.Random(3))
+    specs = [("stage", scenario.staged_batch(TxnId(1, 1)), TxnId(1, 1), 0),
+             ("stage", scenario.staged_batch(TxnId(1, 2)), TxnId(1, 2), 0)]
+
+    def lookup(tc: int) -> int:
+        raise AtomlogError("PARTITION_LOADING", f"epochs of {tc} not known yet",
+                           {"retry_after_ms": "10"})
+
+    answers = []
+    for side, decide in ((tables(False, 10), write_step.decide),
+                         (tables(True, 10), decide_native)):
+        group = works(specs)
+        decided = decide(group, NOW, 7, None, *side, NAME, lookup)
+        answers.append(([result_key(r) for w in group for r in w.results], decided[1:]))
+        assert decided.accepted == [] and decided.next_offset == 7
+    assert answers[0] == answers[1]
+    assert answers[0][0][0][2] == "PARTITION_LOADING"
+
+
+def test_owners_take_the_native_step_on_the_native_tables(tmp_path):
+    from partition_server import owner as owner_module
+    assert owner_module._native_decide is decide_native
+    assert owner_module.TxnGuard is core.TxnGuard
+    assert owner_module.TxnBuffer is core.TxnBuffer
+    assert owner_module.ProducerStateTable is core.ProducerStateTable
