@@ -99,7 +99,9 @@ from partition_server.snapshot_files import SnapshotCorrupt, fsync_directory, wr
 from partition_server.subscriptions import PartitionSubscriptions
 from partition_server.txn_buffer import AbortedTxn, MarkerAction, TxnBuffer, TxnBufferLimits
 from partition_server.txn_guard import TxnGuard
-from partition_server import native
+from partition_server import native, write_step
+from partition_server.write_step import (Appended, Marker, MarkerResult, _MarkerWork,  # noqa: F401
+                                         _Queued, _ResolveWork, _Work)
 from services import failpoints
 from services.errors import AtomlogError
 from services.logs import event
@@ -114,6 +116,15 @@ if native.core is not None:
     # errors and snapshot bytes (docs/native-core.md).
     TxnBuffer = native.core.TxnBuffer  # noqa: F811
     ProducerStateTable = native.core.ProducerStateTable  # noqa: F811
+
+# The native write step (partition_server/rust/src/write_step.rs; write_step.py is the
+# reference, tests/test_native_write_step.py holds the two together) and the native
+# late-write guard (txn_guard.rs): used together, on the native tables only (see _decide).
+_native_decide = _NativeTxnBuffer = _NativeProducers = _NativeGuard = None
+if native.core is not None and hasattr(native.core, "decide_write_step"):
+    TxnGuard = native.core.TxnGuard  # noqa: F811
+    _NativeTxnBuffer, _NativeProducers = native.core.TxnBuffer, native.core.ProducerStateTable
+    _NativeGuard, _native_decide = native.core.TxnGuard, native.core.decide_write_step
 
 SNAPSHOTS_KEPT = 2
 
@@ -196,64 +207,6 @@ class OwnerSettings:
     cursor_limits: CursorStoreLimits = field(default_factory=CursorStoreLimits)
 
 
-@dataclass
-class Appended:
-    base_offset: int
-    last_offset: int
-    log_append_time_ms: int
-    duplicate: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class MarkerResult:
-    marker_offset: int  # -1: nothing written
-    already_ended: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Marker:
-    txn: TxnId
-    decision: ControlType
-    coordinator_epoch: int
-
-
-@dataclass
-class _Work:
-    batches: list[tuple[bytes, BatchHeader]]
-    # Per batch: its verification token (transactional ones), None (not verified), or
-    # the error its verification failed with: the owner raises it only if the batch is
-    # new (a retry of a batch written before is answered as the duplicate it is).
-    tokens: list[int | AtomlogError | None] | None
-    future: asyncio.Future
-    results: list = field(default_factory=list)
-    size: int = 0  # bytes of its batches
-    # A one-call transaction's staged batch (its coordinator vouches: no verification;
-    # deduplicated by transaction: a repeated stage answers the open one's offsets),
-    # and the coordinator epoch it was staged with (checked in the write step).
-    staged: TxnId | None = None
-    stage_epoch: int = 0
-
-
-@dataclass
-class _MarkerWork:
-    markers: list[Marker]
-    future: asyncio.Future
-    results: list = field(default_factory=list)
-    size: int = 0  # at most this many bytes of control batches (MARKER_BATCH_BYTES each)
-
-
-@dataclass
-class _ResolveWork:
-    """ResolveStaged's question about one transaction: answered in the write step, in
-    queue order, and given once the flush covering everything before it has ended."""
-
-    txn: TxnId
-    future: asyncio.Future
-    results: list = field(default_factory=list)
-    size: int = 0  # writes nothing
-
-
-_Queued = _Work | _MarkerWork | _ResolveWork  # what the owner's queue holds
 
 # The bytes one marker's control batch takes in the log (the same for every marker).
 MARKER_BATCH_BYTES = len(control_batch_parsed(ControlType.COMMIT, txn=(0, 1),
@@ -943,15 +896,8 @@ class PartitionOwner:
         current epoch of its TC partition here. Called in the step that appends the
         stage (the owner's write step, the cursor store's change), so no fence can come
         between the check and the append."""
-        current = self.current_coordinator_epoch(txn.tc_partition)
-        if epoch < current:
-            raise AtomlogError(
-                "STALE_COORDINATOR_EPOCH",
-                f"{what} of {txn.tc_partition}:{txn.sequence} on {self.name} has "
-                f"coordinator epoch {epoch}; the current one of TC partition "
-                f"{txn.tc_partition} is {current}",
-                {"tc_partition": txn.tc_partition, "coordinator_epoch": epoch,
-                 "current_coordinator_epoch": current})
+        write_step.check_stage_epoch(self.name, self.txns, self._coordinator_epoch, txn,
+                                     epoch, what)
 
     def current_coordinator_epoch(self, tc_partition: int) -> int:
         """The epoch below which a stage of the TC partition is stale here: the server's
@@ -1239,72 +1185,26 @@ class PartitionOwner:
                 return
         self._unflushed.extend(group)  # first: a failure below fails the group too
         self._stamp_ms = now = max(self._stamp_ms, _wall_ms())
-        accepted: list[tuple[bytes, BatchHeader]] = []
-        expected_bases: list[int] = []
-        next_offset = self.log.log_end_offset
-        table, txns = self.producers, self.txns
-        check, apply = table.check, table.apply
         # Too few in-sync replicas: new batches are refused (nothing written), retries of
         # written ones still answered as duplicates, so a refusal always means "not in the
         # log" (a client may give a refused batch's sequence numbers to the next one).
         too_few = (self.replication.not_enough_replicas()
                    if self.replication is not None else None)
-        duplicates = records = appended_bytes = 0
-        for work in group:
-            results = work.results
-            if isinstance(work, _MarkerWork):
-                for marker in work.markers:
-                    try:
-                        framed = self._marker(marker, next_offset, now, results)
-                    except AtomlogError as error:
-                        results.append(error)
-                        continue
-                    if framed is not None:
-                        accepted.append(framed)
-                        expected_bases.append(next_offset)
-                        next_offset += 1
-                continue
-            if isinstance(work, _ResolveWork):
-                results.append(self._staged_here(work.txn))
-                continue
-            if work.staged is not None:
-                refusal = self._check_stage(work.staged, work.stage_epoch)
-                if refusal is not None:
-                    results.append(refusal)
-                    continue
-            tokens = work.tokens
-            for index, item in enumerate(work.batches):
-                header = item[1]
-                try:
-                    decision = check(header.producer_id, header.producer_epoch,
-                                     header.base_sequence, header.record_count, now)
-                    if (decision is APPEND and header.attributes & ATTR_TRANSACTIONAL
-                            and work.staged is None):
-                        self._check_transactional(header, tokens[index] if tokens else None)
-                except AtomlogError as error:
-                    results.append(error)
-                    continue
-                if decision is APPEND and too_few is not None:
-                    results.append(too_few)
-                    continue
-                if decision is APPEND:
-                    last = next_offset + header.last_offset_delta
-                    apply(header.producer_id, header.producer_epoch, header.base_sequence,
-                          header.last_sequence, next_offset, last, now,
-                          control=header.is_control)
-                    if header.attributes & ATTR_TRANSACTIONAL:
-                        txns.on_data(header.txn, header.producer_id, header.producer_epoch,
-                                     next_offset, last, now)
-                    results.append(Appended(next_offset, last, now))
-                    accepted.append(item)
-                    expected_bases.append(next_offset)
-                    records += header.record_count
-                    appended_bytes += header.batch_length + LENGTH_FIELD_END
-                    next_offset = last + 1
-                else:
-                    duplicates += 1
-                    results.append(Appended(decision.base_offset, decision.last_offset,
-                                            decision.timestamp_ms, duplicate=True))
+        decided = self._decide(group, now, self.log.log_end_offset, too_few)
+        accepted = decided.accepted
+        expected_bases = decided.expected_bases
+        if decided.last_control_offset is not None:
+            self.last_control_offset = decided.last_control_offset
+        for decision, count in ((ControlType.COMMIT, decided.commits_written),
+                                (ControlType.ABORT, decided.aborts_written)):
+            if count:
+                counter = self._markers_written.get(decision)
+                if counter is None:
+                    counter = self._markers_written[decision] = m.MARKERS_WRITTEN.labels(
+                        self.topic, decision.name.lower())
+                counter.inc(count)
+        appended_bytes, records, duplicates = (decided.appended_bytes, decided.records,
+                                               decided.duplicates)
         if accepted:
             began = time.perf_counter()
             offsets = self.log.append_parsed(accepted)
@@ -1543,79 +1443,21 @@ class PartitionOwner:
                 self.txns.on_durable(self.log.high_watermark)
             self._notify_readers()
 
-    def _check_transactional(self, header: BatchHeader,
-                             token: int | AtomlogError | None) -> None:
-        """A transactional data batch about to be appended (not a retry of one written
-        before: those are answered as duplicates whatever became of their transaction):
-        its transaction is open here already, or was verified with the coordinator with no
-        marker for it since (txn_guard.py); then the buffer's own checks. Raises; changes
-        nothing."""
-        if isinstance(token, AtomlogError):
-            raise token  # its verification failed
-        txn = header.txn
-        if self.txns.open_transaction(txn) is None and (
-                token is None or not self.guard.allows(txn, token)):
-            raise self.verify_again(txn)
-        self.txns.check_write(txn, header.producer_id, header.producer_epoch)
-
-    def _check_stage(self, txn: TxnId, epoch: int) -> Appended | AtomlogError | None:
-        """A staged batch in the write step: the open transaction's offsets (a repeated
-        stage: already in the log), a refusal (its coordinator epoch is stale, or the
-        buffer refuses the write), or None: append it. Changes nothing."""
-        try:
-            existing = self.txns.open_transaction(txn)
-            if existing is not None:
-                return Appended(existing.first_offset, existing.last_offset,
-                                existing.first_timestamp_ms, duplicate=True)
-            self.check_stage_epoch(txn, epoch)
-            self.txns.check_write(txn, 0, 0)
-        except AtomlogError as error:
-            return error
-        return None
-
-    def _staged_here(self, txn: TxnId) -> bool | AtomlogError:
-        """ResolveStaged's answer as of this point of the write step."""
-        try:
-            if self.txns.open_transaction(txn) is not None:
-                return True
-            ended = self.txns.ended(txn)
-        except AtomlogError as error:  # the buffer is replaying
-            return error
-        return ended is not None and ended[0] is ControlType.COMMIT
-
     def verify_again(self, txn: TxnId) -> AtomlogError:
         """The retriable refusal of a write whose verification a marker overtook."""
-        return AtomlogError(
-            "CONCURRENT_TRANSACTIONS",
-            f"transaction {txn.tc_partition}:{txn.sequence} changed on {self.name} while "
-            "this write was being verified; retry it (it will be verified again)",
-            {"retry_after_ms": "50"})
+        return write_step.verify_again(self.name, txn)
 
-    def _marker(self, marker: Marker, offset: int, now: int,
-                results: list) -> tuple[bytes, BatchHeader] | None:
-        """Decide one marker; append its result; return the control batch to write at
-        `offset` with its header, or None."""
-        txns = self.txns
-        plan = txns.check_marker(marker.txn, marker.decision, marker.coordinator_epoch)
-        self.guard.on_marker(marker.txn)
-        if plan.action is not MarkerAction.WRITE:
-            results.append(MarkerResult(-1, plan.already_ended))
-            return None
-        framed = control_batch_parsed(marker.decision, txn=marker.txn,
-                                      coordinator_epoch=marker.coordinator_epoch,
-                                      timestamp_ms=now, producer_id=plan.producer_id,
-                                      producer_epoch=plan.producer_epoch)
-        self.producers.apply(plan.producer_id, plan.producer_epoch, -1, -1, offset, offset, now,
-                             control=True)
-        txns.on_marker(marker.txn, marker.decision, marker.coordinator_epoch, offset)
-        self.last_control_offset = offset
-        counter = self._markers_written.get(marker.decision)
-        if counter is None:
-            counter = self._markers_written[marker.decision] = m.MARKERS_WRITTEN.labels(
-                self.topic, marker.decision.name.lower())
-        counter.inc()
-        results.append(MarkerResult(offset, False))
-        return framed
+    def _decide(self, group: list[_Queued], now: int, next_offset: int,
+                too_few: AtomlogError | None) -> write_step.Decided:
+        """The decision part of the write step (write_step.py): the native core's when
+        the owner's tables are its classes, else the Python reference."""
+        txns, producers, guard = self.txns, self.producers, self.guard
+        if (_native_decide is not None and type(txns) is _NativeTxnBuffer
+                and type(producers) is _NativeProducers and type(guard) is _NativeGuard):
+            return _native_decide(group, now, next_offset, too_few, producers, txns, guard,
+                                  self.name, self._coordinator_epoch)
+        return write_step.decide(group, now, next_offset, too_few, producers, txns, guard,
+                                 self.name, self._coordinator_epoch)
 
     def _notify_readers(self) -> None:
         moved, self._data_moved = self._data_moved, None

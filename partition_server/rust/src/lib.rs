@@ -25,6 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 mod crc32c;
 mod producer_state;
 mod txn_buffer;
+mod txn_guard;
+mod write_step;
 
 // The layout (record_batch.py's constants; its module doc has the table).
 const HEADER_SIZE: usize = 77;
@@ -1218,5 +1220,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<HistogramCell>()?;
     module.add_class::<producer_state::ProducerStateTable>()?;
     module.add_class::<txn_buffer::TxnBuffer>()?;
+    module.add_class::<txn_guard::TxnGuard>()?;
+    module.add_function(wrap_pyfunction!(write_step::decide_write_step, module)?)?;
     Ok(())
 }

@@ -819,7 +819,7 @@ impl ProducerStateTable {
     // -- decisions ----------------------------------------------------------------------
 
     /// Decide a batch before it is appended; raise AtomlogError when it is refused.
-    fn check(
+    pub(crate) fn check(
         &mut self,
         py: Python<'_>,
         producer_id: &Bound<'_, PyAny>,
@@ -883,7 +883,7 @@ impl ProducerStateTable {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (producer_id, producer_epoch, base_sequence, last_sequence, base_offset,
                         last_offset, timestamp_ms, *, control = None))]
-    fn apply(
+    pub(crate) fn apply(
         &mut self,
         py: Python<'_>,
         producer_id: &Bound<'_, PyAny>,

@@ -871,11 +871,11 @@ impl TxnBuffer {
         Ok(count)
     }
 
-    fn coordinator_epochs(&self, py: Python<'_>) -> PyObject {
+    pub(crate) fn coordinator_epochs(&self, py: Python<'_>) -> PyObject {
         self.epochs_view.clone_ref(py)
     }
 
-    fn open_transaction(&self, py: Python<'_>, txn: &Bound<'_, PyAny>) -> PyResult<Option<PyObject>> {
+    pub(crate) fn open_transaction(&self, py: Python<'_>, txn: &Bound<'_, PyAny>) -> PyResult<Option<PyObject>> {
         let entry = match lookup_key(txn)? {
             Some(key) => self.open_get(key),
             None => None,
@@ -886,7 +886,7 @@ impl TxnBuffer {
         }
     }
 
-    fn ended(&self, py: Python<'_>, txn: &Bound<'_, PyAny>) -> PyResult<Option<(PyObject, i64)>> {
+    pub(crate) fn ended(&self, py: Python<'_>, txn: &Bound<'_, PyAny>) -> PyResult<Option<(PyObject, i64)>> {
         let ended = match lookup_key(txn)? {
             Some(key) => self.ended_key(key),
             None => None,
@@ -968,7 +968,7 @@ impl TxnBuffer {
 
     // -- decisions --
 
-    fn check_write(&mut self, py: Python<'_>, txn: &Bound<'_, PyAny>, producer_id: &Bound<'_, PyAny>,
+    pub(crate) fn check_write(&mut self, py: Python<'_>, txn: &Bound<'_, PyAny>, producer_id: &Bound<'_, PyAny>,
                    producer_epoch: &Bound<'_, PyAny>) -> PyResult<()> {
         let key = validate_txn(py, txn)?;
         validate_producer(py, producer_id, producer_epoch)?;
@@ -999,7 +999,7 @@ impl TxnBuffer {
         Ok(())
     }
 
-    fn check_marker(&mut self, py: Python<'_>, txn: &Bound<'_, PyAny>, decision: &Bound<'_, PyAny>,
+    pub(crate) fn check_marker(&mut self, py: Python<'_>, txn: &Bound<'_, PyAny>, decision: &Bound<'_, PyAny>,
                     coordinator_epoch: &Bound<'_, PyAny>) -> PyResult<PyObject> {
         let t = types(py)?;
         let epoch = int(coordinator_epoch);
@@ -1067,7 +1067,7 @@ impl TxnBuffer {
 
     // -- transitions (live) --
 
-    fn on_data(&mut self, txn: &Bound<'_, PyAny>, producer_id: &Bound<'_, PyAny>,
+    pub(crate) fn on_data(&mut self, txn: &Bound<'_, PyAny>, producer_id: &Bound<'_, PyAny>,
                producer_epoch: &Bound<'_, PyAny>, first_offset: &Bound<'_, PyAny>,
                last_offset: &Bound<'_, PyAny>, timestamp_ms: &Bound<'_, PyAny>) -> PyResult<()> {
         let key = TxnBuffer::kept_key(txn)?;
@@ -1081,7 +1081,7 @@ impl TxnBuffer {
         Ok(())
     }
 
-    fn on_marker(&mut self, py: Python<'_>, txn: &Bound<'_, PyAny>, decision: &Bound<'_, PyAny>,
+    pub(crate) fn on_marker(&mut self, py: Python<'_>, txn: &Bound<'_, PyAny>, decision: &Bound<'_, PyAny>,
                  coordinator_epoch: &Bound<'_, PyAny>, marker_offset: &Bound<'_, PyAny>) -> PyResult<()> {
         let entry = match lookup_key(txn)? {
             Some(key) => self.open_get(key).copied(),
