@@ -221,12 +221,23 @@ impl Header {
 // --- Errors, as record_batch.py raises them ------------------------------------------------
 
 fn atomlog_error(py: Python<'_>, reason: &str, message: String, metadata: &[(&str, String)]) -> PyErr {
+    match types(py) {
+        Ok(types) => new_atomlog_error(py, &types.error, reason, message, metadata),
+        Err(error) => error,
+    }
+}
+
+/// An AtomlogError of `class` (services.errors.AtomlogError, as the caller's module looked
+/// it up) with `reason`, `message` and `metadata`, to raise; a failure to make it is
+/// raised instead.
+pub(crate) fn new_atomlog_error(py: Python<'_>, class: &Py<PyAny>, reason: &str, message: String,
+                                metadata: &[(&str, String)]) -> PyErr {
     let build = || -> PyResult<PyErr> {
         let details = PyDict::new(py);
         for (key, value) in metadata {
             details.set_item(*key, value)?;
         }
-        let error = types(py)?.error.call1(py, (reason, message, details))?;
+        let error = class.call1(py, (reason, message, details))?;
         Ok(PyErr::from_value(error.into_bound(py)))
     };
     build().unwrap_or_else(|error| error)

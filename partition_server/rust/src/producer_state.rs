@@ -171,15 +171,10 @@ fn pair(py: Python<'_>, first: PyObject, second: PyObject) -> PyResult<PyObject>
 }
 
 fn atomlog_error(py: Python<'_>, reason: &str, message: String, metadata: &[(&str, String)]) -> PyErr {
-    let build = || -> PyResult<PyErr> {
-        let details = PyDict::new(py);
-        for (key, value) in metadata {
-            details.set_item(*key, value)?;
-        }
-        let error = refs(py)?.error.call1(py, (reason, message, details))?;
-        Ok(PyErr::from_value(error.into_bound(py)))
-    };
-    build().unwrap_or_else(|error| error)
+    match refs(py) {
+        Ok(refs) => crate::new_atomlog_error(py, &refs.error, reason, message, metadata),
+        Err(error) => error,
+    }
 }
 
 // --- The state -------------------------------------------------------------------------
@@ -377,17 +372,22 @@ impl ProducerStateTable {
         rows
     }
 
-    fn expire_at(&mut self, now_ms: i128) -> Vec<i64> {
-        let idle = self.idle_expiry_ms;
-        let mut expired: Vec<i64> = self
+    /// Remove the producers idle for more than `limit` ms at `now_ms`; their ids.
+    fn remove_idle(&mut self, now_ms: i128, limit: i128) -> Vec<i64> {
+        let idle: Vec<i64> = self
             .entries
             .iter()
-            .filter(|(_, entry)| idle_over(now_ms, entry.last_timestamp_ms, idle))
+            .filter(|(_, entry)| idle_over(now_ms, entry.last_timestamp_ms, limit))
             .map(|(pid, _)| *pid)
             .collect();
-        for pid in &expired {
+        for pid in &idle {
             self.entries.remove(pid);
         }
+        idle
+    }
+
+    fn expire_at(&mut self, now_ms: i128) -> Vec<i64> {
+        let mut expired = self.remove_idle(now_ms, self.idle_expiry_ms);
         self.counters[EXPIRED] += expired.len() as u64;
         expired.sort_unstable();
         expired
@@ -403,15 +403,7 @@ impl ProducerStateTable {
             return Ok(());
         }
         let evict = self.evict_idle_ms;
-        let idle: Vec<i64> = self
-            .entries
-            .iter()
-            .filter(|(_, entry)| idle_over(now_ms, entry.last_timestamp_ms, evict))
-            .map(|(pid, _)| *pid)
-            .collect();
-        for pid in &idle {
-            self.entries.remove(pid);
-        }
+        let idle = self.remove_idle(now_ms, evict);
         self.counters[EVICTED] += idle.len() as u64;
         if (self.entries.len() as i128) < self.max_producers {
             return Ok(());

@@ -108,15 +108,10 @@ fn types(py: Python<'_>) -> PyResult<&'static Types> {
 // --- Errors, as txn_buffer.py raises them -------------------------------------------------
 
 fn atomlog_error(py: Python<'_>, reason: &str, message: String, metadata: &[(&str, String)]) -> PyErr {
-    let build = || -> PyResult<PyErr> {
-        let details = PyDict::new(py);
-        for (key, value) in metadata {
-            details.set_item(*key, value)?;
-        }
-        let error = types(py)?.error.call1(py, (reason, message, details))?;
-        Ok(PyErr::from_value(error.into_bound(py)))
-    };
-    build().unwrap_or_else(|error| error)
+    match types(py) {
+        Ok(types) => crate::new_atomlog_error(py, &types.error, reason, message, metadata),
+        Err(error) => error,
+    }
 }
 
 fn raise_with(py: Python<'_>, class: fn(&Types) -> &PyObject, message: String) -> PyErr {
