@@ -168,9 +168,8 @@ class LinkServer:
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
+        # (The deadlines' sweep goes on: a pipelined connection's calls are left to end,
+        # and still end at their deadline; it stops once none is under way.)
         if self._server is not None:
             self._server.close()
         for task in list(self._connections):
@@ -432,9 +431,12 @@ class LinkServer:
         except asyncio.CancelledError:
             # Its deadline passed (and nothing else cancelled the task meanwhile, as
             # asyncio.timeout has it): an error frame; else the cancellation goes on.
-            if task in self._expired and task.uncancel() <= cancelling:
-                return KIND_ERROR, _error_bytes(AtomlogError(
-                    "REQUEST_TIMED_OUT", f"{full_name} (link) took longer than its deadline"))
+            if task in self._expired:
+                self._expired.discard(task)
+                if task.uncancel() <= cancelling:
+                    return KIND_ERROR, _error_bytes(AtomlogError(
+                        "REQUEST_TIMED_OUT",
+                        f"{full_name} (link) took longer than its deadline"))
             raise
         except _Aborted as aborted:
             return KIND_ERROR, _error_bytes(from_rpc_error(aborted))
@@ -450,7 +452,9 @@ class LinkServer:
         finally:
             if timeout_s is not None:
                 self._deadlines.pop(task, None)
-                self._expired.discard(task)
+                if task in self._expired:  # (the handler made its cancellation something
+                    self._expired.discard(task)  # else: the task's count made right, as
+                    task.uncancel()  # asyncio.timeout does whenever it expired)
 
     def _sweep(self) -> None:
         """Cancel the calls past their deadline (`_call` answers them
@@ -834,6 +838,9 @@ class _CallConnection(asyncio.Protocol):
     def begin(self, frame: bytes, waiter: asyncio.Future, deadline: float | None) -> None:
         """Send a call frame; `waiter` gets (kind, payload) of its answer, or the error
         that broke the connection."""
+        if self.broken is not None:  # (broken meanwhile: failed, not left waiting)
+            waiter.set_exception(self.broken)
+            return
         self._waiter, self.deadline = waiter, deadline
         self.transport.write(frame)
 

@@ -363,9 +363,11 @@ class Producer:
         # first record (flush switches them in that order: send order per partition).
         self._kept_by = KeptBy()
         # The transaction whose record send() kept last, remembered by _kept_by already
-        # (the next record of the same transaction skips remember()). A strong reference:
-        # it is dropped when another transaction keeps a record.
+        # while _kept_by.drops has not moved since (the next record of the same
+        # transaction skips remember()). A strong reference: dropped when another
+        # transaction keeps a record.
         self._kept_last = None
+        self._kept_drops = 0
         self._closed = False
         self._sender = threading.Thread(target=self._run, name="atomlog-producer", daemon=True)
         self._sender.start()
@@ -462,7 +464,10 @@ class Producer:
         With txn, the record is part of that transaction (visible to read_committed
         readers only once it commits; commit() waits for it)."""
         one_call = txn is not None and txn._kept is not None  # (Transaction.one_call)
-        self._check_sendable(txn, accepting=not one_call)
+        # (A one-call transaction's keep_record checks that it still takes sends; one
+        # that does not is refused here first, as before anything else is looked at.)
+        self._check_sendable(txn, accepting=not one_call or txn._ended is not None
+                             or txn._committing)
         if type(key) is not bytes:
             key = _bytes(key)
         if type(value) is not bytes:
@@ -491,9 +496,10 @@ class Producer:
                     partition = self._sticky[topic] = next(self._round_robin) % count
             future = txn.keep_record(self, topic, partition, size, record)
             if future is not None:
-                if self._kept_last is not txn:  # (the KeptBy has it already otherwise)
-                    self._kept_by.remember(txn)
-                    self._kept_last = txn
+                kept_by = self._kept_by
+                if self._kept_last is not txn or self._kept_drops != kept_by.drops:
+                    kept_by.remember(txn)  # (else the KeptBy has it already)
+                    self._kept_last, self._kept_drops = txn, kept_by.drops
                 return future
             txn._check_accepting()  # (it switched: sent as any transaction's record)
         with self._lock:

@@ -1007,6 +1007,10 @@ class KeptBy:
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref] = {}
+        # Bumped whenever transactions are dropped (switch_all, the pruning in remember):
+        # a caller that skips remember() for the transaction it told last (the producer's
+        # send(), _kept_last) tells it again once this moved.
+        self.drops = 0
 
     def remember(self, txn: Transaction) -> None:
         ref = self._refs.get(id(txn))
@@ -1014,6 +1018,7 @@ class KeptBy:
             return
         self._refs.pop(id(txn), None)  # an id reused by a new object
         if len(self._refs) >= 64:  # drop the ones that ended or switched: it stays small
+            self.drops += 1
             self._refs = {key: old for key, old in self._refs.items()
                           if (held := old()) is not None and held.one_call}
         self._refs[id(txn)] = weakref.ref(txn)
@@ -1026,6 +1031,7 @@ class KeptBy:
     def switch_all(self) -> None:
         txns = self.live()
         self._refs = {}
+        self.drops += 1
         for txn in txns:
             txn._switch()
 

@@ -361,3 +361,29 @@ def test_the_server_answers_a_call_past_its_deadline_request_timed_out(magic):
             await server.close()
 
     asyncio.run(main())
+
+
+def test_closing_the_link_still_ends_a_pipelined_call_at_its_deadline():
+    """close() leaves a pipelined connection's calls to end (found by a review: it also
+    stopped the deadlines' sweep, so such a call ran on past its deadline and the stop
+    waited for it): the call is still cut at its deadline, and the close ends then."""
+    async def main():
+        servicer = SlowServicer()
+        server = copy_link.LinkServer(Bare(), "127.0.0.1", 0)
+        server.serve("PartitionService", servicer)
+        port = await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(copy_link.MAGIC_PIPELINED + stage_frame(3000, 0.3))
+            await asyncio.sleep(0.1)
+            began = time.monotonic()
+            await server.close()
+            took = time.monotonic() - began
+            assert servicer.cancelled == 1
+            assert took < 0.2 + copy_link.CALL_SWEEP_S + 0.5, took  # (not the 3 s call)
+            await asyncio.sleep(3 * copy_link.CALL_SWEEP_S)
+            assert not server._deadlines and server._sweeper is None
+        finally:
+            writer.close()
+
+    asyncio.run(main())

@@ -409,3 +409,45 @@ def test_a_retried_commit_waits_again_for_a_held_commit_it_was_carried_with(
         assert retried.wait(30)
         retry.join(30)
     assert [_committed_values(client, topic).count(v) for v in values] == [1, 1, 1]
+
+
+class _Keeping:
+    """What KeptBy reads of a transaction (a pure core's unit test): `one_call`, and a
+    `_switch` that fails as Transaction._switch does when its NewTxn fails (the records
+    stay kept)."""
+
+    def __init__(self, fails: bool = False):
+        self.one_call = True
+        self.fails = fails
+
+    def _switch(self):
+        if self.fails:
+            raise RuntimeError("NewTxn failed")
+        self.one_call = False
+
+
+def test_kept_by_counts_its_drops_so_a_producer_tells_it_again():
+    """A producer's send() skips KeptBy.remember for the transaction it told last while
+    KeptBy.drops has not moved (spark_client/producer.py, _kept_last). Every way KeptBy
+    forgets transactions moves it: switch_all (also when a switch fails and the
+    transaction keeps its records, found by a review: the next flush() would not have
+    switched it), and the pruning of a full table."""
+    from spark_client.transactions import KeptBy
+    kept_by = KeptBy()
+    failing = _Keeping(fails=True)
+    kept_by.remember(failing)
+    assert kept_by.drops == 0 and kept_by.live() == [failing]
+    with pytest.raises(RuntimeError):
+        kept_by.switch_all()
+    assert kept_by.drops == 1 and kept_by.live() == []  # forgotten, though still keeping
+    kept_by.remember(failing)  # what send() does once drops moved
+    failing.fails = False
+    kept_by.switch_all()
+    assert not failing.one_call and kept_by.drops == 2
+    many = [_Keeping() for _ in range(64)]
+    for txn in many:
+        kept_by.remember(txn)
+    assert kept_by.drops == 2
+    many[0].one_call = False
+    kept_by.remember(_Keeping())  # the 65th: the table pruned
+    assert kept_by.drops == 3 and many[0] not in kept_by.live()
