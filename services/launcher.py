@@ -242,12 +242,21 @@ def _bindable(port: int) -> bool:
     return True
 
 
+# The exit codes of children process_alive reaped, by pid (a negative one: the signal
+# that ended it), for whoever asks why one ended (the chaos harness's "exited by itself").
+REAPED: dict[int, int] = {}
+
+
 def process_alive(pid: int, marker: str) -> bool:
     """True if pid runs and its command line contains marker (guards against pid reuse)."""
     if pid <= 0:
         return False
     try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+        reaped, status = os.waitpid(pid, os.WNOHANG)
+        if reaped == pid:
+            if len(REAPED) >= 1_000:
+                REAPED.clear()
+            REAPED[pid] = os.waitstatus_to_exitcode(status)
             return False  # our own child, just reaped
     except ChildProcessError:
         pass

@@ -16,6 +16,7 @@ run, then the ZooKeeper session and the metrics endpoint close.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import importlib
 import logging
@@ -339,6 +340,10 @@ def _our_frame(error: BaseException) -> str:
 
 async def serve(config: Config) -> int:
     """Run one server until SIGTERM/SIGINT; return the process exit code."""
+    # A fatal signal (a crash in the native core or an extension: SIGSEGV, SIGABRT,
+    # SIGBUS, SIGFPE, SIGILL) writes every thread's Python stack to stderr, the server's
+    # log, instead of ending the process without a word.
+    faulthandler.enable()
     tune_allocator()
     watch_gc_pauses()
     logs.setup(config["log.level"], config["log.format"],

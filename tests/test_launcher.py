@@ -304,3 +304,19 @@ def test_a_combined_cluster_is_not_grown_into_separate_roles_or_the_reverse(tmp_
     finally:
         launcher.up = original
     assert seen["counts"] == {"combined": 1}
+
+
+def test_process_alive_keeps_the_exit_code_of_a_child_it_reaps():
+    """launcher.REAPED: how a child ended (its exit status, or minus the signal), for the
+    chaos harness's "exited by itself" (a server that left no word in its log said
+    nothing of how it ended)."""
+    import signal
+
+    exits = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.send_signal(signal.SIGKILL)
+    for child, code in ((exits, 3), (killed, -signal.SIGKILL)):
+        deadline = time.monotonic() + 10
+        while launcher.process_alive(child.pid, "") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert launcher.REAPED.get(child.pid) == code

@@ -452,6 +452,9 @@ class Run:
 
     def server_exited(self, entry: launcher.ProcessEntry) -> None:
         reason, problem = self.exit_reason(entry)
+        code = launcher.REAPED.get(entry.pid)
+        if code is not None:  # (a negative code: the signal that ended it)
+            reason += f" (exit status {code})" if code >= 0 else f" (signal {-code})"
         text = f"{entry.name} exited by itself: {reason}"
         self.say(text + ": starting it again")
         (self.server_exits if problem else self.notes).append(text)
