@@ -320,6 +320,16 @@ async def read_answer(reader) -> tuple[int, bytes]:
     return kind, await reader.readexactly(length - 1)
 
 
+async def slow_link():
+    """A LinkServer whose StageTxn is SlowServicer's, and a connection to it."""
+    servicer = SlowServicer()
+    server = copy_link.LinkServer(Bare(), "127.0.0.1", 0)
+    server.serve("PartitionService", servicer)
+    port = await server.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    return servicer, server, reader, writer
+
+
 @pytest.mark.parametrize("magic", [MAGIC, copy_link.MAGIC_PIPELINED],
                          ids=["one-at-a-time", "pipelined"])
 def test_the_server_answers_a_call_past_its_deadline_request_timed_out(magic):
@@ -329,11 +339,7 @@ def test_the_server_answers_a_call_past_its_deadline_request_timed_out(magic):
     no timeout is never cut, and the sweep stops once no call with a deadline is under
     way."""
     async def main():
-        servicer = SlowServicer()
-        server = copy_link.LinkServer(Bare(), "127.0.0.1", 0)
-        server.serve("PartitionService", servicer)
-        port = await server.start()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        servicer, server, reader, writer = await slow_link()
         try:
             writer.write(magic)
             began = time.monotonic()
@@ -368,11 +374,7 @@ def test_closing_the_link_still_ends_a_pipelined_call_at_its_deadline():
     stopped the deadlines' sweep, so such a call ran on past its deadline and the stop
     waited for it): the call is still cut at its deadline, and the close ends then."""
     async def main():
-        servicer = SlowServicer()
-        server = copy_link.LinkServer(Bare(), "127.0.0.1", 0)
-        server.serve("PartitionService", servicer)
-        port = await server.start()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        servicer, server, reader, writer = await slow_link()
         try:
             writer.write(copy_link.MAGIC_PIPELINED + stage_frame(3000, 0.3))
             await asyncio.sleep(0.1)
