@@ -249,22 +249,22 @@ class Coordinator:
         sp_errors: list[AtomlogError | None] = []
         for proto in topic_partitions:
             target, error = self._target(proto, None)
-            if target is _LOOK_UP:
-                target, error = await self._looked_up(proto, None)
+            if error is _LOOK_UP:
+                target, error = await self._looked_up(proto, target)
             tp_errors.append(error)
             if target is not None:
                 topics.append(target)
         for proto in subscription_partitions:
             target, error = self._target(proto, proto.subscription)
-            if target is _LOOK_UP:
-                target, error = await self._looked_up(proto, proto.subscription)
+            if error is _LOOK_UP:
+                target, error = await self._looked_up(proto, target)
             sp_errors.append(error)
             if target is not None:
                 subscriptions.append(target)
         return topics, subscriptions, tp_errors, sp_errors
 
     def _target(self, proto, subscription: str | None):
-        """(target, None), (None, why), or (_LOOK_UP, None) when the routes' cache does
+        """(target, None), (None, why), or (target, _LOOK_UP) when the routes' cache does
         not know the topic (`_looked_up` then asks: a coroutine only then, not one per
         partition of every commit)."""
         try:
@@ -283,12 +283,10 @@ class Coordinator:
             return None, error
         count = self.routes.cached_partition_count(proto.topic)
         if count is None:
-            return _LOOK_UP, None
+            return target, _LOOK_UP
         return _within(proto, target, count)
 
-    async def _looked_up(self, proto, subscription: str | None):
-        target = (TopicPartition(proto.topic, proto.partition) if subscription is None
-                  else SubscriptionPartition(proto.topic, proto.partition, subscription))
+    async def _looked_up(self, proto, target):
         return _within(proto, target, await self.routes.partition_count(proto.topic))
 
 

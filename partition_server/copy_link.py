@@ -80,6 +80,7 @@ from services.link_wire import (
     MAX_PIPELINED,
     TOKEN_LEN,
     LinkProtocolError,
+    answer_head,
     call_frame,
     connect_blocking,
     read_answer,
@@ -852,9 +853,10 @@ class _CallConnection(asyncio.Protocol):
             return
         if len(buffer) < HEAD.size:
             return
-        length, kind = HEAD.unpack_from(buffer)
-        if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= MAX_CALL_BYTES:
-            self.fail(LinkProtocolError(f"answer frame kind {kind}, {length} bytes"))
+        try:
+            length, kind = answer_head(buffer, MAX_CALL_BYTES - 1)  # (payload + kind byte)
+        except LinkProtocolError as error:
+            self.fail(error)
             return
         end = LENGTH_SIZE + length
         if len(buffer) < end:

@@ -157,7 +157,7 @@ def read_answer(sock: socket.socket, limit: int,
     left of it)."""
     head = bytearray(HEAD.size)
     receive_exactly(sock, memoryview(head), more, first=True)
-    length, kind = _answer_head(head, limit)
+    length, kind = answer_head(head, limit)
     payload = bytearray(length - 1)
     receive_exactly(sock, memoryview(payload), more)
     return kind, payload
@@ -179,7 +179,7 @@ def read_answer_into(sock: socket.socket, buffer: bytearray, limit: int,
         got += sock.recv_into(view[got:]) or -got  # (-got: closed mid-head, below)
     if got <= 0:
         raise ConnectionError("the server closed the link")
-    length, kind = _answer_head(buffer, limit)
+    length, kind = answer_head(buffer, limit)
     end = HEAD.size + length - 1
     if got > end:
         raise LinkProtocolError(f"{got - end} bytes after an answer frame")
@@ -193,8 +193,8 @@ def read_answer_into(sock: socket.socket, buffer: bytearray, limit: int,
     return kind, payload
 
 
-def _answer_head(head: bytes | bytearray, limit: int) -> tuple[int, int]:
-    """(length, kind) of an answer frame's head; LinkProtocolError when it is neither an
+def answer_head(head: bytes | bytearray, limit: int) -> tuple[int, int]:
+    """(length, kind) of an answer frame's head (the SDK's readers' and CallLink's); LinkProtocolError when it is neither an
     answer nor an error frame, or not 1..limit + 1 bytes long."""
     length, kind = HEAD.unpack_from(head)
     if kind not in (KIND_ANSWER, KIND_ERROR) or not 1 <= length <= limit + 1:
