@@ -31,7 +31,8 @@ performs in this order:
      server: TxnMarker(txn_id, decision, coordinator_epoch, partitions, subscriptions)).
      Markers only ever come from append_done and tick, for decisions already durable, so
      they never wait for the appends of their own Ready. For every confirmed target call
-     `marker_confirmed(now_ms, txn_id, target)`; ignore failures — `tick` re-sends every
+     `marker_confirmed(now_ms, txn_id, target)` (or `markers_confirmed` with every
+     target one answer confirmed); ignore failures — `tick` re-sends every
      unconfirmed marker each `marker_retry_ms`. On STALE_COORDINATOR_EPOCH the shell has
      lost the TC partition: drop the core.
   4. follow-up `appends` (Completed records, once every marker of a transaction is
@@ -1238,12 +1239,25 @@ class TcPartitionCore:
 
     def marker_confirmed(self, now_ms: int, txn_id: TxnId, target: Target) -> Ready:
         """A target confirmed its marker. Duplicates and late confirmations are ignored."""
-        txn = self._unfinished.get(txn_id)
-        if txn is None or txn.state not in DECIDING or target not in txn.unconfirmed:
-            self._counters["duplicate_confirmations_total"] += 1
+        return self.markers_confirmed(now_ms, ((txn_id, target),))
+
+    def markers_confirmed(self, now_ms: int,
+                          confirmed: Iterable[tuple[TxnId, Target]]) -> Ready:
+        """Targets confirmed their markers ((txn_id, target) pairs, e.g. every marker one
+        call or one write group carried): as `marker_confirmed` for each in turn, but the
+        Completed records of every transaction they complete go in one Append."""
+        unfinished = self._unfinished
+        txns = []
+        for txn_id, target in confirmed:
+            txn = unfinished.get(txn_id)
+            if txn is None or txn.state not in DECIDING or target not in txn.unconfirmed:
+                self._counters["duplicate_confirmations_total"] += 1
+                continue
+            del txn.unconfirmed[target]
+            txns.append(txn)
+        if not txns:
             return NO_WORK
-        del txn.unconfirmed[target]
-        return Ready(appends=self._completions([txn], now_ms))
+        return Ready(appends=self._completions(txns, now_ms))
 
     def tick(self, now_ms: int) -> Ready:
         """Timeouts (OPEN and PREPARED), due completions, marker re-sends, session expiry."""

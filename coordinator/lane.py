@@ -495,16 +495,23 @@ def _riders_answered(riders: list, outcomes: list) -> None:
     marker written (or not needed) is confirmed; a stale epoch tells the TC partition
     its lease is gone; anything else is sent again by the TC partition's tick."""
     stale = set()
+    confirmed: dict[tuple[int, int], tuple[object, list]] = {}  # per (sink, epoch)
     for (sink, marker), outcome in zip(riders, outcomes):
         if not isinstance(outcome, AtomlogError):
-            marker_metrics.MARKERS_CONFIRMED.inc()
-            sink.marker_confirmed(marker.txn_id, marker.target, marker.coordinator_epoch)
+            key = (id(sink), marker.coordinator_epoch)
+            entry = confirmed.get(key)
+            if entry is None:
+                entry = confirmed[key] = (sink, [])
+            entry[1].append((marker.txn_id, marker.target))
             continue
         marker_metrics.MARKER_FAILURES.labels(outcome.reason).inc()
         if outcome.reason == "STALE_COORDINATOR_EPOCH" and \
                 (id(sink), marker.coordinator_epoch) not in stale:
             stale.add((id(sink), marker.coordinator_epoch))
             sink.marker_epoch_stale(marker.coordinator_epoch)
+    for (_, epoch), (sink, pairs) in confirmed.items():
+        marker_metrics.MARKERS_CONFIRMED.inc(len(pairs))
+        sink.markers_confirmed(pairs, epoch)
 
 
 class _StageDone:

@@ -72,8 +72,9 @@ LINGER_S = 0.050
 
 
 class MarkerSink(Protocol):
-    def marker_confirmed(self, txn_id: TxnId, target: TopicPartition | SubscriptionPartition,
-                         epoch: int) -> None: ...
+    def markers_confirmed(self, confirmed: list[tuple[TxnId, TopicPartition |
+                                                      SubscriptionPartition]],
+                          epoch: int) -> None: ...
 
     def marker_epoch_stale(self, epoch: int) -> None: ...
 
@@ -304,6 +305,8 @@ class MarkerChannel:
         """Confirm each target the response says is done back to its TC partition."""
         keys, grouped, sinks = sent
         refresh = False
+        # Per (sink, epoch), every target confirmed: one call each, in order.
+        confirmed: dict[tuple[int, int], list] = {}
         for key, result in zip(keys, response.results):
             sink = sinks[key[0]]
             markers = grouped[key]
@@ -316,10 +319,11 @@ class MarkerChannel:
             errors = ([p.error.reason for p in result.topic_partition_results]
                       + [s.error.reason for s in result.subscription_partition_results])
             epoch = markers[0].coordinator_epoch
+            txn_id = markers[0].txn_id
             for target, reason in zip(targets, errors):
                 if not reason:
                     metrics.MARKERS_CONFIRMED.inc()
-                    sink.marker_confirmed(markers[0].txn_id, target, epoch)
+                    confirmed.setdefault((key[0], epoch), []).append((txn_id, target))
                 elif reason == "STALE_COORDINATOR_EPOCH":
                     metrics.MARKER_FAILURES.labels(reason).inc()
                     sink.marker_epoch_stale(epoch)
@@ -327,6 +331,8 @@ class MarkerChannel:
                 else:
                     metrics.MARKER_FAILURES.labels(reason).inc()
                     refresh |= reason in ROUTING_REASONS
+        for (sink_id, epoch), pairs in confirmed.items():
+            sinks[sink_id].markers_confirmed(pairs, epoch)
         if refresh:
             self._refresh_soon()
 

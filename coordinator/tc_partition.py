@@ -698,9 +698,14 @@ class TcPartition:
     # ================================================================ markers
 
     def marker_confirmed(self, txn_id: TxnId, target, epoch: int) -> None:
+        self.markers_confirmed(((txn_id, target),), epoch)
+
+    def markers_confirmed(self, confirmed, epoch: int) -> None:
+        """(txn_id, target) pairs confirmed by one answer, markers of `epoch`: their
+        Completed records in one append (core.markers_confirmed)."""
         if self.phase is not Phase.ACTIVE or epoch != self.epoch or self.core is None:
             return
-        self._carry_out(self.core.marker_confirmed(now_ms(), txn_id, target))
+        self._carry_out(self.core.markers_confirmed(now_ms(), confirmed))
 
     def marker_epoch_stale(self, epoch: int) -> None:
         if self.phase is Phase.ACTIVE and epoch == self.epoch:

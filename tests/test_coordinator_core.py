@@ -527,6 +527,25 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.perform(self.core.marker_confirmed(self.now_ms, marker.txn_id, marker.target),
                      "confirm")
 
+    @precondition(lambda self: self.markers)
+    @rule(data=st.data())
+    def confirm_markers_at_once(self, data):
+        """Several confirmations in one call (one answer's markers), duplicates and
+        already confirmed ones among them: ignored as marker_confirmed ignores them."""
+        picked = data.draw(st.lists(st.sampled_from(self.markers + self.confirmed),
+                                    min_size=1, max_size=6))
+        fresh = {(m.txn_id, m.target) for m in picked} & \
+            {(m.txn_id, m.target) for m in self.markers}
+        self.markers = [m for m in self.markers if (m.txn_id, m.target) not in fresh]
+        for marker in picked:
+            self.markers_seen.setdefault(marker.txn_id, set()).add(marker.target)
+        self.confirmed = (self.confirmed + [m for m in picked
+                                            if (m.txn_id, m.target) in fresh])[-10:]
+        ready = self.core.markers_confirmed(self.now_ms,
+                                            [(m.txn_id, m.target) for m in picked])
+        assert len(ready.appends) <= 1
+        self.perform(ready, "confirm")
+
     @precondition(lambda self: self.confirmed)
     @rule(data=st.data())
     def duplicate_confirmation(self, data):
