@@ -145,6 +145,11 @@ class CommitLane:
         self._queue: list[_Commit] = []
         self._scheduled = False
         self._holding: _Group | None = None  # the group the next one waits for
+        # A done future, set as the work of each batch a commit decided in its group's
+        # step: its answer is the decision's (durable in the same round, or the server
+        # stops: WalTap.fatal), so the owner's flush has nothing to answer there and
+        # schedules no callback for it (`_decide`).
+        self._answered: asyncio.Future | None = None
 
     def servicer_for(self, request):
         """The partition servicer of this process when it hosts (by the routes' cache)
@@ -404,11 +409,15 @@ class CommitLane:
         failure, retry = timed_out, False
         staged = []
         if failure is None:
+            answered = self._answered
+            if in_step and answered is None:
+                answered = self._answered = asyncio.get_running_loop().create_future()
+                answered.set_result(None)
             for item, owner, work in commit.stages:
                 if in_step:  # (written in this step, durable with its decision)
                     result = commit.here.written_result(item.topic_partition, owner,
                                                         work.results[0])
-                    work.future.add_done_callback(observe_failure)
+                    work.future = answered  # (nothing waits for it: see __init__)
                 else:
                     result = commit.here.staged_result(item.topic_partition, owner,
                                                        work.future)
