@@ -278,24 +278,27 @@ class StageChannel:
         return self._calls.submit(address, part)
 
     async def _await_parts(self, queued: list, deadline: float) -> list:
-        """The outcome of each queued (address, part, future), in order (as _send_parts)."""
+        """The outcome of each queued (address, part, future), in order (as _send_parts):
+        its result, or the exception it raised (as gather(return_exceptions=True)), or
+        REQUEST_TIMED_OUT if it did not end by `deadline`. One wait for all of them (one
+        timer, not one per part)."""
+        futures = [future for _, _, future in queued]
+        if not all(future.done() for future in futures):
+            # wait(), not wait_for(shield()): neither a timeout nor a cancelled caller
+            # cancels the parts' futures (other transactions' parts share their calls).
+            await asyncio.wait(futures, timeout=max(0.01, deadline - time.monotonic()))
         outcomes = []
         for address, _, future in queued:
+            if not future.done():
+                outcomes.append(AtomlogError(
+                    "REQUEST_TIMED_OUT", f"staging on {address} did not answer within the "
+                    "transaction's time"))
+                continue
             try:
-                outcomes.append(await self._await_part(address, future, deadline))
+                outcomes.append(future.result())
             except Exception as error:  # noqa: BLE001 — as gather(return_exceptions=True)
                 outcomes.append(error)
         return outcomes
-
-    async def _await_part(self, address: str, future: asyncio.Future, deadline: float):
-        remaining = max(0.01, deadline - time.monotonic())
-        # wait(), not wait_for(shield()): neither a timeout nor a cancelled caller cancels
-        # the part's future (other transactions' parts share its call), at fewer callbacks.
-        done, _ = await asyncio.wait([future], timeout=remaining)
-        if not done:
-            raise AtomlogError("REQUEST_TIMED_OUT", f"staging on {address} did not answer "
-                               "within the transaction's time")
-        return future.result()
 
     async def _send(self, address: str, group: list[_Part]) -> list:
         """One StageTxn call for the parts queued for `address`: a result per part.
