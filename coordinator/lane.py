@@ -80,6 +80,11 @@ LANE_ONE_ROUND = Counter("atomlog_coordinator_lane_one_round_commits_total",
                          "One-call commits the commit lane decided in their group's own step, "
                          "their decision written after their stages and durable in the same "
                          "write-ahead round (coordinator.lane_one_round).")
+LANE_RIDERS_IN_STEP = Counter("atomlog_coordinator_lane_riders_confirmed_in_step_total",
+                              "Riding markers the commit lane confirmed in its group's step, "
+                              "written there before the Completed records they lead to "
+                              "(CommitLane._riders_in_step); the others are confirmed once "
+                              "durable.")
 MAX_GROUP = 1_000  # commits taken in one callback; the rest wait for the next turn
 MAX_QUEUED = 10_000  # commits waiting for the lane; beyond, the ordinary path takes them
 
@@ -150,6 +155,7 @@ class CommitLane:
         # stops: WalTap.fatal), so the owner's flush has nothing to answer there and
         # schedules no callback for it (`_decide`).
         self._answered: asyncio.Future | None = None
+        self._step_riders: tuple | None = None  # (riders, MarkersHere) of the group's step
 
     def servicer_for(self, request):
         """The partition servicer of this process when it hosts (by the routes' cache)
@@ -216,9 +222,10 @@ class CommitLane:
         self._schedule()  # (more than MAX_GROUP queued, or nothing went to staging)
 
     def _stage(self, begun: list[_Commit], group: "_Group", wait: bool = True) -> None:
-        """The group's riders, then each commit's stages, queued (`_stage_one`)."""
+        """The group's riders, then each commit's stages, queued (`_stage_one`). Not
+        `wait`: in the group's step (`_stage_in_step`), which answers the riders."""
         try:
-            self._riders(begun)
+            self._riders(begun, in_step=not wait)
         except Exception:  # noqa: BLE001 — a bug: the markers are sent again by the ticks
             log.exception("commit lane: the riding markers failed")
         for commit in begun:
@@ -248,6 +255,7 @@ class CommitLane:
             for owner in list(gathering.owners):
                 owner.write_gathered()
             wrote = gathering.owners
+            self._riders_in_step(wrote)
             partitions = {}
             for commit in begun:
                 if commit.pending <= 0:
@@ -275,6 +283,9 @@ class CommitLane:
                     owner.write_gathered()
         finally:
             gathering.close()
+            if self._step_riders is not None:  # (a bug raised above: answered once durable)
+                _riders_answered_later(*self._step_riders)
+                self._step_riders = None
             for commit in begun:  # (a bug raised above: none is left unanswered)
                 if commit.pending > 0 and commit.timer is None:
                     try:
@@ -344,11 +355,12 @@ class CommitLane:
             return False
         return True
 
-    def _riders(self, group: list[_Commit]) -> None:
+    def _riders(self, group: list[_Commit], in_step: bool = False) -> None:
         """The lingering markers of the group's partitions, queued on their owners before
         the stages (as StageTxn applies its riders, but as objects: no request and no
         response to build and read in one process), confirmed to their TC partitions
-        once written (as MarkerChannel.answered confirms them)."""
+        once written (as MarkerChannel.answered confirms them), or `in_step` by
+        `_riders_in_step`."""
         markers = self.c.markers
         address = self._address(group[0].request)
         markers.staging_to(address)
@@ -365,7 +377,7 @@ class CommitLane:
         if not riders:
             return
         try:
-            answer = group[0].here.queue_markers_here([(marker.target, PartitionMarker(
+            queued = group[0].here.queue_markers_here([(marker.target, PartitionMarker(
                 PartitionTxnId(marker.txn_id.tc_partition, marker.txn_id.sequence),
                 ControlType.COMMIT if marker.decision is Decision.COMMIT
                 else ControlType.ABORT, marker.coordinator_epoch)) for _, marker in riders])
@@ -373,7 +385,40 @@ class CommitLane:
             markers.give_back(address, riders)  # they go alone, as after a failed call
             raise
         RIDING_MARKERS.inc(len(riders))
-        answer.add_done_callback(lambda future: _riders_answered(riders, future.result()))
+        if in_step:
+            self._step_riders = (riders, queued)
+        else:
+            _riders_answered_later(riders, queued)
+
+    def _riders_in_step(self, wrote: dict) -> None:
+        """The group's riders, once the owners wrote in its step (`wrote`: the
+        gathering's owners): confirmed now when every one was written there
+        (MarkersHere.settle_written) and every TC partition they confirm to appends in
+        this process's write-ahead file (TcPartition.appends_follow_here). Their
+        Completed records are then appended after their frames (with the step's
+        decisions, or later), so a durable Completed record implies a durable marker,
+        as a durable decision implies its durable stages. Else once durable, as ever."""
+        taken, self._step_riders = self._step_riders, None
+        if taken is None:
+            return
+        riders, queued = taken
+        outcomes = None
+        sinks = {id(sink): sink for sink, _ in riders}
+        if all(sink.appends_follow_here() for sink in sinks.values()):
+            outcomes = queued.settle_written(wrote, self._done())
+        if outcomes is None:
+            _riders_answered_later(riders, queued)
+            return
+        LANE_RIDERS_IN_STEP.inc(len(riders))
+        _riders_answered(riders, outcomes)
+
+    def _done(self) -> asyncio.Future:
+        """A done future (see __init__)."""
+        answered = self._answered
+        if answered is None:
+            answered = self._answered = asyncio.get_running_loop().create_future()
+            answered.set_result(None)
+        return answered
 
     def _stage_done(self, commit: _Commit) -> None:
         if commit.pending < 0:
@@ -409,10 +454,7 @@ class CommitLane:
         failure, retry = timed_out, False
         staged = []
         if failure is None:
-            answered = self._answered
-            if in_step and answered is None:
-                answered = self._answered = asyncio.get_running_loop().create_future()
-                answered.set_result(None)
+            answered = self._done() if in_step else None
             for item, owner, work in commit.stages:
                 if in_step:  # (written in this step, durable with its decision)
                     result = commit.here.written_result(item.topic_partition, owner,
@@ -497,6 +539,11 @@ class CommitLane:
         if not commit.future.done():
             commit.future.set_exception(error)
             observe_failure(commit.future)
+
+
+def _riders_answered_later(riders: list, queued) -> None:
+    """`_riders_answered` once the riders' owners made them durable (MarkersHere)."""
+    queued.answer.add_done_callback(lambda future: _riders_answered(riders, future.result()))
 
 
 def _riders_answered(riders: list, outcomes: list) -> None:

@@ -491,6 +491,13 @@ class TcPartition:
             return False
         return self.log.takes_gathered(len(self._queue) * 2 + 2)
 
+    def appends_follow_here(self) -> bool:
+        """Whether this TC partition's appends from now on are written by this process's
+        owner of its log, in the write-ahead file (TxnLog.takes_gathered), so after
+        every frame written there before them: the commit lane then confirms markers
+        written in its step at once (CommitLane._riders_in_step)."""
+        return self.phase is Phase.ACTIVE and self.log.takes_gathered(0)
+
     def append_scheduled_now(self) -> None:
         """The commit lane's step: the append `_append_soon` scheduled, made now."""
         if self._append_scheduled:

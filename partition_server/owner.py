@@ -915,11 +915,16 @@ class PartitionOwner:
     def queue_markers(self, markers: list[Marker]) -> asyncio.Future:
         """`end_transactions` without awaiting: queue the markers (or raise, nothing
         queued) and return the future of their result list."""
+        return self.queue_marker_work(markers).future
+
+    def queue_marker_work(self, markers: list[Marker]) -> "_MarkerWork":
+        """`queue_markers`, returning the queued work: its `results` once written (in a
+        gathering: `write_gathered`), its `future` once durable."""
         self.check_serving()
         work = _MarkerWork(markers, asyncio.get_running_loop().create_future(),
                            size=len(markers) * MARKER_BATCH_BYTES)
         self._queue_work(work)
-        return work.future
+        return work
 
     async def _enqueue(self, work: _Queued) -> list:
         self._queue_work(work)

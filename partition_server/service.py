@@ -1466,7 +1466,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         _outcome_into(result, owner, outcome)
         return result
 
-    def queue_markers_here(self, markers: list) -> asyncio.Future:
+    def queue_markers_here(self, markers: list) -> "MarkersHere":
         """Markers from a coordinator in this process (its commit lane's riders,
         coordinator/lane.py), as EndTxnOnPartition applies them but without its request
         and response: (target, Marker) pairs, each target a topic partition (`topic`,
@@ -1477,7 +1477,9 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         write and fsync, and the acks their durability round. Returns the future of the
         outcome per marker, in order: MarkerResult, or the AtomlogError a marker would
         answer (STALE_COORDINATOR_EPOCH, a partition not hosted here, an owner not
-        serving)."""
+        serving). Returns a MarkersHere: its `answer` is that future, and once the
+        owners wrote in the caller's gathering, `settle_written` may answer it in the
+        step instead."""
         loop = asyncio.get_running_loop()
         epochs = self.coordinator_epochs
         outcomes: list = [None] * len(markers)
@@ -1499,6 +1501,7 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             per_partition.setdefault((target.topic, target.partition), []).append(
                 (index, marker))
         pending = []
+        works = []  # (items, work) per owner queued
         for index, (target, marker) in subscriptions:
             try:  # the cursor's pending acks applied or released, staged now
                 owner = self._route_now(common_pb2.TopicPartition(topic=target.topic,
@@ -1521,26 +1524,13 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             if owner is None:
                 owner = AtomlogError("NOT_PARTITION_OWNER", f"{topic}-{partition} is not "
                                      "hosted here")
-            future = _queue_marker_items(owner, items, outcomes)
-            if future is not None:
-                pending.append((items, future))
-        answer = loop.create_future()
-
-        def settle() -> None:
-            _marker_outcomes(pending, outcomes)
-            counts: dict[tuple[str, str], int] = {}
-            for (_, marker), outcome in zip(markers, outcomes):
-                result = ("applied" if not isinstance(outcome, AtomlogError) else "stale"
-                          if outcome.reason == "STALE_COORDINATOR_EPOCH" else "error")
-                labels = (_CONTROL_LABELS[marker.decision], result)
-                counts[labels] = counts.get(labels, 0) + 1
-            for labels, count in counts.items():
-                MARKERS.labels(*labels).inc(count)
-            if not answer.done():
-                answer.set_result(outcomes)
-
-        WhenAllDone([future for _, future in pending], settle)
-        return answer
+            work = _queue_marker_work(owner, items, outcomes)
+            if work is not None:
+                pending.append((items, work.future))
+                works.append((items, work, owner))
+        queued = MarkersHere(markers, outcomes, pending, works, loop.create_future())
+        WhenAllDone([future for _, future in pending], queued.settle)
+        return queued
 
     def _route_now(self, tp) -> PartitionOwner | AtomlogError | None:
         """The owner of `tp` hosted here, or the error routing it gives, without awaiting;
@@ -1943,14 +1933,71 @@ def _queue_marker_items(owner: PartitionOwner | AtomlogError, items: list,
     """Queue one partition's markers ((where, Marker) items) on its owner: the future of
     their results, or None with the refusal (the route's error, or the owner's) recorded
     in `outcomes[where]` for each."""
+    work = _queue_marker_work(owner, items, outcomes)
+    return None if work is None else work.future
+
+
+def _queue_marker_work(owner: PartitionOwner | AtomlogError, items: list,
+                       outcomes: dict | list):
+    """`_queue_marker_items`, returning the owner's queued work (or None)."""
     try:
         if isinstance(owner, AtomlogError):
             raise owner
-        return owner.queue_markers([marker for _, marker in items])
+        return owner.queue_marker_work([marker for _, marker in items])
     except AtomlogError as error:
         for where, _ in items:
             outcomes[where] = error
         return None
+
+
+class MarkersHere:
+    """Markers a coordinator of this process queued here (queue_markers_here): `answer`
+    is the future of their outcomes, set once every owner's and cursor store's work of
+    them is durable (`settle`), or in the caller's step by `settle_written`."""
+
+    __slots__ = ("markers", "outcomes", "pending", "works", "answer")
+
+    def __init__(self, markers: list, outcomes: list, pending: list, works: list,
+                 answer: asyncio.Future):
+        self.markers, self.outcomes, self.pending = markers, outcomes, pending
+        self.works, self.answer = works, answer
+
+    def settle(self) -> None:
+        """Every pending future is done: the outcomes, counted, into `answer`."""
+        if self.answer.done():
+            return  # (settled in the step already)
+        _marker_outcomes(self.pending, self.outcomes)
+        self._answer()
+
+    def settle_written(self, wrote: dict, done: asyncio.Future) -> list | None:
+        """The outcomes now, when every marker went to a partition's owner (no
+        subscription's) and each owner wrote its work in the caller's gathering
+        (`wrote`: Gathering.owners, True for an owner whose write_gathered wrote; its
+        frames are fatal: durable in the round that follows, or the server stops);
+        else None, and `answer` comes as ever. The works' futures become `done` (a done
+        future), so their flushes schedule no callback for them."""
+        works = self.works
+        if len(works) != len(self.pending) or not all(
+                wrote.get(owner) and work.results for _, work, owner in works):
+            return None
+        outcomes = self.outcomes
+        for items, work, _ in works:
+            for (where, _), result in zip(items, work.results):
+                outcomes[where] = result
+            work.future = done
+        self._answer()
+        return outcomes
+
+    def _answer(self) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for (_, marker), outcome in zip(self.markers, self.outcomes):
+            result = ("applied" if not isinstance(outcome, AtomlogError) else "stale"
+                      if outcome.reason == "STALE_COORDINATOR_EPOCH" else "error")
+            labels = (_CONTROL_LABELS[marker.decision], result)
+            counts[labels] = counts.get(labels, 0) + 1
+        for labels, count in counts.items():
+            MARKERS.labels(*labels).inc(count)
+        self.answer.set_result(self.outcomes)
 
 
 def _staged_into(entry, owner: PartitionOwner, future: asyncio.Future) -> None:

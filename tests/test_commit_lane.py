@@ -97,6 +97,8 @@ def test_one_call_commits_go_through_the_lane_exactly_once_in_order(node, client
     in_round = one_round_commits(node)
     staged_calls = stage_calls(node)
     riding = metric_sum(metrics_address(node), "atomlog_coordinator_riding_markers_total")
+    riders_in_step = metric_sum(metrics_address(node),
+                                "atomlog_coordinator_lane_riders_confirmed_in_step_total")
     errors: list = []
 
     def commits(worker: int) -> None:
@@ -126,10 +128,16 @@ def test_one_call_commits_go_through_the_lane_exactly_once_in_order(node, client
     # group's step; else none. (A group meets an owner whose snapshot is due, or whose
     # own write's flush is still on its way, now and then: under a loaded machine, 3 of
     # 120 were seen once.)
+    # And the markers riding in a group's step were confirmed there (written before the
+    # Completed records they lead to), all but a few.
+    confirmed_in_step = metric_sum(
+        metrics_address(node), "atomlog_coordinator_lane_riders_confirmed_in_step_total")
     if one_round:
         assert one_round_commits(node) - in_round >= lane(node, "decided") - decided - 6
+        assert confirmed_in_step - riders_in_step > 0
     else:
         assert one_round_commits(node) == in_round == 0
+        assert confirmed_in_step == riders_in_step == 0
     # The markers of a worker's commit rode with its next commit's stages.
     assert metric_sum(metrics_address(node), "atomlog_coordinator_riding_markers_total") \
         > riding
