@@ -704,3 +704,24 @@ _DECODERS = {1: _decode_opened, 2: _decode_registered, 3: _decode_deadline_reset
              7: _decode_session_started, 8: _decode_sequences_reserved, 9: _decode_staging,
              SESSION_BUMPED_TYPE: _decode_session_bumped}
 assert set(_DECODERS) == {*RECORD_TYPES.values(), SESSION_BUMPED_TYPE}
+
+
+# --- The native core ----------------------------------------------------------------------
+# partition_server/rust (src/records.rs) has encode_record in Rust, byte for byte this one;
+# it takes the records the core builds and hands anything else to this one, which stays
+# the reference and serves when the native core is off or not built
+# (tests/test_native_records.py holds the two together; docs/native-core.md).
+python_encode_record = encode_record
+
+
+def _use_native() -> None:
+    global encode_record
+    from partition_server import native
+    if native.core is None:
+        return
+    native.core.init_records(RECORD_TYPES, SESSION_BUMPED_TYPE, RECORD_FORMAT_VERSION, TxnId,
+                             TopicPartition, SubscriptionPartition, python_encode_record)
+    encode_record = native.core.encode_record
+
+
+_use_native()

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 mod crc32c;
 mod producer_state;
+mod records;
 mod txn_buffer;
 mod txn_guard;
 mod write_step;
@@ -1233,5 +1234,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<txn_buffer::TxnBuffer>()?;
     module.add_class::<txn_guard::TxnGuard>()?;
     module.add_function(wrap_pyfunction!(write_step::decide_write_step, module)?)?;
+    module.add_function(wrap_pyfunction!(records::init_records, module)?)?;
+    module.add_function(wrap_pyfunction!(records::encode_record, module)?)?;
     Ok(())
 }
