@@ -130,6 +130,9 @@ class Coordinator:
         # One-call commits on partitions this process hosts (coordinator/lane.py).
         self.lane = CommitLane(self, _OneCallBegun) if settings.commit_lane else None
         self.one_calls_in_flight = 0  # one-call commits being handled (CommitTxn(s))
+        # Topic partitions validated once (`_target`), by (topic, partition): a commit
+        # names the same few again and again. At most KNOWN_TARGETS, then started afresh.
+        self._known_targets: dict[tuple[str, int], TopicPartition] = {}
         self._commits_begun = 0  # one-call commits begun here, and the last of them that
         self._last_overlap = -AUTO_QUIET_COMMITS  # began with another in flight
 
@@ -266,7 +269,15 @@ class Coordinator:
     def _target(self, proto, subscription: str | None):
         """(target, None), (None, why), or (target, _LOOK_UP) when the routes' cache does
         not know the topic (`_looked_up` then asks: a coroutine only then, not one per
-        partition of every commit)."""
+        partition of every commit). A topic partition validated before is not built and
+        checked again, only looked up in the routes' cache once more."""
+        if subscription is None:
+            key = (proto.topic, proto.partition)
+            known = self._known_targets.get(key)
+            if known is not None:
+                count = self.routes.cached_partition_count(key[0])
+                if count is not None and key[1] < count:
+                    return known, None
         try:
             target = (TopicPartition(proto.topic, proto.partition) if subscription is None
                       else SubscriptionPartition(proto.topic, proto.partition, subscription))
@@ -284,13 +295,20 @@ class Coordinator:
         count = self.routes.cached_partition_count(proto.topic)
         if count is None:
             return target, _LOOK_UP
-        return _within(proto, target, count)
+        answer = _within(proto, target, count)
+        if subscription is None and answer[1] is None:
+            known = self._known_targets
+            if len(known) >= KNOWN_TARGETS:
+                known.clear()
+            known[key] = target
+        return answer
 
     async def _looked_up(self, proto, target):
         return _within(proto, target, await self.routes.partition_count(proto.topic))
 
 
 _LOOK_UP = object()  # _target: the topic's partition count is not cached
+KNOWN_TARGETS = 65_536  # Coordinator._known_targets
 
 
 def _within(proto, target, count: int | None):

@@ -588,6 +588,12 @@ def test_bad_commit_txn_input_is_refused_with_a_reason_and_changes_nothing(serve
         topic_partition=common_pb2.TopicPartition(topic="oc-no-such-topic", partition=0),
         record_batch=item.record_batch)])
     assert unknown.reason == "UNKNOWN_TOPIC_OR_PARTITION"
+    # A partition past the topic's last, after its partitions were validated (and kept:
+    # Coordinator._known_targets) by the calls above.
+    beyond = _commit_txn(client, idempotency_key=key, batches=[partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic=topic, partition=2),
+        record_batch=item.record_batch)])
+    assert beyond.reason == "UNKNOWN_TOPIC_OR_PARTITION" and "2 partitions" in beyond.message
     corrupt = bytearray(item.record_batch)
     corrupt[-1] ^= 0xFF  # the CRC no longer matches: the partition server refuses it
     crc = _commit_txn(client, idempotency_key=key, batches=[partition_pb2.ProduceItem(
