@@ -314,6 +314,7 @@ class PartitionOwner:
         assert settings.max_fsyncs_in_flight >= 1, settings.max_fsyncs_in_flight
         self.topic = topic
         self.partition = partition
+        self.name = f"{topic}-{partition}"  # (read on every write: kept, not formatted)
         self.directory = directory
         self.settings = settings
         self.replayed_batches = 0
@@ -387,10 +388,6 @@ class PartitionOwner:
         self._markers_written: dict = {}  # ControlType -> its metric child, on first use
 
     # ------------------------------------------------------------------ lifecycle
-    @property
-    def name(self) -> str:
-        return f"{self.topic}-{self.partition}"
-
     async def start(self) -> None:
         await self._load()
         self._task = asyncio.create_task(self._run(), name=f"owner {self.name}")
