@@ -86,7 +86,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import crc32c
 
@@ -236,9 +236,11 @@ class Append:
     records: tuple[Record, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Marker:
-    """EndTxnOnPartition for one target of one transaction."""
+class Marker(NamedTuple):
+    """EndTxnOnPartition for one target of one transaction. A NamedTuple, as the ids and
+    targets are: the marker channel hashes and compares each one it queues (sets of
+    markers on their way), and a tuple's hash and == are C code where a dataclass's
+    were Python calls."""
 
     txn_id: TxnId
     decision: Decision
