@@ -1217,7 +1217,10 @@ class _TurnEnd:
         if event is not None:
             event.set()
         for callback in callbacks or ():
-            callback(self)
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 — as a Future's callbacks: logged, not raised
+                _log.exception("a callback of a turn's end failed")
 
     def add_done_callback(self, callback) -> None:
         """callback(self) once set: now if it is, else on the thread that sets it."""
