@@ -38,6 +38,7 @@ KIND_ANSWER, KIND_REQUEST, KIND_ERROR, KIND_CALL = 0, 1, 2, 3
 HEAD = struct.Struct(">IB")  # frame length (of what follows), kind
 TOKEN_LEN = struct.Struct(">H")
 CALL_HEAD = struct.Struct(">BIH")  # method number, timeout in ms (0: none), token length
+_CALL_FRAME_HEAD = struct.Struct(">IBBIH")  # HEAD then CALL_HEAD, packed at once (call_frame)
 MAX_CALL_BYTES = 64 << 20  # a call frame or its answer (as gRPC's max message size)
 
 
@@ -89,7 +90,11 @@ def call_frame(number: int, timeout_s: float | None, token: bytes, request) -> b
     write (one send(2), one TCP segment under TCP_NODELAY). `request`: a message, or its
     serialized bytes."""
     body = request if isinstance(request, bytes) else request.SerializeToString()
-    return call_head(number, timeout_s, token, len(body)) + body
+    # call_head's bytes, inline: one pack, no join (a call frame per SDK call).
+    timeout_ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF)) if timeout_s else 0
+    head = _CALL_FRAME_HEAD.pack(1 + CALL_HEAD.size + len(token) + len(body), KIND_CALL,
+                                 number, timeout_ms, len(token))
+    return head + token + body if token else head + body
 
 
 def call_head(number: int, timeout_s: float | None, token: bytes, body_bytes: int) -> bytes:

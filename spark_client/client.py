@@ -19,6 +19,9 @@ from services.tls import ChannelTls, TlsConfig
 from spark_client.link import Links
 from spark_client.routing import Channels, MetadataCache
 
+_Transaction = None  # spark_client.transactions.Transaction, once begin_transaction() ran
+
+
 class Client:
     """A connection to an atomlog cluster. Thread-safe; share one per process."""
 
@@ -232,10 +235,11 @@ class Client:
         `partitions` ((topic, partition)) and `subscriptions` ((topic, partition,
         subscription)) that the transaction will write or ack are registered in that same
         NewTxn, so writes and acks to them need no call of their own."""
-        from spark_client.transactions import Transaction
-
-        return Transaction(self, timeout_s, lazy=True, partitions=partitions,
-                           subscriptions=subscriptions)
+        global _Transaction
+        if _Transaction is None:  # (imported once: an import statement per call cost ~1 us)
+            from spark_client.transactions import Transaction as _Transaction
+        return _Transaction(self, timeout_s, lazy=True, partitions=partitions,
+                            subscriptions=subscriptions)
 
     def transaction(self, timeout_s: float = 60.0, *,
                     partitions: Iterable[tuple[str, int]] = (),

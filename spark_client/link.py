@@ -51,6 +51,7 @@ from services.link_wire import (
     MAX_CALL_BYTES,
     MAX_PIPELINED,
     call_frame,
+    SEND_PIECE_BYTES,
     call_head,
     connect_blocking,
     read_answer,
@@ -188,7 +189,10 @@ class ServerLink:
                 kind, payload = read_answer(sock, MAX_CALL_BYTES, conn.more)
             else:
                 conn.bound(timeout_s)
-                send_frame(sock, frame, conn.more)
+                if len(frame) <= SEND_PIECE_BYTES:  # send_frame's one sendall, inline
+                    sock.sendall(frame)
+                else:
+                    send_frame(sock, frame, conn.more)
                 kind, payload = read_answer_into(sock, conn.buffer, MAX_CALL_BYTES,
                                                  conn.more)
             kept = True
@@ -218,7 +222,7 @@ class ServerLink:
         with self._lock:
             while self._idle:
                 conn = self._idle.pop()
-                if now - conn.used < IDLE_S and not conn.readable():
+                if now - conn.used < IDLE_S and not _readable(conn.sock, poller=conn.poller):
                     return conn, False
                 self._open -= 1
                 conn.sock.close()
@@ -525,12 +529,12 @@ class _Connection:
     system calls more a call (14 µs of a client's CPU a call against a do-nothing link
     server here, 2026-12-07)."""
 
-    __slots__ = ("sock", "used", "buffer", "_poller", "_bound_s", "deadline")
+    __slots__ = ("sock", "used", "buffer", "poller", "_bound_s", "deadline")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.used = 0.0
-        self._poller = _poller(sock)
+        self.poller = _poller(sock)  # (ServerLink._take polls it with _readable)
         plain = type(sock) is socket.socket
         self.buffer = bytearray(ANSWER_BUFFER_BYTES) if plain else None
         self._bound_s = 0.0
@@ -568,7 +572,7 @@ class _Connection:
 
     def readable(self) -> bool:
         """_readable(sock) with the poll object kept: one poll(2)."""
-        return _readable(self.sock, poller=self._poller)
+        return _readable(self.sock, poller=self.poller)
 
 
 def _poller(sock: socket.socket) -> select.poll:

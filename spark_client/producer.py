@@ -53,6 +53,9 @@ from spark_client.columns import HEADER_OVERHEAD, ROW_OVERHEAD, Chunk, prepare
 from spark_client.transactions import KeptBy
 from services.backoff import Backoff
 
+_new_tuple = tuple.__new__  # Record tuples made without their Python-level __new__ (send())
+assert Record._fields == ("key", "value", "headers", "timestamp_ms", "offset")
+
 # Sequences are int32 and batches may not wrap inside themselves: a producer that gets
 # near the end rotates to a new producer id (see ProducerIdSource).
 SEQUENCE_LIMIT = 2**31 - 1
@@ -465,16 +468,25 @@ class Producer:
         readers only once it commits; commit() waits for it)."""
         one_call = txn is not None and txn._kept is not None  # (Transaction.one_call)
         # (A one-call transaction's keep_record checks that it still takes sends; one
-        # that does not is refused here first, as before anything else is looked at.)
-        self._check_sendable(txn, accepting=not one_call or txn._ended is not None
-                             or txn._committing)
-        if type(key) is not bytes:
+        # that does not is refused here first, as before anything else is looked at.
+        # _check_sendable is called only when it has something to check: a one-call
+        # transaction's record, the common case, skips the call.)
+        if not one_call or self._closed or txn.session is not None or not self.idempotent \
+                or txn._ended is not None or txn._committing:
+            self._check_sendable(txn, accepting=not one_call or txn._ended is not None
+                                 or txn._committing)
+        if key is not None and type(key) is not bytes:
             key = _bytes(key)
-        if type(value) is not bytes:
+        if value is not None and type(value) is not bytes:
             value = _bytes(value)
-        record = Record(key, value, _headers(headers) if headers else (),
-                        timestamp_ms if timestamp_ms is not None else time.time_ns() // 1_000_000)
-        size = _record_size(key, value, record.headers)
+        headers = _headers(headers) if headers else ()
+        if timestamp_ms is None:
+            timestamp_ms = time.time_ns() // 1_000_000
+        # Record(key, value, headers, timestamp_ms) without its Python-level __new__.
+        record = _new_tuple(Record, (key, value, headers, timestamp_ms, None))
+        # _record_size, inline for the common record without headers.
+        size = (_record_size(key, value, headers) if headers else
+                ROW_OVERHEAD + (len(key) if key else 0) + (len(value) if value else 0))
         if size + 128 > self.batch_max_bytes:
             raise errors.BatchTooLarge(f"record of about {size} bytes does not fit a batch of "
                                        f"{self.batch_max_bytes} bytes (batch_max_bytes)")

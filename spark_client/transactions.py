@@ -59,19 +59,38 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
 import weakref
+from _thread import RLock as _RLock  # (threading.RLock() is a Python call that makes one)
 from collections.abc import Iterable
 
+import crc32c
 import grpc
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
 from coordinator.records import tc_partition_for
-from partition_server.record_columns import encode_columns, encode_records
+from partition_server.record_batch import (
+    CRC_COVERED_FROM,
+    CRC_OFFSET,
+    HEADER,
+    MAGIC_COLUMNAR,
+    MIN_BATCH_LENGTH,
+    NO_PRODUCER_ID,
+    NO_SEQUENCE,
+    NO_TIMESTAMP,
+    Compression,
+)
+from partition_server.record_columns import (
+    PLAIN_MAX_RECORDS,
+    encode_columns,
+    encode_records,
+    plain_block,
+)
 from partition_server.subscription_cursor import merge_ranges
 from spark_client import errors, link
 from spark_client.columns import records_of_chunk
@@ -220,11 +239,42 @@ class _KeptPartition:
         compression = self.producer.compression
         pieces = self.pieces
         if len(pieces) == 1 and type(pieces[0]) is list:  # records only (send())
+            if compression is Compression.NONE:
+                batch = _plain_batch(pieces[0])
+                if batch is not None:
+                    return batch
             return encode_records(pieces[0], compression=compression)
         if all(type(piece) is not list for piece in pieces):
             return _encode_chunks(pieces, compression)
         records = pieces[0] if len(pieces) == 1 else self.records()
         return encode_records(records, compression=compression)
+
+
+_CRC = struct.Struct(">I")
+
+
+def _plain_batch(records: list) -> bytes | None:
+    """encode_records(records) (uncompressed) for a one-call transaction's records from
+    send(): the same bytes (tests/test_one_call.py holds them together), or None when
+    plain_block does not take them (headers, too many records) or a timestamp is
+    missing. Its header is framed here: frame_batch also parses the batch it built
+    (the servers' pair assertion: a BatchHeader object per batch, which a client only
+    threw away), and the path went through two more Python-level calls."""
+    if len(records) > PLAIN_MAX_RECORDS:
+        return None
+    stamps = [record[3] for record in records]
+    if None in stamps:
+        return None
+    block = plain_block(records, stamps)
+    if block is None:
+        return None
+    count = len(records)
+    batch = bytearray(HEADER.pack(0, MIN_BATCH_LENGTH + len(block), MAGIC_COLUMNAR,
+                                  NO_TIMESTAMP, 0, 0, count - 1, count, stamps[0],
+                                  max(stamps), NO_PRODUCER_ID, 0, NO_SEQUENCE, 0, 0))
+    batch += block
+    _CRC.pack_into(batch, CRC_OFFSET, crc32c.crc32c(memoryview(batch)[CRC_COVERED_FROM:]))
+    return bytes(batch)
 
 
 def _encode_chunks(chunks: list, compression) -> bytes:
@@ -300,7 +350,7 @@ class Transaction:
         elif tc_partition is not None:  # a session's TC partition
             self.tc_partition = tc_partition
         else:  # a random key, and the TC partition it hashes to
-            key = _random_key()
+            key = _KEYS.next()  # (_random_key(), a Python-level call less)
             self.tc_partition = tc_partition_for(key, count)
         # A one-call commit of a random key may move to the TC partition of the commit
         # before it of the same producers, while that one is under way (_take_turn): then
@@ -317,7 +367,7 @@ class Transaction:
         # One-call: what it keeps (None once it switched, or when it cannot be one-call).
         limit = client.one_call_max_bytes
         self._kept: _Kept | None = _Kept(limit) if lazy and limit > 0 else None
-        self._switch_lock = threading.RLock()
+        self._switch_lock = _RLock()
         self._on_fenced = on_fenced  # a session's producer learns it was fenced
         # A CommitTxn of the kept transaction ended with an unknown outcome: commit()
         # retries it, abort() makes sure it never commits (CommitTxn with abort).
@@ -325,8 +375,10 @@ class Transaction:
         self._turn: _in_turn | None = None  # a one-call commit's place among its producers'
         self._txn_id: common_pb2.TxnId | None = _resume
         # Registered by the NewTxn call, whenever it is made.
-        self._upfront = (list(dict.fromkeys((t, int(p)) for t, p in partitions)),
-                         list(dict.fromkeys((t, int(p), n) for t, p, n in subscriptions)))
+        self._upfront = (list(dict.fromkeys((t, int(p)) for t, p in partitions))
+                         if partitions else [],
+                         list(dict.fromkeys((t, int(p), n) for t, p, n in subscriptions))
+                         if subscriptions else [])
         if _resume is not None and (self._upfront[0] or self._upfront[1]):
             raise ValueError("a resumed transaction is open already: register partitions "
                              "with register_partitions()")
@@ -373,24 +425,38 @@ class Transaction:
         the transaction is not (or no longer) one-call, and the producer sends it as
         usual: a record that would pass the bound switches the transaction first. Raises
         TRANSACTION_NOT_OPEN when the transaction takes no more sends (the producer
-        checks that itself only for what it sends)."""
+        checks that itself only for what it sends).
+
+        Under the switch lock alone: everything that takes or replaces what is kept
+        (commit, abort, a switch) holds it, and the readers under `_lock` alone
+        (one_call_room, kept_claims) read a size or the acks, which this does not
+        change. It runs once per record: one lock, and _KeptPartition.add_record
+        inline (about a third of a send's Python-level calls before)."""
         RecordFuture, _Outcome = _PRODUCER_TYPES or _producer_types()
         with self._switch_lock:
             kept = self._kept
             if kept is None:
                 return None
-            with self._lock:
-                if self._ended is not None or self._committing:  # (no call when it takes)
-                    self._check_accepting()
-                part = kept.partitions.get((topic, partition))
-                if (kept.size + size <= kept.limit
-                        and (part.size if part else 0) + size + 128 <= producer.batch_max_bytes):
-                    if part is None:
-                        part = kept.partitions[(topic, partition)] = _KeptPartition(
-                            producer, _Outcome(topic, partition, on_wait=self._switch))
-                    kept.size += size
-                    return RecordFuture(part.outcome, part.add_record(record, size)
-                                        if chunk is None else part.add_chunk(chunk))
+            if self._ended is not None or self._committing:  # (no call when it takes)
+                self._check_accepting()
+            part = kept.partitions.get((topic, partition))
+            if (kept.size + size <= kept.limit
+                    and (part.size if part else 0) + size + 128 <= producer.batch_max_bytes):
+                if part is None:
+                    part = kept.partitions[(topic, partition)] = _KeptPartition(
+                        producer, _Outcome(topic, partition, on_wait=self._switch))
+                kept.size += size
+                if chunk is not None:
+                    return RecordFuture(part.outcome, part.add_chunk(chunk))
+                pieces = part.pieces  # part.add_record(record, size), inline
+                if pieces and type(pieces[-1]) is list:
+                    pieces[-1].append(record)
+                else:
+                    pieces.append([record])
+                part.size += size
+                index = part.count
+                part.count = index + 1
+                return RecordFuture(part.outcome, index)
             self._switch()
             return None
 
@@ -495,12 +561,16 @@ class Transaction:
             for (topic, partition, subscription), (_, cumulative, ranges) in kept.acks.items()]
         request = S.CommitTxnRequest(
             tc_partition=self.tc_partition, idempotency_key=self._new_txn_key,
-            timeout_ms=remaining_ms, session=self.session, wait_for_markers=wait_for_markers,
-            batches=[partition_pb2.ProduceItem(
-                topic_partition=common_pb2.TopicPartition(topic=topic, partition=partition),
-                record_batch=part.encode())
-                for (topic, partition), part in parts],
-            acks=acks)
+            timeout_ms=remaining_ms, wait_for_markers=wait_for_markers, acks=acks)
+        if self.session is not None:
+            request.session.CopyFrom(self.session)
+        # Each batch built in its place in the request: ProduceItem(...) messages given to
+        # the constructor are copied in, record batch and all (twice the time).
+        add_item = request.batches.add
+        for (topic, partition), part in parts:
+            target = add_item(record_batch=part.encode()).topic_partition
+            target.topic = topic
+            target.partition = partition
         try:
             reply = self._commit_call(kept, request)  # commit() releases or holds the turn
         except errors.AtomlogClientError as error:
@@ -531,7 +601,7 @@ class Transaction:
         turn = self._take_turn(kept)
         carpool = _carpool_of(self._coordinators.client)
         deadline = self._began + self.timeout_s
-        backoff = Backoff(initial_s=0.01, maximum_s=0.25)
+        backoff = None  # made at the first retry
         attempt = 0
         settled = False
         try:
@@ -545,6 +615,8 @@ class Transaction:
                     raise refusal
                 if refusal.reason in _ROUTING:
                     self._coordinators._refresh()
+                if backoff is None:
+                    backoff = Backoff(initial_s=0.01, maximum_s=0.25)
                 delay = 0.0 if refusal.reason == "EARLIER_COMMIT_FAILED" \
                     else backoff.delay(attempt)
                 remaining = deadline - time.monotonic() - delay
@@ -949,6 +1021,8 @@ class Transaction:
 
     def _wait_pending(self) -> None:
         with self._lock:
+            if not self._flushers and not self._pending:
+                return  # (a one-call transaction's: its records are kept, not sent)
             flushers = list(self._flushers)
         for flush in flushers:
             flush(self)
@@ -1059,7 +1133,7 @@ class _in_turn:
     def __init__(self, producers, tc_partition: int | None = None, movable: bool = False):
         """`tc_partition`: the commit's; with `movable`, that of a commit before it still
         under way, if any (so the carpool can carry both)."""
-        self.done: concurrent.futures.Future = concurrent.futures.Future()
+        self.done = _TurnEnd()
         self.before: list[_in_turn] = []
         self.held_until: float | None = None  # time.monotonic(); see hold()
         with _TURNS:
@@ -1067,13 +1141,17 @@ class _in_turn:
             self.order = _in_turn._taken
             for producer in producers:
                 previous = getattr(producer, "_one_call_turn", None)
-                if previous is not None:
+                # (A released turn is over for good: nothing waits for it. A producer
+                # committing one transaction after another finds its last one released.)
+                if previous is not None and not previous.done.is_set:
                     self.before.append(previous)
                 producer._one_call_turn = self
-            self.tc_partition = next(
-                (previous.tc_partition for previous in self.before
-                 if movable and previous.tc_partition is not None and not previous.over()),
-                tc_partition)
+            self.tc_partition = tc_partition
+            if movable and self.before:
+                self.tc_partition = next(
+                    (previous.tc_partition for previous in self.before
+                     if previous.tc_partition is not None and not previous.over()),
+                    tc_partition)
 
     def wait_before(self) -> None:
         """Wait for the turns before this one (then forgets them: turns must not chain
@@ -1097,7 +1175,7 @@ class _in_turn:
             held_until = self.held_until
             if held_until is not None and time.monotonic() >= held_until:
                 return
-            concurrent.futures.wait([self.done], timeout=0.5)
+            self.done.wait(0.5)
 
     def hold(self, until: float) -> None:
         """Keep the turn after a commit with an unknown outcome (commit() may retry it)
@@ -1108,9 +1186,63 @@ class _in_turn:
         self.release()
 
     def release(self) -> None:
+        self.done.set()
+
+
+class _TurnEnd:
+    """The end of a turn (_in_turn.done): set once; wait() and callbacks, as a
+    concurrent.futures.Future's result would give them, but made for the cost of a few
+    attributes: a Future builds a Condition (and its lock) per turn, and one turn is
+    taken per transaction. Its threading.Event is made only when a thread waits before
+    the turn ends (rare: a producer's commits one after another find their turns
+    before them ended). Settled under _TURNS, as _in_turn.release did."""
+
+    __slots__ = ("is_set", "_event", "_callbacks")
+
+    def __init__(self) -> None:
+        self.is_set = False
+        self._event: threading.Event | None = None
+        self._callbacks: list | None = None
+
+    def done(self) -> bool:
+        return self.is_set
+
+    def set(self) -> None:
         with _TURNS:
-            if not self.done.done():
-                self.done.set_result(None)
+            if self.is_set:
+                return
+            self.is_set = True
+            event, callbacks = self._event, self._callbacks
+            self._callbacks = None
+        if event is not None:
+            event.set()
+        for callback in callbacks or ():
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 — as a Future's callbacks: logged, not raised
+                _log.exception("a callback of a turn's end failed")
+
+    def add_done_callback(self, callback) -> None:
+        """callback(self) once set: now if it is, else on the thread that sets it."""
+        with _TURNS:
+            if not self.is_set:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether it is set, waiting up to `timeout_s` for it."""
+        if self.is_set:
+            return True
+        with _TURNS:
+            if self.is_set:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout_s)
 
 
 class _Seat:
@@ -1168,7 +1300,8 @@ class _Carpool:
                 index -= 1
             self._waiting.insert(index, seat)
             while seat.answer is None:
-                if not seat.taken and all(previous.over() for previous in turn.before):
+                if not seat.taken and (not turn.before
+                                       or all(previous.over() for previous in turn.before)):
                     seat.taken = True
                     self._waiting.remove(seat)
                     riders = self._riders(seat)
@@ -1187,7 +1320,8 @@ class _Carpool:
             with self._cond:
                 for rider, answer in zip(riders, answers[1:]):
                     rider.answer = answer
-                self._cond.notify_all()
+                if riders or self._waiting:  # (else no one waits: a Python-level call less)
+                    self._cond.notify_all()
         seat.answer = answers[0]
         return self._answer(seat)
 

@@ -481,6 +481,32 @@ def test_a_one_call_transaction_encodes_kept_chunks_and_records_as_sent():
                                                  + part.pieces[-1].size)
 
 
+def test_a_kept_partitions_records_encode_to_what_encode_records_writes():
+    """A one-call transaction's send() records are framed by the SDK itself
+    (transactions._plain_batch): byte for byte encode_records' batch, and encode_records
+    wherever plain_block does not take them (headers, a compression)."""
+    from types import SimpleNamespace
+
+    from spark_client.transactions import _KeptPartition, _plain_batch
+
+    value = bytes(range(256)) * 5
+    cases = [[rb.Record(None, value, (), 1_700_000_000_123)],
+             [rb.Record(b"k%d" % i, value[:i * 37], (), 1_700_000_000_000 + (i * 7919) % 50)
+              for i in range(10)],
+             [rb.Record(None, b"", (), 5), rb.Record(b"", None, (), 3)]]
+    for records in cases:
+        assert _plain_batch(records) == rc.encode_records(records)
+        rb.parse_header(_plain_batch(records))  # (checks its CRC too)
+    with_headers = [rb.Record(b"k", b"v", (("h", b"1"),), 9)]
+    assert _plain_batch(with_headers) is None
+    assert _plain_batch([rb.Record(b"k", b"v", (), None)]) is None
+    for codec in (rb.Compression.NONE, rb.Compression.ZSTD):
+        part = _KeptPartition(SimpleNamespace(compression=codec), outcome=None)
+        for record in cases[1] + with_headers:
+            part.add_record(record, 10)
+        assert part.encode() == rc.encode_records(cases[1] + with_headers, compression=codec)
+
+
 # ------------------------------------------------------------------ against the cluster
 
 

@@ -33,6 +33,19 @@ def frame(payload: bytes, kind: int = KIND_ANSWER) -> bytes:
     return HEAD.pack(1 + len(payload), kind) + payload
 
 
+def test_a_call_frame_is_its_head_and_body_as_call_head_writes_them():
+    """call_frame packs its head at once (the SDK's calls); call_head (a large request's
+    head, sent before its body) must say the same."""
+    from services.link_wire import call_frame, call_head
+
+    request = coordinator_pb2.CommitTxnRequest(tc_partition=3, idempotency_key="k" * 40)
+    for timeout_s, token in [(30.0, b""), (0.0004, b"a.b.c"), (None, b""), (5e6, b"t" * 300)]:
+        body = request.SerializeToString()
+        for given in (request, body):
+            assert call_frame(7, timeout_s, token, given) == \
+                call_head(7, timeout_s, token, len(body)) + body
+
+
 @pytest.fixture
 def pair():
     a, b = socket.socketpair()

@@ -165,6 +165,39 @@ def test_random_idempotency_keys_are_unique_hash_where_asked_and_differ_in_a_for
     assert child_key and not child_key.startswith(prefix + "-")
 
 
+def test_one_call_turns_of_a_producer_go_in_order_and_release_wakes_their_waiters():
+    """A one-call commit's turn (_in_turn, ended by a _TurnEnd, not a Future per
+    transaction) waits for the unreleased turn of the same producer before it; a
+    released one is not waited for; release wakes its waiters and runs its callbacks
+    once; a held turn is over once its time passed."""
+    import threading
+    from types import SimpleNamespace
+
+    from spark_client.transactions import _in_turn
+
+    producer = SimpleNamespace()
+    first, second = _in_turn([producer]), _in_turn([producer])
+    assert second.before == [first] and not first.over()
+    called = []
+    first.done.add_done_callback(called.append)
+    waiter = threading.Thread(target=second.wait_before)
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()
+    first.release()
+    first.release()
+    waiter.join(5)
+    assert not waiter.is_alive() and called == [first.done] and first.over()
+    second.release()
+    assert _in_turn([producer]).before == []  # the last one released: nothing to wait for
+    held = _in_turn([SimpleNamespace()])
+    held.hold(time.monotonic() - 1)
+    assert held.over() and not held.done.done()
+    late = []
+    first.done.add_done_callback(late.append)  # set already: runs at once
+    assert late == [first.done]
+
+
 @pytest.mark.parametrize("threads", [0, -1, 257])
 def test_commit_threads_out_of_range_is_refused_before_anything_connects(threads):
     from spark_client import Client
