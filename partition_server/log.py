@@ -492,7 +492,7 @@ class PartitionLog:
         leader's segments start (`rolls_at`, a follower's copies), else by size or by age;
         and always by the span of offsets its index can hold."""
         config = self.config
-        return bool(size) and (
+        return size != 0 and (
             base_offset - self._segments[-1].base_offset > RELATIVE_OFFSET_MAX
             or (base_offset in rolls_at if rolls_at is not None else
                 size + batch_bytes > config.segment_bytes
@@ -507,9 +507,13 @@ class PartitionLog:
                 self._rolling is not None:
             return False
         active = self._segments[-1]
+        if not active.size:  # (an empty segment never rolls: no clock to read)
+            return False
+        now = self._clock_ms()
+        if now < self._last_append_time_ms:
+            now = self._last_append_time_ms
         return self._rolls(active.size, extra_bytes, active.first_append_time_ms,
-                           self._log_end_offset + extra_bytes,
-                           max(self._clock_ms(), self._last_append_time_ms))
+                           self._log_end_offset + extra_bytes, now)
 
     def roll_for_retention_due(self, now_ms: int) -> bool:
         """Whether the active segment holds only records past retention.ms (`now_ms`):
@@ -662,7 +666,8 @@ class PartitionLog:
         fsync a duplicate (os.dup) when appends may go on during the fsync. If the
         fsync fails, do not call flush_end: call `fail` and reopen the log (the page
         cache is unknown)."""
-        self._check_serving()
+        if self._closed or self._data_loss is not None or self._broken is not None:
+            self._check_serving()  # (raises)
         target = self._log_end_offset
         if target == self._high_watermark:
             return target, None
@@ -684,7 +689,8 @@ class PartitionLog:
         the data becomes readable, but the recovery point does not move past it (else a
         power cut could turn a torn tail into a false DATA_LOSS). Returns whether the high
         watermark moved."""
-        self._check_serving()
+        if self._closed or self._data_loss is not None or self._broken is not None:
+            self._check_serving()  # (raises)
         pending = self._flush_pending
         ended = None
         while pending and pending[0][0] <= target:  # flushes end in the order they began

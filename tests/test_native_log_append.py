@@ -169,6 +169,8 @@ def test_native_log_append_matches_the_python_path(tmp_path, seed):
                 for tap in (partition_log.wal for partition_log in logs.values()):
                     if tap is not None:
                         tap.fatal = fatal
+                size = sum(len(batch) for batch, _ in group)  # as the owner asks first
+                assert logs["python"].roll_due(size) == logs["native"].roll_due(size)
                 answers = [outcome(lambda: logs[side].append_parsed(group))
                            for side in ("python", "native")]
             elif action < 0.88:
