@@ -1,7 +1,8 @@
 //! atomlog's native core: the record batch's header work on the servers' hot path (parse
 //! and check a header, check a whole batch and its CRC32C, stamp a one-call transaction's
 //! batch, frame a batch around its records block), a log's append planned in one call
-//! (checked, stamped, accounted for), and the SDK's records block of a small batch.
+//! (checked, stamped, accounted for; log_append.rs: with its write-ahead frame's head),
+//! and the SDK's records block of a small batch.
 //!
 //! Each function here is the function of the same name in partition_server/record_batch.py
 //! (plain_block: record_columns.py), which stays the reference: the same answers, the same
