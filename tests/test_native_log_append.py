@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import struct
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,8 @@ from partition_server import native, record_batch
 from partition_server.log import LogConfig, PartitionLog
 from partition_server.record_batch import (ControlType, Record, TxnId, control_batch_parsed,
                                            encode_batch, parse_header)
-from partition_server.wal import WriteAheadLog, decode_frames
+from partition_server.segment import SparseIndex
+from partition_server.wal import DATA, WriteAheadLog, decode_frames, frame_parts
 from services.errors import AtomlogError
 
 STEP = getattr(native.core, "log_append_step", None)
@@ -231,3 +233,50 @@ def test_the_native_path_runs(tmp_path):
     assert taken == [1]
     partition_log.close()
     assert log_module.PartitionLog._append_step is STEP
+
+
+def python_step(group, next_offset, now, max_batch_bytes, size, first_time, segment_base,
+                segment_bytes, segment_ms, interval_bytes, last_indexed, running_max_ts,
+                frame_name):
+    """log_append_step's answer made of the reference's parts (facts as lists)."""
+    plan = record_batch.python_functions["plan_log_append"](
+        group, next_offset, now, max_batch_bytes, size, first_time, segment_base,
+        segment_bytes, segment_ms, interval_bytes, last_indexed, running_max_ts)
+    if plan is None:
+        return None
+    buffers, stamped, after, starts, entries, end, running, max_ts, last_data = plan
+    data = b"".join(buffers)
+    head = None
+    if frame_name is not None:
+        try:
+            head = frame_parts(DATA, frame_name, next_offset, data)[0]
+        except (ValueError, struct.error):
+            pass
+    return (data, head, after, [h.base_offset for h in stamped], end, max_ts, last_data,
+            (starts, entries, running))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_step_is_the_references_parts(seed):
+    """log_append_step's answer, item by item, against plan_log_append's and
+    frame_parts' (in Python); the facts by what they do to a segment's objects."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        now = 1_700_000_000_000 + rng.randint(0, 10**6)
+        group = make_group(rng, now, 8_000)
+        size = rng.choice([0, 0, 100, 5_000])
+        arguments = (group, rng.randint(0, 10**9), now, 8_000, size,
+                     None if not size else now - rng.choice([0, 10, 10**6]), 0,
+                     rng.choice([20_000, 1 << 20]), rng.choice([1_000, 10**9]),
+                     rng.choice([1, 3_000]), None if not size else rng.choice([None, 0, 90]),
+                     rng.choice([-1, now]), rng.choice([None, b"topic-3", b"", b"x" * 256]))
+        expected, got = outcome(lambda: python_step(*arguments)), outcome(lambda: STEP(*arguments))
+        if expected[0] == "error" or expected[1] is None:
+            assert got == expected
+            continue
+        *same, (starts, entries, running) = expected[1]
+        assert list(got[1][:-1]) == same
+        index, recent, segment = SparseIndex(), {}, object()
+        got[1][-1].apply(segment, index, recent, log_module.RECENT_STARTS)
+        assert recent == {base: (segment, position) for base, position in starts}
+        assert index.entries() == entries and index.running_max_timestamp_ms == running

@@ -41,7 +41,8 @@ impl AppendFacts {
     fn apply(&self, py: Python<'_>, segment: &Bound<'_, PyAny>, index: &Bound<'_, PyAny>,
              recent: &Bound<'_, PyDict>, limit: usize) -> PyResult<()> {
         for (base, position) in &self.starts {
-            let start = PyTuple::new(py, [segment.clone(), position.into_pyobject(py)?.into_any()])?;
+            let position = position.into_pyobject(py)?.into_any();
+            let start = PyTuple::new(py, [segment.clone(), position])?;
             recent.set_item(base, start)?;
         }
         while recent.len() > limit {
