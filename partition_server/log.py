@@ -35,7 +35,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from partition_server import direct_io, record_batch
+from partition_server import direct_io, native, record_batch
 from partition_server import segment as seg_mod
 from partition_server.record_batch import (ATTR_CONTROL, DEFAULT_MAX_BATCH_BYTES, INT64_MIN,
                                            LENGTH_FIELD_END, BatchHeader,
@@ -182,8 +182,16 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+_NATIVE_APPEND_STEP = getattr(native.core, "log_append_step", None)
+
+
 class PartitionLog:
     """The segmented log of one partition. See the module docstring."""
+
+    # The native core's append of a group in one call (partition_server/rust/src/
+    # log_append.rs), used by `append_parsed`; None: the Python path, the reference
+    # (tests/test_native_log_append.py sets it per log to compare the two).
+    _append_step = _NATIVE_APPEND_STEP
 
     def __init__(self, directory: str | os.PathLike, config: LogConfig | None = None, *,
                  clock_ms: Callable[[], int] = _now_ms, direct_copies: bool = False,
@@ -344,8 +352,58 @@ class PartitionLog:
                       ) -> list[int]:
         """`append` for batches whose headers the caller parsed and validated already
         (the owner's produce path: the service ran validate_batch on each). Checks that
-        each header's size is its batch's length and its size is within the limit."""
-        return self._append(items, copied=False)
+        each header's size is its batch's length and its size is within the limit.
+
+        With the native core, a group that rolls nothing is checked, stamped, planned
+        and framed for the write-ahead file in one native call (`_append_step`), written,
+        and its facts applied here: the reference's work (`_append`: `_plan`,
+        `_write_planned`, WalTap.wrote) with the same bytes, answers and errors, in
+        about a fifth of its Python-level calls (docs/native-core.md)."""
+        step = self._append_step
+        if step is None or not items or self._closed or self._data_loss is not None or \
+                self._broken is not None or self._rolling is not None:
+            return self._append(items, copied=False)  # (raises the refusals)
+        now = self._clock_ms()
+        if now < self._last_append_time_ms:
+            now = self._last_append_time_ms
+        config, active, wal = self.config, self._segments[-1], self.wal
+        index = active.index
+        positions = index.positions
+        plan = step(items, self._log_end_offset, now, config.max_batch_bytes, active.size,
+                    active.first_append_time_ms, active.base_offset, config.segment_bytes,
+                    config.segment_ms, config.index_interval_bytes,
+                    positions[-1] if positions else None, index.running_max_timestamp_ms,
+                    None if wal is None else wal.raw_name)
+        if plan is None:  # a batch rolls the segment: a part at a time
+            return self._append_at(items, now, copied=False)
+        data, head, next_offset, bases, end, max_ts, last_data, facts = plan
+        try:
+            if self._direct is not None:
+                self._end_direct()
+            written = os.write(active.fd, data)
+            if written != end - active.size:
+                _writev_all(active.fd, [memoryview(data)[written:]])
+            if wal is not None:  # after the file: a frame is replayed
+                if head is None:  # (frame_parts refuses it: its error, as the reference)
+                    wal.wrote(self._log_end_offset, [data], next_offset)
+                else:
+                    wal.wrote_framed(head, data, next_offset)
+        except OSError as error:
+            self._broken = f"I/O error while appending: {error}"
+            raise
+        facts.apply(active, index, self._recent_starts, RECENT_STARTS)
+        active.size = end
+        active.next_offset = next_offset
+        if max_ts > active.max_timestamp_ms:
+            active.max_timestamp_ms = max_ts
+        if active.first_append_time_ms is None:
+            active.first_append_time_ms = now
+        active.last_append_time_ms = now
+        if last_data is not None:
+            active.last_data_offset = self._last_data_offset_written = last_data
+        self._log_end_offset = next_offset
+        self._last_append_time_ms = now
+        return bases
 
     def append_copied(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]],
                       segment_bases: Collection[int] | None = None) -> list[int]:
@@ -380,8 +438,14 @@ class PartitionLog:
                 copied: bool, rolls_at: Collection[int] | None = None) -> list[int]:
         self._check_serving()
         self._check_not_rolling("append")
+        return self._append_at(items, max(self._clock_ms(), self._last_append_time_ms),
+                               copied=copied, rolls_at=rolls_at)
+
+    def _append_at(self, items: Sequence[tuple[bytes | bytearray | memoryview, BatchHeader]],
+                   now: int, *, copied: bool, rolls_at: Collection[int] | None = None
+                   ) -> list[int]:
+        """`_append` once checked, at append time `now`."""
         config = self.config
-        now = max(self._clock_ms(), self._last_append_time_ms)
         if copied:
             record_batch.check_batch_sizes(items, config.max_batch_bytes)
             if items:
@@ -428,7 +492,7 @@ class PartitionLog:
         leader's segments start (`rolls_at`, a follower's copies), else by size or by age;
         and always by the span of offsets its index can hold."""
         config = self.config
-        return bool(size) and (
+        return size != 0 and (
             base_offset - self._segments[-1].base_offset > RELATIVE_OFFSET_MAX
             or (base_offset in rolls_at if rolls_at is not None else
                 size + batch_bytes > config.segment_bytes
@@ -443,9 +507,13 @@ class PartitionLog:
                 self._rolling is not None:
             return False
         active = self._segments[-1]
+        if not active.size:  # (an empty segment never rolls: no clock to read)
+            return False
+        now = self._clock_ms()
+        if now < self._last_append_time_ms:
+            now = self._last_append_time_ms
         return self._rolls(active.size, extra_bytes, active.first_append_time_ms,
-                           self._log_end_offset + extra_bytes,
-                           max(self._clock_ms(), self._last_append_time_ms))
+                           self._log_end_offset + extra_bytes, now)
 
     def roll_for_retention_due(self, now_ms: int) -> bool:
         """Whether the active segment holds only records past retention.ms (`now_ms`):
@@ -598,7 +666,8 @@ class PartitionLog:
         fsync a duplicate (os.dup) when appends may go on during the fsync. If the
         fsync fails, do not call flush_end: call `fail` and reopen the log (the page
         cache is unknown)."""
-        self._check_serving()
+        if self._closed or self._data_loss is not None or self._broken is not None:
+            self._check_serving()  # (raises)
         target = self._log_end_offset
         if target == self._high_watermark:
             return target, None
@@ -620,7 +689,8 @@ class PartitionLog:
         the data becomes readable, but the recovery point does not move past it (else a
         power cut could turn a torn tail into a false DATA_LOSS). Returns whether the high
         watermark moved."""
-        self._check_serving()
+        if self._closed or self._data_loss is not None or self._broken is not None:
+            self._check_serving()  # (raises)
         pending = self._flush_pending
         ended = None
         while pending and pending[0][0] <= target:  # flushes end in the order they began

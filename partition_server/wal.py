@@ -885,6 +885,11 @@ class WalTap:
         self.wal.queue(self.raw_name, self.name, base_offset, b"".join(buffers), end,
                        self.fatal)
 
+    def wrote_framed(self, head: bytes, payload: bytes, end: int) -> None:
+        """`wrote` of a DATA frame already made (`head` over `payload`, as frame_parts
+        gives them, with the name `raw_name`)."""
+        self.wal.queue_framed(self.name, head, payload, end, self.fatal)
+
     def cut(self, offset: int) -> None:
         self.wal.write_cut(self.name, offset)
 
@@ -1192,6 +1197,13 @@ class WriteAheadLog:
         meanwhile, and a frame written after the dropped ones would not continue them, so
         the reload's plan took a gap in what was never acknowledged for a data loss."""
         head, payload = frame_parts(DATA, raw_name, offset, payload)
+        self.queue_framed(name, head, payload, end, fatal)
+
+    def queue_framed(self, name: str, head: bytes, payload: bytes, end: int,
+                     fatal: bool = False) -> None:
+        """`queue` of a DATA frame already made: `head` and `payload` as frame_parts
+        gives them (the native core builds the head of a log's append,
+        PartitionLog.append_parsed)."""
         with self._lock:
             if fatal:
                 self._fatal_queued += 1
@@ -1200,8 +1212,7 @@ class WriteAheadLog:
                     self.stop(OSError(errno.EIO, f"a fatal frame of {name} would be "
                                       "dropped: its frames are lost until it reloads"))
                 return
-            self._pending.append(head)
-            self._pending.append(payload)
+            self._pending += (head, payload)
             self._pending_ends.append((name, end))
         _DATA_FRAMES.inc()
 

@@ -1,7 +1,8 @@
 //! atomlog's native core: the record batch's header work on the servers' hot path (parse
 //! and check a header, check a whole batch and its CRC32C, stamp a one-call transaction's
 //! batch, frame a batch around its records block), a log's append planned in one call
-//! (checked, stamped, accounted for), and the SDK's records block of a small batch.
+//! (checked, stamped, accounted for; log_append.rs: with its write-ahead frame's head),
+//! and the SDK's records block of a small batch.
 //!
 //! Each function here is the function of the same name in partition_server/record_batch.py
 //! (plain_block: record_columns.py), which stays the reference: the same answers, the same
@@ -23,6 +24,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 mod crc32c;
+mod log_append;
 mod producer_state;
 mod records;
 mod txn_buffer;
@@ -751,6 +753,59 @@ fn stamp_for_log(
 /// record_batch.SEGMENT_OFFSETS_MAX (segment.RELATIVE_OFFSET_MAX).
 const SEGMENT_OFFSETS_MAX: i64 = 0xFFFF_FFFF;
 
+/// plan_log_append's checks of `items`, each batch in order (CORRUPT_BATCH, BATCH_TOO_LARGE),
+/// then whether they all go to the active segment (false: a batch would roll it).
+#[allow(clippy::too_many_arguments)]
+fn check_log_append(
+    py: Python<'_>,
+    items: &[LogItem<'_>],
+    next_offset: i64,
+    now: i64,
+    max_batch_bytes: i64,
+    size: i64,
+    first_time: Option<i64>,
+    segment_base: i64,
+    segment_bytes: i64,
+    segment_ms: i64,
+) -> PyResult<bool> {
+    for item in items {
+        let batch_size = item.batch_length as i64 + LENGTH_FIELD_END;
+        let length = item.view.bytes().len() as i64;
+        if batch_size != length {
+            return Err(atomlog_error(
+                py,
+                "CORRUPT_BATCH",
+                format!("batch_length says {} bytes, the batch has {}", batch_size, length),
+                &[],
+            ));
+        }
+        if batch_size > max_batch_bytes {
+            return Err(atomlog_error(
+                py,
+                "BATCH_TOO_LARGE",
+                format!("batch of {} bytes exceeds the limit of {} bytes", batch_size, max_batch_bytes),
+                &[("limit", max_batch_bytes.to_string())],
+            ));
+        }
+    }
+    // PartitionLog._rolls for each batch, none copied.
+    let (mut offset, mut end, mut first) = (next_offset as i128, size as i128, first_time);
+    for item in items {
+        let batch_size = item.batch_length as i128 + LENGTH_FIELD_END as i128;
+        if end != 0
+            && (offset - segment_base as i128 > SEGMENT_OFFSETS_MAX as i128
+                || end + batch_size > segment_bytes as i128
+                || first.map_or(false, |first| now as i128 - first as i128 >= segment_ms as i128))
+        {
+            return Ok(false);
+        }
+        end += batch_size;
+        offset += item.last_offset_delta as i128 + 1;
+        first = first.or(Some(now));
+    }
+    Ok(true)
+}
+
 /// record_batch.plan_log_append: a log's append of whole batches, checked, stamped and
 /// accounted for; None when a batch would roll the segment.
 #[pyfunction]
@@ -773,40 +828,9 @@ fn plan_log_append(
     running_max_ts: i64,
 ) -> PyResult<Option<PyObject>> {
     let items = log_items(group)?;
-    for item in &items {
-        let batch_size = item.batch_length as i64 + LENGTH_FIELD_END;
-        let length = item.view.bytes().len() as i64;
-        if batch_size != length {
-            return Err(atomlog_error(
-                py,
-                "CORRUPT_BATCH",
-                format!("batch_length says {} bytes, the batch has {}", batch_size, length),
-                &[],
-            ));
-        }
-        if batch_size > max_batch_bytes {
-            return Err(atomlog_error(
-                py,
-                "BATCH_TOO_LARGE",
-                format!("batch of {} bytes exceeds the limit of {} bytes", batch_size, max_batch_bytes),
-                &[("limit", max_batch_bytes.to_string())],
-            ));
-        }
-    }
-    // PartitionLog._rolls for each batch, none copied.
-    let (mut offset, mut end, mut first) = (next_offset as i128, size as i128, first_time);
-    for item in &items {
-        let batch_size = item.batch_length as i128 + LENGTH_FIELD_END as i128;
-        if end != 0
-            && (offset - segment_base as i128 > SEGMENT_OFFSETS_MAX as i128
-                || end + batch_size > segment_bytes as i128
-                || first.map_or(false, |first| now as i128 - first as i128 >= segment_ms as i128))
-        {
-            return Ok(None);
-        }
-        end += batch_size;
-        offset += item.last_offset_delta as i128 + 1;
-        first = first.or(Some(now));
+    if !check_log_append(py, &items, next_offset, now, max_batch_bytes, size, first_time,
+                         segment_base, segment_bytes, segment_ms)? {
+        return Ok(None);
     }
     let (buffers, stamped, after) = stamp_items(py, &items, next_offset, now)?;
     // Segment.observe and SparseIndex.observe for each batch.
@@ -1226,6 +1250,8 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(frame_batch_parsed, module)?)?;
     module.add_function(wrap_pyfunction!(stamp_for_log, module)?)?;
     module.add_function(wrap_pyfunction!(plan_log_append, module)?)?;
+    module.add_function(wrap_pyfunction!(log_append::log_append_step, module)?)?;
+    module.add_class::<log_append::AppendFacts>()?;
     module.add_function(wrap_pyfunction!(plain_block, module)?)?;
     module.add_function(wrap_pyfunction!(row_block, module)?)?;
     module.add_class::<CounterCell>()?;
