@@ -63,6 +63,8 @@ from coordinator.txn_log import (
     Fenced,
     SnapshotAssembler,
     TxnLog,
+    SNAPSHOT_CHUNK_BYTES,
+    chunk_bytes_within,
     snapshot_chunks,
 )
 from services import acl
@@ -148,6 +150,9 @@ class TcPartition:
         self._records_since_snapshot = 0
         self._last_snapshot_at = time.monotonic()
         self._snapshot_id = 0
+        # Snapshot chunks fit in the TC log's batches: smaller once a chunk was refused
+        # as too large (`_maybe_snapshot`).
+        self._snapshot_chunk_bytes = SNAPSHOT_CHUNK_BYTES
         self._trim: asyncio.Task | None = None
         self._last_append_at = time.monotonic()
         # Appends started in the caller's step (the commit lane's decisions, `lane`):
@@ -733,13 +738,23 @@ class TcPartition:
         self._snapshot_id += 1
         snapshot_id = (self.epoch << 32) | self._snapshot_id
         first = -1
-        for chunk in snapshot_chunks(snapshot_id, data):
+        for chunk in snapshot_chunks(snapshot_id, data, self._snapshot_chunk_bytes):
             try:
                 base, last = await self.log.append([(KEY_SNAPSHOT, chunk)])
             except Fenced as error:
                 await self._fenced(str(error))
                 return
             except AppendRejected as rejected:
+                smaller = chunk_bytes_within(rejected.error, self._snapshot_chunk_bytes)
+                if smaller is not None:
+                    # partition.max_batch_bytes below the chunk: the snapshot again, now,
+                    # in chunks that fit (the chunks appended already are an interrupted
+                    # snapshot, which a load skips). Each time smaller, so this ends.
+                    event(log, "snapshot chunks made smaller", tc_partition=self.tc_partition,
+                          chunk_bytes=smaller, limit=rejected.error.metadata.get("limit"))
+                    self._snapshot_chunk_bytes = smaller
+                    await self._maybe_snapshot()
+                    return
                 event(log, "snapshot append refused", tc_partition=self.tc_partition,
                       reason=rejected.error.reason, detail=rejected.error.message)
                 self._last_snapshot_at = time.monotonic()

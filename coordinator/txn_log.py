@@ -367,11 +367,32 @@ class TxnLog:
         await asyncio.sleep(_BACKOFF.delay(attempt))
 
 
-def snapshot_chunks(snapshot_id: int, data: bytes) -> list[bytes]:
-    count = max(1, -(-len(data) // SNAPSHOT_CHUNK_BYTES))
+def snapshot_chunks(snapshot_id: int, data: bytes,
+                    chunk_bytes: int = SNAPSHOT_CHUNK_BYTES) -> list[bytes]:
+    count = max(1, -(-len(data) // chunk_bytes))
     return [SNAPSHOT_CHUNK.pack(snapshot_id, index, count)
-            + data[index * SNAPSHOT_CHUNK_BYTES:(index + 1) * SNAPSHOT_CHUNK_BYTES]
+            + data[index * chunk_bytes:(index + 1) * chunk_bytes]
             for index in range(count)]
+
+
+# What a snapshot chunk's batch holds besides the chunk: the batch's header, the record's
+# fields and key, the chunk's own header (generously).
+SNAPSHOT_BATCH_OVERHEAD = 512
+
+
+def chunk_bytes_within(error: AtomlogError, chunk_bytes: int) -> int | None:
+    """A snapshot chunk size whose batches fit under the limit a BATCH_TOO_LARGE refusal
+    names (partition.max_batch_bytes of the partition server holding the TC log, which
+    may be below SNAPSHOT_CHUNK_BYTES), when it is smaller than `chunk_bytes`; else None
+    (another refusal, or no limit named)."""
+    if error.reason != "BATCH_TOO_LARGE":
+        return None
+    try:
+        limit = int(error.metadata.get("limit", ""))
+    except ValueError:
+        return None
+    smaller = max(limit - SNAPSHOT_BATCH_OVERHEAD, limit // 2)
+    return smaller if 0 < smaller < chunk_bytes else None
 
 
 class SnapshotAssembler:
