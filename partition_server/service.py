@@ -1977,9 +1977,9 @@ class MarkersHere:
         else None, and `answer` comes as ever. The works' futures become `done` (a done
         future), so their flushes schedule no callback for them."""
         works = self.works
-        if len(works) != len(self.pending) or not all(
+        if self.answer.done() or len(works) != len(self.pending) or not all(
                 wrote.get(owner) and work.results for _, work, owner in works):
-            return None
+            return None  # (done: nothing was pending, `settle` answered already)
         outcomes = self.outcomes
         for items, work, _ in works:
             for (where, _), result in zip(items, work.results):

@@ -175,3 +175,60 @@ def test_riders_given_back_are_not_queued_twice():
         await channel.close()
 
     asyncio.run(run())
+
+
+def test_markers_written_in_the_step_are_answered_there_only_when_every_owner_wrote():
+    """partition_server.service.MarkersHere.settle_written (the commit lane's riders
+    confirmed in their step): outcomes now when every owner wrote its markers in the
+    gathering, the works' futures replaced by a done one (their flushes answer nothing);
+    else None, and the answer comes once durable. Nothing pending: answered at once by
+    `settle`, and settle_written leaves it."""
+    from partition_server.record_batch import ControlType
+    from partition_server.record_batch import TxnId as PartitionTxnId
+    from partition_server.service import MarkersHere
+    from partition_server.write_step import Marker as PartitionMarker
+    from partition_server.write_step import MarkerResult, _MarkerWork
+    from services.batching import WhenAllDone
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        done.set_result(None)
+        owners = (object(), object())
+        items = [[(0, None)], [(1, None)]]
+
+        def queued(results) -> tuple[MarkersHere, list]:
+            works = []
+            for index, owner in enumerate(owners):
+                work = _MarkerWork([PartitionMarker(PartitionTxnId(0, index + 1),
+                                                    ControlType.COMMIT, 1)],
+                                   loop.create_future())
+                work.results = list(results[index])
+                works.append((items[index], work, owner))
+            here = MarkersHere([(None, w.markers[0]) for _, w, _ in works], [None, None],
+                               [(i, w.future) for i, w, _ in works], works,
+                               loop.create_future())
+            WhenAllDone([w.future for _, w, _ in works], here.settle)
+            return here, [w for _, w, _ in works]
+
+        written = [[MarkerResult(10, False)], [MarkerResult(-1, True)]]
+        here, works = queued(written)
+        assert here.settle_written({owners[0]: True, owners[1]: True}, done) == \
+            written[0] + written[1]
+        assert here.answer.result() == written[0] + written[1]
+        assert all(work.future is done for work in works)
+        # One owner did not write in the step: nothing now, the answer once durable.
+        here, works = queued(written)
+        assert here.settle_written({owners[0]: True, owners[1]: False}, done) is None
+        assert not here.answer.done() and all(w.future is not done for w in works)
+        for work in works:
+            work.future.set_result(work.results)
+        await asyncio.sleep(0)
+        assert here.answer.result() == written[0] + written[1]
+        # Nothing pending (every marker refused before queueing): `settle` answered.
+        refused = MarkersHere([], ["stale"], [], [], loop.create_future())
+        WhenAllDone([], refused.settle)
+        assert refused.answer.done()
+        assert refused.settle_written({}, done) is None
+
+    asyncio.run(scenario())
