@@ -29,14 +29,16 @@ time (a follower's fetcher makes one call at a time per leader; a coordinator ke
 connections per server, `CallLink`; the SDK a few per coordinator); the server answers in
 order. A pipelined connection (`MAGIC_PIPELINED`: the SDK producers' Produce calls) has
 up to MAX_PIPELINED calls under way at once, started in the order their frames arrive
-and answered in that order (`_serve_pipelined`).
+and answered in that order. The server parses frames as their bytes arrive, a protocol
+per connection (`_ServedConnection`), and answers on its transport.
 
 Limits: a ReplicateMany frame of at most `MAX_REQUEST_BYTES` and a call frame of at most
 `MAX_CALL_BYTES` (else the connection is closed), at most `MAX_HELD_BYTES` of frames read
 and being answered at once over all connections, at most `MAX_CONNECTIONS` connections
 per server (more are closed at once), a connection idle for `IDLE_TIMEOUT_S`, or as slow
-to send a frame it announced, is closed (a follower's long polls keep it busy), and the
-follower refuses an answer frame larger than its `max_bytes` allows.
+to send a frame it announced or to take its answers, is closed (a follower's long polls
+keep it busy), and the follower refuses an answer frame larger than its `max_bytes`
+allows.
 
 TLS: a server with tls.enabled serves its link over TLS with the certificate, CA and
 client-certificate rule of its gRPC port (`services.tls.ServerTls.ssl_context`, reloaded
@@ -206,23 +208,11 @@ class LinkServer:
         bound more."""
         self._watcher = None
         loop = asyncio.get_running_loop()
-        now, bound_s = loop.time(), IDLE_TIMEOUT_S
+        now, bound_s = time.monotonic(), IDLE_TIMEOUT_S
         for connection in list(self._connections):
             connection.check(now, bound_s)
         if self._connections or self._server is not None and self._server.is_serving():
             self._watcher = loop.call_later(bound_s / 4, self._watch)
-
-    def _hold(self, length: int) -> None:
-        """Count a request frame of `length` bytes as held until it is answered; one that
-        would pass MAX_HELD_BYTES closes its connection (LinkProtocolError)."""
-        if self._held_bytes + length > MAX_HELD_BYTES:
-            raise LinkProtocolError(f"a frame of {length} bytes while the link holds "
-                                    f"{self._held_bytes} (at most {MAX_HELD_BYTES})")
-        self._held_bytes += length
-
-    def _handler(self, kind: int):
-        """What answers a frame of `kind`: a call frame, or a follower's ReplicateMany."""
-        return self._call if kind == KIND_CALL else self._answer
 
     async def _answer(self, body: bytes, peer: str, auth_context: dict,
                       reader: _ServedConnection | None = None) -> tuple[int, bytes]:
@@ -520,8 +510,9 @@ class _ServedConnection(asyncio.Protocol):
         self._closed = False  # the transport closed or lost: answers go nowhere
         self._eof = False
         self._lost = False
-        # Since when (loop time) a read has waited for the peer's bytes, or the peer has
-        # left answers untaken (the transport's buffer over its bound); None: it does not.
+        # Since when (time.monotonic()) a read has waited for the peer's bytes, or the
+        # peer has left answers untaken (the transport's buffer over its high-water
+        # mark); None: it does not.
         self.read_since: float | None = None
         self.write_since: float | None = None
         self.expired = False  # closed by the idle bound: aborted, its answers dropped
@@ -546,7 +537,7 @@ class _ServedConnection(asyncio.Protocol):
             log.exception("a link connection could not be set up")
             self._end()
             return
-        self.read_since = self._loop.time()
+        self.read_since = time.monotonic()
 
     def data_received(self, data: bytes) -> None:
         if self._ending:
@@ -572,7 +563,7 @@ class _ServedConnection(asyncio.Protocol):
         self._end()
 
     def pause_writing(self) -> None:
-        self.write_since = self._loop.time()
+        self.write_since = time.monotonic()
 
     def resume_writing(self) -> None:
         self.write_since = None
@@ -607,10 +598,14 @@ class _ServedConnection(asyncio.Protocol):
                     if kind not in (KIND_REQUEST, KIND_CALL) or not 0 < length - 1 <= (
                             MAX_CALL_BYTES if kind == KIND_CALL else MAX_REQUEST_BYTES):
                         raise LinkProtocolError(f"frame kind {kind}, {length} bytes")
-                    if pending and server._held_bytes + length > MAX_HELD_BYTES:
-                        self._block()  # (until this connection's calls are answered)
-                        return
-                    server._hold(length)
+                    if server._held_bytes + length > MAX_HELD_BYTES:
+                        if pending:  # (it waits for this connection's calls' answers)
+                            self._block()
+                            return
+                        raise LinkProtocolError(
+                            f"a frame of {length} bytes while the link holds "
+                            f"{server._held_bytes} (at most {MAX_HELD_BYTES})")
+                    server._held_bytes += length  # (until its answer is written)
                     self._head = head
                     del buffer[:HEAD.size]
                     self.read_since = None
@@ -623,7 +618,8 @@ class _ServedConnection(asyncio.Protocol):
                 self.read_since = None
                 entry = [length, None, None]
                 self._pending.append(entry)
-                entry[2] = self._loop.create_task(self._run(entry, server._handler(kind)(
+                answer = server._call if kind == KIND_CALL else server._answer
+                entry[2] = self._loop.create_task(self._run(entry, answer(
                     body, self.peer, self.auth_context, self)))
         except LinkProtocolError as error:
             event(log, "replication link closed", logging.WARNING, peer=self.peer,
@@ -634,7 +630,7 @@ class _ServedConnection(asyncio.Protocol):
             self._end()
             return
         if self.read_since is None:
-            self.read_since = self._loop.time()
+            self.read_since = time.monotonic()
         if not self._reading:
             self._reading = True
             self.transport.resume_reading()
@@ -725,7 +721,7 @@ class _ServedConnection(asyncio.Protocol):
         """The link closing: a connection of one call at a time closes now (its call
         under way cancelled, unanswered); a pipelined one reads no more frames and closes
         once its calls under way are answered (`_flush`)."""
-        if self._limit == MAX_PIPELINED:
+        if self._limit > 1:
             self._end()
             return
         for _length, _answer, task in self._pending:
@@ -743,8 +739,7 @@ class _ServedConnection(asyncio.Protocol):
         if self._head is not None:
             self.server._held_bytes -= self._head[0]
             self._head = None
-        if not self._pending:
-            self._close()
+        self._flush()  # (closed now when no call is under way)
 
     def _close(self) -> None:
         """Close the transport (abort it when the idle bound closed it: answers it never
