@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import time
 
 import pytest
@@ -97,6 +98,9 @@ def run(scenario):
         finally:
             await server.close()
         assert not server._connections and server._held_bytes == 0
+        await asyncio.sleep(0.01)
+        # (No call task left, nor the runner of a connection of one call at a time.)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
 
     asyncio.run(main())
 
@@ -295,6 +299,33 @@ def test_closing_the_link_cuts_a_one_call_connections_call():
         assert servicer.cancelled == 1
         assert await closed(reader)
         writer.close()
+
+    run(scenario)
+
+
+def test_a_connection_lost_or_idle_ends_its_runner(monkeypatch):
+    """A connection of one call at a time runs its calls in one task, waiting between
+    them: a peer that resets the connection, and one closed for being idle, end it."""
+    monkeypatch.setattr(copy_link, "IDLE_TIMEOUT_S", 0.2)
+
+    async def scenario(server, servicer, port):
+        for idle in (False, True):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(MAGIC + frame(1))
+            assert await answer(reader) == (KIND_ANSWER, 1)
+            if idle:
+                assert await closed(reader)
+            else:  # (a reset: the connection lost, no end of file read)
+                writer.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+            for _ in range(100):
+                if not server._connections:
+                    break
+                await asyncio.sleep(0.01)
+            assert not server._connections
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+            writer.close()
 
     run(scenario)
 
