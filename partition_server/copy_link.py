@@ -470,11 +470,12 @@ READ_AHEAD_BYTES = 256 << 10
 class _ServedConnection(asyncio.Protocol):
     """One connection to a LinkServer, as a protocol: the magic, then request frames,
     parsed as their bytes arrive (`data_received`, `_parse`), each frame's call started
-    as a task the moment its last byte is in (in frame order, so their first steps run
-    in it: a producer's batches are queued on their partitions in the order it sent
-    them) and its answer written to the transport when it and those before it are done
-    (`_flush`). No stream reader, drain or per-read timer between (they cost about 40
-    Python-level calls a call, measured 2026-12-07).
+    the moment its last byte is in (`_run`: a task a call on a pipelined connection,
+    made in frame order, so their first steps run in it and a producer's batches are
+    queued on their partitions in the order it sent them; one task for all the calls of
+    a connection of one call at a time) and its answer written to the transport when it
+    and those before it are done (`_flush`). No stream reader, drain or per-read timer
+    between (they cost about 40 Python-level calls a call, measured 2026-12-07).
 
     Bounds, as the stream-reading server had them: a connection after `MAGIC` has one
     call under way at a time, after `MAGIC_PIPELINED` up to MAX_PIPELINED; a frame
@@ -676,7 +677,7 @@ class _ServedConnection(asyncio.Protocol):
         pipelined connection a task a call; on a connection of one call at a time one
         task runs them all, each next one handed over through `_next` (a future a call,
         not a task a call: ~1-2 µs less, measured 2026-12-07), until the connection
-        ends (`_end` hands it None)."""
+        ends (`_release_runner` hands it None)."""
         while True:
             try:
                 entry[1] = await call
