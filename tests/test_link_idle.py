@@ -1,7 +1,7 @@
 """The replication link's server closes a connection whose read has waited longer than
 IDLE_TIMEOUT_S: one idle before its magic, one idle between frames, one slow to send a
-frame it announced (partition_server/copy_link.py, `_ReadWatch`: one timer per
-connection, not a timeout per read). A connection that keeps sending, or that waits on
+frame it announced (partition_server/copy_link.py, `LinkServer._watch`: one timer
+for the link, not a timeout per read). A connection that keeps sending, or that waits on
 its own call's answer, is not closed. In process, with the bound made short."""
 
 from __future__ import annotations
