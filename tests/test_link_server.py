@@ -22,19 +22,9 @@ from partition_server.copy_link import (KIND_ANSWER, KIND_CALL, KIND_ERROR, MAGI
                                         MAGIC_PIPELINED, LinkServer)
 from services.link_wire import CALL_NUMBERS, MAX_PIPELINED, call_frame
 from tests.link_tools import HEAD
+from tests.test_call_link import Bare  # (an interceptor that runs a method as it is)
 
 STAGE = CALL_NUMBERS["PartitionService", "StageTxn"]
-
-
-class Bare:
-    """An interceptor that runs a servicer's method as it is (no authentication)."""
-
-    authenticator = None
-    authorizer = None
-
-    @staticmethod
-    def wrapped(_full_name, method):
-        return method
 
 
 class Echo:
