@@ -58,12 +58,12 @@ from coordinator.records import (
 from coordinator.routing import PartitionRoutes
 from coordinator.txn_log import (
     KEY_SNAPSHOT,
+    SNAPSHOT_CHUNK_BYTES,
     AppendChannel,
     AppendRejected,
     Fenced,
     SnapshotAssembler,
     TxnLog,
-    SNAPSHOT_CHUNK_BYTES,
     chunk_bytes_within,
     snapshot_chunks,
 )
