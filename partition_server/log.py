@@ -392,16 +392,7 @@ class PartitionLog:
             self._broken = f"I/O error while appending: {error}"
             raise
         facts.apply(active, index, self._recent_starts, RECENT_STARTS)
-        active.size = end
-        active.next_offset = next_offset
-        if max_ts > active.max_timestamp_ms:
-            active.max_timestamp_ms = max_ts
-        if active.first_append_time_ms is None:
-            active.first_append_time_ms = now
-        active.last_append_time_ms = now
-        if last_data is not None:
-            active.last_data_offset = self._last_data_offset_written = last_data
-        self._log_end_offset = next_offset
+        self._appended(active, end, next_offset, max_ts, now, last_data)
         self._last_append_time_ms = now
         return bases
 
@@ -599,6 +590,13 @@ class PartitionLog:
         index = active.index
         index.extend(entries)
         index.running_max_timestamp_ms = running_max_ts
+        self._appended(active, end, next_offset, max_ts, now, last_data)
+        self._forget_old_starts()
+
+    def _appended(self, active: Segment, end: int, next_offset: int, max_ts: int, now: int,
+                  last_data: int | None) -> None:
+        """An append's facts on the active segment and the log's end (the native step's
+        and `_write_planned`'s): its size, next offset, timestamps, last data offset."""
         active.size = end
         active.next_offset = next_offset
         if max_ts > active.max_timestamp_ms:
@@ -609,7 +607,6 @@ class PartitionLog:
         if last_data is not None:
             active.last_data_offset = self._last_data_offset_written = last_data
         self._log_end_offset = next_offset
-        self._forget_old_starts()
 
     def _forget_old_starts(self) -> None:
         recent = self._recent_starts
