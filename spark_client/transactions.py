@@ -974,8 +974,14 @@ class Transaction:
             if self._txn_id is None:  # never opened: nothing to abort anywhere
                 self._ended = "aborted"
                 return
+        # A transaction that acked waits for its ABORT markers (bounded by the call's
+        # deadline): the marker is what releases its pending acks, and until it lands an
+        # ack of the same messages in the next transaction would be refused as a
+        # TRANSACTION_CONFLICT. Without acks, the decision durable is enough.
+        with self._lock:
+            acked = bool(self._subscriptions)
         try:
-            self._end(partition_pb2.TXN_DECISION_ABORT, False)
+            self._end(partition_pb2.TXN_DECISION_ABORT, acked)
         except (errors.TransactionAborted, errors.TransactionTimedOut):
             pass  # already aborted: what we wanted
         self._ended = "aborted"

@@ -301,6 +301,44 @@ def test_a_partition_server_killed_before_the_marker_gets_it_after_restart(serve
     assert sorted(offsets[0::2]) == [0, 1, 2] and sorted(offsets[1::2]) == [0, 1, 2]
 
 
+def test_an_abort_that_acked_returns_once_its_markers_released_the_acks(servers, failpoint_dir):
+    """abort() of a transaction whose acks reached the partition server (the streaming
+    path) waits for its ABORT marker, which releases them: the next transaction may ack
+    the same messages at once (before, abort() returned with the decision durable, and
+    an ack right after it could meet TRANSACTION_CONFLICT). A one-call transaction's acks
+    never left the client: its abort() waits for nothing."""
+    for one_call_max_bytes in (0, 1 << 20):
+        with Client(servers.info["bootstrap"], one_call_max_bytes=one_call_max_bytes) as client:
+            topic = create_online(client, f"oc-abort-acks-{one_call_max_bytes}", 1)
+            with client.producer() as producer:
+                for i in range(3):
+                    producer.send(topic, f"in{i}".encode(), partition=0)
+            with client.consumer(topic, subscription="abort-acks", ack_timeout_s=60) as consumer:
+                got = []
+                deadline = time.monotonic() + 30
+                while len(got) < 3 and time.monotonic() < deadline:
+                    got.extend(consumer.poll(timeout_s=1))
+                assert len(got) == 3
+                txn = client.begin_transaction(timeout_s=30)
+                consumer.ack(got, txn=txn)
+                with Armed(failpoint_dir, failpoints.MARKERS_SEND) as held:
+                    released = threading.Timer(2.0, held.disarm)
+                    released.start()
+                    try:
+                        txn.abort()
+                        waited = not released.is_alive()
+                    finally:
+                        released.cancel()
+                assert waited == (one_call_max_bytes == 0)
+                if waited:  # released with the marker, not after it
+                    assert not consumer.describe()[0].pending_acks
+                again = client.begin_transaction(timeout_s=30)
+                consumer.ack(got, txn=again)  # no TRANSACTION_CONFLICT
+                again.commit(wait_for_markers=True)
+                cursor = consumer.describe()[0]
+                assert cursor.cumulative_end_offset == 3 and not cursor.pending_acks
+
+
 def test_a_commit_waiting_for_markers_waits_past_the_call_s_deadline(servers, failpoint_dir):
     """commit(wait_for_markers=True) promises the records are readable when it returns.
     The coordinator waits for the markers only until the call's deadline, then answers
