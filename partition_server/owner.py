@@ -70,6 +70,7 @@ producer state and the transaction buffer from the durable log before serving ag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -159,6 +160,25 @@ def gather() -> Gathering:
     assert _gathering is None, "a gathering is open already"
     _gathering = Gathering(asyncio.get_running_loop())
     return _gathering
+
+
+@contextlib.contextmanager
+def written_in_step():
+    """A request handler's step on this process's owners (a partition server's StageTxn,
+    EndTxnOnPartition, Produce): the owners given work inside it write it before it ends
+    (`write_gathered`, not fatal), instead of each in a step of its own task woken for it;
+    leaving it begins their flushes and wakes those that could not write. Nothing when a
+    gathering is open already (the commit lane's step): its owners are written there."""
+    if _gathering is not None:
+        yield
+        return
+    gathering = gather()
+    try:
+        yield
+        for owner in list(gathering.owners):
+            owner.write_gathered(fatal=False)
+    finally:
+        gathering.close()
 
 
 class State(enum.Enum):
@@ -970,21 +990,24 @@ class PartitionOwner:
                 and tap.wal.full() is None and self.state is State.ONLINE
                 and self._may_write() and not self._snapshot_due())
 
-    def write_gathered(self) -> bool:
+    def write_gathered(self, fatal: bool = True) -> bool:
         """In an open Gathering (`gather`): write every queued request now, as the owner
         task's write branch would, when the task is parked and nothing else is due: no
         roll, snapshot, failure or replication, the write-ahead file in use and this
         partition's frames not being dropped there (WriteAheadLog.lost), the queue one
-        group that rolls no segment. Its frames are fatal (WalTap.fatal). Whether it
-        wrote; if not, the task writes them (woken when the gathering closes). The
-        flush begins when the gathering closes, after every write of the step."""
+        group that rolls no segment. Its frames are fatal (WalTap.fatal) unless not
+        `fatal` (a handler's step, `written_in_step`: nothing else is written in the same
+        round on the strength of them, so a failure is answered as the task's own write's
+        would be). Whether it wrote; if not, the task writes them (woken when the
+        gathering closes). The flush begins when the gathering closes, after every write
+        of the step."""
         if not (self._queue and self._writes_gathered()):
             return False
         tap = self._wal_tap
         count, size = self._group_extent()
         if count != len(self._queue) or self.log.roll_due(size):
             return False
-        tap.fatal = True
+        tap.fatal = fatal
         try:
             self._write(self._take_group(count, size))
         except Exception as error:  # noqa: BLE001 — raised in the task, which fails closed
@@ -992,7 +1015,8 @@ class PartitionOwner:
             return False
         finally:
             tap.fatal = False
-            self._gathered_to = self.log.log_end_offset
+            if fatal:
+                self._gathered_to = self.log.log_end_offset
         if _gathering is not None:
             _gathering.owners[self] = True
         return True
@@ -1005,7 +1029,11 @@ class PartitionOwner:
                 self._begin_flushes()
             except Exception as error:  # noqa: BLE001 — raised in the task, as above
                 self._raise_in_task = error
-        if self._raise_in_task is not None or (self._queue and self._may_write()):
+        flushes = self._flushes
+        if self._raise_in_task is not None or (self._queue and self._may_write()) or (
+                flushes and flushes[0].future is None):
+            # (A flush with nothing to sync, as for a group of duplicates only, ends in
+            # the task's next step: no round will call back for it.)
             self._poke()
 
     def _may_write(self) -> bool:

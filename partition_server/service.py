@@ -21,7 +21,8 @@ from partition_server.coordinator_epochs import MARKERS, STALE_MARKERS, Coordina
 from partition_server.cursor_store import validate_subscription_name
 from partition_server.lease import LeaseWatch
 from partition_server.manager import NotOwner, PartitionManager
-from partition_server.owner import Appended, Marker, MarkerResult, PartitionOwner, State
+from partition_server.owner import (Appended, Marker, MarkerResult, PartitionOwner, State,
+                                    written_in_step)
 from partition_server.replica import (REPLICATE_MANY_MAX_BYTES, REPLICATE_MANY_MAX_PARTITIONS,
                                       SESSION_EPOCH_MAX, ReplicateSession, replicate_many)
 from partition_server.read_wire import SplicedResponse
@@ -480,14 +481,15 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                 settle(owner, indexes, batches, future)
 
         ordered, queued = [], []
-        for entry in per_owner.values():
-            owner, _, batches = entry
-            gates = owner.produce_gates
-            if any(header.is_transactional or (gates and header.producer_id in gates)
-                   for _, header in batches):
-                ordered.append((*entry, enter(owner, batches)))
-            else:  # queued in this step, no task
-                queued.append((entry, queue(owner, batches)))
+        with written_in_step():  # those queued here are written here, not in their tasks
+            for entry in per_owner.values():
+                owner, _, batches = entry
+                gates = owner.produce_gates
+                if any(header.is_transactional or (gates and header.producer_id in gates)
+                       for _, header in batches):
+                    ordered.append((*entry, enter(owner, batches)))
+                else:  # queued in this step, no task
+                    queued.append((entry, queue(owner, batches)))
         if len(ordered) == 1 and not queued:
             await run(*ordered[0])
         elif ordered or queued:
@@ -1321,6 +1323,23 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         # these next write, so they share a write and an fsync (coordinator/markers.py).
         work = []  # coroutines: the markers' and acks' answers, parts routed by awaiting
         queued: list[tuple[asyncio.Future, PartitionOwner, object]] = []
+        with written_in_step():  # the owners write in this step, not each in its task's
+            self._stage_items(request, response, riders, epochs, work, queued)
+        if queued or work:
+            outcomes = await asyncio.gather(*(future for future, _, _ in queued), *work,
+                                            return_exceptions=True)
+            for outcome in outcomes[len(queued):]:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            for future, owner, entry in queued:
+                _staged_into(entry, owner, future)
+        return response
+
+    def _stage_items(self, request, response, riders, epochs, work: list,
+                     queued: list) -> None:
+        """StageTxn's step: the riding markers, then every item's batches queued on their
+        owners (into `queued`) and its acks' and misrouted batches' coroutines (into
+        `work`), each answer's entry added to `response` in request order."""
         if riders:
             refusals = self._fence_markers(riders)
             work.append(self._markers_into(response.markers, riders, refusals,
@@ -1353,15 +1372,6 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
                     entry.error.CopyFrom(item_error(refusal))
                 else:
                     work.append(self._stage_ack(txn, item.coordinator_epoch, ack, entry))
-        if queued or work:
-            outcomes = await asyncio.gather(*(future for future, _, _ in queued), *work,
-                                            return_exceptions=True)
-            for outcome in outcomes[len(queued):]:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            for future, owner, entry in queued:
-                _staged_into(entry, owner, future)
-        return response
 
     def stage_here(self, txn: TxnId, epoch: int, items) -> list | AtomlogError:
         """A one-call transaction's batches (ProduceItems), staged by a coordinator in
