@@ -390,7 +390,9 @@ func (t *Txn) Commit(ctx context.Context) error {
 }
 
 // Abort aborts the transaction (safe to call again, and after the coordinator aborted
-// it itself). Its unsent records are dropped.
+// it itself). Its unsent records are dropped. A transaction that acked messages returns
+// once its ABORT markers released those acks (within ctx's deadline), so the next
+// transaction may ack them at once.
 func (t *Txn) Abort(ctx context.Context) error {
 	t.mu.Lock()
 	if t.state == txnAborted {
@@ -436,8 +438,17 @@ func (t *Txn) setState(s txnState) {
 }
 
 func (t *Txn) end(ctx context.Context, decision pb.TxnDecision) error {
+	wait := t.wait && decision == pb.TxnDecision_TXN_DECISION_COMMIT
+	if decision == pb.TxnDecision_TXN_DECISION_ABORT {
+		// An abort of a transaction that acked waits for its ABORT markers (within the
+		// call's deadline): they release the pending acks, which the next transaction
+		// could not ack again before (TRANSACTION_CONFLICT).
+		t.mu.Lock()
+		wait = len(t.subs) > 0
+		t.mu.Unlock()
+	}
 	request := &pb.EndTxnRequest{TxnId: t.id.proto(), Decision: decision, Session: t.session,
-		WaitForMarkers: t.wait && decision == pb.TxnDecision_TXN_DECISION_COMMIT}
+		WaitForMarkers: wait}
 	var reply *pb.EndTxnResponse
 	err := t.call(ctx, func(actx context.Context, stub pb.CoordinatorServiceClient) (err error) {
 		reply, err = stub.EndTxn(actx, request)
