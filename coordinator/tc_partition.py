@@ -327,9 +327,9 @@ class TcPartition:
         """As call, without waiting, for the commit lane (coordinator/lane.py): (reply, the
         futures of its appends). The appends start in a callback of this event-loop turn
         (or in the lane's step: `append_scheduled_now`) unless the writer is on the log
-        (its own append, snapshot or keepalive), on this process's owner of the TC log
-        (`_append_now`), so the writer's task does not wake for them; else the writer
-        takes them."""
+        (its own append, snapshot or keepalive), as every call's do (`_append_now`), so
+        the writer's task does not wake for them; else the writer takes them. Unlike
+        `call`, Completed records do not linger for company here."""
         return self._call(action, early=False, lane=True)
 
     def _call(self, action: Callable[[TcPartitionCore, int], Ready], early: bool,
@@ -385,12 +385,14 @@ class TcPartition:
             self._queue.append(append)
             futures.append(future)
         if ready.appends:
-            if lane:
-                self._append_soon()
-            elif self._may_linger(ready.appends) and self.log.here():
+            # Started in a callback at the end of this turn (or in the commit lane's
+            # step), not by the writer's task: `_append_soon`, which leaves them to the
+            # writer while it is on the log. Completed records nobody waits for linger
+            # for company first (`_linger_here`).
+            if not lane and self._may_linger(ready.appends):
                 self._linger_here()
             else:
-                self._wake.set()
+                self._append_soon()
         if ready.markers:
             core = self.core
             self.markers.send(self, ready.markers,
@@ -530,9 +532,10 @@ class TcPartition:
 
     def _append_now(self) -> None:
         """The writer's append step in a callback: the queued group encoded and queued on
-        this process's owner of the TC log (TxnLog.append_here), answered in
-        `_appended_here`. Anything else (the writer on the log, the log elsewhere) wakes
-        the writer, which appends as always. One append at a time, the writer's or this
+        this process's owner of the TC log, or on the next Produce call to its partition
+        server (TxnLog.append_here), answered in `_appended_here`. Anything else (the
+        writer on the log, the log's server not known) wakes the writer, which appends
+        as always. One append at a time, the writer's or this
         one (`_in_flight`, which the writer waits for): the log's sequence numbers allow
         no other."""
         self._append_scheduled = False
@@ -563,7 +566,14 @@ class TcPartition:
             return  # stopped meanwhile: its callers were failed then
         outcome = failure_of(future, "the TC log's append")
         if outcome is None:
-            [outcome] = future.result()
+            result = future.result()
+            if isinstance(result, list):  # this process's owner's
+                [outcome] = result
+            elif result.error.reason:  # the partition server's ProduceResult
+                outcome = AtomlogError(result.error.reason, result.error.message,
+                                       dict(result.error.metadata))
+            else:
+                outcome = result
         if isinstance(outcome, AtomlogError):
             # The writer goes on as after any failed attempt of this batch: retried (same
             # sequence), refused (rolled back) or the TC partition reloaded.

@@ -152,6 +152,11 @@ class AppendChannel:
         _BY_CALL.inc()
         return await asyncio.shield(self._calls.submit(address, item))
 
+    def submit(self, address: str, item: partition_pb2.ProduceItem) -> asyncio.Future:
+        """`item` queued for the next Produce call to `address` (another process):
+        the future of its ProduceResult (failing with the call's AtomlogError)."""
+        return self._calls.submit(address, item)
+
     async def _produce(self, address: str, items: list) -> list:
         try:
             response = await self.routes.stub(address).Produce(
@@ -190,19 +195,28 @@ class TxnLog:
         return base
 
     def append_here(self, entries: list[tuple[bytes | None, bytes]]):
-        """Start appending (key, value) records as one batch on this process's owner of
-        the log's partition, in the caller's step (the commit lane's decisions,
-        coordinator/tc_partition.py): the future of the owner's one-element result list
-        (Appended or an AtomlogError), or None when that cannot be done here (the
-        partition hosted elsewhere or not serving; the caller appends with `append`).
-        Once it succeeds the caller calls `appended(len(entries))`; when it fails, it
-        calls `append(entries, failed=the error)`, which goes on as after a failed
-        attempt of the same batch (same sequence)."""
-        here = self._servicer_here()
-        if here is None or self._next_sequence + len(entries) > SEQUENCE_MAX:
+        """Start appending (key, value) records as one batch in the caller's step, with
+        no task (a TC partition's appends, coordinator/tc_partition.py): on this
+        process's owner of the log's partition, or queued on the AppendChannel's call to
+        the partition server the routes' cache names. The future of a one-element result
+        list (Appended, or an AtomlogError), or of the ProduceResult of the call (it fails
+        with the call's AtomlogError); None when that cannot be done now (not serving
+        here, the partition's server unknown; the caller appends with `append`). Once it
+        succeeds the caller calls `appended(len(entries))`; when it fails, it calls
+        `append(entries, failed=the error)`, which goes on as after a failed attempt of
+        the same batch (same sequence)."""
+        if self._next_sequence + len(entries) > SEQUENCE_MAX:
             return None
-        outcome = here.queue_produce_here(_topic_partition(self.tc_partition),
-                                          self._batch(entries))
+        address = self.routes.cached_owner(TOPIC, self.tc_partition)
+        if not address:
+            return None
+        tp = _topic_partition(self.tc_partition)
+        here = local.servicer(address, PARTITION_SERVICE)
+        if here is None:
+            _BY_CALL.inc()
+            return self.channel.submit(address, partition_pb2.ProduceItem(
+                topic_partition=tp, record_batch=self._batch(entries)))
+        outcome = here.queue_produce_here(tp, self._batch(entries))
         if isinstance(outcome, AtomlogError):
             return None
         _ON_THE_OWNER.inc()

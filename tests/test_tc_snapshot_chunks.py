@@ -72,6 +72,11 @@ def test_a_snapshot_over_the_batch_limit_goes_in_smaller_chunks_and_loads(node):
     assert smaller["chunk_bytes"] == MAX_BATCH_BYTES - SNAPSHOT_BATCH_OVERHEAD
     assert not [e for e in _log_events(node, "snapshot append refused")
                 if e.get("tc_partition") == K]
+    # Every transaction completed (its Completed record durable: it may linger for
+    # company a moment after its markers), so that the load finds each one finished.
+    wait_until(lambda: all(stub.GetTxnStatus(S.GetTxnStatusRequest(txn_id=txn), timeout=5)
+                           .state == S.TXN_STATE_COMMITTED for txn in reversed(txns)), 20,
+               "the last transactions to complete")
     # A restart loads the TC partition from the snapshot, every transaction as decided.
     os.kill(node.process("node-0")["pid"], signal.SIGKILL)
     node.run("up", "--output", "json", "--combined", *CLUSTER_SETTINGS, *SETTINGS)
