@@ -164,8 +164,8 @@ def gather() -> Gathering:
 
 @contextlib.contextmanager
 def written_in_step():
-    """A request handler's step on this process's owners (a partition server's StageTxn,
-    EndTxnOnPartition, Produce): the owners given work inside it write it before it ends
+    """A request handler's step on this process's owners (a partition server's StageTxn
+    and Produce): the owners given work inside it write it before it ends
     (`write_gathered`, not fatal), instead of each in a step of its own task woken for it;
     leaving it begins their flushes and wakes those that could not write. Nothing when a
     gathering is open already (the commit lane's step): its owners are written there."""
