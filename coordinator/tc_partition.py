@@ -64,6 +64,7 @@ from coordinator.txn_log import (
     Fenced,
     SnapshotAssembler,
     TxnLog,
+    append_outcome,
     chunk_bytes_within,
     snapshot_chunks,
 )
@@ -566,14 +567,7 @@ class TcPartition:
             return  # stopped meanwhile: its callers were failed then
         outcome = failure_of(future, "the TC log's append")
         if outcome is None:
-            result = future.result()
-            if isinstance(result, list):  # this process's owner's
-                [outcome] = result
-            elif result.error.reason:  # the partition server's ProduceResult
-                outcome = AtomlogError(result.error.reason, result.error.message,
-                                       dict(result.error.metadata))
-            else:
-                outcome = result
+            outcome = append_outcome(future.result())
         if isinstance(outcome, AtomlogError):
             # The writer goes on as after any failed attempt of this batch: retried (same
             # sequence), refused (rolled back) or the TC partition reloaded.

@@ -55,7 +55,7 @@ from partition_server.record_batch import (
 from services import local, metrics
 from services.backoff import Backoff
 from services.batching import PerDestination
-from services.errors import AtomlogError, from_rpc_error
+from services.errors import AtomlogError, from_item, from_rpc_error
 from services.logs import event
 
 log = logging.getLogger("atomlog.coordinator.txn_log")
@@ -268,9 +268,8 @@ class TxnLog:
                 try:
                     address = await self.routes.owner(TOPIC, self.tc_partition)
                     result = await self.channel.produce(address, item)
-                    error = (AtomlogError(result.error.reason, result.error.message,
-                                          dict(result.error.metadata))
-                             if result.error.reason else None)
+                    outcome = append_outcome(result)
+                    error = outcome if isinstance(outcome, AtomlogError) else None
                 except AtomlogError as raised:
                     error, result = raised, None
             if error is None:
@@ -379,6 +378,17 @@ class TxnLog:
         if error.reason in ROUTING_REASONS:
             await self.routes.refresh(force=attempt > 1)
         await asyncio.sleep(_BACKOFF.delay(attempt))
+
+
+def append_outcome(result):
+    """An append's outcome from what its future gave (`TxnLog.append_here`) or its call
+    answered: this process's owner's one-element list (Appended or an AtomlogError), or a
+    partition server's ProduceResult, its error as the AtomlogError it carries (an unknown
+    reason as INTERNAL, `from_item`)."""
+    if isinstance(result, list):
+        [outcome] = result
+        return outcome
+    return from_item(result.error) if result.error.reason else result
 
 
 def snapshot_chunks(snapshot_id: int, data: bytes,

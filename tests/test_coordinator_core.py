@@ -1644,6 +1644,28 @@ def test_a_tc_log_append_refused_after_an_unknown_outcome_reloads_instead_of_rol
     assert after_failed_append("PRODUCER_FENCED", False) == "reload"
 
 
+def test_an_append_s_outcome_reads_the_owner_s_list_and_the_partition_server_s_result():
+    """A TC-log append started in a callback (TxnLog.append_here) is answered by this
+    process's owner (a one-element list) or by a partition server's ProduceResult; a
+    refusal with a reason this server does not know (a newer server's) reads as INTERNAL,
+    where building the AtomlogError from it raised in the callback and left the append's
+    callers unanswered."""
+    from atomlog.v1 import partition_pb2
+    from coordinator.txn_log import append_outcome
+
+    refused = AtomlogError("NOT_ENOUGH_REPLICAS", "two of three")
+    assert append_outcome([refused]) is refused
+    ok = partition_pb2.ProduceResult(base_offset=4, last_offset=6)
+    assert append_outcome(ok) is ok
+    error = append_outcome(partition_pb2.ProduceResult(error=partition_pb2.ItemError(
+        reason="NOT_ENOUGH_REPLICAS", message="two of three", metadata={"isr": "2"})))
+    assert (error.reason, error.message, error.metadata) == (
+        "NOT_ENOUGH_REPLICAS", "two of three", {"isr": "2"})
+    newer = append_outcome(partition_pb2.ProduceResult(error=partition_pb2.ItemError(
+        reason="A_REASON_FROM_A_NEWER_SERVER", message="?")))
+    assert newer.reason == "INTERNAL"
+
+
 def test_a_parallel_commit_resolution_that_fails_gives_the_tc_partition_up():
     """The resolution of a Staging transaction nobody decides runs in a task of its own.
     An error escaping it (a defect; the resolver's own failures are asked again at a
