@@ -117,7 +117,8 @@ class Coordinator:
         self.name = name
         self.stager = stager or StageChannel(routes)
         self.one_call_max_bytes = one_call_max_bytes
-        self.log_channel = AppendChannel(routes, settings.log_request_timeout_ms / 1000)
+        self.log_channel = AppendChannel(routes, settings.log_request_timeout_ms / 1000,
+                                         self.stager)
         self.tc_partitions = tc_partitions
         self.routes = routes
         self.markers = markers

@@ -18,6 +18,13 @@ transaction's staged batch is durable on each of its partitions (and its staged 
 each subscription partition it acked), each server fencing the TC partition at the asking
 coordinator's epoch first.
 
+The TC logs' appends to a partition server ride in the same queue (`submit_append`,
+coordinator/txn_log.py AppendChannel): a decision whose log lives on a server that
+stages now leaves with the next staging call there, in StageTxnRequest.appends, and
+shares that server's write-ahead round, instead of a Produce call of its own beside it.
+A server that does not know the field (an older one: it answers no `appends`) gets them
+by Produce, now and for NO_APPENDS_S after; their producer sequence makes a resend safe.
+
 `stage_chain()` stages the transactions of one CommitTxns call in order (a client's
 pipelined commits of the same producers): on every partition an earlier transaction's
 batches reach the log first, and a transaction that must retry breaks the chain (the
@@ -37,6 +44,7 @@ from atomlog.v1 import common_pb2, partition_pb2
 from coordinator.markers import MarkerChannel
 from coordinator.records import SubscriptionPartition, TopicPartition, TxnId
 from coordinator.routing import PartitionRoutes
+from coordinator.txn_log import RETRY_REASONS as APPEND_RETRY_REASONS
 from services import failpoints, local
 from services.backoff import Backoff
 from services.batching import PerDestination
@@ -56,6 +64,13 @@ STAGED = Counter("atomlog_coordinator_staged_transactions_total",
 RIDING_MARKERS = Counter("atomlog_coordinator_riding_markers_total",
                          "Markers (one per transaction and partition) sent inside a StageTxn "
                          "call instead of an EndTxnOnPartition call of their own.")
+RIDING_APPENDS = Counter("atomlog_coordinator_riding_appends_total",
+                         "TC-log appends sent inside a StageTxn call instead of a Produce "
+                         "call.")
+APPENDS_NOT_TAKEN = Counter("atomlog_coordinator_riding_appends_not_taken_total",
+                            "TC-log appends a partition server did not take inside a StageTxn "
+                            "call (one from before StageTxnRequest.appends, or a call refused "
+                            "whole), sent by Produce instead.")
 RESOLVE_CALLS = Counter("atomlog_coordinator_resolve_staged_calls_total",
                         "ResolveStaged calls sent to partition servers (resolving parallel "
                         "commits that nobody decided).")
@@ -70,6 +85,12 @@ RETRY_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                            "ZOOKEEPER_UNAVAILABLE"})
 ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                              "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT"})
+# Appends above this size (snapshot chunks) keep to Produce calls: a staging call stays
+# small (it has no bound of bytes of its own).
+APPEND_RIDER_MAX_BYTES = 64 << 10
+# A server that answered no `appends` (one that does not know the field) gets none for
+# this long.
+NO_APPENDS_S = 60.0
 # One resolve() asks for at most this long (retrying what fails for a retriable reason),
 # then answers None: the TC partition asks again at a later tick.
 RESOLVE_WINDOW_S = 10.0
@@ -143,6 +164,28 @@ class StageChannel:
         self.markers = markers  # lingering markers ride with the calls (markers.py)
         self._calls = PerDestination(self._send, what="staging", max_items=batch_max)
         self._closed = False
+        # Produce(address, items) -> results, raising AtomlogError: set by the AppendChannel
+        # whose appends ride here (the way to a server that does not take them).
+        self.produce = None
+        self._no_appends: dict[str, float] = {}  # address -> until (time.monotonic())
+
+    def takes_append(self, address: str, item: partition_pb2.ProduceItem) -> bool:
+        """Whether a TC-log append `item` to `address` (another process) may ride with
+        the staging calls there (`submit_append`)."""
+        if self._closed or self.produce is None or item.ByteSize() > APPEND_RIDER_MAX_BYTES:
+            return False
+        until = self._no_appends.get(address)
+        if until is not None:
+            if time.monotonic() < until:
+                return False
+            del self._no_appends[address]
+        return True
+
+    def submit_append(self, address: str, item: partition_pb2.ProduceItem) -> asyncio.Future:
+        """`item` queued for the next StageTxn call to `address`: the future of its
+        ProduceResult (failing with the call's AtomlogError when the call failed for a
+        reason after which an append is retried)."""
+        return self._calls.submit(address, item)
 
     async def stage(self, txn_id: TxnId, epoch: int, batches, acks,
                     deadline: float) -> list[partition_pb2.ProduceResult]:
@@ -300,17 +343,23 @@ class StageChannel:
                 outcomes.append(error)
         return outcomes
 
-    async def _send(self, address: str, group: list[_Part]) -> list:
-        """One StageTxn call for the parts queued for `address`: a result per part.
+    async def _send(self, address: str, group: list) -> list:
+        """One StageTxn call for the parts and TC-log appends queued for `address`: a
+        result per entry, in order (a part's StageTxnResult, an append's ProduceResult).
         Lingering markers bound for `address` ride in it (`_riders`, coordinator/markers.py)."""
+        parts = [entry for entry in group if isinstance(entry, _Part)]
+        appends = [entry for entry in group if not isinstance(entry, _Part)]
         request = partition_pb2.StageTxnRequest(items=[partition_pb2.StageTxnItem(
             txn_id=common_pb2.TxnId(tc_partition=p.txn_id.tc_partition,
                                     sequence=p.txn_id.sequence),
             coordinator_epoch=p.epoch, batches=[item for _, item in p.batches],
-            acks=p.acks) for p in group])
+            acks=p.acks) for p in parts])
+        if appends:
+            request.appends.items.extend(appends)
+            RIDING_APPENDS.inc(len(appends))
         if self.markers is not None:
             self.markers.staging_to(address)
-        riders = self._riders(address, group)
+        riders = self._riders(address, parts)
         sent = None
         if riders:
             _, sent = self.markers.request_of(riders, into=request.markers)
@@ -323,16 +372,41 @@ class StageChannel:
             if riders:
                 self.markers.give_back(address, riders)
             if isinstance(error, grpc.RpcError):
-                raise from_rpc_error(error) from None
-            raise
+                error = from_rpc_error(error)
+            if not appends or not isinstance(error, AtomlogError) or \
+                    error.reason in APPEND_RETRY_REASONS:
+                raise error from None  # every entry fails with it (an append is retried)
+            # Refused whole (a bad part, or a server that takes no appends without
+            # items): the parts fail with it, the appends go by Produce, answered alone.
+            if error.reason in ("INVALID_ARGUMENT", "UNIMPLEMENTED"):
+                self._no_appends[address] = time.monotonic() + NO_APPENDS_S
+            return _merged(group, [error] * len(parts), await self._by_produce(address, appends))
         if riders:
             if len(response.markers.results) == len(request.markers.markers):
                 self.markers.answered(response.markers, sent)
             else:  # a server that does not know StageTxnRequest.markers
                 self.markers.give_back(address, riders)
-        return list(response.results)
+        if len(response.results) != len(parts):
+            raise AtomlogError("INTERNAL", f"StageTxn on {address} answered "
+                               f"{len(response.results)} results for {len(parts)} items")
+        if not appends:
+            return list(response.results)
+        if len(response.appends.results) == len(appends):
+            answers = list(response.appends.results)
+        else:  # a server that does not know StageTxnRequest.appends
+            self._no_appends[address] = time.monotonic() + NO_APPENDS_S
+            answers = await self._by_produce(address, appends)
+        return _merged(group, list(response.results), answers)
 
-    def _riders(self, address: str, group: list[_Part]) -> list:
+    async def _by_produce(self, address: str, appends: list) -> list:
+        """The appends sent by one Produce call: its results, or its failure for each."""
+        APPENDS_NOT_TAKEN.inc(len(appends))
+        try:
+            return await self.produce(address, appends)
+        except AtomlogError as error:
+            return [error] * len(appends)
+
+    def _riders(self, address: str, parts: list[_Part]) -> list:
         """The lingering markers to ride with this call (none while the markers_send
         failpoint holds markers): all of them to another process, only those for the
         partitions it stages on to this one (coordinator/markers.py)."""
@@ -341,7 +415,7 @@ class StageChannel:
         if not local.servicer(address, PARTITION_SERVICE):
             return self.markers.take_riders(address)
         partitions = set()
-        for part in group:
+        for part in parts:
             for _, item in part.batches:
                 partitions.add((item.topic_partition.topic, item.topic_partition.partition))
             for ack in part.acks:
@@ -433,6 +507,12 @@ class StageChannel:
         self._closed = True
         await self._calls.close()
         event(log, "staging channel closed", calls=self._calls.calls)
+
+
+def _merged(group: list, part_answers: list, append_answers: list) -> list:
+    """The answers of a call's entries in their order, from the parts' and the appends'."""
+    parts, appends = iter(part_answers), iter(append_answers)
+    return [next(parts) if isinstance(entry, _Part) else next(appends) for entry in group]
 
 
 def _target_name(target) -> str:

@@ -22,9 +22,13 @@ Everything below the first chunk of a durable, complete snapshot can be deleted
 (DeleteRecords, whole segments): the log stays bounded by the snapshot interval.
 
 Appends of every TC partition of a process that go to the same partition server share
-Produce calls (AppendChannel): one call in flight per server, and whatever TC partitions
-queue meanwhile leaves together in the next one — 16 TC partitions whose logs live on 3
-servers cost at most 3 calls at a time, however many transactions they decide. When the
+calls (AppendChannel): one call in flight per server, and whatever TC partitions queue
+meanwhile leaves together in the next one — 16 TC partitions whose logs live on 3
+servers cost at most 3 calls at a time, however many transactions they decide. Those
+calls are the process's staging calls to that server (StageTxnRequest.appends,
+coordinator/staging.py): a decision leaves with the one-call transactions' parts queued
+for the same server, in one call and one write-ahead round there; snapshot chunks, and
+appends to a server that does not take them, go by Produce calls of their own. When the
 partition server is this process (the combined server), an append is queued on its
 partition's owner at once instead (PartitionServicer.produce_here): appends of different
 TC partitions go to different owners anyway, whose fsyncs one event-loop turn submits
@@ -57,6 +61,7 @@ from services.backoff import Backoff
 from services.batching import PerDestination
 from services.errors import AtomlogError, from_item, from_rpc_error
 from services.logs import event
+from services.topics import TXN_LOG_TOPIC
 
 log = logging.getLogger("atomlog.coordinator.txn_log")
 
@@ -64,7 +69,7 @@ _PRODUCE_HERE = metrics.LOCAL_CALLS.labels(f"/{PARTITION_SERVICE}/Produce")
 _ON_THE_OWNER = coordinator_metrics.LOG_PRODUCES.labels("owner")
 _BY_CALL = coordinator_metrics.LOG_PRODUCES.labels("call")
 
-TOPIC = "__txn_log"
+TOPIC = TXN_LOG_TOPIC
 KEY_FENCE = b"fence"
 KEY_SNAPSHOT = b"snapshot"
 SNAPSHOT_CHUNK = struct.Struct("<QII")  # snapshot_id, index, count
@@ -130,13 +135,20 @@ def _topic_partition(k: int) -> common_pb2.TopicPartition:
 class AppendChannel:
     """Produce calls shared by the TC logs of a process, per partition server
     (services/batching.py): appends queued while a call to that server is in flight
-    leave together in the next one."""
+    leave together in the next one. With a `stager` (the process's staging channel,
+    coordinator/staging.py) they ride in its queue instead, with the one-call
+    transactions' staging calls to the same server (StageTxnRequest.appends): one queue
+    and one call in flight per server for both."""
 
-    def __init__(self, routes: PartitionRoutes, request_timeout_s: float = 5.0):
+    def __init__(self, routes: PartitionRoutes, request_timeout_s: float = 5.0,
+                 stager=None):
         self.routes = routes
         self.request_timeout_s = request_timeout_s
         self._calls = PerDestination(self._produce, what="TC-log append", max_items=1_000,
                                      max_bytes=8 << 20, size=lambda i: len(i.record_batch))
+        self.stager = stager
+        if stager is not None:
+            stager.produce = self._produce
 
     async def produce(self, address: str, item: partition_pb2.ProduceItem):
         """The ProduceResult of `item`, sent to `address` with whatever else is queued;
@@ -150,11 +162,15 @@ class AppendChannel:
             _ON_THE_OWNER.inc()
             return await here.produce_here(item, self.request_timeout_s)
         _BY_CALL.inc()
-        return await asyncio.shield(self._calls.submit(address, item))
+        return await asyncio.shield(self.submit(address, item))
 
     def submit(self, address: str, item: partition_pb2.ProduceItem) -> asyncio.Future:
-        """`item` queued for the next Produce call to `address` (another process):
-        the future of its ProduceResult (failing with the call's AtomlogError)."""
+        """`item` queued for the next call to `address` (another process) — a staging
+        call when the stager takes it, else a Produce call: the future of its
+        ProduceResult (failing with the call's AtomlogError)."""
+        stager = self.stager
+        if stager is not None and stager.takes_append(address, item):
+            return stager.submit_append(address, item)
         return self._calls.submit(address, item)
 
     async def _produce(self, address: str, items: list) -> list:

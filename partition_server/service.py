@@ -33,10 +33,10 @@ from partition_server.record_batch import (NO_PRODUCER_ID, NO_SEQUENCE, BatchHea
 from partition_server.subscription_cursor import (InitialPosition, resolve_initial_position,
                                                   validate_consumer_id)
 from partition_server.verifier import TxnVerifier
-from services import acl, auth, clock
+from services import acl, auth, clock, failpoints
 from services.batching import WhenAllDone, failure_of, observe_failure
 from services.errors import AtomlogError
-from services.topics import validate_topic_name
+from services.topics import TXN_LOG_TOPIC, validate_topic_name
 
 STATE_ENUM = {
     State.LOADING: partition_pb2.PARTITION_STATE_LOADING,
@@ -1308,32 +1308,86 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         transaction (deduplicated by transaction per partition) and make each ack
         pending. Items and their parts run concurrently; each part answers on its own.
         Markers riding with the call (`markers`) are applied as EndTxnOnPartition
-        applies them, in the same turn as the items."""
+        applies them, and TC-log appends riding with it (`appends`) as Produce appends
+        them, in the same turn as the items."""
         epochs = self.coordinator_epochs
         if epochs is None or self.verifier is None:
             raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
-        _require_items(request.items, "StageTxnRequest")
         riders = request.markers.markers
+        appends = request.appends.items
+        if appends and failpoints.armed(failpoints.STAGE_APPENDS_UNKNOWN):
+            appends = ()  # as a server from before StageTxnRequest.appends, which
+            _require_items(request.items, "StageTxnRequest")  # took no call without items
+        if request.items or not (riders or appends):
+            _require_items(request.items, "StageTxnRequest")
         if riders:  # checked whole before anything is applied, as EndTxnOnPartition does
             _require_items(riders, "StageTxnRequest.markers")
             _check_marker_request(riders, "StageTxnRequest.markers")
+        if appends:
+            _require_items(appends, "StageTxnRequest.appends")
+            _check_appends(appends)
         response = partition_pb2.StageTxnResponse()
         # Everything below up to the await runs in this step, with no task per part: the
-        # riding markers, then the staged parts, reach their partitions' owners before
-        # these next write, so they share a write and an fsync (coordinator/markers.py).
+        # riding markers, then the staged parts, then the riding TC-log appends, reach
+        # their partitions' owners before these next write, so they share a write and an
+        # fsync (coordinator/markers.py, coordinator/staging.py).
         work = []  # coroutines: the markers' and acks' answers, parts routed by awaiting
         queued: list[tuple[asyncio.Future, PartitionOwner, object]] = []
+        appended: list[tuple[asyncio.Future, PartitionOwner, int]] = []
         with written_in_step():  # the owners write in this step, not each in its task's
             self._stage_items(request, response, riders, epochs, work, queued)
-        if queued or work:
-            outcomes = await asyncio.gather(*(future for future, _, _ in queued), *work,
+            if appends:
+                work.extend(self._queue_appends(appends, response.appends.results, appended))
+        if queued or work or appended:
+            outcomes = await asyncio.gather(*(future for future, _, _ in queued),
+                                            *(future for future, _, _ in appended), *work,
                                             return_exceptions=True)
-            for outcome in outcomes[len(queued):]:
+            for outcome in outcomes[len(queued) + len(appended):]:
                 if isinstance(outcome, BaseException):
                     raise outcome
             for future, owner, entry in queued:
                 _staged_into(entry, owner, future)
+            results = response.appends.results
+            for future, owner, index in appended:
+                try:
+                    [outcome] = future.result()
+                except AtomlogError as error:  # the owner failed the write group
+                    outcome = error
+                results[index].CopyFrom(_produce_result(appends[index].topic_partition, owner,
+                                                        outcome))
         return response
+
+    def _queue_appends(self, appends, results, appended: list) -> list:
+        """StageTxn's riding TC-log appends: each one that Produce would queue at once
+        (an idempotent batch of a partition hosted here whose producer waits for nothing)
+        queued on its owner in the caller's step, into `appended` as (future, owner, its
+        index); the others (and every refusal, so that it reads as Produce's) go through
+        Produce together: the coroutine returned, if any. A result entry per append is
+        added to `results`, in order."""
+        others: list[int] = []
+        slow: set[tuple[str, int]] = set()  # partitions whose earlier append went by Produce
+        for index, item in enumerate(appends):
+            tp = item.topic_partition
+            results.add(topic_partition=tp, base_offset=-1, last_offset=-1)
+            owner = self._route_now(tp)
+            future = None
+            if owner is not None and not isinstance(owner, AtomlogError) and \
+                    (tp.topic, tp.partition) not in slow:
+                future = self.queue_produce_here(tp, item.record_batch)
+            if future is None or isinstance(future, AtomlogError):
+                others.append(index)  # after it, the partition's appends keep its order
+                slow.add((tp.topic, tp.partition))
+                continue
+            appended.append((future, owner, index))
+        if not others:
+            return []
+
+        async def by_produce() -> None:
+            response = await self.Produce(partition_pb2.ProduceRequest(
+                items=[appends[index] for index in others]), None)
+            for index, result in zip(others, response.results):
+                results[index].CopyFrom(result)
+        return [by_produce()]
 
     def _stage_items(self, request, response, riders, epochs, work: list,
                      queued: list) -> None:
@@ -2030,6 +2084,17 @@ def _outcome_into(entry, owner: PartitionOwner, outcome) -> None:
     entry.log_append_time_unix_ms = outcome.log_append_time_ms
     entry.duplicate = outcome.duplicate
     entry.log_start_offset = owner.log.log_start_offset if owner.log else -1
+
+
+def _check_appends(appends) -> None:
+    """StageTxnRequest.appends name only the TC logs' topic (INVALID_ARGUMENT for the
+    whole request otherwise: anything else is a client's Produce, under its ACLs)."""
+    for index, item in enumerate(appends):
+        if item.topic_partition.topic != TXN_LOG_TOPIC:
+            raise AtomlogError("INVALID_ARGUMENT", f"StageTxnRequest.appends[{index}] names "
+                               f"topic {item.topic_partition.topic!r}: only {TXN_LOG_TOPIC} "
+                               "(the coordinators' TC logs) rides with staging",
+                               {"field": f"appends[{index}].topic_partition.topic"})
 
 
 def _invalid_stage(item, tc_partitions: int) -> AtomlogError | None:

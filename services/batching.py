@@ -7,12 +7,14 @@ item, in order — and answers each item's future with its result. While that ca
 flight the next items queue, and they leave together in the next call: the call in
 flight is the linger, so under load the calls per item fall, and with nothing else
 queued an item leaves at once. A call that fails answers every item of it with the
-failure (an AtomlogError; anything else becomes INTERNAL).
+failure (an AtomlogError; anything else becomes INTERNAL); a result that is an
+exception fails its item alone (items of different kinds sharing a call).
 
-Used by the coordinator's staging of one-call transactions (coordinator/staging.py) and
-its TC-log appends (coordinator/txn_log.py), and by the partition server's
-verifications (partition_server/verifier.py). Markers (coordinator/markers.py) batch the
-same way but confirm each target back to its TC partition instead of answering a caller.
+Used by the coordinator's staging of one-call transactions and the TC-log appends riding
+with it (coordinator/staging.py), its other TC-log appends (coordinator/txn_log.py), and
+by the partition server's verifications (partition_server/verifier.py). Markers
+(coordinator/markers.py) batch the same way but confirm each target back to its TC
+partition instead of answering a caller.
 """
 
 from __future__ import annotations
@@ -102,7 +104,10 @@ class PerDestination(Generic[T]):
                 continue
             for (_, future), result in zip(group, results):
                 if not future.done():
-                    future.set_result(result)
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
 
     async def close(self) -> None:
         tasks = list(self._senders.values())

@@ -29,6 +29,11 @@ harness arms and disarms it from outside without talking to the process:
              a coordinator holds every marker call (EndTxnOnPartition) before sending it,
              and lets no marker ride with a staging call (StageTxn) meanwhile, so a test
              can kill a partition server between a decision and its markers.
+    stage_appends_unknown
+             a partition server answers StageTxn as one from before
+             StageTxnRequest.appends: it ignores riding TC-log appends (and refuses a
+             call that has nothing else), so a test can see a coordinator send them by
+             Produce instead (a rolling upgrade's mixed versions).
     verify_hold
              a partition server holds every verification call (VerifyTxnPartitions)
              before sending it, so a test can send more batches while a transaction's
@@ -69,6 +74,7 @@ ONE_CALL_DECIDE = "one_call_decide"
 ONE_CALL_STAGE = "one_call_stage"
 MARKERS_SEND = "markers_send"
 VERIFY_HOLD = "verify_hold"
+STAGE_APPENDS_UNKNOWN = "stage_appends_unknown"
 HAND_OVER_HOLD = "hand_over_hold"
 START_ZOOKEEPER_LOSS = "start_zookeeper_loss"
 STEER_ZOOKEEPER_LOSS = "steer_zookeeper_loss"

@@ -13,6 +13,8 @@ from services.errors import AtomlogError
 MAX_TOPIC_NAME_LENGTH = 249  # Kafka's limit: leaves room for "-<partition>" in file names
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._\-]+$")
 INTERNAL_PREFIX = "__"
+# The TC logs: partition k is TC partition k's durable log (coordinator/txn_log.py).
+TXN_LOG_TOPIC = "__txn_log"
 
 
 @dataclass(frozen=True)

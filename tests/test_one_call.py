@@ -801,6 +801,74 @@ def test_markers_riding_in_a_staging_call_are_applied_and_bad_ones_change_nothin
     assert committed_values(client, topic) == [b"kept"]
 
 
+def test_tc_log_appends_ride_with_staging_calls_and_go_by_produce_to_an_older_server(
+        servers, client, failpoint_dir):
+    """A coordinator's TC-log appends (its decisions) to a partition server leave in its
+    StageTxn calls there (StageTxnRequest.appends, coordinator/staging.py) instead of
+    Produce calls of their own. A server that does not know the field (one from before
+    it: the stage_appends_unknown failpoint) ignores them, or refuses a call with
+    nothing else; the coordinator then sends them by Produce, and every transaction
+    still commits exactly once."""
+    topic = create_online(client, "oc-riding-appends", 2)
+
+    def run(prefix: bytes, count: int) -> list:
+        txns = []
+        with client.producer() as producer:
+            for i in range(count):
+                txn = client.begin_transaction(timeout_s=30)
+                for partition in range(2):
+                    producer.send(topic, prefix + b"%d-%d" % (i, partition),
+                                  partition=partition, txn=txn)
+                txn.commit()
+                txns.append(txn)
+        return txns
+
+    riding = "atomlog_coordinator_riding_appends_total"
+    not_taken = "atomlog_coordinator_riding_appends_not_taken_total"
+    before = _metric_sum(servers, riding), _metric_sum(servers, not_taken)
+    txns = run(b"a", 20)
+    # Every decision of a cluster's coordinator goes to another process: each rides
+    # (those of one TC partition that queue together leave in one append).
+    assert _metric_sum(servers, riding) - before[0] >= 10
+    assert _metric_sum(servers, not_taken) == before[1]
+    with Armed(failpoint_dir, failpoints.STAGE_APPENDS_UNKNOWN):
+        txns += run(b"o", 20)
+    assert _metric_sum(servers, not_taken) > before[1]
+    wait_until(lambda: all(t.state() == "COMMITTED" for t in txns), 30,
+               "every transaction to complete")
+    wait_until(lambda: settled(client, topic, 2), 30, "the markers")
+    assert sorted(committed_values(client, topic)) == sorted(
+        prefix + b"%d-%d" % (i, p) for prefix in (b"a", b"o") for i in range(20)
+        for p in range(2))
+
+
+def test_appends_riding_in_a_staging_call_name_only_tc_logs(servers, client):
+    """StageTxnRequest.appends, straight: an append naming any topic but `__txn_log`
+    refuses the whole call (INVALID_ARGUMENT naming the field; nothing of it staged), as
+    does a call with no items, markers or appends."""
+    topic = create_online(client, "oc-appends-raw", 1)
+    tc, sequence, epoch = committed_one(client, topic)
+    stub = client.channels.partition(client.metadata.route(topic, 0).address)
+    tp = common_pb2.TopicPartition(topic=topic, partition=0)
+    batch = encode_batch([Record(None, b"never", (), 0)])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.StageTxn(partition_pb2.StageTxnRequest(
+            items=[partition_pb2.StageTxnItem(
+                txn_id=common_pb2.TxnId(tc_partition=tc, sequence=sequence + 5_000),
+                coordinator_epoch=epoch,
+                batches=[partition_pb2.ProduceItem(topic_partition=tp, record_batch=batch)])],
+            appends=partition_pb2.ProduceRequest(items=[partition_pb2.ProduceItem(
+                topic_partition=tp, record_batch=batch)])), timeout=10)
+    error = from_rpc_error(refused.value)
+    assert error.reason == "INVALID_ARGUMENT", error
+    assert error.metadata.get("field") == "appends[0].topic_partition.topic", error
+    assert not client.describe_partition(topic, 0).open_transactions
+    with pytest.raises(grpc.RpcError) as empty:
+        stub.StageTxn(partition_pb2.StageTxnRequest(), timeout=10)
+    assert from_rpc_error(empty.value).reason == "INVALID_ARGUMENT"
+    assert committed_values(client, topic) == [b"kept"]
+
+
 def test_a_staging_call_routes_each_part_and_each_riding_marker_on_its_own(servers, client):
     """One StageTxn call whose parts and riding markers route differently: a partition
     hosted here is staged (and a marker of a transaction it never saw needs nothing), a

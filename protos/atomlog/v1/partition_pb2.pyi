@@ -809,12 +809,14 @@ class ScrubDamage(_message.Message):
     def __init__(self, file: _Optional[str] = ..., position: _Optional[int] = ..., offset: _Optional[int] = ..., detail: _Optional[str] = ..., acted_on: _Optional[bool] = ...) -> None: ...
 
 class StageTxnRequest(_message.Message):
-    __slots__ = ("items", "markers")
+    __slots__ = ("items", "markers", "appends")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     MARKERS_FIELD_NUMBER: _ClassVar[int]
+    APPENDS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[StageTxnItem]
     markers: EndTxnOnPartitionRequest
-    def __init__(self, items: _Optional[_Iterable[_Union[StageTxnItem, _Mapping]]] = ..., markers: _Optional[_Union[EndTxnOnPartitionRequest, _Mapping]] = ...) -> None: ...
+    appends: ProduceRequest
+    def __init__(self, items: _Optional[_Iterable[_Union[StageTxnItem, _Mapping]]] = ..., markers: _Optional[_Union[EndTxnOnPartitionRequest, _Mapping]] = ..., appends: _Optional[_Union[ProduceRequest, _Mapping]] = ...) -> None: ...
 
 class StageTxnItem(_message.Message):
     __slots__ = ("txn_id", "coordinator_epoch", "batches", "acks")
@@ -829,12 +831,14 @@ class StageTxnItem(_message.Message):
     def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., coordinator_epoch: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ProduceItem, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[AckItem, _Mapping]]] = ...) -> None: ...
 
 class StageTxnResponse(_message.Message):
-    __slots__ = ("results", "markers")
+    __slots__ = ("results", "markers", "appends")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     MARKERS_FIELD_NUMBER: _ClassVar[int]
+    APPENDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StageTxnResult]
     markers: EndTxnOnPartitionResponse
-    def __init__(self, results: _Optional[_Iterable[_Union[StageTxnResult, _Mapping]]] = ..., markers: _Optional[_Union[EndTxnOnPartitionResponse, _Mapping]] = ...) -> None: ...
+    appends: ProduceResponse
+    def __init__(self, results: _Optional[_Iterable[_Union[StageTxnResult, _Mapping]]] = ..., markers: _Optional[_Union[EndTxnOnPartitionResponse, _Mapping]] = ..., appends: _Optional[_Union[ProduceResponse, _Mapping]] = ...) -> None: ...
 
 class StageTxnResult(_message.Message):
     __slots__ = ("txn_id", "batch_results", "ack_results")

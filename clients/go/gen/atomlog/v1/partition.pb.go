@@ -4943,7 +4943,7 @@ func (x *ScrubDamage) GetActedOn() bool {
 type StageTxnRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// One item per transaction; items are independent (one failing does not stop another).
-	// May be empty when `markers` is set.
+	// May be empty when `markers` or `appends` is set.
 	Items []*StageTxnItem `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
 	// Markers of earlier (one-call) transactions riding with this call, so that a marker
 	// and the next staged data of its partition share one write and one fsync. They are
@@ -4951,7 +4951,17 @@ type StageTxnRequest struct {
 	// with the same validation (a request-wide problem fails the whole call with
 	// INVALID_ARGUMENT before anything, markers or items, is applied), and answered in
 	// StageTxnResponse.markers. A marker refused here refuses nothing of the items.
-	Markers       *EndTxnOnPartitionRequest `protobuf:"bytes,2,opt,name=markers,proto3" json:"markers,omitempty"`
+	Markers *EndTxnOnPartitionRequest `protobuf:"bytes,2,opt,name=markers,proto3" json:"markers,omitempty"`
+	// Appends to TC logs (the internal topic `__txn_log`, whose partitions this server
+	// owns) from the coordinator making this call, riding with it instead of a Produce call
+	// of their own: each item is appended exactly as a Produce call with these items would
+	// append it (the same checks, the same idempotent de-duplication by producer sequence)
+	// and answered in StageTxnResponse.appends, in the same step as the items, so they share
+	// the server's write-ahead round. An item naming any other topic fails the whole call
+	// with INVALID_ARGUMENT before anything is applied. A refused append refuses nothing
+	// else of the call. A server that does not know this field answers no `appends`; the
+	// coordinator then sends them by Produce (safe: the producer sequence de-duplicates).
+	Appends       *ProduceRequest `protobuf:"bytes,3,opt,name=appends,proto3" json:"appends,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -4996,6 +5006,13 @@ func (x *StageTxnRequest) GetItems() []*StageTxnItem {
 func (x *StageTxnRequest) GetMarkers() *EndTxnOnPartitionRequest {
 	if x != nil {
 		return x.Markers
+	}
+	return nil
+}
+
+func (x *StageTxnRequest) GetAppends() *ProduceRequest {
+	if x != nil {
+		return x.Appends
 	}
 	return nil
 }
@@ -5083,7 +5100,10 @@ type StageTxnResponse struct {
 	Results []*StageTxnResult      `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
 	// The answer to StageTxnRequest.markers: one result per marker, in order (set whenever
 	// the request carried markers).
-	Markers       *EndTxnOnPartitionResponse `protobuf:"bytes,2,opt,name=markers,proto3" json:"markers,omitempty"`
+	Markers *EndTxnOnPartitionResponse `protobuf:"bytes,2,opt,name=markers,proto3" json:"markers,omitempty"`
+	// The answer to StageTxnRequest.appends: one result per item, in order (set whenever
+	// the request carried appends).
+	Appends       *ProduceResponse `protobuf:"bytes,3,opt,name=appends,proto3" json:"appends,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5128,6 +5148,13 @@ func (x *StageTxnResponse) GetResults() []*StageTxnResult {
 func (x *StageTxnResponse) GetMarkers() *EndTxnOnPartitionResponse {
 	if x != nil {
 		return x.Markers
+	}
+	return nil
+}
+
+func (x *StageTxnResponse) GetAppends() *ProduceResponse {
+	if x != nil {
+		return x.Appends
 	}
 	return nil
 }
@@ -6490,18 +6517,20 @@ const file_atomlog_v1_partition_proto_rawDesc = "" +
 	"\bposition\x18\x02 \x01(\x03R\bposition\x12\x16\n" +
 	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x16\n" +
 	"\x06detail\x18\x04 \x01(\tR\x06detail\x12\x19\n" +
-	"\bacted_on\x18\x05 \x01(\bR\aactedOn\"\x81\x01\n" +
+	"\bacted_on\x18\x05 \x01(\bR\aactedOn\"\xb7\x01\n" +
 	"\x0fStageTxnRequest\x12.\n" +
 	"\x05items\x18\x01 \x03(\v2\x18.atomlog.v1.StageTxnItemR\x05items\x12>\n" +
-	"\amarkers\x18\x02 \x01(\v2$.atomlog.v1.EndTxnOnPartitionRequestR\amarkers\"\xc1\x01\n" +
+	"\amarkers\x18\x02 \x01(\v2$.atomlog.v1.EndTxnOnPartitionRequestR\amarkers\x124\n" +
+	"\aappends\x18\x03 \x01(\v2\x1a.atomlog.v1.ProduceRequestR\aappends\"\xc1\x01\n" +
 	"\fStageTxnItem\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12+\n" +
 	"\x11coordinator_epoch\x18\x02 \x01(\x04R\x10coordinatorEpoch\x121\n" +
 	"\abatches\x18\x03 \x03(\v2\x17.atomlog.v1.ProduceItemR\abatches\x12'\n" +
-	"\x04acks\x18\x04 \x03(\v2\x13.atomlog.v1.AckItemR\x04acks\"\x89\x01\n" +
+	"\x04acks\x18\x04 \x03(\v2\x13.atomlog.v1.AckItemR\x04acks\"\xc0\x01\n" +
 	"\x10StageTxnResponse\x124\n" +
 	"\aresults\x18\x01 \x03(\v2\x1a.atomlog.v1.StageTxnResultR\aresults\x12?\n" +
-	"\amarkers\x18\x02 \x01(\v2%.atomlog.v1.EndTxnOnPartitionResponseR\amarkers\"\xb2\x01\n" +
+	"\amarkers\x18\x02 \x01(\v2%.atomlog.v1.EndTxnOnPartitionResponseR\amarkers\x125\n" +
+	"\aappends\x18\x03 \x01(\v2\x1b.atomlog.v1.ProduceResponseR\aappends\"\xb2\x01\n" +
 	"\x0eStageTxnResult\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12>\n" +
 	"\rbatch_results\x18\x02 \x03(\v2\x19.atomlog.v1.ProduceResultR\fbatchResults\x126\n" +
@@ -6838,81 +6867,83 @@ var file_atomlog_v1_partition_proto_depIdxs = []int32{
 	69,  // 98: atomlog.v1.ScrubPartitionResponse.damage:type_name -> atomlog.v1.ScrubDamage
 	71,  // 99: atomlog.v1.StageTxnRequest.items:type_name -> atomlog.v1.StageTxnItem
 	47,  // 100: atomlog.v1.StageTxnRequest.markers:type_name -> atomlog.v1.EndTxnOnPartitionRequest
-	90,  // 101: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
-	7,   // 102: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
-	36,  // 103: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
-	73,  // 104: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
-	49,  // 105: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
-	90,  // 106: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
-	9,   // 107: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
-	38,  // 108: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
-	75,  // 109: atomlog.v1.ResolveStagedRequest.items:type_name -> atomlog.v1.ResolveStagedItem
-	90,  // 110: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
-	88,  // 111: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	91,  // 112: atomlog.v1.ResolveStagedItem.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	77,  // 113: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
-	90,  // 114: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
-	78,  // 115: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
-	79,  // 116: atomlog.v1.ResolveStagedResult.subscription_partitions:type_name -> atomlog.v1.StagedSubscriptionPartition
-	88,  // 117: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 118: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
-	91,  // 119: atomlog.v1.StagedSubscriptionPartition.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
-	4,   // 120: atomlog.v1.StagedSubscriptionPartition.error:type_name -> atomlog.v1.ItemError
-	88,  // 121: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
-	80,  // 122: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
-	88,  // 123: atomlog.v1.ReplicateManyRequest.forgotten:type_name -> atomlog.v1.TopicPartition
-	83,  // 124: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
-	88,  // 125: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	4,   // 126: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
-	85,  // 127: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
-	84,  // 128: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
-	6,   // 129: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
-	10,  // 130: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
-	15,  // 131: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
-	19,  // 132: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
-	23,  // 133: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
-	26,  // 134: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
-	29,  // 135: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
-	32,  // 136: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
-	35,  // 137: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
-	39,  // 138: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
-	43,  // 139: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
-	47,  // 140: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
-	70,  // 141: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
-	74,  // 142: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
-	54,  // 143: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
-	60,  // 144: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
-	63,  // 145: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
-	67,  // 146: atomlog.v1.PartitionService.ScrubPartition:input_type -> atomlog.v1.ScrubPartitionRequest
-	65,  // 147: atomlog.v1.PartitionService.DescribeCopy:input_type -> atomlog.v1.DescribeCopyRequest
-	80,  // 148: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
-	81,  // 149: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
-	8,   // 150: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
-	12,  // 151: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
-	17,  // 152: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
-	21,  // 153: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
-	24,  // 154: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
-	27,  // 155: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
-	30,  // 156: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
-	33,  // 157: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
-	37,  // 158: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
-	41,  // 159: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
-	44,  // 160: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
-	49,  // 161: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
-	72,  // 162: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
-	76,  // 163: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
-	55,  // 164: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
-	61,  // 165: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
-	64,  // 166: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
-	68,  // 167: atomlog.v1.PartitionService.ScrubPartition:output_type -> atomlog.v1.ScrubPartitionResponse
-	66,  // 168: atomlog.v1.PartitionService.DescribeCopy:output_type -> atomlog.v1.DescribeCopyResponse
-	85,  // 169: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
-	82,  // 170: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
-	150, // [150:171] is the sub-list for method output_type
-	129, // [129:150] is the sub-list for method input_type
-	129, // [129:129] is the sub-list for extension type_name
-	129, // [129:129] is the sub-list for extension extendee
-	0,   // [0:129] is the sub-list for field type_name
+	6,   // 101: atomlog.v1.StageTxnRequest.appends:type_name -> atomlog.v1.ProduceRequest
+	90,  // 102: atomlog.v1.StageTxnItem.txn_id:type_name -> atomlog.v1.TxnId
+	7,   // 103: atomlog.v1.StageTxnItem.batches:type_name -> atomlog.v1.ProduceItem
+	36,  // 104: atomlog.v1.StageTxnItem.acks:type_name -> atomlog.v1.AckItem
+	73,  // 105: atomlog.v1.StageTxnResponse.results:type_name -> atomlog.v1.StageTxnResult
+	49,  // 106: atomlog.v1.StageTxnResponse.markers:type_name -> atomlog.v1.EndTxnOnPartitionResponse
+	8,   // 107: atomlog.v1.StageTxnResponse.appends:type_name -> atomlog.v1.ProduceResponse
+	90,  // 108: atomlog.v1.StageTxnResult.txn_id:type_name -> atomlog.v1.TxnId
+	9,   // 109: atomlog.v1.StageTxnResult.batch_results:type_name -> atomlog.v1.ProduceResult
+	38,  // 110: atomlog.v1.StageTxnResult.ack_results:type_name -> atomlog.v1.AckResult
+	75,  // 111: atomlog.v1.ResolveStagedRequest.items:type_name -> atomlog.v1.ResolveStagedItem
+	90,  // 112: atomlog.v1.ResolveStagedItem.txn_id:type_name -> atomlog.v1.TxnId
+	88,  // 113: atomlog.v1.ResolveStagedItem.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	91,  // 114: atomlog.v1.ResolveStagedItem.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	77,  // 115: atomlog.v1.ResolveStagedResponse.results:type_name -> atomlog.v1.ResolveStagedResult
+	90,  // 116: atomlog.v1.ResolveStagedResult.txn_id:type_name -> atomlog.v1.TxnId
+	78,  // 117: atomlog.v1.ResolveStagedResult.partitions:type_name -> atomlog.v1.StagedPartition
+	79,  // 118: atomlog.v1.ResolveStagedResult.subscription_partitions:type_name -> atomlog.v1.StagedSubscriptionPartition
+	88,  // 119: atomlog.v1.StagedPartition.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 120: atomlog.v1.StagedPartition.error:type_name -> atomlog.v1.ItemError
+	91,  // 121: atomlog.v1.StagedSubscriptionPartition.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	4,   // 122: atomlog.v1.StagedSubscriptionPartition.error:type_name -> atomlog.v1.ItemError
+	88,  // 123: atomlog.v1.ReplicateRequest.topic_partition:type_name -> atomlog.v1.TopicPartition
+	80,  // 124: atomlog.v1.ReplicateManyRequest.partitions:type_name -> atomlog.v1.ReplicateRequest
+	88,  // 125: atomlog.v1.ReplicateManyRequest.forgotten:type_name -> atomlog.v1.TopicPartition
+	83,  // 126: atomlog.v1.ReplicateManyResponse.results:type_name -> atomlog.v1.ReplicateResult
+	88,  // 127: atomlog.v1.ReplicateResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	4,   // 128: atomlog.v1.ReplicateResult.error:type_name -> atomlog.v1.ItemError
+	85,  // 129: atomlog.v1.ReplicateResult.response:type_name -> atomlog.v1.ReplicateResponse
+	84,  // 130: atomlog.v1.ReplicateResponse.epochs:type_name -> atomlog.v1.LeaderEpochEntry
+	6,   // 131: atomlog.v1.PartitionService.Produce:input_type -> atomlog.v1.ProduceRequest
+	10,  // 132: atomlog.v1.PartitionService.Fetch:input_type -> atomlog.v1.FetchRequest
+	15,  // 133: atomlog.v1.PartitionService.ListOffsets:input_type -> atomlog.v1.ListOffsetsRequest
+	19,  // 134: atomlog.v1.PartitionService.DeleteRecords:input_type -> atomlog.v1.DeleteRecordsRequest
+	23,  // 135: atomlog.v1.PartitionService.CreateSubscription:input_type -> atomlog.v1.CreateSubscriptionRequest
+	26,  // 136: atomlog.v1.PartitionService.DeleteSubscription:input_type -> atomlog.v1.DeleteSubscriptionRequest
+	29,  // 137: atomlog.v1.PartitionService.ResetSubscription:input_type -> atomlog.v1.ResetSubscriptionRequest
+	32,  // 138: atomlog.v1.PartitionService.Receive:input_type -> atomlog.v1.ReceiveRequest
+	35,  // 139: atomlog.v1.PartitionService.Ack:input_type -> atomlog.v1.AckRequest
+	39,  // 140: atomlog.v1.PartitionService.Nack:input_type -> atomlog.v1.NackRequest
+	43,  // 141: atomlog.v1.PartitionService.DescribeSubscription:input_type -> atomlog.v1.DescribeSubscriptionRequest
+	47,  // 142: atomlog.v1.PartitionService.EndTxnOnPartition:input_type -> atomlog.v1.EndTxnOnPartitionRequest
+	70,  // 143: atomlog.v1.PartitionService.StageTxn:input_type -> atomlog.v1.StageTxnRequest
+	74,  // 144: atomlog.v1.PartitionService.ResolveStaged:input_type -> atomlog.v1.ResolveStagedRequest
+	54,  // 145: atomlog.v1.PartitionService.DescribePartition:input_type -> atomlog.v1.DescribePartitionRequest
+	60,  // 146: atomlog.v1.PartitionService.ListPartitions:input_type -> atomlog.v1.ListPartitionsRequest
+	63,  // 147: atomlog.v1.PartitionService.RecoverPartition:input_type -> atomlog.v1.RecoverPartitionRequest
+	67,  // 148: atomlog.v1.PartitionService.ScrubPartition:input_type -> atomlog.v1.ScrubPartitionRequest
+	65,  // 149: atomlog.v1.PartitionService.DescribeCopy:input_type -> atomlog.v1.DescribeCopyRequest
+	80,  // 150: atomlog.v1.PartitionService.Replicate:input_type -> atomlog.v1.ReplicateRequest
+	81,  // 151: atomlog.v1.PartitionService.ReplicateMany:input_type -> atomlog.v1.ReplicateManyRequest
+	8,   // 152: atomlog.v1.PartitionService.Produce:output_type -> atomlog.v1.ProduceResponse
+	12,  // 153: atomlog.v1.PartitionService.Fetch:output_type -> atomlog.v1.FetchResponse
+	17,  // 154: atomlog.v1.PartitionService.ListOffsets:output_type -> atomlog.v1.ListOffsetsResponse
+	21,  // 155: atomlog.v1.PartitionService.DeleteRecords:output_type -> atomlog.v1.DeleteRecordsResponse
+	24,  // 156: atomlog.v1.PartitionService.CreateSubscription:output_type -> atomlog.v1.CreateSubscriptionResponse
+	27,  // 157: atomlog.v1.PartitionService.DeleteSubscription:output_type -> atomlog.v1.DeleteSubscriptionResponse
+	30,  // 158: atomlog.v1.PartitionService.ResetSubscription:output_type -> atomlog.v1.ResetSubscriptionResponse
+	33,  // 159: atomlog.v1.PartitionService.Receive:output_type -> atomlog.v1.ReceiveResponse
+	37,  // 160: atomlog.v1.PartitionService.Ack:output_type -> atomlog.v1.AckResponse
+	41,  // 161: atomlog.v1.PartitionService.Nack:output_type -> atomlog.v1.NackResponse
+	44,  // 162: atomlog.v1.PartitionService.DescribeSubscription:output_type -> atomlog.v1.DescribeSubscriptionResponse
+	49,  // 163: atomlog.v1.PartitionService.EndTxnOnPartition:output_type -> atomlog.v1.EndTxnOnPartitionResponse
+	72,  // 164: atomlog.v1.PartitionService.StageTxn:output_type -> atomlog.v1.StageTxnResponse
+	76,  // 165: atomlog.v1.PartitionService.ResolveStaged:output_type -> atomlog.v1.ResolveStagedResponse
+	55,  // 166: atomlog.v1.PartitionService.DescribePartition:output_type -> atomlog.v1.DescribePartitionResponse
+	61,  // 167: atomlog.v1.PartitionService.ListPartitions:output_type -> atomlog.v1.ListPartitionsResponse
+	64,  // 168: atomlog.v1.PartitionService.RecoverPartition:output_type -> atomlog.v1.RecoverPartitionResponse
+	68,  // 169: atomlog.v1.PartitionService.ScrubPartition:output_type -> atomlog.v1.ScrubPartitionResponse
+	66,  // 170: atomlog.v1.PartitionService.DescribeCopy:output_type -> atomlog.v1.DescribeCopyResponse
+	85,  // 171: atomlog.v1.PartitionService.Replicate:output_type -> atomlog.v1.ReplicateResponse
+	82,  // 172: atomlog.v1.PartitionService.ReplicateMany:output_type -> atomlog.v1.ReplicateManyResponse
+	152, // [152:173] is the sub-list for method output_type
+	131, // [131:152] is the sub-list for method input_type
+	131, // [131:131] is the sub-list for extension type_name
+	131, // [131:131] is the sub-list for extension extendee
+	0,   // [0:131] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_partition_proto_init() }

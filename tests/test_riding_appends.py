@@ -1,0 +1,162 @@
+"""TC-log appends riding in the staging calls' queue (coordinator/staging.py, StageTxnRequest
+.appends): what a coordinator does with each shape of answer, with a stand-in for the
+partition server's stub (the real servers' side: tests/test_one_call.py, "ride with
+staging calls"). An append shares a call with the transactions' parts queued beside it;
+a server that answers no `appends` (one from before the field), or refuses a call of
+appends alone, gets them by Produce (and none for a while); a failure after which an
+append is retried fails the append alone, with no Produce."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from atomlog.v1 import common_pb2, partition_pb2
+from coordinator.records import TxnId
+from coordinator.staging import NO_APPENDS_S, StageChannel
+from coordinator.txn_log import TOPIC
+from services.errors import AtomlogError
+
+ADDRESS = "ps-0:1"
+
+
+class Server:
+    """A stand-in for one partition server's StageTxn (its stub and its routes): answers
+    each call with `answer(request)` (a response, or an exception to raise)."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.calls: list[partition_pb2.StageTxnRequest] = []
+
+    async def owner(self, topic: str, partition: int) -> str:
+        return ADDRESS
+
+    def stub(self, address: str):
+        return self
+
+    async def StageTxn(self, request, timeout):  # noqa: N802 — the stub's method
+        self.calls.append(request)
+        answer = self.answer(request)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def append_item(offset: int) -> partition_pb2.ProduceItem:
+    return partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic=TOPIC, partition=offset),
+        record_batch=b"batch-%d" % offset)
+
+
+def appended(item: partition_pb2.ProduceItem, offset: int) -> partition_pb2.ProduceResult:
+    return partition_pb2.ProduceResult(topic_partition=item.topic_partition,
+                                       base_offset=offset, last_offset=offset)
+
+
+def staged(request) -> list[partition_pb2.StageTxnResult]:
+    return [partition_pb2.StageTxnResult(txn_id=item.txn_id, batch_results=[
+        partition_pb2.ProduceResult(topic_partition=b.topic_partition, base_offset=7,
+                                    last_offset=7) for b in item.batches])
+        for item in request.items]
+
+
+def channel_for(server: Server) -> tuple[StageChannel, list]:
+    """A staging channel to `server`, and the Produce calls its appends went by."""
+    channel = StageChannel(server)
+    produced: list = []
+
+    async def produce(address: str, items: list) -> list:
+        produced.append((address, list(items)))
+        return [appended(item, 100 + i) for i, item in enumerate(items)]
+    channel.produce = produce
+    return channel, produced
+
+
+def stage_part(channel: StageChannel) -> asyncio.Task:
+    batch = partition_pb2.ProduceItem(
+        topic_partition=common_pb2.TopicPartition(topic="t", partition=0), record_batch=b"x")
+    return asyncio.ensure_future(channel.stage(TxnId(1, 5), 3, [batch], [],
+                                               asyncio.get_running_loop().time() + 10))
+
+
+def test_an_append_and_a_part_queued_together_leave_in_one_call_answered_each():
+    def answer(request):
+        return partition_pb2.StageTxnResponse(
+            results=staged(request), appends=partition_pb2.ProduceResponse(
+                results=[appended(item, 40 + i) for i, item in enumerate(request.appends.items)]))
+    server = Server(answer)
+
+    async def scenario():
+        channel, produced = channel_for(server)
+        part = stage_part(channel)
+        first, second = append_item(1), append_item(2)
+        assert channel.takes_append(ADDRESS, first)
+        futures = [channel.submit_append(ADDRESS, first), channel.submit_append(ADDRESS, second)]
+        results = await asyncio.gather(*futures)
+        [staged_result] = await part
+        assert [r.base_offset for r in results] == [40, 41]
+        assert staged_result.base_offset == 7
+        assert len(server.calls) == 1 and list(server.calls[0].appends.items) == [first, second]
+        assert len(server.calls[0].items) == 1
+        assert not produced
+        await channel.close()
+    asyncio.run(scenario())
+
+
+def test_appends_a_server_does_not_answer_go_by_produce_and_no_more_ride_there_for_a_while():
+    server = Server(lambda request: partition_pb2.StageTxnResponse(results=staged(request)))
+
+    async def scenario():
+        channel, produced = channel_for(server)
+        part = stage_part(channel)
+        item = append_item(3)
+        result = await channel.submit_append(ADDRESS, item)
+        assert (await part)[0].base_offset == 7  # the part is answered as ever
+        assert result.base_offset == 100 and produced == [(ADDRESS, [item])]
+        assert not channel.takes_append(ADDRESS, item)
+        assert channel.takes_append("ps-1:1", item)  # another server is asked on its own
+        channel._no_appends[ADDRESS] -= NO_APPENDS_S  # the while is over
+        assert channel.takes_append(ADDRESS, item)
+        await channel.close()
+    asyncio.run(scenario())
+
+
+def test_a_call_of_appends_alone_refused_whole_sends_them_by_produce():
+    server = Server(lambda request: AtomlogError("INVALID_ARGUMENT", "StageTxnRequest has no items"))
+
+    async def scenario():
+        channel, produced = channel_for(server)
+        item = append_item(4)
+        result = await channel.submit_append(ADDRESS, item)
+        assert result.base_offset == 100 and produced == [(ADDRESS, [item])]
+        assert not channel.takes_append(ADDRESS, item)
+        await channel.close()
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("reason", ["SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT"])
+def test_a_call_failing_for_a_retried_reason_fails_its_appends_with_it(reason):
+    """The append's own retry (TxnLog.append, the same batch) goes on from it; a Produce
+    now would only race that retry."""
+    server = Server(lambda request: AtomlogError(reason, "the call failed"))
+
+    async def scenario():
+        channel, produced = channel_for(server)
+        with pytest.raises(AtomlogError) as failed:
+            await channel.submit_append(ADDRESS, append_item(5))
+        assert failed.value.reason == reason and not produced
+        assert channel.takes_append(ADDRESS, append_item(5))
+        await channel.close()
+    asyncio.run(scenario())
+
+
+def test_large_appends_and_a_closed_channel_keep_to_produce():
+    async def scenario():
+        channel, _ = channel_for(Server(lambda request: None))
+        big = partition_pb2.ProduceItem(topic_partition=append_item(0).topic_partition,
+                                        record_batch=bytes(128 << 10))
+        assert not channel.takes_append(ADDRESS, big)
+        await channel.close()
+        assert not channel.takes_append(ADDRESS, append_item(6))
+    asyncio.run(scenario())
