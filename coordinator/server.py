@@ -1030,7 +1030,8 @@ async def install(runtime) -> list[str]:
                             config["coordinator.log_request_timeout_ms"] / 1000,
                             config["coordinator.marker_linger_ms"] / 1000)
     stager = StageChannel(routes, config["coordinator.stage_batch_max"],
-                          config["coordinator.log_request_timeout_ms"] / 1000, markers)
+                          config["coordinator.log_request_timeout_ms"] / 1000, markers,
+                          config["coordinator.stage_settle_turns"])
     coordinator = Coordinator(runtime.name, tc_partitions, routes, markers, producer_ids,
                               limits, settings, runtime.metadata, stager,
                               config["coordinator.one_call_max_bytes"])

@@ -158,11 +158,13 @@ class _Attempt:
 
 class StageChannel:
     def __init__(self, routes: PartitionRoutes, batch_max: int = 1_000,
-                 request_timeout_s: float = 5.0, markers: "MarkerChannel | None" = None):
+                 request_timeout_s: float = 5.0, markers: "MarkerChannel | None" = None,
+                 settle_turns: int = 0):
         self.routes = routes
         self.request_timeout_s = request_timeout_s
         self.markers = markers  # lingering markers ride with the calls (markers.py)
-        self._calls = PerDestination(self._send, what="staging", max_items=batch_max)
+        self._calls = PerDestination(self._send, what="staging", max_items=batch_max,
+                                     settle_turns=settle_turns)
         self._closed = False
         # Produce(address, items) -> results, raising AtomlogError: set by the AppendChannel
         # whose appends ride here (the way to a server that does not take them).

@@ -10,6 +10,12 @@ queued an item leaves at once. A call that fails answers every item of it with t
 failure (an AtomlogError; anything else becomes INTERNAL); a result that is an
 exception fails its item alone (items of different kinds sharing a call).
 
+With `settle_turns`, a sender whose call was answered while more is queued lets that
+many event-loop turns pass before the next call takes the queue: what the answers lead
+to in this process within those turns (a coordinator's decisions and markers, once a
+transaction's stages are answered) joins that call instead of waiting for the one after
+it. Turns, not time: with nothing queued the next item still leaves at once.
+
 Used by the coordinator's staging of one-call transactions and the TC-log appends riding
 with it (coordinator/staging.py), its other TC-log appends (coordinator/txn_log.py), and
 by the partition server's verifications (partition_server/verifier.py). Markers
@@ -31,8 +37,11 @@ T = TypeVar("T")
 class PerDestination(Generic[T]):
     def __init__(self, send: Callable[[str, list[T]], Awaitable[list]], *, what: str,
                  max_items: int = 1_000, max_bytes: int = 0,
-                 size: Callable[[T], int] | None = None):
-        """`max_bytes` (with `size`) also bounds a call: 0 means items only."""
+                 size: Callable[[T], int] | None = None, settle_turns: int = 0):
+        """`max_bytes` (with `size`) also bounds a call: 0 means items only.
+        `settle_turns`: event-loop turns to let pass after a call's answers, before the
+        next call takes what is queued."""
+        self.settle_turns = settle_turns
         self._send = send
         self.what = what
         self.max_items = max_items
@@ -108,6 +117,9 @@ class PerDestination(Generic[T]):
                         future.set_exception(result)
                     else:
                         future.set_result(result)
+            if queue:
+                for _ in range(self.settle_turns):
+                    await asyncio.sleep(0)
 
     async def close(self) -> None:
         tasks = list(self._senders.values())

@@ -621,6 +621,12 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("coordinator.stage_batch_max", int, 1_000, "Most transactions in one StageTxn "
                 "call to a partition server (what queues while one call is in flight leaves "
                 "in the next).", minimum=1, maximum=10_000),
+        Setting("coordinator.stage_settle_turns", int, 6, "Event-loop turns a partition "
+                "server's staging queue lets pass after a StageTxn call's answers, while "
+                "more is queued, before its next call leaves: the decisions and markers those "
+                "answers lead to reach the queue and ride in that call (coordinator/staging.py; "
+                "docs/benchmarks.md, the fifty-third session). 0 sends at once.",
+                minimum=0, maximum=64),
         Setting("coordinator.marker_batch_max", int, 10_000, "Most markers in one "
                 "EndTxnOnPartition call.", minimum=1, maximum=10_000),
         Setting("coordinator.marker_linger_ms", int, 50, "A marker of a one-call "

@@ -94,3 +94,43 @@ def test_an_address_with_nothing_left_to_send_is_forgotten():
         await batching.close()
 
     asyncio.run(scenario())
+
+
+def test_with_settle_turns_what_answers_lead_to_joins_the_next_call():
+    """Item 1's answer leads to item 3 a few event-loop turns later (as a staged
+    transaction's decision follows its stages' answers); item 2 was queued meanwhile.
+    With settle turns the next call waits those turns and carries both; without, it
+    leaves with item 2 alone and item 3 needs a call of its own. Either way one
+    `send` at a time, and every item answered."""
+    def calls_with(settle_turns: int) -> list[list[int]]:
+        calls: list[list[int]] = []
+
+        async def scenario():
+            gate = asyncio.Event()
+
+            async def send(_address: str, items: list[int]) -> list:
+                calls.append(list(items))
+                await gate.wait()
+                return items
+
+            batching = PerDestination(send, what="test", settle_turns=settle_turns)
+
+            async def then_three() -> int:
+                await batching.submit("a", 1)
+                for _ in range(3):  # the consequence takes a few turns to come
+                    await asyncio.sleep(0)
+                return await batching.submit("a", 3)
+
+            follow = asyncio.ensure_future(then_three())
+            while not calls:  # item 1's call is in flight
+                await asyncio.sleep(0)
+            second = batching.submit("a", 2)
+            gate.set()
+            assert [await second, await follow] == [2, 3]
+            await batching.close()
+
+        asyncio.run(scenario())
+        return calls
+
+    assert calls_with(0) == [[1], [2], [3]]
+    assert calls_with(6) == [[1], [2, 3]]
