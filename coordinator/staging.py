@@ -19,9 +19,12 @@ each subscription partition it acked), each server fencing the TC partition at t
 coordinator's epoch first.
 
 The TC logs' appends to a partition server ride in the same queue (`submit_append`,
-coordinator/txn_log.py AppendChannel): a decision whose log lives on a server that
-stages now leaves with the next staging call there, in StageTxnRequest.appends, and
-shares that server's write-ahead round, instead of a Produce call of its own beside it.
+coordinator/txn_log.py AppendChannel) while it is busy: a decision whose log lives on a
+server that stages now leaves with the next staging call there, in
+StageTxnRequest.appends, and shares that server's write-ahead round, instead of a
+Produce call of its own beside it. With `settle_turns`, that next call waits a few
+event-loop turns after the answers of the one before, so that the decisions those
+answers lead to join it.
 A server that does not know the field (an older one: it answers no `appends`) gets them
 by Produce, now and for NO_APPENDS_S after; their producer sequence makes a resend safe.
 
@@ -172,9 +175,15 @@ class StageChannel:
         self._no_appends: dict[str, float] = {}  # address -> until (time.monotonic())
 
     def takes_append(self, address: str, item: partition_pb2.ProduceItem) -> bool:
-        """Whether a TC-log append `item` to `address` (another process) may ride with
-        the staging calls there (`submit_append`)."""
-        if self._closed or self.produce is None or item.ByteSize() > APPEND_RIDER_MAX_BYTES:
+        """Whether a TC-log append `item` to `address` (another process) rides with the
+        staging calls there (`submit_append`): while a staging call to it is in flight
+        or parts wait for one. Else it goes by a Produce call at once, beside the
+        staging calls, as a lone commit's decision did before: sent as a staging call
+        of its own, it would hold the next transaction's parts to that server for a
+        round (measured, docs/benchmarks.md "The fifty-third session": riding always,
+        pipelined consume-transform-produce's commit p99 was 42-50 ms against 30-32)."""
+        if self._closed or self.produce is None or not self._calls.busy(address) or \
+                item.ByteSize() > APPEND_RIDER_MAX_BYTES:
             return False
         until = self._no_appends.get(address)
         if until is not None:

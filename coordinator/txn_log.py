@@ -24,11 +24,12 @@ Everything below the first chunk of a durable, complete snapshot can be deleted
 Appends of every TC partition of a process that go to the same partition server share
 calls (AppendChannel): one call in flight per server, and whatever TC partitions queue
 meanwhile leaves together in the next one — 16 TC partitions whose logs live on 3
-servers cost at most 3 calls at a time, however many transactions they decide. Those
-calls are the process's staging calls to that server (StageTxnRequest.appends,
-coordinator/staging.py): a decision leaves with the one-call transactions' parts queued
-for the same server, in one call and one write-ahead round there; snapshot chunks, and
-appends to a server that does not take them, go by Produce calls of their own. When the
+servers cost at most 3 calls at a time, however many transactions they decide. While
+the process's staging calls to that server are busy, an append rides with them instead
+(StageTxnRequest.appends, coordinator/staging.py): a decision leaves with the one-call
+transactions' parts queued for the same server, in one call and one write-ahead round
+there; otherwise (and for snapshot chunks, and a server that does not take them) it goes
+by a Produce call. When the
 partition server is this process (the combined server), an append is queued on its
 partition's owner at once instead (PartitionServicer.produce_here): appends of different
 TC partitions go to different owners anyway, whose fsyncs one event-loop turn submits
@@ -136,9 +137,8 @@ class AppendChannel:
     """Produce calls shared by the TC logs of a process, per partition server
     (services/batching.py): appends queued while a call to that server is in flight
     leave together in the next one. With a `stager` (the process's staging channel,
-    coordinator/staging.py) they ride in its queue instead, with the one-call
-    transactions' staging calls to the same server (StageTxnRequest.appends): one queue
-    and one call in flight per server for both."""
+    coordinator/staging.py) those to a server its staging calls are busy with ride in
+    its queue instead, with the one-call transactions' parts (StageTxnRequest.appends)."""
 
     def __init__(self, routes: PartitionRoutes, request_timeout_s: float = 5.0,
                  stager=None):
@@ -166,8 +166,8 @@ class AppendChannel:
 
     def submit(self, address: str, item: partition_pb2.ProduceItem) -> asyncio.Future:
         """`item` queued for the next call to `address` (another process) — a staging
-        call when the stager takes it, else a Produce call: the future of its
-        ProduceResult (failing with the call's AtomlogError)."""
+        call when the stager takes it (its calls there are busy), else a Produce call:
+        the future of its ProduceResult (failing with the call's AtomlogError)."""
         stager = self.stager
         if stager is not None and stager.takes_append(address, item):
             return stager.submit_append(address, item)

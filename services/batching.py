@@ -66,6 +66,12 @@ class PerDestination(Generic[T]):
                                                           name=f"{self.what}->{address}")
         return future
 
+    def busy(self, address: str) -> bool:
+        """Whether a call to `address` is in flight or items wait for one: what is
+        submitted now leaves with the next call (a rider), not in a call of its own."""
+        task = self._senders.get(address)
+        return task is not None and not task.done()
+
     def _take(self, queue: list) -> list:
         """The oldest queued entries that fit one call (at least one)."""
         count, size = 0, 0

@@ -803,43 +803,52 @@ def test_markers_riding_in_a_staging_call_are_applied_and_bad_ones_change_nothin
 
 def test_tc_log_appends_ride_with_staging_calls_and_go_by_produce_to_an_older_server(
         servers, client, failpoint_dir):
-    """A coordinator's TC-log appends (its decisions) to a partition server leave in its
-    StageTxn calls there (StageTxnRequest.appends, coordinator/staging.py) instead of
-    Produce calls of their own. A server that does not know the field (one from before
-    it: the stage_appends_unknown failpoint) ignores them, or refuses a call with
-    nothing else; the coordinator then sends them by Produce, and every transaction
-    still commits exactly once."""
-    topic = create_online(client, "oc-riding-appends", 2)
+    """A coordinator's TC-log appends (its decisions) to a partition server that its
+    staging calls are busy with leave in the next of those calls (StageTxnRequest
+    .appends, coordinator/staging.py) instead of Produce calls of their own: commits of
+    eight clients at once keep the staging calls busy. A server that does not know the
+    field (one from before it: the stage_appends_unknown failpoint) ignores them, or
+    refuses a call with nothing else; the coordinator then sends them by Produce, and
+    every transaction still commits exactly once."""
+    topic = create_online(client, "oc-riding-appends", 3)
+    clients, each = 8, 10
 
-    def run(prefix: bytes, count: int) -> list:
-        txns = []
-        with client.producer() as producer:
-            for i in range(count):
-                txn = client.begin_transaction(timeout_s=30)
-                for partition in range(2):
-                    producer.send(topic, prefix + b"%d-%d" % (i, partition),
-                                  partition=partition, txn=txn)
-                txn.commit()
-                txns.append(txn)
+    def run(prefix: bytes) -> list:
+        txns: list = []
+
+        def commits(worker: int) -> None:
+            with client.producer() as producer:
+                for i in range(each):
+                    txn = client.begin_transaction(timeout_s=30)
+                    for partition in range(3):
+                        producer.send(topic, prefix + b"%d-%d-%d" % (worker, i, partition),
+                                      partition=partition, txn=txn)
+                    txn.commit()
+                    txns.append(txn)
+        threads = [threading.Thread(target=commits, args=(w,)) for w in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert len(txns) == clients * each
         return txns
 
     riding = "atomlog_coordinator_riding_appends_total"
     not_taken = "atomlog_coordinator_riding_appends_not_taken_total"
     before = _metric_sum(servers, riding), _metric_sum(servers, not_taken)
-    txns = run(b"a", 20)
-    # Every decision of a cluster's coordinator goes to another process: each rides
-    # (those of one TC partition that queue together leave in one append).
-    assert _metric_sum(servers, riding) - before[0] >= 10
+    txns = run(b"a")
+    rode = _metric_sum(servers, riding) - before[0]
+    assert rode >= 5, rode
     assert _metric_sum(servers, not_taken) == before[1]
     with Armed(failpoint_dir, failpoints.STAGE_APPENDS_UNKNOWN):
-        txns += run(b"o", 20)
+        txns += run(b"o")
     assert _metric_sum(servers, not_taken) > before[1]
     wait_until(lambda: all(t.state() == "COMMITTED" for t in txns), 30,
                "every transaction to complete")
-    wait_until(lambda: settled(client, topic, 2), 30, "the markers")
+    wait_until(lambda: settled(client, topic, 3), 30, "the markers")
     assert sorted(committed_values(client, topic)) == sorted(
-        prefix + b"%d-%d" % (i, p) for prefix in (b"a", b"o") for i in range(20)
-        for p in range(2))
+        prefix + b"%d-%d-%d" % (w, i, p) for prefix in (b"a", b"o") for w in range(clients)
+        for i in range(each) for p in range(3))
 
 
 def test_appends_riding_in_a_staging_call_name_only_tc_logs(servers, client):

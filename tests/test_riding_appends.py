@@ -1,10 +1,11 @@
 """TC-log appends riding in the staging calls' queue (coordinator/staging.py, StageTxnRequest
-.appends): what a coordinator does with each shape of answer, with a stand-in for the
-partition server's stub (the real servers' side: tests/test_one_call.py, "ride with
-staging calls"). An append shares a call with the transactions' parts queued beside it;
-a server that answers no `appends` (one from before the field), or refuses a call of
-appends alone, gets them by Produce (and none for a while); a failure after which an
-append is retried fails the append alone, with no Produce."""
+.appends): when an append rides, and what a coordinator does with each shape of answer,
+with a stand-in for the partition server's stub (the real servers' side:
+tests/test_one_call.py, "ride with staging calls"). An append rides only while a staging
+call to its server is in flight or parts wait for one, and then shares the next call
+with the parts queued beside it; a server that answers no `appends` (one from before the
+field), or refuses a call of appends alone, gets them by Produce (and none for a while);
+a failure after which an append is retried fails the append with it, with no Produce."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ class Server:
 
     def stub(self, address: str):
         return self
+
+    async def refresh(self, force: bool = False) -> None:
+        pass
 
     async def StageTxn(self, request, timeout):  # noqa: N802 — the stub's method
         self.calls.append(request)
@@ -80,18 +84,45 @@ def stage_part(channel: StageChannel) -> asyncio.Task:
                                                asyncio.get_running_loop().time() + 10))
 
 
+async def part_queued(channel: StageChannel, server: Server) -> asyncio.Task:
+    """A transaction's part queued for ADDRESS (its staging call not sent yet)."""
+    sent = len(server.calls)
+    part = stage_part(channel)
+    while not channel._calls.busy(ADDRESS):
+        await asyncio.sleep(0)
+    assert len(server.calls) == sent
+    return part
+
+
+def both(request):
+    """A server's answer to parts and appends (the appends at offsets 40, 41, ...)."""
+    return partition_pb2.StageTxnResponse(
+        results=staged(request), appends=partition_pb2.ProduceResponse(
+            results=[appended(item, 40 + i) for i, item in enumerate(request.appends.items)]))
+
+
+def test_an_append_rides_only_while_its_server_has_staging_to_carry_it():
+    async def scenario():
+        server = Server(both)
+        channel, produced = channel_for(server)
+        assert not channel.takes_append(ADDRESS, append_item(1))  # nothing to ride with
+        part = await part_queued(channel, server)
+        assert channel.takes_append(ADDRESS, append_item(1))
+        assert not channel.takes_append("ps-1:1", append_item(1))  # another server: idle
+        await part
+        await asyncio.sleep(0)  # the sender's last step
+        assert not channel.takes_append(ADDRESS, append_item(1))
+        await channel.close()
+    asyncio.run(scenario())
+
+
 def test_an_append_and_a_part_queued_together_leave_in_one_call_answered_each():
-    def answer(request):
-        return partition_pb2.StageTxnResponse(
-            results=staged(request), appends=partition_pb2.ProduceResponse(
-                results=[appended(item, 40 + i) for i, item in enumerate(request.appends.items)]))
-    server = Server(answer)
+    server = Server(both)
 
     async def scenario():
         channel, produced = channel_for(server)
-        part = stage_part(channel)
+        part = await part_queued(channel, server)
         first, second = append_item(1), append_item(2)
-        assert channel.takes_append(ADDRESS, first)
         futures = [channel.submit_append(ADDRESS, first), channel.submit_append(ADDRESS, second)]
         results = await asyncio.gather(*futures)
         [staged_result] = await part
@@ -109,28 +140,61 @@ def test_appends_a_server_does_not_answer_go_by_produce_and_no_more_ride_there_f
 
     async def scenario():
         channel, produced = channel_for(server)
-        part = stage_part(channel)
+        part = await part_queued(channel, server)
         item = append_item(3)
         result = await channel.submit_append(ADDRESS, item)
         assert (await part)[0].base_offset == 7  # the part is answered as ever
         assert result.base_offset == 100 and produced == [(ADDRESS, [item])]
+        await part_queued(channel, server)
         assert not channel.takes_append(ADDRESS, item)
-        assert channel.takes_append("ps-1:1", item)  # another server is asked on its own
         channel._no_appends[ADDRESS] -= NO_APPENDS_S  # the while is over
         assert channel.takes_append(ADDRESS, item)
         await channel.close()
     asyncio.run(scenario())
 
 
+def in_turn(*answers):
+    """A server answering its calls with `answers` in turn (each a function of the
+    request), the first call held until `release` is set."""
+    release = asyncio.Event()
+    calls = iter(answers)
+
+    def answer(request):
+        return next(calls)(request)
+
+    async def held(request, timeout):
+        server.calls.append(request)
+        if len(server.calls) == 1:
+            await release.wait()
+        result = answer(request)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+    server = Server(answer)
+    server.StageTxn = held
+    return server, release
+
+
 def test_a_call_of_appends_alone_refused_whole_sends_them_by_produce():
-    server = Server(lambda request: AtomlogError("INVALID_ARGUMENT", "StageTxnRequest has no items"))
+    """The append queued behind a staging call in flight leaves alone in the next call,
+    which a server from before StageTxnRequest.appends refuses (no items)."""
+    server, release = in_turn(both, lambda request: AtomlogError(
+        "INVALID_ARGUMENT", "StageTxnRequest has no items"))
 
     async def scenario():
         channel, produced = channel_for(server)
+        part = await part_queued(channel, server)
+        while not server.calls:  # the part's call is in flight
+            await asyncio.sleep(0)
         item = append_item(4)
-        result = await channel.submit_append(ADDRESS, item)
+        assert channel.takes_append(ADDRESS, item)
+        appending = channel.submit_append(ADDRESS, item)
+        release.set()
+        await part
+        result = await appending
+        assert len(server.calls) == 2 and not server.calls[1].items
         assert result.base_offset == 100 and produced == [(ADDRESS, [item])]
-        assert not channel.takes_append(ADDRESS, item)
+        assert ADDRESS in channel._no_appends
         await channel.close()
     asyncio.run(scenario())
 
@@ -138,25 +202,32 @@ def test_a_call_of_appends_alone_refused_whole_sends_them_by_produce():
 @pytest.mark.parametrize("reason", ["SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT"])
 def test_a_call_failing_for_a_retried_reason_fails_its_appends_with_it(reason):
     """The append's own retry (TxnLog.append, the same batch) goes on from it; a Produce
-    now would only race that retry."""
-    server = Server(lambda request: AtomlogError(reason, "the call failed"))
+    now would only race that retry. The part is staged again (staging's own retry)."""
+    server, release = in_turn(lambda request: AtomlogError(reason, "the call failed"), both)
 
     async def scenario():
         channel, produced = channel_for(server)
+        part = await part_queued(channel, server)
+        appending = channel.submit_append(ADDRESS, append_item(5))
+        release.set()
         with pytest.raises(AtomlogError) as failed:
-            await channel.submit_append(ADDRESS, append_item(5))
+            await appending
         assert failed.value.reason == reason and not produced
-        assert channel.takes_append(ADDRESS, append_item(5))
+        assert (await part)[0].base_offset == 7
+        assert ADDRESS not in channel._no_appends
         await channel.close()
     asyncio.run(scenario())
 
 
 def test_large_appends_and_a_closed_channel_keep_to_produce():
     async def scenario():
-        channel, _ = channel_for(Server(lambda request: None))
+        server = Server(both)
+        channel, _ = channel_for(server)
+        part = await part_queued(channel, server)
         big = partition_pb2.ProduceItem(topic_partition=append_item(0).topic_partition,
                                         record_batch=bytes(128 << 10))
         assert not channel.takes_append(ADDRESS, big)
+        await part
         await channel.close()
         assert not channel.takes_append(ADDRESS, append_item(6))
     asyncio.run(scenario())
