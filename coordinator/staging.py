@@ -47,7 +47,6 @@ from atomlog.v1 import common_pb2, partition_pb2
 from coordinator.markers import MarkerChannel
 from coordinator.records import SubscriptionPartition, TopicPartition, TxnId
 from coordinator.routing import PartitionRoutes
-from coordinator.txn_log import RETRY_REASONS as APPEND_RETRY_REASONS
 from services import failpoints, local
 from services.backoff import Backoff
 from services.batching import PerDestination
@@ -88,11 +87,16 @@ RETRY_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                            "ZOOKEEPER_UNAVAILABLE"})
 ROUTING_REASONS = frozenset({"NOT_PARTITION_OWNER", "UNKNOWN_TOPIC_OR_PARTITION",
                              "SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT"})
+# A staging call that failed for one of these did not reach its server, or did not
+# come back in time: a Produce call now would meet the same, so the appends in it fail
+# with it (the TC log's writer retries the same batch). Any other failure of the whole
+# call sends them by Produce at once.
+UNREACHED_REASONS = frozenset({"SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN"})
 # Appends above this size (snapshot chunks) keep to Produce calls: a staging call stays
 # small (it has no bound of bytes of its own).
 APPEND_RIDER_MAX_BYTES = 64 << 10
-# A server that answered no `appends` (one that does not know the field) gets none for
-# this long.
+# A server that answered no `appends` (one that does not know the field), or failed a
+# call carrying them whole, gets none riding for this long.
 NO_APPENDS_S = 60.0
 # One resolve() asks for at most this long (retrying what fails for a retriable reason),
 # then answers None: the TC partition asks again at a later tick.
@@ -194,8 +198,8 @@ class StageChannel:
 
     def submit_append(self, address: str, item: partition_pb2.ProduceItem) -> asyncio.Future:
         """`item` queued for the next StageTxn call to `address`: the future of its
-        ProduceResult (failing with the call's AtomlogError when the call failed for a
-        reason after which an append is retried)."""
+        ProduceResult (failing with the call's AtomlogError when the call did not reach
+        the server or come back in time: UNREACHED_REASONS)."""
         return self._calls.submit(address, item)
 
     async def stage(self, txn_id: TxnId, epoch: int, batches, acks,
@@ -385,12 +389,12 @@ class StageChannel:
             if isinstance(error, grpc.RpcError):
                 error = from_rpc_error(error)
             if not appends or not isinstance(error, AtomlogError) or \
-                    error.reason in APPEND_RETRY_REASONS:
+                    error.reason in UNREACHED_REASONS:
                 raise error from None  # every entry fails with it (an append is retried)
-            # Refused whole (a bad part, or a server that takes no appends without
-            # items): the parts fail with it, the appends go by Produce, answered alone.
-            if error.reason in ("INVALID_ARGUMENT", "UNIMPLEMENTED"):
-                self._no_appends[address] = time.monotonic() + NO_APPENDS_S
+            # Refused whole (a bad part, a server that takes no appends without items, or
+            # one failing on them): the parts fail with it; the appends go by Produce now,
+            # answered on their own, and ride there no more for a while.
+            self._no_appends[address] = time.monotonic() + NO_APPENDS_S
             return _merged(group, [error] * len(parts), await self._by_produce(address, appends))
         if riders:
             if len(response.markers.results) == len(request.markers.markers):

@@ -5,7 +5,8 @@ tests/test_one_call.py, "ride with staging calls"). An append rides only while a
 call to its server is in flight or parts wait for one, and then shares the next call
 with the parts queued beside it; a server that answers no `appends` (one from before the
 field), or refuses a call of appends alone, gets them by Produce (and none for a while);
-a failure after which an append is retried fails the append with it, with no Produce."""
+a call that did not reach its server, or did not come back in time, fails its appends
+with it, with no Produce."""
 
 from __future__ import annotations
 
@@ -175,11 +176,13 @@ def in_turn(*answers):
     return server, release
 
 
-def test_a_call_of_appends_alone_refused_whole_sends_them_by_produce():
+@pytest.mark.parametrize("reason", ["INVALID_ARGUMENT", "INTERNAL"])
+def test_a_call_of_appends_alone_refused_whole_sends_them_by_produce(reason):
     """The append queued behind a staging call in flight leaves alone in the next call,
-    which a server from before StageTxnRequest.appends refuses (no items)."""
-    server, release = in_turn(both, lambda request: AtomlogError(
-        "INVALID_ARGUMENT", "StageTxnRequest has no items"))
+    which fails whole: refused by a server from before StageTxnRequest.appends (no
+    items), or failing on them (INTERNAL: a fault of its own would meet every retry that
+    rides again)."""
+    server, release = in_turn(both, lambda request: AtomlogError(reason, "refused"))
 
     async def scenario():
         channel, produced = channel_for(server)
@@ -199,10 +202,11 @@ def test_a_call_of_appends_alone_refused_whole_sends_them_by_produce():
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("reason", ["SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT"])
-def test_a_call_failing_for_a_retried_reason_fails_its_appends_with_it(reason):
+@pytest.mark.parametrize("reason", ["SERVER_UNAVAILABLE", "REQUEST_TIMED_OUT", "SHUTTING_DOWN"])
+def test_a_call_that_did_not_reach_its_server_fails_its_appends_with_it(reason):
     """The append's own retry (TxnLog.append, the same batch) goes on from it; a Produce
-    now would only race that retry. The part is staged again (staging's own retry)."""
+    to the same server now would meet the same. The part is staged again (staging's own
+    retry)."""
     server, release = in_turn(lambda request: AtomlogError(reason, "the call failed"), both)
 
     async def scenario():
