@@ -621,8 +621,8 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("coordinator.stage_batch_max", int, 1_000, "Most transactions in one StageTxn "
                 "call to a partition server (what queues while one call is in flight leaves "
                 "in the next).", minimum=1, maximum=10_000),
-        Setting("coordinator.stage_settle_turns", int, 6, "Event-loop turns a partition "
-                "server's staging queue lets pass after a StageTxn call's answers, while "
+        Setting("coordinator.stage_settle_turns", int, 6, "Event-loop turns the staging "
+                "queue to a partition server lets pass after a StageTxn call's answers, while "
                 "more is queued, before its next call leaves: the decisions and markers those "
                 "answers lead to reach the queue and ride in that call (coordinator/staging.py; "
                 "docs/benchmarks.md, the fifty-third session). 0 sends at once.",
