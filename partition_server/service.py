@@ -524,13 +524,18 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         list (Appended or an AtomlogError); or the refusal, with nothing queued (also for
         a partition not hosted here, and for a batch that would have to wait for its
         producer's turn: the caller appends through `produce_here` instead)."""
+        owner = self._route_now(tp)
+        if owner is None:
+            return AtomlogError("NOT_PARTITION_OWNER", f"{tp.topic}-{tp.partition} is not "
+                                "hosted here")
+        if isinstance(owner, AtomlogError):
+            return owner
+        return self._queue_produce_on(owner, batch)
+
+    def _queue_produce_on(self, owner: PartitionOwner,
+                          batch: bytes) -> asyncio.Future | AtomlogError:
+        """`queue_produce_here` once routed to `owner` (a StageTxn's riding appends too)."""
         try:
-            owner = self._route_now(tp)
-            if owner is None:
-                raise AtomlogError("NOT_PARTITION_OWNER", f"{tp.topic}-{tp.partition} is "
-                                   "not hosted here")
-            if isinstance(owner, AtomlogError):
-                raise owner
             header = validate_batch(batch, max_batch_bytes=self.max_batch_bytes)
             if header.is_control or header.is_transactional or \
                     header.producer_id in owner.produce_gates:
@@ -1315,10 +1320,11 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
             raise AtomlogError("UNIMPLEMENTED", "this server takes no transactional batches")
         riders = request.markers.markers
         appends = request.appends.items
-        if appends and failpoints.armed(failpoints.STAGE_APPENDS_UNKNOWN):
-            appends = ()  # as a server from before StageTxnRequest.appends, which
-            _require_items(request.items, "StageTxnRequest")  # took no call without items
-        if request.items or not (riders or appends):
+        # As a server from before StageTxnRequest.appends: ignored, and no call without items.
+        unknown = bool(appends) and failpoints.armed(failpoints.STAGE_APPENDS_UNKNOWN)
+        if unknown:
+            appends = ()
+        if request.items or unknown or not (riders or appends):
             _require_items(request.items, "StageTxnRequest")
         if riders:  # checked whole before anything is applied, as EndTxnOnPartition does
             _require_items(riders, "StageTxnRequest.markers")
@@ -1333,52 +1339,41 @@ class PartitionServicer(partition_pb2_grpc.PartitionServiceServicer):
         # fsync (coordinator/markers.py, coordinator/staging.py).
         work = []  # coroutines: the markers' and acks' answers, parts routed by awaiting
         queued: list[tuple[asyncio.Future, PartitionOwner, object]] = []
-        appended: list[tuple[asyncio.Future, PartitionOwner, int]] = []
         with written_in_step():  # the owners write in this step, not each in its task's
             self._stage_items(request, response, riders, epochs, work, queued)
             if appends:
-                work.extend(self._queue_appends(appends, response.appends.results, appended))
-        if queued or work or appended:
-            outcomes = await asyncio.gather(*(future for future, _, _ in queued),
-                                            *(future for future, _, _ in appended), *work,
+                work.extend(self._queue_appends(appends, response.appends.results, queued))
+        if queued or work:
+            outcomes = await asyncio.gather(*(future for future, _, _ in queued), *work,
                                             return_exceptions=True)
-            for outcome in outcomes[len(queued) + len(appended):]:
+            for outcome in outcomes[len(queued):]:
                 if isinstance(outcome, BaseException):
                     raise outcome
             for future, owner, entry in queued:
                 _staged_into(entry, owner, future)
-            results = response.appends.results
-            for future, owner, index in appended:
-                try:
-                    [outcome] = future.result()
-                except AtomlogError as error:  # the owner failed the write group
-                    outcome = error
-                results[index].CopyFrom(_produce_result(appends[index].topic_partition, owner,
-                                                        outcome))
         return response
 
-    def _queue_appends(self, appends, results, appended: list) -> list:
+    def _queue_appends(self, appends, results, queued: list) -> list:
         """StageTxn's riding TC-log appends: each one that Produce would queue at once
         (an idempotent batch of a partition hosted here whose producer waits for nothing)
-        queued on its owner in the caller's step, into `appended` as (future, owner, its
-        index); the others (and every refusal, so that it reads as Produce's) go through
-        Produce together: the coroutine returned, if any. A result entry per append is
-        added to `results`, in order."""
+        queued on its owner in the caller's step, into `queued` as (future, owner, its
+        result entry), as the staged batches are; the others (and every refusal, so that
+        it reads as Produce's) go through Produce together: the coroutine returned, if
+        any. A result entry per append is added to `results`, in order."""
         others: list[int] = []
         slow: set[tuple[str, int]] = set()  # partitions whose earlier append went by Produce
         for index, item in enumerate(appends):
             tp = item.topic_partition
-            results.add(topic_partition=tp, base_offset=-1, last_offset=-1)
+            entry = results.add(topic_partition=tp, base_offset=-1, last_offset=-1)
             owner = self._route_now(tp)
             future = None
-            if owner is not None and not isinstance(owner, AtomlogError) and \
-                    (tp.topic, tp.partition) not in slow:
-                future = self.queue_produce_here(tp, item.record_batch)
-            if future is None or isinstance(future, AtomlogError):
+            if isinstance(owner, PartitionOwner) and (tp.topic, tp.partition) not in slow:
+                future = self._queue_produce_on(owner, item.record_batch)
+            if not isinstance(future, asyncio.Future):
                 others.append(index)  # after it, the partition's appends keep its order
                 slow.add((tp.topic, tp.partition))
                 continue
-            appended.append((future, owner, index))
+            queued.append((future, owner, entry))
         if not others:
             return []
 
@@ -2065,7 +2060,8 @@ class MarkersHere:
 
 
 def _staged_into(entry, owner: PartitionOwner, future: asyncio.Future) -> None:
-    """A staged batch's settled owner future into its StageTxn result entry."""
+    """A staged batch's (or a riding append's) settled owner future into its StageTxn
+    result entry."""
     try:
         [outcome] = future.result()
     except AtomlogError as error:  # the owner failed the write group

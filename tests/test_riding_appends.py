@@ -25,10 +25,12 @@ ADDRESS = "ps-0:1"
 
 class Server:
     """A stand-in for one partition server's StageTxn (its stub and its routes): answers
-    each call with `answer(request)` (a response, or an exception to raise)."""
+    each call with `answer(request)` (a response, or an exception to raise); with
+    `release`, the first call waits for that event first."""
 
-    def __init__(self, answer):
+    def __init__(self, answer, release: asyncio.Event | None = None):
         self.answer = answer
+        self.release = release
         self.calls: list[partition_pb2.StageTxnRequest] = []
 
     async def owner(self, topic: str, partition: int) -> str:
@@ -42,6 +44,8 @@ class Server:
 
     async def StageTxn(self, request, timeout):  # noqa: N802 — the stub's method
         self.calls.append(request)
+        if self.release is not None and len(self.calls) == 1:
+            await self.release.wait()
         answer = self.answer(request)
         if isinstance(answer, BaseException):
             raise answer
@@ -159,21 +163,7 @@ def in_turn(*answers):
     request), the first call held until `release` is set."""
     release = asyncio.Event()
     calls = iter(answers)
-
-    def answer(request):
-        return next(calls)(request)
-
-    async def held(request, timeout):
-        server.calls.append(request)
-        if len(server.calls) == 1:
-            await release.wait()
-        result = answer(request)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-    server = Server(answer)
-    server.StageTxn = held
-    return server, release
+    return Server(lambda request: next(calls)(request), release), release
 
 
 @pytest.mark.parametrize("reason", ["INVALID_ARGUMENT", "INTERNAL"])
