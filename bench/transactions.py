@@ -135,7 +135,7 @@ RECORD = b"x" * 1024
 # ------------------------------------------------------------------ small transactions
 def small_client(address: str, index: int, seconds: float, start_at: float, out,
                  one_call_max_bytes: int = 1 << 20, links: bool = True,
-                 rate_per_s: float = 0.0, phase: float = 0.0) -> None:
+                 rate_per_s: float = 0.0, phase: float = 0.0, gather: bool = True) -> None:
     """One client process's loop of small transactions: back to back (closed loop), or
     with `rate_per_s` one beginning every 1/rate_per_s seconds (open loop), the first
     `phase` of an interval after the start (so that the clients do not begin together).
@@ -143,7 +143,8 @@ def small_client(address: str, index: int, seconds: float, start_at: float, out,
     fell behind its schedule is charged for the wait (no coordinated omission)."""
     from spark_client import Client
 
-    client = Client(address, one_call_max_bytes=one_call_max_bytes, links=links)
+    client = Client(address, one_call_max_bytes=one_call_max_bytes, links=links,
+                    gather_one_calls=gather)
     partitions = [(index * 4 + i) % PARTITIONS for i in range(4)]
     commits, totals, count = [], [], 0
     # A diagnostic: with ATOMLOG_BENCH_LATENCIES_OUT=FILE, each commit's end
@@ -276,7 +277,8 @@ def loop_steps_text(steps: dict, rows: int = 15) -> str:
 def small_transactions(report, address: str, clients: int, seconds: float,
                        one_call: bool = True, profile: Path | None = None,
                        links: bool = True, profile_worker: bool = False,
-                       rate_per_s: float = 0.0, profile_role: str | None = None) -> dict:
+                       rate_per_s: float = 0.0, profile_role: str | None = None,
+                       gather: bool = True) -> dict:
     """`clients` processes in a loop of small transactions (one-call ones, or with
     one_call False the streaming path: NewTxn, Produce, EndTxn) for `seconds`: back to
     back, or with `rate_per_s` an open loop of that many transactions a second in all
@@ -284,13 +286,13 @@ def small_transactions(report, address: str, clients: int, seconds: float,
     file (with `profile_worker` the first client process instead; with `profile_role`
     the first server of that role). Servers started
     after loop_steps_on() also count their event-loop steps over the window
-    ("loop_steps")."""
+    ("loop_steps"). `gather`: Client(gather_one_calls=...)."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_at = time.time() + 8 + clients * 0.5
     workers = [context.Process(target=small_client, args=(
         address, i, seconds, start_at, out, (1 << 20) if one_call else 0, links,
-        rate_per_s / clients, i / clients)) for i in range(clients)]
+        rate_per_s / clients, i / clients, gather)) for i in range(clients)]
     for worker in workers:
         worker.start()
     services = [p for p in report.cluster.processes if p.role != "zookeeper"]
@@ -1067,6 +1069,11 @@ def main() -> None:
                         help="with --only-small: the clients send their calls to "
                              "coordinators over gRPC (Client(links=False)), not on the "
                              "coordinators' links")
+    parser.add_argument("--spread-one-calls", action="store_true",
+                        help="with --only-small: the clients' one-call transactions go to "
+                             "the TC partitions their random keys hash to "
+                             "(Client(gather_one_calls=False)), not each coordinator's "
+                             "lowest")
     parser.add_argument("--only-stream", type=int, default=0, metavar="TURNS",
                         help="run only the three stream cells (idempotent, commit(), "
                              "commit_async()) TURNS times in rotating order and print each "
@@ -1180,7 +1187,8 @@ def main() -> None:
             small = small_transactions(report, address, args.clients, args.seconds,
                                        not args.streaming, args.profile,
                                        not args.no_client_links, args.profile_worker,
-                                       args.rate, args.profile_role)
+                                       args.rate, args.profile_role,
+                                       not args.spread_one_calls)
             steps = small.pop("loop_steps", None)
             print(f"small transactions: {json.dumps(small, indent=1)}", flush=True)
             if steps is not None:

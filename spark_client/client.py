@@ -29,7 +29,7 @@ class Client:
                  tune_allocator: bool = True, one_call_max_bytes: int = 1 << 20,
                  tls: TlsConfig | None = None, token: str | None = None,
                  token_file: str | None = None, commit_threads: int = 16,
-                 links: bool = True):
+                 links: bool = True, gather_one_calls: bool = True):
         """`tls`: reach a cluster that serves TLS (tls.enabled on the servers) —
         `TlsConfig(ca_file=...)` with the CA that signed the servers' certificates, plus
         `cert_file` and `key_file` when the servers require client certificates
@@ -67,6 +67,13 @@ class Client:
         calls; everything else, and every call whose link cannot be reached, goes over
         gRPC (spark_client/link.py). False: gRPC only.
 
+        `gather_one_calls`: a transaction from begin_transaction() with a timeout up to
+        60 s goes to the lowest TC partition of one of the coordinators (each in turn),
+        the same one for every client, so that under load its one-call commit shares
+        that TC partition's log appends with the others' (docs/coordinator.md,
+        "Gathered one-call commits"). False (and for longer timeouts): to the TC
+        partition its random key hashes to, spread over all of them.
+
         `tune_allocator`: keep buffers under 4 MiB on glibc's heap and return freed
         heap memory to the kernel only past 32 MiB (process-wide, services/allocator.py).
         Encoding and sending batches then costs about a quarter less CPU: by default glibc
@@ -92,6 +99,7 @@ class Client:
             raise ValueError("one_call_max_bytes must be >= 0 (0: no one-call transactions)")
         self.one_call_max_bytes = one_call_max_bytes
         self.commit_threads = commit_threads
+        self.gather_one_calls = gather_one_calls
         self._commit_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
 

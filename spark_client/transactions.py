@@ -2,7 +2,9 @@
 
 A transaction lives on one TC partition, chosen by hashing a random idempotency key
 (coordinator.proto's tc_partition_for), so a NewTxn retried after a lost reply finds the
-same transaction instead of opening a second one. Every coordinator call goes to the
+same transaction instead of opening a second one; a one-call transaction's key is made to
+hash to the lowest TC partition of a coordinator, where every client's one-call commits
+gather (Coordinators.gathering_tc_partition). Every coordinator call goes to the
 current owner of that TC partition (from the metadata cache) and is retried on the
 retriable answers — the lease moving (NOT_COORDINATOR), a TC partition loading
 (COORDINATOR_LOADING), CONCURRENT_TRANSACTIONS, a server unreachable — until the
@@ -116,7 +118,23 @@ _STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
                 for name, value in S.TxnState.items()}
 # Orders one-call commits of the same producers (see _in_turn).
 _TURNS = threading.Lock()
-_SUBMITS = threading.Lock()  # commit_async(): a turn and its place in the executor at once
+_SUBMITS = threading.Lock()
+# One-call transactions gather (Coordinators.gathering_tc_partition) only with a timeout
+# up to this: a gathered TC partition's finished transactions (transaction.max_finished,
+# 100,000) turn over faster, and a commit is retried with its key up to its timeout
+# (docs/coordinator.md, "Gathered one-call commits").
+GATHER_MAX_TIMEOUT_S = 60.0  # commit_async(): a turn and its place in the executor at once
+
+
+def gathering_tc_partitions(routes: dict[int, str]) -> list[int]:
+    """The TC partitions one-call commits gather on (Coordinators.gathering_tc_
+    partition): the lowest-numbered one each coordinator owns in `routes` (TC partition
+    -> its owner's address, "" for none), in ascending order."""
+    lowest: dict[str, int] = {}
+    for k, address in routes.items():
+        if address and (address not in lowest or k < lowest[address]):
+            lowest[address] = k
+    return sorted(lowest.values())
 
 
 class Coordinators:
@@ -136,6 +154,25 @@ class Coordinators:
         # again within a few seconds (docs/benchmarks.md, coordinator failover), and a
         # longer wait would add up to itself to what the caller sees.
         self._backoff = Backoff(initial_s=0.02, maximum_s=0.25)
+        self._gathering: tuple[dict | None, list[int]] = (None, [])
+        self._turns = itertools.count()  # next() is atomic: no lock needed
+
+    def gathering_tc_partition(self) -> int | None:
+        """Where a one-call transaction of a random key goes: the lowest TC partition of
+        one of the coordinators, each coordinator in turn (None before the metadata
+        names any owner). Every client picks the same partition of a coordinator, so
+        its one-call commits share that TC partition's appends (its decisions and
+        completions in one append while the last is under way) instead of each taking
+        an append of its own on one of its eight: docs/coordinator.md, "Gathered
+        one-call commits"."""
+        routes = self.client.metadata.tc_routes
+        gathering = self._gathering
+        if gathering[0] is not routes:  # the routes were refreshed (a new dict)
+            gathering = self._gathering = (routes, gathering_tc_partitions(routes))
+        partitions = gathering[1]
+        if not partitions:
+            return None
+        return partitions[next(self._turns) % len(partitions)]
 
     def tc_partition_count(self) -> int:
         metadata = self.client.metadata
@@ -349,6 +386,13 @@ class Transaction:
             self.tc_partition = tc_partition_for(key, count)
         elif tc_partition is not None:  # a session's TC partition
             self.tc_partition = tc_partition
+        elif lazy and timeout_s <= GATHER_MAX_TIMEOUT_S and client.gather_one_calls \
+                and client.one_call_max_bytes and (
+                gathered := self._coordinators.gathering_tc_partition()) is not None:
+            # A random key on the TC partition where its coordinator gathers the one-call
+            # commits of every client (Coordinators.gathering_tc_partition).
+            self.tc_partition = gathered
+            key = _key_for(gathered, count)
         else:  # a random key, and the TC partition it hashes to
             key = _KEYS.next()  # (_random_key(), a Python-level call less)
             self.tc_partition = tc_partition_for(key, count)
@@ -1445,9 +1489,17 @@ def _producer_types() -> tuple:
     return _PRODUCER_TYPES
 
 
+_SUFFIXES = [(c, c.encode()) for c in "0123456789abcdefghijklmnopqrstuvwxyz"
+             "ABCDEFGHIJKLMNOPQRSTUVWXYZ_-"]
+
+
 def _key_for(tc_partition: int, count: int) -> str:
-    """A random idempotency key that hashes to tc_partition (about `count` tries)."""
+    """A random idempotency key that hashes to tc_partition: a fresh key with one more
+    character, tried over 64 characters on the fresh key's CRC (about `count` tries of
+    one byte each; tc_partition_for, CRC32C, continued from it)."""
     while True:
-        key = _random_key()
-        if tc_partition_for(key, count) == tc_partition:
-            return key
+        base = _KEYS.next()
+        crc = crc32c.crc32c(base.encode())
+        for char, byte in _SUFFIXES:
+            if crc32c.crc32c(byte, crc) % count == tc_partition:
+                return base + char

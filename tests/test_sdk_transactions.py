@@ -59,12 +59,41 @@ def test_unknown_partition_and_timed_out_transaction(client):
     late.abort()  # aborting what the timeout aborted is not an error
 
 
-def test_transactions_spread_over_tc_partitions(client):
-    """Random keys spread over every TC partition there is: 16 on a cluster, 1 on a local
-    combined cluster (services.config.COMBINED_TC_PARTITIONS)."""
+def test_one_call_transactions_gather_on_each_coordinators_lowest_tc_partition(client):
+    """A transaction that may commit in one call goes to the lowest TC partition of each
+    coordinator in turn (2 coordinators on the cluster: both seen, nothing else); with
+    gather_one_calls off, or one-call transactions off, random keys spread over every
+    TC partition there is: 16 on a cluster, 1 on a local combined cluster
+    (services.config.COMBINED_TC_PARTITIONS). Either way each commits."""
     count = client.metadata.tc_partition_count
-    seen = {client.begin_transaction(timeout_s=5).tc_partition for _ in range(40)}
-    assert seen <= set(range(count)) and len(seen) >= min(8, count)
+    client.metadata.refresh()
+    routes = client.metadata.tc_routes
+    lowest = {min(k for k, owner in routes.items() if owner == address)
+              for address in set(routes.values()) if address}
+    gathered = {client.begin_transaction(timeout_s=5).tc_partition for _ in range(40)}
+    try:
+        client.gather_one_calls = False
+        spread = {client.begin_transaction(timeout_s=5).tc_partition for _ in range(40)}
+    finally:
+        client.gather_one_calls = True
+    assert spread <= set(range(count)) and len(spread) >= min(8, count)
+    if client.one_call_max_bytes:
+        assert gathered == lowest and len(lowest) == (2 if count > 1 else 1)
+    else:
+        assert len(gathered) >= min(8, count)
+    for _ in range(4):  # each coordinator's in turn, and each commits
+        with client.transaction(timeout_s=30) as txn:
+            txn.register_partitions([("sdk-txn", 2)])
+        assert txn.state() in ("COMMITTING", "COMMITTED")
+
+
+def test_gathering_tc_partitions_are_each_coordinators_lowest_in_order():
+    from spark_client.transactions import gathering_tc_partitions
+
+    assert gathering_tc_partitions({}) == []
+    assert gathering_tc_partitions({0: "", 1: ""}) == []
+    routes = {5: "b:1", 3: "a:1", 9: "a:1", 0: "", 2: "c:1", 7: "b:1", 4: "c:1"}
+    assert gathering_tc_partitions(routes) == [2, 3, 5]
 
 
 def _describe(txn):

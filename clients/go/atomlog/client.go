@@ -43,6 +43,11 @@ type Options struct {
 	// NoLinks sends every call over gRPC: none on the servers' links (WithoutLinks).
 	// Links are used only when DialOptions is empty (a link cannot apply dial options).
 	NoLinks bool
+	// SpreadOneCalls places each one-call transaction (NewOneCallTxn) on the TC partition
+	// its random key hashes to. By default those with a timeout up to 60 s gather on each
+	// coordinator's lowest TC partition, a coordinator in turn, where under load their
+	// commits share log appends (docs/coordinator.md, "Gathered one-call commits").
+	SpreadOneCalls bool
 }
 
 // Client is a connection to an atomlog cluster: one gRPC connection per server, a
@@ -60,6 +65,8 @@ type Client struct {
 	links  map[string]*serverLink // by the server's gRPC address
 	// linkCalls counts calls answered on the servers' links (tests).
 	linkCalls atomic.Int64
+	// oneCallTurns picks the coordinator of the next gathered one-call transaction.
+	oneCallTurns atomic.Uint64
 
 	metaMu      sync.Mutex
 	refreshMu   sync.Mutex // one refresh at a time

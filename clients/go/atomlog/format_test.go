@@ -99,6 +99,21 @@ func TestTCPartitionFor(t *testing.T) {
 	}
 }
 
+func TestGatheringTCPartitionsAreEachCoordinatorsLowest(t *testing.T) {
+	if got := gatheringTCPartitions(map[uint32]string{0: "", 1: ""}); len(got) != 0 {
+		t.Fatalf("no owners: %v", got)
+	}
+	routes := map[uint32]string{5: "b:1", 3: "a:1", 9: "a:1", 0: "", 2: "c:1", 7: "b:1", 4: "c:1"}
+	if got := fmt.Sprint(gatheringTCPartitions(routes)); got != "[2 3 5]" {
+		t.Fatalf("gathering partitions %s, want [2 3 5]", got)
+	}
+	for tc := uint32(0); tc < 16; tc++ {
+		if key := keyFor(tc, 16); TCPartitionFor(key, 16) != tc {
+			t.Fatalf("keyFor(%d) = %q hashes to %d", tc, key, TCPartitionFor(key, 16))
+		}
+	}
+}
+
 func sampleRecords() []Record {
 	base := time.UnixMilli(1_700_000_000_000)
 	return []Record{

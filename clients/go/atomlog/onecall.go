@@ -98,7 +98,53 @@ func (c *Client) newOneCall(ctx context.Context, opts OneCallOptions, session *p
 		records: map[TopicPartition][]Record{}, acks: map[subscriptionPartition]*ackItem{},
 		sticky: map[string]int32{}}
 	t.tc, t.key = placeTxn(session != nil, p, count)
+	if session == nil && !c.opts.SpreadOneCalls && opts.Timeout <= gatherMaxTimeout {
+		c.metaMu.Lock()
+		gathered := gatheringTCPartitions(c.tcRoutes)
+		c.metaMu.Unlock()
+		if len(gathered) > 0 {
+			t.tc = gathered[c.oneCallTurns.Add(1)%uint64(len(gathered))]
+			t.key = keyFor(t.tc, count)
+		}
+	}
 	return t, nil
+}
+
+// gatherMaxTimeout: only a one-call transaction with a timeout up to this gathers. A
+// gathered TC partition's finished transactions (transaction.max_finished) turn over
+// faster, and a commit is retried with its key up to its timeout.
+const gatherMaxTimeout = 60 * time.Second
+
+// gatheringTCPartitions are the TC partitions one-call transactions gather on: the
+// lowest-numbered one each coordinator owns in routes (TC partition -> owner's address,
+// "" for none), ascending. Every client picks the same partition of a coordinator, so its
+// one-call commits share that TC partition's log appends under load (docs/coordinator.md,
+// "Gathered one-call commits"); a transaction takes each coordinator's in turn.
+func gatheringTCPartitions(routes map[uint32]string) []uint32 {
+	lowest := map[string]uint32{}
+	for k, address := range routes {
+		if address == "" {
+			continue
+		}
+		if held, ok := lowest[address]; !ok || k < held {
+			lowest[address] = k
+		}
+	}
+	out := make([]uint32, 0, len(lowest))
+	for _, k := range lowest {
+		out = append(out, k)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
+	return out
+}
+
+// keyFor is a fresh random idempotency key that hashes to tc (TCPartitionFor).
+func keyFor(tc, count uint32) string {
+	for {
+		if key := randomKey(); TCPartitionFor(key, count) == tc {
+			return key
+		}
+	}
 }
 
 // Key is the transaction's idempotency key (what a retried CommitTxn names).
