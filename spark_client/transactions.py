@@ -118,12 +118,12 @@ _STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
                 for name, value in S.TxnState.items()}
 # Orders one-call commits of the same producers (see _in_turn).
 _TURNS = threading.Lock()
-_SUBMITS = threading.Lock()
+_SUBMITS = threading.Lock()  # commit_async(): a turn and its place in the executor at once
 # One-call transactions gather (Coordinators.gathering_tc_partition) only with a timeout
 # up to this: a gathered TC partition's finished transactions (transaction.max_finished,
 # 100,000) turn over faster, and a commit is retried with its key up to its timeout
 # (docs/coordinator.md, "Gathered one-call commits").
-GATHER_MAX_TIMEOUT_S = 60.0  # commit_async(): a turn and its place in the executor at once
+GATHER_MAX_TIMEOUT_S = 60.0
 
 
 def gathering_tc_partitions(routes: dict[int, str]) -> list[int]:
