@@ -178,6 +178,11 @@ def test_random_idempotency_keys_are_unique_hash_where_asked_and_differ_in_a_for
     assert len(set(keys)) == 1000 and all(k.startswith("sdk-") for k in keys)
     for k in range(16):
         assert tc_partition_for(_key_for(k, 16), 16) == k
+    # Keys made to hash somewhere and plain ones, interleaved, never meet (a key of
+    # _key_for once equalled a later plain one: a NewTxn then found that committed
+    # transaction instead of opening its own).
+    mixed = [_key_for(i % 16, 16) if i % 2 else _random_key() for i in range(20_000)]
+    assert len(set(mixed)) == len(mixed)
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # the child: its next key, to the parent
