@@ -1489,20 +1489,9 @@ def _producer_types() -> tuple:
     return _PRODUCER_TYPES
 
 
-# "." then one of 64 characters: no key of _KEYS.next() (a prefix and a hex counter) has a
-# ".", so no key made here equals one made there (a bare character would: the key of
-# counter 0x1 and "a" is the key of counter 0x1a).
-_SUFFIXES = [("." + c, ("." + c).encode()) for c in "0123456789abcdefghijklmnopqrstuvwxyz"
-             "ABCDEFGHIJKLMNOPQRSTUVWXYZ_-"]
-
-
 def _key_for(tc_partition: int, count: int) -> str:
-    """A random idempotency key that hashes to tc_partition: a fresh key with a suffix,
-    tried over 64 suffixes on the fresh key's CRC (about `count` tries of two bytes
-    each; tc_partition_for, CRC32C, continued from it)."""
+    """A random idempotency key that hashes to tc_partition (about `count` tries)."""
     while True:
-        base = _KEYS.next()
-        crc = crc32c.crc32c(base.encode())
-        for suffix, encoded in _SUFFIXES:
-            if crc32c.crc32c(encoded, crc) % count == tc_partition:
-                return base + suffix
+        key = _random_key()
+        if tc_partition_for(key, count) == tc_partition:
+            return key

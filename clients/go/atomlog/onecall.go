@@ -97,15 +97,17 @@ func (c *Client) newOneCall(ctx context.Context, opts OneCallOptions, session *p
 	t := &OneCallTxn{c: c, session: session, prod: p, opts: opts, began: time.Now(),
 		records: map[TopicPartition][]Record{}, acks: map[subscriptionPartition]*ackItem{},
 		sticky: map[string]int32{}}
-	t.tc, t.key = placeTxn(session != nil, p, count)
+	var gathered []uint32
 	if session == nil && !c.opts.SpreadOneCalls && opts.Timeout <= gatherMaxTimeout {
 		c.metaMu.Lock()
-		gathered := gatheringTCPartitions(c.tcRoutes)
+		gathered = gatheringTCPartitions(c.tcRoutes)
 		c.metaMu.Unlock()
-		if len(gathered) > 0 {
-			t.tc = gathered[c.oneCallTurns.Add(1)%uint64(len(gathered))]
-			t.key = keyFor(t.tc, count)
-		}
+	}
+	if len(gathered) > 0 {
+		t.tc = gathered[c.oneCallTurns.Add(1)%uint64(len(gathered))]
+		t.key = keyFor(t.tc, count)
+	} else {
+		t.tc, t.key = placeTxn(session != nil, p, count)
 	}
 	return t, nil
 }
