@@ -77,6 +77,9 @@ HAND_OVER_RETRY_S = 1.0
 FOLLOWER_RETRY_FIRST_S = 0.05
 FOLLOWER_RETRY_MAX_S = 1.0
 REPLICATE_MAX_BYTES = 4 << 20
+# A follower still reporting a log start below the one it was told hears it again this
+# long after (LeaderReplication._start_news).
+START_RETELL_MS = 1_000
 # One ReplicateMany answer: records and cursor state of all its partitions together (the
 # first partition with anything to send may pass it by its own first batch or snapshot).
 REPLICATE_MANY_MAX_BYTES = 8 << 20
@@ -149,9 +152,11 @@ class LeaderReplication:
         # Each follower's newest incarnation seen (docs/replication.md, "Incarnations"):
         # older ones are refused, and the positions recorded belong to this one.
         self._incarnations: dict[str, int] = {}
-        # The log start each follower was last told: a move past it (retention,
-        # DeleteRecords) is news even on an idle partition, so followers delete too.
-        self._told_start: dict[str, int] = {}
+        # The log start each follower was last told, and when (ms): a move past it
+        # (retention, DeleteRecords) is news even on an idle partition, so followers
+        # delete too; so is a follower still reporting an older start START_RETELL_MS
+        # after it was told (`_start_news`).
+        self._told_start: dict[str, tuple[int, int]] = {}
         # Each follower's log start as its last fetch reported it: DeleteRecords waits
         # for the in-sync ones to reach the leader's new start (`followers_deleted`).
         self._starts: dict[str, int] = {}
@@ -689,6 +694,7 @@ class LeaderReplication:
         for replica in replicas:
             self._asked.pop(replica, None)
             self._starts.pop(replica, None)
+            self._told_start.pop(replica, None)  # (a restarted one holds another log)
 
     def has_news(self, fetch: int, cursor_position: int, replica: str = "") -> bool:
         """Whether `replica`, a follower at `fetch` and `cursor_position`, has something to
@@ -699,9 +705,23 @@ class LeaderReplication:
                 or self._cursor_news(cursor_position) or self._start_news(replica))
 
     def _start_news(self, replica: str) -> bool:
+        """Whether `replica` must hear this leader's log start: it moved past what the
+        follower was last told, or the follower still reports an older start
+        START_RETELL_MS after it was told. An answer built is not an answer applied: the
+        call may break on the way, ReplicateMany may leave it out, the follower's copy
+        may fail; and once the partition is idle no records come to carry the start
+        again, so the follower kept the deleted segments and, elected, served them
+        again (a CI run of the wipe and reassign nemeses). A follower whose segments
+        cannot end exactly there is told again at that pace, no faster."""
         partition_log = self.owner.log if self.owner is not None else None
-        return partition_log is not None and \
-            partition_log.log_start_offset > self._told_start.get(replica, 0)
+        if partition_log is None:
+            return False
+        start = partition_log.log_start_offset
+        told = self._told_start.get(replica)
+        if told is None or start > told[0]:
+            return True
+        return (self._starts.get(replica, start) < start
+                and _now_ms() - told[1] >= START_RETELL_MS)
 
     def _throttled(self, replica: str) -> bool:
         """A new replica of a throttled reassignment, not in sync yet."""
@@ -761,7 +781,7 @@ class LeaderReplication:
                   for i, (e, s) in enumerate(entries)
                   if s < max(next_offset, fetch + 1)
                   and (i + 1 == len(entries) or entries[i + 1][1] > fetch)]
-        self._told_start[request.replica] = partition_log.log_start_offset
+        self._told_start[request.replica] = (partition_log.log_start_offset, _now_ms())
         response = partition_pb2.ReplicateResponse(
             high_watermark=self.high_watermark,
             log_start_offset=partition_log.log_start_offset,

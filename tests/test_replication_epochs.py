@@ -31,6 +31,7 @@ from partition_server.log import LogConfig
 from partition_server.owner import OwnerSettings, PartitionOwner, State
 from partition_server.partition_states import Versioned
 from partition_server.record_batch import Record, encode_batch, iter_batches, parse_header
+from partition_server import replica as replica_module
 from partition_server.replica import LeaderReplication
 from partition_server.replication import NOT_SYNCED, PartitionState
 from services.errors import AtomlogError
@@ -192,6 +193,58 @@ def test_a_follower_restarted_at_a_leaders_moved_log_start_copies_from_there(tmp
             copied = [h.base_offset for _, h in iter_batches(memoryview(answer.records))]
             assert copied == list(range(start, 8))
             assert [(e.epoch, e.start_offset) for e in answer.epochs] == [(1, start)]
+        finally:
+            await replication.close()
+            await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_follower_that_did_not_apply_the_leaders_log_start_hears_it_again(tmp_path,
+                                                                             monkeypatch):
+    """An answer built is not an answer applied (the call broke, ReplicateMany left it
+    out, the copy failed). The leader remembered the log start as told, and once the
+    partition was idle nothing carried it again: the follower kept the deleted segments
+    (diverged replicas in a CI chaos run). A follower still reporting an older start
+    hears it again START_RETELL_MS after, not sooner; one that applied it hears nothing;
+    a restarted one (another incarnation) is told afresh."""
+    monkeypatch.setattr(replica_module, "START_RETELL_MS", 200)
+
+    def at(offset: int, log_start: int, incarnation: int = 1):
+        req = request(offset, 1)
+        req.log_start_offset, req.replica_incarnation = log_start, incarnation
+        return req
+
+    async def scenario():
+        owner, replication = await leading(tmp_path / "t-0", Fsyncs(),
+                                           log_config=LogConfig(segment_bytes=200))
+        try:
+            await replication.replicate(fetch(0, 1), 0)
+            for i in range(8):  # a segment every two batches
+                produced = asyncio.ensure_future(owner.produce([batch(b"v%d" % i)]))
+                await wait_for(lambda: owner.log.log_end_offset == i + 1, "the append")
+                await replication.replicate(at(i + 1, 0), 0)
+                await asyncio.wait_for(produced, 10)
+            assert not replication.has_news(8, 0, "b")  # caught up, idle
+            start = await owner.delete_records(5)
+            assert start > 0
+            assert replication.has_news(8, 0, "b")
+            told = await replication.replicate(at(8, 0), 0)
+            assert told.log_start_offset == start and not told.records
+            # That answer never reached b: it asks the same again.
+            replication.begin_replicate(at(8, 0))
+            assert not replication.has_news(8, 0, "b")  # not at once: no busy loop
+            await asyncio.sleep(0.25)
+            assert replication.has_news(8, 0, "b")
+            again = await replication.replicate(at(8, 0), 0)
+            assert again.log_start_offset == start
+            # b applies it: quiet from then on.
+            replication.begin_replicate(at(8, start))
+            await asyncio.sleep(0.25)
+            assert not replication.has_news(8, 0, "b")
+            # b restarts (wiped) and copies again from the start: told afresh.
+            replication.begin_replicate(at(start, start, incarnation=2))
+            assert replication.has_news(start, 0, "b")
         finally:
             await replication.close()
             await owner.close()
