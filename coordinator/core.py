@@ -68,7 +68,16 @@ Retention of finished transactions: the last `max_finished` transactions to fini
 counts, session, idempotency key, kept/aborted children — not their partition lists. An
 older one is forgotten: calls about it get UNKNOWN_TRANSACTION, and its idempotency key is
 free again (a NewTxn with that key starts a NEW transaction, so max_finished must cover
-the replay window of idempotent writers such as Spark streaming).
+the replay window of idempotent writers such as Spark streaming). But never while its
+caller may still be retrying: not before `finished_grace_ms` past its deadline (a commit
+whose answer was lost is retried with its key until its timeout, then settled by an
+abort with the key, which must find it). Those held past max_finished are looked at
+again later (moved to the back of the order); at `max_finished_held` new transactions
+are refused with RESOURCE_EXHAUSTED until some are forgotten. Forgetting happens only
+as Completed records are applied, at their logged times, so a load forgets exactly what
+the live table did; at the hard bound a new transaction is admitted only when the first
+ones its completion will look at include one to forget (`_forgettable`), so the table
+stays within `max_finished_held` + `max_open`.
 
 Transactional ids: the shell routes each id to tc_partition_for(id) and serves
 InitProducerId through `init_producer_id`. When that needs a producer id (a new session,
@@ -81,6 +90,7 @@ from __future__ import annotations
 import argparse
 import enum
 import heapq
+import itertools
 import struct
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -192,8 +202,13 @@ class Limits:
     default_prepared_timeout_ms: int = 900_000
     max_prepared_timeout_ms: int = 3_600_000
     # Finished transactions remembered (re-commit answers, idempotency keys); the load
-    # benchmark (100,000 finished in well under 2 s) covers the default.
+    # benchmark (100,000 finished in well under 2 s) covers the default. One is forgotten
+    # only past both: among the last max_finished no more, and its caller's retries
+    # over (`finished_grace_ms` past its deadline). Those held past max_finished are
+    # bounded by max_finished_held: at it, new transactions are refused (fail closed).
     max_finished: int = 100_000
+    finished_grace_ms: int = 60_000
+    max_finished_held: int = 400_000
     # Transactional-id sessions, and their idle expiry (Kafka's
     # transactional.id.expiration.ms: 7 days).
     max_sessions: int = 10_000
@@ -217,7 +232,8 @@ class Limits:
             raise ValueError("transaction.max_partitions must fit a record (at most 65535)")
         for default, maximum in (("default_timeout_ms", "max_timeout_ms"),
                                  ("default_prepared_timeout_ms", "max_prepared_timeout_ms"),
-                                 ("default_list_limit", "max_list_limit")):
+                                 ("default_list_limit", "max_list_limit"),
+                                 ("max_finished", "max_finished_held")):
             if getattr(self, default) > getattr(self, maximum):
                 raise ValueError(f"{LIMIT_PREFIX}{default} exceeds {LIMIT_PREFIX}{maximum}")
         if max(self.max_timeout_ms, self.max_prepared_timeout_ms) > TIMEOUT_MS_MAX:
@@ -422,6 +438,7 @@ class CoreMetrics:
     concurrent_total: int
     duplicate_confirmations_total: int
     evicted_total: int
+    held_total: int
 
 
 # ---------------------------------------------------------------------------------------
@@ -674,7 +691,7 @@ class TcPartitionCore:
         self._counters = dict.fromkeys(
             ("decisions_total", "timeouts_total", "marker_resends_total", "exhausted_total",
              "fenced_total", "concurrent_total", "duplicate_confirmations_total",
-             "evicted_total"), 0)
+             "evicted_total", "held_total"), 0)
 
     # =================================================================== client inputs
 
@@ -710,7 +727,7 @@ class TcPartitionCore:
             self._check_parent(parent, now_ms)
         if session is not None:
             locks |= self._check_session_free(session, now_ms)
-        self._check_room()
+        self._check_room(now_ms)
         new_tps, new_subs, tp_results, sub_results = self._admit_targets(
             None, topic_partitions, subscription_partitions)
         self._check_unlocked(locks)
@@ -900,7 +917,7 @@ class TcPartitionCore:
         timeout_ms = self._resolve_timeout(timeout_ms, session, now_ms)
         if session is not None:
             self._check_unlocked(self._check_session_free(session, now_ms))
-        self._check_room()
+        self._check_room(now_ms)
         tps = tuple(dict.fromkeys(topic_partitions))
         subs = tuple(dict.fromkeys(subscription_partitions))
         if not tps and not subs:
@@ -1128,7 +1145,7 @@ class TcPartitionCore:
                          f"transaction {existing.txn_id}, which is {existing.state.name}: "
                          "end it with EndTxn", field="idempotency_key",
                          txn_id=existing.txn_id)
-        self._check_room()
+        self._check_room(now_ms)
         txn_id = self._next_txn_id()
         timeout_ms = self.limits.default_timeout_ms
         records = [Opened(txn_id, now_ms, timeout_ms, now_ms + timeout_ms, None, None,
@@ -1471,15 +1488,35 @@ class TcPartitionCore:
                          f"{idempotency_key!r} is being committed; retry shortly",
                          retry_after_ms=10)
 
-    def _check_room(self) -> None:
+    def _check_room(self, now_ms: int) -> None:
         """RESOURCE_EXHAUSTED when max_open transactions are unfinished (those being
-        opened and one-call ones being staged included)."""
+        opened and one-call ones being staged included), or when max_finished_held
+        finished ones are remembered because their callers may still retry: forgetting
+        one of those would answer a retried commit as a new transaction."""
         unfinished = len(self._unfinished) + self._pending_new_txns + len(self._one_calls)
         if unfinished >= self.limits.max_open:
             self._counters["exhausted_total"] += 1
             raise _limit_error("max_open", self.limits.max_open,
                                f"TC partition {self.tc_partition} has {unfinished} unfinished "
                                "transactions")
+        held = self.limits.max_finished_held
+        if len(self._finished) >= held and not self._forgettable(now_ms):
+            self._counters["exhausted_total"] += 1
+            raise _limit_error("max_finished_held", held,
+                               f"TC partition {self.tc_partition} remembers "
+                               f"{len(self._finished)} finished transactions whose "
+                               "callers may still retry them; retry later",
+                               retry_after_ms=1_000)
+
+    def _forgettable(self, now_ms: int) -> bool:
+        """Whether the next `_forget_finished` at `now_ms` or later forgets one: among
+        the first it looks at, one whose caller's retries are over. Changes nothing (a
+        refusal changes nothing; forgetting happens only as records are applied, so a
+        load forgets what the live table did): a transaction admitted at the bound
+        forgets one when it completes."""
+        grace = self.limits.finished_grace_ms
+        return any(_retried_until(entry) + grace <= now_ms
+                   for entry in itertools.islice(self._finished.values(), _FORGET_LOOKS))
 
     def _pop_pending(self, append_id: int) -> _Pending:
         if not self._pending or self._pending[0].append_id != append_id:
@@ -1525,7 +1562,8 @@ class TcPartitionCore:
             raise _error("UNKNOWN_TRANSACTION",
                          f"transaction {txn_id} is not known on TC partition "
                          f"{self.tc_partition} (never opened, or finished and forgotten "
-                         f"after the last {self.limits.max_finished} finished)",
+                         f"past the last {self.limits.max_finished} finished and its "
+                         "caller's retries)",
                          txn_id=txn_id)
         return txn
 
@@ -2006,8 +2044,8 @@ class TcPartitionCore:
             entry = self._sessions.get(txn.session.transactional_id)
             if entry is not None and entry.current_txn == txn.txn_id:
                 entry.last_active_ms = max(entry.last_active_ms, record.completed_ms)
-        while len(self._finished) > self.limits.max_finished:
-            self._evict(next(iter(self._finished)))
+        if len(self._finished) > self.limits.max_finished:
+            self._forget_finished(record.completed_ms)
 
     def _index_key(self, key: str, txn_id: TxnId) -> None:
         self._keys[key] = _key_row(key, txn_id.sequence)
@@ -2019,6 +2057,28 @@ class TcPartitionCore:
         """The sequence of the transaction `key` names, None if it names none."""
         row = self._keys.get(key)
         return None if row is None else _U64.unpack_from(row, len(row) - _U64.size)[0]
+
+    def _forget_finished(self, now_ms: int) -> None:
+        """Forget the oldest finished transactions past max_finished whose callers are
+        done retrying at `now_ms` (`_retried_until`); a held one goes to the back of the
+        order, to be looked at again after the others. At most _FORGET_LOOKS held ones
+        and _FORGET_MAX forgotten ones per call, so no call stalls the loop; those above
+        max_finished shrink by that many a completion."""
+        finished, grace = self._finished, self.limits.finished_grace_ms
+        excess = len(finished) - self.limits.max_finished
+        forgotten, looks, most_looks = 0, 0, min(_FORGET_LOOKS, len(finished))
+        while excess > 0 and forgotten < _FORGET_MAX and looks < most_looks:
+            sequence = next(iter(finished))
+            entry = finished[sequence]
+            if _retried_until(entry) + grace <= now_ms:
+                self._evict(sequence)
+                excess -= 1
+                forgotten += 1
+            else:
+                del finished[sequence]
+                finished[sequence] = entry  # (to the back: dicts keep insertion order)
+                looks += 1
+                self._counters["held_total"] += 1
 
     def _evict(self, sequence: int) -> None:
         txn = _decode_entry(self._finished.pop(sequence), 0, self.tc_partition)
@@ -2134,6 +2194,19 @@ _F_PARENT, _F_SESSION, _F_KEY, _F_CHILDREN, _F_KEPT, _F_ABORTED, _F_TARGETS, _F_
 _STATES = {state.value: state for state in State}
 _CAUSES = {cause.value: cause for cause in EndCause}
 _FINISHED_VALUES = frozenset(state.value for state in FINISHED)
+# Bounds of one `_forget_finished` call: held transactions moved back, ones forgotten.
+_FORGET_LOOKS = 8
+_FORGET_MAX = 256
+
+
+def _retried_until(entry: bytes) -> int:
+    """Until when (ms) a finished transaction's caller may still send calls about it:
+    its deadline (OPEN's timeout; a PREPARED one's, from when it was prepared), or when
+    it completed if later. Read from its snapshot entry's fixed part, undecoded."""
+    (_, _, _, _, _, _, deadline_ms, prepared_ms, prepared_timeout_ms, _, completed_ms,
+     _, _) = _SNAP_TXN.unpack_from(entry, _U32.size)
+    prepared_until = prepared_ms + prepared_timeout_ms if prepared_ms > 0 else 0
+    return max(deadline_ms, prepared_until, completed_ms)
 
 
 def _encode_entry(txn: Txn) -> bytes:

@@ -150,6 +150,11 @@ class CoreCollector(Collector):
             "exhausted_total": "Calls refused by a bound (RESOURCE_EXHAUSTED).",
             "fenced_total": "Calls refused with PRODUCER_FENCED.",
             "concurrent_total": "Calls refused with CONCURRENT_TRANSACTIONS.",
+            "evicted_total": "Finished transactions forgotten (past transaction.max_finished "
+                             "and their callers' retries).",
+            "held_total": "Times a finished transaction past transaction.max_finished was "
+                          "kept because its caller may still retry it (its deadline plus "
+                          "transaction.finished_grace_ms not reached).",
         }
         for name, text in counters.items():
             family = CounterMetricFamily(f"atomlog_coordinator_core_{name[:-6]}", text)

@@ -508,8 +508,18 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "task attempts of one write, speculative ones included).",
                 minimum=1, maximum=1_000_000),
         Setting("transaction.max_finished", int, 100_000, "Finished transactions remembered per "
-                "TC partition (re-commit answers, idempotency keys); older ones are forgotten.",
+                "TC partition (re-commit answers, idempotency keys); older ones are forgotten "
+                "once their callers' retries are over (transaction.finished_grace_ms).",
                 minimum=1, maximum=10_000_000),
+        Setting("transaction.finished_grace_ms", int, 60_000, "A finished transaction is "
+                "remembered at least this long past its deadline, however many finished after "
+                "it: its caller may still retry its commit, or settle it with an abort, by "
+                "its idempotency key.", minimum=1, maximum=86_400_000),
+        Setting("transaction.max_finished_held", int, 400_000, "Finished transactions a TC "
+                "partition may remember in all, those held for their callers' retries "
+                "included; at it, new transactions fail with RESOURCE_EXHAUSTED until some "
+                "are forgotten (at least transaction.max_finished).",
+                minimum=1, maximum=40_000_000),
         Setting("transaction.max_sessions", int, 10_000, "Transactional-id sessions per TC "
                 "partition.", minimum=1, maximum=10_000_000),
         Setting("transaction.session_expiry_ms", int, 604_800_000, "A session with no "

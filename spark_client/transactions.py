@@ -120,8 +120,9 @@ _STATE_NAMES = {value: name.removeprefix("TXN_STATE_")
 _TURNS = threading.Lock()
 _SUBMITS = threading.Lock()  # commit_async(): a turn and its place in the executor at once
 # One-call transactions gather (Coordinators.gathering_tc_partition) only with a timeout
-# up to this: a gathered TC partition's finished transactions (transaction.max_finished,
-# 100,000) turn over faster, and a commit is retried with its key up to its timeout
+# up to this: a gathered TC partition holds its coordinator's one-call commits alone, and
+# each finished one is remembered until its deadline + transaction.finished_grace_ms, so
+# longer ones would fill it (transaction.max_finished_held) at a lower rate
 # (docs/coordinator.md, "Gathered one-call commits").
 GATHER_MAX_TIMEOUT_S = 60.0
 

@@ -60,8 +60,9 @@ COMMIT, ABORT = Decision.COMMIT, Decision.ABORT
 MACHINE_LIMITS = Limits(
     max_open=6, max_partitions=3, max_children=2, default_timeout_ms=1_000,
     max_timeout_ms=5_000, default_prepared_timeout_ms=3_000, max_prepared_timeout_ms=6_000,
-    max_finished=5, max_sessions=3, session_expiry_ms=20_000, marker_retry_ms=100,
-    max_decisions_per_tick=2, max_markers_per_tick=3)
+    max_finished=3, finished_grace_ms=2_000, max_finished_held=5, max_sessions=3,
+    session_expiry_ms=20_000, marker_retry_ms=100, max_decisions_per_tick=2,
+    max_markers_per_tick=3)
 TARGETS = (TopicPartition("t", 0), TopicPartition("t", 1), TopicPartition("u", 0),
            SubscriptionPartition("t", 0, "s"))
 TRANSACTIONAL_IDS = ("a", "b", "c", "d")  # one more than max_sessions
@@ -89,6 +90,9 @@ class LogModel:
         self.children: dict[TxnId, list[TxnId]] = {}
         self.decided: dict[TxnId, Decision] = {}
         self.completed: set[TxnId] = set()
+        # Until when each transaction's caller may still retry (its deadline, a reset
+        # one, its prepared deadline, its completion): it is not forgotten before.
+        self.retried_until: dict[TxnId, int] = {}
         self.last_sequence = 0
 
     def record(self, record) -> None:
@@ -98,6 +102,7 @@ class LogModel:
             assert record.txn_id not in self.opened, "opened twice"
             self.last_sequence = max(self.last_sequence, record.txn_id.sequence)
             self.opened[record.txn_id] = record
+            self.retried_until[record.txn_id] = record.deadline_ms
             self.targets[record.txn_id] = {*record.topic_partitions,
                                            *record.subscription_partitions}
             self.children[record.txn_id] = []
@@ -120,8 +125,15 @@ class LogModel:
             assert record.txn_id not in self.completed
             assert all(c in self.completed for c in self.children[record.txn_id])
             self.completed.add(record.txn_id)
+            self.retried_until[record.txn_id] = max(self.retried_until[record.txn_id],
+                                                    record.completed_ms)
         elif isinstance(record, (Prepared, DeadlineReset)):
             assert record.txn_id not in self.decided
+            if isinstance(record, DeadlineReset):
+                self.retried_until[record.txn_id] = record.deadline_ms
+            else:
+                self.retried_until[record.txn_id] = max(self.retried_until[record.txn_id],
+                                                        record.prepared_deadline_ms)
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
@@ -179,7 +191,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         try:
             ready = call()
         except AtomlogError as error:
-            event(f"refused {caller}: {error.reason}")
+            limit = error.metadata.get("limit")
+            event(f"refused {caller}: {error.reason}" + (f" ({limit})" if limit else ""))
             assert error.reason in REFUSALS, error
             if predicted is not None:
                 assert error.reason in predicted, (error, predicted)
@@ -672,10 +685,20 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert answer.state is (State.OPEN if staging else State.ABORTED), (txn_id, answer)
 
     @invariant()
+    def nothing_is_forgotten_while_its_caller_may_retry(self):
+        grace = MACHINE_LIMITS.finished_grace_ms
+        for txn_id in self.model.completed:
+            if self.model.retried_until[txn_id] + grace > self.now_ms:
+                assert not self.forgotten(txn_id), (txn_id, self.now_ms)
+
+    @invariant()
     def bounds_hold(self):
         metrics = self.core.metrics
         assert metrics.unfinished_transactions <= MACHINE_LIMITS.max_open
-        assert metrics.finished_transactions <= MACHINE_LIMITS.max_finished
+        # Past max_finished only those whose callers may still retry, and at most
+        # max_finished_held (+ those admitted at it, unfinished then).
+        assert metrics.finished_transactions <= (MACHINE_LIMITS.max_finished_held
+                                                 + MACHINE_LIMITS.max_open)
         assert metrics.pending_appends == len(self.in_flight)
         for summary in self.core.list_transactions(self.now_ms).transactions:
             assert summary.topic_partition_count + summary.subscription_partition_count \
@@ -1156,19 +1179,61 @@ def test_the_finished_table_and_key_index_hold_nothing_the_collector_scans() -> 
 
 
 def test_a_forgotten_transaction_takes_its_idempotency_key_along() -> None:
-    core = TcPartitionCore(TC, Limits(max_finished=1))
+    limits = Limits(max_finished=1)
+    core = TcPartitionCore(TC, limits)
     keyed = core.new_txn(NOW, idempotency_key="q/7")
     settle(core, keyed)
     settle(core, core.end_txn(NOW, keyed.reply.txn_id, COMMIT))
     assert core.new_txn(NOW, idempotency_key="q/7").reply.existing
     other = core.new_txn(NOW)
     settle(core, other)
-    settle(core, core.end_txn(NOW, other.reply.txn_id, ABORT))  # forgets the keyed one
-    assert core.metrics.evicted_total == 1
-    restored, _ = TcPartitionCore.restore(core.snapshot(), TC, Limits(max_finished=1))
+    settle(core, core.end_txn(NOW, other.reply.txn_id, ABORT))
+    # Past max_finished, but its caller may still retry it (a commit whose answer was
+    # lost is retried with its key until its timeout): held, its key with it.
+    assert core.metrics.evicted_total == 0 and core.metrics.held_total == 2
+    assert core.new_txn(NOW, idempotency_key="q/7").reply.existing
+    # Its deadline and the grace after it passed: the next completion forgets both.
+    later = NOW + limits.default_timeout_ms + limits.finished_grace_ms
+    third = core.new_txn(later)
+    settle(core, third, later)
+    settle(core, core.end_txn(later, third.reply.txn_id, ABORT), later)
+    assert core.metrics.evicted_total == 2
+    assert core.metrics.finished_transactions == 1
+    restored, _ = TcPartitionCore.restore(core.snapshot(), TC, limits)
     for table in (core, restored):
-        again = table.new_txn(NOW, idempotency_key="q/7")
-        assert not again.reply.existing and again.reply.txn_id.sequence == 3
+        again = table.new_txn(later, idempotency_key="q/7")
+        assert not again.reply.existing and again.reply.txn_id.sequence == 4
+
+
+def test_at_max_finished_held_new_transactions_wait_for_retries_to_end() -> None:
+    """Fail closed: a TC partition holding max_finished_held finished transactions
+    whose callers may still retry refuses new ones (changing nothing) rather than
+    forget a key a retried commit would then find free; once the first of them are past
+    their retries it admits one, whose completion forgets them."""
+    limits = Limits(max_finished=2, max_finished_held=3, finished_grace_ms=1_000)
+    core = TcPartitionCore(TC, limits)
+    for index in range(3):
+        txn = core.new_txn(NOW + index, idempotency_key=f"k/{index}")
+        settle(core, txn, NOW + index)
+        settle(core, core.end_txn(NOW + index, txn.reply.txn_id, COMMIT), NOW + index)
+    assert core.metrics.finished_transactions == 3 and core.metrics.evicted_total == 0
+    before = core.snapshot()
+    with pytest.raises(AtomlogError) as refused:
+        core.new_txn(NOW + 10)
+    assert refused.value.reason == "RESOURCE_EXHAUSTED"
+    assert "max_finished_held" in str(refused.value)
+    assert core.snapshot() == before  # nothing changed
+    # A retried commit still finds its transaction.
+    assert core.new_txn(NOW + 10, idempotency_key="k/0").reply.existing
+    # The first one's retries are over: admitted, and its completion forgets.
+    due = NOW + limits.default_timeout_ms + limits.finished_grace_ms
+    with pytest.raises(AtomlogError):
+        core.new_txn(due - 1)
+    admitted = core.new_txn(due)
+    settle(core, admitted, due)
+    settle(core, core.end_txn(due, admitted.reply.txn_id, ABORT), due)
+    assert core.metrics.evicted_total == 1 and core.metrics.finished_transactions == 3
+    assert not core.new_txn(due + 1, idempotency_key="k/0").reply.existing  # (k/1: due + 1)
 
 
 def test_limits_are_validated() -> None:
@@ -1357,14 +1422,14 @@ def test_a_snapshot_of_another_tc_partition_is_refused() -> None:
 
 def finished_log(count: int) -> list:
     log = []
-    for sequence in range(1, count + 1):
-        txn_id = TxnId(TC, sequence)
-        log.append(Opened(txn_id, NOW + sequence, 60_000, NOW + 60_000 + sequence,
+    for sequence in range(1, count + 1):  # one every 10 ms: 1,000 s of them
+        txn_id, at = TxnId(TC, sequence), NOW + 10 * sequence
+        log.append(Opened(txn_id, at, 60_000, at + 60_000,
                           idempotency_key=f"query-{sequence % 997}/batch-{sequence}",
                           topic_partitions=(TopicPartition("orders", sequence % 12),
                                             TopicPartition("audit", 0))))
-        log.append(Decided(txn_id, COMMIT, EndCause.CLIENT, NOW + sequence + 1))
-        log.append(Completed(txn_id, COMMIT, NOW + sequence + 2))
+        log.append(Decided(txn_id, COMMIT, EndCause.CLIENT, at + 1))
+        log.append(Completed(txn_id, COMMIT, at + 2))
     return log
 
 

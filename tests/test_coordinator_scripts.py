@@ -689,10 +689,21 @@ def script_bounds() -> Shell:
     s.settle()
     s.confirm_all()
     s.settle()
-    s.note("four finished; only the last two to finish are remembered")
+    s.note("four finished, two more than max_finished; but their callers may still retry "
+           "them (until their deadline + finished_grace_ms), so all four are remembered")
     for sequence in range(1, 5):
         s.status(txn(sequence))
     s.call("end_txn", txn(1), ABORT)
+    s.call("end_txn", txn(3), ABORT)
+    s.advance(121_000)
+    s.call("new_txn")
+    s.settle()
+    s.call("end_txn", txn(5), ABORT)
+    s.settle()
+    s.note("their retries over (60 s timeouts, 60 s grace), the next completion forgets all "
+           "but the last two to finish")
+    for sequence in range(1, 6):
+        s.status(txn(sequence))
     s.call("end_txn", txn(3), ABORT)
     return s
 
