@@ -16,6 +16,16 @@ coordinator is on it) or a failure leaves the transaction alone until the next r
 Transactions opened through NewTxn are looked up too (their coordinator aborts them at
 their timeout; a lost marker is re-sent): the lookup is cheap and it catches every way
 a transaction could be left behind. At most `max_per_round` questions per round.
+
+A transaction whose TC partition changed coordinators since it was first seen open (its
+coordinator epoch rose: this server watches `/tc/<k>`) is looked up at the next round
+instead of after `check_after`: the coordinator that staged it is gone, so nothing will
+decide it but its successor, which answers ABORTED for a one-call transaction it finds
+nowhere in its log. A coordinator killed between staging and deciding then holds its
+partitions' max read position (and read_committed readers) for its successor's takeover
+plus a round, not `check_after` (10 s). Once the successor answers about it (it knows
+it: OPEN, COMMITTING, ABORTING), it waits `check_after` like any other again; a refusal
+(still loading, moved again) leaves it due the next round.
 """
 
 from __future__ import annotations
@@ -42,20 +52,23 @@ CHECKS = Counter("atomlog_partition_txn_checks_total",
                  "Old open transactions looked up at their coordinator, by answer.", ["answer"])
 
 ABORTED = coordinator_pb2.TXN_STATE_ABORTED
+# Answers of a coordinator that knows the transaction (it will decide it, or has).
+KNOWN = frozenset(("OPEN", "PREPARED", "COMMITTING", "ABORTING", "COMMITTED"))
 
 
 def due_lookups(first_seen: dict, asked: dict, found, now: float, check_after_s: float,
-                max_per_round: int) -> tuple[dict, dict, list]:
+                max_per_round: int, moved=frozenset()) -> tuple[dict, dict, list]:
     """(when each open transaction in `found` was first seen, kept from `first_seen` or
     `now`; when each was last looked up, `asked` with this round's lookups at `now`; the
-    ones this round looks up). Due are those open for `check_after_s` or more; at most
+    ones this round looks up). Due are those open for `check_after_s` or more, and those
+    in `moved` (their coordinator changed since they were first seen); at most
     `max_per_round` of them are looked up, those never asked first, then those asked
     longest ago. So a transaction is looked up within a bounded number of rounds however
     many others stay open and due (before, the same first `max_per_round` were asked
     every round, and one behind them never was). Transactions no longer open are
     forgotten."""
     seen = {key: first_seen.get(key, now) for key in found}
-    due = [key for key, first in seen.items() if now - first >= check_after_s]
+    due = [key for key, first in seen.items() if now - first >= check_after_s or key in moved]
     if len(due) > max_per_round:
         never = float("-inf")
         due.sort(key=lambda key: asked.get(key, never))  # (stable: ties keep their order)
@@ -96,6 +109,10 @@ class TxnChecker:
         # last looked up (monotonic)
         self._first_seen: dict[tuple, float] = {}
         self._asked: dict[tuple, float] = {}
+        # -> its TC partition's coordinator epoch when first seen (or when its current
+        # coordinator last answered about it): a higher one now means a successor
+        # (`moved_keys`)
+        self._seen_epoch: dict[tuple, int] = {}
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -131,12 +148,31 @@ class TxnChecker:
                     found[(owner.topic, owner.partition, name, txn)] = owner
         return found
 
+    def _epoch(self, txn) -> int:
+        return self.verifier.epochs.current(txn[0])
+
+    def _moved_keys(self, found: dict) -> set[tuple]:
+        """The open transactions in `found` whose TC partition's coordinator epoch rose
+        since they were first seen (remembering the epoch of those seen for the first
+        time, forgetting those no longer open)."""
+        seen_epoch, moved = {}, set()
+        for key in found:
+            current = self._epoch(key[3])
+            before = self._seen_epoch.get(key, current)
+            seen_epoch[key] = before
+            if current > before:
+                moved.add(key)
+        self._seen_epoch = seen_epoch
+        return moved
+
     async def check_once(self) -> int:
         """One round; returns how many transactions it aborted."""
         now = time.monotonic()
         found = self._open_now()
+        moved = self._moved_keys(found)
         self._first_seen, self._asked, due = due_lookups(
-            self._first_seen, self._asked, found, now, self.check_after_s, self.max_per_round)
+            self._first_seen, self._asked, found, now, self.check_after_s, self.max_per_round,
+            moved)
         if not due:
             return 0
         outcomes = await asyncio.gather(*(self._check(key, found[key]) for key in due))
@@ -152,6 +188,9 @@ class TxnChecker:
         label, epoch = lookup_outcome(answer)
         CHECKS.labels(label).inc()
         if epoch is None:
+            if label in KNOWN and key in self._seen_epoch:
+                # Its coordinator (a successor, perhaps) knows it: check_after from now.
+                self._seen_epoch[key] = self._epoch(txn)
             return False
         try:
             if subscription is None:
@@ -168,6 +207,7 @@ class TxnChecker:
             return False
         self._first_seen.pop(key, None)
         self._asked.pop(key, None)
+        self._seen_epoch.pop(key, None)
         PRESUMED_ABORTS.labels("data" if subscription is None else "acks").inc()
         event(log, "transaction unknown to its coordinator aborted here (presumed abort)",
               partition=owner.name, subscription=subscription or "",

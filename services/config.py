@@ -365,7 +365,9 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
                 "open on a partition (data or pending acks) for this long is looked up at its "
                 "coordinator; one the coordinator does not know (a one-call transaction that "
                 "never committed) is aborted here. Keep it above a one-call transaction's "
-                "staging time.", minimum=100, maximum=3_600_000),
+                "staging time. One whose TC partition changed coordinators since it was "
+                "first seen is looked up at the next round.", minimum=100,
+                maximum=3_600_000),
         Setting("replication.max_lag_ms", int, 10_000, "A follower that has not caught up "
                 "with its leader for this long leaves the in-sync replicas (a follower whose "
                 "server is gone from ZooKeeper leaves at once).", minimum=100, maximum=600_000),

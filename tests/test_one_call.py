@@ -218,6 +218,30 @@ def killed_between_staging_and_decision_commits_once(client, topic: str, failpoi
         assert client.describe_partition(topic, partition).aborted_transaction_count == 1
 
 
+@pytest.fixture(scope="module")
+def late_checks(tmp_path_factory, failpoint_dir):
+    """A cluster whose partition servers look an open transaction up only after 120 s
+    (every 200 ms a round), unless its coordinator changed."""
+    yield from failpoint_cluster(tmp_path_factory.mktemp("atomlog-late-checks"), failpoint_dir,
+                                 "--set", "partition.txn_check_after_ms=120000",
+                                 "--set", "partition.txn_check_interval_ms=200",
+                                 "--set", "coordinator.parallel_commits=off")
+
+
+def test_a_dead_coordinators_staged_transaction_is_aborted_once_a_successor_takes_over(
+        late_checks, failpoint_dir):
+    """The same kill between staging and deciding, with lookups 120 s after a transaction
+    was first seen: its partitions ask the successor as soon as the TC partition's
+    coordinator epoch rises, so they settle within seconds of the takeover (before, they
+    held the staged transaction, their max read position and read_committed readers for
+    `partition.txn_check_after_ms`, 10 s by default)."""
+    with Client(late_checks.info["bootstrap"], request_timeout_s=10) as client:
+        killed_between_staging_and_decision_commits_once(
+            client, create_online(client, "oc-successor", 2), failpoint_dir,
+            lambda held, staged: kill_and_restart(
+                late_checks, coordinator_of(late_checks, staged[0]), held))
+
+
 def test_a_failed_commit_of_a_dead_coordinator_leaves_nothing_hanging(servers, client,
                                                                       failpoint_dir):
     """Same kill, but the client gives up before the coordinator is back: nothing of the

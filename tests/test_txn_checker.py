@@ -12,7 +12,7 @@ import pytest
 from kazoo.exceptions import ConnectionLoss, SessionExpiredError
 
 from atomlog.v1 import coordinator_pb2
-from partition_server.txn_checker import due_lookups, lookup_outcome
+from partition_server.txn_checker import TxnChecker, due_lookups, lookup_outcome
 from services.errors import AtomlogError
 
 
@@ -53,6 +53,44 @@ def test_every_due_transaction_is_looked_up_however_many_stay_open():
         now, rounds = now + 1.0, rounds + 1
         assert rounds < 20
     assert rounds <= 10 + 1000 // 300  # its check_after_s, then a turn of the others
+
+
+def test_a_transaction_whose_coordinator_changed_is_looked_up_at_once():
+    """Its coordinator's successor is the only one left to decide it: asked at the next
+    round, not after check_after_s (a one-call transaction whose coordinator died between
+    staging and deciding held its partitions for 10 s)."""
+    a, b = ("t", 0, None, (1, 1)), ("t", 0, None, (2, 1))
+    seen, asked, due = due_lookups({}, {}, {a: None, b: None}, now=100.0, check_after_s=10,
+                                   max_per_round=100)
+    assert due == []
+    seen, asked, due = due_lookups(seen, asked, {a: None, b: None}, now=101.0,
+                                   check_after_s=10, max_per_round=100, moved={a})
+    assert due == [a] and asked == {a: 101.0}
+
+
+class _Epochs:
+    def __init__(self):
+        self.epochs: dict[int, int] = {}
+
+    def current(self, tc_partition: int) -> int:
+        return self.epochs.get(tc_partition, 0)
+
+
+def test_the_checker_finds_the_transactions_whose_coordinator_changed_and_forgets_them():
+    """TxnChecker._moved_keys: a rise of a TC partition's epoch after a transaction was
+    first seen marks it; one first seen after the rise is not; one that ended is
+    forgotten."""
+    verifier = type("Verifier", (), {})()
+    verifier.epochs = _Epochs()
+    checker = TxnChecker(manager=None, verifier=verifier, check_after_ms=10_000,
+                         interval_ms=1_000)
+    a, b = ("t", 0, None, (1, 1)), ("t", 1, "s", (2, 1))
+    assert checker._moved_keys({a: None, b: None}) == set()
+    verifier.epochs.epochs[1] = 3
+    c = ("t", 0, None, (1, 2))  # first seen after the rise
+    assert checker._moved_keys({a: None, b: None, c: None}) == {a}
+    assert checker._moved_keys({b: None, c: None}) == set()
+    assert set(checker._seen_epoch) == {b, c}
 
 
 @pytest.mark.parametrize("blip", [SessionExpiredError(), ConnectionLoss()])
