@@ -113,8 +113,9 @@ func (c *Client) newOneCall(ctx context.Context, opts OneCallOptions, session *p
 }
 
 // gatherMaxTimeout: only a one-call transaction with a timeout up to this gathers. A
-// gathered TC partition's finished transactions (transaction.max_finished) turn over
-// faster, and a commit is retried with its key up to its timeout.
+// gathered TC partition holds its coordinator's one-call commits alone, and each finished
+// one is remembered until its deadline + transaction.finished_grace_ms, so longer ones
+// would fill it (transaction.max_finished_held) at a lower rate.
 const gatherMaxTimeout = 60 * time.Second
 
 // gatheringTCPartitions are the TC partitions one-call transactions gather on: the
