@@ -154,6 +154,19 @@ def transactions() -> dict:
                               "one-call commits whose Staging record and stages went at once. With "
                               "`auto` a coordinator makes them only once 16 commits in a row began "
                               "there with no other in flight; the commits in flight are what it reads."),
+            panel("Finished transactions remembered",
+                  (f"sum by (instance_name) (atomlog_coordinator_finished_transactions{{{NS}}})",
+                   "{{instance_name}}"),
+                  description="Per coordinator, over its TC partitions. Each keeps the last "
+                              "transaction.max_finished to finish, and every one whose caller may "
+                              "still retry it (its deadline + transaction.finished_grace_ms); at "
+                              "transaction.max_finished_held a TC partition refuses new transactions "
+                              "(RESOURCE_EXHAUSTED above). docs/coordinator.md, \"Retention of "
+                              "finished transactions\"."),
+            panel("Finished transactions forgotten, and held for retries",
+                  (rate("atomlog_coordinator_core_evicted_total"), "forgotten"),
+                  (rate("atomlog_coordinator_core_held_total"), "kept past max_finished (looks)"),
+                  unit="ops"),
         ]),
         ("Latency", [
             panel("EndTxn latency", (quantile(0.5, "atomlog_coordinator_end_txn_duration_seconds",
