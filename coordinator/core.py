@@ -72,7 +72,8 @@ the replay window of idempotent writers such as Spark streaming). But never whil
 caller may still be retrying: not before `finished_grace_ms` past its deadline (a commit
 whose answer was lost is retried with its key until its timeout, then settled by an
 abort with the key, which must find it). Those held past max_finished are looked at
-again later (moved to the back of the order); at `max_finished_held` new transactions
+again later (one outliving the newest moves to the back of the order, so a long timeout
+holds back none behind it); at `max_finished_held` new transactions
 are refused with RESOURCE_EXHAUSTED until some are forgotten. Forgetting happens only
 as Completed records are applied, at their logged times, so a load forgets exactly what
 the live table did; at the hard bound a new transaction is admitted only when the first
@@ -1509,14 +1510,23 @@ class TcPartitionCore:
                                retry_after_ms=1_000)
 
     def _forgettable(self, now_ms: int) -> bool:
-        """Whether the next `_forget_finished` at `now_ms` or later forgets one: among
-        the first it looks at, one whose caller's retries are over. Changes nothing (a
+        """Whether the next `_forget_finished` at `now_ms` or later forgets one: the walk
+        it would make finds one whose caller's retries are over. Changes nothing (a
         refusal changes nothing; forgetting happens only as records are applied, so a
         load forgets what the live table did): a transaction admitted at the bound
         forgets one when it completes."""
-        grace = self.limits.finished_grace_ms
-        return any(_retried_until(entry) + grace <= now_ms
-                   for entry in itertools.islice(self._finished.values(), _FORGET_LOOKS))
+        finished, grace = self._finished, self.limits.finished_grace_ms
+        if not finished:
+            return False
+        newest = _retried_until(finished[next(reversed(finished))]) + grace
+        for entry in itertools.islice(finished.values(), _FORGET_LOOKS):
+            until = _retried_until(entry) + grace
+            if until <= now_ms:
+                return True
+            if until <= newest:
+                return False
+            newest = until  # (moved back, behind the newest)
+        return False
 
     def _pop_pending(self, append_id: int) -> _Pending:
         if not self._pending or self._pending[0].append_id != append_id:
@@ -2060,9 +2070,11 @@ class TcPartitionCore:
 
     def _forget_finished(self, now_ms: int) -> None:
         """Forget the oldest finished transactions past max_finished whose callers are
-        done retrying at `now_ms` (`_retried_until`); a held one goes to the back of the
-        order, to be looked at again after the others. At most _FORGET_LOOKS held ones
-        and _FORGET_MAX forgotten ones per call, so no call stalls the loop; those above
+        done retrying at `now_ms` (`_retried_until`). A held one that outlives the newest
+        (a long timeout among short ones) moves to the back, so it holds back none behind
+        it and the order stays about that of their ends; any other held one stops the
+        call (those behind it end later). At most _FORGET_LOOKS moved back and
+        _FORGET_MAX forgotten per call, so no call stalls the loop; those above
         max_finished shrink by that many a completion."""
         finished, grace = self._finished, self.limits.finished_grace_ms
         excess = len(finished) - self.limits.max_finished
@@ -2070,15 +2082,18 @@ class TcPartitionCore:
         while excess > 0 and forgotten < _FORGET_MAX and looks < most_looks:
             sequence = next(iter(finished))
             entry = finished[sequence]
-            if _retried_until(entry) + grace <= now_ms:
+            until = _retried_until(entry) + grace
+            if until <= now_ms:
                 self._evict(sequence)
                 excess -= 1
                 forgotten += 1
-            else:
-                del finished[sequence]
-                finished[sequence] = entry  # (to the back: dicts keep insertion order)
-                looks += 1
-                self._counters["held_total"] += 1
+                continue
+            self._counters["held_total"] += 1
+            if until <= _retried_until(finished[next(reversed(finished))]) + grace:
+                return
+            del finished[sequence]
+            finished[sequence] = entry  # (to the back: dicts keep insertion order)
+            looks += 1
 
     def _evict(self, sequence: int) -> None:
         txn = _decode_entry(self._finished.pop(sequence), 0, self.tc_partition)

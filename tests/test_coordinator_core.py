@@ -1190,7 +1190,7 @@ def test_a_forgotten_transaction_takes_its_idempotency_key_along() -> None:
     settle(core, core.end_txn(NOW, other.reply.txn_id, ABORT))
     # Past max_finished, but its caller may still retry it (a commit whose answer was
     # lost is retried with its key until its timeout): held, its key with it.
-    assert core.metrics.evicted_total == 0 and core.metrics.held_total == 2
+    assert core.metrics.evicted_total == 0 and core.metrics.held_total == 1
     assert core.new_txn(NOW, idempotency_key="q/7").reply.existing
     # Its deadline and the grace after it passed: the next completion forgets both.
     later = NOW + limits.default_timeout_ms + limits.finished_grace_ms
@@ -1203,6 +1203,32 @@ def test_a_forgotten_transaction_takes_its_idempotency_key_along() -> None:
     for table in (core, restored):
         again = table.new_txn(later, idempotency_key="q/7")
         assert not again.reply.existing and again.reply.txn_id.sequence == 4
+
+
+def test_a_long_timeout_does_not_hold_back_the_short_ones_finished_after_it() -> None:
+    """Finished transactions are looked at oldest first; one held that outlives the
+    newest (a 15-minute timeout among one-second ones) moves to the back instead of
+    holding every one behind it until its own end."""
+    limits = Limits(max_finished=1, finished_grace_ms=1_000)
+    core = TcPartitionCore(TC, limits)
+
+    def finish(at: int, timeout_ms: int = 1_000):
+        txn = core.new_txn(at, timeout_ms=timeout_ms)
+        settle(core, txn, at)
+        settle(core, core.end_txn(at, txn.reply.txn_id, ABORT), at)
+        return txn.reply.txn_id
+
+    long = finish(NOW, timeout_ms=900_000)
+    short = finish(NOW + 1)
+    later = NOW + 10_000  # the short one's retries are over, the long one's are not
+    newest = finish(later)
+    assert core.metrics.evicted_total == 1
+    assert core.status(long, later).state is State.ABORTED
+    with pytest.raises(AtomlogError, match="UNKNOWN_TRANSACTION"):
+        core.status(short, later)
+    assert list(core._finished) == [newest.sequence, long.sequence]  # moved back
+    restored, _ = TcPartitionCore.restore(core.snapshot(), TC, limits)
+    assert list(restored._finished) == list(core._finished)
 
 
 def test_at_max_finished_held_new_transactions_wait_for_retries_to_end() -> None:
