@@ -23,9 +23,9 @@ instead of after `check_after`: the coordinator that staged it is gone, so nothi
 decide it but its successor, which answers ABORTED for a one-call transaction it finds
 nowhere in its log. A coordinator killed between staging and deciding then holds its
 partitions' max read position (and read_committed readers) for its successor's takeover
-plus a round, not `check_after` (10 s). Once the successor answers about it (it knows
-it: OPEN, COMMITTING, ABORTING), it waits `check_after` like any other again; a refusal
-(still loading, moved again) leaves it due the next round.
+plus a round, not `check_after` (10 s). Once the successor answers that it knows it
+(OPEN, COMMITTING, ...), it is due only as any other is (open for `check_after`); a
+refusal (still loading, moved again) leaves it due the next round.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class TxnChecker:
         CHECKS.labels(label).inc()
         if epoch is None:
             if label in KNOWN and key in self._seen_epoch:
-                # Its coordinator (a successor, perhaps) knows it: check_after from now.
+                # Its coordinator (a successor, perhaps) knows it: no longer due for the move.
                 self._seen_epoch[key] = self._epoch(txn)
             return False
         try:
