@@ -60,7 +60,14 @@ SETTINGS = {"zookeeper.session_timeout_ms": str(SESSION_TIMEOUT_MS),
             # corrupt nemesis leaves unread, and never call a whole copy damaged while
             # kills, cuts, wipes and full disks move the logs under it.
             "partition.scrub_interval_ms": "2000",
-            "partition.scrub_bytes_per_s": str(32 << 20)}
+            "partition.scrub_bytes_per_s": str(32 << 20),
+            # Coordinators forget finished transactions all run long (a few hundred past
+            # their callers' retries: 5 s timeouts, 10 s grace), snapshots and loads
+            # included: a key forgotten while its commit may still be retried, or
+            # settled by abort(), would show as a commit applied twice or an abort
+            # reported for a commit.
+            "transaction.max_finished": "200",
+            "transaction.finished_grace_ms": "10000"}
 CORRUPT_KINDS = ("leader, read", "follower, scrubbed", "leader, scrubbed")
 TXN_TIMEOUT_S = 5.0
 ACK_TIMEOUT_S = 5.0
