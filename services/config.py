@@ -705,7 +705,8 @@ def _batch_fits_message(config: "Config") -> str | None:
 def _timeouts_ordered(config: "Config") -> str | None:
     for default, maximum in (("default_timeout_ms", "max_timeout_ms"),
                              ("default_prepared_timeout_ms", "max_prepared_timeout_ms"),
-                             ("default_list_limit", "max_list_limit")):
+                             ("default_list_limit", "max_list_limit"),
+                             ("max_finished", "max_finished_held")):
         low, high = config[f"transaction.{default}"], config[f"transaction.{maximum}"]
         if low > high:
             return f"transaction.{default} ({low}) exceeds transaction.{maximum} ({high})"

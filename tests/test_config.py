@@ -65,6 +65,8 @@ def test_every_problem_is_reported_at_once():
     ("coordinator", {"transaction.default_timeout_ms": 120_000,
                      "transaction.max_timeout_ms": 60_000}, "exceeds transaction.max_timeout_ms"),
     ("coordinator", {"transaction.default_prepared_timeout_ms": 1_000}, "must be at least"),
+    ("coordinator", {"transaction.max_finished": 500_000},
+     "exceeds transaction.max_finished_held"),
     ("partition_server", {}, "server.data_dir is required"),
     # The active segment counts: at or below it, the file refused every write for good
     # (no write to roll it, and the active segment is never deleted).
