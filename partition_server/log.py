@@ -1571,8 +1571,9 @@ class PartitionLog:
     def _write_recovery_point_locked(self, *, sync: bool, offset: int | None = None,
                                      clean: dict | None = None) -> None:
         value = self._durable_offset if offset is None else offset
-        if failpoints.armed(failpoints.RECOVERY_POINT_WRITE):
-            raise OSError(errno.ENOSPC, "failpoint recovery_point_write: no space left")
+        refused = failpoints.recovery_point_refusal()
+        if refused is not None:
+            raise refused
         record = {"offset": value} if clean is None else {"offset": value, CLEAN_SHUTDOWN_KEY: clean}
         _atomic_write(self.directory / RECOVERY_POINT_FILE, json.dumps(record).encode(),
                       sync=sync, dir_fd=self._dir_fd if sync else None)

@@ -13,6 +13,9 @@ harness arms and disarms it from outside without talking to the process:
              every write of a partition log's recovery point raises ENOSPC, as on a full
              disk (whose preallocated write-ahead segments still take rounds): the
              partition fails closed and reloads, and its reload retries until disarmed.
+             A number in the file: the milliseconds each write first takes (at most
+             1,000), as on a slow disk, so a test can have it fail while the next
+             write-ahead round is under way.
     fsync_slow
              every fsync (and syncfs round) first sleeps the milliseconds written in the
              file (5 when it is empty), as a slow or network-attached disk does: for
@@ -130,18 +133,36 @@ def slow_disk_seconds() -> float:
     """How long a sync waits first while fsync_slow is armed (its file holds the
     milliseconds; empty or unreadable: FSYNC_SLOW_DEFAULT_MS; at most 1 s); 0 when not
     armed. An event loop waits it with call_later instead of sleeping."""
+    return armed_seconds(FSYNC_SLOW, FSYNC_SLOW_DEFAULT_MS) or 0.0
+
+
+def armed_seconds(name: str, default_ms: float) -> float | None:
+    """The seconds written (as milliseconds) in the file of the failpoint `name`
+    (empty or unreadable: `default_ms`; at most 1 s), or None when it is not armed."""
     if _DIRECTORY is None:
-        return 0.0
+        return None
     try:
-        with open(os.path.join(_DIRECTORY, FSYNC_SLOW)) as armed_file:
+        with open(os.path.join(_DIRECTORY, name)) as armed_file:
             text = armed_file.read().strip()
     except OSError:
-        return 0.0  # not armed
+        return None  # not armed
     try:
-        delay_ms = float(text) if text else FSYNC_SLOW_DEFAULT_MS
+        delay_ms = float(text) if text else default_ms
     except ValueError:
-        delay_ms = FSYNC_SLOW_DEFAULT_MS
+        delay_ms = default_ms
     return max(0.0, min(delay_ms, 1_000.0)) / 1000
+
+
+def recovery_point_refusal() -> OSError | None:
+    """The OSError(ENOSPC) a recovery-point write fails with while recovery_point_write
+    is armed, after first waiting the milliseconds its file holds (none when it is
+    empty), else None."""
+    delay_s = armed_seconds(RECOVERY_POINT_WRITE, 0.0)
+    if delay_s is None:
+        return None
+    if delay_s:
+        time.sleep(delay_s)
+    return OSError(errno.ENOSPC, "failpoint recovery_point_write: no space left")
 
 
 async def hold(name: str) -> None:

@@ -321,10 +321,16 @@ def test_a_full_disk_reloads_partitions_under_one_call_commits_and_splits_none(
         wait_until(lambda: len(committers.acked) >= 30, 30, "commits before the failure")
         # In bursts: each partition fails closed at its first recovery-point write, and
         # (one round) the lane's write is above its high watermark then or not, as the
-        # timing has it; a burst more, until one is (at most ten).
+        # timing has it; a burst more, until one is (at most ten). The disk is slow
+        # meanwhile (30 ms a sync, 20 ms before a recovery-point write fails), so most
+        # failures come while the next write-ahead round is under way: without that, a
+        # loaded machine (CI) saw none in ten bursts.
         for burst in range(10):
             reloads = logged().count("reloading")
-            with Armed(failpoint_dir, failpoints.RECOVERY_POINT_WRITE):
+            (failpoint_dir / failpoints.FSYNC_SLOW).write_text("30")
+            (failpoint_dir / failpoints.RECOVERY_POINT_WRITE).write_text("20")
+            with Armed(failpoint_dir, failpoints.FSYNC_SLOW), \
+                    Armed(failpoint_dir, failpoints.RECOVERY_POINT_WRITE):
                 wait_until(lambda: logged().count("reloading") > reloads, 30,
                            "a partition to fail closed")
                 time.sleep(0.3)
