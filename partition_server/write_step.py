@@ -30,7 +30,7 @@ from partition_server.txn_buffer import MarkerAction
 from services.errors import AtomlogError
 
 
-@dataclass
+@dataclass(slots=True)
 class Appended:
     base_offset: int
     last_offset: int

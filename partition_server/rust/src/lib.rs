@@ -412,8 +412,8 @@ fn verify_crc(
     // Of a given header, only what Python's verify_crc reads: its size and CRC.
     let given: Option<(i64, u32)> = match header {
         Some(header) if !header.is_none() => Some((
-            header.getattr("batch_length")?.extract::<i64>()? + LENGTH_FIELD_END,
-            header.getattr("crc")?.extract()?,
+            header.getattr(pyo3::intern!(py, "batch_length"))?.extract::<i64>()? + LENGTH_FIELD_END,
+            header.getattr(pyo3::intern!(py, "crc"))?.extract()?,
         )),
         _ => None,
     };

@@ -168,7 +168,7 @@ impl TxnGuard {
             Some((_, entry)) => entry.clone_ref(py),
             None => return Ok(None),
         };
-        let token = entry.bind(py).getattr("token")?;
+        let token = entry.bind(py).getattr(pyo3::intern!(py, "token"))?;
         if !self.allows_key(key, &token)? {
             self.uncache(key);
             return Ok(None);
