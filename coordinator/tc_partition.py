@@ -557,8 +557,9 @@ class TcPartition:
             self._queue.extendleft(reversed(group))
             self._wake.set()
             return
-        self._in_flight = (group, entries, time.perf_counter(), future)
-        future.add_done_callback(self._appended_here)
+        bounded = _answered_within(future, self.settings.log_request_timeout_ms / 1000)
+        self._in_flight = (group, entries, time.perf_counter(), bounded)
+        bounded.add_done_callback(self._appended_here)
 
     def _appended_here(self, future: asyncio.Future) -> None:
         group, entries, started, _ = self._in_flight
@@ -780,6 +781,41 @@ class TcPartition:
         except AtomlogError as error:  # best effort: the next snapshot tries again
             event(log, "TC log trim failed", tc_partition=self.tc_partition,
                   reason=error.reason, detail=error.message)
+
+
+def _answered_within(future: asyncio.Future, timeout_s: float) -> asyncio.Future:
+    """`future`'s outcome, or REQUEST_TIMED_OUT when it has none within `timeout_s` (a
+    write whose outcome is unknown: the writer sends the same batch again, which the
+    log's producer sequence de-duplicates). An append made in this process waits on its
+    owner's future, which nothing else bounded: one never answered (a defect; likely
+    the stall a CI run saw once, 2026-12-07, after the TC log's partition failed twice
+    within a second) held the TC partition's appends, and so every commit gathered on
+    it, for good and in silence. A late answer is dropped."""
+    loop = asyncio.get_running_loop()
+    bounded = loop.create_future()
+
+    def overdue() -> None:
+        if not bounded.done():
+            future.add_done_callback(observe_failure)  # (nobody reads it now)
+            bounded.set_exception(AtomlogError(
+                "REQUEST_TIMED_OUT", f"the TC log's append in this process was not answered "
+                f"within {timeout_s:g} s (its outcome is unknown)"))
+
+    timer = loop.call_later(timeout_s, overdue)
+
+    def answered(done: asyncio.Future) -> None:
+        timer.cancel()
+        if bounded.done():
+            return
+        if done.cancelled():
+            bounded.cancel()
+        elif done.exception() is not None:
+            bounded.set_exception(done.exception())
+        else:
+            bounded.set_result(done.result())
+
+    future.add_done_callback(answered)
+    return bounded
 
 
 def _count(append: Append) -> None:

@@ -1845,3 +1845,68 @@ def test_an_append_completed_in_a_callback_that_fails_gives_the_tc_partition_up(
 
     asyncio.run(scenario())
 
+
+
+def test_an_append_made_in_this_process_not_answered_in_time_is_sent_again():
+    """An append made in this process (the commit lane's decisions on the combined
+    server) waits on its owner's future. One never answered held the TC partition's
+    appends for good, every commit gathered on it with them, and nothing was logged.
+    Now it counts as an attempt whose outcome is unknown once
+    coordinator.log_request_timeout_ms passes: the writer sends the same batch again
+    (the log's producer sequence de-duplicates it), the append completes once, and the
+    owner's late answer changes nothing."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from coordinator.core import Append
+    from coordinator.tc_partition import Phase, Settings, TcPartition
+
+    done_appends, attempts, appended_here = [], [], []
+
+    class Core:
+        def append_done(self, append_id, now):
+            done_appends.append(append_id)
+            return SimpleNamespace(appends=[], markers=[], completed=[])
+
+    async def on_fenced(tc_partition):
+        raise AssertionError("not fenced (test)")
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        never = loop.create_future()  # the owner's answer, late
+
+        class Log:
+            def append_here(self, entries):
+                return never
+
+            def appended(self, count):
+                appended_here.append(count)
+
+            async def append(self, entries, failed=None):
+                attempts.append((entries, failed))
+                return 40, 41
+
+        partition = TcPartition(3, 1, 1000, coordinator_name="c", routes=None,
+                                log_channel=None, markers=None, limits=Limits(),
+                                settings=Settings(log_request_timeout_ms=100),
+                                on_fenced=on_fenced)
+        partition.phase, partition.core = Phase.ACTIVE, Core()
+        partition.log = Log()
+        waiting = partition._append_futures[1] = loop.create_future()
+        partition._queue.append(Append(1, ()))
+        partition._append_now()
+        assert partition._in_flight is not None and not partition._queue
+        writer = asyncio.ensure_future(partition._writer())
+        partition._wake.set()
+        await asyncio.wait_for(asyncio.shield(waiting), 5)
+        assert waiting.result() is None and done_appends == [1]
+        assert len(attempts) == 1 and attempts[0][1].reason == "REQUEST_TIMED_OUT"
+        assert partition._in_flight is None and partition._returned is None
+        never.set_result([SimpleNamespace(last_offset=41)])  # the late answer
+        await asyncio.sleep(0.05)
+        assert done_appends == [1] and appended_here == [] and len(attempts) == 1
+        partition.phase = Phase.STOPPED
+        partition._wake.set()
+        await asyncio.wait_for(writer, 5)
+
+    asyncio.run(scenario())
