@@ -80,6 +80,14 @@ the live table did; at the hard bound a new transaction is admitted only when th
 ones its completion will look at include one to forget (`_forgettable`), so the table
 stays within `max_finished_held` + `max_open`.
 
+Streams: a top-level transaction may name its place in an ordered stream (TxnStream: a
+Spark streaming query and its micro-batch id). The TC partition the stream's name hashes
+to keeps each stream's highest committed ordinal (a StreamCommitted record, appended with
+the Decided(COMMIT) it belongs to) for `stream_expiry_ms` after its last commit, at most
+`max_streams` of them: a NewTxn or a commit of an ordinal at or below it is refused with
+STREAM_ORDINAL_COMMITTED, however long ago the transaction itself was forgotten. Expiry
+is logical, as sessions'.
+
 Transactional ids: the shell routes each id to tc_partition_for(id) and serves
 InitProducerId through `init_producer_id`. When that needs a producer id (a new session,
 or an epoch that would reach 65535) it raises `ProducerIdNeeded` (nothing changed); the
@@ -105,7 +113,8 @@ from coordinator.records import (
     MAX_IDEMPOTENCY_KEY_BYTES, MAX_TRANSACTIONAL_ID_BYTES, PRODUCER_EPOCH_LAST_ISSUED,
     TIMEOUT_MS_MAX, Completed, DeadlineReset, Decided, Decision, EndCause, Opened, Prepared,
     Reader, Record, RecordCorrupt, Registered, SequencesReserved, Session, SessionStarted,
-    Staging, SubscriptionPartition, Target, TopicPartition, TxnId, Writer,
+    Staging, StreamCommitted, SubscriptionPartition, Target, TopicPartition, TxnId,
+    TxnStream, Writer,
 )
 from services.errors import AtomlogError
 
@@ -214,6 +223,11 @@ class Limits:
     # transactional.id.expiration.ms: 7 days).
     max_sessions: int = 10_000
     session_expiry_ms: int = 604_800_000
+    # Streams (TxnStream: a Spark streaming query) whose committed high-water ordinal is
+    # kept, and how long past a stream's last commit (as sessions: 7 days). Full of
+    # live ones: a commit that would add one is refused with RESOURCE_EXHAUSTED.
+    max_streams: int = 10_000
+    stream_expiry_ms: int = 604_800_000
     # Unconfirmed markers are re-sent this often (each retry is counted in describe()).
     marker_retry_ms: int = 1_000
     # Work per tick: timeout decisions logged (one batch) and markers (re-)sent.
@@ -423,12 +437,23 @@ class SessionInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamEntry:
+    """A stream's committed high-water: its highest ordinal committed, by which
+    transaction, when."""
+
+    ordinal: int
+    txn_id: TxnId
+    committed_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class CoreMetrics:
     """Gauges and counters (the shell exports counters as `*_total`)."""
 
     unfinished_transactions: int
     finished_transactions: int
     sessions: int
+    streams: int
     pending_appends: int
     unconfirmed_markers: int
     decisions_total: int
@@ -549,6 +574,7 @@ class _Pending:
     shared: TxnId | None  # a parent held shared while its child's Opened is in flight
     new_txns: int
     new_sessions: int
+    new_streams: int = 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -665,6 +691,7 @@ class TcPartitionCore:
         # every entry: 300 ms at max_finished in 16 TC partitions, the event loop held.
         self._finished: dict[int, bytes] = {}
         self._sessions: dict[str, SessionEntry] = {}
+        self._streams: dict[str, StreamEntry] = {}  # logically absent once expired
         # Idempotency key -> its snapshot row (the key and its transaction's sequence,
         # _key_row; _key_sequence reads the sequence back): a snapshot joins the rows
         # instead of packing up to max_finished keys on the coordinator's event loop
@@ -689,6 +716,7 @@ class TcPartitionCore:
         self._shared: dict[TxnId, int] = {}
         self._pending_new_txns = 0
         self._pending_new_sessions = 0
+        self._pending_new_streams = 0
         self._counters = dict.fromkeys(
             ("decisions_total", "timeouts_total", "marker_resends_total", "exhausted_total",
              "fenced_total", "concurrent_total", "duplicate_confirmations_total",
@@ -699,13 +727,18 @@ class TcPartitionCore:
     def new_txn(self, now_ms: int, timeout_ms: int = 0, parent: TxnId | None = None,
                 session: Session | None = None, idempotency_key: str = "",
                 topic_partitions: Sequence[TopicPartition] = (),
-                subscription_partitions: Sequence[SubscriptionPartition] = ()) -> Ready:
-        """NewTxn. Reply: NewTxnResult (after the append, when there is one)."""
+                subscription_partitions: Sequence[SubscriptionPartition] = (),
+                stream: TxnStream | None = None) -> Ready:
+        """NewTxn. Reply: NewTxnResult (after the append, when there is one). With a
+        `stream`: refused (STREAM_ORDINAL_COMMITTED) when the stream committed that
+        ordinal or a later one, unless the key finds its transaction."""
         _validate_name("idempotency_key", idempotency_key, MAX_IDEMPOTENCY_KEY_BYTES,
                        empty_ok=True)
         if parent is not None and session is not None:
             raise _error("INVALID_ARGUMENT", "a child transaction has no session of its own; "
                          "its parent's decision ends it", field="session")
+        if stream is not None:
+            self._check_stream_alone(parent, session)
         records: list[Record] = []
         locks: set[object] = set()
         if idempotency_key:
@@ -723,6 +756,8 @@ class TcPartitionCore:
                 return self._existing(now_ms, existing, session, topic_partitions,
                                       subscription_partitions)
             locks.add(("key", idempotency_key))
+        if stream is not None:
+            self._check_stream_ahead(stream, now_ms)
         timeout_ms = self._resolve_timeout(timeout_ms, session, now_ms)
         if parent is not None:
             self._check_parent(parent, now_ms)
@@ -772,8 +807,11 @@ class TcPartitionCore:
 
     def end_txn(self, now_ms: int, txn_id: TxnId, decision: Decision,
                 children_to_keep: Sequence[TxnId] = (),
-                session: Session | None = None) -> Ready:
-        """EndTxn(COMMIT|ABORT). Reply: EndTxnResult once the decision is durable."""
+                session: Session | None = None, stream: TxnStream | None = None) -> Ready:
+        """EndTxn(COMMIT|ABORT). Reply: EndTxnResult once the decision is durable. A
+        COMMIT with a `stream` logs the stream's new high-water with the decision, and is
+        refused (STREAM_ORDINAL_COMMITTED, nothing changed) when the stream committed that
+        ordinal or a later one already; an ABORT ignores it."""
         txn = self._get(txn_id)
         if txn.staging:
             raise _staging_error(txn)
@@ -796,9 +834,22 @@ class TcPartitionCore:
                          "(or an operator abort with allow_prepared) ends it",
                          txn_id=txn_id, parent_txn_id=txn.parent)
         keep = self._check_children_to_keep(txn, decision, children_to_keep, now_ms)
+        new_streams = 0
+        if stream is not None and decision is Decision.COMMIT:
+            self._check_stream_alone(txn.parent, txn.session)
+            self._check_stream_ahead(stream, now_ms)
+            self._check_unlocked([("stream", stream.name)])
+            if self._live_stream(stream.name, now_ms) is None:
+                self._make_room_for_stream(now_ms)
+                new_streams = 1
         record, locks = self._decision(txn, decision, EndCause.CLIENT, now_ms, keep)
-        return self._propose([record], locks, EndTxnResult(
-            DECIDING_STATE[decision], False, record.kept_children, record.aborted_children))
+        records: list[Record] = [record]
+        if stream is not None and decision is Decision.COMMIT:
+            records.append(StreamCommitted(stream.name, stream.ordinal, txn_id, now_ms))
+            locks.add(("stream", stream.name))
+        return self._propose(records, locks, EndTxnResult(
+            DECIDING_STATE[decision], False, record.kept_children, record.aborted_children),
+            new_streams=new_streams)
 
     def init_producer_id(self, now_ms: int, transactional_id: str,
                          transaction_timeout_ms: int = 0, producer_id: int = 0,
@@ -1284,6 +1335,7 @@ class TcPartitionCore:
         swept = self._sessions_swept_ms
         if swept is None or not 0 <= now_ms - swept < SESSION_SWEEP_INTERVAL_MS:
             self.forget_expired_sessions(now_ms)
+            self.forget_expired_streams(now_ms)
             self._sessions_swept_ms = now_ms
         abandoned: list[Marker] = []
         for one_call in list(self._one_calls.values()):
@@ -1394,6 +1446,10 @@ class TcPartitionCore:
                                            now_ms) for _, sequence in oldest[:limit]),
                        len(oldest) > limit)
 
+    def stream(self, name: str, now_ms: int) -> StreamEntry | None:
+        """A stream's committed high-water (None: none committed, or expired)."""
+        return self._live_stream(name, now_ms)
+
     def session(self, transactional_id: str, now_ms: int) -> SessionInfo | None:
         """The live session of a transactional id (None: unknown or expired)."""
         entry = self._live_session(transactional_id, now_ms)
@@ -1428,7 +1484,8 @@ class TcPartitionCore:
     def metrics(self) -> CoreMetrics:
         return CoreMetrics(
             len(self._unfinished), len(self._finished), len(self._sessions),
-            len(self._pending), sum(len(t.unconfirmed) for t in self._unfinished.values()),
+            len(self._streams), len(self._pending),
+            sum(len(t.unconfirmed) for t in self._unfinished.values()),
             **self._counters)
 
     @property
@@ -1460,7 +1517,7 @@ class TcPartitionCore:
 
     def _propose(self, records: list[Record], locks: set[object], reply: object,
                  shared: TxnId | None = None, new_txns: int = 0,
-                 new_sessions: int = 0) -> Ready:
+                 new_sessions: int = 0, new_streams: int = 0) -> Ready:
         append_id = self._next_append_id
         self._next_append_id += 1
         for lock in locks:
@@ -1470,9 +1527,10 @@ class TcPartitionCore:
             assert shared not in self._locks, shared
             self._shared[shared] = self._shared.get(shared, 0) + 1
         self._pending.append(_Pending(append_id, tuple(records), frozenset(locks), shared,
-                                      new_txns, new_sessions))
+                                      new_txns, new_sessions, new_streams))
         self._pending_new_txns += new_txns
         self._pending_new_sessions += new_sessions
+        self._pending_new_streams += new_streams
         return Ready(appends=(Append(append_id, tuple(records)),), reply=reply)
 
     def _next_txn_id(self) -> TxnId:
@@ -1545,6 +1603,7 @@ class TcPartitionCore:
                 del self._shared[pending.shared]
         self._pending_new_txns -= pending.new_txns
         self._pending_new_sessions -= pending.new_sessions
+        self._pending_new_streams -= pending.new_streams
 
     def _check_unlocked(self, locks: Iterable[object]) -> None:
         for lock in locks:
@@ -1909,6 +1968,48 @@ class TcPartitionCore:
                            f"TC partition {self.tc_partition} has {len(self._sessions)} live "
                            "transactional-id sessions")
 
+    def _check_stream_alone(self, parent: TxnId | None, session: Session | None) -> None:
+        if parent is not None or session is not None:
+            raise _error("INVALID_ARGUMENT", "a transaction of a stream has neither a parent "
+                         "nor a session: the stream's own TC partition keeps its place",
+                         field="stream")
+
+    def _check_stream_ahead(self, stream: TxnStream, now_ms: int) -> None:
+        """STREAM_ORDINAL_COMMITTED when the stream committed this ordinal or a later one."""
+        entry = self._live_stream(stream.name, now_ms)
+        if entry is not None and entry.ordinal >= stream.ordinal:
+            raise _error("STREAM_ORDINAL_COMMITTED",
+                         f"stream {stream.name!r} committed ordinal {entry.ordinal} already "
+                         f"(transaction {entry.txn_id}): ordinal {stream.ordinal} is not ahead "
+                         "of it, so it is not done again", stream=stream.name,
+                         ordinal=stream.ordinal, committed_ordinal=entry.ordinal,
+                         committed_txn_id=entry.txn_id)
+
+    def _live_stream(self, name: str, now_ms: int) -> StreamEntry | None:
+        entry = self._streams.get(name)
+        if entry is None or now_ms - entry.committed_ms > self.limits.stream_expiry_ms:
+            return None
+        return entry
+
+    def forget_expired_streams(self, now_ms: int) -> None:
+        """Free the memory of expired streams (decisions already treat them as absent)."""
+        expiry = self.limits.stream_expiry_ms
+        for name in [name for name, entry in self._streams.items()
+                     if now_ms - entry.committed_ms > expiry
+                     and ("stream", name) not in self._locks]:
+            del self._streams[name]
+
+    def _make_room_for_stream(self, now_ms: int) -> None:
+        if len(self._streams) + self._pending_new_streams < self.limits.max_streams:
+            return
+        self.forget_expired_streams(now_ms)
+        if len(self._streams) + self._pending_new_streams < self.limits.max_streams:
+            return
+        self._counters["exhausted_total"] += 1
+        raise _limit_error("max_streams", self.limits.max_streams,
+                           f"TC partition {self.tc_partition} keeps {len(self._streams)} "
+                           "live streams")
+
     # ========================================================= helpers: applying records
 
     def _illegal(self, record: Record, why: str) -> IllegalTransition:
@@ -2118,6 +2219,18 @@ class TcPartitionCore:
             record.session, record.timeout_ms, record.started_ms,
             bumped_from=record.bumped_from)
 
+    def _apply_stream_committed(self, record: StreamCommitted) -> None:
+        txn = self._unfinished.get(record.txn_id)
+        if txn is None or txn.state is not State.COMMITTING or txn.parent is not None:
+            raise self._illegal(record, "its transaction is not a top-level one just decided "
+                                "COMMIT (the Decided record goes first, in the same append)")
+        entry = self._live_stream(record.stream, record.committed_ms)
+        if entry is not None and entry.ordinal >= record.ordinal:
+            raise self._illegal(record, f"stream {record.stream!r} committed ordinal "
+                                f"{entry.ordinal} already")
+        self._streams[record.stream] = StreamEntry(record.ordinal, record.txn_id,
+                                                   record.committed_ms)
+
     def _summary(self, txn: Txn, now_ms: int) -> TxnSummary:
         finished = txn.state in FINISHED
         state, cause = ((State.COMMITTING, EndCause.CLIENT) if txn.promised
@@ -2143,6 +2256,7 @@ _APPLY = {
     Prepared: TcPartitionCore._apply_prepared,
     Decided: TcPartitionCore._apply_decided,
     Completed: TcPartitionCore._apply_completed,
+    StreamCommitted: TcPartitionCore._apply_stream_committed,
     SessionStarted: TcPartitionCore._apply_session_started,
 }
 
@@ -2185,6 +2299,8 @@ def replay(records: Iterable[Record], tc_partition: int, limits: Limits | None =
 #            producer_id i64, producer_epoch u16 (0, 0: none; not in version 1);
 #            by transactional id
 #   key      idempotency_key string, sequence u64; in index order (that of the log)
+#   streams  (version 3) count u32, then per stream, by name: name string, ordinal u64,
+#            sequence u64 (of the transaction that committed it), committed_ms i64
 #   trailer  CRC32C (Castagnoli) u32 of every byte before it
 # Strings are length u16 + UTF-8. Transaction ids are the snapshot's TC partition plus a
 # sequence. Volatile state (marker confirmations, pending appends) is not in it: a load
@@ -2194,11 +2310,14 @@ def replay(records: Iterable[Record], tc_partition: int, limits: Limits | None =
 # ---------------------------------------------------------------------------------------
 
 SNAPSHOT_MAGIC = b"ATCS"
-SNAPSHOT_VERSION = 2  # 2: sessions carry bumped_from. Version 1 is still read.
+# 2: sessions carry bumped_from; 3: the streams' high-waters follow the keys. Versions 1
+# and 2 are still read.
+SNAPSHOT_VERSION = 3
 _SNAP_HEADER = struct.Struct("<4sHHIQqQIII")
 _SNAP_TXN = struct.Struct("<QBBBqIqqIqqII")
 _SNAP_PEEK = struct.Struct("<IQBBBq")  # length, sequence, state, end_cause, flags, created
 _SNAP_SESSION = struct.Struct("<qHIqQ")
+_SNAP_STREAM = struct.Struct("<QQq")
 _SESSION_TAIL = struct.Struct("<qH")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -2332,6 +2451,12 @@ def _encode_snapshot(core: TcPartitionCore, covered_offset: int) -> bytes:
         out.pack(_SESSION_TAIL, *(entry.bumped_from or (0, 0)))
     parts.append(out.getvalue())
     parts.extend(core._keys.values())  # insertion order: deterministic from the log
+    out = Writer()
+    out.pack(_U32, len(core._streams))
+    for name, stream in sorted(core._streams.items()):
+        out.string(name)
+        out.pack(_SNAP_STREAM, stream.ordinal, stream.txn_id.sequence, stream.committed_ms)
+    parts.append(out.getvalue())
     body = b"".join(parts)
     return body + _TRAILER.pack(crc32c.crc32c(body))
 
@@ -2348,7 +2473,7 @@ def _decode_snapshot(core: TcPartitionCore, data: bytes) -> int:
      session_count, key_count) = _SNAP_HEADER.unpack_from(body, 0)
     if magic != SNAPSHOT_MAGIC:
         raise SnapshotCorrupt(f"not a TC partition snapshot (magic {bytes(magic)!r})")
-    if version not in (1, SNAPSHOT_VERSION):
+    if version not in (1, 2, SNAPSHOT_VERSION):
         raise SnapshotCorrupt(f"unsupported snapshot version {version} (this build reads "
                               f"{SNAPSHOT_VERSION})")
     if tc_partition != core.tc_partition:
@@ -2363,6 +2488,8 @@ def _decode_snapshot(core: TcPartitionCore, data: bytes) -> int:
         core._next_sequence = last_sequence + 1
         _decode_txns(core, reader, last_sequence, txn_count)
         _decode_sessions_and_keys(core, reader, session_count, key_count, version)
+        if version >= 3:
+            _decode_streams(core, reader)
         _check_restored(core)
     except (RecordCorrupt, ValueError, KeyError, IndexError, struct.error,
             UnicodeDecodeError) as error:
@@ -2440,6 +2567,19 @@ def _decode_sessions_and_keys(core: TcPartitionCore, reader: Reader, session_cou
     reader.position = position
 
 
+def _decode_streams(core: TcPartitionCore, reader: Reader) -> None:
+    (count,) = reader.unpack(_U32)
+    for _ in range(count):
+        name = reader.string()
+        ordinal, sequence, committed_ms = reader.unpack(_SNAP_STREAM)
+        if name in core._streams:
+            raise ValueError(f"stream {name!r} appears twice")
+        # (StreamCommitted validates the fields as the record would.)
+        entry = StreamCommitted(name, ordinal, TxnId(core.tc_partition, sequence),
+                                committed_ms)
+        core._streams[name] = StreamEntry(entry.ordinal, entry.txn_id, entry.committed_ms)
+
+
 def _check_restored(core: TcPartitionCore) -> None:
     """Pair assertion for what was read: the relations the apply functions maintain."""
     for txn in core._unfinished.values():
@@ -2461,6 +2601,9 @@ def _check_restored(core: TcPartitionCore) -> None:
     for entry in core._sessions.values():
         if entry.current_txn is not None and entry.current_txn.sequence > core._last_sequence:
             raise ValueError(f"session {entry.session} names an unknown transaction")
+    for name, stream in core._streams.items():
+        if stream.txn_id.sequence > core._last_sequence:
+            raise ValueError(f"stream {name!r} names an unknown transaction")
 
 
 # ---------------------------------------------------------------------------------------

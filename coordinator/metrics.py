@@ -128,6 +128,8 @@ class CoreCollector(Collector):
                                        "ABORTING) in the TC partitions this process owns.",
             "finished_transactions": "Finished transactions remembered.",
             "sessions": "Transactional-id sessions.",
+            "streams": "Streams (TxnStream: Spark streaming queries) whose highest committed "
+                       "step is kept (transaction.max_streams per TC partition).",
             "pending_appends": "Appends to TC logs proposed and not yet durable.",
             "unconfirmed_markers": "Markers of decided transactions not yet confirmed.",
         }

@@ -26,6 +26,11 @@ Records (each one the durable form of one state change of one transaction or ses
                     staged; the transaction is committed once this record and every stage
                     are durable, so a coordinator that finds it with no decision resolves
                     it by asking the partitions and subscription partitions (ResolveStaged)
+    StreamCommitted  a transaction committed as ordinal N of a stream (TxnStream: a
+                    Spark streaming query's micro-batch N): logged in the same append as
+                    its Decided(COMMIT), it moves the stream's committed high-water to N,
+                    which outlives the transaction's own retention (docs/coordinator.md,
+                    "Streams")
 
 Encoding, version 1, little-endian; every record value starts with
 `format_version u8 = 1, record_type u8`, then the fields in the order below:
@@ -55,6 +60,7 @@ Encoding, version 1, little-endian; every record value starts with
                      producer_id i64, producer_epoch u16 (the session it replaced;
                      InitProducerId carrying that one again is a retry, answered with
                      this session: KIP-360). Type 7 is written when nobody asked.
+   11 StreamCommitted  stream string, ordinal u64, txn_id, committed_ms i64
 
 A record value carries no checksum of its own: the batch that holds it has a CRC32C
 (docs/record-format.md). `decode_record` still refuses anything malformed with
@@ -88,6 +94,8 @@ MAX_TOPIC_BYTES = 249
 MAX_SUBSCRIPTION_BYTES = 255
 MAX_TRANSACTIONAL_ID_BYTES = 256  # coordinator.proto
 MAX_IDEMPOTENCY_KEY_BYTES = 256  # coordinator.proto
+MAX_STREAM_BYTES = 256  # coordinator.proto (TxnStream.name)
+ORDINAL_MAX = (1 << 64) - 1
 # Bounds of the encoding: a record lists at most this many partitions of each kind.
 MAX_TARGETS_ENCODED = (1 << 16) - 1
 
@@ -220,6 +228,20 @@ class Session:
 
     def __str__(self) -> str:
         return f"{self.transactional_id}#{self.producer_id}.{self.producer_epoch}"
+
+
+@dataclass(frozen=True, slots=True)
+class TxnStream:
+    """A transaction's place in an ordered stream (coordinator.proto, TxnStream): the
+    stream's name and the transaction's ordinal in it (a Spark streaming query's id and
+    micro-batch id)."""
+
+    name: str
+    ordinal: int
+
+    def __post_init__(self) -> None:
+        _check_name("stream name", self.name, MAX_STREAM_BYTES)
+        _check_int("stream ordinal", self.ordinal, 0, ORDINAL_MAX)
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,11 +438,29 @@ class SequencesReserved:
         _check_int("up_to", self.up_to, 1, TXN_SEQUENCE_MAX)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamCommitted:
+    """`txn_id` committed as ordinal `ordinal` of stream `stream` (appended with its
+    Decided(COMMIT), so both are durable or neither)."""
+
+    stream: str
+    ordinal: int
+    txn_id: TxnId
+    committed_ms: int
+
+    def __post_init__(self) -> None:
+        _check_name("stream", self.stream, MAX_STREAM_BYTES)
+        _check_int("ordinal", self.ordinal, 0, ORDINAL_MAX)
+        if type(self.txn_id) is not TxnId:
+            raise ValueError("txn_id must be a TxnId")
+        _check_time("committed_ms", self.committed_ms)
+
+
 Record = (Opened | Registered | DeadlineReset | Prepared | Decided | Completed | SessionStarted
-          | SequencesReserved | Staging)
+          | SequencesReserved | Staging | StreamCommitted)
 RECORD_TYPES: dict[type, int] = {Opened: 1, Registered: 2, DeadlineReset: 3, Prepared: 4,
                                  Decided: 5, Completed: 6, SessionStarted: 7,
-                                 SequencesReserved: 8, Staging: 9}
+                                 SequencesReserved: 8, Staging: 9, StreamCommitted: 11}
 SESSION_BUMPED_TYPE = 10  # a SessionStarted with bumped_from (type 7 without)
 
 
@@ -593,6 +633,12 @@ def encode_record(record: Record) -> bytes:
     if isinstance(record, SequencesReserved):
         out.pack(_U64, record.up_to)
         return out.getvalue()
+    if isinstance(record, StreamCommitted):
+        out.string(record.stream)
+        out.pack(_U64, record.ordinal)
+        out.txn_id(record.txn_id)
+        out.pack(_I64, record.committed_ms)
+        return out.getvalue()
     out.txn_id(record.txn_id)
     if isinstance(record, Opened):
         out.pack(_OPENED_TIMES, record.created_ms, record.timeout_ms, record.deadline_ms)
@@ -699,10 +745,17 @@ def _decode_sequences_reserved(reader: Reader) -> SequencesReserved:
     return SequencesReserved(*reader.unpack(_U64))
 
 
+def _decode_stream_committed(reader: Reader) -> StreamCommitted:
+    stream = reader.string()
+    (ordinal,) = reader.unpack(_U64)
+    txn_id = reader.required_txn_id()
+    return StreamCommitted(stream, ordinal, txn_id, *reader.unpack(_I64))
+
+
 _DECODERS = {1: _decode_opened, 2: _decode_registered, 3: _decode_deadline_reset,
              4: _decode_prepared, 5: _decode_decided, 6: _decode_completed,
              7: _decode_session_started, 8: _decode_sequences_reserved, 9: _decode_staging,
-             SESSION_BUMPED_TYPE: _decode_session_bumped}
+             SESSION_BUMPED_TYPE: _decode_session_bumped, 11: _decode_stream_committed}
 assert set(_DECODERS) == {*RECORD_TYPES.values(), SESSION_BUMPED_TYPE}
 
 

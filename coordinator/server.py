@@ -34,6 +34,7 @@ from coordinator.records import (
     SubscriptionPartition,
     TopicPartition,
     TxnId,
+    TxnStream,
     tc_partition_for,
 )
 from coordinator.routing import PartitionRoutes
@@ -242,6 +243,21 @@ class Coordinator:
         except ValueError as error:
             raise _invalid(f"session: {error}", field="session") from None
 
+    def stream(self, message, k: int) -> TxnStream | None:
+        """A request's validated TxnStream (None when unset), which lives on TC partition
+        tc_partition_for(name): `k` must be it."""
+        if not message.HasField("stream"):
+            return None
+        try:
+            stream = TxnStream(message.stream.name, message.stream.ordinal)
+        except ValueError as error:
+            raise _invalid(f"stream: {error}", field="stream") from None
+        home = tc_partition_for(stream.name, self.tc_partitions)
+        if home != k:
+            raise _invalid(f"stream {stream.name!r} lives on TC partition {home}, not {k}",
+                           field="tc_partition")
+        return stream
+
     async def targets(self, topic_partitions, subscription_partitions):
         """Validated targets: (valid ones, per-item errors aligned with the request)."""
         if len(topic_partitions) + len(subscription_partitions) > MAX_ITEMS:
@@ -386,9 +402,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise _invalid(f"transactional id {session.transactional_id!r} lives on TC "
                            f"partition {tc_partition_for(session.transactional_id, c.tc_partitions)}",
                            field="tc_partition")
-        # A child's or a session's key lives on its TC partition; any other key decides it.
-        keyed_by_itself = parent is None and not (session is not None
-                                                  and session.transactional_id)
+        stream = c.stream(request, k)
+        # A child's, a session's or a stream's key lives on its TC partition; any other key
+        # decides it.
+        keyed_by_itself = parent is None and stream is None and not (
+            session is not None and session.transactional_id)
         if request.idempotency_key and keyed_by_itself and tc_partition_for(
                 request.idempotency_key, c.tc_partitions) != k:
             raise _invalid(f"idempotency key {request.idempotency_key!r} lives on TC "
@@ -399,7 +417,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             request.topic_partitions, request.subscription_partitions)
         result = await partition.call(lambda core, now: core.new_txn(
             now, request.timeout_ms, parent, session, request.idempotency_key, topics,
-            subscriptions))
+            subscriptions, stream))
         return coordinator_pb2.NewTxnResponse(
             txn_id=_txn_id_proto(result.txn_id), state=result.state.value,
             existing=result.existing, timeout_ms=result.timeout_ms,
@@ -469,10 +487,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 raise _invalid(f"children_to_keep[{index}] is not a transaction of TC "
                                f"partition {txn_id.tc_partition}", field="children_to_keep")
             keep.append(TxnId(child.tc_partition, child.sequence))
+        stream = c.stream(request, txn_id.tc_partition)
         partition = await c.partition(txn_id.tc_partition)
         session = c.session(request)
         result = await partition.call(lambda core, now: core.end_txn(
-            now, txn_id, decision, keep, session))
+            now, txn_id, decision, keep, session, stream))
         state = result.state
         if request.wait_for_markers and state in (State.COMMITTING, State.ABORTING):
             if await partition.wait_completed(txn_id, _remaining_s(context)):

@@ -282,6 +282,17 @@ def _session(session) -> list[Permission]:
     return []
 
 
+def _stream(request) -> list[Permission]:
+    """A transaction of a stream (TxnStream) moves the stream's committed high-water,
+    which holds back every later step of that stream named at or below it: write on the
+    stream's name as a transactional id (a Spark query: `spark-stream:<query id>`), so
+    that nobody else can mark another's steps done."""
+    if "stream" in request.DESCRIPTOR.fields_by_name and request.HasField("stream") \
+            and request.stream.name:
+        return [Permission("write", "transactional_id", request.stream.name)]
+    return []
+
+
 def _has(request, name: str) -> bool:
     return request.HasField(name)
 
@@ -349,6 +360,7 @@ def _ack(request) -> Requirement:
 
 def _new_txn(request) -> Requirement:
     permissions = [*_session(request.session if _has(request, "session") else None),
+                   *_stream(request),
                    *(_topic("write", p.topic) for p in request.topic_partitions),
                    *(_subscription("read", p.subscription) for p in request.subscription_partitions)]
     if _has(request, "parent_txn_id"):
@@ -370,9 +382,10 @@ def _add_subscriptions(request) -> Requirement:
 
 
 def _session_call(request) -> Requirement:
-    """PrepareTxn, EndTxn: the session's transactional id, on one's own transaction."""
-    return _continuing(request.txn_id, _session(request.session if _has(request, "session")
-                                                else None))
+    """PrepareTxn, EndTxn: the session's transactional id, on one's own transaction (and
+    EndTxn's stream's: `_stream`)."""
+    return _continuing(request.txn_id, [
+        *_session(request.session if _has(request, "session") else None), *_stream(request)])
 
 
 def _commit_txn(request) -> Requirement:

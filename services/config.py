@@ -527,6 +527,15 @@ ROLE_SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("transaction.session_expiry_ms", int, 604_800_000, "A session with no "
                 "unfinished transaction is forgotten after this much inactivity (Kafka: 7 days).",
                 minimum=1_000, maximum=365 * 86_400_000),
+        Setting("transaction.max_streams", int, 10_000, "Streams (TxnStream: Spark streaming "
+                "queries) whose highest committed step a TC partition keeps; full of live "
+                "ones, a commit that would add one fails with RESOURCE_EXHAUSTED.",
+                minimum=1, maximum=10_000_000),
+        Setting("transaction.stream_expiry_ms", int, 604_800_000, "A stream's highest committed "
+                "step is kept this long after its last commit: a step replayed within it "
+                "is refused (STREAM_ORDINAL_COMMITTED) however long ago its transaction was "
+                "forgotten (as a session: 7 days).", minimum=1_000,
+                maximum=365 * 86_400_000),
         Setting("transaction.marker_retry_ms", int, 1_000, "Unconfirmed markers are re-sent this "
                 "often.", minimum=10, maximum=600_000),
         Setting("transaction.max_decisions_per_tick", int, 1_000, "Timeout aborts logged per "

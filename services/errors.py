@@ -166,6 +166,11 @@ REASONS: dict[str, Reason] = {r.name: r for r in [
        "The transaction is not OPEN, so it takes no more partitions, writes or acks."),
     _r("TRANSACTION_ALREADY_COMMITTED", SC.FAILED_PRECONDITION, FATAL, C,
        "Aborting (or preparing) a transaction that was already committed."),
+    _r("STREAM_ORDINAL_COMMITTED", SC.FAILED_PRECONDITION, FATAL, C,
+       "The transaction's stream (TxnStream) committed this ordinal or a later one already "
+       "(metadata `committed_ordinal`, `committed_txn_id`): its work is done, so it is not "
+       "opened or committed again. A Spark streaming micro-batch replayed after its commit "
+       "writes nothing."),
     _r("TRANSACTION_PREPARED", SC.FAILED_PRECONDITION, FATAL, C,
        "The transaction is PREPARED: only its parent's decision (or an explicit operator abort "
        "with allow_prepared) ends it."),

@@ -718,6 +718,9 @@ class ChildCommit(WriterCommitMessage):
     child: tuple[int, int] | None
     rows: int = 0
     skipped: str = ""  # why nothing was written (e.g. "parent COMMITTED": a replay)
+    # A micro-batch's place in its query's stream (query_stream), which the driver's
+    # commit of the parent carries (None for a batch write).
+    stream: tuple[str, int] | None = None
 
 
 def _check_write_schema(schema: StructType, options: Options) -> None:
@@ -840,19 +843,27 @@ class _ParentKeepAlive:
     timeout bounds how long a write outlives its last task, as after a dead driver, and
     not how long a task may compute."""
 
-    def __init__(self, options: Options, client, key: str, parent: tuple[int, int]):
+    def __init__(self, options: Options, client, key: str, parent: tuple[int, int],
+                 stream: tuple[str, int] | None = None):
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(options, client, key, parent),
+        self._thread = threading.Thread(target=self._run,
+                                        args=(options, client, key, parent, stream),
                                         name="atomlog-parent-keep-alive", daemon=True)
         self._thread.start()
 
-    def _run(self, options: Options, client, key: str, parent: tuple[int, int]) -> None:
+    def _run(self, options: Options, client, key: str, parent: tuple[int, int],
+             stream: tuple[str, int] | None) -> None:
         from spark_client.transactions import Transaction
 
         interval = max(0.5, options.transaction_timeout_s / 3)
         while not self._stopped.wait(interval):
             try:
-                again = Transaction(client, options.transaction_timeout_s, key=key)
+                again = Transaction(client, options.transaction_timeout_s, key=key,
+                                    stream=stream)
+            except errors.AtomlogClientError as error:
+                if error.reason == "STREAM_ORDINAL_COMMITTED":
+                    return  # the micro-batch committed (its key since forgotten)
+                continue  # tried again next interval; the task decides
             except Exception:  # noqa: BLE001 — tried again next interval; the task decides
                 continue
             if again.key != parent or again.state_at_open != "OPEN":
@@ -865,23 +876,31 @@ class _ParentKeepAlive:
         self._thread.join(timeout=1.0)  # (a call under way ends on its own; nothing waits)
 
 
-def _write_child(options: Options, parent_key: str, batches) -> ChildCommit:
+def _write_child(options: Options, parent_key: str, batches,
+                 stream: tuple[str, int] | None = None) -> ChildCommit:
     """One task attempt: open the parent by its key (the first task of the write creates
     it, every later one finds it and restarts its timeout; a keep-alive restarts it
     while the task runs), open a child under it, write, prepare. A parent already
-    decided (a replayed micro-batch) means: write nothing. An exception aborts the child
-    (best effort) and fails the attempt."""
+    decided (a replayed micro-batch) means: write nothing; so does a micro-batch whose
+    `stream` (query, batch id) committed it already, its parent since forgotten. An
+    exception aborts the child (best effort) and fails the attempt."""
     from spark_client.transactions import Transaction
 
     client = options.client()
     child = None
     keep_alive = None
     try:
-        parent = Transaction(client, options.transaction_timeout_s, key=parent_key)
+        try:
+            parent = Transaction(client, options.transaction_timeout_s, key=parent_key,
+                                 stream=stream)
+        except errors.AtomlogClientError as error:
+            if error.reason != "STREAM_ORDINAL_COMMITTED":
+                raise
+            return ChildCommit(parent=None, child=None, skipped=_committed_already(error))
         if parent.state_at_open != "OPEN":
             return ChildCommit(parent=parent.key, child=None,
                                skipped=f"parent {parent.state_at_open}")
-        keep_alive = _ParentKeepAlive(options, client, parent_key, parent.key)
+        keep_alive = _ParentKeepAlive(options, client, parent_key, parent.key, stream)
         has_rows, batches = _peek(batches)
         if not has_rows:
             return ChildCommit(parent=parent.key, child=None, skipped="no rows")
@@ -969,15 +988,17 @@ def _abort_parents(options: Options, messages: list[ChildCommit | None],
 
 
 def _commit_parent(options: Options, parent_id: tuple[int, int],
-                   messages: list[ChildCommit | None]) -> list:
+                   messages: list[ChildCommit | None],
+                   stream: tuple[str, int] | None = None) -> list:
     """Commit the parent keeping the children of these (successful) attempts; waits for
-    the markers, so the rows are readable when Spark's write returns."""
+    the markers, so the rows are readable when Spark's write returns. A micro-batch's
+    parent commits as its place in its query's `stream`."""
     from spark_client.transactions import Transaction
 
     children = [m.child for m in messages if m is not None and m.child is not None]
     client = options.client()
     try:
-        parent = Transaction.resume(client, parent_id, options.transaction_timeout_s)
+        parent = Transaction.resume(client, parent_id, options.transaction_timeout_s, stream)
         try:
             parent.commit(wait_for_markers=True, keep_children=children)
         except errors.AtomlogClientError as unknown:
@@ -1024,6 +1045,20 @@ def stream_parent_key(query_id: str, batch_id: int | str) -> str:
     return f"spark-stream:{query_id}:{batch_id}"
 
 
+def query_stream(query_id: str, batch_id: int | str) -> tuple[str, int]:
+    """A micro-batch's place in its query's stream (coordinator.proto, TxnStream): the
+    query's TC partition keeps the highest batch id committed for days (7 by default),
+    so a replay of a committed micro-batch writes nothing however long after it comes,
+    where the parent's key alone is remembered only while its TC partition retains
+    finished transactions (transaction.max_finished, finished_grace_ms)."""
+    return f"spark-stream:{query_id}", int(batch_id)
+
+
+def _committed_already(error) -> str:
+    return (f"micro-batch committed already (stream {error.metadata.get('stream', '?')}, "
+            f"up to batch {error.metadata.get('committed_ordinal', '?')})")
+
+
 class StreamWriter(DataSourceStreamArrowWriter):
     """A parent per (query id, batch id), opened by the tasks through its key; the
     driver's commit(messages, batchId) commits it keeping the messages' children."""
@@ -1050,16 +1085,31 @@ class StreamWriter(DataSourceStreamArrowWriter):
         batch_id = context.getLocalProperty("streaming.sql.batchId")
         if not query_id or batch_id is None:
             raise OptionError("the atomlog stream writer runs only inside a streaming query")
-        return _write_child(self.options, stream_parent_key(query_id, batch_id), iterator)
+        stream = query_stream(query_id, batch_id)
+        message = _write_child(self.options, stream_parent_key(query_id, batch_id), iterator,
+                               stream)
+        message.stream = stream
+        return message
 
     def commit(self, messages: list[ChildCommit | None], batchId: int) -> None:
+        stream = next((m.stream for m in messages if m is not None and m.stream), None)
         if self.options.source_subscription:
             # The acks need the batch's parent even when no task wrote a row.
-            parent = _ack_source_positions(self.options, batchId)
+            parent, stream = _ack_source_positions(self.options, batchId)
             messages = [*messages, ChildCommit(parent=parent, child=None, skipped="acks")]
         parent = _one_parent(self.options, messages, f"micro-batch {batchId}")
-        if parent is not None:
-            _commit_parent(self.options, parent, messages)
+        if parent is None:
+            return  # nothing written, or committed already (a replay)
+        try:
+            _commit_parent(self.options, parent, messages, stream)
+        except errors.AtomlogClientError as error:
+            if error.reason != "STREAM_ORDINAL_COMMITTED":
+                raise
+            # Another parent of this micro-batch committed it (its tasks ran before that
+            # commit, by a key since forgotten): this one is redundant.
+            _log.warning("micro-batch %s: %s; its other parent %s:%s is aborted", batchId,
+                         _committed_already(error), *parent)
+            _abort_parent(self.options, parent)
 
     def abort(self, messages: list[ChildCommit | None], batchId: int) -> None:
         _abort_parents(self.options, messages)
@@ -1130,10 +1180,13 @@ def _previous_positions(checkpoint: str, batch_id: int) -> dict[tuple[str, int],
         return {}
 
 
-def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
+def _ack_source_positions(options: Options, batch_id: int
+                          ) -> tuple[tuple[int, int] | None, tuple[str, int]]:
     """Cumulatively ack the micro-batch's source end offsets on `sourceSubscription`, in
     the micro-batch's parent transaction (opened here by its key when no task did).
-    Returns the parent; when it is already decided (a replay), acks nothing."""
+    Returns the parent (None: the query's stream committed the micro-batch already) and
+    the micro-batch's place in the stream; when the parent is already decided (a
+    replay), acks nothing."""
     from atomlog.v1 import common_pb2
 
     from spark_client.transactions import Transaction
@@ -1149,10 +1202,16 @@ def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
         known = set(client.list_topics())
         positions = {k: v for k, v in positions.items()
                      if k[0] in known and v > max(previous.get(k, 0), 0)}
-        parent = Transaction(client, options.transaction_timeout_s,
-                             key=stream_parent_key(query_id, batch_id))
+        stream = query_stream(query_id, batch_id)
+        try:
+            parent = Transaction(client, options.transaction_timeout_s,
+                                 key=stream_parent_key(query_id, batch_id), stream=stream)
+        except errors.AtomlogClientError as error:
+            if error.reason != "STREAM_ORDINAL_COMMITTED":
+                raise
+            return None, stream
         if parent.state_at_open != "OPEN":
-            return parent.key
+            return parent.key, stream
         name = options.source_subscription
         targets = sorted(positions)
         by_server: dict[str, list[tuple[str, int]]] = {}
@@ -1173,7 +1232,7 @@ def _ack_source_positions(options: Options, batch_id: int) -> tuple[int, int]:
                 if result.error.reason:
                     raise errors.error_for(result.error.reason, result.error.message,
                                            dict(result.error.metadata))
-        return parent.key
+        return parent.key, stream
     finally:
         client.close()
 

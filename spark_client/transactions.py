@@ -28,7 +28,11 @@ key already known and not aborted, finds — the transaction keyed K (`existing`
 `state_at_open`); `Transaction(client, t, parent=p)` opens a child, `prepare()` ends its
 phase one, and the parent's `commit(keep_children=...)` commits those children and aborts
 every other. `Transaction.resume(client, (tc, seq))` is a handle on a transaction another
-process opened.
+process opened. `Transaction(client, t, key=K, stream=(name, n))` is step n of an ordered
+stream (a Spark streaming query's micro-batch n): it lives on the stream's TC partition,
+which remembers the stream's highest committed step for days, and once n or a later step
+committed, opening or committing n again fails with StreamOrdinalCommitted — also long
+after the transaction itself was forgotten (coordinator.proto, TxnStream).
 
 Sessions (Kafka's transactional.id): `client.producer(transactional_id=...)` holds a
 session; its transactions carry it, and a newer session with the same id fences the
@@ -357,6 +361,7 @@ class Transaction:
                  key: str | None = None, lazy: bool = False,
                  partitions: Iterable[tuple[str, int]] = (),
                  subscriptions: Iterable[tuple[str, int, str]] = (),
+                 stream: tuple[str, int] | None = None,
                  _resume: common_pb2.TxnId | None = None, on_fenced=None):
         if not 0 < timeout_s <= 4_294_967:
             raise ValueError("timeout_s must be positive (at most the coordinator's maximum)")
@@ -380,9 +385,24 @@ class Transaction:
             raise ValueError("a child transaction has no idempotency key of its own")
         if lazy and (parent is not None or key is not None or _resume is not None):
             raise ValueError("only a plain transaction can be opened lazily")
+        # (name, ordinal): its place in a stream, whose TC partition keeps the stream's
+        # committed high-water (coordinator.proto, TxnStream); sent by NewTxn and commit().
+        self._stream = None
+        if stream is not None:
+            if parent is not None or session is not None or lazy:
+                raise ValueError("a transaction of a stream has no parent or session, and "
+                                 "is not lazy")
+            name, ordinal = stream
+            if not isinstance(name, str) or not 0 < len(name.encode()) <= 256 or \
+                    type(ordinal) is not int or not 0 <= ordinal < 1 << 64:
+                raise ValueError("stream is (name: 1-256 bytes of UTF-8, ordinal: 0 .. "
+                                 "2**64-1)")
+            self._stream = S.TxnStream(name=name, ordinal=ordinal)
         count = self._coordinators.tc_partition_count()
         if parent is not None:
             self.tc_partition = parent.tc_partition
+        elif stream is not None:  # the stream's TC partition, the key's too
+            self.tc_partition = tc_partition_for(stream[0], count)
         elif key is not None:  # the caller's key decides the TC partition
             self.tc_partition = tc_partition_for(key, count)
         elif tc_partition is not None:  # a session's TC partition
@@ -742,7 +762,7 @@ class Transaction:
                 tc_partition=self.tc_partition, timeout_ms=remaining_ms,
                 idempotency_key=self._new_txn_key,
                 parent_txn_id=self._parent.txn_id if self._parent else None,
-                session=self.session,
+                session=self.session, stream=self._stream,
                 topic_partitions=[common_pb2.TopicPartition(topic=t, partition=p)
                                   for t, p in partitions],
                 subscription_partitions=[common_pb2.SubscriptionPartition(
@@ -780,13 +800,18 @@ class Transaction:
             return [t for t in targets if t not in registered]
 
     @classmethod
-    def resume(cls, client, txn_id: tuple[int, int], timeout_s: float = 60.0) -> Transaction:
+    def resume(cls, client, txn_id: tuple[int, int], timeout_s: float = 60.0,
+               stream: tuple[str, int] | None = None) -> Transaction:
         """A handle on a transaction another process opened, from its (tc partition,
         sequence): to commit or abort it, or to open children under it. `timeout_s`
-        bounds this handle's calls, not the transaction."""
+        bounds this handle's calls, not the transaction. `stream`: the place in a stream
+        it was opened with, which its commit carries again."""
         tc_partition, sequence = txn_id
-        return cls(client, timeout_s, tc_partition=tc_partition,
-                   _resume=common_pb2.TxnId(tc_partition=tc_partition, sequence=sequence))
+        handle = cls(client, timeout_s, tc_partition=tc_partition,
+                     _resume=common_pb2.TxnId(tc_partition=tc_partition, sequence=sequence))
+        if stream is not None:
+            handle._stream = S.TxnStream(name=stream[0], ordinal=stream[1])
+        return handle
 
     # ------------------------------------------------------------------ identity
     @property
@@ -1065,10 +1090,11 @@ class Transaction:
             return True
 
     def _end(self, decision: int, wait_for_markers: bool, children=()):
+        stream = self._stream if decision == partition_pb2.TXN_DECISION_COMMIT else None
         return self._call("EndTxn", S.EndTxnRequest(txn_id=self.txn_id, decision=decision,
                                                     wait_for_markers=wait_for_markers,
                                                     children_to_keep=children,
-                                                    session=self.session))
+                                                    session=self.session, stream=stream))
 
     def _wait_pending(self) -> None:
         with self._lock:

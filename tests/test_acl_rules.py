@@ -160,6 +160,28 @@ def test_transactions_need_write_on_every_topic_and_their_transactional_id():
         Permission("write", "topic", "payments")
 
 
+def test_a_stream_step_needs_write_on_the_stream_as_a_transactional_id():
+    """A stream's committed high-water holds back its later steps: whoever could move it
+    could make another's query skip its micro-batches as done."""
+    stream = coordinator_pb2.TxnStream(name="spark-stream:q1", ordinal=4)
+    opened = coordinator_pb2.NewTxnRequest(tc_partition=3, idempotency_key="k",
+                                           stream=stream, topic_partitions=[tp("orders")])
+    acls = [Acl("alice", "topic", "orders", "write")]
+    assert verdict("CoordinatorService/NewTxn", opened, acls=acls).permission == \
+        Permission("write", "transactional_id", "spark-stream:q1")
+    end = coordinator_pb2.EndTxnRequest(txn_id=common_pb2.TxnId(tc_partition=3, sequence=9),
+                                        decision=partition_pb2.TXN_DECISION_COMMIT,
+                                        stream=stream)
+    assert verdict("CoordinatorService/EndTxn", end, acls=acls).permission == \
+        Permission("write", "transactional_id", "spark-stream:q1")
+    acls.append(Acl("alice", "transactional_id", "spark-stream:", "write", pattern="prefix"))
+    assert verdict("CoordinatorService/NewTxn", opened, acls=acls) is None
+    assert verdict("CoordinatorService/EndTxn", end, acls=acls) is None
+    # PrepareTxn has no stream; an EndTxn without one needs nothing more.
+    end.ClearField("stream")
+    assert verdict("CoordinatorService/EndTxn", end, acls=acls[:1]) is None
+
+
 def test_another_principals_transaction_needs_transaction_admin():
     owners = TxnOwners()
     txn = common_pb2.TxnId(tc_partition=3, sequence=9)

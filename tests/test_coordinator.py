@@ -371,6 +371,59 @@ def test_a_sessions_key_lives_on_its_tc_partition_whatever_it_hashes_to(cluster,
                                                session=session))
 
 
+def test_a_streams_committed_step_outlives_its_key_and_its_owner(cluster, topics):
+    """TxnStream (a Spark streaming query's micro-batches): a step committed is refused
+    again by any other key — as when its own key is forgotten — also by the next owner
+    after kill -9 (the StreamCommitted record is in the TC log). Its key still finds it."""
+    name = "spark-stream:test-coordinator-query"
+    k = tc_partition_for(name, 16)
+    other = (k + 1) % 16
+    step = S.TxnStream(name=name, ordinal=7)
+    for where, request in (
+            (other, S.NewTxnRequest(tc_partition=other, idempotency_key="s", stream=step)),
+            (k, S.NewTxnRequest(tc_partition=k, stream=S.TxnStream(name="", ordinal=7))),
+            (k, S.NewTxnRequest(tc_partition=k, stream=S.TxnStream(name="x" * 257))),
+            (k, S.NewTxnRequest(tc_partition=k, stream=step,
+                                session=S.TransactionalSession(transactional_id=name,
+                                                               producer_id=1)))):
+        assert reason_of(lambda: call(cluster, where, "NewTxn", request)) == "INVALID_ARGUMENT"
+    first = call(cluster, k, "NewTxn", S.NewTxnRequest(
+        tc_partition=k, idempotency_key=f"{name}:7", stream=step,
+        topic_partitions=[tp("txa", 0)]))
+    # A parent's commit elsewhere than the stream's TC partition is refused.
+    stray = call(cluster, other, "NewTxn", S.NewTxnRequest(tc_partition=other))
+    assert reason_of(lambda: call(cluster, other, "EndTxn", S.EndTxnRequest(
+        txn_id=stray.txn_id, decision=COMMIT, stream=step))) == "INVALID_ARGUMENT"
+    call(cluster, other, "EndTxn", S.EndTxnRequest(txn_id=stray.txn_id, decision=ABORT))
+    call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=first.txn_id, decision=COMMIT,
+                                               stream=step))
+    old = owner(cluster, k)
+    kill(cluster, old[0])
+    try:
+        wait_for_new_owner(cluster, k, old, SESSION_TIMEOUT_MS / 1000 + 15)
+        again = call(cluster, k, "NewTxn", S.NewTxnRequest(
+            tc_partition=k, idempotency_key=f"{name}:7", stream=step))
+        assert again.existing and again.txn_id == first.txn_id
+        for ordinal in (7, 3):
+            with pytest.raises(grpc.RpcError) as raised:
+                call(cluster, k, "NewTxn", S.NewTxnRequest(
+                    tc_partition=k, idempotency_key=f"{name}:{ordinal}/replayed",
+                    stream=S.TxnStream(name=name, ordinal=ordinal)))
+            error = from_rpc_error(raised.value)
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert error.reason == "STREAM_ORDINAL_COMMITTED"
+            assert error.metadata["committed_ordinal"] == "7"
+            assert error.metadata["committed_txn_id"] == f"{k}:{first.txn_id.sequence}"
+        following = call(cluster, k, "NewTxn", S.NewTxnRequest(
+            tc_partition=k, idempotency_key=f"{name}:8",
+            stream=S.TxnStream(name=name, ordinal=8)))
+        assert not following.existing
+        call(cluster, k, "EndTxn", S.EndTxnRequest(txn_id=following.txn_id, decision=ABORT))
+    finally:
+        cluster.up()
+    wait_until(lambda: all_owned(cluster), 30, "every TC partition to be leased again")
+
+
 def test_list_describe_and_operator_abort(cluster, topics):
     k = 11
     txn = call(cluster, k, "NewTxn", S.NewTxnRequest(

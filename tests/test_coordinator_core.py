@@ -46,7 +46,8 @@ from coordinator.core import (
 from coordinator.records import (
     PRODUCER_EPOCH_LAST_ISSUED, Completed, DeadlineReset, Decided, Decision, EndCause,
     Opened, Prepared, RecordCorrupt, Registered, SequencesReserved, Session, SessionStarted,
-    Staging, SubscriptionPartition, TopicPartition, TxnId, decode_record, encode_record,
+    Staging, StreamCommitted, SubscriptionPartition, TopicPartition, TxnId, TxnStream,
+    decode_record, encode_record,
 )
 from services.errors import AtomlogError
 
@@ -62,11 +63,12 @@ MACHINE_LIMITS = Limits(
     max_timeout_ms=5_000, default_prepared_timeout_ms=3_000, max_prepared_timeout_ms=6_000,
     max_finished=3, finished_grace_ms=2_000, max_finished_held=5, max_sessions=3,
     session_expiry_ms=20_000, marker_retry_ms=100, max_decisions_per_tick=2,
-    max_markers_per_tick=3)
+    max_markers_per_tick=3, max_streams=2, stream_expiry_ms=30_000)
 TARGETS = (TopicPartition("t", 0), TopicPartition("t", 1), TopicPartition("u", 0),
            SubscriptionPartition("t", 0, "s"))
 TRANSACTIONAL_IDS = ("a", "b", "c", "d")  # one more than max_sessions
 KEYS = ("", "", "k1", "k2")
+STREAMS = ("q1", "q2", "q3")  # one more than max_streams
 TIMEOUTS_MS = st.sampled_from([0, 0, 500, 5_000, 5_001, -1])
 ADVANCES_MS = st.sampled_from([0, 1, 50, 99, 100, 300, 600, 1_000, 3_000, 7_000, 25_000])
 # Most client calls see their appends durable at once; the rest leave them in flight.
@@ -77,7 +79,7 @@ REFUSALS = {
     "TRANSACTION_TIMED_OUT", "TRANSACTION_ALREADY_COMMITTED", "TRANSACTION_PREPARED",
     "PARENT_NOT_OPEN", "CHILD_NOT_PREPARED", "TRANSACTION_IS_CHILD",
     "CONCURRENT_TRANSACTIONS", "INVALID_TRANSACTION_TIMEOUT", "PRODUCER_FENCED",
-    "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT",
+    "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "STREAM_ORDINAL_COMMITTED",
 }
 
 
@@ -94,9 +96,23 @@ class LogModel:
         # one, its prepared deadline, its completion): it is not forgotten before.
         self.retried_until: dict[TxnId, int] = {}
         self.last_sequence = 0
+        self.streams: dict[str, StreamCommitted] = {}  # each stream's last commit
+
+    def stream_live(self, name: str, now_ms: int) -> StreamCommitted | None:
+        last = self.streams.get(name)
+        if last is None or now_ms - last.committed_ms > MACHINE_LIMITS.stream_expiry_ms:
+            return None
+        return last
 
     def record(self, record) -> None:
-        if isinstance(record, Opened):
+        if isinstance(record, StreamCommitted):
+            # With its own Decided(COMMIT), after it; and a stream's commits grow while
+            # it lives: a step is never committed twice.
+            assert self.decided.get(record.txn_id) is COMMIT
+            last = self.stream_live(record.stream, record.committed_ms)
+            assert last is None or record.ordinal > last.ordinal, (last, record)
+            self.streams[record.stream] = record
+        elif isinstance(record, Opened):
             # Sequences grow, except one-call transactions' (decided in their Opened's
             # append, within a reservation): never twice.
             assert record.txn_id not in self.opened, "opened twice"
@@ -183,6 +199,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         sessions freed, encoded."""
         copy, _ = TcPartitionCore.restore(core.snapshot(), TC, MACHINE_LIMITS, self.epoch)
         copy.forget_expired_sessions(self.now_ms)
+        copy.forget_expired_streams(self.now_ms)
         return copy.snapshot()
 
     def attempt(self, caller: str, call, predicted: set[str] | None = None):
@@ -238,6 +255,31 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.now_ms, timeout_ms, parent_id, None, key,
             [t for t in chosen if isinstance(t, TopicPartition)],
             [t for t in chosen if isinstance(t, SubscriptionPartition)]))
+        self.settle(settle)
+
+    @rule(name=st.sampled_from(STREAMS), ordinal=st.integers(0, 3),
+          again=st.booleans(), commit=st.sampled_from([True, True, False]), settle=SETTLE)
+    def stream_step(self, name, ordinal, again, commit, settle):
+        """Step `ordinal` of a stream (a Spark micro-batch), opened by its key — or, as
+        when that key was forgotten, by another one (`again`) — and committed as its
+        place in the stream."""
+        stream = TxnStream(name, ordinal)
+        last = self.model.stream_live(name, self.now_ms)
+        key = f"{name}:{ordinal}" + ("/again" if again else "")
+        ready = self.attempt("new_txn", lambda: self.core.new_txn(
+            self.now_ms, 0, idempotency_key=key, topic_partitions=[TARGETS[ordinal % 3]],
+            stream=stream))
+        if ready is not None and not ready.reply.existing and last is not None:
+            # Nothing durable of this stream in flight: its high-water holds it back.
+            if not any(isinstance(r, StreamCommitted) and r.stream == name
+                       for append, _, _ in self.in_flight for r in append.records):
+                assert ordinal > last.ordinal, (last, ordinal)
+        self.settle(True)
+        if ready is None or not commit:
+            return
+        txn_id = ready.reply.txn_id
+        self.attempt("end_txn", lambda: self.core.end_txn(
+            self.now_ms, txn_id, COMMIT, stream=stream))
         self.settle(settle)
 
     @rule(data=st.data(), children=st.integers(1, 3), settle=SETTLE)
@@ -700,6 +742,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert metrics.finished_transactions <= (MACHINE_LIMITS.max_finished_held
                                                  + MACHINE_LIMITS.max_open)
         assert metrics.pending_appends == len(self.in_flight)
+        assert len(self.core._streams) <= MACHINE_LIMITS.max_streams
         for summary in self.core.list_transactions(self.now_ms).transactions:
             assert summary.topic_partition_count + summary.subscription_partition_count \
                 <= MACHINE_LIMITS.max_partitions
@@ -1162,6 +1205,114 @@ def test_tick_frees_expired_sessions_at_most_once_a_sweep_interval() -> None:
     assert core.metrics.sessions == 0
 
 
+def _stream_step(core: TcPartitionCore, key: str, stream: TxnStream, now_ms: int = NOW):
+    """Open and commit a stream's step (the Spark writer's parent of a micro-batch)."""
+    opened = core.new_txn(now_ms, 1_000, idempotency_key=key, stream=stream)
+    settle(core, opened, now_ms)
+    settle(core, core.end_txn(now_ms, opened.reply.txn_id, COMMIT, stream=stream), now_ms)
+    return opened.reply.txn_id
+
+
+def test_a_stream_keeps_its_committed_step_after_the_transaction_is_forgotten() -> None:
+    """A Spark micro-batch replayed after its parent was forgotten (its key free again)
+    is refused by the stream's high-water: not written twice. Live, after a full replay
+    and from a snapshot; until the stream expires."""
+    limits = Limits(max_finished=1, finished_grace_ms=1, stream_expiry_ms=60_000)
+    core = TcPartitionCore(TC, limits)
+    log: list = []
+    real_done = core.append_done
+
+    def logged(append_id, now_ms):
+        log.extend(core._pending[0].records)
+        return real_done(append_id, now_ms)
+    core.append_done = logged
+    committed = _stream_step(core, "q:5", TxnStream("q", 5))
+    assert core.stream("q", NOW).ordinal == 5
+    later = NOW + 5_000
+    for index in range(3):  # finished after it, past its grace: it is forgotten
+        other = core.new_txn(later, 100, idempotency_key=f"other-{index}")
+        settle(core, other, later)
+        settle(core, core.end_txn(later, other.reply.txn_id, ABORT), later)
+    assert core._lookup_key("q:5") is None
+    with pytest.raises(AtomlogError, match="UNKNOWN_TRANSACTION"):
+        core.status(committed, later)
+    assert any(isinstance(r, StreamCommitted) for r in log)
+    tables = {"live": core, "replayed": replay(log, TC, limits),
+              "restored": TcPartitionCore.restore(core.snapshot(), TC, limits)[0]}
+    for name, table in tables.items():
+        for ordinal in (5, 4, 0):
+            before = table.snapshot()
+            with pytest.raises(AtomlogError) as caught:
+                table.new_txn(later, 1_000, idempotency_key=f"q:{ordinal}",
+                              stream=TxnStream("q", ordinal))
+            assert caught.value.reason == "STREAM_ORDINAL_COMMITTED", name
+            assert caught.value.metadata == {
+                "stream": "q", "ordinal": str(ordinal), "committed_ordinal": "5",
+                "committed_txn_id": str(committed)}
+            assert table.snapshot() == before and not table.pending_append_ids
+        # The next step goes on; another stream is not held back.
+        assert not table.new_txn(later, 1_000, idempotency_key="q:6",
+                                 stream=TxnStream("q", 6)).reply.existing
+        assert table.new_txn(later, 1_000, idempotency_key="r:0",
+                             stream=TxnStream("r", 0)).appends
+    # Past stream_expiry_ms after its last commit the stream is forgotten too (7 days
+    # by default, as a transactional id's session).
+    core = tables["restored"]
+    assert core.stream("q", NOW + 60_000) is not None and core.stream("q", NOW + 60_001) is None
+    assert core.new_txn(NOW + 60_001, 1_000, idempotency_key="q:5/again",
+                        stream=TxnStream("q", 5)).appends
+
+
+def test_a_commit_of_a_stream_step_committed_already_is_refused_and_changes_nothing() -> None:
+    """Two parents of one micro-batch (the second opened by a key the coordinator had
+    forgotten, before the first committed): the first commit wins, the second is refused
+    with nothing decided, and can be aborted. A commit of the same stream while one is
+    being logged waits (CONCURRENT_TRANSACTIONS)."""
+    core = TcPartitionCore(TC)
+    step = TxnStream("q", 1)
+    first = core.new_txn(NOW, 1_000, idempotency_key="q:1", stream=step)
+    second = core.new_txn(NOW, 1_000, idempotency_key="q:1/again", stream=step)
+    settle(core, first)
+    settle(core, second)
+    pending = core.end_txn(NOW, first.reply.txn_id, COMMIT, stream=step)
+    with pytest.raises(AtomlogError, match="CONCURRENT_TRANSACTIONS"):
+        core.end_txn(NOW, second.reply.txn_id, COMMIT, stream=TxnStream("q", 2))
+    settle(core, pending)
+    before = core.snapshot()
+    with pytest.raises(AtomlogError) as caught:
+        core.end_txn(NOW, second.reply.txn_id, COMMIT, stream=step)
+    assert caught.value.reason == "STREAM_ORDINAL_COMMITTED"
+    assert core.snapshot() == before and not core.pending_append_ids
+    settle(core, core.end_txn(NOW, second.reply.txn_id, ABORT, stream=step))
+    assert core.stream("q", NOW).txn_id == first.reply.txn_id
+    # A retried commit of the first is answered as before (the stream is not looked at).
+    assert core.end_txn(NOW, first.reply.txn_id, COMMIT, stream=step).reply.already_ended
+
+
+def test_streams_are_bounded_and_belong_to_top_level_transactions_only() -> None:
+    core = TcPartitionCore(TC, Limits(max_streams=1, stream_expiry_ms=1_000))
+    _stream_step(core, "a:0", TxnStream("a", 0))
+    opened = core.new_txn(NOW, 5_000, idempotency_key="b:0", stream=TxnStream("b", 0))
+    settle(core, opened)
+    with pytest.raises(AtomlogError) as caught:
+        core.end_txn(NOW, opened.reply.txn_id, COMMIT, stream=TxnStream("b", 0))
+    assert caught.value.reason == "RESOURCE_EXHAUSTED"
+    assert caught.value.metadata["limit"] == "transaction.max_streams"
+    # "a" expires: its slot is taken (fail closed until then, never a silent eviction).
+    settle(core, core.end_txn(NOW + 1_001, opened.reply.txn_id, COMMIT,
+                              stream=TxnStream("b", 0)), NOW + 1_001)
+    assert core.stream("a", NOW + 1_001) is None and core.stream("b", NOW + 1_001)
+    assert len(core._streams) == 1
+    parent = core.new_txn(NOW + 1_001, 1_000)
+    settle(core, parent, NOW + 1_001)
+    for kwargs in ({"parent": parent.reply.txn_id}, {"session": Session("tid", 1, 0)}):
+        with pytest.raises(AtomlogError, match="INVALID_ARGUMENT"):
+            core.new_txn(NOW + 1_001, 1_000, stream=TxnStream("c", 0), **kwargs)
+    for bad in (("", 0), ("x" * 257, 0), ("q", -1), ("q", 2**64)):
+        with pytest.raises(ValueError):
+            TxnStream(*bad)
+
+
 def test_the_finished_table_and_key_index_hold_nothing_the_collector_scans() -> None:
     # At max_finished in 16 TC partitions, tables the collector tracks took 300 ms of each
     # full collection; dicts of ints, strings and bytes are never tracked at all.
@@ -1329,6 +1480,7 @@ records = st.one_of(
     st.builds(SessionStarted, names, st.integers(2, 2**63 - 1),
               st.integers(0, PRODUCER_EPOCH_LAST_ISSUED), st.integers(1, 2**32 - 1), times,
               st.just(1), st.integers(0, PRODUCER_EPOCH_LAST_ISSUED)),  # bumped from 1
+    st.builds(StreamCommitted, names, st.integers(0, 2**64 - 1), txn_ids, times),
 )
 
 
@@ -1346,7 +1498,9 @@ def test_record_round_trip_and_truncations(record) -> None:
 
 @pytest.mark.parametrize("data,why", [
     (b"\x02\x06" + b"\0" * 21, "version"),
-    (b"\x01\x0b", "type"),
+    (b"\x01\x0c", "type"),
+    (b"\x01\x0b\x01\x00q" + b"\0" * 8 + b"\0" * 12 + b"\0" * 8, "stream's txn id (0, 0)"),
+    (b"\x01\x0b\x00\x00" + b"\0" * 8 + b"\x07\0\0\0\x01" + b"\0" * 15, "empty stream name"),
     (b"\x01\x0a\x01\x00a" + b"\x01" + b"\0" * 7 + b"\0\0" + b"\x01\0\0\0" + b"\0" * 8
      + b"\0" * 10, "bumped from producer id 0"),
     (b"\x01\x06" + b"\0" * 12 + b"\x01" + b"\0" * 8, "txn id (0, 0)"),
@@ -1386,9 +1540,9 @@ def small_table() -> TcPartitionCore:
     settle(core, child)
     settle(core, core.prepare(NOW, child.reply.txn_id))
     settle(core, core.new_txn(NOW, session=Session("tid", 5, 0)))
-    done = core.new_txn(NOW, idempotency_key="q/0")
+    done = core.new_txn(NOW, idempotency_key="q/0", stream=TxnStream("q", 0))
     settle(core, done)
-    settle(core, core.end_txn(NOW, done.reply.txn_id, COMMIT))
+    settle(core, core.end_txn(NOW, done.reply.txn_id, COMMIT, stream=TxnStream("q", 0)))
     settle(core, core.end_txn(NOW, parent.reply.txn_id, COMMIT, [child.reply.txn_id]))
     return core
 
@@ -1420,13 +1574,23 @@ def test_every_bit_flip_and_truncation_of_a_snapshot_is_detected() -> None:
             TcPartitionCore.restore(data[:cut], TC)
 
 
-def test_a_version_1_snapshot_is_still_read() -> None:
-    """Version 2 added each session's bumped_from; a snapshot written before it (version
-    1, sessions without it) restores to the same table, with no bump to retry."""
+def test_version_1_and_2_snapshots_are_still_read() -> None:
+    """Version 3 added the streams' high-waters after the keys, version 2 each session's
+    bumped_from; a snapshot written before either restores to the same table, with no
+    stream and no bump to retry."""
     core = small_table()
     data = core.snapshot()
     body = bytearray(data[:-4])
-    assert struct.unpack_from("<H", body, 4) == (2,)
+    assert struct.unpack_from("<H", body, 4) == (3,)
+    streams = struct.pack("<I", 1) + b"\x01\x00q" + struct.pack("<QQq", 0, 4, NOW)
+    assert body.endswith(streams)
+    del body[-len(streams):]
+    struct.pack_into("<H", body, 4, 2)
+    version_2 = bytes(body) + struct.pack("<I", crc32c.crc32c(bytes(body)))
+    restored, _ = TcPartitionCore.restore(version_2, TC)
+    assert restored.stream("q", NOW) is None and core.stream("q", NOW) is not None
+    data = restored.snapshot()  # (version 3, no streams)
+    assert data[20:-4] == bytes(body[20:]) + struct.pack("<I", 0)
     struct.pack_into("<H", body, 4, 1)
     session = b"\x03\x00tid"  # the one session's entry, then its bumped_from (none)
     at = bytes(body).rindex(session) + len(session) + core_module._SNAP_SESSION.size

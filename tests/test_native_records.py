@@ -153,6 +153,10 @@ MAKERS = {
     Completed: lambda rng: Completed(txn_id(rng), rng.choice(list(Decision)), time_ms(rng)),
     SessionStarted: session_started,
     SequencesReserved: lambda rng: SequencesReserved(integer(rng, 1, TXN_SEQUENCE_MAX)),
+    # (Encoded by the reference: the native encoder hands it back, as any type it lacks.)
+    records.StreamCommitted: lambda rng: records.StreamCommitted(
+        text(rng, records.MAX_STREAM_BYTES), integer(rng, 0, records.ORDINAL_MAX),
+        txn_id(rng), time_ms(rng)),
 }
 assert set(MAKERS) == set(records.RECORD_TYPES)
 
@@ -205,9 +209,11 @@ def test_edge_values_encode_the_same():
 
 
 def test_valid_records_encode_without_the_reference():
-    """The fast path takes every record the constructors accept: no Python runs."""
+    """The fast path takes every record the constructors accept: no Python runs. (But
+    StreamCommitted, one a streaming micro-batch, not a transaction: the reference's.)"""
     rng = random.Random(1)
-    made = [MAKERS[cls](rng) for _ in range(20) for cls in MAKERS]
+    made = [MAKERS[cls](rng) for _ in range(20) for cls in MAKERS
+            if cls is not records.StreamCommitted]
     called = []
 
     def profile(frame, event, arg):

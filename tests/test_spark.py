@@ -5,6 +5,7 @@ Tests that kill a Spark driver run Spark in a subprocess."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -16,15 +17,17 @@ from collections import Counter
 
 import pytest
 
+from coordinator.records import tc_partition_for
 from spark_client import Client, errors
 from spark_client.transactions import Transaction
-from tests.conftest import REPO_ROOT, create_online, wait_until
+from tests.conftest import CLUSTER_SETTINGS, REPO_ROOT, Cluster, create_online, wait_until
 
 pyspark = pytest.importorskip("pyspark")
 
 from spark_client.spark import (  # noqa: E402
     OptionError,
     cap_offsets,
+    query_stream,
     source_positions,
     stream_parent_key,
 )
@@ -425,7 +428,8 @@ def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path)
     assert sum(values(client, sink, "read_uncommitted").values()) == 300  # nothing rewritten
     assert cursors(client, source, "spark-replay") == [150, 150]
     # The parent is found by its key, (query id, batch id), and stays committed.
-    found = Transaction(client, 10, key=stream_parent_key(query.id, last))
+    found = Transaction(client, 10, key=stream_parent_key(query.id, last),
+                        stream=query_stream(query.id, last))
     assert found.existing and found.state_at_open in ("COMMITTING", "COMMITTED")
     # New data on one partition only: the next micro-batch acks that partition alone.
     # Before, it acked the other one again at its old end, which the cursor refuses
@@ -439,6 +443,81 @@ def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path)
     expected.update(f"in-{i}".encode() for i in range(300, 350))
     assert values(client, sink) == expected
     assert cursors(client, source, "spark-replay") == [200, 150]
+
+
+@pytest.mark.parametrize("acks", [False, True], ids=["plain", "source-subscription"])
+def test_a_micro_batch_replayed_after_its_parent_was_forgotten_commits_once(spark, tmp_path,
+                                                                             acks):
+    """The coordinator remembers a finished transaction, and so a parent's key, only so
+    long (transaction.max_finished, finished_grace_ms past its deadline); a micro-batch
+    replayed later found no parent by its key and was written again (with
+    sourceSubscription its acks were refused instead, TRANSACTION_CONFLICT, and the query
+    failed on every restart). Its query's stream (TxnStream) keeps the highest batch
+    committed for days: the replay writes nothing. On a combined server of its own that
+    forgets at once (max_finished 1, grace 1 ms)."""
+    node = Cluster(tmp_path / "forgetful", combined=True)
+    node.run("up", "--output", "json", "--combined", *CLUSTER_SETTINGS,
+             "--set", "transaction.max_finished=1", "--set", "transaction.finished_grace_ms=1")
+    try:
+        bootstrap = node.info["bootstrap"]
+        with Client(bootstrap) as client:
+            source = create_online(client, "forget-in", 2)
+            sink = create_online(client, "forget-out", 2)
+            with client.producer() as producer:
+                for i in range(200):
+                    producer.send(source, f"in-{i}", partition=i % 2)
+            checkpoint = str(tmp_path / "checkpoint")
+
+            def run_query():
+                stream = (spark.readStream.format("atomlog").option("bootstrap", bootstrap)
+                          .option("topic", source).option("maxRecordsPerTrigger", "100")
+                          .load())
+                query = (stream.selectExpr("value").writeStream.format("atomlog")
+                         .option("bootstrap", bootstrap).option("topic", sink)
+                         .option("sourceSubscription", "forget" if acks else "")
+                         .option("transactionTimeoutMs", "2000")
+                         .option("checkpointLocation", checkpoint)
+                         .trigger(availableNow=True).start())
+                query.awaitTermination(120)
+                assert query.exception() is None
+                return query
+
+            query = run_query()
+            expected = Counter(f"in-{i}".encode() for i in range(200))
+            assert values(client, sink) == expected
+            last = max(int(p) for p in os.listdir(os.path.join(checkpoint, "commits"))
+                       if p.isdigit())
+            step = query_stream(query.id, last)
+            parent = Transaction(client, 10, key=stream_parent_key(query.id, last),
+                                 stream=step)
+            assert parent.existing and parent.state_at_open in ("COMMITTING", "COMMITTED")
+            os.remove(os.path.join(checkpoint, "commits", str(last)))
+            os.remove(os.path.join(checkpoint, "commits", f".{last}.crc"))
+            # Past the parent's deadline, transactions finishing after it on its TC
+            # partition make the coordinator forget it, and its key.
+            time.sleep(2.5)
+            k = parent.tc_partition
+            count = client.metadata.tc_partition_count
+            keys = (f"churn-{i}" for i in itertools.count()
+                    if tc_partition_for(f"churn-{i}", count) == k)
+
+            def forgotten() -> bool:
+                Transaction(client, 10, key=next(keys)).commit()
+                try:
+                    Transaction.resume(client, (k, parent.txn_id.sequence)).state()
+                except errors.AtomlogClientError as error:
+                    return error.reason == "UNKNOWN_TRANSACTION"
+                return False
+            wait_until(forgotten, 30, "the micro-batch's parent to be forgotten")
+            rerun = run_query()
+            assert rerun.id == query.id
+            assert values(client, sink) == expected
+            # Nothing rewritten: no aborted copy either.
+            assert sum(values(client, sink, "read_uncommitted").values()) == 200
+            if acks:
+                assert cursors(client, source, "forget") == [100, 100]
+    finally:
+        node.run("down", check=False)
 
 
 def test_python_workers_import_pyspark_from_site_packages_not_sparks_zip(spark):
@@ -561,8 +640,8 @@ def test_a_new_query_on_a_subscription_at_its_ends_acks_only_what_its_first_batc
             transaction_timeout_s=60, request_timeout_s=10,
             client=lambda: Client(bootstrap))
         source._ack_source_positions(options, 0)
-        Transaction(client, 60, key=stream_parent_key(query, 0)).commit(
-            wait_for_markers=True)
+        Transaction(client, 60, key=stream_parent_key(query, 0),
+                    stream=query_stream(query, 0)).commit(wait_for_markers=True)
 
     micro_batch_0("q-a", {"0": 10, "1": 10})  # query A caught up
     with client.producer() as producer:

@@ -49,6 +49,7 @@ var reasons = map[string]reasonInfo{
 	"UNKNOWN_TRANSACTION":           {codes.NotFound, Fatal},
 	"TRANSACTION_NOT_OPEN":          {codes.FailedPrecondition, Abortable},
 	"TRANSACTION_ALREADY_COMMITTED": {codes.FailedPrecondition, Fatal},
+	"STREAM_ORDINAL_COMMITTED":      {codes.FailedPrecondition, Fatal},
 	"TRANSACTION_PREPARED":          {codes.FailedPrecondition, Fatal},
 	"PARENT_NOT_OPEN":               {codes.FailedPrecondition, Abortable},
 	"CHILD_NOT_PREPARED":            {codes.FailedPrecondition, Abortable},

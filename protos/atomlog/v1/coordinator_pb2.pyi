@@ -53,6 +53,14 @@ class TransactionalSession(_message.Message):
     producer_epoch: int
     def __init__(self, transactional_id: _Optional[str] = ..., producer_id: _Optional[int] = ..., producer_epoch: _Optional[int] = ...) -> None: ...
 
+class TxnStream(_message.Message):
+    __slots__ = ("name", "ordinal")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ordinal: int
+    def __init__(self, name: _Optional[str] = ..., ordinal: _Optional[int] = ...) -> None: ...
+
 class TxnPartitionResult(_message.Message):
     __slots__ = ("topic_partition", "error")
     TOPIC_PARTITION_FIELD_NUMBER: _ClassVar[int]
@@ -70,7 +78,7 @@ class TxnSubscriptionResult(_message.Message):
     def __init__(self, subscription_partition: _Optional[_Union[_common_pb2.SubscriptionPartition, _Mapping]] = ..., error: _Optional[_Union[_partition_pb2.ItemError, _Mapping]] = ...) -> None: ...
 
 class NewTxnRequest(_message.Message):
-    __slots__ = ("tc_partition", "timeout_ms", "parent_txn_id", "session", "idempotency_key", "topic_partitions", "subscription_partitions")
+    __slots__ = ("tc_partition", "timeout_ms", "parent_txn_id", "session", "idempotency_key", "topic_partitions", "subscription_partitions", "stream")
     TC_PARTITION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PARENT_TXN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +86,7 @@ class NewTxnRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     TOPIC_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIPTION_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     tc_partition: int
     timeout_ms: int
     parent_txn_id: _common_pb2.TxnId
@@ -85,7 +94,8 @@ class NewTxnRequest(_message.Message):
     idempotency_key: str
     topic_partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopicPartition]
     subscription_partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SubscriptionPartition]
-    def __init__(self, tc_partition: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., parent_txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., topic_partitions: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ..., subscription_partitions: _Optional[_Iterable[_Union[_common_pb2.SubscriptionPartition, _Mapping]]] = ...) -> None: ...
+    stream: TxnStream
+    def __init__(self, tc_partition: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., parent_txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., topic_partitions: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ..., subscription_partitions: _Optional[_Iterable[_Union[_common_pb2.SubscriptionPartition, _Mapping]]] = ..., stream: _Optional[_Union[TxnStream, _Mapping]] = ...) -> None: ...
 
 class NewTxnResponse(_message.Message):
     __slots__ = ("txn_id", "state", "existing", "timeout_ms", "topic_partition_results", "subscription_partition_results")
@@ -154,18 +164,20 @@ class PrepareTxnResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[TxnState, str]] = ..., prepared_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class EndTxnRequest(_message.Message):
-    __slots__ = ("txn_id", "decision", "children_to_keep", "session", "wait_for_markers")
+    __slots__ = ("txn_id", "decision", "children_to_keep", "session", "wait_for_markers", "stream")
     TXN_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     CHILDREN_TO_KEEP_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_MARKERS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     txn_id: _common_pb2.TxnId
     decision: _partition_pb2.TxnDecision
     children_to_keep: _containers.RepeatedCompositeFieldContainer[_common_pb2.TxnId]
     session: TransactionalSession
     wait_for_markers: bool
-    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., decision: _Optional[_Union[_partition_pb2.TxnDecision, str]] = ..., children_to_keep: _Optional[_Iterable[_Union[_common_pb2.TxnId, _Mapping]]] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., wait_for_markers: _Optional[bool] = ...) -> None: ...
+    stream: TxnStream
+    def __init__(self, txn_id: _Optional[_Union[_common_pb2.TxnId, _Mapping]] = ..., decision: _Optional[_Union[_partition_pb2.TxnDecision, str]] = ..., children_to_keep: _Optional[_Iterable[_Union[_common_pb2.TxnId, _Mapping]]] = ..., session: _Optional[_Union[TransactionalSession, _Mapping]] = ..., wait_for_markers: _Optional[bool] = ..., stream: _Optional[_Union[TxnStream, _Mapping]] = ...) -> None: ...
 
 class EndTxnResponse(_message.Message):
     __slots__ = ("state", "already_ended", "kept_child_txn_ids", "aborted_child_txn_ids")

@@ -234,6 +234,68 @@ func (x *TransactionalSession) GetProducerEpoch() uint32 {
 	return 0
 }
 
+// A transaction's place in an ordered stream of transactions that each do one step once:
+// a Spark streaming query (name: its query id) and its micro-batch (ordinal: the batch
+// id). The TC partition the name hashes to (tc_partition_for(name)) keeps each stream's
+// highest committed ordinal for transaction.stream_expiry_ms (7 days) after its last
+// commit, long after the transactions themselves are forgotten: a NewTxn or a COMMIT of
+// an ordinal at or below it fails with "STREAM_ORDINAL_COMMITTED" (metadata
+// "committed_ordinal", "committed_txn_id"), so a step replayed after its commit is not
+// done twice. Top-level transactions without a session only.
+type TxnStream struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The stream's name: 1 to 256 bytes of UTF-8.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The transaction's place in it; the stream's commits must grow.
+	Ordinal       uint64 `protobuf:"varint,2,opt,name=ordinal,proto3" json:"ordinal,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TxnStream) Reset() {
+	*x = TxnStream{}
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TxnStream) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TxnStream) ProtoMessage() {}
+
+func (x *TxnStream) ProtoReflect() protoreflect.Message {
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TxnStream.ProtoReflect.Descriptor instead.
+func (*TxnStream) Descriptor() ([]byte, []int) {
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *TxnStream) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *TxnStream) GetOrdinal() uint64 {
+	if x != nil {
+		return x.Ordinal
+	}
+	return 0
+}
+
 // Outcome of registering one partition with a transaction.
 type TxnPartitionResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -247,7 +309,7 @@ type TxnPartitionResult struct {
 
 func (x *TxnPartitionResult) Reset() {
 	*x = TxnPartitionResult{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[1]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -259,7 +321,7 @@ func (x *TxnPartitionResult) String() string {
 func (*TxnPartitionResult) ProtoMessage() {}
 
 func (x *TxnPartitionResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[1]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -272,7 +334,7 @@ func (x *TxnPartitionResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TxnPartitionResult.ProtoReflect.Descriptor instead.
 func (*TxnPartitionResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{1}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *TxnPartitionResult) GetTopicPartition() *TopicPartition {
@@ -302,7 +364,7 @@ type TxnSubscriptionResult struct {
 
 func (x *TxnSubscriptionResult) Reset() {
 	*x = TxnSubscriptionResult{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[2]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -314,7 +376,7 @@ func (x *TxnSubscriptionResult) String() string {
 func (*TxnSubscriptionResult) ProtoMessage() {}
 
 func (x *TxnSubscriptionResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[2]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -327,7 +389,7 @@ func (x *TxnSubscriptionResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TxnSubscriptionResult.ProtoReflect.Descriptor instead.
 func (*TxnSubscriptionResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{2}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *TxnSubscriptionResult) GetSubscriptionPartition() *SubscriptionPartition {
@@ -376,13 +438,20 @@ type NewTxnRequest struct {
 	TopicPartitions []*TopicPartition `protobuf:"bytes,6,rep,name=topic_partitions,json=topicPartitions,proto3" json:"topic_partitions,omitempty"`
 	// Subscription partitions to register right away, as AddSubscriptionToTxn would.
 	SubscriptionPartitions []*SubscriptionPartition `protobuf:"bytes,7,rep,name=subscription_partitions,json=subscriptionPartitions,proto3" json:"subscription_partitions,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// The transaction's place in a stream: it is opened on tc_partition_for(stream.name)
+	// (its idempotency key lives there too), and refused with "STREAM_ORDINAL_COMMITTED"
+	// when the stream committed this ordinal or a later one — unless the idempotency key
+	// still finds its transaction, which is returned as ever. Not with a parent or a
+	// session ("INVALID_ARGUMENT"). EndTxn's COMMIT must carry it again: the stream's
+	// high-water moves in the decision's log record.
+	Stream        *TxnStream `protobuf:"bytes,8,opt,name=stream,proto3" json:"stream,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *NewTxnRequest) Reset() {
 	*x = NewTxnRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[3]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -394,7 +463,7 @@ func (x *NewTxnRequest) String() string {
 func (*NewTxnRequest) ProtoMessage() {}
 
 func (x *NewTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[3]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -407,7 +476,7 @@ func (x *NewTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NewTxnRequest.ProtoReflect.Descriptor instead.
 func (*NewTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{3}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *NewTxnRequest) GetTcPartition() uint32 {
@@ -459,6 +528,13 @@ func (x *NewTxnRequest) GetSubscriptionPartitions() []*SubscriptionPartition {
 	return nil
 }
 
+func (x *NewTxnRequest) GetStream() *TxnStream {
+	if x != nil {
+		return x.Stream
+	}
+	return nil
+}
+
 // The transaction opened (or found by its idempotency key).
 type NewTxnResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -480,7 +556,7 @@ type NewTxnResponse struct {
 
 func (x *NewTxnResponse) Reset() {
 	*x = NewTxnResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[4]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -492,7 +568,7 @@ func (x *NewTxnResponse) String() string {
 func (*NewTxnResponse) ProtoMessage() {}
 
 func (x *NewTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[4]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -505,7 +581,7 @@ func (x *NewTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NewTxnResponse.ProtoReflect.Descriptor instead.
 func (*NewTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{4}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *NewTxnResponse) GetTxnId() *TxnId {
@@ -565,7 +641,7 @@ type AddPartitionToTxnRequest struct {
 
 func (x *AddPartitionToTxnRequest) Reset() {
 	*x = AddPartitionToTxnRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[5]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -577,7 +653,7 @@ func (x *AddPartitionToTxnRequest) String() string {
 func (*AddPartitionToTxnRequest) ProtoMessage() {}
 
 func (x *AddPartitionToTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[5]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -590,7 +666,7 @@ func (x *AddPartitionToTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddPartitionToTxnRequest.ProtoReflect.Descriptor instead.
 func (*AddPartitionToTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{5}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *AddPartitionToTxnRequest) GetTxnId() *TxnId {
@@ -626,7 +702,7 @@ type AddPartitionToTxnResponse struct {
 
 func (x *AddPartitionToTxnResponse) Reset() {
 	*x = AddPartitionToTxnResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[6]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -638,7 +714,7 @@ func (x *AddPartitionToTxnResponse) String() string {
 func (*AddPartitionToTxnResponse) ProtoMessage() {}
 
 func (x *AddPartitionToTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[6]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -651,7 +727,7 @@ func (x *AddPartitionToTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddPartitionToTxnResponse.ProtoReflect.Descriptor instead.
 func (*AddPartitionToTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{6}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *AddPartitionToTxnResponse) GetResults() []*TxnPartitionResult {
@@ -676,7 +752,7 @@ type AddSubscriptionToTxnRequest struct {
 
 func (x *AddSubscriptionToTxnRequest) Reset() {
 	*x = AddSubscriptionToTxnRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[7]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -688,7 +764,7 @@ func (x *AddSubscriptionToTxnRequest) String() string {
 func (*AddSubscriptionToTxnRequest) ProtoMessage() {}
 
 func (x *AddSubscriptionToTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[7]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -701,7 +777,7 @@ func (x *AddSubscriptionToTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddSubscriptionToTxnRequest.ProtoReflect.Descriptor instead.
 func (*AddSubscriptionToTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{7}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *AddSubscriptionToTxnRequest) GetTxnId() *TxnId {
@@ -736,7 +812,7 @@ type AddSubscriptionToTxnResponse struct {
 
 func (x *AddSubscriptionToTxnResponse) Reset() {
 	*x = AddSubscriptionToTxnResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[8]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -748,7 +824,7 @@ func (x *AddSubscriptionToTxnResponse) String() string {
 func (*AddSubscriptionToTxnResponse) ProtoMessage() {}
 
 func (x *AddSubscriptionToTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[8]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -761,7 +837,7 @@ func (x *AddSubscriptionToTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddSubscriptionToTxnResponse.ProtoReflect.Descriptor instead.
 func (*AddSubscriptionToTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{8}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *AddSubscriptionToTxnResponse) GetResults() []*TxnSubscriptionResult {
@@ -788,7 +864,7 @@ type PrepareTxnRequest struct {
 
 func (x *PrepareTxnRequest) Reset() {
 	*x = PrepareTxnRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[9]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -800,7 +876,7 @@ func (x *PrepareTxnRequest) String() string {
 func (*PrepareTxnRequest) ProtoMessage() {}
 
 func (x *PrepareTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[9]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -813,7 +889,7 @@ func (x *PrepareTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrepareTxnRequest.ProtoReflect.Descriptor instead.
 func (*PrepareTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{9}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *PrepareTxnRequest) GetTxnId() *TxnId {
@@ -850,7 +926,7 @@ type PrepareTxnResponse struct {
 
 func (x *PrepareTxnResponse) Reset() {
 	*x = PrepareTxnResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[10]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -862,7 +938,7 @@ func (x *PrepareTxnResponse) String() string {
 func (*PrepareTxnResponse) ProtoMessage() {}
 
 func (x *PrepareTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[10]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -875,7 +951,7 @@ func (x *PrepareTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrepareTxnResponse.ProtoReflect.Descriptor instead.
 func (*PrepareTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{10}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *PrepareTxnResponse) GetState() TxnState {
@@ -910,13 +986,19 @@ type EndTxnRequest struct {
 	// Answer only after every marker is confirmed (state COMMITTED/ABORTED) instead of once
 	// the decision is durable. Bounded by the call's deadline; markers continue regardless.
 	WaitForMarkers bool `protobuf:"varint,5,opt,name=wait_for_markers,json=waitForMarkers,proto3" json:"wait_for_markers,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// COMMIT of a transaction of a stream (NewTxnRequest.stream): the stream's high-water
+	// moves to stream.ordinal in the same log record as the decision. Refused with
+	// "STREAM_ORDINAL_COMMITTED" (nothing decided) when the stream committed that ordinal
+	// or a later one already; txn_id must be on tc_partition_for(stream.name). Ignored by
+	// ABORT and by a retry of a commit already decided.
+	Stream        *TxnStream `protobuf:"bytes,6,opt,name=stream,proto3" json:"stream,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *EndTxnRequest) Reset() {
 	*x = EndTxnRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[11]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -928,7 +1010,7 @@ func (x *EndTxnRequest) String() string {
 func (*EndTxnRequest) ProtoMessage() {}
 
 func (x *EndTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[11]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -941,7 +1023,7 @@ func (x *EndTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EndTxnRequest.ProtoReflect.Descriptor instead.
 func (*EndTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{11}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *EndTxnRequest) GetTxnId() *TxnId {
@@ -979,6 +1061,13 @@ func (x *EndTxnRequest) GetWaitForMarkers() bool {
 	return false
 }
 
+func (x *EndTxnRequest) GetStream() *TxnStream {
+	if x != nil {
+		return x.Stream
+	}
+	return nil
+}
+
 // The decision, durable (and, with wait_for_markers, delivered).
 type EndTxnResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -996,7 +1085,7 @@ type EndTxnResponse struct {
 
 func (x *EndTxnResponse) Reset() {
 	*x = EndTxnResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[12]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1008,7 +1097,7 @@ func (x *EndTxnResponse) String() string {
 func (*EndTxnResponse) ProtoMessage() {}
 
 func (x *EndTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[12]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1021,7 +1110,7 @@ func (x *EndTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EndTxnResponse.ProtoReflect.Descriptor instead.
 func (*EndTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{12}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *EndTxnResponse) GetState() TxnState {
@@ -1086,7 +1175,7 @@ type CommitTxnRequest struct {
 
 func (x *CommitTxnRequest) Reset() {
 	*x = CommitTxnRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[13]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1098,7 +1187,7 @@ func (x *CommitTxnRequest) String() string {
 func (*CommitTxnRequest) ProtoMessage() {}
 
 func (x *CommitTxnRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[13]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1111,7 +1200,7 @@ func (x *CommitTxnRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitTxnRequest.ProtoReflect.Descriptor instead.
 func (*CommitTxnRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{13}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *CommitTxnRequest) GetTcPartition() uint32 {
@@ -1188,7 +1277,7 @@ type CommitTxnResponse struct {
 
 func (x *CommitTxnResponse) Reset() {
 	*x = CommitTxnResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[14]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1200,7 +1289,7 @@ func (x *CommitTxnResponse) String() string {
 func (*CommitTxnResponse) ProtoMessage() {}
 
 func (x *CommitTxnResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[14]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1213,7 +1302,7 @@ func (x *CommitTxnResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitTxnResponse.ProtoReflect.Descriptor instead.
 func (*CommitTxnResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{14}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *CommitTxnResponse) GetTxnId() *TxnId {
@@ -1258,7 +1347,7 @@ type CommitTxnsRequest struct {
 
 func (x *CommitTxnsRequest) Reset() {
 	*x = CommitTxnsRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[15]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1270,7 +1359,7 @@ func (x *CommitTxnsRequest) String() string {
 func (*CommitTxnsRequest) ProtoMessage() {}
 
 func (x *CommitTxnsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[15]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1283,7 +1372,7 @@ func (x *CommitTxnsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitTxnsRequest.ProtoReflect.Descriptor instead.
 func (*CommitTxnsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{15}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *CommitTxnsRequest) GetCommits() []*CommitTxnRequest {
@@ -1307,7 +1396,7 @@ type CommitTxnsResult struct {
 
 func (x *CommitTxnsResult) Reset() {
 	*x = CommitTxnsResult{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[16]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1319,7 +1408,7 @@ func (x *CommitTxnsResult) String() string {
 func (*CommitTxnsResult) ProtoMessage() {}
 
 func (x *CommitTxnsResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[16]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1332,7 +1421,7 @@ func (x *CommitTxnsResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitTxnsResult.ProtoReflect.Descriptor instead.
 func (*CommitTxnsResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{16}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CommitTxnsResult) GetResponse() *CommitTxnResponse {
@@ -1359,7 +1448,7 @@ type CommitTxnsResponse struct {
 
 func (x *CommitTxnsResponse) Reset() {
 	*x = CommitTxnsResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[17]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1371,7 +1460,7 @@ func (x *CommitTxnsResponse) String() string {
 func (*CommitTxnsResponse) ProtoMessage() {}
 
 func (x *CommitTxnsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[17]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1384,7 +1473,7 @@ func (x *CommitTxnsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitTxnsResponse.ProtoReflect.Descriptor instead.
 func (*CommitTxnsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{17}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CommitTxnsResponse) GetResults() []*CommitTxnsResult {
@@ -1406,7 +1495,7 @@ type GetTxnStatusRequest struct {
 
 func (x *GetTxnStatusRequest) Reset() {
 	*x = GetTxnStatusRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[18]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1418,7 +1507,7 @@ func (x *GetTxnStatusRequest) String() string {
 func (*GetTxnStatusRequest) ProtoMessage() {}
 
 func (x *GetTxnStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[18]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1431,7 +1520,7 @@ func (x *GetTxnStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTxnStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetTxnStatusRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{18}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *GetTxnStatusRequest) GetTxnId() *TxnId {
@@ -1459,7 +1548,7 @@ type GetTxnStatusResponse struct {
 
 func (x *GetTxnStatusResponse) Reset() {
 	*x = GetTxnStatusResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[19]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1471,7 +1560,7 @@ func (x *GetTxnStatusResponse) String() string {
 func (*GetTxnStatusResponse) ProtoMessage() {}
 
 func (x *GetTxnStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[19]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1484,7 +1573,7 @@ func (x *GetTxnStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTxnStatusResponse.ProtoReflect.Descriptor instead.
 func (*GetTxnStatusResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{19}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *GetTxnStatusResponse) GetState() TxnState {
@@ -1537,7 +1626,7 @@ type InitProducerIdRequest struct {
 
 func (x *InitProducerIdRequest) Reset() {
 	*x = InitProducerIdRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[20]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1549,7 +1638,7 @@ func (x *InitProducerIdRequest) String() string {
 func (*InitProducerIdRequest) ProtoMessage() {}
 
 func (x *InitProducerIdRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[20]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1562,7 +1651,7 @@ func (x *InitProducerIdRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InitProducerIdRequest.ProtoReflect.Descriptor instead.
 func (*InitProducerIdRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{20}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *InitProducerIdRequest) GetTransactionalId() string {
@@ -1612,7 +1701,7 @@ type InitProducerIdResponse struct {
 
 func (x *InitProducerIdResponse) Reset() {
 	*x = InitProducerIdResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[21]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1624,7 +1713,7 @@ func (x *InitProducerIdResponse) String() string {
 func (*InitProducerIdResponse) ProtoMessage() {}
 
 func (x *InitProducerIdResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[21]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1637,7 +1726,7 @@ func (x *InitProducerIdResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InitProducerIdResponse.ProtoReflect.Descriptor instead.
 func (*InitProducerIdResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{21}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *InitProducerIdResponse) GetProducerId() int64 {
@@ -1687,7 +1776,7 @@ type VerifyTxnPartitionsRequest struct {
 
 func (x *VerifyTxnPartitionsRequest) Reset() {
 	*x = VerifyTxnPartitionsRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[22]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1699,7 +1788,7 @@ func (x *VerifyTxnPartitionsRequest) String() string {
 func (*VerifyTxnPartitionsRequest) ProtoMessage() {}
 
 func (x *VerifyTxnPartitionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[22]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1712,7 +1801,7 @@ func (x *VerifyTxnPartitionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VerifyTxnPartitionsRequest.ProtoReflect.Descriptor instead.
 func (*VerifyTxnPartitionsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{22}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *VerifyTxnPartitionsRequest) GetItems() []*VerifyTxnPartitionsItem {
@@ -1740,7 +1829,7 @@ type VerifyTxnPartitionsItem struct {
 
 func (x *VerifyTxnPartitionsItem) Reset() {
 	*x = VerifyTxnPartitionsItem{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[23]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1752,7 +1841,7 @@ func (x *VerifyTxnPartitionsItem) String() string {
 func (*VerifyTxnPartitionsItem) ProtoMessage() {}
 
 func (x *VerifyTxnPartitionsItem) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[23]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1765,7 +1854,7 @@ func (x *VerifyTxnPartitionsItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VerifyTxnPartitionsItem.ProtoReflect.Descriptor instead.
 func (*VerifyTxnPartitionsItem) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{23}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *VerifyTxnPartitionsItem) GetTxnId() *TxnId {
@@ -1829,7 +1918,7 @@ type VerifyTxnPartitionsResponse struct {
 
 func (x *VerifyTxnPartitionsResponse) Reset() {
 	*x = VerifyTxnPartitionsResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[24]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1841,7 +1930,7 @@ func (x *VerifyTxnPartitionsResponse) String() string {
 func (*VerifyTxnPartitionsResponse) ProtoMessage() {}
 
 func (x *VerifyTxnPartitionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[24]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1854,7 +1943,7 @@ func (x *VerifyTxnPartitionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VerifyTxnPartitionsResponse.ProtoReflect.Descriptor instead.
 func (*VerifyTxnPartitionsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{24}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *VerifyTxnPartitionsResponse) GetResults() []*VerifyTxnPartitionsResult {
@@ -1894,7 +1983,7 @@ type VerifyTxnPartitionsResult struct {
 
 func (x *VerifyTxnPartitionsResult) Reset() {
 	*x = VerifyTxnPartitionsResult{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[25]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1906,7 +1995,7 @@ func (x *VerifyTxnPartitionsResult) String() string {
 func (*VerifyTxnPartitionsResult) ProtoMessage() {}
 
 func (x *VerifyTxnPartitionsResult) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[25]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1919,7 +2008,7 @@ func (x *VerifyTxnPartitionsResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VerifyTxnPartitionsResult.ProtoReflect.Descriptor instead.
 func (*VerifyTxnPartitionsResult) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{25}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *VerifyTxnPartitionsResult) GetTxnId() *TxnId {
@@ -2006,7 +2095,7 @@ type TransactionSummary struct {
 
 func (x *TransactionSummary) Reset() {
 	*x = TransactionSummary{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[26]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2018,7 +2107,7 @@ func (x *TransactionSummary) String() string {
 func (*TransactionSummary) ProtoMessage() {}
 
 func (x *TransactionSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[26]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2031,7 +2120,7 @@ func (x *TransactionSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransactionSummary.ProtoReflect.Descriptor instead.
 func (*TransactionSummary) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{26}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *TransactionSummary) GetTxnId() *TxnId {
@@ -2143,7 +2232,7 @@ type ListTransactionsRequest struct {
 
 func (x *ListTransactionsRequest) Reset() {
 	*x = ListTransactionsRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[27]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2155,7 +2244,7 @@ func (x *ListTransactionsRequest) String() string {
 func (*ListTransactionsRequest) ProtoMessage() {}
 
 func (x *ListTransactionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[27]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2168,7 +2257,7 @@ func (x *ListTransactionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTransactionsRequest.ProtoReflect.Descriptor instead.
 func (*ListTransactionsRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{27}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListTransactionsRequest) GetStates() []TxnState {
@@ -2216,7 +2305,7 @@ type ListTransactionsResponse struct {
 
 func (x *ListTransactionsResponse) Reset() {
 	*x = ListTransactionsResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[28]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2228,7 +2317,7 @@ func (x *ListTransactionsResponse) String() string {
 func (*ListTransactionsResponse) ProtoMessage() {}
 
 func (x *ListTransactionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[28]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2241,7 +2330,7 @@ func (x *ListTransactionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTransactionsResponse.ProtoReflect.Descriptor instead.
 func (*ListTransactionsResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{28}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ListTransactionsResponse) GetTransactions() []*TransactionSummary {
@@ -2283,7 +2372,7 @@ type DescribeTransactionRequest struct {
 
 func (x *DescribeTransactionRequest) Reset() {
 	*x = DescribeTransactionRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[29]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2295,7 +2384,7 @@ func (x *DescribeTransactionRequest) String() string {
 func (*DescribeTransactionRequest) ProtoMessage() {}
 
 func (x *DescribeTransactionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[29]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2308,7 +2397,7 @@ func (x *DescribeTransactionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DescribeTransactionRequest.ProtoReflect.Descriptor instead.
 func (*DescribeTransactionRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{29}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *DescribeTransactionRequest) GetTxnId() *TxnId {
@@ -2353,7 +2442,7 @@ type DescribeTransactionResponse struct {
 
 func (x *DescribeTransactionResponse) Reset() {
 	*x = DescribeTransactionResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[30]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2365,7 +2454,7 @@ func (x *DescribeTransactionResponse) String() string {
 func (*DescribeTransactionResponse) ProtoMessage() {}
 
 func (x *DescribeTransactionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[30]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2378,7 +2467,7 @@ func (x *DescribeTransactionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DescribeTransactionResponse.ProtoReflect.Descriptor instead.
 func (*DescribeTransactionResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{30}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *DescribeTransactionResponse) GetSummary() *TransactionSummary {
@@ -2488,7 +2577,7 @@ type AbortTransactionRequest struct {
 
 func (x *AbortTransactionRequest) Reset() {
 	*x = AbortTransactionRequest{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[31]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2500,7 +2589,7 @@ func (x *AbortTransactionRequest) String() string {
 func (*AbortTransactionRequest) ProtoMessage() {}
 
 func (x *AbortTransactionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[31]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2513,7 +2602,7 @@ func (x *AbortTransactionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortTransactionRequest.ProtoReflect.Descriptor instead.
 func (*AbortTransactionRequest) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{31}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *AbortTransactionRequest) GetTxnId() *TxnId {
@@ -2553,7 +2642,7 @@ type AbortTransactionResponse struct {
 
 func (x *AbortTransactionResponse) Reset() {
 	*x = AbortTransactionResponse{}
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[32]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2565,7 +2654,7 @@ func (x *AbortTransactionResponse) String() string {
 func (*AbortTransactionResponse) ProtoMessage() {}
 
 func (x *AbortTransactionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_atomlog_v1_coordinator_proto_msgTypes[32]
+	mi := &file_atomlog_v1_coordinator_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2578,7 +2667,7 @@ func (x *AbortTransactionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortTransactionResponse.ProtoReflect.Descriptor instead.
 func (*AbortTransactionResponse) Descriptor() ([]byte, []int) {
-	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{32}
+	return file_atomlog_v1_coordinator_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *AbortTransactionResponse) GetState() TxnState {
@@ -2612,13 +2701,16 @@ const file_atomlog_v1_coordinator_proto_rawDesc = "" +
 	"\x10transactional_id\x18\x01 \x01(\tR\x0ftransactionalId\x12\x1f\n" +
 	"\vproducer_id\x18\x02 \x01(\x03R\n" +
 	"producerId\x12%\n" +
-	"\x0eproducer_epoch\x18\x03 \x01(\rR\rproducerEpoch\"\x86\x01\n" +
+	"\x0eproducer_epoch\x18\x03 \x01(\rR\rproducerEpoch\"9\n" +
+	"\tTxnStream\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
+	"\aordinal\x18\x02 \x01(\x04R\aordinal\"\x86\x01\n" +
 	"\x12TxnPartitionResult\x12C\n" +
 	"\x0ftopic_partition\x18\x01 \x01(\v2\x1a.atomlog.v1.TopicPartitionR\x0etopicPartition\x12+\n" +
 	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\"\x9e\x01\n" +
 	"\x15TxnSubscriptionResult\x12X\n" +
 	"\x16subscription_partition\x18\x01 \x01(\v2!.atomlog.v1.SubscriptionPartitionR\x15subscriptionPartition\x12+\n" +
-	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\"\x90\x03\n" +
+	"\x05error\x18\x02 \x01(\v2\x15.atomlog.v1.ItemErrorR\x05error\"\xbf\x03\n" +
 	"\rNewTxnRequest\x12!\n" +
 	"\ftc_partition\x18\x01 \x01(\rR\vtcPartition\x12\x1d\n" +
 	"\n" +
@@ -2627,7 +2719,8 @@ const file_atomlog_v1_coordinator_proto_rawDesc = "" +
 	"\asession\x18\x04 \x01(\v2 .atomlog.v1.TransactionalSessionR\asession\x12'\n" +
 	"\x0fidempotency_key\x18\x05 \x01(\tR\x0eidempotencyKey\x12E\n" +
 	"\x10topic_partitions\x18\x06 \x03(\v2\x1a.atomlog.v1.TopicPartitionR\x0ftopicPartitions\x12Z\n" +
-	"\x17subscription_partitions\x18\a \x03(\v2!.atomlog.v1.SubscriptionPartitionR\x16subscriptionPartitions\"\xe2\x02\n" +
+	"\x17subscription_partitions\x18\a \x03(\v2!.atomlog.v1.SubscriptionPartitionR\x16subscriptionPartitions\x12-\n" +
+	"\x06stream\x18\b \x01(\v2\x15.atomlog.v1.TxnStreamR\x06stream\"\xe2\x02\n" +
 	"\x0eNewTxnResponse\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x12*\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x14.atomlog.v1.TxnStateR\x05state\x12\x1a\n" +
@@ -2654,13 +2747,14 @@ const file_atomlog_v1_coordinator_proto_rawDesc = "" +
 	"\asession\x18\x03 \x01(\v2 .atomlog.v1.TransactionalSessionR\asession\"p\n" +
 	"\x12PrepareTxnResponse\x12*\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x14.atomlog.v1.TxnStateR\x05state\x12.\n" +
-	"\x13prepared_timeout_ms\x18\x02 \x01(\rR\x11preparedTimeoutMs\"\x91\x02\n" +
+	"\x13prepared_timeout_ms\x18\x02 \x01(\rR\x11preparedTimeoutMs\"\xc0\x02\n" +
 	"\rEndTxnRequest\x12(\n" +
 	"\x06txn_id\x18\x01 \x01(\v2\x11.atomlog.v1.TxnIdR\x05txnId\x123\n" +
 	"\bdecision\x18\x02 \x01(\x0e2\x17.atomlog.v1.TxnDecisionR\bdecision\x12;\n" +
 	"\x10children_to_keep\x18\x03 \x03(\v2\x11.atomlog.v1.TxnIdR\x0echildrenToKeep\x12:\n" +
 	"\asession\x18\x04 \x01(\v2 .atomlog.v1.TransactionalSessionR\asession\x12(\n" +
-	"\x10wait_for_markers\x18\x05 \x01(\bR\x0ewaitForMarkers\"\xe7\x01\n" +
+	"\x10wait_for_markers\x18\x05 \x01(\bR\x0ewaitForMarkers\x12-\n" +
+	"\x06stream\x18\x06 \x01(\v2\x15.atomlog.v1.TxnStreamR\x06stream\"\xe7\x01\n" +
 	"\x0eEndTxnResponse\x12*\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x14.atomlog.v1.TxnStateR\x05state\x12#\n" +
 	"\ralready_ended\x18\x02 \x01(\bR\falreadyEnded\x12>\n" +
@@ -2828,154 +2922,157 @@ func file_atomlog_v1_coordinator_proto_rawDescGZIP() []byte {
 }
 
 var file_atomlog_v1_coordinator_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_atomlog_v1_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_atomlog_v1_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_atomlog_v1_coordinator_proto_goTypes = []any{
 	(TxnState)(0),                        // 0: atomlog.v1.TxnState
 	(TxnEndCause)(0),                     // 1: atomlog.v1.TxnEndCause
 	(*TransactionalSession)(nil),         // 2: atomlog.v1.TransactionalSession
-	(*TxnPartitionResult)(nil),           // 3: atomlog.v1.TxnPartitionResult
-	(*TxnSubscriptionResult)(nil),        // 4: atomlog.v1.TxnSubscriptionResult
-	(*NewTxnRequest)(nil),                // 5: atomlog.v1.NewTxnRequest
-	(*NewTxnResponse)(nil),               // 6: atomlog.v1.NewTxnResponse
-	(*AddPartitionToTxnRequest)(nil),     // 7: atomlog.v1.AddPartitionToTxnRequest
-	(*AddPartitionToTxnResponse)(nil),    // 8: atomlog.v1.AddPartitionToTxnResponse
-	(*AddSubscriptionToTxnRequest)(nil),  // 9: atomlog.v1.AddSubscriptionToTxnRequest
-	(*AddSubscriptionToTxnResponse)(nil), // 10: atomlog.v1.AddSubscriptionToTxnResponse
-	(*PrepareTxnRequest)(nil),            // 11: atomlog.v1.PrepareTxnRequest
-	(*PrepareTxnResponse)(nil),           // 12: atomlog.v1.PrepareTxnResponse
-	(*EndTxnRequest)(nil),                // 13: atomlog.v1.EndTxnRequest
-	(*EndTxnResponse)(nil),               // 14: atomlog.v1.EndTxnResponse
-	(*CommitTxnRequest)(nil),             // 15: atomlog.v1.CommitTxnRequest
-	(*CommitTxnResponse)(nil),            // 16: atomlog.v1.CommitTxnResponse
-	(*CommitTxnsRequest)(nil),            // 17: atomlog.v1.CommitTxnsRequest
-	(*CommitTxnsResult)(nil),             // 18: atomlog.v1.CommitTxnsResult
-	(*CommitTxnsResponse)(nil),           // 19: atomlog.v1.CommitTxnsResponse
-	(*GetTxnStatusRequest)(nil),          // 20: atomlog.v1.GetTxnStatusRequest
-	(*GetTxnStatusResponse)(nil),         // 21: atomlog.v1.GetTxnStatusResponse
-	(*InitProducerIdRequest)(nil),        // 22: atomlog.v1.InitProducerIdRequest
-	(*InitProducerIdResponse)(nil),       // 23: atomlog.v1.InitProducerIdResponse
-	(*VerifyTxnPartitionsRequest)(nil),   // 24: atomlog.v1.VerifyTxnPartitionsRequest
-	(*VerifyTxnPartitionsItem)(nil),      // 25: atomlog.v1.VerifyTxnPartitionsItem
-	(*VerifyTxnPartitionsResponse)(nil),  // 26: atomlog.v1.VerifyTxnPartitionsResponse
-	(*VerifyTxnPartitionsResult)(nil),    // 27: atomlog.v1.VerifyTxnPartitionsResult
-	(*TransactionSummary)(nil),           // 28: atomlog.v1.TransactionSummary
-	(*ListTransactionsRequest)(nil),      // 29: atomlog.v1.ListTransactionsRequest
-	(*ListTransactionsResponse)(nil),     // 30: atomlog.v1.ListTransactionsResponse
-	(*DescribeTransactionRequest)(nil),   // 31: atomlog.v1.DescribeTransactionRequest
-	(*DescribeTransactionResponse)(nil),  // 32: atomlog.v1.DescribeTransactionResponse
-	(*AbortTransactionRequest)(nil),      // 33: atomlog.v1.AbortTransactionRequest
-	(*AbortTransactionResponse)(nil),     // 34: atomlog.v1.AbortTransactionResponse
-	(*TopicPartition)(nil),               // 35: atomlog.v1.TopicPartition
-	(*ItemError)(nil),                    // 36: atomlog.v1.ItemError
-	(*SubscriptionPartition)(nil),        // 37: atomlog.v1.SubscriptionPartition
-	(*TxnId)(nil),                        // 38: atomlog.v1.TxnId
-	(TxnDecision)(0),                     // 39: atomlog.v1.TxnDecision
-	(*ProduceItem)(nil),                  // 40: atomlog.v1.ProduceItem
-	(*AckItem)(nil),                      // 41: atomlog.v1.AckItem
-	(*ProduceResult)(nil),                // 42: atomlog.v1.ProduceResult
+	(*TxnStream)(nil),                    // 3: atomlog.v1.TxnStream
+	(*TxnPartitionResult)(nil),           // 4: atomlog.v1.TxnPartitionResult
+	(*TxnSubscriptionResult)(nil),        // 5: atomlog.v1.TxnSubscriptionResult
+	(*NewTxnRequest)(nil),                // 6: atomlog.v1.NewTxnRequest
+	(*NewTxnResponse)(nil),               // 7: atomlog.v1.NewTxnResponse
+	(*AddPartitionToTxnRequest)(nil),     // 8: atomlog.v1.AddPartitionToTxnRequest
+	(*AddPartitionToTxnResponse)(nil),    // 9: atomlog.v1.AddPartitionToTxnResponse
+	(*AddSubscriptionToTxnRequest)(nil),  // 10: atomlog.v1.AddSubscriptionToTxnRequest
+	(*AddSubscriptionToTxnResponse)(nil), // 11: atomlog.v1.AddSubscriptionToTxnResponse
+	(*PrepareTxnRequest)(nil),            // 12: atomlog.v1.PrepareTxnRequest
+	(*PrepareTxnResponse)(nil),           // 13: atomlog.v1.PrepareTxnResponse
+	(*EndTxnRequest)(nil),                // 14: atomlog.v1.EndTxnRequest
+	(*EndTxnResponse)(nil),               // 15: atomlog.v1.EndTxnResponse
+	(*CommitTxnRequest)(nil),             // 16: atomlog.v1.CommitTxnRequest
+	(*CommitTxnResponse)(nil),            // 17: atomlog.v1.CommitTxnResponse
+	(*CommitTxnsRequest)(nil),            // 18: atomlog.v1.CommitTxnsRequest
+	(*CommitTxnsResult)(nil),             // 19: atomlog.v1.CommitTxnsResult
+	(*CommitTxnsResponse)(nil),           // 20: atomlog.v1.CommitTxnsResponse
+	(*GetTxnStatusRequest)(nil),          // 21: atomlog.v1.GetTxnStatusRequest
+	(*GetTxnStatusResponse)(nil),         // 22: atomlog.v1.GetTxnStatusResponse
+	(*InitProducerIdRequest)(nil),        // 23: atomlog.v1.InitProducerIdRequest
+	(*InitProducerIdResponse)(nil),       // 24: atomlog.v1.InitProducerIdResponse
+	(*VerifyTxnPartitionsRequest)(nil),   // 25: atomlog.v1.VerifyTxnPartitionsRequest
+	(*VerifyTxnPartitionsItem)(nil),      // 26: atomlog.v1.VerifyTxnPartitionsItem
+	(*VerifyTxnPartitionsResponse)(nil),  // 27: atomlog.v1.VerifyTxnPartitionsResponse
+	(*VerifyTxnPartitionsResult)(nil),    // 28: atomlog.v1.VerifyTxnPartitionsResult
+	(*TransactionSummary)(nil),           // 29: atomlog.v1.TransactionSummary
+	(*ListTransactionsRequest)(nil),      // 30: atomlog.v1.ListTransactionsRequest
+	(*ListTransactionsResponse)(nil),     // 31: atomlog.v1.ListTransactionsResponse
+	(*DescribeTransactionRequest)(nil),   // 32: atomlog.v1.DescribeTransactionRequest
+	(*DescribeTransactionResponse)(nil),  // 33: atomlog.v1.DescribeTransactionResponse
+	(*AbortTransactionRequest)(nil),      // 34: atomlog.v1.AbortTransactionRequest
+	(*AbortTransactionResponse)(nil),     // 35: atomlog.v1.AbortTransactionResponse
+	(*TopicPartition)(nil),               // 36: atomlog.v1.TopicPartition
+	(*ItemError)(nil),                    // 37: atomlog.v1.ItemError
+	(*SubscriptionPartition)(nil),        // 38: atomlog.v1.SubscriptionPartition
+	(*TxnId)(nil),                        // 39: atomlog.v1.TxnId
+	(TxnDecision)(0),                     // 40: atomlog.v1.TxnDecision
+	(*ProduceItem)(nil),                  // 41: atomlog.v1.ProduceItem
+	(*AckItem)(nil),                      // 42: atomlog.v1.AckItem
+	(*ProduceResult)(nil),                // 43: atomlog.v1.ProduceResult
 }
 var file_atomlog_v1_coordinator_proto_depIdxs = []int32{
-	35, // 0: atomlog.v1.TxnPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
-	36, // 1: atomlog.v1.TxnPartitionResult.error:type_name -> atomlog.v1.ItemError
-	37, // 2: atomlog.v1.TxnSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
-	36, // 3: atomlog.v1.TxnSubscriptionResult.error:type_name -> atomlog.v1.ItemError
-	38, // 4: atomlog.v1.NewTxnRequest.parent_txn_id:type_name -> atomlog.v1.TxnId
+	36, // 0: atomlog.v1.TxnPartitionResult.topic_partition:type_name -> atomlog.v1.TopicPartition
+	37, // 1: atomlog.v1.TxnPartitionResult.error:type_name -> atomlog.v1.ItemError
+	38, // 2: atomlog.v1.TxnSubscriptionResult.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	37, // 3: atomlog.v1.TxnSubscriptionResult.error:type_name -> atomlog.v1.ItemError
+	39, // 4: atomlog.v1.NewTxnRequest.parent_txn_id:type_name -> atomlog.v1.TxnId
 	2,  // 5: atomlog.v1.NewTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
-	35, // 6: atomlog.v1.NewTxnRequest.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	37, // 7: atomlog.v1.NewTxnRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	38, // 8: atomlog.v1.NewTxnResponse.txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 9: atomlog.v1.NewTxnResponse.state:type_name -> atomlog.v1.TxnState
-	3,  // 10: atomlog.v1.NewTxnResponse.topic_partition_results:type_name -> atomlog.v1.TxnPartitionResult
-	4,  // 11: atomlog.v1.NewTxnResponse.subscription_partition_results:type_name -> atomlog.v1.TxnSubscriptionResult
-	38, // 12: atomlog.v1.AddPartitionToTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
-	35, // 13: atomlog.v1.AddPartitionToTxnRequest.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	2,  // 14: atomlog.v1.AddPartitionToTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
-	3,  // 15: atomlog.v1.AddPartitionToTxnResponse.results:type_name -> atomlog.v1.TxnPartitionResult
-	38, // 16: atomlog.v1.AddSubscriptionToTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
-	37, // 17: atomlog.v1.AddSubscriptionToTxnRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	2,  // 18: atomlog.v1.AddSubscriptionToTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
-	4,  // 19: atomlog.v1.AddSubscriptionToTxnResponse.results:type_name -> atomlog.v1.TxnSubscriptionResult
-	38, // 20: atomlog.v1.PrepareTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
-	2,  // 21: atomlog.v1.PrepareTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
-	0,  // 22: atomlog.v1.PrepareTxnResponse.state:type_name -> atomlog.v1.TxnState
-	38, // 23: atomlog.v1.EndTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
-	39, // 24: atomlog.v1.EndTxnRequest.decision:type_name -> atomlog.v1.TxnDecision
-	38, // 25: atomlog.v1.EndTxnRequest.children_to_keep:type_name -> atomlog.v1.TxnId
-	2,  // 26: atomlog.v1.EndTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
-	0,  // 27: atomlog.v1.EndTxnResponse.state:type_name -> atomlog.v1.TxnState
-	38, // 28: atomlog.v1.EndTxnResponse.kept_child_txn_ids:type_name -> atomlog.v1.TxnId
-	38, // 29: atomlog.v1.EndTxnResponse.aborted_child_txn_ids:type_name -> atomlog.v1.TxnId
-	2,  // 30: atomlog.v1.CommitTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
-	40, // 31: atomlog.v1.CommitTxnRequest.batches:type_name -> atomlog.v1.ProduceItem
-	41, // 32: atomlog.v1.CommitTxnRequest.acks:type_name -> atomlog.v1.AckItem
-	38, // 33: atomlog.v1.CommitTxnResponse.txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 34: atomlog.v1.CommitTxnResponse.state:type_name -> atomlog.v1.TxnState
-	42, // 35: atomlog.v1.CommitTxnResponse.batch_results:type_name -> atomlog.v1.ProduceResult
-	15, // 36: atomlog.v1.CommitTxnsRequest.commits:type_name -> atomlog.v1.CommitTxnRequest
-	16, // 37: atomlog.v1.CommitTxnsResult.response:type_name -> atomlog.v1.CommitTxnResponse
-	36, // 38: atomlog.v1.CommitTxnsResult.error:type_name -> atomlog.v1.ItemError
-	18, // 39: atomlog.v1.CommitTxnsResponse.results:type_name -> atomlog.v1.CommitTxnsResult
-	38, // 40: atomlog.v1.GetTxnStatusRequest.txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 41: atomlog.v1.GetTxnStatusResponse.state:type_name -> atomlog.v1.TxnState
-	1,  // 42: atomlog.v1.GetTxnStatusResponse.end_cause:type_name -> atomlog.v1.TxnEndCause
-	38, // 43: atomlog.v1.GetTxnStatusResponse.parent_txn_id:type_name -> atomlog.v1.TxnId
-	38, // 44: atomlog.v1.InitProducerIdResponse.aborted_txn_id:type_name -> atomlog.v1.TxnId
-	25, // 45: atomlog.v1.VerifyTxnPartitionsRequest.items:type_name -> atomlog.v1.VerifyTxnPartitionsItem
-	38, // 46: atomlog.v1.VerifyTxnPartitionsItem.txn_id:type_name -> atomlog.v1.TxnId
-	35, // 47: atomlog.v1.VerifyTxnPartitionsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
-	37, // 48: atomlog.v1.VerifyTxnPartitionsItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
-	27, // 49: atomlog.v1.VerifyTxnPartitionsResponse.results:type_name -> atomlog.v1.VerifyTxnPartitionsResult
-	38, // 50: atomlog.v1.VerifyTxnPartitionsResult.txn_id:type_name -> atomlog.v1.TxnId
-	36, // 51: atomlog.v1.VerifyTxnPartitionsResult.error:type_name -> atomlog.v1.ItemError
-	0,  // 52: atomlog.v1.VerifyTxnPartitionsResult.state:type_name -> atomlog.v1.TxnState
-	2,  // 53: atomlog.v1.VerifyTxnPartitionsResult.session:type_name -> atomlog.v1.TransactionalSession
-	38, // 54: atomlog.v1.TransactionSummary.txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 55: atomlog.v1.TransactionSummary.state:type_name -> atomlog.v1.TxnState
-	1,  // 56: atomlog.v1.TransactionSummary.end_cause:type_name -> atomlog.v1.TxnEndCause
-	38, // 57: atomlog.v1.TransactionSummary.parent_txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 58: atomlog.v1.ListTransactionsRequest.states:type_name -> atomlog.v1.TxnState
-	28, // 59: atomlog.v1.ListTransactionsResponse.transactions:type_name -> atomlog.v1.TransactionSummary
-	38, // 60: atomlog.v1.DescribeTransactionRequest.txn_id:type_name -> atomlog.v1.TxnId
-	28, // 61: atomlog.v1.DescribeTransactionResponse.summary:type_name -> atomlog.v1.TransactionSummary
-	35, // 62: atomlog.v1.DescribeTransactionResponse.topic_partitions:type_name -> atomlog.v1.TopicPartition
-	37, // 63: atomlog.v1.DescribeTransactionResponse.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	28, // 64: atomlog.v1.DescribeTransactionResponse.children:type_name -> atomlog.v1.TransactionSummary
-	35, // 65: atomlog.v1.DescribeTransactionResponse.marker_pending_topic_partitions:type_name -> atomlog.v1.TopicPartition
-	37, // 66: atomlog.v1.DescribeTransactionResponse.marker_pending_subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
-	38, // 67: atomlog.v1.AbortTransactionRequest.txn_id:type_name -> atomlog.v1.TxnId
-	0,  // 68: atomlog.v1.AbortTransactionResponse.state:type_name -> atomlog.v1.TxnState
-	38, // 69: atomlog.v1.AbortTransactionResponse.aborted_child_txn_ids:type_name -> atomlog.v1.TxnId
-	5,  // 70: atomlog.v1.CoordinatorService.NewTxn:input_type -> atomlog.v1.NewTxnRequest
-	7,  // 71: atomlog.v1.CoordinatorService.AddPartitionToTxn:input_type -> atomlog.v1.AddPartitionToTxnRequest
-	9,  // 72: atomlog.v1.CoordinatorService.AddSubscriptionToTxn:input_type -> atomlog.v1.AddSubscriptionToTxnRequest
-	11, // 73: atomlog.v1.CoordinatorService.PrepareTxn:input_type -> atomlog.v1.PrepareTxnRequest
-	13, // 74: atomlog.v1.CoordinatorService.EndTxn:input_type -> atomlog.v1.EndTxnRequest
-	15, // 75: atomlog.v1.CoordinatorService.CommitTxn:input_type -> atomlog.v1.CommitTxnRequest
-	17, // 76: atomlog.v1.CoordinatorService.CommitTxns:input_type -> atomlog.v1.CommitTxnsRequest
-	20, // 77: atomlog.v1.CoordinatorService.GetTxnStatus:input_type -> atomlog.v1.GetTxnStatusRequest
-	22, // 78: atomlog.v1.CoordinatorService.InitProducerId:input_type -> atomlog.v1.InitProducerIdRequest
-	24, // 79: atomlog.v1.CoordinatorService.VerifyTxnPartitions:input_type -> atomlog.v1.VerifyTxnPartitionsRequest
-	29, // 80: atomlog.v1.CoordinatorService.ListTransactions:input_type -> atomlog.v1.ListTransactionsRequest
-	31, // 81: atomlog.v1.CoordinatorService.DescribeTransaction:input_type -> atomlog.v1.DescribeTransactionRequest
-	33, // 82: atomlog.v1.CoordinatorService.AbortTransaction:input_type -> atomlog.v1.AbortTransactionRequest
-	6,  // 83: atomlog.v1.CoordinatorService.NewTxn:output_type -> atomlog.v1.NewTxnResponse
-	8,  // 84: atomlog.v1.CoordinatorService.AddPartitionToTxn:output_type -> atomlog.v1.AddPartitionToTxnResponse
-	10, // 85: atomlog.v1.CoordinatorService.AddSubscriptionToTxn:output_type -> atomlog.v1.AddSubscriptionToTxnResponse
-	12, // 86: atomlog.v1.CoordinatorService.PrepareTxn:output_type -> atomlog.v1.PrepareTxnResponse
-	14, // 87: atomlog.v1.CoordinatorService.EndTxn:output_type -> atomlog.v1.EndTxnResponse
-	16, // 88: atomlog.v1.CoordinatorService.CommitTxn:output_type -> atomlog.v1.CommitTxnResponse
-	19, // 89: atomlog.v1.CoordinatorService.CommitTxns:output_type -> atomlog.v1.CommitTxnsResponse
-	21, // 90: atomlog.v1.CoordinatorService.GetTxnStatus:output_type -> atomlog.v1.GetTxnStatusResponse
-	23, // 91: atomlog.v1.CoordinatorService.InitProducerId:output_type -> atomlog.v1.InitProducerIdResponse
-	26, // 92: atomlog.v1.CoordinatorService.VerifyTxnPartitions:output_type -> atomlog.v1.VerifyTxnPartitionsResponse
-	30, // 93: atomlog.v1.CoordinatorService.ListTransactions:output_type -> atomlog.v1.ListTransactionsResponse
-	32, // 94: atomlog.v1.CoordinatorService.DescribeTransaction:output_type -> atomlog.v1.DescribeTransactionResponse
-	34, // 95: atomlog.v1.CoordinatorService.AbortTransaction:output_type -> atomlog.v1.AbortTransactionResponse
-	83, // [83:96] is the sub-list for method output_type
-	70, // [70:83] is the sub-list for method input_type
-	70, // [70:70] is the sub-list for extension type_name
-	70, // [70:70] is the sub-list for extension extendee
-	0,  // [0:70] is the sub-list for field type_name
+	36, // 6: atomlog.v1.NewTxnRequest.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	38, // 7: atomlog.v1.NewTxnRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	3,  // 8: atomlog.v1.NewTxnRequest.stream:type_name -> atomlog.v1.TxnStream
+	39, // 9: atomlog.v1.NewTxnResponse.txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 10: atomlog.v1.NewTxnResponse.state:type_name -> atomlog.v1.TxnState
+	4,  // 11: atomlog.v1.NewTxnResponse.topic_partition_results:type_name -> atomlog.v1.TxnPartitionResult
+	5,  // 12: atomlog.v1.NewTxnResponse.subscription_partition_results:type_name -> atomlog.v1.TxnSubscriptionResult
+	39, // 13: atomlog.v1.AddPartitionToTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
+	36, // 14: atomlog.v1.AddPartitionToTxnRequest.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	2,  // 15: atomlog.v1.AddPartitionToTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
+	4,  // 16: atomlog.v1.AddPartitionToTxnResponse.results:type_name -> atomlog.v1.TxnPartitionResult
+	39, // 17: atomlog.v1.AddSubscriptionToTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
+	38, // 18: atomlog.v1.AddSubscriptionToTxnRequest.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	2,  // 19: atomlog.v1.AddSubscriptionToTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
+	5,  // 20: atomlog.v1.AddSubscriptionToTxnResponse.results:type_name -> atomlog.v1.TxnSubscriptionResult
+	39, // 21: atomlog.v1.PrepareTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
+	2,  // 22: atomlog.v1.PrepareTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
+	0,  // 23: atomlog.v1.PrepareTxnResponse.state:type_name -> atomlog.v1.TxnState
+	39, // 24: atomlog.v1.EndTxnRequest.txn_id:type_name -> atomlog.v1.TxnId
+	40, // 25: atomlog.v1.EndTxnRequest.decision:type_name -> atomlog.v1.TxnDecision
+	39, // 26: atomlog.v1.EndTxnRequest.children_to_keep:type_name -> atomlog.v1.TxnId
+	2,  // 27: atomlog.v1.EndTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
+	3,  // 28: atomlog.v1.EndTxnRequest.stream:type_name -> atomlog.v1.TxnStream
+	0,  // 29: atomlog.v1.EndTxnResponse.state:type_name -> atomlog.v1.TxnState
+	39, // 30: atomlog.v1.EndTxnResponse.kept_child_txn_ids:type_name -> atomlog.v1.TxnId
+	39, // 31: atomlog.v1.EndTxnResponse.aborted_child_txn_ids:type_name -> atomlog.v1.TxnId
+	2,  // 32: atomlog.v1.CommitTxnRequest.session:type_name -> atomlog.v1.TransactionalSession
+	41, // 33: atomlog.v1.CommitTxnRequest.batches:type_name -> atomlog.v1.ProduceItem
+	42, // 34: atomlog.v1.CommitTxnRequest.acks:type_name -> atomlog.v1.AckItem
+	39, // 35: atomlog.v1.CommitTxnResponse.txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 36: atomlog.v1.CommitTxnResponse.state:type_name -> atomlog.v1.TxnState
+	43, // 37: atomlog.v1.CommitTxnResponse.batch_results:type_name -> atomlog.v1.ProduceResult
+	16, // 38: atomlog.v1.CommitTxnsRequest.commits:type_name -> atomlog.v1.CommitTxnRequest
+	17, // 39: atomlog.v1.CommitTxnsResult.response:type_name -> atomlog.v1.CommitTxnResponse
+	37, // 40: atomlog.v1.CommitTxnsResult.error:type_name -> atomlog.v1.ItemError
+	19, // 41: atomlog.v1.CommitTxnsResponse.results:type_name -> atomlog.v1.CommitTxnsResult
+	39, // 42: atomlog.v1.GetTxnStatusRequest.txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 43: atomlog.v1.GetTxnStatusResponse.state:type_name -> atomlog.v1.TxnState
+	1,  // 44: atomlog.v1.GetTxnStatusResponse.end_cause:type_name -> atomlog.v1.TxnEndCause
+	39, // 45: atomlog.v1.GetTxnStatusResponse.parent_txn_id:type_name -> atomlog.v1.TxnId
+	39, // 46: atomlog.v1.InitProducerIdResponse.aborted_txn_id:type_name -> atomlog.v1.TxnId
+	26, // 47: atomlog.v1.VerifyTxnPartitionsRequest.items:type_name -> atomlog.v1.VerifyTxnPartitionsItem
+	39, // 48: atomlog.v1.VerifyTxnPartitionsItem.txn_id:type_name -> atomlog.v1.TxnId
+	36, // 49: atomlog.v1.VerifyTxnPartitionsItem.topic_partition:type_name -> atomlog.v1.TopicPartition
+	38, // 50: atomlog.v1.VerifyTxnPartitionsItem.subscription_partition:type_name -> atomlog.v1.SubscriptionPartition
+	28, // 51: atomlog.v1.VerifyTxnPartitionsResponse.results:type_name -> atomlog.v1.VerifyTxnPartitionsResult
+	39, // 52: atomlog.v1.VerifyTxnPartitionsResult.txn_id:type_name -> atomlog.v1.TxnId
+	37, // 53: atomlog.v1.VerifyTxnPartitionsResult.error:type_name -> atomlog.v1.ItemError
+	0,  // 54: atomlog.v1.VerifyTxnPartitionsResult.state:type_name -> atomlog.v1.TxnState
+	2,  // 55: atomlog.v1.VerifyTxnPartitionsResult.session:type_name -> atomlog.v1.TransactionalSession
+	39, // 56: atomlog.v1.TransactionSummary.txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 57: atomlog.v1.TransactionSummary.state:type_name -> atomlog.v1.TxnState
+	1,  // 58: atomlog.v1.TransactionSummary.end_cause:type_name -> atomlog.v1.TxnEndCause
+	39, // 59: atomlog.v1.TransactionSummary.parent_txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 60: atomlog.v1.ListTransactionsRequest.states:type_name -> atomlog.v1.TxnState
+	29, // 61: atomlog.v1.ListTransactionsResponse.transactions:type_name -> atomlog.v1.TransactionSummary
+	39, // 62: atomlog.v1.DescribeTransactionRequest.txn_id:type_name -> atomlog.v1.TxnId
+	29, // 63: atomlog.v1.DescribeTransactionResponse.summary:type_name -> atomlog.v1.TransactionSummary
+	36, // 64: atomlog.v1.DescribeTransactionResponse.topic_partitions:type_name -> atomlog.v1.TopicPartition
+	38, // 65: atomlog.v1.DescribeTransactionResponse.subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	29, // 66: atomlog.v1.DescribeTransactionResponse.children:type_name -> atomlog.v1.TransactionSummary
+	36, // 67: atomlog.v1.DescribeTransactionResponse.marker_pending_topic_partitions:type_name -> atomlog.v1.TopicPartition
+	38, // 68: atomlog.v1.DescribeTransactionResponse.marker_pending_subscription_partitions:type_name -> atomlog.v1.SubscriptionPartition
+	39, // 69: atomlog.v1.AbortTransactionRequest.txn_id:type_name -> atomlog.v1.TxnId
+	0,  // 70: atomlog.v1.AbortTransactionResponse.state:type_name -> atomlog.v1.TxnState
+	39, // 71: atomlog.v1.AbortTransactionResponse.aborted_child_txn_ids:type_name -> atomlog.v1.TxnId
+	6,  // 72: atomlog.v1.CoordinatorService.NewTxn:input_type -> atomlog.v1.NewTxnRequest
+	8,  // 73: atomlog.v1.CoordinatorService.AddPartitionToTxn:input_type -> atomlog.v1.AddPartitionToTxnRequest
+	10, // 74: atomlog.v1.CoordinatorService.AddSubscriptionToTxn:input_type -> atomlog.v1.AddSubscriptionToTxnRequest
+	12, // 75: atomlog.v1.CoordinatorService.PrepareTxn:input_type -> atomlog.v1.PrepareTxnRequest
+	14, // 76: atomlog.v1.CoordinatorService.EndTxn:input_type -> atomlog.v1.EndTxnRequest
+	16, // 77: atomlog.v1.CoordinatorService.CommitTxn:input_type -> atomlog.v1.CommitTxnRequest
+	18, // 78: atomlog.v1.CoordinatorService.CommitTxns:input_type -> atomlog.v1.CommitTxnsRequest
+	21, // 79: atomlog.v1.CoordinatorService.GetTxnStatus:input_type -> atomlog.v1.GetTxnStatusRequest
+	23, // 80: atomlog.v1.CoordinatorService.InitProducerId:input_type -> atomlog.v1.InitProducerIdRequest
+	25, // 81: atomlog.v1.CoordinatorService.VerifyTxnPartitions:input_type -> atomlog.v1.VerifyTxnPartitionsRequest
+	30, // 82: atomlog.v1.CoordinatorService.ListTransactions:input_type -> atomlog.v1.ListTransactionsRequest
+	32, // 83: atomlog.v1.CoordinatorService.DescribeTransaction:input_type -> atomlog.v1.DescribeTransactionRequest
+	34, // 84: atomlog.v1.CoordinatorService.AbortTransaction:input_type -> atomlog.v1.AbortTransactionRequest
+	7,  // 85: atomlog.v1.CoordinatorService.NewTxn:output_type -> atomlog.v1.NewTxnResponse
+	9,  // 86: atomlog.v1.CoordinatorService.AddPartitionToTxn:output_type -> atomlog.v1.AddPartitionToTxnResponse
+	11, // 87: atomlog.v1.CoordinatorService.AddSubscriptionToTxn:output_type -> atomlog.v1.AddSubscriptionToTxnResponse
+	13, // 88: atomlog.v1.CoordinatorService.PrepareTxn:output_type -> atomlog.v1.PrepareTxnResponse
+	15, // 89: atomlog.v1.CoordinatorService.EndTxn:output_type -> atomlog.v1.EndTxnResponse
+	17, // 90: atomlog.v1.CoordinatorService.CommitTxn:output_type -> atomlog.v1.CommitTxnResponse
+	20, // 91: atomlog.v1.CoordinatorService.CommitTxns:output_type -> atomlog.v1.CommitTxnsResponse
+	22, // 92: atomlog.v1.CoordinatorService.GetTxnStatus:output_type -> atomlog.v1.GetTxnStatusResponse
+	24, // 93: atomlog.v1.CoordinatorService.InitProducerId:output_type -> atomlog.v1.InitProducerIdResponse
+	27, // 94: atomlog.v1.CoordinatorService.VerifyTxnPartitions:output_type -> atomlog.v1.VerifyTxnPartitionsResponse
+	31, // 95: atomlog.v1.CoordinatorService.ListTransactions:output_type -> atomlog.v1.ListTransactionsResponse
+	33, // 96: atomlog.v1.CoordinatorService.DescribeTransaction:output_type -> atomlog.v1.DescribeTransactionResponse
+	35, // 97: atomlog.v1.CoordinatorService.AbortTransaction:output_type -> atomlog.v1.AbortTransactionResponse
+	85, // [85:98] is the sub-list for method output_type
+	72, // [72:85] is the sub-list for method input_type
+	72, // [72:72] is the sub-list for extension type_name
+	72, // [72:72] is the sub-list for extension extendee
+	0,  // [0:72] is the sub-list for field type_name
 }
 
 func init() { file_atomlog_v1_coordinator_proto_init() }
@@ -2985,7 +3082,7 @@ func file_atomlog_v1_coordinator_proto_init() {
 	}
 	file_atomlog_v1_common_proto_init()
 	file_atomlog_v1_partition_proto_init()
-	file_atomlog_v1_coordinator_proto_msgTypes[23].OneofWrappers = []any{
+	file_atomlog_v1_coordinator_proto_msgTypes[24].OneofWrappers = []any{
 		(*VerifyTxnPartitionsItem_TopicPartition)(nil),
 		(*VerifyTxnPartitionsItem_SubscriptionPartition)(nil),
 	}
@@ -2995,7 +3092,7 @@ func file_atomlog_v1_coordinator_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_atomlog_v1_coordinator_proto_rawDesc), len(file_atomlog_v1_coordinator_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   33,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
