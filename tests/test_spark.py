@@ -392,6 +392,21 @@ def test_a_streaming_query_killed_and_restarted_writes_exactly_once(cluster, tmp
     assert "duplicates 0; missing 0; unexpected 0" in result.stdout.replace("\n", " ")
 
 
+def copy_query(spark, bootstrap: str, source: str, sink: str, checkpoint: str, **options):
+    """A streaming query copying `source`'s values to `sink` (at most about 100 offsets
+    a micro-batch), run to the end of what is there (Trigger.AvailableNow)."""
+    stream = (spark.readStream.format("atomlog").option("bootstrap", bootstrap)
+              .option("topic", source).option("maxRecordsPerTrigger", "100").load())
+    writer = (stream.selectExpr("value").writeStream.format("atomlog")
+              .option("bootstrap", bootstrap).option("topic", sink)
+              .option("checkpointLocation", checkpoint))
+    for key, value in options.items():
+        writer = writer.option(key, value)
+    query = writer.trigger(availableNow=True).start()
+    query.awaitTermination(120)
+    return query
+
+
 def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path):
     source = new_topic(client, "spark-replay-in", partitions=2)
     sink = new_topic(client, "spark-replay-out", partitions=2)
@@ -401,14 +416,8 @@ def test_a_replayed_micro_batch_commits_once(spark, client, bootstrap, tmp_path)
     checkpoint = str(tmp_path / "checkpoint")
 
     def run_query():
-        stream = (spark.readStream.format("atomlog").option("bootstrap", bootstrap)
-                  .option("topic", source).option("maxRecordsPerTrigger", "100").load())
-        query = (stream.selectExpr("value").writeStream.format("atomlog")
-                 .option("bootstrap", bootstrap).option("topic", sink)
-                 .option("sourceSubscription", "spark-replay")
-                 .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
-        query.awaitTermination(120)
-        return query
+        return copy_query(spark, bootstrap, source, sink, checkpoint,
+                          sourceSubscription="spark-replay")
 
     query = run_query()
     expected = Counter(f"in-{i}".encode() for i in range(300))
@@ -469,16 +478,9 @@ def test_a_micro_batch_replayed_after_its_parent_was_forgotten_commits_once(spar
             checkpoint = str(tmp_path / "checkpoint")
 
             def run_query():
-                stream = (spark.readStream.format("atomlog").option("bootstrap", bootstrap)
-                          .option("topic", source).option("maxRecordsPerTrigger", "100")
-                          .load())
-                query = (stream.selectExpr("value").writeStream.format("atomlog")
-                         .option("bootstrap", bootstrap).option("topic", sink)
-                         .option("sourceSubscription", "forget" if acks else "")
-                         .option("transactionTimeoutMs", "2000")
-                         .option("checkpointLocation", checkpoint)
-                         .trigger(availableNow=True).start())
-                query.awaitTermination(120)
+                query = copy_query(spark, bootstrap, source, sink, checkpoint,
+                                   sourceSubscription="forget" if acks else "",
+                                   transactionTimeoutMs="2000")
                 assert query.exception() is None
                 return query
 
