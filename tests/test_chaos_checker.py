@@ -222,7 +222,7 @@ def test_the_names_are_described_in_order():
                          "inconsistent-offsets", "non-monotonic-poll", "skipped-poll",
                          "cursor-regression", "fenced-write-visible", "lost-ack",
                          "reordered-writes", "misplaced-write", "hanging-transaction", "vanished-read",
-                         "diverged-replicas", "resurrected-delete")
+                         "diverged-replicas", "resurrected-delete", "stream-step-twice")
     assert set(DESCRIPTIONS) == set(ANOMALIES)
 
 
@@ -522,6 +522,27 @@ def test_a_fence_only_counts_once_complete_before_the_commit():
     report = check(fenced_history(commit_after_fence=True))
     assert_only(report, "fenced-write-visible", 1)
     assert report["examples"]["fenced-write-visible"][0]["visible"] == ["a"]
+
+
+def test_a_stream_step_visible_from_two_parents_is_committed_twice():
+    """spark-lite's jobs are the steps of a stream: a replay of a committed step by a
+    forgotten key must be refused, so one step's writes come from one parent only."""
+    history = History()
+    step = {"stream": "s", "process": "driver-0"}
+    history.txn(["a"], ordinal=0, parent="3:1", child=True, **step)
+    history.txn(["b"], ordinal=0, parent="3:1", child=True, **step)  # its second task
+    history.txn(["c"], ordinal=0, parent="3:2", child=True, result="aborted", **step)
+    history.txn(["d"], ordinal=1, parent="3:3", child=True, **step)
+    history.txn(["e"], ordinal=1, parent="3:4", child=True, result="unknown", visible=False,
+                **step)
+    assert_valid(check(history.finish()))
+    history = History()
+    history.txn(["a"], ordinal=0, parent="3:1", child=True, **step)
+    history.txn(["b"], ordinal=0, parent="3:2", child=True, result="unknown", visible=True,
+                **step)
+    report = check(history.finish())
+    assert_only(report, "stream-step-twice", 1)
+    assert report["examples"]["stream-step-twice"][0]["parents"] == ["3:1", "3:2"]
 
 
 def test_lost_ack():

@@ -472,8 +472,8 @@ def test_a_micro_batch_replayed_after_its_parent_was_forgotten_commits_once(spar
         with Client(bootstrap) as client:
             source = create_online(client, "forget-in", 2)
             sink = create_online(client, "forget-out", 2)
-            with client.producer() as producer:
-                for i in range(200):
+            with client.producer() as producer:  # one micro-batch
+                for i in range(100):
                     producer.send(source, f"in-{i}", partition=i % 2)
             checkpoint = str(tmp_path / "checkpoint")
 
@@ -485,7 +485,7 @@ def test_a_micro_batch_replayed_after_its_parent_was_forgotten_commits_once(spar
                 return query
 
             query = run_query()
-            expected = Counter(f"in-{i}".encode() for i in range(200))
+            expected = Counter(f"in-{i}".encode() for i in range(100))
             assert values(client, sink) == expected
             last = max(int(p) for p in os.listdir(os.path.join(checkpoint, "commits"))
                        if p.isdigit())
@@ -515,9 +515,9 @@ def test_a_micro_batch_replayed_after_its_parent_was_forgotten_commits_once(spar
             assert rerun.id == query.id
             assert values(client, sink) == expected
             # Nothing rewritten: no aborted copy either.
-            assert sum(values(client, sink, "read_uncommitted").values()) == 200
+            assert sum(values(client, sink, "read_uncommitted").values()) == 100
             if acks:
-                assert cursors(client, source, "forget") == [100, 100]
+                assert cursors(client, source, "forget") == [50, 50]
     finally:
         node.run("down", check=False)
 

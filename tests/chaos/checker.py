@@ -108,6 +108,13 @@ resurrected-delete
     trim-send at an offset at or above every before_offset a delete of its partition
     was invoked with (whatever its outcome) that the final-trim-read does not hold
     there with its value: a delete took what it must not have.
+stream-step-twice
+    txn ops naming a stream step (fields "stream", "ordinal", "parent": the spark-lite
+    driver's jobs are the steps of a stream, as a Spark streaming query's micro-batches
+    are; docs/coordinator.md "Streams") whose writes are all visible in the
+    read_committed final-read, of two or more distinct parents for one (stream,
+    ordinal): a step committed twice (a replay opened and committed by a key the
+    coordinator no longer knew, and the stream's high-water let it through).
 
 Liveness (not an anomaly; a stall makes the report not valid, as a problem does):
 
@@ -126,7 +133,7 @@ stall
     not.
 
 Without a read_committed final-read, lost-write, torn-transaction, vanished-read,
-reordered-writes and the ctp checks are not decided and `problems` says so; without a final-positions op,
+reordered-writes, stream-step-twice and the ctp checks are not decided and `problems` says so; without a final-positions op,
 hanging-transaction is not decided. A report with problems is not valid.
 
 Readings of the history contract where it is silent: an op whose "f" is unknown, or that
@@ -166,6 +173,7 @@ ANOMALIES = (
     "vanished-read",
     "diverged-replicas",
     "resurrected-delete",
+    "stream-step-twice",
 )
 
 STALL_S = 45.0  # a writer failing longer than this without an ok op: a stall
@@ -202,12 +210,15 @@ DESCRIPTIONS = {
     "resurrected-delete": "a record below an acknowledged DeleteRecords' log start read "
                           "back at the end, or an acknowledged write above every delete "
                           "gone",
+    "stream-step-twice": "one step of a stream (a Spark micro-batch) visible from two "
+                         "distinct parent transactions",
 }
 
 KNOWN_KINDS = frozenset({"send", "txn", "poll", "seek", "fence", "cursor", "nemesis", "nemesis-target",
                          "final-read", "final-positions", "replicas", "workload",
                          "trim-send", "delete", "final-trim-read",
-                         "subscribe"})  # a ctp consumer's prefetch: no rule reads it
+                         "subscribe",  # a ctp consumer's prefetch: no rule reads it
+                         "stream-step"})  # a spark-lite job's open: counted in the stats
 DESCRIBED_FIELDS = ("process", "f", "invoke", "complete", "outcome", "error", "txn_id",
                     "result", "decision", "transactional_id", "epoch", "commit_invoke", "producer",
                     "session", "isolation", "subscription", "offset")
@@ -259,6 +270,7 @@ class Index:
     final_positions_ops: int = 0
     final_replicas: dict | None = None  # the last ok replicas op
     trim_sends: list[dict] = field(default_factory=list)  # the trimmer's (trim topic)
+    stream_steps: dict[str, int] = field(default_factory=dict)  # ok stream-step results
     deletes: list[dict] = field(default_factory=list)  # its DeleteRecords, any outcome
     final_trim_read: dict | None = None  # the last ok final-trim-read op
     replicas_ops: int = 0  # replicas ops, whatever their outcome
@@ -404,6 +416,9 @@ def add_operation(index: Index, op: dict) -> None:
             index.final_reads[isolation_of(op)] = op
     elif kind == "trim-send":
         index.trim_sends.append(op)
+    elif kind == "stream-step" and ok:
+        result = str(op.get("result"))
+        index.stream_steps[result] = index.stream_steps.get(result, 0) + 1
     elif kind == "delete":
         index.deletes.append(op)
     elif kind == "final-trim-read" and ok:
@@ -1071,6 +1086,19 @@ def merge_by_value(plain: list[dict], extra: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- the report
 
 
+def find_stream_steps_twice(index: Index) -> list[dict]:
+    parents: dict[tuple, dict[str, dict]] = {}  # (stream, ordinal) -> parent -> an op
+    for op in index.txns:
+        stream, ordinal = op.get("stream"), op.get("ordinal")
+        if stream is None or ordinal is None or not all_visible(index, op):
+            continue
+        parents.setdefault((str(stream), str(ordinal)), {}).setdefault(
+            str(op.get("parent")), op)
+    return [{"stream": stream, "ordinal": ordinal, "parents": sorted(found),
+             "ops": [describe(op) for op in list(found.values())[:4]]}
+            for (stream, ordinal), found in sorted(parents.items()) if len(found) > 1]
+
+
 def find_resurrected_deletes(index: Index) -> list[dict]:
     """See the module doc: per partition of the trim topic, the records (or the log
     start) the final-trim-read shows below the highest log start an ok delete answered,
@@ -1120,8 +1148,8 @@ def find_problems(index: Index) -> list[str]:
     problems = []
     if not index.has_committed_final_read:
         problems.append("no ok read_committed final-read: lost-write, torn-transaction, "
-                        "vanished-read, reordered-writes and the ctp checks were not "
-                        "decided")
+                        "vanished-read, reordered-writes, stream-step-twice and the ctp "
+                        "checks were not decided")
     if index.final_positions is None:
         problems.append("no ok final-positions op: hanging-transaction was not decided")
     if index.replicas_ops and index.final_replicas is None:
@@ -1166,6 +1194,9 @@ def compute_stats(index: Index) -> dict:
         "final_positions_ops": index.final_positions_ops,
         "trim_sends_ok": sum(op.get("outcome") == "ok" for op in index.trim_sends),
         "deletes_ok": sum(op.get("outcome") == "ok" for op in index.deletes),
+        # spark-lite's job opens by result: opened, found (by its key, committed) or
+        # refused (a replay the stream held back: stream-step-twice's other side)
+        "stream_steps": dict(sorted(index.stream_steps.items())),
         "faults": len(index.faults),
         "fault_seconds": round(sum(fault_seconds(index, op) for op in index.faults), 3),
     }
@@ -1201,6 +1232,7 @@ def check(history: list[dict]) -> dict:
         found["vanished-read"] = find_vanished_reads(index)
         found["reordered-writes"] = find_reordered_writes(index)
         found["misplaced-write"] = find_misplaced_writes(index)
+        found["stream-step-twice"] = find_stream_steps_twice(index)
     for name, instances in check_consume_transform_produce(index).items():
         found[name] = merge_by_value(found[name], instances)
     problems = find_problems(index)

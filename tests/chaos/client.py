@@ -22,7 +22,9 @@ Roles (see docs/verification.md):
   cursors      ctp: observes the subscription's cursors every 0.5 s
   driver       spark-lite: jobs of parent and prepared child transactions, as the Spark
                writer runs them, some with failed or speculative attempts, and one in ten
-               abandoned by a "dead" driver
+               abandoned by a "dead" driver; the jobs are the steps of a stream, as a
+               streaming query's micro-batches, replayed (sometimes by a key the
+               coordinator is taken to have forgotten) when not known to have committed
   trimmer      log: idempotent sends of padded values to the trim topic, and every few
                sends a DeleteRecords (Client.delete_records) below one of its own
                acknowledged offsets, so segments of a replicated partition are deleted
@@ -112,6 +114,44 @@ def send_writes(rng, producer, writes: list, txn) -> None:
         by_partition.setdefault((topic, partition), []).append(value.encode())
     for (topic, partition), values in by_partition.items():
         producer.send_batch(topic, values, partition=partition, txn=txn)
+
+
+class StreamPlace:
+    """A spark-lite driver's place in its stream, kept in the run directory across its
+    incarnations as a streaming query keeps its offset and commit logs in its
+    checkpoint: the step under way, and whether it is known to have committed. A killed
+    driver's next incarnation replays a step not known to have committed."""
+
+    def __init__(self, path: Path, name: str):
+        self.path, self.name = path, name
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            kept = {"ordinal": 0, "done": False}
+        self.ordinal = kept["ordinal"] + (1 if kept["done"] else 0)
+        self.replay = not kept["done"] and path.exists()  # (it may have committed)
+
+    def _keep(self, done: bool) -> None:
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"ordinal": self.ordinal, "done": done}))
+        temporary.replace(self.path)
+
+    def begin(self) -> None:
+        self._keep(False)
+
+    def committed(self, forget_it: bool = False) -> None:
+        """The step committed: the next one follows, unless `forget_it` (the commit log's
+        entry lost: the step is replayed, and must be found committed)."""
+        if forget_it:
+            self.replay = True
+            return
+        self._keep(True)
+        self.ordinal += 1
+        self.replay = False
+
+    def again(self) -> None:
+        """The step did not commit, or may have: it runs again."""
+        self.replay = True
 
 
 def close_quietly(producer) -> None:
@@ -360,7 +400,17 @@ class Workload:
         naming the children to keep; every other child must be aborted with it. A task
         attempt may fail (its child is left out), a speculative second attempt may also
         prepare (one of the two is kept), and in one job in ten the driver "dies": it
-        abandons the parent, which must then time out and take every child with it."""
+        abandons the parent, which must then time out and take every child with it.
+
+        The jobs are the steps of a stream (TxnStream, docs/coordinator.md "Streams"), as
+        a streaming query's micro-batches: step N's parent is keyed "<stream>:N" and
+        committed as its ordinal N. A step not known to have committed (aborted, an
+        unknown outcome, the driver dead or killed) runs again, half the time by a fresh
+        key, as when the coordinator has forgotten the parent's; and one committed step
+        in ten is replayed so (its commit-log entry lost). The stream must refuse every
+        replay of a committed step (the checker's stream-step-twice)."""
+        self.place = StreamPlace(Path(self.args.run_dir) / f"{self.args.name}.stream",
+                                 f"chaos-stream-{self.args.name}")
         with self.client.producer(linger_ms=1, delivery_timeout_s=SEND_TIMEOUT_S) as producer:
             while not self.stop:
                 self.one_job(producer)
@@ -369,16 +419,45 @@ class Workload:
     def one_job(self, producer) -> None:
         from spark_client.transactions import Transaction
 
+        place = self.place
+        key = f"{place.name}:{place.ordinal}"
+        if place.replay and self.rng.random() < 0.5:
+            key += f"/forgotten-{self.value()}"
+        place.begin()
+        op = self.log.invoke("stream-step", stream=place.name, ordinal=place.ordinal, key=key,
+                             replay=place.replay)
         try:
-            parent = Transaction(self.client, self.spec["parent_timeout_s"],
-                                 key=self.value("job-"))
-        except (errors.AtomlogClientError, TimeoutError):
+            parent = Transaction(self.client, self.spec["parent_timeout_s"], key=key,
+                                 stream=(place.name, place.ordinal))
+        except errors.AtomlogClientError as error:
+            if error.reason == "STREAM_ORDINAL_COMMITTED":  # a replay of a committed step
+                self.log.complete(op, "ok", result="refused",
+                                  committed_ordinal=error.metadata.get("committed_ordinal"))
+                place.committed()
+                return
+            self.log.complete(op, "fail", error=_reason(error))
+            place.again()
             self.stop.sleep(0.5)
             return
+        except TimeoutError as error:
+            self.log.complete(op, "fail", error=_reason(error))
+            place.again()
+            self.stop.sleep(0.5)
+            return
+        if parent.state_at_open in ("COMMITTING", "COMMITTED"):  # found by its key
+            self.log.complete(op, "ok", result="found", parent=parent.id)
+            place.committed()
+            return
+        if parent.state_at_open != "OPEN":  # being aborted: the next try replaces it
+            self.log.complete(op, "fail", result=parent.state_at_open, parent=parent.id)
+            place.again()
+            return
+        self.log.complete(op, "ok", result="opened", parent=parent.id)
+        step = {"stream": place.name, "ordinal": place.ordinal, "parent": parent.id}
         attempts = []  # (op, child or None, prepared)
         for _task in range(self.rng.randint(1, 3)):
             for _attempt in range(2 if self.rng.random() < 0.2 else 1):
-                attempts.append(self.task_attempt(producer, parent, Transaction))
+                attempts.append(self.task_attempt(producer, parent, Transaction, step))
         kept, parent_error = [], None
         for op, child, prepared in attempts:
             if prepared and self.rng.random() < 0.85:
@@ -386,15 +465,22 @@ class Workload:
         if self.rng.random() < 0.1:  # the driver dies: nobody ends the parent
             for op, _child, _prepared in attempts:
                 self.log.complete(op, "ok", decision="abort", result="aborted",
-                                  parent="abandoned")
+                                  abandoned=True)
+            place.again()
             return
         keep_ids = [child.key for _op, child in kept]
         try:
             parent.commit(keep_children=keep_ids)
             outcome = "committed"
         except (errors.AtomlogClientError, TimeoutError) as error:
+            # (STREAM_ORDINAL_COMMITTED: another parent of the step committed it, as the
+            # Spark writer learns at a commit; this one is aborted.)
             outcome = self.settle(parent)
             parent_error = _reason(error)
+        if outcome == "committed":
+            place.committed(forget_it=self.rng.random() < 0.1)
+        else:
+            place.again()
         for op, child, _prepared in attempts:
             is_kept = any(child is k for _op, k in kept)
             if is_kept:
@@ -403,11 +489,12 @@ class Workload:
             else:
                 self.log.complete(op, "ok", decision="abort", result="aborted")
 
-    def task_attempt(self, producer, parent, transaction_class):
+    def task_attempt(self, producer, parent, transaction_class, step: dict):
         """One task attempt: a child of the parent, its writes, prepare. Returns (op, child
         or None, prepared); the op is completed by the job once the parent is decided."""
         writes = self.pick_writes()
-        op = self.log.invoke("txn", writes=writes, acks=[], decision="commit", child=True)
+        op = self.log.invoke("txn", writes=writes, acks=[], decision="commit", child=True,
+                             **step)
         try:
             child = transaction_class(self.client, self.spec["child_timeout_s"], parent=parent)
         except (errors.AtomlogClientError, TimeoutError):
