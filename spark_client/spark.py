@@ -1054,9 +1054,12 @@ def query_stream(query_id: str, batch_id: int | str) -> tuple[str, int]:
     return f"spark-stream:{query_id}", int(batch_id)
 
 
+_COMMITTED_ALREADY = "micro-batch committed already"
+
+
 def _committed_already(error) -> str:
-    return (f"micro-batch committed already (stream {error.metadata.get('stream', '?')}, "
-            f"up to batch {error.metadata.get('committed_ordinal', '?')})")
+    return (f"{_COMMITTED_ALREADY} (stream {error.metadata.get('stream', '?')}, up to batch "
+            f"{error.metadata.get('committed_ordinal', '?')})")
 
 
 class StreamWriter(DataSourceStreamArrowWriter):
@@ -1096,10 +1099,16 @@ class StreamWriter(DataSourceStreamArrowWriter):
         if self.options.source_subscription:
             # The acks need the batch's parent even when no task wrote a row.
             parent, stream = _ack_source_positions(self.options, batchId)
-            messages = [*messages, ChildCommit(parent=parent, child=None, skipped="acks")]
+            messages = [*messages, ChildCommit(
+                parent=parent, child=None,
+                skipped="acks" if parent is not None else f"{_COMMITTED_ALREADY}: no acks")]
         parent = _one_parent(self.options, messages, f"micro-batch {batchId}")
-        if parent is None:
-            return  # nothing written, or committed already (a replay)
+        if parent is None:  # nothing written, or committed already (a replay)
+            skipped = next((m.skipped for m in messages if m is not None
+                            and m.skipped.startswith(_COMMITTED_ALREADY)), None)
+            if skipped is not None:
+                _log.info("micro-batch %s: %s; nothing written again", batchId, skipped)
+            return
         try:
             _commit_parent(self.options, parent, messages, stream)
         except errors.AtomlogClientError as error:
