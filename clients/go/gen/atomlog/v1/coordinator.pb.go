@@ -235,8 +235,8 @@ func (x *TransactionalSession) GetProducerEpoch() uint32 {
 }
 
 // A transaction's place in an ordered stream of transactions that each do one step once:
-// a Spark streaming query (name: its query id) and its micro-batch (ordinal: the batch
-// id). The TC partition the name hashes to (tc_partition_for(name)) keeps each stream's
+// a Spark streaming query and its micro-batch (the Spark writer's name is
+// "spark-stream:<query id>", its ordinal the batch id). The TC partition the name hashes to (tc_partition_for(name)) keeps each stream's
 // highest committed ordinal for transaction.stream_expiry_ms (7 days) after its last
 // commit, long after the transactions themselves are forgotten: a NewTxn or a COMMIT of
 // an ordinal at or below it fails with "STREAM_ORDINAL_COMMITTED" (metadata
