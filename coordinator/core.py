@@ -1958,15 +1958,23 @@ class TcPartitionCore:
             del self._sessions[tid]
 
     def _make_room_for_session(self, now_ms: int) -> None:
-        if len(self._sessions) + self._pending_new_sessions < self.limits.max_sessions:
+        self._make_room(self._sessions, self._pending_new_sessions, "max_sessions",
+                        self.forget_expired_sessions, now_ms, "transactional-id sessions")
+
+    def _make_room(self, table: dict, pending: int, limit: str, forget_expired,
+                   now_ms: int, what: str) -> None:
+        """Room for one more entry of a bounded table of logically expiring entries
+        (sessions, streams): the expired ones are freed when it is full, and if it is
+        still full the request is refused (RESOURCE_EXHAUSTED), never a live one evicted."""
+        bound = getattr(self.limits, limit)
+        if len(table) + pending < bound:
             return
-        self.forget_expired_sessions(now_ms)
-        if len(self._sessions) + self._pending_new_sessions < self.limits.max_sessions:
+        forget_expired(now_ms)
+        if len(table) + pending < bound:
             return
         self._counters["exhausted_total"] += 1
-        raise _limit_error("max_sessions", self.limits.max_sessions,
-                           f"TC partition {self.tc_partition} has {len(self._sessions)} live "
-                           "transactional-id sessions")
+        raise _limit_error(limit, bound, f"TC partition {self.tc_partition} has "
+                           f"{len(table)} live {what}")
 
     def _check_stream_alone(self, parent: TxnId | None, session: Session | None) -> None:
         if parent is not None or session is not None:
@@ -2000,15 +2008,8 @@ class TcPartitionCore:
             del self._streams[name]
 
     def _make_room_for_stream(self, now_ms: int) -> None:
-        if len(self._streams) + self._pending_new_streams < self.limits.max_streams:
-            return
-        self.forget_expired_streams(now_ms)
-        if len(self._streams) + self._pending_new_streams < self.limits.max_streams:
-            return
-        self._counters["exhausted_total"] += 1
-        raise _limit_error("max_streams", self.limits.max_streams,
-                           f"TC partition {self.tc_partition} keeps {len(self._streams)} "
-                           "live streams")
+        self._make_room(self._streams, self._pending_new_streams, "max_streams",
+                        self.forget_expired_streams, now_ms, "streams")
 
     # ========================================================= helpers: applying records
 

@@ -79,7 +79,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from atomlog.v1 import common_pb2, coordinator_pb2, partition_pb2
-from coordinator.records import tc_partition_for
+from coordinator.records import TxnStream, tc_partition_for
 from partition_server.record_batch import (
     CRC_COVERED_FROM,
     CRC_OFFSET,
@@ -392,12 +392,8 @@ class Transaction:
             if parent is not None or session is not None or lazy:
                 raise ValueError("a transaction of a stream has no parent or session, and "
                                  "is not lazy")
-            name, ordinal = stream
-            if not isinstance(name, str) or not 0 < len(name.encode()) <= 256 or \
-                    type(ordinal) is not int or not 0 <= ordinal < 1 << 64:
-                raise ValueError("stream is (name: 1-256 bytes of UTF-8, ordinal: 0 .. "
-                                 "2**64-1)")
-            self._stream = S.TxnStream(name=name, ordinal=ordinal)
+            checked = TxnStream(*stream)  # (ValueError: the coordinator's own bounds)
+            self._stream = S.TxnStream(name=checked.name, ordinal=checked.ordinal)
         count = self._coordinators.tc_partition_count()
         if parent is not None:
             self.tc_partition = parent.tc_partition
